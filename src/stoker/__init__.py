@@ -1,0 +1,44 @@
+"""stoker keeps GPUs fed from Zarr.
+
+>>> import stoker
+>>> arr = stoker.open_array("/data/volume.zarr")
+>>> crop = arr.read([(0, 32), (0, 128), (0, 128)])
+"""
+
+from .array import ArrayReader, open_array
+from .errors import (
+    BudgetExceeded,
+    DecodeError,
+    DtypeMismatch,
+    InvalidArgument,
+    MetadataError,
+    NotFound,
+    OutOfBounds,
+    PoolStarved,
+    RankMismatch,
+    ShutdownError,
+    StokerError,
+    StorageError,
+    UnsupportedFormat,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArrayReader",
+    "open_array",
+    "BudgetExceeded",
+    "DecodeError",
+    "DtypeMismatch",
+    "InvalidArgument",
+    "MetadataError",
+    "NotFound",
+    "OutOfBounds",
+    "PoolStarved",
+    "RankMismatch",
+    "ShutdownError",
+    "StokerError",
+    "StorageError",
+    "UnsupportedFormat",
+    "__version__",
+]

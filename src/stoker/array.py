@@ -1,0 +1,191 @@
+"""``open_array``: read boxes of a Zarr array, chunk by chunk, bit-exactly.
+
+This is the reference read path. It is deliberately simple (one chunk at a time,
+on the calling thread); the batch engine uses the same pieces (metadata, grid,
+shard index, codec) with its own planning and threads.
+
+>>> arr = stoker.open_array("/data/volume.zarr")
+>>> arr.shape, arr.dtype, arr.chunks, arr.shards
+((256, 1024, 1024), dtype('uint16'), (32, 128, 128), None)
+>>> crop = arr.read([(0, 32), (100, 228), (0, 128)])   # numpy array of shape (32, 128, 128)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import numpy as np
+
+from .box import Box, box_shape, parse_box
+from .cache import SizedLRU
+from .errors import DecodeError, InvalidArgument, NotFound
+from .storage import LocalStore, default_store, resolve_local_path
+from .zarr.grid import chunk_intersections
+from .zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3
+
+DEFAULT_INDEX_CACHE_BYTES = 64 << 20
+_reader_tokens = itertools.count()  # cache keys unique per reader, never reused like id()
+
+
+def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> ArrayMetadata:
+    """Parse the metadata of the array at local ``path`` (v3 ``zarr.json`` first, then v2 ``.zarray``)."""
+    uri = uri or path
+    raw = store.read(os.path.join(path, "zarr.json"))
+    if raw is not None:
+        doc = parse_json(raw, uri, "zarr.json")
+        if doc.get("zarr_format") != 3:
+            raise InvalidArgument(f"{uri}: zarr.json has zarr_format {doc.get('zarr_format')!r}, expected 3", uri=uri)
+        if doc.get("node_type") == "group":
+            raise InvalidArgument(f"{uri} is a Zarr group, not an array; name one of its arrays", uri=uri)
+        return parse_v3(doc, uri)
+    raw = store.read(os.path.join(path, ".zarray"))
+    if raw is not None:
+        return parse_v2(parse_json(raw, uri, ".zarray"), uri)
+    if store.size(os.path.join(path, ".zgroup")) is not None:
+        raise InvalidArgument(f"{uri} is a Zarr v2 group, not an array; name one of its arrays", uri=uri)
+    raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
+
+
+class ArrayReader:
+    """One Zarr array, opened for reading. Create with :func:`open_array`."""
+
+    def __init__(
+        self,
+        metadata: ArrayMetadata,
+        path: str,
+        store: LocalStore,
+        index_cache: SizedLRU | None = None,
+    ) -> None:
+        self.metadata = metadata
+        self.path = path
+        self.store = store
+        self._index_cache = index_cache or SizedLRU(DEFAULT_INDEX_CACHE_BYTES, _index_size)
+        self._token = next(_reader_tokens)
+
+    # -- what the array is ------------------------------------------------------------------
+
+    @property
+    def uri(self) -> str:
+        return self.metadata.uri
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.metadata.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.metadata.ndim
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Element type in native byte order (what reads return)."""
+        return self.metadata.dtype
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The unit that is decoded: the inner chunk when sharded."""
+        return self.metadata.read_chunk_shape
+
+    @property
+    def shards(self) -> tuple[int, ...] | None:
+        return self.metadata.chunk_shape if self.metadata.sharding else None
+
+    @property
+    def fill_value(self) -> Any:
+        return self.metadata.fill_value[()]
+
+    @property
+    def zarr_format(self) -> int:
+        return self.metadata.zarr_format
+
+    def __repr__(self) -> str:
+        shards = f", shards={self.shards}" if self.shards else ""
+        return f"ArrayReader({self.uri!r}, shape={self.shape}, dtype={self.dtype}, chunks={self.chunks}{shards})"
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def read(self, aabb: Any) -> np.ndarray:
+        """Read the half-open box ``aabb`` (``(start, stop)`` pairs or slices) as a new array."""
+        box = parse_box(aabb, self.shape, uri=self.uri)
+        out = np.empty(box_shape(box), dtype=self.dtype)
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        """Fill ``out`` (shaped like ``box``) with the box's data, casting to ``out.dtype`` if needed."""
+        for piece in chunk_intersections(box, self.chunks):
+            chunk = self.read_chunk(piece.index)
+            if chunk is None:
+                out[piece.box_sel] = self.metadata.fill_value
+            else:
+                out[piece.box_sel] = chunk[piece.chunk_sel]
+
+    def read_chunk(self, index: tuple[int, ...]) -> np.ndarray | None:
+        """Decoded read chunk at grid ``index`` (a view, maybe strided), or ``None`` for fill."""
+        key, encoded = self.encoded_chunk(index)
+        return None if encoded is None else self.metadata.codec.decode(encoded, key)
+
+    def encoded_chunk(self, index: tuple[int, ...]) -> tuple[str, Any]:
+        """``(key, stored bytes or None)`` of read chunk ``index``; ``None`` means fill value."""
+        meta = self.metadata
+        if meta.sharding is None:
+            key = meta.chunk_key(index)
+            return key, self.store.read(os.path.join(self.path, key))
+        shard_index, inner = meta.sharding.inner_position(index)
+        shard_key = meta.chunk_key(shard_index)
+        key = f"{shard_key}[{inner}]"
+        table = self.shard_index(shard_key)
+        if table is None:
+            return key, None
+        offset, nbytes = (int(v) for v in table[inner])
+        if offset == nbytes == 2**64 - 1:
+            return key, None
+        data = self.store.read_range(os.path.join(self.path, shard_key), offset, nbytes)
+        if data is None or len(data) != nbytes:
+            raise DecodeError(f"{self.uri}: shard {shard_key!r} changed or vanished while reading inner chunk {inner}",
+                              uri=self.uri, key=key)
+        return key, data
+
+    def shard_index(self, shard_key: str) -> np.ndarray | None:
+        """Decoded ``(n_inner, 2)`` index of a shard (cached), or ``None`` when the shard file is missing."""
+        return self._index_cache.get_or_load((self._token, shard_key), lambda: self._load_shard_index(shard_key))
+
+    def _load_shard_index(self, shard_key: str) -> np.ndarray | None:
+        spec = self.metadata.sharding
+        path = os.path.join(self.path, shard_key)
+        size = self.store.size(path)
+        if size is None:
+            return None
+        if size < spec.index_nbytes:
+            raise DecodeError(
+                f"{self.uri}: shard {shard_key!r} is truncated: {size} bytes, but its index alone needs "
+                f"{spec.index_nbytes}",
+                uri=self.uri, key=shard_key,
+            )
+        offset, length = spec.index_range(size)
+        raw = self.store.read_range(path, offset, length)
+        if raw is None:
+            return None
+        return spec.decode_index(raw, self.uri, shard_key, size)
+
+
+def _index_size(index: np.ndarray | None) -> int:
+    return 64 if index is None else index.nbytes + 64
+
+
+def open_array(uri: str | os.PathLike, *, store: LocalStore | None = None,
+               index_cache: SizedLRU | None = None) -> ArrayReader:
+    """Open the Zarr array at ``uri`` (a local path or ``file://`` URI, v2 or v3).
+
+    Reads the metadata document only: no chunk data is touched until ``read``.
+
+    >>> arr = stoker.open_array("/data/plate.zarr/A/1/0")
+    >>> arr.read(numpy.s_[0:1, 0:64, 0:64]).shape
+    (1, 64, 64)
+    """
+    path = resolve_local_path(uri)
+    store = store or default_store()
+    store.forget(path)  # the array may have been rewritten since its files were last opened
+    return ArrayReader(read_metadata(path, store, uri=os.fspath(uri)), path, store, index_cache)

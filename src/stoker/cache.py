@@ -1,0 +1,65 @@
+"""A small thread-safe LRU bounded by the total size of what it holds."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Callable, Generic, Hashable, TypeVar
+
+V = TypeVar("V")
+
+
+class SizedLRU(Generic[V]):
+    """LRU cache whose entries are weighed by ``sizeof`` and capped at ``max_bytes`` in total.
+
+    >>> cache = SizedLRU(max_bytes=1 << 20, sizeof=lambda a: a.nbytes)
+    >>> index = cache.get_or_load(("shard", 0), lambda: load_index())
+    """
+
+    def __init__(self, max_bytes: int, sizeof: Callable[[V], int]) -> None:
+        self.max_bytes = max_bytes
+        self._sizeof = sizeof
+        self._items: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get_or_load(self, key: Hashable, load: Callable[[], V]) -> V:
+        """Cached value for ``key``, loading (outside the lock) on a miss.
+
+        Two threads missing the same key may both load; the values are equal, the
+        second insert wins, and nothing is held locked during I/O.
+        """
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return item[0]
+            self.misses += 1
+        value = load()
+        size = self._sizeof(value)
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+            if size <= self.max_bytes:
+                self._items[key] = (value, size)
+                self._bytes += size
+                while self._bytes > self.max_bytes:
+                    _, (_, evicted) = self._items.popitem(last=False)
+                    self._bytes -= evicted
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0

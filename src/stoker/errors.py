@@ -1,0 +1,111 @@
+"""The one exception hierarchy used across stoker.
+
+Every error stoker raises on purpose derives from :class:`StokerError`, and each
+also derives from the closest built-in exception so existing ``except`` clauses
+keep working (``InvalidArgument`` is a ``ValueError``, ``NotFound`` a
+``FileNotFoundError``, ``PoolStarved`` a ``TimeoutError``...).
+
+Errors carry the context that explains them as attributes (``uri``, ``key``,
+``knob``...) as well as in the message, so code can react without parsing text::
+
+    try:
+        stoker.open_array("/data/missing.zarr")
+    except stoker.NotFound as e:
+        print(e.uri)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class StokerError(Exception):
+    """Base class of every error stoker raises deliberately.
+
+    Keyword arguments become attributes, e.g. ``DecodeError(msg, uri=u, key=k).key``.
+    """
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context = dict(context)
+        for name, value in context.items():
+            setattr(self, name, value)
+
+    def __str__(self) -> str:  # OSError subclasses would otherwise format their own way
+        return self.message
+
+    def __reduce__(self):  # keep errors picklable across processes, context included
+        return (_rebuild_error, (type(self), self.message, self.context))
+
+
+def _rebuild_error(cls: type, message: str, context: dict) -> "StokerError":
+    return cls(message, **context)
+
+
+class InvalidArgument(StokerError, ValueError):
+    """A value passed by the caller is not acceptable (the message names it and the allowed range)."""
+
+
+class OutOfBounds(InvalidArgument, IndexError):
+    """A box reaches outside the array it addresses."""
+
+
+class RankMismatch(InvalidArgument):
+    """A box or sample has a different number of dimensions than the array or the batch."""
+
+
+class BudgetExceeded(InvalidArgument):
+    """The configured memory budget cannot hold what the configuration asks for."""
+
+
+class NotFound(StokerError, FileNotFoundError):
+    """An array, group or store does not exist where the URI points."""
+
+
+class UnsupportedFormat(StokerError):
+    """The data uses a codec, data type, grid or layout stoker does not read.
+
+    stoker never guesses: an unknown layout is an error, never silent fill values.
+    """
+
+
+class DtypeMismatch(StokerError, TypeError):
+    """A source data type cannot be converted to the requested one, or sources disagree."""
+
+
+class StorageError(StokerError, OSError):
+    """The storage layer failed to deliver bytes that should exist (permissions, I/O errors)."""
+
+
+class DecodeError(StokerError):
+    """Stored bytes are corrupt, truncated or inconsistent with the array metadata."""
+
+
+class MetadataError(DecodeError):
+    """An array's metadata document is not valid JSON or contradicts itself."""
+
+
+class PoolStarved(StokerError, TimeoutError):
+    """No buffer became free in time, usually because the consumer holds every batch."""
+
+
+class ShutdownError(StokerError, RuntimeError):
+    """The object was closed, or is closing, and cannot do the requested work."""
+
+
+__all__ = [
+    "StokerError",
+    "InvalidArgument",
+    "OutOfBounds",
+    "RankMismatch",
+    "BudgetExceeded",
+    "NotFound",
+    "UnsupportedFormat",
+    "DtypeMismatch",
+    "StorageError",
+    "DecodeError",
+    "MetadataError",
+    "PoolStarved",
+    "ShutdownError",
+]

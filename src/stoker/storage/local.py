@@ -1,0 +1,194 @@
+"""Encoded bytes from local files: positional reads through a bounded file-descriptor cache.
+
+``os.pread`` releases the GIL and needs no shared file position, so any number
+of threads can read the same file at once. Descriptors are cached (LRU, bounded)
+and reference-counted: one is closed only when no thread is reading through it.
+
+A missing file reads as ``None`` (the caller decides that means "fill value");
+any other failure is a :class:`~stoker.errors.StorageError` naming the path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from ..errors import StorageError
+from .ranges import coalesce
+
+_MISSING = (errno.ENOENT, errno.ENOTDIR)
+
+
+@dataclass
+class IOCounters:
+    """What a store has read so far (cumulative)."""
+
+    reads: int = 0
+    bytes_read: int = 0
+    files_opened: int = 0
+
+
+class _Handle:
+    __slots__ = ("fd", "size", "users")
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+        self.users = 0
+
+
+class LocalStore:
+    """Reads byte ranges of local files; thread-safe.
+
+    >>> store = LocalStore()
+    >>> store.read("/data/a.zarr/zarr.json")          # whole file, or None when missing
+    >>> store.read_ranges("/data/a.zarr/c/0/0", [(0, 16), (4096, 512)])
+    """
+
+    def __init__(self, max_open_files: int = 128) -> None:
+        self.max_open_files = max_open_files
+        self._handles: OrderedDict[str, _Handle] = OrderedDict()
+        self._lock = threading.Lock()
+        self.counters = IOCounters()
+
+    # -- descriptors -------------------------------------------------------------------------
+
+    @contextmanager
+    def _open(self, path: str) -> Iterator[_Handle | None]:
+        with self._lock:
+            handle = self._handles.get(path)
+            if handle is not None:
+                self._handles.move_to_end(path)
+                handle.users += 1
+        if handle is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                if exc.errno in _MISSING:
+                    yield None
+                    return
+                raise StorageError(f"cannot open {path}: {exc.strerror}", path=path) from None
+            try:
+                size = os.fstat(fd).st_size
+            except OSError as exc:
+                os.close(fd)
+                raise StorageError(f"cannot stat {path}: {exc.strerror}", path=path) from None
+            handle = _Handle(fd, size)
+            handle.users = 1
+            with self._lock:
+                self.counters.files_opened += 1
+                raced = self._handles.get(path)
+                if raced is not None:  # another thread opened it meanwhile: use theirs
+                    os.close(fd)
+                    handle = raced
+                    handle.users += 1
+                    self._handles.move_to_end(path)
+                else:
+                    self._handles[path] = handle
+                    self._evict_locked()
+        try:
+            yield handle
+        finally:
+            with self._lock:
+                handle.users -= 1
+                # Evicted (or forgotten) while in use: closed by its last user. The path may be
+                # cached again meanwhile under a new descriptor, so compare handles, not paths.
+                if handle.users == 0 and self._handles.get(path) is not handle:
+                    os.close(handle.fd)
+
+    def _evict_locked(self) -> None:
+        while len(self._handles) > self.max_open_files:
+            path, handle = next(iter(self._handles.items()))
+            del self._handles[path]
+            if handle.users == 0:
+                os.close(handle.fd)
+
+    def forget(self, prefix: str) -> None:
+        """Drop cached descriptors of files under ``prefix`` so the next read sees the file as it is now.
+
+        Called when an array is (re)opened: a file replaced since it was cached
+        must not be read through the old descriptor.
+        """
+        with self._lock:
+            stale = [p for p in self._handles if p == prefix or p.startswith(prefix.rstrip(os.sep) + os.sep)]
+            for path in stale:
+                handle = self._handles.pop(path)
+                if handle.users == 0:
+                    os.close(handle.fd)
+
+    def close(self) -> None:
+        """Close every cached descriptor not in use (those in use close when released)."""
+        with self._lock:
+            for handle in self._handles.values():
+                if handle.users == 0:
+                    os.close(handle.fd)
+            self._handles.clear()
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def _pread(self, handle: _Handle, path: str, offset: int, length: int) -> bytes:
+        chunks = []
+        done = 0
+        while done < length:
+            try:
+                got = os.pread(handle.fd, length - done, offset + done)
+            except OSError as exc:
+                raise StorageError(f"read of {path} at {offset + done} failed: {exc.strerror}", path=path) from None
+            if not got:
+                break  # end of file: the caller sees a short read and decides
+            chunks.append(got)
+            done += len(got)
+        with self._lock:
+            self.counters.reads += 1
+            self.counters.bytes_read += done
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def size(self, path: str) -> int | None:
+        """File size in bytes, or ``None`` when the file does not exist."""
+        with self._open(path) as handle:
+            return None if handle is None else handle.size
+
+    def read(self, path: str) -> bytes | None:
+        """The whole file, or ``None`` when it does not exist."""
+        with self._open(path) as handle:
+            if handle is None:
+                return None
+            return self._pread(handle, path, 0, handle.size) if handle.size else b""
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes | None:
+        """``length`` bytes at ``offset`` (fewer at end of file), or ``None`` when the file does not exist."""
+        with self._open(path) as handle:
+            if handle is None:
+                return None
+            return self._pread(handle, path, offset, length)
+
+    def read_ranges(
+        self, path: str, ranges: Sequence[tuple[int, int]], max_gap: int = 64 << 10
+    ) -> list[memoryview] | None:
+        """Several ``(offset, length)`` ranges of one file, nearby ones fetched in one read.
+
+        Returns one buffer per requested range, in request order (shorter than asked
+        where the file ends early), or ``None`` when the file does not exist.
+        """
+        out: list[memoryview] = [memoryview(b"")] * len(ranges)
+        with self._open(path) as handle:
+            if handle is None:
+                return None
+            for read in coalesce(ranges, max_gap=max_gap):
+                buf = memoryview(self._pread(handle, path, read.offset, read.length))
+                for i, sl in read.slices():
+                    out[i] = buf[sl]
+        return out
+
+
+def default_store() -> LocalStore:
+    """The process-wide local store (one descriptor cache shared by every array)."""
+    return _DEFAULT
+
+
+_DEFAULT = LocalStore()

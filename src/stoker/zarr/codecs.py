@@ -1,0 +1,228 @@
+"""Decoding one stored chunk: the codec chain of a read chunk, built on numcodecs.
+
+A :class:`ChunkCodec` knows the whole path from stored bytes to a chunk array:
+bytes-to-bytes codecs (compressors, checksums) in reverse, then v2 filters, then
+the element layout (byte order, C/F order or a v3 ``transpose``). It checks the
+decoded size against the chunk geometry so a short or oversized payload is a
+:class:`~stoker.errors.DecodeError`, never stale memory left in a buffer.
+
+Two entry points::
+
+    arr = codec.decode(encoded, key="c/0/0")   # a chunk-shaped view (maybe strided, maybe byte-swapped)
+    codec.decode_into(encoded, out, key=...)    # fills a C-contiguous native-order array
+
+numcodecs' codecs release the GIL while they work, so callers can decode on
+several threads at once.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numcodecs
+import numpy as np
+from numcodecs.abc import Codec
+from numcodecs.compat import ensure_ndarray
+
+from ..errors import DecodeError, StokerError, UnsupportedFormat
+
+_BLOSC_HEADER = struct.Struct("<BBBBIII")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
+
+
+def blosc_header(buf: Any) -> tuple[int, int, int]:
+    """``(nbytes, blocksize, cbytes)`` from a blosc1 frame header."""
+    mv = memoryview(buf).cast("B")
+    if len(mv) < _BLOSC_HEADER.size:
+        raise ValueError(f"blosc frame of {len(mv)} bytes is shorter than its 16-byte header")
+    _, _, _, _, nbytes, blocksize, cbytes = _BLOSC_HEADER.unpack_from(mv)
+    return nbytes, blocksize, cbytes
+
+
+def _check_blosc_frame(buf: Any) -> None:
+    """Raise ``ValueError`` unless the frame's header accounts for exactly the bytes stored."""
+    stored = memoryview(buf).nbytes
+    _, _, cbytes = blosc_header(buf)
+    if cbytes != stored:
+        raise ValueError(f"blosc frame claims {cbytes} bytes but {stored} are stored")
+
+
+def inverse_permutation(order: Sequence[int]) -> tuple[int, ...]:
+    inv = [0] * len(order)
+    for i, o in enumerate(order):
+        inv[o] = i
+    return tuple(inv)
+
+
+@dataclass(frozen=True)
+class ChunkCodec:
+    """How the bytes of one read chunk become an array of ``shape`` and ``dtype``.
+
+    ``stored_dtype`` carries the stored byte order. ``order`` is the permutation
+    the stored elements are laid out in (``None``: C order of ``shape``; v2 ``F``
+    order is the reversed permutation). ``filters`` are v2 filters and
+    ``compressors`` the bytes-to-bytes codecs, both in encode order.
+    """
+
+    uri: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    stored_dtype: np.dtype
+    order: tuple[int, ...] | None = None
+    filters: tuple[Codec, ...] = ()
+    compressors: tuple[Codec, ...] = ()
+    _plain: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        plain = (
+            not self.filters
+            and self.order is None
+            and (self.stored_dtype.isnative or self.stored_dtype.itemsize == 1)
+        )
+        object.__setattr__(self, "_plain", plain)
+
+    @property
+    def nbytes(self) -> int:
+        """Decoded size of one chunk in bytes."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Codec ids in encode order, for summaries and messages."""
+        return tuple(c.codec_id for c in (*self.filters, *self.compressors))
+
+    def _fail(self, key: str, exc: BaseException) -> DecodeError:
+        return DecodeError(
+            f"{self.uri}: chunk {key!r} could not be decoded ({type(exc).__name__}: {exc}); "
+            "the stored bytes are corrupt or truncated",
+            uri=self.uri, key=key,
+        )
+
+    def _check_size(self, nbytes: int, key: str) -> None:
+        if nbytes != self.nbytes:
+            raise DecodeError(
+                f"{self.uri}: chunk {key!r} decoded to {nbytes} bytes, expected {self.nbytes} "
+                f"for shape {self.shape} of {self.dtype}; the chunk is corrupt or written with other metadata",
+                uri=self.uri, key=key,
+            )
+
+    def _stored_layout(self, flat: np.ndarray) -> np.ndarray:
+        """View decoded bytes as the chunk: element type, then shape and axis order."""
+        arr = flat.view(self.stored_dtype)
+        if self.order is None:
+            return arr.reshape(self.shape)
+        stored_shape = tuple(self.shape[o] for o in self.order)
+        return arr.reshape(stored_shape).transpose(inverse_permutation(self.order))
+
+    def decode(self, encoded: Any, key: str = "?") -> np.ndarray:
+        """Decode into a new chunk-shaped array (maybe strided, maybe in the stored byte order)."""
+        try:
+            data = encoded
+            for codec in reversed(self.compressors):
+                if codec.codec_id == "blosc":
+                    # blosc1 trusts its header: a truncated frame would be read past its end
+                    _check_blosc_frame(data)
+                data = codec.decode(data)
+            for codec in reversed(self.filters):
+                data = codec.decode(data)
+            flat = ensure_ndarray(data).reshape(-1).view(np.uint8)
+        except StokerError:
+            raise
+        except Exception as exc:
+            raise self._fail(key, exc) from exc
+        self._check_size(flat.nbytes, key)
+        return self._stored_layout(flat)
+
+    def decode_into(self, encoded: Any, out: np.ndarray, key: str = "?") -> None:
+        """Decode into ``out`` (C-contiguous, ``shape``, native ``dtype``).
+
+        A lone blosc compressor on a plain layout decompresses straight into
+        ``out`` after its header has been checked against the chunk size.
+        """
+        if out.shape != self.shape or out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"decode_into needs a C-contiguous {self.shape} {self.dtype} array")
+        if self._plain and len(self.compressors) == 1 and self.compressors[0].codec_id == "blosc":
+            try:
+                _check_blosc_frame(encoded)
+                nbytes, _, _ = blosc_header(encoded)
+                self._check_size(nbytes, key)
+                self.compressors[0].decode(encoded, out=out)
+            except StokerError:
+                raise
+            except Exception as exc:
+                raise self._fail(key, exc) from exc
+            return
+        out[...] = self.decode(encoded, key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building codecs from metadata
+
+
+def _numcodecs_codec(config: dict, uri: str) -> Codec:
+    try:
+        return numcodecs.get_codec(dict(config))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UnsupportedFormat(
+            f"{uri}: codec {config.get('id')!r} is not available ({exc}); "
+            "install the package that provides it or re-encode the array",
+            uri=uri, codec=config.get("id"),
+        ) from None
+
+
+def v2_codec(uri: str, meta: dict, shape: tuple[int, ...], stored_dtype: np.dtype) -> ChunkCodec:
+    """The codec of a Zarr v2 array from its ``.zarray`` document."""
+    order = meta.get("order", "C")
+    if order not in ("C", "F"):
+        raise UnsupportedFormat(f"{uri}: order {order!r} is not C or F", uri=uri)
+    filters = tuple(_numcodecs_codec(f, uri) for f in (meta.get("filters") or ()))
+    compressor = meta.get("compressor")
+    compressors = (_numcodecs_codec(compressor, uri),) if compressor else ()
+    return ChunkCodec(
+        uri=uri,
+        shape=shape,
+        dtype=stored_dtype.newbyteorder("="),
+        stored_dtype=stored_dtype,
+        order=tuple(reversed(range(len(shape)))) if order == "F" and len(shape) > 1 else None,
+        filters=filters,
+        compressors=compressors,
+    )
+
+
+_BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+
+
+def v3_bytes_codec(name: str, config: dict, uri: str) -> Codec:
+    """A numcodecs codec for a Zarr v3 bytes-to-bytes codec."""
+    if name == "blosc":
+        shuffle = config.get("shuffle", "noshuffle")
+        return numcodecs.Blosc(
+            cname=config.get("cname", "lz4"),
+            clevel=config.get("clevel", 5),
+            shuffle=_BLOSC_SHUFFLE.get(shuffle, shuffle) if isinstance(shuffle, str) else shuffle,
+            blocksize=config.get("blocksize", 0),
+        )
+    if name == "zstd":
+        return numcodecs.Zstd(level=config.get("level", 0), checksum=config.get("checksum", False))
+    if name == "gzip":
+        return numcodecs.GZip(level=config.get("level", 5))
+    if name == "crc32c":
+        return numcodecs.CRC32C(location="end")
+    if name.startswith("numcodecs."):
+        return _numcodecs_codec({"id": name.split(".", 1)[1], **config}, uri)
+    raise UnsupportedFormat(
+        f"{uri}: codec {name!r} is not supported; stoker reads blosc, zstd, gzip, crc32c and numcodecs.* "
+        "bytes-to-bytes codecs",
+        uri=uri, codec=name,
+    )
+
+
+def codec_name_and_config(entry: Any, uri: str) -> tuple[str, dict]:
+    """Split a v3 codec entry (``{"name", "configuration"}`` or a bare name)."""
+    if isinstance(entry, str):
+        return entry, {}
+    if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+        return entry["name"], dict(entry.get("configuration") or {})
+    raise UnsupportedFormat(f"{uri}: malformed codec entry {entry!r}", uri=uri)

@@ -1,0 +1,105 @@
+"""Zarr data types and fill values, for both format versions.
+
+Only fixed-size numeric types are read (bool, signed and unsigned integers,
+float16/32/64, complex64/128). Anything else raises
+:class:`~stoker.errors.UnsupportedFormat` naming the type and the array.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+from typing import Any
+
+import numpy as np
+
+from ..errors import MetadataError, UnsupportedFormat
+
+# Zarr v3 core data type names -> numpy kinds (endianness comes from the `bytes` codec).
+V3_DTYPES = {
+    "bool": "?",
+    "int8": "i1", "int16": "i2", "int32": "i4", "int64": "i8",
+    "uint8": "u1", "uint16": "u2", "uint32": "u4", "uint64": "u8",
+    "float16": "f2", "float32": "f4", "float64": "f8",
+    "complex64": "c8", "complex128": "c16",
+}
+
+_SUPPORTED_KINDS = set("biufc")
+
+
+def parse_v2_dtype(spec: Any, uri: str) -> np.dtype:
+    """Parse a ``.zarray`` dtype (e.g. ``"<u2"``, ``">f4"``, ``"|b1"``); keeps the stored byte order."""
+    if not isinstance(spec, str):
+        raise UnsupportedFormat(
+            f"{uri}: structured dtype {spec!r} is not supported; stoker reads numeric arrays only",
+            uri=uri, dtype=spec,
+        )
+    try:
+        dt = np.dtype(spec)
+    except TypeError:
+        raise UnsupportedFormat(f"{uri}: unknown dtype {spec!r}", uri=uri, dtype=spec) from None
+    if dt.kind not in _SUPPORTED_KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise UnsupportedFormat(
+            f"{uri}: dtype {spec!r} is not supported; stoker reads bool, integer, float and complex arrays",
+            uri=uri, dtype=spec,
+        )
+    return dt
+
+
+def parse_v3_dtype(spec: Any, uri: str) -> np.dtype:
+    """Parse a ``zarr.json`` ``data_type`` into a native-order numpy dtype."""
+    if isinstance(spec, str) and spec in V3_DTYPES:
+        return np.dtype(V3_DTYPES[spec])
+    raise UnsupportedFormat(
+        f"{uri}: data_type {spec!r} is not supported; stoker reads {', '.join(V3_DTYPES)}",
+        uri=uri, dtype=spec,
+    )
+
+
+_SPECIAL_FLOATS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _float_from(value: Any, dtype: np.dtype, uri: str) -> float:
+    if isinstance(value, str):
+        if value in _SPECIAL_FLOATS:
+            return _SPECIAL_FLOATS[value]
+        if value.startswith("0x"):  # v3: the IEEE bit pattern, big-endian hex
+            raw = int(value, 16).to_bytes(dtype.itemsize, "big")
+            return np.frombuffer(raw, dtype=dtype.newbyteorder(">"))[0]
+        raise MetadataError(f"{uri}: fill_value {value!r} is not a number", uri=uri)
+    return float(value)
+
+
+def parse_fill_value(value: Any, dtype: np.dtype, uri: str, zarr_format: int) -> np.ndarray:
+    """Return the fill value as a 0-d array of ``dtype`` (native byte order).
+
+    ``null`` (v2) means "no fill value": zarr-python then reads missing chunks
+    as zeros, and so does stoker, so both readers agree.
+    """
+    native = dtype.newbyteorder("=")
+    if value is None:
+        return np.zeros((), dtype=native)
+    try:
+        if native.kind == "b":
+            return np.array(bool(value), dtype=native)
+        if native.kind in "iu":
+            if isinstance(value, str) and zarr_format == 2:  # v2 may store base64 bytes
+                raw = base64.standard_b64decode(value)
+                return np.frombuffer(raw, dtype=dtype)[:1].reshape(()).astype(native)
+            if isinstance(value, float) and not value.is_integer():
+                raise MetadataError(f"{uri}: fill_value {value!r} is not an integer", uri=uri)
+            return np.array(int(value), dtype=native)
+        if native.kind == "f":
+            return np.array(_float_from(value, native, uri), dtype=native)
+        if native.kind == "c":
+            if isinstance(value, (list, tuple)) and len(value) == 2:
+                part = np.dtype(f"f{native.itemsize // 2}")
+                re, im = (_float_from(v, part, uri) for v in value)
+                return np.array(complex(re, im), dtype=native)
+            return np.array(complex(value), dtype=native)
+    except (ValueError, TypeError, OverflowError, struct.error) as exc:
+        raise MetadataError(
+            f"{uri}: fill_value {value!r} cannot be represented as {native}: {exc}", uri=uri
+        ) from None
+    raise UnsupportedFormat(f"{uri}: no fill value rule for dtype {dtype}", uri=uri)

@@ -1,0 +1,108 @@
+"""The ``sharding_indexed`` codec: where inner chunks live inside a shard file.
+
+A shard holds ``chunks_per_shard`` inner chunks and an index of
+``(offset, nbytes)`` uint64 pairs (C order), at the start or the end of the
+file, encoded by its own codec chain (``bytes`` then optionally ``crc32c``).
+An entry of two all-ones words means "this inner chunk is empty" (fill value).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numcodecs
+import numpy as np
+
+from ..errors import DecodeError, UnsupportedFormat
+from .codecs import ChunkCodec, codec_name_and_config
+
+EMPTY = np.uint64(2**64 - 1)
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """Layout of a sharded array: inner chunk codec plus where the index is and how it is encoded."""
+
+    chunks_per_shard: tuple[int, ...]
+    index_location: str  # "start" | "end"
+    index_big_endian: bool
+    index_crc32c: bool
+    inner: ChunkCodec
+
+    @property
+    def n_inner(self) -> int:
+        return math.prod(self.chunks_per_shard)
+
+    @property
+    def index_nbytes(self) -> int:
+        return 16 * self.n_inner + (4 if self.index_crc32c else 0)
+
+    def index_range(self, shard_size: int) -> tuple[int, int]:
+        """``(offset, length)`` of the index inside a shard file of ``shard_size`` bytes."""
+        if self.index_location == "start":
+            return 0, self.index_nbytes
+        return shard_size - self.index_nbytes, self.index_nbytes
+
+    def decode_index(self, raw: bytes | memoryview, uri: str, key: str, shard_size: int) -> np.ndarray:
+        """Decode and validate a shard index into a ``(n_inner, 2)`` native uint64 array.
+
+        Raises :class:`DecodeError` on a checksum mismatch or when an entry points
+        outside the shard file (a shard shorter than its index claims).
+        """
+        if len(raw) != self.index_nbytes:
+            raise DecodeError(
+                f"{uri}: shard {key!r} is truncated: its index needs {self.index_nbytes} bytes, "
+                f"the file has {shard_size}",
+                uri=uri, key=key,
+            )
+        payload = raw
+        if self.index_crc32c:
+            try:
+                payload = numcodecs.CRC32C(location="end").decode(raw)
+            except Exception as exc:
+                raise DecodeError(
+                    f"{uri}: shard {key!r} has a corrupt index ({exc})", uri=uri, key=key
+                ) from None
+        dtype = np.dtype(">u8" if self.index_big_endian else "<u8")
+        index = np.frombuffer(payload, dtype=dtype).astype(np.uint64).reshape(self.n_inner, 2)
+        present = ~((index[:, 0] == EMPTY) & (index[:, 1] == EMPTY))
+        if present.any():
+            ends = index[present, 0] + index[present, 1]
+            overflow = (ends < index[present, 0]) | (ends > np.uint64(shard_size))
+            if overflow.any():
+                bad = int(np.flatnonzero(present)[np.argmax(overflow)])
+                off, n = (int(v) for v in index[bad])
+                raise DecodeError(
+                    f"{uri}: shard {key!r} is shorter than its index claims: inner chunk {bad} at "
+                    f"[{off}, {off + n}) but the file has {shard_size} bytes",
+                    uri=uri, key=key,
+                )
+        return index
+
+    def inner_position(self, chunk_index: Sequence[int]) -> tuple[tuple[int, ...], int]:
+        """``(shard grid index, flat inner-chunk index)`` of a read-chunk grid index."""
+        shard = tuple(i // c for i, c in zip(chunk_index, self.chunks_per_shard))
+        flat = 0
+        for i, c in zip(chunk_index, self.chunks_per_shard):
+            flat = flat * c + i % c
+        return shard, flat
+
+
+def parse_index_codecs(entries: list, uri: str) -> tuple[bool, bool]:
+    """``(big_endian, crc32c)`` from ``index_codecs``; anything else is unsupported."""
+    crc = False
+    names = [codec_name_and_config(e, uri) for e in entries]
+    if not names or names[0][0] != "bytes":
+        raise UnsupportedFormat(f"{uri}: shard index codecs {entries!r} must start with 'bytes'", uri=uri)
+    big = names[0][1].get("endian", "little") == "big"
+    rest = [n for n, _ in names[1:]]
+    if rest == ["crc32c"]:
+        crc = True
+    elif rest:
+        raise UnsupportedFormat(
+            f"{uri}: shard index codecs {rest!r} are not supported (only 'bytes' and 'crc32c')",
+            uri=uri, codec=rest[0],
+        )
+    return big, crc
