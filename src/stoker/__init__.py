@@ -6,6 +6,11 @@
 """
 
 from .array import ArrayReader, open_array
+from .config import Config
+from .engine.batch import Batch, BatchInfo
+from .engine.pipeline import Pipeline
+from .engine.stats import Metric, Stats
+from .sample import Sample
 from .errors import (
     BudgetExceeded,
     DecodeError,
@@ -26,6 +31,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArrayReader",
+    "Batch",
+    "BatchInfo",
+    "Config",
+    "Metric",
+    "Pipeline",
+    "Sample",
+    "Stats",
     "open_array",
     "BudgetExceeded",
     "DecodeError",

@@ -13,10 +13,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stoker {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from . import demo, inspect
+    from . import bench, demo, inspect
 
     demo.add_parser(sub)
     inspect.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

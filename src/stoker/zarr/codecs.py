@@ -28,6 +28,7 @@ from numcodecs.abc import Codec
 from numcodecs.compat import ensure_ndarray
 
 from ..errors import DecodeError, StokerError, UnsupportedFormat
+from . import blosc_partial
 
 _BLOSC_HEADER = struct.Struct("<BBBBIII")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
 
@@ -87,6 +88,16 @@ class ChunkCodec:
     def nbytes(self) -> int:
         """Decoded size of one chunk in bytes."""
         return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def partial(self) -> bool:
+        """True when a byte range of the chunk can be decoded without the rest (lone blosc, plain layout)."""
+        return (
+            self._plain
+            and len(self.compressors) == 1
+            and self.compressors[0].codec_id == "blosc"
+            and blosc_partial.available()
+        )
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -155,6 +166,26 @@ class ChunkCodec:
                 raise self._fail(key, exc) from exc
             return
         out[...] = self.decode(encoded, key)
+
+    def decode_range_into(self, encoded: Any, out: np.ndarray, byte_start: int, byte_stop: int,
+                          key: str = "?") -> None:
+        """Decode at least bytes ``[byte_start, byte_stop)`` (C order) of the chunk into ``out``.
+
+        Only the blosc blocks covering the range are decompressed when
+        :attr:`partial` holds; otherwise the whole chunk is decoded. Bytes of
+        ``out`` outside the range may be left stale: read only inside it.
+        """
+        if not self.partial:
+            self.decode_into(encoded, out, key)
+            return
+        if out.shape != self.shape or out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"decode_range_into needs a C-contiguous {self.shape} {self.dtype} array")
+        try:
+            done = blosc_partial.decode_range(encoded, byte_start, byte_stop, out)
+        except blosc_partial.PartialDecodeError as exc:
+            raise self._fail(key, exc) from None
+        if not done:
+            self.decode_into(encoded, out, key)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,325 @@
+"""Run the benchmark scenarios: every peer on the same seeded crops, in one process run.
+
+Peers:
+- ``stoker``: the Pipeline (batch slots, per-batch dedup, partial decode).
+- ``tensorstore``: futures for every crop of a batch in flight (and the next batch's issued before the
+  current one is assembled), then one copy-cast per crop into a float32 batch.
+- ``zarr``: zarr-python, crop by crop, on the calling thread.
+- ``zarr+DataLoader``: zarr-python reads inside ``torch.utils.data.DataLoader(num_workers=cores)``.
+- ``decode bound``: each chunk a batch needs, decoded once in full on all cores, nothing else
+  (the throughput if reading and assembling were free).
+
+Every peer runs one untimed warm-up batch, then ``n`` timed batches; the page cache is warmed first.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..array import open_array
+from ..config import Config
+from ..engine.pipeline import Pipeline
+from ..sample import Sample
+from ..zarr.grid import chunk_intersections
+from .datasets import VolumeSpec, ensure, warm_page_cache
+
+
+@dataclass(frozen=True)
+class Scenario:
+    number: int
+    title: str
+    volume: VolumeSpec
+    crop: tuple[int, ...]
+    grid: bool = False  # crops on the aligned chunk grid (shuffled) instead of random corners
+
+
+def scenarios(tiny: bool = False) -> list[Scenario]:
+    if tiny:  # CI smoke: same code paths, seconds instead of minutes
+        v = VolumeSpec("tiny-lz4", (64, 256, 256), (16, 64, 64), "uint16", "blosc-lz4")
+        return [
+            Scenario(1, "tiny blosc lz4, random crops", v, (16, 64, 64)),
+            Scenario(2, "tiny sharded", VolumeSpec("tiny-sharded", (64, 256, 256), (16, 64, 64), "uint16",
+                                                   "blosc-lz4", shards=(32, 128, 128)), (16, 64, 64)),
+            Scenario(6, "tiny many arrays, zstd", VolumeSpec("tiny-many", (32, 64, 64), (16, 32, 32), "uint8",
+                                                             "zstd", count=20), (16, 32, 32)),
+        ]
+    base = VolumeSpec("s1-lz4", (256, 1024, 1024), (32, 128, 128), "uint16", "blosc-lz4")
+    return [
+        Scenario(1, "blosc lz4+shuffle, random 32x128x128", base, (32, 128, 128)),
+        Scenario(2, "as 1, sharded 64x512x512",
+                 VolumeSpec("s2-sharded", base.shape, base.chunks, "uint16", "blosc-lz4", shards=(64, 512, 512)),
+                 (32, 128, 128)),
+        Scenario(3, "as 1, blosc zstd", VolumeSpec("s3-zstd", base.shape, base.chunks, "uint16", "blosc-zstd"),
+                 (32, 128, 128)),
+        Scenario(4, "as 1, random 64x256x256", base, (64, 256, 256)),
+        Scenario(5, "as 1, aligned tile grid", base, (32, 128, 128), grid=True),
+        Scenario(6, "1,000 arrays 64x256x256 u8, zstd, random 32x64x64",
+                 VolumeSpec("s6-many", (64, 256, 256), (32, 64, 64), "uint8", "zstd", count=1000), (32, 64, 64)),
+    ]
+
+
+def make_samples(paths: list[str], shape: tuple[int, ...], crop: tuple[int, ...], n: int, grid: bool,
+                 seed: int = 0) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    if grid:
+        corners = [c for c in np.ndindex(*(s // k for s, k in zip(shape, crop)))]
+        order = rng.permutation(len(corners))
+        out = []
+        while len(out) < n:
+            for i in order:
+                corner = [c * k for c, k in zip(corners[i], crop)]
+                out.append(Sample(paths[int(rng.integers(len(paths)))], [(a, a + k) for a, k in zip(corner, crop)]))
+                if len(out) == n:
+                    break
+        return out
+    out = []
+    for _ in range(n):
+        corner = [int(rng.integers(0, s - k + 1)) for s, k in zip(shape, crop)]
+        out.append(Sample(paths[int(rng.integers(len(paths)))], [(a, a + k) for a, k in zip(corner, crop)]))
+    return out
+
+
+# -- measurement helpers ----------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler:
+    """Peak resident memory of this process while the block runs (sampled every 2 ms)."""
+
+    def __enter__(self) -> "RssSampler":
+        self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+@dataclass
+class Result:
+    peer: str
+    seconds: float
+    samples: int
+    delivered_bytes: int  # source-dtype bytes of the crops
+    peak_rss: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.delivered_bytes / self.seconds / 1e6 if self.seconds else 0.0
+
+
+def _batches(samples: list[Sample], batch_size: int) -> list[list[Sample]]:
+    return [samples[i:i + batch_size] for i in range(0, len(samples) - batch_size + 1, batch_size)]
+
+
+def _slices(s: Sample) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in s.aabb)
+
+
+# -- peers ------------------------------------------------------------------------------------------
+
+
+def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int) -> Result:
+    cfg = Config(batch_size=batch_size, dtype="f32", host_buffer_bytes=host_buffer_bytes,
+                 n_io_threads=2, n_compute_threads=os.cpu_count() or 1, lookahead_batches=3)
+    n = len(samples) // batch_size - 1
+    with RssSampler() as rss, Pipeline(cfg) as p:
+        t_push = time.perf_counter()
+        p.push(samples)
+        with p.pop() as b:  # warm-up
+            torch.from_dlpack(b)
+        first = time.perf_counter() - t_push
+        p.stats_reset()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with p.pop() as b:
+                torch.from_dlpack(b)
+        seconds = time.perf_counter() - t0
+        stats = p.stats()
+    crop = int(np.prod(samples[0].shape))
+    return Result("stoker", seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
+                  {"stats": stats, "first_batch_s": first})
+
+
+def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int) -> Result:
+    import tensorstore as ts
+
+    arrays: dict[str, object] = {}
+
+    def arr(uri: str):
+        if uri not in arrays:
+            arrays[uri] = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": uri}}).result()
+        return arrays[uri]
+
+    batches = _batches(samples, batch_size)
+    shape = samples[0].shape
+
+    def issue(batch):
+        return [arr(s.uri)[_slices(s)].read() for s in batch]
+
+    def assemble(futures):
+        out = np.empty((len(futures), *shape), dtype=np.float32)
+        for i, f in enumerate(futures):
+            out[i] = f.result()
+        return torch.from_numpy(out)
+
+    with RssSampler() as rss:
+        assemble(issue(batches[0]))  # warm-up (also opens arrays)
+        t0 = time.perf_counter()
+        pending = issue(batches[1])
+        for batch in batches[2:]:
+            nxt = issue(batch)
+            assemble(pending)
+            pending = nxt
+        assemble(pending)
+        seconds = time.perf_counter() - t0
+    n = len(batches) - 1
+    return Result("tensorstore", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize, rss.peak)
+
+
+def run_zarr(samples: list[Sample], batch_size: int, itemsize: int, max_batches: int) -> Result:
+    import zarr
+
+    arrays: dict[str, object] = {}
+    batches = _batches(samples, batch_size)[: max_batches + 1]
+    shape = samples[0].shape
+    with RssSampler() as rss:
+        t0 = 0.0
+        for i, batch in enumerate(batches):
+            if i == 1:
+                t0 = time.perf_counter()
+            out = np.empty((len(batch), *shape), dtype=np.float32)
+            for row, s in enumerate(batch):
+                z = arrays.get(s.uri) or arrays.setdefault(s.uri, zarr.open_array(s.uri, mode="r"))
+                out[row] = z[_slices(s)]
+            torch.from_numpy(out)
+        seconds = time.perf_counter() - t0
+    n = len(batches) - 1
+    return Result("zarr", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize, rss.peak)
+
+
+class _ZarrCrops(torch.utils.data.Dataset):
+    def __init__(self, samples: list[Sample]) -> None:
+        self.samples = samples
+        self._arrays: dict[str, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import zarr
+
+        s = self.samples[i]
+        z = self._arrays.get(s.uri) or self._arrays.setdefault(s.uri, zarr.open_array(s.uri, mode="r"))
+        return torch.from_numpy(z[_slices(s)].astype(np.float32))
+
+
+def run_zarr_dataloader(samples: list[Sample], batch_size: int, itemsize: int, max_batches: int) -> Result:
+    n_total = (max_batches + 1) * batch_size
+    loader = torch.utils.data.DataLoader(_ZarrCrops(samples[:n_total]), batch_size=batch_size,
+                                         num_workers=os.cpu_count() or 1, prefetch_factor=2)
+    shape = samples[0].shape
+    with RssSampler() as rss:
+        it = iter(loader)
+        next(it)  # warm-up: workers start
+        t0 = time.perf_counter()
+        n = sum(1 for _ in it)
+        seconds = time.perf_counter() - t0
+    return Result("zarr+DataLoader", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize,
+                  rss.peak, {"note": "RSS of the main process only"})
+
+
+def run_decode_bound(samples: list[Sample], batch_size: int, itemsize: int) -> Result:
+    readers: dict[str, object] = {}
+    batches = _batches(samples, batch_size)[1:]
+    cores = os.cpu_count() or 1
+    seconds = 0.0
+    decoded = 0
+    with RssSampler() as rss, ThreadPoolExecutor(cores) as pool:
+        for batch in batches:
+            needed: dict[tuple, tuple] = {}
+            for s in batch:
+                r = readers.get(s.uri) or readers.setdefault(s.uri, open_array(s.uri))
+                for piece in chunk_intersections(s.aabb, r.chunks):
+                    needed.setdefault((s.uri, piece.index), (r, piece.index))
+            encoded = [(r, *r.encoded_chunk(idx)) for r, idx in needed.values()]  # untimed: read
+            encoded = [(r, key, data) for r, key, data in encoded if data is not None]
+            t0 = time.perf_counter()
+            list(pool.map(lambda e: e[0].metadata.codec.decode(e[2], e[1]), encoded))
+            seconds += time.perf_counter() - t0
+            decoded += sum(e[0].metadata.codec.nbytes for e in encoded)
+    n = len(batches)
+    return Result("decode bound", seconds, n * batch_size, n * batch_size * int(np.prod(samples[0].shape)) * itemsize,
+                  rss.peak, {"bytes_decoded": decoded})
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host_buffer_bytes: int,
+                 slow_batches: int, peers: set[str]) -> list[Result]:
+    paths = ensure(root, sc.volume)
+    warm_page_cache(paths)
+    samples = make_samples(paths, sc.volume.shape, sc.crop, (n_batches + 1) * batch_size, sc.grid, seed=sc.number)
+    itemsize = np.dtype(sc.volume.dtype).itemsize
+    results = []
+    if "stoker" in peers:
+        results.append(run_stoker(samples, batch_size, itemsize, host_buffer_bytes))
+    if "tensorstore" in peers:
+        results.append(run_tensorstore(samples, batch_size, itemsize))
+    if "zarr" in peers:
+        results.append(run_zarr(samples, batch_size, itemsize, slow_batches))
+    if "dataloader" in peers:
+        results.append(run_zarr_dataloader(samples, batch_size, itemsize, slow_batches))
+    if "bound" in peers:
+        results.append(run_decode_bound(samples, batch_size, itemsize))
+    return results
+
+
+def format_results(sc: Scenario, results: list[Result], baseline_rss: int) -> str:
+    by = {r.peer: r for r in results}
+    st = by.get("stoker")
+    lines = [f"\nScenario {sc.number}: {sc.title}",
+             f"{'peer':<18}{'samples/s':>11}{'MB/s':>9}{'stoker x':>10}{'peak RSS MB':>13}"]
+    for r in results:
+        ratio = f"{st.samples_per_s / r.samples_per_s:>9.2f}x" if st and r is not st and r.samples_per_s else f"{'':>10}"
+        lines.append(f"{r.peer:<18}{r.samples_per_s:>11.1f}{r.mb_per_s:>9.1f}{ratio}{r.peak_rss / 1e6:>13.0f}")
+    if st:
+        stats = st.extra["stats"]
+        bound = by.get("decode bound")
+        frac = f"{st.samples_per_s / bound.samples_per_s:.0%}" if bound and bound.samples_per_s else "n/a"
+        lines.append(
+            f"stoker: {frac} of decode bound; read amplification {stats.read_amplification:.2f}, "
+            f"decode amplification {stats.decode_amplification:.2f} (bound decodes "
+            f"{bound.extra['bytes_decoded'] / max(1, bound.delivered_bytes):.2f}x)" if bound else
+            f"stoker: read amplification {stats.read_amplification:.2f}, decode {stats.decode_amplification:.2f}"
+        )
+        lines.append(f"stoker: first batch {st.extra['first_batch_s'] * 1e3:.0f} ms after push; peak RSS "
+                     f"{st.peak_rss / 1e6:.0f} MB ({(st.peak_rss - baseline_rss) / 1e6:+.0f} MB over the "
+                     f"{baseline_rss / 1e6:.0f} MB before any peer ran)")
+    return "\n".join(lines)

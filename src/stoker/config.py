@@ -1,0 +1,122 @@
+"""``Config``: every knob of a pipeline, validated in one place.
+
+>>> cfg = stoker.Config(batch_size=8, dtype="bf16", host_buffer_bytes=1 << 30)
+>>> stoker.Config(batch_size=0)
+Traceback (most recent call last):
+stoker.errors.InvalidArgument: Config.batch_size must be an integer >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import InvalidArgument
+
+#: Output dtypes by name; "native" keeps the source dtype.
+OUTPUT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "native": None}
+
+
+def _int_at_least(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidArgument(f"Config.{name} must be an integer >= {low}, got {value!r}", knob=name)
+    return value
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings of one :class:`~stoker.Pipeline` (one per rank).
+
+    Fields and their allowed values:
+
+    - ``batch_size`` (>= 1): samples per batch.
+    - ``sample_shape``: shape every sample must have; ``None`` takes the first sample's.
+    - ``dtype``: ``"f32" | "bf16" | "f16" | "native"`` (the source dtype).
+    - ``host_buffer_bytes`` (>= 1 MiB): hard cap on host buffers (batch slots, read and decode buffers).
+    - ``device_buffer_bytes`` (>= 1 MiB): cap on device memory (CUDA path only).
+    - ``n_io_threads`` (>= 1): threads reading encoded bytes.
+    - ``n_compute_threads``: decode and assembly threads (>= 1); ``None`` means ``os.cpu_count()``.
+    - ``device``: ``None | int | "cpu" | "cuda" | "cuda:N"``.
+    - ``lookahead_batches`` (>= 1): batches prepared ahead of the consumer.
+    - ``pop_timeout_s`` (> 0 or ``None``): ``PoolStarved`` after this long without a batch.
+    - ``drop_last``: drop a final short batch (default) or emit it.
+    """
+
+    batch_size: int = 8
+    sample_shape: tuple[int, ...] | None = None
+    dtype: str = "f32"
+    host_buffer_bytes: int = 1 << 30
+    device_buffer_bytes: int = 1 << 30
+    n_io_threads: int = 4
+    n_compute_threads: int | None = None
+    device: int | str | None = None
+    lookahead_batches: int = 2
+    pop_timeout_s: float | None = 30.0
+    drop_last: bool = True
+    _resolved_compute_threads: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        _int_at_least("batch_size", self.batch_size, 1)
+        if self.sample_shape is not None:
+            try:
+                shape = tuple(int(s) for s in self.sample_shape)
+            except (TypeError, ValueError):
+                raise InvalidArgument(
+                    f"Config.sample_shape must be a sequence of positive integers, got {self.sample_shape!r}",
+                    knob="sample_shape",
+                ) from None
+            if not shape or any(s < 1 for s in shape):
+                raise InvalidArgument(
+                    f"Config.sample_shape must be non-empty with every extent >= 1, got {self.sample_shape!r}",
+                    knob="sample_shape",
+                )
+            object.__setattr__(self, "sample_shape", shape)
+        if self.dtype not in OUTPUT_DTYPES:
+            raise InvalidArgument(
+                f"Config.dtype must be one of {', '.join(map(repr, OUTPUT_DTYPES))}, got {self.dtype!r}",
+                knob="dtype",
+            )
+        _int_at_least("host_buffer_bytes", self.host_buffer_bytes, 1 << 20)
+        _int_at_least("device_buffer_bytes", self.device_buffer_bytes, 1 << 20)
+        _int_at_least("n_io_threads", self.n_io_threads, 1)
+        if self.n_compute_threads is not None:
+            _int_at_least("n_compute_threads", self.n_compute_threads, 1)
+        _int_at_least("lookahead_batches", self.lookahead_batches, 1)
+        if self.pop_timeout_s is not None and (
+            isinstance(self.pop_timeout_s, bool)
+            or not isinstance(self.pop_timeout_s, (int, float))
+            or not self.pop_timeout_s > 0
+        ):
+            raise InvalidArgument(
+                f"Config.pop_timeout_s must be a number > 0 or None, got {self.pop_timeout_s!r}",
+                knob="pop_timeout_s",
+            )
+        if not isinstance(self.drop_last, bool):
+            raise InvalidArgument(f"Config.drop_last must be True or False, got {self.drop_last!r}", knob="drop_last")
+        self._check_device()
+        object.__setattr__(self, "_resolved_compute_threads", self.n_compute_threads or os.cpu_count() or 1)
+
+    def _check_device(self) -> None:
+        d = self.device
+        if d is None or d == "cpu" or d == "cuda":
+            return
+        if isinstance(d, int) and not isinstance(d, bool) and d >= 0:
+            return
+        if isinstance(d, str) and d.startswith("cuda:") and d[5:].isdigit():
+            return
+        raise InvalidArgument(
+            f"Config.device must be None, a GPU index >= 0, 'cpu', 'cuda' or 'cuda:N', got {d!r}", knob="device"
+        )
+
+    @property
+    def compute_threads(self) -> int:
+        """``n_compute_threads`` with ``None`` resolved to the CPU count."""
+        return self._resolved_compute_threads
+
+    @property
+    def output_dtype(self) -> torch.dtype | None:
+        """The torch dtype of batches, or ``None`` for "native" (decided by the source)."""
+        return OUTPUT_DTYPES[self.dtype]

@@ -1,0 +1,1 @@
+"""How batches are made: plan (pure) -> execute (threads) -> batch slots -> pop."""

@@ -1,0 +1,64 @@
+"""Casting rules from a source dtype to a batch dtype, and the copy-cast itself.
+
+- ``"native"``: a plain copy; the batch has the source dtype (all sources of a
+  batch must agree).
+- ``"f32"`` / ``"f16"``: integer and float sources round to nearest even
+  (numpy's casts: one correctly rounded conversion).
+- ``"bf16"``: via float32, then round-to-nearest-even to bfloat16 (torch's
+  conversion), so ``bf16(x) == bf16(f32(x))`` for every source.
+- complex sources cannot become real batches: :class:`~stoker.errors.DtypeMismatch`.
+
+Copies run in compute threads; numpy and torch release the GIL while copying.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from ..errors import DtypeMismatch
+
+# Decoded chunks are often read-only numpy views; we only ever read from the tensors made of them.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+_NUMPY_OUT = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
+
+
+def torch_dtype_of(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype with the same meaning as a native numpy dtype."""
+    return torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
+
+
+def batch_dtype(requested: torch.dtype | None, source: np.dtype, uri: str) -> torch.dtype:
+    """The batch dtype for ``source`` under the requested output (``None``: native)."""
+    if requested is None:
+        try:
+            return torch_dtype_of(source)
+        except TypeError:
+            raise DtypeMismatch(f"{uri}: dtype {source} has no torch equivalent", uri=uri) from None
+    if source.kind == "c":
+        raise DtypeMismatch(
+            f"{uri}: complex dtype {source} cannot be cast to {requested}; use dtype='native' "
+            "or store real and imaginary parts as separate arrays",
+            uri=uri,
+        )
+    return requested
+
+
+def copy_cast(dst: torch.Tensor, src: np.ndarray) -> None:
+    """``dst[...] = src`` with the module's casting rules; ``src`` may be strided or byte-swapped."""
+    if not src.dtype.isnative:
+        src = src.astype(src.dtype.newbyteorder("="))
+    if dst.dtype in _NUMPY_OUT or dst.dtype == torch_dtype_of(src.dtype):
+        np.copyto(dst.numpy(), src, casting="unsafe")
+        return
+    dst.copy_(torch.from_numpy(np.ascontiguousarray(src) if src.ndim == 0 else src))
+
+
+def fill_value_as(fill: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A 0-d tensor holding ``fill`` converted by the same rules as :func:`copy_cast`."""
+    out = torch.empty((), dtype=dtype)
+    copy_cast(out, np.asarray(fill))
+    return out

@@ -1,0 +1,443 @@
+"""``Pipeline``: samples in, equally shaped batches out, in push order, inside a fixed memory budget.
+
+>>> cfg = stoker.Config(batch_size=8, dtype="f32", host_buffer_bytes=256 << 20)
+>>> with stoker.Pipeline(cfg) as p:
+...     p.push(samples)                      # any iterable of Sample, also an infinite generator
+...     for step in range(100):
+...         with p.pop() as batch:
+...             x = torch.from_dlpack(batch)  # (8, *sample_shape), zero-copy
+
+One coordinator thread pulls samples lazily (only when a batch slot and
+lookahead room are free), plans each batch and hands it to the executor. The
+consumer's ``pop`` takes batches in push order. Errors are sticky: once ``pop``
+raised one, every later ``pop`` and ``push`` raises it again.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any
+
+import torch
+
+from ..array import ArrayReader, open_array
+from ..cache import SizedLRU
+from ..config import Config
+from ..errors import (
+    BudgetExceeded, DtypeMismatch, InvalidArgument, PoolStarved, RankMismatch, ShutdownError, StokerError,
+)
+from ..sample import Sample
+from ..storage import LocalStore
+from .batch import Batch
+from .buffers import SlotRing, TransientBudget
+from .cast import batch_dtype
+from .cpu import CpuExecutor, Job
+from .plan import BatchPlan, plan_batch
+from .stats import Stats, StatsRecorder
+
+_INDEX_CACHE_BYTES = 64 << 20
+_MAX_OPEN_ARRAYS = 16384
+
+
+class _Entry:
+    """A batch in flight: a running job, or an error to deliver in its place."""
+
+    __slots__ = ("job", "slot", "error", "batch_id", "rows", "t_submit")
+
+    def __init__(self, batch_id: int, rows: int, job: Job | None = None, slot=None,
+                 error: BaseException | None = None) -> None:
+        self.batch_id, self.rows, self.job, self.slot, self.error = batch_id, rows, job, slot, error
+        self.t_submit = time.perf_counter()
+
+    def ready(self, timeout: float) -> bool:
+        return self.job is None or self.job.done.wait(timeout)
+
+
+def _resolve_device(cfg: Config) -> torch.device:
+    d = cfg.device
+    if d is None or d == "cpu":
+        return torch.device("cpu")
+    name = f"cuda:{d}" if isinstance(d, int) else d
+    if not torch.cuda.is_available():
+        raise InvalidArgument(
+            f"Config.device={d!r} asks for CUDA, but torch sees no CUDA device; use device=None or 'cpu'",
+            knob="device",
+        )
+    raise InvalidArgument(
+        f"Config.device={d!r}: CUDA execution is not available in this version of stoker; use device='cpu' "
+        f"and move batches with stoker's DevicePrefetcher or .to({name!r})",
+        knob="device",
+    )
+
+
+class Pipeline:
+    """Turns a stream of :class:`~stoker.Sample` into batches. One per rank; see the module docstring."""
+
+    def __init__(self, cfg: Config) -> None:
+        if not isinstance(cfg, Config):
+            raise InvalidArgument(f"Pipeline needs a stoker.Config, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.device = _resolve_device(cfg)
+        self._n_slots = cfg.lookahead_batches + 1
+        if cfg.sample_shape is not None and cfg.output_dtype is not None:
+            itemsize = torch.empty((), dtype=cfg.output_dtype).element_size()
+            self._check_budget(cfg.sample_shape, itemsize, transient=0)
+        self._stats = StatsRecorder()
+        self._store = LocalStore()
+        self._index_cache = SizedLRU(_INDEX_CACHE_BYTES, lambda idx: 64 if idx is None else idx.nbytes + 64)
+        self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
+        self._slots: SlotRing | None = None
+        self._budget: TransientBudget | None = None
+        self._executor: CpuExecutor | None = None
+        self._cond = threading.Condition()
+        # (iterator, counted): sized pushes are counted in `pending` at push, generators as they are pulled
+        self._sources: collections.deque[tuple[Iterator[Any], bool]] = collections.deque()
+        self._staged: list[Sample] = []  # pulled, not yet in a batch
+        self._inflight: collections.deque[_Entry] = collections.deque()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._flush = False
+        self._launching = False  # samples taken from the sources but not yet in _inflight
+        self._pending = 0
+        self._shape: tuple[int, ...] | None = cfg.sample_shape
+        self._batch_ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    # -- budget -----------------------------------------------------------------------------
+
+    def _check_budget(self, shape: tuple[int, ...], itemsize: int, transient: int) -> None:
+        slot_bytes = self.cfg.batch_size * math.prod(shape) * itemsize
+        need = self._n_slots * slot_bytes + transient
+        if need > self.cfg.host_buffer_bytes:
+            raise BudgetExceeded(
+                f"Config.host_buffer_bytes={self.cfg.host_buffer_bytes:,} cannot hold this pipeline: "
+                f"{self._n_slots} batch slots (lookahead_batches + 1) x {self.cfg.batch_size} samples x "
+                f"{shape} x {itemsize} B = {self._n_slots * slot_bytes:,} B, plus at least {transient:,} B for "
+                f"reading and decoding one file's chunks; needs {need:,} B. Raise host_buffer_bytes to at least "
+                f"{need:,}, or lower batch_size, lookahead_batches or the sample shape.",
+                knob="host_buffer_bytes", needed=need,
+            )
+
+    # -- push -------------------------------------------------------------------------------
+
+    def push(self, samples: Sample | Iterable[Sample]) -> None:
+        """Queue samples: one Sample, a sequence (checked now) or any iterable (pulled lazily, checked then)."""
+        with self._cond:
+            self._raise_if_unusable()
+        if isinstance(samples, Sample):
+            samples = [samples]
+        if isinstance(samples, Sized) and not isinstance(samples, Iterator):
+            items = list(samples)
+            shape = self._shape
+            for s in items:
+                shape = self._validate(s, shape)
+            with self._cond:
+                self._shape = self._shape or shape
+                self._sources.append((iter(items), True))
+                self._pending += len(items)
+                self._cond.notify_all()
+        elif isinstance(samples, Iterable):
+            with self._cond:
+                self._sources.append((iter(samples), False))
+                self._cond.notify_all()
+        else:
+            raise InvalidArgument(f"push takes a Sample or an iterable of Samples, got {type(samples).__name__}")
+        self._start()
+
+    def _validate(self, s: Any, shape: tuple[int, ...] | None) -> tuple[int, ...]:
+        if not isinstance(s, Sample):
+            raise InvalidArgument(f"expected stoker.Sample, got {type(s).__name__}: {s!r}")
+        if shape is None:
+            return s.shape
+        if len(s.shape) != len(shape):
+            raise RankMismatch(f"{s} has {len(s.shape)} axes, the batch's samples have {len(shape)} {shape}",
+                               uri=s.uri)
+        if s.shape != shape:
+            raise InvalidArgument(f"{s} has shape {s.shape}; every sample of this pipeline must be {shape} "
+                                  "(set Config.sample_shape, or make all boxes the same size)", uri=s.uri)
+        return shape
+
+    def _raise_if_unusable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise ShutdownError("the pipeline is closed")
+
+    def _start(self) -> None:
+        with self._cond:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="stoker-coordinator", daemon=True)
+                self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Pushed samples not yet in a popped batch (generators count as far as they have been pulled)."""
+        with self._cond:
+            return self._pending
+
+    # -- coordinator ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and (
+                        len(self._inflight) >= self.cfg.lookahead_batches
+                        or (not self._sources and not (self._flush and self._staged))
+                    ):
+                        self._cond.wait(0.1)
+                    if self._closed:
+                        return
+                samples, error = self._pull()
+                if samples:
+                    self._launch(samples)
+                if error is not None:
+                    with self._cond:
+                        self._inflight.append(_Entry(next(self._batch_ids), 0, error=error))
+                        self._sources.clear()
+                with self._cond:
+                    self._launching = False
+                    self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - a crash here must reach the consumer, not vanish
+            with self._cond:
+                if self._error is None and not self._closed:
+                    self._inflight.append(_Entry(-1, 0, error=exc))
+                self._cond.notify_all()
+
+    def _pull(self) -> tuple[list[Sample], BaseException | None]:
+        """Up to batch_size samples (a short batch only when flushing), or an error from the source."""
+        want = self.cfg.batch_size
+        while len(self._staged) < want:
+            with self._cond:
+                if self._closed or not self._sources:
+                    break
+                source, counted = self._sources[0]
+            try:
+                sample = next(source)  # user code: outside the lock
+            except StopIteration:
+                with self._cond:
+                    if self._sources and self._sources[0][0] is source:
+                        self._sources.popleft()
+                continue
+            except BaseException as exc:  # noqa: BLE001
+                return self._take_launching(), exc if isinstance(exc, StokerError) else _wrap_source_error(exc)
+            try:
+                shape = self._validate(sample, self._shape)
+            except StokerError as exc:
+                return self._take_launching(), exc
+            with self._cond:
+                self._shape = self._shape or shape
+                if not counted:
+                    self._pending += 1
+            self._staged.append(sample)
+        with self._cond:
+            if len(self._staged) >= want or (self._flush and not self._sources):
+                self._flush = False
+                batch = self._take()
+                self._launching = bool(batch)
+                return batch, None
+        return [], None
+
+    def _take_launching(self) -> list[Sample]:
+        with self._cond:
+            self._launching = True
+            return self._take()
+
+    def _take(self) -> list[Sample]:
+        batch, self._staged = self._staged[: self.cfg.batch_size], self._staged[self.cfg.batch_size :]
+        return batch
+
+    def _open(self, uri: str) -> ArrayReader:
+        return self._readers.get_or_load(uri, lambda: open_array(uri, store=self._store, index_cache=self._index_cache))
+
+    def _launch(self, samples: list[Sample]) -> None:
+        batch_id = next(self._batch_ids)
+        t0 = time.perf_counter()
+        try:
+            plan = plan_batch(batch_id, samples, self._open)
+            dtype = self._batch_dtype(plan)
+            self._ensure_buffers(plan, dtype)
+        except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
+            with self._cond:
+                self._inflight.append(_Entry(batch_id, len(samples), error=exc))
+                self._cond.notify_all()
+            return
+        self._stats.stage("plan", time.perf_counter() - t0)
+        slot = None
+        while slot is None:
+            slot = self._slots.acquire(lambda: self._closed, timeout=0.1)
+        job = self._executor.submit(plan, slot.tensor[: plan.rows])
+        with self._cond:
+            self._inflight.append(_Entry(batch_id, plan.rows, job=job, slot=slot))
+            self._cond.notify_all()
+
+    def _batch_dtype(self, plan: BatchPlan) -> torch.dtype:
+        dtypes = {batch_dtype(self.cfg.output_dtype, r.dtype, r.uri) for r in plan.sources}
+        if self._slots is not None:
+            dtypes.add(self._slots.dtype)
+        if len(dtypes) > 1:
+            raise DtypeMismatch(
+                f"dtype='native' needs one source dtype per pipeline, found {sorted(map(str, dtypes))} "
+                f"(arrays {[r.uri for r in plan.sources]}); pick dtype='f32', 'bf16' or 'f16' to mix sources"
+            )
+        return dtypes.pop()
+
+    def _ensure_buffers(self, plan: BatchPlan, dtype: torch.dtype) -> None:
+        if self._slots is not None:
+            return
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        # The largest single reservation: one chunk's encoded bytes (bounded by its decoded size for
+        # the codecs we read, plus slack) and its decode scratch; coalesced shard reads are capped too.
+        chunk = max(r.metadata.codec.nbytes for r in plan.sources)
+        transient = 3 * chunk + (8 << 20 if any(r.metadata.sharding for r in plan.sources) else 0)
+        self._check_budget(plan.sample_shape, itemsize, transient)
+        self._slots = SlotRing(self._n_slots, (self.cfg.batch_size, *plan.sample_shape), dtype)
+        self._budget = TransientBudget(self.cfg.host_buffer_bytes - self._slots.nbytes)
+        self._executor = CpuExecutor(self.cfg.n_io_threads, self.cfg.compute_threads, self._budget,
+                                     self._stats, self._store)
+
+    # -- pop --------------------------------------------------------------------------------
+
+    def pop(self, timeout: float | None = None) -> Batch:
+        """The next batch, in push order. Raises the pipeline's (sticky) error, or PoolStarved on timeout."""
+        limit = self.cfg.pop_timeout_s if timeout is None else timeout
+        deadline = None if limit is None else time.monotonic() + limit
+        t0 = time.perf_counter()
+        while True:
+            with self._cond:
+                self._raise_if_unusable()
+                if not self._inflight and not self._sources and self._staged and not self.cfg.drop_last:
+                    self._flush = True
+                    self._cond.notify_all()
+                head = self._inflight[0] if self._inflight else None
+            if head is not None and head.ready(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))):
+                break
+            if head is None:
+                with self._cond:
+                    self._cond.wait(0.01)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise PoolStarved(self._starved_message(limit))
+        with self._cond:
+            self._inflight.popleft()
+            self._cond.notify_all()
+        error = head.error or (head.job.error if head.job else None)
+        if error is not None:
+            if head.slot is not None:
+                self._slots.release(head.slot)
+            with self._cond:
+                self._error = error
+            raise error
+        rows = head.rows
+        view = head.slot.tensor[:rows]
+        samples = head.job.plan.samples
+        plan = head.job.plan
+        with self._cond:
+            self._pending = max(0, self._pending - rows)
+        wait = time.perf_counter() - t0
+        self._stats.stage("pop_wait", wait)
+        self._stats.add(
+            batches_emitted=1, samples=rows, chunks_needed=plan.chunks_needed,
+            chunk_dedup_hits=plan.chunks_needed - len(plan.chunks),
+            bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
+        )
+        slots = self._slots
+        slot = head.slot
+        return Batch(view, samples, head.batch_id, lambda: slots.release(slot))
+
+    def _starved_message(self, limit: float) -> str:
+        with self._cond:
+            held = self._slots.held() if self._slots is not None else 0
+            if self._slots is not None and held >= self._n_slots:
+                return (
+                    f"no batch within pop_timeout_s={limit}: the consumer holds all {self._n_slots} batch slots. "
+                    "Release batches (use `with p.pop() as batch:`), drop tensors made from old batches, or "
+                    "keep data with `.clone()`."
+                )
+            if not self._sources and not self._inflight:
+                staged = len(self._staged)
+                extra = (f" {staged} samples wait for a full batch of {self.cfg.batch_size}; push more or set "
+                         "Config(drop_last=False).") if staged else ""
+                return f"no batch within pop_timeout_s={limit}: no samples are pending; push more.{extra}"
+            return (f"no batch within pop_timeout_s={limit}: {len(self._inflight)} batches in flight; storage or "
+                    "decoding is slower than the timeout (raise pop_timeout_s or check p.stats())")
+
+    def batches(self, n: int) -> Iterator[Batch]:
+        """Yield ``n`` batches (each released when the next is requested)."""
+        for _ in range(n):
+            batch = self.pop()
+            try:
+                yield batch
+            finally:
+                batch.release()
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Yield batches until the pushed samples are used up (a final short batch only with drop_last=False)."""
+        while True:
+            if not self._wait_for_work():
+                return
+            batch = self.pop()
+            try:
+                yield batch
+            finally:
+                batch.release()
+
+    def _wait_for_work(self) -> bool:
+        """True once a batch is in flight; False when nothing more can come from what was pushed."""
+        with self._cond:
+            while True:
+                self._raise_if_unusable()
+                if self._inflight:
+                    return True
+                if not self._sources and not self._launching and not self._flush:
+                    if self._staged and not self.cfg.drop_last:
+                        self._flush = True
+                        self._cond.notify_all()
+                    else:
+                        return False
+                self._cond.wait(0.05)
+
+    # -- stats and lifetime -----------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        slots = self._slots.nbytes if self._slots is not None else 0
+        peak = self._budget.peak if self._budget is not None else 0
+        return self._stats.snapshot(peak_host_bytes=slots + peak)
+
+    def stats_reset(self) -> None:
+        self._stats.reset()
+
+    def close(self) -> None:
+        """Cancel in-flight work and stop threads; returns within about a second. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        if self._executor is not None:
+            self._executor.shutdown()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)  # a user generator blocked in next() cannot be interrupted
+        self._store.close()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _wrap_source_error(exc: BaseException) -> StokerError:
+    err = InvalidArgument(f"the pushed sample iterable raised {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err

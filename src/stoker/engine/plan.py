@@ -1,0 +1,159 @@
+"""Planning one batch: which read chunks it needs, once each, and where their bytes are.
+
+A :class:`BatchPlan` is plain data (no buffers, no threads). The only I/O the
+planner causes is through the lookups it is handed (array metadata and shard
+indexes, both cached by their owners), so it can be tested on its own:
+
+>>> plan = plan_batch(0, samples, open_reader)
+>>> plan.chunks_needed, len(plan.chunks)      # before and after de-duplication
+(64, 61)
+
+Per chunk it records every copy (batch row, selection in the chunk, selection in
+the crop) and the byte range of the decoded chunk the copies actually read, so
+the executor can decode only that part where the codec allows it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ..array import ArrayReader
+from ..box import box_shape, check_in_bounds
+from ..sample import Sample
+from ..storage.ranges import Read, coalesce
+from ..zarr.grid import chunk_intersections
+
+EMPTY_ENTRY = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy ``chunk[chunk_sel]`` into ``batch[row][box_sel]``."""
+
+    row: int
+    chunk_sel: tuple[slice, ...]
+    box_sel: tuple[slice, ...]
+
+
+@dataclass
+class ChunkTask:
+    """One read chunk of one array, needed by one or more samples of the batch."""
+
+    source: int  # index into BatchPlan.sources
+    index: tuple[int, ...]
+    key: str
+    copies: list[Copy] = field(default_factory=list)
+    path: str | None = None  # file holding the chunk; None: fill value
+    offset: int | None = None  # byte range in ``path`` (sharded); None: the whole file
+    length: int | None = None
+    byte_start: int = 0  # decoded bytes the copies read (C order), for partial decoding
+    byte_stop: int = 0
+
+    @property
+    def fill(self) -> bool:
+        return self.path is None
+
+
+@dataclass(frozen=True)
+class FileRead:
+    """One file's share of the batch: the whole file (one chunk) or coalesced ranges (inner chunks)."""
+
+    path: str
+    chunk_ids: tuple[int, ...]  # ChunkTask indices, in request order
+    reads: tuple[Read, ...] = ()  # empty: read the whole file for chunk_ids[0]
+
+    @property
+    def whole_file(self) -> bool:
+        return not self.reads
+
+
+@dataclass
+class BatchPlan:
+    batch_id: int
+    samples: tuple[Sample, ...]
+    sample_shape: tuple[int, ...]
+    sources: list[ArrayReader]
+    chunks: list[ChunkTask]
+    file_reads: list[FileRead]
+    chunks_needed: int  # sum over samples of chunks touched (before de-duplication)
+    bytes_needed: int  # source-dtype bytes the samples hold (what a perfect reader would decode)
+
+    @property
+    def rows(self) -> int:
+        return len(self.samples)
+
+    @property
+    def fill_chunks(self) -> list[int]:
+        return [i for i, c in enumerate(self.chunks) if c.fill]
+
+
+def _byte_range(shape: Sequence[int], itemsize: int, copies: list[Copy]) -> tuple[int, int]:
+    """Smallest C-order byte range of a chunk of ``shape`` covering every copy's selection."""
+    strides = [itemsize] * len(shape)
+    for axis in range(len(shape) - 2, -1, -1):
+        strides[axis] = strides[axis + 1] * shape[axis + 1]
+    start = min(sum(s.start * st for s, st in zip(c.chunk_sel, strides)) for c in copies)
+    stop = max(sum((s.stop - 1) * st for s, st in zip(c.chunk_sel, strides)) for c in copies) + itemsize
+    return start, stop
+
+
+def plan_batch(
+    batch_id: int,
+    samples: Sequence[Sample],
+    open_reader: Callable[[str], ArrayReader],
+    max_gap: int = 64 << 10,
+    max_read: int = 8 << 20,
+) -> BatchPlan:
+    """Plan one batch. Raises the typed errors of opening arrays and of out-of-bounds boxes."""
+    sources: list[ArrayReader] = []
+    source_of: dict[str, int] = {}
+    tasks: dict[tuple[int, tuple[int, ...]], ChunkTask] = {}
+    needed = 0
+    bytes_needed = 0
+    for row, sample in enumerate(samples):
+        sid = source_of.get(sample.uri)
+        if sid is None:
+            sid = source_of[sample.uri] = len(sources)
+            sources.append(open_reader(sample.uri))
+        reader = sources[sid]
+        check_in_bounds(sample.aabb, reader.shape, sample.uri)
+        bytes_needed += math.prod(sample.shape) * reader.dtype.itemsize
+        for piece in chunk_intersections(sample.aabb, reader.chunks):
+            needed += 1
+            task = tasks.get((sid, piece.index))
+            if task is None:
+                task = tasks[(sid, piece.index)] = ChunkTask(sid, piece.index, "")
+            task.copies.append(Copy(row, piece.chunk_sel, piece.box_sel))
+
+    chunks = list(tasks.values())
+    by_shard: dict[str, list[int]] = {}
+    file_reads: list[FileRead] = []
+    for cid, task in enumerate(chunks):
+        reader = sources[task.source]
+        meta = reader.metadata
+        task.byte_start, task.byte_stop = _byte_range(meta.read_chunk_shape, meta.dtype.itemsize, task.copies)
+        if meta.sharding is None:
+            task.key = meta.chunk_key(task.index)
+            task.path = os.path.join(reader.path, task.key)
+            file_reads.append(FileRead(task.path, (cid,)))
+            continue
+        shard_index, inner = meta.sharding.inner_position(task.index)
+        shard_key = meta.chunk_key(shard_index)
+        task.key = f"{shard_key}[{inner}]"
+        table = reader.shard_index(shard_key)
+        if table is None:
+            continue  # missing shard: fill
+        offset, length = (int(v) for v in table[inner])
+        if offset == length == EMPTY_ENTRY:
+            continue  # empty inner chunk: fill
+        task.path = os.path.join(reader.path, shard_key)
+        task.offset, task.length = offset, length
+        by_shard.setdefault(task.path, []).append(cid)
+    for path, cids in by_shard.items():
+        reads = coalesce([(chunks[c].offset, chunks[c].length) for c in cids], max_gap=max_gap, max_length=max_read)
+        file_reads.append(FileRead(path, tuple(cids), tuple(reads)))
+    shape = box_shape(samples[0].aabb) if samples else ()
+    return BatchPlan(batch_id, tuple(samples), shape, sources, chunks, file_reads, needed, bytes_needed)

@@ -1,0 +1,168 @@
+"""Engine pieces on their own: partial blosc decoding, the batch planner, the transient budget."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numcodecs
+import numpy as np
+import pytest
+import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from zarr.codecs import BloscCodec
+
+import stoker
+from stoker.engine.buffers import Cancelled, TransientBudget
+from stoker.engine.plan import plan_batch
+from stoker.zarr import blosc_partial
+
+pytestmark = pytest.mark.timeout(60)
+
+_CHUNK = (np.arange(32 * 64 * 64, dtype=np.uint32) * 2654435761 % 5003).astype(np.uint16).reshape(32, 64, 64)
+
+
+@pytest.mark.skipif(not blosc_partial.available(), reason="numcodecs' blosc does not export blosc_getitem")
+@pytest.mark.parametrize("cname", ["lz4", "zstd", "blosclz", "zlib"])
+@pytest.mark.parametrize("shuffle", [0, 1, 2])
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_partial_decode_matches_full_decode(cname, shuffle, data):
+    frame = numcodecs.Blosc(cname, 5, shuffle, blocksize=16384).encode(_CHUNK)
+    n = _CHUNK.nbytes
+    start = data.draw(st.integers(0, n - 1))
+    stop = data.draw(st.integers(start + 1, n))
+    dest = np.full(_CHUNK.shape, 0xBEEF, dtype=np.uint16)
+    assert blosc_partial.decode_range(frame, start, stop, dest)
+    got = dest.view(np.uint8).reshape(-1)[start:stop]
+    assert np.array_equal(got, _CHUNK.view(np.uint8).reshape(-1)[start:stop])
+
+
+@pytest.mark.skipif(not blosc_partial.available(), reason="no blosc_getitem")
+def test_partial_decode_really_skips_blocks():
+    frame = numcodecs.Blosc("lz4", 5, 1, blocksize=16384).encode(_CHUNK)
+    dest = np.full(_CHUNK.shape, 0xBEEF, dtype=np.uint16)
+    blosc_partial.decode_range(frame, 0, 100, dest)
+    flat = dest.reshape(-1)
+    assert (flat[16384 // 2:] == 0xBEEF).all()  # later blocks were never written
+
+
+@pytest.mark.parametrize("damage", ["truncated", "block_table", "cbytes"])
+def test_partial_decode_rejects_forged_frames(damage):
+    frame = bytearray(numcodecs.Blosc("lz4", 5, 1, blocksize=16384).encode(_CHUNK))
+    if damage == "truncated":
+        frame = frame[:-3]
+    elif damage == "block_table":
+        frame[16:20] = (2**31 - 1).to_bytes(4, "little")
+    else:
+        frame[12:16] = (len(frame) + 100).to_bytes(4, "little")
+    with pytest.raises(blosc_partial.PartialDecodeError):
+        blosc_partial.decode_range(bytes(frame), 0, 100, np.empty_like(_CHUNK))
+
+
+def test_codec_range_decode_raises_decode_error_naming_key(tmp_path):
+    z = zarr.create_array(str(tmp_path / "a.zarr"), shape=(32, 64, 64), chunks=(32, 64, 64), dtype="uint16",
+                          compressors=BloscCodec(cname="lz4", shuffle="shuffle"))
+    z[:] = _CHUNK
+    arr = stoker.open_array(tmp_path / "a.zarr")
+    key, raw = arr.encoded_chunk((0, 0, 0))
+    codec = arr.metadata.codec
+    assert codec.partial
+    out = np.empty(codec.shape, codec.dtype)
+    codec.decode_range_into(raw, out, 4096, 8192, key)
+    assert np.array_equal(out.view(np.uint8).reshape(-1)[4096:8192], _CHUNK.view(np.uint8).reshape(-1)[4096:8192])
+    with pytest.raises(stoker.DecodeError, match="c/0/0/0"):
+        codec.decode_range_into(raw[:-1], out, 0, 10, key)
+
+
+@pytest.fixture(scope="module")
+def arrays(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan")
+    plain = zarr.create_array(str(root / "plain.zarr"), shape=(16, 16), chunks=(4, 4), dtype="uint16")
+    plain[:] = 1
+    sharded = zarr.create_array(str(root / "sharded.zarr"), shape=(16, 16), chunks=(4, 4), shards=(8, 8),
+                                dtype="uint16")
+    sharded[0:8, 0:8] = 1  # shard (0, 0) only; inner chunks written
+    sharded[0:4, 0:4] = 0  # ...and inner chunk (0, 0) back to fill: an empty index entry
+    return str(root / "plain.zarr"), str(root / "sharded.zarr")
+
+
+def _opener():
+    cache = {}
+    return lambda uri: cache.setdefault(uri, stoker.open_array(uri))
+
+
+def test_plan_dedupes_chunks_and_records_every_copy(arrays):
+    plain, _ = arrays
+    samples = [stoker.Sample(plain, [(2, 6), (2, 6)]), stoker.Sample(plain, [(2, 6), (2, 6)]),
+               stoker.Sample(plain, [(4, 8), (0, 4)])]
+    plan = plan_batch(0, samples, _opener())
+    assert plan.chunks_needed == 4 + 4 + 1
+    assert sorted(c.index for c in plan.chunks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    c10 = next(c for c in plan.chunks if c.index == (1, 0))
+    assert [cp.row for cp in c10.copies] == [0, 1, 2]
+    assert len(plan.file_reads) == 4 and all(fr.whole_file for fr in plan.file_reads)
+    assert plan.bytes_needed == 3 * 16 * 2
+
+
+def test_plan_byte_range_covers_exactly_the_selected_rows(arrays):
+    plain, _ = arrays
+    plan = plan_batch(0, [stoker.Sample(plain, [(1, 3), (1, 2)])], _opener())
+    (task,) = plan.chunks
+    # rows 1..2 of a 4x4 uint16 chunk, columns 1..1: bytes from (1,1) to (2,1) inclusive
+    assert (task.byte_start, task.byte_stop) == ((1 * 4 + 1) * 2, (2 * 4 + 1) * 2 + 2)
+
+
+def test_plan_sharded_coalesces_and_fills(arrays):
+    _, sharded = arrays
+    samples = [stoker.Sample(sharded, [(0, 8), (0, 16)])]  # shard (0,0) present, shard (0,1) missing
+    plan = plan_batch(0, samples, _opener())
+    fills = {plan.chunks[i].index for i in plan.fill_chunks}
+    assert (0, 0) in fills  # empty index entry
+    assert {(0, 2), (0, 3), (1, 2), (1, 3)} <= fills  # missing shard file
+    (fr,) = plan.file_reads
+    assert fr.path.endswith("c/0/0") and len(fr.chunk_ids) == 3 and len(fr.reads) == 1  # coalesced
+
+
+def test_plan_raises_typed_errors(arrays, tmp_path):
+    plain, _ = arrays
+    with pytest.raises(stoker.OutOfBounds):
+        plan_batch(0, [stoker.Sample(plain, [(0, 4), (14, 18)])], _opener())
+    with pytest.raises(stoker.NotFound):
+        plan_batch(0, [stoker.Sample(str(tmp_path / "none.zarr"), [(0, 4), (0, 4)])], _opener())
+
+
+def test_budget_waits_for_release_and_cancels():
+    budget = TransientBudget(100)
+    budget.reserve(80, lambda: False)
+    done = threading.Event()
+
+    def second():
+        budget.reserve(50, lambda: False)
+        done.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    time.sleep(0.1)
+    assert not done.is_set()  # 80 + 50 > 100: it waits
+    budget.release(80)
+    assert done.wait(2)
+    t.join()
+    with pytest.raises(Cancelled):
+        budget.reserve(60, lambda: True)
+    with pytest.raises(ValueError):
+        budget.reserve(101, lambda: False)
+
+
+def test_budget_scratch_reuse_counts_against_capacity():
+    budget = TransientBudget(100)
+    budget.reserve(40, lambda: False)
+    buf = budget.take_scratch(40)
+    budget.give_scratch(buf)  # reservation becomes cached memory
+    assert budget.in_use == 40
+    budget.reserve(40, lambda: False)
+    assert budget.take_scratch(40) is buf  # reused, not reallocated
+    budget.reserve(60, lambda: False)  # 40 in use + 60 fits exactly
+    assert budget.in_use == 100
+    assert budget.peak <= 100
