@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from zarr.codecs import BloscCodec
 
 import stoker
-from stoker.engine.buffers import Cancelled, TransientBudget
+from stoker.engine.buffers import Cancelled, Reservation, TransientBudget, size_class
 from stoker.engine.plan import plan_batch
 from stoker.zarr import blosc_partial
 
@@ -155,14 +155,40 @@ def test_budget_waits_for_release_and_cancels():
         budget.reserve(101, lambda: False)
 
 
-def test_budget_scratch_reuse_counts_against_capacity():
-    budget = TransientBudget(100)
-    budget.reserve(40, lambda: False)
-    buf = budget.take_scratch(40)
-    budget.give_scratch(buf)  # reservation becomes cached memory
-    assert budget.in_use == 40
-    budget.reserve(40, lambda: False)
-    assert budget.take_scratch(40) is buf  # reused, not reallocated
-    budget.reserve(60, lambda: False)  # 40 in use + 60 fits exactly
-    assert budget.in_use == 100
-    assert budget.peak <= 100
+def test_budget_buffer_reuse_counts_against_capacity():
+    cap = size_class(1)
+    budget = TransientBudget(3 * cap)
+    budget.reserve(cap, lambda: False)
+    buf = budget.take(100)
+    assert buf.nbytes == cap
+    budget.give(buf)  # the reservation becomes cached memory
+    assert (budget.reserved, budget.in_use) == (0, cap)
+    budget.reserve(cap, lambda: False)
+    assert budget.take(cap) is buf  # reused, not reallocated
+    budget.reserve(2 * cap, lambda: False)  # cap in use + 2 cap fits exactly
+    assert budget.in_use == 3 * cap and budget.peak <= 3 * cap
+
+
+def test_reservation_returns_exactly_what_it_held():
+    cap = size_class(1)
+    budget = TransientBudget(10 * cap)
+    res = Reservation(budget, users=2)
+    res.reserve(4 * cap, lambda: False)
+    shared = res.take(cap, keep=True)
+    scratch = res.take(cap)
+    res.give(scratch)
+    res.done()
+    assert budget.reserved == 3 * cap  # still held: one user left
+    res.done()
+    assert budget.reserved == 0 and budget.in_use == 2 * cap  # shared + scratch cached for reuse
+    assert shared.nbytes == cap
+
+
+def test_plan_splits_a_shard_into_bounded_read_groups(arrays):
+    _, sharded = arrays
+    samples = [stoker.Sample(sharded, [(0, 8), (0, 8)])]  # 3 present inner chunks of shard (0, 0)
+    one_chunk = 4 * 4 * 2
+    plan = plan_batch(0, samples, _opener(), max_group=1, cost=lambda t, r: t.length + one_chunk)
+    assert len(plan.file_reads) == 3 and all(len(fr.chunk_ids) == 1 for fr in plan.file_reads)
+    plan = plan_batch(0, samples, _opener(), max_group=10**9)
+    assert len(plan.file_reads) == 1 and len(plan.file_reads[0].chunk_ids) == 3

@@ -382,6 +382,20 @@ def test_complex_source_cannot_be_cast(tmp_path):
         assert x.dtype == torch.complex64 and bool((x == (1 + 2j)).all())
 
 
+@pytest.mark.parametrize("fixture", ["volume", "sharded"])
+def test_budget_is_fully_returned_after_drain(fixture, request):
+    uri, data = request.getfixturevalue(fixture)
+    with stoker.Pipeline(_cfg(host_buffer_bytes=8 << 20)) as p:
+        p.push(_random_samples(uri, data.shape, (8, 16, 32), 24))
+        _check_all(p, data, "f32")
+        budget = p._budget
+        deadline = time.monotonic() + 5
+        while budget.reserved and time.monotonic() < deadline:
+            time.sleep(0.01)  # the last tasks return their reservations just after the batch is done
+        assert budget.reserved == 0
+        assert 0 < budget.peak <= budget.capacity
+
+
 def test_stats_amplification_and_table(volume):
     uri, data = volume
     with stoker.Pipeline(_cfg()) as p:

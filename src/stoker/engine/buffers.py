@@ -37,8 +37,21 @@ class Cancelled(Exception):
     """Internal: work stopped because the pipeline is closing."""
 
 
+_GRAIN = 64 << 10  # buffers are pooled in 64 KiB size classes
+
+
+def size_class(nbytes: int) -> int:
+    """The pooled capacity that holds ``nbytes``."""
+    return max(_GRAIN, -(-nbytes // _GRAIN) * _GRAIN)
+
+
 class TransientBudget:
-    """Byte budget for in-flight buffers, with a free list of decode scratch buffers."""
+    """Byte budget for in-flight buffers, with a free list of reusable buffers.
+
+    ``reserved`` bytes are promised to in-flight work (buffers in use count here);
+    ``cached`` bytes are free buffers kept for reuse. ``reserved + cached`` never
+    exceeds ``capacity``: cached buffers are dropped to make room.
+    """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -51,6 +64,10 @@ class TransientBudget:
     @property
     def in_use(self) -> int:
         return self._reserved + self._cached
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
 
     def reserve(self, nbytes: int, cancelled: Callable[[], bool]) -> None:
         """Wait until ``nbytes`` fit (dropping cached buffers if needed); raise Cancelled on close."""
@@ -76,26 +93,74 @@ class TransientBudget:
                 return
 
     def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` of a reservation that no buffer holds."""
         with self._cond:
             self._reserved -= nbytes
             self._cond.notify_all()
 
-    def take_scratch(self, nbytes: int) -> np.ndarray:
-        """A ``nbytes`` uint8 buffer from inside an existing reservation (never waits)."""
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of ``size_class(nbytes)`` bytes, paid for by the caller's reservation."""
+        cap = size_class(nbytes)
         with self._cond:
-            pool = self._free.get(nbytes)
+            pool = self._free.get(cap)
             if pool:
-                self._cached -= nbytes  # the buffer now lives inside the caller's reservation
+                self._cached -= cap
                 return pool.pop()
-        return np.empty(nbytes, dtype=np.uint8)
+        return np.empty(cap, dtype=np.uint8)
 
-    def give_scratch(self, buf: np.ndarray) -> None:
-        """Return a scratch buffer: its share of the reservation becomes cached memory."""
+    def give(self, buf: np.ndarray) -> None:
+        """Return a buffer: its share of the caller's reservation becomes cached memory."""
         with self._cond:
             self._reserved -= buf.nbytes
             self._free[buf.nbytes].append(buf)
             self._cached += buf.nbytes
             self._cond.notify_all()
+
+
+class Reservation:
+    """What one unit of work (a file read and its chunks' decodes) holds of the budget.
+
+    Shared by ``users`` tasks on several threads; when the last one calls
+    :meth:`done`, whatever the buffers did not take back is released.
+    """
+
+    def __init__(self, budget: TransientBudget, users: int) -> None:
+        self.budget = budget
+        self.users = users
+        self.held = 0
+        self._kept: list[np.ndarray] = []  # buffers shared by all users, given back by the last
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int, cancelled: Callable[[], bool]) -> None:
+        self.budget.reserve(nbytes, cancelled)
+        with self._lock:
+            self.held += nbytes
+
+    def take(self, nbytes: int, keep: bool = False) -> np.ndarray:
+        """A pooled buffer inside this reservation; ``keep`` returns it when the last user is done."""
+        buf = self.budget.take(nbytes)
+        if keep:
+            with self._lock:
+                self._kept.append(buf)
+        return buf
+
+    def give(self, buf: np.ndarray) -> None:
+        self.budget.give(buf)
+        with self._lock:
+            self.held -= buf.nbytes
+
+    def done(self) -> None:
+        with self._lock:
+            self.users -= 1
+            if self.users:
+                return
+            kept, self._kept = self._kept, []
+        for buf in kept:
+            self.give(buf)
+        with self._lock:
+            rest, self.held = self.held, 0
+        if rest:
+            self.budget.release(rest)
 
 
 class Slot:

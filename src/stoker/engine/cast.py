@@ -47,14 +47,28 @@ def batch_dtype(requested: torch.dtype | None, source: np.dtype, uri: str) -> to
     return requested
 
 
-def copy_cast(dst: torch.Tensor, src: np.ndarray) -> None:
-    """``dst[...] = src`` with the module's casting rules; ``src`` may be strided or byte-swapped."""
+def numpy_view(t: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of ``t`` when numpy has its dtype (not bfloat16), else None."""
+    try:
+        return t.numpy()
+    except TypeError:
+        return None
+
+
+def copy_cast(dst: torch.Tensor | np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` with the module's casting rules; ``src`` may be strided or byte-swapped.
+
+    ``dst`` is a numpy view where numpy has the dtype (the fast path: numpy casts
+    with one correct rounding), else a torch tensor (bfloat16: via float32).
+    """
     if not src.dtype.isnative:
         src = src.astype(src.dtype.newbyteorder("="))
-    if dst.dtype in _NUMPY_OUT or dst.dtype == torch_dtype_of(src.dtype):
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src, casting="unsafe")
+    elif dst.dtype in _NUMPY_OUT or dst.dtype == torch_dtype_of(src.dtype):
         np.copyto(dst.numpy(), src, casting="unsafe")
-        return
-    dst.copy_(torch.from_numpy(np.ascontiguousarray(src) if src.ndim == 0 else src))
+    else:
+        dst.copy_(torch.from_numpy(np.ascontiguousarray(src) if src.ndim == 0 else src))
 
 
 def fill_value_as(fill: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

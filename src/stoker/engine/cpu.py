@@ -19,9 +19,10 @@ import torch
 
 from ..errors import DecodeError
 from ..storage import LocalStore
+from ..zarr import blosc_partial
 from ..zarr.codecs import blosc_header
-from .buffers import Cancelled, TransientBudget
-from .cast import copy_cast, fill_value_as
+from .buffers import Cancelled, Reservation, TransientBudget, size_class
+from .cast import copy_cast, fill_value_as, numpy_view
 from .plan import BatchPlan, ChunkTask, FileRead
 from .stats import StatsRecorder
 
@@ -32,6 +33,7 @@ class Job:
     def __init__(self, plan: BatchPlan, out: torch.Tensor, n_chunks: int) -> None:
         self.plan = plan
         self.out = out
+        self.out_np = numpy_view(out)  # numpy indexing costs far less GIL time than torch's
         self.done = threading.Event()
         self.error: BaseException | None = None
         self._remaining = n_chunks
@@ -50,22 +52,6 @@ class Job:
             self._remaining -= n
             if self._remaining <= 0 or self.error is not None:
                 self.done.set()
-
-
-class _Lease:
-    """A reservation shared by the chunks of one file read; returned when the last one is done."""
-
-    __slots__ = ("budget", "nbytes", "users", "lock")
-
-    def __init__(self, budget: TransientBudget, nbytes: int, users: int) -> None:
-        self.budget, self.nbytes, self.users, self.lock = budget, nbytes, users, threading.Lock()
-
-    def done(self) -> None:
-        with self.lock:
-            self.users -= 1
-            last = self.users == 0
-        if last:
-            self.budget.release(self.nbytes)
 
 
 class CpuExecutor:
@@ -125,79 +111,109 @@ class CpuExecutor:
         job.finish()
 
     def _read(self, job: Job, fr: FileRead) -> None:
+        """Read one file's share into a pooled buffer, then hand each chunk to the compute pool.
+
+        The reservation covers the encoded buffer and every chunk's decode scratch, taken in one step.
+        """
         plan = job.plan
         chunks = [plan.chunks[c] for c in fr.chunk_ids]
-        scratch = sum(plan.sources[c.source].metadata.codec.nbytes for c in chunks)
-        if fr.whole_file:
-            encoded_size = self.store.size(fr.path)
-            if encoded_size is None:  # an absent chunk file is the fill value
-                fill = fill_value_as(plan.sources[chunks[0].source].metadata.fill_value, job.out.dtype)
-                self._fill(job, chunks[0], fill)
-                return
-        else:
-            encoded_size = sum(r.length for r in fr.reads)
-        lease = _Lease(self.budget, encoded_size + scratch, len(chunks))
-        self.budget.reserve(lease.nbytes, self.cancelled)
+        scratch = sum(size_class(plan.sources[c.source].metadata.codec.nbytes) for c in chunks)
+        res = Reservation(self.budget, users=len(chunks))
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             pieces: dict[int, memoryview] = {}
             if fr.whole_file:
-                data = self.store.read(fr.path)
-                if data is None:
-                    raise DecodeError(f"{fr.path} vanished while the batch was being read", key=chunks[0].key)
-                pieces[fr.chunk_ids[0]] = memoryview(data)
-                nread = len(data)
+                task = chunks[0]
+                with self.store.open_file(fr.path) as f:
+                    if f is None:  # an absent chunk file is the fill value
+                        fill = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype)
+                        res.done()
+                        self._fill(job, task, fill)
+                        return
+                    res.reserve(size_class(f.size) + scratch, self.cancelled)
+                    view = memoryview(res.take(f.size, keep=True))[: f.size]
+                    nread = self._read_chunk_file(f, view, plan.sources[task.source], task)
+                pieces[fr.chunk_ids[0]] = view
             else:
+                total = sum(r.length for r in fr.reads)
+                res.reserve(sum(size_class(r.length) for r in fr.reads) + scratch, self.cancelled)
                 nread = 0
                 for read in fr.reads:
-                    buf = self.store.read_range(fr.path, read.offset, read.length)
-                    if buf is None or len(buf) != read.length:
+                    buf = res.take(read.length, keep=True)
+                    view = memoryview(buf)[: read.length]
+                    got = self.store.read_range_into(fr.path, read.offset, view)
+                    if got != read.length:
                         raise DecodeError(
                             f"{plan.sources[chunks[0].source].uri}: shard {fr.path!r} is shorter than its index "
-                            f"claims (wanted [{read.offset}, {read.offset + read.length}))",
+                            f"claims (wanted [{read.offset}, {read.offset + read.length}), total {total})",
                             key=chunks[0].key,
                         )
-                    nread += len(buf)
-                    view = memoryview(buf)
+                    nread += got
                     for i, sl in read.slices():
                         pieces[fr.chunk_ids[i]] = view[sl]
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
             self.stats.add(bytes_read=nread)
         except BaseException:
-            self.budget.release(lease.nbytes)
+            for _ in chunks:
+                res.done()
             raise
         for cid in fr.chunk_ids:
-            self._compute.submit(self._guard_decode, job, plan.chunks[cid], pieces[cid], lease)
+            self._compute.submit(self._guard_decode, job, plan.chunks[cid], pieces[cid], res)
 
-    def _guard_decode(self, job: Job, task: ChunkTask, encoded: memoryview, lease: _Lease) -> None:
+    def _read_chunk_file(self, f, view: memoryview, reader, task: ChunkTask) -> int:
+        """Read a chunk file into ``view``: only header, block table and needed blocks when decoding partially.
+
+        ``view`` is a pooled buffer that may hold bytes of an earlier chunk, so every
+        short read is an error: stale bytes must never be decoded as this chunk.
+        """
+        def read(lo: int, hi: int) -> int:
+            got = f.read_into(view[lo:hi], lo)
+            if got != hi - lo:
+                raise DecodeError(f"{reader.uri}: chunk {task.key!r} changed while it was read", uri=reader.uri,
+                                  key=task.key)
+            return got
+
+        codec = reader.metadata.codec
+        if not codec.partial or f.size <= blosc_partial.HEADER_SIZE:
+            return read(0, f.size)
         try:
-            self._guard(job, 1, self._decode, job, task, encoded)
-        finally:
-            lease.done()
+            nread = read(0, blosc_partial.HEADER_SIZE)
+            table = min(blosc_partial.table_size(view[: blosc_partial.HEADER_SIZE]), f.size)
+            nread += read(blosc_partial.HEADER_SIZE, table)
+            lo, hi = blosc_partial.stored_range(view[:table], task.byte_start, task.byte_stop)
+        except blosc_partial.PartialDecodeError as exc:
+            raise DecodeError(f"{reader.uri}: chunk {task.key!r} is not a valid blosc frame ({exc})",
+                              uri=reader.uri, key=task.key) from None
+        return nread + read(max(lo, table), hi)
 
-    def _decode(self, job: Job, task: ChunkTask, encoded: memoryview) -> None:
+    def _guard_decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation) -> None:
+        try:
+            self._guard(job, 1, self._decode, job, task, encoded, res)
+        finally:
+            res.done()
+
+    def _decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation) -> None:
         reader = job.plan.sources[task.source]
         codec = reader.metadata.codec
         t0 = time.perf_counter()
         scratch = None
         if codec.partial:
-            scratch = self.budget.take_scratch(codec.nbytes)
-            chunk = scratch.view(codec.dtype).reshape(codec.shape)
+            scratch = res.take(codec.nbytes)
+            chunk = scratch[: codec.nbytes].view(codec.dtype).reshape(codec.shape)
             codec.decode_range_into(encoded, chunk, task.byte_start, task.byte_stop, task.key)
             decoded = _blosc_decoded_bytes(encoded, task.byte_start, task.byte_stop, codec.nbytes)
         else:
-            chunk = codec.decode(encoded, task.key)
+            chunk = codec.decode(encoded, task.key)  # allocates; its size is inside the reservation
             decoded = codec.nbytes
         t1 = time.perf_counter()
-        self.stats.stage("decode", t1 - t0, bytes_in=len(encoded), bytes_out=decoded)
+        out = job.out if job.out_np is None else job.out_np
         try:
             for c in task.copies:
-                copy_cast(job.out[c.row][c.box_sel], chunk[c.chunk_sel])
+                copy_cast(out[(c.row, *c.box_sel)], chunk[c.chunk_sel])
         finally:
             if scratch is not None:
-                self.budget.give_scratch(scratch)
-        self.stats.stage("assemble", time.perf_counter() - t1)
-        self.stats.add(chunks_decoded=1, bytes_decoded=decoded)
+                res.give(scratch)
+        self.stats.chunk(t1 - t0, time.perf_counter() - t1, len(encoded), decoded)
         job.finish()
 
 

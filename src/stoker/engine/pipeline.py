@@ -34,7 +34,7 @@ from ..errors import (
 from ..sample import Sample
 from ..storage import LocalStore
 from .batch import Batch
-from .buffers import SlotRing, TransientBudget
+from .buffers import SlotRing, TransientBudget, size_class
 from .cast import batch_dtype
 from .cpu import CpuExecutor, Job
 from .plan import BatchPlan, plan_batch
@@ -105,6 +105,8 @@ class Pipeline:
         self._launching = False  # samples taken from the sources but not yet in _inflight
         self._pending = 0
         self._shape: tuple[int, ...] | None = cfg.sample_shape
+        # One read group (a shard's coalesced inner chunks plus their decode scratch) reserves at most this.
+        self._group_limit = min(8 << 20, cfg.host_buffer_bytes // 16)
         self._batch_ids = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -259,7 +261,8 @@ class Pipeline:
         batch_id = next(self._batch_ids)
         t0 = time.perf_counter()
         try:
-            plan = plan_batch(batch_id, samples, self._open)
+            plan = plan_batch(batch_id, samples, self._open, max_group=self._group_limit,
+                              cost=lambda t, r: size_class(t.length) + size_class(r.metadata.codec.nbytes))
             dtype = self._batch_dtype(plan)
             self._ensure_buffers(plan, dtype)
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
@@ -291,10 +294,10 @@ class Pipeline:
         if self._slots is not None:
             return
         itemsize = torch.empty((), dtype=dtype).element_size()
-        # The largest single reservation: one chunk's encoded bytes (bounded by its decoded size for
-        # the codecs we read, plus slack) and its decode scratch; coalesced shard reads are capped too.
-        chunk = max(r.metadata.codec.nbytes for r in plan.sources)
-        transient = 3 * chunk + (8 << 20 if any(r.metadata.sharding for r in plan.sources) else 0)
+        # The largest single reservation: one read group, or one chunk's encoded bytes (at most its
+        # decoded size plus codec overhead for what we read) and its decode scratch.
+        chunk = max(size_class(r.metadata.codec.nbytes) for r in plan.sources)
+        transient = max(self._group_limit, 2 * chunk + size_class(1))
         self._check_budget(plan.sample_shape, itemsize, transient)
         self._slots = SlotRing(self._n_slots, (self.cfg.batch_size, *plan.sample_shape), dtype)
         self._budget = TransientBudget(self.cfg.host_buffer_bytes - self._slots.nbytes)

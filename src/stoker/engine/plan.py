@@ -100,14 +100,34 @@ def _byte_range(shape: Sequence[int], itemsize: int, copies: list[Copy]) -> tupl
     return start, stop
 
 
+def _groups(cids: list[int], chunks: list[ChunkTask], cost: Callable[[ChunkTask], int], limit: int) -> list[list[int]]:
+    """Split one shard's chunks (in file order) into groups costing at most ``limit`` (a lone chunk always fits)."""
+    groups: list[list[int]] = []
+    total = 0
+    for cid in sorted(cids, key=lambda c: chunks[c].offset):
+        c = cost(chunks[cid])
+        if groups and total + c <= limit:
+            groups[-1].append(cid)
+            total += c
+        else:
+            groups.append([cid])
+            total = c
+    return groups
+
+
 def plan_batch(
     batch_id: int,
     samples: Sequence[Sample],
     open_reader: Callable[[str], ArrayReader],
     max_gap: int = 64 << 10,
-    max_read: int = 8 << 20,
+    max_group: int = 8 << 20,
+    cost: Callable[[ChunkTask, ArrayReader], int] | None = None,
 ) -> BatchPlan:
-    """Plan one batch. Raises the typed errors of opening arrays and of out-of-bounds boxes."""
+    """Plan one batch. Raises the typed errors of opening arrays and of out-of-bounds boxes.
+
+    Inner chunks of one shard are read together, coalesced, in groups whose
+    ``cost`` (by default encoded plus decoded bytes) stays within ``max_group``.
+    """
     sources: list[ArrayReader] = []
     source_of: dict[str, int] = {}
     tasks: dict[tuple[int, tuple[int, ...]], ChunkTask] = {}
@@ -152,8 +172,14 @@ def plan_batch(
         task.path = os.path.join(reader.path, shard_key)
         task.offset, task.length = offset, length
         by_shard.setdefault(task.path, []).append(cid)
+    def default_cost(task: ChunkTask, reader: ArrayReader) -> int:
+        return task.length + reader.metadata.codec.nbytes
+
+    weigh = cost or default_cost
     for path, cids in by_shard.items():
-        reads = coalesce([(chunks[c].offset, chunks[c].length) for c in cids], max_gap=max_gap, max_length=max_read)
-        file_reads.append(FileRead(path, tuple(cids), tuple(reads)))
+        for group in _groups(cids, chunks, lambda t: weigh(t, sources[t.source]), max_group):
+            reads = coalesce([(chunks[c].offset, chunks[c].length) for c in group], max_gap=max_gap,
+                             max_length=max_group)
+            file_reads.append(FileRead(path, tuple(group), tuple(reads)))
     shape = box_shape(samples[0].aabb) if samples else ()
     return BatchPlan(batch_id, tuple(samples), shape, sources, chunks, file_reads, needed, bytes_needed)

@@ -89,6 +89,20 @@ class StatsRecorder:
             m[2] += bytes_in
             m[3] += bytes_out
 
+    def chunk(self, decode_s: float, assemble_s: float, bytes_in: int, decoded: int) -> None:
+        """One decoded chunk: decode and assemble stages plus counters, under one lock."""
+        with self._lock:
+            d = self._stages["decode"]
+            d[0] += decode_s
+            d[1] += 1
+            d[2] += bytes_in
+            d[3] += decoded
+            a = self._stages["assemble"]
+            a[0] += assemble_s
+            a[1] += 1
+            self._counters["chunks_decoded"] += 1
+            self._counters["bytes_decoded"] += decoded
+
     def add(self, **counts: int) -> None:
         with self._lock:
             for name, value in counts.items():

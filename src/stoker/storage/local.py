@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import StorageError
 from .ranges import coalesce
@@ -148,6 +148,50 @@ class LocalStore:
             self.counters.bytes_read += done
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def _preadv_into(self, fd: int, path: str, view: memoryview, offset: int) -> int:
+        """Fill ``view`` from ``offset``; returns the bytes read (fewer only at end of file)."""
+        done = 0
+        while done < len(view):
+            try:
+                got = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as exc:
+                raise StorageError(f"read of {path} at {offset + done} failed: {exc.strerror}", path=path) from None
+            if not got:
+                break
+            done += got
+        with self._lock:
+            self.counters.reads += 1
+            self.counters.bytes_read += done
+        return done
+
+    @contextmanager
+    def open_file(self, path: str) -> Iterator["OpenFile | None"]:
+        """An uncached descriptor for files read once per use (unsharded chunks); ``None`` when missing.
+
+        Thousands of chunk files would only churn the descriptor cache, so they
+        are opened and closed here instead.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            if exc.errno in _MISSING:
+                yield None
+                return
+            raise StorageError(f"cannot open {path}: {exc.strerror}", path=path) from None
+        try:
+            with self._lock:
+                self.counters.files_opened += 1
+            yield OpenFile(self, fd, path, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+    def read_range_into(self, path: str, offset: int, view: memoryview) -> int | None:
+        """Fill ``view`` with the file's bytes at ``offset`` (cached descriptor); ``None`` when missing."""
+        with self._open(path) as handle:
+            if handle is None:
+                return None
+            return self._preadv_into(handle.fd, path, view, offset)
+
     def size(self, path: str) -> int | None:
         """File size in bytes, or ``None`` when the file does not exist."""
         with self._open(path) as handle:
@@ -184,6 +228,19 @@ class LocalStore:
                 for i, sl in read.slices():
                     out[i] = buf[sl]
         return out
+
+
+class OpenFile:
+    """A file opened by :meth:`LocalStore.open_file`: its size and positional reads into buffers."""
+
+    __slots__ = ("store", "fd", "path", "size")
+
+    def __init__(self, store: LocalStore, fd: int, path: str, size: int) -> None:
+        self.store, self.fd, self.path, self.size = store, fd, path, size
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        """Fill ``view`` from ``offset``; returns bytes read (fewer only at end of file)."""
+        return self.store._preadv_into(self.fd, self.path, view, offset)
 
 
 def default_store() -> LocalStore:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,8 @@ _MEMCPYED = 0x2
 
 
 def _load_getitem():
+    if sys.byteorder != "little":  # the frame's little-endian fields are read as native ints
+        return None
     try:
         import numcodecs.blosc as nb
 
@@ -66,12 +69,49 @@ def frame_info(frame: Any) -> tuple[int, int, int, int]:
         table_end = _HEADER.size + 4 * nblocks
         if table_end > cbytes:
             raise PartialDecodeError("blosc block table runs past the end of the frame")
-        starts = np.frombuffer(mv[_HEADER.size:table_end], dtype="<i4")
-        if starts.size and (starts.min() < table_end or starts.max() >= cbytes):
+        starts = mv[_HEADER.size:table_end].cast("i")  # little-endian hosts only (see _getitem)
+        if min(starts) < table_end or max(starts) >= cbytes:
             raise PartialDecodeError("blosc block table points outside the frame")
     elif flags & _MEMCPYED and cbytes != nbytes + _HEADER.size:
         raise PartialDecodeError("memcpyed blosc frame has the wrong size")
     return typesize, nbytes, blocksize, cbytes
+
+
+HEADER_SIZE = _HEADER.size
+
+
+def table_size(header: Any) -> int:
+    """Bytes of header plus block-offset table, from the first 16 bytes of a frame."""
+    mv = memoryview(header).cast("B")
+    if len(mv) < _HEADER.size:
+        raise PartialDecodeError("short blosc header")
+    _, _, flags, typesize, nbytes, blocksize, _ = _HEADER.unpack_from(mv)
+    if flags & _MEMCPYED or not nbytes or not blocksize:
+        return _HEADER.size
+    return _HEADER.size + 4 * -(-nbytes // blocksize)
+
+
+def stored_range(head: Any, byte_start: int, byte_stop: int) -> tuple[int, int]:
+    """``(offset, stop)`` of the stored bytes that hold decoded bytes ``[byte_start, byte_stop)``.
+
+    ``head`` is the frame's header and block table (:func:`table_size` bytes);
+    reading just this range (plus ``head``) is enough for :func:`decode_range`.
+    """
+    mv = memoryview(head).cast("B")
+    _, _, flags, typesize, nbytes, blocksize, cbytes = _HEADER.unpack_from(mv)
+    if flags & _MEMCPYED:
+        lo = byte_start // typesize * typesize
+        return _HEADER.size + lo, min(cbytes, _HEADER.size + -(-byte_stop // typesize) * typesize)
+    nblocks = -(-nbytes // blocksize)
+    if len(mv) < _HEADER.size + 4 * nblocks:
+        raise PartialDecodeError("blosc block table is incomplete")
+    starts = mv[_HEADER.size:_HEADER.size + 4 * nblocks].cast("i")
+    first, last = byte_start // blocksize, (byte_stop - 1) // blocksize
+    stop = int(starts[last + 1]) if last + 1 < nblocks else cbytes
+    lo = int(starts[first])
+    if not _HEADER.size + 4 * nblocks <= lo <= stop <= cbytes:
+        raise PartialDecodeError("blosc block table points outside the frame")
+    return lo, stop
 
 
 def decode_range(frame: Any, byte_start: int, byte_stop: int, dest: np.ndarray) -> bool:

@@ -75,6 +75,7 @@ class ChunkCodec:
     filters: tuple[Codec, ...] = ()
     compressors: tuple[Codec, ...] = ()
     _plain: bool = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)  # decoded size of one chunk in bytes
 
     def __post_init__(self) -> None:
         plain = (
@@ -83,11 +84,7 @@ class ChunkCodec:
             and (self.stored_dtype.isnative or self.stored_dtype.itemsize == 1)
         )
         object.__setattr__(self, "_plain", plain)
-
-    @property
-    def nbytes(self) -> int:
-        """Decoded size of one chunk in bytes."""
-        return math.prod(self.shape) * self.dtype.itemsize
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
 
     @property
     def partial(self) -> bool:
