@@ -412,3 +412,131 @@ def test_stats_amplification_and_table(volume):
         assert word in text
     p2_stats = s.stages["decode"]
     assert p2_stats.count == s.chunks_decoded
+
+
+def test_out_of_order_blosc_blocks_read_correctly_end_to_end(tmp_path):
+    """Chunk files whose blosc blocks are stored out of order (as multi-threaded c-blosc writes them)."""
+    import numcodecs
+    from test_engine_units import _out_of_order_frame
+
+    z = zarr.create_array(str(tmp_path / "o.zarr"), shape=(64, 256, 128), chunks=(32, 128, 128), dtype="uint16",
+                          compressors=BloscCodec(cname="lz4", clevel=5, shuffle="shuffle", blocksize=65536))
+    rng = np.random.default_rng(11)
+    data = (np.cumsum(rng.integers(-3, 4, size=z.shape), axis=2) + 1000).astype(np.uint16)
+    z[:] = data
+    for f in (tmp_path / "o.zarr" / "c").rglob("*"):
+        if f.is_file():
+            chunk = np.frombuffer(numcodecs.Blosc().decode(f.read_bytes()), np.uint16).reshape(32, 128, 128)
+            f.write_bytes(_out_of_order_frame(chunk))
+    uri = str(tmp_path / "o.zarr")
+    samples = _random_samples(uri, data.shape, (16, 40, 50), 48, seed=5)
+    with stoker.Pipeline(_cfg(dtype="native")) as p:
+        p.push(samples)
+        assert _check_all(p, data, "native") == samples
+
+
+def test_close_from_another_thread_never_hands_out_a_partial_batch(volume):
+    uri, data = volume
+
+    def slow():
+        for s in itertools.cycle(_random_samples(uri, data.shape, (8, 16, 16), 8)):
+            time.sleep(0.05)
+            yield s
+
+    p = stoker.Pipeline(_cfg(host_buffer_bytes=2 << 20))
+    p.push(slow())
+    outcome = []
+
+    def consumer():
+        try:
+            while True:
+                with p.pop() as b:
+                    x = torch.from_dlpack(b)
+                    for row, s in enumerate(b.samples):  # every batch handed out must be complete
+                        assert torch.equal(x[row], _expected(data, s, "f32"))
+        except stoker.ShutdownError:
+            outcome.append("shutdown")
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    time.sleep(0.5)
+    p.close()
+    t.join(5)
+    assert outcome == ["shutdown"]
+
+
+def test_source_error_with_drop_last_emits_no_short_batch(volume):
+    uri, data = volume
+    good = _random_samples(uri, data.shape, (4, 4, 4), 6)
+
+    def gen():
+        yield from good
+        raise KeyError("source broke")
+
+    with stoker.Pipeline(_cfg(batch_size=4)) as p:
+        p.push(gen())
+        with p.pop() as b:
+            assert len(b) == 4
+        with pytest.raises(stoker.InvalidArgument, match="source broke"):
+            p.pop()  # the 2 samples before the error do not make a short batch
+    with stoker.Pipeline(_cfg(batch_size=4, drop_last=False)) as p:
+        p.push(gen())
+        assert len(p.pop()) == 4
+        assert len(p.pop()) == 2
+        with pytest.raises(stoker.InvalidArgument):
+            p.pop()
+
+
+def test_unclosed_pipeline_is_collected_and_its_thread_ends(volume):
+    uri, data = volume
+    import weakref
+
+    p = stoker.Pipeline(_cfg())
+    p.push(itertools.cycle(_random_samples(uri, data.shape, (4, 4, 4), 8)))
+    with p.pop():
+        pass
+    ref = weakref.ref(p)
+    thread = p._thread
+    del p
+    deadline = time.monotonic() + 5
+    while (ref() is not None or thread.is_alive()) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert ref() is None and not thread.is_alive()
+
+
+def test_concurrent_pops_deliver_each_batch_once(volume):
+    uri, data = volume
+    samples = _random_samples(uri, data.shape, (4, 8, 8), 4 * 30)
+    got = []
+    lock = threading.Lock()
+    with stoker.Pipeline(_cfg()) as p:
+        p.push(samples)
+
+        def consumer():
+            for _ in range(10):
+                with p.pop() as b:
+                    with lock:
+                        got.append(b.info.batch_id)
+
+        threads = [threading.Thread(target=consumer) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    assert sorted(got) == list(range(30))
+
+
+def test_a_chunk_larger_than_the_budget_is_a_typed_error(tmp_path):
+    small, _ = _write(tmp_path / "small.zarr", (16, 16), (4, 4))
+    big, _ = _write(tmp_path / "big.zarr", (2048, 2048), (2048, 2048), compressors=None)  # 8 MiB chunk
+    samples = [stoker.Sample(str(tmp_path / "small.zarr"), [(0, 4), (0, 4)]),
+               stoker.Sample(str(tmp_path / "big.zarr"), [(0, 4), (0, 4)])]
+    with stoker.Pipeline(_cfg(batch_size=1, host_buffer_bytes=4 << 20)) as p:
+        p.push(samples)
+        with p.pop():
+            pass
+        with pytest.raises(stoker.BudgetExceeded, match="host_buffer_bytes"):
+            p.pop()

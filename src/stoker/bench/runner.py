@@ -32,6 +32,9 @@ from ..zarr.grid import chunk_intersections
 from .datasets import VolumeSpec, ensure, warm_page_cache
 
 
+LOOKAHEAD = 3  # stoker's lookahead_batches in the benchmark
+
+
 @dataclass(frozen=True)
 class Scenario:
     number: int
@@ -146,7 +149,7 @@ def _slices(s: Sample) -> tuple[slice, ...]:
 
 def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int) -> Result:
     cfg = Config(batch_size=batch_size, dtype="f32", host_buffer_bytes=host_buffer_bytes,
-                 n_io_threads=2, n_compute_threads=os.cpu_count() or 1, lookahead_batches=3)
+                 n_io_threads=2, n_compute_threads=os.cpu_count() or 1, lookahead_batches=LOOKAHEAD)
     n = len(samples) // batch_size - 1
     with RssSampler() as rss, Pipeline(cfg) as p:
         t_push = time.perf_counter()
@@ -281,8 +284,30 @@ def run_decode_bound(samples: list[Sample], batch_size: int, itemsize: int) -> R
 # -- the run ----------------------------------------------------------------------------------------
 
 
+def host_budget(sc: Scenario, batch_size: int, requested: int | None) -> int:
+    """The scenario's host_buffer_bytes: as requested, or batch slots plus 256 MiB for reading and decoding."""
+    if requested:
+        return requested
+    slot = batch_size * int(np.prod(sc.crop)) * 4  # float32 output
+    return (LOOKAHEAD + 1) * slot + (256 << 20)
+
+
+def measure_alone(paths: list[str], sc: Scenario, n_batches: int, batch_size: int, host_buffer_bytes: int) -> dict:
+    """Run stoker on the same crops in a fresh process and return its memory figures."""
+    import json
+    import subprocess
+    import sys
+
+    args = json.dumps({"paths": paths, "shape": list(sc.volume.shape), "crop": list(sc.crop), "grid": sc.grid,
+                       "seed": sc.number, "n_batches": n_batches, "batch_size": batch_size,
+                       "host_buffer_bytes": host_buffer_bytes})
+    out = subprocess.run([sys.executable, "-m", "stoker.bench.memory", args], capture_output=True, text=True,
+                         check=True, timeout=1800)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host_buffer_bytes: int,
-                 slow_batches: int, peers: set[str]) -> list[Result]:
+                 slow_batches: int, peers: set[str], growth: bool = False) -> list[Result]:
     paths = ensure(root, sc.volume)
     warm_page_cache(paths)
     samples = make_samples(paths, sc.volume.shape, sc.crop, (n_batches + 1) * batch_size, sc.grid, seed=sc.number)
@@ -298,6 +323,13 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
         results.append(run_zarr_dataloader(samples, batch_size, itemsize, slow_batches))
     if "bound" in peers:
         results.append(run_decode_bound(samples, batch_size, itemsize))
+    if "stoker" in peers:
+        st = next(r for r in results if r.peer == "stoker")
+        st.extra["alone"] = measure_alone(paths, sc, n_batches, batch_size, host_buffer_bytes)
+        st.extra["host_buffer_bytes"] = host_buffer_bytes
+        if growth and len(paths) >= 10:  # the same crops drawn from a tenth of the arrays
+            st.extra["alone_small"] = measure_alone(paths[: len(paths) // 10], sc, n_batches, batch_size,
+                                                    host_buffer_bytes)
     return results
 
 
@@ -319,7 +351,16 @@ def format_results(sc: Scenario, results: list[Result], baseline_rss: int) -> st
             f"{bound.extra['bytes_decoded'] / max(1, bound.delivered_bytes):.2f}x)" if bound else
             f"stoker: read amplification {stats.read_amplification:.2f}, decode {stats.decode_amplification:.2f}"
         )
-        lines.append(f"stoker: first batch {st.extra['first_batch_s'] * 1e3:.0f} ms after push; peak RSS "
-                     f"{st.peak_rss / 1e6:.0f} MB ({(st.peak_rss - baseline_rss) / 1e6:+.0f} MB over the "
-                     f"{baseline_rss / 1e6:.0f} MB before any peer ran)")
+        lines.append(f"stoker: first batch {st.extra['first_batch_s'] * 1e3:.0f} ms after push")
+        alone = st.extra.get("alone")
+        if alone:
+            budget = st.extra["host_buffer_bytes"]
+            lines.append(
+                f"stoker alone (fresh process): peak RSS {alone['peak'] / 1e6:.0f} MB = host_buffer_bytes "
+                f"{budget / 1e6:.0f} MB {(alone['peak'] - budget) / 1e6:+.0f} MB (interpreter and libraries "
+                f"{alone['baseline'] / 1e6:.0f} MB); buffers at peak {alone['peak_host_bytes'] / 1e6:.0f} MB")
+        small = st.extra.get("alone_small")
+        if small and alone:
+            lines.append(f"stoker dataset growth: peak RSS {small['peak'] / 1e6:.0f} MB over a tenth of the arrays, "
+                         f"{alone['peak'] / 1e6:.0f} MB over all ({alone['peak'] / small['peak'] - 1:+.1%})")
     return "\n".join(lines)

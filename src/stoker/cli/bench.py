@@ -14,7 +14,7 @@ PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..bench.runner import format_results, rss_bytes, run_scenario, scenarios
+    from ..bench.runner import format_results, host_budget, rss_bytes, run_scenario, scenarios
 
     chosen = scenarios(tiny=args.tiny)
     if args.scenarios:
@@ -24,11 +24,12 @@ def run(args: argparse.Namespace) -> int:
     root = args.data or cache_dir() / "bench"
     print(f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
           f"batch {args.batch_size}, {args.batches} timed batches ({args.slow_batches} for zarr peers), "
-          f"f32 out, host_buffer_bytes {args.host_buffer_bytes:,}; data in {root}")
+          f"f32 out; data in {root}")
     baseline = rss_bytes()
     for sc in chosen:
-        results = run_scenario(sc, root, args.batches, args.batch_size, args.host_buffer_bytes,
-                               args.slow_batches, peers)
+        budget = host_budget(sc, args.batch_size, args.host_buffer_bytes)
+        results = run_scenario(sc, root, args.batches, args.batch_size, budget, args.slow_batches, peers,
+                               growth=sc.number == 6)
         print(format_results(sc, results, baseline), flush=True)
     return 0
 
@@ -40,7 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batches", type=int, default=30, help="timed batches per fast peer (default 30)")
     p.add_argument("--slow-batches", type=int, default=6, help="timed batches for the zarr peers (default 6)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--host-buffer-bytes", type=int, default=512 << 20)
+    p.add_argument("--host-buffer-bytes", type=int, default=None,
+                   help="stoker's budget (default: per scenario, batch slots + 256 MiB)")
     p.add_argument("--data", type=lambda s: __import__("pathlib").Path(s), help="dataset directory")
     p.add_argument("--tiny", action="store_true", help="small datasets: a smoke run in seconds")
     p.set_defaults(run=run)

@@ -16,21 +16,24 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import defaultdict
 from typing import Callable
 
 import numpy as np
 import torch
 
-from ..errors import ShutdownError
+from ..errors import BudgetExceeded, ShutdownError
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def storage_refs(tensor: torch.Tensor) -> int | None:
     """How many tensors share ``tensor``'s storage, or None when torch cannot tell us."""
-    fn = getattr(torch._C, "_storage_Use_Count", None)
-    if fn is None:
+    if _use_count is None:
         return None
-    return int(fn(tensor.untyped_storage()._cdata))
+    return int(_use_count(tensor.untyped_storage()._cdata))
 
 
 class Cancelled(Exception):
@@ -72,10 +75,15 @@ class TransientBudget:
     def reserve(self, nbytes: int, cancelled: Callable[[], bool]) -> None:
         """Wait until ``nbytes`` fit (dropping cached buffers if needed); raise Cancelled on close."""
         if nbytes > self.capacity:
-            raise ValueError(f"a reservation of {nbytes} bytes exceeds the budget of {self.capacity}")
+            raise BudgetExceeded(
+                f"reading and decoding one group of chunks needs {nbytes:,} B, but host_buffer_bytes leaves "
+                f"{self.capacity:,} B next to the batch slots; raise Config.host_buffer_bytes",
+                knob="host_buffer_bytes", needed=nbytes,
+            )
         with self._cond:
             while True:
-                while self._reserved + self._cached + nbytes > self.capacity and self._cached:
+                # drop cached buffers only when that makes the request fit
+                while self._cached and self._reserved + nbytes <= self.capacity < self._reserved + self._cached + nbytes:
                     self._drop_one_locked()
                 if self._reserved + self._cached + nbytes <= self.capacity:
                     self._reserved += nbytes
@@ -177,6 +185,12 @@ class SlotRing:
     """``n`` batch slots; :meth:`acquire` returns one no consumer can still see."""
 
     def __init__(self, n: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if _use_count is None:
+            warnings.warn(
+                "this torch build cannot report tensor storage use counts: stoker reuses a batch slot as soon "
+                "as the batch is released, so clone() any tensor you keep past release()",
+                RuntimeWarning, stacklevel=3,
+            )
         self.shape = shape
         self.dtype = dtype
         self.slots = [Slot(i, torch.empty(shape, dtype=dtype)) for i in range(n)]

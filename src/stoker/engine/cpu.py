@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..errors import DecodeError
+from ..errors import DecodeError, ShutdownError
 from ..storage import LocalStore
 from ..zarr import blosc_partial
 from ..zarr.codecs import blosc_header
@@ -90,14 +90,21 @@ class CpuExecutor:
         return job
 
     def _guard(self, job: Job, n: int, fn, *args) -> None:
-        """Run a task; on any failure (or after the job failed) count its chunks as finished."""
-        if job.failed or self._closing:
+        """Run a task; on any failure (or after the job failed) count its chunks as finished.
+
+        Work skipped because the pipeline is closing finishes with a ShutdownError,
+        so a half-filled batch can never be mistaken for a complete one.
+        """
+        if job.failed:
             job.finish(n)
+            return
+        if self._closing:
+            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
             return
         try:
             fn(*args)
         except Cancelled:
-            job.finish(n)
+            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
         except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop
             job.finish(n, exc)
 
@@ -139,6 +146,8 @@ class CpuExecutor:
                 res.reserve(sum(size_class(r.length) for r in fr.reads) + scratch, self.cancelled)
                 nread = 0
                 for read in fr.reads:
+                    if self._closing:
+                        raise Cancelled()
                     buf = res.take(read.length, keep=True)
                     view = memoryview(buf)[: read.length]
                     got = self.store.read_range_into(fr.path, read.offset, view)
@@ -157,8 +166,14 @@ class CpuExecutor:
             for _ in chunks:
                 res.done()
             raise
-        for cid in fr.chunk_ids:
-            self._compute.submit(self._guard_decode, job, plan.chunks[cid], pieces[cid], res)
+        for i, cid in enumerate(fr.chunk_ids):
+            try:
+                self._compute.submit(self._guard_decode, job, plan.chunks[cid], pieces[cid], res)
+            except RuntimeError:  # the pool was shut down (close): account for every chunk not queued
+                for _ in fr.chunk_ids[i:]:
+                    res.done()
+                job.finish(len(fr.chunk_ids) - i, ShutdownError("the pipeline was closed"))
+                return
 
     def _read_chunk_file(self, f, view: memoryview, reader, task: ChunkTask) -> int:
         """Read a chunk file into ``view``: only header, block table and needed blocks when decoding partially.
@@ -178,7 +193,10 @@ class CpuExecutor:
             return read(0, f.size)
         try:
             nread = read(0, blosc_partial.HEADER_SIZE)
-            table = min(blosc_partial.table_size(view[: blosc_partial.HEADER_SIZE]), f.size)
+            header = view[: blosc_partial.HEADER_SIZE]
+            if not blosc_partial.partial_ok(header, codec.nbytes):
+                return nread + read(blosc_partial.HEADER_SIZE, f.size)  # decoded (or rejected) in full
+            table = min(blosc_partial.table_size(header), f.size)
             nread += read(blosc_partial.HEADER_SIZE, table)
             lo, hi = blosc_partial.stored_range(view[:table], task.byte_start, task.byte_stop)
         except blosc_partial.PartialDecodeError as exc:

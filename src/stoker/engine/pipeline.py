@@ -20,6 +20,7 @@ import itertools
 import math
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
@@ -109,6 +110,7 @@ class Pipeline:
         self._group_limit = min(8 << 20, cfg.host_buffer_bytes // 16)
         self._batch_ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._pop_lock = threading.Lock()  # pop is single-consumer: concurrent pops take turns
 
     # -- budget -----------------------------------------------------------------------------
 
@@ -173,7 +175,10 @@ class Pipeline:
     def _start(self) -> None:
         with self._cond:
             if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name="stoker-coordinator", daemon=True)
+                # The thread holds only a weak reference, so a pipeline nobody closed can still be
+                # collected (its __del__ closes it) instead of living on through its own thread.
+                self._thread = threading.Thread(target=_coordinate, args=(weakref.ref(self),),
+                                                name="stoker-coordinator", daemon=True)
                 self._thread.start()
 
     @property
@@ -184,32 +189,38 @@ class Pipeline:
 
     # -- coordinator ------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not self._closed and (
-                        len(self._inflight) >= self.cfg.lookahead_batches
-                        or (not self._sources and not (self._flush and self._staged))
-                    ):
-                        self._cond.wait(0.1)
-                    if self._closed:
-                        return
-                samples, error = self._pull()
-                if samples:
-                    self._launch(samples)
-                if error is not None:
-                    with self._cond:
-                        self._inflight.append(_Entry(next(self._batch_ids), 0, error=error))
-                        self._sources.clear()
-                with self._cond:
-                    self._launching = False
-                    self._cond.notify_all()
-        except BaseException as exc:  # noqa: BLE001 - a crash here must reach the consumer, not vanish
+    def _cycle(self) -> bool:
+        """One round of the coordinator: wait (at most 0.1 s) for room, then launch one batch.
+
+        Returns False when the pipeline is closed.
+        """
+        with self._cond:
+            if not self._closed and (
+                len(self._inflight) >= self.cfg.lookahead_batches
+                or (not self._sources and not (self._flush and self._staged))
+            ):
+                self._cond.wait(0.1)
+                return not self._closed
+            if self._closed:
+                return False
+        samples, error = self._pull()
+        if samples:
+            self._launch(samples)
+        if error is not None:
             with self._cond:
-                if self._error is None and not self._closed:
-                    self._inflight.append(_Entry(-1, 0, error=exc))
-                self._cond.notify_all()
+                self._inflight.append(_Entry(next(self._batch_ids), 0, error=error))
+                self._sources.clear()
+        with self._cond:
+            self._launching = False
+            self._cond.notify_all()
+        return True
+
+    def _crashed(self, exc: BaseException) -> None:
+        """A bug in the coordinator must reach the consumer, not vanish with the thread."""
+        with self._cond:
+            if self._error is None and not self._closed:
+                self._inflight.append(_Entry(-1, 0, error=exc))
+            self._cond.notify_all()
 
     def _pull(self) -> tuple[list[Sample], BaseException | None]:
         """Up to batch_size samples (a short batch only when flushing), or an error from the source."""
@@ -227,11 +238,11 @@ class Pipeline:
                         self._sources.popleft()
                 continue
             except BaseException as exc:  # noqa: BLE001
-                return self._take_launching(), exc if isinstance(exc, StokerError) else _wrap_source_error(exc)
+                return self._take_before_error(), exc if isinstance(exc, StokerError) else _wrap_source_error(exc)
             try:
                 shape = self._validate(sample, self._shape)
             except StokerError as exc:
-                return self._take_launching(), exc
+                return self._take_before_error(), exc
             with self._cond:
                 self._shape = self._shape or shape
                 if not counted:
@@ -245,10 +256,15 @@ class Pipeline:
                 return batch, None
         return [], None
 
-    def _take_launching(self) -> list[Sample]:
+    def _take_before_error(self) -> list[Sample]:
+        """Samples staged before a source error: a short batch only when drop_last is off."""
         with self._cond:
             self._launching = True
-            return self._take()
+            batch = self._take()
+            if self.cfg.drop_last and len(batch) < self.cfg.batch_size:
+                self._pending = max(0, self._pending - len(batch))
+                return []
+            return batch
 
     def _take(self) -> list[Sample]:
         batch, self._staged = self._staged[: self.cfg.batch_size], self._staged[self.cfg.batch_size :]
@@ -260,9 +276,10 @@ class Pipeline:
     def _launch(self, samples: list[Sample]) -> None:
         batch_id = next(self._batch_ids)
         t0 = time.perf_counter()
+        if self._closed:
+            return
         try:
-            plan = plan_batch(batch_id, samples, self._open, max_group=self._group_limit,
-                              cost=lambda t, r: size_class(t.length) + size_class(r.metadata.codec.nbytes))
+            plan = plan_batch(batch_id, samples, self._open, max_group=self._group_limit, sizing=size_class)
             dtype = self._batch_dtype(plan)
             self._ensure_buffers(plan, dtype)
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
@@ -307,7 +324,14 @@ class Pipeline:
     # -- pop --------------------------------------------------------------------------------
 
     def pop(self, timeout: float | None = None) -> Batch:
-        """The next batch, in push order. Raises the pipeline's (sticky) error, or PoolStarved on timeout."""
+        """The next batch, in push order. Raises the pipeline's (sticky) error, or PoolStarved on timeout.
+
+        One consumer at a time: concurrent calls are serialised.
+        """
+        with self._pop_lock:
+            return self._pop(timeout)
+
+    def _pop(self, timeout: float | None) -> Batch:
         limit = self.cfg.pop_timeout_s if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
         t0 = time.perf_counter()
@@ -326,6 +350,7 @@ class Pipeline:
             if deadline is not None and time.monotonic() >= deadline:
                 raise PoolStarved(self._starved_message(limit))
         with self._cond:
+            self._raise_if_unusable()  # closed while we waited: the batch may be incomplete
             self._inflight.popleft()
             self._cond.notify_all()
         error = head.error or (head.job.error if head.job else None)
@@ -438,6 +463,21 @@ class Pipeline:
             self.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _coordinate(ref: "weakref.ReferenceType[Pipeline]") -> None:
+    """The coordinator thread: run cycles while the pipeline is alive and open."""
+    while True:
+        pipeline = ref()
+        if pipeline is None:
+            return
+        try:
+            if not pipeline._cycle():
+                return
+        except BaseException as exc:  # noqa: BLE001
+            pipeline._crashed(exc)
+            return
+        del pipeline  # hold no strong reference while idle
 
 
 def _wrap_source_error(exc: BaseException) -> StokerError:

@@ -15,6 +15,7 @@ the executor can decode only that part where the codec allows it.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 from dataclasses import dataclass, field
@@ -121,12 +122,14 @@ def plan_batch(
     open_reader: Callable[[str], ArrayReader],
     max_gap: int = 64 << 10,
     max_group: int = 8 << 20,
-    cost: Callable[[ChunkTask, ArrayReader], int] | None = None,
+    sizing: Callable[[int], int] = lambda n: n,
 ) -> BatchPlan:
     """Plan one batch. Raises the typed errors of opening arrays and of out-of-bounds boxes.
 
-    Inner chunks of one shard are read together, coalesced, in groups whose
-    ``cost`` (by default encoded plus decoded bytes) stays within ``max_group``.
+    Inner chunks of one shard are read together, coalesced, in groups whose cost
+    stays within ``max_group`` (unless a group is a single chunk). A group costs
+    what the executor reserves for it: ``sizing`` of each coalesced read (gaps
+    included) plus ``sizing`` of each chunk's decoded size.
     """
     sources: list[ArrayReader] = []
     source_of: dict[str, int] = {}
@@ -172,14 +175,22 @@ def plan_batch(
         task.path = os.path.join(reader.path, shard_key)
         task.offset, task.length = offset, length
         by_shard.setdefault(task.path, []).append(cid)
-    def default_cost(task: ChunkTask, reader: ArrayReader) -> int:
-        return task.length + reader.metadata.codec.nbytes
+    def chunk_cost(task: ChunkTask) -> int:
+        return sizing(task.length) + sizing(sources[task.source].metadata.codec.nbytes)
 
-    weigh = cost or default_cost
-    for path, cids in by_shard.items():
-        for group in _groups(cids, chunks, lambda t: weigh(t, sources[t.source]), max_group):
-            reads = coalesce([(chunks[c].offset, chunks[c].length) for c in group], max_gap=max_gap,
-                             max_length=max_group)
-            file_reads.append(FileRead(path, tuple(group), tuple(reads)))
+    pending = collections.deque(
+        g for cids in by_shard.values() for g in _groups(cids, chunks, chunk_cost, max_group)
+    )
+    while pending:
+        group = pending.popleft()
+        reads = coalesce([(chunks[c].offset, chunks[c].length) for c in group], max_gap=max_gap,
+                         max_length=max_group)
+        total = sum(sizing(r.length) for r in reads) + sum(
+            sizing(sources[chunks[c].source].metadata.codec.nbytes) for c in group)
+        if total > max_group and len(group) > 1:  # the gaps pushed it over: split and try again
+            half = len(group) // 2
+            pending.extendleft([group[half:], group[:half]])
+            continue
+        file_reads.append(FileRead(chunks[group[0]].path, tuple(group), tuple(reads)))
     shape = box_shape(samples[0].aabb) if samples else ()
     return BatchPlan(batch_id, tuple(samples), shape, sources, chunks, file_reads, needed, bytes_needed)

@@ -54,6 +54,7 @@ class LocalStore:
         self.max_open_files = max_open_files
         self._handles: OrderedDict[str, _Handle] = OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False  # after close(), descriptors are still usable but no longer cached
         self.counters = IOCounters()
 
     # -- descriptors -------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class LocalStore:
                     handle = raced
                     handle.users += 1
                     self._handles.move_to_end(path)
-                else:
+                elif not self._closed:
                     self._handles[path] = handle
                     self._evict_locked()
         try:
@@ -124,6 +125,7 @@ class LocalStore:
     def close(self) -> None:
         """Close every cached descriptor not in use (those in use close when released)."""
         with self._lock:
+            self._closed = True
             for handle in self._handles.values():
                 if handle.users == 0:
                     os.close(handle.fd)

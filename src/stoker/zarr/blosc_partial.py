@@ -80,15 +80,32 @@ def frame_info(frame: Any) -> tuple[int, int, int, int]:
 HEADER_SIZE = _HEADER.size
 
 
-def table_size(header: Any) -> int:
-    """Bytes of header plus block-offset table, from the first 16 bytes of a frame."""
-    mv = memoryview(header).cast("B")
+def _fields(mv: memoryview) -> tuple[int, int, int, int, int]:
+    """``(flags, typesize, nbytes, blocksize, cbytes)``, rejecting values that would divide by zero."""
     if len(mv) < _HEADER.size:
         raise PartialDecodeError("short blosc header")
-    _, _, flags, typesize, nbytes, blocksize, _ = _HEADER.unpack_from(mv)
-    if flags & _MEMCPYED or not nbytes or not blocksize:
+    version, _, flags, typesize, nbytes, blocksize, cbytes = _HEADER.unpack_from(mv)
+    if version == 0 or version > 4 or typesize == 0 or blocksize == 0 or nbytes == 0:
+        raise PartialDecodeError("not a blosc1 frame (zero version, typesize, blocksize or size)")
+    return flags, typesize, nbytes, blocksize, cbytes
+
+
+def table_size(header: Any) -> int:
+    """Bytes of header plus block-offset table, from the first 16 bytes of a frame."""
+    flags, _, nbytes, blocksize, _ = _fields(memoryview(header).cast("B"))
+    if flags & _MEMCPYED:
         return _HEADER.size
     return _HEADER.size + 4 * -(-nbytes // blocksize)
+
+
+def partial_ok(header: Any, expected_nbytes: int) -> bool:
+    """True when the frame's header allows reading and decoding only some blocks of a chunk of that size.
+
+    False for frames whose size is not a whole number of items (decoded in full)
+    and for frames of the wrong size (the full decode then reports the error).
+    """
+    _, typesize, nbytes, _, _ = _fields(memoryview(header).cast("B"))
+    return nbytes == expected_nbytes and nbytes % typesize == 0
 
 
 def stored_range(head: Any, byte_start: int, byte_stop: int) -> tuple[int, int]:
@@ -96,22 +113,29 @@ def stored_range(head: Any, byte_start: int, byte_stop: int) -> tuple[int, int]:
 
     ``head`` is the frame's header and block table (:func:`table_size` bytes);
     reading just this range (plus ``head``) is enough for :func:`decode_range`.
+    Blocks need not be stored in order (c-blosc compressing on several threads
+    writes them as they finish), so a block's stored extent runs from its start
+    to the next larger start of any block, and the range covers the needed
+    blocks' extents wherever they are.
     """
     mv = memoryview(head).cast("B")
-    _, _, flags, typesize, nbytes, blocksize, cbytes = _HEADER.unpack_from(mv)
+    flags, typesize, nbytes, blocksize, cbytes = _fields(mv)
+    if not 0 <= byte_start < byte_stop <= nbytes:
+        raise PartialDecodeError(f"byte range [{byte_start}, {byte_stop}) outside the frame")
     if flags & _MEMCPYED:
         lo = byte_start // typesize * typesize
         return _HEADER.size + lo, min(cbytes, _HEADER.size + -(-byte_stop // typesize) * typesize)
     nblocks = -(-nbytes // blocksize)
-    if len(mv) < _HEADER.size + 4 * nblocks:
+    table_end = _HEADER.size + 4 * nblocks
+    if len(mv) < table_end:
         raise PartialDecodeError("blosc block table is incomplete")
-    starts = mv[_HEADER.size:_HEADER.size + 4 * nblocks].cast("i")
-    first, last = byte_start // blocksize, (byte_stop - 1) // blocksize
-    stop = int(starts[last + 1]) if last + 1 < nblocks else cbytes
-    lo = int(starts[first])
-    if not _HEADER.size + 4 * nblocks <= lo <= stop <= cbytes:
-        raise PartialDecodeError("blosc block table points outside the frame")
-    return lo, stop
+    starts = list(mv[_HEADER.size:table_end].cast("i"))
+    if min(starts) < table_end or max(starts) >= cbytes or len(set(starts)) != nblocks:
+        raise PartialDecodeError("blosc block table points outside the frame or repeats a block")
+    ordered = sorted(starts)
+    end_of = dict(zip(ordered, ordered[1:] + [cbytes]))
+    needed = starts[byte_start // blocksize:(byte_stop - 1) // blocksize + 1]
+    return min(needed), max(end_of[s] for s in needed)
 
 
 def decode_range(frame: Any, byte_start: int, byte_stop: int, dest: np.ndarray) -> bool:
