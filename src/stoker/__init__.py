@@ -11,6 +11,7 @@ from .engine.batch import Batch, BatchInfo
 from .engine.pipeline import Pipeline
 from .engine.stats import Metric, Stats
 from .sample import Sample
+from .sources import RandomCrops, SampleList, SampleSource, ShardedSource, TileGrid
 from .errors import (
     BudgetExceeded,
     DecodeError,
@@ -36,7 +37,12 @@ __all__ = [
     "Config",
     "Metric",
     "Pipeline",
+    "RandomCrops",
     "Sample",
+    "SampleList",
+    "SampleSource",
+    "ShardedSource",
+    "TileGrid",
     "Stats",
     "open_array",
     "BudgetExceeded",

@@ -48,12 +48,13 @@ _MAX_OPEN_ARRAYS = 16384
 class _Entry:
     """A batch in flight: a running job, or an error to deliver in its place."""
 
-    __slots__ = ("job", "slot", "error", "batch_id", "rows", "t_submit")
+    __slots__ = ("job", "slot", "error", "batch_id", "rows", "t_submit", "source_ids")
 
     def __init__(self, batch_id: int, rows: int, job: Job | None = None, slot=None,
                  error: BaseException | None = None) -> None:
         self.batch_id, self.rows, self.job, self.slot, self.error = batch_id, rows, job, slot, error
         self.t_submit = time.perf_counter()
+        self.source_ids: list[int] = []
 
     def ready(self, timeout: float) -> bool:
         return self.job is None or self.job.done.wait(timeout)
@@ -96,9 +97,13 @@ class Pipeline:
         self._budget: TransientBudget | None = None
         self._executor: CpuExecutor | None = None
         self._cond = threading.Condition()
-        # (iterator, counted): sized pushes are counted in `pending` at push, generators as they are pulled
-        self._sources: collections.deque[tuple[Iterator[Any], bool]] = collections.deque()
-        self._staged: list[Sample] = []  # pulled, not yet in a batch
+        # (iterator, counted, source id): sized pushes are counted in `pending` at push, generators as pulled
+        self._sources: collections.deque[tuple[Iterator[Any], bool, int]] = collections.deque()
+        self._staged: list[tuple[Sample, int]] = []  # pulled, not yet in a batch, with their source id
+        self._source_ids = itertools.count()
+        self._resumable: dict[int, Any] = {}  # source id -> iterator that can report state_after(n)
+        self._popped: collections.Counter[int] = collections.Counter()  # source id -> samples popped
+        self._batches_popped = 0
         self._inflight: collections.deque[_Entry] = collections.deque()
         self._error: BaseException | None = None
         self._closed = False
@@ -130,27 +135,35 @@ class Pipeline:
     # -- push -------------------------------------------------------------------------------
 
     def push(self, samples: Sample | Iterable[Sample]) -> None:
-        """Queue samples: one Sample, a sequence (checked now) or any iterable (pulled lazily, checked then)."""
+        """Queue samples: one Sample, a sequence (checked now), a sharded source (pulled lazily, its
+        position tracked for :meth:`state_dict`) or any iterable (pulled lazily, checked then)."""
         with self._cond:
             self._raise_if_unusable()
         if isinstance(samples, Sample):
             samples = [samples]
-        if isinstance(samples, Sized) and not isinstance(samples, Iterator):
-            items = list(samples)
+        if not isinstance(samples, Iterable):
+            raise InvalidArgument(f"push takes a Sample or an iterable of Samples, got {type(samples).__name__}")
+        it = iter(samples)
+        if hasattr(it, "state_after"):  # a resumable source (ShardedSource): pulled lazily, position tracked
+            with self._cond:
+                sid = next(self._source_ids)
+                self._resumable[sid] = it
+                self._sources.append((it, False, sid))
+                self._cond.notify_all()
+        elif isinstance(samples, Sized) and not isinstance(samples, Iterator):
+            items = list(it)
             shape = self._shape
             for s in items:
                 shape = self._validate(s, shape)
             with self._cond:
                 self._shape = self._shape or shape
-                self._sources.append((iter(items), True))
+                self._sources.append((iter(items), True, next(self._source_ids)))
                 self._pending += len(items)
                 self._cond.notify_all()
-        elif isinstance(samples, Iterable):
-            with self._cond:
-                self._sources.append((iter(samples), False))
-                self._cond.notify_all()
         else:
-            raise InvalidArgument(f"push takes a Sample or an iterable of Samples, got {type(samples).__name__}")
+            with self._cond:
+                self._sources.append((it, False, next(self._source_ids)))
+                self._cond.notify_all()
         self._start()
 
     def _validate(self, s: Any, shape: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -229,7 +242,7 @@ class Pipeline:
             with self._cond:
                 if self._closed or not self._sources:
                     break
-                source, counted = self._sources[0]
+                source, counted, sid = self._sources[0]
             try:
                 sample = next(source)  # user code: outside the lock
             except StopIteration:
@@ -247,7 +260,7 @@ class Pipeline:
                 self._shape = self._shape or shape
                 if not counted:
                     self._pending += 1
-            self._staged.append(sample)
+            self._staged.append((sample, sid))
         with self._cond:
             if len(self._staged) >= want or (self._flush and not self._sources):
                 self._flush = False
@@ -273,7 +286,9 @@ class Pipeline:
     def _open(self, uri: str) -> ArrayReader:
         return self._readers.get_or_load(uri, lambda: open_array(uri, store=self._store, index_cache=self._index_cache))
 
-    def _launch(self, samples: list[Sample]) -> None:
+    def _launch(self, staged: list[tuple[Sample, int]]) -> None:
+        samples = [s for s, _ in staged]
+        source_ids = [sid for _, sid in staged]
         batch_id = next(self._batch_ids)
         t0 = time.perf_counter()
         if self._closed:
@@ -292,8 +307,10 @@ class Pipeline:
         while slot is None:
             slot = self._slots.acquire(lambda: self._closed, timeout=0.1)
         job = self._executor.submit(plan, slot.tensor[: plan.rows])
+        entry = _Entry(batch_id, plan.rows, job=job, slot=slot)
+        entry.source_ids = source_ids
         with self._cond:
-            self._inflight.append(_Entry(batch_id, plan.rows, job=job, slot=slot))
+            self._inflight.append(entry)
             self._cond.notify_all()
 
     def _batch_dtype(self, plan: BatchPlan) -> torch.dtype:
@@ -366,6 +383,8 @@ class Pipeline:
         plan = head.job.plan
         with self._cond:
             self._pending = max(0, self._pending - rows)
+            self._popped.update(head.source_ids)
+            self._batches_popped += 1
         wait = time.perf_counter() - t0
         self._stats.stage("pop_wait", wait)
         self._stats.add(
@@ -428,6 +447,23 @@ class Pipeline:
                     else:
                         return False
                 self._cond.wait(0.05)
+
+    # -- resumption -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The position of every resumable pushed source as of the last **popped** batch.
+
+        Batches prepared ahead (the lookahead) do not count, so a checkpoint written
+        after training step k resumes with batch k + 1 exactly::
+
+            state = p.state_dict()                       # {"sources": [...], "batches": k}
+            source.load_state_dict(state["sources"][0])  # later, possibly on another world size
+        """
+        with self._cond:
+            return {
+                "sources": [it.state_after(self._popped[sid]) for sid, it in self._resumable.items()],
+                "batches": self._batches_popped,
+            }
 
     # -- stats and lifetime -----------------------------------------------------------------
 

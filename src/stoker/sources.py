@@ -1,0 +1,329 @@
+"""Sample sources: a deterministic global order per epoch, split across ranks, resumable.
+
+>>> src = stoker.RandomCrops(["/data/a.zarr", "/data/b.zarr"], sample_shape=(32, 128, 128), seed=0)
+>>> mine = src.shard()                       # rank and world size from torch.distributed or RANK/WORLD_SIZE
+>>> mine.set_epoch(3)
+>>> pipeline.push(mine)                      # this rank's samples of epoch 3, in order
+>>> state = pipeline.state_dict()["sources"][0]   # as of the last popped batch
+>>> mine.load_state_dict(state)              # later, on any world size: continue where it stopped
+
+The global order of an epoch depends only on ``(seed, epoch)``; ``shard()`` splits
+it so that within an epoch the ranks' samples are disjoint, cover the order, and
+every rank gets the same number (short ranks wrap around, or all drop the tail
+with ``even="drop"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from . import shard as _shard
+from .errors import InvalidArgument
+from .sample import Sample
+
+_BLOCK = 1024  # RandomCrops draws samples in seeded blocks: cheap, and any index is reachable directly
+
+
+class SampleSource:
+    """Base class: ``len(source)`` samples per epoch, ``source.sample(epoch, i)`` is the i-th of the epoch."""
+
+    seed: int = 0
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def sample(self, epoch: int, index: int) -> Sample:
+        """The ``index``-th sample of ``epoch``'s global order."""
+        raise NotImplementedError
+
+    def _identity(self) -> Any:
+        """What the sample list is made of (JSON-able); the fingerprint hashes it."""
+        raise NotImplementedError
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the sample list: resuming with another list is refused."""
+        blob = json.dumps([type(self).__name__, self._identity()], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def shard(self, rank: int | None = None, world_size: int | None = None, policy: str = "strided",
+              even: str = "wrap") -> "ShardedSource":
+        """This rank's view. ``rank``/``world_size`` default to the torch.distributed group, else the
+        ``RANK``/``WORLD_SIZE`` environment, else a single process."""
+        if rank is None or world_size is None:
+            r, w = _current_rank()
+            rank = r if rank is None else rank
+            world_size = w if world_size is None else world_size
+        return ShardedSource(self, rank, world_size, policy, even)
+
+    def __iter__(self) -> Iterator[Sample]:
+        """Epoch 0 in global order, unsharded (a single process)."""
+        return iter(self.shard(0, 1))
+
+
+def _current_rank() -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _open_shapes(arrays: Sequence[str]) -> list[tuple[int, ...]]:
+    from .array import open_array
+
+    return [open_array(uri).shape for uri in arrays]
+
+
+class RandomCrops(SampleSource):
+    """Uniform random in-bounds crops over arrays, weighted by array volume unless ``weights`` is given.
+
+    ``samples_per_epoch`` defaults to the number of crops that would tile the data once.
+
+    >>> src = stoker.RandomCrops(["/data/a.zarr"], (32, 128, 128), seed=0, samples_per_epoch=10_000)
+    """
+
+    def __init__(self, arrays: Sequence[str], sample_shape: Sequence[int], seed: int = 0,
+                 samples_per_epoch: int | None = None, weights: Sequence[float] | None = None) -> None:
+        self.arrays = [os.fspath(a) for a in arrays]
+        if not self.arrays:
+            raise InvalidArgument("RandomCrops needs at least one array")
+        self.sample_shape = tuple(int(s) for s in sample_shape)
+        self.seed = int(seed)
+        self.shapes = _open_shapes(self.arrays)
+        for uri, shape in zip(self.arrays, self.shapes):
+            if len(shape) != len(self.sample_shape) or any(c > s for c, s in zip(self.sample_shape, shape)):
+                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}", uri=uri)
+        if weights is None:
+            w = np.array([math.prod(s) for s in self.shapes], dtype=np.float64)
+        else:
+            w = np.asarray(weights, dtype=np.float64)
+            if w.shape != (len(self.arrays),) or (w < 0).any() or not w.sum() > 0:
+                raise InvalidArgument(f"weights must be {len(self.arrays)} non-negative numbers, not all zero")
+        self.weights = w / w.sum()
+        total = sum(math.prod(s) for s in self.shapes)
+        self.samples_per_epoch = int(samples_per_epoch or max(1, total // math.prod(self.sample_shape)))
+        self._cdf = np.cumsum(self.weights)
+        self._cache: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch
+
+    def _block(self, epoch: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        cached = self._cache
+        if cached is not None and cached[0] == (epoch, block):
+            return cached[1]
+        rng = np.random.default_rng([self.seed, epoch, block])
+        which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"), len(self.arrays) - 1)
+        frac = rng.random((_BLOCK, len(self.sample_shape)))
+        limits = np.array([[s - c + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
+        corners = np.floor(frac * limits[which]).astype(np.int64)
+        self._cache = ((epoch, block), (which, corners))
+        return which, corners
+
+    def sample(self, epoch: int, index: int) -> Sample:
+        which, corners = self._block(epoch, index // _BLOCK)
+        k = index % _BLOCK
+        corner = corners[k]
+        return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)])
+
+    def _identity(self) -> Any:
+        return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
+                self.seed]
+
+
+class TileGrid(SampleSource):
+    """A regular grid of in-bounds crops over arrays (``stride`` defaults to the sample shape).
+
+    With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
+    """
+
+    def __init__(self, arrays: Sequence[str], sample_shape: Sequence[int], stride: Sequence[int] | None = None,
+                 shuffle: bool = False, seed: int = 0) -> None:
+        self.arrays = [os.fspath(a) for a in arrays]
+        self.sample_shape = tuple(int(s) for s in sample_shape)
+        self.stride = tuple(int(s) for s in (stride or self.sample_shape))
+        if any(s < 1 for s in self.stride):
+            raise InvalidArgument(f"stride must be positive, got {self.stride}")
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.shapes = _open_shapes(self.arrays)
+        self._counts = []
+        for uri, shape in zip(self.arrays, self.shapes):
+            if len(shape) != len(self.sample_shape):
+                raise InvalidArgument(f"{uri}: rank {len(shape)} differs from sample rank {len(self.sample_shape)}")
+            self._counts.append(tuple(max(0, (s - c) // st + 1) for s, c, st in
+                                      zip(shape, self.sample_shape, self.stride)))
+        self._offsets = np.cumsum([0] + [math.prod(c) for c in self._counts])
+        if self._offsets[-1] == 0:
+            raise InvalidArgument(f"no array can hold a {self.sample_shape} tile")
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    def sample(self, epoch: int, index: int) -> Sample:
+        if self.shuffle:
+            if self._perm is None or self._perm[0] != epoch:
+                self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self)))
+            index = int(self._perm[1][index])
+        a = int(np.searchsorted(self._offsets, index, side="right") - 1)
+        tile = np.unravel_index(index - int(self._offsets[a]), self._counts[a])
+        corner = [int(t) * st for t, st in zip(tile, self.stride)]
+        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
+
+    def _identity(self) -> Any:
+        return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed]
+
+
+class SampleList(SampleSource):
+    """An explicit list of samples (permuted per ``(seed, epoch)`` with ``shuffle=True``)."""
+
+    def __init__(self, samples: Sequence[Sample], shuffle: bool = False, seed: int = 0) -> None:
+        self.samples = list(samples)
+        if not all(isinstance(s, Sample) for s in self.samples):
+            raise InvalidArgument("SampleList takes stoker.Sample objects")
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def sample(self, epoch: int, index: int) -> Sample:
+        if self.shuffle:
+            if self._perm is None or self._perm[0] != epoch:
+                self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self)))
+            index = int(self._perm[1][index])
+        return self.samples[index]
+
+    def _identity(self) -> Any:
+        return [[s.uri, s.aabb] for s in self.samples] + [self.shuffle, self.seed]
+
+
+class ShardedSource:
+    """One rank's view of a source: iterate it, push it into a Pipeline, save and restore its position.
+
+    Iterating yields this rank's remaining samples of the current epoch (and
+    advances the position as samples are yielded); :meth:`forever` continues
+    into the following epochs.
+    """
+
+    def __init__(self, source: SampleSource, rank: int, world_size: int, policy: str, even: str) -> None:
+        _shard.check(rank, world_size, policy, even)
+        self.source = source
+        self.rank, self.world_size, self.policy, self.even = rank, world_size, policy, even
+        self.epoch = 0
+        self.steps = 0  # samples this rank consumed in the current run of this epoch
+        self.segments: list[list] = []  # earlier runs of this epoch: [world_size, policy, even, steps]
+
+    # -- order ------------------------------------------------------------------------------
+
+    def _remaining(self, segments: list[list]) -> np.ndarray:
+        return _shard.remaining_after(len(self.source), segments)
+
+    def _positions(self, segments: list[list]) -> np.ndarray:
+        return _shard.rank_positions(self._remaining(segments), self.rank, self.world_size, self.policy, self.even)
+
+    def __len__(self) -> int:
+        """Samples this rank still has in the current epoch."""
+        return max(0, len(self._positions(self.segments)) - self.steps)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning (call it on every rank, like DistributedSampler's)."""
+        self.epoch, self.steps, self.segments = int(epoch), 0, []
+
+    def __iter__(self) -> "_Cursor":
+        return _Cursor(self, forever=False)
+
+    def forever(self) -> "_Cursor":
+        """An endless iterator: this epoch's remaining samples, then the next epochs'."""
+        return _Cursor(self, forever=True)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _state(self, epoch: int, segments: list[list], steps: int) -> dict:
+        remaining = self._remaining(segments)
+        done = len(_shard.consumed(remaining, self.world_size, steps, self.policy, self.even))
+        if self.even == "drop" and steps >= _shard.per_rank(len(remaining), self.world_size, self.even):
+            done = len(remaining)  # the run took its whole share: the epoch is over, its dropped tail too
+        return {
+            "epoch": epoch,
+            "position": len(self.source) - len(remaining) + done,  # consumed by all ranks, this epoch
+            "seed": self.source.seed,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "fingerprint": self.source.fingerprint,
+            "policy": self.policy,
+            "even": self.even,
+            "steps": steps,
+            "segments": [list(s) for s in segments],
+        }
+
+    def state_dict(self) -> dict:
+        """Where this rank is: epoch, global position, and what is needed to resume on any world size."""
+        return self._state(self.epoch, self.segments, self.steps)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (saved with any world size): nothing repeated or skipped in the epoch."""
+        if state.get("fingerprint") != self.source.fingerprint:
+            raise InvalidArgument(
+                f"this state was saved for another sample list (fingerprint {state.get('fingerprint')!r}, this "
+                f"source is {self.source.fingerprint!r}): the same arrays, sample shape, seed and settings are needed"
+            )
+        segments = [list(x) for x in state.get("segments", [])]
+        if int(state.get("steps", 0)):
+            segments.append([int(state["world_size"]), state["policy"], state["even"], int(state["steps"])])
+        self.epoch, self.steps, self.segments = int(state["epoch"]), 0, segments
+
+
+class _Cursor:
+    """An iterator over a ShardedSource that knows the source's state after any number of its samples.
+
+    A Pipeline pulls ahead of what the consumer has popped; it asks
+    :meth:`state_after` for the state as of the samples really consumed.
+    """
+
+    def __init__(self, src: ShardedSource, forever: bool) -> None:
+        self.src = src
+        self.forever = forever
+        self.start = (src.epoch, [list(x) for x in src.segments], src.steps)
+        self._gen = self._run()
+
+    def _run(self) -> Iterator[Sample]:
+        src = self.src
+        epoch, segments, steps = self.start
+        while True:
+            positions = src._positions(segments)
+            for i in range(steps, len(positions)):
+                src.epoch, src.segments, src.steps = epoch, segments, i + 1
+                yield src.source.sample(epoch, int(positions[i]))
+            if not self.forever:
+                return
+            epoch, segments, steps = epoch + 1, [], 0
+
+    def __iter__(self) -> "_Cursor":
+        return self
+
+    def __next__(self) -> Sample:
+        return next(self._gen)
+
+    def state_after(self, n: int) -> dict:
+        """The source's state once ``n`` samples of this iterator have been consumed."""
+        epoch, segments, steps = self.start
+        steps += n
+        per_epoch = len(self.src._positions(segments))
+        while self.forever and per_epoch and steps >= per_epoch:
+            steps -= per_epoch
+            epoch, segments = epoch + 1, []
+            per_epoch = len(self.src._positions(segments))
+        return self.src._state(epoch, segments, steps)
