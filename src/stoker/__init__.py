@@ -12,6 +12,8 @@ from .engine.pipeline import Pipeline
 from .engine.stats import Metric, Stats
 from .sample import Sample
 from .sources import RandomCrops, SampleList, SampleSource, ShardedSource, TileGrid
+from .distributed import rank_info, reduce_max, reduce_stats
+from .telemetry import TelemetryWriter, memory_report
 from .errors import (
     BudgetExceeded,
     DecodeError,
@@ -42,7 +44,12 @@ __all__ = [
     "SampleList",
     "SampleSource",
     "ShardedSource",
+    "TelemetryWriter",
     "TileGrid",
+    "memory_report",
+    "rank_info",
+    "reduce_max",
+    "reduce_stats",
     "Stats",
     "open_array",
     "BudgetExceeded",
