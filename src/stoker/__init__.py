@@ -14,6 +14,7 @@ from .sample import Sample
 from .sources import RandomCrops, SampleList, SampleSource, ShardedSource, TileGrid
 from .distributed import rank_info, reduce_max, reduce_stats
 from .telemetry import TelemetryWriter, memory_report
+from .pin import DevicePrefetcher, Pinnable, pin_object
 from .errors import (
     BudgetExceeded,
     DecodeError,
@@ -35,6 +36,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayReader",
     "Batch",
+    "DevicePrefetcher",
+    "Pinnable",
     "BatchInfo",
     "Config",
     "Metric",
@@ -47,6 +50,7 @@ __all__ = [
     "TelemetryWriter",
     "TileGrid",
     "memory_report",
+    "pin_object",
     "rank_info",
     "reduce_max",
     "reduce_stats",

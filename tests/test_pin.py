@@ -1,0 +1,153 @@
+"""stoker.pin: the traversal behind pin_object/to_device, the CPU behaviour, and (on a GPU) real pinning."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+import pytest
+import torch
+
+import stoker.pin as pin
+
+pytestmark = pytest.mark.timeout(60)
+
+Pair = namedtuple("Pair", ["a", "b"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    coords: np.ndarray
+    label: str
+    extra: torch.Tensor = dataclasses.field(default=None, init=False)
+
+
+class SelfPinning:
+    def __init__(self, t):
+        self.t = t
+        self.pinned = False
+
+    def pin_memory(self):
+        out = SelfPinning(self.t)
+        out.pinned = True
+        return out
+
+
+class Opaque:
+    def __init__(self):
+        self.name = "x"
+        self.coords = torch.zeros(3)
+
+
+class Harmless:
+    def __init__(self):
+        self.name = "only metadata"
+
+
+def _recording():
+    seen = []
+
+    def leaf(t, path):
+        seen.append(path)
+        return t.clone() + 1
+
+    return seen, leaf
+
+
+def test_map_batch_keeps_types_and_reaches_every_leaf():
+    frame = Frame(coords=np.zeros((2, 3), np.float32), label="f")
+    object.__setattr__(frame, "extra", torch.ones(1))
+    batch = {"x": torch.zeros(2), "pair": Pair(torch.zeros(1), [np.zeros(1, np.int64), 3, "s", None]),
+             "frame": frame, "od": OrderedDict(k=torch.zeros(1)), "self": SelfPinning(torch.zeros(1)),
+             "tuple": (torch.zeros(1),), "meta": Harmless()}
+    seen, leaf = _recording()
+    out = pin.map_batch(batch, leaf, method="pin_memory")
+    assert isinstance(out["pair"], Pair) and isinstance(out["pair"].b, list)
+    assert isinstance(out["frame"], Frame) and out["frame"].label == "f"
+    assert isinstance(out["frame"].coords, torch.Tensor) and torch.equal(out["frame"].coords, torch.ones(2, 3))
+    assert torch.equal(out["frame"].extra, torch.full((1,), 2.0))  # non-init field handled too
+    assert isinstance(out["od"], OrderedDict) and isinstance(out["tuple"], tuple)
+    assert out["self"].pinned  # the Pinnable protocol is honoured
+    assert out["meta"] is batch["meta"] and out["pair"].b[1:] == [3, "s", None]
+    assert sorted(seen) == sorted([
+        "batch['x']", "batch['pair'].a", "batch['pair'].b[0]", "batch['frame'].coords", "batch['frame'].extra",
+        "batch['od']['k']", "batch['tuple'][0]",
+    ])
+    assert torch.equal(batch["x"], torch.zeros(2))  # input untouched
+
+
+def test_unknown_leaf_with_array_data_names_its_path():
+    batch = {"streams": [torch.zeros(1), torch.zeros(1), Opaque()]}
+    with pytest.raises(TypeError, match=r"batch\['streams'\]\[2\]\.coords") as info:
+        pin.map_batch(batch, lambda t, p: t, method="pin_memory")
+    assert "Pinnable" in str(info.value)
+    with pytest.raises(TypeError, match="numeric"):
+        pin.map_batch(np.array(["a"]), lambda t, p: t)
+
+
+def test_pin_object_without_cuda_returns_input_and_warns_once(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(pin, "_warned_no_cuda", False)
+    batch = {"x": torch.zeros(3)}
+    with pytest.warns(RuntimeWarning, match="nothing was pinned"):
+        assert pin.pin_object(batch) is batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pin.pin_object(batch) is batch  # once only
+
+
+def test_prefetcher_on_cpu_is_a_pass_through():
+    items = [{"x": torch.arange(3)}, {"x": torch.arange(4)}]
+    with pin.DevicePrefetcher(items, device="cpu") as pf:
+        out = list(pf)
+    assert all(a is b for a, b in zip(out, items)) and len(out) == 2
+
+
+def test_prefetcher_passes_source_errors_through():
+    def broken():
+        yield torch.zeros(1)
+        raise KeyError("source failed")
+
+    with pytest.raises(KeyError, match="source failed"):
+        list(pin.DevicePrefetcher(broken(), device="cpu"))
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_pin_object_pins_a_custom_nested_batch():
+    frame = Frame(coords=np.zeros((4, 3), np.float32), label="f")
+    batch = {"frames": [frame, frame], "x": torch.zeros(8), "p": Pair(torch.zeros(2), np.ones(3))}
+    out = pin.pin_object(batch)
+    assert out["x"].is_pinned() and out["p"].a.is_pinned() and out["p"].b.is_pinned()
+    assert all(f.coords.is_pinned() for f in out["frames"])
+    again = pin.pin_object(out)
+    assert again["x"].data_ptr() == out["x"].data_ptr()  # already pinned: not copied again
+
+
+@pytest.mark.cuda
+def test_prefetcher_delivers_fenced_device_batches():
+    batches = [{"x": torch.full((1 << 20,), float(i))} for i in range(6)]
+    with pin.DevicePrefetcher(batches, device="cuda", depth=2) as pf:
+        for i, b in enumerate(pf):
+            assert b["x"].is_cuda
+            y = (b["x"] * 2).sum().item()  # runs on the consumer's stream after the fence
+            assert y == 2.0 * i * (1 << 20)
+
+
+@pytest.mark.cuda
+def test_prefetcher_close_is_prompt():
+    def endless():
+        while True:
+            yield torch.zeros(1 << 16)
+
+    pf = pin.DevicePrefetcher(endless(), device="cuda", depth=2)
+    it = iter(pf)
+    next(it)
+    t0 = time.monotonic()
+    pf.close()
+    assert time.monotonic() - t0 < 1.5
