@@ -1,0 +1,262 @@
+"""What a record dataset holds, from metadata alone: sample names, field shapes and dtypes.
+
+A *record* is one Zarr group (v2 or v3); its arrays are the record's *fields*. The
+records are the child groups of ``root``, which is either a plain directory of
+stores or a Zarr group of groups::
+
+    root/sample_0000.zarr/{positions,velocity,cells}
+    root/sample_0001.zarr/...
+
+:func:`scan` lists the groups and reads each field's metadata document
+(``zarr.json`` or ``.zarray``), never chunk data, and checks the records against
+an optional field spec::
+
+    >>> cat = scan("/data/crash", {"positions": ("T", "N", 3), "cells": ("M", 3)})
+    >>> cat.names[:2], cat.shape(0, "positions"), cat.dtype(0, "positions")
+    (['run_000', 'run_001'], (40, 5120, 3), dtype('float32'))
+
+The result is compact and picklable: names in one list, shapes in one integer
+array per field, dtypes as small codes into a table. No file stays open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence, Union
+
+import numpy as np
+
+from ..array import read_metadata
+from ..errors import InvalidArgument, MetadataError, NotFound, RankMismatch
+from ..storage import LocalStore, resolve_local_path
+
+Dim = Union[str, int, None]
+"""One entry of a field spec: a dimension name (must agree across a record's fields),
+a fixed size, or ``None`` for any size."""
+
+FieldsArg = Union[None, Sequence[str], Mapping[str, Union[Sequence[Dim], None]]]
+
+TIME_DIM = "T"
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Metadata of every record: ``names[i]`` and per field an ``(n, ndim)`` array of stored shapes."""
+
+    root: str
+    names: list[str]
+    fields: tuple[str, ...]
+    specs: dict[str, tuple[Dim, ...] | None]
+    shapes: dict[str, np.ndarray]  # field -> int64 (n_records, ndim)
+    dtype_codes: dict[str, np.ndarray]  # field -> uint8 (n_records,), indexes dtype_table
+    dtype_table: tuple[np.dtype, ...]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def path(self, i: int, name: str | None = None) -> str:
+        """Local path of record ``i`` or of one of its fields."""
+        rec = os.path.join(self.root, self.names[i])
+        return rec if name is None else os.path.join(rec, *name.split("/"))
+
+    def shape(self, i: int, name: str) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.shapes[name][i])
+
+    def dtype(self, i: int, name: str) -> np.dtype:
+        return self.dtype_table[int(self.dtype_codes[name][i])]
+
+
+# -- discovery ---------------------------------------------------------------------------------
+
+
+def _node_kind(path: str, store: LocalStore) -> str | None:
+    """``"group"``, ``"array"`` or None for a directory that holds no Zarr node (metadata read only)."""
+    raw = store.read(os.path.join(path, "zarr.json"))
+    if raw is not None:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise MetadataError(f"{path}/zarr.json is not valid JSON", uri=path) from None
+        kind = doc.get("node_type") if isinstance(doc, dict) else None
+        if kind not in ("group", "array"):
+            raise MetadataError(f"{path}/zarr.json has node_type {kind!r}, expected 'group' or 'array'", uri=path)
+        return kind
+    if store.size(os.path.join(path, ".zgroup")) is not None:
+        return "group"
+    if store.size(os.path.join(path, ".zarray")) is not None:
+        return "array"
+    return None
+
+
+def _children(path: str) -> list[str]:
+    """Sorted names of the visible subdirectories of ``path``."""
+    try:
+        with os.scandir(path) as it:
+            # Hidden names are never records: they hold our sidecar files and tools' scratch.
+            return sorted(e.name for e in it if not e.name.startswith(".") and e.is_dir())
+    except FileNotFoundError:
+        raise NotFound(f"no record dataset at {path}: the directory does not exist", uri=path) from None
+    except NotADirectoryError:
+        raise NotFound(f"{path} is a file; a record dataset is a directory of Zarr groups", uri=path) from None
+
+
+def list_records(root: str, store: LocalStore) -> list[str]:
+    """Names of the child groups of ``root`` (sorted); other entries are ignored."""
+    if _node_kind(root, store) == "array":
+        raise InvalidArgument(f"{root} is a Zarr array; a record dataset is a directory or group of groups", uri=root)
+    names = [n for n in _children(root) if _node_kind(os.path.join(root, n), store) == "group"]
+    if not names:
+        raise NotFound(
+            f"{root} holds no Zarr groups; each record must be a group (e.g. {root}/sample_0000.zarr/positions)",
+            uri=root,
+        )
+    return names
+
+
+def list_arrays(path: str, store: LocalStore) -> list[str]:
+    """Names of the arrays directly inside the group at ``path`` (sorted)."""
+    return [n for n in _children(path) if _node_kind(os.path.join(path, n), store) == "array"]
+
+
+# -- specs -------------------------------------------------------------------------------------
+
+
+def parse_fields(fields: FieldsArg) -> tuple[tuple[str, ...] | None, dict[str, tuple[Dim, ...] | None]]:
+    """Normalise the ``fields`` argument to (names or None, spec per name)."""
+    if fields is None:
+        return None, {}
+    if isinstance(fields, str):
+        raise InvalidArgument(f"fields must be a list of names or a dict of name -> dims, got the string {fields!r}")
+    if isinstance(fields, Mapping):
+        items = list(fields.items())
+    elif isinstance(fields, Sequence):
+        items = [(name, None) for name in fields]
+    else:
+        raise InvalidArgument(f"fields must be None, a list of names or a dict of name -> dims, got {fields!r}")
+    if not items:
+        raise InvalidArgument("fields is empty; pass None to load every array of the records")
+    specs: dict[str, tuple[Dim, ...] | None] = {}
+    for name, dims in items:
+        _check_field_name(name)
+        if name in specs:
+            raise InvalidArgument(f"field {name!r} is listed twice", field=name)
+        if dims is not None:
+            if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence):
+                raise InvalidArgument(f"dims of field {name!r} must be a tuple like ('T', 'N', 3), got {dims!r}",
+                                      field=name)
+            for d in dims:
+                ok = d is None or isinstance(d, str) or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
+                if not ok:
+                    raise InvalidArgument(
+                        f"dims of field {name!r}: {d!r} is not a name, a size >= 0 or None", field=name)
+            dims = tuple(dims)
+        specs[name] = dims
+    return tuple(specs), specs
+
+
+def _check_field_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"field names must be non-empty strings, got {name!r}")
+    parts = name.split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise InvalidArgument(f"field {name!r} must be a relative path inside the record, like 'mesh/positions'",
+                              field=name)
+
+
+def check_dims(record: str, name: str, shape: tuple[int, ...], spec: tuple[Dim, ...] | None,
+               bound: dict[str, tuple[int, str]]) -> None:
+    """Check one field's shape against its spec, binding named dims in ``bound`` (shared by a record)."""
+    if spec is None:
+        return
+    if len(shape) != len(spec):
+        raise RankMismatch(
+            f"record {record!r}, field {name!r}: shape {shape} has {len(shape)} dims but the spec "
+            f"{spec} has {len(spec)}",
+            sample=record, field=name, dims=spec, shape=shape,
+        )
+    for axis, (dim, size) in enumerate(zip(spec, shape)):
+        if dim is None:
+            continue
+        if isinstance(dim, int):
+            if size != dim:
+                raise InvalidArgument(
+                    f"record {record!r}, field {name!r}: axis {axis} has size {size}, the spec {spec} needs {dim}",
+                    sample=record, field=name, dims=spec, shape=shape,
+                )
+            continue
+        seen = bound.get(dim)
+        if seen is None:
+            bound[dim] = (size, name)
+        elif seen[0] != size:
+            raise InvalidArgument(
+                f"record {record!r}: dim {dim!r} is {size} in field {name!r} (shape {shape}) but {seen[0]} "
+                f"in field {seen[1]!r}",
+                sample=record, field=name, dims=(dim,), shape=shape, other_field=seen[1],
+            )
+
+
+# -- the scan ----------------------------------------------------------------------------------
+
+
+def scan(root: str | os.PathLike, fields: FieldsArg = None, store: LocalStore | None = None) -> Catalog:
+    """Read every record's metadata under ``root`` and check it; no chunk is read.
+
+    Raises :class:`~stoker.errors.NotFound` when a record lacks a field and
+    :class:`~stoker.errors.InvalidArgument` (naming record, field and dims) when
+    shapes break the spec or a field's rank differs between records.
+    """
+    root_path = resolve_local_path(root)
+    own = store is None
+    store = store or LocalStore(max_open_files=8)
+    try:
+        return _scan(root_path, fields, store)
+    finally:
+        if own:
+            store.close()  # a catalog keeps no file open: nothing to leak into forked workers
+
+
+def _scan(root: str, fields: FieldsArg, store: LocalStore) -> Catalog:
+    names = list_records(root, store)
+    wanted, specs = parse_fields(fields)
+    if wanted is None:
+        wanted = tuple(list_arrays(os.path.join(root, names[0]), store))
+        if not wanted:
+            raise NotFound(f"record {names[0]!r} under {root} holds no arrays", uri=root, sample=names[0])
+        specs = {name: None for name in wanted}
+
+    n = len(names)
+    shapes: dict[str, np.ndarray] = {}
+    codes = {name: np.zeros(n, dtype=np.uint8) for name in wanted}
+    table: list[np.dtype] = []
+    for i, record in enumerate(names):
+        bound: dict[str, tuple[int, str]] = {}
+        for name in wanted:
+            path = os.path.join(root, record, *name.split("/"))
+            try:
+                meta = read_metadata(path, store, uri=path)
+            except NotFound:
+                raise NotFound(f"record {record!r} has no field {name!r} (no Zarr array at {path})",
+                               uri=path, sample=record, field=name) from None
+            except InvalidArgument as exc:  # a group where an array should be
+                raise InvalidArgument(f"record {record!r}, field {name!r}: {exc.message}",
+                                      uri=path, sample=record, field=name) from None
+            shape = tuple(meta.shape)
+            check_dims(record, name, shape, specs[name], bound)
+            if name not in shapes:
+                shapes[name] = np.zeros((n, len(shape)), dtype=np.int64)
+            elif shapes[name].shape[1] != len(shape):
+                raise RankMismatch(
+                    f"record {record!r}, field {name!r}: shape {shape} has {len(shape)} dims but record "
+                    f"{names[0]!r} has {shapes[name].shape[1]}",
+                    sample=record, field=name, shape=shape,
+                )
+            shapes[name][i] = shape
+            if meta.dtype not in table:
+                if len(table) == 255:
+                    raise InvalidArgument(f"more than 255 distinct dtypes under {root}", uri=root)
+                table.append(meta.dtype)
+            codes[name][i] = table.index(meta.dtype)
+    return Catalog(root=root, names=names, fields=tuple(wanted), specs=dict(specs), shapes=shapes,
+                   dtype_codes=codes, dtype_table=tuple(table))

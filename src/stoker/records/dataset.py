@@ -1,0 +1,337 @@
+"""``ZarrRecords``: a map-style PyTorch dataset of Zarr groups, opened lazily per process.
+
+Construction reads metadata only (see :mod:`stoker.records.catalog`); ``ds[i]``
+reads record ``i``'s fields, chunk by chunk, into torch tensors::
+
+    >>> ds = ZarrRecords("/data/crash", fields={"positions": ("T", "N", 3), "cells": ("M", 3)},
+    ...                  time_slice=10)
+    >>> len(ds), ds.metadata(0).fields["positions"].shape
+    (400, (10, 5120, 3))
+    >>> sample = ds[0]                       # {"positions": tensor (10, 5120, 3), "cells": ...}
+    >>> mine = ds.shard(rank, world_size)    # records rank, rank + world_size, ...: reads nothing else
+
+The dataset pickles to its catalog (names, shapes, dtypes) and options only: no
+store, no descriptor, no cache, so DataLoader workers (spawn, forkserver or fork)
+each open files in their own process on first use.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..array import open_array
+from ..cache import SizedLRU
+from ..distributed import rank_info
+from ..errors import InvalidArgument, MetadataError, OutOfBounds
+from ..storage import LocalStore
+from .catalog import TIME_DIM, Catalog, FieldsArg, scan
+
+Sample = dict[str, torch.Tensor]
+
+# Descriptors a worker's private store keeps open: enough for a sharded field's index and data
+# reads to share one, few enough that an epoch over many records keeps almost nothing open.
+_WORKER_OPEN_FILES = 8
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """One field of one record: ``shape`` as ``ds[i]`` returns it (after ``time_slice``)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    stored_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SampleInfo:
+    """What ``ds.metadata(i)`` reports: the record's name, path and fields, from metadata only."""
+
+    name: str
+    path: str
+    fields: dict[str, FieldInfo]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(f.shape)) * f.dtype.itemsize for f in self.fields.values())
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """The sample cache of this process: ``nbytes`` never exceeds ``max_bytes``."""
+
+    hits: int
+    misses: int
+    entries: int
+    nbytes: int
+    max_bytes: int
+
+
+def _sample_nbytes(sample: Sample) -> int:
+    return sum(t.numel() * t.element_size() for t in sample.values()) + 64 * len(sample)
+
+
+class ZarrRecords(torch.utils.data.Dataset):
+    """Records (Zarr groups) under ``root`` as dicts of tensors.
+
+    ``fields``: None (every array of the first record; all records must have them),
+    a list of names, or a dict ``name -> dims`` such as ``("T", "N", 3)`` whose named
+    dims must agree across a record's fields. ``time_slice=k`` keeps the first ``k``
+    steps (Python slicing: fewer when a record is shorter) along the dim named
+    ``"T"``, or along axis 0 of fields given without dims. ``cache_bytes`` bounds a
+    per-process LRU of decoded samples (0: nothing is kept between reads).
+    ``lazy=False`` reads every record at construction. ``store`` (a
+    :class:`~stoker.storage.LocalStore`) serves reads in the constructing process
+    only; other processes use a private store of their own.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        fields: FieldsArg = None,
+        time_slice: int | None = None,
+        cache_bytes: int = 0,
+        lazy: bool = True,
+        store: LocalStore | None = None,
+    ) -> None:
+        if time_slice is not None and (isinstance(time_slice, bool) or not isinstance(time_slice, int)
+                                       or time_slice < 1):
+            raise InvalidArgument(f"time_slice must be None or an integer >= 1, got {time_slice!r}")
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise InvalidArgument(f"cache_bytes must be an integer >= 0, got {cache_bytes!r}")
+        if store is not None and not isinstance(store, LocalStore):
+            raise InvalidArgument(f"store must be a stoker.storage.LocalStore, got {type(store).__name__}")
+        self._catalog: Catalog = scan(root, fields, store)
+        self._time_slice = time_slice
+        self._cache_bytes = cache_bytes
+        self._lazy = bool(lazy)
+        # The view: positions of the catalog this object serves, and which strided part it is.
+        self._indices: np.ndarray = np.arange(len(self._catalog), dtype=np.int64)
+        self._part: tuple[int, int] = (0, 1)
+        self._eager: dict[int, Sample] | None = None
+        self._init_process_state(store)
+        if not self._lazy:
+            self._eager = {int(b): self._read(int(b), self._catalog.fields) for b in self._indices}
+            self.close()  # everything is in memory: keep no descriptor open
+
+    # -- per-process state (never pickled) ---------------------------------------------------
+
+    def _init_process_state(self, store: LocalStore | None) -> None:
+        self._user_store = store
+        self._owner_pid = os.getpid()
+        self._local_store: LocalStore | None = None
+        self._local_pid = -1
+        self._lock = threading.Lock()
+        self._cache: SizedLRU[Sample] | None = (
+            SizedLRU(self._cache_bytes, _sample_nbytes) if self._cache_bytes > 0 else None
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for key in ("_user_store", "_owner_pid", "_local_store", "_local_pid", "_lock", "_cache"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_process_state(None)
+        self._owner_pid = -1  # a copy never uses a store it did not open itself
+
+    def _store(self) -> LocalStore:
+        """The store reads go through in this process, opened on first use."""
+        pid = os.getpid()
+        if self._user_store is not None and pid == self._owner_pid:
+            return self._user_store
+        with self._lock:
+            # A forked child sees the parent's store object: its pid check makes it open its own.
+            if self._local_store is None or self._local_pid != pid:
+                store = LocalStore(max_open_files=_WORKER_OPEN_FILES)
+                weakref.finalize(self, store.close)
+                self._local_store, self._local_pid = store, pid
+            return self._local_store
+
+    def close(self) -> None:
+        """Close this process's private descriptors and drop the cache (reads reopen on demand)."""
+        with self._lock:
+            if self._local_store is not None and self._local_pid == os.getpid():
+                self._local_store.close()
+            self._local_store = None
+        if self._cache is not None:
+            self._cache.clear()
+
+    # -- what the dataset is -----------------------------------------------------------------
+
+    @property
+    def root(self) -> str:
+        return self._catalog.root
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return self._catalog.fields
+
+    @property
+    def names(self) -> list[str]:
+        """Record names of this view, in index order."""
+        return [self._catalog.names[int(b)] for b in self._indices]
+
+    @property
+    def time_slice(self) -> int | None:
+        return self._time_slice
+
+    @property
+    def part(self) -> tuple[int, int]:
+        """``(rank, world_size)``: this view holds records ``rank::world_size`` of the full dataset."""
+        return self._part
+
+    @property
+    def base_size(self) -> int:
+        """Number of records in the full (unsharded) dataset."""
+        return len(self._catalog)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __repr__(self) -> str:
+        part = f", part={self._part}" if self._part != (0, 1) else ""
+        return f"ZarrRecords({self.root!r}, records={len(self)}, fields={list(self.fields)}{part})"
+
+    def _base_index(self, i: Any) -> int:
+        try:
+            i = operator.index(i)
+        except TypeError:
+            raise InvalidArgument(f"record index must be an integer, got {type(i).__name__}") from None
+        n = len(self._indices)
+        if not -n <= i < n:
+            raise OutOfBounds(f"record index {i} is out of range for {n} records", index=i)
+        return int(self._indices[i % n])
+
+    def _time_axis(self, name: str) -> int | None:
+        spec = self._catalog.specs.get(name)
+        if spec is None:
+            return 0
+        return spec.index(TIME_DIM) if TIME_DIM in spec else None
+
+    def _out_shape(self, b: int, name: str) -> tuple[int, ...]:
+        shape = self._catalog.shape(b, name)
+        axis = self._time_axis(name)
+        if self._time_slice is None or axis is None or not shape:
+            return shape
+        return shape[:axis] + (min(self._time_slice, shape[axis]),) + shape[axis + 1:]
+
+    def metadata(self, i: int) -> SampleInfo:
+        """Names, shapes (as ``ds[i]`` returns them) and dtypes of record ``i``; reads nothing."""
+        b = self._base_index(i)
+        cat = self._catalog
+        fields = {
+            name: FieldInfo(self._out_shape(b, name), cat.dtype(b, name), cat.shape(b, name)) for name in cat.fields
+        }
+        return SampleInfo(cat.names[b], cat.path(b), fields)
+
+    def base_shapes(self, name: str) -> np.ndarray:
+        """``(base_size, ndim)`` shapes of field ``name`` in every record of the full dataset, as returned."""
+        if name not in self._catalog.fields:
+            raise InvalidArgument(f"unknown field {name!r}; the dataset has {list(self.fields)}", field=name)
+        shapes = self._catalog.shapes[name].copy()
+        axis = self._time_axis(name)
+        if self._time_slice is not None and axis is not None and shapes.shape[1]:
+            shapes[:, axis] = np.minimum(shapes[:, axis], self._time_slice)
+        return shapes
+
+    def base_dtypes(self, name: str) -> list[np.dtype]:
+        """Dtype of field ``name`` in every record of the full dataset."""
+        return [self._catalog.dtype_table[int(c)] for c in self._catalog.dtype_codes[name]]
+
+    def base_names(self) -> list[str]:
+        return list(self._catalog.names)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.read(i)
+
+    def __iter__(self) -> Iterator[Sample]:
+        for i in range(len(self)):
+            yield self.read(i)
+
+    def read(self, i: int, fields: Sequence[str] | None = None) -> Sample:
+        """Record ``i`` as ``{field: tensor}``; ``fields`` narrows it to a subset (in that order)."""
+        b = self._base_index(i)
+        names = self._check_subset(fields)
+        if self._eager is not None:
+            held = self._eager[b]
+            return {name: held[name].clone() for name in names}
+        if self._cache is not None:
+            # Clones out: a caller normalising in place must not change what the cache holds.
+            held = self._cache.get_or_load((b, names), lambda: self._read(b, names))
+            return {name: t.clone() for name, t in held.items()}
+        return self._read(b, names)
+
+    def _check_subset(self, fields: Sequence[str] | None) -> tuple[str, ...]:
+        if fields is None:
+            return self._catalog.fields
+        names = (fields,) if isinstance(fields, str) else tuple(fields)
+        unknown = [f for f in names if f not in self._catalog.fields]
+        if unknown:
+            raise InvalidArgument(f"unknown fields {unknown}; the dataset has {list(self.fields)}", field=unknown[0])
+        return names
+
+    def _read(self, b: int, names: Sequence[str]) -> Sample:
+        cat = self._catalog
+        store = self._store()
+        out: Sample = {}
+        for name in names:
+            path = cat.path(b, name)
+            arr = open_array(path, store=store)
+            want_shape, want_dtype = cat.shape(b, name), cat.dtype(b, name)
+            if arr.shape != want_shape or arr.dtype != want_dtype:
+                raise MetadataError(
+                    f"record {cat.names[b]!r}, field {name!r} changed since the dataset was opened: "
+                    f"{arr.shape} {arr.dtype}, was {want_shape} {want_dtype}",
+                    uri=path, sample=cat.names[b], field=name,
+                )
+            shape = self._out_shape(b, name)
+            out[name] = torch.from_numpy(arr.read([(0, s) for s in shape]))
+        return out
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses and size of this process's sample cache."""
+        c = self._cache
+        if c is None:
+            return CacheInfo(0, 0, 0, 0, 0)
+        return CacheInfo(c.hits, c.misses, len(c), c.nbytes, c.max_bytes)
+
+    # -- views -------------------------------------------------------------------------------
+
+    def shard(self, rank: int | None = None, world_size: int | None = None) -> "ZarrRecords":
+        """Records ``rank, rank + world_size, ...`` of this view, without reading anything.
+
+        Parts are disjoint and cover the view; their lengths differ by at most one
+        (pad or drop in the sampler when ranks must step in lockstep). Defaults come
+        from :func:`stoker.rank_info`.
+        """
+        if rank is None or world_size is None:
+            info = rank_info()
+            rank = info.rank if rank is None else rank
+            world_size = info.world_size if world_size is None else world_size
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise InvalidArgument(f"world_size must be an integer >= 1, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise InvalidArgument(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__getstate__())
+        view._indices = self._indices[rank::world_size].copy()
+        # base[r::w][r2::w2] == base[r + w*r2 :: w*w2]: a strided part of a strided part is one.
+        r, w = self._part
+        view._part = (r + w * rank, w * world_size)
+        if self._eager is not None:
+            view._eager = {int(b): self._eager[int(b)] for b in view._indices}
+        view._init_process_state(self._user_store)
+        view._owner_pid = self._owner_pid
+        return view

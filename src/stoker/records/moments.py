@@ -1,0 +1,113 @@
+"""Streaming moments (count, mean, M2, min, max) with the parallel merge of Chan et al.
+
+Every sample contributes in proportion to its element count, so records of
+different sizes weigh what they hold (never a mean of per-record means), and
+merging partial results in any grouping gives the same answer up to rounding::
+
+    >>> m = Moments.of(torch.tensor([[1.0, 10.0], [3.0, 30.0]]))   # per channel: reduce all but the last axis
+    >>> m = m.merge(Moments.of(torch.tensor([[5.0, 50.0]])))
+    >>> m.count, m.mean, m.std
+    (3, tensor([ 3., 30.], dtype=torch.float64), tensor([ 1.6330, 16.3299], dtype=torch.float64))
+
+The merge updates the mean by the weighted difference of means and adds the
+cross term ``delta**2 * na * nb / n`` to M2, which stays accurate when the mean
+is large next to the spread (where ``E[x**2] - E[x]**2`` cancels catastrophically).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Moments of ``count`` elements per channel; tensors are float64 of shape ``(C,)`` or ``()``."""
+
+    count: int
+    mean: torch.Tensor
+    m2: torch.Tensor
+    min: torch.Tensor
+    max: torch.Tensor
+
+    @staticmethod
+    def empty(channels: int | None) -> "Moments":
+        """No elements yet: ``channels=None`` for scalar statistics."""
+        shape = () if channels is None else (channels,)
+        zeros = torch.zeros(shape, dtype=F64)
+        return Moments(0, zeros, zeros.clone(), torch.full(shape, torch.inf, dtype=F64),
+                       torch.full(shape, -torch.inf, dtype=F64))
+
+    @staticmethod
+    def of(x: torch.Tensor, per_channel: bool = True) -> "Moments":
+        """Moments of ``x``: per channel over every axis but the last (tensors of 0 or 1 dims, and
+        ``per_channel=False``, reduce over everything)."""
+        x = torch.as_tensor(x).detach().to("cpu", F64)
+        if per_channel and x.ndim >= 2:
+            x = x.reshape(-1, x.shape[-1])
+            channels: int | None = x.shape[-1]
+        else:
+            x = x.reshape(-1, 1)
+            channels = None
+        n = x.shape[0]
+        if n == 0:
+            return Moments.empty(channels)
+        mean = x.mean(dim=0)
+        # Two-pass within the sample: deviations from its own mean, never raw sums of squares.
+        m2 = ((x - mean) ** 2).sum(dim=0)
+        lo, hi = x.amin(dim=0), x.amax(dim=0)
+        if channels is None:
+            mean, m2, lo, hi = mean[0], m2[0], lo[0], hi[0]
+        return Moments(n, mean, m2, lo, hi)
+
+    @property
+    def channels(self) -> int | None:
+        return None if self.mean.ndim == 0 else int(self.mean.shape[0])
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """Population variance (ddof=0), as ``numpy.var``; NaN with no elements."""
+        return self.m2 / self.count if self.count else torch.full_like(self.m2, torch.nan)
+
+    @property
+    def std(self) -> torch.Tensor:
+        return torch.sqrt(self.variance)
+
+    def merge(self, other: "Moments") -> "Moments":
+        """Moments of both sets together (Chan, Golub & LeVeque's pairwise update)."""
+        if other.mean.shape != self.mean.shape:
+            raise ValueError(f"cannot merge moments of shapes {tuple(self.mean.shape)} and {tuple(other.mean.shape)}")
+        if other.count == 0:
+            return self
+        if self.count == 0:
+            return other
+        na, nb = self.count, other.count
+        n = na + nb
+        delta = other.mean - self.mean
+        mean = self.mean + delta * (nb / n)
+        m2 = self.m2 + other.m2 + delta * delta * (na * nb / n)
+        return Moments(n, mean, m2, torch.minimum(self.min, other.min), torch.maximum(self.max, other.max))
+
+    # -- a flat float64 layout for collectives: [count, mean, m2, min, max] ----------------------
+
+    @staticmethod
+    def packed_size(channels: int | None) -> int:
+        return 1 + 4 * (1 if channels is None else channels)
+
+    def pack(self) -> torch.Tensor:
+        parts = [torch.tensor([float(self.count)], dtype=F64)]
+        parts += [t.reshape(-1) for t in (self.mean, self.m2, self.min, self.max)]
+        return torch.cat(parts)
+
+    @staticmethod
+    def unpack(flat: torch.Tensor, channels: int | None) -> "Moments":
+        c = 1 if channels is None else channels
+        flat = flat.to("cpu", F64)
+        count = int(flat[0].item())  # exact: counts travel as float64, exact below 2**53
+        parts = [flat[1 + k * c: 1 + (k + 1) * c].clone() for k in range(4)]
+        if channels is None:
+            parts = [p[0] for p in parts]
+        return Moments(count, *parts)

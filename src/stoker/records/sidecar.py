@@ -1,0 +1,109 @@
+"""The statistics sidecar: ``root/.stoker-stats.json``, entries keyed by a fingerprint.
+
+The fingerprint hashes what the statistics depend on and metadata can tell:
+the field names, every record's name with those fields' shapes (as read, after
+``time_slice``) and dtypes, ``per_channel``, and the derived names. It cannot see
+data rewritten in place with the same shapes, nor a derived function whose code
+changed under the same name: delete the file (or pass ``cache=False``) then.
+
+Writes are atomic (a temporary file in the same directory, then ``os.replace``),
+so a reader sees the old file or the new one, never half of one::
+
+    >>> fp = fingerprint(ds, ["positions"], per_channel=True, derived=["edge"])
+    >>> entry = load(ds.root, fp)            # None when absent, unreadable or stale
+    >>> write(ds.root, fp, {"stats": {...}})
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from typing import Any, Sequence
+
+FILENAME = ".stoker-stats.json"
+FORMAT = "stoker-record-stats"
+VERSION = 1
+MAX_ENTRIES = 16  # older fingerprints are dropped first; each entry is a few numbers per channel
+
+
+def path_for(root: str) -> str:
+    return os.path.join(root, FILENAME)
+
+
+def fingerprint(ds: Any, fields: Sequence[str], per_channel: bool, derived: Sequence[str]) -> str:
+    """Hex digest identifying the statistics ``compute_stats`` would produce for ``ds``.
+
+    Covers the full dataset (not a rank's shard), so every rank and every world
+    size agree. With derived quantities, every field of ``ds`` is covered, since a
+    derived function sees them all.
+    """
+    covered = list(ds.fields) if derived else list(fields)
+    h = hashlib.sha256()
+    head = {"format": FORMAT, "version": VERSION, "fields": list(fields), "per_channel": bool(per_channel),
+            "derived": sorted(derived), "covered": covered, "records": ds.base_size}
+    h.update(json.dumps(head, sort_keys=True).encode())
+    h.update(json.dumps(ds.base_names()).encode())
+    for name in covered:
+        h.update(name.encode() + b"\0")
+        h.update(ds.base_shapes(name).tobytes())
+        h.update(",".join(d.str for d in ds.base_dtypes(name)).encode())
+    return h.hexdigest()
+
+
+def _read_doc(root: str) -> dict | None:
+    try:
+        with open(path_for(root), "rb") as f:
+            doc = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"ignoring unreadable statistics file {path_for(root)}: {exc}", RuntimeWarning, stacklevel=3)
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), dict):
+        return None
+    return doc
+
+
+def load(root: str, fp: str) -> dict | None:
+    """The entry stored under fingerprint ``fp``, or None."""
+    doc = _read_doc(root)
+    if doc is None or doc.get("version") != VERSION:
+        return None
+    entry = doc["entries"].get(fp)
+    return entry if isinstance(entry, dict) else None
+
+
+def write(root: str, fp: str, entry: dict) -> str:
+    """Add (or replace) the entry for ``fp``, atomically; returns the file's path.
+
+    Other entries are kept (up to :data:`MAX_ENTRIES`), so switching between two
+    field lists does not recompute each time.
+    """
+    doc = _read_doc(root)
+    if doc is None or doc.get("version") != VERSION:
+        doc = {"format": FORMAT, "version": VERSION, "entries": {}}
+    entries = doc["entries"]
+    entries.pop(fp, None)
+    entries[fp] = entry  # newest last
+    while len(entries) > MAX_ENTRIES:
+        entries.pop(next(iter(entries)))
+    target = path_for(root)
+    fd, tmp = tempfile.mkstemp(prefix=FILENAME + ".", suffix=".tmp", dir=root)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it private; the statistics are for every reader of the data
+        with os.fdopen(fd, "w") as f:
+            # Python's float repr round-trips float64 exactly, so loaded stats equal computed ones.
+            json.dump(doc, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return target

@@ -1,0 +1,365 @@
+"""Normalisation statistics of record fields: one streaming pass, merged across ranks, cached on disk.
+
+    >>> stats = compute_stats(ds, ["positions", "velocity"],
+    ...                       derived={"edge": lambda s: s["positions"][:, 1:] - s["positions"][:, :-1]})
+    >>> stats["positions"].mean, stats["edge"].std          # per channel: shape (3,)
+    >>> batch = normalize(ds[0], stats)                      # what the model trains on
+
+Each rank reads only its shard (records ``rank::world_size``) once and keeps
+Chan-style moments (count, mean, M2, min, max) per channel; the ranks'
+moments travel in one ``all_gather`` of a few numbers per channel and every rank
+merges them in rank order, so every rank returns bit-identical statistics.
+Records weigh by their element count: a record with twice the nodes counts
+twice, and no record is counted more than once.
+
+Derived quantities need a second pass, and only they do: they are computed on
+samples *normalised with the plain fields' statistics* (pass one), exactly as
+training computes them, e.g. edge vectors from normalised positions.
+
+The result is written once, by rank 0, to ``root/.stoker-stats.json`` (see
+:mod:`stoker.records.sidecar`) and reused by every rank while the fingerprint
+matches; the other ranks wait on a barrier until the file is in place.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..distributed import _active_group, _device_for, rank_info
+from ..errors import InvalidArgument, StokerError
+from . import sidecar
+from .dataset import Sample, ZarrRecords
+from .moments import F64, Moments
+
+Derived = Callable[[Sample], torch.Tensor]
+
+_UNKNOWN = -1  # channel code of a derived quantity this rank never computed
+_SCALAR = 0
+
+
+@dataclass(frozen=True)
+class FieldStats:
+    """Statistics of one field: ``count`` elements per channel (int64), float64 ``mean``, population
+    ``std`` (ddof=0), ``min`` and ``max``, each of shape ``(C,)`` per channel or ``()``."""
+
+    count: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    min: torch.Tensor
+    max: torch.Tensor
+
+    @staticmethod
+    def from_moments(m: Moments) -> "FieldStats":
+        return FieldStats(torch.tensor(m.count, dtype=torch.int64), m.mean, m.std, m.min, m.max)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": int(self.count), **{k: getattr(self, k).tolist() for k in ("mean", "std", "min", "max")}}
+
+    @staticmethod
+    def from_json(doc: Mapping[str, Any]) -> "FieldStats":
+        tensors = {k: torch.tensor(doc[k], dtype=F64) for k in ("mean", "std", "min", "max")}
+        shapes = {tuple(t.shape) for t in tensors.values()}
+        if len(shapes) != 1 or len(next(iter(shapes))) > 1:
+            raise ValueError(f"inconsistent shapes {shapes}")
+        return FieldStats(torch.tensor(int(doc["count"]), dtype=torch.int64), **tensors)
+
+
+# -- normalisation -----------------------------------------------------------------------------
+
+
+def _scale(st: FieldStats, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = st.mean.to(device=device, dtype=dtype)
+    std = st.std.to(device=device, dtype=dtype)
+    # A constant channel has std 0 (or one below the dtype's range): leave it centred, unscaled.
+    return mean, torch.where(std > 0, std, torch.ones_like(std))
+
+
+def normalize(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats]) -> Sample:
+    """``(x - mean) / std`` for every field of ``sample`` that ``stats`` covers; a new dict.
+
+    Per-channel statistics broadcast over the last axis. Floating fields keep their
+    dtype, others become float32. Fields without statistics pass through as they are;
+    channels whose std is 0 are only centred.
+    """
+    out = dict(sample)
+    for name, x in sample.items():
+        st = stats.get(name)
+        if st is None:
+            continue
+        dtype = x.dtype if x.is_floating_point() else torch.float32
+        mean, std = _scale(st, dtype, x.device)
+        out[name] = (x.to(dtype) - mean) / std
+    return out
+
+
+def denormalize(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats]) -> Sample:
+    """The inverse of :func:`normalize`: ``x * std + mean`` for the fields ``stats`` covers."""
+    out = dict(sample)
+    for name, x in sample.items():
+        st = stats.get(name)
+        if st is None:
+            continue
+        dtype = x.dtype if x.is_floating_point() else torch.float32
+        mean, std = _scale(st, dtype, x.device)
+        out[name] = x.to(dtype) * std + mean
+    return out
+
+
+# -- collectives -------------------------------------------------------------------------------
+
+
+def _all_gather(t: torch.Tensor, dist: Any, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape and dtype on all ranks), in rank order; ``[t]`` alone."""
+    if dist is None:
+        return [t]
+    device = _device_for(dist, group)
+    t = t.to(device)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return [o.cpu() for o in out]
+
+
+def _merge_ranks(
+    local: dict[str, Moments],
+    names: Sequence[str],
+    channels: Mapping[str, int],
+    error: BaseException | None,
+    dist: Any,
+    group: Any,
+) -> dict[str, Moments]:
+    """Moments over all ranks, merged in rank order so every rank gets the same bits.
+
+    A header collective goes first: every rank learns whether any rank failed
+    (then all raise instead of one hanging in the next collective) and the
+    channel count of quantities only some ranks computed.
+    """
+    header = torch.tensor([0 if error else 1] + [channels[n] for n in names], dtype=torch.int64)
+    headers = _all_gather(header, dist, group)
+    failed = [r for r, h in enumerate(headers) if int(h[0]) == 0]
+    if failed:
+        if error is not None:
+            raise error
+        raise StokerError(f"computing statistics failed on rank(s) {failed}; the cause is raised there",
+                          ranks=failed)
+    agreed: dict[str, int | None] = {}
+    for j, name in enumerate(names):
+        codes = {int(h[1 + j]) for h in headers} - {_UNKNOWN}
+        if len(codes) > 1:
+            raise InvalidArgument(f"{name!r} has different channel counts on different ranks: "
+                                  f"{sorted(c for c in codes)}", field=name)
+        code = codes.pop() if codes else _SCALAR
+        agreed[name] = None if code == _SCALAR else code
+    mine = [local[n] if n in local else Moments.empty(agreed[n]) for n in names]
+    payload = torch.cat([m.pack() for m in mine]) if mine else torch.zeros(0, dtype=F64)
+    out: dict[str, Moments] = {}
+    for r, flat in enumerate(_all_gather(payload, dist, group)):
+        offset = 0
+        for name in names:
+            size = Moments.packed_size(agreed[name])
+            m = Moments.unpack(flat[offset: offset + size], agreed[name])
+            offset += size
+            out[name] = m if r == 0 else out[name].merge(m)
+    return out
+
+
+# -- the passes --------------------------------------------------------------------------------
+
+
+def _channel_code(m: Moments | None) -> int:
+    if m is None:
+        return _UNKNOWN
+    return _SCALAR if m.channels is None else m.channels
+
+
+def _plain_channels(ds: ZarrRecords, name: str, per_channel: bool) -> int:
+    """Channel code of a stored field, from metadata: its last dim when per channel."""
+    dtypes = {d for d in ds.base_dtypes(name)}
+    if any(d.kind == "c" for d in dtypes):
+        raise InvalidArgument(f"field {name!r} is complex; statistics need real numbers", field=name)
+    shapes = ds.base_shapes(name)
+    if not per_channel or shapes.shape[1] < 2:
+        return _SCALAR
+    last = shapes[:, -1]
+    odd = np.flatnonzero(last != last[0])
+    if odd.size:
+        i = int(odd[0])
+        raise InvalidArgument(
+            f"field {name!r} has {int(last[i])} channels (last dim) in record {ds.base_names()[i]!r} but "
+            f"{int(last[0])} in {ds.base_names()[0]!r}; pass per_channel=False or fix the data",
+            field=name, sample=ds.base_names()[i],
+        )
+    if last[0] == 0:
+        raise InvalidArgument(f"field {name!r} has 0 channels (last dim 0)", field=name)
+    return int(last[0])
+
+
+def _plain_pass(local: ZarrRecords, fields: Sequence[str], per_channel: bool
+                ) -> tuple[dict[str, Moments], BaseException | None]:
+    acc: dict[str, Moments] = {}
+    try:
+        for i in range(len(local)):
+            sample = local.read(i, fields)  # only the fields asked for: no bytes read for the others
+            for name in fields:
+                m = Moments.of(sample[name], per_channel)
+                acc[name] = acc[name].merge(m) if name in acc else m
+    except Exception as exc:  # reported to every rank by _merge_ranks, raised here
+        return acc, exc
+    return acc, None
+
+
+def _derived_pass(local: ZarrRecords, plain: Mapping[str, FieldStats], derived: Mapping[str, Derived],
+                  per_channel: bool) -> tuple[dict[str, Moments], BaseException | None]:
+    acc: dict[str, Moments] = {}
+    try:
+        for i in range(len(local)):
+            sample = normalize(local[i], plain)  # what training sees
+            for name, fn in derived.items():
+                value = fn(sample)
+                if not isinstance(value, torch.Tensor):
+                    value = torch.as_tensor(np.asarray(value))
+                if value.is_complex():
+                    raise InvalidArgument(f"derived {name!r} returned a complex tensor", field=name)
+                if per_channel and value.ndim >= 2 and value.shape[-1] == 0:
+                    raise InvalidArgument(f"derived {name!r} returned a tensor with 0 channels", field=name)
+                m = Moments.of(value, per_channel)
+                if name in acc and acc[name].channels != m.channels:
+                    raise InvalidArgument(
+                        f"derived {name!r} has {m.channels} channels for record {local.names[i]!r} but "
+                        f"{acc[name].channels} before; return (..., C) with the same C for every record",
+                        field=name, sample=local.names[i],
+                    )
+                acc[name] = acc[name].merge(m) if name in acc else m
+    except Exception as exc:
+        return acc, exc
+    return acc, None
+
+
+# -- the entry point ---------------------------------------------------------------------------
+
+
+def _check_args(ds: Any, fields: Any, derived: Any) -> tuple[list[str], dict[str, Derived]]:
+    if not isinstance(ds, ZarrRecords):
+        raise InvalidArgument(f"ds must be a ZarrRecords (or one of its shards), got {type(ds).__name__}")
+    names = [fields] if isinstance(fields, str) else list(fields)
+    if not names:
+        raise InvalidArgument("fields is empty; name the fields to compute statistics of")
+    for name in names:
+        if name not in ds.fields:
+            raise InvalidArgument(f"unknown field {name!r}; the dataset has {list(ds.fields)}", field=name)
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"fields lists a name twice: {names}")
+    derived = dict(derived or {})
+    for name, fn in derived.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"derived names must be non-empty strings, got {name!r}")
+        if name in ds.fields:
+            raise InvalidArgument(f"derived name {name!r} is also a field of the dataset; rename it", field=name)
+        if not callable(fn):
+            raise InvalidArgument(f"derived {name!r} must be a function of the normalised sample", field=name)
+    return names, derived
+
+
+def _local_view(ds: ZarrRecords, rank: int, world: int) -> ZarrRecords:
+    if ds.part == (0, 1):
+        return ds.shard(rank, world) if world > 1 else ds
+    if ds.part == (rank, world):
+        return ds
+    raise InvalidArgument(
+        f"ds is part {ds.part} (rank, world_size) of its dataset but this is rank {rank} of {world}; pass the "
+        "full dataset or ds.shard(rank, world_size) for this rank",
+        part=ds.part,
+    )
+
+
+def _from_entry(entry: dict, expect: Mapping[str, int], derived: Sequence[str]) -> dict[str, FieldStats] | None:
+    """Statistics of a sidecar entry, or None when it does not hold what was asked for."""
+    try:
+        stats = {name: FieldStats.from_json(entry["stats"][name]) for name in [*expect, *derived]}
+    except (KeyError, TypeError, ValueError):
+        return None
+    for name, code in expect.items():
+        want = () if code == _SCALAR else (code,)
+        if tuple(stats[name].mean.shape) != want:
+            return None
+    return stats
+
+
+def compute_stats(
+    ds: ZarrRecords,
+    fields: Sequence[str] | str,
+    per_channel: bool = True,
+    group: Any = None,
+    derived: Mapping[str, Derived] | None = None,
+    cache: bool = True,
+) -> dict[str, FieldStats]:
+    """Statistics of ``fields`` (and of ``derived`` quantities) over the whole dataset.
+
+    Collective: call it on every rank of ``group`` with the same arguments. ``ds`` is
+    the full dataset (each rank then reads ``ds.shard(rank, world_size)``) or this
+    rank's shard. ``per_channel`` reduces over every axis but the last (tensors of 0
+    or 1 dims give one scalar). ``derived`` maps a name to ``fn(normalised sample) ->
+    tensor (..., C)``; it costs a second pass. With ``cache``, a matching entry of
+    ``root/.stoker-stats.json`` is returned without reading any record, and a fresh
+    result is written there by rank 0 (a failed write only warns).
+    """
+    names, derived = _check_args(ds, fields, derived)
+    per_channel = bool(per_channel)
+    expect = {name: _plain_channels(ds, name, per_channel) for name in names}
+
+    dist = _active_group(group)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist is not None else (0, 1)
+    local = _local_view(ds, rank, world)
+    fp = sidecar.fingerprint(ds, names, per_channel, list(derived))
+
+    loaded = None
+    if cache:
+        entry = sidecar.load(ds.root, fp)
+        loaded = _from_entry(entry, expect, list(derived)) if entry is not None else None
+    # Agree before anyone returns early: a rank that alone saw the file would leave the others
+    # waiting in the next collective. The fingerprint rides along to catch ranks seeing other data.
+    header = torch.tensor([1 if loaded is not None else 0, int(fp[:14], 16)], dtype=torch.int64)
+    headers = _all_gather(header, dist, group)
+    if len({int(h[1]) for h in headers}) > 1:
+        raise InvalidArgument(f"ranks see different datasets under {ds.root} (their fingerprints differ)")
+    if loaded is not None and all(int(h[0]) for h in headers):
+        return loaded
+
+    # Pass 1: the stored fields.
+    acc, error = _plain_pass(local, names, per_channel)
+    plain_m = _merge_ranks(acc, names, expect, error, dist, group)
+    result = {name: FieldStats.from_moments(plain_m[name]) for name in names}
+
+    # Pass 2 (derived quantities only): on samples normalised with pass 1's statistics.
+    if derived:
+        acc, error = _derived_pass(local, result, derived, per_channel)
+        codes = {name: _channel_code(acc.get(name)) for name in derived}
+        derived_m = _merge_ranks(acc, list(derived), codes, error, dist, group)
+        result.update({name: FieldStats.from_moments(derived_m[name]) for name in derived})
+
+    if cache:
+        if rank_info(group).rank == 0:
+            entry = {
+                "fields": names,
+                "derived": sorted(derived),
+                "per_channel": per_channel,
+                "records": ds.base_size,
+                "world_size": world,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "stats": {name: st.to_json() for name, st in result.items()},
+            }
+            try:
+                sidecar.write(ds.root, fp, entry)
+            except OSError as exc:  # read-only data is common: the statistics are still right
+                warnings.warn(f"could not write {sidecar.path_for(ds.root)}: {exc}", RuntimeWarning, stacklevel=2)
+        if dist is not None:
+            dist.barrier(group=group)  # the file is in place (or known unwritable) before anyone goes on
+    return result
+
+
+__all__ = ["FieldStats", "compute_stats", "normalize", "denormalize"]
