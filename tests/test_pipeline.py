@@ -540,3 +540,23 @@ def test_a_chunk_larger_than_the_budget_is_a_typed_error(tmp_path):
             pass
         with pytest.raises(stoker.BudgetExceeded, match="host_buffer_bytes"):
             p.pop()
+
+
+def test_stats_after_reset_describe_exactly_the_popped_batches(volume):
+    """Work done ahead of a stats_reset() belongs to the batches popped after it, not to nobody."""
+    uri, data = volume
+    aligned = [stoker.Sample(uri, [(z, z + 8), (y, y + 16), (x, x + 32)])
+               for z in (0, 8, 16, 24) for y in (0, 16, 32, 48) for x in (0, 32)]  # whole chunks
+    with stoker.Pipeline(_cfg(lookahead_batches=3)) as p:
+        p.push(aligned)
+        with p.pop():
+            pass
+        time.sleep(0.3)  # let the lookahead batches finish before the reset
+        p.stats_reset()
+        for _ in range(5):
+            with p.pop():
+                pass
+        s = p.stats()
+    assert s.batches_emitted == 5
+    assert s.chunks_decoded == s.chunks_needed == 5 * 4
+    assert s.decode_amplification == pytest.approx(1.0)

@@ -38,8 +38,16 @@ class Job:
         self.error: BaseException | None = None
         self._remaining = n_chunks
         self._lock = threading.Lock()
+        # read/decode counters of this batch, added to Stats when it is popped, so every counter
+        # describes the same delivered batches (work done ahead is not lost to stats_reset())
+        self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0}
         if n_chunks == 0:
             self.done.set()
+
+    def count(self, **values: int) -> None:
+        with self._lock:
+            for name, value in values.items():
+                self.counts[name] += value
 
     @property
     def failed(self) -> bool:
@@ -161,7 +169,7 @@ class CpuExecutor:
                     for i, sl in read.slices():
                         pieces[fr.chunk_ids[i]] = view[sl]
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
-            self.stats.add(bytes_read=nread)
+            job.count(bytes_read=nread)
         except BaseException:
             for _ in chunks:
                 res.done()
@@ -232,6 +240,7 @@ class CpuExecutor:
             if scratch is not None:
                 res.give(scratch)
         self.stats.chunk(t1 - t0, time.perf_counter() - t1, len(encoded), decoded)
+        job.count(bytes_decoded=decoded, chunks_decoded=1)
         job.finish()
 
 

@@ -391,6 +391,7 @@ class Pipeline:
             batches_emitted=1, samples=rows, chunks_needed=plan.chunks_needed,
             chunk_dedup_hits=plan.chunks_needed - len(plan.chunks),
             bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
+            **head.job.counts,
         )
         slots = self._slots
         slot = head.slot

@@ -90,7 +90,8 @@ class StatsRecorder:
             m[3] += bytes_out
 
     def chunk(self, decode_s: float, assemble_s: float, bytes_in: int, decoded: int) -> None:
-        """One decoded chunk: decode and assemble stages plus counters, under one lock."""
+        """One decoded chunk: its decode and assemble stage times, under one lock (the batch's counters
+        are added when it is popped)."""
         with self._lock:
             d = self._stages["decode"]
             d[0] += decode_s
@@ -100,8 +101,6 @@ class StatsRecorder:
             a = self._stages["assemble"]
             a[0] += assemble_s
             a[1] += 1
-            self._counters["chunks_decoded"] += 1
-            self._counters["bytes_decoded"] += decoded
 
     def add(self, **counts: int) -> None:
         with self._lock:
