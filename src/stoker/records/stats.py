@@ -87,6 +87,11 @@ def normalize(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats
     dtype, others become float32. Fields without statistics pass through as they are;
     channels whose std is 0 are only centred.
     """
+    return _affine(sample, stats, lambda x, mean, std: (x - mean) / std)
+
+
+def _affine(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats], fn) -> Sample:
+    """Apply ``fn(x, mean, std)`` to every field ``stats`` covers (non-float fields become float32)."""
     out = dict(sample)
     for name, x in sample.items():
         st = stats.get(name)
@@ -94,21 +99,13 @@ def normalize(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats
             continue
         dtype = x.dtype if x.is_floating_point() else torch.float32
         mean, std = _scale(st, dtype, x.device)
-        out[name] = (x.to(dtype) - mean) / std
+        out[name] = fn(x.to(dtype), mean, std)
     return out
 
 
 def denormalize(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats]) -> Sample:
     """The inverse of :func:`normalize`: ``x * std + mean`` for the fields ``stats`` covers."""
-    out = dict(sample)
-    for name, x in sample.items():
-        st = stats.get(name)
-        if st is None:
-            continue
-        dtype = x.dtype if x.is_floating_point() else torch.float32
-        mean, std = _scale(st, dtype, x.device)
-        out[name] = x.to(dtype) * std + mean
-    return out
+    return _affine(sample, stats, lambda x, mean, std: x * std + mean)
 
 
 # -- collectives -------------------------------------------------------------------------------

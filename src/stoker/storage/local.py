@@ -59,6 +59,16 @@ class LocalStore:
 
     # -- descriptors -------------------------------------------------------------------------
 
+    @staticmethod
+    def _open_fd(path: str) -> int | None:
+        """A read-only descriptor, or ``None`` when the file does not exist."""
+        try:
+            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            if exc.errno in _MISSING:
+                return None
+            raise StorageError(f"cannot open {path}: {exc.strerror}", path=path) from None
+
     @contextmanager
     def _open(self, path: str) -> Iterator[_Handle | None]:
         with self._lock:
@@ -67,13 +77,10 @@ class LocalStore:
                 self._handles.move_to_end(path)
                 handle.users += 1
         if handle is None:
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as exc:
-                if exc.errno in _MISSING:
-                    yield None
-                    return
-                raise StorageError(f"cannot open {path}: {exc.strerror}", path=path) from None
+            fd = self._open_fd(path)
+            if fd is None:
+                yield None
+                return
             try:
                 size = os.fstat(fd).st_size
             except OSError as exc:
@@ -173,13 +180,10 @@ class LocalStore:
         Thousands of chunk files would only churn the descriptor cache, so they
         are opened and closed here instead.
         """
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            if exc.errno in _MISSING:
-                yield None
-                return
-            raise StorageError(f"cannot open {path}: {exc.strerror}", path=path) from None
+        fd = self._open_fd(path)
+        if fd is None:
+            yield None
+            return
         try:
             with self._lock:
                 self.counters.files_opened += 1
