@@ -4,11 +4,36 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
+from ..amplification import estimate
 from ..array import open_array
-from ..errors import StokerError
+from ..errors import InvalidArgument, StokerError
+from ..zarr.codecs import blosc_header
 
 
-def describe(uri: str) -> str:
+def _blocksize_and_ratio(arr, samples: int = 32) -> tuple[int | None, float | None]:
+    """The blosc block size from one chunk's header, and the compression ratio of up to ``samples`` chunks."""
+    meta = arr.metadata
+    blocksize = None
+    sizes = []
+    rng = np.random.default_rng(0)
+    grid = meta.grid
+    for _ in range(samples * 4):
+        index = tuple(int(rng.integers(0, g)) for g in grid)
+        _, encoded = arr.encoded_chunk(index)
+        if encoded is None:
+            continue
+        sizes.append(len(encoded))
+        if blocksize is None and meta.codec.partial:
+            blocksize = blosc_header(encoded)[1]
+        if len(sizes) >= samples:
+            break
+    ratio = meta.codec.nbytes * len(sizes) / sum(sizes) if sizes and sum(sizes) else None
+    return blocksize, ratio
+
+
+def describe(uri: str, sample_shape: tuple[int, ...] | None = None) -> str:
     arr = open_array(uri)
     meta = arr.metadata
     codec = meta.codec
@@ -22,12 +47,28 @@ def describe(uri: str) -> str:
         f"codecs       {' -> '.join(codec.names) or 'none'}",
         f"fill value   {arr.fill_value!r}",
     ]
+    if sample_shape is not None:
+        if len(sample_shape) != arr.ndim or any(c > s for c, s in zip(sample_shape, arr.shape)):
+            raise InvalidArgument(f"--sample-shape {sample_shape} does not fit in shape {arr.shape}")
+        blocksize, ratio = _blocksize_and_ratio(arr)
+        est = estimate(arr.metadata, sample_shape, blocksize=blocksize, compression_ratio=ratio)
+        lines += [
+            "",
+            f"random crops of {sample_shape} (512 seeded crops):",
+            f"  chunks per crop            {est.chunks_per_crop:.2f}",
+            f"  decode amplification       {est.decode_full:.2f}x decoding whole chunks"
+            + (f", {est.decode_partial:.2f}x with stoker's partial blosc decode" if est.decode_partial else ""),
+            f"  read amplification         {est.read:.2f}x (compression ratio {ratio:.2f})" if est.read else
+            "  read amplification         unknown (no chunk written)",
+            "",
+            *(f"advice: {a}" for a in est.advice),
+        ]
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        print(describe(args.uri))
+        print(describe(args.uri, tuple(args.sample_shape) if args.sample_shape else None))
     except StokerError as exc:
         print(f"stoker inspect: {exc}")
         return 1
@@ -37,4 +78,6 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="summarise a Zarr array: shape, chunks, shards, codecs")
     p.add_argument("uri", help="local path or file:// URI of a Zarr array")
+    p.add_argument("--sample-shape", type=int, nargs="+", metavar="N",
+                   help="crop shape: estimate read and decode amplification and advise on chunking")
     p.set_defaults(run=run)
