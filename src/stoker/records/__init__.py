@@ -6,28 +6,45 @@
     >>> loader = torch.utils.data.DataLoader(ds.shard(rank, world_size), batch_size=None, num_workers=4)
     >>> for sample in loader:
     ...     x = normalize(sample, stats)
+    >>> precompute(ds, "knn16", lambda s: knn_graph(s["positions"][0], 16), params={"k": 16})
+    >>> for batch in Loader(ZarrRecords("/data/crash", fields=["positions", "knn16"]), batch_size=8):
+    ...     ...                                      # threads, no worker processes; resumable
 
 Modules: :mod:`~stoker.records.catalog` (metadata scan and checks),
 :mod:`~stoker.records.dataset` (``ZarrRecords``), :mod:`~stoker.records.moments`
 (streaming moments), :mod:`~stoker.records.stats` (``compute_stats``),
-:mod:`~stoker.records.sidecar` (the statistics file).
+:mod:`~stoker.records.sidecar` (the statistics file), :mod:`~stoker.records.precomputed`
+(per-record arrays stored once), :mod:`~stoker.records.knn` (``knn_graph``),
+:mod:`~stoker.records.loader` (``Loader``), :mod:`~stoker.records.collate` (batching).
 """
 
 from .catalog import Catalog, scan
+from .collate import Concat, Pad
 from .dataset import CacheInfo, FieldInfo, SampleInfo, ZarrRecords
+from .knn import knn_edge_index, knn_graph
+from .loader import Loader, LoaderTimeout
 from .moments import Moments
+from .precomputed import PrecomputeResult, precompute
 from .stats import FieldStats, compute_stats, denormalize, normalize
 
 __all__ = [
     "CacheInfo",
     "Catalog",
+    "Concat",
     "FieldInfo",
     "FieldStats",
+    "Loader",
+    "LoaderTimeout",
     "Moments",
+    "Pad",
+    "PrecomputeResult",
     "SampleInfo",
     "ZarrRecords",
     "compute_stats",
     "denormalize",
+    "knn_edge_index",
+    "knn_graph",
     "normalize",
+    "precompute",
     "scan",
 ]

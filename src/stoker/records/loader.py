@@ -1,0 +1,470 @@
+"""``Loader``: batches of records read by a few threads of the training process itself.
+
+    >>> loader = Loader(ZarrRecords("/data/clouds", fields=["points", "knn16"]), batch_size=8,
+    ...                 collate=Concat(increment={"knn16": "points"}), seed=0, device="cuda")
+    >>> for epoch in range(start_epoch, n_epochs):
+    ...     loader.set_epoch(epoch)            # keeps the position when already in this epoch (after a resume)
+    ...     for batch in loader:               # {"points": ..., "points_batch": ..., "knn16": ...}
+    ...         step(batch)
+    ...         ckpt["loader"] = loader.state_dict()   # as of this batch, whatever is prefetched
+    >>> loader.load_state_dict(ckpt["loader"])  # later, on any world size: nothing skipped or repeated
+
+No worker processes: reads release the GIL (``os.pread`` and the decoders), so a
+small thread pool keeps up, and nothing goes through ``/dev/shm`` (whose size
+limit is what makes DataLoader workers die of SIGBUS in containers). At most
+``prefetch`` batches are prepared ahead of the consumer; every wait has a
+timeout, so ``close()`` (or dropping the iterator) stops the threads promptly.
+
+**Order.** Epoch ``e`` permutes the records with ``(seed, e)``; ranks take
+strided parts of that order with equal sample counts (short ranks wrap around to
+the start, or every rank drops the tail with ``drop_last``), so every rank steps
+through the same number of batches (see :mod:`stoker.shard`).
+
+**Position.** The loader is a cursor: iterating continues where the last
+iteration stopped (after a ``break``, an error or a resume). ``set_epoch(e)``
+jumps to the start of ``e`` unless the loader is in ``e`` already, so the usual
+``set_epoch`` loop also resumes correctly. Without ``set_epoch``, iterating an
+epoch that is complete moves on to the next one; after ``set_epoch`` or
+``load_state_dict`` a complete epoch stays complete (a checkpoint taken after an
+epoch's last batch resumes with nothing left of that epoch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .. import shard as _shard
+from ..distributed import rank_info
+from ..errors import InvalidArgument, ShutdownError, StokerError
+from ..pin import pin_object, to_device
+from .collate import CollateArg, resolve
+from .dataset import ZarrRecords
+
+STATE_FORMAT = "stoker-records-loader"
+STATE_VERSION = 1
+_POLL_S = 0.05  # how often a waiting thread looks at the stop flag
+_CLOSE_S = 1.0  # close() waits at most this long for the threads (a read in progress cannot be interrupted)
+
+
+class LoaderTimeout(StokerError, TimeoutError):
+    """No batch arrived within ``timeout_s`` (a read is stuck, or far slower than expected)."""
+
+
+def _check_int(name: str, value: Any, low: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidArgument(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _names_id(ds: Any) -> str | None:
+    """A digest of the record names when the dataset has them (a wrapper around one may not)."""
+    names = getattr(ds, "base_names", None)
+    if not callable(names):
+        return None
+    return hashlib.sha256(json.dumps(list(names())).encode()).hexdigest()[:16]
+
+
+class Loader:
+    """Batches of ``ds`` for this rank: threads, bounded prefetch, equal batch counts, resumable.
+
+    ``ds`` is any map-style dataset whose ``ds[i]`` is a dict of tensors (a full
+    :class:`ZarrRecords`, not a shard: the loader splits it). ``collate`` is
+    ``"concat"``, ``"pad"`` (see :mod:`stoker.records.collate`) or a function of
+    the list of samples. ``n_threads`` reader threads (default ``min(4, cpus)``)
+    keep at most ``prefetch`` batches ready. With a CUDA ``device``, batches are
+    pinned by the readers and copied with ``non_blocking=True`` when handed out;
+    a CPU device (or None) hands out the CPU batches as they are. ``rank`` and
+    ``world_size`` default to :func:`stoker.rank_info`. ``timeout_s`` bounds the
+    wait for one batch (then :class:`LoaderTimeout`).
+    """
+
+    def __init__(self, ds: Any, batch_size: int, collate: CollateArg = "concat", shuffle: bool = True,
+                 seed: int = 0, n_threads: int | None = None, prefetch: int = 2,
+                 device: torch.device | str | int | None = None, drop_last: bool = False,
+                 rank: int | None = None, world_size: int | None = None, timeout_s: float = 300.0) -> None:
+        if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+            raise InvalidArgument(f"ds must be a map-style dataset (len and [i]), got {type(ds).__name__}")
+        if isinstance(ds, ZarrRecords) and ds.part != (0, 1):
+            raise InvalidArgument(f"ds is part {ds.part} of its dataset; pass the full dataset, the Loader "
+                                  "splits it across ranks itself", part=ds.part)
+        _check_int("batch_size", batch_size, 1)
+        _check_int("seed", seed, 0)
+        _check_int("n_threads", n_threads, 1, allow_none=True)
+        _check_int("prefetch", prefetch, 1)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        if rank is None or world_size is None:
+            info = rank_info()
+            rank = info.rank if rank is None else rank
+            world_size = info.world_size if world_size is None else world_size
+        _check_int("world_size", world_size, 1)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise InvalidArgument(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+        self.ds = ds
+        self.batch_size = batch_size
+        self.collate = resolve(collate)
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.n_threads = n_threads or min(4, os.cpu_count() or 1)
+        self.prefetch = prefetch
+        self.device = self._check_device(device)
+        self.drop_last = bool(drop_last)
+        self.rank, self.world_size = rank, world_size
+        self.timeout_s = float(timeout_s)
+        self._even = "drop" if self.drop_last else "wrap"
+        self._size = len(ds)
+        self._names_id = _names_id(ds)
+        # The cursor: epoch, earlier splits of it (other world sizes), samples of the current split
+        # consumed before this run, and batches the consumer received in this run.
+        self._epoch = 0
+        self._segments: list[list] = []
+        self._skip = 0
+        self._received = 0
+        self._hold = False  # set_epoch/load_state_dict chose this epoch: do not leave it when complete
+        self._work: _Work | None = None
+        self._closed = False
+        self._split_cache: tuple[Any, np.ndarray] | None = None
+
+    @staticmethod
+    def _check_device(device: Any) -> torch.device | None:
+        if device is None:
+            return None
+        try:
+            dev = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidArgument(f"device {device!r} is not a torch device: {exc}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidArgument(f"device {device!r} asked for but CUDA is not available")
+        return dev
+
+    # -- the order ---------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _split(self) -> np.ndarray:
+        """Dataset indices this rank visits in the current split of the epoch, in order."""
+        key = (self._epoch, json.dumps(self._segments))
+        if self._split_cache is not None and self._split_cache[0] == key:
+            return self._split_cache[1]  # state_dict() runs every step: the permutation is O(n)
+        rng_order = (np.random.default_rng([self.seed, self._epoch]).permutation(self._size) if self.shuffle
+                     else np.arange(self._size, dtype=np.int64))
+        remaining = _shard.remaining_after(self._size, self._segments)
+        positions = _shard.rank_positions(remaining, self.rank, self.world_size, "strided", self._even)
+        split = rng_order[positions]
+        self._split_cache = (key, split)
+        return split
+
+    def _run_batches(self) -> list[np.ndarray]:
+        """The batches of this run: the split after the samples already consumed, cut into batches."""
+        plan = self._split()[self._skip:]
+        bs = self.batch_size
+        count = len(plan) // bs if self.drop_last else -(-len(plan) // bs)
+        return [plan[j * bs: (j + 1) * bs] for j in range(count)]
+
+    def _left(self) -> int:
+        """Batches of the current epoch this rank has not received."""
+        return len(self._run_batches()) - self._received
+
+    def _moves_on(self) -> bool:
+        """Whether the next iteration starts the next epoch (this one is complete and was not chosen)."""
+        return not self._hold and self._left() == 0
+
+    def __len__(self) -> int:
+        """Batches the next iteration yields: a whole epoch, less what this epoch already consumed."""
+        if self._moves_on():
+            m = _shard.per_rank(self._size, self.world_size, self._even)  # a fresh epoch, whatever its order
+            return m // self.batch_size if self.drop_last else -(-m // self.batch_size)
+        return self._left()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch``; keep the position when the loader is in ``epoch`` already."""
+        _check_int("epoch", epoch, 0)
+        if epoch != self._epoch:
+            self._stop_work()
+            self._epoch, self._segments, self._skip, self._received = epoch, [], 0, 0
+        self._hold = True
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _steps(self) -> int:
+        """Samples of the current split this rank consumed (received batches, capped by the split)."""
+        split = len(self._split())
+        if self._left() == 0:
+            return split  # complete: the samples drop_last left out are done with too
+        return self._skip + min(self._received * self.batch_size, split - self._skip)
+
+    def state_dict(self) -> dict:
+        """The position as of the last batch the consumer received (prefetched ones do not count)."""
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "segments": [list(s) for s in self._segments],
+            "world_size": self.world_size,
+            "even": self._even,
+            "steps": self._steps(),
+            "rank": self.rank,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "size": self._size,
+            "names": self._names_id,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (any rank's, saved with any world size, batch size or ``drop_last``)."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise InvalidArgument("not a stoker.records.Loader state (missing format marker)")
+        if state.get("version") != STATE_VERSION:
+            raise InvalidArgument(f"Loader state version {state.get('version')!r}; this stoker reads {STATE_VERSION}")
+        for key, mine in (("size", self._size), ("seed", self.seed), ("shuffle", self.shuffle),
+                          ("names", self._names_id)):
+            if key == "names" and (mine is None or state.get(key) is None):
+                continue  # one side cannot tell its record names: the size has to do
+            if state.get(key) != mine:
+                raise InvalidArgument(
+                    f"the state was saved with {key}={state.get(key)!r}, this loader has {mine!r}: the epoch's "
+                    "order would differ, so resuming would repeat and skip records", key=key)
+        try:
+            segments = [[int(s[0]), str(s[1]), str(s[2]), int(s[3])] for s in state["segments"]]
+            steps, epoch = int(state["steps"]), int(state["epoch"])
+            world, even = int(state["world_size"]), state["even"]
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise InvalidArgument(f"malformed Loader state ({type(exc).__name__}: {exc})") from None
+        if epoch < 0 or steps < 0 or world < 1 or even not in _shard.EVEN:
+            raise InvalidArgument(f"malformed Loader state: epoch={epoch}, steps={steps}, world_size={world}, "
+                                  f"even={even!r}")
+        self._stop_work()
+        same_split = world == self.world_size and even == self._even
+        if same_split:
+            # Same split: continue it exactly (its wrapped tail included), as if never interrupted.
+            self._segments, self._skip = segments, steps
+        else:
+            if steps:
+                segments.append([world, "strided", even, steps])
+            self._segments, self._skip = segments, 0
+        self._epoch, self._received = epoch, 0
+        self._hold = True
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise ShutdownError("this Loader is closed")
+        self._stop_work()  # one iteration at a time: a new one takes over from the last received batch
+        if self._moves_on():
+            self._epoch, self._segments, self._skip, self._received = self._epoch + 1, [], 0, 0
+        self._hold = False
+        batches = self._run_batches()[self._received:]
+        pin = self.device is not None and self.device.type == "cuda"
+        self._work = _Work(self.ds, batches, self.collate, pin, self.n_threads, self.prefetch)
+        return _Iter(self, self._work, self._received)
+
+    def _stop_work(self) -> None:
+        if self._work is not None:
+            self._work.close()
+            self._work = None
+
+    def close(self) -> None:
+        """Stop the reader threads (returns within about a second) and refuse further iteration."""
+        self._closed = True
+        self._stop_work()
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Loader({self.ds!r}, batch_size={self.batch_size}, rank={self.rank}/{self.world_size}, "
+                f"epoch={self._epoch})")
+
+
+class _Iter:
+    """One pass over the rest of the current epoch; updates the loader's cursor as batches are handed out."""
+
+    def __init__(self, loader: Loader, work: "_Work", start: int) -> None:
+        self._loader = loader
+        self._work = work
+        self._start = start
+        self._next = 0
+        self._done = False
+        # Dropping the iterator (a `break` out of the loop) stops its threads, without waiting for them.
+        weakref.finalize(self, work.close, False)
+
+    def __iter__(self) -> "_Iter":
+        return self
+
+    def __next__(self) -> Any:
+        loader = self._loader
+        if self._done:
+            raise StopIteration
+        if loader._work is not self._work:
+            self._done = True
+            raise ShutdownError("this iteration was stopped (the loader was closed, moved to another epoch or "
+                                "iterated anew)")
+        if self._next >= len(self._work.batches):
+            self._finish()
+            raise StopIteration
+        try:
+            batch = self._work.take(self._next, loader.timeout_s)
+        except BaseException:
+            self._finish(join=False)  # report now; a stuck read ends its thread when it returns
+            raise
+        self._next += 1
+        loader._received = self._start + self._next
+        if self._next == len(self._work.batches):
+            self._finish()  # the epoch's last batch: no thread outlives it
+        if loader.device is not None and loader.device.type != "cpu":
+            batch = to_device(batch, loader.device, non_blocking=True)
+        return batch
+
+    def _finish(self, join: bool = True) -> None:
+        self._done = True
+        self._work.close(join)
+        if self._loader._work is self._work:
+            self._loader._work = None
+
+
+class _Work:
+    """The reader threads of one iteration and the batches they prepare; shared with the threads only."""
+
+    def __init__(self, ds: Any, batches: list[np.ndarray], collate: Any, pin: bool, n_threads: int,
+                 prefetch: int) -> None:
+        self.ds, self.batches, self.collate, self.pin, self.prefetch = ds, batches, collate, pin, prefetch
+        self.tasks: queue.Queue = queue.Queue()
+        self.cv = threading.Condition()
+        self.parts: dict[int, _Part] = {}
+        self.ready: dict[int, tuple[bool, Any]] = {}  # batch -> (ok, batch or exception)
+        self.issued = 0
+        self.stop = threading.Event()
+        n = min(n_threads, sum(len(b) for b in batches)) if batches else 0
+        self.threads = [threading.Thread(target=_read_loop, args=(self,), name=f"stoker-records-{i}", daemon=True)
+                        for i in range(n)]
+        with self.cv:
+            self._issue(taken=0)
+        for t in self.threads:
+            t.start()
+
+    def _issue(self, taken: int) -> None:
+        """Queue the samples of the batches up to ``prefetch`` ahead of the consumer (lock held)."""
+        while self.issued < len(self.batches) and self.issued < taken + self.prefetch:
+            j = self.issued
+            self.parts[j] = _Part(len(self.batches[j]))
+            for slot, index in enumerate(self.batches[j]):
+                self.tasks.put((j, slot, int(index)))
+            self.issued += 1
+
+    def take(self, j: int, timeout_s: float) -> Any:
+        """Batch ``j`` once ready; raises what reading or collating it raised."""
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while j not in self.ready:
+                if self.stop.is_set():
+                    raise ShutdownError("the loader was closed while waiting for a batch")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LoaderTimeout(f"batch {j} of this epoch was not ready after {timeout_s:g} s "
+                                        f"({self.ds!r})", timeout_s=timeout_s)
+                self.cv.wait(min(_POLL_S, left))
+            ok, value = self.ready.pop(j)
+            self._issue(taken=j + 1)
+        if not ok:
+            raise value
+        return value
+
+    def deliver(self, j: int, part: "_Part") -> None:
+        """Collate a complete batch (outside the lock, on the reader thread) and hand it over."""
+        failed = [(slot, exc) for slot, exc in enumerate(part.errors) if exc is not None]
+        if failed:
+            result: tuple[bool, Any] = (False, failed[0][1])  # the lowest slot's error: the same on every run
+        else:
+            try:
+                batch = self.collate(part.samples)
+                result = (True, pin_object(batch) if self.pin else batch)
+            except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
+                result = (False, exc)
+        with self.cv:
+            if not self.stop.is_set():
+                self.ready[j] = result
+                self.cv.notify_all()
+
+    def close(self, join: bool = True) -> None:
+        """Stop the threads: they notice within ``_POLL_S`` unless a read is in progress.
+
+        With ``join``, wait up to ``_CLOSE_S`` for them to end.
+        """
+        self.stop.set()
+        with self.cv:
+            self.ready.clear()
+            self.parts.clear()
+            self.cv.notify_all()
+        while True:
+            try:
+                self.tasks.get_nowait()
+            except queue.Empty:
+                break
+        for _ in self.threads:
+            self.tasks.put(None)  # wakes an idle thread now rather than at its next poll
+        if not join:
+            return
+        deadline = time.monotonic() + _CLOSE_S
+        for t in self.threads:
+            if t is not threading.current_thread() and t.ident is not None:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class _Part:
+    """A batch being read: its samples by slot, errors by slot, and how many slots are still out."""
+
+    __slots__ = ("samples", "errors", "left")
+
+    def __init__(self, n: int) -> None:
+        self.samples: list[Any] = [None] * n
+        self.errors: list[BaseException | None] = [None] * n
+        self.left = n
+
+
+def _read_loop(work: _Work) -> None:
+    """A reader thread: read queued samples until stopped; the one finishing a batch collates it."""
+    while not work.stop.is_set():
+        try:
+            task = work.tasks.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
+        if task is None or work.stop.is_set():
+            return
+        j, slot, index = task
+        sample, error = None, None
+        try:
+            sample = work.ds[index]
+        except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(while stoker.records.Loader read record {index})")
+            error = exc
+        with work.cv:
+            part = work.parts.get(j)
+            if part is None:  # closed meanwhile
+                continue
+            part.samples[slot], part.errors[slot] = sample, error
+            part.left -= 1
+            if part.left:
+                continue
+            del work.parts[j]
+        work.deliver(j, part)
+
+
+__all__ = ["Loader", "LoaderTimeout"]

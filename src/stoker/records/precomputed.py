@@ -1,0 +1,343 @@
+"""Per-record arrays computed once and stored next to the data (a k-NN graph, a mesh adjacency...).
+
+    >>> ds = ZarrRecords("/data/crash", fields=["positions"])
+    >>> precompute(ds, "knn16", lambda s: knn_graph(s["positions"][0], 16), params={"k": 16})
+    PrecomputeResult(name='knn16', written=400, skipped=0, ...)
+    >>> precompute(ds, "knn16", ...same...)          # every record already holds it: nothing is written
+    >>> ZarrRecords("/data/crash", fields=["positions", "knn16"])[0]["knn16"]   # a new dataset sees it
+
+Each record's group gets an array ``name`` written with zarr-python, in the
+group's Zarr format. Under ``torch.distributed`` every rank computes its strided
+share (records ``rank::world_size``), so each record is written exactly once;
+the call is collective and returns once every rank is done.
+
+**Idempotent.** The array's attributes hold a fingerprint of ``name`` and
+``params`` (``attrs["stoker_precompute"]``); a record whose array carries the
+same fingerprint is skipped, any other (or none) is recomputed. The fingerprint
+cannot see a changed ``fn`` or changed input data: put a version in ``params``.
+
+**Atomic.** The array is written to a hidden sibling directory
+(``.<name>.tmp-<host>-<pid>-<random>``; hidden names are never fields), its files
+are fsynced, and the directory is renamed into place with ``os.replace``. An
+array found at ``name`` is therefore always complete: a crash leaves either the
+old array, no array (between moving an outdated one aside and renaming the new
+one in), or the new one, plus a hidden leftover that a later run removes once
+its writer process is gone. A fingerprint written last was the alternative, but
+readers that do not know about it (``ZarrRecords``) would accept half an array.
+
+Two separate jobs must not precompute the same name into the same records at
+once (the ranks of one job never overlap). Consolidated group metadata, if a
+record has any, is not updated; ``ZarrRecords`` reads each array's own metadata.
+The module is ``precomputed`` so that ``stoker.records.precompute`` can be the function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..distributed import _active_group
+from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
+from .dataset import Sample, ZarrRecords
+from .stats import _all_gather, _local_view as _rank_view
+
+ATTR = "stoker_precompute"
+FORMAT = "stoker-precompute"
+VERSION = 1
+# A leftover whose writer cannot be checked (another host) is removed after this long.
+STALE_AFTER_S = 24 * 3600
+
+_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
+
+
+@dataclass(frozen=True)
+class PrecomputeResult:
+    """What one call did: ``written``/``skipped`` records on this rank, ``total_*`` over all ranks."""
+
+    name: str
+    fingerprint: str
+    written: int
+    skipped: int
+    total_written: int
+    total_skipped: int
+
+
+def fingerprint(name: str, params: Any) -> str:
+    """Hex digest of what identifies a precomputed array: its name and ``params`` (canonical JSON)."""
+    doc = {"format": FORMAT, "version": VERSION, "name": name, "params": params}
+    return hashlib.sha256(_canonical(doc).encode()).hexdigest()
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+# -- reading what is stored --------------------------------------------------------------------
+
+
+def _zarr_format(record: str) -> int:
+    """2 or 3: the new array follows its group's format, so mixed datasets stay readable by both."""
+    if os.path.exists(os.path.join(record, "zarr.json")):
+        return 3
+    if os.path.exists(os.path.join(record, ".zgroup")):
+        return 2
+    raise InvalidArgument(f"{record} is not a Zarr group", uri=record)
+
+
+def _attributes(path: str) -> dict | None:
+    """The attributes of the array at ``path``, or None when there is no readable array there."""
+    try:
+        with open(os.path.join(path, "zarr.json"), "rb") as f:
+            doc = json.loads(f.read())
+        if doc.get("node_type") != "array":
+            return None
+        attrs = doc.get("attributes")
+        return attrs if isinstance(attrs, dict) else {}
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not os.path.exists(os.path.join(path, ".zarray")):
+        return None
+    try:
+        with open(os.path.join(path, ".zattrs"), "rb") as f:
+            doc = json.loads(f.read())
+        return doc if isinstance(doc, dict) else None
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return None
+
+
+def stored_fingerprint(record: str, name: str) -> str | None:
+    """Fingerprint of the array ``name`` in the record group at ``record``; None when absent or foreign."""
+    attrs = _attributes(os.path.join(record, name))
+    entry = attrs.get(ATTR) if attrs else None
+    fp = entry.get("fingerprint") if isinstance(entry, dict) else None
+    return fp if isinstance(fp, str) else None
+
+
+def _check_replaceable(record: str, sample: str, name: str) -> None:
+    """Refuse to replace anything at ``name`` that precompute did not write (user data stays untouched)."""
+    path = os.path.join(record, name)
+    if os.path.lexists(path) and stored_fingerprint(record, name) is None:
+        raise InvalidArgument(
+            f"record {sample!r} already holds {path!r}, which precompute did not write; pick another name "
+            "or delete it", uri=path, sample=sample, field=name)
+
+
+# -- writing one array ---------------------------------------------------------------------------
+
+
+def _as_numpy(value: Any, record: str, name: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.dtype == torch.bfloat16:
+            raise DtypeMismatch(f"{name}: bfloat16 has no Zarr dtype; convert it (e.g. .float())",
+                                field=name, sample=record)
+        if value.is_complex() or value.is_quantized:
+            raise DtypeMismatch(f"{name}: fn returned {value.dtype}, which stoker does not store",
+                                field=name, sample=record)
+        return np.ascontiguousarray(value.cpu().numpy())
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        return np.ascontiguousarray(value)
+    raise InvalidArgument(f"fn must return a torch.Tensor; for record {record!r} it returned "
+                          f"{type(value).__name__}", field=name, sample=record)
+
+
+def _fsync_tree(path: str) -> None:
+    """Flush every file, then every directory, under ``path`` to disk (a rename must not outrun data)."""
+    for dirpath, _, files in os.walk(path, topdown=False):
+        for fname in files:
+            fd = os.open(os.path.join(dirpath, fname), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(dirpath)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_temp(tmp: str, data: np.ndarray, fmt: int, attrs: dict) -> None:
+    """Write the complete array (metadata, attributes, chunks) at the temporary path."""
+    import zarr  # only writers pay for importing zarr-python
+
+    zarr.create_array(store=tmp, data=data, zarr_format=fmt, attributes=attrs)
+
+
+def _place(tmp: str, final: str) -> None:
+    """Rename the finished temporary array to ``final``, moving an outdated one aside first.
+
+    ``os.replace`` cannot replace a non-empty directory, so an old array is renamed
+    to a hidden name, the new one renamed in, and the old one deleted: a crash in
+    between leaves no array at ``final`` (recomputed next time), never a mix.
+    """
+    parent = os.path.dirname(final)
+    old = None
+    if os.path.lexists(final):
+        old = _temp_name(parent, os.path.basename(final), "old")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _temp_name(parent: str, name: str, kind: str) -> str:
+    return os.path.join(parent, f".{name}.{kind}-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _writer_gone(entry: str) -> bool:
+    """Whether the process that made a leftover ``.<name>.<kind>-<host>-<pid>-<rand>`` is gone."""
+    m = re.fullmatch(r".*\.(?:tmp|old)-(.+)-(\d+)-[0-9a-f]{8}", os.path.basename(entry))
+    if m is None:
+        return False
+    host, pid = m.group(1), int(m.group(2))
+    if host != _HOST:  # cannot ask another machine: rely on age
+        try:
+            return time.time() - os.stat(entry).st_mtime > STALE_AFTER_S
+        except OSError:
+            return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
+
+
+def _remove_leftovers(record: str, name: str) -> None:
+    prefixes = (f".{name}.tmp-", f".{name}.old-")
+    try:
+        entries = [e for e in os.listdir(record) if e.startswith(prefixes)]
+    except OSError:
+        return
+    for e in entries:
+        path = os.path.join(record, e)
+        if _writer_gone(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def write_array(record: str, name: str, data: np.ndarray, attrs: dict) -> str:
+    """Store ``data`` as array ``name`` of the record group at ``record``, atomically; returns its path."""
+    final = os.path.join(record, name)
+    tmp = _temp_name(record, name, "tmp")
+    try:
+        _write_temp(tmp, data, _zarr_format(record), attrs)
+        _fsync_tree(tmp)
+        if _attributes(tmp) != attrs:  # never rename in what is not the complete array just written
+            raise StorageError(f"the temporary array {tmp} changed while it was written (removed by another "
+                               "process?); nothing was put in place", uri=tmp)
+        _place(tmp, final)
+    except OSError as exc:
+        raise StorageError(f"could not write {final}: {exc}", uri=final) from exc
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# -- the entry point ---------------------------------------------------------------------------
+
+
+def _local_view(ds: ZarrRecords, rank: int, world: int) -> ZarrRecords:
+    """The records this rank computes: its strided share, or any view when no other rank takes part."""
+    if world == 1:
+        return ds  # a single process does what it is given (e.g. a shard chosen by hand)
+    return _rank_view(ds, rank, world)
+
+
+def _check_args(ds: Any, name: Any, fn: Any, params: Any) -> str:
+    if not isinstance(ds, ZarrRecords):
+        raise InvalidArgument(f"ds must be a ZarrRecords (or this rank's shard), got {type(ds).__name__}")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*", name) or name.startswith("__"):
+        raise InvalidArgument(
+            f"name must be a plain array name (letters, digits, '_', '-', '.'; not starting with '.' or '__'), "
+            f"got {name!r}")
+    if name in ds.fields:
+        raise InvalidArgument(
+            f"{name!r} is a field of ds, so fn would see its old value; open the dataset without it", field=name)
+    if not callable(fn):
+        raise InvalidArgument(f"fn must be a function of the sample dict, got {type(fn).__name__}")
+    try:
+        return fingerprint(name, params)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"params must be JSON data (numbers, strings, lists, dicts): {exc}") from None
+
+
+def _run_local(local: ZarrRecords, name: str, fn: Callable[[Sample], Any], params: Any, fp: str
+               ) -> tuple[int, int, BaseException | None]:
+    written = skipped = 0
+    attrs = {ATTR: {"fingerprint": fp, "params": json.loads(_canonical(params)), "version": VERSION}}
+    try:
+        for i in range(len(local)):
+            info = local.metadata(i)
+            _remove_leftovers(info.path, name)
+            if stored_fingerprint(info.path, name) == fp:
+                skipped += 1
+                continue
+            _check_replaceable(info.path, info.name, name)
+            data = _as_numpy(fn(local[i]), info.name, name)
+            write_array(info.path, name, data, attrs)
+            written += 1
+    except Exception as exc:  # reported to every rank below, raised here
+        return written, skipped, exc
+    return written, skipped, None
+
+
+def precompute(ds: ZarrRecords, name: str, fn: Callable[[Sample], torch.Tensor], params: Any,
+               group: Any = None) -> PrecomputeResult:
+    """Store ``fn(ds[i])`` as array ``name`` in every record that lacks it under ``params``.
+
+    ``ds`` is the full dataset (each rank takes records ``rank::world_size``) or this
+    rank's ``ds.shard(rank, world_size)``; without a process group, any view. ``params`` is JSON data describing
+    everything ``fn``'s result depends on; records whose array was stored under the
+    same ``name`` and ``params`` are skipped. Collective under ``torch.distributed``:
+    call it on every rank of ``group``; it returns (or raises, on every rank) once all
+    ranks are done. Open a new ``ZarrRecords`` to see the new field.
+    """
+    fp = _check_args(ds, name, fn, params)
+    dist = _active_group(group)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist is not None else (0, 1)
+    local = _local_view(ds, rank, world)
+
+    # Ranks asked for different arrays would each skip the others' records: refuse together.
+    heads = _all_gather(torch.tensor([int(fp[:14], 16)], dtype=torch.int64), dist, group)
+    if len({int(h[0]) for h in heads}) > 1:
+        raise InvalidArgument(f"ranks passed different name or params to precompute({name!r}, ...)", field=name)
+
+    written, skipped, error = _run_local(local, name, fn, params, fp)
+    # This gather doubles as the closing barrier: nobody returns before every record is in place.
+    tails = _all_gather(torch.tensor([0 if error else 1, written, skipped], dtype=torch.int64), dist, group)
+    failed = [r for r, t in enumerate(tails) if int(t[0]) == 0]
+    if error is not None:
+        raise error
+    if failed:
+        raise StokerError(f"precompute({name!r}) failed on rank(s) {failed}; the cause is raised there",
+                          ranks=failed, field=name)
+    return PrecomputeResult(name, fp, written, skipped,
+                            sum(int(t[1]) for t in tails), sum(int(t[2]) for t in tails))
+
+
+__all__ = ["PrecomputeResult", "precompute", "fingerprint", "stored_fingerprint", "write_array"]
