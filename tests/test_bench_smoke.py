@@ -18,3 +18,12 @@ def test_bench_tiny_smoke(tmp_path, capsys):
     assert "of decode bound" in out and "first batch" in out
     # a second run reuses the generated datasets
     assert (tmp_path / "bench" / "tiny-lz4" / ".complete").exists()
+
+
+@pytest.mark.timeout(300)
+def test_bench_records_tiny_smoke(tmp_path, capsys):
+    assert main(["bench", "records", "--tiny", "--data", str(tmp_path / "bench")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^stoker\.records\.Loader \(threads\)\s+\d+\.\d", out, re.M), out
+    assert re.search(r"^DataLoader\(num_workers\) \+ zarr\s+\d+\.\d+\s+\d+\.\d+x", out, re.M), out
+    assert re.search(r"^\s+50 records: .* per record\)$", out, re.M) and re.search(r"^\s+500 records:", out, re.M)

@@ -14,6 +14,14 @@ PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    if args.suite == "records":
+        from ..bench.records import run as run_records
+
+        root = args.data or cache_dir() / "bench"
+        small, large = (50, 500) if args.tiny else (2000, 20000)
+        print(run_records(root, small, large, batch_size=16, n_batches=min(args.batches, 40)), flush=True)
+        return 0
+
     from ..bench.runner import format_results, host_budget, rss_bytes, run_scenario, scenarios
 
     chosen = scenarios(tiny=args.tiny)
@@ -36,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark stoker against tensorstore and zarr-python")
+    p.add_argument("suite", nargs="?", choices=("crops", "records"), default="crops",
+                   help="crops: the crop pipeline (default); records: the record Loader")
     p.add_argument("--scenarios", help="comma-separated scenario numbers (default: all)")
     p.add_argument("--peers", help=f"comma-separated subset of {','.join(PEERS)}")
     p.add_argument("--batches", type=int, default=30, help="timed batches per fast peer (default 30)")

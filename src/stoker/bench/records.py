@@ -1,0 +1,119 @@
+"""``stoker bench records``: the record Loader against a DataLoader over zarr-python, in one process run.
+
+Datasets: seeded point-cloud records (``points`` (N, 3) and ``features`` (N, 4) float32, N varying
+from 500 to 3,000), written once with zarr-python; the large copy for the scaling check repeats the
+small one's records under new names. Construction time and RSS are measured in fresh processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def ensure_records(root: Path, n: int, progress: bool = True) -> Path:
+    """A directory of ``n`` record groups (reused when complete)."""
+    import zarr
+    from tqdm import tqdm
+
+    base = root / f"records-{n}"
+    if (base / ".complete").exists():
+        return base
+    if base.exists():
+        shutil.rmtree(base)
+    base.mkdir(parents=True)
+    seed_n = min(n, 2000)
+    rng = np.random.default_rng(0)
+    for i in tqdm(range(seed_n), desc=f"writing {seed_n} records", unit="rec", disable=not progress):
+        npts = int(rng.integers(500, 3001))
+        g = zarr.open_group(str(base / f"r{i:06d}.zarr"), mode="w")
+        g.create_array("points", data=rng.normal(size=(npts, 3)).astype(np.float32), chunks=(npts, 3))
+        g.create_array("features", data=rng.normal(size=(npts, 4)).astype(np.float32), chunks=(npts, 4))
+    for i in tqdm(range(seed_n, n), desc="copying records", unit="rec", disable=not progress or n <= seed_n):
+        shutil.copytree(base / f"r{i % seed_n:06d}.zarr", base / f"r{i:06d}.zarr")
+    (base / ".complete").touch()
+    return base
+
+
+class _ZarrPython(torch.utils.data.Dataset):
+    """The peer: one record per item through zarr-python, opened lazily in each worker."""
+
+    def __init__(self, root: Path) -> None:
+        self.paths = sorted(str(p) for p in root.glob("r*.zarr"))
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> dict:
+        import zarr
+
+        g = zarr.open_group(self.paths[i], mode="r")
+        return {k: torch.from_numpy(g[k][:]) for k in ("points", "features")}
+
+
+def _concat(samples: list[dict]) -> dict:
+    out = {}
+    for k in samples[0]:
+        out[k] = torch.cat([s[k] for s in samples])
+        out[f"{k}_batch"] = torch.cat([torch.full((len(s[k]),), i) for i, s in enumerate(samples)])
+    return out
+
+
+def _rate(batches, n_batches: int, batch_size: int) -> float:
+    it = iter(batches)
+    next(it)  # warm-up (threads or workers start)
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        next(it)
+    return n_batches * batch_size / (time.perf_counter() - t0)
+
+
+def _construct_in_fresh_process(base: Path) -> dict:
+    code = (
+        "import json,time,sys; from stoker.bench.runner import rss_bytes; r0=rss_bytes(); "
+        "from stoker.records import ZarrRecords; import stoker; r1=rss_bytes(); t=time.perf_counter(); "
+        f"ds=ZarrRecords({str(base)!r}, fields=['points','features']); dt=time.perf_counter()-t; "
+        "print(json.dumps({'n':len(ds),'seconds':dt,'rss_delta':rss_bytes()-r1}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=1800)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(root: Path, n_small: int, n_large: int, batch_size: int, n_batches: int) -> str:
+    from ..records import Loader, ZarrRecords
+
+    small = ensure_records(root, n_small)
+    large = ensure_records(root, n_large)
+    cores = os.cpu_count() or 1
+    n_batches = min(n_batches, n_small // batch_size - 1)
+    ds = ZarrRecords(small, fields=["points", "features"])
+    with Loader(ds, batch_size, collate="concat", shuffle=True, seed=0, n_threads=cores) as loader:
+        stoker_rate = _rate(loader, n_batches, batch_size)
+    dl = torch.utils.data.DataLoader(_ZarrPython(small), batch_size=batch_size, shuffle=True,
+                                     num_workers=cores, collate_fn=_concat,
+                                     generator=torch.Generator().manual_seed(0))
+    dl_rate = _rate(dl, n_batches, batch_size)
+    a, b = _construct_in_fresh_process(small), _construct_in_fresh_process(large)
+    lines = [
+        f"records: {n_small} point clouds (500-3,000 points), batch {batch_size}, {n_batches} timed batches, "
+        f"{cores} threads / workers",
+        f"{'peer':<34}{'samples/s':>11}{'stoker x':>10}",
+        f"{'stoker.records.Loader (threads)':<34}{stoker_rate:>11.1f}",
+        f"{'DataLoader(num_workers) + zarr':<34}{dl_rate:>11.1f}{stoker_rate / dl_rate:>9.2f}x",
+        "construction (fresh process, metadata only):",
+        f"  {a['n']:>7,} records: {a['seconds']:.2f} s, RSS +{a['rss_delta'] / 1e6:.1f} MB "
+        f"({a['seconds'] / a['n'] * 1e6:.0f} us and {a['rss_delta'] / a['n']:.0f} B per record)",
+        f"  {b['n']:>7,} records: {b['seconds']:.2f} s, RSS +{b['rss_delta'] / 1e6:.1f} MB "
+        f"({b['seconds'] / b['n'] * 1e6:.0f} us and {b['rss_delta'] / b['n']:.0f} B per record)",
+    ]
+    return "\n".join(lines)
+
+
