@@ -17,6 +17,7 @@ from .telemetry import TelemetryWriter, memory_report
 from .pin import DevicePrefetcher, Pinnable, pin_object
 from .errors import (
     BudgetExceeded,
+    CheckpointError,
     DecodeError,
     DtypeMismatch,
     InvalidArgument,
@@ -24,11 +25,13 @@ from .errors import (
     NotFound,
     OutOfBounds,
     PoolStarved,
+    RankFailed,
     RankMismatch,
     ShutdownError,
     StokerError,
     StorageError,
     UnsupportedFormat,
+    UnusedParameters,
 )
 
 __version__ = "0.1.0"
@@ -57,6 +60,7 @@ __all__ = [
     "Stats",
     "open_array",
     "BudgetExceeded",
+    "CheckpointError",
     "DecodeError",
     "DtypeMismatch",
     "InvalidArgument",
@@ -64,10 +68,12 @@ __all__ = [
     "NotFound",
     "OutOfBounds",
     "PoolStarved",
+    "RankFailed",
     "RankMismatch",
     "ShutdownError",
     "StokerError",
     "StorageError",
     "UnsupportedFormat",
+    "UnusedParameters",
     "__version__",
 ]

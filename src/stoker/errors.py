@@ -94,6 +94,18 @@ class ShutdownError(StokerError, RuntimeError):
     """The object was closed, or is closing, and cannot do the requested work."""
 
 
+class RankFailed(StokerError, RuntimeError):
+    """A rank of a launched job raised; the others were stopped. ``rank`` and ``traceback`` say where."""
+
+
+class UnusedParameters(StokerError, RuntimeError):
+    """Parameters received no gradient in the first backward (DDP would fail or hang on them later)."""
+
+
+class CheckpointError(StokerError, OSError):
+    """A checkpoint cannot be written, or none of the stored ones can be read back."""
+
+
 __all__ = [
     "StokerError",
     "InvalidArgument",
@@ -108,4 +120,7 @@ __all__ = [
     "MetadataError",
     "PoolStarved",
     "ShutdownError",
+    "RankFailed",
+    "UnusedParameters",
+    "CheckpointError",
 ]

@@ -51,6 +51,7 @@ from ..distributed import _active_group
 from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
 from .dataset import Sample, ZarrRecords
 from .stats import _all_gather, _local_view as _rank_view
+from ..fsutil import fsync_dir, fsync_tree
 
 ATTR = "stoker_precompute"
 FORMAT = "stoker-precompute"
@@ -156,24 +157,8 @@ def _as_numpy(value: Any, record: str, name: str) -> np.ndarray:
                           f"{type(value).__name__}", field=name, sample=record)
 
 
-def _fsync_tree(path: str) -> None:
-    """Flush every file, then every directory, under ``path`` to disk (a rename must not outrun data)."""
-    for dirpath, _, files in os.walk(path, topdown=False):
-        for fname in files:
-            fd = os.open(os.path.join(dirpath, fname), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(dirpath)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_temp(tmp: str, data: np.ndarray, fmt: int, attrs: dict) -> None:
@@ -196,7 +181,7 @@ def _place(tmp: str, final: str) -> None:
         old = _temp_name(parent, os.path.basename(final), "old")
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -245,7 +230,7 @@ def write_array(record: str, name: str, data: np.ndarray, attrs: dict) -> str:
     tmp = _temp_name(record, name, "tmp")
     try:
         _write_temp(tmp, data, _zarr_format(record), attrs)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if _attributes(tmp) != attrs:  # never rename in what is not the complete array just written
             raise StorageError(f"the temporary array {tmp} changed while it was written (removed by another "
                                "process?); nothing was put in place", uri=tmp)

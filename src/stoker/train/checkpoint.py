@@ -1,0 +1,153 @@
+"""Atomic, rotating checkpoint files: a crash never leaves a half-written "newest" checkpoint.
+
+>>> ckpts = Checkpoints("runs/exp1/checkpoints", every=100, keep=3)
+>>> ckpts.save({"model": model.state_dict(), ...}, step=100)   # rank 0 only
+>>> path = ckpts.latest()                                        # newest one that loads, or None
+>>> state = ckpts.load(path)
+
+A checkpoint is written to a temporary name in the same directory, flushed and
+fsynced, then renamed to ``step-000000100.pt`` (a rename within a directory is
+atomic), and the directory is fsynced. Only files with final names count, so a
+run killed mid-write leaves at worst a temporary file, which the next
+``cleanup()`` removes. After a successful save, the oldest checkpoints beyond
+``keep`` are deleted.
+
+:class:`~stoker.train.Trainer` decides what goes in, who writes (rank 0), and puts a
+barrier after each save so no rank runs ahead of a checkpoint that is not there yet.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, InvalidArgument
+from ..fsutil import fsync_dir
+
+__all__ = ["Checkpoints", "FORMAT", "VERSION"]
+
+FORMAT = "stoker-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^step-(\d{9,})\.pt$")
+_TEMP_MARK = ".tmp-"
+
+
+
+
+class Checkpoints:
+    """Numbered checkpoint files in ``directory``: save atomically every ``every`` steps, keep the last ``keep``.
+
+    ``every=None`` saves only when asked (and at the end of ``Trainer.fit``).
+    """
+
+    def __init__(self, directory: str | os.PathLike, every: int | None = 100, keep: int = 3) -> None:
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise InvalidArgument(f"every must be an integer >= 1 or None, got {every!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise InvalidArgument(f"keep must be an integer >= 1, got {keep!r}")
+        self.directory = Path(directory)
+        self.every = every
+        self.keep = keep
+
+    def __repr__(self) -> str:
+        return f"Checkpoints({str(self.directory)!r}, every={self.every}, keep={self.keep})"
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step-{step:09d}.pt"
+
+    def due(self, step: int) -> bool:
+        """True when ``step`` is a multiple of ``every``."""
+        return self.every is not None and step > 0 and step % self.every == 0
+
+    def list(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints as ``(step, path)``, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for entry in self.directory.iterdir():
+            m = _NAME.match(entry.name)
+            if m and entry.is_file():
+                found.append((int(m.group(1)), entry))
+        return sorted(found)
+
+    def cleanup(self) -> list[Path]:
+        """Remove temporary files left by writers that died mid-save; returns what was removed.
+
+        Call it only while no save is in progress (Trainer does, on rank 0, before training).
+        """
+        removed = []
+        if self.directory.is_dir():
+            for entry in self.directory.iterdir():
+                if _TEMP_MARK in entry.name and entry.name.startswith("."):
+                    entry.unlink(missing_ok=True)
+                    removed.append(entry)
+        return removed
+
+    def save(self, state: dict[str, Any], step: int) -> Path:
+        """Write ``state`` as the checkpoint of ``step`` (atomically), then drop the oldest beyond ``keep``."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidArgument(f"step must be an integer >= 0, got {step!r}")
+        final = self.path_for(step)
+        tmp = self.directory / f".{final.name}{_TEMP_MARK}{os.getpid()}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                torch.save({"format": FORMAT, "version": VERSION, "step": step, **state}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            fsync_dir(self.directory)
+        except OSError as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the directory itself is the problem; nothing was left behind in it
+            raise CheckpointError(f"cannot write checkpoint {final}: {exc}", path=str(final)) from exc
+        for _, old in self.list()[: -self.keep]:
+            old.unlink(missing_ok=True)
+        return final
+
+    def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Read one checkpoint onto the CPU; CheckpointError when it is not a complete stoker checkpoint."""
+        path = Path(path)
+        try:
+            # Our own files hold RNG states and optimizer internals, which need full unpickling.
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, I/O: all mean "unusable"
+            raise CheckpointError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc})",
+                                  path=str(path)) from exc
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not a stoker checkpoint", path=str(path))
+        if state.get("version") != VERSION:
+            raise CheckpointError(f"{path} has checkpoint version {state.get('version')}; this stoker reads "
+                                  f"version {VERSION}", path=str(path))
+        return state
+
+    def load_latest(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint that loads, as ``(path, state)``; older ones are tried when newer ones are damaged.
+
+        None when there is none. Raises CheckpointError when checkpoints exist but none
+        loads, rather than silently training from scratch over them.
+        """
+        bad = []
+        for _, path in reversed(self.list()):
+            try:
+                return path, self.load(path)
+            except CheckpointError as exc:
+                bad.append(str(exc))
+                warnings.warn(f"skipping damaged checkpoint: {exc}", RuntimeWarning, stacklevel=2)
+        if bad:
+            raise CheckpointError(
+                f"no checkpoint in {self.directory} can be read ({len(bad)} damaged); move them away to start "
+                f"afresh. First problem: {bad[0]}", path=str(self.directory))
+        return None
+
+    def latest(self) -> Path | None:
+        """The path of :meth:`load_latest`'s checkpoint, or None."""
+        found = self.load_latest()
+        return found[0] if found else None

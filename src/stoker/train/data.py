@@ -1,0 +1,114 @@
+"""``CropBatches``: an endless, resumable stream of crop batches for a training loop.
+
+>>> source = stoker.RandomCrops(["/data/vol.zarr"], (32, 64, 64), seed=0).shard()   # this rank's part
+>>> data = CropBatches(source, stoker.Config(batch_size=8, dtype="f32", sample_shape=(32, 64, 64)))
+>>> data.load_state_dict(ckpt["data"])      # optional: continue where a checkpoint stopped
+>>> for x in data:                          # (8, 32, 64, 64) float32 tensors, one per training step
+...     loss = model(x[:, None]).mean()
+>>> data.close()
+
+One :class:`~stoker.Pipeline` reads ahead (``Config.lookahead_batches``) from the
+source's endless cursor (epoch after epoch). Each yielded tensor is a zero-copy
+view of a pipeline slot, valid until the next one is requested; keep data longer
+with ``.clone()``. ``state_dict()`` is the source position as of the batches
+yielded so far, whatever is read ahead, so a checkpoint taken after a step
+resumes with the next batch exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from ..config import Config
+from ..engine.batch import Batch
+from ..engine.pipeline import Pipeline
+from ..engine.stats import Stats
+from ..errors import InvalidArgument, ShutdownError
+from ..sources import ShardedSource
+
+__all__ = ["CropBatches"]
+
+
+class CropBatches:
+    """Endless batches of crops from one rank's :class:`~stoker.ShardedSource` (see the module docstring).
+
+    ``device``: where the yielded tensors go (``None``: stay on the CPU, zero-copy).
+    """
+
+    def __init__(self, source: ShardedSource, cfg: Config, device: torch.device | str | None = None) -> None:
+        if not isinstance(source, ShardedSource):
+            raise InvalidArgument(f"source must be a ShardedSource (call .shard() on a SampleSource), got "
+                                  f"{type(source).__name__}")
+        if not isinstance(cfg, Config):
+            raise InvalidArgument(f"cfg must be a stoker.Config, got {type(cfg).__name__}")
+        self.source = source
+        self.cfg = cfg
+        self.device = torch.device(device) if device is not None else None
+        self._pipeline: Pipeline | None = None
+        self._held: Batch | None = None
+        self._closed = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.cfg.batch_size
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if self._closed:
+            raise ShutdownError("CropBatches is closed")
+        if self._pipeline is not None:
+            raise InvalidArgument("CropBatches is endless and can be iterated once; make a new one (after "
+                                  "load_state_dict) to start again")
+        self._pipeline = Pipeline(self.cfg)
+        self._pipeline.push(self.source.forever())
+        return self._batches(self._pipeline)
+
+    def _batches(self, pipeline: Pipeline) -> Iterator[torch.Tensor]:
+        try:
+            while True:
+                batch = pipeline.pop()
+                self._held = batch
+                x = torch.from_dlpack(batch)
+                if self.device is not None and self.device.type != "cpu":
+                    x = x.to(self.device, non_blocking=False)  # a copy: the slot can go back at once
+                    self._release()
+                yield x
+                self._release()  # the step that used x is over
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self._held.release()
+            self._held = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The source position after the batches yielded so far (not counting those read ahead)."""
+        if self._pipeline is None:
+            return self.source.state_dict()
+        states = self._pipeline.state_dict()["sources"]
+        return states[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`, on any world size); before iterating."""
+        if self._pipeline is not None:
+            raise InvalidArgument("load_state_dict must come before iterating CropBatches")
+        self.source.load_state_dict(state)
+
+    def stats(self) -> Stats | None:
+        """The pipeline's counters and stage times (None before the first iteration)."""
+        return self._pipeline.stats() if self._pipeline is not None else None
+
+    def close(self) -> None:
+        """Stop the pipeline's threads (idempotent)."""
+        self._closed = True
+        self._release()
+        if self._pipeline is not None:
+            self._pipeline.close()
+
+    def __enter__(self) -> "CropBatches":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

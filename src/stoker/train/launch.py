@@ -1,0 +1,304 @@
+"""``launch``: run a function once per rank, under torchrun or by spawning the ranks itself.
+
+>>> def main(ctx: stoker.train.RankContext, data: str) -> float:
+...     model = Net().to(ctx.device)           # ctx.device is already the current device
+...     ...
+...     return final_loss                        # rank 0's return value comes back from launch
+>>> if __name__ == "__main__":
+...     stoker.train.launch(main, "/data/volume.zarr")   # or: torchrun --nproc_per_node=2 train.py
+
+Three ways in, one per-rank setup:
+
+- under ``torchrun`` (its ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` environment
+  is present) this process is one rank: ``launch`` runs ``fn`` here and returns its value;
+- run directly with GPUs, it spawns one process per GPU (``nprocs`` to choose fewer);
+- run directly without GPUs, it spawns ``nprocs`` CPU processes (default 2) over gloo.
+
+Every rank binds its GPU (``torch.cuda.set_device(local_rank)``) before anything
+touches CUDA, then joins the process group with a finite timeout. On the way out,
+normal or not, it closes what ``ctx.manage`` was given (pipelines, loaders) and
+destroys the process group. When a spawned rank raises, the others are stopped and
+:class:`~stoker.RankFailed` carries the failing rank and its traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidArgument, RankFailed
+
+__all__ = ["RankContext", "launch", "under_torchrun"]
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_DEFAULT_CPU_RANKS = 2
+
+
+@dataclass
+class RankContext:
+    """What a rank knows about itself; passed as the first argument of the launched function."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    _managed: list = field(default_factory=list, repr=False)
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that writes checkpoints, logs and summaries."""
+        return self.rank == 0
+
+    def manage(self, obj: Any) -> Any:
+        """Close ``obj`` (anything with ``close()``) when the rank ends, also on errors; returns ``obj``."""
+        if not callable(getattr(obj, "close", None)):
+            raise InvalidArgument(f"ctx.manage needs an object with close(), got {type(obj).__name__}")
+        self._managed.append(obj)
+        return obj
+
+    def barrier(self) -> None:
+        """Wait for every rank (a no-op in a group of one)."""
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _close_managed(self) -> None:
+        while self._managed:
+            obj = self._managed.pop()
+            try:
+                obj.close()
+            except Exception:  # noqa: BLE001 - teardown must reach the process group whatever happens
+                pass
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another launcher exporting the same variables) started this process."""
+    return all(os.environ.get(name) for name in _TORCHRUN_VARS)
+
+
+def _check_nprocs(nprocs: Any) -> int | None:
+    if nprocs is None:
+        return None
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise InvalidArgument(f"nprocs must be an integer >= 1 or None, got {nprocs!r}")
+    return nprocs
+
+
+def _check_backend(backend: Any, cuda: bool) -> str:
+    if backend is None:
+        return "nccl" if cuda else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise InvalidArgument(f"backend must be 'gloo', 'nccl' or None (chosen from the devices), got {backend!r}")
+    if backend == "nccl" and not cuda:
+        raise InvalidArgument("backend='nccl' needs CUDA GPUs, and torch sees none; use backend='gloo'")
+    return backend
+
+
+def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: str | None = None,
+           timeout_s: float = 600.0, use_cuda: bool | None = None) -> Any:
+    """Run ``fn(ctx, *args)`` on every rank; return rank 0's result.
+
+    ``fn`` and ``args`` must be picklable when ranks are spawned (define ``fn`` at
+    module level). ``nprocs`` (spawned launches only) defaults to the number of GPUs,
+    or 2 CPU ranks without one; ``use_cuda=False`` forces CPU ranks on a GPU machine.
+    ``timeout_s`` bounds joining the group and every collective, so a rank that dies
+    inside a collective cannot leave the others waiting for ever.
+    """
+    nprocs = _check_nprocs(nprocs)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise InvalidArgument(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    cuda = torch.cuda.is_available() if use_cuda is None else bool(use_cuda)
+    if cuda and not torch.cuda.is_available():
+        raise InvalidArgument("use_cuda=True but torch sees no CUDA device")
+    backend = _check_backend(backend, cuda)
+    if dist.is_available() and dist.is_initialized():
+        raise InvalidArgument("a process group is already initialised in this process; call fn directly, "
+                              "or let launch create the group")
+
+    if under_torchrun():
+        # torchrun owns the processes; this one is a rank. nprocs does not apply.
+        return _run_rank(fn, args, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
+                         int(os.environ["WORLD_SIZE"]), backend, cuda, float(timeout_s), threads=None)
+
+    n = nprocs or (torch.cuda.device_count() if cuda else _DEFAULT_CPU_RANKS)
+    if cuda and n > torch.cuda.device_count():
+        raise InvalidArgument(f"nprocs={n} but only {torch.cuda.device_count()} GPUs are visible; one rank per "
+                              "GPU (pass use_cuda=False for CPU ranks)")
+    # CPU ranks share the cores: without this each would start a thread per core and they would thrash.
+    threads = None if cuda else max(1, (os.cpu_count() or 1) // n)
+    env = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+    if n == 1:
+        with tempfile.TemporaryDirectory(prefix="stoker-launch-") as workdir, \
+                _environment({**env, "RANK": "0", "LOCAL_RANK": "0"}):
+            return _run_rank(fn, args, 0, 0, 1, backend, cuda, float(timeout_s), threads=None,
+                             init_method=_file_store(workdir))
+    return _spawn(fn, args, n, env, backend, cuda, float(timeout_s), threads)
+
+
+def _file_store(workdir: str) -> str:
+    # Rendezvous through a file private to this launch: a free TCP port picked here could be taken by
+    # another job before rank 0 binds it, and ranks of two jobs would then meet each other.
+    return "file://" + os.path.join(workdir, "rendezvous")
+
+
+class _environment:
+    """Set environment variables for a block and restore them afterwards."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+        self.saved: dict[str, str | None] = {}
+
+    def __enter__(self) -> None:
+        for k, v in self.values.items():
+            self.saved[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *exc: Any) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_rank(fn: Callable[..., Any], args: tuple, rank: int, local_rank: int, world_size: int, backend: str,
+              cuda: bool, timeout_s: float, threads: int | None, error_file: str | None = None,
+              init_method: str | None = None) -> Any:
+    """Set up this rank, run ``fn``, and always tear down (managed objects, then the process group).
+
+    With ``error_file``, a failure is recorded there (time, type, traceback) *before* the
+    teardown: closing the group makes the other ranks fail too, and the launcher needs
+    the times to tell the first failure (the cause) from its echoes.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if cuda:
+        # Before the process group or any tensor: otherwise every rank's context lands on GPU 0.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    ctx = RankContext(rank, local_rank, world_size, device, backend)
+    try:
+        result = fn(ctx, *args)
+    except BaseException as exc:
+        if error_file is not None:
+            _record_error(error_file, rank, exc)
+        ctx._close_managed()
+        # No barrier here: the other ranks may never reach one. Destroying the group is what makes
+        # their pending collectives fail instead of waiting out the timeout.
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    ctx._close_managed()
+    # Objects made by fn (a DDP module's reducer, pending work) hold the process group; free them while
+    # the group is intact, and let every rank finish its last collective before any rank tears down.
+    gc.collect()
+    if world_size > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def _record_error(path: str, rank: int, exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(exc))
+    record = {"rank": rank, "time": time.time(), "error": f"{type(exc).__name__}: {exc}", "traceback": text}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+    except OSError:
+        pass  # the launcher falls back to torch's report
+
+
+def _spawned_entry(local_rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], backend: str,
+                   cuda: bool, timeout_s: float, threads: int | None, workdir: str) -> None:
+    """Body of a spawned rank: environment, the rank itself, and rank 0's result into a file."""
+    # A rank killed by a fatal signal (abort in native code, segfault) prints every thread's stack.
+    faulthandler.enable(all_threads=True)
+    os.environ.update(env)
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    result = _run_rank(fn, args, local_rank, local_rank, int(env["WORLD_SIZE"]), backend, cuda, timeout_s, threads,
+                       error_file=os.path.join(workdir, f"error-rank{local_rank}.json"),
+                       init_method=_file_store(workdir))
+    if local_rank == 0:
+        torch.save(result, os.path.join(workdir, "rank0-result.pt"))
+    # Leave without interpreter finalization: native threads of torch's gloo backend that outlive the
+    # group can abort a process while the interpreter is torn down ("terminate called without an active
+    # exception", pytorch/pytorch#179291), turning a finished rank into a failed one. Everything this
+    # rank wrote is closed by now; flush what is buffered and exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _spawn(fn: Callable[..., Any], args: tuple, n: int, env: dict[str, str], backend: str, cuda: bool,
+           timeout_s: float, threads: int | None) -> Any:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="stoker-launch-") as workdir:
+        try:
+            # join=True: when one rank fails, torch terminates the others and raises here.
+            mp.start_processes(_spawned_entry, args=(fn, args, env, backend, cuda, timeout_s, threads, workdir),
+                               nprocs=n, join=True, start_method="spawn")
+        except mp.ProcessRaisedException as exc:
+            raise _rank_failed(workdir, exc.error_index, str(exc)) from None
+        except mp.ProcessExitedException as exc:
+            how = f"was killed by signal {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+            detail = (f"rank {exc.error_index} {how} without a Python error (out of memory, or killed); the other "
+                      "ranks were stopped")
+            raise _rank_died(workdir, exc.error_index, detail) from None
+        result_path = os.path.join(workdir, "rank0-result.pt")
+        if not os.path.exists(result_path):
+            return None
+        return torch.load(result_path, weights_only=False)
+
+
+def _error_records(workdir: str) -> list[dict]:
+    """The failures ranks recorded, earliest first."""
+    records = []
+    for name in os.listdir(workdir):
+        if name.startswith("error-rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(workdir, name), encoding="utf-8") as f:
+                    records.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    return sorted(records, key=lambda r: r["time"])
+
+
+def _echoes(records: list[dict]) -> str:
+    return "".join(f"\n  rank {r['rank']} then failed with {r['error'].splitlines()[0][:200]}" for r in records)
+
+
+def _rank_died(workdir: str, rank: int, detail: str) -> RankFailed:
+    """A rank vanished without a Python error (signal, OOM killer): it is the cause, whatever the others say."""
+    others = [r for r in _error_records(workdir) if r["rank"] != rank]
+    return RankFailed(detail + _echoes(others), rank=rank, traceback="")
+
+
+def _rank_failed(workdir: str, reported_rank: int, reported: str) -> RankFailed:
+    """RankFailed for the rank that failed *first*: when one rank dies, its peers fail in their
+    collectives a moment later, and torch may report one of those echoes instead of the cause."""
+    records = _error_records(workdir)
+    if not records:
+        return RankFailed(f"rank {reported_rank} failed; the other ranks were stopped.\n\n{reported.strip()}",
+                          rank=reported_rank, traceback=reported.strip())
+    first = records[0]
+    later = _echoes(records[1:])
+    return RankFailed(f"rank {first['rank']} failed: {first['error']}\n(the other ranks were stopped){later}\n\n"
+                      f"traceback of rank {first['rank']}:\n{first['traceback'].strip()}",
+                      rank=first["rank"], traceback=first["traceback"], error=first["error"])

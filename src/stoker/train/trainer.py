@@ -1,0 +1,499 @@
+"""``Trainer``: the DDP training loop users copy, with the parts that usually go wrong done right.
+
+>>> def loss_fn(model, x):
+...     return torch.nn.functional.mse_loss(model(x + 0.1 * torch.randn_like(x)), x)
+>>> trainer = Trainer(model, torch.optim.AdamW(model.parameters(), 1e-3), loss_fn, device=ctx.device,
+...                   amp="bf16", accumulate=2, checkpoints=Checkpoints("runs/a/ckpt", every=50),
+...                   telemetry_dir="runs/a", log_every=10)
+>>> result = trainer.fit(data, steps=1_000, resume="auto")     # on every rank
+>>> print(result.samples_per_s, result.data_wait_fraction)
+
+What it does for you, on every rank in lockstep:
+
+- wraps the model in ``DistributedDataParallel`` when a process group is up;
+- autocast in bf16 (CPU or CUDA) or fp16 with a ``GradScaler`` (CUDA);
+- gradient accumulation: ``accumulate`` micro-batches per optimizer step, all but
+  the last under ``no_sync()`` so gradients cross the network once per step;
+- after the first backward, names every parameter that got no gradient (a DDP job
+  would otherwise fail on the next step, or need ``find_unused_parameters=True``);
+- times each step as data wait (blocked on the next batch) and compute;
+- every ``log_every`` steps, logs loss (mean over ranks), step times, memory (max over
+  ranks) and the data pipeline's counters with :class:`~stoker.TelemetryWriter`;
+- checkpoints model, optimizer, scaler, scheduler, step, every rank's RNG states and
+  data position (rank 0 writes atomically, then a barrier), every
+  ``checkpoints.every`` steps and at the end; ``resume="auto"`` continues from the
+  newest readable checkpoint so the next batch and loss equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import resource
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..distributed import ReducedStats, reduce_max, reduce_stats
+from ..engine.stats import Stats
+from ..errors import CheckpointError, InvalidArgument, UnusedParameters
+from ..pin import to_device
+from ..telemetry import TelemetryWriter, memory_report
+from .checkpoint import Checkpoints
+
+__all__ = ["FitResult", "Trainer"]
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+_AMP = (None, "bf16", "fp16")
+_UNUSED = ("error", "warn", "ignore")
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What one ``fit`` call did. Rates and totals cover all ranks; "worst" values are the max over ranks."""
+
+    start_step: int
+    step: int
+    losses: dict[int, float] = field(repr=False)  # this rank's loss per optimizer step of this call
+    samples: int
+    elapsed_s: float
+    samples_per_s: float
+    data_wait_s: float
+    compute_s: float
+    data_wait_fraction: float
+    peak_host_rss_bytes: int
+    peak_cuda_bytes: int | None
+    pipeline: ReducedStats | None
+    checkpoint: Path | None
+    resumed_from: Path | None
+    telemetry: Path | None
+    world_size: int
+
+    @property
+    def steps_run(self) -> int:
+        return self.step - self.start_step
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _batch_len(batch: Any) -> int:
+    """Samples in a batch: a tensor's first dim; for a dict, the ``*_batch`` index (Concat) or first field."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        for key, value in batch.items():
+            if isinstance(key, str) and key.endswith("_batch") and isinstance(value, torch.Tensor) and value.numel():
+                return int(value.max()) + 1
+        for key, value in batch.items():
+            if isinstance(key, str) and key.endswith("_lengths") and isinstance(value, torch.Tensor):
+                return int(value.shape[0])
+        for value in batch.values():
+            if isinstance(value, torch.Tensor):
+                return int(value.shape[0]) if value.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_len(batch[0])
+    return 1
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    """One rank's training loop; see the module docstring. Construct and ``fit`` on every rank.
+
+    ``loss_fn(model, batch)`` returns the scalar loss of one (micro-)batch; ``model``
+    is the DDP-wrapped module. ``device``: where the model and batches go (default:
+    the current CUDA device, else the CPU). ``unused_parameters``: ``"error"``
+    (default), ``"warn"`` or ``"ignore"`` for the first-backward check.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
+                 device: torch.device | str | None = None, amp: str | None = None, accumulate: int = 1,
+                 grad_clip: float | None = None, scheduler: Any = None, checkpoints: Checkpoints | None = None,
+                 telemetry_dir: str | Path | None = None, log_every: int = 10, unused_parameters: str = "error",
+                 ddp_kwargs: Mapping[str, Any] | None = None, progress: bool = True) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidArgument(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidArgument(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise InvalidArgument("loss_fn must be a function (model, batch) -> scalar loss")
+        if amp not in _AMP:
+            raise InvalidArgument(f"amp must be one of {_AMP}, got {amp!r}")
+        for name, value in (("accumulate", accumulate), ("log_every", log_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name} must be an integer >= 1, got {value!r}")
+        if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
+            raise InvalidArgument(f"grad_clip must be a number > 0 or None, got {grad_clip!r}")
+        if unused_parameters not in _UNUSED:
+            raise InvalidArgument(f"unused_parameters must be one of {_UNUSED}, got {unused_parameters!r}")
+        if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
+            raise InvalidArgument(f"checkpoints must be a stoker.train.Checkpoints, got {type(checkpoints).__name__}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if amp == "fp16" and self.device.type != "cuda":
+            raise InvalidArgument("amp='fp16' needs a CUDA device (its GradScaler guards fp16 gradients there); "
+                                  "on the CPU use amp='bf16'")
+
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.module = model.to(self.device)
+        ddp_kwargs = dict(ddp_kwargs or {})
+        if self.distributed:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(
+                self.module, device_ids=ids, **ddp_kwargs)
+        else:
+            self.model = self.module
+        if unused_parameters == "error" and ddp_kwargs.get("find_unused_parameters"):
+            unused_parameters = "warn"  # the user told DDP to cope with them
+        self.unused_parameters = unused_parameters
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loss_fn = loss_fn
+        self.amp = amp
+        self.accumulate = accumulate
+        self.grad_clip = grad_clip
+        self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+        self.checkpoints = checkpoints
+        self.telemetry_dir = Path(telemetry_dir) if telemetry_dir is not None else None
+        self.log_every = log_every
+        self.progress = progress
+        self.step = 0
+        self.samples_seen = 0  # all ranks, over the whole run including resumed parts
+        self._checked_unused = False
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def _reduce_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _all_reduce(self, values: list[float], op: str) -> list[float]:
+        if self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self._reduce_device())
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        return t.cpu().tolist()
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _save(self, data: Any) -> Path | None:
+        """Collective: gather every rank's RNG and data position; rank 0 writes; then a barrier."""
+        assert self.checkpoints is not None
+        data_state = data.state_dict() if callable(getattr(data, "state_dict", None)) else None
+        rng = self._gather(_rng_state())
+        data_states = self._gather(data_state)
+        path = None
+        if self.rank == 0:
+            state = {
+                "model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "samples": self.samples_seen,
+                "world_size": self.world_size,
+                "rng": rng,
+                "data": data_states if data_state is not None else None,
+            }
+            try:
+                path = self.checkpoints.save(state, self.step)
+            except CheckpointError as exc:
+                error = exc
+            else:
+                error = None
+            ok = [0.0 if error else 1.0]
+        else:
+            ok = [1.0]
+        # Everyone learns whether the write worked (MIN as -MAX(-x)); this doubles as the barrier.
+        if -self._all_reduce([-ok[0]], "MAX")[0] < 1.0:
+            if self.rank == 0:
+                raise error  # type: ignore[misc]
+            raise CheckpointError(f"rank 0 could not write the checkpoint of step {self.step}; its error says why")
+        return path if path is not None else self.checkpoints.path_for(self.step)
+
+    def _resume(self, resume: Any, data: Any) -> Path | None:
+        """Collective: rank 0 picks the checkpoint, every rank loads the same one."""
+        if resume is None or resume is False:
+            return None
+        if resume == "auto":
+            if self.checkpoints is None:
+                raise InvalidArgument("resume='auto' needs checkpoints=Checkpoints(directory)")
+            found = None
+            choice: list[Any] = [None]
+            if self.rank == 0:
+                self.checkpoints.cleanup()
+                try:
+                    found = self.checkpoints.load_latest()
+                except CheckpointError as exc:
+                    choice = [f"error:{exc}"]
+                else:
+                    choice = [str(found[0]) if found else None]
+            if self.world_size > 1:
+                dist.broadcast_object_list(choice, src=0)
+            if isinstance(choice[0], str) and choice[0].startswith("error:"):
+                raise CheckpointError(choice[0][6:])
+            if choice[0] is None:
+                return None
+            path = Path(choice[0])
+            state = found[1] if found else self.checkpoints.load(path)
+        else:
+            path = Path(resume)
+            state = (self.checkpoints or Checkpoints(path.parent)).load(path)
+        self._restore(state, data)
+        return path
+
+    def _restore(self, state: Mapping[str, Any], data: Any) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.samples_seen = int(state.get("samples", 0))
+        same_world = int(state.get("world_size", -1)) == self.world_size
+        if same_world:
+            _set_rng_state(state["rng"][self.rank])
+        elif self.rank == 0:
+            warnings.warn(f"checkpoint was written by {state.get('world_size')} ranks, this run has "
+                          f"{self.world_size}: RNG states are not restored (data positions are)", RuntimeWarning,
+                          stacklevel=3)
+        states = state.get("data")
+        if states is not None and callable(getattr(data, "load_state_dict", None)):
+            # A source's position is global (every rank's state describes the whole epoch), so rank 0's
+            # state serves a resumed run of another size.
+            data.load_state_dict(states[self.rank] if same_world else states[0])
+        elif self.rank == 0 and states is None:
+            warnings.warn("the checkpoint holds no data position (the data object has no state_dict); the data "
+                          "starts from its beginning", RuntimeWarning, stacklevel=3)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _autocast(self) -> Any:
+        if self.amp is None:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.amp == "bf16" else torch.float16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def _check_unused(self) -> None:
+        """After the first backward: the parameters no rank produced a gradient for."""
+        self._checked_unused = True
+        if self.unused_parameters == "ignore":
+            return
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        mask = [1.0 if p.grad is None else 0.0 for _, p in named]
+        # A parameter unused on any rank breaks DDP on every rank: agree before raising.
+        mask = self._all_reduce(mask, "MAX") if named else mask
+        unused = [n for (n, _), m in zip(named, mask) if m > 0]
+        if not unused:
+            return
+        listed = ", ".join(unused[:20]) + (f" and {len(unused) - 20} more" if len(unused) > 20 else "")
+        message = (f"{len(unused)} parameter(s) received no gradient in the first backward: {listed}. DDP "
+                   "expects every parameter to contribute to the loss. Remove them, freeze them with "
+                   "requires_grad_(False), or accept the cost with ddp_kwargs={'find_unused_parameters': True}.")
+        if self.unused_parameters == "error":
+            raise UnusedParameters(message, parameters=unused)
+        if self.rank == 0:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _micro_step(self, batch: Any, last: bool) -> torch.Tensor:
+        sync = contextlib.nullcontext() if last or not self.distributed else self.model.no_sync()
+        with sync:
+            with self._autocast():
+                loss = self.loss_fn(self.model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise InvalidArgument(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
+            scaled = loss / self.accumulate
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        if not self._checked_unused:
+            self._check_unused()
+        return loss.detach()
+
+    def _optimizer_step(self) -> None:
+        if self.grad_clip is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def fit(self, data: Any, steps: int | None = None, seconds: float | None = None,
+            resume: str | Path | None = "auto") -> FitResult:
+        """Train until optimizer step ``steps`` (counted from the run's start, resumed steps included)
+        or for ``seconds`` of this call, whichever comes first. Collective: call it on every rank.
+
+        ``data``: an iterable of batches (iterated again when exhausted: epochs), optionally with
+        ``state_dict``/``load_state_dict`` (its position goes into checkpoints) and ``stats()``
+        (a :class:`~stoker.Stats` for telemetry and the summary). ``resume``: ``"auto"`` (newest
+        readable checkpoint, if any), a checkpoint path, or None.
+        """
+        if steps is None and seconds is None:
+            raise InvalidArgument("fit needs steps=N or seconds=S (or both)")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+            raise InvalidArgument(f"steps must be an integer >= 0, got {steps!r}")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not seconds > 0):
+            raise InvalidArgument(f"seconds must be a number > 0, got {seconds!r}")
+        resumed_from = self._resume(resume, data)
+        start_step = self.step
+        writer = TelemetryWriter(self.telemetry_dir, every=self.log_every) if self.telemetry_dir else None
+        bar = self._progress_bar(start_step, steps)
+        losses: dict[int, float] = {}
+        wait_total = compute_total = 0.0
+        samples = 0
+        last_saved: Path | None = resumed_from
+        self.model.train()
+        t_start = time.perf_counter()
+        batches = _Epochs(data)
+        try:
+            while steps is None or self.step < steps:
+                t0 = time.perf_counter()
+                wait = 0.0
+                self.optimizer.zero_grad(set_to_none=True)
+                total = torch.zeros((), device=self.device)
+                for micro in range(self.accumulate):
+                    tw = time.perf_counter()
+                    batch = next(batches)
+                    wait += time.perf_counter() - tw
+                    samples += _batch_len(batch)
+                    if self.device.type != "cpu":
+                        batch = to_device(batch, self.device)
+                    total += self._micro_step(batch, last=micro == self.accumulate - 1)
+                self._optimizer_step()
+                self.step += 1
+                loss = float(total) / self.accumulate  # waits for the device: compute time is real
+                losses[self.step] = loss
+                step_s = time.perf_counter() - t0
+                wait_total += wait
+                compute_total += step_s - wait
+                if writer is not None and self.step % self.log_every == 0:
+                    self._log(writer, data, loss, wait, step_s, wait_total, time.perf_counter() - t_start)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4g}", wait=f"{100 * wait_total / max(1e-9, wait_total + compute_total):.0f}%",
+                                    refresh=False)
+                if self.checkpoints is not None and self.checkpoints.due(self.step):
+                    last_saved = self._save(data)
+                if seconds is not None and self._time_is_up(time.perf_counter() - t_start, seconds):
+                    break
+            elapsed = time.perf_counter() - t_start
+            if self.checkpoints is not None and self.step > start_step and not self.checkpoints.due(self.step):
+                last_saved = self._save(data)  # the end of a call is a natural place to resume from
+            return self._result(data, start_step, losses, samples, elapsed, wait_total, compute_total,
+                                last_saved, resumed_from, writer)
+        finally:
+            if bar is not None:
+                bar.close()
+            if writer is not None:
+                writer.close()
+
+    def _time_is_up(self, elapsed: float, seconds: float) -> bool:
+        # Every rank must stop after the same step, or the others wait in a collective for ever.
+        return self._all_reduce([1.0 if elapsed >= seconds else 0.0], "MAX")[0] > 0
+
+    def _progress_bar(self, start: int, steps: int | None) -> Any:
+        if not self.progress or self.rank != 0:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=steps, initial=start, desc="training", unit="step", dynamic_ncols=True)
+
+    def _log(self, writer: TelemetryWriter, data: Any, loss: float, wait: float, step_s: float,
+             wait_total: float, elapsed: float) -> None:
+        mean_loss = self._all_reduce([loss], "SUM")[0] / self.world_size
+        metrics: dict[str, Any] = {
+            "loss": mean_loss,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "data_wait_s": wait,
+            "compute_s": step_s - wait,
+            "step_s": step_s,
+            "data_wait_fraction": wait_total / elapsed if elapsed > 0 else 0.0,
+            "host_peak_rss_bytes": _peak_rss_bytes(),
+            **memory_report(),
+        }
+        stats = data.stats() if callable(getattr(data, "stats", None)) else None
+        if isinstance(stats, Stats):
+            metrics.update(read_amplification=stats.read_amplification,
+                           decode_amplification=stats.decode_amplification,
+                           pipeline_samples=stats.samples)
+        writer.log(self.step, metrics)
+
+    def _result(self, data: Any, start_step: int, losses: dict[int, float], samples: int, elapsed: float,
+                wait_total: float, compute_total: float, last_saved: Path | None, resumed_from: Path | None,
+                writer: TelemetryWriter | None) -> FitResult:
+        """Collective: totals over ranks and the worst rank's times and memory."""
+        samples_all = int(self._all_reduce([float(samples)], "SUM")[0])
+        self.samples_seen += samples_all
+        cuda_peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else -1)
+        worst = reduce_max({"wait": wait_total, "compute": compute_total, "elapsed": elapsed,
+                            "rss": _peak_rss_bytes(), "cuda": cuda_peak})
+        stats = data.stats() if callable(getattr(data, "stats", None)) else None
+        pipeline = reduce_stats(stats, elapsed_s=elapsed) if isinstance(stats, Stats) and elapsed > 0 else None
+        return FitResult(
+            start_step=start_step, step=self.step, losses=losses, samples=samples_all, elapsed_s=worst["elapsed"],
+            samples_per_s=samples_all / worst["elapsed"] if worst["elapsed"] > 0 else 0.0,
+            data_wait_s=worst["wait"], compute_s=worst["compute"],
+            data_wait_fraction=worst["wait"] / worst["elapsed"] if worst["elapsed"] > 0 else 0.0,
+            peak_host_rss_bytes=int(worst["rss"]), peak_cuda_bytes=int(worst["cuda"]) if worst["cuda"] >= 0 else None,
+            pipeline=pipeline, checkpoint=last_saved, resumed_from=resumed_from,
+            telemetry=writer.path if writer is not None else None, world_size=self.world_size,
+        )
+
+
+class _Epochs:
+    """Batches from ``data``, starting a new pass (epoch) whenever one ends."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+        self._it: Iterator[Any] | None = None
+
+    def __next__(self) -> Any:
+        for _ in range(2):
+            if self._it is None:
+                self._it = iter(self.data)
+            try:
+                return next(self._it)
+            except StopIteration:
+                self._it = None
+        raise InvalidArgument(f"the data ({type(self.data).__name__}) yields no batches; check the dataset, the "
+                              "batch size and drop_last")

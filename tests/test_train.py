@@ -1,0 +1,333 @@
+"""stoker.train: checkpoints, the Trainer loop, and launch with 2 CPU ranks over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import stoker
+import stoker.train as st
+import train_jobs as jobs
+from stoker.errors import CheckpointError, InvalidArgument, RankFailed, UnusedParameters
+
+
+# -- Checkpoints ------------------------------------------------------------------------------
+
+
+def test_checkpoints_rotate_and_list_only_complete_files(tmp_path):
+    ck = st.Checkpoints(tmp_path / "ck", every=2, keep=2)
+    assert ck.list() == [] and ck.latest() is None
+    for step in (2, 4, 6):
+        ck.save({"x": torch.tensor([step])}, step)
+    assert [s for s, _ in ck.list()] == [4, 6]  # the oldest beyond keep=2 is gone
+    (tmp_path / "ck" / ".step-000000008.pt.tmp-999").write_bytes(b"half a checkpoint")
+    assert [s for s, _ in ck.list()] == [4, 6]  # a temp file of a dead writer is not a checkpoint
+    path, state = ck.load_latest()
+    assert path.name == "step-000000006.pt" and state["step"] == 6 and int(state["x"]) == 6
+    assert [p.name for p in ck.cleanup()] == [".step-000000008.pt.tmp-999"]
+    assert ck.due(4) and not ck.due(5) and not ck.due(0)
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    ck = st.Checkpoints(tmp_path, keep=5)
+    ck.save({"v": 1}, 1)
+    newest = ck.save({"v": 2}, 2)
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a full disk
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        path, state = ck.load_latest()
+    assert state["v"] == 1 and path.name == "step-000000001.pt"
+
+
+def test_no_readable_checkpoint_is_an_error_not_a_silent_fresh_start(tmp_path):
+    ck = st.Checkpoints(tmp_path)
+    torch.save({"model": 1}, tmp_path / "step-000000003.pt")  # not written by stoker
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError, match="no checkpoint .* can be read"):
+        ck.load_latest()
+    with pytest.raises(CheckpointError, match="not a stoker checkpoint"):
+        ck.load(tmp_path / "step-000000003.pt")
+
+
+@pytest.mark.parametrize("kwargs", [{"every": 0}, {"keep": 0}, {"every": 1.5}, {"keep": True}])
+def test_checkpoint_settings_are_checked(tmp_path, kwargs):
+    with pytest.raises(InvalidArgument):
+        st.Checkpoints(tmp_path, **kwargs)
+
+
+def test_unwritable_checkpoint_directory_is_a_checkpoint_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CheckpointError, match="cannot write checkpoint"):
+        st.Checkpoints(blocker / "ck").save({"v": 1}, 1)
+
+
+# -- Trainer in one process --------------------------------------------------------------------
+
+
+def _trainer(tmp_path=None, **kw):
+    model = jobs.Tiny(unused=kw.pop("unused", False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = st.Checkpoints(tmp_path / "ck", every=2) if tmp_path is not None else None
+    return st.Trainer(model, opt, kw.pop("loss_fn", jobs.mse), checkpoints=ck, progress=False, **kw)
+
+
+class Batches:
+    """A resumable list of batches: what the trainer needs from a data object."""
+
+    def __init__(self, batches):
+        self.batches, self.pos = batches, 0
+
+    def __iter__(self):
+        while self.pos < len(self.batches):
+            self.pos += 1
+            yield self.batches[self.pos - 1]
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+def test_accumulation_equals_one_big_batch():
+    batches = jobs.global_batches(3, 4)
+    big = _trainer()
+    big.fit(batches, steps=3, resume=None)
+    small = _trainer(accumulate=2)
+    small.fit([half for b in batches for half in (b[:2], b[2:])], steps=3, resume=None)
+    for a, b in zip(big.module.parameters(), small.module.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_resume_continues_with_the_same_batches_rng_and_losses(tmp_path):
+    batches = jobs.global_batches(10, 4)
+
+    def noisy_mse(model, batch):  # draws from the global RNG: resumption must restore it
+        return jobs.mse(model, batch + 0.01 * torch.randn_like(batch))
+
+    torch.manual_seed(1)
+    straight = _trainer(tmp_path / "a", loss_fn=noisy_mse).fit(Batches(batches), steps=8)
+    torch.manual_seed(1)
+    first = _trainer(tmp_path / "b", loss_fn=noisy_mse).fit(Batches(batches), steps=5)
+    assert first.checkpoint.name == "step-000000005.pt"  # the end of a call is saved too
+    torch.manual_seed(99)  # a different process state: the checkpoint must override it
+    second = _trainer(tmp_path / "b", loss_fn=noisy_mse).fit(Batches(batches), steps=8)
+    assert second.start_step == 5 and second.resumed_from == first.checkpoint
+    assert {k: v for k, v in straight.losses.items() if k > 5} == second.losses
+    assert first.losses == {k: v for k, v in straight.losses.items() if k <= 5}
+
+
+def test_resume_when_already_done_runs_nothing(tmp_path):
+    batches = jobs.global_batches(4, 4)
+    _trainer(tmp_path).fit(Batches(batches), steps=4)
+    again = _trainer(tmp_path).fit(Batches(batches), steps=4)
+    assert again.steps_run == 0 and again.step == 4 and again.losses == {}
+
+
+def test_unused_parameter_is_named(tmp_path):
+    trainer = _trainer(unused=True)
+    with pytest.raises(UnusedParameters, match=r"spare\.weight, spare\.bias") as info:
+        trainer.fit(jobs.global_batches(2, 4), steps=1, resume=None)
+    assert info.value.parameters == ["spare.weight", "spare.bias"]
+    with pytest.warns(RuntimeWarning, match="spare.weight"):
+        _trainer(unused=True, unused_parameters="warn").fit(jobs.global_batches(2, 4), steps=1, resume=None)
+
+
+def test_time_limit_stops_and_epochs_repeat(tmp_path):
+    slow = []
+
+    def loss(model, batch):
+        slow.append(1)
+        time.sleep(0.05)
+        return jobs.mse(model, batch)
+
+    r = _trainer(loss_fn=loss).fit(jobs.global_batches(2, 4), seconds=0.3, resume=None)
+    assert 3 <= r.step <= 12 and len(slow) == r.step  # more steps than batches: the list was iterated again
+
+
+def test_telemetry_records_loss_times_and_memory(tmp_path):
+    r = _trainer(telemetry_dir=tmp_path, log_every=2).fit(jobs.global_batches(3, 4), steps=6, resume=None)
+    records = [json.loads(line) for line in r.telemetry.read_text().splitlines()]
+    assert [rec["step"] for rec in records] == [2, 4, 6]
+    assert all({"loss", "data_wait_s", "compute_s", "host_rss_bytes", "host_peak_rss_bytes"} <= set(rec)
+               for rec in records)
+    assert records[-1]["loss"] == pytest.approx(r.losses[6])
+    assert r.samples == 24 and r.samples_per_s > 0 and 0 <= r.data_wait_fraction < 1
+
+
+def test_trainer_arguments_are_checked():
+    with pytest.raises(InvalidArgument, match="fp16"):
+        _trainer(amp="fp16", device="cpu")
+    with pytest.raises(InvalidArgument, match="amp"):
+        _trainer(amp="int8")
+    with pytest.raises(InvalidArgument, match="accumulate"):
+        _trainer(accumulate=0)
+    with pytest.raises(InvalidArgument, match="steps=N or seconds"):
+        _trainer().fit([], resume=None)
+    with pytest.raises(InvalidArgument, match="resume='auto' needs checkpoints"):
+        _trainer().fit(jobs.global_batches(1, 4), steps=1)
+    with pytest.raises(InvalidArgument, match="yields no batches"):
+        _trainer().fit([], steps=1, resume=None)
+    with pytest.raises(InvalidArgument, match="scalar"):
+        _trainer(loss_fn=lambda m, b: m(b[:, :4])).fit(jobs.global_batches(1, 4), steps=1, resume=None)
+
+
+def test_bf16_autocast_trains_on_cpu():
+    r = _trainer(amp="bf16").fit(jobs.global_batches(4, 8), steps=4, resume=None)
+    assert all(np.isfinite(list(r.losses.values())))
+
+
+# -- CropBatches ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def volume(tmp_path):
+    path = tmp_path / "vol.zarr"
+    z = zarr.create_array(str(path), shape=(16, 64, 64), chunks=(8, 32, 32), dtype="uint16")
+    z[:] = np.arange(16 * 64 * 64, dtype=np.uint16).reshape(16, 64, 64)
+    return str(path)
+
+
+def test_crop_batches_resume_with_the_next_batch(volume):
+    cfg = stoker.Config(batch_size=2, sample_shape=(4, 8, 8), n_compute_threads=1, host_buffer_bytes=4 << 20)
+    src = stoker.RandomCrops([volume], (4, 8, 8), seed=3)
+    with st.CropBatches(src.shard(0, 1), cfg) as data:
+        it = iter(data)
+        seen = [next(it).clone() for _ in range(5)]
+        state = data.state_dict()  # after 5 batches, whatever the pipeline read ahead
+        assert state["steps"] == 10
+    with st.CropBatches(src.shard(0, 1), cfg) as again:
+        again.load_state_dict(state)
+        nxt = next(iter(again))
+    with st.CropBatches(src.shard(0, 1), cfg) as straight:
+        expected = [x.clone() for _, x in zip(range(6), straight)]
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected[:5]))
+    assert torch.equal(nxt, expected[5])
+    arr = np.asarray(zarr.open_array(volume))
+    s = src.sample(0, 0)
+    np.testing.assert_array_equal(seen[0][0].numpy(), arr[tuple(slice(a, b) for a, b in s.aabb)])
+
+
+def test_crop_batches_misuse(volume):
+    cfg = stoker.Config(batch_size=2, sample_shape=(4, 8, 8), n_compute_threads=1, host_buffer_bytes=4 << 20)
+    src = stoker.RandomCrops([volume], (4, 8, 8)).shard(0, 1)
+    with pytest.raises(InvalidArgument, match="ShardedSource"):
+        st.CropBatches(stoker.RandomCrops([volume], (4, 8, 8)), cfg)
+    data = st.CropBatches(src, cfg)
+    next(iter(data))
+    with pytest.raises(InvalidArgument, match="before iterating"):
+        data.load_state_dict(src.state_dict())
+    with pytest.raises(InvalidArgument, match="iterated once"):
+        iter(data)
+    data.close()
+    with pytest.raises(stoker.ShutdownError):
+        iter(data)
+
+
+# -- launch: 2 CPU ranks ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_launch_two_cpu_ranks_returns_rank0_result():
+    out = st.launch(jobs.describe, nprocs=2, use_cuda=False)
+    ranks = out["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and [r["local_rank"] for r in ranks] == [0, 1]
+    assert {r["world"] for r in ranks} == {2} and {r["pg_world"] for r in ranks} == {2}
+    assert {r["backend"] for r in ranks} == {"gloo"} and {r["device"] for r in ranks} == {"cpu"}
+    assert [r["env_rank"] for r in ranks] == ["0", "1"]
+    assert {r["threads"] for r in ranks} == {max(1, (os.cpu_count() or 1) // 2)}  # the cores are shared
+    assert not torch.distributed.is_initialized()  # the parent never joined a group
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_rank_ends_every_rank_with_its_error():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        st.launch(jobs.rank1_raises, nprocs=2, use_cuda=False)
+    assert time.monotonic() - t0 < 50  # rank 0 sat in a collective and a 60 s sleep: it was stopped
+    assert info.value.rank == 1
+    assert "ValueError: boom from rank 1: bad sample 42" in str(info.value)
+    assert "rank1_raises" in info.value.traceback  # the failing rank's own traceback
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_is_named_as_the_cause():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1 was killed by signal SIGKILL") as info:
+        st.launch(jobs.rank1_killed, nprocs=2, use_cuda=False)
+    assert time.monotonic() - t0 < 50 and info.value.rank == 1
+
+
+@pytest.mark.timeout(120)
+def test_unused_parameter_check_names_the_parameter_under_ddp():
+    with pytest.raises(RankFailed, match=r"UnusedParameters.*spare\.weight, spare\.bias"):
+        st.launch(jobs.unused_parameter, nprocs=2, use_cuda=False)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_with_accumulation_matches_one_process_on_the_global_batch():
+    out = st.launch(jobs.ddp_accumulate, 3, nprocs=2, use_cuda=False)
+    assert out["step"] == 3 and out["samples"] == 12
+    assert out["no_sync"] == 3  # one of the two micro-steps of each step skipped the all-reduce
+    rank0, rank1 = out["params"]
+    for a, b in zip(rank0, rank1):
+        assert torch.equal(a, b)  # DDP kept the replicas identical
+    ref = _trainer()
+    ref.fit(jobs.global_batches(3, 4), steps=3, resume=None)
+    for a, b in zip(rank0, ref.module.parameters()):
+        torch.testing.assert_close(a, b.detach())
+
+
+def test_launch_in_process_with_one_rank(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    out = st.launch(jobs.describe, nprocs=1, use_cuda=False)
+    assert out["ranks"][0]["world"] == 1 and out["ranks"][0]["env_rank"] == "0"
+    assert not torch.distributed.is_initialized()  # torn down
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ  # the environment is restored
+
+
+def test_under_torchrun_reads_the_launcher_environment(monkeypatch):
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert st.under_torchrun()
+    monkeypatch.delenv("MASTER_PORT")
+    assert not st.under_torchrun()
+
+
+def test_launch_arguments_are_checked():
+    with pytest.raises(InvalidArgument, match="nprocs"):
+        st.launch(jobs.describe, nprocs=0)
+    with pytest.raises(InvalidArgument, match="backend"):
+        st.launch(jobs.describe, backend="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidArgument, match="nccl"):
+            st.launch(jobs.describe, backend="nccl")
+        with pytest.raises(InvalidArgument, match="no CUDA"):
+            st.launch(jobs.describe, use_cuda=True)
+
+
+# -- CUDA (skipped without a GPU) -------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_fp16_with_grad_scaler_on_cuda_checkpoints_the_scaler(tmp_path):
+    batches = [b.cuda() for b in jobs.global_batches(4, 8)]
+    trainer = _trainer(tmp_path, amp="fp16", device="cuda")
+    r = trainer.fit(batches, steps=4)
+    assert trainer.scaler is not None and all(np.isfinite(list(r.losses.values())))
+    state = st.Checkpoints(tmp_path / "ck").load(r.checkpoint)
+    assert state["scaler"]["scale"] > 0 and r.peak_cuda_bytes > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+def test_launch_binds_each_rank_to_its_gpu():
+    out = st.launch(jobs.describe, nprocs=1, use_cuda=True)
+    assert out["ranks"][0]["device"] == "cuda:0" and out["ranks"][0]["backend"] == "nccl"

@@ -1,0 +1,95 @@
+"""Rank functions for the launch tests (spawned ranks import them by module name, so not a test module)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import stoker.train as st
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(4, 8)
+        self.head = torch.nn.Linear(8, 1)
+        if unused:
+            self.spare = torch.nn.Linear(8, 1)  # never called in forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+def mse(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return ((model(batch[:, :4]).squeeze(1) - batch[:, 4]) ** 2).mean()
+
+
+def global_batches(n: int, size: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(size, 5, generator=g) for _ in range(n)]
+
+
+def describe(ctx: st.RankContext) -> dict:
+    """Every rank's view of itself, gathered to rank 0."""
+    mine = {"rank": ctx.rank, "local_rank": ctx.local_rank, "world": ctx.world_size, "device": str(ctx.device),
+            "backend": ctx.backend, "env_rank": os.environ.get("RANK"), "threads": torch.get_num_threads(),
+            "pg_world": dist.get_world_size()}
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, mine)
+    return {"ranks": out}
+
+
+def rank1_raises(ctx: st.RankContext) -> None:
+    """Rank 1 fails; rank 0 is meanwhile blocked in a collective rank 1 will never join."""
+    if ctx.rank == 1:
+        time.sleep(0.2)
+        raise ValueError("boom from rank 1: bad sample 42")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    time.sleep(60)  # not reached normally; the test fails on time if rank 0 is left running
+
+
+def unused_parameter(ctx: st.RankContext) -> None:
+    model = Tiny(unused=True)
+    trainer = st.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, device=ctx.device, progress=False)
+    trainer.fit(global_batches(4, 4), steps=2, resume=None)
+
+
+def ddp_accumulate(ctx: st.RankContext, n_steps: int) -> dict:
+    """Each rank takes its half of every global batch in 2 micro-batches of 1 row (accumulate=2)."""
+    model = Tiny()
+    trainer = st.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, device=ctx.device,
+                         accumulate=2, progress=False)
+    micro = []
+    for gb in global_batches(n_steps, 4):
+        mine = gb[ctx.rank * 2: ctx.rank * 2 + 2]
+        micro += [mine[0:1], mine[1:2]]
+    calls = {"no_sync": 0}
+    real_no_sync = trainer.model.no_sync
+
+    def counting_no_sync():
+        calls["no_sync"] += 1
+        return real_no_sync()
+
+    trainer.model.no_sync = counting_no_sync
+    result = trainer.fit(micro, steps=n_steps, resume=None)
+    params = [p.detach().clone() for p in trainer.module.parameters()]
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, params)
+    return {"params": gathered, "no_sync": calls["no_sync"], "samples": result.samples, "step": result.step}
+
+
+def rank1_killed(ctx: st.RankContext) -> None:
+    """Rank 1 vanishes without a Python error (as under the OOM killer); rank 0 waits in a collective."""
+    if ctx.rank == 1:
+        import signal
+
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    time.sleep(60)
