@@ -6,7 +6,7 @@ import argparse
 import os
 import platform
 
-from .demo import cache_dir
+from ..demo.volume import cache_dir
 
 PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
 

@@ -1,75 +1,95 @@
-"""``stoker demo``: write a small synthetic volume once, then stream random crops from it.
+"""``stoker demo``: train a small model with DDP on data stoker streams, then say where the time went.
 
-This is the interim main job: it exercises the Zarr reader end to end and prints
-throughput. The training demo replaces the reading loop when it lands.
+With no arguments it works on any machine: it writes a synthetic dataset once
+(into ``$STOKER_CACHE`` or ``~/.cache/stoker``), then trains for about a minute on
+one rank per GPU, or on 2 CPU processes, checkpointing as it goes. Run it again
+and it continues from the last checkpoint. ``--records`` trains a point-cloud
+model on a record dataset with precomputed k-NN edges instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 
-import numpy as np
+import torch
 
-from ..array import open_array
-
-
-def cache_dir() -> Path:
-    """Where generated demo data lives (``$STOKER_CACHE`` or ``~/.cache/stoker``)."""
-    root = os.environ.get("STOKER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stoker")
-    return Path(root)
-
-
-def ensure_volume(path: Path, shape=(128, 512, 512), chunks=(32, 128, 128)) -> Path:
-    """Create the demo volume (seeded, blosc lz4 + shuffle) unless a complete one exists."""
-    import zarr
-    from tqdm import tqdm
-    from zarr.codecs import BloscCodec
-
-    done = path / ".complete"
-    if done.exists():
-        return path
-    z = zarr.create_array(
-        str(path), shape=shape, chunks=chunks, dtype="uint16", overwrite=True,
-        compressors=BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"),
-    )
-    rng = np.random.default_rng(0)
-    # Smooth structure plus noise: compresses like real microscopy, not like random bytes.
-    yy, xx = np.mgrid[0 : shape[1], 0 : shape[2]]
-    for z0 in tqdm(range(0, shape[0], chunks[0]), desc="writing demo volume", unit="slab"):
-        depth = min(chunks[0], shape[0] - z0)
-        zz = np.arange(z0, z0 + depth)[:, None, None]
-        base = 2000 + 800 * np.sin(xx / 37.0 + zz / 11.0) * np.cos(yy / 23.0)
-        noise = rng.normal(0, 40, size=(depth, *shape[1:]))
-        z[z0 : z0 + depth] = np.clip(base + noise, 0, 65535).astype("uint16")
-    done.touch()
-    return path
+DEFAULT_SECONDS = 45.0
 
 
 def run(args: argparse.Namespace) -> int:
-    path = ensure_volume(cache_dir() / "demo-volume.zarr")
-    arr = open_array(path)
-    print(f"reading random {tuple(args.crop)} crops from {arr}")
-    rng = np.random.default_rng(args.seed)
-    n = 0
-    nbytes = 0
-    start = time.perf_counter()
-    while time.perf_counter() - start < args.seconds:
-        corner = [int(rng.integers(0, s - c + 1)) for s, c in zip(arr.shape, args.crop)]
-        crop = arr.read([(c, c + w) for c, w in zip(corner, args.crop)])
-        n += 1
-        nbytes += crop.nbytes
-    elapsed = time.perf_counter() - start
-    print(f"{n} crops in {elapsed:.1f} s: {n / elapsed:.1f} crops/s, {nbytes / elapsed / 2**20:.1f} MiB/s "
-          f"(reference reader, one thread)")
+    from ..demo.run import DemoSettings, format_summary, records_job, volume_job
+    from ..demo.volume import cache_dir
+    from ..train import launch
+
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    nprocs = args.nprocs or (torch.cuda.device_count() if use_cuda else 2)
+    seconds = args.seconds if args.seconds is not None else (None if args.steps is not None else DEFAULT_SECONDS)
+    kind = "records" if args.records else "volume"
+    run_dir = Path(args.run_dir) if args.run_dir else cache_dir() / "runs" / f"demo-{kind}"
+
+    # Data is made here, once, before any rank starts: no rank waits on another's writes.
+    if args.records:
+        from ..demo.points import ensure_knn, write_point_clouds
+
+        data = write_point_clouds(cache_dir() / "demo-points.zarr")
+        ensure_knn(data, k=16)
+        title, job = "point-cloud denoiser (EdgeConv on k-NN edges, Chamfer loss)", records_job
+        batch_size = args.batch_size or 8
+    else:
+        from ..demo.volume import default_volume_path, ensure_volume
+
+        data = ensure_volume(default_volume_path())
+        title, job = "3D conv denoiser on random crops", volume_job
+        batch_size = args.batch_size or 4
+    if args.fresh and run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    settings = DemoSettings(
+        data=os.fspath(data), run_dir=os.fspath(run_dir), steps=args.steps, seconds=seconds,
+        batch_size=batch_size, accumulate=args.accumulate, checkpoint_every=args.checkpoint_every,
+        resume=not args.fresh, progress=not args.no_progress, log_every=args.log_every,
+    )
+    budget = f"{seconds:.0f} s" if seconds is not None else "no time limit"
+    target = f"up to step {args.steps}" if args.steps is not None else "no step limit"
+    devices = f"{nprocs} GPU rank(s) (nccl)" if use_cuda else f"{nprocs} CPU rank(s) (gloo)"
+    print(f"stoker demo: {title}; data {data}; {devices}; {budget}, {target}", flush=True)
+    result = launch(job, settings, nprocs=nprocs, use_cuda=use_cuda)
+    print(format_summary(title, result, devices))
     return 0
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="write a small dataset once and stream random crops from it")
-    p.add_argument("--seconds", type=float, default=5.0, help="how long to stream (default 5)")
-    p.add_argument("--crop", type=int, nargs=3, default=(32, 128, 128), metavar=("Z", "Y", "X"))
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("demo", help="train a small model with DDP on data stoker streams (about a minute)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--records", action="store_true", help="point clouds on a record dataset instead of volume crops")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="train until this optimizer step (counting resumed steps); no time limit unless --seconds")
+    p.add_argument("--seconds", type=_positive_float, default=None,
+                   help=f"train for this long in this run (default {DEFAULT_SECONDS:.0f} when --steps is not given)")
+    p.add_argument("--nprocs", type=_positive_int, default=None, help="ranks (default: GPUs, or 2 CPU processes)")
+    p.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs are present")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="samples per micro-batch and rank")
+    p.add_argument("--accumulate", type=_positive_int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=25, help="steps between checkpoints")
+    p.add_argument("--log-every", type=_positive_int, default=5, help="steps between telemetry records")
+    p.add_argument("--run-dir", default=None, help="checkpoints and telemetry (default: in the stoker cache)")
+    p.add_argument("--fresh", action="store_true", help="delete the run directory and start from step 0")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
