@@ -161,8 +161,6 @@ def test_telemetry_records_loss_times_and_memory(tmp_path):
 
 
 def test_trainer_arguments_are_checked():
-    with pytest.raises(InvalidArgument, match="fp16"):
-        _trainer(amp="fp16", device="cpu")
     with pytest.raises(InvalidArgument, match="amp"):
         _trainer(amp="int8")
     with pytest.raises(InvalidArgument, match="accumulate"):
@@ -175,6 +173,32 @@ def test_trainer_arguments_are_checked():
         _trainer().fit([], steps=1, resume=None)
     with pytest.raises(InvalidArgument, match="scalar"):
         _trainer(loss_fn=lambda m, b: m(b[:, :4])).fit(jobs.global_batches(1, 4), steps=1, resume=None)
+
+
+def test_fp16_grad_scaler_skips_overflowing_steps_and_resumes_its_scale(tmp_path):
+    batches = jobs.global_batches(6, 8)
+    calls = []
+
+    def loss(model, batch):  # the third micro-batch overflows fp16 in the backward pass
+        calls.append(1)
+        value = jobs.mse(model, batch)
+        return value * 1e30 if len(calls) == 3 else value
+
+    trainer = _trainer(tmp_path, amp="fp16", loss_fn=loss)
+    trainer.fit(Batches(batches[:2]), steps=2)
+    scale = trainer.scaler.get_scale()
+    before = [p.detach().clone() for p in trainer.module.parameters()]
+    r = trainer.fit(Batches(batches[2:]), steps=3, resume=None)  # the overflowing step
+    after = [p.detach() for p in trainer.module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # skipped, not applied
+    assert trainer.scaler.get_scale() == scale / 2 and r.step == 3
+    assert not r.losses[3] < 1e20  # the overflowing loss (inf or huge) is reported as it was
+    saved = st.Checkpoints(tmp_path / "ck").load(r.checkpoint)
+    assert saved["scaler"]["scale"] == scale / 2
+    resumed = _trainer(tmp_path, amp="fp16")
+    assert resumed.scaler.get_scale() != scale / 2
+    resumed.fit(Batches(batches), steps=3)  # nothing to run: only the restore
+    assert resumed.scaler.get_scale() == scale / 2
 
 
 def test_bf16_autocast_trains_on_cpu():

@@ -11,7 +11,7 @@
 What it does for you, on every rank in lockstep:
 
 - wraps the model in ``DistributedDataParallel`` when a process group is up;
-- autocast in bf16 (CPU or CUDA) or fp16 with a ``GradScaler`` (CUDA);
+- autocast in bf16, or fp16 with a ``GradScaler`` (meant for CUDA; it also runs, slowly, on the CPU);
 - gradient accumulation: ``accumulate`` micro-batches per optimizer step, all but
   the last under ``no_sync()`` so gradients cross the network once per step;
 - after the first backward, names every parameter that got no gradient (a DDP job
@@ -154,9 +154,6 @@ class Trainer:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        if amp == "fp16" and self.device.type != "cuda":
-            raise InvalidArgument("amp='fp16' needs a CUDA device (its GradScaler guards fp16 gradients there); "
-                                  "on the CPU use amp='bf16'")
 
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -178,7 +175,8 @@ class Trainer:
         self.amp = amp
         self.accumulate = accumulate
         self.grad_clip = grad_clip
-        self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+        # fp16 gradients underflow without loss scaling; the scaler also skips steps with inf/NaN gradients.
+        self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
         self.checkpoints = checkpoints
         self.telemetry_dir = Path(telemetry_dir) if telemetry_dir is not None else None
         self.log_every = log_every
@@ -205,10 +203,6 @@ class Trainer:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
-
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -377,7 +371,8 @@ class Trainer:
         resumed_from = self._resume(resume, data)
         start_step = self.step
         writer = TelemetryWriter(self.telemetry_dir, every=self.log_every) if self.telemetry_dir else None
-        bar = self._progress_bar(start_step, steps)
+        todo = steps is None or self.step < steps
+        bar = _Progress(start_step, steps, seconds) if self.progress and self.rank == 0 and todo else None
         losses: dict[int, float] = {}
         wait_total = compute_total = 0.0
         samples = 0
@@ -409,9 +404,7 @@ class Trainer:
                 if writer is not None and self.step % self.log_every == 0:
                     self._log(writer, data, loss, wait, step_s, wait_total, time.perf_counter() - t_start)
                 if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4g}", wait=f"{100 * wait_total / max(1e-9, wait_total + compute_total):.0f}%",
-                                    refresh=False)
+                    bar.update(self.step, loss, wait_total / max(1e-9, wait_total + compute_total))
                 if self.checkpoints is not None and self.checkpoints.due(self.step):
                     last_saved = self._save(data)
                 if seconds is not None and self._time_is_up(time.perf_counter() - t_start, seconds):
@@ -430,13 +423,6 @@ class Trainer:
     def _time_is_up(self, elapsed: float, seconds: float) -> bool:
         # Every rank must stop after the same step, or the others wait in a collective for ever.
         return self._all_reduce([1.0 if elapsed >= seconds else 0.0], "MAX")[0] > 0
-
-    def _progress_bar(self, start: int, steps: int | None) -> Any:
-        if not self.progress or self.rank != 0:
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=steps, initial=start, desc="training", unit="step", dynamic_ncols=True)
 
     def _log(self, writer: TelemetryWriter, data: Any, loss: float, wait: float, step_s: float,
              wait_total: float, elapsed: float) -> None:
@@ -478,6 +464,32 @@ class Trainer:
             pipeline=pipeline, checkpoint=last_saved, resumed_from=resumed_from,
             telemetry=writer.path if writer is not None else None, world_size=self.world_size,
         )
+
+
+class _Progress:
+    """Rank 0's progress bar: by steps towards a step target, else by seconds of the time budget."""
+
+    def __init__(self, start: int, steps: int | None, seconds: float | None) -> None:
+        from tqdm import tqdm
+
+        self.by_time = steps is None
+        self.t0 = time.perf_counter()
+        if self.by_time:
+            self.bar = tqdm(total=float(seconds or 0), desc="training", dynamic_ncols=True,
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")
+        else:
+            self.bar = tqdm(total=steps, initial=start, desc="training", unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, loss: float, wait_share: float) -> None:
+        self.bar.set_postfix_str(f"step {step}, loss {loss:.4g}, data wait {100 * wait_share:.0f}%", refresh=False)
+        if self.by_time:
+            self.bar.n = min(self.bar.total, time.perf_counter() - self.t0)
+            self.bar.refresh()
+        else:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class _Epochs:
