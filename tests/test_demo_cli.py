@@ -28,10 +28,12 @@ def _env(cache: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _demo(cache: Path, run_dir: Path, *args: str, timeout: float = 200) -> str:
-    cmd = [STOKER, "demo", "--cpu", "--no-progress", "--batch-size", "1", "--run-dir", str(run_dir), *args]
+def _demo(cache: Path, run_dir: Path, *args: str, timeout: float = 200, progress: bool = False) -> str:
+    cmd = [STOKER, "demo", "--cpu", "--batch-size", "1", "--run-dir", str(run_dir), *args]
+    cmd += [] if progress else ["--no-progress"]
     proc = subprocess.run(cmd, env=_env(cache), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "leaked" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr  # a clean exit
     return proc.stdout
 
 
@@ -47,7 +49,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 @pytest.mark.timeout(300)
 def test_demo_trains_checkpoints_and_resumes_when_run_again(cache, tmp_path):
     run = tmp_path / "run"
-    out = _demo(cache, run, "--steps", "4", "--checkpoint-every", "2", "--log-every", "1")
+    out = _demo(cache, run, "--steps", "4", "--checkpoint-every", "2", "--log-every", "1", progress=True)
     assert "2 CPU rank(s) (gloo)" in out
     assert re.search(r"steps\s+0 -> 4 in", out) and "samples/s over 2 rank(s), 8 samples" in out
     assert re.search(r"data wait\s+\d+\.\d% of step time", out)

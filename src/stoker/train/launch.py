@@ -23,6 +23,7 @@ destroys the process group. When a spawned rank raises, the others are stopped a
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import gc
@@ -238,8 +239,9 @@ def _spawned_entry(local_rank: int, fn: Callable[..., Any], args: tuple, env: di
         torch.save(result, os.path.join(workdir, "rank0-result.pt"))
     # Leave without interpreter finalization: native threads of torch's gloo backend that outlive the
     # group can abort a process while the interpreter is torn down ("terminate called without an active
-    # exception", pytorch/pytorch#179291), turning a finished rank into a failed one. Everything this
-    # rank wrote is closed by now; flush what is buffered and exit.
+    # exception", pytorch/pytorch#179291), turning a finished rank into a failed one. The atexit handlers
+    # still run first (multiprocessing's unlink the semaphores tqdm made, or the tracker reports leaks).
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
