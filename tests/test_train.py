@@ -53,6 +53,28 @@ def test_no_readable_checkpoint_is_an_error_not_a_silent_fresh_start(tmp_path):
         ck.load(tmp_path / "step-000000003.pt")
 
 
+def test_a_write_failure_of_any_kind_is_a_checkpoint_error_and_leaves_no_temp(tmp_path, monkeypatch):
+    ck = st.Checkpoints(tmp_path)
+
+    def disk_full(*args, **kwargs):  # what torch.save raises when the disk fills mid-write
+        raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos 1024 vs 512")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointError, match="unexpected pos"):
+        ck.save({"v": 1}, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+    ck = st.Checkpoints(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        ck.save({}, step)
+    assert [s for s, _ in ck.list()] == [2, 3]
+    ck.save({}, 10)
+    ck.save({}, 11)
+    assert [s for s, _ in ck.list()] == [10, 11]
+
+
 @pytest.mark.parametrize("kwargs", [{"every": 0}, {"keep": 0}, {"every": 1.5}, {"keep": True}])
 def test_checkpoint_settings_are_checked(tmp_path, kwargs):
     with pytest.raises(InvalidArgument):
@@ -120,6 +142,46 @@ def test_resume_continues_with_the_same_batches_rng_and_losses(tmp_path):
     assert second.start_step == 5 and second.resumed_from == first.checkpoint
     assert {k: v for k, v in straight.losses.items() if k > 5} == second.losses
     assert first.losses == {k: v for k, v in straight.losses.items() if k <= 5}
+
+
+def test_a_fresh_start_beside_later_checkpoints_is_refused(tmp_path):
+    batches = jobs.global_batches(6, 4)
+    _trainer(tmp_path).fit(Batches(batches), steps=6)  # checkpoints of steps 2, 4, 6
+    with pytest.raises(CheckpointError, match="later steps than this run starts at"):
+        _trainer(tmp_path).fit(Batches(batches), steps=4, resume=None)
+    with pytest.raises(CheckpointError, match="later steps"):
+        _trainer(tmp_path).fit(Batches(batches), steps=8, resume=tmp_path / "ck" / "step-000000004.pt")
+    assert [s for s, _ in st.Checkpoints(tmp_path / "ck").list()] == [2, 4, 6]  # nothing deleted
+
+
+def test_auto_resume_sets_damaged_newer_checkpoints_aside(tmp_path):
+    batches = jobs.global_batches(8, 4)
+    _trainer(tmp_path).fit(Batches(batches), steps=6)
+    newest = tmp_path / "ck" / "step-000000006.pt"
+    newest.write_bytes(b"truncated")
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        r = _trainer(tmp_path).fit(Batches(batches), steps=8)
+    assert r.start_step == 4 and r.checkpoint.name == "step-000000008.pt"
+    assert (tmp_path / "ck" / "step-000000006.pt.damaged").exists()
+    assert st.Checkpoints(tmp_path / "ck").load(r.checkpoint)["step"] == 8
+
+
+def test_checkpoints_count_samples_across_resumes(tmp_path):
+    batches = jobs.global_batches(8, 4)
+    _trainer(tmp_path).fit(Batches(batches), steps=3)
+    ck = st.Checkpoints(tmp_path / "ck")
+    assert ck.load(ck.path_for(2))["samples"] == 8 and ck.load(ck.path_for(3))["samples"] == 12
+    again = _trainer(tmp_path)
+    again.fit(Batches(batches), steps=4)
+    assert ck.load(ck.path_for(4))["samples"] == 16 and again.samples_seen == 16
+
+
+def test_a_second_fit_continues_the_same_data():
+    trainer = _trainer()
+    data = Batches(jobs.global_batches(6, 4))
+    trainer.fit(data, steps=2, resume=None)
+    r = trainer.fit(data, steps=5)
+    assert r.start_step == 2 and r.step == 5 and data.pos == 5
 
 
 def test_resume_when_already_done_runs_nothing(tmp_path):
@@ -285,6 +347,22 @@ def test_a_killed_rank_is_named_as_the_cause():
     with pytest.raises(RankFailed, match="rank 1 was killed by signal SIGKILL") as info:
         st.launch(jobs.rank1_killed, nprocs=2, use_cuda=False)
     assert time.monotonic() - t0 < 50 and info.value.rank == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_checkpoint_write_stops_every_rank_with_the_cause(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    with pytest.raises(RankFailed) as info:
+        st.launch(jobs.rank0_cannot_write_checkpoint, str(blocker / "ck"), nprocs=2, use_cuda=False)
+    assert info.value.rank == 0 and "CheckpointError: cannot write checkpoint" in str(info.value)
+    assert "rank 1 then failed with CheckpointError: rank 0 could not write" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_exits_only_after_its_non_daemon_threads(tmp_path):
+    st.launch(jobs.background_writer, str(tmp_path / "flag"), nprocs=2, use_cuda=False)
+    assert (tmp_path / "flag.0").read_text() == "done" and (tmp_path / "flag.1").read_text() == "done"
 
 
 @pytest.mark.timeout(120)

@@ -93,3 +93,23 @@ def rank1_killed(ctx: st.RankContext) -> None:
     t = torch.ones(1)
     dist.all_reduce(t)
     time.sleep(60)
+
+
+def rank0_cannot_write_checkpoint(ctx: st.RankContext, directory: str) -> None:
+    """Rank 0's checkpoint directory is a file: every rank must learn it, no rank hangs."""
+    model = Tiny()
+    ck = st.Checkpoints(directory, every=1)
+    trainer = st.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, checkpoints=ck, progress=False)
+    trainer.fit(global_batches(2, 4), steps=2, resume=None)
+
+
+def background_writer(ctx: st.RankContext, path: str) -> None:
+    """A non-daemon thread still working when fn returns must finish before the rank exits."""
+    import threading
+
+    def later():
+        time.sleep(0.5)
+        with open(f"{path}.{ctx.rank}", "w") as f:
+            f.write("done")
+
+    threading.Thread(target=later).start()

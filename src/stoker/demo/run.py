@@ -45,7 +45,8 @@ def _amp(ctx: RankContext) -> str | None:
 def _trainer(ctx: RankContext, s: DemoSettings, model: torch.nn.Module, loss_fn, lr: float) -> Trainer:
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed crop shapes: let cuDNN pick the fastest kernels once
-    torch.manual_seed(s.seed)
+    # After the model is built (same weights everywhere): each rank draws its own noise and dropout.
+    torch.manual_seed(s.seed + ctx.rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     return Trainer(model, optimizer, loss_fn, device=ctx.device, amp=_amp(ctx), accumulate=s.accumulate,
                    checkpoints=Checkpoints(Path(s.run_dir) / "checkpoints", every=s.checkpoint_every, keep=3),
@@ -100,8 +101,8 @@ def format_summary(title: str, r: FitResult, devices: str) -> str:
                      f"(mean of last {len(tail)}, rank 0)")
         lines.append(f"  throughput   {r.samples_per_s:,.1f} samples/s over {r.world_size} rank(s), "
                      f"{r.samples:,} samples")
-        lines.append(f"  data wait    {100 * r.data_wait_fraction:.1f}% of step time on the slowest rank "
-                     f"({r.data_wait_s:.2f} s waiting, {r.compute_s:.1f} s computing)")
+        lines.append(f"  data wait    {100 * r.data_wait_fraction:.1f}% of step time on the rank that waited most "
+                     f"({r.data_wait_s:.2f} s waiting; {r.compute_s:.1f} s computing, the most of any rank)")
     p = r.pipeline
     if p is not None and p.totals.samples:
         stages = ", ".join(f"{name} {m.seconds:.2f} s" for name, m in p.totals.stages.items()

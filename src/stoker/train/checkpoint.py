@@ -1,7 +1,7 @@
 """Atomic, rotating checkpoint files: a crash never leaves a half-written "newest" checkpoint.
 
 >>> ckpts = Checkpoints("runs/exp1/checkpoints", every=100, keep=3)
->>> ckpts.save({"model": model.state_dict(), ...}, step=100)   # rank 0 only
+>>> ckpts.save({"model": model.state_dict(), ...}, step=100)   # one writer (Trainer: rank 0)
 >>> path = ckpts.latest()                                        # newest one that loads, or None
 >>> state = ckpts.load(path)
 
@@ -102,13 +102,17 @@ class Checkpoints:
                 os.fsync(f.fileno())
             os.replace(tmp, final)
             fsync_dir(self.directory)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - a full disk surfaces from torch.save as RuntimeError
             try:
                 tmp.unlink(missing_ok=True)
             except OSError:
                 pass  # the directory itself is the problem; nothing was left behind in it
-            raise CheckpointError(f"cannot write checkpoint {final}: {exc}", path=str(final)) from exc
-        for _, old in self.list()[: -self.keep]:
+            raise CheckpointError(f"cannot write checkpoint {final}: {type(exc).__name__}: {exc}",
+                                  path=str(final)) from exc
+        # Drop the oldest beyond `keep`, never the one just written (Trainer refuses to run beside
+        # checkpoints of later steps, so "oldest" and "lowest step" agree).
+        older = [p for s, p in self.list() if s < step]
+        for old in older[: max(0, len(older) - (self.keep - 1))]:
             old.unlink(missing_ok=True)
         return final
 

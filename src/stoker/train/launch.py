@@ -29,8 +29,10 @@ import faulthandler
 import gc
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -200,8 +202,9 @@ def _run_rank(fn: Callable[..., Any], args: tuple, rank: int, local_rank: int, w
         if error_file is not None:
             _record_error(error_file, rank, exc)
         ctx._close_managed()
-        # No barrier here: the other ranks may never reach one. Destroying the group is what makes
-        # their pending collectives fail instead of waiting out the timeout.
+        # No barrier here: the other ranks may never reach one. Under gloo, destroying the group makes
+        # their pending collectives fail at once; under NCCL they wait for the launcher (which stops
+        # them when this process exits) or the group's timeout.
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
@@ -217,7 +220,9 @@ def _run_rank(fn: Callable[..., Any], args: tuple, rank: int, local_rank: int, w
 
 def _record_error(path: str, rank: int, exc: BaseException) -> None:
     text = "".join(traceback.format_exception(exc))
-    record = {"rank": rank, "time": time.time(), "error": f"{type(exc).__name__}: {exc}", "traceback": text}
+    # `elsewhere`: the error only reports another rank's failure (stoker's agreed failures say so).
+    record = {"rank": rank, "time": time.time(), "error": f"{type(exc).__name__}: {exc}", "traceback": text,
+              "elsewhere": bool(getattr(exc, "elsewhere", False))}
     try:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(record, f)
@@ -240,7 +245,11 @@ def _spawned_entry(local_rank: int, fn: Callable[..., Any], args: tuple, env: di
     # Leave without interpreter finalization: native threads of torch's gloo backend that outlive the
     # group can abort a process while the interpreter is torn down ("terminate called without an active
     # exception", pytorch/pytorch#179291), turning a finished rank into a failed one. The atexit handlers
-    # still run first (multiprocessing's unlink the semaphores tqdm made, or the tracker reports leaks).
+    # still run first (multiprocessing's unlink the semaphores tqdm made, or the tracker reports leaks),
+    # after the user's non-daemon threads finished, as a normal exit would wait for them.
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -249,28 +258,55 @@ def _spawned_entry(local_rank: int, fn: Callable[..., Any], args: tuple, env: di
 
 def _spawn(fn: Callable[..., Any], args: tuple, n: int, env: dict[str, str], backend: str, cuda: bool,
            timeout_s: float, threads: int | None) -> Any:
+    import multiprocessing.connection
+
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="stoker-launch-") as workdir:
+        context = mp.start_processes(_spawned_entry,
+                                     args=(fn, args, env, backend, cuda, timeout_s, threads, workdir),
+                                     nprocs=n, join=False, start_method="spawn")
+        # Who had died when the first failure showed: torch's join then stops the others (SIGTERM),
+        # and may report one of those, or an echo of the first failure, as the cause.
+        dead_at_failure = _wait_for_first_failure(context.processes, multiprocessing.connection.wait)
         try:
-            # join=True: when one rank fails, torch terminates the others and raises here.
-            mp.start_processes(_spawned_entry, args=(fn, args, env, backend, cuda, timeout_s, threads, workdir),
-                               nprocs=n, join=True, start_method="spawn")
-        except mp.ProcessRaisedException as exc:
-            raise _rank_failed(workdir, exc.error_index, str(exc)) from None
-        except mp.ProcessExitedException as exc:
-            how = f"was killed by signal {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
-            detail = (f"rank {exc.error_index} {how} without a Python error (out of memory, or killed); the other "
-                      "ranks were stopped")
-            raise _rank_died(workdir, exc.error_index, detail) from None
+            while not context.join():
+                pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            raise _diagnose(workdir, exc, dead_at_failure) from None
         result_path = os.path.join(workdir, "rank0-result.pt")
         if not os.path.exists(result_path):
             return None
         return torch.load(result_path, weights_only=False)
 
 
+def _wait_for_first_failure(processes: list, wait: Callable[..., Any]) -> dict[int, int]:
+    """Block until every process ended well or one failed; then the exit codes of those already ended."""
+    while True:
+        codes = {i: p.exitcode for i, p in enumerate(processes) if p.exitcode is not None}
+        if any(code != 0 for code in codes.values()) or len(codes) == len(processes):
+            return codes
+        wait([p.sentinel for i, p in enumerate(processes) if i not in codes], timeout=1.0)
+
+
+def _diagnose(workdir: str, exc: Exception, dead_at_failure: dict[int, int]) -> RankFailed:
+    """The rank that failed first: one killed by a signal without a Python error (OOM killer, segfault)
+    before the launcher stopped anyone, else the earliest recorded Python error."""
+    recorded = {r["rank"] for r in _error_records(workdir)}
+    for rank, code in sorted(dead_at_failure.items()):
+        if code < 0 and rank not in recorded:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return _rank_died(workdir, rank, f"rank {rank} was killed by signal {name} without a Python error "
+                                             "(out of memory, or killed); the other ranks were stopped")
+    index = getattr(exc, "error_index", 0)
+    return _rank_failed(workdir, index, str(exc))
+
+
 def _error_records(workdir: str) -> list[dict]:
-    """The failures ranks recorded, earliest first."""
+    """The failures ranks recorded: causes before reports of another rank's failure, then earliest first."""
     records = []
     for name in os.listdir(workdir):
         if name.startswith("error-rank") and name.endswith(".json"):
@@ -279,7 +315,7 @@ def _error_records(workdir: str) -> list[dict]:
                     records.append(json.load(f))
             except (OSError, ValueError):
                 continue
-    return sorted(records, key=lambda r: r["time"])
+    return sorted(records, key=lambda r: (r.get("elsewhere", False), r["time"]))
 
 
 def _echoes(records: list[dict]) -> str:

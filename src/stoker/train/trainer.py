@@ -57,7 +57,13 @@ _UNUSED = ("error", "warn", "ignore")
 
 @dataclass(frozen=True)
 class FitResult:
-    """What one ``fit`` call did. Rates and totals cover all ranks; "worst" values are the max over ranks."""
+    """What one ``fit`` call did, over all ranks.
+
+    ``samples`` and ``samples_per_s`` cover all ranks (per the longest rank's wall time
+    ``elapsed_s``). ``data_wait_s``, ``compute_s`` and ``data_wait_fraction`` are each the
+    largest over ranks; the fraction is a rank's data wait over its step time (wait +
+    compute), so it says how much the slowest-fed rank starved.
+    """
 
     start_step: int
     step: int
@@ -87,16 +93,15 @@ def _peak_rss_bytes() -> int:
 
 
 def _batch_len(batch: Any) -> int:
-    """Samples in a batch: a tensor's first dim; for a dict, the ``*_batch`` index (Concat) or first field."""
+    """Samples in a batch: a tensor's first dim; for a dict, ``*_lengths`` (Pad), the ``*_batch``
+    index (Concat: a sample with no rows at the end is not counted) or the first field."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     if isinstance(batch, Mapping):
-        for key, value in batch.items():
-            if isinstance(key, str) and key.endswith("_batch") and isinstance(value, torch.Tensor) and value.numel():
-                return int(value.max()) + 1
-        for key, value in batch.items():
-            if isinstance(key, str) and key.endswith("_lengths") and isinstance(value, torch.Tensor):
-                return int(value.shape[0])
+        for suffix, count in (("_lengths", lambda v: int(v.shape[0])), ("_batch", lambda v: int(v.max()) + 1)):
+            for key, value in batch.items():
+                if isinstance(key, str) and key.endswith(suffix) and isinstance(value, torch.Tensor) and value.numel():
+                    return count(value)
         for value in batch.values():
             if isinstance(value, torch.Tensor):
                 return int(value.shape[0]) if value.dim() else 1
@@ -127,6 +132,10 @@ class Trainer:
     is the DDP-wrapped module. ``device``: where the model and batches go (default:
     the current CUDA device, else the CPU). ``unused_parameters``: ``"error"``
     (default), ``"warn"`` or ``"ignore"`` for the first-backward check.
+
+    Every rank must build its Trainer alike (the same ``checkpoints``, ``telemetry_dir``,
+    ``log_every``, ``accumulate``): logging and checkpointing are collectives, and a rank
+    that skips one leaves the others waiting in it.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
@@ -184,6 +193,8 @@ class Trainer:
         self.step = 0
         self.samples_seen = 0  # all ranks, over the whole run including resumed parts
         self._checked_unused = False
+        self._fitted = False  # only the first fit resumes from a checkpoint
+        self._epochs: _Epochs | None = None
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -206,70 +217,119 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def _save(self, data: Any) -> Path | None:
-        """Collective: gather every rank's RNG and data position; rank 0 writes; then a barrier."""
+    def _agree(self, ok: bool) -> bool:
+        """Collective: True when every rank says ok (MIN as -MAX(-x)); also a barrier."""
+        return -self._all_reduce([-1.0 if ok else -0.0], "MAX")[0] >= 1.0
+
+    def _save(self, data: Any, samples: int) -> Path:
+        """Collective: gather every rank's RNG, data position and sample count; rank 0 writes; all agree."""
         assert self.checkpoints is not None
-        data_state = data.state_dict() if callable(getattr(data, "state_dict", None)) else None
-        rng = self._gather(_rng_state())
-        data_states = self._gather(data_state)
-        path = None
-        if self.rank == 0:
-            state = {
-                "model": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "samples": self.samples_seen,
-                "world_size": self.world_size,
-                "rng": rng,
-                "data": data_states if data_state is not None else None,
-            }
+        error: BaseException | None = None
+        try:
+            mine = (_rng_state(), data.state_dict() if callable(getattr(data, "state_dict", None)) else None,
+                    samples)
+        except Exception as exc:  # noqa: BLE001 - shared below, so no rank is left in the gather
+            error, mine = exc, (None, None, 0)
+        gathered = self._gather(mine)
+        if error is None and any(g[0] is None for g in gathered):
+            error = CheckpointError(f"another rank could not report its state for the checkpoint of step "
+                                    f"{self.step}; its error says why", elsewhere=True)
+        if self.rank == 0 and error is None:
             try:
-                path = self.checkpoints.save(state, self.step)
-            except CheckpointError as exc:
+                data_states = [g[1] for g in gathered]
+                state = {
+                    "model": self.module.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                    "samples": self.samples_seen + sum(int(g[2]) for g in gathered),
+                    "world_size": self.world_size,
+                    "rng": [g[0] for g in gathered],
+                    "data": data_states if data_states[0] is not None else None,
+                }
+                self.checkpoints.save(state, self.step)
+            except Exception as exc:  # noqa: BLE001 - every failure must reach the agreement below
                 error = exc
-            else:
-                error = None
-            ok = [0.0 if error else 1.0]
-        else:
-            ok = [1.0]
-        # Everyone learns whether the write worked (MIN as -MAX(-x)); this doubles as the barrier.
-        if -self._all_reduce([-ok[0]], "MAX")[0] < 1.0:
-            if self.rank == 0:
-                raise error  # type: ignore[misc]
-            raise CheckpointError(f"rank 0 could not write the checkpoint of step {self.step}; its error says why")
-        return path if path is not None else self.checkpoints.path_for(self.step)
+        # Everyone learns whether the write worked before going on; this doubles as the barrier.
+        if not self._agree(error is None):
+            if error is not None:
+                raise error
+            raise CheckpointError(f"rank 0 could not write the checkpoint of step {self.step}; its error says why",
+                                  elsewhere=True)
+        return self.checkpoints.path_for(self.step)
 
     def _resume(self, resume: Any, data: Any) -> Path | None:
-        """Collective: rank 0 picks the checkpoint, every rank loads the same one."""
+        """Collective: rank 0 picks the checkpoint, every rank loads the same one, all agree it worked."""
         if resume is None or resume is False:
+            if self.checkpoints is not None:
+                self._check_no_later_checkpoints(0, auto=False)
             return None
-        if resume == "auto":
-            if self.checkpoints is None:
-                raise InvalidArgument("resume='auto' needs checkpoints=Checkpoints(directory)")
-            found = None
-            choice: list[Any] = [None]
-            if self.rank == 0:
-                self.checkpoints.cleanup()
-                try:
-                    found = self.checkpoints.load_latest()
-                except CheckpointError as exc:
-                    choice = [f"error:{exc}"]
-                else:
-                    choice = [str(found[0]) if found else None]
-            if self.world_size > 1:
-                dist.broadcast_object_list(choice, src=0)
-            if isinstance(choice[0], str) and choice[0].startswith("error:"):
-                raise CheckpointError(choice[0][6:])
-            if choice[0] is None:
-                return None
-            path = Path(choice[0])
-            state = found[1] if found else self.checkpoints.load(path)
-        else:
+        if resume != "auto":
             path = Path(resume)
-            state = (self.checkpoints or Checkpoints(path.parent)).load(path)
-        self._restore(state, data)
+            error: BaseException | None = None
+            try:
+                self._restore((self.checkpoints or Checkpoints(path.parent)).load(path), data)
+            except Exception as exc:  # noqa: BLE001 - agreed on below
+                error = exc
+            self._raise_unless_all_ok(error, f"resuming from {path}")
+            if self.checkpoints is not None:
+                self._check_no_later_checkpoints(self.step, auto=False)
+            return path
+        if self.checkpoints is None:
+            raise InvalidArgument("resume='auto' needs checkpoints=Checkpoints(directory)")
+        found = None
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                self.checkpoints.cleanup()
+                found = self.checkpoints.load_latest()
+                choice = [str(found[0]) if found else None]
+            except Exception as exc:  # noqa: BLE001 - broadcast, so no rank waits for a choice
+                choice = [f"error:{type(exc).__name__}: {exc}"]
+        if self.world_size > 1:
+            dist.broadcast_object_list(choice, src=0)
+        if isinstance(choice[0], str) and choice[0].startswith("error:"):
+            raise CheckpointError(f"cannot resume from {self.checkpoints.directory}: {choice[0][6:]}")
+        path = Path(choice[0]) if choice[0] is not None else None
+        error = None
+        if path is not None:
+            try:
+                self._restore(found[1] if found else self.checkpoints.load(path), data)
+            except Exception as exc:  # noqa: BLE001 - agreed on below
+                error = exc
+        self._raise_unless_all_ok(error, f"resuming from {path}")
+        self._check_no_later_checkpoints(self.step, auto=True)
         return path
+
+    def _raise_unless_all_ok(self, error: BaseException | None, what: str) -> None:
+        if not self._agree(error is None):
+            if error is not None:
+                raise error
+            raise CheckpointError(f"another rank failed {what}; its error says why", elsewhere=True)
+
+    def _check_no_later_checkpoints(self, start: int, auto: bool) -> None:
+        """Collective: refuse to start at ``start`` beside checkpoints of later steps.
+
+        They belong to another run; the rotation would delete this run's new checkpoints
+        in their favour, and the next ``resume="auto"`` would pick them up. With auto
+        resume, later ones exist only when they could not be read: they are set aside.
+        """
+        assert self.checkpoints is not None
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                later = [p for step, p in self.checkpoints.list() if step > start]
+                if later and auto:
+                    for p in later:
+                        p.rename(p.with_name(p.name + ".damaged"))
+                elif later:
+                    error = CheckpointError(
+                        f"{self.checkpoints.directory} holds checkpoints of later steps than this run starts at "
+                        f"(step {start}): {', '.join(p.name for p in later[-3:])}. Use resume='auto' to continue "
+                        "them, another directory, or delete them.", path=str(self.checkpoints.directory))
+            except OSError as exc:
+                error = CheckpointError(f"cannot check {self.checkpoints.directory}: {exc}")
+        self._raise_unless_all_ok(error, "checking the checkpoint directory")
 
     def _restore(self, state: Mapping[str, Any], data: Any) -> None:
         self.module.load_state_dict(state["model"])
@@ -359,7 +419,9 @@ class Trainer:
         ``data``: an iterable of batches (iterated again when exhausted: epochs), optionally with
         ``state_dict``/``load_state_dict`` (its position goes into checkpoints) and ``stats()``
         (a :class:`~stoker.Stats` for telemetry and the summary). ``resume``: ``"auto"`` (newest
-        readable checkpoint, if any), a checkpoint path, or None.
+        readable checkpoint, if any), a checkpoint path, or None; only the first ``fit`` of a Trainer
+        resumes, later calls continue where the previous one stopped (with the same data, from the
+        same position).
         """
         if steps is None and seconds is None:
             raise InvalidArgument("fit needs steps=N or seconds=S (or both)")
@@ -368,7 +430,8 @@ class Trainer:
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                     or not seconds > 0):
             raise InvalidArgument(f"seconds must be a number > 0, got {seconds!r}")
-        resumed_from = self._resume(resume, data)
+        resumed_from = self._resume(resume, data) if not self._fitted else None
+        self._fitted = True
         start_step = self.step
         writer = TelemetryWriter(self.telemetry_dir, every=self.log_every) if self.telemetry_dir else None
         todo = steps is None or self.step < steps
@@ -379,7 +442,9 @@ class Trainer:
         last_saved: Path | None = resumed_from
         self.model.train()
         t_start = time.perf_counter()
-        batches = _Epochs(data)
+        if self._epochs is None or self._epochs.data is not data:
+            self._epochs = _Epochs(data)  # kept: a later fit on the same data continues its iterator
+        batches = self._epochs
         try:
             while steps is None or self.step < steps:
                 t0 = time.perf_counter()
@@ -402,16 +467,16 @@ class Trainer:
                 wait_total += wait
                 compute_total += step_s - wait
                 if writer is not None and self.step % self.log_every == 0:
-                    self._log(writer, data, loss, wait, step_s, wait_total, time.perf_counter() - t_start)
+                    self._log(writer, data, loss, wait, step_s, wait_total, compute_total)
                 if bar is not None:
                     bar.update(self.step, loss, wait_total / max(1e-9, wait_total + compute_total))
                 if self.checkpoints is not None and self.checkpoints.due(self.step):
-                    last_saved = self._save(data)
+                    last_saved = self._save(data, samples)
                 if seconds is not None and self._time_is_up(time.perf_counter() - t_start, seconds):
                     break
             elapsed = time.perf_counter() - t_start
             if self.checkpoints is not None and self.step > start_step and not self.checkpoints.due(self.step):
-                last_saved = self._save(data)  # the end of a call is a natural place to resume from
+                last_saved = self._save(data, samples)  # the end of a call is a natural place to resume from
             return self._result(data, start_step, losses, samples, elapsed, wait_total, compute_total,
                                 last_saved, resumed_from, writer)
         finally:
@@ -425,7 +490,7 @@ class Trainer:
         return self._all_reduce([1.0 if elapsed >= seconds else 0.0], "MAX")[0] > 0
 
     def _log(self, writer: TelemetryWriter, data: Any, loss: float, wait: float, step_s: float,
-             wait_total: float, elapsed: float) -> None:
+             wait_total: float, compute_total: float) -> None:
         mean_loss = self._all_reduce([loss], "SUM")[0] / self.world_size
         metrics: dict[str, Any] = {
             "loss": mean_loss,
@@ -433,7 +498,7 @@ class Trainer:
             "data_wait_s": wait,
             "compute_s": step_s - wait,
             "step_s": step_s,
-            "data_wait_fraction": wait_total / elapsed if elapsed > 0 else 0.0,
+            "data_wait_fraction": wait_total / (wait_total + compute_total) if wait_total + compute_total else 0.0,
             "host_peak_rss_bytes": _peak_rss_bytes(),
             **memory_report(),
         }
@@ -451,7 +516,9 @@ class Trainer:
         samples_all = int(self._all_reduce([float(samples)], "SUM")[0])
         self.samples_seen += samples_all
         cuda_peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else -1)
+        step_time = wait_total + compute_total
         worst = reduce_max({"wait": wait_total, "compute": compute_total, "elapsed": elapsed,
+                            "wait_share": wait_total / step_time if step_time > 0 else 0.0,
                             "rss": _peak_rss_bytes(), "cuda": cuda_peak})
         stats = data.stats() if callable(getattr(data, "stats", None)) else None
         pipeline = reduce_stats(stats, elapsed_s=elapsed) if isinstance(stats, Stats) and elapsed > 0 else None
@@ -459,7 +526,7 @@ class Trainer:
             start_step=start_step, step=self.step, losses=losses, samples=samples_all, elapsed_s=worst["elapsed"],
             samples_per_s=samples_all / worst["elapsed"] if worst["elapsed"] > 0 else 0.0,
             data_wait_s=worst["wait"], compute_s=worst["compute"],
-            data_wait_fraction=worst["wait"] / worst["elapsed"] if worst["elapsed"] > 0 else 0.0,
+            data_wait_fraction=worst["wait_share"],
             peak_host_rss_bytes=int(worst["rss"]), peak_cuda_bytes=int(worst["cuda"]) if worst["cuda"] >= 0 else None,
             pipeline=pipeline, checkpoint=last_saved, resumed_from=resumed_from,
             telemetry=writer.path if writer is not None else None, world_size=self.world_size,
