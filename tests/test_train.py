@@ -385,6 +385,21 @@ def test_ddp_with_accumulation_matches_one_process_on_the_global_batch():
         torch.testing.assert_close(a, b.detach())
 
 
+@pytest.mark.timeout(180)
+def test_launch_under_torchrun_runs_fn_as_this_rank(tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           jobs.__file__], env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = [json.loads((tmp_path / f"rankinfo-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in seen] == [0, 1] and {r["world"] for r in seen} == {2}
+    assert {r["backend"] for r in seen} == {"gloo"} and {r["pg_world"] for r in seen} == {2}
+    assert {r["threads"] for r in seen} == {1}  # torchrun's OMP_NUM_THREADS: launch leaves it alone
+
+
 def test_launch_in_process_with_one_rank(monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

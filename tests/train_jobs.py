@@ -113,3 +113,13 @@ def background_writer(ctx: st.RankContext, path: str) -> None:
             f.write("done")
 
     threading.Thread(target=later).start()
+
+
+if __name__ == "__main__":
+    # Under torchrun: launch() runs describe() in this process as one rank; every rank prints what it saw.
+    import json
+
+    out = st.launch(describe)
+    rank = int(os.environ["RANK"])
+    with open(f"rankinfo-{rank}.json", "w") as f:  # in the working directory; stdout lines would interleave
+        json.dump(out["ranks"][rank], f)
