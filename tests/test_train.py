@@ -176,6 +176,11 @@ def test_checkpoints_count_samples_across_resumes(tmp_path):
     assert ck.load(ck.path_for(4))["samples"] == 16 and again.samples_seen == 16
 
 
+def test_without_checkpoints_auto_resume_is_a_no_op():
+    r = _trainer().fit(jobs.global_batches(2, 4), steps=2)  # resume="auto" by default
+    assert r.start_step == 0 and r.step == 2 and r.resumed_from is None and r.checkpoint is None
+
+
 def test_a_second_fit_continues_the_same_data():
     trainer = _trainer()
     data = Batches(jobs.global_batches(6, 4))
@@ -229,8 +234,6 @@ def test_trainer_arguments_are_checked():
         _trainer(accumulate=0)
     with pytest.raises(InvalidArgument, match="steps=N or seconds"):
         _trainer().fit([], resume=None)
-    with pytest.raises(InvalidArgument, match="resume='auto' needs checkpoints"):
-        _trainer().fit(jobs.global_batches(1, 4), steps=1)
     with pytest.raises(InvalidArgument, match="yields no batches"):
         _trainer().fit([], steps=1, resume=None)
     with pytest.raises(InvalidArgument, match="scalar"):

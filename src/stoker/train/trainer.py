@@ -276,7 +276,7 @@ class Trainer:
                 self._check_no_later_checkpoints(self.step, auto=False)
             return path
         if self.checkpoints is None:
-            raise InvalidArgument("resume='auto' needs checkpoints=Checkpoints(directory)")
+            return None  # nothing is ever saved, so there is nothing to resume from
         found = None
         choice: list[Any] = [None]
         if self.rank == 0:
@@ -419,7 +419,7 @@ class Trainer:
         ``data``: an iterable of batches (iterated again when exhausted: epochs), optionally with
         ``state_dict``/``load_state_dict`` (its position goes into checkpoints) and ``stats()``
         (a :class:`~stoker.Stats` for telemetry and the summary). ``resume``: ``"auto"`` (newest
-        readable checkpoint, if any), a checkpoint path, or None; only the first ``fit`` of a Trainer
+        readable checkpoint, if any; nothing without ``checkpoints``), a checkpoint path, or None; only the first ``fit`` of a Trainer
         resumes, later calls continue where the previous one stopped (with the same data, from the
         same position).
         """
