@@ -76,6 +76,25 @@ def _rate(batches, n_batches: int, batch_size: int) -> float:
     return n_batches * batch_size / (time.perf_counter() - t0)
 
 
+_METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs")
+
+
+def _warm_metadata(base: Path) -> None:
+    """Read every metadata file once: construction is then timed against the page cache, not the disk
+    (otherwise the larger dataset, less likely to be cached, looks slower per record for the disk's sake)."""
+    for dirpath, _, files in os.walk(base):
+        for name in files:
+            if name in _METADATA_FILES:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    f.read()
+
+
+def _construction(base: Path, repeats: int = 3) -> dict:
+    """The fastest of ``repeats`` fresh-process constructions (metadata warm), to damp machine noise."""
+    _warm_metadata(base)
+    return min((_construct_in_fresh_process(base) for _ in range(repeats)), key=lambda r: r["seconds"])
+
+
 def _construct_in_fresh_process(base: Path) -> dict:
     code = (
         "import json,time,sys; from stoker.bench.runner import rss_bytes; r0=rss_bytes(); "
@@ -101,14 +120,14 @@ def run(root: Path, n_small: int, n_large: int, batch_size: int, n_batches: int)
                                      num_workers=cores, collate_fn=_concat,
                                      generator=torch.Generator().manual_seed(0))
     dl_rate = _rate(dl, n_batches, batch_size)
-    a, b = _construct_in_fresh_process(small), _construct_in_fresh_process(large)
+    a, b = _construction(small), _construction(large)
     lines = [
         f"records: {n_small} point clouds (500-3,000 points), batch {batch_size}, {n_batches} timed batches, "
         f"{cores} threads / workers",
         f"{'peer':<34}{'samples/s':>11}{'stoker x':>10}",
         f"{'stoker.records.Loader (threads)':<34}{stoker_rate:>11.1f}",
         f"{'DataLoader(num_workers) + zarr':<34}{dl_rate:>11.1f}{stoker_rate / dl_rate:>9.2f}x",
-        "construction (fresh process, metadata only):",
+        "construction (fresh process, metadata only, metadata files in the page cache, best of 3):",
         f"  {a['n']:>7,} records: {a['seconds']:.2f} s, RSS +{a['rss_delta'] / 1e6:.1f} MB "
         f"({a['seconds'] / a['n'] * 1e6:.0f} us and {a['rss_delta'] / a['n']:.0f} B per record)",
         f"  {b['n']:>7,} records: {b['seconds']:.2f} s, RSS +{b['rss_delta'] / 1e6:.1f} MB "
