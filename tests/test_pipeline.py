@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
-import os
 import threading
 import time
 
@@ -362,13 +362,16 @@ def test_exception_in_with_block_closes(volume):
         p.pop()
 
 
+def _failing_source(samples):
+    """Yields ``samples``, then fails as a broken user generator would."""
+    yield from samples
+    raise KeyError("source broke")
+
+
 def test_generator_error_reaches_consumer_in_order(volume):
     uri, data = volume
     good = _random_samples(uri, data.shape, (4, 4, 4), 4)
-
-    def gen():
-        yield from good
-        raise KeyError("source broke")
+    gen = functools.partial(_failing_source, good)
 
     with stoker.Pipeline(_cfg()) as p:
         p.push(gen())
@@ -479,10 +482,7 @@ def test_close_from_another_thread_never_hands_out_a_partial_batch(volume):
 def test_source_error_with_drop_last_emits_no_short_batch(volume):
     uri, data = volume
     good = _random_samples(uri, data.shape, (4, 4, 4), 6)
-
-    def gen():
-        yield from good
-        raise KeyError("source broke")
+    gen = functools.partial(_failing_source, good)
 
     with stoker.Pipeline(_cfg(batch_size=4)) as p:
         p.push(gen())

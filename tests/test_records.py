@@ -90,7 +90,7 @@ def stats_writes(events: list) -> int:
         name = os.path.basename(p)
         if e == "os.rename" and os.path.basename(os.fsdecode(rest[0])) == sidecar.FILENAME:
             n += 1
-        elif e == "open" and name.startswith(sidecar.FILENAME):
+        elif e == "open" and sidecar.FILENAME in name:
             mode, flags = rest[0], rest[1]
             if (mode and any(c in mode for c in "wax+")) or (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)):
                 n += 1

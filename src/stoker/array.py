@@ -61,7 +61,7 @@ class ArrayReader:
         self.metadata = metadata
         self.path = path
         self.store = store
-        self._index_cache = index_cache or SizedLRU(DEFAULT_INDEX_CACHE_BYTES, _index_size)
+        self._index_cache = index_cache or SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._token = next(_reader_tokens)
 
     # -- what the array is ------------------------------------------------------------------
@@ -171,7 +171,8 @@ class ArrayReader:
         return spec.decode_index(raw, self.uri, shard_key, size)
 
 
-def _index_size(index: np.ndarray | None) -> int:
+def index_size(index: np.ndarray | None) -> int:
+    """Bytes a cached shard index costs (``None``, a missing shard, costs a little too)."""
     return 64 if index is None else index.nbytes + 64
 
 

@@ -9,7 +9,7 @@ stoker.errors.InvalidArgument: Config.batch_size must be an integer >= 1, got 0
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,7 +56,6 @@ class Config:
     lookahead_batches: int = 2
     pop_timeout_s: float | None = 30.0
     drop_last: bool = True
-    _resolved_compute_threads: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         _int_at_least("batch_size", self.batch_size, 1)
@@ -97,7 +96,6 @@ class Config:
         if not isinstance(self.drop_last, bool):
             raise InvalidArgument(f"Config.drop_last must be True or False, got {self.drop_last!r}", knob="drop_last")
         self._check_device()
-        object.__setattr__(self, "_resolved_compute_threads", self.n_compute_threads or os.cpu_count() or 1)
 
     def _check_device(self) -> None:
         d = self.device
@@ -114,7 +112,7 @@ class Config:
     @property
     def compute_threads(self) -> int:
         """``n_compute_threads`` with ``None`` resolved to the CPU count."""
-        return self._resolved_compute_threads
+        return self.n_compute_threads or os.cpu_count() or 1
 
     @property
     def output_dtype(self) -> torch.dtype | None:

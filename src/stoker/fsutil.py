@@ -1,13 +1,44 @@
 """Durable renames: flush data, then the directory entries, so a rename never reaches disk before its data.
 
->>> fsync_tree(tmp_dir); os.replace(tmp_dir, final); fsync_dir(parent_of_final)
+>>> replace_atomically(Path("stats.json"), lambda f: f.write(b"{}"))   # one file
+>>> fsync_tree(tmp_dir); os.replace(tmp_dir, final); fsync_dir(parent_of_final)   # a directory
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import BinaryIO, Callable
 
-__all__ = ["fsync_dir", "fsync_tree"]
+__all__ = ["fsync_dir", "fsync_tree", "replace_atomically", "temp_path"]
+
+
+def temp_path(final: Path) -> Path:
+    """The hidden temporary name a writer in this process uses for ``final``: ``.<name>.tmp-<pid>``."""
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+def replace_atomically(final: Path, write: Callable[[BinaryIO], object]) -> Path:
+    """Write ``final`` through :func:`temp_path`: ``write(f)``, flush, fsync, rename, fsync the directory.
+
+    Readers see the old file or the complete new one, never a part. On any error the
+    temporary file is removed (when the directory allows) and the error propagates.
+    """
+    tmp = temp_path(final)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # the directory itself is the problem; nothing was left behind in it
+        raise
+    fsync_dir(final.parent)
+    return final
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

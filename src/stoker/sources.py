@@ -113,6 +113,8 @@ class RandomCrops(SampleSource):
         total = sum(math.prod(s) for s in self.shapes)
         self.samples_per_epoch = int(samples_per_epoch or max(1, total // math.prod(self.sample_shape)))
         self._cdf = np.cumsum(self.weights)
+        # Per array, how many corner positions each axis allows.
+        self._limits = np.array([[s - c + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
         self._cache: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
 
     def __len__(self) -> int:
@@ -125,8 +127,7 @@ class RandomCrops(SampleSource):
         rng = np.random.default_rng([self.seed, epoch, block])
         which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"), len(self.arrays) - 1)
         frac = rng.random((_BLOCK, len(self.sample_shape)))
-        limits = np.array([[s - c + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
-        corners = np.floor(frac * limits[which]).astype(np.int64)
+        corners = np.floor(frac * self._limits[which]).astype(np.int64)
         self._cache = ((epoch, block), (which, corners))
         return which, corners
 

@@ -33,7 +33,9 @@ __all__ = [
     "MEMORY_KEYS",
     "CUDA_MEMORY_KEYS",
     "TelemetryWriter",
+    "host_rss_bytes",
     "memory_report",
+    "peak_rss_bytes",
     "pinned_host_bytes",
     "register_pinned",
     "unregister_pinned",
@@ -84,17 +86,22 @@ def pinned_host_bytes() -> int:
         return _pinned_bytes
 
 
-def _host_rss_bytes() -> int:
+def peak_rss_bytes() -> int:
+    """The largest resident set size this process has had (getrusage)."""
+    import resource  # Unix only
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, Linux KiB
+
+
+def host_rss_bytes() -> int:
     """Resident set size now; where /proc is missing, the peak RSS getrusage reports."""
     try:
         with open("/proc/self/statm", "rb") as f:
             resident_pages = int(f.read().split()[1])
         return resident_pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        import resource  # Unix only, and only needed where /proc is missing
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, Linux KiB
+        return peak_rss_bytes()
 
 
 def _shm_used_bytes() -> int:
@@ -116,7 +123,7 @@ def memory_report() -> dict[str, int]:
     initialises CUDA itself.
     """
     report = {
-        "host_rss_bytes": _host_rss_bytes(),
+        "host_rss_bytes": host_rss_bytes(),
         "pinned_host_bytes": pinned_host_bytes(),
         "shm_used_bytes": _shm_used_bytes(),
     }

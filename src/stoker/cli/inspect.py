@@ -9,7 +9,7 @@ import numpy as np
 from ..amplification import estimate
 from ..array import open_array
 from ..errors import InvalidArgument, StokerError
-from ..zarr.codecs import blosc_header
+from ..zarr.blosc_partial import blosc_header
 
 
 def _blocksize_and_ratio(arr, samples: int = 32) -> tuple[int | None, float | None]:

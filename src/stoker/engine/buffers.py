@@ -191,7 +191,6 @@ class SlotRing:
                 "as the batch is released, so clone() any tensor you keep past release()",
                 RuntimeWarning, stacklevel=3,
             )
-        self.shape = shape
         self.dtype = dtype
         self.slots = [Slot(i, torch.empty(shape, dtype=dtype)) for i in range(n)]
         self._cond = threading.Condition()

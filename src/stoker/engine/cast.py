@@ -13,6 +13,8 @@ Copies run in compute threads; numpy and torch release the GIL while copying.
 
 from __future__ import annotations
 
+import functools
+
 import warnings
 
 import numpy as np
@@ -26,8 +28,9 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 _NUMPY_OUT = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
 
 
+@functools.lru_cache(maxsize=None)
 def torch_dtype_of(dtype: np.dtype) -> torch.dtype:
-    """The torch dtype with the same meaning as a native numpy dtype."""
+    """The torch dtype with the same meaning as a native numpy dtype (cached: asked once per chunk copy)."""
     return torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
 
 

@@ -20,7 +20,7 @@ import torch
 from ..errors import DecodeError, ShutdownError
 from ..storage import LocalStore
 from ..zarr import blosc_partial
-from ..zarr.codecs import blosc_header
+from ..zarr.blosc_partial import blosc_header
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
 from .cast import copy_cast, fill_value_as, numpy_view
 from .plan import BatchPlan, ChunkTask, FileRead

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..array import ArrayReader, open_array
+from ..array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
 from ..cache import SizedLRU
 from ..config import Config
 from ..errors import (
@@ -41,19 +41,17 @@ from .cpu import CpuExecutor, Job
 from .plan import BatchPlan, plan_batch
 from .stats import Stats, StatsRecorder
 
-_INDEX_CACHE_BYTES = 64 << 20
 _MAX_OPEN_ARRAYS = 16384
 
 
 class _Entry:
     """A batch in flight: a running job, or an error to deliver in its place."""
 
-    __slots__ = ("job", "slot", "error", "batch_id", "rows", "t_submit", "source_ids")
+    __slots__ = ("job", "slot", "error", "batch_id", "rows", "source_ids")
 
     def __init__(self, batch_id: int, rows: int, job: Job | None = None, slot=None,
                  error: BaseException | None = None) -> None:
         self.batch_id, self.rows, self.job, self.slot, self.error = batch_id, rows, job, slot, error
-        self.t_submit = time.perf_counter()
         self.source_ids: list[int] = []
 
     def ready(self, timeout: float) -> bool:
@@ -87,11 +85,11 @@ class Pipeline:
         self.device = _resolve_device(cfg)
         self._n_slots = cfg.lookahead_batches + 1
         if cfg.sample_shape is not None and cfg.output_dtype is not None:
-            itemsize = torch.empty((), dtype=cfg.output_dtype).element_size()
+            itemsize = cfg.output_dtype.itemsize
             self._check_budget(cfg.sample_shape, itemsize, transient=0)
         self._stats = StatsRecorder()
         self._store = LocalStore()
-        self._index_cache = SizedLRU(_INDEX_CACHE_BYTES, lambda idx: 64 if idx is None else idx.nbytes + 64)
+        self._index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
         self._slots: SlotRing | None = None
         self._budget: TransientBudget | None = None
@@ -327,7 +325,7 @@ class Pipeline:
     def _ensure_buffers(self, plan: BatchPlan, dtype: torch.dtype) -> None:
         if self._slots is not None:
             return
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         # The largest single reservation: one read group, or one chunk's encoded bytes (at most its
         # decoded size plus codec overhead for what we read) and its decode scratch.
         chunk = max(size_class(r.metadata.codec.nbytes) for r in plan.sources)

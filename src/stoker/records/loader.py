@@ -167,16 +167,20 @@ class Loader:
         self._split_cache = (key, split)
         return split
 
+    def _batch_count(self, samples: int) -> int:
+        """Batches ``samples`` samples make (a short last one only without drop_last)."""
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
+
     def _run_batches(self) -> list[np.ndarray]:
         """The batches of this run: the split after the samples already consumed, cut into batches."""
         plan = self._split()[self._skip:]
         bs = self.batch_size
-        count = len(plan) // bs if self.drop_last else -(-len(plan) // bs)
-        return [plan[j * bs: (j + 1) * bs] for j in range(count)]
+        return [plan[j * bs: (j + 1) * bs] for j in range(self._batch_count(len(plan)))]
 
     def _left(self) -> int:
-        """Batches of the current epoch this rank has not received."""
-        return len(self._run_batches()) - self._received
+        """Batches of the current epoch this rank has not received (counted, not cut: state_dict runs
+        every step)."""
+        return self._batch_count(len(self._split()) - self._skip) - self._received
 
     def _moves_on(self) -> bool:
         """Whether the next iteration starts the next epoch (this one is complete and was not chosen)."""
@@ -186,7 +190,7 @@ class Loader:
         """Batches the next iteration yields: a whole epoch, less what this epoch already consumed."""
         if self._moves_on():
             m = _shard.per_rank(self._size, self.world_size, self._even)  # a fresh epoch, whatever its order
-            return m // self.batch_size if self.drop_last else -(-m // self.batch_size)
+            return self._batch_count(m)
         return self._left()
 
     def set_epoch(self, epoch: int) -> None:

@@ -19,9 +19,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
+from pathlib import Path
 from typing import Any, Sequence
+
+from ..fsutil import replace_atomically
 
 FILENAME = ".stoker-stats.json"
 FORMAT = "stoker-record-stats"
@@ -91,19 +93,6 @@ def write(root: str, fp: str, entry: dict) -> str:
     while len(entries) > MAX_ENTRIES:
         entries.pop(next(iter(entries)))
     target = path_for(root)
-    fd, tmp = tempfile.mkstemp(prefix=FILENAME + ".", suffix=".tmp", dir=root)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it private; the statistics are for every reader of the data
-        with os.fdopen(fd, "w") as f:
-            # Python's float repr round-trips float64 exactly, so loaded stats equal computed ones.
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    # Python's float repr round-trips float64 exactly, so loaded stats equal computed ones.
+    replace_atomically(Path(target), lambda f: f.write(json.dumps(doc, indent=1).encode()))
     return target

@@ -27,14 +27,13 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, InvalidArgument
-from ..fsutil import fsync_dir
+from ..fsutil import replace_atomically
 
 __all__ = ["Checkpoints", "FORMAT", "VERSION"]
 
 FORMAT = "stoker-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d{9,})\.pt$")
-_TEMP_MARK = ".tmp-"
 
 
 
@@ -83,7 +82,7 @@ class Checkpoints:
         removed = []
         if self.directory.is_dir():
             for entry in self.directory.iterdir():
-                if _TEMP_MARK in entry.name and entry.name.startswith("."):
+                if entry.name.startswith(".") and ".tmp-" in entry.name:
                     entry.unlink(missing_ok=True)
                     removed.append(entry)
         return removed
@@ -93,20 +92,11 @@ class Checkpoints:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InvalidArgument(f"step must be an integer >= 0, got {step!r}")
         final = self.path_for(step)
-        tmp = self.directory / f".{final.name}{_TEMP_MARK}{os.getpid()}"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                torch.save({"format": FORMAT, "version": VERSION, "step": step, **state}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            fsync_dir(self.directory)
+            replace_atomically(final, lambda f: torch.save({"format": FORMAT, "version": VERSION, "step": step,
+                                                            **state}, f))
         except Exception as exc:  # noqa: BLE001 - a full disk surfaces from torch.save as RuntimeError
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass  # the directory itself is the problem; nothing was left behind in it
             raise CheckpointError(f"cannot write checkpoint {final}: {type(exc).__name__}: {exc}",
                                   path=str(final)) from exc
         # Drop the oldest beyond `keep`, never the one just written (Trainer refuses to run beside

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import resource
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -41,11 +39,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..distributed import ReducedStats, reduce_max, reduce_stats
+from ..distributed import ReducedStats, _all_reduce, reduce_max, reduce_stats
 from ..engine.stats import Stats
 from ..errors import CheckpointError, InvalidArgument, UnusedParameters
 from ..pin import to_device
-from ..telemetry import TelemetryWriter, memory_report
+from ..telemetry import TelemetryWriter, memory_report, peak_rss_bytes
 from .checkpoint import Checkpoints
 
 __all__ = ["FitResult", "Trainer"]
@@ -87,9 +85,9 @@ class FitResult:
         return self.step - self.start_step
 
 
-def _peak_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+def _wait_share(wait: float, compute: float) -> float:
+    """Data wait as a fraction of step time (wait + compute)."""
+    return wait / (wait + compute) if wait + compute > 0 else 0.0
 
 
 def _batch_len(batch: Any) -> int:
@@ -198,15 +196,8 @@ class Trainer:
 
     # -- collectives -------------------------------------------------------------------------
 
-    def _reduce_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
     def _all_reduce(self, values: list[float], op: str) -> list[float]:
-        if self.world_size == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self._reduce_device())
-        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
-        return t.cpu().tolist()
+        return _all_reduce(values, op, None)
 
     def _gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
@@ -419,9 +410,9 @@ class Trainer:
         ``data``: an iterable of batches (iterated again when exhausted: epochs), optionally with
         ``state_dict``/``load_state_dict`` (its position goes into checkpoints) and ``stats()``
         (a :class:`~stoker.Stats` for telemetry and the summary). ``resume``: ``"auto"`` (newest
-        readable checkpoint, if any; nothing without ``checkpoints``), a checkpoint path, or None; only the first ``fit`` of a Trainer
-        resumes, later calls continue where the previous one stopped (with the same data, from the
-        same position).
+        readable checkpoint, if any; nothing without ``checkpoints``), a checkpoint path, or None.
+        Only the first ``fit`` of a Trainer resumes; later calls continue where the previous one
+        stopped (with the same data, from the same position).
         """
         if steps is None and seconds is None:
             raise InvalidArgument("fit needs steps=N or seconds=S (or both)")
@@ -469,7 +460,7 @@ class Trainer:
                 if writer is not None and self.step % self.log_every == 0:
                     self._log(writer, data, loss, wait, step_s, wait_total, compute_total)
                 if bar is not None:
-                    bar.update(self.step, loss, wait_total / max(1e-9, wait_total + compute_total))
+                    bar.update(self.step, loss, _wait_share(wait_total, compute_total))
                 if self.checkpoints is not None and self.checkpoints.due(self.step):
                     last_saved = self._save(data, samples)
                 if seconds is not None and self._time_is_up(time.perf_counter() - t_start, seconds):
@@ -498,8 +489,8 @@ class Trainer:
             "data_wait_s": wait,
             "compute_s": step_s - wait,
             "step_s": step_s,
-            "data_wait_fraction": wait_total / (wait_total + compute_total) if wait_total + compute_total else 0.0,
-            "host_peak_rss_bytes": _peak_rss_bytes(),
+            "data_wait_fraction": _wait_share(wait_total, compute_total),
+            "host_peak_rss_bytes": peak_rss_bytes(),
             **memory_report(),
         }
         stats = data.stats() if callable(getattr(data, "stats", None)) else None
@@ -516,10 +507,9 @@ class Trainer:
         samples_all = int(self._all_reduce([float(samples)], "SUM")[0])
         self.samples_seen += samples_all
         cuda_peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else -1)
-        step_time = wait_total + compute_total
         worst = reduce_max({"wait": wait_total, "compute": compute_total, "elapsed": elapsed,
-                            "wait_share": wait_total / step_time if step_time > 0 else 0.0,
-                            "rss": _peak_rss_bytes(), "cuda": cuda_peak})
+                            "wait_share": _wait_share(wait_total, compute_total),
+                            "rss": peak_rss_bytes(), "cuda": cuda_peak})
         stats = data.stats() if callable(getattr(data, "stats", None)) else None
         pipeline = reduce_stats(stats, elapsed_s=elapsed) if isinstance(stats, Stats) and elapsed > 0 else None
         return FitResult(

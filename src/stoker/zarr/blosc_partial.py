@@ -80,6 +80,15 @@ def frame_info(frame: Any) -> tuple[int, int, int, int]:
 HEADER_SIZE = _HEADER.size
 
 
+def blosc_header(buf: Any) -> tuple[int, int, int]:
+    """``(nbytes, blocksize, cbytes)`` from a blosc1 frame header, unchecked (``ValueError`` when short)."""
+    mv = memoryview(buf).cast("B")
+    if len(mv) < _HEADER.size:
+        raise ValueError(f"blosc frame of {len(mv)} bytes is shorter than its 16-byte header")
+    _, _, _, _, nbytes, blocksize, cbytes = _HEADER.unpack_from(mv)
+    return nbytes, blocksize, cbytes
+
+
 def _fields(mv: memoryview) -> tuple[int, int, int, int, int]:
     """``(flags, typesize, nbytes, blocksize, cbytes)``, rejecting values that would divide by zero."""
     if len(mv) < _HEADER.size:

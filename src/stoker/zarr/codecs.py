@@ -18,7 +18,6 @@ several threads at once.
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -29,18 +28,7 @@ from numcodecs.compat import ensure_ndarray
 
 from ..errors import DecodeError, StokerError, UnsupportedFormat
 from . import blosc_partial
-
-_BLOSC_HEADER = struct.Struct("<BBBBIII")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
-
-
-def blosc_header(buf: Any) -> tuple[int, int, int]:
-    """``(nbytes, blocksize, cbytes)`` from a blosc1 frame header."""
-    mv = memoryview(buf).cast("B")
-    if len(mv) < _BLOSC_HEADER.size:
-        raise ValueError(f"blosc frame of {len(mv)} bytes is shorter than its 16-byte header")
-    _, _, _, _, nbytes, blocksize, cbytes = _BLOSC_HEADER.unpack_from(mv)
-    return nbytes, blocksize, cbytes
-
+from .blosc_partial import blosc_header
 
 def _check_blosc_frame(buf: Any) -> None:
     """Raise ``ValueError`` unless the frame's header accounts for exactly the bytes stored."""
