@@ -291,6 +291,16 @@ def _check_complete_or_absent(root: str, points: list[np.ndarray], k_by_fp: dict
     return absent
 
 
+def test_a_leftover_named_with_an_impossible_pid_is_cleaned_not_fatal(tmp_path):
+    root = str(tmp_path / "data")
+    write_dataset(root)
+    rec = os.path.join(root, "rec_000.zarr")
+    junk = os.path.join(rec, f".knn.tmp-{pre._HOST}-{2**70}-0123abcd")
+    os.makedirs(junk)
+    res = precompute(ZarrRecords(root, fields=["points", "rid"]), "knn", Counter(), params={"k": K})
+    assert res.written == N_RECORDS and not os.path.exists(junk)
+
+
 @pytest.mark.timeout(120)
 def test_killed_mid_write_leaves_complete_arrays_or_none(tmp_path):
     root = str(tmp_path / "data")

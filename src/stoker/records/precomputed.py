@@ -205,7 +205,7 @@ def _writer_gone(entry: str) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process (a pid beyond pid_t cannot exist)
         return True
     except PermissionError:  # alive, someone else's
         return False
