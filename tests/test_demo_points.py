@@ -87,6 +87,7 @@ def test_writer_is_deterministic_per_seed(tmp_path):
     a = read_all(write_point_clouds(tmp_path / "a", seed=3, **SMALL))
     b = read_all(write_point_clouds(tmp_path / "b", seed=3, **SMALL))
     c = read_all(write_point_clouds(tmp_path / "c", seed=4, **SMALL))
+    assert len(a) == len(b) == len(c) == SMALL["n_records"]
     for ra, rb in zip(a, b):
         for name in ("clean", "noisy"):
             np.testing.assert_array_equal(ra[name], rb[name])

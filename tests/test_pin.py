@@ -132,11 +132,14 @@ def test_pin_object_pins_a_custom_nested_batch():
 @pytest.mark.cuda
 def test_prefetcher_delivers_fenced_device_batches():
     batches = [{"x": torch.full((1 << 20,), float(i))} for i in range(6)]
+    seen = 0
     with pin.DevicePrefetcher(batches, device="cuda", depth=2) as pf:
         for i, b in enumerate(pf):
             assert b["x"].is_cuda
             y = (b["x"] * 2).sum().item()  # runs on the consumer's stream after the fence
             assert y == 2.0 * i * (1 << 20)
+            seen += 1
+    assert seen == 6
 
 
 @pytest.mark.cuda

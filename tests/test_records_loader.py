@@ -345,6 +345,7 @@ def test_cpu_device_is_a_pass_through(ds):
 def test_cuda_device_batches_arrive_on_the_gpu(ds):
     cpu = list(Loader(ds, 4, shuffle=False))
     gpu = list(Loader(ds, 4, shuffle=False, device="cuda"))
+    assert len(gpu) == len(cpu) > 0
     for a, b in zip(cpu, gpu):
         assert all(b[k].is_cuda and torch.equal(a[k], b[k].cpu()) for k in a)
 

@@ -124,6 +124,7 @@ def test_accumulation_equals_one_big_batch():
     small.fit([half for b in batches for half in (b[:2], b[2:])], steps=3, resume=None)
     for a, b in zip(big.module.parameters(), small.module.parameters()):
         torch.testing.assert_close(a, b)
+    assert any(not torch.equal(p, q) for p, q in zip(big.module.parameters(), jobs.Tiny().parameters()))  # trained
 
 
 def test_resume_continues_with_the_same_batches_rng_and_losses(tmp_path):
@@ -140,6 +141,7 @@ def test_resume_continues_with_the_same_batches_rng_and_losses(tmp_path):
     torch.manual_seed(99)  # a different process state: the checkpoint must override it
     second = _trainer(tmp_path / "b", loss_fn=noisy_mse).fit(Batches(batches), steps=8)
     assert second.start_step == 5 and second.resumed_from == first.checkpoint
+    assert sorted(straight.losses) == list(range(1, 9)) and sorted(second.losses) == [6, 7, 8]
     assert {k: v for k, v in straight.losses.items() if k > 5} == second.losses
     assert first.losses == {k: v for k, v in straight.losses.items() if k <= 5}
 
@@ -268,7 +270,7 @@ def test_fp16_grad_scaler_skips_overflowing_steps_and_resumes_its_scale(tmp_path
 
 def test_bf16_autocast_trains_on_cpu():
     r = _trainer(amp="bf16").fit(jobs.global_batches(4, 8), steps=4, resume=None)
-    assert all(np.isfinite(list(r.losses.values())))
+    assert sorted(r.losses) == [1, 2, 3, 4] and all(np.isfinite(list(r.losses.values())))
 
 
 # -- CropBatches ---------------------------------------------------------------------------------
@@ -386,6 +388,7 @@ def test_ddp_with_accumulation_matches_one_process_on_the_global_batch():
     ref.fit(jobs.global_batches(3, 4), steps=3, resume=None)
     for a, b in zip(rank0, ref.module.parameters()):
         torch.testing.assert_close(a, b.detach())
+    assert any(not torch.equal(p, q) for p, q in zip(rank0, jobs.Tiny().parameters()))  # trained
 
 
 @pytest.mark.timeout(180)
