@@ -9,15 +9,23 @@ from stoker.cli import main
 
 @pytest.mark.timeout(300)
 def test_bench_tiny_smoke(tmp_path, capsys):
-    rc = main(["bench", "--tiny", "--scenarios", "1,2", "--batches", "3", "--slow-batches", "1",
-               "--data", str(tmp_path / "bench")])
+    data = tmp_path / "bench"
+    rc = main(["bench", "--tiny", "--scenarios", "1,2,6", "--batches", "3", "--slow-batches", "1",
+               "--data", str(data)])
     assert rc == 0
     out = capsys.readouterr().out
     for peer in ("stoker", "tensorstore", "zarr", "zarr+DataLoader", "decode bound"):
-        assert re.search(rf"^{re.escape(peer)}\s+\d+\.\d", out, re.M), (peer, out)
-    assert "of decode bound" in out and "first batch" in out
-    # a second run reuses the generated datasets
-    assert (tmp_path / "bench" / "tiny-lz4" / ".complete").exists()
+        rates = [float(x) for x in re.findall(rf"^{re.escape(peer)}\s+(\d+\.\d)", out, re.M)]
+        assert len(rates) == 3 and min(rates) > 0, (peer, out)
+    assert out.count("of decode bound") == 3 and out.count("first batch") == 3
+    assert out.count("stoker alone (fresh process): peak RSS") == 3
+    assert re.search(r"^stoker dataset growth \(\d+ batches, every array visited\)", out, re.M), out
+    # a second run reuses the generated datasets instead of writing them again
+    meta = data / "tiny-lz4" / "array.zarr" / "zarr.json"
+    before = meta.stat().st_mtime_ns
+    assert main(["bench", "--tiny", "--scenarios", "1", "--batches", "2", "--peers", "stoker",
+                 "--data", str(data)]) == 0
+    assert meta.stat().st_mtime_ns == before
 
 
 @pytest.mark.timeout(300)

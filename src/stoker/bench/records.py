@@ -67,13 +67,18 @@ def _concat(samples: list[dict]) -> dict:
     return out
 
 
-def _rate(batches, n_batches: int, batch_size: int) -> float:
+def _rate(batches, n_batches: int, batch_size: int, in_flight: int) -> float:
+    """Samples/s in steady state: ``in_flight`` batches are being prepared when the clock starts and when it
+    stops (the epoch has more batches after the window), so no head start or drain is timed."""
     it = iter(batches)
-    next(it)  # warm-up (threads or workers start)
+    for _ in range(1 + in_flight):  # warm-up: threads or workers start, the prefetch fills
+        next(it)
     t0 = time.perf_counter()
     for _ in range(n_batches):
         next(it)
-    return n_batches * batch_size / (time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    del it
+    return n_batches * batch_size / seconds
 
 
 _METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs")
@@ -112,18 +117,21 @@ def run(root: Path, n_small: int, n_large: int, batch_size: int, n_batches: int)
     small = ensure_records(root, n_small)
     large = ensure_records(root, n_large)
     cores = os.cpu_count() or 1
-    n_batches = min(n_batches, n_small // batch_size - 1)
+    in_flight = 2 * cores  # the DataLoader's prefetch (prefetch_factor 2 per worker); the Loader's is 2
+    n_batches = min(n_batches, n_small // batch_size - 1 - 2 * in_flight)
+    if n_batches < 1:
+        raise ValueError(f"{n_small} records are too few to time {cores} workers in steady state")
     ds = ZarrRecords(small, fields=["points", "features"])
     with Loader(ds, batch_size, collate="concat", shuffle=True, seed=0, n_threads=cores) as loader:
-        stoker_rate = _rate(loader, n_batches, batch_size)
+        stoker_rate = _rate(loader, n_batches, batch_size, in_flight)
     dl = torch.utils.data.DataLoader(_ZarrPython(small), batch_size=batch_size, shuffle=True,
                                      num_workers=cores, collate_fn=_concat,
                                      generator=torch.Generator().manual_seed(0))
-    dl_rate = _rate(dl, n_batches, batch_size)
+    dl_rate = _rate(dl, n_batches, batch_size, in_flight)
     a, b = _construction(small), _construction(large)
     lines = [
-        f"records: {n_small} point clouds (500-3,000 points), batch {batch_size}, {n_batches} timed batches, "
-        f"{cores} threads / workers",
+        f"records: {n_small} point clouds (500-3,000 points), batch {batch_size}, {n_batches} timed batches in "
+        f"steady state, {cores} threads / workers",
         f"{'peer':<34}{'samples/s':>11}{'stoker x':>10}",
         f"{'stoker.records.Loader (threads)':<34}{stoker_rate:>11.1f}",
         f"{'DataLoader(num_workers) + zarr':<34}{dl_rate:>11.1f}{stoker_rate / dl_rate:>9.2f}x",
