@@ -34,7 +34,7 @@ def test_partial_decode_matches_full_decode(cname, shuffle, data):
     start = data.draw(st.integers(0, n - 1))
     stop = data.draw(st.integers(start + 1, n))
     dest = np.full(_CHUNK.shape, 0xBEEF, dtype=np.uint16)
-    assert blosc_partial.decode_range(frame, start, stop, dest)
+    assert blosc_partial.decode_blocks(frame, start, stop, dest)
     got = dest.view(np.uint8).reshape(-1)[start:stop]
     assert np.array_equal(got, _CHUNK.view(np.uint8).reshape(-1)[start:stop])
 
@@ -47,6 +47,29 @@ def test_partial_decode_really_skips_blocks():
     flat = dest.reshape(-1)
     assert np.array_equal(flat[:50], _CHUNK.reshape(-1)[:50])  # the range was decoded
     assert (flat[16384 // 2:] == 0xBEEF).all()  # later blocks were never written
+
+
+@pytest.mark.skipif(not blosc_partial.available(), reason="no blosc_getitem")
+def test_partial_decode_only_where_it_is_cheaper():
+    """blosc_getitem costs more per block than a full decode: a range needing most blocks is decoded whole."""
+    frame = numcodecs.Blosc("lz4", 5, 1, blocksize=16384).encode(_CHUNK)
+    n = _CHUNK.nbytes
+    _, block, _ = blosc_partial.blosc_header(frame)
+    assert n // block >= 4
+    dest = np.full(_CHUNK.shape, 0xBEEF, dtype=np.uint16)
+    assert blosc_partial.decode_range(frame, 0, n // 2, dest) == n // 2  # half the blocks: partial
+    assert blosc_partial.decode_range(frame, 0, n // 2 + 1, dest) is None  # more: the caller decodes all
+    assert not blosc_partial.partial_ok(frame[:16], n, 100, n - 100)
+    assert blosc_partial.partial_ok(frame[:16], n, 100, 200)
+    codec_dest = np.full(_CHUNK.shape, 0xBEEF, dtype=np.uint16)
+    from stoker.zarr.codecs import ChunkCodec
+
+    codec = ChunkCodec(uri="mem", shape=_CHUNK.shape, dtype=_CHUNK.dtype, stored_dtype=_CHUNK.dtype,
+                       compressors=(numcodecs.Blosc("lz4", 5, 1, blocksize=16384),))
+    assert codec.partial
+    assert codec.decode_range_into(frame, codec_dest, 100, n - 100) == n  # decoded whole
+    assert np.array_equal(codec_dest, _CHUNK)
+    assert codec.decode_range_into(frame, codec_dest, 100, 200) == block
 
 
 @pytest.mark.parametrize("damage", ["truncated", "block_table", "cbytes"])
@@ -156,6 +179,20 @@ def test_budget_waits_for_release_and_cancels():
         budget.reserve(101, lambda: False)
 
 
+def test_try_reserve_never_waits_and_drops_cached_buffers_to_fit():
+    cap = size_class(1)
+    budget = TransientBudget(2 * cap)
+    assert budget.try_reserve(cap)
+    budget.give(budget.take(cap))  # cached now
+    assert budget.try_reserve(2 * cap)  # fits once the cached buffer is dropped
+    assert budget.in_use == 2 * cap
+    t0 = time.monotonic()
+    assert not budget.try_reserve(1)
+    assert time.monotonic() - t0 < 0.05
+    with pytest.raises(stoker.BudgetExceeded):
+        budget.try_reserve(3 * cap)
+
+
 def test_budget_buffer_reuse_counts_against_capacity():
     cap = size_class(1)
     budget = TransientBudget(3 * cap)
@@ -258,7 +295,7 @@ def test_partial_read_of_out_of_order_blocks_never_decodes_stale_bytes():
         lo, hi = blosc_partial.stored_range(frame[:table], start, stop)
         buf[lo:hi] = frame[lo:hi]
         dest = np.zeros_like(data)
-        assert blosc_partial.decode_range(bytes(buf), start, stop, dest)
+        assert blosc_partial.decode_blocks(bytes(buf), start, stop, dest)
         got = dest.view(np.uint8).reshape(-1)[start:stop]
         assert np.array_equal(got, data.view(np.uint8).reshape(-1)[start:stop]), (start, stop, starts)
 

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .zarr.blosc_partial import decoded_span, partial_pays
 from .zarr.grid import chunk_intersections
 from .zarr.metadata import ArrayMetadata
 
@@ -35,14 +36,18 @@ class Estimate:
 
 
 def _partial_bytes(chunk_shape: Sequence[int], itemsize: int, sels: list[tuple[slice, ...]], blocksize: int) -> int:
-    """Bytes of whole blosc blocks covering the C-order span of the selections in one chunk."""
+    """Bytes stoker decodes for the selections in one chunk: the whole blosc blocks covering their C-order
+    span, or the whole chunk where that needs most of its blocks."""
     strides = [itemsize] * len(chunk_shape)
     for axis in range(len(chunk_shape) - 2, -1, -1):
         strides[axis] = strides[axis + 1] * chunk_shape[axis + 1]
     lo = min(sum(s.start * st for s, st in zip(sel, strides)) for sel in sels)
     hi = max(sum((s.stop - 1) * st for s, st in zip(sel, strides)) for sel in sels) + itemsize
     nbytes = math.prod(chunk_shape) * itemsize
-    return min(-(-hi // blocksize) * blocksize, nbytes) - lo // blocksize * blocksize
+    if not partial_pays(nbytes, blocksize, lo, hi):
+        return nbytes  # stoker decodes such a chunk whole
+    lo, hi = decoded_span(nbytes, blocksize, lo, hi)
+    return hi - lo
 
 
 def estimate(meta: ArrayMetadata, sample_shape: Sequence[int], n: int = 512, seed: int = 0,

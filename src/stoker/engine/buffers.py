@@ -74,24 +74,36 @@ class TransientBudget:
 
     def reserve(self, nbytes: int, cancelled: Callable[[], bool]) -> None:
         """Wait until ``nbytes`` fit (dropping cached buffers if needed); raise Cancelled on close."""
+        self._check_capacity(nbytes)
+        with self._cond:
+            while not self._reserve_locked(nbytes):
+                if cancelled():
+                    raise Cancelled()
+                self._cond.wait(0.05)
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` if they fit now; never waits."""
+        self._check_capacity(nbytes)
+        with self._cond:
+            return self._reserve_locked(nbytes)
+
+    def _check_capacity(self, nbytes: int) -> None:
         if nbytes > self.capacity:
             raise BudgetExceeded(
                 f"reading and decoding one group of chunks needs {nbytes:,} B, but host_buffer_bytes leaves "
                 f"{self.capacity:,} B next to the batch slots; raise Config.host_buffer_bytes",
                 knob="host_buffer_bytes", needed=nbytes,
             )
-        with self._cond:
-            while True:
-                # drop cached buffers only when that makes the request fit
-                while self._cached and self._reserved + nbytes <= self.capacity < self._reserved + self._cached + nbytes:
-                    self._drop_one_locked()
-                if self._reserved + self._cached + nbytes <= self.capacity:
-                    self._reserved += nbytes
-                    self.peak = max(self.peak, self._reserved + self._cached)
-                    return
-                if cancelled():
-                    raise Cancelled()
-                self._cond.wait(0.05)
+
+    def _reserve_locked(self, nbytes: int) -> bool:
+        # drop cached buffers only when that makes the request fit
+        while self._cached and self._reserved + nbytes <= self.capacity < self._reserved + self._cached + nbytes:
+            self._drop_one_locked()
+        if self._reserved + self._cached + nbytes > self.capacity:
+            return False
+        self._reserved += nbytes
+        self.peak = max(self.peak, self._reserved + self._cached)
+        return True
 
     def _drop_one_locked(self) -> None:
         for size, pool in self._free.items():
@@ -143,6 +155,13 @@ class Reservation:
         self.budget.reserve(nbytes, cancelled)
         with self._lock:
             self.held += nbytes
+
+    def try_reserve(self, nbytes: int) -> bool:
+        if not self.budget.try_reserve(nbytes):
+            return False
+        with self._lock:
+            self.held += nbytes
+        return True
 
     def take(self, nbytes: int, keep: bool = False) -> np.ndarray:
         """A pooled buffer inside this reservation; ``keep`` returns it when the last user is done."""

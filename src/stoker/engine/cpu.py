@@ -20,11 +20,14 @@ import torch
 from ..errors import DecodeError, ShutdownError
 from ..storage import LocalStore
 from ..zarr import blosc_partial
-from ..zarr.blosc_partial import blosc_header
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
 from .cast import copy_cast, fill_value_as, numpy_view
 from .plan import BatchPlan, ChunkTask, FileRead
 from .stats import StatsRecorder
+
+
+class _NoRoom(Exception):
+    """Internal: the budget is short and this compute thread must not wait for it."""
 
 
 class Job:
@@ -94,7 +97,13 @@ class CpuExecutor:
                 fills[task.source] = fill_value_as(plan.sources[task.source].metadata.fill_value, out.dtype)
             self._compute.submit(self._guard, job, 1, self._fill, job, task, fills[task.source])
         for fr in plan.file_reads:
-            self._io.submit(self._guard, job, len(fr.chunk_ids), self._read, job, fr)
+            # A chunk file is read and decoded by one compute task: a local read is a page-cache copy that
+            # releases the GIL, and handing each chunk from an I/O thread to a compute thread costs more
+            # GIL time than the overlap gains. Shards' coalesced reads go through the I/O threads.
+            if fr.whole_file:
+                self._compute.submit(self._guard, job, 1, self._read, job, fr, True)
+            else:
+                self._io.submit(self._guard, job, len(fr.chunk_ids), self._read, job, fr)
         return job
 
     def _guard(self, job: Job, n: int, fn, *args) -> None:
@@ -125,10 +134,13 @@ class CpuExecutor:
         self.stats.stage("assemble", time.perf_counter() - t0)
         job.finish()
 
-    def _read(self, job: Job, fr: FileRead) -> None:
-        """Read one file's share into a pooled buffer, then hand each chunk to the compute pool.
+    def _read(self, job: Job, fr: FileRead, on_compute: bool = False) -> None:
+        """Read one file's share into a pooled buffer, then decode its chunks: right here when running
+        on a compute thread (one chunk file), else by handing each chunk to the compute pool.
 
         The reservation covers the encoded buffer and every chunk's decode scratch, taken in one step.
+        A compute thread never waits for memory (the decodes queued behind it may be what frees it):
+        when the budget is short it passes the read to an I/O thread, which can wait.
         """
         plan = job.plan
         chunks = [plan.chunks[c] for c in fr.chunk_ids]
@@ -145,7 +157,11 @@ class CpuExecutor:
                         res.done()
                         self._fill(job, task, fill)
                         return
-                    res.reserve(size_class(f.size) + scratch, self.cancelled)
+                    need = size_class(f.size) + scratch
+                    if not on_compute:
+                        res.reserve(need, self.cancelled)
+                    elif not res.try_reserve(need):
+                        raise _NoRoom()
                     view = memoryview(res.take(f.size, keep=True))[: f.size]
                     nread = self._read_chunk_file(f, view, plan.sources[task.source], task)
                 pieces[fr.chunk_ids[0]] = view
@@ -170,10 +186,20 @@ class CpuExecutor:
                         pieces[fr.chunk_ids[i]] = view[sl]
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
             job.count(bytes_read=nread)
+        except _NoRoom:
+            res.done()
+            self._handoff(job, fr)
+            return
         except BaseException:
             for _ in chunks:
                 res.done()
             raise
+        if on_compute:
+            try:
+                self._decode(job, chunks[0], pieces[fr.chunk_ids[0]], res)
+            finally:
+                res.done()
+            return
         for i, cid in enumerate(fr.chunk_ids):
             try:
                 self._compute.submit(self._guard_decode, job, plan.chunks[cid], pieces[cid], res)
@@ -182,6 +208,12 @@ class CpuExecutor:
                     res.done()
                 job.finish(len(fr.chunk_ids) - i, ShutdownError("the pipeline was closed"))
                 return
+
+    def _handoff(self, job: Job, fr: FileRead) -> None:
+        try:
+            self._io.submit(self._guard, job, 1, self._read, job, fr)
+        except RuntimeError:  # the pool was shut down (close)
+            raise Cancelled() from None
 
     def _read_chunk_file(self, f, view: memoryview, reader, task: ChunkTask) -> int:
         """Read a chunk file into ``view``: only header, block table and needed blocks when decoding partially.
@@ -202,7 +234,7 @@ class CpuExecutor:
         try:
             nread = read(0, blosc_partial.HEADER_SIZE)
             header = view[: blosc_partial.HEADER_SIZE]
-            if not blosc_partial.partial_ok(header, codec.nbytes):
+            if not blosc_partial.partial_ok(header, codec.nbytes, task.byte_start, task.byte_stop):
                 return nread + read(blosc_partial.HEADER_SIZE, f.size)  # decoded (or rejected) in full
             table = min(blosc_partial.table_size(header), f.size)
             nread += read(blosc_partial.HEADER_SIZE, table)
@@ -226,8 +258,7 @@ class CpuExecutor:
         if codec.partial:
             scratch = res.take(codec.nbytes)
             chunk = scratch[: codec.nbytes].view(codec.dtype).reshape(codec.shape)
-            codec.decode_range_into(encoded, chunk, task.byte_start, task.byte_stop, task.key)
-            decoded = _blosc_decoded_bytes(encoded, task.byte_start, task.byte_stop, codec.nbytes)
+            decoded = codec.decode_range_into(encoded, chunk, task.byte_start, task.byte_stop, task.key)
         else:
             chunk = codec.decode(encoded, task.key)  # allocates; its size is inside the reservation
             decoded = codec.nbytes
@@ -243,15 +274,3 @@ class CpuExecutor:
         job.count(bytes_decoded=decoded, chunks_decoded=1)
         job.finish()
 
-
-def _blosc_decoded_bytes(encoded: memoryview, start: int, stop: int, nbytes: int) -> int:
-    """Bytes blosc really decompressed for a range: whole blocks around it."""
-    try:
-        _, blocksize, _ = blosc_header(encoded)
-    except ValueError:
-        return nbytes
-    if not blocksize:
-        return nbytes
-    lo = start // blocksize * blocksize
-    hi = min(-(-stop // blocksize) * blocksize, nbytes)
-    return hi - lo

@@ -153,24 +153,27 @@ class ChunkCodec:
         out[...] = self.decode(encoded, key)
 
     def decode_range_into(self, encoded: Any, out: np.ndarray, byte_start: int, byte_stop: int,
-                          key: str = "?") -> None:
+                          key: str = "?") -> int:
         """Decode at least bytes ``[byte_start, byte_stop)`` (C order) of the chunk into ``out``.
 
         Only the blosc blocks covering the range are decompressed when
-        :attr:`partial` holds; otherwise the whole chunk is decoded. Bytes of
-        ``out`` outside the range may be left stale: read only inside it.
+        :attr:`partial` holds and that is cheaper than a full decode; otherwise the
+        whole chunk is decoded. Bytes of ``out`` outside the range may be left
+        stale: read only inside it. Returns the bytes decompressed.
         """
         if not self.partial:
             self.decode_into(encoded, out, key)
-            return
+            return self.nbytes
         if out.shape != self.shape or out.dtype != self.dtype or not out.flags.c_contiguous:
             raise ValueError(f"decode_range_into needs a C-contiguous {self.shape} {self.dtype} array")
         try:
             done = blosc_partial.decode_range(encoded, byte_start, byte_stop, out)
         except blosc_partial.PartialDecodeError as exc:
             raise self._fail(key, exc) from None
-        if not done:
+        if done is None:
             self.decode_into(encoded, out, key)
+            return self.nbytes
+        return done
 
 
 # ---------------------------------------------------------------------------------------------
