@@ -64,7 +64,7 @@ def test_map_batch_keeps_types_and_reaches_every_leaf():
              "frame": frame, "od": OrderedDict(k=torch.zeros(1)), "self": SelfPinning(torch.zeros(1)),
              "tuple": (torch.zeros(1),), "meta": Harmless()}
     seen, leaf = _recording()
-    out = pin.map_batch(batch, leaf, method="pin_memory")
+    out = pin.map_batch(batch, leaf, hook=pin._method_hook("pin_memory"))
     assert isinstance(out["pair"], Pair) and isinstance(out["pair"].b, list)
     assert isinstance(out["frame"], Frame) and out["frame"].label == "f"
     assert isinstance(out["frame"].coords, torch.Tensor) and torch.equal(out["frame"].coords, torch.ones(2, 3))
@@ -82,10 +82,35 @@ def test_map_batch_keeps_types_and_reaches_every_leaf():
 def test_unknown_leaf_with_array_data_names_its_path():
     batch = {"streams": [torch.zeros(1), torch.zeros(1), Opaque()]}
     with pytest.raises(TypeError, match=r"batch\['streams'\]\[2\]\.coords") as info:
-        pin.map_batch(batch, lambda t, p: t, method="pin_memory")
-    assert "Pinnable" in str(info.value)
+        pin.map_batch(batch, lambda t, p: t, hook=pin._method_hook("pin_memory"))
+    assert "Pinnable" in str(info.value) and "implement pin_memory()" in str(info.value)
+    with pytest.raises(TypeError, match=r"implement to\(device"):
+        pin.to_device(batch, torch.device("cpu"))
     with pytest.raises(TypeError, match="numeric"):
         pin.map_batch(np.array(["a"]), lambda t, p: t)
+
+
+class Movable:
+    """A custom batch class (no dataclass) that pins and moves itself."""
+
+    def __init__(self, points, moved_to=None):
+        self.points = points
+        self.moved_to = moved_to
+
+    def pin_memory(self):
+        return Movable(self.points.pin_memory())
+
+    def to(self, device, non_blocking=False):
+        return Movable(self.points.to(device, non_blocking=non_blocking), moved_to=torch.device(device))
+
+
+def test_to_device_lets_a_custom_batch_move_itself():
+    """Regression: a Pinnable non-dataclass batch was pinned, then refused by to_device."""
+    batch = {"m": Movable(torch.arange(4.0)), "x": torch.zeros(2)}
+    out = pin.to_device(batch, torch.device("cpu"))
+    assert isinstance(out["m"], Movable) and out["m"].moved_to == torch.device("cpu")
+    assert torch.equal(out["m"].points, torch.arange(4.0))
+    assert [t.shape for t in pin.tensors_in(out)] == [(4,), (2,)]  # what record_stream is applied to
 
 
 def test_pin_object_without_cuda_returns_input_and_warns_once(monkeypatch):
@@ -140,6 +165,14 @@ def test_prefetcher_delivers_fenced_device_batches():
             assert y == 2.0 * i * (1 << 20)
             seen += 1
     assert seen == 6
+
+
+@pytest.mark.cuda
+def test_prefetcher_moves_a_self_moving_custom_batch():
+    batches = [Movable(torch.full((1 << 16,), float(i))) for i in range(3)]
+    with pin.DevicePrefetcher(batches, device="cuda", depth=2) as pf:
+        out = [(b.moved_to.type, b.points.is_cuda, b.points[0].item()) for b in pf]
+    assert out == [("cuda", True, float(i)) for i in range(3)]
 
 
 @pytest.mark.cuda

@@ -34,7 +34,11 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torc
 
 @runtime_checkable
 class Pinnable(Protocol):
-    """A batch type that pins itself: returns a copy whose tensors live in pinned memory."""
+    """A batch type that pins itself: returns a copy whose tensors live in pinned memory.
+
+    A class that is not a dataclass also needs ``to(device, non_blocking=False)`` to
+    travel through :func:`to_device` and :class:`DevicePrefetcher`.
+    """
 
     def pin_memory(self: T) -> T: ...
 
@@ -68,14 +72,15 @@ def _find_array_leaf(obj: Any, path: str, depth: int = 0) -> str | None:
 
 
 def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path: str = "batch",
-              method: str | None = None) -> Any:
+              hook: Callable[[Any], Any] | None = None, remedy: str = "pin_memory()") -> Any:
     """Rebuild ``obj`` with ``leaf(tensor, path)`` applied to every tensor (numpy arrays become tensors).
 
     Containers keep their types: dicts, lists, tuples, namedtuples, dataclasses
-    (fields replaced, type kept). An object with a ``method`` attribute (e.g.
-    ``"pin_memory"``, the :class:`Pinnable` protocol) handles itself. Scalars and
-    strings pass through; any other object that holds array data raises
-    ``TypeError`` naming the path to the leaf.
+    (fields replaced, type kept). ``hook(obj)`` lets an object handle itself (e.g.
+    call its own ``pin_memory()``, the :class:`Pinnable` protocol); it returns
+    ``NotImplemented`` for objects it does not apply to. Scalars and strings pass
+    through; any other object that holds array data raises ``TypeError`` naming the
+    path to the leaf and the ``remedy`` (the method its type should implement).
     """
     if isinstance(obj, torch.Tensor):
         return leaf(obj, path)
@@ -85,10 +90,16 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         return leaf(torch.from_numpy(np.ascontiguousarray(obj)), path)
     if isinstance(obj, _SCALARS):
         return obj
-    if method is not None and callable(getattr(obj, method, None)) and not isinstance(obj, (Mapping, list, tuple)):
-        return getattr(obj, method)()
+    if hook is not None and not isinstance(obj, (Mapping, list, tuple)):
+        handled = hook(obj)
+        if handled is not NotImplemented:
+            return handled
+
+    def walk(value: Any, where: str) -> Any:
+        return map_batch(value, leaf, where, hook, remedy)
+
     if isinstance(obj, Mapping):
-        items = {k: map_batch(v, leaf, f"{path}[{k!r}]", method) for k, v in obj.items()}
+        items = {k: walk(v, f"{path}[{k!r}]") for k, v in obj.items()}
         if type(obj) is dict:
             return items
         try:
@@ -96,24 +107,49 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         except TypeError:
             return items
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(map_batch(v, leaf, f"{path}.{f}", method) for f, v in zip(obj._fields, obj)))
+        return type(obj)(*(walk(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(map_batch(v, leaf, f"{path}[{i}]", method) for i, v in enumerate(obj))
+        return type(obj)(walk(v, f"{path}[{i}]") for i, v in enumerate(obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        init = {f.name: map_batch(getattr(obj, f.name), leaf, f"{path}.{f.name}", method)
-                for f in dataclasses.fields(obj) if f.init}
+        init = {f.name: walk(getattr(obj, f.name), f"{path}.{f.name}") for f in dataclasses.fields(obj) if f.init}
         new = dataclasses.replace(obj, **init)
         for f in dataclasses.fields(obj):
             if not f.init and hasattr(obj, f.name):
-                object.__setattr__(new, f.name, map_batch(getattr(obj, f.name), leaf, f"{path}.{f.name}", method))
+                object.__setattr__(new, f.name, walk(getattr(obj, f.name), f"{path}.{f.name}"))
         return new
     found = _find_array_leaf(obj, path)
     if found is not None:
         raise TypeError(
             f"cannot move {found} ({type(obj).__name__} at {path} holds array data stoker does not know how to "
-            "reach): implement pin_memory() (the stoker.pin.Pinnable protocol) or make it a dataclass"
+            f"reach): implement {remedy} on {type(obj).__name__} (see stoker.pin.Pinnable) or make it a dataclass"
         )
     return obj
+
+
+def _method_hook(name: str, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
+    """A :func:`map_batch` hook calling ``obj.name(*args, **kwargs)`` on objects that have that method."""
+    def hook(obj: Any) -> Any:
+        fn = getattr(obj, name, None)
+        return fn(*args, **kwargs) if callable(fn) else NotImplemented
+    return hook
+
+
+def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from ``obj`` (containers, dataclasses, plain objects' attributes)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if depth > 6 or isinstance(obj, (_SCALARS, np.ndarray)):
+        return
+    if isinstance(obj, Mapping):
+        values = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        values = list(obj)
+    else:
+        values = list(getattr(obj, "__dict__", {}).values())
+        values += [getattr(obj, n) for n in getattr(type(obj), "__slots__", ()) if hasattr(obj, n)]
+    for v in values:
+        yield from tensors_in(v, depth + 1)
 
 
 _warned_no_cuda = False
@@ -140,17 +176,25 @@ def pin_object(obj: T) -> T:
                 warnings.warn("stoker.pin_object: CUDA is not available, nothing was pinned", RuntimeWarning,
                               stacklevel=2)
         return obj
-    return map_batch(obj, _pin_leaf, method="pin_memory")
+    return map_batch(obj, _pin_leaf, hook=_method_hook("pin_memory"), remedy="pin_memory()")
 
 
 def to_device(obj: T, device: torch.device, non_blocking: bool = True) -> T:
-    """``obj`` with every tensor moved to ``device`` (same traversal and types as :func:`pin_object`)."""
-    return map_batch(obj, lambda t, _: t.to(device, non_blocking=non_blocking))
+    """``obj`` with every tensor moved to ``device`` (same traversal and types as :func:`pin_object`).
+
+    An object with its own ``to(device, non_blocking=...)`` (as torch_geometric's
+    ``Data`` or a Pinnable batch class) moves itself.
+    """
+    return map_batch(obj, lambda t, _: t.to(device, non_blocking=non_blocking),
+                     hook=_method_hook("to", device, non_blocking=non_blocking),
+                     remedy="to(device, non_blocking=False)")
 
 
 def _record_stream(obj: Any, stream: Any) -> None:
     """Tell the caching allocator the consumer's stream uses these tensors (no early reuse)."""
-    map_batch(obj, lambda t, _: (t.record_stream(stream), t)[1] if t.is_cuda else t)
+    for t in tensors_in(obj):
+        if t.is_cuda:
+            t.record_stream(stream)
 
 
 class DevicePrefetcher:
