@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ..bench.runner import dataloader_batches, format_results, host_budget, run_scenario, scenarios
 
+    if args.rounds < 1:
+        raise SystemExit("stoker bench: --rounds must be at least 1")
     chosen = scenarios(tiny=args.tiny)
     if args.scenarios:
         wanted = {int(s) for s in args.scenarios.split(",")}
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     for sc in chosen:
         budget = host_budget(sc, args.batch_size, args.host_buffer_bytes)
         results = run_scenario(sc, root, args.batches, args.batch_size, budget, args.slow_batches, peers,
-                               growth=sc.number == 6)
+                               growth=sc.number == 6, rounds=1 if args.tiny else args.rounds)
         print(format_results(sc, results), flush=True)
     return 0
 
@@ -51,6 +53,9 @@ def add_parser(sub) -> None:
     p.add_argument("--peers", help=f"comma-separated subset of {','.join(PEERS)}")
     p.add_argument("--batches", type=int, default=30, help="timed batches per fast peer (default 30)")
     p.add_argument("--slow-batches", type=int, default=6, help="timed batches for the zarr peers (default 6)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of stoker, tensorstore and the decode bound; the median is shown "
+                        "(default 3; 1 with --tiny)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--host-buffer-bytes", type=int, default=None,
                    help="stoker's budget (default: per scenario, batch slots + 256 MiB)")
