@@ -35,11 +35,15 @@ class Config:
     - ``batch_size`` (>= 1): samples per batch.
     - ``sample_shape``: shape every sample must have; ``None`` takes the first sample's.
     - ``dtype``: ``"f32" | "bf16" | "f16" | "native"`` (the source dtype).
-    - ``host_buffer_bytes`` (>= 1 MiB): hard cap on host buffers (batch slots, read and decode buffers).
-    - ``device_buffer_bytes`` (>= 1 MiB): cap on device memory (CUDA path only).
+    - ``host_buffer_bytes`` (>= 1 MiB): hard cap on host buffers (batch slots, or the pinned staging
+      slots on CUDA, plus read and decode buffers).
+    - ``device_buffer_bytes`` (>= 1 MiB): cap on device memory: ``lookahead_batches + 1`` batch slots
+      plus staging for the cast on the device (CUDA path only).
     - ``n_io_threads`` (>= 1): threads reading encoded bytes.
     - ``n_compute_threads``: decode and assembly threads (>= 1); ``None`` means ``os.cpu_count()``.
-    - ``device``: ``None | int | "cpu" | "cuda" | "cuda:N"``.
+    - ``device``: ``None | int | "cpu" | "cuda" | "cuda:N"``. ``None`` takes torch's current CUDA
+      device when CUDA is available, else the CPU; a GPU must be torch's current device
+      (``torch.cuda.set_device(local_rank)`` first), checked at ``Pipeline(cfg)``.
     - ``lookahead_batches`` (>= 1): batches prepared ahead of the consumer.
     - ``pop_timeout_s`` (> 0 or ``None``): ``PoolStarved`` after this long without a batch.
     - ``drop_last``: drop a final short batch (default) or emit it.

@@ -3,6 +3,11 @@
 >>> with pipeline.pop() as batch:
 ...     x = torch.from_dlpack(batch)        # zero-copy view, (rows, *sample_shape)
 ...     batch.samples[0], batch.info.shape
+
+On a CUDA pipeline the import is stream-fenced: ``torch.from_dlpack`` names the
+consumer's current stream, and that stream waits on the batch's ready event (no
+host synchronisation). ``batch.release(event=...)`` hands the slot back once that
+event (or the work queued so far on that stream) is done.
 """
 
 from __future__ import annotations
@@ -23,44 +28,72 @@ class BatchInfo:
     device: torch.device
     ready_stream: Any  # the CUDA stream that produced the batch; None on CPU
     batch_id: int
+    ready_event: Any = None  # the CUDA event after which the batch is complete; None on CPU
 
 
 class Batch:
-    """One batch of crops. Export it with ``torch.from_dlpack(batch)`` (or ``numpy.from_dlpack``).
+    """One batch of crops. Export it with ``torch.from_dlpack(batch)`` (or ``numpy.from_dlpack`` on CPU).
 
     The slot behind it is reused only after :meth:`release` (or leaving the
     ``with`` block) **and** once no tensor viewing it is alive, so holding
     ``x = torch.from_dlpack(batch)`` past release is safe; it just keeps the slot.
     Call ``x.clone()`` to keep data without holding a slot.
+
+    Consumers that bypass DLPack on a CUDA batch (raw ``info.data_ptr``) must make
+    their stream wait on ``info.ready_event`` (or ``info.ready_stream``) first.
     """
 
     def __init__(self, view: torch.Tensor, samples: tuple[Sample, ...], batch_id: int,
-                 on_release: Callable[[], None]) -> None:
+                 on_release: Callable[[list | None], None], ready_event: Any = None, ready_stream: Any = None) -> None:
         self._view: torch.Tensor | None = view
         self.samples = samples
         self.info = BatchInfo(
             data_ptr=view.data_ptr(), shape=tuple(view.shape), dtype=view.dtype, device=view.device,
-            ready_stream=None, batch_id=batch_id,
+            ready_stream=ready_stream, batch_id=batch_id, ready_event=ready_event,
         )
-        self._on_release: Callable[[], None] | None = on_release
+        self._on_release: Callable[[list | None], None] | None = on_release
+        # CUDA streams that imported or may use the batch: a plain release() fences the slot's reuse on them
+        self._consumers: list = [torch.cuda.current_stream(view.device)] if view.is_cuda else []
 
     def _tensor(self) -> torch.Tensor:
         if self._view is None:
             raise RuntimeError(f"batch {self.info.batch_id} was released; export it before release()")
         return self._view
 
-    def __dlpack__(self, *args: Any, **kwargs: Any):
-        return self._tensor().__dlpack__(*args, **kwargs)
+    def __dlpack__(self, *args: Any, stream: Any = None, **kwargs: Any):
+        t = self._tensor()
+        if not t.is_cuda:
+            return t.__dlpack__(*args, **kwargs) if stream is None else t.__dlpack__(*args, stream=stream, **kwargs)
+        from .transfer import consumer_stream
+
+        consumer = consumer_stream(stream, t.device)
+        if consumer is not None:
+            consumer.wait_event(self.info.ready_event)  # the consumer's kernels wait; the host does not
+            self._consumers.append(consumer)
+        return t.__dlpack__(*args, stream=-1, **kwargs)  # fenced above: torch must not sync streams again
 
     def __dlpack_device__(self):
         return self._tensor().__dlpack_device__()
 
-    def release(self) -> None:
-        """Give the slot back (idempotent). Views obtained earlier stay valid."""
+    def release(self, event: Any = None) -> None:
+        """Give the slot back (idempotent). Views obtained earlier stay valid.
+
+        On CUDA, ``event`` (a ``torch.cuda.Event``, or a ``torch.cuda.Stream`` to record one on) says when
+        the consumer's work on the batch is done; the slot is overwritten only after it, with no host sync.
+        Without it, the slot's next copy waits for everything queued on the streams that used the batch.
+        """
         callback, self._on_release = self._on_release, None
-        self._view = None
-        if callback is not None:
-            callback()
+        view, self._view = self._view, None
+        if callback is None:
+            return
+        if view is not None and view.is_cuda:
+            from .transfer import release_waits
+
+            current = torch.cuda.current_stream(view.device)
+            consumers = self._consumers + [current]
+            callback(release_waits(event, consumers))
+        else:
+            callback(None)
 
     def __enter__(self) -> "Batch":
         return self
@@ -78,4 +111,4 @@ class Batch:
         return self.info.shape[0]
 
     def __repr__(self) -> str:
-        return f"Batch(id={self.info.batch_id}, shape={self.info.shape}, dtype={self.info.dtype})"
+        return f"Batch(id={self.info.batch_id}, shape={self.info.shape}, dtype={self.info.dtype}, device={self.info.device})"

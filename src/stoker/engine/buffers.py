@@ -14,6 +14,7 @@ Two parts share the cap:
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import warnings
@@ -191,19 +192,31 @@ class Reservation:
 
 
 class Slot:
-    __slots__ = ("index", "tensor", "busy", "baseline")
+    __slots__ = ("index", "tensor", "busy", "baseline", "ready_after", "stream_waits")
 
     def __init__(self, index: int, tensor: torch.Tensor) -> None:
         self.index = index
         self.tensor = tensor
         self.busy = False
         self.baseline = storage_refs(tensor)
+        self.ready_after = None  # CUDA event the host waits for before reuse (a copy still reading the slot)
+        self.stream_waits: list = []  # CUDA events/streams the next writer's stream must wait for
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The slot's first bytes as a ``shape`` tensor of ``dtype`` (byte slots hold any dtype)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self.tensor.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
 class SlotRing:
-    """``n`` batch slots; :meth:`acquire` returns one no consumer can still see."""
+    """``n`` batch slots; :meth:`acquire` returns one no consumer can still see.
 
-    def __init__(self, n: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    ``pin`` allocates page-locked host memory (the staging of the CUDA path);
+    ``device`` puts the slots on a GPU.
+    """
+
+    def __init__(self, n: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+                 pin: bool = False) -> None:
         if _use_count is None:
             warnings.warn(
                 "this torch build cannot report tensor storage use counts: stoker reuses a batch slot as soon "
@@ -211,7 +224,7 @@ class SlotRing:
                 RuntimeWarning, stacklevel=3,
             )
         self.dtype = dtype
-        self.slots = [Slot(i, torch.empty(shape, dtype=dtype)) for i in range(n)]
+        self.slots = [Slot(i, torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)) for i in range(n)]
         self._cond = threading.Condition()
 
     @property
@@ -222,6 +235,10 @@ class SlotRing:
         for slot in self.slots:
             if slot.busy:
                 continue
+            if slot.ready_after is not None:
+                if not slot.ready_after.query():
+                    continue
+                slot.ready_after = None
             refs = storage_refs(slot.tensor)
             if refs is None or refs <= slot.baseline:
                 return slot
@@ -242,9 +259,15 @@ class SlotRing:
                     return None
                 self._cond.wait(0.002)
 
-    def release(self, slot: Slot) -> None:
+    def release(self, slot: Slot, ready_after=None, stream_waits: list | None = None) -> None:
+        """Give ``slot`` back; with ``ready_after`` (a CUDA event) it is reused only once that event completed,
+        and ``stream_waits`` are what its next writer's stream must wait for."""
         with self._cond:
             slot.busy = False
+            if ready_after is not None:
+                slot.ready_after = ready_after
+            if stream_waits is not None:
+                slot.stream_waits = stream_waits
             self._cond.notify_all()
 
     def held(self) -> int:

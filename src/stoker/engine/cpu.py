@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -31,21 +32,25 @@ class _NoRoom(Exception):
 
 
 class Job:
-    """One batch in flight."""
+    """One batch in flight. ``then(job)``, if given, runs once every chunk is in place (on the thread that
+    placed the last one) and before ``done`` is set; an exception from it becomes the job's error."""
 
-    def __init__(self, plan: BatchPlan, out: torch.Tensor, n_chunks: int) -> None:
+    def __init__(self, plan: BatchPlan, out: torch.Tensor, n_chunks: int,
+                 then: Callable[["Job"], None] | None = None) -> None:
         self.plan = plan
         self.out = out
         self.out_np = numpy_view(out)  # numpy indexing costs far less GIL time than torch's
         self.done = threading.Event()
         self.error: BaseException | None = None
         self._remaining = n_chunks
+        self._then = then
+        self._completing = False
         self._lock = threading.Lock()
         # read/decode counters of this batch, added to Stats when it is popped, so every counter
         # describes the same delivered batches (work done ahead is not lost to stats_reset())
         self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0}
         if n_chunks == 0:
-            self.done.set()
+            self._complete()
 
     def count(self, **values: int) -> None:
         with self._lock:
@@ -61,8 +66,21 @@ class Job:
             if error is not None and self.error is None:
                 self.error = error
             self._remaining -= n
-            if self._remaining <= 0 or self.error is not None:
-                self.done.set()
+            failed = self.error is not None
+            last = not failed and self._remaining <= 0 and not self._completing
+            self._completing = self._completing or last
+        if failed:
+            self.done.set()
+        elif last:
+            self._complete()
+
+    def _complete(self) -> None:
+        if self._then is not None:
+            try:
+                self._then(self)
+            except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop
+                self.error = exc
+        self.done.set()
 
 
 class CpuExecutor:
@@ -88,8 +106,8 @@ class CpuExecutor:
 
     # -- submission -------------------------------------------------------------------------
 
-    def submit(self, plan: BatchPlan, out: torch.Tensor) -> Job:
-        job = Job(plan, out, len(plan.chunks))
+    def submit(self, plan: BatchPlan, out: torch.Tensor, then: Callable[[Job], None] | None = None) -> Job:
+        job = Job(plan, out, len(plan.chunks), then)
         fills = {}
         for cid in plan.fill_chunks:
             task = plan.chunks[cid]

@@ -11,6 +11,12 @@ One coordinator thread pulls samples lazily (only when a batch slot and
 lookahead room are free), plans each batch and hands it to the executor. The
 consumer's ``pop`` takes batches in push order. Errors are sticky: once ``pop``
 raised one, every later ``pop`` and ``push`` raises it again.
+
+On a CUDA device (``Config(device=local_rank)``, or ``None`` with CUDA available)
+each batch is assembled in pinned host memory in its source dtype, copied on a
+side stream and cast on the GPU (:mod:`stoker.engine.transfer`); ``from_dlpack``
+makes the consumer's stream wait for it, and ``release(event=...)`` says when the
+consumer is done with it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from ..errors import (
 from ..sample import Sample
 from ..storage import LocalStore
 from .batch import Batch
+from . import device as devices
 from .buffers import SlotRing, TransientBudget, size_class
 from .cast import batch_dtype
 from .cpu import CpuExecutor, Job
@@ -47,32 +54,17 @@ _MAX_OPEN_ARRAYS = 16384
 class _Entry:
     """A batch in flight: a running job, or an error to deliver in its place."""
 
-    __slots__ = ("job", "slot", "error", "batch_id", "rows", "source_ids")
+    __slots__ = ("job", "slot", "host_slot", "event", "error", "batch_id", "rows", "source_ids")
 
     def __init__(self, batch_id: int, rows: int, job: Job | None = None, slot=None,
                  error: BaseException | None = None) -> None:
         self.batch_id, self.rows, self.job, self.slot, self.error = batch_id, rows, job, slot, error
+        self.host_slot = None  # CUDA path: the pinned staging slot (``slot`` is then on the device)
+        self.event = None  # CUDA path: recorded after the batch's copy and cast
         self.source_ids: list[int] = []
 
     def ready(self, timeout: float) -> bool:
         return self.job is None or self.job.done.wait(timeout)
-
-
-def _resolve_device(cfg: Config) -> torch.device:
-    d = cfg.device
-    if d is None or d == "cpu":
-        return torch.device("cpu")
-    name = f"cuda:{d}" if isinstance(d, int) else d
-    if not torch.cuda.is_available():
-        raise InvalidArgument(
-            f"Config.device={d!r} asks for CUDA, but torch sees no CUDA device; use device=None or 'cpu'",
-            knob="device",
-        )
-    raise InvalidArgument(
-        f"Config.device={d!r}: CUDA execution is not available in this version of stoker; use device='cpu' "
-        f"and move batches with stoker's DevicePrefetcher or .to({name!r})",
-        knob="device",
-    )
 
 
 class Pipeline:
@@ -82,16 +74,20 @@ class Pipeline:
         if not isinstance(cfg, Config):
             raise InvalidArgument(f"Pipeline needs a stoker.Config, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.device = _resolve_device(cfg)
-        self._n_slots = cfg.lookahead_batches + 1
+        self.device = devices.resolve(cfg.device)
+        self._cuda = self.device.type == "cuda"
+        self._n_slots = cfg.lookahead_batches + 1  # batch slots the consumer sees (on the device for CUDA)
+        # CUDA: host slots only stage batches being assembled; each is free again once its copy is done
+        self._n_host_slots = cfg.lookahead_batches if self._cuda else self._n_slots
         if cfg.sample_shape is not None and cfg.output_dtype is not None:
-            itemsize = cfg.output_dtype.itemsize
-            self._check_budget(cfg.sample_shape, itemsize, transient=0)
+            self._check_budget(cfg.sample_shape, cfg.output_dtype, transient=0)
         self._stats = StatsRecorder()
         self._store = LocalStore()
         self._index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
-        self._slots: SlotRing | None = None
+        self._slots: SlotRing | None = None  # what batches are delivered from (device slots for CUDA)
+        self._host_slots: SlotRing | None = None  # where batches are assembled (the same ring on CPU)
+        self._transfer = None  # CudaTransfer on the CUDA path
         self._budget: TransientBudget | None = None
         self._executor: CpuExecutor | None = None
         self._cond = threading.Condition()
@@ -117,18 +113,32 @@ class Pipeline:
 
     # -- budget -----------------------------------------------------------------------------
 
-    def _check_budget(self, shape: tuple[int, ...], itemsize: int, transient: int) -> None:
-        slot_bytes = self.cfg.batch_size * math.prod(shape) * itemsize
-        need = self._n_slots * slot_bytes + transient
+    def _check_budget(self, shape: tuple[int, ...], dtype: torch.dtype, transient: int) -> None:
+        """BudgetExceeded unless the host slots plus ``transient`` fit host_buffer_bytes (and, on CUDA,
+        the device slots plus staging fit device_buffer_bytes), with a breakdown of the need."""
+        slot_bytes = self.cfg.batch_size * math.prod(shape) * dtype.itemsize
+        n = self._n_host_slots
+        need = n * slot_bytes + transient
         if need > self.cfg.host_buffer_bytes:
+            what = ("pinned staging slots (lookahead_batches)" if self._cuda else "batch slots (lookahead_batches + 1)")
             raise BudgetExceeded(
                 f"Config.host_buffer_bytes={self.cfg.host_buffer_bytes:,} cannot hold this pipeline: "
-                f"{self._n_slots} batch slots (lookahead_batches + 1) x {self.cfg.batch_size} samples x "
-                f"{shape} x {itemsize} B = {self._n_slots * slot_bytes:,} B, plus at least {transient:,} B for "
-                f"reading and decoding one file's chunks; needs {need:,} B. Raise host_buffer_bytes to at least "
-                f"{need:,}, or lower batch_size, lookahead_batches or the sample shape.",
+                f"{n} {what} x {self.cfg.batch_size} samples x {shape} x {dtype.itemsize} B = {n * slot_bytes:,} B, "
+                f"plus at least {transient:,} B for reading and decoding one file's chunks; needs {need:,} B. Raise "
+                f"host_buffer_bytes to at least {need:,}, or lower batch_size, lookahead_batches or the sample shape.",
                 knob="host_buffer_bytes", needed=need,
             )
+        if self._cuda:
+            device_need = self._n_slots * slot_bytes + _stage_bytes(slot_bytes, self.cfg.output_dtype)
+            if device_need > self.cfg.device_buffer_bytes:
+                raise BudgetExceeded(
+                    f"Config.device_buffer_bytes={self.cfg.device_buffer_bytes:,} cannot hold this pipeline on "
+                    f"{self.device}: {self._n_slots} batch slots (lookahead_batches + 1) x {slot_bytes:,} B plus "
+                    f"{device_need - self._n_slots * slot_bytes:,} B of staging for the cast on the device; needs "
+                    f"{device_need:,} B. Raise device_buffer_bytes, or lower batch_size, lookahead_batches or the "
+                    "sample shape.",
+                    knob="device_buffer_bytes", needed=device_need,
+                )
 
     # -- push -------------------------------------------------------------------------------
 
@@ -301,12 +311,17 @@ class Pipeline:
                 self._cond.notify_all()
             return
         self._stats.stage("plan", time.perf_counter() - t0)
-        slot = None
-        while slot is None:
-            slot = self._slots.acquire(lambda: self._closed, timeout=0.1)
-        job = self._executor.submit(plan, slot.tensor[: plan.rows])
-        entry = _Entry(batch_id, plan.rows, job=job, slot=slot)
+        entry = _Entry(batch_id, plan.rows)
         entry.source_ids = source_ids
+        if self._cuda:
+            entry.slot = self._acquire(self._slots)
+            entry.host_slot = self._acquire(self._host_slots)
+            stage = devices.staging_dtype(self.cfg.output_dtype, {r.dtype for r in plan.sources}) or dtype
+            host = entry.host_slot.view(stage, (plan.rows, *plan.sample_shape))
+            entry.job = self._executor.submit(plan, host, then=lambda job: self._to_device(entry, job))
+        else:
+            entry.slot = entry.host_slot = self._acquire(self._slots)
+            entry.job = self._executor.submit(plan, entry.slot.tensor[: plan.rows])
         with self._cond:
             self._inflight.append(entry)
             self._cond.notify_all()
@@ -325,16 +340,41 @@ class Pipeline:
     def _ensure_buffers(self, plan: BatchPlan, dtype: torch.dtype) -> None:
         if self._slots is not None:
             return
-        itemsize = dtype.itemsize
         # The largest single reservation: one read group, or one chunk's encoded bytes (at most its
         # decoded size plus codec overhead for what we read) and its decode scratch.
         chunk = max(size_class(r.metadata.codec.nbytes) for r in plan.sources)
         transient = max(self._group_limit, 2 * chunk + size_class(1))
-        self._check_budget(plan.sample_shape, itemsize, transient)
-        self._slots = SlotRing(self._n_slots, (self.cfg.batch_size, *plan.sample_shape), dtype)
-        self._budget = TransientBudget(self.cfg.host_buffer_bytes - self._slots.nbytes)
+        self._check_budget(plan.sample_shape, dtype, transient)
+        batch_shape = (self.cfg.batch_size, *plan.sample_shape)
+        if self._cuda:
+            from .transfer import CudaTransfer
+
+            slot_bytes = math.prod(batch_shape) * dtype.itemsize
+            # byte slots: each batch is assembled in its own staging dtype (see device.staging_dtype)
+            self._host_slots = SlotRing(self._n_host_slots, (slot_bytes,), torch.uint8, pin=True)
+            self._transfer = CudaTransfer(self.device, self._n_slots, batch_shape, dtype,
+                                          _stage_bytes(slot_bytes, self.cfg.output_dtype))
+            self._slots = self._transfer.slots
+        else:
+            self._slots = self._host_slots = SlotRing(self._n_slots, batch_shape, dtype)
+        self._budget = TransientBudget(self.cfg.host_buffer_bytes - self._host_slots.nbytes)
         self._executor = CpuExecutor(self.cfg.n_io_threads, self.cfg.compute_threads, self._budget,
                                      self._stats, self._store)
+
+    def _acquire(self, ring: SlotRing):
+        slot = None
+        while slot is None:
+            slot = ring.acquire(lambda: self._closed, timeout=0.1)
+        return slot
+
+    def _to_device(self, entry: _Entry, job: Job) -> None:
+        """The job's completion hook on the CUDA path: enqueue copy and cast, free the host slot behind them."""
+        t0 = time.perf_counter()
+        host = job.out
+        entry.event = self._transfer.issue(host, entry.slot)
+        job.out = job.out_np = None  # no view may keep the staging slot from its next batch
+        self._host_slots.release(entry.host_slot, ready_after=entry.event)
+        self._stats.stage("transfer", time.perf_counter() - t0, bytes_in=host.numel() * host.element_size())
 
     # -- pop --------------------------------------------------------------------------------
 
@@ -372,6 +412,8 @@ class Pipeline:
         if error is not None:
             if head.slot is not None:
                 self._slots.release(head.slot)
+            if head.host_slot is not None and head.host_slot is not head.slot:
+                self._host_slots.release(head.host_slot)
             with self._cond:
                 self._error = error
             raise error
@@ -393,7 +435,8 @@ class Pipeline:
         )
         slots = self._slots
         slot = head.slot
-        return Batch(view, samples, head.batch_id, lambda: slots.release(slot))
+        return Batch(view, samples, head.batch_id, lambda waits: slots.release(slot, stream_waits=waits),
+                     ready_event=head.event, ready_stream=self._transfer.stream if self._transfer else None)
 
     def _starved_message(self, limit: float) -> str:
         with self._cond:
@@ -467,7 +510,7 @@ class Pipeline:
     # -- stats and lifetime -----------------------------------------------------------------
 
     def stats(self) -> Stats:
-        slots = self._slots.nbytes if self._slots is not None else 0
+        slots = self._host_slots.nbytes if self._host_slots is not None else 0
         peak = self._budget.peak if self._budget is not None else 0
         return self._stats.snapshot(peak_host_bytes=slots + peak)
 
@@ -485,6 +528,8 @@ class Pipeline:
             self._executor.shutdown()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)  # a user generator blocked in next() cannot be interrupted
+        if self._transfer is not None:
+            self._transfer.close()
         self._store.close()
 
     def __enter__(self) -> "Pipeline":
@@ -513,6 +558,13 @@ def _coordinate(ref: "weakref.ReferenceType[Pipeline]") -> None:
             pipeline._crashed(exc)
             return
         del pipeline  # hold no strong reference while idle
+
+
+def _stage_bytes(slot_bytes: int, output: torch.dtype | None) -> int:
+    """Device staging for the cast on the GPU: a batch in a dtype narrower than the output (at most half)."""
+    if output is None or output.itemsize < 2:
+        return 0
+    return slot_bytes // 2
 
 
 def _wrap_source_error(exc: BaseException) -> StokerError:

@@ -1,0 +1,134 @@
+"""Which device a pipeline runs on, and in which dtype its batches cross PCIe.
+
+Binding follows torch's own notion of "this rank's GPU" (``torch.cuda.set_device``):
+
+>>> torch.cuda.set_device(local_rank)
+>>> stoker.Pipeline(stoker.Config(device=local_rank))   # bound to cuda:<local_rank>, checked
+
+- ``device=None``: torch's current device when CUDA is available, else the CPU.
+- ``device="cpu"``: the CPU, always.
+- ``device=N`` / ``"cuda:N"`` / ``"cuda"``: that GPU; it must be torch's current device, or the ranks'
+  own CUDA work and stoker's would land on different GPUs (:class:`~stoker.InvalidArgument`).
+
+:func:`bind` is the decision alone (plain values in, a device and maybe a warning out), so every case
+is tested without a GPU; :func:`resolve` feeds it torch's state and warns once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgument
+from .cast import torch_dtype_of
+
+
+@dataclass(frozen=True)
+class Binding:
+    device: torch.device
+    warning: str | None = None
+
+
+def _requested_index(requested: int | str, current: int) -> int:
+    if isinstance(requested, int):
+        return requested
+    return current if requested == "cuda" else int(requested[5:])
+
+
+def bind(requested: int | str | None, *, cuda_available: bool, device_count: int, current: int | None,
+         local_rank: int | None) -> Binding:
+    """The device for ``Config.device=requested`` given torch's CUDA state; raises InvalidArgument."""
+    if requested == "cpu" or (requested is None and not cuda_available):
+        return Binding(torch.device("cpu"))
+    if not cuda_available:
+        raise InvalidArgument(
+            f"Config.device={requested!r} asks for CUDA, but torch sees no CUDA device; use device=None "
+            "(the CPU here) or 'cpu'",
+            knob="device",
+        )
+    assert current is not None
+    if requested is None:
+        device = torch.device("cuda", current)
+        warning = None
+        if local_rank is not None and local_rank != current and local_rank < device_count:
+            warning = _rank_warning(local_rank, current)
+        elif local_rank is None and device_count > 1:
+            warning = (f"stoker.Pipeline bound to cuda:{current} (torch's current device) while {device_count} GPUs "
+                       "are visible and no device was named: pass Config(device=local_rank) after "
+                       "torch.cuda.set_device(local_rank) so each rank uses its own GPU")
+        return Binding(device, warning)
+    index = _requested_index(requested, current)
+    if index >= device_count:
+        raise InvalidArgument(
+            f"Config.device={requested!r}, but torch sees only {device_count} CUDA device(s) "
+            f"(cuda:0..cuda:{device_count - 1}); check CUDA_VISIBLE_DEVICES and the rank's local index",
+            knob="device",
+        )
+    if index != current:
+        raise InvalidArgument(
+            f"Config.device={requested!r} (cuda:{index}) but torch's current device is cuda:{current}: this "
+            f"rank's tensors and stoker's batches would live on different GPUs. Call "
+            f"torch.cuda.set_device(local_rank) before building the Pipeline and pass the same index as "
+            f"Config(device=local_rank)",
+            knob="device",
+        )
+    warning = None
+    if local_rank is not None and local_rank != index and local_rank < device_count:
+        warning = _rank_warning(local_rank, index)
+    return Binding(torch.device("cuda", index), warning)
+
+
+def _rank_warning(local_rank: int, index: int) -> str:
+    return (f"LOCAL_RANK={local_rank} but stoker.Pipeline is bound to cuda:{index}: every rank may be sharing "
+            f"one GPU (about 1/N throughput). Call torch.cuda.set_device(local_rank) and pass "
+            f"Config(device=local_rank); ignore this if CUDA_VISIBLE_DEVICES maps this rank's GPU to {index}")
+
+
+_warned: set[tuple[int | None, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def resolve(requested: int | str | None) -> torch.device:
+    """:func:`bind` against torch's current state; its warning is issued once per (LOCAL_RANK, device)."""
+    cuda = requested != "cpu" and torch.cuda.is_available()
+    rank_env = os.environ.get("LOCAL_RANK")
+    local_rank = int(rank_env) if rank_env is not None and rank_env.strip().isdigit() else None
+    binding = bind(requested, cuda_available=cuda, device_count=torch.cuda.device_count() if cuda else 0,
+                   current=torch.cuda.current_device() if cuda else None, local_rank=local_rank)
+    if binding.warning is not None:
+        key = (local_rank, str(binding.device))
+        with _warned_lock:
+            fresh = key not in _warned
+            _warned.add(key)
+        if fresh:
+            warnings.warn(binding.warning, UserWarning, stacklevel=3)
+    return binding.device
+
+
+def staging_dtype(output: torch.dtype | None, sources: set[np.dtype]) -> torch.dtype | None:
+    """The dtype a batch is assembled in on the host before it is copied to the GPU and cast there.
+
+    The source dtype when all sources of the batch share one that is narrower than the output (a
+    uint16 batch crosses PCIe in half the bytes of float32), else the output dtype (cast on the host).
+    Only integer and bool sources of at most 2 bytes are staged: float32 represents them exactly, so
+    the device cast rounds once, as the host cast does, and the batch has the same bits either way.
+    ``None`` for ``output=None`` ("native"): the batch is the source dtype either way.
+    """
+    if output is None or len(sources) != 1:
+        return output
+    (source,) = sources
+    if not source.isnative and source.itemsize > 1:
+        return output
+    try:
+        narrow = torch_dtype_of(source)
+    except TypeError:
+        return output
+    # Integers and bool only: torch's float16 -> float32 quiets signalling NaNs where numpy keeps them.
+    if narrow.itemsize < output.itemsize and not narrow.is_floating_point and narrow.itemsize <= 2:
+        return narrow
+    return output
