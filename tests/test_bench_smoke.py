@@ -35,3 +35,28 @@ def test_bench_records_tiny_smoke(tmp_path, capsys):
     assert re.search(r"^stoker\.records\.Loader \(threads\)\s+\d+\.\d", out, re.M), out
     assert re.search(r"^DataLoader\(num_workers\) \+ zarr\s+\d+\.\d+\s+\d+\.\d+x", out, re.M), out
     assert re.search(r"^\s+50 records: .* per record\)$", out, re.M) and re.search(r"^\s+500 records:", out, re.M)
+
+
+@pytest.mark.timeout(120)
+def test_gpu_benchmarks_say_why_they_cannot_run_without_cuda(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["bench", "--device", "cuda", "--tiny", "--data", str(tmp_path)], ["bench-h2d"]):
+        with pytest.raises(SystemExit, match="torch sees no CUDA device"):
+            main(argv)
+
+
+@pytest.mark.timeout(120)
+def test_device_bench_stoker_peer_runs_on_cpu(tmp_path):
+    """The GPU benchmark's stoker peer is the real pipeline; on the CPU it runs end to end here."""
+    from stoker.bench.datasets import ensure
+    from stoker.bench.device import run_stoker_on
+    from stoker.bench.runner import make_samples, scenarios
+
+    sc = scenarios(tiny=True)[0]
+    paths = ensure(tmp_path, sc.volume, progress=False)
+    samples = make_samples(paths, sc.volume.shape, sc.crop, 4 * 3, sc.grid)
+    r = run_stoker_on(samples, 4, 2, 64 << 20, "cpu")
+    assert r.peer == "stoker cpu" and r.samples == 8 and r.samples_per_s > 0
+    assert r.extra["stats"].batches_emitted == 2 and r.extra["pinned_bytes"] == 0

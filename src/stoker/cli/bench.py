@@ -34,6 +34,18 @@ def run(args: argparse.Namespace) -> int:
         chosen = [s for s in chosen if s.number in wanted]
     peers = set(args.peers.split(",")) if args.peers else set(PEERS)
     root = args.data or cache_dir() / "bench"
+    if args.device == "cuda":
+        from ..bench.device import cuda_or_exit, format_device_results, run_device_scenario
+
+        cuda_or_exit()
+        print(f"stoker bench --device cuda: {os.cpu_count()} cores, torch {torch.__version__}; batch "
+              f"{args.batch_size}, {args.batches} timed batches, bf16 out; data in {root}", flush=True)
+        for sc in chosen:
+            budget = host_budget(sc, args.batch_size, args.host_buffer_bytes)
+            results = run_device_scenario(sc, root, args.batches, args.batch_size, budget,
+                                          rounds=1 if args.tiny else args.rounds)
+            print(format_device_results(sc, results), flush=True)
+        return 0
     print(f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
           f"batch {args.batch_size}, {args.batches} timed batches ({args.slow_batches} for zarr, "
           f"{dataloader_batches(args.slow_batches)[1]} in steady state for zarr+DataLoader), f32 out; data in {root}")
@@ -53,6 +65,9 @@ def add_parser(sub) -> None:
     p.add_argument("--peers", help=f"comma-separated subset of {','.join(PEERS)}")
     p.add_argument("--batches", type=int, default=30, help="timed batches per fast peer (default 30)")
     p.add_argument("--slow-batches", type=int, default=6, help="timed batches for the zarr peers (default 6)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: stoker on the GPU vs stoker on the CPU vs tensorstore + pin_memory().to(cuda), "
+                        "bf16 out")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds of stoker, tensorstore and the decode bound; the median is shown "
                         "(default 3; 1 with --tiny)")
@@ -62,3 +77,23 @@ def add_parser(sub) -> None:
     p.add_argument("--data", type=lambda s: __import__("pathlib").Path(s), help="dataset directory")
     p.add_argument("--tiny", action="store_true", help="small datasets: a smoke run in seconds")
     p.set_defaults(run=run)
+
+    h2d = sub.add_parser("bench-h2d", help="host-to-device bandwidth: pageable vs pinned, and pin_object batches")
+    h2d.add_argument("--data", type=lambda s: __import__("pathlib").Path(s), help="dataset directory (scenario 1)")
+    h2d.set_defaults(run=run_h2d)
+
+
+def run_h2d(args: argparse.Namespace) -> int:
+    from ..bench.device import pipeline_pinned_bytes, run_h2d as measure
+    from ..bench.runner import host_budget, scenarios
+
+    from ..bench.device import cuda_or_exit
+
+    cuda_or_exit()
+    print(measure(), flush=True)
+    sc = scenarios()[0]
+    budget = host_budget(sc, 8, None)
+    pinned = pipeline_pinned_bytes(sc, args.data or cache_dir() / "bench", 8, budget)
+    print(f"pinned RAM held by a CUDA pipeline on scenario 1 (batch 8, lookahead 3, bf16 out): "
+          f"{pinned / 2**20:.0f} MiB of host_buffer_bytes {budget / 2**20:.0f} MiB", flush=True)
+    return 0

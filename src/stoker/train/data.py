@@ -69,8 +69,8 @@ class CropBatches:
             while True:
                 batch = pipeline.pop()
                 self._held = batch
-                x = torch.from_dlpack(batch)
-                if self.device is not None and self.device.type != "cpu":
+                x = torch.from_dlpack(batch)  # on the GPU already when the pipeline runs there
+                if self.device is not None and x.device != self.device:
                     x = x.to(self.device, non_blocking=False)  # a copy: the slot can go back at once
                     self._release()
                 yield x

@@ -1,0 +1,205 @@
+"""GPU benchmarks: ``stoker bench --device cuda`` and ``stoker bench-h2d``.
+
+``--device cuda`` runs the crop scenarios with ``dtype="bf16"``, in one process run on the same crops:
+
+- ``stoker cpu``: the pipeline on the CPU (the batch stays in host memory);
+- ``stoker cuda``: the pipeline bound to the GPU (pinned staging in the source dtype, copy and cast on a
+  side stream, consumed through ``torch.from_dlpack``);
+- ``tensorstore``: every crop of a batch read with futures, stacked in the source dtype, then
+  ``.pin_memory().to(device, non_blocking=True)`` and cast to bf16 on the device.
+
+Target: delivering on the GPU costs at most 10% of the CPU path's throughput.
+
+``bench-h2d`` measures host-to-device GB/s from pageable and from pinned memory for 1, 16 and 256 MiB,
+the same for a custom nested batch pinned with :func:`stoker.pin_object`, and the pinned RAM a CUDA
+pipeline holds for scenario 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import Config
+from ..engine.pipeline import Pipeline
+from ..pin import pin_object, to_device
+from ..sample import Sample
+from .datasets import ensure, warm_page_cache
+from .runner import LOOKAHEAD, Scenario, _batches, _median, _slices, Result, make_samples
+
+
+def cuda_or_exit() -> torch.device:
+    if not torch.cuda.is_available():
+        raise SystemExit("stoker bench --device cuda / bench-h2d: torch sees no CUDA device")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def run_stoker_on(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int,
+                  device: torch.device | str) -> Result:
+    cfg = Config(batch_size=batch_size, dtype="bf16", host_buffer_bytes=host_buffer_bytes,
+                 device_buffer_bytes=2 << 30, lookahead_batches=LOOKAHEAD, device=str(device))
+    n = len(samples) // batch_size - 1
+    on_gpu = torch.device(device).type == "cuda"
+    with Pipeline(cfg) as p:
+        p.push(samples[:batch_size])
+        with p.pop() as b:
+            torch.from_dlpack(b)
+        p.stats_reset()
+        if on_gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        p.push(samples[batch_size: (n + 1) * batch_size])
+        for _ in range(n):
+            with p.pop() as b:
+                x = torch.from_dlpack(b)
+                x.sum()  # a consumer kernel on the batch: the fence is in the timed path
+        if on_gpu:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        stats = p.stats()
+        pinned = p._host_slots.nbytes if on_gpu else 0
+    crop = int(np.prod(samples[0].shape))
+    name = "stoker cuda" if on_gpu else "stoker cpu"
+    return Result(name, seconds, n * batch_size, n * batch_size * crop * itemsize, 0,
+                  {"stats": stats, "pinned_bytes": pinned})
+
+
+def run_tensorstore_to(samples: list[Sample], batch_size: int, itemsize: int, device: torch.device) -> Result:
+    import tensorstore as ts
+
+    arrays: dict[str, object] = {}
+
+    def arr(uri: str):
+        if uri not in arrays:
+            arrays[uri] = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": uri}}).result()
+        return arrays[uri]
+
+    batches = _batches(samples, batch_size)
+
+    def issue(batch):
+        return [arr(s.uri)[_slices(s)].read() for s in batch]
+
+    def deliver(futures):
+        host = torch.from_numpy(np.stack([f.result() for f in futures]))
+        x = host.pin_memory().to(device, non_blocking=True).to(torch.bfloat16)
+        x.sum()
+        return x
+
+    deliver(issue(batches[0]))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    pending = issue(batches[1])
+    for batch in batches[2:]:
+        nxt = issue(batch)
+        deliver(pending)
+        pending = nxt
+    deliver(pending)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    n = len(batches) - 1
+    return Result("tensorstore+pin", seconds, n * batch_size, n * batch_size * int(np.prod(samples[0].shape)) * itemsize, 0)
+
+
+def run_device_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host_buffer_bytes: int,
+                        rounds: int = 3) -> list[Result]:
+    device = cuda_or_exit()
+    paths = ensure(root, sc.volume)
+    warm_page_cache(paths)
+    samples = make_samples(paths, sc.volume.shape, sc.crop, (n_batches + 1) * batch_size, sc.grid, seed=sc.number)
+    itemsize = np.dtype(sc.volume.dtype).itemsize
+    peers = {
+        "stoker cpu": lambda: run_stoker_on(samples, batch_size, itemsize, host_buffer_bytes, "cpu"),
+        "stoker cuda": lambda: run_stoker_on(samples, batch_size, itemsize, host_buffer_bytes, device),
+        "tensorstore+pin": lambda: run_tensorstore_to(samples, batch_size, itemsize, device),
+    }
+    runs: dict[str, list[Result]] = {name: [] for name in peers}
+    for _ in range(rounds):
+        for name, fn in peers.items():
+            runs[name].append(fn())
+    return [_median(rs) for rs in runs.values()]
+
+
+def format_device_results(sc: Scenario, results: list[Result]) -> str:
+    by = {r.peer: r for r in results}
+    gpu, cpu = by["stoker cuda"], by["stoker cpu"]
+    lines = [f"\nScenario {sc.number} on {torch.cuda.get_device_name()}: {sc.title}, bf16 out",
+             f"{'peer':<18}{'samples/s':>11}{'MB/s':>9}{'cuda x':>9}"]
+    for r in results:
+        ratio = f"{gpu.samples_per_s / r.samples_per_s:>8.2f}x" if r is not gpu and r.samples_per_s else f"{'':>9}"
+        lines.append(f"{r.peer:<18}{r.samples_per_s:>11.1f}{r.mb_per_s:>9.1f}{ratio}")
+    cost = 1 - gpu.samples_per_s / cpu.samples_per_s if cpu.samples_per_s else float("nan")
+    transfer = gpu.extra["stats"].stages.get("transfer")
+    lines.append(f"GPU delivery costs {cost:+.1%} of the CPU path's throughput (target <= 10%); pinned staging held: "
+                 f"{gpu.extra['pinned_bytes'] / 2**20:.0f} MiB; bytes copied per sample: "
+                 f"{(transfer.bytes_in if transfer else 0) / max(1, gpu.extra['stats'].samples):,.0f}")
+    spread = [f"{r.peer} {min(r.extra['rounds']):.0f}-{max(r.extra['rounds']):.0f}" for r in results
+              if len(r.extra.get("rounds", ())) > 1]
+    if spread:
+        lines.append(f"rounds: {len(gpu.extra['rounds'])} interleaved, median shown; range: " + ", ".join(spread))
+    return "\n".join(lines)
+
+
+# -- host to device ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Frame:
+    """A custom nested batch: what DataLoader(pin_memory=True) would silently leave pageable."""
+
+    points: np.ndarray
+    features: torch.Tensor
+    meta: dict = field(default_factory=dict)
+
+
+def _gbps(fn, nbytes: int, repeat: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return nbytes * repeat / (time.perf_counter() - t0) / 1e9
+
+
+def run_h2d(sizes_mib: tuple[int, ...] = (1, 16, 256)) -> str:
+    device = cuda_or_exit()
+    lines = [f"host-to-device on {torch.cuda.get_device_name()} ({device})",
+             f"{'size':>8}{'pageable GB/s':>15}{'pinned GB/s':>13}{'pin_object batch GB/s':>23}"]
+    for mib in sizes_mib:
+        nbytes = mib << 20
+        repeat = max(3, min(200, (2 << 30) // nbytes))
+        pageable = torch.empty(nbytes, dtype=torch.uint8)
+        pageable.fill_(1)
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        pinned.fill_(1)
+        # a nested batch of the same size: half in a numpy array, half in a tensor, inside a dataclass list
+        half = nbytes // 2
+        batch = {"frames": [_Frame(points=np.ones(half // 4, np.float32), features=torch.ones(half // 4),
+                                   meta={"id": 0})]}
+        pinned_batch = pin_object(batch)
+        assert pinned_batch["frames"][0].features.is_pinned() and pinned_batch["frames"][0].points.is_pinned()
+        lines.append(
+            f"{mib:>6}Mi"
+            f"{_gbps(lambda: pageable.to(device, non_blocking=True), nbytes, repeat):>15.1f}"
+            f"{_gbps(lambda: pinned.to(device, non_blocking=True), nbytes, repeat):>13.1f}"
+            f"{_gbps(lambda: to_device(pinned_batch, device), nbytes, repeat):>23.1f}"
+        )
+    return "\n".join(lines)
+
+
+def pipeline_pinned_bytes(sc: Scenario, root: Path, batch_size: int, host_buffer_bytes: int) -> int:
+    """Pinned host memory a CUDA pipeline holds for scenario ``sc`` (its staging slots)."""
+    device = cuda_or_exit()
+    paths = ensure(root, sc.volume)
+    samples = make_samples(paths, sc.volume.shape, sc.crop, 2 * batch_size, sc.grid, seed=sc.number)
+    cfg = Config(batch_size=batch_size, dtype="bf16", host_buffer_bytes=host_buffer_bytes, device=str(device),
+                 lookahead_batches=LOOKAHEAD)
+    with Pipeline(cfg) as p:
+        p.push(samples)
+        with p.pop():
+            pass
+        return p._host_slots.nbytes
