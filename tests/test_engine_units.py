@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zarr.codecs import BloscCodec
 
+import torch
+
 import stoker
 from stoker.engine.buffers import Cancelled, Reservation, TransientBudget, size_class
 from stoker.engine.plan import plan_batch
@@ -147,6 +149,37 @@ def test_plan_sharded_coalesces_and_fills(arrays):
     assert {(0, 2), (0, 3), (1, 2), (1, 3)} <= fills  # missing shard file
     (fr,) = plan.file_reads
     assert fr.path.endswith("c/0/0") and len(fr.chunk_ids) == 3 and len(fr.reads) == 1  # coalesced
+
+
+def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays, monkeypatch):
+    """Compute threads read and decode; they never wait for memory (decodes queued behind them may be
+    what frees it). With the budget held elsewhere, every read is handed to an I/O thread, which waits."""
+    from stoker.engine import cpu
+    from stoker.engine.stats import StatsRecorder
+    from stoker.storage import LocalStore
+
+    handoffs = []
+    real = cpu.CpuExecutor._handoff
+    monkeypatch.setattr(cpu.CpuExecutor, "_handoff", lambda self, job, fr: (handoffs.append(fr), real(self, job, fr)))
+    plain, sharded = arrays
+    samples = [stoker.Sample(plain, [(2, 14), (1, 15)]), stoker.Sample(sharded, [(2, 14), (1, 15)])]
+    plan = plan_batch(0, samples, _opener())
+    assert any(fr.whole_file for fr in plan.file_reads) and any(not fr.whole_file for fr in plan.file_reads)
+    budget = TransientBudget(8 * size_class(1))
+    budget.reserve(budget.capacity, lambda: False)  # someone else holds it all
+    ex = cpu.CpuExecutor(1, 1, budget, StatsRecorder(), LocalStore())
+    out = torch.full((2, 12, 14), -1.0)
+    try:
+        job = ex.submit(plan, out)
+        assert not job.done.wait(0.3)  # nothing fits: the reads wait on I/O threads, not compute threads
+        assert len(handoffs) == len(plan.file_reads)
+        budget.release(budget.capacity)
+        assert job.done.wait(10) and job.error is None
+    finally:
+        ex.shutdown()
+    expect = torch.from_numpy(np.stack([zarr.open_array(u)[2:14, 1:15] for u in (plain, sharded)]).astype(np.float32))
+    assert torch.equal(out, expect)
+    assert budget.reserved == 0
 
 
 def test_plan_raises_typed_errors(arrays, tmp_path):

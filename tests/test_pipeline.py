@@ -111,32 +111,6 @@ def test_sharded_crops_across_shard_boundaries(sharded):
         assert _check_all(p, data, "native") == samples
 
 
-def test_sharded_and_chunk_file_arrays_share_a_tight_budget(volume, sharded, monkeypatch):
-    """Chunk files are read on compute threads, which must never wait for memory that decodes queued
-    behind them would free: one compute thread, a budget of a few shard reads."""
-    from stoker.engine import cpu
-
-    handoffs = []
-    real = cpu.CpuExecutor._handoff
-    monkeypatch.setattr(cpu.CpuExecutor, "_handoff", lambda self, job, fr: (handoffs.append(fr), real(self, job, fr)))
-    (a, da), (b, db) = volume, sharded
-    samples = [s for pair in zip(_random_samples(a, da.shape, (8, 20, 24), 16, seed=3),
-                                 _random_samples(b, db.shape, (8, 20, 24), 16, seed=4)) for s in pair]
-    slots = 3 * 4 * 8 * 20 * 24 * 4
-    cfg = _cfg(host_buffer_bytes=slots + (3 << 20), n_compute_threads=1, n_io_threads=2, lookahead_batches=2)
-    with stoker.Pipeline(cfg) as p:
-        p.push(samples)
-        seen = []
-        for batch in p:
-            x = torch.from_dlpack(batch)
-            for row, s in enumerate(batch.samples):
-                assert torch.equal(x[row], _expected(da if s.uri == a else db, s, "f32")), s
-            seen.extend(batch.samples)
-        assert p.stats().peak_host_bytes <= cfg.host_buffer_bytes
-    assert seen == samples
-    assert handoffs  # the budget really was short while compute threads had chunk files to read
-
-
 def test_overlapping_and_duplicate_crops_are_deduplicated(volume):
     uri, data = volume
     s = stoker.Sample(uri, [(0, 8), (0, 16), (0, 32)])  # exactly one chunk

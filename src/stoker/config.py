@@ -39,7 +39,8 @@ class Config:
       slots on CUDA, plus read and decode buffers).
     - ``device_buffer_bytes`` (>= 1 MiB): cap on device memory: ``lookahead_batches + 1`` batch slots
       plus staging for the cast on the device (CUDA path only).
-    - ``n_io_threads`` (>= 1): threads reading encoded bytes.
+    - ``n_io_threads`` (>= 1): threads for reads that must wait for buffer memory; local reads
+      otherwise run on the compute threads (a page-cache copy costs less than a thread hop).
     - ``n_compute_threads``: decode and assembly threads (>= 1); ``None`` means ``os.cpu_count()``.
     - ``device``: ``None | int | "cpu" | "cuda" | "cuda:N"``. ``None`` takes torch's current CUDA
       device when CUDA is available, else the CPU; a GPU must be torch's current device

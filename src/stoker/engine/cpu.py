@@ -115,13 +115,11 @@ class CpuExecutor:
                 fills[task.source] = fill_value_as(plan.sources[task.source].metadata.fill_value, out.dtype)
             self._compute.submit(self._guard, job, 1, self._fill, job, task, fills[task.source])
         for fr in plan.file_reads:
-            # A chunk file is read and decoded by one compute task: a local read is a page-cache copy that
-            # releases the GIL, and handing each chunk from an I/O thread to a compute thread costs more
-            # GIL time than the overlap gains. Shards' coalesced reads go through the I/O threads.
-            if fr.whole_file:
-                self._compute.submit(self._guard, job, 1, self._read, job, fr, True)
-            else:
-                self._io.submit(self._guard, job, len(fr.chunk_ids), self._read, job, fr)
+            # A file's share (a chunk file, or a shard's coalesced ranges) is read and decoded by one
+            # compute task: a local read is a page-cache copy that releases the GIL, and handing each
+            # chunk from an I/O thread to a compute thread costs more GIL time than the overlap gains.
+            # I/O threads take the reads that find the budget short (see _read).
+            self._compute.submit(self._guard, job, len(fr.chunk_ids), self._read, job, fr, True)
         return job
 
     def _guard(self, job: Job, n: int, fn, *args) -> None:
@@ -153,8 +151,8 @@ class CpuExecutor:
         job.finish()
 
     def _read(self, job: Job, fr: FileRead, on_compute: bool = False) -> None:
-        """Read one file's share into a pooled buffer, then decode its chunks: right here when running
-        on a compute thread (one chunk file), else by handing each chunk to the compute pool.
+        """Read one file's share into a pooled buffer, then decode its chunks: right here, one after the
+        other, when running on a compute thread, else by handing each chunk to the compute pool.
 
         The reservation covers the encoded buffer and every chunk's decode scratch, taken in one step.
         A compute thread never waits for memory (the decodes queued behind it may be what frees it):
@@ -185,7 +183,11 @@ class CpuExecutor:
                 pieces[fr.chunk_ids[0]] = view
             else:
                 total = sum(r.length for r in fr.reads)
-                res.reserve(sum(size_class(r.length) for r in fr.reads) + scratch, self.cancelled)
+                need = sum(size_class(r.length) for r in fr.reads) + scratch
+                if not on_compute:
+                    res.reserve(need, self.cancelled)
+                elif not res.try_reserve(need):
+                    raise _NoRoom()
                 nread = 0
                 for read in fr.reads:
                     if self._closing:
@@ -204,8 +206,7 @@ class CpuExecutor:
                         pieces[fr.chunk_ids[i]] = view[sl]
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
             job.count(bytes_read=nread)
-        except _NoRoom:
-            res.done()
+        except _NoRoom:  # nothing was reserved
             self._handoff(job, fr)
             return
         except BaseException:
@@ -213,10 +214,8 @@ class CpuExecutor:
                 res.done()
             raise
         if on_compute:
-            try:
-                self._decode(job, chunks[0], pieces[fr.chunk_ids[0]], res)
-            finally:
-                res.done()
+            for cid, task in zip(fr.chunk_ids, chunks):
+                self._guard_decode(job, task, pieces[cid], res)
             return
         for i, cid in enumerate(fr.chunk_ids):
             try:
@@ -229,7 +228,7 @@ class CpuExecutor:
 
     def _handoff(self, job: Job, fr: FileRead) -> None:
         try:
-            self._io.submit(self._guard, job, 1, self._read, job, fr)
+            self._io.submit(self._guard, job, len(fr.chunk_ids), self._read, job, fr)
         except RuntimeError:  # the pool was shut down (close)
             raise Cancelled() from None
 
