@@ -141,3 +141,22 @@ def test_device_budget_is_checked_at_construction(monkeypatch):
     with pytest.raises(stoker.BudgetExceeded, match="2 pinned staging slots") as info:
         stoker.Pipeline(cfg)
     assert info.value.knob == "host_buffer_bytes"
+
+
+def test_a_forked_child_of_a_cuda_parent_falls_back_to_cpu_or_says_why(monkeypatch):
+    """A DataLoader worker forked after its parent used CUDA cannot use CUDA itself."""
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    assert devices.resolve(None) == torch.device("cpu")
+    assert devices.resolve("cpu") == torch.device("cpu")
+    with pytest.raises(stoker.InvalidArgument, match="forked after its parent used CUDA"):
+        devices.resolve(0)
+
+
+def test_dlpack_stream_numbers_follow_the_protocol():
+    """-1 asks for no fence; 0 and 2 are not streams a CUDA consumer may name (checked before any CUDA call)."""
+    from stoker.engine.transfer import consumer_stream
+
+    assert consumer_stream(-1, torch.device("cuda", 0)) is None
+    for reserved in (0, 2):
+        with pytest.raises(BufferError, match="not supported"):
+            consumer_stream(reserved, torch.device("cuda", 0))

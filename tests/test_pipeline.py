@@ -61,7 +61,7 @@ def _expected(data, sample, dtype):
 
 def _cfg(**kw):
     base = dict(batch_size=4, dtype="f32", host_buffer_bytes=64 << 20, n_io_threads=2, n_compute_threads=2,
-                pop_timeout_s=20.0)
+                pop_timeout_s=20.0, device="cpu")  # the CPU path, also on a GPU machine
     base.update(kw)
     return stoker.Config(**base)
 
@@ -269,7 +269,8 @@ def test_bad_config_values(bad_config):
 
 
 def test_budget_exceeded_at_construction_names_the_knob():
-    cfg = stoker.Config(batch_size=64, sample_shape=(64, 256, 256), dtype="f32", host_buffer_bytes=64 << 20)
+    cfg = stoker.Config(batch_size=64, sample_shape=(64, 256, 256), dtype="f32", host_buffer_bytes=64 << 20,
+                        device="cpu")
     with pytest.raises(stoker.BudgetExceeded, match="host_buffer_bytes") as info:
         stoker.Pipeline(cfg)
     assert info.value.needed > 64 << 20

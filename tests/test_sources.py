@@ -128,7 +128,7 @@ def _arrays_data(arrays):
 
 def test_pipeline_resume_after_k_batches_equals_uninterrupted(arrays):
     data = _arrays_data(arrays)
-    cfg = stoker.Config(batch_size=4, dtype="native", host_buffer_bytes=8 << 20, lookahead_batches=3,
+    cfg = stoker.Config(batch_size=4, dtype="native", host_buffer_bytes=8 << 20, lookahead_batches=3, device="cpu",
                         n_compute_threads=2, n_io_threads=1)
     make = lambda: stoker.RandomCrops(arrays, (4, 4), seed=9, samples_per_epoch=48).shard(0, 1)  # noqa: E731
     with stoker.Pipeline(cfg) as p:

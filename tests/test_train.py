@@ -285,7 +285,8 @@ def volume(tmp_path):
 
 
 def test_crop_batches_resume_with_the_next_batch(volume):
-    cfg = stoker.Config(batch_size=2, sample_shape=(4, 8, 8), n_compute_threads=1, host_buffer_bytes=4 << 20)
+    cfg = stoker.Config(batch_size=2, sample_shape=(4, 8, 8), n_compute_threads=1, host_buffer_bytes=4 << 20,
+                        device="cpu")
     src = stoker.RandomCrops([volume], (4, 8, 8), seed=3)
     with st.CropBatches(src.shard(0, 1), cfg) as data:
         it = iter(data)
@@ -305,7 +306,8 @@ def test_crop_batches_resume_with_the_next_batch(volume):
 
 
 def test_crop_batches_misuse(volume):
-    cfg = stoker.Config(batch_size=2, sample_shape=(4, 8, 8), n_compute_threads=1, host_buffer_bytes=4 << 20)
+    cfg = stoker.Config(batch_size=2, sample_shape=(4, 8, 8), n_compute_threads=1, host_buffer_bytes=4 << 20,
+                        device="cpu")
     src = stoker.RandomCrops([volume], (4, 8, 8)).shard(0, 1)
     with pytest.raises(InvalidArgument, match="ShardedSource"):
         st.CropBatches(stoker.RandomCrops([volume], (4, 8, 8)), cfg)

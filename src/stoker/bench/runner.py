@@ -147,7 +147,8 @@ def _slices(s: Sample) -> tuple[slice, ...]:
 
 def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int) -> Result:
     cfg = Config(batch_size=batch_size, dtype="f32", host_buffer_bytes=host_buffer_bytes,
-                 n_io_threads=2, n_compute_threads=os.cpu_count() or 1, lookahead_batches=LOOKAHEAD)
+                 n_io_threads=2, n_compute_threads=os.cpu_count() or 1, lookahead_batches=LOOKAHEAD,
+                 device="cpu")  # the CPU benchmark, also on a GPU machine (--device cuda is separate)
     n = len(samples) // batch_size - 1
     with RssSampler() as rss, Pipeline(cfg) as p:
         t_push = time.perf_counter()

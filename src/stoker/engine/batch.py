@@ -41,6 +41,12 @@ class Batch:
 
     Consumers that bypass DLPack on a CUDA batch (raw ``info.data_ptr``) must make
     their stream wait on ``info.ready_event`` (or ``info.ready_stream``) first.
+
+    On CUDA, what "safe" covers: a plain ``release()`` fences the slot's next copy on
+    the streams that used the batch through stoker (current at ``pop``, named to
+    ``__dlpack__``, current at ``release``); work on a tensor of it queued on another
+    stream is not seen. ``release(event=e)`` fences on ``e`` alone: work queued on the
+    batch after ``e`` is not covered.
     """
 
     def __init__(self, view: torch.Tensor, samples: tuple[Sample, ...], batch_id: int,
@@ -69,8 +75,10 @@ class Batch:
         consumer = consumer_stream(stream, t.device)
         if consumer is not None:
             consumer.wait_event(self.info.ready_event)  # the consumer's kernels wait; the host does not
+            t.record_stream(consumer)  # if the slot's memory is ever freed, not before this stream's work
             self._consumers.append(consumer)
-        return t.__dlpack__(*args, stream=-1, **kwargs)  # fenced above: torch must not sync streams again
+        with torch.cuda.device(t.device):  # torch exports only from its current device
+            return t.__dlpack__(*args, stream=-1, **kwargs)  # fenced above: torch must not sync again
 
     def __dlpack_device__(self):
         return self._tensor().__dlpack_device__()

@@ -70,14 +70,16 @@ class Job:
             last = not failed and self._remaining <= 0 and not self._completing
             self._completing = self._completing or last
         if failed:
+            self._then = None  # the hook holds the pipeline: no cycle through a failed job
             self.done.set()
         elif last:
             self._complete()
 
     def _complete(self) -> None:
-        if self._then is not None:
+        then, self._then = self._then, None  # run once; drop it so the job holds no pipeline
+        if then is not None:
             try:
-                self._then(self)
+                then(self)
             except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop
                 self.error = exc
         self.done.set()

@@ -95,6 +95,15 @@ _warned_lock = threading.Lock()
 
 def resolve(requested: int | str | None) -> torch.device:
     """:func:`bind` against torch's current state; its warning is issued once per (LOCAL_RANK, device)."""
+    if requested != "cpu" and torch.cuda._is_in_bad_fork():
+        # A process forked after its parent used CUDA cannot use it (a DataLoader worker, say).
+        if requested is None:
+            return torch.device("cpu")
+        raise InvalidArgument(
+            f"Config.device={requested!r}: this process was forked after its parent used CUDA, and CUDA cannot "
+            "be used here; build the Pipeline in the main process (or a spawned one), or use device='cpu'",
+            knob="device",
+        )
     cuda = requested != "cpu" and torch.cuda.is_available()
     rank_env = os.environ.get("LOCAL_RANK")
     local_rank = int(rank_env) if rank_env is not None and rank_env.strip().isdigit() else None

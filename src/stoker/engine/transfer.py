@@ -18,8 +18,11 @@ stream, in order.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
+from ..errors import ShutdownError
 from .buffers import Slot, SlotRing
 
 
@@ -29,10 +32,14 @@ class CudaTransfer:
     def __init__(self, device: torch.device, n_slots: int, batch_shape: tuple[int, ...], dtype: torch.dtype,
                  stage_bytes: int) -> None:
         self.device = device
+        self._lock = threading.Lock()  # issue() against close(): no copy is queued after close synchronised
+        self._closed = False
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)
-            self.slots = SlotRing(n_slots, batch_shape, dtype, device=device)
-            self._stage = torch.empty(stage_bytes, dtype=torch.uint8, device=device) if stage_bytes else None
+            # Allocated on the side stream, which writes them: freed memory is then reused in its order.
+            with torch.cuda.stream(self.stream):
+                self.slots = SlotRing(n_slots, batch_shape, dtype, device=device)
+                self._stage = torch.empty(stage_bytes, dtype=torch.uint8, device=device) if stage_bytes else None
 
     @property
     def nbytes(self) -> int:
@@ -42,7 +49,9 @@ class CudaTransfer:
     def issue(self, host: torch.Tensor, slot: Slot) -> torch.cuda.Event:
         """Enqueue ``host`` (pinned, ``(rows, *sample_shape)``) into ``slot``; returns the event after the cast."""
         out = slot.tensor[: host.shape[0]]
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            if self._closed:
+                raise ShutdownError("the pipeline was closed while this batch was being made")
             for wait in slot.stream_waits:
                 if isinstance(wait, torch.cuda.Event):
                     self.stream.wait_event(wait)
@@ -64,7 +73,9 @@ class CudaTransfer:
         return event
 
     def close(self) -> None:
-        """Wait for queued copies (milliseconds), so no buffer is freed under a running copy."""
+        """Refuse new copies and wait for queued ones (milliseconds), so no buffer is freed under a copy."""
+        with self._lock:
+            self._closed = True
         self.stream.synchronize()
 
 
@@ -72,11 +83,11 @@ def consumer_stream(stream: int | None, device: torch.device):
     """The CUDA stream a DLPack consumer named (the protocol's integer), or None for -1 (no fence wanted)."""
     if stream == -1:
         return None
-    if stream is None or stream == 1:
+    if stream is None or stream == (0 if torch.version.hip else 1):  # the legacy default stream (ROCm: 0)
         return torch.cuda.default_stream(device)
-    if stream in (0, 2):
-        raise BufferError(f"DLPack stream {stream} is not supported for CUDA (0 is reserved, 2 is the per-thread "
-                          "default stream); pass the consumer stream's handle")
+    if stream in (0, 1, 2):
+        raise BufferError(f"DLPack stream {stream} is not supported here (0 and 1 are reserved, 2 is the "
+                          "per-thread default stream); pass the consumer stream's handle")
     return torch.cuda.ExternalStream(stream, device=device)
 
 
