@@ -61,8 +61,11 @@ class Job:
     def failed(self) -> bool:
         return self.error is not None
 
-    def finish(self, n: int = 1, error: BaseException | None = None) -> None:
+    def finish(self, n: int = 1, error: BaseException | None = None, **counts: int) -> None:
+        """``n`` chunks are in place (or failed with ``error``); ``counts`` are added as by :meth:`count`."""
         with self._lock:
+            for name, value in counts.items():
+                self.counts[name] += value
             if error is not None and self.error is None:
                 self.error = error
             self._remaining -= n
@@ -95,6 +98,7 @@ class CpuExecutor:
         self.store = store
         self._io = ThreadPoolExecutor(n_io, thread_name_prefix="stoker-io")
         self._compute = ThreadPoolExecutor(n_compute, thread_name_prefix="stoker-compute")
+        self._n_compute = n_compute
         self._closing = False
 
     def cancelled(self) -> bool:
@@ -116,13 +120,20 @@ class CpuExecutor:
             if task.source not in fills:
                 fills[task.source] = fill_value_as(plan.sources[task.source].metadata.fill_value, out.dtype)
             self._compute.submit(self._guard, job, 1, self._fill, job, task, fills[task.source])
-        for fr in plan.file_reads:
-            # A file's share (a chunk file, or a shard's coalesced ranges) is read and decoded by one
-            # compute task: a local read is a page-cache copy that releases the GIL, and handing each
-            # chunk from an I/O thread to a compute thread costs more GIL time than the overlap gains.
-            # I/O threads take the reads that find the budget short (see _read).
-            self._compute.submit(self._guard, job, len(fr.chunk_ids), self._read, job, fr, True)
+        # A file's share (a chunk file, or a shard's coalesced ranges) is read and decoded by a compute
+        # thread: a local read is a page-cache copy that releases the GIL, and handing each chunk from an
+        # I/O thread to a compute thread costs more GIL time than the overlap gains. Reads go to the pool
+        # in a few groups (two per thread, for balance): a task per chunk file costs GIL time too. I/O
+        # threads take the reads that find the budget short (see _read).
+        reads = plan.file_reads
+        n_groups = min(len(reads), 2 * self._n_compute)
+        for g in range(n_groups):
+            self._compute.submit(self._read_group, job, reads[g::n_groups])
         return job
+
+    def _read_group(self, job: Job, reads: list[FileRead]) -> None:
+        for fr in reads:
+            self._guard(job, len(fr.chunk_ids), self._read, job, fr, True)
 
     def _guard(self, job: Job, n: int, fn, *args) -> None:
         """Run a task; on any failure (or after the job failed) count its chunks as finished.
@@ -148,7 +159,7 @@ class CpuExecutor:
     def _fill(self, job: Job, task: ChunkTask, fill: torch.Tensor) -> None:
         t0 = time.perf_counter()
         for c in task.copies:
-            job.out[c.row][c.box_sel].fill_(fill)
+            job.out[c.dst].fill_(fill)
         self.stats.stage("assemble", time.perf_counter() - t0)
         job.finish()
 
@@ -169,12 +180,13 @@ class CpuExecutor:
             pieces: dict[int, memoryview] = {}
             if fr.whole_file:
                 task = chunks[0]
-                with self.store.open_file(fr.path) as f:
-                    if f is None:  # an absent chunk file is the fill value
-                        fill = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype)
-                        res.done()
-                        self._fill(job, task, fill)
-                        return
+                f = self.store.open_file(fr.path)
+                if f is None:  # an absent chunk file is the fill value
+                    fill = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype)
+                    res.done()
+                    self._fill(job, task, fill)
+                    return
+                with f:
                     need = size_class(f.size) + scratch
                     if not on_compute:
                         res.reserve(need, self.cancelled)
@@ -285,11 +297,10 @@ class CpuExecutor:
         out = job.out if job.out_np is None else job.out_np
         try:
             for c in task.copies:
-                copy_cast(out[(c.row, *c.box_sel)], chunk[c.chunk_sel])
+                copy_cast(out[c.dst], chunk[c.chunk_sel])
         finally:
             if scratch is not None:
                 res.give(scratch)
         self.stats.chunk(t1 - t0, time.perf_counter() - t1, len(encoded), decoded)
-        job.count(bytes_decoded=decoded, chunks_decoded=1)
-        job.finish()
+        job.finish(bytes_decoded=decoded, chunks_decoded=1)
 

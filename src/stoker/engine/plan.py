@@ -32,11 +32,15 @@ EMPTY_ENTRY = 2**64 - 1
 
 @dataclass(frozen=True)
 class Copy:
-    """Copy ``chunk[chunk_sel]`` into ``batch[row][box_sel]``."""
+    """Copy ``chunk[chunk_sel]`` into ``batch[row][box_sel]`` (``batch[dst]``)."""
 
     row: int
     chunk_sel: tuple[slice, ...]
     box_sel: tuple[slice, ...]
+    dst: tuple = field(init=False, repr=False, compare=False)  # (row, *box_sel): built once, used per chunk
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dst", (self.row, *self.box_sel))
 
 
 @dataclass

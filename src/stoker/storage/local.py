@@ -173,23 +173,25 @@ class LocalStore:
             self.counters.bytes_read += done
         return done
 
-    @contextmanager
-    def open_file(self, path: str) -> Iterator["OpenFile | None"]:
+    def open_file(self, path: str) -> "OpenFile | None":
         """An uncached descriptor for files read once per use (unsharded chunks); ``None`` when missing.
 
         Thousands of chunk files would only churn the descriptor cache, so they
-        are opened and closed here instead.
+        are opened here and closed by the caller (``with store.open_file(p) as f``
+        after checking for ``None``, or ``f.close()``). A plain object, not a
+        generator context manager: this runs once per chunk.
         """
         fd = self._open_fd(path)
         if fd is None:
-            yield None
-            return
+            return None
         try:
-            with self._lock:
-                self.counters.files_opened += 1
-            yield OpenFile(self, fd, path, os.fstat(fd).st_size)
-        finally:
+            size = os.fstat(fd).st_size
+        except OSError as exc:
             os.close(fd)
+            raise StorageError(f"cannot stat {path}: {exc.strerror}", path=path) from None
+        with self._lock:
+            self.counters.files_opened += 1
+        return OpenFile(self, fd, path, size)
 
     def read_range_into(self, path: str, offset: int, view: memoryview) -> int | None:
         """Fill ``view`` with the file's bytes at ``offset`` (cached descriptor); ``None`` when missing."""
@@ -247,6 +249,17 @@ class OpenFile:
     def read_into(self, view: memoryview, offset: int) -> int:
         """Fill ``view`` from ``offset``; returns bytes read (fewer only at end of file)."""
         return self.store._preadv_into(self.fd, self.path, view, offset)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> "OpenFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def default_store() -> LocalStore:
