@@ -14,6 +14,7 @@ import zarr
 from zarr.codecs import BloscCodec
 
 import stoker
+from test_pipeline import _random_samples  # tests/ is on sys.path (pytest's prepend mode)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(120)]
 
@@ -27,15 +28,6 @@ def volume(tmp_path_factory):
                           compressors=BloscCodec(cname="lz4", shuffle="shuffle"))
     z[:] = data
     return str(path), data
-
-
-def _samples(uri, shape, crop, n, seed=1):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        corner = [int(rng.integers(0, s - c + 1)) for s, c in zip(shape, crop)]
-        out.append(stoker.Sample(uri, [(a, a + c) for a, c in zip(corner, crop)]))
-    return out
 
 
 def _cfg(device, **kw):
@@ -53,7 +45,7 @@ def _bound():
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16", "native"])
 def test_cuda_batches_equal_cpu_batches_bit_for_bit(volume, dtype):
     uri, data = volume
-    samples = _samples(uri, data.shape, (8, 40, 24), 24)
+    samples = _random_samples(uri, data.shape, (8, 40, 24), 24)
     with stoker.Pipeline(_cfg("cpu", dtype=dtype)) as p:
         p.push(samples)
         expected = [torch.from_dlpack(b).clone() for b in p]
@@ -82,7 +74,7 @@ def test_device_none_binds_to_the_current_device(volume):
 
 def test_from_dlpack_fences_a_side_consumer_stream(volume):
     uri, data = volume
-    samples = _samples(uri, data.shape, (8, 40, 24), 40, seed=5)
+    samples = _random_samples(uri, data.shape, (8, 40, 24), 40, seed=5)
     consumer = torch.cuda.Stream()
     with stoker.Pipeline(_cfg(0)) as p, torch.cuda.stream(consumer):
         p.push(samples)
@@ -96,7 +88,7 @@ def test_from_dlpack_fences_a_side_consumer_stream(volume):
 def test_release_with_event_defers_slot_reuse_until_the_event(volume):
     """The consumer's slow kernel reads the batch after release(); the slot must not be refilled first."""
     uri, data = volume
-    samples = _samples(uri, data.shape, (8, 40, 24), 60, seed=7)
+    samples = _random_samples(uri, data.shape, (8, 40, 24), 60, seed=7)
     consumer = torch.cuda.Stream()
     with stoker.Pipeline(_cfg(0, lookahead_batches=1)) as p:
         p.push(samples)
@@ -119,7 +111,7 @@ def test_release_with_event_defers_slot_reuse_until_the_event(volume):
 def test_plain_release_waits_for_work_queued_after_release(volume):
     """Default release(): the consumer keeps the tensor, releases, then queues more work on its stream."""
     uri, data = volume
-    samples = _samples(uri, data.shape, (8, 40, 24), 60, seed=8)
+    samples = _random_samples(uri, data.shape, (8, 40, 24), 60, seed=8)
     with stoker.Pipeline(_cfg(0, lookahead_batches=1)) as p:
         p.push(samples)
         with p.pop() as first:
@@ -154,7 +146,7 @@ def test_close_with_held_cuda_batches_is_prompt(volume):
 
     def endless():
         while True:
-            yield from _samples(uri, data.shape, (8, 40, 24), 16)
+            yield from _random_samples(uri, data.shape, (8, 40, 24), 16)
 
     p = stoker.Pipeline(_cfg(0))
     p.push(endless())

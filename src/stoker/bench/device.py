@@ -29,7 +29,7 @@ from ..engine.pipeline import Pipeline
 from ..pin import pin_object, to_device
 from ..sample import Sample
 from .datasets import ensure, warm_page_cache
-from .runner import LOOKAHEAD, Scenario, _batches, _median, _slices, Result, make_samples
+from .runner import LOOKAHEAD, Result, Scenario, _batches, _median, make_samples, time_tensorstore
 
 
 def cuda_or_exit() -> torch.device:
@@ -69,38 +69,14 @@ def run_stoker_on(samples: list[Sample], batch_size: int, itemsize: int, host_bu
 
 
 def run_tensorstore_to(samples: list[Sample], batch_size: int, itemsize: int, device: torch.device) -> Result:
-    import tensorstore as ts
-
-    arrays: dict[str, object] = {}
-
-    def arr(uri: str):
-        if uri not in arrays:
-            arrays[uri] = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": uri}}).result()
-        return arrays[uri]
-
-    batches = _batches(samples, batch_size)
-
-    def issue(batch):
-        return [arr(s.uri)[_slices(s)].read() for s in batch]
-
     def deliver(futures):
         host = torch.from_numpy(np.stack([f.result() for f in futures]))
         x = host.pin_memory().to(device, non_blocking=True).to(torch.bfloat16)
         x.sum()
         return x
 
-    deliver(issue(batches[0]))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    pending = issue(batches[1])
-    for batch in batches[2:]:
-        nxt = issue(batch)
-        deliver(pending)
-        pending = nxt
-    deliver(pending)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    n = len(batches) - 1
+    seconds = time_tensorstore(samples, batch_size, deliver, sync=torch.cuda.synchronize)
+    n = len(_batches(samples, batch_size)) - 1
     return Result("tensorstore+pin", seconds, n * batch_size, n * batch_size * int(np.prod(samples[0].shape)) * itemsize, 0)
 
 

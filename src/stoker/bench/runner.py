@@ -171,7 +171,13 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
                   {"stats": stats, "first_batch_s": first})
 
 
-def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int) -> Result:
+def time_tensorstore(samples: list[Sample], batch_size: int, deliver, sync=lambda: None) -> float:
+    """Seconds for tensorstore to read every batch after the first and ``deliver(futures)`` each.
+
+    Futures for every crop of a batch are in flight together, and the next batch's are issued before
+    the current one is delivered. ``sync`` runs before the clock starts and before it stops (a GPU
+    synchronise for device peers).
+    """
     import tensorstore as ts
 
     arrays: dict[str, object] = {}
@@ -181,11 +187,25 @@ def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int) -> Re
             arrays[uri] = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": uri}}).result()
         return arrays[uri]
 
-    batches = _batches(samples, batch_size)
-    shape = samples[0].shape
-
     def issue(batch):
         return [arr(s.uri)[_slices(s)].read() for s in batch]
+
+    batches = _batches(samples, batch_size)
+    deliver(issue(batches[0]))  # warm-up (also opens arrays)
+    sync()
+    t0 = time.perf_counter()
+    pending = issue(batches[1])
+    for batch in batches[2:]:
+        nxt = issue(batch)
+        deliver(pending)
+        pending = nxt
+    deliver(pending)
+    sync()
+    return time.perf_counter() - t0
+
+
+def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int) -> Result:
+    shape = samples[0].shape
 
     def assemble(futures):
         out = np.empty((len(futures), *shape), dtype=np.float32)
@@ -194,16 +214,8 @@ def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int) -> Re
         return torch.from_numpy(out)
 
     with RssSampler() as rss:
-        assemble(issue(batches[0]))  # warm-up (also opens arrays)
-        t0 = time.perf_counter()
-        pending = issue(batches[1])
-        for batch in batches[2:]:
-            nxt = issue(batch)
-            assemble(pending)
-            pending = nxt
-        assemble(pending)
-        seconds = time.perf_counter() - t0
-    n = len(batches) - 1
+        seconds = time_tensorstore(samples, batch_size, assemble)
+    n = len(_batches(samples, batch_size)) - 1
     return Result("tensorstore", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize, rss.peak)
 
 
