@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from .zarr.blosc_partial import decoded_span, partial_pays
-from .zarr.grid import chunk_intersections
+from .zarr.grid import c_order_span, chunk_intersections
 from .zarr.metadata import ArrayMetadata
 
 
@@ -38,11 +38,7 @@ class Estimate:
 def _partial_bytes(chunk_shape: Sequence[int], itemsize: int, sels: list[tuple[slice, ...]], blocksize: int) -> int:
     """Bytes stoker decodes for the selections in one chunk: the whole blosc blocks covering their C-order
     span, or the whole chunk where that needs most of its blocks."""
-    strides = [itemsize] * len(chunk_shape)
-    for axis in range(len(chunk_shape) - 2, -1, -1):
-        strides[axis] = strides[axis + 1] * chunk_shape[axis + 1]
-    lo = min(sum(s.start * st for s, st in zip(sel, strides)) for sel in sels)
-    hi = max(sum((s.stop - 1) * st for s, st in zip(sel, strides)) for sel in sels) + itemsize
+    lo, hi = c_order_span(chunk_shape, itemsize, sels)
     nbytes = math.prod(chunk_shape) * itemsize
     if not partial_pays(nbytes, blocksize, lo, hi):
         return nbytes  # stoker decodes such a chunk whole

@@ -25,7 +25,7 @@ from ..array import ArrayReader
 from ..box import box_shape, check_in_bounds
 from ..sample import Sample
 from ..storage.ranges import Read, coalesce
-from ..zarr.grid import chunk_intersections
+from ..zarr.grid import c_order_span, chunk_intersections
 
 EMPTY_ENTRY = 2**64 - 1
 
@@ -95,16 +95,6 @@ class BatchPlan:
         return [i for i, c in enumerate(self.chunks) if c.fill]
 
 
-def _byte_range(shape: Sequence[int], itemsize: int, copies: list[Copy]) -> tuple[int, int]:
-    """Smallest C-order byte range of a chunk of ``shape`` covering every copy's selection."""
-    strides = [itemsize] * len(shape)
-    for axis in range(len(shape) - 2, -1, -1):
-        strides[axis] = strides[axis + 1] * shape[axis + 1]
-    start = min(sum(s.start * st for s, st in zip(c.chunk_sel, strides)) for c in copies)
-    stop = max(sum((s.stop - 1) * st for s, st in zip(c.chunk_sel, strides)) for c in copies) + itemsize
-    return start, stop
-
-
 def _groups(cids: list[int], chunks: list[ChunkTask], cost: Callable[[ChunkTask], int], limit: int) -> list[list[int]]:
     """Split one shard's chunks (in file order) into groups costing at most ``limit`` (a lone chunk always fits)."""
     groups: list[list[int]] = []
@@ -161,7 +151,7 @@ def plan_batch(
     for cid, task in enumerate(chunks):
         reader = sources[task.source]
         meta = reader.metadata
-        task.byte_start, task.byte_stop = _byte_range(meta.read_chunk_shape, meta.dtype.itemsize, task.copies)
+        task.byte_start, task.byte_stop = c_order_span(meta.read_chunk_shape, meta.dtype.itemsize, (c.chunk_sel for c in task.copies))
         if meta.sharding is None:
             task.key = meta.chunk_key(task.index)
             task.path = os.path.join(reader.path, task.key)

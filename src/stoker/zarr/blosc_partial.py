@@ -177,9 +177,14 @@ def decode_range(frame: Any, byte_start: int, byte_stop: int, dest: np.ndarray) 
     should decode the frame in full: the range needs most blocks, or the frame's
     size is not a whole number of items. See :func:`decode_blocks` for the rest.
     """
+    try:
+        nbytes, blocksize, _ = blosc_header(frame)  # the cheap decision first: most full decodes stop here
+    except ValueError as exc:
+        raise PartialDecodeError(str(exc)) from None
+    if not blocksize or not partial_pays(nbytes, blocksize, byte_start, byte_stop):
+        return None
     info = frame_info(frame)
-    typesize, nbytes, blocksize, _ = info
-    if nbytes % typesize or not partial_pays(nbytes, blocksize, byte_start, byte_stop):
+    if nbytes % info[0]:
         return None
     return _decode_blocks(frame, info, byte_start, byte_stop, dest)
 

@@ -29,6 +29,7 @@ from ..errors import DecodeError, StokerError, UnsupportedFormat
 from . import blosc_partial
 from .blosc_partial import blosc_header
 
+
 def _decompressor(codec: Codec):
     """The fastest correct call that decodes one compressor's output.
 
@@ -53,12 +54,13 @@ def _decompressor(codec: Codec):
     return codec.decode
 
 
-def _check_blosc_frame(buf: Any) -> None:
-    """Raise ``ValueError`` unless the frame's header accounts for exactly the bytes stored."""
+def _check_blosc_frame(buf: Any) -> int:
+    """The frame's decoded size; ``ValueError`` unless its header accounts for exactly the bytes stored."""
     stored = memoryview(buf).nbytes
-    _, _, cbytes = blosc_header(buf)
+    nbytes, _, cbytes = blosc_header(buf)
     if cbytes != stored:
         raise ValueError(f"blosc frame claims {cbytes} bytes but {stored} are stored")
+    return nbytes
 
 
 def inverse_permutation(order: Sequence[int]) -> tuple[int, ...]:
@@ -164,9 +166,7 @@ class ChunkCodec:
             raise ValueError(f"decode_into needs a C-contiguous {self.shape} {self.dtype} array")
         if self._plain and len(self.compressors) == 1 and self.compressors[0].codec_id == "blosc":
             try:
-                _check_blosc_frame(encoded)
-                nbytes, _, _ = blosc_header(encoded)
-                self._check_size(nbytes, key)
+                self._check_size(_check_blosc_frame(encoded), key)
                 self.compressors[0].decode(encoded, out=out)
             except StokerError:
                 raise

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from ..box import Box
 
@@ -62,6 +62,17 @@ def chunk_intersections(box: Box, chunk_shape: Sequence[int]) -> Iterator[ChunkI
             chunk_sel=tuple(p[1] for p in combo),
             box_sel=tuple(p[2] for p in combo),
         )
+
+
+def c_order_span(shape: Sequence[int], itemsize: int, sels: Iterable[tuple[slice, ...]]) -> tuple[int, int]:
+    """``(start, stop)``: the smallest C-order byte range of an array of ``shape`` covering every selection."""
+    strides = [itemsize] * len(shape)
+    for axis in range(len(shape) - 2, -1, -1):
+        strides[axis] = strides[axis + 1] * shape[axis + 1]
+    sels = list(sels)
+    start = min(sum(s.start * st for s, st in zip(sel, strides)) for sel in sels)
+    stop = max(sum((s.stop - 1) * st for s, st in zip(sel, strides)) for sel in sels) + itemsize
+    return start, stop
 
 
 def grid_shape(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:
