@@ -154,15 +154,17 @@ class Reservation:
 
     def reserve(self, nbytes: int, cancelled: Callable[[], bool]) -> None:
         self.budget.reserve(nbytes, cancelled)
-        with self._lock:
-            self.held += nbytes
+        self._hold(nbytes)
 
     def try_reserve(self, nbytes: int) -> bool:
         if not self.budget.try_reserve(nbytes):
             return False
+        self._hold(nbytes)
+        return True
+
+    def _hold(self, nbytes: int) -> None:
         with self._lock:
             self.held += nbytes
-        return True
 
     def take(self, nbytes: int, keep: bool = False) -> np.ndarray:
         """A pooled buffer inside this reservation; ``keep`` returns it when the last user is done."""

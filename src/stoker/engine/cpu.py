@@ -187,21 +187,13 @@ class CpuExecutor:
                     self._fill(job, task, fill)
                     return
                 with f:
-                    need = size_class(f.size) + scratch
-                    if not on_compute:
-                        res.reserve(need, self.cancelled)
-                    elif not res.try_reserve(need):
-                        raise _NoRoom()
+                    self._reserve(res, size_class(f.size) + scratch, on_compute)
                     view = memoryview(res.take(f.size, keep=True))[: f.size]
                     nread = self._read_chunk_file(f, view, plan.sources[task.source], task)
                 pieces[fr.chunk_ids[0]] = view
             else:
                 total = sum(r.length for r in fr.reads)
-                need = sum(size_class(r.length) for r in fr.reads) + scratch
-                if not on_compute:
-                    res.reserve(need, self.cancelled)
-                elif not res.try_reserve(need):
-                    raise _NoRoom()
+                self._reserve(res, sum(size_class(r.length) for r in fr.reads) + scratch, on_compute)
                 nread = 0
                 for read in fr.reads:
                     if self._closing:
@@ -239,6 +231,13 @@ class CpuExecutor:
                     res.done()
                 job.finish(len(fr.chunk_ids) - i, ShutdownError("the pipeline was closed"))
                 return
+
+    def _reserve(self, res: Reservation, nbytes: int, on_compute: bool) -> None:
+        """Reserve ``nbytes``: an I/O thread waits for them; a compute thread raises _NoRoom instead."""
+        if not on_compute:
+            res.reserve(nbytes, self.cancelled)
+        elif not res.try_reserve(nbytes):
+            raise _NoRoom()
 
     def _handoff(self, job: Job, fr: FileRead) -> None:
         try:

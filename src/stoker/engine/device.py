@@ -16,7 +16,6 @@ is tested without a GPU; :func:`resolve` feeds it torch's state and warns once p
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..distributed import _env_int
 from ..errors import InvalidArgument
 from .cast import torch_dtype_of
 
@@ -52,17 +52,7 @@ def bind(requested: int | str | None, *, cuda_available: bool, device_count: int
             knob="device",
         )
     assert current is not None
-    if requested is None:
-        device = torch.device("cuda", current)
-        warning = None
-        if local_rank is not None and local_rank != current and local_rank < device_count:
-            warning = _rank_warning(local_rank, current)
-        elif local_rank is None and device_count > 1:
-            warning = (f"stoker.Pipeline bound to cuda:{current} (torch's current device) while {device_count} GPUs "
-                       "are visible and no device was named: pass Config(device=local_rank) after "
-                       "torch.cuda.set_device(local_rank) so each rank uses its own GPU")
-        return Binding(device, warning)
-    index = _requested_index(requested, current)
+    index = current if requested is None else _requested_index(requested, current)
     if index >= device_count:
         raise InvalidArgument(
             f"Config.device={requested!r}, but torch sees only {device_count} CUDA device(s) "
@@ -80,6 +70,10 @@ def bind(requested: int | str | None, *, cuda_available: bool, device_count: int
     warning = None
     if local_rank is not None and local_rank != index and local_rank < device_count:
         warning = _rank_warning(local_rank, index)
+    elif requested is None and local_rank is None and device_count > 1:
+        warning = (f"stoker.Pipeline bound to cuda:{index} (torch's current device) while {device_count} GPUs "
+                   "are visible and no device was named: pass Config(device=local_rank) after "
+                   "torch.cuda.set_device(local_rank) so each rank uses its own GPU")
     return Binding(torch.device("cuda", index), warning)
 
 
@@ -105,8 +99,8 @@ def resolve(requested: int | str | None) -> torch.device:
             knob="device",
         )
     cuda = requested != "cpu" and torch.cuda.is_available()
-    rank_env = os.environ.get("LOCAL_RANK")
-    local_rank = int(rank_env) if rank_env is not None and rank_env.strip().isdigit() else None
+    local_rank = _env_int("LOCAL_RANK", -1)
+    local_rank = None if local_rank < 0 else local_rank
     binding = bind(requested, cuda_available=cuda, device_count=torch.cuda.device_count() if cuda else 0,
                    current=torch.cuda.current_device() if cuda else None, local_rank=local_rank)
     if binding.warning is not None:
