@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import Config
 from ..engine.pipeline import Pipeline
 from ..pin import pin_object, to_device
 from ..sample import Sample
 from .datasets import ensure, warm_page_cache
-from .runner import LOOKAHEAD, Result, Scenario, _batches, _median, make_samples, time_tensorstore
+from .runner import (Result, Scenario, _batches, interleaved, make_samples, stoker_config, time_pipeline,
+                     time_tensorstore)
 
 
 def cuda_or_exit() -> torch.device:
@@ -40,26 +40,11 @@ def cuda_or_exit() -> torch.device:
 
 def run_stoker_on(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int,
                   device: torch.device | str) -> Result:
-    cfg = Config(batch_size=batch_size, dtype="bf16", host_buffer_bytes=host_buffer_bytes,
-                 device_buffer_bytes=2 << 30, lookahead_batches=LOOKAHEAD, device=str(device))
-    n = len(samples) // batch_size - 1
     on_gpu = torch.device(device).type == "cuda"
-    with Pipeline(cfg) as p:
-        p.push(samples[:batch_size])
-        with p.pop() as b:
-            torch.from_dlpack(b)
-        p.stats_reset()
-        if on_gpu:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        p.push(samples[batch_size: (n + 1) * batch_size])
-        for _ in range(n):
-            with p.pop() as b:
-                x = torch.from_dlpack(b)
-                x.sum()  # a consumer kernel on the batch: the fence is in the timed path
-        if on_gpu:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    with Pipeline(stoker_config(batch_size, host_buffer_bytes, "bf16", str(device))) as p:
+        # a consumer kernel on every batch: the stream fence is in the timed path
+        n, seconds, _ = time_pipeline(p, samples, batch_size, consume=lambda x: x.sum(), sync=sync)
         stats = p.stats()
         pinned = p._host_slots.nbytes if on_gpu else 0
     crop = int(np.prod(samples[0].shape))
@@ -92,11 +77,7 @@ def run_device_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: in
         "stoker cuda": lambda: run_stoker_on(samples, batch_size, itemsize, host_buffer_bytes, device),
         "tensorstore+pin": lambda: run_tensorstore_to(samples, batch_size, itemsize, device),
     }
-    runs: dict[str, list[Result]] = {name: [] for name in peers}
-    for _ in range(rounds):
-        for name, fn in peers.items():
-            runs[name].append(fn())
-    return [_median(rs) for rs in runs.values()]
+    return list(interleaved(peers, rounds).values())
 
 
 def format_device_results(sc: Scenario, results: list[Result]) -> str:
@@ -172,9 +153,7 @@ def pipeline_pinned_bytes(sc: Scenario, root: Path, batch_size: int, host_buffer
     device = cuda_or_exit()
     paths = ensure(root, sc.volume)
     samples = make_samples(paths, sc.volume.shape, sc.crop, 2 * batch_size, sc.grid, seed=sc.number)
-    cfg = Config(batch_size=batch_size, dtype="bf16", host_buffer_bytes=host_buffer_bytes, device=str(device),
-                 lookahead_batches=LOOKAHEAD)
-    with Pipeline(cfg) as p:
+    with Pipeline(stoker_config(batch_size, host_buffer_bytes, "bf16", str(device))) as p:
         p.push(samples)
         with p.pop():
             pass

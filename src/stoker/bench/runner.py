@@ -145,30 +145,54 @@ def _slices(s: Sample) -> tuple[slice, ...]:
 # -- peers ------------------------------------------------------------------------------------------
 
 
-def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int) -> Result:
-    cfg = Config(batch_size=batch_size, dtype="f32", host_buffer_bytes=host_buffer_bytes,
-                 n_io_threads=2, n_compute_threads=os.cpu_count() or 1, lookahead_batches=LOOKAHEAD,
-                 device="cpu")  # the CPU benchmark, also on a GPU machine (--device cuda is separate)
+def time_pipeline(p: Pipeline, samples: list[Sample], batch_size: int, consume=lambda x: None,
+                  sync=lambda: None) -> tuple[int, float, float]:
+    """``(timed batches, seconds, first-batch seconds)`` for a pipeline over ``samples``.
+
+    One warm-up batch first; the timed samples are pushed only when the clock starts, as tensorstore
+    issues its first timed read only after its warm-up: no peer has work done before its clock starts.
+    ``consume(x)`` runs on every timed batch; ``sync`` before the clock starts and before it stops.
+    """
     n = len(samples) // batch_size - 1
-    with RssSampler() as rss, Pipeline(cfg) as p:
-        t_push = time.perf_counter()
-        p.push(samples[:batch_size])
-        with p.pop() as b:  # warm-up
-            torch.from_dlpack(b)
-        first = time.perf_counter() - t_push
-        p.stats_reset()
-        # The timed samples are pushed only now, as tensorstore issues its first timed read only after
-        # its warm-up: no peer has work done before its clock starts.
-        t0 = time.perf_counter()
-        p.push(samples[batch_size: (n + 1) * batch_size])
-        for _ in range(n):
-            with p.pop() as b:
-                torch.from_dlpack(b)
-        seconds = time.perf_counter() - t0
+    t_push = time.perf_counter()
+    p.push(samples[:batch_size])
+    with p.pop() as b:
+        torch.from_dlpack(b)
+    first = time.perf_counter() - t_push
+    p.stats_reset()
+    sync()
+    t0 = time.perf_counter()
+    p.push(samples[batch_size: (n + 1) * batch_size])
+    for _ in range(n):
+        with p.pop() as b:
+            consume(torch.from_dlpack(b))
+    sync()
+    return n, time.perf_counter() - t0, first
+
+
+def stoker_config(batch_size: int, host_buffer_bytes: int, dtype: str = "f32", device: str = "cpu") -> Config:
+    """The pipeline every stoker peer runs (``device="cpu"`` also on a GPU machine unless asked)."""
+    return Config(batch_size=batch_size, dtype=dtype, host_buffer_bytes=host_buffer_bytes, device_buffer_bytes=2 << 30,
+                  n_io_threads=2, n_compute_threads=os.cpu_count() or 1, lookahead_batches=LOOKAHEAD, device=device)
+
+
+def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int) -> Result:
+    with RssSampler() as rss, Pipeline(stoker_config(batch_size, host_buffer_bytes)) as p:
+        n, seconds, first = time_pipeline(p, samples, batch_size)
         stats = p.stats()
     crop = int(np.prod(samples[0].shape))
     return Result("stoker", seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
                   {"stats": stats, "first_batch_s": first})
+
+
+def interleaved(peers: dict, rounds: int) -> dict[str, Result]:
+    """Run every peer ``rounds`` times, taking turns, and keep each one's median round: a slow spell of
+    a shared machine then costs every peer a round instead of skewing one peer's number."""
+    runs: dict[str, list[Result]] = {name: [] for name in peers}
+    for _ in range(rounds):
+        for name, fn in peers.items():
+            runs[name].append(fn())
+    return {name: _median(rs) for name, rs in runs.items()}
 
 
 def time_tensorstore(samples: list[Sample], batch_size: int, deliver, sync=lambda: None) -> float:
@@ -367,14 +391,7 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
         "tensorstore": lambda: run_tensorstore(samples, batch_size, itemsize),
         "bound": lambda: run_decode_bound(samples, batch_size, itemsize),
     }
-    fast = {name: fn for name, fn in fast.items() if name in peers}
-    # The fast peers run in interleaved rounds and each reports its median round: a slow spell of a
-    # shared machine then costs every peer a round instead of skewing one peer's number.
-    runs: dict[str, list[Result]] = {name: [] for name in fast}
-    for _ in range(rounds):
-        for name, fn in fast.items():
-            runs[name].append(fn())
-    medians = {name: _median(rs) for name, rs in runs.items()}
+    medians = interleaved({name: fn for name, fn in fast.items() if name in peers}, rounds)
     results = [medians[name] for name in ("stoker", "tensorstore") if name in medians]
     if "zarr" in peers:
         results.append(run_zarr(samples, batch_size, itemsize, slow_batches))

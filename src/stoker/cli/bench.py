@@ -84,16 +84,14 @@ def add_parser(sub) -> None:
 
 
 def run_h2d(args: argparse.Namespace) -> int:
-    from ..bench.device import pipeline_pinned_bytes, run_h2d as measure
-    from ..bench.runner import host_budget, scenarios
-
-    from ..bench.device import cuda_or_exit
+    from ..bench.device import cuda_or_exit, pipeline_pinned_bytes, run_h2d as measure
+    from ..bench.runner import LOOKAHEAD, host_budget, scenarios
 
     cuda_or_exit()
     print(measure(), flush=True)
     sc = scenarios()[0]
     budget = host_budget(sc, 8, None)
     pinned = pipeline_pinned_bytes(sc, args.data or cache_dir() / "bench", 8, budget)
-    print(f"pinned RAM held by a CUDA pipeline on scenario 1 (batch 8, lookahead 3, bf16 out): "
+    print(f"pinned RAM held by a CUDA pipeline on scenario 1 (batch 8, lookahead {LOOKAHEAD}, bf16 out): "
           f"{pinned / 2**20:.0f} MiB of host_buffer_bytes {budget / 2**20:.0f} MiB", flush=True)
     return 0
