@@ -11,6 +11,7 @@ holds memory never waits for more memory.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from ..errors import DecodeError, ShutdownError
+from .. import native
+from ..errors import DecodeError, ShutdownError, StorageError
 from ..storage import LocalStore
 from ..zarr import blosc_partial
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
@@ -27,8 +29,23 @@ from .plan import BatchPlan, ChunkTask, FileRead
 from .stats import StatsRecorder
 
 
+# Outputs of one call into the compiled reader stay under this many bytes: a call cannot be cancelled.
+_NATIVE_CALL_BYTES = 8 << 20
+
+
 class _NoRoom(Exception):
     """Internal: the budget is short and this compute thread must not wait for it."""
+
+
+def _zstd_bound(nbytes: int) -> int:
+    """Room for the stored frame of an ``nbytes`` chunk: zstd's worst case (ZSTD_compressBound) plus slack;
+    a larger file is not a plain zstd frame of this chunk and takes the Python path."""
+    return nbytes + (nbytes >> 7) + 4096
+
+
+def _native_bytes(nbytes: int, n: int) -> int:
+    """What one compiled call over ``n`` chunks of ``nbytes`` reserves: the encoded buffer and the outputs."""
+    return size_class(_zstd_bound(nbytes)) + n * size_class(nbytes)
 
 
 class Job:
@@ -132,8 +149,89 @@ class CpuExecutor:
         return job
 
     def _read_group(self, job: Job, reads: list[FileRead]) -> None:
+        if native.zstd_files is not None:
+            reads = self._read_native(job, reads)
         for fr in reads:
             self._guard(job, len(fr.chunk_ids), self._read, job, fr, True)
+
+    # -- the compiled path: whole zstd chunk files --------------------------------------------
+
+    def _read_native(self, job: Job, reads: list[FileRead]) -> list[FileRead]:
+        """Read and decode this group's whole zstd chunk files in compiled code that holds no GIL
+        (``stoker/_native.c``), a few files per call; returns the reads left for the Python path.
+
+        Files are grouped by decoded chunk size only (the call needs nothing else), so crops over
+        many arrays still make full calls; each chunk is then viewed through its own array's codec.
+        """
+        plan = job.plan
+        by_size: dict[int, list[FileRead]] = {}
+        rest = []
+        for fr in reads:
+            codec = plan.sources[plan.chunks[fr.chunk_ids[0]].source].metadata.codec
+            if fr.whole_file and codec.lone_zstd and codec.nbytes:
+                by_size.setdefault(codec.nbytes, []).append(fr)
+            else:
+                rest.append(fr)
+        for nbytes, frs in by_size.items():
+            step = max(1, _NATIVE_CALL_BYTES // nbytes)
+            for i in range(0, len(frs), step):
+                part = frs[i:i + step]
+                if _native_bytes(nbytes, len(part)) > self.budget.capacity:
+                    rest.extend(part)  # the Python path reserves by actual file size: it may fit
+                else:
+                    self._guard(job, len(part), self._native_call, job, part, nbytes)
+        return rest
+
+    def _native_call(self, job: Job, reads: list[FileRead], nbytes: int) -> None:
+        res = Reservation(self.budget, users=1)
+        if not res.try_reserve(_native_bytes(nbytes, len(reads))):
+            self._handoff_each(job, reads)  # a compute thread never waits for memory (see _read)
+            return
+        try:
+            scratch = res.take(_zstd_bound(nbytes), keep=True)
+            outs = [res.take(nbytes, keep=True) for _ in reads]
+            results = native.zstd_files([fr.path for fr in reads], scratch, outs, nbytes)
+            for fr, buf, result in zip(reads, outs, results):
+                self._guard(job, 1, self._place_native, job, fr, buf, result)
+        finally:
+            res.done()
+
+    def _place_native(self, job: Job, fr: FileRead, buf, result: tuple[int, int, int, int, int]) -> None:
+        status, nread, detail, read_ns, decode_ns = result
+        plan = job.plan
+        task = plan.chunks[fr.chunk_ids[0]]
+        reader = plan.sources[task.source]
+        codec = reader.metadata.codec
+        if status == native.OK:
+            t0 = time.perf_counter()
+            chunk = codec.decoded_view(buf, task.key)
+            out = job.out if job.out_np is None else job.out_np
+            for c in task.copies:
+                copy_cast(out[c.dst], chunk[c.chunk_sel])
+            self.stats.chunk(decode_ns * 1e-9, time.perf_counter() - t0, nread, detail, read_s=read_ns * 1e-9)
+            job.finish(bytes_read=nread, bytes_decoded=detail, chunks_decoded=1)
+        elif status == native.MISSING:  # an absent chunk file is the fill value
+            self._fill(job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype))
+        elif status == native.TOO_BIG:  # larger than zstd's bound for this chunk: the Python path decides
+            self._read(job, fr, True)
+        elif status == native.OS_ERROR:
+            raise StorageError(f"cannot read {fr.path}: {os.strerror(detail)}", path=fr.path)
+        elif status == native.SHORT:
+            raise DecodeError(f"{reader.uri}: chunk {task.key!r} changed while it was read", uri=reader.uri,
+                              key=task.key)
+        elif status == native.CODEC_ERROR:
+            raise codec.decode_error(task.key, ValueError(native.zstd_error(detail)))
+        else:  # native.SIZE
+            codec.check_size(detail, task.key)
+            raise DecodeError(f"{reader.uri}: chunk {task.key!r}: unknown reader status {status}",
+                              uri=reader.uri, key=task.key)
+
+    def _handoff_each(self, job: Job, reads: list[FileRead]) -> None:
+        for fr in reads:
+            try:
+                self._handoff(job, fr)
+            except Cancelled:
+                job.finish(len(fr.chunk_ids), ShutdownError("the pipeline was closed while this batch was being made"))
 
     def _guard(self, job: Job, n: int, fn, *args) -> None:
         """Run a task; on any failure (or after the job failed) count its chunks as finished.

@@ -89,10 +89,16 @@ class StatsRecorder:
             m[2] += bytes_in
             m[3] += bytes_out
 
-    def chunk(self, decode_s: float, assemble_s: float, bytes_in: int, decoded: int) -> None:
-        """One decoded chunk: its decode and assemble stage times, under one lock (the batch's counters
-        are added when it is popped)."""
+    def chunk(self, decode_s: float, assemble_s: float, bytes_in: int, decoded: int,
+              read_s: float | None = None) -> None:
+        """One decoded chunk: its decode and assemble stage times, and its read when ``read_s`` is given,
+        under one lock (the batch's counters are added when it is popped)."""
         with self._lock:
+            if read_s is not None:
+                r = self._stages["io"]
+                r[0] += read_s
+                r[1] += 1
+                r[3] += bytes_in
             d = self._stages["decode"]
             d[0] += decode_s
             d[1] += 1

@@ -112,18 +112,31 @@ class ChunkCodec:
         )
 
     @property
+    def lone_zstd(self) -> bool:
+        """True when the stored chunk is one zstd frame and nothing else (no filters, no checksum)."""
+        return not self.filters and len(self.compressors) == 1 and type(self.compressors[0]) is numcodecs.Zstd
+
+    def decoded_view(self, buf: np.ndarray, key: str = "?") -> np.ndarray:
+        """The chunk array over ``buf``, a uint8 buffer holding the chunk's decoded bytes (and maybe more)."""
+        flat = buf.reshape(-1)[: self.nbytes]
+        self.check_size(flat.nbytes, key)
+        return self._stored_layout(flat)
+
+    @property
     def names(self) -> tuple[str, ...]:
         """Codec ids in encode order, for summaries and messages."""
         return tuple(c.codec_id for c in (*self.filters, *self.compressors))
 
-    def _fail(self, key: str, exc: BaseException) -> DecodeError:
+    def decode_error(self, key: str, exc: BaseException) -> DecodeError:
+        """The typed error for chunk ``key`` whose stored bytes ``exc`` rejected."""
         return DecodeError(
             f"{self.uri}: chunk {key!r} could not be decoded ({type(exc).__name__}: {exc}); "
             "the stored bytes are corrupt or truncated",
             uri=self.uri, key=key,
         )
 
-    def _check_size(self, nbytes: int, key: str) -> None:
+    def check_size(self, nbytes: int, key: str) -> None:
+        """DecodeError unless chunk ``key`` decoded to exactly :attr:`nbytes`."""
         if nbytes != self.nbytes:
             raise DecodeError(
                 f"{self.uri}: chunk {key!r} decoded to {nbytes} bytes, expected {self.nbytes} "
@@ -152,8 +165,8 @@ class ChunkCodec:
         except StokerError:
             raise
         except Exception as exc:
-            raise self._fail(key, exc) from exc
-        self._check_size(flat.nbytes, key)
+            raise self.decode_error(key, exc) from exc
+        self.check_size(flat.nbytes, key)
         return self._stored_layout(flat)
 
     def decode_into(self, encoded: Any, out: np.ndarray, key: str = "?") -> None:
@@ -166,12 +179,12 @@ class ChunkCodec:
             raise ValueError(f"decode_into needs a C-contiguous {self.shape} {self.dtype} array")
         if self._plain and len(self.compressors) == 1 and self.compressors[0].codec_id == "blosc":
             try:
-                self._check_size(_check_blosc_frame(encoded), key)
+                self.check_size(_check_blosc_frame(encoded), key)
                 self.compressors[0].decode(encoded, out=out)
             except StokerError:
                 raise
             except Exception as exc:
-                raise self._fail(key, exc) from exc
+                raise self.decode_error(key, exc) from exc
             return
         out[...] = self.decode(encoded, key)
 
@@ -192,7 +205,7 @@ class ChunkCodec:
         try:
             done = blosc_partial.decode_range(encoded, byte_start, byte_stop, out)
         except blosc_partial.PartialDecodeError as exc:
-            raise self._fail(key, exc) from None
+            raise self.decode_error(key, exc) from None
         if done is None:
             self.decode_into(encoded, out, key)
             return self.nbytes
