@@ -1,4 +1,5 @@
-"""The compiled reader (``stoker._native``): whole zstd chunk files read and decoded without the GIL.
+"""The compiled reader (``stoker._native``): whole zstd and blosc chunk files read, decoded and cast
+into the batch without the GIL.
 
 Every pipeline case runs twice, through the compiled reader and through the pure-Python
 path, with zarr-python as the oracle; on the compiled run a spy proves the reader ran.
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from zarr.codecs import BytesCodec, TransposeCodec, ZstdCodec
+from zarr.codecs import BloscCodec, BytesCodec, TransposeCodec, ZstdCodec
 
 import numcodecs
 import stoker
@@ -27,28 +28,29 @@ def _native_disabled() -> bool:
 def test_extension_is_built():
     if _native_disabled():
         pytest.skip("STOKER_NATIVE=0 turns the compiled reader off")
-    assert native.zstd_files is not None, (
-        "stoker._native was not built or could not find zstd in numcodecs: install a C compiler and "
+    assert native.decode_files is not None and native.zstd and native.blosc, (
+        "stoker._native was not built or could not find zstd and blosc in numcodecs: install a C compiler and "
         "reinstall stoker (pip install -e .)"
     )
 
 
 @pytest.fixture(params=["compiled", "python"])
 def reader(request, monkeypatch):
-    """Which path reads zstd chunk files; yields the sizes of the compiled calls made."""
-    calls: list[int] = []
+    """Which path reads whole chunk files; yields the compiled calls made as (codec, files, placed, decoded)."""
+    calls: list[tuple[int, int, int, int]] = []
     if request.param == "python":
-        monkeypatch.setattr(native, "zstd_files", None)
+        monkeypatch.setattr(native, "decode_files", None)
     else:
-        real = native.zstd_files
+        real = native.decode_files
         if real is None:
             pytest.skip("stoker._native is not available")
 
-        def spy(paths, scratch, outs, nbytes):
-            calls.append(len(paths))
-            return real(paths, scratch, outs, nbytes)
+        def spy(codec, paths, *args):
+            results = real(codec, paths, *args)
+            calls.append((codec, len(paths), sum(r[6] for r in results), sum(r[2] for r in results if r[0] == 0)))
+            return results
 
-        monkeypatch.setattr(native, "zstd_files", spy)
+        monkeypatch.setattr(native, "decode_files", spy)
     calls_holder = {"kind": request.param, "calls": calls}
     yield calls_holder
     if request.param == "compiled":
@@ -110,7 +112,7 @@ def test_one_call_spans_many_arrays_and_chunk_sizes(tmp_path, reader):
     expected = torch.stack([torch.from_numpy(d[2:10, 5:21].astype(np.float32)) for d in arrays.values()])
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     if reader["kind"] == "compiled":
-        assert max(reader["calls"]) > 4  # chunks of several arrays in one call
+        assert max(c[1] for c in reader["calls"]) > 4  # chunks of several arrays in one call
 
 
 def _one_chunk_array(path, chunks=(8, 8)):
@@ -174,9 +176,19 @@ def test_file_beyond_the_frame_bound_takes_the_python_path(tmp_path, reader):
     torch.testing.assert_close(_read_first_chunk(uri), torch.from_numpy(data[None, :8, :8].astype(np.float32)))
 
 
-def test_direct_call_reports_each_file(tmp_path):
+def _call(codec, paths, nbytes, spans=None, scratch=4096, places=None, dst=None, outs=None, where=None):
+    """One direct call; ``where``: per path (offset, length) of the stored chunk, or None for the whole file."""
+    outs = outs if outs is not None else [np.full(nbytes, 0xAB, dtype="uint8") for _ in paths]
+    spans = spans or [(0, nbytes)] * len(paths)
+    where = where or [None] * len(paths)
+    regions = [(*(w or (-1, 0)), *sp) for w, sp in zip(where, spans)]
+    return native.decode_files(codec, [str(p) for p in paths], regions, np.empty(scratch, "uint8"), outs, nbytes,
+                               places, dst), outs
+
+
+def test_direct_call_reports_each_zstd_file(tmp_path):
     """The extension's own contract: one status per file, the good ones decoded, none skipped."""
-    if native.zstd_files is None:
+    if not native.zstd:
         pytest.skip("stoker._native is not available")
     good = numcodecs.Zstd(level=1).encode(np.arange(64, dtype="uint8").tobytes())
     paths = [tmp_path / n for n in ("good", "missing", "garbage", "big", "short-output")]
@@ -184,12 +196,338 @@ def test_direct_call_reports_each_file(tmp_path):
     paths[2].write_bytes(b"not a zstd frame at all")
     paths[3].write_bytes(bytes(10_000))
     paths[4].write_bytes(numcodecs.Zstd(level=1).encode(bytes(32)))
-    outs = [np.full(64, 0xAB, dtype="uint8") for _ in paths]
-    results = native.zstd_files([str(p) for p in paths], np.empty(4096, "uint8"), outs, 64)
+    results, outs = _call(native.ZSTD, paths, 64)
     assert [r[0] for r in results] == [native.OK, native.MISSING, native.CODEC_ERROR, native.TOO_BIG, native.SIZE]
     assert results[0][1] == len(good) and results[0][2] == 64
     np.testing.assert_array_equal(outs[0], np.arange(64, dtype="uint8"))
     assert results[3][2] == 10_000 and results[4][2] == 32
     assert native.zstd_error(results[2][2])  # zstd's own words for the failure
     with pytest.raises(ValueError):
-        native.zstd_files([str(paths[0])], np.empty(4096, "uint8"), [np.empty(8, "uint8")], 64)
+        native.decode_files(native.ZSTD, [str(paths[0])], [(-1, 0, 0, 64)], np.empty(4096, "uint8"),
+                            [np.empty(8, "uint8")], 64, None, None)
+    for bad_region in [(-2, 0, 0, 64), (0, -1, 0, 64), (-1, 0, 0, 65), (-1, 0, 9, 8)]:
+        with pytest.raises(ValueError, match="regions"):
+            native.decode_files(native.ZSTD, [str(paths[0])], [bad_region], np.empty(4096, "uint8"),
+                                [np.empty(64, "uint8")], 64, None, None)
+
+
+def test_direct_call_reads_inner_chunks_at_their_offsets(tmp_path):
+    """Chunks stored back to back in one file (a shard), read by (offset, length), whole and in blocks."""
+    if not (native.zstd and native.blosc):
+        pytest.skip("stoker._native is not available")
+    n = _BLOCKY.nbytes
+    frames = {native.ZSTD: numcodecs.Zstd(level=1).encode(_BLOCKY), native.BLOSC: _blocky_frame()}
+    for codec, frame in frames.items():
+        other = numcodecs.Zstd(level=1).encode(_BLOCKY[::-1].copy()) if codec == native.ZSTD else \
+            numcodecs.Blosc("lz4", 5, 1, blocksize=_BLOCK // 2).encode(_BLOCKY[::-1].copy())
+        shard = tmp_path / f"shard{codec}"
+        shard.write_bytes(b"junk" * 10 + frame + other + b"tail")
+        where = [(40, len(frame)), (40 + len(frame), len(other)), (40 + len(frame), len(other) + 100)]
+        spans = [(0, n), (_BLOCK + 8, _BLOCK + 16), (0, n)]
+        results, outs = _call(codec, [shard] * 3, n, spans=spans, scratch=n + 4096, where=where)
+        assert [r[0] for r in results[:2]] == [native.OK, native.OK]
+        assert results[2][0] == native.SHORT  # runs past the end of the file
+        np.testing.assert_array_equal(outs[0], _BLOCKY.view("uint8"))
+        np.testing.assert_array_equal(outs[1][_BLOCK + 8:_BLOCK + 16], _BLOCKY[::-1].copy().view("uint8")[_BLOCK + 8:_BLOCK + 16])
+        assert results[0][1] == len(frame) and (codec == native.ZSTD or results[1][1] < len(other))
+
+
+# 256 KiB of smooth uint16, stored as four blosc blocks of 64 KiB
+_BLOCKY = np.cumsum(np.random.default_rng(3).integers(-3, 4, size=1 << 17), dtype=np.int64).astype("uint16")
+_BLOCK = 1 << 16  # c-blosc scales a requested block by the item size (2) when it splits shuffled streams
+
+
+def _blocky_frame() -> bytes:
+    frame = numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, blocksize=_BLOCK // 2).encode(_BLOCKY)
+    assert int.from_bytes(frame[8:12], "little") == _BLOCK
+    return frame
+
+
+def test_direct_call_decodes_only_the_blocks_a_span_needs(tmp_path):
+    if not native.blosc:
+        pytest.skip("stoker._native is not available")
+    frame = _blocky_frame()
+    noise = np.random.default_rng(4).integers(0, 256, size=_BLOCKY.nbytes, dtype="uint8")
+    stored = numcodecs.Blosc("lz4", 5, numcodecs.Blosc.NOSHUFFLE).encode(noise)
+    assert stored[2] & 0x2  # incompressible: stored as a plain copy ("memcpyed")
+    (tmp_path / "chunk").write_bytes(frame)
+    (tmp_path / "noise").write_bytes(stored)
+    n = _BLOCKY.nbytes
+    spans = [(_BLOCK + 100, _BLOCK + 200), (_BLOCK - 10, _BLOCK + 10), (0, n), (100, n // 2 + _BLOCK), (5, 9)]
+    paths = [tmp_path / "chunk"] * 4 + [tmp_path / "noise"]
+    results, outs = _call(native.BLOSC, paths, n, spans=spans, scratch=n + 4096)
+    assert [r[0] for r in results] == [native.OK] * 5
+    # bytes decompressed: one block; two blocks; all; over half the chunk, so all; a memcpyed frame, all
+    assert [r[2] for r in results] == [_BLOCK, 2 * _BLOCK, n, n, n]
+    assert results[0][1] < len(frame) // 2  # read: header, block table and one block only
+    want = _BLOCKY.view("uint8")
+    np.testing.assert_array_equal(outs[0][_BLOCK + 100:_BLOCK + 200], want[_BLOCK + 100:_BLOCK + 200])
+    assert (outs[0][:_BLOCK + 100] == 0xAB).all() and (outs[0][_BLOCK + 200:] == 0xAB).all()  # only the span
+    np.testing.assert_array_equal(outs[1][_BLOCK - 10:_BLOCK + 10], want[_BLOCK - 10:_BLOCK + 10])
+    np.testing.assert_array_equal(outs[2], want)
+    np.testing.assert_array_equal(outs[3], want)
+    np.testing.assert_array_equal(outs[4], noise)
+
+
+def test_direct_call_leaves_doubtful_blosc_frames_to_python(tmp_path):
+    if not native.blosc:
+        pytest.skip("stoker._native is not available")
+    n = _BLOCKY.nbytes
+    frame = bytearray(_blocky_frame())
+    table_end = 16 + 4 * (n // _BLOCK)
+    cases = {
+        "good": bytes(frame),
+        "other-size": numcodecs.Blosc("lz4", 5, 1, blocksize=1 << 15).encode(_BLOCKY[:1000]),
+        "truncated": bytes(frame[:-7]),
+        "table": bytes(frame[:16] + (2**31 - 1).to_bytes(4, "little") + frame[20:]),
+        "garbage-blocks": bytes(frame[:table_end] + bytes(len(frame) - table_end)),
+        "short": b"\x02\x01",
+    }
+    paths = []
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        paths.append(tmp_path / name)
+    for span in [(0, n), (0, 100)]:  # whole and partial decodes
+        results, outs = _call(native.BLOSC, paths, n, spans=[span] * len(paths), scratch=n + 4096)
+        status = dict(zip(cases, (r[0] for r in results)))
+        assert status["good"] == native.OK
+        assert status["other-size"] == status["truncated"] == status["short"] == native.FRAME
+        assert status["garbage-blocks"] == native.CODEC_ERROR
+        assert status["table"] == (native.FRAME if span[1] == 100 else native.CODEC_ERROR), span
+
+
+def _place(dtype_src, batch_dtype, kind):
+    """Cast a 2-D chunk into a batch through the compiled reader; returns (batch, expected by copy_cast)."""
+    from stoker.engine.cast import copy_cast
+    from stoker.engine.cpu import copy_plan
+    from stoker.engine.plan import ChunkTask, Copy
+    from stoker.zarr.codecs import ChunkCodec
+
+    chunk = _SPECIAL[np.dtype(dtype_src)].reshape(4, -1)
+    codec = ChunkCodec("mem://x", chunk.shape, chunk.dtype, chunk.dtype)
+    task = ChunkTask(0, (0, 0), "c/0/0", [Copy(0, (slice(0, 4), slice(0, chunk.shape[1])), (slice(1, 5), slice(2, 2 + chunk.shape[1]))),
+                                          Copy(1, (slice(1, 3), slice(3, 5)), (slice(0, 2), slice(0, 2)))])
+    shape = (2, 6, chunk.shape[1] + 3)
+    got = torch.full(shape, -7, dtype=batch_dtype)
+    want = got.clone()
+    plan = copy_plan(task, codec, got, kind)
+    assert plan is not None
+    path = _place.tmp / f"{dtype_src}"
+    path.write_bytes(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
+    results, _ = _call(native.ZSTD, [path], chunk.nbytes, scratch=chunk.nbytes + 4096, places=[plan],
+                       dst=(got.data_ptr(), got.numel() * got.element_size(), kind))
+    assert results[0][0] == native.OK and results[0][6] == 1
+    for c in task.copies:
+        copy_cast(want[c.dst] if want.dtype == torch.bfloat16 else want.numpy()[c.dst], chunk[c.chunk_sel])
+    return got, want
+
+
+def _special_values():
+    out = {}
+    for t in ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"):
+        info = np.iinfo(t)
+        vals = [info.min, info.max, 0, 1, info.max - 1, info.min + 1, 255, 257, 16777217, 2**31 + 1, 2**53 + 1]
+        vals = [v for v in vals if info.min <= v <= info.max]
+        extra = np.random.default_rng(0).integers(info.min, info.max, size=64 - len(vals), dtype=t, endpoint=True)
+        out[np.dtype(t)] = np.concatenate([np.array(vals, dtype=t), extra])
+    for t in ("float32", "float64"):
+        f = np.finfo(t)
+        vals = [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, f.tiny, f.tiny / 4, f.max, -f.max, 1.00390625,
+                1.0 + 2**-9, 1.0 + 3 * 2**-9, 3.4e38, 1e-45, 65504.0, 1 / 3]
+        extra = np.random.default_rng(1).standard_normal(64 - len(vals)) * 1e3
+        out[np.dtype(t)] = np.concatenate([np.array(vals, dtype=t), extra.astype(t)])
+    return out
+
+
+_SPECIAL = _special_values()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # float64 max becomes inf, as it must
+@pytest.mark.parametrize("batch", ["f32", "bf16", "native"])
+@pytest.mark.parametrize("src", sorted(str(d) for d in _SPECIAL))
+def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch):
+    """Every source kind into every batch kind the compiled reader casts to, on edge values (extremes,
+    rounding ties, infinities, subnormals, signed zeros): the same bits as the Python path's numpy and
+    torch casts. NaN stays NaN (torch's own bfloat16 NaN bits differ between its vector and scalar loops)."""
+    if not native.zstd:
+        pytest.skip("stoker._native is not available")
+    _place.tmp = tmp_path
+    batch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "native": torch.from_numpy(np.empty(0, src)).dtype}[batch]
+    kind = {"f32": native.F32, "bf16": native.BF16, "native": native.SAME}[batch]
+    got, want = _place(src, batch_dtype, kind)
+    nan = want.isnan() if want.is_floating_point() else torch.zeros_like(want, dtype=torch.bool)
+    assert torch.equal(got.isnan() if got.is_floating_point() else nan, nan)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
+    if src.startswith("float"):
+        assert nan.sum() == 2  # NaN and -NaN (in the first copy only)
+
+
+def test_invalid_copy_plans_are_refused_before_any_write(tmp_path):
+    """A plan that would reach outside the chunk or the batch is a ValueError, and the batch is untouched."""
+    if not native.zstd:
+        pytest.skip("stoker._native is not available")
+    from array import array
+
+    chunk = np.arange(64, dtype="uint16")
+    path = tmp_path / "c"
+    path.write_bytes(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
+    batch = torch.zeros(2, 8, 8, dtype=torch.float32)
+    dst = (batch.data_ptr(), batch.numel() * 4, native.F32)
+    u16 = native.SOURCE_KINDS[np.dtype("uint16")]
+    good = [u16, 2, 1, 8, 1, 8, 1, 0, 64, 8, 8]  # the whole 8x8 chunk into row 1
+    bad = {
+        "past the batch": [u16, 2, 1, 8, 1, 8, 1, 0, 65, 8, 8],
+        "past the chunk": [u16, 2, 1, 8, 1, 8, 1, 1, 0, 8, 8],
+        "empty extent": [u16, 2, 1, 8, 1, 8, 1, 0, 0, 0, 8],
+        "negative offset": [u16, 2, 1, 8, 1, 8, 1, -1, 0, 1, 1],
+        "strided inner": [u16, 2, 1, 8, 2, 8, 1, 0, 0, 1, 4],
+        "unknown kind": [99, 2, 1, 8, 1, 8, 1, 0, 0, 1, 1],
+        "short": [u16, 2, 1, 8, 1, 8, 1, 0, 0, 1],
+    }
+    for name, plan in bad.items():
+        with pytest.raises(ValueError, match="copy plan"):
+            _call(native.ZSTD, [path], 128, places=[array("q", plan)], dst=dst)
+        assert not batch.any(), name
+    results, _ = _call(native.ZSTD, [path], 128, places=[array("q", good)], dst=dst)
+    assert results[0][6] == 1
+    assert torch.equal(batch[1], torch.arange(64, dtype=torch.float32).reshape(8, 8)) and not batch[0].any()
+
+
+BLOSC_LAYOUTS = {
+    "v3-lz4-shuffle": dict(zarr_format=3, compressors=BloscCodec(cname="lz4", shuffle="shuffle", blocksize=1 << 15)),
+    "v3-zstd-bitshuffle": dict(zarr_format=3, compressors=BloscCodec(cname="zstd", shuffle="bitshuffle", blocksize=1 << 15)),
+    "v3-big-endian": dict(zarr_format=3, serializer=BytesCodec(endian="big"),
+                          compressors=BloscCodec(cname="lz4", shuffle="shuffle", blocksize=1 << 15)),
+    "v3-transpose": dict(zarr_format=3, filters=[TransposeCodec(order=(2, 1, 0))],
+                         compressors=BloscCodec(cname="lz4", shuffle="noshuffle", blocksize=1 << 15)),
+    "v2-C": dict(zarr_format=2, compressors=numcodecs.Blosc("lz4", 5, 1, blocksize=1 << 15)),
+    "v2-F": dict(zarr_format=2, compressors=numcodecs.Blosc("lz4", 5, 1, blocksize=1 << 15), order="F"),
+}
+
+
+@pytest.mark.parametrize("depth", [6, 20])  # a few planes of a 32-plane chunk: some blocks; most: all
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "native", "f16"])
+@pytest.mark.parametrize("layout", sorted(BLOSC_LAYOUTS))
+def test_blosc_crops_match_zarr(tmp_path, reader, layout, dtype, depth):
+    """Random crops over blosc chunks of several blocks (decoded partly or whole, placed in the call or
+    by copy_cast), with a never-written chunk read as the fill value."""
+    uri = str(tmp_path / "a.zarr")
+    shape, chunks = (72, 40, 70), (32, 32, 64)  # 128 KiB chunks of two 64 KiB blocks; edge chunks are partial
+    z = zarr.create_array(uri, shape=shape, chunks=chunks, dtype="int16", fill_value=-5, **BLOSC_LAYOUTS[layout])
+    data = np.cumsum(np.random.default_rng(2).integers(-40, 41, size=shape), axis=2).astype("int16")
+    z[:64] = data[:64]
+    expected = zarr.open_array(uri, mode="r")[...]
+    assert (expected[64:] == -5).all()
+    boxes = _boxes(shape, (depth, 20, 20), 10) + [[(72 - depth, 72), (0, 20), (0, 20)]]
+    cfg = stoker.Config(batch_size=len(boxes), dtype=dtype, device="cpu", n_compute_threads=2, pop_timeout_s=20.0)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, b) for b in boxes])
+        with p.pop() as batch:
+            got = torch.from_dlpack(batch).clone()
+        stats = p.stats()
+    crops = np.stack([expected[tuple(slice(a, b) for a, b in box)] for box in boxes])
+    want = torch.from_numpy(crops) if dtype == "native" else torch.from_numpy(crops).to(
+        {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype])
+    assert torch.equal(got, want)
+    if reader["kind"] == "compiled":
+        codecs = {c[0] for c in reader["calls"]}
+        assert codecs == {native.BLOSC}
+        placed = sum(c[2] for c in reader["calls"])
+        castable = dtype != "f16" and layout not in ("v3-big-endian", "v3-transpose", "v2-F")
+        assert (placed > 0) == castable
+        if depth == 6 and (layout.startswith("v3-lz4") or layout == "v2-C"):  # plain: some blocks only
+            assert stats.bytes_decoded < stats.chunks_decoded * 32 * 32 * 64 * 2
+
+
+SHARDED = {
+    "zstd": dict(compressors=ZstdCodec(level=1)),
+    "blosc": dict(compressors=BloscCodec(cname="lz4", shuffle="shuffle", blocksize=1 << 15)),
+}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("codec", sorted(SHARDED))
+def test_sharded_crops_match_zarr(tmp_path, reader, codec, dtype):
+    """Inner chunks of shards, with a missing shard and an empty inner chunk read as the fill value."""
+    uri = str(tmp_path / "s.zarr")
+    shape = (96, 64, 64)
+    z = zarr.create_array(uri, shape=shape, chunks=(32, 32, 64), shards=(64, 64, 64), dtype="uint16",
+                          fill_value=9, **SHARDED[codec])
+    data = np.cumsum(np.random.default_rng(5).integers(0, 40, size=shape), axis=2).astype("uint16")
+    z[:64] = data[:64]  # the second shard along z is never written
+    z[:32, :32, :] = 9  # an inner chunk of nothing but the fill value: not stored
+    expected = zarr.open_array(uri, mode="r")[...]
+    boxes = _boxes(shape, (8, 40, 40), 12) + [[(88, 96), (0, 40), (0, 40)], [(0, 8), (0, 40), (0, 40)]]
+    got = _crops([stoker.Sample(uri, b) for b in boxes], dtype=dtype)
+    crops = np.stack([expected[tuple(slice(a, b) for a, b in box)] for box in boxes])
+    assert torch.equal(got, torch.from_numpy(crops.astype(np.float32)).to(got.dtype))
+    if reader["kind"] == "compiled":
+        assert sum(c[2] for c in reader["calls"]) > 0
+
+
+@pytest.mark.parametrize("codec", sorted(SHARDED))
+def test_truncated_shard_is_a_decode_error(tmp_path, codec):
+    """The index claims bytes the file no longer has (caught when the batch is planned, on both paths)."""
+    _damaged_shard(tmp_path, codec, "truncated-shard")
+
+
+@pytest.mark.parametrize("codec", sorted(SHARDED))
+def test_corrupt_inner_chunk_is_a_decode_error(tmp_path, reader, codec):
+    _damaged_shard(tmp_path, codec, "corrupt-inner-chunk")
+
+
+def _damaged_shard(tmp_path, codec, damage):
+    uri = str(tmp_path / "s.zarr")
+    z = zarr.create_array(uri, shape=(64, 64), chunks=(32, 32), shards=(64, 64), dtype="uint16",
+                          **SHARDED[codec])
+    z[...] = np.arange(4096, dtype="uint16").reshape(64, 64)
+    shard = os.path.join(uri, "c", "0", "0")
+    raw = bytearray(open(shard, "rb").read())
+    index = 4 * 16 + 4  # four (offset, length) pairs and a crc32c at the end
+    offsets = [int.from_bytes(raw[len(raw) - index + 16 * i:len(raw) - index + 16 * i + 8], "little") for i in range(4)]
+    if damage == "truncated-shard":
+        open(shard, "wb").write(bytes(raw[:offsets[3] + 10]) + bytes(raw[len(raw) - index:]))
+    else:
+        raw[offsets[3]:offsets[3] + 8] = bytes(8)
+        open(shard, "wb").write(bytes(raw))
+    with pytest.raises(stoker.DecodeError) as err:
+        _crops([stoker.Sample(uri, [(32, 64), (32, 64)])])
+    assert "c/0/0" in err.value.key
+
+
+def _blosc_one_chunk_array(path):
+    z = zarr.create_array(str(path), shape=(256, 512), chunks=(256, 512), dtype="uint16",
+                          compressors=BloscCodec(cname="lz4", shuffle="shuffle", blocksize=1 << 15))
+    z[...] = _BLOCKY.reshape(256, 512)  # four blocks of 64 rows
+    return str(path), z[...]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other-size", "block-table", "empty"])
+@pytest.mark.parametrize("crop", ["thin", "whole"])
+def test_damaged_blosc_chunk_is_a_decode_error(tmp_path, reader, damage, crop):
+    """Whatever the compiled reader declines, the Python path words as a DecodeError naming the chunk."""
+    uri, _ = _blosc_one_chunk_array(tmp_path / "a.zarr")
+    chunk = os.path.join(uri, "c", "0", "0")
+    raw = bytearray(open(chunk, "rb").read())
+    if damage == "garbage":
+        raw[16 + 4 * 4:] = bytes(len(raw) - 16 - 4 * 4)
+    elif damage == "truncated":
+        raw = raw[: len(raw) // 2]
+    elif damage == "other-size":
+        raw = bytearray(numcodecs.Blosc("lz4", 5, 1, blocksize=1 << 15).encode(np.arange(100, dtype="uint16")))
+    elif damage == "block-table":
+        raw[16:20] = (2**31 - 1).to_bytes(4, "little")
+    else:
+        raw = b""
+    open(chunk, "wb").write(bytes(raw))
+    box = [(0, 2), (0, 512)] if crop == "thin" else [(0, 256), (0, 512)]
+    with pytest.raises(stoker.DecodeError) as err:
+        _crops([stoker.Sample(uri, box)])
+    assert err.value.key == "c/0/0" and uri in str(err.value)
+
+
+def test_missing_blosc_chunk_is_the_fill_value(tmp_path, reader):
+    uri, _ = _blosc_one_chunk_array(tmp_path / "a.zarr")
+    os.remove(os.path.join(uri, "c", "0", "0"))
+    assert (_crops([stoker.Sample(uri, [(0, 2), (0, 512)])]) == 0).all()

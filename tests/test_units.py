@@ -637,6 +637,17 @@ def _bits(a: np.ndarray) -> int:
     return int(a.view(f"u{a.dtype.itemsize}"))
 
 
+@pytest.mark.parametrize("batch", ["float32", "bfloat16", "float16", "int16"])
+def test_fill_value_as_gives_a_scalar_of_every_batch_dtype(batch):
+    """Regression: a bfloat16 batch once failed on every absent chunk (the fill became shape (1,))."""
+    import torch
+
+    from stoker.engine.cast import fill_value_as
+
+    fill = fill_value_as(parse_fill_value(-5, np.dtype("int16"), "i", 3), getattr(torch, batch))
+    assert fill.shape == () and fill.dtype == getattr(torch, batch) and fill.item() == -5
+
+
 @pytest.mark.parametrize("dtype", ["f2", "f4", "f8", ">f4", "<f8"])
 @pytest.mark.parametrize("fmt", [2, 3])
 def test_fill_value_special_floats(dtype, fmt):

@@ -1,30 +1,42 @@
-/* stoker._native: read and decode a group of whole zstd chunk files with the GIL released.
+/* stoker._native: read, decode and place a group of chunk files with the GIL released.
  *
- * Why this exists: for small chunks (about 100 KiB) the Python work around each
- * read and decode (open, read, decompress, bookkeeping) holds the GIL for a large
- * share of the chunk's time, so compute threads queue on the GIL instead of
- * decoding. Here a whole group of chunk files is opened, read and decompressed
- * in one call that holds no GIL at all.
+ * Why this exists: for chunks of a few hundred KiB the Python work around each
+ * read and decode (open, read, header checks, decompress, view, copy, bookkeeping)
+ * holds the GIL for a large share of the chunk's time, so compute threads queue on
+ * the GIL instead of decoding. Here a whole group of chunk files is opened, read,
+ * decompressed and copied into the batch in one call that holds no GIL at all.
  *
- * No codec is implemented here: the decompressor is zstd's own ZSTD_decompress,
- * the copy that numcodecs already carries (its address is handed in by
- * stoker/native.py, read off numcodecs' extension module through ctypes).
+ * No codec is implemented here: zstd is zstd's own ZSTD_decompress and blosc is
+ * c-blosc's blosc_decompress_ctx / blosc_getitem, the copies numcodecs already
+ * carries (their addresses are handed in by stoker/native.py, read off numcodecs'
+ * extension modules through ctypes).
  *
- * decode_zstd_files(paths, scratch, outs, nbytes) -> list of (status, nread, detail, read_ns, decode_ns)
+ * decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst) -> list of
+ *     (status, nread, decoded, read_ns, decode_ns, place_ns, placed)
+ *   codec    CODEC_ZSTD (the chunk is one zstd frame) or CODEC_BLOSC (one blosc1 frame)
  *   paths    sequence of str or bytes (file system paths), one per chunk
+ *   regions  sequence of (offset, length, byte_start, byte_stop), one per chunk: where the stored
+ *            chunk is in its file (offset -1: the whole file, as long as the file is; else an inner
+ *            chunk of a shard) and the decoded bytes the chunk's copies read; blosc decodes only
+ *            the blocks holding those when that is at most half the chunk
  *   scratch  writable buffer for the encoded bytes of one file at a time
- *   outs     sequence of writable buffers of at least nbytes, one per path
+ *   outs     sequence of writable buffers of at least nbytes, one per path (decoded chunks)
  *   nbytes   the decoded size every chunk must have
- * status: 0 ok (detail: decoded bytes), 1 missing file, 2 file larger than scratch
- * (detail: its size), 3 OS error (detail: errno), 4 file shorter than its size
- * (it changed while read), 5 zstd error (detail: zstd's error code), 6 decoded to
- * a size other than nbytes (detail: the size). read_ns and decode_ns time the two steps.
+ *   places   None, or per path None or a copy plan (int64 buffer, see parse_place): after
+ *            decoding, the chunk's copies are cast into dst right here
+ *   dst      None, or (address, size in bytes, kind) of the batch the places write into
+ * status: 0 ok (decoded: bytes decompressed), 1 missing file, 2 file larger than scratch
+ * (decoded: its size), 3 OS error (decoded: errno), 4 file shorter than its size (it
+ * changed while read), 5 codec error (decoded: zstd's error code, or blosc's negative
+ * result), 6 decoded to a size other than nbytes (decoded: the size), 7 a blosc frame
+ * whose header does not fit this chunk or the stored size (left to the Python path).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,20 +46,37 @@
 
 typedef size_t (*zstd_decompress_fn)(void *dst, size_t dst_capacity, const void *src, size_t src_size);
 typedef unsigned (*zstd_is_error_fn)(size_t code);
+typedef int (*blosc_decompress_ctx_fn)(const void *src, void *dest, size_t destsize, int nthreads);
+typedef int (*blosc_getitem_fn)(const void *src, int start, int nitems, void *dest);
 
 static zstd_decompress_fn zstd_decompress = NULL;
 static zstd_is_error_fn zstd_is_error = NULL;
+static blosc_decompress_ctx_fn blosc_decompress_ctx = NULL;
+static blosc_getitem_fn blosc_getitem = NULL;
 
-enum { ST_OK = 0, ST_MISSING, ST_TOO_BIG, ST_OS_ERROR, ST_SHORT, ST_CODEC_ERROR, ST_SIZE };
+enum { CODEC_ZSTD = 0, CODEC_BLOSC = 1 };
+enum { ST_OK = 0, ST_MISSING, ST_TOO_BIG, ST_OS_ERROR, ST_SHORT, ST_CODEC_ERROR, ST_SIZE, ST_FRAME };
+
+/* Element kinds of a copy-cast: the source's, and the batch's (KIND_SAME: a plain copy). */
+enum { K_U8 = 0, K_I8, K_U16, K_I16, K_U32, K_I32, K_U64, K_I64, K_F32, K_F64, N_SRC_KINDS };
+enum { KIND_SAME = 0, KIND_F32 = 1, KIND_BF16 = 2, N_DST_KINDS };
+static const int src_itemsize[N_SRC_KINDS] = {1, 1, 2, 2, 4, 4, 8, 8, 4, 8};
+
+#define MAX_NDIM 32
 
 typedef struct {
     const char *path;
     char *out;
+    long long offset, length; /* the stored chunk in its file; offset -1: the whole file */
+    long long span_start, span_stop;
+    const int64_t *place; /* copy plan, or NULL */
     int status;
+    int placed;
     long long nread;
     long long detail;
     long long read_ns;   /* open, stat and read */
     long long decode_ns; /* decompress */
+    long long place_ns;  /* copy-cast into the batch */
 } chunk_job;
 
 static long long now_ns(void) {
@@ -56,77 +85,96 @@ static long long now_ns(void) {
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-static PyObject *set_zstd(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long decompress_addr, is_error_addr;
-    if (!PyArg_ParseTuple(args, "KK", &decompress_addr, &is_error_addr))
+/* set_codecs(zstd_decompress, zstd_is_error, blosc_decompress_ctx, blosc_getitem): the functions to
+ * call, by address; 0 for a codec that is not available (its pair must be both set or both 0). */
+static PyObject *set_codecs(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long zd, ze, bd, bg;
+    if (!PyArg_ParseTuple(args, "KKKK", &zd, &ze, &bd, &bg))
         return NULL;
-    if (!decompress_addr || !is_error_addr) {
-        PyErr_SetString(PyExc_ValueError, "zstd function addresses must not be null");
+    if (!zd != !ze || !bd != !bg) {
+        PyErr_SetString(PyExc_ValueError, "each codec needs both of its function addresses, or neither");
         return NULL;
     }
-    zstd_decompress = (zstd_decompress_fn)(uintptr_t)decompress_addr;
-    zstd_is_error = (zstd_is_error_fn)(uintptr_t)is_error_addr;
+    zstd_decompress = (zstd_decompress_fn)(uintptr_t)zd;
+    zstd_is_error = (zstd_is_error_fn)(uintptr_t)ze;
+    blosc_decompress_ctx = (blosc_decompress_ctx_fn)(uintptr_t)bd;
+    blosc_getitem = (blosc_getitem_fn)(uintptr_t)bg;
     Py_RETURN_NONE;
 }
 
-/* Read the whole file into scratch (job->detail: its size). */
-static void read_one(chunk_job *job, char *scratch, size_t scratch_len) {
-    int fd = open(job->path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        job->status = (errno == ENOENT || errno == ENOTDIR) ? ST_MISSING : ST_OS_ERROR;
-        job->detail = errno;
-        return;
-    }
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        job->status = ST_OS_ERROR;
-        job->detail = errno;
-        close(fd);
-        return;
-    }
-    size_t size = (size_t)st.st_size;
-    if (size > scratch_len) {
-        job->status = ST_TOO_BIG;
-        job->detail = (long long)size;
-        close(fd);
-        return;
-    }
-    size_t done = 0;
-    while (done < size) {
-        ssize_t got = pread(fd, scratch + done, size - done, (off_t)done);
+/* ---- reading ------------------------------------------------------------------------------ */
+
+/* Read bytes [lo, hi) of the stored chunk into buf + lo; 0 on success, else sets the job's
+ * status (OS error, or SHORT: the file ends early). */
+static int read_range(chunk_job *job, int fd, char *buf, size_t lo, size_t hi) {
+    off_t base = job->offset < 0 ? 0 : (off_t)job->offset;
+    size_t done = lo;
+    while (done < hi) {
+        ssize_t got = pread(fd, buf + done, hi - done, base + (off_t)done);
         if (got < 0) {
             if (errno == EINTR)
                 continue;
             job->status = ST_OS_ERROR;
             job->detail = errno;
-            job->nread = (long long)done;
-            close(fd);
-            return;
+            return -1;
         }
         if (got == 0)
             break;
         done += (size_t)got;
+        job->nread += got;
     }
-    close(fd);
-    job->nread = (long long)done;
-    if (done != size) {
+    if (done != hi) {
         job->status = ST_SHORT;
         job->detail = (long long)done;
-        return;
+        return -1;
     }
-    job->status = ST_OK;
-    job->detail = (long long)size;
+    return 0;
 }
 
-/* Read the whole file into scratch and decompress it into job->out; runs without the GIL. */
-static void run_one(chunk_job *job, char *scratch, size_t scratch_len, size_t nbytes) {
+/* Open the chunk's file and learn the stored chunk's size; -1 with the job's status set when it
+ * cannot be read or does not fit the scratch buffer (ST_TOO_BIG, detail: its size). */
+static int open_chunk(chunk_job *job, size_t scratch_len, size_t *size) {
+    int fd = open(job->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        job->status = (errno == ENOENT || errno == ENOTDIR) ? ST_MISSING : ST_OS_ERROR;
+        job->detail = errno;
+        return -1;
+    }
+    if (job->offset >= 0) { /* an inner chunk of a shard: its index gave the size */
+        *size = (size_t)job->length;
+    } else {
+        struct stat st;
+        if (fstat(fd, &st) != 0) {
+            job->status = ST_OS_ERROR;
+            job->detail = errno;
+            close(fd);
+            return -1;
+        }
+        *size = (size_t)st.st_size;
+    }
+    if (*size > scratch_len) {
+        job->status = ST_TOO_BIG;
+        job->detail = (long long)*size;
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* ---- codecs ------------------------------------------------------------------------------- */
+
+static void decode_zstd(chunk_job *job, char *scratch, size_t scratch_len, size_t nbytes) {
+    size_t size;
     long long t0 = now_ns();
-    read_one(job, scratch, scratch_len);
+    int fd = open_chunk(job, scratch_len, &size);
+    if (fd < 0)
+        return;
+    int bad = read_range(job, fd, scratch, 0, size);
+    close(fd);
     long long t1 = now_ns();
     job->read_ns = t1 - t0;
-    if (job->status != ST_OK)
+    if (bad)
         return;
-    size_t size = (size_t)job->detail;
     size_t decoded = zstd_decompress(job->out, nbytes, scratch, size);
     job->decode_ns = now_ns() - t1;
     if (zstd_is_error(decoded)) {
@@ -138,45 +186,346 @@ static void run_one(chunk_job *job, char *scratch, size_t scratch_len, size_t nb
     job->status = decoded == nbytes ? ST_OK : ST_SIZE;
 }
 
-static PyObject *decode_zstd_files(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *paths_obj, *scratch_obj, *outs_obj;
+#define BLOSC_HEADER 16
+#define BLOSC_MEMCPYED 0x2
+
+static uint32_t le32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static int cmp_u32(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The stored bytes [*lo, *hi) holding blocks first..last of a frame whose block table is at
+ * scratch + 16; 0 when the table is sound, -1 when it points outside the frame or repeats a
+ * block. Blocks need not be stored in order (c-blosc compressing on several threads writes
+ * them as they finish), so a block runs from its start to the next larger start of any block. */
+static int blosc_stored_range(const unsigned char *table, uint32_t nblocks, uint32_t cbytes, uint32_t first,
+                              uint32_t last, size_t *lo, size_t *hi) {
+    uint32_t table_end = BLOSC_HEADER + 4 * nblocks;
+    uint32_t *sorted = malloc(sizeof(uint32_t) * nblocks);
+    if (sorted == NULL)
+        return -1;
+    for (uint32_t i = 0; i < nblocks; i++) {
+        sorted[i] = le32(table + 4 * i);
+        if (sorted[i] < table_end || sorted[i] >= cbytes) {
+            free(sorted);
+            return -1;
+        }
+    }
+    qsort(sorted, nblocks, sizeof(uint32_t), cmp_u32);
+    for (uint32_t i = 1; i < nblocks; i++) {
+        if (sorted[i] == sorted[i - 1]) {
+            free(sorted);
+            return -1;
+        }
+    }
+    size_t low = cbytes, high = 0;
+    for (uint32_t j = first; j <= last; j++) {
+        uint32_t start = le32(table + 4 * j);
+        /* the next larger start: binary search in the sorted starts */
+        uint32_t a = 0, b = nblocks;
+        while (a < b) {
+            uint32_t m = a + (b - a) / 2;
+            if (sorted[m] <= start)
+                a = m + 1;
+            else
+                b = m;
+        }
+        size_t end = a < nblocks ? sorted[a] : cbytes;
+        if (start < low)
+            low = start;
+        if (end > high)
+            high = end;
+    }
+    free(sorted);
+    *lo = low;
+    *hi = high;
+    return 0;
+}
+
+/* Read a blosc1 chunk file and decode either the blocks holding the job's span (when they are
+ * at most half the chunk, as stoker/zarr/blosc_partial.py decides) or the whole frame. Frames
+ * whose header disagrees with the chunk or the file get ST_FRAME: the Python path reports them. */
+static void decode_blosc(chunk_job *job, char *scratch, size_t scratch_len, size_t nbytes) {
+    size_t size;
+    long long t0 = now_ns();
+    int fd = open_chunk(job, scratch_len, &size);
+    if (fd < 0)
+        return;
+    const unsigned char *h = (const unsigned char *)scratch;
+    int partial = 0, failed = 1;
+    size_t lo = 0, hi = 0;
+    uint32_t first = 0, last = 0, typesize = 0, blocksize = 0;
+    long long want = job->span_stop - job->span_start;
+    /* a span over half the chunk is decoded whole whatever the blocks: one read, no header first */
+    int maybe_partial = want > 0 && (size_t)want * 2 <= nbytes && size > BLOSC_HEADER;
+    if (read_range(job, fd, scratch, 0, maybe_partial ? BLOSC_HEADER : size))
+        goto read_done;
+    job->status = ST_FRAME; /* until the header is found to fit */
+    if (size < BLOSC_HEADER)
+        goto read_done;
+    uint32_t flags = h[2], fr_nbytes = le32(h + 4), cbytes = le32(h + 12);
+    typesize = h[3];
+    blocksize = le32(h + 8);
+    if (h[0] == 0 || h[0] > 4 || typesize == 0 || blocksize == 0 || fr_nbytes != nbytes || cbytes != size)
+        goto read_done;
+    job->status = ST_OK;
+    if (maybe_partial && !(flags & BLOSC_MEMCPYED) && nbytes % typesize == 0) {
+        uint32_t nblocks = (uint32_t)((nbytes + blocksize - 1) / blocksize);
+        size_t block_lo = (size_t)job->span_start / blocksize * blocksize;
+        size_t block_hi = ((size_t)job->span_stop + blocksize - 1) / blocksize * blocksize;
+        if (block_hi > nbytes)
+            block_hi = nbytes;
+        size_t table_end = BLOSC_HEADER + 4 * (size_t)nblocks;
+        if ((block_hi - block_lo) * 2 <= nbytes && table_end <= size) {
+            if (read_range(job, fd, scratch, BLOSC_HEADER, table_end))
+                goto read_done;
+            first = (uint32_t)(job->span_start / blocksize);
+            last = (uint32_t)((job->span_stop - 1) / blocksize);
+            if (blosc_stored_range(h + BLOSC_HEADER, nblocks, cbytes, first, last, &lo, &hi)) {
+                job->status = ST_FRAME;
+                goto read_done;
+            }
+            partial = 1;
+            if (lo < table_end)
+                lo = table_end;
+        }
+    }
+    if (partial ? read_range(job, fd, scratch, lo, hi)
+                : maybe_partial && read_range(job, fd, scratch, BLOSC_HEADER, size))
+        goto read_done;
+    failed = 0;
+read_done:
+    close(fd);
+    long long t1 = now_ns();
+    job->read_ns = t1 - t0;
+    if (failed)
+        return;
+    if (partial) {
+        /* whole items around the span; blosc decodes the blocks that hold them */
+        long long first_item = job->span_start / typesize;
+        long long last_item = (job->span_stop + typesize - 1) / typesize;
+        int got = blosc_getitem(scratch, (int)first_item, (int)(last_item - first_item),
+                                job->out + first_item * typesize);
+        job->decode_ns = now_ns() - t1;
+        if (got != (last_item - first_item) * (long long)typesize) {
+            job->status = ST_CODEC_ERROR;
+            job->detail = got;
+            return;
+        }
+        size_t span_hi = (size_t)(last + 1) * blocksize;
+        job->detail = (long long)((span_hi < nbytes ? span_hi : nbytes) - (size_t)first * blocksize);
+        job->status = ST_OK;
+        return;
+    }
+    int got = blosc_decompress_ctx(scratch, job->out, nbytes, 1);
+    job->decode_ns = now_ns() - t1;
+    if (got < 0) {
+        job->status = ST_CODEC_ERROR;
+        job->detail = got;
+        return;
+    }
+    job->detail = got;
+    job->status = (size_t)got == nbytes ? ST_OK : ST_SIZE;
+}
+
+/* ---- placing: the copy-cast into the batch ------------------------------------------------ */
+
+/* float -> bfloat16 bits, round to nearest even; NaN stays a quiet NaN (torch's conversion) */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (isnan(f))
+        return 0x7FC0;
+    u += 0x7FFF + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+#define CONVERT_LOOPS(NAME, T)                                                                    \
+    static void NAME##_to_f32(const void *s, void *d, size_t n) {                                 \
+        const T *src = s;                                                                         \
+        float *dst = d;                                                                           \
+        for (size_t i = 0; i < n; i++)                                                            \
+            dst[i] = (float)src[i];                                                               \
+    }                                                                                             \
+    static void NAME##_to_bf16(const void *s, void *d, size_t n) {                                \
+        const T *src = s;                                                                         \
+        uint16_t *dst = d;                                                                        \
+        for (size_t i = 0; i < n; i++)                                                            \
+            dst[i] = bf16_bits((float)src[i]);                                                  \
+    }
+
+CONVERT_LOOPS(u8, uint8_t)
+CONVERT_LOOPS(i8, int8_t)
+CONVERT_LOOPS(u16, uint16_t)
+CONVERT_LOOPS(i16, int16_t)
+CONVERT_LOOPS(u32, uint32_t)
+CONVERT_LOOPS(i32, int32_t)
+CONVERT_LOOPS(u64, uint64_t)
+CONVERT_LOOPS(i64, int64_t)
+CONVERT_LOOPS(f32, float)
+CONVERT_LOOPS(f64, double)
+
+typedef void (*convert_fn)(const void *src, void *dst, size_t n);
+
+static const convert_fn converters[N_SRC_KINDS][N_DST_KINDS] = {
+    {NULL, u8_to_f32, u8_to_bf16},   {NULL, i8_to_f32, i8_to_bf16},   {NULL, u16_to_f32, u16_to_bf16},
+    {NULL, i16_to_f32, i16_to_bf16}, {NULL, u32_to_f32, u32_to_bf16}, {NULL, i32_to_f32, i32_to_bf16},
+    {NULL, u64_to_f32, u64_to_bf16}, {NULL, i64_to_f32, i64_to_bf16}, {NULL, f32_to_f32, f32_to_bf16},
+    {NULL, f64_to_f32, f64_to_bf16},
+};
+
+typedef struct {
+    char *base;
+    long long nbytes;
+    int kind;
+} batch_dst;
+
+static size_t dst_itemsize(const batch_dst *dst, int src_kind) {
+    return dst->kind == KIND_SAME ? (size_t)src_itemsize[src_kind] : dst->kind == KIND_F32 ? 4 : 2;
+}
+
+/* A copy plan (int64 values):
+ *   src_kind, ndim, ncopies, src_strides[ndim], dst_strides[ndim],
+ *   then per copy: src_offset, dst_offset, extent[ndim]
+ * strides and offsets count elements; the innermost stride of both must be 1. */
+static int check_place(const int64_t *p, Py_ssize_t n, long long chunk_bytes, const batch_dst *dst,
+                       Py_ssize_t index) {
+    if (n < 3 || p[0] < 0 || p[0] >= N_SRC_KINDS || p[1] < 1 || p[1] > MAX_NDIM || p[2] < 0)
+        goto bad;
+    long long kind = p[0], ndim = p[1], ncopies = p[2];
+    if (n != 3 + 2 * ndim + ncopies * (2 + ndim))
+        goto bad;
+    if (dst->kind == KIND_SAME ? 0 : converters[kind][dst->kind] == NULL)
+        goto bad;
+    const int64_t *ss = p + 3, *ds = p + 3 + ndim;
+    if (ss[ndim - 1] != 1 || ds[ndim - 1] != 1)
+        goto bad;
+    long long chunk_elems = chunk_bytes / src_itemsize[kind];
+    long long dst_elems = dst->nbytes / (long long)dst_itemsize(dst, (int)kind);
+    const int64_t *c = p + 3 + 2 * ndim;
+    for (long long i = 0; i < ncopies; i++, c += 2 + ndim) {
+        long long s_last = c[0], d_last = c[1];
+        if (s_last < 0 || d_last < 0)
+            goto bad;
+        for (long long k = 0; k < ndim; k++) {
+            if (c[2 + k] < 1 || ss[k] < 0 || ds[k] < 0)
+                goto bad;
+            s_last += (c[2 + k] - 1) * ss[k];
+            d_last += (c[2 + k] - 1) * ds[k];
+        }
+        if (s_last >= chunk_elems || d_last >= dst_elems)
+            goto bad;
+    }
+    return 0;
+bad:
+    PyErr_Format(PyExc_ValueError, "places[%zd] is not a valid copy plan for this chunk and batch", index);
+    return -1;
+}
+
+/* Cast every copy of the plan from the decoded chunk into the batch; runs without the GIL. */
+static void place_copies(const int64_t *p, const char *chunk, const batch_dst *dst) {
+    int kind = (int)p[0], ndim = (int)p[1];
+    long long ncopies = p[2];
+    const int64_t *ss = p + 3, *ds = p + 3 + ndim;
+    const int64_t *c = p + 3 + 2 * ndim;
+    size_t s_item = (size_t)src_itemsize[kind];
+    size_t d_item = dst_itemsize(dst, kind);
+    convert_fn convert = dst->kind == KIND_SAME ? NULL : converters[kind][dst->kind];
+    for (long long i = 0; i < ncopies; i++, c += 2 + ndim) {
+        const int64_t *ext = c + 2;
+        size_t run = (size_t)ext[ndim - 1];
+        long long idx[MAX_NDIM] = {0};
+        for (;;) {
+            long long so = c[0], dof = c[1];
+            for (int k = 0; k < ndim - 1; k++) {
+                so += idx[k] * ss[k];
+                dof += idx[k] * ds[k];
+            }
+            const char *s = chunk + (size_t)so * s_item;
+            char *d = dst->base + (size_t)dof * d_item;
+            if (convert == NULL)
+                memcpy(d, s, run * s_item);
+            else
+                convert(s, d, run);
+            int k = ndim - 2;
+            for (; k >= 0; k--) {
+                if (++idx[k] < ext[k])
+                    break;
+                idx[k] = 0;
+            }
+            if (k < 0)
+                break;
+        }
+    }
+}
+
+/* ---- the call ----------------------------------------------------------------------------- */
+
+static int parse_dst(PyObject *obj, batch_dst *dst) {
+    unsigned long long addr;
+    if (!PyArg_ParseTuple(obj, "KLi", &addr, &dst->nbytes, &dst->kind))
+        return -1;
+    if (!addr || dst->nbytes < 0 || dst->kind < 0 || dst->kind >= N_DST_KINDS) {
+        PyErr_SetString(PyExc_ValueError, "dst must be (address, size in bytes, kind) of a batch");
+        return -1;
+    }
+    dst->base = (char *)(uintptr_t)addr;
+    return 0;
+}
+
+static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
+    int codec;
+    PyObject *paths_obj, *regions_obj, *scratch_obj, *outs_obj, *places_obj, *dst_obj;
     Py_ssize_t nbytes;
-    if (!PyArg_ParseTuple(args, "OOOn", &paths_obj, &scratch_obj, &outs_obj, &nbytes))
+    if (!PyArg_ParseTuple(args, "iOOOOnOO", &codec, &paths_obj, &regions_obj, &scratch_obj, &outs_obj, &nbytes,
+                          &places_obj, &dst_obj))
         return NULL;
-    if (zstd_decompress == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "stoker._native: zstd is not set up (call set_zstd first)");
+    if (codec == CODEC_ZSTD ? zstd_decompress == NULL : codec == CODEC_BLOSC ? blosc_getitem == NULL : 1) {
+        PyErr_Format(PyExc_RuntimeError, "stoker._native: codec %d is not set up", codec);
         return NULL;
     }
     if (nbytes < 0) {
         PyErr_SetString(PyExc_ValueError, "nbytes must not be negative");
         return NULL;
     }
+    batch_dst dst = {0};
+    if (dst_obj != Py_None && parse_dst(dst_obj, &dst))
+        return NULL;
     PyObject *paths = PySequence_Fast(paths_obj, "paths must be a sequence");
-    if (paths == NULL)
-        return NULL;
-    PyObject *outs = PySequence_Fast(outs_obj, "outs must be a sequence");
-    if (outs == NULL) {
-        Py_DECREF(paths);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(paths);
+    PyObject *regions = paths ? PySequence_Fast(regions_obj, "regions must be a sequence") : NULL;
+    PyObject *outs = regions ? PySequence_Fast(outs_obj, "outs must be a sequence") : NULL;
+    PyObject *places = (outs && places_obj != Py_None) ? PySequence_Fast(places_obj, "places must be a sequence")
+                                                        : NULL;
+    Py_ssize_t n = paths ? PySequence_Fast_GET_SIZE(paths) : 0;
     PyObject *result = NULL;
     Py_buffer scratch = {0};
-    Py_buffer *out_views = NULL;
+    Py_buffer *out_views = NULL, *place_views = NULL;
     PyObject **encoded_paths = NULL;
     chunk_job *jobs = NULL;
-    Py_ssize_t views_held = 0, paths_held = 0;
+    Py_ssize_t views_held = 0, paths_held = 0, places_held = 0;
 
-    if (PySequence_Fast_GET_SIZE(outs) != n) {
-        PyErr_SetString(PyExc_ValueError, "paths and outs must have the same length");
+    if (outs == NULL || (places_obj != Py_None && places == NULL))
+        goto done;
+    if (PySequence_Fast_GET_SIZE(outs) != n || PySequence_Fast_GET_SIZE(regions) != n ||
+        (places && PySequence_Fast_GET_SIZE(places) != n)) {
+        PyErr_SetString(PyExc_ValueError, "paths, regions, outs and places must have the same length");
+        goto done;
+    }
+    if (places && dst_obj == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "places need a dst");
         goto done;
     }
     if (PyObject_GetBuffer(scratch_obj, &scratch, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
         goto done;
     out_views = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    place_views = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
     encoded_paths = PyMem_Calloc((size_t)n + 1, sizeof(PyObject *));
     jobs = PyMem_Calloc((size_t)n + 1, sizeof(chunk_job));
-    if (out_views == NULL || encoded_paths == NULL || jobs == NULL) {
+    if (out_views == NULL || place_views == NULL || encoded_paths == NULL || jobs == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -193,21 +542,52 @@ static PyObject *decode_zstd_files(PyObject *Py_UNUSED(self), PyObject *args) {
                          out_views[i].len, nbytes);
             goto done;
         }
+        chunk_job *job = &jobs[i];
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(regions, i), "LLLL", &job->offset, &job->length,
+                              &job->span_start, &job->span_stop))
+            goto done;
+        if (job->span_start < 0 || job->span_stop > nbytes || job->span_start > job->span_stop ||
+            job->offset < -1 || job->length < 0) {
+            PyErr_Format(PyExc_ValueError, "regions[%zd] is outside its file or its chunk", i);
+            goto done;
+        }
+        PyObject *place = places ? PySequence_Fast_GET_ITEM(places, i) : Py_None;
+        if (place != Py_None) {
+            if (PyObject_GetBuffer(place, &place_views[places_held], PyBUF_C_CONTIGUOUS) != 0)
+                goto done;
+            places_held++;
+            Py_buffer *pv = &place_views[places_held - 1];
+            if (pv->len % 8 || check_place(pv->buf, pv->len / 8, nbytes, &dst, i))
+                goto done;
+            jobs[i].place = pv->buf;
+        }
         jobs[i].path = PyBytes_AS_STRING(encoded_paths[i]);
         jobs[i].out = out_views[i].buf;
     }
 
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        run_one(&jobs[i], scratch.buf, (size_t)scratch.len, (size_t)nbytes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        chunk_job *job = &jobs[i];
+        if (codec == CODEC_ZSTD)
+            decode_zstd(job, scratch.buf, (size_t)scratch.len, (size_t)nbytes);
+        else
+            decode_blosc(job, scratch.buf, (size_t)scratch.len, (size_t)nbytes);
+        if (job->status == ST_OK && job->place != NULL) {
+            long long t = now_ns();
+            place_copies(job->place, job->out, &dst);
+            job->place_ns = now_ns() - t;
+            job->placed = 1;
+        }
+    }
     Py_END_ALLOW_THREADS
 
     result = PyList_New(n);
     if (result == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = Py_BuildValue("(iLLLL)", jobs[i].status, jobs[i].nread, jobs[i].detail, jobs[i].read_ns,
-                                       jobs[i].decode_ns);
+        chunk_job *j = &jobs[i];
+        PyObject *item = Py_BuildValue("(iLLLLLi)", j->status, j->nread, j->detail, j->read_ns, j->decode_ns,
+                                       j->place_ns, j->placed);
         if (item == NULL) {
             Py_CLEAR(result);
             goto done;
@@ -218,25 +598,31 @@ static PyObject *decode_zstd_files(PyObject *Py_UNUSED(self), PyObject *args) {
 done:
     for (Py_ssize_t i = 0; i < views_held; i++)
         PyBuffer_Release(&out_views[i]);
+    for (Py_ssize_t i = 0; i < places_held; i++)
+        PyBuffer_Release(&place_views[i]);
     for (Py_ssize_t i = 0; i < paths_held; i++)
         Py_DECREF(encoded_paths[i]);
     if (scratch.obj != NULL)
         PyBuffer_Release(&scratch);
     PyMem_Free(out_views);
+    PyMem_Free(place_views);
     PyMem_Free(encoded_paths);
     PyMem_Free(jobs);
-    Py_DECREF(paths);
-    Py_DECREF(outs);
+    Py_XDECREF(paths);
+    Py_XDECREF(regions);
+    Py_XDECREF(outs);
+    Py_XDECREF(places);
     return result;
 }
 
 static PyMethodDef methods[] = {
-    {"set_zstd", set_zstd, METH_VARARGS,
-     "set_zstd(decompress_address, is_error_address): the ZSTD_decompress and ZSTD_isError to call."},
-    {"decode_zstd_files", decode_zstd_files, METH_VARARGS,
-     "decode_zstd_files(paths, scratch, outs, nbytes) -> [(status, nread, detail, read_ns, decode_ns)]: read "
-     "and decompress "
-     "whole zstd chunk files without the GIL."},
+    {"set_codecs", set_codecs, METH_VARARGS,
+     "set_codecs(zstd_decompress, zstd_is_error, blosc_decompress_ctx, blosc_getitem): function addresses "
+     "(0: that codec is not available)."},
+    {"decode_files", decode_files, METH_VARARGS,
+     "decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst) -> "
+     "[(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]: read, decompress and place chunk "
+     "files without the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,11 +3,12 @@
 ``stoker._native`` is built from ``_native.c`` when stoker is installed and a C
 compiler is present; without it (or with ``STOKER_NATIVE=0`` in the environment)
 every chunk takes the pure-Python path, which reads and decodes the same bytes.
-The extension calls zstd's own ``ZSTD_decompress``: the copy numcodecs carries in
-its extension module, found here through ctypes, so no second zstd is built.
+The extension calls zstd's own ``ZSTD_decompress`` and c-blosc's
+``blosc_decompress_ctx`` / ``blosc_getitem``: the copies numcodecs carries in its
+extension modules, found here through ctypes, so no second codec is built.
 
 >>> from stoker import native
->>> native.zstd_files is None or callable(native.zstd_files)
+>>> native.decode_files is None or callable(native.decode_files)
 True
 """
 
@@ -16,43 +17,74 @@ from __future__ import annotations
 import ctypes
 import os
 
-# status codes of decode_zstd_files (see _native.c)
-OK, MISSING, TOO_BIG, OS_ERROR, SHORT, CODEC_ERROR, SIZE = range(7)
+import numpy as np
+
+# status codes of decode_files (see _native.c)
+OK, MISSING, TOO_BIG, OS_ERROR, SHORT, CODEC_ERROR, SIZE, FRAME = range(8)
+ZSTD, BLOSC = 0, 1  # codecs of decode_files
+
+#: source kinds of a copy plan (native byte order), by numpy dtype
+SOURCE_KINDS = {np.dtype(t): k for k, t in enumerate(
+    ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float32", "float64"))}
+SAME, F32, BF16 = 0, 1, 2  # batch kinds: the source's own dtype, float32, bfloat16
+
+
+def _disabled() -> bool:
+    return os.environ.get("STOKER_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _symbols(module_file: str, *names: str):
+    """Addresses of ``names`` in a numcodecs extension module, or None when one is not exported."""
+    try:
+        lib = ctypes.CDLL(module_file)
+        return lib, [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names]
+    except (OSError, AttributeError):  # a numcodecs build that does not export the codec's symbols
+        return None, None
 
 
 def _load():
-    if os.environ.get("STOKER_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
+    """``(decode_files, zstd ready, blosc ready)``; ``decode_files`` is None without the extension."""
+    if _disabled():
+        return None, False, False
     try:
         from . import _native
-        from numcodecs import zstd
     except ImportError:
-        return None
+        return None, False, False
+    zstd_addrs = blosc_addrs = None
     try:
-        lib = ctypes.CDLL(zstd.__file__)
-        decompress = ctypes.cast(lib.ZSTD_decompress, ctypes.c_void_p).value
-        is_error = ctypes.cast(lib.ZSTD_isError, ctypes.c_void_p).value
-    except (OSError, AttributeError):  # a numcodecs build that does not export zstd's symbols
-        return None
-    error_name = lib.ZSTD_getErrorName
-    error_name.restype = ctypes.c_char_p
-    error_name.argtypes = [ctypes.c_size_t]
-    _native.set_zstd(decompress, is_error)
-    global _error_name
-    _error_name = error_name
-    return _native.decode_zstd_files
+        from numcodecs import zstd
+
+        lib, zstd_addrs = _symbols(zstd.__file__, "ZSTD_decompress", "ZSTD_isError")
+        if zstd_addrs:
+            global _error_name
+            _error_name = lib.ZSTD_getErrorName
+            _error_name.restype = ctypes.c_char_p
+            _error_name.argtypes = [ctypes.c_size_t]
+    except ImportError:
+        pass
+    try:
+        from numcodecs import blosc
+
+        _, blosc_addrs = _symbols(blosc.__file__, "blosc_decompress_ctx", "blosc_getitem")
+    except ImportError:
+        pass
+    _native.set_codecs(*(zstd_addrs or (0, 0)), *(blosc_addrs or (0, 0)))
+    if not zstd_addrs and not blosc_addrs:
+        return None, False, False
+    return _native.decode_files, bool(zstd_addrs), bool(blosc_addrs)
 
 
 _error_name = None
 
 
 def zstd_error(code: int) -> str:
-    """zstd's name for an error code that ``zstd_files`` reported (status CODEC_ERROR)."""
+    """zstd's name for an error code that ``decode_files`` reported (status CODEC_ERROR)."""
     if _error_name is None:
         return f"zstd error {code}"
     return _error_name((1 << 64) - code if code > 0 else 0).decode(errors="replace")
 
 
-#: ``zstd_files(paths, scratch, outs, nbytes) -> [(status, nread, detail, read_ns, decode_ns)]``, or
-#: ``None`` where the extension is not built (or ``STOKER_NATIVE=0``)
-zstd_files = _load()
+#: ``decode_files(codec, paths, spans, scratch, outs, nbytes, places, dst)
+#: -> [(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]``, or ``None`` where the
+#: extension is not built (or ``STOKER_NATIVE=0``); ``zstd`` / ``blosc``: which codecs it can call
+decode_files, zstd, blosc = _load()

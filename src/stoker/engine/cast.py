@@ -71,7 +71,7 @@ def copy_cast(dst: torch.Tensor | np.ndarray, src: np.ndarray) -> None:
     elif dst.dtype in _NUMPY_OUT or dst.dtype == torch_dtype_of(src.dtype):
         np.copyto(dst.numpy(), src, casting="unsafe")
     else:
-        dst.copy_(torch.from_numpy(np.ascontiguousarray(src) if src.ndim == 0 else src))
+        dst.copy_(torch.from_numpy(np.array(src) if src.ndim == 0 else src))  # a 0-d copy stays 0-d
 
 
 def fill_value_as(fill: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

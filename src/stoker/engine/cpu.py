@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -22,9 +23,10 @@ import torch
 from .. import native
 from ..errors import DecodeError, ShutdownError, StorageError
 from ..storage import LocalStore
+from ..storage.ranges import Read
 from ..zarr import blosc_partial
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
-from .cast import copy_cast, fill_value_as, numpy_view
+from .cast import copy_cast, fill_value_as, numpy_view, torch_dtype_of
 from .plan import BatchPlan, ChunkTask, FileRead
 from .stats import StatsRecorder
 
@@ -44,8 +46,55 @@ def _zstd_bound(nbytes: int) -> int:
 
 
 def _native_bytes(nbytes: int, n: int) -> int:
-    """What one compiled call over ``n`` chunks of ``nbytes`` reserves: the encoded buffer and the outputs."""
+    """What one compiled call with ``n`` output buffers of ``nbytes`` reserves: the encoded buffer and the outputs."""
     return size_class(_zstd_bound(nbytes)) + n * size_class(nbytes)
+
+
+def _inner_chunk_read(task: ChunkTask, cid: int) -> FileRead:
+    """A read of one inner chunk of a shard on its own (the compiled reader takes chunks one by one)."""
+    return FileRead(task.path, (cid,), (Read(task.offset, task.length, ((0, task.offset, task.length),)),))
+
+
+def native_codec(codec) -> int | None:
+    """The compiled reader's codec for whole chunk files of ``codec``, or None (the Python path reads them)."""
+    if codec.lone_zstd and native.zstd:
+        return native.ZSTD
+    if codec.lone_blosc and native.blosc:
+        return native.BLOSC
+    return None
+
+
+_BATCH_KINDS = {torch.float32: native.F32, torch.bfloat16: native.BF16}
+
+
+def batch_target(out: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(address, bytes, kind)`` of a batch the compiled reader can cast into, or None."""
+    if out.device.type != "cpu" or out.dim() < 2 or out.stride(-1) != 1:
+        return None
+    return out.data_ptr(), out.numel() * out.element_size(), _BATCH_KINDS.get(out.dtype, native.SAME)
+
+
+def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int) -> array | None:
+    """The compiled reader's plan for casting ``task``'s copies from its decoded chunk into ``out``
+    (see ``_native.c``), or None where the chunk's layout or dtype is left to :func:`copy_cast`:
+    F order, transposes and foreign byte order, float16 and bool sources, float16 batches.
+
+    >>> copy_plan(task, codec, batch, native.F32)  # array('q', [kind, ndim, ncopies, strides..., copies...])
+    """
+    src = native.SOURCE_KINDS.get(codec.dtype) if codec.plain else None
+    if src is None or (kind == native.SAME and out.dtype != torch_dtype_of(codec.dtype)):
+        return None
+    shape = codec.shape
+    chunk_strides = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        chunk_strides[k] = chunk_strides[k + 1] * shape[k + 1]
+    row_stride, *dst_strides = out.stride()
+    values = [src, len(shape), len(task.copies), *chunk_strides, *dst_strides]
+    for c in task.copies:
+        values.append(sum(s.start * st for s, st in zip(c.chunk_sel, chunk_strides)))
+        values.append(c.row * row_stride + sum(b.start * st for b, st in zip(c.box_sel, dst_strides)))
+        values.extend(s.stop - s.start for s in c.chunk_sel)
+    return array("q", values)
 
 
 class Job:
@@ -149,73 +198,96 @@ class CpuExecutor:
         return job
 
     def _read_group(self, job: Job, reads: list[FileRead]) -> None:
-        if native.zstd_files is not None:
+        if native.decode_files is not None:
             reads = self._read_native(job, reads)
         for fr in reads:
             self._guard(job, len(fr.chunk_ids), self._read, job, fr, True)
 
-    # -- the compiled path: whole zstd chunk files --------------------------------------------
+    # -- the compiled path: zstd and blosc chunk files and inner chunks ---------------------------
 
     def _read_native(self, job: Job, reads: list[FileRead]) -> list[FileRead]:
-        """Read and decode this group's whole zstd chunk files in compiled code that holds no GIL
-        (``stoker/_native.c``), a few files per call; returns the reads left for the Python path.
+        """Read, decode and place this group's zstd and blosc chunks (whole chunk files and inner chunks of
+        shards) in compiled code that holds no GIL (``stoker/_native.c``), a few chunks per call; returns
+        the reads left for the Python path.
 
-        Files are grouped by decoded chunk size only (the call needs nothing else), so crops over
-        many arrays still make full calls; each chunk is then viewed through its own array's codec.
+        Chunks are grouped by codec and decoded chunk size only (the call needs nothing else), so crops
+        over many arrays still make full calls. Chunks with a copy plan (see :func:`copy_plan`) are cast
+        into the batch inside the call; the others are viewed through their own array's codec here.
         """
         plan = job.plan
-        by_size: dict[int, list[FileRead]] = {}
+        by_kind: dict[tuple[int, int], list[FileRead]] = {}
         rest = []
         for fr in reads:
             codec = plan.sources[plan.chunks[fr.chunk_ids[0]].source].metadata.codec
-            if fr.whole_file and codec.lone_zstd and codec.nbytes:
-                by_size.setdefault(codec.nbytes, []).append(fr)
-            else:
+            kind = native_codec(codec) if codec.nbytes else None
+            if kind is None:
                 rest.append(fr)
-        for nbytes, frs in by_size.items():
+            else:
+                by_kind.setdefault((kind, codec.nbytes), []).extend(
+                    [fr] if fr.whole_file else [_inner_chunk_read(plan.chunks[c], c) for c in fr.chunk_ids])
+        for (kind, nbytes), frs in by_kind.items():
             step = max(1, _NATIVE_CALL_BYTES // nbytes)
             for i in range(0, len(frs), step):
                 part = frs[i:i + step]
                 if _native_bytes(nbytes, len(part)) > self.budget.capacity:
                     rest.extend(part)  # the Python path reserves by actual file size: it may fit
                 else:
-                    self._guard(job, len(part), self._native_call, job, part, nbytes)
+                    self._guard(job, len(part), self._native_call, job, part, kind, nbytes)
         return rest
 
-    def _native_call(self, job: Job, reads: list[FileRead], nbytes: int) -> None:
+    def _native_call(self, job: Job, reads: list[FileRead], kind: int, nbytes: int) -> None:
+        """One compiled call over ``reads``, each one chunk: a whole file or an inner chunk of a shard."""
+        plan = job.plan
+        tasks = [plan.chunks[fr.chunk_ids[0]] for fr in reads]
+        dst = batch_target(job.out)
+        places = None if dst is None else [copy_plan(t, plan.sources[t.source].metadata.codec, job.out, dst[2])
+                                           for t in tasks]
+        shared = places is not None and all(p is not None for p in places)  # every chunk is placed in the call
         res = Reservation(self.budget, users=1)
-        if not res.try_reserve(_native_bytes(nbytes, len(reads))):
+        if not res.try_reserve(_native_bytes(nbytes, 1 if shared else len(reads))):
             self._handoff_each(job, reads)  # a compute thread never waits for memory (see _read)
             return
         try:
             scratch = res.take(_zstd_bound(nbytes), keep=True)
-            outs = [res.take(nbytes, keep=True) for _ in reads]
-            results = native.zstd_files([fr.path for fr in reads], scratch, outs, nbytes)
-            for fr, buf, result in zip(reads, outs, results):
-                self._guard(job, 1, self._place_native, job, fr, buf, result)
+            if shared:  # decoded and placed one after the other: one buffer, warm in cache for each chunk
+                outs = [res.take(nbytes, keep=True)] * len(reads)
+            else:
+                outs = [res.take(nbytes, keep=True) for _ in reads]
+            regions = []
+            for fr, t in zip(reads, tasks):
+                where = (-1, 0) if fr.whole_file else (t.offset, t.length)
+                span = (t.byte_start, t.byte_stop) if plan.sources[t.source].metadata.codec.plain else (0, nbytes)
+                regions.append((*where, *span))
+            results = native.decode_files(kind, [fr.path for fr in reads], regions, scratch, outs, nbytes,
+                                          places, dst)
+            for fr, task, buf, result in zip(reads, tasks, outs, results):
+                self._guard(job, 1, self._place_native, job, fr, task, buf, result)
         finally:
             res.done()
 
-    def _place_native(self, job: Job, fr: FileRead, buf, result: tuple[int, int, int, int, int]) -> None:
-        status, nread, detail, read_ns, decode_ns = result
-        plan = job.plan
-        task = plan.chunks[fr.chunk_ids[0]]
-        reader = plan.sources[task.source]
+    def _place_native(self, job: Job, fr: FileRead, task: ChunkTask, buf, result: tuple) -> None:
+        status, nread, detail, read_ns, decode_ns, place_ns, placed = result
+        reader = job.plan.sources[task.source]
         codec = reader.metadata.codec
         if status == native.OK:
             t0 = time.perf_counter()
-            chunk = codec.decoded_view(buf, task.key)
-            out = job.out if job.out_np is None else job.out_np
-            for c in task.copies:
-                copy_cast(out[c.dst], chunk[c.chunk_sel])
-            self.stats.chunk(decode_ns * 1e-9, time.perf_counter() - t0, nread, detail, read_s=read_ns * 1e-9)
+            if not placed:
+                chunk = codec.decoded_view(buf, task.key)
+                out = job.out if job.out_np is None else job.out_np
+                for c in task.copies:
+                    copy_cast(out[c.dst], chunk[c.chunk_sel])
+            assemble_s = place_ns * 1e-9 + time.perf_counter() - t0
+            self.stats.chunk(decode_ns * 1e-9, assemble_s, nread, detail, read_s=read_ns * 1e-9)
             job.finish(bytes_read=nread, bytes_decoded=detail, chunks_decoded=1)
-        elif status == native.MISSING:  # an absent chunk file is the fill value
+        elif status == native.MISSING and fr.whole_file:  # an absent chunk file is the fill value
             self._fill(job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype))
-        elif status == native.TOO_BIG:  # larger than zstd's bound for this chunk: the Python path decides
-            self._read(job, fr, True)
-        elif status == native.OS_ERROR:
+        elif status == native.OS_ERROR and fr.whole_file:
             raise StorageError(f"cannot read {fr.path}: {os.strerror(detail)}", path=fr.path)
+        elif status == native.TOO_BIG or native_codec(codec) == native.BLOSC or not fr.whole_file:
+            # zstd: larger than zstd's bound for this chunk; blosc: any frame the call declined or could
+            # not decode; any failure of an inner chunk of a shard. The Python path reads it again and
+            # decides (and words the error) as it always does.
+            self._read(job, fr, True)
         elif status == native.SHORT:
             raise DecodeError(f"{reader.uri}: chunk {task.key!r} changed while it was read", uri=reader.uri,
                               key=task.key)

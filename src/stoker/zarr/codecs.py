@@ -87,7 +87,7 @@ class ChunkCodec:
     order: tuple[int, ...] | None = None
     filters: tuple[Codec, ...] = ()
     compressors: tuple[Codec, ...] = ()
-    _plain: bool = field(init=False, repr=False, compare=False)
+    plain: bool = field(init=False, repr=False, compare=False)  # decoded bytes are the chunk in C order, native
     _decompress: tuple = field(init=False, repr=False, compare=False)  # per compressor, in decode order
     nbytes: int = field(init=False, repr=False, compare=False)  # decoded size of one chunk in bytes
 
@@ -97,7 +97,7 @@ class ChunkCodec:
             and self.order is None
             and (self.stored_dtype.isnative or self.stored_dtype.itemsize == 1)
         )
-        object.__setattr__(self, "_plain", plain)
+        object.__setattr__(self, "plain", plain)
         object.__setattr__(self, "_decompress", tuple(_decompressor(c) for c in reversed(self.compressors)))
         object.__setattr__(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
 
@@ -105,11 +105,16 @@ class ChunkCodec:
     def partial(self) -> bool:
         """True when a byte range of the chunk can be decoded without the rest (lone blosc, plain layout)."""
         return (
-            self._plain
+            self.plain
             and len(self.compressors) == 1
             and self.compressors[0].codec_id == "blosc"
             and blosc_partial.available()
         )
+
+    @property
+    def lone_blosc(self) -> bool:
+        """True when the stored chunk is one blosc frame and nothing else (no filters, no checksum)."""
+        return not self.filters and len(self.compressors) == 1 and self.compressors[0].codec_id == "blosc"
 
     @property
     def lone_zstd(self) -> bool:
@@ -177,7 +182,7 @@ class ChunkCodec:
         """
         if out.shape != self.shape or out.dtype != self.dtype or not out.flags.c_contiguous:
             raise ValueError(f"decode_into needs a C-contiguous {self.shape} {self.dtype} array")
-        if self._plain and len(self.compressors) == 1 and self.compressors[0].codec_id == "blosc":
+        if self.plain and len(self.compressors) == 1 and self.compressors[0].codec_id == "blosc":
             try:
                 self.check_size(_check_blosc_frame(encoded), key)
                 self.compressors[0].decode(encoded, out=out)
