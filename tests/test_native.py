@@ -384,11 +384,20 @@ def test_invalid_copy_plans_are_refused_before_any_write(tmp_path):
         "strided inner": [u16, 2, 1, 8, 2, 8, 1, 0, 0, 1, 4],
         "unknown kind": [99, 2, 1, 8, 1, 8, 1, 0, 0, 1, 1],
         "short": [u16, 2, 1, 8, 1, 8, 1, 0, 0, 1],
+        # values whose products wrap around int64 to small, in-bounds numbers
+        "wrapping source stride": [u16, 2, 1, 2**62, 1, 8, 1, 0, 0, 5, 1],
+        "wrapping batch stride": [u16, 2, 1, 8, 1, 2**62, 1, 0, 0, 5, 1],
+        "wrapping copy count": [u16, 2, 2**62 + 1, 8, 1, 8, 1, 0, 0, 1, 1],
     }
     for name, plan in bad.items():
         with pytest.raises(ValueError, match="copy plan"):
             _call(native.ZSTD, [path], 128, places=[array("q", plan)], dst=dst)
         assert not batch.any(), name
+    with pytest.raises(ValueError, match="copy plan"):  # reads past the decoded span (another chunk's bytes)
+        _call(native.ZSTD, [path], 128, spans=[(0, 64)], places=[array("q", good)], dst=dst)
+    with pytest.raises(ValueError, match="regions"):
+        _call(native.ZSTD, [path], 128, where=[(2**63 - 10, 100)])
+    assert not batch.any()
     results, _ = _call(native.ZSTD, [path], 128, places=[array("q", good)], dst=dst)
     assert results[0][6] == 1
     assert torch.equal(batch[1], torch.arange(64, dtype=torch.float32).reshape(8, 8)) and not batch[0].any()

@@ -36,6 +36,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -392,37 +393,45 @@ static size_t dst_itemsize(const batch_dst *dst, int src_kind) {
  *   src_kind, ndim, ncopies, src_strides[ndim], dst_strides[ndim],
  *   then per copy: src_offset, dst_offset, extent[ndim]
  * strides and offsets count elements; the innermost stride of both must be 1. */
-static int check_place(const int64_t *p, Py_ssize_t n, long long chunk_bytes, const batch_dst *dst,
-                       Py_ssize_t index) {
+static int check_place(const int64_t *p, Py_ssize_t n, const chunk_job *job, long long chunk_bytes,
+                       const batch_dst *dst, Py_ssize_t index) {
     if (n < 3 || p[0] < 0 || p[0] >= N_SRC_KINDS || p[1] < 1 || p[1] > MAX_NDIM || p[2] < 0)
         goto bad;
     long long kind = p[0], ndim = p[1], ncopies = p[2];
-    if (n != 3 + 2 * ndim + ncopies * (2 + ndim))
+    /* divide before multiplying: a huge ncopies must not wrap around to the right length */
+    if (n < 3 + 2 * ndim || ncopies > (n - 3 - 2 * ndim) / (2 + ndim) || n != 3 + 2 * ndim + ncopies * (2 + ndim))
         goto bad;
     if (dst->kind == KIND_SAME ? 0 : converters[kind][dst->kind] == NULL)
         goto bad;
     const int64_t *ss = p + 3, *ds = p + 3 + ndim;
     if (ss[ndim - 1] != 1 || ds[ndim - 1] != 1)
         goto bad;
-    long long chunk_elems = chunk_bytes / src_itemsize[kind];
+    long long item = src_itemsize[kind];
+    long long chunk_elems = chunk_bytes / item;
     long long dst_elems = dst->nbytes / (long long)dst_itemsize(dst, (int)kind);
     const int64_t *c = p + 3 + 2 * ndim;
     for (long long i = 0; i < ncopies; i++, c += 2 + ndim) {
-        long long s_last = c[0], d_last = c[1];
+        long long s_last = c[0], d_last = c[1], step;
         if (s_last < 0 || d_last < 0)
             goto bad;
         for (long long k = 0; k < ndim; k++) {
             if (c[2 + k] < 1 || ss[k] < 0 || ds[k] < 0)
                 goto bad;
-            s_last += (c[2 + k] - 1) * ss[k];
-            d_last += (c[2 + k] - 1) * ds[k];
+            if (__builtin_mul_overflow(c[2 + k] - 1, ss[k], &step) || __builtin_add_overflow(s_last, step, &s_last))
+                goto bad;
+            if (__builtin_mul_overflow(c[2 + k] - 1, ds[k], &step) || __builtin_add_overflow(d_last, step, &d_last))
+                goto bad;
         }
         if (s_last >= chunk_elems || d_last >= dst_elems)
+            goto bad;
+        /* a copy reads only the decoded span: outside it a shared buffer holds another chunk's bytes */
+        if (c[0] * item < job->span_start || (s_last + 1) * item > job->span_stop)
             goto bad;
     }
     return 0;
 bad:
-    PyErr_Format(PyExc_ValueError, "places[%zd] is not a valid copy plan for this chunk and batch", index);
+    PyErr_Format(PyExc_ValueError, "places[%zd] is not a valid copy plan for this chunk, its span and the batch",
+                 index);
     return -1;
 }
 
@@ -547,7 +556,7 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
                               &job->span_start, &job->span_stop))
             goto done;
         if (job->span_start < 0 || job->span_stop > nbytes || job->span_start > job->span_stop ||
-            job->offset < -1 || job->length < 0) {
+            job->offset < -1 || job->length < 0 || job->offset > LLONG_MAX - job->length) {
             PyErr_Format(PyExc_ValueError, "regions[%zd] is outside its file or its chunk", i);
             goto done;
         }
@@ -557,7 +566,7 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
                 goto done;
             places_held++;
             Py_buffer *pv = &place_views[places_held - 1];
-            if (pv->len % 8 || check_place(pv->buf, pv->len / 8, nbytes, &dst, i))
+            if (pv->len % 8 || check_place(pv->buf, pv->len / 8, job, nbytes, &dst, i))
                 goto done;
             jobs[i].place = pv->buf;
         }

@@ -69,7 +69,7 @@ _BATCH_KINDS = {torch.float32: native.F32, torch.bfloat16: native.BF16}
 
 def batch_target(out: torch.Tensor) -> tuple[int, int, int] | None:
     """``(address, bytes, kind)`` of a batch the compiled reader can cast into, or None."""
-    if out.device.type != "cpu" or out.dim() < 2 or out.stride(-1) != 1:
+    if out.device.type != "cpu" or out.dim() < 2 or not out.is_contiguous():
         return None
     return out.data_ptr(), out.numel() * out.element_size(), _BATCH_KINDS.get(out.dtype, native.SAME)
 
@@ -199,23 +199,22 @@ class CpuExecutor:
 
     def _read_group(self, job: Job, reads: list[FileRead]) -> None:
         if native.decode_files is not None:
-            reads = self._read_native(job, reads)
+            try:
+                groups, rest = self._native_groups(job.plan, reads)
+            except BaseException as exc:  # noqa: BLE001 - nothing was started: every chunk fails with it
+                job.finish(sum(len(fr.chunk_ids) for fr in reads), exc)
+                return
+            reads = self._read_native(job, groups, rest)
         for fr in reads:
             self._guard(job, len(fr.chunk_ids), self._read, job, fr, True)
 
     # -- the compiled path: zstd and blosc chunk files and inner chunks ---------------------------
 
-    def _read_native(self, job: Job, reads: list[FileRead]) -> list[FileRead]:
-        """Read, decode and place this group's zstd and blosc chunks (whole chunk files and inner chunks of
-        shards) in compiled code that holds no GIL (``stoker/_native.c``), a few chunks per call; returns
-        the reads left for the Python path.
-
-        Chunks are grouped by codec and decoded chunk size only (the call needs nothing else), so crops
-        over many arrays still make full calls. Chunks with a copy plan (see :func:`copy_plan`) are cast
-        into the batch inside the call; the others are viewed through their own array's codec here.
-        """
-        plan = job.plan
-        by_kind: dict[tuple[int, int], list[FileRead]] = {}
+    @staticmethod
+    def _native_groups(plan: BatchPlan, reads: list[FileRead]) -> tuple[dict, list[FileRead]]:
+        """The reads the compiled reader takes, by (codec, decoded chunk size), one chunk per read (a shard's
+        inner chunks are split out); and the rest, for the Python path."""
+        groups: dict[tuple[int, int], list[FileRead]] = {}
         rest = []
         for fr in reads:
             codec = plan.sources[plan.chunks[fr.chunk_ids[0]].source].metadata.codec
@@ -223,9 +222,21 @@ class CpuExecutor:
             if kind is None:
                 rest.append(fr)
             else:
-                by_kind.setdefault((kind, codec.nbytes), []).extend(
+                groups.setdefault((kind, codec.nbytes), []).extend(
                     [fr] if fr.whole_file else [_inner_chunk_read(plan.chunks[c], c) for c in fr.chunk_ids])
-        for (kind, nbytes), frs in by_kind.items():
+        return groups, rest
+
+    def _read_native(self, job: Job, groups: dict[tuple[int, int], list[FileRead]],
+                     rest: list[FileRead]) -> list[FileRead]:
+        """Read, decode and place the grouped zstd and blosc chunks (whole chunk files and inner chunks of
+        shards) in compiled code that holds no GIL (``stoker/_native.c``), a few chunks per call; returns
+        ``rest`` plus the reads that must take the Python path after all.
+
+        Chunks are grouped by codec and decoded chunk size only (the call needs nothing else), so crops
+        over many arrays still make full calls. Chunks with a copy plan (see :func:`copy_plan`) are cast
+        into the batch inside the call; the others are viewed through their own array's codec here.
+        """
+        for (kind, nbytes), frs in groups.items():
             step = max(1, _NATIVE_CALL_BYTES // nbytes)
             for i in range(0, len(frs), step):
                 part = frs[i:i + step]
