@@ -11,6 +11,7 @@ holds memory never waits for more memory.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -74,26 +75,37 @@ def batch_target(out: torch.Tensor) -> tuple[int, int, int] | None:
     return out.data_ptr(), out.numel() * out.element_size(), _BATCH_KINDS.get(out.dtype, native.SAME)
 
 
-def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int) -> array | None:
+@functools.lru_cache(maxsize=1024)
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-ordered array of ``shape`` (cached: asked once per chunk copied)."""
+    strides = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        strides[k] = strides[k + 1] * shape[k + 1]
+    return tuple(strides)
+
+
+def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
+              out_strides: tuple[int, ...] | None = None) -> array | None:
     """The compiled reader's plan for casting ``task``'s copies from its decoded chunk into ``out``
     (see ``_native.c``), or None where the chunk's layout or dtype is left to :func:`copy_cast`:
     F order, transposes and foreign byte order, float16 and bool sources, float16 batches.
+    ``out_strides`` is ``out.stride()``, passed in when one caller makes many plans.
 
     >>> copy_plan(task, codec, batch, native.F32)  # array('q', [kind, ndim, ncopies, strides..., copies...])
     """
     src = native.SOURCE_KINDS.get(codec.dtype) if codec.plain else None
     if src is None or (kind == native.SAME and out.dtype != torch_dtype_of(codec.dtype)):
         return None
-    shape = codec.shape
-    chunk_strides = [1] * len(shape)
-    for k in range(len(shape) - 2, -1, -1):
-        chunk_strides[k] = chunk_strides[k + 1] * shape[k + 1]
-    row_stride, *dst_strides = out.stride()
-    values = [src, len(shape), len(task.copies), *chunk_strides, *dst_strides]
+    chunk_strides = _c_strides(codec.shape)
+    row_stride, *dst_strides = out.stride() if out_strides is None else out_strides
+    values = [src, len(chunk_strides), len(task.copies), *chunk_strides, *dst_strides]
     for c in task.copies:
-        values.append(sum(s.start * st for s, st in zip(c.chunk_sel, chunk_strides)))
-        values.append(c.row * row_stride + sum(b.start * st for b, st in zip(c.box_sel, dst_strides)))
-        values.extend(s.stop - s.start for s in c.chunk_sel)
+        src_offset, dst_offset = 0, c.row * row_stride
+        for s, b, cs, ds in zip(c.chunk_sel, c.box_sel, chunk_strides, dst_strides):
+            src_offset += s.start * cs
+            dst_offset += b.start * ds
+        values += (src_offset, dst_offset)
+        values += [s.stop - s.start for s in c.chunk_sel]
     return array("q", values)
 
 
@@ -251,8 +263,11 @@ class CpuExecutor:
         plan = job.plan
         tasks = [plan.chunks[fr.chunk_ids[0]] for fr in reads]
         dst = batch_target(job.out)
-        places = None if dst is None else [copy_plan(t, plan.sources[t.source].metadata.codec, job.out, dst[2])
-                                           for t in tasks]
+        if dst is None:
+            places = None
+        else:
+            strides = job.out.stride()
+            places = [copy_plan(t, plan.sources[t.source].metadata.codec, job.out, dst[2], strides) for t in tasks]
         shared = places is not None and all(p is not None for p in places)  # every chunk is placed in the call
         res = Reservation(self.budget, users=1)
         if not res.try_reserve(_native_bytes(nbytes, 1 if shared else len(reads))):
@@ -271,8 +286,20 @@ class CpuExecutor:
                 regions.append((*where, *span))
             results = native.decode_files(kind, [fr.path for fr in reads], regions, scratch, outs, nbytes,
                                           places, dst)
+            # chunks decoded and cast in the call are done: account for them together (two locks per call,
+            # not per chunk); the others are placed, filled or read again one by one
+            done = [0] * 6  # count, bytes read, bytes decoded, read, decode and place nanoseconds
             for fr, task, buf, result in zip(reads, tasks, outs, results):
-                self._guard(job, 1, self._place_native, job, fr, task, buf, result)
+                if result[0] == native.OK and result[6]:
+                    done[0] += 1
+                    for k in range(1, 6):
+                        done[k] += result[k]
+                else:
+                    self._guard(job, 1, self._place_native, job, fr, task, buf, result)
+            n, nread, decoded, read_ns, decode_ns, place_ns = done
+            if n:
+                self.stats.chunk(decode_ns * 1e-9, place_ns * 1e-9, nread, decoded, read_s=read_ns * 1e-9, count=n)
+                job.finish(n, bytes_read=nread, bytes_decoded=decoded, chunks_decoded=n)
         finally:
             res.done()
 

@@ -90,23 +90,24 @@ class StatsRecorder:
             m[3] += bytes_out
 
     def chunk(self, decode_s: float, assemble_s: float, bytes_in: int, decoded: int,
-              read_s: float | None = None) -> None:
-        """One decoded chunk: its decode and assemble stage times, and its read when ``read_s`` is given,
-        under one lock (the batch's counters are added when it is popped)."""
+              read_s: float | None = None, count: int = 1) -> None:
+        """``count`` decoded chunks (one, unless the compiled reader reports a call's worth): their decode
+        and assemble stage times, and their reads when ``read_s`` is given, under one lock (the batch's
+        counters are added when it is popped)."""
         with self._lock:
             if read_s is not None:
                 r = self._stages["io"]
                 r[0] += read_s
-                r[1] += 1
+                r[1] += count
                 r[3] += bytes_in
             d = self._stages["decode"]
             d[0] += decode_s
-            d[1] += 1
+            d[1] += count
             d[2] += bytes_in
             d[3] += decoded
             a = self._stages["assemble"]
             a[0] += assemble_s
-            a[1] += 1
+            a[1] += count
 
     def add(self, **counts: int) -> None:
         with self._lock:
