@@ -296,7 +296,7 @@ def test_direct_call_leaves_doubtful_blosc_frames_to_python(tmp_path):
         assert status["table"] == (native.FRAME if span[1] == 100 else native.CODEC_ERROR), span
 
 
-def _place(dtype_src, batch_dtype, kind):
+def _place(tmp_path, dtype_src, batch_dtype, kind):
     """Cast a 2-D chunk into a batch through the compiled reader; returns (batch, expected by copy_cast)."""
     from stoker.engine.cast import copy_cast
     from stoker.engine.cpu import copy_plan
@@ -312,7 +312,7 @@ def _place(dtype_src, batch_dtype, kind):
     want = got.clone()
     plan = copy_plan(task, codec, got, kind)
     assert plan is not None
-    path = _place.tmp / f"{dtype_src}"
+    path = tmp_path / f"{dtype_src}"
     path.write_bytes(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
     results, _ = _call(native.ZSTD, [path], chunk.nbytes, scratch=chunk.nbytes + 4096, places=[plan],
                        dst=(got.data_ptr(), got.numel() * got.element_size(), kind))
@@ -351,10 +351,9 @@ def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch):
     torch casts. NaN stays NaN (torch's own bfloat16 NaN bits differ between its vector and scalar loops)."""
     if not native.zstd:
         pytest.skip("stoker._native is not available")
-    _place.tmp = tmp_path
     batch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "native": torch.from_numpy(np.empty(0, src)).dtype}[batch]
     kind = {"f32": native.F32, "bf16": native.BF16, "native": native.SAME}[batch]
-    got, want = _place(src, batch_dtype, kind)
+    got, want = _place(tmp_path, src, batch_dtype, kind)
     nan = want.isnan() if want.is_floating_point() else torch.zeros_like(want, dtype=torch.bool)
     assert torch.equal(got.isnan() if got.is_floating_point() else nan, nan)
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]

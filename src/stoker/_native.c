@@ -164,12 +164,10 @@ static int open_chunk(chunk_job *job, size_t scratch_len, size_t *size) {
 
 /* ---- codecs ------------------------------------------------------------------------------- */
 
-static void decode_zstd(chunk_job *job, char *scratch, size_t scratch_len, size_t nbytes) {
-    size_t size;
-    long long t0 = now_ns();
-    int fd = open_chunk(job, scratch_len, &size);
-    if (fd < 0)
-        return;
+/* The codecs: each reads the stored chunk (``size`` bytes) from the open ``fd``, closes it and decodes
+ * into job->out; read_ns counts from ``t0``, when the file was opened. */
+
+static void decode_zstd(chunk_job *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes) {
     int bad = read_range(job, fd, scratch, 0, size);
     close(fd);
     long long t1 = now_ns();
@@ -250,12 +248,7 @@ static int blosc_stored_range(const unsigned char *table, uint32_t nblocks, uint
 /* Read a blosc1 chunk file and decode either the blocks holding the job's span (when they are
  * at most half the chunk, as stoker/zarr/blosc_partial.py decides) or the whole frame. Frames
  * whose header disagrees with the chunk or the file get ST_FRAME: the Python path reports them. */
-static void decode_blosc(chunk_job *job, char *scratch, size_t scratch_len, size_t nbytes) {
-    size_t size;
-    long long t0 = now_ns();
-    int fd = open_chunk(job, scratch_len, &size);
-    if (fd < 0)
-        return;
+static void decode_blosc(chunk_job *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes) {
     const unsigned char *h = (const unsigned char *)scratch;
     int partial = 0, failed = 1;
     size_t lo = 0, hi = 0;
@@ -577,10 +570,17 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         chunk_job *job = &jobs[i];
+        size_t size;
+        long long t0 = now_ns();
+        int fd = open_chunk(job, (size_t)scratch.len, &size);
+        if (fd < 0) {
+            job->read_ns = now_ns() - t0;
+            continue;
+        }
         if (codec == CODEC_ZSTD)
-            decode_zstd(job, scratch.buf, (size_t)scratch.len, (size_t)nbytes);
+            decode_zstd(job, fd, size, t0, scratch.buf, (size_t)nbytes);
         else
-            decode_blosc(job, scratch.buf, (size_t)scratch.len, (size_t)nbytes);
+            decode_blosc(job, fd, size, t0, scratch.buf, (size_t)nbytes);
         if (job->status == ST_OK && job->place != NULL) {
             long long t = now_ns();
             place_copies(job->place, job->out, &dst);

@@ -84,7 +84,7 @@ def zstd_error(code: int) -> str:
     return _error_name((1 << 64) - code if code > 0 else 0).decode(errors="replace")
 
 
-#: ``decode_files(codec, paths, spans, scratch, outs, nbytes, places, dst)
+#: ``decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst)
 #: -> [(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]``, or ``None`` where the
 #: extension is not built (or ``STOKER_NATIVE=0``); ``zstd`` / ``blosc``: which codecs it can call
 decode_files, zstd, blosc = _load()

@@ -40,15 +40,16 @@ class _NoRoom(Exception):
     """Internal: the budget is short and this compute thread must not wait for it."""
 
 
-def _zstd_bound(nbytes: int) -> int:
-    """Room for the stored frame of an ``nbytes`` chunk: zstd's worst case (ZSTD_compressBound) plus slack;
-    a larger file is not a plain zstd frame of this chunk and takes the Python path."""
+def _frame_bound(nbytes: int) -> int:
+    """Room for the stored frame of an ``nbytes`` chunk: zstd's worst case (ZSTD_compressBound) plus slack,
+    far above blosc's (16 bytes over ``nbytes``); a larger file is not a frame of this chunk and takes the
+    Python path."""
     return nbytes + (nbytes >> 7) + 4096
 
 
 def _native_bytes(nbytes: int, n: int) -> int:
     """What one compiled call with ``n`` output buffers of ``nbytes`` reserves: the encoded buffer and the outputs."""
-    return size_class(_zstd_bound(nbytes)) + n * size_class(nbytes)
+    return size_class(_frame_bound(nbytes)) + n * size_class(nbytes)
 
 
 def _inner_chunk_read(task: ChunkTask, cid: int) -> FileRead:
@@ -262,27 +263,28 @@ class CpuExecutor:
         """One compiled call over ``reads``, each one chunk: a whole file or an inner chunk of a shard."""
         plan = job.plan
         tasks = [plan.chunks[fr.chunk_ids[0]] for fr in reads]
+        codecs = [plan.sources[t.source].metadata.codec for t in tasks]
         dst = batch_target(job.out)
         if dst is None:
             places = None
         else:
             strides = job.out.stride()
-            places = [copy_plan(t, plan.sources[t.source].metadata.codec, job.out, dst[2], strides) for t in tasks]
+            places = [copy_plan(t, codec, job.out, dst[2], strides) for t, codec in zip(tasks, codecs)]
         shared = places is not None and all(p is not None for p in places)  # every chunk is placed in the call
         res = Reservation(self.budget, users=1)
         if not res.try_reserve(_native_bytes(nbytes, 1 if shared else len(reads))):
             self._handoff_each(job, reads)  # a compute thread never waits for memory (see _read)
             return
         try:
-            scratch = res.take(_zstd_bound(nbytes), keep=True)
+            scratch = res.take(_frame_bound(nbytes), keep=True)
             if shared:  # decoded and placed one after the other: one buffer, warm in cache for each chunk
                 outs = [res.take(nbytes, keep=True)] * len(reads)
             else:
                 outs = [res.take(nbytes, keep=True) for _ in reads]
             regions = []
-            for fr, t in zip(reads, tasks):
+            for fr, t, codec in zip(reads, tasks, codecs):
                 where = (-1, 0) if fr.whole_file else (t.offset, t.length)
-                span = (t.byte_start, t.byte_stop) if plan.sources[t.source].metadata.codec.plain else (0, nbytes)
+                span = (t.byte_start, t.byte_stop) if codec.plain else (0, nbytes)
                 regions.append((*where, *span))
             results = native.decode_files(kind, [fr.path for fr in reads], regions, scratch, outs, nbytes,
                                           places, dst)
@@ -304,18 +306,17 @@ class CpuExecutor:
             res.done()
 
     def _place_native(self, job: Job, fr: FileRead, task: ChunkTask, buf, result: tuple) -> None:
-        status, nread, detail, read_ns, decode_ns, place_ns, placed = result
+        """A chunk the call did not cast into the batch: cast it here from ``buf``, or fill, or read it again."""
+        status, nread, detail, read_ns, decode_ns = result[:5]
         reader = job.plan.sources[task.source]
         codec = reader.metadata.codec
-        if status == native.OK:
+        if status == native.OK:  # decoded, but no copy plan: layout or dtype left to copy_cast
             t0 = time.perf_counter()
-            if not placed:
-                chunk = codec.decoded_view(buf, task.key)
-                out = job.out if job.out_np is None else job.out_np
-                for c in task.copies:
-                    copy_cast(out[c.dst], chunk[c.chunk_sel])
-            assemble_s = place_ns * 1e-9 + time.perf_counter() - t0
-            self.stats.chunk(decode_ns * 1e-9, assemble_s, nread, detail, read_s=read_ns * 1e-9)
+            chunk = codec.decoded_view(buf, task.key)
+            out = job.out if job.out_np is None else job.out_np
+            for c in task.copies:
+                copy_cast(out[c.dst], chunk[c.chunk_sel])
+            self.stats.chunk(decode_ns * 1e-9, time.perf_counter() - t0, nread, detail, read_s=read_ns * 1e-9)
             job.finish(bytes_read=nread, bytes_decoded=detail, chunks_decoded=1)
         elif status == native.MISSING and fr.whole_file:  # an absent chunk file is the fill value
             self._fill(job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype))

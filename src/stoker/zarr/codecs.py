@@ -104,12 +104,7 @@ class ChunkCodec:
     @property
     def partial(self) -> bool:
         """True when a byte range of the chunk can be decoded without the rest (lone blosc, plain layout)."""
-        return (
-            self.plain
-            and len(self.compressors) == 1
-            and self.compressors[0].codec_id == "blosc"
-            and blosc_partial.available()
-        )
+        return self.plain and self.lone_blosc and blosc_partial.available()
 
     @property
     def lone_blosc(self) -> bool:
@@ -182,7 +177,7 @@ class ChunkCodec:
         """
         if out.shape != self.shape or out.dtype != self.dtype or not out.flags.c_contiguous:
             raise ValueError(f"decode_into needs a C-contiguous {self.shape} {self.dtype} array")
-        if self.plain and len(self.compressors) == 1 and self.compressors[0].codec_id == "blosc":
+        if self.plain and self.lone_blosc:
             try:
                 self.check_size(_check_blosc_frame(encoded), key)
                 self.compressors[0].decode(encoded, out=out)
