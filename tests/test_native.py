@@ -296,7 +296,7 @@ def test_direct_call_leaves_doubtful_blosc_frames_to_python(tmp_path):
         assert status["table"] == (native.FRAME if span[1] == 100 else native.CODEC_ERROR), span
 
 
-def _place(tmp_path, dtype_src, batch_dtype, kind):
+def _place(tmp_path, dtype_src, batch_dtype, kind, stream=False):
     """Cast a 2-D chunk into a batch through the compiled reader; returns (batch, expected by copy_cast)."""
     from stoker.engine.cast import copy_cast
     from stoker.engine.cpu import copy_plan
@@ -315,7 +315,7 @@ def _place(tmp_path, dtype_src, batch_dtype, kind):
     path = tmp_path / f"{dtype_src}"
     path.write_bytes(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
     results, _ = _call(native.ZSTD, [path], chunk.nbytes, scratch=chunk.nbytes + 4096, places=[plan],
-                       dst=(got.data_ptr(), got.numel() * got.element_size(), kind))
+                       dst=(got.data_ptr(), got.numel() * got.element_size(), kind, stream))
     assert results[0][0] == native.OK and results[0][6] == 1
     for c in task.copies:
         copy_cast(want[c.dst] if want.dtype == torch.bfloat16 else want.numpy()[c.dst], chunk[c.chunk_sel])
@@ -343,9 +343,10 @@ _SPECIAL = _special_values()
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # float64 max becomes inf, as it must
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
 @pytest.mark.parametrize("batch", ["f32", "bf16", "native"])
 @pytest.mark.parametrize("src", sorted(str(d) for d in _SPECIAL))
-def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch):
+def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch, stream):
     """Every source kind into every batch kind the compiled reader casts to, on edge values (extremes,
     rounding ties, infinities, subnormals, signed zeros): the same bits as the Python path's numpy and
     torch casts. NaN stays NaN (torch's own bfloat16 NaN bits differ between its vector and scalar loops)."""
@@ -353,13 +354,45 @@ def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch):
         pytest.skip("stoker._native is not available")
     batch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "native": torch.from_numpy(np.empty(0, src)).dtype}[batch]
     kind = {"f32": native.F32, "bf16": native.BF16, "native": native.SAME}[batch]
-    got, want = _place(tmp_path, src, batch_dtype, kind)
+    got, want = _place(tmp_path, src, batch_dtype, kind, stream)
     nan = want.isnan() if want.is_floating_point() else torch.zeros_like(want, dtype=torch.bool)
     assert torch.equal(got.isnan() if got.is_floating_point() else nan, nan)
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
     assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
     if src.startswith("float"):
         assert nan.sum() == 2  # NaN and -NaN (in the first copy only)
+
+
+@pytest.mark.parametrize("batch", [torch.float32, torch.bfloat16, torch.int16])
+def test_streamed_writes_cover_every_alignment_and_nothing_else(tmp_path, batch):
+    """Streamed stores write whole cache lines only: rows that start and end at every offset within a
+    line, some shorter than a line, land exactly where copy_cast puts them and nothing around them moves."""
+    if not native.zstd:
+        pytest.skip("stoker._native is not available")
+    from stoker.engine.cast import copy_cast
+    from stoker.engine.cpu import copy_plan
+    from stoker.engine.plan import ChunkTask, Copy
+    from stoker.zarr.codecs import ChunkCodec
+
+    chunk = np.random.default_rng(3).integers(-30000, 30000, size=(40, 300), dtype="int16")
+    codec = ChunkCodec("mem://x", chunk.shape, chunk.dtype, chunk.dtype)
+    # row r of the chunk goes to batch row r at column r (0..39: every offset in a 64-byte line for
+    # 2- and 4-byte items), with lengths from 1 to 300 elements
+    copies = [Copy(0, (slice(r, r + 1), slice(0, 1 + (r * 37) % 300)), (slice(r, r + 1), slice(r, r + 1 + (r * 37) % 300)))
+              for r in range(40)]
+    task = ChunkTask(0, (0, 0), "c/0/0", copies)
+    got = torch.full((1, 40, 360), -7, dtype=batch)
+    want = got.clone()
+    kind = {torch.float32: native.F32, torch.bfloat16: native.BF16, torch.int16: native.SAME}[batch]
+    plan = copy_plan(task, codec, got, kind)
+    path = tmp_path / "c"
+    path.write_bytes(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
+    results, _ = _call(native.ZSTD, [path], chunk.nbytes, scratch=chunk.nbytes + 4096, places=[plan],
+                       dst=(got.data_ptr(), got.numel() * got.element_size(), kind, True))
+    assert results[0][0] == native.OK and results[0][6] == 1
+    for c in copies:
+        copy_cast(want[c.dst] if batch == torch.bfloat16 else want.numpy()[c.dst], chunk[c.chunk_sel])
+    assert torch.equal(got, want)
 
 
 def test_invalid_copy_plans_are_refused_before_any_write(tmp_path):

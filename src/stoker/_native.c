@@ -44,6 +44,9 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 typedef size_t (*zstd_decompress_fn)(void *dst, size_t dst_capacity, const void *src, size_t src_size);
 typedef unsigned (*zstd_is_error_fn)(size_t code);
@@ -376,6 +379,7 @@ typedef struct {
     char *base;
     long long nbytes;
     int kind;
+    int stream; /* write whole cache lines with streaming stores (see write_run) */
 } batch_dst;
 
 static size_t dst_itemsize(const batch_dst *dst, int src_kind) {
@@ -428,6 +432,55 @@ bad:
     return -1;
 }
 
+/* Writing a run into the batch. A batch is usually far larger than the caches and is read only
+ * later (by the consumer or a DMA), so ordinary stores first read every destination line from memory
+ * and then evict it again: twice the memory traffic. Streaming (non-temporal) stores write whole lines
+ * straight to memory. Runs are converted in small pieces into an L1 buffer, then streamed. */
+#define STREAM_PIECE 1024 /* bytes of batch per piece: stays in L1 */
+
+static void stream_bytes(char *d, const char *s, size_t n) {
+#if defined(__SSE2__)
+    /* only whole cache lines are streamed: a partly streamed line costs a read-modify-write in memory */
+    size_t head = (64 - ((uintptr_t)d & 63)) & 63;
+    if (head > n)
+        head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; n >= 64; n -= 64, d += 64, s += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+#endif
+    memcpy(d, s, n);
+}
+
+static void write_run(const char *s, char *d, size_t run, size_t s_item, size_t d_item, convert_fn convert,
+                      int stream) {
+    if (!stream) {
+        if (convert == NULL)
+            memcpy(d, s, run * s_item);
+        else
+            convert(s, d, run);
+        return;
+    }
+    if (convert == NULL) {
+        stream_bytes(d, s, run * s_item);
+        return;
+    }
+    char piece[STREAM_PIECE] __attribute__((aligned(64)));
+    size_t per_piece = STREAM_PIECE / d_item;
+    while (run) {
+        size_t k = run < per_piece ? run : per_piece;
+        convert(s, piece, k);
+        stream_bytes(d, piece, k * d_item);
+        s += k * s_item, d += k * d_item, run -= k;
+    }
+}
+
 /* Cast every copy of the plan from the decoded chunk into the batch; runs without the GIL. */
 static void place_copies(const int64_t *p, const char *chunk, const batch_dst *dst) {
     int kind = (int)p[0], ndim = (int)p[1];
@@ -449,10 +502,7 @@ static void place_copies(const int64_t *p, const char *chunk, const batch_dst *d
             }
             const char *s = chunk + (size_t)so * s_item;
             char *d = dst->base + (size_t)dof * d_item;
-            if (convert == NULL)
-                memcpy(d, s, run * s_item);
-            else
-                convert(s, d, run);
+            write_run(s, d, run, s_item, d_item, convert, dst->stream);
             int k = ndim - 2;
             for (; k >= 0; k--) {
                 if (++idx[k] < ext[k])
@@ -463,13 +513,16 @@ static void place_copies(const int64_t *p, const char *chunk, const batch_dst *d
                 break;
         }
     }
+#if defined(__SSE2__)
+    _mm_sfence(); /* streamed stores are weakly ordered: make them visible before the batch is handed on */
+#endif
 }
 
 /* ---- the call ----------------------------------------------------------------------------- */
 
 static int parse_dst(PyObject *obj, batch_dst *dst) {
     unsigned long long addr;
-    if (!PyArg_ParseTuple(obj, "KLi", &addr, &dst->nbytes, &dst->kind))
+    if (!PyArg_ParseTuple(obj, "KLi|p", &addr, &dst->nbytes, &dst->kind, &dst->stream))
         return -1;
     if (!addr || dst->nbytes < 0 || dst->kind < 0 || dst->kind >= N_DST_KINDS) {
         PyErr_SetString(PyExc_ValueError, "dst must be (address, size in bytes, kind) of a batch");
