@@ -60,9 +60,14 @@ class ArrayReader:
     ) -> None:
         self.metadata = metadata
         self.path = path
+        self._dir = os.path.join(path, "")  # path with its separator: file_path is then one concatenation
         self.store = store
         self._index_cache = index_cache or SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._token = next(_reader_tokens)
+
+    def file_path(self, key: str) -> str:
+        """The local file holding chunk (or shard) ``key``."""
+        return self._dir + key
 
     # -- what the array is ------------------------------------------------------------------
 
@@ -132,7 +137,7 @@ class ArrayReader:
         meta = self.metadata
         if meta.sharding is None:
             key = meta.chunk_key(index)
-            return key, self.store.read(os.path.join(self.path, key))
+            return key, self.store.read(self.file_path(key))
         shard_index, inner = meta.sharding.inner_position(index)
         shard_key = meta.chunk_key(shard_index)
         key = f"{shard_key}[{inner}]"
@@ -142,7 +147,7 @@ class ArrayReader:
         offset, nbytes = (int(v) for v in table[inner])
         if offset == nbytes == 2**64 - 1:
             return key, None
-        data = self.store.read_range(os.path.join(self.path, shard_key), offset, nbytes)
+        data = self.store.read_range(self.file_path(shard_key), offset, nbytes)
         if data is None or len(data) != nbytes:
             raise DecodeError(f"{self.uri}: shard {shard_key!r} changed or vanished while reading inner chunk {inner}",
                               uri=self.uri, key=key)
@@ -154,7 +159,7 @@ class ArrayReader:
 
     def _load_shard_index(self, shard_key: str) -> np.ndarray | None:
         spec = self.metadata.sharding
-        path = os.path.join(self.path, shard_key)
+        path = self.file_path(shard_key)
         size = self.store.size(path)
         if size is None:
             return None

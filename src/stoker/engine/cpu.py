@@ -11,7 +11,6 @@ holds memory never waits for more memory.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
@@ -26,6 +25,7 @@ from ..errors import DecodeError, ShutdownError, StorageError
 from ..storage import LocalStore
 from ..storage.ranges import Read
 from ..zarr import blosc_partial
+from ..zarr.grid import c_strides
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
 from .cast import copy_cast, fill_value_as, numpy_view, torch_dtype_of
 from .plan import BatchPlan, ChunkTask, FileRead
@@ -84,15 +84,6 @@ def batch_target(out: torch.Tensor) -> tuple[int, int, int, bool] | None:
     return out.data_ptr(), nbytes, _BATCH_KINDS.get(out.dtype, native.SAME), nbytes >= STREAM_MIN_BYTES
 
 
-@functools.lru_cache(maxsize=1024)
-def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Element strides of a C-ordered array of ``shape`` (cached: asked once per chunk copied)."""
-    strides = [1] * len(shape)
-    for k in range(len(shape) - 2, -1, -1):
-        strides[k] = strides[k + 1] * shape[k + 1]
-    return tuple(strides)
-
-
 def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
               out_strides: tuple[int, ...] | None = None) -> array | None:
     """The compiled reader's plan for casting ``task``'s copies from its decoded chunk into ``out``
@@ -105,7 +96,7 @@ def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
     src = native.SOURCE_KINDS.get(codec.dtype) if codec.plain else None
     if src is None or (kind == native.SAME and out.dtype != torch_dtype_of(codec.dtype)):
         return None
-    chunk_strides = _c_strides(codec.shape)
+    chunk_strides = c_strides(codec.shape)
     row_stride, *dst_strides = out.stride() if out_strides is None else out_strides
     values = [src, len(chunk_strides), len(task.copies), *chunk_strides, *dst_strides]
     for c in task.copies:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -30,7 +29,7 @@ from ..zarr.grid import c_order_span, chunk_intersections
 EMPTY_ENTRY = 2**64 - 1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs several times more, per copy
 class Copy:
     """Copy ``chunk[chunk_sel]`` into ``batch[row][box_sel]`` (``batch[dst]``)."""
 
@@ -40,7 +39,7 @@ class Copy:
     dst: tuple = field(init=False, repr=False, compare=False)  # (row, *box_sel): built once, used per chunk
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dst", (self.row, *self.box_sel))
+        self.dst = (self.row, *self.box_sel)
 
 
 @dataclass
@@ -154,7 +153,7 @@ def plan_batch(
         task.byte_start, task.byte_stop = c_order_span(meta.read_chunk_shape, meta.dtype.itemsize, (c.chunk_sel for c in task.copies))
         if meta.sharding is None:
             task.key = meta.chunk_key(task.index)
-            task.path = os.path.join(reader.path, task.key)
+            task.path = reader.file_path(task.key)
             file_reads.append(FileRead(task.path, (cid,)))
             continue
         shard_index, inner = meta.sharding.inner_position(task.index)
@@ -163,10 +162,10 @@ def plan_batch(
         table = reader.shard_index(shard_key)
         if table is None:
             continue  # missing shard: fill
-        offset, length = (int(v) for v in table[inner])
+        offset, length = table.item(inner, 0), table.item(inner, 1)  # Python ints, without a row view
         if offset == length == EMPTY_ENTRY:
             continue  # empty inner chunk: fill
-        task.path = os.path.join(reader.path, shard_key)
+        task.path = reader.file_path(shard_key)
         task.offset, task.length = offset, length
         by_shard.setdefault(task.path, []).append(cid)
     def chunk_cost(task: ChunkTask) -> int:

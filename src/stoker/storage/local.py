@@ -122,8 +122,9 @@ class LocalStore:
         Called when an array is (re)opened: a file replaced since it was cached
         must not be read through the old descriptor.
         """
+        under = prefix.rstrip(os.sep) + os.sep
         with self._lock:
-            stale = [p for p in self._handles if p == prefix or p.startswith(prefix.rstrip(os.sep) + os.sep)]
+            stale = [p for p in self._handles if p == prefix or p.startswith(under)]
             for path in stale:
                 handle = self._handles.pop(path)
                 if handle.users == 0:

@@ -13,9 +13,10 @@ inside the chunk (``chunk_sel``) and the matching selection inside the box
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from ..box import Box
 
@@ -33,8 +34,7 @@ class ChunkKeyEncoding:
         return self.separator.join(map(str, index)) if index else "0"
 
 
-@dataclass(frozen=True)
-class ChunkIntersection:
+class ChunkIntersection(NamedTuple):  # a tuple: made per chunk per crop, so cheap to build matters
     index: tuple[int, ...]
     chunk_sel: tuple[slice, ...]
     box_sel: tuple[slice, ...]
@@ -57,22 +57,33 @@ def chunk_intersections(box: Box, chunk_shape: Sequence[int]) -> Iterator[ChunkI
     chunk_shape = tuple(chunk_shape)
     per_axis = [_axis_pieces(start, stop, c) for (start, stop), c in zip(box, chunk_shape)]
     for combo in itertools.product(*per_axis):
-        yield ChunkIntersection(
-            index=tuple(p[0] for p in combo),
-            chunk_sel=tuple(p[1] for p in combo),
-            box_sel=tuple(p[2] for p in combo),
-        )
+        index, chunk_sel, box_sel = zip(*combo) if combo else ((), (), ())  # () for a 0-d array
+        yield ChunkIntersection(index, chunk_sel, box_sel)
 
 
 def c_order_span(shape: Sequence[int], itemsize: int, sels: Iterable[tuple[slice, ...]]) -> tuple[int, int]:
     """``(start, stop)``: the smallest C-order byte range of an array of ``shape`` covering every selection."""
+    strides = c_strides(tuple(shape), itemsize)
+    start = stop = None
+    for sel in sels:
+        first = last = 0
+        for s, st in zip(sel, strides):
+            first += s.start * st
+            last += (s.stop - 1) * st
+        start = first if start is None or first < start else start
+        stop = last if stop is None or last > stop else stop
+    if start is None:
+        raise ValueError("c_order_span needs at least one selection")
+    return start, stop + itemsize
+
+
+@functools.lru_cache(maxsize=1024)
+def c_strides(shape: tuple[int, ...], itemsize: int = 1) -> tuple[int, ...]:
+    """Strides of a C-ordered array of ``shape``, in units of ``itemsize`` bytes (1: elements)."""
     strides = [itemsize] * len(shape)
     for axis in range(len(shape) - 2, -1, -1):
         strides[axis] = strides[axis + 1] * shape[axis + 1]
-    sels = list(sels)
-    start = min(sum(s.start * st for s, st in zip(sel, strides)) for sel in sels)
-    stop = max(sum((s.stop - 1) * st for s, st in zip(sel, strides)) for sel in sels) + itemsize
-    return start, stop
+    return tuple(strides)
 
 
 def grid_shape(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:
