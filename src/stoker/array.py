@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from .errors import DecodeError, InvalidArgument, NotFound
 from .storage import LocalStore, default_store, resolve_local_path
 from .zarr.grid import chunk_intersections
 from .zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3
+from .zarr.sharding import EMPTY_ENTRY
 
 DEFAULT_INDEX_CACHE_BYTES = 64 << 20
 _reader_tokens = itertools.count()  # cache keys unique per reader, never reused like id()
@@ -46,6 +47,15 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
     if store.size(os.path.join(path, ".zgroup")) is not None:
         raise InvalidArgument(f"{uri} is a Zarr v2 group, not an array; name one of its arrays", uri=uri)
     raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
+
+
+class ChunkLocation(NamedTuple):
+    """Where a read chunk is stored (see :meth:`ArrayReader.locate`)."""
+
+    key: str  # "c/0/1", or "c/0/0[3]" for inner chunk 3 of the shard at "c/0/0"
+    path: str | None  # the file; None: nothing stored (the fill value)
+    offset: int | None = None  # an inner chunk's byte range in ``path``; None: the whole file
+    length: int | None = None
 
 
 class ArrayReader:
@@ -132,26 +142,41 @@ class ArrayReader:
         key, encoded = self.encoded_chunk(index)
         return None if encoded is None else self.metadata.codec.decode(encoded, key)
 
-    def encoded_chunk(self, index: tuple[int, ...]) -> tuple[str, Any]:
-        """``(key, stored bytes or None)`` of read chunk ``index``; ``None`` means fill value."""
+    def locate(self, index: tuple[int, ...]) -> ChunkLocation:
+        """Where read chunk ``index`` is stored: its file, and for an inner chunk of a shard its byte range
+        (from the shard's cached index). A missing shard or an empty inner chunk has no file (fill value);
+        a missing chunk file is found only when it is read.
+
+        >>> arr.locate((0, 1, 1))
+        ChunkLocation(key='c/0/0/0[3]', path='/data/a.zarr/c/0/0/0', offset=1024, length=4096)
+        """
         meta = self.metadata
         if meta.sharding is None:
             key = meta.chunk_key(index)
-            return key, self.store.read(self.file_path(key))
+            return ChunkLocation(key, self.file_path(key))
         shard_index, inner = meta.sharding.inner_position(index)
         shard_key = meta.chunk_key(shard_index)
         key = f"{shard_key}[{inner}]"
         table = self.shard_index(shard_key)
         if table is None:
-            return key, None
-        offset, nbytes = (int(v) for v in table[inner])
-        if offset == nbytes == 2**64 - 1:
-            return key, None
-        data = self.store.read_range(self.file_path(shard_key), offset, nbytes)
-        if data is None or len(data) != nbytes:
-            raise DecodeError(f"{self.uri}: shard {shard_key!r} changed or vanished while reading inner chunk {inner}",
-                              uri=self.uri, key=key)
-        return key, data
+            return ChunkLocation(key, None)
+        offset, length = table.item(inner, 0), table.item(inner, 1)  # Python ints, without a row view
+        if offset == length == EMPTY_ENTRY:
+            return ChunkLocation(key, None)
+        return ChunkLocation(key, self.file_path(shard_key), offset, length)
+
+    def encoded_chunk(self, index: tuple[int, ...]) -> tuple[str, Any]:
+        """``(key, stored bytes or None)`` of read chunk ``index``; ``None`` means fill value."""
+        loc = self.locate(index)
+        if loc.path is None:
+            return loc.key, None
+        if loc.offset is None:
+            return loc.key, self.store.read(loc.path)
+        data = self.store.read_range(loc.path, loc.offset, loc.length)
+        if data is None or len(data) != loc.length:
+            raise DecodeError(f"{self.uri}: the shard holding inner chunk {loc.key!r} changed or vanished while "
+                              "it was read", uri=self.uri, key=loc.key)
+        return loc.key, data
 
     def shard_index(self, shard_key: str) -> np.ndarray | None:
         """Decoded ``(n_inner, 2)`` index of a shard (cached), or ``None`` when the shard file is missing."""

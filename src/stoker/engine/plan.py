@@ -26,9 +26,6 @@ from ..sample import Sample
 from ..storage.ranges import Read, coalesce
 from ..zarr.grid import c_order_span, chunk_intersections
 
-EMPTY_ENTRY = 2**64 - 1
-
-
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs several times more, per copy
 class Copy:
     """Copy ``chunk[chunk_sel]`` into ``batch[row][box_sel]`` (``batch[dst]``)."""
@@ -151,23 +148,16 @@ def plan_batch(
         reader = sources[task.source]
         meta = reader.metadata
         task.byte_start, task.byte_stop = c_order_span(meta.read_chunk_shape, meta.dtype.itemsize, (c.chunk_sel for c in task.copies))
-        if meta.sharding is None:
-            task.key = meta.chunk_key(task.index)
-            task.path = reader.file_path(task.key)
-            file_reads.append(FileRead(task.path, (cid,)))
+        loc = reader.locate(task.index)
+        task.key, task.path = loc.key, loc.path
+        if loc.path is None:
+            continue  # missing shard or empty inner chunk: fill
+        if loc.offset is None:
+            file_reads.append(FileRead(loc.path, (cid,)))
             continue
-        shard_index, inner = meta.sharding.inner_position(task.index)
-        shard_key = meta.chunk_key(shard_index)
-        task.key = f"{shard_key}[{inner}]"
-        table = reader.shard_index(shard_key)
-        if table is None:
-            continue  # missing shard: fill
-        offset, length = table.item(inner, 0), table.item(inner, 1)  # Python ints, without a row view
-        if offset == length == EMPTY_ENTRY:
-            continue  # empty inner chunk: fill
-        task.path = reader.file_path(shard_key)
-        task.offset, task.length = offset, length
+        task.offset, task.length = loc.offset, loc.length
         by_shard.setdefault(task.path, []).append(cid)
+
     def chunk_cost(task: ChunkTask) -> int:
         return sizing(task.length) + sizing(sources[task.source].metadata.codec.nbytes)
 

@@ -18,7 +18,8 @@ import numpy as np
 from ..errors import DecodeError, UnsupportedFormat
 from .codecs import ChunkCodec, codec_name_and_config
 
-EMPTY = np.uint64(2**64 - 1)
+EMPTY_ENTRY = 2**64 - 1  # offset and length of an inner chunk that is not stored
+EMPTY = np.uint64(EMPTY_ENTRY)
 
 
 @dataclass(frozen=True)
