@@ -79,7 +79,7 @@ def c_order_span(shape: Sequence[int], itemsize: int, sels: Iterable[tuple[slice
 
 @functools.lru_cache(maxsize=1024)
 def c_strides(shape: tuple[int, ...], itemsize: int = 1) -> tuple[int, ...]:
-    """Strides of a C-ordered array of ``shape``, in units of ``itemsize`` bytes (1: elements)."""
+    """Strides of a C-ordered array of ``shape``: in bytes for items of ``itemsize`` bytes (default 1: in elements)."""
     strides = [itemsize] * len(shape)
     for axis in range(len(shape) - 2, -1, -1):
         strides[axis] = strides[axis + 1] * shape[axis + 1]
