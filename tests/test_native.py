@@ -17,6 +17,7 @@ from zarr.codecs import BloscCodec, BytesCodec, TransposeCodec, ZstdCodec
 import numcodecs
 import stoker
 from stoker import native
+from stoker.engine import cpu
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,10 +35,13 @@ def test_extension_is_built():
     )
 
 
-@pytest.fixture(params=["compiled", "python"])
+@pytest.fixture(params=["compiled", "compiled-streamed", "python"])
 def reader(request, monkeypatch):
-    """Which path reads whole chunk files; yields the compiled calls made as (codec, files, placed, decoded)."""
+    """Which path reads whole chunk files; yields the compiled calls made as (codec, files, placed, decoded).
+    "compiled-streamed" writes every batch with streaming stores, however small (see cpu.STREAM_MIN_BYTES)."""
     calls: list[tuple[int, int, int, int]] = []
+    if request.param == "compiled-streamed":
+        monkeypatch.setattr(cpu, "STREAM_MIN_BYTES", 0)
     if request.param == "python":
         monkeypatch.setattr(native, "decode_files", None)
     else:
@@ -51,9 +55,9 @@ def reader(request, monkeypatch):
             return results
 
         monkeypatch.setattr(native, "decode_files", spy)
-    calls_holder = {"kind": request.param, "calls": calls}
+    calls_holder = {"kind": "python" if request.param == "python" else "compiled", "calls": calls}
     yield calls_holder
-    if request.param == "compiled":
+    if request.param != "python":
         assert calls, "the compiled reader was never called"
 
 
@@ -296,7 +300,7 @@ def test_direct_call_leaves_doubtful_blosc_frames_to_python(tmp_path):
         assert status["table"] == (native.FRAME if span[1] == 100 else native.CODEC_ERROR), span
 
 
-def _place(tmp_path, dtype_src, batch_dtype, kind, stream=False):
+def _place(tmp_path, dtype_src, batch_dtype, kind):
     """Cast a 2-D chunk into a batch through the compiled reader; returns (batch, expected by copy_cast)."""
     from stoker.engine.cast import copy_cast
     from stoker.engine.cpu import copy_plan
@@ -315,7 +319,7 @@ def _place(tmp_path, dtype_src, batch_dtype, kind, stream=False):
     path = tmp_path / f"{dtype_src}"
     path.write_bytes(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
     results, _ = _call(native.ZSTD, [path], chunk.nbytes, scratch=chunk.nbytes + 4096, places=[plan],
-                       dst=(got.data_ptr(), got.numel() * got.element_size(), kind, stream))
+                       dst=(got.data_ptr(), got.numel() * got.element_size(), kind))
     assert results[0][0] == native.OK and results[0][6] == 1
     for c in task.copies:
         copy_cast(want[c.dst] if want.dtype == torch.bfloat16 else want.numpy()[c.dst], chunk[c.chunk_sel])
@@ -343,10 +347,9 @@ _SPECIAL = _special_values()
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # float64 max becomes inf, as it must
-@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
 @pytest.mark.parametrize("batch", ["f32", "bf16", "native"])
 @pytest.mark.parametrize("src", sorted(str(d) for d in _SPECIAL))
-def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch, stream):
+def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch):
     """Every source kind into every batch kind the compiled reader casts to, on edge values (extremes,
     rounding ties, infinities, subnormals, signed zeros): the same bits as the Python path's numpy and
     torch casts. NaN stays NaN (torch's own bfloat16 NaN bits differ between its vector and scalar loops)."""
@@ -354,7 +357,7 @@ def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch, strea
         pytest.skip("stoker._native is not available")
     batch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "native": torch.from_numpy(np.empty(0, src)).dtype}[batch]
     kind = {"f32": native.F32, "bf16": native.BF16, "native": native.SAME}[batch]
-    got, want = _place(tmp_path, src, batch_dtype, kind, stream)
+    got, want = _place(tmp_path, src, batch_dtype, kind)
     nan = want.isnan() if want.is_floating_point() else torch.zeros_like(want, dtype=torch.bool)
     assert torch.equal(got.isnan() if got.is_floating_point() else nan, nan)
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]

@@ -460,6 +460,9 @@ static void stream_bytes(char *d, const char *s, size_t n) {
 
 static void write_run(const char *s, char *d, size_t run, size_t s_item, size_t d_item, convert_fn convert,
                       int stream) {
+#if !defined(__SSE2__)
+    stream = 0; /* no streaming stores here: write in place rather than through the piece buffer */
+#endif
     if (!stream) {
         if (convert == NULL)
             memcpy(d, s, run * s_item);
@@ -472,12 +475,16 @@ static void write_run(const char *s, char *d, size_t run, size_t s_item, size_t 
         return;
     }
     char piece[STREAM_PIECE] __attribute__((aligned(64)));
-    size_t per_piece = STREAM_PIECE / d_item;
+    /* the first piece ends on a line boundary, so no line is split between two pieces */
+    size_t room = STREAM_PIECE - ((uintptr_t)d & 63);
     while (run) {
-        size_t k = run < per_piece ? run : per_piece;
+        size_t k = room / d_item;
+        if (k > run)
+            k = run;
         convert(s, piece, k);
         stream_bytes(d, piece, k * d_item);
         s += k * s_item, d += k * d_item, run -= k;
+        room = STREAM_PIECE;
     }
 }
 
@@ -514,7 +521,8 @@ static void place_copies(const int64_t *p, const char *chunk, const batch_dst *d
         }
     }
 #if defined(__SSE2__)
-    _mm_sfence(); /* streamed stores are weakly ordered: make them visible before the batch is handed on */
+    if (dst->stream)
+        _mm_sfence(); /* streamed stores are weakly ordered: make them visible before the batch is handed on */
 #endif
 }
 
@@ -525,7 +533,7 @@ static int parse_dst(PyObject *obj, batch_dst *dst) {
     if (!PyArg_ParseTuple(obj, "KLi|p", &addr, &dst->nbytes, &dst->kind, &dst->stream))
         return -1;
     if (!addr || dst->nbytes < 0 || dst->kind < 0 || dst->kind >= N_DST_KINDS) {
-        PyErr_SetString(PyExc_ValueError, "dst must be (address, size in bytes, kind) of a batch");
+        PyErr_SetString(PyExc_ValueError, "dst must be (address, size in bytes, kind[, stream]) of a batch");
         return -1;
     }
     dst->base = (char *)(uintptr_t)addr;

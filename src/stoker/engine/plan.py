@@ -26,6 +26,7 @@ from ..sample import Sample
 from ..storage.ranges import Read, coalesce
 from ..zarr.grid import c_order_span, chunk_intersections
 
+
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs several times more, per copy
 class Copy:
     """Copy ``chunk[chunk_sel]`` into ``batch[row][box_sel]`` (``batch[dst]``)."""
