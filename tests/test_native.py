@@ -273,6 +273,38 @@ def test_direct_call_decodes_only_the_blocks_a_span_needs(tmp_path):
     np.testing.assert_array_equal(outs[4], noise)
 
 
+def test_compiled_reader_follows_the_partial_share_of_blosc_partial(tmp_path):
+    """C takes its partial-decode rule from blosc_partial.PARTIAL_MAX_SHARE (handed over at load): with a
+    share of 0 a one-block span is decoded whole, with 1 a span over half the chunk only in its blocks."""
+    if not native.blosc:
+        pytest.skip("stoker._native is not available")
+    import numcodecs.blosc
+    import numcodecs.zstd
+
+    from stoker import _native
+    from stoker.zarr.blosc_partial import PARTIAL_MAX_SHARE
+
+    _, zstd_addrs = native._symbols(numcodecs.zstd.__file__, "ZSTD_decompress", "ZSTD_isError")
+    _, blosc_addrs = native._symbols(numcodecs.blosc.__file__, "blosc_decompress_ctx", "blosc_getitem")
+    (tmp_path / "chunk").write_bytes(_blocky_frame())
+    n = _BLOCKY.nbytes
+    spans = [(_BLOCK + 100, _BLOCK + 200), (_BLOCK + 1, n)]
+    decoded = {}
+    try:
+        for share in (0.0, 1.0, PARTIAL_MAX_SHARE):
+            _native.set_codecs(*zstd_addrs, *blosc_addrs, share)
+            results, _ = _call(native.BLOSC, [tmp_path / "chunk"] * 2, n, spans=spans, scratch=n + 4096)
+            assert [r[0] for r in results] == [native.OK] * 2
+            decoded[share] = [r[2] for r in results]
+    finally:
+        _native.set_codecs(*zstd_addrs, *blosc_addrs, PARTIAL_MAX_SHARE)
+    assert decoded[0.0] == [n, n]
+    assert decoded[1.0] == [_BLOCK, n - _BLOCK]
+    assert decoded[PARTIAL_MAX_SHARE] == [_BLOCK, n]
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        _native.set_codecs(*zstd_addrs, *blosc_addrs, 1.5)
+
+
 def test_direct_call_leaves_doubtful_blosc_frames_to_python(tmp_path):
     if not native.blosc:
         pytest.skip("stoker._native is not available")

@@ -18,13 +18,15 @@
  *   regions  sequence of (offset, length, byte_start, byte_stop), one per chunk: where the stored
  *            chunk is in its file (offset -1: the whole file, as long as the file is; else an inner
  *            chunk of a shard) and the decoded bytes the chunk's copies read; blosc decodes only
- *            the blocks holding those when that is at most half the chunk
+ *            the blocks holding those when that is at most the partial share of the chunk
+ *            (set_codecs; stoker/zarr/blosc_partial.py's PARTIAL_MAX_SHARE)
  *   scratch  writable buffer for the encoded bytes of one file at a time
  *   outs     sequence of writable buffers of at least nbytes, one per path (decoded chunks)
  *   nbytes   the decoded size every chunk must have
  *   places   None, or per path None or a copy plan (int64 buffer, see parse_place): after
  *            decoding, the chunk's copies are cast into dst right here
- *   dst      None, or (address, size in bytes, kind) of the batch the places write into
+ *   dst      None, or (address, size in bytes, kind[, stream]) of the batch the places write into
+ *            (stream: write whole cache lines with streaming stores, see write_run)
  * status: 0 ok (decoded: bytes decompressed), 1 missing file, 2 file larger than scratch
  * (decoded: its size), 3 OS error (decoded: errno), 4 file shorter than its size (it
  * changed while read), 5 codec error (decoded: zstd's error code, or blosc's negative
@@ -57,6 +59,9 @@ static zstd_decompress_fn zstd_decompress = NULL;
 static zstd_is_error_fn zstd_is_error = NULL;
 static blosc_decompress_ctx_fn blosc_decompress_ctx = NULL;
 static blosc_getitem_fn blosc_getitem = NULL;
+/* blosc decodes only some blocks when they are at most this share of the chunk; blosc_getitem costs
+ * more per block than a whole decode. Set from Python (blosc_partial.PARTIAL_MAX_SHARE), one rule. */
+static double partial_max_share = 0.5;
 
 enum { CODEC_ZSTD = 0, CODEC_BLOSC = 1 };
 enum { ST_OK = 0, ST_MISSING, ST_TOO_BIG, ST_OS_ERROR, ST_SHORT, ST_CODEC_ERROR, ST_SIZE, ST_FRAME };
@@ -89,16 +94,23 @@ static long long now_ns(void) {
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* set_codecs(zstd_decompress, zstd_is_error, blosc_decompress_ctx, blosc_getitem): the functions to
- * call, by address; 0 for a codec that is not available (its pair must be both set or both 0). */
+/* set_codecs(zstd_decompress, zstd_is_error, blosc_decompress_ctx, blosc_getitem[, partial_max_share]):
+ * the functions to call, by address; 0 for a codec that is not available (its pair must be both set or
+ * both 0); and the largest share of a blosc chunk decoded block by block. */
 static PyObject *set_codecs(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long zd, ze, bd, bg;
-    if (!PyArg_ParseTuple(args, "KKKK", &zd, &ze, &bd, &bg))
+    double share = partial_max_share;
+    if (!PyArg_ParseTuple(args, "KKKK|d", &zd, &ze, &bd, &bg, &share))
         return NULL;
     if (!zd != !ze || !bd != !bg) {
         PyErr_SetString(PyExc_ValueError, "each codec needs both of its function addresses, or neither");
         return NULL;
     }
+    if (!(share >= 0.0 && share <= 1.0)) {
+        PyErr_SetString(PyExc_ValueError, "partial_max_share must be between 0 and 1");
+        return NULL;
+    }
+    partial_max_share = share;
     zstd_decompress = (zstd_decompress_fn)(uintptr_t)zd;
     zstd_is_error = (zstd_is_error_fn)(uintptr_t)ze;
     blosc_decompress_ctx = (blosc_decompress_ctx_fn)(uintptr_t)bd;
@@ -249,7 +261,7 @@ static int blosc_stored_range(const unsigned char *table, uint32_t nblocks, uint
 }
 
 /* Read a blosc1 chunk file and decode either the blocks holding the job's span (when they are
- * at most half the chunk, as stoker/zarr/blosc_partial.py decides) or the whole frame. Frames
+ * at most partial_max_share of the chunk, the rule of stoker/zarr/blosc_partial.py) or the whole frame. Frames
  * whose header disagrees with the chunk or the file get ST_FRAME: the Python path reports them. */
 static void decode_blosc(chunk_job *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes) {
     const unsigned char *h = (const unsigned char *)scratch;
@@ -257,8 +269,8 @@ static void decode_blosc(chunk_job *job, int fd, size_t size, long long t0, char
     size_t lo = 0, hi = 0;
     uint32_t first = 0, last = 0, typesize = 0, blocksize = 0;
     long long want = job->span_stop - job->span_start;
-    /* a span over half the chunk is decoded whole whatever the blocks: one read, no header first */
-    int maybe_partial = want > 0 && (size_t)want * 2 <= nbytes && size > BLOSC_HEADER;
+    /* a span over the share is decoded whole whatever the blocks: one read, no header first */
+    int maybe_partial = want > 0 && (double)want <= partial_max_share * (double)nbytes && size > BLOSC_HEADER;
     if (read_range(job, fd, scratch, 0, maybe_partial ? BLOSC_HEADER : size))
         goto read_done;
     job->status = ST_FRAME; /* until the header is found to fit */
@@ -277,7 +289,7 @@ static void decode_blosc(chunk_job *job, int fd, size_t size, long long t0, char
         if (block_hi > nbytes)
             block_hi = nbytes;
         size_t table_end = BLOSC_HEADER + 4 * (size_t)nblocks;
-        if ((block_hi - block_lo) * 2 <= nbytes && table_end <= size) {
+        if ((double)(block_hi - block_lo) <= partial_max_share * (double)nbytes && table_end <= size) {
             if (read_range(job, fd, scratch, BLOSC_HEADER, table_end))
                 goto read_done;
             first = (uint32_t)(job->span_start / blocksize);
@@ -687,8 +699,9 @@ done:
 
 static PyMethodDef methods[] = {
     {"set_codecs", set_codecs, METH_VARARGS,
-     "set_codecs(zstd_decompress, zstd_is_error, blosc_decompress_ctx, blosc_getitem): function addresses "
-     "(0: that codec is not available)."},
+     "set_codecs(zstd_decompress, zstd_is_error, blosc_decompress_ctx, blosc_getitem[, partial_max_share]): "
+     "function addresses (0: that codec is not available) and the largest share of a blosc chunk decoded "
+     "block by block."},
     {"decode_files", decode_files, METH_VARARGS,
      "decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst) -> "
      "[(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]: read, decompress and place chunk "

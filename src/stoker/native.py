@@ -68,7 +68,9 @@ def _load():
         _, blosc_addrs = _symbols(blosc.__file__, "blosc_decompress_ctx", "blosc_getitem")
     except ImportError:
         pass
-    _native.set_codecs(*(zstd_addrs or (0, 0)), *(blosc_addrs or (0, 0)))
+    from .zarr.blosc_partial import PARTIAL_MAX_SHARE
+
+    _native.set_codecs(*(zstd_addrs or (0, 0)), *(blosc_addrs or (0, 0)), PARTIAL_MAX_SHARE)
     if not zstd_addrs and not blosc_addrs:
         return None, False, False
     return _native.decode_files, bool(zstd_addrs), bool(blosc_addrs)

@@ -311,10 +311,7 @@ class CpuExecutor:
         codec = reader.metadata.codec
         if status == native.OK:  # decoded, but no copy plan: layout or dtype left to copy_cast
             t0 = time.perf_counter()
-            chunk = codec.decoded_view(buf, task.key)
-            out = job.out if job.out_np is None else job.out_np
-            for c in task.copies:
-                copy_cast(out[c.dst], chunk[c.chunk_sel])
+            self._cast_copies(job, task, codec.decoded_view(buf, task.key))
             self.stats.chunk(decode_ns * 1e-9, time.perf_counter() - t0, nread, detail, read_s=read_ns * 1e-9)
             job.finish(bytes_read=nread, bytes_decoded=detail, chunks_decoded=1)
         elif status == native.MISSING and fr.whole_file:  # an absent chunk file is the fill value
@@ -482,6 +479,13 @@ class CpuExecutor:
                               uri=reader.uri, key=task.key) from None
         return nread + read(max(lo, table), hi)
 
+    @staticmethod
+    def _cast_copies(job: Job, task: ChunkTask, chunk) -> None:
+        """Cast every copy of ``task`` from its decoded ``chunk`` into the batch (the Python path's cast)."""
+        out = job.out if job.out_np is None else job.out_np
+        for c in task.copies:
+            copy_cast(out[c.dst], chunk[c.chunk_sel])
+
     def _guard_decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation) -> None:
         try:
             self._guard(job, 1, self._decode, job, task, encoded, res)
@@ -501,10 +505,8 @@ class CpuExecutor:
             chunk = codec.decode(encoded, task.key)  # allocates; its size is inside the reservation
             decoded = codec.nbytes
         t1 = time.perf_counter()
-        out = job.out if job.out_np is None else job.out_np
         try:
-            for c in task.copies:
-                copy_cast(out[c.dst], chunk[c.chunk_sel])
+            self._cast_copies(job, task, chunk)
         finally:
             if scratch is not None:
                 res.give(scratch)
