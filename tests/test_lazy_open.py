@@ -21,7 +21,7 @@ import numcodecs
 import numpy as np
 import pytest
 import zarr
-from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
+from zarr.codecs import ZstdCodec
 
 import stoker
 from stoker.storage import LocalStore

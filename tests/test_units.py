@@ -423,16 +423,12 @@ def test_local_store_reads(files, tmp_path):
         tail = max(0, len(data) - 2)
         assert store.read_range(path, tail, 50) == data[tail:]  # short at end of file
         assert store.read_range(path, len(data) + 10, 5) == b""
-        ranges = [(0, 5), (len(data) // 2, 9), (1, 1), (0, 0), (max(0, len(data) - 1), 10), (len(data) + 4, 3)]
-        got = store.read_ranges(path, ranges)
-        assert [bytes(g) for g in got] == [data[o:o + n] for o, n in ranges]
-        assert [bytes(g) for g in store.read_ranges(path, ranges, max_gap=0)] == [data[o:o + n] for o, n in ranges]
     missing = str(tmp_path / "nope")
     under_file = next(iter(files)) + "/child"  # ENOTDIR
     for path in (missing, under_file, str(tmp_path / "no" / "dir" / "x")):
         assert store.read(path) is None
         assert store.read_range(path, 0, 10) is None
-        assert store.read_ranges(path, [(0, 1)]) is None
+        assert store.read_range_into(path, 0, memoryview(bytearray(1))) is None
         assert store.size(path) is None
     store.close()
 
@@ -442,12 +438,10 @@ def test_local_store_counters_and_reuse(files):
     path, data = list(files.items())[3]
     store.read(path)
     store.read_range(path, 0, 10)
-    store.read_ranges(path, [(0, 10), (20, 10), (len(data) - 5, 5)], max_gap=1 << 20)
+    store.read_range(path, len(data) - 5, 50)  # short at the end of the file
     assert store.counters.files_opened == 1  # the descriptor is reused
-    assert store.counters.reads == 3  # the three ranges were coalesced into one read
-    assert store.counters.bytes_read == len(data) + 10 + len(data)
-    store.read_ranges(path, [(0, 10), (200, 10)], max_gap=0)
-    assert store.counters.reads == 5
+    assert store.counters.reads == 3
+    assert store.counters.bytes_read == len(data) + 10 + 5
     store.close()
     store.read(path)
     assert store.counters.files_opened == 2
@@ -535,10 +529,11 @@ def test_local_store_concurrent_reads_with_eviction(tmp_path, monkeypatch, n_fil
             elif op == 1:
                 off, n = rng.randrange(len(data) + 1), rng.randrange(200)
                 got, want = store.read_range(path, off, n), data[off:off + n]
-            elif op == 2:
-                ranges = [(rng.randrange(len(data) + 1), rng.randrange(100)) for _ in range(rng.randrange(1, 6))]
-                got = [bytes(b) for b in store.read_ranges(path, ranges, max_gap=rng.choice([0, 64, 1 << 16]))]
-                want = [data[o:o + n] for o, n in ranges]
+            elif op == 2:  # the executor's read of a shard's inner chunks
+                off, n = rng.randrange(len(data) + 1), rng.randrange(200)
+                buf = bytearray(n)
+                got_n = store.read_range_into(path, off, memoryview(buf))
+                got, want = bytes(buf[:got_n]), data[off:off + n]
             else:
                 got, want = store.size(path), len(data)
             if got != want:

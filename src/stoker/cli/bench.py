@@ -14,13 +14,16 @@ PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    if args.batches is not None and args.batches < 1:
+        raise SystemExit("stoker bench: --batches must be at least 1")
+
     if args.suite == "records":
         from ..bench.records import run as run_records
 
         root = args.data or cache_dir() / "bench"
         small, large = (50, 500) if args.tiny else (2000, 20000)
         # The tiny set holds 50 records: batches of 2 leave room to time the DataLoader in steady state.
-        print(run_records(root, small, large, batch_size=2 if args.tiny else 16, n_batches=min(args.batches, 40)),
+        print(run_records(root, small, large, batch_size=2 if args.tiny else 16, n_batches=min(args.batches or 30, 40)),
               flush=True)
         return 0
 
@@ -39,21 +42,22 @@ def run(args: argparse.Namespace) -> int:
 
         cuda_or_exit()
         print(f"stoker bench --device cuda: {os.cpu_count()} cores, torch {torch.__version__}; batch "
-              f"{args.batch_size}, {args.batches} timed batches, bf16 out; data in {root}", flush=True)
+              f"{args.batch_size}, bf16 out; data in {root}", flush=True)
         for sc in chosen:
             budget = host_budget(sc, args.batch_size, args.host_buffer_bytes)
-            results = run_device_scenario(sc, root, args.batches, args.batch_size, budget,
+            results = run_device_scenario(sc, root, args.batches or sc.timed_batches, args.batch_size, budget,
                                           rounds=1 if args.tiny else args.rounds)
             print(format_device_results(sc, results), flush=True)
         return 0
     print(f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
-          f"batch {args.batch_size}, {args.batches} timed batches ({args.slow_batches} for zarr, "
-          f"{dataloader_batches(args.slow_batches)[1]} in steady state for zarr+DataLoader), f32 out; data in {root}")
+          f"batch {args.batch_size}; timed batches: {args.slow_batches} for zarr, "
+          f"{dataloader_batches(args.slow_batches)[1]} in steady state for zarr+DataLoader; f32 out; data in {root}")
     for sc in chosen:
         budget = host_budget(sc, args.batch_size, args.host_buffer_bytes)
-        results = run_scenario(sc, root, args.batches, args.batch_size, budget, args.slow_batches, peers,
+        n_batches = args.batches or sc.timed_batches
+        results = run_scenario(sc, root, n_batches, args.batch_size, budget, args.slow_batches, peers,
                                growth=sc.number == 6, rounds=1 if args.tiny else args.rounds)
-        print(format_results(sc, results), flush=True)
+        print(format_results(sc, results, n_batches), flush=True)
     return 0
 
 
@@ -63,7 +67,8 @@ def add_parser(sub) -> None:
                    help="crops: the crop pipeline (default); records: the record Loader")
     p.add_argument("--scenarios", help="comma-separated scenario numbers (default: all)")
     p.add_argument("--peers", help=f"comma-separated subset of {','.join(PEERS)}")
-    p.add_argument("--batches", type=int, default=30, help="timed batches per fast peer (default 30)")
+    p.add_argument("--batches", type=int, default=None,
+                   help="timed batches per fast peer (default: per scenario, about a second of stoker)")
     p.add_argument("--slow-batches", type=int, default=6, help="timed batches for the zarr peers (default 6)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: stoker on the GPU vs stoker on the CPU vs tensorstore + pin_memory().to(cuda), "

@@ -16,10 +16,9 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Iterator
 
 from ..errors import StorageError
-from .ranges import coalesce
 
 _MISSING = (errno.ENOENT, errno.ENOTDIR)
 
@@ -47,7 +46,7 @@ class LocalStore:
 
     >>> store = LocalStore()
     >>> store.read("/data/a.zarr/zarr.json")          # whole file, or None when missing
-    >>> store.read_ranges("/data/a.zarr/c/0/0", [(0, 16), (4096, 512)])
+    >>> store.read_range("/data/a.zarr/c/0/0", 4096, 512)  # bytes 4096..4607, or None when missing
     """
 
     def __init__(self, max_open_files: int = 128) -> None:
@@ -219,24 +218,6 @@ class LocalStore:
             if handle is None:
                 return None
             return self._pread(handle, path, offset, length)
-
-    def read_ranges(
-        self, path: str, ranges: Sequence[tuple[int, int]], max_gap: int = 64 << 10
-    ) -> list[memoryview] | None:
-        """Several ``(offset, length)`` ranges of one file, nearby ones fetched in one read.
-
-        Returns one buffer per requested range, in request order (shorter than asked
-        where the file ends early), or ``None`` when the file does not exist.
-        """
-        out: list[memoryview] = [memoryview(b"")] * len(ranges)
-        with self._open(path) as handle:
-            if handle is None:
-                return None
-            for read in coalesce(ranges, max_gap=max_gap):
-                buf = memoryview(self._pread(handle, path, read.offset, read.length))
-                for i, sl in read.slices():
-                    out[i] = buf[sl]
-        return out
 
 
 class OpenFile:
