@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from .checks import integer, seconds
 from .errors import InvalidArgument
 
 #: Output dtypes by name; "native" keeps the source dtype.
 OUTPUT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "native": None}
 
 
-def _int_at_least(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidArgument(f"Config.{name} must be an integer >= {low}, got {value!r}", knob=name)
-    return value
+_INTEGER_KNOBS = {"batch_size": 1, "host_buffer_bytes": 1 << 20, "device_buffer_bytes": 1 << 20, "n_io_threads": 1,
+                  "n_compute_threads": 1, "lookahead_batches": 1}  # knob -> least value
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,9 @@ class Config:
     drop_last: bool = True
 
     def __post_init__(self) -> None:
-        _int_at_least("batch_size", self.batch_size, 1)
+        for name, low in _INTEGER_KNOBS.items():  # numpy integers are stored as ints
+            value = integer(f"Config.{name}", getattr(self, name), low, optional=name == "n_compute_threads", knob=name)
+            object.__setattr__(self, name, value)
         if self.sample_shape is not None:
             try:
                 shape = tuple(int(s) for s in self.sample_shape)
@@ -83,21 +83,7 @@ class Config:
                 f"Config.dtype must be one of {', '.join(map(repr, OUTPUT_DTYPES))}, got {self.dtype!r}",
                 knob="dtype",
             )
-        _int_at_least("host_buffer_bytes", self.host_buffer_bytes, 1 << 20)
-        _int_at_least("device_buffer_bytes", self.device_buffer_bytes, 1 << 20)
-        _int_at_least("n_io_threads", self.n_io_threads, 1)
-        if self.n_compute_threads is not None:
-            _int_at_least("n_compute_threads", self.n_compute_threads, 1)
-        _int_at_least("lookahead_batches", self.lookahead_batches, 1)
-        if self.pop_timeout_s is not None and (
-            isinstance(self.pop_timeout_s, bool)
-            or not isinstance(self.pop_timeout_s, (int, float))
-            or not self.pop_timeout_s > 0
-        ):
-            raise InvalidArgument(
-                f"Config.pop_timeout_s must be a number > 0 or None, got {self.pop_timeout_s!r}",
-                knob="pop_timeout_s",
-            )
+        seconds("Config.pop_timeout_s", self.pop_timeout_s, optional=True, knob="pop_timeout_s")
         if not isinstance(self.drop_last, bool):
             raise InvalidArgument(f"Config.drop_last must be True or False, got {self.drop_last!r}", knob="drop_last")
         self._check_device()

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from .engine.stats import COUNTERS, STAGES, Metric, Stats
+from .checks import rank_in_world, seconds
 from .errors import InvalidArgument
 
 __all__ = ["RankInfo", "ReducedStats", "rank_info", "reduce_max", "reduce_stats"]
@@ -81,6 +82,19 @@ def rank_info(group: Any = None) -> RankInfo:
     if world < 1 or not 0 <= rank < world:
         raise InvalidArgument(f"RANK={rank} and WORLD_SIZE={world} are inconsistent; need 0 <= RANK < WORLD_SIZE")
     return RankInfo(rank, world, _env_int("LOCAL_RANK", rank))
+
+
+def resolve_rank(rank: Any = None, world_size: Any = None) -> tuple[int, int]:
+    """``(rank, world_size)``: the values given, the missing ones from :func:`rank_info`; checked.
+
+    >>> resolve_rank(1, 4)
+    (1, 4)
+    """
+    if rank is None or world_size is None:
+        info = rank_info()
+        rank = info.rank if rank is None else rank
+        world_size = info.world_size if world_size is None else world_size
+    return rank_in_world(rank, world_size)
 
 
 def _active_group(group: Any) -> Any:
@@ -227,11 +241,7 @@ def reduce_stats(stats: Stats, group: Any = None, *, elapsed_s: float | None = N
     """
     if not isinstance(stats, Stats):
         raise InvalidArgument(f"stats must be a stoker.Stats (pipeline.stats()), got {type(stats).__name__}")
-    if elapsed_s is not None:
-        if isinstance(elapsed_s, bool) or not isinstance(elapsed_s, numbers.Real) or not (
-            math.isfinite(elapsed_s) and elapsed_s > 0
-        ):
-            raise InvalidArgument(f"elapsed_s must be a finite number of seconds > 0, got {elapsed_s!r}")
+    seconds("elapsed_s", elapsed_s, optional=True, finite=True)
     unknown = sorted(set(stats.stages) - set(STAGES))
     if unknown:
         # Every rank must pack the same layout; stages outside STAGES have no agreed slot.
@@ -263,8 +273,8 @@ def reduce_stats(stats: Stats, group: Any = None, *, elapsed_s: float | None = N
 
     stages = {}
     for i, name in enumerate(STAGES):
-        seconds, count, b_in, b_out = sums[4 * i: 4 * i + 4]
-        stages[name] = Metric(name, seconds, int(count), int(b_in), int(b_out))
+        secs, count, b_in, b_out = sums[4 * i: 4 * i + 4]
+        stages[name] = Metric(name, secs, int(count), int(b_in), int(b_out))
     off = 4 * len(STAGES)
     counters = {name: int(sums[off + j]) for j, name in enumerate(COUNTERS)}
     totals = Stats(stages=stages, peak_host_bytes=int(sums[-1]), **counters)

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .checks import rank_in_world
 from .errors import InvalidArgument
 
 POLICIES = ("strided", "contiguous")
@@ -26,10 +27,7 @@ EVEN = ("wrap", "drop")
 
 
 def check(rank: int, world_size: int, policy: str, even: str) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise InvalidArgument(f"world_size must be an integer >= 1, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InvalidArgument(f"rank must be in [0, {world_size}), got {rank!r}")
+    rank_in_world(rank, world_size)
     if policy not in POLICIES:
         raise InvalidArgument(f"policy must be one of {POLICIES}, got {policy!r}")
     if even not in EVEN:

@@ -24,6 +24,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from . import shard as _shard
+from .distributed import resolve_rank
 from .errors import InvalidArgument
 from .sample import Sample
 
@@ -56,26 +57,12 @@ class SampleSource:
               even: str = "wrap") -> "ShardedSource":
         """This rank's view. ``rank``/``world_size`` default to the torch.distributed group, else the
         ``RANK``/``WORLD_SIZE`` environment, else a single process."""
-        if rank is None or world_size is None:
-            r, w = _current_rank()
-            rank = r if rank is None else rank
-            world_size = w if world_size is None else world_size
+        rank, world_size = resolve_rank(rank, world_size)
         return ShardedSource(self, rank, world_size, policy, even)
 
     def __iter__(self) -> Iterator[Sample]:
         """Epoch 0 in global order, unsharded (a single process)."""
         return iter(self.shard(0, 1))
-
-
-def _current_rank() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def _open_shapes(arrays: Sequence[str]) -> list[tuple[int, ...]]:

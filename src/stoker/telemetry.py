@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import numbers
 import os
 import sys
 import threading
@@ -26,6 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .checks import integer
 from .distributed import rank_info, reduce_max
 from .errors import InvalidArgument, ShutdownError
 
@@ -57,9 +57,7 @@ _pinned_bytes = 0
 
 
 def _check_nbytes(nbytes: Any) -> int:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
-        raise InvalidArgument(f"nbytes must be an integer >= 0, got {nbytes!r}")
-    return int(nbytes)
+    return integer("nbytes", nbytes, 0)
 
 
 def register_pinned(nbytes: int) -> None:
@@ -157,8 +155,7 @@ class TelemetryWriter:
     def __init__(
         self, log_dir: str | os.PathLike, every: int = 1, group: Any = None, *, tensorboard: bool | None = None
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
-            raise InvalidArgument(f"every must be an integer >= 1, got {every!r}")
+        every = integer("every", every, 1)
         if tensorboard is not None and not isinstance(tensorboard, bool):
             raise InvalidArgument(f"tensorboard must be True, False or None, got {tensorboard!r}")
         self.log_dir = Path(log_dir)
@@ -185,8 +182,7 @@ class TelemetryWriter:
         """
         if self._closed:
             raise ShutdownError("TelemetryWriter is closed")
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise InvalidArgument(f"step must be an integer >= 0, got {step!r}")
+        step = integer("step", step, 0)
         if not isinstance(metrics, Mapping):
             raise InvalidArgument(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
         clash = {"step", "time"} & set(metrics)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..checks import integer
 from ..errors import InvalidArgument, RankMismatch
 from ..records import ZarrRecords, knn_edge_index, knn_graph, precompute
 from ..fsutil import fsync_dir, fsync_tree
@@ -55,18 +56,12 @@ _HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
 # -- argument checks -----------------------------------------------------------------------------
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise InvalidArgument(f"{name} must be an integer >= {low}, got {value!r}", argument=name)
-    return int(value)
-
-
 def _check_params(n_records: Any, seed: Any, min_points: Any, max_points: Any, noise: Any) -> dict:
     params = {
-        "n_records": _check_int("n_records", n_records, 1),
-        "seed": _check_int("seed", seed, 0),  # numpy's SeedSequence takes non-negative integers only
-        "min_points": _check_int("min_points", min_points, 1),
-        "max_points": _check_int("max_points", max_points, 1),
+        "n_records": integer("n_records", n_records, 1),
+        "seed": integer("seed", seed, 0),  # numpy's SeedSequence takes non-negative integers only
+        "min_points": integer("min_points", min_points, 1),
+        "max_points": integer("max_points", max_points, 1),
     }
     if params["max_points"] < params["min_points"]:
         raise InvalidArgument(f"max_points ({max_points}) must be >= min_points ({min_points})",
@@ -286,7 +281,7 @@ def ensure_knn(root: str | os.PathLike, k: int = 16) -> str:
     Collective under ``torch.distributed`` (:func:`~stoker.records.precompute` is).
     Returns the field name.
     """
-    k = _check_int("k", k, 1)
+    k = integer("k", k, 1)
     name = f"knn{k}"
     precompute(ZarrRecords(root, fields=["noisy"]), name, lambda s: knn_graph(s["noisy"], k),
                params={"k": k, "of": "noisy"})
@@ -347,7 +342,7 @@ def chamfer_distance(pred: Tensor, target: Tensor, pred_batch: Tensor, target_ba
     if n_samples is None:
         ids = [int(b.max()) for b in (pred_batch, target_batch) if b.numel()]
         n_samples = max(ids) + 1 if ids else 0
-    n_samples = _check_int("n_samples", n_samples, 1)
+    n_samples = integer("n_samples", n_samples, 1)
     preds = _split_by_sample(pred, pred_batch, n_samples, "pred")
     targets = _split_by_sample(target, target_batch, n_samples, "target")
     losses = []
@@ -397,8 +392,8 @@ class PointDenoiser(nn.Module):
 
     def __init__(self, hidden: int = 64, layers: int = 3) -> None:
         super().__init__()
-        _check_int("hidden", hidden, 1)
-        _check_int("layers", layers, 1)
+        integer("hidden", hidden, 1)
+        integer("layers", layers, 1)
         self.embed = nn.Sequential(nn.Linear(3, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
         self.layers = nn.ModuleList(_EdgeConv(hidden) for _ in range(layers))
         self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, 3))

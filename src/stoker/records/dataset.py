@@ -29,7 +29,8 @@ import torch
 
 from ..array import open_array
 from ..cache import SizedLRU
-from ..distributed import rank_info
+from ..checks import integer
+from ..distributed import resolve_rank
 from ..errors import InvalidArgument, MetadataError, OutOfBounds
 from ..storage import LocalStore
 from .catalog import TIME_DIM, Catalog, FieldsArg, scan
@@ -101,11 +102,8 @@ class ZarrRecords(torch.utils.data.Dataset):
         lazy: bool = True,
         store: LocalStore | None = None,
     ) -> None:
-        if time_slice is not None and (isinstance(time_slice, bool) or not isinstance(time_slice, int)
-                                       or time_slice < 1):
-            raise InvalidArgument(f"time_slice must be None or an integer >= 1, got {time_slice!r}")
-        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
-            raise InvalidArgument(f"cache_bytes must be an integer >= 0, got {cache_bytes!r}")
+        time_slice = integer("time_slice", time_slice, 1, optional=True)
+        cache_bytes = integer("cache_bytes", cache_bytes, 0)
         if store is not None and not isinstance(store, LocalStore):
             raise InvalidArgument(f"store must be a stoker.storage.LocalStore, got {type(store).__name__}")
         self._catalog: Catalog = scan(root, fields, store)
@@ -316,14 +314,7 @@ class ZarrRecords(torch.utils.data.Dataset):
         (pad or drop in the sampler when ranks must step in lockstep). Defaults come
         from :func:`stoker.rank_info`.
         """
-        if rank is None or world_size is None:
-            info = rank_info()
-            rank = info.rank if rank is None else rank
-            world_size = info.world_size if world_size is None else world_size
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise InvalidArgument(f"world_size must be an integer >= 1, got {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise InvalidArgument(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+        rank, world_size = resolve_rank(rank, world_size)
         view = object.__new__(type(self))
         view.__dict__.update(self.__getstate__())
         view._indices = self._indices[rank::world_size].copy()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import integer
 from ..errors import DtypeMismatch, InvalidArgument, RankMismatch
 
 
@@ -40,9 +41,7 @@ def knn_graph(points: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
         raise InvalidArgument(f"points must be a torch.Tensor (N, D), got {type(points).__name__}")
     if points.ndim != 2:
         raise RankMismatch(f"points must have shape (N, D), got {tuple(points.shape)}", shape=tuple(points.shape))
-    for name, value, low in (("k", k, 1), ("chunk", chunk, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise InvalidArgument(f"{name} must be an integer >= {low}, got {value!r}")
+    k, chunk = integer("k", k, 1), integer("chunk", chunk, 1)
     n = points.shape[0]
     if n and k > n - 1:
         raise InvalidArgument(f"k={k} neighbours asked for but there are only {n} points (k <= N - 1)", k=k, n=n)

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from .. import shard as _shard
-from ..distributed import rank_info
+from ..checks import integer, seconds
+from ..distributed import resolve_rank
 from ..errors import InvalidArgument, ShutdownError, StokerError
 from ..pin import pin_object, to_device
 from .collate import CollateArg, resolve
@@ -58,13 +59,6 @@ _CLOSE_S = 1.0  # close() waits at most this long for the threads (a read in pro
 
 class LoaderTimeout(StokerError, TimeoutError):
     """No batch arrived within ``timeout_s`` (a read is stuck, or far slower than expected)."""
-
-
-def _check_int(name: str, value: Any, low: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidArgument(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def _names_id(ds: Any) -> str | None:
@@ -98,19 +92,12 @@ class Loader:
         if isinstance(ds, ZarrRecords) and ds.part != (0, 1):
             raise InvalidArgument(f"ds is part {ds.part} of its dataset; pass the full dataset, the Loader "
                                   "splits it across ranks itself", part=ds.part)
-        _check_int("batch_size", batch_size, 1)
-        _check_int("seed", seed, 0)
-        _check_int("n_threads", n_threads, 1, allow_none=True)
-        _check_int("prefetch", prefetch, 1)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise InvalidArgument(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
-        if rank is None or world_size is None:
-            info = rank_info()
-            rank = info.rank if rank is None else rank
-            world_size = info.world_size if world_size is None else world_size
-        _check_int("world_size", world_size, 1)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise InvalidArgument(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+        batch_size = integer("batch_size", batch_size, 1)
+        seed = integer("seed", seed, 0)
+        n_threads = integer("n_threads", n_threads, 1, optional=True)
+        prefetch = integer("prefetch", prefetch, 1)
+        timeout_s = seconds("timeout_s", timeout_s)
+        rank, world_size = resolve_rank(rank, world_size)
         self.ds = ds
         self.batch_size = batch_size
         self.collate = resolve(collate)
@@ -195,7 +182,7 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch``; keep the position when the loader is in ``epoch`` already."""
-        _check_int("epoch", epoch, 0)
+        epoch = integer("epoch", epoch, 0)
         if epoch != self._epoch:
             self._stop_work()
             self._epoch, self._segments, self._skip, self._received = epoch, [], 0, 0

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, InvalidArgument
+from ..checks import integer
+from ..errors import CheckpointError
 from ..fsutil import replace_atomically
 
 __all__ = ["Checkpoints", "FORMAT", "VERSION"]
@@ -45,10 +46,8 @@ class Checkpoints:
     """
 
     def __init__(self, directory: str | os.PathLike, every: int | None = 100, keep: int = 3) -> None:
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise InvalidArgument(f"every must be an integer >= 1 or None, got {every!r}")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise InvalidArgument(f"keep must be an integer >= 1, got {keep!r}")
+        every = integer("every", every, 1, optional=True)
+        keep = integer("keep", keep, 1)
         self.directory = Path(directory)
         self.every = every
         self.keep = keep
@@ -89,8 +88,7 @@ class Checkpoints:
 
     def save(self, state: dict[str, Any], step: int) -> Path:
         """Write ``state`` as the checkpoint of ``step`` (atomically), then drop the oldest beyond ``keep``."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise InvalidArgument(f"step must be an integer >= 0, got {step!r}")
+        step = integer("step", step, 0)
         final = self.path_for(step)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..checks import integer, seconds
 from ..errors import InvalidArgument, RankFailed
 
 __all__ = ["RankContext", "launch", "under_torchrun"]
@@ -92,11 +93,7 @@ def under_torchrun() -> bool:
 
 
 def _check_nprocs(nprocs: Any) -> int | None:
-    if nprocs is None:
-        return None
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise InvalidArgument(f"nprocs must be an integer >= 1 or None, got {nprocs!r}")
-    return nprocs
+    return integer("nprocs", nprocs, 1, optional=True)
 
 
 def _check_backend(backend: Any, cuda: bool) -> str:
@@ -120,8 +117,7 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backen
     inside a collective cannot leave the others waiting for ever.
     """
     nprocs = _check_nprocs(nprocs)
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise InvalidArgument(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    timeout_s = seconds("timeout_s", timeout_s)
     cuda = torch.cuda.is_available() if use_cuda is None else bool(use_cuda)
     if cuda and not torch.cuda.is_available():
         raise InvalidArgument("use_cuda=True but torch sees no CUDA device")

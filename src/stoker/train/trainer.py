@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import checks
+from ..checks import integer
 from ..distributed import ReducedStats, _all_reduce, reduce_max, reduce_stats
 from ..engine.stats import Stats
 from ..errors import CheckpointError, InvalidArgument, UnusedParameters
@@ -149,9 +151,7 @@ class Trainer:
             raise InvalidArgument("loss_fn must be a function (model, batch) -> scalar loss")
         if amp not in _AMP:
             raise InvalidArgument(f"amp must be one of {_AMP}, got {amp!r}")
-        for name, value in (("accumulate", accumulate), ("log_every", log_every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name} must be an integer >= 1, got {value!r}")
+        accumulate, log_every = integer("accumulate", accumulate, 1), integer("log_every", log_every, 1)
         if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
             raise InvalidArgument(f"grad_clip must be a number > 0 or None, got {grad_clip!r}")
         if unused_parameters not in _UNUSED:
@@ -416,11 +416,8 @@ class Trainer:
         """
         if steps is None and seconds is None:
             raise InvalidArgument("fit needs steps=N or seconds=S (or both)")
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
-            raise InvalidArgument(f"steps must be an integer >= 0, got {steps!r}")
-        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-                                    or not seconds > 0):
-            raise InvalidArgument(f"seconds must be a number > 0, got {seconds!r}")
+        steps = checks.integer("steps", steps, 0, optional=True)
+        seconds = checks.seconds("seconds", seconds, optional=True)
         resumed_from = self._resume(resume, data) if not self._fitted else None
         self._fitted = True
         start_step = self.step

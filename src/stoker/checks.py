@@ -1,0 +1,60 @@
+"""Checks of caller-supplied numbers, worded the same way across the public API.
+
+Every error is an :class:`~stoker.errors.InvalidArgument` that names the argument, the
+accepted range and the value received, so the caller knows what to change.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from .errors import InvalidArgument
+
+
+def integer(name: str, value: Any, low: int, *, optional: bool = False, **context: Any) -> int | None:
+    """``value`` as an ``int`` when it is an integer ``>= low`` (or ``None`` when ``optional``).
+
+    Booleans are refused although Python counts them as integers; numpy integers are accepted.
+    ``context`` is attached to the error.
+
+    >>> integer("batch_size", 8, 1)
+    8
+    >>> integer("batch_size", 0, 1)
+    Traceback (most recent call last):
+    stoker.errors.InvalidArgument: batch_size must be an integer >= 1, got 0
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        allowed = f"an integer >= {low}" + (" or None" if optional else "")
+        raise InvalidArgument(f"{name} must be {allowed}, got {value!r}", **context)
+    return int(value)
+
+
+def seconds(name: str, value: Any, *, optional: bool = False, finite: bool = False, **context: Any) -> float | None:
+    """``value`` as a ``float`` when it is a number of seconds ``> 0`` (infinity too unless ``finite``).
+
+    >>> seconds("timeout_s", 2)
+    2.0
+    """
+    if value is None and optional:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0
+            or (finite and not math.isfinite(value))):
+        allowed = ("a finite number" if finite else "a number") + " of seconds > 0" + (" or None" if optional else "")
+        raise InvalidArgument(f"{name} must be {allowed}, got {value!r}", **context)
+    return float(value)
+
+
+def rank_in_world(rank: Any, world_size: Any) -> tuple[int, int]:
+    """``(rank, world_size)`` as ints when ``world_size >= 1`` and ``0 <= rank < world_size``.
+
+    >>> rank_in_world(1, 4)
+    (1, 4)
+    """
+    world = integer("world_size", world_size, 1)
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world:
+        raise InvalidArgument(f"rank must be an integer in [0, {world}), got {rank!r}", rank=rank, world_size=world)
+    return int(rank), world
