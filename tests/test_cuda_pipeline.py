@@ -155,3 +155,45 @@ def test_close_with_held_cuda_batches_is_prompt(volume):
     p.close()
     assert time.monotonic() - t0 < 2.0
     assert torch.from_dlpack(held[0]).is_cuda  # still readable after close
+
+
+def test_release_with_a_wrong_event_raises_and_keeps_the_slot(volume):
+    """A bad release(event=...) gives nothing back, so a later release() still returns the slot."""
+    uri, data = volume
+    samples = _random_samples(uri, data.shape, (8, 40, 24), 4 * 8)
+    with stoker.Pipeline(_cfg(0, lookahead_batches=1, pop_timeout_s=5.0)) as p:
+        p.push(samples)
+        for _ in range(8):  # more batches than slots: each slot must come back
+            b = p.pop()
+            with pytest.raises(TypeError, match="release\\(event=...\\) takes"):
+                b.release(event="done")
+            b.release(event=torch.cuda.current_stream())
+
+
+def test_release_accepts_the_generic_torch_stream_and_event(volume):
+    uri, data = volume
+    samples = _random_samples(uri, data.shape, (8, 40, 24), 4 * 6)
+    with stoker.Pipeline(_cfg(0, lookahead_batches=1, pop_timeout_s=5.0)) as p:
+        p.push(samples)
+        for i in range(6):
+            b = p.pop()
+            x = torch.from_dlpack(b)
+            (x * 2).sum()
+            generic = torch.Stream(device="cuda:0")
+            b.release(event=generic if i % 2 else generic.record_event())
+
+
+def test_pinned_staging_is_charged_at_the_size_torch_pins(volume):
+    """torch rounds pinned allocations up to a power of two; the budget counts the rounded bytes."""
+    uri, data = volume
+    shape = (8, 96, 96)
+    slot = 4 * 8 * 96 * 96 * 4  # f32 host slot: 1,179,648 B, pinned as 2,097,152 B
+    fits_unrounded = 3 << 20  # > 2 slots as asked, < 2 slots as pinned
+    with pytest.raises(stoker.BudgetExceeded, match="power of two") as info:
+        stoker.Pipeline(_cfg(0, sample_shape=shape, lookahead_batches=2, host_buffer_bytes=fits_unrounded))
+    assert info.value.knob == "host_buffer_bytes"
+    with stoker.Pipeline(_cfg(0, sample_shape=shape, lookahead_batches=2, host_buffer_bytes=16 << 20)) as p:
+        p.push(_random_samples(uri, data.shape, shape, 4))
+        with p.pop():
+            pass
+        assert p._host_slots.nbytes == 2 * (2 << 20) > 2 * slot

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import stoker
 import stoker.pin as pin
 
 pytestmark = pytest.mark.timeout(60)
@@ -140,6 +141,34 @@ def test_prefetcher_passes_source_errors_through():
         list(pin.DevicePrefetcher(broken(), device="cpu"))
 
 
+def test_tensors_in_reaches_every_depth_and_ends_on_cycles():
+    """record_stream must see every tensor map_batch moved, however deep, and a cyclic batch must not hang."""
+    deep = {"x": torch.zeros(1)}
+    for i in range(20):
+        deep = [deep, torch.full((2,), float(i))] if i % 2 else {"level": deep}
+    found = list(pin.tensors_in(deep))
+    assert len(found) == 11 and any(t.shape == (1,) for t in found)
+    cyclic = {"t": torch.ones(3)}
+    cyclic["self"] = cyclic
+    cyclic["pair"] = [cyclic, torch.ones(4)]
+    assert sorted(t.numel() for t in pin.tensors_in(cyclic)) == [3, 4]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_prefetcher_asked_for_cuda_without_cuda_says_so():
+    for device in ("cuda", "cuda:1", 0):
+        with pytest.raises(stoker.InvalidArgument, match="torch sees no CUDA device"):
+            pin.DevicePrefetcher([torch.zeros(1)], device=device)
+    assert pin.DevicePrefetcher([], device=None).passthrough
+
+
+def test_prefetcher_checks_depth_and_timeout():
+    with pytest.raises(stoker.InvalidArgument, match="depth must be an integer >= 1"):
+        pin.DevicePrefetcher([], device="cpu", depth=0)
+    with pytest.raises(stoker.InvalidArgument, match="timeout_s must be a number of seconds > 0"):
+        pin.DevicePrefetcher([], device="cpu", timeout_s=0)
+
+
 # -- on a GPU ---------------------------------------------------------------------------------------
 
 
@@ -187,3 +216,32 @@ def test_prefetcher_close_is_prompt():
     t0 = time.monotonic()
     pf.close()
     assert time.monotonic() - t0 < 1.5
+
+
+@pytest.mark.cuda
+def test_prefetcher_cuda_without_index_is_the_callers_device():
+    """The producer thread starts on device 0; "cuda" must still mean the caller's current device."""
+    last = torch.cuda.device_count() - 1
+    torch.cuda.set_device(last)
+    try:
+        pf = pin.DevicePrefetcher([{"x": torch.zeros(4)}], device="cuda")
+        assert pf.device == torch.device("cuda", last)
+        assert [b["x"].device for b in pf] == [torch.device("cuda", last)]
+    finally:
+        torch.cuda.set_device(0)
+
+
+@pytest.mark.cuda
+def test_prefetcher_iterates_again_like_the_cpu_pass_through():
+    batches = [torch.full((8,), float(i)) for i in range(3)]
+    pf = pin.DevicePrefetcher(batches, device="cuda", depth=1)
+    first = [b.sum().item() for b in pf]
+    second = [b.sum().item() for b in pf]
+    assert first == second == [0.0, 8.0, 16.0]
+
+
+@pytest.mark.cuda
+def test_prefetcher_reports_a_device_it_cannot_use():
+    pf = pin.DevicePrefetcher([torch.zeros(1)], device=torch.cuda.device_count())  # one past the last GPU
+    with pytest.raises(Exception, match="(?i)device"):
+        list(pf)

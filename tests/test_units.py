@@ -742,3 +742,10 @@ def test_locate_names_the_file_and_range_of_every_chunk_kind(tmp_path):
     np.testing.assert_array_equal(arr.metadata.codec.decode(raw, loc.key), sharded[2:4, 0:2])
     assert arr.locate((0, 1)) == ("c/0/0[1]", None, None, None)  # empty inner chunk
     assert arr.locate((3, 3)) == ("c/1/1[3]", None, None, None)  # missing shard
+
+
+def test_pinned_footprint_is_torchs_power_of_two_rounding():
+    from stoker.engine.buffers import pinned_footprint
+
+    assert [pinned_footprint(n) for n in (0, 1, 3, 4096, 4097)] == [0, 1, 4, 4096, 8192]
+    assert pinned_footprint(40 << 20) == 64 << 20 and pinned_footprint(64 << 20) == 64 << 20

@@ -27,6 +27,9 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar, runtime
 import numpy as np
 import torch
 
+from .checks import integer, seconds
+from .errors import InvalidArgument
+
 T = TypeVar("T")
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, np.generic, slice)
@@ -134,22 +137,27 @@ def _method_hook(name: str, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
     return hook
 
 
-def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Every tensor reachable from ``obj`` (containers, dataclasses, plain objects' attributes)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-        return
-    if depth > 6 or isinstance(obj, (_SCALARS, np.ndarray)):
-        return
-    if isinstance(obj, Mapping):
-        values = list(obj.values())
-    elif isinstance(obj, (list, tuple)):
-        values = list(obj)
-    else:
-        values = list(getattr(obj, "__dict__", {}).values())
-        values += [getattr(obj, n) for n in getattr(type(obj), "__slots__", ()) if hasattr(obj, n)]
-    for v in values:
-        yield from tensors_in(v, depth + 1)
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from ``obj`` (containers, dataclasses, plain objects' attributes), at any
+    depth, as :func:`map_batch` moves them; each object is visited once, so cycles end."""
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            yield obj
+            continue
+        if isinstance(obj, (_SCALARS, np.ndarray)) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Mapping):
+            values = list(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            values = list(obj)
+        else:
+            values = list(getattr(obj, "__dict__", {}).values())
+            values += [getattr(obj, n) for n in getattr(type(obj), "__slots__", ()) if hasattr(obj, n)]
+        todo.extend(reversed(values))
 
 
 _warned_no_cuda = False
@@ -197,33 +205,79 @@ def _record_stream(obj: Any, stream: Any) -> None:
             t.record_stream(stream)
 
 
+_DONE = object()  # the end of a prefetcher's pass
+
+
+def _prefetch_device(device: torch.device | str | int | None) -> torch.device:
+    """The device a DevicePrefetcher delivers to, with a CUDA index always set (from the caller's thread)."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
+        raise InvalidArgument(f"DevicePrefetcher(device={device!r}) but torch sees no CUDA device; pass "
+                              "device=None (CUDA when there is one) or 'cpu'", device=str(device))
+    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+class _Feed:
+    """One pass of a prefetcher: its bounded queue, stop flag and producer thread."""
+
+    def __init__(self, depth: int, poll: float) -> None:
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.poll = poll
+        self.thread: threading.Thread | None = None
+
+    def get(self) -> Any:
+        while True:
+            try:
+                return self.queue.get(timeout=self.poll)
+            except queue.Empty:
+                if self.thread is not None and not self.thread.is_alive() and self.queue.empty():
+                    return _DONE
+
+    def put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=self.poll)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def close(self) -> None:
+        self.stop.set()
+        while True:
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=1.0)
+
+
 class DevicePrefetcher:
     """Iterate batches already on ``device``, prepared ``depth`` ahead on a background thread.
 
     >>> for batch in DevicePrefetcher(loader, device="cuda:0"):
     ...     loss = model(batch["x"])         # consumption is fenced on the copy's event
 
-    On a CPU device (or without CUDA) it is a transparent pass-through. Exceptions
-    from the source reach the consumer; ``close()`` (or leaving the ``with``
-    block) stops the thread promptly.
+    ``device=None`` is the current CUDA device when there is one, else the CPU; ``"cuda"``
+    means the current CUDA device (``torch.cuda.set_device(local_rank)`` first). On a CPU
+    device it is a transparent pass-through. Every iteration is a fresh pass over
+    ``iterable``. Exceptions from the source reach the consumer; ``close()`` (or leaving
+    the ``with`` block) stops the thread promptly.
     """
 
     def __init__(self, iterable: Iterable[Any], device: torch.device | str | int | None = None,
                  depth: int = 2, timeout_s: float = 0.1) -> None:
-        if depth < 1:
-            from .errors import InvalidArgument
-
-            raise InvalidArgument(f"depth must be >= 1, got {depth!r}")
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+        self.device = _prefetch_device(device)
         self._source = iterable
-        self._depth = depth
-        self._poll = timeout_s
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._done = object()
+        self._depth = integer("depth", depth, 1)
+        self._poll = seconds("timeout_s", timeout_s)
+        self._feed: _Feed | None = None
 
     @property
     def passthrough(self) -> bool:
@@ -233,11 +287,14 @@ class DevicePrefetcher:
         if self.passthrough:
             yield from self._source
             return
-        self._start()
+        self.close()  # a pass still running stops before this one starts
+        feed = self._feed = _Feed(self._depth, self._poll)
+        feed.thread = threading.Thread(target=self._produce, args=(feed,), name="stoker-prefetch", daemon=True)
+        feed.thread.start()
         try:
             while True:
-                item = self._get()
-                if item is self._done:
+                item = feed.get()
+                if item is _DONE:
                     return
                 kind, payload, event = item
                 if kind == "error":
@@ -247,57 +304,32 @@ class DevicePrefetcher:
                 _record_stream(payload, stream)
                 yield payload
         finally:
-            self.close()
+            feed.close()
 
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._produce, name="stoker-prefetch", daemon=True)
-            self._thread.start()
-
-    def _get(self) -> Any:
-        while True:
-            try:
-                return self._queue.get(timeout=self._poll)
-            except queue.Empty:
-                if self._thread is not None and not self._thread.is_alive() and self._queue.empty():
-                    return self._done
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=self._poll)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _produce(self) -> None:
-        stream = torch.cuda.Stream(self.device)
+    def _produce(self, feed: "_Feed") -> None:
         try:
+            # A new thread starts on CUDA device 0: without this, a stream made with an index-less
+            # device, and the copies on it, would land on GPU 0 on every rank.
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device)
             for batch in self._source:
-                if self._stop.is_set():
+                if feed.stop.is_set():
                     return
                 pinned = pin_object(batch)  # CUDA is available here: pins, never warns
                 with torch.cuda.stream(stream):
                     moved = to_device(pinned, self.device, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
-                if not self._put(("batch", moved, event)):
+                if not feed.put(("batch", moved, event)):
                     return
-            self._put(self._done)
+            feed.put(_DONE)
         except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
-            self._put(("error", exc, None))
+            feed.put(("error", exc, None))
 
     def close(self) -> None:
         """Stop the background thread (returns within about ``timeout_s``)."""
-        self._stop.set()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
+        if self._feed is not None:
+            self._feed.close()
 
     def __enter__(self) -> "DevicePrefetcher":
         return self

@@ -86,22 +86,21 @@ class Batch:
     def release(self, event: Any = None) -> None:
         """Give the slot back (idempotent). Views obtained earlier stay valid.
 
-        On CUDA, ``event`` (a ``torch.cuda.Event``, or a ``torch.cuda.Stream`` to record one on) says when
-        the consumer's work on the batch is done; the slot is overwritten only after it, with no host sync.
-        Without it, the slot's next copy waits for everything queued on the streams that used the batch.
+        On CUDA, ``event`` (a ``torch.cuda.Event`` or ``torch.Event`` already recorded after the consumer's
+        work: an event not yet recorded fences nothing; or a stream to record one on now) says when the consumer's work on the batch is done; the slot is
+        overwritten only after it, with no host sync. Without it, the slot's next copy waits for everything
+        queued on the streams that used the batch. A wrong ``event`` raises TypeError and keeps the batch.
         """
-        callback, self._on_release = self._on_release, None
-        view, self._view = self._view, None
-        if callback is None:
+        if self._on_release is None:
             return
-        if view is not None and view.is_cuda:
+        waits = None
+        if self._view is not None and self._view.is_cuda:
             from .transfer import release_waits
 
-            current = torch.cuda.current_stream(view.device)
-            consumers = self._consumers + [current]
-            callback(release_waits(event, consumers))
-        else:
-            callback(None)
+            current = torch.cuda.current_stream(self._view.device)
+            waits = release_waits(event, self._consumers + [current])  # may raise: nothing given back yet
+        callback, self._on_release, self._view = self._on_release, None, None
+        callback(waits)
 
     def __enter__(self) -> "Batch":
         return self

@@ -42,7 +42,7 @@ from ..sample import Sample
 from ..storage import LocalStore
 from .batch import Batch
 from . import device as devices
-from .buffers import SlotRing, TransientBudget, size_class
+from .buffers import SlotRing, TransientBudget, pinned_footprint, size_class
 from .cast import batch_dtype
 from .cpu import CpuExecutor, Job
 from .plan import BatchPlan, plan_batch
@@ -118,12 +118,16 @@ class Pipeline:
         the device slots plus staging fit device_buffer_bytes), with a breakdown of the need."""
         slot_bytes = self.cfg.batch_size * math.prod(shape) * dtype.itemsize
         n = self._n_host_slots
-        need = n * slot_bytes + transient
+        host_slot = pinned_footprint(slot_bytes) if self._cuda else slot_bytes
+        need = n * host_slot + transient
         if need > self.cfg.host_buffer_bytes:
             what = ("pinned staging slots (lookahead_batches)" if self._cuda else "batch slots (lookahead_batches + 1)")
+            pinned = (f", each pinned as {host_slot:,} B (torch rounds pinned memory up to a power of two)"
+                      if host_slot != slot_bytes else "")
             raise BudgetExceeded(
                 f"Config.host_buffer_bytes={self.cfg.host_buffer_bytes:,} cannot hold this pipeline: "
-                f"{n} {what} x {self.cfg.batch_size} samples x {shape} x {dtype.itemsize} B = {n * slot_bytes:,} B, "
+                f"{n} {what} x {self.cfg.batch_size} samples x {shape} x {dtype.itemsize} B{pinned} = "
+                f"{n * host_slot:,} B, "
                 f"plus at least {transient:,} B for reading and decoding one file's chunks; needs {need:,} B. Raise "
                 f"host_buffer_bytes to at least {need:,}, or lower batch_size, lookahead_batches or the sample shape.",
                 knob="host_buffer_bytes", needed=need,
@@ -351,7 +355,8 @@ class Pipeline:
 
             slot_bytes = math.prod(batch_shape) * dtype.itemsize
             # byte slots: each batch is assembled in its own staging dtype (see device.staging_dtype)
-            self._host_slots = SlotRing(self._n_host_slots, (slot_bytes,), torch.uint8, pin=True)
+            with torch.cuda.device(self.device):  # pinning needs a CUDA context: this GPU's, not GPU 0's
+                self._host_slots = SlotRing(self._n_host_slots, (slot_bytes,), torch.uint8, pin=True)
             self._transfer = CudaTransfer(self.device, self._n_slots, batch_shape, dtype,
                                           _stage_bytes(slot_bytes, self.cfg.output_dtype))
             self._slots = self._transfer.slots

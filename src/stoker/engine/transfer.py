@@ -26,6 +26,12 @@ from ..errors import ShutdownError
 from .buffers import Slot, SlotRing
 
 
+# What release(event=...) accepts: torch's CUDA classes and the device-generic ones (torch.cuda.Stream is a
+# torch.Stream on CUDA builds; a generic torch.Event waits on any torch.Stream).
+_EVENTS = (torch.cuda.Event, torch.Event)
+_STREAMS = (torch.cuda.Stream, torch.Stream)
+
+
 class CudaTransfer:
     """Side stream, device batch slots and the device staging buffer of one pipeline."""
 
@@ -53,7 +59,7 @@ class CudaTransfer:
             if self._closed:
                 raise ShutdownError("the pipeline was closed while this batch was being made")
             for wait in slot.stream_waits:
-                if isinstance(wait, torch.cuda.Event):
+                if isinstance(wait, _EVENTS):
                     self.stream.wait_event(wait)
                 else:  # a consumer stream: wait for all it has queued so far, the work on this slot included
                     self.stream.wait_stream(wait)
@@ -96,10 +102,10 @@ def release_waits(event_or_stream, consumers: list) -> list:
     stream), else every consumer stream that saw the batch."""
     if event_or_stream is None:
         return list(consumers)
-    if isinstance(event_or_stream, torch.cuda.Event):
+    if isinstance(event_or_stream, _EVENTS):
         return [event_or_stream]
-    if isinstance(event_or_stream, torch.cuda.Stream):
+    if isinstance(event_or_stream, _STREAMS):  # torch.accelerator.current_stream() gives a torch.Stream
         return [event_or_stream.record_event()]
-    raise TypeError(f"release(event=...) takes a torch.cuda.Event or torch.cuda.Stream, got "
-                    f"{type(event_or_stream).__name__}")
+    raise TypeError(f"release(event=...) takes a torch.cuda.Event, torch.Event, torch.cuda.Stream or torch.Stream, "
+                    f"got {type(event_or_stream).__name__}")
 
