@@ -136,6 +136,31 @@ def _all_reduce(values: list[float], op: str, group: Any) -> list[float]:
     return t.cpu().tolist()
 
 
+def _all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape and dtype on all ranks), in rank order; ``[t]`` when no other rank
+    takes part."""
+    dist = _active_group(group)
+    if dist is None:
+        return [t]
+    t = t.to(_device_for(dist, group))
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return [o.cpu() for o in out]
+
+
+def _group_position(group: Any) -> tuple[int, int]:
+    """``(rank, world_size)`` of this process in collectives over ``group``; ``(0, 1)`` when alone."""
+    dist = _active_group(group)
+    return (dist.get_rank(group), dist.get_world_size(group)) if dist is not None else (0, 1)
+
+
+def _barrier(group: Any) -> None:
+    """Wait for every rank of ``group`` (nothing to wait for when no other rank takes part)."""
+    dist = _active_group(group)
+    if dist is not None:
+        dist.barrier(group=group)
+
+
 def _check_number(key: str, value: Any, what: str) -> None:
     if isinstance(value, bool):
         return

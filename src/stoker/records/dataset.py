@@ -326,3 +326,17 @@ class ZarrRecords(torch.utils.data.Dataset):
         view._init_process_state(self._user_store)
         view._owner_pid = self._owner_pid
         return view
+
+
+def rank_part(ds: ZarrRecords, rank: int, world: int) -> ZarrRecords:
+    """The part of ``ds`` that ``rank`` of ``world`` works on in a collective: its strided share of the
+    full dataset, or ``ds`` itself when it already is that share (InvalidArgument for any other part)."""
+    if ds.part == (0, 1):
+        return ds.shard(rank, world) if world > 1 else ds
+    if ds.part == (rank, world):
+        return ds
+    raise InvalidArgument(
+        f"ds is part {ds.part} (rank, world_size) of its dataset but this is rank {rank} of {world}; pass the "
+        "full dataset or ds.shard(rank, world_size) for this rank",
+        part=ds.part,
+    )

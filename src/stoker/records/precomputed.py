@@ -47,10 +47,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..distributed import _active_group
+from ..distributed import _all_gather, _group_position
 from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
-from .dataset import Sample, ZarrRecords
-from .stats import _all_gather, _local_view as _rank_view
+from .dataset import Sample, ZarrRecords, rank_part
 from ..fsutil import fsync_dir, fsync_tree
 
 ATTR = "stoker_precompute"
@@ -250,7 +249,7 @@ def _local_view(ds: ZarrRecords, rank: int, world: int) -> ZarrRecords:
     """The records this rank computes: its strided share, or any view when no other rank takes part."""
     if world == 1:
         return ds  # a single process does what it is given (e.g. a shard chosen by hand)
-    return _rank_view(ds, rank, world)
+    return rank_part(ds, rank, world)
 
 
 def _check_args(ds: Any, name: Any, fn: Any, params: Any) -> str:
@@ -303,18 +302,17 @@ def precompute(ds: ZarrRecords, name: str, fn: Callable[[Sample], torch.Tensor],
     ranks are done. Open a new ``ZarrRecords`` to see the new field.
     """
     fp = _check_args(ds, name, fn, params)
-    dist = _active_group(group)
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist is not None else (0, 1)
+    rank, world = _group_position(group)
     local = _local_view(ds, rank, world)
 
     # Ranks asked for different arrays would each skip the others' records: refuse together.
-    heads = _all_gather(torch.tensor([int(fp[:14], 16)], dtype=torch.int64), dist, group)
+    heads = _all_gather(torch.tensor([int(fp[:14], 16)], dtype=torch.int64), group)
     if len({int(h[0]) for h in heads}) > 1:
         raise InvalidArgument(f"ranks passed different name or params to precompute({name!r}, ...)", field=name)
 
     written, skipped, error = _run_local(local, name, fn, params, fp)
     # This gather doubles as the closing barrier: nobody returns before every record is in place.
-    tails = _all_gather(torch.tensor([0 if error else 1, written, skipped], dtype=torch.int64), dist, group)
+    tails = _all_gather(torch.tensor([0 if error else 1, written, skipped], dtype=torch.int64), group)
     failed = [r for r, t in enumerate(tails) if int(t[0]) == 0]
     if error is not None:
         raise error

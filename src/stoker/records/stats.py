@@ -31,10 +31,10 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..distributed import _active_group, _device_for, rank_info
+from ..distributed import _all_gather, _barrier, _group_position
 from ..errors import InvalidArgument, StokerError
 from . import sidecar
-from .dataset import Sample, ZarrRecords
+from .dataset import Sample, ZarrRecords, rank_part
 from .moments import F64, Moments
 
 Derived = Callable[[Sample], torch.Tensor]
@@ -111,23 +111,11 @@ def denormalize(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldSta
 # -- collectives -------------------------------------------------------------------------------
 
 
-def _all_gather(t: torch.Tensor, dist: Any, group: Any) -> list[torch.Tensor]:
-    """Every rank's ``t`` (same shape and dtype on all ranks), in rank order; ``[t]`` alone."""
-    if dist is None:
-        return [t]
-    device = _device_for(dist, group)
-    t = t.to(device)
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t, group=group)
-    return [o.cpu() for o in out]
-
-
 def _merge_ranks(
     local: dict[str, Moments],
     names: Sequence[str],
     channels: Mapping[str, int],
     error: BaseException | None,
-    dist: Any,
     group: Any,
 ) -> dict[str, Moments]:
     """Moments over all ranks, merged in rank order so every rank gets the same bits.
@@ -137,7 +125,7 @@ def _merge_ranks(
     channel count of quantities only some ranks computed.
     """
     header = torch.tensor([0 if error else 1] + [channels[n] for n in names], dtype=torch.int64)
-    headers = _all_gather(header, dist, group)
+    headers = _all_gather(header, group)
     failed = [r for r, h in enumerate(headers) if int(h[0]) == 0]
     if failed:
         if error is not None:
@@ -155,7 +143,7 @@ def _merge_ranks(
     mine = [local[n] if n in local else Moments.empty(agreed[n]) for n in names]
     payload = torch.cat([m.pack() for m in mine]) if mine else torch.zeros(0, dtype=F64)
     out: dict[str, Moments] = {}
-    for r, flat in enumerate(_all_gather(payload, dist, group)):
+    for r, flat in enumerate(_all_gather(payload, group)):
         offset = 0
         for name in names:
             size = Moments.packed_size(agreed[name])
@@ -262,18 +250,6 @@ def _check_args(ds: Any, fields: Any, derived: Any) -> tuple[list[str], dict[str
     return names, derived
 
 
-def _local_view(ds: ZarrRecords, rank: int, world: int) -> ZarrRecords:
-    if ds.part == (0, 1):
-        return ds.shard(rank, world) if world > 1 else ds
-    if ds.part == (rank, world):
-        return ds
-    raise InvalidArgument(
-        f"ds is part {ds.part} (rank, world_size) of its dataset but this is rank {rank} of {world}; pass the "
-        "full dataset or ds.shard(rank, world_size) for this rank",
-        part=ds.part,
-    )
-
-
 def _from_entry(entry: dict, expect: Mapping[str, int], derived: Sequence[str]) -> dict[str, FieldStats] | None:
     """Statistics of a sidecar entry, or None when it does not hold what was asked for."""
     try:
@@ -309,9 +285,8 @@ def compute_stats(
     per_channel = bool(per_channel)
     expect = {name: _plain_channels(ds, name, per_channel) for name in names}
 
-    dist = _active_group(group)
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist is not None else (0, 1)
-    local = _local_view(ds, rank, world)
+    rank, world = _group_position(group)
+    local = rank_part(ds, rank, world)
     fp = sidecar.fingerprint(ds, names, per_channel, list(derived))
 
     loaded = None
@@ -321,7 +296,7 @@ def compute_stats(
     # Agree before anyone returns early: a rank that alone saw the file would leave the others
     # waiting in the next collective. The fingerprint rides along to catch ranks seeing other data.
     header = torch.tensor([1 if loaded is not None else 0, int(fp[:14], 16)], dtype=torch.int64)
-    headers = _all_gather(header, dist, group)
+    headers = _all_gather(header, group)
     if len({int(h[1]) for h in headers}) > 1:
         raise InvalidArgument(f"ranks see different datasets under {ds.root} (their fingerprints differ)")
     if loaded is not None and all(int(h[0]) for h in headers):
@@ -329,18 +304,18 @@ def compute_stats(
 
     # Pass 1: the stored fields.
     acc, error = _plain_pass(local, names, per_channel)
-    plain_m = _merge_ranks(acc, names, expect, error, dist, group)
+    plain_m = _merge_ranks(acc, names, expect, error, group)
     result = {name: FieldStats.from_moments(plain_m[name]) for name in names}
 
     # Pass 2 (derived quantities only): on samples normalised with pass 1's statistics.
     if derived:
         acc, error = _derived_pass(local, result, derived, per_channel)
         codes = {name: _channel_code(acc.get(name)) for name in derived}
-        derived_m = _merge_ranks(acc, list(derived), codes, error, dist, group)
+        derived_m = _merge_ranks(acc, list(derived), codes, error, group)
         result.update({name: FieldStats.from_moments(derived_m[name]) for name in derived})
 
     if cache:
-        if rank_info(group).rank == 0:
+        if rank == 0:
             entry = {
                 "fields": names,
                 "derived": sorted(derived),
@@ -354,8 +329,7 @@ def compute_stats(
                 sidecar.write(ds.root, fp, entry)
             except OSError as exc:  # read-only data is common: the statistics are still right
                 warnings.warn(f"could not write {sidecar.path_for(ds.root)}: {exc}", RuntimeWarning, stacklevel=2)
-        if dist is not None:
-            dist.barrier(group=group)  # the file is in place (or known unwritable) before anyone goes on
+        _barrier(group)  # the file is in place (or known unwritable) before anyone goes on
     return result
 
 
