@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from stoker import fsutil
 from stoker.demo import points as pts
 from stoker.demo.points import (
     PointDenoiser,
@@ -128,7 +129,7 @@ def test_an_unfinished_dataset_is_replaced(tmp_path):
     (root / "r00003").rmdir()
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    stale = tmp_path / f".clouds.tmp-{pts._HOST}-{proc.pid}-0123abcd"
+    stale = tmp_path / f".clouds.tmp-{fsutil.HOST}-{proc.pid}-0123abcd"
     (stale / "r00000").mkdir(parents=True)
 
     assert write_point_clouds(tmp_path / "clouds", **SMALL) == root

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import zarr
 
+from stoker import fsutil
 from stoker.errors import DtypeMismatch, InvalidArgument, RankMismatch
 from stoker.records import ZarrRecords, knn_edge_index, knn_graph, precompute
 
@@ -295,7 +296,7 @@ def test_a_leftover_named_with_an_impossible_pid_is_cleaned_not_fatal(tmp_path):
     root = str(tmp_path / "data")
     write_dataset(root)
     rec = os.path.join(root, "rec_000.zarr")
-    junk = os.path.join(rec, f".knn.tmp-{pre._HOST}-{2**70}-0123abcd")
+    junk = os.path.join(rec, f".knn.tmp-{fsutil.HOST}-{2**70}-0123abcd")
     os.makedirs(junk)
     res = precompute(ZarrRecords(root, fields=["points", "rid"]), "knn", Counter(), params={"k": K})
     assert res.written == N_RECORDS and not os.path.exists(junk)

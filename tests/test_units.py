@@ -749,3 +749,30 @@ def test_pinned_footprint_is_torchs_power_of_two_rounding():
 
     assert [pinned_footprint(n) for n in (0, 1, 3, 4096, 4097)] == [0, 1, 4, 4096, 8192]
     assert pinned_footprint(40 << 20) == 64 << 20 and pinned_footprint(64 << 20) == 64 << 20
+
+
+def test_dead_writers_siblings_are_removed_and_nothing_else(tmp_path):
+    import subprocess
+    import sys
+
+    from stoker import fsutil
+
+    final = tmp_path / "knn"
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    mine = fsutil.sibling_path(final, "tmp")  # this process: alive
+    dead = tmp_path / f".knn.old-{fsutil.HOST}-{proc.pid}-0123abcd"
+    other_host_fresh = tmp_path / ".knn.tmp-elsewhere-1-0123abcd"
+    other_host_stale = tmp_path / ".knn.tmp-elsewhere-2-0123abcd"
+    other_name = tmp_path / f".knn2.tmp-{fsutil.HOST}-{proc.pid}-0123abcd"
+    unrelated = tmp_path / ".knn.tmp-notes"
+    for d in (mine, dead, other_host_fresh, other_host_stale, other_name, unrelated):
+        d.mkdir()
+    old = time.time() - fsutil.STALE_AFTER_S - 60
+    os.utime(other_host_stale, (old, old))
+    assert mine.name.startswith(f".knn.tmp-{fsutil.HOST}-{os.getpid()}-")
+    assert sorted(fsutil.remove_dead_siblings(final)) == sorted([dead, other_host_stale])
+    assert all(d.exists() for d in (mine, other_host_fresh, other_name, unrelated))
+    assert fsutil.is_temp_path(fsutil.temp_path(tmp_path / "step-000000001.pt"))
+    assert not fsutil.is_temp_path(tmp_path / "step-000000001.pt")
+    assert not fsutil.is_temp_path(mine)  # a directory sibling is not a temporary file

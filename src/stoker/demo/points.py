@@ -26,10 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
-import socket
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,7 +38,7 @@ from torch import Tensor, nn
 from ..checks import integer
 from ..errors import InvalidArgument, RankMismatch
 from ..records import ZarrRecords, knn_edge_index, knn_graph, precompute
-from ..fsutil import fsync_dir, fsync_tree
+from ..fsutil import fsync_dir, fsync_tree, remove_dead_siblings, sibling_path
 
 MARKER = ".complete"
 """File inside a finished dataset: JSON of the parameters it was written with."""
@@ -50,7 +47,6 @@ FORMAT = "stoker-demo-points"
 VERSION = 1
 SHAPES = ("sphere", "torus", "box", "cylinder")
 
-_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
 
 
 # -- argument checks -----------------------------------------------------------------------------
@@ -172,29 +168,6 @@ def _is_ours(root: Path) -> bool:
 
 
 
-def _temp_path(root: Path, kind: str) -> Path:
-    return root.parent / f".{root.name}.{kind}-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def _remove_dead_temps(root: Path) -> None:
-    """Remove ``.<name>.tmp-*`` / ``.old-*`` siblings whose writer (this host, by pid) is gone."""
-    pattern = re.compile(rf"\.{re.escape(root.name)}\.(?:tmp|old)-{_HOST}-(\d+)-[0-9a-f]{{8}}")
-    try:
-        entries = list(root.parent.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        m = pattern.fullmatch(entry.name)
-        if m is None or int(m.group(1)) == os.getpid():
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(entry, ignore_errors=True)
-        except (PermissionError, OverflowError):
-            pass  # alive (someone else's process), or not a pid: leave it
-
-
 def _write_tree(tmp: Path, params: dict, progress: bool) -> None:
     import zarr  # only writers pay for importing zarr-python
     from tqdm import tqdm
@@ -236,8 +209,8 @@ def write_point_clouds(root: str | os.PathLike, n_records: int = 256, seed: int 
         raise InvalidArgument(f"{root} exists and is not a point-cloud dataset written by stoker; pick another "
                               "root (nothing there was changed)", argument="root", uri=str(root))
     root.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_temps(root)
-    tmp = _temp_path(root, "tmp")
+    remove_dead_siblings(root)
+    tmp = sibling_path(root, "tmp")
     try:
         _write_tree(tmp, params, progress)
         fsync_tree(tmp)
@@ -256,7 +229,7 @@ def _place(tmp: Path, root: Path, params: dict) -> None:
     old = None
     if root.exists():
         # os.replace cannot overwrite a non-empty directory: move the old one aside, then delete it.
-        old = _temp_path(root, "old")
+        old = sibling_path(root, "old")
         try:
             os.replace(root, old)
         except FileNotFoundError:

@@ -38,9 +38,6 @@ import json
 import os
 import re
 import shutil
-import socket
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -50,15 +47,11 @@ import torch
 from ..distributed import _all_gather, _group_position
 from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
 from .dataset import Sample, ZarrRecords, rank_part
-from ..fsutil import fsync_dir, fsync_tree
+from ..fsutil import fsync_dir, fsync_tree, remove_dead_siblings, sibling_path
 
 ATTR = "stoker_precompute"
 FORMAT = "stoker-precompute"
 VERSION = 1
-# A leftover whose writer cannot be checked (another host) is removed after this long.
-STALE_AFTER_S = 24 * 3600
-
-_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
 
 
 @dataclass(frozen=True)
@@ -177,7 +170,7 @@ def _place(tmp: str, final: str) -> None:
     parent = os.path.dirname(final)
     old = None
     if os.path.lexists(final):
-        old = _temp_name(parent, os.path.basename(final), "old")
+        old = str(sibling_path(final, "old"))
         os.replace(final, old)
     os.replace(tmp, final)
     fsync_dir(parent)
@@ -185,48 +178,10 @@ def _place(tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _temp_name(parent: str, name: str, kind: str) -> str:
-    return os.path.join(parent, f".{name}.{kind}-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def _writer_gone(entry: str) -> bool:
-    """Whether the process that made a leftover ``.<name>.<kind>-<host>-<pid>-<rand>`` is gone."""
-    m = re.fullmatch(r".*\.(?:tmp|old)-(.+)-(\d+)-[0-9a-f]{8}", os.path.basename(entry))
-    if m is None:
-        return False
-    host, pid = m.group(1), int(m.group(2))
-    if host != _HOST:  # cannot ask another machine: rely on age
-        try:
-            return time.time() - os.stat(entry).st_mtime > STALE_AFTER_S
-        except OSError:
-            return False
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # no such process (a pid beyond pid_t cannot exist)
-        return True
-    except PermissionError:  # alive, someone else's
-        return False
-    return False
-
-
-def _remove_leftovers(record: str, name: str) -> None:
-    prefixes = (f".{name}.tmp-", f".{name}.old-")
-    try:
-        entries = [e for e in os.listdir(record) if e.startswith(prefixes)]
-    except OSError:
-        return
-    for e in entries:
-        path = os.path.join(record, e)
-        if _writer_gone(path):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def write_array(record: str, name: str, data: np.ndarray, attrs: dict) -> str:
     """Store ``data`` as array ``name`` of the record group at ``record``, atomically; returns its path."""
     final = os.path.join(record, name)
-    tmp = _temp_name(record, name, "tmp")
+    tmp = str(sibling_path(final, "tmp"))
     try:
         _write_temp(tmp, data, _zarr_format(record), attrs)
         fsync_tree(tmp)
@@ -277,7 +232,7 @@ def _run_local(local: ZarrRecords, name: str, fn: Callable[[Sample], Any], param
     try:
         for i in range(len(local)):
             info = local.metadata(i)
-            _remove_leftovers(info.path, name)
+            remove_dead_siblings(os.path.join(info.path, name))
             if stored_fingerprint(info.path, name) == fp:
                 skipped += 1
                 continue

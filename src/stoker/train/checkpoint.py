@@ -28,7 +28,7 @@ import torch
 
 from ..checks import integer
 from ..errors import CheckpointError
-from ..fsutil import replace_atomically
+from ..fsutil import is_temp_path, replace_atomically
 
 __all__ = ["Checkpoints", "FORMAT", "VERSION"]
 
@@ -81,7 +81,7 @@ class Checkpoints:
         removed = []
         if self.directory.is_dir():
             for entry in self.directory.iterdir():
-                if entry.name.startswith(".") and ".tmp-" in entry.name:
+                if is_temp_path(entry):
                     entry.unlink(missing_ok=True)
                     removed.append(entry)
         return removed
