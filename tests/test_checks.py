@@ -59,3 +59,20 @@ def test_sources_take_rank_and_world_from_the_environment_checked(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     with pytest.raises(stoker.InvalidArgument, match="RANK=3 and WORLD_SIZE=3 are inconsistent"):
         source.shard()
+
+
+def test_a_sharded_source_stores_plain_ints_so_its_state_is_json():
+    import json
+
+    from stoker.sources import ShardedSource
+
+    source = SampleList([Sample("/a.zarr", [(i, i + 1)]) for i in range(6)])
+    part = ShardedSource(source, np.int64(1), np.int64(3), "strided", "wrap")
+    assert type(part.rank) is int and type(part.world_size) is int
+    json.dumps(part.state_dict())
+
+
+def test_config_stores_the_pop_timeout_as_a_float():
+    assert stoker.Config(pop_timeout_s=np.float32(2.5)).pop_timeout_s == 2.5
+    assert type(stoker.Config(pop_timeout_s=3).pop_timeout_s) is float
+    assert stoker.Config(pop_timeout_s=None).pop_timeout_s is None

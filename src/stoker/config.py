@@ -83,7 +83,8 @@ class Config:
                 f"Config.dtype must be one of {', '.join(map(repr, OUTPUT_DTYPES))}, got {self.dtype!r}",
                 knob="dtype",
             )
-        seconds("Config.pop_timeout_s", self.pop_timeout_s, optional=True, knob="pop_timeout_s")
+        object.__setattr__(self, "pop_timeout_s",
+                           seconds("Config.pop_timeout_s", self.pop_timeout_s, optional=True, knob="pop_timeout_s"))
         if not isinstance(self.drop_last, bool):
             raise InvalidArgument(f"Config.drop_last must be True or False, got {self.drop_last!r}", knob="drop_last")
         self._check_device()

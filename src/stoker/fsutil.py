@@ -81,8 +81,12 @@ def remove_dead_siblings(final: str | os.PathLike) -> list[Path]:
     for entry in entries:
         m = _SIBLING.fullmatch(entry.name)
         if m is not None and m["name"] == final.name and writer_gone(entry):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            if not os.path.lexists(entry):
+                removed.append(entry)
     return removed
 
 

@@ -12,7 +12,8 @@ TypeError: cannot pin batch.streams[2].coords (Opaque holds array data): impleme
 :class:`DevicePrefetcher` wraps any iterable of batches: it pins on a background
 thread of the main process (never in forked DataLoader workers), copies with
 ``non_blocking=True`` on a side stream, and fences the consumer's stream on an
-event. Without CUDA it passes batches through unchanged.
+event. On a CPU device (``device="cpu"``, or ``None`` without CUDA) it passes batches through
+unchanged; naming a CUDA device torch cannot see is an InvalidArgument.
 """
 
 from __future__ import annotations
@@ -138,12 +139,13 @@ def _method_hook(name: str, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor reachable from ``obj`` (containers, dataclasses, plain objects' attributes), at any
-    depth, as :func:`map_batch` moves them; each object is visited once, so cycles end."""
+    """Every tensor reachable from ``obj``: through containers at any depth, as :func:`map_batch` moves
+    them, and through plain objects' attributes (self-moving batches) at most 6 objects deep, so a batch
+    that refers to a model or dataset is not walked whole. Each object is visited once: cycles end."""
     seen: set[int] = set()
-    todo = [obj]
+    todo = [(obj, 0)]
     while todo:
-        obj = todo.pop()
+        obj, in_objects = todo.pop()
         if isinstance(obj, torch.Tensor):
             yield obj
             continue
@@ -154,10 +156,16 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             values = list(obj.values())
         elif isinstance(obj, (list, tuple)):
             values = list(obj)
-        else:
+        elif in_objects < _MAX_OBJECT_DEPTH:
+            in_objects += 1
             values = list(getattr(obj, "__dict__", {}).values())
             values += [getattr(obj, n) for n in getattr(type(obj), "__slots__", ()) if hasattr(obj, n)]
-        todo.extend(reversed(values))
+        else:
+            continue
+        todo.extend((v, in_objects) for v in reversed(values))
+
+
+_MAX_OBJECT_DEPTH = 6  # plain objects' attributes followed by tensors_in
 
 
 _warned_no_cuda = False
@@ -206,6 +214,7 @@ def _record_stream(obj: Any, stream: Any) -> None:
 
 
 _DONE = object()  # the end of a prefetcher's pass
+_RESTART_WAIT_S = 60.0  # how long a new pass waits for the previous pass's producer to leave the source
 
 
 def _prefetch_device(device: torch.device | str | int | None) -> torch.device:
@@ -247,6 +256,14 @@ class _Feed:
                 continue
         return False
 
+    def wait_stopped(self, timeout: float) -> None:
+        """Wait for the producer to leave the source (it stops after its current ``next()``)."""
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                raise RuntimeError(f"DevicePrefetcher: the previous pass is still waiting on the source's next() "
+                                   f"after {timeout:.0f} s; a new pass would read the source from a second thread")
+
     def close(self) -> None:
         self.stop.set()
         while True:
@@ -276,7 +293,7 @@ class DevicePrefetcher:
         self.device = _prefetch_device(device)
         self._source = iterable
         self._depth = integer("depth", depth, 1)
-        self._poll = seconds("timeout_s", timeout_s)
+        self._poll = seconds("timeout_s", timeout_s, finite=True)
         self._feed: _Feed | None = None
 
     @property
@@ -287,7 +304,9 @@ class DevicePrefetcher:
         if self.passthrough:
             yield from self._source
             return
-        self.close()  # a pass still running stops before this one starts
+        if self._feed is not None:  # a pass still running ends before this one starts: one thread drives
+            self._feed.close()      # the source at a time (a shared iterator must not be read twice over)
+            self._feed.wait_stopped(_RESTART_WAIT_S)
         feed = self._feed = _Feed(self._depth, self._poll)
         feed.thread = threading.Thread(target=self._produce, args=(feed,), name="stoker-prefetch", daemon=True)
         feed.thread.start()

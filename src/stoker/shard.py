@@ -26,12 +26,14 @@ POLICIES = ("strided", "contiguous")
 EVEN = ("wrap", "drop")
 
 
-def check(rank: int, world_size: int, policy: str, even: str) -> None:
-    rank_in_world(rank, world_size)
+def check(rank: int, world_size: int, policy: str, even: str) -> tuple[int, int]:
+    """``(rank, world_size)`` as ints, after checking them and the policy names."""
+    rank, world_size = rank_in_world(rank, world_size)
     if policy not in POLICIES:
         raise InvalidArgument(f"policy must be one of {POLICIES}, got {policy!r}")
     if even not in EVEN:
         raise InvalidArgument(f"even must be one of {EVEN}, got {even!r}")
+    return rank, world_size
 
 
 def per_rank(n: int, world_size: int, even: str) -> int:

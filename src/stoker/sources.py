@@ -207,7 +207,7 @@ class ShardedSource:
     """
 
     def __init__(self, source: SampleSource, rank: int, world_size: int, policy: str, even: str) -> None:
-        _shard.check(rank, world_size, policy, even)
+        rank, world_size = _shard.check(rank, world_size, policy, even)
         self.source = source
         self.rank, self.world_size, self.policy, self.even = rank, world_size, policy, even
         self.epoch = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,24 @@ def ensure(root: Path, spec: VolumeSpec, progress: bool = True) -> list[str]:
         shutil.copytree(first, p)
     (base / ".complete").touch()
     return paths
+
+
+def evict_page_cache(paths: list[str]) -> int:
+    """Drop the cached pages of every file under ``paths`` (``posix_fadvise(DONTNEED)``: no root needed), so
+    their next read comes from the disk; returns the files evicted (0 where the call does not exist)."""
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    n = 0
+    for p in paths:
+        for f in Path(p).rglob("*"):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    n += 1
+                finally:
+                    os.close(fd)
+    return n
 
 
 def warm_page_cache(paths: list[str]) -> int:

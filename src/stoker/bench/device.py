@@ -80,10 +80,11 @@ def run_device_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: in
     return list(interleaved(peers, rounds).values())
 
 
-def format_device_results(sc: Scenario, results: list[Result]) -> str:
+def format_device_results(sc: Scenario, results: list[Result], timed_batches: int) -> str:
     by = {r.peer: r for r in results}
     gpu, cpu = by["stoker cuda"], by["stoker cpu"]
-    lines = [f"\nScenario {sc.number} on {torch.cuda.get_device_name()}: {sc.title}, bf16 out",
+    lines = [f"\nScenario {sc.number} on {torch.cuda.get_device_name()}: {sc.title}, bf16 out "
+             f"({timed_batches} timed batches per peer)",
              f"{'peer':<18}{'samples/s':>11}{'MB/s':>9}{'cuda x':>9}"]
     for r in results:
         ratio = f"{gpu.samples_per_s / r.samples_per_s:>8.2f}x" if r is not gpu and r.samples_per_s else f"{'':>9}"

@@ -440,8 +440,11 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int) -> s
         if spread:
             lines.append(f"rounds: {len(st.extra['rounds'])} interleaved, median shown; samples/s range: "
                          + ", ".join(spread))
-        lines.append(f"stoker: first batch {st.extra['first_batch_s'] * 1e3:.0f} ms after push")
         alone = st.extra.get("alone")
+        cold = alone.get("first_batch_s") if alone else None
+        lines.append(f"stoker: first batch {st.extra['first_batch_s'] * 1e3:.0f} ms after push" + (
+            f"; {cold * 1e3:.0f} ms in a fresh process with its arrays out of the page cache" if cold is not None
+            else ""))
         if alone:
             budget = st.extra["host_buffer_bytes"]
             lines.append(

@@ -45,9 +45,10 @@ def run(args: argparse.Namespace) -> int:
               f"{args.batch_size}, bf16 out; data in {root}", flush=True)
         for sc in chosen:
             budget = host_budget(sc, args.batch_size, args.host_buffer_bytes)
-            results = run_device_scenario(sc, root, args.batches or sc.timed_batches, args.batch_size, budget,
+            n_batches = args.batches or sc.timed_batches
+            results = run_device_scenario(sc, root, n_batches, args.batch_size, budget,
                                           rounds=1 if args.tiny else args.rounds)
-            print(format_device_results(sc, results), flush=True)
+            print(format_device_results(sc, results, n_batches), flush=True)
         return 0
     print(f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
           f"batch {args.batch_size}; timed batches: {args.slow_batches} for zarr, "

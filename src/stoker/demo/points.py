@@ -54,10 +54,10 @@ SHAPES = ("sphere", "torus", "box", "cylinder")
 
 def _check_params(n_records: Any, seed: Any, min_points: Any, max_points: Any, noise: Any) -> dict:
     params = {
-        "n_records": integer("n_records", n_records, 1),
-        "seed": integer("seed", seed, 0),  # numpy's SeedSequence takes non-negative integers only
-        "min_points": integer("min_points", min_points, 1),
-        "max_points": integer("max_points", max_points, 1),
+        "n_records": integer("n_records", n_records, 1, argument="n_records"),
+        "seed": integer("seed", seed, 0, argument="seed"),  # numpy's SeedSequence takes non-negative integers only
+        "min_points": integer("min_points", min_points, 1, argument="min_points"),
+        "max_points": integer("max_points", max_points, 1, argument="max_points"),
     }
     if params["max_points"] < params["min_points"]:
         raise InvalidArgument(f"max_points ({max_points}) must be >= min_points ({min_points})",
@@ -254,7 +254,7 @@ def ensure_knn(root: str | os.PathLike, k: int = 16) -> str:
     Collective under ``torch.distributed`` (:func:`~stoker.records.precompute` is).
     Returns the field name.
     """
-    k = integer("k", k, 1)
+    k = integer("k", k, 1, argument="k")
     name = f"knn{k}"
     precompute(ZarrRecords(root, fields=["noisy"]), name, lambda s: knn_graph(s["noisy"], k),
                params={"k": k, "of": "noisy"})
@@ -315,7 +315,7 @@ def chamfer_distance(pred: Tensor, target: Tensor, pred_batch: Tensor, target_ba
     if n_samples is None:
         ids = [int(b.max()) for b in (pred_batch, target_batch) if b.numel()]
         n_samples = max(ids) + 1 if ids else 0
-    n_samples = integer("n_samples", n_samples, 1)
+    n_samples = integer("n_samples", n_samples, 1, argument="n_samples")
     preds = _split_by_sample(pred, pred_batch, n_samples, "pred")
     targets = _split_by_sample(target, target_batch, n_samples, "target")
     losses = []
@@ -365,8 +365,8 @@ class PointDenoiser(nn.Module):
 
     def __init__(self, hidden: int = 64, layers: int = 3) -> None:
         super().__init__()
-        integer("hidden", hidden, 1)
-        integer("layers", layers, 1)
+        integer("hidden", hidden, 1, argument="hidden")
+        integer("layers", layers, 1, argument="layers")
         self.embed = nn.Sequential(nn.Linear(3, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
         self.layers = nn.ModuleList(_EdgeConv(hidden) for _ in range(layers))
         self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, 3))

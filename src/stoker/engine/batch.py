@@ -86,20 +86,25 @@ class Batch:
     def release(self, event: Any = None) -> None:
         """Give the slot back (idempotent). Views obtained earlier stay valid.
 
-        On CUDA, ``event`` (a ``torch.cuda.Event`` or ``torch.Event`` already recorded after the consumer's
-        work: an event not yet recorded fences nothing; or a stream to record one on now) says when the consumer's work on the batch is done; the slot is
-        overwritten only after it, with no host sync. Without it, the slot's next copy waits for everything
+        On CUDA, ``event`` says when the consumer's work on the batch is done: a ``torch.cuda.Event`` or
+        ``torch.Event`` already recorded after that work (one not yet recorded fences nothing), or a stream
+        to record one on now. The slot is overwritten only after it, with no host sync. Without it, the slot's next copy waits for everything
         queued on the streams that used the batch. A wrong ``event`` raises TypeError and keeps the batch.
         """
-        if self._on_release is None:
+        callback, self._on_release = self._on_release, None  # one swap: two releasing threads cannot both win
+        if callback is None:
             return
+        view = self._view
         waits = None
-        if self._view is not None and self._view.is_cuda:
+        if view is not None and view.is_cuda:
             from .transfer import release_waits
 
-            current = torch.cuda.current_stream(self._view.device)
-            waits = release_waits(event, self._consumers + [current])  # may raise: nothing given back yet
-        callback, self._on_release, self._view = self._on_release, None, None
+            try:
+                waits = release_waits(event, self._consumers + [torch.cuda.current_stream(view.device)])
+            except BaseException:
+                self._on_release = callback  # a wrong event gives nothing back: a corrected release still can
+                raise
+        self._view = None
         callback(waits)
 
     def __enter__(self) -> "Batch":

@@ -27,9 +27,9 @@ from .buffers import Slot, SlotRing
 
 
 # What release(event=...) accepts: torch's CUDA classes and the device-generic ones (torch.cuda.Stream is a
-# torch.Stream on CUDA builds; a generic torch.Event waits on any torch.Stream).
-_EVENTS = (torch.cuda.Event, torch.Event)
-_STREAMS = (torch.cuda.Stream, torch.Stream)
+# torch.Stream on CUDA builds; a generic torch.Event waits on any torch.Stream). torch.Event came in 2.4.
+_EVENTS = tuple(c for c in (torch.cuda.Event, getattr(torch, "Event", None)) if c is not None)
+_STREAMS = tuple(c for c in (torch.cuda.Stream, getattr(torch, "Stream", None)) if c is not None)
 
 
 class CudaTransfer:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..distributed import _all_gather, _barrier, _group_position
+from ..distributed import _all_gather, _barrier, _group_position, rank_info
 from ..errors import InvalidArgument, StokerError
 from . import sidecar
 from .dataset import Sample, ZarrRecords, rank_part
@@ -315,7 +315,7 @@ def compute_stats(
         result.update({name: FieldStats.from_moments(derived_m[name]) for name in derived})
 
     if cache:
-        if rank == 0:
+        if rank_info(group).rank == 0:  # also without a group: only RANK 0 of a torchrun job writes
             entry = {
                 "fields": names,
                 "derived": sorted(derived),

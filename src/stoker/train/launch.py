@@ -117,7 +117,7 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backen
     inside a collective cannot leave the others waiting for ever.
     """
     nprocs = _check_nprocs(nprocs)
-    timeout_s = seconds("timeout_s", timeout_s)
+    timeout_s = seconds("timeout_s", timeout_s, finite=True)
     cuda = torch.cuda.is_available() if use_cuda is None else bool(use_cuda)
     if cuda and not torch.cuda.is_available():
         raise InvalidArgument("use_cuda=True but torch sees no CUDA device")
