@@ -273,6 +273,80 @@ def test_direct_call_decodes_only_the_blocks_a_span_needs(tmp_path):
     np.testing.assert_array_equal(outs[4], noise)
 
 
+def _zstd_streaming(on: bool) -> None:
+    """Turn the compiled reader's zstd context reuse and early stop on or off (off: ZSTD_decompress per chunk,
+    what a numcodecs build without those exports gets)."""
+    from stoker import _native
+
+    _, addrs = native._symbols(numcodecs.zstd.__file__, *native.ZSTD_STREAMING)
+    _native.set_zstd_streaming(*(addrs if on else [0] * len(native.ZSTD_STREAMING)))
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "one-shot"])
+def test_direct_call_stops_zstd_after_the_blocks_a_span_needs(tmp_path, streaming):
+    """zstd writes blocks of at most 128 KiB: a span inside the first block decodes that block only, unless
+    the frame carries a checksum (checked at its end) or is not exactly one whole frame (then it is decoded
+    in full, and a damaged tail fails as it always did)."""
+    if not (native.zstd and native.zstd_streaming):
+        pytest.skip("the compiled reader or zstd's streaming functions are not available")
+    n = _BLOCKY.nbytes  # 256 KiB: two zstd blocks
+    plain = numcodecs.Zstd(level=1).encode(_BLOCKY)
+    files = {
+        "plain": plain,
+        "checksum": numcodecs.Zstd(level=1, checksum=True).encode(_BLOCKY),
+        "truncated": plain[:-100],  # the second block is cut short
+        "trailing": plain + b"junk after the frame",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    paths = [tmp_path / name for name in files] + [tmp_path / "plain"] * 2
+    spans = [(5, 9)] * len(files) + [(0, n), (n - 4, n)]
+    if not streaming:
+        _zstd_streaming(False)
+    try:
+        results, outs = _call(native.ZSTD, paths, n, spans=spans, scratch=n + 4096)
+    finally:
+        _zstd_streaming(True)
+    status = {name: r[0] for name, r in zip(files, results)}
+    decoded = {name: r[2] for name, r in zip(files, results)}
+    assert status == {"plain": native.OK, "checksum": native.OK, "truncated": native.CODEC_ERROR,
+                      "trailing": native.CODEC_ERROR}
+    assert decoded["plain"] == (128 << 10 if streaming else n) and decoded["checksum"] == n
+    assert [r[:1] + r[2:3] for r in results[len(files):]] == [(native.OK, n)] * 2
+    expected = _BLOCKY.view("uint8")
+    for out, (a, b), r in zip(outs, spans, results):
+        if r[0] == native.OK:
+            np.testing.assert_array_equal(out[a:b], expected[a:b])
+    np.testing.assert_array_equal(outs[0][: 128 << 10], expected[: 128 << 10])  # the whole first block
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_zstd_crops_decode_only_the_blocks_they_read(tmp_path, reader, checksum):
+    """Crops in the first planes of 512 KiB zstd chunks (four blocks) match zarr and, on the compiled path,
+    decode only the blocks before their last byte (a frame with a checksum: all of it)."""
+    data = np.cumsum(np.random.default_rng(5).integers(-3, 4, (32, 128, 128)), axis=2).astype("uint16")
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=data.shape, chunks=(16, 128, 128), dtype="uint16",
+                          compressors=ZstdCodec(level=1, checksum=checksum))
+    z[...] = data
+    boxes = [[(0, 3), (0, 64), (0, 64)], [(16, 19), (64, 128), (10, 74)], [(12, 15), (0, 64), (64, 128)]]
+    cfg = stoker.Config(batch_size=3, dtype="f32", device="cpu", n_compute_threads=2, pop_timeout_s=20.0)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, b) for b in boxes])
+        with p.pop() as batch:
+            got = torch.from_dlpack(batch).clone()
+        stats = p.stats()
+    torch.testing.assert_close(got, _expect(data, boxes), rtol=0, atol=0)
+    chunk, plane, row = 16 * 128 * 128 * 2, 128 * 128 * 2, 128 * 2
+    assert stats.chunks_decoded == 2
+    if reader["kind"] == "compiled" and native.zstd_streaming and not checksum:
+        # the last byte read: chunk 0 in plane 14 (its fourth block), chunk 1 in plane 2 (its first block)
+        stops = [14 * plane + 63 * row + 128 * 2, 2 * plane + 127 * row + 74 * 2]
+        assert stats.bytes_decoded == sum(-(-stop // (128 << 10)) * (128 << 10) for stop in stops) < 2 * chunk
+    else:
+        assert stats.bytes_decoded == 2 * chunk
+
+
 def test_compiled_reader_follows_the_partial_share_of_blosc_partial(tmp_path):
     """C takes its partial-decode rule from blosc_partial.PARTIAL_MAX_SHARE (handed over at load): with a
     share of 0 a one-block span is decoded whole, with 1 a span over half the chunk only in its blocks."""

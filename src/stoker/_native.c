@@ -19,7 +19,9 @@
  *            chunk is in its file (offset -1: the whole file, as long as the file is; else an inner
  *            chunk of a shard) and the decoded bytes the chunk's copies read; blosc decodes only
  *            the blocks holding those when that is at most the partial share of the chunk
- *            (set_codecs; stoker/zarr/blosc_partial.py's PARTIAL_MAX_SHARE)
+ *            (set_codecs; stoker/zarr/blosc_partial.py's PARTIAL_MAX_SHARE); zstd stops after the
+ *            block that holds byte_stop - 1, when the frame states the chunk's size and has no
+ *            checksum (set_zstd_streaming)
  *   scratch  writable buffer for the encoded bytes of one file at a time
  *   outs     sequence of writable buffers of at least nbytes, one per path (decoded chunks)
  *   nbytes   the decoded size every chunk must have
@@ -27,8 +29,8 @@
  *            decoding, the chunk's copies are cast into dst right here
  *   dst      None, or (address, size in bytes, kind[, stream]) of the batch the places write into
  *            (stream: write whole cache lines with streaming stores, see write_run)
- * status: 0 ok (decoded: bytes decompressed), 1 missing file, 2 file larger than scratch
- * (decoded: its size), 3 OS error (decoded: errno), 4 file shorter than its size (it
+ * status: 0 ok (decoded: bytes decompressed, fewer than nbytes when decoding stopped early), 1 missing
+ * file, 2 file larger than scratch (decoded: its size), 3 OS error (decoded: errno), 4 file shorter than its size (it
  * changed while read), 5 codec error (decoded: zstd's error code, or blosc's negative
  * result), 6 decoded to a size other than nbytes (decoded: the size), 7 a blosc frame
  * whose header does not fit this chunk or the stored size (left to the Python path).
@@ -52,11 +54,30 @@
 
 typedef size_t (*zstd_decompress_fn)(void *dst, size_t dst_capacity, const void *src, size_t src_size);
 typedef unsigned (*zstd_is_error_fn)(size_t code);
+/* zstd's context API (a context reused across the chunks of a call) and its buffer-less streaming API
+ * (block by block, straight into the output, so decoding can stop once the bytes the copies read are out) */
+typedef void *(*zstd_create_dctx_fn)(void);
+typedef size_t (*zstd_free_dctx_fn)(void *dctx);
+typedef size_t (*zstd_decompress_dctx_fn)(void *dctx, void *dst, size_t dst_capacity, const void *src,
+                                          size_t src_size);
+typedef size_t (*zstd_begin_fn)(void *dctx);
+typedef size_t (*zstd_continue_fn)(void *dctx, void *dst, size_t dst_capacity, const void *src, size_t src_size);
+typedef size_t (*zstd_next_src_size_fn)(void *dctx);
+typedef unsigned long long (*zstd_content_size_fn)(const void *src, size_t src_size);
+typedef size_t (*zstd_frame_size_fn)(const void *src, size_t src_size);
 typedef int (*blosc_decompress_ctx_fn)(const void *src, void *dest, size_t destsize, int nthreads);
 typedef int (*blosc_getitem_fn)(const void *src, int start, int nitems, void *dest);
 
 static zstd_decompress_fn zstd_decompress = NULL;
 static zstd_is_error_fn zstd_is_error = NULL;
+static zstd_create_dctx_fn zstd_create_dctx = NULL; /* the rest of zstd's API: all set, or all NULL */
+static zstd_free_dctx_fn zstd_free_dctx = NULL;
+static zstd_decompress_dctx_fn zstd_decompress_dctx = NULL;
+static zstd_begin_fn zstd_begin = NULL;
+static zstd_continue_fn zstd_continue = NULL;
+static zstd_next_src_size_fn zstd_next_src_size = NULL;
+static zstd_content_size_fn zstd_content_size = NULL;
+static zstd_frame_size_fn zstd_frame_size = NULL;
 static blosc_decompress_ctx_fn blosc_decompress_ctx = NULL;
 static blosc_getitem_fn blosc_getitem = NULL;
 /* blosc decodes only some blocks when they are at most this share of the chunk; blosc_getitem costs
@@ -115,6 +136,31 @@ static PyObject *set_codecs(PyObject *Py_UNUSED(self), PyObject *args) {
     zstd_is_error = (zstd_is_error_fn)(uintptr_t)ze;
     blosc_decompress_ctx = (blosc_decompress_ctx_fn)(uintptr_t)bd;
     blosc_getitem = (blosc_getitem_fn)(uintptr_t)bg;
+    Py_RETURN_NONE;
+}
+
+/* set_zstd_streaming(create_dctx, free_dctx, decompress_dctx, decompress_begin, decompress_continue,
+ * next_src_size, frame_content_size, find_frame_compressed_size): zstd's context and buffer-less streaming
+ * functions, by address; all 0 turns them off (each chunk is then one ZSTD_decompress call, decoded in full). */
+static PyObject *set_zstd_streaming(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long a[8];
+    if (!PyArg_ParseTuple(args, "KKKKKKKK", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6], &a[7]))
+        return NULL;
+    int set = 0;
+    for (int i = 0; i < 8; i++)
+        set += a[i] != 0;
+    if (set != 0 && set != 8) {
+        PyErr_SetString(PyExc_ValueError, "zstd's streaming functions must all be given, or none");
+        return NULL;
+    }
+    zstd_create_dctx = (zstd_create_dctx_fn)(uintptr_t)a[0];
+    zstd_free_dctx = (zstd_free_dctx_fn)(uintptr_t)a[1];
+    zstd_decompress_dctx = (zstd_decompress_dctx_fn)(uintptr_t)a[2];
+    zstd_begin = (zstd_begin_fn)(uintptr_t)a[3];
+    zstd_continue = (zstd_continue_fn)(uintptr_t)a[4];
+    zstd_next_src_size = (zstd_next_src_size_fn)(uintptr_t)a[5];
+    zstd_content_size = (zstd_content_size_fn)(uintptr_t)a[6];
+    zstd_frame_size = (zstd_frame_size_fn)(uintptr_t)a[7];
     Py_RETURN_NONE;
 }
 
@@ -182,14 +228,64 @@ static int open_chunk(chunk_job *job, size_t scratch_len, size_t *size) {
 /* The codecs: each reads the stored chunk (``size`` bytes) from the open ``fd``, closes it and decodes
  * into job->out; read_ns counts from ``t0``, when the file was opened. */
 
-static void decode_zstd(chunk_job *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes) {
+static uint32_t le32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* zstd's error code for a frame that ends before its blocks do (ZSTD_error_srcSize_wrong) */
+#define ZSTD_ERROR_SRC_SIZE_WRONG ((size_t)0 - 72)
+
+/* True when decoding may stop at the end of the bytes the copies read: the stored chunk is exactly one
+ * whole frame (its block headers add up to the stored size: a truncated file or trailing bytes are decoded
+ * in full, and fail as they always do) that says it holds the chunk and carries no checksum (a checksum is
+ * checked at the frame's end, so a frame with one is always decoded whole: stopping early would skip the
+ * check the writer asked for). Blocks after the stop are not decoded, so damage inside them is not seen,
+ * as with blosc's partial decoding. */
+static int zstd_prefix_ok(const unsigned char *src, size_t size, size_t nbytes) {
+    return size > 5 && le32(src) == 0xFD2FB528u && !(src[4] & 0x04) && zstd_content_size(src, size) == nbytes &&
+           zstd_frame_size(src, size) == size;
+}
+
+/* Decode a frame block by block straight into out (the earlier blocks stay there as the window) and stop
+ * after the block holding byte stop - 1. Returns the bytes decoded, or a zstd error code. */
+static size_t zstd_prefix(void *dctx, char *out, size_t nbytes, const char *src, size_t size, size_t stop) {
+    size_t r = zstd_begin(dctx);
+    if (zstd_is_error(r))
+        return r;
+    size_t produced = 0, consumed = 0;
+    while (produced < stop) {
+        size_t need = zstd_next_src_size(dctx);
+        if (need == 0)
+            break; /* the frame ended: fewer bytes than it claimed, reported as a size mismatch */
+        if (need > size - consumed)
+            return ZSTD_ERROR_SRC_SIZE_WRONG;
+        r = zstd_continue(dctx, out + produced, nbytes - produced, src + consumed, need);
+        if (zstd_is_error(r))
+            return r;
+        consumed += need;
+        produced += r;
+    }
+    return produced;
+}
+
+/* dctx: a context for this call's chunks, or NULL (zstd's streaming functions are not set up, or the
+ * context could not be made): then each chunk is one ZSTD_decompress call. */
+static void decode_zstd(chunk_job *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes,
+                        void *dctx) {
     int bad = read_range(job, fd, scratch, 0, size);
     close(fd);
     long long t1 = now_ns();
     job->read_ns = t1 - t0;
     if (bad)
         return;
-    size_t decoded = zstd_decompress(job->out, nbytes, scratch, size);
+    size_t stop = (size_t)job->span_stop, decoded;
+    int prefix = dctx != NULL && stop < nbytes && zstd_prefix_ok((const unsigned char *)scratch, size, nbytes);
+    if (prefix)
+        decoded = zstd_prefix(dctx, job->out, nbytes, scratch, size, stop);
+    else if (dctx != NULL)
+        decoded = zstd_decompress_dctx(dctx, job->out, nbytes, scratch, size);
+    else
+        decoded = zstd_decompress(job->out, nbytes, scratch, size);
     job->decode_ns = now_ns() - t1;
     if (zstd_is_error(decoded)) {
         job->status = ST_CODEC_ERROR;
@@ -197,15 +293,11 @@ static void decode_zstd(chunk_job *job, int fd, size_t size, long long t0, char 
         return;
     }
     job->detail = (long long)decoded;
-    job->status = decoded == nbytes ? ST_OK : ST_SIZE;
+    job->status = (prefix ? decoded >= stop : decoded == nbytes) ? ST_OK : ST_SIZE;
 }
 
 #define BLOSC_HEADER 16
 #define BLOSC_MEMCPYED 0x2
-
-static uint32_t le32(const unsigned char *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
 
 static int cmp_u32(const void *a, const void *b) {
     uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
@@ -641,6 +733,7 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
     }
 
     Py_BEGIN_ALLOW_THREADS
+    void *dctx = codec == CODEC_ZSTD && zstd_create_dctx != NULL && n > 0 ? zstd_create_dctx() : NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         chunk_job *job = &jobs[i];
         size_t size;
@@ -651,7 +744,7 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
             continue;
         }
         if (codec == CODEC_ZSTD)
-            decode_zstd(job, fd, size, t0, scratch.buf, (size_t)nbytes);
+            decode_zstd(job, fd, size, t0, scratch.buf, (size_t)nbytes, dctx);
         else
             decode_blosc(job, fd, size, t0, scratch.buf, (size_t)nbytes);
         if (job->status == ST_OK && job->place != NULL) {
@@ -661,6 +754,8 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
             job->placed = 1;
         }
     }
+    if (dctx != NULL)
+        zstd_free_dctx(dctx);
     Py_END_ALLOW_THREADS
 
     result = PyList_New(n);
@@ -702,6 +797,10 @@ static PyMethodDef methods[] = {
      "set_codecs(zstd_decompress, zstd_is_error, blosc_decompress_ctx, blosc_getitem[, partial_max_share]): "
      "function addresses (0: that codec is not available) and the largest share of a blosc chunk decoded "
      "block by block."},
+    {"set_zstd_streaming", set_zstd_streaming, METH_VARARGS,
+     "set_zstd_streaming(create_dctx, free_dctx, decompress_dctx, decompress_begin, decompress_continue, "
+     "next_src_size, frame_content_size, find_frame_compressed_size): zstd's context and buffer-less "
+     "streaming functions (all 0: off)."},
     {"decode_files", decode_files, METH_VARARGS,
      "decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst) -> "
      "[(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]: read, decompress and place chunk "

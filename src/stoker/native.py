@@ -3,7 +3,9 @@
 ``stoker._native`` is built from ``_native.c`` when stoker is installed and a C
 compiler is present; without it (or with ``STOKER_NATIVE=0`` in the environment)
 every chunk takes the pure-Python path, which reads and decodes the same bytes.
-The extension calls zstd's own ``ZSTD_decompress`` and c-blosc's
+The extension calls zstd's own ``ZSTD_decompress`` (or, where numcodecs exports them,
+its context and buffer-less streaming functions, so a chunk whose copies need only
+its first blocks is decoded only that far) and c-blosc's
 ``blosc_decompress_ctx`` / ``blosc_getitem``: the copies numcodecs carries in its
 extension modules, found here through ctypes, so no second codec is built.
 
@@ -29,6 +31,17 @@ SOURCE_KINDS = {np.dtype(t): k for k, t in enumerate(
 SAME, F32, BF16 = 0, 1, 2  # batch kinds: the source's own dtype, float32, bfloat16
 
 
+#: zstd functions behind the context reuse and the early stop, in ``set_zstd_streaming``'s order (the
+#: buffer-less streaming API: exported by zstd's shared builds, stable since zstd 1.0)
+ZSTD_STREAMING = ("ZSTD_createDCtx", "ZSTD_freeDCtx", "ZSTD_decompressDCtx", "ZSTD_decompressBegin",
+                  "ZSTD_decompressContinue", "ZSTD_nextSrcSizeToDecompress", "ZSTD_getFrameContentSize",
+                  "ZSTD_findFrameCompressedSize")
+
+#: True when the compiled reader reuses one zstd context per call and stops decoding a zstd chunk after
+#: the blocks its copies read (frames that state their size and carry no checksum)
+zstd_streaming = False
+
+
 def _disabled() -> bool:
     return os.environ.get("STOKER_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
 
@@ -50,7 +63,7 @@ def _load():
         from . import _native
     except ImportError:
         return None, False, False
-    zstd_addrs = blosc_addrs = None
+    zstd_addrs = blosc_addrs = streaming_addrs = None
     try:
         from numcodecs import zstd
 
@@ -60,6 +73,7 @@ def _load():
             _error_name = lib.ZSTD_getErrorName
             _error_name.restype = ctypes.c_char_p
             _error_name.argtypes = [ctypes.c_size_t]
+            _, streaming_addrs = _symbols(zstd.__file__, *ZSTD_STREAMING)
     except ImportError:
         pass
     try:
@@ -71,6 +85,9 @@ def _load():
     from .zarr.blosc_partial import PARTIAL_MAX_SHARE
 
     _native.set_codecs(*(zstd_addrs or (0, 0)), *(blosc_addrs or (0, 0)), PARTIAL_MAX_SHARE)
+    global zstd_streaming
+    zstd_streaming = bool(zstd_addrs and streaming_addrs)
+    _native.set_zstd_streaming(*(streaming_addrs if zstd_streaming else (0,) * len(ZSTD_STREAMING)))
     if not zstd_addrs and not blosc_addrs:
         return None, False, False
     return _native.decode_files, bool(zstd_addrs), bool(blosc_addrs)

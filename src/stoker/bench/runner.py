@@ -75,6 +75,8 @@ def scenarios(tiny: bool = False) -> list[Scenario]:
         Scenario(6, "1,000 arrays 64x256x256 u8, zstd, random 32x64x64",
                  VolumeSpec("s6-many", (64, 256, 256), (32, 64, 64), "uint8", "zstd", count=1000), (32, 64, 64),
                  timed_batches=120),
+        Scenario(7, "as 1, zstd alone (zarr v3's default codec)",
+                 VolumeSpec("s7-zstd", base.shape, base.chunks, "uint16", "zstd"), (32, 128, 128), timed_batches=40),
     ]
 
 
