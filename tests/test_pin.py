@@ -167,6 +167,20 @@ def test_tensors_in_follows_plain_objects_six_deep_only():
     assert len(list(pin.tensors_in([[{"batch": chain}]]))) == 6  # containers do not count
 
 
+def test_tensors_in_finds_an_object_reached_deep_first_and_shallow_later():
+    """An object first met at the depth limit is still walked when a shorter path reaches it."""
+    class Box:
+        def __init__(self, inner):
+            self.inner = inner
+
+    holder = Box(torch.ones(3))  # its tensor is one object deep
+    chain = holder
+    for _ in range(6):  # holder at the end of six wrappers: met there first, too deep to walk
+        chain = Box(chain)
+    for order in ([chain, holder], [holder, chain]):
+        assert [t.numel() for t in pin.tensors_in(order)] == [3], order
+
+
 def test_prefetcher_refuses_an_endless_poll_interval():
     with pytest.raises(stoker.InvalidArgument, match="finite number of seconds"):
         pin.DevicePrefetcher([], device="cpu", timeout_s=float("inf"))

@@ -141,17 +141,18 @@ def _method_hook(name: str, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor reachable from ``obj``: through containers at any depth, as :func:`map_batch` moves
     them, and through plain objects' attributes (self-moving batches) at most 6 objects deep, so a batch
-    that refers to a model or dataset is not walked whole. Each object is visited once: cycles end."""
-    seen: set[int] = set()
+    that refers to a model or dataset is not walked whole. An object is walked again only when reached
+    by a shorter path (so a deep path seen first cannot hide what a short one reaches): cycles end."""
+    walked: dict[int, int] = {}  # id -> fewest plain objects passed on the way, when it was walked
     todo = [(obj, 0)]
     while todo:
         obj, in_objects = todo.pop()
         if isinstance(obj, torch.Tensor):
             yield obj
             continue
-        if isinstance(obj, (_SCALARS, np.ndarray)) or id(obj) in seen:
+        if isinstance(obj, (_SCALARS, np.ndarray)) or walked.get(id(obj), _MAX_OBJECT_DEPTH + 1) <= in_objects:
             continue
-        seen.add(id(obj))
+        walked[id(obj)] = in_objects
         if isinstance(obj, Mapping):
             values = list(obj.values())
         elif isinstance(obj, (list, tuple)):
