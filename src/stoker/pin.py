@@ -328,8 +328,8 @@ class DevicePrefetcher:
 
     def _produce(self, feed: "_Feed") -> None:
         try:
-            # A new thread starts on CUDA device 0: without this, a stream made with an index-less
-            # device, and the copies on it, would land on GPU 0 on every rank.
+            # A new thread starts on CUDA device 0: make the prefetch device current, so that nothing
+            # this thread does (pinning, allocator state, a context) lands on GPU 0 on every rank.
             torch.cuda.set_device(self.device)
             stream = torch.cuda.Stream(self.device)
             for batch in self._source:

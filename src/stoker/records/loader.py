@@ -108,7 +108,7 @@ class Loader:
         self.device = self._check_device(device)
         self.drop_last = bool(drop_last)
         self.rank, self.world_size = rank, world_size
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = timeout_s
         self._even = "drop" if self.drop_last else "wrap"
         self._size = len(ds)
         self._names_id = _names_id(ds)

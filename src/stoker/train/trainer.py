@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from .. import checks
-from ..checks import integer
 from ..distributed import ReducedStats, _all_reduce, reduce_max, reduce_stats
 from ..engine.stats import Stats
 from ..errors import CheckpointError, InvalidArgument, UnusedParameters
@@ -151,7 +150,7 @@ class Trainer:
             raise InvalidArgument("loss_fn must be a function (model, batch) -> scalar loss")
         if amp not in _AMP:
             raise InvalidArgument(f"amp must be one of {_AMP}, got {amp!r}")
-        accumulate, log_every = integer("accumulate", accumulate, 1), integer("log_every", log_every, 1)
+        accumulate, log_every = checks.integer("accumulate", accumulate, 1), checks.integer("log_every", log_every, 1)
         if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
             raise InvalidArgument(f"grad_clip must be a number > 0 or None, got {grad_clip!r}")
         if unused_parameters not in _UNUSED:
