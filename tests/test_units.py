@@ -436,15 +436,18 @@ def test_local_store_reads(files, tmp_path):
 def test_local_store_counters_and_reuse(files):
     store = LocalStore()
     path, data = list(files.items())[3]
-    store.read(path)
     store.read_range(path, 0, 10)
     store.read_range(path, len(data) - 5, 50)  # short at the end of the file
     assert store.counters.files_opened == 1  # the descriptor is reused
-    assert store.counters.reads == 3
-    assert store.counters.bytes_read == len(data) + 10 + 5
+    assert store.read(path) == data
+    assert store.read(path) == data
+    assert store.counters.files_opened == 3  # whole-file reads are not cached...
+    assert list(store._handles) == [path]  # ...and leave the cached descriptor alone
+    assert store.counters.reads == 4
+    assert store.counters.bytes_read == 10 + 5 + 2 * len(data)
     store.close()
-    store.read(path)
-    assert store.counters.files_opened == 2
+    store.read_range(path, 0, 1)
+    assert store.counters.files_opened == 4
 
 
 def test_local_store_directory_is_a_storage_error(tmp_path):
@@ -483,13 +486,13 @@ def test_local_store_descriptor_cache_is_bounded(tmp_path):
     baseline = _open_fds()
     store = LocalStore(max_open_files=8)
     for path in paths:
-        assert store.read(path) == files[path]
+        assert store.read_range(path, 0, 1 << 20) == files[path]
         assert _open_fds() - baseline <= 8
     assert store.counters.files_opened == 60
     for path in paths[-8:]:  # the 8 most recent are still open
-        store.read(path)
+        store.read_range(path, 0, 1)
     assert store.counters.files_opened == 60
-    store.read(paths[0])  # long evicted: reopened
+    store.read_range(paths[0], 0, 1)  # long evicted: reopened
     assert store.counters.files_opened == 61
     assert _open_fds() - baseline <= 8
     store.close()
@@ -571,11 +574,11 @@ def test_local_store_evicted_while_in_use_then_reopened_does_not_leak(tmp_path, 
 
     monkeypatch.setattr(os, "pread", slow_pread)
     result = []
-    reader = threading.Thread(target=lambda: result.append(store.read(p1)))
+    reader = threading.Thread(target=lambda: result.append(store.read_range(p1, 0, 1 << 20)))
     reader.start()
     assert inside.wait(10)  # the reader is in the middle of reading p1
-    assert store.read(p2) == d2  # evicts p1's handle (in use: stays open)
-    assert store.read(p1) == d1  # p1 reopened with a new descriptor (evicting p2)
+    assert store.read_range(p2, 0, 1 << 20) == d2  # evicts p1's handle (in use: stays open)
+    assert store.read_range(p1, 0, 1 << 20) == d1  # p1 reopened with a new descriptor (evicting p2)
     release.set()
     reader.join(10)
     assert result == [d1]  # the first read was not disturbed by the eviction
@@ -592,7 +595,7 @@ def test_local_store_forget_makes_rewritten_file_visible(tmp_path):
         with open(path, "wb") as f:
             f.write(b"old contents")
     store = LocalStore()
-    assert store.read(target) == b"old contents" and store.read(sibling) == b"old contents"
+    assert store.read_range(target, 0, 64) == b"old contents" and store.read_range(sibling, 0, 64) == b"old contents"
 
     def replace(path, data):
         tmp = path + ".tmp"
@@ -602,13 +605,14 @@ def test_local_store_forget_makes_rewritten_file_visible(tmp_path):
 
     replace(target, b"new")
     replace(sibling, b"new")
-    assert store.read(target) == b"old contents"  # the cached descriptor still sees the old inode
+    assert store.read_range(target, 0, 64) == b"old contents"  # the cached descriptor still sees the old inode
+    assert store.read(target) == b"new"  # a whole-file read opens the file afresh
     store.forget(str(tmp_path / "a"))
-    assert store.read(target) == b"new"
+    assert store.read_range(target, 0, 64) == b"new"
     assert store.size(target) == 3
-    assert store.read(sibling) == b"old contents"  # not under the forgotten prefix
+    assert store.read_range(sibling, 0, 64) == b"old contents"  # not under the forgotten prefix
     store.forget(str(tmp_path / "ab") + os.sep)  # trailing separator works too
-    assert store.read(sibling) == b"new"
+    assert store.read_range(sibling, 0, 64) == b"new"
     store.close()
 
 

@@ -140,12 +140,12 @@ class LocalStore:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def _pread(self, handle: _Handle, path: str, offset: int, length: int) -> bytes:
+    def _pread(self, fd: int, path: str, offset: int, length: int) -> bytes:
         chunks = []
         done = 0
         while done < length:
             try:
-                got = os.pread(handle.fd, length - done, offset + done)
+                got = os.pread(fd, length - done, offset + done)
             except OSError as exc:
                 raise StorageError(f"read of {path} at {offset + done} failed: {exc.strerror}", path=path) from None
             if not got:
@@ -206,18 +206,24 @@ class LocalStore:
             return None if handle is None else handle.size
 
     def read(self, path: str) -> bytes | None:
-        """The whole file, or ``None`` when it does not exist."""
-        with self._open(path) as handle:
-            if handle is None:
-                return None
-            return self._pread(handle, path, 0, handle.size) if handle.size else b""
+        """The whole file, or ``None`` when it does not exist.
+
+        Through an uncached descriptor, as :meth:`open_file`: whole files (metadata documents, chunk
+        files) are read once per use, and caching their descriptors would only evict the shard files
+        that ranged reads come back to (and make :meth:`forget` scan them at every array open).
+        """
+        f = self.open_file(path)
+        if f is None:
+            return None
+        with f:
+            return self._pread(f.fd, path, 0, f.size) if f.size else b""
 
     def read_range(self, path: str, offset: int, length: int) -> bytes | None:
         """``length`` bytes at ``offset`` (fewer at end of file), or ``None`` when the file does not exist."""
         with self._open(path) as handle:
             if handle is None:
                 return None
-            return self._pread(handle, path, offset, length)
+            return self._pread(handle.fd, path, offset, length)
 
 
 class OpenFile:
