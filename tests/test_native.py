@@ -284,18 +284,29 @@ def _zstd_streaming(on: bool) -> None:
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "one-shot"])
 def test_direct_call_stops_zstd_after_the_blocks_a_span_needs(tmp_path, streaming):
-    """zstd writes blocks of at most 128 KiB: a span inside the first block decodes that block only, unless
-    the frame carries a checksum (checked at its end) or is not exactly one whole frame (then it is decoded
+    """zstd writes blocks of at most 128 KiB: a span inside the first block reads and decodes about that
+    block only (the rest of the frame is checked through its block headers alone), unless the frame
+    carries a checksum (checked at its end) or is not exactly one whole frame (then it is read and decoded
     in full, and a damaged tail fails as it always did)."""
     if not (native.zstd and native.zstd_streaming):
         pytest.skip("the compiled reader or zstd's streaming functions are not available")
-    n = _BLOCKY.nbytes  # 256 KiB: two zstd blocks
-    plain = numcodecs.Zstd(level=1).encode(_BLOCKY)
+    block = 128 << 10
+    n = 4 * block
+    # 4 bits of entropy per byte: each block compresses to about half, so the frame outgrows the first read
+    content = np.random.default_rng(3).integers(0, 16, n, dtype=np.uint8)
+    plain = numcodecs.Zstd(level=1).encode(content)
+    assert len(plain) > 2 * block
+    noise = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+    noise[block: 2 * block] = 0
+    raw_rle = numcodecs.Zstd(level=1).encode(noise)  # raw, RLE, raw, raw blocks
+    assert len(raw_rle) == 9 + 3 * (3 + block) + 3 + 1
     files = {
         "plain": plain,
-        "checksum": numcodecs.Zstd(level=1, checksum=True).encode(_BLOCKY),
-        "truncated": plain[:-100],  # the second block is cut short
+        "raw-rle": raw_rle,
+        "checksum": numcodecs.Zstd(level=1, checksum=True).encode(content),
+        "truncated": plain[:-100],  # the last block is cut short
         "trailing": plain + b"junk after the frame",
+        "cut-in-first": plain[:1000],  # the span's own block is cut short
     }
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
@@ -309,24 +320,37 @@ def test_direct_call_stops_zstd_after_the_blocks_a_span_needs(tmp_path, streamin
         _zstd_streaming(True)
     status = {name: r[0] for name, r in zip(files, results)}
     decoded = {name: r[2] for name, r in zip(files, results)}
-    assert status == {"plain": native.OK, "checksum": native.OK, "truncated": native.CODEC_ERROR,
-                      "trailing": native.CODEC_ERROR}
-    assert decoded["plain"] == (128 << 10 if streaming else n) and decoded["checksum"] == n
+    nread = {name: r[1] for name, r in zip(files, results)}
+    assert status == {"plain": native.OK, "raw-rle": native.OK, "checksum": native.OK,
+                      "truncated": native.CODEC_ERROR, "trailing": native.CODEC_ERROR,
+                      "cut-in-first": native.CODEC_ERROR}
+    stopped = block if streaming else n
+    assert decoded["plain"] == decoded["raw-rle"] == stopped and decoded["checksum"] == n
     assert [r[:1] + r[2:3] for r in results[len(files):]] == [(native.OK, n)] * 2
-    expected = _BLOCKY.view("uint8")
-    for out, (a, b), r in zip(outs, spans, results):
+    if streaming:  # the first read (one block and a little), then one header the first read missed
+        assert nread["plain"] <= block + 64 + 3 * 3 < len(plain)
+        assert nread["raw-rle"] == block + 64 + 3
+    else:
+        assert nread["plain"] == len(plain) and nread["raw-rle"] == len(raw_rle)
+    assert nread["checksum"] == len(files["checksum"]) and nread["cut-in-first"] == 1000
+    for name in ("truncated", "trailing"):  # read whole after the hops found the damage (a header read twice)
+        assert len(files[name]) <= nread[name] <= len(files[name]) + 4 * 3, name
+    expected = {"raw-rle": noise}
+    for name, out, (a, b), r in zip([*files, "plain", "plain"], outs, spans, results):
         if r[0] == native.OK:
-            np.testing.assert_array_equal(out[a:b], expected[a:b])
-    np.testing.assert_array_equal(outs[0][: 128 << 10], expected[: 128 << 10])  # the whole first block
-    if streaming:  # and the second block was never written (zstd may write a few bytes past a block's end)
-        assert (outs[0][(128 << 10) + 64:] == 0xAB).all()
+            np.testing.assert_array_equal(out[a:b], expected.get(name, content)[a:b])
+    for i, name in enumerate(("plain", "raw-rle")):  # each whole first block
+        np.testing.assert_array_equal(outs[i][:block], expected.get(name, content)[:block])
+    if streaming:  # and the later blocks were never written (zstd may write a few bytes past a block's end)
+        assert (outs[0][block + 64:] == 0xAB).all() and (outs[1][block + 64:] == 0xAB).all()
 
 
 @pytest.mark.parametrize("checksum", [False, True])
 def test_zstd_crops_decode_only_the_blocks_they_read(tmp_path, reader, checksum):
     """Crops in the first planes of 512 KiB zstd chunks (four blocks) match zarr and, on the compiled path,
     decode only the blocks before their last byte (a frame with a checksum: all of it)."""
-    data = np.cumsum(np.random.default_rng(5).integers(-3, 4, (32, 128, 128)), axis=2).astype("uint16")
+    # 12 bits of noise in 16: the frames compress a little and outgrow the reader's first read (128 KiB)
+    data = np.random.default_rng(5).integers(0, 4096, (32, 128, 128)).astype("uint16")
     uri = str(tmp_path / "a.zarr")
     z = zarr.create_array(uri, shape=data.shape, chunks=(16, 128, 128), dtype="uint16",
                           compressors=ZstdCodec(level=1, checksum=checksum))
@@ -341,12 +365,15 @@ def test_zstd_crops_decode_only_the_blocks_they_read(tmp_path, reader, checksum)
     torch.testing.assert_close(got, _expect(data, boxes), rtol=0, atol=0)
     chunk, plane, row = 16 * 128 * 128 * 2, 128 * 128 * 2, 128 * 2
     assert stats.chunks_decoded == 2
+    stored = sum(os.path.getsize(os.path.join(uri, "c", str(i), "0", "0")) for i in (0, 1))
     if reader["kind"] == "compiled" and native.zstd_streaming and not checksum:
         # the last byte read: chunk 0 in plane 10 (its third block of four), chunk 1 in plane 2 (its first)
         stops = [10 * plane + 63 * row + 128 * 2, 2 * plane + 127 * row + 74 * 2]
         assert stats.bytes_decoded == sum(-(-stop // (128 << 10)) * (128 << 10) for stop in stops) < 2 * chunk
+        assert stats.bytes_read < stored  # the blocks after the stop are not read either
     else:
         assert stats.bytes_decoded == 2 * chunk
+        assert stats.bytes_read == stored
 
 
 def test_compiled_reader_follows_the_partial_share_of_blosc_partial(tmp_path):

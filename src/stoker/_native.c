@@ -19,9 +19,9 @@
  *            chunk is in its file (offset -1: the whole file, as long as the file is; else an inner
  *            chunk of a shard) and the decoded bytes the chunk's copies read; blosc decodes only
  *            the blocks holding those when that is at most the partial share of the chunk
- *            (set_codecs; stoker/zarr/blosc_partial.py's PARTIAL_MAX_SHARE); zstd stops after the
- *            block that holds byte_stop - 1, when the frame states the chunk's size and has no
- *            checksum (set_zstd_streaming)
+ *            (set_codecs; stoker/zarr/blosc_partial.py's PARTIAL_MAX_SHARE); zstd reads and
+ *            decodes only up to the block that holds byte_stop - 1, when the frame states the
+ *            chunk's size and has no checksum (set_zstd_streaming; see zstd_prefix)
  *   scratch  writable buffer for the encoded bytes of one file at a time
  *   outs     sequence of writable buffers of at least nbytes, one per path (decoded chunks)
  *   nbytes   the decoded size every chunk must have
@@ -64,7 +64,6 @@ typedef size_t (*zstd_begin_fn)(void *dctx);
 typedef size_t (*zstd_continue_fn)(void *dctx, void *dst, size_t dst_capacity, const void *src, size_t src_size);
 typedef size_t (*zstd_next_src_size_fn)(void *dctx);
 typedef unsigned long long (*zstd_content_size_fn)(const void *src, size_t src_size);
-typedef size_t (*zstd_frame_size_fn)(const void *src, size_t src_size);
 typedef int (*blosc_decompress_ctx_fn)(const void *src, void *dest, size_t destsize, int nthreads);
 typedef int (*blosc_getitem_fn)(const void *src, int start, int nitems, void *dest);
 
@@ -77,7 +76,6 @@ static zstd_begin_fn zstd_begin = NULL;
 static zstd_continue_fn zstd_continue = NULL;
 static zstd_next_src_size_fn zstd_next_src_size = NULL;
 static zstd_content_size_fn zstd_content_size = NULL;
-static zstd_frame_size_fn zstd_frame_size = NULL;
 static blosc_decompress_ctx_fn blosc_decompress_ctx = NULL;
 static blosc_getitem_fn blosc_getitem = NULL;
 /* blosc decodes only some blocks when they are at most this share of the chunk; blosc_getitem costs
@@ -140,16 +138,16 @@ static PyObject *set_codecs(PyObject *Py_UNUSED(self), PyObject *args) {
 }
 
 /* set_zstd_streaming(create_dctx, free_dctx, decompress_dctx, decompress_begin, decompress_continue,
- * next_src_size, frame_content_size, find_frame_compressed_size): zstd's context and buffer-less streaming
+ * next_src_size, frame_content_size): zstd's context and buffer-less streaming
  * functions, by address; all 0 turns them off (each chunk is then one ZSTD_decompress call, decoded in full). */
 static PyObject *set_zstd_streaming(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long a[8];
-    if (!PyArg_ParseTuple(args, "KKKKKKKK", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6], &a[7]))
+    unsigned long long a[7];
+    if (!PyArg_ParseTuple(args, "KKKKKKK", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6]))
         return NULL;
     int set = 0;
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < 7; i++)
         set += a[i] != 0;
-    if (set != 0 && set != 8) {
+    if (set != 0 && set != 7) {
         PyErr_SetString(PyExc_ValueError, "zstd's streaming functions must all be given, or none");
         return NULL;
     }
@@ -160,7 +158,6 @@ static PyObject *set_zstd_streaming(PyObject *Py_UNUSED(self), PyObject *args) {
     zstd_continue = (zstd_continue_fn)(uintptr_t)a[4];
     zstd_next_src_size = (zstd_next_src_size_fn)(uintptr_t)a[5];
     zstd_content_size = (zstd_content_size_fn)(uintptr_t)a[6];
-    zstd_frame_size = (zstd_frame_size_fn)(uintptr_t)a[7];
     Py_RETURN_NONE;
 }
 
@@ -232,68 +229,123 @@ static uint32_t le32(const unsigned char *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* zstd's error code for a frame that ends before its blocks do (ZSTD_error_srcSize_wrong) */
-#define ZSTD_ERROR_SRC_SIZE_WRONG ((size_t)0 - 72)
+/* The prefix path: a chunk whose copies end before its last byte is read and decoded only as far as they
+ * need, block by block. It stops early only when the stored chunk is exactly one whole frame (its block
+ * headers, hopped over with 3-byte reads, add up to the stored size: a truncated file or trailing bytes are
+ * read and decoded in full, and fail as they always do) that says it holds the chunk and carries no checksum
+ * (a checksum is checked at the frame's end, so a frame with one is always decoded whole: stopping early
+ * would skip the check the writer asked for). Blocks after the stop are neither read nor decoded, so damage
+ * inside them is not seen, as with blosc's partial decoding. */
 
-/* True when decoding may stop at the end of the bytes the copies read: the stored chunk is exactly one
- * whole frame (its block headers add up to the stored size: a truncated file or trailing bytes are decoded
- * in full, and fail as they always do) that says it holds the chunk and carries no checksum (a checksum is
- * checked at the frame's end, so a frame with one is always decoded whole: stopping early would skip the
- * check the writer asked for). Blocks after the stop are not decoded, so damage inside them is not seen,
- * as with blosc's partial decoding. */
-static int zstd_prefix_ok(const unsigned char *src, size_t size, size_t nbytes) {
-    return size > 5 && le32(src) == 0xFD2FB528u && !(src[4] & 0x04) && zstd_content_size(src, size) == nbytes &&
-           zstd_frame_size(src, size) == size;
+#define ZSTD_MAGIC 0xFD2FB528u
+/* The first read: the frame header and, as a rule, the whole first block with the next block's header
+ * (a block holds at most 128 KiB, stored raw when zstd cannot shrink it). A file this small, e.g. a
+ * one-block chunk, is read in one call as on the whole path; a syscall costs about what copying a few
+ * KiB does, so reading less than a block first would not pay. */
+#define ZSTD_FIRST_READ ((128 << 10) + 64)
+
+/* Read bytes [lo, hi) of the stored chunk into buf + lo, timing it into job->read_ns (see read_range). */
+static int read_timed(chunk_job *job, int fd, char *buf, size_t lo, size_t hi) {
+    long long t = now_ns();
+    int bad = read_range(job, fd, buf, lo, hi);
+    job->read_ns += now_ns() - t;
+    return bad;
 }
 
-/* Decode a frame block by block straight into out (the earlier blocks stay there as the window) and stop
- * after the block holding byte stop - 1. Returns the bytes decoded, or a zstd error code. */
-static size_t zstd_prefix(void *dctx, char *out, size_t nbytes, const char *src, size_t size, size_t stop) {
-    size_t r = zstd_begin(dctx);
-    if (zstd_is_error(r))
-        return r;
-    size_t produced = 0, consumed = 0;
-    while (produced < stop) {
-        size_t need = zstd_next_src_size(dctx);
-        if (need == 0)
-            break; /* the frame ended: fewer bytes than it claimed, reported as a size mismatch */
-        if (need > size - consumed)
-            return ZSTD_ERROR_SRC_SIZE_WRONG;
-        r = zstd_continue(dctx, out + produced, nbytes - produced, src + consumed, need);
-        if (zstd_is_error(r))
-            return r;
-        consumed += need;
-        produced += r;
+/* 1 when the blocks from the block header at ``pos`` to the frame's last block end exactly at ``size``,
+ * read off their 3-byte headers alone (each read into scratch at its own offset; those before ``have`` are
+ * there already); 0 when they do not, or a header is reserved; -1 when a read failed (the job's status is
+ * set). */
+static int zstd_blocks_end_at(chunk_job *job, int fd, char *scratch, size_t have, size_t pos, size_t size) {
+    while (pos <= size && size - pos >= 3) {
+        if (pos + 3 > have && read_timed(job, fd, scratch, pos, pos + 3))
+            return -1;
+        const unsigned char *h = (const unsigned char *)scratch + pos;
+        uint32_t header = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16;
+        uint32_t type = (header >> 1) & 3, block = header >> 3;
+        if (type == 3) /* reserved */
+            return 0;
+        pos += 3 + (type == 1 ? 1 : block); /* an RLE block stores one byte */
+        if (header & 1) /* the last block */
+            return pos == size;
     }
-    return produced;
+    return 0;
+}
+
+/* The prefix path (see above). Returns 1 when the chunk is done: decoded as far as job->span_stop with the
+ * rest of the frame checked (ST_OK, detail: the bytes decoded), or a read failed (its status). Returns 0
+ * when it must be read and decoded whole instead, with *have: the bytes [0, *have) already in scratch. */
+static int zstd_prefix(chunk_job *job, int fd, size_t size, char *scratch, size_t nbytes, void *dctx,
+                       size_t *have) {
+    size_t stop = (size_t)job->span_stop;
+    *have = size < ZSTD_FIRST_READ ? size : ZSTD_FIRST_READ;
+    if (read_timed(job, fd, scratch, 0, *have))
+        return 1;
+    const unsigned char *src = (const unsigned char *)scratch;
+    if (*have < 5 || le32(src) != ZSTD_MAGIC || (src[4] & 0x04) || zstd_content_size(src, *have) != nbytes)
+        return 0; /* not one frame that says it holds this chunk, or one with a checksum */
+    long long t = now_ns();
+    size_t r = zstd_begin(dctx);
+    size_t produced = 0, consumed = 0;
+    while (!zstd_is_error(r) && produced < stop) {
+        size_t need = zstd_next_src_size(dctx);
+        if (need == 0 || need > size - consumed)
+            break; /* the frame ended early, or runs past the file: decoded whole, that is reported */
+        if (consumed + need > *have) { /* this block, and the next block's header */
+            size_t want = size - consumed - need > 3 ? consumed + need + 3 : size;
+            job->decode_ns += now_ns() - t;
+            if (read_timed(job, fd, scratch, *have, want))
+                return 1;
+            t = now_ns();
+            *have = want;
+        }
+        r = zstd_continue(dctx, job->out + produced, nbytes - produced, scratch + consumed, need);
+        if (!zstd_is_error(r)) {
+            consumed += need;
+            produced += r;
+        }
+    }
+    job->decode_ns += now_ns() - t;
+    if (zstd_is_error(r) || produced < stop)
+        return 0;
+    int whole = zstd_next_src_size(dctx) == 0 ? consumed == size /* the frame is out: it must fill the file */
+                                              : zstd_blocks_end_at(job, fd, scratch, *have, consumed, size);
+    if (whole < 0)
+        return 1;
+    if (!whole)
+        return 0;
+    job->status = ST_OK;
+    job->detail = (long long)produced;
+    return 1;
 }
 
 /* dctx: a context for this call's chunks, or NULL (zstd's streaming functions are not set up, or the
- * context could not be made): then each chunk is one ZSTD_decompress call. */
+ * context could not be made): then each chunk is one ZSTD_decompress call, decoded whole. */
 static void decode_zstd(chunk_job *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes,
                         void *dctx) {
-    int bad = read_range(job, fd, scratch, 0, size);
+    job->read_ns = now_ns() - t0; /* open and stat */
+    size_t have = 0;
+    if (dctx != NULL && (size_t)job->span_stop < nbytes && zstd_prefix(job, fd, size, scratch, nbytes, dctx, &have)) {
+        close(fd);
+        return;
+    }
+    /* the hops of zstd_blocks_end_at past ``have`` land at their own offsets: reading on from ``have``
+     * overwrites them with the same bytes */
+    int bad = read_timed(job, fd, scratch, have, size);
     close(fd);
-    long long t1 = now_ns();
-    job->read_ns = t1 - t0;
     if (bad)
         return;
-    size_t stop = (size_t)job->span_stop, decoded;
-    int prefix = dctx != NULL && stop < nbytes && zstd_prefix_ok((const unsigned char *)scratch, size, nbytes);
-    if (prefix)
-        decoded = zstd_prefix(dctx, job->out, nbytes, scratch, size, stop);
-    else if (dctx != NULL)
-        decoded = zstd_decompress_dctx(dctx, job->out, nbytes, scratch, size);
-    else
-        decoded = zstd_decompress(job->out, nbytes, scratch, size);
-    job->decode_ns = now_ns() - t1;
+    long long t1 = now_ns();
+    size_t decoded = dctx != NULL ? zstd_decompress_dctx(dctx, job->out, nbytes, scratch, size)
+                                  : zstd_decompress(job->out, nbytes, scratch, size);
+    job->decode_ns += now_ns() - t1;
     if (zstd_is_error(decoded)) {
         job->status = ST_CODEC_ERROR;
         job->detail = (long long)(0 - decoded); /* zstd error codes are negated size_t values */
         return;
     }
     job->detail = (long long)decoded;
-    job->status = (prefix ? decoded >= stop : decoded == nbytes) ? ST_OK : ST_SIZE;
+    job->status = decoded == nbytes ? ST_OK : ST_SIZE;
 }
 
 #define BLOSC_HEADER 16
@@ -799,7 +851,7 @@ static PyMethodDef methods[] = {
      "block by block."},
     {"set_zstd_streaming", set_zstd_streaming, METH_VARARGS,
      "set_zstd_streaming(create_dctx, free_dctx, decompress_dctx, decompress_begin, decompress_continue, "
-     "next_src_size, frame_content_size, find_frame_compressed_size): zstd's context and buffer-less "
+     "next_src_size, frame_content_size): zstd's context and buffer-less "
      "streaming functions (all 0: off)."},
     {"decode_files", decode_files, METH_VARARGS,
      "decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst) -> "

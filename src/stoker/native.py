@@ -34,11 +34,10 @@ SAME, F32, BF16 = 0, 1, 2  # batch kinds: the source's own dtype, float32, bfloa
 #: zstd functions behind the context reuse and the early stop, in ``set_zstd_streaming``'s order (the
 #: buffer-less streaming API: exported by zstd's shared builds, stable since zstd 1.0)
 ZSTD_STREAMING = ("ZSTD_createDCtx", "ZSTD_freeDCtx", "ZSTD_decompressDCtx", "ZSTD_decompressBegin",
-                  "ZSTD_decompressContinue", "ZSTD_nextSrcSizeToDecompress", "ZSTD_getFrameContentSize",
-                  "ZSTD_findFrameCompressedSize")
+                  "ZSTD_decompressContinue", "ZSTD_nextSrcSizeToDecompress", "ZSTD_getFrameContentSize")
 
-#: True when the compiled reader reuses one zstd context per call and stops decoding a zstd chunk after
-#: the blocks its copies read (frames that state their size and carry no checksum)
+#: True when the compiled reader reuses one zstd context per call and stops reading and decoding a zstd
+#: chunk after the blocks its copies read (frames that state their size and carry no checksum)
 zstd_streaming = False
 
 
