@@ -12,6 +12,7 @@ event (or the work queued so far on that stream) is done.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -58,6 +59,9 @@ class Batch:
             ready_stream=ready_stream, batch_id=batch_id, ready_event=ready_event,
         )
         self._on_release: Callable[[list | None], None] | None = on_release
+        # release() may race with itself (a consumer thread, __del__, a data-loader thread): exactly one
+        # caller may hand the slot back, or a slot reused meanwhile would be freed under its next batch
+        self._release_lock = threading.Lock()
         # CUDA streams that imported or may use the batch: a plain release() fences the slot's reuse on them
         self._consumers: list = [torch.cuda.current_stream(view.device)] if view.is_cuda else []
 
@@ -91,7 +95,8 @@ class Batch:
         to record one on now. The slot is overwritten only after it, with no host sync. Without it, the slot's next copy waits for everything
         queued on the streams that used the batch. A wrong ``event`` raises TypeError and keeps the batch.
         """
-        callback, self._on_release = self._on_release, None  # one swap: two releasing threads cannot both win
+        with self._release_lock:  # the GIL alone makes no promise here (free-threaded builds have none)
+            callback, self._on_release = self._on_release, None
         if callback is None:
             return
         view = self._view
@@ -102,7 +107,8 @@ class Batch:
             try:
                 waits = release_waits(event, self._consumers + [torch.cuda.current_stream(view.device)])
             except BaseException:
-                self._on_release = callback  # a wrong event gives nothing back: a corrected release still can
+                with self._release_lock:
+                    self._on_release = callback  # a wrong event gives nothing back: a corrected release still can
                 raise
         self._view = None
         callback(waits)
