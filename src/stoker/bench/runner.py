@@ -420,19 +420,17 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
     timed = samples[: (n_batches + 1) * batch_size]  # the same crops for every peer but the DataLoader
     samples, all_samples = timed, samples
     itemsize = np.dtype(sc.volume.dtype).itemsize
-    fast = {
+    # Every peer takes its turn in every round, the slow ones too: a ratio to a peer timed minutes
+    # later would mostly measure how the shared machine's speed drifted meanwhile.
+    every = {
         "stoker": lambda: run_stoker(samples, batch_size, itemsize, host_buffer_bytes),
         "tensorstore": lambda: run_tensorstore(samples, batch_size, itemsize),
+        "zarr": lambda: run_zarr(samples, batch_size, itemsize, slow_batches),
+        "dataloader": lambda: run_zarr_dataloader(all_samples, batch_size, itemsize, slow_batches),
         "bound": lambda: run_decode_bound(samples, batch_size, itemsize),
     }
-    medians = interleaved({name: fn for name, fn in fast.items() if name in peers}, rounds)
-    results = [medians[name] for name in ("stoker", "tensorstore") if name in medians]
-    if "zarr" in peers:
-        results.append(run_zarr(samples, batch_size, itemsize, slow_batches))
-    if "dataloader" in peers:
-        results.append(run_zarr_dataloader(all_samples, batch_size, itemsize, slow_batches))
-    if "bound" in medians:
-        results.append(medians["bound"])
+    medians = interleaved({name: fn for name, fn in every.items() if name in peers}, rounds)
+    results = [medians[name] for name in every if name in medians]
     if "stoker" in peers:
         st = next(r for r in results if r.peer == "stoker")
         st.extra["alone"] = measure_alone(paths, sc, n_batches, batch_size, host_buffer_bytes)

@@ -75,7 +75,7 @@ def add_parser(sub) -> None:
                    help="cuda: stoker on the GPU vs stoker on the CPU vs tensorstore + pin_memory().to(cuda), "
                         "bf16 out")
     p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved rounds of stoker, tensorstore and the decode bound; the median is shown "
+                   help="interleaved rounds of every peer; each one's median round is shown "
                         "(default 3; 1 with --tiny)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--host-buffer-bytes", type=int, default=None,

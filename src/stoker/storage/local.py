@@ -1,8 +1,10 @@
 """Encoded bytes from local files: positional reads through a bounded file-descriptor cache.
 
 ``os.pread`` releases the GIL and needs no shared file position, so any number
-of threads can read the same file at once. Descriptors are cached (LRU, bounded)
-and reference-counted: one is closed only when no thread is reading through it.
+of threads can read the same file at once. Descriptors of files read in ranges
+(shards, read again and again) are cached (LRU, bounded) and reference-counted:
+one is closed only when no thread is reading through it. Whole-file reads
+(metadata, chunk files) open, read and close.
 
 A missing file reads as ``None`` (the caller decides that means "fill value");
 any other failure is a :class:`~stoker.errors.StorageError` naming the path.
