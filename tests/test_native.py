@@ -345,14 +345,17 @@ def test_direct_call_stops_zstd_after_the_blocks_a_span_needs(tmp_path, streamin
         assert (outs[0][block + 64:] == 0xAB).all() and (outs[1][block + 64:] == 0xAB).all()
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "sharded"])
 @pytest.mark.parametrize("checksum", [False, True])
-def test_zstd_crops_decode_only_the_blocks_they_read(tmp_path, reader, checksum):
+def test_zstd_crops_decode_only_the_blocks_they_read(tmp_path, reader, checksum, sharded):
     """Crops in the first planes of 512 KiB zstd chunks (four blocks) match zarr and, on the compiled path,
-    decode only the blocks before their last byte (a frame with a checksum: all of it)."""
+    read and decode only the blocks before their last byte (a frame with a checksum: all of it), also
+    as inner chunks of a shard (read at their offset in the shard file)."""
     # 12 bits of noise in 16: the frames compress a little and outgrow the reader's first read (128 KiB)
     data = np.random.default_rng(5).integers(0, 4096, (32, 128, 128)).astype("uint16")
     uri = str(tmp_path / "a.zarr")
     z = zarr.create_array(uri, shape=data.shape, chunks=(16, 128, 128), dtype="uint16",
+                          shards=(32, 128, 128) if sharded else None,
                           compressors=ZstdCodec(level=1, checksum=checksum))
     z[...] = data
     boxes = [[(0, 3), (0, 64), (0, 64)], [(16, 19), (64, 128), (10, 74)], [(8, 11), (0, 64), (64, 128)]]
@@ -365,7 +368,10 @@ def test_zstd_crops_decode_only_the_blocks_they_read(tmp_path, reader, checksum)
     torch.testing.assert_close(got, _expect(data, boxes), rtol=0, atol=0)
     chunk, plane, row = 16 * 128 * 128 * 2, 128 * 128 * 2, 128 * 2
     assert stats.chunks_decoded == 2
-    stored = sum(os.path.getsize(os.path.join(uri, "c", str(i), "0", "0")) for i in (0, 1))
+    if sharded:  # one shard file: both inner chunks, then the index (2 x 16 bytes and a crc32c)
+        stored = os.path.getsize(os.path.join(uri, "c", "0", "0", "0")) - (2 * 16 + 4)
+    else:
+        stored = sum(os.path.getsize(os.path.join(uri, "c", str(i), "0", "0")) for i in (0, 1))
     if reader["kind"] == "compiled" and native.zstd_streaming and not checksum:
         # the last byte read: chunk 0 in plane 10 (its third block of four), chunk 1 in plane 2 (its first)
         stops = [10 * plane + 63 * row + 128 * 2, 2 * plane + 127 * row + 74 * 2]
