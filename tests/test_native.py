@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from zarr.codecs import BloscCodec, BytesCodec, TransposeCodec, ZstdCodec
+from zarr.codecs import BloscCodec, BytesCodec, ShardingCodec, TransposeCodec, ZstdCodec
 
 import numcodecs
 import stoker
@@ -343,6 +343,60 @@ def test_direct_call_stops_zstd_after_the_blocks_a_span_needs(tmp_path, streamin
         np.testing.assert_array_equal(outs[i][:block], expected.get(name, content)[:block])
     if streaming:  # and the later blocks were never written (zstd may write a few bytes past a block's end)
         assert (outs[0][block + 64:] == 0xAB).all() and (outs[1][block + 64:] == 0xAB).all()
+
+
+def test_direct_call_damage_found_after_a_stop_deep_in_the_frame(tmp_path):
+    """The early stop's checks where the bookkeeping is hardest: a span ending in the third block of a
+    frame whose last block is cut short (read on past the first read, hops, then read and decoded whole
+    over a scratch buffer that still holds another file's bytes); a frame whose garbage body happens to
+    hop from its magic number to the file's end, asked for an empty span (decoded whole, and refused);
+    and the good frame, read in the same call, stops early."""
+    if not (native.zstd and native.zstd_streaming):
+        pytest.skip("the compiled reader or zstd's streaming functions are not available")
+    block = 128 << 10
+    n = 4 * block
+    content = np.random.default_rng(4).integers(0, 16, n, dtype=np.uint8)
+    plain = numcodecs.Zstd(level=1).encode(content)
+    (tmp_path / "plain").write_bytes(plain)
+    (tmp_path / "truncated").write_bytes(plain[:-100])
+    # the magic number read as a block header is a raw block of 390821 bytes: a last-block header there,
+    # sized to end at the file's end, makes the hops add up although nothing after the header is zstd
+    fake = bytearray(plain[:9]) + bytearray(400_000)
+    at = 3 + (0x2FB528 >> 3)
+    fake[at:at + 3] = (1 | (len(fake) - at - 3) << 3).to_bytes(3, "little")
+    (tmp_path / "fake").write_bytes(bytes(fake))
+    deep = (0, 2 * block + 10)
+    results, outs = _call(native.ZSTD, [tmp_path / "plain", tmp_path / "truncated", tmp_path / "fake"], n,
+                          spans=[deep, deep, (0, 0)], scratch=n + 4096)
+    assert [r[0] for r in results] == [native.OK, native.CODEC_ERROR, native.CODEC_ERROR]
+    assert results[0][2] == 3 * block and results[0][1] < len(plain)
+    np.testing.assert_array_equal(outs[0][:3 * block], content[:3 * block])
+
+
+def test_shard_cut_short_after_the_stop_is_still_an_error(tmp_path, reader):
+    """An inner chunk's size comes from the (cached) shard index, not the file: a shard (index at its start)
+    cut inside its last block after its index was read is an error, although the crop's blocks are all
+    there and decoding never gets past them."""
+    data = np.random.default_rng(6).integers(0, 4096, (16, 128, 128)).astype("uint16")
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=data.shape, dtype="uint16", chunks=(16, 128, 128), compressors=None,
+                          filters=None, serializer=ShardingCodec(chunk_shape=(16, 128, 128),
+                                                                 codecs=[BytesCodec(), ZstdCodec(level=1)],
+                                                                 index_location="start"))
+    z[...] = data
+    shard = os.path.join(uri, "c", "0", "0", "0")
+    raw = open(shard, "rb").read()
+    box = [(0, 1), (0, 8), (0, 8)]
+    cfg = stoker.Config(batch_size=1, dtype="f32", device="cpu", n_compute_threads=2, pop_timeout_s=20.0)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, box)])
+        with p.pop() as batch:  # the index is read, checked against the file and cached
+            torch.testing.assert_close(torch.from_dlpack(batch).clone(), _expect(data, [box]), rtol=0, atol=0)
+        with open(shard, "r+b") as f:
+            f.truncate(len(raw) - 50)
+        p.push([stoker.Sample(uri, box)])
+        with pytest.raises(stoker.DecodeError, match="shorter than its index claims"):
+            p.pop()
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["files", "sharded"])

@@ -243,6 +243,10 @@ static uint32_t le32(const unsigned char *p) {
  * one-block chunk, is read in one call as on the whole path; a syscall costs about what copying a few
  * KiB does, so reading less than a block first would not pay. */
 #define ZSTD_FIRST_READ ((128 << 10) + 64)
+/* Later reads take at least this much (frames written with small blocks would otherwise cost a read per
+ * block), and the header hops read whatever is left in one go once it is this small or less. */
+#define ZSTD_READ_AHEAD (128 << 10)
+#define ZSTD_HOPS_READ_REST (64 << 10)
 
 /* Read bytes [lo, hi) of the stored chunk into buf + lo, timing it into job->read_ns (see read_range). */
 static int read_timed(chunk_job *job, int fd, char *buf, size_t lo, size_t hi) {
@@ -253,13 +257,20 @@ static int read_timed(chunk_job *job, int fd, char *buf, size_t lo, size_t hi) {
 }
 
 /* 1 when the blocks from the block header at ``pos`` to the frame's last block end exactly at ``size``,
- * read off their 3-byte headers alone (each read into scratch at its own offset; those before ``have`` are
- * there already); 0 when they do not, or a header is reserved; -1 when a read failed (the job's status is
- * set). */
-static int zstd_blocks_end_at(chunk_job *job, int fd, char *scratch, size_t have, size_t pos, size_t size) {
+ * read off their 3-byte headers alone (each read into scratch at its own offset; those before ``*have`` are
+ * there already, and once little is left the rest is read in one go, extending ``*have``); 0 when they do
+ * not, or a header is reserved; -1 when a read failed (the job's status is set). */
+static int zstd_blocks_end_at(chunk_job *job, int fd, char *scratch, size_t *have, size_t pos, size_t size) {
     while (pos <= size && size - pos >= 3) {
-        if (pos + 3 > have && read_timed(job, fd, scratch, pos, pos + 3))
-            return -1;
+        if (pos + 3 > *have) {
+            if (size - *have <= ZSTD_HOPS_READ_REST) {
+                if (read_timed(job, fd, scratch, *have, size))
+                    return -1;
+                *have = size;
+            } else if (read_timed(job, fd, scratch, pos, pos + 3)) {
+                return -1;
+            }
+        }
         const unsigned char *h = (const unsigned char *)scratch + pos;
         uint32_t header = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16;
         uint32_t type = (header >> 1) & 3, block = header >> 3;
@@ -278,6 +289,13 @@ static int zstd_blocks_end_at(chunk_job *job, int fd, char *scratch, size_t have
 static int zstd_prefix(chunk_job *job, int fd, size_t size, char *scratch, size_t nbytes, void *dctx,
                        size_t *have) {
     size_t stop = (size_t)job->span_stop;
+    *have = 0;
+    if (job->offset >= 0) { /* an inner chunk of a shard: its size came from the index, so check the file holds
+                             * it (the whole path's read says SHORT; the blocks after the stop are not read) */
+        struct stat st;
+        if (fstat(fd, &st) != 0 || (unsigned long long)st.st_size < (unsigned long long)job->offset + size)
+            return 0;
+    }
     *have = size < ZSTD_FIRST_READ ? size : ZSTD_FIRST_READ;
     if (read_timed(job, fd, scratch, 0, *have))
         return 1;
@@ -291,8 +309,10 @@ static int zstd_prefix(chunk_job *job, int fd, size_t size, char *scratch, size_
         size_t need = zstd_next_src_size(dctx);
         if (need == 0 || need > size - consumed)
             break; /* the frame ended early, or runs past the file: decoded whole, that is reported */
-        if (consumed + need > *have) { /* this block, and the next block's header */
+        if (consumed + need > *have) { /* this block and the next block's header, or more (READ_AHEAD) */
             size_t want = size - consumed - need > 3 ? consumed + need + 3 : size;
+            if (want < *have + ZSTD_READ_AHEAD)
+                want = size - *have > ZSTD_READ_AHEAD ? *have + ZSTD_READ_AHEAD : size;
             job->decode_ns += now_ns() - t;
             if (read_timed(job, fd, scratch, *have, want))
                 return 1;
@@ -309,7 +329,7 @@ static int zstd_prefix(chunk_job *job, int fd, size_t size, char *scratch, size_
     if (zstd_is_error(r) || produced < stop)
         return 0;
     int whole = zstd_next_src_size(dctx) == 0 ? consumed == size /* the frame is out: it must fill the file */
-                                              : zstd_blocks_end_at(job, fd, scratch, *have, consumed, size);
+                                              : zstd_blocks_end_at(job, fd, scratch, have, consumed, size);
     if (whole < 0)
         return 1;
     if (!whole)
@@ -325,7 +345,8 @@ static void decode_zstd(chunk_job *job, int fd, size_t size, long long t0, char 
                         void *dctx) {
     job->read_ns = now_ns() - t0; /* open and stat */
     size_t have = 0;
-    if (dctx != NULL && (size_t)job->span_stop < nbytes && zstd_prefix(job, fd, size, scratch, nbytes, dctx, &have)) {
+    /* span_stop 0 (no byte needed: the engine never asks) would stop before any block and hop from the magic */
+    if (dctx != NULL && job->span_stop > 0 && (size_t)job->span_stop < nbytes && zstd_prefix(job, fd, size, scratch, nbytes, dctx, &have)) {
         close(fd);
         return;
     }
