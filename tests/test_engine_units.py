@@ -342,3 +342,43 @@ def test_corrupt_header_fields_are_partial_decode_errors():
         bad[offset:offset + (1 if offset == 3 else 4)] = value.to_bytes(1 if offset == 3 else 4, "little")
         with pytest.raises(blosc_partial.PartialDecodeError):
             blosc_partial.stored_range(bytes(bad[:64]), 0, 100)
+
+
+def _huge_bytes_at(address: int) -> int | None:
+    """AnonHugePages (bytes) of the mapping holding ``address``, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1: text.index("]")]
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages here")
+def test_large_batch_slots_are_backed_by_huge_pages():
+    """CPU slots of 8 MiB and more ask for huge pages before their first write, and get them; smaller ones
+    and pinned ones are left alone."""
+    import torch
+
+    from stoker.engine import hugepages
+    from stoker.engine.buffers import SlotRing
+
+    ring = SlotRing(2, (8, 4 << 20), torch.uint8)  # 32 MiB slots
+    for slot in ring.slots:
+        slot.tensor.fill_(7)
+        assert _huge_bytes_at(slot.tensor.data_ptr() + (16 << 20)) > 0
+        assert bool((slot.tensor == 7).all())
+    assert not hugepages.advise_huge_pages(torch.empty(hugepages.MIN_BYTES - 1, dtype=torch.uint8))
+    assert hugepages.advise_huge_pages(torch.empty(hugepages.MIN_BYTES, dtype=torch.uint8))

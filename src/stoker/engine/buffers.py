@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import BudgetExceeded, ShutdownError
+from .hugepages import advise_huge_pages
 
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -238,6 +239,9 @@ class SlotRing:
         self.dtype = dtype
         self.pinned = pin
         self.slots = [Slot(i, torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)) for i in range(n)]
+        if not pin:  # page-locked memory is torch's to manage
+            for slot in self.slots:
+                advise_huge_pages(slot.tensor)  # before the first write: rewritten every batch, faulted once
         self._cond = threading.Condition()
 
     @property
