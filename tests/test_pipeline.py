@@ -258,7 +258,8 @@ def test_release_then_drop_view_frees_slot(volume):
 @pytest.mark.parametrize("bad_config", [
     dict(batch_size=0), dict(batch_size=2.5), dict(dtype="int8"), dict(host_buffer_bytes=10),
     dict(n_io_threads=0), dict(n_compute_threads=0), dict(lookahead_batches=0), dict(pop_timeout_s=0),
-    dict(pop_timeout_s=-1), dict(device="tpu"), dict(sample_shape=(0, 4)), dict(drop_last="yes"),
+    dict(pop_timeout_s=-1), dict(device="tpu"), dict(device=torch.device("meta")), dict(sample_shape=(0, 4)),
+    dict(drop_last="yes"),
 ])
 def test_bad_config_values(bad_config):
     with pytest.raises(stoker.InvalidArgument) as info:
@@ -266,6 +267,12 @@ def test_bad_config_values(bad_config):
     knob = next(iter(bad_config))
     assert f"Config.{knob}" in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("given, stored", [(torch.device("cpu"), "cpu"), (torch.device("cuda"), "cuda"),
+                                           (torch.device("cuda", 1), "cuda:1")])
+def test_config_takes_a_torch_device(given, stored):
+    assert stoker.Config(batch_size=2, device=given).device == stored  # a rank's ctx.device passes as is
 
 
 def test_budget_exceeded_at_construction_names_the_knob():

@@ -40,7 +40,7 @@ class Config:
     - ``n_io_threads`` (>= 1): threads for reads that must wait for buffer memory; local reads
       otherwise run on the compute threads (a page-cache copy costs less than a thread hop).
     - ``n_compute_threads``: decode and assembly threads (>= 1); ``None`` means ``os.cpu_count()``.
-    - ``device``: ``None | int | "cpu" | "cuda" | "cuda:N"``. ``None`` takes torch's current CUDA
+    - ``device``: ``None | int | "cpu" | "cuda" | "cuda:N"`` or a ``torch.device`` of those (stored as the string). ``None`` takes torch's current CUDA
       device when CUDA is available, else the CPU; a GPU must be torch's current device
       (``torch.cuda.set_device(local_rank)`` first), checked at ``Pipeline(cfg)``.
     - ``lookahead_batches`` (>= 1): batches prepared ahead of the consumer.
@@ -91,6 +91,9 @@ class Config:
 
     def _check_device(self) -> None:
         d = self.device
+        if isinstance(d, torch.device) and d.type in ("cpu", "cuda"):  # e.g. a rank's ctx.device
+            d = "cpu" if d.type == "cpu" else ("cuda" if d.index is None else f"cuda:{d.index}")
+            object.__setattr__(self, "device", d)
         if d is None or d == "cpu" or d == "cuda":
             return
         if isinstance(d, int) and not isinstance(d, bool) and d >= 0:
@@ -98,7 +101,8 @@ class Config:
         if isinstance(d, str) and d.startswith("cuda:") and d[5:].isdigit():
             return
         raise InvalidArgument(
-            f"Config.device must be None, a GPU index >= 0, 'cpu', 'cuda' or 'cuda:N', got {d!r}", knob="device"
+            f"Config.device must be None, a GPU index >= 0, 'cpu', 'cuda' or 'cuda:N' (or a torch.device of "
+            f"those), got {d!r}", knob="device"
         )
 
     @property

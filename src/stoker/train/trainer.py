@@ -443,8 +443,9 @@ class Trainer:
                     batch = next(batches)
                     wait += time.perf_counter() - tw
                     samples += _batch_len(batch)
-                    if self.device.type != "cpu":
-                        batch = to_device(batch, self.device)
+                    # to the model's device; a GPU batch for a CPU model (a pipeline left on device=None
+                    # in a CPU rank of a GPU machine) comes back synchronously, so it is whole when used
+                    batch = to_device(batch, self.device, non_blocking=self.device.type != "cpu")
                     total += self._micro_step(batch, last=micro == self.accumulate - 1)
                 self._optimizer_step()
                 self.step += 1
