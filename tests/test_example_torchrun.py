@@ -38,6 +38,7 @@ def _write_volume(path: Path) -> Path:
 def _torchrun(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # two gloo ranks on the CPU, also on a machine with fewer GPUs than ranks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
            str(SCRIPT), *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -95,6 +95,7 @@ def _trainer(tmp_path=None, **kw):
     model = jobs.Tiny(unused=kw.pop("unused", False))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ck = st.Checkpoints(tmp_path / "ck", every=2) if tmp_path is not None else None
+    kw.setdefault("device", "cpu")  # these compare against CPU references, also on a GPU machine
     return st.Trainer(model, opt, kw.pop("loss_fn", jobs.mse), checkpoints=ck, progress=False, **kw)
 
 
@@ -398,7 +399,7 @@ def test_launch_under_torchrun_runs_fn_as_this_rank(tmp_path):
     import subprocess
     import sys
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # two gloo ranks, also beside a GPU
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            jobs.__file__], env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -415,6 +416,28 @@ def test_launch_in_process_with_one_rank(monkeypatch):
     assert out["ranks"][0]["world"] == 1 and out["ranks"][0]["env_rank"] == "0"
     assert not torch.distributed.is_initialized()  # torn down
     assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ  # the environment is restored
+
+
+def test_a_torchrun_rank_beyond_the_gpus_is_told_the_fix(monkeypatch):
+    import importlib
+
+    launch_module = importlib.import_module("stoker.train.launch")  # the module; stoker.train.launch is the function
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InvalidArgument, match=r"local rank 1 has no GPU: 1 visible.*--nproc_per_node=1.*use_cuda=False"):
+        launch_module._run_rank(jobs.describe, (), rank=1, local_rank=1, world_size=2, backend="nccl", cuda=True,
+                                timeout_s=5.0, threads=None)
+
+
+@pytest.mark.cuda
+def test_a_cpu_trainer_takes_batches_a_pipeline_left_on_the_gpu():
+    batches = jobs.global_batches(3, 4)
+    ref = _trainer()
+    ref.fit(batches, steps=3, resume=None)
+    on_gpu = _trainer()  # CPU model; the batches arrive on the GPU, as from Config(device=None) on a GPU machine
+    on_gpu.fit([b.cuda() for b in batches], steps=3, resume=None)
+    for a, b in zip(ref.module.parameters(), on_gpu.module.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_under_torchrun_reads_the_launcher_environment(monkeypatch):

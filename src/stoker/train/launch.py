@@ -184,6 +184,10 @@ def _run_rank(fn: Callable[..., Any], args: tuple, rank: int, local_rank: int, w
     if threads is not None:
         torch.set_num_threads(threads)
     if cuda:
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:  # torchrun with more ranks per node than GPUs: say so, not "invalid ordinal"
+            raise InvalidArgument(f"local rank {local_rank} has no GPU: {visible} visible on this node, one rank "
+                                  f"per GPU (torchrun --nproc_per_node={visible}), or use_cuda=False for CPU ranks")
         # Before the process group or any tensor: otherwise every rank's context lands on GPU 0.
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
