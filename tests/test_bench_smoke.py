@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from stoker.bench.records import records_for_steady_state
 from stoker.cli import main
 
 
@@ -38,7 +39,23 @@ def test_bench_records_tiny_smoke(tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.search(r"^stoker\.records\.Loader \(threads\)\s+\d+\.\d", out, re.M), out
     assert re.search(r"^DataLoader\(num_workers\) \+ zarr\s+\d+\.\d+\s+\d+\.\d+x", out, re.M), out
-    assert re.search(r"^\s+50 records: .* per record\)$", out, re.M) and re.search(r"^\s+500 records:", out, re.M)
+    small = max(50, records_for_steady_state(2, 1))  # more than 50 only on machines of many cores
+    assert re.search(rf"^\s+{small:,} records: .* per record\)$", out, re.M), out
+    assert re.search(rf"^\s+{10 * small:,} records:", out, re.M), out
+
+
+def test_bench_records_sizes_its_data_for_every_core(monkeypatch, tmp_path):
+    # 16 cores keep 32 DataLoader batches in flight: 50 records were too few to time them (a ValueError)
+    import stoker.bench.records as records
+
+    seen = {}
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(records, "run", lambda root, n_small, n_large, batch_size, n_batches: seen.update(
+        n_small=n_small, n_large=n_large, batch_size=batch_size) or "")
+    for tiny in ([], ["--tiny"]):
+        assert main(["bench", "records", *tiny, "--data", str(tmp_path)]) == 0
+        timed = seen["n_small"] // seen["batch_size"] - 1 - 2 * 32  # what run() can time after the prefetch
+        assert timed >= 1 and seen["n_large"] == 10 * seen["n_small"]
 
 
 @pytest.mark.timeout(120)
@@ -107,3 +124,22 @@ def test_decode_bound_decodes_every_byte_of_the_chunk(tmp_path, monkeypatch, nam
         else:  # through the chain, once per chunk
             assert len(chain_results) == 1
             np.testing.assert_array_equal(chain_results.pop(), expected)
+
+
+@pytest.mark.parametrize("gpu_rate, verdict", [(590.6, "GPU delivery runs at 1.64x the CPU path's throughput"),
+                                               (324.0, "GPU delivery costs 10.0% of the CPU path's throughput")])
+def test_gpu_bench_says_which_way_delivery_went(monkeypatch, gpu_rate, verdict):
+    # on the H100 the GPU path beat the CPU path (its cast runs on the GPU): "costs -64.1%" read badly
+    from types import SimpleNamespace
+
+    import torch
+
+    from stoker.bench.device import format_device_results
+    from stoker.bench.runner import Result, scenarios
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    stats = SimpleNamespace(stages={}, samples=8)
+    results = [Result("stoker cpu", 1.0, 360, 0, 0, {}),
+               Result("stoker cuda", 1.0, gpu_rate, 0, 0, {"stats": stats, "pinned_bytes": 0}),
+               Result("tensorstore+pin", 1.0, 558, 0, 0, {})]
+    assert f"{verdict} (target: costs <= 10%)" in format_device_results(scenarios(tiny=True)[0], results, 3)

@@ -111,13 +111,23 @@ def _construct_in_fresh_process(base: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _in_flight() -> int:
+    """Batches in flight in steady state: the DataLoader's prefetch (prefetch_factor 2 per worker, a worker per core)."""
+    return 2 * (os.cpu_count() or 1)
+
+
+def records_for_steady_state(batch_size: int, n_batches: int) -> int:
+    """The fewest records that time ``n_batches`` after the prefetch has filled (and before it drains)."""
+    return batch_size * (n_batches + 1 + 2 * _in_flight())
+
+
 def run(root: Path, n_small: int, n_large: int, batch_size: int, n_batches: int) -> str:
     from ..records import Loader, ZarrRecords
 
     small = ensure_records(root, n_small)
     large = ensure_records(root, n_large)
     cores = os.cpu_count() or 1
-    in_flight = 2 * cores  # the DataLoader's prefetch (prefetch_factor 2 per worker); the Loader's is 2
+    in_flight = _in_flight()  # the Loader's is 2; both are timed the same way
     n_batches = min(n_batches, n_small // batch_size - 1 - 2 * in_flight)
     if n_batches < 1:
         raise ValueError(f"{n_small} records are too few to time {cores} workers in steady state")

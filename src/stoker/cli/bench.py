@@ -18,12 +18,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("stoker bench: --batches must be at least 1")
 
     if args.suite == "records":
+        from ..bench.records import records_for_steady_state
         from ..bench.records import run as run_records
 
         root = args.data or cache_dir() / "bench"
-        small, large = (50, 500) if args.tiny else (2000, 20000)
-        # The tiny set holds 50 records: batches of 2 leave room to time the DataLoader in steady state.
-        print(run_records(root, small, large, batch_size=2 if args.tiny else 16, n_batches=min(args.batches or 30, 40)),
+        batch_size, n_batches = (2, 1) if args.tiny else (16, min(args.batches or 30, 40))
+        # Enough records to time every core's DataLoader worker in steady state (the prefetch grows with cores);
+        # the large set is 10x, for the RSS-growth check.
+        small = max(50 if args.tiny else 2000, records_for_steady_state(batch_size, n_batches))
+        print(run_records(root, small, 10 * small, batch_size=batch_size, n_batches=min(args.batches or 30, 40)),
               flush=True)
         return 0
 
