@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
+import os
 import threading
 import time
 
@@ -273,6 +274,22 @@ def test_bad_config_values(bad_config):
                                            (torch.device("cuda", 1), "cuda:1")])
 def test_config_takes_a_torch_device(given, stored):
     assert stoker.Config(batch_size=2, device=given).device == stored  # a rank's ctx.device passes as is
+
+
+def test_default_compute_threads_share_the_usable_cpus_among_the_node_ranks(monkeypatch):
+    from stoker.config import default_compute_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)  # taskset/cgroup: 8
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # ... of a 64-core machine
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_compute_threads() == 8 and stoker.Config(batch_size=2).compute_threads == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun, 4 ranks on this node
+    assert stoker.Config(batch_size=2).compute_threads == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # more ranks than usable CPUs: still one thread
+    assert default_compute_threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")  # not a count: read as one rank
+    assert default_compute_threads() == 8
+    assert stoker.Config(batch_size=2, n_compute_threads=5).compute_threads == 5  # asked for: as given
 
 
 def test_budget_exceeded_at_construction_names_the_knob():

@@ -181,7 +181,7 @@ def time_pipeline(p: Pipeline, samples: list[Sample], batch_size: int, consume=l
 def stoker_config(batch_size: int, host_buffer_bytes: int, dtype: str = "f32", device: str = "cpu") -> Config:
     """The pipeline every stoker peer runs (``device="cpu"`` also on a GPU machine unless asked)."""
     return Config(batch_size=batch_size, dtype=dtype, host_buffer_bytes=host_buffer_bytes, device_buffer_bytes=2 << 30,
-                  n_io_threads=2, n_compute_threads=os.cpu_count() or 1, lookahead_batches=LOOKAHEAD, device=device)
+                  n_io_threads=2, lookahead_batches=LOOKAHEAD, device=device)  # compute threads: the default
 
 
 def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int) -> Result:
