@@ -143,3 +143,25 @@ def test_gpu_bench_says_which_way_delivery_went(monkeypatch, gpu_rate, verdict):
                Result("stoker cuda", 1.0, gpu_rate, 0, 0, {"stats": stats, "pinned_bytes": 0}),
                Result("tensorstore+pin", 1.0, 558, 0, 0, {})]
     assert f"{verdict} (target: costs <= 10%)" in format_device_results(scenarios(tiny=True)[0], results, 3)
+
+
+def test_gpu_bench_times_the_cpu_path_without_a_cpu_reduction(monkeypatch):
+    # the CPU peer of `bench --device cuda` used to sum every bf16 batch on the CPU, which cost more than
+    # the pipeline itself and flattered the GPU path
+    import stoker
+    import stoker.bench.device as device_bench
+
+    seen = {}
+
+    def fake_time_pipeline(p, samples, batch_size, consume=lambda x: None, sync=lambda: None):
+        seen["consume"] = consume
+        return 1, 1.0, 0.0
+
+    class NoSum:
+        def sum(self):
+            raise AssertionError("the CPU peer reduced its batch on the CPU")
+
+    monkeypatch.setattr(device_bench, "time_pipeline", fake_time_pipeline)
+    result = device_bench.run_stoker_on([stoker.Sample("unused.zarr", [(0, 4), (0, 4)])], 1, 2, 64 << 20, "cpu")
+    assert result.peer == "stoker cpu"
+    seen["consume"](NoSum())
