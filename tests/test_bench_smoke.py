@@ -126,9 +126,12 @@ def test_decode_bound_decodes_every_byte_of_the_chunk(tmp_path, monkeypatch, nam
             np.testing.assert_array_equal(chain_results.pop(), expected)
 
 
-@pytest.mark.parametrize("gpu_rate, verdict", [(590.6, "GPU delivery runs at 1.64x the CPU path's throughput"),
-                                               (324.0, "GPU delivery costs 10.0% of the CPU path's throughput")])
-def test_gpu_bench_says_which_way_delivery_went(monkeypatch, gpu_rate, verdict):
+@pytest.mark.parametrize("cpu_samples, gpu_rate, verdict", [
+    (360, 590.6, "GPU delivery runs at 1.64x the CPU path's throughput"),
+    (360, 324.0, "GPU delivery costs 10.0% of the CPU path's throughput"),
+    (0, 324.0, "GPU delivery: no CPU baseline"),
+])
+def test_gpu_bench_says_which_way_delivery_went(monkeypatch, cpu_samples, gpu_rate, verdict):
     # on the H100 the GPU path beat the CPU path (its cast runs on the GPU): "costs -64.1%" read badly
     from types import SimpleNamespace
 
@@ -139,10 +142,10 @@ def test_gpu_bench_says_which_way_delivery_went(monkeypatch, gpu_rate, verdict):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
     stats = SimpleNamespace(stages={}, samples=8)
-    results = [Result("stoker cpu", 1.0, 360, 0, 0, {}),
+    results = [Result("stoker cpu", 1.0, cpu_samples, 0, 0, {}),
                Result("stoker cuda", 1.0, gpu_rate, 0, 0, {"stats": stats, "pinned_bytes": 0}),
                Result("tensorstore+pin", 1.0, 558, 0, 0, {})]
-    assert f"{verdict} (target: costs <= 10%)" in format_device_results(scenarios(tiny=True)[0], results, 3)
+    assert verdict in format_device_results(scenarios(tiny=True)[0], results, 3)
 
 
 def test_gpu_bench_times_the_cpu_path_without_a_cpu_reduction(monkeypatch):

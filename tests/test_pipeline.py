@@ -279,16 +279,25 @@ def test_config_takes_a_torch_device(given, stored):
 def test_default_compute_threads_share_the_usable_cpus_among_the_node_ranks(monkeypatch):
     from stoker.config import default_compute_threads
 
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)  # taskset/cgroup: 8
-    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # ... of a 64-core machine
+    def machine(cores, usable):
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(usable)), raising=False)
+
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert default_compute_threads() == 8 and stoker.Config(batch_size=2).compute_threads == 8
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun, 4 ranks on this node
-    assert stoker.Config(batch_size=2).compute_threads == 2
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # more ranks than usable CPUs: still one thread
-    assert default_compute_threads() == 1
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")  # not a count: read as one rank
+    machine(64, 64)
+    assert default_compute_threads() == 64 and stoker.Config(batch_size=2).compute_threads == 64  # one rank
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun, 8 ranks on this node
+    assert stoker.Config(batch_size=2).compute_threads == 8
+    machine(64, 32)  # a cpuset of 32 cores shared by the 8 ranks
+    assert default_compute_threads() == 4
+    machine(64, 8)  # each rank bound to its own 8 cores (srun --cpu-bind): not divided again
     assert default_compute_threads() == 8
+    machine(8, 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # more ranks than CPUs: still one thread
+    assert default_compute_threads() == 1
+    for malformed in ("four", "\u00b2", "0"):  # not a count of ranks: read as one rank
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", malformed)
+        assert default_compute_threads() == 8
     assert stoker.Config(batch_size=2, n_compute_threads=5).compute_threads == 5  # asked for: as given
 
 

@@ -429,6 +429,24 @@ def test_a_torchrun_rank_beyond_the_gpus_is_told_the_fix(monkeypatch):
                                 timeout_s=5.0, threads=None)
 
 
+def test_a_cpu_trainer_passes_batches_through_as_they_are():
+    # a CPU trainer hands loss_fn the batch object it was given: numpy leaves, string ids and custom
+    # objects are the user's business (a GPU trainer moves tensors and must be able to)
+    seen = []
+
+    class Meta:
+        def __init__(self):
+            self.raw = np.zeros(3)
+
+    def loss(model, batch):
+        seen.append(batch)
+        return jobs.mse(model, batch["x"])
+
+    batches = [{"x": b, "ids": np.array(["a", "b", "c", "d"]), "meta": Meta()} for b in jobs.global_batches(2, 4)]
+    _trainer(loss_fn=loss).fit(batches, steps=2, resume=None)
+    assert [id(b) for b in seen] == [id(b) for b in batches]
+
+
 @pytest.mark.cuda
 def test_a_cpu_trainer_takes_batches_a_pipeline_left_on_the_gpu():
     batches = jobs.global_batches(3, 4)

@@ -25,20 +25,27 @@ _INTEGER_KNOBS = {"batch_size": 1, "host_buffer_bytes": 1 << 20, "device_buffer_
 
 
 def default_compute_threads() -> int:
-    """This rank's share of the CPUs the process may run on: its affinity mask (taskset, a container's or
-    SLURM's cpuset), not the machine's count, divided among the ranks of the node (torchrun's
-    ``LOCAL_WORLD_SIZE``). Eight ranks of a 64-core node get 8 threads each, not 64: more threads than
-    cores cost throughput (scenario 1 with 16 threads on 2 cores ran at 0.8x the speed of 2 threads).
+    """This rank's share of the CPUs: the ones the process may run on (its affinity mask, which taskset,
+    numactl and cpusets set; CPU quotas such as Docker's ``--cpus`` do not show in it), divided among the
+    ranks of the node (torchrun's ``LOCAL_WORLD_SIZE``). Eight ranks of a 64-core node get 8 threads each,
+    not 64: more threads than cores cost throughput (scenario 1 with 16 threads on 2 cores ran at 0.8x the
+    speed of 2 threads). A mask no larger than a rank's share of the machine is taken as this rank's own
+    binding (``srun --cpu-bind``, numactl per rank) and is not divided again. Pass ``n_compute_threads``
+    where neither guess fits.
 
-    >>> default_compute_threads()  # 2 on a 2-core machine with one rank
-    2
+    >>> default_compute_threads()  # the usable CPUs, on a machine with one rank  # doctest: +SKIP
     """
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # macOS, Windows
         cpus = os.cpu_count() or 1
-    ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
-    ranks = int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1  # a hint only: malformed means one rank
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:  # a hint only: malformed means one rank
+        ranks = 1
+    machine = os.cpu_count() or cpus
+    if cpus * ranks <= machine:  # already this rank's own share (per-rank binding)
+        return cpus
     return max(1, cpus // ranks)
 
 
@@ -59,7 +66,8 @@ class Config:
       otherwise run on the compute threads (a page-cache copy costs less than a thread hop).
     - ``n_compute_threads``: decode and assembly threads (>= 1); ``None`` means this rank's share of the
       CPUs the process may run on (see :func:`default_compute_threads`).
-    - ``device``: ``None | int | "cpu" | "cuda" | "cuda:N"`` or a ``torch.device`` of those (stored as the string). ``None`` takes torch's current CUDA
+    - ``device``: ``None | int | "cpu" | "cuda" | "cuda:N"``, or a ``torch.device`` of those (stored as
+      the string, so a rank's ``ctx.device`` can be passed as is). ``None`` takes torch's current CUDA
       device when CUDA is available, else the CPU; a GPU must be torch's current device
       (``torch.cuda.set_device(local_rank)`` first), checked at ``Pipeline(cfg)``.
     - ``lookahead_batches`` (>= 1): batches prepared ahead of the consumer.
@@ -74,7 +82,7 @@ class Config:
     device_buffer_bytes: int = 1 << 30
     n_io_threads: int = 4
     n_compute_threads: int | None = None
-    device: int | str | None = None
+    device: int | str | torch.device | None = None
     lookahead_batches: int = 2
     pop_timeout_s: float | None = 30.0
     drop_last: bool = True

@@ -95,8 +95,12 @@ def format_device_results(sc: Scenario, results: list[Result], timed_batches: in
     cost = 1 - gpu.samples_per_s / cpu.samples_per_s if cpu.samples_per_s else float("nan")
     transfer = gpu.extra["stats"].stages.get("transfer")
     # the cast runs on the GPU there, so delivering to it can be faster than the CPU path: say which way it went
-    verdict = (f"GPU delivery costs {cost:.1%} of the CPU path's throughput" if cost > 0 else
-               f"GPU delivery runs at {gpu.samples_per_s / cpu.samples_per_s:.2f}x the CPU path's throughput")
+    if not cpu.samples_per_s:
+        verdict = "GPU delivery: no CPU baseline (the CPU path delivered nothing)"
+    elif cost > 0:
+        verdict = f"GPU delivery costs {cost:.1%} of the CPU path's throughput"
+    else:
+        verdict = f"GPU delivery runs at {gpu.samples_per_s / cpu.samples_per_s:.2f}x the CPU path's throughput"
     lines.append(f"{verdict} (target: costs <= 10%); pinned staging held: "
                  f"{gpu.extra['pinned_bytes'] / 2**20:.0f} MiB; bytes copied per sample: "
                  f"{(transfer.bytes_in if transfer else 0) / max(1, gpu.extra['stats'].samples):,.0f}")

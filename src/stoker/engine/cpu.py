@@ -71,7 +71,7 @@ _BATCH_KINDS = {torch.float32: native.F32, torch.bfloat16: native.BF16}
 
 #: A batch's reads go to the compute pool in groups of at least this many. Each group costs a task and
 #: compiled calls of its own, and a call's decode buffer stays warm in cache from one chunk to the next:
-#: 2 threads cutting scenario 1's ~45 reads per batch into 32 groups (what 16 threads did) ran at 0.90x
+#: 2 threads cutting scenario 1's ~58 reads per batch into 32 groups (what 16 threads did) ran at 0.90x
 #: the speed of 4 groups, and scenario 6 at 0.76x; with groups of 4 or more, 0.98x and 0.92x.
 MIN_READS_PER_GROUP = 4
 

@@ -43,7 +43,7 @@ from .. import checks
 from ..distributed import ReducedStats, _all_reduce, reduce_max, reduce_stats
 from ..engine.stats import Stats
 from ..errors import CheckpointError, InvalidArgument, UnusedParameters
-from ..pin import to_device
+from ..pin import tensors_in, to_device
 from ..telemetry import TelemetryWriter, memory_report, peak_rss_bytes
 from .checkpoint import Checkpoints
 
@@ -443,9 +443,12 @@ class Trainer:
                     batch = next(batches)
                     wait += time.perf_counter() - tw
                     samples += _batch_len(batch)
-                    # to the model's device; a GPU batch for a CPU model (a pipeline left on device=None
-                    # in a CPU rank of a GPU machine) comes back synchronously, so it is whole when used
-                    batch = to_device(batch, self.device, non_blocking=self.device.type != "cpu")
+                    if self.device.type != "cpu":
+                        batch = to_device(batch, self.device)
+                    elif any(t.device.type != "cpu" for t in tensors_in(batch)):
+                        # a GPU batch for a CPU model (a pipeline left on device=None in a CPU rank of a GPU
+                        # machine) comes back synchronously, so it is whole when used; CPU batches pass as they are
+                        batch = to_device(batch, self.device, non_blocking=False)
                     total += self._micro_step(batch, last=micro == self.accumulate - 1)
                 self._optimizer_step()
                 self.step += 1
