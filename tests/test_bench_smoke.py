@@ -168,3 +168,35 @@ def test_gpu_bench_times_the_cpu_path_without_a_cpu_reduction(monkeypatch):
     result = device_bench.run_stoker_on([stoker.Sample("unused.zarr", [(0, 4), (0, 4)])], 1, 2, 64 << 20, "cpu")
     assert result.peer == "stoker cpu"
     seen["consume"](NoSum())
+
+
+def test_bench_writes_every_batch_slot_before_its_clock_starts():
+    # a pipeline reuses its slots for the whole run: their first touch is not the steady state (it cost
+    # scenario 4's 30-batch window a third of its rate); the first-batch time is still the first batch's
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch
+
+    from stoker.bench.runner import time_pipeline
+
+    events = []
+
+    class FakePipeline:
+        cfg = SimpleNamespace(lookahead_batches=3)
+
+        def push(self, samples):
+            events.append(("push", len(samples)))
+
+        def pop(self):
+            events.append(("pop",))
+            return nullcontext(torch.zeros(1))
+
+        def stats_reset(self):
+            events.append(("clock",))
+
+    n, _, _ = time_pipeline(FakePipeline(), list(range(10 * 2)), 2)
+    clock = events.index(("clock",))
+    assert events[:clock].count(("pop",)) == 4  # lookahead 3 + the consumer's slot
+    assert events[:2] == [("push", 2), ("pop",)]  # the first batch alone: its latency is measured clean
+    assert n == 9 and events[clock:].count(("pop",)) == 9
