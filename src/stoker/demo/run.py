@@ -60,8 +60,9 @@ def volume_job(ctx: RankContext, s: DemoSettings) -> FitResult:
     torch.manual_seed(s.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = Denoiser3D()
     source = RandomCrops([s.data], CROP, seed=s.seed).shard(ctx.rank, ctx.world_size)
-    cfg = Config(batch_size=s.batch_size, sample_shape=CROP, dtype="f32", n_io_threads=2,
-                 n_compute_threads=max(1, torch.get_num_threads()), host_buffer_bytes=64 << 20)
+    # compute threads: the default, this rank's share of the usable CPUs (torch's thread count was not
+    # divided among GPU ranks, so 8 GPU ranks each took every core)
+    cfg = Config(batch_size=s.batch_size, sample_shape=CROP, dtype="f32", n_io_threads=2, host_buffer_bytes=64 << 20)
     data = ctx.manage(CropBatches(source, cfg, device=ctx.device))
     trainer = _trainer(ctx, s, model, denoise_loss, lr=2e-3)
     return trainer.fit(data, steps=s.steps, seconds=s.seconds, resume="auto" if s.resume else None)
