@@ -92,15 +92,15 @@ def format_device_results(sc: Scenario, results: list[Result], timed_batches: in
     for r in results:
         ratio = f"{gpu.samples_per_s / r.samples_per_s:>8.2f}x" if r is not gpu and r.samples_per_s else f"{'':>9}"
         lines.append(f"{r.peer:<18}{r.samples_per_s:>11.1f}{r.mb_per_s:>9.1f}{ratio}")
-    cost = 1 - gpu.samples_per_s / cpu.samples_per_s if cpu.samples_per_s else float("nan")
     transfer = gpu.extra["stats"].stages.get("transfer")
     # the cast runs on the GPU there, so delivering to it can be faster than the CPU path: say which way it went
-    if not cpu.samples_per_s:
+    speed = gpu.samples_per_s / cpu.samples_per_s if cpu.samples_per_s else None
+    if speed is None:
         verdict = "GPU delivery: no CPU baseline (the CPU path delivered nothing)"
-    elif cost > 0:
-        verdict = f"GPU delivery costs {cost:.1%} of the CPU path's throughput"
+    elif speed < 1:
+        verdict = f"GPU delivery costs {1 - speed:.1%} of the CPU path's throughput"
     else:
-        verdict = f"GPU delivery runs at {gpu.samples_per_s / cpu.samples_per_s:.2f}x the CPU path's throughput"
+        verdict = f"GPU delivery runs at {speed:.2f}x the CPU path's throughput"
     lines.append(f"{verdict} (target: costs <= 10%); pinned staging held: "
                  f"{gpu.extra['pinned_bytes'] / 2**20:.0f} MiB; bytes copied per sample: "
                  f"{(transfer.bytes_in if transfer else 0) / max(1, gpu.extra['stats'].samples):,.0f}")

@@ -22,12 +22,12 @@ def run(args: argparse.Namespace) -> int:
         from ..bench.records import run as run_records
 
         root = args.data or cache_dir() / "bench"
-        batch_size, n_batches = (2, 1) if args.tiny else (16, min(args.batches or 30, 40))
-        # Enough records to time every core's DataLoader worker in steady state (the prefetch grows with cores);
-        # the large set is 10x, for the RSS-growth check.
-        small = max(50 if args.tiny else 2000, records_for_steady_state(batch_size, n_batches))
-        print(run_records(root, small, 10 * small, batch_size=batch_size, n_batches=min(args.batches or 30, 40)),
-              flush=True)
+        timed = min(args.batches or 30, 40)  # run() times as many of these as the record set allows
+        # Records enough to time that many batches (the tiny set: one) after every core's DataLoader prefetch
+        # has filled; the large set is 10x, for the RSS-growth check.
+        batch_size, sized_for = (2, 1) if args.tiny else (16, timed)
+        small = max(50 if args.tiny else 2000, records_for_steady_state(batch_size, sized_for))
+        print(run_records(root, small, 10 * small, batch_size=batch_size, n_batches=timed), flush=True)
         return 0
 
     from ..bench.runner import dataloader_batches, format_results, host_budget, run_scenario, scenarios
