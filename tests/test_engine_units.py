@@ -140,6 +140,37 @@ def test_plan_byte_range_covers_exactly_the_selected_rows(arrays):
     assert (task.byte_start, task.byte_stop) == ((1 * 4 + 1) * 2, (2 * 4 + 1) * 2 + 2)
 
 
+def test_plan_offsets_and_spans_match_the_slices(tmp_path):
+    """The planner keeps each copy as numbers (starts, extent, C-order offsets) and a chunk's byte span as
+    running min/max: both must agree with what the slices say, for crops that cut chunks anywhere,
+    overlap, repeat and sit on edge chunks."""
+    from stoker.zarr.grid import c_order_span, c_strides, chunk_intersections
+
+    path = str(tmp_path / "odd.zarr")
+    zarr.create_array(path, shape=(23, 31, 17), chunks=(5, 7, 4), dtype="uint16")
+    rng = np.random.default_rng(7)
+    shape = (6, 9, 5)
+    samples = []
+    for _ in range(12):
+        corner = [int(rng.integers(0, s - k + 1)) for s, k in zip((23, 31, 17), shape)]
+        samples.append(stoker.Sample(path, [(c, c + k) for c, k in zip(corner, shape)]))
+    samples.append(samples[3])  # a repeated crop: more copies of the same chunks
+    plan = plan_batch(0, samples, _opener())
+    chunk_strides, box_strides = c_strides((5, 7, 4)), c_strides(shape)
+    seen = 0
+    for task in plan.chunks:
+        for c in task.copies:
+            assert c.src_offset == sum(s.start * k for s, k in zip(c.chunk_sel, chunk_strides))
+            assert c.box_offset == sum(b.start * k for b, k in zip(c.box_sel, box_strides))
+        assert (task.byte_start, task.byte_stop) == c_order_span((5, 7, 4), 2, [c.chunk_sel for c in task.copies])
+        seen += len(task.copies)
+    # every copy is one the reference geometry names, with the same selections
+    want = sorted((row, p.index, p.chunk_sel, p.box_sel) for row, s in enumerate(samples)
+                  for p in chunk_intersections(s.aabb, (5, 7, 4)))
+    got = sorted((c.row, t.index, c.chunk_sel, c.box_sel) for t in plan.chunks for c in t.copies)
+    assert seen == plan.chunks_needed and got == want
+
+
 def test_plan_sharded_coalesces_and_fills(arrays):
     _, sharded = arrays
     samples = [stoker.Sample(sharded, [(0, 8), (0, 16)])]  # shard (0,0) present, shard (0,1) missing

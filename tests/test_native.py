@@ -504,8 +504,8 @@ def _place(tmp_path, dtype_src, batch_dtype, kind):
 
     chunk = _SPECIAL[np.dtype(dtype_src)].reshape(4, -1)
     codec = ChunkCodec("mem://x", chunk.shape, chunk.dtype, chunk.dtype)
-    task = ChunkTask(0, (0, 0), "c/0/0", [Copy(0, (slice(0, 4), slice(0, chunk.shape[1])), (slice(1, 5), slice(2, 2 + chunk.shape[1]))),
-                                          Copy(1, (slice(1, 3), slice(3, 5)), (slice(0, 2), slice(0, 2)))])
+    task = ChunkTask(0, (0, 0), "c/0/0", [Copy.of(0, (slice(0, 4), slice(0, chunk.shape[1])), (slice(1, 5), slice(2, 2 + chunk.shape[1]))),
+                                          Copy.of(1, (slice(1, 3), slice(3, 5)), (slice(0, 2), slice(0, 2)))])
     shape = (2, 6, chunk.shape[1] + 3)
     got = torch.full(shape, -7, dtype=batch_dtype)
     want = got.clone()
@@ -576,7 +576,7 @@ def test_streamed_writes_cover_every_alignment_and_nothing_else(tmp_path, batch)
     codec = ChunkCodec("mem://x", chunk.shape, chunk.dtype, chunk.dtype)
     # row r of the chunk goes to batch row r at column r (0..39: every offset in a 64-byte line for
     # 2- and 4-byte items), with lengths from 1 to 300 elements
-    copies = [Copy(0, (slice(r, r + 1), slice(0, 1 + (r * 37) % 300)), (slice(r, r + 1), slice(r, r + 1 + (r * 37) % 300)))
+    copies = [Copy.of(0, (slice(r, r + 1), slice(0, 1 + (r * 37) % 300)), (slice(r, r + 1), slice(r, r + 1 + (r * 37) % 300)))
               for r in range(40)]
     task = ChunkTask(0, (0, 0), "c/0/0", copies)
     got = torch.full((1, 40, 360), -7, dtype=batch)

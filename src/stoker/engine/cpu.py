@@ -106,13 +106,15 @@ def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
     chunk_strides = c_strides(codec.shape)
     row_stride, *dst_strides = out.stride() if out_strides is None else out_strides
     values = [src, len(chunk_strides), len(task.copies), *chunk_strides, *dst_strides]
+    # the planner's offsets hold for a C-ordered chunk (chunk_strides) and a contiguous batch
+    planned = tuple(dst_strides) == c_strides(tuple(out.shape[1:]))
     for c in task.copies:
-        src_offset, dst_offset = 0, c.row * row_stride
-        for s, b, cs, ds in zip(c.chunk_sel, c.box_sel, chunk_strides, dst_strides):
-            src_offset += s.start * cs
-            dst_offset += b.start * ds
-        values += (src_offset, dst_offset)
-        values += [s.stop - s.start for s in c.chunk_sel]
+        if planned and c.src_offset is not None:
+            values += (c.src_offset, c.row * row_stride + c.box_offset, *c.extent)
+            continue
+        src_offset = sum(s * cs for s, cs in zip(c.chunk_start, chunk_strides))
+        dst_offset = c.row * row_stride + sum(b * ds for b, ds in zip(c.box_start, dst_strides))
+        values += (src_offset, dst_offset, *c.extent)
     return array("q", values)
 
 

@@ -16,6 +16,7 @@ the executor can decode only that part where the codec allows it.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -24,23 +25,57 @@ from ..array import ArrayReader
 from ..box import box_shape, check_in_bounds
 from ..sample import Sample
 from ..storage.ranges import Read, coalesce
-from ..zarr.grid import c_order_span, chunk_intersections
+from ..zarr.grid import c_strides
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs several times more, per copy
 class Copy:
-    """Copy ``chunk[chunk_sel]`` into ``batch[row][box_sel]`` (``batch[dst]``)."""
+    """Copy ``chunk[chunk_sel]`` into ``batch[row][box_sel]`` (``batch[dst]``).
 
-    row: int
-    chunk_sel: tuple[slice, ...]
-    box_sel: tuple[slice, ...]
-    dst: tuple = field(init=False, repr=False, compare=False)  # (row, *box_sel): built once, used per chunk
+    Held as numbers, made per chunk per crop: where the copy starts in the chunk and in the crop, its
+    extent, and the C-order element offsets of its first element in the chunk (``src_offset``) and in
+    a contiguous crop (``box_offset``), which the compiled reader's copy plan takes as they are. The
+    slices are made only when the Python path asks for them.
 
-    def __post_init__(self) -> None:
-        self.dst = (self.row, *self.box_sel)
+    >>> c = Copy.of(0, (slice(1, 3), slice(0, 4)), (slice(0, 2), slice(2, 6)))
+    >>> c.extent, c.chunk_sel
+    ((2, 4), (slice(1, 3, None), slice(0, 4, None)))
+    """
+
+    __slots__ = ("row", "chunk_start", "box_start", "extent", "src_offset", "box_offset")
+
+    def __init__(self, row: int, chunk_start: tuple[int, ...], box_start: tuple[int, ...], extent: tuple[int, ...],
+                 src_offset: int | None = None, box_offset: int | None = None) -> None:
+        self.row = row
+        self.chunk_start = chunk_start
+        self.box_start = box_start
+        self.extent = extent
+        self.src_offset = src_offset  # None: not known (a hand-made copy); copy_plan computes it
+        self.box_offset = box_offset
+
+    @classmethod
+    def of(cls, row: int, chunk_sel: tuple[slice, ...], box_sel: tuple[slice, ...]) -> "Copy":
+        """A copy from unit-step slices (tests and hand-made plans)."""
+        return cls(row, tuple(s.start for s in chunk_sel), tuple(b.start for b in box_sel),
+                   tuple(s.stop - s.start for s in chunk_sel))
+
+    @property
+    def chunk_sel(self) -> tuple[slice, ...]:
+        return tuple(slice(s, s + e) for s, e in zip(self.chunk_start, self.extent))
+
+    @property
+    def box_sel(self) -> tuple[slice, ...]:
+        return tuple(slice(b, b + e) for b, e in zip(self.box_start, self.extent))
+
+    @property
+    def dst(self) -> tuple:
+        """``(row, *box_sel)``: where the copy lands in the batch."""
+        return (self.row, *self.box_sel)
+
+    def __repr__(self) -> str:
+        return f"Copy(row={self.row}, chunk_sel={self.chunk_sel}, box_sel={self.box_sel})"
 
 
-@dataclass
+@dataclass(slots=True)
 class ChunkTask:
     """One read chunk of one array, needed by one or more samples of the batch."""
 
@@ -92,6 +127,20 @@ class BatchPlan:
         return [i for i, c in enumerate(self.chunks) if c.fill]
 
 
+def _axis_pieces(start: int, stop: int, chunk: int, chunk_stride: int, box_stride: int) -> list[tuple[int, ...]]:
+    """The chunks ``[start, stop)`` touches along one axis, each as ``(chunk index, start in the chunk,
+    start in the box, extent, and in elements along this axis: the chunk offset of the start, the box
+    offset of the start, the chunk offset of the last element)``. A copy's offsets are sums over axes."""
+    pieces = []
+    ci, lo = divmod(start, chunk)
+    at = 0
+    while at < stop - start:
+        n = min(chunk - lo, stop - start - at)
+        pieces.append((ci, lo, at, n, lo * chunk_stride, at * box_stride, (lo + n - 1) * chunk_stride))
+        ci, lo, at = ci + 1, 0, at + n
+    return pieces
+
+
 def _groups(cids: list[int], chunks: list[ChunkTask], cost: Callable[[ChunkTask], int], limit: int) -> list[list[int]]:
     """Split one shard's chunks (in file order) into groups costing at most ``limit`` (a lone chunk always fits)."""
     groups: list[list[int]] = []
@@ -125,8 +174,11 @@ def plan_batch(
     sources: list[ArrayReader] = []
     source_of: dict[str, int] = {}
     tasks: dict[tuple[int, tuple[int, ...]], ChunkTask] = {}
+    spans: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # first and last element the copies read
     needed = 0
     bytes_needed = 0
+    shape = box_shape(samples[0].aabb) if samples else ()
+    box_strides = c_strides(shape)
     for row, sample in enumerate(samples):
         sid = source_of.get(sample.uri)
         if sid is None:
@@ -135,12 +187,25 @@ def plan_batch(
         reader = sources[sid]
         check_in_bounds(sample.aabb, reader.shape, sample.uri)
         bytes_needed += math.prod(sample.shape) * reader.dtype.itemsize
-        for piece in chunk_intersections(sample.aabb, reader.chunks):
+        chunk_shape = reader.chunks
+        per_axis = [_axis_pieces(start, stop, c, cs, bs) for (start, stop), c, cs, bs
+                    in zip(sample.aabb, chunk_shape, c_strides(chunk_shape), box_strides)]
+        for combo in itertools.product(*per_axis):
+            index, c_lo, b_lo, extent, src, dst, last = zip(*combo) if combo else ((),) * 7  # () for 0-d
             needed += 1
-            task = tasks.get((sid, piece.index))
+            key = (sid, index)
+            first, last = sum(src), sum(last)
+            task = tasks.get(key)
             if task is None:
-                task = tasks[(sid, piece.index)] = ChunkTask(sid, piece.index, "")
-            task.copies.append(Copy(row, piece.chunk_sel, piece.box_sel))
+                task = tasks[key] = ChunkTask(sid, index, "")
+                spans[key] = [first, last]
+            else:
+                span = spans[key]
+                if first < span[0]:
+                    span[0] = first
+                if last > span[1]:
+                    span[1] = last
+            task.copies.append(Copy(row, c_lo, b_lo, extent, first, sum(dst)))
 
     chunks = list(tasks.values())
     by_shard: dict[str, list[int]] = {}
@@ -148,7 +213,8 @@ def plan_batch(
     for cid, task in enumerate(chunks):
         reader = sources[task.source]
         meta = reader.metadata
-        task.byte_start, task.byte_stop = c_order_span(meta.read_chunk_shape, meta.dtype.itemsize, (c.chunk_sel for c in task.copies))
+        first, last = spans[(task.source, task.index)]
+        task.byte_start, task.byte_stop = first * meta.dtype.itemsize, (last + 1) * meta.dtype.itemsize
         loc = reader.locate(task.index)
         task.key, task.path = loc.key, loc.path
         if loc.path is None:
@@ -176,5 +242,4 @@ def plan_batch(
             pending.extendleft([group[half:], group[:half]])
             continue
         file_reads.append(FileRead(chunks[group[0]].path, tuple(group), tuple(reads)))
-    shape = box_shape(samples[0].aabb) if samples else ()
     return BatchPlan(batch_id, tuple(samples), shape, sources, chunks, file_reads, needed, bytes_needed)
