@@ -64,6 +64,7 @@ class TransientBudget:
         self._cached = 0
         self._free: dict[int, list[np.ndarray]] = defaultdict(list)
         self._cond = threading.Condition()
+        self._waiting = 0  # threads inside reserve()'s wait: only then do returns need a notify
         self.peak = 0
 
     @property
@@ -81,7 +82,11 @@ class TransientBudget:
             while not self._reserve_locked(nbytes):
                 if cancelled():
                     raise Cancelled()
-                self._cond.wait(0.05)
+                self._waiting += 1
+                try:
+                    self._cond.wait(0.05)
+                finally:
+                    self._waiting -= 1
 
     def try_reserve(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` if they fit now; never waits."""
@@ -116,9 +121,19 @@ class TransientBudget:
 
     def release(self, nbytes: int) -> None:
         """Give back ``nbytes`` of a reservation that no buffer holds."""
+        self.give_back([], nbytes)
+
+    def give_back(self, bufs: list[np.ndarray], nbytes: int = 0) -> None:
+        """Return buffers (their share of a reservation becomes cached memory) and release ``nbytes``
+        more of it, under one lock: what a finished read does with everything it held."""
         with self._cond:
+            for buf in bufs:
+                self._reserved -= buf.nbytes
+                self._free[buf.nbytes].append(buf)
+                self._cached += buf.nbytes
             self._reserved -= nbytes
-            self._cond.notify_all()
+            if self._waiting:  # Condition.notify_all is Python code: skip it when nobody waits
+                self._cond.notify_all()
 
     def take(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer of ``size_class(nbytes)`` bytes, paid for by the caller's reservation."""
@@ -132,11 +147,7 @@ class TransientBudget:
 
     def give(self, buf: np.ndarray) -> None:
         """Return a buffer: its share of the caller's reservation becomes cached memory."""
-        with self._cond:
-            self._reserved -= buf.nbytes
-            self._free[buf.nbytes].append(buf)
-            self._cached += buf.nbytes
-            self._cond.notify_all()
+        self.give_back([buf])
 
 
 class Reservation:
@@ -186,12 +197,9 @@ class Reservation:
             if self.users:
                 return
             kept, self._kept = self._kept, []
-        for buf in kept:
-            self.give(buf)
         with self._lock:
-            rest, self.held = self.held, 0
-        if rest:
-            self.budget.release(rest)
+            rest, self.held = self.held - sum(b.nbytes for b in kept), 0
+        self.budget.give_back(kept, rest)
 
 
 class Slot:

@@ -92,11 +92,12 @@ def batch_target(out: torch.Tensor) -> tuple[int, int, int, bool] | None:
 
 
 def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
-              out_strides: tuple[int, ...] | None = None) -> array | None:
+              out_strides: tuple[int, ...] | None = None, contiguous: bool | None = None) -> array | None:
     """The compiled reader's plan for casting ``task``'s copies from its decoded chunk into ``out``
     (see ``_native.c``), or None where the chunk's layout or dtype is left to :func:`copy_cast`:
     F order, transposes and foreign byte order, float16 and bool sources, float16 batches.
-    ``out_strides`` is ``out.stride()``, passed in when one caller makes many plans.
+    ``out_strides`` is ``out.stride()``, and ``contiguous`` whether each batch row is C-contiguous (the
+    planner's offsets then hold as they are), both passed in when one caller makes many plans.
 
     >>> copy_plan(task, codec, batch, native.F32)  # array('q', [kind, ndim, ncopies, strides..., copies...])
     """
@@ -106,10 +107,10 @@ def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
     chunk_strides = c_strides(codec.shape)
     row_stride, *dst_strides = out.stride() if out_strides is None else out_strides
     values = [src, len(chunk_strides), len(task.copies), *chunk_strides, *dst_strides]
-    # the planner's offsets hold for a C-ordered chunk (chunk_strides) and a contiguous batch
-    planned = tuple(dst_strides) == c_strides(tuple(out.shape[1:]))
+    if contiguous is None:  # the planner's offsets hold for a C-ordered chunk and a contiguous batch row
+        contiguous = tuple(dst_strides) == c_strides(tuple(out.shape[1:]))
     for c in task.copies:
-        if planned and c.src_offset is not None:
+        if contiguous and c.src_offset is not None:
             values += (c.src_offset, c.row * row_stride + c.box_offset, *c.extent)
             continue
         src_offset = sum(s * cs for s, cs in zip(c.chunk_start, chunk_strides))
@@ -280,7 +281,8 @@ class CpuExecutor:
             places = None
         else:
             strides = job.out.stride()
-            places = [copy_plan(t, codec, job.out, dst[2], strides) for t, codec in zip(tasks, codecs)]
+            planned = tuple(strides[1:]) == c_strides(tuple(job.out.shape[1:]))
+            places = [copy_plan(t, codec, job.out, dst[2], strides, planned) for t, codec in zip(tasks, codecs)]
         shared = places is not None and all(p is not None for p in places)  # every chunk is placed in the call
         res = Reservation(self.budget, users=1)
         if not res.try_reserve(_native_bytes(nbytes, 1 if shared else len(reads))):
@@ -301,16 +303,14 @@ class CpuExecutor:
                                           places, dst)
             # chunks decoded and cast in the call are done: account for them together (two locks per call,
             # not per chunk); the others are placed, filled or read again one by one
-            done = [0] * 6  # count, bytes read, bytes decoded, read, decode and place nanoseconds
-            for fr, task, buf, result in zip(reads, tasks, outs, results):
-                if result[0] == native.OK and result[6]:
-                    done[0] += 1
-                    for k in range(1, 6):
-                        done[k] += result[k]
-                else:
-                    self._guard(job, 1, self._place_native, job, fr, task, buf, result)
-            n, nread, decoded, read_ns, decode_ns, place_ns = done
-            if n:
+            placed = [r for r in results if r[0] == native.OK and r[6]]
+            if len(placed) < len(results):
+                for fr, task, buf, result in zip(reads, tasks, outs, results):
+                    if not (result[0] == native.OK and result[6]):
+                        self._guard(job, 1, self._place_native, job, fr, task, buf, result)
+            n = len(placed)
+            if n:  # summed column by column in C (zip, sum): this runs holding the GIL, per call
+                _, nread, decoded, read_ns, decode_ns, place_ns, _ = map(sum, zip(*placed))
                 self.stats.chunk(decode_ns * 1e-9, place_ns * 1e-9, nread, decoded, read_s=read_ns * 1e-9, count=n)
                 job.finish(n, bytes_read=nread, bytes_decoded=decoded, chunks_decoded=n)
         finally:
