@@ -20,6 +20,11 @@ def test_bench_tiny_smoke(tmp_path, capsys):
         rates = [float(x) for x in re.findall(rf"^{re.escape(peer)}\s+(\d+\.\d)", out, re.M)]
         assert len(rates) == 3 and min(rates) > 0, (peer, out)
     assert out.count("of decode bound") == 3 and out.count("first batch") == 3
+    # where stoker's CPU time goes, per batch: the stages the decode bound leaves out are named
+    per_batch = re.findall(r"^stoker per batch: (\d+\.\d+) ms CPU \((\d+\.\d) cores busy\); decode [\d.]+ \(\d+%\), "
+                           r"read [\d.]+ \(\d+%\), cast [\d.]+ \(\d+%\), plan [\d.]+ \(\d+%\), other -?[\d.]+ \(-?\d+%\)$",
+                           out, re.M)
+    assert len(per_batch) == 3 and all(float(ms) > 0 for ms, _ in per_batch), out
     assert out.count("stoker alone (fresh process): peak RSS") == 3
     # the cold first batch is measured, not only the warm one (where the page cache can be dropped)
     cold = re.findall(r"; \d+ ms in a fresh process with its arrays out of the page cache$", out, re.M)
