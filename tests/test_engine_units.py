@@ -171,6 +171,32 @@ def test_plan_offsets_and_spans_match_the_slices(tmp_path):
     assert seen == plan.chunks_needed and got == want
 
 
+def test_planned_offsets_are_used_only_for_batches_of_the_plans_shape(arrays):
+    """The planner's offsets assume contiguous crops of the plan's sample shape. Into a larger batch tensor
+    (the executor's contract does not forbid one) every path must still place the crop where slices say."""
+    from stoker.engine import cpu
+    from stoker.engine.stats import StatsRecorder
+    from stoker.storage import LocalStore
+
+    plain, _ = arrays
+    want = zarr.open_array(plain)[2:6, 5:9].astype(np.float32)
+    ex = cpu.CpuExecutor(1, 1, TransientBudget(64 << 20), StatsRecorder(), LocalStore())
+    try:
+        for out in (torch.full((1, 4, 4), -1.0), torch.full((1, 8, 8), -1.0)):
+            job = ex.submit(plan_batch(0, [stoker.Sample(plain, [(2, 6), (5, 9)])], _opener()), out)
+            assert job.done.wait(10) and job.error is None
+            assert torch.equal(out[0, :4, :4], torch.from_numpy(want))
+            assert (out[0, 4:] == -1).all() and (out[0, :, 4:] == -1).all()
+    finally:
+        ex.shutdown()
+
+
+def test_plan_refuses_samples_of_another_shape(arrays):
+    plain, _ = arrays
+    with pytest.raises(stoker.InvalidArgument, match="every sample of a batch"):
+        plan_batch(0, [stoker.Sample(plain, [(0, 4), (0, 4)]), stoker.Sample(plain, [(0, 4), (0, 5)])], _opener())
+
+
 def test_plan_sharded_coalesces_and_fills(arrays):
     _, sharded = arrays
     samples = [stoker.Sample(sharded, [(0, 8), (0, 16)])]  # shard (0,0) present, shard (0,1) missing

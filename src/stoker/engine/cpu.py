@@ -92,12 +92,13 @@ def batch_target(out: torch.Tensor) -> tuple[int, int, int, bool] | None:
 
 
 def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
-              out_strides: tuple[int, ...] | None = None, contiguous: bool | None = None) -> array | None:
+              out_strides: tuple[int, ...] | None = None, contiguous: bool = False) -> array | None:
     """The compiled reader's plan for casting ``task``'s copies from its decoded chunk into ``out``
     (see ``_native.c``), or None where the chunk's layout or dtype is left to :func:`copy_cast`:
     F order, transposes and foreign byte order, float16 and bool sources, float16 batches.
-    ``out_strides`` is ``out.stride()``, and ``contiguous`` whether each batch row is C-contiguous (the
-    planner's offsets then hold as they are), both passed in when one caller makes many plans.
+    ``out_strides`` is ``out.stride()``, passed in when one caller makes many plans; ``contiguous=True``
+    vouches that ``out``'s rows are C-contiguous crops of the plan's sample shape, so the planner's
+    offsets hold as they are (otherwise they are computed from the starts and the strides).
 
     >>> copy_plan(task, codec, batch, native.F32)  # array('q', [kind, ndim, ncopies, strides..., copies...])
     """
@@ -107,8 +108,6 @@ def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
     chunk_strides = c_strides(codec.shape)
     row_stride, *dst_strides = out.stride() if out_strides is None else out_strides
     values = [src, len(chunk_strides), len(task.copies), *chunk_strides, *dst_strides]
-    if contiguous is None:  # the planner's offsets hold for a C-ordered chunk and a contiguous batch row
-        contiguous = tuple(dst_strides) == c_strides(tuple(out.shape[1:]))
     for c in task.copies:
         if contiguous and c.src_offset is not None:
             values += (c.src_offset, c.row * row_stride + c.box_offset, *c.extent)
@@ -281,7 +280,8 @@ class CpuExecutor:
             places = None
         else:
             strides = job.out.stride()
-            planned = tuple(strides[1:]) == c_strides(tuple(job.out.shape[1:]))
+            # the planner's offsets are into contiguous crops of the plan's sample shape
+            planned = tuple(job.out.shape[1:]) == plan.sample_shape and tuple(strides[1:]) == c_strides(plan.sample_shape)
             places = [copy_plan(t, codec, job.out, dst[2], strides, planned) for t, codec in zip(tasks, codecs)]
         shared = places is not None and all(p is not None for p in places)  # every chunk is placed in the call
         res = Reservation(self.budget, users=1)

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 from ..array import ArrayReader
 from ..box import box_shape, check_in_bounds
+from ..errors import InvalidArgument
 from ..sample import Sample
 from ..storage.ranges import Read, coalesce
 from ..zarr.grid import c_strides
@@ -186,7 +187,11 @@ def plan_batch(
             sources.append(open_reader(sample.uri))
         reader = sources[sid]
         check_in_bounds(sample.aabb, reader.shape, sample.uri)
-        bytes_needed += math.prod(sample.shape) * reader.dtype.itemsize
+        sample_shape = sample.shape
+        if sample_shape != shape:  # the offsets below are into a crop of the batch's shape
+            raise InvalidArgument(f"{sample} has shape {sample_shape}; every sample of a batch must be {shape}",
+                                  uri=sample.uri)
+        bytes_needed += math.prod(sample_shape) * reader.dtype.itemsize
         chunk_shape = reader.chunks
         per_axis = [_axis_pieces(start, stop, c, cs, bs) for (start, stop), c, cs, bs
                     in zip(sample.aabb, chunk_shape, c_strides(chunk_shape), box_strides)]
