@@ -53,14 +53,16 @@ def test_partial_decode_really_skips_blocks():
 
 @pytest.mark.skipif(not blosc_partial.available(), reason="no blosc_getitem")
 def test_partial_decode_only_where_it_is_cheaper():
-    """blosc_getitem costs more per block than a full decode: a range needing most blocks is decoded whole."""
+    """blosc_getitem costs a little more per block than a full decode: a range needing more than
+    PARTIAL_MAX_SHARE of the blocks is decoded whole."""
     frame = numcodecs.Blosc("lz4", 5, 1, blocksize=16384).encode(_CHUNK)
     n = _CHUNK.nbytes
     _, block, _ = blosc_partial.blosc_header(frame)
-    assert n // block >= 4
+    k = int(blosc_partial.PARTIAL_MAX_SHARE * n) // block  # the most blocks still decoded one by one
+    assert 1 <= k < n // block
     dest = np.full(_CHUNK.shape, 0xBEEF, dtype=np.uint16)
-    assert blosc_partial.decode_range(frame, 0, n // 2, dest) == n // 2  # half the blocks: partial
-    assert blosc_partial.decode_range(frame, 0, n // 2 + 1, dest) is None  # more: the caller decodes all
+    assert blosc_partial.decode_range(frame, 0, k * block, dest) == k * block  # partial
+    assert blosc_partial.decode_range(frame, 0, k * block + 1, dest) is None  # one block more: the caller decodes all
     assert not blosc_partial.partial_ok(frame[:16], n, 100, n - 100)
     assert blosc_partial.partial_ok(frame[:16], n, 100, 200)
     codec_dest = np.full(_CHUNK.shape, 0xBEEF, dtype=np.uint16)

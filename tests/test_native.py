@@ -257,20 +257,24 @@ def test_direct_call_decodes_only_the_blocks_a_span_needs(tmp_path):
     (tmp_path / "chunk").write_bytes(frame)
     (tmp_path / "noise").write_bytes(stored)
     n = _BLOCKY.nbytes
-    spans = [(_BLOCK + 100, _BLOCK + 200), (_BLOCK - 10, _BLOCK + 10), (0, n), (100, n // 2 + _BLOCK), (5, 9)]
-    paths = [tmp_path / "chunk"] * 4 + [tmp_path / "noise"]
+    spans = [(_BLOCK + 100, _BLOCK + 200), (_BLOCK - 10, _BLOCK + 10), (0, n), (100, n // 2 + _BLOCK), (5, n - 5),
+             (5, 9)]
+    paths = [tmp_path / "chunk"] * 5 + [tmp_path / "noise"]
     results, outs = _call(native.BLOSC, paths, n, spans=spans, scratch=n + 4096)
-    assert [r[0] for r in results] == [native.OK] * 5
-    # bytes decompressed: one block; two blocks; all; over half the chunk, so all; a memcpyed frame, all
-    assert [r[2] for r in results] == [_BLOCK, 2 * _BLOCK, n, n, n]
+    assert [r[0] for r in results] == [native.OK] * 6
+    # bytes decompressed: one block; two blocks; all; three of the four (under PARTIAL_MAX_SHARE); a span
+    # touching every block, so all; a memcpyed frame, all
+    assert [r[2] for r in results] == [_BLOCK, 2 * _BLOCK, n, 3 * _BLOCK, n, n]
     assert results[0][1] < len(frame) // 2  # read: header, block table and one block only
     want = _BLOCKY.view("uint8")
     np.testing.assert_array_equal(outs[0][_BLOCK + 100:_BLOCK + 200], want[_BLOCK + 100:_BLOCK + 200])
     assert (outs[0][:_BLOCK + 100] == 0xAB).all() and (outs[0][_BLOCK + 200:] == 0xAB).all()  # only the span
     np.testing.assert_array_equal(outs[1][_BLOCK - 10:_BLOCK + 10], want[_BLOCK - 10:_BLOCK + 10])
     np.testing.assert_array_equal(outs[2], want)
-    np.testing.assert_array_equal(outs[3], want)
-    np.testing.assert_array_equal(outs[4], noise)
+    np.testing.assert_array_equal(outs[3][100:n // 2 + _BLOCK], want[100:n // 2 + _BLOCK])
+    assert (outs[3][n // 2 + _BLOCK:] == 0xAB).all()  # the fourth block was not decoded
+    np.testing.assert_array_equal(outs[4], want)
+    np.testing.assert_array_equal(outs[5], noise)
 
 
 def _zstd_streaming(on: bool) -> None:
@@ -438,7 +442,8 @@ def test_zstd_crops_decode_only_the_blocks_they_read(tmp_path, reader, checksum,
 
 def test_compiled_reader_follows_the_partial_share_of_blosc_partial(tmp_path):
     """C takes its partial-decode rule from blosc_partial.PARTIAL_MAX_SHARE (handed over at load): with a
-    share of 0 a one-block span is decoded whole, with 1 a span over half the chunk only in its blocks."""
+    share of 0 a one-block span is decoded whole, with 1 a span over half the chunk only in its blocks,
+    with 0.5 that span whole again."""
     if not native.blosc:
         pytest.skip("stoker._native is not available")
     import numcodecs.blosc
@@ -454,7 +459,7 @@ def test_compiled_reader_follows_the_partial_share_of_blosc_partial(tmp_path):
     spans = [(_BLOCK + 100, _BLOCK + 200), (_BLOCK + 1, n)]
     decoded = {}
     try:
-        for share in (0.0, 1.0, PARTIAL_MAX_SHARE):
+        for share in (0.0, 0.5, 1.0, PARTIAL_MAX_SHARE):
             _native.set_codecs(*zstd_addrs, *blosc_addrs, share)
             results, _ = _call(native.BLOSC, [tmp_path / "chunk"] * 2, n, spans=spans, scratch=n + 4096)
             assert [r[0] for r in results] == [native.OK] * 2
@@ -463,7 +468,8 @@ def test_compiled_reader_follows_the_partial_share_of_blosc_partial(tmp_path):
         _native.set_codecs(*zstd_addrs, *blosc_addrs, PARTIAL_MAX_SHARE)
     assert decoded[0.0] == [n, n]
     assert decoded[1.0] == [_BLOCK, n - _BLOCK]
-    assert decoded[PARTIAL_MAX_SHARE] == [_BLOCK, n]
+    assert decoded[0.5] == [_BLOCK, n]  # the second span needs 3 of the 4 blocks
+    assert decoded[PARTIAL_MAX_SHARE] == [_BLOCK, n - _BLOCK if n - _BLOCK <= PARTIAL_MAX_SHARE * n else n]
     with pytest.raises(ValueError, match="between 0 and 1"):
         _native.set_codecs(*zstd_addrs, *blosc_addrs, 1.5)
 

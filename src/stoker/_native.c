@@ -79,8 +79,8 @@ static zstd_content_size_fn zstd_content_size = NULL;
 static blosc_decompress_ctx_fn blosc_decompress_ctx = NULL;
 static blosc_getitem_fn blosc_getitem = NULL;
 /* blosc decodes only some blocks when they are at most this share of the chunk; blosc_getitem costs
- * more per block than a whole decode. Set from Python (blosc_partial.PARTIAL_MAX_SHARE), one rule. */
-static double partial_max_share = 0.5;
+ * a little more per block than a whole decode. Set from Python (blosc_partial.PARTIAL_MAX_SHARE), one rule. */
+static double partial_max_share = 0.9;
 
 enum { CODEC_ZSTD = 0, CODEC_BLOSC = 1 };
 enum { ST_OK = 0, ST_MISSING, ST_TOO_BIG, ST_OS_ERROR, ST_SHORT, ST_CODEC_ERROR, ST_SIZE, ST_FRAME };
