@@ -33,9 +33,15 @@ def test_bench_tiny_smoke(tmp_path, capsys):
     # a second run reuses the generated datasets instead of writing them again
     meta = data / "tiny-lz4" / "array.zarr" / "zarr.json"
     before = meta.stat().st_mtime_ns
-    assert main(["bench", "--tiny", "--scenarios", "1", "--batches", "2", "--peers", "stoker",
+    capsys.readouterr()
+    assert main(["bench", "--tiny", "--scenarios", "1", "--batches", "2", "--peers", "stoker", "--threads", "1",
                  "--data", str(data)]) == 0
     assert meta.stat().st_mtime_ns == before
+    # a thread sweep: a stoker peer per thread count beside the default one, each with its CPU line
+    out = capsys.readouterr().out
+    assert re.search(r"^stoker t=1\s+\d+\.\d", out, re.M) and re.search(r"^stoker t=1 per batch: ", out, re.M), out
+    with pytest.raises(SystemExit, match="at least 1"):
+        main(["bench", "--tiny", "--threads", "0", "--data", str(data)])
 
 
 @pytest.mark.timeout(300)

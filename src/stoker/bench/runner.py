@@ -186,19 +186,23 @@ def time_pipeline(p: Pipeline, samples: list[Sample], batch_size: int, consume=l
     return n, time.perf_counter() - t0, first
 
 
-def stoker_config(batch_size: int, host_buffer_bytes: int, dtype: str = "f32", device: str = "cpu") -> Config:
-    """The pipeline every stoker peer runs (``device="cpu"`` also on a GPU machine unless asked)."""
+def stoker_config(batch_size: int, host_buffer_bytes: int, dtype: str = "f32", device: str = "cpu",
+                  threads: int | None = None) -> Config:
+    """The pipeline every stoker peer runs (``device="cpu"`` also on a GPU machine unless asked); compute
+    threads: the default (this rank's share of the CPUs) unless ``threads`` says."""
     return Config(batch_size=batch_size, dtype=dtype, host_buffer_bytes=host_buffer_bytes, device_buffer_bytes=2 << 30,
-                  n_io_threads=2, lookahead_batches=LOOKAHEAD, device=device)  # compute threads: the default
+                  n_io_threads=2, lookahead_batches=LOOKAHEAD, device=device, n_compute_threads=threads)
 
 
-def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int) -> Result:
+def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int,
+               threads: int | None = None) -> Result:
+    """The stoker peer; ``threads`` compute threads (a peer of a thread sweep, named ``stoker t=N``) or the default."""
     marks: list[float] = []  # process CPU time when the clock starts and when it stops (sync runs there)
-    with RssSampler() as rss, Pipeline(stoker_config(batch_size, host_buffer_bytes)) as p:
+    with RssSampler() as rss, Pipeline(stoker_config(batch_size, host_buffer_bytes, threads=threads)) as p:
         n, seconds, first = time_pipeline(p, samples, batch_size, sync=lambda: marks.append(time.process_time()))
         stats = p.stats()
     crop = int(np.prod(samples[0].shape))
-    return Result("stoker", seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
+    return Result("stoker" if threads is None else f"stoker t={threads}", seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
                   {"stats": stats, "first_batch_s": first, "cpu_s": marks[-1] - marks[0], "batches": n})
 
 
@@ -439,7 +443,10 @@ def _median(rounds: list[Result]) -> Result:
 
 
 def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host_buffer_bytes: int,
-                 slow_batches: int, peers: set[str], growth: bool = False, rounds: int = 1) -> list[Result]:
+                 slow_batches: int, peers: set[str], growth: bool = False, rounds: int = 1,
+                 threads: tuple[int, ...] = ()) -> list[Result]:
+    """Every peer in ``peers`` on the scenario's crops, in interleaved rounds; ``threads``: a stoker peer
+    per compute-thread count besides the default one (a thread sweep, for machines of many cores)."""
     paths = ensure(root, sc.volume)
     warm_page_cache(paths)
     in_flight, dl_timed = dataloader_batches(slow_batches)
@@ -452,12 +459,14 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
     # later would mostly measure how the shared machine's speed drifted meanwhile.
     every = {
         "stoker": lambda: run_stoker(samples, batch_size, itemsize, host_buffer_bytes),
+        **{f"stoker t={t}": (lambda t=t: run_stoker(samples, batch_size, itemsize, host_buffer_bytes, t))
+           for t in threads},
         "tensorstore": lambda: run_tensorstore(samples, batch_size, itemsize),
         "zarr": lambda: run_zarr(samples, batch_size, itemsize, slow_batches),
         "dataloader": lambda: run_zarr_dataloader(all_samples, batch_size, itemsize, slow_batches),
         "bound": lambda: run_decode_bound(samples, batch_size, itemsize),
     }
-    medians = interleaved({name: fn for name, fn in every.items() if name in peers}, rounds)
+    medians = interleaved({name: fn for name, fn in every.items() if name.split(" ")[0] in peers}, rounds)
     results = [medians[name] for name in every if name in medians]
     if "stoker" in peers:
         st = next(r for r in results if r.peer == "stoker")
@@ -491,8 +500,10 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int) -> s
             f"{bound.extra['bytes_decoded'] / max(1, bound.delivered_bytes):.2f}x)" if bound else
             f"stoker: read amplification {stats.read_amplification:.2f}, decode {stats.decode_amplification:.2f}"
         )
-        if "cpu_s" in st.extra:
-            lines.append(cpu_breakdown(stats, st.extra["cpu_s"], st.extra["batches"], st.seconds))
+        for r in results:  # the default stoker, then each peer of a thread sweep
+            if "cpu_s" in r.extra:
+                line = cpu_breakdown(r.extra["stats"], r.extra["cpu_s"], r.extra["batches"], r.seconds)
+                lines.append(line if r is st else line.replace("stoker per batch", f"{r.peer} per batch", 1))
         spread = [f"{r.peer} {min(r.extra['rounds']):.0f}-{max(r.extra['rounds']):.0f}" for r in results
                   if len(r.extra.get("rounds", ())) > 1]
         if spread:

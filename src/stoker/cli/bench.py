@@ -34,6 +34,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.rounds < 1:
         raise SystemExit("stoker bench: --rounds must be at least 1")
+    try:
+        threads = tuple(int(t) for t in args.threads.split(",")) if args.threads else ()
+    except ValueError:
+        threads = (0,)
+    if any(t < 1 for t in threads):
+        raise SystemExit(f"stoker bench: --threads takes compute thread counts of at least 1, got {args.threads!r}")
     chosen = scenarios(tiny=args.tiny)
     if args.scenarios:
         wanted = {int(s) for s in args.scenarios.split(",")}
@@ -53,14 +59,16 @@ def run(args: argparse.Namespace) -> int:
                                           rounds=1 if args.tiny else args.rounds)
             print(format_device_results(sc, results, n_batches), flush=True)
         return 0
+    from ..config import default_compute_threads
+
     print(f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
-          f"batch {args.batch_size}; timed batches: {args.slow_batches} for zarr, "
+          f"batch {args.batch_size}; stoker's compute threads: {default_compute_threads()} (the default); timed batches: {args.slow_batches} for zarr, "
           f"{dataloader_batches(args.slow_batches)[1]} in steady state for zarr+DataLoader; f32 out; data in {root}")
     for sc in chosen:
         budget = host_budget(sc, args.batch_size, args.host_buffer_bytes)
         n_batches = args.batches or sc.timed_batches
         results = run_scenario(sc, root, n_batches, args.batch_size, budget, args.slow_batches, peers,
-                               growth=sc.number == 6, rounds=1 if args.tiny else args.rounds)
+                               growth=sc.number == 6, rounds=1 if args.tiny else args.rounds, threads=threads)
         print(format_results(sc, results, n_batches), flush=True)
     return 0
 
@@ -80,6 +88,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds of every peer; each one's median round is shown "
                         "(default 3; 1 with --tiny)")
+    p.add_argument("--threads", help="comma-separated compute thread counts: a stoker peer for each, "
+                                     "beside the default one (a thread sweep)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--host-buffer-bytes", type=int, default=None,
                    help="stoker's budget (default: per scenario, batch slots + 256 MiB)")
