@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -143,8 +144,8 @@ def test_plan_byte_range_covers_exactly_the_selected_rows(arrays):
 
 
 def test_plan_offsets_and_spans_match_the_slices(tmp_path):
-    """The planner keeps each copy as numbers (starts, extent, C-order offsets) and a chunk's byte span as
-    running min/max: both must agree with what the slices say, for crops that cut chunks anywhere,
+    """The planner lists each chunk's copies as the compiled reader takes them (C-order offsets, extent)
+    and keeps its byte span as a running min/max: both must agree with what the slices say, for crops that cut chunks anywhere,
     overlap, repeat and sit on edge chunks."""
     from stoker.zarr.grid import c_order_span, c_strides, chunk_intersections
 
@@ -161,9 +162,13 @@ def test_plan_offsets_and_spans_match_the_slices(tmp_path):
     chunk_strides, box_strides = c_strides((5, 7, 4)), c_strides(shape)
     seen = 0
     for task in plan.chunks:
+        # the compiled reader's copies: offset in the chunk, offset in a contiguous batch, extent
+        want = []
         for c in task.copies:
-            assert c.src_offset == sum(s.start * k for s, k in zip(c.chunk_sel, chunk_strides))
-            assert c.box_offset == sum(b.start * k for b, k in zip(c.box_sel, box_strides))
+            want += [sum(s.start * k for s, k in zip(c.chunk_sel, chunk_strides)),
+                     c.row * math.prod(shape) + sum(b.start * k for b, k in zip(c.box_sel, box_strides)),
+                     *(s.stop - s.start for s in c.chunk_sel)]
+        assert task.placement == want
         assert (task.byte_start, task.byte_stop) == c_order_span((5, 7, 4), 2, [c.chunk_sel for c in task.copies])
         seen += len(task.copies)
     # every copy is one the reference geometry names, with the same selections

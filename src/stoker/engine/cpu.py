@@ -11,6 +11,7 @@ holds memory never waits for more memory.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -107,11 +108,13 @@ def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
         return None
     chunk_strides = c_strides(codec.shape)
     row_stride, *dst_strides = out.stride() if out_strides is None else out_strides
-    values = [src, len(chunk_strides), len(task.copies), *chunk_strides, *dst_strides]
+    header = (src, len(chunk_strides), len(task.copies), *chunk_strides, *dst_strides)
+    if contiguous and task.placement is not None:  # the planner listed the copies already
+        plan = array("q", header)
+        plan.extend(task.placement)
+        return plan
+    values = list(header)
     for c in task.copies:
-        if contiguous and c.src_offset is not None:
-            values += (c.src_offset, c.row * row_stride + c.box_offset, *c.extent)
-            continue
         src_offset = sum(s * cs for s, cs in zip(c.chunk_start, chunk_strides))
         dst_offset = c.row * row_stride + sum(b * ds for b, ds in zip(c.box_start, dst_strides))
         values += (src_offset, dst_offset, *c.extent)
@@ -281,7 +284,8 @@ class CpuExecutor:
         else:
             strides = job.out.stride()
             # the planner's offsets are into contiguous crops of the plan's sample shape
-            planned = tuple(job.out.shape[1:]) == plan.sample_shape and tuple(strides[1:]) == c_strides(plan.sample_shape)
+            planned = (tuple(job.out.shape[1:]) == plan.sample_shape and tuple(strides[1:]) == c_strides(plan.sample_shape)
+                       and strides[0] == math.prod(plan.sample_shape))
             places = [copy_plan(t, codec, job.out, dst[2], strides, planned) for t, codec in zip(tasks, codecs)]
         shared = places is not None and all(p is not None for p in places)  # every chunk is placed in the call
         res = Reservation(self.budget, users=1)

@@ -32,26 +32,23 @@ from ..zarr.grid import c_strides
 class Copy:
     """Copy ``chunk[chunk_sel]`` into ``batch[row][box_sel]`` (``batch[dst]``).
 
-    Held as numbers, made per chunk per crop: where the copy starts in the chunk and in the crop, its
-    extent, and the C-order element offsets of its first element in the chunk (``src_offset``) and in
-    a contiguous crop (``box_offset``), which the compiled reader's copy plan takes as they are. The
-    slices are made only when the Python path asks for them.
+    Held as numbers, made per chunk per crop: where the copy starts in the chunk and in the crop, and its
+    extent; the slices are made only when the Python path asks for them. (The compiled reader takes the
+    same copies as offsets from :attr:`ChunkTask.placement`.)
 
     >>> c = Copy.of(0, (slice(1, 3), slice(0, 4)), (slice(0, 2), slice(2, 6)))
     >>> c.extent, c.chunk_sel
     ((2, 4), (slice(1, 3, None), slice(0, 4, None)))
     """
 
-    __slots__ = ("row", "chunk_start", "box_start", "extent", "src_offset", "box_offset")
+    __slots__ = ("row", "chunk_start", "box_start", "extent")
 
-    def __init__(self, row: int, chunk_start: tuple[int, ...], box_start: tuple[int, ...], extent: tuple[int, ...],
-                 src_offset: int | None = None, box_offset: int | None = None) -> None:
+    def __init__(self, row: int, chunk_start: tuple[int, ...], box_start: tuple[int, ...],
+                 extent: tuple[int, ...]) -> None:
         self.row = row
         self.chunk_start = chunk_start
         self.box_start = box_start
         self.extent = extent
-        self.src_offset = src_offset  # None: not known (a hand-made copy); copy_plan computes it
-        self.box_offset = box_offset
 
     @classmethod
     def of(cls, row: int, chunk_sel: tuple[slice, ...], box_sel: tuple[slice, ...]) -> "Copy":
@@ -89,6 +86,9 @@ class ChunkTask:
     length: int | None = None
     byte_start: int = 0  # decoded bytes the copies read (C order), for partial decoding
     byte_stop: int = 0
+    # the copies as the compiled reader's copy plan lists them, per copy (offset in the chunk, offset in a
+    # contiguous batch of the plan's sample shape, extent...), in elements; None for hand-made tasks
+    placement: list[int] | None = None
 
     @property
     def fill(self) -> bool:
@@ -180,6 +180,7 @@ def plan_batch(
     bytes_needed = 0
     shape = box_shape(samples[0].aabb) if samples else ()
     box_strides = c_strides(shape)
+    row_stride = math.prod(shape)
     for row, sample in enumerate(samples):
         sid = source_of.get(sample.uri)
         if sid is None:
@@ -192,6 +193,7 @@ def plan_batch(
             raise InvalidArgument(f"{sample} has shape {sample_shape}; every sample of a batch must be {shape}",
                                   uri=sample.uri)
         bytes_needed += math.prod(sample_shape) * reader.dtype.itemsize
+        row_offset = row * row_stride
         chunk_shape = reader.chunks
         per_axis = [_axis_pieces(start, stop, c, cs, bs) for (start, stop), c, cs, bs
                     in zip(sample.aabb, chunk_shape, c_strides(chunk_shape), box_strides)]
@@ -202,7 +204,7 @@ def plan_batch(
             first, last = sum(src), sum(last)
             task = tasks.get(key)
             if task is None:
-                task = tasks[key] = ChunkTask(sid, index, "")
+                task = tasks[key] = ChunkTask(sid, index, "", placement=[])
                 spans[key] = [first, last]
             else:
                 span = spans[key]
@@ -210,7 +212,8 @@ def plan_batch(
                     span[0] = first
                 if last > span[1]:
                     span[1] = last
-            task.copies.append(Copy(row, c_lo, b_lo, extent, first, sum(dst)))
+            task.copies.append(Copy(row, c_lo, b_lo, extent))
+            task.placement += (first, row_offset + sum(dst), *extent)  # built here: planning has the numbers
 
     chunks = list(tasks.values())
     by_shard: dict[str, list[int]] = {}
