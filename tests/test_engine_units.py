@@ -213,6 +213,14 @@ def test_plan_sharded_coalesces_and_fills(arrays):
     assert {(0, 2), (0, 3), (1, 2), (1, 3)} <= fills  # missing shard file
     (fr,) = plan.file_reads
     assert fr.path.endswith("c/0/0") and len(fr.chunk_ids) == 3 and len(fr.reads) == 1  # coalesced
+    # arrays whose chunks the compiled reader takes: a read per inner chunk, at its index entry's range
+    alone = plan_batch(0, samples, _opener(), one_by_one=lambda reader: True)
+    assert sorted(c for fr in alone.file_reads for c in fr.chunk_ids) == sorted(fr.chunk_ids)
+    for fr in alone.file_reads:
+        (cid,), (read,) = fr.chunk_ids, fr.reads
+        task = alone.chunks[cid]
+        assert fr.path.endswith("c/0/0") and (read.offset, read.length) == (task.offset, task.length)
+        assert read.slices() == [(0, slice(0, task.length))]
 
 
 def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays, monkeypatch):

@@ -67,6 +67,13 @@ def native_codec(codec) -> int | None:
     return None
 
 
+def reads_one_by_one(reader) -> bool:
+    """True when the compiled reader takes ``reader``'s chunks: then a shard's inner chunks are planned
+    as a read each (``plan_batch(one_by_one=...)``), not coalesced only to be split again here."""
+    codec = reader.metadata.codec
+    return bool(codec.nbytes) and native.decode_files is not None and native_codec(codec) is not None
+
+
 _BATCH_KINDS = {torch.float32: native.F32, torch.bfloat16: native.BF16}
 
 
@@ -250,7 +257,7 @@ class CpuExecutor:
                 rest.append(fr)
             else:
                 groups.setdefault((kind, codec.nbytes), []).extend(
-                    [fr] if fr.whole_file else [_inner_chunk_read(plan.chunks[c], c) for c in fr.chunk_ids])
+                    [fr] if len(fr.chunk_ids) == 1 else [_inner_chunk_read(plan.chunks[c], c) for c in fr.chunk_ids])
         return groups, rest
 
     def _read_native(self, job: Job, groups: dict[tuple[int, int], list[FileRead]],

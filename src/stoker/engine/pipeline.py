@@ -44,7 +44,7 @@ from .batch import Batch
 from . import device as devices
 from .buffers import SlotRing, TransientBudget, pinned_footprint, size_class
 from .cast import batch_dtype
-from .cpu import CpuExecutor, Job
+from .cpu import CpuExecutor, Job, reads_one_by_one
 from .plan import BatchPlan, plan_batch
 from .stats import Stats, StatsRecorder
 
@@ -306,7 +306,8 @@ class Pipeline:
         if self._closed:
             return
         try:
-            plan = plan_batch(batch_id, samples, self._open, max_group=self._group_limit, sizing=size_class)
+            plan = plan_batch(batch_id, samples, self._open, max_group=self._group_limit, sizing=size_class,
+                              one_by_one=reads_one_by_one)
             dtype = self._batch_dtype(plan)
             self._ensure_buffers(plan, dtype)
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order

@@ -164,13 +164,17 @@ def plan_batch(
     max_gap: int = 64 << 10,
     max_group: int = 8 << 20,
     sizing: Callable[[int], int] = lambda n: n,
+    one_by_one: Callable[[ArrayReader], bool] = lambda reader: False,
 ) -> BatchPlan:
     """Plan one batch. Raises the typed errors of opening arrays and of out-of-bounds boxes.
 
     Inner chunks of one shard are read together, coalesced, in groups whose cost
     stays within ``max_group`` (unless a group is a single chunk). A group costs
     what the executor reserves for it: ``sizing`` of each coalesced read (gaps
-    included) plus ``sizing`` of each chunk's decoded size.
+    included) plus ``sizing`` of each chunk's decoded size. Inner chunks of arrays
+    for which ``one_by_one`` is true get a read each instead (the compiled reader
+    reads them so: from the page cache a read per chunk costs less than the
+    Python around a coalesced group).
     """
     sources: list[ArrayReader] = []
     source_of: dict[str, int] = {}
@@ -218,6 +222,7 @@ def plan_batch(
     chunks = list(tasks.values())
     by_shard: dict[str, list[int]] = {}
     file_reads: list[FileRead] = []
+    alone = [one_by_one(r) if r.metadata.sharding is not None else False for r in sources]
     for cid, task in enumerate(chunks):
         reader = sources[task.source]
         meta = reader.metadata
@@ -231,7 +236,10 @@ def plan_batch(
             file_reads.append(FileRead(loc.path, (cid,)))
             continue
         task.offset, task.length = loc.offset, loc.length
-        by_shard.setdefault(task.path, []).append(cid)
+        if alone[task.source]:
+            file_reads.append(FileRead(loc.path, (cid,), (Read(loc.offset, loc.length, ((0, loc.offset, loc.length),)),)))
+        else:
+            by_shard.setdefault(task.path, []).append(cid)
 
     def chunk_cost(task: ChunkTask) -> int:
         return sizing(task.length) + sizing(sources[task.source].metadata.codec.nbytes)
