@@ -34,7 +34,7 @@ def test_bench_tiny_smoke(tmp_path, capsys):
     meta = data / "tiny-lz4" / "array.zarr" / "zarr.json"
     before = meta.stat().st_mtime_ns
     capsys.readouterr()
-    assert main(["bench", "--tiny", "--scenarios", "1", "--batches", "2", "--peers", "stoker", "--threads", "1",
+    assert main(["bench", "--tiny", "--scenarios", "1", "--batches", "2", "--peers", "tensorstore", "--threads", "1",
                  "--data", str(data)]) == 0
     assert meta.stat().st_mtime_ns == before
     # a thread sweep: a stoker peer per thread count beside the default one, each with its CPU line
@@ -42,6 +42,8 @@ def test_bench_tiny_smoke(tmp_path, capsys):
     assert re.search(r"^stoker t=1\s+\d+\.\d", out, re.M) and re.search(r"^stoker t=1 per batch: ", out, re.M), out
     with pytest.raises(SystemExit, match="at least 1"):
         main(["bench", "--tiny", "--threads", "0", "--data", str(data)])
+    with pytest.raises(SystemExit, match="without --device cuda"):
+        main(["bench", "--tiny", "--device", "cuda", "--threads", "2", "--data", str(data)])
 
 
 @pytest.mark.timeout(300)

@@ -466,7 +466,9 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
         "dataloader": lambda: run_zarr_dataloader(all_samples, batch_size, itemsize, slow_batches),
         "bound": lambda: run_decode_bound(samples, batch_size, itemsize),
     }
-    medians = interleaved({name: fn for name, fn in every.items() if name.split(" ")[0] in peers}, rounds)
+    # the sweep's peers were asked for by name (--threads), whatever --peers says
+    medians = interleaved({name: fn for name, fn in every.items() if name in peers or name.startswith("stoker t=")},
+                          rounds)
     results = [medians[name] for name in every if name in medians]
     if "stoker" in peers:
         st = next(r for r in results if r.peer == "stoker")
@@ -500,10 +502,11 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int) -> s
             f"{bound.extra['bytes_decoded'] / max(1, bound.delivered_bytes):.2f}x)" if bound else
             f"stoker: read amplification {stats.read_amplification:.2f}, decode {stats.decode_amplification:.2f}"
         )
-        for r in results:  # the default stoker, then each peer of a thread sweep
-            if "cpu_s" in r.extra:
-                line = cpu_breakdown(r.extra["stats"], r.extra["cpu_s"], r.extra["batches"], r.seconds)
-                lines.append(line if r is st else line.replace("stoker per batch", f"{r.peer} per batch", 1))
+    for r in results:  # the default stoker, then each peer of a thread sweep
+        if "cpu_s" in r.extra:
+            line = cpu_breakdown(r.extra["stats"], r.extra["cpu_s"], r.extra["batches"], r.seconds)
+            lines.append(line if r is st else line.replace("stoker per batch", f"{r.peer} per batch", 1))
+    if st:
         spread = [f"{r.peer} {min(r.extra['rounds']):.0f}-{max(r.extra['rounds']):.0f}" for r in results
                   if len(r.extra.get("rounds", ())) > 1]
         if spread:

@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     peers = set(args.peers.split(",")) if args.peers else set(PEERS)
     root = args.data or cache_dir() / "bench"
     if args.device == "cuda":
+        if threads:
+            raise SystemExit("stoker bench: --threads sweeps the CPU pipeline; run it without --device cuda")
         from ..bench.device import cuda_or_exit, format_device_results, run_device_scenario
 
         cuda_or_exit()
