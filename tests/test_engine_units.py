@@ -223,9 +223,11 @@ def test_plan_sharded_coalesces_and_fills(arrays):
         assert read.slices() == [(0, slice(0, task.length))]
 
 
-def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays, monkeypatch):
+@pytest.mark.parametrize("one_by_one", [False, True], ids=["coalesced", "read-per-inner-chunk"])
+def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays, monkeypatch, one_by_one):
     """Compute threads read and decode; they never wait for memory (decodes queued behind them may be
-    what frees it). With the budget held elsewhere, every read is handed to an I/O thread, which waits."""
+    what frees it). With the budget held elsewhere, every read is handed to an I/O thread, which waits:
+    shards coalesced, and shards planned with a read per inner chunk (as for the compiled reader)."""
     from stoker.engine import cpu
     from stoker.engine.stats import StatsRecorder
     from stoker.storage import LocalStore
@@ -235,8 +237,9 @@ def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays
     monkeypatch.setattr(cpu.CpuExecutor, "_handoff", lambda self, job, fr: (handoffs.append(fr), real(self, job, fr)))
     plain, sharded = arrays
     samples = [stoker.Sample(plain, [(2, 14), (1, 15)]), stoker.Sample(sharded, [(2, 14), (1, 15)])]
-    plan = plan_batch(0, samples, _opener())
+    plan = plan_batch(0, samples, _opener(), one_by_one=lambda reader: one_by_one)
     assert any(fr.whole_file for fr in plan.file_reads) and any(not fr.whole_file for fr in plan.file_reads)
+    assert one_by_one == all(len(fr.chunk_ids) == 1 for fr in plan.file_reads)
     budget = TransientBudget(8 * size_class(1))
     budget.reserve(budget.capacity, lambda: False)  # someone else holds it all
     ex = cpu.CpuExecutor(1, 1, budget, StatsRecorder(), LocalStore())
