@@ -4,7 +4,7 @@ Launch one process per GPU with torchrun:
 
     torchrun --standalone --nproc_per_node=8 examples/train_ddp.py --data /data/volume.zarr
 
-On a CPU-only machine (gloo instead of NCCL; each rank gets cores // ranks threads):
+On a CPU-only machine (gloo instead of NCCL; each rank gets its share of the usable CPUs as threads):
 
     torchrun --standalone --nproc_per_node=2 examples/train_ddp.py --steps 20
 
@@ -83,6 +83,9 @@ def main() -> None:
         local_rank = int(os.environ["LOCAL_RANK"])
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
+        # The CPUs this process may run on (its affinity mask: taskset, cpusets), shared by the node's ranks.
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        share = max(1, cpus // local_world_size)
         if torch.cuda.is_available():
             # Tells PyTorch where new CUDA tensors land. Without it every rank's model and
             # batches go to GPU 0: the job runs at about 1/N of its speed, or runs out of memory.
@@ -90,7 +93,7 @@ def main() -> None:
             device = torch.device("cuda", local_rank)
         else:
             # The ranks of a node share its cores: give each its share, not all of them.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+            torch.set_num_threads(share)
             device = torch.device("cpu")
 
         # Different noise per rank (denoise_loss draws it from torch's global RNG); DDP
@@ -119,7 +122,7 @@ def main() -> None:
             dtype="f32",
             host_buffer_bytes=256 << 20,        # per rank: batch slots + read/decode buffers
             n_io_threads=4,                      # per rank: tune to your storage
-            n_compute_threads=max(1, (os.cpu_count() or 1) // local_world_size),
+            n_compute_threads=share,           # this rank's share of the CPUs
             device=local_rank if device.type == "cuda" else "cpu",
         )
 

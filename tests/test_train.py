@@ -339,6 +339,18 @@ def test_launch_two_cpu_ranks_returns_rank0_result():
 
 
 @pytest.mark.timeout(120)
+def test_launch_splits_the_cpus_the_process_may_run_on(monkeypatch):
+    # spawned CPU ranks inherit this process's affinity mask: under taskset or a cpuset they must split
+    # those CPUs, not the machine's (16 reported cores with 2 usable gave each of 2 ranks 8 threads)
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no affinity masks on this platform")
+    mask = os.sched_getaffinity(0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8 * len(mask))
+    out = st.launch(jobs.describe, nprocs=2, use_cuda=False)
+    assert {r["threads"] for r in out["ranks"]} == {max(1, len(mask) // 2)}
+
+
+@pytest.mark.timeout(120)
 def test_a_failing_rank_ends_every_rank_with_its_error():
     t0 = time.monotonic()
     with pytest.raises(RankFailed) as info:

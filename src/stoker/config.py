@@ -24,6 +24,15 @@ _INTEGER_KNOBS = {"batch_size": 1, "host_buffer_bytes": 1 << 20, "device_buffer_
                   "n_compute_threads": 1, "lookahead_batches": 1}  # knob -> least value
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (taskset, numactl, cpusets), or every CPU
+    where the platform has no masks (macOS, Windows). CPU quotas (Docker's ``--cpus``) do not show."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def default_compute_threads() -> int:
     """This rank's share of the CPUs: the ones the process may run on (its affinity mask, which taskset,
     numactl and cpusets set; CPU quotas such as Docker's ``--cpus`` do not show in it), divided among the
@@ -35,10 +44,7 @@ def default_compute_threads() -> int:
 
     >>> default_compute_threads()  # the usable CPUs, on a machine with one rank  # doctest: +SKIP
     """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # macOS, Windows
-        cpus = os.cpu_count() or 1
+    cpus = usable_cpus()
     try:
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:  # a hint only: malformed means one rank

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..checks import integer, seconds
+from ..config import usable_cpus
 from ..errors import InvalidArgument, RankFailed
 
 __all__ = ["RankContext", "launch", "under_torchrun"]
@@ -136,7 +137,8 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backen
         raise InvalidArgument(f"nprocs={n} but only {torch.cuda.device_count()} GPUs are visible; one rank per "
                               "GPU (pass use_cuda=False for CPU ranks)")
     # CPU ranks share the cores: without this each would start a thread per core and they would thrash.
-    threads = None if cuda else max(1, (os.cpu_count() or 1) // n)
+    # The spawned ranks inherit this process's CPUs (its affinity mask), so they split those.
+    threads = None if cuda else max(1, usable_cpus() // n)
     env = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
     if n == 1:
         with tempfile.TemporaryDirectory(prefix="stoker-launch-") as workdir, \
