@@ -202,7 +202,8 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
         n, seconds, first = time_pipeline(p, samples, batch_size, sync=lambda: marks.append(time.process_time()))
         stats = p.stats()
     crop = int(np.prod(samples[0].shape))
-    return Result("stoker" if threads is None else f"stoker t={threads}", seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
+    name = "stoker" if threads is None else f"stoker t={threads}"
+    return Result(name, seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
                   {"stats": stats, "first_batch_s": first, "cpu_s": marks[-1] - marks[0], "batches": n})
 
 

@@ -34,12 +34,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.rounds < 1:
         raise SystemExit("stoker bench: --rounds must be at least 1")
-    try:
-        threads = tuple(int(t) for t in args.threads.split(",")) if args.threads else ()
-    except ValueError:
-        threads = (0,)
-    if any(t < 1 for t in threads):
+    threads = tuple(t.strip() for t in args.threads.split(",")) if args.threads else ()
+    if not all(t.isdigit() and int(t) >= 1 for t in threads):
         raise SystemExit(f"stoker bench: --threads takes compute thread counts of at least 1, got {args.threads!r}")
+    threads = tuple(int(t) for t in threads)
     chosen = scenarios(tiny=args.tiny)
     if args.scenarios:
         wanted = {int(s) for s in args.scenarios.split(",")}
@@ -64,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from ..config import default_compute_threads
 
     print(f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
-          f"batch {args.batch_size}; stoker's compute threads: {default_compute_threads()} (the default); timed batches: {args.slow_batches} for zarr, "
+          f"batch {args.batch_size}; stoker's compute threads: {default_compute_threads()} (the default); "
+          f"timed batches: {args.slow_batches} for zarr, "
           f"{dataloader_batches(args.slow_batches)[1]} in steady state for zarr+DataLoader; f32 out; data in {root}")
     for sc in chosen:
         budget = host_budget(sc, args.batch_size, args.host_buffer_bytes)

@@ -11,7 +11,6 @@ holds memory never waits for more memory.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -24,7 +23,6 @@ import torch
 from .. import native
 from ..errors import DecodeError, ShutdownError, StorageError
 from ..storage import LocalStore
-from ..storage.ranges import Read
 from ..zarr import blosc_partial
 from ..zarr.grid import c_strides
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
@@ -53,11 +51,6 @@ def _native_bytes(nbytes: int, n: int) -> int:
     return size_class(_frame_bound(nbytes)) + n * size_class(nbytes)
 
 
-def _inner_chunk_read(task: ChunkTask, cid: int) -> FileRead:
-    """A read of one inner chunk of a shard on its own (the compiled reader takes chunks one by one)."""
-    return FileRead(task.path, (cid,), (Read(task.offset, task.length, ((0, task.offset, task.length),)),))
-
-
 def native_codec(codec) -> int | None:
     """The compiled reader's codec for whole chunk files of ``codec``, or None (the Python path reads them)."""
     if codec.lone_zstd and native.zstd:
@@ -67,11 +60,18 @@ def native_codec(codec) -> int | None:
     return None
 
 
+def _compiled_kind(codec) -> int | None:
+    """The compiled reader's codec for chunks of ``codec`` in this process, or None: the extension is not
+    loaded, the codec is not one it reads, or the chunk is empty (the Python path reads those)."""
+    if native.decode_files is None or not codec.nbytes:
+        return None
+    return native_codec(codec)
+
+
 def reads_one_by_one(reader) -> bool:
     """True when the compiled reader takes ``reader``'s chunks: then a shard's inner chunks are planned
     as a read each (``plan_batch(one_by_one=...)``), not coalesced only to be split again here."""
-    codec = reader.metadata.codec
-    return bool(codec.nbytes) and native.decode_files is not None and native_codec(codec) is not None
+    return _compiled_kind(reader.metadata.codec) is not None
 
 
 _BATCH_KINDS = {torch.float32: native.F32, torch.bfloat16: native.BF16}
@@ -252,12 +252,13 @@ class CpuExecutor:
         rest = []
         for fr in reads:
             codec = plan.sources[plan.chunks[fr.chunk_ids[0]].source].metadata.codec
-            kind = native_codec(codec) if codec.nbytes else None
+            kind = _compiled_kind(codec)
             if kind is None:
                 rest.append(fr)
             else:
                 groups.setdefault((kind, codec.nbytes), []).extend(
-                    [fr] if len(fr.chunk_ids) == 1 else [_inner_chunk_read(plan.chunks[c], c) for c in fr.chunk_ids])
+                    [fr] if len(fr.chunk_ids) == 1 else
+                    [FileRead.inner_chunk(fr.path, c, plan.chunks[c].offset, plan.chunks[c].length) for c in fr.chunk_ids])
         return groups, rest
 
     def _read_native(self, job: Job, groups: dict[tuple[int, int], list[FileRead]],
@@ -290,9 +291,8 @@ class CpuExecutor:
             places = None
         else:
             strides = job.out.stride()
-            # the planner's offsets are into contiguous crops of the plan's sample shape
-            planned = (tuple(job.out.shape[1:]) == plan.sample_shape and tuple(strides[1:]) == c_strides(plan.sample_shape)
-                       and strides[0] == math.prod(plan.sample_shape))
+            # batch_target took only a contiguous batch: the planner's offsets hold when its rows are the plan's shape
+            planned = tuple(job.out.shape[1:]) == plan.sample_shape
             places = [copy_plan(t, codec, job.out, dst[2], strides, planned) for t, codec in zip(tasks, codecs)]
         shared = places is not None and all(p is not None for p in places)  # every chunk is placed in the call
         res = Reservation(self.budget, users=1)

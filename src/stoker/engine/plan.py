@@ -107,6 +107,11 @@ class FileRead:
     def whole_file(self) -> bool:
         return not self.reads
 
+    @classmethod
+    def inner_chunk(cls, path: str, cid: int, offset: int, length: int) -> "FileRead":
+        """A read of one inner chunk of a shard on its own: ``length`` bytes at ``offset`` of ``path``."""
+        return cls(path, (cid,), (Read(offset, length, ((0, offset, length),)),))
+
 
 @dataclass
 class BatchPlan:
@@ -237,7 +242,7 @@ def plan_batch(
             continue
         task.offset, task.length = loc.offset, loc.length
         if alone[task.source]:
-            file_reads.append(FileRead(loc.path, (cid,), (Read(loc.offset, loc.length, ((0, loc.offset, loc.length),)),)))
+            file_reads.append(FileRead.inner_chunk(loc.path, cid, loc.offset, loc.length))
         else:
             by_shard.setdefault(task.path, []).append(cid)
 
