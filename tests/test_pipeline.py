@@ -632,3 +632,44 @@ def test_stats_after_reset_describe_exactly_the_popped_batches(volume):
     assert s.batches_emitted == 5
     assert s.chunks_decoded == s.chunks_needed == 5 * 4
     assert s.decode_amplification == pytest.approx(1.0)
+
+
+def test_iteration_is_bounded_by_pop_timeout_when_views_are_kept(volume):
+    """``for batch in p`` waits at most pop_timeout_s for each batch, as pop() does: a consumer that keeps
+    a small view of every batch holds every slot, and the loop must say so instead of hanging."""
+    uri, data = volume
+    samples = _random_samples(uri, data.shape, (8, 8, 8), 40)
+    kept = []
+    with stoker.Pipeline(_cfg(batch_size=2, lookahead_batches=1, pop_timeout_s=1.0)) as p:
+        p.push(samples)
+        with pytest.raises(stoker.PoolStarved, match="holds all 2 batch slots"):
+            for batch in p:
+                kept.append(torch.from_dlpack(batch)[0, 0])  # a slice for logging keeps the slot's storage
+        assert len(kept) == 2
+        del kept
+        gc.collect()
+        with p.pop() as b:  # not sticky: freeing the views lets the pipeline go on
+            assert len(b) == 2
+
+
+def test_oversized_crop_is_refused_before_it_is_planned(tmp_path, monkeypatch):
+    """The budget check runs on the arrays' metadata before planning: a crop far beyond host_buffer_bytes
+    (here 2 million chunks) is refused at once, without building its plan."""
+    uri = str(tmp_path / "huge.zarr")
+    zarr.create_array(uri, shape=(1024, 1024, 1024), chunks=(8, 8, 8), dtype="uint8")  # metadata only
+    planned = []
+    real = stoker.engine.pipeline.plan_batch
+    monkeypatch.setattr(stoker.engine.pipeline, "plan_batch", lambda *a, **k: planned.append(1) or real(*a, **k))
+    for dtype in ("f32", "native"):
+        with stoker.Pipeline(_cfg(batch_size=1, dtype=dtype, host_buffer_bytes=64 << 20)) as p:
+            p.push([stoker.Sample(uri, [(0, 1024)] * 3)])
+            with pytest.raises(stoker.BudgetExceeded, match="host_buffer_bytes"):
+                p.pop()
+    assert planned == []
+
+
+def test_reading_a_box_too_large_to_allocate_is_a_typed_error(tmp_path):
+    uri = str(tmp_path / "vast.zarr")
+    zarr.create_array(uri, shape=(2**40, 2**40), chunks=(1024, 1024), dtype="uint8")  # metadata only
+    with pytest.raises(stoker.InvalidArgument, match="smaller boxes"):
+        stoker.open_array(uri).read([(0, 2**40), (0, 2**40)])

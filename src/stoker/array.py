@@ -13,6 +13,7 @@ shard index, codec) with its own planning and threads.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -124,7 +125,13 @@ class ArrayReader:
     def read(self, aabb: Any) -> np.ndarray:
         """Read the half-open box ``aabb`` (``(start, stop)`` pairs or slices) as a new array."""
         box = parse_box(aabb, self.shape, uri=self.uri)
-        out = np.empty(box_shape(box), dtype=self.dtype)
+        shape = box_shape(box)
+        try:
+            out = np.empty(shape, dtype=self.dtype)
+        except (MemoryError, ValueError) as exc:  # ValueError: numpy's "array is too big"
+            nbytes = math.prod(shape) * self.dtype.itemsize
+            raise InvalidArgument(f"{self.uri}: the box {box} needs {nbytes:,} bytes, more than this process can "
+                                  f"allocate ({exc}); read it in smaller boxes", uri=self.uri) from None
         self.read_into(box, out)
         return out
 

@@ -45,7 +45,7 @@ from . import device as devices
 from .buffers import SlotRing, TransientBudget, pinned_footprint, size_class
 from .cast import batch_dtype
 from .cpu import CpuExecutor, Job, reads_one_by_one
-from .plan import BatchPlan, plan_batch
+from .plan import plan_batch
 from .stats import Stats, StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
@@ -306,10 +306,13 @@ class Pipeline:
         if self._closed:
             return
         try:
+            # The arrays' metadata settles the dtype and the budget before planning: a crop too large for
+            # host_buffer_bytes is refused before its plan (chunk lists of its whole volume) is built.
+            readers = list({s.uri: self._open(s.uri) for s in samples}.values())
+            dtype = self._batch_dtype(readers)
+            self._ensure_buffers(samples[0].shape, readers, dtype)
             plan = plan_batch(batch_id, samples, self._open, max_group=self._group_limit, sizing=size_class,
                               one_by_one=reads_one_by_one)
-            dtype = self._batch_dtype(plan)
-            self._ensure_buffers(plan, dtype)
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
             with self._cond:
                 self._inflight.append(_Entry(batch_id, len(samples), error=exc))
@@ -331,26 +334,26 @@ class Pipeline:
             self._inflight.append(entry)
             self._cond.notify_all()
 
-    def _batch_dtype(self, plan: BatchPlan) -> torch.dtype:
-        dtypes = {batch_dtype(self.cfg.output_dtype, r.dtype, r.uri) for r in plan.sources}
+    def _batch_dtype(self, readers: list[ArrayReader]) -> torch.dtype:
+        dtypes = {batch_dtype(self.cfg.output_dtype, r.dtype, r.uri) for r in readers}
         if self._slots is not None:
             dtypes.add(self._slots.dtype)
         if len(dtypes) > 1:
             raise DtypeMismatch(
                 f"dtype='native' needs one source dtype per pipeline, found {sorted(map(str, dtypes))} "
-                f"(arrays {[r.uri for r in plan.sources]}); pick dtype='f32', 'bf16' or 'f16' to mix sources"
+                f"(arrays {[r.uri for r in readers]}); pick dtype='f32', 'bf16' or 'f16' to mix sources"
             )
         return dtypes.pop()
 
-    def _ensure_buffers(self, plan: BatchPlan, dtype: torch.dtype) -> None:
+    def _ensure_buffers(self, sample_shape: tuple[int, ...], readers: list[ArrayReader], dtype: torch.dtype) -> None:
         if self._slots is not None:
             return
         # The largest single reservation: one read group, or one chunk's encoded bytes (at most its
         # decoded size plus codec overhead for what we read) and its decode scratch.
-        chunk = max(size_class(r.metadata.codec.nbytes) for r in plan.sources)
+        chunk = max(size_class(r.metadata.codec.nbytes) for r in readers)
         transient = max(self._group_limit, 2 * chunk + size_class(1))
-        self._check_budget(plan.sample_shape, dtype, transient)
-        batch_shape = (self.cfg.batch_size, *plan.sample_shape)
+        self._check_budget(sample_shape, dtype, transient)
+        batch_shape = (self.cfg.batch_size, *sample_shape)
         if self._cuda:
             from .transfer import CudaTransfer
 
@@ -389,12 +392,11 @@ class Pipeline:
 
         One consumer at a time: concurrent calls are serialised.
         """
-        with self._pop_lock:
-            return self._pop(timeout)
-
-    def _pop(self, timeout: float | None) -> Batch:
         limit = self.cfg.pop_timeout_s if timeout is None else timeout
-        deadline = None if limit is None else time.monotonic() + limit
+        with self._pop_lock:
+            return self._pop(limit, _deadline(limit))
+
+    def _pop(self, limit: float | None, deadline: float | None) -> Batch:
         t0 = time.perf_counter()
         while True:
             with self._cond:
@@ -471,18 +473,25 @@ class Pipeline:
                 batch.release()
 
     def __iter__(self) -> Iterator[Batch]:
-        """Yield batches until the pushed samples are used up (a final short batch only with drop_last=False)."""
+        """Yield batches until the pushed samples are used up (a final short batch only with drop_last=False).
+
+        Each wait for the next batch is bounded by ``pop_timeout_s``, as :meth:`pop` is.
+        """
+        limit = self.cfg.pop_timeout_s
         while True:
-            if not self._wait_for_work():
-                return
-            batch = self.pop()
+            deadline = _deadline(limit)
+            with self._pop_lock:
+                if not self._wait_for_work(limit, deadline):
+                    return
+                batch = self._pop(limit, deadline)
             try:
                 yield batch
             finally:
                 batch.release()
 
-    def _wait_for_work(self) -> bool:
-        """True once a batch is in flight; False when nothing more can come from what was pushed."""
+    def _wait_for_work(self, limit: float | None, deadline: float | None) -> bool:
+        """True once a batch is in flight; False when nothing more can come from what was pushed.
+        PoolStarved past ``deadline`` (the coordinator may be waiting for a slot the consumer holds)."""
         with self._cond:
             while True:
                 self._raise_if_unusable()
@@ -494,7 +503,10 @@ class Pipeline:
                         self._cond.notify_all()
                     else:
                         return False
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
                 self._cond.wait(0.05)
+        raise PoolStarved(self._starved_message(limit))
 
     # -- resumption -------------------------------------------------------------------------
 
@@ -564,6 +576,11 @@ def _coordinate(ref: "weakref.ReferenceType[Pipeline]") -> None:
             pipeline._crashed(exc)
             return
         del pipeline  # hold no strong reference while idle
+
+
+def _deadline(limit: float | None) -> float | None:
+    """When a wait of ``limit`` seconds (None: unbounded) that starts now ends, on the monotonic clock."""
+    return None if limit is None else time.monotonic() + limit
 
 
 def _stage_bytes(slot_bytes: int, output: torch.dtype | None) -> int:
