@@ -115,6 +115,26 @@ def background_writer(ctx: st.RankContext, path: str) -> None:
     threading.Thread(target=later).start()
 
 
+class _HangsOnRank1:
+    """Batches; on rank 1 the third one never comes (a read stuck on a hung file system)."""
+
+    def __init__(self, batches: list[torch.Tensor]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batches):
+            if i == 2 and dist.get_rank() == 1:
+                time.sleep(600)
+            yield batch
+
+
+def rank1_hangs_in_data(ctx: st.RankContext) -> None:
+    """Rank 1 hangs fetching its third batch while rank 0 waits in that step's gradient all-reduce."""
+    model = Tiny()
+    trainer = st.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, device=ctx.device, progress=False)
+    trainer.fit(_HangsOnRank1(global_batches(6, 4)), steps=6, resume=None)
+
+
 if __name__ == "__main__":
     # Under torchrun: launch() runs describe() in this process as one rank; every rank prints what it saw.
     import json

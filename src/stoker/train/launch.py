@@ -44,6 +44,7 @@ import torch.distributed as dist
 from ..checks import integer, seconds
 from ..config import usable_cpus
 from ..errors import InvalidArgument, RankFailed
+from . import heartbeat
 
 __all__ = ["RankContext", "launch", "under_torchrun"]
 
@@ -73,6 +74,15 @@ class RankContext:
             raise InvalidArgument(f"ctx.manage needs an object with close(), got {type(obj).__name__}")
         self._managed.append(obj)
         return obj
+
+    def mark(self, step: int, phase: str) -> None:
+        """Tell this rank's heartbeat where a training loop of one's own is (the Trainer does this itself):
+        ``phase`` is one of ``heartbeat.PHASES`` ("data", "forward", "backward", "optimizer", "sync",
+        "checkpoint", "idle"), ``step`` the optimizer steps done. A rank left behind while its peers wait in
+        a collective is then named within ``launch(stall_timeout_s=...)``."""
+        if phase not in heartbeat.PHASES:
+            raise InvalidArgument(f"phase must be one of {heartbeat.PHASES}, got {phase!r}")
+        heartbeat.mark(int(step), phase)
 
     def barrier(self) -> None:
         """Wait for every rank (a no-op in a group of one)."""
@@ -108,17 +118,21 @@ def _check_backend(backend: Any, cuda: bool) -> str:
 
 
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: str | None = None,
-           timeout_s: float = 600.0, use_cuda: bool | None = None) -> Any:
+           timeout_s: float = 600.0, use_cuda: bool | None = None, stall_timeout_s: float | None = None) -> Any:
     """Run ``fn(ctx, *args)`` on every rank; return rank 0's result.
 
     ``fn`` and ``args`` must be picklable when ranks are spawned (define ``fn`` at
     module level). ``nprocs`` (spawned launches only) defaults to the number of GPUs,
     or 2 CPU ranks without one; ``use_cuda=False`` forces CPU ranks on a GPU machine.
     ``timeout_s`` bounds joining the group and every collective, so a rank that dies
-    inside a collective cannot leave the others waiting for ever.
+    inside a collective cannot leave the others waiting for ever. ``stall_timeout_s``
+    (default: half of ``timeout_s``, at most 300 s; below ``timeout_s``) is how long a rank
+    may wait in a collective before the heartbeat names the rank holding it up (one left
+    behind, or one that stopped answering) and ends the job with that rank's name.
     """
     nprocs = _check_nprocs(nprocs)
     timeout_s = seconds("timeout_s", timeout_s, finite=True)
+    stall_s = _check_stall(stall_timeout_s, timeout_s)
     cuda = torch.cuda.is_available() if use_cuda is None else bool(use_cuda)
     if cuda and not torch.cuda.is_available():
         raise InvalidArgument("use_cuda=True but torch sees no CUDA device")
@@ -130,7 +144,8 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backen
     if under_torchrun():
         # torchrun owns the processes; this one is a rank. nprocs does not apply.
         return _run_rank(fn, args, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
-                         int(os.environ["WORLD_SIZE"]), backend, cuda, float(timeout_s), threads=None)
+                         int(os.environ["WORLD_SIZE"]), backend, cuda, float(timeout_s), threads=None,
+                         stall_s=stall_s)
 
     n = nprocs or (torch.cuda.device_count() if cuda else _DEFAULT_CPU_RANKS)
     if cuda and n > torch.cuda.device_count():
@@ -145,7 +160,17 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backen
                 _environment({**env, "RANK": "0", "LOCAL_RANK": "0"}):
             return _run_rank(fn, args, 0, 0, 1, backend, cuda, float(timeout_s), threads=None,
                              init_method=_file_store(workdir))
-    return _spawn(fn, args, n, env, backend, cuda, float(timeout_s), threads)
+    return _spawn(fn, args, n, env, backend, cuda, float(timeout_s), threads, stall_s)
+
+
+def _check_stall(stall_timeout_s: Any, timeout_s: float) -> float:
+    if stall_timeout_s is None:
+        return min(300.0, timeout_s / 2)
+    stall = seconds("stall_timeout_s", stall_timeout_s, finite=True)
+    if stall >= timeout_s:
+        raise InvalidArgument(f"stall_timeout_s={stall:g} must be below timeout_s={timeout_s:g}: the collectives "
+                              "would time out before the heartbeat could name the rank that holds them up")
+    return stall
 
 
 def _file_store(workdir: str) -> str:
@@ -176,7 +201,7 @@ class _environment:
 
 def _run_rank(fn: Callable[..., Any], args: tuple, rank: int, local_rank: int, world_size: int, backend: str,
               cuda: bool, timeout_s: float, threads: int | None, error_file: str | None = None,
-              init_method: str | None = None) -> Any:
+              init_method: str | None = None, stall_s: float | None = None) -> Any:
     """Set up this rank, run ``fn``, and always tear down (managed objects, then the process group).
 
     With ``error_file``, a failure is recorded there (time, type, traceback) *before* the
@@ -198,11 +223,14 @@ def _run_rank(fn: Callable[..., Any], args: tuple, rank: int, local_rank: int, w
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     ctx = RankContext(rank, local_rank, world_size, device, backend)
+    beat = _start_heartbeat(rank, world_size, stall_s, error_file)
     try:
         result = fn(ctx, *args)
     except BaseException as exc:
         if error_file is not None:
             _record_error(error_file, rank, exc)
+        if beat is not None:
+            beat.close()
         ctx._close_managed()
         # No barrier here: the other ranks may never reach one. Under gloo, destroying the group makes
         # their pending collectives fail at once; under NCCL they wait for the launcher (which stops
@@ -210,6 +238,8 @@ def _run_rank(fn: Callable[..., Any], args: tuple, rank: int, local_rank: int, w
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
+    if beat is not None:
+        beat.close()
     ctx._close_managed()
     # Objects made by fn (a DDP module's reducer, pending work) hold the process group; free them while
     # the group is intact, and let every rank finish its last collective before any rank tears down.
@@ -218,6 +248,35 @@ def _run_rank(fn: Callable[..., Any], args: tuple, rank: int, local_rank: int, w
         dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _start_heartbeat(rank: int, world_size: int, stall_s: float | None,
+                     error_file: str | None) -> heartbeat.Heartbeat | None:
+    """This rank's heartbeat on the process group's store (None alone, or where torch has no such store)."""
+    if world_size == 1 or stall_s is None:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a torch without it: the collectives' timeout still applies
+        return None
+    return heartbeat.Heartbeat(store, rank, world_size, stall_s, on_stall=_stalled(rank, error_file)).start()
+
+
+def _stalled(rank: int, error_file: str | None) -> Callable[[heartbeat.Stall], None]:
+    """What a rank does when its heartbeat names the ranks holding it up: say so, record it for the
+    launcher (which reports it as the cause), and leave: a rank blocked in a collective has no other way out."""
+    def report(stall: heartbeat.Stall) -> None:
+        print(f"stoker: rank {rank}: {stall.message}", file=sys.stderr, flush=True)
+        if error_file is not None:
+            record = {"rank": stall.ranks[0], "time": time.time(), "error": f"stalled: {stall.message}",
+                      "traceback": "", "elsewhere": False, "stalled": list(stall.ranks), "reported_by": rank}
+            try:
+                with open(error_file, "w", encoding="utf-8") as f:
+                    json.dump(record, f)
+            except OSError:
+                pass
+        os._exit(1)
+    return report
 
 
 def _record_error(path: str, rank: int, exc: BaseException) -> None:
@@ -233,7 +292,7 @@ def _record_error(path: str, rank: int, exc: BaseException) -> None:
 
 
 def _spawned_entry(local_rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], backend: str,
-                   cuda: bool, timeout_s: float, threads: int | None, workdir: str) -> None:
+                   cuda: bool, timeout_s: float, threads: int | None, workdir: str, stall_s: float) -> None:
     """Body of a spawned rank: environment, the rank itself, and rank 0's result into a file."""
     # A rank killed by a fatal signal (abort in native code, segfault) prints every thread's stack.
     faulthandler.enable(all_threads=True)
@@ -241,7 +300,7 @@ def _spawned_entry(local_rank: int, fn: Callable[..., Any], args: tuple, env: di
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     result = _run_rank(fn, args, local_rank, local_rank, int(env["WORLD_SIZE"]), backend, cuda, timeout_s, threads,
                        error_file=os.path.join(workdir, f"error-rank{local_rank}.json"),
-                       init_method=_file_store(workdir))
+                       init_method=_file_store(workdir), stall_s=stall_s)
     if local_rank == 0:
         torch.save(result, os.path.join(workdir, "rank0-result.pt"))
     # Leave without interpreter finalization: native threads of torch's gloo backend that outlive the
@@ -259,14 +318,14 @@ def _spawned_entry(local_rank: int, fn: Callable[..., Any], args: tuple, env: di
 
 
 def _spawn(fn: Callable[..., Any], args: tuple, n: int, env: dict[str, str], backend: str, cuda: bool,
-           timeout_s: float, threads: int | None) -> Any:
+           timeout_s: float, threads: int | None, stall_s: float) -> Any:
     import multiprocessing.connection
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="stoker-launch-") as workdir:
         context = mp.start_processes(_spawned_entry,
-                                     args=(fn, args, env, backend, cuda, timeout_s, threads, workdir),
+                                     args=(fn, args, env, backend, cuda, timeout_s, threads, workdir, stall_s),
                                      nprocs=n, join=False, start_method="spawn")
         # Who had died when the first failure showed: torch's join then stops the others (SIGTERM),
         # and may report one of those, or an echo of the first failure, as the cause.
@@ -339,6 +398,10 @@ def _rank_failed(workdir: str, reported_rank: int, reported: str) -> RankFailed:
                           rank=reported_rank, traceback=reported.strip())
     first = records[0]
     later = _echoes(records[1:])
+    if first.get("stalled"):  # a heartbeat's verdict: no traceback, the ranks it names
+        return RankFailed(f"rank {first['rank']} held the job up: {first['error']}\n(the other ranks were stopped)"
+                          f"{later}", rank=first["rank"], traceback="", error=first["error"],
+                          stalled=first["stalled"])
     return RankFailed(f"rank {first['rank']} failed: {first['error']}\n(the other ranks were stopped){later}\n\n"
                       f"traceback of rank {first['rank']}:\n{first['traceback'].strip()}",
                       rank=first["rank"], traceback=first["traceback"], error=first["error"])

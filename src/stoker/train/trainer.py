@@ -46,6 +46,7 @@ from ..errors import CheckpointError, InvalidArgument, UnusedParameters
 from ..pin import tensors_in, to_device
 from ..telemetry import TelemetryWriter, memory_report, peak_rss_bytes
 from .checkpoint import Checkpoints
+from .heartbeat import mark
 
 __all__ = ["FitResult", "Trainer"]
 
@@ -196,11 +197,13 @@ class Trainer:
     # -- collectives -------------------------------------------------------------------------
 
     def _all_reduce(self, values: list[float], op: str) -> list[float]:
+        mark(self.step, "sync")
         return _all_reduce(values, op, None)
 
     def _gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [obj]
+        mark(self.step, "sync")
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
@@ -225,6 +228,7 @@ class Trainer:
             error = CheckpointError(f"another rank could not report its state for the checkpoint of step "
                                     f"{self.step}; its error says why", elsewhere=True)
         if self.rank == 0 and error is None:
+            mark(self.step, "checkpoint")
             try:
                 data_states = [g[1] for g in gathered]
                 state = {
@@ -277,6 +281,7 @@ class Trainer:
             except Exception as exc:  # noqa: BLE001 - broadcast, so no rank waits for a choice
                 choice = [f"error:{type(exc).__name__}: {exc}"]
         if self.world_size > 1:
+            mark(self.step, "sync")
             dist.broadcast_object_list(choice, src=0)
         if isinstance(choice[0], str) and choice[0].startswith("error:"):
             raise CheckpointError(f"cannot resume from {self.checkpoints.directory}: {choice[0][6:]}")
@@ -378,11 +383,13 @@ class Trainer:
     def _micro_step(self, batch: Any, last: bool) -> torch.Tensor:
         sync = contextlib.nullcontext() if last or not self.distributed else self.model.no_sync()
         with sync:
+            mark(self.step, "forward")
             with self._autocast():
                 loss = self.loss_fn(self.model, batch)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise InvalidArgument(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
             scaled = loss / self.accumulate
+            mark(self.step, "backward")  # DDP all-reduces gradients inside backward()
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         if not self._checked_unused:
             self._check_unused()
@@ -440,6 +447,7 @@ class Trainer:
                 total = torch.zeros((), device=self.device)
                 for micro in range(self.accumulate):
                     tw = time.perf_counter()
+                    mark(self.step, "data")
                     batch = next(batches)
                     wait += time.perf_counter() - tw
                     samples += _batch_len(batch)
@@ -450,6 +458,7 @@ class Trainer:
                         # machine) comes back synchronously, so it is whole when used; CPU batches pass as they are
                         batch = to_device(batch, self.device, non_blocking=False)
                     total += self._micro_step(batch, last=micro == self.accumulate - 1)
+                mark(self.step, "optimizer")
                 self._optimizer_step()
                 self.step += 1
                 loss = float(total) / self.accumulate  # waits for the device: compute time is real
@@ -471,6 +480,7 @@ class Trainer:
             return self._result(data, start_step, losses, samples, elapsed, wait_total, compute_total,
                                 last_saved, resumed_from, writer)
         finally:
+            mark(self.step, "idle")
             if bar is not None:
                 bar.close()
             if writer is not None:
