@@ -216,10 +216,10 @@ class ShardedSource:
 
     # -- order ------------------------------------------------------------------------------
 
-    def _remaining(self, segments: list[list]) -> np.ndarray:
+    def _remaining(self, segments: list[list]) -> _shard.Positions:
         return _shard.remaining_after(len(self.source), segments)
 
-    def _positions(self, segments: list[list]) -> np.ndarray:
+    def _positions(self, segments: list[list]) -> _shard.RankPositions:
         return _shard.rank_positions(self._remaining(segments), self.rank, self.world_size, self.policy, self.even)
 
     def __len__(self) -> int:
