@@ -233,3 +233,35 @@ def test_elastic_resume_two_to_three_processes(arrays, tmp_path):
     together = first + rest
     assert len(together) == len(set(together))  # nothing twice
     assert len(order) - len(together) < 3  # only the "drop" tail of the 3-rank run is left out
+
+
+
+def _old_fingerprint(src, identity):
+    """The fingerprint as stoker computed it before shuffled orders carried their version."""
+    import hashlib
+    import json
+
+    blob = json.dumps([type(src).__name__, identity], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def test_states_of_the_earlier_shuffled_order_are_refused(arrays):
+    """Shuffled orders changed (a seeded bijection, not rng.permutation): a state saved under the old order
+    is refused, not resumed into other samples; unshuffled sources keep their fingerprints and states."""
+    grid = stoker.TileGrid(arrays, (4, 4), shuffle=True, seed=4)
+    old_id = [grid.arrays, grid.shapes, grid.sample_shape, grid.stride, grid.shuffle, grid.seed]
+    view = grid.shard(0, 2)
+    state = {**view.state_dict(), "fingerprint": _old_fingerprint(grid, old_id), "steps": 3}
+    with pytest.raises(stoker.InvalidArgument, match="another sample list.*start its epoch again"):
+        view.load_state_dict(state)
+    samples = [stoker.Sample(f"x{i}.zarr", [(0, 1)]) for i in range(5)]
+    listed = stoker.SampleList(samples, shuffle=True, seed=2)
+    assert listed.fingerprint != _old_fingerprint(listed, [[s.uri, s.aabb] for s in samples] + [True, 2])
+
+    plain = stoker.TileGrid(arrays, (4, 4), seed=4)
+    assert plain.fingerprint == _old_fingerprint(plain, old_id[:4] + [False, 4])
+    plain_list = stoker.SampleList(samples, seed=2)
+    assert plain_list.fingerprint == _old_fingerprint(plain_list, [[s.uri, s.aabb] for s in samples] + [False, 2])
+    crops = stoker.RandomCrops(arrays, (4, 4), seed=5, samples_per_epoch=40)
+    assert crops.fingerprint == _old_fingerprint(crops, [crops.arrays, crops.shapes, crops.sample_shape,
+                                                         crops.weights.round(12).tolist(), 40, 5])

@@ -26,6 +26,7 @@ import numpy as np
 from . import shard as _shard
 from .distributed import resolve_rank
 from .errors import InvalidArgument
+from .permutation import ORDER_VERSION, Permutation
 from .sample import Sample
 
 _BLOCK = 1024  # RandomCrops draws samples in seeded blocks: cheap, and any index is reachable directly
@@ -154,23 +155,22 @@ class TileGrid(SampleSource):
         self._offsets = np.cumsum([0] + [math.prod(c) for c in self._counts])
         if self._offsets[-1] == 0:
             raise InvalidArgument(f"no array can hold a {self.sample_shape} tile")
-        self._perm: tuple[int, np.ndarray] | None = None
+        self._perm: Permutation | None = None
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
 
     def sample(self, epoch: int, index: int) -> Sample:
         if self.shuffle:
-            if self._perm is None or self._perm[0] != epoch:
-                self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self)))
-            index = int(self._perm[1][index])
+            self._perm = _order(self._perm, len(self), self.seed, epoch)
+            index = self._perm[index]
         a = int(np.searchsorted(self._offsets, index, side="right") - 1)
         tile = np.unravel_index(index - int(self._offsets[a]), self._counts[a])
         corner = [int(t) * st for t, st in zip(tile, self.stride)]
         return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
 
     def _identity(self) -> Any:
-        return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed]
+        return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + _order_id(self)
 
 
 class SampleList(SampleSource):
@@ -182,20 +182,32 @@ class SampleList(SampleSource):
             raise InvalidArgument("SampleList takes stoker.Sample objects")
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
-        self._perm: tuple[int, np.ndarray] | None = None
+        self._perm: Permutation | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def sample(self, epoch: int, index: int) -> Sample:
         if self.shuffle:
-            if self._perm is None or self._perm[0] != epoch:
-                self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self)))
-            index = int(self._perm[1][index])
+            self._perm = _order(self._perm, len(self), self.seed, epoch)
+            index = self._perm[index]
         return self.samples[index]
 
     def _identity(self) -> Any:
-        return [[s.uri, s.aabb] for s in self.samples] + [self.shuffle, self.seed]
+        return [[s.uri, s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
+
+
+def _order(cached: Permutation | None, n: int, seed: int, epoch: int) -> Permutation:
+    """The shuffled order of ``epoch``, reusing ``cached`` when it is that epoch's."""
+    if cached is not None and cached.key == (n, seed, epoch):
+        return cached
+    return Permutation(n, seed, epoch)
+
+
+def _order_id(source: SampleSource) -> list[str]:
+    """What a shuffled source adds to its identity: the order's version (a state saved under an earlier
+    order must not resume into other samples). Unshuffled sources keep their fingerprints."""
+    return [ORDER_VERSION] if getattr(source, "shuffle", False) else []
 
 
 class ShardedSource:
@@ -264,9 +276,12 @@ class ShardedSource:
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (saved with any world size): nothing repeated or skipped in the epoch."""
         if state.get("fingerprint") != self.source.fingerprint:
+            shuffled = (f"; a state of a shuffled order other than {ORDER_VERSION} (saved by an earlier stoker) "
+                        "cannot resume here: start its epoch again") if _order_id(self.source) else ""
             raise InvalidArgument(
                 f"this state was saved for another sample list (fingerprint {state.get('fingerprint')!r}, this "
-                f"source is {self.source.fingerprint!r}): the same arrays, sample shape, seed and settings are needed"
+                f"source is {self.source.fingerprint!r}): the same arrays, sample shape, seed and settings are "
+                f"needed{shuffled}"
             )
         segments = [list(x) for x in state.get("segments", [])]
         if int(state.get("steps", 0)):
