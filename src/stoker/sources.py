@@ -10,14 +10,17 @@
 The global order of an epoch depends only on ``(seed, epoch)``; ``shard()`` splits
 it so that within an epoch the ranks' samples are disjoint, cover the order, and
 every rank gets the same number (short ranks wrap around, or all drop the tail
-with ``even="drop"``).
+with ``even="drop"``). Nothing here holds a table of an epoch's samples: orders,
+shuffles and shares are computed per index, so memory does not grow with the epoch.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
+import operator
 import os
 from typing import Any, Iterator, Sequence
 
@@ -30,6 +33,9 @@ from .permutation import ORDER_VERSION, Permutation
 from .sample import Sample
 
 _BLOCK = 1024  # RandomCrops draws samples in seeded blocks: cheap, and any index is reachable directly
+# Positions are int64 where they meet numpy (a rank's share as an array, seeds); with at most 2**62
+# samples an epoch, W ranks' wrapped shares (W * ceil(n / W) < n + W) stay below 2**63 too.
+MAX_SAMPLES = 2**62
 
 
 class SampleSource:
@@ -86,6 +92,8 @@ class RandomCrops(SampleSource):
         if not self.arrays:
             raise InvalidArgument("RandomCrops needs at least one array")
         self.sample_shape = tuple(int(s) for s in sample_shape)
+        if any(c < 1 for c in self.sample_shape):
+            raise InvalidArgument(f"RandomCrops: sample_shape {self.sample_shape} must be >= 1 on every axis")
         self.seed = int(seed)
         self.shapes = _open_shapes(self.arrays)
         for uri, shape in zip(self.arrays, self.shapes):
@@ -98,8 +106,18 @@ class RandomCrops(SampleSource):
             if w.shape != (len(self.arrays),) or (w < 0).any() or not w.sum() > 0:
                 raise InvalidArgument(f"weights must be {len(self.arrays)} non-negative numbers, not all zero")
         self.weights = w / w.sum()
-        total = sum(math.prod(s) for s in self.shapes)
-        self.samples_per_epoch = int(samples_per_epoch or max(1, total // math.prod(self.sample_shape)))
+        if samples_per_epoch:
+            count = int(samples_per_epoch)
+            if not 1 <= count <= MAX_SAMPLES:
+                raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}")
+        else:  # the crops that tile the data once
+            count = max(1, sum(math.prod(s) for s in self.shapes) // math.prod(self.sample_shape))
+            if count > MAX_SAMPLES:
+                raise InvalidArgument(
+                    f"RandomCrops over {self.arrays}: {count} crops of {self.sample_shape} would tile the data "
+                    "once, more than the 2**62 samples an epoch can hold; pass samples_per_epoch (or a larger "
+                    "sample_shape)")
+        self.samples_per_epoch = count
         self._cdf = np.cumsum(self.weights)
         # Per array, how many corner positions each axis allows.
         self._limits = np.array([[s - c + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
@@ -147,26 +165,37 @@ class TileGrid(SampleSource):
         self.seed = int(seed)
         self.shapes = _open_shapes(self.arrays)
         self._counts = []
+        self._offsets = [0]  # tiles before each array (Python ints: counts of huge grids overflow int64)
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape):
                 raise InvalidArgument(f"{uri}: rank {len(shape)} differs from sample rank {len(self.sample_shape)}")
             self._counts.append(tuple(max(0, (s - c) // st + 1) for s, c, st in
                                       zip(shape, self.sample_shape, self.stride)))
-        self._offsets = np.cumsum([0] + [math.prod(c) for c in self._counts])
+            self._offsets.append(self._offsets[-1] + math.prod(self._counts[-1]))
         if self._offsets[-1] == 0:
             raise InvalidArgument(f"no array can hold a {self.sample_shape} tile")
+        if self._offsets[-1] > MAX_SAMPLES:
+            raise InvalidArgument(
+                f"TileGrid over {self.arrays}: {self._offsets[-1]} tiles of {self.sample_shape} at stride "
+                f"{self.stride}, more than the 2**62 samples an epoch can hold; use a larger stride or sample_shape")
         self._perm: Permutation | None = None
 
     def __len__(self) -> int:
-        return int(self._offsets[-1])
+        return self._offsets[-1]
 
     def sample(self, epoch: int, index: int) -> Sample:
+        index = operator.index(index)
+        if not 0 <= index < len(self):
+            raise IndexError(f"tile {index} out of range for a grid of {len(self)}")
         if self.shuffle:
             self._perm = _order(self._perm, len(self), self.seed, epoch)
             index = self._perm[index]
-        a = int(np.searchsorted(self._offsets, index, side="right") - 1)
-        tile = np.unravel_index(index - int(self._offsets[a]), self._counts[a])
-        corner = [int(t) * st for t, st in zip(tile, self.stride)]
+        a = bisect.bisect_right(self._offsets, index) - 1
+        rest, tile = index - self._offsets[a], []
+        for count in reversed(self._counts[a]):  # C order, as numpy.unravel_index
+            rest, t = divmod(rest, count)
+            tile.append(t)
+        corner = [t * st for t, st in zip(reversed(tile), self.stride)]
         return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
 
     def _identity(self) -> Any:
