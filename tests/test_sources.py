@@ -233,3 +233,103 @@ def test_elastic_resume_two_to_three_processes(arrays, tmp_path):
     together = first + rest
     assert len(together) == len(set(together))  # nothing twice
     assert len(order) - len(together) < 3  # only the "drop" tail of the 3-rank run is left out
+
+
+# -- constant memory ----------------------------------------------------------------------------
+
+_HUGE = r"""
+import resource, sys
+import stoker
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+big, huge = sys.argv[1:]
+stoker.RandomCrops([big], (8, 8, 8), samples_per_epoch=10).shard(0, 2).state_dict()  # imports, caches
+base = peak()
+sources = [
+    stoker.RandomCrops([big], (8, 8, 8), seed=1),  # 2**27 crops tile it once: the epoch's default length
+    stoker.TileGrid([big], (8, 8, 8), shuffle=True, seed=1),  # 2**27 tiles, shuffled
+    stoker.RandomCrops([huge], (8, 8, 8), seed=1, samples_per_epoch=2**62),
+    stoker.TileGrid([huge], (8, 8, 8), stride=(2**20,) * 3, shuffle=True, seed=1),  # 2**60 tiles
+]
+assert len(sources[0]) == len(sources[1]) == 2**27 and len(sources[3]) == 2**60, [len(s) for s in sources]
+for src in sources:
+    n = len(src)
+    for policy in ("strided", "contiguous"):
+        it = iter(src.shard(1, 3, policy, "wrap"))
+        first = [next(it) for _ in range(5)]
+        assert all(0 <= a and b <= 2**40 for s in first for a, b in s.aabb)
+        state = it.state_after(5)
+        assert state["position"] == 15, state
+        again = src.shard(2, 5, "strided", "drop")
+        again.load_state_dict(state)
+        assert len(again) == (n - 15) // 5
+        it = iter(again)
+        rest = [next(it) for _ in range(3)]
+        if policy == "strided":  # 3 ranks took positions 0..14; rank 2 of 5 goes on at 17, 22, 27
+            assert rest == [src.sample(0, p) for p in (17, 22, 27)], (rest, [src.sample(0, p) for p in (17, 22, 27)])
+        assert not set(rest) & set(first)
+        assert again.state_dict()["position"] == 15 + 5 * 3
+print(peak() - base)
+"""
+
+
+def test_huge_sources_run_in_constant_memory(tmp_path):
+    """Sources over 4096**3 and (2**40)**3 voxels with 8**3 crops: construct, shard, iterate, save and resume on
+    another world size with a small, fixed amount of memory (the epochs are 2**27 to 2**62 samples long)."""
+    import subprocess
+    import sys
+
+    zarr.create_array(str(tmp_path / "big.zarr"), shape=(4096,) * 3, chunks=(256,) * 3, dtype="u1")
+    zarr.create_array(str(tmp_path / "huge.zarr"), shape=(2**40,) * 3, chunks=(2**20,) * 3, dtype="u1")
+    assert os.listdir(tmp_path / "huge.zarr") == ["zarr.json"]  # metadata only: no chunk is written
+    out = subprocess.run([sys.executable, "-c", _HUGE, str(tmp_path / "big.zarr"), str(tmp_path / "huge.zarr")],
+                         capture_output=True, text=True, timeout=100, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) < 100 << 20  # peak RSS growth
+
+
+def test_epochs_too_large_for_positions_are_refused(tmp_path):
+    huge = str(tmp_path / "huge.zarr")
+    zarr.create_array(huge, shape=(2**40,) * 3, chunks=(2**20,) * 3, dtype="u1")
+    with pytest.raises(stoker.InvalidArgument, match="samples_per_epoch") as e:
+        stoker.RandomCrops([huge], (8, 8, 8))  # 2**111 crops would tile it once
+    assert huge in str(e.value)
+    with pytest.raises(stoker.InvalidArgument, match="samples_per_epoch"):
+        stoker.RandomCrops([huge], (8, 8, 8), samples_per_epoch=2**62 + 1)
+    with pytest.raises(stoker.InvalidArgument, match="stride") as e:
+        stoker.TileGrid([huge], (8, 8, 8))
+    assert huge in str(e.value)
+    assert len(stoker.RandomCrops([huge], (2**20,) * 3)) == 2**60  # the default is a number, not a table
+
+
+def _old_fingerprint(src, identity):
+    """The fingerprint as stoker computed it before shuffled orders carried their version."""
+    import hashlib
+    import json
+
+    blob = json.dumps([type(src).__name__, identity], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def test_states_of_the_earlier_shuffled_order_are_refused(arrays):
+    """Shuffled orders changed (a seeded bijection, not rng.permutation): a state saved under the old order
+    is refused, not resumed into other samples; unshuffled sources keep their fingerprints and states."""
+    grid = stoker.TileGrid(arrays, (4, 4), shuffle=True, seed=4)
+    old_id = [grid.arrays, grid.shapes, grid.sample_shape, grid.stride, grid.shuffle, grid.seed]
+    view = grid.shard(0, 2)
+    state = {**view.state_dict(), "fingerprint": _old_fingerprint(grid, old_id), "steps": 3}
+    with pytest.raises(stoker.InvalidArgument, match="another sample list.*start its epoch again"):
+        view.load_state_dict(state)
+    samples = [stoker.Sample(f"x{i}.zarr", [(0, 1)]) for i in range(5)]
+    listed = stoker.SampleList(samples, shuffle=True, seed=2)
+    assert listed.fingerprint != _old_fingerprint(listed, [[s.uri, s.aabb] for s in samples] + [True, 2])
+
+    plain = stoker.TileGrid(arrays, (4, 4), seed=4)
+    assert plain.fingerprint == _old_fingerprint(plain, old_id[:4] + [False, 4])
+    plain_list = stoker.SampleList(samples, seed=2)
+    assert plain_list.fingerprint == _old_fingerprint(plain_list, [[s.uri, s.aabb] for s in samples] + [False, 2])
+    crops = stoker.RandomCrops(arrays, (4, 4), seed=5, samples_per_epoch=40)
+    assert crops.fingerprint == _old_fingerprint(crops, [crops.arrays, crops.shapes, crops.sample_shape,
+                                                         crops.weights.round(12).tolist(), 40, 5])

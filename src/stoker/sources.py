@@ -10,14 +10,17 @@
 The global order of an epoch depends only on ``(seed, epoch)``; ``shard()`` splits
 it so that within an epoch the ranks' samples are disjoint, cover the order, and
 every rank gets the same number (short ranks wrap around, or all drop the tail
-with ``even="drop"``).
+with ``even="drop"``). Nothing here holds a table of an epoch's samples: orders,
+shuffles and shares are computed per index, so memory does not grow with the epoch.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
+import operator
 import os
 from typing import Any, Iterator, Sequence
 
@@ -26,9 +29,13 @@ import numpy as np
 from . import shard as _shard
 from .distributed import resolve_rank
 from .errors import InvalidArgument
+from .permutation import ORDER_VERSION, Permutation
 from .sample import Sample
 
 _BLOCK = 1024  # RandomCrops draws samples in seeded blocks: cheap, and any index is reachable directly
+# Positions are int64 where they meet numpy (a rank's share as an array, seeds); with at most 2**62
+# samples an epoch, W ranks' wrapped shares (W * ceil(n / W) < n + W) stay below 2**63 too.
+MAX_SAMPLES = 2**62
 
 
 class SampleSource:
@@ -85,6 +92,8 @@ class RandomCrops(SampleSource):
         if not self.arrays:
             raise InvalidArgument("RandomCrops needs at least one array")
         self.sample_shape = tuple(int(s) for s in sample_shape)
+        if any(c < 1 for c in self.sample_shape):
+            raise InvalidArgument(f"RandomCrops: sample_shape {self.sample_shape} must be >= 1 on every axis")
         self.seed = int(seed)
         self.shapes = _open_shapes(self.arrays)
         for uri, shape in zip(self.arrays, self.shapes):
@@ -97,8 +106,18 @@ class RandomCrops(SampleSource):
             if w.shape != (len(self.arrays),) or (w < 0).any() or not w.sum() > 0:
                 raise InvalidArgument(f"weights must be {len(self.arrays)} non-negative numbers, not all zero")
         self.weights = w / w.sum()
-        total = sum(math.prod(s) for s in self.shapes)
-        self.samples_per_epoch = int(samples_per_epoch or max(1, total // math.prod(self.sample_shape)))
+        if samples_per_epoch:
+            count = int(samples_per_epoch)
+            if not 1 <= count <= MAX_SAMPLES:
+                raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}")
+        else:  # the crops that tile the data once
+            count = max(1, sum(math.prod(s) for s in self.shapes) // math.prod(self.sample_shape))
+            if count > MAX_SAMPLES:
+                raise InvalidArgument(
+                    f"RandomCrops over {self.arrays}: {count} crops of {self.sample_shape} would tile the data "
+                    "once, more than the 2**62 samples an epoch can hold; pass samples_per_epoch (or a larger "
+                    "sample_shape)")
+        self.samples_per_epoch = count
         self._cdf = np.cumsum(self.weights)
         # Per array, how many corner positions each axis allows.
         self._limits = np.array([[s - c + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
@@ -146,31 +165,41 @@ class TileGrid(SampleSource):
         self.seed = int(seed)
         self.shapes = _open_shapes(self.arrays)
         self._counts = []
+        self._offsets = [0]  # tiles before each array (Python ints: counts of huge grids overflow int64)
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape):
                 raise InvalidArgument(f"{uri}: rank {len(shape)} differs from sample rank {len(self.sample_shape)}")
             self._counts.append(tuple(max(0, (s - c) // st + 1) for s, c, st in
                                       zip(shape, self.sample_shape, self.stride)))
-        self._offsets = np.cumsum([0] + [math.prod(c) for c in self._counts])
+            self._offsets.append(self._offsets[-1] + math.prod(self._counts[-1]))
         if self._offsets[-1] == 0:
             raise InvalidArgument(f"no array can hold a {self.sample_shape} tile")
-        self._perm: tuple[int, np.ndarray] | None = None
+        if self._offsets[-1] > MAX_SAMPLES:
+            raise InvalidArgument(
+                f"TileGrid over {self.arrays}: {self._offsets[-1]} tiles of {self.sample_shape} at stride "
+                f"{self.stride}, more than the 2**62 samples an epoch can hold; use a larger stride or sample_shape")
+        self._perm: Permutation | None = None
 
     def __len__(self) -> int:
-        return int(self._offsets[-1])
+        return self._offsets[-1]
 
     def sample(self, epoch: int, index: int) -> Sample:
+        index = operator.index(index)
+        if not 0 <= index < len(self):
+            raise IndexError(f"tile {index} out of range for a grid of {len(self)}")
         if self.shuffle:
-            if self._perm is None or self._perm[0] != epoch:
-                self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self)))
-            index = int(self._perm[1][index])
-        a = int(np.searchsorted(self._offsets, index, side="right") - 1)
-        tile = np.unravel_index(index - int(self._offsets[a]), self._counts[a])
-        corner = [int(t) * st for t, st in zip(tile, self.stride)]
+            self._perm = _order(self._perm, len(self), self.seed, epoch)
+            index = self._perm[index]
+        a = bisect.bisect_right(self._offsets, index) - 1
+        rest, tile = index - self._offsets[a], []
+        for count in reversed(self._counts[a]):  # C order, as numpy.unravel_index
+            rest, t = divmod(rest, count)
+            tile.append(t)
+        corner = [t * st for t, st in zip(reversed(tile), self.stride)]
         return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
 
     def _identity(self) -> Any:
-        return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed]
+        return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + _order_id(self)
 
 
 class SampleList(SampleSource):
@@ -182,20 +211,32 @@ class SampleList(SampleSource):
             raise InvalidArgument("SampleList takes stoker.Sample objects")
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
-        self._perm: tuple[int, np.ndarray] | None = None
+        self._perm: Permutation | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def sample(self, epoch: int, index: int) -> Sample:
         if self.shuffle:
-            if self._perm is None or self._perm[0] != epoch:
-                self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self)))
-            index = int(self._perm[1][index])
+            self._perm = _order(self._perm, len(self), self.seed, epoch)
+            index = self._perm[index]
         return self.samples[index]
 
     def _identity(self) -> Any:
-        return [[s.uri, s.aabb] for s in self.samples] + [self.shuffle, self.seed]
+        return [[s.uri, s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
+
+
+def _order(cached: Permutation | None, n: int, seed: int, epoch: int) -> Permutation:
+    """The shuffled order of ``epoch``, reusing ``cached`` when it is that epoch's."""
+    if cached is not None and cached.key == (n, seed, epoch):
+        return cached
+    return Permutation(n, seed, epoch)
+
+
+def _order_id(source: SampleSource) -> list[str]:
+    """What a shuffled source adds to its identity: the order's version (a state saved under an earlier
+    order must not resume into other samples). Unshuffled sources keep their fingerprints."""
+    return [ORDER_VERSION] if getattr(source, "shuffle", False) else []
 
 
 class ShardedSource:
@@ -216,10 +257,10 @@ class ShardedSource:
 
     # -- order ------------------------------------------------------------------------------
 
-    def _remaining(self, segments: list[list]) -> np.ndarray:
+    def _remaining(self, segments: list[list]) -> _shard.Positions:
         return _shard.remaining_after(len(self.source), segments)
 
-    def _positions(self, segments: list[list]) -> np.ndarray:
+    def _positions(self, segments: list[list]) -> _shard.RankPositions:
         return _shard.rank_positions(self._remaining(segments), self.rank, self.world_size, self.policy, self.even)
 
     def __len__(self) -> int:
@@ -264,9 +305,12 @@ class ShardedSource:
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (saved with any world size): nothing repeated or skipped in the epoch."""
         if state.get("fingerprint") != self.source.fingerprint:
+            shuffled = (f"; a state of a shuffled order other than {ORDER_VERSION} (saved by an earlier stoker) "
+                        "cannot resume here: start its epoch again") if _order_id(self.source) else ""
             raise InvalidArgument(
                 f"this state was saved for another sample list (fingerprint {state.get('fingerprint')!r}, this "
-                f"source is {self.source.fingerprint!r}): the same arrays, sample shape, seed and settings are needed"
+                f"source is {self.source.fingerprint!r}): the same arrays, sample shape, seed and settings are "
+                f"needed{shuffled}"
             )
         segments = [list(x) for x in state.get("segments", [])]
         if int(state.get("steps", 0)):

@@ -150,7 +150,7 @@ class Loader:
                      else np.arange(self._size, dtype=np.int64))
         remaining = _shard.remaining_after(self._size, self._segments)
         positions = _shard.rank_positions(remaining, self.rank, self.world_size, "strided", self._even)
-        split = rng_order[positions]
+        split = rng_order[positions.to_array()]
         self._split_cache = (key, split)
         return split
 
