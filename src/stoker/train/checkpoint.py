@@ -5,12 +5,12 @@
 >>> path = ckpts.latest()                                        # newest one that loads, or None
 >>> state = ckpts.load(path)
 
-A checkpoint is written to a temporary name in the same directory, flushed and
-fsynced, then renamed to ``step-000000100.pt`` (a rename within a directory is
-atomic), and the directory is fsynced. Only files with final names count, so a
-run killed mid-write leaves at worst a temporary file, which the next
-``cleanup()`` removes. After a successful save, the oldest checkpoints beyond
-``keep`` are deleted.
+A checkpoint is written to a fresh temporary name in the same directory (see
+:mod:`stoker.fsutil`), flushed and fsynced, then renamed to ``step-000000100.pt``
+(a rename within a directory is atomic), and the directory is fsynced. Only files
+with final names count, so a run killed mid-write leaves at worst a temporary
+file, which the next ``cleanup()`` removes. After a successful save, the oldest
+checkpoints beyond ``keep`` are deleted.
 
 :class:`~stoker.train.Trainer` decides what goes in, who writes (rank 0), and puts a
 barrier after each save so no rank runs ahead of a checkpoint that is not there yet.
@@ -28,7 +28,7 @@ import torch
 
 from ..checks import integer
 from ..errors import CheckpointError
-from ..fsutil import is_temp_path, replace_atomically
+from ..fsutil import remove_dead_temp_files, replace_atomically
 
 __all__ = ["Checkpoints", "FORMAT", "VERSION"]
 
@@ -76,15 +76,10 @@ class Checkpoints:
     def cleanup(self) -> list[Path]:
         """Remove temporary files left by writers that died mid-save; returns what was removed.
 
-        Call it only while no save is in progress (Trainer does, on rank 0, before training).
+        Only regular files named as temporary files, whose writer process is gone, are removed
+        (never a symlink, a directory or another file). Trainer calls it on rank 0 before training.
         """
-        removed = []
-        if self.directory.is_dir():
-            for entry in self.directory.iterdir():
-                if is_temp_path(entry):
-                    entry.unlink(missing_ok=True)
-                    removed.append(entry)
-        return removed
+        return remove_dead_temp_files(self.directory)
 
     def save(self, state: dict[str, Any], step: int) -> Path:
         """Write ``state`` as the checkpoint of ``step`` (atomically), then drop the oldest beyond ``keep``."""
