@@ -88,6 +88,65 @@ def test_unwritable_checkpoint_directory_is_a_checkpoint_error(tmp_path):
         st.Checkpoints(blocker / "ck").save({"v": 1}, 1)
 
 
+def test_a_flipped_byte_in_the_weights_is_damage_and_the_previous_one_loads(tmp_path):
+    ck = st.Checkpoints(tmp_path, keep=5)
+    ck.save({"w": torch.zeros(256)}, 1)
+    weights = torch.arange(256, dtype=torch.float32) + 0.5
+    newest = ck.save({"w": weights}, 2)
+    raw = bytearray(newest.read_bytes())
+    at = bytes(raw).find(weights.numpy().tobytes())
+    assert at > 0
+    raw[at + 514] ^= 0x01  # one bit of one float: still a valid zip and pickle
+    newest.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="SHA-256") as info:
+        ck.load(newest)
+    assert info.value.path == str(newest)
+    with pytest.warns(RuntimeWarning, match="skipping damaged checkpoint.*step-000000002.pt"):
+        path, state = ck.load_latest()
+    assert path.name == "step-000000001.pt" and torch.equal(state["w"], torch.zeros(256))
+    newest.write_bytes(bytes(raw[:-10]))  # truncated: the header's length says so before any hashing
+    with pytest.raises(CheckpointError, match="truncated"):
+        ck.load(newest)
+
+
+def test_checkpoint_fields_are_validated_and_version_1_files_still_load(tmp_path):
+    ck = st.Checkpoints(tmp_path)
+    good = {"format": st.checkpoint.FORMAT, "version": 1, "step": 3, "v": 7}
+    torch.save(good, ck.path_for(3))  # as stoker wrote them before the hashed header
+    assert ck.load(ck.path_for(3))["v"] == 7
+    torch.save({**good, "version": 2}, ck.path_for(3))  # a version-2 payload stripped of its header
+    with pytest.raises(CheckpointError, match="laid out as version 1"):
+        ck.load(ck.path_for(3))
+    for step, why in ((-5, "not an integer >= 0"), (True, "not an integer >= 0"), ("3", "not an integer"),
+                      (4, "holds step 4, its name says 3")):
+        _rewrite(ck.path_for(3), step=step)
+        with pytest.raises(CheckpointError, match=why):
+            ck.load(ck.path_for(3))
+    other = tmp_path / "my-copy.pt"  # a name that says no step: any step >= 0 is fine
+    _rewrite(ck.path_for(3), step=4)
+    os.replace(ck.path_for(3), other)
+    assert ck.load(other)["step"] == 4
+    with pytest.raises(CheckpointError, match=r"lacks 'model'.*my-copy.pt|my-copy.pt lacks 'model'"):
+        ck.load(other, {"model": dict, "v": int})
+    with pytest.raises(CheckpointError, match="'v' is int, not dict"):
+        ck.load(other, {"v": dict})
+
+
+def _rewrite(path, drop=(), **changes):
+    """Rewrite a checkpoint with changed fields, hash and all: a tampered file, not a damaged one."""
+    from stoker.train import checkpoint
+
+    state = torch.load(path, weights_only=False) if path.read_bytes()[:2] == b"PK" else None
+    if state is None:
+        with open(path, "rb") as f:
+            f.seek(checkpoint._HEADER.size)
+            state = torch.load(f, weights_only=False)
+    state = {k: v for k, v in {**state, **changes}.items() if k not in drop}
+    state["version"] = checkpoint.VERSION
+    with open(path, "wb") as f:
+        checkpoint._dump(state, f)
+
+
 # -- Trainer in one process --------------------------------------------------------------------
 
 
@@ -167,6 +226,31 @@ def test_auto_resume_sets_damaged_newer_checkpoints_aside(tmp_path):
     assert r.start_step == 4 and r.checkpoint.name == "step-000000008.pt"
     assert (tmp_path / "ck" / "step-000000006.pt.damaged").exists()
     assert st.Checkpoints(tmp_path / "ck").load(r.checkpoint)["step"] == 8
+
+
+def test_a_checkpoint_with_a_tampered_step_is_set_aside_alone(tmp_path):
+    # Its step of -5 once made auto-resume start at -5 and set aside every checkpoint "of a later step".
+    batches = jobs.global_batches(8, 4)
+    _trainer(tmp_path).fit(Batches(batches), steps=6)
+    _rewrite(tmp_path / "ck" / "step-000000006.pt", step=-5)
+    with pytest.warns(RuntimeWarning, match="damaged.*step is -5"):
+        r = _trainer(tmp_path).fit(Batches(batches), steps=5)
+    assert r.start_step == 4 and r.resumed_from.name == "step-000000004.pt"
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names == ["step-000000002.pt", "step-000000004.pt", "step-000000005.pt", "step-000000006.pt.damaged"]
+
+
+def test_a_checkpoint_missing_keys_is_a_checkpoint_error_naming_them(tmp_path):
+    batches = jobs.global_batches(8, 4)
+    _trainer(tmp_path).fit(Batches(batches), steps=4)
+    newest = tmp_path / "ck" / "step-000000004.pt"
+    _rewrite(newest, drop=("optimizer", "rng"))
+    with pytest.raises(CheckpointError, match="step-000000004.pt lacks 'optimizer', 'rng'") as info:
+        _trainer(tmp_path).fit(Batches(batches), steps=8, resume=newest)
+    assert info.value.missing == ["optimizer", "rng"]
+    with pytest.warns(RuntimeWarning, match="lacks 'optimizer', 'rng'"):  # auto: the previous one
+        r = _trainer(tmp_path).fit(Batches(batches), steps=8)
+    assert r.start_step == 2
 
 
 def test_checkpoints_count_samples_across_resumes(tmp_path):
