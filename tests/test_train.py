@@ -514,6 +514,58 @@ def test_launch_in_process_with_one_rank(monkeypatch):
     assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ  # the environment is restored
 
 
+@pytest.mark.timeout(120)
+def test_a_launch_removes_the_folders_of_killed_launchers_only(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from stoker.fsutil import HOST
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    flag = tmp_path / "running"
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import train_jobs, stoker.train as st; "
+              "st.launch(train_jobs.wait_to_be_killed, sys.argv[2], nprocs=1, use_cuda=False)")
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    killed = subprocess.Popen([sys.executable, "-c", script, os.path.dirname(__file__), str(flag)], env=env)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 60
+        while not flag.exists() and killed.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert flag.exists(), "the launch never started"
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=30)
+        left = [p for p in tmpdir.iterdir() if p.name.startswith("stoker-launch-")]
+        assert len(left) == 1 and left[0].name.startswith(f"stoker-launch-{HOST}-{killed.pid}-")
+        kept = tmpdir / f"stoker-launch-{HOST}-{live.pid}-0123abcd"  # a launcher still running
+        kept.mkdir()
+        victim = tmp_path / "victim"
+        victim.mkdir()
+        (victim / "precious").write_text("keep me")
+        planted = tmpdir / f"stoker-launch-{HOST}-{killed.pid}-0badf00d"  # a dead owner's name, a symlink
+        planted.symlink_to(victim, target_is_directory=True)
+        expected = [kept.name, planted.name]
+        if os.geteuid() == 0:  # only root can make a folder another user's
+            theirs = tmpdir / f"stoker-launch-{HOST}-{killed.pid}-0000beef"
+            theirs.mkdir()
+            os.chown(theirs, 4242, 4242)
+            expected.append(theirs.name)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+        out = st.launch(jobs.describe, nprocs=1, use_cuda=False)
+        assert out["ranks"][0]["world"] == 1
+        assert sorted(p.name for p in tmpdir.iterdir()) == sorted(expected)
+        assert (victim / "precious").read_text() == "keep me"
+    finally:
+        for proc in (killed, live):
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def test_a_torchrun_rank_beyond_the_gpus_is_told_the_fix(monkeypatch):
     import importlib
 

@@ -25,8 +25,9 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO, Callable, TypeVar
 
-__all__ = ["HOST", "STALE_AFTER_S", "fsync_dir", "fsync_tree", "is_temp_path", "make_sibling_dir",
-           "remove_dead_siblings", "remove_dead_temp_files", "replace_atomically", "sibling_path", "writer_gone"]
+__all__ = ["HOST", "STALE_AFTER_S", "fsync_dir", "fsync_tree", "is_temp_path", "make_owned_dir",
+           "make_sibling_dir", "remove_dead_owned_dirs", "remove_dead_siblings", "remove_dead_temp_files",
+           "replace_atomically", "sibling_path", "writer_gone"]
 
 #: This machine as it appears in sibling names (path-safe, at most 40 characters).
 HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
@@ -83,6 +84,19 @@ def make_sibling_dir(final: str | os.PathLike, kind: str = "tmp") -> Path:
     ``mkdir`` fails on any existing entry, so nothing planted at the name is ever written into.
     """
     return _fresh(lambda: sibling_path(final, kind), os.mkdir)[0]
+
+
+def _owned_name(parent: Path, prefix: str) -> Path:
+    return parent / f"{prefix}-{_owner_tag()}"
+
+
+def make_owned_dir(parent: str | os.PathLike, prefix: str) -> Path:
+    """Create ``parent/<prefix>-<host>-<pid>-<random>``, private to this user (mode 0o700), and return it.
+
+    The name says who owns it, so :func:`remove_dead_owned_dirs` can remove it once this process is gone.
+    """
+    parent = Path(parent)
+    return _fresh(lambda: _owned_name(parent, prefix), lambda p: os.mkdir(p, 0o700))[0]
 
 
 def _gone(host: str, pid: int, path: str | os.PathLike) -> bool:
@@ -163,6 +177,34 @@ def remove_dead_temp_files(directory: str | os.PathLike) -> list[Path]:
                 entry.unlink()
             except FileNotFoundError:
                 continue
+            removed.append(entry)
+    return removed
+
+
+def remove_dead_owned_dirs(parent: str | os.PathLike, prefix: str) -> list[Path]:
+    """Remove the directories :func:`make_owned_dir` made in ``parent`` under ``prefix`` whose owner
+    process is gone; returns what was removed.
+
+    Only real directories (not symlinks) owned by this user and named exactly so are touched.
+    """
+    pattern = re.compile(re.escape(prefix) + "-" + _OWNER)
+    try:
+        entries = list(Path(parent).iterdir())
+    except OSError:
+        return []
+    removed = []
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is None:
+            continue
+        try:
+            st = os.lstat(entry)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or (uid is not None and st.st_uid != uid):
+            continue
+        if _gone(m["host"], int(m["pid"]), entry) and _remove_entry(entry):
             removed.append(entry)
     return removed
 
