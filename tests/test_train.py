@@ -88,6 +88,65 @@ def test_unwritable_checkpoint_directory_is_a_checkpoint_error(tmp_path):
         st.Checkpoints(blocker / "ck").save({"v": 1}, 1)
 
 
+def test_a_flipped_byte_in_the_weights_is_damage_and_the_previous_one_loads(tmp_path):
+    ck = st.Checkpoints(tmp_path, keep=5)
+    ck.save({"w": torch.zeros(256)}, 1)
+    weights = torch.arange(256, dtype=torch.float32) + 0.5
+    newest = ck.save({"w": weights}, 2)
+    raw = bytearray(newest.read_bytes())
+    at = bytes(raw).find(weights.numpy().tobytes())
+    assert at > 0
+    raw[at + 514] ^= 0x01  # one bit of one float: still a valid zip and pickle
+    newest.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="SHA-256") as info:
+        ck.load(newest)
+    assert info.value.path == str(newest)
+    with pytest.warns(RuntimeWarning, match="skipping damaged checkpoint.*step-000000002.pt"):
+        path, state = ck.load_latest()
+    assert path.name == "step-000000001.pt" and torch.equal(state["w"], torch.zeros(256))
+    newest.write_bytes(bytes(raw[:-10]))  # truncated: the header's length says so before any hashing
+    with pytest.raises(CheckpointError, match="truncated"):
+        ck.load(newest)
+
+
+def test_checkpoint_fields_are_validated_and_version_1_files_still_load(tmp_path):
+    ck = st.Checkpoints(tmp_path)
+    good = {"format": st.checkpoint.FORMAT, "version": 1, "step": 3, "v": 7}
+    torch.save(good, ck.path_for(3))  # as stoker wrote them before the hashed header
+    assert ck.load(ck.path_for(3))["v"] == 7
+    torch.save({**good, "version": 2}, ck.path_for(3))  # a version-2 payload stripped of its header
+    with pytest.raises(CheckpointError, match="laid out as version 1"):
+        ck.load(ck.path_for(3))
+    for step, why in ((-5, "not an integer >= 0"), (True, "not an integer >= 0"), ("3", "not an integer"),
+                      (4, "holds step 4, its name says 3")):
+        _rewrite(ck.path_for(3), step=step)
+        with pytest.raises(CheckpointError, match=why):
+            ck.load(ck.path_for(3))
+    other = tmp_path / "my-copy.pt"  # a name that says no step: any step >= 0 is fine
+    _rewrite(ck.path_for(3), step=4)
+    os.replace(ck.path_for(3), other)
+    assert ck.load(other)["step"] == 4
+    with pytest.raises(CheckpointError, match=r"lacks 'model'.*my-copy.pt|my-copy.pt lacks 'model'"):
+        ck.load(other, {"model": dict, "v": int})
+    with pytest.raises(CheckpointError, match="'v' is int, not dict"):
+        ck.load(other, {"v": dict})
+
+
+def _rewrite(path, drop=(), **changes):
+    """Rewrite a checkpoint with changed fields, hash and all: a tampered file, not a damaged one."""
+    from stoker.train import checkpoint
+
+    state = torch.load(path, weights_only=False) if path.read_bytes()[:2] == b"PK" else None
+    if state is None:
+        with open(path, "rb") as f:
+            f.seek(checkpoint._HEADER.size)
+            state = torch.load(f, weights_only=False)
+    state = {k: v for k, v in {**state, **changes}.items() if k not in drop}
+    state["version"] = checkpoint.VERSION
+    with open(path, "wb") as f:
+        checkpoint._dump(state, f)
+
+
 # -- Trainer in one process --------------------------------------------------------------------
 
 
@@ -167,6 +226,31 @@ def test_auto_resume_sets_damaged_newer_checkpoints_aside(tmp_path):
     assert r.start_step == 4 and r.checkpoint.name == "step-000000008.pt"
     assert (tmp_path / "ck" / "step-000000006.pt.damaged").exists()
     assert st.Checkpoints(tmp_path / "ck").load(r.checkpoint)["step"] == 8
+
+
+def test_a_checkpoint_with_a_tampered_step_is_set_aside_alone(tmp_path):
+    # Its step of -5 once made auto-resume start at -5 and set aside every checkpoint "of a later step".
+    batches = jobs.global_batches(8, 4)
+    _trainer(tmp_path).fit(Batches(batches), steps=6)
+    _rewrite(tmp_path / "ck" / "step-000000006.pt", step=-5)
+    with pytest.warns(RuntimeWarning, match="damaged.*step is -5"):
+        r = _trainer(tmp_path).fit(Batches(batches), steps=5)
+    assert r.start_step == 4 and r.resumed_from.name == "step-000000004.pt"
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names == ["step-000000002.pt", "step-000000004.pt", "step-000000005.pt", "step-000000006.pt.damaged"]
+
+
+def test_a_checkpoint_missing_keys_is_a_checkpoint_error_naming_them(tmp_path):
+    batches = jobs.global_batches(8, 4)
+    _trainer(tmp_path).fit(Batches(batches), steps=4)
+    newest = tmp_path / "ck" / "step-000000004.pt"
+    _rewrite(newest, drop=("optimizer", "rng"))
+    with pytest.raises(CheckpointError, match="step-000000004.pt lacks 'optimizer', 'rng'") as info:
+        _trainer(tmp_path).fit(Batches(batches), steps=8, resume=newest)
+    assert info.value.missing == ["optimizer", "rng"]
+    with pytest.warns(RuntimeWarning, match="lacks 'optimizer', 'rng'"):  # auto: the previous one
+        r = _trainer(tmp_path).fit(Batches(batches), steps=8)
+    assert r.start_step == 2
 
 
 def test_checkpoints_count_samples_across_resumes(tmp_path):
@@ -428,6 +512,58 @@ def test_launch_in_process_with_one_rank(monkeypatch):
     assert out["ranks"][0]["world"] == 1 and out["ranks"][0]["env_rank"] == "0"
     assert not torch.distributed.is_initialized()  # torn down
     assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ  # the environment is restored
+
+
+@pytest.mark.timeout(120)
+def test_a_launch_removes_the_folders_of_killed_launchers_only(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from stoker.fsutil import HOST
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    flag = tmp_path / "running"
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import train_jobs, stoker.train as st; "
+              "st.launch(train_jobs.wait_to_be_killed, sys.argv[2], nprocs=1, use_cuda=False)")
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    killed = subprocess.Popen([sys.executable, "-c", script, os.path.dirname(__file__), str(flag)], env=env)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 60
+        while not flag.exists() and killed.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert flag.exists(), "the launch never started"
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=30)
+        left = [p for p in tmpdir.iterdir() if p.name.startswith("stoker-launch-")]
+        assert len(left) == 1 and left[0].name.startswith(f"stoker-launch-{HOST}-{killed.pid}-")
+        kept = tmpdir / f"stoker-launch-{HOST}-{live.pid}-0123abcd"  # a launcher still running
+        kept.mkdir()
+        victim = tmp_path / "victim"
+        victim.mkdir()
+        (victim / "precious").write_text("keep me")
+        planted = tmpdir / f"stoker-launch-{HOST}-{killed.pid}-0badf00d"  # a dead owner's name, a symlink
+        planted.symlink_to(victim, target_is_directory=True)
+        expected = [kept.name, planted.name]
+        if os.geteuid() == 0:  # only root can make a folder another user's
+            theirs = tmpdir / f"stoker-launch-{HOST}-{killed.pid}-0000beef"
+            theirs.mkdir()
+            os.chown(theirs, 4242, 4242)
+            expected.append(theirs.name)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+        out = st.launch(jobs.describe, nprocs=1, use_cuda=False)
+        assert out["ranks"][0]["world"] == 1
+        assert sorted(p.name for p in tmpdir.iterdir()) == sorted(expected)
+        assert (victim / "precious").read_text() == "keep me"
+    finally:
+        for proc in (killed, live):
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def test_a_torchrun_rank_beyond_the_gpus_is_told_the_fix(monkeypatch):

@@ -777,6 +777,7 @@ def test_dead_writers_siblings_are_removed_and_nothing_else(tmp_path):
     assert mine.name.startswith(f".knn.tmp-{fsutil.HOST}-{os.getpid()}-")
     assert sorted(fsutil.remove_dead_siblings(final)) == sorted([dead, other_host_stale])
     assert all(d.exists() for d in (mine, other_host_fresh, other_name, unrelated))
-    assert fsutil.is_temp_path(fsutil.temp_path(tmp_path / "step-000000001.pt"))
+    assert fsutil.is_temp_path(fsutil.sibling_path(tmp_path / "step-000000001.pt", "tmp"))
+    assert fsutil.is_temp_path(tmp_path / ".step-000000001.pt.tmp-999")  # as older versions named them
     assert not fsutil.is_temp_path(tmp_path / "step-000000001.pt")
-    assert not fsutil.is_temp_path(mine)  # a directory sibling is not a temporary file
+    assert not fsutil.is_temp_path(dead)  # an old directory moved aside

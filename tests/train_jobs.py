@@ -103,6 +103,13 @@ def rank0_cannot_write_checkpoint(ctx: st.RankContext, directory: str) -> None:
     trainer.fit(global_batches(2, 4), steps=2, resume=None)
 
 
+def wait_to_be_killed(ctx: st.RankContext, flag: str) -> None:
+    """Say the launch is under way, then wait for the test to SIGKILL this process."""
+    with open(flag, "w") as f:
+        f.write("running")
+    time.sleep(60)
+
+
 def background_writer(ctx: st.RankContext, path: str) -> None:
     """A non-daemon thread still working when fn returns must finish before the rank exits."""
     import threading

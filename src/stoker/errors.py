@@ -86,6 +86,11 @@ class MetadataError(DecodeError):
     """An array's metadata document is not valid JSON or contradicts itself."""
 
 
+class NonFiniteData(StokerError, ValueError):
+    """Stored values are NaN or infinite where finite numbers are needed (statistics); ``sample``, ``field``
+    and ``count`` say where and how many."""
+
+
 class PoolStarved(StokerError, TimeoutError):
     """No buffer became free in time, usually because the consumer holds every batch."""
 
@@ -118,6 +123,7 @@ __all__ = [
     "StorageError",
     "DecodeError",
     "MetadataError",
+    "NonFiniteData",
     "PoolStarved",
     "ShutdownError",
     "RankFailed",

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from ..checks import integer
 from ..errors import InvalidArgument, RankMismatch
 from ..records import ZarrRecords, knn_edge_index, knn_graph, precompute
-from ..fsutil import fsync_dir, fsync_tree, remove_dead_siblings, sibling_path
+from ..fsutil import fsync_dir, fsync_tree, make_sibling_dir, remove_dead_siblings, sibling_path
 
 MARKER = ".complete"
 """File inside a finished dataset: JSON of the parameters it was written with."""
@@ -210,7 +210,7 @@ def write_point_clouds(root: str | os.PathLike, n_records: int = 256, seed: int 
                               "root (nothing there was changed)", argument="root", uri=str(root))
     root.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_siblings(root)
-    tmp = sibling_path(root, "tmp")
+    tmp = make_sibling_dir(root)  # a new empty directory: nothing planted there is written into
     try:
         _write_tree(tmp, params, progress)
         fsync_tree(tmp)

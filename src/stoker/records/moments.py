@@ -12,6 +12,11 @@ merging partial results in any grouping gives the same answer up to rounding::
 The merge updates the mean by the weighted difference of means and adds the
 cross term ``delta**2 * na * nb / n`` to M2, which stays accurate when the mean
 is large next to the spread (where ``E[x**2] - E[x]**2`` cancels catastrophically).
+
+Non-finite elements (NaN, +-inf) are never folded in, since one would turn every
+statistic into NaN: each channel counts them in ``skipped`` instead, and its
+moments describe its finite elements (``count - skipped`` of them). Whether
+skipping is acceptable is the caller's policy (``compute_stats(nonfinite=...)``).
 """
 
 from __future__ import annotations
@@ -25,13 +30,19 @@ F64 = torch.float64
 
 @dataclass(frozen=True)
 class Moments:
-    """Moments of ``count`` elements per channel; tensors are float64 of shape ``(C,)`` or ``()``."""
+    """Moments of ``count`` elements per channel, ``skipped`` of which (per channel) were non-finite and left
+    out; tensors are float64 (``skipped`` int64) of shape ``(C,)`` or ``()``."""
 
     count: int
     mean: torch.Tensor
     m2: torch.Tensor
     min: torch.Tensor
     max: torch.Tensor
+    skipped: torch.Tensor | None = None  # None: no element was skipped
+
+    def __post_init__(self) -> None:
+        if self.skipped is None:
+            object.__setattr__(self, "skipped", torch.zeros(self.mean.shape, dtype=torch.int64))
 
     @staticmethod
     def empty(channels: int | None) -> "Moments":
@@ -44,7 +55,7 @@ class Moments:
     @staticmethod
     def of(x: torch.Tensor, per_channel: bool = True) -> "Moments":
         """Moments of ``x``: per channel over every axis but the last (tensors of 0 or 1 dims, and
-        ``per_channel=False``, reduce over everything)."""
+        ``per_channel=False``, reduce over everything). Non-finite elements are counted in ``skipped``."""
         x = torch.as_tensor(x).detach().to("cpu", F64)
         if per_channel and x.ndim >= 2:
             x = x.reshape(-1, x.shape[-1])
@@ -55,51 +66,68 @@ class Moments:
         n = x.shape[0]
         if n == 0:
             return Moments.empty(channels)
-        mean = x.mean(dim=0)
-        # Two-pass within the sample: deviations from its own mean, never raw sums of squares.
-        m2 = ((x - mean) ** 2).sum(dim=0)
-        lo, hi = x.amin(dim=0), x.amax(dim=0)
+        finite = torch.isfinite(x)
+        if bool(finite.all()):
+            mean = x.mean(dim=0)
+            # Two-pass within the sample: deviations from its own mean, never raw sums of squares.
+            m2 = ((x - mean) ** 2).sum(dim=0)
+            lo, hi = x.amin(dim=0), x.amax(dim=0)
+            skipped = torch.zeros(x.shape[1], dtype=torch.int64)
+        else:
+            kept = finite.sum(dim=0)
+            mean = torch.where(finite, x, 0.0).sum(dim=0) / kept.clamp(min=1)  # 0 for a channel with none
+            m2 = (torch.where(finite, x - mean, 0.0) ** 2).sum(dim=0)
+            lo = torch.where(finite, x, torch.inf).amin(dim=0)
+            hi = torch.where(finite, x, -torch.inf).amax(dim=0)
+            skipped = n - kept
         if channels is None:
-            mean, m2, lo, hi = mean[0], m2[0], lo[0], hi[0]
-        return Moments(n, mean, m2, lo, hi)
+            mean, m2, lo, hi, skipped = mean[0], m2[0], lo[0], hi[0], skipped[0]
+        return Moments(n, mean, m2, lo, hi, skipped)
 
     @property
     def channels(self) -> int | None:
         return None if self.mean.ndim == 0 else int(self.mean.shape[0])
 
     @property
+    def finite(self) -> torch.Tensor:
+        """Elements per channel the moments describe (``count - skipped``), float64."""
+        return (self.count - self.skipped).to(F64)
+
+    @property
     def variance(self) -> torch.Tensor:
-        """Population variance (ddof=0), as ``numpy.var``; NaN with no elements."""
-        return self.m2 / self.count if self.count else torch.full_like(self.m2, torch.nan)
+        """Population variance (ddof=0), as ``numpy.var``; NaN for a channel with no (finite) elements."""
+        n = self.finite
+        return torch.where(n > 0, self.m2 / n.clamp(min=1), torch.nan)
 
     @property
     def std(self) -> torch.Tensor:
         return torch.sqrt(self.variance)
 
     def merge(self, other: "Moments") -> "Moments":
-        """Moments of both sets together (Chan, Golub & LeVeque's pairwise update)."""
+        """Moments of both sets together (Chan, Golub & LeVeque's pairwise update), channel by channel."""
         if other.mean.shape != self.mean.shape:
             raise ValueError(f"cannot merge moments of shapes {tuple(self.mean.shape)} and {tuple(other.mean.shape)}")
         if other.count == 0:
             return self
         if self.count == 0:
             return other
-        na, nb = self.count, other.count
-        n = na + nb
+        na, nb = self.finite, other.finite
+        n = (na + nb).clamp(min=1)  # a channel with no finite element on either side keeps mean 0, M2 0
         delta = other.mean - self.mean
         mean = self.mean + delta * (nb / n)
         m2 = self.m2 + other.m2 + delta * delta * (na * nb / n)
-        return Moments(n, mean, m2, torch.minimum(self.min, other.min), torch.maximum(self.max, other.max))
+        return Moments(self.count + other.count, mean, m2, torch.minimum(self.min, other.min),
+                       torch.maximum(self.max, other.max), self.skipped + other.skipped)
 
-    # -- a flat float64 layout for collectives: [count, mean, m2, min, max] ----------------------
+    # -- a flat float64 layout for collectives: [count, mean, m2, min, max, skipped] ---------------
 
     @staticmethod
     def packed_size(channels: int | None) -> int:
-        return 1 + 4 * (1 if channels is None else channels)
+        return 1 + 5 * (1 if channels is None else channels)
 
     def pack(self) -> torch.Tensor:
         parts = [torch.tensor([float(self.count)], dtype=F64)]
-        parts += [t.reshape(-1) for t in (self.mean, self.m2, self.min, self.max)]
+        parts += [t.reshape(-1).to(F64) for t in (self.mean, self.m2, self.min, self.max, self.skipped)]
         return torch.cat(parts)
 
     @staticmethod
@@ -107,7 +135,8 @@ class Moments:
         c = 1 if channels is None else channels
         flat = flat.to("cpu", F64)
         count = int(flat[0].item())  # exact: counts travel as float64, exact below 2**53
-        parts = [flat[1 + k * c: 1 + (k + 1) * c].clone() for k in range(4)]
+        parts = [flat[1 + k * c: 1 + (k + 1) * c].clone() for k in range(5)]
+        parts[4] = parts[4].to(torch.int64)
         if channels is None:
             parts = [p[0] for p in parts]
         return Moments(count, *parts)

@@ -47,7 +47,7 @@ import torch
 from ..distributed import _all_gather, _group_position
 from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
 from .dataset import Sample, ZarrRecords, rank_part
-from ..fsutil import fsync_dir, fsync_tree, remove_dead_siblings, sibling_path
+from ..fsutil import fsync_dir, fsync_tree, make_sibling_dir, remove_dead_siblings, sibling_path
 
 ATTR = "stoker_precompute"
 FORMAT = "stoker-precompute"
@@ -181,7 +181,10 @@ def _place(tmp: str, final: str) -> None:
 def write_array(record: str, name: str, data: np.ndarray, attrs: dict) -> str:
     """Store ``data`` as array ``name`` of the record group at ``record``, atomically; returns its path."""
     final = os.path.join(record, name)
-    tmp = str(sibling_path(final, "tmp"))
+    try:
+        tmp = str(make_sibling_dir(final))  # a new empty directory: nothing planted there is written into
+    except OSError as exc:
+        raise StorageError(f"could not write {final}: {exc}", uri=final) from exc
     try:
         _write_temp(tmp, data, _zarr_format(record), attrs)
         fsync_tree(tmp)

@@ -2,11 +2,12 @@
 
 The fingerprint hashes what the statistics depend on and metadata can tell:
 the field names, every record's name with those fields' shapes (as read, after
-``time_slice``) and dtypes, ``per_channel``, and the derived names. It cannot see
-data rewritten in place with the same shapes, nor a derived function whose code
-changed under the same name: delete the file (or pass ``cache=False``) then.
+``time_slice``) and dtypes, ``per_channel``, the derived names and the
+non-finite policy. It cannot see data rewritten in place with the same shapes
+(a NaN written since included), nor a derived function whose code changed under
+the same name: delete the file (or pass ``cache=False``) then.
 
-Writes are atomic (a temporary file in the same directory, then ``os.replace``),
+Writes are atomic (a fresh temporary file in the same directory, then ``os.replace``),
 so a reader sees the old file or the new one, never half of one::
 
     >>> fp = fingerprint(ds, ["positions"], per_channel=True, derived=["edge"])
@@ -35,17 +36,19 @@ def path_for(root: str) -> str:
     return os.path.join(root, FILENAME)
 
 
-def fingerprint(ds: Any, fields: Sequence[str], per_channel: bool, derived: Sequence[str]) -> str:
+def fingerprint(ds: Any, fields: Sequence[str], per_channel: bool, derived: Sequence[str],
+                nonfinite: str = "raise") -> str:
     """Hex digest identifying the statistics ``compute_stats`` would produce for ``ds``.
 
     Covers the full dataset (not a rank's shard), so every rank and every world
     size agree. With derived quantities, every field of ``ds`` is covered, since a
-    derived function sees them all.
+    derived function sees them all. The non-finite policy is part of it: statistics
+    that skipped NaNs never stand in for ones that would have refused them.
     """
     covered = list(ds.fields) if derived else list(fields)
     h = hashlib.sha256()
     head = {"format": FORMAT, "version": VERSION, "fields": list(fields), "per_channel": bool(per_channel),
-            "derived": sorted(derived), "covered": covered, "records": ds.base_size}
+            "derived": sorted(derived), "covered": covered, "records": ds.base_size, "nonfinite": nonfinite}
     h.update(json.dumps(head, sort_keys=True).encode())
     h.update(json.dumps(ds.base_names()).encode())
     for name in covered:

@@ -16,6 +16,14 @@ Derived quantities need a second pass, and only they do: they are computed on
 samples *normalised with the plain fields' statistics* (pass one), exactly as
 training computes them, e.g. edge vectors from normalised positions.
 
+One NaN or infinity would make a field's statistics NaN, and normalising with
+them would turn every sample into NaN. By default (``nonfinite="raise"``) a
+record holding one is a :class:`~stoker.errors.NonFiniteData` naming the record,
+the field and the count, raised on every rank (the ranks agree through the same
+collective that carries their moments) and nothing is written.
+``nonfinite="skip"`` leaves non-finite values out and counts them per channel in
+``FieldStats.skipped`` (and the sidecar).
+
 The result is written once, by rank 0, to ``root/.stoker-stats.json`` (see
 :mod:`stoker.records.sidecar`) and reused by every rank while the fingerprint
 matches; the other ranks wait on a barrier until the file is in place.
@@ -32,7 +40,7 @@ import numpy as np
 import torch
 
 from ..distributed import _all_gather, _barrier, _group_position, rank_info
-from ..errors import InvalidArgument, StokerError
+from ..errors import InvalidArgument, NonFiniteData, StokerError
 from . import sidecar
 from .dataset import Sample, ZarrRecords, rank_part
 from .moments import F64, Moments
@@ -41,29 +49,43 @@ Derived = Callable[[Sample], torch.Tensor]
 
 _UNKNOWN = -1  # channel code of a derived quantity this rank never computed
 _SCALAR = 0
+_NONFINITE = ("raise", "skip")
+# A rank's state in the header collective of each pass.
+_OK, _FAILED, _FOUND_NONFINITE = 0, 1, 2
+#: What a rank found under nonfinite="raise": (record's index in the full dataset, name's index, count).
+_Found = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
 class FieldStats:
-    """Statistics of one field: ``count`` elements per channel (int64), float64 ``mean``, population
-    ``std`` (ddof=0), ``min`` and ``max``, each of shape ``(C,)`` per channel or ``()``."""
+    """Statistics of one field: ``count`` elements per channel were read (int64), ``skipped`` of them (per
+    channel, int64) were non-finite and left out (only with ``nonfinite="skip"``; zeros otherwise); float64
+    ``mean``, population ``std`` (ddof=0), ``min`` and ``max`` of the rest. Each of shape ``(C,)`` per
+    channel or ``()``, ``count`` a scalar."""
 
     count: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
     min: torch.Tensor
     max: torch.Tensor
+    skipped: torch.Tensor | None = None  # None: zeros
+
+    def __post_init__(self) -> None:
+        if self.skipped is None:
+            object.__setattr__(self, "skipped", torch.zeros(self.mean.shape, dtype=torch.int64))
 
     @staticmethod
     def from_moments(m: Moments) -> "FieldStats":
-        return FieldStats(torch.tensor(m.count, dtype=torch.int64), m.mean, m.std, m.min, m.max)
+        return FieldStats(torch.tensor(m.count, dtype=torch.int64), m.mean, m.std, m.min, m.max, m.skipped.clone())
 
     def to_json(self) -> dict[str, Any]:
-        return {"count": int(self.count), **{k: getattr(self, k).tolist() for k in ("mean", "std", "min", "max")}}
+        return {"count": int(self.count), **{k: getattr(self, k).tolist() for k in ("mean", "std", "min", "max")},
+                "skipped": self.skipped.tolist()}
 
     @staticmethod
     def from_json(doc: Mapping[str, Any]) -> "FieldStats":
         tensors = {k: torch.tensor(doc[k], dtype=F64) for k in ("mean", "std", "min", "max")}
+        tensors["skipped"] = torch.tensor(doc["skipped"], dtype=torch.int64)
         shapes = {tuple(t.shape) for t in tensors.values()}
         if len(shapes) != 1 or len(next(iter(shapes))) > 1:
             raise ValueError(f"inconsistent shapes {shapes}")
@@ -111,30 +133,48 @@ def denormalize(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldSta
 # -- collectives -------------------------------------------------------------------------------
 
 
+def _nonfinite_error(ds: ZarrRecords, kind: str, names: Sequence[str], found: _Found) -> NonFiniteData:
+    record, name, count = ds.base_names()[found[0]], names[found[1]], found[2]
+    return NonFiniteData(
+        f"{kind} {name!r} of record {record!r} holds {count} non-finite value(s) (NaN or infinite): its "
+        "statistics would be NaN, and so would every sample normalised with them. Fix the record, or pass "
+        "nonfinite='skip' to leave such values out (they are counted in FieldStats.skipped)",
+        sample=record, field=name, count=count)
+
+
 def _merge_ranks(
     local: dict[str, Moments],
     names: Sequence[str],
     channels: Mapping[str, int],
     error: BaseException | None,
+    found: _Found | None,
     group: Any,
+    ds: ZarrRecords,
+    kind: str,
 ) -> dict[str, Moments]:
     """Moments over all ranks, merged in rank order so every rank gets the same bits.
 
-    A header collective goes first: every rank learns whether any rank failed
-    (then all raise instead of one hanging in the next collective) and the
-    channel count of quantities only some ranks computed.
+    A header collective goes first: every rank learns whether any rank failed or
+    found non-finite values (then all raise instead of one hanging in the next
+    collective; non-finite values as the same NonFiniteData on every rank, the
+    lowest such rank's first find) and the channel count of quantities only some
+    ranks computed.
     """
-    header = torch.tensor([0 if error else 1] + [channels[n] for n in names], dtype=torch.int64)
+    status = _FAILED if error is not None else _FOUND_NONFINITE if found is not None else _OK
+    header = torch.tensor([status, *(found or (-1, -1, 0))] + [channels[n] for n in names], dtype=torch.int64)
     headers = _all_gather(header, group)
-    failed = [r for r, h in enumerate(headers) if int(h[0]) == 0]
+    failed = [r for r, h in enumerate(headers) if int(h[0]) == _FAILED]
     if failed:
         if error is not None:
             raise error
         raise StokerError(f"computing statistics failed on rank(s) {failed}; the cause is raised there",
                           ranks=failed)
+    finds = [h for h in headers if int(h[0]) == _FOUND_NONFINITE]
+    if finds:
+        raise _nonfinite_error(ds, kind, names, (int(finds[0][1]), int(finds[0][2]), int(finds[0][3])))
     agreed: dict[str, int | None] = {}
     for j, name in enumerate(names):
-        codes = {int(h[1 + j]) for h in headers} - {_UNKNOWN}
+        codes = {int(h[4 + j]) for h in headers} - {_UNKNOWN}
         if len(codes) > 1:
             raise InvalidArgument(f"{name!r} has different channel counts on different ranks: "
                                   f"{sorted(c for c in codes)}", field=name)
@@ -184,27 +224,35 @@ def _plain_channels(ds: ZarrRecords, name: str, per_channel: bool) -> int:
     return int(last[0])
 
 
-def _plain_pass(local: ZarrRecords, fields: Sequence[str], per_channel: bool
-                ) -> tuple[dict[str, Moments], BaseException | None]:
+def _first_nonfinite(local: ZarrRecords, i: int, j: int, m: Moments) -> _Found:
+    return local.base_names().index(local.names[i]), j, int(m.skipped.sum())
+
+
+def _plain_pass(local: ZarrRecords, fields: Sequence[str], per_channel: bool, skip: bool
+                ) -> tuple[dict[str, Moments], BaseException | None, _Found | None]:
+    """This rank's moments; or the error it met (reported to every rank by _merge_ranks, raised here); or,
+    unless ``skip``, the first record holding non-finite values (no need to read further)."""
     acc: dict[str, Moments] = {}
     try:
         for i in range(len(local)):
             sample = local.read(i, fields)  # only the fields asked for: no bytes read for the others
-            for name in fields:
+            for j, name in enumerate(fields):
                 m = Moments.of(sample[name], per_channel)
+                if not skip and bool(m.skipped.any()):
+                    return acc, None, _first_nonfinite(local, i, j, m)
                 acc[name] = acc[name].merge(m) if name in acc else m
-    except Exception as exc:  # reported to every rank by _merge_ranks, raised here
-        return acc, exc
-    return acc, None
+    except Exception as exc:
+        return acc, exc, None
+    return acc, None, None
 
 
 def _derived_pass(local: ZarrRecords, plain: Mapping[str, FieldStats], derived: Mapping[str, Derived],
-                  per_channel: bool) -> tuple[dict[str, Moments], BaseException | None]:
+                  per_channel: bool, skip: bool) -> tuple[dict[str, Moments], BaseException | None, _Found | None]:
     acc: dict[str, Moments] = {}
     try:
         for i in range(len(local)):
             sample = normalize(local[i], plain)  # what training sees
-            for name, fn in derived.items():
+            for j, (name, fn) in enumerate(derived.items()):
                 value = fn(sample)
                 if not isinstance(value, torch.Tensor):
                     value = torch.as_tensor(np.asarray(value))
@@ -213,6 +261,8 @@ def _derived_pass(local: ZarrRecords, plain: Mapping[str, FieldStats], derived: 
                 if per_channel and value.ndim >= 2 and value.shape[-1] == 0:
                     raise InvalidArgument(f"derived {name!r} returned a tensor with 0 channels", field=name)
                 m = Moments.of(value, per_channel)
+                if not skip and bool(m.skipped.any()):
+                    return acc, None, _first_nonfinite(local, i, j, m)
                 if name in acc and acc[name].channels != m.channels:
                     raise InvalidArgument(
                         f"derived {name!r} has {m.channels} channels for record {local.names[i]!r} but "
@@ -221,8 +271,20 @@ def _derived_pass(local: ZarrRecords, plain: Mapping[str, FieldStats], derived: 
                     )
                 acc[name] = acc[name].merge(m) if name in acc else m
     except Exception as exc:
-        return acc, exc
-    return acc, None
+        return acc, exc, None
+    return acc, None, None
+
+
+def _check_some_finite(merged: Mapping[str, Moments], kind: str) -> None:
+    """NonFiniteData for a channel whose every value was skipped: no statistics describe it. Every rank
+    holds the same merged moments, so every rank raises alike."""
+    for name, m in merged.items():
+        empty = ((m.finite == 0) & (m.skipped > 0)).reshape(-1)
+        if bool(empty.any()):
+            where = "" if m.channels is None else f" in channel(s) {torch.nonzero(empty).reshape(-1).tolist()}"
+            raise NonFiniteData(f"{kind} {name!r} holds no finite value{where}, only {int(m.skipped.sum())} "
+                                "non-finite ones: there is nothing to compute statistics of", field=name,
+                                count=int(m.skipped.sum()))
 
 
 # -- the entry point ---------------------------------------------------------------------------
@@ -251,7 +313,8 @@ def _check_args(ds: Any, fields: Any, derived: Any) -> tuple[list[str], dict[str
 
 
 def _from_entry(entry: dict, expect: Mapping[str, int], derived: Sequence[str]) -> dict[str, FieldStats] | None:
-    """Statistics of a sidecar entry, or None when it does not hold what was asked for."""
+    """Statistics of a sidecar entry, or None when it does not hold what was asked for (or holds a non-finite
+    mean, as files written before non-finite values were refused could)."""
     try:
         stats = {name: FieldStats.from_json(entry["stats"][name]) for name in [*expect, *derived]}
     except (KeyError, TypeError, ValueError):
@@ -260,6 +323,8 @@ def _from_entry(entry: dict, expect: Mapping[str, int], derived: Sequence[str]) 
         want = () if code == _SCALAR else (code,)
         if tuple(stats[name].mean.shape) != want:
             return None
+    if not all(bool(torch.isfinite(st.mean).all()) for st in stats.values()):
+        return None
     return stats
 
 
@@ -270,6 +335,7 @@ def compute_stats(
     group: Any = None,
     derived: Mapping[str, Derived] | None = None,
     cache: bool = True,
+    nonfinite: str = "raise",
 ) -> dict[str, FieldStats]:
     """Statistics of ``fields`` (and of ``derived`` quantities) over the whole dataset.
 
@@ -279,15 +345,21 @@ def compute_stats(
     or 1 dims give one scalar). ``derived`` maps a name to ``fn(normalised sample) ->
     tensor (..., C)``; it costs a second pass. With ``cache``, a matching entry of
     ``root/.stoker-stats.json`` is returned without reading any record, and a fresh
-    result is written there by rank 0 (a failed write only warns).
+    result is written there by rank 0 (a failed write only warns). ``nonfinite``: what
+    a NaN or infinite value does: ``"raise"`` a :class:`~stoker.errors.NonFiniteData`
+    (on every rank, naming the record, the field and the count; nothing is written),
+    or ``"skip"`` it (counted per channel in ``FieldStats.skipped``).
     """
     names, derived = _check_args(ds, fields, derived)
+    if nonfinite not in _NONFINITE:
+        raise InvalidArgument(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}", knob="nonfinite")
+    skip = nonfinite == "skip"
     per_channel = bool(per_channel)
     expect = {name: _plain_channels(ds, name, per_channel) for name in names}
 
     rank, world = _group_position(group)
     local = rank_part(ds, rank, world)
-    fp = sidecar.fingerprint(ds, names, per_channel, list(derived))
+    fp = sidecar.fingerprint(ds, names, per_channel, list(derived), nonfinite)
 
     loaded = None
     if cache:
@@ -303,15 +375,17 @@ def compute_stats(
         return loaded
 
     # Pass 1: the stored fields.
-    acc, error = _plain_pass(local, names, per_channel)
-    plain_m = _merge_ranks(acc, names, expect, error, group)
+    acc, error, found = _plain_pass(local, names, per_channel, skip)
+    plain_m = _merge_ranks(acc, names, expect, error, found, group, ds, "field")
+    _check_some_finite(plain_m, "field")
     result = {name: FieldStats.from_moments(plain_m[name]) for name in names}
 
     # Pass 2 (derived quantities only): on samples normalised with pass 1's statistics.
     if derived:
-        acc, error = _derived_pass(local, result, derived, per_channel)
+        acc, error, found = _derived_pass(local, result, derived, per_channel, skip)
         codes = {name: _channel_code(acc.get(name)) for name in derived}
-        derived_m = _merge_ranks(acc, list(derived), codes, error, group)
+        derived_m = _merge_ranks(acc, list(derived), codes, error, found, group, ds, "derived")
+        _check_some_finite(derived_m, "derived")
         result.update({name: FieldStats.from_moments(derived_m[name]) for name in derived})
 
     if cache:
@@ -320,6 +394,7 @@ def compute_stats(
                 "fields": names,
                 "derived": sorted(derived),
                 "per_channel": per_channel,
+                "nonfinite": nonfinite,
                 "records": ds.base_size,
                 "world_size": world,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

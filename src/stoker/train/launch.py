@@ -24,11 +24,13 @@ destroys the process group. When a spawned rank raises, the others are stopped a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import faulthandler
 import gc
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -36,7 +38,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,12 +46,14 @@ import torch.distributed as dist
 from ..checks import integer, seconds
 from ..config import usable_cpus
 from ..errors import InvalidArgument, RankFailed
+from ..fsutil import make_owned_dir, remove_dead_owned_dirs
 from . import heartbeat
 
 __all__ = ["RankContext", "launch", "under_torchrun"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _DEFAULT_CPU_RANKS = 2
+_WORKDIR_PREFIX = "stoker-launch"  # + "-<host>-<pid>-<random>": says which launcher owns the folder
 
 
 @dataclass
@@ -156,8 +160,7 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backen
     threads = None if cuda else max(1, usable_cpus() // n)
     env = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
     if n == 1:
-        with tempfile.TemporaryDirectory(prefix="stoker-launch-") as workdir, \
-                _environment({**env, "RANK": "0", "LOCAL_RANK": "0"}):
+        with _workdir() as workdir, _environment({**env, "RANK": "0", "LOCAL_RANK": "0"}):
             return _run_rank(fn, args, 0, 0, 1, backend, cuda, float(timeout_s), threads=None,
                              init_method=_file_store(workdir))
     return _spawn(fn, args, n, env, backend, cuda, float(timeout_s), threads, stall_s)
@@ -171,6 +174,22 @@ def _check_stall(stall_timeout_s: Any, timeout_s: float) -> float:
         raise InvalidArgument(f"stall_timeout_s={stall:g} must be below timeout_s={timeout_s:g}: the collectives "
                               "would time out before the heartbeat could name the rank that holds them up")
     return stall
+
+
+@contextlib.contextmanager
+def _workdir() -> Iterator[str]:
+    """A private folder for this launch's rendezvous, results and errors, removed afterwards.
+
+    Its name says which process owns it, so a launch first removes the folders of launchers that
+    died without cleaning up (``kill -9``): only this user's, only real folders named so.
+    """
+    parent = tempfile.gettempdir()
+    remove_dead_owned_dirs(parent, _WORKDIR_PREFIX)
+    path = make_owned_dir(parent, _WORKDIR_PREFIX)
+    try:
+        yield str(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _file_store(workdir: str) -> str:
@@ -323,7 +342,7 @@ def _spawn(fn: Callable[..., Any], args: tuple, n: int, env: dict[str, str], bac
 
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="stoker-launch-") as workdir:
+    with _workdir() as workdir:
         context = mp.start_processes(_spawned_entry,
                                      args=(fn, args, env, backend, cuda, timeout_s, threads, workdir, stall_s),
                                      nprocs=n, join=False, start_method="spawn")

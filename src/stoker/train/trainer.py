@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections import abc
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -53,6 +54,10 @@ __all__ = ["FitResult", "Trainer"]
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 _AMP = (None, "bf16", "fp16")
 _UNUSED = ("error", "warn", "ignore")
+# What _save writes and _restore reads: a checkpoint lacking any of these, or holding another type, is damaged.
+_STATE = {"model": abc.Mapping, "optimizer": abc.Mapping, "scaler": (abc.Mapping, type(None)),
+          "scheduler": (abc.Mapping, type(None)), "samples": int, "world_size": int, "rng": list,
+          "data": (list, type(None))}
 
 
 @dataclass(frozen=True)
@@ -262,7 +267,7 @@ class Trainer:
             path = Path(resume)
             error: BaseException | None = None
             try:
-                self._restore((self.checkpoints or Checkpoints(path.parent)).load(path), data)
+                self._restore((self.checkpoints or Checkpoints(path.parent)).load(path, _STATE), data)
             except Exception as exc:  # noqa: BLE001 - agreed on below
                 error = exc
             self._raise_unless_all_ok(error, f"resuming from {path}")
@@ -276,7 +281,7 @@ class Trainer:
         if self.rank == 0:
             try:
                 self.checkpoints.cleanup()
-                found = self.checkpoints.load_latest()
+                found = self.checkpoints.load_latest(_STATE)
                 choice = [str(found[0]) if found else None]
             except Exception as exc:  # noqa: BLE001 - broadcast, so no rank waits for a choice
                 choice = [f"error:{type(exc).__name__}: {exc}"]
@@ -289,7 +294,7 @@ class Trainer:
         error = None
         if path is not None:
             try:
-                self._restore(found[1] if found else self.checkpoints.load(path), data)
+                self._restore(found[1] if found else self.checkpoints.load(path, _STATE), data)
             except Exception as exc:  # noqa: BLE001 - agreed on below
                 error = exc
         self._raise_unless_all_ok(error, f"resuming from {path}")
@@ -327,6 +332,9 @@ class Trainer:
         self._raise_unless_all_ok(error, "checking the checkpoint directory")
 
     def _restore(self, state: Mapping[str, Any], data: Any) -> None:
+        if state["world_size"] == self.world_size and len(state["rng"]) != self.world_size:
+            raise CheckpointError(f"the checkpoint of step {state['step']} is damaged: it holds {len(state['rng'])} "
+                                  f"RNG states for {self.world_size} ranks")
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state.get("scaler") is not None:
