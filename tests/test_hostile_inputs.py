@@ -1,8 +1,9 @@
 """Hostile inputs: small files that would cost gigabytes end in their typed error within a memory bound.
 
 Each case writes a real array with zarr-python, replaces one chunk with hostile bytes (a decompression
-bomb of every codec the Python path decodes, a blosc header that lies), then reads it in a child process:
-through ``open_array(...).read`` or a Pipeline (compiled reader on and off). The child reports the error it got and
+bomb of every codec the Python path decodes, a blosc header that lies, a sparse 3 GiB chunk file, a shard
+index claiming a 3 GiB inner chunk), then reads it in a child process: through ``open_array(...).read``,
+a Pipeline (compiled reader on and off) or ``stoker inspect``. The child reports the error it got and
 its peak RSS growth over the hostile read alone (``/proc/self/clear_refs`` resets the peak first), with
 its address space capped so that a regression fails the test rather than the machine.
 
@@ -40,8 +41,10 @@ pytestmark = [
 
 BOMB = 128 << 20  # what each bomb decodes to
 GROWTH_LIMIT = 32 << 20  # peak RSS growth allowed for one hostile read (the chunks hold 512 KiB)
-# Four 512 KiB chunks: every bomb is stored in fewer bytes than such a chunk may take (584 KiB), so it is
-# a bound that stops it (an lz4 block expands at most 255-fold, deflate about 1000-fold).
+SPARSE = 3 << 30  # a sparse chunk file, or the inner chunk a shard index claims
+# Four 512 KiB chunks: every bomb is stored in fewer bytes than such a chunk may take (max_stored_nbytes,
+# 584 KiB), so it is the decoder's bound that stops it, not the stored-size check (an lz4 block expands
+# at most 255-fold, deflate about 1000-fold).
 SHAPE, CHUNKS, DTYPE = (1024, 1024), (512, 512), "uint16"
 GOOD, BAD = [(512, 520), (512, 520)], [(0, 8), (0, 8)]  # a box in an intact chunk, one in the hostile chunk
 
@@ -125,9 +128,9 @@ def test_bomb_builders_make_what_numcodecs_decodes(tmp_path):
         assert numcodecs.Zstd().decode(frame) == bytes(n)
     assert numcodecs.LZ4().decode(lz4_bomb(n)) == bytes(n)
     assert numcodecs.Blosc().decode(blosc_bomb(n)) == bytes(n)
-    limit = bounded.encoded_bound(numcodecs.LZ4(), 512 * 512 * 2)
+    limit = stoker.open_array(_v2(tmp_path / "a.zarr", numcodecs.LZ4())).metadata.codec.max_stored_nbytes
     for name in ("zstd", "zstd-unsized", "lz4", "blosc", "gzip", "zlib", "bz2", "lzma"):
-        assert len(bomb(name)) < limit, name  # what a 512 KiB chunk may be stored in
+        assert len(bomb(name)) < limit, name  # the decoder's bound is what stops it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,9 +152,9 @@ def _sharded(path) -> str:
     return str(path)
 
 
-def _rewrite_shard(shard: str, first: bytes) -> None:
-    """Rewrite a one-shard array's shard: inner chunk 0 becomes ``first``, the other inner chunks keep their
-    bytes; the index (at the end, crc32c) says so."""
+def _rewrite_shard(shard: str, first: bytes | None, first_length: int | None = None) -> None:
+    """Rewrite a one-shard array's shard: inner chunk 0 becomes ``first`` (or ``first_length`` bytes of a
+    sparse hole), the other inner chunks keep their bytes; the index (at the end, crc32c) says so."""
     raw = open(shard, "rb").read()
     n_inner = 4
     index = np.frombuffer(raw[-(16 * n_inner + 4):-4], dtype="<u8").reshape(n_inner, 2)
@@ -160,10 +163,17 @@ def _rewrite_shard(shard: str, first: bytes) -> None:
     for chunk in others:
         entries.append((len(body), len(chunk)))
         body += chunk
-    entries.insert(0, (len(body), len(first)))
+    if first is not None:
+        entries.insert(0, (len(body), len(first)))
+        body += first
+    else:
+        entries.insert(0, (len(body), first_length))
     table = numcodecs.CRC32C(location="end").encode(np.array(entries, dtype="<u8").tobytes())
     with open(shard, "wb") as f:
-        f.write(body + first + bytes(table))
+        f.write(body)
+        f.truncate(entries[0][0] + entries[0][1])  # a hole where a claimed inner chunk would be
+        f.seek(0, os.SEEK_END)
+        f.write(table)
 
 
 def make_case(name: str, root) -> str:
@@ -172,6 +182,14 @@ def make_case(name: str, root) -> str:
     if name == "sharded-zstd":
         uri = _sharded(path)
         _rewrite_shard(os.path.join(uri, "c", "0", "0"), bomb("zstd"))
+        return uri
+    if name == "shard-index-3GiB":
+        uri = _sharded(path)
+        _rewrite_shard(os.path.join(uri, "c", "0", "0"), None, SPARSE)
+        return uri
+    if name == "sparse-3GiB":
+        uri = _v2(path, numcodecs.Zstd(level=1))
+        os.truncate(os.path.join(uri, "0.0"), SPARSE)
         return uri
     codec, filters = {
         "zstd": (numcodecs.Zstd(level=1), None),
@@ -207,6 +225,9 @@ def status(field):
 if how == "read":
     arr = stoker.open_array(uri)
     run = arr.read
+elif how == "inspect":
+    from stoker.cli.inspect import describe
+    run = lambda box: describe(uri, None if box is good else tuple(b - a for a, b in box))
 else:
     p = stoker.Pipeline(stoker.Config(batch_size=1, dtype="f32", device="cpu", n_compute_threads=2,
                                       pop_timeout_s=30.0))
@@ -251,12 +272,17 @@ CASES = (
     [(name, "read") for name in BOMBS]
     + [(name, "pipeline-python") for name in ("zstd", "zstd-unsized", "blosc", "sharded-zstd")]
     + [(name, "pipeline") for name in ("zstd", "sharded-zstd")]
+    + [(name, how) for name in ("sparse-3GiB", "shard-index-3GiB")
+       for how in ("read", "pipeline-python", "pipeline", "inspect")]
 )
 
 
 def expected_words(case: str, how: str) -> str:
-    """What the error must say: the bound it stopped at. (The compiled reader words its own refusals of
-    a zstd frame; blosc's partial decode, which checks the header against the chunk, too.)"""
+    """What the error must say: the bound it stopped at, or the two sizes of a chunk refused unread.
+    (The compiled reader words its own refusals of a zstd frame; blosc's partial decode, which checks
+    the header against the chunk, too.)"""
+    if case in ("sparse-3GiB", "shard-index-3GiB"):
+        return f"stored in {SPARSE} bytes"
     if how == "read" or how == "pipeline-python" and case != "blosc" or case == "sharded-zstd":
         return "decodes to more than"
     return ""
@@ -364,3 +390,5 @@ def test_checksum_after_a_compressor_reads(tmp_path):
     z[...] = np.arange(64 * 64, dtype="uint16").reshape(64, 64)
     arr = stoker.open_array(tmp_path / "a.zarr")
     np.testing.assert_array_equal(arr.read([(0, 64), (0, 64)]), z[...])
+    codec = arr.metadata.codec
+    assert codec.max_stored_nbytes == bounded.encoded_bound(codec.compressors[0], codec.nbytes) + 4

@@ -18,7 +18,8 @@ about the bound at most:
 ``decoder(codec, bound)`` is the call to use; it is None for codecs not listed,
 which keep numcodecs' own decode (their output is size-checked afterwards).
 :func:`encoded_bound` is the other direction: the largest stored form of a
-codec's input, the bound of the stage that decodes before it.
+codec's input: the bound of the stage that decodes before it, and of a stored
+chunk (``ChunkCodec.max_stored_nbytes``, which refuses files no chunk can be).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ the element layout (byte order, C/F order or a v3 ``transpose``). It checks the
 decoded size against the chunk geometry so a short or oversized payload is a
 :class:`~stoker.errors.DecodeError`, never stale memory left in a buffer, and
 bounds every stage before it allocates (:mod:`.bounded`): a small hostile chunk
-cannot decode to more than about a chunk's bytes.
+cannot decode to more than about a chunk's bytes, and a stored chunk larger than
+its codecs can produce (:attr:`ChunkCodec.max_stored_nbytes`) is refused unread.
 
 Two entry points::
 
@@ -58,6 +59,9 @@ class ChunkCodec:
     plain: bool = field(init=False, repr=False, compare=False)  # decoded bytes are the chunk in C order, native
     _decompress: tuple = field(init=False, repr=False, compare=False)  # (decode, bound, codec id), decode order
     nbytes: int = field(init=False, repr=False, compare=False)  # decoded size of one chunk in bytes
+    # the most bytes these codecs can store for one chunk (generous): a larger chunk file or inner chunk
+    # is not a chunk of this array and is refused before it is read
+    max_stored_nbytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         plain = (
@@ -78,6 +82,7 @@ class ChunkCodec:
             stages.append((bounded.decoder(c, bound) or c.decode, bound, c.codec_id))
             bound = bounded.encoded_bound(c, bound)
         object.__setattr__(self, "_decompress", tuple(reversed(stages)))
+        object.__setattr__(self, "max_stored_nbytes", bound)
 
     @property
     def partial(self) -> bool:
@@ -112,6 +117,16 @@ class ChunkCodec:
             "the stored bytes are corrupt or truncated",
             uri=self.uri, key=key,
         )
+
+    def check_stored_size(self, stored: int, key: str) -> None:
+        """DecodeError, before reading, when chunk ``key`` is stored in more bytes than these codecs write."""
+        if stored > self.max_stored_nbytes:
+            raise DecodeError(
+                f"{self.uri}: chunk {key!r} is stored in {stored} bytes, more than the {self.max_stored_nbytes} "
+                f"that codecs {' -> '.join(self.names) or 'none'} can write for a chunk of shape {self.shape} of "
+                f"{self.dtype}; the file is corrupt or not a chunk of this array (it was not read)",
+                uri=self.uri, key=key, stored=stored, limit=self.max_stored_nbytes,
+            )
 
     def too_large(self, key: str, exc: bounded.TooLarge) -> DecodeError:
         """The typed error for chunk ``key`` whose decode stopped at its bound."""
