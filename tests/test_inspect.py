@@ -54,3 +54,20 @@ def test_inspect_cli_reports_and_advises(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "v.zarr"), "--sample-shape", "8", "8"]) == 1  # wrong rank
     assert main(["inspect", str(tmp_path / "missing.zarr")]) == 1
     assert "no Zarr array" in capsys.readouterr().out
+
+
+def test_inspect_reads_no_chunk_beyond_one_blosc_header(tmp_path):
+    """The compression ratio comes from file sizes and shard index entries, the block size from one 16-byte
+    header: a chunk's bytes are never read (a sparse 3 GiB chunk file once cost 9 GiB here)."""
+    from stoker.cli.inspect import describe
+    from stoker.storage import default_store
+
+    z = zarr.create_array(str(tmp_path / "v.zarr"), shape=(64, 256, 256), chunks=(32, 128, 128), dtype="uint16",
+                          compressors=BloscCodec(cname="lz4", shuffle="shuffle"))
+    z[:] = np.random.default_rng(0).integers(0, 300, size=z.shape, dtype="uint16")
+    counters = default_store().counters
+    before = counters.bytes_read
+    out = describe(str(tmp_path / "v.zarr"), (8, 32, 32))
+    assert "partial blosc decode" in out and "compression ratio" in out
+    metadata = (tmp_path / "v.zarr" / "zarr.json").stat().st_size
+    assert counters.bytes_read - before <= metadata + 16

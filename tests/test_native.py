@@ -168,16 +168,26 @@ def test_unreadable_chunk_path_is_a_storage_error(tmp_path, reader):
         _read_first_chunk(uri)
 
 
-def test_file_beyond_the_frame_bound_takes_the_python_path(tmp_path, reader):
-    """A frame followed by a large skippable frame is valid zstd but larger than any frame of this
-    chunk: the compiled reader declines it and the Python path decodes it correctly."""
+def test_file_beyond_the_stored_bound_is_refused_on_every_path(tmp_path, reader):
+    """A frame followed by a skippable frame is valid zstd: it reads while the file stays within what the
+    codec can store for this chunk (``max_stored_nbytes``, the one bound of both paths); one byte more and
+    it is a DecodeError naming both sizes."""
     uri, data = _one_chunk_array(tmp_path / "a.zarr")
     chunk = os.path.join(uri, "c", "0", "0")
-    padding = 64 << 10
-    skippable = (0x184D2A50).to_bytes(4, "little") + padding.to_bytes(4, "little") + bytes(padding)
-    with open(chunk, "ab") as f:
-        f.write(skippable)
+    frame = open(chunk, "rb").read()
+
+    def pad_to(size):
+        padding = size - len(frame) - 8
+        skippable = (0x184D2A50).to_bytes(4, "little") + padding.to_bytes(4, "little") + bytes(padding)
+        open(chunk, "wb").write(frame + skippable)
+
+    limit = stoker.open_array(uri).metadata.codec.max_stored_nbytes
+    pad_to(len(frame) + 8 + 1024)
     torch.testing.assert_close(_read_first_chunk(uri), torch.from_numpy(data[None, :8, :8].astype(np.float32)))
+    pad_to(limit + 1)
+    with pytest.raises(stoker.DecodeError, match=f"stored in {limit + 1} bytes, more than the {limit}") as err:
+        _read_first_chunk(uri)
+    assert err.value.key == "c/0/0"
 
 
 def _call(codec, paths, nbytes, spans=None, scratch=4096, places=None, dst=None, outs=None, where=None):

@@ -170,6 +170,7 @@ class ArrayReader:
         offset, length = table.item(inner, 0), table.item(inner, 1)  # Python ints, without a row view
         if offset == length == EMPTY_ENTRY:
             return ChunkLocation(key, None)
+        meta.codec.check_stored_size(length, key)  # before anyone reads or reserves room for it
         return ChunkLocation(key, self.file_path(shard_key), offset, length)
 
     def encoded_chunk(self, index: tuple[int, ...]) -> tuple[str, Any]:
@@ -178,12 +179,25 @@ class ArrayReader:
         if loc.path is None:
             return loc.key, None
         if loc.offset is None:
-            return loc.key, self.store.read(loc.path)
+            return loc.key, self._read_chunk_file(loc)
         data = self.store.read_range(loc.path, loc.offset, loc.length)
         if data is None or len(data) != loc.length:
             raise DecodeError(f"{self.uri}: the shard holding inner chunk {loc.key!r} changed or vanished while "
                               "it was read", uri=self.uri, key=loc.key)
         return loc.key, data
+
+    def _read_chunk_file(self, loc: ChunkLocation) -> bytearray | None:
+        """The whole chunk file, or None when missing; one larger than the codecs can write is not read."""
+        f = self.store.open_file(loc.path)
+        if f is None:
+            return None
+        with f:
+            self.metadata.codec.check_stored_size(f.size, loc.key)
+            data = bytearray(f.size)
+            if f.read_into(memoryview(data), 0) != f.size:
+                raise DecodeError(f"{self.uri}: chunk {loc.key!r} changed while it was read", uri=self.uri,
+                                  key=loc.key)
+        return data
 
     def shard_index(self, shard_key: str) -> np.ndarray | None:
         """Decoded ``(n_inner, 2)`` index of a shard (cached), or ``None`` when the shard file is missing."""

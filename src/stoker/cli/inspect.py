@@ -9,11 +9,33 @@ import numpy as np
 from ..amplification import estimate
 from ..array import open_array
 from ..errors import InvalidArgument, StokerError
-from ..zarr.blosc_partial import blosc_header
+from ..zarr.blosc_partial import HEADER_SIZE, blosc_header
+
+
+def _stored_size_and_header(arr, index: tuple[int, ...], header: bool) -> tuple[int | None, bytes]:
+    """``(stored bytes, first 16 bytes if header else b"")`` of read chunk ``index`` without reading the
+    chunk: the file's size, or the inner chunk's length from its shard's index; ``(None, b"")`` when not
+    stored. A chunk larger than its codecs can write is a DecodeError, as a read of it would be."""
+    loc = arr.locate(index)
+    if loc.path is None:
+        return None, b""
+    if loc.offset is not None:
+        head = arr.store.read_range(loc.path, loc.offset, min(HEADER_SIZE, loc.length)) if header else b""
+        return loc.length, head or b""
+    f = arr.store.open_file(loc.path)
+    if f is None:
+        return None, b""
+    with f:
+        arr.metadata.codec.check_stored_size(f.size, loc.key)  # as a read would (locate checks inner chunks)
+        head = bytearray(min(HEADER_SIZE, f.size) if header else 0)
+        if head:
+            f.read_into(memoryview(head), 0)
+        return f.size, bytes(head)
 
 
 def _blocksize_and_ratio(arr, samples: int = 32) -> tuple[int | None, float | None]:
-    """The blosc block size from one chunk's header, and the compression ratio of up to ``samples`` chunks."""
+    """The blosc block size from one chunk's header, and the compression ratio of up to ``samples`` chunks
+    (from their stored sizes: no chunk is read beyond one blosc header)."""
     meta = arr.metadata
     blocksize = None
     sizes = []
@@ -21,12 +43,12 @@ def _blocksize_and_ratio(arr, samples: int = 32) -> tuple[int | None, float | No
     grid = meta.grid
     for _ in range(samples * 4):
         index = tuple(int(rng.integers(0, g)) for g in grid)
-        _, encoded = arr.encoded_chunk(index)
-        if encoded is None:
+        size, head = _stored_size_and_header(arr, index, blocksize is None and meta.codec.partial)
+        if size is None:
             continue
-        sizes.append(len(encoded))
-        if blocksize is None and meta.codec.partial:
-            blocksize = blosc_header(encoded)[1]
+        sizes.append(size)
+        if len(head) == HEADER_SIZE:
+            blocksize = blosc_header(head)[1]
         if len(sizes) >= samples:
             break
     ratio = meta.codec.nbytes * len(sizes) / sum(sizes) if sizes and sum(sizes) else None

@@ -39,16 +39,10 @@ class _NoRoom(Exception):
     """Internal: the budget is short and this compute thread must not wait for it."""
 
 
-def _frame_bound(nbytes: int) -> int:
-    """Room for the stored frame of an ``nbytes`` chunk: zstd's worst case (ZSTD_compressBound) plus slack,
-    far above blosc's (16 bytes over ``nbytes``); a larger file is not a frame of this chunk and takes the
-    Python path."""
-    return nbytes + (nbytes >> 7) + 4096
-
-
-def _native_bytes(nbytes: int, n: int) -> int:
-    """What one compiled call with ``n`` output buffers of ``nbytes`` reserves: the encoded buffer and the outputs."""
-    return size_class(_frame_bound(nbytes)) + n * size_class(nbytes)
+def _native_bytes(stored: int, nbytes: int, n: int) -> int:
+    """What one compiled call with ``n`` output buffers of ``nbytes`` reserves: the encoded buffer (room for
+    ``stored`` bytes, the codec's ``max_stored_nbytes``) and the outputs."""
+    return size_class(stored) + n * size_class(nbytes)
 
 
 def native_codec(codec) -> int | None:
@@ -246,9 +240,9 @@ class CpuExecutor:
 
     @staticmethod
     def _native_groups(plan: BatchPlan, reads: list[FileRead]) -> tuple[dict, list[FileRead]]:
-        """The reads the compiled reader takes, by (codec, decoded chunk size), one chunk per read (a shard's
-        inner chunks are split out); and the rest, for the Python path."""
-        groups: dict[tuple[int, int], list[FileRead]] = {}
+        """The reads the compiled reader takes, by (codec, decoded chunk size, largest stored chunk), one chunk
+        per read (a shard's inner chunks are split out); and the rest, for the Python path."""
+        groups: dict[tuple[int, int, int], list[FileRead]] = {}
         rest = []
         for fr in reads:
             codec = plan.sources[plan.chunks[fr.chunk_ids[0]].source].metadata.codec
@@ -256,12 +250,12 @@ class CpuExecutor:
             if kind is None:
                 rest.append(fr)
             else:
-                groups.setdefault((kind, codec.nbytes), []).extend(
+                groups.setdefault((kind, codec.nbytes, codec.max_stored_nbytes), []).extend(
                     [fr] if len(fr.chunk_ids) == 1 else
                     [FileRead.inner_chunk(fr.path, c, plan.chunks[c].offset, plan.chunks[c].length) for c in fr.chunk_ids])
         return groups, rest
 
-    def _read_native(self, job: Job, groups: dict[tuple[int, int], list[FileRead]],
+    def _read_native(self, job: Job, groups: dict[tuple[int, int, int], list[FileRead]],
                      rest: list[FileRead]) -> list[FileRead]:
         """Read, decode and place the grouped zstd and blosc chunks (whole chunk files and inner chunks of
         shards) in compiled code that holds no GIL (``stoker/_native.c``), a few chunks per call; returns
@@ -271,18 +265,19 @@ class CpuExecutor:
         over many arrays still make full calls. Chunks with a copy plan (see :func:`copy_plan`) are cast
         into the batch inside the call; the others are viewed through their own array's codec here.
         """
-        for (kind, nbytes), frs in groups.items():
+        for (kind, nbytes, stored), frs in groups.items():
             step = max(1, _NATIVE_CALL_BYTES // nbytes)
             for i in range(0, len(frs), step):
                 part = frs[i:i + step]
-                if _native_bytes(nbytes, len(part)) > self.budget.capacity:
+                if _native_bytes(stored, nbytes, len(part)) > self.budget.capacity:
                     rest.extend(part)  # the Python path reserves by actual file size: it may fit
                 else:
-                    self._guard(job, len(part), self._native_call, job, part, kind, nbytes)
+                    self._guard(job, len(part), self._native_call, job, part, kind, nbytes, stored)
         return rest
 
-    def _native_call(self, job: Job, reads: list[FileRead], kind: int, nbytes: int) -> None:
-        """One compiled call over ``reads``, each one chunk: a whole file or an inner chunk of a shard."""
+    def _native_call(self, job: Job, reads: list[FileRead], kind: int, nbytes: int, stored: int) -> None:
+        """One compiled call over ``reads``, each one chunk: a whole file or an inner chunk of a shard, read into
+        a buffer of ``stored`` bytes (a larger file is no chunk of these arrays: the Python path refuses it)."""
         plan = job.plan
         tasks = [plan.chunks[fr.chunk_ids[0]] for fr in reads]
         codecs = [plan.sources[t.source].metadata.codec for t in tasks]
@@ -296,11 +291,11 @@ class CpuExecutor:
             places = [copy_plan(t, codec, job.out, dst[2], strides, planned) for t, codec in zip(tasks, codecs)]
         shared = places is not None and all(p is not None for p in places)  # every chunk is placed in the call
         res = Reservation(self.budget, users=1)
-        if not res.try_reserve(_native_bytes(nbytes, 1 if shared else len(reads))):
+        if not res.try_reserve(_native_bytes(stored, nbytes, 1 if shared else len(reads))):
             self._handoff_each(job, reads)  # a compute thread never waits for memory (see _read)
             return
         try:
-            scratch = res.take(_frame_bound(nbytes), keep=True)
+            scratch = res.take(stored, keep=True)[:stored]  # exactly: a larger file is TOO_BIG
             if shared:  # decoded and placed one after the other: one buffer, warm in cache for each chunk
                 outs = [res.take(nbytes, keep=True)] * len(reads)
             else:
@@ -342,9 +337,9 @@ class CpuExecutor:
         elif status == native.OS_ERROR and fr.whole_file:
             raise StorageError(f"cannot read {fr.path}: {os.strerror(detail)}", path=fr.path)
         elif status == native.TOO_BIG or native_codec(codec) == native.BLOSC or not fr.whole_file:
-            # zstd: larger than zstd's bound for this chunk; blosc: any frame the call declined or could
-            # not decode; any failure of an inner chunk of a shard. The Python path reads it again and
-            # decides (and words the error) as it always does.
+            # larger than any stored chunk of this codec (the Python path refuses it unread); blosc: any
+            # frame the call declined or could not decode; any failure of an inner chunk of a shard. The
+            # Python path reads it again and decides (and words the error) as it always does.
             self._read(job, fr, True)
         elif status == native.SHORT:
             raise DecodeError(f"{reader.uri}: chunk {task.key!r} changed while it was read", uri=reader.uri,
@@ -415,6 +410,7 @@ class CpuExecutor:
                     self._fill(job, task, fill)
                     return
                 with f:
+                    plan.sources[task.source].metadata.codec.check_stored_size(f.size, task.key)
                     self._reserve(res, size_class(f.size) + scratch, on_compute)
                     view = memoryview(res.take(f.size, keep=True))[: f.size]
                     nread = self._read_chunk_file(f, view, plan.sources[task.source], task)

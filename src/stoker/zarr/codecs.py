@@ -4,7 +4,10 @@ A :class:`ChunkCodec` knows the whole path from stored bytes to a chunk array:
 bytes-to-bytes codecs (compressors, checksums) in reverse, then v2 filters, then
 the element layout (byte order, C/F order or a v3 ``transpose``). It checks the
 decoded size against the chunk geometry so a short or oversized payload is a
-:class:`~stoker.errors.DecodeError`, never stale memory left in a buffer.
+:class:`~stoker.errors.DecodeError`, never stale memory left in a buffer, and
+bounds every stage before it allocates (:mod:`.bounded`): a small hostile chunk
+cannot decode to more than about a chunk's bytes, and a stored chunk larger than
+its codecs can produce (:attr:`ChunkCodec.max_stored_nbytes`) is refused unread.
 
 Two entry points::
 
@@ -26,41 +29,7 @@ import numpy as np
 from numcodecs.abc import Codec
 
 from ..errors import DecodeError, StokerError, UnsupportedFormat
-from . import blosc_partial
-from .blosc_partial import blosc_header
-
-
-def _decompressor(codec: Codec):
-    """The fastest correct call that decodes one compressor's output.
-
-    zstd and lz4 go straight to numcodecs' module-level ``decompress`` (the codec
-    method adds only input checks that cost GIL time on every chunk; the parameters
-    of these codecs do not affect decoding). blosc1 trusts its header, so its frame
-    is checked against the stored size first.
-    """
-    if type(codec) is numcodecs.Zstd:
-        from numcodecs import zstd
-
-        return zstd.decompress
-    if type(codec) is numcodecs.LZ4:
-        from numcodecs import lz4
-
-        return lz4.decompress
-    if codec.codec_id == "blosc":
-        def blosc(data: Any, codec: Codec = codec) -> Any:
-            _check_blosc_frame(data)
-            return codec.decode(data)
-        return blosc
-    return codec.decode
-
-
-def _check_blosc_frame(buf: Any) -> int:
-    """The frame's decoded size; ``ValueError`` unless its header accounts for exactly the bytes stored."""
-    stored = memoryview(buf).nbytes
-    nbytes, _, cbytes = blosc_header(buf)
-    if cbytes != stored:
-        raise ValueError(f"blosc frame claims {cbytes} bytes but {stored} are stored")
-    return nbytes
+from . import blosc_partial, bounded
 
 
 def inverse_permutation(order: Sequence[int]) -> tuple[int, ...]:
@@ -88,8 +57,11 @@ class ChunkCodec:
     filters: tuple[Codec, ...] = ()
     compressors: tuple[Codec, ...] = ()
     plain: bool = field(init=False, repr=False, compare=False)  # decoded bytes are the chunk in C order, native
-    _decompress: tuple = field(init=False, repr=False, compare=False)  # per compressor, in decode order
+    _decompress: tuple = field(init=False, repr=False, compare=False)  # (decode, bound, codec id), decode order
     nbytes: int = field(init=False, repr=False, compare=False)  # decoded size of one chunk in bytes
+    # the most bytes these codecs can store for one chunk (generous): a larger chunk file or inner chunk
+    # is not a chunk of this array and is refused before it is read
+    max_stored_nbytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         plain = (
@@ -98,8 +70,19 @@ class ChunkCodec:
             and (self.stored_dtype.isnative or self.stored_dtype.itemsize == 1)
         )
         object.__setattr__(self, "plain", plain)
-        object.__setattr__(self, "_decompress", tuple(_decompressor(c) for c in reversed(self.compressors)))
-        object.__setattr__(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
+        n = math.prod(self.shape)
+        object.__setattr__(self, "nbytes", n * self.dtype.itemsize)
+        # What the last compressor (in decode order) may produce: the chunk's bytes exactly, or, with v2
+        # filters (which may change the size: AsType, FixedScaleOffset or Delta to another dtype), a bound
+        # from the element count. Each earlier stage may produce at most what the next one can store.
+        bound = self.nbytes if not self.filters else (
+            n * max(16, self.stored_dtype.itemsize) + bounded.OVERHEAD_SLACK)
+        stages = []
+        for c in self.compressors:
+            stages.append((bounded.decoder(c, bound) or c.decode, bound, c.codec_id))
+            bound = bounded.encoded_bound(c, bound)
+        object.__setattr__(self, "_decompress", tuple(reversed(stages)))
+        object.__setattr__(self, "max_stored_nbytes", bound)
 
     @property
     def partial(self) -> bool:
@@ -135,6 +118,29 @@ class ChunkCodec:
             uri=self.uri, key=key,
         )
 
+    def check_stored_size(self, stored: int, key: str) -> None:
+        """DecodeError, before reading, when chunk ``key`` is stored in more bytes than these codecs write."""
+        if stored > self.max_stored_nbytes:
+            raise DecodeError(
+                f"{self.uri}: chunk {key!r} is stored in {stored} bytes, more than the {self.max_stored_nbytes} "
+                f"that codecs {' -> '.join(self.names) or 'none'} can write for a chunk of shape {self.shape} of "
+                f"{self.dtype}; the file is corrupt or not a chunk of this array (it was not read)",
+                uri=self.uri, key=key, stored=stored, limit=self.max_stored_nbytes,
+            )
+
+    def too_large(self, key: str, exc: bounded.TooLarge) -> DecodeError:
+        """The typed error for chunk ``key`` whose decode stopped at its bound."""
+        if exc.bound == self.nbytes:
+            what = f"the {exc.bound} bytes a chunk of shape {self.shape} of {self.dtype} holds"
+        else:  # an earlier stage, or the input of v2 filters
+            what = f"the {exc.bound} bytes {exc.codec_id} may produce for a chunk of shape {self.shape} of {self.dtype}"
+        claimed = f" (its header claims {exc.claimed})" if exc.claimed is not None else ""
+        return DecodeError(
+            f"{self.uri}: chunk {key!r} decodes to more than {what}{claimed}; decoding stopped there: the "
+            "chunk is corrupt, hostile or written with other metadata",
+            uri=self.uri, key=key,
+        )
+
     def check_size(self, nbytes: int, key: str) -> None:
         """DecodeError unless chunk ``key`` decoded to exactly :attr:`nbytes`."""
         if nbytes != self.nbytes:
@@ -156,14 +162,18 @@ class ChunkCodec:
         """Decode into a new chunk-shaped array (maybe strided, maybe in the stored byte order)."""
         try:
             data = encoded
-            for decompress in self._decompress:
+            for decompress, bound, codec_id in self._decompress:
                 data = decompress(data)
+                if memoryview(data).nbytes > bound:  # a codec not bounded in advance: checked after the fact
+                    raise bounded.TooLarge(codec_id, bound)
             for codec in reversed(self.filters):
                 data = codec.decode(data)
             # compressors return bytes: frombuffer is a view, and cheaper than numcodecs' ensure_ndarray
             flat = (data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)).reshape(-1).view(np.uint8)
         except StokerError:
             raise
+        except bounded.TooLarge as exc:
+            raise self.too_large(key, exc) from None
         except Exception as exc:
             raise self.decode_error(key, exc) from exc
         self.check_size(flat.nbytes, key)
@@ -179,7 +189,7 @@ class ChunkCodec:
             raise ValueError(f"decode_into needs a C-contiguous {self.shape} {self.dtype} array")
         if self.plain and self.lone_blosc:
             try:
-                self.check_size(_check_blosc_frame(encoded), key)
+                self.check_size(bounded.blosc_frame_nbytes(encoded), key)
                 self.compressors[0].decode(encoded, out=out)
             except StokerError:
                 raise
