@@ -17,6 +17,7 @@ several threads at once.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -216,9 +217,31 @@ class ChunkCodec:
 # Building codecs from metadata
 
 
+@functools.cache
+def blosc_compressors() -> tuple[str, ...]:
+    """The compressors numcodecs' c-blosc was built with; a frame of any other cannot be decoded."""
+    from numcodecs import blosc
+
+    return tuple(blosc.list_compressors())
+
+
+def _available(codec: Codec, uri: str) -> Codec:
+    """``codec``, unless it is blosc naming a compressor this build of c-blosc lacks (e.g. snappy): such
+    an array opens but no chunk of it can be decoded, so it is refused at open."""
+    if codec.codec_id == "blosc":
+        cname = codec.cname.decode() if isinstance(codec.cname, bytes) else codec.cname
+        if cname not in blosc_compressors():
+            raise UnsupportedFormat(
+                f"{uri}: blosc compressor {cname!r} is not available (this numcodecs reads "
+                f"{', '.join(blosc_compressors())}); re-encode the array with one of those",
+                uri=uri, codec="blosc", cname=cname,
+            )
+    return codec
+
+
 def _numcodecs_codec(config: dict, uri: str) -> Codec:
     try:
-        return numcodecs.get_codec(dict(config))
+        return _available(numcodecs.get_codec(dict(config)), uri)
     except (ValueError, KeyError, TypeError) as exc:
         raise UnsupportedFormat(
             f"{uri}: codec {config.get('id')!r} is not available ({exc}); "
@@ -253,12 +276,12 @@ def v3_bytes_codec(name: str, config: dict, uri: str) -> Codec:
     """A numcodecs codec for a Zarr v3 bytes-to-bytes codec."""
     if name == "blosc":
         shuffle = config.get("shuffle", "noshuffle")
-        return numcodecs.Blosc(
+        return _available(numcodecs.Blosc(
             cname=config.get("cname", "lz4"),
             clevel=config.get("clevel", 5),
             shuffle=_BLOSC_SHUFFLE.get(shuffle, shuffle) if isinstance(shuffle, str) else shuffle,
             blocksize=config.get("blocksize", 0),
-        )
+        ), uri)
     if name == "zstd":
         return numcodecs.Zstd(level=config.get("level", 0), checksum=config.get("checksum", False))
     if name == "gzip":

@@ -1,0 +1,125 @@
+"""Arrays written by other tools (and older zarr-pythons), read bit-for-bit as zarr-python reads them.
+
+Each layout is read through ``open_array(...).read`` and through a ``stoker.Pipeline``, once on the
+Python decode path (as with ``STOKER_NATIVE=0``) and once as configured (the compiled reader where it
+takes the chunks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import numcodecs
+import numpy as np
+import pytest
+import tensorstore as ts
+import torch
+import zarr
+import zarr.codecs.numcodecs as zn
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
+
+import stoker
+from stoker import native
+from stoker.engine.cpu import native_codec
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+@pytest.fixture(params=["python", "default"])
+def decode_path(request, monkeypatch):
+    """The Python decode path (what STOKER_NATIVE=0 gives), or whatever this process has."""
+    if request.param == "python":
+        monkeypatch.setattr(native, "decode_files", None)
+    return request.param
+
+
+def _boxes(shape, n=12, seed=0):
+    rng = np.random.default_rng(seed)
+    out = [tuple((0, s) for s in shape)]
+    for _ in range(n):
+        lo = [int(rng.integers(0, s)) for s in shape]
+        out.append(tuple((a, int(rng.integers(a + 1, s + 1))) for a, s in zip(lo, shape)))
+    return out
+
+
+def check_reads(path: str, expected: np.ndarray, crop: tuple[int, ...]) -> None:
+    """``open_array`` boxes and Pipeline crops of ``path`` equal ``expected`` bit for bit."""
+    arr = stoker.open_array(path)
+    for box in _boxes(arr.shape):
+        got = arr.read(box)
+        want = expected[tuple(slice(a, b) for a, b in box)]
+        assert got.dtype == want.dtype, box
+        assert np.array_equal(got.view(np.uint8), np.ascontiguousarray(want).view(np.uint8)), box
+    rng = np.random.default_rng(1)
+    samples = []
+    for _ in range(8):
+        lo = [int(rng.integers(0, s - c + 1)) for s, c in zip(arr.shape, crop)]
+        samples.append(stoker.Sample(path, [(a, a + c) for a, c in zip(lo, crop)]))
+    cfg = stoker.Config(batch_size=4, dtype="native", device="cpu", n_io_threads=2, n_compute_threads=2,
+                        host_buffer_bytes=32 << 20, pop_timeout_s=20.0)
+    with stoker.Pipeline(cfg) as p:
+        p.push(samples)
+        for batch in p.batches(2):
+            x = torch.from_dlpack(batch).numpy()
+            for row, s in enumerate(batch.samples):
+                want = expected[tuple(slice(a, b) for a, b in s.aabb)]
+                assert np.array_equal(x[row].view(np.uint8), np.ascontiguousarray(want).view(np.uint8)), s
+
+
+def _zarr(path) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return zarr.open_array(path, mode="r")[...]
+
+
+def _edit(path, name, change) -> None:
+    meta = os.path.join(path, name)
+    with open(meta) as f:
+        doc = json.load(f)
+    change(doc)
+    with open(meta, "w") as f:
+        json.dump(doc, f)
+
+
+# ---------------------------------------------------------------------------------------------
+# blosc with a compressor numcodecs' c-blosc lacks
+
+
+@pytest.mark.parametrize("driver", ["zarr", "zarr3"])
+def test_blosc_snappy_written_by_tensorstore_is_refused_at_open(tmp_path, driver):
+    """tensorstore's c-blosc has snappy, numcodecs' does not: the array opened, then every read said the
+    bytes were corrupt. It is refused at open, naming the compressor."""
+    path = str(tmp_path / "snappy.zarr")
+    if driver == "zarr":
+        meta = {"compressor": {"id": "blosc", "cname": "snappy", "clevel": 5, "shuffle": 1},
+                "dtype": "<u2", "shape": [128, 128], "chunks": [64, 64]}
+    else:
+        meta = {"data_type": "uint16", "shape": [128, 128],
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [64, 64]}},
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                           {"name": "blosc", "configuration": {"cname": "snappy", "clevel": 5, "shuffle": "shuffle",
+                                                               "typesize": 2, "blocksize": 0}}]}
+    t = ts.open({"driver": driver, "kvstore": {"driver": "file", "path": path}, "metadata": meta,
+                 "create": True}).result()
+    t[...] = (np.arange(128 * 128) % 7).astype("u2").reshape(128, 128)
+    assert "snappy" not in numcodecs.blosc.list_compressors()
+    with pytest.raises(stoker.UnsupportedFormat, match="blosc compressor 'snappy' is not available") as info:
+        stoker.open_array(path)
+    assert path in str(info.value) and info.value.cname == "snappy"
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_blosc_compressor_not_in_numcodecs_list_is_refused(tmp_path, fmt):
+    path = str(tmp_path / "a.zarr")
+    comp = numcodecs.Blosc(cname="lz4") if fmt == 2 else BloscCodec(cname="lz4")
+    zarr.create_array(path, shape=(8,), chunks=(4,), dtype="u2", zarr_format=fmt, compressors=comp)[:] = 1
+
+    def rename(doc):
+        (doc["compressor"] if fmt == 2 else doc["codecs"][1]["configuration"])["cname"] = "lz5"
+
+    _edit(path, ".zarray" if fmt == 2 else "zarr.json", rename)
+    with pytest.raises(stoker.UnsupportedFormat, match="'lz5' is not available"):
+        stoker.open_array(path)
