@@ -20,8 +20,9 @@ import numpy as np
 
 from .box import Box, box_shape, parse_box
 from .cache import SizedLRU
-from .errors import DecodeError, InvalidArgument, NotFound
+from .errors import DecodeError, InvalidArgument, MetadataError, NotFound
 from .storage import LocalStore, default_store, resolve_local_path
+from .zarr.fields import show
 from .zarr.grid import chunk_intersections
 from .zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3
 from .zarr.sharding import EMPTY_ENTRY
@@ -36,10 +37,11 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
     raw = store.read(os.path.join(path, "zarr.json"))
     if raw is not None:
         doc = parse_json(raw, uri, "zarr.json")
-        if doc.get("zarr_format") != 3:
-            raise InvalidArgument(f"{uri}: zarr.json has zarr_format {doc.get('zarr_format')!r}, expected 3", uri=uri)
         if doc.get("node_type") == "group":
             raise InvalidArgument(f"{uri} is a Zarr group, not an array; name one of its arrays", uri=uri)
+        fmt = doc.get("zarr_format")
+        if fmt != 3 or isinstance(fmt, bool):
+            raise MetadataError(f"{uri}: zarr.json has zarr_format {show(fmt)}, expected 3", uri=uri)
         return parse_v3(doc, uri)
     raw = store.read(os.path.join(path, ".zarray"))
     if raw is not None:

@@ -26,9 +26,10 @@ import numcodecs
 import numpy as np
 from numcodecs.abc import Codec
 
-from ..errors import DecodeError, StokerError, UnsupportedFormat
+from ..errors import DecodeError, MetadataError, StokerError, UnsupportedFormat
 from . import blosc_partial
 from .blosc_partial import blosc_header
+from .fields import boolean, integer, lst, obj, required, show, string
 
 
 def _decompressor(codec: Codec):
@@ -232,32 +233,44 @@ def _available(codec: Codec, uri: str) -> Codec:
         cname = codec.cname.decode() if isinstance(codec.cname, bytes) else codec.cname
         if cname not in blosc_compressors():
             raise UnsupportedFormat(
-                f"{uri}: blosc compressor {cname!r} is not available (this numcodecs reads "
+                f"{uri}: blosc compressor {show(cname)} is not available (this numcodecs reads "
                 f"{', '.join(blosc_compressors())}); re-encode the array with one of those",
                 uri=uri, codec="blosc", cname=cname,
             )
     return codec
 
 
-def _numcodecs_codec(config: dict, uri: str) -> Codec:
+def _numcodecs_codec(config: Any, what: str, uri: str) -> Codec:
+    """The numcodecs codec of a configuration ``{"id": ..., **parameters}``."""
+    config = obj(config, what, uri)
+    codec_id = string(required(config, "id", what, uri), f"{what} id", uri)
     try:
-        return _available(numcodecs.get_codec(dict(config)), uri)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UnsupportedFormat(
-            f"{uri}: codec {config.get('id')!r} is not available ({exc}); "
-            "install the package that provides it or re-encode the array",
-            uri=uri, codec=config.get("id"),
+        codec = numcodecs.get_codec(dict(config))
+    except Exception as exc:  # noqa: BLE001 - a third-party constructor fed a hostile document
+        if codec_id not in numcodecs.registry.codec_registry:
+            raise UnsupportedFormat(
+                f"{uri}: codec {codec_id!r} is not available; install the package that provides it or "
+                "re-encode the array",
+                uri=uri, codec=codec_id,
+            ) from None
+        raise MetadataError(
+            f"{uri}: {what} {codec_id!r} has a configuration numcodecs rejects "
+            f"({type(exc).__name__}: {str(exc)[:200]})",
+            uri=uri, codec=codec_id,
         ) from None
+    return _available(codec, uri)
 
 
 def v2_codec(uri: str, meta: dict, shape: tuple[int, ...], stored_dtype: np.dtype) -> ChunkCodec:
     """The codec of a Zarr v2 array from its ``.zarray`` document."""
-    order = meta.get("order", "C")
+    order = required(meta, "order", ".zarray", uri)
     if order not in ("C", "F"):
-        raise UnsupportedFormat(f"{uri}: order {order!r} is not C or F", uri=uri)
-    filters = tuple(_numcodecs_codec(f, uri) for f in (meta.get("filters") or ()))
+        raise MetadataError(f"{uri}: order {show(order)} is not 'C' or 'F'", uri=uri)
+    filters = meta.get("filters")
+    filters = () if filters is None else tuple(_numcodecs_codec(f, "filter", uri)
+                                               for f in lst(filters, "filters", uri))
     compressor = meta.get("compressor")
-    compressors = (_numcodecs_codec(compressor, uri),) if compressor else ()
+    compressors = () if compressor is None else (_numcodecs_codec(compressor, "compressor", uri),)
     return ChunkCodec(
         uri=uri,
         shape=shape,
@@ -270,26 +283,46 @@ def v2_codec(uri: str, meta: dict, shape: tuple[int, ...], stored_dtype: np.dtyp
 
 
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+_ZSTD_LEVELS = (-(1 << 17), 22)  # ZSTD_minCLevel() .. ZSTD_maxCLevel()
+
+
+def _blosc_shuffle(value: Any, uri: str) -> int:
+    if isinstance(value, str) and value in _BLOSC_SHUFFLE:
+        return _BLOSC_SHUFFLE[value]
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2:
+        return value  # numcodecs' own numbering, as some writers store it
+    raise MetadataError(f"{uri}: blosc shuffle {show(value)} is not one of {', '.join(_BLOSC_SHUFFLE)}", uri=uri)
 
 
 def v3_bytes_codec(name: str, config: dict, uri: str) -> Codec:
-    """A numcodecs codec for a Zarr v3 bytes-to-bytes codec."""
+    """A numcodecs codec for a Zarr v3 bytes-to-bytes codec.
+
+    Parameters that only matter when encoding (levels, blosc's shuffle and block size) are still
+    checked for their type and range: a document that gets them wrong is not one to trust.
+    """
     if name == "blosc":
-        shuffle = config.get("shuffle", "noshuffle")
+        if "typesize" in config:
+            integer(config["typesize"], "blosc typesize", uri, lo=1)
         return _available(numcodecs.Blosc(
-            cname=config.get("cname", "lz4"),
-            clevel=config.get("clevel", 5),
-            shuffle=_BLOSC_SHUFFLE.get(shuffle, shuffle) if isinstance(shuffle, str) else shuffle,
-            blocksize=config.get("blocksize", 0),
+            cname=string(config.get("cname", "lz4"), "blosc cname", uri),
+            clevel=integer(config.get("clevel", 5), "blosc clevel", uri, lo=0, hi=9),
+            shuffle=_blosc_shuffle(config.get("shuffle", "noshuffle"), uri),
+            blocksize=integer(config.get("blocksize", 0), "blosc blocksize", uri, lo=0, hi=2**31 - 1),
         ), uri)
     if name == "zstd":
-        return numcodecs.Zstd(level=config.get("level", 0), checksum=config.get("checksum", False))
+        return numcodecs.Zstd(
+            level=integer(config.get("level", 0), "zstd level", uri, lo=_ZSTD_LEVELS[0], hi=_ZSTD_LEVELS[1]),
+            checksum=boolean(config.get("checksum", False), "zstd checksum", uri),
+        )
     if name == "gzip":
-        return numcodecs.GZip(level=config.get("level", 5))
+        return numcodecs.GZip(level=integer(config.get("level", 5), "gzip level", uri, lo=0, hi=9))
     if name == "crc32c":
         return numcodecs.CRC32C(location="end")
+    if name in ("bytes", "sharding_indexed", "transpose"):
+        raise MetadataError(f"{uri}: codec {name!r} takes an array: it cannot follow the array-to-bytes codec",
+                            uri=uri, codec=name)
     if name.startswith("numcodecs."):
-        return _numcodecs_codec({"id": name.split(".", 1)[1], **config}, uri)
+        return _numcodecs_codec({**config, "id": name.split(".", 1)[1]}, f"codec {name!r}", uri)
     raise UnsupportedFormat(
         f"{uri}: codec {name!r} is not supported; stoker reads blosc, zstd, gzip, crc32c and numcodecs.* "
         "bytes-to-bytes codecs",
@@ -297,10 +330,23 @@ def v3_bytes_codec(name: str, config: dict, uri: str) -> Codec:
     )
 
 
-def codec_name_and_config(entry: Any, uri: str) -> tuple[str, dict]:
-    """Split a v3 codec entry (``{"name", "configuration"}`` or a bare name)."""
+def bytes_endian(config: dict, itemsize: int, uri: str) -> bool:
+    """True when a v3 ``bytes`` codec stores big-endian elements of ``itemsize`` bytes. A missing
+    ``endian`` reads as little-endian (as zarr-python does); null is allowed for one-byte types only."""
+    endian = config.get("endian", "little")
+    if endian is None and itemsize == 1:
+        return False
+    if endian not in ("little", "big"):
+        raise MetadataError(f"{uri}: bytes codec endian {show(endian)} is not 'little' or 'big'", uri=uri)
+    return endian == "big"
+
+
+def codec_name_and_config(entry: Any, uri: str, what: str = "codec") -> tuple[str, dict]:
+    """Split a v3 ``{"name", "configuration"}`` entry (a codec, grid or key encoding) or a bare name."""
     if isinstance(entry, str):
         return entry, {}
-    if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-        return entry["name"], dict(entry.get("configuration") or {})
-    raise UnsupportedFormat(f"{uri}: malformed codec entry {entry!r}", uri=uri)
+    entry = obj(entry, what, uri)
+    name = string(required(entry, "name", what, uri), f"{what} name", uri)
+    if "configuration" not in entry:
+        return name, {}
+    return name, dict(obj(entry["configuration"], f"{what} {name!r} configuration", uri))

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numcodecs
 import numpy as np
 
 from ..errors import DecodeError, UnsupportedFormat
-from .codecs import ChunkCodec, codec_name_and_config
+from .codecs import ChunkCodec, bytes_endian, codec_name_and_config
+from .fields import lst, show
 
 EMPTY_ENTRY = 2**64 - 1  # offset and length of an inner chunk that is not stored
 EMPTY = np.uint64(EMPTY_ENTRY)
@@ -91,19 +92,16 @@ class ShardingSpec:
         return shard, flat
 
 
-def parse_index_codecs(entries: list, uri: str) -> tuple[bool, bool]:
+def parse_index_codecs(entries: Any, uri: str) -> tuple[bool, bool]:
     """``(big_endian, crc32c)`` from ``index_codecs``; anything else is unsupported."""
-    crc = False
-    names = [codec_name_and_config(e, uri) for e in entries]
+    names = [codec_name_and_config(e, uri, "index codec") for e in lst(entries, "sharding index_codecs", uri)]
     if not names or names[0][0] != "bytes":
-        raise UnsupportedFormat(f"{uri}: shard index codecs {entries!r} must start with 'bytes'", uri=uri)
-    big = names[0][1].get("endian", "little") == "big"
+        raise UnsupportedFormat(f"{uri}: shard index codecs {show(entries)} must start with 'bytes'", uri=uri)
+    big = bytes_endian(names[0][1], 8, uri)
     rest = [n for n, _ in names[1:]]
-    if rest == ["crc32c"]:
-        crc = True
-    elif rest:
+    if rest and rest != ["crc32c"]:
         raise UnsupportedFormat(
-            f"{uri}: shard index codecs {rest!r} are not supported (only 'bytes' and 'crc32c')",
+            f"{uri}: shard index codecs {show(rest)} are not supported (only 'bytes' and 'crc32c')",
             uri=uri, codec=rest[0],
         )
-    return big, crc
+    return big, bool(rest)
