@@ -215,3 +215,45 @@ def test_deeply_nested_json(bases, tmp_path, depth, where):
     with pytest.raises(stoker.MetadataError, match=needle) as info:
         stoker.open_array(path)
     assert len(str(info.value)) < 400  # the value is shown elided
+
+
+# ---------------------------------------------------------------------------------------------
+# bool fill values
+
+
+def _bool_array(tmp_path, fmt, fill):
+    """A bool array with one chunk written (False, True alternating) and one missing; fill_value edited."""
+    path = str(tmp_path / f"b{fmt}.zarr")
+    z = zarr.create_array(path, shape=(8,), chunks=(4,), dtype="bool", zarr_format=fmt, fill_value=False)
+    z[:4] = [False, True, False, True]
+    meta = os.path.join(path, _meta_name(path))
+    with open(meta) as f:
+        doc = json.load(f)
+    doc["fill_value"] = fill
+    with open(meta, "w") as f:
+        json.dump(doc, f)
+    return path
+
+
+@pytest.mark.parametrize("fmt,fill,expected", [
+    (2, True, True), (2, False, False), (2, 1, True), (2, 0, False),
+    (3, True, True), (3, False, False),
+])
+def test_bool_fill_values_that_are_read(tmp_path, fmt, fill, expected):
+    path = _bool_array(tmp_path, fmt, fill)
+    got = stoker.open_array(path).read([(0, 8)])
+    assert got.tolist() == [False, True, False, True] + [expected] * 4
+    np.testing.assert_array_equal(got, _zarr_read(path, (8,)))
+
+
+@pytest.mark.parametrize("fmt,fill", [
+    (2, "false"), (3, "false"), (2, "true"), (3, "False"), (2, ""), (3, "0"), (2, 2), (2, -1), (2, 1.0),
+    (3, 0), (3, 1), (3, 0.0), (2, "AA=="), (3, [False]),
+])
+def test_bool_fill_values_that_are_refused(tmp_path, fmt, fill):
+    """Python's truthiness read ``"false"`` as True (so does zarr-python 3.1): only JSON true/false are a
+    bool fill value, and for v2 also 0 and 1, as zarr-python 2 wrote them."""
+    path = _bool_array(tmp_path, fmt, fill)
+    with pytest.raises(stoker.MetadataError, match="bool array must be true") as info:
+        stoker.open_array(path)
+    assert path in str(info.value)

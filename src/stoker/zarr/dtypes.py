@@ -80,6 +80,17 @@ def _float_from(value: Any, dtype: np.dtype, uri: str) -> float:
     return float(value)
 
 
+def _bool_fill(value: Any, uri: str, zarr_format: int) -> bool:
+    """JSON true/false; zarr-python 2 also wrote 0 and 1 for bool arrays. Anything else is refused: Python's
+    truthiness would read the string ``"false"`` as True."""
+    if isinstance(value, bool):
+        return value
+    if zarr_format == 2 and isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    allowed = "true, false, 0 or 1" if zarr_format == 2 else "true or false"
+    raise MetadataError(f"{uri}: fill_value {show(value)} of a bool array must be {allowed}", uri=uri)
+
+
 def parse_fill_value(value: Any, dtype: np.dtype, uri: str, zarr_format: int) -> np.ndarray:
     """Return the fill value as a 0-d array of ``dtype`` (native byte order).
 
@@ -90,7 +101,7 @@ def parse_fill_value(value: Any, dtype: np.dtype, uri: str, zarr_format: int) ->
     if value is None:
         return np.zeros((), dtype=native)
     if native.kind == "b":
-        return np.array(bool(value), dtype=native)
+        return np.array(_bool_fill(value, uri, zarr_format), dtype=native)
     if isinstance(value, bool):
         raise MetadataError(f"{uri}: fill_value {value!r} is a boolean, but the array holds {native}", uri=uri)
     try:
