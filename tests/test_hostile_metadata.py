@@ -14,6 +14,9 @@ import copy
 import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import numcodecs
@@ -23,6 +26,8 @@ import zarr
 from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, TransposeCodec
 
 import stoker
+from stoker.array import MAX_METADATA_BYTES
+from stoker.storage import LocalStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -257,3 +262,45 @@ def test_bool_fill_values_that_are_refused(tmp_path, fmt, fill):
     with pytest.raises(stoker.MetadataError, match="bool array must be true") as info:
         stoker.open_array(path)
     assert path in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# the size of a metadata document
+
+
+def test_oversized_metadata_is_refused_before_it_is_read(bases, tmp_path):
+    path = str(tmp_path / "a.zarr")
+    shutil.copytree(bases["v3plain"], path)
+    with open(os.path.join(path, "zarr.json"), "r+b") as f:
+        f.truncate(MAX_METADATA_BYTES + 1)  # sparse: costs no disk
+    store = LocalStore()
+    with pytest.raises(stoker.MetadataError, match=f"zarr.json is {MAX_METADATA_BYTES + 1} bytes") as info:
+        stoker.open_array(path, store=store)
+    assert path in str(info.value)
+    assert store.counters.bytes_read == 0
+
+
+def test_oversized_metadata_costs_no_memory(bases, tmp_path):
+    """A 512 MiB (sparse) .zarray: refused with its size, peak RSS growth a few MiB, not the file's size."""
+    path = str(tmp_path / "a.zarr")
+    shutil.copytree(bases["v2plain"], path)
+    with open(os.path.join(path, ".zarray"), "r+b") as f:
+        f.truncate(512 << 20)
+    script = textwrap.dedent(f"""
+        import resource, stoker
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            stoker.open_array({path!r})
+        except stoker.StokerError as exc:
+            message = str(exc)
+        else:
+            message = "opened"
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+        print(message)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    grown, message = out.stdout.split("\n", 1)
+    assert int(grown) < 32, f"peak RSS grew by {grown} MiB"
+    assert f"{512 << 20} bytes" in message, message

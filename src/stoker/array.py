@@ -31,10 +31,32 @@ DEFAULT_INDEX_CACHE_BYTES = 64 << 20
 _reader_tokens = itertools.count()  # cache keys unique per reader, never reused like id()
 
 
+#: Largest metadata document read. Real ones are a few KiB (attributes live elsewhere in v2, and rarely
+#: reach a MiB in v3); a larger file is refused before it is read, so a hostile one costs no memory.
+MAX_METADATA_BYTES = 16 << 20
+
+
+def _read_document(store: LocalStore, path: str, uri: str) -> bytes | None:
+    """A metadata file's bytes (at most :data:`MAX_METADATA_BYTES`), or None when it does not exist."""
+    f = store.open_file(path)
+    if f is None:
+        return None
+    with f:
+        if f.size > MAX_METADATA_BYTES:
+            raise MetadataError(
+                f"{uri}: {os.path.basename(path)} is {f.size} bytes, more than the {MAX_METADATA_BYTES} bytes "
+                "stoker reads as array metadata; it is not a Zarr metadata document",
+                uri=uri,
+            )
+        buf = bytearray(f.size)
+        got = f.read_into(memoryview(buf), 0)
+    return bytes(buf[:got])
+
+
 def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> ArrayMetadata:
     """Parse the metadata of the array at local ``path`` (v3 ``zarr.json`` first, then v2 ``.zarray``)."""
     uri = uri or path
-    raw = store.read(os.path.join(path, "zarr.json"))
+    raw = _read_document(store, os.path.join(path, "zarr.json"), uri)
     if raw is not None:
         doc = parse_json(raw, uri, "zarr.json")
         if doc.get("node_type") == "group":
@@ -43,7 +65,7 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
         if fmt != 3 or isinstance(fmt, bool):
             raise MetadataError(f"{uri}: zarr.json has zarr_format {show(fmt)}, expected 3", uri=uri)
         return parse_v3(doc, uri)
-    raw = store.read(os.path.join(path, ".zarray"))
+    raw = _read_document(store, os.path.join(path, ".zarray"), uri)
     if raw is not None:
         return parse_v2(parse_json(raw, uri, ".zarray"), uri)
     if store.size(os.path.join(path, ".zgroup")) is not None:
