@@ -27,6 +27,7 @@ from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, TransposeCodec
 
 import stoker
 from stoker.array import MAX_METADATA_BYTES
+from stoker.cli import main
 from stoker.storage import LocalStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -304,3 +305,36 @@ def test_oversized_metadata_costs_no_memory(bases, tmp_path):
     grown, message = out.stdout.split("\n", 1)
     assert int(grown) < 32, f"peak RSS grew by {grown} MiB"
     assert f"{512 << 20} bytes" in message, message
+
+
+# ---------------------------------------------------------------------------------------------
+# stoker inspect
+
+
+def _malformed(bases, tmp_path) -> str:
+    path = str(tmp_path / "bad.zarr")
+    shutil.copytree(bases["v2blosc"], path)
+    meta = os.path.join(path, ".zarray")
+    with open(meta) as f:
+        doc = json.load(f)
+    doc["compressor"] = "blosc"  # a string, not an object: an AttributeError once
+    with open(meta, "w") as f:
+        json.dump(doc, f)
+    return path
+
+
+def test_inspect_shows_a_stoker_error_as_one_line_and_exits_2(bases, tmp_path, capsys):
+    path = _malformed(bases, tmp_path)
+    assert main(["inspect", path]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith(f"stoker inspect: {path}: compressor must be a JSON object")
+
+
+def test_inspect_cli_process_prints_no_traceback(bases, tmp_path):
+    path = _malformed(bases, tmp_path)
+    out = subprocess.run([sys.executable, "-m", "stoker", "inspect", path], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and out.stderr.strip().count("\n") == 0
+    assert path in out.stderr and out.stdout == ""
