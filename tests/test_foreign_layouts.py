@@ -123,3 +123,60 @@ def test_blosc_compressor_not_in_numcodecs_list_is_refused(tmp_path, fmt):
     _edit(path, ".zarray" if fmt == 2 else "zarr.json", rename)
     with pytest.raises(stoker.UnsupportedFormat, match="'lz5' is not available"):
         stoker.open_array(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# zarr-python < 2.8: nested keys and no dimension_separator
+
+
+def _nested_v2(path, shape=(10, 12, 7), chunks=(4, 5, 3)):
+    z = zarr.create_array(path, shape=shape, chunks=chunks, dtype="float32", zarr_format=2, fill_value=-1.0,
+                          chunk_key_encoding={"name": "v2", "separator": "/"})
+    data = np.random.default_rng(2).normal(size=shape).astype("float32")
+    z[...] = data
+    z[:4, :5, :3] = -1.0  # left unwritten
+    expected = _zarr(path)
+    assert os.path.isdir(os.path.join(path, "0")) and "0/1/0" not in os.listdir(path)
+    _edit(path, ".zarray", lambda doc: doc.pop("dimension_separator"))
+    return expected
+
+
+def test_v2_nested_keys_without_dimension_separator(tmp_path, decode_path):
+    """Read as fill values everywhere, silently, before the layout was detected."""
+    path = str(tmp_path / "old.zarr")
+    expected = _nested_v2(path)
+    assert stoker.open_array(path).metadata.key_encoding.separator == "/"
+    check_reads(path, expected, (4, 6, 3))
+
+
+def test_v2_nested_keys_with_null_dimension_separator(tmp_path):
+    path = str(tmp_path / "old.zarr")
+    expected = _nested_v2(path)
+    _edit(path, ".zarray", lambda doc: doc.__setitem__("dimension_separator", None))
+    np.testing.assert_array_equal(stoker.open_array(path).read([(0, 10), (0, 12), (0, 7)]), expected)
+
+
+def test_v2_flat_keys_without_dimension_separator(tmp_path):
+    path = str(tmp_path / "flat.zarr")
+    z = zarr.create_array(path, shape=(6, 6), chunks=(3, 3), dtype="u1", zarr_format=2, fill_value=9)
+    z[:3] = 1
+    _edit(path, ".zarray", lambda doc: doc.pop("dimension_separator", None))
+    arr = stoker.open_array(path)
+    assert arr.metadata.key_encoding.separator == "."
+    np.testing.assert_array_equal(arr.read([(0, 6), (0, 6)]), [[1] * 6] * 3 + [[9] * 6] * 3)
+
+
+def test_v2_without_dimension_separator_and_nothing_written_reads_fill(tmp_path):
+    path = str(tmp_path / "empty.zarr")
+    zarr.create_array(path, shape=(6, 6), chunks=(3, 3), dtype="u1", zarr_format=2, fill_value=9)
+    _edit(path, ".zarray", lambda doc: doc.pop("dimension_separator", None))
+    assert (stoker.open_array(path).read([(0, 6), (0, 6)]) == 9).all()
+
+
+def test_v2_both_key_layouts_is_a_metadata_error(tmp_path):
+    path = str(tmp_path / "mixed.zarr")
+    _nested_v2(path)
+    shutil.copyfile(os.path.join(path, "1", "0", "0"), os.path.join(path, "1.0.0"))
+    with pytest.raises(stoker.MetadataError, match="dimension_separator") as info:
+        stoker.open_array(path)
+    assert path in str(info.value)

@@ -91,18 +91,20 @@ def _check_chunk_size(chunks: tuple[int, ...], dtype: np.dtype, uri: str) -> Non
                                 "can address", uri=uri)
 
 
-def _v2_separator(doc: dict, uri: str) -> str:
-    """The chunk key separator: ``dimension_separator``, ``.`` when the document has none (or null)."""
+def _v2_separator(doc: dict, uri: str, detected: str) -> str:
+    """The chunk key separator: ``dimension_separator`` when the document has one (null counts as none,
+    as some writers serialize an unset field), else ``detected`` (see ``array.detect_v2_separator``)."""
     separator = doc.get("dimension_separator")
     if separator is None:
-        return "."
+        return detected
     if separator not in (".", "/"):
         raise MetadataError(f"{uri}: dimension_separator {show(separator)} is not '.' or '/'", uri=uri)
     return separator
 
 
-def parse_v2(doc: dict, uri: str) -> ArrayMetadata:
-    """Parse a ``.zarray`` document."""
+def parse_v2(doc: dict, uri: str, *, separator: str = ".") -> ArrayMetadata:
+    """Parse a ``.zarray`` document. ``separator`` is the chunk key separator to use when the document
+    does not say (arrays written before zarr-python 2.8 do not)."""
     where = ".zarray"
     fmt = required(doc, "zarr_format", where, uri)
     if fmt != 2 or isinstance(fmt, bool):
@@ -120,7 +122,7 @@ def parse_v2(doc: dict, uri: str) -> ArrayMetadata:
         dtype=stored.newbyteorder("="),
         chunk_shape=chunks,
         fill_value=parse_fill_value(required(doc, "fill_value", where, uri), stored, uri, 2),
-        key_encoding=ChunkKeyEncoding(prefix="", separator=_v2_separator(doc, uri)),
+        key_encoding=ChunkKeyEncoding(prefix="", separator=_v2_separator(doc, uri, separator)),
         codec=v2_codec(uri, doc, chunks, stored),
     )
 
