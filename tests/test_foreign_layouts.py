@@ -126,6 +126,94 @@ def test_blosc_compressor_not_in_numcodecs_list_is_refused(tmp_path, fmt):
 
 
 # ---------------------------------------------------------------------------------------------
+# numcodecs array-to-array codecs in v3
+
+
+A2A = {
+    "delta": ("int16", lambda: [zn.Delta(dtype="int16")]),
+    "delta-astype": ("int32", lambda: [zn.Delta(dtype="int32", astype="int16")]),
+    "fixedscaleoffset": ("float64", lambda: [zn.FixedScaleOffset(offset=1000, scale=10, dtype="float64",
+                                                                 astype="int32")]),
+    "fixedscaleoffset-same-type": ("float32", lambda: [zn.FixedScaleOffset(offset=10, scale=10, dtype="float32")]),
+    "quantize": ("float64", lambda: [zn.Quantize(digits=3, dtype="float64")]),
+    "bitround": ("float32", lambda: [zn.BitRound(keepbits=6)]),
+    "astype": ("float64", lambda: [zn.AsType(encode_dtype="float32", decode_dtype="float64")]),
+    "astype-int8": ("int16", lambda: [zn.AsType(encode_dtype="int8", decode_dtype="int16")]),
+    "fixedscaleoffset-then-delta": ("float64", lambda: [
+        zn.FixedScaleOffset(offset=0, scale=100, dtype="float64", astype="int32"), zn.Delta(dtype="int32")]),
+}
+
+
+def _a2a_array(path, case, endian, *, shards=None):
+    dtype, filters = A2A[case]
+    rng = np.random.default_rng(5)
+    shape = (20, 13)
+    data = (rng.normal(size=shape) * 40).astype(dtype) if dtype.startswith("float") else \
+        rng.integers(-100, 100, size=shape).astype(dtype)
+    if shards:
+        codec = ShardingCodec(chunk_shape=(4, 4), codecs=[*filters(), BytesCodec(endian=endian), ZstdCodec()])
+        z = zarr.create_array(path, shape=shape, chunks=(8, 8), dtype=dtype, serializer=codec, compressors=None,
+                              fill_value=0)
+    else:
+        z = zarr.create_array(path, shape=shape, chunks=(8, 8), dtype=dtype, filters=filters(),
+                              serializer=BytesCodec(endian=endian), compressors=ZstdCodec(level=1), fill_value=0)
+    z[:16] = data[:16]  # the last row of chunks: fill
+    return data
+
+
+@pytest.mark.parametrize("case", sorted(A2A))
+def test_numcodecs_array_to_array_codecs_little_endian(tmp_path, decode_path, case):
+    path = str(tmp_path / "a.zarr")
+    _a2a_array(path, case, "little")
+    names = [c["name"] for c in json.load(open(os.path.join(path, "zarr.json")))["codecs"]]
+    assert names[-2:] == ["bytes", "zstd"] and all(n.startswith("numcodecs.") for n in names[:-2])
+    arr = stoker.open_array(path)
+    assert not arr.metadata.codec.plain and native_codec(arr.metadata.codec) is None  # never the compiled reader
+    check_reads(path, _zarr(path), (5, 6))
+
+
+@pytest.mark.parametrize("case", sorted(A2A))
+def test_numcodecs_array_to_array_codecs_big_endian(tmp_path, decode_path, case):
+    """The same data written with a big-endian ``bytes`` codec reads as zarr-python reads the little-endian
+    array. (zarr-python 3.1 itself reads the big-endian one wrongly: it hands numcodecs the bytes in the
+    stored byte order, and numcodecs views them as its native dtype.)"""
+    little, big = str(tmp_path / "little.zarr"), str(tmp_path / "big.zarr")
+    _a2a_array(little, case, "little")
+    _a2a_array(big, case, "big")
+    check_reads(big, _zarr(little), (5, 6))
+
+
+def test_numcodecs_array_to_array_codecs_inside_shards(tmp_path, decode_path):
+    path = str(tmp_path / "a.zarr")
+    _a2a_array(path, "fixedscaleoffset-then-delta", "little", shards=True)
+    check_reads(path, _zarr(path), (5, 6))
+
+
+@pytest.mark.parametrize("codecs,needle", [
+    ([{"name": "numcodecs.packbits"}], "array-to-array codec 'numcodecs.packbits' is not supported"),
+    ([{"name": "numcodecs.delta", "configuration": {"dtype": "float32"}}], "decodes to float32"),
+    ([{"name": "transpose", "configuration": {"order": [1, 0]}},
+      {"name": "numcodecs.delta", "configuration": {"dtype": "<i2"}}], "transpose together with numcodecs"),
+    ([{"name": "numcodecs.delta", "configuration": {"dtype": "<i2"}},
+      {"name": "sharding_indexed", "configuration": {"chunk_shape": [4, 4]}}], "before sharding_indexed"),
+    ([{"name": "numcodecs.pcodec", "configuration": {"level": 8}}],
+     "array-to-bytes codec 'numcodecs.pcodec' is not supported"),
+])
+def test_v3_array_codecs_stoker_does_not_read(tmp_path, codecs, needle):
+    path = str(tmp_path / "a.zarr")
+    zarr.create_array(path, shape=(8, 8), chunks=(8, 8), dtype="int16")
+
+    def replace(doc):
+        tail = [] if codecs[-1]["name"] in ("sharding_indexed", "numcodecs.pcodec") else \
+            [{"name": "bytes", "configuration": {"endian": "little"}}]
+        doc["codecs"] = codecs + tail
+
+    _edit(path, "zarr.json", replace)
+    with pytest.raises(stoker.StokerError, match=needle):
+        stoker.open_array(path)
+
+
+# ---------------------------------------------------------------------------------------------
 # zarr-python < 2.8: nested keys and no dimension_separator
 
 

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numcodecs
 import numpy as np
 from numcodecs.abc import Codec
+from numcodecs.compat import ensure_ndarray
 
 from ..errors import DecodeError, MetadataError, StokerError, UnsupportedFormat
 from . import blosc_partial
@@ -218,6 +219,13 @@ class ChunkCodec:
 # Building codecs from metadata
 
 
+#: v3 codecs that turn an array into bytes other than ``bytes`` and ``sharding_indexed``: none is read.
+ARRAY_TO_BYTES = frozenset({"numcodecs.pcodec", "numcodecs.zfpy", "vlen-utf8", "vlen-bytes"})
+
+#: numcodecs array-to-array codecs read in v3 (``numcodecs.<id>`` before the ``bytes`` codec).
+ARRAY_TO_ARRAY = ("astype", "bitround", "delta", "fixedscaleoffset", "quantize")
+
+
 @functools.cache
 def blosc_compressors() -> tuple[str, ...]:
     """The compressors numcodecs' c-blosc was built with; a frame of any other cannot be decoded."""
@@ -318,7 +326,8 @@ def v3_bytes_codec(name: str, config: dict, uri: str) -> Codec:
         return numcodecs.GZip(level=integer(config.get("level", 5), "gzip level", uri, lo=0, hi=9))
     if name == "crc32c":
         return numcodecs.CRC32C(location="end")
-    if name in ("bytes", "sharding_indexed", "transpose"):
+    if name in ARRAY_TO_BYTES or name in ("bytes", "sharding_indexed", "transpose", "numcodecs.packbits") or \
+            name.removeprefix("numcodecs.") in ARRAY_TO_ARRAY:
         raise MetadataError(f"{uri}: codec {name!r} takes an array: it cannot follow the array-to-bytes codec",
                             uri=uri, codec=name)
     if name.startswith("numcodecs."):
@@ -328,6 +337,76 @@ def v3_bytes_codec(name: str, config: dict, uri: str) -> Codec:
         "bytes-to-bytes codecs",
         uri=uri, codec=name,
     )
+
+
+class SerializedArray(Codec):
+    """The ``bytes`` codec's side of a v3 chain with numcodecs array-to-array codecs before it.
+
+    The stored bytes hold the last codec's output in the ``bytes`` codec's byte order; numcodecs'
+    decoders view what they get in the dtype they declare. When the two differ (a big-endian ``bytes``
+    codec, or a declared dtype of the other byte order) this converts the values first. zarr-python 3.1
+    views instead, so it reads big-endian arrays written through these codecs wrongly; stoker reads what
+    was encoded.
+    """
+
+    codec_id = "bytes"
+
+    def __init__(self, stored: np.dtype, expected: np.dtype) -> None:
+        self.stored, self.expected = stored, expected
+
+    def decode(self, buf: Any, out: Any = None) -> np.ndarray:
+        return ensure_ndarray(buf).reshape(-1).view(np.uint8).view(self.stored).astype(self.expected)
+
+    def encode(self, buf: Any) -> Any:  # stoker only reads
+        raise NotImplementedError("stoker does not write Zarr arrays")
+
+
+def _numeric_dtype(value: Any, what: str, uri: str) -> np.dtype:
+    string(value, what, uri)
+    try:
+        dt = np.dtype(value)
+    except (TypeError, ValueError):
+        raise MetadataError(f"{uri}: {what} {show(value)} is not a data type", uri=uri) from None
+    if dt.kind not in "biufc" or dt.fields is not None or dt.subdtype is not None:
+        raise UnsupportedFormat(f"{uri}: {what} {show(value)} is not a numeric data type", uri=uri)
+    return dt
+
+
+def v3_array_codec(name: str, config: dict, incoming: np.dtype, uri: str) -> tuple[Codec, np.dtype, np.dtype]:
+    """A v3 ``numcodecs.*`` array-to-array codec that receives arrays of ``incoming`` when encoding.
+
+    Returns ``(codec, decoded, encoded)``: the dtype its decoder returns and the one it stores. The
+    dtypes follow zarr-python's rules (its ``resolve_metadata``): ``astype`` stores ``encode_dtype``,
+    ``delta`` and ``fixedscaleoffset`` store ``astype`` when given, the others keep the type.
+    """
+    codec_id = name.split(".", 1)[1] if name.startswith("numcodecs.") else None
+    if codec_id not in ARRAY_TO_ARRAY:
+        raise UnsupportedFormat(
+            f"{uri}: array-to-array codec {name!r} is not supported (stoker reads 'transpose' and "
+            f"{', '.join('numcodecs.' + n for n in ARRAY_TO_ARRAY)})",
+            uri=uri, codec=name,
+        )
+    what = f"codec {name!r}"
+    if codec_id == "bitround":
+        decoded = encoded = incoming
+        if incoming.kind != "f":
+            raise MetadataError(f"{uri}: {what} rounds floats, but it receives {incoming}", uri=uri)
+    elif codec_id == "astype":
+        decoded = _numeric_dtype(config.get("decode_dtype", incoming.str), f"{what} decode_dtype", uri)
+        encoded = _numeric_dtype(required(config, "encode_dtype", what, uri), f"{what} encode_dtype", uri)
+    else:
+        decoded = _numeric_dtype(config.get("dtype", incoming.str), f"{what} dtype", uri)
+        encoded = decoded
+        if codec_id in ("delta", "fixedscaleoffset") and config.get("astype") is not None:
+            encoded = _numeric_dtype(config["astype"], f"{what} astype", uri)
+        if codec_id == "quantize" and config.get("astype") is not None and \
+                _numeric_dtype(config["astype"], f"{what} astype", uri) != decoded:
+            raise UnsupportedFormat(f"{uri}: {what} with an astype other than its dtype is not supported "
+                                    "(zarr-python reads such chunks with the wrong type)", uri=uri, codec=name)
+    if decoded.newbyteorder("=") != incoming.newbyteorder("="):
+        raise MetadataError(f"{uri}: {what} decodes to {decoded}, but it receives {incoming} when encoding",
+                            uri=uri, codec=name)
+    return _numcodecs_codec({**config, "id": codec_id}, what, uri), decoded, encoded
 
 
 def bytes_endian(config: dict, itemsize: int, uri: str) -> bool:

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import MetadataError, UnsupportedFormat
-from .codecs import ChunkCodec, bytes_endian, codec_name_and_config, v2_codec, v3_bytes_codec
+from .codecs import (ARRAY_TO_BYTES, ChunkCodec, SerializedArray, bytes_endian, codec_name_and_config, v2_codec,
+                     v3_array_codec, v3_bytes_codec)
 from .dtypes import parse_fill_value, parse_v2_dtype, parse_v3_dtype
 from .fields import integer, lst, required, show, string
 from .grid import ChunkKeyEncoding, grid_shape
@@ -151,6 +152,8 @@ def _v3_chunk_codec(entries: Any, chunk_shape: tuple[int, ...], dtype: np.dtype,
     Returns a :class:`ChunkCodec` for plain chunks or a :class:`ShardingSpec`.
     """
     order: tuple[int, ...] = tuple(range(len(chunk_shape)))
+    filters: list = []  # numcodecs array-to-array codecs, in encode order
+    decoded = encoded = dtype  # what the first filter's decoder returns; what the last one stores
     serializer: tuple[str, dict] | None = None
     compressors = []
     for entry in lst(entries, where, uri):
@@ -161,11 +164,15 @@ def _v3_chunk_codec(entries: Any, chunk_shape: tuple[int, ...], dtype: np.dtype,
                 order = tuple(order[p] for p in perm)  # stored = chunk.transpose(order)
             elif name in ("bytes", "sharding_indexed"):
                 serializer = (name, config)
-            else:
+            elif name in ARRAY_TO_BYTES:
                 raise UnsupportedFormat(
-                    f"{uri}: array-to-array codec {name!r} is not supported (stoker reads 'transpose')",
-                    uri=uri, codec=name,
+                    f"{uri}: array-to-bytes codec {name!r} is not supported (stoker reads 'bytes' and "
+                    "'sharding_indexed')", uri=uri, codec=name,
                 )
+            else:
+                codec, decoding, encoded = v3_array_codec(name, config, encoded, uri)
+                decoded = decoding if not filters else decoded
+                filters.append(codec)
         else:
             if serializer[0] == "sharding_indexed":
                 raise UnsupportedFormat(
@@ -176,19 +183,30 @@ def _v3_chunk_codec(entries: Any, chunk_shape: tuple[int, ...], dtype: np.dtype,
         raise MetadataError(f"{uri}: {where} {show(entries)} has no array-to-bytes codec ('bytes' or "
                             "'sharding_indexed')", uri=uri)
     identity = order == tuple(range(len(chunk_shape)))
+    if filters and not identity:
+        raise UnsupportedFormat(f"{uri}: transpose together with numcodecs array-to-array codecs is not "
+                                "supported", uri=uri)
     name, config = serializer
     if name == "sharding_indexed":
-        if not identity:
-            raise UnsupportedFormat(f"{uri}: transpose before sharding_indexed is not supported", uri=uri)
+        if not identity or filters:
+            raise UnsupportedFormat(f"{uri}: array-to-array codecs before sharding_indexed are not supported",
+                                    uri=uri)
         return _sharding(config, chunk_shape, dtype, uri)
-    big = bytes_endian(config, dtype.itemsize, uri)
-    stored = dtype.newbyteorder(">" if big else "<") if dtype.itemsize > 1 else dtype
+    big = bytes_endian(config, encoded.itemsize, uri)
+    if not filters:
+        stored = dtype.newbyteorder(">" if big else "<") if dtype.itemsize > 1 else dtype
+    else:  # the filters' decoders see the bytes; the chunk is what the first one returns
+        serialized = encoded.newbyteorder(">" if big else "<") if encoded.itemsize > 1 else encoded
+        if serialized != encoded:
+            filters.append(SerializedArray(serialized, encoded))
+        stored = decoded
     return ChunkCodec(
         uri=uri,
         shape=chunk_shape,
         dtype=dtype,
         stored_dtype=stored,
         order=None if identity else order,
+        filters=tuple(filters),
         compressors=tuple(compressors),
     )
 
