@@ -126,6 +126,85 @@ def test_blosc_compressor_not_in_numcodecs_list_is_refused(tmp_path, fmt):
 
 
 # ---------------------------------------------------------------------------------------------
+# a compressor after sharding_indexed
+
+
+def _compressed_shards(path, *, shape, shards, inner, compressors="auto", index_location="end", inner_codecs=None,
+                       dtype="uint16", fill=7):
+    """zarr-python's spelling that compresses whole shards: the sharding codec as the serializer, with
+    compressors (by default zarr-python's, zstd) after it."""
+    codec = ShardingCodec(chunk_shape=inner, index_location=index_location,
+                          **({"codecs": inner_codecs} if inner_codecs else {}))
+    z = zarr.create_array(path, shape=shape, chunks=shards, shards=None, serializer=codec, compressors=compressors,
+                          dtype=dtype, fill_value=fill)
+    rng = np.random.default_rng(3)
+    z[...] = rng.integers(0, 1000, size=shape).astype(dtype)
+    z[tuple(slice(0, i) for i in inner)] = fill  # an empty inner chunk: an empty index entry
+    z[tuple(slice(s - s % sh or s - sh, s) for s, sh in zip(shape, shards))] = fill  # the last shard: no file
+    return json.load(open(os.path.join(path, "zarr.json")))["codecs"]
+
+
+@pytest.mark.parametrize("case", ["zstd", "blosc-start-crc", "3d-big-endian"])
+def test_compressor_after_sharding_indexed(tmp_path, decode_path, case):
+    path = str(tmp_path / "a.zarr")
+    if case == "zstd":
+        shards = (16, 16)
+        codecs = _compressed_shards(path, shape=(40, 30), shards=shards, inner=(8, 8))
+        assert [c["name"] for c in codecs] == ["sharding_indexed", "zstd"]
+        crop = (12, 10)
+    elif case == "blosc-start-crc":
+        shards = (16, 20)
+        codecs = _compressed_shards(path, shape=(33, 50), shards=shards, inner=(4, 10), index_location="start",
+                                    compressors=[BloscCodec(cname="lz4", shuffle="shuffle"), Crc32cCodec()],
+                                    inner_codecs=[BytesCodec(), ZstdCodec(level=1)])
+        assert [c["name"] for c in codecs] == ["sharding_indexed", "blosc", "crc32c"]
+        crop = (9, 21)
+    else:
+        shards = (4, 8, 8)
+        codecs = _compressed_shards(path, shape=(9, 20, 14), shards=shards, inner=(2, 4, 4), dtype="int32",
+                                    inner_codecs=[BytesCodec(endian="big")], fill=-3)
+        crop = (3, 9, 5)
+    expected = _zarr(path)
+    arr = stoker.open_array(path)
+    assert arr.shards is None and arr.chunks == shards  # read as unsharded: the shard is the read chunk
+    assert native_codec(arr.metadata.codec) is None  # the compiled reader cannot take a whole shard
+    check_reads(path, expected, crop)
+
+
+def test_compressed_shard_damage_is_a_decode_error(tmp_path):
+    path = str(tmp_path / "a.zarr")
+    _compressed_shards(path, shape=(32, 32), shards=(16, 16), inner=(8, 8))
+    intact = _zarr(path)[:16, :16]
+    shard = os.path.join(path, "c", "0", "1")
+    raw = open(shard, "rb").read()
+    with open(shard, "wb") as f:
+        f.write(raw[: len(raw) // 2])
+    arr = stoker.open_array(path)
+    with pytest.raises(stoker.DecodeError, match="c/0/1"):
+        arr.read([(0, 16), (16, 32)])
+    # a frame that decompresses fine but is too short for the index
+    with open(shard, "wb") as f:
+        f.write(numcodecs.Zstd().encode(b"\0" * 10))
+    with pytest.raises(stoker.DecodeError, match="truncated"):
+        arr.read([(0, 16), (16, 32)])
+    np.testing.assert_array_equal(arr.read([(0, 16), (0, 16)]), intact)  # the other shards still read
+
+
+def test_nested_sharding_through_a_compressed_shard_is_refused(tmp_path):
+    path = str(tmp_path / "a.zarr")
+    inner = ShardingCodec(chunk_shape=(4, 4))
+    zarr.create_array(path, shape=(16, 16), chunks=(16, 16), shards=None, dtype="u1",
+                      serializer=ShardingCodec(chunk_shape=(8, 8), codecs=[inner]), compressors=None)
+
+    def compress_inner(doc):
+        doc["codecs"][0]["configuration"]["codecs"].append({"name": "zstd", "configuration": {"level": 0}})
+
+    _edit(path, "zarr.json", compress_inner)
+    with pytest.raises(stoker.UnsupportedFormat, match="nested sharding"):
+        stoker.open_array(path)
+
+
+# ---------------------------------------------------------------------------------------------
 # numcodecs array-to-array codecs in v3
 
 

@@ -22,7 +22,7 @@ from .codecs import (ARRAY_TO_BYTES, ChunkCodec, SerializedArray, bytes_endian, 
 from .dtypes import parse_fill_value, parse_v2_dtype, parse_v3_dtype
 from .fields import integer, lst, required, show, string
 from .grid import ChunkKeyEncoding, grid_shape
-from .sharding import ShardingSpec, parse_index_codecs
+from .sharding import CompressedShardCodec, ShardingSpec, parse_index_codecs
 
 
 @dataclass(frozen=True)
@@ -145,11 +145,12 @@ def _transpose_order(config: dict, ndim: int, uri: str) -> tuple[int, ...]:
     return tuple(items)
 
 
-def _v3_chunk_codec(entries: Any, chunk_shape: tuple[int, ...], dtype: np.dtype, uri: str,
+def _v3_chunk_codec(entries: Any, chunk_shape: tuple[int, ...], dtype: np.dtype, fill: np.ndarray, uri: str,
                     where: str = "codecs") -> ChunkCodec | ShardingSpec:
     """Walk a v3 codec list: array->array, one array->bytes, then bytes->bytes.
 
-    Returns a :class:`ChunkCodec` for plain chunks or a :class:`ShardingSpec`.
+    Returns a :class:`ChunkCodec` for plain chunks (a :class:`CompressedShardCodec` for shards compressed
+    whole) or a :class:`ShardingSpec`.
     """
     order: tuple[int, ...] = tuple(range(len(chunk_shape)))
     filters: list = []  # numcodecs array-to-array codecs, in encode order
@@ -174,10 +175,6 @@ def _v3_chunk_codec(entries: Any, chunk_shape: tuple[int, ...], dtype: np.dtype,
                 decoded = decoding if not filters else decoded
                 filters.append(codec)
         else:
-            if serializer[0] == "sharding_indexed":
-                raise UnsupportedFormat(
-                    f"{uri}: codec {name!r} after sharding_indexed is not supported", uri=uri, codec=name
-                )
             compressors.append(v3_bytes_codec(name, config, uri))
     if serializer is None:
         raise MetadataError(f"{uri}: {where} {show(entries)} has no array-to-bytes codec ('bytes' or "
@@ -191,7 +188,11 @@ def _v3_chunk_codec(entries: Any, chunk_shape: tuple[int, ...], dtype: np.dtype,
         if not identity or filters:
             raise UnsupportedFormat(f"{uri}: array-to-array codecs before sharding_indexed are not supported",
                                     uri=uri)
-        return _sharding(config, chunk_shape, dtype, uri)
+        spec = _sharding(config, chunk_shape, dtype, fill, uri)
+        if not compressors:
+            return spec
+        return CompressedShardCodec(uri=uri, shape=chunk_shape, dtype=dtype, stored_dtype=spec.inner.stored_dtype,
+                                    spec=spec, outer=tuple(compressors), fill_value=fill)
     big = bytes_endian(config, encoded.itemsize, uri)
     if not filters:
         stored = dtype.newbyteorder(">" if big else "<") if dtype.itemsize > 1 else dtype
@@ -211,7 +212,8 @@ def _v3_chunk_codec(entries: Any, chunk_shape: tuple[int, ...], dtype: np.dtype,
     )
 
 
-def _sharding(config: dict, shard_shape: tuple[int, ...], dtype: np.dtype, uri: str) -> ShardingSpec:
+def _sharding(config: dict, shard_shape: tuple[int, ...], dtype: np.dtype, fill: np.ndarray,
+              uri: str) -> ShardingSpec:
     """The layout a ``sharding_indexed`` codec configuration describes."""
     what = "sharding_indexed configuration"
     inner_shape = _shape(required(config, "chunk_shape", what, uri), "sharding chunk_shape", uri, positive=True)
@@ -219,9 +221,9 @@ def _sharding(config: dict, shard_shape: tuple[int, ...], dtype: np.dtype, uri: 
         raise MetadataError(
             f"{uri}: inner chunk shape {inner_shape} does not divide shard shape {shard_shape}", uri=uri
         )
-    inner = _v3_chunk_codec(config.get("codecs", [{"name": "bytes"}]), inner_shape, dtype, uri,
+    inner = _v3_chunk_codec(config.get("codecs", [{"name": "bytes"}]), inner_shape, dtype, fill, uri,
                             "sharding_indexed codecs")
-    if isinstance(inner, ShardingSpec):
+    if isinstance(inner, (ShardingSpec, CompressedShardCodec)):
         raise UnsupportedFormat(f"{uri}: nested sharding is not supported yet", uri=uri, codec="sharding_indexed")
     location = string(config.get("index_location", "end"), "sharding index_location", uri)
     if location not in ("start", "end"):
@@ -272,7 +274,7 @@ def parse_v3(doc: dict, uri: str) -> ArrayMetadata:
         raise UnsupportedFormat(f"{uri}: storage transformers are not supported", uri=uri)
     encoding = _key_encoding(required(doc, "chunk_key_encoding", where, uri), uri)
     fill = parse_fill_value(required(doc, "fill_value", where, uri), dtype, uri, 3)
-    chain = _v3_chunk_codec(required(doc, "codecs", where, uri), chunks, dtype, uri)
+    chain = _v3_chunk_codec(required(doc, "codecs", where, uri), chunks, dtype, fill, uri)
     sharding = chain if isinstance(chain, ShardingSpec) else None
     return ArrayMetadata(
         uri=uri,
