@@ -486,7 +486,7 @@ def test_v3_metadata_with_wrong_zarr_format(tmp_path):
     uri = str(tmp_path / "a.zarr")
     make_array(uri, 3)
     edit_json(os.path.join(uri, "zarr.json"), lambda d: d.__setitem__("zarr_format", 2))
-    expect_error(uri, stoker.InvalidArgument, lambda: stoker.open_array(uri), uri, "zarr_format")
+    expect_error(uri, stoker.MetadataError, lambda: stoker.open_array(uri), uri, "zarr_format")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,9 +51,9 @@ def test_inspect_cli_reports_and_advises(tmp_path, capsys):
     assert "advice: chunks limit throughput" in out and "(4, 16, 16)" in out
     assert main(["inspect", str(tmp_path / "v.zarr"), "--sample-shape", "64", "256", "256"]) == 0
     assert "chunking suits this crop shape" in capsys.readouterr().out
-    assert main(["inspect", str(tmp_path / "v.zarr"), "--sample-shape", "8", "8"]) == 1  # wrong rank
-    assert main(["inspect", str(tmp_path / "missing.zarr")]) == 1
-    assert "no Zarr array" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "v.zarr"), "--sample-shape", "8", "8"]) == 2  # wrong rank
+    assert main(["inspect", str(tmp_path / "missing.zarr")]) == 2
+    assert "no Zarr array" in capsys.readouterr().err
 
 
 def test_inspect_reads_no_chunk_beyond_one_blosc_header(tmp_path):

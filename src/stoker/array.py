@@ -21,8 +21,9 @@ import numpy as np
 
 from .box import Box, box_shape, parse_box
 from .cache import SizedLRU
-from .errors import DecodeError, InvalidArgument, NotFound
+from .errors import DecodeError, InvalidArgument, MetadataError, NotFound, StorageError
 from .storage import LocalStore, default_store, resolve_local_path
+from .zarr.fields import show
 from .zarr.grid import chunk_intersections
 from .zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3
 from .zarr.sharding import EMPTY_ENTRY
@@ -31,20 +32,85 @@ DEFAULT_INDEX_CACHE_BYTES = 64 << 20
 _reader_tokens = itertools.count()  # cache keys unique per reader, never reused like id()
 
 
+#: Largest metadata document read. Real ones are a few KiB (attributes live elsewhere in v2, and rarely
+#: reach a MiB in v3); a larger file is refused before it is read, so a hostile one costs no memory.
+MAX_METADATA_BYTES = 16 << 20
+
+
+def _read_document(store: LocalStore, path: str, uri: str) -> bytes | None:
+    """A metadata file's bytes (at most :data:`MAX_METADATA_BYTES`), or None when it does not exist."""
+    f = store.open_file(path)
+    if f is None:
+        return None
+    with f:
+        if f.size > MAX_METADATA_BYTES:
+            raise MetadataError(
+                f"{uri}: {os.path.basename(path)} is {f.size} bytes, more than the {MAX_METADATA_BYTES} bytes "
+                "stoker reads as array metadata; it is not a Zarr metadata document",
+                uri=uri,
+            )
+        buf = bytearray(f.size)
+        got = f.read_into(memoryview(buf), 0)
+    return bytes(buf[:got])
+
+
+def _is_index(name: str) -> bool:
+    return name.isascii() and name.isdigit()
+
+
+def detect_v2_separator(path: str, doc: dict, uri: str) -> str:
+    """The chunk key separator of a v2 array whose ``.zarray`` does not name one.
+
+    zarr-python before 2.8 wrote nested keys (``0/0``) without saying so in ``.zarray``; reading them as
+    ``0.0`` would find no chunk and return fill values everywhere. The array's directory tells: a
+    subdirectory named by an integer means ``/``, a file named like ``0.0`` (one integer per dimension)
+    means ``.``. The scan stops at the first chunk file (a flat array keeps every chunk in this
+    directory, so it may be huge; a nested one holds only its first axis' directories). Both kinds at
+    once is a MetadataError; neither (nothing written yet) reads as ``.``.
+    """
+    ndim = len(doc["shape"]) if isinstance(doc.get("shape"), list) else 0
+    if doc.get("dimension_separator") is not None or ndim < 2:
+        return "."  # said, or one-dimensional keys (no separator in them)
+    nested = None
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                name = entry.name
+                if _is_index(name) and entry.is_dir():
+                    nested = nested or name
+                    continue
+                parts = name.split(".")
+                if len(parts) == ndim and all(_is_index(p) for p in parts) and not entry.is_dir():
+                    first = nested or (parts[0] if os.path.isdir(os.path.join(path, parts[0])) else None)
+                    if first is not None:
+                        raise MetadataError(
+                            f"{uri}: .zarray names no dimension_separator and the array holds both flat chunk "
+                            f"keys ({name!r}) and nested ones (directory {first!r}); add "
+                            "\"dimension_separator\" to .zarray to say which",
+                            uri=uri,
+                        )
+                    return "."
+    except OSError as exc:
+        raise StorageError(f"{uri}: cannot list {path}: {exc.strerror}", path=path) from None
+    return "/" if nested is not None else "."
+
+
 def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> ArrayMetadata:
     """Parse the metadata of the array at local ``path`` (v3 ``zarr.json`` first, then v2 ``.zarray``)."""
     uri = uri or path
-    raw = store.read(os.path.join(path, "zarr.json"))
+    raw = _read_document(store, os.path.join(path, "zarr.json"), uri)
     if raw is not None:
         doc = parse_json(raw, uri, "zarr.json")
-        if doc.get("zarr_format") != 3:
-            raise InvalidArgument(f"{uri}: zarr.json has zarr_format {doc.get('zarr_format')!r}, expected 3", uri=uri)
         if doc.get("node_type") == "group":
             raise InvalidArgument(f"{uri} is a Zarr group, not an array; name one of its arrays", uri=uri)
+        fmt = doc.get("zarr_format")
+        if fmt != 3 or isinstance(fmt, bool):
+            raise MetadataError(f"{uri}: zarr.json has zarr_format {show(fmt)}, expected 3", uri=uri)
         return parse_v3(doc, uri)
-    raw = store.read(os.path.join(path, ".zarray"))
+    raw = _read_document(store, os.path.join(path, ".zarray"), uri)
     if raw is not None:
-        return parse_v2(parse_json(raw, uri, ".zarray"), uri)
+        doc = parse_json(raw, uri, ".zarray")
+        return parse_v2(doc, uri, separator=detect_v2_separator(path, doc, uri))
     if store.size(os.path.join(path, ".zgroup")) is not None:
         raise InvalidArgument(f"{uri} is a Zarr v2 group, not an array; name one of its arrays", uri=uri)
     raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)

@@ -6,6 +6,10 @@ import argparse
 import sys
 
 from .. import __version__
+from ..errors import StokerError
+
+#: Exit status of a command that stopped on a StokerError (argparse uses 2 for usage errors too).
+EXIT_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
+    except StokerError as exc:  # a typed error says what to change: its message, not a traceback
+        print(f"stoker {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

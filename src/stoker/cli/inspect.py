@@ -8,7 +8,7 @@ import numpy as np
 
 from ..amplification import estimate
 from ..array import open_array
-from ..errors import InvalidArgument, StokerError
+from ..errors import InvalidArgument
 from ..zarr.blosc_partial import HEADER_SIZE, blosc_header
 
 
@@ -89,11 +89,7 @@ def describe(uri: str, sample_shape: tuple[int, ...] | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        print(describe(args.uri, tuple(args.sample_shape) if args.sample_shape else None))
-    except StokerError as exc:
-        print(f"stoker inspect: {exc}")
-        return 1
+    print(describe(args.uri, tuple(args.sample_shape) if args.sample_shape else None))
     return 0
 
 

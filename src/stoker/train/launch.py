@@ -58,14 +58,29 @@ _WORKDIR_PREFIX = "stoker-launch"  # + "-<host>-<pid>-<random>": says which laun
 
 @dataclass
 class RankContext:
-    """What a rank knows about itself; passed as the first argument of the launched function."""
+    """What a rank knows about itself; passed as the first argument of the launched function.
+
+    ``rank`` and ``world_size`` are global (every rank of every node); ``local_rank`` and
+    ``local_world_size`` count the ranks of this node; ``node_rank`` and ``nnodes`` the nodes
+    (torchrun's ``GROUP_RANK`` and ``GROUP_WORLD_SIZE``); ``restarts`` how often torchrun restarted
+    the job's workers (``TORCHELASTIC_RESTART_COUNT``; a restarted job resumes from its checkpoint).
+    """
 
     rank: int
     local_rank: int
     world_size: int
     device: torch.device
     backend: str
+    node_rank: int = 0
+    nnodes: int = 1
+    local_world_size: int = 1
+    restarts: int = 0
     _managed: list = field(default_factory=list, repr=False)
+
+    @property
+    def is_local_main(self) -> bool:
+        """True on local rank 0: one rank per node (e.g. for work on node-local disks)."""
+        return self.local_rank == 0
 
     @property
     def is_main(self) -> bool:
@@ -241,7 +256,7 @@ def _run_rank(fn: Callable[..., Any], args: tuple, rank: int, local_rank: int, w
         device = torch.device("cpu")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    ctx = RankContext(rank, local_rank, world_size, device, backend)
+    ctx = RankContext(rank, local_rank, world_size, device, backend, **_topology(world_size))
     beat = _start_heartbeat(rank, world_size, stall_s, error_file)
     try:
         result = fn(ctx, *args)
@@ -267,6 +282,15 @@ def _run_rank(fn: Callable[..., Any], args: tuple, rank: int, local_rank: int, w
         dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _topology(world_size: int) -> dict[str, int]:
+    """Nodes and restarts as the launcher's environment states them (torchrun sets them all; a spawned
+    launch is one node that never restarts)."""
+    env = os.environ
+    return {"node_rank": int(env.get("GROUP_RANK", 0)), "nnodes": int(env.get("GROUP_WORLD_SIZE", 1)),
+            "local_world_size": int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            "restarts": int(env.get("TORCHELASTIC_RESTART_COUNT", 0))}
 
 
 def _start_heartbeat(rank: int, world_size: int, stall_s: float | None,

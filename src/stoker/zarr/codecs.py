@@ -20,6 +20,7 @@ several threads at once.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -27,9 +28,11 @@ from typing import Any, Sequence
 import numcodecs
 import numpy as np
 from numcodecs.abc import Codec
+from numcodecs.compat import ensure_ndarray
 
-from ..errors import DecodeError, StokerError, UnsupportedFormat
+from ..errors import DecodeError, MetadataError, StokerError, UnsupportedFormat
 from . import blosc_partial, bounded
+from .fields import boolean, integer, lst, obj, required, show, string
 
 
 def inverse_permutation(order: Sequence[int]) -> tuple[int, ...]:
@@ -37,6 +40,26 @@ def inverse_permutation(order: Sequence[int]) -> tuple[int, ...]:
     for i, o in enumerate(order):
         inv[o] = i
     return tuple(inv)
+
+
+def decode_stages(compressors: Sequence[Codec], bound: int) -> tuple[tuple, int]:
+    """The bounded decoders of bytes-to-bytes ``compressors`` (encode order) whose decoded output is at
+    most ``bound`` bytes: ``((decode, bound, codec id), ...)`` in decode order, and the most bytes their
+    stored form can take. Each stage may produce at most what the next one (in decode order) can store."""
+    stages = []
+    for c in compressors:
+        stages.append((bounded.decoder(c, bound) or c.decode, bound, c.codec_id))
+        bound = bounded.encoded_bound(c, bound)
+    return tuple(reversed(stages)), bound
+
+
+def run_stages(stages: tuple, data: Any) -> Any:
+    """Decode ``data`` through :func:`decode_stages`' stages (``bounded.TooLarge`` past a bound)."""
+    for decompress, bound, codec_id in stages:
+        data = decompress(data)
+        if memoryview(data).nbytes > bound:  # a codec not bounded in advance: checked after the fact
+            raise bounded.TooLarge(codec_id, bound)
+    return data
 
 
 @dataclass(frozen=True)
@@ -77,12 +100,9 @@ class ChunkCodec:
         # from the element count. Each earlier stage may produce at most what the next one can store.
         bound = self.nbytes if not self.filters else (
             n * max(16, self.stored_dtype.itemsize) + bounded.OVERHEAD_SLACK)
-        stages = []
-        for c in self.compressors:
-            stages.append((bounded.decoder(c, bound) or c.decode, bound, c.codec_id))
-            bound = bounded.encoded_bound(c, bound)
-        object.__setattr__(self, "_decompress", tuple(reversed(stages)))
-        object.__setattr__(self, "max_stored_nbytes", bound)
+        stages, stored = decode_stages(self.compressors, bound)
+        object.__setattr__(self, "_decompress", stages)
+        object.__setattr__(self, "max_stored_nbytes", stored)
 
     @property
     def partial(self) -> bool:
@@ -161,11 +181,7 @@ class ChunkCodec:
     def decode(self, encoded: Any, key: str = "?") -> np.ndarray:
         """Decode into a new chunk-shaped array (maybe strided, maybe in the stored byte order)."""
         try:
-            data = encoded
-            for decompress, bound, codec_id in self._decompress:
-                data = decompress(data)
-                if memoryview(data).nbytes > bound:  # a codec not bounded in advance: checked after the fact
-                    raise bounded.TooLarge(codec_id, bound)
+            data = run_stages(self._decompress, encoded)
             for codec in reversed(self.filters):
                 data = codec.decode(data)
             # compressors return bytes: frombuffer is a view, and cheaper than numcodecs' ensure_ndarray
@@ -226,25 +242,66 @@ class ChunkCodec:
 # Building codecs from metadata
 
 
-def _numcodecs_codec(config: dict, uri: str) -> Codec:
+#: v3 codecs that turn an array into bytes other than ``bytes`` and ``sharding_indexed``: none is read.
+ARRAY_TO_BYTES = frozenset({"numcodecs.pcodec", "numcodecs.zfpy", "vlen-utf8", "vlen-bytes"})
+
+#: numcodecs array-to-array codecs read in v3 (``numcodecs.<id>`` before the ``bytes`` codec).
+ARRAY_TO_ARRAY = ("astype", "bitround", "delta", "fixedscaleoffset", "quantize")
+
+
+@functools.cache
+def blosc_compressors() -> tuple[str, ...]:
+    """The compressors numcodecs' c-blosc was built with; a frame of any other cannot be decoded."""
+    from numcodecs import blosc
+
+    return tuple(blosc.list_compressors())
+
+
+def _available(codec: Codec, uri: str) -> Codec:
+    """``codec``, unless it is blosc naming a compressor this build of c-blosc lacks (e.g. snappy): such
+    an array opens but no chunk of it can be decoded, so it is refused at open."""
+    if codec.codec_id == "blosc":
+        cname = codec.cname.decode() if isinstance(codec.cname, bytes) else codec.cname
+        if cname not in blosc_compressors():
+            raise UnsupportedFormat(
+                f"{uri}: blosc compressor {show(cname)} is not available (this numcodecs reads "
+                f"{', '.join(blosc_compressors())}); re-encode the array with one of those",
+                uri=uri, codec="blosc", cname=cname,
+            )
+    return codec
+
+
+def _numcodecs_codec(config: Any, what: str, uri: str) -> Codec:
+    """The numcodecs codec of a configuration ``{"id": ..., **parameters}``."""
+    config = obj(config, what, uri)
+    codec_id = string(required(config, "id", what, uri), f"{what} id", uri)
     try:
-        return numcodecs.get_codec(dict(config))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UnsupportedFormat(
-            f"{uri}: codec {config.get('id')!r} is not available ({exc}); "
-            "install the package that provides it or re-encode the array",
-            uri=uri, codec=config.get("id"),
+        codec = numcodecs.get_codec(dict(config))
+    except Exception as exc:  # noqa: BLE001 - a third-party constructor fed a hostile document
+        if codec_id not in numcodecs.registry.codec_registry:
+            raise UnsupportedFormat(
+                f"{uri}: codec {codec_id!r} is not available; install the package that provides it or "
+                "re-encode the array",
+                uri=uri, codec=codec_id,
+            ) from None
+        raise MetadataError(
+            f"{uri}: {what} {codec_id!r} has a configuration numcodecs rejects "
+            f"({type(exc).__name__}: {str(exc)[:200]})",
+            uri=uri, codec=codec_id,
         ) from None
+    return _available(codec, uri)
 
 
 def v2_codec(uri: str, meta: dict, shape: tuple[int, ...], stored_dtype: np.dtype) -> ChunkCodec:
     """The codec of a Zarr v2 array from its ``.zarray`` document."""
-    order = meta.get("order", "C")
+    order = required(meta, "order", ".zarray", uri)
     if order not in ("C", "F"):
-        raise UnsupportedFormat(f"{uri}: order {order!r} is not C or F", uri=uri)
-    filters = tuple(_numcodecs_codec(f, uri) for f in (meta.get("filters") or ()))
+        raise MetadataError(f"{uri}: order {show(order)} is not 'C' or 'F'", uri=uri)
+    filters = meta.get("filters")
+    filters = () if filters is None else tuple(_numcodecs_codec(f, "filter", uri)
+                                               for f in lst(filters, "filters", uri))
     compressor = meta.get("compressor")
-    compressors = (_numcodecs_codec(compressor, uri),) if compressor else ()
+    compressors = () if compressor is None else (_numcodecs_codec(compressor, "compressor", uri),)
     return ChunkCodec(
         uri=uri,
         shape=shape,
@@ -257,26 +314,47 @@ def v2_codec(uri: str, meta: dict, shape: tuple[int, ...], stored_dtype: np.dtyp
 
 
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+_ZSTD_LEVELS = (-(1 << 17), 22)  # ZSTD_minCLevel() .. ZSTD_maxCLevel()
+
+
+def _blosc_shuffle(value: Any, uri: str) -> int:
+    if isinstance(value, str) and value in _BLOSC_SHUFFLE:
+        return _BLOSC_SHUFFLE[value]
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2:
+        return value  # numcodecs' own numbering, as some writers store it
+    raise MetadataError(f"{uri}: blosc shuffle {show(value)} is not one of {', '.join(_BLOSC_SHUFFLE)}", uri=uri)
 
 
 def v3_bytes_codec(name: str, config: dict, uri: str) -> Codec:
-    """A numcodecs codec for a Zarr v3 bytes-to-bytes codec."""
+    """A numcodecs codec for a Zarr v3 bytes-to-bytes codec.
+
+    Parameters that only matter when encoding (levels, blosc's shuffle and block size) are still
+    checked for their type and range: a document that gets them wrong is not one to trust.
+    """
     if name == "blosc":
-        shuffle = config.get("shuffle", "noshuffle")
-        return numcodecs.Blosc(
-            cname=config.get("cname", "lz4"),
-            clevel=config.get("clevel", 5),
-            shuffle=_BLOSC_SHUFFLE.get(shuffle, shuffle) if isinstance(shuffle, str) else shuffle,
-            blocksize=config.get("blocksize", 0),
-        )
+        if "typesize" in config:
+            integer(config["typesize"], "blosc typesize", uri, lo=1)
+        return _available(numcodecs.Blosc(
+            cname=string(config.get("cname", "lz4"), "blosc cname", uri),
+            clevel=integer(config.get("clevel", 5), "blosc clevel", uri, lo=0, hi=9),
+            shuffle=_blosc_shuffle(config.get("shuffle", "noshuffle"), uri),
+            blocksize=integer(config.get("blocksize", 0), "blosc blocksize", uri, lo=0, hi=2**31 - 1),
+        ), uri)
     if name == "zstd":
-        return numcodecs.Zstd(level=config.get("level", 0), checksum=config.get("checksum", False))
+        return numcodecs.Zstd(
+            level=integer(config.get("level", 0), "zstd level", uri, lo=_ZSTD_LEVELS[0], hi=_ZSTD_LEVELS[1]),
+            checksum=boolean(config.get("checksum", False), "zstd checksum", uri),
+        )
     if name == "gzip":
-        return numcodecs.GZip(level=config.get("level", 5))
+        return numcodecs.GZip(level=integer(config.get("level", 5), "gzip level", uri, lo=0, hi=9))
     if name == "crc32c":
         return numcodecs.CRC32C(location="end")
+    if name in ARRAY_TO_BYTES or name in ("bytes", "sharding_indexed", "transpose", "numcodecs.packbits") or \
+            name.removeprefix("numcodecs.") in ARRAY_TO_ARRAY:
+        raise MetadataError(f"{uri}: codec {name!r} takes an array: it cannot follow the array-to-bytes codec",
+                            uri=uri, codec=name)
     if name.startswith("numcodecs."):
-        return _numcodecs_codec({"id": name.split(".", 1)[1], **config}, uri)
+        return _numcodecs_codec({**config, "id": name.split(".", 1)[1]}, f"codec {name!r}", uri)
     raise UnsupportedFormat(
         f"{uri}: codec {name!r} is not supported; stoker reads blosc, zstd, gzip, crc32c and numcodecs.* "
         "bytes-to-bytes codecs",
@@ -284,10 +362,93 @@ def v3_bytes_codec(name: str, config: dict, uri: str) -> Codec:
     )
 
 
-def codec_name_and_config(entry: Any, uri: str) -> tuple[str, dict]:
-    """Split a v3 codec entry (``{"name", "configuration"}`` or a bare name)."""
+class SerializedArray(Codec):
+    """The ``bytes`` codec's side of a v3 chain with numcodecs array-to-array codecs before it.
+
+    The stored bytes hold the last codec's output in the ``bytes`` codec's byte order; numcodecs'
+    decoders view what they get in the dtype they declare. When the two differ (a big-endian ``bytes``
+    codec, or a declared dtype of the other byte order) this converts the values first. zarr-python 3.1
+    views instead, so it reads big-endian arrays written through these codecs wrongly; stoker reads what
+    was encoded.
+    """
+
+    codec_id = "bytes"
+
+    def __init__(self, stored: np.dtype, expected: np.dtype) -> None:
+        self.stored, self.expected = stored, expected
+
+    def decode(self, buf: Any, out: Any = None) -> np.ndarray:
+        return ensure_ndarray(buf).reshape(-1).view(np.uint8).view(self.stored).astype(self.expected)
+
+    def encode(self, buf: Any) -> Any:  # stoker only reads
+        raise NotImplementedError("stoker does not write Zarr arrays")
+
+
+def _numeric_dtype(value: Any, what: str, uri: str) -> np.dtype:
+    string(value, what, uri)
+    try:
+        dt = np.dtype(value)
+    except (TypeError, ValueError):
+        raise MetadataError(f"{uri}: {what} {show(value)} is not a data type", uri=uri) from None
+    if dt.kind not in "biufc" or dt.fields is not None or dt.subdtype is not None:
+        raise UnsupportedFormat(f"{uri}: {what} {show(value)} is not a numeric data type", uri=uri)
+    return dt
+
+
+def v3_array_codec(name: str, config: dict, incoming: np.dtype, uri: str) -> tuple[Codec, np.dtype, np.dtype]:
+    """A v3 ``numcodecs.*`` array-to-array codec that receives arrays of ``incoming`` when encoding.
+
+    Returns ``(codec, decoded, encoded)``: the dtype its decoder returns and the one it stores. The
+    dtypes follow zarr-python's rules (its ``resolve_metadata``): ``astype`` stores ``encode_dtype``,
+    ``delta`` and ``fixedscaleoffset`` store ``astype`` when given, the others keep the type.
+    """
+    codec_id = name.split(".", 1)[1] if name.startswith("numcodecs.") else None
+    if codec_id not in ARRAY_TO_ARRAY:
+        raise UnsupportedFormat(
+            f"{uri}: array-to-array codec {name!r} is not supported (stoker reads 'transpose' and "
+            f"{', '.join('numcodecs.' + n for n in ARRAY_TO_ARRAY)})",
+            uri=uri, codec=name,
+        )
+    what = f"codec {name!r}"
+    if codec_id == "bitround":
+        decoded = encoded = incoming
+        if incoming.kind != "f":
+            raise MetadataError(f"{uri}: {what} rounds floats, but it receives {incoming}", uri=uri)
+    elif codec_id == "astype":
+        decoded = _numeric_dtype(config.get("decode_dtype", incoming.str), f"{what} decode_dtype", uri)
+        encoded = _numeric_dtype(required(config, "encode_dtype", what, uri), f"{what} encode_dtype", uri)
+    else:
+        decoded = _numeric_dtype(config.get("dtype", incoming.str), f"{what} dtype", uri)
+        encoded = decoded
+        if codec_id in ("delta", "fixedscaleoffset") and config.get("astype") is not None:
+            encoded = _numeric_dtype(config["astype"], f"{what} astype", uri)
+        if codec_id == "quantize" and config.get("astype") is not None and \
+                _numeric_dtype(config["astype"], f"{what} astype", uri) != decoded:
+            raise UnsupportedFormat(f"{uri}: {what} with an astype other than its dtype is not supported "
+                                    "(zarr-python reads such chunks with the wrong type)", uri=uri, codec=name)
+    if decoded.newbyteorder("=") != incoming.newbyteorder("="):
+        raise MetadataError(f"{uri}: {what} decodes to {decoded}, but it receives {incoming} when encoding",
+                            uri=uri, codec=name)
+    return _numcodecs_codec({**config, "id": codec_id}, what, uri), decoded, encoded
+
+
+def bytes_endian(config: dict, itemsize: int, uri: str) -> bool:
+    """True when a v3 ``bytes`` codec stores big-endian elements of ``itemsize`` bytes. A missing
+    ``endian`` reads as little-endian (as zarr-python does); null is allowed for one-byte types only."""
+    endian = config.get("endian", "little")
+    if endian is None and itemsize == 1:
+        return False
+    if endian not in ("little", "big"):
+        raise MetadataError(f"{uri}: bytes codec endian {show(endian)} is not 'little' or 'big'", uri=uri)
+    return endian == "big"
+
+
+def codec_name_and_config(entry: Any, uri: str, what: str = "codec") -> tuple[str, dict]:
+    """Split a v3 ``{"name", "configuration"}`` entry (a codec, grid or key encoding) or a bare name."""
     if isinstance(entry, str):
         return entry, {}
-    if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-        return entry["name"], dict(entry.get("configuration") or {})
-    raise UnsupportedFormat(f"{uri}: malformed codec entry {entry!r}", uri=uri)
+    entry = obj(entry, what, uri)
+    name = string(required(entry, "name", what, uri), f"{what} name", uri)
+    if "configuration" not in entry:
+        return name, {}
+    return name, dict(obj(entry["configuration"], f"{what} {name!r} configuration", uri))

@@ -10,11 +10,13 @@ from __future__ import annotations
 import base64
 import math
 import struct
+import warnings
 from typing import Any
 
 import numpy as np
 
 from ..errors import MetadataError, UnsupportedFormat
+from .fields import show, string, wrong
 
 # Zarr v3 core data type names -> numpy kinds (endianness comes from the `bytes` codec).
 V3_DTYPES = {
@@ -30,18 +32,21 @@ _SUPPORTED_KINDS = set("biufc")
 
 def parse_v2_dtype(spec: Any, uri: str) -> np.dtype:
     """Parse a ``.zarray`` dtype (e.g. ``"<u2"``, ``">f4"``, ``"|b1"``); keeps the stored byte order."""
-    if not isinstance(spec, str):
+    if isinstance(spec, list):
         raise UnsupportedFormat(
-            f"{uri}: structured dtype {spec!r} is not supported; stoker reads numeric arrays only",
+            f"{uri}: structured dtype {show(spec)} is not supported; stoker reads numeric arrays only",
             uri=uri, dtype=spec,
         )
+    string(spec, "dtype", uri)
     try:
-        dt = np.dtype(spec)
-    except TypeError:
-        raise UnsupportedFormat(f"{uri}: unknown dtype {spec!r}", uri=uri, dtype=spec) from None
+        with warnings.catch_warnings():  # numpy warns about deprecated aliases ('a5') before refusing them here
+            warnings.simplefilter("ignore", DeprecationWarning)
+            dt = np.dtype(spec)
+    except (TypeError, ValueError):
+        raise UnsupportedFormat(f"{uri}: unknown dtype {show(spec)}", uri=uri, dtype=spec) from None
     if dt.kind not in _SUPPORTED_KINDS or dt.fields is not None or dt.subdtype is not None:
         raise UnsupportedFormat(
-            f"{uri}: dtype {spec!r} is not supported; stoker reads bool, integer, float and complex arrays",
+            f"{uri}: dtype {show(spec)} is not supported; stoker reads bool, integer, float and complex arrays",
             uri=uri, dtype=spec,
         )
     return dt
@@ -51,8 +56,10 @@ def parse_v3_dtype(spec: Any, uri: str) -> np.dtype:
     """Parse a ``zarr.json`` ``data_type`` into a native-order numpy dtype."""
     if isinstance(spec, str) and spec in V3_DTYPES:
         return np.dtype(V3_DTYPES[spec])
+    if not isinstance(spec, (str, dict)):  # a name, or an extension's {"name", "configuration"}
+        raise wrong("data_type", spec, "a data type name", uri)
     raise UnsupportedFormat(
-        f"{uri}: data_type {spec!r} is not supported; stoker reads {', '.join(V3_DTYPES)}",
+        f"{uri}: data_type {show(spec)} is not supported; stoker reads {', '.join(V3_DTYPES)}",
         uri=uri, dtype=spec,
     )
 
@@ -67,8 +74,21 @@ def _float_from(value: Any, dtype: np.dtype, uri: str) -> float:
         if value.startswith("0x"):  # v3: the IEEE bit pattern, big-endian hex
             raw = int(value, 16).to_bytes(dtype.itemsize, "big")
             return np.frombuffer(raw, dtype=dtype.newbyteorder(">"))[0]
-        raise MetadataError(f"{uri}: fill_value {value!r} is not a number", uri=uri)
+        raise MetadataError(f"{uri}: fill_value {show(value)} is not a number", uri=uri)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a number, got {type(value).__name__}")
     return float(value)
+
+
+def _bool_fill(value: Any, uri: str, zarr_format: int) -> bool:
+    """JSON true/false; zarr-python 2 also wrote 0 and 1 for bool arrays. Anything else is refused: Python's
+    truthiness would read the string ``"false"`` as True."""
+    if isinstance(value, bool):
+        return value
+    if zarr_format == 2 and isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    allowed = "true, false, 0 or 1" if zarr_format == 2 else "true or false"
+    raise MetadataError(f"{uri}: fill_value {show(value)} of a bool array must be {allowed}", uri=uri)
 
 
 def parse_fill_value(value: Any, dtype: np.dtype, uri: str, zarr_format: int) -> np.ndarray:
@@ -80,15 +100,19 @@ def parse_fill_value(value: Any, dtype: np.dtype, uri: str, zarr_format: int) ->
     native = dtype.newbyteorder("=")
     if value is None:
         return np.zeros((), dtype=native)
+    if native.kind == "b":
+        return np.array(_bool_fill(value, uri, zarr_format), dtype=native)
+    if isinstance(value, bool):
+        raise MetadataError(f"{uri}: fill_value {value!r} is a boolean, but the array holds {native}", uri=uri)
     try:
-        if native.kind == "b":
-            return np.array(bool(value), dtype=native)
         if native.kind in "iu":
             if isinstance(value, str) and zarr_format == 2:  # v2 may store base64 bytes
                 raw = base64.standard_b64decode(value)
                 return np.frombuffer(raw, dtype=dtype)[:1].reshape(()).astype(native)
             if isinstance(value, float) and not value.is_integer():
                 raise MetadataError(f"{uri}: fill_value {value!r} is not an integer", uri=uri)
+            if not isinstance(value, (int, float)):
+                raise TypeError(f"expected a number, got {type(value).__name__}")
             return np.array(int(value), dtype=native)
         if native.kind == "f":
             return np.array(_float_from(value, native, uri), dtype=native)
@@ -97,9 +121,11 @@ def parse_fill_value(value: Any, dtype: np.dtype, uri: str, zarr_format: int) ->
                 part = np.dtype(f"f{native.itemsize // 2}")
                 re, im = (_float_from(v, part, uri) for v in value)
                 return np.array(complex(re, im), dtype=native)
+            if not isinstance(value, (int, float)):
+                raise TypeError(f"expected [real, imaginary] or a number, got {type(value).__name__}")
             return np.array(complex(value), dtype=native)
     except (ValueError, TypeError, OverflowError, struct.error) as exc:
         raise MetadataError(
-            f"{uri}: fill_value {value!r} cannot be represented as {native}: {exc}", uri=uri
+            f"{uri}: fill_value {show(value)} cannot be represented as {native}: {str(exc)[:200]}", uri=uri
         ) from None
     raise UnsupportedFormat(f"{uri}: no fill value rule for dtype {dtype}", uri=uri)

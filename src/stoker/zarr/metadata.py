@@ -17,10 +17,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import MetadataError, UnsupportedFormat
-from .codecs import ChunkCodec, codec_name_and_config, v2_codec, v3_bytes_codec
+from .codecs import (ARRAY_TO_BYTES, ChunkCodec, SerializedArray, bytes_endian, codec_name_and_config, v2_codec,
+                     v3_array_codec, v3_bytes_codec)
 from .dtypes import parse_fill_value, parse_v2_dtype, parse_v3_dtype
+from .fields import integer, lst, required, show, string
 from .grid import ChunkKeyEncoding, grid_shape
-from .sharding import ShardingSpec, parse_index_codecs
+from .sharding import CompressedShardCodec, ShardingSpec, parse_index_codecs
 
 
 @dataclass(frozen=True)
@@ -63,139 +65,216 @@ class ArrayMetadata:
         return self.key_encoding.key(chunk_index)
 
 
+#: Most dimensions an array may have: numpy's own limit, and the one tensorstore keeps.
+MAX_NDIM = 64
+_MAX_INDEX = 2**63 - 1  # numpy indexes (and allocates) with signed 64-bit integers
+
+
 def _shape(value: Any, what: str, uri: str, *, positive: bool) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise MetadataError(f"{uri}: {what} must be a list of integers, got {value!r}", uri=uri)
-    if any(v < (1 if positive else 0) for v in value):
-        raise MetadataError(f"{uri}: {what} {value!r} has {'non-positive' if positive else 'negative'} entries", uri=uri)
-    return tuple(value)
+    items = lst(value, what, uri)
+    if len(items) > MAX_NDIM:
+        raise UnsupportedFormat(
+            f"{uri}: {what} has {len(items)} dimensions; stoker reads at most {MAX_NDIM} (numpy's limit)", uri=uri
+        )
+    for v in items:
+        integer(v, f"{what} entry", uri, lo=1 if positive else 0)
+        if v > _MAX_INDEX:
+            raise UnsupportedFormat(f"{uri}: {what} entry {v} exceeds 2**63 - 1, the largest index numpy takes",
+                                    uri=uri)
+    return tuple(items)
 
 
-def parse_v2(doc: dict, uri: str) -> ArrayMetadata:
-    """Parse a ``.zarray`` document."""
-    shape = _shape(doc.get("shape"), "shape", uri, positive=False)
-    chunks = _shape(doc.get("chunks"), "chunks", uri, positive=True)
+def _check_chunk_size(chunks: tuple[int, ...], dtype: np.dtype, uri: str) -> None:
+    """A chunk too large for any process to hold is refused at open, not when its first read allocates."""
+    nbytes = math.prod(chunks) * dtype.itemsize
+    if nbytes > _MAX_INDEX:
+        raise UnsupportedFormat(f"{uri}: a chunk of shape {chunks} holds {nbytes} bytes, more than a process "
+                                "can address", uri=uri)
+
+
+def _v2_separator(doc: dict, uri: str, detected: str) -> str:
+    """The chunk key separator: ``dimension_separator`` when the document has one (null counts as none,
+    as some writers serialize an unset field), else ``detected`` (see ``array.detect_v2_separator``)."""
+    separator = doc.get("dimension_separator")
+    if separator is None:
+        return detected
+    if separator not in (".", "/"):
+        raise MetadataError(f"{uri}: dimension_separator {show(separator)} is not '.' or '/'", uri=uri)
+    return separator
+
+
+def parse_v2(doc: dict, uri: str, *, separator: str = ".") -> ArrayMetadata:
+    """Parse a ``.zarray`` document. ``separator`` is the chunk key separator to use when the document
+    does not say (arrays written before zarr-python 2.8 do not)."""
+    where = ".zarray"
+    fmt = required(doc, "zarr_format", where, uri)
+    if fmt != 2 or isinstance(fmt, bool):
+        raise MetadataError(f"{uri}: .zarray has zarr_format {show(fmt)}, expected 2", uri=uri)
+    shape = _shape(required(doc, "shape", where, uri), "shape", uri, positive=False)
+    chunks = _shape(required(doc, "chunks", where, uri), "chunks", uri, positive=True)
     if len(chunks) != len(shape):
         raise MetadataError(f"{uri}: chunks {chunks} and shape {shape} differ in rank", uri=uri)
-    stored = parse_v2_dtype(doc.get("dtype"), uri)
-    separator = doc.get("dimension_separator") or "."
-    if separator not in (".", "/"):
-        raise UnsupportedFormat(f"{uri}: dimension_separator {separator!r} is not '.' or '/'", uri=uri)
+    stored = parse_v2_dtype(required(doc, "dtype", where, uri), uri)
+    _check_chunk_size(chunks, stored, uri)
     return ArrayMetadata(
         uri=uri,
         zarr_format=2,
         shape=shape,
         dtype=stored.newbyteorder("="),
         chunk_shape=chunks,
-        fill_value=parse_fill_value(doc.get("fill_value"), stored, uri, 2),
-        key_encoding=ChunkKeyEncoding(prefix="", separator=separator),
+        fill_value=parse_fill_value(required(doc, "fill_value", where, uri), stored, uri, 2),
+        key_encoding=ChunkKeyEncoding(prefix="", separator=_v2_separator(doc, uri, separator)),
         codec=v2_codec(uri, doc, chunks, stored),
     )
 
 
-def _v3_chunk_codec(entries: list, chunk_shape: tuple[int, ...], dtype: np.dtype, uri: str):
+def _transpose_order(config: dict, ndim: int, uri: str) -> tuple[int, ...]:
+    """The permutation of a v3 ``transpose`` codec (``"C"``/``"F"`` are early drafts' spellings)."""
+    perm = required(config, "order", "transpose codec configuration", uri)
+    if perm == "C":
+        return tuple(range(ndim))
+    if perm == "F":
+        return tuple(reversed(range(ndim)))
+    items = lst(perm, "transpose order", uri)
+    for p in items:
+        integer(p, "transpose order entry", uri)
+    if sorted(items) != list(range(ndim)):
+        raise MetadataError(
+            f"{uri}: transpose order {show(perm)} is not a permutation of the {ndim} axes", uri=uri
+        )
+    return tuple(items)
+
+
+def _v3_chunk_codec(entries: Any, chunk_shape: tuple[int, ...], dtype: np.dtype, fill: np.ndarray, uri: str,
+                    where: str = "codecs") -> ChunkCodec | ShardingSpec:
     """Walk a v3 codec list: array->array, one array->bytes, then bytes->bytes.
 
-    Returns a :class:`ChunkCodec` for plain chunks or a :class:`ShardingSpec`.
+    Returns a :class:`ChunkCodec` for plain chunks (a :class:`CompressedShardCodec` for shards compressed
+    whole) or a :class:`ShardingSpec`.
     """
     order: tuple[int, ...] = tuple(range(len(chunk_shape)))
+    filters: list = []  # numcodecs array-to-array codecs, in encode order
+    decoded = encoded = dtype  # what the first filter's decoder returns; what the last one stores
     serializer: tuple[str, dict] | None = None
     compressors = []
-    for entry in entries:
+    for entry in lst(entries, where, uri):
         name, config = codec_name_and_config(entry, uri)
         if serializer is None:
             if name == "transpose":
-                perm = config.get("order")
-                if perm == "C":
-                    perm = list(range(len(chunk_shape)))
-                elif perm == "F":
-                    perm = list(reversed(range(len(chunk_shape))))
-                if not isinstance(perm, list) or sorted(perm) != list(range(len(chunk_shape))):
-                    raise UnsupportedFormat(f"{uri}: transpose order {perm!r} is not a permutation", uri=uri)
+                perm = _transpose_order(config, len(chunk_shape), uri)
                 order = tuple(order[p] for p in perm)  # stored = chunk.transpose(order)
             elif name in ("bytes", "sharding_indexed"):
                 serializer = (name, config)
+            elif name in ARRAY_TO_BYTES:
+                raise UnsupportedFormat(
+                    f"{uri}: array-to-bytes codec {name!r} is not supported (stoker reads 'bytes' and "
+                    "'sharding_indexed')", uri=uri, codec=name,
+                )
             else:
-                raise UnsupportedFormat(
-                    f"{uri}: array-to-array codec {name!r} is not supported (stoker reads 'transpose')",
-                    uri=uri, codec=name,
-                )
+                codec, decoding, encoded = v3_array_codec(name, config, encoded, uri)
+                decoded = decoding if not filters else decoded
+                filters.append(codec)
         else:
-            if serializer[0] == "sharding_indexed":
-                raise UnsupportedFormat(
-                    f"{uri}: codec {name!r} after sharding_indexed is not supported", uri=uri, codec=name
-                )
             compressors.append(v3_bytes_codec(name, config, uri))
     if serializer is None:
-        raise UnsupportedFormat(f"{uri}: codec chain {entries!r} has no array-to-bytes codec", uri=uri)
+        raise MetadataError(f"{uri}: {where} {show(entries)} has no array-to-bytes codec ('bytes' or "
+                            "'sharding_indexed')", uri=uri)
+    identity = order == tuple(range(len(chunk_shape)))
+    if filters and not identity:
+        raise UnsupportedFormat(f"{uri}: transpose together with numcodecs array-to-array codecs is not "
+                                "supported", uri=uri)
     name, config = serializer
     if name == "sharding_indexed":
-        if order != tuple(range(len(chunk_shape))):
-            raise UnsupportedFormat(f"{uri}: transpose before sharding_indexed is not supported", uri=uri)
-        inner_shape = _shape(config.get("chunk_shape"), "sharding chunk_shape", uri, positive=True)
-        if len(inner_shape) != len(chunk_shape) or any(s % i for s, i in zip(chunk_shape, inner_shape)):
-            raise MetadataError(
-                f"{uri}: inner chunk shape {inner_shape} does not divide shard shape {chunk_shape}", uri=uri
-            )
-        inner = _v3_chunk_codec(config.get("codecs") or [{"name": "bytes"}], inner_shape, dtype, uri)
-        if isinstance(inner, ShardingSpec):
-            raise UnsupportedFormat(f"{uri}: nested sharding is not supported yet", uri=uri, codec=name)
-        location = config.get("index_location", "end")
-        if location not in ("start", "end"):
-            raise UnsupportedFormat(f"{uri}: index_location {location!r} is not 'start' or 'end'", uri=uri)
-        big, crc = parse_index_codecs(
-            config.get("index_codecs") or [{"name": "bytes"}, {"name": "crc32c"}], uri
-        )
-        return ShardingSpec(
-            chunks_per_shard=tuple(s // i for s, i in zip(chunk_shape, inner_shape)),
-            index_location=location,
-            index_big_endian=big,
-            index_crc32c=crc,
-            inner=inner,
-        )
-    endian = config.get("endian", "little")
-    if endian not in ("little", "big"):
-        raise UnsupportedFormat(f"{uri}: bytes codec endian {endian!r}", uri=uri)
-    stored = dtype.newbyteorder("<" if endian == "little" else ">") if dtype.itemsize > 1 else dtype
-    identity = order == tuple(range(len(chunk_shape)))
+        if not identity or filters:
+            raise UnsupportedFormat(f"{uri}: array-to-array codecs before sharding_indexed are not supported",
+                                    uri=uri)
+        spec = _sharding(config, chunk_shape, dtype, fill, uri)
+        if not compressors:
+            return spec
+        return CompressedShardCodec(uri=uri, shape=chunk_shape, dtype=dtype, stored_dtype=spec.inner.stored_dtype,
+                                    spec=spec, outer=tuple(compressors), fill_value=fill)
+    big = bytes_endian(config, encoded.itemsize, uri)
+    if not filters:
+        stored = dtype.newbyteorder(">" if big else "<") if dtype.itemsize > 1 else dtype
+    else:  # the filters' decoders see the bytes; the chunk is what the first one returns
+        serialized = encoded.newbyteorder(">" if big else "<") if encoded.itemsize > 1 else encoded
+        if serialized != encoded:
+            filters.append(SerializedArray(serialized, encoded))
+        stored = decoded
     return ChunkCodec(
         uri=uri,
         shape=chunk_shape,
         dtype=dtype,
         stored_dtype=stored,
         order=None if identity else order,
+        filters=tuple(filters),
         compressors=tuple(compressors),
     )
 
 
+def _sharding(config: dict, shard_shape: tuple[int, ...], dtype: np.dtype, fill: np.ndarray,
+              uri: str) -> ShardingSpec:
+    """The layout a ``sharding_indexed`` codec configuration describes."""
+    what = "sharding_indexed configuration"
+    inner_shape = _shape(required(config, "chunk_shape", what, uri), "sharding chunk_shape", uri, positive=True)
+    if len(inner_shape) != len(shard_shape) or any(s % i for s, i in zip(shard_shape, inner_shape)):
+        raise MetadataError(
+            f"{uri}: inner chunk shape {inner_shape} does not divide shard shape {shard_shape}", uri=uri
+        )
+    inner = _v3_chunk_codec(config.get("codecs", [{"name": "bytes"}]), inner_shape, dtype, fill, uri,
+                            "sharding_indexed codecs")
+    if isinstance(inner, (ShardingSpec, CompressedShardCodec)):
+        raise UnsupportedFormat(f"{uri}: nested sharding is not supported yet", uri=uri, codec="sharding_indexed")
+    location = string(config.get("index_location", "end"), "sharding index_location", uri)
+    if location not in ("start", "end"):
+        raise MetadataError(f"{uri}: index_location {show(location)} is not 'start' or 'end'", uri=uri)
+    big, crc = parse_index_codecs(config.get("index_codecs", [{"name": "bytes"}, {"name": "crc32c"}]), uri)
+    return ShardingSpec(
+        chunks_per_shard=tuple(s // i for s, i in zip(shard_shape, inner_shape)),
+        index_location=location,
+        index_big_endian=big,
+        index_crc32c=crc,
+        inner=inner,
+    )
+
+
+def _key_encoding(value: Any, uri: str) -> ChunkKeyEncoding:
+    name, config = codec_name_and_config(value, uri, "chunk_key_encoding")
+    if name == "default":
+        prefix, separator = "c", config.get("separator", "/")
+    elif name == "v2":
+        prefix, separator = "", config.get("separator", ".")
+    else:
+        raise UnsupportedFormat(f"{uri}: chunk_key_encoding {name!r} is not supported", uri=uri)
+    if separator not in (".", "/"):
+        raise MetadataError(f"{uri}: chunk key separator {show(separator)} is not '.' or '/'", uri=uri)
+    return ChunkKeyEncoding(prefix=prefix, separator=separator)
+
+
 def parse_v3(doc: dict, uri: str) -> ArrayMetadata:
     """Parse a ``zarr.json`` array document."""
-    if doc.get("node_type") != "array":
-        raise MetadataError(f"{uri}: is a Zarr v3 {doc.get('node_type')!r}, not an array", uri=uri)
-    shape = _shape(doc.get("shape"), "shape", uri, positive=False)
-    dtype = parse_v3_dtype(doc.get("data_type"), uri)
-    grid = doc.get("chunk_grid") or {}
-    if grid.get("name") != "regular":
+    where = "zarr.json"
+    node_type = required(doc, "node_type", where, uri)
+    if node_type != "array":
+        raise MetadataError(f"{uri}: is a Zarr v3 {show(node_type)}, not an array", uri=uri)
+    shape = _shape(required(doc, "shape", where, uri), "shape", uri, positive=False)
+    dtype = parse_v3_dtype(required(doc, "data_type", where, uri), uri)
+    grid_name, grid = codec_name_and_config(required(doc, "chunk_grid", where, uri), uri, "chunk_grid")
+    if grid_name != "regular":
         raise UnsupportedFormat(
-            f"{uri}: chunk grid {grid.get('name')!r} is not supported (stoker reads 'regular')",
-            uri=uri, grid=grid.get("name"),
+            f"{uri}: chunk grid {grid_name!r} is not supported (stoker reads 'regular')", uri=uri, grid=grid_name,
         )
-    chunks = _shape((grid.get("configuration") or {}).get("chunk_shape"), "chunk_shape", uri, positive=True)
+    chunks = _shape(required(grid, "chunk_shape", "regular chunk_grid configuration", uri), "chunk_shape", uri,
+                    positive=True)
     if len(chunks) != len(shape):
         raise MetadataError(f"{uri}: chunk_shape {chunks} and shape {shape} differ in rank", uri=uri)
-    if doc.get("storage_transformers"):
+    _check_chunk_size(chunks, dtype, uri)
+    transformers = doc.get("storage_transformers")
+    if transformers is not None and lst(transformers, "storage_transformers", uri):
         raise UnsupportedFormat(f"{uri}: storage transformers are not supported", uri=uri)
-    kenc = doc.get("chunk_key_encoding") or {"name": "default"}
-    kname, kconf = codec_name_and_config(kenc, uri)
-    if kname == "default":
-        encoding = ChunkKeyEncoding(prefix="c", separator=kconf.get("separator", "/"))
-    elif kname == "v2":
-        encoding = ChunkKeyEncoding(prefix="", separator=kconf.get("separator", "."))
-    else:
-        raise UnsupportedFormat(f"{uri}: chunk_key_encoding {kname!r} is not supported", uri=uri)
-    if encoding.separator not in (".", "/"):
-        raise UnsupportedFormat(f"{uri}: chunk key separator {encoding.separator!r}", uri=uri)
-    chain = _v3_chunk_codec(doc.get("codecs") or [], chunks, dtype, uri)
+    encoding = _key_encoding(required(doc, "chunk_key_encoding", where, uri), uri)
+    fill = parse_fill_value(required(doc, "fill_value", where, uri), dtype, uri, 3)
+    chain = _v3_chunk_codec(required(doc, "codecs", where, uri), chunks, dtype, fill, uri)
     sharding = chain if isinstance(chain, ShardingSpec) else None
     return ArrayMetadata(
         uri=uri,
@@ -203,7 +282,7 @@ def parse_v3(doc: dict, uri: str) -> ArrayMetadata:
         shape=shape,
         dtype=dtype,
         chunk_shape=chunks,
-        fill_value=parse_fill_value(doc.get("fill_value"), dtype, uri, 3),
+        fill_value=fill,
         key_encoding=encoding,
         codec=sharding.inner if sharding else chain,
         sharding=sharding,
@@ -216,6 +295,8 @@ def parse_json(raw: bytes, uri: str, name: str) -> dict:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise MetadataError(f"{uri}: {name} is not valid JSON ({exc})", uri=uri) from None
+    except RecursionError:  # the C decoder recurses once per level of nesting
+        raise MetadataError(f"{uri}: {name} is nested too deeply to be Zarr metadata", uri=uri) from None
     if not isinstance(doc, dict):
         raise MetadataError(f"{uri}: {name} must hold a JSON object", uri=uri)
     return doc

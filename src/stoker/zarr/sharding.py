@@ -4,19 +4,26 @@ A shard holds ``chunks_per_shard`` inner chunks and an index of
 ``(offset, nbytes)`` uint64 pairs (C order), at the start or the end of the
 file, encoded by its own codec chain (``bytes`` then optionally ``crc32c``).
 An entry of two all-ones words means "this inner chunk is empty" (fill value).
+
+A shard compressed whole (bytes-to-bytes codecs after ``sharding_indexed``) is
+read as one chunk by :class:`CompressedShardCodec`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import numcodecs
 import numpy as np
+from numcodecs.abc import Codec
+from numcodecs.compat import ensure_contiguous_ndarray
 
-from ..errors import DecodeError, UnsupportedFormat
-from .codecs import ChunkCodec, codec_name_and_config
+from ..errors import DecodeError, StokerError, UnsupportedFormat
+from . import bounded
+from .codecs import ChunkCodec, bytes_endian, codec_name_and_config, decode_stages, run_stages
+from .fields import lst, show
 
 EMPTY_ENTRY = 2**64 - 1  # offset and length of an inner chunk that is not stored
 EMPTY = np.uint64(EMPTY_ENTRY)
@@ -91,19 +98,78 @@ class ShardingSpec:
         return shard, flat
 
 
-def parse_index_codecs(entries: list, uri: str) -> tuple[bool, bool]:
+@dataclass(frozen=True)
+class CompressedShardCodec(ChunkCodec):
+    """A shard compressed whole: bytes-to-bytes codecs after ``sharding_indexed``.
+
+    zarr-python writes this when a sharding codec is the serializer and compressors follow it
+    (``create_array(..., serializer=ShardingCodec(...))`` with its default compressors). The file is then
+    one compressed blob of inner chunks and index, and no byte range of it is an inner chunk, so the
+    shard is the read chunk: :meth:`decode` decompresses the file, validates the index against the
+    decompressed size and assembles every inner chunk (the fill value for empty entries) into one
+    shard-shaped array. The array reads as unsharded (``ArrayMetadata.sharding`` is None), so the reader,
+    the planner and the executor take it unchanged; the compiled reader does not (no lone compressor).
+    A decode holds the decompressed shard and the assembled array at once.
+    """
+
+    spec: ShardingSpec | None = None
+    outer: tuple[Codec, ...] = ()  # the codecs after sharding_indexed, in encode order
+    fill_value: np.ndarray | None = field(default=None, compare=False)  # 0-d, native dtype
+    _outer: tuple = field(init=False, repr=False, compare=False)  # per outer codec, in decode order
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # the decompressed blob holds every inner chunk at its largest stored size, and the index
+        spec = self.spec
+        blob = spec.n_inner * spec.inner.max_stored_nbytes + spec.index_nbytes
+        stages, stored = decode_stages(self.outer, blob)
+        object.__setattr__(self, "_outer", stages)
+        object.__setattr__(self, "max_stored_nbytes", stored)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        inner = " -> ".join(self.spec.inner.names) or "bytes"
+        return (f"sharding_indexed({inner})", *(c.codec_id for c in self.outer))
+
+    def decode(self, encoded: Any, key: str = "?") -> np.ndarray:
+        """Decompress the shard file ``encoded`` and assemble its inner chunks (C-contiguous, native)."""
+        try:
+            blob = memoryview(ensure_contiguous_ndarray(run_stages(self._outer, encoded))).cast("B")
+        except StokerError:
+            raise
+        except bounded.TooLarge as exc:
+            raise self.too_large(key, exc) from None
+        except Exception as exc:
+            raise self.decode_error(key, exc) from exc
+        spec = self.spec
+        size = blob.nbytes
+        if size < spec.index_nbytes:
+            raise DecodeError(f"{self.uri}: shard {key!r} is truncated: {size} bytes decompressed, but its index "
+                              f"alone needs {spec.index_nbytes}", uri=self.uri, key=key)
+        start, length = spec.index_range(size)
+        index = spec.decode_index(blob[start:start + length], self.uri, key, size)
+        out = np.empty(self.shape, dtype=self.dtype)
+        out[...] = self.fill_value
+        inner = spec.inner
+        for i, (offset, nbytes) in enumerate(index.tolist()):
+            if offset == nbytes == EMPTY_ENTRY:
+                continue
+            at = np.unravel_index(i, spec.chunks_per_shard)
+            sel = tuple(slice(a * c, (a + 1) * c) for a, c in zip(at, inner.shape))
+            out[sel] = inner.decode(blob[offset:offset + nbytes], f"{key}[{i}]")
+        return out
+
+
+def parse_index_codecs(entries: Any, uri: str) -> tuple[bool, bool]:
     """``(big_endian, crc32c)`` from ``index_codecs``; anything else is unsupported."""
-    crc = False
-    names = [codec_name_and_config(e, uri) for e in entries]
+    names = [codec_name_and_config(e, uri, "index codec") for e in lst(entries, "sharding index_codecs", uri)]
     if not names or names[0][0] != "bytes":
-        raise UnsupportedFormat(f"{uri}: shard index codecs {entries!r} must start with 'bytes'", uri=uri)
-    big = names[0][1].get("endian", "little") == "big"
+        raise UnsupportedFormat(f"{uri}: shard index codecs {show(entries)} must start with 'bytes'", uri=uri)
+    big = bytes_endian(names[0][1], 8, uri)
     rest = [n for n, _ in names[1:]]
-    if rest == ["crc32c"]:
-        crc = True
-    elif rest:
+    if rest and rest != ["crc32c"]:
         raise UnsupportedFormat(
-            f"{uri}: shard index codecs {rest!r} are not supported (only 'bytes' and 'crc32c')",
+            f"{uri}: shard index codecs {show(rest)} are not supported (only 'bytes' and 'crc32c')",
             uri=uri, codec=rest[0],
         )
-    return big, crc
+    return big, bool(rest)
