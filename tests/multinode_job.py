@@ -8,7 +8,8 @@ resumed on another number of nodes or ranks consumed every sample of the epoch e
 ``crops``: a shuffled TileGrid over a volume whose voxel values are their flat index, streamed by
 CropBatches; a crop is named by its first voxel. ``records``: the records Loader over ZarrRecords whose
 "id" field names each record. The model is a single linear unit: the point is the data accounting.
-``--leave-after N``: node 1's ranks exit abruptly after N steps (a node that leaves an elastic job).
+``--leave-after N``: node 1 (its torchrun agent and its ranks) vanishes after N steps (a node that leaves an
+elastic job).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -60,7 +62,8 @@ class _Logged:
     def __call__(self, model: torch.nn.Module, batch) -> torch.Tensor:
         step = self.trainer.step + 1  # the optimizer step this micro-batch belongs to
         if self.leave_after is not None and self.ctx.node_rank == 1 and step > self.leave_after:
-            os._exit(3)  # the node goes away mid-run, without any goodbye
+            os.kill(os.getppid(), signal.SIGKILL)  # the node goes away mid-run: its torchrun agent,
+            os._exit(3)                            # then this worker, without any goodbye
         if self.kind == "crops":
             ids, x = batch[:, 0, 0, 0].long().tolist(), batch.float().mean(dim=(1, 2, 3))[:, None]
         else:

@@ -172,41 +172,50 @@ def test_a_job_of_two_nodes_resumes_on_one_node_with_every_sample_once(tmp_path,
 
 
 def test_an_elastic_job_goes_on_without_a_node_that_leaves(tmp_path, datasets):
-    """torchrun --nnodes=1:2 --max-restarts=1: node 1 is killed (agent and worker) after step 3; node 0's
-    worker fails in its next collective, torchrun restarts it alone, and the job resumes from its last
-    checkpoint on 1 rank and finishes the epoch with every sample consumed exactly once (steps past the
-    checkpoint that the dead job ran are work lost, not samples consumed)."""
+    """torchrun --nnodes=1:2 --max-restarts=1: after step 3, node 1 vanishes (its agent is killed, then its
+    worker exits); node 0's worker fails in its next collective, torchrun restarts it alone, and the job
+    resumes from its last checkpoint on 1 rank and finishes the epoch with every sample consumed exactly
+    once (steps past the checkpoint that the dead job ran are work lost, not samples consumed)."""
     data, epoch = datasets["crops"]
     env = _env(tmp_path / "cache")
     logs, run = tmp_path / "ids", tmp_path / "run"
     port = _free_port()
     elastic = ["--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", "--rdzv-conf=last_call_timeout=1",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", "--rdzv-conf=last_call_timeout=10",
                "--monitor-interval=0.5"]
     steps = 3 + (len(epoch) - 12) // 2  # 2 ranks for 3 steps, then 1 rank to the end of the epoch
-    target = [str(JOB), "crops", "--data", data, "--out", str(run), "--ids", str(logs), "--steps", str(steps)]
+    target = [str(JOB), "crops", "--data", data, "--out", str(run), "--ids", str(logs), "--steps", str(steps),
+              "--leave-after", "3"]
     node0 = _Node(elastic, target, env, tmp_path)
-    time.sleep(1.0)  # node 0 hosts the rendezvous store: it must outlive node 1
-    node1 = _Node(elastic, target, env, tmp_path)
+    nodes = [node0]
     try:
-        deadline = time.monotonic() + 180
-        while not any(e["step"] >= 3 and e["rank"] == 1 for e in _entries(logs)):
-            assert time.monotonic() < deadline and node0.proc.poll() is None, node0.output() + node1.output()
-            time.sleep(0.2)
-        node1.kill()  # the node leaves: its agent and its worker vanish at once
+        _wait_for_port(port, node0)  # node 0 hosts the rendezvous store: it must outlive node 1
+        nodes.append(_Node(elastic, target, env, tmp_path))  # joins the first round (last_call_timeout)
         code = node0.wait(300)
     finally:
-        node0.kill()
-        node1.kill()
+        for n in nodes:
+            n.kill()
     assert code == 0, node0.output()
-    summaries = {p.name: json.loads(p.read_text()) for p in run.glob("summary-*.json")}
-    final = summaries["summary-1.json"]  # written by the restarted worker
-    assert final["restarts"] == 1 and final["world"] == 1 and final["step"] == steps
+    final = json.loads((run / "summary-1.json").read_text())  # written by the restarted worker
+    assert (final["restarts"], final["world"], final["step"]) == (1, 1, steps)
     resumed_at = final["start_step"]
-    first = [e for e in _entries(logs) if e["restarts"] == 0 and e["step"] <= resumed_at]
-    second = [e for e in _entries(logs) if e["restarts"] == 1]
-    assert resumed_at >= 3 and all(e["world"] == 1 for e in second)
+    entries = _entries(logs)
+    assert any(e["rank"] == 1 and e["world"] == 2 for e in entries)  # node 1 was there at first
+    first = [e for e in entries if e["restarts"] == 0 and e["step"] <= resumed_at]
+    second = [e for e in entries if e["restarts"] == 1]
+    assert resumed_at >= 3 and second and all(e["world"] == 1 for e in second)
     _exactly_once([i for e in first + second for i in e["ids"]], epoch)
+
+
+def _wait_for_port(port: int, node: _Node, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            assert node.proc.poll() is None and time.monotonic() < deadline, node.output()
+            time.sleep(0.1)
 
 
 def _entries(logs: Path) -> list[dict]:

@@ -21,15 +21,19 @@ DEFAULT_SECONDS = 45.0
 def run(args: argparse.Namespace) -> int:
     from ..demo.run import DemoSettings, format_summary, records_job, volume_job
     from ..demo.volume import cache_dir
-    from ..train import launch
+    from ..train import launch, under_torchrun
 
     use_cuda = torch.cuda.is_available() and not args.cpu
     nprocs = args.nprocs or (torch.cuda.device_count() if use_cuda else 2)
+    # Under torchrun (one or many nodes) this process is one rank of the job: rank 0 alone speaks.
+    torchrun = under_torchrun()
+    speaks = not torchrun or os.environ.get("RANK") == "0"
     seconds = args.seconds if args.seconds is not None else (None if args.steps is not None else DEFAULT_SECONDS)
     kind = "records" if args.records else "volume"
     run_dir = Path(args.run_dir) if args.run_dir else cache_dir() / "runs" / f"demo-{kind}"
 
-    # Data is made here, once, before any rank starts: no rank waits on another's writes.
+    # Data is made here, before any rank starts (under torchrun: by every rank, into a cache that may be
+    # shared by several nodes; the writers are write-once: one writes, the others reuse its result).
     if args.records:
         from ..demo.points import ensure_knn, write_point_clouds
 
@@ -43,21 +47,24 @@ def run(args: argparse.Namespace) -> int:
         data = ensure_volume(default_volume_path())
         title, job = "3D conv denoiser on random crops", volume_job
         batch_size = args.batch_size or 4
-    if args.fresh and run_dir.exists():
-        import shutil
-
-        shutil.rmtree(run_dir)
     settings = DemoSettings(
         data=os.fspath(data), run_dir=os.fspath(run_dir), steps=args.steps, seconds=seconds,
         batch_size=batch_size, accumulate=args.accumulate, checkpoint_every=args.checkpoint_every,
-        resume=not args.fresh, progress=not args.no_progress, log_every=args.log_every,
+        resume=not args.fresh, progress=not args.no_progress, log_every=args.log_every, fresh=args.fresh,
     )
     budget = f"{seconds:.0f} s" if seconds is not None else "no time limit"
     target = f"up to step {args.steps}" if args.steps is not None else "no step limit"
-    devices = f"{nprocs} GPU rank(s) (nccl)" if use_cuda else f"{nprocs} CPU rank(s) (gloo)"
-    print(f"stoker demo: {title}; data {data}; {devices}; {budget}, {target}", flush=True)
+    if torchrun:
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
+        devices = (f"{os.environ['WORLD_SIZE']} {'GPU' if use_cuda else 'CPU'} rank(s) on {nodes} node(s) "
+                   f"({'nccl' if use_cuda else 'gloo'}, torchrun)")
+    else:
+        devices = f"{nprocs} GPU rank(s) (nccl)" if use_cuda else f"{nprocs} CPU rank(s) (gloo)"
+    if speaks:
+        print(f"stoker demo: {title}; data {data}; {devices}; {budget}, {target}", flush=True)
     result = launch(job, settings, nprocs=nprocs, use_cuda=use_cuda)
-    print(format_summary(title, result, devices))
+    if speaks:
+        print(format_summary(title, result, devices))
     return 0
 
 

@@ -8,6 +8,7 @@ with checkpoints and telemetry. ``launch`` runs them on 2 CPU ranks or one rank 
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +36,20 @@ class DemoSettings:
     progress: bool = True
     log_every: int = 5
     seed: int = 0
+    fresh: bool = False  # delete run_dir first (rank 0, while the others wait)
 
 
 def _amp(ctx: RankContext) -> str | None:
     # bf16 autocast pays off on GPUs; on CPUs without bf16 units it is slower than fp32.
     return "bf16" if ctx.device.type == "cuda" else None
+
+
+def _fresh_start(ctx: RankContext, s: DemoSettings) -> None:
+    """``--fresh``: rank 0 deletes the run folder (shared by every rank and node) before anyone uses it."""
+    if s.fresh:
+        if ctx.is_main:
+            shutil.rmtree(s.run_dir, ignore_errors=True)
+        ctx.barrier()
 
 
 def _trainer(ctx: RankContext, s: DemoSettings, model: torch.nn.Module, loss_fn, lr: float) -> Trainer:
@@ -57,6 +67,7 @@ def volume_job(ctx: RankContext, s: DemoSettings) -> FitResult:
     """A 3D conv denoiser on random crops of the demo volume, streamed by this rank's Pipeline."""
     from .volume import CROP, Denoiser3D, denoise_loss
 
+    _fresh_start(ctx, s)
     torch.manual_seed(s.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = Denoiser3D()
     source = RandomCrops([s.data], CROP, seed=s.seed).shard(ctx.rank, ctx.world_size)
@@ -73,6 +84,7 @@ def records_job(ctx: RankContext, s: DemoSettings) -> FitResult:
     from ..records import Concat, Loader, ZarrRecords
     from .points import PointDenoiser, make_loss_fn
 
+    _fresh_start(ctx, s)
     torch.manual_seed(s.seed)
     model = PointDenoiser()
     ds = ZarrRecords(s.data, fields=["noisy", "clean", "knn16"])
