@@ -228,19 +228,22 @@ def _entries(logs: Path) -> list[dict]:
 # -- stoker's own jobs on two nodes, from an empty cache ---------------------------------------------
 
 
-@pytest.mark.parametrize("stagger_s", [0.0, 0.7])
-def test_two_nodes_run_the_example_from_an_empty_cache(tmp_path, stagger_s):
+@pytest.mark.parametrize("per_node, stagger_s", [(1, 0.0), (2, 0.7), (1, 2.0)])
+def test_two_nodes_run_the_example_from_an_empty_cache(tmp_path, per_node, stagger_s):
     """Every node's local rank 0 writes the demo volume into the shared cache at once (one wins, the
-    other reuses it), then the two ranks train; repeated with staggered starts."""
+    other reuses it), then the ranks train; repeated with staggered starts."""
     target = [str(EXAMPLE), "--steps", "3", "--batch-size", "2", "--crop", "8", "32", "32", "--out",
               str(tmp_path / "run")]
-    _run_nodes(target, nnodes=2, per_node=1, env=_env(tmp_path / "cache"), cwd=tmp_path, stagger_s=stagger_s)
+    _run_nodes(target, nnodes=2, per_node=per_node, env=_env(tmp_path / "cache"), cwd=tmp_path,
+               stagger_s=stagger_s)
     assert (tmp_path / "run" / "checkpoint.pt").exists()
 
 
-@pytest.mark.parametrize("stagger_s", [0.0, 0.7])
-def test_two_nodes_run_the_demo_from_an_empty_cache(tmp_path, stagger_s):
+@pytest.mark.parametrize("per_node, stagger_s", [(1, 0.0), (2, 0.7)])
+def test_two_nodes_run_the_demo_from_an_empty_cache(tmp_path, per_node, stagger_s):
+    """Every rank of both nodes makes the demo volume at once: one writes, the others reuse it."""
     target = ["-m", "stoker", "demo", "--steps", "3", "--batch-size", "2", "--no-progress", "--checkpoint-every",
               "2", "--run-dir", str(tmp_path / "run")]
-    _run_nodes(target, nnodes=2, per_node=1, env=_env(tmp_path / "cache"), cwd=tmp_path, stagger_s=stagger_s)
+    _run_nodes(target, nnodes=2, per_node=per_node, env=_env(tmp_path / "cache"), cwd=tmp_path,
+               stagger_s=stagger_s)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt"))
