@@ -23,6 +23,7 @@ import torch
 from .. import native
 from ..errors import DecodeError, ShutdownError, StorageError
 from ..storage import LocalStore
+from ..storage.local import not_regular
 from ..zarr import blosc_partial
 from ..zarr.grid import c_strides
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
@@ -341,6 +342,8 @@ class CpuExecutor:
             self._fill(job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype))
         elif status == native.OS_ERROR and fr.whole_file:
             raise StorageError(f"cannot read {fr.path}: {os.strerror(detail)}", path=fr.path)
+        elif status == native.NOT_REGULAR:
+            raise not_regular(fr.path, detail)
         elif status == native.TOO_BIG or native_codec(codec) == native.BLOSC or not fr.whole_file:
             # zstd: larger than zstd's bound for this chunk; blosc: any frame the call declined or could
             # not decode; any failure of an inner chunk of a shard. The Python path reads it again and

@@ -8,12 +8,17 @@ one is closed only when no thread is reading through it. Whole-file reads
 
 A missing file reads as ``None`` (the caller decides that means "fill value");
 any other failure is a :class:`~stoker.errors.StorageError` naming the path.
+
+Every file is opened non-blocking and checked to be a regular file before it is
+read (:func:`open_regular`): a FIFO, socket or device where a chunk or metadata
+file should be is refused at once rather than read, which could block forever.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -23,6 +28,61 @@ from typing import Iterator
 from ..errors import StorageError
 
 _MISSING = (errno.ENOENT, errno.ENOTDIR)
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def describe_mode(mode: int) -> str:
+    """What a file of ``st_mode`` is, in words: ``"a FIFO"``, ``"a directory"``..."""
+    return _KINDS.get(stat.S_IFMT(mode), f"a special file (mode {stat.S_IFMT(mode):#o})")
+
+
+def not_regular(path: str, mode: int) -> StorageError:
+    """The error for a file that is not a regular file (see :func:`open_regular`)."""
+    return StorageError(
+        f"{path} is {describe_mode(mode)}, not a regular file; stoker reads only regular files (reading a FIFO, "
+        "socket or device could block forever): put the file itself there",
+        path=path,
+    )
+
+
+def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result] | None:
+    """``(descriptor, its stat)`` of the regular file at ``path``, read-only; ``None`` when it does not exist.
+
+    Opened non-blocking, so opening a FIFO returns at once (a blocking open waits for a writer
+    forever), then refused unless it is a regular file (:class:`StorageError` naming what it is).
+    ``O_NONBLOCK`` changes nothing for reads of regular files. Any other failure is a
+    :class:`StorageError` naming the path.
+    """
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno in _MISSING:
+            return None
+        raise StorageError(f"cannot open {path}: {exc.strerror}", path=path) from None
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise StorageError(f"cannot stat {path}: {exc.strerror}", path=path) from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise not_regular(path, st.st_mode)
+    return fd, st
+
+
+def read_regular(path: str | os.PathLike) -> bytes | None:
+    """The whole regular file at ``path`` (see :func:`open_regular`), or ``None`` when it does not exist.
+
+    For small documents read outside a store (a statistics sidecar, attributes).
+    """
+    opened = open_regular(path)
+    if opened is None:
+        return None
+    with os.fdopen(opened[0], "rb") as f:
+        return f.read()
 
 
 @dataclass
@@ -60,16 +120,6 @@ class LocalStore:
 
     # -- descriptors -------------------------------------------------------------------------
 
-    @staticmethod
-    def _open_fd(path: str) -> int | None:
-        """A read-only descriptor, or ``None`` when the file does not exist."""
-        try:
-            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            if exc.errno in _MISSING:
-                return None
-            raise StorageError(f"cannot open {path}: {exc.strerror}", path=path) from None
-
     @contextmanager
     def _open(self, path: str) -> Iterator[_Handle | None]:
         with self._lock:
@@ -78,16 +128,12 @@ class LocalStore:
                 self._handles.move_to_end(path)
                 handle.users += 1
         if handle is None:
-            fd = self._open_fd(path)
-            if fd is None:
+            opened = open_regular(path)
+            if opened is None:
                 yield None
                 return
-            try:
-                size = os.fstat(fd).st_size
-            except OSError as exc:
-                os.close(fd)
-                raise StorageError(f"cannot stat {path}: {exc.strerror}", path=path) from None
-            handle = _Handle(fd, size)
+            fd, st = opened
+            handle = _Handle(fd, st.st_size)
             handle.users = 1
             with self._lock:
                 self.counters.files_opened += 1
@@ -183,17 +229,13 @@ class LocalStore:
         after checking for ``None``, or ``f.close()``). A plain object, not a
         generator context manager: this runs once per chunk.
         """
-        fd = self._open_fd(path)
-        if fd is None:
+        opened = open_regular(path)
+        if opened is None:
             return None
-        try:
-            size = os.fstat(fd).st_size
-        except OSError as exc:
-            os.close(fd)
-            raise StorageError(f"cannot stat {path}: {exc.strerror}", path=path) from None
+        fd, st = opened
         with self._lock:
             self.counters.files_opened += 1
-        return OpenFile(self, fd, path, size)
+        return OpenFile(self, fd, path, st.st_size)
 
     def read_range_into(self, path: str, offset: int, view: memoryview) -> int | None:
         """Fill ``view`` with the file's bytes at ``offset`` (cached descriptor); ``None`` when missing."""

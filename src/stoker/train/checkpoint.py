@@ -29,6 +29,7 @@ import torch
 from ..checks import integer
 from ..errors import CheckpointError
 from ..fsutil import is_temp_path, replace_atomically
+from ..storage import open_regular
 
 __all__ = ["Checkpoints", "FORMAT", "VERSION"]
 
@@ -108,8 +109,12 @@ class Checkpoints:
         """Read one checkpoint onto the CPU; CheckpointError when it is not a complete stoker checkpoint."""
         path = Path(path)
         try:
-            # Our own files hold RNG states and optimizer internals, which need full unpickling.
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            opened = open_regular(path)  # a regular file only: a FIFO there would block forever
+            if opened is None:
+                raise FileNotFoundError(f"no file at {path}")
+            with os.fdopen(opened[0], "rb") as f:
+                # Our own files hold RNG states and optimizer internals, which need full unpickling.
+                state = torch.load(f, map_location="cpu", weights_only=False)
         except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, I/O: all mean "unusable"
             raise CheckpointError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc})",
                                   path=str(path)) from exc
