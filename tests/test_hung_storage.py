@@ -2,13 +2,18 @@
 
 A FIFO where a chunk, metadata, shard, statistics or checkpoint file should be stands in for a hung
 mount: a blocking open of it waits for a writer forever. stoker opens every file non-blocking and
-refuses anything but a regular file with a StorageError naming it.
+refuses anything but a regular file with a StorageError naming it. A read that truly hangs (a hung
+NFS mount: simulated by an ``os.open`` that never returns) cannot be refused; the pipeline then
+raises PoolStarved, and the process can still exit, because no thread of stoker's is joined at exit.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 
 import numcodecs
 import numpy as np
@@ -153,3 +158,69 @@ def test_fifo_as_checkpoint(tmp_path, fifo):
     with pytest.raises(stoker.CheckpointError, match=FIFO):
         ckpts.load(path)
 
+
+_CHILD = textwrap.dedent("""
+    import os, sys, threading
+    import stoker
+    from stoker.records import Loader, ZarrRecords
+
+    array, records = sys.argv[1], sys.argv[2]
+    hung = (os.path.join(array, "c") + os.sep, os.path.join(records, "rec_0.zarr", "x", "c") + os.sep)
+    never = threading.Event()
+    real_open = os.open
+
+    def open_on_a_hung_mount(path, *args, **kwargs):
+        if os.fspath(path).startswith(hung):
+            never.wait()  # as a read from a hung NFS mount: it never returns
+        return real_open(path, *args, **kwargs)
+
+    os.open = open_on_a_hung_mount
+    cfg = stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_io_threads=1, n_compute_threads=1,
+                        pop_timeout_s=1.0, device="cpu")
+    p = stoker.Pipeline(cfg)
+    p.push([stoker.Sample(array, [(0, 4), (0, 4)])])
+    try:
+        p.pop()
+    except stoker.PoolStarved:
+        print("PoolStarved", flush=True)
+    loader = Loader(ZarrRecords(records), batch_size=1, shuffle=False, n_threads=1, timeout_s=1.0, device="cpu")
+    try:
+        next(iter(loader))
+    except stoker.StokerError as exc:
+        print(type(exc).__name__, flush=True)
+    # no close(): the process ends with stoker's threads stuck in open()
+""")
+
+
+def test_reads_stuck_forever_starve_the_pipeline_and_the_process_still_exits(tmp_path):
+    array = _array(tmp_path / "a.zarr")
+    records = _records(tmp_path / "d")
+    env = {**os.environ, "STOKER_NATIVE": "0"}  # the Python read path, where os.open is the one patched
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, array, records], env=env, capture_output=True,
+                              text=True, timeout=40)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the process did not exit: a thread stuck in a read kept it alive\n{exc.stdout}{exc.stderr}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["PoolStarved", "LoaderTimeout"], proc.stderr
+
+
+def test_daemon_pool_runs_tasks_drops_queued_ones_at_shutdown_and_stops_idle_threads():
+    import threading
+
+    from stoker.workers import DaemonPool
+
+    pool = DaemonPool(2, "stoker-test")
+    gate, ran = threading.Event(), []
+    for i in range(2):
+        pool.submit(gate.wait, 10)  # both threads busy
+    for i in range(5):
+        pool.submit(ran.append, i)  # queued behind them
+    assert len(pool.threads) == 2 and all(t.daemon for t in pool.threads)
+    pool.shutdown()
+    gate.set()
+    for t in pool.threads:
+        t.join(10)
+    assert ran == [] and not any(t.is_alive() for t in pool.threads)
+    with pytest.raises(stoker.ShutdownError):
+        pool.submit(ran.append, 0)

@@ -15,7 +15,6 @@ import os
 import threading
 import time
 from array import array
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -24,6 +23,7 @@ from .. import native
 from ..errors import DecodeError, ShutdownError, StorageError
 from ..storage import LocalStore
 from ..storage.local import not_regular
+from ..workers import DaemonPool
 from ..zarr import blosc_partial
 from ..zarr.grid import c_strides
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
@@ -187,15 +187,16 @@ class Job:
 
 
 class CpuExecutor:
-    """Thread pools plus the transient budget; one per pipeline."""
+    """Thread pools plus the transient budget; one per pipeline. The pools' threads are daemon threads
+    (:class:`~stoker.workers.DaemonPool`): one stuck in a read of a hung mount cannot keep the process alive."""
 
     def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
                  store: LocalStore) -> None:
         self.budget = budget
         self.stats = stats
         self.store = store
-        self._io = ThreadPoolExecutor(n_io, thread_name_prefix="stoker-io")
-        self._compute = ThreadPoolExecutor(n_compute, thread_name_prefix="stoker-compute")
+        self._io = DaemonPool(n_io, "stoker-io")
+        self._compute = DaemonPool(n_compute, "stoker-compute")
         self._n_compute = n_compute
         self._closing = False
 
@@ -205,8 +206,8 @@ class CpuExecutor:
     def shutdown(self) -> None:
         """Cancel queued work; running tasks stop at their next check."""
         self._closing = True
-        self._io.shutdown(wait=False, cancel_futures=True)
-        self._compute.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown()
+        self._compute.shutdown()
 
     # -- submission -------------------------------------------------------------------------
 
