@@ -20,11 +20,11 @@ import numpy as np
 
 from .box import Box, box_shape, parse_box
 from .cache import SizedLRU
-from .errors import DecodeError, InvalidArgument, NotFound
+from .errors import DecodeError, InvalidArgument, NotFound, UnsupportedFormat
 from .storage import FileChanged, Identity, LocalStore, default_store, resolve_local_path
 from .zarr.grid import chunk_intersections
 from .zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3
-from .zarr.sharding import EMPTY_ENTRY
+from .zarr.sharding import EMPTY_ENTRY, ShardingSpec
 
 DEFAULT_INDEX_CACHE_BYTES = 64 << 20
 _reader_tokens = itertools.count()  # cache keys unique per reader, never reused like id()
@@ -81,8 +81,13 @@ class ArrayReader:
         self.path = path
         self._dir = os.path.join(path, "")  # path with its separator: file_path is then one concatenation
         self.store = store
-        self._index_cache = index_cache or SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
+        # "is None", not "or": an empty SizedLRU is falsy, and a pipeline hands every reader its shared one
+        if index_cache is None:
+            index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
+        self._index_cache = index_cache
         self._token = next(_reader_tokens)
+        if metadata.sharding is not None:
+            check_index_fits(metadata.sharding, self._index_cache.max_bytes, metadata.uri)
 
     def file_path(self, key: str) -> str:
         """The local file holding chunk (or shard) ``key``."""
@@ -246,6 +251,24 @@ class ArrayReader:
 def index_size(entry: ShardIndex | None) -> int:
     """Bytes a cached shard index costs (``None``, a missing shard, costs a little too)."""
     return 64 if entry is None else entry.table.nbytes + 64
+
+
+def check_index_fits(spec: ShardingSpec, capacity: int, uri: str) -> None:
+    """UnsupportedFormat when one shard's index would not fit the index cache (``capacity`` bytes).
+
+    Checked when the array is opened, before any shard is read: such an index would be read and
+    decoded whole for every chunk (it is never cached), and its size comes from metadata alone.
+    """
+    cost = 16 * spec.n_inner + 64  # what index_size will weigh it at
+    if cost > capacity:
+        most = (capacity - 64) // 16
+        raise UnsupportedFormat(
+            f"{uri}: each shard holds {spec.n_inner:,} inner chunks ({' x '.join(map(str, spec.chunks_per_shard))}), "
+            f"so its index takes {spec.index_nbytes:,} bytes, more than the shard index cache holds "
+            f"({capacity:,} bytes); re-shard the array with at most {most:,} inner chunks per shard (larger "
+            "inner chunks or smaller shards)",
+            uri=uri, chunks_per_shard=spec.chunks_per_shard, inner_chunks=spec.n_inner,
+        )
 
 
 def open_array(uri: str | os.PathLike, *, store: LocalStore | None = None,
