@@ -234,7 +234,8 @@ def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays
 
     handoffs = []
     real = cpu.CpuExecutor._handoff
-    monkeypatch.setattr(cpu.CpuExecutor, "_handoff", lambda self, job, fr: (handoffs.append(fr), real(self, job, fr)))
+    monkeypatch.setattr(cpu.CpuExecutor, "_handoff",
+                        lambda self, job, fr, *rest: (handoffs.append(fr), real(self, job, fr, *rest)))
     plain, sharded = arrays
     samples = [stoker.Sample(plain, [(2, 14), (1, 15)]), stoker.Sample(sharded, [(2, 14), (1, 15)])]
     plan = plan_batch(0, samples, _opener(), one_by_one=lambda reader: one_by_one)

@@ -744,8 +744,10 @@ def test_locate_names_the_file_and_range_of_every_chunk_kind(tmp_path):
     assert loc.key == "c/0/0[2]" and loc.path == os.path.join(str(tmp_path / "sharded.zarr"), "c", "0", "0")
     raw = open(loc.path, "rb").read()[loc.offset:loc.offset + loc.length]
     np.testing.assert_array_equal(arr.metadata.codec.decode(raw, loc.key), sharded[2:4, 0:2])
-    assert arr.locate((0, 1)) == ("c/0/0[1]", None, None, None)  # empty inner chunk
-    assert arr.locate((3, 3)) == ("c/1/1[3]", None, None, None)  # missing shard
+    st = os.stat(loc.path)  # the identity of the shard file the index was read from
+    assert loc.ident == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    assert arr.locate((0, 1)) == ("c/0/0[1]", None, None, None, None)  # empty inner chunk
+    assert arr.locate((3, 3)) == ("c/1/1[3]", None, None, None, None)  # missing shard
 
 
 def test_pinned_footprint_is_torchs_power_of_two_rounding():

@@ -15,9 +15,11 @@
  *     (status, nread, decoded, read_ns, decode_ns, place_ns, placed)
  *   codec    CODEC_ZSTD (the chunk is one zstd frame) or CODEC_BLOSC (one blosc1 frame)
  *   paths    sequence of str or bytes (file system paths), one per chunk
- *   regions  sequence of (offset, length, byte_start, byte_stop), one per chunk: where the stored
- *            chunk is in its file (offset -1: the whole file, as long as the file is; else an inner
- *            chunk of a shard) and the decoded bytes the chunk's copies read; blosc decodes only
+ *   regions  sequence of (offset, length, byte_start, byte_stop[, dev, ino, size, mtime_ns, ctime_ns]),
+ *            one per chunk: where the stored chunk is in its file (offset -1: the whole file, as long as
+ *            the file is; else an inner chunk of a shard), the decoded bytes the chunk's copies read and,
+ *            for an inner chunk, optionally the identity of the shard file its index was read from (a
+ *            file with another identity is not read: status 9); blosc decodes only
  *            the blocks holding those when that is at most the partial share of the chunk
  *            (set_codecs; stoker/zarr/blosc_partial.py's PARTIAL_MAX_SHARE); zstd reads and
  *            decodes only up to the block that holds byte_stop - 1, when the frame states the
@@ -33,7 +35,11 @@
  * file, 2 file larger than scratch (decoded: its size), 3 OS error (decoded: errno), 4 file shorter than its size (it
  * changed while read), 5 codec error (decoded: zstd's error code, or blosc's negative
  * result), 6 decoded to a size other than nbytes (decoded: the size), 7 a blosc frame
- * whose header does not fit this chunk or the stored size (left to the Python path).
+ * whose header does not fit this chunk or the stored size (left to the Python path), 8 not a regular
+ * file (decoded: its st_mode & S_IFMT), 9 the shard file is not the one its index was read from.
+ *
+ * Files are opened non-blocking and refused unless regular: opening a FIFO without O_NONBLOCK waits for
+ * a writer forever (the thread could never be stopped), and O_NONBLOCK changes nothing for regular files.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -83,7 +89,8 @@ static blosc_getitem_fn blosc_getitem = NULL;
 static double partial_max_share = 0.9;
 
 enum { CODEC_ZSTD = 0, CODEC_BLOSC = 1 };
-enum { ST_OK = 0, ST_MISSING, ST_TOO_BIG, ST_OS_ERROR, ST_SHORT, ST_CODEC_ERROR, ST_SIZE, ST_FRAME };
+enum { ST_OK = 0, ST_MISSING, ST_TOO_BIG, ST_OS_ERROR, ST_SHORT, ST_CODEC_ERROR, ST_SIZE, ST_FRAME, ST_NOT_REGULAR,
+       ST_CHANGED };
 
 /* Element kinds of a copy-cast: the source's, and the batch's (KIND_SAME: a plain copy). */
 enum { K_U8 = 0, K_I8, K_U16, K_I16, K_U32, K_I32, K_U64, K_I64, K_F32, K_F64, N_SRC_KINDS };
@@ -97,6 +104,10 @@ typedef struct {
     char *out;
     long long offset, length; /* the stored chunk in its file; offset -1: the whole file */
     long long span_start, span_stop;
+    int has_ident; /* an inner chunk whose shard file must have this identity (see same_file) */
+    unsigned long long dev, ino;
+    long long size, mtime_ns, ctime_ns;
+    long long file_size; /* the file's size, from the fstat at open */
     const int64_t *place; /* copy plan, or NULL */
     int status;
     int placed;
@@ -190,27 +201,46 @@ static int read_range(chunk_job *job, int fd, char *buf, size_t lo, size_t hi) {
     return 0;
 }
 
+static long long ns_of(struct timespec t) { return (long long)t.tv_sec * 1000000000LL + t.tv_nsec; }
+
+/* 1 when ``st`` is the file (device, inode, size, modification and change times) the job expects */
+static int same_file(const chunk_job *job, const struct stat *st) {
+    return (unsigned long long)st->st_dev == job->dev && (unsigned long long)st->st_ino == job->ino &&
+           (long long)st->st_size == job->size && ns_of(st->st_mtim) == job->mtime_ns &&
+           ns_of(st->st_ctim) == job->ctime_ns;
+}
+
 /* Open the chunk's file and learn the stored chunk's size; -1 with the job's status set when it
- * cannot be read or does not fit the scratch buffer (ST_TOO_BIG, detail: its size). */
+ * cannot be read, is not a regular file, is not the shard file the job expects, or does not fit the
+ * scratch buffer (ST_TOO_BIG, detail: its size). */
 static int open_chunk(chunk_job *job, size_t scratch_len, size_t *size) {
-    int fd = open(job->path, O_RDONLY | O_CLOEXEC);
+    int fd = open(job->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         job->status = (errno == ENOENT || errno == ENOTDIR) ? ST_MISSING : ST_OS_ERROR;
         job->detail = errno;
         return -1;
     }
-    if (job->offset >= 0) { /* an inner chunk of a shard: its index gave the size */
-        *size = (size_t)job->length;
-    } else {
-        struct stat st;
-        if (fstat(fd, &st) != 0) {
-            job->status = ST_OS_ERROR;
-            job->detail = errno;
-            close(fd);
-            return -1;
-        }
-        *size = (size_t)st.st_size;
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        job->status = ST_OS_ERROR;
+        job->detail = errno;
+        close(fd);
+        return -1;
     }
+    if (!S_ISREG(st.st_mode)) {
+        job->status = ST_NOT_REGULAR;
+        job->detail = (long long)(st.st_mode & S_IFMT);
+        close(fd);
+        return -1;
+    }
+    if (job->has_ident && !same_file(job, &st)) {
+        job->status = ST_CHANGED;
+        close(fd);
+        return -1;
+    }
+    job->file_size = (long long)st.st_size;
+    /* an inner chunk of a shard: its index gave the size */
+    *size = job->offset >= 0 ? (size_t)job->length : (size_t)st.st_size;
     if (*size > scratch_len) {
         job->status = ST_TOO_BIG;
         job->detail = (long long)*size;
@@ -290,12 +320,10 @@ static int zstd_prefix(chunk_job *job, int fd, size_t size, char *scratch, size_
                        size_t *have) {
     size_t stop = (size_t)job->span_stop;
     *have = 0;
-    if (job->offset >= 0) { /* an inner chunk of a shard: its size came from the index, so check the file holds
-                             * it (the whole path's read says SHORT; the blocks after the stop are not read) */
-        struct stat st;
-        if (fstat(fd, &st) != 0 || (unsigned long long)st.st_size < (unsigned long long)job->offset + size)
-            return 0;
-    }
+    /* an inner chunk of a shard: its size came from the index, so check the file holds it (the whole
+     * path's read says SHORT; the blocks after the stop are not read) */
+    if (job->offset >= 0 && (unsigned long long)job->file_size < (unsigned long long)job->offset + size)
+        return 0;
     *have = size < ZSTD_FIRST_READ ? size : ZSTD_FIRST_READ;
     if (read_timed(job, fd, scratch, 0, *have))
         return 1;
@@ -783,9 +811,18 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         }
         chunk_job *job = &jobs[i];
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(regions, i), "LLLL", &job->offset, &job->length,
-                              &job->span_start, &job->span_stop))
+        PyObject *region = PySequence_Fast_GET_ITEM(regions, i);
+        job->has_ident = PyTuple_Check(region) && PyTuple_GET_SIZE(region) == 9;
+        if (job->has_ident ? !PyArg_ParseTuple(region, "LLLLKKLLL", &job->offset, &job->length, &job->span_start,
+                                               &job->span_stop, &job->dev, &job->ino, &job->size, &job->mtime_ns,
+                                               &job->ctime_ns)
+                           : !PyArg_ParseTuple(region, "LLLL", &job->offset, &job->length, &job->span_start,
+                                               &job->span_stop))
             goto done;
+        if (job->has_ident && job->offset < 0) {
+            PyErr_Format(PyExc_ValueError, "regions[%zd]: a file identity is for inner chunks only", i);
+            goto done;
+        }
         if (job->span_start < 0 || job->span_stop > nbytes || job->span_start > job->span_stop ||
             job->offset < -1 || job->length < 0 || job->offset > LLONG_MAX - job->length) {
             PyErr_Format(PyExc_ValueError, "regions[%zd] is outside its file or its chunk", i);

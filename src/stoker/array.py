@@ -21,12 +21,12 @@ import numpy as np
 
 from .box import Box, box_shape, parse_box
 from .cache import SizedLRU
-from .errors import DecodeError, InvalidArgument, MetadataError, NotFound, StorageError
-from .storage import LocalStore, default_store, resolve_local_path
+from .errors import DecodeError, InvalidArgument, MetadataError, NotFound, StorageError, UnsupportedFormat
+from .storage import FileChanged, Identity, LocalStore, default_store, resolve_local_path
 from .zarr.fields import show
 from .zarr.grid import chunk_intersections
 from .zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3
-from .zarr.sharding import EMPTY_ENTRY
+from .zarr.sharding import EMPTY_ENTRY, ShardingSpec
 
 DEFAULT_INDEX_CACHE_BYTES = 64 << 20
 _reader_tokens = itertools.count()  # cache keys unique per reader, never reused like id()
@@ -123,6 +123,15 @@ class ChunkLocation(NamedTuple):
     path: str | None  # the file; None: nothing stored (the fill value)
     offset: int | None = None  # an inner chunk's byte range in ``path``; None: the whole file
     length: int | None = None
+    ident: Identity | None = None  # an inner chunk's: the shard file its index was read from
+
+
+class ShardIndex(NamedTuple):
+    """A shard's decoded ``(n_inner, 2)`` index and the :data:`~stoker.storage.Identity` of the file it
+    was read from: its offsets hold in that file only."""
+
+    table: np.ndarray
+    ident: Identity
 
 
 class ArrayReader:
@@ -139,8 +148,13 @@ class ArrayReader:
         self.path = path
         self._dir = os.path.join(path, "")  # path with its separator: file_path is then one concatenation
         self.store = store
-        self._index_cache = index_cache or SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
+        # "is None", not "or": an empty SizedLRU is falsy, and a pipeline hands every reader its shared one
+        if index_cache is None:
+            index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
+        self._index_cache = index_cache
         self._token = next(_reader_tokens)
+        if metadata.sharding is not None:
+            check_index_fits(metadata.sharding, self._index_cache.max_bytes, metadata.uri)
 
     def file_path(self, key: str) -> str:
         """The local file holding chunk (or shard) ``key``."""
@@ -230,14 +244,24 @@ class ArrayReader:
         shard_index, inner = meta.sharding.inner_position(index)
         shard_key = meta.chunk_key(shard_index)
         key = f"{shard_key}[{inner}]"
-        table = self.shard_index(shard_key)
-        if table is None:
+        entry = self._shard_entry(shard_key)
+        if entry is None:
             return ChunkLocation(key, None)
+        table = entry.table
         offset, length = table.item(inner, 0), table.item(inner, 1)  # Python ints, without a row view
         if offset == length == EMPTY_ENTRY:
             return ChunkLocation(key, None)
         meta.codec.check_stored_size(length, key)  # before anyone reads or reserves room for it
-        return ChunkLocation(key, self.file_path(shard_key), offset, length)
+        return ChunkLocation(key, self.file_path(shard_key), offset, length, entry.ident)
+
+    def relocate(self, index: tuple[int, ...], stale: Identity) -> ChunkLocation:
+        """:meth:`locate` again after a read found the shard of chunk ``index`` changed since its index
+        (read from a file of identity ``stale``) was cached: that index is dropped and read anew, unless
+        another thread did so already."""
+        shard_index, _ = self.metadata.sharding.inner_position(index)
+        self._index_cache.discard((self._token, self.metadata.chunk_key(shard_index)),
+                                  lambda entry: entry is None or entry.ident == stale)
+        return self.locate(index)
 
     def encoded_chunk(self, index: tuple[int, ...]) -> tuple[str, Any]:
         """``(key, stored bytes or None)`` of read chunk ``index``; ``None`` means fill value."""
@@ -246,7 +270,16 @@ class ArrayReader:
             return loc.key, None
         if loc.offset is None:
             return loc.key, self._read_chunk_file(loc)
-        data = self.store.read_range(loc.path, loc.offset, loc.length)
+        try:
+            data = self.store.read_range(loc.path, loc.offset, loc.length, loc.ident)
+        except FileChanged:  # the shard was rewritten since its index was cached: read the new index, once
+            loc = self.relocate(index, loc.ident)
+            if loc.path is None:
+                return loc.key, None
+            try:
+                data = self.store.read_range(loc.path, loc.offset, loc.length, loc.ident)
+            except FileChanged:
+                raise self.shard_changed(loc.key) from None
         if data is None or len(data) != loc.length:
             raise DecodeError(f"{self.uri}: the shard holding inner chunk {loc.key!r} changed or vanished while "
                               "it was read", uri=self.uri, key=loc.key)
@@ -265,32 +298,64 @@ class ArrayReader:
                                   key=loc.key)
         return data
 
+    def shard_changed(self, key: str) -> DecodeError:
+        """The error for a shard that changed again after its index was read anew."""
+        return DecodeError(f"{self.uri}: the shard holding chunk {key!r} changed while it was read (it was "
+                           "rewritten again after its index was read anew); read it once writing has finished",
+                           uri=self.uri, key=key)
+
     def shard_index(self, shard_key: str) -> np.ndarray | None:
         """Decoded ``(n_inner, 2)`` index of a shard (cached), or ``None`` when the shard file is missing."""
+        entry = self._shard_entry(shard_key)
+        return None if entry is None else entry.table
+
+    def _shard_entry(self, shard_key: str) -> ShardIndex | None:
         return self._index_cache.get_or_load((self._token, shard_key), lambda: self._load_shard_index(shard_key))
 
-    def _load_shard_index(self, shard_key: str) -> np.ndarray | None:
+    def _load_shard_index(self, shard_key: str) -> ShardIndex | None:
         spec = self.metadata.sharding
-        path = self.file_path(shard_key)
-        size = self.store.size(path)
-        if size is None:
+
+        def where(size: int) -> tuple[int, int]:
+            if size < spec.index_nbytes:
+                raise DecodeError(
+                    f"{self.uri}: shard {shard_key!r} is truncated: {size} bytes, but its index alone needs "
+                    f"{spec.index_nbytes}",
+                    uri=self.uri, key=shard_key,
+                )
+            return spec.index_range(size)
+
+        try:
+            got = self.store.read_current(self.file_path(shard_key), where)
+        except FileChanged:
+            raise DecodeError(f"{self.uri}: shard {shard_key!r} kept changing while its index was read; read it "
+                              "once writing has finished", uri=self.uri, key=shard_key) from None
+        if got is None:
             return None
-        if size < spec.index_nbytes:
-            raise DecodeError(
-                f"{self.uri}: shard {shard_key!r} is truncated: {size} bytes, but its index alone needs "
-                f"{spec.index_nbytes}",
-                uri=self.uri, key=shard_key,
-            )
-        offset, length = spec.index_range(size)
-        raw = self.store.read_range(path, offset, length)
-        if raw is None:
-            return None
-        return spec.decode_index(raw, self.uri, shard_key, size)
+        raw, ident = got
+        return ShardIndex(spec.decode_index(raw, self.uri, shard_key, ident[2]), ident)
 
 
-def index_size(index: np.ndarray | None) -> int:
+def index_size(entry: ShardIndex | None) -> int:
     """Bytes a cached shard index costs (``None``, a missing shard, costs a little too)."""
-    return 64 if index is None else index.nbytes + 64
+    return 64 if entry is None else entry.table.nbytes + 64
+
+
+def check_index_fits(spec: ShardingSpec, capacity: int, uri: str) -> None:
+    """UnsupportedFormat when one shard's index would not fit the index cache (``capacity`` bytes).
+
+    Checked when the array is opened, before any shard is read: such an index would be read and
+    decoded whole for every chunk (it is never cached), and its size comes from metadata alone.
+    """
+    cost = 16 * spec.n_inner + 64  # what index_size will weigh it at
+    if cost > capacity:
+        most = (capacity - 64) // 16
+        raise UnsupportedFormat(
+            f"{uri}: each shard holds {spec.n_inner:,} inner chunks ({' x '.join(map(str, spec.chunks_per_shard))}), "
+            f"so its index takes {spec.index_nbytes:,} bytes, more than the shard index cache holds "
+            f"({capacity:,} bytes); re-shard the array with at most {most:,} inner chunks per shard (larger "
+            "inner chunks or smaller shards)",
+            uri=uri, chunks_per_shard=spec.chunks_per_shard, inner_chunks=spec.n_inner,
+        )
 
 
 def open_array(uri: str | os.PathLike, *, store: LocalStore | None = None,

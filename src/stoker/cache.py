@@ -59,6 +59,14 @@ class SizedLRU(Generic[V]):
                     self._bytes -= evicted
         return value
 
+    def discard(self, key: Hashable, when: Callable[[V], bool] | None = None) -> None:
+        """Drop ``key``'s value if it is cached (and ``when(value)`` is true, when given)."""
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None and (when is None or when(item[0])):
+                del self._items[key]
+                self._bytes -= item[1]
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 # status codes of decode_files (see _native.c)
-OK, MISSING, TOO_BIG, OS_ERROR, SHORT, CODEC_ERROR, SIZE, FRAME = range(8)
+OK, MISSING, TOO_BIG, OS_ERROR, SHORT, CODEC_ERROR, SIZE, FRAME, NOT_REGULAR, CHANGED = range(10)
 ZSTD, BLOSC = 0, 1  # codecs of decode_files
 
 #: source kinds of a copy plan (native byte order), by numpy dtype

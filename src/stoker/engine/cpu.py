@@ -15,14 +15,15 @@ import os
 import threading
 import time
 from array import array
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
 from .. import native
 from ..errors import DecodeError, ShutdownError, StorageError
-from ..storage import LocalStore
+from ..storage import FileChanged, LocalStore
+from ..storage.local import not_regular
+from ..workers import DaemonPool
 from ..zarr import blosc_partial
 from ..zarr.grid import c_strides
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
@@ -180,15 +181,16 @@ class Job:
 
 
 class CpuExecutor:
-    """Thread pools plus the transient budget; one per pipeline."""
+    """Thread pools plus the transient budget; one per pipeline. The pools' threads are daemon threads
+    (:class:`~stoker.workers.DaemonPool`): one stuck in a read of a hung mount cannot keep the process alive."""
 
     def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
                  store: LocalStore) -> None:
         self.budget = budget
         self.stats = stats
         self.store = store
-        self._io = ThreadPoolExecutor(n_io, thread_name_prefix="stoker-io")
-        self._compute = ThreadPoolExecutor(n_compute, thread_name_prefix="stoker-compute")
+        self._io = DaemonPool(n_io, "stoker-io")
+        self._compute = DaemonPool(n_compute, "stoker-compute")
         self._n_compute = n_compute
         self._closing = False
 
@@ -198,8 +200,8 @@ class CpuExecutor:
     def shutdown(self) -> None:
         """Cancel queued work; running tasks stop at their next check."""
         self._closing = True
-        self._io.shutdown(wait=False, cancel_futures=True)
-        self._compute.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown()
+        self._compute.shutdown()
 
     # -- submission -------------------------------------------------------------------------
 
@@ -302,9 +304,9 @@ class CpuExecutor:
                 outs = [res.take(nbytes, keep=True) for _ in reads]
             regions = []
             for fr, t, codec in zip(reads, tasks, codecs):
-                where = (-1, 0) if fr.whole_file else (t.offset, t.length)
                 span = (t.byte_start, t.byte_stop) if codec.plain else (0, nbytes)
-                regions.append((*where, *span))
+                # an inner chunk is read only from the shard file its index was read from (else CHANGED)
+                regions.append((-1, 0, *span) if fr.whole_file else (t.offset, t.length, *span, *(t.ident or ())))
             results = native.decode_files(kind, [fr.path for fr in reads], regions, scratch, outs, nbytes,
                                           places, dst)
             # chunks decoded and cast in the call are done: account for them together (two locks per call,
@@ -336,6 +338,10 @@ class CpuExecutor:
             self._fill(job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype))
         elif status == native.OS_ERROR and fr.whole_file:
             raise StorageError(f"cannot read {fr.path}: {os.strerror(detail)}", path=fr.path)
+        elif status == native.NOT_REGULAR:
+            raise not_regular(fr.path, detail)
+        elif status == native.CHANGED:  # the shard is not the file its cached index was read from
+            self._relocate(job, fr, True)
         elif status == native.TOO_BIG or native_codec(codec) == native.BLOSC or not fr.whole_file:
             # larger than any stored chunk of this codec (the Python path refuses it unread); blosc: any
             # frame the call declined or could not decode; any failure of an inner chunk of a shard. The
@@ -386,13 +392,16 @@ class CpuExecutor:
         self.stats.stage("assemble", time.perf_counter() - t0)
         job.finish()
 
-    def _read(self, job: Job, fr: FileRead, on_compute: bool = False) -> None:
+    def _read(self, job: Job, fr: FileRead, on_compute: bool = False, retried: bool = False) -> None:
         """Read one file's share into a pooled buffer, then decode its chunks: right here, one after the
         other, when running on a compute thread, else by handing each chunk to the compute pool.
 
         The reservation covers the encoded buffer and every chunk's decode scratch, taken in one step.
         A compute thread never waits for memory (the decodes queued behind it may be what frees it):
         when the budget is short it passes the read to an I/O thread, which can wait.
+
+        Inner chunks are read only from the shard file their index was read from; when it changed, they
+        are located again in its new index (:meth:`_relocate`), once (``retried``).
         """
         plan = job.plan
         chunks = [plan.chunks[c] for c in fr.chunk_ids]
@@ -424,7 +433,7 @@ class CpuExecutor:
                         raise Cancelled()
                     buf = res.take(read.length, keep=True)
                     view = memoryview(buf)[: read.length]
-                    got = self.store.read_range_into(fr.path, read.offset, view)
+                    got = self.store.read_range_into(fr.path, read.offset, view, chunks[0].ident)
                     if got != read.length:
                         raise DecodeError(
                             f"{plan.sources[chunks[0].source].uri}: shard {fr.path!r} is shorter than its index "
@@ -437,12 +446,17 @@ class CpuExecutor:
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
             job.count(bytes_read=nread)
         except _NoRoom:  # nothing was reserved
-            self._handoff(job, fr)
+            self._handoff(job, fr, retried)
             return
-        except BaseException:
+        except BaseException as exc:
             for _ in chunks:
                 res.done()
-            raise
+            if not isinstance(exc, FileChanged):
+                raise
+            if retried:
+                raise plan.sources[chunks[0].source].shard_changed(chunks[0].key) from None
+            self._relocate(job, fr, on_compute)
+            return
         if on_compute:
             for cid, task in zip(fr.chunk_ids, chunks):
                 self._guard_decode(job, task, pieces[cid], res)
@@ -456,6 +470,22 @@ class CpuExecutor:
                 job.finish(len(fr.chunk_ids) - i, ShutdownError("the pipeline was closed"))
                 return
 
+    def _relocate(self, job: Job, fr: FileRead, on_compute: bool) -> None:
+        """Read ``fr``'s inner chunks again from where the shard's index, read anew, says they are now:
+        the shard file changed since the index the plan used was read."""
+        plan = job.plan
+        tasks = [plan.chunks[c] for c in fr.chunk_ids]
+        reader = plan.sources[tasks[0].source]
+        for task in tasks:  # all located before any is read: a failure here fails every chunk of fr once
+            loc = reader.relocate(task.index, task.ident)
+            task.path, task.offset, task.length, task.ident = loc.path, loc.offset, loc.length, loc.ident
+        for cid, task in zip(fr.chunk_ids, tasks):
+            if task.path is None:  # empty in the new shard, or the shard is gone
+                self._guard(job, 1, self._fill, job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype))
+            else:
+                self._guard(job, 1, self._read, job, FileRead.inner_chunk(task.path, cid, task.offset, task.length),
+                            on_compute, True)
+
     def _reserve(self, res: Reservation, nbytes: int, on_compute: bool) -> None:
         """Reserve ``nbytes``: an I/O thread waits for them; a compute thread raises _NoRoom instead."""
         if not on_compute:
@@ -463,9 +493,9 @@ class CpuExecutor:
         elif not res.try_reserve(nbytes):
             raise _NoRoom()
 
-    def _handoff(self, job: Job, fr: FileRead) -> None:
+    def _handoff(self, job: Job, fr: FileRead, retried: bool = False) -> None:
         try:
-            self._io.submit(self._guard, job, len(fr.chunk_ids), self._read, job, fr)
+            self._io.submit(self._guard, job, len(fr.chunk_ids), self._read, job, fr, False, retried)
         except RuntimeError:  # the pool was shut down (close)
             raise Cancelled() from None
 

@@ -84,6 +84,7 @@ class ChunkTask:
     path: str | None = None  # file holding the chunk; None: fill value
     offset: int | None = None  # byte range in ``path`` (sharded); None: the whole file
     length: int | None = None
+    ident: tuple | None = None  # sharded: the identity of the shard file its index was read from
     byte_start: int = 0  # decoded bytes the copies read (C order), for partial decoding
     byte_stop: int = 0
     # the copies as the compiled reader's copy plan lists them, per copy (offset in the chunk, offset in a
@@ -225,7 +226,8 @@ def plan_batch(
             task.placement += (first, row_offset + sum(dst), *extent)  # built here: planning has the numbers
 
     chunks = list(tasks.values())
-    by_shard: dict[str, list[int]] = {}
+    # by file and identity: inner chunks located through two versions of a shard's index are two reads
+    by_shard: dict[tuple[str, tuple], list[int]] = {}
     file_reads: list[FileRead] = []
     alone = [one_by_one(r) if r.metadata.sharding is not None else False for r in sources]
     for cid, task in enumerate(chunks):
@@ -240,11 +242,11 @@ def plan_batch(
         if loc.offset is None:
             file_reads.append(FileRead(loc.path, (cid,)))
             continue
-        task.offset, task.length = loc.offset, loc.length
+        task.offset, task.length, task.ident = loc.offset, loc.length, loc.ident
         if alone[task.source]:
             file_reads.append(FileRead.inner_chunk(loc.path, cid, loc.offset, loc.length))
         else:
-            by_shard.setdefault(task.path, []).append(cid)
+            by_shard.setdefault((task.path, task.ident), []).append(cid)
 
     def chunk_cost(task: ChunkTask) -> int:
         return sizing(task.length) + sizing(sources[task.source].metadata.codec.nbytes)

@@ -48,6 +48,7 @@ from ..distributed import _all_gather, _group_position
 from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
 from .dataset import Sample, ZarrRecords, rank_part
 from ..fsutil import fsync_dir, fsync_tree, make_sibling_dir, remove_dead_siblings, sibling_path
+from ..storage import read_regular
 
 ATTR = "stoker_precompute"
 FORMAT = "stoker-precompute"
@@ -90,25 +91,24 @@ def _zarr_format(record: str) -> int:
 
 def _attributes(path: str) -> dict | None:
     """The attributes of the array at ``path``, or None when there is no readable array there."""
-    try:
-        with open(os.path.join(path, "zarr.json"), "rb") as f:
-            doc = json.loads(f.read())
-        if doc.get("node_type") != "array":
-            return None
-        attrs = doc.get("attributes")
-        return attrs if isinstance(attrs, dict) else {}
-    except FileNotFoundError:
-        pass
+    try:  # read as regular files only: a FIFO there would block (a StorageError is an OSError)
+        raw = read_regular(os.path.join(path, "zarr.json"))
+        if raw is not None:
+            doc = json.loads(raw)
+            if doc.get("node_type") != "array":
+                return None
+            attrs = doc.get("attributes")
+            return attrs if isinstance(attrs, dict) else {}
     except (OSError, ValueError, AttributeError):
         return None
     if not os.path.exists(os.path.join(path, ".zarray")):
         return None
     try:
-        with open(os.path.join(path, ".zattrs"), "rb") as f:
-            doc = json.loads(f.read())
+        raw = read_regular(os.path.join(path, ".zattrs"))
+        if raw is None:
+            return {}
+        doc = json.loads(raw)
         return doc if isinstance(doc, dict) else None
-    except FileNotFoundError:
-        return {}
     except (OSError, ValueError):
         return None
 

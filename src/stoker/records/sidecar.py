@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..fsutil import replace_atomically
+from ..storage import read_regular
 
 FILENAME = ".stoker-stats.json"
 FORMAT = "stoker-record-stats"
@@ -59,11 +60,11 @@ def fingerprint(ds: Any, fields: Sequence[str], per_channel: bool, derived: Sequ
 
 
 def _read_doc(root: str) -> dict | None:
-    try:
-        with open(path_for(root), "rb") as f:
-            doc = json.loads(f.read())
-    except FileNotFoundError:
-        return None
+    try:  # a regular file only: a FIFO there would block forever (StorageError, an OSError, instead)
+        raw = read_regular(path_for(root))
+        if raw is None:
+            return None
+        doc = json.loads(raw)
     except (OSError, ValueError) as exc:
         warnings.warn(f"ignoring unreadable statistics file {path_for(root)}: {exc}", RuntimeWarning, stacklevel=3)
         return None

@@ -6,7 +6,8 @@ import os
 from urllib.parse import unquote, urlparse
 
 from ..errors import UnsupportedFormat
-from .local import IOCounters, LocalStore, default_store
+from .local import (FileChanged, Identity, IOCounters, LocalStore, default_store, open_regular,
+                    read_regular)
 from .ranges import Read, coalesce
 
 _REMOTE_SCHEMES = {"s3", "gs", "gcs", "az", "abfs", "http", "https"}
@@ -37,4 +38,5 @@ def resolve_local_path(uri: str) -> str:
     return os.path.abspath(uri)
 
 
-__all__ = ["IOCounters", "LocalStore", "Read", "coalesce", "default_store", "resolve_local_path"]
+__all__ = ["FileChanged", "IOCounters", "Identity", "LocalStore", "Read", "coalesce", "default_store", "open_regular",
+           "read_regular", "resolve_local_path"]

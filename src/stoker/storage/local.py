@@ -8,21 +8,99 @@ one is closed only when no thread is reading through it. Whole-file reads
 
 A missing file reads as ``None`` (the caller decides that means "fill value");
 any other failure is a :class:`~stoker.errors.StorageError` naming the path.
+
+Every file is opened non-blocking and checked to be a regular file before it is
+read (:func:`open_regular`): a FIFO, socket or device where a chunk or metadata
+file should be is refused at once rather than read, which could block forever.
+
+A file's :data:`Identity` (device, inode, size, modification and change times) says
+whether two reads saw the same file: bytes located by a shard index are read only
+from the file at the path when it still has the identity the index was read with
+(:class:`FileChanged` otherwise), so a shard rewritten or replaced meanwhile is never
+read at the old offsets.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
-from ..errors import StorageError
+from ..errors import DecodeError, StorageError
 
 _MISSING = (errno.ENOENT, errno.ENOTDIR)
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+#: ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``: equal for two stats of one unchanged file.
+Identity = tuple[int, int, int, int, int]
+
+
+def identity(st: os.stat_result) -> Identity:
+    """The :data:`Identity` of a stat result."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def describe_mode(mode: int) -> str:
+    """What a file of ``st_mode`` is, in words: ``"a FIFO"``, ``"a directory"``..."""
+    return _KINDS.get(stat.S_IFMT(mode), f"a special file (mode {stat.S_IFMT(mode):#o})")
+
+
+def not_regular(path: str, mode: int) -> StorageError:
+    """The error for a file that is not a regular file (see :func:`open_regular`)."""
+    return StorageError(
+        f"{path} is {describe_mode(mode)}, not a regular file; stoker reads only regular files (reading a FIFO, "
+        "socket or device could block forever): put the file itself there",
+        path=path,
+    )
+
+
+def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result] | None:
+    """``(descriptor, its stat)`` of the regular file at ``path``, read-only; ``None`` when it does not exist.
+
+    Opened non-blocking, so opening a FIFO returns at once (a blocking open waits for a writer
+    forever), then refused unless it is a regular file (:class:`StorageError` naming what it is).
+    ``O_NONBLOCK`` changes nothing for reads of regular files. Any other failure is a
+    :class:`StorageError` naming the path.
+    """
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno in _MISSING:
+            return None
+        raise StorageError(f"cannot open {path}: {exc.strerror}", path=path) from None
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise StorageError(f"cannot stat {path}: {exc.strerror}", path=path) from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise not_regular(path, st.st_mode)
+    return fd, st
+
+
+def read_regular(path: str | os.PathLike) -> bytes | None:
+    """The whole regular file at ``path`` (see :func:`open_regular`), or ``None`` when it does not exist.
+
+    For small documents read outside a store (a statistics sidecar, attributes).
+    """
+    opened = open_regular(path)
+    if opened is None:
+        return None
+    with os.fdopen(opened[0], "rb") as f:
+        return f.read()
+
+
+class FileChanged(DecodeError):
+    """A file is not the one (or no longer as) a shard index was read from; reload the index and retry."""
 
 
 @dataclass
@@ -35,7 +113,7 @@ class IOCounters:
 
 
 class _Handle:
-    __slots__ = ("fd", "size", "users")
+    __slots__ = ("fd", "size", "users")  # size: at open; the file may have changed since
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
@@ -60,16 +138,6 @@ class LocalStore:
 
     # -- descriptors -------------------------------------------------------------------------
 
-    @staticmethod
-    def _open_fd(path: str) -> int | None:
-        """A read-only descriptor, or ``None`` when the file does not exist."""
-        try:
-            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            if exc.errno in _MISSING:
-                return None
-            raise StorageError(f"cannot open {path}: {exc.strerror}", path=path) from None
-
     @contextmanager
     def _open(self, path: str) -> Iterator[_Handle | None]:
         with self._lock:
@@ -78,16 +146,12 @@ class LocalStore:
                 self._handles.move_to_end(path)
                 handle.users += 1
         if handle is None:
-            fd = self._open_fd(path)
-            if fd is None:
+            opened = open_regular(path)
+            if opened is None:
                 yield None
                 return
-            try:
-                size = os.fstat(fd).st_size
-            except OSError as exc:
-                os.close(fd)
-                raise StorageError(f"cannot stat {path}: {exc.strerror}", path=path) from None
-            handle = _Handle(fd, size)
+            fd, st = opened
+            handle = _Handle(fd, st.st_size)
             handle.users = 1
             with self._lock:
                 self.counters.files_opened += 1
@@ -109,6 +173,32 @@ class LocalStore:
                 # cached again meanwhile under a new descriptor, so compare handles, not paths.
                 if handle.users == 0 and self._handles.get(path) is not handle:
                     os.close(handle.fd)
+
+    def _drop(self, path: str, handle: _Handle) -> None:
+        """Stop caching ``handle`` (in use: its last user closes it); a newer handle for ``path`` stays."""
+        with self._lock:
+            if self._handles.get(path) is handle:
+                del self._handles[path]
+
+    def _identity(self, fd: int, path: str) -> Identity:
+        try:
+            return identity(os.fstat(fd))
+        except OSError as exc:
+            raise StorageError(f"cannot stat {path}: {exc.strerror}", path=path) from None
+
+    def _check(self, handle: _Handle, path: str, expected: Identity | None) -> None:
+        """FileChanged unless the file read through ``handle`` still has identity ``expected`` and is still
+        the file at ``path`` (``expected`` None: any file). A descriptor of a file since replaced at ``path``
+        would read the old file: every read sees the file as it is now, as the compiled reader (which
+        opens each file anew) does."""
+        if expected is None:
+            return
+        try:
+            now = identity(os.stat(path))
+        except OSError:
+            now = None  # removed since: the caller looks again and finds it missing
+        if now != expected or self._identity(handle.fd, path) != expected:
+            raise FileChanged(f"{path} changed since its index was read", path=path)
 
     def _evict_locked(self) -> None:
         while len(self._handles) > self.max_open_files:
@@ -183,24 +273,52 @@ class LocalStore:
         after checking for ``None``, or ``f.close()``). A plain object, not a
         generator context manager: this runs once per chunk.
         """
-        fd = self._open_fd(path)
-        if fd is None:
+        opened = open_regular(path)
+        if opened is None:
             return None
-        try:
-            size = os.fstat(fd).st_size
-        except OSError as exc:
-            os.close(fd)
-            raise StorageError(f"cannot stat {path}: {exc.strerror}", path=path) from None
+        fd, st = opened
         with self._lock:
             self.counters.files_opened += 1
-        return OpenFile(self, fd, path, size)
+        return OpenFile(self, fd, path, st.st_size)
 
-    def read_range_into(self, path: str, offset: int, view: memoryview) -> int | None:
-        """Fill ``view`` with the file's bytes at ``offset`` (cached descriptor); ``None`` when missing."""
+    def read_range_into(self, path: str, offset: int, view: memoryview,
+                        expected: Identity | None = None) -> int | None:
+        """Fill ``view`` with the file's bytes at ``offset`` (cached descriptor); ``None`` when missing.
+
+        With ``expected``, only from a file of that :data:`Identity` (:class:`FileChanged` otherwise).
+        """
         with self._open(path) as handle:
             if handle is None:
                 return None
+            self._check(handle, path, expected)
             return self._preadv_into(handle.fd, path, view, offset)
+
+    def read_current(self, path: str, where: Callable[[int], tuple[int, int]],
+                     attempts: int = 3) -> tuple[bytes, Identity] | None:
+        """The bytes at ``where(size)`` (an ``(offset, length)``) of the file now at ``path``, with the
+        :data:`Identity` of the file they came from; ``None`` when there is no file.
+
+        For reads that later reads are checked against (a shard's index). A cached descriptor of a file
+        since replaced at ``path`` (renamed over) is dropped and the path reopened; a file that changes
+        while it is read is read again, and after ``attempts`` tries :class:`FileChanged`.
+        """
+        for _ in range(attempts):
+            with self._open(path) as handle:
+                if handle is None:
+                    return None
+                before = self._identity(handle.fd, path)
+                try:
+                    now = identity(os.stat(path))
+                except OSError:
+                    now = None  # removed (or unreadable) since it was opened: look again
+                if now != before:
+                    self._drop(path, handle)
+                    continue
+                offset, length = where(before[2])
+                data = self._pread(handle.fd, path, offset, length)
+                if self._identity(handle.fd, path) == before:
+                    return data, before
+        raise FileChanged(f"{path} kept changing while it was read ({attempts} tries)", path=path)
 
     def size(self, path: str) -> int | None:
         """File size in bytes, or ``None`` when the file does not exist."""
@@ -220,11 +338,15 @@ class LocalStore:
         with f:
             return self._pread(f.fd, path, 0, f.size) if f.size else b""
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes | None:
-        """``length`` bytes at ``offset`` (fewer at end of file), or ``None`` when the file does not exist."""
+    def read_range(self, path: str, offset: int, length: int, expected: Identity | None = None) -> bytes | None:
+        """``length`` bytes at ``offset`` (fewer at end of file), or ``None`` when the file does not exist.
+
+        With ``expected``, only from a file of that :data:`Identity` (:class:`FileChanged` otherwise).
+        """
         with self._open(path) as handle:
             if handle is None:
                 return None
+            self._check(handle, path, expected)
             return self._pread(handle.fd, path, offset, length)
 
 

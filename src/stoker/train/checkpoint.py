@@ -40,6 +40,7 @@ import torch
 from ..checks import integer
 from ..errors import CheckpointError
 from ..fsutil import remove_dead_temp_files, replace_atomically
+from ..storage import open_regular
 
 __all__ = ["Checkpoints", "FORMAT", "VERSION"]
 
@@ -80,7 +81,10 @@ def _dump(obj: Any, f: BinaryIO) -> None:
 
 def _read(path: Path) -> tuple[Any, int]:
     """Unpickle a checkpoint file after checking its hash; ``(object, container version)``."""
-    with open(path, "rb") as f:
+    opened = open_regular(path)  # a regular file only: a FIFO there would block forever
+    if opened is None:
+        raise FileNotFoundError(f"no file at {path}")
+    with os.fdopen(opened[0], "rb") as f:
         head = f.read(_HEADER.size)
         if head.startswith(_ZIP):
             f.seek(0)
