@@ -743,3 +743,21 @@ def test_a_failing_rank_fails_every_rank(group_run):
     assert [res["boom"] for res in results] == ["ValueError" if r == owner else "StokerError" for r in range(world)]
     for res in results:
         assert ("different datasets" in res["different"]) if world > 1 else "different" not in res
+
+
+def test_a_huge_group_document_is_refused_unread(tmp_path):
+    """A record's zarr.json is metadata like an array's: one larger than the cap is a MetadataError before
+    a byte of it is read (it was read whole), and invalid JSON names the file."""
+    from stoker.errors import MetadataError
+
+    for i in range(2):
+        g = zarr.open_group(str(tmp_path / "ds" / f"rec_{i}"), mode="w")
+        g.create_array("x", data=np.arange(3, dtype=np.float32))
+    doc = tmp_path / "ds" / "rec_1" / "zarr.json"
+    with open(doc, "r+b") as f:
+        f.truncate(1 << 30)  # sparse: costs no disk
+    with pytest.raises(MetadataError, match="more than the"):
+        ZarrRecords(str(tmp_path / "ds"))
+    doc.write_text('{"zarr_format": 3, "node_type": ')
+    with pytest.raises(MetadataError, match="not valid JSON"):
+        ZarrRecords(str(tmp_path / "ds"))

@@ -37,7 +37,7 @@ _reader_tokens = itertools.count()  # cache keys unique per reader, never reused
 MAX_METADATA_BYTES = 16 << 20
 
 
-def _read_document(store: LocalStore, path: str, uri: str) -> bytes | None:
+def read_document(store: LocalStore, path: str, uri: str) -> bytes | None:
     """A metadata file's bytes (at most :data:`MAX_METADATA_BYTES`), or None when it does not exist."""
     f = store.open_file(path)
     if f is None:
@@ -98,7 +98,7 @@ def detect_v2_separator(path: str, doc: dict, uri: str) -> str:
 def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> ArrayMetadata:
     """Parse the metadata of the array at local ``path`` (v3 ``zarr.json`` first, then v2 ``.zarray``)."""
     uri = uri or path
-    raw = _read_document(store, os.path.join(path, "zarr.json"), uri)
+    raw = read_document(store, os.path.join(path, "zarr.json"), uri)
     if raw is not None:
         doc = parse_json(raw, uri, "zarr.json")
         if doc.get("node_type") == "group":
@@ -107,7 +107,7 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
         if fmt != 3 or isinstance(fmt, bool):
             raise MetadataError(f"{uri}: zarr.json has zarr_format {show(fmt)}, expected 3", uri=uri)
         return parse_v3(doc, uri)
-    raw = _read_document(store, os.path.join(path, ".zarray"), uri)
+    raw = read_document(store, os.path.join(path, ".zarray"), uri)
     if raw is not None:
         doc = parse_json(raw, uri, ".zarray")
         return parse_v2(doc, uri, separator=detect_v2_separator(path, doc, uri))

@@ -21,16 +21,16 @@ array per field, dtypes as small codes into a table. No file stays open.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 
-from ..array import read_metadata
+from ..array import read_document, read_metadata
 from ..errors import InvalidArgument, MetadataError, NotFound, RankMismatch
 from ..storage import LocalStore, resolve_local_path
+from ..zarr.metadata import parse_json
 
 Dim = Union[str, int, None]
 """One entry of a field spec: a dimension name (must agree across a record's fields),
@@ -73,13 +73,10 @@ class Catalog:
 
 def _node_kind(path: str, store: LocalStore) -> str | None:
     """``"group"``, ``"array"`` or None for a directory that holds no Zarr node (metadata read only)."""
-    raw = store.read(os.path.join(path, "zarr.json"))
+    raw = read_document(store, os.path.join(path, "zarr.json"), path)  # capped: a huge file is refused unread
     if raw is not None:
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            raise MetadataError(f"{path}/zarr.json is not valid JSON", uri=path) from None
-        kind = doc.get("node_type") if isinstance(doc, dict) else None
+        doc = parse_json(raw, path, "zarr.json")
+        kind = doc.get("node_type")
         if kind not in ("group", "array"):
             raise MetadataError(f"{path}/zarr.json has node_type {kind!r}, expected 'group' or 'array'", uri=path)
         return kind
