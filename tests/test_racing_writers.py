@@ -151,6 +151,55 @@ def leftovers(folder) -> list[str]:
 # -- each artifact ----------------------------------------------------------------------------------
 
 
+def _volume(i, folder, log):
+    from stoker.demo import volume
+
+    with counting(volume, "_write_volume", log):
+        path = volume.ensure_volume(Path(folder) / "volume.zarr", shape=(32, 128, 128), progress=False)
+    return digest(path)
+
+
+def test_the_demo_volume_is_written_once(racers, tmp_path):
+    cache, log = tmp_path / "cache", tmp_path / "builds"  # a fresh cache: the folder is not there yet
+    results = racers.everyone(_volume, str(cache), str(log))
+    assert len(set(results)) == 1 and builds(log) == 1
+    assert os.listdir(cache) == ["volume.zarr"]
+    assert zarr.open_array(str(cache / "volume.zarr")).shape == (32, 128, 128)
+
+
+def _points(i, folder, log):
+    from stoker.demo import points
+
+    with counting(points, "_write_tree", log):
+        root = points.write_point_clouds(Path(folder) / "clouds", n_records=3, min_points=8, max_points=16,
+                                         progress=False)
+    return digest(root)
+
+
+def test_the_point_cloud_records_are_written_once(racers, tmp_path):
+    log = tmp_path / "builds"
+    results = racers.everyone(_points, str(tmp_path / "cache"), str(log))
+    assert len(set(results)) == 1 and builds(log) == 1
+    assert os.listdir(tmp_path / "cache") == ["clouds"]
+
+
+def _bench(i, folder, logs):
+    from stoker.bench import datasets, records
+
+    spec = datasets.VolumeSpec("race", (32, 64, 64), (16, 32, 32), "uint8", "zstd", count=2)
+    with counting(datasets, "_write", logs[0]), counting(records, "_write_records", logs[1]):
+        paths = datasets.ensure(Path(folder), spec, progress=False)
+        recs = records.ensure_records(Path(folder), 3, progress=False)
+    return [digest(Path(paths[0]).parent), digest(recs)]
+
+
+def test_bench_datasets_are_written_once(racers, tmp_path):
+    logs = [str(tmp_path / "volume-builds"), str(tmp_path / "records-builds")]
+    results = racers.everyone(_bench, str(tmp_path / "data"), logs)
+    assert all(r == results[0] for r in results) and [builds(log) for log in logs] == [1, 1]
+    assert sorted(os.listdir(tmp_path / "data")) == ["race", "records-3"]
+
+
 def test_host_tags_of_long_host_names_stay_apart():
     a = "gpu-node-0001.rack-07.hall-b.datacenter-frankfurt.example.org"
     b = "gpu-node-0001.rack-07.hall-b.datacenter-frankfurt.example.net"
