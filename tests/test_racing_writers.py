@@ -200,6 +200,80 @@ def test_bench_datasets_are_written_once(racers, tmp_path):
     assert sorted(os.listdir(tmp_path / "data")) == ["race", "records-3"]
 
 
+def _write_records(root, n: int) -> None:
+    for i in range(n):
+        g = zarr.open_group(os.path.join(root, f"rec_{i:03d}.zarr"), mode="w", zarr_format=3)
+        g.create_array("x", data=np.arange(12, dtype="f4").reshape(4, 3) + 10 * i)
+
+
+def _stats(i, root, log, variants):
+    from stoker.records import ZarrRecords, compute_stats, sidecar, stats
+
+    per_channel, nonfinite = variants[i % len(variants)]
+    with counting(stats, "_compute", log):
+        got = compute_stats(ZarrRecords(root), ["x"], per_channel=per_channel, nonfinite=nonfinite)
+    fp = sidecar.fingerprint(ZarrRecords(root), ["x"], per_channel, [], nonfinite)
+    return fp, {k: v.tolist() for k, v in vars(got["x"]).items() if isinstance(v, torch.Tensor)}
+
+
+def test_record_statistics_are_computed_once_and_shared(racers, tmp_path):
+    from stoker.records import sidecar
+
+    root, log = str(tmp_path / "d"), str(tmp_path / "builds")
+    _write_records(root, 3)
+    results = racers.everyone(_stats, root, log, [(True, "raise")])
+    assert all(r == results[0] for r in results) and builds(log) == 1
+    entries = json.loads(Path(sidecar.path_for(root)).read_text())["entries"]
+    assert list(entries) == [results[0][0]]
+    assert leftovers(root) == [sidecar.FILENAME]
+
+
+def test_record_statistics_of_other_fingerprints_keep_each_others_entries(racers, tmp_path):
+    from stoker.records import sidecar
+
+    root, log = str(tmp_path / "d"), str(tmp_path / "builds")
+    _write_records(root, 3)
+    variants = [(True, "raise"), (False, "raise"), (True, "skip"), (False, "skip")]
+    results = racers.everyone(_stats, root, log, variants)
+    entries = json.loads(Path(sidecar.path_for(root)).read_text())["entries"]
+    assert sorted(entries) == sorted(fp for fp, _ in results) and len(entries) == N  # none lost
+    assert builds(log) == N and leftovers(root) == [sidecar.FILENAME]
+
+
+class _Slow:
+    """``fn`` for precompute: the record's sum, slowly enough for the racers to meet, logged per record."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __call__(self, sample: dict) -> torch.Tensor:
+        with open(self.log, "a") as f:
+            f.write(f"{int(sample['x'][0, 0]) // 10}\n")
+        time.sleep(0.05)
+        return sample["x"].sum(dim=1)
+
+
+def _precompute(i, root, log):
+    from stoker.records import ZarrRecords, precompute
+
+    r = precompute(ZarrRecords(root, fields=["x"]), "rowsum", _Slow(log), params={"v": 1})
+    return r.written, r.skipped
+
+
+def test_precomputed_arrays_are_computed_once_per_record(racers, tmp_path):
+    n = 8
+    root, log = str(tmp_path / "d"), str(tmp_path / "computed")
+    _write_records(root, n)
+    results = racers.everyone(_precompute, root, log)
+    assert sorted(Path(log).read_text().split(), key=int) == [str(i) for i in range(n)]  # each record once
+    assert sum(w for w, _ in results) == n and all(w + s == n for w, s in results)
+    for i in range(n):
+        rec = os.path.join(root, f"rec_{i:03d}.zarr")
+        want = (np.arange(12, dtype="f4").reshape(4, 3) + 10 * i).sum(axis=1)
+        np.testing.assert_array_equal(zarr.open_array(os.path.join(rec, "rowsum"))[:], want)
+        assert sorted(os.listdir(rec)) == ["rowsum", "x", "zarr.json"]
+
+
 def test_host_tags_of_long_host_names_stay_apart():
     a = "gpu-node-0001.rack-07.hall-b.datacenter-frankfurt.example.org"
     b = "gpu-node-0001.rack-07.hall-b.datacenter-frankfurt.example.net"
