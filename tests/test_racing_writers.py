@@ -274,6 +274,77 @@ def test_precomputed_arrays_are_computed_once_per_record(racers, tmp_path):
         assert sorted(os.listdir(rec)) == ["rowsum", "x", "zarr.json"]
 
 
+def _checkpoint(i, folder, log):
+    from stoker.train import Checkpoints, checkpoint
+
+    ck = Checkpoints(folder)
+    with counting(checkpoint, "_dump", log):
+        path = ck.save({"who": i, "w": torch.full((3,), float(i))}, step=7)
+    return str(path), ck.load(path)["who"]
+
+
+def test_a_checkpoint_of_one_step_is_written_once(racers, tmp_path):
+    folder, log = tmp_path / "checkpoints", str(tmp_path / "builds")
+    results = racers.everyone(_checkpoint, str(folder), log)
+    assert len(set(map(tuple, results))) == 1 and builds(log) == 1  # everyone reads the one written
+    assert os.listdir(folder) == ["step-000000007.pt"]
+
+
+def _telemetry(i, folder, steps):
+    import warnings
+
+    from stoker.telemetry import TelemetryWriter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "another process is logging to ..."
+        with TelemetryWriter(folder, tensorboard=False) as tw:
+            for step in range(steps):
+                # Lines of several KiB: larger than a buffered file's one write.
+                tw.log(step, {"writer": i, **{f"metric_{k:04d}": 0.5 * k for k in range(400 * (i + 1))}})
+    return str(tw.path)
+
+
+def test_telemetry_writers_never_interleave_in_one_file(racers, tmp_path):
+    folder, steps = tmp_path / "run", 40
+    racers.everyone(_telemetry, str(folder), steps)
+    seen = {}
+    for path in folder.iterdir():
+        assert path.suffix == ".jsonl", path  # no claim left
+        records = [json.loads(line) for line in path.read_text().splitlines()]  # whole lines only
+        runs = [w for w, _ in itertools.groupby(r["writer"] for r in records)]
+        assert len(runs) == len(set(runs)), f"{path.name}: writers interleave: {runs}"
+        for r in records:
+            seen.setdefault(r["writer"], []).append(r["step"])
+    assert seen == {i: list(range(steps)) for i in range(N)}
+    assert (folder / "telemetry.jsonl").exists()
+
+
+def test_telemetry_takes_over_the_file_of_a_writer_gone(tmp_path):
+    import subprocess
+    import sys
+
+    from stoker.telemetry import TelemetryWriter
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    cases = [(fsutil.HOST, dead.pid, 0.0, "telemetry.jsonl"),  # this machine, its process gone
+             ("elsewhere", 4242, fsutil.CLAIM_STALE_S + 60, "telemetry.jsonl"),  # unrefreshed for long
+             ("elsewhere", 4242, 1.0, f"telemetry-{fsutil.HOST}-{os.getpid()}.jsonl")]  # alive, it seems
+    for n, (host, pid, age, expect) in enumerate(cases):
+        folder = tmp_path / str(n)
+        folder.mkdir()
+        claim = fsutil.claim_path(folder / "telemetry.jsonl")
+        claim.write_text(json.dumps({"host": host, "pid": pid, "token": "t"}))
+        os.utime(claim, (time.time() - age,) * 2)
+        with contextlib.ExitStack() as stack:
+            if expect != "telemetry.jsonl":
+                stack.enter_context(pytest.warns(RuntimeWarning, match="another process is logging to"))
+            with TelemetryWriter(folder, tensorboard=False) as tw:
+                tw.log(0, {"x": 1.0})
+        assert tw.path.name == expect and json.loads(tw.path.read_text())["x"] == 1.0
+        assert claim.exists() == (expect != "telemetry.jsonl"), n  # a taken-over claim is released after
+
+
 def test_host_tags_of_long_host_names_stay_apart():
     a = "gpu-node-0001.rack-07.hall-b.datacenter-frankfurt.example.org"
     b = "gpu-node-0001.rack-07.hall-b.datacenter-frankfurt.example.net"
