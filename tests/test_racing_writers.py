@@ -345,6 +345,37 @@ def test_telemetry_takes_over_the_file_of_a_writer_gone(tmp_path):
         assert claim.exists() == (expect != "telemetry.jsonl"), n  # a taken-over claim is released after
 
 
+def _launch_folder(i, folder, ready):
+    from stoker.train.launch import _workdir  # the module: stoker.train.launch is also the function
+
+    tempfile.tempdir = folder
+    try:
+        with _workdir() as work:
+            (Path(work) / "mine").write_text(str(os.getpid()))
+            Path(ready, str(i)).touch()
+            deadline = time.monotonic() + BOUND_S
+            while len(os.listdir(ready)) < N and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return work, (Path(work) / "mine").read_text() == str(os.getpid())
+    finally:
+        tempfile.tempdir = None
+
+
+def test_launch_folders_never_collide(racers, tmp_path):
+    import subprocess
+    import sys
+
+    folder, ready = tmp_path / "tmp", tmp_path / "ready"
+    folder.mkdir()
+    ready.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (folder / f"stoker-launch-{fsutil.HOST}-{dead.pid}-0123abcd").mkdir()  # a dead launcher's folder
+    results = racers.everyone(_launch_folder, str(folder), str(ready))
+    assert len({w for w, _ in results}) == N and all(ok for _, ok in results)
+    assert os.listdir(folder) == []  # each removed its own, and the dead one's went
+
+
 def test_host_tags_of_long_host_names_stay_apart():
     a = "gpu-node-0001.rack-07.hall-b.datacenter-frankfurt.example.org"
     b = "gpu-node-0001.rack-07.hall-b.datacenter-frankfurt.example.net"
