@@ -18,6 +18,7 @@ from .pin import DevicePrefetcher, Pinnable, pin_object
 from .errors import (
     BudgetExceeded,
     CheckpointError,
+    ClaimTimeout,
     DecodeError,
     DtypeMismatch,
     InvalidArgument,
@@ -62,6 +63,7 @@ __all__ = [
     "open_array",
     "BudgetExceeded",
     "CheckpointError",
+    "ClaimTimeout",
     "DecodeError",
     "DtypeMismatch",
     "InvalidArgument",

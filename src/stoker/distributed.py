@@ -154,6 +154,16 @@ def _group_position(group: Any) -> tuple[int, int]:
     return (dist.get_rank(group), dist.get_world_size(group)) if dist is not None else (0, 1)
 
 
+def _broadcast_object(obj: Any, group: Any) -> Any:
+    """Rank 0's ``obj`` (picklable) on every rank of ``group``; ``obj`` when no other rank takes part."""
+    dist = _active_group(group)
+    if dist is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
 def _barrier(group: Any) -> None:
     """Wait for every rank of ``group`` (nothing to wait for when no other rank takes part)."""
     dist = _active_group(group)

@@ -111,6 +111,11 @@ class CheckpointError(StokerError, OSError):
     """A checkpoint cannot be written, or none of the stored ones can be read back."""
 
 
+class ClaimTimeout(StokerError, TimeoutError):
+    """Another process still writes a write-once artifact after the wait bound: ``path`` (the artifact),
+    ``claimant`` (``host:pid`` of the writer), ``claim`` (its claim file) and ``waited_s`` say which."""
+
+
 __all__ = [
     "StokerError",
     "InvalidArgument",
@@ -129,4 +134,5 @@ __all__ = [
     "RankFailed",
     "UnusedParameters",
     "CheckpointError",
+    "ClaimTimeout",
 ]

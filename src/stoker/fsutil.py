@@ -10,27 +10,62 @@ that says who wrote it, so a later writer can remove what a dead one left
 write into a shared folder included, is never opened or written through; another
 name is drawn instead. The final rename replaces a symlink at the final name
 itself, never its target.
+
+Write-once artifacts (a dataset, a precomputed array, a checkpoint) that several processes on several
+machines may want to write into one shared folder at the same moment go through :func:`write_once`
+(a directory) or :func:`write_file_once` (a file)::
+
+    >>> write_once(final, build, is_complete=marker_matches)   # build(tmp) writes the artifact and its marker
+
+A complete artifact is reused without writing anything. Otherwise the writers race for a *claim*, a file
+``.<name>.claim`` next to ``final`` created with ``O_CREAT|O_EXCL`` (atomic on local file systems, NFS
+v3+, Lustre and GPFS) that names its holder (host, pid, start time, a token). The holder builds into its
+own temporary sibling, renames it into place and removes the claim; the others wait for the claim to go
+(bounded: :class:`~stoker.errors.ClaimTimeout` names the holder), then find the complete artifact. A
+claim whose holder is gone is taken over: on the same machine when its pid is dead, from anywhere once
+a waiter has seen its file unchanged for :data:`CLAIM_STALE_S` (the holder refreshes its mtime from a
+daemon thread while it works, so a live slow writer on another node is never taken over; the waiter
+times that with its own clock, so clocks that disagree between machines do not matter).
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
 import socket
 import stat
+import sys
+import threading
 import time
 import uuid
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, TypeVar
 
-__all__ = ["HOST", "STALE_AFTER_S", "fsync_dir", "fsync_tree", "is_temp_path", "make_owned_dir",
-           "make_sibling_dir", "remove_dead_owned_dirs", "remove_dead_siblings", "remove_dead_temp_files",
-           "replace_atomically", "sibling_path", "writer_gone"]
+from .checks import seconds
+from .errors import ClaimTimeout, InvalidArgument, StorageError
+
+__all__ = ["CLAIM_STALE_S", "HOST", "STALE_AFTER_S", "WAIT_S", "Claim", "Claimant", "claim", "claim_path",
+           "fsync_dir", "fsync_tree", "is_temp_path", "make_owned_dir", "make_sibling_dir", "place_dir",
+           "remove_dead_owned_dirs", "remove_dead_siblings", "remove_dead_temp_files", "replace_atomically",
+           "sibling_path", "try_claim", "write_file_once", "write_once", "writer_gone"]
+
+
+def _host_tag(name: str) -> str:
+    """``name`` made path-safe, at most 40 characters; a longer one keeps a hash of the whole name, so two
+    machines whose names differ only past the cut never pass for one (and judge each other's pids)."""
+    tag = re.sub(r"[^A-Za-z0-9_]", "_", name)
+    if len(tag) > 40:
+        tag = f"{tag[:31]}_{zlib.crc32(name.encode()):08x}"
+    return tag or "host"
+
 
 #: This machine as it appears in sibling names (path-safe, at most 40 characters).
-HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
+HOST = _host_tag(socket.gethostname())
 #: A sibling left by another machine, whose writer cannot be asked, is removed after this long.
 STALE_AFTER_S = 24 * 3600
 _OWNER = r"(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-[0-9a-f]{8}"
@@ -260,3 +295,338 @@ def fsync_tree(path: str | os.PathLike) -> None:
             finally:
                 os.close(fd)
         fsync_dir(dirpath)
+
+
+# -- write-once artifacts: claims -----------------------------------------------------------------
+
+#: How long a process waits for another one's write by default; ``STOKER_WRITE_WAIT_S`` overrides it.
+WAIT_S = 600.0
+#: A claim that a waiter saw unchanged (not refreshed) for this long is stale: its holder is gone (or hung)
+#: and the claim may be taken over. Holders refresh theirs every ``CLAIM_STALE_S / 8``.
+CLAIM_STALE_S = 120.0
+_WAIT_ENV = "STOKER_WRITE_WAIT_S"
+_MAX_POLL_S = 0.5  # the longest pause between two looks at a claim (waits start at 10 ms and double)
+
+
+def claim_path(final: str | os.PathLike) -> Path:
+    """The claim file of ``final``: ``.<name>.claim`` next to it."""
+    final = Path(final)
+    return final.with_name(f".{final.name}.claim")
+
+
+@dataclass(frozen=True)
+class Claimant:
+    """Who holds a claim, as its file says (``host`` None: unreadable, e.g. still being written)."""
+
+    host: str | None
+    pid: int | None
+    started: float | None
+    token: str | None
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}" if self.host is not None else "an unknown process"
+
+
+def _read_claim(path: Path) -> tuple[Claimant, os.stat_result] | None:
+    """The claim at ``path`` and its ``lstat``; None when there is none."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    doc: object = None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        try:
+            doc = json.loads(os.read(fd, 4096))
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        pass  # a symlink, or a claim whose holder has not written it yet: judged by its refreshes alone
+    if not isinstance(doc, dict):
+        return Claimant(None, None, None, None), st
+    host, pid, started, token = (doc.get(k) for k in ("host", "pid", "started", "token"))
+    return Claimant(host if isinstance(host, str) else None, pid if type(pid) is int else None,
+                    float(started) if isinstance(started, (int, float)) else None,
+                    token if isinstance(token, str) else None), st
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
+
+
+class _Watch:
+    """How long one waiter has seen a claim file unchanged, by its own clock: no other machine's time
+    (the file's mtime is set by the writer's or the file server's clock) is compared with ours."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.since = 0.0
+
+    def quiet_for(self, st: os.stat_result) -> float:
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        now = time.monotonic()
+        if key != self.key:
+            self.key, self.since = key, now
+        return now - self.since
+
+
+def _stale(holder: Claimant, st: os.stat_result, watch: _Watch | None) -> str | None:
+    """Why the claim may be taken over, or None while its holder may still be at work."""
+    if holder.host == HOST and holder.pid is not None and holder.pid != os.getpid() and _pid_gone(holder.pid):
+        return "its process is gone"
+    age = time.time() - st.st_mtime
+    if age > STALE_AFTER_S:  # abandoned long ago, whatever the clocks say
+        return f"it was last refreshed {age / 3600:.0f} h ago"
+    if watch is None:  # no time to watch it: trust the clocks (another machine's, or the file server's)
+        return f"it was last refreshed {age:.0f} s ago" if age > CLAIM_STALE_S else None
+    quiet = watch.quiet_for(st)
+    if quiet > CLAIM_STALE_S:
+        return f"it was not refreshed for {quiet:.0f} s"
+    return None
+
+
+class Claim:
+    """This process's claim on writing ``final``; :meth:`release` (or leaving a ``with`` block) gives it up.
+
+    A daemon thread refreshes the claim file's mtime every ``CLAIM_STALE_S / 8`` while it is held.
+    """
+
+    def __init__(self, final: Path, path: Path, token: str) -> None:
+        self.final, self.path, self.token = final, path, token
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._refresh, args=(CLAIM_STALE_S / 8,), daemon=True,
+                                        name=f"stoker-claim-{final.name}")
+        self._thread.start()
+
+    def _refresh(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                os.utime(self.path, follow_symlinks=os.utime not in os.supports_follow_symlinks)
+            except OSError:
+                pass  # taken over or removed: nothing of ours to keep alive
+
+    def release(self) -> None:
+        """Stop refreshing and remove the claim file if it is still ours (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        found = _read_claim(self.path)
+        if found is not None and found[0].token == self.token:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "Claim":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"Claim({str(self.final)!r})"
+
+
+def _take_over(final: Path, path: Path, holder: Claimant, st: os.stat_result, why: str) -> None:
+    """Remove the stale claim ``(holder, st)`` at ``path``; only one of several takers removes it.
+
+    The claim is renamed to a unique name first: a taker that finds it gone lost the race. One that
+    moved a newer claim (made after the stale one left) puts it back.
+    """
+    aside = sibling_path(final, "old")  # remove_dead_siblings removes it if this process dies right here
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    moved = _read_claim(aside)
+    if moved is not None and (moved[1].st_ino, moved[0].token) != (st.st_ino, holder.token):
+        try:
+            os.link(aside, path)  # fails when yet another claim was made meanwhile: that one stands
+        except OSError:
+            pass
+    else:
+        print(f"stoker: taking over {holder}'s claim on {final} ({why})", file=sys.stderr, flush=True)
+    _remove_entry(aside)
+
+
+def _attempt(final: Path, watch: _Watch | None) -> Claim | tuple[Claimant, os.stat_result]:
+    """Claim ``final`` now: the claim, or who holds it (after taking over a stale one)."""
+    path = claim_path(final)
+    for _ in range(_ATTEMPTS):
+        try:
+            fd = _create_file(path)
+        except FileExistsError:
+            found = _read_claim(path)
+            if found is None:
+                continue  # released meanwhile: try again
+            why = _stale(*found, watch)
+            if why is None:
+                return found
+            _take_over(final, path, *found, why)
+            continue
+        token = uuid.uuid4().hex
+        record = {"host": HOST, "pid": os.getpid(), "started": time.time(), "token": token, "path": str(final)}
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(json.dumps(record).encode())
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return Claim(final, path, token)
+    raise StorageError(f"could not claim {final}: its claim {path} kept changing hands", uri=str(final))
+
+
+def _wait_bound(wait_s: float | None) -> float:
+    if wait_s is not None:
+        return seconds("wait_s", wait_s, knob="wait_s")
+    raw = os.environ.get(_WAIT_ENV, "").strip()
+    if not raw:
+        return WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        raise InvalidArgument(f"{_WAIT_ENV} must be a number of seconds > 0, got {raw!r}", knob=_WAIT_ENV)
+    return value
+
+
+def try_claim(final: str | os.PathLike) -> Claim | None:
+    """Claim ``final`` without waiting: the claim, or None while another process holds it. With no time to
+    watch a claim of another machine, its mtime is compared with this machine's clock: it is stale when
+    older than :data:`CLAIM_STALE_S`."""
+    got = _attempt(Path(final), None)
+    return got if isinstance(got, Claim) else None
+
+
+def claim(final: str | os.PathLike, *, until: Callable[[], bool] | None = None, wait_s: float | None = None,
+          announce: bool = True) -> Claim | None:
+    """Claim ``final``, waiting while another live process holds it; None when ``until()`` says the work is
+    done (it is asked once the claim is held, so it sees whatever the previous holder finished).
+
+    Waits at most ``wait_s`` (default :data:`WAIT_S`, or ``$STOKER_WRITE_WAIT_S``), then raises
+    :class:`~stoker.errors.ClaimTimeout` naming the holder. ``announce`` prints once that it waits, and for whom.
+    Raises ``OSError`` when the claim file cannot be created (a read-only folder, say).
+    """
+    final = Path(final)
+    bound = _wait_bound(wait_s)
+    start = time.monotonic()
+    pause, told, watch = 0.01, False, _Watch()
+    while True:
+        got = _attempt(final, watch)
+        if isinstance(got, Claim):
+            try:
+                done = until is not None and until()
+            except BaseException:
+                got.release()
+                raise
+            if done:
+                got.release()
+                return None
+            return got
+        holder, st = got
+        waited = time.monotonic() - start
+        if waited >= bound:
+            raise ClaimTimeout(
+                f"gave up after {waited:.0f} s waiting for {holder} to finish writing {final}: its claim "
+                f"{claim_path(final)} is still held by a live writer (one on another machine is taken over once its "
+                f"claim stays unrefreshed for {CLAIM_STALE_S:g} s). Wait longer (wait_s, or {_WAIT_ENV}), or "
+                "delete the claim if that writer is gone", path=str(final), claimant=str(holder),
+                claim=str(claim_path(final)), waited_s=waited, knob=_WAIT_ENV)
+        if announce and not told:
+            print(f"stoker: waiting for {holder} to finish writing {final} (at most {bound:g} s)", file=sys.stderr,
+                  flush=True)
+            told = True
+        time.sleep(min(pause, bound - waited))
+        pause = min(2 * pause, _MAX_POLL_S)
+
+
+def place_dir(tmp: str | os.PathLike, final: str | os.PathLike, is_complete: Callable[[Path], bool], *,
+              replace: bool = False) -> bool:
+    """Rename the finished directory ``tmp`` to ``final``; True when it was, False when a complete result
+    (another writer's) was kept instead. The caller removes ``tmp`` when it is left.
+
+    ``os.replace`` cannot replace a non-empty directory, so an incomplete or outdated one at ``final`` (with
+    ``replace``, whatever is there) is renamed aside first and deleted after: a crash in between leaves no
+    result at ``final``, never a mix. A complete one that another writer puts there meanwhile is kept.
+    """
+    tmp, final = Path(tmp), Path(final)
+    old = None
+    if os.path.lexists(final):
+        if not replace and is_complete(final):
+            return False
+        old = sibling_path(final, "old")
+        try:
+            os.replace(final, old)
+        except FileNotFoundError:
+            old = None  # another writer moved it meanwhile
+    try:
+        os.replace(tmp, final)
+    except OSError as exc:
+        # A writer that did not see our claim (an older stoker, say) put its result in first: use it.
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR) or not is_complete(final):
+            raise
+        placed = False
+    else:
+        placed = True
+        fsync_dir(final.parent)
+    if old is not None:
+        _remove_entry(old)
+    return placed
+
+
+def write_once(final: str | os.PathLike, build: Callable[[Path], object], *, is_complete: Callable[[Path], bool],
+               wait_s: float | None = None, announce: bool = True) -> bool:
+    """Make the directory ``final`` once, whoever else tries at the same moment; True when this call wrote it.
+
+    ``is_complete(path)`` checks a complete result at ``path`` (a marker written last, holding what the
+    result was made from). When ``final`` is complete nothing is written (nor claimed: read-only folders
+    work). Otherwise the claim decides (see the module's text): the winner calls ``build(tmp)`` on a fresh
+    empty sibling directory, checks ``is_complete(tmp)``, flushes it and renames it to ``final``
+    (:func:`place_dir`); the others wait for it (see :func:`claim`) and use its result. Leftovers of dead
+    writers are removed first; on any error the temporary directory and the claim are removed.
+    """
+    final = Path(final)
+    if is_complete(final):
+        return False
+    final.parent.mkdir(parents=True, exist_ok=True)
+    held = claim(final, until=lambda: is_complete(final), wait_s=wait_s, announce=announce)
+    if held is None:
+        return False
+    with held:
+        remove_dead_siblings(final)
+        tmp = make_sibling_dir(final)
+        try:
+            build(tmp)
+            if not is_complete(tmp):
+                raise StorageError(f"writing {final}: the finished temporary {tmp} does not check as complete "
+                                   "(changed by another process?); nothing was put in place", uri=str(final))
+            fsync_tree(tmp)
+            return place_dir(tmp, final, is_complete)
+        finally:
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_file_once(final: str | os.PathLike, write: Callable[[BinaryIO], object], *,
+                    is_complete: Callable[[Path], bool], wait_s: float | None = None, announce: bool = True) -> bool:
+    """:func:`write_once` for a file: ``write(f)`` through :func:`replace_atomically`, unless ``is_complete``
+    finds a complete file at ``final`` (before, or after waiting for another writer); True when this call wrote it."""
+    final = Path(final)
+    if is_complete(final):
+        return False
+    held = claim(final, until=lambda: is_complete(final), wait_s=wait_s, announce=announce)
+    if held is None:
+        return False
+    with held:
+        replace_atomically(final, write)
+    return True

@@ -9,6 +9,13 @@
 ``log`` takes the maximum of each metric over all ranks (a collective, so every rank
 calls it with the same steps and keys); only rank 0 writes
 ``runs/exp1/telemetry.jsonl`` and the TensorBoard event file.
+
+One process appends to ``telemetry.jsonl`` at a time: the writer holds its claim
+(:func:`stoker.fsutil.try_claim`) while open, and a second job logging into the same
+folder at the same moment writes ``telemetry-<host>-<pid>.jsonl`` instead (with a
+warning). Appending alone would not do: ``O_APPEND`` keeps whole lines apart on a
+local disk, but NFS clients on two machines overwrite each other's lines. A later
+run (a resumed job) appends to the same file once the claim is free.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -28,6 +36,7 @@ import torch
 from .checks import integer
 from .distributed import rank_info, reduce_max
 from .errors import InvalidArgument, ShutdownError
+from .fsutil import HOST, try_claim
 
 __all__ = [
     "MEMORY_KEYS",
@@ -165,14 +174,17 @@ class TelemetryWriter:
             raise InvalidArgument("tensorboard=True but the tensorboard package is not installed")
         self._tensorboard = tensorboard
         self._is_writer: bool | None = None  # decided at the first logged step
-        self._file: Any = None
+        self._file: int | None = None  # a descriptor opened O_APPEND
+        self._path: Path | None = None
+        self._claim: Any = None
         self._tb: Any = None
         self._closed = False
 
     @property
     def path(self) -> Path:
-        """The JSON lines file (written by rank 0 only)."""
-        return self.log_dir / self.FILENAME
+        """The JSON lines file (written by rank 0 only): ``telemetry.jsonl``, or this process's own file where
+        another live writer held that one when logging started."""
+        return self._path or self.log_dir / self.FILENAME
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any] | None:
         """Log ``metrics`` at ``step`` when ``step % every == 0``; returns the reduced values there, else None.
@@ -197,16 +209,34 @@ class TelemetryWriter:
             self._write(int(step), reduced)
         return reduced
 
+    def _open(self) -> None:
+        """Claim ``telemetry.jsonl`` and open it for appending; a file of this process's own when another live
+        writer (a second job logging into this folder) holds it."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path = self.log_dir / self.FILENAME
+        self._claim = try_claim(path)
+        if self._claim is None:
+            path = self.log_dir / f"telemetry-{HOST}-{os.getpid()}.jsonl"
+            warnings.warn(f"another process is logging to {self.log_dir / self.FILENAME}; this one logs to {path}",
+                          RuntimeWarning, stacklevel=4)
+        try:
+            self._file = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except BaseException:
+            if self._claim is not None:
+                self._claim.release()
+            raise
+        self._path = path
+
     def _write(self, step: int, metrics: dict[str, Any]) -> None:
         if self._file is None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._open()
             summary_writer = _summary_writer_class(self._tensorboard)  # imported by rank 0 alone
             if summary_writer is not None:
                 self._tb = summary_writer(log_dir=str(self.log_dir))
         record = {"step": step, "time": time.time(), **{k: _json_value(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        line = (json.dumps(record) + "\n").encode()
+        while line:  # whole lines, appended (a short write only on a full disk: the rest follows)
+            line = line[os.write(self._file, line):]
         if self._tb is not None:
             for name, value in metrics.items():
                 self._tb.add_scalar(name, float(value), step)
@@ -216,8 +246,11 @@ class TelemetryWriter:
         """Flush and close the files (idempotent)."""
         self._closed = True
         if self._file is not None:
-            self._file.close()
+            os.close(self._file)
             self._file = None
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-from dataclasses import dataclass
+import zlib
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ..fsutil import write_once
+
+MARKER = ".complete"
 
 
 @dataclass(frozen=True)
@@ -49,37 +55,59 @@ def _slab(rng: np.random.Generator, z0: int, depth: int, shape: tuple[int, ...],
     return out
 
 
+def _names(spec: VolumeSpec) -> list[str]:
+    return ["array.zarr"] if spec.count == 1 else [f"a{i:05d}.zarr" for i in range(spec.count)]
+
+
 def array_paths(root: Path, spec: VolumeSpec) -> list[str]:
-    base = root / spec.name
-    if spec.count == 1:
-        return [str(base / "array.zarr")]
-    return [str(base / f"a{i:05d}.zarr") for i in range(spec.count)]
+    return [str(Path(root) / spec.name / name) for name in _names(spec)]
 
 
-def ensure(root: Path, spec: VolumeSpec, progress: bool = True) -> list[str]:
-    """Write the dataset unless a complete copy exists; returns the array paths."""
+def _marker(spec: VolumeSpec) -> dict:
+    return {"format": "stoker-bench-volume", **json.loads(json.dumps(asdict(spec)))}
+
+
+def _is_complete(base: Path, spec: VolumeSpec) -> bool:
+    """Whether ``base`` holds the complete dataset of ``spec``: its marker (written last) describes ``spec``."""
+    try:
+        text = (base / MARKER).read_text()
+        if not text:  # older versions touched an empty marker after the last array: check the first one
+            meta = json.loads((base / _names(spec)[0] / "zarr.json").read_text())
+            return meta.get("shape") == list(spec.shape) and meta.get("data_type") == spec.dtype
+        return json.loads(text) == _marker(spec)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def ensure(root: Path, spec: VolumeSpec, progress: bool = True, wait_s: float | None = None) -> list[str]:
+    """Write the dataset unless a complete copy exists; returns the array paths.
+
+    Safe from many processes at once (:func:`~stoker.fsutil.write_once`): one writes, the others wait for it
+    (at most ``wait_s``) and reuse it.
+    """
+    base = Path(root) / spec.name
+    write_once(base, lambda tmp: _write(tmp, spec, progress), is_complete=lambda p: _is_complete(p, spec),
+               wait_s=wait_s)
+    return array_paths(Path(root), spec)
+
+
+def _write(tmp: Path, spec: VolumeSpec, progress: bool) -> None:
     import zarr
     from tqdm import tqdm
 
-    base = root / spec.name
-    paths = array_paths(root, spec)
-    if (base / ".complete").exists():
-        return paths
-    if base.exists():
-        shutil.rmtree(base)
-    base.mkdir(parents=True)
-    first = Path(paths[0])
+    paths = [tmp / name for name in _names(spec)]
+    first = paths[0]
     z = zarr.create_array(str(first), shape=spec.shape, chunks=spec.chunks, shards=spec.shards,
                           dtype=spec.dtype, compressors=_codec(spec.codec), fill_value=0)
-    rng = np.random.default_rng(hash(spec.name) % 2**32)
+    # A seed from the name that every process agrees on (str hashes differ between processes).
+    rng = np.random.default_rng(zlib.crc32(spec.name.encode()))
     step = spec.shards[0] if spec.shards else spec.chunks[0]
     for z0 in tqdm(range(0, spec.shape[0], step), desc=f"writing {spec.name}", unit="slab", disable=not progress):
         depth = min(step, spec.shape[0] - z0)
         z[z0:z0 + depth] = _slab(rng, z0, depth, spec.shape, spec.dtype)
     for p in tqdm(paths[1:], desc=f"copying {spec.name}", unit="array", disable=not progress or len(paths) < 2):
         shutil.copytree(first, p)
-    (base / ".complete").touch()
-    return paths
+    (tmp / MARKER).write_text(json.dumps(_marker(spec)))  # last: it says the dataset is complete
 
 
 def evict_page_cache(paths: list[str]) -> int:

@@ -18,18 +18,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..fsutil import write_once
+
+
+def _records_complete(base: Path, n: int) -> bool:
+    """Whether ``base`` holds the ``n`` records: its marker (written last) says so."""
+    try:
+        text = (base / ".complete").read_text()
+        if not text:  # older versions touched an empty marker after the last record
+            return len(list(base.glob("r*.zarr"))) == n
+        return json.loads(text) == {"format": "stoker-bench-records", "n": n}
+    except (OSError, ValueError):
+        return False
+
 
 def ensure_records(root: Path, n: int, progress: bool = True) -> Path:
-    """A directory of ``n`` record groups (reused when complete)."""
+    """A directory of ``n`` record groups (reused when complete; one writer among processes racing for it)."""
+    base = root / f"records-{n}"
+    write_once(base, lambda tmp: _write_records(tmp, n, progress), is_complete=lambda p: _records_complete(p, n))
+    return base
+
+
+def _write_records(base: Path, n: int, progress: bool) -> None:
     import zarr
     from tqdm import tqdm
 
-    base = root / f"records-{n}"
-    if (base / ".complete").exists():
-        return base
-    if base.exists():
-        shutil.rmtree(base)
-    base.mkdir(parents=True)
     seed_n = min(n, 2000)
     rng = np.random.default_rng(0)
     for i in tqdm(range(seed_n), desc=f"writing {seed_n} records", unit="rec", disable=not progress):
@@ -39,8 +52,7 @@ def ensure_records(root: Path, n: int, progress: bool = True) -> Path:
         g.create_array("features", data=rng.normal(size=(npts, 4)).astype(np.float32), chunks=(npts, 4))
     for i in tqdm(range(seed_n, n), desc="copying records", unit="rec", disable=not progress or n <= seed_n):
         shutil.copytree(base / f"r{i % seed_n:06d}.zarr", base / f"r{i:06d}.zarr")
-    (base / ".complete").touch()
-    return base
+    (base / ".complete").write_text(json.dumps({"format": "stoker-bench-records", "n": n}))  # last
 
 
 class _ZarrPython(torch.utils.data.Dataset):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from torch import Tensor, nn
 from ..checks import integer
 from ..errors import InvalidArgument, RankMismatch
 from ..records import ZarrRecords, knn_edge_index, knn_graph, precompute
-from ..fsutil import fsync_dir, fsync_tree, make_sibling_dir, remove_dead_siblings, sibling_path
+from ..fsutil import write_once
 
 MARKER = ".complete"
 """File inside a finished dataset: JSON of the parameters it was written with."""
@@ -187,7 +186,8 @@ def _write_tree(tmp: Path, params: dict, progress: bool) -> None:
 
 
 def write_point_clouds(root: str | os.PathLike, n_records: int = 256, seed: int = 0, min_points: int = 384,
-                       max_points: int = 768, noise: float = 0.02, progress: bool = True) -> Path:
+                       max_points: int = 768, noise: float = 0.02, progress: bool = True,
+                       wait_s: float | None = None) -> Path:
     """Write the point-cloud record dataset at ``root`` unless a complete one with these parameters is there.
 
     ``n_records`` groups ``r00000``, ``r00001``... each hold ``clean`` and ``noisy``
@@ -196,54 +196,24 @@ def write_point_clouds(root: str | os.PathLike, n_records: int = 256, seed: int 
     hidden sibling of ``root``, flushed and renamed into place, so a crash never
     leaves a half dataset at ``root``. A dataset written with other parameters, or an
     unfinished one this module started, is replaced; anything else at ``root`` is
-    refused (:class:`~stoker.errors.InvalidArgument`), never deleted.
+    refused (:class:`~stoker.errors.InvalidArgument`), never deleted. Safe to call from
+    many processes at once, on any node sharing the folder: one writes, the others wait
+    for it (at most ``wait_s``, see :func:`~stoker.fsutil.claim`) and reuse its dataset.
     """
     if not isinstance(root, (str, os.PathLike)):
         raise InvalidArgument(f"root must be a path, got {type(root).__name__}", argument="root")
     params = _check_params(n_records, seed, min_points, max_points, noise)
     root = Path(os.path.abspath(os.fspath(root)))
-    done = _read_marker(root)
-    if done is not None and done.get("version") == VERSION and done.get("params") == params:
-        return root
-    if root.exists() and not _is_ours(root):
+
+    def is_complete(path: Path) -> bool:
+        done = _read_marker(path)
+        return done is not None and done.get("version") == VERSION and done.get("params") == params
+
+    if not is_complete(root) and root.exists() and not _is_ours(root):
         raise InvalidArgument(f"{root} exists and is not a point-cloud dataset written by stoker; pick another "
                               "root (nothing there was changed)", argument="root", uri=str(root))
-    root.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_siblings(root)
-    tmp = make_sibling_dir(root)  # a new empty directory: nothing planted there is written into
-    try:
-        _write_tree(tmp, params, progress)
-        fsync_tree(tmp)
-        _place(tmp, root, params)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    write_once(root, lambda tmp: _write_tree(tmp, params, progress), is_complete=is_complete, wait_s=wait_s)
     return root
-
-
-def _place(tmp: Path, root: Path, params: dict) -> None:
-    """Rename the finished ``tmp`` to ``root``, moving an outdated or unfinished dataset aside first."""
-    done = _read_marker(root)
-    if done is not None and done.get("params") == params:
-        return  # another process (another rank, say) finished the same dataset first: keep theirs
-    old = None
-    if root.exists():
-        # os.replace cannot overwrite a non-empty directory: move the old one aside, then delete it.
-        old = sibling_path(root, "old")
-        try:
-            os.replace(root, old)
-        except FileNotFoundError:
-            old = None  # another process moved it meanwhile
-    try:
-        os.replace(tmp, root)
-    except OSError:
-        # Another process (another rank, say) put its dataset in first: fine if it is the same one.
-        done = _read_marker(root)
-        if done is None or done.get("params") != params:
-            raise
-    fsync_dir(root.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def ensure_knn(root: str | os.PathLike, k: int = 16) -> str:

@@ -11,14 +11,15 @@ exercises the sharded read path with modest read amplification for its crops.
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import InvalidArgument
+from ..fsutil import write_once
 
 __all__ = [
     "CROP", "Denoiser3D", "VOLUME_SHAPE", "cache_dir", "default_volume_path", "denoise_loss", "ensure_volume",
@@ -45,28 +46,39 @@ def default_volume_path() -> Path:
 
 
 def ensure_volume(path: str | os.PathLike, shape: tuple[int, int, int] = VOLUME_SHAPE, seed: int = 0,
-                  progress: bool = True) -> Path:
-    """Create the demo volume at ``path`` unless a complete one is there; returns the path.
+                  progress: bool = True, wait_s: float | None = None) -> Path:
+    """Create the demo volume at ``path`` unless a complete one with this shape and seed is there; returns the path.
 
-    Written under a temporary name and renamed into place, then marked complete, so
-    an interrupted run leaves nothing that a later run mistakes for the dataset.
+    Safe to call from any number of processes at once, on any node sharing the folder
+    (:func:`~stoker.fsutil.write_once`): one writes, the others wait for it (at most
+    ``wait_s``, see :func:`~stoker.fsutil.claim`) and reuse its volume. The volume is
+    written under a temporary name with its marker (the shape and seed) last, then renamed
+    into place, so whatever sits at ``path`` with a matching marker is complete; anything
+    else there (an older or interrupted volume) is replaced.
     """
+    path = Path(path)
+    if len(shape) != 3 or any(s % c for s, c in zip(shape, SHARD)):
+        raise InvalidArgument(f"shape must be 3 extents, multiples of the shard shape {SHARD}, got {shape}")
+    marker = {"format": "stoker-demo-volume", "shape": [int(s) for s in shape], "seed": int(seed)}
+
+    def is_complete(root: Path) -> bool:
+        try:
+            return json.loads((root / _MARKER).read_text()) == marker
+        except (OSError, ValueError):
+            return False
+
+    write_once(path, lambda tmp: _write_volume(tmp, shape, seed, progress, marker), is_complete=is_complete,
+               wait_s=wait_s)
+    return path
+
+
+def _write_volume(root: Path, shape: tuple[int, int, int], seed: int, progress: bool, marker: dict) -> None:
     import zarr
     from tqdm import tqdm
     from zarr.codecs import BloscCodec
 
-    path = Path(path)
-    if len(shape) != 3 or any(s % c for s, c in zip(shape, SHARD)):
-        raise InvalidArgument(f"shape must be 3 extents, multiples of the shard shape {SHARD}, got {shape}")
-    if (path / _MARKER).exists():
-        return path
-    if path.exists():
-        shutil.rmtree(path)  # a leftover of an interrupted run: not trusted
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     z = zarr.create_array(
-        str(tmp), shape=shape, shards=SHARD, chunks=INNER_CHUNK, dtype="uint16",
+        str(root), shape=shape, shards=SHARD, chunks=INNER_CHUNK, dtype="uint16",
         compressors=BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"),
     )
     rng = np.random.default_rng(seed)
@@ -76,9 +88,7 @@ def ensure_volume(path: str | os.PathLike, shape: tuple[int, int, int] = VOLUME_
         base = MEAN + SCALE * np.sin(xx / 37.0 + zz / 11.0) * np.cos(yy / 23.0 - zz / 29.0)
         noise = rng.normal(0, 40, size=base.shape).astype(np.float32)
         z[z0: z0 + SHARD[0]] = np.clip(base + noise, 0, 65535).astype(np.uint16)
-    os.replace(tmp, path)
-    (path / _MARKER).touch()
-    return path
+    (root / _MARKER).write_text(json.dumps(marker))  # last: it says the volume is complete
 
 
 class Denoiser3D(torch.nn.Module):

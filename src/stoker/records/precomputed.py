@@ -25,8 +25,10 @@ one in), or the new one, plus a hidden leftover that a later run removes once
 its writer process is gone. A fingerprint written last was the alternative, but
 readers that do not know about it (``ZarrRecords``) would accept half an array.
 
-Two separate jobs must not precompute the same name into the same records at
-once (the ranks of one job never overlap). Consolidated group metadata, if a
+**Racing jobs.** Several jobs may precompute the same name into the same records at
+once: each record's array is written under a claim (:func:`stoker.fsutil.claim`), so it
+is computed and written once; a job skips the records another one is writing, does the
+rest, then waits for those and counts them as skipped. Consolidated group metadata, if a
 record has any, is not updated; ``ZarrRecords`` reads each array's own metadata.
 The module is ``precomputed`` so that ``stoker.records.precompute`` can be the function.
 """
@@ -47,7 +49,7 @@ import torch
 from ..distributed import _all_gather, _group_position
 from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
 from .dataset import Sample, ZarrRecords, rank_part
-from ..fsutil import fsync_dir, fsync_tree, make_sibling_dir, remove_dead_siblings, sibling_path
+from ..fsutil import claim, fsync_tree, make_sibling_dir, place_dir, remove_dead_siblings, try_claim
 from ..storage import read_regular
 
 ATTR = "stoker_precompute"
@@ -160,24 +162,6 @@ def _write_temp(tmp: str, data: np.ndarray, fmt: int, attrs: dict) -> None:
     zarr.create_array(store=tmp, data=data, zarr_format=fmt, attributes=attrs)
 
 
-def _place(tmp: str, final: str) -> None:
-    """Rename the finished temporary array to ``final``, moving an outdated one aside first.
-
-    ``os.replace`` cannot replace a non-empty directory, so an old array is renamed
-    to a hidden name, the new one renamed in, and the old one deleted: a crash in
-    between leaves no array at ``final`` (recomputed next time), never a mix.
-    """
-    parent = os.path.dirname(final)
-    old = None
-    if os.path.lexists(final):
-        old = str(sibling_path(final, "old"))
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def write_array(record: str, name: str, data: np.ndarray, attrs: dict) -> str:
     """Store ``data`` as array ``name`` of the record group at ``record``, atomically; returns its path."""
     final = os.path.join(record, name)
@@ -191,7 +175,8 @@ def write_array(record: str, name: str, data: np.ndarray, attrs: dict) -> str:
         if _attributes(tmp) != attrs:  # never rename in what is not the complete array just written
             raise StorageError(f"the temporary array {tmp} changed while it was written (removed by another "
                                "process?); nothing was put in place", uri=tmp)
-        _place(tmp, final)
+        # The array there is replaced; the same one that another process puts there meanwhile is kept.
+        place_dir(tmp, final, lambda path: _attributes(str(path)) == attrs, replace=True)
     except OSError as exc:
         raise StorageError(f"could not write {final}: {exc}", uri=final) from exc
     finally:
@@ -228,21 +213,47 @@ def _check_args(ds: Any, name: Any, fn: Any, params: Any) -> str:
         raise InvalidArgument(f"params must be JSON data (numbers, strings, lists, dicts): {exc}") from None
 
 
+def _store(local: ZarrRecords, i: int, name: str, fn: Callable[[Sample], Any], fp: str, attrs: dict,
+           wait: bool) -> bool | None:
+    """Store record ``i``'s array under its claim: True when written here, False when it was there (or another
+    process wrote it while this one waited), None (``wait=False``) when another process is writing it now."""
+    info = local.metadata(i)
+    final = os.path.join(info.path, name)
+    remove_dead_siblings(final)
+
+    def done() -> bool:
+        return stored_fingerprint(info.path, name) == fp
+
+    if done():
+        return False
+    _check_replaceable(info.path, info.name, name)
+    held = claim(final, until=done) if wait else try_claim(final)
+    if held is None:
+        return False if wait else None
+    with held:
+        if not wait and done():  # finished by another process between the look above and the claim
+            return False
+        write_array(info.path, name, _as_numpy(fn(local[i]), info.name, name), attrs)
+    return True
+
+
 def _run_local(local: ZarrRecords, name: str, fn: Callable[[Sample], Any], params: Any, fp: str
                ) -> tuple[int, int, BaseException | None]:
     written = skipped = 0
     attrs = {ATTR: {"fingerprint": fp, "params": json.loads(_canonical(params)), "version": VERSION}}
     try:
+        # Records another process (another job) is computing right now are left for last: racing jobs
+        # share the work instead of queueing behind each other record by record.
+        later = []
         for i in range(len(local)):
-            info = local.metadata(i)
-            remove_dead_siblings(os.path.join(info.path, name))
-            if stored_fingerprint(info.path, name) == fp:
-                skipped += 1
-                continue
-            _check_replaceable(info.path, info.name, name)
-            data = _as_numpy(fn(local[i]), info.name, name)
-            write_array(info.path, name, data, attrs)
-            written += 1
+            got = _store(local, i, name, fn, fp, attrs, wait=False)
+            if got is None:
+                later.append(i)
+            else:
+                written, skipped = written + got, skipped + (not got)
+        for i in later:
+            got = _store(local, i, name, fn, fp, attrs, wait=True)
+            written, skipped = written + got, skipped + (not got)
     except Exception as exc:  # reported to every rank below, raised here
         return written, skipped, exc
     return written, skipped, None

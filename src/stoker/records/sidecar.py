@@ -8,7 +8,10 @@ non-finite policy. It cannot see data rewritten in place with the same shapes
 the same name: delete the file (or pass ``cache=False``) then.
 
 Writes are atomic (a fresh temporary file in the same directory, then ``os.replace``),
-so a reader sees the old file or the new one, never half of one::
+so a reader sees the old file or the new one, never half of one. A write reads, changes
+and replaces the file under its claim (:func:`stoker.fsutil.claim`), so processes adding
+entries of different fingerprints at once keep each other's; :func:`claim_computation`
+lets one of several jobs compute an entry while the others wait for it::
 
     >>> fp = fingerprint(ds, ["positions"], per_channel=True, derived=["edge"])
     >>> entry = load(ds.root, fp)            # None when absent, unreadable or stale
@@ -24,7 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..fsutil import replace_atomically
+from ..fsutil import Claim, claim, replace_atomically
 from ..storage import read_regular
 
 FILENAME = ".stoker-stats.json"
@@ -82,21 +85,28 @@ def load(root: str, fp: str) -> dict | None:
     return entry if isinstance(entry, dict) else None
 
 
+def claim_computation(root: str, fp: str) -> Claim | None:
+    """Claim computing the entry ``fp`` of ``root``: the claim, or None once another process wrote the entry
+    (this waits for it; see :func:`stoker.fsutil.claim`). ``OSError`` where ``root`` cannot be written."""
+    return claim(Path(path_for(root) + f".{fp[:16]}"), until=lambda: load(root, fp) is not None)
+
+
 def write(root: str, fp: str, entry: dict) -> str:
     """Add (or replace) the entry for ``fp``, atomically; returns the file's path.
 
     Other entries are kept (up to :data:`MAX_ENTRIES`), so switching between two
     field lists does not recompute each time.
     """
-    doc = _read_doc(root)
-    if doc is None or doc.get("version") != VERSION:
-        doc = {"format": FORMAT, "version": VERSION, "entries": {}}
-    entries = doc["entries"]
-    entries.pop(fp, None)
-    entries[fp] = entry  # newest last
-    while len(entries) > MAX_ENTRIES:
-        entries.pop(next(iter(entries)))
     target = path_for(root)
-    # Python's float repr round-trips float64 exactly, so loaded stats equal computed ones.
-    replace_atomically(Path(target), lambda f: f.write(json.dumps(doc, indent=1).encode()))
+    with claim(Path(target)):  # read, change, replace: no other writer's entry is lost in between
+        doc = _read_doc(root)
+        if doc is None or doc.get("version") != VERSION:
+            doc = {"format": FORMAT, "version": VERSION, "entries": {}}
+        entries = doc["entries"]
+        entries.pop(fp, None)
+        entries[fp] = entry  # newest last
+        while len(entries) > MAX_ENTRIES:
+            entries.pop(next(iter(entries)))
+        # Python's float repr round-trips float64 exactly, so loaded stats equal computed ones.
+        replace_atomically(Path(target), lambda f: f.write(json.dumps(doc, indent=1).encode()))
     return target

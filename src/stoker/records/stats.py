@@ -25,8 +25,11 @@ collective that carries their moments) and nothing is written.
 ``FieldStats.skipped`` (and the sidecar).
 
 The result is written once, by rank 0, to ``root/.stoker-stats.json`` (see
-:mod:`stoker.records.sidecar`) and reused by every rank while the fingerprint
-matches; the other ranks wait on a barrier until the file is in place.
+:mod:`stoker.records.sidecar`) and reused while the fingerprint matches: rank 0
+reads the entry and shares it with every rank, or computes it with them under a
+claim, so another job computing the same statistics at the same moment waits for
+this one's entry instead of computing it again; the other ranks wait on a barrier
+until the file is in place.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..distributed import _all_gather, _barrier, _group_position, rank_info
-from ..errors import InvalidArgument, NonFiniteData, StokerError
+from ..distributed import _all_gather, _barrier, _broadcast_object, _group_position, rank_info
+from ..errors import ClaimTimeout, InvalidArgument, NonFiniteData, StokerError
 from . import sidecar
 from .dataset import Sample, ZarrRecords, rank_part
 from .moments import F64, Moments
@@ -361,19 +364,61 @@ def compute_stats(
     local = rank_part(ds, rank, world)
     fp = sidecar.fingerprint(ds, names, per_channel, list(derived), nonfinite)
 
-    loaded = None
-    if cache:
-        entry = sidecar.load(ds.root, fp)
-        loaded = _from_entry(entry, expect, list(derived)) if entry is not None else None
-    # Agree before anyone returns early: a rank that alone saw the file would leave the others
-    # waiting in the next collective. The fingerprint rides along to catch ranks seeing other data.
-    header = torch.tensor([1 if loaded is not None else 0, int(fp[:14], 16)], dtype=torch.int64)
-    headers = _all_gather(header, group)
-    if len({int(h[1]) for h in headers}) > 1:
+    lead = rank_info(group).rank == 0  # writes the file: rank 0 of the group, or RANK 0 without one
+    # Ranks seeing other data must fail here, together, before any of them waits for a claim.
+    headers = _all_gather(torch.tensor([int(fp[:14], 16)], dtype=torch.int64), group)
+    if len({int(h[0]) for h in headers}) > 1:
         raise InvalidArgument(f"ranks see different datasets under {ds.root} (their fingerprints differ)")
-    if loaded is not None and all(int(h[0]) for h in headers):
-        return loaded
+    held, entry = _cached_entry(ds.root, fp, lead, world, group) if cache else (None, None)
+    try:
+        loaded = _from_entry(entry, expect, list(derived)) if entry is not None else None
+        if loaded is not None:  # every rank holds rank 0's entry: all return here, or none
+            return loaded
+        return _compute(ds, local, names, derived, per_channel, skip, expect, group, world, fp, nonfinite,
+                        cache, lead)
+    finally:
+        if held is not None:
+            held.release()
 
+
+def _cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tuple[Any, dict | None]:
+    """``(claim, entry)``: the sidecar's entry ``fp`` as the lead process finds it, shared with every rank.
+
+    When the entry is missing, the lead claims computing it: another job computing the same statistics
+    holds the claim until its entry is written, and this job then reuses that entry instead of computing
+    it again. Where the folder cannot be written there is no claim, and the statistics are computed.
+    """
+    held, entry, error = None, None, None
+    if lead:
+        try:
+            entry = sidecar.load(root, fp)
+            if entry is None:
+                held = sidecar.claim_computation(root, fp)
+                if held is None:
+                    entry = sidecar.load(root, fp)
+        except ClaimTimeout as exc:
+            error = exc
+        except OSError:
+            pass  # read-only data is common: compute without a claim (the write then warns)
+        except Exception as exc:  # noqa: BLE001 - shared below, so no rank waits for an answer never sent
+            error = exc
+    elif world == 1:
+        return None, sidecar.load(root, fp)
+    if world > 1:
+        entry, message = _broadcast_object((entry, None if error is None else f"{type(error).__name__}: {error}"),
+                                           group)
+        if message is not None and error is None:
+            raise StokerError(f"rank 0 could not read the statistics of {root}: {message}", elsewhere=True)
+    if error is not None:
+        raise error
+    return held, entry
+
+
+def _compute(ds: ZarrRecords, local: ZarrRecords, names: list[str], derived: Mapping[str, Derived],
+             per_channel: bool, skip: bool, expect: dict, group: Any, world: int, fp: str, nonfinite: str,
+             cache: bool, lead: bool) -> dict[str, FieldStats]:
+    """Both passes; with ``cache``, the ``lead`` process writes the sidecar entry and the ranks meet at a
+    barrier once it is in place."""
     # Pass 1: the stored fields.
     acc, error, found = _plain_pass(local, names, per_channel, skip)
     plain_m = _merge_ranks(acc, names, expect, error, found, group, ds, "field")
@@ -389,7 +434,7 @@ def compute_stats(
         result.update({name: FieldStats.from_moments(derived_m[name]) for name in derived})
 
     if cache:
-        if rank_info(group).rank == 0:  # also without a group: only RANK 0 of a torchrun job writes
+        if lead:
             entry = {
                 "fields": names,
                 "derived": sorted(derived),
@@ -403,7 +448,7 @@ def compute_stats(
             try:
                 sidecar.write(ds.root, fp, entry)
             except OSError as exc:  # read-only data is common: the statistics are still right
-                warnings.warn(f"could not write {sidecar.path_for(ds.root)}: {exc}", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"could not write {sidecar.path_for(ds.root)}: {exc}", RuntimeWarning, stacklevel=3)
         _barrier(group)  # the file is in place (or known unwritable) before anyone goes on
     return result
 

@@ -11,7 +11,10 @@ A checkpoint is written to a fresh temporary name in the same directory (see
 (a rename within a directory is atomic), and the directory is fsynced. Only files
 with final names count, so a run killed mid-write leaves at worst a temporary
 file, which the next ``cleanup()`` removes. After a successful save, the oldest
-checkpoints beyond ``keep`` are deleted.
+checkpoints beyond ``keep`` are deleted. A step's checkpoint is written once: processes
+saving the same step into one directory at the same moment (two jobs, two nodes) take
+turns through a claim (:func:`stoker.fsutil.write_file_once`), and an intact file of the
+step is kept rather than written again.
 
 The file is a fixed header (magic, payload length, SHA-256 of the payload) then the
 ``torch.save`` payload. Loading checks the length and the hash *before* unpickling,
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import re
 import struct
 import warnings
@@ -39,7 +43,7 @@ import torch
 
 from ..checks import integer
 from ..errors import CheckpointError
-from ..fsutil import remove_dead_temp_files, replace_atomically
+from ..fsutil import remove_dead_temp_files, write_file_once
 from ..storage import open_regular
 
 __all__ = ["Checkpoints", "FORMAT", "VERSION"]
@@ -89,22 +93,41 @@ def _read(path: Path) -> tuple[Any, int]:
         if head.startswith(_ZIP):
             f.seek(0)
             return torch.load(f, map_location="cpu", weights_only=False), 1
-        if len(head) < _HEADER.size or not head.startswith(_MAGIC):
-            raise CheckpointError(f"{path} is not a stoker checkpoint", path=str(path))
-        _, length, digest = _HEADER.unpack(head)
-        actual = os.fstat(f.fileno()).st_size - _HEADER.size
-        if actual != length:
-            raise CheckpointError(f"checkpoint {path} is damaged: {actual} bytes of payload, its header says "
-                                  f"{length} (truncated or appended to)", path=str(path))
-        sha = hashlib.sha256()
-        for block in iter(lambda: f.read(1 << 20), b""):
-            sha.update(block)
-        if sha.digest() != digest:
-            raise CheckpointError(f"checkpoint {path} is damaged: its content does not match its SHA-256",
-                                  path=str(path))
+        _check_payload(f, head, path)
         f.seek(_HEADER.size)  # torch reads the zip relative to where the file stands
         # Our own files hold RNG states and optimizer internals, which need full unpickling.
         return torch.load(f, map_location="cpu", weights_only=False), VERSION
+
+
+def _intact(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint file of this version whose payload matches its hash (nothing unpickled)."""
+    try:
+        # Not through a symlink at the step's name: whatever it points to, it is replaced, never kept;
+        # and non-blocking: a FIFO planted there is not a checkpoint, and must not stall the writer.
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return False
+            _check_payload(f, f.read(_HEADER.size), path)
+    except OSError:  # CheckpointError included
+        return False
+    return True
+
+
+def _check_payload(f: BinaryIO, head: bytes, path: Path) -> None:
+    """CheckpointError unless ``head`` is our header and the rest of ``f`` has its length and SHA-256."""
+    if len(head) < _HEADER.size or not head.startswith(_MAGIC):
+        raise CheckpointError(f"{path} is not a stoker checkpoint", path=str(path))
+    _, length, digest = _HEADER.unpack(head)
+    actual = os.fstat(f.fileno()).st_size - _HEADER.size
+    if actual != length:
+        raise CheckpointError(f"checkpoint {path} is damaged: {actual} bytes of payload, its header says "
+                              f"{length} (truncated or appended to)", path=str(path))
+    sha = hashlib.sha256()
+    for block in iter(lambda: f.read(1 << 20), b""):
+        sha.update(block)
+    if sha.digest() != digest:
+        raise CheckpointError(f"checkpoint {path} is damaged: its content does not match its SHA-256",
+                              path=str(path))
 
 
 def _type_names(t: Any) -> str:
@@ -183,13 +206,18 @@ class Checkpoints:
         return remove_dead_temp_files(self.directory)
 
     def save(self, state: dict[str, Any], step: int) -> Path:
-        """Write ``state`` as the checkpoint of ``step`` (atomically), then drop the oldest beyond ``keep``."""
+        """Write ``state`` as the checkpoint of ``step`` (atomically), then drop the oldest beyond ``keep``.
+
+        A checkpoint of ``step`` is written once: where an intact one is there already, or another process
+        sharing the directory (a second job, a node that also thinks it is rank 0) writes it at the same
+        moment, that one is kept and ``state`` is not written (see :func:`stoker.fsutil.write_file_once`).
+        """
         step = integer("step", step, 0)
         final = self.path_for(step)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            replace_atomically(final, lambda f: _dump({"format": FORMAT, "version": VERSION, "step": step,
-                                                       **state}, f))
+            write_file_once(final, lambda f: _dump({"format": FORMAT, "version": VERSION, "step": step, **state}, f),
+                            is_complete=_intact)
         except Exception as exc:  # noqa: BLE001 - a full disk surfaces from torch.save as RuntimeError
             raise CheckpointError(f"cannot write checkpoint {final}: {type(exc).__name__}: {exc}",
                                   path=str(final)) from exc
