@@ -102,8 +102,9 @@ def main() -> None:
 
         data = args.data
         if data is None:
-            # One writer per node (the cache is on local disk; on one node that is rank 0),
-            # everyone else waits at the barrier until the volume is complete.
+            # Local rank 0 of every node makes sure the volume is there: on node-local disks each
+            # writes its own; on a shared file system one writes and the others wait for it and
+            # reuse it (ensure_volume is write-once). Everyone else waits at the barrier.
             if local_rank == 0:
                 ensure_volume(default_volume_path())
             dist.barrier()
