@@ -199,12 +199,13 @@ def make_case(name: str, root) -> str:
         "gzip": (numcodecs.GZip(level=1), None),
         "zlib": (numcodecs.Zlib(level=1), None),
         "zlib-with-filter": (numcodecs.Zlib(level=1), [numcodecs.Delta(dtype="<u2", astype="<u4")]),
+        "zstd-as-filter": (None, [numcodecs.Zstd(level=1)]),  # any numcodecs codec may be a v2 filter
         "bz2": (numcodecs.BZ2(level=1), None),
         "lzma": (numcodecs.LZMA(preset=0), None),
     }[name]
     uri = _v2(path, codec, filters)
     with open(os.path.join(uri, "0.0"), "wb") as f:
-        f.write(bomb(name.split("-with-")[0]))
+        f.write(bomb(name.split("-with-")[0].split("-as-")[0]))
     return uri
 
 
@@ -263,7 +264,7 @@ def run_child(how: str, uri: str, native: bool = True) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-BOMBS = ["zstd", "zstd-unsized", "lz4", "blosc", "gzip", "zlib", "zlib-with-filter", "bz2", "lzma",
+BOMBS = ["zstd", "zstd-unsized", "lz4", "blosc", "gzip", "zlib", "zlib-with-filter", "zstd-as-filter", "bz2", "lzma",
          "sharded-zstd"]
 
 # (case, how): every read that decoded a bomb whole or read a file whole before the decoders were bounded,

@@ -81,6 +81,7 @@ class ChunkCodec:
     compressors: tuple[Codec, ...] = ()
     plain: bool = field(init=False, repr=False, compare=False)  # decoded bytes are the chunk in C order, native
     _decompress: tuple = field(init=False, repr=False, compare=False)  # (decode, bound, codec id), decode order
+    _unfilter: tuple = field(init=False, repr=False, compare=False)  # the filters' stages, likewise
     nbytes: int = field(init=False, repr=False, compare=False)  # decoded size of one chunk in bytes
     # the most bytes these codecs can store for one chunk (generous): a larger chunk file or inner chunk
     # is not a chunk of this array and is refused before it is read
@@ -98,11 +99,15 @@ class ChunkCodec:
         # What the last compressor (in decode order) may produce: the chunk's bytes exactly, or, with v2
         # filters (which may change the size: AsType, FixedScaleOffset or Delta to another dtype), a bound
         # from the element count. Each earlier stage may produce at most what the next one can store.
-        bound = self.nbytes if not self.filters else (
-            n * max(16, self.stored_dtype.itemsize) + bounded.OVERHEAD_SLACK)
+        filtered = n * max(16, self.stored_dtype.itemsize) + bounded.OVERHEAD_SLACK
+        bound = self.nbytes if not self.filters else filtered
         stages, stored = decode_stages(self.compressors, bound)
         object.__setattr__(self, "_decompress", stages)
         object.__setattr__(self, "max_stored_nbytes", stored)
+        # A filter may be any numcodecs codec, a compressor too: each one's output has the same bound, and a
+        # compressor among them decodes through its bounded decoder like the compressors do.
+        object.__setattr__(self, "_unfilter", tuple((bounded.decoder(c, filtered) or c.decode, filtered, c.codec_id)
+                                                    for c in reversed(self.filters)))
 
     @property
     def partial(self) -> bool:
@@ -181,9 +186,7 @@ class ChunkCodec:
     def decode(self, encoded: Any, key: str = "?") -> np.ndarray:
         """Decode into a new chunk-shaped array (maybe strided, maybe in the stored byte order)."""
         try:
-            data = run_stages(self._decompress, encoded)
-            for codec in reversed(self.filters):
-                data = codec.decode(data)
+            data = run_stages(self._unfilter, run_stages(self._decompress, encoded))
             # compressors return bytes: frombuffer is a view, and cheaper than numcodecs' ensure_ndarray
             flat = (data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)).reshape(-1).view(np.uint8)
         except StokerError:
