@@ -209,6 +209,20 @@ def test_a_compressed_shard_is_bounded_like_any_chunk(tmp_path):
         arr.read([(0, 16), (16, 32)])
 
 
+def test_a_compressed_shard_of_many_small_incompressible_chunks_reads_within_a_tight_bound(tmp_path):
+    """512 inner chunks of 512 random bytes, each bz2-compressed (bzip2 grows such input the most): the
+    shard reads, and its decode bound stays a small multiple of the shard (64 KiB of room per inner chunk
+    made it 130x)."""
+    path = str(tmp_path / "a.zarr")
+    codec = ShardingCodec(chunk_shape=(8, 8, 8), codecs=[BytesCodec(), zn.BZ2(level=9)])
+    z = zarr.create_array(path, shape=(64, 64, 64), chunks=(64, 64, 64), shards=None, serializer=codec,
+                          dtype="uint8")
+    z[...] = np.random.default_rng(5).integers(0, 256, size=z.shape, dtype=np.uint8)
+    arr = stoker.open_array(path)
+    np.testing.assert_array_equal(arr.read([(0, 64)] * 3), _zarr(path))
+    assert arr.metadata.codec.max_stored_nbytes < 4 * arr.metadata.codec.nbytes + (256 << 10)
+
+
 def test_nested_sharding_through_a_compressed_shard_is_refused(tmp_path):
     path = str(tmp_path / "a.zarr")
     inner = ShardingCodec(chunk_shape=(4, 4))

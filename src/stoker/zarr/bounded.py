@@ -54,13 +54,14 @@ class TooLarge(ValueError):
         self.codec_id, self.bound, self.claimed = codec_id, bound, claimed
 
 
-def encoded_bound(codec: Codec, nbytes: int) -> int:
-    """The most bytes ``codec`` can store for an input of ``nbytes``: generous, never tight."""
+def encoded_bound(codec: Codec, nbytes: int, slack: int = OVERHEAD_SLACK) -> int:
+    """The most bytes ``codec`` can store for an input of ``nbytes``: generous, never tight. ``slack`` is
+    the room added on top of the proportional share (headers, block tables, a tiny input's expansion)."""
     if codec.codec_id in _CHECKSUMS:
         return nbytes + 4
     if decoder(codec, 0) is not None:  # a compressor this module knows
-        return nbytes + nbytes // _OVERHEAD_SHARE + OVERHEAD_SLACK
-    return 2 * nbytes + OVERHEAD_SLACK  # any other bytes codec (base64 grows by a third)
+        return nbytes + nbytes // _OVERHEAD_SHARE + slack
+    return 2 * nbytes + slack  # any other bytes codec (base64 grows by a third)
 
 
 def decoder(codec: Codec, bound: int) -> Callable[[Any], Any] | None:

@@ -42,14 +42,16 @@ def inverse_permutation(order: Sequence[int]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-def decode_stages(compressors: Sequence[Codec], bound: int) -> tuple[tuple, int]:
+def decode_stages(compressors: Sequence[Codec], bound: int,
+                  slack: int = bounded.OVERHEAD_SLACK) -> tuple[tuple, int]:
     """The bounded decoders of bytes-to-bytes ``compressors`` (encode order) whose decoded output is at
     most ``bound`` bytes: ``((decode, bound, codec id), ...)`` in decode order, and the most bytes their
-    stored form can take. Each stage may produce at most what the next one (in decode order) can store."""
+    stored form can take (``slack``: see ``bounded.encoded_bound``). Each stage may produce at most what
+    the next one (in decode order) can store."""
     stages = []
     for c in compressors:
         stages.append((bounded.decoder(c, bound) or c.decode, bound, c.codec_id))
-        bound = bounded.encoded_bound(c, bound)
+        bound = bounded.encoded_bound(c, bound, slack)
     return tuple(reversed(stages)), bound
 
 
@@ -82,6 +84,7 @@ class ChunkCodec:
     plain: bool = field(init=False, repr=False, compare=False)  # decoded bytes are the chunk in C order, native
     _decompress: tuple = field(init=False, repr=False, compare=False)  # (decode, bound, codec id), decode order
     _unfilter: tuple = field(init=False, repr=False, compare=False)  # the filters' stages, likewise
+    _output_bound: int = field(init=False, repr=False, compare=False)  # what the compressors may produce
     nbytes: int = field(init=False, repr=False, compare=False)  # decoded size of one chunk in bytes
     # the most bytes these codecs can store for one chunk (generous): a larger chunk file or inner chunk
     # is not a chunk of this array and is refused before it is read
@@ -101,6 +104,7 @@ class ChunkCodec:
         # from the element count. Each earlier stage may produce at most what the next one can store.
         filtered = n * max(16, self.stored_dtype.itemsize) + bounded.OVERHEAD_SLACK
         bound = self.nbytes if not self.filters else filtered
+        object.__setattr__(self, "_output_bound", bound)
         stages, stored = decode_stages(self.compressors, bound)
         object.__setattr__(self, "_decompress", stages)
         object.__setattr__(self, "max_stored_nbytes", stored)
@@ -108,6 +112,11 @@ class ChunkCodec:
         # compressor among them decodes through its bounded decoder like the compressors do.
         object.__setattr__(self, "_unfilter", tuple((bounded.decoder(c, filtered) or c.decode, filtered, c.codec_id)
                                                     for c in reversed(self.filters)))
+
+    def stored_bound(self, slack: int) -> int:
+        """:attr:`max_stored_nbytes` with ``slack`` in place of the default room per compressor: many small
+        chunks stored together (a compressed shard) need their share, not 64 KiB each."""
+        return decode_stages(self.compressors, self._output_bound, slack)[1]
 
     @property
     def partial(self) -> bool:
