@@ -673,3 +673,18 @@ def test_reading_a_box_too_large_to_allocate_is_a_typed_error(tmp_path):
     zarr.create_array(uri, shape=(2**40, 2**40), chunks=(1024, 1024), dtype="uint8")  # metadata only
     with pytest.raises(stoker.InvalidArgument, match="smaller boxes"):
         stoker.open_array(uri).read([(0, 2**40), (0, 2**40)])
+
+
+def test_a_slow_source_is_named_as_the_cause_of_a_timeout(volume):
+    uri, data = volume
+    samples = _random_samples(uri, data.shape, (8, 8, 8), 3)
+
+    def slow():
+        yield from samples[:1]
+        time.sleep(3)
+        yield from samples[1:]
+
+    with stoker.Pipeline(_cfg(batch_size=2, pop_timeout_s=0.5)) as p:
+        p.push(slow())
+        with pytest.raises(stoker.PoolStarved, match="1 of 2 pulled so far"):
+            p.pop()

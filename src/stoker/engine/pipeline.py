@@ -460,6 +460,10 @@ class Pipeline:
                 extra = (f" {staged} samples wait for a full batch of {self.cfg.batch_size}; push more or set "
                          "Config(drop_last=False).") if staged else ""
                 return f"no batch within pop_timeout_s={limit}: no samples are pending; push more.{extra}"
+            if not self._inflight and not self._launching:
+                return (f"no batch within pop_timeout_s={limit}: the pushed samples have not filled a batch yet "
+                        f"({len(self._staged)} of {self.cfg.batch_size} pulled so far); the pushed iterable "
+                        "yields samples slower than the timeout (make it faster, or raise pop_timeout_s)")
             return (f"no batch within pop_timeout_s={limit}: {len(self._inflight)} batches in flight; storage or "
                     "decoding is slower than the timeout (raise pop_timeout_s or check p.stats())")
 
