@@ -224,3 +224,27 @@ def test_daemon_pool_runs_tasks_drops_queued_ones_at_shutdown_and_stops_idle_thr
     assert ran == [] and not any(t.is_alive() for t in pool.threads)
     with pytest.raises(stoker.ShutdownError):
         pool.submit(ran.append, 0)
+
+
+def test_a_thread_the_system_refuses_leaves_the_pool_whole(monkeypatch):
+    """A failed thread start (no threads left) is the system's error, not 'closed', and leaves neither a
+    phantom thread nor an orphaned task behind: the next submit starts a thread and runs."""
+    import threading
+
+    from stoker.workers import DaemonPool
+
+    pool = DaemonPool(1, "stoker-test")
+    real = threading.Thread.start
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread") as info:
+        pool.submit(print, "never")
+    assert not isinstance(info.value, stoker.ShutdownError) and pool.threads == []
+    monkeypatch.setattr(threading.Thread, "start", real)
+    done = threading.Event()
+    pool.submit(done.set)
+    assert done.wait(10) and len(pool.threads) == 1
+    pool.shutdown()

@@ -69,7 +69,15 @@ class DaemonPool:
                 self._threads.append(thread)
             state.cv.notify()
         if start:
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError:  # the system gives no more threads ("can't start new thread")
+                with state.cv:
+                    self._threads.remove(thread)
+                    if self._threads:  # the running threads take the task in turn
+                        return
+                    state.tasks.remove((fn, args))
+                raise
 
     def shutdown(self) -> None:
         """Drop queued tasks and stop idle threads, without waiting; running tasks finish on their own."""

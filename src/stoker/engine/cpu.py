@@ -464,7 +464,7 @@ class CpuExecutor:
         for i, cid in enumerate(fr.chunk_ids):
             try:
                 self._compute.submit(self._guard_decode, job, plan.chunks[cid], pieces[cid], res)
-            except RuntimeError:  # the pool was shut down (close): account for every chunk not queued
+            except ShutdownError:  # the pool was shut down (close): account for every chunk not queued
                 for _ in fr.chunk_ids[i:]:
                     res.done()
                 job.finish(len(fr.chunk_ids) - i, ShutdownError("the pipeline was closed"))
@@ -496,7 +496,7 @@ class CpuExecutor:
     def _handoff(self, job: Job, fr: FileRead, retried: bool = False) -> None:
         try:
             self._io.submit(self._guard, job, len(fr.chunk_ids), self._read, job, fr, False, retried)
-        except RuntimeError:  # the pool was shut down (close)
+        except ShutdownError:  # the pool was shut down (close)
             raise Cancelled() from None
 
     def _read_chunk_file(self, f, view: memoryview, reader, task: ChunkTask) -> int:
