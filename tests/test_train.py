@@ -549,7 +549,10 @@ def test_a_launch_removes_the_folders_of_killed_launchers_only(tmp_path, monkeyp
         (victim / "precious").write_text("keep me")
         planted = tmpdir / f"stoker-launch-{HOST}-{killed.pid}-0badf00d"  # a dead owner's name, a symlink
         planted.symlink_to(victim, target_is_directory=True)
-        expected = [kept.name, planted.name]
+        elsewhere = tmpdir / f"stoker-launch-otherhost-{killed.pid}-0000cafe"  # a day old, on another machine
+        elsewhere.mkdir()
+        os.utime(elsewhere, (time.time() - 3 * 24 * 3600,) * 2)
+        expected = [kept.name, planted.name, elsewhere.name]
         if os.geteuid() == 0:  # only root can make a folder another user's
             theirs = tmpdir / f"stoker-launch-{HOST}-{killed.pid}-0000beef"
             theirs.mkdir()

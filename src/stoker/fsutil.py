@@ -142,15 +142,7 @@ def _gone(host: str, pid: int, path: str | os.PathLike) -> bool:
             return time.time() - os.lstat(path).st_mtime > STALE_AFTER_S
         except OSError:
             return False
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # no such process (a pid beyond pid_t cannot exist)
-        return True
-    except PermissionError:  # alive, someone else's
-        return False
-    return False
+    return pid != os.getpid() and _pid_gone(pid)
 
 
 def writer_gone(path: str | os.PathLike) -> bool:
@@ -218,9 +210,11 @@ def remove_dead_temp_files(directory: str | os.PathLike) -> list[Path]:
 
 def remove_dead_owned_dirs(parent: str | os.PathLike, prefix: str) -> list[Path]:
     """Remove the directories :func:`make_owned_dir` made in ``parent`` under ``prefix`` whose owner
-    process is gone; returns what was removed.
+    process on this machine is gone; returns what was removed.
 
-    Only real directories (not symlinks) owned by this user and named exactly so are touched.
+    Only real directories (not symlinks) owned by this user and named exactly so are touched, and only
+    this machine's: another machine's owner cannot be asked, and a folder's age says nothing of a live
+    job's (its files change, its directory entry does not), so those are left to their own machine.
     """
     pattern = re.compile(re.escape(prefix) + "-" + _OWNER)
     try:
@@ -239,7 +233,7 @@ def remove_dead_owned_dirs(parent: str | os.PathLike, prefix: str) -> list[Path]
             continue
         if not stat.S_ISDIR(st.st_mode) or (uid is not None and st.st_uid != uid):
             continue
-        if _gone(m["host"], int(m["pid"]), entry) and _remove_entry(entry):
+        if m["host"] == HOST and _gone(m["host"], int(m["pid"]), entry) and _remove_entry(entry):
             removed.append(entry)
     return removed
 
@@ -353,9 +347,10 @@ def _read_claim(path: Path) -> tuple[Claimant, os.stat_result] | None:
 
 
 def _pid_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this machine."""
     try:
         os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
+    except (ProcessLookupError, OverflowError):  # no such process (a pid beyond pid_t cannot exist)
         return True
     except PermissionError:  # alive, someone else's
         return False
