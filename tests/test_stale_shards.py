@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -212,3 +213,41 @@ def test_compiled_reader_reads_an_inner_chunk_only_from_the_file_its_index_descr
     for changed in ((ident[0], ident[1] + 1, *ident[2:]), (*ident[:2], ident[2] + 1, *ident[3:]),
                     (*ident[:3], ident[3] + 1, ident[4]), (*ident[:4], ident[4] + 1)):
         assert read(changed)[0] == native.CHANGED
+
+
+def test_a_shard_rewritten_in_place_during_a_read_is_not_read_at_old_offsets(tmp_path):
+    """The identity is checked after an inner chunk's read as well as before: a writer that rewrites the
+    shard in place between the check and the read (simulated inside the read) made stoker return bytes of
+    the new file at the old index's offsets, neither version's data."""
+    import numcodecs
+    from zarr.codecs import BytesCodec, ShardingCodec
+
+    from stoker.storage import LocalStore
+
+    root = str(tmp_path / "inplace.zarr")
+    z = zarr.create_array(root, shape=(8,), chunks=(8,), dtype="uint8",
+                          serializer=ShardingCodec(chunk_shape=(4,), codecs=[BytesCodec()]), compressors=None)
+    z[:] = np.arange(8, dtype=np.uint8)  # inner chunk 0 = 0..3 at [0, 4), chunk 1 = 4..7 at [4, 8)
+    shard = os.path.join(root, "c", "0")
+    raw = bytearray(open(shard, "rb").read())
+
+    class Racing(LocalStore):
+        armed = False
+
+        def _pread(self, fd, path, offset, length):
+            if self.armed and path == shard:  # new values, inner chunks in the other order, same size
+                self.armed = False
+                new = bytearray(raw)
+                new[0:4], new[4:8] = bytes([14, 15, 16, 17]), bytes([10, 11, 12, 13])
+                index = np.array([[4, 4], [0, 4]], "<u8").tobytes()  # chunk 0 now at 4, chunk 1 at 0
+                new[8:] = bytes(numcodecs.CRC32C(location="end").encode(index))
+                with open(shard, "r+b") as f:
+                    f.write(new)
+            return super()._pread(fd, path, offset, length)
+
+    store = Racing()
+    arr = stoker.open_array(root, store=store)
+    arr.shard_index("c/0")  # cached, as a running pipeline's plan has it
+    time.sleep(0.05)  # the rewrite lands on another tick of the file system's clock
+    store.armed = True
+    np.testing.assert_array_equal(arr.read([(0, 4)]), [10, 11, 12, 13])  # the new data, read anew

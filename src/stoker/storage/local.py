@@ -200,6 +200,12 @@ class LocalStore:
         if now != expected or self._identity(handle.fd, path) != expected:
             raise FileChanged(f"{path} changed since its index was read", path=path)
 
+    def _check_after(self, handle: _Handle, path: str, expected: Identity | None) -> None:
+        """FileChanged when the file was rewritten in place while it was read: the bytes may mix the old
+        file and the new one. (A replacement by rename leaves the open file as it was: nothing to check.)"""
+        if expected is not None and self._identity(handle.fd, path) != expected:
+            raise FileChanged(f"{path} changed while it was read", path=path)
+
     def _evict_locked(self) -> None:
         while len(self._handles) > self.max_open_files:
             path, handle = next(iter(self._handles.items()))
@@ -291,7 +297,9 @@ class LocalStore:
             if handle is None:
                 return None
             self._check(handle, path, expected)
-            return self._preadv_into(handle.fd, path, view, offset)
+            got = self._preadv_into(handle.fd, path, view, offset)
+            self._check_after(handle, path, expected)
+            return got
 
     def read_current(self, path: str, where: Callable[[int], tuple[int, int]],
                      attempts: int = 3) -> tuple[bytes, Identity] | None:
@@ -347,7 +355,9 @@ class LocalStore:
             if handle is None:
                 return None
             self._check(handle, path, expected)
-            return self._pread(handle.fd, path, offset, length)
+            data = self._pread(handle.fd, path, offset, length)
+            self._check_after(handle, path, expected)
+            return data
 
 
 class OpenFile:
