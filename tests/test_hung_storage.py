@@ -152,6 +152,25 @@ def test_fifo_as_statistics_sidecar_is_ignored_with_a_warning(tmp_path, fifo):
     assert stat.S_ISREG(os.lstat(path).st_mode)  # written anew as a regular file
 
 
+@pytest.mark.parametrize("content", ["huge", "deep"])
+def test_a_huge_or_deeply_nested_sidecar_is_ignored_with_a_warning(tmp_path, content):
+    """A statistics file larger than any stoker writes is refused unread, and JSON nested too deep for the
+    parser is unreadable like any other damage: both are warned about and replaced."""
+    root = _records(tmp_path / "d")
+    path = sidecar.path_for(root)
+    if content == "huge":
+        with open(path, "wb") as f:
+            f.truncate(1 << 30)  # sparse: no disk used
+        words = "more than the"
+    else:
+        with open(path, "w") as f:
+            f.write("[" * 100_000 + "]" * 100_000)
+        words = "unreadable statistics file"
+    with pytest.warns(RuntimeWarning, match=words):
+        stats = compute_stats(ZarrRecords(root), ["x"])
+    assert stats["x"].count.sum() > 0 and os.path.getsize(path) < 1 << 20
+
+
 def test_fifo_as_checkpoint(tmp_path, fifo):
     ckpts = Checkpoints(tmp_path)
     path = fifo(ckpts.path_for(5))

@@ -101,7 +101,7 @@ def _attributes(path: str) -> dict | None:
                 return None
             attrs = doc.get("attributes")
             return attrs if isinstance(attrs, dict) else {}
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     if not os.path.exists(os.path.join(path, ".zarray")):
         return None
@@ -111,7 +111,7 @@ def _attributes(path: str) -> dict | None:
             return {}
         doc = json.loads(raw)
         return doc if isinstance(doc, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 

@@ -68,7 +68,7 @@ def _read_doc(root: str) -> dict | None:
         if raw is None:
             return None
         doc = json.loads(raw)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         warnings.warn(f"ignoring unreadable statistics file {path_for(root)}: {exc}", RuntimeWarning, stacklevel=3)
         return None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), dict):

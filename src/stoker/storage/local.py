@@ -87,16 +87,25 @@ def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result] | None:
     return fd, st
 
 
-def read_regular(path: str | os.PathLike) -> bytes | None:
-    """The whole regular file at ``path`` (see :func:`open_regular`), or ``None`` when it does not exist.
+#: The largest document :func:`read_regular` reads: statistics sidecars and attributes are kilobytes.
+MAX_DOCUMENT_BYTES = 64 << 20
+
+
+def read_regular(path: str | os.PathLike, limit: int = MAX_DOCUMENT_BYTES) -> bytes | None:
+    """The whole regular file at ``path`` (see :func:`open_regular`), or ``None`` when it does not exist;
+    a :class:`StorageError` for a file larger than ``limit`` bytes, before any of it is read.
 
     For small documents read outside a store (a statistics sidecar, attributes).
     """
     opened = open_regular(path)
     if opened is None:
         return None
-    with os.fdopen(opened[0], "rb") as f:
-        return f.read()
+    fd, st = opened
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > limit:
+            raise StorageError(f"{path} is {st.st_size} bytes, more than the {limit} stoker reads as a document; "
+                               "it is not one of its documents (it was not read)", path=os.fspath(path))
+        return f.read(limit + 1)
 
 
 class FileChanged(DecodeError):
