@@ -84,3 +84,28 @@ def test_stall_timeout_is_checked_against_the_collective_timeout():
         st.launch(jobs.describe, nprocs=2, use_cuda=False, timeout_s=60, stall_timeout_s=60)
     with pytest.raises(InvalidArgument, match="stall_timeout_s"):
         st.launch(jobs.describe, nprocs=2, use_cuda=False, stall_timeout_s=-1)
+
+
+def test_a_rank_hung_in_a_local_micro_step_is_named_not_the_collective():
+    """With accumulation, the backward of a no_sync micro-step is local compute (marked forward): a rank
+    stuck there is behind a rank waiting in the last micro-step's all-reduce (it was 'every rank waits')."""
+    first = _beats((0, 7, "forward", 300, 1), (1, 7, "backward", 300, 1))
+    second = _beats((0, 7, "forward", 303, 4), (1, 7, "backward", 303, 4))
+    stall = diagnose(second[1], first, second, stall_s=5)
+    assert stall.ranks == (0,) and "rank 0 in forward of step 7" in stall.message
+
+
+def test_under_nccl_a_rank_waiting_at_a_host_sync_names_the_rank_behind():
+    """NCCL's collectives return at once; the waiting rank blocks at the next host sync (the loss, marked
+    sync; the fp16 scaler's step, in optimizer). Both are waiting phases."""
+    first = _beats((0, 3, "data", 300, 1), (1, 4, "sync", 300, 1))
+    second = _beats((0, 3, "data", 303, 4), (1, 4, "sync", 303, 4))
+    assert diagnose(second[1], first, second, stall_s=5).ranks == (0,)
+    first = _beats((0, 3, "data", 300, 1), (1, 3, "optimizer", 300, 1))
+    second = _beats((0, 3, "data", 303, 4), (1, 3, "optimizer", 303, 4))
+    assert diagnose(second[1], first, second, stall_s=5).ranks == (0,)
+
+
+def test_every_rank_slow_in_forward_is_not_a_hang():
+    both = _beats((0, 3, "forward", 900, 1), (1, 3, "forward", 900, 1))
+    assert diagnose(both[0], both, _beats((0, 3, "forward", 903, 2), (1, 3, "forward", 903, 2)), 5) is None

@@ -84,6 +84,7 @@ def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result] | None:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise not_regular(path, st.st_mode)
+    os.set_blocking(fd, True)  # a no-op for reads of local regular files, but some FUSE and network ones honour it
     return fd, st
 
 

@@ -14,10 +14,11 @@ or the one that stopped answering (its beats stopped: a frozen or dead process):
 
 Positions compare by ``(step, phase)``, with ``step`` the optimizer steps completed and the phases in
 the order a step meets them after that count moved: ``idle`` (outside the Trainer), ``checkpoint``,
-``sync`` (stoker's collectives), then ``data``, ``forward``, ``backward``, ``optimizer``. A rank waits in
-a collective in ``sync`` and ``backward`` (DDP's gradient all-reduce); one behind a waiting rank is what
-it waits for. Nothing is decided while no rank waits in a collective: ranks busy with their own work
-for a long time (an evaluation, a long first step) are never named.
+``sync`` (stoker's collectives, and the host sync on the loss), then ``data``, ``forward``, ``backward``
+(the synchronising micro-step's; the others, under ``no_sync``, count as ``forward``), ``optimizer``. A
+rank may wait for its peers in ``forward``, ``backward``, ``optimizer`` and ``sync`` (see ``WAITING``);
+one behind a waiting rank is what it waits for. Nothing is decided while no rank waits: ranks busy with
+their own work for a long time (an evaluation, a long first step) are never named.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 PHASES = ("idle", "checkpoint", "sync", "data", "forward", "backward", "optimizer")
-WAITING = frozenset({"sync", "backward"})  # phases in which a rank blocks on its peers
+# Phases in which a rank may block on its peers: DDP broadcasts buffers at the start of forward and
+# all-reduces gradients in backward; under NCCL those are asynchronous and a rank blocks later, at a host
+# sync (the fp16 scaler's step, reading the loss); stoker's collectives are "sync". A rank that has been in
+# one of these for stall_s looks for the rank behind it.
+WAITING = frozenset({"forward", "backward", "optimizer", "sync"})
+# Phases that are a collective and nothing else: every rank stuck in the same one means the collective
+# hangs. (Forward and optimizer are also compute, which may be slow on every rank at once.)
+COLLECTIVE = frozenset({"sync", "backward"})
 _ORDER = {name: i for i, name in enumerate(PHASES)}
 _KEY = "stoker/heartbeat/{}"
 
@@ -75,7 +83,7 @@ def diagnose(me: Beat, first: dict[int, Beat], second: dict[int, Beat], stall_s:
     lowest = min(b.position for b in second.values())
     behind = sorted(r for r, b in second.items() if b.position == lowest)
     if len(behind) == len(second):
-        if me.phase not in WAITING:
+        if me.phase not in COLLECTIVE:
             return None
         return Stall(tuple(behind), False,
                      f"every rank has waited in {me.where()}: the collective itself hangs (network, or a "
@@ -84,6 +92,8 @@ def diagnose(me: Beat, first: dict[int, Beat], second: dict[int, Beat], stall_s:
         return None  # the waiting rank is itself behind another: that one decides
     details = "; ".join(f"rank {r} in {second[r].where()}" for r in behind)
     waiting = sorted(r for r, b in second.items() if b.phase in WAITING and b.in_phase_s >= stall_s)
+    if not waiting:
+        return None
     return Stall(tuple(behind), False,
                  f"rank(s) {_names(behind)} made no progress for {stall_s:g} s while rank(s) {_names(waiting)} "
                  f"wait for them in a collective: {details}. If that rank is only slow, raise "

@@ -397,7 +397,8 @@ class Trainer:
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise InvalidArgument(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
             scaled = loss / self.accumulate
-            mark(self.step, "backward")  # DDP all-reduces gradients inside backward()
+            # DDP all-reduces gradients inside the last micro-step's backward; the others are local compute
+            mark(self.step, "backward" if last else "forward")
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         if not self._checked_unused:
             self._check_unused()
@@ -469,6 +470,7 @@ class Trainer:
                 mark(self.step, "optimizer")
                 self._optimizer_step()
                 self.step += 1
+                mark(self.step, "sync")  # under NCCL the host waits here for the step's collectives too
                 loss = float(total) / self.accumulate  # waits for the device: compute time is real
                 losses[self.step] = loss
                 step_s = time.perf_counter() - t0
