@@ -413,7 +413,7 @@ class Claim:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=5.0)  # a refresh stuck on a hung mount must not hang the writer too
         found = _read_claim(self.path)
         if found is not None and found[0].token == self.token:
             try:
