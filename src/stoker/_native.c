@@ -479,6 +479,13 @@ read_done:
     if (failed)
         return;
     if (partial) {
+        /* Only [lo, hi) of the blocks was read; the rest of scratch holds leftovers (another chunk's
+         * bytes). blosc bounds every stream it decodes by the frame's stated size (cbytes), so state the
+         * end of what was read: a block whose streams run past the next block's start then fails (and
+         * the Python path decides) instead of decoding bytes that never came from this file. */
+        unsigned char *stated = (unsigned char *)scratch + 12;
+        for (int b = 0; b < 4; b++)
+            stated[b] = (unsigned char)(hi >> (8 * b));
         /* whole items around the span; blosc decodes the blocks that hold them */
         long long first_item = job->span_start / typesize;
         long long last_item = (job->span_stop + typesize - 1) / typesize;
