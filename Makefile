@@ -2,6 +2,7 @@
 #   make demo   runs the main job
 #   make test   runs the test suite
 # Both create (or reuse) .venv and install what they need into it.
+#   make asan   runs the compiled reader's tests and fuzz tests against an AddressSanitizer build (gcc)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -11,7 +12,7 @@ STAMP  := $(VENV)/.installed-stamp
 # so users keep their own (CUDA) build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test asan bench venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+asan: $(STAMP)
+	PY=$(PY) .ci/asan
 
 bench: $(STAMP)
 	$(VENV)/bin/stoker bench

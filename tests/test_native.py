@@ -649,6 +649,85 @@ def test_invalid_copy_plans_are_refused_before_any_write(tmp_path):
     assert torch.equal(batch[1], torch.arange(64, dtype=torch.float32).reshape(8, 8)) and not batch[0].any()
 
 
+def test_copy_plans_bounded_by_the_batch_even_with_zero_strides(tmp_path):
+    """A plan whose strides are 0 stays inside the chunk and the batch at any extent, so a copy may write
+    no more elements than the batch holds: a huge extent is refused, not looped over (it passed the
+    bounds checks and the call wrote the same element 2**40 times)."""
+    if not native.zstd:
+        pytest.skip("stoker._native is not available")
+    from array import array
+
+    path = tmp_path / "c"
+    path.write_bytes(numcodecs.Zstd(level=1).encode(np.arange(16, dtype="uint8").tobytes()))
+    batch = torch.zeros(16, dtype=torch.uint8)
+    u8 = native.SOURCE_KINDS[np.dtype("uint8")]
+    dst = (batch.data_ptr(), 16, native.SAME)
+    with pytest.raises(ValueError, match="copy plan"):
+        _call(native.ZSTD, [path], 16, places=[array("q", [u8, 2, 1, 0, 1, 0, 1, 0, 0, 2**40, 1])], dst=dst)
+    results, _ = _call(native.ZSTD, [path], 16, places=[array("q", [u8, 2, 1, 0, 1, 0, 1, 15, 0, 16, 1])], dst=dst)
+    assert results[0][6] == 1 and batch[0] == 15 and not batch[1:].any()  # 16 writes: as many as the batch holds
+
+
+def test_plan_buffers_of_a_ragged_length_or_unaligned_are_refused(tmp_path):
+    """A plan buffer that is no whole number of int64 values, or not aligned to them, and a cast whose chunk
+    or batch buffer is not aligned to its elements, are refused like any bad plan (the ragged plan made the
+    call return NULL with no exception set, a SystemError; the others were read and written unaligned)."""
+    if not native.zstd:
+        pytest.skip("stoker._native is not available")
+    from array import array
+
+    path = tmp_path / "c"
+    path.write_bytes(numcodecs.Zstd(level=1).encode(np.arange(8, dtype="uint16").tobytes()))
+    batch = torch.zeros(9, dtype=torch.float32)
+    u16 = native.SOURCE_KINDS[np.dtype("uint16")]
+    plan = array("q", [u16, 1, 1, 1, 1, 0, 0, 8]).tobytes()
+    dst = (batch.data_ptr(), 32, native.F32)
+    results, _ = _call(native.ZSTD, [path], 16, places=[plan], dst=dst)  # as bytes: good
+    assert results[0][6] == 1 and torch.equal(batch[:8], torch.arange(8, dtype=torch.float32))
+    batch.zero_()
+    out = np.zeros(17, np.uint8)[1:]  # a chunk buffer one byte off its uint16 elements
+    for name, kwargs in {
+        "ragged": dict(places=[plan + b"\0"], dst=dst),
+        "unaligned plan": dict(places=[memoryview(bytearray(1) + plan)[1:]], dst=dst),
+        "unaligned batch": dict(places=[plan], dst=(batch.data_ptr() + 2, 32, native.F32)),
+        "unaligned chunk": dict(places=[plan], dst=dst, outs=[out]),
+    }.items():
+        with pytest.raises(ValueError, match="copy plan"):
+            _call(native.ZSTD, [path], 16, **kwargs)
+        assert not batch.any(), name
+
+
+def test_blosc_partial_decode_reads_no_byte_it_did_not_read(tmp_path):
+    """Only the stored bytes of the blocks a span needs are read, each taken to run to the next block's
+    start. A frame whose block runs on past that decodes in numcodecs (here block 0 is a lone 4-byte size,
+    its 256 raw bytes are the storage of the block after it, and block 3 starts right after that size), but
+    a partial read of block 0 handed blosc bytes never read from the file: the scratch buffer's leftovers,
+    in a pipeline another chunk's bytes (the output was the scratch buffer's fill). It must be refused (the
+    Python path then decides) or read as numcodecs reads it, whatever the scratch buffer held."""
+    if not native.blosc:
+        pytest.skip("stoker._native is not available")
+    content = (np.arange(1024) % 7).astype(np.uint8).tobytes()
+    table_end = 16 + 4 * 4
+    raw = [(256).to_bytes(4, "little") + content[i:i + 256] for i in range(0, 1024, 256)]  # stored as they are
+
+    def frame(starts, body):  # blosc1, typesize 1, one stream per block (flag 0x10), no shuffle
+        header = [1024, 256, table_end + len(body), *starts]
+        return bytes([2, 1, 0x10, 1]) + b"".join(v.to_bytes(4, "little") for v in header) + body
+
+    assert bytes(numcodecs.Blosc().decode(frame([table_end + 260 * i for i in range(4)], b"".join(raw)))) == content
+    evil = frame([table_end, table_end + 4 + 260, table_end + 4 + 520, table_end + 4], raw[0][:4] + b"".join(raw))
+    reference = bytes(numcodecs.Blosc().decode(evil))
+    assert reference[768:] == content[:256]  # block 3 is stored where block 0 was
+    (tmp_path / "chunk").write_bytes(evil)
+    for fill in (0, 0xC3):
+        out = np.zeros(1024, np.uint8)
+        results = native.decode_files(native.BLOSC, [str(tmp_path / "chunk")], [(-1, 0, 0, 8)],
+                                      np.full(len(evil), fill, np.uint8), [out], 1024, None, None)
+        status, nread = results[0][:2]
+        assert nread < len(evil)  # header, table and block 0's 4 bytes
+        assert status != native.OK or out[:8].tobytes() == reference[:8], (results[0], fill)
+
+
 BLOSC_LAYOUTS = {
     "v3-lz4-shuffle": dict(zarr_format=3, compressors=BloscCodec(cname="lz4", shuffle="shuffle", blocksize=1 << 15)),
     "v3-zstd-bitshuffle": dict(zarr_format=3, compressors=BloscCodec(cname="zstd", shuffle="bitshuffle", blocksize=1 << 15)),

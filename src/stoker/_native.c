@@ -507,6 +507,13 @@ read_done:
     if (failed)
         return;
     if (partial) {
+        /* Only [lo, hi) of the blocks was read; the rest of scratch holds leftovers (another chunk's
+         * bytes). blosc bounds every stream it decodes by the frame's stated size (cbytes), so state the
+         * end of what was read: a block whose streams run past the next block's start then fails (and
+         * the Python path decides) instead of decoding bytes that never came from this file. */
+        unsigned char *stated = (unsigned char *)scratch + 12;
+        for (int b = 0; b < 4; b++)
+            stated[b] = (unsigned char)(hi >> (8 * b));
         /* whole items around the span; blosc decodes the blocks that hold them */
         long long first_item = job->span_start / typesize;
         long long last_item = (job->span_stop + typesize - 1) / typesize;
@@ -591,12 +598,16 @@ static size_t dst_itemsize(const batch_dst *dst, int src_kind) {
     return dst->kind == KIND_SAME ? (size_t)src_itemsize[src_kind] : dst->kind == KIND_F32 ? 4 : 2;
 }
 
-/* A copy plan (int64 values):
+/* A copy plan (int64 values, aligned: array('q') always is):
  *   src_kind, ndim, ncopies, src_strides[ndim], dst_strides[ndim],
  *   then per copy: src_offset, dst_offset, extent[ndim]
  * strides and offsets count elements; the innermost stride of both must be 1. */
-static int check_place(const int64_t *p, Py_ssize_t n, const chunk_job *job, long long chunk_bytes,
+static int check_place(const void *plan, Py_ssize_t len, const chunk_job *job, long long chunk_bytes,
                        const batch_dst *dst, Py_ssize_t index) {
+    const int64_t *p = plan;
+    Py_ssize_t n = len / (Py_ssize_t)sizeof(int64_t);
+    if (len % (Py_ssize_t)sizeof(int64_t) || (uintptr_t)plan % _Alignof(int64_t))
+        goto bad;
     if (n < 3 || p[0] < 0 || p[0] >= N_SRC_KINDS || p[1] < 1 || p[1] > MAX_NDIM || p[2] < 0)
         goto bad;
     long long kind = p[0], ndim = p[1], ncopies = p[2];
@@ -609,15 +620,24 @@ static int check_place(const int64_t *p, Py_ssize_t n, const chunk_job *job, lon
     if (ss[ndim - 1] != 1 || ds[ndim - 1] != 1)
         goto bad;
     long long item = src_itemsize[kind];
+    /* a cast reads and writes whole elements in place: the chunk and the batch aligned to them (numpy and
+     * torch buffers always are; a plain copy is a memcpy) */
+    if (dst->kind != KIND_SAME &&
+        ((uintptr_t)job->out % (uintptr_t)item || (uintptr_t)dst->base % dst_itemsize(dst, (int)kind)))
+        goto bad;
     long long chunk_elems = chunk_bytes / item;
     long long dst_elems = dst->nbytes / (long long)dst_itemsize(dst, (int)kind);
     const int64_t *c = p + 3 + 2 * ndim;
     for (long long i = 0; i < ncopies; i++, c += 2 + ndim) {
-        long long s_last = c[0], d_last = c[1], step;
+        long long s_last = c[0], d_last = c[1], step, count = 1;
         if (s_last < 0 || d_last < 0)
             goto bad;
         for (long long k = 0; k < ndim; k++) {
             if (c[2 + k] < 1 || ss[k] < 0 || ds[k] < 0)
+                goto bad;
+            /* a copy writes no more elements than the batch holds: with zero strides any extent stays in
+             * bounds, and the work must stay bounded too */
+            if (__builtin_mul_overflow(count, c[2 + k], &count) || count > dst_elems)
                 goto bad;
             if (__builtin_mul_overflow(c[2 + k] - 1, ss[k], &step) || __builtin_add_overflow(s_last, step, &s_last))
                 goto bad;
@@ -834,7 +854,8 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
                 goto done;
             places_held++;
             Py_buffer *pv = &place_views[places_held - 1];
-            if (pv->len % 8 || check_place(pv->buf, pv->len / 8, job, nbytes, &dst, i))
+            job->out = out_views[i].buf;
+            if (check_place(pv->buf, pv->len, job, nbytes, &dst, i))
                 goto done;
             jobs[i].place = pv->buf;
         }
