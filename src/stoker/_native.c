@@ -203,11 +203,34 @@ static int read_range(chunk_job *job, int fd, char *buf, size_t lo, size_t hi) {
 
 static long long ns_of(struct timespec t) { return (long long)t.tv_sec * 1000000000LL + t.tv_nsec; }
 
+#if defined(__APPLE__) /* the same times under other names */
+#define MTIME(st) ((st)->st_mtimespec)
+#define CTIME(st) ((st)->st_ctimespec)
+#else
+#define MTIME(st) ((st)->st_mtim)
+#define CTIME(st) ((st)->st_ctim)
+#endif
+
 /* 1 when ``st`` is the file (device, inode, size, modification and change times) the job expects */
 static int same_file(const chunk_job *job, const struct stat *st) {
     return (unsigned long long)st->st_dev == job->dev && (unsigned long long)st->st_ino == job->ino &&
-           (long long)st->st_size == job->size && ns_of(st->st_mtim) == job->mtime_ns &&
-           ns_of(st->st_ctim) == job->ctime_ns;
+           (long long)st->st_size == job->size && ns_of(MTIME(st)) == job->mtime_ns &&
+           ns_of(CTIME(st)) == job->ctime_ns;
+}
+
+/* Close the chunk's file after its reads. An inner chunk of a shard is checked once more first: a shard
+ * rewritten in place while it was read may have given bytes of both versions, at the old index's offsets.
+ * Then the job's status is ST_CHANGED (Python reads the index anew) and 1 is returned. */
+static int close_checked(chunk_job *job, int fd) {
+    int changed = 0;
+    if (job->has_ident) {
+        struct stat st;
+        changed = fstat(fd, &st) != 0 || !same_file(job, &st);
+    }
+    close(fd);
+    if (changed)
+        job->status = ST_CHANGED;
+    return changed;
 }
 
 /* Open the chunk's file and learn the stored chunk's size; -1 with the job's status set when it
@@ -233,6 +256,10 @@ static int open_chunk(chunk_job *job, size_t scratch_len, size_t *size) {
         close(fd);
         return -1;
     }
+    /* blocking again: a no-op for local regular files, but some FUSE and network file systems honour it */
+    int fl = fcntl(fd, F_GETFL);
+    if (fl != -1 && (fl & O_NONBLOCK))
+        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
     if (job->has_ident && !same_file(job, &st)) {
         job->status = ST_CHANGED;
         close(fd);
@@ -375,14 +402,13 @@ static void decode_zstd(chunk_job *job, int fd, size_t size, long long t0, char 
     size_t have = 0;
     /* span_stop 0 (no byte needed: the engine never asks) would stop before any block and hop from the magic */
     if (dctx != NULL && job->span_stop > 0 && (size_t)job->span_stop < nbytes && zstd_prefix(job, fd, size, scratch, nbytes, dctx, &have)) {
-        close(fd);
+        close_checked(job, fd); /* decoded as it was read: a change voids it */
         return;
     }
     /* the hops of zstd_blocks_end_at past ``have`` land at their own offsets: reading on from ``have``
      * overwrites them with the same bytes */
     int bad = read_timed(job, fd, scratch, have, size);
-    close(fd);
-    if (bad)
+    if (close_checked(job, fd) || bad)
         return;
     long long t1 = now_ns();
     size_t decoded = dctx != NULL ? zstd_decompress_dctx(dctx, job->out, nbytes, scratch, size)
@@ -501,7 +527,8 @@ static void decode_blosc(chunk_job *job, int fd, size_t size, long long t0, char
         goto read_done;
     failed = 0;
 read_done:
-    close(fd);
+    if (close_checked(job, fd))
+        failed = 1;
     long long t1 = now_ns();
     job->read_ns = t1 - t0;
     if (failed)
