@@ -728,6 +728,37 @@ def test_blosc_partial_decode_reads_no_byte_it_did_not_read(tmp_path):
         assert status != native.OK or out[:8].tobytes() == reference[:8], (results[0], fill)
 
 
+def test_a_crafted_blosc_frame_never_decodes_leftovers_in_a_pipeline(tmp_path, reader):
+    """The frame above as chunk 0 of an array whose chunk 1 is read first (its bytes are then the scratch
+    buffers' leftovers): on every path, the partial read of chunk 0 is refused or reads as numcodecs does.
+    The Python path handed blosc the frame with its stated size, so it decoded leftovers: chunk 1's bytes."""
+    content = (np.arange(1024) % 7).astype(np.uint8).tobytes()
+    table_end = 16 + 4 * 4
+    raw = [(256).to_bytes(4, "little") + content[i:i + 256] for i in range(0, 1024, 256)]
+    header = [1024, 256, table_end + 4 + len(b"".join(raw)),
+              table_end, table_end + 4 + 260, table_end + 4 + 520, table_end + 4]
+    evil = bytes([2, 1, 0x10, 1]) + b"".join(v.to_bytes(4, "little") for v in header) + raw[0][:4] + b"".join(raw)
+    reference = np.frombuffer(numcodecs.Blosc().decode(evil), np.uint8)
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(2048,), chunks=(1024,), dtype="uint8", zarr_format=2,
+                          compressors=numcodecs.Blosc("lz4", 5, 0, blocksize=256))
+    z[:] = np.full(2048, 0xEE, np.uint8)  # chunk 1's bytes: what leftovers would look like
+    with open(os.path.join(uri, "0"), "wb") as f:
+        f.write(evil)
+    cfg = stoker.Config(batch_size=1, dtype="native", device="cpu", n_compute_threads=1, pop_timeout_s=20.0)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, [(1024, 1032)]), stoker.Sample(uri, [(0, 8)])])
+        with p.pop() as batch:
+            assert (torch.from_dlpack(batch).numpy() == 0xEE).all()
+        try:
+            with p.pop() as batch:
+                got = torch.from_dlpack(batch).numpy()[0]
+        except stoker.DecodeError as exc:
+            assert "'0'" in str(exc)
+        else:
+            np.testing.assert_array_equal(got, reference[:8])
+
+
 BLOSC_LAYOUTS = {
     "v3-lz4-shuffle": dict(zarr_format=3, compressors=BloscCodec(cname="lz4", shuffle="shuffle", blocksize=1 << 15)),
     "v3-zstd-bitshuffle": dict(zarr_format=3, compressors=BloscCodec(cname="zstd", shuffle="bitshuffle", blocksize=1 << 15)),

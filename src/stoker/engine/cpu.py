@@ -410,6 +410,7 @@ class CpuExecutor:
         t0 = time.perf_counter()
         try:
             pieces: dict[int, memoryview] = {}
+            read_end = None  # a chunk file read in part (some blosc blocks): where the bytes read end
             if fr.whole_file:
                 task = chunks[0]
                 f = self.store.open_file(fr.path)
@@ -422,7 +423,7 @@ class CpuExecutor:
                     plan.sources[task.source].metadata.codec.check_stored_size(f.size, task.key)
                     self._reserve(res, size_class(f.size) + scratch, on_compute)
                     view = memoryview(res.take(f.size, keep=True))[: f.size]
-                    nread = self._read_chunk_file(f, view, plan.sources[task.source], task)
+                    nread, read_end = self._read_chunk_file(f, view, plan.sources[task.source], task)
                 pieces[fr.chunk_ids[0]] = view
             else:
                 total = sum(r.length for r in fr.reads)
@@ -459,11 +460,11 @@ class CpuExecutor:
             return
         if on_compute:
             for cid, task in zip(fr.chunk_ids, chunks):
-                self._guard_decode(job, task, pieces[cid], res)
+                self._guard_decode(job, task, pieces[cid], res, read_end)
             return
         for i, cid in enumerate(fr.chunk_ids):
             try:
-                self._compute.submit(self._guard_decode, job, plan.chunks[cid], pieces[cid], res)
+                self._compute.submit(self._guard_decode, job, plan.chunks[cid], pieces[cid], res, read_end)
             except ShutdownError:  # the pool was shut down (close): account for every chunk not queued
                 for _ in fr.chunk_ids[i:]:
                     res.done()
@@ -499,11 +500,13 @@ class CpuExecutor:
         except ShutdownError:  # the pool was shut down (close)
             raise Cancelled() from None
 
-    def _read_chunk_file(self, f, view: memoryview, reader, task: ChunkTask) -> int:
+    def _read_chunk_file(self, f, view: memoryview, reader, task: ChunkTask) -> tuple[int, int | None]:
         """Read a chunk file into ``view``: only header, block table and needed blocks when decoding partially.
+        Returns the bytes read and, for a partial read, the offset where they end (None: the whole file).
 
         ``view`` is a pooled buffer that may hold bytes of an earlier chunk, so every
-        short read is an error: stale bytes must never be decoded as this chunk.
+        short read is an error: stale bytes must never be decoded as this chunk (and a partial decode
+        is told where the bytes read end).
         """
         def read(lo: int, hi: int) -> int:
             got = f.read_into(view[lo:hi], lo)
@@ -514,19 +517,19 @@ class CpuExecutor:
 
         codec = reader.metadata.codec
         if not codec.partial or f.size <= blosc_partial.HEADER_SIZE:
-            return read(0, f.size)
+            return read(0, f.size), None
         try:
             nread = read(0, blosc_partial.HEADER_SIZE)
             header = view[: blosc_partial.HEADER_SIZE]
             if not blosc_partial.partial_ok(header, codec.nbytes, task.byte_start, task.byte_stop):
-                return nread + read(blosc_partial.HEADER_SIZE, f.size)  # decoded (or rejected) in full
+                return nread + read(blosc_partial.HEADER_SIZE, f.size), None  # decoded (or rejected) in full
             table = min(blosc_partial.table_size(header), f.size)
             nread += read(blosc_partial.HEADER_SIZE, table)
             lo, hi = blosc_partial.stored_range(view[:table], task.byte_start, task.byte_stop)
         except blosc_partial.PartialDecodeError as exc:
             raise DecodeError(f"{reader.uri}: chunk {task.key!r} is not a valid blosc frame ({exc})",
                               uri=reader.uri, key=task.key) from None
-        return nread + read(max(lo, table), hi)
+        return nread + read(max(lo, table), hi), hi
 
     @staticmethod
     def _cast_copies(job: Job, task: ChunkTask, chunk) -> None:
@@ -535,13 +538,15 @@ class CpuExecutor:
         for c in task.copies:
             copy_cast(out[c.dst], chunk[c.chunk_sel])
 
-    def _guard_decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation) -> None:
+    def _guard_decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation,
+                      read_end: int | None = None) -> None:
         try:
-            self._guard(job, 1, self._decode, job, task, encoded, res)
+            self._guard(job, 1, self._decode, job, task, encoded, res, read_end)
         finally:
             res.done()
 
-    def _decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation) -> None:
+    def _decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation,
+                read_end: int | None = None) -> None:
         reader = job.plan.sources[task.source]
         codec = reader.metadata.codec
         t0 = time.perf_counter()
@@ -549,7 +554,7 @@ class CpuExecutor:
         if codec.partial:
             scratch = res.take(codec.nbytes)
             chunk = scratch[: codec.nbytes].view(codec.dtype).reshape(codec.shape)
-            decoded = codec.decode_range_into(encoded, chunk, task.byte_start, task.byte_stop, task.key)
+            decoded = codec.decode_range_into(encoded, chunk, task.byte_start, task.byte_stop, task.key, read_end)
         else:
             chunk = codec.decode(encoded, task.key)  # allocates; its size is inside the reservation
             decoded = codec.nbytes

@@ -171,13 +171,20 @@ def stored_range(head: Any, byte_start: int, byte_stop: int) -> tuple[int, int]:
     return min(needed), max(end_of[s] for s in needed)
 
 
-def decode_range(frame: Any, byte_start: int, byte_stop: int, dest: np.ndarray) -> int | None:
+def decode_range(frame: Any, byte_start: int, byte_stop: int, dest: np.ndarray,
+                 read_end: int | None = None) -> int | None:
     """Decode bytes ``[byte_start, byte_stop)`` of ``frame``'s payload into the same positions of ``dest``,
     when decoding only their blocks is cheaper than decoding the chunk (:func:`partial_pays`).
 
     Returns the bytes blosc decompressed, or None, doing nothing, when the caller
     should decode the frame in full: the range needs most blocks, or the frame's
     size is not a whole number of items. See :func:`decode_blocks` for the rest.
+
+    ``read_end``: only the header, the block table and the stored range of the needed blocks
+    (:func:`stored_range`) were read into ``frame``, a writable buffer, up to this offset; the rest
+    holds leftovers. c-blosc bounds what it reads by the frame's stated size, so that size is set to
+    ``read_end`` for the decode: a block whose streams run past it (no frame c-blosc writes, but a
+    crafted one) fails instead of decoding leftovers.
     """
     try:
         nbytes, blocksize, _ = blosc_header(frame)  # the cheap decision first: most full decodes stop here
@@ -188,7 +195,14 @@ def decode_range(frame: Any, byte_start: int, byte_stop: int, dest: np.ndarray) 
     info = frame_info(frame)
     if nbytes % info[0]:
         return None
-    return _decode_blocks(frame, info, byte_start, byte_stop, dest)
+    if read_end is None or read_end >= info[3]:
+        return _decode_blocks(frame, info, byte_start, byte_stop, dest)
+    mv = memoryview(frame).cast("B")
+    struct.pack_into("<I", mv, 12, read_end)  # the stated size: what was read
+    try:
+        return _decode_blocks(frame, info, byte_start, byte_stop, dest)
+    finally:
+        struct.pack_into("<I", mv, 12, info[3])
 
 
 def decode_blocks(frame: Any, byte_start: int, byte_stop: int, dest: np.ndarray) -> int | None:

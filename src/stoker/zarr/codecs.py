@@ -227,13 +227,15 @@ class ChunkCodec:
         out[...] = self.decode(encoded, key)
 
     def decode_range_into(self, encoded: Any, out: np.ndarray, byte_start: int, byte_stop: int,
-                          key: str = "?") -> int:
+                          key: str = "?", read_end: int | None = None) -> int:
         """Decode at least bytes ``[byte_start, byte_stop)`` (C order) of the chunk into ``out``.
 
         Only the blosc blocks covering the range are decompressed when
         :attr:`partial` holds and that is cheaper than a full decode; otherwise the
         whole chunk is decoded. Bytes of ``out`` outside the range may be left
-        stale: read only inside it. Returns the bytes decompressed.
+        stale: read only inside it. Returns the bytes decompressed. ``read_end``:
+        ``encoded`` holds only the header, the block table and the needed blocks,
+        read up to this offset (see ``blosc_partial.decode_range``).
         """
         if not self.partial:
             self.decode_into(encoded, out, key)
@@ -241,10 +243,12 @@ class ChunkCodec:
         if out.shape != self.shape or out.dtype != self.dtype or not out.flags.c_contiguous:
             raise ValueError(f"decode_range_into needs a C-contiguous {self.shape} {self.dtype} array")
         try:
-            done = blosc_partial.decode_range(encoded, byte_start, byte_stop, out)
+            done = blosc_partial.decode_range(encoded, byte_start, byte_stop, out, read_end)
         except blosc_partial.PartialDecodeError as exc:
             raise self.decode_error(key, exc) from None
         if done is None:
+            if read_end is not None:  # the read decided on a partial decode, the decode disagrees
+                raise self.decode_error(key, ValueError("the blocks read do not decode the range"))
             self.decode_into(encoded, out, key)
             return self.nbytes
         return done
