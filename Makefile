@@ -18,7 +18,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml setup.py src/stoker/_native.c
+$(STAMP): $(PY) pyproject.toml setup.py $(wildcard src/stoker/csrc/*.c src/stoker/csrc/*.h)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 	@touch $(STAMP)

@@ -649,7 +649,7 @@ _KINDS = {k: t for t, k in native.SOURCE_KINDS.items()}  # source kind -> numpy 
 
 def model_place(plan: list[int], chunk: bytes, span: tuple[int, int], batch: np.ndarray, dst_bytes: int,
                 dst_kind: int) -> bool:
-    """What a copy plan must do (see check_place and place_copies in _native.c), done in Python on ``batch``
+    """What a copy plan must do (see check_copies and place_copies in csrc/place.c), done in Python on ``batch``
     (uint8): False, writing nothing, when the plan is malformed or any element it reads or writes lies
     outside the chunk's decoded span or the batch's first ``dst_bytes``; else True, with the copies made."""
     if len(plan) < 3 or not 0 <= plan[0] < len(_KINDS) or not 1 <= plan[1] <= 32 or plan[2] < 0:

@@ -1,6 +1,6 @@
 """The optional compiled fast path (``stoker._native``) and the codec functions it calls.
 
-``stoker._native`` is built from ``_native.c`` when stoker is installed and a C
+``stoker._native`` is built from ``csrc/*.c`` when stoker is installed and a C
 compiler is present; without it (or with ``STOKER_NATIVE=0`` in the environment)
 every chunk takes the pure-Python path, which reads and decodes the same bytes.
 The extension calls zstd's own ``ZSTD_decompress`` (or, where numcodecs exports them,
@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-# status codes of decode_files (see _native.c)
+# chunk statuses of the compiled reader (see csrc/stoker_native.h)
 OK, MISSING, TOO_BIG, OS_ERROR, SHORT, CODEC_ERROR, SIZE, FRAME, NOT_REGULAR, CHANGED = range(10)
 ZSTD, BLOSC = 0, 1  # codecs of decode_files
 

@@ -97,7 +97,7 @@ def batch_target(out: torch.Tensor) -> tuple[int, int, int, bool] | None:
 def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
               out_strides: tuple[int, ...] | None = None, contiguous: bool = False) -> array | None:
     """The compiled reader's plan for casting ``task``'s copies from its decoded chunk into ``out``
-    (see ``_native.c``), or None where the chunk's layout or dtype is left to :func:`copy_cast`:
+    (see ``csrc/place.c``), or None where the chunk's layout or dtype is left to :func:`copy_cast`:
     F order, transposes and foreign byte order, float16 and bool sources, float16 batches.
     ``out_strides`` is ``out.stride()``, passed in when one caller makes many plans; ``contiguous=True``
     vouches that ``out``'s rows are C-contiguous crops of the plan's sample shape, so the planner's
@@ -260,7 +260,7 @@ class CpuExecutor:
     def _read_native(self, job: Job, groups: dict[tuple[int, int, int], list[FileRead]],
                      rest: list[FileRead]) -> list[FileRead]:
         """Read, decode and place the grouped zstd and blosc chunks (whole chunk files and inner chunks of
-        shards) in compiled code that holds no GIL (``stoker/_native.c``), a few chunks per call; returns
+        shards) in compiled code that holds no GIL (``stoker/csrc``), a few chunks per call; returns
         ``rest`` plus the reads that must take the Python path after all.
 
         Chunks are grouped by codec and decoded chunk size only (the call needs nothing else), so crops

@@ -1,0 +1,129 @@
+/* Reading stored chunks: open regular files only, check a shard's identity before and after, pread loops.
+ *
+ * Files are opened non-blocking and refused unless regular: opening a FIFO without O_NONBLOCK waits for
+ * a writer forever (the thread could never be stopped), and O_NONBLOCK changes nothing for regular files.
+ */
+#include "stoker_native.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Read bytes [lo, hi) of the stored chunk into buf + lo; 0 on success, else sets the job's
+ * status (OS error, or SHORT: the file ends early). */
+int read_range(chunk_io *job, int fd, char *buf, size_t lo, size_t hi) {
+    off_t base = job->offset < 0 ? 0 : (off_t)job->offset;
+    size_t done = lo;
+    while (done < hi) {
+        ssize_t got = pread(fd, buf + done, hi - done, base + (off_t)done);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            job->status = ST_OS_ERROR;
+            job->detail = errno;
+            return -1;
+        }
+        if (got == 0)
+            break;
+        done += (size_t)got;
+        job->nread += got;
+    }
+    if (done != hi) {
+        job->status = ST_SHORT;
+        job->detail = (long long)done;
+        return -1;
+    }
+    return 0;
+}
+
+/* Read bytes [lo, hi) of the stored chunk into buf + lo, timing it into job->read_ns (see read_range). */
+int read_timed(chunk_io *job, int fd, char *buf, size_t lo, size_t hi) {
+    long long t = now_ns();
+    int bad = read_range(job, fd, buf, lo, hi);
+    job->read_ns += now_ns() - t;
+    return bad;
+}
+
+static long long ns_of(struct timespec t) { return (long long)t.tv_sec * 1000000000LL + t.tv_nsec; }
+
+#if defined(__APPLE__) /* the same times under other names */
+#define MTIME(st) ((st)->st_mtimespec)
+#define CTIME(st) ((st)->st_ctimespec)
+#else
+#define MTIME(st) ((st)->st_mtim)
+#define CTIME(st) ((st)->st_ctim)
+#endif
+
+/* 1 when ``st`` is the file (device, inode, size, modification and change times) the job expects */
+static int same_file(const chunk_io *job, const struct stat *st) {
+    return (unsigned long long)st->st_dev == job->dev && (unsigned long long)st->st_ino == job->ino &&
+           (long long)st->st_size == job->size && ns_of(MTIME(st)) == job->mtime_ns &&
+           ns_of(CTIME(st)) == job->ctime_ns;
+}
+
+/* Close the chunk's file after its reads. An inner chunk of a shard is checked once more first: a shard
+ * rewritten in place while it was read may have given bytes of both versions, at the old index's offsets.
+ * Then the job's status is ST_CHANGED (Python reads the index anew) and 1 is returned. */
+int close_checked(chunk_io *job, int fd) {
+    int changed = 0;
+    if (job->has_ident) {
+        struct stat st;
+        changed = fstat(fd, &st) != 0 || !same_file(job, &st);
+    }
+    close(fd);
+    if (changed)
+        job->status = ST_CHANGED;
+    return changed;
+}
+
+/* Open the chunk's file and learn the stored chunk's size; -1 with the job's status set when it
+ * cannot be read, is not a regular file, is not the shard file the job expects, or does not fit the
+ * scratch buffer (ST_TOO_BIG, detail: its size). */
+int open_chunk(chunk_io *job, size_t scratch_len, size_t *size) {
+    int fd = open(job->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) {
+        job->status = (errno == ENOENT || errno == ENOTDIR) ? ST_MISSING : ST_OS_ERROR;
+        job->detail = errno;
+        return -1;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        job->status = ST_OS_ERROR;
+        job->detail = errno;
+        close(fd);
+        return -1;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        job->status = ST_NOT_REGULAR;
+        job->detail = (long long)(st.st_mode & S_IFMT);
+        close(fd);
+        return -1;
+    }
+    /* blocking again: a no-op for local regular files, but some FUSE and network file systems honour it */
+    int fl = fcntl(fd, F_GETFL);
+    if (fl != -1 && (fl & O_NONBLOCK))
+        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    if (job->has_ident && !same_file(job, &st)) {
+        job->status = ST_CHANGED;
+        close(fd);
+        return -1;
+    }
+    job->file_size = (long long)st.st_size;
+    /* an inner chunk of a shard: its index gave the size */
+    *size = job->offset >= 0 ? (size_t)job->length : (size_t)st.st_size;
+    if (*size > scratch_len) {
+        job->status = ST_TOO_BIG;
+        job->detail = (long long)*size;
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
