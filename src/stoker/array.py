@@ -309,6 +309,11 @@ class ArrayReader:
         entry = self._shard_entry(shard_key)
         return None if entry is None else entry.table
 
+    def shard_entry(self, shard_key: str) -> ShardIndex | None:
+        """A shard's cached index with the identity of the file it was read from (read, checked and cached on
+        first use), or ``None`` when the shard file is missing."""
+        return self._shard_entry(shard_key)
+
     def _shard_entry(self, shard_key: str) -> ShardIndex | None:
         return self._index_cache.get_or_load((self._token, shard_key), lambda: self._load_shard_index(shard_key))
 

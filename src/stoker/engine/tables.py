@@ -1,0 +1,307 @@
+"""Planning a batch as flat tables: numpy arrays, with no Python step per chunk.
+
+:func:`plan_tables` plans what :func:`~stoker.engine.plan.plan_batch` plans (every chunk a batch needs,
+once, its copies, the decoded bytes they read, where the chunk is stored) with one Python step per sample,
+one per array and one per shard file, and numpy for the rest:
+
+- per axis, the chunks each crop touches (first and last chunk index, start and extent in the chunk and in
+  the crop), crossed over the axes by broadcasting (every sample padded to the largest count, then masked);
+- chunks de-duplicated across the batch (``np.unique`` over (array, grid index) rows), in order of first use;
+- copies grouped by chunk (a stable sort), each chunk's decoded byte span by ``reduceat``;
+- shard indexes looked up in bulk: each needed shard's cached ``(n_inner, 2)`` table gathered with fancy indexing.
+
+The engine (``stoker._native.Engine``) takes the tables as they are; the Python path asks
+:meth:`TablePlan.task` for a :class:`~stoker.engine.plan.ChunkTask` of the few chunks it reads itself.
+
+>>> plan = plan_tables(0, samples, open_reader)
+>>> plan.n_chunks, plan.chunks_needed, plan.chunk_file[:4]
+(61, 64, array([0, 1, -1, 2]))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..array import ArrayReader
+from ..box import check_in_bounds
+from ..errors import InvalidArgument
+from ..sample import Sample
+from ..zarr.grid import c_strides
+from ..zarr.sharding import EMPTY_ENTRY
+from .plan import ChunkTask, Copy, FileRead
+
+#: columns of the files table before the grid coordinates (see csrc/stoker_native.h: F_*)
+F_SOURCE, F_HAS_IDENT, F_IDENT, F_COORDS = 0, 1, 2, 7
+
+
+class _Tasks:
+    """``plan.chunks[i]``: the Python path's ChunkTask of chunk ``i``, made when first asked for (and kept:
+    the Python path relocates a task in place when its shard changed)."""
+
+    def __init__(self, plan: "TablePlan") -> None:
+        self._plan = plan
+        self._made: dict[int, ChunkTask] = {}
+
+    def __getitem__(self, i: int) -> ChunkTask:
+        task = self._made.get(i)
+        if task is None:
+            task = self._made[i] = self._plan.make_task(i)
+        return task
+
+    def __len__(self) -> int:
+        return self._plan.n_chunks
+
+
+@dataclass
+class TablePlan:
+    """A batch plan as arrays. Chunks are numbered in order of first use; their copies are rows
+    ``[first_copy[i], first_copy[i] + n_copies[i])`` of the copy arrays (in the order the samples need them)."""
+
+    batch_id: int
+    samples: tuple[Sample, ...]
+    sample_shape: tuple[int, ...]
+    sources: list[ArrayReader]
+    chunks_needed: int  # chunk touches summed over samples
+    bytes_needed: int
+    # per copy (M rows): batch row; per axis start in the chunk, start in the crop, extent
+    copy_row: np.ndarray
+    copy_chunk_start: np.ndarray
+    copy_box_start: np.ndarray
+    copy_extent: np.ndarray
+    copy_src_offset: np.ndarray  # in elements of the chunk, C order
+    # per chunk (N rows)
+    chunk_source: np.ndarray
+    chunk_index: np.ndarray  # (N, ndim) grid index of the read chunk
+    first_copy: np.ndarray
+    n_copies: np.ndarray
+    byte_start: np.ndarray  # decoded bytes the copies read: [byte_start, byte_stop)
+    byte_stop: np.ndarray
+    chunk_file: np.ndarray  # row of ``files``; -1: nothing stored (the fill value)
+    chunk_offset: np.ndarray  # -1: the whole file
+    chunk_length: np.ndarray
+    chunk_inner: np.ndarray  # flat inner-chunk index in its shard; -1 unsharded
+    # per file: source, has identity, identity (dev, ino, size, mtime_ns, ctime_ns as int64 bits), grid coordinates
+    files: np.ndarray
+    chunks: _Tasks = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.chunks = _Tasks(self)
+
+    @property
+    def rows(self) -> int:
+        return len(self.samples)
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunk_source)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sample_shape)
+
+    def file_key(self, f: int) -> str:
+        reader = self.sources[int(self.files[f, F_SOURCE])]
+        return reader.metadata.chunk_key(tuple(int(v) for v in self.files[f, F_COORDS:]))
+
+    def key(self, i: int) -> str:
+        """Chunk ``i``'s key ("c/0/1", or "c/0/0[3]" for an inner chunk of a shard), as ArrayReader.locate says it."""
+        meta = self.sources[int(self.chunk_source[i])].metadata
+        index = tuple(int(v) for v in self.chunk_index[i])
+        if meta.sharding is None:
+            return meta.chunk_key(index)
+        shard, inner = meta.sharding.inner_position(index)
+        return f"{meta.chunk_key(shard)}[{inner}]"
+
+    def path(self, i: int) -> str | None:
+        """The file holding chunk ``i``, or None (the fill value)."""
+        f = int(self.chunk_file[i])
+        return None if f < 0 else self.sources[int(self.files[f, F_SOURCE])].file_path(self.file_key(f))
+
+    def copies(self, i: int) -> list[Copy]:
+        lo = int(self.first_copy[i])
+        rows = range(lo, lo + int(self.n_copies[i]))
+        return [Copy(int(self.copy_row[r]), tuple(self.copy_chunk_start[r].tolist()),
+                     tuple(self.copy_box_start[r].tolist()), tuple(self.copy_extent[r].tolist())) for r in rows]
+
+    def make_task(self, i: int) -> ChunkTask:
+        """Chunk ``i`` as the Python path plans it (see plan_batch)."""
+        f = int(self.chunk_file[i])
+        task = ChunkTask(int(self.chunk_source[i]), tuple(int(v) for v in self.chunk_index[i]), self.key(i),
+                         self.copies(i), self.path(i), byte_start=int(self.byte_start[i]),
+                         byte_stop=int(self.byte_stop[i]))
+        if f >= 0 and int(self.chunk_offset[i]) >= 0:
+            task.offset, task.length = int(self.chunk_offset[i]), int(self.chunk_length[i])
+            task.ident = tuple(int(v) for v in self.files[f, F_IDENT:F_IDENT + 5].view(np.uint64)[:2]) + \
+                tuple(int(v) for v in self.files[f, F_IDENT + 2:F_IDENT + 5])
+        return task
+
+    def file_read(self, i: int) -> FileRead | None:
+        """A read of chunk ``i`` on its own (a whole chunk file, or its inner chunk's range), or None (fill)."""
+        task = self.chunks[i]
+        if task.path is None:
+            return None
+        if task.offset is None:
+            return FileRead(task.path, (i,))
+        return FileRead.inner_chunk(task.path, i, task.offset, task.length)
+
+
+def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(first, inverse)``: the distinct int64 rows of ``rows`` numbered in order of first appearance:
+    ``first[k]`` is the first row of distinct row k, ``inverse[r]`` the number of row r."""
+    rows = np.ascontiguousarray(rows)
+    keys = rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return first[order], rank[inverse.ravel()]
+
+
+def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[[str], ArrayReader]) -> TablePlan:
+    """Plan one batch as arrays. Raises what plan_batch raises (the typed errors of opening arrays, boxes out of
+    bounds or of another shape, shard indexes that cannot be read, stored chunks over their codec's bound), for
+    the first chunk in the batch's order that has one."""
+    sources: list[ArrayReader] = []
+    source_of: dict[str, int] = {}
+    shape = samples[0].shape
+    ndim = len(shape)
+    sids, starts = [], []
+    for sample in samples:  # one step per sample
+        sid = source_of.get(sample.uri)
+        if sid is None:
+            sid = source_of[sample.uri] = len(sources)
+            sources.append(open_reader(sample.uri))
+        check_in_bounds(sample.aabb, sources[sid].shape, sample.uri)
+        if sample.shape != shape:  # every copy's offsets are into a crop of the batch's shape
+            raise InvalidArgument(f"{sample} has shape {sample.shape}; every sample of a batch must be {shape}",
+                                  uri=sample.uri)
+        sids.append(sid)
+        starts.append([start for start, _ in sample.aabb])
+    sid = np.array(sids, np.int64)
+    start = np.array(starts, np.int64).reshape(len(samples), ndim)
+    extent = np.array(shape, np.int64)
+    itemsize = np.array([r.dtype.itemsize for r in sources], np.int64)
+    bytes_needed = math.prod(shape) * int(itemsize[sid].sum())
+    chunk_shapes = np.array([r.chunks for r in sources], np.int64).reshape(len(sources), ndim)
+    chunk_strides = np.array([c_strides(tuple(r.chunks)) for r in sources], np.int64).reshape(len(sources), ndim)
+
+    # per axis, the chunks each crop touches; then every combination, C order within a sample
+    cs = chunk_shapes[sid]
+    stop = start + extent
+    first_chunk = start // cs
+    pieces = (stop - 1) // cs - first_chunk + 1
+    per_axis = []
+    for a in range(ndim):
+        k = np.arange(pieces[:, a].max())
+        index = first_chunk[:, a, None] + k
+        lo = np.maximum(start[:, a, None], index * cs[:, a, None])
+        hi = np.minimum(stop[:, a, None], (index + 1) * cs[:, a, None])
+        per_axis.append((k < pieces[:, a, None], index, lo - index * cs[:, a, None], lo - start[:, a, None], hi - lo))
+    valid = np.ones((len(samples), *(p[1].shape[1] for p in per_axis)), bool)
+    for a, (ok, *_) in enumerate(per_axis):
+        valid &= ok.reshape(len(samples), *(ok.shape[1] if b == a else 1 for b in range(ndim)))
+    row, *ks = np.nonzero(valid)
+    m = len(row)
+    c_index = np.empty((m, ndim), np.int64)
+    c_start = np.empty((m, ndim), np.int64)
+    b_start = np.empty((m, ndim), np.int64)
+    c_extent = np.empty((m, ndim), np.int64)
+    for a, (_, index, lo, at, n) in enumerate(per_axis):
+        c_index[:, a], c_start[:, a], b_start[:, a], c_extent[:, a] = (v[row, ks[a]] for v in (index, lo, at, n))
+    copy_sid = sid[row]
+
+    # one chunk per (array, grid index), in order of first use; copies grouped by chunk, in order
+    first, chunk_of = _unique_rows(np.concatenate([copy_sid[:, None], c_index], axis=1))
+    order = np.argsort(chunk_of, kind="stable")
+    row, copy_sid, c_start, b_start, c_extent = row[order], copy_sid[order], c_start[order], b_start[order], \
+        c_extent[order]
+    n_copies = np.bincount(chunk_of, minlength=len(first))
+    first_copy = np.cumsum(n_copies) - n_copies
+    strides = chunk_strides[copy_sid]
+    src_offset = (c_start * strides).sum(axis=1)
+    last = src_offset + ((c_extent - 1) * strides).sum(axis=1)
+    chunk_source = copy_sid[first_copy]
+    item = itemsize[chunk_source]
+    byte_start = np.minimum.reduceat(src_offset, first_copy) * item if m else np.zeros(0, np.int64)
+    byte_stop = (np.maximum.reduceat(last, first_copy) + 1) * item if m else np.zeros(0, np.int64)
+    chunk_index = c_index[first]
+
+    n = len(first)
+    chunk_file = np.full(n, -1, np.int64)
+    chunk_offset = np.full(n, -1, np.int64)
+    chunk_length = np.zeros(n, np.int64)
+    chunk_inner = np.full(n, -1, np.int64)
+    files: list[np.ndarray] = []
+    n_files = 0
+    failures: list[tuple[int, Callable[[], None]]] = []  # (first chunk it concerns, raise it)
+    for s, reader in enumerate(sources):  # one step per array, then one per shard file
+        ids = np.flatnonzero(chunk_source == s)
+        meta = reader.metadata
+        if meta.sharding is None:
+            table = np.zeros((len(ids), F_COORDS + ndim), np.int64)
+            table[:, F_SOURCE] = s
+            table[:, F_COORDS:] = chunk_index[ids]
+            chunk_file[ids] = n_files + np.arange(len(ids))
+            files.append(table)
+            n_files += len(ids)
+            continue
+        cps = np.array(meta.sharding.chunks_per_shard, np.int64)
+        shard = chunk_index[ids] // cps
+        inner = ((chunk_index[ids] % cps) * np.array(c_strides(tuple(cps.tolist())), np.int64)).sum(axis=1)
+        chunk_inner[ids] = inner
+        shard_first, shard_of = _unique_rows(shard)
+        for k, at in enumerate(shard_first.tolist()):
+            mine = ids[shard_of == k]
+            shard_key = meta.chunk_key(tuple(shard[at].tolist()))
+            try:
+                entry = reader.shard_entry(shard_key)
+            except Exception as exc:  # noqa: BLE001 - raised below if no earlier chunk has a failure
+                failures.append((int(mine.min()), _raiser(exc)))
+                continue
+            if entry is None:  # no shard file: every chunk of it is the fill value
+                continue
+            where = entry.table[inner[shard_of == k]]
+            stored = ~((where[:, 0] == EMPTY_ENTRY) & (where[:, 1] == EMPTY_ENTRY))
+            if not stored.any():
+                continue
+            lengths = where[:, 1]
+            over = stored & (lengths > meta.codec.max_stored_nbytes)
+            if over.any():  # before anyone reads or reserves room for it (as locate does)
+                bad = int(np.argmax(over))
+                key = f"{shard_key}[{int(inner[shard_of == k][bad])}]"
+                failures.append((int(mine[bad]), _too_big(meta.codec, int(lengths[bad]), key)))
+            row_f = np.zeros(F_COORDS + ndim, np.int64)
+            row_f[F_SOURCE], row_f[F_HAS_IDENT] = s, 1
+            ident = entry.ident
+            row_f[F_IDENT:F_IDENT + 2] = np.array([ident[0] & (2**64 - 1), ident[1] & (2**64 - 1)],
+                                                  np.uint64).view(np.int64)
+            row_f[F_IDENT + 2:F_IDENT + 5] = ident[2:5]
+            row_f[F_COORDS:] = shard[at]
+            files.append(row_f[None])
+            held = mine[stored]
+            chunk_file[held] = n_files
+            chunk_offset[held] = where[stored, 0].astype(np.int64)
+            chunk_length[held] = lengths[stored].astype(np.int64)
+            n_files += 1
+    if failures:
+        min(failures, key=lambda f: f[0])[1]()
+    return TablePlan(
+        batch_id, tuple(samples), shape, sources, m, bytes_needed, row, c_start, b_start, c_extent, src_offset,
+        chunk_source, chunk_index, first_copy, n_copies, byte_start, byte_stop, chunk_file, chunk_offset,
+        chunk_length, chunk_inner,
+        np.concatenate(files) if files else np.zeros((0, F_COORDS + ndim), np.int64),
+    )
+
+
+def _raiser(exc: BaseException) -> Callable[[], None]:
+    def throw() -> None:
+        raise exc
+    return throw
+
+
+def _too_big(codec, stored: int, key: str) -> Callable[[], None]:
+    return lambda: codec.check_stored_size(stored, key)
