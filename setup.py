@@ -15,6 +15,7 @@ from setuptools import Extension, setup
 SOURCES = sorted(glob.glob("src/stoker/csrc/*.c"))
 
 # -O3: the copy-cast loops of place.c are only vectorised at -O3 by GCC
-flags = [] if os.name == "nt" else ["-O3"]
+# -pthread: the engine's worker threads (pool.c) are POSIX threads
+flags = [] if os.name == "nt" else ["-O3", "-pthread"]
 setup(ext_modules=[Extension("stoker._native", sources=SOURCES, depends=["src/stoker/csrc/stoker_native.h"],
-                             extra_compile_args=flags, optional=True)])
+                             extra_compile_args=flags, extra_link_args=flags[1:], optional=True)])

@@ -187,15 +187,16 @@ def test_planned_offsets_are_used_only_for_batches_of_the_plans_shape(arrays):
 
     plain, _ = arrays
     want = zarr.open_array(plain)[2:6, 5:9].astype(np.float32)
-    ex = cpu.CpuExecutor(1, 1, TransientBudget(64 << 20), StatsRecorder(), LocalStore())
-    try:
-        for out in (torch.full((1, 4, 4), -1.0), torch.full((1, 8, 8), -1.0)):
-            job = ex.submit(plan_batch(0, [stoker.Sample(plain, [(2, 6), (5, 9)])], _opener()), out)
-            assert job.done.wait(10) and job.error is None
-            assert torch.equal(out[0, :4, :4], torch.from_numpy(want))
-            assert (out[0, 4:] == -1).all() and (out[0, :, 4:] == -1).all()
-    finally:
-        ex.shutdown()
+    for engine in (0, 16 << 20):  # the Python path, and the compiled engine where it is built
+        ex = cpu.CpuExecutor(1, 1, TransientBudget(64 << 20), StatsRecorder(), LocalStore(), engine_budget=engine)
+        try:
+            for out in (torch.full((1, 4, 4), -1.0), torch.full((1, 8, 8), -1.0)):
+                job = ex.submit(ex.plan(0, [stoker.Sample(plain, [(2, 6), (5, 9)])], _opener()), out)
+                assert job.done.wait(10) and job.error is None
+                assert torch.equal(out[0, :4, :4], torch.from_numpy(want))
+                assert (out[0, 4:] == -1).all() and (out[0, :, 4:] == -1).all()
+        finally:
+            ex.shutdown()
 
 
 def test_plan_refuses_samples_of_another_shape(arrays):
@@ -228,13 +229,13 @@ def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays
     """Compute threads read and decode; they never wait for memory (decodes queued behind them may be
     what frees it). With the budget held elsewhere, every read is handed to an I/O thread, which waits:
     shards coalesced, and shards planned with a read per inner chunk (as for the compiled reader)."""
-    from stoker.engine import cpu
+    from stoker.engine import cpu, decode_python
     from stoker.engine.stats import StatsRecorder
     from stoker.storage import LocalStore
 
     handoffs = []
-    real = cpu.CpuExecutor._handoff
-    monkeypatch.setattr(cpu.CpuExecutor, "_handoff",
+    real = decode_python.PythonDecoder._handoff
+    monkeypatch.setattr(decode_python.PythonDecoder, "_handoff",
                         lambda self, job, fr, *rest: (handoffs.append(fr), real(self, job, fr, *rest)))
     plain, sharded = arrays
     samples = [stoker.Sample(plain, [(2, 14), (1, 15)]), stoker.Sample(sharded, [(2, 14), (1, 15)])]

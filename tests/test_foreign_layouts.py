@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserW
 def decode_path(request, monkeypatch):
     """The Python decode path (what STOKER_NATIVE=0 gives), or whatever this process has."""
     if request.param == "python":
-        monkeypatch.setattr(native, "decode_files", None)
+        monkeypatch.setattr(native, "Engine", None)
     return request.param
 
 

@@ -57,8 +57,8 @@ def fifo():
 @pytest.fixture(params=["python", "compiled"])
 def engine(request, monkeypatch):
     if request.param == "python":
-        monkeypatch.setattr(native, "decode_files", None)
-    elif native.decode_files is None:
+        monkeypatch.setattr(native, "Engine", None)
+    elif native.Engine is None:
         pytest.skip("stoker._native is not available")
     return request.param
 

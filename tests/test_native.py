@@ -1,8 +1,8 @@
-"""The compiled reader (``stoker._native``): whole zstd and blosc chunk files read, decoded and cast
-into the batch without the GIL.
+"""The compiled reader (``stoker._native``): zstd and blosc chunks read, decoded and cast into the batch
+without the GIL, by the engine's threads (pipelines) and by ``decode_files`` (direct calls).
 
-Every pipeline case runs twice, through the compiled reader and through the pure-Python
-path, with zarr-python as the oracle; on the compiled run a spy proves the reader ran.
+Every pipeline case runs through the compiled engine and through the pure-Python path, with
+zarr-python as the oracle; on the compiled runs a spy proves the engine ran.
 """
 
 import os
@@ -17,7 +17,7 @@ from zarr.codecs import BloscCodec, BytesCodec, ShardingCodec, TransposeCodec, Z
 import numcodecs
 import stoker
 from stoker import native
-from stoker.engine import cpu
+from stoker.engine import decode_native
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,36 +29,71 @@ def _native_disabled() -> bool:
 def test_extension_is_built():
     if _native_disabled():
         pytest.skip("STOKER_NATIVE=0 turns the compiled reader off")
-    assert native.decode_files is not None and native.zstd and native.blosc, (
+    assert native.Engine is not None and native.decode_files is not None and native.zstd and native.blosc, (
         "stoker._native was not built or could not find zstd and blosc in numcodecs: install a C compiler and "
         "reinstall stoker (pip install -e .)"
     )
 
 
+class _SpyJob:
+    """A BatchJob that records, when its results are read, (codec, chunks, placed, decoded) per codec."""
+
+    def __init__(self, job, codecs, calls):
+        self._job, self._codecs, self._calls = job, codecs, calls
+
+    done = property(lambda self: self._job.done)
+
+    def wait(self, timeout=None):
+        return self._job.wait(timeout)
+
+    def cancel(self):
+        self._job.cancel()
+
+    def results(self):
+        status, detail, counters = self._job.results()
+        ok = np.frombuffer(status, np.int32) == native.OK
+        for codec in sorted(set(self._codecs.tolist()) - {native.FILL}):
+            mine = self._codecs == codec
+            self._calls.append((codec, int(mine.sum()), int((ok & mine).sum()), counters["bytes_decoded"]))
+        return status, detail, counters
+
+
+def spying_engine(real, calls):
+    """``native.Engine`` whose jobs report into ``calls`` (see _SpyJob)."""
+    class Spy:
+        def __init__(self, *args):
+            self._engine = real(*args)
+
+        def submit(self, chunks, *rest):
+            codecs = np.asarray(chunks)[:, native.C_CODEC].copy()
+            return _SpyJob(self._engine.submit(chunks, *rest), codecs, calls)
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+    return Spy
+
+
 @pytest.fixture(params=["compiled", "compiled-streamed", "python"])
 def reader(request, monkeypatch):
-    """Which path reads whole chunk files; yields the compiled calls made as (codec, files, placed, decoded).
-    "compiled-streamed" writes every batch with streaming stores, however small (see cpu.STREAM_MIN_BYTES)."""
+    """Which path makes the batches: the compiled engine, or the Python path (what STOKER_NATIVE=0 gives);
+    yields the engine's work per job and codec as (codec, chunks, placed, decoded). "compiled-streamed" writes
+    every batch with streaming stores, however small (see decode_native.STREAM_MIN_BYTES)."""
     calls: list[tuple[int, int, int, int]] = []
     if request.param == "compiled-streamed":
-        monkeypatch.setattr(cpu, "STREAM_MIN_BYTES", 0)
+        monkeypatch.setattr(decode_native, "STREAM_MIN_BYTES", 0)
     if request.param == "python":
-        monkeypatch.setattr(native, "decode_files", None)
+        monkeypatch.setattr(native, "Engine", None)
     else:
-        real = native.decode_files
-        if real is None:
+        if native.Engine is None:
             pytest.skip("stoker._native is not available")
-
-        def spy(codec, paths, *args):
-            results = real(codec, paths, *args)
-            calls.append((codec, len(paths), sum(r[6] for r in results), sum(r[2] for r in results if r[0] == 0)))
-            return results
-
-        monkeypatch.setattr(native, "decode_files", spy)
-    calls_holder = {"kind": "python" if request.param == "python" else "compiled", "calls": calls}
+        monkeypatch.setattr(native, "Engine", spying_engine(native.Engine, calls))
+    # expect_engine: a test of layouts or batch dtypes the engine leaves to the Python path says False
+    calls_holder = {"kind": "python" if request.param == "python" else "compiled", "calls": calls,
+                    "expect_engine": True}
     yield calls_holder
-    if request.param != "python":
-        assert calls, "the compiled reader was never called"
+    if request.param != "python" and calls_holder["expect_engine"]:
+        assert calls, "the compiled engine was never called"
 
 
 def _crops(samples, dtype="f32"):
@@ -91,6 +126,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_crops_match_zarr(tmp_path, reader, layout):
+    reader["expect_engine"] = layout in ("v3", "v2-C")  # the engine takes C-order, native-order chunks only
     uri = str(tmp_path / "a.zarr")
     shape, chunks = (45, 70), (16, 32)  # edge chunks are partial
     z = zarr.create_array(uri, shape=shape, chunks=chunks, dtype="uint16", fill_value=7, **LAYOUTS[layout])
@@ -514,7 +550,7 @@ def test_direct_call_leaves_doubtful_blosc_frames_to_python(tmp_path):
 def _place(tmp_path, dtype_src, batch_dtype, kind):
     """Cast a 2-D chunk into a batch through the compiled reader; returns (batch, expected by copy_cast)."""
     from stoker.engine.cast import copy_cast
-    from stoker.engine.cpu import copy_plan
+    from stoker.engine.decode_native import copy_plan
     from stoker.engine.plan import ChunkTask, Copy
     from stoker.zarr.codecs import ChunkCodec
 
@@ -584,7 +620,7 @@ def test_streamed_writes_cover_every_alignment_and_nothing_else(tmp_path, batch)
     if not native.zstd:
         pytest.skip("stoker._native is not available")
     from stoker.engine.cast import copy_cast
-    from stoker.engine.cpu import copy_plan
+    from stoker.engine.decode_native import copy_plan
     from stoker.engine.plan import ChunkTask, Copy
     from stoker.zarr.codecs import ChunkCodec
 
@@ -795,11 +831,12 @@ def test_blosc_crops_match_zarr(tmp_path, reader, layout, dtype, depth):
     want = torch.from_numpy(crops) if dtype == "native" else torch.from_numpy(crops).to(
         {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype])
     assert torch.equal(got, want)
+    castable = dtype != "f16" and layout not in ("v3-big-endian", "v3-transpose", "v2-F")
+    reader["expect_engine"] = castable
     if reader["kind"] == "compiled":
         codecs = {c[0] for c in reader["calls"]}
-        assert codecs == {native.BLOSC}
+        assert codecs == ({native.BLOSC} if castable else set())
         placed = sum(c[2] for c in reader["calls"])
-        castable = dtype != "f16" and layout not in ("v3-big-endian", "v3-transpose", "v2-F")
         assert (placed > 0) == castable
         if depth == 6 and (layout.startswith("v3-lz4") or layout == "v2-C"):  # plain: some blocks only
             assert stats.bytes_decoded < stats.chunks_decoded * 32 * 32 * 64 * 2

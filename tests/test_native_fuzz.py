@@ -826,3 +826,88 @@ def test_regions_and_batch_targets(work, data):
         assert not expect_error
         assert results[0][0] in range(8)
     assert out.intact() and batch.intact() and (batch.view == 0xAB).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's plan tables
+
+_ENGINE = None
+
+
+def _engine():
+    global _ENGINE
+    if _ENGINE is None:
+        _ENGINE = native.Engine(2, 1 << 20)
+    return _ENGINE
+
+
+def _edges(n: int):
+    """Values that break tables: out of range for a table of ``n`` rows, negative, overflowing products."""
+    return st.sampled_from([-2**63, -2**62, -2, -1, 0, 1, 2, 7, 8, 63, 64, 65, 127, 128, 129, 4095, 4096, 2**31,
+                            2**32, 2**62, 2**63 - 1, n - 1, n, n + 1])
+
+
+@fuzz(300)
+@given(st.data())
+def test_engine_tables(work, data):
+    """Sound tables with a few values replaced by hostile ones (indices out of range, negative sizes, products
+    that overflow, copies outside the batch or the chunk, a blob with a NUL or too short, a batch too small):
+    refused with a ValueError before any thread sees them, or run to a status per chunk, with no write
+    outside the batch's buffer (between guard bytes) and no read outside the threads' scratch (ASan)."""
+    n = data.draw(st.integers(1, 5))
+    root = work / "engine"
+    (root / "c").mkdir(parents=True, exist_ok=True)
+    chunk = np.arange(64, dtype="uint16").reshape(8, 8)
+    frame = numcodecs.Zstd(level=1).encode(chunk.tobytes())
+    shard = b"head" + frame + numcodecs.Blosc("lz4", 5, 1).encode(chunk.tobytes()) + b"tail"
+    for i in range(n):
+        (root / "c" / f"0.{i}").write_bytes(frame if i % 2 == 0 else shard)
+    blob = os.fsencode(str(root) + "/c/")
+    sources = np.array([[native.SOURCE_KINDS[np.dtype("uint16")], 0, 0, len(blob), ord("."), 8, 1]], np.int64)
+    files = np.zeros((n, native.F_COORDS + 2), np.int64)
+    files[:, native.F_COORDS + 1] = np.arange(n)
+    chunks = np.zeros((n, native.N_CHUNK_COLS), np.int64)
+    chunks[:, native.C_FILE] = np.arange(n)
+    chunks[:, native.C_OFFSET] = -1
+    chunks[:, native.C_SPAN_STOP] = chunks[:, native.C_NBYTES] = 128
+    chunks[:, native.C_MAX_STORED] = 4096
+    chunks[:, native.C_FIRST_COPY] = np.arange(n)
+    chunks[:, native.C_NCOPIES] = 1
+    for i in range(1, n, 2):  # inner chunks of a "shard": the zstd frame at 4, the blosc frame after it
+        which = data.draw(st.integers(0, 1))
+        chunks[i, native.C_OFFSET] = 4 if which == 0 else 4 + len(frame)
+        chunks[i, native.C_LENGTH] = len(frame) if which == 0 else len(shard) - 8 - len(frame)
+        chunks[i, native.C_CODEC] = native.ZSTD if which == 0 else native.BLOSC
+    if data.draw(st.booleans()):
+        chunks[0, native.C_FILE], chunks[0, native.C_CODEC] = -1, native.FILL
+    copies = np.zeros((n, 4), np.int64)
+    copies[:, 1] = np.arange(n) * 64
+    copies[:, 2:] = 8
+    strides = np.array([8, 1], np.int64)
+    kind = data.draw(st.sampled_from([native.SAME, native.F32, native.BF16]))
+    d_item = {native.SAME: 2, native.F32: 4, native.BF16: 2}[kind]
+    tables = {"chunks": chunks, "copies": copies, "sources": sources, "files": files, "strides": strides}
+    for _ in range(data.draw(st.integers(0, 3))):
+        name = data.draw(st.sampled_from(sorted(tables)))
+        table = tables[name].reshape(-1) if name == "strides" else tables[name]
+        if table.ndim == 1:
+            table[data.draw(st.integers(0, len(table) - 1))] = data.draw(_edges(n))
+        else:
+            row, col = data.draw(st.integers(0, table.shape[0] - 1)), data.draw(st.integers(0, table.shape[1] - 1))
+            table[row, col] = data.draw(_edges(table.shape[0]))
+    if data.draw(st.integers(0, 9)) == 0:
+        blob = data.draw(st.sampled_from([blob[:-1], blob[:3] + b"\0" + blob[4:], b""]))
+    nbytes = n * 64 * d_item - data.draw(st.sampled_from([0] * 8 + [1, d_item, 64]))
+    batch = Guarded(max(0, nbytes), fill=0x11)
+    note(f"tables {tables}, blob {blob!r}, kind {kind}, batch {nbytes} bytes")
+    try:
+        job = _engine().submit(chunks, copies, sources, files, blob, batch.view, kind, False, strides)
+    except ValueError as exc:
+        event("refused")
+        assert "plan" in str(exc)
+    else:
+        event("run")
+        assert job.wait(20)
+        status = np.frombuffer(job.results()[0], np.int32)
+        assert set(status.tolist()) <= set(range(native.PENDING))
+    assert batch.intact(), "a write outside the batch"

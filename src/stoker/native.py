@@ -1,8 +1,11 @@
-"""The optional compiled fast path (``stoker._native``) and the codec functions it calls.
+"""The optional compiled engine (``stoker._native``) and the codec functions it calls.
 
 ``stoker._native`` is built from ``csrc/*.c`` when stoker is installed and a C
 compiler is present; without it (or with ``STOKER_NATIVE=0`` in the environment)
 every chunk takes the pure-Python path, which reads and decodes the same bytes.
+Its :data:`Engine` makes whole batches from flat plan tables on threads of its own
+(see ``engine/decode_native.py``); ``decode_files`` reads a group of chunks on the
+calling thread (the same readers and decoders; kept for tests and fuzzing).
 The extension calls zstd's own ``ZSTD_decompress`` (or, where numcodecs exports them,
 its context and buffer-less streaming functions, so a chunk whose copies need only
 its first blocks is decoded only that far) and c-blosc's
@@ -10,7 +13,7 @@ its first blocks is decoded only that far) and c-blosc's
 extension modules, found here through ctypes, so no second codec is built.
 
 >>> from stoker import native
->>> native.decode_files is None or callable(native.decode_files)
+>>> native.Engine is None or callable(native.Engine)
 True
 """
 
@@ -22,8 +25,16 @@ import os
 import numpy as np
 
 # chunk statuses of the compiled reader (see csrc/stoker_native.h)
-OK, MISSING, TOO_BIG, OS_ERROR, SHORT, CODEC_ERROR, SIZE, FRAME, NOT_REGULAR, CHANGED = range(10)
-ZSTD, BLOSC = 0, 1  # codecs of decode_files
+(OK, MISSING, TOO_BIG, OS_ERROR, SHORT, CODEC_ERROR, SIZE, FRAME, NOT_REGULAR, CHANGED, CANCELLED, NO_MEMORY,
+ PENDING) = range(13)
+ZSTD, BLOSC = 0, 1  # codecs of a stored chunk
+FILL = -1  # an engine chunk with nothing stored: its copies take the fill value
+
+# columns of the engine's plan tables (csrc/stoker_native.h: C_*, S_*, F_*)
+(C_SOURCE, C_FILE, C_OFFSET, C_LENGTH, C_SPAN_START, C_SPAN_STOP, C_CODEC, C_NBYTES, C_MAX_STORED, C_FIRST_COPY,
+ C_NCOPIES, N_CHUNK_COLS) = range(12)
+S_KIND, S_FILL, S_PATH_START, S_PATH_LEN, S_SEP, S_STRIDES = range(6)  # then ndim chunk strides
+F_SOURCE, F_HAS_IDENT, F_DEV, F_INO, F_SIZE, F_MTIME, F_CTIME, F_COORDS = range(8)  # then ndim grid coordinates
 
 #: source kinds of a copy plan (native byte order), by numpy dtype
 SOURCE_KINDS = {np.dtype(t): k for k, t in enumerate(
@@ -55,13 +66,13 @@ def _symbols(module_file: str, *names: str):
 
 
 def _load():
-    """``(decode_files, zstd ready, blosc ready)``; ``decode_files`` is None without the extension."""
+    """``(decode_files, Engine, zstd ready, blosc ready)``; the first two are None without the extension."""
     if _disabled():
-        return None, False, False
+        return None, None, False, False
     try:
         from . import _native
     except ImportError:
-        return None, False, False
+        return None, None, False, False
     zstd_addrs = blosc_addrs = streaming_addrs = None
     try:
         from numcodecs import zstd
@@ -88,8 +99,8 @@ def _load():
     zstd_streaming = bool(zstd_addrs and streaming_addrs)
     _native.set_zstd_streaming(*(streaming_addrs if zstd_streaming else (0,) * len(ZSTD_STREAMING)))
     if not zstd_addrs and not blosc_addrs:
-        return None, False, False
-    return _native.decode_files, bool(zstd_addrs), bool(blosc_addrs)
+        return None, None, False, False
+    return _native.decode_files, _native.Engine, bool(zstd_addrs), bool(blosc_addrs)
 
 
 _error_name = None
@@ -103,6 +114,7 @@ def zstd_error(code: int) -> str:
 
 
 #: ``decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst)
-#: -> [(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]``, or ``None`` where the
-#: extension is not built (or ``STOKER_NATIVE=0``); ``zstd`` / ``blosc``: which codecs it can call
-decode_files, zstd, blosc = _load()
+#: -> [(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]`` and ``Engine(n_threads, budget_bytes)``,
+#: or ``None`` where the extension is not built (or ``STOKER_NATIVE=0``); ``zstd`` / ``blosc``: which codecs
+#: it can call
+decode_files, Engine, zstd, blosc = _load()

@@ -35,7 +35,8 @@ enum {
     ST_NOT_REGULAR,  /* detail: st_mode & S_IFMT */
     ST_CHANGED,      /* the shard file is not the one its index was read from */
     ST_CANCELLED,    /* the job was cancelled before this chunk was placed */
-    ST_SKIPPED,      /* not read: a chunk before it failed (only the first failure is reported) */
+    ST_NO_MEMORY,    /* the thread's scratch could not be allocated */
+    ST_PENDING,      /* not finished yet */
     N_STATUSES
 };
 
@@ -107,5 +108,74 @@ void place_copies(int kind, int ndim, const int64_t *ss, const int64_t *ds, cons
 void fill_copies(int ndim, const int64_t *ds, const int64_t *copies, long long ncopies, long long step,
                  const unsigned char *value, size_t d_item, const batch_dst *dst);
 void place_fence(const batch_dst *dst);
+
+/* ---- pool.c: the engine ---- */
+
+/* The plan tables of a batch (int64, row-major; ndim: the batch's sample rank). Columns: */
+enum { /* a chunk: one stored chunk (or a fill), and its copies */
+    C_SOURCE = 0,  /* row of the sources table */
+    C_FILE,        /* row of the files table; -1: nothing is stored (CODEC_FILL) */
+    C_OFFSET,      /* the stored chunk's offset in its file; -1: the whole file */
+    C_LENGTH,      /* its length (an inner chunk; 0 for a whole file) */
+    C_SPAN_START,  /* the decoded bytes the copies read: [start, stop) */
+    C_SPAN_STOP,
+    C_CODEC,       /* CODEC_* */
+    C_NBYTES,      /* the decoded chunk's size */
+    C_MAX_STORED,  /* the most bytes a stored chunk of this codec may take (larger: ST_TOO_BIG, unread) */
+    C_FIRST_COPY,  /* its copies: rows [first, first + n) of the copies table */
+    C_NCOPIES,
+    N_CHUNK_COLS
+};
+enum { /* a source (an array): S_STRIDES then holds ndim chunk strides, in elements */
+    S_KIND = 0,    /* element kind (K_*) of its decoded chunks */
+    S_FILL,        /* its fill value as the batch holds it: the element's bytes, in the low bytes (little end) */
+    S_PATH_START,  /* its files' path prefix in the blob: the array's directory, separator, key prefix */
+    S_PATH_LEN,
+    S_SEP,         /* the key separator ('/' or '.'), written between grid coordinates */
+    S_STRIDES,
+};
+enum { /* a file (a chunk file or a shard): F_COORDS then holds its ndim grid coordinates (its key) */
+    F_SOURCE = 0,
+    F_HAS_IDENT,   /* 1: read only from a file of this identity (a shard whose index was read from it) */
+    F_DEV, F_INO, F_SIZE, F_MTIME, F_CTIME,
+    F_COORDS,
+};
+
+typedef struct {
+    long long n_chunks, n_copies, n_sources, n_files;
+    int ndim;
+    const int64_t *chunks, *copies, *sources, *files;
+    const char *blob;
+    long long blob_len;
+    batch_dst dst;
+    int64_t dst_strides[MAX_NDIM];
+} plan_tables;
+
+/* Counters of a job, summed over its chunks. */
+typedef struct {
+    long long bytes_read, bytes_decoded, chunks_decoded, chunks_filled;
+    long long read_ns, decode_ns, place_ns, fill_ns;
+    long long max_threads; /* the most threads that worked on it at once */
+} job_counters;
+
+typedef struct engine engine;
+typedef struct job job;
+
+/* NULL with *error set (a message) when the tables are not a sound plan: checked before any thread sees it */
+job *job_new(engine *e, const plan_tables *t, const char **error);
+engine *engine_new(int n_threads, long long budget, int *started);
+void engine_submit(engine *e, job *j);
+/* 1 once every chunk finished; waits at most timeout_s (< 0: no limit); call without the GIL */
+int job_wait(engine *e, job *j, double timeout_s);
+int job_done(engine *e, job *j);
+/* after it returns no worker writes into the job's batch; call without the GIL */
+void job_cancel(engine *e, job *j);
+void job_results(engine *e, job *j, int32_t *status, int64_t *detail, job_counters *counters);
+long long job_chunks(const job *j);
+void job_release(engine *e, job *j);
+/* cancel every job, stop the threads; 1 when all have left within timeout_s; call without the GIL */
+int engine_close(engine *e, double timeout_s);
+void engine_info(engine *e, long long out[6]);
+void engine_release(engine *e);
 
 #endif

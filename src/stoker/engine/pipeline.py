@@ -44,8 +44,8 @@ from .batch import Batch
 from . import device as devices
 from .buffers import SlotRing, TransientBudget, pinned_footprint, size_class
 from .cast import batch_dtype
-from .cpu import CpuExecutor, Job, reads_one_by_one
-from .plan import plan_batch
+from .cpu import CpuExecutor, engine_available, scratch_need
+from .executor import Job
 from .stats import Stats, StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
@@ -311,8 +311,7 @@ class Pipeline:
             readers = list({s.uri: self._open(s.uri) for s in samples}.values())
             dtype = self._batch_dtype(readers)
             self._ensure_buffers(samples[0].shape, readers, dtype)
-            plan = plan_batch(batch_id, samples, self._open, max_group=self._group_limit, sizing=size_class,
-                              one_by_one=reads_one_by_one)
+            plan = self._executor.plan(batch_id, samples, self._open)
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
             with self._cond:
                 self._inflight.append(_Entry(batch_id, len(samples), error=exc))
@@ -366,9 +365,11 @@ class Pipeline:
             self._slots = self._transfer.slots
         else:
             self._slots = self._host_slots = SlotRing(self._n_slots, batch_shape, dtype)
-        self._budget = TransientBudget(self.cfg.host_buffer_bytes - self._host_slots.nbytes)
+        left = self.cfg.host_buffer_bytes - self._host_slots.nbytes
+        engine = _engine_budget(left, transient, self.cfg.compute_threads, readers) if engine_available() else 0
+        self._budget = TransientBudget(left - engine)
         self._executor = CpuExecutor(self.cfg.n_io_threads, self.cfg.compute_threads, self._budget,
-                                     self._stats, self._store)
+                                     self._stats, self._store, engine_budget=engine, group_limit=self._group_limit)
 
     def _acquire(self, ring: SlotRing):
         slot = None
@@ -533,7 +534,7 @@ class Pipeline:
 
     def stats(self) -> Stats:
         slots = self._host_slots.nbytes if self._host_slots is not None else 0
-        peak = self._budget.peak if self._budget is not None else 0
+        peak = self._executor.peak_bytes() if self._executor is not None else 0
         return self._stats.snapshot(peak_host_bytes=slots + peak)
 
     def stats_reset(self) -> None:
@@ -585,6 +586,18 @@ def _coordinate(ref: "weakref.ReferenceType[Pipeline]") -> None:
 def _deadline(limit: float | None) -> float | None:
     """When a wait of ``limit`` seconds (None: unbounded) that starts now ends, on the monotonic clock."""
     return None if limit is None else time.monotonic() + limit
+
+
+#: The engine's scratch budget: room for every compute thread's scratch for the largest chunk of the first
+#: batch's arrays, twice over (later arrays may have larger chunks), and at least this much.
+_ENGINE_MIN_BYTES = 64 << 20
+
+
+def _engine_budget(left: int, python_need: int, threads: int, readers: list[ArrayReader]) -> int:
+    """The share of ``left`` (host_buffer_bytes minus the batch slots) the compiled engine's threads take
+    for their scratch; the Python path keeps the rest, at least ``python_need`` (one file's chunks)."""
+    need = max(scratch_need(r.metadata.codec) for r in readers)
+    return max(0, min(left - python_need, max(_ENGINE_MIN_BYTES, 2 * threads * need)))
 
 
 def _stage_bytes(slot_bytes: int, output: torch.dtype | None) -> int:

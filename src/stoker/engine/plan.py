@@ -19,7 +19,7 @@ import collections
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..array import ArrayReader
 from ..box import box_shape, check_in_bounds
@@ -130,6 +130,10 @@ class BatchPlan:
         return len(self.samples)
 
     @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
     def fill_chunks(self) -> list[int]:
         return [i for i, c in enumerate(self.chunks) if c.fill]
 
@@ -148,7 +152,7 @@ def _axis_pieces(start: int, stop: int, chunk: int, chunk_stride: int, box_strid
     return pieces
 
 
-def _groups(cids: list[int], chunks: list[ChunkTask], cost: Callable[[ChunkTask], int], limit: int) -> list[list[int]]:
+def _groups(cids: list[int], chunks, cost: Callable[[ChunkTask], int], limit: int) -> list[list[int]]:
     """Split one shard's chunks (in file order) into groups costing at most ``limit`` (a lone chunk always fits)."""
     groups: list[list[int]] = []
     total = 0
@@ -248,12 +252,19 @@ def plan_batch(
         else:
             by_shard.setdefault((task.path, task.ident), []).append(cid)
 
+    file_reads += shard_reads(by_shard.values(), chunks, sources, max_gap, max_group, sizing)
+    return BatchPlan(batch_id, tuple(samples), shape, sources, chunks, file_reads, needed, bytes_needed)
+
+
+def shard_reads(shards: Iterable[list[int]], chunks, sources: Sequence[ArrayReader], max_gap: int, max_group: int,
+                sizing: Callable[[int], int]) -> list[FileRead]:
+    """The reads of inner chunks, given per shard file (``chunks[c]`` located: path, offset, length): nearby
+    ones coalesced, in groups whose cost stays within ``max_group`` (see :func:`plan_batch`)."""
     def chunk_cost(task: ChunkTask) -> int:
         return sizing(task.length) + sizing(sources[task.source].metadata.codec.nbytes)
 
-    pending = collections.deque(
-        g for cids in by_shard.values() for g in _groups(cids, chunks, chunk_cost, max_group)
-    )
+    file_reads = []
+    pending = collections.deque(g for cids in shards for g in _groups(cids, chunks, chunk_cost, max_group))
     while pending:
         group = pending.popleft()
         reads = coalesce([(chunks[c].offset, chunks[c].length) for c in group], max_gap=max_gap,
@@ -265,4 +276,4 @@ def plan_batch(
             pending.extendleft([group[half:], group[:half]])
             continue
         file_reads.append(FileRead(chunks[group[0]].path, tuple(group), tuple(reads)))
-    return BatchPlan(batch_id, tuple(samples), shape, sources, chunks, file_reads, needed, bytes_needed)
+    return file_reads

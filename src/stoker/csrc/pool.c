@@ -1,0 +1,696 @@
+/* The engine: worker threads owned by the extension make whole batches from flat plan tables.
+ *
+ * An engine starts its threads once. A job is one batch: its tables (copied and checked in job_new, before any
+ * thread sees them), a status and a detail per chunk, and summed counters. Workers take the first job that has
+ * chunks left and pull its chunks by an atomic counter; each reads, decodes and places a chunk on its own.
+ *
+ * Memory: each thread reads and decodes into scratch of its own, sized for the job's largest chunk (its decoded
+ * bytes, then its stored bytes), reserved from the engine's budget under its lock. A thread whose scratch is too small gives
+ * it back before reserving more; when the budget is short it waits, so fewer threads work at once, and nothing
+ * is allocated past the budget. Scratch is kept between jobs (fresh pages cost a fault each).
+ *
+ * Lifetime: the engine's state is shared by the Python object, every thread and every job, refcounted under
+ * its lock; the last one out frees it. A job is refcounted the same way (its Python object, the engine's list
+ * of live jobs, each worker inside it). Workers write into a job's batch only holding its place lock shared,
+ * after checking that the job is not cancelled; job_cancel takes the lock exclusively, so once it returns no
+ * worker writes into that batch again. engine_close cancels every job and waits a bounded time for the
+ * threads; a thread stuck in a system call (a hung network mount) is left behind: it holds only its own
+ * scratch and references, checks cancellation before any write into a batch, and frees what it holds last.
+ * Workers never call into Python.
+ */
+#include "stoker_native.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define PATH_CAP 4096
+#define ALIGN 64
+
+struct job {
+    plan_tables t;     /* points into owned and blob */
+    int64_t *owned;    /* the tables: chunks, copies, sources, files */
+    char *blob;
+    size_t need; /* scratch per thread: the most any chunk needs (decoded, rounded up to ALIGN, then stored) */
+    int32_t *status;
+    int64_t *detail;
+    pthread_rwlock_t place_lock; /* shared: a worker writing into the batch; exclusive: job_cancel */
+    int cancelled;               /* set under place_lock held exclusively; read under it, or atomically */
+    long long next;              /* atomic: the next chunk to hand out */
+    long long finished;          /* atomic: chunks with their status set */
+    job_counters counters;       /* atomic sums */
+    /* under the engine's lock: */
+    long long threads_now;
+    int done;
+    int submitted;
+    int live; /* in the engine's list of live jobs */
+    int refs;
+    job *prev, *next_live;
+};
+
+struct engine {
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv; /* workers wait here: new jobs, budget given back, closing */
+    pthread_cond_t done_cv; /* job_wait and engine_close wait here */
+    int refs;               /* the Python object, each live thread, each job */
+    int closing;            /* written under mu, read atomically by workers between chunks */
+    int n_threads, alive;
+    long long budget, used, peak;
+    job *live; /* jobs not done nor cancelled, in submission order */
+};
+
+/* ---- small helpers ---- */
+
+static int add_ok(long long a, long long b, long long *out) { return !__builtin_add_overflow(a, b, out); }
+
+static void deadline_after(struct timespec *ts, double seconds) {
+    if (seconds > 1e9) /* about 30 years: as good as forever, and no overflow */
+        seconds = 1e9;
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    long long ns = ts->tv_nsec + (long long)((seconds - (double)(long long)seconds) * 1e9);
+    ts->tv_sec += (time_t)seconds + ns / 1000000000LL;
+    ts->tv_nsec = ns % 1000000000LL;
+}
+
+static void cond_init(pthread_cond_t *cv) {
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+#if !defined(__APPLE__)
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* waits are not moved by changes of the wall clock */
+#endif
+    pthread_cond_init(cv, &attr);
+    pthread_condattr_destroy(&attr);
+}
+
+/* wait on cv until the monotonic deadline; macOS has no monotonic condition variables: wait in short slices */
+static void cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, const struct timespec *deadline) {
+#if defined(__APPLE__)
+    (void)deadline;
+    struct timespec rel = {0, 10 * 1000 * 1000};
+    pthread_cond_timedwait_relative_np(cv, mu, &rel);
+#else
+    pthread_cond_timedwait(cv, mu, deadline);
+#endif
+}
+
+static int past(const struct timespec *deadline) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return now.tv_sec > deadline->tv_sec || (now.tv_sec == deadline->tv_sec && now.tv_nsec >= deadline->tv_nsec);
+}
+
+static void engine_free(engine *e) {
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->work_cv);
+    pthread_cond_destroy(&e->done_cv);
+    free(e);
+}
+
+static void job_free(job *j) {
+    pthread_rwlock_destroy(&j->place_lock);
+    free(j->owned);
+    free(j->blob);
+    free(j->status);
+    free(j->detail);
+    free(j);
+}
+
+static void unlink_live_locked(engine *e, job *j) {
+    if (!j->live)
+        return;
+    if (j->prev != NULL)
+        j->prev->next_live = j->next_live;
+    else
+        e->live = j->next_live;
+    if (j->next_live != NULL)
+        j->next_live->prev = j->prev;
+    j->prev = j->next_live = NULL;
+    j->live = 0;
+    j->refs--; /* the list's reference */
+}
+
+/* drop one reference of a job and one of the engine it holds; frees what reaches zero (after the lock) */
+static void job_unref_locked(engine *e, job *j, job **free_job, int *free_engine) {
+    if (--j->refs == 0) {
+        *free_job = j;
+        *free_engine = --e->refs == 0;
+    }
+}
+
+/* ---- checking a plan ---- */
+
+#define FAIL(msg)                                                                                                  \
+    do {                                                                                                           \
+        *error = msg;                                                                                              \
+        return -1;                                                                                                 \
+    } while (0)
+
+/* The whole plan, before any thread sees it: every index in range, every size sane, every copy inside its
+ * chunk's decoded span and inside the batch (check_copies), and no more elements written than the batch holds. */
+static size_t aligned(long long n) { return ((size_t)n + ALIGN - 1) / ALIGN * ALIGN; }
+
+static int check_tables(const plan_tables *t, size_t *need, const char **error) {
+    int ndim = t->ndim;
+    if (ndim < 1 || ndim > MAX_NDIM)
+        FAIL("the batch's rank must be between 1 and 32");
+    if (t->n_chunks < 0 || t->n_copies < 0 || t->n_sources < 0 || t->n_files < 0 || t->blob_len < 0)
+        FAIL("negative table sizes");
+    if (t->dst.base == NULL || t->dst.nbytes < 0 || t->dst.kind < 0 || t->dst.kind >= N_DST_KINDS)
+        FAIL("the batch target is not (a buffer, a kind of batch)");
+    if (t->dst_strides[ndim - 1] != 1)
+        FAIL("the batch's innermost stride must be 1");
+    for (int k = 0; k < ndim; k++)
+        if (t->dst_strides[k] < 0)
+            FAIL("the batch's strides must not be negative");
+    long long sw = S_STRIDES + ndim, fw = F_COORDS + ndim, cw = 2 + ndim;
+    for (long long s = 0; s < t->n_sources; s++) {
+        const int64_t *r = t->sources + s * sw;
+        long long end;
+        if (!cast_supported((int)r[S_KIND], t->dst.kind) || r[S_KIND] != (int)r[S_KIND])
+            FAIL("a source's element kind cannot be cast into this batch");
+        if (r[S_PATH_START] < 0 || r[S_PATH_LEN] < 1 || !add_ok(r[S_PATH_START], r[S_PATH_LEN], &end) ||
+            end > t->blob_len || r[S_PATH_LEN] + 21LL * ndim + 1 > PATH_CAP)
+            FAIL("a source's path prefix is outside the paths blob, or too long");
+        if (memchr(t->blob + r[S_PATH_START], 0, (size_t)r[S_PATH_LEN]) != NULL)
+            FAIL("a source's path prefix holds a NUL byte");
+        if (r[S_SEP] != '/' && r[S_SEP] != '.')
+            FAIL("a source's key separator is not '/' or '.'");
+    }
+    for (long long f = 0; f < t->n_files; f++) {
+        const int64_t *r = t->files + f * fw;
+        if (r[F_SOURCE] < 0 || r[F_SOURCE] >= t->n_sources || (r[F_HAS_IDENT] != 0 && r[F_HAS_IDENT] != 1))
+            FAIL("a file's source is out of range");
+        for (int k = 0; k < ndim; k++)
+            if (r[F_COORDS + k] < 0)
+                FAIL("a file's grid coordinates are negative");
+    }
+    long long written = 0;
+    *need = 0;
+    for (long long i = 0; i < t->n_chunks; i++) {
+        const int64_t *c = t->chunks + i * N_CHUNK_COLS;
+        long long last;
+        if (c[C_SOURCE] < 0 || c[C_SOURCE] >= t->n_sources)
+            FAIL("a chunk's source is out of range");
+        if (c[C_FIRST_COPY] < 0 || c[C_NCOPIES] < 0 || !add_ok(c[C_FIRST_COPY], c[C_NCOPIES], &last) ||
+            last > t->n_copies)
+            FAIL("a chunk's copies are outside the copies table");
+        const int64_t *src = t->sources + c[C_SOURCE] * sw;
+        int kind = (int)src[S_KIND];
+        size_t d_item = dst_itemsize(&t->dst, kind);
+        const int64_t *copies = t->copies + c[C_FIRST_COPY] * cw;
+        for (long long k = 0; k < c[C_NCOPIES]; k++) { /* bytes written: each bounded by the batch in check_copies */
+            long long n = 1;
+            for (int a = 0; a < ndim; a++)
+                if (copies[k * cw + 2 + a] < 1 || __builtin_mul_overflow(n, copies[k * cw + 2 + a], &n) ||
+                    n > t->dst.nbytes)
+                    FAIL("a copy's extent is not positive, or larger than the batch");
+            if (__builtin_mul_overflow(n, (long long)d_item, &n) || !add_ok(written, n, &written) ||
+                written > t->dst.nbytes)
+                FAIL("the copies write more elements than the batch holds");
+        }
+        if (c[C_CODEC] == CODEC_FILL) {
+            if (c[C_FILE] != -1)
+                FAIL("a fill chunk names a file");
+            if (check_fill_copies(ndim, t->dst_strides, copies, c[C_NCOPIES], cw, d_item, &t->dst))
+                FAIL("a fill chunk's copies leave the batch");
+            continue;
+        }
+        if (c[C_CODEC] < 0 || c[C_CODEC] >= N_CODECS || !codec_ready((int)c[C_CODEC]))
+            FAIL("a chunk's codec is unknown or not set up");
+        if (c[C_FILE] < 0 || c[C_FILE] >= t->n_files)
+            FAIL("a chunk's file is out of range");
+        const int64_t *f = t->files + c[C_FILE] * fw;
+        if (f[F_SOURCE] != c[C_SOURCE])
+            FAIL("a chunk's file belongs to another source");
+        if (c[C_OFFSET] < -1 || c[C_LENGTH] < 0 || !add_ok(c[C_OFFSET], c[C_LENGTH], &last) ||
+            (c[C_OFFSET] == -1 && (c[C_LENGTH] != 0 || f[F_HAS_IDENT])))
+            FAIL("a chunk's byte range is outside its file (a file identity is for inner chunks only)");
+        long long item = src_itemsize[kind];
+        if (c[C_NBYTES] < 1 || c[C_NBYTES] % item || c[C_NBYTES] > (1LL << 40) || c[C_MAX_STORED] < 0 ||
+            c[C_MAX_STORED] > (1LL << 41))
+            FAIL("a chunk's sizes are not those of a chunk");
+        if (c[C_SPAN_START] < 0 || c[C_SPAN_START] > c[C_SPAN_STOP] || c[C_SPAN_STOP] > c[C_NBYTES])
+            FAIL("a chunk's span is outside the chunk");
+        if (check_copies(kind, ndim, src + S_STRIDES, t->dst_strides, copies, c[C_NCOPIES], cw, c[C_NBYTES],
+                         c[C_SPAN_START], c[C_SPAN_STOP], NULL, &t->dst))
+            FAIL("a chunk's copies leave its decoded span or the batch");
+        if (aligned(c[C_NBYTES]) + (size_t)c[C_MAX_STORED] > *need)
+            *need = aligned(c[C_NBYTES]) + (size_t)c[C_MAX_STORED];
+    }
+    return 0;
+}
+
+/* the job's own copy: the caller's buffers may change once job_new returns (they were checked here) */
+static void copy_table(int64_t *to, const int64_t *from, long long n) {
+    if (n)
+        memcpy(to, from, sizeof(int64_t) * (size_t)n);
+}
+
+job *job_new(engine *e, const plan_tables *t, const char **error) {
+    job *j = calloc(1, sizeof(job));
+    long long sw = S_STRIDES + t->ndim, fw = F_COORDS + t->ndim, cw = 2 + t->ndim;
+    long long values = t->n_chunks * N_CHUNK_COLS + t->n_copies * cw + t->n_sources * sw + t->n_files * fw;
+    if (j == NULL)
+        goto oom;
+    j->owned = malloc(sizeof(int64_t) * (size_t)(values ? values : 1));
+    j->blob = malloc((size_t)(t->blob_len ? t->blob_len : 1));
+    j->status = malloc(sizeof(int32_t) * (size_t)(t->n_chunks ? t->n_chunks : 1));
+    j->detail = calloc((size_t)(t->n_chunks ? t->n_chunks : 1), sizeof(int64_t));
+    if (j->owned == NULL || j->blob == NULL || j->status == NULL || j->detail == NULL)
+        goto oom;
+    /* copied first, then checked: what the workers read is what was checked, whatever the caller's buffers do */
+    j->t = *t;
+    int64_t *p = j->owned;
+    copy_table(p, t->chunks, t->n_chunks * N_CHUNK_COLS);
+    j->t.chunks = p, p += t->n_chunks * N_CHUNK_COLS;
+    copy_table(p, t->copies, t->n_copies * cw);
+    j->t.copies = p, p += t->n_copies * cw;
+    copy_table(p, t->sources, t->n_sources * sw);
+    j->t.sources = p, p += t->n_sources * sw;
+    copy_table(p, t->files, t->n_files * fw);
+    j->t.files = p;
+    if (t->blob_len)
+        memcpy(j->blob, t->blob, (size_t)t->blob_len);
+    j->t.blob = j->blob;
+    if (check_tables(&j->t, &j->need, error))
+        goto bad;
+    if ((long long)j->need > e->budget) {
+        *error = "the batch's largest chunk needs more scratch per thread than the engine's budget";
+        goto bad;
+    }
+    for (long long i = 0; i < t->n_chunks; i++)
+        j->status[i] = ST_PENDING;
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+#if defined(__GLIBC__)
+    /* glibc prefers readers by default: with many workers placing, job_cancel could wait on and on */
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+#endif
+    pthread_rwlock_init(&j->place_lock, &attr);
+    pthread_rwlockattr_destroy(&attr);
+    j->refs = 1; /* the caller's */
+    return j;
+oom:
+    *error = "out of memory";
+bad:
+    if (j != NULL) {
+        free(j->owned);
+        free(j->blob);
+        free(j->status);
+        free(j->detail);
+        free(j);
+    }
+    return NULL;
+}
+
+long long job_chunks(const job *j) { return j->t.n_chunks; }
+
+/* ---- a worker ---- */
+
+static void count(long long *field, long long value) { __atomic_add_fetch(field, value, __ATOMIC_RELAXED); }
+
+/* dir/prefix (the source's path prefix) then the grid coordinates joined by the separator */
+static void build_path(char *out, const job *j, const int64_t *src, const int64_t *coords) {
+    size_t n = (size_t)src[S_PATH_LEN];
+    memcpy(out, j->t.blob + src[S_PATH_START], n);
+    for (int k = 0; k < j->t.ndim; k++) {
+        if (k)
+            out[n++] = (char)src[S_SEP];
+        char digits[24];
+        int d = 0;
+        unsigned long long v = (unsigned long long)coords[k];
+        do {
+            digits[d++] = (char)('0' + v % 10);
+            v /= 10;
+        } while (v);
+        while (d)
+            out[n++] = digits[--d];
+    }
+    out[n] = 0;
+}
+
+/* Write into the batch only while the job is not cancelled (see job_cancel); 0 when it was. */
+static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char *decoded, int fill) {
+    const plan_tables *t = &j->t;
+    int ndim = t->ndim, kind = (int)src[S_KIND];
+    const int64_t *copies = t->copies + c[C_FIRST_COPY] * (2 + ndim);
+    long long t0 = now_ns();
+    pthread_rwlock_rdlock(&j->place_lock);
+    int go = !j->cancelled;
+    if (go) {
+        if (fill) {
+            unsigned char value[8];
+            memcpy(value, &src[S_FILL], sizeof(value));
+            fill_copies(ndim, t->dst_strides, copies, c[C_NCOPIES], 2 + ndim, value, dst_itemsize(&t->dst, kind),
+                        &t->dst);
+        } else {
+            place_copies(kind, ndim, src + S_STRIDES, t->dst_strides, copies, c[C_NCOPIES], 2 + ndim, decoded,
+                         &t->dst);
+        }
+        place_fence(&t->dst);
+    }
+    pthread_rwlock_unlock(&j->place_lock);
+    count(fill ? &j->counters.fill_ns : &j->counters.place_ns, now_ns() - t0);
+    return go;
+}
+
+static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx) {
+    const plan_tables *t = &j->t;
+    const int64_t *c = t->chunks + i * N_CHUNK_COLS;
+    const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
+    int32_t status = ST_OK;
+    int64_t detail = 0;
+    if (c[C_CODEC] == CODEC_FILL) {
+        status = place_chunk(j, src, c, NULL, 1) ? ST_OK : ST_CANCELLED;
+        if (status == ST_OK)
+            count(&j->counters.chunks_filled, 1);
+    } else {
+        const int64_t *f = t->files + c[C_FILE] * (F_COORDS + t->ndim);
+        char path[PATH_CAP];
+        build_path(path, j, src, f + F_COORDS);
+        chunk_io io = {0};
+        io.path = path;
+        io.out = scratch;
+        io.offset = c[C_OFFSET];
+        io.length = c[C_LENGTH];
+        io.span_start = c[C_SPAN_START];
+        io.span_stop = c[C_SPAN_STOP];
+        io.has_ident = (int)f[F_HAS_IDENT];
+        io.dev = (unsigned long long)f[F_DEV];
+        io.ino = (unsigned long long)f[F_INO];
+        io.size = f[F_SIZE];
+        io.mtime_ns = f[F_MTIME];
+        io.ctime_ns = f[F_CTIME];
+        /* the decoded chunk, then its stored bytes: the thread's scratch holds both (job->need) */
+        read_decode(&io, (int)c[C_CODEC], scratch + aligned(c[C_NBYTES]), (size_t)c[C_MAX_STORED],
+                    (size_t)c[C_NBYTES], ctx);
+        count(&j->counters.bytes_read, io.nread);
+        count(&j->counters.read_ns, io.read_ns);
+        count(&j->counters.decode_ns, io.decode_ns);
+        if (io.status == ST_MISSING && io.offset < 0) { /* an absent chunk file is the fill value */
+            status = place_chunk(j, src, c, NULL, 1) ? ST_OK : ST_CANCELLED;
+            if (status == ST_OK)
+                count(&j->counters.chunks_filled, 1);
+        } else if (io.status == ST_OK) {
+            status = place_chunk(j, src, c, scratch, 0) ? ST_OK : ST_CANCELLED;
+            if (status == ST_OK) {
+                count(&j->counters.bytes_decoded, io.detail);
+                count(&j->counters.chunks_decoded, 1);
+            }
+        } else {
+            status = io.status;
+            detail = io.detail;
+        }
+    }
+    __atomic_store_n(&j->detail[i], detail, __ATOMIC_RELAXED);
+    __atomic_store_n(&j->status[i], status, __ATOMIC_RELEASE);
+}
+
+static void finish_chunks(engine *e, job *j, long long n) {
+    if (__atomic_add_fetch(&j->finished, n, __ATOMIC_ACQ_REL) == j->t.n_chunks) {
+        pthread_mutex_lock(&e->mu);
+        j->done = 1;
+        unlink_live_locked(e, j); /* never the last reference: the worker (or job_cancel's caller) holds one */
+        pthread_cond_broadcast(&e->done_cv);
+        pthread_mutex_unlock(&e->mu);
+    }
+}
+
+static void run_job(engine *e, job *j, char *scratch, codec_ctx *ctx) {
+    for (;;) {
+        if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE))
+            return;
+        long long i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (i >= j->t.n_chunks)
+            return;
+        if (__atomic_load_n(&j->cancelled, __ATOMIC_ACQUIRE))
+            __atomic_store_n(&j->status[i], ST_CANCELLED, __ATOMIC_RELEASE);
+        else
+            run_chunk(j, i, scratch, ctx);
+        finish_chunks(e, j, 1);
+    }
+}
+
+static void *worker(void *arg) {
+    engine *e = arg;
+    char *scratch = NULL;
+    size_t cap = 0;
+    codec_ctx ctx = {0};
+    pthread_mutex_lock(&e->mu);
+    while (!e->closing) {
+        job *j = e->live;
+        while (j != NULL && __atomic_load_n(&j->next, __ATOMIC_RELAXED) >= j->t.n_chunks)
+            j = j->next_live;
+        if (j == NULL) {
+            pthread_cond_wait(&e->work_cv, &e->mu);
+            continue;
+        }
+        if (cap < j->need) { /* give back what is too small, then reserve enough, or wait for the budget */
+            char *old = scratch;
+            e->used -= (long long)cap;
+            scratch = NULL, cap = 0;
+            int fits = e->used + (long long)j->need <= e->budget;
+            if (fits) {
+                e->used += (long long)j->need;
+                if (e->used > e->peak)
+                    e->peak = e->used;
+            }
+            size_t want = j->need;
+            pthread_mutex_unlock(&e->mu);
+            free(old);
+            void *fresh = NULL;
+            if (fits && posix_memalign(&fresh, ALIGN, want) != 0)
+                fresh = NULL;
+            pthread_mutex_lock(&e->mu);
+            if (!fits) {
+                if (old != NULL)
+                    pthread_cond_broadcast(&e->work_cv); /* what it gave back may let another thread work */
+                else
+                    pthread_cond_wait(&e->work_cv, &e->mu);
+                continue;
+            }
+            if (fresh == NULL) { /* reserved but not allocated: the chunk is left to the Python path */
+                e->used -= (long long)want;
+                long long i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+                if (i < j->t.n_chunks) {
+                    j->refs++;
+                    pthread_mutex_unlock(&e->mu);
+                    __atomic_store_n(&j->status[i], ST_NO_MEMORY, __ATOMIC_RELEASE);
+                    finish_chunks(e, j, 1);
+                    pthread_mutex_lock(&e->mu);
+                    job *fj = NULL;
+                    int fe = 0;
+                    job_unref_locked(e, j, &fj, &fe);
+                    if (fj != NULL) /* never the engine's last reference: this thread holds one */
+                        job_free(fj);
+                }
+                continue;
+            }
+            scratch = fresh, cap = want;
+            continue; /* look again: the lock was let go */
+        }
+        j->refs++;
+        if (++j->threads_now > j->counters.max_threads)
+            j->counters.max_threads = j->threads_now;
+        pthread_mutex_unlock(&e->mu);
+        run_job(e, j, scratch, &ctx);
+        pthread_mutex_lock(&e->mu);
+        j->threads_now--;
+        job *fj = NULL;
+        int fe = 0;
+        job_unref_locked(e, j, &fj, &fe);
+        if (fj != NULL) {
+            pthread_mutex_unlock(&e->mu);
+            job_free(fj);
+            pthread_mutex_lock(&e->mu);
+        }
+    }
+    e->used -= (long long)cap;
+    e->alive--;
+    int last = --e->refs == 0;
+    pthread_cond_broadcast(&e->done_cv);
+    pthread_cond_broadcast(&e->work_cv); /* the budget it held */
+    pthread_mutex_unlock(&e->mu);
+    free(scratch);
+    codec_ctx_free(&ctx);
+    if (last)
+        engine_free(e);
+    return NULL;
+}
+
+/* ---- the engine ---- */
+
+engine *engine_new(int n_threads, long long budget, int *started) {
+    *started = 0;
+    engine *e = calloc(1, sizeof(engine));
+    if (e == NULL)
+        return NULL;
+    pthread_mutex_init(&e->mu, NULL);
+    cond_init(&e->work_cv);
+    cond_init(&e->done_cv);
+    e->budget = budget;
+    e->refs = 1;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED); /* waited for by engine_close, never joined */
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < n_threads; i++) {
+        pthread_t thread;
+        e->refs++, e->alive++;
+        if (pthread_create(&thread, &attr, worker, e) != 0) {
+            e->refs--, e->alive--;
+            break;
+        }
+        e->n_threads++;
+    }
+    *started = e->n_threads;
+    pthread_mutex_unlock(&e->mu);
+    pthread_attr_destroy(&attr);
+    return e;
+}
+
+void engine_submit(engine *e, job *j) {
+    pthread_mutex_lock(&e->mu);
+    e->refs++; /* the job's */
+    j->submitted = 1;
+    if (j->t.n_chunks == 0 || e->closing) { /* nothing to do, or nobody to do it: done, every chunk cancelled */
+        j->cancelled = e->closing;
+        for (long long i = 0; i < j->t.n_chunks; i++)
+            j->status[i] = ST_CANCELLED;
+        j->next = j->finished = j->t.n_chunks;
+        j->done = 1;
+    } else {
+        j->refs++; /* the list's */
+        j->live = 1;
+        job **at = &e->live;
+        job *prev = NULL;
+        while (*at != NULL)
+            prev = *at, at = &(*at)->next_live;
+        *at = j;
+        j->prev = prev;
+        pthread_cond_broadcast(&e->work_cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+int job_done(engine *e, job *j) {
+    pthread_mutex_lock(&e->mu);
+    int done = j->done;
+    pthread_mutex_unlock(&e->mu);
+    return done;
+}
+
+int job_wait(engine *e, job *j, double timeout_s) {
+    struct timespec deadline;
+    if (timeout_s >= 0)
+        deadline_after(&deadline, timeout_s);
+    pthread_mutex_lock(&e->mu);
+    while (!j->done) {
+        if (timeout_s < 0) {
+            pthread_cond_wait(&e->done_cv, &e->mu);
+        } else {
+            if (past(&deadline))
+                break;
+            cond_wait_until(&e->done_cv, &e->mu, &deadline);
+        }
+    }
+    int done = j->done;
+    pthread_mutex_unlock(&e->mu);
+    return done;
+}
+
+void job_cancel(engine *e, job *j) {
+    /* waits for the workers placing a chunk of it right now (a chunk's copies: microseconds) */
+    pthread_rwlock_wrlock(&j->place_lock);
+    __atomic_store_n(&j->cancelled, 1, __ATOMIC_RELEASE);
+    pthread_rwlock_unlock(&j->place_lock);
+    /* the chunks nobody took are finished here, so the job is done once the workers inside it are */
+    long long first = __atomic_exchange_n(&j->next, j->t.n_chunks, __ATOMIC_ACQ_REL);
+    if (first < j->t.n_chunks) {
+        for (long long i = first; i < j->t.n_chunks; i++)
+            __atomic_store_n(&j->status[i], ST_CANCELLED, __ATOMIC_RELEASE);
+        finish_chunks(e, j, j->t.n_chunks - first);
+    }
+    pthread_mutex_lock(&e->mu);
+    unlink_live_locked(e, j); /* the caller holds a reference: never the last */
+    pthread_mutex_unlock(&e->mu);
+}
+
+void job_results(engine *e, job *j, int32_t *status, int64_t *detail, job_counters *counters) {
+    (void)e;
+    for (long long i = 0; i < j->t.n_chunks; i++) {
+        status[i] = __atomic_load_n(&j->status[i], __ATOMIC_ACQUIRE);
+        detail[i] = __atomic_load_n(&j->detail[i], __ATOMIC_RELAXED);
+    }
+    long long *src = (long long *)&j->counters, *dst = (long long *)counters;
+    for (size_t k = 0; k < sizeof(job_counters) / sizeof(long long); k++)
+        dst[k] = __atomic_load_n(&src[k], __ATOMIC_RELAXED);
+}
+
+void job_release(engine *e, job *j) {
+    pthread_mutex_lock(&e->mu);
+    job *fj = NULL;
+    int fe = 0;
+    if (!j->submitted) { /* it holds no engine reference */
+        j->refs = 0;
+        fj = j;
+    } else {
+        job_unref_locked(e, j, &fj, &fe);
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (fj != NULL)
+        job_free(fj);
+    if (fe)
+        engine_free(e);
+}
+
+int engine_close(engine *e, double timeout_s) {
+    pthread_mutex_lock(&e->mu);
+    e->closing = 1;
+    job *j = e->live;
+    while (j != NULL) { /* cancel each live job: hold it while the lock is let go */
+        j->refs++;
+        pthread_mutex_unlock(&e->mu);
+        job_cancel(e, j);
+        pthread_mutex_lock(&e->mu);
+        job *fj = NULL;
+        int fe = 0;
+        job_unref_locked(e, j, &fj, &fe);
+        if (fj != NULL) { /* never the engine's last reference: the caller holds one */
+            pthread_mutex_unlock(&e->mu);
+            job_free(fj);
+            pthread_mutex_lock(&e->mu);
+        }
+        j = e->live;
+    }
+    pthread_cond_broadcast(&e->work_cv);
+    struct timespec deadline;
+    deadline_after(&deadline, timeout_s > 0 ? timeout_s : 0);
+    while (e->alive > 0 && !past(&deadline))
+        cond_wait_until(&e->done_cv, &e->mu, &deadline);
+    int all = e->alive == 0;
+    pthread_mutex_unlock(&e->mu);
+    return all;
+}
+
+void engine_info(engine *e, long long out[6]) {
+    pthread_mutex_lock(&e->mu);
+    out[0] = e->n_threads;
+    out[1] = e->alive;
+    out[2] = e->budget;
+    out[3] = e->used;
+    out[4] = e->peak;
+    out[5] = e->closing;
+    pthread_mutex_unlock(&e->mu);
+}
+
+void engine_release(engine *e) {
+    pthread_mutex_lock(&e->mu);
+    int last = --e->refs == 0;
+    pthread_mutex_unlock(&e->mu);
+    if (last)
+        engine_free(e);
+}

@@ -1,0 +1,329 @@
+"""The compiled decode path: one call into the engine per batch, and Python only for what it leaves.
+
+:class:`NativeDecoder` turns a :class:`~stoker.engine.tables.TablePlan` into the engine's tables (numpy,
+a constant number of steps per batch plus one per array), submits them to ``stoker._native.Engine``, whose
+threads read, decode, cast and place every chunk with no GIL held, and when the job is done maps its
+statuses (also with numpy): chunks placed are counted in one step; the few that need Python (codecs and
+layouts the engine does not do, frames it declines, shards rewritten since their index was read) go to the
+Python path (:mod:`.decode_python`), and failures become the same typed errors as there, naming the array
+and the chunk key. The error a batch reports is the one of its lowest-numbered failing chunk.
+
+A finisher thread per decoder waits for the engine's jobs (in C, GIL released) and does that mapping, so
+the pipeline's coordinator and the consumer never wait on the engine themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from array import array
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .. import native
+from ..errors import DecodeError, ShutdownError, StorageError
+from ..storage.local import not_regular
+from ..zarr.grid import c_strides
+from .buffers import size_class
+from .cast import fill_value_as, torch_dtype_of
+from .decode_python import PythonDecoder
+from .executor import Job
+from .plan import ChunkTask, FileRead, shard_reads
+from .stats import StatsRecorder
+from .tables import TablePlan
+
+#: Batches at least this large are written with streaming stores (whole cache lines straight to memory).
+#: A batch that size outgrows the caches before anyone reads it, so ordinary stores only add a read of
+#: every line (measured: scenario 4, 128 MB batches, +30% samples/s); smaller ones are better left cached
+#: (scenario 6, 4 MB batches, was slower streamed).
+STREAM_MIN_BYTES = 8 << 20
+
+_BATCH_KINDS = {torch.float32: native.F32, torch.bfloat16: native.BF16}
+_ALIGN = 64  # the engine's scratch holds a chunk's decoded bytes rounded up to this, then its stored bytes
+
+
+def native_codec(codec) -> int | None:
+    """The engine's codec for chunks of ``codec``, or None (the Python path reads them)."""
+    if codec.lone_zstd and native.zstd:
+        return native.ZSTD
+    if codec.lone_blosc and native.blosc:
+        return native.BLOSC
+    return None
+
+
+def scratch_need(codec) -> int:
+    """Scratch one engine thread needs for a chunk of ``codec``: its decoded bytes, then its stored bytes."""
+    return -(-codec.nbytes // _ALIGN) * _ALIGN + codec.max_stored_nbytes
+
+
+def batch_kind(out: torch.Tensor) -> int | None:
+    """The engine's kind of batch for ``out``, or None where it cannot write it (float16, or a tensor that is
+    not a C-contiguous CPU batch)."""
+    if out.device.type != "cpu" or out.dim() < 2 or not out.is_contiguous() or out.dtype == torch.float16:
+        return None
+    return _BATCH_KINDS.get(out.dtype, native.SAME)
+
+
+def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
+              out_strides: tuple[int, ...] | None = None) -> array | None:
+    """``decode_files``' copy plan for casting ``task``'s copies from its decoded chunk into ``out`` (see
+    ``csrc/module.c``), or None where the chunk's layout or dtype is left to copy_cast.
+
+    >>> copy_plan(task, codec, batch, native.F32)  # array('q', [kind, ndim, ncopies, strides..., copies...])
+    """
+    src = native.SOURCE_KINDS.get(codec.dtype) if codec.plain else None
+    if src is None or (kind == native.SAME and out.dtype != torch_dtype_of(codec.dtype)):
+        return None
+    chunk_strides = c_strides(codec.shape)
+    row_stride, *dst_strides = out.stride() if out_strides is None else out_strides
+    values = [src, len(chunk_strides), len(task.copies), *chunk_strides, *dst_strides]
+    for c in task.copies:
+        src_offset = sum(s * cs for s, cs in zip(c.chunk_start, chunk_strides))
+        dst_offset = c.row * row_stride + sum(b * ds for b, ds in zip(c.box_start, dst_strides))
+        values += (src_offset, dst_offset, *c.extent)
+    return array("q", values)
+
+
+class _Source:
+    """What the engine's tables say of one array, made once per array and batch dtype."""
+
+    __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads")
+
+    def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
+        meta = reader.metadata
+        codec = meta.codec
+        ndim = len(codec.shape)
+        src_kind = native.SOURCE_KINDS.get(codec.dtype)
+        same_ok = kind != native.SAME or (src_kind is not None and dtype == torch_dtype_of(codec.dtype))
+        # fills need the array's element kind only; reads a codec, a plain layout and room in the budget
+        self.fills = kind is not None and src_kind is not None and same_ok
+        self.codec = native_codec(codec)
+        self.reads = bool(self.fills and codec.plain and self.codec is not None and codec.nbytes
+                          and scratch_need(codec) <= budget)
+        enc = meta.key_encoding
+        self.prefix = os.fsencode(reader.file_path(enc.prefix + enc.separator if enc.prefix else ""))
+        row = np.zeros(native.S_STRIDES + ndim, np.int64)
+        row[native.S_KIND] = src_kind if self.fills else 0  # any kind: no chunk of it goes to the engine
+        if self.fills:
+            fill = fill_value_as(meta.fill_value, dtype).reshape(1).view(torch.uint8).numpy().tobytes()
+            row[native.S_FILL] = np.frombuffer(fill.ljust(8, b"\0"), np.int64)[0]
+        row[native.S_PATH_LEN] = len(self.prefix)
+        row[native.S_SEP] = ord(enc.separator)
+        row[native.S_STRIDES:] = c_strides(tuple(codec.shape))
+        self.row = row
+        self.nbytes = codec.nbytes
+        self.stored = codec.max_stored_nbytes
+
+
+class NativeDecoder:
+    """Whole batches on the engine's threads; what it cannot do goes to the Python path."""
+
+    def __init__(self, n_threads: int, budget_bytes: int, python: PythonDecoder, stats: StatsRecorder,
+                 max_group: int = 8 << 20, max_gap: int = 64 << 10) -> None:
+        self.engine = native.Engine(n_threads, budget_bytes)
+        self.budget_bytes = budget_bytes
+        self._python = python
+        self._stats = stats
+        self._max_group, self._max_gap = max_group, max_gap
+        self._sources: dict[tuple, tuple[object, _Source]] = {}
+        self._cond = threading.Condition()
+        self._pending: list[tuple[Job, object, np.ndarray]] = []
+        self._closing = False
+        self._thread = threading.Thread(target=self._finisher, name="stoker-engine-finisher", daemon=True)
+        self._thread.start()
+
+    def peak_bytes(self) -> int:
+        return int(self.engine.info()["peak"])
+
+    def shutdown(self) -> None:
+        """Cancel every job (once this returns the engine writes into no batch) and stop the threads,
+        waiting a quarter of a second at most for them (one stuck in a system call is left behind)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self.engine.close(0.25)
+
+    # -- submission ------------------------------------------------------------------------------
+
+    def _source(self, reader, dtype: torch.dtype, kind: int | None) -> _Source:
+        key = (id(reader), dtype, kind)
+        held = self._sources.get(key)
+        if held is None or held[0] is not reader:
+            if len(self._sources) > 4096:  # readers come and go with the pipeline's own cache of them
+                self._sources.clear()
+            held = self._sources[key] = (reader, _Source(reader, dtype, kind, self.budget_bytes))
+        return held[1]
+
+    def submit(self, job: Job) -> None:
+        """Start ``job`` (a TablePlan into ``job.out``): the engine's chunks in one call, the rest on the
+        Python path."""
+        plan: TablePlan = job.plan
+        out = job.out
+        kind = batch_kind(out)
+        sources = [self._source(r, out.dtype, kind) for r in plan.sources]
+        fills = np.array([s.fills for s in sources], bool)
+        reads = np.array([s.reads for s in sources], bool)
+        stored = plan.chunk_file >= 0
+        engine = np.where(stored, reads[plan.chunk_source], fills[plan.chunk_source])
+        rest = np.flatnonzero(~engine)
+        if rest.size:
+            self._to_python(job, rest, stored)
+        eids = np.flatnonzero(engine)
+        if not eids.size:
+            return
+        try:
+            bjob = self.engine.submit(*self._tables(plan, out, kind, sources, eids))
+        except BaseException as exc:  # noqa: BLE001 - the engine refused the tables (a bug): the batch fails
+            job.finish(len(eids), exc)
+            return
+        job.on_cancel(bjob.cancel)
+        with self._cond:
+            self._pending.append((job, bjob, eids))
+            self._cond.notify_all()
+
+    def _tables(self, plan: TablePlan, out: torch.Tensor, kind: int, sources: list[_Source], eids: np.ndarray):
+        """The engine's arguments for the chunks ``eids`` of ``plan`` into ``out`` (see Engine.submit)."""
+        src = plan.chunk_source[eids]
+        per = np.array([(s.codec if s.reads else native.FILL, s.nbytes, s.stored) for s in sources],
+                       np.int64).reshape(len(sources), 3)
+        chunks = np.empty((len(eids), native.N_CHUNK_COLS), np.int64)
+        chunks[:, native.C_SOURCE] = src
+        chunks[:, native.C_FILE] = plan.chunk_file[eids]
+        chunks[:, native.C_OFFSET] = plan.chunk_offset[eids]
+        chunks[:, native.C_LENGTH] = plan.chunk_length[eids]
+        chunks[:, native.C_SPAN_START] = plan.byte_start[eids]
+        chunks[:, native.C_SPAN_STOP] = plan.byte_stop[eids]
+        chunks[:, native.C_CODEC] = np.where(chunks[:, native.C_FILE] >= 0, per[src, 0], native.FILL)
+        chunks[:, native.C_NBYTES] = per[src, 1]
+        chunks[:, native.C_MAX_STORED] = per[src, 2]
+        chunks[:, native.C_FIRST_COPY] = plan.first_copy[eids]
+        chunks[:, native.C_NCOPIES] = plan.n_copies[eids]
+        row_stride, *strides = out.stride()
+        dst_strides = np.array(strides, np.int64)
+        copies = np.empty((len(plan.copy_row), 2 + plan.ndim), np.int64)
+        copies[:, 0] = plan.copy_src_offset
+        copies[:, 1] = plan.copy_row * row_stride + plan.copy_box_start @ dst_strides
+        copies[:, 2:] = plan.copy_extent
+        table = np.stack([s.row for s in sources])
+        starts = np.cumsum([0] + [len(s.prefix) for s in sources[:-1]])
+        table[:, native.S_PATH_START] = starts
+        blob = b"".join(s.prefix for s in sources)
+        nbytes = out.numel() * out.element_size()
+        dst = out.view(-1).view(torch.uint8).numpy()  # holds the tensor's memory for the job's lifetime
+        return chunks, copies, table, plan.files, blob, dst, kind, nbytes >= STREAM_MIN_BYTES, dst_strides
+
+    def _to_python(self, job: Job, ids: np.ndarray, stored: np.ndarray) -> None:
+        """Chunks the engine does not take: fills on their own, whole chunk files one read each, inner chunks
+        coalesced per shard file (as plan_batch plans them for the Python path)."""
+        plan = job.plan
+        fills = [int(i) for i in ids[~stored[ids]]]
+        if fills:
+            self._python.submit_fills(job, fills)
+        reads, shards = [], {}
+        for i in ids[stored[ids]].tolist():
+            task = plan.chunks[i]
+            if task.offset is None:
+                reads.append(FileRead(task.path, (i,)))
+            else:
+                shards.setdefault((task.path, task.ident), []).append(i)
+        reads += shard_reads(shards.values(), plan.chunks, plan.sources, self._max_gap, self._max_group, size_class)
+        if reads:
+            self._python.submit_reads(job, reads)
+
+    # -- completion --------------------------------------------------------------------------------
+
+    def _finisher(self) -> None:
+        """Finish each job once the engine is done with it, in submission order (the order of pop)."""
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                job, bjob, eids = self._pending[0]
+            if not bjob.wait(1.0):  # in C, without the GIL; once a second a look at _closing
+                continue
+            with self._cond:
+                self._pending.pop(0)
+            try:
+                self._finish(job, bjob, eids)
+            except BaseException as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
+                job.finish(0, exc)
+            del job, bjob, eids  # hold nothing of a finished batch while idle
+
+    def _finish(self, job: Job, bjob, eids: np.ndarray) -> None:
+        status, detail, c = bjob.results()
+        status = np.frombuffer(status, np.int32)
+        ok = status == native.OK
+        n_ok = int(ok.sum())
+        if c["chunks_decoded"]:
+            self._stats.chunk(c["decode_ns"] * 1e-9, c["place_ns"] * 1e-9, c["bytes_read"], c["bytes_decoded"],
+                              read_s=c["read_ns"] * 1e-9, count=c["chunks_decoded"])
+        if c["chunks_filled"]:
+            self._stats.stage("assemble", c["fill_ns"] * 1e-9)
+        bad = np.flatnonzero(~ok)
+        if bad.size:
+            self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad])
+        job.finish(n_ok, bytes_read=c["bytes_read"], bytes_decoded=c["bytes_decoded"],
+                   chunks_decoded=c["chunks_decoded"])
+
+    def _failed(self, job: Job, cids: np.ndarray, statuses: np.ndarray, details: np.ndarray) -> None:
+        """Chunks the engine did not place, in chunk order: errors, or reads for the Python path. The batch
+        reports its lowest failing chunk's error: the Python path first reads the chunks below the first
+        error here (in order, stopping at one that fails), then the rest are counted."""
+        final = None
+        retries: list[tuple[int, Callable]] = []
+        for cid, status, detail in zip(cids.tolist(), statuses.tolist(), details.tolist()):
+            error, retry = self._outcome(job, cid, status, detail)
+            if retry is not None:
+                retries.append((cid, retry))
+            elif final is None:
+                final = (cid, error)
+        if final is None:
+            for cid, retry in retries:
+                self._python.run(self._python._guard, job, 1, retry, job, job.plan.file_read(cid), True)
+            return
+        done = 0
+        for cid, retry in retries:
+            if cid > final[0] or job.failed:
+                break
+            self._python._guard(job, 1, retry, job, job.plan.file_read(cid), True)
+            done += 1
+        job.finish(len(cids) - done, final[1])
+
+    def _outcome(self, job: Job, cid: int, status: int, detail: int):
+        """``(error, None)`` for a chunk that failed, ``(None, retry)`` for one the Python path reads."""
+        plan: TablePlan = job.plan
+        reader = plan.sources[int(plan.chunk_source[cid])]
+        codec = reader.metadata.codec
+        whole = int(plan.chunk_offset[cid]) < 0
+        python = self._python
+        if status == native.CANCELLED:
+            return ShutdownError("the pipeline was closed while this batch was being made"), None
+        if status == native.NOT_REGULAR:
+            return not_regular(plan.path(cid), detail), None
+        if status == native.CHANGED:  # the shard is not the file its cached index was read from
+            return None, python._relocate
+        if status == native.OS_ERROR and whole:
+            path = plan.path(cid)
+            return StorageError(f"cannot read {path}: {os.strerror(detail)}", path=path), None
+        if status in (native.TOO_BIG, native.NO_MEMORY, native.FRAME, native.MISSING, native.PENDING) or \
+                native_codec(codec) == native.BLOSC or not whole:
+            # larger than any stored chunk of this codec (the Python path refuses it unread); blosc: any frame
+            # the engine declined or could not decode; any failure of an inner chunk of a shard. The Python
+            # path reads it again and decides (and words the error) as it always does.
+            return None, python._read
+        key = plan.key(cid)
+        if status == native.SHORT:
+            return DecodeError(f"{reader.uri}: chunk {key!r} changed while it was read", uri=reader.uri,
+                               key=key), None
+        if status == native.CODEC_ERROR:
+            return codec.decode_error(key, ValueError(native.zstd_error(detail))), None
+        try:
+            codec.check_size(detail, key)  # native.SIZE
+        except DecodeError as exc:
+            return exc, None
+        return DecodeError(f"{reader.uri}: chunk {key!r}: unknown reader status {status}", uri=reader.uri,
+                           key=key), None

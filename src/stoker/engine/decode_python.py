@@ -1,0 +1,312 @@
+"""The Python decode path: read, decode (numcodecs) and copy-cast chunks on a pool of Python threads.
+
+It makes whole batches where the compiled engine is not built (or ``STOKER_NATIVE=0``), and the chunks the
+engine leaves to it: codecs and layouts it does not do, frames it declines, shards rewritten since their
+index was read. A file's share (a chunk file, or a shard's coalesced ranges) is read and decoded by one
+compute task; I/O threads take only the reads that must wait for memory.
+
+Per file read, the task reserves everything the read will need (encoded bytes plus decode scratch) from
+the transient budget in one step, so work that holds memory never waits for more memory.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..errors import DecodeError, ShutdownError
+from ..storage import FileChanged, LocalStore
+from ..workers import DaemonPool
+from ..zarr import blosc_partial
+from .buffers import Cancelled, Reservation, TransientBudget, size_class
+from .cast import copy_cast, fill_value_as
+from .executor import Job
+from .plan import ChunkTask, FileRead
+from .stats import StatsRecorder
+
+
+class _NoRoom(Exception):
+    """Internal: the budget is short and this compute thread must not wait for it."""
+
+
+#: A batch's reads go to the compute pool in groups of at least this many. Each group costs a task, and
+#: 2 threads cutting scenario 1's ~58 reads per batch into 32 groups (what 16 threads did) ran at 0.90x
+#: the speed of 4 groups, and scenario 6 at 0.76x; with groups of 4 or more, 0.98x and 0.92x.
+MIN_READS_PER_GROUP = 4
+
+
+class PythonDecoder:
+    """Thread pools plus the transient budget. The pools' threads are daemon threads
+    (:class:`~stoker.workers.DaemonPool`): one stuck in a read of a hung mount cannot keep the process alive."""
+
+    def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
+                 store: LocalStore) -> None:
+        self.budget = budget
+        self.stats = stats
+        self.store = store
+        self._io = DaemonPool(n_io, "stoker-io")
+        self._compute = DaemonPool(n_compute, "stoker-compute")
+        self._n_compute = n_compute
+        self._closing = False
+
+    def cancelled(self) -> bool:
+        return self._closing
+
+    def shutdown(self) -> None:
+        """Cancel queued work; running tasks stop at their next check."""
+        self._closing = True
+        self._io.shutdown()
+        self._compute.shutdown()
+
+    # -- submission -------------------------------------------------------------------------
+
+    def submit_fills(self, job: Job, chunk_ids) -> None:
+        """Fill the copies of chunks with nothing stored (each its array's fill value)."""
+        plan, fills = job.plan, {}
+        for cid in chunk_ids:
+            task = plan.chunks[cid]
+            if task.source not in fills:
+                fills[task.source] = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype)
+            self.run(self._guard, job, 1, self._fill, job, task, fills[task.source])
+
+    def submit_reads(self, job: Job, reads: list[FileRead]) -> None:
+        """Read, decode and place ``reads`` on the compute pool.
+
+        A file's share (a chunk file, or a shard's coalesced ranges) is read and decoded by a compute
+        thread: a local read is a page-cache copy that releases the GIL, and handing each chunk from an
+        I/O thread to a compute thread costs more GIL time than the overlap gains. Reads go to the pool
+        in a few groups (two per thread, for balance): a task per chunk file costs GIL time too. I/O
+        threads take the reads that find the budget short (see _read). Groups hold a few reads each, also
+        with many threads, unless that leaves fewer groups than half the threads: with two batches in
+        flight (lookahead), every thread still has a group.
+        """
+        n_groups = min(len(reads), 2 * self._n_compute,
+                       max(-(-self._n_compute // 2), len(reads) // MIN_READS_PER_GROUP))
+        for g in range(n_groups):
+            self.run(self._read_group, job, reads[g::n_groups])
+
+    def run(self, fn: Callable, job: Job, *args) -> None:
+        """``fn(job, *args)`` on the compute pool; once the pool is shut down, its chunks fail with ShutdownError
+        (``fn`` is a group of reads, or a guarded task whose chunk count is ``args[0]``)."""
+        try:
+            self._compute.submit(fn, job, *args)
+        except ShutdownError:
+            n = sum(len(fr.chunk_ids) for fr in args[0]) if fn == self._read_group else args[0]
+            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+
+    def _read_group(self, job: Job, reads: list[FileRead]) -> None:
+        for fr in reads:
+            self._guard(job, len(fr.chunk_ids), self._read, job, fr, True)
+
+    def _handoff_each(self, job: Job, reads: list[FileRead]) -> None:
+        for fr in reads:
+            try:
+                self._handoff(job, fr)
+            except Cancelled:
+                job.finish(len(fr.chunk_ids), ShutdownError("the pipeline was closed while this batch was being made"))
+
+    def _guard(self, job: Job, n: int, fn, *args) -> None:
+        """Run a task; on any failure (or after the job failed) count its chunks as finished.
+
+        Work skipped because the pipeline is closing finishes with a ShutdownError,
+        so a half-filled batch can never be mistaken for a complete one.
+        """
+        if job.failed:
+            job.finish(n)
+            return
+        if self._closing:
+            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+            return
+        try:
+            fn(*args)
+        except Cancelled:
+            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+        except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop
+            job.finish(n, exc)
+
+    # -- tasks ------------------------------------------------------------------------------
+
+    def _fill(self, job: Job, task: ChunkTask, fill: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        for c in task.copies:
+            job.out[c.dst].fill_(fill)
+        self.stats.stage("assemble", time.perf_counter() - t0)
+        job.finish()
+
+    def _read(self, job: Job, fr: FileRead, on_compute: bool = False, retried: bool = False) -> None:
+        """Read one file's share into a pooled buffer, then decode its chunks: right here, one after the
+        other, when running on a compute thread, else by handing each chunk to the compute pool.
+
+        The reservation covers the encoded buffer and every chunk's decode scratch, taken in one step.
+        A compute thread never waits for memory (the decodes queued behind it may be what frees it):
+        when the budget is short it passes the read to an I/O thread, which can wait.
+
+        Inner chunks are read only from the shard file their index was read from; when it changed, they
+        are located again in its new index (:meth:`_relocate`), once (``retried``).
+        """
+        plan = job.plan
+        chunks = [plan.chunks[c] for c in fr.chunk_ids]
+        scratch = sum(size_class(plan.sources[c.source].metadata.codec.nbytes) for c in chunks)
+        res = Reservation(self.budget, users=len(chunks))
+        t0 = time.perf_counter()
+        try:
+            pieces: dict[int, memoryview] = {}
+            read_end = None  # a chunk file read in part (some blosc blocks): where the bytes read end
+            if fr.whole_file:
+                task = chunks[0]
+                f = self.store.open_file(fr.path)
+                if f is None:  # an absent chunk file is the fill value
+                    fill = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype)
+                    res.done()
+                    self._fill(job, task, fill)
+                    return
+                with f:
+                    plan.sources[task.source].metadata.codec.check_stored_size(f.size, task.key)
+                    self._reserve(res, size_class(f.size) + scratch, on_compute)
+                    view = memoryview(res.take(f.size, keep=True))[: f.size]
+                    nread, read_end = self._read_chunk_file(f, view, plan.sources[task.source], task)
+                pieces[fr.chunk_ids[0]] = view
+            else:
+                total = sum(r.length for r in fr.reads)
+                self._reserve(res, sum(size_class(r.length) for r in fr.reads) + scratch, on_compute)
+                nread = 0
+                for read in fr.reads:
+                    if self._closing:
+                        raise Cancelled()
+                    buf = res.take(read.length, keep=True)
+                    view = memoryview(buf)[: read.length]
+                    got = self.store.read_range_into(fr.path, read.offset, view, chunks[0].ident)
+                    if got != read.length:
+                        raise DecodeError(
+                            f"{plan.sources[chunks[0].source].uri}: shard {fr.path!r} is shorter than its index "
+                            f"claims (wanted [{read.offset}, {read.offset + read.length}), total {total})",
+                            key=chunks[0].key,
+                        )
+                    nread += got
+                    for i, sl in read.slices():
+                        pieces[fr.chunk_ids[i]] = view[sl]
+            self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
+            job.count(bytes_read=nread)
+        except _NoRoom:  # nothing was reserved
+            self._handoff(job, fr, retried)
+            return
+        except BaseException as exc:
+            for _ in chunks:
+                res.done()
+            if not isinstance(exc, FileChanged):
+                raise
+            if retried:
+                raise plan.sources[chunks[0].source].shard_changed(chunks[0].key) from None
+            self._relocate(job, fr, on_compute)
+            return
+        if on_compute:
+            for cid, task in zip(fr.chunk_ids, chunks):
+                self._guard_decode(job, task, pieces[cid], res, read_end)
+            return
+        for i, cid in enumerate(fr.chunk_ids):
+            try:
+                self._compute.submit(self._guard_decode, job, plan.chunks[cid], pieces[cid], res, read_end)
+            except ShutdownError:  # the pool was shut down (close): account for every chunk not queued
+                for _ in fr.chunk_ids[i:]:
+                    res.done()
+                job.finish(len(fr.chunk_ids) - i, ShutdownError("the pipeline was closed"))
+                return
+
+    def _relocate(self, job: Job, fr: FileRead, on_compute: bool) -> None:
+        """Read ``fr``'s inner chunks again from where the shard's index, read anew, says they are now:
+        the shard file changed since the index the plan used was read."""
+        plan = job.plan
+        tasks = [plan.chunks[c] for c in fr.chunk_ids]
+        reader = plan.sources[tasks[0].source]
+        for task in tasks:  # all located before any is read: a failure here fails every chunk of fr once
+            loc = reader.relocate(task.index, task.ident)
+            task.path, task.offset, task.length, task.ident = loc.path, loc.offset, loc.length, loc.ident
+        for cid, task in zip(fr.chunk_ids, tasks):
+            if task.path is None:  # empty in the new shard, or the shard is gone
+                self._guard(job, 1, self._fill, job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype))
+            else:
+                self._guard(job, 1, self._read, job, FileRead.inner_chunk(task.path, cid, task.offset, task.length),
+                            on_compute, True)
+
+    def _reserve(self, res: Reservation, nbytes: int, on_compute: bool) -> None:
+        """Reserve ``nbytes``: an I/O thread waits for them; a compute thread raises _NoRoom instead."""
+        if not on_compute:
+            res.reserve(nbytes, self.cancelled)
+        elif not res.try_reserve(nbytes):
+            raise _NoRoom()
+
+    def _handoff(self, job: Job, fr: FileRead, retried: bool = False) -> None:
+        try:
+            self._io.submit(self._guard, job, len(fr.chunk_ids), self._read, job, fr, False, retried)
+        except ShutdownError:  # the pool was shut down (close)
+            raise Cancelled() from None
+
+    def _read_chunk_file(self, f, view: memoryview, reader, task: ChunkTask) -> tuple[int, int | None]:
+        """Read a chunk file into ``view``: only header, block table and needed blocks when decoding partially.
+        Returns the bytes read and, for a partial read, the offset where they end (None: the whole file).
+
+        ``view`` is a pooled buffer that may hold bytes of an earlier chunk, so every
+        short read is an error: stale bytes must never be decoded as this chunk (and a partial decode
+        is told where the bytes read end).
+        """
+        def read(lo: int, hi: int) -> int:
+            got = f.read_into(view[lo:hi], lo)
+            if got != hi - lo:
+                raise DecodeError(f"{reader.uri}: chunk {task.key!r} changed while it was read", uri=reader.uri,
+                                  key=task.key)
+            return got
+
+        codec = reader.metadata.codec
+        if not codec.partial or f.size <= blosc_partial.HEADER_SIZE:
+            return read(0, f.size), None
+        try:
+            nread = read(0, blosc_partial.HEADER_SIZE)
+            header = view[: blosc_partial.HEADER_SIZE]
+            if not blosc_partial.partial_ok(header, codec.nbytes, task.byte_start, task.byte_stop):
+                return nread + read(blosc_partial.HEADER_SIZE, f.size), None  # decoded (or rejected) in full
+            table = min(blosc_partial.table_size(header), f.size)
+            nread += read(blosc_partial.HEADER_SIZE, table)
+            lo, hi = blosc_partial.stored_range(view[:table], task.byte_start, task.byte_stop)
+        except blosc_partial.PartialDecodeError as exc:
+            raise DecodeError(f"{reader.uri}: chunk {task.key!r} is not a valid blosc frame ({exc})",
+                              uri=reader.uri, key=task.key) from None
+        return nread + read(max(lo, table), hi), hi
+
+    @staticmethod
+    def _cast_copies(job: Job, task: ChunkTask, chunk) -> None:
+        """Cast every copy of ``task`` from its decoded ``chunk`` into the batch (the Python path's cast)."""
+        out = job.out if job.out_np is None else job.out_np
+        for c in task.copies:
+            copy_cast(out[c.dst], chunk[c.chunk_sel])
+
+    def _guard_decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation,
+                      read_end: int | None = None) -> None:
+        try:
+            self._guard(job, 1, self._decode, job, task, encoded, res, read_end)
+        finally:
+            res.done()
+
+    def _decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation,
+                read_end: int | None = None) -> None:
+        reader = job.plan.sources[task.source]
+        codec = reader.metadata.codec
+        t0 = time.perf_counter()
+        scratch = None
+        if codec.partial:
+            scratch = res.take(codec.nbytes)
+            chunk = scratch[: codec.nbytes].view(codec.dtype).reshape(codec.shape)
+            decoded = codec.decode_range_into(encoded, chunk, task.byte_start, task.byte_stop, task.key, read_end)
+        else:
+            chunk = codec.decode(encoded, task.key)  # allocates; its size is inside the reservation
+            decoded = codec.nbytes
+        t1 = time.perf_counter()
+        try:
+            self._cast_copies(job, task, chunk)
+        finally:
+            if scratch is not None:
+                res.give(scratch)
+        self.stats.chunk(t1 - t0, time.perf_counter() - t1, len(encoded), decoded)
+        job.finish(bytes_decoded=decoded, chunks_decoded=1)
+
