@@ -44,7 +44,7 @@ class Tables:
         os.makedirs(self.root + "c", exist_ok=True)
         self.n = n
         self.blob = os.fsencode(self.root + "c/")
-        self.sources = np.array([[U16, 0, 0, len(self.blob), ord("."), 8, 1]], np.int64)
+        self.sources = np.array([[U16, 0, 0, len(self.blob), ord("."), 0, 8, 1]], np.int64)
         fill = np.float32(-1).tobytes() if kind == native.F32 else np.uint16(65535).tobytes()
         self.sources[0, native.S_FILL] = np.frombuffer(fill.ljust(8, b"\0"), np.int64)[0]
         self.files = np.zeros((n, native.F_COORDS + 2), np.int64)
@@ -358,3 +358,59 @@ def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, 
     assert results[10][0] == results[1000][0] and results[10][0]["submit"] == 1
     for where in ("submit", "finish"):
         assert results[10][1][where] > 0 and abs(results[10][1][where] - results[1000][1][where]) <= 5, results
+
+
+@pytest.mark.parametrize("batch", ["f32", "bf16", "same"])
+@pytest.mark.parametrize("layout", ["C", "F", "C-swapped", "F-swapped"])
+@pytest.mark.parametrize("dtype", sorted(str(d) for d in native.SOURCE_KINDS))
+def test_any_layout_and_byte_order_casts_as_copy_cast(tmp_path, dtype, layout, batch):
+    """Chunks stored in F order (or any transpose: strides in the tables) and in the other byte order are
+    gathered and swapped before the cast: the batch holds what copy_cast makes of the decoded view."""
+    from stoker.engine.cast import copy_cast
+
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(5)
+    if dt.kind == "f":
+        chunk = (rng.standard_normal((6, 20)) * 1000).astype(dt)
+    else:
+        info = np.iinfo(dt)
+        chunk = rng.integers(info.min, info.max, (6, 20), dtype=dt, endpoint=True)
+    order = "F" if layout.startswith("F") else "C"
+    stored = chunk.astype(dt.newbyteorder("S")) if layout.endswith("swapped") else chunk
+    raw = np.asarray(stored).tobytes(order=order)
+    kind = {"f32": native.F32, "bf16": native.BF16, "same": native.SAME}[batch]
+    out_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "same": torch.from_numpy(chunk[:1]).dtype}[batch]
+    root = str(tmp_path) + "/"
+    os.makedirs(root + "c")
+    with open(root + "c/0.0", "wb") as f:
+        f.write(numcodecs.Zstd(level=1).encode(raw))
+    blob = os.fsencode(root + "c/")
+    strides = (1, 6) if order == "F" else (20, 1)
+    sources = np.array([[native.SOURCE_KINDS[dt], 0, 0, len(blob), ord("."), int(layout.endswith("swapped")),
+                         *strides]], np.int64)
+    files = np.zeros((1, native.F_COORDS + 2), np.int64)
+    chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
+    chunks[0, native.C_OFFSET] = -1
+    chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = chunk.nbytes
+    chunks[0, native.C_CODEC] = native.ZSTD
+    chunks[0, native.C_MAX_STORED] = chunk.nbytes + 4096
+    chunks[0, native.C_NCOPIES] = 2
+    # rows 1..4, columns 3..19 into a (2, 5, 17) batch at (0, 1, 0); the whole chunk's first 5 rows, 17
+    # columns into batch row 1
+    copies = np.array([[1 * strides[0] + 3 * strides[1], 1 * 17, 4, 17],
+                       [0, 85, 5, 17]], np.int64)
+    out = torch.full((2, 5, 17), -7, dtype=out_dtype)
+    engine = native.Engine(1, 1 << 20)
+    job = engine.submit(chunks, copies, sources, files, blob, out.view(-1).view(torch.uint8).numpy(), kind, False,
+                        np.array([17, 1], np.int64))
+    assert job.wait(10)
+    assert np.frombuffer(job.results()[0], np.int32).tolist() == [native.OK]
+    want = torch.full((2, 5, 17), -7, dtype=out_dtype)
+    view = numcodecs.Zstd().decode(open(root + "c/0.0", "rb").read())
+    decoded = np.frombuffer(view, stored.dtype).reshape(chunk.shape, order=order)
+    for dst, src in [((0, slice(1, 5), slice(0, 17)), decoded[1:5, 3:20]), ((1, slice(0, 5), slice(0, 17)), decoded[:5, :17])]:
+        copy_cast(want[dst] if out_dtype == torch.bfloat16 else want.numpy()[dst], src)
+    nan = want.isnan() if want.is_floating_point() else torch.zeros_like(want, dtype=torch.bool)
+    assert torch.equal(out.isnan() if out.is_floating_point() else nan, nan)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
+    assert torch.equal(out.view(bits)[~nan], want.view(bits)[~nan])

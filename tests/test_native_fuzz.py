@@ -863,7 +863,7 @@ def test_engine_tables(work, data):
     for i in range(n):
         (root / "c" / f"0.{i}").write_bytes(frame if i % 2 == 0 else shard)
     blob = os.fsencode(str(root) + "/c/")
-    sources = np.array([[native.SOURCE_KINDS[np.dtype("uint16")], 0, 0, len(blob), ord("."), 8, 1]], np.int64)
+    sources = np.array([[native.SOURCE_KINDS[np.dtype("uint16")], 0, 0, len(blob), ord("."), 0, 8, 1]], np.int64)
     files = np.zeros((n, native.F_COORDS + 2), np.int64)
     files[:, native.F_COORDS + 1] = np.arange(n)
     chunks = np.zeros((n, native.N_CHUNK_COLS), np.int64)

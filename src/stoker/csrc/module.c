@@ -98,7 +98,7 @@ static int check_place(const void *plan, Py_ssize_t len, const chunk_io *job, lo
     if (n < 3 + 2 * ndim || ncopies > (n - 3 - 2 * ndim) / (2 + ndim) || n != 3 + 2 * ndim + ncopies * (2 + ndim))
         goto bad;
     if (check_copies((int)p[0], (int)ndim, p + 3, p + 3 + ndim, p + 3 + 2 * ndim, ncopies, 2 + ndim, chunk_bytes,
-                     job->span_start, job->span_stop, job->out, dst) == 0)
+                     job->span_start, job->span_stop, job->out, dst, 0) == 0)
         return 0;
 bad:
     PyErr_Format(PyExc_ValueError, "places[%zd] is not a valid copy plan for this chunk, its span and the batch",
@@ -108,7 +108,7 @@ bad:
 
 static void place_plan(const int64_t *p, const char *chunk, const batch_dst *dst) {
     int ndim = (int)p[1];
-    place_copies((int)p[0], ndim, p + 3, p + 3 + ndim, p + 3 + 2 * ndim, p[2], 2 + ndim, chunk, dst);
+    place_copies((int)p[0], 0, ndim, p + 3, p + 3 + ndim, p + 3 + 2 * ndim, p[2], 2 + ndim, chunk, dst);
     place_fence(dst);
 }
 

@@ -94,12 +94,12 @@ static int copy_bounds(int ndim, const int64_t *ss, const int64_t *ds, const int
 
 int check_copies(int kind, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies, long long ncopies,
                  long long step, long long chunk_bytes, long long span_start, long long span_stop, const char *chunk,
-                 const batch_dst *dst) {
+                 const batch_dst *dst, int strided) {
     if (kind < 0 || kind >= N_SRC_KINDS || ndim < 1 || ndim > MAX_NDIM || ncopies < 0 || step < 2 + ndim)
         return -1;
     if (!cast_supported(kind, dst->kind))
         return -1;
-    if (ss[ndim - 1] != 1 || ds[ndim - 1] != 1)
+    if ((ss[ndim - 1] != 1 && !strided) || ds[ndim - 1] != 1)
         return -1;
     long long item = src_itemsize[kind];
     /* a cast reads and writes whole elements in place: the chunk and the batch aligned to them (numpy and
@@ -217,18 +217,72 @@ static void write_run(const char *s, char *d, size_t run, size_t s_item, size_t 
         }                                                                                                  \
     } while (0)
 
-/* Cast every copy from the decoded chunk into the batch; runs without the GIL. */
-void place_copies(int kind, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies, long long ncopies,
-                  long long step, const char *chunk, const batch_dst *dst) {
+/* ``n`` elements of ``item`` bytes, ``stride`` elements apart from ``s``, next to each other at ``d``; bytes
+ * reversed within each element when ``swap`` */
+static void gather(const char *s, char *d, size_t n, size_t item, long long stride, int swap) {
+    size_t step = (size_t)stride * item;
+    switch (item * 2 + (swap != 0)) {
+    case 2: case 3:
+        for (size_t i = 0; i < n; i++, s += step)
+            d[i] = *s;
+        return;
+    case 4: case 5: {
+        uint16_t v;
+        for (size_t i = 0; i < n; i++, s += step) {
+            memcpy(&v, s, 2);
+            v = swap ? __builtin_bswap16(v) : v;
+            memcpy(d + 2 * i, &v, 2);
+        }
+        return;
+    }
+    case 8: case 9: {
+        uint32_t v;
+        for (size_t i = 0; i < n; i++, s += step) {
+            memcpy(&v, s, 4);
+            v = swap ? __builtin_bswap32(v) : v;
+            memcpy(d + 4 * i, &v, 4);
+        }
+        return;
+    }
+    default: {
+        uint64_t v;
+        for (size_t i = 0; i < n; i++, s += step) {
+            memcpy(&v, s, 8);
+            v = swap ? __builtin_bswap64(v) : v;
+            memcpy(d + 8 * i, &v, 8);
+        }
+        return;
+    }
+    }
+}
+
+/* Cast every copy from the decoded chunk into the batch; runs without the GIL. Runs whose elements are not
+ * next to each other in the chunk, or are in the other byte order, are gathered into an L1 buffer first. */
+void place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies,
+                  long long ncopies, long long step, const char *chunk, const batch_dst *dst) {
     size_t s_item = (size_t)src_itemsize[kind];
     size_t d_item = dst_itemsize(dst, kind);
     convert_fn convert = dst->kind == KIND_SAME ? NULL : converters[kind][dst->kind];
+    swap = swap && s_item > 1;
+    int direct = ss[ndim - 1] == 1 && !swap;
+    long long inner = ss[ndim - 1];
+    char buf[STREAM_PIECE] __attribute__((aligned(64)));
+    size_t per_buf = STREAM_PIECE / s_item;
     const int64_t *c = copies;
     for (long long i = 0; i < ncopies; i++, c += step) {
         FOR_EACH_RUN(ndim, ss, ds, c, {
-            (void)so;
-            write_run(chunk + (size_t)so * s_item, dst->base + (size_t)dof * d_item, run, s_item, d_item, convert,
-                      dst->stream);
+            const char *src = chunk + (size_t)so * s_item;
+            char *d = dst->base + (size_t)dof * d_item;
+            if (direct) {
+                write_run(src, d, run, s_item, d_item, convert, dst->stream);
+            } else {
+                for (size_t left = run; left;) {
+                    size_t k = left < per_buf ? left : per_buf;
+                    gather(src, buf, k, s_item, inner, swap);
+                    write_run(buf, d, k, s_item, d_item, convert, dst->stream);
+                    src += (size_t)inner * s_item * k, d += d_item * k, left -= k;
+                }
+            }
         });
     }
 }

@@ -178,6 +178,8 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
             FAIL("a source's path prefix holds a NUL byte");
         if (r[S_SEP] != '/' && r[S_SEP] != '.')
             FAIL("a source's key separator is not '/' or '.'");
+        if (r[S_SWAP] != 0 && r[S_SWAP] != 1)
+            FAIL("a source's byte order flag is not 0 or 1");
     }
     for (long long f = 0; f < t->n_files; f++) {
         const int64_t *r = t->files + f * fw;
@@ -235,7 +237,7 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
         if (c[C_SPAN_START] < 0 || c[C_SPAN_START] > c[C_SPAN_STOP] || c[C_SPAN_STOP] > c[C_NBYTES])
             FAIL("a chunk's span is outside the chunk");
         if (check_copies(kind, ndim, src + S_STRIDES, t->dst_strides, copies, c[C_NCOPIES], cw, c[C_NBYTES],
-                         c[C_SPAN_START], c[C_SPAN_STOP], NULL, &t->dst))
+                         c[C_SPAN_START], c[C_SPAN_STOP], NULL, &t->dst, 1))
             FAIL("a chunk's copies leave its decoded span or the batch");
         if (aligned(c[C_NBYTES]) + (size_t)c[C_MAX_STORED] > *need)
             *need = aligned(c[C_NBYTES]) + (size_t)c[C_MAX_STORED];
@@ -347,8 +349,8 @@ static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char 
             fill_copies(ndim, t->dst_strides, copies, c[C_NCOPIES], 2 + ndim, value, dst_itemsize(&t->dst, kind),
                         &t->dst);
         } else {
-            place_copies(kind, ndim, src + S_STRIDES, t->dst_strides, copies, c[C_NCOPIES], 2 + ndim, decoded,
-                         &t->dst);
+            place_copies(kind, (int)src[S_SWAP], ndim, src + S_STRIDES, t->dst_strides, copies, c[C_NCOPIES],
+                         2 + ndim, decoded, &t->dst);
         }
         place_fence(&t->dst);
     }

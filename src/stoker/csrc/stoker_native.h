@@ -96,15 +96,18 @@ typedef struct {
 size_t dst_itemsize(const batch_dst *dst, int src_kind);
 int cast_supported(int src_kind, int dst_kind);
 /* 0 when every copy (src_offset, dst_offset, extent[ndim], ``step`` values apart) stays inside the decoded span
- * of a chunk of ``chunk_bytes`` and inside the batch, with bounded work; -1 otherwise */
+ * of a chunk of ``chunk_bytes`` and inside the batch, with bounded work; -1 otherwise. The batch's innermost
+ * stride must be 1, and the chunk's too unless ``strided``. */
 int check_copies(int kind, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies, long long ncopies,
                  long long step, long long chunk_bytes, long long span_start, long long span_stop, const char *chunk,
-                 const batch_dst *dst);
+                 const batch_dst *dst, int strided);
 /* the same for the copies of a fill chunk: inside the batch only */
 int check_fill_copies(int ndim, const int64_t *ds, const int64_t *copies, long long ncopies, long long step,
                       size_t d_item, const batch_dst *dst);
-void place_copies(int kind, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies, long long ncopies,
-                  long long step, const char *chunk, const batch_dst *dst);
+/* swap: the chunk's elements are in the other byte order; an innermost chunk stride other than 1 (F order, a
+ * transpose) gathers each run's elements first */
+void place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies,
+                  long long ncopies, long long step, const char *chunk, const batch_dst *dst);
 void fill_copies(int ndim, const int64_t *ds, const int64_t *copies, long long ncopies, long long step,
                  const unsigned char *value, size_t d_item, const batch_dst *dst);
 void place_fence(const batch_dst *dst);
@@ -126,12 +129,13 @@ enum { /* a chunk: one stored chunk (or a fill), and its copies */
     C_NCOPIES,
     N_CHUNK_COLS
 };
-enum { /* a source (an array): S_STRIDES then holds ndim chunk strides, in elements */
+enum { /* a source (an array): S_STRIDES then holds ndim strides of its decoded chunks (any layout), in elements */
     S_KIND = 0,    /* element kind (K_*) of its decoded chunks */
     S_FILL,        /* its fill value as the batch holds it: the element's bytes, in the low bytes (little end) */
     S_PATH_START,  /* its files' path prefix in the blob: the array's directory, separator, key prefix */
     S_PATH_LEN,
     S_SEP,         /* the key separator ('/' or '.'), written between grid coordinates */
+    S_SWAP,        /* 1: its decoded elements are in the other byte order (swapped before the cast) */
     S_STRIDES,
 };
 enum { /* a file (a chunk file or a shard): F_COORDS then holds its ndim grid coordinates (its key) */

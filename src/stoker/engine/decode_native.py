@@ -3,8 +3,8 @@
 :class:`NativeDecoder` turns a :class:`~stoker.engine.tables.TablePlan` into the engine's tables (numpy,
 a constant number of steps per batch plus one per array), submits them to ``stoker._native.Engine``, whose
 threads read, decode, cast and place every chunk with no GIL held, and when the job is done maps its
-statuses (also with numpy): chunks placed are counted in one step; the few that need Python (codecs and
-layouts the engine does not do, frames it declines, shards rewritten since their index was read) go to the
+statuses (also with numpy): chunks placed are counted in one step; the few that need Python (codecs, filters
+and float16 batches the engine does not do, frames it declines, shards rewritten since their index was read) go to the
 Python path (:mod:`.decode_python`), and failures become the same typed errors as there, naming the array
 and the chunk key. The error a batch reports is the one of its lowest-numbered failing chunk.
 
@@ -45,7 +45,8 @@ _ALIGN = 64  # the engine's scratch holds a chunk's decoded bytes rounded up to 
 
 
 def native_codec(codec) -> int | None:
-    """The engine's codec for chunks of ``codec``, or None (the Python path reads them)."""
+    """The engine's codec for chunks of ``codec`` (with no filters; any layout and byte order), or None (the
+    Python path reads them)."""
     if codec.lone_zstd and native.zstd:
         return native.ZSTD
     if codec.lone_blosc and native.blosc:
@@ -97,10 +98,11 @@ class _Source:
         ndim = len(codec.shape)
         src_kind = native.SOURCE_KINDS.get(codec.dtype)
         same_ok = kind != native.SAME or (src_kind is not None and dtype == torch_dtype_of(codec.dtype))
-        # fills need the array's element kind only; reads a codec, a plain layout and room in the budget
+        # fills need the array's element kind only; reads a codec it has, no filters (any layout, any byte
+        # order) and room in the budget
         self.fills = kind is not None and src_kind is not None and same_ok
         self.codec = native_codec(codec)
-        self.reads = bool(self.fills and codec.plain and self.codec is not None and codec.nbytes
+        self.reads = bool(self.fills and not codec.filters and self.codec is not None and codec.nbytes
                           and scratch_need(codec) <= budget)
         enc = meta.key_encoding
         self.prefix = os.fsencode(reader.file_path(enc.prefix + enc.separator if enc.prefix else ""))
@@ -111,7 +113,8 @@ class _Source:
             row[native.S_FILL] = np.frombuffer(fill.ljust(8, b"\0"), np.int64)[0]
         row[native.S_PATH_LEN] = len(self.prefix)
         row[native.S_SEP] = ord(enc.separator)
-        row[native.S_STRIDES:] = c_strides(tuple(codec.shape))
+        row[native.S_SWAP] = not codec.stored_dtype.isnative and codec.stored_dtype.itemsize > 1
+        row[native.S_STRIDES:] = codec.element_strides
         self.row = row
         self.nbytes = codec.nbytes
         self.stored = codec.max_stored_nbytes

@@ -72,13 +72,13 @@ class TablePlan:
     copy_chunk_start: np.ndarray
     copy_box_start: np.ndarray
     copy_extent: np.ndarray
-    copy_src_offset: np.ndarray  # in elements of the chunk, C order
+    copy_src_offset: np.ndarray  # in elements of the decoded chunk (its layout's order: codec.element_strides)
     # per chunk (N rows)
     chunk_source: np.ndarray
     chunk_index: np.ndarray  # (N, ndim) grid index of the read chunk
     first_copy: np.ndarray
     n_copies: np.ndarray
-    byte_start: np.ndarray  # decoded bytes the copies read: [byte_start, byte_stop)
+    byte_start: np.ndarray  # decoded bytes the copies read: [byte_start, byte_stop), in the decoded layout
     byte_stop: np.ndarray
     chunk_file: np.ndarray  # row of ``files``; -1: nothing stored (the fill value)
     chunk_offset: np.ndarray  # -1: the whole file
@@ -187,7 +187,8 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
     itemsize = np.array([r.dtype.itemsize for r in sources], np.int64)
     bytes_needed = math.prod(shape) * int(itemsize[sid].sum())
     chunk_shapes = np.array([r.chunks for r in sources], np.int64).reshape(len(sources), ndim)
-    chunk_strides = np.array([c_strides(tuple(r.chunks)) for r in sources], np.int64).reshape(len(sources), ndim)
+    # offsets and spans in each array's decoded layout (C order, or permuted: v2 F order, v3 transpose)
+    chunk_strides = np.array([r.metadata.codec.element_strides for r in sources], np.int64).reshape(len(sources), ndim)
 
     # per axis, the chunks each crop touches; then every combination, C order within a sample
     cs = chunk_shapes[sid]

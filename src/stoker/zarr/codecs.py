@@ -33,6 +33,7 @@ from numcodecs.compat import ensure_ndarray
 from ..errors import DecodeError, MetadataError, StokerError, UnsupportedFormat
 from . import blosc_partial, bounded
 from .fields import boolean, integer, lst, obj, required, show, string
+from .grid import c_strides
 
 
 def inverse_permutation(order: Sequence[int]) -> tuple[int, ...]:
@@ -112,6 +113,19 @@ class ChunkCodec:
         # compressor among them decodes through its bounded decoder like the compressors do.
         object.__setattr__(self, "_unfilter", tuple((bounded.decoder(c, filtered) or c.decode, filtered, c.codec_id)
                                                     for c in reversed(self.filters)))
+
+    @property
+    def element_strides(self) -> tuple[int, ...]:
+        """Per axis of :attr:`shape`, how many elements apart neighbours are in the decoded bytes (C order
+        of the stored layout: v2 ``F`` order and v3 ``transpose`` permute the axes), before any filter.
+
+        >>> ChunkCodec("u", (2, 3), dt, dt, order=(1, 0)).element_strides
+        (1, 2)
+        """
+        if self.order is None:
+            return c_strides(tuple(self.shape))
+        stored = c_strides(tuple(self.shape[o] for o in self.order))
+        return tuple(stored[i] for i in inverse_permutation(self.order))
 
     def stored_bound(self, slack: int) -> int:
         """:attr:`max_stored_nbytes` with ``slack`` in place of the default room per compressor: many small
