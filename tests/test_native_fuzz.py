@@ -911,3 +911,75 @@ def test_engine_tables(work, data):
         status = np.frombuffer(job.results()[0], np.int32)
         assert set(status.tolist()) <= set(range(native.PENDING))
     assert batch.intact(), "a write outside the batch"
+
+
+# ---------------------------------------------------------------------------------------------
+# lz4, zlib and gzip: decoded whole by the engine, with lz4's and zlib's own functions
+
+_WHOLE = {native.LZ4: lambda: numcodecs.LZ4(), native.ZLIB: lambda: numcodecs.Zlib(level=1),
+          native.GZIP: lambda: numcodecs.GZip(level=1)}
+
+
+def _bounded(codec: int, stored: bytes, nbytes: int) -> bytes | None:
+    """What the Python path decodes ``stored`` to (its bounded decoders), when that is exactly ``nbytes``."""
+    from stoker.zarr import bounded
+
+    try:
+        out = bounded.decoder(_WHOLE[codec](), nbytes)(stored)
+    except Exception:  # noqa: BLE001 - refused: not a chunk of this size
+        return None
+    out = bytes(out)
+    return out if len(out) == nbytes else None
+
+
+@fuzz(400)
+@given(st.data())
+def test_lz4_zlib_gzip_chunks_decode_as_the_python_path_does(work, data):
+    """Frames numcodecs wrote (concatenated gzip members and zero padding too), damaged or not, read by the
+    engine as whole chunk files and as inner chunks of a shard: a chunk the engine places holds exactly
+    what the Python path's bounded decoder makes of the stored bytes; one it does not place is one that
+    decoder does not read as the chunk either (left to the Python path, status FRAME), or a read that
+    failed; nothing is written outside the batch."""
+    codec = data.draw(st.sampled_from(sorted(_WHOLE)))
+    content = data.draw(contents(max_size=data.draw(st.sampled_from([4096, 300_000]))))
+    if not content:
+        content = b"\1"
+    stored = _WHOLE[codec]().encode(content)
+    stored = bytes(stored)
+    if codec == native.GZIP and data.draw(st.booleans()):  # more members, with zero padding between and after
+        cut = data.draw(st.integers(0, len(content)))
+        stored = (bytes(numcodecs.GZip(1).encode(content[:cut])) + bytes(data.draw(st.integers(0, 9)))
+                  + bytes(numcodecs.GZip(1).encode(content[cut:])) + bytes(data.draw(st.integers(0, 9))))
+    if data.draw(st.booleans()):
+        stored = data.draw(mutated(stored, [stored[::-1]], fields=[0] if codec == native.LZ4 else []))
+    nbytes = len(content) + data.draw(st.sampled_from([0, 0, 0, -1, 1]))
+    if nbytes < 1:
+        return
+    want = _bounded(codec, stored, nbytes)
+    root = work / "whole"
+    (root / "c").mkdir(parents=True, exist_ok=True)
+    inner = data.draw(st.booleans())
+    (root / "c" / "0").write_bytes(b"head" + stored + b"tail" if inner else stored)  # key "0": rank 1
+    blob = os.fsencode(str(root) + "/c/")
+    sources = np.array([[native.SOURCE_KINDS[np.dtype("uint8")], 0, 0, len(blob), ord("."), 0, 1]], np.int64)
+    files = np.zeros((1, native.F_COORDS + 1), np.int64)
+    chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
+    chunks[0, native.C_OFFSET], chunks[0, native.C_LENGTH] = (4, len(stored)) if inner else (-1, 0)
+    chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = nbytes
+    chunks[0, native.C_CODEC] = codec
+    chunks[0, native.C_MAX_STORED] = max(0, len(stored) + data.draw(st.sampled_from([0, 0, 100, -1])))
+    chunks[0, native.C_NCOPIES] = 1
+    copies = np.array([[0, 0, nbytes]], np.int64)
+    batch = Guarded(nbytes, fill=0x11)
+    job = _engine().submit(chunks, copies, sources, files, blob, batch.view, native.SAME, False,
+                           np.array([1], np.int64))
+    assert job.wait(20)
+    status = int(np.frombuffer(job.results()[0], np.int32)[0])
+    event(f"status {status}")
+    assert batch.intact(), "a write outside the batch"
+    if status == native.OK:
+        assert want is not None and batch.view.tobytes() == want
+    else:
+        assert status in (native.FRAME, native.TOO_BIG), status
+        assert (batch.view == 0x11).all()
+        assert status == native.TOO_BIG or want is None, "a chunk the Python path reads was left to it"

@@ -27,7 +27,7 @@ import numpy as np
 # chunk statuses of the compiled reader (see csrc/stoker_native.h)
 (OK, MISSING, TOO_BIG, OS_ERROR, SHORT, CODEC_ERROR, SIZE, FRAME, NOT_REGULAR, CHANGED, CANCELLED, NO_MEMORY,
  PENDING) = range(13)
-ZSTD, BLOSC = 0, 1  # codecs of a stored chunk
+ZSTD, BLOSC, LZ4, ZLIB, GZIP = range(5)  # codecs of a stored chunk (decode_files: ZSTD and BLOSC)
 FILL = -1  # an engine chunk with nothing stored: its copies take the fill value
 
 # columns of the engine's plan tables (csrc/stoker_native.h: C_*, S_*, F_*)
@@ -92,6 +92,16 @@ def _load():
         _, blosc_addrs = _symbols(blosc.__file__, "blosc_decompress_ctx", "blosc_getitem")
     except ImportError:
         pass
+    try:
+        from numcodecs import lz4
+
+        _, lz4_addrs = _symbols(lz4.__file__, "LZ4_decompress_safe")
+    except ImportError:
+        lz4_addrs = None
+    global lz4_ready, zlib_ready
+    _native.set_lz4(lz4_addrs[0] if lz4_addrs else 0)
+    lz4_ready = bool(lz4_addrs)
+    zlib_ready = _native.set_zlib(*(_zlib_functions() or (0, 0, 0, 0)))
     from .zarr.blosc_partial import PARTIAL_MAX_SHARE
 
     _native.set_codecs(*(zstd_addrs or (0, 0)), *(blosc_addrs or (0, 0)), PARTIAL_MAX_SHARE)
@@ -104,6 +114,23 @@ def _load():
 
 
 _error_name = None
+
+#: whether the engine decodes lz4 (numcodecs' framing), and zlib and gzip (zlib's inflate) chunks itself
+lz4_ready = zlib_ready = False
+
+
+def _zlib_functions():
+    """Addresses of zlib's inflate functions in the library Python's zlib module uses, or None."""
+    import ctypes.util
+    import zlib
+
+    names = ("inflateInit2_", "inflate", "inflateEnd", "inflateReset")
+    for candidate in (ctypes.util.find_library("z"), getattr(zlib, "__file__", None)):
+        if candidate:
+            _, addrs = _symbols(candidate, *names)
+            if addrs:
+                return addrs
+    return None
 
 
 def zstd_error(code: int) -> str:

@@ -1,13 +1,22 @@
 /* Decoding stored chunks. No codec is implemented here: zstd is zstd's own ZSTD_decompress (and its
- * buffer-less streaming functions, for the early stop) and blosc is c-blosc's blosc_decompress_ctx /
- * blosc_getitem, the copies numcodecs already carries (their addresses are handed in by stoker/native.py,
- * read off numcodecs' extension modules through ctypes).
+ * buffer-less streaming functions, for the early stop), blosc is c-blosc's blosc_decompress_ctx /
+ * blosc_getitem and lz4 is LZ4_decompress_safe, the copies numcodecs already carries, and zlib and gzip are
+ * zlib's inflate, the library Python's zlib module uses (their addresses are handed in by stoker/native.py,
+ * through ctypes). lz4, zlib and gzip chunks are decoded whole; any of them that does not decode to exactly
+ * the chunk is left to the Python path (ST_FRAME), which decides and words the error.
  */
 #include "stoker_native.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#if defined(__has_include)
+#if __has_include(<zlib.h>)
+#include <zlib.h> /* the z_stream layout only: the functions come from the library Python loaded */
+#define HAVE_ZLIB 1
+#endif
+#endif
 
 typedef size_t (*zstd_decompress_fn)(void *dst, size_t dst_capacity, const void *src, size_t src_size);
 typedef unsigned (*zstd_is_error_fn)(size_t code);
@@ -35,6 +44,16 @@ static zstd_next_src_size_fn zstd_next_src_size = NULL;
 static zstd_content_size_fn zstd_content_size = NULL;
 static blosc_decompress_ctx_fn blosc_decompress_ctx = NULL;
 static blosc_getitem_fn blosc_getitem = NULL;
+typedef int (*lz4_decompress_safe_fn)(const char *src, char *dst, int src_size, int dst_capacity);
+static lz4_decompress_safe_fn lz4_decompress_safe = NULL;
+#if HAVE_ZLIB
+typedef int (*z_init2_fn)(z_streamp strm, int window_bits, const char *version, int stream_size);
+typedef int (*z_call_fn)(z_streamp strm);
+typedef int (*z_inflate_fn)(z_streamp strm, int flush);
+static z_init2_fn z_init2 = NULL;
+static z_inflate_fn z_inflate = NULL;
+static z_call_fn z_end = NULL, z_reset = NULL;
+#endif
 /* blosc decodes only some blocks when they are at most this share of the chunk; blosc_getitem costs
  * a little more per block than a whole decode. Set from Python (blosc_partial.PARTIAL_MAX_SHARE), one rule. */
 static double partial_max_share = 0.9;
@@ -58,12 +77,34 @@ void set_zstd_functions(const uintptr_t a[7]) {
     zstd_content_size = (zstd_content_size_fn)a[6];
 }
 
+void set_lz4_function(uintptr_t decompress_safe) { lz4_decompress_safe = (lz4_decompress_safe_fn)decompress_safe; }
+
+int set_zlib_functions(uintptr_t init2, uintptr_t inflate_fn, uintptr_t end, uintptr_t reset) {
+#if HAVE_ZLIB
+    z_init2 = (z_init2_fn)init2;
+    z_inflate = (z_inflate_fn)inflate_fn;
+    z_end = (z_call_fn)end;
+    z_reset = (z_call_fn)reset;
+    return 1;
+#else
+    (void)init2, (void)inflate_fn, (void)end, (void)reset;
+    return 0;
+#endif
+}
+
 int codec_ready(int codec) {
     switch (codec) {
     case CODEC_ZSTD:
         return zstd_decompress != NULL;
     case CODEC_BLOSC:
         return blosc_getitem != NULL;
+    case CODEC_LZ4:
+        return lz4_decompress_safe != NULL;
+#if HAVE_ZLIB
+    case CODEC_ZLIB:
+    case CODEC_GZIP:
+        return z_init2 != NULL;
+#endif
     default:
         return 0;
     }
@@ -359,6 +400,70 @@ read_done:
     job->status = (size_t)got == nbytes ? ST_OK : ST_SIZE;
 }
 
+/* Read the whole stored chunk; 0 with its file closed, or -1 with the status set. */
+static int read_whole(chunk_io *job, int fd, size_t size, long long t0, char *scratch) {
+    job->read_ns = now_ns() - t0; /* open and stat */
+    int bad = read_timed(job, fd, scratch, 0, size);
+    return close_checked(job, fd) || bad ? -1 : 0;
+}
+
+/* numcodecs' LZ4: the decoded size (4 bytes, little end), then one LZ4 block. */
+static void decode_lz4(chunk_io *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes) {
+    if (read_whole(job, fd, size, t0, scratch))
+        return;
+    if (size < 4 || le32((const unsigned char *)scratch) != nbytes || size - 4 > INT_MAX || nbytes > INT_MAX) {
+        job->status = ST_FRAME;
+        return;
+    }
+    long long t1 = now_ns();
+    int got = lz4_decompress_safe(scratch + 4, job->out, (int)(size - 4), (int)nbytes);
+    job->decode_ns = now_ns() - t1;
+    job->detail = got;
+    job->status = got == (int)nbytes ? ST_OK : ST_FRAME;
+}
+
+#if HAVE_ZLIB
+/* One zlib stream (bytes after it ignored, as zlib.decompress does), or gzip members one after the other
+ * with zero bytes between or after them (as numcodecs' GZip reads them); the output must be the chunk. */
+static void decode_inflate(chunk_io *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes, int gzip) {
+    if (read_whole(job, fd, size, t0, scratch))
+        return;
+    job->status = ST_FRAME; /* until it decodes to exactly the chunk */
+    if (size > UINT_MAX || nbytes > UINT_MAX)
+        return;
+    long long t1 = now_ns();
+    z_stream zs;
+    memset(&zs, 0, sizeof(zs));
+    zs.next_in = (Bytef *)scratch;
+    zs.avail_in = (uInt)size;
+    zs.next_out = (Bytef *)job->out;
+    zs.avail_out = (uInt)nbytes;
+    if (z_init2(&zs, gzip ? 16 + MAX_WBITS : MAX_WBITS, ZLIB_VERSION, (int)sizeof(z_stream)) != Z_OK)
+        return;
+    int ok = 0;
+    for (;;) {
+        if (z_inflate(&zs, Z_FINISH) != Z_STREAM_END) /* damaged, cut short, or more than the chunk */
+            break;
+        if (gzip) {
+            while (zs.avail_in && *zs.next_in == 0)
+                zs.next_in++, zs.avail_in--;
+            if (zs.avail_in) {
+                if (z_reset(&zs) != Z_OK)
+                    break;
+                continue;
+            }
+        }
+        ok = zs.avail_out == 0;
+        break;
+    }
+    z_end(&zs);
+    job->decode_ns = now_ns() - t1;
+    job->detail = (long long)(nbytes - zs.avail_out);
+    if (ok)
+        job->status = ST_OK;
+}
+#endif
+
 /* The codecs: each reads the stored chunk from its file, closes it and decodes into job->out. */
 void read_decode(chunk_io *job, int codec, char *scratch, size_t scratch_len, size_t nbytes, codec_ctx *ctx) {
     size_t size;
@@ -375,7 +480,13 @@ void read_decode(chunk_io *job, int codec, char *scratch, size_t scratch_len, si
         }
         /* the streaming functions may have been turned off since (tests do, between calls) */
         decode_zstd(job, fd, size, t0, scratch, nbytes, zstd_create_dctx != NULL ? ctx->zstd_dctx : NULL);
-    } else {
+    } else if (codec == CODEC_BLOSC) {
         decode_blosc(job, fd, size, t0, scratch, nbytes);
+    } else if (codec == CODEC_LZ4) {
+        decode_lz4(job, fd, size, t0, scratch, nbytes);
+#if HAVE_ZLIB
+    } else {
+        decode_inflate(job, fd, size, t0, scratch, nbytes, codec == CODEC_GZIP);
+#endif
     }
 }

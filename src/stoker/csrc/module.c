@@ -81,6 +81,30 @@ static PyObject *set_zstd_streaming(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* set_lz4(LZ4_decompress_safe): the address of lz4's block decoder (0: lz4 chunks take the Python path). */
+static PyObject *set_lz4(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long a;
+    if (!PyArg_ParseTuple(args, "K", &a))
+        return NULL;
+    set_lz4_function((uintptr_t)a);
+    Py_RETURN_NONE;
+}
+
+/* set_zlib(inflateInit2_, inflate, inflateEnd, inflateReset) -> bool: zlib's functions, by address (all 0:
+ * off); False when this build has no zlib.h, so zlib and gzip chunks take the Python path. */
+static PyObject *set_zlib(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long a[4];
+    if (!PyArg_ParseTuple(args, "KKKK", &a[0], &a[1], &a[2], &a[3]))
+        return NULL;
+    int set = (a[0] != 0) + (a[1] != 0) + (a[2] != 0) + (a[3] != 0);
+    if (set != 0 && set != 4) {
+        PyErr_SetString(PyExc_ValueError, "zlib's functions must all be given, or none");
+        return NULL;
+    }
+    return PyBool_FromLong(set_zlib_functions((uintptr_t)a[0], (uintptr_t)a[1], (uintptr_t)a[2], (uintptr_t)a[3]) &&
+                           a[0] != 0);
+}
+
 /* A copy plan (int64 values, aligned: array('q') always is):
  *   src_kind, ndim, ncopies, src_strides[ndim], dst_strides[ndim],
  *   then per copy: src_offset, dst_offset, extent[ndim]
@@ -574,6 +598,10 @@ static PyMethodDef methods[] = {
      "set_zstd_streaming(create_dctx, free_dctx, decompress_dctx, decompress_begin, decompress_continue, "
      "next_src_size, frame_content_size): zstd's context and buffer-less "
      "streaming functions (all 0: off)."},
+    {"set_lz4", set_lz4, METH_VARARGS, "set_lz4(LZ4_decompress_safe): lz4's block decoder by address (0: off)."},
+    {"set_zlib", set_zlib, METH_VARARGS,
+     "set_zlib(inflateInit2_, inflate, inflateEnd, inflateReset) -> bool: zlib's functions by address (all 0: "
+     "off); False where this build has no zlib support."},
     {"decode_files", decode_files, METH_VARARGS,
      "decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst) -> "
      "[(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]: read, decompress and place chunk "

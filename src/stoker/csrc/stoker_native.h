@@ -1,7 +1,8 @@
 /* stoker._native: the shared declarations of its parts.
  *
  *   io.c      open regular files (non-blocking, then blocking), identity checks, pread loops
- *   codecs.c  zstd (whole, or up to the block the copies need), blosc (whole, or some blocks):
+ *   codecs.c  zstd (whole, or up to the block the copies need), blosc (whole, or some blocks), lz4 (numcodecs'
+ *             framing), zlib and gzip (zlib's inflate):
  *             every codec is the library's own function, handed in by address (stoker/native.py)
  *   place.c   copy plans: checks, casts, streaming stores, fill values
  *   pool.c    the engine: worker threads owned by the extension, jobs, the scratch budget
@@ -20,7 +21,7 @@
 #define MAX_NDIM 32
 
 /* Codecs of a stored chunk. CODEC_FILL: nothing is stored, the copies take the source's fill value. */
-enum { CODEC_ZSTD = 0, CODEC_BLOSC = 1, N_CODECS, CODEC_FILL = -1 };
+enum { CODEC_ZSTD = 0, CODEC_BLOSC = 1, CODEC_LZ4 = 2, CODEC_ZLIB = 3, CODEC_GZIP = 4, N_CODECS, CODEC_FILL = -1 };
 
 /* Chunk statuses (stoker/native.py has the same numbers). */
 enum {
@@ -84,6 +85,9 @@ void read_decode(chunk_io *job, int codec, char *scratch, size_t scratch_len, si
 /* setters (module.c parses the arguments) */
 void set_codec_functions(uintptr_t zd, uintptr_t ze, uintptr_t bd, uintptr_t bg, double share);
 void set_zstd_functions(const uintptr_t a[7]);
+void set_lz4_function(uintptr_t decompress_safe);
+/* 0 when this build has no zlib.h (the z_stream layout): zlib and gzip chunks then take the Python path */
+int set_zlib_functions(uintptr_t init2, uintptr_t inflate_fn, uintptr_t end, uintptr_t reset);
 
 /* ---- place.c ---- */
 typedef struct {

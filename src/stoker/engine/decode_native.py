@@ -19,6 +19,7 @@ import threading
 from array import array
 from typing import Callable
 
+import numcodecs
 import numpy as np
 import torch
 
@@ -45,12 +46,21 @@ _ALIGN = 64  # the engine's scratch holds a chunk's decoded bytes rounded up to 
 
 
 def native_codec(codec) -> int | None:
-    """The engine's codec for chunks of ``codec`` (with no filters; any layout and byte order), or None (the
-    Python path reads them)."""
+    """The engine's codec for chunks of ``codec`` (one compressor, no filters; any layout and byte order), or
+    None (the Python path reads them)."""
     if codec.lone_zstd and native.zstd:
         return native.ZSTD
     if codec.lone_blosc and native.blosc:
         return native.BLOSC
+    if codec.filters or len(codec.compressors) != 1:
+        return None
+    kind = type(codec.compressors[0])
+    if kind is numcodecs.LZ4 and native.lz4_ready:
+        return native.LZ4
+    if kind is numcodecs.Zlib and native.zlib_ready:
+        return native.ZLIB
+    if kind is numcodecs.GZip and native.zlib_ready:
+        return native.GZIP
     return None
 
 
@@ -313,10 +323,10 @@ class NativeDecoder:
             path = plan.path(cid)
             return StorageError(f"cannot read {path}: {os.strerror(detail)}", path=path), None
         if status in (native.TOO_BIG, native.NO_MEMORY, native.FRAME, native.MISSING, native.PENDING) or \
-                native_codec(codec) == native.BLOSC or not whole:
-            # larger than any stored chunk of this codec (the Python path refuses it unread); blosc: any frame
-            # the engine declined or could not decode; any failure of an inner chunk of a shard. The Python
-            # path reads it again and decides (and words the error) as it always does.
+                native_codec(codec) != native.ZSTD or not whole:
+            # larger than any stored chunk of this codec (the Python path refuses it unread); blosc, lz4, zlib
+            # and gzip: any chunk the engine declined or could not decode; any failure of an inner chunk of a
+            # shard. The Python path reads it again and decides (and words the error) as it always does.
             return None, python._read
         key = plan.key(cid)
         if status == native.SHORT:
