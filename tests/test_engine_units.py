@@ -188,7 +188,7 @@ def test_planned_offsets_are_used_only_for_batches_of_the_plans_shape(arrays):
     plain, _ = arrays
     want = zarr.open_array(plain)[2:6, 5:9].astype(np.float32)
     for engine in (0, 16 << 20):  # the Python path, and the compiled engine where it is built
-        ex = cpu.CpuExecutor(1, 1, TransientBudget(64 << 20), StatsRecorder(), LocalStore(), engine_budget=engine)
+        ex = cpu.Decoders(1, 1, TransientBudget(64 << 20), StatsRecorder(), LocalStore(), engine_budget=engine)
         try:
             for out in (torch.full((1, 4, 4), -1.0), torch.full((1, 8, 8), -1.0)):
                 job = ex.submit(ex.plan(0, [stoker.Sample(plain, [(2, 6), (5, 9)])], _opener()), out)
@@ -244,7 +244,7 @@ def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays
     assert one_by_one == all(len(fr.chunk_ids) == 1 for fr in plan.file_reads)
     budget = TransientBudget(8 * size_class(1))
     budget.reserve(budget.capacity, lambda: False)  # someone else holds it all
-    ex = cpu.CpuExecutor(1, 1, budget, StatsRecorder(), LocalStore())
+    ex = cpu.Decoders(1, 1, budget, StatsRecorder(), LocalStore())
     out = torch.full((2, 12, 14), -1.0)
     try:
         job = ex.submit(plan, out)
@@ -459,3 +459,31 @@ def test_large_batch_slots_are_backed_by_huge_pages():
         assert bool((slot.tensor == 7).all())
     assert not hugepages.advise_huge_pages(torch.empty(hugepages.MIN_BYTES - 1, dtype=torch.uint8))
     assert hugepages.advise_huge_pages(torch.empty(hugepages.MIN_BYTES, dtype=torch.uint8))
+
+
+def test_executors_check_their_memory_as_the_pipeline_did():
+    """The budget checks moved into the executors (so the pipeline has no CUDA branch) keep their words: the
+    CPU's slots, and a GPU's pinned staging slots (charged at the size torch pins) and device slots. (The
+    CUDA executor's arithmetic needs no GPU; tests/test_cuda_pipeline.py runs the rest where there is one.)"""
+    from stoker.engine.cpu import CpuExecutor
+    from stoker.engine.stats import StatsRecorder
+    from stoker.engine.transfer import CudaExecutor
+    from stoker.storage import LocalStore
+
+    cfg = stoker.Config(batch_size=4, sample_shape=(10, 100, 100), dtype="f32", host_buffer_bytes=4 << 20,
+                        device_buffer_bytes=3 << 20, device="cpu")
+    cpu = CpuExecutor(cfg, StatsRecorder(), LocalStore())
+    with pytest.raises(stoker.BudgetExceeded, match=r"3 batch slots \(lookahead_batches \+ 1\) x 4 samples x "
+                                                    r"\(10, 100, 100\) x 4 B = 4,800,000 B") as err:
+        cpu.check_budget((10, 100, 100), torch.float32, 0)
+    assert err.value.needed == 4_800_000
+    cuda = CudaExecutor(cfg, torch.device("cuda", 0), StatsRecorder(), LocalStore())
+    with pytest.raises(stoker.BudgetExceeded, match=r"2 pinned staging slots \(lookahead_batches\) x 4 samples x "
+                                                    r"\(10, 100, 100\) x 4 B, each pinned as 2,097,152 B") as err:
+        cuda.check_budget((10, 100, 100), torch.float32, 1)
+    assert err.value.needed == 2 * 2_097_152 + 1
+    cuda.check_budget((10, 50, 100), torch.float32, 0)  # 800,000 B pinned as 1 MiB, twice; 2,800,000 B on the GPU
+    with pytest.raises(stoker.BudgetExceeded, match="device_buffer_bytes=3,145,728 cannot hold this pipeline on "
+                                                    "cuda:0: 3 batch slots .* plus 480,000 B of staging") as err:
+        cuda.check_budget((10, 60, 100), torch.float32, 0)  # still fits the host; 3,360,000 B on the GPU do not
+    assert err.value.knob == "device_buffer_bytes"

@@ -331,7 +331,7 @@ def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, 
             p.push([stoker.Sample(uri, box)])  # a first batch: arrays opened, shard index cached, threads up
             with p.pop():
                 pass
-            executor = p._executor
+            executor = p._executor.decoders
             decoder = executor.native
             finish = decoder._finish
 

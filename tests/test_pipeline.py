@@ -479,7 +479,7 @@ def test_budget_is_fully_returned_after_drain(fixture, path, request, monkeypatc
         while budget.reserved and time.monotonic() < deadline:
             time.sleep(0.01)  # the last tasks return their reservations just after the batch is done
         assert budget.reserved == 0
-        engine = p._executor.native
+        engine = p._executor.decoders.native
         assert (engine is not None) == (path == "engine")
         info = engine.engine.info() if engine is not None else {"budget": 0, "used": 0, "peak": 0}
         assert 0 < budget.peak + info["peak"] and budget.peak <= budget.capacity and info["used"] <= info["budget"]

@@ -1,4 +1,4 @@
-"""The CPU executor: which decode path makes a batch, and the memory each may use.
+"""The CPU executor: batch slots in host memory, and which decode path fills them.
 
 With the compiled engine (``stoker._native.Engine``, see :mod:`.decode_native`) a batch is planned as flat
 tables (:mod:`.tables`) and made in one call on the engine's threads; the chunks it leaves (other codecs and
@@ -6,28 +6,31 @@ layouts, doubtful frames, rewritten shards) take the Python path. Without the en
 ``STOKER_NATIVE=0``), or for arrays of rank 0, batches are planned by :func:`~.plan.plan_batch` and made by
 the Python path (:mod:`.decode_python`) alone.
 
-Memory: the engine's threads take their scratch from ``engine_budget`` bytes, the Python path its buffers
-from the :class:`~.buffers.TransientBudget`; the pipeline splits what ``host_buffer_bytes`` leaves next to
-its batch slots between the two, so together they never pass it.
+Memory: ``host_buffer_bytes`` holds the batch slots (:class:`~.buffers.SlotRing`), the engine's threads'
+scratch (its budget) and the Python path's buffers (the :class:`~.buffers.TransientBudget`):
+:meth:`CpuExecutor.prepare` splits what the slots leave between the two, so together they never pass it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import math
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .. import native
+from ..config import Config
+from ..errors import BudgetExceeded
 from ..storage import LocalStore
-from .buffers import TransientBudget, size_class
+from .buffers import Slot, SlotRing, TransientBudget, size_class
 from .decode_native import NativeDecoder, native_codec, scratch_need
 from .decode_python import PythonDecoder
-from .executor import Job
+from .executor import Job, Target
 from .plan import BatchPlan, plan_batch
 from .stats import StatsRecorder
 from .tables import TablePlan, plan_tables
 
-__all__ = ["CpuExecutor", "Job", "engine_available", "native_codec", "scratch_need"]
+__all__ = ["CpuExecutor", "Decoders", "Job", "engine_available", "native_codec", "scratch_need"]
 
 
 def engine_available() -> bool:
@@ -35,8 +38,8 @@ def engine_available() -> bool:
     return native.Engine is not None
 
 
-class CpuExecutor:
-    """Plans and makes batches in CPU memory; one per pipeline."""
+class Decoders:
+    """Plans batches and fills tensors in CPU memory: the compiled engine, or the Python path."""
 
     def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
                  store: LocalStore, engine_budget: int = 0, group_limit: int = 8 << 20) -> None:
@@ -73,3 +76,142 @@ class CpuExecutor:
     def peak_bytes(self) -> int:
         """The most the decode paths' buffers held at once (the engine's scratch and the transient budget)."""
         return self.budget.peak + (self.native.peak_bytes() if self.native is not None else 0)
+
+
+#: The engine's scratch budget: room for every compute thread's scratch for the largest chunk of the first
+#: batch's arrays, twice over (later arrays may have larger chunks), and at least this much.
+_ENGINE_MIN_BYTES = 64 << 20
+
+
+def engine_budget(left: int, python_need: int, threads: int, readers: list) -> int:
+    """The share of ``left`` (host_buffer_bytes minus the batch slots) the compiled engine's threads take
+    for their scratch; the Python path keeps the rest, at least ``python_need`` (one file's chunks)."""
+    need = max(scratch_need(r.metadata.codec) for r in readers)
+    return max(0, min(left - python_need, max(_ENGINE_MIN_BYTES, 2 * threads * need)))
+
+
+class CpuExecutor:
+    """The executor of CPU batches (see :class:`~.executor.Executor`): ``lookahead_batches + 1`` slots in
+    host memory, filled by :class:`Decoders` and handed out as they are. One per pipeline; nothing is
+    allocated and no thread started before :meth:`prepare`."""
+
+    staging = "batch slots (lookahead_batches + 1)"  # what the host slots are, in budget messages
+
+    def __init__(self, cfg: Config, stats: StatsRecorder, store: LocalStore) -> None:
+        self.cfg = cfg
+        self.stats = stats
+        self.store = store
+        self.n_slots = cfg.lookahead_batches + 1  # slots the consumer sees
+        self.slots: SlotRing | None = None  # what batches are delivered from
+        self.host_slots: SlotRing | None = None  # where they are assembled (the same ring here)
+        self.budget: TransientBudget | None = None
+        self.decoders: Decoders | None = None
+        # one read group (a shard's coalesced inner chunks plus their decode scratch) reserves at most this
+        self.group_limit = min(8 << 20, cfg.host_buffer_bytes // 16)
+
+    # -- memory -----------------------------------------------------------------------------------
+
+    @property
+    def n_host_slots(self) -> int:
+        return self.n_slots
+
+    def host_slot_bytes(self, slot_bytes: int) -> int:
+        """Host memory one slot of ``slot_bytes`` takes."""
+        return slot_bytes
+
+    def check_budget(self, shape: tuple[int, ...], dtype: torch.dtype, transient: int) -> None:
+        """BudgetExceeded unless the host slots plus ``transient`` fit host_buffer_bytes, with a breakdown."""
+        cfg = self.cfg
+        slot_bytes = cfg.batch_size * math.prod(shape) * dtype.itemsize
+        n = self.n_host_slots
+        host_slot = self.host_slot_bytes(slot_bytes)
+        need = n * host_slot + transient
+        if need > cfg.host_buffer_bytes:
+            pinned = (f", each pinned as {host_slot:,} B (torch rounds pinned memory up to a power of two)"
+                      if host_slot != slot_bytes else "")
+            raise BudgetExceeded(
+                f"Config.host_buffer_bytes={cfg.host_buffer_bytes:,} cannot hold this pipeline: "
+                f"{n} {self.staging} x {cfg.batch_size} samples x {shape} x {dtype.itemsize} B{pinned} = "
+                f"{n * host_slot:,} B, "
+                f"plus at least {transient:,} B for reading and decoding one file's chunks; needs {need:,} B. Raise "
+                f"host_buffer_bytes to at least {need:,}, or lower batch_size, lookahead_batches or the sample shape.",
+                knob="host_buffer_bytes", needed=need,
+            )
+
+    def prepare(self, sample_shape: tuple[int, ...], readers: list, dtype: torch.dtype) -> None:
+        """Slots, budgets and decode threads, once: at the first batch, whose arrays size the buffers."""
+        if self.slots is not None:
+            return
+        # The largest single reservation of the Python path: one read group, or one chunk's encoded bytes
+        # (at most its decoded size plus codec overhead for what we read) and its decode scratch.
+        chunk = max(size_class(r.metadata.codec.nbytes) for r in readers)
+        transient = max(self.group_limit, 2 * chunk + size_class(1))
+        self.check_budget(sample_shape, dtype, transient)
+        self._make_slots((self.cfg.batch_size, *sample_shape), dtype)
+        left = self.cfg.host_buffer_bytes - self.host_slots.nbytes
+        engine = engine_budget(left, transient, self.cfg.compute_threads, readers) if engine_available() else 0
+        self.budget = TransientBudget(left - engine)
+        self.decoders = Decoders(self.cfg.n_io_threads, self.cfg.compute_threads, self.budget, self.stats,
+                                 self.store, engine_budget=engine, group_limit=self.group_limit)
+
+    def _make_slots(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.slots = self.host_slots = SlotRing(self.n_slots, batch_shape, dtype)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The batches' dtype once the slots exist."""
+        return self.slots.dtype if self.slots is not None else None
+
+    def held(self) -> int:
+        """Slots a consumer still holds."""
+        return self.slots.held() if self.slots is not None else 0
+
+    def peak_bytes(self) -> int:
+        """The most host memory the pipeline's buffers held at once: the slots, the engine's scratch and the
+        Python path's buffers."""
+        if self.host_slots is None:
+            return 0
+        return self.host_slots.nbytes + self.decoders.peak_bytes()
+
+    # -- batches ----------------------------------------------------------------------------------
+
+    def plan(self, batch_id: int, samples: Sequence, open_reader: Callable) -> BatchPlan | TablePlan:
+        return self.decoders.plan(batch_id, samples, open_reader)
+
+    @staticmethod
+    def _acquire(ring: SlotRing, closed: Callable[[], bool]) -> Slot:
+        """A free slot of ``ring``, waiting for one (ShutdownError once ``closed()``)."""
+        slot = None
+        while slot is None:
+            slot = ring.acquire(closed, timeout=0.1)
+        return slot
+
+    def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target:
+        """The slot ``plan``'s batch is made in (waits until one is free)."""
+        slot = self._acquire(self.slots, closed)
+        return Target(slot.tensor[: plan.rows], slot, slot)
+
+    def submit(self, plan: Any, target: Target) -> Job:
+        """Start making ``plan`` into ``target``; the job completes or fails."""
+        return self.decoders.submit(plan, target.out)
+
+    def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]:
+        """``(view, release, ready event, ready stream)`` of a finished batch (see Batch)."""
+        slots, slot = self.slots, target.slot
+        return slot.tensor[:rows], lambda waits: slots.release(slot, stream_waits=waits), None, None
+
+    def drop(self, target: Target) -> None:
+        """Give back the slots of a batch that failed."""
+        if target.slot is not None:
+            self.slots.release(target.slot)
+        if target.host_slot is not None and target.host_slot is not target.slot:
+            self.host_slots.release(target.host_slot)
+
+    def shutdown(self) -> None:
+        """Cancel work in flight: once this returns the engine writes into no batch; Python tasks stop at
+        their next check."""
+        if self.decoders is not None:
+            self.decoders.shutdown()
+
+    def close(self) -> None:
+        """Free what outlives the work (nothing on the CPU)."""

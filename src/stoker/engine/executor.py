@@ -1,13 +1,18 @@
 """The executor contract: what the pipeline asks of whatever makes its batches.
 
-An executor plans a batch (``plan``), takes the plan and the tensor to fill (``submit``) and returns a
-:class:`Job` that completes or fails; ``shutdown`` cancels what is in flight. The CPU executor
-(:mod:`.cpu`: the compiled engine, or the Python path) and the CUDA executor (:mod:`.transfer`: a CPU
-executor filling pinned staging, then a copy and cast on the GPU) both keep it, so the pipeline has no
-branch for either.
+An executor owns the batch slots and the decode work. ``prepare`` makes its buffers (once, from the first
+batch's arrays); ``plan`` plans a batch; ``acquire`` gives the :class:`Target` to make it in (waiting for a
+free slot); ``submit`` starts it and returns a :class:`Job` that completes or fails (``cancel``);
+``deliver`` hands out a finished batch's view and how to release it, ``drop`` gives back a failed one;
+``shutdown`` cancels work in flight, ``close`` frees the rest; ``check_budget``, ``held`` and ``peak_bytes``
+answer for memory. The CPU executor (:mod:`.cpu`: slots in host memory, filled by the compiled engine or
+the Python path) and the CUDA executor (:mod:`.transfer`: the same filling pinned staging, then a copy and
+cast on the GPU) both keep it, so the pipeline has no branch for either: :func:`make_executor` picks one.
 
+>>> executor = make_executor(cfg, device, stats, store)
+>>> executor.prepare(sample_shape, readers, dtype)
 >>> plan = executor.plan(batch_id, samples, open_reader)
->>> job = executor.submit(plan, executor.target(slot, plan))
+>>> job = executor.submit(plan, executor.acquire(plan, closed))
 >>> job.wait(1.0), job.error
 (True, None)
 """
@@ -15,6 +20,7 @@ branch for either.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -83,6 +89,9 @@ class Job:
             self._complete()
 
     def _complete(self) -> None:
+        # nothing left to cancel: the engine's job (which holds a view of the batch, so its slot would look
+        # in use) goes, before the hook gives the slot back
+        self._cancel = []
         then, self._then = self._then, None  # run once; drop it so the job holds no pipeline
         if then is not None:
             try:
@@ -92,17 +101,54 @@ class Job:
         self.done.set()
 
 
+@dataclass
+class Target:
+    """Where one batch is made: ``out`` (the tensor the decoders fill), the ``slot`` it is delivered from and
+    the ``host_slot`` it is assembled in (the same slot on the CPU); ``event``: the CUDA event after its copy."""
+
+    out: torch.Tensor | None
+    slot: Any
+    host_slot: Any
+    event: Any = None
+
+
 class Executor(Protocol):
-    """What the pipeline needs: plans, batch targets, jobs, shutdown, memory."""
+    """What the pipeline needs of whatever makes its batches (see the module docstring)."""
 
-    def plan(self, batch_id: int, samples: Sequence[Any], open_reader: Callable[[str], Any]) -> Any:
-        """The batch's plan (raises the typed errors of opening arrays and of bad boxes)."""
+    n_slots: int
 
-    def submit(self, plan: Any, target: Any) -> Job:
-        """Start making the batch into ``target`` (from :meth:`target`); the job completes or fails."""
+    def check_budget(self, shape: tuple[int, ...], dtype: torch.dtype, transient: int) -> None: ...
 
-    def shutdown(self) -> None:
-        """Cancel work in flight; returns within about a second."""
+    def prepare(self, sample_shape: tuple[int, ...], readers: list, dtype: torch.dtype) -> None: ...
 
-    def peak_bytes(self) -> int:
-        """The most host memory its buffers held at once (slots excluded)."""
+    @property
+    def dtype(self) -> torch.dtype | None: ...
+
+    def plan(self, batch_id: int, samples: Sequence[Any], open_reader: Callable[[str], Any]) -> Any: ...
+
+    def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target: ...
+
+    def submit(self, plan: Any, target: Target) -> Job: ...
+
+    def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]: ...
+
+    def drop(self, target: Target) -> None: ...
+
+    def held(self) -> int: ...
+
+    def peak_bytes(self) -> int: ...
+
+    def shutdown(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def make_executor(cfg: Any, device: torch.device, stats: Any, store: Any) -> Executor:
+    """The executor for batches on ``device``: CUDA's (pinned staging, copy and cast on the GPU) or the CPU's."""
+    if device.type == "cuda":
+        from .transfer import CudaExecutor
+
+        return CudaExecutor(cfg, device, stats, store)
+    from .cpu import CpuExecutor
+
+    return CpuExecutor(cfg, stats, store)

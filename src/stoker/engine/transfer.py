@@ -14,16 +14,26 @@ dedicated non-blocking stream:
 The host slot goes back to its ring fenced by that event, so it is refilled only after the
 copy has read it. One device staging buffer suffices: every copy and cast runs on the one
 stream, in order.
+
+:class:`CudaExecutor` is the pipeline's executor on a GPU (the contract of
+:mod:`.executor`): the CPU executor's decoders fill ``lookahead_batches`` pinned byte slots,
+and its delivery slots are ``lookahead_batches + 1`` device slots.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
+from typing import Any, Callable
 
 import torch
 
-from ..errors import ShutdownError
-from .buffers import Slot, SlotRing
+from ..errors import BudgetExceeded, ShutdownError
+from . import device as devices
+from .buffers import Slot, SlotRing, pinned_footprint
+from .cpu import CpuExecutor
+from .executor import Job, Target
 
 
 # What release(event=...) accepts: torch's CUDA classes and the device-generic ones (torch.cuda.Stream is a
@@ -109,3 +119,85 @@ def release_waits(event_or_stream, consumers: list) -> list:
     raise TypeError(f"release(event=...) takes a torch.cuda.Event, torch.Event, torch.cuda.Stream or torch.Stream, "
                     f"got {type(event_or_stream).__name__}")
 
+
+
+def stage_bytes(slot_bytes: int, output: torch.dtype | None) -> int:
+    """Device staging for the cast on the GPU: a batch in a dtype narrower than the output (at most half)."""
+    if output is None or output.itemsize < 2:
+        return 0
+    return slot_bytes // 2
+
+
+class CudaExecutor(CpuExecutor):
+    """Batches on a GPU: the CPU executor's decoders fill pinned host *byte* slots, each batch viewed in its
+    staging dtype (:func:`~.device.staging_dtype`: the source dtype when it is a narrower integer type, else
+    the output dtype); the job's completion hook (on the thread that finished the batch) hands it to
+    :class:`CudaTransfer`, and the device slot is what the consumer gets, ready after its event."""
+
+    staging = "pinned staging slots (lookahead_batches)"
+
+    def __init__(self, cfg, device: torch.device, stats, store) -> None:
+        super().__init__(cfg, stats, store)
+        self.device = device
+        self.transfer: CudaTransfer | None = None
+
+    @property
+    def n_host_slots(self) -> int:
+        # host slots only stage batches being assembled; each is free again once its copy is done
+        return self.cfg.lookahead_batches
+
+    def host_slot_bytes(self, slot_bytes: int) -> int:
+        return pinned_footprint(slot_bytes)
+
+    def check_budget(self, shape: tuple[int, ...], dtype: torch.dtype, transient: int) -> None:
+        """The host part (pinned staging plus ``transient``), then the device slots plus staging against
+        device_buffer_bytes."""
+        super().check_budget(shape, dtype, transient)
+        slot_bytes = self.cfg.batch_size * math.prod(shape) * dtype.itemsize
+        device_need = self.n_slots * slot_bytes + stage_bytes(slot_bytes, self.cfg.output_dtype)
+        if device_need > self.cfg.device_buffer_bytes:
+            raise BudgetExceeded(
+                f"Config.device_buffer_bytes={self.cfg.device_buffer_bytes:,} cannot hold this pipeline on "
+                f"{self.device}: {self.n_slots} batch slots (lookahead_batches + 1) x {slot_bytes:,} B plus "
+                f"{device_need - self.n_slots * slot_bytes:,} B of staging for the cast on the device; needs "
+                f"{device_need:,} B. Raise device_buffer_bytes, or lower batch_size, lookahead_batches or the "
+                "sample shape.",
+                knob="device_buffer_bytes", needed=device_need,
+            )
+
+    def _make_slots(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        slot_bytes = math.prod(batch_shape) * dtype.itemsize
+        # byte slots: each batch is assembled in its own staging dtype (see device.staging_dtype)
+        with torch.cuda.device(self.device):  # pinning needs a CUDA context: this GPU's, not GPU 0's
+            self.host_slots = SlotRing(self.n_host_slots, (slot_bytes,), torch.uint8, pin=True)
+        self.transfer = CudaTransfer(self.device, self.n_slots, batch_shape, dtype,
+                                     stage_bytes(slot_bytes, self.cfg.output_dtype))
+        self.slots = self.transfer.slots
+
+    def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target:
+        slot = self._acquire(self.slots, closed)
+        host_slot = self._acquire(self.host_slots, closed)
+        stage = devices.staging_dtype(self.cfg.output_dtype, {r.dtype for r in plan.sources}) or self.slots.dtype
+        return Target(host_slot.view(stage, (plan.rows, *plan.sample_shape)), slot, host_slot)
+
+    def submit(self, plan: Any, target: Target) -> Job:
+        return self.decoders.submit(plan, target.out, then=lambda job: self._to_device(target, job))
+
+    def _to_device(self, target: Target, job: Job) -> None:
+        """The job's completion hook: enqueue copy and cast, free the host slot behind them."""
+        t0 = time.perf_counter()
+        host = job.out
+        target.event = self.transfer.issue(host, target.slot)
+        job.out = job.out_np = target.out = None  # no view may keep the staging slot from its next batch
+        self.host_slots.release(target.host_slot, ready_after=target.event)
+        target.host_slot = None
+        self.stats.stage("transfer", time.perf_counter() - t0, bytes_in=host.numel() * host.element_size())
+
+    def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]:
+        view, release, _, _ = super().deliver(target, rows)
+        return view, release, target.event, self.transfer.stream
+
+    def close(self) -> None:
+        """Refuse new copies and wait for queued ones, so no buffer is freed under a copy."""
+        if self.transfer is not None:
+            self.transfer.close()

@@ -1,0 +1,154 @@
+"""A pipeline's coordinator thread: pulls samples when there is room, plans and launches one batch at a time.
+
+There is room when fewer than ``lookahead_batches`` batches are in flight and the intake has samples; a
+launch opens the batch's arrays (cached per pipeline), settles its dtype and the executor's buffers from
+their metadata (so a crop too large for ``host_buffer_bytes`` is refused before its plan is built), plans it,
+waits for a slot and submits it. Batches are in flight in push order; a batch that could not be planned,
+or a source's error, rides in its place as an error for ``pop`` to raise.
+
+The thread holds the coordinator, never the pipeline, so a pipeline nobody closed can still be collected
+(its ``__del__`` closes it).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+
+import torch
+
+from ..array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
+from ..cache import SizedLRU
+from ..config import Config
+from ..errors import DtypeMismatch
+from ..sample import Sample
+from ..storage import LocalStore
+from .cast import batch_dtype
+from .executor import Executor, Job, Target
+from .intake import Intake
+from .stats import StatsRecorder
+
+_MAX_OPEN_ARRAYS = 16384
+
+
+class Entry:
+    """A batch in flight: a running job, or an error to deliver in its place."""
+
+    __slots__ = ("job", "target", "error", "batch_id", "rows", "source_ids")
+
+    def __init__(self, batch_id: int, rows: int, job: Job | None = None, target: Target | None = None,
+                 error: BaseException | None = None) -> None:
+        self.batch_id, self.rows, self.job, self.target, self.error = batch_id, rows, job, target, error
+        self.source_ids: list[int] = []
+
+    def ready(self, timeout: float) -> bool:
+        return self.job is None or self.job.done.wait(timeout)
+
+
+class Coordinator:
+    """The batches in flight (``inflight``, in push order) and the thread that launches them."""
+
+    def __init__(self, cfg: Config, intake: Intake, executor: Executor, stats: StatsRecorder,
+                 store: LocalStore) -> None:
+        self.cfg = cfg
+        self.intake = intake
+        self.cond = intake.cond
+        self.executor = executor
+        self.stats = stats
+        self.store = store
+        self.inflight: collections.deque[Entry] = collections.deque()
+        self.closed = False
+        self.thread: threading.Thread | None = None
+        self._batch_ids = itertools.count()
+        self._index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
+        self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
+
+    def open(self, uri: str) -> ArrayReader:
+        """The array at ``uri``, opened once per pipeline (metadata and shard indexes cached)."""
+        return self._readers.get_or_load(uri, lambda: open_array(uri, store=self.store, index_cache=self._index_cache))
+
+    def start(self) -> None:
+        with self.cond:
+            if self.thread is None and not self.closed:
+                self.thread = threading.Thread(target=self._run, name="stoker-coordinator", daemon=True)
+                self.thread.start()
+
+    def close(self) -> None:
+        """Stop launching (under the condition); the thread ends at its next check."""
+        self.closed = True
+        self.cond.notify_all()
+
+    def join(self, timeout: float) -> None:
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=timeout)  # a user generator blocked in next() cannot be interrupted
+
+    def _run(self) -> None:
+        try:
+            while self._cycle():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - a bug here must reach the consumer, not vanish
+            with self.cond:
+                if not self.closed:
+                    self.inflight.append(Entry(-1, 0, error=exc))
+                self.cond.notify_all()
+
+    def _cycle(self) -> bool:
+        """One round: wait (at most 0.1 s) for room, then launch one batch. False once closed."""
+        with self.cond:
+            if not self.closed and (len(self.inflight) >= self.cfg.lookahead_batches or not self.intake.has_work()):
+                self.cond.wait(0.1)
+                return not self.closed
+            if self.closed:
+                return False
+        staged, error = self.intake.pull(lambda: self.closed)
+        if staged:
+            self._launch(staged)
+        if error is not None:
+            with self.cond:
+                self.inflight.append(Entry(next(self._batch_ids), 0, error=error))
+            self.intake.drop_sources()
+        with self.cond:
+            self.intake.launching = False
+            self.cond.notify_all()
+        return True
+
+    def _launch(self, staged: list[tuple[Sample, int]]) -> None:
+        samples = [s for s, _ in staged]
+        source_ids = [sid for _, sid in staged]
+        batch_id = next(self._batch_ids)
+        t0 = time.perf_counter()
+        if self.closed:
+            return
+        try:
+            # The arrays' metadata settles the dtype and the budget before planning: a crop too large for
+            # host_buffer_bytes is refused before its plan (chunk lists of its whole volume) is built.
+            readers = list({s.uri: self.open(s.uri) for s in samples}.values())
+            dtype = self._batch_dtype(readers)
+            self.executor.prepare(samples[0].shape, readers, dtype)
+            plan = self.executor.plan(batch_id, samples, self.open)
+        except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
+            with self.cond:
+                self.inflight.append(Entry(batch_id, len(samples), error=exc))
+                self.cond.notify_all()
+            return
+        self.stats.stage("plan", time.perf_counter() - t0)
+        entry = Entry(batch_id, plan.rows)
+        entry.source_ids = source_ids
+        entry.target = self.executor.acquire(plan, lambda: self.closed)
+        entry.job = self.executor.submit(plan, entry.target)
+        with self.cond:
+            self.inflight.append(entry)
+            self.cond.notify_all()
+
+    def _batch_dtype(self, readers: list[ArrayReader]) -> torch.dtype:
+        dtypes = {batch_dtype(self.cfg.output_dtype, r.dtype, r.uri) for r in readers}
+        if self.executor.dtype is not None:
+            dtypes.add(self.executor.dtype)
+        if len(dtypes) > 1:
+            raise DtypeMismatch(
+                f"dtype='native' needs one source dtype per pipeline, found {sorted(map(str, dtypes))} "
+                f"(arrays {[r.uri for r in readers]}); pick dtype='f32', 'bf16' or 'f16' to mix sources"
+            )
+        return dtypes.pop()

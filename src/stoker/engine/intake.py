@@ -1,0 +1,168 @@
+"""A pipeline's intake: what was pushed, pulled lazily into batches of samples, and what was consumed.
+
+Sized pushes are checked at once and counted as pending; iterables (also infinite generators) are pulled
+only when the coordinator has room for a batch, and checked then; resumable sources (``state_after``) have
+their position reported as of the samples the consumer popped (:meth:`Intake.state_dict`). Every field is
+read and written under the pipeline's condition, which :class:`Intake` shares.
+
+>>> intake.push(samples); batch, error = intake.pull(closed)   # up to batch_size (sample, source id) pairs
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any, Callable
+
+from ..config import Config
+from ..errors import InvalidArgument, RankMismatch, StokerError
+from ..sample import Sample
+
+
+class Intake:
+    """The samples between ``push`` and a launched batch, and the positions of resumable sources."""
+
+    def __init__(self, cfg: Config, cond: threading.Condition) -> None:
+        self.cfg = cfg
+        self.cond = cond
+        # (iterator, counted, source id): sized pushes are counted in `pending` at push, generators as pulled
+        self.sources: collections.deque[tuple[Iterator[Any], bool, int]] = collections.deque()
+        self.staged: list[tuple[Sample, int]] = []  # pulled, not yet in a batch, with their source id
+        self._source_ids = itertools.count()
+        self._resumable: dict[int, Any] = {}  # source id -> iterator that can report state_after(n)
+        self._popped: collections.Counter[int] = collections.Counter()  # source id -> samples popped
+        self.batches_popped = 0
+        self.flush = False  # launch a short batch of what is staged (drop_last=False, sources drained)
+        self.launching = False  # samples taken from the sources but not yet in flight
+        self.pending = 0
+        self.shape: tuple[int, ...] | None = cfg.sample_shape
+
+    def push(self, samples: Sample | Iterable[Sample]) -> None:
+        """Queue samples: one Sample, a sequence (checked now), a sharded source (pulled lazily, its
+        position tracked) or any iterable (pulled lazily, checked then)."""
+        if isinstance(samples, Sample):
+            samples = [samples]
+        if not isinstance(samples, Iterable):
+            raise InvalidArgument(f"push takes a Sample or an iterable of Samples, got {type(samples).__name__}")
+        it = iter(samples)
+        if hasattr(it, "state_after"):  # a resumable source (ShardedSource): pulled lazily, position tracked
+            with self.cond:
+                sid = next(self._source_ids)
+                self._resumable[sid] = it
+                self.sources.append((it, False, sid))
+                self.cond.notify_all()
+        elif isinstance(samples, Sized) and not isinstance(samples, Iterator):
+            items = list(it)
+            shape = self.shape
+            for s in items:
+                shape = validate(s, shape)
+            with self.cond:
+                self.shape = self.shape or shape
+                self.sources.append((iter(items), True, next(self._source_ids)))
+                self.pending += len(items)
+                self.cond.notify_all()
+        else:
+            with self.cond:
+                self.sources.append((it, False, next(self._source_ids)))
+                self.cond.notify_all()
+
+    def has_work(self) -> bool:
+        """Under the condition: whether a pull may give a batch."""
+        return bool(self.sources) or (self.flush and bool(self.staged))
+
+    def pull(self, closed: Callable[[], bool]) -> tuple[list[tuple[Sample, int]], BaseException | None]:
+        """Up to batch_size samples (a short batch only when flushing), or an error from the source (with the
+        samples staged before it, when they make a batch)."""
+        want = self.cfg.batch_size
+        while len(self.staged) < want:
+            with self.cond:
+                if closed() or not self.sources:
+                    break
+                source, counted, sid = self.sources[0]
+            try:
+                sample = next(source)  # user code: outside the lock
+            except StopIteration:
+                with self.cond:
+                    if self.sources and self.sources[0][0] is source:
+                        self.sources.popleft()
+                continue
+            except BaseException as exc:  # noqa: BLE001
+                return self._take_before_error(), exc if isinstance(exc, StokerError) else _wrap_source_error(exc)
+            try:
+                shape = validate(sample, self.shape)
+            except StokerError as exc:
+                return self._take_before_error(), exc
+            with self.cond:
+                self.shape = self.shape or shape
+                if not counted:
+                    self.pending += 1
+            self.staged.append((sample, sid))
+        with self.cond:
+            if len(self.staged) >= want or (self.flush and not self.sources):
+                self.flush = False
+                batch = self._take()
+                self.launching = bool(batch)
+                return batch, None
+        return [], None
+
+    def _take_before_error(self) -> list[tuple[Sample, int]]:
+        """Samples staged before a source error: a short batch only when drop_last is off."""
+        with self.cond:
+            self.launching = True
+            batch = self._take()
+            if self.cfg.drop_last and len(batch) < self.cfg.batch_size:
+                self.pending = max(0, self.pending - len(batch))
+                return []
+            return batch
+
+    def _take(self) -> list[tuple[Sample, int]]:
+        batch, self.staged = self.staged[: self.cfg.batch_size], self.staged[self.cfg.batch_size:]
+        return batch
+
+    def drop_sources(self) -> None:
+        """After a source's error: nothing more is pulled."""
+        with self.cond:
+            self.sources.clear()
+
+    def flush_if_drained(self, in_flight: bool) -> None:
+        """Under the condition: with nothing in flight and the sources drained, launch what is staged as a
+        short batch (when drop_last is off)."""
+        if not in_flight and not self.sources and self.staged and not self.cfg.drop_last:
+            self.flush = True
+            self.cond.notify_all()
+
+    def popped(self, source_ids: list[int], rows: int) -> None:
+        """Under the condition: the consumer got a batch of these samples."""
+        self.pending = max(0, self.pending - rows)
+        self._popped.update(source_ids)
+        self.batches_popped += 1
+
+    def state_dict(self) -> dict:
+        with self.cond:
+            return {
+                "sources": [it.state_after(self._popped[sid]) for sid, it in self._resumable.items()],
+                "batches": self.batches_popped,
+            }
+
+
+def validate(s: Any, shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The batch shape after ``s``: typed errors for a non-Sample, another rank or another shape."""
+    if not isinstance(s, Sample):
+        raise InvalidArgument(f"expected stoker.Sample, got {type(s).__name__}: {s!r}")
+    if shape is None:
+        return s.shape
+    if len(s.shape) != len(shape):
+        raise RankMismatch(f"{s} has {len(s.shape)} axes, the batch's samples have {len(shape)} {shape}",
+                           uri=s.uri)
+    if s.shape != shape:
+        raise InvalidArgument(f"{s} has shape {s.shape}; every sample of this pipeline must be {shape} "
+                              "(set Config.sample_shape, or make all boxes the same size)", uri=s.uri)
+    return shape
+
+
+def _wrap_source_error(exc: BaseException) -> StokerError:
+    err = InvalidArgument(f"the pushed sample iterable raised {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
