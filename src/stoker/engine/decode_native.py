@@ -157,6 +157,8 @@ class NativeDecoder:
             self._closing = True
             self._cond.notify_all()
         self.engine.close(0.25)
+        if self._thread is not threading.current_thread():
+            self._thread.join(0.25)  # it leaves as soon as the engine's jobs are cancelled
 
     # -- submission ------------------------------------------------------------------------------
 
@@ -256,9 +258,13 @@ class NativeDecoder:
                 if self._closing:
                     return
                 job, bjob, eids = self._pending[0]
-            if not bjob.wait(1.0):  # in C, without the GIL; once a second a look at _closing
-                continue
+            # In C, without the GIL, and with no timeout: shutdown cancels every job, which ends the wait
+            # (a thread of this process waking up while it exits can abort it). A job whose worker is stuck
+            # in a hung read keeps this thread waiting, as it keeps the batch from pop.
+            bjob.wait()
             with self._cond:
+                if self._closing:
+                    return
                 self._pending.pop(0)
             try:
                 self._finish(job, bjob, eids)
