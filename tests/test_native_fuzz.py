@@ -983,3 +983,41 @@ def test_lz4_zlib_gzip_chunks_decode_as_the_python_path_does(work, data):
         assert status in (native.FRAME, native.TOO_BIG), status
         assert (batch.view == 0x11).all()
         assert status == native.TOO_BIG or want is None, "a chunk the Python path reads was left to it"
+
+
+@fuzz(300)
+@given(st.data())
+def test_plan_grid_arguments(work, data):
+    """The compiled grid planner takes any int64 buffers: a ValueError, or copies and chunks that are sound
+    (every copy inside its crop and its chunk; chunks distinct; copies grouped by chunk)."""
+    ndim = data.draw(st.integers(1, 3))
+    n_src = data.draw(st.integers(1, 3))
+    n = data.draw(st.integers(0, 4))
+    edge = st.one_of(st.integers(-3, 40), st.sampled_from([-2**63, 2**62, 2**63 - 1]))
+    small = data.draw(st.booleans())
+    value = st.integers(0, 40) if small else edge
+    shape = np.array([data.draw(st.integers(1, 12) if small else edge) for _ in range(ndim)], np.int64)
+    starts = np.array([[data.draw(value) for _ in range(ndim)] for _ in range(n)], np.int64).reshape(n, ndim)
+    sids = np.array([data.draw(st.integers(0, n_src - 1) if small else edge) for _ in range(n)], np.int64)
+    chunk_shapes = np.array([[data.draw(st.integers(1, 9) if small else edge) for _ in range(ndim)]
+                             for _ in range(n_src)], np.int64)
+    strides = np.array([[data.draw(st.integers(0, 99) if small else edge) for _ in range(ndim)]
+                        for _ in range(n_src)], np.int64)
+    itemsizes = np.array([data.draw(st.sampled_from([1, 2, 4, 8]) if small else edge) for _ in range(n_src)], np.int64)
+    try:
+        copies, chunks = native.plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes)
+    except (ValueError, MemoryError):
+        event("refused")
+        return
+    event("planned")
+    copies = np.frombuffer(copies, np.int64).reshape(-1, 2 + 3 * ndim)
+    chunks = np.frombuffer(chunks, np.int64).reshape(-1, 5 + ndim)
+    keys = {tuple(c[[0, *range(5, 5 + ndim)]]) for c in chunks}
+    assert len(keys) == len(chunks)
+    assert chunks[:, 2].sum() == len(copies) and (np.cumsum(chunks[:, 2]) - chunks[:, 2] == chunks[:, 1]).all()
+    for c in chunks:
+        mine = copies[c[1]:c[1] + c[2]]
+        cs = chunk_shapes[c[0]]
+        start, box, ext = mine[:, 2:2 + ndim], mine[:, 2 + ndim:2 + 2 * ndim], mine[:, 2 + 2 * ndim:]
+        assert (start >= 0).all() and (ext >= 1).all() and (start + ext <= cs).all()
+        assert (box >= 0).all() and (box + ext <= shape).all()

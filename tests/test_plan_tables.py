@@ -16,10 +16,21 @@ from hypothesis import strategies as st
 from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
 
 import stoker
+from stoker import native
 from stoker.engine.plan import plan_batch
 from stoker.engine.tables import plan_tables
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def grid(request, monkeypatch):
+    """Which planner crosses the crops with the grid: C (csrc/grid.c, where the extension is built) or numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "plan_grid", None)
+    elif native.plan_grid is None:
+        pytest.skip("stoker._native is not available")
+    return request.param
 
 
 @pytest.fixture(scope="module")

@@ -145,3 +145,9 @@ def zstd_error(code: int) -> str:
 #: or ``None`` where the extension is not built (or ``STOKER_NATIVE=0``); ``zstd`` / ``blosc``: which codecs
 #: it can call
 decode_files, Engine, zstd, blosc = _load()
+
+#: ``plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes) -> (copies, chunks)`` (csrc/grid.c), or
+#: None without the engine (engine/tables.py then plans with numpy)
+plan_grid = None
+if Engine is not None:
+    from ._native import plan_grid

@@ -105,6 +105,52 @@ static PyObject *set_zlib(PyObject *Py_UNUSED(self), PyObject *args) {
                            a[0] != 0);
 }
 
+/* plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes) -> (copies, chunks): see grid.c; the
+ * arguments are int64 buffers (starts: crops x ndim; shape: ndim; chunk_shapes, strides: arrays x ndim;
+ * itemsizes: arrays), the results bytes of int64 rows (copies: 2 + 3 ndim values, chunks: 5 + ndim). */
+static PyObject *plan_grid_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *objs[6];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5]))
+        return NULL;
+    Py_buffer b[6] = {{0}};
+    int held = 0;
+    PyObject *result = NULL;
+    for (; held < 6; held++) {
+        if (PyObject_GetBuffer(objs[held], &b[held], PyBUF_C_CONTIGUOUS) != 0)
+            goto done;
+        if (b[held].len % (Py_ssize_t)sizeof(int64_t) || (uintptr_t)b[held].buf % _Alignof(int64_t)) {
+            PyBuffer_Release(&b[held]);
+            PyErr_SetString(PyExc_ValueError, "plan_grid takes aligned int64 buffers");
+            goto done;
+        }
+    }
+    long long ndim = b[2].len / 8, n_samples = ndim ? b[0].len / 8 / ndim : 0, n_sources = b[5].len / 8;
+    if (ndim < 1 || ndim > MAX_NDIM || b[0].len != n_samples * ndim * 8 || b[1].len != n_samples * 8 ||
+        b[3].len != n_sources * ndim * 8 || b[4].len != n_sources * ndim * 8) {
+        PyErr_SetString(PyExc_ValueError, "plan_grid's buffers disagree on the rank or the counts");
+        goto done;
+    }
+    grid_plan g;
+    const char *error = NULL;
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = plan_grid((int)ndim, n_samples, b[0].buf, b[1].buf, b[2].buf, n_sources, b[3].buf, b[4].buf, b[5].buf, &g,
+                    &error);
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(error && strcmp(error, "out of memory") == 0 ? PyExc_MemoryError : PyExc_ValueError,
+                        error ? error : "plan_grid failed");
+        goto done;
+    }
+    result = Py_BuildValue("(y#y#)", (const char *)g.copies, (Py_ssize_t)(g.n_copies * (2 + 3 * ndim) * 8),
+                           (const char *)g.chunks, (Py_ssize_t)(g.n_chunks * (GRID_CHUNK_COLS + ndim) * 8));
+    grid_plan_free(&g);
+done:
+    for (int i = 0; i < held; i++)
+        PyBuffer_Release(&b[i]);
+    return result;
+}
+
 /* A copy plan (int64 values, aligned: array('q') always is):
  *   src_kind, ndim, ncopies, src_strides[ndim], dst_strides[ndim],
  *   then per copy: src_offset, dst_offset, extent[ndim]
@@ -602,6 +648,9 @@ static PyMethodDef methods[] = {
     {"set_zlib", set_zlib, METH_VARARGS,
      "set_zlib(inflateInit2_, inflate, inflateEnd, inflateReset) -> bool: zlib's functions by address (all 0: "
      "off); False where this build has no zlib support."},
+    {"plan_grid", plan_grid_py, METH_VARARGS,
+     "plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes) -> (copies, chunks): the chunks a batch's "
+     "crops touch, once each in order of first use, and every copy grouped by chunk (int64 rows; see grid.c)."},
     {"decode_files", decode_files, METH_VARARGS,
      "decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst) -> "
      "[(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]: read, decompress and place chunk "

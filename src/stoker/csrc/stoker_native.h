@@ -5,6 +5,7 @@
  *             framing), zlib and gzip (zlib's inflate):
  *             every codec is the library's own function, handed in by address (stoker/native.py)
  *   place.c   copy plans: checks, casts, streaming stores, fill values
+ *   grid.c    planning a batch's grid: the chunks its crops touch, once each, and every copy
  *   pool.c    the engine: worker threads owned by the extension, jobs, the scratch budget
  *   module.c  the Python glue (set_codecs, decode_files, Engine, BatchJob)
  *
@@ -115,6 +116,21 @@ void place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t
 void fill_copies(int ndim, const int64_t *ds, const int64_t *copies, long long ncopies, long long step,
                  const unsigned char *value, size_t d_item, const batch_dst *dst);
 void place_fence(const batch_dst *dst);
+
+/* ---- grid.c ---- */
+
+/* a planned chunk: its array, its copies (rows [first, first + n) of the copies), its decoded byte span, then
+ * its ndim grid coordinates; a copy: its crop (batch row), its first element in the chunk (decoded layout),
+ * then per axis its start in the chunk, its start in the crop, its extent */
+enum { G_SOURCE = 0, G_FIRST_COPY, G_NCOPIES, G_SPAN_START, G_SPAN_STOP, GRID_CHUNK_COLS };
+typedef struct {
+    long long n_copies, n_chunks;
+    int64_t *copies, *chunks;
+} grid_plan;
+int plan_grid(int ndim, long long n_samples, const int64_t *starts, const int64_t *sids, const int64_t *shape,
+              long long n_sources, const int64_t *chunk_shapes, const int64_t *strides, const int64_t *itemsizes,
+              grid_plan *out, const char **error);
+void grid_plan_free(grid_plan *g);
 
 /* ---- pool.c: the engine ---- */
 

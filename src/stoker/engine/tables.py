@@ -5,9 +5,11 @@ once, its copies, the decoded bytes they read, where the chunk is stored) with o
 one per array and one per shard file, and numpy for the rest:
 
 - per axis, the chunks each crop touches (first and last chunk index, start and extent in the chunk and in
-  the crop), crossed over the axes by broadcasting (every sample padded to the largest count, then masked);
-- chunks de-duplicated across the batch (``np.unique`` over (array, grid index) rows), in order of first use;
-- copies grouped by chunk (a stable sort), each chunk's decoded byte span by ``reduceat``;
+  the crop), every combination a copy; chunks de-duplicated across the batch, numbered in order of first
+  use; copies grouped by chunk, each chunk's decoded byte span: in C where the extension is built
+  (``native.plan_grid``, csrc/grid.c: a hash table, one pass), else with numpy (the crossing by broadcasting,
+  every sample padded to the largest count and masked; ``np.unique`` over (array, grid index) rows; a
+  stable sort; ``reduceat``);
 - shard indexes looked up in bulk: each needed shard's cached ``(n_inner, 2)`` table gathered with fancy indexing.
 
 The engine (``stoker._native.Engine``) takes the tables as they are; the Python path asks
@@ -26,6 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .. import native
 from ..array import ArrayReader
 from ..box import check_in_bounds
 from ..errors import InvalidArgument
@@ -161,6 +164,61 @@ def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return first[order], rank[inverse.ravel()]
 
 
+def _grid_compiled(start, sid, extent, chunk_shapes, chunk_strides, itemsize) -> tuple:
+    """The chunks the crops touch and every copy, planned in C (csrc/grid.c): see :func:`_grid_numpy`."""
+    ndim = len(extent)
+    copies, chunks = native.plan_grid(start, sid, extent, chunk_shapes, chunk_strides, itemsize)
+    copies = np.frombuffer(copies, np.int64).reshape(-1, 2 + 3 * ndim)
+    chunks = np.frombuffer(chunks, np.int64).reshape(-1, 5 + ndim)
+    return (copies[:, 0], copies[:, 2:2 + ndim], copies[:, 2 + ndim:2 + 2 * ndim], copies[:, 2 + 2 * ndim:],
+            copies[:, 1], chunks[:, 0], chunks[:, 5:], chunks[:, 1], chunks[:, 2], chunks[:, 3], chunks[:, 4])
+
+
+def _grid_numpy(start, sid, extent, chunk_shapes, chunk_strides, itemsize) -> tuple:
+    """``(row, chunk_start, box_start, extent, src_offset)`` per copy, grouped by chunk, and ``(source, index,
+    first_copy, n_copies, byte_start, byte_stop)`` per chunk, numbered in order of first use."""
+    n_samples, ndim = start.shape
+    cs = chunk_shapes[sid]
+    stop = start + extent
+    first_chunk = start // cs
+    pieces = (stop - 1) // cs - first_chunk + 1
+    per_axis = []
+    for a in range(ndim):
+        k = np.arange(pieces[:, a].max())
+        index = first_chunk[:, a, None] + k
+        lo = np.maximum(start[:, a, None], index * cs[:, a, None])
+        hi = np.minimum(stop[:, a, None], (index + 1) * cs[:, a, None])
+        per_axis.append((k < pieces[:, a, None], index, lo - index * cs[:, a, None], lo - start[:, a, None], hi - lo))
+    valid = np.ones((n_samples, *(p[1].shape[1] for p in per_axis)), bool)
+    for a, (ok, *_) in enumerate(per_axis):
+        valid &= ok.reshape(n_samples, *(ok.shape[1] if b == a else 1 for b in range(ndim)))
+    row, *ks = np.nonzero(valid)
+    m = len(row)
+    c_index = np.empty((m, ndim), np.int64)
+    c_start = np.empty((m, ndim), np.int64)
+    b_start = np.empty((m, ndim), np.int64)
+    c_extent = np.empty((m, ndim), np.int64)
+    for a, (_, index, lo, at, n) in enumerate(per_axis):
+        c_index[:, a], c_start[:, a], b_start[:, a], c_extent[:, a] = (v[row, ks[a]] for v in (index, lo, at, n))
+    copy_sid = sid[row]
+    # one chunk per (array, grid index), in order of first use; copies grouped by chunk, in order
+    first, chunk_of = _unique_rows(np.concatenate([copy_sid[:, None], c_index], axis=1))
+    order = np.argsort(chunk_of, kind="stable")
+    row, copy_sid, c_start, b_start, c_extent = row[order], copy_sid[order], c_start[order], b_start[order], \
+        c_extent[order]
+    n_copies = np.bincount(chunk_of, minlength=len(first))
+    first_copy = np.cumsum(n_copies) - n_copies
+    strides = chunk_strides[copy_sid]
+    src_offset = (c_start * strides).sum(axis=1)
+    last = src_offset + ((c_extent - 1) * strides).sum(axis=1)
+    chunk_source = copy_sid[first_copy]
+    item = itemsize[chunk_source]
+    byte_start = np.minimum.reduceat(src_offset, first_copy) * item
+    byte_stop = (np.maximum.reduceat(last, first_copy) + 1) * item
+    return (row, c_start, b_start, c_extent, src_offset, chunk_source, c_index[first], first_copy, n_copies,
+            byte_start, byte_stop)
+
+
 def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[[str], ArrayReader]) -> TablePlan:
     """Plan one batch as arrays. Raises what plan_batch raises (the typed errors of opening arrays, boxes out of
     bounds or of another shape, shard indexes that cannot be read, stored chunks over their codec's bound), for
@@ -183,55 +241,17 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         starts.append([start for start, _ in sample.aabb])
     sid = np.array(sids, np.int64)
     start = np.array(starts, np.int64).reshape(len(samples), ndim)
-    extent = np.array(shape, np.int64)
     itemsize = np.array([r.dtype.itemsize for r in sources], np.int64)
     bytes_needed = math.prod(shape) * int(itemsize[sid].sum())
     chunk_shapes = np.array([r.chunks for r in sources], np.int64).reshape(len(sources), ndim)
     # offsets and spans in each array's decoded layout (C order, or permuted: v2 F order, v3 transpose)
     chunk_strides = np.array([r.metadata.codec.element_strides for r in sources], np.int64).reshape(len(sources), ndim)
-
-    # per axis, the chunks each crop touches; then every combination, C order within a sample
-    cs = chunk_shapes[sid]
-    stop = start + extent
-    first_chunk = start // cs
-    pieces = (stop - 1) // cs - first_chunk + 1
-    per_axis = []
-    for a in range(ndim):
-        k = np.arange(pieces[:, a].max())
-        index = first_chunk[:, a, None] + k
-        lo = np.maximum(start[:, a, None], index * cs[:, a, None])
-        hi = np.minimum(stop[:, a, None], (index + 1) * cs[:, a, None])
-        per_axis.append((k < pieces[:, a, None], index, lo - index * cs[:, a, None], lo - start[:, a, None], hi - lo))
-    valid = np.ones((len(samples), *(p[1].shape[1] for p in per_axis)), bool)
-    for a, (ok, *_) in enumerate(per_axis):
-        valid &= ok.reshape(len(samples), *(ok.shape[1] if b == a else 1 for b in range(ndim)))
-    row, *ks = np.nonzero(valid)
+    grid = _grid_compiled if native.plan_grid is not None else _grid_numpy
+    (row, c_start, b_start, c_extent, src_offset, chunk_source, chunk_index, first_copy, n_copies, byte_start,
+     byte_stop) = grid(start, sid, np.array(shape, np.int64), chunk_shapes, chunk_strides, itemsize)
     m = len(row)
-    c_index = np.empty((m, ndim), np.int64)
-    c_start = np.empty((m, ndim), np.int64)
-    b_start = np.empty((m, ndim), np.int64)
-    c_extent = np.empty((m, ndim), np.int64)
-    for a, (_, index, lo, at, n) in enumerate(per_axis):
-        c_index[:, a], c_start[:, a], b_start[:, a], c_extent[:, a] = (v[row, ks[a]] for v in (index, lo, at, n))
-    copy_sid = sid[row]
 
-    # one chunk per (array, grid index), in order of first use; copies grouped by chunk, in order
-    first, chunk_of = _unique_rows(np.concatenate([copy_sid[:, None], c_index], axis=1))
-    order = np.argsort(chunk_of, kind="stable")
-    row, copy_sid, c_start, b_start, c_extent = row[order], copy_sid[order], c_start[order], b_start[order], \
-        c_extent[order]
-    n_copies = np.bincount(chunk_of, minlength=len(first))
-    first_copy = np.cumsum(n_copies) - n_copies
-    strides = chunk_strides[copy_sid]
-    src_offset = (c_start * strides).sum(axis=1)
-    last = src_offset + ((c_extent - 1) * strides).sum(axis=1)
-    chunk_source = copy_sid[first_copy]
-    item = itemsize[chunk_source]
-    byte_start = np.minimum.reduceat(src_offset, first_copy) * item if m else np.zeros(0, np.int64)
-    byte_stop = (np.maximum.reduceat(last, first_copy) + 1) * item if m else np.zeros(0, np.int64)
-    chunk_index = c_index[first]
-
-    n = len(first)
+    n = len(chunk_source)
     chunk_file = np.full(n, -1, np.int64)
     chunk_offset = np.full(n, -1, np.int64)
     chunk_length = np.zeros(n, np.int64)
