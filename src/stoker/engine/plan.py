@@ -10,7 +10,9 @@ indexes, both cached by their owners), so it can be tested on its own:
 
 Per chunk it records every copy (batch row, selection in the chunk, selection in
 the crop) and the byte range of the decoded chunk the copies actually read, so
-the executor can decode only that part where the codec allows it.
+the executor can decode only that part where the codec allows it. This is the
+Python path's planner; the compiled engine's is :mod:`.tables` (the same plan as
+arrays, checked against this one).
 """
 
 from __future__ import annotations
@@ -33,8 +35,7 @@ class Copy:
     """Copy ``chunk[chunk_sel]`` into ``batch[row][box_sel]`` (``batch[dst]``).
 
     Held as numbers, made per chunk per crop: where the copy starts in the chunk and in the crop, and its
-    extent; the slices are made only when the Python path asks for them. (The compiled reader takes the
-    same copies as offsets from :attr:`ChunkTask.placement`.)
+    extent; the slices are made only when the Python path asks for them.
 
     >>> c = Copy.of(0, (slice(1, 3), slice(0, 4)), (slice(0, 2), slice(2, 6)))
     >>> c.extent, c.chunk_sel
@@ -87,9 +88,6 @@ class ChunkTask:
     ident: tuple | None = None  # sharded: the identity of the shard file its index was read from
     byte_start: int = 0  # decoded bytes the copies read (C order), for partial decoding
     byte_stop: int = 0
-    # the copies as the compiled reader's copy plan lists them, per copy (offset in the chunk, offset in a
-    # contiguous batch of the plan's sample shape, extent...), in elements; None for hand-made tasks
-    placement: list[int] | None = None
 
     @property
     def fill(self) -> bool:
@@ -138,16 +136,16 @@ class BatchPlan:
         return [i for i, c in enumerate(self.chunks) if c.fill]
 
 
-def _axis_pieces(start: int, stop: int, chunk: int, chunk_stride: int, box_stride: int) -> list[tuple[int, ...]]:
+def _axis_pieces(start: int, stop: int, chunk: int, chunk_stride: int) -> list[tuple[int, ...]]:
     """The chunks ``[start, stop)`` touches along one axis, each as ``(chunk index, start in the chunk,
-    start in the box, extent, and in elements along this axis: the chunk offset of the start, the box
-    offset of the start, the chunk offset of the last element)``. A copy's offsets are sums over axes."""
+    start in the box, extent, and in elements along this axis: the chunk offset of the start and of the
+    last element)``. A copy's span in the chunk is the sums over axes."""
     pieces = []
     ci, lo = divmod(start, chunk)
     at = 0
     while at < stop - start:
         n = min(chunk - lo, stop - start - at)
-        pieces.append((ci, lo, at, n, lo * chunk_stride, at * box_stride, (lo + n - 1) * chunk_stride))
+        pieces.append((ci, lo, at, n, lo * chunk_stride, (lo + n - 1) * chunk_stride))
         ci, lo, at = ci + 1, 0, at + n
     return pieces
 
@@ -182,9 +180,8 @@ def plan_batch(
     stays within ``max_group`` (unless a group is a single chunk). A group costs
     what the executor reserves for it: ``sizing`` of each coalesced read (gaps
     included) plus ``sizing`` of each chunk's decoded size. Inner chunks of arrays
-    for which ``one_by_one`` is true get a read each instead (the compiled reader
-    reads them so: from the page cache a read per chunk costs less than the
-    Python around a coalesced group).
+    for which ``one_by_one`` is true get a read each instead (the reads the Python
+    path makes of chunks the engine leaves to it).
     """
     sources: list[ArrayReader] = []
     source_of: dict[str, int] = {}
@@ -193,8 +190,6 @@ def plan_batch(
     needed = 0
     bytes_needed = 0
     shape = box_shape(samples[0].aabb) if samples else ()
-    box_strides = c_strides(shape)
-    row_stride = math.prod(shape)
     for row, sample in enumerate(samples):
         sid = source_of.get(sample.uri)
         if sid is None:
@@ -207,18 +202,17 @@ def plan_batch(
             raise InvalidArgument(f"{sample} has shape {sample_shape}; every sample of a batch must be {shape}",
                                   uri=sample.uri)
         bytes_needed += math.prod(sample_shape) * reader.dtype.itemsize
-        row_offset = row * row_stride
         chunk_shape = reader.chunks
-        per_axis = [_axis_pieces(start, stop, c, cs, bs) for (start, stop), c, cs, bs
-                    in zip(sample.aabb, chunk_shape, c_strides(chunk_shape), box_strides)]
+        per_axis = [_axis_pieces(start, stop, c, cs) for (start, stop), c, cs
+                    in zip(sample.aabb, chunk_shape, c_strides(chunk_shape))]
         for combo in itertools.product(*per_axis):
-            index, c_lo, b_lo, extent, src, dst, last = zip(*combo) if combo else ((),) * 7  # () for 0-d
+            index, c_lo, b_lo, extent, src, last = zip(*combo) if combo else ((),) * 6  # () for 0-d
             needed += 1
             key = (sid, index)
             first, last = sum(src), sum(last)
             task = tasks.get(key)
             if task is None:
-                task = tasks[key] = ChunkTask(sid, index, "", placement=[])
+                task = tasks[key] = ChunkTask(sid, index, "")
                 spans[key] = [first, last]
             else:
                 span = spans[key]
@@ -227,7 +221,6 @@ def plan_batch(
                 if last > span[1]:
                     span[1] = last
             task.copies.append(Copy(row, c_lo, b_lo, extent))
-            task.placement += (first, row_offset + sum(dst), *extent)  # built here: planning has the numbers
 
     chunks = list(tasks.values())
     # by file and identity: inner chunks located through two versions of a shard's index are two reads
