@@ -132,11 +132,10 @@ static PyObject *plan_grid_py(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     grid_plan g;
     const char *error = NULL;
-    int bad;
-    Py_BEGIN_ALLOW_THREADS
-    bad = plan_grid((int)ndim, n_samples, b[0].buf, b[1].buf, b[2].buf, n_sources, b[3].buf, b[4].buf, b[5].buf, &g,
-                    &error);
-    Py_END_ALLOW_THREADS
+    /* with the GIL held: microseconds of work, and a thread that gives the GIL up waits to get it back as
+     * long as the switch interval (5 ms) while another thread runs Python (a training step) */
+    int bad = plan_grid((int)ndim, n_samples, b[0].buf, b[1].buf, b[2].buf, n_sources, b[3].buf, b[4].buf,
+                        b[5].buf, &g, &error);
     if (bad) {
         PyErr_SetString(error && strcmp(error, "out of memory") == 0 ? PyExc_MemoryError : PyExc_ValueError,
                         error ? error : "plan_grid failed");
