@@ -17,9 +17,12 @@ True
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import numpy as np
+
+from . import gil
 
 # status codes of decode_files (see _native.c)
 OK, MISSING, TOO_BIG, OS_ERROR, SHORT, CODEC_ERROR, SIZE, FRAME, NOT_REGULAR, CHANGED = range(10)
@@ -102,7 +105,18 @@ def zstd_error(code: int) -> str:
     return _error_name((1 << 64) - code if code > 0 else 0).decode(errors="replace")
 
 
+def _released(fn):
+    """``fn`` timed as a call that releases the GIL (:func:`stoker.gil.released`): the compiled reader
+    reads, decodes and places with no GIL held, so its CPU time is not the pipeline's GIL time."""
+    if fn is None:
+        return None
+    call = functools.partial(gil.released, fn)
+    call.__doc__ = fn.__doc__
+    return call
+
+
 #: ``decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst)
 #: -> [(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]``, or ``None`` where the
 #: extension is not built (or ``STOKER_NATIVE=0``); ``zstd`` / ``blosc``: which codecs it can call
 decode_files, zstd, blosc = _load()
+decode_files = _released(decode_files)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .. import gil
 from ..array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
 from ..cache import SizedLRU
 from ..config import Config
@@ -569,6 +570,7 @@ class Pipeline:
 
 def _coordinate(ref: "weakref.ReferenceType[Pipeline]") -> None:
     """The coordinator thread: run cycles while the pipeline is alive and open."""
+    gil.enroll()  # its GIL time is the pipeline's (charged at each batch's "plan" report)
     while True:
         pipeline = ref()
         if pipeline is None:

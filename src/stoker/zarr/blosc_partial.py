@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import gil
+
 _HEADER = struct.Struct("<BBBBIII")
 _MEMCPYED = 0x2
 
@@ -230,7 +232,7 @@ def _decode_blocks(frame: Any, info: tuple[int, int, int, int], byte_start: int,
     first = byte_start // typesize
     last = -(-byte_stop // typesize)
     src = np.frombuffer(frame, dtype=np.uint8)  # no copy, also for read-only memoryviews
-    got = _getitem(src.ctypes.data, first, last - first, dest.ctypes.data + first * typesize)
+    got = gil.released(_getitem, src.ctypes.data, first, last - first, dest.ctypes.data + first * typesize)
     if got != (last - first) * typesize:
         raise PartialDecodeError(f"blosc_getitem returned {got}")
     lo, hi = decoded_span(nbytes, blocksize, byte_start, byte_stop)
