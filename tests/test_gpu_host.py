@@ -266,6 +266,67 @@ def test_a_batch_of_chunks_decodes_as_one(specs, gaps, with_zstd):
         assert got[out_bases[i]:out_bases[i] + n].tobytes() == e.tobytes()
 
 
+def _mutate(frame: bytes, edits, how: str, cut: int) -> bytes:
+    bad = bytearray(frame)
+    if how == "truncate":
+        bad = bad[:cut % (len(bad) + 1)]
+    elif how == "extend":
+        bad += bytes(1 + cut % 64)
+    elif how in ("bytes", "table"):
+        span = 16 + 4 * 40 if how == "table" else len(bad)  # the header, table and first stream sizes
+        for pos, value in edits:
+            if bad:
+                bad[pos % min(span, len(bad))] = value
+    return bytes(bad)
+
+
+mutations = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), min_size=1, max_size=6)
+damage = st.tuples(mutations, st.sampled_from(["none", "none", "bytes", "truncate", "extend", "table"]),
+                   st.integers(0, 2**16))
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(st.lists(st.tuples(frame_specs, damage), min_size=1, max_size=6), st.integers(0, 2**16))
+def test_a_staged_batch_parses_as_its_chunks_do_one_by_one(chunks, seed):
+    """parse_blosc_batch over frames read into one buffer (gaps between them): each well-formed chunk has
+    the streams parse_blosc gives it alone, each other one is left out with the same reason."""
+    made = []
+    for spec, (edits, how, cut) in chunks:
+        spec = {**spec, "size": "tiny" if spec["size"] == "tiny" else "small"}
+        frame, nbytes = _frame(spec)
+        made.append((_mutate(frame, edits, how, cut), nbytes))
+    gaps = np.random.default_rng(seed).integers(0, 9, len(made))
+    sizes = np.array([len(f) for f, _ in made])
+    ins = np.cumsum(sizes + gaps) - sizes
+    buf = np.full(int(ins[-1] + sizes[-1]), 0xAB, np.uint8)
+    for (frame, _), at in zip(made, ins):
+        buf[at:at + len(frame)] = np.frombuffer(frame, np.uint8)
+    layout, faults = frames.parse_blosc_batch(buf, ins, sizes, [n for _, n in made])
+    for i, (frame, nbytes) in enumerate(made):
+        try:
+            alone = parse_blosc(frame, nbytes)
+        except FrameError as exc:
+            assert faults.get(i) == str(exc)
+            assert not (layout.chunk == i).any()
+            continue
+        assert i not in faults
+        rows = layout.chunk == i
+        assert (layout.src[rows] - ins[i] == alone.src).all() and (layout.csize[rows] == alone.csize).all()
+        assert (layout.dst[rows] - layout.chunk_out[i] == alone.dst).all() and (layout.raw[rows] == alone.raw).all()
+        mine = (layout.block_dst >= layout.chunk_out[i]) & (layout.block_dst < layout.chunk_out[i] + nbytes)
+        assert (layout.block_dst[mine] - layout.chunk_out[i] == alone.block_dst).all()
+        assert (layout.block_shuffle[mine] == alone.block_shuffle).all()
+    # the undamaged chunks, parsed again where they are in buf, decode as numcodecs decodes them
+    clean = [i for i, (_, (_, how, _)) in enumerate(chunks) if how == "none"]
+    layout, faults = frames.parse_blosc_batch(buf, ins[clean], sizes[clean], [made[i][1] for i in clean])
+    assert not faults
+    if layout.supported and clean:
+        got = reference.decode_streams(buf, layout)
+        for j, i in enumerate(clean):
+            out = got[layout.chunk_out[j]:layout.chunk_out[j] + made[i][1]]
+            assert out.tobytes() == _numcodecs(made[i][0]).tobytes()
+
+
 def test_batch_refuses_overlapping_outputs():
     f1, l1 = _layout_of("lz4", 2, 1000, 0)
     with pytest.raises(ValueError, match="overlap"):
@@ -352,9 +413,6 @@ def test_a_damaged_stream_is_a_frame_error_naming_its_chunk():
         reference.decode_blosc(bytes(bad), 20000)
 
 
-mutations = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), min_size=1, max_size=6)
-
-
 @settings(max_examples=300, **SETTINGS)
 @given(frame_specs, mutations, st.sampled_from(["bytes", "truncate", "extend", "table"]), st.integers(0, 2**16))
 def test_hostile_frames_never_read_outside_the_frame(spec, edits, how, cut):
@@ -362,17 +420,7 @@ def test_hostile_frames_never_read_outside_the_frame(spec, edits, how, cut):
     decode (when numcodecs decodes the frame too) is numcodecs' decode."""
     spec = {**spec, "size": "tiny" if spec["size"] == "tiny" else "small"}
     frame, nbytes = _frame(spec)
-    bad = bytearray(frame)
-    if how == "truncate":
-        bad = bad[:cut % (len(bad) + 1)]
-    elif how == "extend":
-        bad += bytes(1 + cut % 64)
-    else:
-        span = 16 + 4 * 40 if how == "table" else len(bad)  # the header, table and first stream sizes
-        for pos, value in edits:
-            if bad:
-                bad[pos % min(span, len(bad))] = value
-    bad = bytes(bad)
+    bad = _mutate(frame, edits, how, cut)
     try:
         layout = parse_blosc(bad, nbytes)
     except FrameError:

@@ -67,6 +67,20 @@ def test_a_batch_decodes_on_the_device_as_numcodecs_decodes(decoder):
     assert got[base:].tobytes() == data.tobytes()
 
 
+def test_frames_read_into_pinned_memory_are_parsed_and_decoded_there(decoder):
+    made = _frames()
+    sizes = np.array([len(f) for f, _ in made])
+    ins = np.cumsum(sizes + 3) - sizes  # gaps between the frames, as reads may leave
+    staged = torch.empty(int(ins[-1] + sizes[-1]), dtype=torch.uint8, pin_memory=True)
+    for (frame, _), at in zip(made, ins):
+        staged[at:at + len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    layout, faults = frames.parse_blosc_batch(staged.numpy(), ins, sizes, [n for _, n in made])
+    assert not faults
+    got = _on_host(decoder, decoder.decode_staged(staged, layout))
+    for (frame, n), base in zip(made, layout.chunk_out.tolist()):
+        assert got[base:base + n].tobytes() == _numcodecs(frame).tobytes()
+
+
 def test_the_device_refuses_what_it_cannot_decode(decoder):
     frame = _encode(_data("small", 20000, 0), 2, "blosclz", 1, 5, 4096)
     with pytest.raises(UnsupportedFrame):

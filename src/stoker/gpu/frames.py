@@ -22,16 +22,17 @@ in blosc/blosc.c), which is what numcodecs runs:
 - per block, after its streams: byte unshuffle when ``typesize > 1``, else bit unshuffle when the
   block holds at least one item (byte shuffle wins when both flags are set).
 
-:func:`parse_blosc` turns one frame into a :class:`Layout`: one row per stream (where its bytes are,
-how many it decodes to, where they go in the chunk, raw or which compressor) and one row per block
-that needs an unshuffle. :func:`batch` joins the layouts of many chunks into one, for one batched
-device decode. Everything is checked against the frame's length and the chunk's size first: an
-inconsistent frame is a :class:`FrameError` (a ``ValueError``), never an offset outside the frame.
+:func:`parse_blosc_batch` turns a batch of frames, where they were read into one buffer, into a
+:class:`Layout`: one row per stream (where its bytes are, how many it decodes to, where they go in
+the output, raw or which compressor) and one row per block that needs an unshuffle, in a fixed
+number of numpy steps whatever the number of chunks. :func:`parse_blosc` does one frame;
+:func:`batch` joins layouts. Everything is checked against each frame's length and chunk's size
+first: an inconsistent frame is left out with the reason (:func:`parse_blosc` raises it as a
+:class:`FrameError`, a ``ValueError``), never an offset outside the frame.
 """
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -39,7 +40,6 @@ import numpy as np
 
 from ..zarr.blosc_partial import HEADER_SIZE
 
-_HEADER = struct.Struct("<BBBBiii")  # signed, as c-blosc reads them: a negative size is an error
 VERSION_FORMAT = 2  # the only frame format c-blosc 1.x decodes
 MAX_SPLITS = 16
 MIN_BUFFERSIZE = 128
@@ -119,192 +119,241 @@ class Layout:
         return not np.any(~self.raw & (self.codec == UNSUPPORTED))
 
 
-def _chunk_layout(in_nbytes: int, out_nbytes: int, streams: Sequence[np.ndarray],
-                  blocks: Sequence[np.ndarray]) -> Layout:
-    src, csize, dst, dsize, raw, codec = streams
-    return Layout(src.astype(_I64), csize.astype(_I64), dst.astype(_I64), dsize.astype(_I64), raw.astype(bool),
-                  codec.astype(np.int8), np.zeros(len(src), _I64),
-                  *(b.astype(_I64) for b in blocks[:3]), blocks[3].astype(np.int8),
-                  np.zeros(1, _I64), np.array([in_nbytes], _I64), np.zeros(1, _I64), np.array([out_nbytes], _I64),
-                  int(in_nbytes), int(out_nbytes))
-
-
-_NO_STREAMS = tuple(np.zeros(0, _I64) for _ in range(6))
-_NO_BLOCKS = tuple(np.zeros(0, _I64) for _ in range(4))
-
-
 def _as_bytes(frame: Any) -> np.ndarray:
     return np.frombuffer(memoryview(frame).cast("B"), dtype=np.uint8)
 
 
-def _u32(buf: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """Little-endian 32-bit values at byte offsets ``pos`` (checked to be in range by the caller)."""
+def _le32(buf: np.ndarray, pos: np.ndarray, signed: bool = False) -> np.ndarray:
+    """Little-endian 32-bit values at byte offsets ``pos`` (the caller has checked ``pos + 4 <= len(buf)``)."""
     b = buf[pos[:, None] + np.arange(4)].astype(_I64)
-    return b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
+    v = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
+    return np.where(v >= 1 << 31, v - (1 << 32), v) if signed else v
 
 
-def _first(bad: np.ndarray, first_block: int) -> int:
-    return first_block + int(np.flatnonzero(bad)[0])
+def _ranges(counts: np.ndarray) -> np.ndarray:
+    """``0..counts[i]-1`` for each ``i``, end to end."""
+    starts = np.cumsum(counts) - counts
+    return np.arange(int(counts.sum()), dtype=_I64) - np.repeat(starts, counts)
 
 
-def _walk(buf: np.ndarray, starts: np.ndarray, first_block: int, nsplits: int, neblock: int) -> tuple[np.ndarray, ...]:
-    """``(src, csize)`` of the ``nsplits`` streams of each block starting at ``starts``, shape (blocks, nsplits).
+class _Faults:
+    """The first fault of each chunk of a batch: a chunk with one is left out of the layout."""
 
-    A block's streams follow one another, so the walk is sequential within a block and vectorised
-    over blocks (``nsplits <= 16`` steps).
+    def __init__(self, k: int) -> None:
+        self.bad = np.zeros(k, bool)
+        self.why: dict[int, str] = {}
+
+    def add(self, mask: np.ndarray, message) -> None:
+        """Record ``message(i)`` for the chunks ``i`` in ``mask`` that have no fault yet (few: a loop is fine)."""
+        new = mask & ~self.bad
+        for i in np.flatnonzero(new).tolist():
+            self.why[i] = message(i)
+        self.bad |= new
+
+    def add_rows(self, row_chunk: np.ndarray, mask: np.ndarray, message) -> None:
+        """As :meth:`add` for per-row faults (blocks, streams): ``message(row)`` for each chunk's first bad row."""
+        rows = np.flatnonzero(mask & ~self.bad[row_chunk])
+        chunks, first = np.unique(row_chunk[rows], return_index=True)
+        for c, r in zip(chunks.tolist(), rows[first].tolist()):
+            self.why[c] = message(r)
+        self.bad[chunks] = True
+
+
+def _chunk_out(chunk_nbytes: np.ndarray, chunk_out: Sequence[int] | None) -> np.ndarray:
+    if chunk_out is None:
+        return np.cumsum(chunk_nbytes) - chunk_nbytes
+    out = np.asarray(chunk_out, dtype=_I64)
+    if out.shape != chunk_nbytes.shape or np.any(out < 0):
+        raise ValueError(f"chunk_out must hold {len(chunk_nbytes)} offsets >= 0")
+    _check_disjoint(out, chunk_nbytes)
+    return out
+
+
+def _check_disjoint(starts: np.ndarray, sizes: np.ndarray) -> None:
+    order = np.argsort(starts, kind="stable")
+    if len(order) > 1 and np.any((starts[order] + sizes[order])[:-1] > starts[order][1:]):
+        raise ValueError("the chunks' outputs overlap: the unshuffle writes each chunk's blocks in place")
+
+
+def _chunk_table(buf: np.ndarray, chunk_in: Any, chunk_in_nbytes: Any, chunk_nbytes: Any) -> tuple[np.ndarray, ...]:
+    ins, sizes, nbytes = (np.asarray(a, dtype=_I64).reshape(-1) for a in (chunk_in, chunk_in_nbytes, chunk_nbytes))
+    if not len(ins) == len(sizes) == len(nbytes):
+        raise ValueError("chunk_in, chunk_in_nbytes and chunk_nbytes must have one entry per chunk")
+    if np.any(ins < 0) or np.any(sizes < 0) or np.any(nbytes < 0) or np.any(ins + sizes > len(buf)):
+        raise ValueError(f"the chunks' stored bytes must lie inside the {len(buf)}-byte input")
+    return ins, sizes, nbytes
+
+
+def parse_blosc_batch(buf: Any, chunk_in: Any, chunk_in_nbytes: Any, chunk_nbytes: Any,
+                      chunk_out: Sequence[int] | None = None) -> tuple[Layout, dict[int, str]]:
+    """The streams of a batch of blosc1 frames, stored in ``buf`` at ``chunk_in`` (``chunk_in_nbytes`` each).
+
+    Chunk ``i`` decodes to ``chunk_nbytes[i]`` bytes at ``chunk_out[i]`` of the output (default: end
+    to end). The work is vectorised over the batch: Python steps do not grow with its chunks or
+    blocks (a loop of at most 16 steps walks the streams of all blocks at once). Returns the layout
+    of the well-formed chunks and ``{chunk index: why}`` for the others, which the layout leaves
+    out (no streams, no blocks): anything c-blosc's reader refuses, plus frames its writer never
+    produces and its reader would decode into undefined bytes (a split block that is not a whole
+    number of items), streams claiming more stored than decoded bytes, and empty streams.
     """
-    size = len(buf)
-    src = np.empty((len(starts), nsplits), _I64)
-    csize = np.empty((len(starts), nsplits), _I64)
-    pos = starts
-    for j in range(nsplits):
-        bad = pos > size - 4
-        if bad.any():
-            raise FrameError(f"blosc block {_first(bad, first_block)}: stream {j}'s size field lies past the "
-                             f"end of the {size}-byte frame")
-        cs = _u32(buf, pos)
-        bad = (cs < 1) | (cs > neblock)
-        if bad.any():
-            raise FrameError(f"blosc block {_first(bad, first_block)}: stream {j} claims "
-                             f"{int(cs[bad][0])} stored bytes for {neblock} decoded (1..{neblock} allowed)")
-        pos = pos + 4
-        bad = pos + cs > size
-        if bad.any():
-            raise FrameError(f"blosc block {_first(bad, first_block)}: stream {j} runs past the end of the "
-                             f"{size}-byte frame")
-        src[:, j], csize[:, j] = pos, cs
-        pos = pos + cs
-    return src, csize
+    buf = _as_bytes(buf)
+    ins, sizes, nbytes = _chunk_table(buf, chunk_in, chunk_in_nbytes, chunk_nbytes)
+    outs = _chunk_out(nbytes, chunk_out)
+    k = len(ins)
+    faults = _Faults(k)
+    faults.add(sizes < HEADER_SIZE, lambda i: f"blosc frame of {sizes[i]} bytes is shorter than its {HEADER_SIZE}-byte "
+                                              "header")
+    at = np.where(faults.bad, 0, ins)  # the header of every chunk still in, in range
+    head = buf[at[:, None] + np.arange(HEADER_SIZE)] if len(buf) >= HEADER_SIZE else np.zeros((k, 16), np.uint8)
+    version, versionlz, flags, typesize = (head[:, j].astype(_I64) for j in range(4))
+    n, blocksize, cbytes = head[:, 4:].copy().view("<i4").astype(_I64).T
+    faults.add(version != VERSION_FORMAT,
+               lambda i: f"blosc frame format {version[i]}: c-blosc 1.x reads format {VERSION_FORMAT} only")
+    faults.add(flags & RESERVED != 0, lambda i: f"blosc frame sets the reserved flag 0x08 (flags {flags[i]:#04x})")
+    faults.add(cbytes != sizes, lambda i: f"blosc frame claims {cbytes[i]} bytes but {sizes[i]} are stored")
+    faults.add(n != nbytes, lambda i: f"blosc frame holds {n[i]} bytes, the chunk has {nbytes[i]}")
+    live = ~faults.bad & (n > 0)  # a frame of 0 bytes decodes to nothing, whatever else it says
+    faults.add(live & (typesize == 0), lambda i: "blosc frame has typesize 0")
+    top = np.minimum(n, MAX_BLOCKSIZE)
+    faults.add(live & ((blocksize < 1) | (blocksize > top)),
+               lambda i: f"blosc block size {blocksize[i]} is outside 1..{top[i]}")
+    memcpyed = flags & MEMCPYED != 0
+    faults.add(live & memcpyed & (cbytes != n + HEADER_SIZE),
+               lambda i: f"memcpyed blosc frame of {cbytes[i]} bytes should be {n[i] + HEADER_SIZE}")
+    fmt = flags >> 5
+    compressed = live & ~memcpyed
+    faults.add(compressed & (fmt >= len(_FORMATS)),
+               lambda i: f"blosc frame names compressor format {fmt[i]}, unknown to c-blosc 1.x")
+    faults.add(compressed & (versionlz != 1), lambda i: f"blosc frame's {_FORMATS[int(fmt[i])][0]} format version is "
+                                                        f"{versionlz[i]}; c-blosc knows version 1")
+    codec = np.array([c for _, c in _FORMATS.values()] + [UNSUPPORTED] * 3, np.int8)[fmt]
+    bs = np.maximum(blocksize, 1)
+    nfull, leftover = n // bs, n % bs
+    nblocks = np.where(compressed, nfull + (leftover > 0), 0)
+    table_end = HEADER_SIZE + 4 * nblocks
+    faults.add(compressed & (table_end > sizes), lambda i: f"blosc block table ({nblocks[i]} blocks) runs past the "
+                                                           f"end of the {sizes[i]}-byte frame")
+    split = (flags & DONT_SPLIT == 0) & (typesize <= MAX_SPLITS) & (bs // np.maximum(typesize, 1) >= MIN_BUFFERSIZE)
+    nsplits = np.where(split, typesize, 1)
+    faults.add(compressed & (nfull > 0) & (bs % np.maximum(nsplits, 1) != 0),
+               lambda i: f"blosc blocks of {blocksize[i]} bytes are split into {nsplits[i]} streams but are not a "
+                         f"whole number of {typesize[i]}-byte items")
 
+    # blocks of the chunks still in: where each starts, its size and how many streams it holds
+    ok = compressed & ~faults.bad
+    counts = np.where(ok, nblocks, 0)
+    b_chunk = np.repeat(np.arange(k, dtype=_I64), counts)
+    b_index = _ranges(counts)
+    b_start = _le32(buf, ins[b_chunk] + HEADER_SIZE + 4 * b_index, signed=True)
+    faults.add_rows(b_chunk, (b_start < table_end[b_chunk]) | (b_start > sizes[b_chunk] - 4),
+                    lambda r: f"blosc block {b_index[r]} starts at {b_start[r]}, outside {table_end[b_chunk[r]]}.."
+                              f"{sizes[b_chunk[r]] - 4} of the frame")
+    partial = (b_index == nfull[b_chunk]) & (leftover[b_chunk] > 0)
+    b_size = np.where(partial, leftover[b_chunk], bs[b_chunk])
+    b_splits = np.where(partial, 1, nsplits[b_chunk])
+    b_neblock = b_size // b_splits
 
-def _block_shuffle(flags: int, typesize: int, bsize: int) -> int:
-    """The unshuffle c-blosc applies to a block of ``bsize`` bytes, 0 where it changes nothing."""
-    items = bsize // typesize
-    if flags & DOSHUFFLE and typesize > 1:
-        return BYTESHUFFLE if items else 0  # fewer bytes than an item: copied as they are
-    if flags & DOBITSHUFFLE and items and items % 8 == 0:
-        return BITSHUFFLE  # c-blosc copies a block whose item count is not a multiple of 8 whole
-    return 0
+    # the streams, walked in step over every block: stream j of each block that has one
+    pos = ins[b_chunk] + np.where(faults.bad[b_chunk], 0, b_start)  # absolute, in buf
+    end = (ins + sizes)[b_chunk]
+    parts = []
+    for j in range(int(b_splits.max()) if len(b_splits) else 0):
+        rows = np.flatnonzero((b_splits > j) & ~faults.bad[b_chunk])
+        p, c = pos[rows], b_chunk[rows]
+        faults.add_rows(c, p > end[rows] - 4, lambda r: f"blosc block {b_index[rows[r]]}: stream {j}'s size field "
+                                                        f"lies past the end of the {sizes[c[r]]}-byte frame")
+        live_rows = ~faults.bad[c]
+        rows, p, c = rows[live_rows], p[live_rows], c[live_rows]
+        cs = _le32(buf, p)
+        ne = b_neblock[rows]
+        faults.add_rows(c, (cs < 1) | (cs > ne), lambda r: f"blosc block {b_index[rows[r]]}: stream {j} claims {cs[r]} "
+                                                           f"stored bytes for {ne[r]} decoded (1..{ne[r]} allowed)")
+        faults.add_rows(c, p + 4 + cs > end[rows], lambda r: f"blosc block {b_index[rows[r]]}: stream {j} runs past "
+                                                             f"the end of the {sizes[c[r]]}-byte frame")
+        pos[rows] = p + 4 + cs
+        dst = outs[c] + b_index[rows] * bs[c] + j * ne
+        parts.append((p + 4, cs, dst, ne, c))
+    m = np.flatnonzero(memcpyed & live & ~faults.bad)
+    parts.append((ins[m] + HEADER_SIZE, n[m], outs[m], n[m], m))
+    src, csize, dst, dsize, chunk = (np.concatenate(x) for x in zip(*parts))
+    keep = ~faults.bad[chunk]
+    order = np.argsort(dst[keep], kind="stable")
+    src, csize, dst, dsize, chunk = (a[keep][order] for a in (src, csize, dst, dsize, chunk))
+
+    # blocks to unshuffle (c-blosc: byte shuffle when typesize > 1, else bit shuffle when the block
+    # holds a multiple of 8 items; a block that is less than one item is left as it is)
+    ts = typesize[b_chunk]
+    items = b_size // np.maximum(ts, 1)
+    byte = flags[b_chunk] & DOSHUFFLE != 0
+    kind = np.where(byte & (ts > 1), np.where(items > 0, BYTESHUFFLE, 0),
+                    np.where((flags[b_chunk] & DOBITSHUFFLE != 0) & (items > 0) & (items % 8 == 0), BITSHUFFLE, 0))
+    sel = (kind > 0) & ~faults.bad[b_chunk]
+    block_dst = outs[b_chunk[sel]] + b_index[sel] * bs[b_chunk[sel]]
+    layout = Layout(src, csize, dst, dsize, csize == dsize, codec[chunk], chunk,
+                    block_dst, b_size[sel], ts[sel], kind[sel].astype(np.int8),
+                    ins, sizes, outs, nbytes, len(buf), int((outs + nbytes).max()) if k else 0)
+    return layout, faults.why
 
 
 def parse_blosc(frame: Any, nbytes: int) -> Layout:
-    """The streams of one blosc1 frame that decodes to a chunk of ``nbytes`` bytes.
+    """The streams of one blosc1 frame (exactly the stored chunk) that decodes to ``nbytes`` bytes.
 
-    ``frame`` is the stored chunk (any contiguous buffer, exactly the frame). Raises
-    :class:`FrameError` for anything c-blosc would refuse, and for frames c-blosc's writer never
-    produces and its reader would decode into undefined bytes (a split block whose size is not a
-    whole number of items), streams claiming more stored than decoded bytes, or empty streams.
+    A :class:`FrameError` for a frame :func:`parse_blosc_batch` leaves out, saying why.
     """
     buf = _as_bytes(frame)
-    size = len(buf)
-    if size < HEADER_SIZE:
-        raise FrameError(f"blosc frame of {size} bytes is shorter than its {HEADER_SIZE}-byte header")
-    version, versionlz, flags, typesize, n, blocksize, cbytes = _HEADER.unpack_from(buf)
-    if version != VERSION_FORMAT:
-        raise FrameError(f"blosc frame format {version}: c-blosc 1.x reads format {VERSION_FORMAT} only")
-    if flags & RESERVED:
-        raise FrameError(f"blosc frame sets the reserved flag 0x08 (flags {flags:#04x})")
-    if cbytes != size:
-        raise FrameError(f"blosc frame claims {cbytes} bytes but {size} are stored")
-    if n != nbytes:
-        raise FrameError(f"blosc frame holds {n} bytes, the chunk has {nbytes}")
-    if n == 0:
-        return _chunk_layout(size, 0, _NO_STREAMS, _NO_BLOCKS)
-    if typesize == 0:
-        raise FrameError("blosc frame has typesize 0")
-    if not 0 < blocksize <= min(n, MAX_BLOCKSIZE):
-        raise FrameError(f"blosc block size {blocksize} is outside 1..{min(n, MAX_BLOCKSIZE)}")
-    name, codec = _FORMATS.get(flags >> 5, (None, UNSUPPORTED))
-    if flags & MEMCPYED:  # the chunk as is after the header; c-blosc ignores the compressor fields
-        if cbytes != n + HEADER_SIZE:
-            raise FrameError(f"memcpyed blosc frame of {cbytes} bytes should be {n + HEADER_SIZE}")
-        one = np.ones(1, _I64)
-        return _chunk_layout(size, n, (one * HEADER_SIZE, one * n, one * 0, one * n, one, one * codec), _NO_BLOCKS)
-    if name is None:
-        raise FrameError(f"blosc frame names compressor format {flags >> 5}, unknown to c-blosc 1.x")
-    if versionlz != 1:
-        raise FrameError(f"blosc frame's {name} format version is {versionlz}; c-blosc knows version 1")
-    nfull, leftover = divmod(n, blocksize)
-    nblocks = nfull + (leftover > 0)
-    table_end = HEADER_SIZE + 4 * nblocks
-    if table_end > size:
-        raise FrameError(f"blosc block table ({nblocks} blocks) runs past the end of the {size}-byte frame")
-    bstarts = np.frombuffer(buf, "<i4", nblocks, HEADER_SIZE).astype(_I64)
-    bad = (bstarts < table_end) | (bstarts > size - 4)
-    if bad.any():
-        raise FrameError(f"blosc block {_first(bad, 0)} starts at {int(bstarts[bad][0])}, outside "
-                         f"{table_end}..{size - 4} of the frame")
-    split = not flags & DONT_SPLIT and typesize <= MAX_SPLITS and blocksize // typesize >= MIN_BUFFERSIZE
-    parts = []  # (src, csize, dst, dsize) of the full blocks, then of the partial last one
-    if nfull:
-        nsplits = typesize if split else 1
-        if blocksize % nsplits:
-            raise FrameError(f"blosc blocks of {blocksize} bytes are split into {nsplits} streams but are not a "
-                             f"whole number of {typesize}-byte items")
-        neblock = blocksize // nsplits
-        src, csize = _walk(buf, bstarts[:nfull], 0, nsplits, neblock)
-        dst = np.arange(nfull, dtype=_I64)[:, None] * blocksize + np.arange(nsplits, dtype=_I64) * neblock
-        parts.append((src.ravel(), csize.ravel(), dst.ravel(), np.full(src.size, neblock, _I64)))
-    if leftover:
-        src, csize = _walk(buf, bstarts[nfull:], nfull, 1, leftover)
-        parts.append((src.ravel(), csize.ravel(), np.array([nfull * blocksize], _I64), np.array([leftover], _I64)))
-    src, csize, dst, dsize = (np.concatenate(c) for c in zip(*parts))
-    streams = (src, csize, dst, dsize, csize == dsize, np.full(len(src), codec, np.int8))
-    blocks = _blocks(flags, typesize, blocksize, nfull, leftover)
-    return _chunk_layout(size, n, streams, blocks)
+    layout, faults = parse_blosc_batch(buf, [0], [len(buf)], [nbytes])
+    if faults:
+        raise FrameError(faults[0])
+    return layout
 
 
-def _blocks(flags: int, typesize: int, blocksize: int, nfull: int, leftover: int) -> tuple[np.ndarray, ...]:
-    """``(dst, size, typesize, shuffle)`` of the blocks that need an unshuffle."""
-    rows = []
-    full = _block_shuffle(flags, typesize, blocksize)
-    if full and nfull:
-        rows.append((np.arange(nfull, dtype=_I64) * blocksize, np.full(nfull, blocksize, _I64), full))
-    last = _block_shuffle(flags, typesize, leftover) if leftover else 0
-    if last:
-        rows.append((np.array([nfull * blocksize], _I64), np.array([leftover], _I64), last))
-    if not rows:
-        return _NO_BLOCKS
-    dst = np.concatenate([r[0] for r in rows])
-    size = np.concatenate([r[1] for r in rows])
-    shuffle = np.concatenate([np.full(len(r[0]), r[2], _I64) for r in rows])
-    return dst, size, np.full(len(dst), typesize, _I64), shuffle
+def parse_zstd_batch(buf: Any, chunk_in: Any, chunk_in_nbytes: Any, chunk_nbytes: Any,
+                     chunk_out: Sequence[int] | None = None) -> tuple[Layout, dict[int, str]]:
+    """Plain zstd chunks (numcodecs' ``Zstd``): each one stream, its stored bytes, decoding to its chunk.
+
+    Only the magic number is checked here (a zstd frame, or a skippable one first); the decoder
+    checks that each stream decodes to exactly its chunk's size. Arguments and result as for
+    :func:`parse_blosc_batch`.
+    """
+    buf = _as_bytes(buf)
+    ins, sizes, nbytes = _chunk_table(buf, chunk_in, chunk_in_nbytes, chunk_nbytes)
+    outs = _chunk_out(nbytes, chunk_out)
+    faults = _Faults(len(ins))
+    live = nbytes > 0  # an empty chunk needs no stream
+    faults.add(live & (sizes < 4), lambda i: f"zstd frame of {sizes[i]} bytes is shorter than its magic number")
+    magic = _le32(buf, np.where(faults.bad | ~live, 0, ins)) if len(buf) >= 4 else np.zeros(len(ins), _I64)
+    faults.add(live & (magic != _ZSTD_MAGIC) & (magic & ~0xF != _ZSTD_SKIPPABLE),
+               lambda i: f"not a zstd frame (magic number {magic[i]:#010x})")
+    c = np.flatnonzero(live & ~faults.bad)
+    empty = np.zeros(0, _I64)
+    layout = Layout(ins[c], sizes[c], outs[c], nbytes[c], np.zeros(len(c), bool), np.full(len(c), ZSTD, np.int8), c,
+                    empty, empty, empty, empty.astype(np.int8), ins, sizes, outs, nbytes, len(buf),
+                    int((outs + nbytes).max()) if len(ins) else 0)
+    return layout, faults.why
 
 
 def parse_zstd(frame: Any, nbytes: int) -> Layout:
-    """A plain zstd chunk (numcodecs' ``Zstd``): one stream, the whole file, decoding to ``nbytes`` bytes.
-
-    Only the magic number is checked here; the decoder checks that the output is exactly ``nbytes``.
-    """
+    """One plain zstd chunk: a :class:`FrameError` where :func:`parse_zstd_batch` leaves it out."""
     buf = _as_bytes(frame)
-    size = len(buf)
-    if nbytes == 0:
-        return _chunk_layout(size, 0, _NO_STREAMS, _NO_BLOCKS)
-    if size < 4:
-        raise FrameError(f"zstd frame of {size} bytes is shorter than its magic number")
-    magic = int(_u32(buf, np.zeros(1, _I64))[0])
-    if magic != _ZSTD_MAGIC and magic & ~0xF != _ZSTD_SKIPPABLE:
-        raise FrameError(f"not a zstd frame (magic number {magic:#010x})")
-    one = np.ones(1, _I64)
-    return _chunk_layout(size, nbytes, (one * 0, one * size, one * 0, one * nbytes, one * 0, one * ZSTD), _NO_BLOCKS)
+    layout, faults = parse_zstd_batch(buf, [0], [len(buf)], [nbytes])
+    if faults:
+        raise FrameError(faults[0])
+    return layout
 
 
 def batch(layouts: Sequence[Layout], in_bases: Sequence[int] | None = None,
           out_bases: Sequence[int] | None = None) -> Layout:
-    """One layout for the chunks of ``layouts``, their inputs at ``in_bases`` and outputs at ``out_bases``.
+    """One layout for the chunks of ``layouts``: each layout's input at ``in_bases`` and output at ``out_bases``.
 
     The bases default to the layouts end to end (each input and output right after the previous
-    one). Outputs must not overlap: the unshuffle writes blocks back in place.
+    one); zeros keep offsets as they are (layouts parsed from one staged buffer). The chunks'
+    outputs must not overlap: the unshuffle writes blocks back in place.
     """
     k = len(layouts)
     in_sizes = np.array([l.in_nbytes for l in layouts], _I64)
     out_sizes = np.array([l.out_nbytes for l in layouts], _I64)
     ins = _bases(in_bases, in_sizes, k, "in_bases")
     outs = _bases(out_bases, out_sizes, k, "out_bases")
-    order = np.argsort(outs, kind="stable")
-    ends = outs[order] + out_sizes[order]
-    if k > 1 and np.any(ends[:-1] > outs[order][1:]):
-        raise ValueError("batch: the chunks' outputs overlap (out_bases too close together)")
     n_streams = np.array([len(l) for l in layouts], _I64)
     n_blocks = np.array([len(l.block_dst) for l in layouts], _I64)
     n_chunks = np.array([l.n_chunks for l in layouts], _I64)
@@ -316,13 +365,14 @@ def batch(layouts: Sequence[Layout], in_bases: Sequence[int] | None = None,
     def shift(name: str, base: np.ndarray, counts: np.ndarray) -> np.ndarray:
         return cat(name) + np.repeat(base, counts)
 
+    chunk_out, chunk_out_nbytes = shift("chunk_out", outs, n_chunks), cat("chunk_out_nbytes")
+    _check_disjoint(chunk_out, chunk_out_nbytes)
     return Layout(
         shift("src", ins, n_streams), cat("csize"), shift("dst", outs, n_streams), cat("dsize"),
         cat("raw").astype(bool), cat("codec").astype(np.int8), shift("chunk", chunk_base, n_streams),
         shift("block_dst", outs, n_blocks), cat("block_size"), cat("block_typesize"),
         cat("block_shuffle").astype(np.int8),
-        shift("chunk_in", ins, n_chunks), cat("chunk_in_nbytes"), shift("chunk_out", outs, n_chunks),
-        cat("chunk_out_nbytes"),
+        shift("chunk_in", ins, n_chunks), cat("chunk_in_nbytes"), chunk_out, chunk_out_nbytes,
         int((ins + in_sizes).max()) if k else 0, int((outs + out_sizes).max()) if k else 0,
     )
 

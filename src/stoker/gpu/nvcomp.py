@@ -3,8 +3,9 @@
 For the chunks of a :class:`~stoker.gpu.frames.Layout` (:func:`~stoker.gpu.frames.batch`),
 :meth:`DeviceDecoder.decode` does, all on the decoder's CUDA stream:
 
-1. the stored chunks copied end to end into one pinned host buffer, and that buffer copied to the
-   device in one transfer (the encoded bytes are all that cross PCIe);
+1. the stored chunks copied end to end into one pinned host buffer (or read there by the caller:
+   :meth:`DeviceDecoder.decode_staged`), and that buffer copied to the device in one transfer (the
+   encoded bytes are all that cross PCIe);
 2. per compressor, one batched nvCOMP decode (``BitstreamKind.RAW``: plain LZ4 blocks and zstd
    frames, as c-blosc and numcodecs write them) of every stream, from its offset in the staged
    bytes straight to its offset in the output; nvCOMP's LZ4 and zstd decoders need no alignment
@@ -31,7 +32,7 @@ import torch
 
 from ..errors import InvalidArgument
 from . import ops
-from .frames import LZ4, ZSTD, FrameError, Layout, UnsupportedFrame, stage
+from .frames import CODEC_NAMES, LZ4, ZSTD, FrameError, Layout, UnsupportedFrame, stage
 
 #: the largest stream sent to nvCOMP: its batched LZ4 and zstd kernels take chunks up to 16 MiB
 #: (larger streams, e.g. plain zstd chunks over 16 MiB, are decoded on the CPU)
@@ -89,14 +90,23 @@ class DeviceDecoder:
         decode those chunks on the CPU) and :class:`FrameError` when nvCOMP fails or a stream does
         not decode to its size.
         """
+        staged = torch.empty(layout.in_nbytes, dtype=torch.uint8, pin_memory=True)
+        stage(frames, layout, staged.numpy())
+        return self.decode_staged(staged, layout)
+
+    def decode_staged(self, staged: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """As :meth:`decode`, for chunks already in ``staged`` (pinned, uint8) where ``layout`` has them
+        (:func:`~stoker.gpu.frames.parse_blosc_batch` parses them there). ``staged`` must not be
+        written again before :attr:`stream` has run past this call (its copy to the device is
+        queued there; an event recorded on :attr:`stream` tells when)."""
         if not can_decode(layout):
             raise UnsupportedFrame(f"chunks {layout.unsupported_chunks().tolist()} hold streams that are neither lz4 "
                                    f"nor zstd, or streams over {MAX_STREAM_BYTES} bytes")
-        staged = torch.empty(layout.in_nbytes, dtype=torch.uint8, pin_memory=True)
-        stage(frames, layout, staged.numpy())
+        if staged.dtype != torch.uint8 or staged.dim() != 1 or staged.numel() < layout.in_nbytes:
+            raise ValueError(f"decode_staged: needs a flat uint8 tensor of {layout.in_nbytes} bytes")
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             # allocated on this stream, so the caching allocator reuses them only after its work
-            data = staged.to(self.device, non_blocking=True)  # the pinned block is kept until the copy is done
+            data = staged[:layout.in_nbytes].to(self.device, non_blocking=True)
             out = torch.empty(layout.out_nbytes, dtype=torch.uint8, device=self.device)
             for codec in _ALGORITHMS:
                 rows = np.flatnonzero(~layout.raw & (layout.codec == codec))
@@ -112,7 +122,7 @@ class DeviceDecoder:
         sizes = layout.dsize[rows].tolist()
         srcs = nv.as_arrays(data, layout.src[rows].tolist(), layout.csize[rows].tolist(), cuda_stream=s)
         dsts = nv.as_arrays(out, layout.dst[rows].tolist(), sizes, cuda_stream=s)
-        name = _ALGORITHMS[codec].lower()
+        name = CODEC_NAMES[codec]
         try:
             # the decoded sizes are known: a config built from them spares nvCOMP a pass over the streams
             config = nvc.decompression_config(nvc.compression_config(sizes))

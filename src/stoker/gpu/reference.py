@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import ops
-from .frames import LZ4, ZSTD, FrameError, Layout, UnsupportedFrame, parse_blosc, parse_zstd, stage
+from .frames import CODEC_NAMES, LZ4, FrameError, Layout, UnsupportedFrame, parse_blosc, parse_zstd, stage
 
 
 def _load(module: str, name: str, argtypes: list, restype: Any) -> Any:
@@ -78,8 +78,7 @@ def decode_streams(data: np.ndarray, layout: Layout) -> np.ndarray:
             failed = bool(_zstd_is_error(got))
         if failed or got != dsize:
             what = "failed" if failed else f"gave {got} bytes"
-            raise FrameError(f"chunk {chunk}: a {'lz4' if codec == LZ4 else 'zstd'} stream of {csize} bytes {what}, "
-                             f"{dsize} expected")
+            raise FrameError(f"chunk {chunk}: a {CODEC_NAMES[codec]} stream of {csize} bytes {what}, {dsize} expected")
     raw = layout.raw  # copied and unshuffled by the device's own operations, on CPU tensors
     ops.copy_segments_(torch.from_numpy(data), layout.src[raw], torch.from_numpy(out), layout.dst[raw],
                        layout.dsize[raw])
