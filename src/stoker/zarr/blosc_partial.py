@@ -197,9 +197,10 @@ def decode_range(frame: Any, byte_start: int, byte_stop: int, dest: np.ndarray,
     info = frame_info(frame)
     if nbytes % info[0]:
         return None
-    if read_end is None or read_end >= info[3]:
-        return _decode_blocks(frame, info, byte_start, byte_stop, dest)
     mv = memoryview(frame).cast("B")
+    # A memcpy'd frame is copied item by item from exactly the bytes read (and c-blosc wants its true size).
+    if read_end is None or read_end >= info[3] or mv[2] & _MEMCPYED:
+        return _decode_blocks(frame, info, byte_start, byte_stop, dest)
     struct.pack_into("<I", mv, 12, read_end)  # the stated size: what was read
     try:
         return _decode_blocks(frame, info, byte_start, byte_stop, dest)
