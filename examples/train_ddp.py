@@ -23,6 +23,7 @@ in a helper, so every line can be copied and changed.
 """
 
 import argparse
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -179,6 +180,13 @@ def main() -> None:
             )
             os.replace(tmp, path)  # atomic: a crash mid-save never leaves a half-written checkpoint.pt
             print(f"checkpoint: {path}", flush=True)
+
+        # Leave together, and free the DDP model (its reducer holds gloo work with tensors in it) while
+        # the interpreter is whole: freed during interpreter shutdown instead, it can abort the process
+        # ("terminate called without an active exception"), and torchrun then reports the rank as failed.
+        dist.barrier()
+        del model, optimizer
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

@@ -8,6 +8,17 @@ import pytest
 from stoker.bench.records import records_for_steady_state
 from stoker.cli import main
 
+PEERS = ("stoker", "tensorstore", "zarr", "zarr+DataLoader", "decode bound")
+# where stoker's CPU time goes, per batch: the stages the decode bound leaves out are named, and the
+# time the pipeline's threads held the GIL, with the garbage collections in it
+CPU_LINE = re.compile(r"^stoker per batch: (\d+\.\d+) ms CPU \((\d+\.\d) cores busy\); decode [\d.]+ \(\d+%\), "
+                      r"read [\d.]+ \(\d+%\), cast [\d.]+ \(\d+%\), plan [\d.]+ \(\d+%\), other -?[\d.]+ \(-?\d+%\); "
+                      r"GIL held ([\d.]+) \((\d+)%; garbage collection ([\d.]+) of it\)$", re.M)
+
+
+def rates(out: str, peer: str) -> list[float]:
+    return [float(x) for x in re.findall(rf"^{re.escape(peer)}\s+(\d+\.\d)", out, re.M)]
+
 
 @pytest.mark.timeout(300)
 def test_bench_tiny_smoke(tmp_path, capsys):
@@ -16,15 +27,11 @@ def test_bench_tiny_smoke(tmp_path, capsys):
                "--data", str(data)])
     assert rc == 0
     out = capsys.readouterr().out
-    for peer in ("stoker", "tensorstore", "zarr", "zarr+DataLoader", "decode bound"):
-        rates = [float(x) for x in re.findall(rf"^{re.escape(peer)}\s+(\d+\.\d)", out, re.M)]
-        assert len(rates) == 3 and min(rates) > 0, (peer, out)
+    for peer in PEERS:
+        assert len(rates(out, peer)) == 3 and min(rates(out, peer)) > 0, (peer, out)
     assert out.count("of decode bound") == 3 and out.count("first batch") == 3
-    # where stoker's CPU time goes, per batch: the stages the decode bound leaves out are named
-    per_batch = re.findall(r"^stoker per batch: (\d+\.\d+) ms CPU \((\d+\.\d) cores busy\); decode [\d.]+ \(\d+%\), "
-                           r"read [\d.]+ \(\d+%\), cast [\d.]+ \(\d+%\), plan [\d.]+ \(\d+%\), other -?[\d.]+ \(-?\d+%\)$",
-                           out, re.M)
-    assert len(per_batch) == 3 and all(float(ms) > 0 for ms, _ in per_batch), out
+    per_batch = CPU_LINE.findall(out)
+    assert len(per_batch) == 3 and all(float(ms) > 0 and float(held) > 0 for ms, _, held, _, _ in per_batch), out
     assert out.count("stoker alone (fresh process): peak RSS") == 3
     # the cold first batch is measured, not only the warm one (where the page cache can be dropped)
     cold = re.findall(r"; \d+ ms in a fresh process with its arrays out of the page cache$", out, re.M)
@@ -44,6 +51,76 @@ def test_bench_tiny_smoke(tmp_path, capsys):
         main(["bench", "--tiny", "--threads", "0", "--data", str(data)])
     with pytest.raises(SystemExit, match="without --device cuda"):
         main(["bench", "--tiny", "--device", "cuda", "--threads", "2", "--data", str(data)])
+
+
+@pytest.mark.timeout(300)
+def test_bench_tiny_scenario_8_small_inner_chunks(tmp_path, capsys):
+    # scenario 8's layout in small: zstd shards of small inner chunks, crops twice an inner chunk, batch 16
+    from stoker.bench.runner import scenarios
+
+    sc = next(s for s in scenarios(tiny=True) if s.number == 8)
+    big = next(s for s in scenarios() if s.number == 8)
+    layout = [(s.volume.codec, s.volume.dtype, s.batch_size) for s in (sc, big)]
+    assert layout == [("zstd", "uint16", 16)] * 2
+    assert sc.volume.shards and all(c * 2 == k for c, k in zip(sc.volume.chunks, sc.crop))
+    assert big.volume.shards == (128, 256, 256) and big.volume.chunks == (32, 32, 32) and big.crop == (64, 64, 64)
+    assert main(["bench", "--tiny", "--scenarios", "8", "--batches", "2", "--slow-batches", "1",
+                 "--data", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^Scenario 8: .*\(batch 16, 2 timed batches per fast peer\)$", out, re.M), out
+    for peer in PEERS:
+        assert len(rates(out, peer)) == 1 and rates(out, peer)[0] > 0, (peer, out)
+    assert len(CPU_LINE.findall(out)) == 1, out
+    capsys.readouterr()
+    # --batch-size still sets every scenario's batch
+    assert main(["bench", "--tiny", "--scenarios", "8", "--batches", "2", "--peers", "tensorstore",
+                 "--batch-size", "4", "--data", str(tmp_path)]) == 0
+    assert "(batch 4, 2 timed batches" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_bench_busy_consumer(tmp_path, capsys):
+    # after each batch every peer's consumer runs Python for --step-ms; the decode bound is left out
+    assert main(["bench", "--tiny", "--scenarios", "1,8", "--batches", "3", "--slow-batches", "1", "--step-ms", "2",
+                 "--data", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("busy consumer: 2.00 ms of Python holding the GIL after each batch (--step-ms)") == 2, out
+    for peer in PEERS[:-1]:
+        assert len(rates(out, peer)) == 2 and min(rates(out, peer)) > 0, (peer, out)
+    assert not rates(out, "decode bound") and "of decode bound" not in out
+    assert out.count("decode bound left out") == 2
+    assert len(CPU_LINE.findall(out)) == 2, out
+    capsys.readouterr()
+    # auto: a step as long as tensorstore's median batch, measured first without one
+    assert main(["bench", "--tiny", "--scenarios", "1", "--batches", "3", "--peers", "stoker,tensorstore",
+                 "--step-ms", "auto", "--data", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    step = re.search(r"^busy consumer: (\d+\.\d+) ms of Python holding the GIL after each batch \(auto: "
+                     r"tensorstore's median batch time without a step\); the steps alone allow at most "
+                     r"(\d+\.\d) samples/s", out, re.M)
+    assert step and float(step[1]) > 0 and float(step[2]) == pytest.approx(8 / float(step[1]) * 1e3, rel=0.01), out
+    assert min(rates(out, "stoker") + rates(out, "tensorstore")) > 0
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            main(["bench", "--tiny", "--step-ms", bad, "--data", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--step-ms runs with the CPU pipeline"):
+        main(["bench", "--tiny", "--device", "cuda", "--step-ms", "2", "--data", str(tmp_path)])
+
+
+def test_busy_step_holds_the_gil_for_its_length():
+    # the step is Python, not a sleep: it spends its time on the CPU (a sleep would release the GIL)
+    import time
+
+    from stoker.bench.runner import Consumer, busy_step
+
+    t0, c0 = time.perf_counter(), time.thread_time()
+    busy_step(0.05)
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    assert wall >= 0.05 and cpu > 0.005  # a sleep would spend next to no CPU (wide margin: a shared machine)
+    consume = Consumer(0.02)
+    consume(None)
+    assert consume.step_cpu_s > 0  # kept, to leave out of the loader's CPU time
+    assert Consumer(0.0)(None) is None and Consumer(0.0).step_cpu_s == 0
 
 
 @pytest.mark.timeout(300)

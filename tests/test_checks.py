@@ -76,3 +76,15 @@ def test_config_stores_the_pop_timeout_as_a_float():
     assert stoker.Config(pop_timeout_s=np.float32(2.5)).pop_timeout_s == 2.5
     assert type(stoker.Config(pop_timeout_s=3).pop_timeout_s) is float
     assert stoker.Config(pop_timeout_s=None).pop_timeout_s is None
+
+
+def test_config_decode_on_is_validated_and_gpu_is_refused_for_now():
+    assert stoker.Config().decode_on == "auto" and stoker.Config(decode_on="cpu").decode_on == "cpu"
+    with pytest.raises(stoker.InvalidArgument, match="decode_on must be one of 'auto', 'cpu', 'gpu', got 'GPU'") as e:
+        stoker.Config(decode_on="GPU")
+    assert e.value.knob == "decode_on"
+    with pytest.raises(stoker.InvalidArgument, match="decoding on the GPU is not available in this version"):
+        stoker.Config(decode_on="gpu", device="cpu")
+    for where in ("auto", "cpu"):  # both decode on the CPU, as every pipeline of this version does
+        with stoker.Pipeline(stoker.Config(decode_on=where, device="cpu", n_compute_threads=1)) as p:
+            assert p.cfg.decode_on == where

@@ -61,7 +61,8 @@ def rank_stats(rank: int) -> Stats:
     }
     counters = {name: (j + 1) * 10 + rank * (j + 2) for j, name in enumerate(COUNTERS)}
     counters["samples"] = 60 * (rank + 1)
-    return Stats(stages=stages, peak_host_bytes=[5000, 9000, 7000][rank % 3], **counters)
+    return Stats(stages=stages, peak_host_bytes=[5000, 9000, 7000][rank % 3], gil_seconds=0.0625 * (rank + 1),
+                 **counters)
 
 
 def rank_elapsed(rank: int) -> float:
@@ -145,6 +146,7 @@ def _stats_record(r: ReducedStats) -> dict:
     return {
         "stages": {n: [m.seconds, m.count, m.bytes_in, m.bytes_out] for n, m in t.stages.items()},
         "counters": typed({n: getattr(t, n) for n in COUNTERS + ("peak_host_bytes",)}),
+        "gil_seconds": t.gil_seconds,
         "max_pop_wait_s": r.max_pop_wait_s,
         "max_peak_host_bytes": r.max_peak_host_bytes,
         "min_samples_per_s": r.min_samples_per_s,
@@ -217,6 +219,7 @@ def test_reduce_stats_sums_max_min(group_run):
             assert got["stages"][n] == pytest.approx(stages[n], rel=1e-12)
             assert all(type(v) is int for v in got["stages"][n][1:])
         assert got["counters"] == typed(counters)
+        assert got["gil_seconds"] == pytest.approx(sum(s.gil_seconds for s in ranks))  # GIL time sums over ranks
         assert got["max_pop_wait_s"] == pytest.approx(max(s.stages["pop_wait"].seconds for s in ranks))
         assert got["max_peak_host_bytes"] == max(s.peak_host_bytes for s in ranks)
         assert got["min_samples_per_s"] == pytest.approx(min(rates))
@@ -320,12 +323,12 @@ def test_reduce_stats_not_initialised(no_rank_env):
     r = reduce_stats(s, elapsed_s=4.0)
     assert r.world_size == 1
     assert r.totals == Stats(stages={n: s.stages[n] for n in STAGES}, **{n: getattr(s, n) for n in COUNTERS},
-                             peak_host_bytes=s.peak_host_bytes)
+                             peak_host_bytes=s.peak_host_bytes, gil_seconds=s.gil_seconds)
     assert r.min_samples_per_s == r.max_samples_per_s == s.samples / 4.0
     assert r.max_pop_wait_s == s.stages["pop_wait"].seconds and r.max_peak_host_bytes == s.peak_host_bytes
     assert r.read_amplification == s.read_amplification
     metrics = r.to_metrics()
-    assert metrics["samples"] == s.samples and metrics["world_size"] == 1
+    assert metrics["samples"] == s.samples and metrics["world_size"] == 1 and metrics["gil_s"] == s.gil_seconds
     # A partial snapshot (missing stages) reduces with zeros in their place.
     partial = reduce_stats(Stats(stages={"io": Metric("io", 1.5, 2)}, samples=3))
     assert partial.totals.stages["io"] == Metric("io", 1.5, 2) and partial.totals.stages["plan"] == Metric("plan")

@@ -84,8 +84,14 @@ def _run_nodes(target: list[str], nnodes: int, per_node: int, env: dict[str, str
         if rank:
             time.sleep(stagger_s)
         nodes.append(_Node(_static(nnodes, rank, per_node, port), target, env, cwd))
+    deadline = time.monotonic() + timeout
+    codes: list[int | None] = []
     try:
-        codes = [n.wait(timeout) for n in nodes]
+        for n in nodes:
+            try:
+                codes.append(n.proc.wait(max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)  # still running at the deadline: a hang, reported with every output
     finally:
         for n in nodes:
             n.kill()

@@ -830,6 +830,25 @@ def test_a_crafted_blosc_frame_never_decodes_leftovers_in_a_pipeline(tmp_path, r
             np.testing.assert_array_equal(got, reference[:8])
 
 
+@pytest.mark.parametrize("shuffle", [0, 1])
+def test_incompressible_blosc_chunks_read_in_part(tmp_path, reader, shuffle):
+    """Random bytes make blosc store a frame memcpy'd (no shuffle) or blocks raw: crops of one block and
+    of the last bytes, on every path, equal zarr's (the Python path's partial decode stated a shorter frame
+    size to c-blosc, which refuses that for memcpy'd frames: every such crop failed)."""
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(1024, 1024), chunks=(512, 512), dtype="uint16", zarr_format=2,
+                          compressors=numcodecs.Blosc("lz4", 5, shuffle))
+    z[:] = np.random.default_rng(9).integers(0, 2**16, size=z.shape, dtype=np.uint16)
+    boxes = [[(512, 520), (512, 520)], [(0, 8), (0, 8)], [(1016, 1024), (1016, 1024)]]
+    cfg = stoker.Config(batch_size=3, dtype="native", device="cpu", n_compute_threads=2, pop_timeout_s=20.0)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, b) for b in boxes])
+        with p.pop() as batch:
+            got = torch.from_dlpack(batch).numpy()
+    for row, b in zip(got, boxes):
+        np.testing.assert_array_equal(row, z[tuple(slice(*x) for x in b)])
+
+
 BLOSC_LAYOUTS = {
     "v3-lz4-shuffle": dict(zarr_format=3, compressors=BloscCodec(cname="lz4", shuffle="shuffle", blocksize=1 << 15)),
     "v3-zstd-bitshuffle": dict(zarr_format=3, compressors=BloscCodec(cname="zstd", shuffle="bitshuffle", blocksize=1 << 15)),

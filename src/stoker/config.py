@@ -19,6 +19,9 @@ from .errors import InvalidArgument
 #: Output dtypes by name; "native" keeps the source dtype.
 OUTPUT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "native": None}
 
+#: Where chunks may be decompressed (Config.decode_on).
+DECODE_ON = ("auto", "cpu", "gpu")
+
 
 _INTEGER_KNOBS = {"batch_size": 1, "host_buffer_bytes": 1 << 20, "device_buffer_bytes": 1 << 20, "n_io_threads": 1,
                   "n_compute_threads": 1, "lookahead_batches": 1}  # knob -> least value
@@ -79,6 +82,11 @@ class Config:
     - ``lookahead_batches`` (>= 1): batches prepared ahead of the consumer.
     - ``pop_timeout_s`` (> 0 or ``None``): ``PoolStarved`` after this long without a batch.
     - ``drop_last``: drop a final short batch (default) or emit it.
+    - ``decode_on``: ``"auto" | "cpu" | "gpu"``, where chunks are decompressed. This version decodes
+      on the CPU: ``"auto"`` and ``"cpu"`` do so, and ``"gpu"`` is refused (``InvalidArgument``).
+      Decoding on the GPU (nvCOMP, lz4 and zstd chunks and blosc frames of them; see
+      :mod:`stoker.gpu`) is being built: ``"gpu"`` will need a CUDA pipeline and nvCOMP
+      (``stoker[gpu]``), and ``"auto"`` will pick it on a CUDA pipeline with nvCOMP importable.
     """
 
     batch_size: int = 8
@@ -92,6 +100,7 @@ class Config:
     lookahead_batches: int = 2
     pop_timeout_s: float | None = 30.0
     drop_last: bool = True
+    decode_on: str = "auto"
 
     def __post_init__(self) -> None:
         for name, low in _INTEGER_KNOBS.items():  # numpy integers are stored as ints
@@ -121,6 +130,7 @@ class Config:
         if not isinstance(self.drop_last, bool):
             raise InvalidArgument(f"Config.drop_last must be True or False, got {self.drop_last!r}", knob="drop_last")
         self._check_device()
+        self._check_decode_on()
 
     def _check_device(self) -> None:
         d = self.device
@@ -137,6 +147,14 @@ class Config:
             f"Config.device must be None, a GPU index >= 0, 'cpu', 'cuda' or 'cuda:N' (or a torch.device of "
             f"those), got {d!r}", knob="device"
         )
+
+    def _check_decode_on(self) -> None:
+        if self.decode_on not in DECODE_ON:
+            raise InvalidArgument(f"Config.decode_on must be one of {', '.join(map(repr, DECODE_ON))}, got "
+                                  f"{self.decode_on!r}", knob="decode_on")
+        if self.decode_on == "gpu":  # refused here, not ignored: a knob must never silently do nothing
+            raise InvalidArgument("Config.decode_on='gpu': decoding on the GPU is not available in this version of "
+                                  "stoker; use 'auto' or 'cpu' (chunks are decoded on the CPU)", knob="decode_on")
 
     @property
     def compute_threads(self) -> int:

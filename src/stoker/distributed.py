@@ -252,6 +252,7 @@ class ReducedStats:
         for name, m in self.totals.stages.items():
             out[f"{name}_s"] = m.seconds
         out.update(
+            gil_s=self.totals.gil_seconds,
             max_pop_wait_s=self.max_pop_wait_s,
             max_peak_host_bytes=self.max_peak_host_bytes,
             read_amplification=self.read_amplification,
@@ -282,16 +283,17 @@ def reduce_stats(stats: Stats, group: Any = None, *, elapsed_s: float | None = N
         # Every rank must pack the same layout; stages outside STAGES have no agreed slot.
         raise InvalidArgument(f"unknown stages {unknown}; reduce_stats knows {STAGES}")
     pop_wait = stats.stages.get("pop_wait", Metric("pop_wait")).seconds
-    for name in COUNTERS + ("peak_host_bytes",):
+    for name in COUNTERS + ("peak_host_bytes", "gil_seconds"):
         _check_number(name, getattr(stats, name), "counter")
 
-    # One fixed layout on every rank: 4 fields per stage in STAGES order, then COUNTERS, then the peak.
+    # One fixed layout on every rank: 4 fields per stage in STAGES order, then COUNTERS, the peak, GIL time.
     sums: list[float] = []
     for name in STAGES:
         m = stats.stages.get(name, Metric(name))
         sums.extend(float(getattr(m, f)) for f in _STAGE_FIELDS)
     sums.extend(float(getattr(stats, name)) for name in COUNTERS)
     sums.append(float(stats.peak_host_bytes))
+    sums.append(float(stats.gil_seconds))
 
     # MIN(x) is -MAX(-x), so the minimum rides in the same MAX collective. A rank without
     # elapsed_s packs -inf in both slots and so never wins either.
@@ -312,7 +314,7 @@ def reduce_stats(stats: Stats, group: Any = None, *, elapsed_s: float | None = N
         stages[name] = Metric(name, secs, int(count), int(b_in), int(b_out))
     off = 4 * len(STAGES)
     counters = {name: int(sums[off + j]) for j, name in enumerate(COUNTERS)}
-    totals = Stats(stages=stages, peak_host_bytes=int(sums[-1]), **counters)
+    totals = Stats(stages=stages, peak_host_bytes=int(sums[-2]), gil_seconds=sums[-1], **counters)
     return ReducedStats(
         totals=totals,
         max_pop_wait_s=maxes[0],

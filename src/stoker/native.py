@@ -20,9 +20,12 @@ True
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import numpy as np
+
+from . import gil
 
 # chunk statuses of the compiled reader (see csrc/stoker_native.h)
 (OK, MISSING, TOO_BIG, OS_ERROR, SHORT, CODEC_ERROR, SIZE, FRAME, NOT_REGULAR, CHANGED, CANCELLED, NO_MEMORY,
@@ -140,11 +143,22 @@ def zstd_error(code: int) -> str:
     return _error_name((1 << 64) - code if code > 0 else 0).decode(errors="replace")
 
 
+def _released(fn):
+    """``fn`` timed as a call that releases the GIL (:func:`stoker.gil.released`): the compiled reader
+    reads, decodes and places with no GIL held, so its CPU time is not the pipeline's GIL time."""
+    if fn is None:
+        return None
+    call = functools.partial(gil.released, fn)
+    call.__doc__ = fn.__doc__
+    return call
+
+
 #: ``decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst)
 #: -> [(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]`` and ``Engine(n_threads, budget_bytes)``,
 #: or ``None`` where the extension is not built (or ``STOKER_NATIVE=0``); ``zstd`` / ``blosc``: which codecs
 #: it can call
 decode_files, Engine, zstd, blosc = _load()
+decode_files = _released(decode_files)
 
 #: ``plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes) -> (copies, chunks)`` (csrc/grid.c), or
 #: None without the engine (engine/tables.py then plans with numpy)

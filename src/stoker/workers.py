@@ -21,6 +21,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
+from . import gil
 from .errors import ShutdownError
 
 
@@ -90,6 +91,7 @@ class DaemonPool:
 
 
 def _work(state: _State) -> None:
+    gil.enroll()  # a pool thread's GIL time is charged to the pipeline whose work it reports
     while True:
         with state.cv:
             while not state.tasks and not state.closed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import zlib
@@ -101,10 +102,18 @@ def _write(tmp: Path, spec: VolumeSpec, progress: bool) -> None:
                           dtype=spec.dtype, compressors=_codec(spec.codec), fill_value=0)
     # A seed from the name that every process agrees on (str hashes differ between processes).
     rng = np.random.default_rng(zlib.crc32(spec.name.encode()))
-    step = spec.shards[0] if spec.shards else spec.chunks[0]
-    for z0 in tqdm(range(0, spec.shape[0], step), desc=f"writing {spec.name}", unit="slab", disable=not progress):
-        depth = min(step, spec.shape[0] - z0)
-        z[z0:z0 + depth] = _slab(rng, z0, depth, spec.shape, spec.dtype)
+    # Generated a plane of shards (or chunks) at a time, written a row of them at a time: every write
+    # covers whole shards, so none is read back and written again, and the bar moves every few seconds.
+    block = spec.shards or spec.chunks
+    total = math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
+    with tqdm(total=total, desc=f"writing {spec.name}", unit="B", unit_scale=True, disable=not progress) as bar:
+        for z0 in range(0, spec.shape[0], block[0]):
+            depth = min(block[0], spec.shape[0] - z0)
+            slab = _slab(rng, z0, depth, spec.shape, spec.dtype)
+            for y0 in range(0, spec.shape[1], block[1]):
+                rows = slab[:, y0:y0 + block[1]]
+                z[z0:z0 + depth, y0:y0 + rows.shape[1]] = rows
+                bar.update(rows.nbytes)
     for p in tqdm(paths[1:], desc=f"copying {spec.name}", unit="array", disable=not progress or len(paths) < 2):
         shutil.copytree(first, p)
     (tmp / MARKER).write_text(json.dumps(_marker(spec)))  # last: it says the dataset is complete

@@ -13,10 +13,17 @@ Peers:
 Every peer runs one untimed warm-up batch, then ``n`` timed batches; the page cache is warmed first.
 stoker, tensorstore and the decode bound run in interleaved rounds (``rounds``) and report their median
 round, so a slow spell of a shared machine does not skew one peer against the others.
+
+Busy consumer (``step_s``): after each batch every peer's consumer runs pure Python for ``step_s``
+(:func:`busy_step`), holding the GIL as an eager training step's Python does. Its reads for the next
+batch are already under way: stoker's pipeline and the DataLoader prefetch by themselves, and
+tensorstore's next batch is issued before the current one is delivered. The decode bound has no
+consumer and is left out.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -28,6 +35,7 @@ import numpy as np
 import torch
 from numcodecs import zstd as numcodecs_zstd
 
+from .. import gil
 from ..array import open_array
 from ..config import Config
 from ..engine.pipeline import Pipeline
@@ -38,6 +46,7 @@ from ..telemetry import host_rss_bytes as rss_bytes
 
 
 LOOKAHEAD = 3  # stoker's lookahead_batches in the benchmark
+BATCH_SIZE = 8  # samples per batch, unless a scenario says otherwise
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class Scenario:
     # Timed batches per fast peer: about a second of stoker, so the steady state is measured and not the
     # first touches of fresh buffers (30 batches of scenario 5 last a tenth of a second).
     timed_batches: int = 30
+    batch_size: int = BATCH_SIZE
 
 
 def scenarios(tiny: bool = False) -> list[Scenario]:
@@ -61,6 +71,9 @@ def scenarios(tiny: bool = False) -> list[Scenario]:
                                                    "blosc-lz4", shards=(32, 128, 128)), (16, 64, 64)),
             Scenario(6, "tiny many arrays, zstd", VolumeSpec("tiny-many", (32, 64, 64), (16, 32, 32), "uint8",
                                                              "zstd", count=20), (16, 32, 32)),
+            Scenario(8, "tiny sharded zstd, small inner chunks",
+                     VolumeSpec("tiny-small-inner", (64, 128, 128), (16, 16, 16), "uint16", "zstd",
+                                shards=(32, 64, 64)), (32, 32, 32), batch_size=16),
         ]
     base = VolumeSpec("s1-lz4", (256, 1024, 1024), (32, 128, 128), "uint16", "blosc-lz4")
     return [
@@ -77,6 +90,10 @@ def scenarios(tiny: bool = False) -> list[Scenario]:
                  timed_batches=120),
         Scenario(7, "as 1, zstd alone (zarr v3's default codec)",
                  VolumeSpec("s7-zstd", base.shape, base.chunks, "uint16", "zstd"), (32, 128, 128), timed_batches=40),
+        # Sharding exists to make inner chunks small: 64 KiB zstd chunks, 8-27 of them per crop.
+        Scenario(8, "shards 128x256x256 of zstd 32x32x32 inner chunks, random 64x64x64",
+                 VolumeSpec("s8-small-inner", base.shape, (32, 32, 32), "uint16", "zstd", shards=(128, 256, 256)),
+                 (64, 64, 64), timed_batches=40, batch_size=16),
     ]
 
 
@@ -142,6 +159,33 @@ class Result:
         return self.delivered_bytes / self.seconds / 1e6 if self.seconds else 0.0
 
 
+def busy_step(seconds: float) -> int:
+    """Run pure Python for ``seconds`` of wall time, as an eager training step's Python does: small
+    operations in a loop until the deadline, holding the GIL (``time.sleep`` would release it). Other
+    threads get the GIL only when the interpreter's switch interval makes this loop hand it over."""
+    deadline = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < deadline:
+        for i in range(64):
+            n += i & 7
+    return n
+
+
+class Consumer:
+    """What a peer's consumer does with each timed batch: nothing, or a busy step of ``step_s``; keeps the
+    CPU time of its steps (``step_cpu_s``), which is the training loop's, not the loader's."""
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.step_cpu_s = 0.0
+
+    def __call__(self, batch=None) -> None:
+        if self.step_s > 0:
+            t0 = time.thread_time()
+            busy_step(self.step_s)
+            self.step_cpu_s += time.thread_time() - t0
+
+
 def _batches(samples: list[Sample], batch_size: int) -> list[list[Sample]]:
     return [samples[i:i + batch_size] for i in range(0, len(samples) - batch_size + 1, batch_size)]
 
@@ -194,27 +238,59 @@ def stoker_config(batch_size: int, host_buffer_bytes: int, dtype: str = "f32", d
                   n_io_threads=2, lookahead_batches=LOOKAHEAD, device=device, n_compute_threads=threads)
 
 
+class PipelineCollections:
+    """CPU seconds of the garbage collections run on a pipeline's threads while the block runs. A
+    collection holds the GIL and runs on whichever thread's allocation triggers it, so these are part of
+    ``Stats.gil_seconds``; a full one can take tens of milliseconds and dominate a short window."""
+
+    def __enter__(self) -> "PipelineCollections":
+        self.seconds = 0.0
+        self._t0 = None
+        gc.callbacks.append(self._callback)
+        return self
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if not gil.enrolled():  # a collection on the consumer's thread is not the pipeline's
+            return
+        if phase == "start":
+            self._t0 = time.thread_time()  # one collection at a time: it holds the GIL
+        elif self._t0 is not None:
+            self.seconds += time.thread_time() - self._t0
+            self._t0 = None
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int,
-               threads: int | None = None) -> Result:
-    """The stoker peer; ``threads`` compute threads (a peer of a thread sweep, named ``stoker t=N``) or the default."""
-    marks: list[float] = []  # process CPU time when the clock starts and when it stops (sync runs there)
-    with RssSampler() as rss, Pipeline(stoker_config(batch_size, host_buffer_bytes, threads=threads)) as p:
-        n, seconds, first = time_pipeline(p, samples, batch_size, sync=lambda: marks.append(time.process_time()))
+               threads: int | None = None, step_s: float = 0.0) -> Result:
+    """The stoker peer; ``threads`` compute threads (a peer of a thread sweep, named ``stoker t=N``) or the
+    default. ``cpu_s``: the process's CPU time while timed, less the consumer's steps; ``gc_s``: the
+    pipeline threads' garbage collections while timed."""
+    marks: list[tuple[float, float]] = []  # (process CPU time, collections) as the clock starts and stops
+    consume = Consumer(step_s)
+    with RssSampler() as rss, PipelineCollections() as collections, \
+            Pipeline(stoker_config(batch_size, host_buffer_bytes, threads=threads)) as p:
+        n, seconds, first = time_pipeline(p, samples, batch_size, consume=consume,
+                                          sync=lambda: marks.append((time.process_time(), collections.seconds)))
         stats = p.stats()
     crop = int(np.prod(samples[0].shape))
     name = "stoker" if threads is None else f"stoker t={threads}"
     return Result(name, seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
-                  {"stats": stats, "first_batch_s": first, "cpu_s": marks[-1] - marks[0], "batches": n})
+                  {"stats": stats, "first_batch_s": first, "batches": n,
+                   "cpu_s": marks[-1][0] - marks[0][0] - consume.step_cpu_s, "gc_s": marks[-1][1] - marks[0][1]})
 
 
-def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float) -> str:
-    """One line: stoker's CPU time per timed batch (the process's, so every thread) and its stage times
-    per batch with their shares of it. Stage times are thread time, waits for a core included; "other" is
-    the rest: Python bookkeeping, the consumer, the RSS sampler. The decode bound times the decode stage
-    alone, so read, cast, plan and other are what stoker pays on top of it.
+def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0) -> str:
+    """One line: stoker's CPU time per timed batch (the process's, so every thread, less a busy consumer's
+    steps) and its stage times per batch with their shares of it. Stage times are thread time, waits for
+    a core included; "other" is the rest: Python bookkeeping, the consumer, the RSS sampler. The decode
+    bound times the decode stage alone, so read, cast, plan and other are what stoker pays on top of it.
+    Last, the CPU time the pipeline's threads held the GIL (``Stats.gil_seconds``; it overlaps the
+    stages), and the part of it that garbage collections took (``gc_s``, see :class:`PipelineCollections`).
 
     >>> cpu_breakdown(stats, cpu_s=1.58, batches=120, wall_s=0.82)
-    'stoker per batch: 13.20 ms CPU (1.9 cores busy); decode 9.83 (75%), read 0.96 (7%), cast 1.34 (10%), ...'
+    'stoker per batch: 13.20 ms CPU (1.9 cores busy); decode 9.83 (75%), ...; GIL held 1.10 (8%; garbage ...)'
     """
     if cpu_s <= 0 or wall_s <= 0 or batches <= 0:
         return "stoker per batch: no CPU time measured"
@@ -223,7 +299,9 @@ def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float) -> str:
     parts.append(("other", cpu_s - sum(s for _, s in parts)))
     per = 1e3 / batches
     shares = ", ".join(f"{name} {s * per:.2f} ({s / cpu_s:.0%})" for name, s in parts)
-    return f"stoker per batch: {cpu_s * per:.2f} ms CPU ({cpu_s / wall_s:.1f} cores busy); {shares}"
+    held = (f"GIL held {stats.gil_seconds * per:.2f} ({stats.gil_seconds / cpu_s:.0%}; "
+            f"garbage collection {gc_s * per:.2f} of it)")
+    return f"stoker per batch: {cpu_s * per:.2f} ms CPU ({cpu_s / wall_s:.1f} cores busy); {shares}; {held}"
 
 
 def interleaved(peers: dict, rounds: int) -> dict[str, Result]:
@@ -236,12 +314,15 @@ def interleaved(peers: dict, rounds: int) -> dict[str, Result]:
     return {name: _median(rs) for name, rs in runs.items()}
 
 
-def time_tensorstore(samples: list[Sample], batch_size: int, deliver, sync=lambda: None) -> float:
-    """Seconds for tensorstore to read every batch after the first and ``deliver(futures)`` each.
+def time_tensorstore(samples: list[Sample], batch_size: int, deliver, sync=lambda: None,
+                     consume=lambda batch: None) -> float:
+    """Seconds for tensorstore to read every batch after the first, ``deliver(futures)`` each and
+    ``consume`` what it returns.
 
     Futures for every crop of a batch are in flight together, and the next batch's are issued before
-    the current one is delivered. ``sync`` runs before the clock starts and before it stops (a GPU
-    synchronise for device peers).
+    the current one is delivered (and so read while it is consumed, as a training loop that prefetches
+    one batch would). ``sync`` runs before the clock starts and before it stops (a GPU synchronise for
+    device peers).
     """
     import tensorstore as ts
 
@@ -262,14 +343,14 @@ def time_tensorstore(samples: list[Sample], batch_size: int, deliver, sync=lambd
     pending = issue(batches[1])
     for batch in batches[2:]:
         nxt = issue(batch)
-        deliver(pending)
+        consume(deliver(pending))
         pending = nxt
-    deliver(pending)
+    consume(deliver(pending))
     sync()
     return time.perf_counter() - t0
 
 
-def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int) -> Result:
+def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int, step_s: float = 0.0) -> Result:
     shape = samples[0].shape
 
     def assemble(futures):
@@ -279,14 +360,16 @@ def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int) -> Re
         return torch.from_numpy(out)
 
     with RssSampler() as rss:
-        seconds = time_tensorstore(samples, batch_size, assemble)
+        seconds = time_tensorstore(samples, batch_size, assemble, consume=Consumer(step_s))
     n = len(_batches(samples, batch_size)) - 1
     return Result("tensorstore", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize, rss.peak)
 
 
-def run_zarr(samples: list[Sample], batch_size: int, itemsize: int, max_batches: int) -> Result:
+def run_zarr(samples: list[Sample], batch_size: int, itemsize: int, max_batches: int,
+             step_s: float = 0.0) -> Result:
     import zarr
 
+    consume = Consumer(step_s)
     arrays: dict[str, object] = {}
     batches = _batches(samples, batch_size)[: max_batches + 1]
     shape = samples[0].shape
@@ -299,7 +382,8 @@ def run_zarr(samples: list[Sample], batch_size: int, itemsize: int, max_batches:
             for row, s in enumerate(batch):
                 z = arrays.get(s.uri) or arrays.setdefault(s.uri, zarr.open_array(s.uri, mode="r"))
                 out[row] = z[_slices(s)]
-            torch.from_numpy(out)
+            if i:
+                consume(torch.from_numpy(out))
         seconds = time.perf_counter() - t0
     n = len(batches) - 1
     return Result("zarr", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize, rss.peak)
@@ -327,7 +411,8 @@ def dataloader_batches(max_batches: int) -> tuple[int, int]:
     return 2 * workers, max(max_batches, 8 * workers)
 
 
-def run_zarr_dataloader(samples: list[Sample], batch_size: int, itemsize: int, max_batches: int) -> Result:
+def run_zarr_dataloader(samples: list[Sample], batch_size: int, itemsize: int, max_batches: int,
+                        step_s: float = 0.0) -> Result:
     # Timed in steady state: `in_flight` batches are being prepared when the clock starts and again when
     # it stops (the loader has more to do afterwards), so neither its prefetch head start nor its drain
     # counts. Timing from the first batch would mostly time batches prepared before the clock started.
@@ -342,9 +427,10 @@ def run_zarr_dataloader(samples: list[Sample], batch_size: int, itemsize: int, m
         it = iter(loader)
         for _ in range(1 + in_flight):  # warm-up: workers start, the prefetch queue fills
             next(it)
+        consume = Consumer(step_s)
         t0 = time.perf_counter()
         for _ in range(n):
-            next(it)
+            consume(next(it))
         seconds = time.perf_counter() - t0
         del it  # the remaining batches are not needed: stop the workers
     return Result("zarr+DataLoader", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize,
@@ -443,11 +529,28 @@ def _median(rounds: list[Result]) -> Result:
     return mid
 
 
+@dataclass(frozen=True)
+class Step:
+    """A busy consumer's step after each batch: ``seconds`` of Python, and how they were chosen
+    (``auto``: tensorstore's median batch time in the scenario, measured first without a step)."""
+
+    seconds: float
+    auto: bool = False
+
+
+def auto_step(samples: list[Sample], batch_size: int, itemsize: int, rounds: int) -> Step:
+    """A step as long as tensorstore's median time per batch on ``samples`` (no consumer work)."""
+    ts = interleaved({"tensorstore": lambda: run_tensorstore(samples, batch_size, itemsize)}, rounds)["tensorstore"]
+    return Step(ts.seconds / (ts.samples // batch_size), auto=True)
+
+
 def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host_buffer_bytes: int,
                  slow_batches: int, peers: set[str], growth: bool = False, rounds: int = 1,
-                 threads: tuple[int, ...] = ()) -> list[Result]:
+                 threads: tuple[int, ...] = (), step_ms: float | str | None = None) -> tuple[list[Result], Step | None]:
     """Every peer in ``peers`` on the scenario's crops, in interleaved rounds; ``threads``: a stoker peer
-    per compute-thread count besides the default one (a thread sweep, for machines of many cores)."""
+    per compute-thread count besides the default one (a thread sweep, for machines of many cores).
+    ``step_ms``: a busy consumer (milliseconds of Python after each batch, or ``"auto"``); the decode
+    bound is then left out. Returns the results and the step (None without a busy consumer)."""
     paths = ensure(root, sc.volume)
     warm_page_cache(paths)
     in_flight, dl_timed = dataloader_batches(slow_batches)
@@ -456,17 +559,25 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
     timed = samples[: (n_batches + 1) * batch_size]  # the same crops for every peer but the DataLoader
     samples, all_samples = timed, samples
     itemsize = np.dtype(sc.volume.dtype).itemsize
+    step = None
+    if step_ms == "auto":
+        step = auto_step(samples, batch_size, itemsize, rounds)
+    elif step_ms is not None:
+        step = Step(step_ms / 1e3)
+    step_s = step.seconds if step else 0.0
     # Every peer takes its turn in every round, the slow ones too: a ratio to a peer timed minutes
     # later would mostly measure how the shared machine's speed drifted meanwhile.
     every = {
-        "stoker": lambda: run_stoker(samples, batch_size, itemsize, host_buffer_bytes),
-        **{f"stoker t={t}": (lambda t=t: run_stoker(samples, batch_size, itemsize, host_buffer_bytes, t))
+        "stoker": lambda: run_stoker(samples, batch_size, itemsize, host_buffer_bytes, step_s=step_s),
+        **{f"stoker t={t}": (lambda t=t: run_stoker(samples, batch_size, itemsize, host_buffer_bytes, t, step_s))
            for t in threads},
-        "tensorstore": lambda: run_tensorstore(samples, batch_size, itemsize),
-        "zarr": lambda: run_zarr(samples, batch_size, itemsize, slow_batches),
-        "dataloader": lambda: run_zarr_dataloader(all_samples, batch_size, itemsize, slow_batches),
+        "tensorstore": lambda: run_tensorstore(samples, batch_size, itemsize, step_s),
+        "zarr": lambda: run_zarr(samples, batch_size, itemsize, slow_batches, step_s),
+        "dataloader": lambda: run_zarr_dataloader(all_samples, batch_size, itemsize, slow_batches, step_s),
         "bound": lambda: run_decode_bound(samples, batch_size, itemsize),
     }
+    if step is not None:
+        del every["bound"]  # it has no consumer to be busy: its number would not compare
     # the sweep's peers were asked for by name (--threads), whatever --peers says
     medians = interleaved({name: fn for name, fn in every.items() if name in peers or name.startswith("stoker t=")},
                           rounds)
@@ -482,14 +593,20 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
             st.extra["growth_tenth"] = measure_alone(paths[: len(paths) // 10], sc, n_growth, batch_size,
                                                      host_buffer_bytes)
             st.extra["growth_batches"] = n_growth
-    return results
+    return results, step
 
 
-def format_results(sc: Scenario, results: list[Result], timed_batches: int) -> str:
+def format_results(sc: Scenario, results: list[Result], timed_batches: int, batch_size: int,
+                   step: Step | None = None) -> str:
     by = {r.peer: r for r in results}
     st = by.get("stoker")
-    lines = [f"\nScenario {sc.number}: {sc.title} ({timed_batches} timed batches per fast peer)",
-             f"{'peer':<18}{'samples/s':>11}{'MB/s':>9}{'stoker x':>10}{'peak RSS MB':>13}"]
+    lines = [f"\nScenario {sc.number}: {sc.title} (batch {batch_size}, {timed_batches} timed batches per fast peer)"]
+    if step is not None:
+        how = "auto: tensorstore's median batch time without a step" if step.auto else "--step-ms"
+        lines.append(f"busy consumer: {step.seconds * 1e3:.2f} ms of Python holding the GIL after each batch ({how}); "
+                     f"the steps alone allow at most {batch_size / step.seconds:.1f} samples/s; decode bound left "
+                     "out (it has no consumer)")
+    lines.append(f"{'peer':<18}{'samples/s':>11}{'MB/s':>9}{'stoker x':>10}{'peak RSS MB':>13}")
     for r in results:
         ratio = f"{st.samples_per_s / r.samples_per_s:>9.2f}x" if st and r is not st and r.samples_per_s else f"{'':>10}"
         lines.append(f"{r.peer:<18}{r.samples_per_s:>11.1f}{r.mb_per_s:>9.1f}{ratio}{r.peak_rss / 1e6:>13.0f}")
@@ -505,7 +622,8 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int) -> s
         )
     for r in results:  # the default stoker, then each peer of a thread sweep
         if "cpu_s" in r.extra:
-            line = cpu_breakdown(r.extra["stats"], r.extra["cpu_s"], r.extra["batches"], r.seconds)
+            line = cpu_breakdown(r.extra["stats"], r.extra["cpu_s"], r.extra["batches"], r.seconds,
+                                 r.extra.get("gc_s", 0.0))
             lines.append(line if r is st else line.replace("stoker per batch", f"{r.peer} per batch", 1))
     if st:
         spread = [f"{r.peer} {min(r.extra['rounds']):.0f}-{max(r.extra['rounds']):.0f}" for r in results

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         print(run_records(root, small, 10 * small, batch_size=batch_size, n_batches=timed), flush=True)
         return 0
 
-    from ..bench.runner import dataloader_batches, format_results, host_budget, run_scenario, scenarios
+    from ..bench.runner import BATCH_SIZE, dataloader_batches, format_results, host_budget, run_scenario, scenarios
 
     if args.rounds < 1:
         raise SystemExit("stoker bench: --rounds must be at least 1")
@@ -47,30 +47,38 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         if threads:
             raise SystemExit("stoker bench: --threads sweeps the CPU pipeline; run it without --device cuda")
+        if args.step_ms is not None:
+            raise SystemExit("stoker bench: --step-ms runs with the CPU pipeline; run it without --device cuda")
         from ..bench.device import cuda_or_exit, format_device_results, run_device_scenario
 
         cuda_or_exit()
         print(f"stoker bench --device cuda: {os.cpu_count()} cores, torch {torch.__version__}; batch "
-              f"{args.batch_size}, bf16 out; data in {root}", flush=True)
+              f"{args.batch_size or f'{BATCH_SIZE} unless a scenario says'}, bf16 out; data in {root}", flush=True)
         for sc in chosen:
-            budget = host_budget(sc, args.batch_size, args.host_buffer_bytes)
+            batch_size = args.batch_size or sc.batch_size
+            budget = host_budget(sc, batch_size, args.host_buffer_bytes)
             n_batches = args.batches or sc.timed_batches
-            results = run_device_scenario(sc, root, n_batches, args.batch_size, budget,
+            results = run_device_scenario(sc, root, n_batches, batch_size, budget,
                                           rounds=1 if args.tiny else args.rounds)
             print(format_device_results(sc, results, n_batches), flush=True)
         return 0
     from ..config import default_compute_threads
 
     print(f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
-          f"batch {args.batch_size}; stoker's compute threads: {default_compute_threads()} (the default); "
-          f"timed batches: {args.slow_batches} for zarr, "
-          f"{dataloader_batches(args.slow_batches)[1]} in steady state for zarr+DataLoader; f32 out; data in {root}")
+          f"batch {args.batch_size or f'{BATCH_SIZE} unless a scenario says'}; stoker's compute threads: "
+          f"{default_compute_threads()} (the default); timed batches: {args.slow_batches} for zarr, "
+          f"{dataloader_batches(args.slow_batches)[1]} in steady state for zarr+DataLoader; f32 out; data in {root}"
+          + ("" if args.step_ms is None else "; busy consumer: " + (
+              "after each batch, Python for as long as tensorstore's batch (auto)" if args.step_ms == "auto" else
+              f"after each batch, {args.step_ms:g} ms of Python")))
     for sc in chosen:
-        budget = host_budget(sc, args.batch_size, args.host_buffer_bytes)
+        batch_size = args.batch_size or sc.batch_size
+        budget = host_budget(sc, batch_size, args.host_buffer_bytes)
         n_batches = args.batches or sc.timed_batches
-        results = run_scenario(sc, root, n_batches, args.batch_size, budget, args.slow_batches, peers,
-                               growth=sc.number == 6, rounds=1 if args.tiny else args.rounds, threads=threads)
-        print(format_results(sc, results, n_batches), flush=True)
+        results, step = run_scenario(sc, root, n_batches, batch_size, budget, args.slow_batches, peers,
+                                     growth=sc.number == 6, rounds=1 if args.tiny else args.rounds, threads=threads,
+                                     step_ms=args.step_ms)
+        print(format_results(sc, results, n_batches, batch_size, step), flush=True)
     return 0
 
 
@@ -91,7 +99,12 @@ def add_parser(sub) -> None:
                         "(default 3; 1 with --tiny)")
     p.add_argument("--threads", help="comma-separated compute thread counts: a stoker peer for each, "
                                      "beside the default one (a thread sweep)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="samples per batch in every scenario (default: per scenario, 8 unless it says)")
+    p.add_argument("--step-ms", type=_step_ms, default=None,
+                   help="busy consumer: after each batch, every peer's consumer runs this many milliseconds of "
+                        "pure Python holding the GIL, as a training step does; 'auto': as long as "
+                        "tensorstore's median batch time in the scenario, measured first")
     p.add_argument("--host-buffer-bytes", type=int, default=None,
                    help="stoker's budget (default: per scenario, batch slots + 256 MiB)")
     p.add_argument("--data", type=lambda s: __import__("pathlib").Path(s), help="dataset directory")
@@ -101,6 +114,29 @@ def add_parser(sub) -> None:
     h2d = sub.add_parser("bench-h2d", help="host-to-device bandwidth: pageable vs pinned, and pin_object batches")
     h2d.add_argument("--data", type=lambda s: __import__("pathlib").Path(s), help="dataset directory (scenario 1)")
     h2d.set_defaults(run=run_h2d)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _step_ms(text: str) -> float | str:
+    """``--step-ms``: milliseconds (more than 0, finite) or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"takes milliseconds (a number above 0) or 'auto', got {text!r}")
+    return value
 
 
 def run_h2d(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ import warnings
 import numpy as np
 import torch
 
+from .. import gil
 from ..errors import DtypeMismatch
 
 # Decoded chunks are often read-only numpy views; we only ever read from the tensors made of them.
@@ -67,11 +68,11 @@ def copy_cast(dst: torch.Tensor | np.ndarray, src: np.ndarray) -> None:
     if not src.dtype.isnative:
         src = src.astype(src.dtype.newbyteorder("="))
     if isinstance(dst, np.ndarray):
-        np.copyto(dst, src, casting="unsafe")
+        gil.released(np.copyto, dst, src, casting="unsafe")
     elif dst.dtype in _NUMPY_OUT or dst.dtype == torch_dtype_of(src.dtype):
-        np.copyto(dst.numpy(), src, casting="unsafe")
+        gil.released(np.copyto, dst.numpy(), src, casting="unsafe")
     else:
-        dst.copy_(torch.from_numpy(np.array(src) if src.ndim == 0 else src))  # a 0-d copy stays 0-d
+        gil.released(dst.copy_, torch.from_numpy(np.array(src) if src.ndim == 0 else src))  # a 0-d copy stays 0-d
 
 
 def fill_value_as(fill: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from .. import gil
 from ..array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
 from ..cache import SizedLRU
 from ..config import Config
@@ -85,6 +86,7 @@ class Coordinator:
             self.thread.join(timeout=timeout)  # a user generator blocked in next() cannot be interrupted
 
     def _run(self) -> None:
+        gil.enroll()  # its GIL time is the pipeline's (charged at each batch's "plan" report)
         try:
             while self._cycle():
                 pass

@@ -23,7 +23,7 @@ import numcodecs
 import numpy as np
 import torch
 
-from .. import native
+from .. import gil, native
 from ..errors import DecodeError, ShutdownError, StorageError
 from ..storage.local import not_regular
 from ..zarr.grid import c_strides
@@ -251,6 +251,7 @@ class NativeDecoder:
 
     def _finisher(self) -> None:
         """Finish each job once the engine is done with it, in submission order (the order of pop)."""
+        gil.enroll()  # its GIL time is the pipeline's (charged after each batch it finishes)
         while True:
             with self._cond:
                 while not self._pending and not self._closing:
@@ -261,7 +262,7 @@ class NativeDecoder:
             # In C, without the GIL, and with no timeout: shutdown cancels every job, which ends the wait
             # (a thread of this process waking up while it exits can abort it). A job whose worker is stuck
             # in a hung read keeps this thread waiting, as it keeps the batch from pop.
-            bjob.wait()
+            gil.released(bjob.wait)
             with self._cond:
                 if self._closing:
                     return
@@ -270,6 +271,7 @@ class NativeDecoder:
                 self._finish(job, bjob, eids)
             except BaseException as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
                 job.finish(0, exc)
+            self._stats.charge_thread()
             del job, bjob, eids  # hold nothing of a finished batch while idle
 
     def _finish(self, job: Job, bjob, eids: np.ndarray) -> None:

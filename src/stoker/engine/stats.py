@@ -3,6 +3,8 @@
 >>> s = pipeline.stats()
 >>> s.read_amplification, s.decode_amplification
 (1.9, 1.1)
+>>> s.gil_per_batch     # seconds the pipeline's threads held the GIL per batch
+0.0009
 >>> print(s)            # a readable table
 """
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+
+from .. import gil
 
 STAGES = ("plan", "io", "decode", "assemble", "transfer", "pop_wait")
 COUNTERS = (
@@ -44,6 +48,14 @@ class Stats:
     bytes_delivered: int = 0  # bytes of popped batches, in the output dtype
     bytes_needed: int = 0  # source-dtype bytes of the samples emitted
     peak_host_bytes: int = 0  # batch slots + peak transient buffers
+    # CPU seconds the pipeline's own threads (coordinator, I/O and compute threads) held the GIL
+    # (see stoker.gil for how it is measured and what it cannot see)
+    gil_seconds: float = 0.0
+
+    @property
+    def gil_per_batch(self) -> float:
+        """Seconds the pipeline's threads held the GIL per batch emitted (the consumer's own Python aside)."""
+        return self.gil_seconds / self.batches_emitted if self.batches_emitted else 0.0
 
     @property
     def read_amplification(self) -> float:
@@ -64,25 +76,54 @@ class Stats:
         for name in COUNTERS:
             lines.append(f"{name:<20}{getattr(self, name):>14,}")
         lines.append(f"{'peak_host_bytes':<20}{self.peak_host_bytes:>14,}")
+        lines.append(f"{'gil_seconds':<20}{self.gil_seconds:>14.3f}")
+        lines.append(f"{'gil_ms_per_batch':<20}{self.gil_per_batch * 1e3:>14.3f}")
         lines.append(f"{'read_amplification':<20}{self.read_amplification:>14.2f}")
         lines.append(f"{'decode_amplification':<20}{self.decode_amplification:>14.2f}")
         return "\n".join(lines)
 
 
 class StatsRecorder:
-    """Thread-safe accumulation behind :class:`Stats` (one lock, tiny critical sections)."""
+    """Thread-safe accumulation behind :class:`Stats` (one lock, tiny critical sections).
+
+    GIL time: every report of a pipeline thread (:meth:`stage`, :meth:`chunk`, :meth:`charge_thread`)
+    charges what the reporting thread held the GIL since its previous report
+    (:func:`stoker.gil.held_since_last`: threads stoker started only). ``pop_wait`` is the consumer's
+    report: what its thread held (the training step) is dropped, never charged. Time measured some other
+    way, on a thread that is not enrolled or in native code that takes the GIL, is added with :meth:`gil`.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
+        # A thread's report after a reset charges its whole interval since its previous report, as a
+        # stage that straddles the reset counts whole: at most one piece of work per thread.
         with self._lock:
             self._stages = {name: [0.0, 0, 0, 0] for name in STAGES}
             self._counters = dict.fromkeys(COUNTERS, 0)
+            self._gil_ns = 0
+
+    def gil(self, seconds: float) -> None:
+        """Add ``seconds`` of GIL-held time measured by the caller (not through :mod:`stoker.gil`)."""
+        with self._lock:
+            self._gil_ns += int(seconds * 1e9)
+
+    def charge_thread(self) -> None:
+        """Charge the calling pipeline thread's GIL time since its last report (a Python thread of the
+        pipeline that reports no stage calls this after each piece of work)."""
+        held = gil.held_since_last()
+        if held:
+            with self._lock:
+                self._gil_ns += held
 
     def stage(self, name: str, seconds: float, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        held = gil.held_since_last()
+        if name == "pop_wait":
+            held = 0  # the consumer's: a pool thread that consumes a pipeline is still not the pipeline
         with self._lock:
+            self._gil_ns += held
             m = self._stages[name]
             m[0] += seconds
             m[1] += 1
@@ -94,7 +135,9 @@ class StatsRecorder:
         """``count`` decoded chunks (one, unless the compiled reader reports a call's worth): their decode
         and assemble stage times, and their reads when ``read_s`` is given, under one lock (the batch's
         counters are added when it is popped)."""
+        held = gil.held_since_last()
         with self._lock:
+            self._gil_ns += held
             if read_s is not None:
                 r = self._stages["io"]
                 r[0] += read_s
@@ -117,4 +160,5 @@ class StatsRecorder:
     def snapshot(self, peak_host_bytes: int = 0) -> Stats:
         with self._lock:
             stages = {n: Metric(n, *v) for n, v in self._stages.items()}
-            return Stats(stages=stages, peak_host_bytes=peak_host_bytes, **self._counters)
+            return Stats(stages=stages, peak_host_bytes=peak_host_bytes, gil_seconds=self._gil_ns * 1e-9,
+                         **self._counters)

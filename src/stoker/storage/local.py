@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from .. import gil
 from ..errors import DecodeError, StorageError
 
 _MISSING = (errno.ENOENT, errno.ENOTDIR)
@@ -253,7 +254,7 @@ class LocalStore:
         done = 0
         while done < length:
             try:
-                got = os.pread(fd, length - done, offset + done)
+                got = gil.released(os.pread, fd, length - done, offset + done)
             except OSError as exc:
                 raise StorageError(f"read of {path} at {offset + done} failed: {exc.strerror}", path=path) from None
             if not got:
@@ -270,7 +271,7 @@ class LocalStore:
         done = 0
         while done < len(view):
             try:
-                got = os.preadv(fd, [view[done:]], offset + done)
+                got = gil.released(os.preadv, fd, [view[done:]], offset + done)
             except OSError as exc:
                 raise StorageError(f"read of {path} at {offset + done} failed: {exc.strerror}", path=path) from None
             if not got:

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import gil
+
 _HEADER = struct.Struct("<BBBBIII")
 _MEMCPYED = 0x2
 
@@ -195,9 +197,10 @@ def decode_range(frame: Any, byte_start: int, byte_stop: int, dest: np.ndarray,
     info = frame_info(frame)
     if nbytes % info[0]:
         return None
-    if read_end is None or read_end >= info[3]:
-        return _decode_blocks(frame, info, byte_start, byte_stop, dest)
     mv = memoryview(frame).cast("B")
+    # A memcpy'd frame is copied item by item from exactly the bytes read (and c-blosc wants its true size).
+    if read_end is None or read_end >= info[3] or mv[2] & _MEMCPYED:
+        return _decode_blocks(frame, info, byte_start, byte_stop, dest)
     struct.pack_into("<I", mv, 12, read_end)  # the stated size: what was read
     try:
         return _decode_blocks(frame, info, byte_start, byte_stop, dest)
@@ -230,7 +233,7 @@ def _decode_blocks(frame: Any, info: tuple[int, int, int, int], byte_start: int,
     first = byte_start // typesize
     last = -(-byte_stop // typesize)
     src = np.frombuffer(frame, dtype=np.uint8)  # no copy, also for read-only memoryviews
-    got = _getitem(src.ctypes.data, first, last - first, dest.ctypes.data + first * typesize)
+    got = gil.released(_getitem, src.ctypes.data, first, last - first, dest.ctypes.data + first * typesize)
     if got != (last - first) * typesize:
         raise PartialDecodeError(f"blosc_getitem returned {got}")
     lo, hi = decoded_span(nbytes, blocksize, byte_start, byte_stop)

@@ -30,6 +30,7 @@ import numpy as np
 from numcodecs.abc import Codec
 from numcodecs.compat import ensure_ndarray
 
+from .. import gil
 from ..errors import DecodeError, MetadataError, StokerError, UnsupportedFormat
 from . import blosc_partial, bounded
 from .fields import boolean, integer, lst, obj, required, show, string
@@ -59,7 +60,7 @@ def decode_stages(compressors: Sequence[Codec], bound: int,
 def run_stages(stages: tuple, data: Any) -> Any:
     """Decode ``data`` through :func:`decode_stages`' stages (``bounded.TooLarge`` past a bound)."""
     for decompress, bound, codec_id in stages:
-        data = decompress(data)
+        data = gil.released(decompress, data)
         if memoryview(data).nbytes > bound:  # a codec not bounded in advance: checked after the fact
             raise bounded.TooLarge(codec_id, bound)
     return data
@@ -232,7 +233,7 @@ class ChunkCodec:
         if self.plain and self.lone_blosc:
             try:
                 self.check_size(bounded.blosc_frame_nbytes(encoded), key)
-                self.compressors[0].decode(encoded, out=out)
+                gil.released(self.compressors[0].decode, encoded, out=out)
             except StokerError:
                 raise
             except Exception as exc:

@@ -1,0 +1,138 @@
+"""The device decode: a batch's streams decompressed by NVIDIA nvCOMP, then unshuffled on the GPU.
+
+For the chunks of a :class:`~stoker.gpu.frames.Layout` (:func:`~stoker.gpu.frames.batch`),
+:meth:`DeviceDecoder.decode` does, all on the decoder's CUDA stream:
+
+1. the stored chunks copied end to end into one pinned host buffer (or read there by the caller:
+   :meth:`DeviceDecoder.decode_staged`), and that buffer copied to the device in one transfer (the
+   encoded bytes are all that cross PCIe);
+2. per compressor, one batched nvCOMP decode (``BitstreamKind.RAW``: plain LZ4 blocks and zstd
+   frames, as c-blosc and numcodecs write them) of every stream, from its offset in the staged
+   bytes straight to its offset in the output; nvCOMP's LZ4 and zstd decoders need no alignment
+   (1 byte, input and output), so the streams are decoded where the frames put them;
+3. raw streams copied and blocks unshuffled by :mod:`stoker.gpu.ops`, the code the CPU reference
+   (:mod:`stoker.gpu.reference`) runs and the tests hold to numcodecs.
+
+nvCOMP trusts its input. The host parse has already checked every offset and size against the
+frames and the chunks (a stream can only read its own bytes and write its own output range);
+damage inside a stream is reported by nvCOMP or by the decoded sizes checked after the decode.
+
+nvCOMP (``pip install stoker[gpu]``, the ``nvidia-nvcomp-cu12`` package, its 6.x Python API) is
+imported on first use. Nothing here runs without a CUDA device; ``tests/test_gpu_nvcomp.py``
+checks it against numcodecs on one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgument
+from . import ops
+from .frames import CODEC_NAMES, LZ4, ZSTD, FrameError, Layout, UnsupportedFrame, stage
+
+#: the largest stream sent to nvCOMP: its batched LZ4 and zstd kernels take chunks up to 16 MiB
+#: (larger streams, e.g. plain zstd chunks over 16 MiB, are decoded on the CPU)
+MAX_STREAM_BYTES = 1 << 24
+_ALGORITHMS = {LZ4: "LZ4", ZSTD: "Zstd"}
+
+
+def available() -> bool:
+    """True when torch sees a CUDA device and nvCOMP's Python package is installed (not imported here)."""
+    try:
+        found = importlib.util.find_spec("nvidia.nvcomp") is not None
+    except (ImportError, ValueError):
+        found = False
+    return found and torch.cuda.is_available()
+
+
+def can_decode(layout: Layout) -> bool:
+    """True when the device can decode every stream of ``layout`` (raw, lz4 or zstd, each within nvCOMP's size)."""
+    return layout.supported and not np.any(~layout.raw & (layout.dsize > MAX_STREAM_BYTES))
+
+
+def _nvcomp() -> Any:
+    try:
+        from nvidia import nvcomp
+    except ImportError as exc:
+        raise InvalidArgument(f"decoding on the GPU needs NVIDIA nvCOMP ({exc}): pip install 'stoker[gpu]'",
+                              knob="decode_on") from None
+    return nvcomp
+
+
+class DeviceDecoder:
+    """Decodes batches of chunks on one CUDA device, in order on one CUDA stream.
+
+    One per thread: nvCOMP's codecs hold per-call state. The output of :meth:`decode` is ready
+    once :attr:`stream` has run the work queued so far (``torch.cuda.current_stream().wait_stream``).
+    """
+
+    def __init__(self, device: torch.device | int | str, stream: torch.cuda.Stream | None = None) -> None:
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if self.device.type != "cuda":
+            raise InvalidArgument(f"DeviceDecoder needs a CUDA device, got {self.device}", knob="decode_on")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
+        self._nv = _nvcomp()
+        kind = self._nv.BitstreamKind.RAW
+        self._codecs = {c: self._nv.Codec(algorithm=name, bitstream_kind=kind, device_id=self.device.index,
+                                          cuda_stream=self.stream.cuda_stream)
+                        for c, name in _ALGORITHMS.items()}
+
+    def decode(self, frames: Sequence[Any], layout: Layout) -> torch.Tensor:
+        """The decoded, unshuffled bytes (``layout.out_nbytes``, uint8 on the device) of ``frames``.
+
+        Raises :class:`UnsupportedFrame` when a stream is not for the device (:func:`can_decode`:
+        decode those chunks on the CPU) and :class:`FrameError` when nvCOMP fails or a stream does
+        not decode to its size.
+        """
+        staged = torch.empty(layout.in_nbytes, dtype=torch.uint8, pin_memory=True)
+        stage(frames, layout, staged.numpy())
+        return self.decode_staged(staged, layout)
+
+    def decode_staged(self, staged: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """As :meth:`decode`, for chunks already in ``staged`` (pinned, uint8) where ``layout`` has them
+        (:func:`~stoker.gpu.frames.parse_blosc_batch` parses them there). ``staged`` must not be
+        written again before :attr:`stream` has run past this call (its copy to the device is
+        queued there; an event recorded on :attr:`stream` tells when)."""
+        if not can_decode(layout):
+            raise UnsupportedFrame(f"chunks {layout.unsupported_chunks().tolist()} hold streams that are neither lz4 "
+                                   f"nor zstd, or streams over {MAX_STREAM_BYTES} bytes")
+        if staged.dtype != torch.uint8 or staged.dim() != 1 or staged.numel() < layout.in_nbytes:
+            raise ValueError(f"decode_staged: needs a flat uint8 tensor of {layout.in_nbytes} bytes")
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            # allocated on this stream, so the caching allocator reuses them only after its work
+            data = staged[:layout.in_nbytes].to(self.device, non_blocking=True)
+            out = torch.empty(layout.out_nbytes, dtype=torch.uint8, device=self.device)
+            for codec in _ALGORITHMS:
+                rows = np.flatnonzero(~layout.raw & (layout.codec == codec))
+                if len(rows):
+                    self._decompress(codec, data, out, layout, rows)
+            raw = layout.raw
+            ops.copy_segments_(data, layout.src[raw], out, layout.dst[raw], layout.dsize[raw])
+            ops.unshuffle_(out, layout)
+        return out
+
+    def _decompress(self, codec: int, data: torch.Tensor, out: torch.Tensor, layout: Layout, rows: np.ndarray) -> None:
+        nv, nvc, s = self._nv, self._codecs[codec], self.stream.cuda_stream
+        sizes = layout.dsize[rows].tolist()
+        srcs = nv.as_arrays(data, layout.src[rows].tolist(), layout.csize[rows].tolist(), cuda_stream=s)
+        dsts = nv.as_arrays(out, layout.dst[rows].tolist(), sizes, cuda_stream=s)
+        name = CODEC_NAMES[codec]
+        try:
+            # the decoded sizes are known: a config built from them spares nvCOMP a pass over the streams
+            config = nvc.decompression_config(nvc.compression_config(sizes))
+            got = nvc.decode(srcs, out=dsts, decompression_config=config)
+            got_sizes = list(got.buffer_sizes)  # waits for the decode
+        except (RuntimeError, ValueError) as exc:
+            chunks = np.unique(layout.chunk[rows]).tolist()
+            raise FrameError(f"nvCOMP could not decode {len(rows)} {name} streams of chunks {chunks}: {exc}") from None
+        bad = np.flatnonzero(np.asarray(got_sizes, dtype=np.int64) != layout.dsize[rows])
+        if len(bad):
+            i = rows[bad[0]]
+            raise FrameError(f"chunk {int(layout.chunk[i])}: a {name} stream decoded to {got_sizes[bad[0]]} bytes, "
+                             f"{int(layout.dsize[i])} expected")

@@ -1,0 +1,103 @@
+"""The CPU reference of the device decode: the same streams and unshuffle, decompressed by c-blosc's own codecs.
+
+Each stream of a :class:`~stoker.gpu.frames.Layout` is decompressed with the LZ4 and zstd that
+numcodecs carries in its extensions (``LZ4_decompress_safe`` from ``numcodecs.lz4``,
+``ZSTD_decompress`` from ``numcodecs.zstd``, called through ctypes as
+:mod:`stoker.zarr.bounded` does), raw streams are copied, and the blocks are unshuffled with
+:func:`stoker.gpu.ops.unshuffle_`, the torch code the device runs. The tests hold the result to
+numcodecs' own decode, bit for bit; the device path differs only in who decompresses (raw streams
+are copied by :func:`stoker.gpu.ops.copy_segments_` here too).
+
+>>> decode_blosc(frame, nbytes)  # the chunk's bytes, as numcodecs.Blosc().decode(frame) gives them
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from . import ops
+from .frames import CODEC_NAMES, LZ4, FrameError, Layout, UnsupportedFrame, parse_blosc, parse_zstd, stage
+
+
+def _load(module: str, name: str, argtypes: list, restype: Any) -> Any:
+    try:
+        lib = ctypes.CDLL(importlib.import_module(f"numcodecs.{module}").__file__)
+        fn = getattr(lib, name)
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+_vp, _int, _size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+# int LZ4_decompress_safe(const char* src, char* dst, int compressedSize, int dstCapacity): bytes written or < 0
+_lz4 = _load("lz4", "LZ4_decompress_safe", [_vp, _vp, _int, _int], _int)
+# size_t ZSTD_decompress(void* dst, size_t dstCapacity, const void* src, size_t srcSize)
+_zstd = _load("zstd", "ZSTD_decompress", [_vp, _size, _vp, _size], _size)
+_zstd_is_error = _load("zstd", "ZSTD_isError", [_size], ctypes.c_uint)
+
+
+def available() -> bool:
+    """True when numcodecs' extensions export the LZ4 and zstd functions this module calls."""
+    return None not in (_lz4, _zstd, _zstd_is_error)
+
+
+def decode_streams(data: np.ndarray, layout: Layout) -> np.ndarray:
+    """The decoded bytes (``layout.out_nbytes``) of the streams of ``layout``, whose input is ``data``.
+
+    Raises :class:`UnsupportedFrame` when a stream needs a compressor other than LZ4 and zstd, and
+    :class:`FrameError` when a stream does not decode to exactly its size.
+    """
+    if not available():
+        raise UnsupportedFrame("numcodecs' lz4 and zstd extensions do not export LZ4_decompress_safe / "
+                               "ZSTD_decompress here")
+    if not layout.supported:
+        raise UnsupportedFrame(f"chunks {layout.unsupported_chunks().tolist()} hold streams that are neither "
+                               "lz4 nor zstd")
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    if len(data) < layout.in_nbytes:
+        raise ValueError(f"decode_streams: {len(data)} input bytes for a layout of {layout.in_nbytes}")
+    out = np.empty(layout.out_nbytes, np.uint8)
+    base_in = data.ctypes.data
+    base_out = out.ctypes.data
+    rows = zip(layout.src.tolist(), layout.csize.tolist(), layout.dst.tolist(), layout.dsize.tolist(),
+               layout.raw.tolist(), layout.codec.tolist(), layout.chunk.tolist())
+    for src, csize, dst, dsize, raw, codec, chunk in rows:  # a loop per stream: the reference, not the fast path
+        if raw:
+            continue
+        if codec == LZ4:
+            got = _lz4(base_in + src, base_out + dst, csize, dsize)
+            failed = got < 0
+        else:  # ZSTD: layout.supported leaves no other codec on a stream that is not raw
+            got = _zstd(base_out + dst, dsize, base_in + src, csize)
+            failed = bool(_zstd_is_error(got))
+        if failed or got != dsize:
+            what = "failed" if failed else f"gave {got} bytes"
+            raise FrameError(f"chunk {chunk}: a {CODEC_NAMES[codec]} stream of {csize} bytes {what}, {dsize} expected")
+    raw = layout.raw  # copied and unshuffled by the device's own operations, on CPU tensors
+    ops.copy_segments_(torch.from_numpy(data), layout.src[raw], torch.from_numpy(out), layout.dst[raw],
+                       layout.dsize[raw])
+    ops.unshuffle_(torch.from_numpy(out), layout)
+    return out
+
+
+def decode(frames: Sequence[Any], layout: Layout) -> np.ndarray:
+    """Decode a batch: ``frames`` (one stored chunk each) staged as ``layout`` expects, then :func:`decode_streams`."""
+    data = np.empty(layout.in_nbytes, np.uint8)
+    stage(frames, layout, data)
+    return decode_streams(data, layout)
+
+
+def decode_blosc(frame: Any, nbytes: int) -> np.ndarray:
+    """One blosc1 frame decoded through its streams (:func:`~stoker.gpu.frames.parse_blosc`)."""
+    return decode([frame], parse_blosc(frame, nbytes))
+
+
+def decode_zstd(frame: Any, nbytes: int) -> np.ndarray:
+    """One plain zstd chunk decoded as the device would (one stream)."""
+    return decode([frame], parse_zstd(frame, nbytes))

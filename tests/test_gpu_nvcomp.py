@@ -1,0 +1,97 @@
+"""The device decode on a GPU: nvCOMP's streams and the torch unshuffle give numcodecs' bytes, bit for bit.
+
+Every test here needs an NVIDIA GPU (skipped where torch sees none); the decode tests also need
+NVIDIA nvCOMP (``pip install stoker[gpu]``) and are skipped without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numcodecs
+import numpy as np
+import pytest
+import torch
+
+from stoker.gpu import frames, ops
+from stoker.gpu.frames import BITSHUFFLE, BYTESHUFFLE, FrameError, UnsupportedFrame, parse_blosc, parse_zstd
+from test_gpu_host import _data, _encode, _numcodecs  # tests/ is on sys.path (pytest's prepend mode)
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+def decoder():
+    pytest.importorskip("nvidia.nvcomp", reason="nvCOMP is not installed (pip install 'stoker[gpu]')")
+    from stoker.gpu.nvcomp import DeviceDecoder
+
+    return DeviceDecoder(torch.cuda.current_device())
+
+
+def _on_host(decoder, tensor: torch.Tensor) -> np.ndarray:
+    torch.cuda.current_stream().wait_stream(decoder.stream)
+    return tensor.cpu().numpy()
+
+
+def test_the_unshuffle_on_the_device_is_the_one_on_the_cpu():
+    rng = np.random.default_rng(5)
+    for typesize, size, shuffle in itertools.product([1, 2, 3, 4, 8, 16, 24], [7, 128, 1000, 4096 + 40],
+                                                    [BYTESHUFFLE, BITSHUFFLE]):
+        blocks = torch.from_numpy(rng.integers(0, 256, (6, size), dtype=np.uint8))
+        expected = ops.unshuffle(blocks, typesize, shuffle)
+        assert torch.equal(ops.unshuffle(blocks.cuda(), typesize, shuffle).cpu(), expected)
+
+
+def _frames():
+    """Frames of lz4 and zstd with every shuffle, several item sizes, raw streams and memcpyed ones."""
+    made = []
+    for i, (cname, shuffle, itemsize, kind) in enumerate(itertools.product(
+            ["lz4", "lz4hc", "zstd"], [0, 1, 2], [1, 2, 4, 8, 3], ["small", "mixed", "random"])):
+        data = _data(kind, 70000 + 4 * i + (i % 3), i)
+        data = data[:len(data) // itemsize * itemsize]
+        made.append((_encode(data, itemsize, cname, shuffle, 5, 4096 if i % 2 else 0), len(data)))
+    return made
+
+
+def test_a_batch_decodes_on_the_device_as_numcodecs_decodes(decoder):
+    made = _frames()
+    data = _data("small", 300000, 1)
+    made.append((numcodecs.Zstd(level=3).encode(data), len(data)))  # a plain zstd chunk among them
+    layouts = [parse_blosc(f, n) for f, n in made[:-1]] + [parse_zstd(*made[-1])]
+    layout = frames.batch(layouts)
+    assert layout.supported and layout.raw.any() and not layout.raw.all()
+    got = _on_host(decoder, decoder.decode([f for f, _ in made], layout))
+    for (frame, n), base in zip(made[:-1], layout.chunk_out.tolist()):
+        assert got[base:base + n].tobytes() == _numcodecs(frame).tobytes()
+    base = int(layout.chunk_out[-1])
+    assert got[base:].tobytes() == data.tobytes()
+
+
+def test_frames_read_into_pinned_memory_are_parsed_and_decoded_there(decoder):
+    made = _frames()
+    sizes = np.array([len(f) for f, _ in made])
+    ins = np.cumsum(sizes + 3) - sizes  # gaps between the frames, as reads may leave
+    staged = torch.empty(int(ins[-1] + sizes[-1]), dtype=torch.uint8, pin_memory=True)
+    for (frame, _), at in zip(made, ins):
+        staged[at:at + len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    layout, faults = frames.parse_blosc_batch(staged.numpy(), ins, sizes, [n for _, n in made])
+    assert not faults
+    got = _on_host(decoder, decoder.decode_staged(staged, layout))
+    for (frame, n), base in zip(made, layout.chunk_out.tolist()):
+        assert got[base:base + n].tobytes() == _numcodecs(frame).tobytes()
+
+
+def test_the_device_refuses_what_it_cannot_decode(decoder):
+    frame = _encode(_data("small", 20000, 0), 2, "blosclz", 1, 5, 4096)
+    with pytest.raises(UnsupportedFrame):
+        decoder.decode([frame], parse_blosc(frame, 20000))
+
+
+def test_a_damaged_stream_is_a_frame_error_on_the_device_too(decoder):
+    frame = _encode(_data("small", 70000, 2), 4, "lz4", 1, 5, 0)
+    lay = parse_blosc(frame, 70000)
+    i = int(np.flatnonzero(~lay.raw)[0])
+    bad = bytearray(frame)
+    bad[lay.src[i]:lay.src[i] + lay.csize[i]] = bytes(int(lay.csize[i]))  # zeros: offset 0 is invalid lz4
+    with pytest.raises(FrameError):
+        decoder.decode([bytes(bad)], lay)
