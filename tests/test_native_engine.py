@@ -174,6 +174,44 @@ def test_budget_for_one_thread_runs_one_thread_at_a_time(tmp_path):
         small.submit(*t.args())
 
 
+def _allocations_of_fail():
+    """A size no allocation of this machine can get (Linux, heuristic or strict overcommit), or None."""
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            mode = f.read().strip()
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) << 10 for line in f if line.split()[1:]}
+    except (OSError, ValueError, IndexError):
+        return None
+    size = 1 << 39  # under AddressSanitizer's largest allocation (1 TiB, past it every failure is reported)
+    return size if mode != "1" and info.get("MemTotal", 0) + info.get("SwapTotal", 0) < size // 2 else None
+
+
+def test_scratch_that_cannot_be_allocated_leaves_its_chunks_to_python(tmp_path):
+    """A budget larger than the machine: a thread's scratch cannot be allocated, and each chunk it would have
+    read is NO_MEMORY (the Python path reads it). Many threads fail together while the job finishes under
+    them (a worker used the job after another had finished and freed it: AddressSanitizer saw the write); the
+    reservations go back, and nothing allocated is counted."""
+    size = _allocations_of_fail()
+    if size is None:
+        pytest.skip("this machine may grant any allocation (overcommit), or has that much memory")
+    t = Tables(tmp_path, 2)
+    for i in range(2):
+        t.write(i)
+    t.chunks[:, native.C_NBYTES] = t.chunks[:, native.C_MAX_STORED] = size // 2
+    engine = native.Engine(8, 1 << 62)
+    for _ in range(50):
+        batch = np.zeros((2, 8, 8), np.float32)
+        job = engine.submit(*t.args(batch))
+        assert job.wait(10)
+        status, _, _ = _results(job)
+        assert status.tolist() == [native.NO_MEMORY] * 2 and not batch.any()
+        del job
+    assert engine.close(5)
+    info = engine.info()
+    assert info["alive"] == 0 and info["used"] == 0 and info["peak"] == 0, info
+
+
 def test_cancel_stops_every_write_into_the_batch(tmp_path):
     """Once cancel() returns no thread writes into the batch: chunks not placed by then are CANCELLED, and a
     batch overwritten right after cancel keeps what it was given."""

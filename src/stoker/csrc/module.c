@@ -521,7 +521,7 @@ static PyMethodDef engine_methods[] = {
      "(a thread stuck in a system call is left behind, and writes into no batch)."},
     {"info", (PyCFunction)engine_info_py, METH_NOARGS,
      "info() -> {threads, alive, budget, used, peak, closing}: threads started and alive, the scratch budget, "
-     "the bytes of it held now and at most."},
+     "the bytes of it reserved now, and the most allocated at once."},
     {NULL, NULL, 0, NULL},
 };
 

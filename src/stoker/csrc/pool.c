@@ -7,11 +7,13 @@
  * Memory: each thread reads and decodes into scratch of its own, sized for the job's largest chunk (its decoded
  * bytes, then its stored bytes), reserved from the engine's budget under its lock. A thread whose scratch is too small gives
  * it back before reserving more; when the budget is short it waits, so fewer threads work at once, and nothing
- * is allocated past the budget. Scratch is kept between jobs (fresh pages cost a fault each).
+ * is allocated past the budget. Scratch that cannot be allocated (a budget larger than the machine) gives its
+ * reservation back and leaves one chunk NO_MEMORY, which the Python path reads. Scratch is kept between jobs
+ * (fresh pages cost a fault each); ``peak`` counts what was allocated, never what was only reserved.
  *
  * Lifetime: the engine's state is shared by the Python object, every thread and every job, refcounted under
  * its lock; the last one out frees it. A job is refcounted the same way (its Python object, the engine's list
- * of live jobs, each worker inside it). Workers write into a job's batch only holding its place lock shared,
+ * of live jobs, each worker inside it or allocating scratch for it). Workers write into a job's batch only holding its place lock shared,
  * after checking that the job is not cancelled; job_cancel takes the lock exclusively, so once it returns no
  * worker writes into that batch again. engine_close cancels every job and waits a bounded time for the
  * threads; a thread stuck in a system call (a hung network mount) is left behind: it holds only its own
@@ -58,7 +60,8 @@ struct engine {
     int refs;               /* the Python object, each live thread, each job */
     int closing;            /* written under mu, read atomically by workers between chunks */
     int n_threads, alive;
-    long long budget, used, peak;
+    long long budget, used; /* the scratch budget, and how much of it threads have reserved */
+    long long held, peak;   /* scratch allocated now, and at most (never more than reserved) */
     job *live; /* jobs not done nor cancelled, in submission order */
 };
 
@@ -137,6 +140,19 @@ static void job_unref_locked(engine *e, job *j, job **free_job, int *free_engine
     if (--j->refs == 0) {
         *free_job = j;
         *free_engine = --e->refs == 0;
+    }
+}
+
+/* job_unref_locked for a thread that holds a reference of the engine too (so never the engine's last): a job
+ * freed is freed with the lock let go for a moment */
+static void job_unref_unlocking(engine *e, job *j) {
+    job *fj = NULL;
+    int fe = 0;
+    job_unref_locked(e, j, &fj, &fe);
+    if (fj != NULL) {
+        pthread_mutex_unlock(&e->mu);
+        job_free(fj);
+        pthread_mutex_lock(&e->mu);
     }
 }
 
@@ -452,46 +468,45 @@ static void *worker(void *arg) {
         }
         if (cap < j->need) { /* give back what is too small, then reserve enough, or wait for the budget */
             char *old = scratch;
-            e->used -= (long long)cap;
-            scratch = NULL, cap = 0;
-            int fits = e->used + (long long)j->need <= e->budget;
-            if (fits) {
-                e->used += (long long)j->need;
-                if (e->used > e->peak)
-                    e->peak = e->used;
+            if (old != NULL) {
+                e->used -= (long long)cap;
+                e->held -= (long long)cap;
+                scratch = NULL, cap = 0;
+                pthread_mutex_unlock(&e->mu);
+                free(old);
+                pthread_mutex_lock(&e->mu);
+                pthread_cond_broadcast(&e->work_cv); /* what it gave back may let another thread work */
+                continue; /* look again: the lock was let go */
             }
-            size_t want = j->need;
-            pthread_mutex_unlock(&e->mu);
-            free(old);
-            void *fresh = NULL;
-            if (fits && posix_memalign(&fresh, ALIGN, want) != 0)
-                fresh = NULL;
-            pthread_mutex_lock(&e->mu);
-            if (!fits) {
-                if (old != NULL)
-                    pthread_cond_broadcast(&e->work_cv); /* what it gave back may let another thread work */
-                else
-                    pthread_cond_wait(&e->work_cv, &e->mu);
+            if (e->used + (long long)j->need > e->budget) {
+                pthread_cond_wait(&e->work_cv, &e->mu);
                 continue;
             }
-            if (fresh == NULL) { /* reserved but not allocated: the chunk is left to the Python path */
+            size_t want = j->need;
+            e->used += (long long)want;
+            j->refs++; /* held while the lock is let go: other threads may finish the job and drop it meanwhile */
+            pthread_mutex_unlock(&e->mu);
+            void *fresh = NULL;
+            if (posix_memalign(&fresh, ALIGN, want) != 0)
+                fresh = NULL;
+            pthread_mutex_lock(&e->mu);
+            if (fresh != NULL) {
+                scratch = fresh, cap = want;
+                e->held += (long long)want;
+                if (e->held > e->peak)
+                    e->peak = e->held;
+            } else { /* reserved but not allocated: the budget goes back, and a chunk to the Python path */
                 e->used -= (long long)want;
+                pthread_cond_broadcast(&e->work_cv);
                 long long i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
                 if (i < j->t.n_chunks) {
-                    j->refs++;
                     pthread_mutex_unlock(&e->mu);
                     __atomic_store_n(&j->status[i], ST_NO_MEMORY, __ATOMIC_RELEASE);
                     finish_chunks(e, j, 1);
                     pthread_mutex_lock(&e->mu);
-                    job *fj = NULL;
-                    int fe = 0;
-                    job_unref_locked(e, j, &fj, &fe);
-                    if (fj != NULL) /* never the engine's last reference: this thread holds one */
-                        job_free(fj);
                 }
-                continue;
             }
-            scratch = fresh, cap = want;
+            job_unref_unlocking(e, j);
             continue; /* look again: the lock was let go */
         }
         j->refs++;
@@ -501,16 +516,10 @@ static void *worker(void *arg) {
         run_job(e, j, scratch, &ctx);
         pthread_mutex_lock(&e->mu);
         j->threads_now--;
-        job *fj = NULL;
-        int fe = 0;
-        job_unref_locked(e, j, &fj, &fe);
-        if (fj != NULL) {
-            pthread_mutex_unlock(&e->mu);
-            job_free(fj);
-            pthread_mutex_lock(&e->mu);
-        }
+        job_unref_unlocking(e, j);
     }
     e->used -= (long long)cap;
+    e->held -= (long long)cap;
     e->alive--;
     int last = --e->refs == 0;
     pthread_cond_broadcast(&e->done_cv);
