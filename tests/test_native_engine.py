@@ -452,3 +452,26 @@ def test_any_layout_and_byte_order_casts_as_copy_cast(tmp_path, dtype, layout, b
     assert torch.equal(out.isnan() if out.is_floating_point() else nan, nan)
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
     assert torch.equal(out.view(bits)[~nan], want.view(bits)[~nan])
+
+
+def test_a_path_too_long_for_the_engine_is_read_by_python(tmp_path):
+    """An array so deep in folders that the engine cannot build its chunk paths (its cap is 4,096 bytes with
+    room for every grid coordinate): its chunks take the Python path, and the batch is right."""
+    short = str(tmp_path / "a.zarr")
+    z = zarr.create_array(short, shape=(8, 16), chunks=(8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
+    values = np.arange(128, dtype="uint16").reshape(8, 16)
+    z[...] = values
+    folder = str(tmp_path / "deep")
+    while len(folder) < native.PATH_CAP - 45:
+        folder = os.path.join(folder, "d" * min(200, native.PATH_CAP - 45 - len(folder)))
+    os.makedirs(folder)
+    here = os.getcwd()
+    os.chdir(folder)  # zarr's temporary names would not fit there: the array is moved in by a short name
+    try:
+        os.rename(short, "a.zarr")
+    finally:
+        os.chdir(here)
+    uri = os.path.join(folder, "a.zarr")
+    assert len(os.fsencode(uri)) + 3 + 21 * 2 + 1 > native.PATH_CAP > len(os.fsencode(uri)) + 16
+    got = _pipeline_batch(uri, [[(0, 8), (2, 14)]])
+    assert torch.equal(got[0], torch.from_numpy(values[:, 2:14].astype(np.float32)))

@@ -43,6 +43,9 @@ F_SOURCE, F_HAS_IDENT, F_DEV, F_INO, F_SIZE, F_MTIME, F_CTIME, F_COORDS = range(
 SOURCE_KINDS = {np.dtype(t): k for k, t in enumerate(
     ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float32", "float64"))}
 SAME, F32, BF16 = 0, 1, 2  # batch kinds: the source's own dtype, float32, bfloat16
+#: the longest chunk path the engine builds (csrc/pool.c PATH_CAP, NUL included): a source's prefix plus at
+#: most 21 bytes per grid coordinate and separator must fit, or its chunks take the Python path
+PATH_CAP = 4096
 
 
 #: zstd functions behind the context reuse and the early stop, in ``set_zstd_streaming``'s order (the

@@ -6,7 +6,9 @@ threads read, decode, cast and place every chunk with no GIL held, and when the 
 statuses (also with numpy): chunks placed are counted in one step; the few that need Python (codecs, filters
 and float16 batches the engine does not do, frames it declines, shards rewritten since their index was read) go to the
 Python path (:mod:`.decode_python`), and failures become the same typed errors as there, naming the array
-and the chunk key. The error a batch reports is the one of its lowest-numbered failing chunk.
+and the chunk key. Of the engine's chunks, the error a batch reports is the one of its lowest-numbered failing
+chunk; a chunk the engine never took (another codec) runs beside them, and when one of those fails too, the
+batch reports whichever failed first.
 
 A finisher thread per decoder waits for the engine's jobs (in C, GIL released) and does that mapping, so
 the pipeline's coordinator and the consumer never wait on the engine themselves.
@@ -112,15 +114,19 @@ class _Source:
         # order) and room in the budget
         self.fills = kind is not None and src_kind is not None and same_ok
         self.codec = native_codec(codec)
-        self.reads = bool(self.fills and not codec.filters and self.codec is not None and codec.nbytes
-                          and scratch_need(codec) <= budget)
         enc = meta.key_encoding
         self.prefix = os.fsencode(reader.file_path(enc.prefix + enc.separator if enc.prefix else ""))
+        # a path the engine cannot build (deep folders) is read by the Python path, which has no such cap
+        short = len(self.prefix) + 21 * ndim + 1 <= native.PATH_CAP
+        self.reads = bool(self.fills and not codec.filters and self.codec is not None and codec.nbytes
+                          and scratch_need(codec) <= budget and short)
         row = np.zeros(native.S_STRIDES + ndim, np.int64)
         row[native.S_KIND] = src_kind if self.fills else 0  # any kind: no chunk of it goes to the engine
         if self.fills:
             fill = fill_value_as(meta.fill_value, dtype).reshape(1).view(torch.uint8).numpy().tobytes()
             row[native.S_FILL] = np.frombuffer(fill.ljust(8, b"\0"), np.int64)[0]
+        if not short:  # its chunks take the Python path: the engine builds no path of it
+            self.prefix = self.prefix[:1]
         row[native.S_PATH_LEN] = len(self.prefix)
         row[native.S_SEP] = ord(enc.separator)
         row[native.S_SWAP] = not codec.stored_dtype.isnative and codec.stored_dtype.itemsize > 1
