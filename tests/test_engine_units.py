@@ -17,6 +17,7 @@ import torch
 
 import stoker
 from stoker.engine.buffers import Cancelled, Reservation, TransientBudget, size_class
+from stoker.engine.cpu import engine_available
 from stoker.engine.plan import plan_batch
 from stoker.zarr import blosc_partial
 
@@ -477,3 +478,21 @@ def test_executors_check_their_memory_as_the_pipeline_did():
                                                     "cuda:0: 3 batch slots .* plus 480,000 B of staging") as err:
         cuda.check_budget((10, 60, 100), torch.float32, 0)  # still fits the host; 3,360,000 B on the GPU do not
     assert err.value.knob == "device_buffer_bytes"
+
+
+@pytest.mark.skipif(not engine_available(), reason="the compiled engine is not built")
+def test_arrays_the_engine_cannot_decode_leave_the_budget_to_python(tmp_path):
+    """A first batch of bz2 chunks (a codec the engine does not decode): the engine takes no share of
+    host_buffer_bytes, and the Python path that reads them keeps all that the slots leave."""
+    uri = str(tmp_path / "bz2.zarr")
+    z = zarr.open_array(uri, mode="w", shape=(16, 16), chunks=(8, 8), dtype="uint16", zarr_format=2,
+                        compressor=numcodecs.BZ2(level=1))
+    z[...] = np.arange(256, dtype="uint16").reshape(16, 16)
+    cfg = stoker.Config(batch_size=1, dtype="f32", device="cpu", host_buffer_bytes=256 << 20, pop_timeout_s=20)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, [(0, 16), (0, 16)])])
+        with p.pop() as batch:
+            assert torch.equal(torch.from_dlpack(batch)[0], torch.from_numpy(z[...].astype(np.float32)))
+        ex = p._executor
+        assert ex.decoders.native is None
+        assert ex.budget.capacity == cfg.host_buffer_bytes - ex.host_slots.nbytes

@@ -85,9 +85,13 @@ _ENGINE_MIN_BYTES = 64 << 20
 
 def engine_budget(left: int, python_need: int, threads: int, readers: list) -> int:
     """The share of ``left`` (host_buffer_bytes minus the batch slots) the compiled engine's threads take
-    for their scratch; the Python path keeps the rest, at least ``python_need`` (one file's chunks)."""
-    need = max(scratch_need(r.metadata.codec) for r in readers)
-    return max(0, min(left - python_need, max(_ENGINE_MIN_BYTES, 2 * threads * need)))
+    for their scratch; the Python path keeps the rest, at least ``python_need`` (one file's chunks). Arrays
+    whose codec the engine does not decode size nothing: when the first batch has none it can decode, the
+    engine gets nothing and the Python path, which reads them all, keeps everything."""
+    needs = [scratch_need(r.metadata.codec) for r in readers if native_codec(r.metadata.codec) is not None]
+    if not needs:
+        return 0
+    return max(0, min(left - python_need, max(_ENGINE_MIN_BYTES, 2 * threads * max(needs))))
 
 
 class CpuExecutor:
