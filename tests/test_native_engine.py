@@ -475,3 +475,32 @@ def test_a_path_too_long_for_the_engine_is_read_by_python(tmp_path):
     assert len(os.fsencode(uri)) + 3 + 21 * 2 + 1 > native.PATH_CAP > len(os.fsencode(uri)) + 16
     got = _pipeline_batch(uri, [[(0, 8), (2, 14)]])
     assert torch.equal(got[0], torch.from_numpy(values[:, 2:14].astype(np.float32)))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread signal masks from /proc")
+def test_engine_threads_block_signals(tmp_path):
+    """A signal for the process (Ctrl-C, a launcher's SIGTERM) is never delivered to an engine thread, where
+    it would cut a read short (EINTR): they block every signal; the thread that made the engine still takes
+    them."""
+    import signal
+
+    def blocked(tid):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            line = next(line for line in f if line.startswith("SigBlk:"))
+        return int(line.split()[1], 16)
+
+    before = set(os.listdir("/proc/self/task"))
+    engine = native.Engine(3, 1 << 20)
+    try:
+        deadline = time.monotonic() + 10
+        while len(set(os.listdir("/proc/self/task")) - before) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        new = set(os.listdir("/proc/self/task")) - before
+        assert len(new) >= 3
+        for tid in new:
+            mask = blocked(tid)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGCHLD):
+                assert mask >> (sig - 1) & 1, (tid, hex(mask), sig)
+        assert not blocked(threading.get_native_id()) >> (signal.SIGINT - 1) & 1
+    finally:
+        assert engine.close(5)

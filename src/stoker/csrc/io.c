@@ -88,7 +88,10 @@ int close_checked(chunk_io *job, int fd) {
  * cannot be read, is not a regular file, is not the shard file the job expects, or does not fit the
  * scratch buffer (ST_TOO_BIG, detail: its size). */
 int open_chunk(chunk_io *job, size_t scratch_len, size_t *size) {
-    int fd = open(job->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    int fd;
+    do /* a signal may cut it short on a thread that does not block them (decode_files' caller) */
+        fd = open(job->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    while (fd < 0 && errno == EINTR);
     if (fd < 0) {
         job->status = (errno == ENOENT || errno == ENOTDIR) ? ST_MISSING : ST_OS_ERROR;
         job->detail = errno;

@@ -25,6 +25,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -547,6 +548,12 @@ engine *engine_new(int n_threads, long long budget, int *started) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED); /* waited for by engine_close, never joined */
+    /* Workers block every signal (they inherit the mask they are created with): a signal for the process
+     * (Ctrl-C, a launcher's SIGTERM) goes to a Python thread, whose handler runs there, and never cuts a
+     * worker's open or read short with EINTR. */
+    sigset_t all, before;
+    sigfillset(&all);
+    int masked = pthread_sigmask(SIG_SETMASK, &all, &before) == 0;
     pthread_mutex_lock(&e->mu);
     for (int i = 0; i < n_threads; i++) {
         pthread_t thread;
@@ -559,6 +566,8 @@ engine *engine_new(int n_threads, long long budget, int *started) {
     }
     *started = e->n_threads;
     pthread_mutex_unlock(&e->mu);
+    if (masked)
+        pthread_sigmask(SIG_SETMASK, &before, NULL);
     pthread_attr_destroy(&attr);
     return e;
 }
