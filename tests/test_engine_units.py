@@ -496,3 +496,22 @@ def test_arrays_the_engine_cannot_decode_leave_the_budget_to_python(tmp_path):
         ex = p._executor
         assert ex.decoders.native is None
         assert ex.budget.capacity == cfg.host_buffer_bytes - ex.host_slots.nbytes
+
+
+def test_a_failed_job_cancels_its_engine_work_at_once():
+    """The first failure of a batch stops what still writes into it (the engine's job): the batch is lost,
+    and its slot must not keep being written while the error travels to pop. A stop registered after the
+    failure runs at once; every stop runs once."""
+    from stoker.engine.executor import Job
+
+    stopped = []
+    job = Job(None, torch.zeros(2, 2), 3)
+    job.on_cancel(lambda: stopped.append("engine"))
+    job.finish(1)
+    assert stopped == [] and not job.done.is_set()
+    job.finish(1, stoker.DecodeError("chunk c/0 is corrupt"))
+    assert stopped == ["engine"] and job.done.is_set() and isinstance(job.error, stoker.DecodeError)
+    job.on_cancel(lambda: stopped.append("late"))
+    job.finish(1, stoker.DecodeError("a second one"))
+    job.cancel()
+    assert stopped == ["engine", "late"] and "corrupt" in str(job.error)

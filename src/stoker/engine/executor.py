@@ -55,12 +55,19 @@ class Job:
 
     def cancel(self) -> None:
         """Stop writing into the batch: once this returns, the compiled engine writes no more of it (Python
-        tasks stop at their next check, through the executor's shutdown)."""
-        for stop in self._cancel:
+        tasks of a failed job stop at their next check). A job cancels itself at its first failure."""
+        with self._lock:
+            stops, self._cancel = self._cancel, []
+        for stop in stops:
             stop()
 
     def on_cancel(self, stop: Callable[[], None]) -> None:
-        self._cancel.append(stop)
+        """``stop()`` runs at :meth:`cancel`, or now when the job has already failed."""
+        with self._lock:
+            if self.error is None:
+                self._cancel.append(stop)
+                return
+        stop()
 
     def count(self, **values: int) -> None:
         with self._lock:
@@ -76,7 +83,8 @@ class Job:
         with self._lock:
             for name, value in counts.items():
                 self.counts[name] += value
-            if error is not None and self.error is None:
+            first_failure = error is not None and self.error is None
+            if first_failure:
                 self.error = error
             self._remaining -= n
             failed = self.error is not None
@@ -84,6 +92,8 @@ class Job:
             self._completing = self._completing or last
         if failed:
             self._then = None  # the hook holds the pipeline: no cycle through a failed job
+            if first_failure:  # the batch is lost: the engine stops writing it before anyone sees the error
+                self.cancel()
             self.done.set()
         elif last:
             self._complete()
