@@ -1021,3 +1021,24 @@ def test_plan_grid_arguments(work, data):
         start, box, ext = mine[:, 2:2 + ndim], mine[:, 2 + ndim:2 + 2 * ndim], mine[:, 2 + 2 * ndim:]
         assert (start >= 0).all() and (ext >= 1).all() and (start + ext <= cs).all()
         assert (box >= 0).all() and (box + ext <= shape).all()
+
+
+@pytest.mark.skipif(native.plan_grid is None, reason="the compiled grid planner is not built")
+@pytest.mark.parametrize("start, chunk, stride, itemsize", [
+    (2**59 + 5, 2**62, 1, 16),      # a span in bytes past 2**63 (elements times the item size)
+    (2**62, 2**62, 1, 1),           # a chunk whose end is past the largest index
+    (2**63 - 2, 2**62, 0, 8),       # the last chunk of the largest index
+])
+def test_plan_grid_extremes_refused_or_sound(start, chunk, stride, itemsize):
+    """Sizes at the edge of int64: the planner refuses them (ValueError) or plans spans that are sound,
+    never a wrapped (negative) byte count."""
+    try:
+        copies, chunks = native.plan_grid(np.array([[start]], np.int64), np.array([0], np.int64),
+                                          np.array([1], np.int64), np.array([[chunk]], np.int64),
+                                          np.array([[stride]], np.int64), np.array([itemsize], np.int64))
+    except ValueError:
+        return
+    chunks = np.frombuffer(chunks, np.int64).reshape(-1, 6)
+    copies = np.frombuffer(copies, np.int64).reshape(-1, 5)
+    assert len(chunks) == 1 and 0 <= chunks[0, 3] < chunks[0, 4]
+    assert copies[0, 2] == start - (start // chunk) * chunk and copies[0, 4] == 1

@@ -8,6 +8,7 @@
  */
 #include "stoker_native.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -95,7 +96,9 @@ int plan_grid(int ndim, long long n_samples, const int64_t *starts, const int64_
             key[0] = sids[s];
             t[0] = s;
             for (int a = 0; a < D; a++) {
-                long long lo = idx[a] * cs[a], hi = lo + cs[a];
+                long long lo = idx[a] * cs[a], hi; /* lo <= the crop's last index: no overflow */
+                if (__builtin_add_overflow(lo, cs[a], &hi)) /* a chunk reaching past the largest index */
+                    hi = LLONG_MAX;
                 long long from = st[a] > lo ? st[a] : lo, to = st[a] + shape[a] < hi ? st[a] + shape[a] : hi;
                 key[1 + a] = idx[a];
                 t[1 + a] = from - lo;            /* start in the chunk */
@@ -160,7 +163,7 @@ int plan_grid(int ndim, long long n_samples, const int64_t *starts, const int64_
             o[2 + 2 * D + a] = t[1 + 2 * D + a];
             if (__builtin_mul_overflow(t[1 + a], sd[a], &f) || __builtin_add_overflow(first, f, &first) ||
                 __builtin_mul_overflow(t[1 + a] + t[1 + 2 * D + a] - 1, sd[a], &l) ||
-                __builtin_add_overflow(last, l, &last) || last >= (1LL << 60))
+                __builtin_add_overflow(last, l, &last) || last >= (1LL << 58)) /* x 16 B still fits */
                 GRID_FAIL("a chunk's elements are too many to count");
         }
         o[1] = first;
