@@ -19,14 +19,16 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml setup.py $(wildcard src/stoker/csrc/*.c src/stoker/csrc/*.h)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	@echo "make: installing stoker into $(VENV) (the first time takes a few minutes; later runs skip this)"
+	@$(PY) -c "import torch" 2>/dev/null || { echo "make:   $(TORCH_SPEC)"; $(PY) -m pip install --quiet "$(TORCH_SPEC)"; }
+	@echo "make:   stoker, its dependencies and test tools; building the compiled reader"
+	@$(PY) -m pip install --quiet -e ".[test,bench]"
 	@touch $(STAMP)
 
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/stoker demo
+	$(VENV)/bin/stoker demo --run-dir runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

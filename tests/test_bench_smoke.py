@@ -47,10 +47,11 @@ def test_bench_tiny_smoke(tmp_path, capsys):
     # a thread sweep: a stoker peer per thread count beside the default one, each with its CPU line
     out = capsys.readouterr().out
     assert re.search(r"^stoker t=1\s+\d+\.\d", out, re.M) and re.search(r"^stoker t=1 per batch: ", out, re.M), out
-    with pytest.raises(SystemExit, match="at least 1"):
+    with pytest.raises(SystemExit) as exited:  # usage errors: one line on stderr, status 2
         main(["bench", "--tiny", "--threads", "0", "--data", str(data)])
-    with pytest.raises(SystemExit, match="without --device cuda"):
-        main(["bench", "--tiny", "--device", "cuda", "--threads", "2", "--data", str(data)])
+    assert exited.value.code == 2 and "at least 1" in capsys.readouterr().err
+    assert main(["bench", "--tiny", "--device", "cuda", "--threads", "2", "--data", str(data)]) == 2
+    assert "without --device cuda" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(300)
@@ -103,8 +104,9 @@ def test_bench_busy_consumer(tmp_path, capsys):
     for bad in ("0", "-1", "soon", "nan", "inf"):
         with pytest.raises(SystemExit):
             main(["bench", "--tiny", "--step-ms", bad, "--data", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--step-ms runs with the CPU pipeline"):
-        main(["bench", "--tiny", "--device", "cuda", "--step-ms", "2", "--data", str(tmp_path)])
+    capsys.readouterr()
+    assert main(["bench", "--tiny", "--device", "cuda", "--step-ms", "2", "--data", str(tmp_path)]) == 2
+    assert "--step-ms runs with the CPU pipeline" in capsys.readouterr().err
 
 
 def test_busy_step_holds_the_gil_for_its_length():
@@ -290,3 +292,33 @@ def test_bench_writes_every_batch_slot_before_its_clock_starts():
     assert events[:clock].count(("pop",)) == 4  # lookahead 3 + the consumer's slot
     assert events[:2] == [("push", 2), ("pop",)]  # the first batch alone: its latency is measured clean
     assert n == 9 and events[clock:].count(("pop",)) == 9
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "--peers", "stoker,foo"], "unknown peer 'foo'; the peers are stoker,tensorstore"),
+    (["bench", "--tiny", "--scenarios", "3"], "--scenarios 3: no such scenario; the --tiny scenarios are 1,2,6,8"),
+    (["bench", "--scenarios", "one"], "whole number of at least 1, got 'one'"),
+    (["bench", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["bench", "--rounds", "0"], "whole number of at least 1"),
+    (["inspect", "/nowhere.zarr", "--sample-shape", "0", "4"], "crop extents of at least 1, got '0'"),
+    (["inspect", "/nowhere.zarr"], "no Zarr array at /nowhere.zarr"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_cli_mistakes_are_one_line_and_status_2(tmp_path, capsys, argv, words):
+    try:
+        code = main([*argv, *(["--data", str(tmp_path)] if argv[0] == "bench" else [])])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_doctor_reports_what_loading_data_depends_on(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    for what in ("stoker", "torch", "numcodecs", "zarr", "compiled reader", "GPUs", "CPUs", "open files",
+                 "/dev/shm"):
+        assert re.search(rf"^{re.escape(what)}\s+\S", out, re.M), (what, out)
+    from stoker import native
+
+    assert ("loaded; decodes" in out) == (native.decode_files is not None), out

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 import stoker
 from stoker.checks import integer, rank_in_world, seconds
@@ -88,3 +89,11 @@ def test_config_decode_on_is_validated_and_gpu_is_refused_for_now():
     for where in ("auto", "cpu"):  # both decode on the CPU, as every pipeline of this version does
         with stoker.Pipeline(stoker.Config(decode_on=where, device="cpu", n_compute_threads=1)) as p:
             assert p.cfg.decode_on == where
+
+
+def test_config_takes_torch_dtypes_by_their_names():
+    assert stoker.Config(dtype=torch.float32).dtype == "f32"
+    assert stoker.Config(dtype=torch.bfloat16).output_dtype is torch.bfloat16
+    assert stoker.Config(dtype=torch.float16) == stoker.Config(dtype="f16")
+    with pytest.raises(stoker.InvalidArgument, match="torch.int32 is not an output dtype"):
+        stoker.Config(dtype=torch.int32)

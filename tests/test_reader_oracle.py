@@ -625,3 +625,25 @@ def write_hex_fill_array(tmp_path, bits: int) -> str:
     with open(meta_path, "w") as f:
         json.dump(meta, f)
     return path
+
+
+def test_basic_indexing_reads_as_numpy_indexes(tmp_path):
+    """arr[...] follows numpy's basic indexing: slices of step 1 (negative and open ends), integers that drop
+    their axis, '...', fewer indices than axes; everything else is a typed error."""
+    data = np.arange(6 * 7 * 8, dtype=np.int32).reshape(6, 7, 8)
+    z = zarr.create_array(str(tmp_path / "a.zarr"), shape=data.shape, chunks=(4, 3, 5), dtype="int32")
+    z[:] = data
+    arr = stoker.open_array(str(tmp_path / "a.zarr"))
+    for key in [np.s_[0:4, 1:6, :], np.s_[-3:, :-2, 2], np.s_[5], np.s_[..., 3], np.s_[1, ..., 2:4], np.s_[:],
+                np.s_[2:1, :, :], np.s_[-1, -1, -1], np.s_[..., 0:8:1]]:
+        np.testing.assert_array_equal(arr[key], data[key], err_msg=str(key))
+    with pytest.raises(stoker.InvalidArgument, match="step must be 1"):
+        arr[::2]
+    with pytest.raises(stoker.OutOfBounds, match="index 6 is outside"):
+        arr[6]
+    with pytest.raises(stoker.InvalidArgument, match="4 indices"):
+        arr[0, 0, 0, 0]
+    with pytest.raises(stoker.InvalidArgument, match="arrays of indices"):
+        arr[[0, 1]]
+    with pytest.raises(stoker.InvalidArgument, match="one '...'"):
+        arr[..., ...]

@@ -1,6 +1,9 @@
 """The README's Python examples run as written (so the README stays true)."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,5 +25,21 @@ def test_readme_examples_run(tmp_path, monkeypatch):
 
     rate = launch(namespace["main"], "volume.zarr", nprocs=1, use_cuda=False)
     assert rate > 0
+    assert sorted(p.name for p in (tmp_path / "runs/readme/ckpt").iterdir()) == ["step-000000005.pt",
+                                                                                 "step-000000010.pt"]
+
+
+@pytest.mark.timeout(300)
+def test_readme_training_example_runs_as_its_own_file(tmp_path, monkeypatch):
+    """The Trainer block, saved as train.py beside the volume the first block writes, runs with python."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(blocks[0], str(README), "exec"), {"__name__": "readme"})  # writes volume.zarr
+    (script,) = [b for b in blocks if "st.launch(main" in b]
+    (tmp_path / "train.py").write_text(script)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "runs/readme/ckpt").iterdir()) == ["step-000000005.pt",
                                                                                  "step-000000010.pt"]

@@ -392,3 +392,16 @@ def test_ranks_from_a_process_group_step_in_lockstep(tmp_path):
     mp.spawn(_group_worker, args=(3, str(tmp_path), root), nprocs=3, join=True)
     results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(3)]
     assert [(r["rank"], r["world"], r["steps"]) for r in results] == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
+
+
+@pytest.mark.parametrize("samples, error", [
+    ([{"x": "label"}], InvalidArgument),
+    ([{"x": torch.zeros(2, dtype=torch.int32)}, {"x": torch.zeros(2)}], DtypeMismatch),
+    ([{"x": torch.zeros(2, 3)}, {"x": torch.zeros(2, 4)}], RankMismatch),
+])
+def test_the_default_collate_names_the_option_that_fixes_it(samples, error):
+    from stoker.records.collate import resolve
+
+    for name in ("concat", "pad"):
+        with pytest.raises(error, match=r"collate=<your function"):
+            resolve(name)(samples)

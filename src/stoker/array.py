@@ -21,7 +21,7 @@ import numpy as np
 
 from .box import Box, box_shape, parse_box
 from .cache import SizedLRU
-from .errors import DecodeError, InvalidArgument, MetadataError, NotFound, StorageError, UnsupportedFormat
+from .errors import DecodeError, InvalidArgument, MetadataError, NotFound, OutOfBounds, StorageError, UnsupportedFormat
 from .storage import FileChanged, Identity, LocalStore, default_store, resolve_local_path
 from .zarr.fields import show
 from .zarr.grid import chunk_intersections
@@ -202,6 +202,19 @@ class ArrayReader:
 
     # -- reading ----------------------------------------------------------------------------
 
+    def __getitem__(self, key: Any) -> np.ndarray:
+        """numpy's basic indexing: slices of step 1 (negative and open ends as numpy has them), integers
+        (which drop their axis), ``...``, and fewer indices than axes (the rest whole).
+
+        >>> arr[0:32, 100:228, :].shape
+        (32, 128, 512)
+        >>> arr[5, ...].shape            # one plane
+        (512, 512)
+        """
+        box, dropped = _basic_index(key, self.shape, self.uri)
+        out = self.read(box)
+        return out.reshape([n for axis, n in enumerate(out.shape) if axis not in dropped])
+
     def read(self, aabb: Any) -> np.ndarray:
         """Read the half-open box ``aabb`` (``(start, stop)`` pairs or slices) as a new array."""
         box = parse_box(aabb, self.shape, uri=self.uri)
@@ -338,6 +351,39 @@ class ArrayReader:
             return None
         raw, ident = got
         return ShardIndex(spec.decode_index(raw, self.uri, shard_key, ident[2]), ident)
+
+
+def _basic_index(key: Any, shape: tuple[int, ...], uri: str) -> tuple[list[tuple[int, int]], set[int]]:
+    """The box numpy's basic index ``key`` selects in an array of ``shape``, and the axes integers drop."""
+    items = list(key) if isinstance(key, tuple) else [key]
+    if sum(item is Ellipsis for item in items) > 1:
+        raise InvalidArgument(f"{uri}: an index can hold one '...', got {key!r}", uri=uri)
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
+    if len(items) > len(shape):
+        raise InvalidArgument(f"{uri}: {len(items)} indices for an array of {len(shape)} axes (shape {shape})",
+                              uri=uri)
+    items += [slice(None)] * (len(shape) - len(items))
+    box, dropped = [], set()
+    for axis, (item, n) in enumerate(zip(items, shape)):
+        if isinstance(item, slice):
+            start, stop, step = item.indices(n)
+            if step != 1:
+                raise InvalidArgument(f"{uri}: axis {axis}: slice step must be 1, got {item.step!r}; read the box "
+                                      "and step the result", uri=uri, axis=axis)
+            box.append((start, max(start, stop)))
+        elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            i = int(item) + (n if item < 0 else 0)
+            if not 0 <= i < n:
+                raise OutOfBounds(f"{uri}: axis {axis}: index {int(item)} is outside 0..{n - 1}", uri=uri, axis=axis)
+            box.append((i, i + 1))
+            dropped.add(axis)
+        else:
+            raise InvalidArgument(f"{uri}: axis {axis}: an index must be a slice, an integer or '...', got "
+                                  f"{item!r} (arrays of indices are not read: read the box around them)",
+                                  uri=uri, axis=axis)
+    return box, dropped
 
 
 def index_size(entry: ShardIndex | None) -> int:

@@ -66,7 +66,8 @@ class Config:
 
     - ``batch_size`` (>= 1): samples per batch.
     - ``sample_shape``: shape every sample must have; ``None`` takes the first sample's.
-    - ``dtype``: ``"f32" | "bf16" | "f16" | "native"`` (the source dtype).
+    - ``dtype``: ``"f32" | "bf16" | "f16" | "native"`` (the source dtype), or ``torch.float32``,
+      ``torch.bfloat16``, ``torch.float16`` (stored as their names).
     - ``host_buffer_bytes`` (>= 1 MiB): hard cap on host buffers (batch slots, or the pinned staging
       slots on CUDA, plus read and decode buffers).
     - ``device_buffer_bytes`` (>= 1 MiB): cap on device memory: ``lookahead_batches + 1`` batch slots
@@ -91,7 +92,7 @@ class Config:
 
     batch_size: int = 8
     sample_shape: tuple[int, ...] | None = None
-    dtype: str = "f32"
+    dtype: str | torch.dtype = "f32"
     host_buffer_bytes: int = 1 << 30
     device_buffer_bytes: int = 1 << 30
     n_io_threads: int = 4
@@ -120,6 +121,13 @@ class Config:
                     knob="sample_shape",
                 )
             object.__setattr__(self, "sample_shape", shape)
+        if isinstance(self.dtype, torch.dtype):  # torch.float32 and friends: stored by their name here
+            names = {d: n for n, d in OUTPUT_DTYPES.items() if d is not None}
+            if self.dtype not in names:
+                raise InvalidArgument(
+                    f"Config.dtype {self.dtype} is not an output dtype; use torch.float32, torch.bfloat16, "
+                    "torch.float16, or 'native' for the source dtype", knob="dtype")
+            object.__setattr__(self, "dtype", names[self.dtype])
         if self.dtype not in OUTPUT_DTYPES:
             raise InvalidArgument(
                 f"Config.dtype must be one of {', '.join(map(repr, OUTPUT_DTYPES))}, got {self.dtype!r}",

@@ -12,16 +12,25 @@ from ..errors import StokerError
 EXIT_ERROR = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error said in one line (and status 2), like every other error here."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: {message} (see '{self.prog} --help')", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stoker", description="Keeps GPUs fed from Zarr.")
+    parser = _Parser(prog="stoker", description="Keeps GPUs fed from Zarr.")
     parser.add_argument("--version", action="version", version=f"stoker {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from . import bench, demo, inspect
+    from . import bench, demo, doctor, inspect
 
     demo.add_parser(sub)
     inspect.add_parser(sub)
     bench.add_parser(sub)
+    doctor.add_parser(sub)
     return parser
 
 

@@ -7,15 +7,13 @@ import os
 import platform
 
 from ..demo.volume import cache_dir
+from ..errors import InvalidArgument
 
 PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    if args.batches is not None and args.batches < 1:
-        raise SystemExit("stoker bench: --batches must be at least 1")
 
     if args.suite == "records":
         from ..bench.records import records_for_steady_state
@@ -32,23 +30,22 @@ def run(args: argparse.Namespace) -> int:
 
     from ..bench.runner import BATCH_SIZE, dataloader_batches, format_results, host_budget, run_scenario, scenarios
 
-    if args.rounds < 1:
-        raise SystemExit("stoker bench: --rounds must be at least 1")
-    threads = tuple(t.strip() for t in args.threads.split(",")) if args.threads else ()
-    if not all(t.isdigit() and int(t) >= 1 for t in threads):
-        raise SystemExit(f"stoker bench: --threads takes compute thread counts of at least 1, got {args.threads!r}")
-    threads = tuple(int(t) for t in threads)
+    threads = args.threads or ()
     chosen = scenarios(tiny=args.tiny)
     if args.scenarios:
-        wanted = {int(s) for s in args.scenarios.split(",")}
-        chosen = [s for s in chosen if s.number in wanted]
-    peers = set(args.peers.split(",")) if args.peers else set(PEERS)
+        known = [s.number for s in chosen]
+        unknown = sorted(set(args.scenarios) - set(known))
+        if unknown:
+            raise InvalidArgument(f"--scenarios {','.join(map(str, unknown))}: no such scenario; the "
+                                  f"{'--tiny ' if args.tiny else ''}scenarios are {','.join(map(str, known))}")
+        chosen = [s for s in chosen if s.number in args.scenarios]
+    peers = set(args.peers) if args.peers else set(PEERS)
     root = args.data or cache_dir() / "bench"
     if args.device == "cuda":
         if threads:
-            raise SystemExit("stoker bench: --threads sweeps the CPU pipeline; run it without --device cuda")
+            raise InvalidArgument("--threads sweeps the CPU pipeline; run it without --device cuda")
         if args.step_ms is not None:
-            raise SystemExit("stoker bench: --step-ms runs with the CPU pipeline; run it without --device cuda")
+            raise InvalidArgument("--step-ms runs with the CPU pipeline; run it without --device cuda")
         from ..bench.device import cuda_or_exit, format_device_results, run_device_scenario
 
         cuda_or_exit()
@@ -86,26 +83,27 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark stoker against tensorstore and zarr-python")
     p.add_argument("suite", nargs="?", choices=("crops", "records"), default="crops",
                    help="crops: the crop pipeline (default); records: the record Loader")
-    p.add_argument("--scenarios", help="comma-separated scenario numbers (default: all)")
-    p.add_argument("--peers", help=f"comma-separated subset of {','.join(PEERS)}")
-    p.add_argument("--batches", type=int, default=None,
+    p.add_argument("--scenarios", type=_positive_ints, help="comma-separated scenario numbers (default: all)")
+    p.add_argument("--peers", type=_peers, help=f"comma-separated subset of {','.join(PEERS)}")
+    p.add_argument("--batches", type=_positive_int, default=None,
                    help="timed batches per fast peer (default: per scenario, about a second of stoker)")
-    p.add_argument("--slow-batches", type=int, default=6, help="timed batches for the zarr peers (default 6)")
+    p.add_argument("--slow-batches", type=_positive_int, default=6,
+                   help="timed batches for the zarr peers (default 6)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: stoker on the GPU vs stoker on the CPU vs tensorstore + pin_memory().to(cuda), "
                         "bf16 out")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=_positive_int, default=3,
                    help="interleaved rounds of every peer; each one's median round is shown "
                         "(default 3; 1 with --tiny)")
-    p.add_argument("--threads", help="comma-separated compute thread counts: a stoker peer for each, "
-                                     "beside the default one (a thread sweep)")
+    p.add_argument("--threads", type=_positive_ints, help="comma-separated compute thread counts: a stoker peer "
+                                                          "for each, beside the default one (a thread sweep)")
     p.add_argument("--batch-size", type=_positive_int, default=None,
                    help="samples per batch in every scenario (default: per scenario, 8 unless it says)")
     p.add_argument("--step-ms", type=_step_ms, default=None,
                    help="busy consumer: after each batch, every peer's consumer runs this many milliseconds of "
                         "pure Python holding the GIL, as a training step does; 'auto': as long as "
                         "tensorstore's median batch time in the scenario, measured first")
-    p.add_argument("--host-buffer-bytes", type=int, default=None,
+    p.add_argument("--host-buffer-bytes", type=_positive_int, default=None,
                    help="stoker's budget (default: per scenario, batch slots + 256 MiB)")
     p.add_argument("--data", type=lambda s: __import__("pathlib").Path(s), help="dataset directory")
     p.add_argument("--tiny", action="store_true", help="small datasets: a smoke run in seconds")
@@ -124,6 +122,23 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, got {text!r}")
     return value
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers of at least 1."""
+    values = tuple(_positive_int(t.strip()) for t in text.split(","))
+    if not values:
+        raise argparse.ArgumentTypeError(f"takes comma-separated whole numbers of at least 1, got {text!r}")
+    return values
+
+
+def _peers(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(","))
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(map(repr, unknown))}; the peers are "
+                                          f"{','.join(PEERS)}")
+    return names
 
 
 def _step_ms(text: str) -> float | str:

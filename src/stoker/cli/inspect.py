@@ -96,6 +96,16 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="summarise a Zarr array: shape, chunks, shards, codecs")
     p.add_argument("uri", help="local path or file:// URI of a Zarr array")
-    p.add_argument("--sample-shape", type=int, nargs="+", metavar="N",
+    p.add_argument("--sample-shape", type=_extent, nargs="+", metavar="N",
                    help="crop shape: estimate read and decode amplification and advise on chunking")
     p.set_defaults(run=run)
+
+
+def _extent(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes crop extents of at least 1, got {text!r}")
+    return value

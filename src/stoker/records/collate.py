@@ -48,17 +48,22 @@ def _fields(samples: Sequence[Mapping[str, Any]], suffix: str) -> dict[str, list
             if isinstance(t, np.ndarray):
                 t = torch.from_numpy(t)
             if not isinstance(t, torch.Tensor):
-                raise InvalidArgument(f"field {key!r} of sample {j} is a {type(t).__name__}, not a tensor",
+                raise InvalidArgument(f"field {key!r} of sample {j} is a {type(t).__name__}, not a tensor; pass "
+                                      "collate=<your function of the list of samples> to batch other values",
                                       field=key)
             ts.append(t.reshape(1) if t.ndim == 0 else t)
         first = ts[0]
         for j, t in enumerate(ts):
             if t.dtype != first.dtype:
-                raise DtypeMismatch(f"field {key!r}: sample {j} is {t.dtype}, sample 0 is {first.dtype}", field=key)
+                raise DtypeMismatch(f"field {key!r}: sample {j} is {t.dtype}, sample 0 is {first.dtype}; cast it "
+                                    "in the dataset, or pass collate=<your function of the list of samples>",
+                                    field=key)
             if t.shape[1:] != first.shape[1:]:
                 raise RankMismatch(
                     f"field {key!r}: sample {j} has shape {tuple(t.shape)}, sample 0 {tuple(first.shape)}; only "
-                    "the first dim may differ", field=key, shape=tuple(t.shape))
+                    "the first dim may differ (collate='concat' and 'pad' join along it): pass "
+                    "collate=<your function of the list of samples> for other shapes", field=key,
+                    shape=tuple(t.shape))
         out[key] = ts
     return out
 
