@@ -21,6 +21,7 @@ import email.utils
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -128,6 +129,11 @@ class RangeServer(ThreadingHTTPServer):
         self._connections: set[socket.socket] = set()
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], OSError):  # a client that hung up (timeouts, cancelled reads)
+            return
+        super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:

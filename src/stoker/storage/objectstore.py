@@ -52,7 +52,7 @@ _STATUS = re.compile(r"status code: (\d{3})")
 # Failures without a status that may pass: timeouts, connections refused or dropped, bodies cut short.
 # Matched in obstore's first message line (its debug dump names timeouts of every request).
 _TRANSIENT = ("error sending request", "body error", "timed out", "connection reset", "connection closed",
-              "incomplete", "requested ")
+              "incomplete")
 
 
 class _ShortBody(Exception):
@@ -353,6 +353,8 @@ def _classify(exc: BaseException) -> tuple[int | None, bool, str]:
         return None, True, f"short body: {text}"
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return None, True, "timed out"
+    if re.search(r"requested \S+, got ", text, re.IGNORECASE):  # obstore's check of a ranged answer
+        return None, True, f"short body: {text}"
     m = _STATUS.search(text)
     status = int(m.group(1)) if m else None
     if status is not None:

@@ -8,7 +8,7 @@ whole and inflated by :mod:`zipfile` (which checks their CRC), then sliced.
 
 Refused when the archive opens (:class:`~stoker.errors.DecodeError` naming the member): a name that
 is not a relative key (absolute, ``..``, backslashes), a name stored twice, a member whose bytes
-would reach past the start of the central directory. A member whose local header disagrees is
+would reach past the next member's header or the start of the central directory. A member whose local header disagrees is
 refused when it is first read.
 """
 
@@ -64,7 +64,6 @@ class ZipStore:
             raise
 
     def _index(self) -> dict[str, zipfile.ZipInfo]:
-        end = self._zip.start_dir  # where the central directory starts: no member's bytes reach past it
         members: dict[str, zipfile.ZipInfo] = {}
         for info in self._zip.infolist():
             if info.is_dir():
@@ -78,12 +77,19 @@ class ZipStore:
             if info.filename in members:
                 raise DecodeError(f"{self.path}: member {info.filename!r} is stored twice; which one is meant is "
                                   "ambiguous", uri=self.uri, key=info.filename)
-            if info.header_offset + _LOCAL_HEADER.size + info.compress_size > end:
+            members[info.filename] = info
+        # A member's bytes end before the next member's header, the last one's before the central
+        # directory: sizes that reach further would read other members' bytes as this one's.
+        ordered = sorted(self._zip.infolist(), key=lambda i: i.header_offset)
+        ends = [i.header_offset for i in ordered[1:]] + [self._zip.start_dir]
+        self._ends: dict[str, int] = {}
+        for info, end in zip(ordered, ends):
+            if info.filename in members and info.header_offset + _LOCAL_HEADER.size + info.compress_size > end:
                 raise DecodeError(
                     f"{self.path}: member {info.filename!r} claims {info.compress_size} bytes at offset "
-                    f"{info.header_offset}, past the central directory at {end}; the archive is corrupt",
-                    uri=self.uri, key=info.filename)
-            members[info.filename] = info
+                    f"{info.header_offset}, past the next member or the central directory (at {end}); the "
+                    "archive is corrupt", uri=self.uri, key=info.filename)
+            self._ends[info.filename] = end
         return members
 
     def _info(self, key: str) -> zipfile.ZipInfo:
@@ -108,9 +114,9 @@ class ZipStore:
             raise DecodeError(f"{self.path}: member {info.filename!r} has no local header at offset "
                               f"{info.header_offset}; the archive is corrupt", uri=self.uri, key=info.filename)
         offset = info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11]
-        if offset + info.compress_size > self._zip.start_dir:
-            raise DecodeError(f"{self.path}: member {info.filename!r} reaches past the central directory; "
-                              "the archive is corrupt", uri=self.uri, key=info.filename)
+        if offset + info.compress_size > self._ends[info.filename]:
+            raise DecodeError(f"{self.path}: member {info.filename!r} reaches past the next member or the central "
+                              "directory; the archive is corrupt", uri=self.uri, key=info.filename)
         self._offsets[info.filename] = offset
         return offset
 
