@@ -12,7 +12,8 @@ runs, apply to the next requests in order:
   on fewer bytes: a misbehaving server or proxy);
 - ``stop()``: stops listening and closes every open connection (a server gone mid-run).
 
-``requests`` counts what it was asked (faulty requests included).
+``requests`` counts what it was asked (faulty requests included); ``peak_in_flight`` is the most
+requests it answered at once.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve(body=True)
 
     def _serve(self, body: bool) -> None:
+        self.server.entered(+1)
+        try:
+            self._answer(body)
+        finally:
+            self.server.entered(-1)
+
+    def _answer(self, body: bool) -> None:
         fault = self.server.next_fault()
         if self.server.latency_s:
             time.sleep(self.server.latency_s)
@@ -124,6 +132,7 @@ class RangeServer(ThreadingHTTPServer):
         self.root = root
         self.latency_s = 0.0
         self.requests = 0
+        self.in_flight = self.peak_in_flight = 0
         self._faults: list[tuple] = []
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -155,6 +164,11 @@ class RangeServer(ThreadingHTTPServer):
         with self._lock:
             self.requests += 1
             return self._faults.pop(0) if self._faults else None
+
+    def entered(self, delta: int) -> None:
+        with self._lock:
+            self.in_flight += delta
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     def track(self, conn: socket.socket, alive: bool) -> None:
         with self._lock:

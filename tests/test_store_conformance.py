@@ -147,8 +147,8 @@ class TestStoreConformance:
 
     def test_range_past_the_end_is_an_error_not_fewer_bytes(self, store, values):
         n = len(values["blob.bin"])
-        for r in (ByteRange("blob.bin", n - 10, 20), ByteRange("blob.bin", n + 5, 3), ByteRange.suffix("blob.bin", n + 1),
-                  ByteRange(DEFLATED, len(values[DEFLATED]) - 1, 2)):
+        for r in (ByteRange("blob.bin", n - 10, 20), ByteRange("blob.bin", n + 5, 3),
+                  ByteRange.suffix("blob.bin", n + 1), ByteRange(DEFLATED, len(values[DEFLATED]) - 1, 2)):
             with pytest.raises(StorageError) as info:
                 store.get_ranges([r])
             assert info.value.key == r.key and info.value.uri == store.uri
@@ -225,6 +225,9 @@ def test_open_store_picks_by_uri(tree, zip_path, servers):
     assert isinstance(s3, ObjectStore) and s3.supports_list
     http = open_store(servers["http"].url)
     assert isinstance(http, ObjectStore) and not http.supports_list
+    for uri in ("gs://bucket/x", "gcs://bucket/x"):  # built without a request
+        gcs = open_store(uri, {"skip_signature": True})
+        assert isinstance(gcs, ObjectStore) and gcs.uri == uri
     with pytest.raises(UnsupportedFormat):
         open_store("ftp://host/x")
     with pytest.raises(InvalidArgument):

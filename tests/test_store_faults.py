@@ -155,6 +155,22 @@ def test_close_cancels_reads_in_flight(server):
         s.get("value")
 
 
+def test_near_ranges_are_one_request(server):
+    s = store(server, max_gap=1000)
+    requests = [ByteRange("value", off, 100) for off in (0, 500, 150, 1200, 30_000)]
+    got = s.get_ranges(requests)
+    assert [bytes(g) for g in got] == [VALUE[r.start:r.start + 100] for r in requests]
+    assert server.requests == 2  # 0..1300 merged; 30,000 is too far
+
+
+def test_requests_run_at_once_up_to_max_in_flight(server):
+    s = store(server, max_gap=0, max_in_flight=3)
+    server.latency_s = 0.3  # every request waits: several are in flight together
+    requests = [ByteRange("value", off, 10) for off in range(0, 9000, 1000)]
+    assert [bytes(g) for g in s.get_ranges(requests)] == [VALUE[r.start:r.start + 10] for r in requests]
+    assert server.requests == 9 and 2 <= server.peak_in_flight <= 3
+
+
 def test_settings_are_checked(server):
     with pytest.raises(InvalidArgument):
         store(server, retries=-1)

@@ -1,6 +1,6 @@
 """ObjectStore: S3, Google Cloud Storage, Azure and HTTP(S) through obstore.
 
-``s3://bucket/root``, ``gs://bucket/root``, ``az://container/root`` (and the other spellings obstore
+``s3://bucket/root``, ``gs://bucket/root`` (or ``gcs://``), ``az://container/root`` (and the other spellings obstore
 takes) and ``http(s)://host/root``. Credentials, regions and endpoints come from the standard
 environment (``AWS_*`` including ``AWS_ENDPOINT_URL`` and ``AWS_ALLOW_HTTP``, ``GOOGLE_*``, ``AZURE_*``),
 read by obstore, and from ``storage_options`` (obstore's configuration keys, e.g. ``endpoint``,
@@ -93,6 +93,8 @@ class ObjectStore:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise InvalidArgument(f"storage_options must be a dict, got {type(storage_options).__name__}", uri=url)
         self.uri = url.rstrip("/")
+        scheme, rest = self.uri.split("://", 1)
+        self._url = f"gs://{rest}" if scheme.lower() == "gcs" else self.uri  # obstore spells it gs://
         self.storage_options = dict(storage_options or {})
         self.timeout_s = checks.seconds("timeout_s", timeout_s, finite=True, uri=url)
         self.connect_timeout_s = checks.seconds("connect_timeout_s", connect_timeout_s, finite=True, uri=url)
@@ -146,7 +148,7 @@ class ObjectStore:
                 value = os.environ.get(f"{prefix}_{name.upper()}")
                 if value is not None:
                     client[name] = value
-        if urlparse(self.uri).scheme == "http":
+        if urlparse(self._url).scheme == "http":
             client["allow_http"] = True  # asked for by the URL itself
         client["timeout"] = timedelta(seconds=self.timeout_s)
         client["connect_timeout"] = timedelta(seconds=self.connect_timeout_s)
@@ -155,7 +157,7 @@ class ObjectStore:
 
     def _open(self, from_url, config: dict, client: dict | None, retry: dict | None):
         try:
-            return from_url(self.uri, client_options=client, retry_config=retry, **config)
+            return from_url(self._url, client_options=client, retry_config=retry, **config)
         except Exception as exc:  # obstore raises its own errors and ValueError for bad keys or URLs
             keys = ", ".join(sorted(self.storage_options)) or "none"
             raise InvalidArgument(
@@ -170,15 +172,16 @@ class ObjectStore:
 
     # -- running requests -----------------------------------------------------------------------
 
-    def _run(self, coro):
-        """Run ``coro`` on the shared loop and wait for it, for no longer than every attempt could take."""
+    def _run(self, coro, rounds: int = 1):
+        """Run ``coro`` on the shared loop and wait for it, no longer than ``rounds`` requests one after the
+        other could take with every attempt and backoff."""
         if self._closed:
             coro.close()
             raise ShutdownError(f"{self.uri}: the store is closed", uri=self.uri)
         future = asyncio.run_coroutine_threadsafe(coro, _Loop.get().loop)
         with self._lock:
             self._pending.add(future)
-        bound = self.retry_timeout_s + self.max_backoff_s + 2 * (self.timeout_s + self.connect_timeout_s) + 5
+        bound = rounds * (self.retry_timeout_s + self.max_backoff_s + self._per_attempt()) + 5
         try:
             return future.result(timeout=bound)
         except concurrent.futures.CancelledError:
@@ -191,6 +194,9 @@ class ObjectStore:
             with self._lock:
                 self._pending.discard(future)
 
+    def _per_attempt(self) -> float:
+        return self.timeout_s + self.connect_timeout_s + 1  # obstore's own limits, plus slack
+
     def _backoff(self, attempt: int) -> float:
         """Exponential backoff with equal jitter: half the step fixed, half random."""
         step = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
@@ -200,7 +206,7 @@ class ObjectStore:
         """``await op()``, tried again on failures that may pass (see the module docstring)."""
         started = time.monotonic()
         attempt = 0
-        per_attempt = self.timeout_s + self.connect_timeout_s + 1  # obstore's own limits, plus slack
+        per_attempt = self._per_attempt()
         while True:
             attempt += 1
             try:
@@ -261,37 +267,39 @@ class ObjectStore:
         return data
 
     def get_ranges(self, requests: Sequence[ByteRange]) -> list[memoryview]:
-        groups = by_key(requests)
-        return self._run(self._get_ranges(requests, groups))
+        reads = []  # (range named in errors, start (< 0: suffix), length, [(request number, slice of the read)])
+        for key, numbers in by_key(requests).items():
+            plain = [i for i in numbers if not requests[i].is_suffix]
+            for i in numbers:
+                if requests[i].is_suffix:
+                    reads.append((requests[i], -requests[i].length, requests[i].length, [(i, slice(None))]))
+            for read in coalesce([(requests[i].start, requests[i].length) for i in plain], self.max_gap,
+                                 self.max_length):
+                named = requests[plain[read.parts[0][0]]] if len(read.parts) == 1 else \
+                    ByteRange(key, read.offset, read.length)
+                reads.append((named, read.offset, read.length, [(plain[j], s) for j, s in read.slices()]))
+        rounds = -(-len(reads) // self.max_in_flight)
+        return self._run(self._get_ranges(len(requests), reads), rounds=max(1, rounds))
 
-    async def _get_ranges(self, requests: Sequence[ByteRange], groups: dict[str, list[int]]) -> list[memoryview]:
-        out: list = [None] * len(requests)
+    async def _get_ranges(self, n: int, reads: list) -> list[memoryview]:
+        out: list = [None] * n
         gate = asyncio.Semaphore(self.max_in_flight)
 
         async def one(r: ByteRange, start: int, length: int, serve: list[tuple[int, slice]]) -> None:
             async with gate:
                 data = await self._attempts(r.key, "ranged read", lambda: self._get_range(r, start, length),
-                                            short=lambda n: short_read(self.uri, r, 0, attempts=n))
+                                            short=lambda k: short_read(self.uri, r, 0, attempts=k))
             for i, part in serve:
                 out[i] = data[part]
 
-        jobs = []
-        for key, numbers in groups.items():
-            plain = [i for i in numbers if not requests[i].is_suffix]
-            for i in numbers:
-                if requests[i].is_suffix:
-                    jobs.append(one(requests[i], -requests[i].length, requests[i].length, [(i, slice(None))]))
-            for read in coalesce([(requests[i].start, requests[i].length) for i in plain], self.max_gap,
-                                 self.max_length):
-                first = requests[plain[read.parts[0][0]]]
-                merged = ByteRange(key, read.offset, read.length) if len(read.parts) > 1 else first
-                jobs.append(one(merged, read.offset, read.length, [(plain[j], s) for j, s in read.slices()]))
-        tasks = [asyncio.ensure_future(job) for job in jobs]
+        tasks = [asyncio.ensure_future(one(*read)) for read in reads]
         try:
             await asyncio.gather(*tasks)
-        finally:
+        except BaseException:
             for task in tasks:  # one failed: stop the others rather than leave them running
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # and collect what they raised
+            raise
         return out
 
     async def _head(self, key: str) -> dict:

@@ -22,7 +22,7 @@ from ..errors import InvalidArgument
 from .store import Store
 
 #: Schemes obstore opens (ObjectStore).
-REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https"})
+REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https"})
 
 _memory: dict[str, Any] = {}
 _memory_lock = threading.Lock()

@@ -8,8 +8,8 @@ whole and inflated by :mod:`zipfile` (which checks their CRC), then sliced.
 
 Refused when the archive opens (:class:`~stoker.errors.DecodeError` naming the member): a name that
 is not a relative key (absolute, ``..``, backslashes), a name stored twice, a member whose bytes
-would reach past the next member's header or the start of the central directory. A member whose local header disagrees is
-refused when it is first read.
+would reach past the next member's header or the start of the central directory. A member without
+its local header where the central directory says is refused when it is first read.
 """
 
 from __future__ import annotations
