@@ -1,4 +1,10 @@
-"""Where the bytes come from. Today: local files; remote object stores plug in here later."""
+"""Where the bytes come from.
+
+Two layers live here. The path-based local reader the engine uses today (:class:`LocalStore`:
+positional reads, descriptor cache, file identities). And the key-based :class:`Store` protocol with
+one store per kind of storage (directory, zip archive, object store, memory), picked by
+:func:`open_store`; the engine and ``open_array`` are not wired to it yet (see docs/remote.md).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,14 @@ from urllib.parse import unquote, urlparse
 from ..errors import UnsupportedFormat
 from .local import (FileChanged, Identity, IOCounters, LocalStore, default_store, open_regular,
                     read_regular)
+from .counting import CountingStore, StoreCounters
+from .files import FileStore
+from .memory import MemoryStore
+from .objectstore import ObjectStore
 from .ranges import Read, coalesce
+from .store import ByteRange, Store
+from .uri import open_store
+from .zipstore import ZipStore
 
 _REMOTE_SCHEMES = {"s3", "gs", "gcs", "az", "abfs", "http", "https"}
 
@@ -38,5 +51,6 @@ def resolve_local_path(uri: str) -> str:
     return os.path.abspath(uri)
 
 
-__all__ = ["FileChanged", "IOCounters", "Identity", "LocalStore", "Read", "coalesce", "default_store", "open_regular",
-           "read_regular", "resolve_local_path"]
+__all__ = ["ByteRange", "CountingStore", "FileChanged", "FileStore", "IOCounters", "Identity", "LocalStore",
+           "MemoryStore", "ObjectStore", "Read", "Store", "StoreCounters", "ZipStore", "coalesce", "default_store",
+           "open_regular", "open_store", "read_regular", "resolve_local_path"]

@@ -1,0 +1,129 @@
+"""FileStore: the :class:`~stoker.storage.store.Store` of a local directory.
+
+Keys name files under the root (``"c/0/1"`` is ``<root>/c/0/1``). Reads go through a
+:class:`~stoker.storage.local.LocalStore` (the process-wide one by default): positional reads, the
+bounded descriptor cache for files read by ranges (shards), regular files only. Ranges of one file
+are merged by :func:`~stoker.storage.ranges.coalesce` before they are read.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Sequence
+
+from ..errors import StorageError
+from .local import LocalStore, default_store
+from .ranges import coalesce
+from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read
+
+
+class FileStore:
+    """A directory read as a store (see the module docstring); thread-safe."""
+
+    supports_ranges = True
+    supports_list = True
+    is_local = True
+
+    def __init__(self, root: str | os.PathLike, files: LocalStore | None = None,
+                 max_gap: int = 64 << 10, max_length: int = 64 << 20) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.uri = self.root
+        self.files = files if files is not None else default_store()
+        self.max_gap, self.max_length = max_gap, max_length
+
+    def path(self, key: str) -> str:
+        """The local path of ``key``."""
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def _read(self, key: str, read, *args):
+        """``read(path, *args)``; a directory where a value should be reads as missing, like no file."""
+        path = self.path(key)
+        try:
+            data = read(path, *args)
+        except StorageError:
+            if os.path.isdir(path):
+                raise not_found(self.uri, key) from None
+            raise
+        if data is None:
+            raise not_found(self.uri, key)
+        return data
+
+    def get(self, key: str) -> bytes:
+        return self._read(key, self.files.read)
+
+    def get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | memoryview]:
+        out: list = [None] * len(requests)
+        for key, numbers in by_key(requests).items():
+            plain = [i for i in numbers if not requests[i].is_suffix]
+            for i in numbers:
+                r = requests[i]
+                if r.is_suffix:
+                    data, ident = self._read(key, self.files.read_current,
+                                             lambda size, n=r.length: (max(0, size - n), min(n, size)))
+                    if len(data) != r.length:
+                        raise short_read(self.uri, r, len(data), size=ident[2])
+                    out[i] = data
+            if plain and all(requests[i].length == 0 for i in plain) and not self.exists(key):
+                raise not_found(self.uri, key)
+            for read in coalesce([(requests[i].start, requests[i].length) for i in plain],
+                                 self.max_gap, self.max_length):
+                view = memoryview(self._read(key, self.files.read_range, read.offset, read.length)
+                                  if read.length else b"")
+                for j, part in read.slices():
+                    if part.stop > len(view):
+                        raise short_read(self.uri, requests[plain[j]], max(0, len(view) - part.start))
+                    out[plain[j]] = view[part]
+        return out
+
+    def _stat(self, key: str) -> os.stat_result | None:
+        path = self.path(key)
+        try:
+            return os.stat(path)
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            return None
+        except OSError as exc:
+            raise StorageError(f"cannot stat {path}: {exc.strerror}", uri=self.uri, key=key, path=path) from None
+
+    def size(self, key: str) -> int:
+        st = self._stat(key)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise not_found(self.uri, key)
+        return st.st_size
+
+    def exists(self, key: str) -> bool:
+        st = self._stat(key)
+        return st is not None and stat.S_ISREG(st.st_mode)
+
+    def list(self, prefix: str = "") -> list[str]:
+        prefix = check_prefix(prefix)
+        top = self.path(prefix) if prefix else self.root
+        keys: list[str] = []
+        self._walk(top, prefix, keys)
+        return sorted(keys)
+
+    def _walk(self, folder: str, key: str, keys: list[str]) -> None:
+        try:
+            entries = list(os.scandir(folder))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            raise StorageError(f"cannot list {folder}: {exc.strerror}", uri=self.uri, path=folder) from None
+        for entry in entries:
+            name = f"{key}/{entry.name}" if key else entry.name
+            if entry.is_dir(follow_symlinks=False):
+                self._walk(entry.path, name, keys)
+            elif entry.is_file():  # regular files (through symlinks); never FIFOs, sockets, devices
+                keys.append(name)
+
+    def close(self) -> None:
+        """Drops the cached descriptors of files under the root (the shared cache stays usable)."""
+        self.files.forget(self.root)
+
+    def __reduce__(self):  # for worker processes: the process-wide descriptor cache there
+        return FileStore, (self.root, None, self.max_gap, self.max_length)
+
+    def __repr__(self) -> str:
+        return f"FileStore({self.root!r})"

@@ -1,0 +1,374 @@
+"""ObjectStore: S3, Google Cloud Storage, Azure and HTTP(S) through obstore.
+
+``s3://bucket/root``, ``gs://bucket/root`` (or ``gcs://``), ``az://container/root`` (and the other spellings obstore
+takes) and ``http(s)://host/root``. Credentials, regions and endpoints come from the standard
+environment (``AWS_*`` including ``AWS_ENDPOINT_URL`` and ``AWS_ALLOW_HTTP``, ``GOOGLE_*``, ``AZURE_*``),
+read by obstore, and from ``storage_options`` (obstore's configuration keys, e.g. ``endpoint``,
+``region``, ``skip_signature=True`` for anonymous access to public buckets; HTTP client keys such as
+``allow_http`` or ``proxy_url`` go to the client). Options override the environment.
+
+Requests run on one event loop thread shared by every ObjectStore of the process, many at once
+(``max_in_flight`` per call). Ranges of one object are merged by
+:func:`~stoker.storage.ranges.coalesce` (gaps up to ``max_gap``, reads up to ``max_length``), so one
+call costs few requests.
+
+Faults. Each request has a time limit (``timeout_s``, connecting ``connect_timeout_s``). A request
+that fails for a reason that may pass (HTTP 5xx, 408, 429, a timeout, a refused or dropped
+connection, a short body) is tried again after an exponential backoff with jitter, at most
+``retries`` more times and not after ``retry_timeout_s``; then, as for any other failure, a
+:class:`~stoker.errors.StorageError` names the URI, key, status and attempts. A missing key is
+:class:`~stoker.errors.NotFound` at once. obstore's own retries are off: it does not report how many
+attempts it made or which status ended them, so this module retries itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import random
+import re
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+from urllib.parse import urlparse
+
+from .. import checks
+from ..errors import InvalidArgument, ShutdownError, StorageError, UnsupportedFormat
+from .ranges import coalesce
+from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read
+
+#: obstore's HTTP client options (``ClientConfig``): these ``storage_options`` go to the client.
+CLIENT_KEYS = frozenset({
+    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type", "default_headers",
+    "http1_only", "http2_keep_alive_interval", "http2_keep_alive_timeout", "http2_keep_alive_while_idle",
+    "http2_only", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate",
+    "proxy_excludes", "root_certificate", "randomize_addresses", "read_timeout", "timeout", "user_agent",
+})
+#: The environment variables' prefix of each kind of obstore store.
+_ENV_PREFIX = {"S3Store": "AWS", "GCSStore": "GOOGLE", "AzureStore": "AZURE"}
+_STATUS = re.compile(r"status code: (\d{3})")
+# Failures without a status that may pass: timeouts, connections refused or dropped, bodies cut short.
+# Matched in obstore's first message line (its debug dump names timeouts of every request).
+_TRANSIENT = ("error sending request", "body error", "timed out", "connection reset", "connection closed",
+              "incomplete")
+
+
+class _ShortBody(Exception):
+    """Fewer bytes than the server said it sends (retried like a dropped connection)."""
+
+
+class _Loop:
+    """The event loop thread that runs every ObjectStore's requests (one per process)."""
+
+    _lock = threading.Lock()
+    _current: "_Loop | None" = None
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="stoker-objectstore", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> "_Loop":
+        with cls._lock:
+            if cls._current is None or cls._current.pid != os.getpid():  # a forked child starts its own
+                cls._current = cls()
+            return cls._current
+
+
+class ObjectStore:
+    """A bucket, container or HTTP(S) root read as a store (see the module docstring); thread-safe."""
+
+    supports_ranges = True
+    is_local = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, timeout_s: float = 30.0,
+                 connect_timeout_s: float = 5.0, retries: int = 5, retry_timeout_s: float = 60.0,
+                 backoff_s: float = 0.1, max_backoff_s: float = 5.0, max_in_flight: int = 16,
+                 max_gap: int = 1 << 20, max_length: int = 16 << 20) -> None:
+        if not isinstance(url, str) or "://" not in url:
+            raise InvalidArgument(f"ObjectStore takes a URL such as s3://bucket/root, got {url!r}", uri=url)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise InvalidArgument(f"storage_options must be a dict, got {type(storage_options).__name__}", uri=url)
+        self.uri = url.rstrip("/")
+        scheme, rest = self.uri.split("://", 1)
+        self._url = f"gs://{rest}" if scheme.lower() == "gcs" else self.uri  # obstore spells it gs://
+        self.storage_options = dict(storage_options or {})
+        self.timeout_s = checks.seconds("timeout_s", timeout_s, finite=True, uri=url)
+        self.connect_timeout_s = checks.seconds("connect_timeout_s", connect_timeout_s, finite=True, uri=url)
+        self.retries = checks.integer("retries", retries, 0, uri=url)
+        self.retry_timeout_s = checks.seconds("retry_timeout_s", retry_timeout_s, finite=True, uri=url)
+        self.backoff_s = checks.seconds("backoff_s", backoff_s, finite=True, uri=url)
+        self.max_backoff_s = checks.seconds("max_backoff_s", max_backoff_s, finite=True, uri=url)
+        self.max_in_flight = checks.integer("max_in_flight", max_in_flight, 1, uri=url)
+        self.max_gap = checks.integer("max_gap", max_gap, 0, uri=url)
+        self.max_length = checks.integer("max_length", max_length, 1, uri=url)
+        self._closed = False
+        self._pending: set[concurrent.futures.Future] = set()
+        self._lock = threading.Lock()
+        self._store = self._build()
+        self._pid = os.getpid()
+        self.supports_list = type(self._store).__name__ != "HTTPStore"  # plain HTTP servers cannot list
+
+    def _settings(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in (
+            "timeout_s", "connect_timeout_s", "retries", "retry_timeout_s", "backoff_s", "max_backoff_s",
+            "max_in_flight", "max_gap", "max_length")}
+
+    def __reduce__(self):  # for worker processes: rebuilt there (its own connections and loop)
+        return _rebuild, (self.uri, self.storage_options, self._settings())
+
+    # -- the obstore store ----------------------------------------------------------------------
+
+    def _build(self):
+        try:
+            from obstore.store import from_url
+        except ImportError:
+            raise UnsupportedFormat(
+                f"{self.uri}: reading remote stores needs the obstore package; install it with "
+                "pip install 'stoker[remote]'", uri=self.uri) from None
+        config: dict[str, Any] = {}
+        client: dict[str, Any] = {}
+        for key, value in self.storage_options.items():
+            name = key.lower()
+            if name in ("timeout", "connect_timeout"):
+                raise InvalidArgument(f"{self.uri}: set the {name} of requests with ObjectStore's {name}_s= (also an "
+                                      "open_store keyword), not in storage_options", uri=self.uri)
+            if name in CLIENT_KEYS:
+                client[name] = value
+            else:
+                config[key] = value
+        # obstore reads the environment's client settings (AWS_ALLOW_HTTP...) only when it is given no
+        # client options at all: read them here, for the prefix of the kind of store the URL opens.
+        prefix = _ENV_PREFIX.get(type(self._open(from_url, config, None, None)).__name__)
+        if prefix:
+            for name in CLIENT_KEYS - {"timeout", "connect_timeout"} - set(client):
+                value = os.environ.get(f"{prefix}_{name.upper()}")
+                if value is not None:
+                    client[name] = value
+        if urlparse(self._url).scheme == "http":
+            client["allow_http"] = True  # asked for by the URL itself
+        client["timeout"] = timedelta(seconds=self.timeout_s)
+        client["connect_timeout"] = timedelta(seconds=self.connect_timeout_s)
+        retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=self.retry_timeout_s)}
+        return self._open(from_url, config, client, retry)
+
+    def _open(self, from_url, config: dict, client: dict | None, retry: dict | None):
+        try:
+            return from_url(self._url, client_options=client, retry_config=retry, **config)
+        except Exception as exc:  # obstore raises its own errors and ValueError for bad keys or URLs
+            keys = ", ".join(sorted(self.storage_options)) or "none"
+            raise InvalidArgument(
+                f"{self.uri}: obstore cannot open this URL with storage_options keys ({keys}): "
+                f"{_first_line(exc)}; see obstore's S3Config, GCSConfig, AzureConfig and ClientConfig for the keys",
+                uri=self.uri) from None
+
+    def _obstore(self):
+        if self._pid != os.getpid():  # after fork: connections are not shared with the parent
+            self._store, self._pid = self._build(), os.getpid()
+        return self._store
+
+    # -- running requests -----------------------------------------------------------------------
+
+    def _run(self, coro, rounds: int = 1):
+        """Run ``coro`` on the shared loop and wait for it, no longer than ``rounds`` requests one after the
+        other could take with every attempt and backoff."""
+        if self._closed:
+            coro.close()
+            raise ShutdownError(f"{self.uri}: the store is closed", uri=self.uri)
+        future = asyncio.run_coroutine_threadsafe(coro, _Loop.get().loop)
+        with self._lock:
+            self._pending.add(future)
+        bound = rounds * (self.retry_timeout_s + self.max_backoff_s + self._per_attempt()) + 5
+        try:
+            return future.result(timeout=bound)
+        except concurrent.futures.CancelledError:
+            raise ShutdownError(f"{self.uri}: the store was closed while a read was in flight", uri=self.uri) from None
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise StorageError(f"{self.uri}: no answer in {bound:.0f} s", uri=self.uri, key=None, status=None,
+                               attempts=None) from None
+        finally:
+            with self._lock:
+                self._pending.discard(future)
+
+    def _per_attempt(self) -> float:
+        return self.timeout_s + self.connect_timeout_s + 1  # obstore's own limits, plus slack
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential backoff with equal jitter: half the step fixed, half random."""
+        step = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+        return step / 2 + random.uniform(0, step / 2)
+
+    async def _attempts(self, key: str, what: str, op: Callable, short: Callable[[int], StorageError] | None = None):
+        """``await op()``, tried again on failures that may pass (see the module docstring)."""
+        started = time.monotonic()
+        attempt = 0
+        per_attempt = self._per_attempt()
+        while True:
+            attempt += 1
+            try:
+                return await asyncio.wait_for(op(), per_attempt)
+            except FileNotFoundError:
+                raise not_found(self.uri, key) from None
+            except StorageError as exc:  # permanent, raised by op (a range past the end of the value)
+                exc.attempts = exc.context["attempts"] = attempt
+                raise
+            except Exception as exc:
+                status, transient, text = _classify(exc)
+            if not transient or attempt > self.retries or time.monotonic() - started >= self.retry_timeout_s:
+                if short is not None and status == 416:
+                    raise short(attempt) from None
+                gave_up = f"after {attempt} attempt" + ("s" if attempt > 1 else "")
+                hint = ("the server kept failing: check it, or raise retries= / timeout_s=" if transient else
+                        "check the URL, credentials (environment or storage_options) and permissions")
+                raise StorageError(
+                    f"{self.uri}: {what} of key {key!r} failed {gave_up}"
+                    + (f" (HTTP status {status})" if status else "") + f": {text}; {hint}",
+                    uri=self.uri, key=key, status=status, attempts=attempt) from None
+            await asyncio.sleep(self._backoff(attempt))
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def get(self, key: str) -> memoryview:
+        check_key(key)
+        return self._run(self._attempts(key, "read", lambda: self._get_whole(key)))
+
+    async def _get_whole(self, key: str) -> memoryview:
+        import obstore
+
+        result = await obstore.get_async(self._obstore(), key)
+        data = memoryview(await result.bytes_async())
+        if len(data) != result.meta["size"]:
+            raise _ShortBody(f"got {len(data)} bytes of a {result.meta['size']}-byte value")
+        return data
+
+    async def _get_range(self, r: ByteRange, start: int, length: int) -> memoryview:
+        """``length`` bytes at ``start`` of ``r.key`` (``start`` < 0: the last ``length`` bytes)."""
+        import obstore
+
+        asked = {"suffix": length} if start < 0 else (start, start + length)
+        if length == 0:
+            await obstore.head_async(self._obstore(), r.key)  # a zero-length range of a missing key is missing
+            return memoryview(b"")
+        result = await obstore.get_async(self._obstore(), r.key, options={"range": asked})
+        first, end = result.range
+        size = result.meta["size"]
+        want = (max(0, size - length), size) if start < 0 else (start, start + length)
+        if (first, end) != want or want[1] > size or want[1] - want[0] != length:
+            if want[1] > size or want[1] - want[0] != length:  # the value is shorter: no retry mends that
+                raise short_read(self.uri, r, max(0, min(size, want[1]) - want[0]), size=size)
+            raise _ShortBody(f"asked bytes {want[0]}..{want[1]}, the server sent {first}..{end}")
+        data = memoryview(await result.bytes_async())
+        if len(data) != length:
+            raise _ShortBody(f"got {len(data)} of {length} bytes")
+        return data
+
+    def get_ranges(self, requests: Sequence[ByteRange]) -> list[memoryview]:
+        reads = []  # (range named in errors, start (< 0: suffix), length, [(request number, slice of the read)])
+        for key, numbers in by_key(requests).items():
+            plain = [i for i in numbers if not requests[i].is_suffix]
+            for i in numbers:
+                if requests[i].is_suffix:
+                    reads.append((requests[i], -requests[i].length, requests[i].length, [(i, slice(None))]))
+            for read in coalesce([(requests[i].start, requests[i].length) for i in plain], self.max_gap,
+                                 self.max_length):
+                named = requests[plain[read.parts[0][0]]] if len(read.parts) == 1 else \
+                    ByteRange(key, read.offset, read.length)
+                reads.append((named, read.offset, read.length, [(plain[j], s) for j, s in read.slices()]))
+        rounds = -(-len(reads) // self.max_in_flight)
+        return self._run(self._get_ranges(len(requests), reads), rounds=max(1, rounds))
+
+    async def _get_ranges(self, n: int, reads: list) -> list[memoryview]:
+        out: list = [None] * n
+        gate = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(r: ByteRange, start: int, length: int, serve: list[tuple[int, slice]]) -> None:
+            async with gate:
+                data = await self._attempts(r.key, "ranged read", lambda: self._get_range(r, start, length),
+                                            short=lambda k: short_read(self.uri, r, 0, attempts=k))
+            for i, part in serve:
+                out[i] = data[part]
+
+        tasks = [asyncio.ensure_future(one(*read)) for read in reads]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # one failed: stop the others rather than leave them running
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # and collect what they raised
+            raise
+        return out
+
+    async def _head(self, key: str) -> dict:
+        import obstore
+
+        return await obstore.head_async(self._obstore(), key)
+
+    def size(self, key: str) -> int:
+        check_key(key)
+        return int(self._run(self._attempts(key, "size", lambda: self._head(key)))["size"])
+
+    def exists(self, key: str) -> bool:
+        check_key(key)
+        try:
+            self._run(self._attempts(key, "existence check", lambda: self._head(key)))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list(self, prefix: str = "") -> list[str]:
+        prefix = check_prefix(prefix)
+        if not self.supports_list:
+            raise UnsupportedFormat(f"{self.uri}: an HTTP server cannot list its keys; read known keys (or "
+                                    "consolidated metadata) instead", uri=self.uri)
+        metas = self._run(self._attempts(prefix or "/", "listing", lambda: self._list(prefix)))
+        return sorted(m["path"] for m in metas)
+
+    async def _list(self, prefix: str) -> list:
+        import obstore
+
+        return await obstore.list(self._obstore(), prefix or None, chunk_size=1000).collect_async()
+
+    def close(self) -> None:
+        """Cancel this store's requests in flight (their callers get :class:`ShutdownError`); later
+        calls raise :class:`ShutdownError` too."""
+        self._closed = True
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.cancel()
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.uri!r})"
+
+
+def _rebuild(uri: str, storage_options: dict, settings: dict) -> ObjectStore:
+    return ObjectStore(uri, storage_options, **settings)
+
+
+def _first_line(exc: BaseException) -> str:
+    """obstore's message without its debug dump."""
+    return str(exc).split("\n\nDebug source")[0].strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _classify(exc: BaseException) -> tuple[int | None, bool, str]:
+    """``(HTTP status or None, may pass, message)`` of a failed request."""
+    text = _first_line(exc)
+    if isinstance(exc, _ShortBody):
+        return None, True, f"short body: {text}"
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return None, True, "timed out"
+    if re.search(r"requested \S+, got ", text, re.IGNORECASE):  # obstore's check of a ranged answer
+        return None, True, f"short body: {text}"
+    m = _STATUS.search(text)
+    status = int(m.group(1)) if m else None
+    if status is not None:
+        return status, status in (408, 429) or 500 <= status < 600, text
+    name = type(exc).__name__
+    if name in ("PermissionDeniedError", "UnauthenticatedError", "InvalidPathError", "NotSupportedError"):
+        return None, False, text
+    lowered = text.lower()
+    return None, any(marker in lowered for marker in _TRANSIENT), text

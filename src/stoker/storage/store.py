@@ -1,0 +1,142 @@
+"""The ``Store`` protocol: values addressed by keys relative to a root, read whole or by byte ranges.
+
+A key is a ``/``-separated relative name (``"zarr.json"``, ``"c/0/1"``), never an OS path: the same
+key reads the same value from a directory, a zip archive, an object store bucket or memory. Every
+store has the methods of :class:`Store` and three capability flags:
+
+- ``supports_ranges``: :meth:`Store.get_ranges` reads only the asked bytes (otherwise whole values
+  are read and sliced);
+- ``supports_list``: :meth:`Store.list` works (plain HTTP servers cannot list);
+- ``is_local``: keys are files on the local file system (``store.path(key)`` names them).
+
+Reads return exactly the asked bytes or raise: a missing key is :class:`~stoker.errors.NotFound`, and
+any failure to deliver them, a short body included, is a :class:`~stoker.errors.StorageError` naming
+the store's URI, the key and, where there is one, the status and the attempts made. Never fewer bytes.
+Reads return ``bytes`` or a ``memoryview`` of a larger buffer (compare with ``bytes(x)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+from ..errors import InvalidArgument, NotFound, StorageError
+
+@dataclass(frozen=True)
+class ByteRange:
+    """``length`` bytes of the value at ``key`` from ``start``; a negative ``start`` (``-length``)
+    asks for the value's last ``length`` bytes (:meth:`suffix`, what a shard index needs)."""
+
+    key: str
+    start: int
+    length: int
+
+    def __post_init__(self) -> None:
+        check_key(self.key)
+        for name in ("start", "length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgument(f"ByteRange {name} must be an int, got {value!r}", key=self.key)
+        if self.length < 0:
+            raise InvalidArgument(f"ByteRange length must be >= 0, got {self.length}", key=self.key)
+        if self.start < 0 and self.start != -self.length:
+            raise InvalidArgument(
+                f"ByteRange start {self.start} is negative but not -length ({-self.length}); use "
+                "ByteRange.suffix(key, n) for the last n bytes", key=self.key)
+
+    @classmethod
+    def suffix(cls, key: str, length: int) -> "ByteRange":
+        """The last ``length`` bytes of the value at ``key``."""
+        return cls(key, -length, length)
+
+    @property
+    def is_suffix(self) -> bool:
+        return self.start < 0
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What every store does (see the module docstring for the rules they share)."""
+
+    uri: str
+    supports_ranges: bool
+    supports_list: bool
+    is_local: bool
+
+    def get(self, key: str) -> bytes | memoryview:
+        """The whole value at ``key``."""
+
+    def get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | memoryview]:
+        """The bytes of every range, in order: one call for many ranges of one or several keys, so a
+        store can merge and overlap them."""
+
+    def size(self, key: str) -> int:
+        """The value's length in bytes."""
+
+    def exists(self, key: str) -> bool:
+        """Whether a value is stored at ``key``."""
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key under ``prefix`` (a ``/``-separated directory; ``""``: all), sorted."""
+
+    def close(self) -> None:
+        """Release what the store holds (descriptors, connections); reads after it may fail."""
+
+
+def check_key(key: str) -> str:
+    """``key`` when it is a valid relative key: ``/``-separated, no empty, ``.`` or ``..`` segment, no
+    backslash or NUL; :class:`InvalidArgument` otherwise (keys never leave the store's root)."""
+    if not isinstance(key, str):
+        raise InvalidArgument(f"a store key must be a string, got {type(key).__name__}")
+    if not key or "\\" in key or "\0" in key or any(part in ("", ".", "..") for part in key.split("/")):
+        raise InvalidArgument(
+            f"store key {key!r} is not a relative key ('/'-separated names, no empty, '.' or '..' part, "
+            "no backslash): keys are relative to the store's root", key=key)
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """A listing prefix as a directory: ``""`` or a valid key, without trailing ``/``."""
+    prefix = prefix.rstrip("/") if isinstance(prefix, str) else prefix
+    return "" if prefix == "" else check_key(prefix)
+
+
+def under(keys, prefix: str) -> list[str]:
+    """The sorted keys of ``keys`` under the directory ``prefix`` (already checked)."""
+    if not prefix:
+        return sorted(keys)
+    head = prefix + "/"
+    return sorted(k for k in keys if k.startswith(head))
+
+
+def by_key(requests: Sequence[ByteRange]) -> dict[str, list[int]]:
+    """Request numbers grouped by key, in first-seen order."""
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(requests):
+        if not isinstance(r, ByteRange):
+            raise InvalidArgument(f"get_ranges takes ByteRange requests, got {type(r).__name__} at {i}")
+        groups.setdefault(r.key, []).append(i)
+    return groups
+
+
+def slice_value(value, r: ByteRange, uri: str) -> memoryview:
+    """The bytes of ``r`` from a whole value (memoryview, no copy); short: :func:`short_read`."""
+    view = memoryview(value)
+    start = len(view) - r.length if r.is_suffix else r.start
+    if start < 0 or start + r.length > len(view):
+        raise short_read(uri, r, max(0, min(len(view) - max(start, 0), r.length)), size=len(view))
+    return view[start:start + r.length]
+
+
+def short_read(uri: str, r: ByteRange, got: int, size: int | None = None, attempts: int = 1) -> StorageError:
+    """The error for fewer bytes than a range asked (past the end of the value, or a short body)."""
+    where = f"last {r.length} bytes" if r.is_suffix else f"bytes {r.start}..{r.start + r.length}"
+    of = f" of a {size}-byte value" if size is not None else ""
+    return StorageError(
+        f"{uri}: read of {where}{of} at key {r.key!r} got {got} bytes, not {r.length}; the value is shorter "
+        "than the read expects (truncated or rewritten) or the server sent a short body",
+        uri=uri, key=r.key, status=None, attempts=attempts)
+
+
+def not_found(uri: str, key: str) -> NotFound:
+    return NotFound(f"{uri}: no value at key {key!r}", uri=uri, key=key)

@@ -1,0 +1,195 @@
+"""ZipStore: a zip archive read as a store, as the Zarr zip store convention lays it out.
+
+Keys are member names (the Zarr hierarchy at the archive's root). The central directory is read
+once, by :mod:`zipfile`, when the store opens. Stored (uncompressed) members are read by byte range
+straight from the archive with positional reads: ranges of every member of one call are merged into
+few reads, since all of them live in one file. Compressed members (deflate, bzip2, lzma) are read
+whole and inflated by :mod:`zipfile` (which checks their CRC), then sliced.
+
+Refused when the archive opens (:class:`~stoker.errors.DecodeError` naming the member): a name that
+is not a relative key (absolute, ``..``, backslashes), a name stored twice, a member whose bytes
+would reach past the next member's header or the start of the central directory. A member without
+its local header where the central directory says is refused when it is first read.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import zipfile
+import zlib
+from typing import Sequence
+
+from ..errors import DecodeError, InvalidArgument, NotFound, StorageError, UnsupportedFormat
+from .local import LocalStore, OpenFile, default_store, open_regular
+from .ranges import coalesce
+from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read, slice_value, under
+
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader: a member's local header
+_LOCAL_MAGIC = b"PK\x03\x04"
+
+
+class ZipStore:
+    """A zip archive on the local file system, read as a store (see the module docstring)."""
+
+    supports_ranges = True
+    supports_list = True
+    is_local = False
+
+    def __init__(self, path: str | os.PathLike, files: LocalStore | None = None,
+                 max_gap: int = 64 << 10, max_length: int = 64 << 20) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.uri = self.path
+        self.max_gap, self.max_length = max_gap, max_length
+        opened = open_regular(self.path)
+        if opened is None:
+            raise NotFound(f"{self.path}: no zip archive there", uri=self.uri)
+        fd, st = opened
+        self._file = OpenFile(files if files is not None else default_store(), fd, self.path, st.st_size)
+        self._lock = threading.Lock()  # zipfile's reads of compressed members share one file position
+        self._offsets: dict[str, int] = {}
+        try:
+            self._zip = zipfile.ZipFile(os.fdopen(os.dup(fd), "rb"))
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as exc:
+            self._file.close()
+            raise DecodeError(f"{self.path} is not a readable zip archive: {exc}", uri=self.uri) from None
+        except OSError as exc:
+            self._file.close()
+            raise StorageError(f"cannot read {self.path}: {exc}", uri=self.uri) from None
+        try:
+            self._members = self._index()
+        except Exception:
+            self.close()
+            raise
+
+    def _index(self) -> dict[str, zipfile.ZipInfo]:
+        members: dict[str, zipfile.ZipInfo] = {}
+        for info in self._zip.infolist():
+            if info.is_dir():
+                continue
+            try:
+                check_key(info.filename)
+            except InvalidArgument:
+                raise DecodeError(f"{self.path}: member {info.filename!r} is not a relative key (absolute, '..' "
+                                  "or backslashes); stoker does not read archives whose names leave their root",
+                                  uri=self.uri, key=info.filename) from None
+            if info.filename in members:
+                raise DecodeError(f"{self.path}: member {info.filename!r} is stored twice; which one is meant is "
+                                  "ambiguous", uri=self.uri, key=info.filename)
+            members[info.filename] = info
+        # A member's bytes end before the next member's header, the last one's before the central
+        # directory: sizes that reach further would read other members' bytes as this one's.
+        ordered = sorted(self._zip.infolist(), key=lambda i: i.header_offset)
+        ends = [i.header_offset for i in ordered[1:]] + [self._zip.start_dir]
+        self._ends: dict[str, int] = {}
+        for info, end in zip(ordered, ends):
+            if info.filename in members and info.header_offset + _LOCAL_HEADER.size + info.compress_size > end:
+                raise DecodeError(
+                    f"{self.path}: member {info.filename!r} claims {info.compress_size} bytes at offset "
+                    f"{info.header_offset}, past the next member or the central directory (at {end}); the "
+                    "archive is corrupt", uri=self.uri, key=info.filename)
+            self._ends[info.filename] = end
+        return members
+
+    def _info(self, key: str) -> zipfile.ZipInfo:
+        info = self._members.get(check_key(key))
+        if info is None:
+            raise not_found(self.uri, key)
+        if info.flag_bits & 0x1:
+            raise UnsupportedFormat(f"{self.path}: member {key!r} is encrypted; stoker reads only unencrypted "
+                                    "archives", uri=self.uri, key=key)
+        return info
+
+    def _data_offset(self, info: zipfile.ZipInfo) -> int:
+        """Where a member's bytes start: after its local header, whose name and extra field lengths
+        may differ from the central directory's."""
+        offset = self._offsets.get(info.filename)
+        if offset is not None:
+            return offset
+        header = bytearray(_LOCAL_HEADER.size)
+        got = self._file.read_into(memoryview(header), info.header_offset)
+        fields = _LOCAL_HEADER.unpack(header) if got == len(header) else None
+        if fields is None or fields[0] != _LOCAL_MAGIC:
+            raise DecodeError(f"{self.path}: member {info.filename!r} has no local header at offset "
+                              f"{info.header_offset}; the archive is corrupt", uri=self.uri, key=info.filename)
+        offset = info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11]
+        if offset + info.compress_size > self._ends[info.filename]:
+            raise DecodeError(f"{self.path}: member {info.filename!r} reaches past the next member or the central "
+                              "directory; the archive is corrupt", uri=self.uri, key=info.filename)
+        self._offsets[info.filename] = offset
+        return offset
+
+    def _read_at(self, offset: int, length: int) -> memoryview:
+        buf = bytearray(length)
+        got = self._file.read_into(memoryview(buf), offset)
+        return memoryview(buf)[:got]
+
+    def _inflate(self, info: zipfile.ZipInfo) -> bytes:
+        try:
+            with self._lock, self._zip.open(info) as member:
+                return member.read()
+        except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as exc:
+            raise DecodeError(f"{self.path}: member {info.filename!r} cannot be read: {exc}",
+                              uri=self.uri, key=info.filename) from None
+        except OSError as exc:
+            raise StorageError(f"read of {self.path} member {info.filename!r} failed: {exc}",
+                               uri=self.uri, key=info.filename) from None
+
+    def get(self, key: str) -> bytes | memoryview:
+        info = self._info(key)
+        if info.compress_type != zipfile.ZIP_STORED:
+            return self._inflate(info)
+        data = self._read_at(self._data_offset(info), info.file_size)
+        if len(data) != info.file_size:
+            raise short_read(self.uri, ByteRange(key, 0, info.file_size), len(data), size=info.file_size)
+        if zlib.crc32(data) != info.CRC:
+            raise DecodeError(f"{self.path}: member {key!r} fails its CRC check; the archive is corrupt",
+                              uri=self.uri, key=key)
+        return data
+
+    def get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | memoryview]:
+        out: list = [None] * len(requests)
+        stored: list[tuple[int, int, int]] = []  # (request number, archive offset, length)
+        for key, numbers in by_key(requests).items():
+            info = self._info(key)
+            if info.compress_type != zipfile.ZIP_STORED:
+                value = self._inflate(info)
+                for i in numbers:
+                    out[i] = slice_value(value, requests[i], self.uri)
+                continue
+            base = self._data_offset(info)
+            for i in numbers:
+                r = requests[i]
+                start = info.file_size - r.length if r.is_suffix else r.start
+                if start < 0 or start + r.length > info.file_size:
+                    raise short_read(self.uri, r, max(0, min(info.file_size - max(start, 0), r.length)),
+                                     size=info.file_size)
+                stored.append((i, base + start, r.length))
+        for read in coalesce([(off, n) for _, off, n in stored], self.max_gap, self.max_length):
+            view = self._read_at(read.offset, read.length)
+            for j, part in read.slices():
+                i = stored[j][0]
+                if part.stop > len(view):
+                    raise short_read(self.uri, requests[i], max(0, len(view) - part.start))
+                out[i] = view[part]
+        return out
+
+    def size(self, key: str) -> int:
+        return self._info(key).file_size
+
+    def exists(self, key: str) -> bool:
+        return check_key(key) in self._members
+
+    def list(self, prefix: str = "") -> list[str]:
+        return under(self._members, check_prefix(prefix))
+
+    def close(self) -> None:
+        self._zip.close()
+        self._file.close()
+
+    def __reduce__(self):
+        return ZipStore, (self.path, None, self.max_gap, self.max_length)
+
+    def __repr__(self) -> str:
+        return f"ZipStore({self.path!r}, {len(self._members)} members)"

@@ -1,0 +1,78 @@
+"""The values every store test reads: Zarr arrays written by zarr-python plus plain files, laid out as a
+directory, a zip archive, an S3 bucket (moto's server) and an HTTP root (tests/range_server.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import zipfile
+
+import numpy as np
+import zarr
+
+BUCKET = "stoker-test"
+PREFIX = "root"
+#: Written deflated into the zip fixture (every other member is stored, as Zarr zip stores are).
+DEFLATED = "deflated.bin"
+
+
+def write_tree(root: str) -> dict[str, bytes]:
+    """Write the fixture under ``root``; returns ``{key: bytes}`` of every file."""
+    rng = np.random.default_rng(21)
+    os.makedirs(root, exist_ok=True)
+    data = rng.integers(0, 1000, size=(40, 36), dtype="int32")
+    zarr.create_array(os.path.join(root, "v3"), shape=data.shape, chunks=(16, 16), dtype="int32")[...] = data
+    zarr.create_array(os.path.join(root, "sharded"), shape=data.shape, chunks=(8, 8), shards=(16, 24),
+                      dtype="int32")[...] = data
+    zarr.create_array(os.path.join(root, "v2"), shape=data.shape, chunks=(16, 16), dtype="int32",
+                      zarr_format=2)[...] = data
+    files = {"blob.bin": rng.bytes(300_000), "empty": b"", "deep/a/b/c.txt": b"hello stores\n",
+             DEFLATED: bytes(range(256)) * 400}
+    for key, value in files.items():
+        path = os.path.join(root, *key.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(value)
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root).replace(os.sep, "/")] = f.read()
+    return out
+
+
+def write_zip(path: str, values: dict[str, bytes]) -> None:
+    """The Zarr zip store layout: members stored, at the archive's root; :data:`DEFLATED` deflated."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for key in sorted(values):
+            zf.writestr(key, values[key], compress_type=zipfile.ZIP_DEFLATED if key == DEFLATED else None)
+
+
+class MotoS3:
+    """moto's S3 server on loopback (a free port) with the fixture uploaded under ``s3://BUCKET/PREFIX``."""
+
+    def __init__(self, values: dict[str, bytes]) -> None:
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
+                              aws_secret_access_key="testing", region_name="us-east-1")
+        client.create_bucket(Bucket=BUCKET)
+        for key, value in values.items():
+            client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{key}", Body=value)
+        self.client = client
+
+    @property
+    def options(self) -> dict:
+        """storage_options for the server with credentials (moto accepts any)."""
+        return {"endpoint": self.endpoint, "allow_http": True, "region": "us-east-1",
+                "access_key_id": "testing", "secret_access_key": "testing"}
+
+    def stop(self) -> None:
+        self.server.stop()

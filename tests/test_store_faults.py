@@ -1,0 +1,182 @@
+"""What each fault of a remote store does: a loopback HTTP server (tests/range_server.py) that answers
+503s and 429s, waits, cuts bodies short or stops, and the outcome each must have: retried to success,
+or a typed error naming the URI, key, status and attempts, in bounded time."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
+from stoker.storage import ByteRange, ObjectStore
+
+from range_server import RangeServer
+
+VALUE = bytes(range(256)) * 200  # 51,200 bytes
+
+
+@pytest.fixture
+def server(tmp_path):
+    with open(tmp_path / "value", "wb") as f:
+        f.write(VALUE)
+    os.makedirs(tmp_path / "c")
+    with open(tmp_path / "c" / "0", "wb") as f:
+        f.write(VALUE[:1000])
+    srv = RangeServer(str(tmp_path))
+    yield srv
+    srv.stop()
+
+
+def store(server, **settings) -> ObjectStore:
+    options = {"timeout_s": 5.0, "retries": 4, "backoff_s": 0.01, "max_backoff_s": 0.05}
+    options.update(settings)
+    return ObjectStore(server.url, **options)
+
+
+def test_503_storm_is_retried_to_success(server):
+    s = store(server)
+    server.fail(3)
+    assert bytes(s.get("value")) == VALUE
+    assert server.requests == 4
+    server.fail(3)
+    got = s.get_ranges([ByteRange("value", 100, 50)])
+    assert bytes(got[0]) == VALUE[100:150]
+
+
+def test_429_is_retried(server):
+    s = store(server)
+    server.fail(2, status=429)
+    assert bytes(s.get_ranges([ByteRange.suffix("value", 16)])[0]) == VALUE[-16:]
+    assert server.requests == 3
+
+
+def test_endless_503_is_a_storage_error_naming_uri_key_status_attempts(server):
+    s = store(server, retries=2)
+    server.fail(100)
+    with pytest.raises(StorageError) as info:
+        s.get_ranges([ByteRange("c/0", 0, 10)])
+    e = info.value
+    assert (e.uri, e.key, e.status, e.attempts) == (server.url, "c/0", 503, 3)
+    assert server.requests == 3
+    assert "c/0" in str(e) and "503" in str(e) and "3 attempts" in str(e)
+
+
+def test_missing_key_is_not_found_at_once(server):
+    s = store(server)
+    with pytest.raises(NotFound) as info:
+        s.get("c/1")
+    assert info.value.key == "c/1" and info.value.uri == server.url
+    assert not s.exists("c/1")
+    assert server.requests == 2  # no retries
+
+
+def test_refusal_is_not_retried(server):
+    s = store(server)
+    server.fail(1, status=403)
+    with pytest.raises(StorageError) as info:
+        s.get("value")
+    assert (info.value.status, info.value.attempts) == (403, 1)
+
+
+def test_truncated_body_is_retried_then_an_error_never_short_data(server):
+    s = store(server, retries=2)
+    server.truncate(1)
+    assert bytes(s.get("value")) == VALUE  # a dropped connection, tried again
+    server.truncate(100)
+    with pytest.raises(StorageError) as info:
+        s.get_ranges([ByteRange("value", 0, 40_000)])
+    assert info.value.key == "value" and info.value.attempts == 3
+    with pytest.raises(StorageError):
+        s.get("value")
+
+
+def test_short_but_consistent_body_is_an_error_never_short_data(server):
+    """A server (or proxy) that answers fewer bytes than asked with headers that agree."""
+    s = store(server, retries=1)
+    server.shorten(1)
+    assert bytes(s.get_ranges([ByteRange("value", 10, 1000)])[0]) == VALUE[10:1010]
+    server.shorten(100)
+    with pytest.raises(StorageError) as info:
+        s.get_ranges([ByteRange("value", 10, 1000)])
+    assert info.value.attempts == 2 and "short" in str(info.value)
+
+
+def test_added_latency_within_the_timeout_reads(server):
+    s = store(server, timeout_s=5.0)
+    server.latency_s = 0.2
+    assert bytes(s.get_ranges([ByteRange("value", 0, 8)])[0]) == VALUE[:8]
+
+
+@pytest.mark.timeout(30)
+def test_latency_past_the_timeout_is_a_storage_error(server):
+    s = store(server, timeout_s=0.3, retries=1)
+    server.latency_s = 2.0
+    with pytest.raises(StorageError) as info:
+        s.get("value")
+    assert info.value.attempts == 2 and info.value.key == "value"
+
+
+@pytest.mark.timeout(30)
+def test_server_stopped_mid_run_is_a_storage_error_in_bounded_time(server):
+    s = store(server, retries=2)
+    assert bytes(s.get_ranges([ByteRange("value", 0, 100)])[0]) == VALUE[:100]
+    server.stop()
+    with pytest.raises(StorageError) as info:
+        s.get_ranges([ByteRange("value", 100, 100), ByteRange("c/0", 0, 10)])
+    assert info.value.attempts == 3 and info.value.key in ("value", "c/0")
+
+
+@pytest.mark.timeout(30)
+def test_close_cancels_reads_in_flight(server):
+    s = store(server, timeout_s=10.0)
+    server.latency_s = 5.0
+    outcome = []
+    started = threading.Event()
+
+    def read():
+        started.set()
+        try:
+            s.get("value")
+            outcome.append("read")
+        except Exception as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=read)
+    t.start()
+    started.wait(5)
+    while not s._pending:  # the read is on the loop
+        t.join(0.01)
+    s.close()
+    t.join(10)
+    assert not t.is_alive() and isinstance(outcome[0], ShutdownError)
+    with pytest.raises(ShutdownError):
+        s.get("value")
+
+
+def test_near_ranges_are_one_request(server):
+    s = store(server, max_gap=1000)
+    requests = [ByteRange("value", off, 100) for off in (0, 500, 150, 1200, 30_000)]
+    got = s.get_ranges(requests)
+    assert [bytes(g) for g in got] == [VALUE[r.start:r.start + 100] for r in requests]
+    assert server.requests == 2  # 0..1300 merged; 30,000 is too far
+
+
+def test_requests_run_at_once_up_to_max_in_flight(server):
+    s = store(server, max_gap=0, max_in_flight=3)
+    server.latency_s = 0.3  # every request waits: several are in flight together
+    requests = [ByteRange("value", off, 10) for off in range(0, 9000, 1000)]
+    assert [bytes(g) for g in s.get_ranges(requests)] == [VALUE[r.start:r.start + 10] for r in requests]
+    assert server.requests == 9 and 2 <= server.peak_in_flight <= 3
+
+
+def test_settings_are_checked(server):
+    with pytest.raises(InvalidArgument):
+        store(server, retries=-1)
+    with pytest.raises(InvalidArgument):
+        store(server, timeout_s=0)
+    with pytest.raises(InvalidArgument):
+        ObjectStore(server.url, {"timeout": "5s"})
+    with pytest.raises(InvalidArgument):
+        ObjectStore(server.url, {"no_such_option": 1})

@@ -1,0 +1,154 @@
+"""What the local stores do beyond the shared conformance class: FileStore's reads go through the
+shared descriptor cache, merged; ZipStore merges ranges of several members into one read and refuses
+archives that are hostile or corrupt (names leaving the root, members past the central directory, bad
+CRCs, encrypted members) with typed errors rather than wrong bytes."""
+
+from __future__ import annotations
+
+import os
+import struct
+import warnings
+import zipfile
+
+import pytest
+
+from stoker.errors import DecodeError, InvalidArgument, NotFound, StorageError, UnsupportedFormat
+from stoker.storage import ByteRange, FileStore, LocalStore, ZipStore, open_store
+
+A, B, C = b"a" * 1000, bytes(range(200)) * 10, b"c" * 500
+
+
+def write(path, members, compress=zipfile.ZIP_STORED):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # duplicate names, on purpose
+        with zipfile.ZipFile(path, "w", compression=compress) as zf:
+            for name, data in members:
+                zf.writestr(name, data)
+    return str(path)
+
+
+def patch_central(path, field_offset, fmt, value, entry=0):
+    """Overwrite a field of the ``entry``-th central directory record."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        at = -1
+        for _ in range(entry + 1):
+            at = data.index(b"PK\x01\x02", at + 1)
+        struct.pack_into(fmt, data, at + field_offset, value)
+        f.seek(0)
+        f.write(data)
+
+
+def test_file_store_reads_through_the_shared_descriptor_cache(tmp_path):
+    (tmp_path / "shard").write_bytes(B)
+    files = LocalStore()
+    store = FileStore(tmp_path, files=files)
+    for _ in range(5):
+        got = store.get_ranges([ByteRange("shard", 0, 10), ByteRange("shard", 20, 10), ByteRange.suffix("shard", 4)])
+        assert [bytes(g) for g in got] == [B[:10], B[20:30], B[-4:]]
+    assert files.counters.files_opened == 1  # one descriptor, cached, for every ranged read
+    assert files.counters.reads == 10  # the two near ranges merged into one read per call, plus the suffix
+
+
+def test_file_store_refuses_special_files(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    store = FileStore(tmp_path)
+    with pytest.raises(StorageError):
+        store.get("fifo")  # never blocks on a FIFO
+    assert not store.exists("fifo") and store.list() == []
+
+
+def test_zip_ranges_of_several_members_are_one_read(tmp_path):
+    files = LocalStore()
+    store = ZipStore(write(tmp_path / "a.zip", [("c/0", A), ("c/1", B), ("c/2", C)]), files=files)
+    requests = [ByteRange("c/0", 990, 10), ByteRange("c/1", 0, 100), ByteRange.suffix("c/2", 50)]
+    want = [A[990:], B[:100], C[-50:]]
+    assert [bytes(g) for g in store.get_ranges(requests)] == want  # reads each member's local header once
+    before = files.counters.reads
+    assert [bytes(g) for g in store.get_ranges(requests)] == want
+    assert files.counters.reads - before == 1
+
+
+def test_zip_deflated_members_are_inflated(tmp_path):
+    store = ZipStore(write(tmp_path / "d.zip", [("c/0", A), ("c/1", B)], zipfile.ZIP_DEFLATED))
+    assert bytes(store.get("c/1")) == B
+    assert bytes(store.get_ranges([ByteRange("c/1", 5, 7)])[0]) == B[5:12]
+    assert store.size("c/1") == len(B)
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/../../evil", "a\\..\\evil", "a//b"])
+def test_zip_names_leaving_the_root_are_refused(tmp_path, name):
+    with pytest.raises(DecodeError) as info:
+        ZipStore(write(tmp_path / "t.zip", [("ok", A), (name, B)]))
+    assert info.value.key == name
+
+
+def test_zip_duplicate_names_are_refused(tmp_path):
+    with pytest.raises(DecodeError, match="twice"):
+        ZipStore(write(tmp_path / "t.zip", [("c/0", A), ("c/0", B)]))
+
+
+@pytest.mark.parametrize("entry, size", [(0, len(A) + 100), (1, len(B) + 100)])
+def test_zip_member_past_the_next_one_or_the_central_directory_is_refused(tmp_path, entry, size):
+    """Sizes that would read the next member's bytes (or the central directory) as this member's."""
+    path = write(tmp_path / "t.zip", [("c/0", A), ("c/1", B)])
+    patch_central(path, 20, "<L", size, entry=entry)  # compressed size
+    patch_central(path, 24, "<L", size, entry=entry)  # uncompressed size
+    with pytest.raises(DecodeError, match="central directory") as info:
+        ZipStore(path)
+    assert info.value.key == f"c/{entry}"
+
+
+def test_zip_local_header_missing_is_refused(tmp_path):
+    path = write(tmp_path / "t.zip", [("c/0", A), ("c/1", B)])
+    with zipfile.ZipFile(path) as zf:
+        offset = zf.getinfo("c/1").header_offset
+    patch_central(path, 42, "<L", offset + 2, entry=1)  # header offset of c/1: no header there
+    store = ZipStore(path)
+    assert bytes(store.get("c/0")) == A
+    with pytest.raises(DecodeError, match="local header"):
+        store.get_ranges([ByteRange("c/1", 0, 10)])
+
+
+def test_zip_corrupt_stored_member_fails_its_crc(tmp_path):
+    path = write(tmp_path / "t.zip", [("c/0", A)])
+    with open(path, "r+b") as f:
+        data = f.read()
+        f.seek(data.index(A) + 10)
+        f.write(b"X")
+    with pytest.raises(DecodeError, match="CRC"):
+        ZipStore(path).get("c/0")
+
+
+def test_zip_corrupt_deflated_member_is_a_decode_error(tmp_path):
+    path = write(tmp_path / "t.zip", [("c/0", B * 5)], zipfile.ZIP_DEFLATED)
+    with open(path, "r+b") as f:
+        f.seek(45)
+        f.write(b"\xff" * 20)
+    with pytest.raises(DecodeError):
+        ZipStore(path).get("c/0")
+
+
+def test_zip_encrypted_member_is_unsupported(tmp_path):
+    path = write(tmp_path / "t.zip", [("c/0", A)])
+    patch_central(path, 8, "<H", 0x1)  # general purpose flags: encrypted
+    with pytest.raises(UnsupportedFormat, match="encrypted"):
+        ZipStore(path).get("c/0")
+
+
+def test_zip_not_an_archive_or_missing(tmp_path):
+    (tmp_path / "x.zip").write_bytes(b"not a zip at all")
+    with pytest.raises(DecodeError):
+        open_store(str(tmp_path / "x.zip"))
+    with pytest.raises(NotFound):
+        ZipStore(tmp_path / "missing.zip")
+
+
+def test_byte_range_checks():
+    with pytest.raises(InvalidArgument):
+        ByteRange("k", 0, -1)
+    with pytest.raises(InvalidArgument):
+        ByteRange("k", -3, 5)  # negative start means a suffix: -length only
+    with pytest.raises(InvalidArgument):
+        ByteRange("../k", 0, 1)
+    assert ByteRange.suffix("k", 5) == ByteRange("k", -5, 5) and ByteRange.suffix("k", 5).is_suffix
