@@ -50,7 +50,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def test_demo_trains_checkpoints_and_resumes_when_run_again(cache, tmp_path):
     run = tmp_path / "run"
     out = _demo(cache, run, "--steps", "4", "--checkpoint-every", "2", "--log-every", "1", progress=True)
-    assert "2 CPU rank(s) (gloo)" in out
+    assert "2 CPU rank(s) (gloo)" in out and "; starting at step 0" in out.splitlines()[0]
     assert re.search(r"steps\s+0 -> 4 in", out) and "samples/s over 2 rank(s), 8 samples" in out
     assert re.search(r"data wait\s+\d+\.\d% of step time", out)
     assert re.search(r"amplification read \d+\.\d\dx, decode \d+\.\d\dx", out)
@@ -58,8 +58,18 @@ def test_demo_trains_checkpoints_and_resumes_when_run_again(cache, tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000000002.pt", "step-000000004.pt"]
     assert sorted(_losses(run)) == [1, 2, 3, 4]
     assert (cache / "demo-volume-v2.zarr" / ".stoker-complete").exists()
+    from stoker import plots
+
+    if plots.available():  # the picture it wrote is named; without matplotlib, how to get one
+        assert f"picture      {run / 'telemetry.png'}" in out and (run / "telemetry.png").stat().st_size > 10_000
+    else:
+        assert "pip install 'stoker[plot]', then stoker plot" in out
+    import importlib.util
+
+    assert ("tensorboard --logdir" in out) == (importlib.util.find_spec("tensorboard") is not None)
 
     again = _demo(cache, run, "--steps", "6", "--checkpoint-every", "2", "--log-every", "1")
+    assert f"resuming from step 4 ({run / 'checkpoints' / 'step-000000004.pt'})" in again.splitlines()[0]
     assert f"resumed      from {run / 'checkpoints' / 'step-000000004.pt'}" in again
     assert re.search(r"steps\s+4 -> 6 in", again)
     done = _demo(cache, run, "--steps", "6")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -155,7 +156,8 @@ def _trainer(tmp_path=None, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ck = st.Checkpoints(tmp_path / "ck", every=2) if tmp_path is not None else None
     kw.setdefault("device", "cpu")  # these compare against CPU references, also on a GPU machine
-    return st.Trainer(model, opt, kw.pop("loss_fn", jobs.mse), checkpoints=ck, progress=False, **kw)
+    kw.setdefault("progress", False)
+    return st.Trainer(model, opt, kw.pop("loss_fn", jobs.mse), checkpoints=ck, **kw)
 
 
 class Batches:
@@ -308,8 +310,9 @@ def test_telemetry_records_loss_times_and_memory(tmp_path):
     r = _trainer(telemetry_dir=tmp_path, log_every=2).fit(jobs.global_batches(3, 4), steps=6, resume=None)
     records = [json.loads(line) for line in r.telemetry.read_text().splitlines()]
     assert [rec["step"] for rec in records] == [2, 4, 6]
-    assert all({"loss", "data_wait_s", "compute_s", "host_rss_bytes", "host_peak_rss_bytes"} <= set(rec)
-               for rec in records)
+    assert all({"loss", "data_wait_s", "compute_s", "host_rss_bytes", "host_peak_rss_bytes", "samples_per_s"}
+               <= set(rec) for rec in records)
+    assert [rec["samples"] for rec in records] == [8, 16, 24] and all(rec["samples_per_s"] > 0 for rec in records)
     assert records[-1]["loss"] == pytest.approx(r.losses[6])
     assert r.samples == 24 and r.samples_per_s > 0 and 0 <= r.data_wait_fraction < 1
 
@@ -648,3 +651,120 @@ def test_fp16_with_grad_scaler_on_cuda_checkpoints_the_scaler(tmp_path):
 def test_launch_binds_each_rank_to_its_gpu():
     out = st.launch(jobs.describe, nprocs=1, use_cuda=True)
     assert out["ranks"][0]["device"] == "cuda:0" and out["ranks"][0]["backend"] == "nccl"
+
+
+# -- non-finite losses, evaluation, what fit says ---------------------------------------------------
+
+
+def _with_nan(batches, index):
+    out = [b.clone() for b in batches]
+    out[index][0, 0] = float("nan")
+    return out
+
+
+def test_a_nonfinite_loss_skips_the_step_and_is_counted(tmp_path):
+    batches = jobs.global_batches(4, 4)
+    trainer = _trainer(tmp_path, telemetry_dir=tmp_path, log_every=1)
+    r = trainer.fit(_with_nan(batches, 1), steps=4, resume=None)  # step 2's batch holds a NaN
+    assert r.step == 4 and r.skipped_steps == 1 and trainer.skipped_steps == 1
+    assert math.isnan(r.losses[2]) and all(math.isfinite(r.losses[s]) for s in (1, 3, 4))
+    ref = _trainer()  # the same run without step 2: the NaN batch moved nothing
+    ref.fit([batches[0], batches[2], batches[3]], steps=3, resume=None)
+    for a, b in zip(trainer.module.parameters(), ref.module.parameters()):
+        assert torch.equal(a, b)
+    records = [json.loads(line) for line in r.telemetry.read_text().splitlines()]
+    assert [rec["skipped_steps"] for rec in records] == [0, 1, 1, 1] and records[1]["loss"] is None
+    saved = st.Checkpoints(tmp_path / "ck").load(tmp_path / "ck" / "step-000000002.pt")
+    assert all(torch.isfinite(v).all() for v in saved["model"].values())
+
+
+def test_nonfinite_losses_in_a_row_stop_with_a_typed_error(tmp_path):
+    batches = jobs.global_batches(6, 4)
+    bad = _with_nan(_with_nan(_with_nan(batches, 2), 3), 4)
+    trainer = _trainer(tmp_path, max_nonfinite_steps=3)
+    with pytest.raises(stoker.NonFiniteLoss, match=r"NaN or infinite in 3 steps in a row \(steps 3-5") as info:
+        trainer.fit(bad, steps=6, resume=None)
+    assert info.value.step == 5 and info.value.count == 3 and trainer.skipped_steps == 3
+    assert [s for s, _ in st.Checkpoints(tmp_path / "ck").list()] == [2, 4]  # 4: finite weights, steps skipped
+    ok = _trainer(max_nonfinite_steps=4).fit(bad, steps=6, resume=None)  # one fewer than the limit: goes on
+    assert ok.skipped_steps == 3 and ok.step == 6
+    with pytest.raises(InvalidArgument, match="max_nonfinite_steps"):
+        _trainer(max_nonfinite_steps=0)
+
+
+def test_nonfinite_weights_are_never_checkpointed(tmp_path):
+    calls = []
+
+    def loss(model, batch):  # finite losses; on the second step a weight turns infinite (as by overflow)
+        calls.append(1)
+        if len(calls) == 2:
+            with torch.no_grad():
+                model.body.weight[0, 0] = float("inf")
+        return jobs.mse(model, batch)
+
+    trainer = _trainer(tmp_path, loss_fn=loss)
+    with pytest.raises(stoker.NonFiniteLoss, match=r"weights hold NaN or infinite values at step 2 \(first: "
+                                                   r"body\.weight\); they are not checkpointed") as info:
+        trainer.fit(jobs.global_batches(4, 4), steps=4, resume=None)
+    assert info.value.parameter == "body.weight"
+    assert st.Checkpoints(tmp_path / "ck").list() == []
+
+
+def test_evaluation_reports_the_loss_and_leaves_training_unchanged(tmp_path):
+    batches = jobs.global_batches(5, 4)
+    evals = [b[:n] for b, n in zip(jobs.global_batches(7, 4)[5:], (4, 2))]  # 6 samples: weighted by batch size
+
+    def noisy_mse(model, batch):  # noise in training only: eval mode must reach the model
+        noise = 0.05 * torch.randn_like(batch) if model.training else 0
+        return jobs.mse(model, batch + noise)
+
+    torch.manual_seed(3)
+    plain = _trainer(loss_fn=noisy_mse).fit(batches, steps=5, resume=None)
+    torch.manual_seed(3)
+    trainer = _trainer(loss_fn=noisy_mse, telemetry_dir=tmp_path, log_every=2)
+    r = trainer.fit(batches, steps=5, resume=None, eval_data=evals, eval_every=2)
+    assert r.losses == plain.losses  # evaluating drew no random numbers training would see
+    assert sorted(r.eval_losses) == [2, 4, 5] and trainer.module.training  # every 2 steps, and at the end
+    with torch.no_grad():
+        expected = sum(float(jobs.mse(trainer.module, b)) * len(b) for b in evals) / 6
+    assert r.eval_losses[5] == pytest.approx(expected, rel=1e-6)
+    records = [json.loads(line) for line in r.telemetry.read_text().splitlines()]
+    assert {rec["step"]: rec["eval_loss"] for rec in records if "eval_loss" in rec} == pytest.approx(r.eval_losses)
+    assert [rec["step"] for rec in records if "loss" in rec] == [2, 4]
+    with pytest.raises(InvalidArgument, match="eval_every needs eval_data"):
+        _trainer().fit(batches, steps=1, resume=None, eval_every=2)
+    with pytest.raises(InvalidArgument, match="eval_data .* yields no batches"):
+        _trainer().fit(batches, steps=1, resume=None, eval_data=[])
+
+
+def test_fit_says_where_it_starts_and_when_there_is_nothing_to_do(tmp_path, capsys):
+    batches = jobs.global_batches(6, 4)
+    _trainer(tmp_path).fit(Batches(batches), steps=4)
+    assert capsys.readouterr().out == ""  # progress=False: silent
+    _trainer(tmp_path, progress=True).fit(Batches(batches), steps=6)
+    out = capsys.readouterr().out
+    assert f"training: resuming at step 4 from {tmp_path / 'ck' / 'step-000000004.pt'}" in out
+    r = _trainer(tmp_path, progress=True).fit(Batches(batches), steps=6)
+    out = capsys.readouterr().out
+    assert r.steps_run == 0 and "training: nothing to do, already at step 6 of steps=6" in out
+    assert "raise steps to train further" in out
+
+
+@pytest.mark.timeout(120)
+def test_ddp_ranks_skip_a_nonfinite_step_together_and_reduce_the_eval_loss():
+    out = st.launch(jobs.nonfinite_on_rank1_and_eval, nprocs=2, use_cuda=False)
+    rank0, rank1 = out["ranks"]
+    assert rank0["skipped"] == rank1["skipped"] == 1  # only rank 1's loss was NaN; both skipped
+    assert math.isnan(rank1["losses"][2]) and math.isfinite(rank0["losses"][2])
+    for a, b in zip(rank0["params"], rank1["params"]):
+        assert torch.equal(a, b)  # still replicas
+    ref = _trainer()  # one process on the global batches, without step 2
+    gb = jobs.global_batches(3, 4)
+    ref.fit([gb[0], gb[2]], steps=2, resume=None)
+    for a, b in zip(rank0["params"], ref.module.parameters()):
+        torch.testing.assert_close(a, b.detach())
+    evals = [*jobs.global_batches(5, 3)[3:], jobs.global_batches(6, 3)[5][:1]]  # rank 0's two, rank 1's one
+    with torch.no_grad():
+        expected = sum(float(jobs.mse(ref.module, b)) * len(b) for b in evals) / 7
+    assert rank0["eval"] == rank1["eval"] and list(rank0["eval"]) == [3]
+    assert rank0["eval"][3] == pytest.approx(expected, rel=1e-5)

@@ -142,6 +142,24 @@ def rank1_hangs_in_data(ctx: st.RankContext) -> None:
     trainer.fit(_HangsOnRank1(global_batches(6, 4)), steps=6, resume=None)
 
 
+
+def nonfinite_on_rank1_and_eval(ctx: st.RankContext) -> dict:
+    """Rank 1's loss is NaN at step 2: both ranks skip it. Then an evaluation over unequal shares (rank 0 holds
+    two batches, rank 1 one) gives every rank the loss over all of them."""
+    model = Tiny()
+    trainer = st.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, device=ctx.device, progress=False)
+    mine = [gb[ctx.rank * 2: ctx.rank * 2 + 2].clone() for gb in global_batches(3, 4)]
+    if ctx.rank == 1:
+        mine[1][0, 0] = float("nan")
+    evals = global_batches(5, 3)[3:] if ctx.rank == 0 else [global_batches(6, 3)[5][:1]]
+    result = trainer.fit(mine, steps=3, resume=None, eval_data=evals)
+    params = [p.detach().clone() for p in trainer.module.parameters()]
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, {"params": params, "skipped": result.skipped_steps,
+                                      "eval": result.eval_losses, "losses": result.losses})
+    return {"ranks": gathered}
+
+
 if __name__ == "__main__":
     # Under torchrun: launch() runs describe() in this process as one rank; every rank prints what it saw.
     import json

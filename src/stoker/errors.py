@@ -107,6 +107,16 @@ class UnusedParameters(StokerError, RuntimeError):
     """Parameters received no gradient in the first backward (DDP would fail or hang on them later)."""
 
 
+class NonFiniteLoss(StokerError, FloatingPointError):
+    """Training went non-finite: the loss was NaN or infinite ``count`` optimizer steps in a row (each was
+    skipped), or the weights hold such values at a checkpoint (never written); ``step`` says when."""
+
+
+class MissingDependency(StokerError, ImportError):
+    """An optional package this feature needs is not installed; ``package`` and ``extra`` (the ``stoker[...]``
+    extra that installs it) say which."""
+
+
 class CheckpointError(StokerError, OSError):
     """A checkpoint cannot be written, or none of the stored ones can be read back."""
 
@@ -133,6 +143,8 @@ __all__ = [
     "ShutdownError",
     "RankFailed",
     "UnusedParameters",
+    "NonFiniteLoss",
+    "MissingDependency",
     "CheckpointError",
     "ClaimTimeout",
 ]

@@ -17,6 +17,7 @@ pipeline holds for scenario 1.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from ..engine.pipeline import Pipeline
+from ..errors import InvalidArgument
 from ..pin import pin_object, to_device
 from ..sample import Sample
 from .datasets import ensure, warm_page_cache
@@ -33,8 +35,11 @@ from .runner import (Result, Scenario, _batches, interleaved, make_samples, stok
 
 
 def cuda_or_exit() -> torch.device:
+    """The current CUDA device; InvalidArgument (one line and status 2 from the CLI) when there is none."""
     if not torch.cuda.is_available():
-        raise SystemExit("stoker bench --device cuda / bench-h2d: torch sees no CUDA device")
+        raise InvalidArgument("torch sees no CUDA device (CUDA_VISIBLE_DEVICES="
+                              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, torch's CUDA build "
+                              f"{torch.version.cuda or 'none'}): the GPU benchmarks (--device cuda, bench-h2d) need one")
     return torch.device("cuda", torch.cuda.current_device())
 
 

@@ -294,14 +294,14 @@ def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float 
     """
     if cpu_s <= 0 or wall_s <= 0 or batches <= 0:
         return "stoker per batch: no CPU time measured"
-    parts = [("decode", stats.stages["decode"].seconds), ("read", stats.stages["io"].seconds),
-             ("cast", stats.stages["assemble"].seconds), ("plan", stats.stages["plan"].seconds)]
-    parts.append(("other", cpu_s - sum(s for _, s in parts)))
-    per = 1e3 / batches
-    shares = ", ".join(f"{name} {s * per:.2f} ({s / cpu_s:.0%})" for name, s in parts)
-    held = (f"GIL held {stats.gil_seconds * per:.2f} ({stats.gil_seconds / cpu_s:.0%}; "
-            f"garbage collection {gc_s * per:.2f} of it)")
-    return f"stoker per batch: {cpu_s * per:.2f} ms CPU ({cpu_s / wall_s:.1f} cores busy); {shares}; {held}"
+    from .report import stage_breakdown
+
+    b = stage_breakdown(stats, cpu_s, batches, wall_s, gc_s)
+    shares = ", ".join(f"{name} {ms:.2f} ({ms / b['cpu_ms_per_batch']:.0%})"
+                       for name, ms in b["stages_ms_per_batch"].items())
+    held = (f"GIL held {b['gil_ms_per_batch']:.2f} ({b['gil_ms_per_batch'] / b['cpu_ms_per_batch']:.0%}; "
+            f"garbage collection {b['gc_ms_per_batch']:.2f} of it)")
+    return f"stoker per batch: {b['cpu_ms_per_batch']:.2f} ms CPU ({b['cores_busy']:.1f} cores busy); {shares}; {held}"
 
 
 def interleaved(peers: dict, rounds: int) -> dict[str, Result]:

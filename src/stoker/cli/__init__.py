@@ -1,4 +1,4 @@
-"""The ``stoker`` command line: ``stoker demo``, ``stoker inspect URI``."""
+"""The ``stoker`` command line: ``stoker demo``, ``inspect URI``, ``bench``, ``plot RUN_DIR``, ``doctor``."""
 
 from __future__ import annotations
 
@@ -25,12 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stoker {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from . import bench, demo, doctor, inspect
+    from . import bench, demo, doctor, inspect, plot
 
     demo.add_parser(sub)
     inspect.add_parser(sub)
     bench.add_parser(sub)
     doctor.add_parser(sub)
+    plot.add_parser(sub)
     return parser
 
 

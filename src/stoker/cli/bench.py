@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+from pathlib import Path
 
 from ..demo.volume import cache_dir
 from ..errors import InvalidArgument
@@ -15,7 +16,14 @@ PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    if args.plot is not None:
+        from ..plots import _figure
+
+        _figure(1, 1)  # without matplotlib, say so now rather than after the whole run
+    rounds = args.rounds or (1 if args.tiny else 3)
     if args.suite == "records":
+        if args.json is not None or args.plot is not None:
+            raise InvalidArgument("--json and --plot record the crops suite; stoker bench records prints a table")
         from ..bench.records import records_for_steady_state
         from ..bench.records import run as run_records
 
@@ -30,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
 
     from ..bench.runner import BATCH_SIZE, dataloader_batches, format_results, host_budget, run_scenario, scenarios
 
+    from ..bench import report
+
+    records: list[dict] = []
     threads = args.threads or ()
     chosen = scenarios(tiny=args.tiny)
     if args.scenarios:
@@ -55,9 +66,10 @@ def run(args: argparse.Namespace) -> int:
             batch_size = args.batch_size or sc.batch_size
             budget = host_budget(sc, batch_size, args.host_buffer_bytes)
             n_batches = args.batches or sc.timed_batches
-            results = run_device_scenario(sc, root, n_batches, batch_size, budget,
-                                          rounds=1 if args.tiny else args.rounds)
+            results = run_device_scenario(sc, root, n_batches, batch_size, budget, rounds=rounds)
             print(format_device_results(sc, results, n_batches), flush=True)
+            records.append(report.scenario_record(sc, results, n_batches, batch_size))
+            _keep(args, records, "cuda", f"stoker bench --device cuda on {torch.cuda.get_device_name()}")
         return 0
     from ..config import default_compute_threads
 
@@ -73,10 +85,26 @@ def run(args: argparse.Namespace) -> int:
         budget = host_budget(sc, batch_size, args.host_buffer_bytes)
         n_batches = args.batches or sc.timed_batches
         results, step = run_scenario(sc, root, n_batches, batch_size, budget, args.slow_batches, peers,
-                                     growth=sc.number == 6, rounds=1 if args.tiny else args.rounds, threads=threads,
-                                     step_ms=args.step_ms)
+                                     growth=sc.number == 6, rounds=rounds, threads=threads, step_ms=args.step_ms)
         print(format_results(sc, results, n_batches, batch_size, step), flush=True)
+        records.append(report.scenario_record(sc, results, n_batches, batch_size, step.seconds if step else None))
+        _keep(args, records, "cpu", f"stoker bench on {os.cpu_count()} cores")
     return 0
+
+
+def _keep(args: argparse.Namespace, records: list[dict], device: str, title: str) -> None:
+    """Write --json and --plot as of the scenarios done so far (a long run interrupted keeps what it measured)."""
+    if args.json is None and args.plot is None:
+        return
+    from ..bench import report
+
+    doc = report.document(records, suite=args.suite, device=device, title=title)
+    if args.json is not None:
+        report.write(args.json, doc)
+    if args.plot is not None:
+        from ..plots import plot_bench
+
+        plot_bench(doc, args.plot)
 
 
 def add_parser(sub) -> None:
@@ -92,7 +120,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: stoker on the GPU vs stoker on the CPU vs tensorstore + pin_memory().to(cuda), "
                         "bf16 out")
-    p.add_argument("--rounds", type=_positive_int, default=3,
+    p.add_argument("--rounds", type=_positive_int, default=None,
                    help="interleaved rounds of every peer; each one's median round is shown "
                         "(default 3; 1 with --tiny)")
     p.add_argument("--threads", type=_positive_ints, help="comma-separated compute thread counts: a stoker peer "
@@ -107,6 +135,11 @@ def add_parser(sub) -> None:
                    help="stoker's budget (default: per scenario, batch slots + 256 MiB)")
     p.add_argument("--data", type=lambda s: __import__("pathlib").Path(s), help="dataset directory")
     p.add_argument("--tiny", action="store_true", help="small datasets: a smoke run in seconds")
+    p.add_argument("--json", type=Path, metavar="FILE", default=None,
+                   help="also write the numbers as JSON: every peer's samples/s per round, stoker's stages")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", default=None,
+                   help="also draw samples/s per peer and scenario (range over rounds) and stoker's stage "
+                        "breakdown (needs matplotlib: pip install 'stoker[plot]')")
     p.set_defaults(run=run)
 
     h2d = sub.add_parser("bench-h2d", help="host-to-device bandwidth: pageable vs pinned, and pin_object batches")

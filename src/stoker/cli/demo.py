@@ -61,11 +61,28 @@ def run(args: argparse.Namespace) -> int:
     else:
         devices = f"{nprocs} GPU rank(s) (nccl)" if use_cuda else f"{nprocs} CPU rank(s) (gloo)"
     if speaks:
-        print(f"stoker demo: {title}; data {data}; {devices}; {budget}, {target}", flush=True)
+        print(f"stoker demo: {title}; data {data}; {devices}; {budget}, {target}; {_start(run_dir, args.fresh)}",
+              flush=True)
     result = launch(job, settings, nprocs=nprocs, use_cuda=use_cuda)
     if speaks:
-        print(format_summary(title, result, devices))
+        picture = None
+        from .. import plots
+
+        if result.telemetry is not None and result.telemetry.is_file() and plots.available():
+            picture = plots.plot_telemetry(result.telemetry, run_dir / "telemetry.png")
+        print(format_summary(title, result, devices, picture))
     return 0
+
+
+def _start(run_dir: Path, fresh: bool) -> str:
+    """Where the run starts, for the header: from the newest checkpoint's step, or from step 0. (The ranks
+    then load the newest one that reads back; a damaged one is set aside and the summary says which.)"""
+    if fresh:
+        return "starting at step 0 (--fresh)"
+    from ..train import Checkpoints
+
+    found = Checkpoints(run_dir / "checkpoints").list()
+    return f"resuming from step {found[-1][0]} ({found[-1][1]})" if found else "starting at step 0"
 
 
 def add_parser(sub) -> None:

@@ -58,7 +58,9 @@ def report() -> list[tuple[str, str, str | None]]:
         ("platform", platform.platform(), None),
         ("torch", f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})", None),
     ]
-    rows += [(p, _version(p), None) for p in ("numpy", "numcodecs", "zarr", "tensorstore")]
+    # tensorstore: a bench peer; tensorboard and matplotlib: optional extras for telemetry and pictures
+    rows += [(p, _version(p), None)
+             for p in ("numpy", "numcodecs", "zarr", "tensorstore", "tensorboard", "matplotlib")]
     if native.decode_files is None:
         why = "STOKER_NATIVE=0" if os.environ.get("STOKER_NATIVE") == "0" else "not built (no C compiler at install?)"
         rows.append(("compiled reader", f"off: {why}", "every chunk takes the Python path, 1.3-1.6x slower; "

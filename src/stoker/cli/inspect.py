@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
+import math
+from typing import Any
 
 import numpy as np
 
@@ -55,41 +58,82 @@ def _blocksize_and_ratio(arr, samples: int = 32) -> tuple[int | None, float | No
     return blocksize, ratio
 
 
-def describe(uri: str, sample_shape: tuple[int, ...] | None = None) -> str:
+def facts(uri: str, sample_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """What ``stoker inspect`` reports, as plain values (``--json`` prints this): the array's layout and,
+    given a crop shape, the expected amplification of random crops and advice on chunking."""
     arr = open_array(uri)
     meta = arr.metadata
     codec = meta.codec
-    lines = [
-        f"array        {arr.uri}",
-        f"format       zarr v{arr.zarr_format}",
-        f"shape        {arr.shape}",
-        f"dtype        {arr.dtype} (stored {codec.stored_dtype.str})",
-        f"read chunk   {arr.chunks} ({codec.nbytes / 2**20:.2f} MiB decoded)",
-        f"shard        {arr.shards}" if arr.shards else "shard        none",
-        f"codecs       {' -> '.join(codec.names) or 'none'}",
-        f"fill value   {arr.fill_value!r}",
-    ]
+    out: dict[str, Any] = {
+        "uri": arr.uri, "zarr_format": arr.zarr_format, "shape": list(arr.shape), "dtype": str(arr.dtype),
+        "stored_dtype": codec.stored_dtype.str, "chunks": list(arr.chunks), "chunk_bytes": codec.nbytes,
+        "shards": list(arr.shards) if arr.shards else None, "codecs": list(codec.names),
+        "fill_value": _plain(arr.fill_value),
+    }
     if sample_shape is not None:
         if len(sample_shape) != arr.ndim or any(c > s for c, s in zip(sample_shape, arr.shape)):
             raise InvalidArgument(f"--sample-shape {sample_shape} does not fit in shape {arr.shape}")
         blocksize, ratio = _blocksize_and_ratio(arr)
         est = estimate(arr.metadata, sample_shape, blocksize=blocksize, compression_ratio=ratio)
+        out["crops"] = {
+            "sample_shape": list(sample_shape), "chunks_per_crop": est.chunks_per_crop,
+            "decode_amplification": est.decode_full, "partial_decode_amplification": est.decode_partial or None,
+            "read_amplification": est.read or None, "compression_ratio": ratio, "blosc_blocksize": blocksize,
+            "advice": list(est.advice),
+        }
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A fill value as JSON holds it: numbers as numbers, NaN and infinities as strings, bytes as hex."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, complex):
+        return [_plain(value.real), _plain(value.imag)]
+    if isinstance(value, bytes):
+        return value.hex()
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def describe(uri: str, sample_shape: tuple[int, ...] | None = None) -> str:
+    f = facts(uri, sample_shape)
+    arr_shape = tuple(f["shape"])
+    lines = [
+        f"array        {f['uri']}",
+        f"format       zarr v{f['zarr_format']}",
+        f"shape        {arr_shape}",
+        f"dtype        {f['dtype']} (stored {f['stored_dtype']})",
+        f"read chunk   {tuple(f['chunks'])} ({f['chunk_bytes'] / 2**20:.2f} MiB decoded)",
+        f"shard        {tuple(f['shards'])}" if f["shards"] else "shard        none",
+        f"codecs       {' -> '.join(f['codecs']) or 'none'}",
+        f"fill value   {f['fill_value']}",
+    ]
+    crops = f.get("crops")
+    if crops is not None:
+        partial = crops["partial_decode_amplification"]
         lines += [
             "",
-            f"random crops of {sample_shape} (512 seeded crops):",
-            f"  chunks per crop            {est.chunks_per_crop:.2f}",
-            f"  decode amplification       {est.decode_full:.2f}x decoding whole chunks"
-            + (f", {est.decode_partial:.2f}x with stoker's partial blosc decode" if est.decode_partial else ""),
-            f"  read amplification         {est.read:.2f}x (compression ratio {ratio:.2f})" if est.read else
+            f"random crops of {tuple(crops['sample_shape'])} (512 seeded crops):",
+            f"  chunks per crop            {crops['chunks_per_crop']:.2f}",
+            f"  decode amplification       {crops['decode_amplification']:.2f}x decoding whole chunks"
+            + (f", {partial:.2f}x with stoker's partial blosc decode" if partial else ""),
+            f"  read amplification         {crops['read_amplification']:.2f}x (compression ratio "
+            f"{crops['compression_ratio']:.2f})" if crops["read_amplification"] else
             "  read amplification         unknown (no chunk written)",
             "",
-            *(f"advice: {a}" for a in est.advice),
+            *(f"advice: {a}" for a in crops["advice"]),
         ]
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    print(describe(args.uri, tuple(args.sample_shape) if args.sample_shape else None))
+    shape = tuple(args.sample_shape) if args.sample_shape else None
+    if args.json:
+        print(json.dumps(facts(args.uri, shape), indent=1))
+    else:
+        print(describe(args.uri, shape))
     return 0
 
 
@@ -98,6 +142,7 @@ def add_parser(sub) -> None:
     p.add_argument("uri", help="local path or file:// URI of a Zarr array")
     p.add_argument("--sample-shape", type=_extent, nargs="+", metavar="N",
                    help="crop shape: estimate read and decode amplification and advise on chunking")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run)
 
 

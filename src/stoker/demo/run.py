@@ -7,6 +7,7 @@ with checkpoints and telemetry. ``launch`` runs them on 2 CPU ranks or one rank 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import shutil
 from dataclasses import dataclass
@@ -99,8 +100,9 @@ def _mib(n: int | float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
-def format_summary(title: str, r: FitResult, devices: str) -> str:
-    """The closing report: throughput, where time went, amplification, memory, and where files are."""
+def format_summary(title: str, r: FitResult, devices: str, picture: Path | None = None) -> str:
+    """The closing report: throughput, where time went, amplification, memory, and where files are
+    (``picture``: the telemetry plot written, if any)."""
     lines = [f"{title} on {devices}"]
     if r.resumed_from is not None:
         lines.append(f"  resumed      from {r.resumed_from}")
@@ -116,6 +118,8 @@ def format_summary(title: str, r: FitResult, devices: str) -> str:
                      f"{r.samples:,} samples")
         lines.append(f"  data wait    {100 * r.data_wait_fraction:.1f}% of step time on the rank that waited most "
                      f"({r.data_wait_s:.2f} s waiting; {r.compute_s:.1f} s computing, the most of any rank)")
+        if r.skipped_steps:
+            lines.append(f"  skipped      {r.skipped_steps} step(s) whose loss was NaN or infinite")
     p = r.pipeline
     if p is not None and p.totals.samples:
         stages = ", ".join(f"{name} {m.seconds:.2f} s" for name, m in p.totals.stages.items()
@@ -134,5 +138,10 @@ def format_summary(title: str, r: FitResult, devices: str) -> str:
     if r.checkpoint is not None:
         lines.append(f"  checkpoint   {r.checkpoint} (run again to continue from it)")
     if r.telemetry is not None:
-        lines.append(f"  telemetry    {r.telemetry} (tensorboard --logdir {r.telemetry.parent})")
+        board = f" (tensorboard --logdir {r.telemetry.parent})" if importlib.util.find_spec("tensorboard") else ""
+        lines.append(f"  telemetry    {r.telemetry}{board}")
+        if picture is not None:
+            lines.append(f"  picture      {picture} (loss, samples/s and data wait over steps)")
+        else:
+            lines.append(f"  picture      none: pip install 'stoker[plot]', then stoker plot {r.telemetry.parent}")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ Modules: :mod:`~stoker.train.launch` (ranks and teardown), :mod:`~stoker.train.t
 :mod:`~stoker.train.data` (``CropBatches``).
 """
 
-from ..errors import CheckpointError, RankFailed, UnusedParameters
+from ..errors import CheckpointError, NonFiniteLoss, RankFailed, UnusedParameters
 from .checkpoint import Checkpoints
 from .data import CropBatches
 from .launch import RankContext, launch, under_torchrun
@@ -25,6 +25,7 @@ __all__ = [
     "Checkpoints",
     "CropBatches",
     "FitResult",
+    "NonFiniteLoss",
     "RankContext",
     "RankFailed",
     "Trainer",

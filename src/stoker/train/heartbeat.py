@@ -14,6 +14,7 @@ or the one that stopped answering (its beats stopped: a frozen or dead process):
 
 Positions compare by ``(step, phase)``, with ``step`` the optimizer steps completed and the phases in
 the order a step meets them after that count moved: ``idle`` (outside the Trainer), ``checkpoint``,
+``eval`` (the Trainer's evaluation: a rank still evaluating is behind one waiting in its reduction),
 ``sync`` (stoker's collectives, and the host sync on the loss), then ``data``, ``forward``, ``backward``
 (the synchronising micro-step's; the others, under ``no_sync``, count as ``forward``), ``optimizer``. A
 rank may wait for its peers in ``forward``, ``backward``, ``optimizer`` and ``sync`` (see ``WAITING``);
@@ -29,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-PHASES = ("idle", "checkpoint", "sync", "data", "forward", "backward", "optimizer")
+PHASES = ("idle", "checkpoint", "eval", "sync", "data", "forward", "backward", "optimizer")
 # Phases in which a rank may block on its peers: DDP broadcasts buffers at the start of forward and
 # all-reduces gradients in backward; under NCCL those are asynchronous and a rank blocks later, at a host
 # sync (the fp16 scaler's step, reading the loss); stoker's collectives are "sync". A rank that has been in

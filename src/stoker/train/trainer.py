@@ -17,8 +17,14 @@ What it does for you, on every rank in lockstep:
 - after the first backward, names every parameter that got no gradient (a DDP job
   would otherwise fail on the next step, or need ``find_unused_parameters=True``);
 - times each step as data wait (blocked on the next batch) and compute;
+- skips the optimizer step when the loss is NaN or infinite on any rank (all ranks skip it
+  together), counts it, and stops with :class:`~stoker.NonFiniteLoss` after
+  ``max_nonfinite_steps`` such steps in a row; weights holding NaN or infinity are never
+  checkpointed;
 - every ``log_every`` steps, logs loss (mean over ranks), step times, memory (max over
-  ranks) and the data pipeline's counters with :class:`~stoker.TelemetryWriter`;
+  ranks), skipped steps and the data pipeline's counters with :class:`~stoker.TelemetryWriter`;
+- with ``fit(eval_data=..., eval_every=N)``, the mean loss over ``eval_data`` (eval mode,
+  no gradients, over all ranks) every N steps and at the end of the call;
 - checkpoints model, optimizer, scaler, scheduler, step, every rank's RNG states and
   data position (rank 0 writes atomically, then a barrier), every
   ``checkpoints.every`` steps and at the end; ``resume="auto"`` continues from the
@@ -28,6 +34,7 @@ What it does for you, on every rank in lockstep:
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 from collections import abc
 import time
@@ -43,7 +50,7 @@ import torch.distributed as dist
 from .. import checks
 from ..distributed import ReducedStats, _all_reduce, reduce_max, reduce_stats
 from ..engine.stats import Stats
-from ..errors import CheckpointError, InvalidArgument, UnusedParameters
+from ..errors import CheckpointError, InvalidArgument, NonFiniteLoss, UnusedParameters
 from ..pin import tensors_in, to_device
 from ..telemetry import TelemetryWriter, memory_report, peak_rss_bytes
 from .checkpoint import Checkpoints
@@ -65,9 +72,11 @@ class FitResult:
     """What one ``fit`` call did, over all ranks.
 
     ``samples`` and ``samples_per_s`` cover all ranks (per the longest rank's wall time
-    ``elapsed_s``). ``data_wait_s``, ``compute_s`` and ``data_wait_fraction`` are each the
-    largest over ranks; the fraction is a rank's data wait over its step time (wait +
-    compute), so it says how much the slowest-fed rank starved.
+    ``elapsed_s``, evaluations left out). ``data_wait_s``, ``compute_s`` and
+    ``data_wait_fraction`` are each the largest over ranks; the fraction is a rank's data
+    wait over its step time (wait + compute), so it says how much the slowest-fed rank
+    starved. ``skipped_steps``: steps of this call whose loss was not finite (no optimizer
+    step); ``eval_losses``: the evaluation loss by step (empty without ``eval_data``).
     """
 
     start_step: int
@@ -86,6 +95,8 @@ class FitResult:
     resumed_from: Path | None
     telemetry: Path | None
     world_size: int
+    skipped_steps: int = 0
+    eval_losses: dict[int, float] = field(default_factory=dict)
 
     @property
     def steps_run(self) -> int:
@@ -137,6 +148,8 @@ class Trainer:
     is the DDP-wrapped module. ``device``: where the model and batches go (default:
     the current CUDA device, else the CPU). ``unused_parameters``: ``"error"``
     (default), ``"warn"`` or ``"ignore"`` for the first-backward check.
+    ``max_nonfinite_steps``: how many optimizer steps in a row may have a NaN or infinite
+    loss (each is skipped) before ``fit`` raises :class:`~stoker.NonFiniteLoss`.
 
     Every rank must build its Trainer alike (the same ``checkpoints``, ``telemetry_dir``,
     ``log_every``, ``accumulate``): logging and checkpointing are collectives, and a rank
@@ -147,7 +160,8 @@ class Trainer:
                  device: torch.device | str | None = None, amp: str | None = None, accumulate: int = 1,
                  grad_clip: float | None = None, scheduler: Any = None, checkpoints: Checkpoints | None = None,
                  telemetry_dir: str | Path | None = None, log_every: int = 10, unused_parameters: str = "error",
-                 ddp_kwargs: Mapping[str, Any] | None = None, progress: bool = True) -> None:
+                 ddp_kwargs: Mapping[str, Any] | None = None, progress: bool = True,
+                 max_nonfinite_steps: int = 10) -> None:
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgument(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -157,6 +171,7 @@ class Trainer:
         if amp not in _AMP:
             raise InvalidArgument(f"amp must be one of {_AMP}, got {amp!r}")
         accumulate, log_every = checks.integer("accumulate", accumulate, 1), checks.integer("log_every", log_every, 1)
+        self.max_nonfinite_steps = checks.integer("max_nonfinite_steps", max_nonfinite_steps, 1)
         if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
             raise InvalidArgument(f"grad_clip must be a number > 0 or None, got {grad_clip!r}")
         if unused_parameters not in _UNUSED:
@@ -195,9 +210,12 @@ class Trainer:
         self.progress = progress
         self.step = 0
         self.samples_seen = 0  # all ranks, over the whole run including resumed parts
+        self.skipped_steps = 0  # steps of this Trainer's fits whose loss was not finite
+        self._nonfinite_in_a_row = 0
         self._checked_unused = False
         self._fitted = False  # only the first fit resumes from a checkpoint
         self._epochs: _Epochs | None = None
+        self._log_mark = (0.0, 0.0)  # (perf_counter, samples of all ranks) at the last telemetry record
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -222,6 +240,7 @@ class Trainer:
     def _save(self, data: Any, samples: int) -> Path:
         """Collective: gather every rank's RNG, data position and sample count; rank 0 writes; all agree."""
         assert self.checkpoints is not None
+        self._check_finite_weights()
         error: BaseException | None = None
         try:
             mine = (_rng_state(), data.state_dict() if callable(getattr(data, "state_dict", None)) else None,
@@ -256,6 +275,21 @@ class Trainer:
             raise CheckpointError(f"rank 0 could not write the checkpoint of step {self.step}; its error says why",
                                   elsewhere=True)
         return self.checkpoints.path_for(self.step)
+
+    def _check_finite_weights(self) -> None:
+        """Collective: NonFiniteLoss on every rank when any rank's parameters or buffers hold NaN or infinity
+        (a checkpoint of them would poison every resumption)."""
+        tensors = [(n, t) for n, t in (*self.module.named_parameters(), *self.module.named_buffers())
+                   if t.is_floating_point() or t.is_complex()]
+        ok = bool(torch.stack([torch.isfinite(t).all() for _, t in tensors]).all()) if tensors else True
+        if self._agree(ok):
+            return
+        bad = next((n for n, t in tensors if not bool(torch.isfinite(t).all())), "another rank's replica")
+        newest = self.checkpoints.list()[-1][1] if self.checkpoints is not None and self.checkpoints.list() else None
+        raise NonFiniteLoss(f"the weights hold NaN or infinite values at step {self.step} (first: {bad}); they are "
+                            f"not checkpointed ({f'the newest checkpoint is {newest}' if newest else 'none written'}). "
+                            "Lower the learning rate, set grad_clip=, or check the data for NaN and infinity.",
+                            step=self.step, count=self._nonfinite_in_a_row, parameter=bad)
 
     def _resume(self, resume: Any, data: Any) -> Path | None:
         """Collective: rank 0 picks the checkpoint, every rank loads the same one, all agree it worked."""
@@ -388,6 +422,16 @@ class Trainer:
         if self.rank == 0:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
+    def _place(self, batch: Any) -> Any:
+        """The batch on the model's device."""
+        if self.device.type != "cpu":
+            return to_device(batch, self.device)
+        if any(t.device.type != "cpu" for t in tensors_in(batch)):
+            # a GPU batch for a CPU model (a pipeline left on device=None in a CPU rank of a GPU machine)
+            # comes back synchronously, so it is whole when used; CPU batches pass as they are
+            return to_device(batch, self.device, non_blocking=False)
+        return batch
+
     def _micro_step(self, batch: Any, last: bool) -> torch.Tensor:
         sync = contextlib.nullcontext() if last or not self.distributed else self.model.no_sync()
         with sync:
@@ -404,6 +448,44 @@ class Trainer:
             self._check_unused()
         return loss.detach()
 
+    def _skip_step(self) -> None:
+        """A step whose loss was not finite: no optimizer step. fp16's scaler backs off as it would on
+        overflowing gradients; the scheduler still counts the step (it schedules by step number)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def evaluate(self, data: Any) -> float:
+        """Collective: the mean loss over every batch of ``data`` (weighted by samples, over all ranks), with
+        the model in eval mode and no gradients. Training's state is untouched: the model's mode and the RNG
+        states (a ``loss_fn`` that draws noise) are as before, so evaluating never changes the training run.
+        Ranks may hold different numbers of batches; every rank must call it."""
+        rng = _rng_state()
+        was_training = self.module.training
+        self.module.eval()
+        total, count = 0.0, 0
+        try:
+            # the bare module: DDP's forward may broadcast buffers, a collective ranks with unequal batch
+            # counts would not all join
+            with torch.no_grad():
+                for batch in data:
+                    n = _batch_len(batch)
+                    with self._autocast():
+                        loss = self.loss_fn(self.module, self._place(batch))
+                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                        raise InvalidArgument(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
+                    total += float(loss) * n
+                    count += n
+        finally:
+            self.module.train(was_training)
+            _set_rng_state(rng)
+        total, count = self._all_reduce([total, float(count)], "SUM")
+        if count == 0:
+            raise InvalidArgument(f"eval_data ({type(data).__name__}) yields no batches on any rank")
+        return total / count
+
     def _optimizer_step(self) -> None:
         if self.grad_clip is not None:
             if self.scaler is not None:
@@ -418,7 +500,7 @@ class Trainer:
             self.scheduler.step()
 
     def fit(self, data: Any, steps: int | None = None, seconds: float | None = None,
-            resume: str | Path | None = "auto") -> FitResult:
+            resume: str | Path | None = "auto", *, eval_data: Any = None, eval_every: int | None = None) -> FitResult:
         """Train until optimizer step ``steps`` (counted from the run's start, resumed steps included)
         or for ``seconds`` of this call, whichever comes first. Collective: call it on every rank.
 
@@ -428,23 +510,34 @@ class Trainer:
         readable checkpoint, if any; nothing without ``checkpoints``), a checkpoint path, or None.
         Only the first ``fit`` of a Trainer resumes; later calls continue where the previous one
         stopped (with the same data, from the same position).
+
+        ``eval_data``: an iterable of batches (this rank's share), passed whole through
+        :meth:`evaluate` every ``eval_every`` steps and after the call's last step; its loss goes
+        to telemetry (``eval_loss``), the progress output and ``FitResult.eval_losses``.
         """
         if steps is None and seconds is None:
             raise InvalidArgument("fit needs steps=N or seconds=S (or both)")
         steps = checks.integer("steps", steps, 0, optional=True)
         seconds = checks.seconds("seconds", seconds, optional=True)
+        eval_every = checks.integer("eval_every", eval_every, 1, optional=True)
+        if eval_every is not None and eval_data is None:
+            raise InvalidArgument("eval_every needs eval_data=, the batches to evaluate on")
         resumed_from = self._resume(resume, data) if not self._fitted else None
         self._fitted = True
         start_step = self.step
-        writer = TelemetryWriter(self.telemetry_dir, every=self.log_every) if self.telemetry_dir else None
         todo = steps is None or self.step < steps
+        if self.progress and self.rank == 0:
+            self._say_where_it_starts(resumed_from, steps, todo)
+        writer = TelemetryWriter(self.telemetry_dir) if self.telemetry_dir else None  # fit picks the steps
         bar = _Progress(start_step, steps, seconds) if self.progress and self.rank == 0 and todo else None
         losses: dict[int, float] = {}
-        wait_total = compute_total = 0.0
-        samples = 0
+        eval_losses: dict[int, float] = {}
+        wait_total = compute_total = eval_s = 0.0
+        samples = skipped = 0
         last_saved: Path | None = resumed_from
         self.model.train()
         t_start = time.perf_counter()
+        self._log_mark = (t_start, 0.0)
         if self._epochs is None or self._epochs.data is not data:
             self._epochs = _Epochs(data)  # kept: a later fit on the same data continues its iterator
         batches = self._epochs
@@ -460,35 +553,48 @@ class Trainer:
                     batch = next(batches)
                     wait += time.perf_counter() - tw
                     samples += _batch_len(batch)
-                    if self.device.type != "cpu":
-                        batch = to_device(batch, self.device)
-                    elif any(t.device.type != "cpu" for t in tensors_in(batch)):
-                        # a GPU batch for a CPU model (a pipeline left on device=None in a CPU rank of a GPU
-                        # machine) comes back synchronously, so it is whole when used; CPU batches pass as they are
-                        batch = to_device(batch, self.device, non_blocking=False)
-                    total += self._micro_step(batch, last=micro == self.accumulate - 1)
+                    total += self._micro_step(self._place(batch), last=micro == self.accumulate - 1)
+                loss = float(total) / self.accumulate  # waits for the device: compute time is real
+                # A NaN or infinite loss on any rank: every rank skips the step, so the replicas stay equal.
                 mark(self.step, "optimizer")
-                self._optimizer_step()
+                if self._agree(math.isfinite(loss)):
+                    self._optimizer_step()
+                    self._nonfinite_in_a_row = 0
+                else:
+                    self._skip_step()
+                    skipped += 1
+                    self.skipped_steps += 1
+                    self._nonfinite_in_a_row += 1
                 self.step += 1
                 mark(self.step, "sync")  # under NCCL the host waits here for the step's collectives too
-                loss = float(total) / self.accumulate  # waits for the device: compute time is real
                 losses[self.step] = loss
+                if self._nonfinite_in_a_row >= self.max_nonfinite_steps:
+                    raise NonFiniteLoss(
+                        f"the loss was NaN or infinite in {self._nonfinite_in_a_row} steps in a row (steps "
+                        f"{self.step - self._nonfinite_in_a_row + 1}-{self.step}, on at least one rank); none "
+                        "was applied and training stops (max_nonfinite_steps="
+                        f"{self.max_nonfinite_steps}). Check the data for NaN and infinity, lower the learning "
+                        "rate, or set grad_clip=.", step=self.step, count=self._nonfinite_in_a_row)
                 step_s = time.perf_counter() - t0
                 wait_total += wait
                 compute_total += step_s - wait
                 if writer is not None and self.step % self.log_every == 0:
-                    self._log(writer, data, loss, wait, step_s, wait_total, compute_total)
+                    self._log(writer, data, loss, wait, step_s, wait_total, compute_total, samples)
                 if bar is not None:
-                    bar.update(self.step, loss, _wait_share(wait_total, compute_total))
+                    bar.update(self.step, loss, _wait_share(wait_total, compute_total), self.skipped_steps)
+                if eval_every is not None and self.step % eval_every == 0:
+                    eval_s += self._run_eval(eval_data, eval_losses, writer, bar)
                 if self.checkpoints is not None and self.checkpoints.due(self.step):
                     last_saved = self._save(data, samples)
                 if seconds is not None and self._time_is_up(time.perf_counter() - t_start, seconds):
                     break
-            elapsed = time.perf_counter() - t_start
+            if eval_data is not None and self.step > start_step and self.step not in eval_losses:
+                eval_s += self._run_eval(eval_data, eval_losses, writer, bar)  # the call's result
+            elapsed = time.perf_counter() - t_start - eval_s
             if self.checkpoints is not None and self.step > start_step and not self.checkpoints.due(self.step):
                 last_saved = self._save(data, samples)  # the end of a call is a natural place to resume from
             return self._result(data, start_step, losses, samples, elapsed, wait_total, compute_total,
-                                last_saved, resumed_from, writer)
+                                last_saved, resumed_from, writer, skipped, eval_losses)
         finally:
             mark(self.step, "idle")
             if bar is not None:
@@ -496,20 +602,53 @@ class Trainer:
             if writer is not None:
                 writer.close()
 
+    def _say_where_it_starts(self, resumed_from: Path | None, steps: int | None, todo: bool) -> None:
+        """Rank 0's opening line: where training starts (a resumed run: from which step and checkpoint), or
+        that there is nothing left to do."""
+        if not todo:
+            print(f"training: nothing to do, already at step {self.step} of steps={steps}"
+                  + (f" (resumed from {resumed_from})" if resumed_from is not None else "")
+                  + "; raise steps to train further", flush=True)
+        elif resumed_from is not None:
+            print(f"training: resuming at step {self.step} from {resumed_from}", flush=True)
+        elif self.step > 0:
+            print(f"training: continuing at step {self.step}", flush=True)
+
+    def _run_eval(self, eval_data: Any, eval_losses: dict[int, float], writer: TelemetryWriter | None,
+                  bar: "_Progress | None") -> float:
+        """Collective: evaluate, record and report at this step; returns the seconds it took."""
+        t0 = time.perf_counter()
+        mark(self.step, "eval")
+        value = self.evaluate(eval_data)
+        eval_losses[self.step] = value
+        when, samples = self._log_mark
+        self._log_mark = (when + time.perf_counter() - t0, samples)  # samples/s leaves evaluations out
+        if writer is not None:
+            writer.log(self.step, {"eval_loss": value})
+        if bar is not None:
+            bar.write(f"step {self.step}: eval loss {value:.4g}")
+        return time.perf_counter() - t0
+
     def _time_is_up(self, elapsed: float, seconds: float) -> bool:
         # Every rank must stop after the same step, or the others wait in a collective for ever.
         return self._all_reduce([1.0 if elapsed >= seconds else 0.0], "MAX")[0] > 0
 
     def _log(self, writer: TelemetryWriter, data: Any, loss: float, wait: float, step_s: float,
-             wait_total: float, compute_total: float) -> None:
-        mean_loss = self._all_reduce([loss], "SUM")[0] / self.world_size
+             wait_total: float, compute_total: float, samples: int) -> None:
+        loss_sum, samples_all = self._all_reduce([loss, float(samples)], "SUM")
+        now = time.perf_counter()
+        since, before = self._log_mark
+        self._log_mark = (now, samples_all)
         metrics: dict[str, Any] = {
-            "loss": mean_loss,
+            "loss": loss_sum / self.world_size,
+            "samples": self.samples_seen + int(samples_all),  # all ranks, resumed parts of the run included
+            "samples_per_s": (samples_all - before) / (now - since) if now > since else 0.0,  # since the last record
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "data_wait_s": wait,
             "compute_s": step_s - wait,
             "step_s": step_s,
             "data_wait_fraction": _wait_share(wait_total, compute_total),
+            "skipped_steps": self.skipped_steps,
             "host_peak_rss_bytes": peak_rss_bytes(),
             **memory_report(),
         }
@@ -522,7 +661,7 @@ class Trainer:
 
     def _result(self, data: Any, start_step: int, losses: dict[int, float], samples: int, elapsed: float,
                 wait_total: float, compute_total: float, last_saved: Path | None, resumed_from: Path | None,
-                writer: TelemetryWriter | None) -> FitResult:
+                writer: TelemetryWriter | None, skipped: int, eval_losses: dict[int, float]) -> FitResult:
         """Collective: totals over ranks and the worst rank's times and memory."""
         samples_all = int(self._all_reduce([float(samples)], "SUM")[0])
         self.samples_seen += samples_all
@@ -540,6 +679,7 @@ class Trainer:
             peak_host_rss_bytes=int(worst["rss"]), peak_cuda_bytes=int(worst["cuda"]) if worst["cuda"] >= 0 else None,
             pipeline=pipeline, checkpoint=last_saved, resumed_from=resumed_from,
             telemetry=writer.path if writer is not None else None, world_size=self.world_size,
+            skipped_steps=skipped, eval_losses=eval_losses,
         )
 
 
@@ -557,13 +697,18 @@ class _Progress:
         else:
             self.bar = tqdm(total=steps, initial=start, desc="training", unit="step", dynamic_ncols=True)
 
-    def update(self, step: int, loss: float, wait_share: float) -> None:
-        self.bar.set_postfix_str(f"step {step}, loss {loss:.4g}, data wait {100 * wait_share:.0f}%", refresh=False)
+    def update(self, step: int, loss: float, wait_share: float, skipped: int = 0) -> None:
+        self.bar.set_postfix_str(f"step {step}, loss {loss:.4g}, data wait {100 * wait_share:.0f}%"
+                                 + (f", {skipped} skipped (loss not finite)" if skipped else ""), refresh=False)
         if self.by_time:
             self.bar.n = min(self.bar.total, time.perf_counter() - self.t0)
             self.bar.refresh()
         else:
             self.bar.update(1)
+
+    def write(self, line: str) -> None:
+        """A line above the bar (the bar redraws below it)."""
+        self.bar.write(line)
 
     def close(self) -> None:
         self.bar.close()

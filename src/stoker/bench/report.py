@@ -1,0 +1,93 @@
+"""``stoker bench --json``: the numbers of a bench run as one JSON document (``plots.plot_bench`` draws it).
+
+The document: ``{"title", "stoker", "python", "torch", "cores", "suite", "device", "scenarios": [...]}``;
+each scenario ``{"number", "title", "batch_size", "timed_batches", "step_ms", "peers": [...]}``; each peer
+``{"peer", "samples_per_s", "mb_per_s", "peak_rss_bytes", "seconds", "samples", "rounds"}`` (``rounds``:
+samples/s of every interleaved round; the peer's numbers are its median round's), and for stoker's peers
+``read_amplification``, ``decode_amplification`` and, where the CPU time was measured, ``breakdown``
+(CPU ms per batch, by stage).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+
+__all__ = ["document", "peer_record", "scenario_record", "stage_breakdown", "write"]
+
+
+def stage_breakdown(stats: Any, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0) -> dict[str, Any]:
+    """stoker's CPU time per timed batch (ms) and its split by stage: decode, read, cast, plan, and other
+    (the rest: Python bookkeeping, the consumer, the RSS sampler); GIL-held time and the garbage
+    collections in it. Stage times are thread time, waits for a core included."""
+    stages = {"decode": stats.stages["decode"].seconds, "read": stats.stages["io"].seconds,
+              "cast": stats.stages["assemble"].seconds, "plan": stats.stages["plan"].seconds}
+    stages["other"] = cpu_s - sum(stages.values())
+    per = 1e3 / batches if batches > 0 else 0.0
+    return {"cpu_ms_per_batch": cpu_s * per, "cores_busy": cpu_s / wall_s if wall_s > 0 else 0.0,
+            "cpu_s": cpu_s, "stages_ms_per_batch": {k: v * per for k, v in stages.items()},
+            "gil_ms_per_batch": stats.gil_seconds * per, "gc_ms_per_batch": gc_s * per}
+
+
+def peer_record(r: Any) -> dict[str, Any]:
+    """One peer's result (a ``bench.runner.Result``) as plain numbers."""
+    out: dict[str, Any] = {"peer": r.peer, "samples_per_s": r.samples_per_s, "mb_per_s": r.mb_per_s,
+                           "peak_rss_bytes": r.peak_rss, "seconds": r.seconds, "samples": r.samples,
+                           "rounds": list(r.extra.get("rounds") or [r.samples_per_s])}
+    stats = r.extra.get("stats")
+    if stats is not None:
+        out["read_amplification"] = _number(stats.read_amplification)
+        out["decode_amplification"] = _number(stats.decode_amplification)
+    if "cpu_s" in r.extra and r.extra.get("batches"):
+        out["breakdown"] = stage_breakdown(stats, r.extra["cpu_s"], r.extra["batches"], r.seconds,
+                                           r.extra.get("gc_s", 0.0))
+    for key in ("first_batch_s", "host_buffer_bytes", "pinned_bytes"):
+        if key in r.extra:
+            out[key] = r.extra[key]
+    alone = r.extra.get("alone")
+    if alone:
+        out["alone"] = {k: v for k, v in alone.items() if isinstance(v, (int, float))}
+    return out
+
+
+def scenario_record(sc: Any, results: list[Any], timed_batches: int, batch_size: int | None = None,
+                    step_s: float | None = None) -> dict[str, Any]:
+    """A scenario's results: what ran and every peer's numbers."""
+    return {"number": sc.number, "title": sc.title, "batch_size": batch_size, "timed_batches": timed_batches,
+            "step_ms": None if step_s is None else step_s * 1e3, "peers": [peer_record(r) for r in results]}
+
+
+def document(scenarios: list[dict[str, Any]], *, suite: str, device: str, title: str) -> dict[str, Any]:
+    import torch
+
+    return {"title": title, "stoker": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "cores": os.cpu_count(), "suite": suite, "device": device, "scenarios": scenarios}
+
+
+def write(path: str | os.PathLike, doc: dict[str, Any]) -> Path:
+    """Write ``doc`` as JSON (strict: non-finite numbers become null), replacing ``path`` whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(_strict(doc), indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _number(x: float) -> float | None:
+    return x if x == x and abs(x) != float("inf") else None
+
+
+def _strict(value: Any) -> Any:
+    if isinstance(value, float):
+        return _number(value)
+    if isinstance(value, dict):
+        return {str(k): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
