@@ -7,6 +7,9 @@
 >>> state = pipeline.state_dict()["sources"][0]   # as of the last popped batch
 >>> mine.load_state_dict(state)              # later, on any world size: continue where it stopped
 
+Each entry of ``arrays`` is one array, or a group of arrays of one shape read as channels of every sample
+(``[[t2m, u10, v10], ...]``: samples of shape ``(3, *sample_shape)``, see :class:`~stoker.Sample`).
+
 The global order of an epoch depends only on ``(seed, epoch)``; ``shard()`` splits
 it so that within an epoch the ranks' samples are disjoint, cover the order, and
 every rank gets the same number (short ranks wrap around, or all drop the tail
@@ -78,6 +81,38 @@ def _open_shapes(arrays: Sequence[str]) -> list[tuple[int, ...]]:
     return [open_array(uri).shape for uri in arrays]
 
 
+def _entries(arrays: Sequence[Any], who: str) -> list:
+    """``arrays`` as a sampler keeps them: each a URI, or a list of URIs (a group read as channels). Every
+    entry must be of one kind, and groups of one size (a pipeline's samples all have one shape)."""
+    if isinstance(arrays, (str, os.PathLike)):
+        raise InvalidArgument(f"{who} takes a list of arrays (or of groups of arrays), got the single {arrays!r}; "
+                              "wrap it in a list")
+    out = [[os.fspath(u) for u in a] if isinstance(a, (list, tuple)) else os.fspath(a) for a in arrays]
+    sizes = {len(a) if isinstance(a, list) else None for a in out}
+    if len(sizes) > 1:
+        raise InvalidArgument(
+            f"{who}: every entry of arrays must be one array, or every entry a group of the same number of arrays "
+            f"(the channels of each sample); got groups of sizes {sorted(sizes, key=str)}")
+    if 0 in sizes:
+        raise InvalidArgument(f"{who}: a group of arrays is empty; each group needs at least one array")
+    return out
+
+
+def _entry_shapes(entries: list) -> list[tuple[int, ...]]:
+    """The shape of each entry's arrays: a group's arrays must have one shape (InvalidArgument naming them)."""
+    shapes = []
+    for entry in entries:
+        group = entry if isinstance(entry, list) else [entry]
+        found = _open_shapes(group)
+        for uri, shape in zip(group, found):
+            if shape != found[0]:
+                raise InvalidArgument(
+                    f"{uri}: shape {shape} differs from {group[0]}'s {found[0]}; the arrays of a group are read "
+                    "at the same boxes and must have one shape", uri=uri)
+        shapes.append(found[0])
+    return shapes
+
+
 class RandomCrops(SampleSource):
     """Uniform random in-bounds crops over arrays, weighted by array volume unless ``weights`` is given.
 
@@ -86,16 +121,16 @@ class RandomCrops(SampleSource):
     >>> src = stoker.RandomCrops(["/data/a.zarr"], (32, 128, 128), seed=0, samples_per_epoch=10_000)
     """
 
-    def __init__(self, arrays: Sequence[str], sample_shape: Sequence[int], seed: int = 0,
+    def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int], seed: int = 0,
                  samples_per_epoch: int | None = None, weights: Sequence[float] | None = None) -> None:
-        self.arrays = [os.fspath(a) for a in arrays]
+        self.arrays = _entries(arrays, "RandomCrops")
         if not self.arrays:
             raise InvalidArgument("RandomCrops needs at least one array")
         self.sample_shape = tuple(int(s) for s in sample_shape)
         if any(c < 1 for c in self.sample_shape):
             raise InvalidArgument(f"RandomCrops: sample_shape {self.sample_shape} must be >= 1 on every axis")
         self.seed = int(seed)
-        self.shapes = _open_shapes(self.arrays)
+        self.shapes = _entry_shapes(self.arrays)
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape) or any(c > s for c, s in zip(self.sample_shape, shape)):
                 raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}", uri=uri)
@@ -154,16 +189,16 @@ class TileGrid(SampleSource):
     With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
     """
 
-    def __init__(self, arrays: Sequence[str], sample_shape: Sequence[int], stride: Sequence[int] | None = None,
-                 shuffle: bool = False, seed: int = 0) -> None:
-        self.arrays = [os.fspath(a) for a in arrays]
+    def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int],
+                 stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0) -> None:
+        self.arrays = _entries(arrays, "TileGrid")
         self.sample_shape = tuple(int(s) for s in sample_shape)
         self.stride = tuple(int(s) for s in (stride or self.sample_shape))
         if any(s < 1 for s in self.stride):
             raise InvalidArgument(f"stride must be positive, got {self.stride}")
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
-        self.shapes = _open_shapes(self.arrays)
+        self.shapes = _entry_shapes(self.arrays)
         self._counts = []
         self._offsets = [0]  # tiles before each array (Python ints: counts of huge grids overflow int64)
         for uri, shape in zip(self.arrays, self.shapes):
@@ -223,7 +258,7 @@ class SampleList(SampleSource):
         return self.samples[index]
 
     def _identity(self) -> Any:
-        return [[s.uri, s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
+        return [[s._target(), s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
 
 
 def _order(cached: Permutation | None, n: int, seed: int, epoch: int) -> Permutation:

@@ -126,7 +126,7 @@ class Coordinator:
         try:
             # The arrays' metadata settles the dtype and the budget before planning: a crop too large for
             # host_buffer_bytes is refused before its plan (chunk lists of its whole volume) is built.
-            readers = list({s.uri: self.open(s.uri) for s in samples}.values())
+            readers = list({uri: self.open(uri) for s in samples for uri in s.uris}.values())
             dtype = self._batch_dtype(readers)
             self.executor.prepare(samples[0].shape, readers, dtype)
             plan = self.executor.plan(batch_id, samples, self.open)

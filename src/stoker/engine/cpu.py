@@ -51,13 +51,18 @@ class Decoders:
 
     def plan(self, batch_id: int, samples: Sequence, open_reader: Callable) -> BatchPlan | TablePlan:
         """The batch's plan: flat tables for the engine, or plan_batch's tasks for the Python path."""
-        if self.native is not None and samples and samples[0].shape:
+        if self.native is not None and samples and samples[0].crop_shape:
             return plan_tables(batch_id, samples, open_reader)
         return plan_batch(batch_id, samples, open_reader, max_group=self._group_limit, sizing=size_class)
 
     def submit(self, plan: BatchPlan | TablePlan, out: torch.Tensor,
                then: Callable[[Job], None] | None = None) -> Job:
-        """Start making ``plan`` into ``out``; ``then(job)`` runs once every chunk is in place."""
+        """Start making ``plan`` into ``out``; ``then(job)`` runs once every chunk is in place.
+
+        A batch of multi-array samples, ``(B, C, *box)``, is made through its ``(B * C, *box)`` view: the
+        plans' copy rows are ``b * C + c``, so neither path knows about channels."""
+        if plan.channels is not None:
+            out = out.flatten(0, 1)
         job = Job(plan, out, len(plan.chunks), then)
         if isinstance(plan, TablePlan):
             self.native.submit(job)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..config import Config
 from ..errors import InvalidArgument, RankMismatch, StokerError
-from ..sample import Sample
+from ..sample import Sample, arrays_read
 
 
 class Intake:
@@ -38,6 +38,7 @@ class Intake:
         self.launching = False  # samples taken from the sources but not yet in flight
         self.pending = 0
         self.shape: tuple[int, ...] | None = cfg.sample_shape
+        self.first: Sample | None = None  # the first sample checked: its channel count is the pipeline's
 
     def push(self, samples: Sample | Iterable[Sample]) -> None:
         """Queue samples: one Sample, a sequence (checked now), a sharded source (pulled lazily, its
@@ -55,11 +56,13 @@ class Intake:
                 self.cond.notify_all()
         elif isinstance(samples, Sized) and not isinstance(samples, Iterator):
             items = list(it)
-            shape = self.shape
+            shape, first = self.shape, self.first
             for s in items:
-                shape = validate(s, shape)
+                shape = validate(s, shape, first)
+                first = first or s
             with self.cond:
                 self.shape = self.shape or shape
+                self.first = self.first or first
                 self.sources.append((iter(items), True, next(self._source_ids)))
                 self.pending += len(items)
                 self.cond.notify_all()
@@ -91,11 +94,12 @@ class Intake:
             except BaseException as exc:  # noqa: BLE001
                 return self._take_before_error(), exc if isinstance(exc, StokerError) else _wrap_source_error(exc)
             try:
-                shape = validate(sample, self.shape)
+                shape = validate(sample, self.shape, self.first)
             except StokerError as exc:
                 return self._take_before_error(), exc
             with self.cond:
                 self.shape = self.shape or shape
+                self.first = self.first or sample
                 if not counted:
                     self.pending += 1
             self.staged.append((sample, sid))
@@ -147,10 +151,15 @@ class Intake:
             }
 
 
-def validate(s: Any, shape: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The batch shape after ``s``: typed errors for a non-Sample, another rank or another shape."""
+def validate(s: Any, shape: tuple[int, ...] | None, first: Sample | None = None) -> tuple[int, ...]:
+    """The batch shape after ``s``: typed errors for a non-Sample, another number of arrays than ``first``
+    (the pipeline's first sample), another rank or another shape."""
     if not isinstance(s, Sample):
         raise InvalidArgument(f"expected stoker.Sample, got {type(s).__name__}: {s!r}")
+    if first is not None and s.channels != first.channels:
+        raise InvalidArgument(f"{s} reads {arrays_read(s)}, this pipeline's first sample {first} reads "
+                              f"{arrays_read(first)}; "
+                              "every sample of a pipeline must read the same number of arrays", uri=s.uri)
     if shape is None:
         return s.shape
     if len(s.shape) != len(shape):
@@ -158,7 +167,8 @@ def validate(s: Any, shape: tuple[int, ...] | None) -> tuple[int, ...]:
                            uri=s.uri)
     if s.shape != shape:
         raise InvalidArgument(f"{s} has shape {s.shape}; every sample of this pipeline must be {shape} "
-                              "(set Config.sample_shape, or make all boxes the same size)", uri=s.uri)
+                              "(set Config.sample_shape, or make all boxes the same size; a sample of several arrays is "
+                              "(channels, *box))", uri=s.uri)
     return shape
 
 

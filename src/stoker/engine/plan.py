@@ -9,7 +9,8 @@ indexes, both cached by their owners), so it can be tested on its own:
 (64, 61)
 
 Per chunk it records every copy (batch row, selection in the chunk, selection in
-the crop) and the byte range of the decoded chunk the copies actually read, so
+the crop; a batch of multi-array samples has one row per sample and channel, ``b * C + c``, so
+the channel slices of the ``(B, C, *box)`` batch are rows of its ``(B * C, *box)`` view) and the byte range of the decoded chunk the copies actually read, so
 the executor can decode only that part where the codec allows it. This is the
 Python path's planner; the compiled engine's is :mod:`.tables` (the same plan as
 arrays, checked against this one).
@@ -26,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 from ..array import ArrayReader
 from ..box import box_shape, check_in_bounds
 from ..errors import InvalidArgument
-from ..sample import Sample
+from ..sample import Sample, arrays_read, parts
 from ..storage.ranges import Read, coalesce
 from ..zarr.grid import c_strides
 
@@ -120,12 +121,18 @@ class BatchPlan:
     sources: list[ArrayReader]
     chunks: list[ChunkTask]
     file_reads: list[FileRead]
-    chunks_needed: int  # sum over samples of chunks touched (before de-duplication)
+    chunks_needed: int  # sum over samples (and channels) of chunks touched (before de-duplication)
     bytes_needed: int  # source-dtype bytes the samples hold (what a perfect reader would decode)
+    channels: int | None = None  # multi-array samples: arrays per sample (copy rows are b * C + c)
 
     @property
     def rows(self) -> int:
         return len(self.samples)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """One sample's shape in the batch: ``(C, *sample_shape)`` for multi-array samples."""
+        return self.sample_shape if self.channels is None else (self.channels, *self.sample_shape)
 
     @property
     def n_chunks(self) -> int:
@@ -189,22 +196,18 @@ def plan_batch(
     spans: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # first and last element the copies read
     needed = 0
     bytes_needed = 0
-    shape = box_shape(samples[0].aabb) if samples else ()
-    for row, sample in enumerate(samples):
-        sid = source_of.get(sample.uri)
+    shape, channels = batch_shape(samples)
+    for row, (uri, aabb) in enumerate(parts(samples)):  # a row per sample and channel
+        sid = source_of.get(uri)
         if sid is None:
-            sid = source_of[sample.uri] = len(sources)
-            sources.append(open_reader(sample.uri))
+            sid = source_of[uri] = len(sources)
+            sources.append(open_reader(uri))
         reader = sources[sid]
-        check_in_bounds(sample.aabb, reader.shape, sample.uri)
-        sample_shape = sample.shape
-        if sample_shape != shape:  # the offsets below are into a crop of the batch's shape
-            raise InvalidArgument(f"{sample} has shape {sample_shape}; every sample of a batch must be {shape}",
-                                  uri=sample.uri)
-        bytes_needed += math.prod(sample_shape) * reader.dtype.itemsize
+        check_in_bounds(aabb, reader.shape, uri)
+        bytes_needed += math.prod(shape) * reader.dtype.itemsize
         chunk_shape = reader.chunks
         per_axis = [_axis_pieces(start, stop, c, cs) for (start, stop), c, cs
-                    in zip(sample.aabb, chunk_shape, c_strides(chunk_shape))]
+                    in zip(aabb, chunk_shape, c_strides(chunk_shape))]
         for combo in itertools.product(*per_axis):
             index, c_lo, b_lo, extent, src, last = zip(*combo) if combo else ((),) * 6  # () for 0-d
             needed += 1
@@ -246,7 +249,25 @@ def plan_batch(
             by_shard.setdefault((task.path, task.ident), []).append(cid)
 
     file_reads += shard_reads(by_shard.values(), chunks, sources, max_gap, max_group, sizing)
-    return BatchPlan(batch_id, tuple(samples), shape, sources, chunks, file_reads, needed, bytes_needed)
+    return BatchPlan(batch_id, tuple(samples), shape, sources, chunks, file_reads, needed, bytes_needed, channels)
+
+
+def batch_shape(samples: Sequence[Sample]) -> tuple[tuple[int, ...], int | None]:
+    """``(crop shape, channels)`` every sample of a batch shares (the offsets of every copy are into a crop
+    of that shape, and its rows into ``channels`` arrays per sample); InvalidArgument naming the first sample
+    that differs."""
+    if not samples:
+        return (), None
+    first = samples[0]
+    for s in samples:
+        if s.channels != first.channels:
+            raise InvalidArgument(
+                f"{s} reads {arrays_read(s)}, the batch's first sample {first} reads {arrays_read(first)}; every "
+                "sample of a pipeline must read the same number of arrays", uri=s.uri)
+        if s.crop_shape != first.crop_shape:
+            raise InvalidArgument(f"{s} has shape {s.shape}; every sample of a batch must be {first.shape}",
+                                  uri=s.uri)
+    return first.crop_shape, first.channels
 
 
 def shard_reads(shards: Iterable[list[int]], chunks, sources: Sequence[ArrayReader], max_gap: int, max_group: int,

@@ -32,10 +32,10 @@ from .. import native
 from ..array import ArrayReader
 from ..box import check_in_bounds
 from ..errors import InvalidArgument
-from ..sample import Sample
+from ..sample import Sample, parts
 from ..zarr.grid import c_strides
 from ..zarr.sharding import EMPTY_ENTRY
-from .plan import ChunkTask, Copy, FileRead
+from .plan import ChunkTask, Copy, FileRead, batch_shape
 
 #: columns of the files table before the grid coordinates (see csrc/stoker_native.h: F_*)
 F_SOURCE, F_HAS_IDENT, F_IDENT, F_COORDS = 0, 1, 2, 7
@@ -89,6 +89,7 @@ class TablePlan:
     chunk_inner: np.ndarray  # flat inner-chunk index in its shard; -1 unsharded
     # per file: source, has identity, identity (dev, ino, size, mtime_ns, ctime_ns as int64 bits), grid coordinates
     files: np.ndarray
+    channels: int | None = None  # multi-array samples: arrays per sample (copy rows are b * C + c)
     chunks: _Tasks = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +98,11 @@ class TablePlan:
     @property
     def rows(self) -> int:
         return len(self.samples)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """One sample's shape in the batch: ``(C, *sample_shape)`` for multi-array samples."""
+        return self.sample_shape if self.channels is None else (self.channels, *self.sample_shape)
 
     @property
     def n_chunks(self) -> int:
@@ -225,22 +231,19 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
     the first chunk in the batch's order that has one."""
     sources: list[ArrayReader] = []
     source_of: dict[str, int] = {}
-    shape = samples[0].shape
+    shape, channels = batch_shape(samples)  # every copy's offsets are into a crop of this shape
     ndim = len(shape)
     sids, starts = [], []
-    for sample in samples:  # one step per sample
-        sid = source_of.get(sample.uri)
+    for uri, aabb in parts(samples):  # one step per sample and channel (a row each: b * C + c)
+        sid = source_of.get(uri)
         if sid is None:
-            sid = source_of[sample.uri] = len(sources)
-            sources.append(open_reader(sample.uri))
-        check_in_bounds(sample.aabb, sources[sid].shape, sample.uri)
-        if sample.shape != shape:  # every copy's offsets are into a crop of the batch's shape
-            raise InvalidArgument(f"{sample} has shape {sample.shape}; every sample of a batch must be {shape}",
-                                  uri=sample.uri)
+            sid = source_of[uri] = len(sources)
+            sources.append(open_reader(uri))
+        check_in_bounds(aabb, sources[sid].shape, uri)
         sids.append(sid)
-        starts.append([start for start, _ in sample.aabb])
+        starts.append([start for start, _ in aabb])
     sid = np.array(sids, np.int64)
-    start = np.array(starts, np.int64).reshape(len(samples), ndim)
+    start = np.array(starts, np.int64).reshape(len(sids), ndim)
     itemsize = np.array([r.dtype.itemsize for r in sources], np.int64)
     bytes_needed = math.prod(shape) * int(itemsize[sid].sum())
     chunk_shapes = np.array([r.chunks for r in sources], np.int64).reshape(len(sources), ndim)
@@ -314,7 +317,7 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         batch_id, tuple(samples), shape, sources, m, bytes_needed, row, c_start, b_start, c_extent, src_offset,
         chunk_source, chunk_index, first_copy, n_copies, byte_start, byte_stop, chunk_file, chunk_offset,
         chunk_length, chunk_inner,
-        np.concatenate(files) if files else np.zeros((0, F_COORDS + ndim), np.int64),
+        np.concatenate(files) if files else np.zeros((0, F_COORDS + ndim), np.int64), channels,
     )
 
 

@@ -178,7 +178,7 @@ class CudaExecutor(CpuExecutor):
         slot = self._acquire(self.slots, closed)
         host_slot = self._acquire(self.host_slots, closed)
         stage = devices.staging_dtype(self.cfg.output_dtype, {r.dtype for r in plan.sources}) or self.slots.dtype
-        return Target(host_slot.view(stage, (plan.rows, *plan.sample_shape)), slot, host_slot)
+        return Target(host_slot.view(stage, (plan.rows, *plan.row_shape)), slot, host_slot)
 
     def submit(self, plan: Any, target: Target) -> Job:
         return self.decoders.submit(plan, target.out, then=lambda job: self._to_device(target, job))
@@ -186,7 +186,7 @@ class CudaExecutor(CpuExecutor):
     def _to_device(self, target: Target, job: Job) -> None:
         """The job's completion hook: enqueue copy and cast, free the host slot behind them."""
         t0 = time.perf_counter()
-        host = job.out
+        host = target.out  # (rows, *row_shape); job.out may be its (rows * C, *box) view
         target.event = self.transfer.issue(host, target.slot)
         job.out = job.out_np = target.out = None  # no view may keep the staging slot from its next batch
         self.host_slots.release(target.host_slot, ready_after=target.event)
