@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,6 +89,9 @@ class Config:
       Decoding on the GPU (nvCOMP, lz4 and zstd chunks and blosc frames of them; see
       :mod:`stoker.gpu`) is being built: ``"gpu"`` will need a CUDA pipeline and nvCOMP
       (``stoker[gpu]``), and ``"auto"`` will pick it on a CUDA pipeline with nvCOMP importable.
+    - ``transform``: ``None``, a callable ``batch -> batch`` or a list of them (run in order), applied to
+      every batch on its device after the cast, before the consumer sees it; built-ins in
+      :mod:`stoker.transforms` (``Normalize``, ``FillNaN``). See that module for where it runs and what it costs.
     """
 
     batch_size: int = 8
@@ -102,6 +106,7 @@ class Config:
     pop_timeout_s: float | None = 30.0
     drop_last: bool = True
     decode_on: str = "auto"
+    transform: Any = None
 
     def __post_init__(self) -> None:
         for name, low in _INTEGER_KNOBS.items():  # numpy integers are stored as ints
@@ -139,6 +144,9 @@ class Config:
             raise InvalidArgument(f"Config.drop_last must be True or False, got {self.drop_last!r}", knob="drop_last")
         self._check_device()
         self._check_decode_on()
+        from .transforms import as_transform  # imports torch only; here to keep config's imports light
+
+        object.__setattr__(self, "transform", as_transform(self.transform))
 
     def _check_device(self) -> None:
         d = self.device

@@ -14,6 +14,7 @@ scratch (its budget) and the Python path's buffers (the :class:`~.buffers.Transi
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -22,6 +23,7 @@ from .. import native
 from ..config import Config
 from ..errors import BudgetExceeded
 from ..storage import LocalStore
+from ..transforms import apply as apply_transform
 from .buffers import Slot, SlotRing, TransientBudget, size_class
 from .decode_native import NativeDecoder, native_codec, scratch_need
 from .decode_python import PythonDecoder
@@ -201,8 +203,16 @@ class CpuExecutor:
         return Target(slot.tensor[: plan.rows], slot, slot)
 
     def submit(self, plan: Any, target: Target) -> Job:
-        """Start making ``plan`` into ``target``; the job completes or fails."""
-        return self.decoders.submit(plan, target.out)
+        """Start making ``plan`` into ``target``; the job completes or fails. With ``Config.transform`` the
+        job's completion hook runs it on the batch in its slot (its error is the job's)."""
+        if self.cfg.transform is None:
+            return self.decoders.submit(plan, target.out)
+        return self.decoders.submit(plan, target.out, then=lambda job: self._transform(target.out))
+
+    def _transform(self, out: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        apply_transform(self.cfg.transform, out)
+        self.stats.stage("transform", time.perf_counter() - t0)
 
     def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]:
         """``(view, release, ready event, ready stream)`` of a finished batch (see Batch)."""

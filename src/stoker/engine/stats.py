@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .. import gil
 
-STAGES = ("plan", "io", "decode", "assemble", "transfer", "pop_wait")
+STAGES = ("plan", "io", "decode", "assemble", "transfer", "transform", "pop_wait")
 COUNTERS = (
     "batches_emitted", "samples", "chunks_needed", "chunks_decoded", "chunk_dedup_hits",
     "bytes_read", "bytes_decoded", "bytes_delivered", "bytes_needed",

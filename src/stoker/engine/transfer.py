@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import BudgetExceeded, ShutdownError
+from ..transforms import apply as apply_transform
 from . import device as devices
 from .buffers import Slot, SlotRing, pinned_footprint
 from .cpu import CpuExecutor
@@ -62,8 +63,9 @@ class CudaTransfer:
         """Device memory held: batch slots plus the staging buffer."""
         return self.slots.nbytes + (self._stage.numel() if self._stage is not None else 0)
 
-    def issue(self, host: torch.Tensor, slot: Slot) -> torch.cuda.Event:
-        """Enqueue ``host`` (pinned, ``(rows, *sample_shape)``) into ``slot``; returns the event after the cast."""
+    def issue(self, host: torch.Tensor, slot: Slot, transform: Callable | None = None) -> torch.cuda.Event:
+        """Enqueue ``host`` (pinned, ``(rows, *sample_shape)``) into ``slot``, then ``transform`` on it (on the
+        side stream, after the cast); returns the event after both."""
         out = slot.tensor[: host.shape[0]]
         with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if self._closed:
@@ -84,6 +86,8 @@ class CudaTransfer:
                 stage = self._stage[:nbytes].view(host.dtype).view(host.shape)
                 stage.copy_(host, non_blocking=True)
                 out.copy_(stage)  # the cast, on the device
+            if transform is not None:
+                apply_transform(transform, out)
             event = torch.cuda.Event()
             event.record(self.stream)
         return event
@@ -187,7 +191,7 @@ class CudaExecutor(CpuExecutor):
         """The job's completion hook: enqueue copy and cast, free the host slot behind them."""
         t0 = time.perf_counter()
         host = target.out  # (rows, *row_shape); job.out may be its (rows * C, *box) view
-        target.event = self.transfer.issue(host, target.slot)
+        target.event = self.transfer.issue(host, target.slot, self.cfg.transform)
         job.out = job.out_np = target.out = None  # no view may keep the staging slot from its next batch
         self.host_slots.release(target.host_slot, ready_after=target.event)
         target.host_slot = None

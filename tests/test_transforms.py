@@ -1,0 +1,123 @@
+"""``Config(transform=...)`` and the built-ins of ``stoker.transforms``: numerics against numpy on zarr-python
+reads, on both decode paths, in place in the batch's slot; typed errors for what does not fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import stoker
+from stoker import native
+from stoker.records.stats import FieldStats
+from stoker.transforms import Compose, FillNaN, Normalize
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(params=["python", "engine"])
+def decode_path(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(native, "Engine", None)
+    elif native.Engine is None:
+        pytest.skip("the compiled engine is not built")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tf")
+    rng = np.random.default_rng(3)
+    a = zarr.create_array(str(root / "a.zarr"), shape=(16, 24), chunks=(8, 8), dtype="float32")
+    a[:] = rng.normal(10, 2, (16, 24)).astype("float32")
+    a[0:3, 5:9] = np.nan
+    b = zarr.create_array(str(root / "b.zarr"), shape=(16, 24), chunks=(4, 12), dtype="int16")
+    b[:] = rng.integers(-50, 50, (16, 24), dtype="int16")
+    uris = [str(root / "a.zarr"), str(root / "b.zarr")]
+    return uris, [zarr.open_array(u, mode="r")[:] for u in uris]
+
+
+BOXES = [[(0, 8), (0, 12)], [(4, 12), (6, 18)], [(8, 16), (12, 24)]]
+
+
+def _run(samples, **cfg):
+    base = dict(batch_size=len(samples), dtype="f32", device="cpu", n_compute_threads=2, pop_timeout_s=20.0,
+                host_buffer_bytes=32 << 20)
+    base.update(cfg)
+    with stoker.Pipeline(stoker.Config(**base)) as p:
+        p.push(samples)
+        with p.pop() as batch:
+            x = torch.from_dlpack(batch)
+            slot_ptr = x.data_ptr()
+            return x.clone(), slot_ptr, p._host_slots, p.stats()
+
+
+def _oracle(data):
+    return np.stack([np.stack([d[tuple(slice(*ax) for ax in box)].astype(np.float32) for d in data])
+                     for box in BOXES])
+
+
+def test_fill_then_normalize_per_channel(pair, decode_path):
+    uris, data = pair
+    mean, std = [10.0, -1.0], [2.0, 25.0]
+    x, ptr, slots, stats = _run([stoker.Sample(uris, box) for box in BOXES],
+                                transform=[FillNaN(-7.0), Normalize(mean, std)])
+    want = _oracle(data)
+    want = np.where(np.isnan(want), np.float32(-7.0), want)
+    want = (want - np.array(mean, np.float32)[None, :, None, None]) / np.array(std, np.float32)[None, :, None, None]
+    assert not torch.isnan(x).any()
+    np.testing.assert_array_equal(x.numpy(), want)  # same float32 operations, same order
+    # in place: the batch the consumer got is the slot, no other batch-sized buffer
+    assert any(s.tensor.data_ptr() == ptr for s in slots.slots)
+    assert stats.stages["transform"].count == 1
+
+
+def test_bf16_batches_and_a_function_returning_a_new_tensor(pair, decode_path):
+    uris, data = pair
+    x, _, _, _ = _run([stoker.Sample(uris[0], box) for box in BOXES], dtype="bf16",
+                      transform=lambda b: torch.nan_to_num(b, nan=1.0) * 2)  # not in place: copied back
+    want = torch.from_numpy(np.nan_to_num(_oracle(data[:1])[:, 0], nan=1.0)).to(torch.bfloat16) * 2
+    assert x.dtype == torch.bfloat16 and torch.equal(x, want)
+
+
+def test_normalize_from_compute_stats_result():
+    st = FieldStats(torch.tensor(10), torch.tensor([1.0, 2.0], dtype=torch.float64),
+                    torch.tensor([0.5, 0.0], dtype=torch.float64), torch.zeros(2), torch.ones(2))
+    n = Normalize.from_stats(st)
+    x = torch.tensor([[[2.0, 3.0], [4.0, 5.0]]])  # (B=1, C=2, 2)
+    assert torch.equal(n(x), torch.tensor([[[2.0, 4.0], [2.0, 3.0]]]))  # std 0: only centred
+    assert Normalize(5.0, 2.0)(torch.tensor([[7.0, 9.0]])).tolist() == [[1.0, 2.0]]  # scalars: any batch
+
+
+def test_errors_are_typed_and_reach_pop(pair, decode_path):
+    uris, _ = pair
+    with pytest.raises(stoker.InvalidArgument, match="3 channels .* has 2 channels"):
+        _run([stoker.Sample(uris, box) for box in BOXES], transform=Normalize([0, 0, 0], [1, 1, 1]))
+    with pytest.raises(stoker.InvalidArgument, match="has 8 channels on axis 1"):
+        _run([stoker.Sample(uris[0], box) for box in BOXES[:1]], batch_size=1,
+             transform=Normalize([0, 0], [1, 1]))
+    with pytest.raises(stoker.InvalidArgument, match="floating batch"):
+        _run([stoker.Sample(uris[1], box) for box in BOXES], dtype="native", transform=Normalize(0, 1))
+    with pytest.raises(stoker.InvalidArgument, match="returned shape"):
+        _run([stoker.Sample(uris[0], box) for box in BOXES], transform=lambda b: b[:1])
+    with pytest.raises(ZeroDivisionError):  # the user's own error, at pop
+        _run([stoker.Sample(uris[0], box) for box in BOXES], transform=lambda b: 1 / 0)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(stoker.InvalidArgument, match="std must be > 0"):
+        Normalize([0, 0], [1, 0])
+    with pytest.raises(stoker.InvalidArgument, match="mean has 2 channels, std 3"):
+        Normalize([0, 0], [1, 1, 1])
+    with pytest.raises(stoker.InvalidArgument, match="FillNaN"):
+        FillNaN(float("nan"))
+    with pytest.raises(stoker.InvalidArgument, match="Config.transform"):
+        stoker.Config(transform=3)
+    with pytest.raises(stoker.InvalidArgument, match="callable"):
+        stoker.Config(transform=[FillNaN(0), "x"])
+    assert isinstance(stoker.Config(transform=[FillNaN(0)]).transform, Compose)
+    ints = torch.tensor([1, 2], dtype=torch.int16)
+    assert FillNaN(0)(ints) is ints
+    inf = torch.tensor([float("inf"), float("nan")])
+    assert FillNaN(3)(inf).tolist() == [float("inf"), 3.0]
