@@ -12,6 +12,8 @@ from .engine.pipeline import Pipeline
 from .engine.stats import Metric, Stats
 from .sample import Sample
 from .sources import RandomCrops, SampleList, SampleSource, ShardedSource, TileGrid
+from .dataset import CropDataset
+from . import transforms
 from .distributed import rank_info, reduce_max, reduce_stats
 from .telemetry import TelemetryWriter, memory_report
 from .pin import DevicePrefetcher, Pinnable, pin_object
@@ -46,6 +48,7 @@ __all__ = [
     "Pinnable",
     "BatchInfo",
     "Config",
+    "CropDataset",
     "Metric",
     "Pipeline",
     "RandomCrops",
