@@ -121,3 +121,20 @@ def test_arguments_are_checked():
     assert FillNaN(0)(ints) is ints
     inf = torch.tensor([float("inf"), float("nan")])
     assert FillNaN(3)(inf).tolist() == [float("inf"), 3.0]
+
+
+@pytest.mark.cuda
+def test_channels_and_transforms_on_the_gpu(pair):
+    """A CUDA pipeline: channels of two dtypes, cast and transformed on the device on the pipeline's stream,
+    equal to the CPU pipeline's batch."""
+    uris, _ = pair
+    samples = [stoker.Sample(uris, box) for box in BOXES]
+    tf = [FillNaN(-7.0), Normalize([10.0, -1.0], [2.0, 25.0])]
+    cpu, _, _, _ = _run(samples, transform=tf)
+    cfg = stoker.Config(batch_size=3, dtype="f32", device="cuda", n_compute_threads=2, pop_timeout_s=20.0,
+                        host_buffer_bytes=32 << 20, device_buffer_bytes=32 << 20, transform=tf)
+    with stoker.Pipeline(cfg) as p:
+        p.push(samples)
+        with p.pop() as batch:
+            x = torch.from_dlpack(batch).cpu()
+    assert x.shape == (3, 2, 8, 12) and torch.equal(x, cpu)
