@@ -66,7 +66,8 @@ class Config:
     Fields and their allowed values:
 
     - ``batch_size`` (>= 1): samples per batch.
-    - ``sample_shape``: shape every sample must have; ``None`` takes the first sample's.
+    - ``sample_shape``: shape every sample must have (``(C, *box)`` for samples of ``C`` arrays); ``None``
+      takes the first sample's.
     - ``dtype``: ``"f32" | "bf16" | "f16" | "native"`` (the source dtype), or ``torch.float32``,
       ``torch.bfloat16``, ``torch.float16`` (stored as their names).
     - ``host_buffer_bytes`` (>= 1 MiB): hard cap on host buffers (batch slots, or the pinned staging
