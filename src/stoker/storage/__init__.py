@@ -1,9 +1,10 @@
 """Where the bytes come from.
 
-Two layers live here. The path-based local reader the engine uses today (:class:`LocalStore`:
-positional reads, descriptor cache, file identities). And the key-based :class:`Store` protocol with
-one store per kind of storage (directory, zip archive, object store, memory), picked by
-:func:`open_store`; the engine and ``open_array`` are not wired to it yet (see docs/remote.md).
+Two layers live here. The path-based local reader of local arrays (:class:`LocalStore`: positional
+reads, descriptor cache, file identities; the compiled engine reads the same files). And the key-based
+:class:`Store` protocol with one store per kind of storage (directory, zip archive, object store,
+memory), picked by :func:`open_store`; arrays in object stores and zip archives are read through it
+(:func:`~.locate.locate` says which, :class:`~.locate.Stores` keeps them open; see docs/remote.md).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
 
 from .. import checks
-from ..errors import InvalidArgument, ShutdownError, StorageError, UnsupportedFormat
+from ..errors import InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat
 from .ranges import coalesce
 from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read
 
@@ -267,6 +267,11 @@ class ObjectStore:
         return data
 
     def get_ranges(self, requests: Sequence[ByteRange]) -> list[memoryview]:
+        reads = self._plan_reads(requests)
+        rounds = -(-len(reads) // self.max_in_flight)
+        return self._run(self._get_ranges(len(requests), reads), rounds=max(1, rounds))
+
+    def _plan_reads(self, requests: Sequence[ByteRange]) -> list:
         reads = []  # (range named in errors, start (< 0: suffix), length, [(request number, slice of the read)])
         for key, numbers in by_key(requests).items():
             plain = [i for i in numbers if not requests[i].is_suffix]
@@ -278,12 +283,15 @@ class ObjectStore:
                 named = requests[plain[read.parts[0][0]]] if len(read.parts) == 1 else \
                     ByteRange(key, read.offset, read.length)
                 reads.append((named, read.offset, read.length, [(plain[j], s) for j, s in read.slices()]))
-        rounds = -(-len(reads) // self.max_in_flight)
-        return self._run(self._get_ranges(len(requests), reads), rounds=max(1, rounds))
+        return reads
 
     async def _get_ranges(self, n: int, reads: list) -> list[memoryview]:
+        out, tasks = await self._start_ranges(n, reads, asyncio.Semaphore(self.max_in_flight))
+        await self._gather(tasks)
+        return out
+
+    async def _start_ranges(self, n: int, reads: list, gate: asyncio.Semaphore) -> tuple[list, list]:
         out: list = [None] * n
-        gate = asyncio.Semaphore(self.max_in_flight)
 
         async def one(r: ByteRange, start: int, length: int, serve: list[tuple[int, slice]]) -> None:
             async with gate:
@@ -292,7 +300,10 @@ class ObjectStore:
             for i, part in serve:
                 out[i] = data[part]
 
-        tasks = [asyncio.ensure_future(one(*read)) for read in reads]
+        return out, [asyncio.ensure_future(one(*read)) for read in reads]
+
+    @staticmethod
+    async def _gather(tasks: list) -> None:
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -300,7 +311,33 @@ class ObjectStore:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # and collect what they raised
             raise
-        return out
+
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange],
+                 gate: asyncio.Semaphore | None = None) -> tuple[list[memoryview | None], list[memoryview]]:
+        """Whole values of ``keys`` (None for a missing one) and the bytes of ``requests`` (ranges of one
+        object merged as :meth:`get_ranges` merges them), all in one call with many requests at once:
+        at most ``max_in_flight``, or what ``gate`` (a semaphore shared by several calls) lets through."""
+        for key in keys:
+            check_key(key)
+        reads = self._plan_reads(requests)
+        rounds = -(-(len(reads) + len(keys)) // self.max_in_flight)
+        return self._run(self._get_many(list(keys), len(requests), reads, gate), rounds=max(1, rounds))
+
+    async def _get_many(self, keys: list[str], n: int, reads: list, gate) -> tuple[list, list]:
+        values: list = [None] * len(keys)
+        gate = gate or asyncio.Semaphore(self.max_in_flight)
+
+        async def whole(i: int, key: str) -> None:
+            async with gate:
+                try:
+                    values[i] = await self._attempts(key, "read", lambda: self._get_whole(key))
+                except NotFound:
+                    values[i] = None
+
+        out, tasks = await self._start_ranges(n, reads, gate)
+        tasks += [asyncio.ensure_future(whole(i, key)) for i, key in enumerate(keys)]
+        await self._gather(tasks)
+        return values, out
 
     async def _head(self, key: str) -> dict:
         import obstore
