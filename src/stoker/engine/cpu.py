@@ -2,7 +2,8 @@
 
 With the compiled engine (``stoker._native.Engine``, see :mod:`.decode_native`) a batch is planned as flat
 tables (:mod:`.tables`) and made in one call on the engine's threads; the chunks it leaves (other codecs and
-layouts, doubtful frames, rewritten shards) take the Python path. Without the engine (no compiler,
+layouts, doubtful frames, rewritten shards, and every stored chunk of an array in a store: object stores
+and zip archives, which the engine cannot open as files) take the Python path. Without the engine (no compiler,
 ``STOKER_NATIVE=0``), or for arrays of rank 0, batches are planned by :func:`~.plan.plan_batch` and made by
 the Python path (:mod:`.decode_python`) alone.
 
@@ -42,9 +43,10 @@ class Decoders:
     """Plans batches and fills tensors in CPU memory: the compiled engine, or the Python path."""
 
     def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
-                 store: LocalStore, engine_budget: int = 0, group_limit: int = 8 << 20) -> None:
+                 store: LocalStore, engine_budget: int = 0, group_limit: int = 8 << 20,
+                 requests_in_flight: int = 64) -> None:
         self.budget = budget
-        self.python = PythonDecoder(n_io, n_compute, budget, stats, store)
+        self.python = PythonDecoder(n_io, n_compute, budget, stats, store, requests_in_flight)
         self.native = (NativeDecoder(n_compute, engine_budget, self.python, stats, max_group=group_limit)
                        if engine_available() and engine_budget > 0 else None)
         self._group_limit = group_limit
@@ -156,7 +158,8 @@ class CpuExecutor:
         engine = engine_budget(left, transient, self.cfg.compute_threads, readers) if engine_available() else 0
         self.budget = TransientBudget(left - engine)
         self.decoders = Decoders(self.cfg.n_io_threads, self.cfg.compute_threads, self.budget, self.stats,
-                                 self.store, engine_budget=engine, group_limit=self.group_limit)
+                                 self.store, engine_budget=engine, group_limit=self.group_limit,
+                                 requests_in_flight=self.cfg.requests_in_flight)
 
     def _make_slots(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.slots = self.host_slots = SlotRing(self.n_slots, batch_shape, dtype)
