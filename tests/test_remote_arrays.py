@@ -302,3 +302,105 @@ def test_close_mid_batch_cancels_requests_in_flight(tree):
     finally:
         server.latency_s = 0
         server.stop()
+
+
+# -- records and inspect ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """Two record datasets written by zarr-python: v3 consolidated at the root, and v2 not consolidated."""
+    base = str(tmp_path_factory.mktemp("records"))
+    rng = np.random.default_rng(9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, fmt in (("rec3", 3), ("rec2", 2)):
+            root = zarr.open_group(os.path.join(base, name), mode="w", zarr_format=fmt)
+            for i in range(3):
+                g = root.create_group(f"run_{i:03d}")
+                n = 5 + i
+                g.create_array("positions", shape=(4, n, 3), chunks=(2, 4, 3), dtype="float32")[...] = \
+                    rng.random((4, n, 3)).astype("float32")
+                g.create_array("cells", shape=(n, 2), chunks=(3, 2), dtype="int32")[...] = \
+                    rng.integers(0, 9, (n, 2)).astype("int32")
+        zarr.consolidate_metadata(os.path.join(base, "rec3"))
+    values = _values(base)
+    s3 = MotoS3(values)
+    http = RangeServer(base)
+    yield {"root": base, "s3": s3, "http": http}
+    http.stop()
+    s3.stop()
+
+
+@pytest.mark.parametrize("name", ["rec3", "rec2"])
+def test_record_datasets_over_s3_equal_local(records, name):
+    from stoker.records import ZarrRecords
+
+    local = ZarrRecords(os.path.join(records["root"], name), fields={"positions": ("T", "N", 3), "cells": ("N", 2)})
+    remote_ds = ZarrRecords(f"s3://{BUCKET}/{PREFIX}/{name}", fields={"positions": ("T", "N", 3), "cells": ("N", 2)},
+                            storage_options={**records["s3"].options, **FAST})
+    assert len(remote_ds) == len(local) == 3
+    assert remote_ds.metadata(1).name == "run_001"
+    for i in range(3):
+        a, b = local[i], remote_ds[i]
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].numpy().tobytes() == b[k].numpy().tobytes()
+    import pickle
+    copy = pickle.loads(pickle.dumps(remote_ds))  # a worker's copy opens its own store
+    assert copy[2]["cells"].numpy().tobytes() == local[2]["cells"].numpy().tobytes()
+
+
+def test_record_dataset_over_http_needs_consolidated_metadata(records):
+    from stoker.errors import UnsupportedFormat
+    from stoker.records import ZarrRecords
+
+    http = records["http"]
+    before = http.requests
+    ds = ZarrRecords(f"{http.url}/rec3", fields=["positions", "cells"])
+    assert len(ds) == 3 and ds[0]["cells"].shape[1] == 2
+    assert http.requests - before <= 1 + 3 * 2 * 2  # the root's zarr.json, then only chunks of record 0
+    with pytest.raises(UnsupportedFormat, match="consolidate"):
+        ZarrRecords(f"{http.url}/rec2")  # an HTTP server cannot be listed
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inspect_reads_remote_arrays(tree, kind, monkeypatch):
+    from stoker.cli.inspect import facts
+
+    if kind == "s3":  # credentials and endpoint from the standard environment, as a user's would be
+        monkeypatch.setenv("AWS_ENDPOINT_URL", tree["s3"].endpoint)
+        monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        monkeypatch.setenv("AWS_REGION", "us-east-1")
+    for path in ("g3.zarr/sub/sharded", "g2.zarr/blosc"):
+        uri = remote(tree, kind, path)[0]
+        got = facts(uri, (8, 8))
+        want = facts(os.path.join(tree["root"], path), (8, 8))
+        assert got.pop("uri") == uri
+        want.pop("uri")
+        assert got == want
+
+
+def test_samplers_over_s3_give_the_local_batches(tree):
+    prefix, options = _prefix(tree, "s3")
+    paths = ["g3.zarr/sub/sharded", "g2.zarr/zlib_f"]
+
+    def batches(root, opts):
+        src = stoker.RandomCrops([f"{root}/{p}" for p in paths], CROP, seed=3, samples_per_epoch=8,
+                                 storage_options=opts)
+        grid = stoker.TileGrid([f"{root}/{p}" for p in paths], CROP, storage_options=opts)
+        assert src.shapes == grid.shapes == [SHAPE, SHAPE]
+        cfg = stoker.Config(batch_size=4, n_compute_threads=2, host_buffer_bytes=64 << 20, storage_options=opts)
+        out = []
+        with stoker.Pipeline(cfg) as p:
+            p.push(src.shard(0, 1))
+            for _ in range(2):
+                b = p.pop()
+                out.append(torch.from_dlpack(b).clone())
+                b.release()
+        return out
+
+    local, got = batches(tree["root"], None), batches(prefix, options)
+    assert [a.numpy().tobytes() for a in got] == [a.numpy().tobytes() for a in local]

@@ -30,7 +30,8 @@ _REMOTE_SCHEMES = {"s3", "gs", "gcs", "az", "abfs", "http", "https"}
 def resolve_local_path(uri: str) -> str:
     """Turn ``/path``, ``relative/path`` or ``file:///path`` into an absolute local path.
 
-    Remote URIs raise :class:`UnsupportedFormat` (object stores are not wired in yet).
+    Remote URIs raise :class:`UnsupportedFormat`: they name no local path (:func:`~.locate.locate` and
+    :func:`open_store` take them).
     """
     if not isinstance(uri, (str, os.PathLike)):
         raise TypeError(f"uri must be a string or path, got {type(uri).__name__}")
@@ -43,8 +44,8 @@ def resolve_local_path(uri: str) -> str:
             uri = unquote(parsed.path)
         elif parsed.scheme in _REMOTE_SCHEMES:
             raise UnsupportedFormat(
-                f"{uri}: remote stores ({parsed.scheme}://) are not supported yet; copy the data locally "
-                "or mount it as a file system",
+                f"{uri}: a remote URI ({parsed.scheme}://) names no local path; this needs a local file or "
+                "directory (open_array, Sample, the samplers, ZarrRecords and stoker inspect take remote URIs)",
                 uri=uri,
             )
         else:

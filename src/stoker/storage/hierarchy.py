@@ -56,23 +56,45 @@ class Hierarchy:
 
     def consolidated(self, prefix: str, uri: str) -> tuple[int, dict] | None:
         """``(zarr_format, document)`` of the node at ``prefix`` from an ancestor's consolidated metadata
-        (v2: ``{".zarray": doc}``-like dict of its documents; v3: its ``zarr.json`` document), or None."""
+        (v2: ``{".zarray": doc}``-like dict of its documents; v3: its ``zarr.json`` document), or None.
+        Ancestors already read are asked first (no request), so the nodes of a group consolidated at its
+        top cost nothing once it was read, however deep they are."""
+        with self._lock:
+            known = [(g, self._groups[g]) for g in _parents(prefix) if self._groups.get(g) is not None]
+        for group, found in known:
+            hit = self._lookup(prefix, group, found)
+            if hit is not None:
+                return hit
         for level, group in enumerate(_parents(prefix)):
             if level >= MAX_LEVELS:
                 return None
             found = self._group(group, uri)
             if found is None:
                 return None
-            fmt, entries, is_group = found
-            rel = prefix[len(group) + 1:] if group else prefix
-            if fmt == 3 and rel in entries:
-                return 3, entries[rel]
-            if fmt == 2 and (f"{rel}/.zarray" in entries or f"{rel}/.zgroup" in entries):
-                return 2, {name: entries[f"{rel}/{name}"] for name in (".zarray", ".zgroup")
-                           if f"{rel}/{name}" in entries}
-            if not is_group:
+            hit = self._lookup(prefix, group, found)
+            if hit is not None:
+                return hit
+            if not found[2]:  # not a group
                 return None
         return None
+
+    @staticmethod
+    def _lookup(prefix: str, group: str, found: tuple) -> tuple[int, dict] | None:
+        fmt, entries, _ = found
+        rel = prefix[len(group) + 1:] if group else prefix
+        if fmt == 3 and rel in entries:
+            return 3, entries[rel]
+        if fmt == 2 and (f"{rel}/.zarray" in entries or f"{rel}/.zgroup" in entries):
+            return 2, {name: entries[f"{rel}/{name}"] for name in (".zarray", ".zgroup") if f"{rel}/{name}" in entries}
+        return None
+
+    def group_entries(self, group: str, uri: str) -> tuple[int, dict] | None:
+        """``(zarr_format, entries)`` of the consolidated metadata of the group at ``group`` (keys relative
+        to it: v3 node paths, v2 document paths such as ``"a/.zarray"``), or None when it has none."""
+        found = self._group(group, uri)
+        if found is None or not found[1]:
+            return None
+        return found[0], found[1]
 
     def _group(self, group: str, uri: str) -> tuple | None:
         """``(format, entries, is_group)`` of an ancestor (entries empty when it is not consolidated), or
