@@ -23,7 +23,10 @@ from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
 from stoker.storage.locate import Stores, locate
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, PREFIX, MotoS3
+from store_fixtures import BUCKET, MotoS3
+
+PREFIX = "remote-arrays"  # in the bucket the store tests share (one moto backend per process)
+RECORDS = "remote-records"
 
 SHAPE = (40, 36)
 FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
@@ -89,7 +92,7 @@ def tree(tmp_path_factory):
     with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
         for key in sorted(values):
             zf.writestr(key, values[key])
-    s3 = MotoS3(values)
+    s3 = MotoS3(values, PREFIX)
     http = RangeServer(root)
     yield {"root": root, "zip": archive, "s3": s3, "http": http}
     http.stop()
@@ -147,14 +150,14 @@ def test_uri_forms():
 def test_consolidated_metadata_costs_constant_round_trips(tree):
     http = tree["http"]
     url = http.url
-    for group, names in (("g3.zarr", list(V3)), ("g2.zarr", [p for p in V2 if p.startswith("g2.zarr/")])):
+    for group, names, cost in (("g3.zarr", list(V3), 1), ("g2.zarr", [p for p in V2 if p.startswith("g2.zarr/")], 2)):
         stores = Stores()
         before = http.requests
         for path in names:
             stoker.open_array(f"{url}/{path}", stores=stores)
-        # v3: the group's zarr.json (and sub's, for sub/sharded); v2: zarr.json (missing), then .zmetadata.
-        # The arrays' own documents are never read.
-        assert http.requests - before == 2, group
+        # v3: the group's zarr.json (g3.zarr/sub/sharded too: a consolidated ancestor already read is asked
+        # first); v2: zarr.json (missing), then .zmetadata. The arrays' own documents are never read.
+        assert http.requests - before == cost, group
         stores.close()
     # not consolidated: after the first open, each costs its own documents only (zarr.json missing, .zarray)
     stores = Stores()
@@ -325,7 +328,7 @@ def records(tmp_path_factory):
                     rng.integers(0, 9, (n, 2)).astype("int32")
         zarr.consolidate_metadata(os.path.join(base, "rec3"))
     values = _values(base)
-    s3 = MotoS3(values)
+    s3 = MotoS3(values, RECORDS)
     http = RangeServer(base)
     yield {"root": base, "s3": s3, "http": http}
     http.stop()
@@ -337,7 +340,7 @@ def test_record_datasets_over_s3_equal_local(records, name):
     from stoker.records import ZarrRecords
 
     local = ZarrRecords(os.path.join(records["root"], name), fields={"positions": ("T", "N", 3), "cells": ("N", 2)})
-    remote_ds = ZarrRecords(f"s3://{BUCKET}/{PREFIX}/{name}", fields={"positions": ("T", "N", 3), "cells": ("N", 2)},
+    remote_ds = ZarrRecords(f"s3://{BUCKET}/{RECORDS}/{name}", fields={"positions": ("T", "N", 3), "cells": ("N", 2)},
                             storage_options={**records["s3"].options, **FAST})
     assert len(remote_ds) == len(local) == 3
     assert remote_ds.metadata(1).name == "run_001"
@@ -404,3 +407,15 @@ def test_samplers_over_s3_give_the_local_batches(tree):
 
     local, got = batches(tree["root"], None), batches(prefix, options)
     assert [a.numpy().tobytes() for a in got] == [a.numpy().tobytes() for a in local]
+
+
+def test_requests_in_flight_caps_the_pipelines_open_requests(tree):
+    server = RangeServer(tree["root"])
+    try:
+        server.latency_s = 0.05  # requests overlap: the cap, not the server, bounds them
+        got = run_pipeline(server.url, {server.url + "/": FAST}, requests_in_flight=2)
+        assert len(got) == 6
+        assert 1 <= server.peak_in_flight <= 2
+    finally:
+        server.latency_s = 0
+        server.stop()

@@ -66,7 +66,8 @@ class Coordinator:
         self._batch_ids = itertools.count()
         self._index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
-        self.stores = Stores()  # remote stores of this pipeline's arrays, closed with it
+        # remote stores of this pipeline's arrays, closed with it; their requests capped together
+        self.stores = Stores(cfg.requests_in_flight)
 
     def open(self, uri: str) -> ArrayReader:
         """The array at ``uri``, opened once per pipeline (metadata and shard indexes cached)."""

@@ -43,10 +43,9 @@ class Decoders:
     """Plans batches and fills tensors in CPU memory: the compiled engine, or the Python path."""
 
     def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
-                 store: LocalStore, engine_budget: int = 0, group_limit: int = 8 << 20,
-                 requests_in_flight: int = 64) -> None:
+                 store: LocalStore, engine_budget: int = 0, group_limit: int = 8 << 20) -> None:
         self.budget = budget
-        self.python = PythonDecoder(n_io, n_compute, budget, stats, store, requests_in_flight)
+        self.python = PythonDecoder(n_io, n_compute, budget, stats, store)
         self.native = (NativeDecoder(n_compute, engine_budget, self.python, stats, max_group=group_limit)
                        if engine_available() and engine_budget > 0 else None)
         self._group_limit = group_limit
@@ -158,8 +157,7 @@ class CpuExecutor:
         engine = engine_budget(left, transient, self.cfg.compute_threads, readers) if engine_available() else 0
         self.budget = TransientBudget(left - engine)
         self.decoders = Decoders(self.cfg.n_io_threads, self.cfg.compute_threads, self.budget, self.stats,
-                                 self.store, engine_budget=engine, group_limit=self.group_limit,
-                                 requests_in_flight=self.cfg.requests_in_flight)
+                                 self.store, engine_budget=engine, group_limit=self.group_limit)
 
     def _make_slots(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.slots = self.host_slots = SlotRing(self.n_slots, batch_shape, dtype)

@@ -11,13 +11,12 @@ the transient budget in one step, so work that holds memory never waits for more
 Arrays in a store (object stores, zip archives: ``reader.kv``) are read here too, never by the engine: a
 batch's chunks of one store are fetched by one call per group of reads (:func:`~stoker.storage.store.get_many`:
 whole chunk values, and inner chunks' ranges, which the store merges per object within its gap and size
-cap), on an I/O thread, with at most ``requests_in_flight`` requests of the pipeline at once; each
-fetched chunk is then decoded on the compute pool.
+cap), on an I/O thread, with at most ``Config.requests_in_flight`` requests of the pipeline's stores at once (their shared
+semaphore); each fetched chunk is then decoded on the compute pool.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Callable
 
@@ -50,10 +49,8 @@ class PythonDecoder:
     (:class:`~stoker.workers.DaemonPool`): one stuck in a read of a hung mount cannot keep the process alive."""
 
     def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
-                 store: LocalStore, requests_in_flight: int = 64) -> None:
+                 store: LocalStore) -> None:
         self.budget = budget
-        # shared by every fetch of the pipeline (they all run on the stores' one event loop)
-        self.gate = asyncio.Semaphore(requests_in_flight)
         self.stats = stats
         self.store = store
         self._io = DaemonPool(n_io, "stoker-io")
@@ -153,7 +150,7 @@ class PythonDecoder:
         try:
             res.reserve(cost, self.cancelled)
             values, parts = get_many(kv, [fr.path for fr in whole],
-                                     [ByteRange(t.path, t.offset, t.length) for _, t in ranged], self.gate)
+                                     [ByteRange(t.path, t.offset, t.length) for _, t in ranged])
             nread = sum(len(v) for v in values if v is not None) + sum(len(p) for p in parts)
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
             job.count(bytes_read=nread)

@@ -63,8 +63,8 @@ class CountingStore:
         self._count(len(requests), sum(memoryview(d).nbytes for d in out))
         return out
 
-    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], gate=None) -> tuple[list, list]:
-        values, out = get_many(self.store, keys, requests, gate)
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> tuple[list, list]:
+        values, out = get_many(self.store, keys, requests)
         self._count(len(keys) + len(requests),
                     sum(memoryview(d).nbytes for d in values if d is not None) + sum(memoryview(d).nbytes for d in out))
         return values, out

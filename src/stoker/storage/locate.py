@@ -131,7 +131,13 @@ class Stores:
     one and closes it with itself (cancelling requests in flight); :func:`default_stores` serves
     ``open_array`` calls outside a pipeline."""
 
-    def __init__(self) -> None:
+    def __init__(self, requests_in_flight: int | None = None) -> None:
+        """``requests_in_flight``: the most requests the object stores opened here have open at once, all
+        of them together (None: each store's ``max_in_flight`` per call only)."""
+        import asyncio
+
+        # used only on the stores' one event loop thread (a semaphore binds to a loop when first waited on)
+        self._gate = asyncio.Semaphore(requests_in_flight) if requests_in_flight else None
         self._stores: dict[tuple, tuple[Store, Any]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -157,7 +163,7 @@ class Stores:
         else:
             from .objectstore import ObjectStore
 
-            store = ObjectStore(loc.root, options, **settings)
+            store = ObjectStore(loc.root, options, gate=self._gate, **settings)
         with self._lock:
             held = self._stores.setdefault(ident, (store, Hierarchy(store)))
         if held[0] is not store:

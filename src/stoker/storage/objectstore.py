@@ -8,7 +8,8 @@ read by obstore, and from ``storage_options`` (obstore's configuration keys, e.g
 ``allow_http`` or ``proxy_url`` go to the client). Options override the environment.
 
 Requests run on one event loop thread shared by every ObjectStore of the process, many at once
-(``max_in_flight`` per call). Ranges of one object are merged by
+(``max_in_flight`` per call; ``gate``, a semaphore several stores share, caps them together: a
+pipeline's ``Config.requests_in_flight``). Ranges of one object are merged by
 :func:`~stoker.storage.ranges.coalesce` (gaps up to ``max_gap``, reads up to ``max_length``), so one
 call costs few requests.
 
@@ -87,7 +88,8 @@ class ObjectStore:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, timeout_s: float = 30.0,
                  connect_timeout_s: float = 5.0, retries: int = 5, retry_timeout_s: float = 60.0,
                  backoff_s: float = 0.1, max_backoff_s: float = 5.0, max_in_flight: int = 16,
-                 max_gap: int = 1 << 20, max_length: int = 16 << 20) -> None:
+                 max_gap: int = 1 << 20, max_length: int = 16 << 20,
+                 gate: asyncio.Semaphore | None = None) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise InvalidArgument(f"ObjectStore takes a URL such as s3://bucket/root, got {url!r}", uri=url)
         if storage_options is not None and not isinstance(storage_options, dict):
@@ -105,6 +107,7 @@ class ObjectStore:
         self.max_in_flight = checks.integer("max_in_flight", max_in_flight, 1, uri=url)
         self.max_gap = checks.integer("max_gap", max_gap, 0, uri=url)
         self.max_length = checks.integer("max_length", max_length, 1, uri=url)
+        self._gate = gate  # shared with other stores (a pipeline's): caps their requests at once together
         self._closed = False
         self._pending: set[concurrent.futures.Future] = set()
         self._lock = threading.Lock()
@@ -210,7 +213,10 @@ class ObjectStore:
         while True:
             attempt += 1
             try:
-                return await asyncio.wait_for(op(), per_attempt)
+                if self._gate is None:
+                    return await asyncio.wait_for(op(), per_attempt)
+                async with self._gate:
+                    return await asyncio.wait_for(op(), per_attempt)
             except FileNotFoundError:
                 raise not_found(self.uri, key) from None
             except StorageError as exc:  # permanent, raised by op (a range past the end of the value)
@@ -312,20 +318,20 @@ class ObjectStore:
             await asyncio.gather(*tasks, return_exceptions=True)  # and collect what they raised
             raise
 
-    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange],
-                 gate: asyncio.Semaphore | None = None) -> tuple[list[memoryview | None], list[memoryview]]:
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange]) \
+            -> tuple[list[memoryview | None], list[memoryview]]:
         """Whole values of ``keys`` (None for a missing one) and the bytes of ``requests`` (ranges of one
-        object merged as :meth:`get_ranges` merges them), all in one call with many requests at once:
-        at most ``max_in_flight``, or what ``gate`` (a semaphore shared by several calls) lets through."""
+        object merged as :meth:`get_ranges` merges them), all in one call, at most ``max_in_flight``
+        requests at once."""
         for key in keys:
             check_key(key)
         reads = self._plan_reads(requests)
         rounds = -(-(len(reads) + len(keys)) // self.max_in_flight)
-        return self._run(self._get_many(list(keys), len(requests), reads, gate), rounds=max(1, rounds))
+        return self._run(self._get_many(list(keys), len(requests), reads), rounds=max(1, rounds))
 
-    async def _get_many(self, keys: list[str], n: int, reads: list, gate) -> tuple[list, list]:
+    async def _get_many(self, keys: list[str], n: int, reads: list) -> tuple[list, list]:
         values: list = [None] * len(keys)
-        gate = gate or asyncio.Semaphore(self.max_in_flight)
+        gate = asyncio.Semaphore(self.max_in_flight)
 
         async def whole(i: int, key: str) -> None:
             async with gate:

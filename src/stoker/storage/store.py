@@ -142,14 +142,14 @@ def not_found(uri: str, key: str) -> NotFound:
     return NotFound(f"{uri}: no value at key {key!r}", uri=uri, key=key)
 
 
-def get_many(store: Store, keys: Sequence[str], requests: Sequence[ByteRange], gate=None) \
+def get_many(store: Store, keys: Sequence[str], requests: Sequence[ByteRange]) \
         -> tuple[list[bytes | memoryview | None], list[bytes | memoryview]]:
     """Whole values of ``keys`` (None for a missing key) and the bytes of ``requests``, in one call: a store
-    with a ``get_many`` of its own (an object store: every request at once, at most what ``gate``, a
-    semaphore shared by callers, lets through) runs them together; others read one after the other."""
+    with a ``get_many`` of its own (an object store: many requests at once) runs them together; others
+    read one after the other."""
     many = getattr(store, "get_many", None)
     if many is not None:
-        return many(keys, requests, gate)
+        return many(keys, requests)
     values: list = []
     for key in keys:
         try:
