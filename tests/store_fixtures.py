@@ -52,7 +52,8 @@ def write_zip(path: str, values: dict[str, bytes]) -> None:
 class MotoS3:
     """moto's S3 server on loopback (a free port) with the fixture uploaded under ``s3://BUCKET/PREFIX``."""
 
-    def __init__(self, values: dict[str, bytes]) -> None:
+    def __init__(self, values: dict[str, bytes], prefix: str = PREFIX) -> None:
+        # moto's servers in one process share one backend: test modules upload under prefixes of their own
         import boto3
         from moto.server import ThreadedMotoServer
 
@@ -65,7 +66,7 @@ class MotoS3:
                               aws_secret_access_key="testing", region_name="us-east-1")
         client.create_bucket(Bucket=BUCKET)
         for key, value in values.items():
-            client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{key}", Body=value)
+            client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
         self.client = client
 
     @property

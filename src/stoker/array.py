@@ -22,7 +22,9 @@ import numpy as np
 from .box import Box, box_shape, parse_box
 from .cache import SizedLRU
 from .errors import DecodeError, InvalidArgument, MetadataError, NotFound, OutOfBounds, StorageError, UnsupportedFormat
-from .storage import FileChanged, Identity, LocalStore, default_store, resolve_local_path
+from .storage import ByteRange, FileChanged, Identity, LocalStore, Store, default_store
+from .storage.hierarchy import Hierarchy
+from .storage.locate import Stores, default_stores, locate
 from .zarr.fields import show
 from .zarr.grid import chunk_intersections
 from .zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3
@@ -100,19 +102,51 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
     uri = uri or path
     raw = read_document(store, os.path.join(path, "zarr.json"), uri)
     if raw is not None:
-        doc = parse_json(raw, uri, "zarr.json")
-        if doc.get("node_type") == "group":
-            raise InvalidArgument(f"{uri} is a Zarr group, not an array; name one of its arrays", uri=uri)
-        fmt = doc.get("zarr_format")
-        if fmt != 3 or isinstance(fmt, bool):
-            raise MetadataError(f"{uri}: zarr.json has zarr_format {show(fmt)}, expected 3", uri=uri)
-        return parse_v3(doc, uri)
+        return _v3(parse_json(raw, uri, "zarr.json"), uri)
     raw = read_document(store, os.path.join(path, ".zarray"), uri)
     if raw is not None:
         doc = parse_json(raw, uri, ".zarray")
         return parse_v2(doc, uri, separator=detect_v2_separator(path, doc, uri))
     if store.size(os.path.join(path, ".zgroup")) is not None:
-        raise InvalidArgument(f"{uri} is a Zarr v2 group, not an array; name one of its arrays", uri=uri)
+        raise _v2_group(uri)
+    raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
+
+
+def _v3(doc: dict, uri: str) -> ArrayMetadata:
+    if doc.get("node_type") == "group":
+        raise InvalidArgument(f"{uri} is a Zarr group, not an array; name one of its arrays", uri=uri)
+    fmt = doc.get("zarr_format")
+    if fmt != 3 or isinstance(fmt, bool):
+        raise MetadataError(f"{uri}: zarr.json has zarr_format {show(fmt)}, expected 3", uri=uri)
+    return parse_v3(doc, uri)
+
+
+def _v2_group(uri: str) -> InvalidArgument:
+    return InvalidArgument(f"{uri} is a Zarr v2 group, not an array; name one of its arrays", uri=uri)
+
+
+def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMetadata:
+    """Parse the metadata of the array at key ``prefix`` of a store: from an ancestor group's consolidated
+    metadata when one lists it (see :mod:`stoker.storage.hierarchy`), else its own ``zarr.json`` or
+    ``.zarray``. A v2 array whose ``.zarray`` names no ``dimension_separator`` reads with ``.`` (a store
+    cannot be listed cheaply to detect nested keys, as :func:`detect_v2_separator` does for local files)."""
+    found = hierarchy.consolidated(prefix, uri)
+    if found is not None:
+        fmt, doc = found
+        if fmt == 3:
+            return _v3(doc, uri)
+        if ".zarray" not in doc:
+            raise _v2_group(uri)
+        return parse_v2(doc[".zarray"], uri)
+    join = (lambda name: f"{prefix}/{name}") if prefix else (lambda name: name)
+    raw = hierarchy.read(join("zarr.json"), uri)
+    if raw is not None:
+        return _v3(parse_json(raw, uri, "zarr.json"), uri)
+    raw = hierarchy.read(join(".zarray"), uri)
+    if raw is not None:
+        return parse_v2(parse_json(raw, uri, ".zarray"), uri)
+    if hierarchy.store.exists(join(".zgroup")):
+        raise _v2_group(uri)
     raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
 
 
@@ -120,7 +154,7 @@ class ChunkLocation(NamedTuple):
     """Where a read chunk is stored (see :meth:`ArrayReader.locate`)."""
 
     key: str  # "c/0/1", or "c/0/0[3]" for inner chunk 3 of the shard at "c/0/0"
-    path: str | None  # the file; None: nothing stored (the fill value)
+    path: str | None  # the file (a reader on a store: the store's key); None: nothing stored (the fill value)
     offset: int | None = None  # an inner chunk's byte range in ``path``; None: the whole file
     length: int | None = None
     ident: Identity | None = None  # an inner chunk's: the shard file its index was read from
@@ -135,7 +169,13 @@ class ShardIndex(NamedTuple):
 
 
 class ArrayReader:
-    """One Zarr array, opened for reading. Create with :func:`open_array`."""
+    """One Zarr array, opened for reading. Create with :func:`open_array`.
+
+    Local arrays (``kv`` None) are read as files under the directory ``path`` through ``store`` (the
+    :class:`~stoker.storage.LocalStore`: positional reads, descriptor cache, file identities; what the
+    compiled engine reads too). An array in a store (``kv``: an object store, a zip archive) is read by
+    key: ``path`` is its key prefix in ``kv``, and what :meth:`file_path` and :meth:`locate` name are keys.
+    """
 
     def __init__(
         self,
@@ -143,10 +183,13 @@ class ArrayReader:
         path: str,
         store: LocalStore,
         index_cache: SizedLRU | None = None,
+        kv: Store | None = None,
     ) -> None:
         self.metadata = metadata
         self.path = path
-        self._dir = os.path.join(path, "")  # path with its separator: file_path is then one concatenation
+        self.kv = kv
+        # path with its separator: file_path is then one concatenation
+        self._dir = os.path.join(path, "") if kv is None else (f"{path}/" if path else "")
         self.store = store
         # "is None", not "or": an empty SizedLRU is falsy, and a pipeline hands every reader its shared one
         if index_cache is None:
@@ -157,7 +200,7 @@ class ArrayReader:
             check_index_fits(metadata.sharding, self._index_cache.max_bytes, metadata.uri)
 
     def file_path(self, key: str) -> str:
-        """The local file holding chunk (or shard) ``key``."""
+        """The local file holding chunk (or shard) ``key``; for an array in a store, the store's key."""
         return self._dir + key
 
     # -- what the array is ------------------------------------------------------------------
@@ -281,6 +324,8 @@ class ArrayReader:
         loc = self.locate(index)
         if loc.path is None:
             return loc.key, None
+        if self.kv is not None:
+            return loc.key, self._get_stored(loc)
         if loc.offset is None:
             return loc.key, self._read_chunk_file(loc)
         try:
@@ -297,6 +342,18 @@ class ArrayReader:
             raise DecodeError(f"{self.uri}: the shard holding inner chunk {loc.key!r} changed or vanished while "
                               "it was read", uri=self.uri, key=loc.key)
         return loc.key, data
+
+    def _get_stored(self, loc: ChunkLocation):
+        """A chunk read through the store: a whole value (None when missing: the fill value) or an inner
+        chunk's range."""
+        if loc.offset is None:
+            try:
+                data = self.kv.get(loc.path)
+            except NotFound:
+                return None
+            self.metadata.codec.check_stored_size(len(data), loc.key)
+            return data
+        return self.kv.get_ranges([ByteRange(loc.path, loc.offset, loc.length)])[0]
 
     def _read_chunk_file(self, loc: ChunkLocation) -> bytearray | None:
         """The whole chunk file, or None when missing; one larger than the codecs can write is not read."""
@@ -332,6 +389,8 @@ class ArrayReader:
 
     def _load_shard_index(self, shard_key: str) -> ShardIndex | None:
         spec = self.metadata.sharding
+        if self.kv is not None:
+            return self._load_stored_index(shard_key)
 
         def where(size: int) -> tuple[int, int]:
             if size < spec.index_nbytes:
@@ -351,6 +410,24 @@ class ArrayReader:
             return None
         raw, ident = got
         return ShardIndex(spec.decode_index(raw, self.uri, shard_key, ident[2]), ident)
+
+
+    def _load_stored_index(self, shard_key: str) -> ShardIndex | None:
+        """A shard's index read through the store by one range (a suffix when it ends the shard, so the
+        shard's size is not needed); a shard whose entries reach past its end fails when they are read."""
+        spec = self.metadata.sharding
+        key = self.file_path(shard_key)
+        n = spec.index_nbytes
+        try:
+            raw = self.kv.get_ranges([ByteRange.suffix(key, n) if spec.index_location == "end"
+                                      else ByteRange(key, 0, n)])[0]
+        except NotFound:
+            return None
+        table = spec.decode_index(raw, self.uri, shard_key, _UNKNOWN_SIZE)
+        return ShardIndex(table, (0, self._token, 0, 0, 0))  # one identity per reader: its shards never mix
+
+
+_UNKNOWN_SIZE = (1 << 63) - 1  # a shard's size, not known from a suffix read
 
 
 def _basic_index(key: Any, shape: tuple[int, ...], uri: str) -> tuple[list[tuple[int, int]], set[int]]:
@@ -409,17 +486,31 @@ def check_index_fits(spec: ShardingSpec, capacity: int, uri: str) -> None:
         )
 
 
-def open_array(uri: str | os.PathLike, *, store: LocalStore | None = None,
-               index_cache: SizedLRU | None = None) -> ArrayReader:
-    """Open the Zarr array at ``uri`` (a local path or ``file://`` URI, v2 or v3).
+def open_array(uri: str | os.PathLike, storage_options: dict[str, Any] | None = None, *,
+               store: LocalStore | None = None, index_cache: SizedLRU | None = None,
+               stores: Stores | None = None) -> ArrayReader:
+    """Open the Zarr array at ``uri`` (v2 or v3): a local path or ``file://`` URI, an object store URI
+    (``s3://``, ``gs://``, ``az://``, ``http(s)://``) or a path inside a zip archive
+    (``/data/d.zip/g.zarr/a`` or ``zip:///data/d.zip!/g.zarr/a``); see docs/remote.md.
 
-    Reads the metadata document only: no chunk data is touched until ``read``.
+    Reads the metadata document only (or an ancestor's consolidated metadata): no chunk data is touched
+    until ``read``. ``storage_options`` (credentials, endpoint, region, timeouts, retries...) apply to
+    remote URIs; ``stores`` is where remote stores are opened and kept (a pipeline's; by default one per
+    process).
 
     >>> arr = stoker.open_array("/data/plate.zarr/A/1/0")
     >>> arr.read(numpy.s_[0:1, 0:64, 0:64]).shape
     (1, 64, 64)
+    >>> arr = stoker.open_array("s3://bucket/plate.zarr/A/1/0", {"region": "eu-west-1"})
     """
-    path = resolve_local_path(uri)
+    loc = locate(uri)
     store = store or default_store()
+    if not loc.is_local:
+        kv, hierarchy = (stores or default_stores()).get(loc, storage_options)
+        return ArrayReader(read_store_metadata(hierarchy, loc.prefix, loc.uri), loc.prefix, store, index_cache, kv)
+    if storage_options:
+        raise InvalidArgument(f"{uri}: storage_options apply to remote URIs only (s3://, gs://, az://, "
+                              "http(s)://); drop them for a local path", uri=os.fspath(uri))
+    path = loc.path
     store.forget(path)  # the array may have been rewritten since its files were last opened
     return ArrayReader(read_metadata(path, store, uri=os.fspath(uri)), path, store, index_cache)

@@ -16,6 +16,7 @@ import torch
 
 from .checks import integer, seconds
 from .errors import InvalidArgument
+from .storage.locate import check_options_by_prefix
 
 #: Output dtypes by name; "native" keeps the source dtype.
 OUTPUT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "native": None}
@@ -25,7 +26,7 @@ DECODE_ON = ("auto", "cpu", "gpu")
 
 
 _INTEGER_KNOBS = {"batch_size": 1, "host_buffer_bytes": 1 << 20, "device_buffer_bytes": 1 << 20, "n_io_threads": 1,
-                  "n_compute_threads": 1, "lookahead_batches": 1}  # knob -> least value
+                  "n_compute_threads": 1, "lookahead_batches": 1, "requests_in_flight": 1}  # knob -> least value
 
 
 def usable_cpus() -> int:
@@ -85,6 +86,12 @@ class Config:
     - ``lookahead_batches`` (>= 1): batches prepared ahead of the consumer.
     - ``pop_timeout_s`` (> 0 or ``None``): ``PoolStarved`` after this long without a batch.
     - ``drop_last``: drop a final short batch (default) or emit it.
+    - ``storage_options``: ``None`` or ``{URI prefix: options}`` for remote arrays (``s3://``, ``gs://``,
+      ``az://``, ``http(s)://``): each array takes the options of the longest prefix of its URI
+      (credentials, endpoint, region, ``skip_signature``, and stoker's ``timeout_s``, ``retries``...;
+      see docs/remote.md). Credentials in the standard environment (``AWS_*``...) need none.
+    - ``requests_in_flight`` (>= 1): the most requests to remote stores the pipeline has open at once
+      (a batch's chunks are fetched together; independent of the thread counts).
     - ``decode_on``: ``"auto" | "cpu" | "gpu"``, where chunks are decompressed. This version decodes
       on the CPU: ``"auto"`` and ``"cpu"`` do so, and ``"gpu"`` is refused (``InvalidArgument``).
       Decoding on the GPU (nvCOMP, lz4 and zstd chunks and blosc frames of them; see
@@ -108,6 +115,8 @@ class Config:
     drop_last: bool = True
     decode_on: str = "auto"
     transform: Any = None
+    storage_options: dict | None = None
+    requests_in_flight: int = 64
 
     def __post_init__(self) -> None:
         for name, low in _INTEGER_KNOBS.items():  # numpy integers are stored as ints
@@ -148,6 +157,8 @@ class Config:
         from .transforms import as_transform  # imports torch only; here to keep config's imports light
 
         object.__setattr__(self, "transform", as_transform(self.transform))
+        object.__setattr__(self, "storage_options",
+                           check_options_by_prefix(self.storage_options, "Config.storage_options"))
 
     def _check_device(self) -> None:
         d = self.device

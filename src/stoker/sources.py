@@ -75,10 +75,14 @@ class SampleSource:
         return iter(self.shard(0, 1))
 
 
-def _open_shapes(arrays: Sequence[str]) -> list[tuple[int, ...]]:
+def _open_shapes(arrays: Sequence[str], storage_options: dict | None = None) -> list[tuple[int, ...]]:
+    """The arrays' shapes (remote URIs with the options of their longest prefix in ``storage_options``,
+    as Config.storage_options; credentials are never part of a source's identity)."""
     from .array import open_array
+    from .storage.locate import check_options_by_prefix, options_for
 
-    return [open_array(uri).shape for uri in arrays]
+    by_prefix = check_options_by_prefix(storage_options, "storage_options")
+    return [open_array(uri, options_for(by_prefix, uri)).shape for uri in arrays]
 
 
 def _entries(arrays: Sequence[Any], who: str) -> list:
@@ -98,12 +102,12 @@ def _entries(arrays: Sequence[Any], who: str) -> list:
     return out
 
 
-def _entry_shapes(entries: list) -> list[tuple[int, ...]]:
+def _entry_shapes(entries: list, storage_options: dict | None = None) -> list[tuple[int, ...]]:
     """The shape of each entry's arrays: a group's arrays must have one shape (InvalidArgument naming them)."""
     shapes = []
     for entry in entries:
         group = entry if isinstance(entry, list) else [entry]
-        found = _open_shapes(group)
+        found = _open_shapes(group, storage_options)
         for uri, shape in zip(group, found):
             if shape != found[0]:
                 raise InvalidArgument(
@@ -122,7 +126,8 @@ class RandomCrops(SampleSource):
     """
 
     def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int], seed: int = 0,
-                 samples_per_epoch: int | None = None, weights: Sequence[float] | None = None) -> None:
+                 samples_per_epoch: int | None = None, weights: Sequence[float] | None = None,
+                 storage_options: dict | None = None) -> None:
         self.arrays = _entries(arrays, "RandomCrops")
         if not self.arrays:
             raise InvalidArgument("RandomCrops needs at least one array")
@@ -130,7 +135,7 @@ class RandomCrops(SampleSource):
         if any(c < 1 for c in self.sample_shape):
             raise InvalidArgument(f"RandomCrops: sample_shape {self.sample_shape} must be >= 1 on every axis")
         self.seed = int(seed)
-        self.shapes = _entry_shapes(self.arrays)
+        self.shapes = _entry_shapes(self.arrays, storage_options)
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape) or any(c > s for c, s in zip(self.sample_shape, shape)):
                 raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}", uri=uri)
@@ -190,7 +195,8 @@ class TileGrid(SampleSource):
     """
 
     def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int],
-                 stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0) -> None:
+                 stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0,
+                 storage_options: dict | None = None) -> None:
         self.arrays = _entries(arrays, "TileGrid")
         self.sample_shape = tuple(int(s) for s in sample_shape)
         self.stride = tuple(int(s) for s in (stride or self.sample_shape))
@@ -198,7 +204,7 @@ class TileGrid(SampleSource):
             raise InvalidArgument(f"stride must be positive, got {self.stride}")
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
-        self.shapes = _entry_shapes(self.arrays)
+        self.shapes = _entry_shapes(self.arrays, storage_options)
         self._counts = []
         self._offsets = [0]  # tiles before each array (Python ints: counts of huge grids overflow int64)
         for uri, shape in zip(self.arrays, self.shapes):

@@ -11,7 +11,8 @@ import numpy as np
 
 from ..amplification import estimate
 from ..array import open_array
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, NotFound
+from ..storage import ByteRange
 from ..zarr.blosc_partial import HEADER_SIZE, blosc_header
 
 
@@ -22,6 +23,8 @@ def _stored_size_and_header(arr, index: tuple[int, ...], header: bool) -> tuple[
     loc = arr.locate(index)
     if loc.path is None:
         return None, b""
+    if arr.kv is not None:  # an array in a store: sizes and headers by key (a missing key: not stored)
+        return _stored_in_store(arr, loc, header)
     if loc.offset is not None:
         head = arr.store.read_range(loc.path, loc.offset, min(HEADER_SIZE, loc.length)) if header else b""
         return loc.length, head or b""
@@ -34,6 +37,20 @@ def _stored_size_and_header(arr, index: tuple[int, ...], header: bool) -> tuple[
         if head:
             f.read_into(memoryview(head), 0)
         return f.size, bytes(head)
+
+
+def _stored_in_store(arr, loc, header: bool) -> tuple[int | None, bytes]:
+    if loc.offset is not None:
+        size, start = loc.length, loc.offset
+    else:
+        try:
+            size, start = arr.kv.size(loc.path), 0
+        except NotFound:
+            return None, b""
+        arr.metadata.codec.check_stored_size(size, loc.key)
+    n = min(HEADER_SIZE, size) if header else 0
+    head = arr.kv.get_ranges([ByteRange(loc.path, start, n)])[0] if n else b""
+    return size, bytes(head)
 
 
 def _blocksize_and_ratio(arr, samples: int = 32) -> tuple[int | None, float | None]:
@@ -139,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="summarise a Zarr array: shape, chunks, shards, codecs")
-    p.add_argument("uri", help="local path or file:// URI of a Zarr array")
+    p.add_argument("uri", help="a Zarr array: local path, file://, s3://, gs://, az://, http(s):// URI or a path "
+                   "inside a zip archive (credentials from the environment; see docs/remote.md)")
     p.add_argument("--sample-shape", type=_extent, nargs="+", metavar="N",
                    help="crop shape: estimate read and decode amplification and advise on chunking")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

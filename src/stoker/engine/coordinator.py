@@ -26,6 +26,7 @@ from ..config import Config
 from ..errors import DtypeMismatch
 from ..sample import Sample
 from ..storage import LocalStore
+from ..storage.locate import Stores, options_for
 from .cast import batch_dtype
 from .executor import Executor, Job, Target
 from .intake import Intake
@@ -65,10 +66,14 @@ class Coordinator:
         self._batch_ids = itertools.count()
         self._index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
+        # remote stores of this pipeline's arrays, closed with it; their requests capped together
+        self.stores = Stores(cfg.requests_in_flight)
 
     def open(self, uri: str) -> ArrayReader:
         """The array at ``uri``, opened once per pipeline (metadata and shard indexes cached)."""
-        return self._readers.get_or_load(uri, lambda: open_array(uri, store=self.store, index_cache=self._index_cache))
+        return self._readers.get_or_load(uri, lambda: open_array(
+            uri, options_for(self.cfg.storage_options, uri), store=self.store, index_cache=self._index_cache,
+            stores=self.stores))
 
     def start(self) -> None:
         with self.cond:
@@ -80,6 +85,7 @@ class Coordinator:
         """Stop launching (under the condition); the thread ends at its next check."""
         self.closed = True
         self.cond.notify_all()
+        self.stores.close()  # cancels requests in flight: their batches fail with ShutdownError
 
     def join(self, timeout: float) -> None:
         if self.thread is not None and self.thread is not threading.current_thread():

@@ -118,8 +118,10 @@ class _Source:
         self.prefix = os.fsencode(reader.file_path(enc.prefix + enc.separator if enc.prefix else ""))
         # a path the engine cannot build (deep folders) is read by the Python path, which has no such cap
         short = len(self.prefix) + 21 * ndim + 1 <= native.PATH_CAP
+        # an array in a store (reader.kv: an object store, a zip archive) has no files the engine can open:
+        # the Python path fetches its chunks through the store
         self.reads = bool(self.fills and not codec.filters and self.codec is not None and codec.nbytes
-                          and scratch_need(codec) <= budget and short)
+                          and scratch_need(codec) <= budget and short and reader.kv is None)
         row = np.zeros(native.S_STRIDES + ndim, np.int64)
         row[native.S_KIND] = src_kind if self.fills else 0  # any kind: no chunk of it goes to the engine
         if self.fills:

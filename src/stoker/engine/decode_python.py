@@ -7,6 +7,12 @@ compute task; I/O threads take only the reads that must wait for memory.
 
 Per file read, the task reserves everything the read will need (encoded bytes plus decode scratch) from
 the transient budget in one step, so work that holds memory never waits for more memory.
+
+Arrays in a store (object stores, zip archives: ``reader.kv``) are read here too, never by the engine: a
+batch's chunks of one store are fetched by one call per group of reads (:func:`~stoker.storage.store.get_many`:
+whole chunk values, and inner chunks' ranges, which the store merges per object within its gap and size
+cap), on an I/O thread, with at most ``Config.requests_in_flight`` requests of the pipeline's stores at once (their shared
+semaphore); each fetched chunk is then decoded on the compute pool.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from typing import Callable
 import torch
 
 from ..errors import DecodeError, ShutdownError
-from ..storage import FileChanged, LocalStore
+from ..storage import ByteRange, FileChanged, LocalStore
+from ..storage.store import get_many
 from ..workers import DaemonPool
 from ..zarr import blosc_partial
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
@@ -82,10 +89,90 @@ class PythonDecoder:
         with many threads, unless that leaves fewer groups than half the threads: with two batches in
         flight (lookahead), every thread still has a group.
         """
+        stored = [fr for fr in reads if self._kv(job, fr) is not None]
+        if stored:
+            self._submit_fetches(job, stored)
+            reads = [fr for fr in reads if self._kv(job, fr) is None]
+            if not reads:
+                return
         n_groups = min(len(reads), 2 * self._n_compute,
                        max(-(-self._n_compute // 2), len(reads) // MIN_READS_PER_GROUP))
         for g in range(n_groups):
             self.run(self._read_group, job, reads[g::n_groups])
+
+    @staticmethod
+    def _kv(job: Job, fr: FileRead):
+        """The store ``fr``'s array is read through, or None (local files)."""
+        plan = job.plan
+        return plan.sources[plan.chunks[fr.chunk_ids[0]].source].kv
+
+    def _fetch_cost(self, job: Job, fr: FileRead) -> int:
+        """What a fetch of ``fr`` reserves: its encoded bytes (a whole value: the most its codec stores)
+        and each chunk's decode scratch."""
+        plan = job.plan
+        tasks = [plan.chunks[c] for c in fr.chunk_ids]
+        codec = plan.sources[tasks[0].source].metadata.codec
+        encoded = size_class(codec.max_stored_nbytes) if fr.whole_file else sum(size_class(t.length) for t in tasks)
+        return encoded + len(tasks) * size_class(codec.nbytes)
+
+    def _submit_fetches(self, job: Job, reads: list[FileRead]) -> None:
+        """Fetch ``reads`` (of arrays in stores) on the I/O pool: per store, in groups of at most a quarter
+        of the budget (one group at least one read), each group one call to the store."""
+        limit = max(1, self.budget.capacity // 4)
+        by_store: dict[int, tuple[object, list[list[FileRead]], list[int]]] = {}
+        for fr in reads:
+            kv = self._kv(job, fr)
+            _, groups, costs = by_store.setdefault(id(kv), (kv, [], []))
+            cost = self._fetch_cost(job, fr)
+            if groups and costs[-1] + cost <= limit:
+                groups[-1].append(fr)
+                costs[-1] += cost
+            else:
+                groups.append([fr])
+                costs.append(cost)
+        for kv, groups, costs in by_store.values():
+            for group, cost in zip(groups, costs):
+                n = sum(len(fr.chunk_ids) for fr in group)
+                try:
+                    self._io.submit(self._guard, job, n, self._fetch, job, kv, group, cost)
+                except ShutdownError:
+                    job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+
+    def _fetch(self, job: Job, kv, reads: list[FileRead], cost: int) -> None:
+        """Fetch ``reads`` from ``kv`` in one call (whole values and inner chunks' ranges), then decode every
+        chunk on the compute pool; a missing whole value is the fill value."""
+        plan = job.plan
+        whole = [fr for fr in reads if fr.whole_file]
+        ranged = [(cid, plan.chunks[cid]) for fr in reads if not fr.whole_file for cid in fr.chunk_ids]
+        n = len(whole) + len(ranged)
+        res = Reservation(self.budget, users=n)
+        t0 = time.perf_counter()
+        try:
+            res.reserve(cost, self.cancelled)
+            values, parts = get_many(kv, [fr.path for fr in whole],
+                                     [ByteRange(t.path, t.offset, t.length) for _, t in ranged])
+            nread = sum(len(v) for v in values if v is not None) + sum(len(p) for p in parts)
+            self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
+            job.count(bytes_read=nread)
+        except BaseException:
+            for _ in range(n):
+                res.done()
+            raise
+        items = [(fr.chunk_ids[0], v) for fr, v in zip(whole, values)] + [(c, p) for (c, _), p in zip(ranged, parts)]
+        for i, (cid, data) in enumerate(items):
+            task = plan.chunks[cid]
+            if data is None:  # a missing chunk is the fill value
+                res.done()
+                self._guard(job, 1, self._fill, job, task,
+                            fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype))
+                continue
+            try:
+                self._compute.submit(self._guard_decode, job, task, memoryview(data), res, None, True)
+            except ShutdownError:  # the pool was shut down (close): account for every chunk not queued
+                for _ in items[i:]:
+                    res.done()
+                job.finish(len(items) - i, ShutdownError("the pipeline was closed"))
+                return
 
     def run(self, fn: Callable, job: Job, *args) -> None:
         """``fn(job, *args)`` on the compute pool; once the pool is shut down, its chunks fail with ShutdownError
@@ -282,16 +369,18 @@ class PythonDecoder:
             copy_cast(out[c.dst], chunk[c.chunk_sel])
 
     def _guard_decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation,
-                      read_end: int | None = None) -> None:
+                      read_end: int | None = None, check: bool = False) -> None:
         try:
-            self._guard(job, 1, self._decode, job, task, encoded, res, read_end)
+            self._guard(job, 1, self._decode, job, task, encoded, res, read_end, check)
         finally:
             res.done()
 
     def _decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation,
-                read_end: int | None = None) -> None:
+                read_end: int | None = None, check: bool = False) -> None:
         reader = job.plan.sources[task.source]
         codec = reader.metadata.codec
+        if check:  # a whole value fetched from a store: its size is known only now
+            codec.check_stored_size(len(encoded), task.key)
         t0 = time.perf_counter()
         scratch = None
         if codec.partial:

@@ -27,9 +27,10 @@ from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 
-from ..array import read_document, read_metadata
-from ..errors import InvalidArgument, MetadataError, NotFound, RankMismatch
-from ..storage import LocalStore, resolve_local_path
+from ..array import read_document, read_metadata, read_store_metadata
+from ..errors import InvalidArgument, MetadataError, NotFound, RankMismatch, UnsupportedFormat
+from ..storage import LocalStore
+from ..storage.locate import default_stores, locate
 from ..zarr.metadata import parse_json
 
 Dim = Union[str, int, None]
@@ -57,7 +58,7 @@ class Catalog:
         return len(self.names)
 
     def path(self, i: int, name: str | None = None) -> str:
-        """Local path of record ``i`` or of one of its fields."""
+        """Local path (or URI, for a dataset in a store) of record ``i`` or of one of its fields."""
         rec = os.path.join(self.root, self.names[i])
         return rec if name is None else os.path.join(rec, *name.split("/"))
 
@@ -197,28 +198,124 @@ def check_dims(record: str, name: str, shape: tuple[int, ...], spec: tuple[Dim, 
 # -- the scan ----------------------------------------------------------------------------------
 
 
-def scan(root: str | os.PathLike, fields: FieldsArg = None, store: LocalStore | None = None) -> Catalog:
+def scan(root: str | os.PathLike, fields: FieldsArg = None, store: LocalStore | None = None,
+         storage_options: dict | None = None) -> Catalog:
     """Read every record's metadata under ``root`` and check it; no chunk is read.
+
+    ``root`` may be in a store (``s3://bucket/crash``, ``https://...``, a zip archive; see
+    :func:`~stoker.storage.locate.locate`), with ``storage_options`` for remote ones: records are found
+    in the root group's consolidated metadata when it has some, else by listing the store.
 
     Raises :class:`~stoker.errors.NotFound` when a record lacks a field and
     :class:`~stoker.errors.InvalidArgument` (naming record, field and dims) when
     shapes break the spec or a field's rank differs between records.
     """
-    root_path = resolve_local_path(root)
+    loc = locate(root)
+    if not loc.is_local:
+        kv, hierarchy = default_stores().get(loc, storage_options)
+        return _scan(loc.uri.rstrip("/"), fields, _StoreNodes(loc.uri.rstrip("/"), loc.prefix, kv, hierarchy))
+    if storage_options:
+        raise InvalidArgument(f"{root}: storage_options apply to remote URIs only; drop them for a local path",
+                              uri=os.fspath(root))
+    root_path = loc.path
     own = store is None
     store = store or LocalStore(max_open_files=8)
     try:
-        return _scan(root_path, fields, store)
+        return _scan(root_path, fields, _LocalNodes(root_path, store))
     finally:
         if own:
             store.close()  # a catalog keeps no file open: nothing to leak into forked workers
 
 
-def _scan(root: str, fields: FieldsArg, store: LocalStore) -> Catalog:
-    names = list_records(root, store)
+class _LocalNodes:
+    """Records and fields as directories (the functions above)."""
+
+    def __init__(self, root: str, store: LocalStore) -> None:
+        self.root, self.store = root, store
+
+    def records(self) -> list[str]:
+        return list_records(self.root, self.store)
+
+    def arrays(self, record: str) -> list[str]:
+        return list_arrays(os.path.join(self.root, record), self.store)
+
+    def metadata(self, path: str, record: str, name: str):
+        return read_metadata(path, self.store, uri=path)
+
+
+class _StoreNodes:
+    """Records and fields of a dataset in a store: from the root group's consolidated metadata when it has
+    some (no listing: works on HTTP servers too), else from one listing of the store under the root."""
+
+    def __init__(self, uri: str, prefix: str, kv, hierarchy) -> None:
+        self.uri, self.prefix, self.kv, self.hierarchy = uri, prefix, kv, hierarchy
+        self._kinds: dict[str, str | None] = {}
+        self._keys: set[str] | None = None
+
+    def _key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def _children(self, rel: str) -> list[tuple[str, str]]:
+        """``(name, "group" | "array")`` of the Zarr nodes directly under ``rel`` ("" : the root), sorted."""
+        consolidated = self.hierarchy.group_entries(self.prefix, self.uri)
+        head = f"{rel}/" if rel else ""
+        found: dict[str, str] = {}
+        if consolidated is not None:
+            fmt, entries = consolidated
+            for key, doc in entries.items():
+                if not key.startswith(head):
+                    continue
+                rest = key[len(head):].split("/")
+                if fmt == 3 and len(rest) == 1 and isinstance(doc, dict) and doc.get("node_type") in ("group", "array"):
+                    found[rest[0]] = doc["node_type"]
+                elif fmt == 2 and len(rest) == 2 and rest[1] in (".zgroup", ".zarray"):
+                    found[rest[0]] = "group" if rest[1] == ".zgroup" else "array"
+        else:
+            if self._keys is None:
+                if not self.kv.supports_list:
+                    raise UnsupportedFormat(
+                        f"{self.uri}: this store cannot be listed (a plain HTTP server) and the root group has no "
+                        "consolidated metadata; consolidate it (zarr.consolidate_metadata) to read it from here",
+                        uri=self.uri)
+                self._keys = {k[len(self.prefix) + 1:] if self.prefix else k for k in self.kv.list(self.prefix)}
+            for key in self._keys:
+                if not key.startswith(head):
+                    continue
+                rest = key[len(head):].split("/")
+                if len(rest) == 2 and rest[1] in ("zarr.json", ".zgroup", ".zarray"):
+                    found[rest[0]] = self._kind(f"{head}{rest[0]}", rest[1])
+        return sorted((n, k) for n, k in found.items() if k is not None and not n.startswith("."))
+
+    def _kind(self, rel: str, document: str) -> str | None:
+        if document == ".zgroup":
+            return "group"
+        if document == ".zarray":
+            return "array"
+        if rel not in self._kinds:
+            raw = self.hierarchy.read(self._key(f"{rel}/zarr.json"), self.uri)
+            kind = parse_json(raw, self.uri, f"{rel}/zarr.json").get("node_type") if raw is not None else None
+            self._kinds[rel] = kind if kind in ("group", "array") else None
+        return self._kinds[rel]
+
+    def records(self) -> list[str]:
+        names = [n for n, kind in self._children("") if kind == "group"]
+        if not names:
+            raise NotFound(f"{self.uri} holds no Zarr groups; each record must be a group (e.g. "
+                           f"{self.uri}/sample_0000.zarr/positions)", uri=self.uri)
+        return names
+
+    def arrays(self, record: str) -> list[str]:
+        return [n for n, kind in self._children(record) if kind == "array"]
+
+    def metadata(self, path: str, record: str, name: str):
+        return read_store_metadata(self.hierarchy, self._key(f"{record}/{name}"), path)
+
+
+def _scan(root: str, fields: FieldsArg, nodes) -> Catalog:
+    names = nodes.records()
     wanted, specs = parse_fields(fields)
     if wanted is None:
-        wanted = tuple(list_arrays(os.path.join(root, names[0]), store))
+        wanted = tuple(nodes.arrays(names[0]))
         if not wanted:
             raise NotFound(f"record {names[0]!r} under {root} holds no arrays", uri=root, sample=names[0])
         specs = {name: None for name in wanted}
@@ -232,7 +329,7 @@ def _scan(root: str, fields: FieldsArg, store: LocalStore) -> Catalog:
         for name in wanted:
             path = os.path.join(root, record, *name.split("/"))
             try:
-                meta = read_metadata(path, store, uri=path)
+                meta = nodes.metadata(path, record, name)
             except NotFound:
                 raise NotFound(f"record {record!r} has no field {name!r} (no Zarr array at {path})",
                                uri=path, sample=record, field=name) from None

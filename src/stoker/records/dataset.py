@@ -90,7 +90,9 @@ class ZarrRecords(torch.utils.data.Dataset):
     per-process LRU of decoded samples (0: nothing is kept between reads).
     ``lazy=False`` reads every record at construction. ``store`` (a
     :class:`~stoker.storage.LocalStore`) serves reads in the constructing process
-    only; other processes use a private store of their own.
+    only; other processes use a private store of their own. ``root`` may be in a
+    store (``s3://bucket/crash``, ``https://``, a zip archive), with ``storage_options``
+    for remote ones (see docs/remote.md); each process opens its own connections.
     """
 
     def __init__(
@@ -101,12 +103,14 @@ class ZarrRecords(torch.utils.data.Dataset):
         cache_bytes: int = 0,
         lazy: bool = True,
         store: LocalStore | None = None,
+        storage_options: dict | None = None,
     ) -> None:
         time_slice = integer("time_slice", time_slice, 1, optional=True)
         cache_bytes = integer("cache_bytes", cache_bytes, 0)
         if store is not None and not isinstance(store, LocalStore):
             raise InvalidArgument(f"store must be a stoker.storage.LocalStore, got {type(store).__name__}")
-        self._catalog: Catalog = scan(root, fields, store)
+        self._storage_options = dict(storage_options) if storage_options else None
+        self._catalog: Catalog = scan(root, fields, store, self._storage_options)
         self._time_slice = time_slice
         self._cache_bytes = cache_bytes
         self._lazy = bool(lazy)
@@ -286,7 +290,7 @@ class ZarrRecords(torch.utils.data.Dataset):
         out: Sample = {}
         for name in names:
             path = cat.path(b, name)
-            arr = open_array(path, store=store)
+            arr = open_array(path, self._storage_options, store=store)
             want_shape, want_dtype = cat.shape(b, name), cat.dtype(b, name)
             if arr.shape != want_shape or arr.dtype != want_dtype:
                 raise MetadataError(

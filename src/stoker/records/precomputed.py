@@ -47,10 +47,11 @@ import numpy as np
 import torch
 
 from ..distributed import _all_gather, _group_position
-from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
+from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError, UnsupportedFormat
 from .dataset import Sample, ZarrRecords, rank_part
 from ..fsutil import claim, fsync_tree, make_sibling_dir, place_dir, remove_dead_siblings, try_claim
 from ..storage import read_regular
+from ..storage.locate import locate
 
 ATTR = "stoker_precompute"
 FORMAT = "stoker-precompute"
@@ -202,6 +203,9 @@ def _check_args(ds: Any, name: Any, fn: Any, params: Any) -> str:
         raise InvalidArgument(
             f"name must be a plain array name (letters, digits, '_', '-', '.'; not starting with '.' or '__'), "
             f"got {name!r}")
+    if not locate(ds.root).is_local:
+        raise UnsupportedFormat(f"{ds.root}: precompute writes arrays into the records, and stoker writes local "
+                                "datasets only; copy the dataset locally first", uri=ds.root)
     if name in ds.fields:
         raise InvalidArgument(
             f"{name!r} is a field of ds, so fn would see its old value; open the dataset without it", field=name)

@@ -44,6 +44,7 @@ import torch
 
 from ..distributed import _all_gather, _barrier, _broadcast_object, _group_position, rank_info
 from ..errors import ClaimTimeout, InvalidArgument, NonFiniteData, StokerError
+from ..storage.locate import locate
 from . import sidecar
 from .dataset import Sample, ZarrRecords, rank_part
 from .moments import F64, Moments
@@ -369,6 +370,8 @@ def compute_stats(
     headers = _all_gather(torch.tensor([int(fp[:14], 16)], dtype=torch.int64), group)
     if len({int(h[0]) for h in headers}) > 1:
         raise InvalidArgument(f"ranks see different datasets under {ds.root} (their fingerprints differ)")
+    # the statistics file lives next to a local dataset; one in a store (read-only here) is computed each time
+    cache = cache and locate(ds.root).is_local
     held, entry = _cached_entry(ds.root, fp, lead, world, group) if cache else (None, None)
     try:
         loaded = _from_entry(entry, expect, list(derived)) if entry is not None else None

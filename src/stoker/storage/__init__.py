@@ -1,9 +1,10 @@
 """Where the bytes come from.
 
-Two layers live here. The path-based local reader the engine uses today (:class:`LocalStore`:
-positional reads, descriptor cache, file identities). And the key-based :class:`Store` protocol with
-one store per kind of storage (directory, zip archive, object store, memory), picked by
-:func:`open_store`; the engine and ``open_array`` are not wired to it yet (see docs/remote.md).
+Two layers live here. The path-based local reader of local arrays (:class:`LocalStore`: positional
+reads, descriptor cache, file identities; the compiled engine reads the same files). And the key-based
+:class:`Store` protocol with one store per kind of storage (directory, zip archive, object store,
+memory), picked by :func:`open_store`; arrays in object stores and zip archives are read through it
+(:func:`~.locate.locate` says which, :class:`~.locate.Stores` keeps them open; see docs/remote.md).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ _REMOTE_SCHEMES = {"s3", "gs", "gcs", "az", "abfs", "http", "https"}
 def resolve_local_path(uri: str) -> str:
     """Turn ``/path``, ``relative/path`` or ``file:///path`` into an absolute local path.
 
-    Remote URIs raise :class:`UnsupportedFormat` (object stores are not wired in yet).
+    Remote URIs raise :class:`UnsupportedFormat`: they name no local path (:func:`~.locate.locate` and
+    :func:`open_store` take them).
     """
     if not isinstance(uri, (str, os.PathLike)):
         raise TypeError(f"uri must be a string or path, got {type(uri).__name__}")
@@ -42,8 +44,8 @@ def resolve_local_path(uri: str) -> str:
             uri = unquote(parsed.path)
         elif parsed.scheme in _REMOTE_SCHEMES:
             raise UnsupportedFormat(
-                f"{uri}: remote stores ({parsed.scheme}://) are not supported yet; copy the data locally "
-                "or mount it as a file system",
+                f"{uri}: a remote URI ({parsed.scheme}://) names no local path; this needs a local file or "
+                "directory (open_array, Sample, the samplers, ZarrRecords and stoker inspect take remote URIs)",
                 uri=uri,
             )
         else:

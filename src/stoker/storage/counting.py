@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from .store import ByteRange, Store
+from .store import ByteRange, Store, get_many
 
 
 @dataclass
@@ -14,7 +14,7 @@ class StoreCounters:
     """Cumulative counts of one :class:`CountingStore`.
 
     ``requests`` counts values and ranges asked (a ``get`` is one, a ``get_ranges`` call one per
-    range); a backend may merge ranges into fewer network requests. ``bytes`` counts bytes returned.
+    range, a ``get_many`` call one per key and range); a backend may merge ranges into fewer network requests. ``bytes`` counts bytes returned.
     ``calls`` counts every method call, ``size``, ``exists`` and ``list`` included.
     """
 
@@ -62,6 +62,12 @@ class CountingStore:
         out = self.store.get_ranges(requests)
         self._count(len(requests), sum(memoryview(d).nbytes for d in out))
         return out
+
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> tuple[list, list]:
+        values, out = get_many(self.store, keys, requests)
+        self._count(len(keys) + len(requests),
+                    sum(memoryview(d).nbytes for d in values if d is not None) + sum(memoryview(d).nbytes for d in out))
+        return values, out
 
     def size(self, key: str) -> int:
         self._count()

@@ -8,7 +8,8 @@ read by obstore, and from ``storage_options`` (obstore's configuration keys, e.g
 ``allow_http`` or ``proxy_url`` go to the client). Options override the environment.
 
 Requests run on one event loop thread shared by every ObjectStore of the process, many at once
-(``max_in_flight`` per call). Ranges of one object are merged by
+(``max_in_flight`` per call; ``gate``, a semaphore several stores share, caps them together: a
+pipeline's ``Config.requests_in_flight``). Ranges of one object are merged by
 :func:`~stoker.storage.ranges.coalesce` (gaps up to ``max_gap``, reads up to ``max_length``), so one
 call costs few requests.
 
@@ -35,7 +36,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
 
 from .. import checks
-from ..errors import InvalidArgument, ShutdownError, StorageError, UnsupportedFormat
+from ..errors import InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat
 from .ranges import coalesce
 from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read
 
@@ -87,7 +88,8 @@ class ObjectStore:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, timeout_s: float = 30.0,
                  connect_timeout_s: float = 5.0, retries: int = 5, retry_timeout_s: float = 60.0,
                  backoff_s: float = 0.1, max_backoff_s: float = 5.0, max_in_flight: int = 16,
-                 max_gap: int = 1 << 20, max_length: int = 16 << 20) -> None:
+                 max_gap: int = 1 << 20, max_length: int = 16 << 20,
+                 gate: asyncio.Semaphore | None = None) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise InvalidArgument(f"ObjectStore takes a URL such as s3://bucket/root, got {url!r}", uri=url)
         if storage_options is not None and not isinstance(storage_options, dict):
@@ -105,6 +107,7 @@ class ObjectStore:
         self.max_in_flight = checks.integer("max_in_flight", max_in_flight, 1, uri=url)
         self.max_gap = checks.integer("max_gap", max_gap, 0, uri=url)
         self.max_length = checks.integer("max_length", max_length, 1, uri=url)
+        self._gate = gate  # shared with other stores (a pipeline's): caps their requests at once together
         self._closed = False
         self._pending: set[concurrent.futures.Future] = set()
         self._lock = threading.Lock()
@@ -210,7 +213,10 @@ class ObjectStore:
         while True:
             attempt += 1
             try:
-                return await asyncio.wait_for(op(), per_attempt)
+                if self._gate is None:
+                    return await asyncio.wait_for(op(), per_attempt)
+                async with self._gate:
+                    return await asyncio.wait_for(op(), per_attempt)
             except FileNotFoundError:
                 raise not_found(self.uri, key) from None
             except StorageError as exc:  # permanent, raised by op (a range past the end of the value)
@@ -267,6 +273,11 @@ class ObjectStore:
         return data
 
     def get_ranges(self, requests: Sequence[ByteRange]) -> list[memoryview]:
+        reads = self._plan_reads(requests)
+        rounds = -(-len(reads) // self.max_in_flight)
+        return self._run(self._get_ranges(len(requests), reads), rounds=max(1, rounds))
+
+    def _plan_reads(self, requests: Sequence[ByteRange]) -> list:
         reads = []  # (range named in errors, start (< 0: suffix), length, [(request number, slice of the read)])
         for key, numbers in by_key(requests).items():
             plain = [i for i in numbers if not requests[i].is_suffix]
@@ -278,12 +289,15 @@ class ObjectStore:
                 named = requests[plain[read.parts[0][0]]] if len(read.parts) == 1 else \
                     ByteRange(key, read.offset, read.length)
                 reads.append((named, read.offset, read.length, [(plain[j], s) for j, s in read.slices()]))
-        rounds = -(-len(reads) // self.max_in_flight)
-        return self._run(self._get_ranges(len(requests), reads), rounds=max(1, rounds))
+        return reads
 
     async def _get_ranges(self, n: int, reads: list) -> list[memoryview]:
+        out, tasks = await self._start_ranges(n, reads, asyncio.Semaphore(self.max_in_flight))
+        await self._gather(tasks)
+        return out
+
+    async def _start_ranges(self, n: int, reads: list, gate: asyncio.Semaphore) -> tuple[list, list]:
         out: list = [None] * n
-        gate = asyncio.Semaphore(self.max_in_flight)
 
         async def one(r: ByteRange, start: int, length: int, serve: list[tuple[int, slice]]) -> None:
             async with gate:
@@ -292,7 +306,10 @@ class ObjectStore:
             for i, part in serve:
                 out[i] = data[part]
 
-        tasks = [asyncio.ensure_future(one(*read)) for read in reads]
+        return out, [asyncio.ensure_future(one(*read)) for read in reads]
+
+    @staticmethod
+    async def _gather(tasks: list) -> None:
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -300,7 +317,33 @@ class ObjectStore:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # and collect what they raised
             raise
-        return out
+
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange]) \
+            -> tuple[list[memoryview | None], list[memoryview]]:
+        """Whole values of ``keys`` (None for a missing one) and the bytes of ``requests`` (ranges of one
+        object merged as :meth:`get_ranges` merges them), all in one call, at most ``max_in_flight``
+        requests at once."""
+        for key in keys:
+            check_key(key)
+        reads = self._plan_reads(requests)
+        rounds = -(-(len(reads) + len(keys)) // self.max_in_flight)
+        return self._run(self._get_many(list(keys), len(requests), reads), rounds=max(1, rounds))
+
+    async def _get_many(self, keys: list[str], n: int, reads: list) -> tuple[list, list]:
+        values: list = [None] * len(keys)
+        gate = asyncio.Semaphore(self.max_in_flight)
+
+        async def whole(i: int, key: str) -> None:
+            async with gate:
+                try:
+                    values[i] = await self._attempts(key, "read", lambda: self._get_whole(key))
+                except NotFound:
+                    values[i] = None
+
+        out, tasks = await self._start_ranges(n, reads, gate)
+        tasks += [asyncio.ensure_future(whole(i, key)) for i, key in enumerate(keys)]
+        await self._gather(tasks)
+        return values, out
 
     async def _head(self, key: str) -> dict:
         import obstore

@@ -140,3 +140,20 @@ def short_read(uri: str, r: ByteRange, got: int, size: int | None = None, attemp
 
 def not_found(uri: str, key: str) -> NotFound:
     return NotFound(f"{uri}: no value at key {key!r}", uri=uri, key=key)
+
+
+def get_many(store: Store, keys: Sequence[str], requests: Sequence[ByteRange]) \
+        -> tuple[list[bytes | memoryview | None], list[bytes | memoryview]]:
+    """Whole values of ``keys`` (None for a missing key) and the bytes of ``requests``, in one call: a store
+    with a ``get_many`` of its own (an object store: many requests at once) runs them together; others
+    read one after the other."""
+    many = getattr(store, "get_many", None)
+    if many is not None:
+        return many(keys, requests)
+    values: list = []
+    for key in keys:
+        try:
+            values.append(store.get(key))
+        except NotFound:
+            values.append(None)
+    return values, (store.get_ranges(requests) if requests else [])

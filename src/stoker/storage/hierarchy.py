@@ -1,0 +1,129 @@
+"""The metadata documents of Zarr nodes in a store, from consolidated metadata where a group has it.
+
+Opening an array ``g.zarr/a`` looks at its ancestors, nearest first, for consolidated metadata: a v3
+group's ``zarr.json`` with ``consolidated_metadata``, or a v2 group's ``.zmetadata``. The first one that
+lists the array gives its document with no request of its own. The walk stops at an ancestor that is
+neither (no ``zarr.json``, no ``.zmetadata``) or that is not a group, and every answer (found or not)
+is kept per store, so opening many arrays of one hierarchy costs a constant number of round trips: the
+first array pays for the walk (two requests per level at most), later ones read nothing (consolidated)
+or only their own document (not consolidated).
+
+Consolidated metadata is trusted as it is (as zarr-python's ``open_consolidated`` does): an array
+rewritten with a new shape or codec after the group was consolidated reads with the old metadata.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..errors import MetadataError, NotFound
+from .store import Store
+
+#: Ancestors looked at for consolidated metadata, nearest first.
+MAX_LEVELS = 8
+#: Largest metadata document read (as for local files; see array.MAX_METADATA_BYTES).
+MAX_DOCUMENT_BYTES = 16 << 20
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix else name
+
+
+def _parents(prefix: str) -> list[str]:
+    """``"a/b/c"`` -> ``["a/b", "a", ""]``."""
+    parts = prefix.split("/") if prefix else []
+    return ["/".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
+
+
+class Hierarchy:
+    """Metadata reads of one store, with its groups' consolidated metadata cached; thread-safe."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._groups: dict[str, tuple | None] = {}  # group prefix -> (format, {relative key: doc}) or None
+        self._lock = threading.Lock()
+
+    def read(self, key: str, uri: str) -> bytes | None:
+        """The document at ``key`` (at most :data:`MAX_DOCUMENT_BYTES`), or None when there is none."""
+        try:
+            data = self.store.get(key)
+        except NotFound:
+            return None
+        if len(data) > MAX_DOCUMENT_BYTES:
+            raise MetadataError(f"{uri}: {key} is {len(data)} bytes, more than the {MAX_DOCUMENT_BYTES} bytes stoker "
+                                "reads as Zarr metadata; it is not a Zarr metadata document", uri=uri, key=key)
+        return bytes(data)
+
+    def consolidated(self, prefix: str, uri: str) -> tuple[int, dict] | None:
+        """``(zarr_format, document)`` of the node at ``prefix`` from an ancestor's consolidated metadata
+        (v2: ``{".zarray": doc}``-like dict of its documents; v3: its ``zarr.json`` document), or None.
+        Ancestors already read are asked first (no request), so the nodes of a group consolidated at its
+        top cost nothing once it was read, however deep they are."""
+        with self._lock:
+            known = [(g, self._groups[g]) for g in _parents(prefix) if self._groups.get(g) is not None]
+        for group, found in known:
+            hit = self._lookup(prefix, group, found)
+            if hit is not None:
+                return hit
+        for level, group in enumerate(_parents(prefix)):
+            if level >= MAX_LEVELS:
+                return None
+            found = self._group(group, uri)
+            if found is None:
+                return None
+            hit = self._lookup(prefix, group, found)
+            if hit is not None:
+                return hit
+            if not found[2]:  # not a group
+                return None
+        return None
+
+    @staticmethod
+    def _lookup(prefix: str, group: str, found: tuple) -> tuple[int, dict] | None:
+        fmt, entries, _ = found
+        rel = prefix[len(group) + 1:] if group else prefix
+        if fmt == 3 and rel in entries:
+            return 3, entries[rel]
+        if fmt == 2 and (f"{rel}/.zarray" in entries or f"{rel}/.zgroup" in entries):
+            return 2, {name: entries[f"{rel}/{name}"] for name in (".zarray", ".zgroup") if f"{rel}/{name}" in entries}
+        return None
+
+    def group_entries(self, group: str, uri: str) -> tuple[int, dict] | None:
+        """``(zarr_format, entries)`` of the consolidated metadata of the group at ``group`` (keys relative
+        to it: v3 node paths, v2 document paths such as ``"a/.zarray"``), or None when it has none."""
+        found = self._group(group, uri)
+        if found is None or not found[1]:
+            return None
+        return found[0], found[1]
+
+    def _group(self, group: str, uri: str) -> tuple | None:
+        """``(format, entries, is_group)`` of an ancestor (entries empty when it is not consolidated), or
+        None when it is no Zarr group; read once per store."""
+        with self._lock:
+            if group in self._groups:
+                return self._groups[group]
+        found = self._load(group, uri)
+        with self._lock:
+            self._groups[group] = found
+        return found
+
+    def _load(self, group: str, uri: str) -> tuple | None:
+        from ..zarr.metadata import parse_json
+
+        raw = self.read(_join(group, "zarr.json"), uri)
+        if raw is not None:
+            doc = parse_json(raw, uri, _join(group, "zarr.json"))
+            if doc.get("node_type") != "group":
+                return 3, {}, False
+            cm = doc.get("consolidated_metadata")
+            entries = cm.get("metadata") if isinstance(cm, dict) else None
+            return 3, entries if isinstance(entries, dict) else {}, True
+        raw = self.read(_join(group, ".zmetadata"), uri)
+        if raw is None:
+            return None
+        doc = parse_json(raw, uri, _join(group, ".zmetadata"))
+        entries = doc.get("metadata")
+        if not isinstance(entries, dict):
+            raise MetadataError(f"{uri}: {_join(group, '.zmetadata')} holds no 'metadata' object; it is not v2 "
+                                "consolidated metadata", uri=uri)
+        return 2, entries, True

@@ -1,0 +1,186 @@
+"""Where an array URI lives: a local directory (the fast path), or a key prefix inside a store.
+
+==================================================  ======================  ===========================
+array URI                                           store                   key prefix
+==================================================  ======================  ===========================
+``/data/a.zarr``, ``a.zarr``, ``file:///data/a.zarr``  none: local files       (the directory)
+``s3://bucket/g.zarr/a`` (``gs://``, ``az://``...)  ``s3://bucket``         ``g.zarr/a``
+``https://host:8080/g.zarr/a``                      ``https://host:8080``   ``g.zarr/a``
+``/data/d.zip/g.zarr/a``, ``zip:///data/d.zip!/g.zarr/a``  ``ZipStore(/data/d.zip)``  ``g.zarr/a``
+==================================================  ======================  ===========================
+
+One store per bucket, container or host (per storage options), so arrays of one hierarchy share its
+connections and its consolidated metadata. A zip archive is named by its path followed by the path
+inside it; the ``zip://`` form marks the archive's end with ``!``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping
+from urllib.parse import unquote, urlparse
+
+from ..errors import InvalidArgument
+from .store import Store, check_key
+from .uri import REMOTE_SCHEMES
+
+#: ObjectStore settings that may be given among ``storage_options`` (stoker's, not obstore's keys).
+SETTING_KEYS = frozenset({"timeout_s", "connect_timeout_s", "retries", "retry_timeout_s", "backoff_s",
+                          "max_backoff_s", "max_in_flight", "max_gap", "max_length"})
+
+
+@dataclass(frozen=True)
+class Location:
+    """``root`` is the store's URI (``None``: a local directory at ``path``); ``prefix`` the node's key."""
+
+    uri: str
+    root: str | None
+    prefix: str
+    path: str | None = None
+    archive: bool = False  # root is a local zip archive
+
+    @property
+    def is_local(self) -> bool:
+        return self.root is None
+
+
+def _prefix(uri: str, path: str) -> str:
+    path = path.strip("/")
+    if not path:
+        return ""
+    try:
+        return check_key(path)
+    except InvalidArgument:
+        raise InvalidArgument(f"{uri}: the path inside the store, {path!r}, is not a relative key ('/'-separated "
+                              "names, no empty, '.' or '..' part)", uri=uri) from None
+
+
+def locate(uri: str | os.PathLike) -> Location:
+    """The :class:`Location` of ``uri`` (see the module docstring); local paths stay paths."""
+    if not isinstance(uri, (str, os.PathLike)):
+        raise InvalidArgument(f"an array URI must be a string or path, got {type(uri).__name__}")
+    uri = os.fspath(uri)
+    scheme = urlparse(uri).scheme.lower() if "://" in uri else ""
+    if scheme in REMOTE_SCHEMES:
+        parsed = urlparse(uri)
+        if not parsed.netloc:
+            raise InvalidArgument(f"{uri}: names no bucket, container or host (expected {scheme}://name/path)",
+                                  uri=uri)
+        return Location(uri, f"{parsed.scheme}://{parsed.netloc}", _prefix(uri, unquote(parsed.path)))
+    if scheme == "zip":
+        archive, _, inner = uri[len("zip://"):].partition("!")
+        if not archive:
+            raise InvalidArgument(f"{uri}: names no archive; write zip:///path/to/data.zip!/path/inside", uri=uri)
+        return Location(uri, os.path.abspath(archive), _prefix(uri, inner), archive=True)
+    from . import resolve_local_path
+
+    path = resolve_local_path(uri)
+    zipped = _split_archive(path)
+    if zipped is not None:
+        return Location(uri, zipped[0], _prefix(uri, zipped[1]), archive=True)
+    return Location(uri, None, "", path)
+
+
+def _split_archive(path: str) -> tuple[str, str] | None:
+    """``(archive, path inside)`` when a part of ``path`` ending in ``.zip`` is a file, else None."""
+    if ".zip" not in path.lower():
+        return None
+    parts = path.split(os.sep)
+    for i in range(1, len(parts) + 1):
+        head = os.sep.join(parts[:i]) or os.sep
+        if head.lower().endswith(".zip") and os.path.isfile(head):
+            return head, "/".join(parts[i:])
+    return None
+
+
+def options_for(by_prefix: Mapping[str, dict] | None, uri: str) -> dict | None:
+    """The storage options of the longest prefix of ``uri`` in ``by_prefix`` (``Config.storage_options``)."""
+    if not by_prefix:
+        return None
+    best = max((p for p in by_prefix if uri.startswith(p)), key=len, default=None)
+    return None if best is None else by_prefix[best]
+
+
+def check_options_by_prefix(value: Any, what: str) -> dict[str, dict] | None:
+    """``value`` as a ``{uri prefix: storage options}`` dict, or InvalidArgument saying what is wrong."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"{what} must be a dict of URI prefix -> storage options dict (e.g. "
+                              f"{{'s3://bucket/': {{'region': 'eu-west-1'}}}}), got {type(value).__name__}",
+                              knob="storage_options")
+    out = {}
+    for prefix, options in value.items():
+        if not isinstance(prefix, str) or "://" not in prefix or \
+                urlparse(prefix).scheme.lower() not in REMOTE_SCHEMES:
+            raise InvalidArgument(f"{what}: key {prefix!r} is not a remote URI prefix (s3://, gs://, az://, "
+                                  "http(s)://...); options apply to remote stores only", knob="storage_options")
+        if not isinstance(options, Mapping):
+            raise InvalidArgument(f"{what}[{prefix!r}] must be a dict of options, got {type(options).__name__}",
+                                  knob="storage_options")
+        out[prefix] = dict(options)
+    return out
+
+
+class Stores:
+    """The stores opened for array URIs, one per root and options, shared by the arrays under them, with
+    each store's consolidated metadata (:class:`~stoker.storage.hierarchy.Hierarchy`). A pipeline owns
+    one and closes it with itself (cancelling requests in flight); :func:`default_stores` serves
+    ``open_array`` calls outside a pipeline."""
+
+    def __init__(self, requests_in_flight: int | None = None) -> None:
+        """``requests_in_flight``: the most requests the object stores opened here have open at once, all
+        of them together (None: each store's ``max_in_flight`` per call only)."""
+        import asyncio
+
+        # used only on the stores' one event loop thread (a semaphore binds to a loop when first waited on)
+        self._gate = asyncio.Semaphore(requests_in_flight) if requests_in_flight else None
+        self._stores: dict[tuple, tuple[Store, Any]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def get(self, loc: Location, storage_options: dict | None = None) -> tuple[Store, Any]:
+        """``(store, hierarchy)`` for ``loc`` (not a local directory)."""
+        from .hierarchy import Hierarchy
+
+        options = dict(storage_options or {})
+        settings = {k: options.pop(k) for k in list(options) if k in SETTING_KEYS}
+        if loc.archive and (options or settings):
+            raise InvalidArgument(f"{loc.uri}: storage_options apply to remote stores only, not to zip archives",
+                                  uri=loc.uri)
+        ident = (loc.root, json.dumps(options, sort_keys=True, default=repr), json.dumps(settings, sort_keys=True))
+        with self._lock:
+            held = self._stores.get(ident)
+            if held is not None:
+                return held
+        if loc.archive:
+            from .zipstore import ZipStore
+
+            store = ZipStore(loc.root)
+        else:
+            from .objectstore import ObjectStore
+
+            store = ObjectStore(loc.root, options, gate=self._gate, **settings)
+        with self._lock:
+            held = self._stores.setdefault(ident, (store, Hierarchy(store)))
+        if held[0] is not store:
+            store.close()
+        return held
+
+    def close(self) -> None:
+        """Close every store (an object store cancels its requests in flight)."""
+        with self._lock:
+            held, self._stores = list(self._stores.values()), {}
+        for store, _ in held:
+            store.close()
+
+
+_default = Stores()
+
+
+def default_stores() -> Stores:
+    """The process-wide :class:`Stores` of ``open_array`` calls outside a pipeline (never closed)."""
+    return _default

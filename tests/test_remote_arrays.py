@@ -1,0 +1,421 @@
+"""Arrays read through stores: ``open_array`` and pipelines over ``s3://`` (moto's server), ``http://``
+(tests/range_server.py) and zip archives, each equal to the local read bit for bit; consolidated metadata
+(a constant number of round trips for many arrays); faults through a pipeline (a 503 storm retried, a
+server stopped mid-run, ``close()`` with requests in flight)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+import zipfile
+
+import numcodecs
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, TransposeCodec, ZstdCodec
+
+import stoker
+from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
+from stoker.storage.locate import Stores, locate
+
+from range_server import RangeServer
+from store_fixtures import BUCKET, MotoS3
+
+PREFIX = "remote-arrays"  # in the bucket the store tests share (one moto backend per process)
+RECORDS = "remote-records"
+
+SHAPE = (40, 36)
+FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+KINDS = ["s3", "http", "zip"]
+
+#: path -> how it is written (zarr-python is the oracle); every array has SHAPE
+V3 = {"g3.zarr/zstd": dict(chunks=(16, 16), dtype="int32", fill_value=7, compressors=ZstdCodec(level=1)),
+      "g3.zarr/gzip_t": dict(chunks=(16, 8), dtype=">f4", filters=None, compressors=GzipCodec(level=1),
+                             serializer=BytesCodec(endian="big")),
+      "g3.zarr/sub/sharded": dict(chunks=(8, 8), shards=(16, 24), dtype="uint16", fill_value=3,
+                                  compressors=ZstdCodec(level=1)),
+      "g3.zarr/sharded_blosc": dict(chunks=(8, 12), shards=(24, 24), dtype="float64",
+                                    compressors=BloscCodec(cname="lz4", clevel=1))}
+V2 = {"g2.zarr/blosc": dict(chunks=(16, 16), dtype="<u2", compressors=numcodecs.Blosc("zstd", 1), fill_value=5),
+      "g2.zarr/zlib_f": dict(chunks=(10, 12), dtype="<f8", compressors=numcodecs.Zlib(1), order="F"),
+      "g2.zarr/nested": dict(chunks=(16, 16), dtype="<i2", compressors=numcodecs.LZ4(),
+                             chunk_key_encoding={"name": "v2", "separator": "/"}),
+      "plain2.zarr": dict(chunks=(16, 16), dtype="<i8", compressors=None, fill_value=-1)}
+ARRAYS = list(V3) + list(V2)
+
+
+def _data(path: str, dtype) -> np.ndarray:
+    rng = np.random.default_rng(abs(hash(path)) % 2**32)
+    data = (rng.random(SHAPE) * 1000).astype(dtype)
+    data[:, 30:] = 0  # chunks of fill value only, left unwritten by zarr where the fill is 0
+    return data
+
+
+def _write(root: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.open_group(os.path.join(root, "g3.zarr"), mode="w")
+        zarr.open_group(os.path.join(root, "g3.zarr/sub"), mode="w")
+        zarr.open_group(os.path.join(root, "g2.zarr"), mode="w", zarr_format=2)
+        for path, spec in {**V3, **V2}.items():
+            spec = dict(spec)
+            fmt = 2 if path in V2 else 3
+            arr = zarr.create_array(os.path.join(root, path), shape=SHAPE, zarr_format=fmt, **spec)
+            data = _data(path, spec["dtype"])
+            arr[:32] = data[:32]  # rows 32.. never written: missing chunks (and a missing shard) read as fill
+        zarr.consolidate_metadata(os.path.join(root, "g3.zarr"))
+        zarr.consolidate_metadata(os.path.join(root, "g2.zarr"))
+        # a chunk holding a value past the fill: written explicitly
+        zarr.open_array(os.path.join(root, "g3.zarr/zstd"), mode="r+")[39, 0] = 123
+
+
+def _values(root: str) -> dict[str, bytes]:
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root).replace(os.sep, "/")] = f.read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("remote") / "data")
+    _write(root)
+    values = _values(root)
+    archive = os.path.join(os.path.dirname(root), "data.zip")
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+        for key in sorted(values):
+            zf.writestr(key, values[key])
+    s3 = MotoS3(values, PREFIX)
+    http = RangeServer(root)
+    yield {"root": root, "zip": archive, "s3": s3, "http": http}
+    http.stop()
+    s3.stop()
+
+
+def remote(tree, kind: str, path: str) -> tuple[str, dict | None]:
+    """The URI of ``path`` in the store of ``kind``, and its storage options."""
+    if kind == "s3":
+        return f"s3://{BUCKET}/{PREFIX}/{path}", {**tree["s3"].options, **FAST}
+    if kind == "http":
+        return f"{tree['http'].url}/{path}", dict(FAST)
+    return f"{tree['zip']}/{path}", None
+
+
+def bits(a: np.ndarray) -> tuple:
+    return a.shape, a.dtype, np.ascontiguousarray(a).tobytes()
+
+
+BOXES = [(slice(0, 40), slice(0, 36)), (slice(3, 29), slice(5, 33)), (slice(31, 40), slice(0, 9)),
+         (slice(15, 17), slice(23, 25))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_array_reads_bit_for_bit_equal_to_local(tree, kind):
+    stores = Stores()
+    try:
+        for path in ARRAYS:
+            local = stoker.open_array(os.path.join(tree["root"], path))
+            uri, options = remote(tree, kind, path)
+            arr = stoker.open_array(uri, options, stores=stores)
+            assert arr.kv is not None and arr.uri == uri
+            assert (arr.shape, arr.dtype, arr.chunks, arr.shards, arr.zarr_format) == \
+                (local.shape, local.dtype, local.chunks, local.shards, local.zarr_format), path
+            for box in BOXES:
+                assert bits(arr[box]) == bits(local[box]), (path, box)
+            ref = zarr.open_array(os.path.join(tree["root"], path), mode="r")[...]
+            assert np.ascontiguousarray(arr[...]).tobytes() == np.ascontiguousarray(ref.astype(arr.dtype)).tobytes()
+    finally:
+        stores.close()
+
+
+def test_uri_forms():
+    assert locate("s3://b/g.zarr/a").root == "s3://b" and locate("s3://b/g.zarr/a").prefix == "g.zarr/a"
+    assert locate("https://h:8/x/y/").prefix == "x/y"
+    z = locate("zip:///tmp/d.zip!/g.zarr/a")
+    assert (z.root, z.prefix, z.archive) == ("/tmp/d.zip", "g.zarr/a", True)
+    assert locate("/tmp/no-such.zip/a").is_local  # not an archive: a directory path as before
+    with pytest.raises(InvalidArgument):
+        locate("s3://b/g.zarr/../a")
+    with pytest.raises(InvalidArgument):
+        stoker.open_array("/tmp/some.zarr", {"region": "x"})  # options for a local path: refused
+
+
+def test_consolidated_metadata_costs_constant_round_trips(tree):
+    http = tree["http"]
+    url = http.url
+    for group, names, cost in (("g3.zarr", list(V3), 1), ("g2.zarr", [p for p in V2 if p.startswith("g2.zarr/")], 2)):
+        stores = Stores()
+        before = http.requests
+        for path in names:
+            stoker.open_array(f"{url}/{path}", stores=stores)
+        # v3: the group's zarr.json (g3.zarr/sub/sharded too: a consolidated ancestor already read is asked
+        # first); v2: zarr.json (missing), then .zmetadata. The arrays' own documents are never read.
+        assert http.requests - before == cost, group
+        stores.close()
+    # not consolidated: after the first open, each costs its own documents only (zarr.json missing, .zarray)
+    stores = Stores()
+    stoker.open_array(f"{url}/plain2.zarr", stores=stores)
+    before = http.requests
+    for _ in range(3):
+        stoker.open_array(f"{url}/plain2.zarr", stores=stores)
+    assert http.requests - before == 2 * 3
+    stores.close()
+
+
+def test_missing_array_is_not_found_naming_uri(tree):
+    uri, options = remote(tree, "http", "g3.zarr/nope")
+    with pytest.raises(NotFound) as info:
+        stoker.open_array(uri, options, stores=Stores())
+    assert uri in str(info.value)
+    with pytest.raises(InvalidArgument, match="group"):
+        stoker.open_array(remote(tree, "http", "g3.zarr/sub")[0], stores=Stores())
+
+
+def test_storage_error_names_uri_and_key(tree):
+    server = RangeServer(tree["root"])
+    stores = Stores()
+    arr = stoker.open_array(f"{server.url}/g3.zarr/zstd", FAST, stores=stores)
+    server.stop()
+    with pytest.raises(StorageError) as info:
+        arr[0:4, 0:4]
+    assert info.value.context.get("key") == "g3.zarr/zstd/c/0/0"
+    assert server.url in str(info.value)
+    stores.close()
+
+
+# -- pipelines ------------------------------------------------------------------------------------
+
+CROP = (9, 20)
+SAMPLE_ARRAYS = ["g3.zarr/zstd", "g3.zarr/sub/sharded", "g3.zarr/sharded_blosc", "g2.zarr/blosc",
+                 "g2.zarr/zlib_f", "g2.zarr/nested", "g3.zarr/gzip_t"]
+
+
+def samples(prefix: str) -> list:
+    rng = np.random.default_rng(5)
+    out = []
+    for k in range(24):
+        path = SAMPLE_ARRAYS[k % len(SAMPLE_ARRAYS)]
+        y, x = int(rng.integers(0, SHAPE[0] - CROP[0] + 1)), int(rng.integers(0, SHAPE[1] - CROP[1] + 1))
+        out.append(stoker.Sample(f"{prefix}/{path}", [(y, y + CROP[0]), (x, x + CROP[1])]))
+    return out
+
+
+def run_pipeline(prefix: str, options: dict | None = None, **cfg) -> list[torch.Tensor]:
+    cfg = stoker.Config(batch_size=4, dtype="f32", n_compute_threads=2, pop_timeout_s=30,
+                        host_buffer_bytes=64 << 20, storage_options=options, **cfg)
+    out = []
+    with stoker.Pipeline(cfg) as p:
+        todo = samples(prefix)
+        p.push(todo)
+        for _ in range(len(todo) // 4):
+            b = p.pop()
+            out.append(torch.from_dlpack(b).clone())
+            b.release()
+    return out
+
+
+def _prefix(tree, kind):
+    if kind == "s3":
+        return f"s3://{BUCKET}/{PREFIX}", {f"s3://{BUCKET}/": {**tree["s3"].options, **FAST}}
+    if kind == "http":
+        return tree["http"].url, {tree["http"].url + "/": FAST}
+    return tree["zip"], None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pipeline_batches_equal_local(tree, kind):
+    local = run_pipeline(tree["root"])
+    prefix, options = _prefix(tree, kind)
+    got = run_pipeline(prefix, options, requests_in_flight=3)
+    assert len(got) == len(local) == 6
+    for a, b in zip(got, local):
+        assert a.numpy().tobytes() == b.numpy().tobytes()
+
+
+def test_requests_in_flight_is_validated():
+    with pytest.raises(InvalidArgument, match="requests_in_flight"):
+        stoker.Config(requests_in_flight=0)
+    with pytest.raises(InvalidArgument, match="storage_options"):
+        stoker.Config(storage_options={"/local/": {}})
+    with pytest.raises(InvalidArgument, match="storage_options"):
+        stoker.Config(storage_options=[1])
+
+
+def test_503_storm_is_retried_to_success_through_a_pipeline(tree):
+    server = RangeServer(tree["root"])
+    try:
+        local = run_pipeline(tree["root"])
+        server.fail(12, 503)
+        opts = {server.url + "/": {**FAST, "retries": 20}}
+        got = run_pipeline(server.url, opts)
+        assert all(a.numpy().tobytes() == b.numpy().tobytes() for a, b in zip(got, local))
+        assert server.requests > 12
+    finally:
+        server.stop()
+
+
+def test_server_stopped_mid_run_is_a_storage_error_at_pop(tree):
+    server = RangeServer(tree["root"])
+    opts = {server.url + "/": {**FAST, "retries": 1, "timeout_s": 2.0, "connect_timeout_s": 1.0}}
+    cfg = stoker.Config(batch_size=4, dtype="f32", n_compute_threads=2, pop_timeout_s=60,
+                        host_buffer_bytes=64 << 20, storage_options=opts, lookahead_batches=1)
+    try:
+        with stoker.Pipeline(cfg) as p:
+            todo = samples(server.url)
+            p.push(todo[:4])
+            p.pop().release()
+            server.stop()
+            p.push(todo[4:8])
+            with pytest.raises(StorageError) as info:
+                p.pop()
+            assert server.url in str(info.value) and info.value.context.get("key")
+    finally:
+        server.stop()
+
+
+def test_close_mid_batch_cancels_requests_in_flight(tree):
+    server = RangeServer(tree["root"])
+    opts = {server.url + "/": {**FAST, "timeout_s": 60.0}}
+    cfg = stoker.Config(batch_size=4, dtype="f32", n_compute_threads=2, pop_timeout_s=60,
+                        host_buffer_bytes=64 << 20, storage_options=opts, lookahead_batches=1)
+    try:
+        p = stoker.Pipeline(cfg)
+        todo = samples(server.url)
+        p.push(todo[:4])
+        p.pop().release()  # metadata and the first chunks read at no latency
+        server.latency_s = 30.0
+        p.push(todo[4:8])
+        deadline = time.monotonic() + 10
+        while server.in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.in_flight > 0  # the batch's requests are waiting on the server
+        job = p._coordinator.inflight[0].job
+        t0 = time.monotonic()
+        p.close()
+        assert time.monotonic() - t0 < 5  # far below the server's 30 s
+        assert job.done.wait(5)  # the fetch was cancelled, not left waiting for the server
+        assert isinstance(job.error, ShutdownError)
+    finally:
+        server.latency_s = 0
+        server.stop()
+
+
+# -- records and inspect ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """Two record datasets written by zarr-python: v3 consolidated at the root, and v2 not consolidated."""
+    base = str(tmp_path_factory.mktemp("records"))
+    rng = np.random.default_rng(9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, fmt in (("rec3", 3), ("rec2", 2)):
+            root = zarr.open_group(os.path.join(base, name), mode="w", zarr_format=fmt)
+            for i in range(3):
+                g = root.create_group(f"run_{i:03d}")
+                n = 5 + i
+                g.create_array("positions", shape=(4, n, 3), chunks=(2, 4, 3), dtype="float32")[...] = \
+                    rng.random((4, n, 3)).astype("float32")
+                g.create_array("cells", shape=(n, 2), chunks=(3, 2), dtype="int32")[...] = \
+                    rng.integers(0, 9, (n, 2)).astype("int32")
+        zarr.consolidate_metadata(os.path.join(base, "rec3"))
+    values = _values(base)
+    s3 = MotoS3(values, RECORDS)
+    http = RangeServer(base)
+    yield {"root": base, "s3": s3, "http": http}
+    http.stop()
+    s3.stop()
+
+
+@pytest.mark.parametrize("name", ["rec3", "rec2"])
+def test_record_datasets_over_s3_equal_local(records, name):
+    from stoker.records import ZarrRecords
+
+    local = ZarrRecords(os.path.join(records["root"], name), fields={"positions": ("T", "N", 3), "cells": ("N", 2)})
+    remote_ds = ZarrRecords(f"s3://{BUCKET}/{RECORDS}/{name}", fields={"positions": ("T", "N", 3), "cells": ("N", 2)},
+                            storage_options={**records["s3"].options, **FAST})
+    assert len(remote_ds) == len(local) == 3
+    assert remote_ds.metadata(1).name == "run_001"
+    for i in range(3):
+        a, b = local[i], remote_ds[i]
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].numpy().tobytes() == b[k].numpy().tobytes()
+    import pickle
+    copy = pickle.loads(pickle.dumps(remote_ds))  # a worker's copy opens its own store
+    assert copy[2]["cells"].numpy().tobytes() == local[2]["cells"].numpy().tobytes()
+
+
+def test_record_dataset_over_http_needs_consolidated_metadata(records):
+    from stoker.errors import UnsupportedFormat
+    from stoker.records import ZarrRecords
+
+    http = records["http"]
+    before = http.requests
+    ds = ZarrRecords(f"{http.url}/rec3", fields=["positions", "cells"])
+    assert len(ds) == 3 and ds[0]["cells"].shape[1] == 2
+    assert http.requests - before <= 1 + 3 * 2 * 2  # the root's zarr.json, then only chunks of record 0
+    with pytest.raises(UnsupportedFormat, match="consolidate"):
+        ZarrRecords(f"{http.url}/rec2")  # an HTTP server cannot be listed
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inspect_reads_remote_arrays(tree, kind, monkeypatch):
+    from stoker.cli.inspect import facts
+
+    if kind == "s3":  # credentials and endpoint from the standard environment, as a user's would be
+        monkeypatch.setenv("AWS_ENDPOINT_URL", tree["s3"].endpoint)
+        monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        monkeypatch.setenv("AWS_REGION", "us-east-1")
+    for path in ("g3.zarr/sub/sharded", "g2.zarr/blosc"):
+        uri = remote(tree, kind, path)[0]
+        got = facts(uri, (8, 8))
+        want = facts(os.path.join(tree["root"], path), (8, 8))
+        assert got.pop("uri") == uri
+        want.pop("uri")
+        assert got == want
+
+
+def test_samplers_over_s3_give_the_local_batches(tree):
+    prefix, options = _prefix(tree, "s3")
+    paths = ["g3.zarr/sub/sharded", "g2.zarr/zlib_f"]
+
+    def batches(root, opts):
+        src = stoker.RandomCrops([f"{root}/{p}" for p in paths], CROP, seed=3, samples_per_epoch=8,
+                                 storage_options=opts)
+        grid = stoker.TileGrid([f"{root}/{p}" for p in paths], CROP, storage_options=opts)
+        assert src.shapes == grid.shapes == [SHAPE, SHAPE]
+        cfg = stoker.Config(batch_size=4, n_compute_threads=2, host_buffer_bytes=64 << 20, storage_options=opts)
+        out = []
+        with stoker.Pipeline(cfg) as p:
+            p.push(src.shard(0, 1))
+            for _ in range(2):
+                b = p.pop()
+                out.append(torch.from_dlpack(b).clone())
+                b.release()
+        return out
+
+    local, got = batches(tree["root"], None), batches(prefix, options)
+    assert [a.numpy().tobytes() for a in got] == [a.numpy().tobytes() for a in local]
+
+
+def test_requests_in_flight_caps_the_pipelines_open_requests(tree):
+    server = RangeServer(tree["root"])
+    try:
+        server.latency_s = 0.05  # requests overlap: the cap, not the server, bounds them
+        got = run_pipeline(server.url, {server.url + "/": FAST}, requests_in_flight=2)
+        assert len(got) == 6
+        assert 1 <= server.peak_in_flight <= 2
+    finally:
+        server.latency_s = 0
+        server.stop()
