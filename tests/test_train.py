@@ -768,3 +768,109 @@ def test_ddp_ranks_skip_a_nonfinite_step_together_and_reduce_the_eval_loss():
         expected = sum(float(jobs.mse(ref.module, b)) * len(b) for b in evals) / 7
     assert rank0["eval"] == rank1["eval"] and list(rank0["eval"]) == [3]
     assert rank0["eval"][3] == pytest.approx(expected, rel=1e-5)
+
+
+class Masked(torch.nn.Module):
+    """A BatchNorm (running statistics updated by every training forward) and a causal mask buffer of -inf
+    (as nn.Transformer.generate_square_subsequent_mask makes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.norm(self.body(x)) @ torch.softmax(self.mask, -1)).sum(-1, keepdim=True)
+
+
+def _masked_trainer(tmp_path=None, scheduler=False):
+    model = Masked()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
+    ck = st.Checkpoints(tmp_path / "ck", every=2) if tmp_path is not None else None
+    return st.Trainer(model, opt, jobs.mse, device="cpu", progress=False, checkpoints=ck, scheduler=sched)
+
+
+def test_infinite_mask_buffers_are_checkpointed_and_a_skipped_step_leaves_the_buffers(tmp_path):
+    """A -inf mask buffer is the model's design, not divergence: checkpoints are written. A NaN batch's
+    forward turned BatchNorm's running statistics to NaN; skipping the step puts them back, so the model
+    equals a run without that batch (buffers included), and the next checkpoint is written."""
+    batches = jobs.global_batches(4, 4)
+    trainer = _masked_trainer(tmp_path)
+    r = trainer.fit(_with_nan(batches, 1), steps=4, resume=None)
+    assert r.skipped_steps == 1 and [s for s, _ in st.Checkpoints(tmp_path / "ck").list()] == [2, 4]
+    ref = _masked_trainer()
+    ref.fit([batches[0], batches[2], batches[3]], steps=3, resume=None)
+    got, want = trainer.module.state_dict(), ref.module.state_dict()
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert torch.isinf(got["mask"]).any()
+    # a mask that was finite when fit started must stay finite; NaN is refused in any buffer
+    model = Masked()
+    with torch.no_grad():
+        model.mask.fill_(0.0)
+    bad = st.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), jobs.mse, device="cpu", progress=False,
+                     checkpoints=st.Checkpoints(tmp_path / "ck2", every=1))
+
+    def poison(m, batch):
+        with torch.no_grad():
+            m.mask[0, 1] = float("-inf")
+        return jobs.mse(m, batch)
+
+    bad.loss_fn = poison
+    with pytest.raises(stoker.NonFiniteLoss, match=r"first: mask\)"):
+        bad.fit(batches, steps=1, resume=None)
+
+
+def test_a_skipped_first_step_still_counts_on_the_scheduler_without_a_warning(tmp_path):
+    import warnings
+
+    batches = jobs.global_batches(3, 4)
+    trainer = _masked_trainer(scheduler=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()" would raise
+        r = trainer.fit(_with_nan(batches, 0), steps=3, resume=None)
+    assert r.skipped_steps == 1 and trainer.scheduler.last_epoch == 3
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 / 8)
+
+
+def _gen(batches):
+    yield from batches
+
+
+def test_eval_data_that_would_hang_or_run_dry_is_refused(volume):
+    batches = jobs.global_batches(2, 4)
+    with pytest.raises(InvalidArgument, match=r"eval_data \(generator\) is an iterator: the first evaluation "
+                                              r"would use it up.*stoker.CropDataset"):
+        _trainer().fit(batches, steps=1, resume=None, eval_data=_gen(batches))
+    src = stoker.RandomCrops([volume], sample_shape=(4, 4, 4), seed=0, samples_per_epoch=8).shard(0, 1)
+    endless = st.CropBatches(src, stoker.Config(batch_size=2, device="cpu", host_buffer_bytes=16 << 20))
+    with pytest.raises(InvalidArgument, match=r"eval_data \(CropBatches\) is endless"):
+        _trainer().fit(batches, steps=1, resume=None, eval_data=endless)
+    with pytest.raises(InvalidArgument, match="is an iterator"):
+        _trainer().evaluate(iter(batches))
+    assert math.isfinite(_trainer().evaluate(batches))  # a list: fine, any number of times
+
+
+def test_the_eval_reduction_is_marked_eval_not_a_wait(monkeypatch):
+    """The heartbeat blames the rank behind one waiting in a collective ("sync"); a rank that finished its
+    evaluation share first waits for the others under "eval", so a long evaluation is never blamed."""
+    import stoker.train.trainer as trainer_mod
+
+    phases, seen = [], []
+    monkeypatch.setattr(trainer_mod, "mark", lambda step, phase: phases.append(phase))
+
+    def reduce(values, op, group):
+        seen.append(phases[-1])
+        return list(values)
+
+    monkeypatch.setattr(trainer_mod, "_all_reduce", reduce)
+    trainer = _trainer()
+    trainer.evaluate(jobs.global_batches(2, 4))
+    assert seen == ["eval"]
+    seen.clear()
+    r = trainer.fit(jobs.global_batches(2, 4), steps=2, resume=None, eval_data=jobs.global_batches(2, 4))
+    assert list(r.eval_losses) == [2] and "eval" in seen

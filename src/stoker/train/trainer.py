@@ -213,6 +213,8 @@ class Trainer:
         self.skipped_steps = 0  # steps of this Trainer's fits whose loss was not finite
         self._nonfinite_in_a_row = 0
         self._checked_unused = False
+        self._finite_at_start: set[str] = set()  # buffers finite when fit started (see _check_finite_weights)
+        self._buffer_backup: dict[str, torch.Tensor] = {}  # the buffers before this step's forwards
         self._fitted = False  # only the first fit resumes from a checkpoint
         self._epochs: _Epochs | None = None
         self._log_mark = (0.0, 0.0)  # (perf_counter, samples of all ranks) at the last telemetry record
@@ -276,20 +278,33 @@ class Trainer:
                                   elsewhere=True)
         return self.checkpoints.path_for(self.step)
 
+    def _finite_buffers(self) -> set[str]:
+        """Names of the floating buffers that hold no NaN or infinity (what fit starts from)."""
+        return {n for n, t in self.module.named_buffers()
+                if (t.is_floating_point() or t.is_complex()) and bool(torch.isfinite(t).all())}
+
     def _check_finite_weights(self) -> None:
-        """Collective: NonFiniteLoss on every rank when any rank's parameters or buffers hold NaN or infinity
-        (a checkpoint of them would poison every resumption)."""
-        tensors = [(n, t) for n, t in (*self.module.named_parameters(), *self.module.named_buffers())
-                   if t.is_floating_point() or t.is_complex()]
-        ok = bool(torch.stack([torch.isfinite(t).all() for _, t in tensors]).all()) if tensors else True
+        """Collective: NonFiniteLoss on every rank when any rank's weights went non-finite (a checkpoint of
+        them would poison every resumption). Parameters must be finite. Buffers may hold infinity by design
+        (an attention mask of -inf): a buffer must hold no NaN, and one that was finite when fit started must
+        still be."""
+        finite = self._finite_at_start
+        tensors = [(n, t, True) for n, t in self.module.named_parameters()]
+        tensors += [(n, t, n in finite) for n, t in self.module.named_buffers()]
+        tensors = [(n, t, whole) for n, t, whole in tensors if t.is_floating_point() or t.is_complex()]
+
+        def bad(t: torch.Tensor, whole: bool) -> torch.Tensor:
+            return ~torch.isfinite(t).all() if whole else torch.isnan(t).any()
+
+        ok = not bool(torch.stack([bad(t, whole) for _, t, whole in tensors]).any()) if tensors else True
         if self._agree(ok):
             return
-        bad = next((n for n, t in tensors if not bool(torch.isfinite(t).all())), "another rank's replica")
+        first = next((n for n, t, whole in tensors if bool(bad(t, whole))), "another rank's replica")
         newest = self.checkpoints.list()[-1][1] if self.checkpoints is not None and self.checkpoints.list() else None
-        raise NonFiniteLoss(f"the weights hold NaN or infinite values at step {self.step} (first: {bad}); they are "
-                            f"not checkpointed ({f'the newest checkpoint is {newest}' if newest else 'none written'}). "
+        raise NonFiniteLoss(f"the weights hold NaN or infinite values at step {self.step} (first: {first}); they "
+                            f"are not checkpointed ({f'the newest checkpoint is {newest}' if newest else 'none written'}). "
                             "Lower the learning rate, set grad_clip=, or check the data for NaN and infinity.",
-                            step=self.step, count=self._nonfinite_in_a_row, parameter=bad)
+                            step=self.step, count=self._nonfinite_in_a_row, parameter=first)
 
     def _resume(self, resume: Any, data: Any) -> Path | None:
         """Collective: rank 0 picks the checkpoint, every rank loads the same one, all agree it worked."""
@@ -448,20 +463,44 @@ class Trainer:
             self._check_unused()
         return loss.detach()
 
+    def _backup_buffers(self) -> None:
+        """Copy the buffers before the step's forwards, which update some (BatchNorm's running statistics):
+        a skipped step puts them back (:meth:`_skip_step`). Copies are kept and refilled, not reallocated."""
+        backup = self._buffer_backup
+        for name, buf in self.module.named_buffers():
+            held = backup.get(name)
+            if held is None or held.shape != buf.shape or held.dtype != buf.dtype or held.device != buf.device:
+                backup[name] = buf.detach().clone()
+            else:
+                held.copy_(buf)
+
     def _skip_step(self) -> None:
-        """A step whose loss was not finite: no optimizer step. fp16's scaler backs off as it would on
-        overflowing gradients; the scheduler still counts the step (it schedules by step number)."""
+        """A step whose loss was not finite: no optimizer step, and the buffers its forwards changed (a
+        BatchNorm's running statistics, now NaN) are put back, so the model is as before the step. fp16's
+        scaler backs off as it would on overflowing gradients. The scheduler still counts the step (it
+        schedules by step number), also before the first optimizer step, whose warning is not shown."""
         self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, buf in self.module.named_buffers():
+                held = self._buffer_backup.get(name)
+                if held is not None and held.shape == buf.shape and held.dtype == buf.dtype:
+                    buf.copy_(held)
         if self.scaler is not None:
             self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
         if self.scheduler is not None:
-            self.scheduler.step()
+            with warnings.catch_warnings():  # skipping the optimizer step is the point: not the misuse torch means
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                self.scheduler.step()
 
     def evaluate(self, data: Any) -> float:
         """Collective: the mean loss over every batch of ``data`` (weighted by samples, over all ranks), with
         the model in eval mode and no gradients. Training's state is untouched: the model's mode and the RNG
         states (a ``loss_fn`` that draws noise) are as before, so evaluating never changes the training run.
-        Ranks may hold different numbers of batches; every rank must call it."""
+        Ranks may hold different numbers of batches; every rank must call it. ``data`` is iterated once per
+        call and must end, and be iterable again for the next call: a list, a CropDataset, a DataLoader;
+        not a generator or a CropBatches (InvalidArgument)."""
+        _check_eval_data(data)
+        mark(self.step, "eval")
         rng = _rng_state()
         was_training = self.module.training
         self.module.eval()
@@ -481,7 +520,9 @@ class Trainer:
         finally:
             self.module.train(was_training)
             _set_rng_state(rng)
-        total, count = self._all_reduce([total, float(count)], "SUM")
+        # Phase "eval", not "sync": a rank waiting here for one still evaluating a larger share is not held
+        # up by it in the heartbeat's sense (the evaluating rank is busy, not stuck); only timeout_s bounds it.
+        total, count = _all_reduce([total, float(count)], "SUM", None)
         if count == 0:
             raise InvalidArgument(f"eval_data ({type(data).__name__}) yields no batches on any rank")
         return total / count
@@ -513,7 +554,11 @@ class Trainer:
 
         ``eval_data``: an iterable of batches (this rank's share), passed whole through
         :meth:`evaluate` every ``eval_every`` steps and after the call's last step; its loss goes
-        to telemetry (``eval_loss``), the progress output and ``FitResult.eval_losses``.
+        to telemetry (``eval_loss``), the progress output and ``FitResult.eval_losses``. It must end and
+        be iterable again: a list of batches, a :class:`~stoker.CropDataset` or a DataLoader over one;
+        not a generator (used up by the first evaluation) nor a ``CropBatches`` (endless):
+        :class:`~stoker.InvalidArgument`. Ranks that finish their share first wait in the reduction
+        for the others; the imbalance must stay well below ``launch(timeout_s=...)``.
         """
         if steps is None and seconds is None:
             raise InvalidArgument("fit needs steps=N or seconds=S (or both)")
@@ -522,8 +567,10 @@ class Trainer:
         eval_every = checks.integer("eval_every", eval_every, 1, optional=True)
         if eval_every is not None and eval_data is None:
             raise InvalidArgument("eval_every needs eval_data=, the batches to evaluate on")
+        _check_eval_data(eval_data)
         resumed_from = self._resume(resume, data) if not self._fitted else None
         self._fitted = True
+        self._finite_at_start = self._finite_buffers()
         start_step = self.step
         todo = steps is None or self.step < steps
         if self.progress and self.rank == 0:
@@ -546,6 +593,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 wait = 0.0
                 self.optimizer.zero_grad(set_to_none=True)
+                self._backup_buffers()
                 total = torch.zeros((), device=self.device)
                 for micro in range(self.accumulate):
                     tw = time.perf_counter()
@@ -681,6 +729,21 @@ class Trainer:
             telemetry=writer.path if writer is not None else None, world_size=self.world_size,
             skipped_steps=skipped, eval_losses=eval_losses,
         )
+
+
+def _check_eval_data(data: Any) -> None:
+    """InvalidArgument unless ``data`` can be evaluated on every time: it must end, and iterate anew."""
+    if data is None:
+        return
+    from .data import CropBatches
+
+    why = ("is endless: an evaluation over it would never end" if isinstance(data, CropBatches) else
+           "is an iterator: the first evaluation would use it up" if isinstance(data, abc.Iterator) else
+           "is not iterable" if not isinstance(data, abc.Iterable) else None)
+    if why is not None:
+        raise InvalidArgument(f"eval_data ({type(data).__name__}) {why}. Evaluate on something that ends and can "
+                              "be iterated again: a list of batches, a stoker.CropDataset (with its own source "
+                              "of samples_per_epoch samples) or a torch DataLoader over one", knob="eval_data")
 
 
 class _Progress:
