@@ -81,6 +81,48 @@ def test_bf16_batches_and_a_function_returning_a_new_tensor(pair, decode_path):
     assert x.dtype == torch.bfloat16 and torch.equal(x, want)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_a_16_bit_batch_is_transformed_in_float32_and_rounded_once(tmp_path, decode_path, dtype):
+    """Values near 280 are 2 apart in bfloat16: normalising after that rounding would be ~45 times off. The
+    batch is made and transformed in a float32 work slot, then cast once into the delivered slot."""
+    z = zarr.create_array(str(tmp_path / "t.zarr"), shape=(4, 64), chunks=(2, 32), dtype="float32")
+    z[:] = np.linspace(270, 290, 256, dtype=np.float32).reshape(4, 64)
+    seen = []
+
+    def spy(b):
+        seen.append(b.dtype)
+        return b
+
+    samples = [stoker.Sample(str(tmp_path / "t.zarr"), [(r, r + 2), (0, 64)]) for r in (0, 2)]
+    x, ptr, work, stats = _run(samples, dtype=dtype, transform=[spy, Normalize(280.0, 12.0)])
+    want = ((torch.from_numpy(z[:].reshape(2, 2, 64)) - 280.0) / 12.0).to(x.dtype)
+    assert seen == [torch.float32] and x.dtype == want.dtype and torch.equal(x, want)
+    assert all(s.tensor.dtype == torch.float32 and s.tensor.data_ptr() != ptr for s in work.slots)
+    assert stats.stages["transform"].count == 1
+    # the float32 work slots count against host_buffer_bytes: lookahead_batches of them
+    with pytest.raises(stoker.BudgetExceeded, match="float32 work slots for the transform"):
+        stoker.Pipeline(stoker.Config(batch_size=8, dtype=dtype, device="cpu", sample_shape=(64, 64, 64),
+                                      lookahead_batches=2, host_buffer_bytes=20 << 20, transform=Normalize(0, 1)))
+    stoker.Pipeline(stoker.Config(batch_size=8, dtype=dtype, device="cpu", sample_shape=(64, 64, 64),
+                                  lookahead_batches=2, host_buffer_bytes=20 << 20)).close()  # 3 x 4 MiB fit
+
+
+def test_the_gpu_budget_counts_the_float32_work_buffer_of_a_transformed_16_bit_batch():
+    """Checked without a GPU (the budget is arithmetic): 3 bf16 slots of 4 MiB, the float32 work buffer
+    (8 MiB) and the staging of the cast (4 MiB) pass 20 MiB; without a transform, slots and staging fit."""
+    from stoker.engine.stats import StatsRecorder
+    from stoker.engine.transfer import CudaExecutor
+
+    def check(**kw):
+        cfg = stoker.Config(batch_size=8, dtype="bf16", lookahead_batches=2, host_buffer_bytes=64 << 20,
+                            device_buffer_bytes=20 << 20, **kw)
+        CudaExecutor(cfg, torch.device("cuda", 0), StatsRecorder(), None).check_budget((64, 64, 64), torch.bfloat16, 0)
+
+    check()
+    with pytest.raises(stoker.BudgetExceeded, match="float32 work for the transform.*needs 25,165,824 B"):
+        check(transform=Normalize(0, 1))
+
+
 def test_normalize_from_compute_stats_result():
     st = FieldStats(torch.tensor(10), torch.tensor([1.0, 2.0], dtype=torch.float64),
                     torch.tensor([0.5, 0.0], dtype=torch.float64), torch.zeros(2), torch.ones(2))
@@ -101,6 +143,9 @@ def test_errors_are_typed_and_reach_pop(pair, decode_path):
         _run([stoker.Sample(uris[1], box) for box in BOXES], dtype="native", transform=Normalize(0, 1))
     with pytest.raises(stoker.InvalidArgument, match="returned shape"):
         _run([stoker.Sample(uris[0], box) for box in BOXES], transform=lambda b: b[:1])
+    with pytest.raises(stoker.InvalidArgument, match=r"returned a torch.float32 tensor .* batch of torch.int16.*"
+                                                     r"Config\(dtype='f32'\)"):  # not cast back: 0 and 1
+        _run([stoker.Sample(uris[1], box) for box in BOXES], dtype="native", transform=lambda b: b / 1000.0)
     with pytest.raises(ZeroDivisionError):  # the user's own error, at pop
         _run([stoker.Sample(uris[0], box) for box in BOXES], transform=lambda b: 1 / 0)
 
@@ -138,3 +183,39 @@ def test_channels_and_transforms_on_the_gpu(pair):
         with p.pop() as batch:
             x = torch.from_dlpack(batch).cpu()
     assert x.shape == (3, 2, 8, 12) and torch.equal(x, cpu)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_uint16_staging_with_a_transform_on_the_gpu(tmp_path, dtype):
+    """uint16 crosses PCIe as uint16 and is cast on the device; with a transform and a 16-bit output it is
+    cast into a float32 work buffer, transformed there and rounded once, as the CPU pipeline does. The
+    transform's time is its own stage, not the transfer's."""
+    z = zarr.create_array(str(tmp_path / "u.zarr"), shape=(8, 64), chunks=(4, 32), dtype="uint16")
+    z[:] = np.arange(512, dtype=np.uint16).reshape(8, 64) * 97 + 20000
+    samples = [stoker.Sample(str(tmp_path / "u.zarr"), [(r, r + 2), (0, 64)]) for r in (0, 2, 4)]
+    tf = Normalize(30000.0, 9000.0)
+    cpu, _, _, _ = _run(samples, dtype=dtype, transform=tf)
+    cfg = stoker.Config(batch_size=3, dtype=dtype, device="cuda", n_compute_threads=2, pop_timeout_s=20.0,
+                        host_buffer_bytes=32 << 20, device_buffer_bytes=32 << 20, transform=tf)
+    with stoker.Pipeline(cfg) as p:
+        p.push(samples)
+        with p.pop() as batch:
+            x = torch.from_dlpack(batch).cpu()
+        stats = p.stats()
+    assert x.dtype == cpu.dtype and torch.equal(x, cpu)
+    assert stats.stages["transform"].count == 1 and stats.stages["transfer"].count == 1
+
+
+@pytest.mark.cuda
+def test_a_failing_transform_on_the_gpu_frees_the_staging_slot_behind_its_copy(pair):
+    uris, _ = pair
+    cfg = stoker.Config(batch_size=3, dtype="f32", device="cuda", n_compute_threads=2, pop_timeout_s=20.0,
+                        host_buffer_bytes=32 << 20, device_buffer_bytes=32 << 20, transform=lambda b: 1 / 0)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uris[0], box) for box in BOXES])
+        with pytest.raises(ZeroDivisionError):
+            p.pop()
+        staging = p._host_slots.slots
+        # released by the copy's own event (the copy may still be reading it), not unfenced by the failure
+        assert not any(s.busy for s in staging) and any(s.ready_after is not None for s in staging)

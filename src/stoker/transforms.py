@@ -8,11 +8,23 @@ consumer sees it.
 A transform is any callable ``batch -> batch`` on a tensor of shape ``(B, *sample_shape)`` (``(B, C, *box)``
 for samples of several arrays). It runs after the cast to the output dtype, in the batch's slot: on the CPU
 on the pipeline thread that finished the batch, on a GPU on the pipeline's side stream before the event the
-consumer waits on. It should work in place and return its argument (the built-ins do: no extra batch-sized
-buffer); a new tensor of the batch's shape it returns is copied back into the slot (one batch copy); any
-other result is an :class:`~stoker.errors.InvalidArgument` naming the transform. Its errors reach the
-consumer at ``pop``, like a read error of that batch. Transforms are not fused with the cast (one more pass
-over the batch, in the output dtype); their time is the ``transform`` stage of ``Pipeline.stats()``.
+consumer waits on. With ``dtype='bf16'`` or ``'f16'`` the batch is made and transformed in float32 and
+rounded to the 16-bit output once, after the transform (a float32 work slot per batch in flight, counted
+in ``host_buffer_bytes``; on a GPU a float32 work buffer in ``device_buffer_bytes``), so ``Normalize`` near
+a large mean loses nothing to an early rounding.
+
+It should work in place and return its argument (the built-ins do: no extra batch-sized buffer); a new
+tensor of the batch's shape, dtype and device it returns is copied back into the slot (one batch copy); any
+other result (another shape, dtype or device: never cast back silently) is an
+:class:`~stoker.errors.InvalidArgument` naming the transform. Its errors reach the consumer at ``pop``, like
+a read error of that batch.
+
+On the CPU, transforms of different batches may run at the same time on several pipeline threads, in no
+particular batch order: a transform must be thread-safe, and one that draws random numbers should not
+rely on the order of its calls. The built-ins are both.
+
+Its time is the ``transform`` stage of ``Pipeline.stats()``: on the CPU the transform and the rounding to
+a 16-bit output; on a GPU the time to enqueue it (the kernels run on the side stream, with the copy).
 """
 
 from __future__ import annotations
@@ -167,6 +179,13 @@ def apply(transform: Transform, out: torch.Tensor) -> torch.Tensor:
         what = f"shape {tuple(result.shape)}" if isinstance(result, torch.Tensor) else type(result).__name__
         raise InvalidArgument(f"transform {transform!r} returned {what}; it must return the batch (shape "
                               f"{tuple(out.shape)}), best modified in place", knob="transform")
+    if result.dtype != out.dtype or result.device != out.device:
+        # copying it back would cast silently (an int16 batch divided by 1000.0 truncated to 0 and 1)
+        raise InvalidArgument(
+            f"transform {transform!r} returned a {result.dtype} tensor on {result.device} for a batch of "
+            f"{out.dtype} on {out.device}; a transform keeps the batch's dtype and device. Return a tensor of "
+            f"the batch's dtype (best: modify the batch in place), or ask for floating batches with "
+            "Config(dtype='f32')", knob="transform")
     if result.data_ptr() != out.data_ptr() or result.stride() != out.stride():
         out.copy_(result)
     return out

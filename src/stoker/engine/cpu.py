@@ -7,7 +7,11 @@ and zip archives, which the engine cannot open as files) take the Python path. W
 ``STOKER_NATIVE=0``), or for arrays of rank 0, batches are planned by :func:`~.plan.plan_batch` and made by
 the Python path (:mod:`.decode_python`) alone.
 
-Memory: ``host_buffer_bytes`` holds the batch slots (:class:`~.buffers.SlotRing`), the engine's threads'
+With ``Config.transform`` and a 16-bit float output, a batch is assembled in a float32 *work* slot,
+transformed there, and cast once into the delivered slot (:meth:`CpuExecutor.work_dtype`): a transform
+(``Normalize`` near a large mean) sees the values before the 16-bit rounding, which happens once, after it.
+
+Memory: ``host_buffer_bytes`` holds the batch slots (and work slots) (:class:`~.buffers.SlotRing`), the engine's threads'
 scratch (its budget) and the Python path's buffers (the :class:`~.buffers.TransientBudget`):
 :meth:`CpuExecutor.prepare` splits what the slots leave between the two, so together they never pass it.
 """
@@ -34,6 +38,9 @@ from .stats import StatsRecorder
 from .tables import TablePlan, plan_tables
 
 __all__ = ["CpuExecutor", "Decoders", "Job", "engine_available", "native_codec", "scratch_need"]
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def engine_available() -> bool:
@@ -123,9 +130,22 @@ class CpuExecutor:
 
     # -- memory -----------------------------------------------------------------------------------
 
-    @property
-    def n_host_slots(self) -> int:
-        return self.n_slots
+    def work_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype batches of ``dtype`` are assembled and transformed in: float32 when the output is a 16-bit
+        float (``dtype='bf16'`` or ``'f16'``) and there is a transform (one rounding, after it), else ``dtype``.
+        (``dtype='native'`` batches are transformed in the source dtype.)"""
+        if self.cfg.transform is not None and self.cfg.output_dtype in _HALF:
+            return torch.float32
+        return dtype
+
+    def host_rings(self, dtype: torch.dtype) -> list[tuple[int, torch.dtype, str]]:
+        """``(slots, dtype, what)`` of each ring of host slots for batches of ``dtype``: the delivered slots,
+        and with a float32 work dtype the work slots of the batches being made."""
+        work = self.work_dtype(dtype)
+        if work == dtype:
+            return [(self.n_slots, dtype, self.staging)]
+        return [(self.n_slots, dtype, self.staging),
+                (self.cfg.lookahead_batches, work, "float32 work slots for the transform (lookahead_batches)")]
 
     def host_slot_bytes(self, slot_bytes: int) -> int:
         """Host memory one slot of ``slot_bytes`` takes."""
@@ -134,17 +154,20 @@ class CpuExecutor:
     def check_budget(self, shape: tuple[int, ...], dtype: torch.dtype, transient: int) -> None:
         """BudgetExceeded unless the host slots plus ``transient`` fit host_buffer_bytes, with a breakdown."""
         cfg = self.cfg
-        slot_bytes = cfg.batch_size * math.prod(shape) * dtype.itemsize
-        n = self.n_host_slots
-        host_slot = self.host_slot_bytes(slot_bytes)
-        need = n * host_slot + transient
-        if need > cfg.host_buffer_bytes:
+        parts, held = [], 0
+        for n, ring_dtype, what in self.host_rings(dtype):
+            slot_bytes = cfg.batch_size * math.prod(shape) * ring_dtype.itemsize
+            host_slot = self.host_slot_bytes(slot_bytes)
             pinned = (f", each pinned as {host_slot:,} B (torch rounds pinned memory up to a power of two)"
                       if host_slot != slot_bytes else "")
+            parts.append(f"{n} {what} x {cfg.batch_size} samples x {shape} x {ring_dtype.itemsize} B{pinned} = "
+                         f"{n * host_slot:,} B")
+            held += n * host_slot
+        need = held + transient
+        if need > cfg.host_buffer_bytes:
             raise BudgetExceeded(
                 f"Config.host_buffer_bytes={cfg.host_buffer_bytes:,} cannot hold this pipeline: "
-                f"{n} {self.staging} x {cfg.batch_size} samples x {shape} x {dtype.itemsize} B{pinned} = "
-                f"{n * host_slot:,} B, "
+                f"{', plus '.join(parts)}, "
                 f"plus at least {transient:,} B for reading and decoding one file's chunks; needs {need:,} B. Raise "
                 f"host_buffer_bytes to at least {need:,}, or lower batch_size, lookahead_batches or the sample shape.",
                 knob="host_buffer_bytes", needed=need,
@@ -160,7 +183,7 @@ class CpuExecutor:
         transient = max(self.group_limit, 2 * chunk + size_class(1))
         self.check_budget(sample_shape, dtype, transient)
         self._make_slots((self.cfg.batch_size, *sample_shape), dtype)
-        left = self.cfg.host_buffer_bytes - self.host_slots.nbytes
+        left = self.cfg.host_buffer_bytes - self.host_nbytes()
         engine = engine_budget(left, transient, self.cfg.compute_threads, readers) if engine_available() else 0
         self.budget = TransientBudget(left - engine)
         self.decoders = Decoders(self.cfg.n_io_threads, self.cfg.compute_threads, self.budget, self.stats,
@@ -168,6 +191,13 @@ class CpuExecutor:
 
     def _make_slots(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.slots = self.host_slots = SlotRing(self.n_slots, batch_shape, dtype)
+        work = self.work_dtype(dtype)
+        if work != dtype:
+            self.host_slots = SlotRing(self.cfg.lookahead_batches, batch_shape, work)
+
+    def host_nbytes(self) -> int:
+        """Host memory the slot rings hold."""
+        return self.host_slots.nbytes + (self.slots.nbytes if self.slots is not self.host_slots else 0)
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -183,7 +213,7 @@ class CpuExecutor:
         Python path's buffers."""
         if self.host_slots is None:
             return 0
-        return self.host_slots.nbytes + self.decoders.peak_bytes()
+        return self.host_nbytes() + self.decoders.peak_bytes()
 
     # -- batches ----------------------------------------------------------------------------------
 
@@ -199,20 +229,31 @@ class CpuExecutor:
         return slot
 
     def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target:
-        """The slot ``plan``'s batch is made in (waits until one is free)."""
+        """The slot ``plan``'s batch is made in (waits until one is free): its delivered slot, or a work slot
+        when batches are transformed in float32."""
         slot = self._acquire(self.slots, closed)
-        return Target(slot.tensor[: plan.rows], slot, slot)
+        if self.host_slots is self.slots:
+            return Target(slot.tensor[: plan.rows], slot, slot)
+        host_slot = self._acquire(self.host_slots, closed)
+        return Target(host_slot.tensor[: plan.rows], slot, host_slot)
 
     def submit(self, plan: Any, target: Target) -> Job:
         """Start making ``plan`` into ``target``; the job completes or fails. With ``Config.transform`` the
-        job's completion hook runs it on the batch in its slot (its error is the job's)."""
+        job's completion hook runs it on the batch in its slot (its error is the job's), then casts a work
+        slot's batch into the delivered slot."""
         if self.cfg.transform is None:
             return self.decoders.submit(plan, target.out)
-        return self.decoders.submit(plan, target.out, then=lambda job: self._transform(target.out))
+        return self.decoders.submit(plan, target.out, then=lambda job: self._transform(target, job))
 
-    def _transform(self, out: torch.Tensor) -> None:
+    def _transform(self, target: Target, job: Job) -> None:
         t0 = time.perf_counter()
-        apply_transform(self.cfg.transform, out)
+        apply_transform(self.cfg.transform, target.out)
+        if target.host_slot is not target.slot:
+            work = target.out
+            target.slot.tensor[: work.shape[0]].copy_(work)  # the one rounding to the 16-bit output
+            job.out = job.out_np = target.out = None  # no view may keep the work slot from its next batch
+            self.host_slots.release(target.host_slot)
+            target.host_slot = None
         self.stats.stage("transform", time.perf_counter() - t0)
 
     def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]:

@@ -8,11 +8,14 @@ dedicated non-blocking stream:
 1. waits for whatever the device slot's previous batch asked for (the consumer's
    release event, or the consumer streams that used it): no host synchronisation;
 2. the host-to-device copy (into a device staging buffer when a cast follows);
-3. the cast into the device slot, in the output dtype;
+3. the cast into the device slot, in the output dtype; with ``Config.transform`` and a
+   16-bit float output, into a float32 device *work* buffer instead, where the transform
+   runs, then one cast into the device slot (:meth:`~.cpu.CpuExecutor.work_dtype`);
 4. an event, which the consumer's stream waits on when it imports the batch through DLPack.
 
-The host slot goes back to its ring fenced by that event, so it is refilled only after the
-copy has read it. One device staging buffer suffices: every copy and cast runs on the one
+The host slot goes back to its ring fenced by an event recorded right after the copy, so it
+is refilled only after the copy has read it (also when the transform then fails). One device
+staging buffer and one work buffer suffice: every copy, cast and transform runs on the one
 stream, in order.
 
 :class:`CudaExecutor` is the pipeline's executor on a GPU (the contract of
@@ -47,7 +50,7 @@ class CudaTransfer:
     """Side stream, device batch slots and the device staging buffer of one pipeline."""
 
     def __init__(self, device: torch.device, n_slots: int, batch_shape: tuple[int, ...], dtype: torch.dtype,
-                 stage_bytes: int) -> None:
+                 stage_bytes: int, work: torch.dtype | None = None) -> None:
         self.device = device
         self._lock = threading.Lock()  # issue() against close(): no copy is queued after close synchronised
         self._closed = False
@@ -57,16 +60,25 @@ class CudaTransfer:
             with torch.cuda.stream(self.stream):
                 self.slots = SlotRing(n_slots, batch_shape, dtype, device=device)
                 self._stage = torch.empty(stage_bytes, dtype=torch.uint8, device=device) if stage_bytes else None
+                self._work = (torch.empty(batch_shape, dtype=work, device=device)
+                              if work is not None and work != dtype else None)
 
     @property
     def nbytes(self) -> int:
-        """Device memory held: batch slots plus the staging buffer."""
-        return self.slots.nbytes + (self._stage.numel() if self._stage is not None else 0)
+        """Device memory held: batch slots plus the staging and work buffers."""
+        work = self._work.numel() * self._work.element_size() if self._work is not None else 0
+        return self.slots.nbytes + (self._stage.numel() if self._stage is not None else 0) + work
 
-    def issue(self, host: torch.Tensor, slot: Slot, transform: Callable | None = None) -> torch.cuda.Event:
+    def issue(self, host: torch.Tensor, slot: Slot, transform: Callable | None = None,
+              copied: Callable[[torch.cuda.Event], None] | None = None) -> tuple[torch.cuda.Event, float]:
         """Enqueue ``host`` (pinned, ``(rows, *sample_shape)``) into ``slot``, then ``transform`` on it (on the
-        side stream, after the cast); returns the event after both."""
-        out = slot.tensor[: host.shape[0]]
+        side stream, after the cast: in the work buffer when there is one, cast into ``slot`` after it).
+        ``copied(event)`` runs once the copy is queued: ``host`` may be refilled after that event. Returns the
+        event after all of it, and the seconds the transform took to enqueue."""
+        rows = host.shape[0]
+        out = slot.tensor[:rows]
+        dest = self._work[:rows] if self._work is not None else out
+        transform_s = 0.0
         with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if self._closed:
                 raise ShutdownError("the pipeline was closed while this batch was being made")
@@ -76,8 +88,8 @@ class CudaTransfer:
                 else:  # a consumer stream: wait for all it has queued so far, the work on this slot included
                     self.stream.wait_stream(wait)
             slot.stream_waits = []
-            if host.dtype == out.dtype:
-                out.copy_(host, non_blocking=True)
+            if host.dtype == dest.dtype:
+                dest.copy_(host, non_blocking=True)
             else:
                 nbytes = host.numel() * host.element_size()
                 if self._stage is None or nbytes > self._stage.numel():
@@ -85,12 +97,20 @@ class CudaTransfer:
                                        f"B, the batch needs {nbytes} B")
                 stage = self._stage[:nbytes].view(host.dtype).view(host.shape)
                 stage.copy_(host, non_blocking=True)
-                out.copy_(stage)  # the cast, on the device
+                dest.copy_(stage)  # the cast, on the device
+            if copied is not None:
+                read = torch.cuda.Event()
+                read.record(self.stream)
+                copied(read)
             if transform is not None:
-                apply_transform(transform, out)
+                t0 = time.perf_counter()
+                apply_transform(transform, dest)
+                transform_s = time.perf_counter() - t0
+            if dest is not out:
+                out.copy_(dest)  # the one rounding to the 16-bit output, after the transform
             event = torch.cuda.Event()
             event.record(self.stream)
-        return event
+        return event, transform_s
 
     def close(self) -> None:
         """Refuse new copies and wait for queued ones (milliseconds), so no buffer is freed under a copy."""
@@ -126,10 +146,22 @@ def release_waits(event_or_stream, consumers: list) -> list:
 
 
 def stage_bytes(slot_bytes: int, output: torch.dtype | None) -> int:
-    """Device staging for the cast on the GPU: a batch in a dtype narrower than the output (at most half)."""
+    """Device staging for the cast on the GPU: a batch in a dtype narrower than the output (at most half).
+    ``slot_bytes`` and ``output`` are the work dtype's when batches are transformed in float32."""
     if output is None or output.itemsize < 2:
         return 0
     return slot_bytes // 2
+
+
+def device_bytes(n_slots: int, elements: int, dtype: torch.dtype, cast: torch.dtype | None) -> tuple[int, int]:
+    """``(slot bytes, device memory in all)``: ``n_slots`` batch slots of ``elements`` in ``dtype``, the
+    staging for the cast on the device into ``cast`` (None: no cast, dtype='native') and, when that is a work
+    dtype other than ``dtype`` (a transformed 16-bit batch), the work buffer."""
+    slot_bytes = elements * dtype.itemsize
+    work = cast if cast is not None else dtype
+    work_bytes = elements * work.itemsize
+    return slot_bytes, (n_slots * slot_bytes + stage_bytes(work_bytes, cast)
+                        + (work_bytes if work != dtype else 0))
 
 
 class CudaExecutor(CpuExecutor):
@@ -150,52 +182,70 @@ class CudaExecutor(CpuExecutor):
         # host slots only stage batches being assembled; each is free again once its copy is done
         return self.cfg.lookahead_batches
 
+    def host_rings(self, dtype: torch.dtype) -> list[tuple[int, torch.dtype, str]]:
+        # one ring of pinned byte slots, sized for the work dtype (each batch is viewed in its staging dtype)
+        return [(self.n_host_slots, self.work_dtype(dtype), self.staging)]
+
     def host_slot_bytes(self, slot_bytes: int) -> int:
         return pinned_footprint(slot_bytes)
 
     def check_budget(self, shape: tuple[int, ...], dtype: torch.dtype, transient: int) -> None:
-        """The host part (pinned staging plus ``transient``), then the device slots plus staging against
-        device_buffer_bytes."""
+        """The host part (pinned staging plus ``transient``), then the device slots plus staging (and the
+        float32 work buffer of a transformed 16-bit batch) against device_buffer_bytes."""
         super().check_budget(shape, dtype, transient)
-        slot_bytes = self.cfg.batch_size * math.prod(shape) * dtype.itemsize
-        device_need = self.n_slots * slot_bytes + stage_bytes(slot_bytes, self.cfg.output_dtype)
+        elements = self.cfg.batch_size * math.prod(shape)
+        slot_bytes, device_need = device_bytes(self.n_slots, elements, dtype, self._cast_dtype(dtype))
         if device_need > self.cfg.device_buffer_bytes:
             raise BudgetExceeded(
                 f"Config.device_buffer_bytes={self.cfg.device_buffer_bytes:,} cannot hold this pipeline on "
                 f"{self.device}: {self.n_slots} batch slots (lookahead_batches + 1) x {slot_bytes:,} B plus "
-                f"{device_need - self.n_slots * slot_bytes:,} B of staging for the cast on the device; needs "
+                f"{device_need - self.n_slots * slot_bytes:,} B of staging for the cast (and float32 work for "
+                f"the transform) on the device; needs "
                 f"{device_need:,} B. Raise device_buffer_bytes, or lower batch_size, lookahead_batches or the "
                 "sample shape.",
                 knob="device_buffer_bytes", needed=device_need,
             )
 
+    def _cast_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """What the device casts a batch of ``dtype`` into after the copy: the work dtype, or None for
+        dtype='native' (no cast)."""
+        return self.work_dtype(dtype) if self.cfg.output_dtype is not None else None
+
     def _make_slots(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        slot_bytes = math.prod(batch_shape) * dtype.itemsize
+        work = self.work_dtype(dtype)
+        work_bytes = math.prod(batch_shape) * work.itemsize
         # byte slots: each batch is assembled in its own staging dtype (see device.staging_dtype)
         with torch.cuda.device(self.device):  # pinning needs a CUDA context: this GPU's, not GPU 0's
-            self.host_slots = SlotRing(self.n_host_slots, (slot_bytes,), torch.uint8, pin=True)
+            self.host_slots = SlotRing(self.n_host_slots, (work_bytes,), torch.uint8, pin=True)
         self.transfer = CudaTransfer(self.device, self.n_slots, batch_shape, dtype,
-                                     stage_bytes(slot_bytes, self.cfg.output_dtype))
+                                     stage_bytes(work_bytes, self._cast_dtype(dtype)), work=work)
         self.slots = self.transfer.slots
 
     def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target:
         slot = self._acquire(self.slots, closed)
         host_slot = self._acquire(self.host_slots, closed)
-        stage = devices.staging_dtype(self.cfg.output_dtype, {r.dtype for r in plan.sources}) or self.slots.dtype
+        stage = devices.staging_dtype(self._cast_dtype(self.slots.dtype), {r.dtype for r in plan.sources}) \
+            or self.slots.dtype
         return Target(host_slot.view(stage, (plan.rows, *plan.row_shape)), slot, host_slot)
 
     def submit(self, plan: Any, target: Target) -> Job:
         return self.decoders.submit(plan, target.out, then=lambda job: self._to_device(target, job))
 
     def _to_device(self, target: Target, job: Job) -> None:
-        """The job's completion hook: enqueue copy and cast, free the host slot behind them."""
+        """The job's completion hook: enqueue copy, cast and transform, free the host slot behind the copy."""
         t0 = time.perf_counter()
         host = target.out  # (rows, *row_shape); job.out may be its (rows * C, *box) view
-        target.event = self.transfer.issue(host, target.slot, self.cfg.transform)
-        job.out = job.out_np = target.out = None  # no view may keep the staging slot from its next batch
-        self.host_slots.release(target.host_slot, ready_after=target.event)
-        target.host_slot = None
-        self.stats.stage("transfer", time.perf_counter() - t0, bytes_in=host.numel() * host.element_size())
+        nbytes = host.numel() * host.element_size()
+
+        def release_host(read: torch.cuda.Event) -> None:  # also when the transform then fails
+            job.out = job.out_np = target.out = None  # no view may keep the staging slot from its next batch
+            self.host_slots.release(target.host_slot, ready_after=read)
+            target.host_slot = None
+
+        target.event, transform_s = self.transfer.issue(host, target.slot, self.cfg.transform, copied=release_host)
+        if self.cfg.transform is not None:
+            self.stats.stage("transform", transform_s)  # enqueueing it: the kernels run on the side stream
+        self.stats.stage("transfer", time.perf_counter() - t0 - transform_s, bytes_in=nbytes)
 
     def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]:
         view, release, _, _ = super().deliver(target, rows)
