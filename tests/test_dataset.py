@@ -184,3 +184,30 @@ def test_docs_examples_run(tmp_path, monkeypatch):
     assert namespace["state"]["_num_yielded"] == 3
     if lightning:
         assert namespace["trainer"].global_step == 6
+
+
+def _shares(ctx, ds):
+    """A rank's epoch of a dataset built in the parent process, before the process group existed."""
+    import torch.distributed as dist
+
+    mine = (len(ds), [x for x in ds])
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_dataset_built_before_the_process_group_takes_each_ranks_share(group):
+    """Built before init_process_group (in the launcher, a LightningDataModule.__init__) it sharded as rank 0
+    of 1; in the ranks it takes each rank's share, so two ranks see the epoch once between them."""
+    import stoker.train as st
+
+    uris, data = group
+    ds = stoker.CropDataset(_source(uris), stoker.Config(**{**CFG, "batch_size": 2}), copy=True)
+    assert (ds.source.rank, ds.source.world_size) == (0, 1) and len(ds) == 12
+    (n0, b0), (n1, b1) = st.launch(_shares, ds, nprocs=2, use_cuda=False)
+    assert n0 == n1 == 6 and len(b0) == len(b1) == 6
+    samples = _epoch_samples(uris, 0)
+    for rank, batches in ((0, b0), (1, b1)):  # strided: rank r takes samples r, r + 2, ...
+        got = torch.cat(batches).numpy()
+        np.testing.assert_array_equal(got, _oracle(data, samples[rank::2]))

@@ -27,6 +27,11 @@ class CropDataset(torch.utils.data.IterableDataset):
     ``source.shard()``: the rank from torch.distributed or ``RANK``/``WORLD_SIZE``; or a
     :class:`~stoker.ShardedSource`), made by a :class:`~stoker.Pipeline` of ``cfg``.
 
+    A SampleSource is sharded again whenever the process group says otherwise than it did at
+    construction: a dataset built before ``init_process_group`` (in the launcher, in a
+    ``LightningDataModule.__init__``) and used in the ranks takes each rank's share, not the whole epoch.
+    A ShardedSource is used as given.
+
     Use it with ``DataLoader(ds, batch_size=None)`` (the batches are already made) and ``num_workers=0``:
     the pipeline runs its own threads. Worker processes would each open a pipeline over the same share
     and deliver every sample once per worker, so iterating in a worker raises ``InvalidArgument``.
@@ -48,6 +53,7 @@ class CropDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, source: SampleSource | ShardedSource, cfg: Config, copy: bool = False) -> None:
         super().__init__()
+        self._follow_group = isinstance(source, SampleSource)  # the rank is ours to pick, and to re-pick
         if isinstance(source, SampleSource):
             source = source.shard()
         if not isinstance(source, ShardedSource):
@@ -86,9 +92,21 @@ class CropDataset(torch.utils.data.IterableDataset):
         if live is not None:
             live.close()
 
+    def _follow(self) -> None:
+        """Shard a SampleSource again when the process group's rank or size is not the one it was sharded
+        for. Positions are global (a state describes the whole epoch), so the saved one stays valid."""
+        dist = torch.distributed
+        if not self._follow_group or not (dist.is_available() and dist.is_initialized()):
+            return
+        s = self.source
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (s.rank, s.world_size) != (rank, world):
+            self.source = ShardedSource(s.source, rank, world, s.policy, s.even)
+
     def _fresh(self, state: dict | None) -> ShardedSource:
         """A view of this rank's share at ``state`` (the pipeline's cursor writes into the one it pulls from,
         so every iteration gets its own)."""
+        self._follow()
         s = self.source
         src = ShardedSource(s.source, s.rank, s.world_size, s.policy, s.even)
         if state is not None:
