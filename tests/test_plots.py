@@ -69,6 +69,9 @@ def test_plot_mistakes_are_one_line_and_status_2(tmp_path, capsys):
     bad.write_text('{"scenarios": 3}')
     assert main(["plot", str(bad)]) == 2
     assert "not the JSON stoker bench --json writes" in capsys.readouterr().err
+    missing = tmp_path / "results.json"
+    assert main(["plot", str(missing)]) == 2
+    assert f"no bench results at {missing} (write them with stoker bench --json FILE)" in capsys.readouterr().err
 
 
 def test_without_matplotlib_the_error_is_typed_and_one_line(tmp_path):

@@ -10,7 +10,7 @@ def run(args: argparse.Namespace) -> int:
     from ..plots import plot_bench, plot_telemetry
 
     source = args.source
-    if source.suffix == ".json" and source.is_file():
+    if source.suffix == ".json" and not source.is_dir():  # bench results; missing: NotFound naming the file
         out = plot_bench(source, args.output or source.with_suffix(".png"))
     else:
         out = plot_telemetry(source, args.output)
