@@ -14,7 +14,8 @@ or the one that stopped answering (its beats stopped: a frozen or dead process):
 
 Positions compare by ``(step, phase)``, with ``step`` the optimizer steps completed and the phases in
 the order a step meets them after that count moved: ``idle`` (outside the Trainer), ``checkpoint``,
-``eval`` (the Trainer's evaluation: a rank still evaluating is behind one waiting in its reduction),
+``eval`` (the Trainer's evaluation and its reduction: a rank waiting there for one still evaluating a
+larger share is not waiting in the heartbeat's sense, so evaluation is never blamed; ``timeout_s`` bounds it),
 ``sync`` (stoker's collectives, and the host sync on the loss), then ``data``, ``forward``, ``backward``
 (the synchronising micro-step's; the others, under ``no_sync``, count as ``forward``), ``optimizer``. A
 rank may wait for its peers in ``forward``, ``backward``, ``optimizer`` and ``sync`` (see ``WAITING``);

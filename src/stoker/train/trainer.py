@@ -18,9 +18,10 @@ What it does for you, on every rank in lockstep:
   would otherwise fail on the next step, or need ``find_unused_parameters=True``);
 - times each step as data wait (blocked on the next batch) and compute;
 - skips the optimizer step when the loss is NaN or infinite on any rank (all ranks skip it
-  together), counts it, and stops with :class:`~stoker.NonFiniteLoss` after
-  ``max_nonfinite_steps`` such steps in a row; weights holding NaN or infinity are never
-  checkpointed;
+  together, and put back the buffers its forwards changed), counts it, and stops with
+  :class:`~stoker.NonFiniteLoss` after ``max_nonfinite_steps`` such steps in a row; weights
+  gone non-finite (parameters; buffers holding NaN, or infinity where they were finite) are
+  never checkpointed;
 - every ``log_every`` steps, logs loss (mean over ranks), step times, memory (max over
   ranks), skipped steps and the data pipeline's counters with :class:`~stoker.TelemetryWriter`;
 - with ``fit(eval_data=..., eval_every=N)``, the mean loss over ``eval_data`` (eval mode,
