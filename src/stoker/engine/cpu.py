@@ -11,8 +11,8 @@ With ``Config.transform`` and a 16-bit float output, a batch is assembled in a f
 transformed there, and cast once into the delivered slot (:meth:`CpuExecutor.work_dtype`): a transform
 (``Normalize`` near a large mean) sees the values before the 16-bit rounding, which happens once, after it.
 
-Memory: ``host_buffer_bytes`` holds the batch slots (and work slots) (:class:`~.buffers.SlotRing`), the engine's threads'
-scratch (its budget) and the Python path's buffers (the :class:`~.buffers.TransientBudget`):
+Memory: ``host_buffer_bytes`` holds the batch slots and work slots (:class:`~.buffers.SlotRing`), the engine's
+threads' scratch (its budget) and the Python path's buffers (the :class:`~.buffers.TransientBudget`):
 :meth:`CpuExecutor.prepare` splits what the slots leave between the two, so together they never pass it.
 """
 

@@ -302,8 +302,9 @@ class Trainer:
             return
         first = next((n for n, t, whole in tensors if bool(bad(t, whole))), "another rank's replica")
         newest = self.checkpoints.list()[-1][1] if self.checkpoints is not None and self.checkpoints.list() else None
+        where = f"the newest checkpoint is {newest}" if newest else "none written"
         raise NonFiniteLoss(f"the weights hold NaN or infinite values at step {self.step} (first: {first}); they "
-                            f"are not checkpointed ({f'the newest checkpoint is {newest}' if newest else 'none written'}). "
+                            f"are not checkpointed ({where}). "
                             "Lower the learning rate, set grad_clip=, or check the data for NaN and infinity.",
                             step=self.step, count=self._nonfinite_in_a_row, parameter=first)
 
