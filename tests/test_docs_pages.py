@@ -1,4 +1,4 @@
-"""docs/records.md's example runs as written (so the page stays true)."""
+"""The Python examples of docs/records.md and docs/index.md run as written (so the pages stay true)."""
 
 import re
 from pathlib import Path
@@ -26,3 +26,15 @@ def test_records_page_example_runs(tmp_path, monkeypatch):
     assert state["epoch"] == 1 and state["steps"] == 4  # both epochs read through
     batch = namespace["batch"]
     assert set(batch) == {"points", "points_batch", "knn4", "knn4_batch", "label", "label_batch"}
+
+
+@pytest.mark.timeout(120)
+def test_site_index_example_runs(tmp_path, monkeypatch):
+    page = DOCS / "index.md"
+    (block,) = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "docs"}
+    exec(compile(block, str(page), "exec"), namespace)
+    z, x = namespace["z"], namespace["x"]
+    assert (namespace["crop"] == z[0:32, 100:228, 7:135]).all()
+    assert tuple(x.shape) == (4, 32, 128, 128) and x.dtype == torch.float32
