@@ -3,6 +3,8 @@
 #   make test   runs the test suite
 # Both create (or reuse) .venv and install what they need into it.
 #   make asan   runs the compiled reader's tests and fuzz tests against an AddressSanitizer build (gcc)
+#   make lint   ruff over src/ and tests/, mypy over the public API (configured in pyproject.toml)
+#   make docs   builds the documentation site and its API reference strictly (mkdocs.yml) into site/
 
 PYTHON ?= python3
 VENV   := .venv
@@ -12,7 +14,7 @@ STAMP  := $(VENV)/.installed-stamp
 # so users keep their own (CUDA) build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test asan bench venv clean
+.PHONY: demo test asan bench lint docs venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +23,8 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml setup.py $(wildcard src/stoker/csrc/*.c src/stoker/csrc/*.h)
 	@echo "make: installing stoker into $(VENV) (the first time takes a few minutes; later runs skip this)"
 	@$(PY) -c "import torch" 2>/dev/null || { echo "make:   $(TORCH_SPEC)"; $(PY) -m pip install --quiet "$(TORCH_SPEC)"; }
-	@echo "make:   stoker, its dependencies and test tools; building the compiled reader"
-	@$(PY) -m pip install --quiet -e ".[test,bench]"
+	@echo "make:   stoker, its dependencies, test, lint and docs tools; building the compiled reader"
+	@$(PY) -m pip install --quiet -e ".[test,bench,lint,docs]"
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -36,8 +38,15 @@ test: $(STAMP)
 asan: $(STAMP)
 	PY=$(PY) .ci/asan
 
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
+
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+
 bench: $(STAMP)
 	$(VENV)/bin/stoker bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build dist src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache build dist site src/*.egg-info

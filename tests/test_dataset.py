@@ -145,7 +145,7 @@ def test_resume_on_another_world_size(group):
     """Two ranks' datasets save after 2 batches each; three ranks resume from that state and take exactly
     the rest of the epoch, once each."""
     uris, _ = group
-    seen, states = [], []
+    states = []
     for rank in range(2):
         ds = stoker.CropDataset(_source(uris).shard(rank, 2), stoker.Config(**CFG))
         it = iter(DataLoader(ds, batch_size=None))

@@ -6,7 +6,6 @@ server stopped mid-run, ``close()`` with requests in flight)."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 import warnings
 import zipfile
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, TransposeCodec, ZstdCodec
+from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, ZstdCodec
 
 import stoker
 from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError

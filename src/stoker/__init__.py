@@ -65,6 +65,7 @@ __all__ = [
     "reduce_stats",
     "Stats",
     "open_array",
+    "transforms",
     "BudgetExceeded",
     "CheckpointError",
     "ClaimTimeout",

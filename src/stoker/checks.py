@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Literal, overload
 
 from .errors import InvalidArgument
+
+
+@overload
+def integer(name: str, value: Any, low: int, *, optional: Literal[False] = ..., **context: Any) -> int: ...
+@overload
+def integer(name: str, value: Any, low: int, *, optional: bool, **context: Any) -> int | None: ...
 
 
 def integer(name: str, value: Any, low: int, *, optional: bool = False, **context: Any) -> int | None:
@@ -31,6 +37,12 @@ def integer(name: str, value: Any, low: int, *, optional: bool = False, **contex
         allowed = f"an integer >= {low}" + (" or None" if optional else "")
         raise InvalidArgument(f"{name} must be {allowed}, got {value!r}", **context)
     return int(value)
+
+
+@overload
+def seconds(name: str, value: Any, *, optional: Literal[False] = ..., finite: bool = ..., **context: Any) -> float: ...
+@overload
+def seconds(name: str, value: Any, *, optional: bool, finite: bool = ..., **context: Any) -> float | None: ...
 
 
 def seconds(name: str, value: Any, *, optional: bool = False, finite: bool = False, **context: Any) -> float | None:

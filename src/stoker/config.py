@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -192,4 +192,4 @@ class Config:
     @property
     def output_dtype(self) -> torch.dtype | None:
         """The torch dtype of batches, or ``None`` for "native" (decided by the source)."""
-        return OUTPUT_DTYPES[self.dtype]
+        return OUTPUT_DTYPES[cast(str, self.dtype)]  # __post_init__ turned a torch.dtype into its name

@@ -12,7 +12,7 @@ carries this dataset's position (see docs/dataloader.md).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 

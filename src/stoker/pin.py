@@ -23,7 +23,7 @@ import queue
 import threading
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -107,7 +107,7 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         if type(obj) is dict:
             return items
         try:
-            return type(obj)(items)
+            return cast(Any, type(obj))(items)  # a Mapping subclass built from a dict, when it can be
         except TypeError:
             return items
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple

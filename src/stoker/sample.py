@@ -41,6 +41,11 @@ class Sample:
     """
 
     __slots__ = ("uri", "uris", "channels", "aabb", "_hash")
+    uri: str
+    uris: tuple[str, ...]
+    channels: int | None
+    aabb: Box
+    _hash: int
 
     def __init__(self, uri: str | os.PathLike | Sequence[str | os.PathLike], aabb: Any) -> None:
         if isinstance(uri, (list, tuple)):

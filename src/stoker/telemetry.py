@@ -235,8 +235,10 @@ class TelemetryWriter:
                 self._tb = summary_writer(log_dir=str(self.log_dir))
         record = {"step": step, "time": time.time(), **{k: _json_value(v) for k, v in metrics.items()}}
         line = (json.dumps(record) + "\n").encode()
+        fd = self._file
+        assert fd is not None  # opened above
         while line:  # whole lines, appended (a short write only on a full disk: the rest follows)
-            line = line[os.write(self._file, line):]
+            line = line[os.write(fd, line):]
         if self._tb is not None:
             for name, value in metrics.items():
                 self._tb.add_scalar(name, float(value), step)

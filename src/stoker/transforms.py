@@ -68,7 +68,7 @@ class Normalize:
             raise InvalidArgument(f"Normalize: mean has {self.mean.numel()} channels, std {self.std.numel()}")
         if not (self.std > 0).all():
             raise InvalidArgument(f"Normalize: std must be > 0 on every channel, got {self.std.tolist()}")
-        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     @classmethod
     def from_stats(cls, stats: Any) -> "Normalize":
@@ -87,7 +87,7 @@ class Normalize:
         n = max(self.mean.dim() and self.mean.numel(), self.std.dim() and self.std.numel())
         return n or None
 
-    def _scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scale(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         key = (x.device, x.dtype, x.dim())
         held = self._cache.get(key)
         if held is None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from ..array import ArrayReader
-from ..box import box_shape, check_in_bounds
+from ..box import check_in_bounds
 from ..errors import InvalidArgument
 from ..sample import Sample, arrays_read, parts
 from ..storage.ranges import Read, coalesce

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import gil
 
@@ -101,7 +102,8 @@ class StatsRecorder:
         # A thread's report after a reset charges its whole interval since its previous report, as a
         # stage that straddles the reset counts whole: at most one piece of work per thread.
         with self._lock:
-            self._stages = {name: [0.0, 0, 0, 0] for name in STAGES}
+            # per stage: seconds, count, bytes in, bytes out (Metric's fields)
+            self._stages: dict[str, list[Any]] = {name: [0.0, 0, 0, 0] for name in STAGES}
             self._counters = dict.fromkeys(COUNTERS, 0)
             self._gil_ns = 0
 

@@ -31,7 +31,6 @@ import numpy as np
 from .. import native
 from ..array import ArrayReader
 from ..box import check_in_bounds
-from ..errors import InvalidArgument
 from ..sample import Sample, parts
 from ..zarr.grid import c_strides
 from ..zarr.sharding import EMPTY_ENTRY
