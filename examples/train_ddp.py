@@ -42,7 +42,7 @@ def crops_for_rank(uri: str, crop: tuple[int, ...], rank: int, world_size: int,
     """Yield an indefinite stream of `stoker.Sample` for this rank.
 
     RandomCrops fixes one global order of crops per (seed, epoch), the same on every
-    rank. shard() gives this rank its slice of it: disjoint from the other ranks'
+    rank. for_rank() gives this rank its slice of it: disjoint from the other ranks'
     slices, the same number of samples on every rank (so no rank waits in a DDP
     all-reduce for a batch that never comes), deterministic per (seed, epoch).
     "strided" hands rank r the samples r, r+W, r+2W...; use policy="contiguous" when
@@ -53,7 +53,7 @@ def crops_for_rank(uri: str, crop: tuple[int, ...], rank: int, world_size: int,
     batches really popped, which is what makes pipeline.state_dict() resumable.
     """
     source = stoker.RandomCrops([uri], crop, seed=seed)
-    mine = source.shard(rank, world_size, policy="strided")
+    mine = source.for_rank(rank, world_size, policy="strided")
     return mine.forever()
 
 
@@ -164,7 +164,7 @@ def main() -> None:
                 flush=True,
             )
             # Every rank took the same number of steps, so rank 0's data state resumes any
-            # rank (even on another world size): ShardedSource.load_state_dict(state["data"]["sources"][0]).
+            # rank (even on another world size): RankShare.load_state_dict(state["data"]["sources"][0]).
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             path = out / "checkpoint.pt"

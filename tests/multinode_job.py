@@ -80,7 +80,7 @@ def main(ctx: st.RankContext, args: argparse.Namespace) -> None:
     model = torch.nn.Linear(1, 1)
     loss = _Logged(ctx, Path(args.ids), args.kind, args.leave_after)
     if args.kind == "crops":
-        source = stoker.TileGrid([args.data], CROP, shuffle=True, seed=1).shard(ctx.rank, ctx.world_size)
+        source = stoker.TileGrid([args.data], CROP, shuffle=True, seed=1).for_rank(ctx.rank, ctx.world_size)
         cfg = stoker.Config(batch_size=2, sample_shape=CROP, dtype="f32", host_buffer_bytes=16 << 20,
                             n_compute_threads=1, n_io_threads=1, device="cpu")
         data = ctx.manage(st.CropBatches(source, cfg))

@@ -189,7 +189,7 @@ def test_tile_grid_of_groups_shards_cover_every_tile_once(cube, world, policy):
     groups = [[uris["t2m"], uris["u10"], uris["v10"]], [uris["v10"], uris["t2m"], uris["u10"]]]
     src = stoker.TileGrid(groups, (5, 10, 13), shuffle=True, seed=3)
     assert len(src) == 2 * 4 * 3 * 2
-    shares = [list(src.shard(r, world, policy=policy, even="drop")) for r in range(world)]
+    shares = [list(src.for_rank(r, world, policy=policy, even="drop")) for r in range(world)]
     got = [s for share in shares for s in share]
     assert len({len(share) for share in shares}) == 1 and len(set(got)) == len(got)
     assert len(got) == len(src) - len(src) % world
@@ -209,7 +209,7 @@ def test_random_crops_of_groups_resume_exactly_on_another_world_size(cube, decod
     seen, states = [], []
     for rank in range(2):
         with stoker.Pipeline(cfg) as p:
-            p.push(src.shard(rank, 2))
+            p.push(src.for_rank(rank, 2))
             for _ in range(3):
                 with p.pop() as b:
                     assert b.info.shape == (2, 3, 4, 6, 5)
@@ -217,7 +217,7 @@ def test_random_crops_of_groups_resume_exactly_on_another_world_size(cube, decod
             states.append(p.state_dict()["sources"][0])
     assert states[0]["position"] == states[1]["position"] == 12
     for rank in range(3):
-        mine = src.shard(rank, 3)
+        mine = src.for_rank(rank, 3)
         mine.load_state_dict(states[rank % 2])
         with stoker.Pipeline(cfg) as p:
             p.push(mine)

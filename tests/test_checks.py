@@ -51,24 +51,24 @@ def test_sources_take_rank_and_world_from_the_environment_checked(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert resolve_rank() == (1, 3)
     assert resolve_rank(world_size=2) == (1, 2)
-    part = source.shard()
+    part = source.for_rank()
     assert (part.rank, part.world_size) == (1, 3)
     assert [s.aabb for s in part] == [((1, 2),), ((4, 5),)]
     monkeypatch.setenv("RANK", "one")
     with pytest.raises(stoker.InvalidArgument, match="RANK must be an integer"):
-        source.shard()
+        source.for_rank()
     monkeypatch.setenv("RANK", "3")
     with pytest.raises(stoker.InvalidArgument, match="RANK=3 and WORLD_SIZE=3 are inconsistent"):
-        source.shard()
+        source.for_rank()
 
 
 def test_a_sharded_source_stores_plain_ints_so_its_state_is_json():
     import json
 
-    from stoker.sources import ShardedSource
+    from stoker.sources import RankShare
 
     source = SampleList([Sample("/a.zarr", [(i, i + 1)]) for i in range(6)])
-    part = ShardedSource(source, np.int64(1), np.int64(3), "strided", "wrap")
+    part = RankShare(source, np.int64(1), np.int64(3), "strided", "wrap")
     assert type(part.rank) is int and type(part.world_size) is int
     json.dumps(part.state_dict())
 

@@ -58,7 +58,7 @@ def _epoch_samples(uris, epoch):
 
 def test_dataloader_yields_the_batches_and_epochs_advance(group, decode_path):
     uris, data = group
-    ds = stoker.CropDataset(_source(uris).shard(0, 1), stoker.Config(**CFG))
+    ds = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**CFG))
     loader = DataLoader(ds, batch_size=None)
     assert len(loader) == 6
     for epoch in range(2):
@@ -71,7 +71,7 @@ def test_dataloader_yields_the_batches_and_epochs_advance(group, decode_path):
 
 def test_a_loop_that_stops_early_continues_where_it_stopped(group):
     uris, data = group
-    ds = stoker.CropDataset(_source(uris).shard(0, 1), stoker.Config(**CFG), copy=True)
+    ds = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**CFG), copy=True)
     first = []
     for x in DataLoader(ds, batch_size=None):
         first.append(x)
@@ -86,7 +86,7 @@ def test_zero_copy_batches_are_not_overwritten_while_held(group):
     """Holding every batch of a zero-copy dataset: the slots are not reused under them, so the pipeline runs
     out of slots and says so (PoolStarved naming the fix) rather than overwrite one."""
     uris, _ = group
-    ds = stoker.CropDataset(_source(uris).shard(0, 1), stoker.Config(**{**CFG, "pop_timeout_s": 1.0}))
+    ds = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**{**CFG, "pop_timeout_s": 1.0}))
     held = []
     with pytest.raises(stoker.PoolStarved, match="clone"):
         for x in DataLoader(ds, batch_size=None):
@@ -97,7 +97,7 @@ def test_zero_copy_batches_are_not_overwritten_while_held(group):
 
 def test_worker_processes_are_refused(group):
     uris, _ = group
-    ds = stoker.CropDataset(_source(uris).shard(0, 1), stoker.Config(**CFG))
+    ds = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**CFG))
     with pytest.raises(stoker.InvalidArgument, match="num_workers=0"):
         next(iter(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork")))
 
@@ -110,7 +110,7 @@ def test_arguments_are_checked(group):
         stoker.CropDataset(_source(uris), dict(CFG))
     ds = stoker.CropDataset(_source(uris), stoker.Config(**CFG))  # shards by RANK/WORLD_SIZE: one process here
     assert ds.source.world_size == 1 and pickle.loads(pickle.dumps(ds)).state_dict() == ds.state_dict()
-    other = stoker.RandomCrops([uris], (4, 8, 8), seed=2, samples_per_epoch=24).shard(0, 1)
+    other = stoker.RandomCrops([uris], (4, 8, 8), seed=2, samples_per_epoch=24).for_rank(0, 1)
     with pytest.raises(stoker.InvalidArgument, match="another sample list"):
         ds.load_state_dict(other.state_dict())
 
@@ -122,7 +122,7 @@ def test_stateful_dataloader_resumes_with_the_next_batch(group, decode_path, k):
     the next epoch."""
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
     uris, data = group
-    make = lambda: sdl.StatefulDataLoader(stoker.CropDataset(_source(uris).shard(0, 1), stoker.Config(**CFG),  # noqa: E731
+    make = lambda: sdl.StatefulDataLoader(stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**CFG),  # noqa: E731
                                                              copy=True), batch_size=None)
     loader = make()
     it = iter(loader)
@@ -147,14 +147,14 @@ def test_resume_on_another_world_size(group):
     uris, _ = group
     states = []
     for rank in range(2):
-        ds = stoker.CropDataset(_source(uris).shard(rank, 2), stoker.Config(**CFG))
+        ds = stoker.CropDataset(_source(uris).for_rank(rank, 2), stoker.Config(**CFG))
         it = iter(DataLoader(ds, batch_size=None))
         next(it), next(it)
         states.append(ds.state_dict())
     assert states[0]["position"] == 16
     rest = []
     for rank in range(3):
-        ds = stoker.CropDataset(_source(uris).shard(rank, 3), stoker.Config(**{**CFG, "batch_size": 1}))
+        ds = stoker.CropDataset(_source(uris).for_rank(rank, 3), stoker.Config(**{**CFG, "batch_size": 1}))
         ds.load_state_dict(states[rank % 2])
         assert len(ds) == 3  # 8 samples left, ceil(8 / 3) a rank (wrapped)
         src = ds._positioned()

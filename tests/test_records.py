@@ -167,7 +167,7 @@ def test_construction_reads_metadata_only_and_reading_opens_chunks(data):
 
     # Shard views and metadata read nothing at all.
     with recording() as events:
-        part = ds.shard(1, 3)
+        part = ds.for_rank(1, 3)
         infos = [ds.metadata(i) for i in range(len(ds))]
     assert opened_under(events, root) == []
     assert infos[2].fields["positions"].shape == truth[2]["positions"].shape
@@ -405,7 +405,7 @@ def test_pickled_state_holds_no_store_or_cache(data):
     root, truth = data
     ds = ZarrRecords(root, fields=SPEC, cache_bytes=1 << 20, store=LocalStore())
     ds[0]
-    blob = pickle.dumps(ds.shard(0, 2))
+    blob = pickle.dumps(ds.for_rank(0, 2))
     assert b"LocalStore" not in blob and b"SizedLRU" not in blob and b"Lock" not in blob
     copy = pickle.loads(blob)
     assert copy.cache_info().entries == 0 and copy.part == (0, 2)
@@ -455,16 +455,24 @@ def test_forked_process_opens_its_own_store(data):
 def test_shards_are_disjoint_and_compose(data):
     root, _ = data
     ds = ZarrRecords(root)
-    parts = [ds.shard(r, 3) for r in range(3)]
+    parts = [ds.for_rank(r, 3) for r in range(3)]
     names = [n for p in parts for n in p.names]
     assert sorted(names) == ds.names and len(set(names)) == len(names)
     assert parts[1].names == ds.names[1::3]
-    nested = ds.shard(1, 2).shard(1, 2)  # records 3, 7, ...: part (3, 4)
+    nested = ds.for_rank(1, 2).for_rank(1, 2)  # records 3, 7, ...: part (3, 4)
     assert nested.part == (3, 4) and nested.names == ds.names[3::4]
     with pytest.raises(InvalidArgument):
-        ds.shard(3, 3)
+        ds.for_rank(3, 3)
     with pytest.raises(InvalidArgument, match="part"):
-        compute_stats(ds.shard(1, 2), ["cells"], cache=False)  # rank 0 of 1 here
+        compute_stats(ds.for_rank(1, 2), ["cells"], cache=False)  # rank 0 of 1 here
+
+
+def test_shard_is_a_deprecated_alias_of_for_rank(data):
+    root, _ = data
+    ds = ZarrRecords(root)
+    with pytest.warns(DeprecationWarning, match=r"ZarrRecords\.for_rank\(\)"):
+        old = ds.shard(1, 3)
+    assert old.part == (1, 3) and old.names == ds.for_rank(1, 3).names
 
 
 # -- statistics ---------------------------------------------------------------------------------
@@ -585,7 +593,7 @@ def test_stats_file_written_once_reused_and_recomputed(tmp_path):
     assert len(json.loads(open(path).read())["entries"]) == 2
     with recording() as events:
         compute_stats(ds, ["positions"], derived=DERIVED)
-        compute_stats(ds.shard(0, 1), ["positions", "velocity"])
+        compute_stats(ds.for_rank(0, 1), ["positions", "velocity"])
     assert stats_writes(events) == 0
 
     with recording() as events:  # the data changed shape: the fingerprint no longer matches
@@ -647,7 +655,7 @@ def _stats_worker(rank: int, world: int, tmp: str, root: str, small: str) -> Non
         ds = ZarrRecords(root, fields=SPEC)
         out["plain"] = {k: _hexes(v) for k, v in compute_stats(ds, STAT_FIELDS, cache=False).items()}
         out["from_shard"] = {k: _hexes(v) for k, v in
-                             compute_stats(ds.shard(rank, world), STAT_FIELDS, cache=False).items()}
+                             compute_stats(ds.for_rank(rank, world), STAT_FIELDS, cache=False).items()}
         out["exists_before"] = os.path.exists(path)
         dist.barrier()
         with recording() as events:

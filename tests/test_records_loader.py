@@ -359,7 +359,7 @@ def test_bad_arguments(ds):
         with pytest.raises(InvalidArgument, match=match):
             Loader(ds, **kwargs)
     with pytest.raises(InvalidArgument, match="full dataset"):
-        Loader(ds.shard(0, 2), 2)
+        Loader(ds.for_rank(0, 2), 2)
     with pytest.raises(InvalidArgument, match="map-style"):
         Loader(42, 2)
 

@@ -157,7 +157,7 @@ def _worker(rank: int, world: int, tmp: str, root: str) -> None:
 def test_a_nonfinite_value_on_one_rank_fails_every_rank_alike(tmp_path):
     root = str(tmp_path / "data")
     truth = write_with_nonfinite(root)
-    assert f"rec_{BAD:03d}.zarr" in ZarrRecords(root, fields=SPEC).shard(1, 2).names  # rank 1's alone
+    assert f"rec_{BAD:03d}.zarr" in ZarrRecords(root, fields=SPEC).for_rank(1, 2).names  # rank 1's alone
     mp.spawn(_worker, args=(2, str(tmp_path), root), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
     for res in results:

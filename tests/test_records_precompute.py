@@ -196,7 +196,7 @@ def test_second_run_writes_nothing_and_new_params_recompute(data):
 def test_only_records_without_a_matching_array_are_computed(data):
     root, _ = data
     ds = ZarrRecords(root, fields=["points", "rid"])
-    precompute(ds.shard(1, 3), "knn", Counter(), params={"k": K})  # a shard: records 1 and 4 only
+    precompute(ds.for_rank(1, 3), "knn", Counter(), params={"k": K})  # a shard: records 1 and 4 only
     fn = Counter()
     res = precompute(ds, "knn", fn, params={"k": K})
     assert sorted(fn.seen) == [0, 2, 3, 5, 6] and (res.written, res.skipped) == (5, 2)
@@ -353,7 +353,7 @@ def _rank_worker(rank: int, world: int, tmp: str, root: str) -> None:
         out["seen"] = fn.seen
         out["first"] = [res.written, res.skipped, res.total_written, res.total_skipped]
         again = Counter()
-        res = precompute(ds.shard(rank, world), "knn", again, params={"k": K})  # this rank's shard works too
+        res = precompute(ds.for_rank(rank, world), "knn", again, params={"k": K})  # this rank's shard works too
         out["again"] = again.seen
         out["second"] = [res.written, res.skipped, res.total_written, res.total_skipped]
 

@@ -397,7 +397,7 @@ def test_samplers_over_s3_give_the_local_batches(tree):
         cfg = stoker.Config(batch_size=4, n_compute_threads=2, host_buffer_bytes=64 << 20, storage_options=opts)
         out = []
         with stoker.Pipeline(cfg) as p:
-            p.push(src.shard(0, 1))
+            p.push(src.for_rank(0, 1))
             for _ in range(2):
                 b = p.pop()
                 out.append(torch.from_dlpack(b).clone())

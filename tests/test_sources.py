@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stoker
-from stoker import shard as sh
+from stoker import partition as sh
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,7 +73,7 @@ def test_tile_grid_covers_every_tile_once(arrays):
 def test_shards_disjoint_complete_equal(arrays, policy, even, world):
     src = stoker.SampleList(_epoch(stoker.RandomCrops(arrays, (4, 4), samples_per_epoch=23), 0), shuffle=True)
     order = _epoch(src, 0)
-    parts = [list(src.shard(r, world, policy, even)) for r in range(world)]
+    parts = [list(src.for_rank(r, world, policy, even)) for r in range(world)]
     assert len({len(p) for p in parts}) == 1  # equal counts: no rank waits in a collective
     flat = [s for p in parts for s in p]
     if even == "drop":
@@ -86,11 +86,11 @@ def test_shards_disjoint_complete_equal(arrays, policy, even, world):
 
 
 def test_state_dict_and_fingerprint(arrays):
-    src = stoker.RandomCrops(arrays, (4, 4), seed=5, samples_per_epoch=40).shard(1, 2)
+    src = stoker.RandomCrops(arrays, (4, 4), seed=5, samples_per_epoch=40).for_rank(1, 2)
     state = src.state_dict()
     assert {"epoch", "position", "seed", "world_size", "rank", "fingerprint"} <= state.keys()
     assert (state["rank"], state["world_size"], state["seed"], state["position"]) == (1, 2, 5, 0)
-    other = stoker.RandomCrops(arrays, (4, 4), seed=6, samples_per_epoch=40).shard(1, 2)
+    other = stoker.RandomCrops(arrays, (4, 4), seed=6, samples_per_epoch=40).for_rank(1, 2)
     with pytest.raises(stoker.InvalidArgument, match="another sample list"):
         other.load_state_dict(state)
 
@@ -105,7 +105,7 @@ def test_elastic_resume_covers_the_rest_exactly_once(n, w1, w2, w3, k1, k2, poli
     seen = []
     state = None
     for world, steps, pol in ((w1, k1, policy), (w2, k2, policy2), (w3, None, policy)):
-        views = [src.shard(r, world, pol, "drop") for r in range(world)]
+        views = [src.for_rank(r, world, pol, "drop") for r in range(world)]
         for v in views:
             if state is not None:
                 v.load_state_dict(state)
@@ -130,7 +130,7 @@ def test_pipeline_resume_after_k_batches_equals_uninterrupted(arrays):
     data = _arrays_data(arrays)
     cfg = stoker.Config(batch_size=4, dtype="native", host_buffer_bytes=8 << 20, lookahead_batches=3, device="cpu",
                         n_compute_threads=2, n_io_threads=1)
-    make = lambda: stoker.RandomCrops(arrays, (4, 4), seed=9, samples_per_epoch=48).shard(0, 1)  # noqa: E731
+    make = lambda: stoker.RandomCrops(arrays, (4, 4), seed=9, samples_per_epoch=48).for_rank(0, 1)  # noqa: E731
     with stoker.Pipeline(cfg) as p:
         p.push(make())
         full = [(b.samples, torch.from_dlpack(b).clone()) for b in p]
@@ -155,13 +155,13 @@ def test_pipeline_resume_after_k_batches_equals_uninterrupted(arrays):
 
 
 def test_forever_crosses_epochs_and_state_follows(arrays):
-    src = stoker.RandomCrops(arrays, (4, 4), seed=2, samples_per_epoch=10).shard(0, 1)
+    src = stoker.RandomCrops(arrays, (4, 4), seed=2, samples_per_epoch=10).for_rank(0, 1)
     it = src.forever()
     first = [next(it) for _ in range(25)]
     assert first[:10] == _epoch(src.source, 0) and first[10:20] == _epoch(src.source, 1)
     state = it.state_after(25)
     assert (state["epoch"], state["position"]) == (2, 5)
-    again = src.source.shard(0, 1)
+    again = src.source.for_rank(0, 1)
     again.load_state_dict(state)
     assert next(iter(again)) == src.source.sample(2, 5)
 
@@ -176,7 +176,7 @@ def _ranks_main(rank, world, init_file, arrays, out_dir, mode):
                             timeout=datetime.timedelta(seconds=60))
     try:
         src = stoker.TileGrid(arrays, (4, 4), shuffle=True, seed=4)
-        view = src.shard(policy="strided", even="drop")  # rank and world size from the process group
+        view = src.for_rank(policy="strided", even="drop")  # rank and world size from the process group
         assert (view.rank, view.world_size) == (rank, world)
         if mode == "resume":
             import json
@@ -192,7 +192,7 @@ def _ranks_main(rank, world, init_file, arrays, out_dir, mode):
             with open(os.path.join(out_dir, f"{mode}-{world}.json"), "w") as f:
                 json.dump(gathered, f)
         if mode == "first":  # stop after 3 samples per rank and save the state, as a checkpoint would
-            it = iter(src.shard(policy="strided", even="drop"))
+            it = iter(src.for_rank(policy="strided", even="drop"))
             for _ in range(3):
                 next(it)
             if rank == 0:
@@ -228,7 +228,7 @@ def test_elastic_resume_two_to_three_processes(arrays, tmp_path):
                                 nprocs=3, join=True)
     src = stoker.TileGrid(arrays, (4, 4), shuffle=True, seed=4)
     order = [repr(s) for s in _epoch(src, 0)]
-    first = [repr(s) for r in range(2) for s in list(src.shard(r, 2, "strided", "drop"))[:3]]
+    first = [repr(s) for r in range(2) for s in list(src.for_rank(r, 2, "strided", "drop"))[:3]]
     rest = [s for p in json.loads((tmp_path / "resume-3.json").read_text()) for s in p]
     together = first + rest
     assert len(together) == len(set(together))  # nothing twice
@@ -245,7 +245,7 @@ def peak():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 big, huge = sys.argv[1:]
-stoker.RandomCrops([big], (8, 8, 8), samples_per_epoch=10).shard(0, 2).state_dict()  # imports, caches
+stoker.RandomCrops([big], (8, 8, 8), samples_per_epoch=10).for_rank(0, 2).state_dict()  # imports, caches
 base = peak()
 sources = [
     stoker.RandomCrops([big], (8, 8, 8), seed=1),  # 2**27 crops tile it once: the epoch's default length
@@ -257,12 +257,12 @@ assert len(sources[0]) == len(sources[1]) == 2**27 and len(sources[3]) == 2**60,
 for src in sources:
     n = len(src)
     for policy in ("strided", "contiguous"):
-        it = iter(src.shard(1, 3, policy, "wrap"))
+        it = iter(src.for_rank(1, 3, policy, "wrap"))
         first = [next(it) for _ in range(5)]
         assert all(0 <= a and b <= 2**40 for s in first for a, b in s.aabb)
         state = it.state_after(5)
         assert state["position"] == 15, state
-        again = src.shard(2, 5, "strided", "drop")
+        again = src.for_rank(2, 5, "strided", "drop")
         again.load_state_dict(state)
         assert len(again) == (n - 15) // 5
         it = iter(again)
@@ -318,7 +318,7 @@ def test_states_of_the_earlier_shuffled_order_are_refused(arrays):
     is refused, not resumed into other samples; unshuffled sources keep their fingerprints and states."""
     grid = stoker.TileGrid(arrays, (4, 4), shuffle=True, seed=4)
     old_id = [grid.arrays, grid.shapes, grid.sample_shape, grid.stride, grid.shuffle, grid.seed]
-    view = grid.shard(0, 2)
+    view = grid.for_rank(0, 2)
     state = {**view.state_dict(), "fingerprint": _old_fingerprint(grid, old_id), "steps": 3}
     with pytest.raises(stoker.InvalidArgument, match="another sample list.*start its epoch again"):
         view.load_state_dict(state)

@@ -376,15 +376,15 @@ def test_crop_batches_resume_with_the_next_batch(volume):
     cfg = stoker.Config(batch_size=2, sample_shape=(4, 8, 8), n_compute_threads=1, host_buffer_bytes=4 << 20,
                         device="cpu")
     src = stoker.RandomCrops([volume], (4, 8, 8), seed=3)
-    with st.CropBatches(src.shard(0, 1), cfg) as data:
+    with st.CropBatches(src.for_rank(0, 1), cfg) as data:
         it = iter(data)
         seen = [next(it).clone() for _ in range(5)]
         state = data.state_dict()  # after 5 batches, whatever the pipeline read ahead
         assert state["steps"] == 10
-    with st.CropBatches(src.shard(0, 1), cfg) as again:
+    with st.CropBatches(src.for_rank(0, 1), cfg) as again:
         again.load_state_dict(state)
         nxt = next(iter(again))
-    with st.CropBatches(src.shard(0, 1), cfg) as straight:
+    with st.CropBatches(src.for_rank(0, 1), cfg) as straight:
         expected = [x.clone() for _, x in zip(range(6), straight)]
     assert all(torch.equal(a, b) for a, b in zip(seen, expected[:5]))
     assert torch.equal(nxt, expected[5])
@@ -396,8 +396,8 @@ def test_crop_batches_resume_with_the_next_batch(volume):
 def test_crop_batches_misuse(volume):
     cfg = stoker.Config(batch_size=2, sample_shape=(4, 8, 8), n_compute_threads=1, host_buffer_bytes=4 << 20,
                         device="cpu")
-    src = stoker.RandomCrops([volume], (4, 8, 8)).shard(0, 1)
-    with pytest.raises(InvalidArgument, match="ShardedSource"):
+    src = stoker.RandomCrops([volume], (4, 8, 8)).for_rank(0, 1)
+    with pytest.raises(InvalidArgument, match="RankShare"):
         st.CropBatches(stoker.RandomCrops([volume], (4, 8, 8)), cfg)
     data = st.CropBatches(src, cfg)
     next(iter(data))
@@ -846,7 +846,7 @@ def test_eval_data_that_would_hang_or_run_dry_is_refused(volume):
     with pytest.raises(InvalidArgument, match=r"eval_data \(generator\) is an iterator: the first evaluation "
                                               r"would use it up.*stoker.CropDataset"):
         _trainer().fit(batches, steps=1, resume=None, eval_data=_gen(batches))
-    src = stoker.RandomCrops([volume], sample_shape=(4, 4, 4), seed=0, samples_per_epoch=8).shard(0, 1)
+    src = stoker.RandomCrops([volume], sample_shape=(4, 4, 4), seed=0, samples_per_epoch=8).for_rank(0, 1)
     endless = st.CropBatches(src, stoker.Config(batch_size=2, device="cpu", host_buffer_bytes=16 << 20))
     with pytest.raises(InvalidArgument, match=r"eval_data \(CropBatches\) is endless"):
         _trainer().fit(batches, steps=1, resume=None, eval_data=endless)
@@ -867,7 +867,7 @@ def test_the_eval_reduction_is_marked_eval_not_a_wait(monkeypatch):
         seen.append(phases[-1])
         return list(values)
 
-    monkeypatch.setattr(trainer_mod, "_all_reduce", reduce)
+    monkeypatch.setattr(trainer_mod, "all_reduce", reduce)
     trainer = _trainer()
     trainer.evaluate(jobs.global_batches(2, 4))
     assert seen == ["eval"]

@@ -11,7 +11,7 @@ from .engine.batch import Batch, BatchInfo
 from .engine.pipeline import Pipeline
 from .engine.stats import Metric, Stats
 from .sample import Sample
-from .sources import RandomCrops, SampleList, SampleSource, ShardedSource, TileGrid
+from .sources import RandomCrops, RankShare, SampleList, SampleSource, TileGrid
 from .dataset import CropDataset
 from . import transforms
 from .distributed import rank_info, reduce_max, reduce_stats
@@ -55,7 +55,7 @@ __all__ = [
     "Sample",
     "SampleList",
     "SampleSource",
-    "ShardedSource",
+    "RankShare",
     "TelemetryWriter",
     "TileGrid",
     "memory_report",
@@ -87,3 +87,12 @@ __all__ = [
     "UnusedParameters",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "ShardedSource":  # the name before RankShare (a rank's share, not a Zarr shard)
+        import warnings
+
+        warnings.warn("stoker.ShardedSource is deprecated; use stoker.RankShare", DeprecationWarning, stacklevel=2)
+        return RankShare
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Any, Literal, overload
 
 from .errors import InvalidArgument
@@ -70,3 +71,14 @@ def rank_in_world(rank: Any, world_size: Any) -> tuple[int, int]:
     if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world:
         raise InvalidArgument(f"rank must be an integer in [0, {world}), got {rank!r}", rank=rank, world_size=world)
     return int(rank), world
+
+
+def env_int(name: str, default: int) -> int:
+    """The environment variable ``name`` as an int, ``default`` when unset or blank."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidArgument(f"environment variable {name} must be an integer, got {raw!r}", knob=name) from None

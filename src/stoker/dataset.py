@@ -19,18 +19,18 @@ import torch
 from .config import Config
 from .engine.pipeline import Pipeline
 from .errors import InvalidArgument, ShutdownError
-from .sources import SampleSource, ShardedSource
+from .sources import RankShare, SampleSource
 
 
 class CropDataset(torch.utils.data.IterableDataset):
-    """This rank's batches of ``source`` (a :class:`~stoker.SampleSource`, sharded here by
-    ``source.shard()``: the rank from torch.distributed or ``RANK``/``WORLD_SIZE``; or a
-    :class:`~stoker.ShardedSource`), made by a :class:`~stoker.Pipeline` of ``cfg``.
+    """This rank's batches of ``source`` (a :class:`~stoker.SampleSource`, split here by
+    ``source.for_rank()``: the rank from torch.distributed or ``RANK``/``WORLD_SIZE``; or a
+    :class:`~stoker.RankShare`), made by a :class:`~stoker.Pipeline` of ``cfg``.
 
-    A SampleSource is sharded again whenever the process group says otherwise than it did at
+    A SampleSource is split again whenever the process group says otherwise than it did at
     construction: a dataset built before ``init_process_group`` (in the launcher, in a
     ``LightningDataModule.__init__``) and used in the ranks takes each rank's share, not the whole epoch.
-    A ShardedSource is used as given.
+    A RankShare is used as given.
 
     Use it with ``DataLoader(ds, batch_size=None)`` (the batches are already made) and ``num_workers=0``:
     the pipeline runs its own threads. Worker processes would each open a pipeline over the same share
@@ -51,14 +51,14 @@ class CropDataset(torch.utils.data.IterableDataset):
     batch k + 1, on any world size; ``StatefulDataLoader`` (torchdata) calls them.
     """
 
-    def __init__(self, source: SampleSource | ShardedSource, cfg: Config, copy: bool = False) -> None:
+    def __init__(self, source: SampleSource | RankShare, cfg: Config, copy: bool = False) -> None:
         super().__init__()
         self._follow_group = isinstance(source, SampleSource)  # the rank is ours to pick, and to re-pick
         if isinstance(source, SampleSource):
-            source = source.shard()
-        if not isinstance(source, ShardedSource):
-            raise InvalidArgument(f"CropDataset takes a stoker.SampleSource or ShardedSource (RandomCrops, TileGrid, "
-                                  f"SampleList, or their .shard()), got {type(source).__name__}")
+            source = source.for_rank()
+        if not isinstance(source, RankShare):
+            raise InvalidArgument(f"CropDataset takes a stoker.SampleSource or RankShare (RandomCrops, TileGrid, "
+                                  f"SampleList, or their .for_rank()), got {type(source).__name__}")
         if not isinstance(cfg, Config):
             raise InvalidArgument(f"CropDataset needs a stoker.Config, got {type(cfg).__name__}")
         self.source, self.cfg, self.copy = source, cfg, bool(copy)
@@ -69,7 +69,7 @@ class CropDataset(torch.utils.data.IterableDataset):
     # -- position ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The source's position as of the last batch yielded (a ShardedSource state)."""
+        """The source's position as of the last batch yielded (a RankShare state)."""
         return dict(self._state)
 
     def load_state_dict(self, state: dict) -> None:
@@ -101,14 +101,14 @@ class CropDataset(torch.utils.data.IterableDataset):
         s = self.source
         rank, world = dist.get_rank(), dist.get_world_size()
         if (s.rank, s.world_size) != (rank, world):
-            self.source = ShardedSource(s.source, rank, world, s.policy, s.even)
+            self.source = RankShare(s.source, rank, world, s.policy, s.even)
 
-    def _fresh(self, state: dict | None) -> ShardedSource:
+    def _fresh(self, state: dict | None) -> RankShare:
         """A view of this rank's share at ``state`` (the pipeline's cursor writes into the one it pulls from,
         so every iteration gets its own)."""
         self._follow()
         s = self.source
-        src = ShardedSource(s.source, s.rank, s.world_size, s.policy, s.even)
+        src = RankShare(s.source, s.rank, s.world_size, s.policy, s.even)
         if state is not None:
             src.load_state_dict(state)
         return src
@@ -117,7 +117,7 @@ class CropDataset(torch.utils.data.IterableDataset):
         b = self.cfg.batch_size
         return samples // b if self.cfg.drop_last else -(-samples // b)
 
-    def _positioned(self) -> ShardedSource:
+    def _positioned(self) -> RankShare:
         """The source at the saved position; past the end of an epoch, at the start of the next."""
         src = self._fresh(self._state)
         if self._batches(len(src)) == 0:

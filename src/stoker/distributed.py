@@ -13,23 +13,28 @@ the same keys, then let rank 0 alone write the result::
 Without an initialised process group (or in a group of one) nothing is
 communicated and the local values come back, so single-process code needs no
 special case.
+
+The small collectives ``all_reduce``, ``all_gather``, ``broadcast_object``,
+``barrier`` and ``group_position`` follow the same rule (every rank calls them;
+alone they return the local value); the record statistics, precompute and the
+Trainer use them.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
 from .engine.stats import COUNTERS, STAGES, Metric, Stats
-from .checks import rank_in_world, seconds
+from .checks import env_int, rank_in_world, seconds
 from .errors import InvalidArgument
 
-__all__ = ["RankInfo", "ReducedStats", "rank_info", "reduce_max", "reduce_stats"]
+__all__ = ["RankInfo", "ReducedStats", "all_gather", "all_reduce", "barrier", "broadcast_object", "group_position",
+           "rank_info", "reduce_max", "reduce_stats"]
 
 # float64 holds every integer up to 2**53 exactly; past that a round trip would silently change ints.
 _MAX_EXACT_INT = 2**53
@@ -53,16 +58,6 @@ def _dist() -> Any:
     return None
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise InvalidArgument(f"environment variable {name} must be an integer, got {raw!r}", knob=name) from None
-
-
 def rank_info(group: Any = None) -> RankInfo:
     """Rank and world size from the initialised process group (``group`` or the default one).
 
@@ -76,12 +71,12 @@ def rank_info(group: Any = None) -> RankInfo:
         if rank < 0:
             raise InvalidArgument("this process is not a member of the given process group")
         # A group knows nothing of nodes; the global rank is the local one on a single node.
-        return RankInfo(rank, world, _env_int("LOCAL_RANK", dist.get_rank()))
-    rank = _env_int("RANK", 0)
-    world = _env_int("WORLD_SIZE", 1)
+        return RankInfo(rank, world, env_int("LOCAL_RANK", dist.get_rank()))
+    rank = env_int("RANK", 0)
+    world = env_int("WORLD_SIZE", 1)
     if world < 1 or not 0 <= rank < world:
         raise InvalidArgument(f"RANK={rank} and WORLD_SIZE={world} are inconsistent; need 0 <= RANK < WORLD_SIZE")
-    return RankInfo(rank, world, _env_int("LOCAL_RANK", rank))
+    return RankInfo(rank, world, env_int("LOCAL_RANK", rank))
 
 
 def resolve_rank(rank: Any = None, world_size: Any = None) -> tuple[int, int]:
@@ -126,7 +121,7 @@ def _device_for(dist: Any, group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_reduce(values: list[float], op: str, group: Any) -> list[float]:
+def all_reduce(values: list[float], op: str, group: Any) -> list[float]:
     """One all_reduce of ``values`` packed as float64; the identity when no other rank takes part."""
     dist = _active_group(group)
     if dist is None or not values:
@@ -136,7 +131,7 @@ def _all_reduce(values: list[float], op: str, group: Any) -> list[float]:
     return t.cpu().tolist()
 
 
-def _all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+def all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
     """Every rank's ``t`` (same shape and dtype on all ranks), in rank order; ``[t]`` when no other rank
     takes part."""
     dist = _active_group(group)
@@ -148,13 +143,13 @@ def _all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
     return [o.cpu() for o in out]
 
 
-def _group_position(group: Any) -> tuple[int, int]:
+def group_position(group: Any) -> tuple[int, int]:
     """``(rank, world_size)`` of this process in collectives over ``group``; ``(0, 1)`` when alone."""
     dist = _active_group(group)
     return (dist.get_rank(group), dist.get_world_size(group)) if dist is not None else (0, 1)
 
 
-def _broadcast_object(obj: Any, group: Any) -> Any:
+def broadcast_object(obj: Any, group: Any) -> Any:
     """Rank 0's ``obj`` (picklable) on every rank of ``group``; ``obj`` when no other rank takes part."""
     dist = _active_group(group)
     if dist is None:
@@ -164,7 +159,7 @@ def _broadcast_object(obj: Any, group: Any) -> Any:
     return box[0]
 
 
-def _barrier(group: Any) -> None:
+def barrier(group: Any) -> None:
     """Wait for every rank of ``group`` (nothing to wait for when no other rank takes part)."""
     dist = _active_group(group)
     if dist is not None:
@@ -206,7 +201,7 @@ def reduce_max(metrics: Mapping[str, Any], group: Any = None) -> dict[str, Any]:
         return dict(metrics)
     # Sorted keys: every rank packs the same order whatever order its dict was built in.
     keys = sorted(metrics)
-    reduced = dict(zip(keys, _all_reduce([float(metrics[k]) for k in keys], "MAX", group)))
+    reduced = dict(zip(keys, all_reduce([float(metrics[k]) for k in keys], "MAX", group)))
     out: dict[str, Any] = {}
     for key, local in metrics.items():  # the caller's order, as in the no-op path
         value = reduced[key]
@@ -305,8 +300,8 @@ def reduce_stats(stats: Stats, group: Any = None, *, elapsed_s: float | None = N
         -rate if rate is not None else -math.inf,
     ]
 
-    sums = _all_reduce(sums, "SUM", group)
-    maxes = _all_reduce(maxes, "MAX", group)
+    sums = all_reduce(sums, "SUM", group)
+    maxes = all_reduce(maxes, "MAX", group)
 
     stages = {}
     for i, name in enumerate(STAGES):

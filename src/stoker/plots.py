@@ -32,7 +32,7 @@ def available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def _figure(width: float, height: float) -> Any:
+def figure(width: float, height: float) -> Any:
     """A matplotlib Figure on an Agg canvas; MissingDependency without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -93,7 +93,7 @@ def plot_telemetry(run: str | os.PathLike, out: str | os.PathLike | None = None)
     telemetry; written to ``out`` (default: ``telemetry.png`` beside the telemetry file). Returns its path."""
     series = read_telemetry(run)
     source = Path(run) if Path(run).is_file() else Path(run) / TELEMETRY
-    fig = _figure(8, 8)
+    fig = figure(8, 8)
     loss_ax, rate_ax, wait_ax = fig.subplots(3, 1, sharex=True)
     fig.suptitle(f"training run {source.parent}")
     if "loss" in series:
@@ -146,7 +146,7 @@ def plot_bench(bench: Mapping[str, Any] | str | os.PathLike, out: str | os.PathL
     rows = [sc for sc in doc["scenarios"] if sc.get("peers")]
     if not rows:
         raise InvalidArgument("the bench results hold no scenario with peers to draw")
-    fig = _figure(12, 2.8 * len(rows) + 0.6)
+    fig = figure(12, 2.8 * len(rows) + 0.6)
     axes = fig.subplots(len(rows), 2, squeeze=False, width_ratios=(3, 2))
     fig.suptitle(doc.get("title", "stoker bench"))
     for (rate_ax, stage_ax), sc in zip(axes, rows):

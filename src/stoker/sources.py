@@ -1,7 +1,7 @@
 """Sample sources: a deterministic global order per epoch, split across ranks, resumable.
 
 >>> src = stoker.RandomCrops(["/data/a.zarr", "/data/b.zarr"], sample_shape=(32, 128, 128), seed=0)
->>> mine = src.shard()                       # rank and world size from torch.distributed or RANK/WORLD_SIZE
+>>> mine = src.for_rank()                       # rank and world size from torch.distributed or RANK/WORLD_SIZE
 >>> mine.set_epoch(3)
 >>> pipeline.push(mine)                      # this rank's samples of epoch 3, in order
 >>> state = pipeline.state_dict()["sources"][0]   # as of the last popped batch
@@ -10,7 +10,7 @@
 Each entry of ``arrays`` is one array, or a group of arrays of one shape read as channels of every sample
 (``[[t2m, u10, v10], ...]``: samples of shape ``(3, *sample_shape)``, see :class:`~stoker.Sample`).
 
-The global order of an epoch depends only on ``(seed, epoch)``; ``shard()`` splits
+The global order of an epoch depends only on ``(seed, epoch)``; ``for_rank()`` splits
 it so that within an epoch the ranks' samples are disjoint, cover the order, and
 every rank gets the same number (short ranks wrap around, or all drop the tail
 with ``even="drop"``). Nothing here holds a table of an epoch's samples: orders,
@@ -25,11 +25,12 @@ import json
 import math
 import operator
 import os
+import warnings
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from . import shard as _shard
+from . import partition
 from .distributed import resolve_rank
 from .errors import InvalidArgument
 from .permutation import ORDER_VERSION, Permutation
@@ -63,16 +64,23 @@ class SampleSource:
         blob = json.dumps([type(self).__name__, self._identity()], sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def shard(self, rank: int | None = None, world_size: int | None = None, policy: str = "strided",
-              even: str = "wrap") -> "ShardedSource":
-        """This rank's view. ``rank``/``world_size`` default to the torch.distributed group, else the
+    def for_rank(self, rank: int | None = None, world_size: int | None = None, policy: str = "strided",
+                 even: str = "wrap") -> "RankShare":
+        """This rank's share. ``rank``/``world_size`` default to the torch.distributed group, else the
         ``RANK``/``WORLD_SIZE`` environment, else a single process."""
         rank, world_size = resolve_rank(rank, world_size)
-        return ShardedSource(self, rank, world_size, policy, even)
+        return RankShare(self, rank, world_size, policy, even)
+
+    def shard(self, rank: int | None = None, world_size: int | None = None, policy: str = "strided",
+              even: str = "wrap") -> "RankShare":
+        """Deprecated name of :meth:`for_rank` (a rank's share, not a Zarr shard)."""
+        warnings.warn("SampleSource.shard() is deprecated; use SampleSource.for_rank()", DeprecationWarning,
+                      stacklevel=2)
+        return self.for_rank(rank, world_size, policy, even)
 
     def __iter__(self) -> Iterator[Sample]:
-        """Epoch 0 in global order, unsharded (a single process)."""
-        return iter(self.shard(0, 1))
+        """Epoch 0 in global order, whole (a single process)."""
+        return iter(self.for_rank(0, 1))
 
 
 def _open_shapes(arrays: Sequence[str], storage_options: dict | None = None) -> list[tuple[int, ...]]:
@@ -280,7 +288,7 @@ def _order_id(source: SampleSource) -> list[str]:
     return [ORDER_VERSION] if getattr(source, "shuffle", False) else []
 
 
-class ShardedSource:
+class RankShare:
     """One rank's view of a source: iterate it, push it into a Pipeline, save and restore its position.
 
     Iterating yields this rank's remaining samples of the current epoch (and
@@ -289,7 +297,7 @@ class ShardedSource:
     """
 
     def __init__(self, source: SampleSource, rank: int, world_size: int, policy: str, even: str) -> None:
-        rank, world_size = _shard.check(rank, world_size, policy, even)
+        rank, world_size = partition.check(rank, world_size, policy, even)
         self.source = source
         self.rank, self.world_size, self.policy, self.even = rank, world_size, policy, even
         self.epoch = 0
@@ -298,11 +306,11 @@ class ShardedSource:
 
     # -- order ------------------------------------------------------------------------------
 
-    def _remaining(self, segments: list[list]) -> _shard.Positions:
-        return _shard.remaining_after(len(self.source), segments)
+    def _remaining(self, segments: list[list]) -> partition.Positions:
+        return partition.remaining_after(len(self.source), segments)
 
-    def _positions(self, segments: list[list]) -> _shard.RankPositions:
-        return _shard.rank_positions(self._remaining(segments), self.rank, self.world_size, self.policy, self.even)
+    def _positions(self, segments: list[list]) -> partition.RankPositions:
+        return partition.rank_positions(self._remaining(segments), self.rank, self.world_size, self.policy, self.even)
 
     def __len__(self) -> int:
         """Samples this rank still has in the current epoch."""
@@ -323,8 +331,8 @@ class ShardedSource:
 
     def _state(self, epoch: int, segments: list[list], steps: int) -> dict:
         remaining = self._remaining(segments)
-        done = len(_shard.consumed(remaining, self.world_size, steps, self.policy, self.even))
-        if self.even == "drop" and steps >= _shard.per_rank(len(remaining), self.world_size, self.even):
+        done = len(partition.consumed(remaining, self.world_size, steps, self.policy, self.even))
+        if self.even == "drop" and steps >= partition.per_rank(len(remaining), self.world_size, self.even):
             done = len(remaining)  # the run took its whole share: the epoch is over, its dropped tail too
         return {
             "epoch": epoch,
@@ -360,13 +368,13 @@ class ShardedSource:
 
 
 class _Cursor:
-    """An iterator over a ShardedSource that knows the source's state after any number of its samples.
+    """An iterator over a RankShare that knows the source's state after any number of its samples.
 
     A Pipeline pulls ahead of what the consumer has popped; it asks
     :meth:`state_after` for the state as of the samples really consumed.
     """
 
-    def __init__(self, src: ShardedSource, forever: bool) -> None:
+    def __init__(self, src: RankShare, forever: bool) -> None:
         self.src = src
         self.forever = forever
         self.start = (src.epoch, [list(x) for x in src.segments], src.steps)
@@ -400,3 +408,10 @@ class _Cursor:
             epoch, segments = epoch + 1, []
             per_epoch = len(self.src._positions(segments))
         return self.src._state(epoch, segments, steps)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ShardedSource":  # the name before RankShare (a rank's share, not a Zarr shard)
+        warnings.warn("stoker.ShardedSource is deprecated; use stoker.RankShare", DeprecationWarning, stacklevel=2)
+        return RankShare
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

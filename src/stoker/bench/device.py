@@ -30,7 +30,7 @@ from ..errors import InvalidArgument
 from ..pin import pin_object, to_device
 from ..sample import Sample
 from .datasets import ensure, warm_page_cache
-from .runner import (Result, Scenario, _batches, interleaved, make_samples, stoker_config, time_pipeline,
+from .runner import (Result, Scenario, split_batches, interleaved, make_samples, stoker_config, time_pipeline,
                      time_tensorstore)
 
 
@@ -69,7 +69,7 @@ def run_tensorstore_to(samples: list[Sample], batch_size: int, itemsize: int, de
         return x
 
     seconds = time_tensorstore(samples, batch_size, deliver, sync=torch.cuda.synchronize)
-    n = len(_batches(samples, batch_size)) - 1
+    n = len(split_batches(samples, batch_size)) - 1
     return Result("tensorstore+pin", seconds, n * batch_size, n * batch_size * int(np.prod(samples[0].shape)) * itemsize, 0)
 
 

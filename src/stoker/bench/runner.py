@@ -186,7 +186,8 @@ class Consumer:
             self.step_cpu_s += time.thread_time() - t0
 
 
-def _batches(samples: list[Sample], batch_size: int) -> list[list[Sample]]:
+def split_batches(samples: list[Sample], batch_size: int) -> list[list[Sample]]:
+    """``samples`` in consecutive batches of ``batch_size`` (a short tail left out)."""
     return [samples[i:i + batch_size] for i in range(0, len(samples) - batch_size + 1, batch_size)]
 
 
@@ -336,7 +337,7 @@ def time_tensorstore(samples: list[Sample], batch_size: int, deliver, sync=lambd
     def issue(batch):
         return [arr(s.uri)[_slices(s)].read() for s in batch]
 
-    batches = _batches(samples, batch_size)
+    batches = split_batches(samples, batch_size)
     deliver(issue(batches[0]))  # warm-up (also opens arrays)
     sync()
     t0 = time.perf_counter()
@@ -361,7 +362,7 @@ def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int, step_
 
     with RssSampler() as rss:
         seconds = time_tensorstore(samples, batch_size, assemble, consume=Consumer(step_s))
-    n = len(_batches(samples, batch_size)) - 1
+    n = len(split_batches(samples, batch_size)) - 1
     return Result("tensorstore", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize, rss.peak)
 
 
@@ -371,7 +372,7 @@ def run_zarr(samples: list[Sample], batch_size: int, itemsize: int, max_batches:
 
     consume = Consumer(step_s)
     arrays: dict[str, object] = {}
-    batches = _batches(samples, batch_size)[: max_batches + 1]
+    batches = split_batches(samples, batch_size)[: max_batches + 1]
     shape = samples[0].shape
     with RssSampler() as rss:
         t0 = 0.0
@@ -466,7 +467,7 @@ def run_decode_bound(samples: list[Sample], batch_size: int, itemsize: int) -> R
     """Every chunk each batch needs, decoded once in full on all cores and nothing else: per thread a
     tight loop over its share into one reused buffer, as close to the codec's own speed as Python gets."""
     readers: dict[str, object] = {}
-    batches = _batches(samples, batch_size)[1:]
+    batches = split_batches(samples, batch_size)[1:]
     cores = os.cpu_count() or 1
     seconds = 0.0
     decoded = 0

@@ -17,9 +17,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if args.plot is not None:
-        from ..plots import _figure
+        from ..plots import figure
 
-        _figure(1, 1)  # without matplotlib, say so now rather than after the whole run
+        figure(1, 1)  # without matplotlib, say so now rather than after the whole run
     rounds = args.rounds or (1 if args.tiny else 3)
     if args.suite == "records":
         if args.json is not None or args.plot is not None:

@@ -71,7 +71,7 @@ def volume_job(ctx: RankContext, s: DemoSettings) -> FitResult:
     _fresh_start(ctx, s)
     torch.manual_seed(s.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = Denoiser3D()
-    source = RandomCrops([s.data], CROP, seed=s.seed).shard(ctx.rank, ctx.world_size)
+    source = RandomCrops([s.data], CROP, seed=s.seed).for_rank(ctx.rank, ctx.world_size)
     # compute threads: the default, this rank's share of the usable CPUs (torch's thread count was not
     # divided among GPU ranks, so 8 GPU ranks each took every core)
     cfg = Config(batch_size=s.batch_size, sample_shape=CROP, dtype="f32", n_io_threads=2, host_buffer_bytes=64 << 20)

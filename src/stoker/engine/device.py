@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..distributed import _env_int
+from ..checks import env_int
 from ..errors import InvalidArgument
 from .cast import torch_dtype_of
 
@@ -99,7 +99,7 @@ def resolve(requested: int | str | None) -> torch.device:
             knob="device",
         )
     cuda = requested != "cpu" and torch.cuda.is_available()
-    local_rank = _env_int("LOCAL_RANK", -1)
+    local_rank = env_int("LOCAL_RANK", -1)
     local_rank = None if local_rank < 0 else local_rank
     binding = bind(requested, cuda_available=cuda, device_count=torch.cuda.device_count() if cuda else 0,
                    current=torch.cuda.current_device() if cuda else None, local_rank=local_rank)

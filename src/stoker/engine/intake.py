@@ -48,7 +48,7 @@ class Intake:
         if not isinstance(samples, Iterable):
             raise InvalidArgument(f"push takes a Sample or an iterable of Samples, got {type(samples).__name__}")
         it = iter(samples)
-        if hasattr(it, "state_after"):  # a resumable source (ShardedSource): pulled lazily, position tracked
+        if hasattr(it, "state_after"):  # a resumable source (RankShare): pulled lazily, position tracked
             with self.cond:
                 sid = next(self._source_ids)
                 self._resumable[sid] = it

@@ -3,7 +3,7 @@
     >>> from stoker.records import ZarrRecords, compute_stats, normalize
     >>> ds = ZarrRecords("/data/crash", fields={"positions": ("T", "N", 3), "cells": ("M", 3)})
     >>> stats = compute_stats(ds, ["positions"])     # collective under torch.distributed; cached on disk
-    >>> loader = torch.utils.data.DataLoader(ds.shard(rank, world_size), batch_size=None, num_workers=4)
+    >>> loader = torch.utils.data.DataLoader(ds.for_rank(rank, world_size), batch_size=None, num_workers=4)
     >>> for sample in loader:
     ...     x = normalize(sample, stats)
     >>> precompute(ds, "knn16", lambda s: knn_graph(s["positions"][0], 16), params={"k": 16})

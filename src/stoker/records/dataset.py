@@ -8,7 +8,7 @@ reads record ``i``'s fields, chunk by chunk, into torch tensors::
     >>> len(ds), ds.metadata(0).fields["positions"].shape
     (400, (10, 5120, 3))
     >>> sample = ds[0]                       # {"positions": tensor (10, 5120, 3), "cells": ...}
-    >>> mine = ds.shard(rank, world_size)    # records rank, rank + world_size, ...: reads nothing else
+    >>> mine = ds.for_rank(rank, world_size) # records rank, rank + world_size, ...: reads nothing else
 
 The dataset pickles to its catalog (names, shapes, dtypes) and options only: no
 store, no descriptor, no cache, so DataLoader workers (spawn, forkserver or fork)
@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -194,7 +195,7 @@ class ZarrRecords(torch.utils.data.Dataset):
 
     @property
     def base_size(self) -> int:
-        """Number of records in the full (unsharded) dataset."""
+        """Number of records in the full dataset (not only this rank's part)."""
         return len(self._catalog)
 
     def __len__(self) -> int:
@@ -311,7 +312,7 @@ class ZarrRecords(torch.utils.data.Dataset):
 
     # -- views -------------------------------------------------------------------------------
 
-    def shard(self, rank: int | None = None, world_size: int | None = None) -> "ZarrRecords":
+    def for_rank(self, rank: int | None = None, world_size: int | None = None) -> "ZarrRecords":
         """Records ``rank, rank + world_size, ...`` of this view, without reading anything.
 
         Parts are disjoint and cover the view; their lengths differ by at most one
@@ -331,16 +332,22 @@ class ZarrRecords(torch.utils.data.Dataset):
         view._owner_pid = self._owner_pid
         return view
 
+    def shard(self, rank: int | None = None, world_size: int | None = None) -> "ZarrRecords":
+        """Deprecated name of :meth:`for_rank` (a rank's part, not a Zarr shard)."""
+        warnings.warn("ZarrRecords.shard() is deprecated; use ZarrRecords.for_rank()", DeprecationWarning,
+                      stacklevel=2)
+        return self.for_rank(rank, world_size)
+
 
 def rank_part(ds: ZarrRecords, rank: int, world: int) -> ZarrRecords:
     """The part of ``ds`` that ``rank`` of ``world`` works on in a collective: its strided share of the
     full dataset, or ``ds`` itself when it already is that share (InvalidArgument for any other part)."""
     if ds.part == (0, 1):
-        return ds.shard(rank, world) if world > 1 else ds
+        return ds.for_rank(rank, world) if world > 1 else ds
     if ds.part == (rank, world):
         return ds
     raise InvalidArgument(
         f"ds is part {ds.part} (rank, world_size) of its dataset but this is rank {rank} of {world}; pass the "
-        "full dataset or ds.shard(rank, world_size) for this rank",
+        "full dataset or ds.for_rank(rank, world_size) for this rank",
         part=ds.part,
     )

@@ -18,7 +18,7 @@ timeout, so ``close()`` (or dropping the iterator) stops the threads promptly.
 **Order.** Epoch ``e`` permutes the records with ``(seed, e)``; ranks take
 strided parts of that order with equal sample counts (short ranks wrap around to
 the start, or every rank drops the tail with ``drop_last``), so every rank steps
-through the same number of batches (see :mod:`stoker.shard`).
+through the same number of batches (see :mod:`stoker.partition`).
 
 **Position.** The loader is a cursor: iterating continues where the last
 iteration stopped (after a ``break``, an error or a resume). ``set_epoch(e)``
@@ -43,7 +43,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .. import shard as _shard
+from .. import partition
 from ..checks import integer, seconds
 from ..distributed import resolve_rank
 from ..errors import InvalidArgument, ShutdownError, StokerError
@@ -73,7 +73,7 @@ class Loader:
     """Batches of ``ds`` for this rank: threads, bounded prefetch, equal batch counts, resumable.
 
     ``ds`` is any map-style dataset whose ``ds[i]`` is a dict of tensors (a full
-    :class:`ZarrRecords`, not a shard: the loader splits it). ``collate`` is
+    :class:`ZarrRecords`, not a rank's part: the loader splits it). ``collate`` is
     ``"concat"``, ``"pad"`` (see :mod:`stoker.records.collate`) or a function of
     the list of samples. ``n_threads`` reader threads (default ``min(4, cpus)``)
     keep at most ``prefetch`` batches ready. With a CUDA ``device``, batches are
@@ -148,8 +148,8 @@ class Loader:
             return self._split_cache[1]  # state_dict() runs every step: the permutation is O(n)
         rng_order = (np.random.default_rng([self.seed, self._epoch]).permutation(self._size) if self.shuffle
                      else np.arange(self._size, dtype=np.int64))
-        remaining = _shard.remaining_after(self._size, self._segments)
-        positions = _shard.rank_positions(remaining, self.rank, self.world_size, "strided", self._even)
+        remaining = partition.remaining_after(self._size, self._segments)
+        positions = partition.rank_positions(remaining, self.rank, self.world_size, "strided", self._even)
         split = rng_order[positions.to_array()]
         self._split_cache = (key, split)
         return split
@@ -176,7 +176,7 @@ class Loader:
     def __len__(self) -> int:
         """Batches the next iteration yields: a whole epoch, less what this epoch already consumed."""
         if self._moves_on():
-            m = _shard.per_rank(self._size, self.world_size, self._even)  # a fresh epoch, whatever its order
+            m = partition.per_rank(self._size, self.world_size, self._even)  # a fresh epoch, whatever its order
             return self._batch_count(m)
         return self._left()
 
@@ -234,7 +234,7 @@ class Loader:
             world, even = int(state["world_size"]), state["even"]
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise InvalidArgument(f"malformed Loader state ({type(exc).__name__}: {exc})") from None
-        if epoch < 0 or steps < 0 or world < 1 or even not in _shard.EVEN:
+        if epoch < 0 or steps < 0 or world < 1 or even not in partition.EVEN:
             raise InvalidArgument(f"malformed Loader state: epoch={epoch}, steps={steps}, world_size={world}, "
                                   f"even={even!r}")
         self._stop_work()

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..distributed import _all_gather, _group_position
+from ..distributed import all_gather, group_position
 from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError, UnsupportedFormat
 from .dataset import Sample, ZarrRecords, rank_part
 from ..fsutil import claim, fsync_tree, make_sibling_dir, place_dir, remove_dead_siblings, try_claim
@@ -192,13 +192,13 @@ def write_array(record: str, name: str, data: np.ndarray, attrs: dict) -> str:
 def _local_view(ds: ZarrRecords, rank: int, world: int) -> ZarrRecords:
     """The records this rank computes: its strided share, or any view when no other rank takes part."""
     if world == 1:
-        return ds  # a single process does what it is given (e.g. a shard chosen by hand)
+        return ds  # a single process does what it is given (e.g. a rank's part chosen by hand)
     return rank_part(ds, rank, world)
 
 
 def _check_args(ds: Any, name: Any, fn: Any, params: Any) -> str:
     if not isinstance(ds, ZarrRecords):
-        raise InvalidArgument(f"ds must be a ZarrRecords (or this rank's shard), got {type(ds).__name__}")
+        raise InvalidArgument(f"ds must be a ZarrRecords (or this rank's part), got {type(ds).__name__}")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*", name) or name.startswith("__"):
         raise InvalidArgument(
             f"name must be a plain array name (letters, digits, '_', '-', '.'; not starting with '.' or '__'), "
@@ -268,24 +268,24 @@ def precompute(ds: ZarrRecords, name: str, fn: Callable[[Sample], torch.Tensor],
     """Store ``fn(ds[i])`` as array ``name`` in every record that lacks it under ``params``.
 
     ``ds`` is the full dataset (each rank takes records ``rank::world_size``) or this
-    rank's ``ds.shard(rank, world_size)``; without a process group, any view. ``params`` is JSON data describing
+    rank's ``ds.for_rank(rank, world_size)``; without a process group, any view. ``params`` is JSON data describing
     everything ``fn``'s result depends on; records whose array was stored under the
     same ``name`` and ``params`` are skipped. Collective under ``torch.distributed``:
     call it on every rank of ``group``; it returns (or raises, on every rank) once all
     ranks are done. Open a new ``ZarrRecords`` to see the new field.
     """
     fp = _check_args(ds, name, fn, params)
-    rank, world = _group_position(group)
+    rank, world = group_position(group)
     local = _local_view(ds, rank, world)
 
     # Ranks asked for different arrays would each skip the others' records: refuse together.
-    heads = _all_gather(torch.tensor([int(fp[:14], 16)], dtype=torch.int64), group)
+    heads = all_gather(torch.tensor([int(fp[:14], 16)], dtype=torch.int64), group)
     if len({int(h[0]) for h in heads}) > 1:
         raise InvalidArgument(f"ranks passed different name or params to precompute({name!r}, ...)", field=name)
 
     written, skipped, error = _run_local(local, name, fn, params, fp)
     # This gather doubles as the closing barrier: nobody returns before every record is in place.
-    tails = _all_gather(torch.tensor([0 if error else 1, written, skipped], dtype=torch.int64), group)
+    tails = all_gather(torch.tensor([0 if error else 1, written, skipped], dtype=torch.int64), group)
     failed = [r for r, t in enumerate(tails) if int(t[0]) == 0]
     if error is not None:
         raise error

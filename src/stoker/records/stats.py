@@ -5,7 +5,7 @@
     >>> stats["positions"].mean, stats["edge"].std          # per channel: shape (3,)
     >>> batch = normalize(ds[0], stats)                      # what the model trains on
 
-Each rank reads only its shard (records ``rank::world_size``) once and keeps
+Each rank reads only its part (records ``rank::world_size``) once and keeps
 Chan-style moments (count, mean, M2, min, max) per channel; the ranks'
 moments travel in one ``all_gather`` of a few numbers per channel and every rank
 merges them in rank order, so every rank returns bit-identical statistics.
@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..distributed import _all_gather, _barrier, _broadcast_object, _group_position, rank_info
+from ..distributed import all_gather, barrier, broadcast_object, group_position, rank_info
 from ..errors import ClaimTimeout, InvalidArgument, NonFiniteData, StokerError
 from ..storage.locate import locate
 from . import sidecar
@@ -166,7 +166,7 @@ def _merge_ranks(
     """
     status = _FAILED if error is not None else _FOUND_NONFINITE if found is not None else _OK
     header = torch.tensor([status, *(found or (-1, -1, 0))] + [channels[n] for n in names], dtype=torch.int64)
-    headers = _all_gather(header, group)
+    headers = all_gather(header, group)
     failed = [r for r, h in enumerate(headers) if int(h[0]) == _FAILED]
     if failed:
         if error is not None:
@@ -187,7 +187,7 @@ def _merge_ranks(
     mine = [local[n] if n in local else Moments.empty(agreed[n]) for n in names]
     payload = torch.cat([m.pack() for m in mine]) if mine else torch.zeros(0, dtype=F64)
     out: dict[str, Moments] = {}
-    for r, flat in enumerate(_all_gather(payload, group)):
+    for r, flat in enumerate(all_gather(payload, group)):
         offset = 0
         for name in names:
             size = Moments.packed_size(agreed[name])
@@ -296,7 +296,7 @@ def _check_some_finite(merged: Mapping[str, Moments], kind: str) -> None:
 
 def _check_args(ds: Any, fields: Any, derived: Any) -> tuple[list[str], dict[str, Derived]]:
     if not isinstance(ds, ZarrRecords):
-        raise InvalidArgument(f"ds must be a ZarrRecords (or one of its shards), got {type(ds).__name__}")
+        raise InvalidArgument(f"ds must be a ZarrRecords (or one of its rank parts), got {type(ds).__name__}")
     names = [fields] if isinstance(fields, str) else list(fields)
     if not names:
         raise InvalidArgument("fields is empty; name the fields to compute statistics of")
@@ -344,8 +344,8 @@ def compute_stats(
     """Statistics of ``fields`` (and of ``derived`` quantities) over the whole dataset.
 
     Collective: call it on every rank of ``group`` with the same arguments. ``ds`` is
-    the full dataset (each rank then reads ``ds.shard(rank, world_size)``) or this
-    rank's shard. ``per_channel`` reduces over every axis but the last (tensors of 0
+    the full dataset (each rank then reads ``ds.for_rank(rank, world_size)``) or this
+    rank's part. ``per_channel`` reduces over every axis but the last (tensors of 0
     or 1 dims give one scalar). ``derived`` maps a name to ``fn(normalised sample) ->
     tensor (..., C)``; it costs a second pass. With ``cache``, a matching entry of
     ``root/.stoker-stats.json`` is returned without reading any record, and a fresh
@@ -361,13 +361,13 @@ def compute_stats(
     per_channel = bool(per_channel)
     expect = {name: _plain_channels(ds, name, per_channel) for name in names}
 
-    rank, world = _group_position(group)
+    rank, world = group_position(group)
     local = rank_part(ds, rank, world)
     fp = sidecar.fingerprint(ds, names, per_channel, list(derived), nonfinite)
 
     lead = rank_info(group).rank == 0  # writes the file: rank 0 of the group, or RANK 0 without one
     # Ranks seeing other data must fail here, together, before any of them waits for a claim.
-    headers = _all_gather(torch.tensor([int(fp[:14], 16)], dtype=torch.int64), group)
+    headers = all_gather(torch.tensor([int(fp[:14], 16)], dtype=torch.int64), group)
     if len({int(h[0]) for h in headers}) > 1:
         raise InvalidArgument(f"ranks see different datasets under {ds.root} (their fingerprints differ)")
     # the statistics file lives next to a local dataset; one in a store (read-only here) is computed each time
@@ -408,7 +408,7 @@ def _cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tup
     elif world == 1:
         return None, sidecar.load(root, fp)
     if world > 1:
-        entry, message = _broadcast_object((entry, None if error is None else f"{type(error).__name__}: {error}"),
+        entry, message = broadcast_object((entry, None if error is None else f"{type(error).__name__}: {error}"),
                                            group)
         if message is not None and error is None:
             raise StokerError(f"rank 0 could not read the statistics of {root}: {message}", elsewhere=True)
@@ -452,7 +452,7 @@ def _compute(ds: ZarrRecords, local: ZarrRecords, names: list[str], derived: Map
                 sidecar.write(ds.root, fp, entry)
             except OSError as exc:  # read-only data is common: the statistics are still right
                 warnings.warn(f"could not write {sidecar.path_for(ds.root)}: {exc}", RuntimeWarning, stacklevel=3)
-        _barrier(group)  # the file is in place (or known unwritable) before anyone goes on
+        barrier(group)  # the file is in place (or known unwritable) before anyone goes on
     return result
 
 

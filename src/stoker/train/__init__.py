@@ -2,7 +2,7 @@
 
 >>> import stoker.train as st
 >>> def main(ctx: st.RankContext) -> None:
-...     source = stoker.RandomCrops(["/data/vol.zarr"], (32, 64, 64), seed=0).shard(ctx.rank, ctx.world_size)
+...     source = stoker.RandomCrops(["/data/vol.zarr"], (32, 64, 64), seed=0).for_rank(ctx.rank, ctx.world_size)
 ...     data = ctx.manage(st.CropBatches(source, stoker.Config(batch_size=8, sample_shape=(32, 64, 64))))
 ...     trainer = st.Trainer(model, optimizer, loss_fn, device=ctx.device, amp="bf16",
 ...                          checkpoints=st.Checkpoints("runs/a/ckpt", every=100))

@@ -1,6 +1,6 @@
 """``CropBatches``: an endless, resumable stream of crop batches for a training loop.
 
->>> source = stoker.RandomCrops(["/data/vol.zarr"], (32, 64, 64), seed=0).shard()   # this rank's part
+>>> source = stoker.RandomCrops(["/data/vol.zarr"], (32, 64, 64), seed=0).for_rank()   # this rank's part
 >>> data = CropBatches(source, stoker.Config(batch_size=8, dtype="f32", sample_shape=(32, 64, 64)))
 >>> data.load_state_dict(ckpt["data"])      # optional: continue where a checkpoint stopped
 >>> for x in data:                          # (8, 32, 64, 64) float32 tensors, one per training step
@@ -26,20 +26,20 @@ from ..engine.batch import Batch
 from ..engine.pipeline import Pipeline
 from ..engine.stats import Stats
 from ..errors import InvalidArgument, ShutdownError
-from ..sources import ShardedSource
+from ..sources import RankShare
 
 __all__ = ["CropBatches"]
 
 
 class CropBatches:
-    """Endless batches of crops from one rank's :class:`~stoker.ShardedSource` (see the module docstring).
+    """Endless batches of crops from one rank's :class:`~stoker.RankShare` (see the module docstring).
 
     ``device``: where the yielded tensors go (``None``: stay on the CPU, zero-copy).
     """
 
-    def __init__(self, source: ShardedSource, cfg: Config, device: torch.device | str | None = None) -> None:
-        if not isinstance(source, ShardedSource):
-            raise InvalidArgument(f"source must be a ShardedSource (call .shard() on a SampleSource), got "
+    def __init__(self, source: RankShare, cfg: Config, device: torch.device | str | None = None) -> None:
+        if not isinstance(source, RankShare):
+            raise InvalidArgument(f"source must be a RankShare (call .for_rank() on a SampleSource), got "
                                   f"{type(source).__name__}")
         if not isinstance(cfg, Config):
             raise InvalidArgument(f"cfg must be a stoker.Config, got {type(cfg).__name__}")

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checks
-from ..distributed import ReducedStats, _all_reduce, reduce_max, reduce_stats
+from ..distributed import ReducedStats, all_reduce, reduce_max, reduce_stats
 from ..engine.stats import Stats
 from ..errors import CheckpointError, InvalidArgument, NonFiniteLoss, UnusedParameters
 from ..pin import tensors_in, to_device
@@ -224,7 +224,7 @@ class Trainer:
 
     def _all_reduce(self, values: list[float], op: str) -> list[float]:
         mark(self.step, "sync")
-        return _all_reduce(values, op, None)
+        return all_reduce(values, op, None)
 
     def _gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
@@ -524,7 +524,7 @@ class Trainer:
             _set_rng_state(rng)
         # Phase "eval", not "sync": a rank waiting here for one still evaluating a larger share is not held
         # up by it in the heartbeat's sense (the evaluating rank is busy, not stuck); only timeout_s bounds it.
-        total, count = _all_reduce([total, float(count)], "SUM", None)
+        total, count = all_reduce([total, float(count)], "SUM", None)
         if count == 0:
             raise InvalidArgument(f"eval_data ({type(data).__name__}) yields no batches on any rank")
         return total / count

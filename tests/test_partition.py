@@ -1,4 +1,4 @@
-"""Rank partition and resume arithmetic (stoker.shard) against the array implementation it replaced.
+"""Rank partition and resume arithmetic (stoker.partition) against the array implementation it replaced.
 
 The reference below is stoker's earlier ``shard.py``, which held an epoch's
 positions as ``np.arange(n)`` arrays: exact, but O(n) memory. The interval
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stoker
-from stoker import shard as sh
+from stoker import partition as sh
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,7 +54,7 @@ def old_remaining_after(n, segments):
 
 
 def old_position(n, segments, world_size, policy, even, steps):
-    """ShardedSource's state "position" as the array implementation computed it."""
+    """RankShare's state "position" as the array implementation computed it."""
     remaining = old_remaining_after(n, segments)
     done = len(old_consumed(remaining, world_size, steps, policy, even))
     if even == "drop" and steps >= sh.per_rank(len(remaining), world_size, even):
@@ -84,14 +84,14 @@ def test_intervals_match_the_array_implementation(n, segments, world, policy, ev
     done = sh.consumed(new, world, steps, policy, even)
     assert list(done) == old_consumed(old, world, steps, policy, even).tolist()
 
-    # ShardedSource: the same state, and the same samples after loading it on another world size
+    # RankShare: the same state, and the same samples after loading it on another world size
     src = stoker.SampleList([stoker.Sample(f"x{i}.zarr", [(0, 1)]) for i in range(n)])
-    view = src.shard(0, world, policy, even)
+    view = src.for_rank(0, world, policy, even)
     view.segments = segments
     state = view._state(0, segments, steps)
     assert state["position"] == old_position(n, segments, world, policy, even, steps)
     assert state["segments"] == segments and state["steps"] == steps
-    again = src.shard(world - 1, world, sh.POLICIES[steps % 2], sh.EVEN[n % 2])
+    again = src.for_rank(world - 1, world, sh.POLICIES[steps % 2], sh.EVEN[n % 2])
     again.load_state_dict(state)
     after = segments + ([[world, policy, even, steps]] if steps else [])
     ref = old_rank_positions(old_remaining_after(n, after), world - 1, world, again.policy, again.even)
@@ -122,3 +122,31 @@ def test_huge_epochs_are_a_few_intervals():
     mine = sh.rank_positions(rem, 4, 5, "strided", "wrap")
     assert len(mine) == -(-len(rem) // 5) and mine[0] == rem[4]
     assert mine[-1] == rem[(4 + (len(mine) - 1) * 5) % len(rem)]
+
+
+# -- the names before "partition" (shard, ShardedSource): aliases that warn -----------------------
+
+
+def test_old_names_warn_and_are_the_new_ones():
+    import stoker.shard as old_module
+    import stoker.sources
+
+    with pytest.warns(DeprecationWarning, match=r"stoker\.partition\.remaining_after"):
+        assert old_module.remaining_after is sh.remaining_after
+    with pytest.warns(DeprecationWarning, match=r"stoker\.RankShare"):
+        assert stoker.ShardedSource is stoker.RankShare
+    with pytest.warns(DeprecationWarning, match=r"stoker\.RankShare"):
+        assert stoker.sources.ShardedSource is stoker.RankShare
+    with pytest.raises(AttributeError):
+        stoker.NoSuchName  # noqa: B018
+
+
+def test_shard_is_a_deprecated_alias_of_for_rank():
+    src = stoker.SampleList([stoker.Sample("/a.zarr", [(i, i + 1)]) for i in range(10)], shuffle=True, seed=3)
+    with pytest.warns(DeprecationWarning, match=r"SampleSource\.for_rank\(\)"):
+        old = src.shard(1, 3, "contiguous", "drop")
+    new = src.for_rank(1, 3, "contiguous", "drop")
+    assert isinstance(old, stoker.RankShare) and (old.rank, old.world_size, old.policy, old.even) == (1, 3,
+                                                                                                     "contiguous",
+                                                                                                     "drop")
+    assert list(old) == list(new) and old.state_dict() == new.state_dict()
