@@ -87,8 +87,8 @@ def test_intervals_match_the_array_implementation(n, segments, world, policy, ev
     # RankShare: the same state, and the same samples after loading it on another world size
     src = stoker.SampleList([stoker.Sample(f"x{i}.zarr", [(0, 1)]) for i in range(n)])
     view = src.for_rank(0, world, policy, even)
-    view.segments = segments
-    state = view._state(0, segments, steps)
+    view.cursor.place(0, segments, steps)
+    state = view.state_dict()
     assert state["position"] == old_position(n, segments, world, policy, even, steps)
     assert state["segments"] == segments and state["steps"] == steps
     again = src.for_rank(world - 1, world, sh.POLICIES[steps % 2], sh.EVEN[n % 2])

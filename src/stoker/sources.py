@@ -30,7 +30,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from . import partition
+from .cursor import CursorState, EpochCursor
 from .distributed import resolve_rank
 from .errors import InvalidArgument
 from .permutation import ORDER_VERSION, Permutation
@@ -289,36 +289,39 @@ def _order_id(source: SampleSource) -> list[str]:
 
 
 class RankShare:
-    """One rank's view of a source: iterate it, push it into a Pipeline, save and restore its position.
+    """One rank's share of a source: iterate it, push it into a Pipeline, save and restore its position.
 
     Iterating yields this rank's remaining samples of the current epoch (and
     advances the position as samples are yielded); :meth:`forever` continues
-    into the following epochs.
+    into the following epochs. The position is an :class:`~stoker.cursor.EpochCursor`.
     """
 
     def __init__(self, source: SampleSource, rank: int, world_size: int, policy: str, even: str) -> None:
-        rank, world_size = partition.check(rank, world_size, policy, even)
+        self.cursor = EpochCursor(len(source), rank, world_size, policy, even)
         self.source = source
-        self.rank, self.world_size, self.policy, self.even = rank, world_size, policy, even
-        self.epoch = 0
-        self.steps = 0  # samples this rank consumed in the current run of this epoch
-        self.segments: list[list] = []  # earlier runs of this epoch: [world_size, policy, even, steps]
+        self.rank, self.world_size, self.policy, self.even = self.cursor.rank, self.cursor.world_size, policy, even
 
-    # -- order ------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.cursor.epoch
 
-    def _remaining(self, segments: list[list]) -> partition.Positions:
-        return partition.remaining_after(len(self.source), segments)
+    @property
+    def steps(self) -> int:
+        """Samples this rank consumed in the current run of this epoch."""
+        return self.cursor.steps
 
-    def _positions(self, segments: list[list]) -> partition.RankPositions:
-        return partition.rank_positions(self._remaining(segments), self.rank, self.world_size, self.policy, self.even)
+    @property
+    def segments(self) -> list:
+        """Earlier runs of this epoch: ``(world_size, policy, even, steps)``."""
+        return self.cursor.segments
 
     def __len__(self) -> int:
         """Samples this rank still has in the current epoch."""
-        return max(0, len(self._positions(self.segments)) - self.steps)
+        return max(0, len(self.cursor.share()) - self.cursor.steps)
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning (call it on every rank, like DistributedSampler's)."""
-        self.epoch, self.steps, self.segments = int(epoch), 0, []
+        self.cursor.place(int(epoch), [], 0)
 
     def __iter__(self) -> "_Cursor":
         return _Cursor(self, forever=False)
@@ -329,46 +332,29 @@ class RankShare:
 
     # -- state ------------------------------------------------------------------------------
 
-    def _state(self, epoch: int, segments: list[list], steps: int) -> dict:
-        remaining = self._remaining(segments)
-        done = len(partition.consumed(remaining, self.world_size, steps, self.policy, self.even))
-        if self.even == "drop" and steps >= partition.per_rank(len(remaining), self.world_size, self.even):
-            done = len(remaining)  # the run took its whole share: the epoch is over, its dropped tail too
-        return {
-            "epoch": epoch,
-            "position": len(self.source) - len(remaining) + done,  # consumed by all ranks, this epoch
-            "seed": self.source.seed,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "fingerprint": self.source.fingerprint,
-            "policy": self.policy,
-            "even": self.even,
-            "steps": steps,
-            "segments": [list(s) for s in segments],
-        }
+    def _order(self) -> dict:
+        return {"seed": self.source.seed, "fingerprint": self.source.fingerprint}
 
     def state_dict(self) -> dict:
         """Where this rank is: epoch, global position, and what is needed to resume on any world size."""
-        return self._state(self.epoch, self.segments, self.steps)
+        return self.cursor.state(self._order()).to_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (saved with any world size): nothing repeated or skipped in the epoch."""
-        if state.get("fingerprint") != self.source.fingerprint:
+        saved = CursorState.from_dict(state)
+        if saved.order.get("fingerprint") != self.source.fingerprint:
             shuffled = (f"; a state of a shuffled order other than {ORDER_VERSION} (saved by an earlier stoker) "
                         "cannot resume here: start its epoch again") if _order_id(self.source) else ""
             raise InvalidArgument(
-                f"this state was saved for another sample list (fingerprint {state.get('fingerprint')!r}, this "
-                f"source is {self.source.fingerprint!r}): the same arrays, sample shape, seed and settings are "
-                f"needed{shuffled}"
+                f"this state was saved for another sample list (fingerprint {saved.order.get('fingerprint')!r}, "
+                f"this source is {self.source.fingerprint!r}): the same arrays, sample shape, seed and settings "
+                f"are needed{shuffled}"
             )
-        segments = [list(x) for x in state.get("segments", [])]
-        if int(state.get("steps", 0)):
-            segments.append([int(state["world_size"]), state["policy"], state["even"], int(state["steps"])])
-        self.epoch, self.steps, self.segments = int(state["epoch"]), 0, segments
+        self.cursor.load(saved, keep_split=False)
 
 
 class _Cursor:
-    """An iterator over a RankShare that knows the source's state after any number of its samples.
+    """An iterator over a RankShare that knows the share's state after any number of its samples.
 
     A Pipeline pulls ahead of what the consumer has popped; it asks
     :meth:`state_after` for the state as of the samples really consumed.
@@ -377,16 +363,18 @@ class _Cursor:
     def __init__(self, src: RankShare, forever: bool) -> None:
         self.src = src
         self.forever = forever
-        self.start = (src.epoch, [list(x) for x in src.segments], src.steps)
+        c = src.cursor
+        self.start = c.at(c.epoch, c.segments, c.steps)
         self._gen = self._run()
 
     def _run(self) -> Iterator[Sample]:
         src = self.src
-        epoch, segments, steps = self.start
+        c = self.start
+        epoch, segments, steps = c.epoch, c.segments, c.steps
         while True:
-            positions = src._positions(segments)
+            positions = c.at(epoch, segments, 0).share()
             for i in range(steps, len(positions)):
-                src.epoch, src.segments, src.steps = epoch, segments, i + 1
+                src.cursor.place(epoch, segments, i + 1)
                 yield src.source.sample(epoch, int(positions[i]))
             if not self.forever:
                 return
@@ -399,16 +387,8 @@ class _Cursor:
         return next(self._gen)
 
     def state_after(self, n: int) -> dict:
-        """The source's state once ``n`` samples of this iterator have been consumed."""
-        epoch, segments, steps = self.start
-        steps += n
-        per_epoch = len(self.src._positions(segments))
-        while self.forever and per_epoch and steps >= per_epoch:
-            steps -= per_epoch
-            epoch, segments = epoch + 1, []
-            per_epoch = len(self.src._positions(segments))
-        return self.src._state(epoch, segments, steps)
-
+        """The share's state once ``n`` samples of this iterator have been consumed."""
+        return self.start.after(n, self.forever).state(self.src._order()).to_dict()
 
 def __getattr__(name: str) -> Any:
     if name == "ShardedSource":  # the name before RankShare (a rank's share, not a Zarr shard)

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from .. import partition
+from ..cursor import CursorState, EpochCursor
 from ..checks import integer, seconds
 from ..distributed import resolve_rank
 from ..errors import InvalidArgument, ShutdownError, StokerError
@@ -51,8 +52,6 @@ from ..pin import pin_object, to_device
 from .collate import CollateArg, resolve
 from .dataset import ZarrRecords
 
-STATE_FORMAT = "stoker-records-loader"
-STATE_VERSION = 1
 _POLL_S = 0.05  # how often a waiting thread looks at the stop flag
 _CLOSE_S = 1.0  # close() waits at most this long for the threads (a read in progress cannot be interrupted)
 
@@ -113,10 +112,8 @@ class Loader:
         self._size = len(ds)
         self._names_id = _names_id(ds)
         # The cursor: epoch, earlier splits of it (other world sizes), samples of the current split
-        # consumed before this run, and batches the consumer received in this run.
-        self._epoch = 0
-        self._segments: list[list] = []
-        self._skip = 0
+        # consumed before this run; and batches the consumer received in this run.
+        self._cursor = EpochCursor(self._size, rank, world_size, "strided", self._even)
         self._received = 0
         self._hold = False  # set_epoch/load_state_dict chose this epoch: do not leave it when complete
         self._work: _Work | None = None
@@ -139,18 +136,17 @@ class Loader:
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return self._cursor.epoch
 
     def _split(self) -> np.ndarray:
         """Dataset indices this rank visits in the current split of the epoch, in order."""
-        key = (self._epoch, json.dumps(self._segments))
+        c = self._cursor
+        key = (c.epoch, json.dumps(c.segments))
         if self._split_cache is not None and self._split_cache[0] == key:
             return self._split_cache[1]  # state_dict() runs every step: the permutation is O(n)
-        rng_order = (np.random.default_rng([self.seed, self._epoch]).permutation(self._size) if self.shuffle
+        rng_order = (np.random.default_rng([self.seed, c.epoch]).permutation(self._size) if self.shuffle
                      else np.arange(self._size, dtype=np.int64))
-        remaining = partition.remaining_after(self._size, self._segments)
-        positions = partition.rank_positions(remaining, self.rank, self.world_size, "strided", self._even)
-        split = rng_order[positions.to_array()]
+        split = rng_order[c.share().to_array()]
         self._split_cache = (key, split)
         return split
 
@@ -160,14 +156,14 @@ class Loader:
 
     def _run_batches(self) -> list[np.ndarray]:
         """The batches of this run: the split after the samples already consumed, cut into batches."""
-        plan = self._split()[self._skip:]
+        plan = self._split()[self._cursor.steps:]
         bs = self.batch_size
         return [plan[j * bs: (j + 1) * bs] for j in range(self._batch_count(len(plan)))]
 
     def _left(self) -> int:
         """Batches of the current epoch this rank has not received (counted, not cut: state_dict runs
         every step)."""
-        return self._batch_count(len(self._split()) - self._skip) - self._received
+        return self._batch_count(len(self._split()) - self._cursor.steps) - self._received
 
     def _moves_on(self) -> bool:
         """Whether the next iteration starts the next epoch (this one is complete and was not chosen)."""
@@ -183,9 +179,10 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch``; keep the position when the loader is in ``epoch`` already."""
         epoch = integer("epoch", epoch, 0)
-        if epoch != self._epoch:
+        if epoch != self._cursor.epoch:
             self._stop_work()
-            self._epoch, self._segments, self._skip, self._received = epoch, [], 0, 0
+            self._cursor.place(epoch, [], 0)
+            self._received = 0
         self._hold = True
 
     # -- state -------------------------------------------------------------------------------
@@ -195,58 +192,35 @@ class Loader:
         split = len(self._split())
         if self._left() == 0:
             return split  # complete: the samples drop_last left out are done with too
-        return self._skip + min(self._received * self.batch_size, split - self._skip)
+        skip = self._cursor.steps
+        return skip + min(self._received * self.batch_size, split - skip)
+
+    def _order(self) -> dict:
+        """What makes the epoch's order (a state saved with other values would resume into other records)."""
+        return {"seed": self.seed, "shuffle": self.shuffle, "size": self._size, "names": self._names_id}
 
     def state_dict(self) -> dict:
         """The position as of the last batch the consumer received (prefetched ones do not count)."""
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "epoch": self._epoch,
-            "segments": [list(s) for s in self._segments],
-            "world_size": self.world_size,
-            "even": self._even,
-            "steps": self._steps(),
-            "rank": self.rank,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "size": self._size,
-            "names": self._names_id,
-        }
+        c = self._cursor
+        return c.at(c.epoch, c.segments, self._steps()).state(self._order()).to_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (any rank's, saved with any world size, batch size or ``drop_last``)."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise InvalidArgument("not a stoker.records.Loader state (missing format marker)")
-        if state.get("version") != STATE_VERSION:
-            raise InvalidArgument(f"Loader state version {state.get('version')!r}; this stoker reads {STATE_VERSION}")
-        for key, mine in (("size", self._size), ("seed", self.seed), ("shuffle", self.shuffle),
-                          ("names", self._names_id)):
-            if key == "names" and (mine is None or state.get(key) is None):
+        saved = CursorState.from_dict(state)
+        if not {"size", "seed", "shuffle"} <= saved.order.keys():
+            raise InvalidArgument("this state is not a stoker.records.Loader's (it names no size, seed and shuffle "
+                                  "of a record order); pass a Loader.state_dict()")
+        for key, mine in self._order().items():
+            if key == "names" and (mine is None or saved.order.get(key) is None):
                 continue  # one side cannot tell its record names: the size has to do
-            if state.get(key) != mine:
+            if saved.order.get(key) != mine:
                 raise InvalidArgument(
-                    f"the state was saved with {key}={state.get(key)!r}, this loader has {mine!r}: the epoch's "
-                    "order would differ, so resuming would repeat and skip records", key=key)
-        try:
-            segments = [[int(s[0]), str(s[1]), str(s[2]), int(s[3])] for s in state["segments"]]
-            steps, epoch = int(state["steps"]), int(state["epoch"])
-            world, even = int(state["world_size"]), state["even"]
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise InvalidArgument(f"malformed Loader state ({type(exc).__name__}: {exc})") from None
-        if epoch < 0 or steps < 0 or world < 1 or even not in partition.EVEN:
-            raise InvalidArgument(f"malformed Loader state: epoch={epoch}, steps={steps}, world_size={world}, "
-                                  f"even={even!r}")
+                    f"the state was saved with {key}={saved.order.get(key)!r}, this loader has {mine!r}: the "
+                    "epoch's order would differ, so resuming would repeat and skip records", key=key)
         self._stop_work()
-        same_split = world == self.world_size and even == self._even
-        if same_split:
-            # Same split: continue it exactly (its wrapped tail included), as if never interrupted.
-            self._segments, self._skip = segments, steps
-        else:
-            if steps:
-                segments.append([world, "strided", even, steps])
-            self._segments, self._skip = segments, 0
-        self._epoch, self._received = epoch, 0
+        # The same split continues exactly (its wrapped tail included), as if never interrupted.
+        self._cursor.load(saved, keep_split=True)
+        self._received = 0
         self._hold = True
 
     # -- iteration ---------------------------------------------------------------------------
@@ -256,7 +230,8 @@ class Loader:
             raise ShutdownError("this Loader is closed")
         self._stop_work()  # one iteration at a time: a new one takes over from the last received batch
         if self._moves_on():
-            self._epoch, self._segments, self._skip, self._received = self._epoch + 1, [], 0, 0
+            self._cursor.place(self._cursor.epoch + 1, [], 0)
+            self._received = 0
         self._hold = False
         batches = self._run_batches()[self._received:]
         pin = self.device is not None and self.device.type == "cuda"
@@ -281,7 +256,7 @@ class Loader:
 
     def __repr__(self) -> str:
         return (f"Loader({self.ds!r}, batch_size={self.batch_size}, rank={self.rank}/{self.world_size}, "
-                f"epoch={self._epoch})")
+                f"epoch={self._cursor.epoch})")
 
 
 class _Iter:
