@@ -419,3 +419,26 @@ def test_requests_in_flight_caps_the_pipelines_open_requests(tree):
     finally:
         server.latency_s = 0
         server.stop()
+
+
+def test_a_batchs_new_remote_arrays_are_opened_together(tree, monkeypatch):
+    # A batch's arrays not open yet are opened at once, their metadata requests overlapping: the first two
+    # opens must be under way together to pass the barrier (one after the other, the first would wait
+    # alone until the barrier breaks, and its batch fail).
+    import stoker.engine.coordinator as coordinator
+
+    real, barrier, lock, opened = coordinator.open_array, threading.Barrier(2, timeout=20), threading.Lock(), []
+
+    def open_array(uri, *args, **kwargs):
+        with lock:
+            opened.append(uri)
+            first_two = len(opened) <= 2
+        if first_two:
+            barrier.wait()
+        return real(uri, *args, **kwargs)
+
+    monkeypatch.setattr(coordinator, "open_array", open_array)
+    prefix, options = _prefix(tree, "http")
+    got = run_pipeline(prefix, options)
+    assert len(got) == 6 and not barrier.broken
+    assert [a.numpy().tobytes() for a in got] == [a.numpy().tobytes() for a in run_pipeline(tree["root"])]
