@@ -288,7 +288,7 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
                    "cpu_s": marks[-1][0] - marks[0][0] - consume.step_cpu_s, "gc_s": marks[-1][1] - marks[0][1]})
 
 
-def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0) -> str:
+def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0, remote: bool = False) -> str:
     """One line: stoker's CPU time per timed batch (the process's, so every thread, less a busy consumer's
     steps) and its stage times per batch with their shares of it. Stage times are thread time, waits for
     a core included; "other" is the rest: Python bookkeeping, the consumer, the RSS sampler. The decode
@@ -304,11 +304,17 @@ def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float 
     from .report import stage_breakdown
 
     b = stage_breakdown(stats, cpu_s, batches, wall_s, gc_s)
+    fetch = ""
+    if remote:  # reads from a store are waits for the network (summed over the fetches in flight), not CPU
+        wait = b["stages_ms_per_batch"].pop("read")
+        b["stages_ms_per_batch"]["other"] += wait
+        fetch = f"; fetches from the store {wait:.2f} ms (wall time, summed over the fetches in flight)"
     shares = ", ".join(f"{name} {ms:.2f} ({ms / b['cpu_ms_per_batch']:.0%})"
                        for name, ms in b["stages_ms_per_batch"].items())
     held = (f"GIL held {b['gil_ms_per_batch']:.2f} ({b['gil_ms_per_batch'] / b['cpu_ms_per_batch']:.0%}; "
             f"garbage collection {b['gc_ms_per_batch']:.2f} of it)")
-    return f"stoker per batch: {b['cpu_ms_per_batch']:.2f} ms CPU ({b['cores_busy']:.1f} cores busy); {shares}; {held}"
+    return (f"stoker per batch: {b['cpu_ms_per_batch']:.2f} ms CPU ({b['cores_busy']:.1f} cores busy); {shares}; "
+            f"{held}{fetch}")
 
 
 def interleaved(peers: dict, rounds: int) -> dict[str, Result]:
@@ -678,7 +684,7 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
     for r in results:  # the default stoker, then each peer of a thread sweep
         if "cpu_s" in r.extra:
             line = cpu_breakdown(r.extra["stats"], r.extra["cpu_s"], r.extra["batches"], r.seconds,
-                                 r.extra.get("gc_s", 0.0))
+                                 r.extra.get("gc_s", 0.0), remote=served)
             lines.append(line if r is st else line.replace("stoker per batch", f"{r.peer} per batch", 1))
     if st:
         spread = [f"{r.peer} {min(r.extra['rounds']):.0f}-{max(r.extra['rounds']):.0f}" for r in results
