@@ -6,6 +6,7 @@ server stopped mid-run, ``close()`` with requests in flight)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 import zipfile
@@ -417,4 +418,71 @@ def test_requests_in_flight_caps_the_pipelines_open_requests(tree):
         assert 1 <= server.peak_in_flight <= 2
     finally:
         server.latency_s = 0
+        server.stop()
+
+
+def test_a_batchs_new_remote_arrays_are_opened_together(tree, monkeypatch):
+    # A batch's arrays not open yet are opened at once, their metadata requests overlapping: the first two
+    # opens must be under way together to pass the barrier (one after the other, the first would wait
+    # alone until the barrier breaks, and its batch fail).
+    import stoker.engine.coordinator as coordinator
+
+    real, barrier, lock, opened = coordinator.open_array, threading.Barrier(2, timeout=20), threading.Lock(), []
+
+    def open_array(uri, *args, **kwargs):
+        with lock:
+            opened.append(uri)
+            first_two = len(opened) <= 2
+        if first_two:
+            barrier.wait()
+        return real(uri, *args, **kwargs)
+
+    monkeypatch.setattr(coordinator, "open_array", open_array)
+    prefix, options = _prefix(tree, "http")
+    got = run_pipeline(prefix, options)
+    assert len(got) == 6 and not barrier.broken
+    assert [a.numpy().tobytes() for a in got] == [a.numpy().tobytes() for a in run_pipeline(tree["root"])]
+
+
+class _MeetingServer(RangeServer):
+    """Once armed, holds the next two requests until both have arrived (or the barrier breaks)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.barrier = threading.Barrier(2, timeout=15)
+        self.armed = 0
+
+    def next_fault(self):
+        with self._lock:
+            meet = self.armed > 0
+            self.armed -= meet
+        if meet:
+            try:
+                self.barrier.wait()
+            except threading.BrokenBarrierError:
+                pass
+        return super().next_fault()
+
+
+def test_fetches_in_flight_are_not_bounded_by_io_threads(tree):
+    # One I/O thread, two batches of one chunk each: both fetches are in flight together (the thread only
+    # starts them), so the server sees both requests before it answers either. A thread waiting for the
+    # first answer would leave the second request unsent until the barrier broke.
+    server = _MeetingServer(tree["root"])
+    try:
+        cfg = stoker.Config(batch_size=1, dtype="f32", n_io_threads=1, n_compute_threads=1, lookahead_batches=3,
+                            pop_timeout_s=60, host_buffer_bytes=64 << 20,
+                            storage_options={server.url + "/": {**FAST, "timeout_s": 40.0}})  # no retry meets it
+        uri = f"{server.url}/g3.zarr/zstd"
+        with stoker.Pipeline(cfg) as p:
+            p.push(stoker.Sample(uri, [(0, 4), (0, 4)]))  # opens the array
+            p.pop().release()
+            server.armed = 2
+            p.push([stoker.Sample(uri, [(16, 20), (0, 4)]), stoker.Sample(uri, [(0, 4), (16, 20)])])
+            got = [torch.from_dlpack(p.pop()).clone() for _ in range(2)]
+        assert not server.barrier.broken
+        local = stoker.open_array(os.path.join(tree["root"], "g3.zarr/zstd"))
+        assert np.array_equal(got[0][0].numpy(), local[16:20, 0:4].astype(np.float32))
+        assert np.array_equal(got[1][0].numpy(), local[0:4, 16:20].astype(np.float32))
+    finally:
         server.stop()

@@ -32,6 +32,10 @@ class SizedLRU(Generic[V]):
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._items
+
     def get_or_load(self, key: Hashable, load: Callable[[], V]) -> V:
         """Cached value for ``key``, loading (outside the lock) on a miss.
 

@@ -5,7 +5,8 @@ each scenario ``{"number", "title", "batch_size", "timed_batches", "step_ms", "p
 ``{"peer", "samples_per_s", "mb_per_s", "peak_rss_bytes", "seconds", "samples", "rounds"}`` (``rounds``:
 samples/s of every interleaved round; the peer's numbers are its median round's), and for stoker's peers
 ``read_amplification``, ``decode_amplification`` and, where the CPU time was measured, ``breakdown``
-(CPU ms per batch, by stage).
+(CPU ms per batch, by stage). With ``--store``, every peer's ``requests_per_batch`` and ``bytes_per_batch``
+(as the server counted them while the peer was timed).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def peer_record(r: Any) -> dict[str, Any]:
     if "cpu_s" in r.extra and r.extra.get("batches"):
         out["breakdown"] = stage_breakdown(stats, r.extra["cpu_s"], r.extra["batches"], r.seconds,
                                            r.extra.get("gc_s", 0.0))
-    for key in ("first_batch_s", "host_buffer_bytes", "pinned_bytes"):
+    for key in ("first_batch_s", "host_buffer_bytes", "pinned_bytes", "requests_per_batch", "bytes_per_batch"):
         if key in r.extra:
             out[key] = r.extra[key]
     alone = r.extra.get("alone")

@@ -42,6 +42,7 @@ from ..engine.pipeline import Pipeline
 from ..sample import Sample
 from ..zarr.grid import chunk_intersections
 from .datasets import VolumeSpec, ensure, warm_page_cache
+from .remote import Remote, ZarrOpener
 from ..telemetry import host_rss_bytes as rss_bytes
 
 
@@ -232,11 +233,12 @@ def time_pipeline(p: Pipeline, samples: list[Sample], batch_size: int, consume=l
 
 
 def stoker_config(batch_size: int, host_buffer_bytes: int, dtype: str = "f32", device: str = "cpu",
-                  threads: int | None = None) -> Config:
+                  threads: int | None = None, storage_options: dict | None = None) -> Config:
     """The pipeline every stoker peer runs (``device="cpu"`` also on a GPU machine unless asked); compute
     threads: the default (this rank's share of the CPUs) unless ``threads`` says."""
     return Config(batch_size=batch_size, dtype=dtype, host_buffer_bytes=host_buffer_bytes, device_buffer_bytes=2 << 30,
-                  n_io_threads=2, lookahead_batches=LOOKAHEAD, device=device, n_compute_threads=threads)
+                  n_io_threads=2, lookahead_batches=LOOKAHEAD, device=device, n_compute_threads=threads,
+                  storage_options=storage_options)
 
 
 class PipelineCollections:
@@ -264,16 +266,21 @@ class PipelineCollections:
 
 
 def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int,
-               threads: int | None = None, step_s: float = 0.0) -> Result:
+               threads: int | None = None, step_s: float = 0.0, storage_options: dict | None = None,
+               mark=lambda: None) -> Result:
     """The stoker peer; ``threads`` compute threads (a peer of a thread sweep, named ``stoker t=N``) or the
     default. ``cpu_s``: the process's CPU time while timed, less the consumer's steps; ``gc_s``: the
-    pipeline threads' garbage collections while timed."""
+    pipeline threads' garbage collections while timed. ``mark`` runs as the clock starts and stops."""
     marks: list[tuple[float, float]] = []  # (process CPU time, collections) as the clock starts and stops
+
+    def sync() -> None:
+        mark()
+        marks.append((time.process_time(), collections.seconds))
+
     consume = Consumer(step_s)
-    with RssSampler() as rss, PipelineCollections() as collections, \
-            Pipeline(stoker_config(batch_size, host_buffer_bytes, threads=threads)) as p:
-        n, seconds, first = time_pipeline(p, samples, batch_size, consume=consume,
-                                          sync=lambda: marks.append((time.process_time(), collections.seconds)))
+    config = stoker_config(batch_size, host_buffer_bytes, threads=threads, storage_options=storage_options)
+    with RssSampler() as rss, PipelineCollections() as collections, Pipeline(config) as p:
+        n, seconds, first = time_pipeline(p, samples, batch_size, consume=consume, sync=sync)
         stats = p.stats()
     crop = int(np.prod(samples[0].shape))
     name = "stoker" if threads is None else f"stoker t={threads}"
@@ -282,7 +289,7 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
                    "cpu_s": marks[-1][0] - marks[0][0] - consume.step_cpu_s, "gc_s": marks[-1][1] - marks[0][1]})
 
 
-def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0) -> str:
+def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0, remote: bool = False) -> str:
     """One line: stoker's CPU time per timed batch (the process's, so every thread, less a busy consumer's
     steps) and its stage times per batch with their shares of it. Stage times are thread time, waits for
     a core included; "other" is the rest: Python bookkeeping, the consumer, the RSS sampler. The decode
@@ -298,11 +305,17 @@ def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float 
     from .report import stage_breakdown
 
     b = stage_breakdown(stats, cpu_s, batches, wall_s, gc_s)
+    fetch = ""
+    if remote:  # reads from a store are waits for the network (summed over the fetches in flight), not CPU
+        wait = b["stages_ms_per_batch"].pop("read")
+        b["stages_ms_per_batch"]["other"] += wait
+        fetch = f"; fetches from the store {wait:.2f} ms (wall time, summed over the fetches in flight)"
     shares = ", ".join(f"{name} {ms:.2f} ({ms / b['cpu_ms_per_batch']:.0%})"
                        for name, ms in b["stages_ms_per_batch"].items())
     held = (f"GIL held {b['gil_ms_per_batch']:.2f} ({b['gil_ms_per_batch'] / b['cpu_ms_per_batch']:.0%}; "
             f"garbage collection {b['gc_ms_per_batch']:.2f} of it)")
-    return f"stoker per batch: {b['cpu_ms_per_batch']:.2f} ms CPU ({b['cores_busy']:.1f} cores busy); {shares}; {held}"
+    return (f"stoker per batch: {b['cpu_ms_per_batch']:.2f} ms CPU ({b['cores_busy']:.1f} cores busy); {shares}; "
+            f"{held}{fetch}")
 
 
 def interleaved(peers: dict, rounds: int) -> dict[str, Result]:
@@ -316,22 +329,24 @@ def interleaved(peers: dict, rounds: int) -> dict[str, Result]:
 
 
 def time_tensorstore(samples: list[Sample], batch_size: int, deliver, sync=lambda: None,
-                     consume=lambda batch: None) -> float:
+                     consume=lambda batch: None, kvstore=None) -> float:
     """Seconds for tensorstore to read every batch after the first, ``deliver(futures)`` each and
     ``consume`` what it returns.
 
     Futures for every crop of a batch are in flight together, and the next batch's are issued before
     the current one is delivered (and so read while it is consumed, as a training loop that prefetches
     one batch would). ``sync`` runs before the clock starts and before it stops (a GPU synchronise for
-    device peers).
+    device peers). ``kvstore(uri)``: the kvstore spec of an array (default: a local directory).
     """
     import tensorstore as ts
+
+    kvstore = kvstore or (lambda uri: {"driver": "file", "path": uri})
 
     arrays: dict[str, object] = {}
 
     def arr(uri: str):
         if uri not in arrays:
-            arrays[uri] = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": uri}}).result()
+            arrays[uri] = ts.open({"driver": "zarr3", "kvstore": kvstore(uri)}).result()
         return arrays[uri]
 
     def issue(batch):
@@ -351,7 +366,8 @@ def time_tensorstore(samples: list[Sample], batch_size: int, deliver, sync=lambd
     return time.perf_counter() - t0
 
 
-def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int, step_s: float = 0.0) -> Result:
+def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int, step_s: float = 0.0, kvstore=None,
+                    mark=lambda: None) -> Result:
     shape = samples[0].shape
 
     def assemble(futures):
@@ -361,15 +377,15 @@ def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int, step_
         return torch.from_numpy(out)
 
     with RssSampler() as rss:
-        seconds = time_tensorstore(samples, batch_size, assemble, consume=Consumer(step_s))
+        seconds = time_tensorstore(samples, batch_size, assemble, consume=Consumer(step_s), kvstore=kvstore,
+                                   sync=mark)
     n = len(split_batches(samples, batch_size)) - 1
     return Result("tensorstore", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize, rss.peak)
 
 
 def run_zarr(samples: list[Sample], batch_size: int, itemsize: int, max_batches: int,
-             step_s: float = 0.0) -> Result:
-    import zarr
-
+             step_s: float = 0.0, opener: ZarrOpener | None = None, mark=lambda: None) -> Result:
+    opener = opener or ZarrOpener(None)
     consume = Consumer(step_s)
     arrays: dict[str, object] = {}
     batches = split_batches(samples, batch_size)[: max_batches + 1]
@@ -378,31 +394,32 @@ def run_zarr(samples: list[Sample], batch_size: int, itemsize: int, max_batches:
         t0 = 0.0
         for i, batch in enumerate(batches):
             if i == 1:
+                mark()
                 t0 = time.perf_counter()
             out = np.empty((len(batch), *shape), dtype=np.float32)
             for row, s in enumerate(batch):
-                z = arrays.get(s.uri) or arrays.setdefault(s.uri, zarr.open_array(s.uri, mode="r"))
+                z = arrays.get(s.uri) or arrays.setdefault(s.uri, opener(s.uri))
                 out[row] = z[_slices(s)]
             if i:
                 consume(torch.from_numpy(out))
         seconds = time.perf_counter() - t0
+        mark()
     n = len(batches) - 1
     return Result("zarr", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize, rss.peak)
 
 
 class _ZarrCrops(torch.utils.data.Dataset):
-    def __init__(self, samples: list[Sample]) -> None:
+    def __init__(self, samples: list[Sample], opener: ZarrOpener) -> None:
         self.samples = samples
+        self.opener = opener
         self._arrays: dict[str, object] = {}
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        import zarr
-
         s = self.samples[i]
-        z = self._arrays.get(s.uri) or self._arrays.setdefault(s.uri, zarr.open_array(s.uri, mode="r"))
+        z = self._arrays.get(s.uri) or self._arrays.setdefault(s.uri, self.opener(s.uri))
         return torch.from_numpy(z[_slices(s)].astype(np.float32))
 
 
@@ -413,7 +430,7 @@ def dataloader_batches(max_batches: int) -> tuple[int, int]:
 
 
 def run_zarr_dataloader(samples: list[Sample], batch_size: int, itemsize: int, max_batches: int,
-                        step_s: float = 0.0) -> Result:
+                        step_s: float = 0.0, opener: ZarrOpener | None = None, mark=lambda: None) -> Result:
     # Timed in steady state: `in_flight` batches are being prepared when the clock starts and again when
     # it stops (the loader has more to do afterwards), so neither its prefetch head start nor its drain
     # counts. Timing from the first batch would mostly time batches prepared before the clock started.
@@ -421,18 +438,24 @@ def run_zarr_dataloader(samples: list[Sample], batch_size: int, itemsize: int, m
     n_total = (1 + in_flight + n + in_flight) * batch_size
     if len(samples) < n_total:
         raise ValueError(f"the DataLoader peer needs {n_total} samples, got {len(samples)}")
-    loader = torch.utils.data.DataLoader(_ZarrCrops(samples[:n_total]), batch_size=batch_size,
-                                         num_workers=os.cpu_count() or 1, prefetch_factor=2)
+    opener = opener or ZarrOpener(None)
+    # Remote reads go through obstore, whose runtime does not survive a fork once this process has used
+    # it (stoker's peer has): workers then start from a fresh forkserver process instead.
+    loader = torch.utils.data.DataLoader(_ZarrCrops(samples[:n_total], opener), batch_size=batch_size,
+                                         num_workers=os.cpu_count() or 1, prefetch_factor=2,
+                                         multiprocessing_context="forkserver" if opener.remote else None)
     shape = samples[0].shape
     with RssSampler() as rss:
         it = iter(loader)
         for _ in range(1 + in_flight):  # warm-up: workers start, the prefetch queue fills
             next(it)
         consume = Consumer(step_s)
+        mark()
         t0 = time.perf_counter()
         for _ in range(n):
             consume(next(it))
         seconds = time.perf_counter() - t0
+        mark()
         del it  # the remaining batches are not needed: stop the workers
     return Result("zarr+DataLoader", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize,
                   rss.peak, {"note": "RSS of the main process only"})
@@ -539,51 +562,84 @@ class Step:
     auto: bool = False
 
 
-def auto_step(samples: list[Sample], batch_size: int, itemsize: int, rounds: int) -> Step:
+def _counted(fn, counters, batch_size: int):
+    """``fn(mark)`` run with the server's counters read as its clock starts and stops: its result gets the
+    requests and bytes served per timed batch."""
+
+    def run() -> Result:
+        marks: list[tuple[int, int]] = []
+        result = fn(lambda: marks.append(counters()))
+        batches = result.samples / batch_size
+        (q0, b0), (q1, b1) = marks[0], marks[-1]
+        result.extra["requests_per_batch"] = (q1 - q0) / batches
+        result.extra["bytes_per_batch"] = (b1 - b0) / batches
+        return result
+
+    return run
+
+
+def auto_step(samples: list[Sample], batch_size: int, itemsize: int, rounds: int, kvstore=None) -> Step:
     """A step as long as tensorstore's median time per batch on ``samples`` (no consumer work)."""
-    ts = interleaved({"tensorstore": lambda: run_tensorstore(samples, batch_size, itemsize)}, rounds)["tensorstore"]
+    ts = interleaved({"tensorstore": lambda: run_tensorstore(samples, batch_size, itemsize, kvstore=kvstore)},
+                     rounds)["tensorstore"]
     return Step(ts.seconds / (ts.samples // batch_size), auto=True)
 
 
 def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host_buffer_bytes: int,
                  slow_batches: int, peers: set[str], growth: bool = False, rounds: int = 1,
-                 threads: tuple[int, ...] = (), step_ms: float | str | None = None) -> tuple[list[Result], Step | None]:
+                 threads: tuple[int, ...] = (), step_ms: float | str | None = None,
+                 remote: Remote | None = None, counters=None) -> tuple[list[Result], Step | None]:
     """Every peer in ``peers`` on the scenario's crops, in interleaved rounds; ``threads``: a stoker peer
     per compute-thread count besides the default one (a thread sweep, for machines of many cores).
     ``step_ms``: a busy consumer (milliseconds of Python after each batch, or ``"auto"``); the decode
-    bound is then left out. Returns the results and the step (None without a busy consumer)."""
+    bound is then left out. Returns the results and the step (None without a busy consumer).
+
+    ``remote``: every peer reads the arrays through the bench server (``--store``), and ``counters()``
+    (the server's ``(requests, bytes)``) gives each peer's requests and bytes per timed batch; the
+    decode bound and stoker's fresh-process memory runs are left out."""
     paths = ensure(root, sc.volume)
     warm_page_cache(paths)
     in_flight, dl_timed = dataloader_batches(slow_batches)
     n_samples = max(n_batches + 1, 1 + 2 * in_flight + dl_timed) * batch_size
-    samples = make_samples(paths, sc.volume.shape, sc.crop, n_samples, sc.grid, seed=sc.number)
+    uris = [remote.uri(p) for p in paths] if remote else paths
+    samples = make_samples(uris, sc.volume.shape, sc.crop, n_samples, sc.grid, seed=sc.number)
     timed = samples[: (n_batches + 1) * batch_size]  # the same crops for every peer but the DataLoader
     samples, all_samples = timed, samples
     itemsize = np.dtype(sc.volume.dtype).itemsize
     step = None
     if step_ms == "auto":
-        step = auto_step(samples, batch_size, itemsize, rounds)
+        step = auto_step(samples, batch_size, itemsize, rounds, remote.tensorstore_kvstore if remote else None)
     elif step_ms is not None:
         step = Step(step_ms / 1e3)
     step_s = step.seconds if step else 0.0
+    options = remote.storage_options() if remote else None
+    kvstore = remote.tensorstore_kvstore if remote else None
+    opener = ZarrOpener(remote)
     # Every peer takes its turn in every round, the slow ones too: a ratio to a peer timed minutes
     # later would mostly measure how the shared machine's speed drifted meanwhile.
     every = {
-        "stoker": lambda: run_stoker(samples, batch_size, itemsize, host_buffer_bytes, step_s=step_s),
-        **{f"stoker t={t}": (lambda t=t: run_stoker(samples, batch_size, itemsize, host_buffer_bytes, t, step_s))
+        "stoker": lambda m: run_stoker(samples, batch_size, itemsize, host_buffer_bytes, step_s=step_s,
+                                       storage_options=options, mark=m),
+        **{f"stoker t={t}": (lambda m, t=t: run_stoker(samples, batch_size, itemsize, host_buffer_bytes, t, step_s,
+                                                       options, m))
            for t in threads},
-        "tensorstore": lambda: run_tensorstore(samples, batch_size, itemsize, step_s),
-        "zarr": lambda: run_zarr(samples, batch_size, itemsize, slow_batches, step_s),
-        "dataloader": lambda: run_zarr_dataloader(all_samples, batch_size, itemsize, slow_batches, step_s),
-        "bound": lambda: run_decode_bound(samples, batch_size, itemsize),
+        "tensorstore": lambda m: run_tensorstore(samples, batch_size, itemsize, step_s, kvstore, m),
+        "zarr": lambda m: run_zarr(samples, batch_size, itemsize, slow_batches, step_s, opener, m),
+        "dataloader": lambda m: run_zarr_dataloader(all_samples, batch_size, itemsize, slow_batches, step_s, opener,
+                                                    m),
+        "bound": lambda m: run_decode_bound(samples, batch_size, itemsize),
     }
-    if step is not None:
-        del every["bound"]  # it has no consumer to be busy: its number would not compare
+    if step is not None or remote is not None:
+        del every["bound"]  # no consumer to be busy, or no reads to make: its number would not compare
+    if counters is not None:
+        every = {name: _counted(fn, counters, batch_size) for name, fn in every.items()}
+    else:
+        every = {name: (lambda fn=fn: fn(lambda: None)) for name, fn in every.items()}
     # the sweep's peers were asked for by name (--threads), whatever --peers says
     medians = interleaved({name: fn for name, fn in every.items() if name in peers or name.startswith("stoker t=")},
                           rounds)
     results = [medians[name] for name in every if name in medians]
-    if "stoker" in peers:
+    if "stoker" in peers and remote is None:
         st = next(r for r in results if r.peer == "stoker")
         st.extra["alone"] = measure_alone(paths, sc, n_batches, batch_size, host_buffer_bytes)
         st.extra["host_buffer_bytes"] = host_buffer_bytes
@@ -607,10 +663,15 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
         lines.append(f"busy consumer: {step.seconds * 1e3:.2f} ms of Python holding the GIL after each batch ({how}); "
                      f"the steps alone allow at most {batch_size / step.seconds:.1f} samples/s; decode bound left "
                      "out (it has no consumer)")
-    lines.append(f"{'peer':<18}{'samples/s':>11}{'MB/s':>9}{'stoker x':>10}{'peak RSS MB':>13}")
+    served = any("requests_per_batch" in r.extra for r in results)  # --store: what the server was asked
+    lines.append(f"{'peer':<18}{'samples/s':>11}{'MB/s':>9}{'stoker x':>10}{'peak RSS MB':>13}"
+                 + (f"{'requests/batch':>16}{'MB/batch':>10}" if served else ""))
     for r in results:
         ratio = f"{st.samples_per_s / r.samples_per_s:>9.2f}x" if st and r is not st and r.samples_per_s else f"{'':>10}"
-        lines.append(f"{r.peer:<18}{r.samples_per_s:>11.1f}{r.mb_per_s:>9.1f}{ratio}{r.peak_rss / 1e6:>13.0f}")
+        line = f"{r.peer:<18}{r.samples_per_s:>11.1f}{r.mb_per_s:>9.1f}{ratio}{r.peak_rss / 1e6:>13.0f}"
+        if "requests_per_batch" in r.extra:
+            line += f"{r.extra['requests_per_batch']:>16.1f}{r.extra['bytes_per_batch'] / 1e6:>10.2f}"
+        lines.append(line)
     if st:
         stats = st.extra["stats"]
         bound = by.get("decode bound")
@@ -624,7 +685,7 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
     for r in results:  # the default stoker, then each peer of a thread sweep
         if "cpu_s" in r.extra:
             line = cpu_breakdown(r.extra["stats"], r.extra["cpu_s"], r.extra["batches"], r.seconds,
-                                 r.extra.get("gc_s", 0.0))
+                                 r.extra.get("gc_s", 0.0), remote=served)
             lines.append(line if r is st else line.replace("stoker per batch", f"{r.peer} per batch", 1))
     if st:
         spread = [f"{r.peer} {min(r.extra['rounds']):.0f}-{max(r.extra['rounds']):.0f}" for r in results

@@ -11,6 +11,7 @@ from ..demo.volume import cache_dir
 from ..errors import InvalidArgument
 
 PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
+REMOTE_PEERS = ("stoker", "tensorstore", "dataloader")  # --store's default: the decode bound makes no reads
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,6 +22,14 @@ def run(args: argparse.Namespace) -> int:
 
         figure(1, 1)  # without matplotlib, say so now rather than after the whole run
     rounds = args.rounds or (1 if args.tiny else 3)
+    if args.latency_ms is not None and args.store is None:
+        raise InvalidArgument("--latency-ms delays the requests of a served store: give --store http or --store s3")
+    if args.store is not None and (args.suite == "records" or args.device == "cuda"):
+        raise InvalidArgument(f"--store runs the crops suite on the CPU; run it without "
+                              f"{'the records suite' if args.suite == 'records' else '--device cuda'}")
+    if args.store is not None and args.peers and set(args.peers) & {"bound"}:
+        raise InvalidArgument("--peers bound: the decode bound makes no reads, so it has no place in a --store run; "
+                              f"choose among {','.join(p for p in PEERS if p != 'bound')}")
     if args.suite == "records":
         if args.json is not None or args.plot is not None:
             raise InvalidArgument("--json and --plot record the crops suite; stoker bench records prints a table")
@@ -50,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgument(f"--scenarios {','.join(map(str, unknown))}: no such scenario; the "
                                   f"{'--tiny ' if args.tiny else ''}scenarios are {','.join(map(str, known))}")
         chosen = [s for s in chosen if s.number in args.scenarios]
-    peers = set(args.peers) if args.peers else set(PEERS)
+    peers = set(args.peers) if args.peers else set(PEERS if args.store is None else REMOTE_PEERS)
     root = args.data or cache_dir() / "bench"
     if args.device == "cuda":
         if threads:
@@ -71,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
             records.append(report.scenario_record(sc, results, n_batches, batch_size))
             _keep(args, records, "cuda", f"stoker bench --device cuda on {torch.cuda.get_device_name()}")
         return 0
+    if args.store is not None:
+        return _run_remote(args, chosen, peers, root, rounds, threads, records)
     from ..config import default_compute_threads
 
     print(f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
@@ -89,6 +100,38 @@ def run(args: argparse.Namespace) -> int:
         print(format_results(sc, results, n_batches, batch_size, step), flush=True)
         records.append(report.scenario_record(sc, results, n_batches, batch_size, step.seconds if step else None))
         _keep(args, records, "cpu", f"stoker bench on {os.cpu_count()} cores")
+    return 0
+
+
+def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: Path, rounds: int,
+                threads: tuple[int, ...], records: list[dict]) -> int:
+    """The crops suite with every peer reading through the bench server (``--store``)."""
+    from ..bench import report
+    from ..bench.datasets import ensure
+    from ..bench.remote import Remote
+    from ..bench.runner import BATCH_SIZE, format_results, host_budget, run_scenario
+    from ..bench.serve import Served
+
+    latency = args.latency_ms or 0.0
+    for sc in chosen:  # written before the server starts serving them
+        ensure(root, sc.volume)
+    with Served(root, args.store, latency) as server:
+        remote = Remote(args.store, server.url, Path(root), latency)
+        print(f"stoker bench --store {args.store}: {os.cpu_count()} cores, {platform.python_version()}; batch "
+              f"{args.batch_size or f'{BATCH_SIZE} unless a scenario says'}; f32 out; data in {root}, served at "
+              f"{server.url} (a process of its own) with {latency:g} ms added to every request; requests and "
+              "bytes per timed batch as the server counted them", flush=True)
+        for sc in chosen:
+            batch_size = args.batch_size or sc.batch_size
+            budget = host_budget(sc, batch_size, args.host_buffer_bytes)
+            n_batches = args.batches or sc.timed_batches
+            results, step = run_scenario(sc, root, n_batches, batch_size, budget, args.slow_batches, peers,
+                                         rounds=rounds, threads=threads, step_ms=args.step_ms, remote=remote,
+                                         counters=server.counters)
+            print(format_results(sc, results, n_batches, batch_size, step), flush=True)
+            records.append(report.scenario_record(sc, results, n_batches, batch_size, step.seconds if step else None))
+            _keep(args, records, "cpu", f"stoker bench --store {args.store} --latency-ms {latency:g} on "
+                                        f"{os.cpu_count()} cores")
     return 0
 
 
@@ -134,6 +177,12 @@ def add_parser(sub) -> None:
     p.add_argument("--host-buffer-bytes", type=_positive_int, default=None,
                    help="stoker's budget (default: per scenario, batch slots + 256 MiB)")
     p.add_argument("--data", type=lambda s: __import__("pathlib").Path(s), help="dataset directory")
+    p.add_argument("--store", choices=("http", "s3"), default=None,
+                   help="read every peer's arrays through a loopback server of the data directory: plain HTTP, "
+                        "or an S3 bucket (stoker by URI, tensorstore with its http/s3 kvstore, zarr-python "
+                        "through obstore); also reports requests and bytes per batch")
+    p.add_argument("--latency-ms", type=_latency_ms, default=None,
+                   help="with --store: milliseconds the server waits before answering each request (default 0)")
     p.add_argument("--tiny", action="store_true", help="small datasets: a smoke run in seconds")
     p.add_argument("--json", type=Path, metavar="FILE", default=None,
                    help="also write the numbers as JSON: every peer's samples/s per round, stoker's stages")
@@ -172,6 +221,17 @@ def _peers(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"unknown peer {', '.join(map(repr, unknown))}; the peers are "
                                           f"{','.join(PEERS)}")
     return names
+
+
+def _latency_ms(text: str) -> float:
+    """``--latency-ms``: milliseconds, 0 or more (finite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"takes milliseconds (a number, 0 or more), got {text!r}")
+    return value
 
 
 def _step_ms(text: str) -> float | str:

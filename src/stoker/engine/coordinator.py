@@ -27,12 +27,14 @@ from ..errors import DtypeMismatch
 from ..sample import Sample
 from ..storage import LocalStore
 from ..storage.locate import Stores, options_for
+from ..storage.uri import REMOTE_SCHEMES
 from .cast import batch_dtype
 from .executor import Executor, Job, Target
 from .intake import Intake
 from .stats import StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
+_OPEN_AT_ONCE = 16  # remote arrays of one batch opened together (threads waiting on their metadata)
 
 
 class Entry:
@@ -74,6 +76,27 @@ class Coordinator:
         return self._readers.get_or_load(uri, lambda: open_array(
             uri, options_for(self.cfg.storage_options, uri), store=self.store, index_cache=self._index_cache,
             stores=self.stores))
+
+    def _open_all(self, uris: list[str]) -> list[ArrayReader]:
+        """The arrays at ``uris``. Those in remote stores not open yet are opened at once, each on a thread
+        of its own (at most ``_OPEN_AT_ONCE``): their metadata requests overlap instead of adding up, one
+        round trip each, as a batch of arrays seen for the first time would. Failures are raised by the
+        opens that follow, in order."""
+        missing = [u for u in uris if u not in self._readers and u.split("://", 1)[0].lower() in REMOTE_SCHEMES]
+        for i in range(0, len(missing) if len(missing) > 1 else 0, _OPEN_AT_ONCE):
+            threads = [threading.Thread(target=self._try_open, args=(u,), name="stoker-open", daemon=True)
+                       for u in missing[i:i + _OPEN_AT_ONCE]]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()  # bounded: every store request has its own time limit
+        return [self.open(u) for u in uris]
+
+    def _try_open(self, uri: str) -> None:
+        try:
+            self.open(uri)
+        except BaseException:  # noqa: BLE001 - raised again, in order, by the open that follows
+            pass
 
     def start(self) -> None:
         with self.cond:
@@ -132,7 +155,7 @@ class Coordinator:
         try:
             # The arrays' metadata settles the dtype and the budget before planning: a crop too large for
             # host_buffer_bytes is refused before its plan (chunk lists of its whole volume) is built.
-            readers = list({uri: self.open(uri) for s in samples for uri in s.uris}.values())
+            readers = self._open_all(list({uri: None for s in samples for uri in s.uris}))
             dtype = self._batch_dtype(readers)
             self.executor.prepare(samples[0].shape, readers, dtype)
             plan = self.executor.plan(batch_id, samples, self.open)

@@ -11,8 +11,10 @@ the transient budget in one step, so work that holds memory never waits for more
 Arrays in a store (object stores, zip archives: ``reader.kv``) are read here too, never by the engine: a
 batch's chunks of one store are fetched by one call per group of reads (:func:`~stoker.storage.store.get_many`:
 whole chunk values, and inner chunks' ranges, which the store merges per object within its gap and size
-cap), on an I/O thread, with at most ``Config.requests_in_flight`` requests of the pipeline's stores at once (their shared
-semaphore); each fetched chunk is then decoded on the compute pool.
+cap), with at most ``Config.requests_in_flight`` requests of the pipeline's stores at once (their shared
+semaphore); each fetched chunk is then decoded on the compute pool. An I/O thread only waits for the budget
+and starts an object store's fetch; no thread waits for the network, so the budget, not the I/O threads,
+bounds the fetches in flight.
 """
 
 from __future__ import annotations
@@ -140,22 +142,61 @@ class PythonDecoder:
 
     def _fetch(self, job: Job, kv, reads: list[FileRead], cost: int) -> None:
         """Fetch ``reads`` from ``kv`` in one call (whole values and inner chunks' ranges), then decode every
-        chunk on the compute pool; a missing whole value is the fill value."""
+        chunk on the compute pool; a missing whole value is the fill value.
+
+        The I/O thread waits for the budget, then only starts the fetch of a store that can run it without
+        a waiting thread (an object store's ``start_get_many``): its completion hands the chunks to the
+        compute pool. So the fetches in flight are bounded by the budget, not by the I/O threads."""
         plan = job.plan
         whole = [fr for fr in reads if fr.whole_file]
         ranged = [(cid, plan.chunks[cid]) for fr in reads if not fr.whole_file for cid in fr.chunk_ids]
         n = len(whole) + len(ranged)
         res = Reservation(self.budget, users=n)
-        t0 = time.perf_counter()
+        keys, requests = [fr.path for fr in whole], [ByteRange(t.path, t.offset, t.length) for _, t in ranged]
         try:
             res.reserve(cost, self.cancelled)
-            values, parts = get_many(kv, [fr.path for fr in whole],
-                                     [ByteRange(t.path, t.offset, t.length) for _, t in ranged])
+            t0 = time.perf_counter()
+            start = getattr(kv, "start_get_many", None)
+            if start is not None:
+                future = start(keys, requests)
+                future.add_done_callback(lambda f: self._fetch_done(job, whole, ranged, res, t0, lambda: kv.result_of(f)))
+                return
+            values, parts = get_many(kv, keys, requests)
+        except BaseException:
+            for _ in range(n):
+                res.done()
+            raise
+        self._fetched(job, whole, ranged, res, t0, lambda: (values, parts))
+
+    def _fetch_done(self, job: Job, whole: list[FileRead], ranged: list, res: Reservation, t0: float,
+                    result: Callable) -> None:
+        """A started fetch finished (on the store's loop thread): :meth:`_fetched`, its failure the batch's."""
+        n = len(whole) + len(ranged)
+        try:
+            self._fetched(job, whole, ranged, res, t0, result)
+        except Cancelled:
+            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+        except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop
+            job.finish(n, exc)
+
+    def _fetched(self, job: Job, whole: list[FileRead], ranged: list, res: Reservation, t0: float,
+                 result: Callable) -> None:
+        """Hand the chunks of a finished fetch (``result()``: its values and parts) to the compute pool."""
+        plan = job.plan
+        try:
+            if self._closing:
+                raise Cancelled()
+            if job.failed:  # nothing to decode: count the chunks finished, as _guard does
+                for _ in range(len(whole) + len(ranged)):
+                    res.done()
+                job.finish(len(whole) + len(ranged))
+                return
+            values, parts = result()
             nread = sum(len(v) for v in values if v is not None) + sum(len(p) for p in parts)
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
             job.count(bytes_read=nread)
         except BaseException:
-            for _ in range(n):
+            for _ in range(len(whole) + len(ranged)):
                 res.done()
             raise
         items = [(fr.chunk_ids[0], v) for fr, v in zip(whole, values)] + [(c, p) for (c, _), p in zip(ranged, parts)]

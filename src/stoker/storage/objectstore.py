@@ -178,24 +178,48 @@ class ObjectStore:
     def _run(self, coro, rounds: int = 1):
         """Run ``coro`` on the shared loop and wait for it, no longer than ``rounds`` requests one after the
         other could take with every attempt and backoff."""
+        return self._wait(self._start(coro, rounds))
+
+    def _wait(self, future: concurrent.futures.Future):
+        """Wait for a future of :meth:`_start`: bounded on the loop, and here too (a loop that stalled)."""
+        try:
+            return future.result(timeout=future.bound_s + 5)
+        except concurrent.futures.CancelledError:
+            raise self._closed_mid_read() from None
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise StorageError(f"{self.uri}: no answer in {future.bound_s:.0f} s", uri=self.uri, key=None,
+                               status=None, attempts=None) from None
+
+    def _start(self, coro, rounds: int = 1) -> concurrent.futures.Future:
+        """Start ``coro`` on the shared loop, bounded by what ``rounds`` requests one after the other could
+        take with every attempt and backoff (then a StorageError); :meth:`close` cancels it."""
         if self._closed:
             coro.close()
             raise ShutdownError(f"{self.uri}: the store is closed", uri=self.uri)
-        future = asyncio.run_coroutine_threadsafe(coro, _Loop.get().loop)
+        bound = rounds * (self.retry_timeout_s + self.max_backoff_s + self._per_attempt()) + 5
+        future = asyncio.run_coroutine_threadsafe(self._bounded(coro, bound), _Loop.get().loop)
+        future.bound_s = bound  # type: ignore[attr-defined]
         with self._lock:
             self._pending.add(future)
-        bound = rounds * (self.retry_timeout_s + self.max_backoff_s + self._per_attempt()) + 5
-        try:
-            return future.result(timeout=bound)
-        except concurrent.futures.CancelledError:
-            raise ShutdownError(f"{self.uri}: the store was closed while a read was in flight", uri=self.uri) from None
-        except concurrent.futures.TimeoutError:
+        future.add_done_callback(self._settled)
+        if self._closed:  # closed meanwhile: close() may not have seen it
             future.cancel()
+        return future
+
+    def _settled(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    async def _bounded(self, coro, bound: float):
+        try:
+            return await asyncio.wait_for(coro, bound)
+        except asyncio.TimeoutError:
             raise StorageError(f"{self.uri}: no answer in {bound:.0f} s", uri=self.uri, key=None, status=None,
                                attempts=None) from None
-        finally:
-            with self._lock:
-                self._pending.discard(future)
+
+    def _closed_mid_read(self) -> ShutdownError:
+        return ShutdownError(f"{self.uri}: the store was closed while a read was in flight", uri=self.uri)
 
     def _per_attempt(self) -> float:
         return self.timeout_s + self.connect_timeout_s + 1  # obstore's own limits, plus slack
@@ -323,11 +347,24 @@ class ObjectStore:
         """Whole values of ``keys`` (None for a missing one) and the bytes of ``requests`` (ranges of one
         object merged as :meth:`get_ranges` merges them), all in one call, at most ``max_in_flight``
         requests at once."""
+        return self._wait(self.start_get_many(keys, requests))
+
+    def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> concurrent.futures.Future:
+        """:meth:`get_many` without waiting: its future (a thread waits for no network). Its result or
+        exception is :meth:`get_many`'s; cancelled when the store is closed (:meth:`result_of` says
+        :class:`ShutdownError`)."""
         for key in keys:
             check_key(key)
         reads = self._plan_reads(requests)
         rounds = -(-(len(reads) + len(keys)) // self.max_in_flight)
-        return self._run(self._get_many(list(keys), len(requests), reads), rounds=max(1, rounds))
+        return self._start(self._get_many(list(keys), len(requests), reads), rounds=max(1, rounds))
+
+    def result_of(self, future: concurrent.futures.Future):
+        """The result of a finished future of :meth:`start_get_many` (raising its error; a cancelled one:
+        :class:`ShutdownError`)."""
+        if future.cancelled():
+            raise self._closed_mid_read()
+        return future.result()
 
     async def _get_many(self, keys: list[str], n: int, reads: list) -> tuple[list, list]:
         values: list = [None] * len(keys)
