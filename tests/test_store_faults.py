@@ -5,6 +5,7 @@ or a typed error naming the URI, key, status and attempts, in bounded time."""
 from __future__ import annotations
 
 import os
+import time
 import threading
 
 import pytest
@@ -180,3 +181,34 @@ def test_settings_are_checked(server):
         ObjectStore(server.url, {"timeout": "5s"})
     with pytest.raises(InvalidArgument):
         ObjectStore(server.url, {"no_such_option": 1})
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_after_obstore_ran_is_refused_at_once(server):
+    """obstore's runtime does not survive a fork of a process that used it: a request in the child would wait
+    out its timeout (or for ever). The child gets a StorageError at once that names the fix, for a store it
+    inherited and for one it makes; the parent's store still works."""
+    import multiprocessing as mp
+
+    s = store(server)
+    assert bytes(s.get("value")) == VALUE
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+
+    def child():
+        said = []
+        for make in (lambda: s, lambda: store(server)):
+            t0 = time.monotonic()
+            try:
+                make().get("value")
+                said.append("read")
+            except StorageError as exc:
+                said.append((type(exc).__name__, "forkserver" in str(exc), time.monotonic() - t0 < 5))
+        out.put(said)
+
+    p = ctx.Process(target=child)
+    p.start()
+    said = out.get(timeout=60)
+    p.join(30)
+    assert said == [("StorageError", True, True)] * 2, said
+    assert bytes(s.get("value")) == VALUE

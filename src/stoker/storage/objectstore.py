@@ -60,6 +60,25 @@ class _ShortBody(Exception):
     """Fewer bytes than the server said it sends (retried like a dropped connection)."""
 
 
+#: the process that first ran obstore (its Rust runtime starts threads there), or None
+_obstore_pid: int | None = None
+
+
+def _check_not_forked(uri: str) -> None:
+    """StorageError in a child forked from a process that had used obstore: its runtime's threads did not
+    survive the fork, and any request there would wait until its timeout (or for ever) instead of running."""
+    global _obstore_pid
+    pid = os.getpid()
+    if _obstore_pid is None:
+        _obstore_pid = pid
+    elif _obstore_pid != pid:
+        raise StorageError(
+            f"{uri}: this process was forked from one that had already read through obstore, whose runtime does "
+            "not survive a fork; start worker processes with multiprocessing_context='forkserver' or 'spawn' "
+            "(e.g. DataLoader(..., multiprocessing_context='spawn')), or read before forking only what needs no "
+            "remote store", uri=uri)
+
+
 class _Loop:
     """The event loop thread that runs every ObjectStore's requests (one per process)."""
 
@@ -111,6 +130,7 @@ class ObjectStore:
         self._closed = False
         self._pending: set[concurrent.futures.Future] = set()
         self._lock = threading.Lock()
+        _check_not_forked(self.uri)
         self._store = self._build()
         self._pid = os.getpid()
         self.supports_list = type(self._store).__name__ != "HTTPStore"  # plain HTTP servers cannot list
@@ -169,7 +189,8 @@ class ObjectStore:
                 uri=self.uri) from None
 
     def _obstore(self):
-        if self._pid != os.getpid():  # after fork: connections are not shared with the parent
+        _check_not_forked(self.uri)
+        if self._pid != os.getpid():  # a store unpickled in a spawned process: its own connections
             self._store, self._pid = self._build(), os.getpid()
         return self._store
 
@@ -197,6 +218,11 @@ class ObjectStore:
         if self._closed:
             coro.close()
             raise ShutdownError(f"{self.uri}: the store is closed", uri=self.uri)
+        try:
+            _check_not_forked(self.uri)
+        except StorageError:
+            coro.close()
+            raise
         bound = rounds * (self.retry_timeout_s + self.max_backoff_s + self._per_attempt()) + 5
         future = asyncio.run_coroutine_threadsafe(self._bounded(coro, bound), _Loop.get().loop)
         future.bound_s = bound  # type: ignore[attr-defined]
