@@ -3,6 +3,18 @@ import pytest
 import torch
 
 
+@pytest.fixture(params=["python", "engine"])
+def decode_path(request, monkeypatch):
+    """Each test that takes it runs on the Python path and on the compiled engine (where it is built)."""
+    from stoker import native
+
+    if request.param == "python":
+        monkeypatch.setattr(native, "Engine", None)
+    elif native.Engine is None:
+        pytest.skip("the compiled engine is not built")
+    return request.param
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)

@@ -15,19 +15,8 @@ import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 
 import stoker
-from stoker import native
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(params=["python", "engine"])
-def decode_path(request, monkeypatch):
-    """Each test runs on the Python path and on the compiled engine (where it is built)."""
-    if request.param == "python":
-        monkeypatch.setattr(native, "Engine", None)
-    elif native.Engine is None:
-        pytest.skip("the compiled engine is not built")
-    return request.param
 
 
 @pytest.fixture(scope="module")

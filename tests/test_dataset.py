@@ -13,18 +13,8 @@ import zarr
 from torch.utils.data import DataLoader
 
 import stoker
-from stoker import native
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture(params=["python", "engine"])
-def decode_path(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setattr(native, "Engine", None)
-    elif native.Engine is None:
-        pytest.skip("the compiled engine is not built")
-    return request.param
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,10 @@ import torch
 import zarr
 
 import stoker
-from stoker import native
 from stoker.records.stats import FieldStats
 from stoker.transforms import Compose, FillNaN, Normalize
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(params=["python", "engine"])
-def decode_path(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setattr(native, "Engine", None)
-    elif native.Engine is None:
-        pytest.skip("the compiled engine is not built")
-    return request.param
 
 
 @pytest.fixture(scope="module")
