@@ -486,3 +486,27 @@ def test_fetches_in_flight_are_not_bounded_by_io_threads(tree):
         assert np.array_equal(got[1][0].numpy(), local[0:4, 16:20].astype(np.float32))
     finally:
         server.stop()
+
+
+def test_transform_never_runs_on_the_stores_event_loop_thread(tree):
+    # A batch of missing chunks only (plain2.zarr's rows 32.. were never written): nothing to decode, so the
+    # fetch's completion would fill and finish the batch, and run the transform, right on the event-loop
+    # thread every object store shares (stalling every store's requests while it runs).
+    names = []
+
+    def transform(batch):
+        names.append(threading.current_thread().name)
+        return batch
+
+    prefix, options = _prefix(tree, "http")
+    cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1, pop_timeout_s=30,
+                        host_buffer_bytes=16 << 20, transform=transform, storage_options=options)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(f"{prefix}/plain2.zarr", [(32, 40), (0, 16)]) for _ in range(3)])
+        got = []
+        for _ in range(3):
+            b = p.pop()
+            got.append(torch.from_dlpack(b).clone())
+            b.release()
+    assert len(names) == 3 and not any(n.startswith("stoker-objectstore") for n in names), names
+    assert all(bool((g == -1).all()) for g in got)

@@ -145,8 +145,9 @@ class PythonDecoder:
         chunk on the compute pool; a missing whole value is the fill value.
 
         The I/O thread waits for the budget, then only starts the fetch of a store that can run it without
-        a waiting thread (an object store's ``start_get_many``): its completion hands the chunks to the
-        compute pool. So the fetches in flight are bounded by the budget, not by the I/O threads."""
+        a waiting thread (an object store's ``start_get_many``): its completion hands the result to the
+        compute pool (:meth:`_hand_over`). So the fetches in flight are bounded by the budget, not by the
+        I/O threads."""
         plan = job.plan
         whole = [fr for fr in reads if fr.whole_file]
         ranged = [(cid, plan.chunks[cid]) for fr in reads if not fr.whole_file for cid in fr.chunk_ids]
@@ -159,7 +160,7 @@ class PythonDecoder:
             start = getattr(kv, "start_get_many", None)
             if start is not None:
                 future = start(keys, requests)
-                future.add_done_callback(lambda f: self._fetch_done(job, whole, ranged, res, t0, lambda: kv.result_of(f)))
+                future.add_done_callback(lambda f: self._hand_over(job, whole, ranged, res, t0, lambda: kv.result_of(f)))
                 return
             values, parts = get_many(kv, keys, requests)
         except BaseException:
@@ -168,9 +169,23 @@ class PythonDecoder:
             raise
         self._fetched(job, whole, ranged, res, t0, lambda: (values, parts))
 
+    def _hand_over(self, job: Job, whole: list[FileRead], ranged: list, res: Reservation, t0: float,
+                   result: Callable) -> None:
+        """A started fetch finished: pass it to the compute pool (:meth:`_fetch_done`), nothing more. This runs
+        on the event-loop thread every object store of the process shares, so it must neither decode nor
+        finish the batch: finishing runs the user's transform and the device copy, which would stall every
+        store's requests (and deadlock on a transform that reads a store)."""
+        try:
+            self._compute.submit(self._fetch_done, job, whole, ranged, res, t0, result)
+        except ShutdownError:  # the pool was shut down (close): nothing will decode these chunks
+            n = len(whole) + len(ranged)
+            for _ in range(n):
+                res.done()
+            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+
     def _fetch_done(self, job: Job, whole: list[FileRead], ranged: list, res: Reservation, t0: float,
                     result: Callable) -> None:
-        """A started fetch finished (on the store's loop thread): :meth:`_fetched`, its failure the batch's."""
+        """A started fetch finished (run on the compute pool): :meth:`_fetched`, its failure the batch's."""
         n = len(whole) + len(ranged)
         try:
             self._fetched(job, whole, ranged, res, t0, result)
