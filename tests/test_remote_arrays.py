@@ -510,3 +510,23 @@ def test_transform_never_runs_on_the_stores_event_loop_thread(tree):
             b.release()
     assert len(names) == 3 and not any(n.startswith("stoker-objectstore") for n in names), names
     assert all(bool((g == -1).all()) for g in got)
+
+
+def test_a_failed_concurrent_open_is_not_tried_again(tree):
+    # Two arrays new to the pipeline are opened together; their metadata answers 503 for ever. Each open
+    # costs one retry budget (retries=2: 3 requests), once: not a second time by an open one after the other.
+    server = RangeServer(tree["root"])
+    cfg = stoker.Config(batch_size=2, dtype="f32", pop_timeout_s=60, host_buffer_bytes=16 << 20,
+                        storage_options={server.url + "/": FAST})
+    try:
+        server.fail(1000, 503)
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(f"{server.url}/g3.zarr/zstd", [(0, 4), (0, 4)]),
+                    stoker.Sample(f"{server.url}/g2.zarr/blosc", [(0, 4), (0, 4)])])
+            with pytest.raises(StorageError) as info:
+                p.pop()
+        assert info.value.status == 503 and info.value.attempts == 3
+        assert "g3.zarr" in info.value.key  # the first array's failure, in sample order
+        assert server.requests == 2 * 3
+    finally:
+        server.stop()

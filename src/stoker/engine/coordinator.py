@@ -80,23 +80,29 @@ class Coordinator:
     def _open_all(self, uris: list[str]) -> list[ArrayReader]:
         """The arrays at ``uris``. Those in remote stores not open yet are opened at once, each on a thread
         of its own (at most ``_OPEN_AT_ONCE``): their metadata requests overlap instead of adding up, one
-        round trip each, as a batch of arrays seen for the first time would. Failures are raised by the
-        opens that follow, in order."""
+        round trip each, as a batch of arrays seen for the first time would. A failed open is not tried
+        again (that would wait out its retries twice): the first failure, in ``uris`` order, is raised."""
         missing = [u for u in uris if u not in self._readers and u.split("://", 1)[0].lower() in REMOTE_SCHEMES]
+        errors: dict[str, BaseException] = {}
         for i in range(0, len(missing) if len(missing) > 1 else 0, _OPEN_AT_ONCE):
-            threads = [threading.Thread(target=self._try_open, args=(u,), name="stoker-open", daemon=True)
+            threads = [threading.Thread(target=self._try_open, args=(u, errors), name="stoker-open", daemon=True)
                        for u in missing[i:i + _OPEN_AT_ONCE]]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()  # bounded: every store request has its own time limit
-        return [self.open(u) for u in uris]
+        out = []
+        for u in uris:
+            if u in errors:
+                raise errors[u]
+            out.append(self.open(u))
+        return out
 
-    def _try_open(self, uri: str) -> None:
+    def _try_open(self, uri: str, errors: dict[str, BaseException]) -> None:
         try:
             self.open(uri)
-        except BaseException:  # noqa: BLE001 - raised again, in order, by the open that follows
-            pass
+        except BaseException as exc:  # noqa: BLE001 - raised, in order, by _open_all
+            errors[uri] = exc
 
     def start(self) -> None:
         with self.cond:
