@@ -530,3 +530,18 @@ def test_a_failed_concurrent_open_is_not_tried_again(tree):
         assert server.requests == 2 * 3
     finally:
         server.stop()
+
+
+def test_closed_stores_open_no_more(tree):
+    # A pipeline's stores are closed with it; a store opened after that would never be closed.
+    uri, options = remote(tree, "http", "g3.zarr/zstd")
+    stores = Stores()
+    kv, _ = stores.get(locate(uri), options)
+    stores.close()
+    with pytest.raises(ShutdownError) as info:
+        stores.get(locate(uri), options)
+    assert info.value.context["uri"] == uri
+    with pytest.raises(ShutdownError):
+        kv.get("g3.zarr/zstd/zarr.json")  # the store it held is closed too
+    with pytest.raises(ShutdownError):
+        stoker.open_array(uri, options, stores=stores)

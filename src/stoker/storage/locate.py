@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import unquote, urlparse
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, ShutdownError
 from .store import Store, check_key
 from .uri import REMOTE_SCHEMES
 
@@ -153,6 +153,7 @@ class Stores:
                                   uri=loc.uri)
         ident = (loc.root, json.dumps(options, sort_keys=True, default=repr), json.dumps(settings, sort_keys=True))
         with self._lock:
+            self._check_open(loc)
             held = self._stores.get(ident)
             if held is not None:
                 return held
@@ -165,14 +166,23 @@ class Stores:
 
             store = ObjectStore(loc.root, options, gate=self._gate, **settings)
         with self._lock:
-            held = self._stores.setdefault(ident, (store, Hierarchy(store)))
-        if held[0] is not store:
+            held = None if self._closed else self._stores.setdefault(ident, (store, Hierarchy(store)))
+        if held is None or held[0] is not store:
             store.close()
+        if held is None:  # closed while the store was being opened: no one else would close it
+            self._check_open(loc)
         return held
 
+    def _check_open(self, loc: Location) -> None:
+        if self._closed:
+            raise ShutdownError(f"{loc.uri}: the stores were closed (the pipeline that owns them was closed); "
+                                "open the array in a pipeline that is still open", uri=loc.uri)
+
     def close(self) -> None:
-        """Close every store (an object store cancels its requests in flight)."""
+        """Close every store (an object store cancels its requests in flight); :meth:`get` raises
+        :class:`~stoker.errors.ShutdownError` from now on, so no store opened later goes unclosed."""
         with self._lock:
+            self._closed = True
             held, self._stores = list(self._stores.values()), {}
         for store, _ in held:
             store.close()
