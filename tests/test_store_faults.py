@@ -5,7 +5,6 @@ or a typed error naming the URI, key, status and attempts, in bounded time."""
 from __future__ import annotations
 
 import os
-import time
 import threading
 
 import pytest
@@ -198,17 +197,23 @@ def test_a_child_forked_after_obstore_ran_is_refused_at_once(server):
     def child():
         said = []
         for make in (lambda: s, lambda: store(server)):
-            t0 = time.monotonic()
             try:
                 make().get("value")
                 said.append("read")
             except StorageError as exc:
-                said.append((type(exc).__name__, "forkserver" in str(exc), time.monotonic() - t0 < 5))
+                said.append((type(exc).__name__, "forkserver" in str(exc)))
         out.put(said)
 
     p = ctx.Process(target=child)
     p.start()
-    said = out.get(timeout=60)
-    p.join(30)
-    assert said == [("StorageError", True, True)] * 2, said
+    try:
+        # bounded: a refused read answers at once; a request left to the dead runtime waits its bound (80 s)
+        said = out.get(timeout=30)
+    finally:
+        if p.is_alive():
+            p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert said == [("StorageError", True)] * 2, said
     assert bytes(s.get("value")) == VALUE
