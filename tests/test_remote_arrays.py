@@ -545,3 +545,18 @@ def test_closed_stores_open_no_more(tree):
         kv.get("g3.zarr/zstd/zarr.json")  # the store it held is closed too
     with pytest.raises(ShutdownError):
         stoker.open_array(uri, options, stores=stores)
+
+
+def test_array_uris_with_credentials_are_refused_never_printed(tree):
+    # An array URI is in every message about it and in ArrayReader.uri: no user:password, no query in it.
+    host = tree["http"].url.split("://", 1)[1]
+    cfg = stoker.Config(batch_size=1, dtype="f32", pop_timeout_s=30, host_buffer_bytes=16 << 20)
+    for uri in (f"http://user:s3cr3tpw@{host}/g3.zarr/zstd", f"{tree['http'].url}/g3.zarr/zstd?sig=s3cr3tpw"):
+        with pytest.raises(InvalidArgument) as info:
+            stoker.open_array(uri, FAST, stores=Stores())
+        assert "s3cr3tpw" not in str(info.value) and "s3cr3tpw" not in info.value.context["uri"]
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(uri, [(0, 4), (0, 4)])])
+            with pytest.raises(InvalidArgument) as info:
+                p.pop()
+        assert "s3cr3tpw" not in str(info.value)

@@ -10,7 +10,10 @@ import threading
 import pytest
 
 from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
-from stoker.storage import ByteRange, ObjectStore
+from stoker import Config
+from stoker.storage import ByteRange, ObjectStore, open_store
+from stoker.storage.locate import options_for
+from stoker.storage.uri import check_remote_url
 
 from range_server import RangeServer
 
@@ -217,3 +220,36 @@ def test_a_child_forked_after_obstore_ran_is_refused_at_once(server):
             p.join(5)
     assert said == [("StorageError", True)] * 2, said
     assert bytes(s.get("value")) == VALUE
+
+
+def test_credentials_and_queries_in_a_url_are_refused_never_printed(server):
+    # obstore never sends a URL's user:password (nor its query): refused, and the refusal does not repeat them.
+    host = server.url.split("://", 1)[1]
+    for url in (f"http://user:s3cr3tpw@{host}", f"http://s3cr3tpw@{host}", f"{server.url}/root?sig=s3cr3tpw",
+                "s3://key:s3cr3tpw@bucket"):
+        with pytest.raises(InvalidArgument) as info:
+            ObjectStore(url, retries=0)
+        assert "s3cr3tpw" not in str(info.value) and "s3cr3tpw" not in info.value.context["uri"], url
+        assert "storage_options" in str(info.value)
+    with pytest.raises(InvalidArgument) as info:
+        open_store(f"http://user:s3cr3tpw@{host}/root")
+    assert "s3cr3tpw" not in str(info.value)
+    assert server.requests == 0
+    check_remote_url("abfs://container@account.dfs.core.windows.net/x")  # Azure's spelling: no password
+
+
+def test_config_repr_hides_storage_options():
+    cfg = Config(storage_options={"s3://bucket/": {"secret_access_key": "s3cr3tpw"}})
+    assert "s3cr3tpw" not in repr(cfg) and "s3cr3tpw" not in str(cfg)
+    assert cfg.storage_options["s3://bucket/"]["secret_access_key"] == "s3cr3tpw"
+
+
+def test_options_apply_under_their_prefix_only():
+    by_prefix = {"https://host": {"a": 1}, "s3://data": {"b": 2}, "s3://data/x/": {"c": 3}}
+    assert options_for(by_prefix, "https://host") == {"a": 1}
+    assert options_for(by_prefix, "https://host/g.zarr/a") == {"a": 1}
+    assert options_for(by_prefix, "https://host.evil.com/g.zarr/a") is None
+    assert options_for(by_prefix, "https://host:8443/g.zarr/a") is None
+    assert options_for(by_prefix, "s3://data-public/g.zarr") is None
+    assert options_for(by_prefix, "s3://data/g.zarr") == {"b": 2}
+    assert options_for(by_prefix, "s3://data/x/g.zarr") == {"c": 3}  # the longest prefix

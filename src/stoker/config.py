@@ -9,7 +9,7 @@ stoker.errors.InvalidArgument: Config.batch_size must be an integer >= 1, got 0
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -89,7 +89,9 @@ class Config:
     - ``storage_options``: ``None`` or ``{URI prefix: options}`` for remote arrays (``s3://``, ``gs://``,
       ``az://``, ``http(s)://``): each array takes the options of the longest prefix of its URI
       (credentials, endpoint, region, ``skip_signature``, and stoker's ``timeout_s``, ``retries``...;
-      see docs/remote.md). Credentials in the standard environment (``AWS_*``...) need none.
+      see docs/remote.md). Credentials in the standard environment (``AWS_*``...) need none. A prefix
+      ends at a ``/`` of the URI or at its end (``s3://data`` is no prefix of ``s3://data-public/x``).
+      Left out of the Config's repr (it may hold secrets).
     - ``requests_in_flight`` (>= 1): the most requests to remote stores the pipeline has open at once
       (a batch's chunks are fetched together; independent of the thread counts).
     - ``decode_on``: ``"auto" | "cpu" | "gpu"``, where chunks are decompressed. This version decodes
@@ -115,7 +117,7 @@ class Config:
     drop_last: bool = True
     decode_on: str = "auto"
     transform: Any = None
-    storage_options: dict | None = None
+    storage_options: dict | None = field(default=None, repr=False)  # may hold secrets: never printed
     requests_in_flight: int = 64
 
     def __post_init__(self) -> None:

@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlparse
 
 from ..errors import InvalidArgument, ShutdownError
 from .store import Store, check_key
-from .uri import REMOTE_SCHEMES
+from .uri import REMOTE_SCHEMES, check_remote_url
 
 #: ObjectStore settings that may be given among ``storage_options`` (stoker's, not obstore's keys).
 SETTING_KEYS = frozenset({"timeout_s", "connect_timeout_s", "retries", "retry_timeout_s", "backoff_s",
@@ -100,8 +100,14 @@ def options_for(by_prefix: Mapping[str, dict] | None, uri: str) -> dict | None:
     """The storage options of the longest prefix of ``uri`` in ``by_prefix`` (``Config.storage_options``)."""
     if not by_prefix:
         return None
-    best = max((p for p in by_prefix if uri.startswith(p)), key=len, default=None)
+    best = max((p for p in by_prefix if _under(uri, p)), key=len, default=None)
     return None if best is None else by_prefix[best]
+
+
+def _under(uri: str, prefix: str) -> bool:
+    """Whether ``prefix`` names ``uri`` or a folder above it: it ends at a ``/`` of ``uri`` or at its end, so
+    ``https://host`` is no prefix of ``https://host.evil.com/...`` nor ``s3://data`` of ``s3://data-public``."""
+    return uri.startswith(prefix) and (len(uri) == len(prefix) or prefix.endswith("/") or uri[len(prefix)] == "/")
 
 
 def check_options_by_prefix(value: Any, what: str) -> dict[str, dict] | None:
@@ -148,6 +154,8 @@ class Stores:
 
         options = dict(storage_options or {})
         settings = {k: options.pop(k) for k in list(options) if k in SETTING_KEYS}
+        if not loc.archive:
+            check_remote_url(loc.uri)  # the array's URI is in its messages and ArrayReader.uri
         if loc.archive and (options or settings):
             raise InvalidArgument(f"{loc.uri}: storage_options apply to remote stores only, not to zip archives",
                                   uri=loc.uri)

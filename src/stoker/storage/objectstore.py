@@ -39,6 +39,7 @@ from .. import checks
 from ..errors import InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat
 from .ranges import coalesce
 from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read
+from .uri import check_remote_url
 
 #: obstore's HTTP client options (``ClientConfig``): these ``storage_options`` go to the client.
 CLIENT_KEYS = frozenset({
@@ -111,6 +112,7 @@ class ObjectStore:
                  gate: asyncio.Semaphore | None = None) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise InvalidArgument(f"ObjectStore takes a URL such as s3://bucket/root, got {url!r}", uri=url)
+        check_remote_url(url)  # no credentials in a URI that every message names
         if storage_options is not None and not isinstance(storage_options, dict):
             raise InvalidArgument(f"storage_options must be a dict, got {type(storage_options).__name__}", uri=url)
         self.uri = url.rstrip("/")

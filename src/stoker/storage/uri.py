@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit, urlunsplit
 
 from ..errors import InvalidArgument
 from .store import Store
@@ -25,6 +25,39 @@ from .store import Store
 REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https"})
 
 _memory: dict[str, Any] = {}
+
+
+def redact(uri: str) -> str:
+    """``uri`` fit for a message: its user information (``user:password@``), query and fragment masked."""
+    if "://" not in uri:
+        return uri
+    parsed = urlsplit(uri)
+    netloc = parsed.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    return urlunsplit((parsed.scheme, netloc, parsed.path, "***" if parsed.query else "",
+                       "***" if parsed.fragment else ""))
+
+
+def check_remote_url(uri: str) -> None:
+    """InvalidArgument for a remote URI carrying what obstore never sends (a query, a fragment; user
+    information over HTTP) or a password: credentials go in ``storage_options``, never in a URI that ends up
+    in messages, logs and ``uri`` attributes. (Azure's ``abfs://container@account...`` names no password.)"""
+    parsed = urlsplit(uri)
+    scheme = parsed.scheme.lower()
+    userinfo = parsed.netloc.rpartition("@")[0] if "@" in parsed.netloc else None
+    if userinfo is not None and (":" in userinfo or scheme in ("http", "https")):
+        raise InvalidArgument(
+            f"{redact(uri)}: credentials in the URL are not used (obstore does not send them) and would leak "
+            "into messages; drop the user:password@ part and pass credentials in storage_options (an "
+            "'Authorization' header in default_headers for HTTP; access_key_id/secret_access_key, "
+            "account_key... for a bucket)", uri=redact(uri))
+    if parsed.query or parsed.fragment:
+        raise InvalidArgument(
+            f"{redact(uri)}: a query string or fragment is not sent with a store's requests (keys are read "
+            "under the URI's path); drop it, and pass tokens in storage_options (e.g. sas_key for Azure)",
+            uri=redact(uri))
+
 _memory_lock = threading.Lock()
 
 
@@ -68,4 +101,4 @@ def open_store(uri: str | os.PathLike, storage_options: dict[str, Any] | None = 
     return FileStore(path)
 
 
-__all__ = ["REMOTE_SCHEMES", "open_store"]
+__all__ = ["REMOTE_SCHEMES", "check_remote_url", "open_store", "redact"]
