@@ -7,8 +7,8 @@ few reads, since all of them live in one file. Compressed members (deflate, bzip
 whole and inflated by :mod:`zipfile` (which checks their CRC), then sliced.
 
 Refused when the archive opens (:class:`~stoker.errors.DecodeError` naming the member): a name that
-is not a relative key (absolute, ``..``, backslashes), a name stored twice, a member whose bytes
-would reach past the next member's header or the start of the central directory. A member without
+is not a relative key (absolute, ``..``, backslashes), a name stored twice, a stored member whose
+size differs from its stored size, a member whose bytes would reach past the next member's header or the start of the central directory. A member without
 its local header where the central directory says is refused when it is first read.
 """
 
@@ -77,6 +77,12 @@ class ZipStore:
             if info.filename in members:
                 raise DecodeError(f"{self.path}: member {info.filename!r} is stored twice; which one is meant is "
                                   "ambiguous", uri=self.uri, key=info.filename)
+            # A stored member's bytes are bounds-checked by compress_size and read by file_size: sizes
+            # that differ would read past the member, into the next header or member.
+            if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+                raise DecodeError(f"{self.path}: stored member {info.filename!r} claims {info.file_size} bytes but "
+                                  f"holds {info.compress_size}; the archive is corrupt", uri=self.uri,
+                                  key=info.filename)
             members[info.filename] = info
         # A member's bytes end before the next member's header, the last one's before the central
         # directory: sizes that reach further would read other members' bytes as this one's.
