@@ -140,6 +140,8 @@ def test_uri_forms():
     assert locate("https://h:8/x/y/").prefix == "x/y"
     z = locate("zip:///tmp/d.zip!/g.zarr/a")
     assert (z.root, z.prefix, z.archive) == ("/tmp/d.zip", "g.zarr/a", True)
+    z = locate("zip:///tmp/no-such.zip/g.zarr/a")  # no "!" and no archive along the path: the whole path
+    assert (z.root, z.prefix, z.archive) == ("/tmp/no-such.zip/g.zarr/a", "", True)
     assert locate("/tmp/no-such.zip/a").is_local  # not an archive: a directory path as before
     with pytest.raises(InvalidArgument):
         locate("s3://b/g.zarr/../a")
@@ -352,6 +354,26 @@ def test_record_datasets_over_s3_equal_local(records, name):
     import pickle
     copy = pickle.loads(pickle.dumps(remote_ds))  # a worker's copy opens its own store
     assert copy[2]["cells"].numpy().tobytes() == local[2]["cells"].numpy().tobytes()
+
+
+def test_record_datasets_in_a_zip_archive_under_every_uri_form(records, tmp_path):
+    """The archive found along a ``zip://`` path without ``!`` too, as along a plain path."""
+    from stoker.records import ZarrRecords
+
+    whole, flat = str(tmp_path / "all.zip"), str(tmp_path / "rec3.zip")  # records in a folder; at the root
+    for archive, prefix in ((whole, ""), (flat, "rec3/")):
+        with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+            for key, value in sorted(_values(records["root"]).items()):
+                if key.startswith(prefix):
+                    zf.writestr(key[len(prefix):], value)
+    local = ZarrRecords(os.path.join(records["root"], "rec3"))
+    for root in (f"{whole}/rec3", f"zip://{whole}!/rec3", f"zip://{whole}/rec3", flat, f"zip://{flat}!",
+                 f"zip://{flat}", f"zip://{flat}/"):
+        ds = ZarrRecords(root)
+        assert len(ds) == len(local) == 3, root
+        for i in range(3):
+            a, b = local[i], ds[i]
+            assert a.keys() == b.keys() and all(a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a), root
 
 
 def test_record_dataset_over_http_needs_consolidated_metadata(records):

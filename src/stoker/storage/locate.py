@@ -11,7 +11,8 @@ array URI                                           store                   key 
 
 One store per bucket, container or host (per storage options), so arrays of one hierarchy share its
 connections and its consolidated metadata. A zip archive is named by its path followed by the path
-inside it; the ``zip://`` form marks the archive's end with ``!``.
+inside it; the ``zip://`` form may mark the archive's end with ``!`` (without one, the archive is the
+first existing ``.zip`` file along the path, as for a plain path).
 """
 
 from __future__ import annotations
@@ -71,10 +72,14 @@ def locate(uri: str | os.PathLike) -> Location:
                                   uri=uri)
         return Location(uri, f"{parsed.scheme}://{parsed.netloc}", _prefix(uri, unquote(parsed.path)))
     if scheme == "zip":
-        archive, _, inner = uri[len("zip://"):].partition("!")
+        archive, bang, inner = uri[len("zip://"):].partition("!")
         if not archive:
             raise InvalidArgument(f"{uri}: names no archive; write zip:///path/to/data.zip!/path/inside", uri=uri)
-        return Location(uri, os.path.abspath(archive), _prefix(uri, inner), archive=True)
+        archive = os.path.abspath(archive)
+        zipped = None if bang else _split_archive(archive)  # without "!": the archive is found along the path
+        if zipped is not None:
+            archive, inner = zipped
+        return Location(uri, archive, _prefix(uri, inner), archive=True)
     from . import resolve_local_path
 
     path = resolve_local_path(uri)
