@@ -192,6 +192,77 @@ def test_storage_error_names_uri_and_key(tree):
     stores.close()
 
 
+def _small(folder: str, value: int, n: int, consolidate: bool = False) -> dict[str, bytes]:
+    """The files of a group ``g.zarr`` holding ``a`` of shape (n,) filled with ``value`` (zarr-python)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.open_group(os.path.join(folder, "g.zarr"), mode="w")
+        zarr.create_array(os.path.join(folder, "g.zarr/a"), shape=(n,), chunks=(n,), dtype="f4",
+                          compressors=None)[...] = value
+        if consolidate:
+            zarr.consolidate_metadata(os.path.join(folder, "g.zarr"))
+    return _values(folder)
+
+
+def _zip(path: str, values: dict[str, bytes]) -> None:
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for key in sorted(values):
+            zf.writestr(key, values[key])
+
+
+@pytest.mark.parametrize("how", ["in place", "replaced"])
+def test_open_array_sees_a_rewritten_zip_archive(tmp_path, how):
+    """Outside a pipeline each open sees the archive as it is now, as for local files."""
+    archive = str(tmp_path / "d.zip")
+    _zip(archive, _small(str(tmp_path / "v1"), 1, 4))
+    first = stoker.open_array(f"{archive}/g.zarr/a")
+    assert first[:].tolist() == [1] * 4
+    second = _small(str(tmp_path / "v2"), 2, 6)
+    if how == "in place":
+        _zip(archive, second)
+    else:
+        _zip(archive + ".tmp", second)
+        os.replace(archive + ".tmp", archive)
+    for uri in (f"{archive}/g.zarr/a", f"zip://{archive}!/g.zarr/a"):
+        arr = stoker.open_array(uri)
+        assert arr.shape == (6,) and arr[:].tolist() == [2] * 6, uri
+    if how == "replaced":  # an array opened before keeps reading the archive it was opened from
+        assert first[:].tolist() == [1] * 4
+
+
+def test_open_array_sees_rewritten_consolidated_metadata(tmp_path):
+    root = str(tmp_path / "served")
+    _small(root, 1, 4, consolidate=True)
+    server = RangeServer(root)
+    try:
+        uri = f"{server.url}/g.zarr/a"
+        assert stoker.open_array(uri, FAST).shape == (4,)
+        _small(root, 2, 6, consolidate=True)
+        arr = stoker.open_array(uri, FAST)
+        assert arr.shape == (6,) and arr[:].tolist() == [2] * 6
+    finally:
+        server.stop()
+
+
+def test_stores_kept_outside_a_pipeline_are_bounded(tmp_path):
+    """Archives opened once and dropped do not keep their descriptors for the life of the process."""
+    import gc
+
+    from stoker.storage.locate import DEFAULT_MAX_STORES
+
+    values = _small(str(tmp_path / "src"), 1, 4)
+    n = 2 * DEFAULT_MAX_STORES + 20
+    for i in range(n):
+        _zip(str(tmp_path / f"{i}.zip"), values)
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(n):
+        assert stoker.open_array(str(tmp_path / f"{i}.zip/g.zarr/a"))[:].tolist() == [1] * 4
+    gc.collect()
+    held = len(os.listdir("/proc/self/fd")) - before
+    assert held <= 2 * DEFAULT_MAX_STORES + 8  # a kept archive: its descriptor and zipfile's
+
+
 # -- pipelines ------------------------------------------------------------------------------------
 
 CROP = (9, 20)
