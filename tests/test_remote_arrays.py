@@ -456,6 +456,12 @@ def test_record_dataset_over_http_needs_consolidated_metadata(records):
     ds = ZarrRecords(f"{http.url}/rec3", fields=["positions", "cells"])
     assert len(ds) == 3 and ds[0]["cells"].shape[1] == 2
     assert http.requests - before <= 1 + 3 * 2 * 2  # the root's zarr.json, then only chunks of record 0
+    # later samples cost their chunks only: the dataset keeps its stores' metadata, as a pipeline does
+    chunks = sum(len(files) for folder, _, files in os.walk(os.path.join(records["root"], "rec3/run_001"))
+                 if "c" in folder.split(os.sep))
+    before = http.requests
+    assert ds[1]["cells"].shape == (6, 2)
+    assert http.requests - before == chunks
     with pytest.raises(UnsupportedFormat, match="consolidate"):
         ZarrRecords(f"{http.url}/rec2")  # an HTTP server cannot be listed
 
