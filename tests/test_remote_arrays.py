@@ -485,6 +485,14 @@ def test_inspect_reads_remote_arrays(tree, kind, monkeypatch):
         assert got == want
 
 
+def test_sampler_over_many_arrays_of_a_consolidated_group_reads_its_metadata_once(tree):
+    http = tree["http"]
+    before = http.requests
+    src = stoker.RandomCrops([f"{http.url}/{p}" for p in V3], CROP, storage_options={http.url: FAST})
+    assert src.shapes == [SHAPE] * len(V3)
+    assert http.requests - before == 1  # g3.zarr/zarr.json
+
+
 def test_samplers_over_s3_give_the_local_batches(tree):
     prefix, options = _prefix(tree, "s3")
     paths = ["g3.zarr/sub/sharded", "g2.zarr/zlib_f"]
