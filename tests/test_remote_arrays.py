@@ -140,6 +140,8 @@ def test_uri_forms():
     assert locate("https://h:8/x/y/").prefix == "x/y"
     z = locate("zip:///tmp/d.zip!/g.zarr/a")
     assert (z.root, z.prefix, z.archive) == ("/tmp/d.zip", "g.zarr/a", True)
+    z = locate("zip:///tmp/no-such.zip/g.zarr/a")  # no "!" and no archive along the path: the whole path
+    assert (z.root, z.prefix, z.archive) == ("/tmp/no-such.zip/g.zarr/a", "", True)
     assert locate("/tmp/no-such.zip/a").is_local  # not an archive: a directory path as before
     with pytest.raises(InvalidArgument):
         locate("s3://b/g.zarr/../a")
@@ -188,6 +190,77 @@ def test_storage_error_names_uri_and_key(tree):
     assert info.value.context.get("key") == "g3.zarr/zstd/c/0/0"
     assert server.url in str(info.value)
     stores.close()
+
+
+def _small(folder: str, value: int, n: int, consolidate: bool = False) -> dict[str, bytes]:
+    """The files of a group ``g.zarr`` holding ``a`` of shape (n,) filled with ``value`` (zarr-python)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.open_group(os.path.join(folder, "g.zarr"), mode="w")
+        zarr.create_array(os.path.join(folder, "g.zarr/a"), shape=(n,), chunks=(n,), dtype="f4",
+                          compressors=None)[...] = value
+        if consolidate:
+            zarr.consolidate_metadata(os.path.join(folder, "g.zarr"))
+    return _values(folder)
+
+
+def _zip(path: str, values: dict[str, bytes]) -> None:
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for key in sorted(values):
+            zf.writestr(key, values[key])
+
+
+@pytest.mark.parametrize("how", ["in place", "replaced"])
+def test_open_array_sees_a_rewritten_zip_archive(tmp_path, how):
+    """Outside a pipeline each open sees the archive as it is now, as for local files."""
+    archive = str(tmp_path / "d.zip")
+    _zip(archive, _small(str(tmp_path / "v1"), 1, 4))
+    first = stoker.open_array(f"{archive}/g.zarr/a")
+    assert first[:].tolist() == [1] * 4
+    second = _small(str(tmp_path / "v2"), 2, 6)
+    if how == "in place":
+        _zip(archive, second)
+    else:
+        _zip(archive + ".tmp", second)
+        os.replace(archive + ".tmp", archive)
+    for uri in (f"{archive}/g.zarr/a", f"zip://{archive}!/g.zarr/a"):
+        arr = stoker.open_array(uri)
+        assert arr.shape == (6,) and arr[:].tolist() == [2] * 6, uri
+    if how == "replaced":  # an array opened before keeps reading the archive it was opened from
+        assert first[:].tolist() == [1] * 4
+
+
+def test_open_array_sees_rewritten_consolidated_metadata(tmp_path):
+    root = str(tmp_path / "served")
+    _small(root, 1, 4, consolidate=True)
+    server = RangeServer(root)
+    try:
+        uri = f"{server.url}/g.zarr/a"
+        assert stoker.open_array(uri, FAST).shape == (4,)
+        _small(root, 2, 6, consolidate=True)
+        arr = stoker.open_array(uri, FAST)
+        assert arr.shape == (6,) and arr[:].tolist() == [2] * 6
+    finally:
+        server.stop()
+
+
+def test_stores_kept_outside_a_pipeline_are_bounded(tmp_path):
+    """Archives opened once and dropped do not keep their descriptors for the life of the process."""
+    import gc
+
+    from stoker.storage.locate import DEFAULT_MAX_STORES
+
+    values = _small(str(tmp_path / "src"), 1, 4)
+    n = 2 * DEFAULT_MAX_STORES + 20
+    for i in range(n):
+        _zip(str(tmp_path / f"{i}.zip"), values)
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(n):
+        assert stoker.open_array(str(tmp_path / f"{i}.zip/g.zarr/a"))[:].tolist() == [1] * 4
+    gc.collect()
+    held = len(os.listdir("/proc/self/fd")) - before
+    assert held <= 2 * DEFAULT_MAX_STORES + 8  # a kept archive: its descriptor and zipfile's
 
 
 # -- pipelines ------------------------------------------------------------------------------------
@@ -354,6 +427,26 @@ def test_record_datasets_over_s3_equal_local(records, name):
     assert copy[2]["cells"].numpy().tobytes() == local[2]["cells"].numpy().tobytes()
 
 
+def test_record_datasets_in_a_zip_archive_under_every_uri_form(records, tmp_path):
+    """The archive found along a ``zip://`` path without ``!`` too, as along a plain path."""
+    from stoker.records import ZarrRecords
+
+    whole, flat = str(tmp_path / "all.zip"), str(tmp_path / "rec3.zip")  # records in a folder; at the root
+    for archive, prefix in ((whole, ""), (flat, "rec3/")):
+        with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+            for key, value in sorted(_values(records["root"]).items()):
+                if key.startswith(prefix):
+                    zf.writestr(key[len(prefix):], value)
+    local = ZarrRecords(os.path.join(records["root"], "rec3"))
+    for root in (f"{whole}/rec3", f"zip://{whole}!/rec3", f"zip://{whole}/rec3", flat, f"zip://{flat}!",
+                 f"zip://{flat}", f"zip://{flat}/"):
+        ds = ZarrRecords(root)
+        assert len(ds) == len(local) == 3, root
+        for i in range(3):
+            a, b = local[i], ds[i]
+            assert a.keys() == b.keys() and all(a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a), root
+
+
 def test_record_dataset_over_http_needs_consolidated_metadata(records):
     from stoker.errors import UnsupportedFormat
     from stoker.records import ZarrRecords
@@ -363,6 +456,12 @@ def test_record_dataset_over_http_needs_consolidated_metadata(records):
     ds = ZarrRecords(f"{http.url}/rec3", fields=["positions", "cells"])
     assert len(ds) == 3 and ds[0]["cells"].shape[1] == 2
     assert http.requests - before <= 1 + 3 * 2 * 2  # the root's zarr.json, then only chunks of record 0
+    # later samples cost their chunks only: the dataset keeps its stores' metadata, as a pipeline does
+    chunks = sum(len(files) for folder, _, files in os.walk(os.path.join(records["root"], "rec3/run_001"))
+                 if "c" in folder.split(os.sep))
+    before = http.requests
+    assert ds[1]["cells"].shape == (6, 2)
+    assert http.requests - before == chunks
     with pytest.raises(UnsupportedFormat, match="consolidate"):
         ZarrRecords(f"{http.url}/rec2")  # an HTTP server cannot be listed
 
@@ -384,6 +483,14 @@ def test_inspect_reads_remote_arrays(tree, kind, monkeypatch):
         assert got.pop("uri") == uri
         want.pop("uri")
         assert got == want
+
+
+def test_sampler_over_many_arrays_of_a_consolidated_group_reads_its_metadata_once(tree):
+    http = tree["http"]
+    before = http.requests
+    src = stoker.RandomCrops([f"{http.url}/{p}" for p in V3], CROP, storage_options={http.url: FAST})
+    assert src.shapes == [SHAPE] * len(V3)
+    assert http.requests - before == 1  # g3.zarr/zarr.json
 
 
 def test_samplers_over_s3_give_the_local_batches(tree):

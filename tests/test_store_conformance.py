@@ -221,6 +221,10 @@ def test_open_store_picks_by_uri(tree, zip_path, servers):
     assert isinstance(open_store("memory://a"), MemoryStore)
     assert open_store("memory://a") is open_store("memory://a")
     assert open_store("memory://a") is not open_store("memory://b")
+    named = open_store("memory://a")
+    named.set("k", b"v")
+    named.close()  # forgets the name
+    assert open_store("memory://a") is not named and not open_store("memory://a").exists("k")
     s3 = open_store(f"s3://{BUCKET}/{PREFIX}", servers["s3"].options)
     assert isinstance(s3, ObjectStore) and s3.supports_list
     http = open_store(servers["http"].url)

@@ -99,6 +99,15 @@ def test_zip_member_past_the_next_one_or_the_central_directory_is_refused(tmp_pa
     assert info.value.key == f"c/{entry}"
 
 
+def test_zip_stored_member_larger_than_its_stored_bytes_is_refused(tmp_path):
+    """A stored member whose size exceeds its stored bytes: range reads would return the next member's."""
+    path = write(tmp_path / "t.zip", [("c/0", A), ("c/1", B)])
+    patch_central(path, 24, "<L", len(A) + 16, entry=0)  # uncompressed size only
+    with pytest.raises(DecodeError, match="stored member 'c/0'") as info:
+        ZipStore(path)
+    assert info.value.key == "c/0" and str(path) in str(info.value)
+
+
 def test_zip_local_header_missing_is_refused(tmp_path):
     path = write(tmp_path / "t.zip", [("c/0", A), ("c/1", B)])
     with zipfile.ZipFile(path) as zf:

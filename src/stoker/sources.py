@@ -83,14 +83,14 @@ class SampleSource:
         return iter(self.for_rank(0, 1))
 
 
-def _open_shapes(arrays: Sequence[str], storage_options: dict | None = None) -> list[tuple[int, ...]]:
+def _open_shapes(arrays: Sequence[str], storage_options: dict | None, stores) -> list[tuple[int, ...]]:
     """The arrays' shapes (remote URIs with the options of their longest prefix in ``storage_options``,
-    as Config.storage_options; credentials are never part of a source's identity)."""
+    as Config.storage_options; credentials are never part of a source's identity), opened in ``stores``."""
     from .array import open_array
     from .storage.locate import check_options_by_prefix, options_for
 
     by_prefix = check_options_by_prefix(storage_options, "storage_options")
-    return [open_array(uri, options_for(by_prefix, uri)).shape for uri in arrays]
+    return [open_array(uri, options_for(by_prefix, uri), stores=stores).shape for uri in arrays]
 
 
 def _entries(arrays: Sequence[Any], who: str) -> list:
@@ -112,16 +112,22 @@ def _entries(arrays: Sequence[Any], who: str) -> list:
 
 def _entry_shapes(entries: list, storage_options: dict | None = None) -> list[tuple[int, ...]]:
     """The shape of each entry's arrays: a group's arrays must have one shape (InvalidArgument naming them)."""
+    from .storage.locate import Stores
+
     shapes = []
-    for entry in entries:
-        group = entry if isinstance(entry, list) else [entry]
-        found = _open_shapes(group, storage_options)
-        for uri, shape in zip(group, found):
-            if shape != found[0]:
-                raise InvalidArgument(
-                    f"{uri}: shape {shape} differs from {group[0]}'s {found[0]}; the arrays of a group are read "
-                    "at the same boxes and must have one shape", uri=uri)
-        shapes.append(found[0])
+    stores = Stores()  # shared by every array: a consolidated group's metadata is read once, not per array
+    try:
+        for entry in entries:
+            group = entry if isinstance(entry, list) else [entry]
+            found = _open_shapes(group, storage_options, stores)
+            for uri, shape in zip(group, found):
+                if shape != found[0]:
+                    raise InvalidArgument(
+                        f"{uri}: shape {shape} differs from {group[0]}'s {found[0]}; the arrays of a group are "
+                        "read at the same boxes and must have one shape", uri=uri)
+            shapes.append(found[0])
+    finally:
+        stores.close()
     return shapes
 
 

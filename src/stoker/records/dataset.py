@@ -34,6 +34,7 @@ from ..checks import integer
 from ..distributed import resolve_rank
 from ..errors import InvalidArgument, MetadataError, OutOfBounds
 from ..storage import LocalStore
+from ..storage.locate import Stores, locate
 from .catalog import TIME_DIM, Catalog, FieldsArg, scan
 
 Sample = dict[str, torch.Tensor]
@@ -112,6 +113,7 @@ class ZarrRecords(torch.utils.data.Dataset):
             raise InvalidArgument(f"store must be a stoker.storage.LocalStore, got {type(store).__name__}")
         self._storage_options = dict(storage_options) if storage_options else None
         self._catalog: Catalog = scan(root, fields, store, self._storage_options)
+        self._in_store = not locate(self._catalog.root).is_local
         self._time_slice = time_slice
         self._cache_bytes = cache_bytes
         self._lazy = bool(lazy)
@@ -131,6 +133,8 @@ class ZarrRecords(torch.utils.data.Dataset):
         self._owner_pid = os.getpid()
         self._local_store: LocalStore | None = None
         self._local_pid = -1
+        self._stores: Stores | None = None  # a dataset in a store: its stores and metadata, per process
+        self._stores_pid = -1
         self._lock = threading.Lock()
         self._cache: SizedLRU[Sample] | None = (
             SizedLRU(self._cache_bytes, _sample_nbytes) if self._cache_bytes > 0 else None
@@ -138,7 +142,7 @@ class ZarrRecords(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_user_store", "_owner_pid", "_local_store", "_local_pid", "_lock", "_cache"):
+        for key in ("_user_store", "_owner_pid", "_local_store", "_local_pid", "_stores", "_stores_pid", "_lock", "_cache"):
             state.pop(key, None)
         return state
 
@@ -160,12 +164,24 @@ class ZarrRecords(torch.utils.data.Dataset):
                 self._local_store, self._local_pid = store, pid
             return self._local_store
 
+    def _remote_stores(self) -> Stores:
+        """The stores of a dataset in a store, opened on first use in this process (as a pipeline's: the
+        metadata of records and their groups is read once, not at every sample)."""
+        with self._lock:
+            if self._stores is None or self._stores_pid != os.getpid():
+                stores = Stores()
+                weakref.finalize(self, stores.close)
+                self._stores, self._stores_pid = stores, os.getpid()
+            return self._stores
+
     def close(self) -> None:
-        """Close this process's private descriptors and drop the cache (reads reopen on demand)."""
+        """Close this process's private descriptors and stores and drop the cache (reads reopen on demand)."""
         with self._lock:
             if self._local_store is not None and self._local_pid == os.getpid():
                 self._local_store.close()
-            self._local_store = None
+            if self._stores is not None and self._stores_pid == os.getpid():
+                self._stores.close()
+            self._local_store = self._stores = None
         if self._cache is not None:
             self._cache.clear()
 
@@ -288,10 +304,11 @@ class ZarrRecords(torch.utils.data.Dataset):
     def _read(self, b: int, names: Sequence[str]) -> Sample:
         cat = self._catalog
         store = self._store()
+        stores = self._remote_stores() if self._in_store else None
         out: Sample = {}
         for name in names:
             path = cat.path(b, name)
-            arr = open_array(path, self._storage_options, store=store)
+            arr = open_array(path, self._storage_options, store=store, stores=stores)
             want_shape, want_dtype = cat.shape(b, name), cat.dtype(b, name)
             if arr.shape != want_shape or arr.dtype != want_dtype:
                 raise MetadataError(

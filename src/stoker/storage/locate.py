@@ -11,7 +11,8 @@ array URI                                           store                   key 
 
 One store per bucket, container or host (per storage options), so arrays of one hierarchy share its
 connections and its consolidated metadata. A zip archive is named by its path followed by the path
-inside it; the ``zip://`` form marks the archive's end with ``!``.
+inside it; the ``zip://`` form may mark the archive's end with ``!`` (without one, the archive is the
+first existing ``.zip`` file along the path, as for a plain path).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import unquote, urlparse
@@ -71,10 +73,14 @@ def locate(uri: str | os.PathLike) -> Location:
                                   uri=uri)
         return Location(uri, f"{parsed.scheme}://{parsed.netloc}", _prefix(uri, unquote(parsed.path)))
     if scheme == "zip":
-        archive, _, inner = uri[len("zip://"):].partition("!")
+        archive, bang, inner = uri[len("zip://"):].partition("!")
         if not archive:
             raise InvalidArgument(f"{uri}: names no archive; write zip:///path/to/data.zip!/path/inside", uri=uri)
-        return Location(uri, os.path.abspath(archive), _prefix(uri, inner), archive=True)
+        archive = os.path.abspath(archive)
+        zipped = None if bang else _split_archive(archive)  # without "!": the archive is found along the path
+        if zipped is not None:
+            archive, inner = zipped
+        return Location(uri, archive, _prefix(uri, inner), archive=True)
     from . import resolve_local_path
 
     path = resolve_local_path(uri)
@@ -134,19 +140,25 @@ def check_options_by_prefix(value: Any, what: str) -> dict[str, dict] | None:
 class Stores:
     """The stores opened for array URIs, one per root and options, shared by the arrays under them, with
     each store's consolidated metadata (:class:`~stoker.storage.hierarchy.Hierarchy`). A pipeline owns
-    one and closes it with itself (cancelling requests in flight); :func:`default_stores` serves
-    ``open_array`` calls outside a pipeline."""
+    one and closes it with itself (cancelling requests in flight): each of its arrays is opened once, so
+    what was read is kept. :func:`default_stores` serves ``open_array`` calls outside a pipeline, which
+    see data rewritten between them as local files do (``revalidate``)."""
 
-    def __init__(self, requests_in_flight: int | None = None) -> None:
+    def __init__(self, requests_in_flight: int | None = None, *, revalidate: bool = False,
+                 max_stores: int | None = None) -> None:
         """``requests_in_flight``: the most requests the object stores opened here have open at once, all
-        of them together (None: each store's ``max_in_flight`` per call only)."""
+        of them together (None: each store's ``max_in_flight`` per call only). ``revalidate``: every
+        :meth:`get` reopens a zip archive changed since it was opened (its file identity) and gives a
+        fresh :class:`~stoker.storage.hierarchy.Hierarchy` (metadata read again). ``max_stores``: the
+        most stores kept (least recently used dropped first; None: no bound)."""
         import asyncio
 
         # used only on the stores' one event loop thread (a semaphore binds to a loop when first waited on)
         self._gate = asyncio.Semaphore(requests_in_flight) if requests_in_flight else None
-        self._stores: dict[tuple, tuple[Store, Any]] = {}
+        self._stores: OrderedDict[tuple, tuple[Store, Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+        self._revalidate, self._max_stores = revalidate, max_stores
 
     def get(self, loc: Location, storage_options: dict | None = None) -> tuple[Store, Any]:
         """``(store, hierarchy)`` for ``loc`` (not a local directory)."""
@@ -163,23 +175,35 @@ class Stores:
         with self._lock:
             self._check_open(loc)
             held = self._stores.get(ident)
-            if held is not None:
-                return held
-        if loc.archive:
-            from .zipstore import ZipStore
+        if held is not None and self._revalidate and loc.archive and held[0].changed():
+            # Rewritten or replaced: dropped, not closed (arrays opened from it keep reading what they saw).
+            with self._lock:
+                if self._stores.get(ident) is held:
+                    del self._stores[ident]
+            held = None
+        if held is None:
+            if loc.archive:
+                from .zipstore import ZipStore
 
-            store = ZipStore(loc.root)
-        else:
-            from .objectstore import ObjectStore
+                store = ZipStore(loc.root)
+            else:
+                from .objectstore import ObjectStore
 
-            store = ObjectStore(loc.root, options, gate=self._gate, **settings)
+                store = ObjectStore(loc.root, options, gate=self._gate, **settings)
+            with self._lock:
+                held = None if self._closed else self._stores.setdefault(ident, (store, Hierarchy(store)))
+            if held is None or held[0] is not store:
+                store.close()
+            if held is None:  # closed while the store was being opened: no one else would close it
+                self._check_open(loc)
         with self._lock:
-            held = None if self._closed else self._stores.setdefault(ident, (store, Hierarchy(store)))
-        if held is None or held[0] is not store:
-            store.close()
-        if held is None:  # closed while the store was being opened: no one else would close it
-            self._check_open(loc)
-        return held
+            if ident in self._stores:
+                self._stores.move_to_end(ident)
+            while self._max_stores is not None and len(self._stores) > self._max_stores:
+                # Dropped, not closed: arrays opened from a store still read through it; a zip archive's
+                # descriptor is closed when the last of them is gone (ZipStore's finalizer).
+                self._stores.popitem(last=False)
+        return (held[0], Hierarchy(held[0])) if self._revalidate else held
 
     def _check_open(self, loc: Location) -> None:
         if self._closed:
@@ -191,14 +215,19 @@ class Stores:
         :class:`~stoker.errors.ShutdownError` from now on, so no store opened later goes unclosed."""
         with self._lock:
             self._closed = True
-            held, self._stores = list(self._stores.values()), {}
+            held, self._stores = list(self._stores.values()), OrderedDict()
         for store, _ in held:
             store.close()
 
 
-_default = Stores()
+#: Stores kept for ``open_array`` calls outside a pipeline.
+DEFAULT_MAX_STORES = 64
+
+_default = Stores(revalidate=True, max_stores=DEFAULT_MAX_STORES)
 
 
 def default_stores() -> Stores:
-    """The process-wide :class:`Stores` of ``open_array`` calls outside a pipeline (never closed)."""
+    """The process-wide :class:`Stores` of ``open_array`` calls outside a pipeline (never closed): each
+    open sees archives and metadata as they are now (``revalidate``), at most ``DEFAULT_MAX_STORES``
+    stores kept."""
     return _default

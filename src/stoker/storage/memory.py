@@ -68,7 +68,11 @@ class MemoryStore:
         return under(keys, prefix)
 
     def close(self) -> None:
-        pass
+        """Forget this store's name: ``open_store`` of its ``memory://`` URI gives a new, empty one (the
+        values stay readable here)."""
+        from .uri import forget_memory
+
+        forget_memory(self)
 
     def __reduce__(self):  # a copy of the values (processes share no memory)
         with self._lock:

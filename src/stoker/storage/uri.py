@@ -7,7 +7,7 @@ URI                                             store
 ``/data/a.zip`` (a file), ``zip:///data/a.zip``  :class:`~stoker.storage.zipstore.ZipStore`
 ``s3://``, ``gs://``, ``az://``, ``http(s)://``  :class:`~stoker.storage.objectstore.ObjectStore`
 ``memory://name``                               :class:`~stoker.storage.memory.MemoryStore`
-                                                (one per name in a process)
+                                                (one per name in a process, until closed)
 ==============================================  =================================================
 """
 
@@ -101,4 +101,11 @@ def open_store(uri: str | os.PathLike, storage_options: dict[str, Any] | None = 
     return FileStore(path)
 
 
-__all__ = ["REMOTE_SCHEMES", "check_remote_url", "open_store", "redact"]
+def forget_memory(store: Any) -> None:
+    """Drop ``store`` from the ``memory://`` names (``MemoryStore.close``), so its values can be freed."""
+    with _memory_lock:
+        if _memory.get(store.uri) is store:
+            del _memory[store.uri]
+
+
+__all__ = ["REMOTE_SCHEMES", "check_remote_url", "forget_memory", "open_store", "redact"]

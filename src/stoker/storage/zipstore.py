@@ -7,8 +7,8 @@ few reads, since all of them live in one file. Compressed members (deflate, bzip
 whole and inflated by :mod:`zipfile` (which checks their CRC), then sliced.
 
 Refused when the archive opens (:class:`~stoker.errors.DecodeError` naming the member): a name that
-is not a relative key (absolute, ``..``, backslashes), a name stored twice, a member whose bytes
-would reach past the next member's header or the start of the central directory. A member without
+is not a relative key (absolute, ``..``, backslashes), a name stored twice, a stored member whose
+size differs from its stored size, a member whose bytes would reach past the next member's header or the start of the central directory. A member without
 its local header where the central directory says is refused when it is first read.
 """
 
@@ -17,12 +17,13 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import weakref
 import zipfile
 import zlib
 from typing import Sequence
 
 from ..errors import DecodeError, InvalidArgument, NotFound, StorageError, UnsupportedFormat
-from .local import LocalStore, OpenFile, default_store, open_regular
+from .local import LocalStore, OpenFile, default_store, identity, open_regular
 from .ranges import coalesce
 from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read, slice_value, under
 
@@ -46,6 +47,7 @@ class ZipStore:
         if opened is None:
             raise NotFound(f"{self.path}: no zip archive there", uri=self.uri)
         fd, st = opened
+        self.identity = identity(st)
         self._file = OpenFile(files if files is not None else default_store(), fd, self.path, st.st_size)
         self._lock = threading.Lock()  # zipfile's reads of compressed members share one file position
         self._offsets: dict[str, int] = {}
@@ -62,6 +64,9 @@ class ZipStore:
         except Exception:
             self.close()
             raise
+        # A store dropped unclosed (default_stores forgets a changed or least recently used archive while
+        # arrays may still read through it) releases its descriptors when the last of them is gone.
+        weakref.finalize(self, _release, self._zip, self._file)
 
     def _index(self) -> dict[str, zipfile.ZipInfo]:
         members: dict[str, zipfile.ZipInfo] = {}
@@ -77,6 +82,12 @@ class ZipStore:
             if info.filename in members:
                 raise DecodeError(f"{self.path}: member {info.filename!r} is stored twice; which one is meant is "
                                   "ambiguous", uri=self.uri, key=info.filename)
+            # A stored member's bytes are bounds-checked by compress_size and read by file_size: sizes
+            # that differ would read past the member, into the next header or member.
+            if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+                raise DecodeError(f"{self.path}: stored member {info.filename!r} claims {info.file_size} bytes but "
+                                  f"holds {info.compress_size}; the archive is corrupt", uri=self.uri,
+                                  key=info.filename)
             members[info.filename] = info
         # A member's bytes end before the next member's header, the last one's before the central
         # directory: sizes that reach further would read other members' bytes as this one's.
@@ -184,12 +195,23 @@ class ZipStore:
     def list(self, prefix: str = "") -> list[str]:
         return under(self._members, check_prefix(prefix))
 
+    def changed(self) -> bool:
+        """Whether the file at :attr:`path` is no longer the archive opened (rewritten, replaced, gone)."""
+        try:
+            return identity(os.stat(self.path)) != self.identity
+        except OSError:
+            return True
+
     def close(self) -> None:
-        self._zip.close()
-        self._file.close()
+        _release(self._zip, self._file)
 
     def __reduce__(self):
         return ZipStore, (self.path, None, self.max_gap, self.max_length)
 
     def __repr__(self) -> str:
         return f"ZipStore({self.path!r}, {len(self._members)} members)"
+
+
+def _release(archive: zipfile.ZipFile, file: OpenFile) -> None:
+    archive.close()
+    file.close()
