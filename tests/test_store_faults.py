@@ -234,6 +234,11 @@ def test_credentials_and_queries_in_a_url_are_refused_never_printed(server):
     with pytest.raises(InvalidArgument) as info:
         open_store(f"http://user:s3cr3tpw@{host}/root")
     assert "s3cr3tpw" not in str(info.value)
+    from stoker.storage.locate import locate
+
+    with pytest.raises(InvalidArgument) as info:  # a path locate refuses on its own (..) names no password
+        locate(f"http://user:s3cr3tpw@{host}/a/../b")
+    assert "s3cr3tpw" not in str(info.value)
     assert server.requests == 0
     check_remote_url("abfs://container@account.dfs.core.windows.net/x")  # Azure's spelling: no password
 

@@ -67,6 +67,7 @@ def locate(uri: str | os.PathLike) -> Location:
     uri = os.fspath(uri)
     scheme = urlparse(uri).scheme.lower() if "://" in uri else ""
     if scheme in REMOTE_SCHEMES:
+        check_remote_url(uri)  # before any message of ours can print it
         parsed = urlparse(uri)
         if not parsed.netloc:
             raise InvalidArgument(f"{uri}: names no bucket, container or host (expected {scheme}://name/path)",
