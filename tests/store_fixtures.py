@@ -33,6 +33,11 @@ def write_tree(root: str) -> dict[str, bytes]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(value)
+    return read_tree(root)
+
+
+def read_tree(root: str) -> dict[str, bytes]:
+    """Every file under ``root`` by its key (``/``-separated path relative to ``root``)."""
     out = {}
     for folder, _, names in os.walk(root):
         for name in names:

@@ -23,7 +23,7 @@ from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
 from stoker.storage.locate import Stores, locate
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, MotoS3
+from store_fixtures import BUCKET, MotoS3, read_tree
 
 PREFIX = "remote-arrays"  # in the bucket the store tests share (one moto backend per process)
 RECORDS = "remote-records"
@@ -73,21 +73,11 @@ def _write(root: str) -> None:
         zarr.open_array(os.path.join(root, "g3.zarr/zstd"), mode="r+")[39, 0] = 123
 
 
-def _values(root: str) -> dict[str, bytes]:
-    out = {}
-    for folder, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(folder, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root).replace(os.sep, "/")] = f.read()
-    return out
-
-
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("remote") / "data")
     _write(root)
-    values = _values(root)
+    values = read_tree(root)
     archive = os.path.join(os.path.dirname(root), "data.zip")
     with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
         for key in sorted(values):
@@ -201,7 +191,7 @@ def _small(folder: str, value: int, n: int, consolidate: bool = False) -> dict[s
                           compressors=None)[...] = value
         if consolidate:
             zarr.consolidate_metadata(os.path.join(folder, "g.zarr"))
-    return _values(folder)
+    return read_tree(folder)
 
 
 def _zip(path: str, values: dict[str, bytes]) -> None:
@@ -400,7 +390,7 @@ def records(tmp_path_factory):
                 g.create_array("cells", shape=(n, 2), chunks=(3, 2), dtype="int32")[...] = \
                     rng.integers(0, 9, (n, 2)).astype("int32")
         zarr.consolidate_metadata(os.path.join(base, "rec3"))
-    values = _values(base)
+    values = read_tree(base)
     s3 = MotoS3(values, RECORDS)
     http = RangeServer(base)
     yield {"root": base, "s3": s3, "http": http}
@@ -434,7 +424,7 @@ def test_record_datasets_in_a_zip_archive_under_every_uri_form(records, tmp_path
     whole, flat = str(tmp_path / "all.zip"), str(tmp_path / "rec3.zip")  # records in a folder; at the root
     for archive, prefix in ((whole, ""), (flat, "rec3/")):
         with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
-            for key, value in sorted(_values(records["root"]).items()):
+            for key, value in sorted(read_tree(records["root"]).items()):
                 if key.startswith(prefix):
                     zf.writestr(key[len(prefix):], value)
     local = ZarrRecords(os.path.join(records["root"], "rec3"))

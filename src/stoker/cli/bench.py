@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..demo.volume import cache_dir
 from ..errors import InvalidArgument
+from .args import at_least_one
 
 PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
 REMOTE_PEERS = ("stoker", "tensorstore", "dataloader")  # --store's default: the decode bound makes no reads
@@ -196,14 +197,7 @@ def add_parser(sub) -> None:
     h2d.set_defaults(run=run_h2d)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, got {text!r}")
-    return value
+_positive_int = at_least_one("a whole number")
 
 
 def _positive_ints(text: str) -> tuple[int, ...]:

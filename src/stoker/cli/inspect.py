@@ -14,6 +14,7 @@ from ..array import open_array
 from ..errors import InvalidArgument, NotFound
 from ..storage import ByteRange
 from ..zarr.blosc_partial import HEADER_SIZE, blosc_header
+from .args import at_least_one
 
 
 def _stored_size_and_header(arr, index: tuple[int, ...], header: bool) -> tuple[int | None, bytes]:
@@ -164,11 +165,4 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _extent(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"takes crop extents of at least 1, got {text!r}")
-    return value
+_extent = at_least_one("crop extents")
