@@ -6,9 +6,9 @@ import torch
 
 import stoker
 from stoker.checks import integer, rank_in_world, seconds
-from stoker.distributed import resolve_rank
-from stoker.sample import Sample
-from stoker.sources import SampleList
+from stoker.dist.collectives import resolve_rank
+from stoker.sampling.sample import Sample
+from stoker.sampling.samplers import SampleList
 
 
 def test_integer_accepts_numpy_integers_and_refuses_bools_floats_and_small_values():
@@ -65,7 +65,7 @@ def test_sources_take_rank_and_world_from_the_environment_checked(monkeypatch):
 def test_a_sharded_source_stores_plain_ints_so_its_state_is_json():
     import json
 
-    from stoker.sources import RankShare
+    from stoker.sampling.samplers import RankShare
 
     source = SampleList([Sample("/a.zarr", [(i, i + 1)]) for i in range(6)])
     part = RankShare(source, np.int64(1), np.int64(3), "strided", "wrap")

@@ -5,39 +5,27 @@
 >>> crop = arr.read([(0, 32), (0, 128), (0, 128)])
 """
 
-from .array import ArrayReader, open_array
+from . import _moved
+from .reader.array import ArrayReader, open_array
 from .config import Config
 from .engine.batch import Batch, BatchInfo
 from .engine.pipeline import Pipeline
 from .engine.stats import Metric, Stats
-from .sample import Sample
-from .sources import RandomCrops, RankShare, SampleList, SampleSource, TileGrid
-from .dataset import CropDataset
+from .sampling.sample import Sample
+from .sampling.samplers import RandomCrops, RankShare, SampleList, SampleSource, TileGrid
+from .train.dataset import CropDataset
 from . import transforms
-from .distributed import rank_info, reduce_max, reduce_stats
-from .telemetry import TelemetryWriter, memory_report
-from .pin import DevicePrefetcher, Pinnable, pin_object
-from .errors import (
-    BudgetExceeded,
-    CheckpointError,
-    ClaimTimeout,
-    DecodeError,
-    DtypeMismatch,
-    InvalidArgument,
-    MetadataError,
-    NonFiniteData,
-    NonFiniteLoss,
-    NotFound,
-    OutOfBounds,
-    PoolStarved,
-    RankFailed,
-    RankMismatch,
-    ShutdownError,
-    StokerError,
-    StorageError,
-    UnsupportedFormat,
-    UnusedParameters,
-)
+from .dist.collectives import rank_info
+from .dist.reduce import reduce_max
+from .engine.reduce import reduce_stats
+from .dist.telemetry import TelemetryWriter, memory_report
+from .device.prefetch import DevicePrefetcher
+from .device.pin import Pinnable, pin_object
+from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DtypeMismatch, InvalidArgument,
+                     MetadataError, NonFiniteData, NonFiniteLoss, NotFound, OutOfBounds, PoolStarved, RankFailed,
+                     RankMismatch, ShutdownError, StokerError, StorageError, UnsupportedFormat, UnusedParameters)
+
+_moved.install()  # the module paths before the folders by layer, as aliases that warn
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..fsutil import write_once
+from ..storage.fsutil import write_once
 
 MARKER = ".complete"
 
@@ -83,7 +83,7 @@ def _is_complete(base: Path, spec: VolumeSpec) -> bool:
 def ensure(root: Path, spec: VolumeSpec, progress: bool = True, wait_s: float | None = None) -> list[str]:
     """Write the dataset unless a complete copy exists; returns the array paths.
 
-    Safe from many processes at once (:func:`~stoker.fsutil.write_once`): one writes, the others wait for it
+    Safe from many processes at once (:func:`~stoker.storage.fsutil.write_once`): one writes, the others wait for it
     (at most ``wait_s``) and reuse it.
     """
     base = Path(root) / spec.name

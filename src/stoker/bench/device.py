@@ -27,8 +27,8 @@ import torch
 
 from ..engine.pipeline import Pipeline
 from ..errors import InvalidArgument
-from ..pin import pin_object, to_device
-from ..sample import Sample
+from ..device.pin import pin_object, to_device
+from ..sampling.sample import Sample
 from .datasets import ensure, warm_page_cache
 from .runner import (Result, Scenario, split_batches, interleaved, make_samples, stoker_config, time_pipeline,
                      time_tensorstore)

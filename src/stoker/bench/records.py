@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..fsutil import write_once
+from ..storage.fsutil import write_once
 
 
 def _records_complete(base: Path, n: int) -> bool:

@@ -35,15 +35,15 @@ import numpy as np
 import torch
 from numcodecs import zstd as numcodecs_zstd
 
-from .. import gil
-from ..array import open_array
+from ..runtime import gil
+from ..reader.array import open_array
 from ..config import Config
 from ..engine.pipeline import Pipeline
-from ..sample import Sample
+from ..sampling.sample import Sample
 from ..zarr.grid import chunk_intersections
 from .datasets import VolumeSpec, ensure, warm_page_cache
 from .remote import Remote, ZarrOpener
-from ..telemetry import host_rss_bytes as rss_bytes
+from ..dist.telemetry import host_rss_bytes as rss_bytes
 
 
 LOOKAHEAD = 3  # stoker's lookahead_batches in the benchmark

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if args.plot is not None:
-        from ..plots import figure
+        from .plots import figure
 
         figure(1, 1)  # without matplotlib, say so now rather than after the whole run
     rounds = args.rounds or (1 if args.tiny else 3)
@@ -146,7 +146,7 @@ def _keep(args: argparse.Namespace, records: list[dict], device: str, title: str
     if args.json is not None:
         report.write(args.json, doc)
     if args.plot is not None:
-        from ..plots import plot_bench
+        from .plots import plot_bench
 
         plot_bench(doc, args.plot)
 

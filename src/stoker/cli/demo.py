@@ -21,7 +21,8 @@ DEFAULT_SECONDS = 45.0
 def run(args: argparse.Namespace) -> int:
     from ..demo.run import DemoSettings, format_summary, records_job, volume_job
     from ..demo.volume import cache_dir
-    from ..train import launch, under_torchrun
+    from ..train import launch
+    from ..train import under_torchrun
 
     use_cuda = torch.cuda.is_available() and not args.cpu
     nprocs = args.nprocs or (torch.cuda.device_count() if use_cuda else 2)
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     result = launch(job, settings, nprocs=nprocs, use_cuda=use_cuda)
     if speaks:
         picture = None
-        from .. import plots
+        from . import plots
 
         if result.telemetry is not None and result.telemetry.is_file() and plots.available():
             picture = plots.plot_telemetry(result.telemetry, run_dir / "telemetry.png")

@@ -49,7 +49,8 @@ def report() -> list[tuple[str, str, str | None]]:
     """``(what, value, advice or None)`` rows, in the order printed."""
     import torch
 
-    from .. import __version__, native
+    from .. import __version__
+    from ..engine import native
     from ..config import default_compute_threads, usable_cpus
 
     rows: list[tuple[str, str, str | None]] = [

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from ..amplification import estimate
-from ..array import open_array
+from ..zarr.amplification import estimate
+from ..reader.array import open_array
 from ..errors import InvalidArgument, NotFound
 from ..storage import ByteRange
-from ..zarr.blosc_partial import HEADER_SIZE, blosc_header
+from ..zarr.codecs.blosc import HEADER_SIZE, blosc_header
 from .args import at_least_one
 
 

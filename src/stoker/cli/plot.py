@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plots import plot_bench, plot_telemetry
+    from .plots import plot_bench, plot_telemetry
 
     source = args.source
     if source.suffix == ".json" and not source.is_dir():  # bench results; missing: NotFound naming the file

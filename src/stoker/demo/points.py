@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from ..checks import integer
 from ..errors import InvalidArgument, RankMismatch
 from ..records import ZarrRecords, knn_edge_index, knn_graph, precompute
-from ..fsutil import write_once
+from ..storage.fsutil import write_once
 
 MARKER = ".complete"
 """File inside a finished dataset: JSON of the parameters it was written with."""
@@ -198,7 +198,7 @@ def write_point_clouds(root: str | os.PathLike, n_records: int = 256, seed: int 
     unfinished one this module started, is replaced; anything else at ``root`` is
     refused (:class:`~stoker.errors.InvalidArgument`), never deleted. Safe to call from
     many processes at once, on any node sharing the folder: one writes, the others wait
-    for it (at most ``wait_s``, see :func:`~stoker.fsutil.claim`) and reuse its dataset.
+    for it (at most ``wait_s``, see :func:`~stoker.storage.fsutil.claim`) and reuse its dataset.
     """
     if not isinstance(root, (str, os.PathLike)):
         raise InvalidArgument(f"root must be a path, got {type(root).__name__}", argument="root")

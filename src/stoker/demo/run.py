@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..sources import RandomCrops
+from ..sampling.samplers import RandomCrops
 from ..train import Checkpoints, CropBatches, FitResult, RankContext, Trainer
 
 __all__ = ["DemoSettings", "format_summary", "records_job", "volume_job"]

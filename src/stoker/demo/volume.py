@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgument
-from ..fsutil import write_once
+from ..storage.fsutil import write_once
 
 __all__ = [
     "CROP", "Denoiser3D", "VOLUME_SHAPE", "cache_dir", "default_volume_path", "denoise_loss", "ensure_volume",
@@ -50,8 +50,8 @@ def ensure_volume(path: str | os.PathLike, shape: tuple[int, int, int] = VOLUME_
     """Create the demo volume at ``path`` unless a complete one with this shape and seed is there; returns the path.
 
     Safe to call from any number of processes at once, on any node sharing the folder
-    (:func:`~stoker.fsutil.write_once`): one writes, the others wait for it (at most
-    ``wait_s``, see :func:`~stoker.fsutil.claim`) and reuse its volume. The volume is
+    (:func:`~stoker.storage.fsutil.write_once`): one writes, the others wait for it (at most
+    ``wait_s``, see :func:`~stoker.storage.fsutil.claim`) and reuse its volume. The volume is
     written under a temporary name with its marker (the shape and seed) last, then renamed
     into place, so whatever sits at ``path`` with a matching marker is complete; anything
     else there (an older or interrupted volume) is replaced.

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..sample import Sample
+from ..sampling.sample import Sample
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import warnings
 import numpy as np
 import torch
 
-from .. import gil
+from ..runtime import gil
 from ..errors import DtypeMismatch
 
 # Decoded chunks are often read-only numpy views; we only ever read from the tensors made of them.
@@ -80,3 +80,27 @@ def fill_value_as(fill: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty((), dtype=dtype)
     copy_cast(out, np.asarray(fill))
     return out
+
+
+def staging_dtype(output: torch.dtype | None, sources: set[np.dtype]) -> torch.dtype | None:
+    """The dtype a batch is assembled in on the host before it is copied to the GPU and cast there.
+
+    The source dtype when all sources of the batch share one that is narrower than the output (a
+    uint16 batch crosses PCIe in half the bytes of float32), else the output dtype (cast on the host).
+    Only integer and bool sources of at most 2 bytes are staged: float32 represents them exactly, so
+    the device cast rounds once, as the host cast does, and the batch has the same bits either way.
+    ``None`` for ``output=None`` ("native"): the batch is the source dtype either way.
+    """
+    if output is None or len(sources) != 1:
+        return output
+    (source,) = sources
+    if not source.isnative and source.itemsize > 1:
+        return output
+    try:
+        narrow = torch_dtype_of(source)
+    except TypeError:
+        return output
+    # Integers and bool only: torch's float16 -> float32 quiets signalling NaNs where numpy keeps them.
+    if narrow.itemsize < output.itemsize and not narrow.is_floating_point and narrow.itemsize <= 2:
+        return narrow
+    return output

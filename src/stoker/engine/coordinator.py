@@ -19,12 +19,12 @@ import time
 
 import torch
 
-from .. import gil
-from ..array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
-from ..cache import SizedLRU
+from ..runtime import gil
+from ..reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
+from ..storage.cache import SizedLRU
 from ..config import Config
 from ..errors import DtypeMismatch
-from ..sample import Sample
+from ..sampling.sample import Sample
 from ..storage import LocalStore
 from ..storage.locate import Stores, options_for
 from ..storage.uri import REMOTE_SCHEMES

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import native
+from . import native
 from ..config import Config
 from ..errors import BudgetExceeded
 from ..storage import LocalStore

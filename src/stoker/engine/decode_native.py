@@ -25,7 +25,8 @@ import numcodecs
 import numpy as np
 import torch
 
-from .. import gil, native
+from ..runtime import gil
+from . import native
 from ..errors import DecodeError, ShutdownError, StorageError
 from ..storage.local import not_regular
 from ..zarr.grid import c_strides

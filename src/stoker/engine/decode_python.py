@@ -27,8 +27,8 @@ import torch
 from ..errors import DecodeError, ShutdownError
 from ..storage import ByteRange, FileChanged, LocalStore
 from ..storage.store import get_many
-from ..workers import DaemonPool
-from ..zarr import blosc_partial
+from ..runtime.workers import DaemonPool
+from ..zarr.codecs import blosc
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
 from .cast import copy_cast, fill_value_as
 from .executor import Job
@@ -48,7 +48,7 @@ MIN_READS_PER_GROUP = 4
 
 class PythonDecoder:
     """Thread pools plus the transient budget. The pools' threads are daemon threads
-    (:class:`~stoker.workers.DaemonPool`): one stuck in a read of a hung mount cannot keep the process alive."""
+    (:class:`~stoker.runtime.workers.DaemonPool`): one stuck in a read of a hung mount cannot keep the process alive."""
 
     def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
                  store: LocalStore) -> None:
@@ -402,17 +402,17 @@ class PythonDecoder:
             return got
 
         codec = reader.metadata.codec
-        if not codec.partial or f.size <= blosc_partial.HEADER_SIZE:
+        if not codec.partial or f.size <= blosc.HEADER_SIZE:
             return read(0, f.size), None
         try:
-            nread = read(0, blosc_partial.HEADER_SIZE)
-            header = view[: blosc_partial.HEADER_SIZE]
-            if not blosc_partial.partial_ok(header, codec.nbytes, task.byte_start, task.byte_stop):
-                return nread + read(blosc_partial.HEADER_SIZE, f.size), None  # decoded (or rejected) in full
-            table = min(blosc_partial.table_size(header), f.size)
-            nread += read(blosc_partial.HEADER_SIZE, table)
-            lo, hi = blosc_partial.stored_range(view[:table], task.byte_start, task.byte_stop)
-        except blosc_partial.PartialDecodeError as exc:
+            nread = read(0, blosc.HEADER_SIZE)
+            header = view[: blosc.HEADER_SIZE]
+            if not blosc.partial_ok(header, codec.nbytes, task.byte_start, task.byte_stop):
+                return nread + read(blosc.HEADER_SIZE, f.size), None  # decoded (or rejected) in full
+            table = min(blosc.table_size(header), f.size)
+            nread += read(blosc.HEADER_SIZE, table)
+            lo, hi = blosc.stored_range(view[:table], task.byte_start, task.byte_stop)
+        except blosc.PartialDecodeError as exc:
             raise DecodeError(f"{reader.uri}: chunk {task.key!r} is not a valid blosc frame ({exc})",
                               uri=reader.uri, key=task.key) from None
         return nread + read(max(lo, table), hi), hi

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..config import Config
 from ..errors import InvalidArgument, RankMismatch, StokerError
-from ..sample import Sample, arrays_read
+from ..sampling.sample import Sample, arrays_read
 
 
 class Intake:

@@ -28,12 +28,12 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..array import ArrayReader
+from ..reader.array import ArrayReader
 from ..config import Config
 from ..errors import InvalidArgument, PoolStarved, ShutdownError
-from ..sample import Sample
+from ..sampling.sample import Sample
 from ..storage import LocalStore
-from . import device as devices
+from ..device import resolve as devices
 from .batch import Batch
 from .coordinator import Coordinator
 from .executor import make_executor

@@ -24,10 +24,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from ..array import ArrayReader
-from ..box import check_in_bounds
+from ..reader.array import ArrayReader
+from ..zarr.box import check_in_bounds
 from ..errors import InvalidArgument
-from ..sample import Sample, arrays_read, parts
+from ..sampling.sample import Sample, arrays_read, parts
 from ..storage.ranges import Read, coalesce
 from ..zarr.grid import c_strides
 

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import gil
+from ..runtime import gil
 
 STAGES = ("plan", "io", "decode", "assemble", "transfer", "transform", "pop_wait")
 COUNTERS = (
@@ -50,7 +50,7 @@ class Stats:
     bytes_needed: int = 0  # source-dtype bytes of the samples emitted
     peak_host_bytes: int = 0  # batch slots + peak transient buffers
     # CPU seconds the pipeline's own threads (coordinator, I/O and compute threads) held the GIL
-    # (see stoker.gil for how it is measured and what it cannot see)
+    # (see stoker.runtime.gil for how it is measured and what it cannot see)
     gil_seconds: float = 0.0
 
     @property
@@ -89,7 +89,7 @@ class StatsRecorder:
 
     GIL time: every report of a pipeline thread (:meth:`stage`, :meth:`chunk`, :meth:`charge_thread`)
     charges what the reporting thread held the GIL since its previous report
-    (:func:`stoker.gil.held_since_last`: threads stoker started only). ``pop_wait`` is the consumer's
+    (:func:`stoker.runtime.gil.held_since_last`: threads stoker started only). ``pop_wait`` is the consumer's
     report: what its thread held (the training step) is dropped, never charged. Time measured some other
     way, on a thread that is not enrolled or in native code that takes the GIL, is added with :meth:`gil`.
     """
@@ -108,7 +108,7 @@ class StatsRecorder:
             self._gil_ns = 0
 
     def gil(self, seconds: float) -> None:
-        """Add ``seconds`` of GIL-held time measured by the caller (not through :mod:`stoker.gil`)."""
+        """Add ``seconds`` of GIL-held time measured by the caller (not through :mod:`stoker.runtime.gil`)."""
         with self._lock:
             self._gil_ns += int(seconds * 1e9)
 

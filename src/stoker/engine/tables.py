@@ -28,10 +28,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .. import native
-from ..array import ArrayReader
-from ..box import check_in_bounds
-from ..sample import Sample, parts
+from . import native
+from ..reader.array import ArrayReader
+from ..zarr.box import check_in_bounds
+from ..sampling.sample import Sample, parts
 from ..zarr.grid import c_strides
 from ..zarr.sharding import EMPTY_ENTRY
 from .plan import ChunkTask, Copy, FileRead, batch_shape

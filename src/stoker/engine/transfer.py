@@ -1,7 +1,7 @@
 """The CUDA leg of a batch: pinned host staging -> device slot, on a side stream, cast on the device.
 
 The CPU executor assembles a batch in page-locked host memory in the *staging* dtype
-(:func:`~stoker.engine.device.staging_dtype`: uint16 crops stay uint16, half the bytes
+(:func:`~stoker.engine.cast.staging_dtype`: uint16 crops stay uint16, half the bytes
 of float32). When its last chunk is in place, :meth:`CudaTransfer.issue` enqueues on a
 dedicated non-blocking stream:
 
@@ -34,7 +34,7 @@ import torch
 
 from ..errors import BudgetExceeded, ShutdownError
 from ..transforms import apply as apply_transform
-from . import device as devices
+from .cast import staging_dtype
 from .buffers import Slot, SlotRing, pinned_footprint
 from .cpu import CpuExecutor
 from .executor import Job, Target
@@ -166,7 +166,7 @@ def device_bytes(n_slots: int, elements: int, dtype: torch.dtype, cast: torch.dt
 
 class CudaExecutor(CpuExecutor):
     """Batches on a GPU: the CPU executor's decoders fill pinned host *byte* slots, each batch viewed in its
-    staging dtype (:func:`~.device.staging_dtype`: the source dtype when it is a narrower integer type, else
+    staging dtype (:func:`~.cast.staging_dtype`: the source dtype when it is a narrower integer type, else
     the output dtype); the job's completion hook (on the thread that finished the batch) hands it to
     :class:`CudaTransfer`, and the device slot is what the consumer gets, ready after its event."""
 
@@ -214,7 +214,7 @@ class CudaExecutor(CpuExecutor):
     def _make_slots(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         work = self.work_dtype(dtype)
         work_bytes = math.prod(batch_shape) * work.itemsize
-        # byte slots: each batch is assembled in its own staging dtype (see device.staging_dtype)
+        # byte slots: each batch is assembled in its own staging dtype (see cast.staging_dtype)
         with torch.cuda.device(self.device):  # pinning needs a CUDA context: this GPU's, not GPU 0's
             self.host_slots = SlotRing(self.n_host_slots, (work_bytes,), torch.uint8, pin=True)
         self.transfer = CudaTransfer(self.device, self.n_slots, batch_shape, dtype,
@@ -224,7 +224,7 @@ class CudaExecutor(CpuExecutor):
     def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target:
         slot = self._acquire(self.slots, closed)
         host_slot = self._acquire(self.host_slots, closed)
-        stage = devices.staging_dtype(self._cast_dtype(self.slots.dtype), {r.dtype for r in plan.sources}) \
+        stage = staging_dtype(self._cast_dtype(self.slots.dtype), {r.dtype for r in plan.sources}) \
             or self.slots.dtype
         return Target(host_slot.view(stage, (plan.rows, *plan.row_shape)), slot, host_slot)
 

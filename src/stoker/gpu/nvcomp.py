@@ -18,7 +18,7 @@ frames and the chunks (a stream can only read its own bytes and write its own ou
 damage inside a stream is reported by nvCOMP or by the decoded sizes checked after the decode.
 
 nvCOMP (``pip install stoker[gpu]``, the ``nvidia-nvcomp-cu12`` package, its 6.x Python API) is
-imported on first use. Nothing here runs without a CUDA device; ``tests/test_gpu_nvcomp.py``
+imported on first use. Nothing here runs without a CUDA device; ``tests/gpu/test_gpu_nvcomp.py``
 checks it against numcodecs on one.
 """
 

@@ -3,7 +3,7 @@
 Each stream of a :class:`~stoker.gpu.frames.Layout` is decompressed with the LZ4 and zstd that
 numcodecs carries in its extensions (``LZ4_decompress_safe`` from ``numcodecs.lz4``,
 ``ZSTD_decompress`` from ``numcodecs.zstd``, called through ctypes as
-:mod:`stoker.zarr.bounded` does), raw streams are copied, and the blocks are unshuffled with
+:mod:`stoker.zarr.codecs.bounds` does), raw streams are copied, and the blocks are unshuffled with
 :func:`stoker.gpu.ops.unshuffle_`, the torch code the device runs. The tests hold the result to
 numcodecs' own decode, bit for bit; the device path differs only in who decompresses (raw streams
 are copied by :func:`stoker.gpu.ops.copy_segments_` here too).

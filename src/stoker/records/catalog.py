@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 
-from ..array import read_document, read_metadata, read_store_metadata
+from ..reader.array import read_document, read_metadata, read_store_metadata
 from ..errors import InvalidArgument, MetadataError, NotFound, RankMismatch, UnsupportedFormat
 from ..storage import LocalStore
 from ..storage.locate import default_stores, locate

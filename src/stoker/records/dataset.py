@@ -28,10 +28,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..array import open_array
-from ..cache import SizedLRU
+from ..reader.array import open_array
+from ..storage.cache import SizedLRU
 from ..checks import integer
-from ..distributed import resolve_rank
+from ..dist.collectives import resolve_rank
 from ..errors import InvalidArgument, MetadataError, OutOfBounds
 from ..storage import LocalStore
 from ..storage.locate import Stores, locate

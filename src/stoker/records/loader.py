@@ -18,7 +18,7 @@ timeout, so ``close()`` (or dropping the iterator) stops the threads promptly.
 **Order.** Epoch ``e`` permutes the records with ``(seed, e)``; ranks take
 strided parts of that order with equal sample counts (short ranks wrap around to
 the start, or every rank drops the tail with ``drop_last``), so every rank steps
-through the same number of batches (see :mod:`stoker.partition`).
+through the same number of batches (see :mod:`stoker.sampling.partition`).
 
 **Position.** The loader is a cursor: iterating continues where the last
 iteration stopped (after a ``break``, an error or a resume). ``set_epoch(e)``
@@ -43,12 +43,12 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .. import partition
-from ..cursor import CursorState, EpochCursor
+from ..sampling import partition
+from ..sampling.cursor import CursorState, EpochCursor
 from ..checks import integer, seconds
-from ..distributed import resolve_rank
+from ..dist.collectives import resolve_rank
 from ..errors import InvalidArgument, ShutdownError, StokerError
-from ..pin import pin_object, to_device
+from ..device.pin import pin_object, to_device
 from .collate import CollateArg, resolve
 from .dataset import ZarrRecords
 

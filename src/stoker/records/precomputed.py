@@ -26,7 +26,7 @@ its writer process is gone. A fingerprint written last was the alternative, but
 readers that do not know about it (``ZarrRecords``) would accept half an array.
 
 **Racing jobs.** Several jobs may precompute the same name into the same records at
-once: each record's array is written under a claim (:func:`stoker.fsutil.claim`), so it
+once: each record's array is written under a claim (:func:`stoker.storage.fsutil.claim`), so it
 is computed and written once; a job skips the records another one is writing, does the
 rest, then waits for those and counts them as skipped. Consolidated group metadata, if a
 record has any, is not updated; ``ZarrRecords`` reads each array's own metadata.
@@ -46,10 +46,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..distributed import all_gather, group_position
+from ..dist.collectives import all_gather, group_position
 from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError, UnsupportedFormat
 from .dataset import Sample, ZarrRecords, rank_part
-from ..fsutil import claim, fsync_tree, make_sibling_dir, place_dir, remove_dead_siblings, try_claim
+from ..storage.fsutil import claim, fsync_tree, make_sibling_dir, place_dir, remove_dead_siblings, try_claim
 from ..storage import read_regular
 from ..storage.locate import locate
 

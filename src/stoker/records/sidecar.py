@@ -9,7 +9,7 @@ the same name: delete the file (or pass ``cache=False``) then.
 
 Writes are atomic (a fresh temporary file in the same directory, then ``os.replace``),
 so a reader sees the old file or the new one, never half of one. A write reads, changes
-and replaces the file under its claim (:func:`stoker.fsutil.claim`), so processes adding
+and replaces the file under its claim (:func:`stoker.storage.fsutil.claim`), so processes adding
 entries of different fingerprints at once keep each other's; :func:`claim_computation`
 lets one of several jobs compute an entry while the others wait for it::
 
@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..fsutil import Claim, claim, replace_atomically
+from ..storage.fsutil import Claim, claim, replace_atomically
 from ..storage import read_regular
 
 FILENAME = ".stoker-stats.json"
@@ -87,7 +87,7 @@ def load(root: str, fp: str) -> dict | None:
 
 def claim_computation(root: str, fp: str) -> Claim | None:
     """Claim computing the entry ``fp`` of ``root``: the claim, or None once another process wrote the entry
-    (this waits for it; see :func:`stoker.fsutil.claim`). ``OSError`` where ``root`` cannot be written."""
+    (this waits for it; see :func:`stoker.storage.fsutil.claim`). ``OSError`` where ``root`` cannot be written."""
     return claim(Path(path_for(root) + f".{fp[:16]}"), until=lambda: load(root, fp) is not None)
 
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..distributed import all_gather, barrier, broadcast_object, group_position, rank_info
+from ..dist.collectives import all_gather, barrier, broadcast_object, group_position, rank_info
 from ..errors import ClaimTimeout, InvalidArgument, NonFiniteData, StokerError
 from ..storage.locate import locate
 from . import sidecar

@@ -13,8 +13,7 @@ import os
 from urllib.parse import unquote, urlparse
 
 from ..errors import UnsupportedFormat
-from .local import (FileChanged, Identity, IOCounters, LocalStore, default_store, open_regular,
-                    read_regular)
+from .local import FileChanged, Identity, IOCounters, LocalStore, default_store, open_regular, read_regular
 from .counting import CountingStore, StoreCounters
 from .files import FileStore
 from .memory import MemoryStore

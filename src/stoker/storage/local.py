@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .. import gil
+from ..runtime import gil
 from ..errors import DecodeError, StorageError
 
 _MISSING = (errno.ENOENT, errno.ENOTDIR)

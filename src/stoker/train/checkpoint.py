@@ -7,13 +7,13 @@ damaged one is never loaded.
 >>> state = ckpts.load(path)
 
 A checkpoint is written to a fresh temporary name in the same directory (see
-:mod:`stoker.fsutil`), flushed and fsynced, then renamed to ``step-000000100.pt``
+:mod:`stoker.storage.fsutil`), flushed and fsynced, then renamed to ``step-000000100.pt``
 (a rename within a directory is atomic), and the directory is fsynced. Only files
 with final names count, so a run killed mid-write leaves at worst a temporary
 file, which the next ``cleanup()`` removes. After a successful save, the oldest
 checkpoints beyond ``keep`` are deleted. A step's checkpoint is written once: processes
 saving the same step into one directory at the same moment (two jobs, two nodes) take
-turns through a claim (:func:`stoker.fsutil.write_file_once`), and an intact file of the
+turns through a claim (:func:`stoker.storage.fsutil.write_file_once`), and an intact file of the
 step is kept rather than written again.
 
 The file is a fixed header (magic, payload length, SHA-256 of the payload) then the
@@ -43,7 +43,7 @@ import torch
 
 from ..checks import integer
 from ..errors import CheckpointError
-from ..fsutil import remove_dead_temp_files, write_file_once
+from ..storage.fsutil import remove_dead_temp_files, write_file_once
 from ..storage import open_regular
 
 __all__ = ["Checkpoints", "FORMAT", "VERSION"]
@@ -210,7 +210,7 @@ class Checkpoints:
 
         A checkpoint of ``step`` is written once: where an intact one is there already, or another process
         sharing the directory (a second job, a node that also thinks it is rank 0) writes it at the same
-        moment, that one is kept and ``state`` is not written (see :func:`stoker.fsutil.write_file_once`).
+        moment, that one is kept and ``state`` is not written (see :func:`stoker.storage.fsutil.write_file_once`).
         """
         step = integer("step", step, 0)
         final = self.path_for(step)

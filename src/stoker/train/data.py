@@ -26,7 +26,7 @@ from ..engine.batch import Batch
 from ..engine.pipeline import Pipeline
 from ..engine.stats import Stats
 from ..errors import InvalidArgument, ShutdownError
-from ..sources import RankShare
+from ..sampling.samplers import RankShare
 
 __all__ = ["CropBatches"]
 

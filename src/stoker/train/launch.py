@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ..checks import integer, seconds
 from ..config import usable_cpus
 from ..errors import InvalidArgument, RankFailed
-from ..fsutil import make_owned_dir, remove_dead_owned_dirs
+from ..storage.fsutil import make_owned_dir, remove_dead_owned_dirs
 from . import heartbeat
 
 __all__ = ["RankContext", "launch", "under_torchrun"]

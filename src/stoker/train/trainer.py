@@ -49,11 +49,13 @@ import torch
 import torch.distributed as dist
 
 from .. import checks
-from ..distributed import ReducedStats, all_reduce, reduce_max, reduce_stats
+from ..engine.reduce import ReducedStats, reduce_stats
+from ..dist.collectives import all_reduce
+from ..dist.reduce import reduce_max
 from ..engine.stats import Stats
 from ..errors import CheckpointError, InvalidArgument, NonFiniteLoss, UnusedParameters
-from ..pin import tensors_in, to_device
-from ..telemetry import TelemetryWriter, memory_report, peak_rss_bytes
+from ..device.pin import tensors_in, to_device
+from ..dist.telemetry import TelemetryWriter, memory_report, peak_rss_bytes
 from .checkpoint import Checkpoints
 from .heartbeat import mark
 

@@ -3,7 +3,7 @@
 Everything here is pure: data in, data out, no I/O and no threads.
 """
 
-from .codecs import ChunkCodec
+from .codecs.chain import ChunkCodec
 from .grid import ChunkIntersection, ChunkKeyEncoding, chunk_intersections, chunks_touched, grid_shape
 from .metadata import ArrayMetadata, parse_v2, parse_v3
 from .sharding import ShardingSpec

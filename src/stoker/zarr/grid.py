@@ -18,7 +18,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
-from ..box import Box
+from .box import Box
 
 
 @dataclass(frozen=True)

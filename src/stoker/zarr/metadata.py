@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import MetadataError, UnsupportedFormat
-from .codecs import (ARRAY_TO_BYTES, ChunkCodec, SerializedArray, bytes_endian, codec_name_and_config, v2_codec,
-                     v3_array_codec, v3_bytes_codec)
+from .codecs.spec import (ARRAY_TO_BYTES, SerializedArray, bytes_endian, codec_name_and_config, v2_codec,
+                          v3_array_codec, v3_bytes_codec)
+from .codecs.chain import ChunkCodec
 from .dtypes import parse_fill_value, parse_v2_dtype, parse_v3_dtype
 from .fields import integer, lst, required, show, string
 from .grid import ChunkKeyEncoding, grid_shape

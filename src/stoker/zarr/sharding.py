@@ -21,8 +21,9 @@ from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray
 
 from ..errors import DecodeError, StokerError, UnsupportedFormat
-from . import bounded
-from .codecs import ChunkCodec, bytes_endian, codec_name_and_config, decode_stages, run_stages
+from .codecs import bounds
+from .codecs.chain import ChunkCodec, decode_stages, run_stages
+from .codecs.spec import bytes_endian, codec_name_and_config
 from .fields import lst, show
 
 EMPTY_ENTRY = 2**64 - 1  # offset and length of an inner chunk that is not stored
@@ -125,7 +126,7 @@ class CompressedShardCodec(ChunkCodec):
         # bytes: zstd, lz4, blosc, gzip and lzma add under 64 bytes, bzip2 under 500 for 4 KiB); 64 KiB
         # each, the slack of a lone chunk, would make the bound 100x the shard.
         spec = self.spec
-        blob = spec.n_inner * spec.inner.stored_bound(_INNER_SLACK) + spec.index_nbytes + bounded.OVERHEAD_SLACK
+        blob = spec.n_inner * spec.inner.stored_bound(_INNER_SLACK) + spec.index_nbytes + bounds.OVERHEAD_SLACK
         stages, stored = decode_stages(self.outer, blob)
         object.__setattr__(self, "_outer", stages)
         object.__setattr__(self, "max_stored_nbytes", stored)
@@ -141,7 +142,7 @@ class CompressedShardCodec(ChunkCodec):
             blob = memoryview(ensure_contiguous_ndarray(run_stages(self._outer, encoded))).cast("B")
         except StokerError:
             raise
-        except bounded.TooLarge as exc:
+        except bounds.TooLarge as exc:
             raise self.too_large(key, exc) from None
         except Exception as exc:
             raise self.decode_error(key, exc) from exc

@@ -1,0 +1,201 @@
+"""Pinning that really pins custom batches, and moving them to a device.
+
+``DataLoader(pin_memory=True)`` silently skips batch types it does not know, so a
+custom batch crosses PCIe from pageable memory at a fraction of the bandwidth.
+:func:`pin_object` walks the batch and pins every tensor and numpy array in it,
+or says exactly which leaf it could not pin:
+
+>>> batch = pin_object({"x": torch.randn(8, 3), "meta": Meta(coords=np.zeros((8, 3)))})
+>>> pin_object(Batch(streams=[..., Opaque()]))
+TypeError: cannot pin batch.streams[2].coords (Opaque holds array data): implement pin_memory() ...
+
+:func:`to_device` moves such a batch; :class:`~stoker.device.prefetch.DevicePrefetcher` does both ahead of
+the consumer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, Protocol, TypeVar, cast, runtime_checkable
+
+import numpy as np
+import torch
+
+
+T = TypeVar("T")
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, np.generic, slice)
+
+
+@runtime_checkable
+class Pinnable(Protocol):
+    """A batch type that pins itself: returns a copy whose tensors live in pinned memory.
+
+    A class that is not a dataclass also needs ``to(device, non_blocking=False)`` to
+    travel through :func:`to_device` and :class:`DevicePrefetcher`.
+    """
+
+    def pin_memory(self: T) -> T: ...
+
+
+def _holds_array_data(obj: Any) -> bool:
+    return any(hasattr(obj, a) for a in ("__array__", "__array_interface__", "__dlpack__",
+                                         "__cuda_array_interface__"))
+
+
+def _find_array_leaf(obj: Any, path: str, depth: int = 0) -> str | None:
+    """Path of the first attribute holding array data inside an unknown object, if any."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)) or _holds_array_data(obj):
+        return path
+    if depth > 4 or isinstance(obj, _SCALARS):
+        return None
+    if isinstance(obj, Mapping):
+        items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    else:
+        attrs = dict(getattr(obj, "__dict__", {}))
+        for name in getattr(type(obj), "__slots__", ()):
+            if hasattr(obj, name):
+                attrs[name] = getattr(obj, name)
+        items = [(f"{path}.{k}", v) for k, v in attrs.items()]
+    for p, v in items:
+        found = _find_array_leaf(v, p, depth + 1)
+        if found:
+            return found
+    return None
+
+
+def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path: str = "batch",
+              hook: Callable[[Any], Any] | None = None, remedy: str = "pin_memory()") -> Any:
+    """Rebuild ``obj`` with ``leaf(tensor, path)`` applied to every tensor (numpy arrays become tensors).
+
+    Containers keep their types: dicts, lists, tuples, namedtuples, dataclasses
+    (fields replaced, type kept). ``hook(obj)`` lets an object handle itself (e.g.
+    call its own ``pin_memory()``, the :class:`Pinnable` protocol); it returns
+    ``NotImplemented`` for objects it does not apply to. Scalars and strings pass
+    through; any other object that holds array data raises ``TypeError`` naming the
+    path to the leaf and the ``remedy`` (the method its type should implement).
+    """
+    if isinstance(obj, torch.Tensor):
+        return leaf(obj, path)
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject or obj.dtype.kind in "USV":
+            raise TypeError(f"cannot move {path}: numpy array of {obj.dtype} holds no numeric data")
+        return leaf(torch.from_numpy(np.ascontiguousarray(obj)), path)
+    if isinstance(obj, _SCALARS):
+        return obj
+    if hook is not None and not isinstance(obj, (Mapping, list, tuple)):
+        handled = hook(obj)
+        if handled is not NotImplemented:
+            return handled
+
+    def walk(value: Any, where: str) -> Any:
+        return map_batch(value, leaf, where, hook, remedy)
+
+    if isinstance(obj, Mapping):
+        items = {k: walk(v, f"{path}[{k!r}]") for k, v in obj.items()}
+        if type(obj) is dict:
+            return items
+        try:
+            return cast(Any, type(obj))(items)  # a Mapping subclass built from a dict, when it can be
+        except TypeError:
+            return items
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(walk(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(walk(v, f"{path}[{i}]") for i, v in enumerate(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        init = {f.name: walk(getattr(obj, f.name), f"{path}.{f.name}") for f in dataclasses.fields(obj) if f.init}
+        new = dataclasses.replace(obj, **init)
+        for f in dataclasses.fields(obj):
+            if not f.init and hasattr(obj, f.name):
+                object.__setattr__(new, f.name, walk(getattr(obj, f.name), f"{path}.{f.name}"))
+        return new
+    found = _find_array_leaf(obj, path)
+    if found is not None:
+        raise TypeError(
+            f"cannot move {found} ({type(obj).__name__} at {path} holds array data stoker does not know how to "
+            f"reach): implement {remedy} on {type(obj).__name__} (see stoker.device.pin.Pinnable) or make it a dataclass"
+        )
+    return obj
+
+
+def _method_hook(name: str, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
+    """A :func:`map_batch` hook calling ``obj.name(*args, **kwargs)`` on objects that have that method."""
+    def hook(obj: Any) -> Any:
+        fn = getattr(obj, name, None)
+        return fn(*args, **kwargs) if callable(fn) else NotImplemented
+    return hook
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from ``obj``: through containers at any depth, as :func:`map_batch` moves
+    them, and through plain objects' attributes (self-moving batches) at most 6 objects deep, so a batch
+    that refers to a model or dataset is not walked whole. An object is walked again only when reached
+    by a shorter path (so a deep path seen first cannot hide what a short one reaches): cycles end."""
+    walked: dict[int, int] = {}  # id -> fewest plain objects passed on the way, when it was walked
+    todo = [(obj, 0)]
+    while todo:
+        obj, in_objects = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            yield obj
+            continue
+        if isinstance(obj, (_SCALARS, np.ndarray)) or walked.get(id(obj), _MAX_OBJECT_DEPTH + 1) <= in_objects:
+            continue
+        walked[id(obj)] = in_objects
+        if isinstance(obj, Mapping):
+            values = list(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            values = list(obj)
+        elif in_objects < _MAX_OBJECT_DEPTH:
+            in_objects += 1
+            values = list(getattr(obj, "__dict__", {}).values())
+            values += [getattr(obj, n) for n in getattr(type(obj), "__slots__", ()) if hasattr(obj, n)]
+        else:
+            continue
+        todo.extend((v, in_objects) for v in reversed(values))
+
+
+_MAX_OBJECT_DEPTH = 6  # plain objects' attributes followed by tensors_in
+
+
+_warned_no_cuda = False
+_warn_lock = threading.Lock()
+
+
+def _pin_leaf(t: torch.Tensor, path: str) -> torch.Tensor:
+    if t.device.type != "cpu" or t.is_pinned():
+        return t  # on a device already, or pinned already: never copied again
+    return t.pin_memory()
+
+
+def pin_object(obj: T) -> T:
+    """A pinned version of ``obj`` (tensors, numpy arrays, containers, dataclasses, Pinnable objects).
+
+    Without CUDA nothing can be pinned: the input comes back unchanged, with a
+    one-time warning.
+    """
+    global _warned_no_cuda
+    if not torch.cuda.is_available():
+        with _warn_lock:
+            if not _warned_no_cuda:
+                _warned_no_cuda = True
+                warnings.warn("stoker.pin_object: CUDA is not available, nothing was pinned", RuntimeWarning,
+                              stacklevel=2)
+        return obj
+    return map_batch(obj, _pin_leaf, hook=_method_hook("pin_memory"), remedy="pin_memory()")
+
+
+def to_device(obj: T, device: torch.device, non_blocking: bool = True) -> T:
+    """``obj`` with every tensor moved to ``device`` (same traversal and types as :func:`pin_object`).
+
+    An object with its own ``to(device, non_blocking=...)`` (as torch_geometric's
+    ``Data`` or a Pinnable batch class) moves itself.
+    """
+    return map_batch(obj, lambda t, _: t.to(device, non_blocking=non_blocking),
+                     hook=_method_hook("to", device, non_blocking=non_blocking),
+                     remedy="to(device, non_blocking=False)")

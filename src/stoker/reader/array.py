@@ -1,0 +1,516 @@
+"""``open_array``: read boxes of a Zarr array, chunk by chunk, bit-exactly.
+
+This is the reference read path. It is deliberately simple (one chunk at a time,
+on the calling thread); the batch engine uses the same pieces (metadata, grid,
+shard index, codec) with its own planning and threads.
+
+>>> arr = stoker.open_array("/data/volume.zarr")
+>>> arr.shape, arr.dtype, arr.chunks, arr.shards
+((256, 1024, 1024), dtype('uint16'), (32, 128, 128), None)
+>>> crop = arr.read([(0, 32), (100, 228), (0, 128)])   # numpy array of shape (32, 128, 128)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..zarr.box import Box, box_shape, parse_box
+from ..storage.cache import SizedLRU
+from ..errors import DecodeError, InvalidArgument, MetadataError, NotFound, OutOfBounds, StorageError, UnsupportedFormat
+from ..storage import ByteRange, FileChanged, Identity, LocalStore, Store, default_store
+from ..storage.hierarchy import Hierarchy
+from ..storage.locate import Stores, default_stores, locate
+from ..zarr.fields import show
+from ..zarr.grid import chunk_intersections
+from ..zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3
+from ..zarr.sharding import EMPTY_ENTRY, ShardingSpec
+
+DEFAULT_INDEX_CACHE_BYTES = 64 << 20
+_reader_tokens = itertools.count()  # cache keys unique per reader, never reused like id()
+
+
+#: Largest metadata document read. Real ones are a few KiB (attributes live elsewhere in v2, and rarely
+#: reach a MiB in v3); a larger file is refused before it is read, so a hostile one costs no memory.
+MAX_METADATA_BYTES = 16 << 20
+
+
+def read_document(store: LocalStore, path: str, uri: str) -> bytes | None:
+    """A metadata file's bytes (at most :data:`MAX_METADATA_BYTES`), or None when it does not exist."""
+    f = store.open_file(path)
+    if f is None:
+        return None
+    with f:
+        if f.size > MAX_METADATA_BYTES:
+            raise MetadataError(
+                f"{uri}: {os.path.basename(path)} is {f.size} bytes, more than the {MAX_METADATA_BYTES} bytes "
+                "stoker reads as array metadata; it is not a Zarr metadata document",
+                uri=uri,
+            )
+        buf = bytearray(f.size)
+        got = f.read_into(memoryview(buf), 0)
+    return bytes(buf[:got])
+
+
+def _is_index(name: str) -> bool:
+    return name.isascii() and name.isdigit()
+
+
+def detect_v2_separator(path: str, doc: dict, uri: str) -> str:
+    """The chunk key separator of a v2 array whose ``.zarray`` does not name one.
+
+    zarr-python before 2.8 wrote nested keys (``0/0``) without saying so in ``.zarray``; reading them as
+    ``0.0`` would find no chunk and return fill values everywhere. The array's directory tells: a
+    subdirectory named by an integer means ``/``, a file named like ``0.0`` (one integer per dimension)
+    means ``.``. The scan stops at the first chunk file (a flat array keeps every chunk in this
+    directory, so it may be huge; a nested one holds only its first axis' directories). Both kinds at
+    once is a MetadataError; neither (nothing written yet) reads as ``.``.
+    """
+    ndim = len(doc["shape"]) if isinstance(doc.get("shape"), list) else 0
+    if doc.get("dimension_separator") is not None or ndim < 2:
+        return "."  # said, or one-dimensional keys (no separator in them)
+    nested = None
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                name = entry.name
+                if _is_index(name) and entry.is_dir():
+                    nested = nested or name
+                    continue
+                parts = name.split(".")
+                if len(parts) == ndim and all(_is_index(p) for p in parts) and not entry.is_dir():
+                    first = nested or (parts[0] if os.path.isdir(os.path.join(path, parts[0])) else None)
+                    if first is not None:
+                        raise MetadataError(
+                            f"{uri}: .zarray names no dimension_separator and the array holds both flat chunk "
+                            f"keys ({name!r}) and nested ones (directory {first!r}); add "
+                            "\"dimension_separator\" to .zarray to say which",
+                            uri=uri,
+                        )
+                    return "."
+    except OSError as exc:
+        raise StorageError(f"{uri}: cannot list {path}: {exc.strerror}", path=path) from None
+    return "/" if nested is not None else "."
+
+
+def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> ArrayMetadata:
+    """Parse the metadata of the array at local ``path`` (v3 ``zarr.json`` first, then v2 ``.zarray``)."""
+    uri = uri or path
+    raw = read_document(store, os.path.join(path, "zarr.json"), uri)
+    if raw is not None:
+        return _v3(parse_json(raw, uri, "zarr.json"), uri)
+    raw = read_document(store, os.path.join(path, ".zarray"), uri)
+    if raw is not None:
+        doc = parse_json(raw, uri, ".zarray")
+        return parse_v2(doc, uri, separator=detect_v2_separator(path, doc, uri))
+    if store.size(os.path.join(path, ".zgroup")) is not None:
+        raise _v2_group(uri)
+    raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
+
+
+def _v3(doc: dict, uri: str) -> ArrayMetadata:
+    if doc.get("node_type") == "group":
+        raise InvalidArgument(f"{uri} is a Zarr group, not an array; name one of its arrays", uri=uri)
+    fmt = doc.get("zarr_format")
+    if fmt != 3 or isinstance(fmt, bool):
+        raise MetadataError(f"{uri}: zarr.json has zarr_format {show(fmt)}, expected 3", uri=uri)
+    return parse_v3(doc, uri)
+
+
+def _v2_group(uri: str) -> InvalidArgument:
+    return InvalidArgument(f"{uri} is a Zarr v2 group, not an array; name one of its arrays", uri=uri)
+
+
+def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMetadata:
+    """Parse the metadata of the array at key ``prefix`` of a store: from an ancestor group's consolidated
+    metadata when one lists it (see :mod:`stoker.storage.hierarchy`), else its own ``zarr.json`` or
+    ``.zarray``. A v2 array whose ``.zarray`` names no ``dimension_separator`` reads with ``.`` (a store
+    cannot be listed cheaply to detect nested keys, as :func:`detect_v2_separator` does for local files)."""
+    found = hierarchy.consolidated(prefix, uri)
+    if found is not None:
+        fmt, doc = found
+        if fmt == 3:
+            return _v3(doc, uri)
+        if ".zarray" not in doc:
+            raise _v2_group(uri)
+        return parse_v2(doc[".zarray"], uri)
+    join = (lambda name: f"{prefix}/{name}") if prefix else (lambda name: name)
+    raw = hierarchy.read(join("zarr.json"), uri)
+    if raw is not None:
+        return _v3(parse_json(raw, uri, "zarr.json"), uri)
+    raw = hierarchy.read(join(".zarray"), uri)
+    if raw is not None:
+        return parse_v2(parse_json(raw, uri, ".zarray"), uri)
+    if hierarchy.store.exists(join(".zgroup")):
+        raise _v2_group(uri)
+    raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
+
+
+class ChunkLocation(NamedTuple):
+    """Where a read chunk is stored (see :meth:`ArrayReader.locate`)."""
+
+    key: str  # "c/0/1", or "c/0/0[3]" for inner chunk 3 of the shard at "c/0/0"
+    path: str | None  # the file (a reader on a store: the store's key); None: nothing stored (the fill value)
+    offset: int | None = None  # an inner chunk's byte range in ``path``; None: the whole file
+    length: int | None = None
+    ident: Identity | None = None  # an inner chunk's: the shard file its index was read from
+
+
+class ShardIndex(NamedTuple):
+    """A shard's decoded ``(n_inner, 2)`` index and the :data:`~stoker.storage.Identity` of the file it
+    was read from: its offsets hold in that file only."""
+
+    table: np.ndarray
+    ident: Identity
+
+
+class ArrayReader:
+    """One Zarr array, opened for reading. Create with :func:`open_array`.
+
+    Local arrays (``kv`` None) are read as files under the directory ``path`` through ``store`` (the
+    :class:`~stoker.storage.LocalStore`: positional reads, descriptor cache, file identities; what the
+    compiled engine reads too). An array in a store (``kv``: an object store, a zip archive) is read by
+    key: ``path`` is its key prefix in ``kv``, and what :meth:`file_path` and :meth:`locate` name are keys.
+    """
+
+    def __init__(
+        self,
+        metadata: ArrayMetadata,
+        path: str,
+        store: LocalStore,
+        index_cache: SizedLRU | None = None,
+        kv: Store | None = None,
+    ) -> None:
+        self.metadata = metadata
+        self.path = path
+        self.kv = kv
+        # path with its separator: file_path is then one concatenation
+        self._dir = os.path.join(path, "") if kv is None else (f"{path}/" if path else "")
+        self.store = store
+        # "is None", not "or": an empty SizedLRU is falsy, and a pipeline hands every reader its shared one
+        if index_cache is None:
+            index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
+        self._index_cache = index_cache
+        self._token = next(_reader_tokens)
+        if metadata.sharding is not None:
+            check_index_fits(metadata.sharding, self._index_cache.max_bytes, metadata.uri)
+
+    def file_path(self, key: str) -> str:
+        """The local file holding chunk (or shard) ``key``; for an array in a store, the store's key."""
+        return self._dir + key
+
+    # -- what the array is ------------------------------------------------------------------
+
+    @property
+    def uri(self) -> str:
+        return self.metadata.uri
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.metadata.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.metadata.ndim
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Element type in native byte order (what reads return)."""
+        return self.metadata.dtype
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The unit that is decoded: the inner chunk when sharded."""
+        return self.metadata.read_chunk_shape
+
+    @property
+    def shards(self) -> tuple[int, ...] | None:
+        return self.metadata.chunk_shape if self.metadata.sharding else None
+
+    @property
+    def fill_value(self) -> Any:
+        return self.metadata.fill_value[()]
+
+    @property
+    def zarr_format(self) -> int:
+        return self.metadata.zarr_format
+
+    def __repr__(self) -> str:
+        shards = f", shards={self.shards}" if self.shards else ""
+        return f"ArrayReader({self.uri!r}, shape={self.shape}, dtype={self.dtype}, chunks={self.chunks}{shards})"
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        """numpy's basic indexing: slices of step 1 (negative and open ends as numpy has them), integers
+        (which drop their axis), ``...``, and fewer indices than axes (the rest whole).
+
+        >>> arr[0:32, 100:228, :].shape
+        (32, 128, 512)
+        >>> arr[5, ...].shape            # one plane
+        (512, 512)
+        """
+        box, dropped = _basic_index(key, self.shape, self.uri)
+        out = self.read(box)
+        return out.reshape([n for axis, n in enumerate(out.shape) if axis not in dropped])
+
+    def read(self, aabb: Any) -> np.ndarray:
+        """Read the half-open box ``aabb`` (``(start, stop)`` pairs or slices) as a new array."""
+        box = parse_box(aabb, self.shape, uri=self.uri)
+        shape = box_shape(box)
+        try:
+            out = np.empty(shape, dtype=self.dtype)
+        except (MemoryError, ValueError) as exc:  # ValueError: numpy's "array is too big"
+            nbytes = math.prod(shape) * self.dtype.itemsize
+            raise InvalidArgument(f"{self.uri}: the box {box} needs {nbytes:,} bytes, more than this process can "
+                                  f"allocate ({exc}); read it in smaller boxes", uri=self.uri) from None
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        """Fill ``out`` (shaped like ``box``) with the box's data, casting to ``out.dtype`` if needed."""
+        for piece in chunk_intersections(box, self.chunks):
+            chunk = self.read_chunk(piece.index)
+            if chunk is None:
+                out[piece.box_sel] = self.metadata.fill_value
+            else:
+                out[piece.box_sel] = chunk[piece.chunk_sel]
+
+    def read_chunk(self, index: tuple[int, ...]) -> np.ndarray | None:
+        """Decoded read chunk at grid ``index`` (a view, maybe strided), or ``None`` for fill."""
+        key, encoded = self.encoded_chunk(index)
+        return None if encoded is None else self.metadata.codec.decode(encoded, key)
+
+    def locate(self, index: tuple[int, ...]) -> ChunkLocation:
+        """Where read chunk ``index`` is stored: its file, and for an inner chunk of a shard its byte range
+        (from the shard's cached index). A missing shard or an empty inner chunk has no file (fill value);
+        a missing chunk file is found only when it is read.
+
+        >>> arr.locate((0, 1, 1))
+        ChunkLocation(key='c/0/0/0[3]', path='/data/a.zarr/c/0/0/0', offset=1024, length=4096)
+        """
+        meta = self.metadata
+        if meta.sharding is None:
+            key = meta.chunk_key(index)
+            return ChunkLocation(key, self.file_path(key))
+        shard_index, inner = meta.sharding.inner_position(index)
+        shard_key = meta.chunk_key(shard_index)
+        key = f"{shard_key}[{inner}]"
+        entry = self._shard_entry(shard_key)
+        if entry is None:
+            return ChunkLocation(key, None)
+        table = entry.table
+        offset, length = table.item(inner, 0), table.item(inner, 1)  # Python ints, without a row view
+        if offset == length == EMPTY_ENTRY:
+            return ChunkLocation(key, None)
+        meta.codec.check_stored_size(length, key)  # before anyone reads or reserves room for it
+        return ChunkLocation(key, self.file_path(shard_key), offset, length, entry.ident)
+
+    def relocate(self, index: tuple[int, ...], stale: Identity) -> ChunkLocation:
+        """:meth:`locate` again after a read found the shard of chunk ``index`` changed since its index
+        (read from a file of identity ``stale``) was cached: that index is dropped and read anew, unless
+        another thread did so already."""
+        shard_index, _ = self.metadata.sharding.inner_position(index)
+        self._index_cache.discard((self._token, self.metadata.chunk_key(shard_index)),
+                                  lambda entry: entry is None or entry.ident == stale)
+        return self.locate(index)
+
+    def encoded_chunk(self, index: tuple[int, ...]) -> tuple[str, Any]:
+        """``(key, stored bytes or None)`` of read chunk ``index``; ``None`` means fill value."""
+        loc = self.locate(index)
+        if loc.path is None:
+            return loc.key, None
+        if self.kv is not None:
+            return loc.key, self._get_stored(loc)
+        if loc.offset is None:
+            return loc.key, self._read_chunk_file(loc)
+        try:
+            data = self.store.read_range(loc.path, loc.offset, loc.length, loc.ident)
+        except FileChanged:  # the shard was rewritten since its index was cached: read the new index, once
+            loc = self.relocate(index, loc.ident)
+            if loc.path is None:
+                return loc.key, None
+            try:
+                data = self.store.read_range(loc.path, loc.offset, loc.length, loc.ident)
+            except FileChanged:
+                raise self.shard_changed(loc.key) from None
+        if data is None or len(data) != loc.length:
+            raise DecodeError(f"{self.uri}: the shard holding inner chunk {loc.key!r} changed or vanished while "
+                              "it was read", uri=self.uri, key=loc.key)
+        return loc.key, data
+
+    def _get_stored(self, loc: ChunkLocation):
+        """A chunk read through the store: a whole value (None when missing: the fill value) or an inner
+        chunk's range."""
+        if loc.offset is None:
+            try:
+                data = self.kv.get(loc.path)
+            except NotFound:
+                return None
+            self.metadata.codec.check_stored_size(len(data), loc.key)
+            return data
+        return self.kv.get_ranges([ByteRange(loc.path, loc.offset, loc.length)])[0]
+
+    def _read_chunk_file(self, loc: ChunkLocation) -> bytearray | None:
+        """The whole chunk file, or None when missing; one larger than the codecs can write is not read."""
+        f = self.store.open_file(loc.path)
+        if f is None:
+            return None
+        with f:
+            self.metadata.codec.check_stored_size(f.size, loc.key)
+            data = bytearray(f.size)
+            if f.read_into(memoryview(data), 0) != f.size:
+                raise DecodeError(f"{self.uri}: chunk {loc.key!r} changed while it was read", uri=self.uri,
+                                  key=loc.key)
+        return data
+
+    def shard_changed(self, key: str) -> DecodeError:
+        """The error for a shard that changed again after its index was read anew."""
+        return DecodeError(f"{self.uri}: the shard holding chunk {key!r} changed while it was read (it was "
+                           "rewritten again after its index was read anew); read it once writing has finished",
+                           uri=self.uri, key=key)
+
+    def shard_index(self, shard_key: str) -> np.ndarray | None:
+        """Decoded ``(n_inner, 2)`` index of a shard (cached), or ``None`` when the shard file is missing."""
+        entry = self._shard_entry(shard_key)
+        return None if entry is None else entry.table
+
+    def shard_entry(self, shard_key: str) -> ShardIndex | None:
+        """A shard's cached index with the identity of the file it was read from (read, checked and cached on
+        first use), or ``None`` when the shard file is missing."""
+        return self._shard_entry(shard_key)
+
+    def _shard_entry(self, shard_key: str) -> ShardIndex | None:
+        return self._index_cache.get_or_load((self._token, shard_key), lambda: self._load_shard_index(shard_key))
+
+    def _load_shard_index(self, shard_key: str) -> ShardIndex | None:
+        spec = self.metadata.sharding
+        if self.kv is not None:
+            return self._load_stored_index(shard_key)
+
+        def where(size: int) -> tuple[int, int]:
+            if size < spec.index_nbytes:
+                raise DecodeError(
+                    f"{self.uri}: shard {shard_key!r} is truncated: {size} bytes, but its index alone needs "
+                    f"{spec.index_nbytes}",
+                    uri=self.uri, key=shard_key,
+                )
+            return spec.index_range(size)
+
+        try:
+            got = self.store.read_current(self.file_path(shard_key), where)
+        except FileChanged:
+            raise DecodeError(f"{self.uri}: shard {shard_key!r} kept changing while its index was read; read it "
+                              "once writing has finished", uri=self.uri, key=shard_key) from None
+        if got is None:
+            return None
+        raw, ident = got
+        return ShardIndex(spec.decode_index(raw, self.uri, shard_key, ident[2]), ident)
+
+
+    def _load_stored_index(self, shard_key: str) -> ShardIndex | None:
+        """A shard's index read through the store by one range (a suffix when it ends the shard, so the
+        shard's size is not needed); a shard whose entries reach past its end fails when they are read."""
+        spec = self.metadata.sharding
+        key = self.file_path(shard_key)
+        n = spec.index_nbytes
+        try:
+            raw = self.kv.get_ranges([ByteRange.suffix(key, n) if spec.index_location == "end"
+                                      else ByteRange(key, 0, n)])[0]
+        except NotFound:
+            return None
+        table = spec.decode_index(raw, self.uri, shard_key, _UNKNOWN_SIZE)
+        return ShardIndex(table, (0, self._token, 0, 0, 0))  # one identity per reader: its shards never mix
+
+
+_UNKNOWN_SIZE = (1 << 63) - 1  # a shard's size, not known from a suffix read
+
+
+def _basic_index(key: Any, shape: tuple[int, ...], uri: str) -> tuple[list[tuple[int, int]], set[int]]:
+    """The box numpy's basic index ``key`` selects in an array of ``shape``, and the axes integers drop."""
+    items = list(key) if isinstance(key, tuple) else [key]
+    if sum(item is Ellipsis for item in items) > 1:
+        raise InvalidArgument(f"{uri}: an index can hold one '...', got {key!r}", uri=uri)
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
+    if len(items) > len(shape):
+        raise InvalidArgument(f"{uri}: {len(items)} indices for an array of {len(shape)} axes (shape {shape})",
+                              uri=uri)
+    items += [slice(None)] * (len(shape) - len(items))
+    box, dropped = [], set()
+    for axis, (item, n) in enumerate(zip(items, shape)):
+        if isinstance(item, slice):
+            start, stop, step = item.indices(n)
+            if step != 1:
+                raise InvalidArgument(f"{uri}: axis {axis}: slice step must be 1, got {item.step!r}; read the box "
+                                      "and step the result", uri=uri, axis=axis)
+            box.append((start, max(start, stop)))
+        elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            i = int(item) + (n if item < 0 else 0)
+            if not 0 <= i < n:
+                raise OutOfBounds(f"{uri}: axis {axis}: index {int(item)} is outside 0..{n - 1}", uri=uri, axis=axis)
+            box.append((i, i + 1))
+            dropped.add(axis)
+        else:
+            raise InvalidArgument(f"{uri}: axis {axis}: an index must be a slice, an integer or '...', got "
+                                  f"{item!r} (arrays of indices are not read: read the box around them)",
+                                  uri=uri, axis=axis)
+    return box, dropped
+
+
+def index_size(entry: ShardIndex | None) -> int:
+    """Bytes a cached shard index costs (``None``, a missing shard, costs a little too)."""
+    return 64 if entry is None else entry.table.nbytes + 64
+
+
+def check_index_fits(spec: ShardingSpec, capacity: int, uri: str) -> None:
+    """UnsupportedFormat when one shard's index would not fit the index cache (``capacity`` bytes).
+
+    Checked when the array is opened, before any shard is read: such an index would be read and
+    decoded whole for every chunk (it is never cached), and its size comes from metadata alone.
+    """
+    cost = 16 * spec.n_inner + 64  # what index_size will weigh it at
+    if cost > capacity:
+        most = (capacity - 64) // 16
+        raise UnsupportedFormat(
+            f"{uri}: each shard holds {spec.n_inner:,} inner chunks ({' x '.join(map(str, spec.chunks_per_shard))}), "
+            f"so its index takes {spec.index_nbytes:,} bytes, more than the shard index cache holds "
+            f"({capacity:,} bytes); re-shard the array with at most {most:,} inner chunks per shard (larger "
+            "inner chunks or smaller shards)",
+            uri=uri, chunks_per_shard=spec.chunks_per_shard, inner_chunks=spec.n_inner,
+        )
+
+
+def open_array(uri: str | os.PathLike, storage_options: dict[str, Any] | None = None, *,
+               store: LocalStore | None = None, index_cache: SizedLRU | None = None,
+               stores: Stores | None = None) -> ArrayReader:
+    """Open the Zarr array at ``uri`` (v2 or v3): a local path or ``file://`` URI, an object store URI
+    (``s3://``, ``gs://``, ``az://``, ``http(s)://``) or a path inside a zip archive
+    (``/data/d.zip/g.zarr/a`` or ``zip:///data/d.zip!/g.zarr/a``); see docs/remote.md.
+
+    Reads the metadata document only (or an ancestor's consolidated metadata): no chunk data is touched
+    until ``read``. ``storage_options`` (credentials, endpoint, region, timeouts, retries...) apply to
+    remote URIs; ``stores`` is where remote stores are opened and kept (a pipeline's; by default one per
+    process).
+
+    >>> arr = stoker.open_array("/data/plate.zarr/A/1/0")
+    >>> arr.read(numpy.s_[0:1, 0:64, 0:64]).shape
+    (1, 64, 64)
+    >>> arr = stoker.open_array("s3://bucket/plate.zarr/A/1/0", {"region": "eu-west-1"})
+    """
+    loc = locate(uri)
+    store = store or default_store()
+    if not loc.is_local:
+        kv, hierarchy = (stores or default_stores()).get(loc, storage_options)
+        return ArrayReader(read_store_metadata(hierarchy, loc.prefix, loc.uri), loc.prefix, store, index_cache, kv)
+    if storage_options:
+        raise InvalidArgument(f"{uri}: storage_options apply to remote URIs only (s3://, gs://, az://, "
+                              "http(s)://); drop them for a local path", uri=os.fspath(uri))
+    path = loc.path
+    store.forget(path)  # the array may have been rewritten since its files were last opened
+    return ArrayReader(read_metadata(path, store, uri=os.fspath(uri)), path, store, index_cache)

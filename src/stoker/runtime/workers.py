@@ -1,0 +1,109 @@
+"""``DaemonPool``: a bounded pool of threads that can never keep the process alive.
+
+concurrent.futures' ``ThreadPoolExecutor`` joins its threads when the interpreter exits, so
+one task stuck in a system call (a read from a hung NFS or FUSE mount) keeps the process from
+ever exiting. These threads are daemon threads that nothing joins: at exit a stuck one is
+abandoned, and the process ends.
+
+>>> pool = DaemonPool(4, "stoker-io")
+>>> pool.submit(print, "hello")     # threads start as work arrives, up to 4
+>>> pool.shutdown()                 # drops queued tasks and returns; running ones finish on their own
+
+Tasks return nothing: they report through objects of their own (a job, an event). An
+exception that escapes a task goes to :func:`threading.excepthook`, as one escaping a
+thread would, and the thread goes on with the next task.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Any, Callable
+
+from . import gil
+from ..errors import ShutdownError
+
+
+class _State:
+    """What the pool shares with its threads (not the pool itself, so an unused pool can be collected)."""
+
+    __slots__ = ("cv", "tasks", "closed", "idle", "__weakref__")
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition(threading.Lock())
+        self.tasks: collections.deque[tuple[Callable[..., Any], tuple]] = collections.deque()
+        self.closed = False
+        self.idle = 0
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.tasks.clear()
+            self.cv.notify_all()
+
+
+class DaemonPool:
+    """Runs ``fn(*args)`` on at most ``max_threads`` daemon threads named ``{name}_{i}``."""
+
+    def __init__(self, max_threads: int, name: str) -> None:
+        if max_threads < 1:
+            raise ValueError(f"max_threads must be at least 1, got {max_threads}")
+        self.max_threads = max_threads
+        self.name = name
+        self._state = _State()
+        self._threads: list[threading.Thread] = []
+        weakref.finalize(self, self._state.close)  # a pool dropped unclosed stops its idle threads
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)``; :class:`~stoker.errors.ShutdownError` (a RuntimeError) after :meth:`shutdown`."""
+        state = self._state
+        with state.cv:
+            if state.closed:
+                raise ShutdownError(f"{self.name}: the pool was shut down")
+            state.tasks.append((fn, args))
+            # a thread more only when the idle ones cannot take every queued task
+            start = state.idle < len(state.tasks) and len(self._threads) < self.max_threads
+            if start:
+                thread = threading.Thread(target=_work, args=(state,), name=f"{self.name}_{len(self._threads)}",
+                                          daemon=True)
+                self._threads.append(thread)
+            state.cv.notify()
+        if start:
+            try:
+                thread.start()
+            except RuntimeError:  # the system gives no more threads ("can't start new thread")
+                with state.cv:
+                    self._threads.remove(thread)
+                    if self._threads:  # the running threads take the task in turn
+                        return
+                    state.tasks.remove((fn, args))
+                raise
+
+    def shutdown(self) -> None:
+        """Drop queued tasks and stop idle threads, without waiting; running tasks finish on their own."""
+        self._state.close()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The threads started so far."""
+        return list(self._threads)
+
+
+def _work(state: _State) -> None:
+    gil.enroll()  # a pool thread's GIL time is charged to the pipeline whose work it reports
+    while True:
+        with state.cv:
+            while not state.tasks and not state.closed:
+                state.idle += 1
+                state.cv.wait()
+                state.idle -= 1
+            if state.closed:
+                return
+            fn, args = state.tasks.popleft()
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - reported as an exception escaping a thread is
+            threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__,
+                                                           threading.current_thread())))
+        del fn, args  # hold nothing of a finished task while idle

@@ -1,0 +1,403 @@
+"""Sample sources: a deterministic global order per epoch, split across ranks, resumable.
+
+>>> src = stoker.RandomCrops(["/data/a.zarr", "/data/b.zarr"], sample_shape=(32, 128, 128), seed=0)
+>>> mine = src.for_rank()                       # rank and world size from torch.distributed or RANK/WORLD_SIZE
+>>> mine.set_epoch(3)
+>>> pipeline.push(mine)                      # this rank's samples of epoch 3, in order
+>>> state = pipeline.state_dict()["sources"][0]   # as of the last popped batch
+>>> mine.load_state_dict(state)              # later, on any world size: continue where it stopped
+
+Each entry of ``arrays`` is one array, or a group of arrays of one shape read as channels of every sample
+(``[[t2m, u10, v10], ...]``: samples of shape ``(3, *sample_shape)``, see :class:`~stoker.Sample`).
+
+The global order of an epoch depends only on ``(seed, epoch)``; ``for_rank()`` splits
+it so that within an epoch the ranks' samples are disjoint, cover the order, and
+every rank gets the same number (short ranks wrap around, or all drop the tail
+with ``even="drop"``). Nothing here holds a table of an epoch's samples: orders,
+shuffles and shares are computed per index, so memory does not grow with the epoch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import operator
+import os
+import warnings
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .cursor import CursorState, EpochCursor
+from ..dist.collectives import resolve_rank
+from ..errors import InvalidArgument
+from .permutation import ORDER_VERSION, Permutation
+from .sample import Sample
+
+_BLOCK = 1024  # RandomCrops draws samples in seeded blocks: cheap, and any index is reachable directly
+# Positions are int64 where they meet numpy (a rank's share as an array, seeds); with at most 2**62
+# samples an epoch, W ranks' wrapped shares (W * ceil(n / W) < n + W) stay below 2**63 too.
+MAX_SAMPLES = 2**62
+
+
+class SampleSource:
+    """Base class: ``len(source)`` samples per epoch, ``source.sample(epoch, i)`` is the i-th of the epoch."""
+
+    seed: int = 0
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def sample(self, epoch: int, index: int) -> Sample:
+        """The ``index``-th sample of ``epoch``'s global order."""
+        raise NotImplementedError
+
+    def _identity(self) -> Any:
+        """What the sample list is made of (JSON-able); the fingerprint hashes it."""
+        raise NotImplementedError
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the sample list: resuming with another list is refused."""
+        blob = json.dumps([type(self).__name__, self._identity()], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def for_rank(self, rank: int | None = None, world_size: int | None = None, policy: str = "strided",
+                 even: str = "wrap") -> "RankShare":
+        """This rank's share. ``rank``/``world_size`` default to the torch.distributed group, else the
+        ``RANK``/``WORLD_SIZE`` environment, else a single process."""
+        rank, world_size = resolve_rank(rank, world_size)
+        return RankShare(self, rank, world_size, policy, even)
+
+    def shard(self, rank: int | None = None, world_size: int | None = None, policy: str = "strided",
+              even: str = "wrap") -> "RankShare":
+        """Deprecated name of :meth:`for_rank` (a rank's share, not a Zarr shard)."""
+        warnings.warn("SampleSource.shard() is deprecated; use SampleSource.for_rank()", DeprecationWarning,
+                      stacklevel=2)
+        return self.for_rank(rank, world_size, policy, even)
+
+    def __iter__(self) -> Iterator[Sample]:
+        """Epoch 0 in global order, whole (a single process)."""
+        return iter(self.for_rank(0, 1))
+
+
+def _open_shapes(arrays: Sequence[str], storage_options: dict | None, stores) -> list[tuple[int, ...]]:
+    """The arrays' shapes (remote URIs with the options of their longest prefix in ``storage_options``,
+    as Config.storage_options; credentials are never part of a source's identity), opened in ``stores``."""
+    from ..reader.array import open_array
+    from ..storage.locate import check_options_by_prefix, options_for
+
+    by_prefix = check_options_by_prefix(storage_options, "storage_options")
+    return [open_array(uri, options_for(by_prefix, uri), stores=stores).shape for uri in arrays]
+
+
+def _entries(arrays: Sequence[Any], who: str) -> list:
+    """``arrays`` as a sampler keeps them: each a URI, or a list of URIs (a group read as channels). Every
+    entry must be of one kind, and groups of one size (a pipeline's samples all have one shape)."""
+    if isinstance(arrays, (str, os.PathLike)):
+        raise InvalidArgument(f"{who} takes a list of arrays (or of groups of arrays), got the single {arrays!r}; "
+                              "wrap it in a list")
+    out = [[os.fspath(u) for u in a] if isinstance(a, (list, tuple)) else os.fspath(a) for a in arrays]
+    sizes = {len(a) if isinstance(a, list) else None for a in out}
+    if len(sizes) > 1:
+        raise InvalidArgument(
+            f"{who}: every entry of arrays must be one array, or every entry a group of the same number of arrays "
+            f"(the channels of each sample); got groups of sizes {sorted(sizes, key=str)}")
+    if 0 in sizes:
+        raise InvalidArgument(f"{who}: a group of arrays is empty; each group needs at least one array")
+    return out
+
+
+def _entry_shapes(entries: list, storage_options: dict | None = None) -> list[tuple[int, ...]]:
+    """The shape of each entry's arrays: a group's arrays must have one shape (InvalidArgument naming them)."""
+    from ..storage.locate import Stores
+
+    shapes = []
+    stores = Stores()  # shared by every array: a consolidated group's metadata is read once, not per array
+    try:
+        for entry in entries:
+            group = entry if isinstance(entry, list) else [entry]
+            found = _open_shapes(group, storage_options, stores)
+            for uri, shape in zip(group, found):
+                if shape != found[0]:
+                    raise InvalidArgument(
+                        f"{uri}: shape {shape} differs from {group[0]}'s {found[0]}; the arrays of a group are "
+                        "read at the same boxes and must have one shape", uri=uri)
+            shapes.append(found[0])
+    finally:
+        stores.close()
+    return shapes
+
+
+class RandomCrops(SampleSource):
+    """Uniform random in-bounds crops over arrays, weighted by array volume unless ``weights`` is given.
+
+    ``samples_per_epoch`` defaults to the number of crops that would tile the data once.
+
+    >>> src = stoker.RandomCrops(["/data/a.zarr"], (32, 128, 128), seed=0, samples_per_epoch=10_000)
+    """
+
+    def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int], seed: int = 0,
+                 samples_per_epoch: int | None = None, weights: Sequence[float] | None = None,
+                 storage_options: dict | None = None) -> None:
+        self.arrays = _entries(arrays, "RandomCrops")
+        if not self.arrays:
+            raise InvalidArgument("RandomCrops needs at least one array")
+        self.sample_shape = tuple(int(s) for s in sample_shape)
+        if any(c < 1 for c in self.sample_shape):
+            raise InvalidArgument(f"RandomCrops: sample_shape {self.sample_shape} must be >= 1 on every axis")
+        self.seed = int(seed)
+        self.shapes = _entry_shapes(self.arrays, storage_options)
+        for uri, shape in zip(self.arrays, self.shapes):
+            if len(shape) != len(self.sample_shape) or any(c > s for c, s in zip(self.sample_shape, shape)):
+                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}", uri=uri)
+        if weights is None:
+            w = np.array([math.prod(s) for s in self.shapes], dtype=np.float64)
+        else:
+            w = np.asarray(weights, dtype=np.float64)
+            if w.shape != (len(self.arrays),) or (w < 0).any() or not w.sum() > 0:
+                raise InvalidArgument(f"weights must be {len(self.arrays)} non-negative numbers, not all zero")
+        self.weights = w / w.sum()
+        if samples_per_epoch:
+            count = int(samples_per_epoch)
+            if not 1 <= count <= MAX_SAMPLES:
+                raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}")
+        else:  # the crops that tile the data once
+            count = max(1, sum(math.prod(s) for s in self.shapes) // math.prod(self.sample_shape))
+            if count > MAX_SAMPLES:
+                raise InvalidArgument(
+                    f"RandomCrops over {self.arrays}: {count} crops of {self.sample_shape} would tile the data "
+                    "once, more than the 2**62 samples an epoch can hold; pass samples_per_epoch (or a larger "
+                    "sample_shape)")
+        self.samples_per_epoch = count
+        self._cdf = np.cumsum(self.weights)
+        # Per array, how many corner positions each axis allows.
+        self._limits = np.array([[s - c + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
+        self._cache: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch
+
+    def _block(self, epoch: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        cached = self._cache
+        if cached is not None and cached[0] == (epoch, block):
+            return cached[1]
+        rng = np.random.default_rng([self.seed, epoch, block])
+        which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"), len(self.arrays) - 1)
+        frac = rng.random((_BLOCK, len(self.sample_shape)))
+        corners = np.floor(frac * self._limits[which]).astype(np.int64)
+        self._cache = ((epoch, block), (which, corners))
+        return which, corners
+
+    def sample(self, epoch: int, index: int) -> Sample:
+        which, corners = self._block(epoch, index // _BLOCK)
+        k = index % _BLOCK
+        corner = corners[k]
+        return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)])
+
+    def _identity(self) -> Any:
+        return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
+                self.seed]
+
+
+class TileGrid(SampleSource):
+    """A regular grid of in-bounds crops over arrays (``stride`` defaults to the sample shape).
+
+    With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
+    """
+
+    def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int],
+                 stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0,
+                 storage_options: dict | None = None) -> None:
+        self.arrays = _entries(arrays, "TileGrid")
+        self.sample_shape = tuple(int(s) for s in sample_shape)
+        self.stride = tuple(int(s) for s in (stride or self.sample_shape))
+        if any(s < 1 for s in self.stride):
+            raise InvalidArgument(f"stride must be positive, got {self.stride}")
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.shapes = _entry_shapes(self.arrays, storage_options)
+        self._counts = []
+        self._offsets = [0]  # tiles before each array (Python ints: counts of huge grids overflow int64)
+        for uri, shape in zip(self.arrays, self.shapes):
+            if len(shape) != len(self.sample_shape):
+                raise InvalidArgument(f"{uri}: rank {len(shape)} differs from sample rank {len(self.sample_shape)}")
+            self._counts.append(tuple(max(0, (s - c) // st + 1) for s, c, st in
+                                      zip(shape, self.sample_shape, self.stride)))
+            self._offsets.append(self._offsets[-1] + math.prod(self._counts[-1]))
+        if self._offsets[-1] == 0:
+            raise InvalidArgument(f"no array can hold a {self.sample_shape} tile")
+        if self._offsets[-1] > MAX_SAMPLES:
+            raise InvalidArgument(
+                f"TileGrid over {self.arrays}: {self._offsets[-1]} tiles of {self.sample_shape} at stride "
+                f"{self.stride}, more than the 2**62 samples an epoch can hold; use a larger stride or sample_shape")
+        self._perm: Permutation | None = None
+
+    def __len__(self) -> int:
+        return self._offsets[-1]
+
+    def sample(self, epoch: int, index: int) -> Sample:
+        index = operator.index(index)
+        if not 0 <= index < len(self):
+            raise IndexError(f"tile {index} out of range for a grid of {len(self)}")
+        if self.shuffle:
+            self._perm = _order(self._perm, len(self), self.seed, epoch)
+            index = self._perm[index]
+        a = bisect.bisect_right(self._offsets, index) - 1
+        rest, tile = index - self._offsets[a], []
+        for count in reversed(self._counts[a]):  # C order, as numpy.unravel_index
+            rest, t = divmod(rest, count)
+            tile.append(t)
+        corner = [t * st for t, st in zip(reversed(tile), self.stride)]
+        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
+
+    def _identity(self) -> Any:
+        return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + _order_id(self)
+
+
+class SampleList(SampleSource):
+    """An explicit list of samples (permuted per ``(seed, epoch)`` with ``shuffle=True``)."""
+
+    def __init__(self, samples: Sequence[Sample], shuffle: bool = False, seed: int = 0) -> None:
+        self.samples = list(samples)
+        if not all(isinstance(s, Sample) for s in self.samples):
+            raise InvalidArgument("SampleList takes stoker.Sample objects")
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self._perm: Permutation | None = None
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def sample(self, epoch: int, index: int) -> Sample:
+        if self.shuffle:
+            self._perm = _order(self._perm, len(self), self.seed, epoch)
+            index = self._perm[index]
+        return self.samples[index]
+
+    def _identity(self) -> Any:
+        return [[s._target(), s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
+
+
+def _order(cached: Permutation | None, n: int, seed: int, epoch: int) -> Permutation:
+    """The shuffled order of ``epoch``, reusing ``cached`` when it is that epoch's."""
+    if cached is not None and cached.key == (n, seed, epoch):
+        return cached
+    return Permutation(n, seed, epoch)
+
+
+def _order_id(source: SampleSource) -> list[str]:
+    """What a shuffled source adds to its identity: the order's version (a state saved under an earlier
+    order must not resume into other samples). Unshuffled sources keep their fingerprints."""
+    return [ORDER_VERSION] if getattr(source, "shuffle", False) else []
+
+
+class RankShare:
+    """One rank's share of a source: iterate it, push it into a Pipeline, save and restore its position.
+
+    Iterating yields this rank's remaining samples of the current epoch (and
+    advances the position as samples are yielded); :meth:`forever` continues
+    into the following epochs. The position is an :class:`~stoker.sampling.cursor.EpochCursor`.
+    """
+
+    def __init__(self, source: SampleSource, rank: int, world_size: int, policy: str, even: str) -> None:
+        self.cursor = EpochCursor(len(source), rank, world_size, policy, even)
+        self.source = source
+        self.rank, self.world_size, self.policy, self.even = self.cursor.rank, self.cursor.world_size, policy, even
+
+    @property
+    def epoch(self) -> int:
+        return self.cursor.epoch
+
+    @property
+    def steps(self) -> int:
+        """Samples this rank consumed in the current run of this epoch."""
+        return self.cursor.steps
+
+    @property
+    def segments(self) -> list:
+        """Earlier runs of this epoch: ``(world_size, policy, even, steps)``."""
+        return self.cursor.segments
+
+    def __len__(self) -> int:
+        """Samples this rank still has in the current epoch."""
+        return max(0, len(self.cursor.share()) - self.cursor.steps)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning (call it on every rank, like DistributedSampler's)."""
+        self.cursor.place(int(epoch), [], 0)
+
+    def __iter__(self) -> "_Cursor":
+        return _Cursor(self, forever=False)
+
+    def forever(self) -> "_Cursor":
+        """An endless iterator: this epoch's remaining samples, then the next epochs'."""
+        return _Cursor(self, forever=True)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _order(self) -> dict:
+        return {"seed": self.source.seed, "fingerprint": self.source.fingerprint}
+
+    def state_dict(self) -> dict:
+        """Where this rank is: epoch, global position, and what is needed to resume on any world size."""
+        return self.cursor.state(self._order()).to_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (saved with any world size): nothing repeated or skipped in the epoch."""
+        saved = CursorState.from_dict(state)
+        if saved.order.get("fingerprint") != self.source.fingerprint:
+            shuffled = (f"; a state of a shuffled order other than {ORDER_VERSION} (saved by an earlier stoker) "
+                        "cannot resume here: start its epoch again") if _order_id(self.source) else ""
+            raise InvalidArgument(
+                f"this state was saved for another sample list (fingerprint {saved.order.get('fingerprint')!r}, "
+                f"this source is {self.source.fingerprint!r}): the same arrays, sample shape, seed and settings "
+                f"are needed{shuffled}"
+            )
+        self.cursor.load(saved, keep_split=False)
+
+
+class _Cursor:
+    """An iterator over a RankShare that knows the share's state after any number of its samples.
+
+    A Pipeline pulls ahead of what the consumer has popped; it asks
+    :meth:`state_after` for the state as of the samples really consumed.
+    """
+
+    def __init__(self, src: RankShare, forever: bool) -> None:
+        self.src = src
+        self.forever = forever
+        c = src.cursor
+        self.start = c.at(c.epoch, c.segments, c.steps)
+        self._gen = self._run()
+
+    def _run(self) -> Iterator[Sample]:
+        src = self.src
+        c = self.start
+        epoch, segments, steps = c.epoch, c.segments, c.steps
+        while True:
+            positions = c.at(epoch, segments, 0).share()
+            for i in range(steps, len(positions)):
+                src.cursor.place(epoch, segments, i + 1)
+                yield src.source.sample(epoch, int(positions[i]))
+            if not self.forever:
+                return
+            epoch, segments, steps = epoch + 1, [], 0
+
+    def __iter__(self) -> "_Cursor":
+        return self
+
+    def __next__(self) -> Sample:
+        return next(self._gen)
+
+    def state_after(self, n: int) -> dict:
+        """The share's state once ``n`` samples of this iterator have been consumed."""
+        return self.start.after(n, self.forever).state(self.src._order()).to_dict()
+
+def __getattr__(name: str) -> Any:
+    if name == "ShardedSource":  # the name before RankShare (a rank's share, not a Zarr shard)
+        warnings.warn("stoker.ShardedSource is deprecated; use stoker.RankShare", DeprecationWarning, stacklevel=2)
+        return RankShare
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

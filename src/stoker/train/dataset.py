@@ -1,0 +1,176 @@
+"""``CropDataset``: a sample source's batches as a ``torch.utils.data.IterableDataset``.
+
+>>> source = stoker.RandomCrops([[t2m, u10, v10]], sample_shape=(8, 64, 64), seed=0, samples_per_epoch=4096)
+>>> ds = stoker.CropDataset(source, stoker.Config(batch_size=16, dtype="f32"))
+>>> loader = torch.utils.data.DataLoader(ds, batch_size=None)     # stoker batches; num_workers=0
+>>> for x in loader:                                              # (16, 3, 8, 64, 64) float32
+...     ...
+
+or ``torchdata.stateful_dataloader.StatefulDataLoader(ds, batch_size=None)``, whose ``state_dict`` then
+carries this dataset's position (see docs/dataloader.md).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from ..config import Config
+from ..engine.pipeline import Pipeline
+from ..errors import InvalidArgument, ShutdownError
+from ..sampling.samplers import RankShare, SampleSource
+
+
+class CropDataset(torch.utils.data.IterableDataset):
+    """This rank's batches of ``source`` (a :class:`~stoker.SampleSource`, split here by
+    ``source.for_rank()``: the rank from torch.distributed or ``RANK``/``WORLD_SIZE``; or a
+    :class:`~stoker.RankShare`), made by a :class:`~stoker.Pipeline` of ``cfg``.
+
+    A SampleSource is split again whenever the process group says otherwise than it did at
+    construction: a dataset built before ``init_process_group`` (in the launcher, in a
+    ``LightningDataModule.__init__``) and used in the ranks takes each rank's share, not the whole epoch.
+    A RankShare is used as given.
+
+    Use it with ``DataLoader(ds, batch_size=None)`` (the batches are already made) and ``num_workers=0``:
+    the pipeline runs its own threads. Worker processes would each open a pipeline over the same share
+    and deliver every sample once per worker, so iterating in a worker raises ``InvalidArgument``.
+
+    Each ``iter()`` runs one epoch from the position saved last: a loop that stopped early continues where it
+    stopped, and once an epoch is used up the next ``iter()`` starts the next epoch (or call
+    :meth:`set_epoch`). ``len()`` is the batches the next ``iter()`` yields.
+
+    What a batch costs: with ``copy=False`` (the default) each batch is a zero-copy view of a pipeline slot.
+    It is never overwritten while you hold it: a slot is reused only once no tensor views it. Holding more
+    than ``lookahead_batches`` of them (a list of batches, or a fetcher that prefetches) leaves the pipeline
+    without slots until you drop one (``PoolStarved`` after ``pop_timeout_s``). ``copy=True`` clones each
+    batch (one batch-sized copy, memory of your own) and the slot goes back at once.
+
+    ``state_dict()``/``load_state_dict()`` give and take the source's position as of the last batch
+    yielded (the state :meth:`Pipeline.state_dict` reports), so a state taken after k batches resumes with
+    batch k + 1, on any world size; ``StatefulDataLoader`` (torchdata) calls them.
+    """
+
+    def __init__(self, source: SampleSource | RankShare, cfg: Config, copy: bool = False) -> None:
+        super().__init__()
+        self._follow_group = isinstance(source, SampleSource)  # the rank is ours to pick, and to re-pick
+        if isinstance(source, SampleSource):
+            source = source.for_rank()
+        if not isinstance(source, RankShare):
+            raise InvalidArgument(f"CropDataset takes a stoker.SampleSource or RankShare (RandomCrops, TileGrid, "
+                                  f"SampleList, or their .for_rank()), got {type(source).__name__}")
+        if not isinstance(cfg, Config):
+            raise InvalidArgument(f"CropDataset needs a stoker.Config, got {type(cfg).__name__}")
+        self.source, self.cfg, self.copy = source, cfg, bool(copy)
+        self._state = source.state_dict()  # the position as of the last batch yielded
+        self._run = 0  # bumped by every iter() and load: an older iteration stops reporting positions
+        self._live: Pipeline | None = None  # the pipeline of the current iteration
+
+    # -- position ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The source's position as of the last batch yielded (a RankShare state)."""
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` at the next ``iter()`` (a state of this dataset, or of a pipeline's source,
+        saved on any world size). An iteration under way ends."""
+        self._state = self._fresh(state).state_dict()  # checks the fingerprint now
+        self._stop()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning at the next ``iter()``. An iteration under way ends."""
+        src = self._fresh(None)
+        src.set_epoch(epoch)
+        self._state = src.state_dict()
+        self._stop()
+
+    def _stop(self) -> None:
+        """End the iteration under way (its generator returns at its next step) and close its pipeline."""
+        self._run += 1
+        live, self._live = self._live, None
+        if live is not None:
+            live.close()
+
+    def _follow(self) -> None:
+        """Shard a SampleSource again when the process group's rank or size is not the one it was sharded
+        for. Positions are global (a state describes the whole epoch), so the saved one stays valid."""
+        dist = torch.distributed
+        if not self._follow_group or not (dist.is_available() and dist.is_initialized()):
+            return
+        s = self.source
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (s.rank, s.world_size) != (rank, world):
+            self.source = RankShare(s.source, rank, world, s.policy, s.even)
+
+    def _fresh(self, state: dict | None) -> RankShare:
+        """A view of this rank's share at ``state`` (the pipeline's cursor writes into the one it pulls from,
+        so every iteration gets its own)."""
+        self._follow()
+        s = self.source
+        src = RankShare(s.source, s.rank, s.world_size, s.policy, s.even)
+        if state is not None:
+            src.load_state_dict(state)
+        return src
+
+    def _batches(self, samples: int) -> int:
+        b = self.cfg.batch_size
+        return samples // b if self.cfg.drop_last else -(-samples // b)
+
+    def _positioned(self) -> RankShare:
+        """The source at the saved position; past the end of an epoch, at the start of the next."""
+        src = self._fresh(self._state)
+        if self._batches(len(src)) == 0:
+            src.set_epoch(src.epoch + 1)
+            self._state = src.state_dict()
+        return src
+
+    def __len__(self) -> int:
+        """Batches the next ``iter()`` yields (this rank's rest of the epoch it runs)."""
+        return self._batches(len(self._positioned()))
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if torch.utils.data.get_worker_info() is not None:
+            raise InvalidArgument(
+                "CropDataset runs in the main process: use DataLoader(..., num_workers=0). Its pipeline already "
+                "reads and decodes on its own threads, and each worker process would open a pipeline over the "
+                "same samples and deliver every one of them once per worker", knob="num_workers")
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[torch.Tensor]:
+        # a generator: nothing runs before the first next(), so a load_state_dict between iter() and the
+        # first batch (StatefulDataLoader does so) is what the pipeline starts from
+        self._stop()
+        run = self._run
+        source = self._positioned()
+        with Pipeline(self.cfg) as pipeline:
+            self._live = pipeline
+            pipeline.push(source)
+            try:
+                for batch in pipeline:
+                    x = torch.from_dlpack(batch)
+                    if self.copy:
+                        x = x.clone()
+                    batch.release()  # the slot is reused only once x (and every view of it) is gone
+                    if run != self._run:
+                        return  # a newer iteration or a load took over: this one is stale
+                    self._state = pipeline.state_dict()["sources"][0]
+                    yield x
+            except ShutdownError:
+                if run == self._run:
+                    raise
+                return  # closed by a newer iteration or a load
+            finally:
+                if self._live is pipeline:
+                    self._live = None
+        if run == self._run:  # used up: the next iter() starts the next epoch
+            self._positioned()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_live": None}  # a pipeline is a process's own
+
+    def __repr__(self) -> str:
+        return (f"CropDataset({type(self.source.source).__name__}, rank {self.source.rank} of "
+                f"{self.source.world_size}, batch_size={self.cfg.batch_size}, copy={self.copy})")

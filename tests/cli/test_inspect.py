@@ -1,0 +1,73 @@
+"""stoker inspect: amplification estimates against exact expectations, and the CLI end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import BloscCodec
+
+import stoker
+from stoker.zarr.amplification import estimate
+from stoker.cli import main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _exact_chunks_per_crop(size: int, chunk: int, crop: int) -> float:
+    """Mean number of chunks a 1-D crop touches over every possible start (uniform)."""
+    starts = range(size - crop + 1)
+    return float(np.mean([(s + crop - 1) // chunk - s // chunk + 1 for s in starts]))
+
+
+@pytest.mark.parametrize("size,chunk,crop", [(1000, 100, 100), (1000, 64, 30), (997, 50, 120), (300, 300, 7)])
+def test_chunks_per_crop_matches_the_exact_expectation(tmp_path, size, chunk, crop):
+    zarr.create_array(str(tmp_path / "a.zarr"), shape=(size,), chunks=(chunk,), dtype="uint8")
+    meta = stoker.open_array(tmp_path / "a.zarr").metadata
+    est = estimate(meta, (crop,), n=4000, seed=1)
+    exact = _exact_chunks_per_crop(size, chunk, crop)
+    assert est.chunks_per_crop == pytest.approx(exact, rel=0.03)
+    assert est.decode_full == pytest.approx(est.chunks_per_crop * chunk / crop)
+
+
+def test_partial_decode_estimate_counts_whole_blocks(tmp_path):
+    zarr.create_array(str(tmp_path / "a.zarr"), shape=(64, 64), chunks=(64, 64), dtype="uint8")
+    meta = stoker.open_array(tmp_path / "a.zarr").metadata
+    # crops of whole rows: 8 rows of 64 bytes from a chunk split into 512-byte blocks (8 rows each)
+    est = estimate(meta, (8, 64), n=2000, seed=0, blocksize=512)
+    exact = np.mean([(((s + 8) * 64 + 511) // 512 - (s * 64) // 512) * 512 / (8 * 64) for s in range(57)])
+    assert est.decode_partial == pytest.approx(exact, rel=0.03)
+    assert est.decode_full == pytest.approx(64 * 64 / (8 * 64))
+    assert est.read is None and estimate(meta, (8, 64), blocksize=512, compression_ratio=2.0).read > 0
+
+
+def test_inspect_cli_reports_and_advises(tmp_path, capsys):
+    z = zarr.create_array(str(tmp_path / "v.zarr"), shape=(64, 256, 256), chunks=(32, 128, 128), dtype="uint16",
+                          compressors=BloscCodec(cname="lz4", shuffle="shuffle"))
+    z[:] = np.random.default_rng(0).integers(0, 300, size=z.shape, dtype="uint16")
+    assert main(["inspect", str(tmp_path / "v.zarr"), "--sample-shape", "8", "32", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "chunks per crop" in out and "partial blosc decode" in out and "compression ratio" in out
+    assert "advice: chunks limit throughput" in out and "(4, 16, 16)" in out
+    assert main(["inspect", str(tmp_path / "v.zarr"), "--sample-shape", "64", "256", "256"]) == 0
+    assert "chunking suits this crop shape" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "v.zarr"), "--sample-shape", "8", "8"]) == 2  # wrong rank
+    assert main(["inspect", str(tmp_path / "missing.zarr")]) == 2
+    assert "no Zarr array" in capsys.readouterr().err
+
+
+def test_inspect_reads_no_chunk_beyond_one_blosc_header(tmp_path):
+    """The compression ratio comes from file sizes and shard index entries, the block size from one 16-byte
+    header: a chunk's bytes are never read (a sparse 3 GiB chunk file once cost 9 GiB here)."""
+    from stoker.cli.inspect import describe
+    from stoker.storage import default_store
+
+    z = zarr.create_array(str(tmp_path / "v.zarr"), shape=(64, 256, 256), chunks=(32, 128, 128), dtype="uint16",
+                          compressors=BloscCodec(cname="lz4", shuffle="shuffle"))
+    z[:] = np.random.default_rng(0).integers(0, 300, size=z.shape, dtype="uint16")
+    counters = default_store().counters
+    before = counters.bytes_read
+    out = describe(str(tmp_path / "v.zarr"), (8, 32, 32))
+    assert "partial blosc decode" in out and "compression ratio" in out
+    metadata = (tmp_path / "v.zarr" / "zarr.json").stat().st_size
+    assert counters.bytes_read - before <= metadata + 16

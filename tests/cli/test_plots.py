@@ -1,0 +1,131 @@
+"""Pictures and JSON: stoker bench --json/--plot, stoker plot RUN_DIR, stoker inspect --json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import stoker.train as st
+import train_jobs as jobs
+from stoker.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _png(path, at_least=10_000):
+    data = path.read_bytes()
+    assert data[:8] == PNG and len(data) > at_least, (path, len(data))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real short training run's telemetry, with evaluation and a skipped (NaN) step."""
+    pytest.importorskip("matplotlib")
+    run = tmp_path_factory.mktemp("run")
+    model = jobs.Tiny()
+    trainer = st.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), jobs.mse, device="cpu",
+                         telemetry_dir=run, log_every=1, progress=False)
+    batches = jobs.global_batches(8, 4)
+    batches[3] = batches[3].clone()
+    batches[3][0, 0] = float("nan")
+    trainer.fit(batches, steps=8, resume=None, eval_data=jobs.global_batches(10, 4)[8:], eval_every=4)
+    return run
+
+
+def test_stoker_plot_draws_a_runs_telemetry(run_dir, capsys):
+    assert main(["plot", str(run_dir)]) == 0
+    out = run_dir / "telemetry.png"
+    assert capsys.readouterr().out.strip() == str(out)
+    _png(out)
+    other = run_dir / "elsewhere" / "t.png"
+    assert main(["plot", str(run_dir / "telemetry.jsonl"), "-o", str(other)]) == 0
+    _png(other)
+
+
+def test_plot_reads_every_metric_and_survives_a_resumed_log(run_dir, tmp_path):
+    from stoker.cli.plots import read_telemetry
+
+    series = read_telemetry(run_dir)
+    assert sorted(series["loss"]) == [1, 2, 3, 5, 6, 7, 8]  # step 4's NaN loss is null: left out
+    assert sorted(series["eval_loss"]) == [4, 8] and series["skipped_steps"][8] == 1
+    assert all(v > 0 for v in series["samples_per_s"].values())
+    log = tmp_path / "telemetry.jsonl"  # a killed run's steps logged again by its resumption, and a cut line
+    lines = (run_dir / "telemetry.jsonl").read_text().splitlines()
+    log.write_text("\n".join(lines + lines[2:4] + ['{"step": 9, "lo']) + "\n")
+    assert read_telemetry(tmp_path)["loss"] == series["loss"]
+
+
+def test_plot_mistakes_are_one_line_and_status_2(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "no telemetry at" in capsys.readouterr().err
+    (tmp_path / "telemetry.jsonl").write_text("not json\n")
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "holds no telemetry records" in capsys.readouterr().err
+    bad = tmp_path / "bench.json"
+    bad.write_text('{"scenarios": 3}')
+    assert main(["plot", str(bad)]) == 2
+    assert "not the JSON stoker bench --json writes" in capsys.readouterr().err
+    missing = tmp_path / "results.json"
+    assert main(["plot", str(missing)]) == 2
+    assert f"no bench results at {missing} (write them with stoker bench --json FILE)" in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_error_is_typed_and_one_line(tmp_path):
+    # a process where matplotlib cannot be imported (whether or not it is installed here)
+    code = ("import sys; sys.modules['matplotlib'] = None; from stoker.cli import main; "
+            f"sys.exit(main(['plot', {str(tmp_path)!r}]))")
+    (tmp_path / "telemetry.jsonl").write_text('{"step": 1, "time": 0, "loss": 1.0}\n')
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "needs matplotlib" in proc.stderr and "stoker[plot]" in proc.stderr
+    code = "import sys; sys.modules['matplotlib'] = None; import stoker.cli.plots as p; p.plot_telemetry(sys.argv[1])"
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert "stoker.errors.MissingDependency" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_bench_json_holds_the_numbers_and_plot_draws_them(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["bench", "--tiny", "--scenarios", "1", "--batches", "2", "--peers", "stoker,tensorstore",
+                 "--rounds", "2", "--data", str(tmp_path / "data"), "--json", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    (sc,) = doc["scenarios"]
+    assert sc["number"] == 1 and sc["batch_size"] == 8 and sc["timed_batches"] == 2
+    peers = {p["peer"]: p for p in sc["peers"]}
+    assert sorted(peers) == ["stoker", "tensorstore"]
+    for name, p in peers.items():
+        assert len(p["rounds"]) == 2 and min(p["rounds"]) <= p["samples_per_s"] <= max(p["rounds"])
+        assert f"{p['samples_per_s']:.1f}" in printed  # the table's number
+        assert p["samples"] == 16 and p["samples_per_s"] == pytest.approx(p["samples"] / p["seconds"])
+    stages = peers["stoker"]["breakdown"]["stages_ms_per_batch"]
+    assert set(stages) == {"decode", "read", "cast", "plan", "other"} and stages["decode"] > 0
+    assert sum(stages.values()) == pytest.approx(peers["stoker"]["breakdown"]["cpu_ms_per_batch"])
+    assert peers["stoker"]["read_amplification"] > 1 and "breakdown" not in peers["tensorstore"]
+    _png(png)
+    again = tmp_path / "again.png"  # stoker plot draws the same from the JSON
+    assert main(["plot", str(out), "-o", str(again)]) == 0
+    _png(again)
+
+
+def test_inspect_json_holds_the_layout_and_the_estimate(tmp_path, capsys):
+    import numpy as np
+    import zarr
+
+    path = tmp_path / "v.zarr"
+    z = zarr.create_array(str(path), shape=(16, 64, 64), chunks=(8, 32, 32), dtype="float32", fill_value=float("nan"))
+    z[:] = np.arange(16 * 64 * 64, dtype=np.float32).reshape(16, 64, 64)
+    assert main(["inspect", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["shape"] == [16, 64, 64] and doc["chunks"] == [8, 32, 32] and doc["dtype"] == "float32"
+    assert doc["zarr_format"] == 3 and doc["shards"] is None and doc["fill_value"] == "nan"
+    assert doc["chunk_bytes"] == 8 * 32 * 32 * 4 and "crops" not in doc
+    assert main(["inspect", str(path), "--json", "--sample-shape", "8", "32", "32"]) == 0
+    crops = json.loads(capsys.readouterr().out)["crops"]
+    assert crops["sample_shape"] == [8, 32, 32] and crops["chunks_per_crop"] > 1
+    assert crops["read_amplification"] > 1 and crops["compression_ratio"] > 0 and isinstance(crops["advice"], list)

@@ -1,0 +1,281 @@
+"""stoker.device.pin: the traversal behind pin_object/to_device, the CPU behaviour, and (on a GPU) real pinning."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+import pytest
+import torch
+
+import stoker
+import stoker.device.pin as pin
+
+pytestmark = pytest.mark.timeout(60)
+
+Pair = namedtuple("Pair", ["a", "b"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    coords: np.ndarray
+    label: str
+    extra: torch.Tensor = dataclasses.field(default=None, init=False)
+
+
+class SelfPinning:
+    def __init__(self, t):
+        self.t = t
+        self.pinned = False
+
+    def pin_memory(self):
+        out = SelfPinning(self.t)
+        out.pinned = True
+        return out
+
+
+class Opaque:
+    def __init__(self):
+        self.name = "x"
+        self.coords = torch.zeros(3)
+
+
+class Harmless:
+    def __init__(self):
+        self.name = "only metadata"
+
+
+def _recording():
+    seen = []
+
+    def leaf(t, path):
+        seen.append(path)
+        return t.clone() + 1
+
+    return seen, leaf
+
+
+def test_map_batch_keeps_types_and_reaches_every_leaf():
+    frame = Frame(coords=np.zeros((2, 3), np.float32), label="f")
+    object.__setattr__(frame, "extra", torch.ones(1))
+    batch = {"x": torch.zeros(2), "pair": Pair(torch.zeros(1), [np.zeros(1, np.int64), 3, "s", None]),
+             "frame": frame, "od": OrderedDict(k=torch.zeros(1)), "self": SelfPinning(torch.zeros(1)),
+             "tuple": (torch.zeros(1),), "meta": Harmless()}
+    seen, leaf = _recording()
+    out = pin.map_batch(batch, leaf, hook=pin._method_hook("pin_memory"))
+    assert isinstance(out["pair"], Pair) and isinstance(out["pair"].b, list)
+    assert isinstance(out["frame"], Frame) and out["frame"].label == "f"
+    assert isinstance(out["frame"].coords, torch.Tensor) and torch.equal(out["frame"].coords, torch.ones(2, 3))
+    assert torch.equal(out["frame"].extra, torch.full((1,), 2.0))  # non-init field handled too
+    assert isinstance(out["od"], OrderedDict) and isinstance(out["tuple"], tuple)
+    assert out["self"].pinned  # the Pinnable protocol is honoured
+    assert out["meta"] is batch["meta"] and out["pair"].b[1:] == [3, "s", None]
+    assert sorted(seen) == sorted([
+        "batch['x']", "batch['pair'].a", "batch['pair'].b[0]", "batch['frame'].coords", "batch['frame'].extra",
+        "batch['od']['k']", "batch['tuple'][0]",
+    ])
+    assert torch.equal(batch["x"], torch.zeros(2))  # input untouched
+
+
+def test_unknown_leaf_with_array_data_names_its_path():
+    batch = {"streams": [torch.zeros(1), torch.zeros(1), Opaque()]}
+    with pytest.raises(TypeError, match=r"batch\['streams'\]\[2\]\.coords") as info:
+        pin.map_batch(batch, lambda t, p: t, hook=pin._method_hook("pin_memory"))
+    assert "Pinnable" in str(info.value) and "implement pin_memory()" in str(info.value)
+    with pytest.raises(TypeError, match=r"implement to\(device"):
+        pin.to_device(batch, torch.device("cpu"))
+    with pytest.raises(TypeError, match="numeric"):
+        pin.map_batch(np.array(["a"]), lambda t, p: t)
+
+
+class Movable:
+    """A custom batch class (no dataclass) that pins and moves itself."""
+
+    def __init__(self, points, moved_to=None):
+        self.points = points
+        self.moved_to = moved_to
+
+    def pin_memory(self):
+        return Movable(self.points.pin_memory())
+
+    def to(self, device, non_blocking=False):
+        return Movable(self.points.to(device, non_blocking=non_blocking), moved_to=torch.device(device))
+
+
+def test_to_device_lets_a_custom_batch_move_itself():
+    """Regression: a Pinnable non-dataclass batch was pinned, then refused by to_device."""
+    batch = {"m": Movable(torch.arange(4.0)), "x": torch.zeros(2)}
+    out = pin.to_device(batch, torch.device("cpu"))
+    assert isinstance(out["m"], Movable) and out["m"].moved_to == torch.device("cpu")
+    assert torch.equal(out["m"].points, torch.arange(4.0))
+    assert [t.shape for t in pin.tensors_in(out)] == [(4,), (2,)]  # what record_stream is applied to
+
+
+def test_pin_object_without_cuda_returns_input_and_warns_once(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(pin, "_warned_no_cuda", False)
+    batch = {"x": torch.zeros(3)}
+    with pytest.warns(RuntimeWarning, match="nothing was pinned"):
+        assert pin.pin_object(batch) is batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pin.pin_object(batch) is batch  # once only
+
+
+def test_prefetcher_on_cpu_is_a_pass_through():
+    items = [{"x": torch.arange(3)}, {"x": torch.arange(4)}]
+    with pin.DevicePrefetcher(items, device="cpu") as pf:
+        out = list(pf)
+    assert all(a is b for a, b in zip(out, items)) and len(out) == 2
+
+
+def test_prefetcher_passes_source_errors_through():
+    def broken():
+        yield torch.zeros(1)
+        raise KeyError("source failed")
+
+    with pytest.raises(KeyError, match="source failed"):
+        list(pin.DevicePrefetcher(broken(), device="cpu"))
+
+
+def test_tensors_in_reaches_every_depth_and_ends_on_cycles():
+    """record_stream must see every tensor map_batch moved, however deep, and a cyclic batch must not hang."""
+    deep = {"x": torch.zeros(1)}
+    for i in range(20):
+        deep = [deep, torch.full((2,), float(i))] if i % 2 else {"level": deep}
+    found = list(pin.tensors_in(deep))
+    assert len(found) == 11 and any(t.shape == (1,) for t in found)
+    cyclic = {"t": torch.ones(3)}
+    cyclic["self"] = cyclic
+    cyclic["pair"] = [cyclic, torch.ones(4)]
+    assert sorted(t.numel() for t in pin.tensors_in(cyclic)) == [3, 4]
+
+
+def test_tensors_in_follows_plain_objects_six_deep_only():
+    """A self-moving batch's attributes are searched; a model or dataset it refers to is not walked whole."""
+    class Node:
+        def __init__(self, child, t):
+            self.child, self.t = child, t
+
+    chain = None
+    for i in range(10):  # Node 9 is outermost: its tensor is 1 object deep, node 0's is 10 deep
+        chain = Node(chain, torch.full((1,), float(i)))
+    assert sorted(int(t.item()) for t in pin.tensors_in(chain)) == [4, 5, 6, 7, 8, 9]
+    assert len(list(pin.tensors_in([[{"batch": chain}]]))) == 6  # containers do not count
+
+
+def test_tensors_in_finds_an_object_reached_deep_first_and_shallow_later():
+    """An object first met at the depth limit is still walked when a shorter path reaches it."""
+    class Box:
+        def __init__(self, inner):
+            self.inner = inner
+
+    holder = Box(torch.ones(3))  # its tensor is one object deep
+    chain = holder
+    for _ in range(6):  # holder at the end of six wrappers: met there first, too deep to walk
+        chain = Box(chain)
+    for order in ([chain, holder], [holder, chain]):
+        assert [t.numel() for t in pin.tensors_in(order)] == [3], order
+
+
+def test_prefetcher_refuses_an_endless_poll_interval():
+    with pytest.raises(stoker.InvalidArgument, match="finite number of seconds"):
+        pin.DevicePrefetcher([], device="cpu", timeout_s=float("inf"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_prefetcher_asked_for_cuda_without_cuda_says_so():
+    for device in ("cuda", "cuda:1", 0):
+        with pytest.raises(stoker.InvalidArgument, match="torch sees no CUDA device"):
+            pin.DevicePrefetcher([torch.zeros(1)], device=device)
+    assert pin.DevicePrefetcher([], device=None).passthrough
+
+
+def test_prefetcher_checks_depth_and_timeout():
+    with pytest.raises(stoker.InvalidArgument, match="depth must be an integer >= 1"):
+        pin.DevicePrefetcher([], device="cpu", depth=0)
+    with pytest.raises(stoker.InvalidArgument, match="timeout_s must be a finite number of seconds > 0"):
+        pin.DevicePrefetcher([], device="cpu", timeout_s=0)
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_pin_object_pins_a_custom_nested_batch():
+    frame = Frame(coords=np.zeros((4, 3), np.float32), label="f")
+    batch = {"frames": [frame, frame], "x": torch.zeros(8), "p": Pair(torch.zeros(2), np.ones(3))}
+    out = pin.pin_object(batch)
+    assert out["x"].is_pinned() and out["p"].a.is_pinned() and out["p"].b.is_pinned()
+    assert all(f.coords.is_pinned() for f in out["frames"])
+    again = pin.pin_object(out)
+    assert again["x"].data_ptr() == out["x"].data_ptr()  # already pinned: not copied again
+
+
+@pytest.mark.cuda
+def test_prefetcher_delivers_fenced_device_batches():
+    batches = [{"x": torch.full((1 << 20,), float(i))} for i in range(6)]
+    seen = 0
+    with pin.DevicePrefetcher(batches, device="cuda", depth=2) as pf:
+        for i, b in enumerate(pf):
+            assert b["x"].is_cuda
+            y = (b["x"] * 2).sum().item()  # runs on the consumer's stream after the fence
+            assert y == 2.0 * i * (1 << 20)
+            seen += 1
+    assert seen == 6
+
+
+@pytest.mark.cuda
+def test_prefetcher_moves_a_self_moving_custom_batch():
+    batches = [Movable(torch.full((1 << 16,), float(i))) for i in range(3)]
+    with pin.DevicePrefetcher(batches, device="cuda", depth=2) as pf:
+        out = [(b.moved_to.type, b.points.is_cuda, b.points[0].item()) for b in pf]
+    assert out == [("cuda", True, float(i)) for i in range(3)]
+
+
+@pytest.mark.cuda
+def test_prefetcher_close_is_prompt():
+    def endless():
+        while True:
+            yield torch.zeros(1 << 16)
+
+    pf = pin.DevicePrefetcher(endless(), device="cuda", depth=2)
+    it = iter(pf)
+    next(it)
+    t0 = time.monotonic()
+    pf.close()
+    assert time.monotonic() - t0 < 1.5
+
+
+@pytest.mark.cuda
+def test_prefetcher_cuda_without_index_is_the_callers_device():
+    """The producer thread starts on device 0; "cuda" must still mean the caller's current device."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs to tell the caller's device from device 0")
+    last = torch.cuda.device_count() - 1
+    torch.cuda.set_device(last)
+    try:
+        pf = pin.DevicePrefetcher([{"x": torch.zeros(4)}], device="cuda")
+        assert pf.device == torch.device("cuda", last)
+        assert [b["x"].device for b in pf] == [torch.device("cuda", last)]
+    finally:
+        torch.cuda.set_device(0)
+
+
+@pytest.mark.cuda
+def test_prefetcher_iterates_again_like_the_cpu_pass_through():
+    batches = [torch.full((8,), float(i)) for i in range(3)]
+    pf = pin.DevicePrefetcher(batches, device="cuda", depth=1)
+    first = [b.sum().item() for b in pf]
+    second = [b.sum().item() for b in pf]
+    assert first == second == [0.0, 8.0, 16.0]
+
+
+@pytest.mark.cuda
+def test_prefetcher_reports_a_device_it_cannot_use():
+    pf = pin.DevicePrefetcher([torch.zeros(1)], device=torch.cuda.device_count())  # one past the last GPU
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        list(pf)

@@ -1,0 +1,204 @@
+"""GIL-held time of a pipeline's threads (``Stats.gil_seconds``): what it counts and what it leaves out.
+
+Every check compares CPU-clock amounts with wide margins (Python burnt on purpose against work done
+with the GIL released), so a slow or busy machine cannot flip them.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import threading
+import time
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import ZstdCodec
+
+import stoker
+import stoker.engine.cpu as cpu_module
+from stoker.runtime import gil
+from stoker.engine import native
+from stoker.engine.stats import StatsRecorder
+from stoker.runtime.workers import DaemonPool
+
+pytestmark = pytest.mark.timeout(60)
+
+BURN_S = 0.03
+
+
+@pytest.fixture(autouse=True)
+def no_full_collections():
+    """A garbage collection runs on whichever thread allocates and holds the GIL (a full one took
+    70 ms in a process with torch loaded): real GIL time, but not what these checks are about."""
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def _burn_python(seconds: float) -> None:
+    """Hold the GIL for ``seconds`` of this thread's CPU time (small Python operations, as a step's Python)."""
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        sum(range(200))
+
+
+def _hash_without_gil(data: memoryview) -> float:
+    """CPU seconds of a call that releases the GIL (hashlib does for large buffers), made through
+    :func:`gil.released`; returns what the thread's clock says it took."""
+    t0 = time.thread_time()
+    gil.released(hashlib.sha256, data)
+    return time.thread_time() - t0
+
+
+def _on_enrolled_thread(fn):
+    out = {}
+
+    def run():
+        gil.enroll()
+        out["value"] = fn()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    return out["value"]
+
+
+def test_held_time_counts_python_and_leaves_out_released_calls():
+    data = memoryview(np.ones(48 << 20, dtype=np.uint8))  # its pages touched here, not on the measured thread
+
+    def work():
+        _burn_python(BURN_S)
+        released = _hash_without_gil(data)
+        released += gil.released(lambda: gil.released(_hash_without_gil, data))  # nested: counted once
+        return gil.held_since_last() * 1e-9, released, gil.held_since_last() * 1e-9
+
+    held, released, again = _on_enrolled_thread(work)
+    assert held >= BURN_S  # every bit of the Python burnt
+    assert held < BURN_S + released / 2  # and not the hashing, which ran without the GIL
+    assert again < held  # the next call counts from the previous one
+
+
+def test_threads_that_are_not_enrolled_are_not_measured():
+    out = {}
+
+    def work():
+        _burn_python(0.005)
+        out["held"] = gil.held_since_last()
+        out["enrolled"] = gil.enrolled()
+        out["released"] = gil.released(sum, [1, 2, 3])
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(30)
+    assert out == {"held": 0, "enrolled": False, "released": 6}
+
+
+def test_recorder_charges_pipeline_threads_but_not_the_consumer():
+    rec = StatsRecorder()
+
+    def pipeline_thread():
+        _burn_python(BURN_S)
+        rec.stage("plan", 0.0)  # a pipeline thread's report charges its Python since the last one
+        _burn_python(BURN_S)
+        rec.stage("pop_wait", 0.0)  # the consumer reports pop_wait: its Python is dropped, enrolled or not
+        _burn_python(BURN_S)
+        rec.charge_thread()  # a pipeline thread that reports no stage
+        return None
+
+    _on_enrolled_thread(pipeline_thread)
+    rec.gil(0.25)  # time measured elsewhere (the hook for native code that takes the GIL)
+    s = rec.snapshot()
+    assert 2 * BURN_S + 0.25 <= s.gil_seconds < 3 * BURN_S + 0.25
+    assert "gil_seconds" in str(s) and "gil_ms_per_batch" in str(s)
+    rec.reset()
+    assert rec.snapshot().gil_seconds == 0.0
+
+
+# -- a real pipeline ---------------------------------------------------------------------------------
+
+
+def _volume(tmp_path, shape=(16, 512, 512), chunks=(2, 512, 512)):
+    z = zarr.create_array(str(tmp_path / "v.zarr"), shape=shape, chunks=chunks, dtype="uint16",
+                          compressors=ZstdCodec(level=1), fill_value=0)
+    z[:] = np.random.default_rng(0).integers(0, 1000, size=shape, dtype=np.uint16)  # entropy-coded, not stored raw
+    return str(tmp_path / "v.zarr")
+
+
+def _samples(uri, n, depth=4, shape=(16, 512, 512), seed=1):
+    rng = np.random.default_rng(seed)
+    return [stoker.Sample(uri, [(z0, z0 + depth), (0, shape[1]), (0, shape[2])])
+            for z0 in rng.integers(0, shape[0] - depth + 1, size=n).tolist()]
+
+
+def _cfg(batch_size=4):
+    return stoker.Config(batch_size=batch_size, dtype="f32", host_buffer_bytes=256 << 20, lookahead_batches=1,
+                         n_io_threads=1, n_compute_threads=2)
+
+
+def test_pipeline_planning_python_shows_as_gil_time(tmp_path, monkeypatch):
+    uri = _volume(tmp_path)
+    for name in ("plan_batch", "plan_tables"):  # the Python path's planner, or the engine's
+        real = getattr(cpu_module, name)
+
+        def slow_plan(*args, real=real, **kwargs):
+            _burn_python(BURN_S)  # Python planning of a known CPU cost per batch
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(cpu_module, name, slow_plan)
+    n = 5
+    with stoker.Pipeline(_cfg(batch_size=2)) as p:
+        p.push(_samples(uri, 2 * n))
+        for _ in range(n):
+            with p.pop():
+                pass
+        s = p.stats()
+    assert s.batches_emitted == n
+    assert s.gil_seconds >= n * BURN_S and s.gil_per_batch >= BURN_S
+
+
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_decoding_without_the_gil_is_not_gil_time(tmp_path, monkeypatch, path):
+    # 2 MiB zstd chunks, whole planes: per batch about 20 MiB decoded and cast with the GIL released,
+    # against a little Python to plan and hand out the work
+    if path == "python":
+        monkeypatch.setattr(native, "Engine", None)
+    elif native.Engine is None:
+        pytest.skip("the compiled reader is not built")
+    shape = (32, 512, 512)
+    uri = _volume(tmp_path, shape=shape, chunks=(4, 512, 512))
+    with stoker.Pipeline(_cfg()) as p:
+        p.push(_samples(uri, 4 * 6, depth=8, shape=shape))
+        for _ in range(6):
+            with p.pop():
+                pass
+        s = p.stats()
+    decode = s.stages["decode"].seconds
+    assert s.chunks_decoded >= 12 and decode > 0
+    assert 0 < s.gil_seconds < 0.3 * decode, (s.gil_seconds, decode)
+
+
+@pytest.mark.timeout(60)
+def test_a_consumer_on_a_pool_thread_is_not_charged(tmp_path):
+    # a training loop may itself run on a stoker pool thread (enrolled): its step is still not the pipeline's
+    uri = _volume(tmp_path, shape=(8, 64, 64), chunks=(4, 32, 32))
+    done = threading.Event()
+    out = {}
+
+    def consume():
+        try:
+            with stoker.Pipeline(_cfg(batch_size=2)) as p:
+                p.push(_samples(uri, 8, depth=2, shape=(8, 64, 64)))
+                for _ in range(4):
+                    with p.pop():
+                        _burn_python(BURN_S)
+                out["stats"] = p.stats()
+        finally:
+            done.set()
+
+    pool = DaemonPool(1, "consumer")
+    pool.submit(consume)
+    assert done.wait(30)
+    pool.shutdown()
+    assert out["stats"].gil_seconds < 2 * BURN_S  # 4 steps of BURN_S ran on the consumer's thread

@@ -1,0 +1,506 @@
+"""The compiled engine (``stoker._native.Engine``): whole batches from flat plan tables on threads the
+extension owns.
+
+Direct calls with hand-made tables check its contract (statuses, fills, the scratch budget, cancellation,
+close with threads busy, a job dropped mid-batch); pipeline runs check that its statuses become the same
+typed errors as on the Python path, that a batch reports its lowest failing chunk, and that the Python work
+per batch does not grow with the number of chunks. ``.ci/asan`` runs this file under AddressSanitizer.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import threading
+import time
+
+import numcodecs
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.codecs import ZstdCodec
+
+import stoker
+from stoker.engine import native
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(native.Engine is None, reason="stoker._native is not available")]
+
+U16 = native.SOURCE_KINDS[np.dtype("uint16")]
+
+
+def _chunk(i: int) -> np.ndarray:
+    return (np.arange(64, dtype=np.uint16) + 64 * i).reshape(8, 8)
+
+
+class Tables:
+    """Hand-made tables: chunk i is the file ``root/c/0.<i>`` (key separator '.'), an 8x8 uint16 chunk copied
+    whole into row i of an (n, 8, 8) batch; fill chunks take -1."""
+
+    def __init__(self, root, n: int, codec: int = native.ZSTD, kind: int = native.F32):
+        self.root = str(root) + "/"
+        os.makedirs(self.root + "c", exist_ok=True)
+        self.n = n
+        self.blob = os.fsencode(self.root + "c/")
+        self.sources = np.array([[U16, 0, 0, len(self.blob), ord("."), 0, 8, 1]], np.int64)
+        fill = np.float32(-1).tobytes() if kind == native.F32 else np.uint16(65535).tobytes()
+        self.sources[0, native.S_FILL] = np.frombuffer(fill.ljust(8, b"\0"), np.int64)[0]
+        self.files = np.zeros((n, native.F_COORDS + 2), np.int64)
+        self.files[:, native.F_COORDS + 1] = np.arange(n)
+        self.chunks = np.zeros((n, native.N_CHUNK_COLS), np.int64)
+        c = self.chunks
+        c[:, native.C_FILE] = np.arange(n)
+        c[:, native.C_OFFSET] = -1
+        c[:, native.C_SPAN_STOP] = c[:, native.C_NBYTES] = 128
+        c[:, native.C_CODEC] = codec
+        c[:, native.C_MAX_STORED] = 4096
+        c[:, native.C_FIRST_COPY] = np.arange(n)
+        c[:, native.C_NCOPIES] = 1
+        self.copies = np.zeros((n, 4), np.int64)
+        self.copies[:, 1] = np.arange(n) * 64
+        self.copies[:, 2:] = 8
+        self.kind = kind
+        self.batch = np.zeros((n, 8, 8), np.float32 if kind == native.F32 else np.uint16)
+
+    def write(self, i: int, data: bytes | None = None, codec=None) -> str:
+        path = self.root + f"c/0.{i}"
+        if data is None:
+            raw = _chunk(i).tobytes()
+            data = (codec or numcodecs.Zstd(level=1)).encode(raw)
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
+    def args(self, batch=None):
+        batch = self.batch if batch is None else batch
+        return (self.chunks, self.copies, self.sources, self.files, self.blob, batch.reshape(-1).view(np.uint8),
+                self.kind, False, np.array([8, 1], np.int64))
+
+    def expected(self, i: int) -> np.ndarray:
+        return _chunk(i).astype(self.batch.dtype)
+
+
+def _results(job):
+    status, detail, counters = job.results()
+    return np.frombuffer(status, np.int32), np.frombuffer(detail, np.int64), counters
+
+
+def test_a_batch_in_one_call(tmp_path):
+    t = Tables(tmp_path, 40)
+    for i in range(40):
+        t.write(i)
+    engine = native.Engine(2, 1 << 20)
+    job = engine.submit(*t.args())
+    assert job.wait(10) and job.done and len(job) == 40
+    status, _, counters = _results(job)
+    assert (status == native.OK).all()
+    for i in range(40):
+        np.testing.assert_array_equal(t.batch[i], t.expected(i))
+    assert counters["chunks_decoded"] == 40 and counters["bytes_decoded"] == 40 * 128
+    assert counters["bytes_read"] == sum(os.path.getsize(t.root + f"c/0.{i}") for i in range(40))
+    assert engine.close(5)
+
+
+def test_missing_files_and_fill_chunks_take_the_fill_value(tmp_path):
+    t = Tables(tmp_path, 4)
+    t.write(0)
+    t.chunks[2, native.C_FILE] = -1  # nothing stored (an empty shard entry): no file at all
+    t.chunks[2, native.C_CODEC] = native.FILL
+    t.write(3)
+    engine = native.Engine(1, 1 << 20)
+    job = engine.submit(*t.args())
+    assert job.wait(10)
+    status, _, counters = _results(job)
+    assert status.tolist() == [native.OK] * 4
+    assert (t.batch[1] == -1).all() and (t.batch[2] == -1).all()
+    np.testing.assert_array_equal(t.batch[3], t.expected(3))
+    assert counters["chunks_filled"] == 2 and counters["chunks_decoded"] == 2
+
+
+def test_each_failure_has_its_status(tmp_path):
+    """Every way a chunk can fail, one chunk each, in one job: the others are placed all the same."""
+    t = Tables(tmp_path, 9)
+    for i in range(9):
+        t.write(i)
+    os.unlink(t.root + "c/0.1")
+    os.mkfifo(t.root + "c/0.1")  # a FIFO where a chunk should be
+    os.unlink(t.root + "c/0.2")
+    os.symlink(t.root + "c/0.2", t.root + "c/0.2")  # a loop: ELOOP
+    t.write(3, b"\x28\xb5\x2f\xfd garbage")  # a zstd magic number, then garbage
+    t.write(4, numcodecs.Zstd(level=1).encode(bytes(64)))  # a frame of another size
+    t.write(5, bytes(5000))  # larger than the stored bound
+    blosc = numcodecs.Blosc("lz4", 5, 1).encode(np.arange(10, dtype="uint16"))
+    t.write(6, blosc)
+    t.chunks[6, native.C_CODEC] = native.BLOSC  # a blosc frame of another size: left to the Python path
+    # chunk 7: an inner chunk of a shard (here the whole file at offset 0), read only from a file of the
+    # identity its index was read from: this identity is not the file's
+    size = os.path.getsize(t.root + "c/0.7")
+    t.chunks[7, native.C_OFFSET], t.chunks[7, native.C_LENGTH] = 0, size
+    t.files[7, native.F_HAS_IDENT] = 1
+    t.files[7, native.F_INO] = 12345
+    # chunk 8: an inner chunk running past the end of its file
+    t.chunks[8, native.C_OFFSET], t.chunks[8, native.C_LENGTH] = 10, os.path.getsize(t.root + "c/0.8")
+    engine = native.Engine(2, 1 << 20)
+    job = engine.submit(*t.args())
+    assert job.wait(10)
+    status, detail, _ = _results(job)
+    assert status.tolist() == [native.OK, native.NOT_REGULAR, native.OS_ERROR, native.CODEC_ERROR, native.SIZE,
+                               native.TOO_BIG, native.FRAME, native.CHANGED, native.SHORT]
+    assert detail[1] == stat.S_IFIFO and detail[2] == 40 and detail[4] == 64 and detail[5] == 5000  # ELOOP: 40
+    np.testing.assert_array_equal(t.batch[0], t.expected(0))
+    assert not t.batch[1:].any()  # nothing was written for a chunk that failed
+
+
+def test_budget_for_one_thread_runs_one_thread_at_a_time(tmp_path):
+    """A budget that holds one thread's scratch: four threads, one at a time; less than that: refused."""
+    t = Tables(tmp_path, 64)
+    for i in range(64):
+        t.write(i)
+    need = 128 + 4096  # the decoded chunk (rounded up to 64 bytes), then its stored bound
+    engine = native.Engine(4, need)
+    for _ in range(3):
+        t.batch[...] = 0
+        job = engine.submit(*t.args())
+        assert job.wait(10)
+        status, _, counters = _results(job)
+        assert (status == native.OK).all() and counters["max_threads"] == 1
+        assert all((t.batch[i] == t.expected(i)).all() for i in range(64))
+    info = engine.info()
+    assert info["used"] <= need and info["peak"] == need
+    small = native.Engine(4, need - 1)
+    with pytest.raises(ValueError, match="budget"):
+        small.submit(*t.args())
+
+
+def _allocations_of_fail():
+    """A size no allocation of this machine can get (Linux, heuristic or strict overcommit), or None."""
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            mode = f.read().strip()
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) << 10 for line in f if line.split()[1:]}
+    except (OSError, ValueError, IndexError):
+        return None
+    size = 1 << 39  # under AddressSanitizer's largest allocation (1 TiB, past it every failure is reported)
+    return size if mode != "1" and info.get("MemTotal", 0) + info.get("SwapTotal", 0) < size // 2 else None
+
+
+def test_scratch_that_cannot_be_allocated_leaves_its_chunks_to_python(tmp_path):
+    """A budget larger than the machine: a thread's scratch cannot be allocated, and each chunk it would have
+    read is NO_MEMORY (the Python path reads it). Many threads fail together while the job finishes under
+    them (a worker used the job after another had finished and freed it: AddressSanitizer saw the write); the
+    reservations go back, and nothing allocated is counted."""
+    size = _allocations_of_fail()
+    if size is None:
+        pytest.skip("this machine may grant any allocation (overcommit), or has that much memory")
+    t = Tables(tmp_path, 2)
+    for i in range(2):
+        t.write(i)
+    t.chunks[:, native.C_NBYTES] = t.chunks[:, native.C_MAX_STORED] = size // 2
+    engine = native.Engine(8, 1 << 62)
+    for _ in range(50):
+        batch = np.zeros((2, 8, 8), np.float32)
+        job = engine.submit(*t.args(batch))
+        assert job.wait(10)
+        status, _, _ = _results(job)
+        assert status.tolist() == [native.NO_MEMORY] * 2 and not batch.any()
+        del job
+    assert engine.close(5)
+    info = engine.info()
+    assert info["alive"] == 0 and info["used"] == 0 and info["peak"] == 0, info
+
+
+def test_cancel_stops_every_write_into_the_batch(tmp_path):
+    """Once cancel() returns no thread writes into the batch: chunks not placed by then are CANCELLED, and a
+    batch overwritten right after cancel keeps what it was given."""
+    n = 3000
+    t = Tables(tmp_path, n)
+    frame = numcodecs.Zstd(level=1).encode(_chunk(0).tobytes())
+    for i in range(n):
+        t.write(i, frame)
+    engine = native.Engine(2, 1 << 20)
+    job = engine.submit(*t.args())
+    job.cancel()
+    t.batch[...] = 7
+    assert job.wait(10)
+    status, _, _ = _results(job)
+    assert (status == native.CANCELLED).sum() > 0 and set(status.tolist()) <= {native.OK, native.CANCELLED}
+    time.sleep(0.05)
+    assert (t.batch == 7).all()
+
+
+def test_a_job_dropped_mid_batch_never_writes_again(tmp_path):
+    """The job holds its batch's buffer; dropped, it cancels first, so the buffer can be freed under
+    threads still working (AddressSanitizer would see a write into freed memory)."""
+    n = 2000
+    t = Tables(tmp_path, n)
+    frame = numcodecs.Zstd(level=1).encode(_chunk(0).tobytes())
+    for i in range(n):
+        t.write(i, frame)
+    engine = native.Engine(2, 1 << 20)
+    for _ in range(5):
+        batch = np.zeros((n, 8, 8), np.float32)
+        job = engine.submit(*t.args(batch))
+        del job, batch
+    assert engine.close(5)
+
+
+def test_close_mid_batch_leaves_a_busy_thread_behind_safely(tmp_path):
+    """close() returns within its timeout even while a thread is inside a long chunk; that thread finishes,
+    writes nothing, and leaves; the engine then refuses work."""
+    t = Tables(tmp_path, 2)
+    big = np.zeros(64 << 20, np.uint8)
+    t.write(0, numcodecs.Zstd(level=1).encode(big))
+    t.write(1)
+    t.chunks[0, native.C_NBYTES] = t.chunks[0, native.C_SPAN_STOP] = big.nbytes
+    t.chunks[0, native.C_MAX_STORED] = 1 << 20
+    t.copies[0, 2:] = (1, 8)  # 8 bytes of it (4 elements would do; any copy in the batch)
+    engine = native.Engine(1, 80 << 20)
+    job = engine.submit(*t.args())
+    time.sleep(0.005)
+    t0 = time.monotonic()
+    engine.close(0.0)
+    assert time.monotonic() - t0 < 1.0
+    deadline = time.monotonic() + 20
+    while engine.info()["alive"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.info()["alive"] == 0 and engine.info()["used"] == 0
+    status, _, _ = _results(job)
+    assert set(status.tolist()) <= {native.OK, native.CANCELLED, native.PENDING}
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(*t.args())
+
+
+def _pipeline_batch(uri, boxes, **cfg):
+    base = dict(batch_size=len(boxes), dtype="f32", device="cpu", n_compute_threads=2, pop_timeout_s=20.0)
+    base.update(cfg)
+    with stoker.Pipeline(stoker.Config(**base)) as p:
+        p.push([stoker.Sample(uri, b) for b in boxes])
+        with p.pop() as batch:
+            return torch.from_dlpack(batch).clone()
+
+
+def test_a_batch_reports_its_lowest_failing_chunk(tmp_path):
+    """Chunks fail in the engine in any order; the batch's error is always the one of its first chunk that
+    fails (here a corrupt frame in chunk c/0/1, then files that are no chunk at c/0/2 and later)."""
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(8, 64), chunks=(8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
+    z[...] = np.arange(512, dtype="uint16").reshape(8, 64)
+    for i in range(1, 8):
+        path = os.path.join(uri, "c", "0", str(i))
+        raw = bytearray(open(path, "rb").read())
+        raw[-6:] = b"\xff" * 6  # a damaged last block
+        open(path, "wb").write(bytes(raw))
+    for _ in range(5):
+        with pytest.raises(stoker.DecodeError) as err:
+            _pipeline_batch(uri, [[(0, 8), (0, 64)]])
+        assert err.value.key == "c/0/1" and uri in str(err.value)
+
+
+def test_os_errors_name_the_file(tmp_path):
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(8, 16), chunks=(8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
+    z[...] = 1
+    path = os.path.join(uri, "c", "0", "1")
+    os.unlink(path)
+    os.symlink(path, path)
+    with pytest.raises(stoker.StorageError, match="symbolic links") as err:
+        _pipeline_batch(uri, [[(0, 8), (0, 16)]])
+    assert err.value.path == path
+
+
+class _Counting:
+    """``native.Engine`` whose every call from Python is counted (the engine's and its jobs')."""
+
+    def __init__(self, real, counts):
+        self._real, self._counts = real, counts
+
+    def __call__(self, *args):
+        return _Proxy(self._real(*args), self._counts)
+
+
+class _Proxy:
+    def __init__(self, obj, counts):
+        self._obj, self._counts = obj, counts
+
+    def __getattr__(self, name):
+        value = getattr(self._obj, name)
+        self._counts[name] = self._counts.get(name, 0) + 1
+        if callable(value):
+            def call(*args, **kwargs):
+                out = value(*args, **kwargs)
+                return _Proxy(out, self._counts) if name == "submit" else out
+            return call
+        return value
+
+    def __len__(self):
+        return len(self._obj)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["chunk-files", "sharded"])
+def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, sharded):
+    """A batch of 10 chunks and one of 1,000: the same calls from Python into the engine, and about the same
+    number of Python calls altogether (planning and the engine's tables on the submitting thread, the
+    accounting on the finisher thread; a few calls vary with timing, never with the chunks)."""
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(40, 40, 40), chunks=(4, 4, 4), dtype="uint8",
+                          shards=(40, 40, 40) if sharded else None, compressors=ZstdCodec(level=1))
+    z[...] = np.arange(64000, dtype=np.uint32).reshape(40, 40, 40) % 251
+    boxes = {10: [(0, 4), (0, 8), (0, 20)], 1000: [(0, 40), (0, 40), (0, 40)]}
+    real = native.Engine
+    results = {}
+    for n, box in boxes.items():
+        shape = tuple(b - a for a, b in box)
+        counts: dict[str, int] = {}
+        monkeypatch.setattr(native, "Engine", _Counting(real, counts))
+        calls = {"submit": 0, "finish": 0}
+
+        def counter(where):
+            def profile(frame, event, arg):
+                if event in ("call", "c_call"):
+                    calls[where] += 1
+            return profile
+
+        cfg = stoker.Config(batch_size=1, sample_shape=shape, dtype="f32", device="cpu", n_compute_threads=2,
+                            pop_timeout_s=20.0)
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(uri, box)])  # a first batch: arrays opened, shard index cached, threads up
+            with p.pop():
+                pass
+            executor = p._executor.decoders
+            decoder = executor.native
+            finish = decoder._finish
+
+            def counted(*args):  # on the finisher thread
+                sys.setprofile(counter("finish"))
+                try:
+                    finish(*args)
+                finally:
+                    sys.setprofile(None)
+
+            decoder._finish = counted
+            counts.clear()
+            out = torch.empty((1, *shape))
+            sys.setprofile(counter("submit"))
+            try:
+                plan = executor.plan(1, [stoker.Sample(uri, box)], p._open)
+                job = executor.submit(plan, out)
+            finally:
+                sys.setprofile(None)
+            assert job.wait(20) and job.error is None and plan.n_chunks == n
+            want = z[tuple(slice(a, b) for a, b in box)].astype(np.float32)
+            assert np.array_equal(out[0].numpy(), want)
+        results[n] = (dict(counts), calls)
+    assert results[10][0] == results[1000][0] and results[10][0]["submit"] == 1
+    for where in ("submit", "finish"):
+        assert results[10][1][where] > 0 and abs(results[10][1][where] - results[1000][1][where]) <= 5, results
+
+
+@pytest.mark.parametrize("batch", ["f32", "bf16", "same"])
+@pytest.mark.parametrize("layout", ["C", "F", "C-swapped", "F-swapped"])
+@pytest.mark.parametrize("dtype", sorted(str(d) for d in native.SOURCE_KINDS))
+def test_any_layout_and_byte_order_casts_as_copy_cast(tmp_path, dtype, layout, batch):
+    """Chunks stored in F order (or any transpose: strides in the tables) and in the other byte order are
+    gathered and swapped before the cast: the batch holds what copy_cast makes of the decoded view."""
+    from stoker.engine.cast import copy_cast
+
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(5)
+    if dt.kind == "f":
+        chunk = (rng.standard_normal((6, 20)) * 1000).astype(dt)
+    else:
+        info = np.iinfo(dt)
+        chunk = rng.integers(info.min, info.max, (6, 20), dtype=dt, endpoint=True)
+    order = "F" if layout.startswith("F") else "C"
+    stored = chunk.astype(dt.newbyteorder("S")) if layout.endswith("swapped") else chunk
+    raw = np.asarray(stored).tobytes(order=order)
+    kind = {"f32": native.F32, "bf16": native.BF16, "same": native.SAME}[batch]
+    out_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "same": torch.from_numpy(chunk[:1]).dtype}[batch]
+    root = str(tmp_path) + "/"
+    os.makedirs(root + "c")
+    with open(root + "c/0.0", "wb") as f:
+        f.write(numcodecs.Zstd(level=1).encode(raw))
+    blob = os.fsencode(root + "c/")
+    strides = (1, 6) if order == "F" else (20, 1)
+    sources = np.array([[native.SOURCE_KINDS[dt], 0, 0, len(blob), ord("."), int(layout.endswith("swapped")),
+                         *strides]], np.int64)
+    files = np.zeros((1, native.F_COORDS + 2), np.int64)
+    chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
+    chunks[0, native.C_OFFSET] = -1
+    chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = chunk.nbytes
+    chunks[0, native.C_CODEC] = native.ZSTD
+    chunks[0, native.C_MAX_STORED] = chunk.nbytes + 4096
+    chunks[0, native.C_NCOPIES] = 2
+    # rows 1..4, columns 3..19 into a (2, 5, 17) batch at (0, 1, 0); the whole chunk's first 5 rows, 17
+    # columns into batch row 1
+    copies = np.array([[1 * strides[0] + 3 * strides[1], 1 * 17, 4, 17],
+                       [0, 85, 5, 17]], np.int64)
+    out = torch.full((2, 5, 17), -7, dtype=out_dtype)
+    engine = native.Engine(1, 1 << 20)
+    job = engine.submit(chunks, copies, sources, files, blob, out.view(-1).view(torch.uint8).numpy(), kind, False,
+                        np.array([17, 1], np.int64))
+    assert job.wait(10)
+    assert np.frombuffer(job.results()[0], np.int32).tolist() == [native.OK]
+    want = torch.full((2, 5, 17), -7, dtype=out_dtype)
+    view = numcodecs.Zstd().decode(open(root + "c/0.0", "rb").read())
+    decoded = np.frombuffer(view, stored.dtype).reshape(chunk.shape, order=order)
+    for dst, src in [((0, slice(1, 5), slice(0, 17)), decoded[1:5, 3:20]), ((1, slice(0, 5), slice(0, 17)), decoded[:5, :17])]:
+        copy_cast(want[dst] if out_dtype == torch.bfloat16 else want.numpy()[dst], src)
+    nan = want.isnan() if want.is_floating_point() else torch.zeros_like(want, dtype=torch.bool)
+    assert torch.equal(out.isnan() if out.is_floating_point() else nan, nan)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
+    assert torch.equal(out.view(bits)[~nan], want.view(bits)[~nan])
+
+
+def test_a_path_too_long_for_the_engine_is_read_by_python(tmp_path):
+    """An array so deep in folders that the engine cannot build its chunk paths (its cap is 4,096 bytes with
+    room for every grid coordinate): its chunks take the Python path, and the batch is right."""
+    short = str(tmp_path / "a.zarr")
+    z = zarr.create_array(short, shape=(8, 16), chunks=(8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
+    values = np.arange(128, dtype="uint16").reshape(8, 16)
+    z[...] = values
+    folder = str(tmp_path / "deep")
+    while len(folder) < native.PATH_CAP - 45:
+        folder = os.path.join(folder, "d" * min(200, native.PATH_CAP - 45 - len(folder)))
+    os.makedirs(folder)
+    here = os.getcwd()
+    os.chdir(folder)  # zarr's temporary names would not fit there: the array is moved in by a short name
+    try:
+        os.rename(short, "a.zarr")
+    finally:
+        os.chdir(here)
+    uri = os.path.join(folder, "a.zarr")
+    assert len(os.fsencode(uri)) + 3 + 21 * 2 + 1 > native.PATH_CAP > len(os.fsencode(uri)) + 16
+    got = _pipeline_batch(uri, [[(0, 8), (2, 14)]])
+    assert torch.equal(got[0], torch.from_numpy(values[:, 2:14].astype(np.float32)))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread signal masks from /proc")
+def test_engine_threads_block_signals(tmp_path):
+    """A signal for the process (Ctrl-C, a launcher's SIGTERM) is never delivered to an engine thread, where
+    it would cut a read short (EINTR): they block every signal; the thread that made the engine still takes
+    them."""
+    import signal
+
+    def blocked(tid):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            line = next(line for line in f if line.startswith("SigBlk:"))
+        return int(line.split()[1], 16)
+
+    before = set(os.listdir("/proc/self/task"))
+    engine = native.Engine(3, 1 << 20)
+    try:
+        deadline = time.monotonic() + 10
+        while len(set(os.listdir("/proc/self/task")) - before) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        new = set(os.listdir("/proc/self/task")) - before
+        assert len(new) >= 3
+        for tid in new:
+            mask = blocked(tid)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGCHLD):
+                assert mask >> (sig - 1) & 1, (tid, hex(mask), sig)
+        assert not blocked(threading.get_native_id()) >> (signal.SIGINT - 1) & 1
+    finally:
+        assert engine.close(5)

@@ -1,0 +1,1044 @@
+"""Fuzzing the compiled reader (``stoker._native``): its zstd and blosc frame parsers and its copy-plan parser.
+
+Frames come from numcodecs (valid, with every option that changes their layout), are built by hand
+(zstd frames of raw and RLE blocks with every header variant), are damaged (bit flips, overwritten
+bytes and header fields, truncation, extension, splices, block headers with sizes past the file), or
+are random bytes; each is read as a whole chunk file and as an inner chunk of a shard at an offset.
+Every case must end in a status or a ``ValueError``, never in a fault or a write outside the buffers
+handed in (each sits between guard bytes; ``.ci/asan`` runs this file against a build with
+AddressSanitizer, where a read out of bounds is a fault too). Where a frame decodes in numcodecs,
+the bytes the compiled reader returns equal numcodecs' decode; a frame built valid must be read.
+
+Budget: a few hundred examples per test from a fixed seed, so ``make test`` is quick and repeatable;
+``STOKER_FUZZ_EXAMPLES=N`` runs N examples per test from a random seed (``make asan`` does; a failure
+prints the blob that replays it with ``@reproduce_failure``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import mmap
+import os
+from array import array
+
+import numcodecs
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import strategies as st
+
+from stoker.engine import native
+from stoker.zarr.codecs.blosc import PARTIAL_MAX_SHARE
+
+_LONG = os.environ.get("STOKER_FUZZ_EXAMPLES", "").strip()
+
+pytestmark = [
+    pytest.mark.fuzz,
+    pytest.mark.timeout(600 if _LONG else 120),
+    pytest.mark.skipif(not (native.decode_files and native.zstd and native.blosc),
+                       reason="stoker._native is not available (tests/engine/test_native.py says why)"),
+]
+
+
+def fuzz(examples: int):
+    """Hypothesis settings: ``examples`` from a fixed seed, or STOKER_FUZZ_EXAMPLES from a random one."""
+    return settings(max_examples=int(_LONG) if _LONG else examples, derandomize=not _LONG, database=None,
+                    deadline=None, print_blob=True, suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz")
+
+
+# ---------------------------------------------------------------------------------------------
+# zstd's and c-blosc's own functions, through ctypes: the numcodecs copies the compiled reader calls
+
+_zstd_lib = ctypes.CDLL(numcodecs.zstd.__file__)
+_zstd_lib.ZSTD_frameHeaderSize.restype = ctypes.c_size_t
+_zstd_lib.ZSTD_frameHeaderSize.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+_zstd_lib.ZSTD_isError.restype = ctypes.c_uint
+_zstd_lib.ZSTD_isError.argtypes = [ctypes.c_size_t]
+_CODECS = native._symbols(numcodecs.zstd.__file__, "ZSTD_decompress", "ZSTD_isError")[1] + \
+    native._symbols(numcodecs.blosc.__file__, "blosc_decompress_ctx", "blosc_getitem")[1]
+_STREAMING = native._symbols(numcodecs.zstd.__file__, *native.ZSTD_STREAMING)[1]
+
+
+def _configure(streaming: bool = True, share: float = PARTIAL_MAX_SHARE) -> None:
+    """zstd's early stop on or off, and the largest share of a blosc chunk decoded block by block."""
+    from stoker import _native
+
+    _native.set_codecs(*_CODECS, share)
+    _native.set_zstd_streaming(*(_STREAMING if streaming and native.zstd_streaming else [0] * 7))
+
+
+@contextlib.contextmanager
+def configured(streaming: bool = True, share: float = PARTIAL_MAX_SHARE):
+    """:func:`_configure` for the block's duration, then the settings stoker loads with."""
+    _configure(streaming, share)
+    try:
+        yield
+    finally:
+        _configure()
+
+
+def zstd_blocks(frame: bytes) -> list[int]:
+    """Offsets of a zstd frame's block headers, as far as they stay inside ``frame``."""
+    pos = _zstd_lib.ZSTD_frameHeaderSize(frame, len(frame))
+    if _zstd_lib.ZSTD_isError(pos):
+        return []
+    found = []
+    while pos + 3 <= len(frame):
+        found.append(pos)
+        header = int.from_bytes(frame[pos:pos + 3], "little")
+        if header & 1:
+            break
+        pos += 3 + (1 if (header >> 1) & 3 == 1 else header >> 3)
+    return found
+
+
+def oracle(codec: int, stored: bytes, nbytes: int) -> bytes | None:
+    """numcodecs' decode of ``stored`` when it is a chunk of ``nbytes``, else None. Called only on frames
+    whose header the compiled reader found to state ``nbytes`` (so numcodecs allocates no more)."""
+    try:
+        if codec == native.ZSTD:
+            out = np.empty(nbytes, np.uint8)
+            numcodecs.Zstd().decode(stored, out=out)  # with out: at most nbytes, or an error
+            return out.tobytes()
+        got = numcodecs.Blosc().decode(stored)
+        return bytes(got) if len(got) == nbytes else None
+    except Exception:  # noqa: BLE001 - any refusal: not a chunk numcodecs reads
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Calling the reader
+
+_GUARD = 64  # bytes of 0x5A on each side of every buffer the reader writes
+
+
+class Guarded:
+    """``view``: ``n`` bytes of ``fill`` between guards, ``shift`` bytes past an aligned address; ``intact()``
+    says the guards were not written."""
+
+    def __init__(self, n: int, fill: int = 0xAB, shift: int = 0):
+        self.start = _GUARD + shift
+        self.whole = np.full(n + 2 * _GUARD + shift, 0x5A, np.uint8)
+        self.view = self.whole[self.start:self.start + n]
+        self.view[:] = fill
+
+    def intact(self) -> bool:
+        before, after = self.whole[:self.start], self.whole[self.start + self.view.size:]
+        return bool((before == 0x5A).all() and (after == 0x5A).all())
+
+
+_PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def fenced(n: int, fill: int = 0) -> np.ndarray:
+    """``n`` bytes ending where an inaccessible page begins: a read past the end faults at once, also inside
+    zstd and c-blosc (numcodecs' builds, which AddressSanitizer does not see into)."""
+    pages = -(-n // _PAGE) + 1
+    region = mmap.mmap(-1, pages * _PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    if _libc.mprotect(base + (pages - 1) * _PAGE, _PAGE, 0) != 0:
+        raise OSError(ctypes.get_errno(), "mprotect")
+    buf = np.frombuffer(region, np.uint8, count=n, offset=(pages - 1) * _PAGE - n)
+    buf[:] = fill
+    return buf
+
+
+def call(work, codec, files: list[bytes], nbytes: int, spans, wheres, scratch_len: int, places=None, dst=None,
+         scratch_fill: int = 0, out_shift: int = 0):
+    """One decode_files call over ``files`` (written to disk); returns (results, outs). The scratch buffer
+    ends where an inaccessible page begins (:func:`fenced`)."""
+    paths = []
+    for i, data in enumerate(files):
+        path = work / f"chunk{i}"
+        path.write_bytes(data)
+        paths.append(str(path))
+    scratch = fenced(scratch_len, scratch_fill)
+    outs = [Guarded(nbytes, shift=out_shift) for _ in files]
+    regions = [(*(w if w is not None else (-1, 0)), *sp) for w, sp in zip(wheres, spans)]
+    results = native.decode_files(codec, paths, regions, scratch, [o.view for o in outs], nbytes, places, dst)
+    assert all(o.intact() for o in outs), "a write outside the output buffer"
+    assert len(results) == len(files)
+    return results, outs
+
+
+# How a chunk is stored: a whole file, or an inner chunk of a shard between other bytes, at an offset and
+# with a length that may disagree with the frame (an index that lies or a shard cut short)
+placements = st.one_of(
+    st.just(None), st.just(None),
+    st.tuples(st.binary(max_size=100), st.binary(max_size=100),
+              st.sampled_from([0, 0, 0, -1, 1, -7, 7, -100, 100, 1 << 20, 1 << 40]))
+)
+
+
+def check_one(work, codec: int, stored: bytes, nbytes: int, span: tuple[int, int], placement,
+              scratch_slack: int, valid: bool, reference: bytes | None = None) -> tuple:
+    """Read ``stored`` as placed by ``placement``; check the status against what the bytes are, the output
+    against numcodecs; read it again over a scratch buffer full of other bytes: the same outcome, so no
+    byte the reader did not read from the file reaches the output. ``valid``: the frame was built as a
+    chunk of ``nbytes`` (so it must be read, unless stored with a lying length)."""
+    if placement is None:
+        data, where, size, lied = stored, None, len(stored), False
+    else:
+        head, tail, delta = placement
+        length = max(0, len(stored) + delta)
+        data = head + stored + tail
+        where, size, lied = (len(head), length), length, delta != 0
+        stored = data[len(head):len(head) + length]  # what the index says the chunk is
+    # a scratch buffer of about the stored size (an index that claims a terabyte gets a small one)
+    scratch_len = max(1, size + scratch_slack if size < 1 << 24 else len(data))
+    spans, wheres = [span], [where]
+    results, outs = call(work, codec, [data], nbytes, spans, wheres, scratch_len)
+    again, outs_again = call(work, codec, [data], nbytes, spans, wheres, scratch_len, scratch_fill=0xC3)
+    result, out = results[0], outs[0].view
+    status, nread, detail, *_, placed = result
+    note(f"status {status}, read {nread}, detail {detail}; size {size}, nbytes {nbytes}, span {span}")
+    event(f"status {status}" + (" (stopped early)" if status == native.OK and detail < nbytes else ""))
+    assert (again[0][0], again[0][2]) == (status, detail), "the outcome depends on bytes never read"
+    assert status in (native.OK, native.TOO_BIG, native.SHORT, native.CODEC_ERROR, native.SIZE, native.FRAME)
+    assert placed == 0
+    a, b = span
+    if size > scratch_len:
+        assert status == native.TOO_BIG and detail == size
+        return result
+    assert status != native.TOO_BIG
+    if status == native.SHORT:
+        assert where is not None and where[0] + where[1] > len(data)
+    if status == native.FRAME:
+        assert codec == native.BLOSC
+    if status == native.OK:
+        assert 0 < detail <= nbytes or detail == nbytes == 0
+        assert nread <= 2 * size  # at worst zstd's block-header hops, then the whole frame
+        np.testing.assert_array_equal(out[a:b], outs_again[0].view[a:b])
+        if reference is None:
+            reference = oracle(codec, stored, nbytes)
+        if reference is not None:
+            assert out[a:b].tobytes() == reference[a:b], "decoded bytes differ from numcodecs'"
+        else:  # numcodecs refuses the frame: only damage past an early stop goes unseen (and an empty
+            # chunk, which zstd reads from zero frames; the engine never asks for one)
+            assert detail < nbytes or nbytes == 0, "a whole frame numcodecs refuses was read as good"
+    elif valid and not lied:
+        pytest.fail(f"a valid frame was refused with status {status}")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Contents and spans
+
+def spread(lo: int, hi: int):
+    """Integers spread evenly over [lo, hi] (hypothesis' own lean towards small ones)."""
+    return st.integers(0, 1000).map(lambda k: lo + (hi - lo) * k // 1000)
+
+
+def sizes(max_size: int):
+    """Chunk sizes: tiny, small, large (many zstd blocks of 128 KiB, many blosc blocks), and edges."""
+    edges = [n for n in (1, 255, 256, 4096, 65536, (128 << 10) - 1, (128 << 10) + 1, 300_000) if n <= max_size]
+    large = spread(128 << 10, max_size) if max_size > 128 << 10 else spread(0, max_size)
+    return st.one_of(st.integers(0, min(300, max_size)), spread(0, min(8192, max_size)), large, large,
+                     st.sampled_from(edges))
+
+
+@st.composite
+def contents(draw, max_size: int = 4096, itemsize: int = 1) -> bytes:
+    """Bytes of a chunk: compressible, incompressible or both, of a whole number of items."""
+    n = draw(sizes(max_size))
+    n -= n % itemsize
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    kind = draw(st.sampled_from(["zeros", "noise", "smooth", "pattern", "mixed"]))
+    if kind == "zeros":
+        return bytes(n)
+    if kind == "noise":
+        return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+    if kind == "smooth":
+        return np.cumsum(rng.integers(-2, 3, n), dtype=np.int64).astype(np.uint8).tobytes()
+    if kind == "pattern":
+        return (rng.integers(0, 256, 1 + n % 17, dtype=np.uint8).tobytes() * (n + 1))[:n]
+    cut = rng.integers(0, n + 1) if n else 0
+    return bytes(cut) + rng.integers(0, 16, n - cut, dtype=np.uint8).tobytes()
+
+
+@st.composite
+def spans(draw, nbytes: int) -> tuple[int, int]:
+    """A byte range of the chunk a crop reads: often short (the partial and early-stop paths)."""
+    if nbytes == 0 or draw(st.booleans()):
+        return 0, nbytes
+    if draw(st.integers(0, 9)) == 0:  # empty: the engine never asks for one, the call allows it
+        return (draw(st.integers(0, nbytes)),) * 2
+    a = draw(st.one_of(st.integers(0, nbytes - 1), spread(0, nbytes - 1)))
+    b = draw(st.one_of(st.integers(a + 1, min(nbytes, a + 64)), spread(a + 1, nbytes)))
+    return a, b
+
+
+# ---------------------------------------------------------------------------------------------
+# Mutations of frames
+
+INTERESTING_U32 = [0, 1, 2, 3, 15, 16, 17, 255, 256, 4096, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1]
+
+
+@st.composite
+def mutated(draw, frame: bytes, donors: list[bytes], fields: list[int] = ()) -> bytes:
+    """``frame`` after one to four damages; ``fields``: offsets of little-endian uint32 fields worth lying in."""
+    data = bytearray(frame)
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "byte", "field", "truncate", "extend", "splice", "insert", "delete"]))
+        pos = draw(st.integers(0, max(0, len(data) - 1)))
+        if op == "flip" and data:
+            data[pos] ^= 1 << draw(st.integers(0, 7))
+        elif op == "byte" and data:
+            data[pos] = draw(st.one_of(st.sampled_from([0, 1, 0x7F, 0x80, 0xFF]), st.integers(0, 255)))
+        elif op == "field" and fields:
+            at = draw(st.sampled_from(list(fields)))
+            if at + 4 <= len(data):
+                value = draw(st.one_of(st.sampled_from(INTERESTING_U32), st.integers(0, 2**32 - 1),
+                                       st.sampled_from([len(frame), len(frame) - 1, len(frame) + 1])))
+                data[at:at + 4] = (value % 2**32).to_bytes(4, "little")
+        elif op == "truncate":
+            del data[draw(st.integers(0, len(data))):]
+        elif op == "extend":
+            data += draw(st.one_of(st.binary(max_size=64), st.integers(0, 70_000).map(bytes)))
+        elif op == "splice" and donors:
+            donor = draw(st.sampled_from(donors))
+            a = draw(st.integers(0, len(donor)))
+            b = draw(st.integers(a, len(donor)))
+            data[pos:pos + (b - a)] = donor[a:b]
+        elif op == "insert":
+            data[pos:pos] = draw(st.binary(min_size=1, max_size=16))
+        elif op == "delete":
+            del data[pos:pos + draw(st.integers(1, 16))]
+    return bytes(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# zstd
+
+@st.composite
+def numcodecs_zstd(draw, max_size: int = 300_000) -> tuple[bytes, bytes]:
+    """``(frame, content)``: a frame numcodecs wrote, with or without a checksum."""
+    content = draw(contents(max_size))
+    codec = numcodecs.Zstd(level=draw(st.sampled_from([-5, 1, 3, 9])),
+                           checksum=draw(st.sampled_from([False, False, False, True])))
+    return codec.encode(content), content
+
+
+@st.composite
+def hand_zstd(draw) -> tuple[bytes, bytes, bool]:
+    """``(frame, content, valid)``: a zstd frame of raw and RLE blocks with a drawn header: a content size
+    of 0 to 8 bytes or none, single segment or a window, a dictionary id, a checksum right or wrong, a
+    content size that may lie. ``valid``: the format allows it (numcodecs is still the judge)."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    blocks, content = [], b""
+    for _ in range(draw(st.integers(1, 5))):
+        n = draw(st.one_of(st.integers(0, 300), st.sampled_from([1 << 10, 100_000, 128 << 10])))
+        if draw(st.booleans()):
+            blocks.append((0, n, rng.integers(0, 256, n, dtype=np.uint8).tobytes()))
+            content += blocks[-1][2]
+        else:
+            byte = int(rng.integers(0, 256))
+            blocks.append((1, n, bytes([byte])))
+            content += bytes([byte]) * n
+    size = len(content)
+    lie = draw(st.sampled_from([0, 0, 0, 1, -1, 1 << 33]))
+    stated = None if draw(st.integers(0, 3)) == 0 else max(0, size + lie)
+    single = stated is not None and draw(st.booleans())
+    window_log = draw(st.integers(10, 17))
+    checksum = draw(st.booleans())
+    dict_field = draw(st.sampled_from([0, 0, 0, 1, 2, 4]))
+    valid = lie == 0 and dict_field == 0
+    if stated is None:
+        fcs_flag, fcs = 0, b""
+    else:
+        widths = [w for w, lo, hi in ((1, 0, 255), (2, 256, 65791), (4, 0, 2**32 - 1), (8, 0, 2**64 - 1))
+                  if lo <= stated <= hi and (w != 1 or single)]
+        width = draw(st.sampled_from(widths))
+        fcs_flag = {1: 0, 2: 1, 4: 2, 8: 3}[width]
+        fcs = (stated - 256 if width == 2 else stated).to_bytes(width, "little")
+    window = 1 << window_log
+    if not single:
+        valid &= all(n <= min(window, 128 << 10) for _, n, _ in blocks)
+    fhd = fcs_flag << 6 | single << 5 | checksum << 2 | {0: 0, 1: 1, 2: 2, 4: 3}[dict_field]
+    header = (0xFD2FB528).to_bytes(4, "little") + bytes([fhd])
+    if not single:
+        header += bytes([(window_log - 10) << 3])
+    header += (draw(st.integers(1, 2**32 - 1)) % 2 ** (8 * dict_field)).to_bytes(dict_field, "little") + fcs
+    body = b""
+    for i, (kind, n, payload) in enumerate(blocks):
+        last = i == len(blocks) - 1
+        body += (last | kind << 1 | n << 3).to_bytes(3, "little") + payload
+    frame = header + body
+    if checksum:
+        good = numcodecs.Zstd(level=1, checksum=True).encode(content)[-4:]
+        if draw(st.integers(0, 3)) == 0:
+            good, valid = bytes(x ^ 0xFF for x in good), False
+        frame += good
+    return frame, content, valid
+
+
+@st.composite
+def block_header_damage(draw, frame: bytes) -> bytes:
+    """A block header of ``frame`` rewritten: any type, a size up to the largest (past the file), the last
+    flag set or cleared."""
+    found = zstd_blocks(frame)
+    if not found:
+        return frame
+    at = draw(st.sampled_from(found))
+    header = int.from_bytes(frame[at:at + 3], "little")
+    size = draw(st.one_of(st.just(header >> 3), st.integers(0, 2**21 - 1),
+                          st.sampled_from([0, 1, len(frame) - at - 3, len(frame) - at - 2, 128 << 10, 2**21 - 1])))
+    kind = draw(st.one_of(st.just((header >> 1) & 3), st.integers(0, 3)))
+    last = draw(st.one_of(st.just(header & 1), st.integers(0, 1)))
+    new = (last | kind << 1 | (size % 2**21) << 3).to_bytes(3, "little")
+    return frame[:at] + new + frame[at + 3:]
+
+
+scratch_slack = st.sampled_from([0, 0, 0, 0, 0, 1, 100, -1])  # -1: one byte short of the stored chunk
+streamings = st.sampled_from([True, True, True, False])  # zstd's early stop on (or off: one-shot decodes)
+
+
+@fuzz(150)
+@given(st.data())
+def test_zstd_frames_from_numcodecs_read_as_numcodecs_does(work, data):
+    """Valid frames, whole or stopped early, as files or inner chunks, with zstd's streaming on or off."""
+    frame, content = data.draw(numcodecs_zstd())
+    nbytes = len(content)
+    span = data.draw(spans(nbytes))
+    with configured(streaming=data.draw(streamings)):
+        check_one(work, native.ZSTD, frame, nbytes, span, data.draw(placements), data.draw(scratch_slack),
+                  valid=True, reference=content)
+
+
+@fuzz(150)
+@given(st.data())
+def test_hand_built_zstd_frames(work, data):
+    """Every frame header layout, raw and RLE blocks, checksums right and wrong, content sizes that lie."""
+    frame, content, valid = data.draw(hand_zstd())
+    nbytes = len(content) + data.draw(st.sampled_from([0, 0, 0, -1, 1]))
+    if nbytes < 0:
+        return
+    valid &= nbytes == len(content)
+    with configured(streaming=data.draw(streamings)):
+        check_one(work, native.ZSTD, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
+                  data.draw(scratch_slack), valid=valid, reference=content if valid else None)
+
+
+@fuzz(300)
+@given(st.data())
+def test_damaged_zstd_frames(work, data):
+    """Frames damaged anywhere: header, block headers (sizes past the file, reserved types, the last-block
+    flag), bodies, checksums; cut short, extended, spliced with another frame."""
+    if data.draw(st.booleans()):
+        frame, content = data.draw(numcodecs_zstd(max_size=data.draw(st.sampled_from([512, 300_000]))))
+    else:
+        frame, content, _ = data.draw(hand_zstd())
+    donor = numcodecs.Zstd(level=1).encode(content[::-1] + b"donor")
+    if data.draw(st.booleans()):
+        frame = data.draw(block_header_damage(frame))
+    if data.draw(st.booleans()):
+        frame = data.draw(mutated(frame, [donor, frame], fields=[0, 4, 5, 6, 9, 10, 13]))
+    nbytes = len(content) + data.draw(st.sampled_from([0, 0, 0, -1, 1]))
+    if nbytes < 0:
+        return
+    with configured(streaming=data.draw(streamings)):
+        check_one(work, native.ZSTD, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
+                  data.draw(scratch_slack), valid=False)
+
+
+@fuzz(150)
+@given(st.data())
+def test_zstd_early_stop_with_damage_after_it(work, data):
+    """Frames of several blocks read for a span in their first blocks (the early stop and its block-header
+    hops), with the rest of the frame intact, cut short, extended, or with a later block damaged."""
+    size = data.draw(spread((128 << 10) + 1, 600_000))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    content = rng.integers(0, data.draw(st.sampled_from([2, 16, 256])), size, dtype=np.uint8).tobytes()
+    frame = numcodecs.Zstd(level=data.draw(st.sampled_from([-5, 1]))).encode(content)
+    stop = data.draw(st.integers(1, size - 1))
+    span = (data.draw(st.integers(0, stop - 1)), stop)
+    blocks = zstd_blocks(frame)
+    later = [b for b in blocks if b > 64] or blocks
+    damage = data.draw(st.sampled_from(["none", "header", "byte", "truncate", "extend"]))
+    if damage == "header":
+        frame = data.draw(block_header_damage(frame))
+    elif damage == "byte":
+        at = data.draw(st.integers(min(later), len(frame) - 1))
+        frame = frame[:at] + bytes([frame[at] ^ 0xFF]) + frame[at + 1:]
+    elif damage == "truncate":
+        frame = frame[:data.draw(st.integers(min(later), len(frame) - 1))]
+    elif damage == "extend":
+        frame += data.draw(st.binary(min_size=1, max_size=8))
+    check_one(work, native.ZSTD, frame, size, span, data.draw(placements), data.draw(scratch_slack),
+              valid=damage == "none", reference=content if damage == "none" else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# blosc
+
+_TYPESIZES = {1: "u1", 2: "u2", 3: "V3", 4: "u4", 8: "u8", 16: "V16", 33: "V33"}
+
+
+@st.composite
+def numcodecs_blosc(draw, max_size: int = 200_000) -> tuple[bytes, bytes]:
+    """``(frame, content)``: a blosc1 frame numcodecs wrote, with its compressor, shuffle, typesize and
+    block size drawn (incompressible contents are stored as a plain copy, "memcpyed")."""
+    typesize = draw(st.sampled_from(sorted(_TYPESIZES)))
+    content = draw(contents(max_size, itemsize=typesize))
+    codec = numcodecs.Blosc(cname=draw(st.sampled_from(["lz4", "lz4hc", "blosclz", "zstd", "zlib"])),
+                            clevel=draw(st.sampled_from([0, 1, 5, 9])),
+                            shuffle=draw(st.sampled_from([numcodecs.Blosc.NOSHUFFLE, numcodecs.Blosc.SHUFFLE,
+                                                          numcodecs.Blosc.BITSHUFFLE])),
+                            blocksize=draw(st.sampled_from([0, 0, 16, 64, 256, 1000, 4096, 1 << 15])))
+    return bytes(codec.encode(np.frombuffer(content, dtype=_TYPESIZES[typesize]))), content
+
+
+def blosc_fields(frame: bytes) -> list[int]:
+    """Offsets of a blosc1 frame's uint32 fields: nbytes, blocksize, cbytes and the block table's entries."""
+    nblocks = 0
+    if len(frame) >= 16:
+        nbytes, blocksize = int.from_bytes(frame[4:8], "little"), int.from_bytes(frame[8:12], "little")
+        nblocks = min(-(-nbytes // blocksize) if blocksize else 0, (len(frame) - 16) // 4)
+    return [4, 8, 12] + [16 + 4 * i for i in range(nblocks)]
+
+
+@st.composite
+def blosc_header_damage(draw, frame: bytes) -> bytes:
+    """Header bytes of a blosc1 frame set to values that disagree: version, flags (memcpyed and the
+    shuffles toggled), typesize, and the table's entries pointing anywhere in or out of the frame."""
+    data = bytearray(frame)
+    if len(data) < 16:
+        return frame
+    for _ in range(draw(st.integers(1, 3))):
+        what = draw(st.sampled_from(["version", "flags", "typesize", "table"]))
+        if what == "version":
+            data[0] = draw(st.sampled_from([0, 1, 2, 3, 4, 5, 255]))
+        elif what == "flags":
+            data[2] ^= draw(st.sampled_from([0x1, 0x2, 0x4, 0x10, 0x20, 0xE0]))
+        elif what == "typesize":
+            data[3] = draw(st.sampled_from([0, 1, 2, 3, 7, 16, 17, 255]))
+        else:
+            entries = blosc_fields(frame)[3:]
+            if entries:
+                at = draw(st.sampled_from(entries))
+                other = draw(st.sampled_from(entries))
+                value = draw(st.one_of(
+                    st.sampled_from([0, 15, 16, at, len(frame) - 1, len(frame), 2**31 - 1, 2**32 - 1,
+                                     int.from_bytes(frame[other:other + 4], "little")]),  # another block's
+                    st.integers(0, len(frame))))
+                data[at:at + 4] = value.to_bytes(4, "little")
+    return bytes(data)
+
+
+shares = st.sampled_from([PARTIAL_MAX_SHARE, PARTIAL_MAX_SHARE, 1.0, 0.0])
+
+
+@fuzz(200)
+@given(st.data())
+def test_blosc_frames_from_numcodecs_read_as_numcodecs_does(work, data):
+    """Valid frames of every compressor, shuffle, typesize and block size, decoded whole or block by block."""
+    frame, content = data.draw(numcodecs_blosc())
+    nbytes = len(content)
+    with configured(share=data.draw(shares)):
+        check_one(work, native.BLOSC, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
+                  data.draw(scratch_slack), valid=True, reference=content)
+
+
+@fuzz(400)
+@given(st.data())
+def test_damaged_blosc_frames(work, data):
+    """Header fields that lie (nbytes, blocksize, cbytes, typesize, flags), block tables pointing anywhere,
+    and damage anywhere else; decoded whole and block by block."""
+    frame, content = data.draw(numcodecs_blosc(max_size=data.draw(st.sampled_from([2048, 200_000]))))
+    donor = bytes(numcodecs.Blosc("lz4", 5, 1, blocksize=256).encode(content[::-1] + b"donor"))
+    if data.draw(st.booleans()):
+        frame = data.draw(blosc_header_damage(frame))
+    if data.draw(st.booleans()):
+        frame = data.draw(mutated(frame, [donor, frame], fields=blosc_fields(frame)))
+    nbytes = len(content) + data.draw(st.sampled_from([0, 0, 0, -1, 1]))
+    if nbytes < 0:
+        return
+    with configured(share=data.draw(shares)):
+        check_one(work, native.BLOSC, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
+                  data.draw(scratch_slack), valid=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# blosc frames built by hand: blocks stored raw, in any order, overlapping
+
+def blosc_frame(nbytes: int, blocksize: int, starts: list[int], body: bytes, flags: int = 0x10) -> bytes:
+    """A blosc1 frame of typesize 1 (one stream per block; no shuffle) from its block table and payload."""
+    cbytes = 16 + 4 * len(starts) + len(body)
+    return (bytes([2, 1, flags, 1]) + b"".join(v.to_bytes(4, "little") for v in (nbytes, blocksize, cbytes))
+            + b"".join(v.to_bytes(4, "little") for v in starts) + body)
+
+
+def raw_blocks(content: bytes, blocksize: int) -> list[bytes]:
+    """Each block stored raw: a stream as long as what it decodes to is copied as it is (c-blosc's rule),
+    after its 4-byte size."""
+    blocks = [content[i:i + blocksize] for i in range(0, len(content), blocksize)]
+    return [len(b).to_bytes(4, "little") + b for b in blocks]
+
+
+@st.composite
+def hand_blosc(draw) -> tuple[bytes, bytes, bool]:
+    """``(frame, content, valid)``: a frame of raw blocks stored in any order with gaps between them, its
+    table sometimes pointing into other blocks' storage (blocks that overlap: c-blosc reads them, never
+    writes them). ``valid``: the table was left as built."""
+    blocksize = draw(st.sampled_from([16, 64, 100, 256, 1000]))
+    content = draw(contents(min(4096, 16 * blocksize)))
+    if not content:
+        content = b"\1"
+    blocks = raw_blocks(content, blocksize)
+    order = draw(st.permutations(range(len(blocks))))
+    table_end = 16 + 4 * len(blocks)
+    starts, body = [0] * len(blocks), b""
+    for i in order:
+        body += bytes(draw(st.sampled_from([0, 0, 0, 1, 4, 7])))  # a gap
+        starts[i] = table_end + len(body)
+        body += blocks[i]
+    valid = blocksize <= len(content)  # c-blosc's rule
+    for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):
+        i = draw(st.integers(0, len(blocks) - 1))
+        starts[i] = draw(st.one_of(st.integers(table_end, table_end + len(body) - 1),
+                                   st.sampled_from([s + d for s in starts for d in (1, 4)])))
+        valid = False
+    return blosc_frame(len(content), blocksize, starts, body), content, valid
+
+
+@fuzz(200)
+@given(st.data())
+def test_hand_built_blosc_frames(work, data):
+    """Blocks stored out of order, with gaps, or overlapping other blocks, decoded whole and block by block."""
+    frame, content, valid = data.draw(hand_blosc())
+    nbytes = len(content)
+    with configured(share=data.draw(shares)):
+        check_one(work, native.BLOSC, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
+                  data.draw(scratch_slack), valid=valid, reference=content if valid else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random bytes
+
+@fuzz(300)
+@given(st.data())
+def test_random_bytes(work, data):
+    """Bytes that are no frame at all, some starting as one (zstd's magic number, a blosc1 header)."""
+    codec = data.draw(st.sampled_from([native.ZSTD, native.BLOSC]))
+    nbytes = data.draw(st.sampled_from([0, 1, 16, 100, 4096, 65536]))
+    start = data.draw(st.sampled_from([b"", b"\x28\xb5\x2f\xfd", b"\x28\xb5\x2f\xfd\x20", b"\x28\xb5\x2f\xfd\x00\x00",
+                                       b"\x02\x01\x21\x01" + nbytes.to_bytes(4, "little")]))
+    stored = start + data.draw(st.binary(max_size=600))
+    if codec == native.BLOSC and len(stored) >= 16 and data.draw(st.booleans()):  # cbytes: the stored size
+        stored = stored[:12] + len(stored).to_bytes(4, "little") + stored[16:]
+    with configured(streaming=data.draw(streamings), share=data.draw(shares)):
+        check_one(work, codec, stored, nbytes, data.draw(spans(nbytes)), data.draw(placements),
+                  data.draw(scratch_slack), valid=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Copy plans
+
+_KINDS = {k: t for t, k in native.SOURCE_KINDS.items()}  # source kind -> numpy dtype
+
+
+def model_place(plan: list[int], chunk: bytes, span: tuple[int, int], batch: np.ndarray, dst_bytes: int,
+                dst_kind: int) -> bool:
+    """What a copy plan must do (see check_copies and place_copies in csrc/place.c), done in Python on ``batch``
+    (uint8): False, writing nothing, when the plan is malformed or any element it reads or writes lies
+    outside the chunk's decoded span or the batch's first ``dst_bytes``; else True, with the copies made."""
+    if len(plan) < 3 or not 0 <= plan[0] < len(_KINDS) or not 1 <= plan[1] <= 32 or plan[2] < 0:
+        return False
+    kind, ndim, ncopies = plan[:3]
+    if len(plan) != 3 + 2 * ndim + ncopies * (2 + ndim):
+        return False
+    ss, ds = plan[3:3 + ndim], plan[3 + ndim:3 + 2 * ndim]
+    if ss[-1] != 1 or ds[-1] != 1:
+        return False
+    src_t = _KINDS[kind]
+    item = src_t.itemsize
+    d_item = item if dst_kind == native.SAME else 4 if dst_kind == native.F32 else 2
+    chunk_elems, dst_elems = len(chunk) // item, dst_bytes // d_item
+    copies = [plan[3 + 2 * ndim + i * (2 + ndim):3 + 2 * ndim + (i + 1) * (2 + ndim)] for i in range(ncopies)]
+    for s0, d0, *ext in copies:
+        if s0 < 0 or d0 < 0 or min(ext) < 1 or min(ss) < 0 or min(ds) < 0:
+            return False
+        s_last = s0 + sum((e - 1) * s for e, s in zip(ext, ss))
+        d_last = d0 + sum((e - 1) * d for e, d in zip(ext, ds))
+        if s_last >= chunk_elems or d_last >= dst_elems or s0 * item < span[0] or (s_last + 1) * item > span[1]:
+            return False
+        if np.prod(ext, dtype=object) > dst_elems:  # a copy writes no more elements than the batch holds
+            return False
+    src = np.frombuffer(chunk[:chunk_elems * item], dtype=src_t)
+    if dst_kind == native.SAME:
+        dst, conv = batch[:dst_elems * d_item].view(src_t), lambda v: v
+    elif dst_kind == native.F32:
+        dst, conv = batch[:dst_elems * d_item].view(np.float32), lambda v: v.astype(np.float32)
+    else:
+        dst = batch[:dst_elems * d_item].view(np.uint16)
+
+        def conv(v):
+            return torch.from_numpy(v.astype(np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    for s0, d0, *ext in copies:
+        for idx in itertools.product(*(range(e) for e in ext)):
+            s = s0 + sum(i * k for i, k in zip(idx, ss))
+            d = d0 + sum(i * k for i, k in zip(idx, ds))
+            dst[d] = conv(src[s:s + 1])[0]
+    return True
+
+
+INTERESTING_I64 = [-2**63, -2**62, -1, 0, 1, 2, 31, 32, 33, 2**31, 2**32, 2**62, 2**63 - 1]
+
+
+@st.composite
+def copy_plans(draw, chunk_shape, batch_shape, kind) -> list[int]:
+    """A plan as copy_plan writes it (copies of boxes of the chunk into boxes of batch rows), then often
+    damaged: any value set to an edge (negative, zero, huge, wrapping), the plan cut or extended, ndim
+    or the copy count changed."""
+    ndim = len(chunk_shape)
+    cs = [int(np.prod(chunk_shape[k + 1:])) for k in range(ndim)]
+    bs = [int(np.prod(batch_shape[k + 1:])) for k in range(len(batch_shape))]
+    plan = [kind, ndim, 0, *cs, *bs[1:]]
+    for _ in range(draw(st.integers(0, 3))):
+        ext = [draw(st.integers(1, min(c, b))) for c, b in zip(chunk_shape, batch_shape[1:])]
+        s0 = [draw(st.integers(0, c - e)) for c, e in zip(chunk_shape, ext)]
+        d0 = [draw(st.integers(0, b - e)) for b, e in zip(batch_shape[1:], ext)]
+        row = draw(st.integers(0, batch_shape[0] - 1))
+        plan += [sum(a * s for a, s in zip(s0, cs)), row * bs[0] + sum(a * s for a, s in zip(d0, bs[1:])), *ext]
+        plan[2] += 1
+    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 1, 2, 3]))):
+        op = draw(st.sampled_from(["value", "value", "value", "cut", "extend", "ndim", "ncopies"]))
+        if op == "value" and plan:
+            i = draw(st.integers(0, len(plan) - 1))
+            plan[i] = draw(st.one_of(st.sampled_from(INTERESTING_I64), st.integers(-2**63, 2**63 - 1),
+                                     st.integers(-3, 3).map(lambda d, v=plan[i]: max(-2**63, min(2**63 - 1, v + d)))))
+        elif op == "cut":
+            del plan[draw(st.integers(0, len(plan))):]
+        elif op == "extend":
+            plan += draw(st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=5))
+        elif op == "ndim" and len(plan) > 1:
+            plan[1] = draw(st.sampled_from([0, 1, 2, 3, 4, 32, 33, -1]))
+        elif len(plan) > 2:
+            plan[2] = draw(st.sampled_from([0, 1, 2, 3, 2**62 + 1, -1]))
+    return plan
+
+
+@fuzz(300)
+@given(st.data())
+def test_copy_plans(work, data):
+    """A copy plan is refused (ValueError, nothing written) exactly when it is malformed or reaches outside
+    the chunk's decoded span or the batch; otherwise the batch holds exactly the copies it describes."""
+    kind = data.draw(st.sampled_from(sorted(_KINDS)))
+    src_t = _KINDS[kind]
+    ndim = data.draw(st.integers(1, 3))
+    chunk_shape = data.draw(st.lists(st.integers(1, 6), min_size=ndim, max_size=ndim))
+    batch_shape = [data.draw(st.integers(1, 3))] + data.draw(st.lists(st.integers(1, 7), min_size=ndim,
+                                                                      max_size=ndim))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    if src_t.kind == "f":  # finite values only: NaN payloads in bfloat16 are torch's business
+        values = (rng.standard_normal(int(np.prod(chunk_shape))) * 1000).astype(src_t)
+    else:
+        values = rng.integers(np.iinfo(src_t).min, np.iinfo(src_t).max, int(np.prod(chunk_shape)), dtype=src_t,
+                              endpoint=True)
+    chunk = values.tobytes()
+    nbytes = len(chunk)
+    dst_kind = data.draw(st.sampled_from([native.SAME, native.F32, native.BF16]))
+    d_item = src_t.itemsize if dst_kind == native.SAME else 4 if dst_kind == native.F32 else 2
+    batch_bytes = int(np.prod(batch_shape)) * d_item
+    declared = data.draw(st.one_of(st.just(batch_bytes), st.integers(0, batch_bytes)))  # a batch too small
+    plans = [data.draw(copy_plans(chunk_shape, batch_shape, kind)) for _ in range(data.draw(st.integers(1, 2)))]
+    # how each plan is handed over: as copy_plan does, or as a buffer of a length that is no whole number
+    # of int64 values, or not aligned to them; and chunk and batch buffers not aligned to their elements
+    forms = [data.draw(st.sampled_from(["array"] * 10 + ["ragged", "unaligned"])) for _ in plans]
+    out_shift, dst_shift = (data.draw(st.sampled_from([0] * 10 + [1, 2, 4])) for _ in range(2))
+    span = data.draw(st.one_of(st.just((0, nbytes)), spans(nbytes)))
+    stream = data.draw(st.booleans())
+    note(f"plans {plans} as {forms}; span {span}; batch {batch_bytes} bytes, {declared} declared, kind {dst_kind}; "
+         f"shifts {out_shift}, {dst_shift}")
+
+    batch = Guarded(batch_bytes, fill=0x11, shift=dst_shift)
+    want = batch.view.copy()
+    aligned = dst_kind == native.SAME or (out_shift % src_t.itemsize == 0 and dst_shift % d_item == 0)
+    valid = (aligned and forms == ["array"] * len(plans)
+             and all(model_place(p, chunk, span, want, declared, dst_kind) for p in plans))
+    event("taken" if valid else "refused")
+    if not valid:
+        want = batch.view.copy()
+    frame = numcodecs.Zstd(level=1).encode(chunk)
+    dst = (batch.view.ctypes.data, declared, dst_kind, stream)
+    places = []
+    for plan, form in zip(plans, forms):
+        raw = array("q", plan).tobytes()
+        if form == "ragged":
+            raw += bytes(data.draw(st.integers(1, 7)))
+        elif form == "unaligned":
+            raw = memoryview(bytearray(1) + raw)[1:]
+        places.append(array("q", plan) if form == "array" else raw)
+    try:
+        results, outs = call(work, native.ZSTD, [frame] * len(plans), nbytes, [span] * len(plans),
+                             [None] * len(plans), len(frame), places=places, dst=dst, out_shift=out_shift)
+    except ValueError as exc:
+        assert "copy plan" in str(exc)
+        assert not valid, "a valid plan was refused"
+    else:
+        assert valid, "a plan that reaches outside the chunk's span or the batch was taken"
+        assert [r[0] for r in results] == [native.OK] * len(plans) and all(r[6] for r in results)
+    assert batch.intact(), "a write outside the batch"
+    np.testing.assert_array_equal(batch.view, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# The call's other arguments
+
+@fuzz(200)
+@given(st.data())
+def test_regions_and_batch_targets(work, data):
+    """Regions, output sizes and batch targets of any value: a ValueError or a status, nothing else."""
+    frame = numcodecs.Zstd(level=1).encode(bytes(range(64)))
+    edge = st.sampled_from([-2**63, -2, -1, 0, 1, 63, 64, 65, len(frame), 2**62, 2**63 - 1])
+    region = tuple(data.draw(st.one_of(edge, st.integers(-2**63, 2**63 - 1))) for _ in range(4))
+    nbytes = data.draw(st.sampled_from([0, 1, 64, 65]))
+    out_len = data.draw(st.sampled_from([0, 63, 64, 100]))
+    dst_fields = (data.draw(st.sampled_from([0, 1])), data.draw(st.one_of(edge, st.integers(-2**63, 2**63 - 1))),
+                  data.draw(st.integers(-3, 5)))
+    use_dst = data.draw(st.booleans())
+    path = work / "plain"
+    path.write_bytes(frame)
+    batch = Guarded(64)
+    dst = (batch.view.ctypes.data if dst_fields[0] else 0, *dst_fields[1:]) if use_dst else None
+    out = Guarded(out_len)
+    offset, length, start, stop = region
+    expect_error = (out_len < nbytes or start < 0 or stop > nbytes or start > stop or offset < -1 or length < 0
+                    or offset > 2**63 - 1 - length)
+    if use_dst:
+        expect_error |= not dst_fields[0] or dst_fields[1] < 0 or not 0 <= dst_fields[2] <= 2
+    try:
+        results = native.decode_files(native.ZSTD, [str(path)], [region], np.empty(len(frame) + 10, np.uint8),
+                                      [out.view], nbytes, None, dst)
+    except ValueError:
+        assert expect_error
+    else:
+        assert not expect_error
+        assert results[0][0] in range(8)
+    assert out.intact() and batch.intact() and (batch.view == 0xAB).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's plan tables
+
+_ENGINE = None
+
+
+def _engine():
+    global _ENGINE
+    if _ENGINE is None:
+        _ENGINE = native.Engine(2, 1 << 20)
+    return _ENGINE
+
+
+def _edges(n: int):
+    """Values that break tables: out of range for a table of ``n`` rows, negative, overflowing products."""
+    return st.sampled_from([-2**63, -2**62, -2, -1, 0, 1, 2, 7, 8, 63, 64, 65, 127, 128, 129, 4095, 4096, 2**31,
+                            2**32, 2**62, 2**63 - 1, n - 1, n, n + 1])
+
+
+@fuzz(300)
+@given(st.data())
+def test_engine_tables(work, data):
+    """Sound tables with a few values replaced by hostile ones (indices out of range, negative sizes, products
+    that overflow, copies outside the batch or the chunk, a blob with a NUL or too short, a batch too small):
+    refused with a ValueError before any thread sees them, or run to a status per chunk, with no write
+    outside the batch's buffer (between guard bytes) and no read outside the threads' scratch (ASan)."""
+    n = data.draw(st.integers(1, 5))
+    root = work / "engine"
+    (root / "c").mkdir(parents=True, exist_ok=True)
+    chunk = np.arange(64, dtype="uint16").reshape(8, 8)
+    frame = numcodecs.Zstd(level=1).encode(chunk.tobytes())
+    shard = b"head" + frame + numcodecs.Blosc("lz4", 5, 1).encode(chunk.tobytes()) + b"tail"
+    for i in range(n):
+        (root / "c" / f"0.{i}").write_bytes(frame if i % 2 == 0 else shard)
+    blob = os.fsencode(str(root) + "/c/")
+    sources = np.array([[native.SOURCE_KINDS[np.dtype("uint16")], 0, 0, len(blob), ord("."), 0, 8, 1]], np.int64)
+    files = np.zeros((n, native.F_COORDS + 2), np.int64)
+    files[:, native.F_COORDS + 1] = np.arange(n)
+    chunks = np.zeros((n, native.N_CHUNK_COLS), np.int64)
+    chunks[:, native.C_FILE] = np.arange(n)
+    chunks[:, native.C_OFFSET] = -1
+    chunks[:, native.C_SPAN_STOP] = chunks[:, native.C_NBYTES] = 128
+    chunks[:, native.C_MAX_STORED] = 4096
+    chunks[:, native.C_FIRST_COPY] = np.arange(n)
+    chunks[:, native.C_NCOPIES] = 1
+    for i in range(1, n, 2):  # inner chunks of a "shard": the zstd frame at 4, the blosc frame after it
+        which = data.draw(st.integers(0, 1))
+        chunks[i, native.C_OFFSET] = 4 if which == 0 else 4 + len(frame)
+        chunks[i, native.C_LENGTH] = len(frame) if which == 0 else len(shard) - 8 - len(frame)
+        chunks[i, native.C_CODEC] = native.ZSTD if which == 0 else native.BLOSC
+    if data.draw(st.booleans()):
+        chunks[0, native.C_FILE], chunks[0, native.C_CODEC] = -1, native.FILL
+    copies = np.zeros((n, 4), np.int64)
+    copies[:, 1] = np.arange(n) * 64
+    copies[:, 2:] = 8
+    strides = np.array([8, 1], np.int64)
+    kind = data.draw(st.sampled_from([native.SAME, native.F32, native.BF16]))
+    d_item = {native.SAME: 2, native.F32: 4, native.BF16: 2}[kind]
+    tables = {"chunks": chunks, "copies": copies, "sources": sources, "files": files, "strides": strides}
+    for _ in range(data.draw(st.integers(0, 3))):
+        name = data.draw(st.sampled_from(sorted(tables)))
+        table = tables[name].reshape(-1) if name == "strides" else tables[name]
+        if table.ndim == 1:
+            table[data.draw(st.integers(0, len(table) - 1))] = data.draw(_edges(n))
+        else:
+            row, col = data.draw(st.integers(0, table.shape[0] - 1)), data.draw(st.integers(0, table.shape[1] - 1))
+            table[row, col] = data.draw(_edges(table.shape[0]))
+    if data.draw(st.integers(0, 9)) == 0:
+        blob = data.draw(st.sampled_from([blob[:-1], blob[:3] + b"\0" + blob[4:], b""]))
+    nbytes = n * 64 * d_item - data.draw(st.sampled_from([0] * 8 + [1, d_item, 64]))
+    batch = Guarded(max(0, nbytes), fill=0x11)
+    note(f"tables {tables}, blob {blob!r}, kind {kind}, batch {nbytes} bytes")
+    try:
+        job = _engine().submit(chunks, copies, sources, files, blob, batch.view, kind, False, strides)
+    except ValueError as exc:
+        event("refused")
+        assert "plan" in str(exc)
+    else:
+        event("run")
+        assert job.wait(20)
+        status = np.frombuffer(job.results()[0], np.int32)
+        assert set(status.tolist()) <= set(range(native.PENDING))
+    assert batch.intact(), "a write outside the batch"
+
+
+# ---------------------------------------------------------------------------------------------
+# lz4, zlib and gzip: decoded whole by the engine, with lz4's and zlib's own functions
+
+_WHOLE = {native.LZ4: lambda: numcodecs.LZ4(), native.ZLIB: lambda: numcodecs.Zlib(level=1),
+          native.GZIP: lambda: numcodecs.GZip(level=1)}
+
+
+def _bounded(codec: int, stored: bytes, nbytes: int) -> bytes | None:
+    """What the Python path decodes ``stored`` to (its bounded decoders), when that is exactly ``nbytes``."""
+    from stoker.zarr.codecs import bounds as bounded
+
+    try:
+        out = bounded.decoder(_WHOLE[codec](), nbytes)(stored)
+    except Exception:  # noqa: BLE001 - refused: not a chunk of this size
+        return None
+    out = bytes(out)
+    return out if len(out) == nbytes else None
+
+
+@fuzz(400)
+@given(st.data())
+def test_lz4_zlib_gzip_chunks_decode_as_the_python_path_does(work, data):
+    """Frames numcodecs wrote (concatenated gzip members and zero padding too), damaged or not, read by the
+    engine as whole chunk files and as inner chunks of a shard: a chunk the engine places holds exactly
+    what the Python path's bounded decoder makes of the stored bytes; one it does not place is one that
+    decoder does not read as the chunk either (left to the Python path, status FRAME), or a read that
+    failed; nothing is written outside the batch."""
+    codec = data.draw(st.sampled_from(sorted(_WHOLE)))
+    content = data.draw(contents(max_size=data.draw(st.sampled_from([4096, 300_000]))))
+    if not content:
+        content = b"\1"
+    stored = _WHOLE[codec]().encode(content)
+    stored = bytes(stored)
+    if codec == native.GZIP and data.draw(st.booleans()):  # more members, with zero padding between and after
+        cut = data.draw(st.integers(0, len(content)))
+        stored = (bytes(numcodecs.GZip(1).encode(content[:cut])) + bytes(data.draw(st.integers(0, 9)))
+                  + bytes(numcodecs.GZip(1).encode(content[cut:])) + bytes(data.draw(st.integers(0, 9))))
+    if data.draw(st.booleans()):
+        stored = data.draw(mutated(stored, [stored[::-1]], fields=[0] if codec == native.LZ4 else []))
+    nbytes = len(content) + data.draw(st.sampled_from([0, 0, 0, -1, 1]))
+    if nbytes < 1:
+        return
+    want = _bounded(codec, stored, nbytes)
+    root = work / "whole"
+    (root / "c").mkdir(parents=True, exist_ok=True)
+    inner = data.draw(st.booleans())
+    (root / "c" / "0").write_bytes(b"head" + stored + b"tail" if inner else stored)  # key "0": rank 1
+    blob = os.fsencode(str(root) + "/c/")
+    sources = np.array([[native.SOURCE_KINDS[np.dtype("uint8")], 0, 0, len(blob), ord("."), 0, 1]], np.int64)
+    files = np.zeros((1, native.F_COORDS + 1), np.int64)
+    chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
+    chunks[0, native.C_OFFSET], chunks[0, native.C_LENGTH] = (4, len(stored)) if inner else (-1, 0)
+    chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = nbytes
+    chunks[0, native.C_CODEC] = codec
+    chunks[0, native.C_MAX_STORED] = max(0, len(stored) + data.draw(st.sampled_from([0, 0, 100, -1])))
+    chunks[0, native.C_NCOPIES] = 1
+    copies = np.array([[0, 0, nbytes]], np.int64)
+    batch = Guarded(nbytes, fill=0x11)
+    job = _engine().submit(chunks, copies, sources, files, blob, batch.view, native.SAME, False,
+                           np.array([1], np.int64))
+    assert job.wait(20)
+    status = int(np.frombuffer(job.results()[0], np.int32)[0])
+    event(f"status {status}")
+    assert batch.intact(), "a write outside the batch"
+    if status == native.OK:
+        assert want is not None and batch.view.tobytes() == want
+    else:
+        assert status in (native.FRAME, native.TOO_BIG), status
+        assert (batch.view == 0x11).all()
+        assert status == native.TOO_BIG or want is None, "a chunk the Python path reads was left to it"
+
+
+@fuzz(300)
+@given(st.data())
+def test_plan_grid_arguments(work, data):
+    """The compiled grid planner takes any int64 buffers: a ValueError, or copies and chunks that are sound
+    (every copy inside its crop and its chunk; chunks distinct; copies grouped by chunk)."""
+    ndim = data.draw(st.integers(1, 3))
+    n_src = data.draw(st.integers(1, 3))
+    n = data.draw(st.integers(0, 4))
+    edge = st.one_of(st.integers(-3, 40), st.sampled_from([-2**63, 2**62, 2**63 - 1]))
+    small = data.draw(st.booleans())
+    value = st.integers(0, 40) if small else edge
+    shape = np.array([data.draw(st.integers(1, 12) if small else edge) for _ in range(ndim)], np.int64)
+    starts = np.array([[data.draw(value) for _ in range(ndim)] for _ in range(n)], np.int64).reshape(n, ndim)
+    sids = np.array([data.draw(st.integers(0, n_src - 1) if small else edge) for _ in range(n)], np.int64)
+    chunk_shapes = np.array([[data.draw(st.integers(1, 9) if small else edge) for _ in range(ndim)]
+                             for _ in range(n_src)], np.int64)
+    strides = np.array([[data.draw(st.integers(0, 99) if small else edge) for _ in range(ndim)]
+                        for _ in range(n_src)], np.int64)
+    itemsizes = np.array([data.draw(st.sampled_from([1, 2, 4, 8]) if small else edge) for _ in range(n_src)], np.int64)
+    try:
+        copies, chunks = native.plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes)
+    except (ValueError, MemoryError):
+        event("refused")
+        return
+    event("planned")
+    copies = np.frombuffer(copies, np.int64).reshape(-1, 2 + 3 * ndim)
+    chunks = np.frombuffer(chunks, np.int64).reshape(-1, 5 + ndim)
+    keys = {tuple(c[[0, *range(5, 5 + ndim)]]) for c in chunks}
+    assert len(keys) == len(chunks)
+    assert chunks[:, 2].sum() == len(copies) and (np.cumsum(chunks[:, 2]) - chunks[:, 2] == chunks[:, 1]).all()
+    for c in chunks:
+        mine = copies[c[1]:c[1] + c[2]]
+        cs = chunk_shapes[c[0]]
+        start, box, ext = mine[:, 2:2 + ndim], mine[:, 2 + ndim:2 + 2 * ndim], mine[:, 2 + 2 * ndim:]
+        assert (start >= 0).all() and (ext >= 1).all() and (start + ext <= cs).all()
+        assert (box >= 0).all() and (box + ext <= shape).all()
+
+
+@pytest.mark.skipif(native.plan_grid is None, reason="the compiled grid planner is not built")
+@pytest.mark.parametrize("start, chunk, stride, itemsize", [
+    (2**59 + 5, 2**62, 1, 16),      # a span in bytes past 2**63 (elements times the item size)
+    (2**62, 2**62, 1, 1),           # a chunk whose end is past the largest index
+    (2**63 - 2, 2**62, 0, 8),       # the last chunk of the largest index
+])
+def test_plan_grid_extremes_refused_or_sound(start, chunk, stride, itemsize):
+    """Sizes at the edge of int64: the planner refuses them (ValueError) or plans spans that are sound,
+    never a wrapped (negative) byte count."""
+    try:
+        copies, chunks = native.plan_grid(np.array([[start]], np.int64), np.array([0], np.int64),
+                                          np.array([1], np.int64), np.array([[chunk]], np.int64),
+                                          np.array([[stride]], np.int64), np.array([itemsize], np.int64))
+    except ValueError:
+        return
+    chunks = np.frombuffer(chunks, np.int64).reshape(-1, 6)
+    copies = np.frombuffer(copies, np.int64).reshape(-1, 5)
+    assert len(chunks) == 1 and 0 <= chunks[0, 3] < chunks[0, 4]
+    assert copies[0, 2] == start - (start // chunk) * chunk and copies[0, 4] == 1

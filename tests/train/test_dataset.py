@@ -1,0 +1,203 @@
+"""``stoker.CropDataset`` in ``torch.utils.data.DataLoader`` and torchdata's ``StatefulDataLoader``: batches
+equal to the zarr-python oracle, safe zero-copy hand-over, exact resume, epochs, and the refusal of worker
+processes."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from torch.utils.data import DataLoader
+
+import stoker
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds")
+    rng = np.random.default_rng(5)
+    uris = []
+    for name, dtype in (("t2m", "float32"), ("u10", "int16")):
+        z = zarr.create_array(str(root / f"{name}.zarr"), shape=(12, 40, 40), chunks=(4, 16, 16), dtype=dtype)
+        z[:] = rng.normal(0, 50, z.shape).astype(dtype)
+        uris.append(str(root / f"{name}.zarr"))
+    return uris, [zarr.open_array(u, mode="r")[:] for u in uris]
+
+
+def _source(uris):
+    return stoker.RandomCrops([uris], (4, 8, 8), seed=1, samples_per_epoch=24)
+
+
+CFG = dict(batch_size=4, dtype="f32", device="cpu", n_compute_threads=2, host_buffer_bytes=16 << 20,
+           pop_timeout_s=20.0)
+
+
+def _oracle(data, samples):
+    return np.stack([np.stack([d[tuple(slice(*ax) for ax in s.aabb)] for d in data]).astype("f4") for s in samples])
+
+
+def _epoch_samples(uris, epoch):
+    src = _source(uris)
+    return [src.sample(epoch, i) for i in range(24)]
+
+
+def test_dataloader_yields_the_batches_and_epochs_advance(group, decode_path):
+    uris, data = group
+    ds = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**CFG))
+    loader = DataLoader(ds, batch_size=None)
+    assert len(loader) == 6
+    for epoch in range(2):
+        got = [x.clone() for x in loader]  # zero-copy views, each dropped after its copy
+        want = _oracle(data, _epoch_samples(uris, epoch))
+        assert len(got) == 6 and all(x.shape == (4, 2, 4, 8, 8) for x in got)
+        assert np.array_equal(torch.cat(got).numpy(), want)
+    assert ds.state_dict()["epoch"] == 2 and len(ds) == 6
+
+
+def test_a_loop_that_stops_early_continues_where_it_stopped(group):
+    uris, data = group
+    ds = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**CFG), copy=True)
+    first = []
+    for x in DataLoader(ds, batch_size=None):
+        first.append(x)
+        if len(first) == 2:
+            break
+    assert ds.state_dict()["position"] == 8 and len(ds) == 4
+    rest = list(DataLoader(ds, batch_size=None))
+    assert np.array_equal(torch.cat(first + rest).numpy(), _oracle(data, _epoch_samples(uris, 0)))
+
+
+def test_zero_copy_batches_are_not_overwritten_while_held(group):
+    """Holding every batch of a zero-copy dataset: the slots are not reused under them, so the pipeline runs
+    out of slots and says so (PoolStarved naming the fix) rather than overwrite one."""
+    uris, _ = group
+    ds = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**{**CFG, "pop_timeout_s": 1.0}))
+    held = []
+    with pytest.raises(stoker.PoolStarved, match="clone"):
+        for x in DataLoader(ds, batch_size=None):
+            held.append((x, x.clone()))
+    assert len(held) == 3  # lookahead_batches + 1 slots
+    assert all(torch.equal(x, copy) for x, copy in held)
+
+
+def test_worker_processes_are_refused(group):
+    uris, _ = group
+    ds = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**CFG))
+    with pytest.raises(stoker.InvalidArgument, match="num_workers=0"):
+        next(iter(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork")))
+
+
+def test_arguments_are_checked(group):
+    uris, _ = group
+    with pytest.raises(stoker.InvalidArgument, match="SampleSource"):
+        stoker.CropDataset([stoker.Sample(uris[0], [(0, 1)] * 3)], stoker.Config(**CFG))
+    with pytest.raises(stoker.InvalidArgument, match="Config"):
+        stoker.CropDataset(_source(uris), dict(CFG))
+    ds = stoker.CropDataset(_source(uris), stoker.Config(**CFG))  # shards by RANK/WORLD_SIZE: one process here
+    assert ds.source.world_size == 1 and pickle.loads(pickle.dumps(ds)).state_dict() == ds.state_dict()
+    other = stoker.RandomCrops([uris], (4, 8, 8), seed=2, samples_per_epoch=24).for_rank(0, 1)
+    with pytest.raises(stoker.InvalidArgument, match="another sample list"):
+        ds.load_state_dict(other.state_dict())
+
+
+@pytest.mark.parametrize("k", [0, 3, 6])
+def test_stateful_dataloader_resumes_with_the_next_batch(group, decode_path, k):
+    """torchdata's StatefulDataLoader (num_workers=0) saves the dataset's state with its own; a loader made
+    afresh from that state (pickled, as in a checkpoint) yields batch k + 1 onward; after a whole epoch (k=6)
+    the next epoch."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    uris, data = group
+    make = lambda: sdl.StatefulDataLoader(stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**CFG),  # noqa: E731
+                                                             copy=True), batch_size=None)
+    loader = make()
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    if k < 6:
+        assert len(rest) == 6 - k
+        want = _oracle(data, _epoch_samples(uris, 0)[4 * k:])
+    else:
+        assert len(rest) == 6
+        want = _oracle(data, _epoch_samples(uris, 1))
+    assert np.array_equal(torch.cat(rest).numpy(), want)
+
+
+def test_resume_on_another_world_size(group):
+    """Two ranks' datasets save after 2 batches each; three ranks resume from that state and take exactly
+    the rest of the epoch, once each."""
+    uris, _ = group
+    states = []
+    for rank in range(2):
+        ds = stoker.CropDataset(_source(uris).for_rank(rank, 2), stoker.Config(**CFG))
+        it = iter(DataLoader(ds, batch_size=None))
+        next(it), next(it)
+        states.append(ds.state_dict())
+    assert states[0]["position"] == 16
+    rest = []
+    for rank in range(3):
+        ds = stoker.CropDataset(_source(uris).for_rank(rank, 3), stoker.Config(**{**CFG, "batch_size": 1}))
+        ds.load_state_dict(states[rank % 2])
+        assert len(ds) == 3  # 8 samples left, ceil(8 / 3) a rank (wrapped)
+        src = ds._positioned()
+        rest += list(src)
+    samples = _epoch_samples(uris, 0)
+    taken = [samples[i] for r in range(2) for i in range(r, 16, 2)]
+    assert sorted(map(repr, taken + rest)) == sorted(map(repr, samples + samples[16:17]))  # one wrapped
+
+
+@pytest.mark.timeout(240)
+def test_docs_examples_run(tmp_path, monkeypatch):
+    """docs/dataloader.md's examples run as written, in order; the Lightning one where lightning is installed."""
+    import re
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "dataloader.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    assert len(blocks) == 5
+    lightning = find_spec("lightning") is not None
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "docs"}
+    for block in blocks:
+        if "import lightning" in block and not lightning:
+            continue
+        exec(compile(block, str(page), "exec"), namespace)
+    assert namespace["state"]["_num_yielded"] == 3
+    if lightning:
+        assert namespace["trainer"].global_step == 6
+
+
+def _shares(ctx, ds):
+    """A rank's epoch of a dataset built in the parent process, before the process group existed."""
+    import torch.distributed as dist
+
+    mine = (len(ds), [x for x in ds])
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_dataset_built_before_the_process_group_takes_each_ranks_share(group):
+    """Built before init_process_group (in the launcher, a LightningDataModule.__init__) it sharded as rank 0
+    of 1; in the ranks it takes each rank's share, so two ranks see the epoch once between them."""
+    import stoker.train as st
+
+    uris, data = group
+    ds = stoker.CropDataset(_source(uris), stoker.Config(**{**CFG, "batch_size": 2}), copy=True)
+    assert (ds.source.rank, ds.source.world_size) == (0, 1) and len(ds) == 12
+    (n0, b0), (n1, b1) = st.launch(_shares, ds, nprocs=2, use_cuda=False)
+    assert n0 == n1 == 6 and len(b0) == len(b1) == 6
+    samples = _epoch_samples(uris, 0)
+    for rank, batches in ((0, b0), (1, b1)):  # strided: rank r takes samples r, r + 2, ...
+        got = torch.cat(batches).numpy()
+        np.testing.assert_array_equal(got, _oracle(data, samples[rank::2]))
