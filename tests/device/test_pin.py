@@ -13,6 +13,7 @@ import torch
 
 import stoker
 import stoker.device.pin as pin
+from stoker.device.prefetch import DevicePrefetcher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -127,7 +128,7 @@ def test_pin_object_without_cuda_returns_input_and_warns_once(monkeypatch):
 
 def test_prefetcher_on_cpu_is_a_pass_through():
     items = [{"x": torch.arange(3)}, {"x": torch.arange(4)}]
-    with pin.DevicePrefetcher(items, device="cpu") as pf:
+    with DevicePrefetcher(items, device="cpu") as pf:
         out = list(pf)
     assert all(a is b for a, b in zip(out, items)) and len(out) == 2
 
@@ -138,7 +139,7 @@ def test_prefetcher_passes_source_errors_through():
         raise KeyError("source failed")
 
     with pytest.raises(KeyError, match="source failed"):
-        list(pin.DevicePrefetcher(broken(), device="cpu"))
+        list(DevicePrefetcher(broken(), device="cpu"))
 
 
 def test_tensors_in_reaches_every_depth_and_ends_on_cycles():
@@ -183,22 +184,22 @@ def test_tensors_in_finds_an_object_reached_deep_first_and_shallow_later():
 
 def test_prefetcher_refuses_an_endless_poll_interval():
     with pytest.raises(stoker.InvalidArgument, match="finite number of seconds"):
-        pin.DevicePrefetcher([], device="cpu", timeout_s=float("inf"))
+        DevicePrefetcher([], device="cpu", timeout_s=float("inf"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
 def test_prefetcher_asked_for_cuda_without_cuda_says_so():
     for device in ("cuda", "cuda:1", 0):
         with pytest.raises(stoker.InvalidArgument, match="torch sees no CUDA device"):
-            pin.DevicePrefetcher([torch.zeros(1)], device=device)
-    assert pin.DevicePrefetcher([], device=None).passthrough
+            DevicePrefetcher([torch.zeros(1)], device=device)
+    assert DevicePrefetcher([], device=None).passthrough
 
 
 def test_prefetcher_checks_depth_and_timeout():
     with pytest.raises(stoker.InvalidArgument, match="depth must be an integer >= 1"):
-        pin.DevicePrefetcher([], device="cpu", depth=0)
+        DevicePrefetcher([], device="cpu", depth=0)
     with pytest.raises(stoker.InvalidArgument, match="timeout_s must be a finite number of seconds > 0"):
-        pin.DevicePrefetcher([], device="cpu", timeout_s=0)
+        DevicePrefetcher([], device="cpu", timeout_s=0)
 
 
 # -- on a GPU ---------------------------------------------------------------------------------------
@@ -219,7 +220,7 @@ def test_pin_object_pins_a_custom_nested_batch():
 def test_prefetcher_delivers_fenced_device_batches():
     batches = [{"x": torch.full((1 << 20,), float(i))} for i in range(6)]
     seen = 0
-    with pin.DevicePrefetcher(batches, device="cuda", depth=2) as pf:
+    with DevicePrefetcher(batches, device="cuda", depth=2) as pf:
         for i, b in enumerate(pf):
             assert b["x"].is_cuda
             y = (b["x"] * 2).sum().item()  # runs on the consumer's stream after the fence
@@ -231,7 +232,7 @@ def test_prefetcher_delivers_fenced_device_batches():
 @pytest.mark.cuda
 def test_prefetcher_moves_a_self_moving_custom_batch():
     batches = [Movable(torch.full((1 << 16,), float(i))) for i in range(3)]
-    with pin.DevicePrefetcher(batches, device="cuda", depth=2) as pf:
+    with DevicePrefetcher(batches, device="cuda", depth=2) as pf:
         out = [(b.moved_to.type, b.points.is_cuda, b.points[0].item()) for b in pf]
     assert out == [("cuda", True, float(i)) for i in range(3)]
 
@@ -242,7 +243,7 @@ def test_prefetcher_close_is_prompt():
         while True:
             yield torch.zeros(1 << 16)
 
-    pf = pin.DevicePrefetcher(endless(), device="cuda", depth=2)
+    pf = DevicePrefetcher(endless(), device="cuda", depth=2)
     it = iter(pf)
     next(it)
     t0 = time.monotonic()
@@ -258,7 +259,7 @@ def test_prefetcher_cuda_without_index_is_the_callers_device():
     last = torch.cuda.device_count() - 1
     torch.cuda.set_device(last)
     try:
-        pf = pin.DevicePrefetcher([{"x": torch.zeros(4)}], device="cuda")
+        pf = DevicePrefetcher([{"x": torch.zeros(4)}], device="cuda")
         assert pf.device == torch.device("cuda", last)
         assert [b["x"].device for b in pf] == [torch.device("cuda", last)]
     finally:
@@ -268,7 +269,7 @@ def test_prefetcher_cuda_without_index_is_the_callers_device():
 @pytest.mark.cuda
 def test_prefetcher_iterates_again_like_the_cpu_pass_through():
     batches = [torch.full((8,), float(i)) for i in range(3)]
-    pf = pin.DevicePrefetcher(batches, device="cuda", depth=1)
+    pf = DevicePrefetcher(batches, device="cuda", depth=1)
     first = [b.sum().item() for b in pf]
     second = [b.sum().item() for b in pf]
     assert first == second == [0.0, 8.0, 16.0]
@@ -276,6 +277,6 @@ def test_prefetcher_iterates_again_like_the_cpu_pass_through():
 
 @pytest.mark.cuda
 def test_prefetcher_reports_a_device_it_cannot_use():
-    pf = pin.DevicePrefetcher([torch.zeros(1)], device=torch.cuda.device_count())  # one past the last GPU
+    pf = DevicePrefetcher([torch.zeros(1)], device=torch.cuda.device_count())  # one past the last GPU
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         list(pf)

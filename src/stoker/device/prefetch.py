@@ -19,8 +19,8 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ..checks import integer, seconds
-from ..errors import InvalidArgument
 from .pin import pin_object, tensors_in, to_device
+from .resolve import as_device
 
 
 def record_stream(obj: Any, stream: Any) -> None:
@@ -32,19 +32,6 @@ def record_stream(obj: Any, stream: Any) -> None:
 
 _DONE = object()  # the end of a prefetcher's pass
 _RESTART_WAIT_S = 60.0  # how long a new pass waits for the previous pass's producer to leave the source
-
-
-def _prefetch_device(device: torch.device | str | int | None) -> torch.device:
-    """The device a DevicePrefetcher delivers to, with a CUDA index always set (from the caller's thread)."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
-    if dev.type != "cuda":
-        return dev
-    if not torch.cuda.is_available():
-        raise InvalidArgument(f"DevicePrefetcher(device={device!r}) but torch sees no CUDA device; pass "
-                              "device=None (CUDA when there is one) or 'cpu'", device=str(device))
-    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 class _Feed:
@@ -107,7 +94,7 @@ class DevicePrefetcher:
 
     def __init__(self, iterable: Iterable[Any], device: torch.device | str | int | None = None,
                  depth: int = 2, timeout_s: float = 0.1) -> None:
-        self.device = _prefetch_device(device)
+        self.device = as_device(device, "DevicePrefetcher(device=...)")
         self._source = iterable
         self._depth = integer("depth", depth, 1)
         self._poll = seconds("timeout_s", timeout_s, finite=True)

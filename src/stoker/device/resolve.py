@@ -12,6 +12,9 @@ Binding follows torch's own notion of "this rank's GPU" (``torch.cuda.set_device
 
 :func:`bind` is the decision alone (plain values in, a device and maybe a warning out), so every case
 is tested without a GPU; :func:`resolve` feeds it torch's state and warns once per process.
+
+Everything else that takes a device (``DevicePrefetcher``, the records ``Loader``, the ``Trainer``,
+``CropBatches``) reads it with :func:`as_device`: the same spellings, no binding to the current device.
 """
 
 from __future__ import annotations
@@ -109,3 +112,27 @@ def resolve(requested: int | str | None) -> torch.device:
         if fresh:
             warnings.warn(binding.warning, UserWarning, stacklevel=3)
     return binding.device
+
+
+def as_device(device: torch.device | str | int | None, who: str) -> torch.device:
+    """``device`` as a ``torch.device`` whose CUDA index is always set.
+
+    ``None``: torch's current CUDA device when CUDA is available, else the CPU; ``N``: ``cuda:N``;
+    ``"cuda"``: the current CUDA device. A name torch does not know, or CUDA where torch sees none, is an
+    :class:`~stoker.InvalidArgument` naming ``who`` (the argument, e.g. ``"Loader(device=...)"``).
+
+    >>> as_device("cpu", "Trainer(device=...)")
+    device(type='cpu')
+    """
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(f"cuda:{device}" if isinstance(device, int) and not isinstance(device, bool) else device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgument(f"{who}: {device!r} is not a torch device ({exc})", device=str(device)) from None
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
+        raise InvalidArgument(f"{who}: {device!r} asks for CUDA, but torch sees no CUDA device; pass device=None "
+                              "(CUDA when there is one) or 'cpu'", device=str(device))
+    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())

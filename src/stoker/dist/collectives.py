@@ -52,7 +52,7 @@ def rank_info(group: Any = None) -> RankInfo:
     """
     dist = _dist()
     if dist is not None:
-        rank, world = dist.get_rank(group), dist.getworld_size(group)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
         if rank < 0:
             raise InvalidArgument("this process is not a member of the given process group")
         # A group knows nothing of nodes; the global rank is the local one on a single node.
@@ -84,13 +84,13 @@ def active_group(group: Any) -> Any:
         return None
     if dist.get_rank(group) < 0:
         raise InvalidArgument("this process is not a member of the given process group")
-    return dist if dist.getworld_size(group) > 1 else None
+    return dist if dist.get_world_size(group) > 1 else None
 
 
 def world_size(group: Any) -> int:
     """How many ranks a collective over ``group`` spans right now (1 without a process group)."""
     dist = _dist()
-    return dist.getworld_size(group) if dist is not None else 1
+    return dist.get_world_size(group) if dist is not None else 1
 
 
 def _device_for(dist: Any, group: Any) -> torch.device:
@@ -123,7 +123,7 @@ def all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
     if dist is None:
         return [t]
     t = t.to(_device_for(dist, group))
-    out = [torch.empty_like(t) for _ in range(dist.getworld_size(group))]
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t, group=group)
     return [o.cpu() for o in out]
 
@@ -131,7 +131,7 @@ def all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
 def group_position(group: Any) -> tuple[int, int]:
     """``(rank, world_size)`` of this process in collectives over ``group``; ``(0, 1)`` when alone."""
     dist = active_group(group)
-    return (dist.get_rank(group), dist.getworld_size(group)) if dist is not None else (0, 1)
+    return (dist.get_rank(group), dist.get_world_size(group)) if dist is not None else (0, 1)
 
 
 def broadcast_object(obj: Any, group: Any) -> Any:

@@ -48,6 +48,7 @@ from ..sampling.cursor import CursorState, EpochCursor
 from ..checks import integer, seconds
 from ..dist.collectives import resolve_rank
 from ..errors import InvalidArgument, ShutdownError, StokerError
+from ..device.resolve import as_device
 from ..device.pin import pin_object, to_device
 from .collate import CollateArg, resolve
 from .dataset import ZarrRecords
@@ -104,7 +105,7 @@ class Loader:
         self.seed = seed
         self.n_threads = n_threads or min(4, os.cpu_count() or 1)
         self.prefetch = prefetch
-        self.device = self._check_device(device)
+        self.device = None if device is None else as_device(device, "Loader(device=...)")
         self.drop_last = bool(drop_last)
         self.rank, self.world_size = rank, world_size
         self.timeout_s = timeout_s
@@ -120,17 +121,6 @@ class Loader:
         self._closed = False
         self._split_cache: tuple[Any, np.ndarray] | None = None
 
-    @staticmethod
-    def _check_device(device: Any) -> torch.device | None:
-        if device is None:
-            return None
-        try:
-            dev = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
-        except (RuntimeError, TypeError) as exc:
-            raise InvalidArgument(f"device {device!r} is not a torch device: {exc}") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidArgument(f"device {device!r} asked for but CUDA is not available")
-        return dev
 
     # -- the order ---------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from ..config import Config
 from ..engine.batch import Batch
 from ..engine.pipeline import Pipeline
 from ..engine.stats import Stats
+from ..device.resolve import as_device
 from ..errors import InvalidArgument, ShutdownError
 from ..sampling.samplers import RankShare
 
@@ -45,7 +46,7 @@ class CropBatches:
             raise InvalidArgument(f"cfg must be a stoker.Config, got {type(cfg).__name__}")
         self.source = source
         self.cfg = cfg
-        self.device = torch.device(device) if device is not None else None
+        self.device = None if device is None else as_device(device, "CropBatches(device=...)")
         self._pipeline: Pipeline | None = None
         self._held: Batch | None = None
         self._closed = False

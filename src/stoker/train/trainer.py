@@ -55,6 +55,7 @@ from ..dist.reduce import reduce_max
 from ..engine.stats import Stats
 from ..errors import CheckpointError, InvalidArgument, NonFiniteLoss, UnusedParameters
 from ..device.pin import tensors_in, to_device
+from ..device.resolve import as_device
 from ..dist.telemetry import TelemetryWriter, memory_report, peak_rss_bytes
 from .checkpoint import Checkpoints
 from .heartbeat import mark
@@ -181,9 +182,7 @@ class Trainer:
             raise InvalidArgument(f"unused_parameters must be one of {_UNUSED}, got {unused_parameters!r}")
         if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
             raise InvalidArgument(f"checkpoints must be a stoker.train.Checkpoints, got {type(checkpoints).__name__}")
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = as_device(device, "Trainer(device=...)")
 
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0

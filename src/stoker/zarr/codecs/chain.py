@@ -229,7 +229,7 @@ class ChunkCodec:
             raise ValueError(f"decode_into needs a C-contiguous {self.shape} {self.dtype} array")
         if self.plain and self.lone_blosc:
             try:
-                self.check_size(bounds.blosc_frame_nbytes(encoded), key)
+                self.check_size(blosc.blosc_frame_nbytes(encoded), key)
                 gil.released(self.compressors[0].decode, encoded, out=out)
             except StokerError:
                 raise
