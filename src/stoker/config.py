@@ -156,7 +156,7 @@ class Config:
             raise InvalidArgument(f"Config.drop_last must be True or False, got {self.drop_last!r}", knob="drop_last")
         self._check_device()
         self._check_decode_on()
-        from .transforms import as_transform
+        from .transforms import as_transform  # imports torch only; here to keep config's imports light
 
         object.__setattr__(self, "transform", as_transform(self.transform))
         object.__setattr__(self, "storage_options",

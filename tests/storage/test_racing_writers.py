@@ -362,7 +362,7 @@ def test_telemetry_takes_over_the_file_of_a_writer_gone(tmp_path):
 
 
 def _launch_folder(i, folder, ready):
-    from stoker.train.launch import _workdir
+    from stoker.train.launch import _workdir  # the module: stoker.train.launch is also the function
 
     tempfile.tempdir = folder
     try:

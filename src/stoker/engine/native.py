@@ -167,4 +167,4 @@ decode_files = _released(decode_files)
 #: None without the engine (engine/tables.py then plans with numpy)
 plan_grid = None
 if Engine is not None:
-    pass
+    from .._native import plan_grid  # noqa: F401 (read as native.plan_grid)

@@ -89,7 +89,7 @@ def open_store(uri: str | os.PathLike, storage_options: dict[str, Any] | None = 
         from .zipstore import ZipStore
 
         return ZipStore(uri[len("zip://"):])
-    from . import resolve_local_path
+    from . import resolve_local_path  # file:// and plain paths; other schemes are refused there
 
     path = resolve_local_path(uri)
     if path.lower().endswith(".zip") and os.path.isfile(path):
