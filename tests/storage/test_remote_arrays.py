@@ -657,3 +657,146 @@ def test_array_uris_with_credentials_are_refused_never_printed(tree):
             with pytest.raises(InvalidArgument) as info:
                 p.pop()
         assert "s3cr3tpw" not in str(info.value)
+
+
+# -- round trips: a batch's shard indexes, and a box's chunks, fetched together ---------------------------------
+
+MANY_SHAPE = (32, 32)
+MANY_FILL = 9
+
+
+class _Many:
+    """An array of 16 shards of 2 x 2 inner chunks (``many.zarr``; its last row of shards never written,
+    missing) and an unsharded one (``plain.zarr``) written by zarr-python under ``root``, read over HTTP
+    or from a zip archive (made when first asked for, so shards damaged before are damaged in it too)
+    through a :class:`CountingStore`."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.data = (np.arange(32 * 32, dtype="uint16") * 7).reshape(MANY_SHAPE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for path, kw in (("many.zarr", dict(shards=(8, 8))), ("plain.zarr", {})):
+                z = zarr.create_array(os.path.join(root, path), shape=MANY_SHAPE, chunks=(4, 4), dtype="uint16",
+                                      fill_value=MANY_FILL, compressors=ZstdCodec(level=1), **kw)
+                z[:24] = self.data[:24]
+        self.server = RangeServer(root)
+        self.stores = Stores()
+        self._zip: str | None = None
+
+    def open(self, kind: str, path: str):
+        from stoker.storage import CountingStore
+
+        if kind == "http":
+            uri, options = f"{self.server.url}/{path}", dict(FAST)
+        else:
+            if self._zip is None:
+                self._zip = self.root + ".zip"
+                _zip(self._zip, read_tree(self.root))
+            uri, options = f"{self._zip}/{path}", None
+        arr = stoker.open_array(uri, options, stores=self.stores)  # its own index cache: every index cold
+        arr.kv = CountingStore(arr.kv)
+        return arr
+
+    def local(self, path: str):
+        return stoker.open_array(os.path.join(self.root, path))
+
+    def close(self) -> None:
+        self.stores.close()
+        self.server.stop()
+
+
+@pytest.fixture
+def many(tmp_path):
+    m = _Many(str(tmp_path / "many"))
+    yield m
+    m.close()
+
+
+def _planners():
+    from stoker.engine.plan import plan_batch
+    from stoker.engine.tables import plan_tables
+
+    return {"tables": plan_tables, "batch": plan_batch}
+
+
+def _shard_samples(uri: str, shards: list[tuple[int, int]]) -> list:
+    """One sample per shard (grid position), the whole shard."""
+    return [stoker.Sample(uri, [(8 * i, 8 * i + 8), (8 * j, 8 * j + 8)]) for i, j in shards]
+
+
+def _located(plan) -> list[tuple]:
+    """Where each chunk of a plan is stored: (key, offset, length), None for the fill value."""
+    return [(t.key, t.offset, t.length) if t.path is not None else (t.key, None) for t in
+            (plan.chunks[i] for i in range(plan.n_chunks))]
+
+
+ALL_SHARDS = [(i, j) for i in range(4) for j in range(4)]
+
+
+@pytest.mark.parametrize("planner", ["tables", "batch"])
+@pytest.mark.parametrize("kind", ["http", "zip"])
+def test_a_batchs_shard_indexes_cost_one_store_call(many, kind, planner):
+    # 16 shards (4 of them missing): their indexes are asked in one call, not one call (a round trip) each;
+    # every chunk is located where the local plan locates it; planned again, nothing is read.
+    plan = _planners()[planner]
+    arr, local = many.open(kind, "many.zarr"), many.local("many.zarr")
+    got = plan(0, _shard_samples(arr.uri, ALL_SHARDS), lambda uri: arr)
+    assert (arr.kv.counters.calls, arr.kv.counters.requests) == (1, 16)
+    want = plan(0, _shard_samples(local.uri, ALL_SHARDS), lambda uri: local)
+    assert _located(got) == _located(want) and sum(t[1] is None for t in _located(got)) == 16
+    arr.kv.reset()
+    assert _located(plan(1, _shard_samples(arr.uri, ALL_SHARDS), lambda uri: arr)) == _located(want)
+    assert arr.kv.counters.calls == 0
+
+
+@pytest.mark.parametrize("planner", ["tables", "batch"])
+@pytest.mark.parametrize("kind", ["http", "zip"])
+def test_a_damaged_shard_index_fails_its_first_chunk_and_costs_the_others_nothing(many, kind, planner):
+    plan = _planners()[planner]
+    shards = os.path.join(many.root, "many.zarr", "c")
+    raw = bytearray(open(os.path.join(shards, "1", "2"), "rb").read())
+    raw[-5] ^= 0xFF  # its index fails its checksum
+    open(os.path.join(shards, "1", "2"), "wb").write(bytes(raw))
+    open(os.path.join(shards, "2", "1"), "wb").write(b"short")  # shorter than its index
+    # what reading each index alone raises (the reads one at a time of before): the same error, typed
+    alone = many.open(kind, "many.zarr")
+    errors = {}
+    for key in ("c/1/2", "c/2/1"):
+        with pytest.raises(stoker.StokerError) as info:
+            alone.shard_entry(key)
+        errors[key] = info.value
+    assert isinstance(errors["c/1/2"], stoker.DecodeError) and isinstance(errors["c/2/1"], StorageError)
+    good = [s for s in ALL_SHARDS if s not in ((1, 2), (2, 1))]
+    arr = many.open(kind, "many.zarr")
+    for order, first in (([(1, 2), (2, 1)], "c/1/2"), ([(2, 1), (1, 2)], "c/2/1")):
+        samples = _shard_samples(arr.uri, good[:5] + order[:1] + good[5:9] + order[1:] + good[9:])
+        with pytest.raises(type(errors[first])) as info:
+            plan(0, samples, lambda uri: arr)
+        assert str(info.value) == str(errors[first])  # the first damaged shard in the batch's chunk order
+    # nothing else lost: every good shard's index was read (together) and kept
+    arr.kv.reset()
+    local = many.local("many.zarr")
+    got = plan(1, _shard_samples(arr.uri, good), lambda uri: arr)
+    assert arr.kv.counters.calls == 0
+    assert _located(got) == _located(plan(1, _shard_samples(local.uri, good), lambda uri: local))
+
+
+@pytest.mark.parametrize("kind", ["http", "zip"])
+def test_reading_a_box_costs_one_call_for_its_indexes_and_one_for_its_chunks(many, kind, monkeypatch):
+    import stoker.array
+
+    boxes = ((slice(3, 29), slice(1, 30)), (slice(0, 32), slice(0, 32)), (slice(25, 27), slice(5, 6)))
+    # the shards: indexes, then chunks (none for the last box: its shard is missing); unsharded: the chunks
+    for path, calls in (("many.zarr", (2, 2, 1)), ("plain.zarr", (1, 1, 1))):
+        ref = zarr.open_array(os.path.join(many.root, path), mode="r")
+        for box, n in zip(boxes, calls):
+            arr = many.open(kind, path)
+            assert bits(arr[box]) == bits(ref[box]), (path, box)
+            assert arr.kv.counters.calls == n, (path, box)
+    # a box whose chunks are more than one call fetches: several calls, the same values
+    monkeypatch.setattr(stoker.array, "STORE_READ_BYTES", 100)
+    for path in ("many.zarr", "plain.zarr"):
+        arr = many.open(kind, path)
+        assert bits(arr[...]) == bits(zarr.open_array(os.path.join(many.root, path), mode="r")[...])
+        assert arr.kv.counters.calls > 10

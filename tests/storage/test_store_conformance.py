@@ -152,6 +152,23 @@ class TestStoreConformance:
                 store.get_ranges([r])
             assert info.value.key == r.key and info.value.uri == store.uri
 
+    def test_get_each_gives_each_range_its_bytes_or_its_own_error(self, store, values):
+        from stoker.storage.store import get_each
+
+        n = len(values["blob.bin"])
+        requests = [ByteRange("blob.bin", 10, 20), ByteRange.suffix("nope", 4), ByteRange("blob.bin", n - 5, 10),
+                    ByteRange.suffix("sharded/c/0/0", 16 * 6 + 4), ByteRange(DEFLATED, 7, 9)]
+        for counted in (store, CountingStore(store)):
+            got = get_each(counted, requests)
+            assert len(got) == len(requests)
+            assert bytes(got[0]) == values["blob.bin"][10:30]
+            assert isinstance(got[1], NotFound) and got[1].key == "nope"
+            assert isinstance(got[2], StorageError) and got[2].key == "blob.bin"
+            assert bytes(got[3]) == values["sharded/c/0/0"][-(16 * 6 + 4):]
+            assert bytes(got[4]) == values[DEFLATED][7:16]
+        assert (counted.counters.calls, counted.counters.requests) == (1, len(requests))
+        assert get_each(store, []) == []
+
     def test_keys_never_leave_the_root(self, store):
         for key in ("../blob.bin", "/blob.bin", "deep//a", "deep/./a", "a\\b", ""):
             with pytest.raises(InvalidArgument):

@@ -174,6 +174,27 @@ def test_requests_run_at_once_up_to_max_in_flight(server):
     assert server.requests == 9 and 2 <= server.peak_in_flight <= 3
 
 
+def test_get_each_runs_its_ranges_at_once_and_fails_them_one_by_one(server):
+    # A range's failure (missing key, past the end, a 503 storm that outlasts its retries) is its own: the
+    # other ranges of the call still get their bytes. Every range is a request of its own, run together.
+    s = store(server, max_in_flight=8, retries=1)
+    server.latency_s = 0.3  # every request waits: they are in flight together
+    requests = [ByteRange("value", 0, 10), ByteRange.suffix("nope", 4), ByteRange("c/0", 990, 20),
+                ByteRange.suffix("c/0", 16), ByteRange("value", 5000, 100)]
+    got = s.get_each(requests)
+    assert bytes(got[0]) == VALUE[:10] and bytes(got[3]) == VALUE[984:1000] and bytes(got[4]) == VALUE[5000:5100]
+    assert isinstance(got[1], NotFound) and got[1].key == "nope"
+    assert isinstance(got[2], StorageError) and got[2].key == "c/0"
+    assert server.requests == 5 and server.peak_in_flight >= 2
+    server.latency_s = 0
+    server.fail(100)
+    got = s.get_each([ByteRange("value", 0, 10)])
+    assert isinstance(got[0], StorageError) and got[0].status == 503 and got[0].attempts == 2
+    s.close()
+    with pytest.raises(ShutdownError):
+        s.get_each([ByteRange("value", 0, 10)])
+
+
 def test_settings_are_checked(server):
     with pytest.raises(InvalidArgument):
         store(server, retries=-1)

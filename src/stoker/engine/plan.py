@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from ..reader.array import ArrayReader
+from ..reader.array import ArrayReader, shard_entries
 from ..zarr.box import check_in_bounds
 from ..errors import InvalidArgument
 from ..sampling.sample import Sample, arrays_read, parts
@@ -226,6 +226,7 @@ def plan_batch(
             task.copies.append(Copy(row, c_lo, b_lo, extent))
 
     chunks = list(tasks.values())
+    failed = _read_stored_indexes(chunks, sources)
     # by file and identity: inner chunks located through two versions of a shard's index are two reads
     by_shard: dict[tuple[str, tuple], list[int]] = {}
     file_reads: list[FileRead] = []
@@ -235,6 +236,10 @@ def plan_batch(
         meta = reader.metadata
         first, last = spans[(task.source, task.index)]
         task.byte_start, task.byte_stop = first * meta.dtype.itemsize, (last + 1) * meta.dtype.itemsize
+        if failed and meta.sharding is not None:  # an index that could not be read: its first chunk raises
+            error = failed.get((task.source, meta.chunk_key(meta.sharding.inner_position(task.index)[0])))
+            if error is not None:
+                raise error
         loc = reader.locate(task.index)
         task.key, task.path = loc.key, loc.path
         if loc.path is None:
@@ -250,6 +255,22 @@ def plan_batch(
 
     file_reads += shard_reads(by_shard.values(), chunks, sources, max_gap, max_group, sizing)
     return BatchPlan(batch_id, tuple(samples), shape, sources, chunks, file_reads, needed, bytes_needed, channels)
+
+
+def _read_stored_indexes(chunks: list[ChunkTask], sources: Sequence[ArrayReader]) -> dict[tuple[int, str], BaseException]:
+    """Read the indexes of the shards the batch touches in arrays in a store before the chunks are located
+    (together, one round trip: :func:`~stoker.array.shard_entries`); the errors met, by (source, shard key),
+    for the planner to raise at the first chunk they concern. Local arrays' indexes are read as located."""
+    wanted: dict[tuple[int, str], None] = {}
+    for task in chunks:
+        reader = sources[task.source]
+        spec = reader.metadata.sharding
+        if reader.kv is not None and spec is not None:
+            wanted[(task.source, reader.metadata.chunk_key(spec.inner_position(task.index)[0]))] = None
+    if not wanted:
+        return {}
+    got = shard_entries([(sources[sid], key) for sid, key in wanted])
+    return {at: entry for at, entry in zip(wanted, got) if isinstance(entry, BaseException)}
 
 
 def batch_shape(samples: Sequence[Sample]) -> tuple[tuple[int, ...], int | None]:

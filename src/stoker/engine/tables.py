@@ -10,7 +10,9 @@ one per array and one per shard file, and numpy for the rest:
   (``native.plan_grid``, csrc/grid.c: a hash table, one pass), else with numpy (the crossing by broadcasting,
   every sample padded to the largest count and masked; ``np.unique`` over (array, grid index) rows; a
   stable sort; ``reduceat``);
-- shard indexes looked up in bulk: each needed shard's cached ``(n_inner, 2)`` table gathered with fancy indexing.
+- shard indexes looked up in bulk: those not cached read first (an array's in a store all in one round trip,
+  :func:`~stoker.array.shard_entries`), then each needed shard's ``(n_inner, 2)`` table gathered with fancy
+  indexing.
 
 The engine (``stoker._native.Engine``) takes the tables as they are; the Python path asks
 :meth:`TablePlan.task` for a :class:`~stoker.engine.plan.ChunkTask` of the few chunks it reads itself.
@@ -29,7 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import native
-from ..reader.array import ArrayReader
+from ..reader.array import ArrayReader, shard_entries
 from ..zarr.box import check_in_bounds
 from ..sampling.sample import Sample, parts
 from ..zarr.grid import c_strides
@@ -261,7 +263,9 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
     files: list[np.ndarray] = []
     n_files = 0
     failures: list[tuple[int, Callable[[], None]]] = []  # (first chunk it concerns, raise it)
-    for s, reader in enumerate(sources):  # one step per array, then one per shard file
+    sharded = []  # (source, its chunks, their shard and inner index, each shard's first chunk and key)
+    wanted = []  # (reader, shard key) of every shard file the batch touches
+    for s, reader in enumerate(sources):  # one step per array
         ids = np.flatnonzero(chunk_source == s)
         meta = reader.metadata
         if meta.sharding is None:
@@ -277,13 +281,19 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         inner = ((chunk_index[ids] % cps) * np.array(c_strides(tuple(cps.tolist())), np.int64)).sum(axis=1)
         chunk_inner[ids] = inner
         shard_first, shard_of = _unique_rows(shard)
+        keys = [meta.chunk_key(tuple(shard[at].tolist())) for at in shard_first.tolist()]
+        sharded.append((s, reader, ids, shard, inner, shard_first, shard_of, keys))
+        wanted += [(reader, key) for key in keys]
+    # every index not cached read before the loop: those of arrays in a store together, in one round trip
+    entries = iter(shard_entries(wanted))
+    for s, reader, ids, shard, inner, shard_first, shard_of, keys in sharded:  # one step per shard file
+        meta = reader.metadata
         for k, at in enumerate(shard_first.tolist()):
             mine = ids[shard_of == k]
-            shard_key = meta.chunk_key(tuple(shard[at].tolist()))
-            try:
-                entry = reader.shard_entry(shard_key)
-            except Exception as exc:  # noqa: BLE001 - raised below if no earlier chunk has a failure
-                failures.append((int(mine.min()), _raiser(exc)))
+            shard_key = keys[k]
+            entry = next(entries)
+            if isinstance(entry, BaseException):  # raised below if no earlier chunk has a failure
+                failures.append((int(mine.min()), _raiser(entry)))
                 continue
             if entry is None:  # no shard file: every chunk of it is the fill value
                 continue

@@ -1,8 +1,9 @@
 """``open_array``: read boxes of a Zarr array, chunk by chunk, bit-exactly.
 
 This is the reference read path. It is deliberately simple (one chunk at a time,
-on the calling thread); the batch engine uses the same pieces (metadata, grid,
-shard index, codec) with its own planning and threads.
+on the calling thread; an array in a store fetches a box's shard indexes, then its
+chunks, in one call each, since there every call is a round trip); the batch engine
+uses the same pieces (metadata, grid, shard index, codec) with its own planning and threads.
 
 >>> arr = stoker.open_array("/data/volume.zarr")
 >>> arr.shape, arr.dtype, arr.chunks, arr.shards
@@ -15,7 +16,8 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from typing import Any, NamedTuple
+import threading
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -24,6 +26,7 @@ from ..storage.cache import SizedLRU
 from ..errors import DecodeError, InvalidArgument, MetadataError, NotFound, OutOfBounds, StorageError, UnsupportedFormat
 from ..storage import ByteRange, FileChanged, Identity, LocalStore, Store, default_store
 from ..storage.hierarchy import Hierarchy
+from ..storage.store import get_each, get_many
 from ..storage.locate import Stores, default_stores, locate
 from ..zarr.fields import show
 from ..zarr.grid import chunk_intersections
@@ -273,12 +276,57 @@ class ArrayReader:
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
         """Fill ``out`` (shaped like ``box``) with the box's data, casting to ``out.dtype`` if needed."""
+        if self.kv is not None:
+            return self._read_stored_into(box, out)
         for piece in chunk_intersections(box, self.chunks):
             chunk = self.read_chunk(piece.index)
             if chunk is None:
                 out[piece.box_sel] = self.metadata.fill_value
             else:
                 out[piece.box_sel] = chunk[piece.chunk_sel]
+
+    def _read_stored_into(self, box: Box, out: np.ndarray) -> None:
+        """:meth:`read_into` of an array in a store: the box's shard indexes not cached read together (see
+        :func:`shard_entries`), then its chunks fetched by one ``get_many`` call per
+        :data:`STORE_READ_BYTES` (whole values and inner chunks' ranges, which the store merges per object),
+        each call's chunks decoded before the next is fetched."""
+        meta = self.metadata
+        pieces = list(chunk_intersections(box, self.chunks))
+        if meta.sharding is not None:
+            shards = list({meta.chunk_key(meta.sharding.inner_position(p.index)[0]): None for p in pieces})
+            for entry in shard_entries([(self, key) for key in shards]):
+                if isinstance(entry, BaseException):
+                    raise entry  # the first in the box's order (locate would raise it too)
+        group: list = []
+        cost = 0
+        for piece in pieces:
+            loc = self.locate(piece.index)
+            if loc.path is None:
+                out[piece.box_sel] = meta.fill_value
+                continue
+            n = meta.codec.nbytes if loc.length is None else loc.length  # a whole value: its decoded size
+            if group and cost + n > STORE_READ_BYTES:
+                self._fetch_into(group, out)
+                group, cost = [], 0
+            group.append((piece, loc))
+            cost += n
+        if group:
+            self._fetch_into(group, out)
+
+    def _fetch_into(self, group: list, out: np.ndarray) -> None:
+        """Fetch ``(piece, location)``s in one store call, then decode each into ``out``."""
+        whole = [(p, loc) for p, loc in group if loc.offset is None]
+        ranged = [(p, loc) for p, loc in group if loc.offset is not None]
+        values, parts = get_many(self.kv, [loc.path for _, loc in whole],
+                                 [ByteRange(loc.path, loc.offset, loc.length) for _, loc in ranged])
+        codec = self.metadata.codec
+        for (piece, loc), data in itertools.chain(zip(whole, values), zip(ranged, parts)):
+            if data is None:  # a chunk not stored: the fill value
+                out[piece.box_sel] = self.metadata.fill_value
+                continue
+            if loc.offset is None:
+                codec.check_stored_size(len(data), loc.key)
+            out[piece.box_sel] = codec.decode(data, loc.key)[piece.chunk_sel]
 
     def read_chunk(self, index: tuple[int, ...]) -> np.ndarray | None:
         """Decoded read chunk at grid ``index`` (a view, maybe strided), or ``None`` for fill."""
@@ -413,21 +461,102 @@ class ArrayReader:
 
 
     def _load_stored_index(self, shard_key: str) -> ShardIndex | None:
-        """A shard's index read through the store by one range (a suffix when it ends the shard, so the
-        shard's size is not needed); a shard whose entries reach past its end fails when they are read."""
-        spec = self.metadata.sharding
-        key = self.file_path(shard_key)
-        n = spec.index_nbytes
+        """A shard's index read through the store by one range (see :meth:`_index_range`)."""
         try:
-            raw = self.kv.get_ranges([ByteRange.suffix(key, n) if spec.index_location == "end"
-                                      else ByteRange(key, 0, n)])[0]
+            raw = self.kv.get_ranges([self._index_range(shard_key)])[0]
         except NotFound:
             return None
-        table = spec.decode_index(raw, self.uri, shard_key, _UNKNOWN_SIZE)
+        return self._stored_index(shard_key, raw)
+
+    def _index_range(self, shard_key: str) -> ByteRange:
+        """The range of a stored shard holding its index: a suffix when it ends the shard, so the shard's size
+        is not needed (a shard whose entries reach past its end fails when they are read)."""
+        spec = self.metadata.sharding
+        key = self.file_path(shard_key)
+        return ByteRange.suffix(key, spec.index_nbytes) if spec.index_location == "end" else \
+            ByteRange(key, 0, spec.index_nbytes)
+
+    def _stored_index(self, shard_key: str, raw) -> ShardIndex:
+        table = self.metadata.sharding.decode_index(raw, self.uri, shard_key, _UNKNOWN_SIZE)
         return ShardIndex(table, (0, self._token, 0, 0, 0))  # one identity per reader: its shards never mix
+
+    def _cached_index(self, shard_key: str, entry: ShardIndex | None) -> ShardIndex | None:
+        """``entry`` cached as ``shard_key``'s index (unless another thread cached one first: that one)."""
+        return self._index_cache.get_or_load((self._token, shard_key), lambda: entry)
+
+    def _is_cached(self, shard_key: str) -> bool:
+        return (self._token, shard_key) in self._index_cache
 
 
 _UNKNOWN_SIZE = (1 << 63) - 1  # a shard's size, not known from a suffix read
+_UNREAD = object()
+#: Encoded bytes one store call of :meth:`ArrayReader.read` fetches at most (whole values counted at their
+#: codec's decoded size): a large box is read in several calls, each decoded before the next is fetched.
+STORE_READ_BYTES = 64 << 20
+
+
+def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex | None | Exception]:
+    """:meth:`ArrayReader.shard_entry` of every ``(reader, shard key)``, with the error reading one met in its
+    place (raised by the caller for the first chunk it concerns, as the serial reads would have).
+
+    The indexes of arrays in a store that are not cached yet are read together: one
+    :func:`~stoker.storage.store.get_each` call per store (arrays sharing a store share it; several stores
+    are read at once, a thread each), so a cold batch touching N shards waits one round trip, not N. Each is
+    decoded and checked as :meth:`~ArrayReader.shard_entry` does, and cached (a missing shard as None).
+    Local arrays read their indexes one after the other, through the cache, as before."""
+    out: list = [_UNREAD] * len(wanted)
+    by_store: dict[int, tuple[Store, list[int]]] = {}
+    for i, (reader, shard_key) in enumerate(wanted):
+        if reader.kv is not None and not reader._is_cached(shard_key):
+            by_store.setdefault(id(reader.kv), (reader.kv, []))[1].append(i)
+        else:
+            try:
+                out[i] = reader.shard_entry(shard_key)
+            except Exception as exc:  # noqa: BLE001 - returned in its place
+                out[i] = exc
+
+    def load(kv: Store, numbers: list[int]) -> None:
+        firsts: dict[tuple[int, str], int] = {}  # a shard asked twice is read once
+        for i in numbers:
+            firsts.setdefault((id(wanted[i][0]), wanted[i][1]), i)
+        asked = list(firsts.values())
+        try:
+            got = get_each(kv, [wanted[i][0]._index_range(wanted[i][1]) for i in asked])
+        except Exception as exc:  # noqa: BLE001 - the store failed as a whole (closed...): every shard's error
+            got = [exc] * len(asked)
+        for i, raw in zip(asked, got):
+            reader, shard_key = wanted[i]
+            if isinstance(raw, NotFound):
+                out[i] = reader._cached_index(shard_key, None)
+            elif isinstance(raw, Exception):
+                out[i] = raw
+            else:
+                try:
+                    out[i] = reader._cached_index(shard_key, reader._stored_index(shard_key, raw))
+                except Exception as exc:  # noqa: BLE001 - a corrupt index: this shard's error
+                    out[i] = exc
+        for i in numbers:
+            out[i] = out[firsts[(id(wanted[i][0]), wanted[i][1])]]
+
+    def guarded(kv: Store, numbers: list[int]) -> None:
+        try:
+            load(kv, numbers)
+        except BaseException as exc:  # noqa: BLE001 - never an unread index taken for a missing shard
+            for i in numbers:
+                if out[i] is _UNREAD:
+                    out[i] = exc
+
+    groups = list(by_store.values())
+    if len(groups) == 1:
+        load(*groups[0])
+    else:
+        threads = [threading.Thread(target=guarded, args=group, name="stoker-indexes", daemon=True)
+                   for group in groups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()  # bounded: every store request has its own time limit
+    return out
 
 
 def _basic_index(key: Any, shape: tuple[int, ...], uri: str) -> tuple[list[tuple[int, int]], set[int]]:

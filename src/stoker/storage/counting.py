@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from .store import ByteRange, Store, get_many
+from .store import ByteRange, Store, get_each, get_many
 
 
 @dataclass
@@ -14,7 +14,7 @@ class StoreCounters:
     """Cumulative counts of one :class:`CountingStore`.
 
     ``requests`` counts values and ranges asked (a ``get`` is one, a ``get_ranges`` call one per
-    range, a ``get_many`` call one per key and range); a backend may merge ranges into fewer network requests. ``bytes`` counts bytes returned.
+    range, a ``get_many`` call one per key and range, a ``get_each`` call one per range); a backend may merge ranges into fewer network requests. ``bytes`` counts bytes returned.
     ``calls`` counts every method call, ``size``, ``exists`` and ``list`` included.
     """
 
@@ -68,6 +68,11 @@ class CountingStore:
         self._count(len(keys) + len(requests),
                     sum(memoryview(d).nbytes for d in values if d is not None) + sum(memoryview(d).nbytes for d in out))
         return values, out
+
+    def get_each(self, requests: Sequence[ByteRange]) -> list:
+        out = get_each(self.store, requests)
+        self._count(len(requests), sum(memoryview(d).nbytes for d in out if not isinstance(d, Exception)))
+        return out
 
     def size(self, key: str) -> int:
         self._count()

@@ -410,6 +410,27 @@ class ObjectStore:
         await self._gather(tasks)
         return values, out
 
+    def get_each(self, requests: Sequence[ByteRange]) -> list[memoryview | Exception]:
+        """The bytes of each range, or the error that range alone met (see
+        :func:`~stoker.storage.store.get_each`), in one call: each range its own request (retried on its
+        own), at most ``max_in_flight`` at once; one failure does not stop the others."""
+        by_key(requests)  # checks them
+        rounds = -(-len(requests) // self.max_in_flight)
+        return self._run(self._get_each(list(requests)), rounds=max(1, rounds)) if requests else []
+
+    async def _get_each(self, requests: list[ByteRange]) -> list:
+        gate = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(r: ByteRange):
+            async with gate:
+                try:
+                    return await self._attempts(r.key, "ranged read", lambda: self._get_range(r, r.start, r.length),
+                                                short=lambda k: short_read(self.uri, r, 0, attempts=k))
+                except Exception as exc:  # noqa: BLE001 - this range's own error, returned in its place
+                    return exc
+
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+
     async def _head(self, key: str) -> dict:
         import obstore
 

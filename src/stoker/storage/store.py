@@ -157,3 +157,28 @@ def get_many(store: Store, keys: Sequence[str], requests: Sequence[ByteRange]) \
         except NotFound:
             values.append(None)
     return values, (store.get_ranges(requests) if requests else [])
+
+
+def get_each(store: Store, requests: Sequence[ByteRange]) -> list[bytes | memoryview | Exception]:
+    """The bytes of each range, or the error that range alone met (:class:`NotFound` for a missing key,
+    a short read...), in one call: for readers whose ranges are independent (shard indexes), one failure
+    costs nobody else their bytes. A store with a ``get_each`` of its own (an object store: every range
+    its own request, many at once) runs them together; others read them in one ``get_ranges`` call and,
+    only if it fails, each range alone."""
+    each = getattr(store, "get_each", None)
+    if each is not None:
+        return each(requests)
+    if not requests:
+        return []
+    try:
+        return list(store.get_ranges(requests))
+    except Exception as exc:  # noqa: BLE001 - whose it is is found below
+        if len(requests) == 1:
+            return [exc]
+    out: list = []
+    for r in requests:
+        try:
+            out.append(store.get_ranges([r])[0])
+        except Exception as exc:  # noqa: BLE001 - this range's own error, returned in its place
+            out.append(exc)
+    return out
