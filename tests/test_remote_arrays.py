@@ -417,6 +417,44 @@ def test_record_datasets_over_s3_equal_local(records, name):
     assert copy[2]["cells"].numpy().tobytes() == local[2]["cells"].numpy().tobytes()
 
 
+@pytest.mark.parametrize("kind", ["s3", "zip"])
+def test_records_are_found_by_one_level_listings_not_every_chunk_key(records, kind, tmp_path, monkeypatch):
+    """Finding a dataset's records lists one level (a delimiter listing: a request per 1,000 records),
+    never the keys of every chunk of every record."""
+    from stoker.records import ZarrRecords
+    from stoker.storage import ObjectStore, ZipStore
+
+    cls = ObjectStore if kind == "s3" else ZipStore
+    listed: list[tuple[str, list[str]]] = []
+    real = cls.list_dir
+
+    def spy(self, prefix=""):
+        keys, folders = real(self, prefix)
+        listed.append((prefix, keys + folders))
+        return keys, folders
+
+    def deep(self, prefix=""):
+        raise AssertionError(f"deep listing of {prefix!r}")
+
+    monkeypatch.setattr(cls, "list_dir", spy)
+    monkeypatch.setattr(cls, "list", deep)
+    if kind == "s3":
+        root, options = f"s3://{BUCKET}/{RECORDS}/rec2", {**records["s3"].options, **FAST}
+    else:
+        archive = str(tmp_path / "rec2.zip")
+        with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+            for key, value in sorted(read_tree(os.path.join(records["root"], "rec2")).items()):
+                zf.writestr(key, value)
+        root, options = archive, None
+    ds = ZarrRecords(root, storage_options=options)  # fields found in the first record: a second listing
+    local = ZarrRecords(os.path.join(records["root"], "rec2"))
+    assert len(ds) == 3 and sorted(ds[0].keys()) == sorted(local[0].keys()) == ["cells", "positions"]
+    top = f"{RECORDS}/rec2" if kind == "s3" else ""
+    assert [p for p, _ in listed] == [top, f"{top}/run_000".lstrip("/")]
+    seen = [key for _, keys in listed for key in keys]
+    assert not [k for k in seen if "/c/" in k or k.rsplit("/", 1)[-1][:1].isdigit()], seen  # no chunk key
+
+
 def test_record_datasets_in_a_zip_archive_under_every_uri_form(records, tmp_path):
     """The archive found along a ``zip://`` path without ``!`` too, as along a plain path."""
     from stoker.records import ZarrRecords

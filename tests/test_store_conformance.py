@@ -173,6 +173,24 @@ class TestStoreConformance:
         assert store.list("dee") == []  # prefixes are directories, not strings
         assert store.list("nope") == []
 
+    def test_list_dir_is_one_level(self, store, values):
+        if not store.supports_list:
+            with pytest.raises(UnsupportedFormat):
+                store.list_dir()
+            return
+        top = sorted({k.split("/")[0] for k in values if "/" in k})
+        assert store.list_dir() == (sorted(k for k in values if "/" not in k), top)
+        assert store.list_dir("") == store.list_dir()
+        assert store.list_dir("deep") == ([], ["deep/a"])
+        assert store.list_dir("deep/a/") == ([], ["deep/a/b"])
+        assert store.list_dir("deep/a/b") == (["deep/a/b/c.txt"], [])
+        keys, folders = store.list_dir("sharded")  # the chunks' folder, not their keys
+        assert keys == ["sharded/zarr.json"] and folders == ["sharded/c"]
+        assert store.list_dir("dee") == ([], []) and store.list_dir("nope") == ([], [])
+        assert store.list_dir("blob.bin") == ([], [])  # a value is no folder
+        with pytest.raises(InvalidArgument):
+            store.list_dir("../x")
+
     def test_concurrent_readers(self, store, values):
         requests = [ByteRange("blob.bin", i * 1000, 777) for i in range(0, 290, 7)]
         want = [values["blob.bin"][r.start:r.start + r.length] for r in requests]
@@ -238,6 +256,18 @@ def test_open_store_picks_by_uri(tree, zip_path, servers):
         open_store(root, {"region": "us-east-1"})  # options for a local path: a mistake, said so
     with pytest.raises(NotFound):
         open_store("zip://" + os.path.join(root, "missing.zip"))
+
+
+def test_s3_list_dir_follows_pages(servers):
+    """More folders than one listing page holds (1,000): every page is read, no key below them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = servers["s3"].client
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: client.put_object(Bucket=BUCKET, Key=f"paged/r{i:04d}/c/0", Body=b"x"), range(1005)))
+    client.put_object(Bucket=BUCKET, Key="paged/zarr.json", Body=b"{}")
+    store = open_store(f"s3://{BUCKET}/paged", servers["s3"].options, **FAST)
+    assert store.list_dir() == (["zarr.json"], [f"r{i:04d}" for i in range(1005)])
 
 
 def test_s3_credentials_and_endpoint_from_the_environment(servers, values, monkeypatch):

@@ -435,6 +435,22 @@ class ObjectStore:
         metas = self._run(self._attempts(prefix or "/", "listing", lambda: self._list(prefix)))
         return sorted(m["path"] for m in metas)
 
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        """One delimiter listing (obstore follows its pages, 1,000 entries each): the keys directly under
+        ``prefix`` and its folders, none of the keys below them."""
+        prefix = check_prefix(prefix)
+        if not self.supports_list:
+            raise UnsupportedFormat(f"{self.uri}: an HTTP server cannot list its keys; read known keys (or "
+                                    "consolidated metadata) instead", uri=self.uri)
+        found = self._run(self._attempts(prefix or "/", "listing", lambda: self._list_dir(prefix)))
+        return (sorted(m["path"] for m in found["objects"]),
+                sorted(p.rstrip("/") for p in found["common_prefixes"]))
+
+    async def _list_dir(self, prefix: str) -> dict:
+        import obstore
+
+        return await obstore.list_with_delimiter_async(self._obstore(), prefix or None)
+
     async def _list(self, prefix: str) -> list:
         import obstore
 

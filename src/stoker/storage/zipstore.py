@@ -25,7 +25,8 @@ from typing import Sequence
 from ..errors import DecodeError, InvalidArgument, NotFound, StorageError, UnsupportedFormat
 from .local import LocalStore, OpenFile, default_store, identity, open_regular
 from .ranges import coalesce
-from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read, slice_value, under
+from .store import (ByteRange, by_key, check_key, check_prefix, not_found, one_level, short_read, slice_value,
+                    under)
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader: a member's local header
 _LOCAL_MAGIC = b"PK\x03\x04"
@@ -194,6 +195,9 @@ class ZipStore:
 
     def list(self, prefix: str = "") -> list[str]:
         return under(self._members, check_prefix(prefix))
+
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        return one_level(self._members, check_prefix(prefix))
 
     def changed(self) -> bool:
         """Whether the file at :attr:`path` is no longer the archive opened (rewritten, replaced, gone)."""
