@@ -8,21 +8,29 @@ is kept per store, so opening many arrays of one hierarchy costs a constant numb
 first array pays for the walk (two requests per level at most), later ones read nothing (consolidated)
 or only their own document (not consolidated).
 
+A group's documents are loaded once however many threads ask at once (single flight): the first asks
+the store, the others wait for its answer (at most :data:`LOAD_WAIT_S`); a failure is raised in all of
+them and not kept, so the next open asks again.
+
 Consolidated metadata is trusted as it is (as zarr-python's ``open_consolidated`` does): an array
 rewritten with a new shape or codec after the group was consolidated reads with the old metadata.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
-from ..errors import MetadataError, NotFound
+from ..errors import MetadataError, NotFound, StorageError
 from .store import Store
 
 #: Ancestors looked at for consolidated metadata, nearest first.
 MAX_LEVELS = 8
 #: Largest metadata document read (as for local files; see array.MAX_METADATA_BYTES).
 MAX_DOCUMENT_BYTES = 16 << 20
+#: The longest a thread waits for another thread's load of the same group (a store's reads have bounds of
+#: their own: this only keeps a waiter from outliving a loader that hangs).
+LOAD_WAIT_S = 600.0
 
 
 def _join(prefix: str, name: str) -> str:
@@ -41,6 +49,7 @@ class Hierarchy:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._groups: dict[str, tuple | None] = {}  # group prefix -> (format, {relative key: doc}) or None
+        self._loading: dict[str, concurrent.futures.Future] = {}  # group prefix -> its load in flight
         self._lock = threading.Lock()
 
     def read(self, key: str, uri: str) -> bytes | None:
@@ -98,13 +107,31 @@ class Hierarchy:
 
     def _group(self, group: str, uri: str) -> tuple | None:
         """``(format, entries, is_group)`` of an ancestor (entries empty when it is not consolidated), or
-        None when it is no Zarr group; read once per store."""
+        None when it is no Zarr group; read once per store, by one thread (the others wait for it)."""
         with self._lock:
             if group in self._groups:
                 return self._groups[group]
-        found = self._load(group, uri)
+            flight = self._loading.get(group)
+            mine = flight is None
+            if mine:
+                flight = self._loading[group] = concurrent.futures.Future()
+        if not mine:
+            try:
+                return flight.result(timeout=LOAD_WAIT_S)
+            except concurrent.futures.TimeoutError:
+                raise StorageError(f"{uri}: the metadata of group {group or '/'!r} was not read in {LOAD_WAIT_S:.0f} s "
+                                   "by the thread reading it", uri=uri, key=group) from None
+        try:
+            found = self._load(group, uri)
+        except BaseException as exc:
+            with self._lock:
+                del self._loading[group]  # not kept: the next open asks again
+            flight.set_exception(exc)
+            raise
         with self._lock:
             self._groups[group] = found
+            del self._loading[group]
+        flight.set_result(found)
         return found
 
     def _load(self, group: str, uri: str) -> tuple | None:
