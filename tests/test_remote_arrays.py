@@ -182,6 +182,35 @@ def test_storage_error_names_uri_and_key(tree):
     stores.close()
 
 
+@pytest.mark.parametrize("kind", ["http", "s3"])
+def test_a_403_for_a_missing_key_is_absent_for_probes_and_an_error_for_data(tree, kind):
+    """S3 answers 403, not 404, for a missing key without s3:ListBucket: the optional probes (ancestors'
+    consolidated metadata, the v3 document of a v2 array) read it as absent; the array's own documents
+    and its chunks raise a StorageError that says so."""
+    server = RangeServer(os.path.dirname(tree["root"]))  # "/data/<key>": path-style S3 of bucket "data"
+    server.missing_status = 403
+    if kind == "http":
+        base, options = f"{server.url}/data", dict(FAST)
+    else:
+        base, options = "s3://data", {"endpoint": server.url, "allow_http": True, "skip_signature": True,
+                                      "region": "us-east-1", **FAST}
+    stores = Stores()
+    try:
+        for path in ("plain2.zarr", "g2.zarr/zlib_f", "g3.zarr/sub/sharded"):
+            arr = stoker.open_array(f"{base}/{path}", options, stores=stores)
+            local = stoker.open_array(os.path.join(tree["root"], path))
+            assert bits(arr[0:32]) == bits(local[0:32]), path  # rows 0..31: every chunk stored
+        with pytest.raises(StorageError, match="s3:ListBucket") as info:
+            stoker.open_array(f"{base}/g3.zarr/nope", options, stores=stores)
+        assert info.value.context["status"] == 403 and info.value.context["key"].endswith("g3.zarr/nope/zarr.json")
+        arr = stoker.open_array(f"{base}/plain2.zarr", options, stores=stores)
+        with pytest.raises(StorageError, match="s3:ListBucket"):
+            arr[32:40]  # a chunk never written: a 403, not the fill value, when missing keys are refused
+    finally:
+        stores.close()
+        server.stop()
+
+
 def _small(folder: str, value: int, n: int, consolidate: bool = False) -> dict[str, bytes]:
     """The files of a group ``g.zarr`` holding ``a`` of shape (n,) filled with ``value`` (zarr-python)."""
     with warnings.catch_warnings():

@@ -12,6 +12,10 @@ A group's documents are loaded once however many threads ask at once (single fli
 the store, the others wait for its answer (at most :data:`LOAD_WAIT_S`); a failure is raised in all of
 them and not kept, so the next open asks again.
 
+Ancestors' documents are optional: a key the store refuses to read (HTTP 403, what S3 answers for a
+missing key without ``s3:ListBucket`` permission) is read as absent. Of an array's own documents
+(:meth:`Hierarchy.first`) a refusal is raised when none of them is found.
+
 Consolidated metadata is trusted as it is (as zarr-python's ``open_consolidated`` does): an array
 rewritten with a new shape or codec after the group was consolidated reads with the old metadata.
 """
@@ -22,7 +26,7 @@ import concurrent.futures
 import threading
 
 from ..errors import MetadataError, NotFound, StorageError
-from .store import Store
+from .store import Store, denied
 
 #: Ancestors looked at for consolidated metadata, nearest first.
 MAX_LEVELS = 8
@@ -52,16 +56,49 @@ class Hierarchy:
         self._loading: dict[str, concurrent.futures.Future] = {}  # group prefix -> its load in flight
         self._lock = threading.Lock()
 
-    def read(self, key: str, uri: str) -> bytes | None:
-        """The document at ``key`` (at most :data:`MAX_DOCUMENT_BYTES`), or None when there is none."""
+    def read(self, key: str, uri: str, optional: bool = False) -> bytes | None:
+        """The document at ``key`` (at most :data:`MAX_DOCUMENT_BYTES`), or None when there is none (or,
+        ``optional``, when the store refuses to read it: see the module docstring)."""
         try:
             data = self.store.get(key)
         except NotFound:
             return None
+        except StorageError as exc:
+            if optional and denied(exc):
+                return None
+            raise
         if len(data) > MAX_DOCUMENT_BYTES:
             raise MetadataError(f"{uri}: {key} is {len(data)} bytes, more than the {MAX_DOCUMENT_BYTES} bytes stoker "
                                 "reads as Zarr metadata; it is not a Zarr metadata document", uri=uri, key=key)
         return bytes(data)
+
+    def first(self, keys: list[str], uri: str) -> tuple[str, bytes] | None:
+        """``(key, document)`` of the first of ``keys`` found (alternatives, such as an array's ``zarr.json``
+        and ``.zarray``), or None when none exists; a refusal (403) of one of them is raised when none is
+        found, since the one refused may be the one that exists."""
+        refused = None
+        for key in keys:
+            try:
+                raw = self.read(key, uri)
+            except StorageError as exc:
+                if not denied(exc):
+                    raise
+                refused = refused or exc
+                continue
+            if raw is not None:
+                return key, raw
+        if refused is not None:
+            raise refused
+        return None
+
+    def exists(self, key: str) -> bool:
+        """Whether an optional key exists (a refusal reads as no)."""
+        try:
+            return self.store.exists(key)
+        except StorageError as exc:
+            if denied(exc):
+                return False
+            raise
 
     def consolidated(self, prefix: str, uri: str) -> tuple[int, dict] | None:
         """``(zarr_format, document)`` of the node at ``prefix`` from an ancestor's consolidated metadata
@@ -137,7 +174,7 @@ class Hierarchy:
     def _load(self, group: str, uri: str) -> tuple | None:
         from ..zarr.metadata import parse_json
 
-        raw = self.read(_join(group, "zarr.json"), uri)
+        raw = self.read(_join(group, "zarr.json"), uri, optional=True)
         if raw is not None:
             doc = parse_json(raw, uri, _join(group, "zarr.json"))
             if doc.get("node_type") != "group":
@@ -145,7 +182,7 @@ class Hierarchy:
             cm = doc.get("consolidated_metadata")
             entries = cm.get("metadata") if isinstance(cm, dict) else None
             return 3, entries if isinstance(entries, dict) else {}, True
-        raw = self.read(_join(group, ".zmetadata"), uri)
+        raw = self.read(_join(group, ".zmetadata"), uri, optional=True)
         if raw is None:
             return None
         doc = parse_json(raw, uri, _join(group, ".zmetadata"))

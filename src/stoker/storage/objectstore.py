@@ -282,6 +282,9 @@ class ObjectStore:
                 gave_up = f"after {attempt} attempt" + ("s" if attempt > 1 else "")
                 hint = ("the server kept failing: check it, or raise retries= / timeout_s=" if transient else
                         "check the URL, credentials (environment or storage_options) and permissions")
+                if status == 403:
+                    hint += ("; a 403 may also be a missing key: S3 answers 403, not 404, for a key that does not "
+                             "exist when the credentials lack s3:ListBucket permission on the bucket")
                 raise StorageError(
                     f"{self.uri}: {what} of key {key!r} failed {gave_up}"
                     + (f" (HTTP status {status})" if status else "") + f": {text}; {hint}",

@@ -155,6 +155,13 @@ def short_read(uri: str, r: ByteRange, got: int, size: int | None = None, attemp
         uri=uri, key=r.key, status=None, attempts=attempts)
 
 
+def denied(exc: BaseException) -> bool:
+    """Whether ``exc`` is a store refusing access (HTTP 403). S3 answers 403, not 404, for a missing key to a
+    client without ``s3:ListBucket`` permission, so an optional key (a probe) reads a refusal as absent;
+    a required key keeps the error (its message says a 403 may be a missing key)."""
+    return isinstance(exc, StorageError) and exc.context.get("status") == 403
+
+
 def not_found(uri: str, key: str) -> NotFound:
     return NotFound(f"{uri}: no value at key {key!r}", uri=uri, key=key)
 
