@@ -258,6 +258,38 @@ def test_open_store_picks_by_uri(tree, zip_path, servers):
         open_store("zip://" + os.path.join(root, "missing.zip"))
 
 
+HTTPS_ROUTES = [  # URL, obstore store, its config (what matters), store root, key prefix of the array
+    ("https://acct.blob.core.windows.net/cont/g.zarr/a", "AzureStore",
+     {"account_name": "acct", "container_name": "cont"}, "https://acct.blob.core.windows.net/cont", "g.zarr/a"),
+    ("https://s3.eu-west-1.amazonaws.com/bkt/g.zarr/a", "S3Store", {"bucket": "bkt", "region": "eu-west-1"},
+     "https://s3.eu-west-1.amazonaws.com/bkt", "g.zarr/a"),
+    ("https://bkt.s3.eu-west-1.amazonaws.com/g.zarr/a", "S3Store", {"bucket": "bkt", "region": "eu-west-1"},
+     "https://bkt.s3.eu-west-1.amazonaws.com", "g.zarr/a"),
+    ("https://data.example.org/bkt/g.zarr/a", "HTTPStore", None, "https://data.example.org", "bkt/g.zarr/a"),
+    ("https://amazonaws.com.example.org/bkt/a", "HTTPStore", None, "https://amazonaws.com.example.org", "bkt/a"),
+]
+
+
+@pytest.mark.parametrize("url, kind, config, root, prefix", HTTPS_ROUTES)
+def test_https_urls_of_object_stores_open_the_providers_store(url, kind, config, root, prefix):
+    """Built, never asked: no request leaves the machine."""
+    from stoker.storage.locate import Stores, locate
+
+    loc = locate(url)
+    assert (loc.root, loc.prefix) == (root, prefix)
+    stores = Stores()
+    try:
+        for store in (stores.get(loc)[0], open_store(url)):
+            inner = store._obstore()
+            assert type(inner).__name__ == kind, store
+            assert store.supports_list is (kind != "HTTPStore")
+            if config is not None:
+                assert {k: inner.config.get(k) for k in config} == config
+        assert getattr(stores.get(loc)[0]._obstore(), "prefix", None) is None  # the root holds no key prefix
+    finally:
+        stores.close()
+
+
 def test_s3_list_dir_follows_pages(servers):
     """More folders than one listing page holds (1,000): every page is read, no key below them."""
     from concurrent.futures import ThreadPoolExecutor
