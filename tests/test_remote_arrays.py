@@ -542,6 +542,43 @@ def test_inspect_reads_remote_arrays(tree, kind, monkeypatch):
         assert got == want
 
 
+def test_inspect_cli_takes_storage_options_and_never_prints_them(tree, monkeypatch, capsys):
+    import json
+
+    from stoker.cli import main
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)  # only the flags say where the server is
+    secret = "s3cr3t-never-printed"
+    uri = f"s3://{BUCKET}/{PREFIX}/g2.zarr/blosc"
+    flags = [f"--storage-option=endpoint={tree['s3'].endpoint}", "--storage-option", "allow_http=true",
+             "--storage-option", "region=us-east-1", "--storage-option", "access_key_id=testing",
+             "--storage-option", f"secret_access_key={secret}", "--storage-option", "retries=1"]
+    assert main(["inspect", uri, "--json", *flags]) == 0
+    out, err = capsys.readouterr()
+    got, want = json.loads(out), facts_of(os.path.join(tree["root"], "g2.zarr/blosc"))
+    assert got.pop("uri") == uri and got == want
+    assert secret not in out + err
+    assert main(["inspect", uri, *flags, f"--storage-option=bogus_key={secret}"]) == 2  # obstore refuses the key
+    out, err = capsys.readouterr()
+    assert "bogus_key" in err and secret not in out + err
+    with pytest.raises(SystemExit):
+        main(["inspect", uri, "--storage-option", secret])  # no KEY=: a usage error that does not echo it
+    out, err = capsys.readouterr()
+    assert "KEY=VALUE" in err and secret not in out + err
+    assert main(["inspect", uri, "--storage-option", "region=a", "--storage-option", "region=b"]) == 2
+    assert "twice" in capsys.readouterr().err
+
+
+def facts_of(path: str) -> dict:
+    from stoker.cli.inspect import facts
+
+    out = facts(path)
+    out.pop("uri")
+    return out
+
+
 def test_sampler_over_many_arrays_of_a_consolidated_group_reads_its_metadata_once(tree):
     http = tree["http"]
     before = http.requests
