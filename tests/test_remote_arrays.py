@@ -263,6 +263,55 @@ def test_open_array_sees_rewritten_consolidated_metadata(tmp_path):
         server.stop()
 
 
+@pytest.mark.parametrize("layout", ["chunks", "sharded"])
+def test_a_zip_archive_rewritten_in_place_under_an_open_array_is_an_error(tmp_path, layout):
+    """The open store's central directory is stale: never bytes of the new archive at the old offsets."""
+    src, path = str(tmp_path / "src"), str(tmp_path / "d.zip")
+    spec = dict(chunks=(4,), shards=(8,)) if layout == "sharded" else dict(chunks=(4,))
+
+    def archive(value: int, prefix: bytes) -> bytes:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            zarr.create_array(os.path.join(src, "a"), shape=(16,), dtype="i4", compressors=None,
+                              overwrite=True, **spec)[...] = value
+        values = read_tree(src)
+        _zip(str(tmp_path / "new.zip"), {**{f"pad{i}": prefix for i in range(3)}, **values})
+        with open(tmp_path / "new.zip", "rb") as f:
+            return f.read()
+
+    with open(path, "wb") as f:
+        f.write(archive(1, b""))
+    stores = Stores()  # a pipeline's: the array keeps the store it opened
+    try:
+        arr = stoker.open_array(f"{path}/a", stores=stores)
+        assert arr[:].tolist() == [1] * 16
+        new = archive(2, b"x" * 100)  # members at other offsets
+        with open(path, "r+b") as f:  # in place: same inode, other bytes
+            f.truncate(0)
+            f.write(new)
+        with pytest.raises(StorageError, match="changed since it was opened") as info:
+            arr[:]
+        assert info.value.context["path"] == path
+        assert stoker.open_array(f"{path}/a")[:].tolist() == [2] * 16  # opened again: the new archive
+    finally:
+        stores.close()
+    # a pipeline opens each array once: a batch after the rewrite fails, it does not read the new bytes
+    with open(path, "wb") as f:
+        f.write(archive(1, b""))
+    cfg = stoker.Config(batch_size=2, dtype="f32", n_compute_threads=1, pop_timeout_s=60, lookahead_batches=1)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(f"{path}/a", [(0, 16)])] * 2)
+        batch = p.pop()
+        assert torch.from_dlpack(batch).tolist() == [[1.0] * 16] * 2
+        batch.release()
+        with open(path, "r+b") as f:
+            f.truncate(0)
+            f.write(new)
+        p.push([stoker.Sample(f"{path}/a", [(0, 16)])] * 2)
+        with pytest.raises(StorageError, match="changed since it was opened"):
+            p.pop()
+
+
 def test_stores_kept_outside_a_pipeline_are_bounded(tmp_path):
     """Archives opened once and dropped do not keep their descriptors for the life of the process."""
     import gc
