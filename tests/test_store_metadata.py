@@ -3,7 +3,6 @@ however many threads open arrays under it at once."""
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 

@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 from ..errors import InvalidArgument, ShutdownError
 from .store import Store, check_key
