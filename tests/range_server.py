@@ -10,6 +10,8 @@ runs, apply to the next requests in order:
   connection is closed (a dropped connection);
 - ``shorten(n)``: the next ``n`` bodies are consistent but shorter than asked (headers and body agree
   on fewer bytes: a misbehaving server or proxy);
+- ``missing_status``: the status of a request for a file that is not there (404; 403 is what S3
+  answers a client without ``s3:ListBucket`` permission);
 - ``stop()``: stops listening and closes every open connection (a server gone mid-run).
 
 ``requests`` counts what it was asked (faulty requests included); ``peak_in_flight`` is the most
@@ -72,7 +74,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         path = os.path.join(self.server.root, unquote(urlparse(self.path).path).lstrip("/"))
         if not os.path.isfile(path):
-            self.send_response(404)
+            self.send_response(self.server.missing_status)
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
@@ -131,6 +133,7 @@ class RangeServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.root = root
         self.latency_s = 0.0
+        self.missing_status = 404
         self.requests = 0
         self.in_flight = self.peak_in_flight = 0
         self._faults: list[tuple] = []

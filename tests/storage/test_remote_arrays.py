@@ -182,6 +182,35 @@ def test_storage_error_names_uri_and_key(tree):
     stores.close()
 
 
+@pytest.mark.parametrize("kind", ["http", "s3"])
+def test_a_403_for_a_missing_key_is_absent_for_probes_and_an_error_for_data(tree, kind):
+    """S3 answers 403, not 404, for a missing key without s3:ListBucket: the optional probes (ancestors'
+    consolidated metadata, the v3 document of a v2 array) read it as absent; the array's own documents
+    and its chunks raise a StorageError that says so."""
+    server = RangeServer(os.path.dirname(tree["root"]))  # "/data/<key>": path-style S3 of bucket "data"
+    server.missing_status = 403
+    if kind == "http":
+        base, options = f"{server.url}/data", dict(FAST)
+    else:
+        base, options = "s3://data", {"endpoint": server.url, "allow_http": True, "skip_signature": True,
+                                      "region": "us-east-1", **FAST}
+    stores = Stores()
+    try:
+        for path in ("plain2.zarr", "g2.zarr/zlib_f", "g3.zarr/sub/sharded"):
+            arr = stoker.open_array(f"{base}/{path}", options, stores=stores)
+            local = stoker.open_array(os.path.join(tree["root"], path))
+            assert bits(arr[0:32]) == bits(local[0:32]), path  # rows 0..31: every chunk stored
+        with pytest.raises(StorageError, match="s3:ListBucket") as info:
+            stoker.open_array(f"{base}/g3.zarr/nope", options, stores=stores)
+        assert info.value.context["status"] == 403 and info.value.context["key"].endswith("g3.zarr/nope/zarr.json")
+        arr = stoker.open_array(f"{base}/plain2.zarr", options, stores=stores)
+        with pytest.raises(StorageError, match="s3:ListBucket"):
+            arr[32:40]  # a chunk never written: a 403, not the fill value, when missing keys are refused
+    finally:
+        stores.close()
+        server.stop()
+
+
 def _small(folder: str, value: int, n: int, consolidate: bool = False) -> dict[str, bytes]:
     """The files of a group ``g.zarr`` holding ``a`` of shape (n,) filled with ``value`` (zarr-python)."""
     with warnings.catch_warnings():
@@ -232,6 +261,55 @@ def test_open_array_sees_rewritten_consolidated_metadata(tmp_path):
         assert arr.shape == (6,) and arr[:].tolist() == [2] * 6
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("layout", ["chunks", "sharded"])
+def test_a_zip_archive_rewritten_in_place_under_an_open_array_is_an_error(tmp_path, layout):
+    """The open store's central directory is stale: never bytes of the new archive at the old offsets."""
+    src, path = str(tmp_path / "src"), str(tmp_path / "d.zip")
+    spec = dict(chunks=(4,), shards=(8,)) if layout == "sharded" else dict(chunks=(4,))
+
+    def archive(value: int, prefix: bytes) -> bytes:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            zarr.create_array(os.path.join(src, "a"), shape=(16,), dtype="i4", compressors=None,
+                              overwrite=True, **spec)[...] = value
+        values = read_tree(src)
+        _zip(str(tmp_path / "new.zip"), {**{f"pad{i}": prefix for i in range(3)}, **values})
+        with open(tmp_path / "new.zip", "rb") as f:
+            return f.read()
+
+    with open(path, "wb") as f:
+        f.write(archive(1, b""))
+    stores = Stores()  # a pipeline's: the array keeps the store it opened
+    try:
+        arr = stoker.open_array(f"{path}/a", stores=stores)
+        assert arr[:].tolist() == [1] * 16
+        new = archive(2, b"x" * 100)  # members at other offsets
+        with open(path, "r+b") as f:  # in place: same inode, other bytes
+            f.truncate(0)
+            f.write(new)
+        with pytest.raises(StorageError, match="changed since it was opened") as info:
+            arr[:]
+        assert info.value.context["path"] == path
+        assert stoker.open_array(f"{path}/a")[:].tolist() == [2] * 16  # opened again: the new archive
+    finally:
+        stores.close()
+    # a pipeline opens each array once: a batch after the rewrite fails, it does not read the new bytes
+    with open(path, "wb") as f:
+        f.write(archive(1, b""))
+    cfg = stoker.Config(batch_size=2, dtype="f32", n_compute_threads=1, pop_timeout_s=60, lookahead_batches=1)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(f"{path}/a", [(0, 16)])] * 2)
+        batch = p.pop()
+        assert torch.from_dlpack(batch).tolist() == [[1.0] * 16] * 2
+        batch.release()
+        with open(path, "r+b") as f:
+            f.truncate(0)
+            f.write(new)
+        p.push([stoker.Sample(f"{path}/a", [(0, 16)])] * 2)
+        with pytest.raises(StorageError, match="changed since it was opened"):
+            p.pop()
 
 
 def test_stores_kept_outside_a_pipeline_are_bounded(tmp_path):
@@ -417,6 +495,44 @@ def test_record_datasets_over_s3_equal_local(records, name):
     assert copy[2]["cells"].numpy().tobytes() == local[2]["cells"].numpy().tobytes()
 
 
+@pytest.mark.parametrize("kind", ["s3", "zip"])
+def test_records_are_found_by_one_level_listings_not_every_chunk_key(records, kind, tmp_path, monkeypatch):
+    """Finding a dataset's records lists one level (a delimiter listing: a request per 1,000 records),
+    never the keys of every chunk of every record."""
+    from stoker.records import ZarrRecords
+    from stoker.storage import ObjectStore, ZipStore
+
+    cls = ObjectStore if kind == "s3" else ZipStore
+    listed: list[tuple[str, list[str]]] = []
+    real = cls.list_dir
+
+    def spy(self, prefix=""):
+        keys, folders = real(self, prefix)
+        listed.append((prefix, keys + folders))
+        return keys, folders
+
+    def deep(self, prefix=""):
+        raise AssertionError(f"deep listing of {prefix!r}")
+
+    monkeypatch.setattr(cls, "list_dir", spy)
+    monkeypatch.setattr(cls, "list", deep)
+    if kind == "s3":
+        root, options = f"s3://{BUCKET}/{RECORDS}/rec2", {**records["s3"].options, **FAST}
+    else:
+        archive = str(tmp_path / "rec2.zip")
+        with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+            for key, value in sorted(read_tree(os.path.join(records["root"], "rec2")).items()):
+                zf.writestr(key, value)
+        root, options = archive, None
+    ds = ZarrRecords(root, storage_options=options)  # fields found in the first record: a second listing
+    local = ZarrRecords(os.path.join(records["root"], "rec2"))
+    assert len(ds) == 3 and sorted(ds[0].keys()) == sorted(local[0].keys()) == ["cells", "positions"]
+    top = f"{RECORDS}/rec2" if kind == "s3" else ""
+    assert [p for p, _ in listed] == [top, f"{top}/run_000".lstrip("/")]
+    seen = [key for _, keys in listed for key in keys]
+    assert not [k for k in seen if "/c/" in k or k.rsplit("/", 1)[-1][:1].isdigit()], seen  # no chunk key
+
+
 def test_record_datasets_in_a_zip_archive_under_every_uri_form(records, tmp_path):
     """The archive found along a ``zip://`` path without ``!`` too, as along a plain path."""
     from stoker.records import ZarrRecords
@@ -473,6 +589,43 @@ def test_inspect_reads_remote_arrays(tree, kind, monkeypatch):
         assert got.pop("uri") == uri
         want.pop("uri")
         assert got == want
+
+
+def test_inspect_cli_takes_storage_options_and_never_prints_them(tree, monkeypatch, capsys):
+    import json
+
+    from stoker.cli import main
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)  # only the flags say where the server is
+    secret = "s3cr3t-never-printed"
+    uri = f"s3://{BUCKET}/{PREFIX}/g2.zarr/blosc"
+    flags = [f"--storage-option=endpoint={tree['s3'].endpoint}", "--storage-option", "allow_http=true",
+             "--storage-option", "region=us-east-1", "--storage-option", "access_key_id=testing",
+             "--storage-option", f"secret_access_key={secret}", "--storage-option", "retries=1"]
+    assert main(["inspect", uri, "--json", *flags]) == 0
+    out, err = capsys.readouterr()
+    got, want = json.loads(out), facts_of(os.path.join(tree["root"], "g2.zarr/blosc"))
+    assert got.pop("uri") == uri and got == want
+    assert secret not in out + err
+    assert main(["inspect", uri, *flags, f"--storage-option=bogus_key={secret}"]) == 2  # obstore refuses the key
+    out, err = capsys.readouterr()
+    assert "bogus_key" in err and secret not in out + err
+    with pytest.raises(SystemExit):
+        main(["inspect", uri, "--storage-option", secret])  # no KEY=: a usage error that does not echo it
+    out, err = capsys.readouterr()
+    assert "KEY=VALUE" in err and secret not in out + err
+    assert main(["inspect", uri, "--storage-option", "region=a", "--storage-option", "region=b"]) == 2
+    assert "twice" in capsys.readouterr().err
+
+
+def facts_of(path: str) -> dict:
+    from stoker.cli.inspect import facts
+
+    out = facts(path)
+    out.pop("uri")
+    return out
 
 
 def test_sampler_over_many_arrays_of_a_consolidated_group_reads_its_metadata_once(tree):

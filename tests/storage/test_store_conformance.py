@@ -189,6 +189,24 @@ class TestStoreConformance:
         assert store.list("dee") == []  # prefixes are directories, not strings
         assert store.list("nope") == []
 
+    def test_list_dir_is_one_level(self, store, values):
+        if not store.supports_list:
+            with pytest.raises(UnsupportedFormat):
+                store.list_dir()
+            return
+        top = sorted({k.split("/")[0] for k in values if "/" in k})
+        assert store.list_dir() == (sorted(k for k in values if "/" not in k), top)
+        assert store.list_dir("") == store.list_dir()
+        assert store.list_dir("deep") == ([], ["deep/a"])
+        assert store.list_dir("deep/a/") == ([], ["deep/a/b"])
+        assert store.list_dir("deep/a/b") == (["deep/a/b/c.txt"], [])
+        keys, folders = store.list_dir("sharded")  # the chunks' folder, not their keys
+        assert keys == ["sharded/zarr.json"] and folders == ["sharded/c"]
+        assert store.list_dir("dee") == ([], []) and store.list_dir("nope") == ([], [])
+        assert store.list_dir("blob.bin") == ([], [])  # a value is no folder
+        with pytest.raises(InvalidArgument):
+            store.list_dir("../x")
+
     def test_concurrent_readers(self, store, values):
         requests = [ByteRange("blob.bin", i * 1000, 777) for i in range(0, 290, 7)]
         want = [values["blob.bin"][r.start:r.start + r.length] for r in requests]
@@ -254,6 +272,50 @@ def test_open_store_picks_by_uri(tree, zip_path, servers):
         open_store(root, {"region": "us-east-1"})  # options for a local path: a mistake, said so
     with pytest.raises(NotFound):
         open_store("zip://" + os.path.join(root, "missing.zip"))
+
+
+HTTPS_ROUTES = [  # URL, obstore store, its config (what matters), store root, key prefix of the array
+    ("https://acct.blob.core.windows.net/cont/g.zarr/a", "AzureStore",
+     {"account_name": "acct", "container_name": "cont"}, "https://acct.blob.core.windows.net/cont", "g.zarr/a"),
+    ("https://s3.eu-west-1.amazonaws.com/bkt/g.zarr/a", "S3Store", {"bucket": "bkt", "region": "eu-west-1"},
+     "https://s3.eu-west-1.amazonaws.com/bkt", "g.zarr/a"),
+    ("https://bkt.s3.eu-west-1.amazonaws.com/g.zarr/a", "S3Store", {"bucket": "bkt", "region": "eu-west-1"},
+     "https://bkt.s3.eu-west-1.amazonaws.com", "g.zarr/a"),
+    ("https://data.example.org/bkt/g.zarr/a", "HTTPStore", None, "https://data.example.org", "bkt/g.zarr/a"),
+    ("https://amazonaws.com.example.org/bkt/a", "HTTPStore", None, "https://amazonaws.com.example.org", "bkt/a"),
+]
+
+
+@pytest.mark.parametrize("url, kind, config, root, prefix", HTTPS_ROUTES)
+def test_https_urls_of_object_stores_open_the_providers_store(url, kind, config, root, prefix):
+    """Built, never asked: no request leaves the machine."""
+    from stoker.storage.locate import Stores, locate
+
+    loc = locate(url)
+    assert (loc.root, loc.prefix) == (root, prefix)
+    stores = Stores()
+    try:
+        for store in (stores.get(loc)[0], open_store(url)):
+            inner = store._obstore()
+            assert type(inner).__name__ == kind, store
+            assert store.supports_list is (kind != "HTTPStore")
+            if config is not None:
+                assert {k: inner.config.get(k) for k in config} == config
+        assert getattr(stores.get(loc)[0]._obstore(), "prefix", None) is None  # the root holds no key prefix
+    finally:
+        stores.close()
+
+
+def test_s3_list_dir_follows_pages(servers):
+    """More folders than one listing page holds (1,000): every page is read, no key below them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = servers["s3"].client
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: client.put_object(Bucket=BUCKET, Key=f"paged/r{i:04d}/c/0", Body=b"x"), range(1005)))
+    client.put_object(Bucket=BUCKET, Key="paged/zarr.json", Body=b"{}")
+    store = open_store(f"s3://{BUCKET}/paged", servers["s3"].options, **FAST)
+    assert store.list_dir() == (["zarr.json"], [f"r{i:04d}" for i in range(1005)])
 
 
 def test_s3_credentials_and_endpoint_from_the_environment(servers, values, monkeypatch):

@@ -14,7 +14,7 @@ from ..reader.array import open_array
 from ..errors import InvalidArgument, NotFound
 from ..storage import ByteRange
 from ..zarr.codecs.blosc import HEADER_SIZE, blosc_header
-from .args import at_least_one
+from .args import at_least_one, storage_option, storage_options
 
 
 def _stored_size_and_header(arr, index: tuple[int, ...], header: bool) -> tuple[int | None, bytes]:
@@ -76,10 +76,12 @@ def _blocksize_and_ratio(arr, samples: int = 32) -> tuple[int | None, float | No
     return blocksize, ratio
 
 
-def facts(uri: str, sample_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
+def facts(uri: str, sample_shape: tuple[int, ...] | None = None,
+          options: dict[str, Any] | None = None) -> dict[str, Any]:
     """What ``stoker inspect`` reports, as plain values (``--json`` prints this): the array's layout and,
-    given a crop shape, the expected amplification of random crops and advice on chunking."""
-    arr = open_array(uri)
+    given a crop shape, the expected amplification of random crops and advice on chunking. ``options``:
+    the storage options of a remote ``uri`` (never reported)."""
+    arr = open_array(uri, options)
     meta = arr.metadata
     codec = meta.codec
     out: dict[str, Any] = {
@@ -115,8 +117,8 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
 
 
-def describe(uri: str, sample_shape: tuple[int, ...] | None = None) -> str:
-    f = facts(uri, sample_shape)
+def describe(uri: str, sample_shape: tuple[int, ...] | None = None, options: dict[str, Any] | None = None) -> str:
+    f = facts(uri, sample_shape, options)
     arr_shape = tuple(f["shape"])
     lines = [
         f"array        {f['uri']}",
@@ -148,10 +150,11 @@ def describe(uri: str, sample_shape: tuple[int, ...] | None = None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     shape = tuple(args.sample_shape) if args.sample_shape else None
+    options = storage_options(args.storage_option)
     if args.json:
-        print(json.dumps(facts(args.uri, shape), indent=1))
+        print(json.dumps(facts(args.uri, shape, options), indent=1))
     else:
-        print(describe(args.uri, shape))
+        print(describe(args.uri, shape, options))
     return 0
 
 
@@ -162,6 +165,10 @@ def add_parser(sub) -> None:
     p.add_argument("--sample-shape", type=_extent, nargs="+", metavar="N",
                    help="crop shape: estimate read and decode amplification and advise on chunking")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--storage-option", type=storage_option, action="append", metavar="KEY=VALUE",
+                   help="an option of the remote URI's store, repeated for several (obstore's keys such as "
+                   "endpoint, region, skip_signature=true, allow_http=true, access_key_id; stoker's timeout_s, "
+                   "retries...); over the environment's; never printed")
     p.set_defaults(run=run)
 
 

@@ -142,13 +142,13 @@ def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMet
             raise _v2_group(uri)
         return parse_v2(doc[".zarray"], uri)
     join = (lambda name: f"{prefix}/{name}") if prefix else (lambda name: name)
-    raw = hierarchy.read(join("zarr.json"), uri)
-    if raw is not None:
-        return _v3(parse_json(raw, uri, "zarr.json"), uri)
-    raw = hierarchy.read(join(".zarray"), uri)
-    if raw is not None:
+    found = hierarchy.first([join("zarr.json"), join(".zarray")], uri)
+    if found is not None:
+        key, raw = found
+        if key.endswith("zarr.json"):
+            return _v3(parse_json(raw, uri, "zarr.json"), uri)
         return parse_v2(parse_json(raw, uri, ".zarray"), uri)
-    if hierarchy.store.exists(join(".zgroup")):
+    if hierarchy.exists(join(".zgroup")):
         raise _v2_group(uri)
     raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
 

@@ -30,7 +30,9 @@ import numpy as np
 from ..reader.array import read_document, read_metadata, read_store_metadata
 from ..errors import InvalidArgument, MetadataError, NotFound, RankMismatch, UnsupportedFormat
 from ..storage import LocalStore
+from ..storage.hierarchy import MAX_DOCUMENT_BYTES
 from ..storage.locate import default_stores, locate
+from ..storage.store import get_many
 from ..zarr.metadata import parse_json
 
 Dim = Union[str, int, None]
@@ -245,67 +247,77 @@ class _LocalNodes:
 
 class _StoreNodes:
     """Records and fields of a dataset in a store: from the root group's consolidated metadata when it has
-    some (no listing: works on HTTP servers too), else from one listing of the store under the root."""
+    some (no listing: works on HTTP servers too), else from one-level listings of the store (a delimiter
+    listing: a request per 1,000 children, none of the keys below them) and the children's own documents,
+    read together in one call."""
 
     def __init__(self, uri: str, prefix: str, kv, hierarchy) -> None:
         self.uri, self.prefix, self.kv, self.hierarchy = uri, prefix, kv, hierarchy
-        self._kinds: dict[str, str | None] = {}
-        self._keys: set[str] | None = None
 
     def _key(self, rel: str) -> str:
-        return f"{self.prefix}/{rel}" if self.prefix else rel
+        return f"{self.prefix}/{rel}" if self.prefix and rel else (rel or self.prefix)
 
-    def _children(self, rel: str) -> list[tuple[str, str]]:
-        """``(name, "group" | "array")`` of the Zarr nodes directly under ``rel`` ("" : the root), sorted."""
+    def _children(self, rel: str, want: str) -> list[str]:
+        """Sorted names of the Zarr nodes of kind ``want`` (``"group"``, ``"array"``) directly under ``rel``
+        ("": the root)."""
         consolidated = self.hierarchy.group_entries(self.prefix, self.uri)
+        if consolidated is None:
+            return self._listed(rel, want)
         head = f"{rel}/" if rel else ""
         found: dict[str, str] = {}
-        if consolidated is not None:
-            fmt, entries = consolidated
-            for key, doc in entries.items():
-                if not key.startswith(head):
-                    continue
-                rest = key[len(head):].split("/")
-                if fmt == 3 and len(rest) == 1 and isinstance(doc, dict) and doc.get("node_type") in ("group", "array"):
-                    found[rest[0]] = doc["node_type"]
-                elif fmt == 2 and len(rest) == 2 and rest[1] in (".zgroup", ".zarray"):
-                    found[rest[0]] = "group" if rest[1] == ".zgroup" else "array"
-        else:
-            if self._keys is None:
-                if not self.kv.supports_list:
-                    raise UnsupportedFormat(
-                        f"{self.uri}: this store cannot be listed (a plain HTTP server) and the root group has no "
-                        "consolidated metadata; consolidate it (zarr.consolidate_metadata) to read it from here",
-                        uri=self.uri)
-                self._keys = {k[len(self.prefix) + 1:] if self.prefix else k for k in self.kv.list(self.prefix)}
-            for key in self._keys:
-                if not key.startswith(head):
-                    continue
-                rest = key[len(head):].split("/")
-                if len(rest) == 2 and rest[1] in ("zarr.json", ".zgroup", ".zarray"):
-                    found[rest[0]] = self._kind(f"{head}{rest[0]}", rest[1])
-        return sorted((n, k) for n, k in found.items() if k is not None and not n.startswith("."))
+        fmt, entries = consolidated
+        for key, doc in entries.items():
+            if not key.startswith(head):
+                continue
+            rest = key[len(head):].split("/")
+            if fmt == 3 and len(rest) == 1 and isinstance(doc, dict) and doc.get("node_type") in ("group", "array"):
+                found[rest[0]] = doc["node_type"]
+            elif fmt == 2 and len(rest) == 2 and rest[1] in (".zgroup", ".zarray"):
+                found[rest[0]] = "group" if rest[1] == ".zgroup" else "array"
+        return sorted(n for n, k in found.items() if k == want and not n.startswith("."))
 
-    def _kind(self, rel: str, document: str) -> str | None:
-        if document == ".zgroup":
-            return "group"
-        if document == ".zarray":
-            return "array"
-        if rel not in self._kinds:
-            raw = self.hierarchy.read(self._key(f"{rel}/zarr.json"), self.uri)
-            kind = parse_json(raw, self.uri, f"{rel}/zarr.json").get("node_type") if raw is not None else None
-            self._kinds[rel] = kind if kind in ("group", "array") else None
-        return self._kinds[rel]
+    def _listed(self, rel: str, want: str) -> list[str]:
+        if not self.kv.supports_list:
+            raise UnsupportedFormat(
+                f"{self.uri}: this store cannot be listed (a plain HTTP server) and the root group has no "
+                "consolidated metadata; consolidate it (zarr.consolidate_metadata) to read it from here",
+                uri=self.uri)
+        folder = self._key(rel)
+        keys, folders = self.kv.list_dir(folder)
+        names = sorted(f.rsplit("/", 1)[-1] for f in folders)
+        names = [n for n in names if not n.startswith(".")]  # hidden: sidecars and tools' scratch
+        own = {k.rsplit("/", 1)[-1] for k in keys}
+        # The parent's own document says the hierarchy's format: ask the children for that one only.
+        v2 = ".zgroup" if want == "group" else ".zarray"
+        documents = ["zarr.json"] if "zarr.json" in own else [v2] if ".zgroup" in own else ["zarr.json", v2]
+        kinds: dict[str, str] = {}
+        for document in documents:
+            asked = [n for n in names if n not in kinds]
+            values, _ = get_many(self.kv, [f"{folder}/{n}/{document}" if folder else f"{n}/{document}"
+                                           for n in asked], [])
+            for name, raw in zip(asked, values):
+                if raw is not None:
+                    kinds[name] = self._kind(f"{rel}/{name}" if rel else name, document, raw)
+        return [n for n in names if kinds.get(n) == want]
+
+    def _kind(self, rel: str, document: str, raw) -> str | None:
+        if document != "zarr.json":
+            return "group" if document == ".zgroup" else "array"
+        if len(raw) > MAX_DOCUMENT_BYTES:
+            raise MetadataError(f"{self.uri}: {rel}/zarr.json is {len(raw)} bytes, more than the "
+                                f"{MAX_DOCUMENT_BYTES} bytes stoker reads as Zarr metadata", uri=self.uri)
+        kind = parse_json(bytes(raw), self.uri, f"{rel}/zarr.json").get("node_type")
+        return kind if kind in ("group", "array") else None
 
     def records(self) -> list[str]:
-        names = [n for n, kind in self._children("") if kind == "group"]
+        names = self._children("", "group")
         if not names:
             raise NotFound(f"{self.uri} holds no Zarr groups; each record must be a group (e.g. "
                            f"{self.uri}/sample_0000.zarr/positions)", uri=self.uri)
         return names
 
     def arrays(self, record: str) -> list[str]:
-        return [n for n, kind in self._children(record) if kind == "array"]
+        return self._children(record, "array")
 
     def metadata(self, path: str, record: str, name: str):
         return read_store_metadata(self.hierarchy, self._key(f"{record}/{name}"), path)

@@ -86,6 +86,10 @@ class CountingStore:
         self._count()
         return self.store.list(prefix)
 
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        self._count()
+        return self.store.list_dir(prefix)
+
     def close(self) -> None:
         self.store.close()
 

@@ -104,14 +104,30 @@ class FileStore:
         self._walk(top, prefix, keys)
         return sorted(keys)
 
-    def _walk(self, folder: str, key: str, keys: list[str]) -> None:
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        """One directory's files and subdirectories (one ``scandir``; an empty subdirectory is listed too)."""
+        prefix = check_prefix(prefix)
+        folder = self.path(prefix) if prefix else self.root
+        keys: list[str] = []
+        folders: list[str] = []
+        for entry in self._scan(folder):
+            name = f"{prefix}/{entry.name}" if prefix else entry.name
+            if entry.is_dir(follow_symlinks=False):
+                folders.append(name)
+            elif entry.is_file():
+                keys.append(name)
+        return sorted(keys), sorted(folders)
+
+    def _scan(self, folder: str) -> list[os.DirEntry]:
         try:
-            entries = list(os.scandir(folder))
+            return list(os.scandir(folder))
         except (FileNotFoundError, NotADirectoryError):
-            return
+            return []
         except OSError as exc:
             raise StorageError(f"cannot list {folder}: {exc.strerror}", uri=self.uri, path=folder) from None
-        for entry in entries:
+
+    def _walk(self, folder: str, key: str, keys: list[str]) -> None:
+        for entry in self._scan(folder):
             name = f"{key}/{entry.name}" if key else entry.name
             if entry.is_dir(follow_symlinks=False):
                 self._walk(entry.path, name, keys)

@@ -8,21 +8,33 @@ is kept per store, so opening many arrays of one hierarchy costs a constant numb
 first array pays for the walk (two requests per level at most), later ones read nothing (consolidated)
 or only their own document (not consolidated).
 
+A group's documents are loaded once however many threads ask at once (single flight): the first asks
+the store, the others wait for its answer (at most :data:`LOAD_WAIT_S`); a failure is raised in all of
+them and not kept, so the next open asks again.
+
+Ancestors' documents are optional: a key the store refuses to read (HTTP 403, what S3 answers for a
+missing key without ``s3:ListBucket`` permission) is read as absent. Of an array's own documents
+(:meth:`Hierarchy.first`) a refusal is raised when none of them is found.
+
 Consolidated metadata is trusted as it is (as zarr-python's ``open_consolidated`` does): an array
 rewritten with a new shape or codec after the group was consolidated reads with the old metadata.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
-from ..errors import MetadataError, NotFound
-from .store import Store
+from ..errors import MetadataError, NotFound, StorageError
+from .store import Store, denied
 
 #: Ancestors looked at for consolidated metadata, nearest first.
 MAX_LEVELS = 8
 #: Largest metadata document read (as for local files; see array.MAX_METADATA_BYTES).
 MAX_DOCUMENT_BYTES = 16 << 20
+#: The longest a thread waits for another thread's load of the same group (a store's reads have bounds of
+#: their own: this only keeps a waiter from outliving a loader that hangs).
+LOAD_WAIT_S = 600.0
 
 
 def _join(prefix: str, name: str) -> str:
@@ -41,18 +53,52 @@ class Hierarchy:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._groups: dict[str, tuple | None] = {}  # group prefix -> (format, {relative key: doc}) or None
+        self._loading: dict[str, concurrent.futures.Future] = {}  # group prefix -> its load in flight
         self._lock = threading.Lock()
 
-    def read(self, key: str, uri: str) -> bytes | None:
-        """The document at ``key`` (at most :data:`MAX_DOCUMENT_BYTES`), or None when there is none."""
+    def read(self, key: str, uri: str, optional: bool = False) -> bytes | None:
+        """The document at ``key`` (at most :data:`MAX_DOCUMENT_BYTES`), or None when there is none (or,
+        ``optional``, when the store refuses to read it: see the module docstring)."""
         try:
             data = self.store.get(key)
         except NotFound:
             return None
+        except StorageError as exc:
+            if optional and denied(exc):
+                return None
+            raise
         if len(data) > MAX_DOCUMENT_BYTES:
             raise MetadataError(f"{uri}: {key} is {len(data)} bytes, more than the {MAX_DOCUMENT_BYTES} bytes stoker "
                                 "reads as Zarr metadata; it is not a Zarr metadata document", uri=uri, key=key)
         return bytes(data)
+
+    def first(self, keys: list[str], uri: str) -> tuple[str, bytes] | None:
+        """``(key, document)`` of the first of ``keys`` found (alternatives, such as an array's ``zarr.json``
+        and ``.zarray``), or None when none exists; a refusal (403) of one of them is raised when none is
+        found, since the one refused may be the one that exists."""
+        refused = None
+        for key in keys:
+            try:
+                raw = self.read(key, uri)
+            except StorageError as exc:
+                if not denied(exc):
+                    raise
+                refused = refused or exc
+                continue
+            if raw is not None:
+                return key, raw
+        if refused is not None:
+            raise refused
+        return None
+
+    def exists(self, key: str) -> bool:
+        """Whether an optional key exists (a refusal reads as no)."""
+        try:
+            return self.store.exists(key)
+        except StorageError as exc:
+            if denied(exc):
+                return False
+            raise
 
     def consolidated(self, prefix: str, uri: str) -> tuple[int, dict] | None:
         """``(zarr_format, document)`` of the node at ``prefix`` from an ancestor's consolidated metadata
@@ -98,19 +144,37 @@ class Hierarchy:
 
     def _group(self, group: str, uri: str) -> tuple | None:
         """``(format, entries, is_group)`` of an ancestor (entries empty when it is not consolidated), or
-        None when it is no Zarr group; read once per store."""
+        None when it is no Zarr group; read once per store, by one thread (the others wait for it)."""
         with self._lock:
             if group in self._groups:
                 return self._groups[group]
-        found = self._load(group, uri)
+            flight = self._loading.get(group)
+            mine = flight is None
+            if mine:
+                flight = self._loading[group] = concurrent.futures.Future()
+        if not mine:
+            try:
+                return flight.result(timeout=LOAD_WAIT_S)
+            except concurrent.futures.TimeoutError:
+                raise StorageError(f"{uri}: the metadata of group {group or '/'!r} was not read in {LOAD_WAIT_S:.0f} s "
+                                   "by the thread reading it", uri=uri, key=group) from None
+        try:
+            found = self._load(group, uri)
+        except BaseException as exc:
+            with self._lock:
+                del self._loading[group]  # not kept: the next open asks again
+            flight.set_exception(exc)
+            raise
         with self._lock:
             self._groups[group] = found
+            del self._loading[group]
+        flight.set_result(found)
         return found
 
     def _load(self, group: str, uri: str) -> tuple | None:
         from ..zarr.metadata import parse_json
 
-        raw = self.read(_join(group, "zarr.json"), uri)
+        raw = self.read(_join(group, "zarr.json"), uri, optional=True)
         if raw is not None:
             doc = parse_json(raw, uri, _join(group, "zarr.json"))
             if doc.get("node_type") != "group":
@@ -118,7 +182,7 @@ class Hierarchy:
             cm = doc.get("consolidated_metadata")
             entries = cm.get("metadata") if isinstance(cm, dict) else None
             return 3, entries if isinstance(entries, dict) else {}, True
-        raw = self.read(_join(group, ".zmetadata"), uri)
+        raw = self.read(_join(group, ".zmetadata"), uri, optional=True)
         if raw is None:
             return None
         doc = parse_json(raw, uri, _join(group, ".zmetadata"))

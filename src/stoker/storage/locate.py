@@ -6,6 +6,7 @@ array URI                                           store                   key 
 ``/data/a.zarr``, ``a.zarr``, ``file:///data/a.zarr``  none: local files       (the directory)
 ``s3://bucket/g.zarr/a`` (``gs://``, ``az://``...)  ``s3://bucket``         ``g.zarr/a``
 ``https://host:8080/g.zarr/a``                      ``https://host:8080``   ``g.zarr/a``
+``https://s3.<region>.amazonaws.com/bkt/g.zarr/a``  ``https://.../bkt``      ``g.zarr/a``
 ``/data/d.zip/g.zarr/a``, ``zip:///data/d.zip!/g.zarr/a``  ``ZipStore(/data/d.zip)``  ``g.zarr/a``
 ==================================================  ======================  ===========================
 
@@ -23,11 +24,11 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 from ..errors import InvalidArgument, ShutdownError
 from .store import Store, check_key
-from .uri import REMOTE_SCHEMES, check_remote_url
+from .uri import REMOTE_SCHEMES, check_remote_url, store_root
 
 #: ObjectStore settings that may be given among ``storage_options`` (stoker's, not obstore's keys).
 SETTING_KEYS = frozenset({"timeout_s", "connect_timeout_s", "retries", "retry_timeout_s", "backoff_s",
@@ -72,7 +73,8 @@ def locate(uri: str | os.PathLike) -> Location:
         if not parsed.netloc:
             raise InvalidArgument(f"{uri}: names no bucket, container or host (expected {scheme}://name/path)",
                                   uri=uri)
-        return Location(uri, f"{parsed.scheme}://{parsed.netloc}", _prefix(uri, unquote(parsed.path)))
+        root, inside = store_root(uri)
+        return Location(uri, root, _prefix(uri, inside))
     if scheme == "zip":
         archive, bang, inner = uri[len("zip://"):].partition("!")
         if not archive:

@@ -6,7 +6,7 @@ import threading
 from typing import Mapping, Sequence
 
 from ..errors import InvalidArgument
-from .store import ByteRange, by_key, check_key, check_prefix, not_found, slice_value, under
+from .store import ByteRange, by_key, check_key, check_prefix, not_found, one_level, slice_value, under
 
 
 class MemoryStore:
@@ -66,6 +66,12 @@ class MemoryStore:
         with self._lock:
             keys = list(self._values)
         return under(keys, prefix)
+
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        prefix = check_prefix(prefix)
+        with self._lock:
+            keys = list(self._values)
+        return one_level(keys, prefix)
 
     def close(self) -> None:
         """Forget this store's name: ``open_store`` of its ``memory://`` URI gives a new, empty one (the

@@ -282,6 +282,9 @@ class ObjectStore:
                 gave_up = f"after {attempt} attempt" + ("s" if attempt > 1 else "")
                 hint = ("the server kept failing: check it, or raise retries= / timeout_s=" if transient else
                         "check the URL, credentials (environment or storage_options) and permissions")
+                if status == 403:
+                    hint += ("; a 403 may also be a missing key: S3 answers 403, not 404, for a key that does not "
+                             "exist when the credentials lack s3:ListBucket permission on the bucket")
                 raise StorageError(
                     f"{self.uri}: {what} of key {key!r} failed {gave_up}"
                     + (f" (HTTP status {status})" if status else "") + f": {text}; {hint}",
@@ -455,6 +458,22 @@ class ObjectStore:
                                     "consolidated metadata) instead", uri=self.uri)
         metas = self._run(self._attempts(prefix or "/", "listing", lambda: self._list(prefix)))
         return sorted(m["path"] for m in metas)
+
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        """One delimiter listing (obstore follows its pages, 1,000 entries each): the keys directly under
+        ``prefix`` and its folders, none of the keys below them."""
+        prefix = check_prefix(prefix)
+        if not self.supports_list:
+            raise UnsupportedFormat(f"{self.uri}: an HTTP server cannot list its keys; read known keys (or "
+                                    "consolidated metadata) instead", uri=self.uri)
+        found = self._run(self._attempts(prefix or "/", "listing", lambda: self._list_dir(prefix)))
+        return (sorted(m["path"] for m in found["objects"]),
+                sorted(p.rstrip("/") for p in found["common_prefixes"]))
+
+    async def _list_dir(self, prefix: str) -> dict:
+        import obstore
+
+        return await obstore.list_with_delimiter_async(self._obstore(), prefix or None)
 
     async def _list(self, prefix: str) -> list:
         import obstore

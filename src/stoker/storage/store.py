@@ -6,7 +6,7 @@ store has the methods of :class:`Store` and three capability flags:
 
 - ``supports_ranges``: :meth:`Store.get_ranges` reads only the asked bytes (otherwise whole values
   are read and sliced);
-- ``supports_list``: :meth:`Store.list` works (plain HTTP servers cannot list);
+- ``supports_list``: :meth:`Store.list` and :meth:`Store.list_dir` work (plain HTTP servers cannot list);
 - ``is_local``: keys are files on the local file system (``store.path(key)`` names them).
 
 Reads return exactly the asked bytes or raise: a missing key is :class:`~stoker.errors.NotFound`, and
@@ -79,6 +79,12 @@ class Store(Protocol):
     def list(self, prefix: str = "") -> list[str]:
         """Every key under ``prefix`` (a ``/``-separated directory; ``""``: all), sorted."""
 
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        """One level under ``prefix``: ``(keys, folders)``, the keys directly in it and the folders
+        (full key prefixes, no trailing ``/``) holding keys further down, both sorted. Never the keys
+        under those folders: an object store answers it with a delimiter listing, a page of 1,000
+        entries per request, so finding the groups of a hierarchy reads none of their chunk keys."""
+
     def close(self) -> None:
         """Release what the store holds (descriptors, connections); reads after it may fail."""
 
@@ -109,6 +115,17 @@ def under(keys, prefix: str) -> list[str]:
     return sorted(k for k in keys if k.startswith(head))
 
 
+def one_level(keys, prefix: str) -> tuple[list[str], list[str]]:
+    """:meth:`Store.list_dir` of a store that holds its key names (``prefix`` already checked)."""
+    head = prefix + "/" if prefix else ""
+    direct, folders = set(), set()
+    for key in keys:
+        if key.startswith(head):
+            name, slash, _ = key[len(head):].partition("/")
+            (folders if slash else direct).add(head + name)
+    return sorted(direct), sorted(folders)
+
+
 def by_key(requests: Sequence[ByteRange]) -> dict[str, list[int]]:
     """Request numbers grouped by key, in first-seen order."""
     groups: dict[str, list[int]] = {}
@@ -136,6 +153,13 @@ def short_read(uri: str, r: ByteRange, got: int, size: int | None = None, attemp
         f"{uri}: read of {where}{of} at key {r.key!r} got {got} bytes, not {r.length}; the value is shorter "
         "than the read expects (truncated or rewritten) or the server sent a short body",
         uri=uri, key=r.key, status=None, attempts=attempts)
+
+
+def denied(exc: BaseException) -> bool:
+    """Whether ``exc`` is a store refusing access (HTTP 403). S3 answers 403, not 404, for a missing key to a
+    client without ``s3:ListBucket`` permission, so an optional key (a probe) reads a refusal as absent;
+    a required key keeps the error (its message says a 403 may be a missing key)."""
+    return isinstance(exc, StorageError) and exc.context.get("status") == 403
 
 
 def not_found(uri: str, key: str) -> NotFound:

@@ -9,14 +9,20 @@ URI                                             store
 ``memory://name``                               :class:`~stoker.storage.memory.MemoryStore`
                                                 (one per name in a process, until closed)
 ==============================================  =================================================
+
+An ``https://`` URL of a provider's object store (``https://<account>.blob.core.windows.net/<container>/...``,
+``https://s3.<region>.amazonaws.com/<bucket>/...``, ``https://<bucket>.s3.<region>.amazonaws.com/...``) opens
+that provider's store, as obstore's ``from_url`` parses it (credentials, listing); every other ``https://``
+URL is a plain HTTP server. :func:`store_root` says where such a store's root ends.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any
-from urllib.parse import urlparse, urlsplit, urlunsplit
+from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 
 from ..errors import InvalidArgument
 from .store import Store
@@ -25,6 +31,38 @@ from .store import Store
 REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https"})
 
 _memory: dict[str, Any] = {}
+
+#: Hosts whose https URLs obstore (object_store) may open as a provider's store rather than plain HTTP.
+_PROVIDER_HOSTS = (".amazonaws.com", ".r2.cloudflarestorage.com", ".blob.core.windows.net", ".dfs.core.windows.net",
+                   ".blob.fabric.microsoft.com", ".dfs.fabric.microsoft.com")
+
+
+def store_root(uri: str) -> tuple[str, str]:
+    """``(root, path inside)`` of a remote URI: the bucket, container or host a store opens, and the rest.
+    ``s3://bucket/a/b`` -> ``("s3://bucket", "a/b")``; ``https://host/a/b`` -> ``("https://host", "a/b")``;
+    a provider's https URL whose bucket or container is its first path segment keeps that segment in
+    the root (``https://s3.eu-west-1.amazonaws.com/bkt/a`` -> ``(".../bkt", "a")``)."""
+    parsed = urlsplit(uri)
+    root, path = f"{parsed.scheme}://{parsed.netloc}", unquote(parsed.path).strip("/")
+    host = (parsed.hostname or "").lower()
+    if parsed.scheme.lower() == "https" and host.endswith(_PROVIDER_HOSTS) and path:
+        first, _, rest = path.partition("/")
+        if _first_segment_is_root(root, first):
+            return f"{root}/{first}", rest
+    return root, path
+
+
+@functools.lru_cache(maxsize=256)
+def _first_segment_is_root(root: str, first: str) -> bool:
+    """Whether obstore opens ``root/first/...`` as a provider's store rooted at ``first`` (path-style S3, an
+    Azure container); asked of obstore's own URL parser (no request is made)."""
+    try:
+        from obstore.store import from_url
+
+        store = from_url(f"{root}/{first}/k")
+    except Exception:  # obstore missing (ObjectStore says what to install) or a URL it does not parse
+        return False
+    return type(store).__name__ != "HTTPStore" and getattr(store, "prefix", None) == "k"
 
 
 def redact(uri: str) -> str:

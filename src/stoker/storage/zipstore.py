@@ -10,6 +10,12 @@ Refused when the archive opens (:class:`~stoker.errors.DecodeError` naming the m
 is not a relative key (absolute, ``..``, backslashes), a name stored twice, a stored member whose
 size differs from its stored size, a member whose bytes would reach past the next member's header or the start of the central directory. A member without
 its local header where the central directory says is refused when it is first read.
+
+The archive must stay the file it was when it opened: every read checks the open file's device, inode,
+size and modification time before and after it, and an archive rewritten in
+place is a :class:`~stoker.errors.StorageError` (its central directory, and so every offset, is stale),
+never bytes of the new archive at the old offsets. An archive replaced by a rename leaves the open file
+as it was: it is still read. Opening the array again (a new store) reads the new archive.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from typing import Sequence
 from ..errors import DecodeError, InvalidArgument, NotFound, StorageError, UnsupportedFormat
 from .local import LocalStore, OpenFile, default_store, identity, open_regular
 from .ranges import coalesce
-from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read, slice_value, under
+from .store import (ByteRange, by_key, check_key, check_prefix, not_found, one_level, short_read, slice_value,
+                    under)
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader: a member's local header
 _LOCAL_MAGIC = b"PK\x03\x04"
@@ -147,7 +154,27 @@ class ZipStore:
             raise StorageError(f"read of {self.path} member {info.filename!r} failed: {exc}",
                                uri=self.uri, key=info.filename) from None
 
+    def _check_unchanged(self, key: str | None) -> None:
+        """StorageError when the open archive is no longer as it was opened (rewritten in place)."""
+        try:
+            now = identity(os.fstat(self._file.fd))
+        except (OSError, ValueError) as exc:  # closed: fd -1
+            raise StorageError(f"cannot stat {self.path}: {exc}", uri=self.uri, key=key, path=self.path) from None
+        # Not the change time: unlinking a file (a new archive renamed over it) changes it, not its bytes.
+        if now[:4] != self.identity[:4]:
+            raise StorageError(
+                f"{self.path}: the zip archive changed since it was opened (rewritten in place: size or times "
+                "differ), so the member offsets read from its central directory are stale; open the array again "
+                "to read the new archive, and replace archives by renaming a new file over them rather than "
+                "rewriting them while they are read", uri=self.uri, key=key, path=self.path)
+
     def get(self, key: str) -> bytes | memoryview:
+        self._check_unchanged(key)
+        data = self._get(key)
+        self._check_unchanged(key)  # rewritten while it was read: the bytes may mix both archives
+        return data
+
+    def _get(self, key: str) -> bytes | memoryview:
         info = self._info(key)
         if info.compress_type != zipfile.ZIP_STORED:
             return self._inflate(info)
@@ -160,6 +187,13 @@ class ZipStore:
         return data
 
     def get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | memoryview]:
+        key = getattr(requests[0], "key", None) if requests else None
+        self._check_unchanged(key)
+        out = self._get_ranges(requests)
+        self._check_unchanged(key)
+        return out
+
+    def _get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | memoryview]:
         out: list = [None] * len(requests)
         stored: list[tuple[int, int, int]] = []  # (request number, archive offset, length)
         for key, numbers in by_key(requests).items():
@@ -194,6 +228,9 @@ class ZipStore:
 
     def list(self, prefix: str = "") -> list[str]:
         return under(self._members, check_prefix(prefix))
+
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        return one_level(self._members, check_prefix(prefix))
 
     def changed(self) -> bool:
         """Whether the file at :attr:`path` is no longer the archive opened (rewritten, replaced, gone)."""

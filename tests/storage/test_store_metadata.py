@@ -1,0 +1,99 @@
+"""Metadata reads through a store (storage/hierarchy.py): a group's consolidated metadata is loaded once
+however many threads open arrays under it at once."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import zarr
+
+from stoker.errors import StorageError
+from stoker.storage import CountingStore, MemoryStore
+from stoker.storage.hierarchy import Hierarchy
+
+from store_fixtures import read_tree
+
+THREADS = 16
+
+
+@pytest.fixture(scope="module", params=[3, 2])
+def consolidated(request, tmp_path_factory):
+    """``{key: bytes}`` of a group of THREADS arrays consolidated by zarr-python, and its format."""
+    root = str(tmp_path_factory.mktemp(f"v{request.param}") / "g.zarr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        group = zarr.open_group(root, mode="w", zarr_format=request.param)
+        for i in range(THREADS):
+            group.create_array(f"a{i}", shape=(4,), chunks=(2,), dtype="int16")
+        zarr.consolidate_metadata(root)
+    return {f"g.zarr/{k}": v for k, v in read_tree(root).items()}, request.param
+
+
+class _Gated(MemoryStore):
+    """Holds every read of ``key`` until ``THREADS`` of them arrived, or ``fail`` is set and it raises; at
+    most half a second either way (a single-flight load has one read only)."""
+
+    def __init__(self, values, key: str) -> None:
+        super().__init__(values)
+        self.key, self.arrived, self.fail = key, 0, None
+        self._all = threading.Event()
+        self._count = threading.Lock()
+
+    def get(self, key: str):
+        if key == self.key:
+            with self._count:
+                self.arrived += 1
+                if self.arrived >= THREADS:
+                    self._all.set()
+            self._all.wait(timeout=0.5)
+            if self.fail is not None:
+                raise self.fail
+        return super().get(key)
+
+
+def _open_all(hierarchy: Hierarchy) -> tuple[list, list]:
+    results, errors = [None] * THREADS, [None] * THREADS
+    start = threading.Barrier(THREADS)
+
+    def open_one(i: int) -> None:
+        start.wait(timeout=10)
+        try:
+            results[i] = hierarchy.consolidated(f"g.zarr/a{i}", f"memory://g.zarr/a{i}")
+        except Exception as exc:
+            errors[i] = exc
+
+    threads = [threading.Thread(target=open_one, args=(i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    return results, errors
+
+
+def test_concurrent_opens_fetch_consolidated_metadata_once(consolidated):
+    values, fmt = consolidated
+    document = "g.zarr/zarr.json" if fmt == 3 else "g.zarr/.zmetadata"
+    gated = _Gated(values, document)
+    counted = CountingStore(gated)
+    results, errors = _open_all(Hierarchy(counted))
+    assert errors == [None] * THREADS
+    assert all(r is not None and r[0] == fmt for r in results)
+    assert gated.arrived == 1  # one fetch; the other threads waited for it
+    assert counted.counters.requests == 1  # (a missing zarr.json, read first for v2, is not counted)
+
+
+def test_a_failed_load_is_seen_by_all_waiters_and_not_kept(consolidated):
+    values, fmt = consolidated
+    document = "g.zarr/zarr.json"  # the first document read, for either format
+    gated = _Gated(values, document)
+    gated.fail = StorageError("memory://: read failed (injected)", uri="memory://", key=document)
+    hierarchy = Hierarchy(gated)
+    results, errors = _open_all(hierarchy)
+    assert gated.arrived == 1
+    assert all(isinstance(e, StorageError) for e in errors), errors
+    gated.fail = None  # the failure was not kept as "no consolidated metadata": asked again, found
+    found = hierarchy.consolidated("g.zarr/a3", "memory://g.zarr/a3")
+    assert found is not None and found[0] == fmt and gated.arrived == 2
