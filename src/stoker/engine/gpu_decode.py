@@ -61,6 +61,7 @@ from ..zarr.grid import c_strides
 from .buffers import SlotRing, pinned_footprint
 from .cast import copy_cast, fill_value_as, numpy_view, torch_dtype_of
 from .executor import Job, Target
+from .transfer import _EVENTS
 from .tables import F_IDENT, F_SOURCE, TablePlan, plan_tables
 
 #: decoded bytes of one group at most (more only for a single larger chunk)
@@ -409,7 +410,7 @@ class GpuDecodeExecutor:
         rows = plan.rows
         with self._on_device(), self._on_stream():
             for wait in slot.stream_waits:  # what the slot's previous batch asked its next writer to wait for
-                if isinstance(wait, torch.cuda.Event):
+                if isinstance(wait, _EVENTS):
                     self.stream.wait_event(wait)
                 else:
                     self.stream.wait_stream(wait)
