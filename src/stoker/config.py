@@ -74,7 +74,8 @@ class Config:
     - ``host_buffer_bytes`` (>= 1 MiB): hard cap on host buffers (batch slots, or the pinned staging
       slots on CUDA, plus read and decode buffers).
     - ``device_buffer_bytes`` (>= 1 MiB): cap on device memory: ``lookahead_batches + 1`` batch slots
-      plus staging for the cast on the device (CUDA path only).
+      plus staging for the cast on the device (CUDA path only), or with ``decode_on="gpu"`` plus the
+      decode scratch.
     - ``n_io_threads`` (>= 1): threads for reads that must wait for buffer memory; local reads
       otherwise run on the compute threads (a page-cache copy costs less than a thread hop).
     - ``n_compute_threads``: decode and assembly threads (>= 1); ``None`` means this rank's share of the
@@ -94,11 +95,12 @@ class Config:
       Left out of the Config's repr (it may hold secrets).
     - ``requests_in_flight`` (>= 1): the most requests to remote stores the pipeline has open at once
       (a batch's chunks are fetched together; independent of the thread counts).
-    - ``decode_on``: ``"auto" | "cpu" | "gpu"``, where chunks are decompressed. This version decodes
-      on the CPU: ``"auto"`` and ``"cpu"`` do so, and ``"gpu"`` is refused (``InvalidArgument``).
-      Decoding on the GPU (nvCOMP, lz4 and zstd chunks and blosc frames of them; see
-      :mod:`stoker.gpu`) is being built: ``"gpu"`` will need a CUDA pipeline and nvCOMP
-      (``stoker[gpu]``), and ``"auto"`` will pick it on a CUDA pipeline with nvCOMP importable.
+    - ``decode_on``: ``"auto" | "cpu" | "gpu"``, where chunks are decompressed. ``"gpu"``: chunks cross
+      to the GPU encoded, and NVIDIA nvCOMP decodes them there (zstd chunks, blosc frames of lz4 or
+      zstd; other chunks are decoded on the CPU, with a one-time warning naming the array); it needs a
+      CUDA ``device`` and nvCOMP (``pip install 'stoker[gpu]'``), else ``InvalidArgument`` at
+      ``Pipeline(cfg)``. ``"auto"`` and ``"cpu"`` decode on the CPU (``"auto"`` will pick the GPU
+      where it has been measured to pay). See docs/architecture.md, "Decoding on the GPU".
     - ``transform``: ``None``, a callable ``batch -> batch`` or a list of them (run in order), applied to
       every batch on its device after the cast, before the consumer sees it; built-ins in
       :mod:`stoker.transforms` (``Normalize``, ``FillNaN``). See that module for where it runs and what it costs.
@@ -182,9 +184,6 @@ class Config:
         if self.decode_on not in DECODE_ON:
             raise InvalidArgument(f"Config.decode_on must be one of {', '.join(map(repr, DECODE_ON))}, got "
                                   f"{self.decode_on!r}", knob="decode_on")
-        if self.decode_on == "gpu":  # refused here, not ignored: a knob must never silently do nothing
-            raise InvalidArgument("Config.decode_on='gpu': decoding on the GPU is not available in this version of "
-                                  "stoker; use 'auto' or 'cpu' (chunks are decoded on the CPU)", knob="decode_on")
 
     @property
     def compute_threads(self) -> int:

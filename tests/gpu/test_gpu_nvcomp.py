@@ -1,6 +1,7 @@
 """The device decode on a GPU: nvCOMP's streams and the torch unshuffle give numcodecs' bytes, bit for bit.
 
-Every test here needs an NVIDIA GPU (skipped where torch sees none); the decode tests also need
+Every test here needs an NVIDIA GPU (skipped where torch sees none); the decode tests (and the pipeline
+test at the end, decode_on="gpu" against "cpu") also need
 NVIDIA nvCOMP (``pip install stoker[gpu]``) and are skipped without it.
 """
 
@@ -95,3 +96,31 @@ def test_a_damaged_stream_is_a_frame_error_on_the_device_too(decoder):
     bad[lay.src[i]:lay.src[i] + lay.csize[i]] = bytes(int(lay.csize[i]))  # zeros: offset 0 is invalid lz4
     with pytest.raises(FrameError):
         decoder.decode([bytes(bad)], lay)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "native"])
+def test_a_pipeline_decoding_on_the_gpu_gives_the_cpu_decode_s_batches(tmp_path, dtype):
+    """End to end: Config(decode_on="gpu") against decode_on="cpu" on the same CUDA device, bit for bit, and
+    what crossed PCIe is the encoded bytes read (zstd and blosc arrays, missing chunks, partial edge chunks)."""
+    pytest.importorskip("nvidia.nvcomp", reason="nvCOMP is not installed (pip install 'stoker[gpu]')")
+    import stoker
+    from zarr.codecs import BloscCodec, ZstdCodec
+    from test_gpu_executor import _samples, _same, _write
+
+    uris = []
+    for name, comp in (("zstd", ZstdCodec(level=3)), ("lz4", BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")),
+                       ("bzstd", BloscCodec(cname="zstd", clevel=3, shuffle="bitshuffle"))):
+        _write(tmp_path / f"{name}.zarr", (40, 70, 60), (16, 32, 32), "uint16", comp, skip=16)
+        uris.append(str(tmp_path / f"{name}.zarr"))
+    samples = [s for u in uris for s in _samples(u, (40, 70, 60), (12, 40, 33), 8, seed=len(u))]
+    batches, stats = {}, {}
+    for where in ("cpu", "gpu"):
+        cfg = stoker.Config(batch_size=4, dtype=dtype, device=torch.cuda.current_device(), decode_on=where,
+                            host_buffer_bytes=256 << 20, device_buffer_bytes=256 << 20)
+        with stoker.Pipeline(cfg) as p:
+            p.push(samples)
+            batches[where] = [torch.from_dlpack(b).cpu() for b in p]
+            stats[where] = p.stats()
+    assert len(batches["gpu"]) == len(batches["cpu"]) == 6
+    assert all(_same(g, c) for g, c in zip(batches["gpu"], batches["cpu"]))
+    assert stats["gpu"].bytes_to_device == stats["gpu"].bytes_read < stats["cpu"].bytes_to_device

@@ -3,8 +3,10 @@
 ``--device cuda`` runs the crop scenarios with ``dtype="bf16"``, in one process run on the same crops:
 
 - ``stoker cpu``: the pipeline on the CPU (the batch stays in host memory);
-- ``stoker cuda``: the pipeline bound to the GPU (pinned staging in the source dtype, copy and cast on a
-  side stream, consumed through ``torch.from_dlpack``);
+- ``stoker cuda``: the pipeline bound to the GPU, consumed through ``torch.from_dlpack``; with
+  ``--decode-on cpu`` (the default) chunks are decoded on the CPU into pinned staging in the source dtype,
+  then copied and cast on a side stream; with ``--decode-on gpu`` they cross encoded and nvCOMP decodes
+  them on the device (``Config.decode_on="gpu"``);
 - ``tensorstore``: every crop of a batch read with futures, stacked in the source dtype, then
   ``.pin_memory().to(device, non_blocking=True)`` and cast to bf16 on the device.
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,10 +46,12 @@ def cuda_or_exit() -> torch.device:
 
 
 def run_stoker_on(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int,
-                  device: torch.device | str) -> Result:
+                  device: torch.device | str, decode_on: str = "cpu") -> Result:
     on_gpu = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    with Pipeline(stoker_config(batch_size, host_buffer_bytes, "bf16", str(device))) as p:
+    cfg = replace(stoker_config(batch_size, host_buffer_bytes, "bf16", str(device)),
+                  decode_on=decode_on if on_gpu else "cpu")
+    with Pipeline(cfg) as p:
         # On the GPU a consumer kernel on every batch puts the stream fence in the timed path (microseconds).
         # On the CPU nothing consumes: a bf16 sum there cost more than the pipeline (H100 host, scenario 1:
         # 360 samples/s with it, 950-1600 f32 without), which made GPU delivery look free.
@@ -58,7 +62,7 @@ def run_stoker_on(samples: list[Sample], batch_size: int, itemsize: int, host_bu
     crop = int(np.prod(samples[0].shape))
     name = "stoker cuda" if on_gpu else "stoker cpu"
     return Result(name, seconds, n * batch_size, n * batch_size * crop * itemsize, 0,
-                  {"stats": stats, "pinned_bytes": pinned})
+                  {"stats": stats, "pinned_bytes": pinned, "decode_on": cfg.decode_on})
 
 
 def run_tensorstore_to(samples: list[Sample], batch_size: int, itemsize: int, device: torch.device) -> Result:
@@ -74,7 +78,7 @@ def run_tensorstore_to(samples: list[Sample], batch_size: int, itemsize: int, de
 
 
 def run_device_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host_buffer_bytes: int,
-                        rounds: int = 3) -> list[Result]:
+                        rounds: int = 3, decode_on: str = "cpu") -> list[Result]:
     device = cuda_or_exit()
     paths = ensure(root, sc.volume)
     warm_page_cache(paths)
@@ -82,7 +86,7 @@ def run_device_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: in
     itemsize = np.dtype(sc.volume.dtype).itemsize
     peers = {
         "stoker cpu": lambda: run_stoker_on(samples, batch_size, itemsize, host_buffer_bytes, "cpu"),
-        "stoker cuda": lambda: run_stoker_on(samples, batch_size, itemsize, host_buffer_bytes, device),
+        "stoker cuda": lambda: run_stoker_on(samples, batch_size, itemsize, host_buffer_bytes, device, decode_on),
         "tensorstore+pin": lambda: run_tensorstore_to(samples, batch_size, itemsize, device),
     }
     return list(interleaved(peers, rounds).values())
@@ -97,7 +101,6 @@ def format_device_results(sc: Scenario, results: list[Result], timed_batches: in
     for r in results:
         ratio = f"{gpu.samples_per_s / r.samples_per_s:>8.2f}x" if r is not gpu and r.samples_per_s else f"{'':>9}"
         lines.append(f"{r.peer:<18}{r.samples_per_s:>11.1f}{r.mb_per_s:>9.1f}{ratio}")
-    transfer = gpu.extra["stats"].stages.get("transfer")
     # the cast runs on the GPU there, so delivering to it can be faster than the CPU path: say which way it went
     speed = gpu.samples_per_s / cpu.samples_per_s if cpu.samples_per_s else None
     if speed is None:
@@ -106,9 +109,11 @@ def format_device_results(sc: Scenario, results: list[Result], timed_batches: in
         verdict = f"GPU delivery costs {1 - speed:.1%} of the CPU path's throughput"
     else:
         verdict = f"GPU delivery runs at {speed:.2f}x the CPU path's throughput"
+    stats = gpu.extra["stats"]
     lines.append(f"{verdict} (target: costs <= 10%); pinned staging held: "
-                 f"{gpu.extra['pinned_bytes'] / 2**20:.0f} MiB; bytes copied per sample: "
-                 f"{(transfer.bytes_in if transfer else 0) / max(1, gpu.extra['stats'].samples):,.0f}")
+                 f"{gpu.extra['pinned_bytes'] / 2**20:.0f} MiB; decode on the {gpu.extra.get('decode_on', 'cpu')}: "
+                 f"bytes over PCIe per batch {stats.bytes_to_device / max(1, stats.batches_emitted):,.0f} "
+                 f"(encoded bytes read per batch {stats.bytes_read / max(1, stats.batches_emitted):,.0f})")
     spread = [f"{r.peer} {min(r.extra['rounds']):.0f}-{max(r.extra['rounds']):.0f}" for r in results
               if len(r.extra.get("rounds", ())) > 1]
     if spread:

@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         chosen = [s for s in chosen if s.number in args.scenarios]
     peers = set(args.peers) if args.peers else set(PEERS if args.store is None else REMOTE_PEERS)
     root = args.data or cache_dir() / "bench"
+    if args.decode_on == "gpu" and args.device != "cuda":
+        raise InvalidArgument("--decode-on gpu decodes on the GPU: run it with --device cuda")
     if args.device == "cuda":
         if threads:
             raise InvalidArgument("--threads sweeps the CPU pipeline; run it without --device cuda")
@@ -76,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
             batch_size = args.batch_size or sc.batch_size
             budget = host_budget(sc, batch_size, args.host_buffer_bytes)
             n_batches = args.batches or sc.timed_batches
-            results = run_device_scenario(sc, root, n_batches, batch_size, budget, rounds=rounds)
+            results = run_device_scenario(sc, root, n_batches, batch_size, budget, rounds=rounds,
+                                          decode_on=args.decode_on)
             print(format_device_results(sc, results, n_batches), flush=True)
             records.append(report.scenario_record(sc, results, n_batches, batch_size))
             _keep(args, records, "cuda", f"stoker bench --device cuda on {torch.cuda.get_device_name()}")
@@ -164,6 +167,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: stoker on the GPU vs stoker on the CPU vs tensorstore + pin_memory().to(cuda), "
                         "bf16 out")
+    p.add_argument("--decode-on", choices=("cpu", "gpu"), default="cpu",
+                   help="with --device cuda: decode chunks on the CPU (default) or on the GPU with nvCOMP "
+                        "(pip install 'stoker[gpu]'); the report gives the bytes over PCIe per batch")
     p.add_argument("--rounds", type=_positive_int, default=None,
                    help="interleaved rounds of every peer; each one's median round is shown "
                         "(default 3; 1 with --tiny)")

@@ -52,7 +52,9 @@ def batch_dtype(requested: torch.dtype | None, source: np.dtype, uri: str) -> to
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray | None:
-    """A numpy view of ``t`` when numpy has its dtype (not bfloat16), else None."""
+    """A numpy view of ``t`` when it is in host memory and numpy has its dtype (not bfloat16), else None."""
+    if t.device.type != "cpu":
+        return None
     try:
         return t.numpy()
     except TypeError:

@@ -6,8 +6,9 @@ free slot); ``submit`` starts it and returns a :class:`Job` that completes or fa
 ``deliver`` hands out a finished batch's view and how to release it, ``drop`` gives back a failed one;
 ``shutdown`` cancels work in flight, ``close`` frees the rest; ``check_budget``, ``held`` and ``peak_bytes``
 answer for memory. The CPU executor (:mod:`.cpu`: slots in host memory, filled by the compiled engine or
-the Python path) and the CUDA executor (:mod:`.transfer`: the same filling pinned staging, then a copy and
-cast on the GPU) both keep it, so the pipeline has no branch for either: :func:`make_executor` picks one.
+the Python path), the CUDA executor (:mod:`.transfer`: the same filling pinned staging, then a copy and
+cast on the GPU) and the GPU-decode executor (:mod:`.gpu_decode`: chunks cross encoded and are decoded, cast
+and placed on the device) all keep it, so the pipeline has no branch for any: :func:`make_executor` picks one.
 
 >>> executor = make_executor(cfg, device, stats, store)
 >>> executor.prepare(sample_shape, readers, dtype)
@@ -25,6 +26,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from ..errors import InvalidArgument
 
 class Job:
     """One batch in flight. ``then(job)``, if given, runs once every chunk is in place (on the thread that
@@ -46,7 +48,7 @@ class Job:
         self._cancel: list[Callable[[], None]] = []  # what cancel() stops (the engine's job)
         # read/decode counters of this batch, added to Stats when it is popped, so every counter
         # describes the same delivered batches (work done ahead is not lost to stats_reset())
-        self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0}
+        self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0, "bytes_to_device": 0}
         if n_chunks == 0:
             self._complete()
 
@@ -153,8 +155,33 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
+def decode_on(requested: str, device: torch.device, nvcomp_available: Callable[[], bool]) -> str:
+    """Where a pipeline on ``device`` decodes its chunks for ``Config.decode_on=requested``: "cpu" or "gpu".
+
+    "auto" is the CPU decode for now (where the GPU decode pays has not been measured); "gpu" needs a CUDA
+    device and NVIDIA nvCOMP (InvalidArgument saying which is missing)."""
+    if requested != "gpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise InvalidArgument(f"Config.decode_on='gpu' decodes chunks on a CUDA device, but this pipeline runs on "
+                              f"{device}: set Config.device to a GPU (device=local_rank after "
+                              "torch.cuda.set_device(local_rank)), or use decode_on='cpu'", knob="decode_on")
+    if not nvcomp_available():
+        raise InvalidArgument("Config.decode_on='gpu' needs NVIDIA nvCOMP's Python package, which is not installed: "
+                              "pip install 'stoker[gpu]' (nvidia-nvcomp-cu12), or use decode_on='cpu'",
+                              knob="decode_on")
+    return "gpu"
+
+
 def make_executor(cfg: Any, device: torch.device, stats: Any, store: Any) -> Executor:
-    """The executor for batches on ``device``: CUDA's (pinned staging, copy and cast on the GPU) or the CPU's."""
+    """The executor for batches on ``device``: the GPU-decode one (``decode_on="gpu"``: chunks decoded on the
+    device), CUDA's (pinned staging, copy and cast on the GPU) or the CPU's."""
+    from ..gpu import nvcomp
+
+    if decode_on(cfg.decode_on, device, nvcomp.available) == "gpu":
+        from .gpu_decode import GpuDecodeExecutor
+
+        return GpuDecodeExecutor(cfg, device, stats, store)
     if device.type == "cuda":
         from .transfer import CudaExecutor
 

@@ -246,6 +246,7 @@ class CudaExecutor(CpuExecutor):
         if self.cfg.transform is not None:
             self.stats.stage("transform", transform_s)  # enqueueing it: the kernels run on the side stream
         self.stats.stage("transfer", time.perf_counter() - t0 - transform_s, bytes_in=nbytes)
+        job.count(bytes_to_device=nbytes)
 
     def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]:
         view, release, _, _ = super().deliver(target, rows)

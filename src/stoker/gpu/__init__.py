@@ -5,8 +5,9 @@
 - :mod:`.ops`: the torch operations the device runs after decompression (byte and bit unshuffle,
   segment copies), written for any device, CPU tensors included;
 - :mod:`.reference`: the CPU reference decode of those streams (c-blosc's own LZ4 and zstd, through
-  numcodecs' extensions), which the tests hold to numcodecs bit for bit;
+  numcodecs' extensions), which the tests hold to numcodecs bit for bit, and ``HostDecoder``, the device
+  decoder's interface over it (the GPU-decode executor's tests run on it);
 - :mod:`.nvcomp`: the device decode over NVIDIA's nvCOMP (an optional dependency, imported lazily).
 
-Nothing here is wired into :class:`~stoker.Pipeline` yet (``Config.decode_on="gpu"`` is refused).
+The executor that uses them is :mod:`stoker.engine.gpu_decode` (``Config.decode_on="gpu"``).
 """

@@ -377,6 +377,20 @@ def batch(layouts: Sequence[Layout], in_bases: Sequence[int] | None = None,
     )
 
 
+def raw_layout(in_nbytes: int, chunk_in: Any, chunk_nbytes: Any, chunk_out: Any) -> Layout:
+    """Chunks stored as they are (decoded elsewhere): one raw stream each, ``chunk_nbytes[i]`` bytes copied
+    from ``chunk_in[i]`` of an ``in_nbytes`` input to ``chunk_out[i]`` of the output."""
+    ins, nbytes, outs = (np.asarray(a, dtype=_I64).reshape(-1) for a in (chunk_in, chunk_nbytes, chunk_out))
+    if not len(ins) == len(nbytes) == len(outs) or np.any(ins < 0) or np.any(ins + nbytes > in_nbytes) or \
+            np.any(outs < 0):
+        raise ValueError(f"raw_layout: one offset per chunk, its bytes inside the {in_nbytes}-byte input")
+    _check_disjoint(outs, nbytes)
+    k, empty = len(ins), np.zeros(0, _I64)
+    return Layout(ins, nbytes, outs, nbytes, np.ones(k, bool), np.full(k, UNSUPPORTED, np.int8), np.arange(k, dtype=_I64),
+                  empty, empty, empty, empty.astype(np.int8), ins, nbytes, outs, nbytes, int(in_nbytes),
+                  int((outs + nbytes).max()) if k else 0)
+
+
 def _bases(given: Sequence[int] | None, sizes: np.ndarray, k: int, name: str) -> np.ndarray:
     if given is None:
         return np.cumsum(sizes) - sizes

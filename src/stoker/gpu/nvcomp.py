@@ -70,6 +70,9 @@ class DeviceDecoder:
     once :attr:`stream` has run the work queued so far (``torch.cuda.current_stream().wait_stream``).
     """
 
+    #: streams that decode to more than this go to the CPU (:func:`can_decode`)
+    max_stream_bytes = MAX_STREAM_BYTES
+
     def __init__(self, device: torch.device | int | str, stream: torch.cuda.Stream | None = None) -> None:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.type != "cuda":
@@ -94,11 +97,15 @@ class DeviceDecoder:
         stage(frames, layout, staged.numpy())
         return self.decode_staged(staged, layout)
 
-    def decode_staged(self, staged: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def decode_staged(self, staged: torch.Tensor, layout: Layout, data: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`decode`, for chunks already in ``staged`` (pinned, uint8) where ``layout`` has them
         (:func:`~stoker.gpu.frames.parse_blosc_batch` parses them there). ``staged`` must not be
         written again before :attr:`stream` has run past this call (its copy to the device is
-        queued there; an event recorded on :attr:`stream` tells when)."""
+        queued there; an event recorded on :attr:`stream` tells when). ``data`` and ``out``: device
+        buffers (flat uint8, at least ``layout.in_nbytes`` and ``layout.out_nbytes``) for the staged
+        copy and the decoded bytes, allocated here when not given; the result is ``out``'s first
+        ``layout.out_nbytes`` bytes."""
         if not can_decode(layout):
             raise UnsupportedFrame(f"chunks {layout.unsupported_chunks().tolist()} hold streams that are neither lz4 "
                                    f"nor zstd, or streams over {MAX_STREAM_BYTES} bytes")
@@ -106,8 +113,15 @@ class DeviceDecoder:
             raise ValueError(f"decode_staged: needs a flat uint8 tensor of {layout.in_nbytes} bytes")
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             # allocated on this stream, so the caching allocator reuses them only after its work
-            data = staged[:layout.in_nbytes].to(self.device, non_blocking=True)
-            out = torch.empty(layout.out_nbytes, dtype=torch.uint8, device=self.device)
+            if data is None:
+                data = torch.empty(layout.in_nbytes, dtype=torch.uint8, device=self.device)
+            ops.check_flat(data, layout.in_nbytes, "decode_staged")
+            data = data[:layout.in_nbytes]
+            data.copy_(staged[:layout.in_nbytes], non_blocking=True)
+            if out is None:
+                out = torch.empty(layout.out_nbytes, dtype=torch.uint8, device=self.device)
+            ops.check_flat(out, layout.out_nbytes, "decode_staged")
+            out = out[:layout.out_nbytes]
             for codec in _ALGORITHMS:
                 rows = np.flatnonzero(~layout.raw & (layout.codec == codec))
                 if len(rows):

@@ -86,7 +86,7 @@ def _groups(*keys: np.ndarray):
 
 def unshuffle_(buf: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Unshuffle in place every block of ``layout`` in ``buf`` (flat uint8, ``layout.out_nbytes`` long)."""
-    _check_flat(buf, layout.out_nbytes, "unshuffle_")
+    check_flat(buf, layout.out_nbytes, "unshuffle_")
     for (size, typesize, shuffle), rows in _groups(layout.block_size, layout.block_typesize, layout.block_shuffle):
         starts = torch.as_tensor(layout.block_dst[rows], device=buf.device)
         windows = buf.unfold(0, size, 1)
@@ -106,7 +106,7 @@ def copy_segments_(src: torch.Tensor, src_off: np.ndarray, dst: torch.Tensor, ds
     return dst
 
 
-def _check_flat(buf: torch.Tensor, nbytes: int, what: str) -> None:
+def check_flat(buf: torch.Tensor, nbytes: int, what: str) -> None:
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < nbytes:
         raise ValueError(f"{what}: needs a flat uint8 tensor of at least {nbytes} bytes, got {buf.dtype} "
                          f"{tuple(buf.shape)}")

@@ -47,8 +47,9 @@ def available() -> bool:
     return None not in (_lz4, _zstd, _zstd_is_error)
 
 
-def decode_streams(data: np.ndarray, layout: Layout) -> np.ndarray:
-    """The decoded bytes (``layout.out_nbytes``) of the streams of ``layout``, whose input is ``data``.
+def decode_streams(data: np.ndarray, layout: Layout, out: np.ndarray | None = None) -> np.ndarray:
+    """The decoded bytes (``layout.out_nbytes``) of the streams of ``layout``, whose input is ``data``,
+    in ``out`` (a flat uint8 buffer of at least that many bytes; its first ones are returned) or a new array.
 
     Raises :class:`UnsupportedFrame` when a stream needs a compressor other than LZ4 and zstd, and
     :class:`FrameError` when a stream does not decode to exactly its size.
@@ -62,7 +63,11 @@ def decode_streams(data: np.ndarray, layout: Layout) -> np.ndarray:
     data = np.ascontiguousarray(data, dtype=np.uint8)
     if len(data) < layout.in_nbytes:
         raise ValueError(f"decode_streams: {len(data)} input bytes for a layout of {layout.in_nbytes}")
-    out = np.empty(layout.out_nbytes, np.uint8)
+    if out is None:
+        out = np.empty(layout.out_nbytes, np.uint8)
+    if out.dtype != np.uint8 or out.ndim != 1 or len(out) < layout.out_nbytes or not out.flags.c_contiguous:
+        raise ValueError(f"decode_streams: out must be a flat uint8 buffer of at least {layout.out_nbytes} bytes")
+    out = out[:layout.out_nbytes]
     base_in = data.ctypes.data
     base_out = out.ctypes.data
     rows = zip(layout.src.tolist(), layout.csize.tolist(), layout.dst.tolist(), layout.dsize.tolist(),
@@ -84,6 +89,32 @@ def decode_streams(data: np.ndarray, layout: Layout) -> np.ndarray:
                        layout.dsize[raw])
     ops.unshuffle_(torch.from_numpy(out), layout)
     return out
+
+
+class HostDecoder:
+    """:class:`~stoker.gpu.nvcomp.DeviceDecoder`'s interface on the CPU, over :func:`decode_streams`.
+
+    What the GPU-decode executor runs in place of nvCOMP where there is no GPU (its tests run the
+    executor end to end on CPU tensors with it): the same layouts, the same raw copies and torch
+    unshuffle, and the same limit on the streams it takes (:attr:`max_stream_bytes`, nvCOMP's by
+    default), so the same chunks go to the CPU decode.
+    """
+
+    device = torch.device("cpu")
+    stream = None
+
+    def __init__(self, max_stream_bytes: int = 1 << 24) -> None:
+        self.max_stream_bytes = max_stream_bytes
+
+    def decode_staged(self, staged: torch.Tensor, layout: Layout, data: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoded bytes of the chunks in ``staged`` (``data`` is not needed: the input is read where it is)."""
+        if np.any(~layout.raw & (layout.dsize > self.max_stream_bytes)):
+            raise UnsupportedFrame(f"streams over {self.max_stream_bytes} bytes")
+        if out is None:
+            out = torch.empty(layout.out_nbytes, dtype=torch.uint8)
+        decode_streams(staged[:layout.in_nbytes].numpy(), layout, out.numpy())
+        return out[:layout.out_nbytes]
 
 
 def decode(frames: Sequence[Any], layout: Layout) -> np.ndarray:

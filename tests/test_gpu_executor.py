@@ -1,0 +1,296 @@
+"""The GPU-decode executor, run end to end on CPU tensors (its stream decoder: gpu.reference.HostDecoder).
+
+The executor is the one ``Config(decode_on="gpu")`` builds on a CUDA device; here the pipeline is given it
+through its factory (``GpuDecodeExecutor.on_host``), and its batches are held to the CPU executor's and to
+zarr-python's, bit for bit. tests/test_gpu_nvcomp.py runs it on a GPU with nvCOMP.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numcodecs
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+
+import stoker
+from stoker.engine import executor as executors
+from stoker.engine import pipeline as pipelines
+from stoker.engine.gpu_decode import GpuDecodeExecutor, device_casts
+from stoker.errors import BudgetExceeded, DecodeError, InvalidArgument
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def gpu_decode(monkeypatch):
+    """Pipelines built in the test decode with the GPU-decode executor on the CPU; yields the executors made."""
+    made = []
+
+    def factory(cfg, device, stats, store):
+        ex = GpuDecodeExecutor.on_host(cfg, stats, store, max_stream_bytes=made_limit[0])
+        made.append(ex)
+        return ex
+
+    made_limit = [1 << 24]
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+    yield made, made_limit
+
+
+def _write(path, shape, chunks, dtype, compressors, zarr_format=3, fill_value=0, skip=None, seed=0, shards=None):
+    z = zarr.create_array(str(path), shape=shape, chunks=chunks, dtype=dtype, fill_value=fill_value,
+                          zarr_format=zarr_format, shards=shards, compressors=compressors)
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind == "f":
+        data = rng.normal(0, 300, size=shape).astype(dtype)
+        data.reshape(-1)[::97] = np.nan
+    elif np.dtype(dtype).kind == "b":
+        data = rng.integers(0, 2, size=shape).astype(bool)
+    else:
+        info = np.iinfo(dtype)
+        smooth = np.add.outer(np.arange(shape[0]), np.arange(shape[1]))[..., None] + np.arange(shape[2])
+        data = (smooth % max(2, min(info.max, 4000)) + rng.integers(0, 3, size=shape)).astype(dtype)
+    if skip is None:
+        z[:] = data
+    else:  # leave the chunks of the first `skip` rows of chunks unwritten: the fill value
+        z[skip:] = data[skip:]
+        data[:skip] = fill_value
+    return z, data
+
+
+def _arrays(root):
+    """Arrays of every codec the device decodes, a few it does not, partial edge chunks and missing chunks."""
+    shape, chunks = (20, 37, 29), (8, 16, 16)
+    made = {}
+    specs = {
+        "zstd-u16": ("uint16", ZstdCodec(level=3), 3),
+        "lz4-shuffle-u16": ("uint16", BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"), 3),
+        "lz4-bitshuffle-u8": ("uint8", BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"), 3),
+        "zstd-shuffle-i16": ("int16", BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"), 3),
+        "zstd-bitshuffle-f32": ("float32", BloscCodec(cname="zstd", clevel=3, shuffle="bitshuffle"), 3),
+        "v2-lz4-typesize4-u16": ("uint16", numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, blocksize=1024), 2),
+        "v2-zstd-u8": ("uint8", numcodecs.Zstd(level=1), 2),
+        "gzip-u16": ("uint16", GzipCodec(level=1), 3),
+        "blosclz-u16": ("uint16", BloscCodec(cname="blosclz", clevel=5, shuffle="shuffle"), 3),
+        "zstd-i32": ("int32", ZstdCodec(level=1), 3),
+    }
+    for i, (name, (dtype, comp, fmt)) in enumerate(specs.items()):
+        made[name] = _write(root / f"{name}.zarr", shape, chunks, dtype, comp, zarr_format=fmt,
+                            fill_value=7 if i % 2 else 0, skip=8 if i % 3 == 0 else None, seed=i)
+    return made
+
+
+def _samples(uri, shape, crop, n, seed):
+    rng = np.random.default_rng(seed)
+    return [stoker.Sample(uri, [(a, a + c) for a, c in zip([int(rng.integers(0, s - c + 1)) for s, c in
+                                                            zip(shape, crop)], crop)]) for _ in range(n)]
+
+
+def _run(samples, **kw):
+    cfg = stoker.Config(batch_size=4, device="cpu", n_compute_threads=1, n_io_threads=1,
+                        host_buffer_bytes=64 << 20, device_buffer_bytes=64 << 20, drop_last=False, **kw)
+    with stoker.Pipeline(cfg) as p:
+        p.push(samples)
+        out = [torch.from_dlpack(b).clone() for b in p]
+        return out, p.stats()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, except the bits of NaNs in bfloat16: the CPU path itself gives 0x7FC0 from its compiled
+    engine and what torch's vectorised cast gives (0xFFFF here) from the Python path and zarr + torch."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    same = _bits(a) == _bits(b)
+    if a.dtype == torch.bfloat16:
+        same |= torch.isnan(a) & torch.isnan(b)
+    return bool(same.all())
+
+
+def _expected(data, sample, dtype):
+    crop = data[tuple(slice(a, b) for a, b in sample.aabb)]
+    if dtype == "native":
+        return torch.from_numpy(np.ascontiguousarray(crop))
+    if dtype == "bf16":
+        return torch.from_numpy(crop.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(crop.astype({"f32": np.float32, "f16": np.float16}[dtype]))
+
+
+@pytest.fixture(scope="module")
+def arrays(tmp_path_factory):
+    return _arrays(tmp_path_factory.mktemp("gpu-exec"))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16", "native"])
+def test_batches_are_the_cpu_executor_s_and_zarr_s_bit_for_bit(arrays, gpu_decode, dtype):
+    made, _ = gpu_decode
+    for name, (z, data) in arrays.items():
+        samples = _samples(_uri(z), data.shape, (6, 20, 13), 7, seed=len(name))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            got, stats = _run(samples, dtype=dtype)
+        made_before = len(made)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pipelines, "make_executor", executors.make_executor)
+            want, _ = _run(samples, dtype=dtype)
+        assert len(made) == made_before and [g.shape for g in got] == [w.shape for w in want], name
+        for g, w in zip(got, want):
+            assert _same(g, w), (name, dtype)
+        flat = torch.cat(got)
+        for row, s in zip(flat, samples):
+            assert _same(row, _expected(data, s, dtype).to(row.dtype)), (name, dtype)
+
+
+def _uri(z):
+    return str(z.store.root)
+
+
+def test_what_crosses_to_the_device_is_the_encoded_bytes_read(arrays, gpu_decode):
+    z, data = arrays["lz4-shuffle-u16"]
+    got, stats = _run(_samples(_uri(z), data.shape, (8, 16, 16), 8, seed=3))
+    assert stats.bytes_read > 0 and stats.bytes_to_device == stats.bytes_read
+    assert stats.bytes_decoded == stats.chunks_decoded * 8 * 16 * 16 * 2
+
+
+def test_chunks_the_device_does_not_decode_are_decoded_on_the_cpu_with_one_notice(arrays, gpu_decode):
+    zg, dg = arrays["gzip-u16"]
+    zz, dz = arrays["zstd-u16"]
+    samples = [s for pair in zip(_samples(_uri(zg), dg.shape, (5, 9, 9), 6, 1), _samples(_uri(zz), dz.shape, (5, 9, 9), 6, 2))
+               for s in pair]
+    with pytest.warns(RuntimeWarning, match=r"gzip-u16.zarr are decoded on the CPU: codecs gzip") as record:
+        got, stats = _run(samples)
+    assert sum("gzip-u16" in str(w.message) for w in record) == 1  # once, not per chunk or batch
+    flat = torch.cat(got)
+    for row, s in zip(flat, samples):
+        data = dg if "gzip" in s.uri else dz
+        assert torch.equal(row, _expected(data, s, "f32"))
+    # the gzip chunks crossed decoded (and cast), the zstd chunks encoded
+    assert stats.bytes_to_device > stats.bytes_read
+
+
+def test_streams_over_the_device_s_limit_are_decoded_on_the_cpu(arrays, gpu_decode):
+    made, limit = gpu_decode
+    limit[0] = 1000  # every zstd chunk (4 KiB) is over it; blosc blocks of 1 KiB / 2-byte items are not
+    z, data = arrays["zstd-u16"]
+    samples = _samples(_uri(z), data.shape, (6, 20, 13), 5, seed=4)
+    with pytest.warns(RuntimeWarning, match="frames the device does not decode"):
+        got, _ = _run(samples)
+    for row, s in zip(torch.cat(got), samples):
+        assert torch.equal(row, _expected(data, s, "f32"))
+
+
+def test_the_device_casts_only_what_it_rounds_as_the_cpu_does():
+    assert device_casts(np.dtype("uint16"), torch.float32) and device_casts(np.dtype("int16"), torch.bfloat16)
+    assert device_casts(np.dtype("float32"), torch.float32) and device_casts(np.dtype("uint8"), torch.float16)
+    assert not device_casts(np.dtype("float32"), torch.bfloat16)  # NaN conversions differ on the device
+    assert not device_casts(np.dtype("int32"), torch.float32)
+    assert not device_casts(np.dtype("float16"), torch.float32)
+
+
+def _corrupt(path, key, how):
+    f = os.path.join(path, *key.split("/"))
+    raw = bytearray(open(f, "rb").read())
+    if how == "truncate":
+        raw = raw[:len(raw) // 2]
+    elif raw[:4] == b"\x28\xb5\x2f\xfd":  # zstd: flip bytes of the compressed block
+        for i in range(len(raw) // 2, len(raw) // 2 + 16):
+            raw[i] ^= 0x5A
+    else:  # blosc (lz4 streams decode flipped bytes without noticing): its first block starts past the end
+        raw[16:20] = (len(raw) + 100).to_bytes(4, "little")
+    open(f, "wb").write(bytes(raw))
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_a_corrupt_chunk_fails_its_batch_with_the_cpu_path_s_error(tmp_path, gpu_decode, codec, how):
+    comp = ZstdCodec(level=3) if codec == "zstd" else BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")
+    z, data = _write(tmp_path / "a.zarr", (16, 32, 32), (8, 16, 16), "uint16", comp)
+    _corrupt(str(tmp_path / "a.zarr"), "c/1/0/1", how)
+    samples = [stoker.Sample(str(tmp_path / "a.zarr"), [(0, 16), (0, 32), (0, 32)])]
+    errors = []
+    for factory in (None, executors.make_executor):
+        with pytest.MonkeyPatch.context() as mp:
+            if factory is not None:
+                mp.setattr(pipelines, "make_executor", factory)
+            cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=1, host_buffer_bytes=64 << 20,
+                                device_buffer_bytes=64 << 20)
+            with stoker.Pipeline(cfg) as p:
+                p.push(samples)
+                with pytest.raises(DecodeError) as e:
+                    p.pop()
+                errors.append(e.value)
+    gpu, cpu = errors
+    assert type(gpu) is type(cpu) and gpu.key == cpu.key == "c/1/0/1" and gpu.uri == cpu.uri
+    assert str(tmp_path / "a.zarr") in str(gpu) and "c/1/0/1" in str(gpu)
+
+
+def test_sharded_arrays_and_samples_of_several_arrays(tmp_path, gpu_decode):
+    z, data = _write(tmp_path / "s.zarr", (32, 32, 32), (8, 8, 8), "uint16",
+                     BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle"), shards=(16, 16, 32), skip=8)
+    z2, data2 = _write(tmp_path / "t.zarr", (32, 32, 32), (16, 16, 16), "uint16", ZstdCodec(level=1), seed=5)
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(6):
+        c = [int(v) for v in rng.integers(0, 32 - 10, 3)]
+        box = [(a, a + 10) for a in c]
+        samples.append(stoker.Sample([str(tmp_path / "s.zarr"), str(tmp_path / "t.zarr")], box))
+    got, stats = _run(samples)
+    for row, s in zip(torch.cat(got), samples):
+        sel = tuple(slice(a, b) for a, b in s.aabb)
+        assert torch.equal(row, torch.from_numpy(np.stack([data[sel], data2[sel]]).astype(np.float32)))
+    assert stats.bytes_to_device == stats.bytes_read
+
+
+def test_the_transform_runs_on_the_placed_batch(arrays, gpu_decode):
+    z, data = arrays["lz4-shuffle-u16"]
+    samples = _samples(_uri(z), data.shape, (4, 8, 8), 4, seed=9)
+    norm = stoker.transforms.Normalize(mean=100.0, std=3.0)
+    got, _ = _run(samples, dtype="bf16", transform=norm)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipelines, "make_executor", executors.make_executor)
+        want, _ = _run(samples, dtype="bf16", transform=norm)
+    assert all(_same(g, w) for g, w in zip(got, want))
+
+
+def test_budgets_too_small_for_one_chunk_are_refused_naming_the_knob(tmp_path, gpu_decode):
+    z, data = _write(tmp_path / "big.zarr", (8, 256, 256), (8, 256, 256), "uint16", ZstdCodec(level=1))
+    samples = [stoker.Sample(str(tmp_path / "big.zarr"), [(0, 8), (0, 8), (0, 8)])]
+    for knob, kw in (("device_buffer_bytes", {"device_buffer_bytes": 1 << 20}),
+                     ("host_buffer_bytes", {"host_buffer_bytes": 2 << 20})):
+        base = {"host_buffer_bytes": 64 << 20, "device_buffer_bytes": 64 << 20} | kw
+        with stoker.Pipeline(stoker.Config(batch_size=1, device="cpu", **base)) as p:
+            p.push(samples)
+            with pytest.raises(BudgetExceeded) as e:
+                p.pop()
+        assert e.value.knob == knob and f"Config.{knob}=" in str(e.value)
+
+
+def test_buffers_stay_within_the_budgets(arrays, gpu_decode):
+    made, _ = gpu_decode
+    z, data = arrays["zstd-u16"]
+    cfg = stoker.Config(batch_size=4, device="cpu", host_buffer_bytes=3 << 20, device_buffer_bytes=2 << 20)
+    with stoker.Pipeline(cfg) as p:
+        p.push(_samples(_uri(z), data.shape, (6, 20, 13), 8, seed=4))
+        for _ in p:
+            pass
+        ex = made[-1]
+        assert 0 < ex.device_nbytes() <= cfg.device_buffer_bytes
+        assert 0 < p.stats().peak_host_bytes <= cfg.host_buffer_bytes
+
+
+def test_decode_on_gpu_needs_a_cuda_device_and_nvcomp():
+    with pytest.raises(InvalidArgument, match="runs on cpu: set Config.device to a GPU") as e:
+        stoker.Pipeline(stoker.Config(decode_on="gpu", device="cpu"))
+    assert e.value.knob == "decode_on"
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(InvalidArgument, match=r"pip install 'stoker\[gpu\]'"):
+        executors.decode_on("gpu", cuda, lambda: False)
+    assert executors.decode_on("gpu", cuda, lambda: True) == "gpu"
+    assert executors.decode_on("auto", cuda, lambda: True) == "cpu"  # not measured yet: the CPU decode
