@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .. import gil
+from ..runtime import gil
 from ..errors import BudgetExceeded, DecodeError, ShutdownError
 from ..gpu import frames
 from ..storage import FileChanged
@@ -61,7 +61,7 @@ from ..zarr.grid import c_strides
 from .buffers import SlotRing, pinned_footprint
 from .cast import copy_cast, fill_value_as, numpy_view, torch_dtype_of
 from .executor import Job, Target
-from .transfer import _EVENTS
+from .transfer import EVENT_TYPES
 from .tables import F_IDENT, F_SOURCE, TablePlan, plan_tables
 
 #: decoded bytes of one group at most (more only for a single larger chunk)
@@ -410,7 +410,7 @@ class GpuDecodeExecutor:
         rows = plan.rows
         with self._on_device(), self._on_stream():
             for wait in slot.stream_waits:  # what the slot's previous batch asked its next writer to wait for
-                if isinstance(wait, _EVENTS):
+                if isinstance(wait, EVENT_TYPES):
                     self.stream.wait_event(wait)
                 else:
                     self.stream.wait_stream(wait)

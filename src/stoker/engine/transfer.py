@@ -42,7 +42,7 @@ from .executor import Job, Target
 
 # What release(event=...) accepts: torch's CUDA classes and the device-generic ones (torch.cuda.Stream is a
 # torch.Stream on CUDA builds; a generic torch.Event waits on any torch.Stream). torch.Event came in 2.4.
-_EVENTS = tuple(c for c in (torch.cuda.Event, getattr(torch, "Event", None)) if c is not None)
+EVENT_TYPES = tuple(c for c in (torch.cuda.Event, getattr(torch, "Event", None)) if c is not None)
 _STREAMS = tuple(c for c in (torch.cuda.Stream, getattr(torch, "Stream", None)) if c is not None)
 
 
@@ -83,7 +83,7 @@ class CudaTransfer:
             if self._closed:
                 raise ShutdownError("the pipeline was closed while this batch was being made")
             for wait in slot.stream_waits:
-                if isinstance(wait, _EVENTS):
+                if isinstance(wait, EVENT_TYPES):
                     self.stream.wait_event(wait)
                 else:  # a consumer stream: wait for all it has queued so far, the work on this slot included
                     self.stream.wait_stream(wait)
@@ -136,7 +136,7 @@ def release_waits(event_or_stream, consumers: list) -> list:
     stream), else every consumer stream that saw the batch."""
     if event_or_stream is None:
         return list(consumers)
-    if isinstance(event_or_stream, _EVENTS):
+    if isinstance(event_or_stream, EVENT_TYPES):
         return [event_or_stream]
     if isinstance(event_or_stream, _STREAMS):  # torch.accelerator.current_stream() gives a torch.Stream
         return [event_or_stream.record_event()]

@@ -142,9 +142,9 @@ def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMet
             raise _v2_group(uri)
         return parse_v2(doc[".zarray"], uri)
     join = (lambda name: f"{prefix}/{name}") if prefix else (lambda name: name)
-    found = hierarchy.first([join("zarr.json"), join(".zarray")], uri)
-    if found is not None:
-        key, raw = found
+    own = hierarchy.first([join("zarr.json"), join(".zarray")], uri)
+    if own is not None:
+        key, raw = own
         if key.endswith("zarr.json"):
             return _v3(parse_json(raw, uri, "zarr.json"), uri)
         return parse_v2(parse_json(raw, uri, ".zarray"), uri)
