@@ -52,7 +52,7 @@ class Tables:
         self.chunks = np.zeros((n, native.N_CHUNK_COLS), np.int64)
         c = self.chunks
         c[:, native.C_FILE] = np.arange(n)
-        c[:, native.C_OFFSET] = -1
+        c[:, native.C_OFFSET] = c[:, native.C_BUFFER] = -1
         c[:, native.C_SPAN_STOP] = c[:, native.C_NBYTES] = 128
         c[:, native.C_CODEC] = codec
         c[:, native.C_MAX_STORED] = 4096
@@ -428,7 +428,7 @@ def test_any_layout_and_byte_order_casts_as_copy_cast(tmp_path, dtype, layout, b
                          *strides]], np.int64)
     files = np.zeros((1, native.F_COORDS + 2), np.int64)
     chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
-    chunks[0, native.C_OFFSET] = -1
+    chunks[0, native.C_OFFSET] = chunks[0, native.C_BUFFER] = -1
     chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = chunk.nbytes
     chunks[0, native.C_CODEC] = native.ZSTD
     chunks[0, native.C_MAX_STORED] = chunk.nbytes + 4096

@@ -868,7 +868,7 @@ def test_engine_tables(work, data):
     files[:, native.F_COORDS + 1] = np.arange(n)
     chunks = np.zeros((n, native.N_CHUNK_COLS), np.int64)
     chunks[:, native.C_FILE] = np.arange(n)
-    chunks[:, native.C_OFFSET] = -1
+    chunks[:, native.C_OFFSET] = chunks[:, native.C_BUFFER] = -1
     chunks[:, native.C_SPAN_STOP] = chunks[:, native.C_NBYTES] = 128
     chunks[:, native.C_MAX_STORED] = 4096
     chunks[:, native.C_FIRST_COPY] = np.arange(n)
@@ -964,6 +964,7 @@ def test_lz4_zlib_gzip_chunks_decode_as_the_python_path_does(work, data):
     sources = np.array([[native.SOURCE_KINDS[np.dtype("uint8")], 0, 0, len(blob), ord("."), 0, 1]], np.int64)
     files = np.zeros((1, native.F_COORDS + 1), np.int64)
     chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
+    chunks[0, native.C_BUFFER] = -1
     chunks[0, native.C_OFFSET], chunks[0, native.C_LENGTH] = (4, len(stored)) if inner else (-1, 0)
     chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = nbytes
     chunks[0, native.C_CODEC] = codec

@@ -19,6 +19,8 @@ import zarr
 from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, ZstdCodec
 
 import stoker
+from stoker.engine.decode_native import NativeDecoder
+from stoker.engine.decode_python import PythonDecoder
 from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
 from stoker.storage.locate import Stores, locate
 
@@ -293,13 +295,24 @@ def _prefix(tree, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_pipeline_batches_equal_local(tree, kind):
+def test_pipeline_batches_equal_local(tree, kind, decode_path, monkeypatch):
     local = run_pipeline(tree["root"])
     prefix, options = _prefix(tree, kind)
+    # which path decodes the fetched chunks: the compiled engine (from the fetched buffers) where it is built
+    engine, python = [], []
+    fetched, decode = NativeDecoder._fetched, PythonDecoder._decode
+    monkeypatch.setattr(NativeDecoder, "_fetched", lambda self, job, fetch, *a, **k: engine.append(len(fetch.cids))
+                        or fetched(self, job, fetch, *a, **k))
+    monkeypatch.setattr(PythonDecoder, "_decode", lambda self, job, task, *a: python.append(task.key) or
+                        decode(self, job, task, *a))
     got = run_pipeline(prefix, options, requests_in_flight=3)
     assert len(got) == len(local) == 6
     for a, b in zip(got, local):
         assert a.numpy().tobytes() == b.numpy().tobytes()
+    if decode_path == "engine":  # every sampled array has a codec the engine decodes: none decoded in Python
+        assert sum(engine) > 6 and not python, (engine, python)
+    else:
+        assert not engine and python
 
 
 def test_requests_in_flight_is_validated():
