@@ -422,6 +422,31 @@ def test_a_batch_reports_its_lowest_failing_chunk(tmp_path):
         assert err.value.key == "c/0/1" and uri in str(err.value)
 
 
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_a_fetched_batch_reports_its_lowest_failing_chunk(tmp_path, codec):
+    """The same for an array in a zip archive, decoded by the engine from the fetched bytes: zstd's errors
+    mapped from its statuses, lz4's decided by the Python path from the same bytes (the engine leaves frames
+    it cannot read to it); the same typed error, naming the array and the chunk key."""
+    from store_fixtures import read_tree, write_zip
+
+    root = str(tmp_path / "src")
+    compressor = ZstdCodec(level=1) if codec == "zstd" else numcodecs.LZ4()
+    z = zarr.create_array(root + "/a.zarr", shape=(8, 64), chunks=(8, 8), dtype="uint16", compressors=compressor,
+                          zarr_format=3 if codec == "zstd" else 2)
+    z[...] = np.arange(512, dtype="uint16").reshape(8, 64)
+    values = read_tree(root)
+    for i in range(1, 8):
+        key = f"a.zarr/c/0/{i}" if codec == "zstd" else f"a.zarr/0.{i}"
+        values[key] = values[key][:-6] + (b"\xff" * 6 if codec == "zstd" else b"")  # a damaged or cut end
+    write_zip(str(tmp_path / "a.zip"), values)
+    uri = str(tmp_path / "a.zip/a.zarr")
+    for _ in range(5):
+        with pytest.raises(stoker.DecodeError) as err:
+            _pipeline_batch(uri, [[(0, 8), (0, 64)]])
+        assert err.value.key == ("c/0/1" if codec == "zstd" else "0.1") and uri in str(err.value)
+    assert np.array_equal(_pipeline_batch(uri, [[(0, 8), (0, 8)]])[0].numpy(), z[:, :8].astype(np.float32))
+
+
 def test_os_errors_name_the_file(tmp_path):
     uri = str(tmp_path / "a.zarr")
     z = zarr.create_array(uri, shape=(8, 16), chunks=(8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
@@ -527,8 +552,6 @@ def test_python_work_per_batch_does_not_grow_with_fetched_chunks(tmp_path, shard
     fetch handed to the engine in one call, with no chunk decoded in Python, and about the same number of
     Python calls in that hand-off and in the accounting after it (the fetch's requests and the store's own
     reads are per range by nature, and are not counted here)."""
-    from stoker.engine.decode_native import NativeDecoder
-    from stoker.engine.decode_python import PythonDecoder
 
     from store_fixtures import read_tree, write_zip
 

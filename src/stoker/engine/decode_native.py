@@ -10,6 +10,10 @@ and the chunk key. Of the engine's chunks, the error a batch reports is the one 
 chunk; a chunk the engine never took (another codec) runs beside them, and when one of those fails too, the
 batch reports whichever failed first.
 
+Chunks of arrays in stores (object stores, zip archives) are fetched first (:meth:`PythonDecoder.fetch`,
+planned here with numpy), and each finished fetch goes to the engine in one call, which reads them from the
+fetched buffers with the same checks as files; what it declines the Python path decodes from those bytes.
+
 A finisher thread per decoder waits for the engine's jobs (in C, GIL released) and does that mapping, so
 the pipeline's coordinator and the consumer never wait on the engine themselves.
 """
@@ -325,7 +329,7 @@ class NativeDecoder:
             if self._closing:
                 raise ShutdownError("the pipeline was closed while this batch was being made")
             bjob = self.engine.submit(*self._tables(job.plan, job.out, kind, sources, ids, fetched=True), buffers)
-        except BaseException as exc:  # noqa: BLE001 - closed meanwhile, or the engine refused the tables (a bug)
+        except BaseException:  # noqa: BLE001 - closed meanwhile, or the engine refused the tables (a bug)
             res.done()
             if self._closing:
                 exc = ShutdownError("the pipeline was closed while this batch was being made")
@@ -414,7 +418,7 @@ class NativeDecoder:
         for k, (cid, status, detail) in enumerate(zip(cids.tolist(), statuses.tolist(), details.tolist())):
             error, retry = self._outcome(job, cid, status, detail, data is not None)
             if retry is not None:
-                retries.append((cid, retry, job.plan.file_read(cid) if data is None else data[k]))
+                retries.append((cid, retry, job.plan.file_read(cid) if data is None else (cid, data[k])))
             elif final is None:
                 final = (cid, error)
         if final is None:

@@ -8,13 +8,14 @@ compute task; I/O threads take only the reads that must wait for memory.
 Per file read, the task reserves everything the read will need (encoded bytes plus decode scratch) from
 the transient budget in one step, so work that holds memory never waits for more memory.
 
-Arrays in a store (object stores, zip archives: ``reader.kv``) are read here too, never by the engine: a
-batch's chunks of one store are fetched by one call per group of reads (:func:`~stoker.storage.store.get_many`:
-whole chunk values, and inner chunks' ranges, which the store merges per object within its gap and size
-cap), with at most ``Config.requests_in_flight`` requests of the pipeline's stores at once (their shared
-semaphore); each fetched chunk is then decoded on the compute pool. An I/O thread only waits for the budget
-and starts an object store's fetch; no thread waits for the network, so the budget, not the I/O threads,
-bounds the fetches in flight.
+Arrays in a store (object stores, zip archives: ``reader.kv``) are fetched here, for both paths
+(:meth:`PythonDecoder.fetch`): a batch's chunks of one store by one call per group
+(:func:`~stoker.storage.store.get_many`: whole chunk values, and inner chunks' ranges, which the store merges
+per object within its gap and size cap), with at most ``Config.requests_in_flight`` requests of the
+pipeline's stores at once (their shared semaphore). A fetch reserves what it holds (:class:`Fetch`); its
+finished buffers go to the compiled engine in one call (:mod:`.decode_native`), or each fetched chunk is
+decoded on the compute pool here. An I/O thread only waits for the budget and starts an object store's
+fetch; no thread waits for the network, so the budget, not the I/O threads, bounds the fetches in flight.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def span_bytes(kv, objects: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
     """The bytes ``kv`` holds once it fetched these ranges (``objects[i]`` numbers range i's key): ranges of
     one key at most the store's ``max_gap`` apart are fetched as one read, the gap between them included
     (:func:`~stoker.storage.ranges.coalesce`; a store without ``max_gap`` merges none). An upper bound: the
-    store also caps a read's length, which only splits reads and leaves the gaps between them unread.
+    store also caps a read's length, which splits reads and leaves the gaps between them unread (a range
+    overlapping earlier ones is counted again: a split there fetches its bytes twice).
 
     >>> span_bytes(store_with_gap_64, np.array([0, 0]), np.array([0, 120]), np.array([100, 80]))
     200
@@ -85,7 +87,11 @@ def span_bytes(kv, objects: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
     new = first.copy()
     new[1:] |= start[1:] - reach[:-1] > gap
     heads = np.flatnonzero(new)
-    return int((np.maximum.reduceat(end, heads) - start[heads]).sum())
+    # a range overlapping those before it may start a read of its own (a read's length cap splits there),
+    # and then its bytes are fetched twice
+    overlaps = np.zeros(n, bool)
+    overlaps[1:] = ~first[1:] & (start[1:] < reach[:-1])
+    return int((np.maximum.reduceat(end, heads) - start[heads]).sum() + (end - start)[overlaps].sum())
 
 
 def _release(res: Reservation, users: int) -> None:
@@ -294,10 +300,11 @@ class PythonDecoder:
                 job.finish(len(items) - i, ShutdownError("the pipeline was closed"))
                 return
 
-    def decode_bytes(self, job: Job, cid: int, data, on_compute: bool = False) -> None:
-        """Decode chunk ``cid`` from bytes fetched for it (one the engine left to this path) and place it. What it
-        holds (those bytes, past their fetch, and its decode scratch) is reserved here: a compute thread that
-        finds the budget short passes the chunk to an I/O thread, which waits for it."""
+    def decode_bytes(self, job: Job, fetched: tuple[int, Any], on_compute: bool = False) -> None:
+        """Decode a chunk from the bytes fetched for it (``(chunk number, bytes)``: one the engine left to this
+        path) and place it. What it holds (those bytes, past their fetch, and its decode scratch) is reserved
+        here: a compute thread that finds the budget short passes the chunk to an I/O thread, which waits."""
+        cid, data = fetched
         task = job.plan.chunks[cid]
         res = Reservation(self.budget, users=1)
         held = memoryview(data).nbytes + size_class(job.plan.sources[task.source].metadata.codec.nbytes)
@@ -305,7 +312,7 @@ class PythonDecoder:
             self._reserve(res, held, on_compute)
         except _NoRoom:
             try:
-                self._io.submit(self._guard, job, 1, self.decode_bytes, job, cid, data, False)
+                self._io.submit(self._guard, job, 1, self.decode_bytes, job, fetched, False)
             except ShutdownError:  # the pool was shut down (close)
                 raise Cancelled() from None
             return
