@@ -412,7 +412,7 @@ class NativeDecoder:
         """Chunks the engine did not place, in chunk order: errors, or reads for the Python path (``data``: the
         fetched bytes of each, decoded there again). The batch reports its lowest failing chunk's error: the
         Python path first reads the chunks below the first error here (in order, stopping at one that fails),
-        then the rest are counted."""
+        then the rest are counted; with no error here, it reads them all in order in one task."""
         final = None
         retries: list[tuple[int, Callable, object]] = []
         for k, (cid, status, detail) in enumerate(zip(cids.tolist(), statuses.tolist(), details.tolist())):
@@ -421,9 +421,8 @@ class NativeDecoder:
                 retries.append((cid, retry, job.plan.file_read(cid) if data is None else (cid, data[k])))
             elif final is None:
                 final = (cid, error)
-        if final is None:
-            for cid, retry, arg in retries:
-                self._python.run(self._python._guard, job, 1, retry, job, arg, True)
+        if final is None:  # one task, in chunk order: the batch reports the lowest of them that fails
+            self._python.run(self._retry_in_order, job, len(retries), retries)
             return
         done = 0
         for cid, retry, arg in retries:
@@ -432,6 +431,12 @@ class NativeDecoder:
             self._python._guard(job, 1, retry, job, arg, True)
             done += 1
         job.finish(len(cids) - done, final[1])
+
+    def _retry_in_order(self, job: Job, n: int, retries: list) -> None:
+        """The ``n`` chunks the Python path reads (or decodes) again, one after the other in chunk order; once
+        one fails, the rest are only counted (``_guard``)."""
+        for _, retry, arg in retries:
+            self._python._guard(job, 1, retry, job, arg, True)
 
     def _outcome(self, job: Job, cid: int, status: int, detail: int, fetched: bool = False):
         """``(error, None)`` for a chunk that failed, ``(None, retry)`` for one the Python path reads (or, for a
