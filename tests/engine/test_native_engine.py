@@ -52,7 +52,7 @@ class Tables:
         self.chunks = np.zeros((n, native.N_CHUNK_COLS), np.int64)
         c = self.chunks
         c[:, native.C_FILE] = np.arange(n)
-        c[:, native.C_OFFSET] = -1
+        c[:, native.C_OFFSET] = c[:, native.C_BUFFER] = -1
         c[:, native.C_SPAN_STOP] = c[:, native.C_NBYTES] = 128
         c[:, native.C_CODEC] = codec
         c[:, native.C_MAX_STORED] = 4096
@@ -100,6 +100,129 @@ def test_a_batch_in_one_call(tmp_path):
         np.testing.assert_array_equal(t.batch[i], t.expected(i))
     assert counters["chunks_decoded"] == 40 and counters["bytes_decoded"] == 40 * 128
     assert counters["bytes_read"] == sum(os.path.getsize(t.root + f"c/0.{i}") for i in range(40))
+    assert engine.close(5)
+
+
+def _in_memory(t: Tables, rows, buffers: int) -> None:
+    """Chunks ``rows`` of ``t`` read from buffers (row k's chunk: buffer k, whole) instead of files."""
+    for k, i in enumerate(rows):
+        t.chunks[i, native.C_FILE] = -1
+        t.chunks[i, native.C_BUFFER] = k
+
+
+def test_chunks_in_memory_are_read_as_files_are(tmp_path):
+    """Chunks whose stored bytes are in buffers (fetched from a store): whole buffers of any kind (bytes, a
+    memoryview slice, numpy), a range of a shared staging buffer, a missing value (None: the fill), zstd
+    stopped early and blosc decoded in part, beside chunks read from files, in one job; each decodes to
+    what its file would."""
+    t = Tables(tmp_path, 7)
+    frames = [numcodecs.Zstd(level=1).encode(_chunk(i).tobytes()) for i in range(7)]
+    blosc = numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, blocksize=32).encode(_chunk(4).tobytes())
+    staging = np.frombuffer(b"head" + frames[3] + b"tail", np.uint8)
+    t.write(6)  # a file beside them
+    buffers = [frames[0], memoryview(b"xx" + frames[1])[2:], None, staging, blosc, np.frombuffer(frames[5], np.uint8)]
+    _in_memory(t, range(6), len(buffers))
+    t.chunks[3, native.C_OFFSET], t.chunks[3, native.C_LENGTH] = 4, len(frames[3])
+    t.chunks[4, native.C_CODEC] = native.BLOSC
+    t.copies[4, 0] = 16  # the chunk's rows 2..: its first blosc block is not decoded
+    t.copies[4, 2] = 6
+    t.chunks[4, native.C_SPAN_START] = 32
+    t.copies[5, 2] = 2  # rows 0..1: zstd stops after the block holding them
+    t.chunks[5, native.C_SPAN_STOP] = 32
+    engine = native.Engine(2, 1 << 20)
+    job = engine.submit(*t.args(), buffers)
+    assert job.wait(10)
+    status, _, counters = _results(job)
+    assert status.tolist() == [native.OK] * 7
+    for i in (0, 1, 3, 6):
+        np.testing.assert_array_equal(t.batch[i], t.expected(i))
+    assert (t.batch[2] == -1).all()
+    np.testing.assert_array_equal(t.batch[4, :6], t.expected(4)[2:])
+    np.testing.assert_array_equal(t.batch[5, :2], t.expected(5)[:2])
+    assert counters["chunks_decoded"] == 6 and counters["chunks_filled"] == 1
+    assert engine.close(5)
+
+
+def test_chunks_in_memory_keep_the_checks_of_files(tmp_path):
+    """Stored larger than the codec's bound (TOO_BIG, unread), damaged (a codec error), decoded to another
+    size (SIZE), a blosc frame whose header disagrees (FRAME): the statuses a file of the same bytes gets."""
+    t = Tables(tmp_path, 4)
+    good = numcodecs.Zstd(level=1).encode(_chunk(0).tobytes())
+    buffers = [good, good[:-3] + b"\xff\xff\xff", numcodecs.Zstd(level=1).encode(b"\0" * 64),
+               numcodecs.Blosc("lz4").encode(b"\0" * 64)]
+    _in_memory(t, range(4), len(buffers))
+    t.chunks[0, native.C_MAX_STORED] = len(good) - 1
+    t.chunks[3, native.C_CODEC] = native.BLOSC
+    engine = native.Engine(1, 1 << 20)
+    job = engine.submit(*t.args(), buffers)
+    assert job.wait(10)
+    status, detail, _ = _results(job)
+    assert status.tolist() == [native.TOO_BIG, native.CODEC_ERROR, native.SIZE, native.FRAME]
+    assert detail[0] == len(good) and detail[2] == 64
+    assert (t.batch == 0).all()
+    assert engine.close(5)
+
+
+@pytest.mark.parametrize("where", [(-2, 0), (0, -1), (-1, 5), (1, 10**6), (2**62, 2**62), (4, 1)])
+def test_a_range_outside_its_buffer_is_refused_before_any_read(tmp_path, where):
+    """offset and length of a chunk in a buffer: (-1, 0) for the whole buffer, or a range inside it; any other
+    is a plan refused in C before a thread sees it; so are buffer numbers out of range and a fill or file
+    chunk naming a buffer."""
+    t = Tables(tmp_path, 1)
+    _in_memory(t, [0], 1)
+    t.chunks[0, native.C_OFFSET], t.chunks[0, native.C_LENGTH] = where
+    buffers = [b"abcd"] if where != (4, 1) else [None]
+    engine = native.Engine(1, 1 << 20)
+    with pytest.raises(ValueError, match="plan"):
+        engine.submit(*t.args(), buffers)
+    t.chunks[0, native.C_OFFSET], t.chunks[0, native.C_LENGTH] = -1, 0
+    for buffer, file, codec in [(1, -1, native.ZSTD), (-2, -1, native.ZSTD), (0, 0, native.ZSTD),
+                                (0, -1, native.FILL), (-1, -1, native.ZSTD)]:
+        t.chunks[0, native.C_BUFFER], t.chunks[0, native.C_FILE], t.chunks[0, native.C_CODEC] = buffer, file, codec
+        with pytest.raises(ValueError, match="plan"):
+            engine.submit(*t.args(), [b"abcd"])
+    with pytest.raises(TypeError):
+        engine.submit(*t.args(), [object()])
+    assert engine.close(5)
+
+
+def test_buffers_live_as_long_as_the_job(tmp_path):
+    """The job holds the buffers it reads (the caller may drop its own references at once) and lets them go
+    with it."""
+    import weakref
+
+    t = Tables(tmp_path, 2)
+    frame = np.frombuffer(numcodecs.Zstd(level=1).encode(_chunk(0).tobytes()), np.uint8).copy()
+    gone = weakref.ref(frame)
+    _in_memory(t, range(2), 2)
+    engine = native.Engine(1, 1 << 20)
+    job = engine.submit(*t.args(), [frame, frame[:]])
+    del frame
+    assert gone() is not None
+    assert job.wait(10)
+    assert _results(job)[0].tolist() == [native.OK] * 2
+    np.testing.assert_array_equal(t.batch[1], t.expected(0))
+    del job
+    assert gone() is None
+    assert engine.close(5)
+
+
+def test_cancel_stops_reading_buffers(tmp_path):
+    """Once cancel() returns no worker reads the job's buffers: they are freed right after it, mid-batch
+    (under AddressSanitizer, .ci/asan, a read of them after that is a fault)."""
+    n = 3000
+    t = Tables(tmp_path, n)
+    frame = numcodecs.Zstd(level=1).encode(_chunk(0).tobytes())
+    _in_memory(t, range(n), n)
+    engine = native.Engine(2, 1 << 20)
+    for _ in range(3):
+        buffers = [np.frombuffer(frame, np.uint8).copy() for _ in range(n)]
+        job = engine.submit(*t.args(), buffers)
+        job.cancel()  # as a rule mid-batch (how far the workers got is up to the machine)
+        del buffers  # the job's views hold them now
+        assert job.wait(10)
+        assert set(_results(job)[0].tolist()) <= {native.OK, native.CANCELLED}
+        del job  # the last views of the buffers: freed here
     assert engine.close(5)
 
 
@@ -299,6 +422,31 @@ def test_a_batch_reports_its_lowest_failing_chunk(tmp_path):
         assert err.value.key == "c/0/1" and uri in str(err.value)
 
 
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_a_fetched_batch_reports_its_lowest_failing_chunk(tmp_path, codec):
+    """The same for an array in a zip archive, decoded by the engine from the fetched bytes: zstd's errors
+    mapped from its statuses, lz4's decided by the Python path from the same bytes (the engine leaves frames
+    it cannot read to it); the same typed error, naming the array and the chunk key."""
+    from store_fixtures import read_tree, write_zip
+
+    root = str(tmp_path / "src")
+    compressor = ZstdCodec(level=1) if codec == "zstd" else numcodecs.LZ4()
+    z = zarr.create_array(root + "/a.zarr", shape=(8, 64), chunks=(8, 8), dtype="uint16", compressors=compressor,
+                          zarr_format=3 if codec == "zstd" else 2)
+    z[...] = np.arange(512, dtype="uint16").reshape(8, 64)
+    values = read_tree(root)
+    for i in range(1, 8):
+        key = f"a.zarr/c/0/{i}" if codec == "zstd" else f"a.zarr/0.{i}"
+        values[key] = values[key][:-6] + (b"\xff" * 6 if codec == "zstd" else b"")  # a damaged or cut end
+    write_zip(str(tmp_path / "a.zip"), values)
+    uri = str(tmp_path / "a.zip/a.zarr")
+    for _ in range(5):
+        with pytest.raises(stoker.DecodeError) as err:
+            _pipeline_batch(uri, [[(0, 8), (0, 64)]])
+        assert err.value.key == ("c/0/1" if codec == "zstd" else "0.1") and uri in str(err.value)
+    assert np.array_equal(_pipeline_batch(uri, [[(0, 8), (0, 8)]])[0].numpy(), z[:, :8].astype(np.float32))
+
+
 def test_os_errors_name_the_file(tmp_path):
     uri = str(tmp_path / "a.zarr")
     z = zarr.create_array(uri, shape=(8, 16), chunks=(8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
@@ -398,6 +546,71 @@ def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, 
         assert results[10][1][where] > 0 and abs(results[10][1][where] - results[1000][1][where]) <= 5, results
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_python_work_per_batch_does_not_grow_with_fetched_chunks(tmp_path, sharded):
+    """The same for an array in a store (a zip archive): a batch of 10 chunks and one of 1,000 are each one
+    fetch handed to the engine in one call, with no chunk decoded in Python, and about the same number of
+    Python calls in that hand-off and in the accounting after it (the fetch's requests and the store's own
+    reads are per range by nature, and are not counted here)."""
+
+    from store_fixtures import read_tree, write_zip
+
+    root = str(tmp_path / "src")
+    z = zarr.create_array(root + "/a.zarr", shape=(40, 40, 40), chunks=(4, 4, 4), dtype="uint8",
+                          shards=(40, 40, 40) if sharded else None, compressors=ZstdCodec(level=1))
+    z[...] = np.arange(64000, dtype=np.uint32).reshape(40, 40, 40) % 251
+    write_zip(str(tmp_path / "a.zip"), read_tree(root))
+    uri = str(tmp_path / "a.zip/a.zarr")
+    boxes = {10: [(0, 4), (0, 8), (0, 20)], 1000: [(0, 40), (0, 40), (0, 40)]}
+    results = {}
+    for n, box in boxes.items():
+        shape = tuple(b - a for a, b in box)
+        calls = {"fetches": 0, "submits": 0, "python_decodes": 0, "handoff": 0, "finish": 0}
+
+        def profiled(where, fn):
+            def run(*args, **kwargs):
+                def profile(frame, event, arg):
+                    if event in ("call", "c_call"):
+                        calls[where] += 1
+                sys.setprofile(profile)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    sys.setprofile(None)
+            return run
+
+        cfg = stoker.Config(batch_size=1, sample_shape=shape, dtype="f32", device="cpu", n_compute_threads=2,
+                            pop_timeout_s=20.0)
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(uri, box)])  # a first batch: the archive and array opened, threads up
+            with p.pop():
+                pass
+            executor = p._executor.decoders
+            decoder, python = executor.native, executor.python
+            fetch, decode, handoff, finish = python.fetch, python._decode, decoder._fetched, decoder._finish
+            python.fetch = lambda *a, **k: calls.__setitem__("fetches", calls["fetches"] + 1) or fetch(*a, **k)
+            python._decode = lambda *a, **k: calls.__setitem__("python_decodes", calls["python_decodes"] + 1) \
+                or decode(*a, **k)
+            real = decoder.engine
+            engine_submit = real.submit
+            decoder.engine = type("E", (), {"submit": lambda self, *a: calls.__setitem__(
+                "submits", calls["submits"] + 1) or engine_submit(*a)})()
+            decoder._fetched = profiled("handoff", handoff)
+            decoder._finish = profiled("finish", finish)
+            out = torch.empty((1, *shape))
+            plan = executor.plan(1, [stoker.Sample(uri, box)], p._open)
+            job = executor.submit(plan, out)
+            assert job.wait(20) and job.error is None and plan.n_chunks == n
+            want = z[tuple(slice(a, b) for a, b in box)].astype(np.float32)
+            assert np.array_equal(out[0].numpy(), want)
+            decoder.engine = real  # the real engine again for close (the stand-in has only its submit)
+        results[n] = calls
+    for n in boxes:
+        assert results[n]["fetches"] == results[n]["submits"] == 1 and results[n]["python_decodes"] == 0, results
+    for where in ("handoff", "finish"):
+        assert results[10][where] > 0 and abs(results[10][where] - results[1000][where]) <= 5, results
+
+
 @pytest.mark.parametrize("batch", ["f32", "bf16", "same"])
 @pytest.mark.parametrize("layout", ["C", "F", "C-swapped", "F-swapped"])
 @pytest.mark.parametrize("dtype", sorted(str(d) for d in native.SOURCE_KINDS))
@@ -428,7 +641,7 @@ def test_any_layout_and_byte_order_casts_as_copy_cast(tmp_path, dtype, layout, b
                          *strides]], np.int64)
     files = np.zeros((1, native.F_COORDS + 2), np.int64)
     chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
-    chunks[0, native.C_OFFSET] = -1
+    chunks[0, native.C_OFFSET] = chunks[0, native.C_BUFFER] = -1
     chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = chunk.nbytes
     chunks[0, native.C_CODEC] = native.ZSTD
     chunks[0, native.C_MAX_STORED] = chunk.nbytes + 4096

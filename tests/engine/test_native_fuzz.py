@@ -171,6 +171,47 @@ def call(work, codec, files: list[bytes], nbytes: int, spans, wheres, scratch_le
     return results, outs
 
 
+_MEMORY_ENGINE = None
+
+
+def from_memory(codec: int, data: bytes, where, nbytes: int, span: tuple[int, int], scratch_len: int, result,
+                out: np.ndarray) -> None:
+    """Read the same stored bytes from a buffer (a chunk fetched from a store) on the engine: the status and
+    detail the file got, and the same bytes placed; a range past the buffer is refused before any read."""
+    global _MEMORY_ENGINE
+    a, b = span
+    if nbytes < 1 or b <= a or nbytes + scratch_len > 1 << 26:  # the engine never asks for no bytes
+        return
+    if _MEMORY_ENGINE is None:
+        _MEMORY_ENGINE = native.Engine(1, 1 << 27)
+    buffer = np.frombuffer(data, np.uint8).copy()  # exactly sized: ASan guards its ends
+    chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
+    chunks[0, native.C_FILE] = -1
+    chunks[0, native.C_OFFSET], chunks[0, native.C_LENGTH] = where if where is not None else (-1, 0)
+    chunks[0, native.C_SPAN_START], chunks[0, native.C_SPAN_STOP] = a, b
+    chunks[0, native.C_CODEC], chunks[0, native.C_NBYTES], chunks[0, native.C_MAX_STORED] = codec, nbytes, scratch_len
+    chunks[0, native.C_NCOPIES] = 1
+    sources = np.array([[native.SOURCE_KINDS[np.dtype("uint8")], 0, 0, 1, ord("."), 0, 1]], np.int64)
+    batch = Guarded(b - a, fill=0x11)
+    args = (chunks, np.array([[a, 0, b - a]], np.int64), sources, np.zeros((0, native.F_COORDS + 1), np.int64),
+            b"x", batch.view, native.SAME, False, np.array([1], np.int64), [buffer])
+    if where is not None and where[0] + where[1] > len(data):
+        with pytest.raises(ValueError, match="outside its buffer"):
+            _MEMORY_ENGINE.submit(*args)
+        return
+    job = _MEMORY_ENGINE.submit(*args)
+    assert job.wait(20)
+    status, detail, _ = job.results()
+    status, detail = int(np.frombuffer(status, np.int32)[0]), int(np.frombuffer(detail, np.int64)[0])
+    event("read from memory too")
+    assert batch.intact(), "a write outside the batch"
+    assert status == result[0], f"from memory: status {status}, from its file: {result[0]}"
+    if status == native.OK:
+        assert batch.view.tobytes() == out[a:b].tobytes(), "from memory, other bytes than from its file"
+    else:
+        assert detail == result[2]
+
+
 # How a chunk is stored: a whole file, or an inner chunk of a shard between other bytes, at an offset and
 # with a length that may disagree with the frame (an index that lies or a shard cut short)
 placements = st.one_of(
@@ -198,6 +239,7 @@ def check_one(work, codec: int, stored: bytes, nbytes: int, span: tuple[int, int
     scratch_len = max(1, size + scratch_slack if size < 1 << 24 else len(data))
     spans, wheres = [span], [where]
     results, outs = call(work, codec, [data], nbytes, spans, wheres, scratch_len)
+    from_memory(codec, data, where, nbytes, span, scratch_len, results[0], outs[0].view)
     again, outs_again = call(work, codec, [data], nbytes, spans, wheres, scratch_len, scratch_fill=0xC3)
     result, out = results[0], outs[0].view
     status, nread, detail, *_, placed = result
@@ -851,7 +893,8 @@ def _edges(n: int):
 @given(st.data())
 def test_engine_tables(work, data):
     """Sound tables with a few values replaced by hostile ones (indices out of range, negative sizes, products
-    that overflow, copies outside the batch or the chunk, a blob with a NUL or too short, a batch too small):
+    that overflow, copies outside the batch or the chunk, buffers and ranges in them out of range, a blob with
+    a NUL or too short, a batch too small):
     refused with a ValueError before any thread sees them, or run to a status per chunk, with no write
     outside the batch's buffer (between guard bytes) and no read outside the threads' scratch (ASan)."""
     n = data.draw(st.integers(1, 5))
@@ -868,7 +911,7 @@ def test_engine_tables(work, data):
     files[:, native.F_COORDS + 1] = np.arange(n)
     chunks = np.zeros((n, native.N_CHUNK_COLS), np.int64)
     chunks[:, native.C_FILE] = np.arange(n)
-    chunks[:, native.C_OFFSET] = -1
+    chunks[:, native.C_OFFSET] = chunks[:, native.C_BUFFER] = -1
     chunks[:, native.C_SPAN_STOP] = chunks[:, native.C_NBYTES] = 128
     chunks[:, native.C_MAX_STORED] = 4096
     chunks[:, native.C_FIRST_COPY] = np.arange(n)
@@ -878,8 +921,15 @@ def test_engine_tables(work, data):
         chunks[i, native.C_OFFSET] = 4 if which == 0 else 4 + len(frame)
         chunks[i, native.C_LENGTH] = len(frame) if which == 0 else len(shard) - 8 - len(frame)
         chunks[i, native.C_CODEC] = native.ZSTD if which == 0 else native.BLOSC
+    # chunks in memory (fetched from a store): buffer i holds what file i holds, exactly sized (ASan guards
+    # its ends), or nothing (None: a missing value)
+    buffers = [None if data.draw(st.integers(0, 5)) == 0 else np.frombuffer(frame if i % 2 == 0 else shard,
+                                                                           np.uint8).copy() for i in range(n)]
+    for i in range(n):
+        if data.draw(st.booleans()):
+            chunks[i, native.C_FILE], chunks[i, native.C_BUFFER] = -1, i
     if data.draw(st.booleans()):
-        chunks[0, native.C_FILE], chunks[0, native.C_CODEC] = -1, native.FILL
+        chunks[0, native.C_FILE], chunks[0, native.C_BUFFER], chunks[0, native.C_CODEC] = -1, -1, native.FILL
     copies = np.zeros((n, 4), np.int64)
     copies[:, 1] = np.arange(n) * 64
     copies[:, 2:] = 8
@@ -899,9 +949,9 @@ def test_engine_tables(work, data):
         blob = data.draw(st.sampled_from([blob[:-1], blob[:3] + b"\0" + blob[4:], b""]))
     nbytes = n * 64 * d_item - data.draw(st.sampled_from([0] * 8 + [1, d_item, 64]))
     batch = Guarded(max(0, nbytes), fill=0x11)
-    note(f"tables {tables}, blob {blob!r}, kind {kind}, batch {nbytes} bytes")
+    note(f"tables {tables}, blob {blob!r}, kind {kind}, batch {nbytes} bytes, buffers {[b is None for b in buffers]}")
     try:
-        job = _engine().submit(chunks, copies, sources, files, blob, batch.view, kind, False, strides)
+        job = _engine().submit(chunks, copies, sources, files, blob, batch.view, kind, False, strides, buffers)
     except ValueError as exc:
         event("refused")
         assert "plan" in str(exc)
@@ -964,6 +1014,7 @@ def test_lz4_zlib_gzip_chunks_decode_as_the_python_path_does(work, data):
     sources = np.array([[native.SOURCE_KINDS[np.dtype("uint8")], 0, 0, len(blob), ord("."), 0, 1]], np.int64)
     files = np.zeros((1, native.F_COORDS + 1), np.int64)
     chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
+    chunks[0, native.C_BUFFER] = -1
     chunks[0, native.C_OFFSET], chunks[0, native.C_LENGTH] = (4, len(stored)) if inner else (-1, 0)
     chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = nbytes
     chunks[0, native.C_CODEC] = codec

@@ -16,9 +16,13 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, ZstdCodec
 
 import stoker
+from stoker.engine.decode_native import NativeDecoder
+from stoker.engine.decode_python import PythonDecoder
 from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
 from stoker.storage.locate import Stores, locate
 
@@ -371,13 +375,24 @@ def _prefix(tree, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_pipeline_batches_equal_local(tree, kind):
+def test_pipeline_batches_equal_local(tree, kind, decode_path, monkeypatch):
     local = run_pipeline(tree["root"])
     prefix, options = _prefix(tree, kind)
+    # which path decodes the fetched chunks: the compiled engine (from the fetched buffers) where it is built
+    engine, python = [], []
+    fetched, decode = NativeDecoder._fetched, PythonDecoder._decode
+    monkeypatch.setattr(NativeDecoder, "_fetched", lambda self, job, fetch, *a, **k: engine.append(len(fetch.cids))
+                        or fetched(self, job, fetch, *a, **k))
+    monkeypatch.setattr(PythonDecoder, "_decode", lambda self, job, task, *a: python.append(task.key) or
+                        decode(self, job, task, *a))
     got = run_pipeline(prefix, options, requests_in_flight=3)
     assert len(got) == len(local) == 6
     for a, b in zip(got, local):
         assert a.numpy().tobytes() == b.numpy().tobytes()
+    if decode_path == "engine":  # every sampled array has a codec the engine decodes: none decoded in Python
+        assert sum(engine) > 6 and not python, (engine, python)
+    else:
+        assert not engine and python
 
 
 def test_requests_in_flight_is_validated():
@@ -937,7 +952,7 @@ def test_a_damaged_shard_index_fails_its_first_chunk_and_costs_the_others_nothin
 
 @pytest.mark.parametrize("kind", ["http", "zip"])
 def test_reading_a_box_costs_one_call_for_its_indexes_and_one_for_its_chunks(many, kind, monkeypatch):
-    import stoker.array
+    import stoker.reader.array
 
     boxes = ((slice(3, 29), slice(1, 30)), (slice(0, 32), slice(0, 32)), (slice(25, 27), slice(5, 6)))
     # the shards: indexes, then chunks (none for the last box: its shard is missing); unsharded: the chunks
@@ -948,8 +963,60 @@ def test_reading_a_box_costs_one_call_for_its_indexes_and_one_for_its_chunks(man
             assert bits(arr[box]) == bits(ref[box]), (path, box)
             assert arr.kv.counters.calls == n, (path, box)
     # a box whose chunks are more than one call fetches: several calls, the same values
-    monkeypatch.setattr(stoker.array, "STORE_READ_BYTES", 100)
+    monkeypatch.setattr(stoker.reader.array, "STORE_READ_BYTES", 100)
     for path in ("many.zarr", "plain.zarr"):
         arr = many.open(kind, path)
         assert bits(arr[...]) == bits(zarr.open_array(os.path.join(many.root, path), mode="r")[...])
         assert arr.kv.counters.calls > 10
+def test_a_fetch_reserves_what_it_holds(tmp_path, decode_path, monkeypatch):
+    # A column of inner chunks of one shard in a zip archive: the store fetches them as one read, the gaps
+    # between them included (its max_gap), and that is what the fetch holds until its chunks are decoded: the
+    # reservation covers it (not just the chunks' own bytes).
+    from store_fixtures import write_zip
+
+    root = str(tmp_path / "src")
+    z = zarr.create_array(os.path.join(root, "s.zarr"), shape=(40, 40), chunks=(4, 4), shards=(40, 40),
+                          dtype="uint16", compressors=ZstdCodec(level=1))
+    z[...] = np.arange(1600, dtype=np.uint16).reshape(40, 40) * 7
+    write_zip(str(tmp_path / "a.zip"), read_tree(root))
+    seen = []
+    fetch = PythonDecoder._fetch
+
+    def recorded(self, job, f, then, users):
+        def record(job, f, values, parts, res):
+            held = {id(memoryview(v).obj): memoryview(memoryview(v).obj).nbytes for v in values + parts if v is not None}
+            seen.append((f.cost, sum(held.values()), sum(r.length for r in f.requests)))
+            return then(job, f, values, parts, res)
+        return fetch(self, job, f, record, users)
+
+    monkeypatch.setattr(PythonDecoder, "_fetch", recorded)
+    cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1, pop_timeout_s=30, host_buffer_bytes=16 << 20)
+    with stoker.Pipeline(cfg) as p:
+        p.push(stoker.Sample(str(tmp_path / "a.zip/s.zarr"), [(0, 40), (0, 4)]))
+        got = torch.from_dlpack(p.pop()).clone()
+    assert np.array_equal(got[0].numpy(), z[:, :4].astype(np.float32))
+    assert seen and all(cost >= held for cost, held, _ in seen), seen
+    assert any(held > chunks for _, held, chunks in seen), seen  # gaps were fetched too
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5000), st.integers(0, 700)), max_size=30),
+       st.integers(0, 600), st.sampled_from([1, 100, 1000, 1 << 40]))
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+def test_span_bytes_is_what_the_stores_coalescing_fetches(ranges, gap, cap):
+    # What a fetch reserves for its ranges covers what coalesce (the stores' merging, per key) reads, and is
+    # exactly that with no cap on a read's length and no overlapping ranges.
+    from types import SimpleNamespace
+
+    from stoker.engine.decode_python import span_bytes
+    from stoker.storage.ranges import coalesce
+
+    kv = SimpleNamespace(max_gap=gap)
+    keys, offsets, lengths = (np.array([r[i] for r in ranges], np.int64) for i in range(3))
+    fetched = sum(read.length for k in set(keys.tolist())
+                  for read in coalesce([(o, n) for key, o, n in ranges if key == k], gap, cap))
+    got = span_bytes(kv, keys, offsets, lengths)
+    overlap = any(k == k2 and o < o2 + n2 and o2 < o + n and n and n2
+                  for i, (k, o, n) in enumerate(ranges) for k2, o2, n2 in ranges[:i])
+    assert got >= fetched
+    if cap == 1 << 40 and not overlap:
+        assert got == fetched

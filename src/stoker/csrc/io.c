@@ -2,11 +2,17 @@
  *
  * Files are opened non-blocking and refused unless regular: opening a FIFO without O_NONBLOCK waits for
  * a writer forever (the thread could never be stopped), and O_NONBLOCK changes nothing for regular files.
+ *
+ * A chunk already in memory (job->in_memory: fetched from a store) goes through the same calls, so every
+ * codec reads it exactly as it reads a file of the buffer's size: "opening" checks its size against the
+ * scratch, reads copy from the buffer, bounded by its length (past it: SHORT, as a file that ends early),
+ * and "closing" does nothing.
  */
 #include "stoker_native.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -19,7 +25,30 @@ long long now_ns(void) {
 
 /* Read bytes [lo, hi) of the stored chunk into buf + lo; 0 on success, else sets the job's
  * status (OS error, or SHORT: the file ends early). */
+/* read_range for a chunk in memory: bytes [base + lo, base + hi) of the buffer, as far as it holds them */
+static int read_memory(chunk_io *job, char *buf, size_t lo, size_t hi) {
+    unsigned long long base = job->offset < 0 ? 0 : (unsigned long long)job->offset;
+    unsigned long long len = job->mem == NULL ? 0 : (unsigned long long)job->mem_len;
+    size_t done = lo;
+    if (lo < hi && base <= len && lo < len - base) {
+        size_t n = hi - lo;
+        if (n > len - base - lo)
+            n = (size_t)(len - base - lo);
+        memcpy(buf + lo, job->mem + base + lo, n);
+        job->nread += (long long)n;
+        done = lo + n;
+    }
+    if (done != hi) {
+        job->status = ST_SHORT;
+        job->detail = (long long)done;
+        return -1;
+    }
+    return 0;
+}
+
 int read_range(chunk_io *job, int fd, char *buf, size_t lo, size_t hi) {
+    if (job->in_memory)
+        return read_memory(job, buf, lo, hi);
     off_t base = job->offset < 0 ? 0 : (off_t)job->offset;
     size_t done = lo;
     while (done < hi) {
@@ -73,6 +102,8 @@ static int same_file(const chunk_io *job, const struct stat *st) {
  * rewritten in place while it was read may have given bytes of both versions, at the old index's offsets.
  * Then the job's status is ST_CHANGED (Python reads the index anew) and 1 is returned. */
 int close_checked(chunk_io *job, int fd) {
+    if (job->in_memory)
+        return 0;
     int changed = 0;
     if (job->has_ident) {
         struct stat st;
@@ -88,6 +119,21 @@ int close_checked(chunk_io *job, int fd) {
  * cannot be read, is not a regular file, is not the shard file the job expects, or does not fit the
  * scratch buffer (ST_TOO_BIG, detail: its size). */
 int open_chunk(chunk_io *job, size_t scratch_len, size_t *size) {
+    if (job->in_memory) { /* no file: a missing value (NULL) is a missing file, the buffer's size the file's */
+        if (job->mem == NULL) {
+            job->status = ST_MISSING;
+            job->detail = ENOENT;
+            return -1;
+        }
+        job->file_size = job->mem_len;
+        *size = job->offset >= 0 ? (size_t)job->length : (size_t)job->mem_len;
+        if (*size > scratch_len) {
+            job->status = ST_TOO_BIG;
+            job->detail = (long long)*size;
+            return -1;
+        }
+        return MEM_FD;
+    }
     int fd;
     do /* a signal may cut it short on a thread that does not block them (decode_files' caller) */
         fd = open(job->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);

@@ -361,6 +361,10 @@ typedef struct {
     job *j;
     Py_buffer view; /* the batch: alive as long as this object, and written only until cancel() */
     int has_view;
+    /* the buffers chunks are read from (a view each; obj NULL: None, a missing value), alive as long as this
+     * object, and read only until cancel() */
+    Py_buffer *bufs;
+    Py_ssize_t n_bufs;
 } BatchJobObject;
 
 static PyTypeObject BatchJobType;
@@ -417,12 +421,50 @@ static int table_buffer(PyObject *obj, Py_buffer *view, long long width, long lo
     return 0;
 }
 
+/* views of ``obj``'s items (a sequence of buffers or None) into result->bufs, their addresses and lengths into
+ * the tables; -1 with an exception set */
+static int hold_buffers(BatchJobObject *result, PyObject *obj, plan_tables *t, const char ***bases, long long **lens) {
+    PyObject *seq = PySequence_Fast(obj, "buffers must be a sequence of buffers (or None: a missing value)");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    result->bufs = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    *bases = PyMem_Calloc((size_t)n + 1, sizeof(char *));
+    *lens = PyMem_Calloc((size_t)n + 1, sizeof(long long));
+    if (result->bufs == NULL || *bases == NULL || *lens == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    result->n_bufs = n; /* views not taken (None, or after a failure) have obj NULL: nothing to release */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (item == Py_None)
+            continue; /* obj NULL, address NULL: a missing value */
+        if (PyObject_GetBuffer(item, &result->bufs[i], PyBUF_C_CONTIGUOUS) != 0) {
+            result->bufs[i].obj = NULL;
+            Py_DECREF(seq);
+            return -1;
+        }
+        (*bases)[i] = result->bufs[i].buf;
+        (*lens)[i] = (long long)result->bufs[i].len;
+    }
+    t->n_buffers = n;
+    t->buffers = *bases;
+    t->buffer_lens = *lens;
+    Py_DECREF(seq);
+    return 0;
+}
+
 static PyObject *engine_submit_py(EngineObject *self, PyObject *args) {
     PyObject *chunks_obj, *copies_obj, *sources_obj, *files_obj, *blob_obj, *dst_obj, *strides_obj;
+    PyObject *buffers_obj = Py_None;
     int kind, stream;
-    if (!PyArg_ParseTuple(args, "OOOOOOipO", &chunks_obj, &copies_obj, &sources_obj, &files_obj, &blob_obj,
-                          &dst_obj, &kind, &stream, &strides_obj))
+    if (!PyArg_ParseTuple(args, "OOOOOOipO|O", &chunks_obj, &copies_obj, &sources_obj, &files_obj, &blob_obj,
+                          &dst_obj, &kind, &stream, &strides_obj, &buffers_obj))
         return NULL;
+    const char **bases = NULL;
+    long long *lens = NULL;
     if (self->e == NULL || self->closed) {
         PyErr_SetString(PyExc_RuntimeError, "the engine is closed");
         return NULL;
@@ -461,9 +503,13 @@ static PyObject *engine_submit_py(EngineObject *self, PyObject *args) {
     result = PyObject_New(BatchJobObject, &BatchJobType);
     if (result == NULL)
         goto done;
-    result->j = NULL, result->has_view = 0;
+    result->j = NULL, result->has_view = 0, result->bufs = NULL, result->n_bufs = 0;
     Py_INCREF(self);
     result->owner = self;
+    if (buffers_obj != Py_None && hold_buffers(result, buffers_obj, &t, &bases, &lens)) {
+        Py_CLEAR(result);
+        goto done;
+    }
     if (PyObject_GetBuffer(dst_obj, &result->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
         Py_CLEAR(result);
         goto done;
@@ -485,6 +531,8 @@ static PyObject *engine_submit_py(EngineObject *self, PyObject *args) {
 done:
     for (int i = 0; i < held; i++)
         PyBuffer_Release(&b[i]);
+    PyMem_Free(bases); /* job_new copied them */
+    PyMem_Free(lens);
     return (PyObject *)result;
 }
 
@@ -513,9 +561,11 @@ static PyObject *engine_info_py(EngineObject *self, PyObject *Py_UNUSED(ignored)
 
 static PyMethodDef engine_methods[] = {
     {"submit", (PyCFunction)engine_submit_py, METH_VARARGS,
-     "submit(chunks, copies, sources, files, blob, dst, kind, stream, dst_strides) -> BatchJob: make a batch "
-     "from its plan tables (int64; see csrc/stoker_native.h) into dst (a writable buffer), on the engine's "
-     "threads. The tables are copied and checked first: ValueError when they are not a sound plan."},
+     "submit(chunks, copies, sources, files, blob, dst, kind, stream, dst_strides[, buffers]) -> BatchJob: make a "
+     "batch from its plan tables (int64; see csrc/stoker_native.h) into dst (a writable buffer), on the engine's "
+     "threads. buffers: the buffers (or None: a missing value) that chunks with a C_BUFFER are read from, held "
+     "by the BatchJob and read until it is done or cancelled. The tables are copied and checked first: "
+     "ValueError when they are not a sound plan."},
     {"close", (PyCFunction)(void (*)(void))engine_close_py, METH_VARARGS | METH_KEYWORDS,
      "close(timeout=1.0) -> bool: cancel every job and stop the threads; True when all left within timeout "
      "(a thread stuck in a system call is left behind, and writes into no batch)."},
@@ -539,15 +589,19 @@ static PyTypeObject EngineType = {
 
 static void batch_job_dealloc(BatchJobObject *self) {
     if (self->j != NULL) {
-        if (self->has_view && !job_done(self->owner->e, self->j)) {
+        if ((self->has_view || self->n_bufs) && !job_done(self->owner->e, self->j)) {
             Py_BEGIN_ALLOW_THREADS
-            job_cancel(self->owner->e, self->j); /* then nothing writes into the view released below */
+            job_cancel(self->owner->e, self->j); /* then nothing writes into or reads the views released below */
             Py_END_ALLOW_THREADS
         }
         job_release(self->owner->e, self->j);
     }
     if (self->has_view)
         PyBuffer_Release(&self->view);
+    for (Py_ssize_t i = 0; i < self->n_bufs; i++)
+        if (self->bufs[i].obj != NULL)
+            PyBuffer_Release(&self->bufs[i]);
+    PyMem_Free(self->bufs);
     Py_XDECREF(self->owner);
     PyObject_Free(self);
 }

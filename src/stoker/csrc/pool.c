@@ -19,6 +19,12 @@
  * threads; a thread stuck in a system call (a hung network mount) is left behind: it holds only its own
  * scratch and references, checks cancellation before any write into a batch, and frees what it holds last.
  * Workers never call into Python.
+ *
+ * Sources: a chunk is read from its file (path built from the source's prefix and the file's grid coordinates)
+ * or from a buffer the caller holds (C_BUFFER: a chunk fetched from a store), through the same codec code and
+ * checks (io.c). Buffers are read only holding the job's mem lock shared, after checking that the job is not
+ * cancelled; job_cancel takes it exclusively too, so once it returns no worker reads them again (the caller
+ * may then let them go; a chunk in memory makes no system call, so that wait is one chunk's decode at most).
  */
 #include "stoker_native.h"
 
@@ -37,10 +43,13 @@ struct job {
     plan_tables t;     /* points into owned and blob */
     int64_t *owned;    /* the tables: chunks, copies, sources, files */
     char *blob;
+    const char **buf_base; /* the buffers' addresses and lengths (plan_tables), owned copies */
+    long long *buf_len;
     size_t need; /* scratch per thread: the most any chunk needs (decoded, rounded up to ALIGN, then stored) */
     int32_t *status;
     int64_t *detail;
     pthread_rwlock_t place_lock; /* shared: a worker writing into the batch; exclusive: job_cancel */
+    pthread_rwlock_t mem_lock;   /* shared: a worker reading one of the buffers; exclusive: job_cancel */
     int cancelled;               /* set under place_lock held exclusively; read under it, or atomically */
     long long next;              /* atomic: the next chunk to hand out */
     long long finished;          /* atomic: chunks with their status set */
@@ -115,8 +124,11 @@ static void engine_free(engine *e) {
 
 static void job_free(job *j) {
     pthread_rwlock_destroy(&j->place_lock);
+    pthread_rwlock_destroy(&j->mem_lock);
     free(j->owned);
     free(j->blob);
+    free(j->buf_base);
+    free(j->buf_len);
     free(j->status);
     free(j->detail);
     free(j);
@@ -173,8 +185,12 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
     int ndim = t->ndim;
     if (ndim < 1 || ndim > MAX_NDIM)
         FAIL("the batch's rank must be between 1 and 32");
-    if (t->n_chunks < 0 || t->n_copies < 0 || t->n_sources < 0 || t->n_files < 0 || t->blob_len < 0)
+    if (t->n_chunks < 0 || t->n_copies < 0 || t->n_sources < 0 || t->n_files < 0 || t->blob_len < 0 ||
+        t->n_buffers < 0)
         FAIL("negative table sizes");
+    for (long long b = 0; b < t->n_buffers; b++)
+        if (t->buffer_lens[b] < 0 || (t->buffers[b] == NULL && t->buffer_lens[b] != 0))
+            FAIL("a buffer's length is negative");
     if (t->dst.base == NULL || t->dst.nbytes < 0 || t->dst.kind < 0 || t->dst.kind >= N_DST_KINDS)
         FAIL("the batch target is not (a buffer, a kind of batch)");
     if (t->dst_strides[ndim - 1] != 1)
@@ -230,23 +246,35 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
                 written > t->dst.nbytes)
                 FAIL("the copies write more elements than the batch holds");
         }
+        long long buf = c[C_BUFFER];
+        if (buf < -1 || buf >= t->n_buffers)
+            FAIL("a chunk's buffer is out of range");
         if (c[C_CODEC] == CODEC_FILL) {
-            if (c[C_FILE] != -1)
-                FAIL("a fill chunk names a file");
+            if (c[C_FILE] != -1 || buf != -1)
+                FAIL("a fill chunk names a file or a buffer");
             if (check_fill_copies(ndim, t->dst_strides, copies, c[C_NCOPIES], cw, d_item, &t->dst))
                 FAIL("a fill chunk's copies leave the batch");
             continue;
         }
         if (c[C_CODEC] < 0 || c[C_CODEC] >= N_CODECS || !codec_ready((int)c[C_CODEC]))
             FAIL("a chunk's codec is unknown or not set up");
-        if (c[C_FILE] < 0 || c[C_FILE] >= t->n_files)
-            FAIL("a chunk's file is out of range");
-        const int64_t *f = t->files + c[C_FILE] * fw;
-        if (f[F_SOURCE] != c[C_SOURCE])
-            FAIL("a chunk's file belongs to another source");
         if (c[C_OFFSET] < -1 || c[C_LENGTH] < 0 || !add_ok(c[C_OFFSET], c[C_LENGTH], &last) ||
-            (c[C_OFFSET] == -1 && (c[C_LENGTH] != 0 || f[F_HAS_IDENT])))
-            FAIL("a chunk's byte range is outside its file (a file identity is for inner chunks only)");
+            (c[C_OFFSET] == -1 && c[C_LENGTH] != 0))
+            FAIL("a chunk's byte range is not (-1, 0) nor (offset, length)");
+        if (buf >= 0) { /* in memory: the whole buffer (a missing value when NULL), or a range inside it */
+            if (c[C_FILE] != -1)
+                FAIL("a chunk in a buffer names a file");
+            if (c[C_OFFSET] >= 0 && (t->buffers[buf] == NULL || last > t->buffer_lens[buf]))
+                FAIL("a chunk's byte range is outside its buffer");
+        } else {
+            if (c[C_FILE] < 0 || c[C_FILE] >= t->n_files)
+                FAIL("a chunk's file is out of range");
+            const int64_t *f = t->files + c[C_FILE] * fw;
+            if (f[F_SOURCE] != c[C_SOURCE])
+                FAIL("a chunk's file belongs to another source");
+            if (c[C_OFFSET] == -1 && f[F_HAS_IDENT])
+                FAIL("a chunk's byte range is outside its file (a file identity is for inner chunks only)");
+        }
         long long item = src_itemsize[kind];
         if (c[C_NBYTES] < 1 || c[C_NBYTES] % item || c[C_NBYTES] > (1LL << 40) || c[C_MAX_STORED] < 0 ||
             c[C_MAX_STORED] > (1LL << 41))
@@ -278,7 +306,11 @@ job *job_new(engine *e, const plan_tables *t, const char **error) {
     j->blob = malloc((size_t)(t->blob_len ? t->blob_len : 1));
     j->status = malloc(sizeof(int32_t) * (size_t)(t->n_chunks ? t->n_chunks : 1));
     j->detail = calloc((size_t)(t->n_chunks ? t->n_chunks : 1), sizeof(int64_t));
-    if (j->owned == NULL || j->blob == NULL || j->status == NULL || j->detail == NULL)
+    long long nb = t->n_buffers > 0 ? t->n_buffers : 1;
+    j->buf_base = nb <= LLONG_MAX / 8 ? malloc(sizeof(char *) * (size_t)nb) : NULL;
+    j->buf_len = nb <= LLONG_MAX / 8 ? malloc(sizeof(long long) * (size_t)nb) : NULL;
+    if (j->owned == NULL || j->blob == NULL || j->status == NULL || j->detail == NULL || j->buf_base == NULL ||
+        j->buf_len == NULL)
         goto oom;
     /* copied first, then checked: what the workers read is what was checked, whatever the caller's buffers do */
     j->t = *t;
@@ -294,6 +326,12 @@ job *job_new(engine *e, const plan_tables *t, const char **error) {
     if (t->blob_len)
         memcpy(j->blob, t->blob, (size_t)t->blob_len);
     j->t.blob = j->blob;
+    if (t->n_buffers > 0) {
+        memcpy(j->buf_base, t->buffers, sizeof(char *) * (size_t)t->n_buffers);
+        memcpy(j->buf_len, t->buffer_lens, sizeof(long long) * (size_t)t->n_buffers);
+    }
+    j->t.buffers = j->buf_base;
+    j->t.buffer_lens = j->buf_len;
     if (check_tables(&j->t, &j->need, error))
         goto bad;
     if ((long long)j->need > e->budget) {
@@ -309,6 +347,7 @@ job *job_new(engine *e, const plan_tables *t, const char **error) {
     pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
 #endif
     pthread_rwlock_init(&j->place_lock, &attr);
+    pthread_rwlock_init(&j->mem_lock, &attr);
     pthread_rwlockattr_destroy(&attr);
     j->refs = 1; /* the caller's */
     return j;
@@ -320,6 +359,8 @@ bad:
         free(j->blob);
         free(j->status);
         free(j->detail);
+        free(j->buf_base);
+        free(j->buf_len);
         free(j);
     }
     return NULL;
@@ -387,25 +428,41 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx) {
         if (status == ST_OK)
             count(&j->counters.chunks_filled, 1);
     } else {
-        const int64_t *f = t->files + c[C_FILE] * (F_COORDS + t->ndim);
         char path[PATH_CAP];
-        build_path(path, j, src, f + F_COORDS);
         chunk_io io = {0};
-        io.path = path;
         io.out = scratch;
         io.offset = c[C_OFFSET];
         io.length = c[C_LENGTH];
         io.span_start = c[C_SPAN_START];
         io.span_stop = c[C_SPAN_STOP];
-        io.has_ident = (int)f[F_HAS_IDENT];
-        io.dev = (unsigned long long)f[F_DEV];
-        io.ino = (unsigned long long)f[F_INO];
-        io.size = f[F_SIZE];
-        io.mtime_ns = f[F_MTIME];
-        io.ctime_ns = f[F_CTIME];
+        if (c[C_BUFFER] < 0) {
+            const int64_t *f = t->files + c[C_FILE] * (F_COORDS + t->ndim);
+            build_path(path, j, src, f + F_COORDS);
+            io.path = path;
+            io.has_ident = (int)f[F_HAS_IDENT];
+            io.dev = (unsigned long long)f[F_DEV];
+            io.ino = (unsigned long long)f[F_INO];
+            io.size = f[F_SIZE];
+            io.mtime_ns = f[F_MTIME];
+            io.ctime_ns = f[F_CTIME];
+        } else {
+            io.in_memory = 1;
+            io.mem = t->buffers[c[C_BUFFER]];
+            io.mem_len = t->buffer_lens[c[C_BUFFER]];
+        }
         /* the decoded chunk, then its stored bytes: the thread's scratch holds both (job->need) */
-        read_decode(&io, (int)c[C_CODEC], scratch + aligned(c[C_NBYTES]), (size_t)c[C_MAX_STORED],
-                    (size_t)c[C_NBYTES], ctx);
+        if (io.in_memory) {
+            pthread_rwlock_rdlock(&j->mem_lock);
+            if (__atomic_load_n(&j->cancelled, __ATOMIC_ACQUIRE)) /* its buffers may be gone */
+                io.status = ST_CANCELLED;
+            else
+                read_decode(&io, (int)c[C_CODEC], scratch + aligned(c[C_NBYTES]), (size_t)c[C_MAX_STORED],
+                            (size_t)c[C_NBYTES], ctx);
+            pthread_rwlock_unlock(&j->mem_lock);
+        } else {
+            read_decode(&io, (int)c[C_CODEC], scratch + aligned(c[C_NBYTES]), (size_t)c[C_MAX_STORED],
+                        (size_t)c[C_NBYTES], ctx);
+        }
         count(&j->counters.bytes_read, io.nread);
         count(&j->counters.read_ns, io.read_ns);
         count(&j->counters.decode_ns, io.decode_ns);
@@ -627,6 +684,9 @@ void job_cancel(engine *e, job *j) {
     pthread_rwlock_wrlock(&j->place_lock);
     __atomic_store_n(&j->cancelled, 1, __ATOMIC_RELEASE);
     pthread_rwlock_unlock(&j->place_lock);
+    /* and for those reading one of its buffers (a chunk's decode): after this none reads them again */
+    pthread_rwlock_wrlock(&j->mem_lock);
+    pthread_rwlock_unlock(&j->mem_lock);
     /* the chunks nobody took are finished here, so the job is done once the workers inside it are */
     long long first = __atomic_exchange_n(&j->next, j->t.n_chunks, __ATOMIC_ACQ_REL);
     if (first < j->t.n_chunks) {

@@ -1,6 +1,7 @@
 /* stoker._native: the shared declarations of its parts.
  *
- *   io.c      open regular files (non-blocking, then blocking), identity checks, pread loops
+ *   io.c      open regular files (non-blocking, then blocking), identity checks, pread loops; or the same
+ *             reads from a buffer already in memory (a chunk fetched from a store)
  *   codecs.c  zstd (whole, or up to the block the copies need), blosc (whole, or some blocks), lz4 (numcodecs'
  *             framing), zlib and gzip (zlib's inflate):
  *             every codec is the library's own function, handed in by address (stoker/native.py)
@@ -50,6 +51,11 @@ extern const int src_itemsize[N_SRC_KINDS];
 /* One stored chunk to read and decode: where it is, what the copies read, and what happened. */
 typedef struct {
     const char *path;
+    /* in_memory: the stored chunk is in ``mem`` (``mem_len`` bytes; NULL: a missing value), read as a file of
+     * that size would be; no file is opened */
+    int in_memory;
+    const char *mem;
+    long long mem_len;
     char *out; /* the decoded chunk */
     long long offset, length; /* the stored chunk in its file; offset -1: the whole file */
     long long span_start, span_stop;
@@ -66,7 +72,9 @@ typedef struct {
 
 /* ---- io.c ---- */
 long long now_ns(void);
-/* the file's descriptor, or -1 with the status set; *size: the stored chunk's size (from the index, or the file's) */
+/* the file's descriptor (MEM_FD for a chunk in memory), or -1 with the status set; *size: the stored chunk's
+ * size (from the index, or the file's / buffer's) */
+#define MEM_FD 0x7fffffff
 int open_chunk(chunk_io *job, size_t scratch_len, size_t *size);
 int read_range(chunk_io *job, int fd, char *buf, size_t lo, size_t hi);
 int read_timed(chunk_io *job, int fd, char *buf, size_t lo, size_t hi);
@@ -147,6 +155,7 @@ enum { /* a chunk: one stored chunk (or a fill), and its copies */
     C_MAX_STORED,  /* the most bytes a stored chunk of this codec may take (larger: ST_TOO_BIG, unread) */
     C_FIRST_COPY,  /* its copies: rows [first, first + n) of the copies table */
     C_NCOPIES,
+    C_BUFFER,      /* -1: read from its file; else the buffer holding it (C_FILE -1, C_OFFSET/C_LENGTH: in it) */
     N_CHUNK_COLS
 };
 enum { /* a source (an array): S_STRIDES then holds ndim strides of its decoded chunks (any layout), in elements */
@@ -171,6 +180,11 @@ typedef struct {
     const int64_t *chunks, *copies, *sources, *files;
     const char *blob;
     long long blob_len;
+    /* buffers holding stored chunks (a chunk's C_BUFFER): n_buffers base addresses (NULL: a missing value, the
+     * fill) and lengths; the caller keeps them alive until the job is done or cancelled */
+    long long n_buffers;
+    const char *const *buffers;
+    const long long *buffer_lens;
     batch_dst dst;
     int64_t dst_strides[MAX_NDIM];
 } plan_tables;
@@ -192,7 +206,7 @@ void engine_submit(engine *e, job *j);
 /* 1 once every chunk finished; waits at most timeout_s (< 0: no limit); call without the GIL */
 int job_wait(engine *e, job *j, double timeout_s);
 int job_done(engine *e, job *j);
-/* after it returns no worker writes into the job's batch; call without the GIL */
+/* after it returns no worker writes into the job's batch nor reads its buffers; call without the GIL */
 void job_cancel(engine *e, job *j);
 void job_results(engine *e, job *j, int32_t *status, int64_t *detail, job_counters *counters);
 long long job_chunks(const job *j);

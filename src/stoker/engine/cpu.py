@@ -1,9 +1,9 @@
 """The CPU executor: batch slots in host memory, and which decode path fills them.
 
 With the compiled engine (``stoker._native.Engine``, see :mod:`.decode_native`) a batch is planned as flat
-tables (:mod:`.tables`) and made in one call on the engine's threads; the chunks it leaves (other codecs and
-layouts, doubtful frames, rewritten shards, and every stored chunk of an array in a store: object stores
-and zip archives, which the engine cannot open as files) take the Python path. Without the engine (no compiler,
+tables (:mod:`.tables`) and made in one call on the engine's threads (chunks of arrays in stores: object
+stores and zip archives, fetched first, then one engine call per fetch, from the fetched buffers); the chunks
+it leaves (other codecs and layouts, doubtful frames, rewritten shards) take the Python path. Without the engine (no compiler,
 ``STOKER_NATIVE=0``), or for arrays of rank 0, batches are planned by :func:`~.plan.plan_batch` and made by
 the Python path (:mod:`.decode_python`) alone.
 

@@ -10,12 +10,17 @@ and the chunk key. Of the engine's chunks, the error a batch reports is the one 
 chunk; a chunk the engine never took (another codec) runs beside them, and when one of those fails too, the
 batch reports whichever failed first.
 
+Chunks of arrays in stores (object stores, zip archives) are fetched first (:meth:`PythonDecoder.fetch`,
+planned here with numpy), and each finished fetch goes to the engine in one call, which reads them from the
+fetched buffers with the same checks as files; what it declines the Python path decodes from those bytes.
+
 A finisher thread per decoder waits for the engine's jobs (in C, GIL released) and does that mapping, so
 the pipeline's coordinator and the consumer never wait on the engine themselves.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from array import array
@@ -32,7 +37,8 @@ from ..storage.local import not_regular
 from ..zarr.grid import c_strides
 from .buffers import size_class
 from .cast import fill_value_as, torch_dtype_of
-from .decode_python import PythonDecoder
+from ..storage import ByteRange
+from .decode_python import Fetch, PythonDecoder, span_bytes
 from .executor import Job
 from .plan import ChunkTask, FileRead, shard_reads
 from .stats import StatsRecorder
@@ -103,7 +109,7 @@ def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
 class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
-    __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads")
+    __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep")
 
     def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
         meta = reader.metadata
@@ -119,10 +125,15 @@ class _Source:
         self.prefix = os.fsencode(reader.file_path(enc.prefix + enc.separator if enc.prefix else ""))
         # a path the engine cannot build (deep folders) is read by the Python path, which has no such cap
         short = len(self.prefix) + 21 * ndim + 1 <= native.PATH_CAP
+        decodes = bool(self.fills and not codec.filters and self.codec is not None and codec.nbytes
+                       and scratch_need(codec) <= budget)
+        self.reads = decodes and short and reader.kv is None
         # an array in a store (reader.kv: an object store, a zip archive) has no files the engine can open:
-        # the Python path fetches its chunks through the store
-        self.reads = bool(self.fills and not codec.filters and self.codec is not None and codec.nbytes
-                          and scratch_need(codec) <= budget and short and reader.kv is None)
+        # its chunks are fetched through the store, and the engine decodes them from the fetched buffers
+        self.memory = decodes and reader.kv is not None
+        self.kv = reader.kv
+        self.key_prefix = reader.file_path(enc.prefix + enc.separator if enc.prefix else "")  # its chunks' keys
+        self.sep = enc.separator
         row = np.zeros(native.S_STRIDES + ndim, np.int64)
         row[native.S_KIND] = src_kind if self.fills else 0  # any kind: no chunk of it goes to the engine
         if self.fills:
@@ -151,7 +162,8 @@ class NativeDecoder:
         self._max_group, self._max_gap = max_group, max_gap
         self._sources: dict[tuple, tuple[object, _Source]] = {}
         self._cond = threading.Condition()
-        self._pending: list[tuple[Job, object, np.ndarray]] = []
+        # (job, engine job, its chunks, and for fetched chunks (their buffers, the fetch's reservation))
+        self._pending: list[tuple[Job, object, np.ndarray, tuple | None]] = []
         self._closing = False
         self._thread = threading.Thread(target=self._finisher, name="stoker-engine-finisher", daemon=True)
         self._thread.start()
@@ -189,11 +201,15 @@ class NativeDecoder:
         sources = [self._source(r, out.dtype, kind) for r in plan.sources]
         fills = np.array([s.fills for s in sources], bool)
         reads = np.array([s.reads for s in sources], bool)
+        memory = np.array([s.memory for s in sources], bool)
         stored = plan.chunk_file >= 0
+        fetched = stored & memory[plan.chunk_source]  # fetched from a store, then decoded by the engine
         engine = np.where(stored, reads[plan.chunk_source], fills[plan.chunk_source])
-        rest = np.flatnonzero(~engine)
+        rest = np.flatnonzero(~engine & ~fetched)
         if rest.size:
             self._to_python(job, rest, stored)
+        if fetched.any():
+            self._fetch(job, np.flatnonzero(fetched), kind, sources)
         eids = np.flatnonzero(engine)
         if not eids.size:
             return
@@ -204,22 +220,31 @@ class NativeDecoder:
             return
         job.on_cancel(bjob.cancel)
         with self._cond:
-            self._pending.append((job, bjob, eids))
+            self._pending.append((job, bjob, eids, None))
             self._cond.notify_all()
 
-    def _tables(self, plan: TablePlan, out: torch.Tensor, kind: int, sources: list[_Source], eids: np.ndarray):
-        """The engine's arguments for the chunks ``eids`` of ``plan`` into ``out`` (see Engine.submit)."""
+    def _tables(self, plan: TablePlan, out: torch.Tensor, kind: int, sources: list[_Source], eids: np.ndarray,
+                fetched: bool = False):
+        """The engine's arguments for the chunks ``eids`` of ``plan`` into ``out`` (see Engine.submit); with
+        ``fetched``, chunk k's stored bytes are the whole of buffer k (a fetch's values, then its parts)."""
         src = plan.chunk_source[eids]
-        per = np.array([(s.codec if s.reads else native.FILL, s.nbytes, s.stored) for s in sources],
+        per = np.array([(s.codec if s.reads or s.memory else native.FILL, s.nbytes, s.stored) for s in sources],
                        np.int64).reshape(len(sources), 3)
         chunks = np.empty((len(eids), native.N_CHUNK_COLS), np.int64)
         chunks[:, native.C_SOURCE] = src
-        chunks[:, native.C_FILE] = plan.chunk_file[eids]
-        chunks[:, native.C_OFFSET] = plan.chunk_offset[eids]
-        chunks[:, native.C_LENGTH] = plan.chunk_length[eids]
+        if fetched:
+            chunks[:, native.C_FILE] = chunks[:, native.C_OFFSET] = -1
+            chunks[:, native.C_LENGTH] = 0
+            chunks[:, native.C_BUFFER] = np.arange(len(eids))
+            chunks[:, native.C_CODEC] = per[src, 0]
+        else:
+            chunks[:, native.C_FILE] = plan.chunk_file[eids]
+            chunks[:, native.C_OFFSET] = plan.chunk_offset[eids]
+            chunks[:, native.C_LENGTH] = plan.chunk_length[eids]
+            chunks[:, native.C_BUFFER] = -1
+            chunks[:, native.C_CODEC] = np.where(chunks[:, native.C_FILE] >= 0, per[src, 0], native.FILL)
         chunks[:, native.C_SPAN_START] = plan.byte_start[eids]
         chunks[:, native.C_SPAN_STOP] = plan.byte_stop[eids]
-        chunks[:, native.C_CODEC] = np.where(chunks[:, native.C_FILE] >= 0, per[src, 0], native.FILL)
         chunks[:, native.C_NBYTES] = per[src, 1]
         chunks[:, native.C_MAX_STORED] = per[src, 2]
         chunks[:, native.C_FIRST_COPY] = plan.first_copy[eids]
@@ -237,6 +262,84 @@ class NativeDecoder:
         nbytes = out.numel() * out.element_size()
         dst = out.view(-1).view(torch.uint8).numpy()  # holds the tensor's memory for the job's lifetime
         return chunks, copies, table, plan.files, blob, dst, kind, nbytes >= STREAM_MIN_BYTES, dst_strides
+
+    # -- chunks of arrays in stores: fetched, then decoded by the engine ---------------------------------
+
+    def _fetch(self, job: Job, ids: np.ndarray, kind: int, sources: list[_Source]) -> None:
+        """Fetch the stored chunks ``ids`` (of arrays in stores) through the Python path's fetches: per store,
+        in groups of at most a quarter of its budget (a group at least one chunk), in chunk order; each
+        finished fetch goes to the engine in one call (:meth:`_fetched`). A step per store and per group."""
+        plan = job.plan
+        limit = max(1, self._python.budget.capacity // 4)
+        src = plan.chunk_source[ids]
+        stored = np.array([s.stored for s in sources], np.int64)
+        # before the fetch, a whole value may take the most its codec stores; a range is its length
+        cost = np.where(plan.chunk_offset[ids] < 0, stored[src], plan.chunk_length[ids])
+        kvs: dict[int, tuple[int, object]] = {}  # a number per store, in order of first use
+        store_of = np.array([kvs.setdefault(id(s.kv), (len(kvs), s.kv))[0] for s in sources], np.int64)[src]
+        then = functools.partial(self._fetched, kind=kind, sources=sources)
+        for k, kv in kvs.values():
+            mine = store_of == k
+            group_ids, group_cost = ids[mine], np.cumsum(cost[mine])
+            start = 0
+            while start < len(group_ids):
+                base = int(group_cost[start - 1]) if start else 0
+                stop = max(start + 1, int(np.searchsorted(group_cost, base + limit, "right")))
+                self._python.fetch(job, self._fetch_of(plan, kv, group_ids[start:stop], sources, stored), then)
+                start = stop
+
+    def _fetch_of(self, plan: TablePlan, kv, ids: np.ndarray, sources: list[_Source], stored: np.ndarray) -> Fetch:
+        """One fetch of ``ids``: their whole values, then their ranges (inner chunks), and what it holds."""
+        whole = ids[plan.chunk_offset[ids] < 0]
+        ranged = ids[plan.chunk_offset[ids] >= 0]
+        shards, which = np.unique(plan.chunk_file[ranged], return_inverse=True)
+        which = which.reshape(-1)
+        paths = np.array(self._keys(plan, shards, sources) + [""], object)[:-1]  # 1-d even when empty
+        offsets, lengths = plan.chunk_offset[ranged], plan.chunk_length[ranged]
+        requests = list(map(ByteRange, paths[which].tolist(), offsets.tolist(), lengths.tolist()))
+        held = int(stored[plan.chunk_source[whole]].sum()) + span_bytes(kv, which, offsets, lengths)
+        return Fetch(kv, self._keys(plan, plan.chunk_file[whole], sources), requests,
+                     np.concatenate([whole, ranged]), held)
+
+    @staticmethod
+    def _keys(plan: TablePlan, rows: np.ndarray, sources: list[_Source]) -> list[str]:
+        """The store keys of the files ``rows`` of ``plan``: each array's key prefix, then the file's grid
+        coordinates joined by its separator (the paths the engine builds for files), with numpy string ops:
+        a step per array and axis."""
+        if not len(rows):
+            return []
+        table = plan.files[rows]
+        keys = np.empty(len(rows), object)
+        for s in np.unique(table[:, native.F_SOURCE]).tolist():
+            mine = table[:, native.F_SOURCE] == s
+            coords = table[mine, native.F_COORDS:]
+            names = coords[:, 0].astype(str)
+            for k in range(1, coords.shape[1]):
+                names = np.char.add(np.char.add(names, sources[s].sep), coords[:, k].astype(str))
+            keys[mine] = np.char.add(sources[s].key_prefix, names)
+        return keys.tolist()
+
+    def _fetched(self, job: Job, fetch: Fetch, values: list, parts: list, res, kind: int,
+                 sources: list[_Source]) -> None:
+        """A finished fetch (on a compute thread): its chunks to the engine in one call, reading the fetched
+        buffers, which the engine's job holds until it is done or cancelled (``res``, what the fetch reserved,
+        is released once it is done)."""
+        ids = fetch.cids
+        buffers = values + parts
+        try:
+            if self._closing:
+                raise ShutdownError("the pipeline was closed while this batch was being made")
+            bjob = self.engine.submit(*self._tables(job.plan, job.out, kind, sources, ids, fetched=True), buffers)
+        except BaseException:  # noqa: BLE001 - closed meanwhile, or the engine refused the tables (a bug)
+            res.done()
+            if self._closing:
+                exc = ShutdownError("the pipeline was closed while this batch was being made")
+            job.finish(len(ids), exc)
+            return
+        job.on_cancel(bjob.cancel)
+        with self._cond:
+            self._pending.append((job, bjob, ids, (buffers, res)))
+            self._cond.notify_all()
 
     def _to_python(self, job: Job, ids: np.ndarray, stored: np.ndarray) -> None:
         """Chunks the engine does not take: fills on their own, whole chunk files one read each, inner chunks
@@ -267,7 +370,7 @@ class NativeDecoder:
                     self._cond.wait()
                 if self._closing:
                     return
-                job, bjob, eids = self._pending[0]
+                job, bjob, eids, fetched = self._pending[0]
             # In C, without the GIL, and with no timeout: shutdown cancels every job, which ends the wait
             # (a thread of this process waking up while it exits can abort it). A job whose worker is stuck
             # in a hung read keeps this thread waiting, as it keeps the batch from pop.
@@ -277,54 +380,68 @@ class NativeDecoder:
                     return
                 self._pending.pop(0)
             try:
-                self._finish(job, bjob, eids)
+                self._finish(job, bjob, eids, fetched and fetched[0])
             except BaseException as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
                 job.finish(0, exc)
+            finally:
+                if fetched:
+                    fetched[1].done()  # the engine is done with the buffers
             self._stats.charge_thread()
-            del job, bjob, eids  # hold nothing of a finished batch while idle
+            del job, bjob, eids, fetched  # hold nothing of a finished batch while idle
 
-    def _finish(self, job: Job, bjob, eids: np.ndarray) -> None:
+    def _finish(self, job: Job, bjob, eids: np.ndarray, buffers: list | None = None) -> None:
+        """Account for a finished engine job; ``buffers``: those its chunks were read from (a fetch's), whose
+        bytes the fetch already counted as read."""
         status, detail, c = bjob.results()
         status = np.frombuffer(status, np.int32)
         ok = status == native.OK
         n_ok = int(ok.sum())
+        read = c["bytes_read"] if buffers is None else 0
         if c["chunks_decoded"]:
             self._stats.chunk(c["decode_ns"] * 1e-9, c["place_ns"] * 1e-9, c["bytes_read"], c["bytes_decoded"],
-                              read_s=c["read_ns"] * 1e-9, count=c["chunks_decoded"])
+                              read_s=c["read_ns"] * 1e-9 if buffers is None else None, count=c["chunks_decoded"])
         if c["chunks_filled"]:
             self._stats.stage("assemble", c["fill_ns"] * 1e-9)
         bad = np.flatnonzero(~ok)
         if bad.size:
-            self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad])
-        job.finish(n_ok, bytes_read=c["bytes_read"], bytes_decoded=c["bytes_decoded"],
-                   chunks_decoded=c["chunks_decoded"])
+            data = None if buffers is None else [buffers[k] for k in bad.tolist()]
+            self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
+        job.finish(n_ok, bytes_read=read, bytes_decoded=c["bytes_decoded"], chunks_decoded=c["chunks_decoded"])
 
-    def _failed(self, job: Job, cids: np.ndarray, statuses: np.ndarray, details: np.ndarray) -> None:
-        """Chunks the engine did not place, in chunk order: errors, or reads for the Python path. The batch
-        reports its lowest failing chunk's error: the Python path first reads the chunks below the first
-        error here (in order, stopping at one that fails), then the rest are counted."""
+    def _failed(self, job: Job, cids: np.ndarray, statuses: np.ndarray, details: np.ndarray,
+                data: list | None = None) -> None:
+        """Chunks the engine did not place, in chunk order: errors, or reads for the Python path (``data``: the
+        fetched bytes of each, decoded there again). The batch reports its lowest failing chunk's error: the
+        Python path first reads the chunks below the first error here (in order, stopping at one that fails),
+        then the rest are counted; with no error here, it reads them all in order in one task."""
         final = None
-        retries: list[tuple[int, Callable]] = []
-        for cid, status, detail in zip(cids.tolist(), statuses.tolist(), details.tolist()):
-            error, retry = self._outcome(job, cid, status, detail)
+        retries: list[tuple[int, Callable, object]] = []
+        for k, (cid, status, detail) in enumerate(zip(cids.tolist(), statuses.tolist(), details.tolist())):
+            error, retry = self._outcome(job, cid, status, detail, data is not None)
             if retry is not None:
-                retries.append((cid, retry))
+                retries.append((cid, retry, job.plan.file_read(cid) if data is None else (cid, data[k])))
             elif final is None:
                 final = (cid, error)
-        if final is None:
-            for cid, retry in retries:
-                self._python.run(self._python._guard, job, 1, retry, job, job.plan.file_read(cid), True)
+        if final is None:  # one task, in chunk order: the batch reports the lowest of them that fails
+            self._python.run(self._retry_in_order, job, len(retries), retries)
             return
         done = 0
-        for cid, retry in retries:
+        for cid, retry, arg in retries:
             if cid > final[0] or job.failed:
                 break
-            self._python._guard(job, 1, retry, job, job.plan.file_read(cid), True)
+            self._python._guard(job, 1, retry, job, arg, True)
             done += 1
         job.finish(len(cids) - done, final[1])
 
-    def _outcome(self, job: Job, cid: int, status: int, detail: int):
-        """``(error, None)`` for a chunk that failed, ``(None, retry)`` for one the Python path reads."""
+    def _retry_in_order(self, job: Job, n: int, retries: list) -> None:
+        """The ``n`` chunks the Python path reads (or decodes) again, one after the other in chunk order; once
+        one fails, the rest are only counted (``_guard``)."""
+        for _, retry, arg in retries:
+            self._python._guard(job, 1, retry, job, arg, True)
+
+    def _outcome(self, job: Job, cid: int, status: int, detail: int, fetched: bool = False):
+        """``(error, None)`` for a chunk that failed, ``(None, retry)`` for one the Python path reads (or, for a
+        ``fetched`` chunk, decodes from its fetched bytes)."""
         plan: TablePlan = job.plan
         reader = plan.sources[int(plan.chunk_source[cid])]
         codec = reader.metadata.codec
@@ -332,6 +449,11 @@ class NativeDecoder:
         python = self._python
         if status == native.CANCELLED:
             return ShutdownError("the pipeline was closed while this batch was being made"), None
+        if fetched and not (status in (native.CODEC_ERROR, native.SIZE) and whole
+                            and native_codec(codec) == native.ZSTD):
+            # any other failure of a chunk in memory (no file: nothing changed or vanished meanwhile): the
+            # Python path decodes the same bytes and decides, and words the error, as it always does
+            return None, python.decode_bytes
         if status == native.NOT_REGULAR:
             return not_regular(plan.path(cid), detail), None
         if status == native.CHANGED:  # the shard is not the file its cached index was read from

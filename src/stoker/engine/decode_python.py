@@ -8,20 +8,23 @@ compute task; I/O threads take only the reads that must wait for memory.
 Per file read, the task reserves everything the read will need (encoded bytes plus decode scratch) from
 the transient budget in one step, so work that holds memory never waits for more memory.
 
-Arrays in a store (object stores, zip archives: ``reader.kv``) are read here too, never by the engine: a
-batch's chunks of one store are fetched by one call per group of reads (:func:`~stoker.storage.store.get_many`:
-whole chunk values, and inner chunks' ranges, which the store merges per object within its gap and size
-cap), with at most ``Config.requests_in_flight`` requests of the pipeline's stores at once (their shared
-semaphore); each fetched chunk is then decoded on the compute pool. An I/O thread only waits for the budget
-and starts an object store's fetch; no thread waits for the network, so the budget, not the I/O threads,
-bounds the fetches in flight.
+Arrays in a store (object stores, zip archives: ``reader.kv``) are fetched here, for both paths
+(:meth:`PythonDecoder.fetch`): a batch's chunks of one store by one call per group
+(:func:`~stoker.storage.store.get_many`: whole chunk values, and inner chunks' ranges, which the store merges
+per object within its gap and size cap), with at most ``Config.requests_in_flight`` requests of the
+pipeline's stores at once (their shared semaphore). A fetch reserves what it holds (:class:`Fetch`); its
+finished buffers go to the compiled engine in one call (:mod:`.decode_native`), or each fetched chunk is
+decoded on the compute pool here. An I/O thread only waits for the budget and starts an object store's
+fetch; no thread waits for the network, so the budget, not the I/O threads, bounds the fetches in flight.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import DecodeError, ShutdownError
@@ -38,6 +41,63 @@ from .stats import StatsRecorder
 
 class _NoRoom(Exception):
     """Internal: the budget is short and this compute thread must not wait for it."""
+
+
+@dataclass
+class Fetch:
+    """One call to a store: the whole values of ``keys`` and the ranges ``requests``, for the chunks ``cids``
+    (one per key, then one per request, in that order). ``cost``: what it reserves of the transient budget
+    from before the call until its chunks are done: its buffers (a whole value: the most its codec stores;
+    ranges: the spans the store fetches, the gaps it coalesces included, see :func:`span_bytes`) and, on
+    the Python path, each chunk's decode scratch."""
+
+    kv: Any
+    keys: list[str]
+    requests: list[ByteRange]
+    cids: Sequence[int]
+    cost: int
+
+
+def span_bytes(kv, objects: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> int:
+    """The bytes ``kv`` holds once it fetched these ranges (``objects[i]`` numbers range i's key): ranges of
+    one key at most the store's ``max_gap`` apart are fetched as one read, the gap between them included
+    (:func:`~stoker.storage.ranges.coalesce`; a store without ``max_gap`` merges none). An upper bound: the
+    store also caps a read's length, which splits reads and leaves the gaps between them unread (a range
+    overlapping earlier ones is counted again: a split there fetches its bytes twice).
+
+    >>> span_bytes(store_with_gap_64, np.array([0, 0]), np.array([0, 120]), np.array([100, 80]))
+    200
+    """
+    n = len(offsets)
+    if n == 0:
+        return 0
+    gap = int(getattr(kv, "max_gap", 0) or 0)
+    order = np.lexsort((offsets, objects))
+    obj, start = objects[order], offsets[order]
+    end = start + lengths[order]
+    first = np.ones(n, bool)
+    first[1:] = obj[1:] != obj[:-1]
+    # the furthest end so far within each key: one running maximum over the ends lifted by the key's rank
+    rank = np.cumsum(first) - 1
+    lift = int(end.max()) + 1
+    if int(rank[-1]) * lift < 2**62:
+        reach = np.maximum.accumulate(end + rank * lift) - rank * lift
+    else:  # keys far apart in size: one running maximum per key
+        reach = np.concatenate([np.maximum.accumulate(part) for part in np.split(end, np.flatnonzero(first)[1:])])
+    new = first.copy()
+    new[1:] |= start[1:] - reach[:-1] > gap
+    heads = np.flatnonzero(new)
+    # a range overlapping those before it may start a read of its own (a read's length cap splits there),
+    # and then its bytes are fetched twice
+    overlaps = np.zeros(n, bool)
+    overlaps[1:] = ~first[1:] & (start[1:] < reach[:-1])
+    return int((np.maximum.reduceat(end, heads) - start[heads]).sum() + (end - start)[overlaps].sum())
+
+
+def _release(res: Reservation, users: int) -> None:
+    """Release ``res`` on behalf of all its ``users``."""
+    for _ in range(users):
+        res.done()
 
 
 #: A batch's reads go to the compute pool in groups of at least this many. Each group costs a task, and
@@ -108,113 +168,123 @@ class PythonDecoder:
         plan = job.plan
         return plan.sources[plan.chunks[fr.chunk_ids[0]].source].kv
 
-    def _fetch_cost(self, job: Job, fr: FileRead) -> int:
-        """What a fetch of ``fr`` reserves: its encoded bytes (a whole value: the most its codec stores)
-        and each chunk's decode scratch."""
-        plan = job.plan
-        tasks = [plan.chunks[c] for c in fr.chunk_ids]
-        codec = plan.sources[tasks[0].source].metadata.codec
-        encoded = size_class(codec.max_stored_nbytes) if fr.whole_file else sum(size_class(t.length) for t in tasks)
-        return encoded + len(tasks) * size_class(codec.nbytes)
-
     def _submit_fetches(self, job: Job, reads: list[FileRead]) -> None:
-        """Fetch ``reads`` (of arrays in stores) on the I/O pool: per store, in groups of at most a quarter
-        of the budget (one group at least one read), each group one call to the store."""
+        """Fetch ``reads`` (of arrays in stores) and decode their chunks here: per store, in groups of at most a
+        quarter of the budget (one group at least one read), each group one call to the store (:meth:`fetch`)."""
+        plan = job.plan
         limit = max(1, self.budget.capacity // 4)
         by_store: dict[int, tuple[object, list[list[FileRead]], list[int]]] = {}
         for fr in reads:
             kv = self._kv(job, fr)
             _, groups, costs = by_store.setdefault(id(kv), (kv, [], []))
-            cost = self._fetch_cost(job, fr)
+            tasks = [plan.chunks[c] for c in fr.chunk_ids]
+            codec = plan.sources[tasks[0].source].metadata.codec
+            encoded = codec.max_stored_nbytes if fr.whole_file else sum(t.length for t in tasks)
+            cost = encoded + len(tasks) * size_class(codec.nbytes)
             if groups and costs[-1] + cost <= limit:
                 groups[-1].append(fr)
                 costs[-1] += cost
             else:
                 groups.append([fr])
                 costs.append(cost)
-        for kv, groups, costs in by_store.values():
-            for group, cost in zip(groups, costs):
-                n = sum(len(fr.chunk_ids) for fr in group)
-                try:
-                    self._io.submit(self._guard, job, n, self._fetch, job, kv, group, cost)
-                except ShutdownError:
-                    job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+        for kv, groups, _ in by_store.values():
+            for group in groups:
+                whole = [fr for fr in group if fr.whole_file]
+                ranged = [(cid, plan.chunks[cid]) for fr in group if not fr.whole_file for cid in fr.chunk_ids]
+                tasks = [plan.chunks[fr.chunk_ids[0]] for fr in whole] + [t for _, t in ranged]
+                stored = sum(plan.sources[plan.chunks[fr.chunk_ids[0]].source].metadata.codec.max_stored_nbytes
+                             for fr in whole)
+                paths = {t.path: k for k, (_, t) in enumerate(ranged)}
+                spans = span_bytes(kv, np.array([paths[t.path] for _, t in ranged], np.int64),
+                                   np.array([t.offset for _, t in ranged], np.int64),
+                                   np.array([t.length for _, t in ranged], np.int64))
+                scratch = sum(size_class(plan.sources[t.source].metadata.codec.nbytes) for t in tasks)
+                fetch = Fetch(kv, [fr.path for fr in whole], [ByteRange(t.path, t.offset, t.length) for _, t in ranged],
+                              [fr.chunk_ids[0] for fr in whole] + [c for c, _ in ranged], stored + spans + scratch)
+                self.fetch(job, fetch, self._decode_fetched, users=len(fetch.cids))
 
-    def _fetch(self, job: Job, kv, reads: list[FileRead], cost: int) -> None:
-        """Fetch ``reads`` from ``kv`` in one call (whole values and inner chunks' ranges), then decode every
-        chunk on the compute pool; a missing whole value is the fill value.
+    def fetch(self, job: Job, fetch: "Fetch", then: Callable, users: int = 1) -> None:
+        """Fetch ``fetch`` on the I/O pool (see :meth:`_fetch`), then ``then(job, fetch, values, parts, res)`` on the
+        compute pool: the values (None: a missing key) and parts it got, and the reservation of ``fetch.cost``
+        bytes, which ``then`` owns (``users`` calls of ``res.done()`` release it). Its chunks are counted
+        finished here when the fetch fails, the job failed meanwhile or the pipeline closed."""
+        n = len(fetch.cids)
+        try:
+            self._io.submit(self._guard, job, n, self._fetch, job, fetch, then, users)
+        except ShutdownError:
+            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+
+    def _fetch(self, job: Job, fetch: "Fetch", then: Callable, users: int) -> None:
+        """Fetch ``fetch`` from its store in one call (whole values and inner chunks' ranges).
 
         The I/O thread waits for the budget, then only starts the fetch of a store that can run it without
         a waiting thread (an object store's ``start_get_many``): its completion hands the result to the
         compute pool (:meth:`_hand_over`). So the fetches in flight are bounded by the budget, not by the
         I/O threads."""
-        plan = job.plan
-        whole = [fr for fr in reads if fr.whole_file]
-        ranged = [(cid, plan.chunks[cid]) for fr in reads if not fr.whole_file for cid in fr.chunk_ids]
-        n = len(whole) + len(ranged)
-        res = Reservation(self.budget, users=n)
-        keys, requests = [fr.path for fr in whole], [ByteRange(t.path, t.offset, t.length) for _, t in ranged]
+        kv = fetch.kv
+        res = Reservation(self.budget, users=users)
         try:
-            res.reserve(cost, self.cancelled)
+            res.reserve(fetch.cost, self.cancelled)
             t0 = time.perf_counter()
             start = getattr(kv, "start_get_many", None)
             if start is not None:
-                future = start(keys, requests)
-                future.add_done_callback(lambda f: self._hand_over(job, whole, ranged, res, t0, lambda: kv.result_of(f)))
+                future = start(fetch.keys, fetch.requests)
+                future.add_done_callback(
+                    lambda f: self._hand_over(job, fetch, then, users, res, t0, lambda: kv.result_of(f)))
                 return
-            values, parts = get_many(kv, keys, requests)
+            values, parts = get_many(kv, fetch.keys, fetch.requests)
         except BaseException:
-            for _ in range(n):
-                res.done()
+            _release(res, users)
             raise
-        self._fetched(job, whole, ranged, res, t0, lambda: (values, parts))
+        self._fetched(job, fetch, then, users, res, t0, lambda: (values, parts))
 
-    def _hand_over(self, job: Job, whole: list[FileRead], ranged: list, res: Reservation, t0: float,
+    def _hand_over(self, job: Job, fetch: "Fetch", then: Callable, users: int, res: Reservation, t0: float,
                    result: Callable) -> None:
         """A started fetch finished: pass it to the compute pool (:meth:`_fetch_done`), nothing more. This runs
         on the event-loop thread every object store of the process shares, so it must neither decode nor
         finish the batch: finishing runs the user's transform and the device copy, which would stall every
         store's requests (and deadlock on a transform that reads a store)."""
         try:
-            self._compute.submit(self._fetch_done, job, whole, ranged, res, t0, result)
+            self._compute.submit(self._fetch_done, job, fetch, then, users, res, t0, result)
         except ShutdownError:  # the pool was shut down (close): nothing will decode these chunks
-            n = len(whole) + len(ranged)
-            for _ in range(n):
-                res.done()
-            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+            _release(res, users)
+            job.finish(len(fetch.cids), ShutdownError("the pipeline was closed while this batch was being made"))
 
-    def _fetch_done(self, job: Job, whole: list[FileRead], ranged: list, res: Reservation, t0: float,
+    def _fetch_done(self, job: Job, fetch: "Fetch", then: Callable, users: int, res: Reservation, t0: float,
                     result: Callable) -> None:
         """A started fetch finished (run on the compute pool): :meth:`_fetched`, its failure the batch's."""
-        n = len(whole) + len(ranged)
+        n = len(fetch.cids)
         try:
-            self._fetched(job, whole, ranged, res, t0, result)
+            self._fetched(job, fetch, then, users, res, t0, result)
         except Cancelled:
             job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
         except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop
             job.finish(n, exc)
 
-    def _fetched(self, job: Job, whole: list[FileRead], ranged: list, res: Reservation, t0: float,
+    def _fetched(self, job: Job, fetch: "Fetch", then: Callable, users: int, res: Reservation, t0: float,
                  result: Callable) -> None:
-        """Hand the chunks of a finished fetch (``result()``: its values and parts) to the compute pool."""
-        plan = job.plan
+        """Hand the buffers of a finished fetch (``result()``: its values and parts) to ``then``."""
         try:
             if self._closing:
                 raise Cancelled()
             if job.failed:  # nothing to decode: count the chunks finished, as _guard does
-                for _ in range(len(whole) + len(ranged)):
-                    res.done()
-                job.finish(len(whole) + len(ranged))
+                _release(res, users)
+                job.finish(len(fetch.cids))
                 return
             values, parts = result()
             nread = sum(len(v) for v in values if v is not None) + sum(len(p) for p in parts)
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
             job.count(bytes_read=nread)
         except BaseException:
-            for _ in range(len(whole) + len(ranged)):
-                res.done()
+            _release(res, users)
             raise
-        items = [(fr.chunk_ids[0], v) for fr, v in zip(whole, values)] + [(c, p) for (c, _), p in zip(ranged, parts)]
+        then(job, fetch, values, parts, res)
+
+    def _decode_fetched(self, job: Job, fetch: "Fetch", values: list, parts: list, res: Reservation) -> None:
+        """Decode every chunk of a finished fetch on the compute pool (one task each); a missing whole value is
+        the fill value. ``res`` has a user per chunk."""
+        plan = job.plan
+        items = list(zip(fetch.cids, values + parts))
         for i, (cid, data) in enumerate(items):
             task = plan.chunks[cid]
             if data is None:  # a missing chunk is the fill value
@@ -229,6 +299,24 @@ class PythonDecoder:
                     res.done()
                 job.finish(len(items) - i, ShutdownError("the pipeline was closed"))
                 return
+
+    def decode_bytes(self, job: Job, fetched: tuple[int, Any], on_compute: bool = False) -> None:
+        """Decode a chunk from the bytes fetched for it (``(chunk number, bytes)``: one the engine left to this
+        path) and place it. What it holds (those bytes, past their fetch, and its decode scratch) is reserved
+        here: a compute thread that finds the budget short passes the chunk to an I/O thread, which waits."""
+        cid, data = fetched
+        task = job.plan.chunks[cid]
+        res = Reservation(self.budget, users=1)
+        held = memoryview(data).nbytes + size_class(job.plan.sources[task.source].metadata.codec.nbytes)
+        try:
+            self._reserve(res, held, on_compute)
+        except _NoRoom:
+            try:
+                self._io.submit(self._guard, job, 1, self.decode_bytes, job, fetched, False)
+            except ShutdownError:  # the pool was shut down (close)
+                raise Cancelled() from None
+            return
+        self._guard_decode(job, task, memoryview(data), res, None, True)
 
     def run(self, fn: Callable, job: Job, *args) -> None:
         """``fn(job, *args)`` on the compute pool; once the pool is shut down, its chunks fail with ShutdownError

@@ -35,7 +35,7 @@ FILL = -1  # an engine chunk with nothing stored: its copies take the fill value
 
 # columns of the engine's plan tables (csrc/stoker_native.h: C_*, S_*, F_*)
 (C_SOURCE, C_FILE, C_OFFSET, C_LENGTH, C_SPAN_START, C_SPAN_STOP, C_CODEC, C_NBYTES, C_MAX_STORED, C_FIRST_COPY,
- C_NCOPIES, N_CHUNK_COLS) = range(12)
+ C_NCOPIES, C_BUFFER, N_CHUNK_COLS) = range(13)  # C_BUFFER: -1 (read from its file), or the buffer holding it
 S_KIND, S_FILL, S_PATH_START, S_PATH_LEN, S_SEP, S_SWAP, S_STRIDES = range(7)  # then ndim chunk strides
 F_SOURCE, F_HAS_IDENT, F_DEV, F_INO, F_SIZE, F_MTIME, F_CTIME, F_COORDS = range(8)  # then ndim grid coordinates
 
