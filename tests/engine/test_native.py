@@ -521,8 +521,8 @@ def test_zstd_crops_decode_only_the_blocks_they_read(tmp_path, reader, checksum,
         assert stats.bytes_read == stored
 
 
-def test_compiled_reader_follows_the_partial_share_of_blosc_partial(tmp_path):
-    """C takes its partial-decode rule from blosc_partial.PARTIAL_MAX_SHARE (handed over at load): with a
+def test_compiled_reader_follows_the_partial_share_of_the_blosc_module(tmp_path):
+    """C takes its partial-decode rule from zarr.codecs.blosc.PARTIAL_MAX_SHARE (handed over at load): with a
     share of 0 a one-block span is decoded whole, with 1 a span over half the chunk only in its blocks,
     with 0.5 that span whole again."""
     if not native.blosc:

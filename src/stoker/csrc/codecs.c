@@ -55,7 +55,7 @@ static z_inflate_fn z_inflate = NULL;
 static z_call_fn z_end = NULL, z_reset = NULL;
 #endif
 /* blosc decodes only some blocks when they are at most this share of the chunk; blosc_getitem costs
- * a little more per block than a whole decode. Set from Python (blosc_partial.PARTIAL_MAX_SHARE), one rule. */
+ * a little more per block than a whole decode. Set from Python (zarr/codecs/blosc.py, PARTIAL_MAX_SHARE), one rule. */
 static double partial_max_share = 0.9;
 
 /* Set while no thread decodes (stoker/native.py at import; tests between calls). */
@@ -312,7 +312,7 @@ static int blosc_stored_range(const unsigned char *table, uint32_t nblocks, uint
 }
 
 /* Read a blosc1 chunk file and decode either the blocks holding the job's span (when they are
- * at most partial_max_share of the chunk, the rule of stoker/zarr/blosc_partial.py) or the whole frame. Frames
+ * at most partial_max_share of the chunk, the rule of stoker/zarr/codecs/blosc.py) or the whole frame. Frames
  * whose header disagrees with the chunk or the file get ST_FRAME: the Python path reports them. */
 static void decode_blosc(chunk_io *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes) {
     const unsigned char *h = (const unsigned char *)scratch;

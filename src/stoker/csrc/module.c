@@ -11,7 +11,7 @@
  *            for an inner chunk, optionally the identity of the shard file its index was read from (a
  *            file with another identity is not read: status 9); blosc decodes only
  *            the blocks holding those when that is at most the partial share of the chunk
- *            (set_codecs; stoker/zarr/blosc_partial.py's PARTIAL_MAX_SHARE); zstd reads and
+ *            (set_codecs; stoker/zarr/codecs/blosc.py's PARTIAL_MAX_SHARE); zstd reads and
  *            decodes only up to the block that holds byte_stop - 1, when the frame states the
  *            chunk's size and has no checksum (set_zstd_streaming; see zstd_prefix in codecs.c)
  *   scratch  writable buffer for the encoded bytes of one file at a time

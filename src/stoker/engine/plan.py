@@ -259,7 +259,7 @@ def plan_batch(
 
 def _read_stored_indexes(chunks: list[ChunkTask], sources: Sequence[ArrayReader]) -> dict[tuple[int, str], BaseException]:
     """Read the indexes of the shards the batch touches in arrays in a store before the chunks are located
-    (together, one round trip: :func:`~stoker.array.shard_entries`); the errors met, by (source, shard key),
+    (together, one round trip: :func:`~stoker.reader.array.shard_entries`); the errors met, by (source, shard key),
     for the planner to raise at the first chunk they concern. Local arrays' indexes are read as located."""
     wanted: dict[tuple[int, str], None] = {}
     for task in chunks:

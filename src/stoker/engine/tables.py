@@ -11,7 +11,7 @@ one per array and one per shard file, and numpy for the rest:
   every sample padded to the largest count and masked; ``np.unique`` over (array, grid index) rows; a
   stable sort; ``reduceat``);
 - shard indexes looked up in bulk: those not cached read first (an array's in a store all in one round trip,
-  :func:`~stoker.array.shard_entries`), then each needed shard's ``(n_inner, 2)`` table gathered with fancy
+  :func:`~stoker.reader.array.shard_entries`), then each needed shard's ``(n_inner, 2)`` table gathered with fancy
   indexing.
 
 The engine (``stoker._native.Engine``) takes the tables as they are; the Python path asks
