@@ -42,8 +42,7 @@ def default_compute_threads() -> int:
     """This rank's share of the CPUs: the ones the process may run on (its affinity mask, which taskset,
     numactl and cpusets set; CPU quotas such as Docker's ``--cpus`` do not show in it), divided among the
     ranks of the node (torchrun's ``LOCAL_WORLD_SIZE``). Eight ranks of a 64-core node get 8 threads each,
-    not 64: more threads than cores cost throughput (scenario 1 with 16 threads on 2 cores ran at 0.8x the
-    speed of 2 threads). A mask no larger than a rank's share of the machine is taken as this rank's own
+    not 64: more threads than cores cost throughput (numbers in docs/performance.md, "Tuning constants"). A mask no larger than a rank's share of the machine is taken as this rank's own
     binding (``srun --cpu-bind``, numactl per rank) and is not divided again. Pass ``n_compute_threads``
     where neither guess fits.
 

@@ -46,8 +46,7 @@ from .tables import TablePlan
 
 #: Batches at least this large are written with streaming stores (whole cache lines straight to memory).
 #: A batch that size outgrows the caches before anyone reads it, so ordinary stores only add a read of
-#: every line (measured: scenario 4, 128 MB batches, +30% samples/s); smaller ones are better left cached
-#: (scenario 6, 4 MB batches, was slower streamed).
+#: every line; smaller ones are better left cached (docs/performance.md, "Tuning constants").
 STREAM_MIN_BYTES = 8 << 20
 
 _BATCH_KINDS = {torch.float32: native.F32, torch.bfloat16: native.BF16}

@@ -100,9 +100,8 @@ def _release(res: Reservation, users: int) -> None:
         res.done()
 
 
-#: A batch's reads go to the compute pool in groups of at least this many. Each group costs a task, and
-#: 2 threads cutting scenario 1's ~58 reads per batch into 32 groups (what 16 threads did) ran at 0.90x
-#: the speed of 4 groups, and scenario 6 at 0.76x; with groups of 4 or more, 0.98x and 0.92x.
+#: A batch's reads go to the compute pool in groups of at least this many: each group costs a task, and
+#: tasks of one or two reads cost more than they spread (docs/performance.md, "Tuning constants").
 MIN_READS_PER_GROUP = 4
 
 

@@ -1,7 +1,7 @@
 """Transparent huge pages for large host buffers that are allocated once and rewritten every batch.
 
-A CPU batch slot of scenario 4 is 128 MiB: with 4 KiB pages, filling it the first time costs 32,768 page
-faults, and each later fill walks the TLB across as many pages. Linux backs memory with 2 MiB pages
+A CPU batch slot can be 128 MiB: with 4 KiB pages, filling it the first time costs 32,768 page faults, and
+each later fill walks the TLB across as many pages. Linux backs memory with 2 MiB pages
 where a program asks for them (``madvise(MADV_HUGEPAGE)``; the usual ``/sys/kernel/mm/transparent_hugepage
 /enabled`` setting is ``madvise``, under which nothing else gets them). Asking is only advice: without
 THP, off Linux, or if the call fails, nothing changes.

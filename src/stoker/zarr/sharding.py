@@ -122,9 +122,9 @@ class CompressedShardCodec(ChunkCodec):
     def __post_init__(self) -> None:
         super().__post_init__()
         # The decompressed blob holds every inner chunk at its largest stored size, and the index. Per inner
-        # chunk 1 KiB over the proportional share suffices for any codec stoker knows (measured on random
-        # bytes: zstd, lz4, blosc, gzip and lzma add under 64 bytes, bzip2 under 500 for 4 KiB); 64 KiB
-        # each, the slack of a lone chunk, would make the bound 100x the shard.
+        # chunk 1 KiB over the proportional share suffices for any codec stoker knows (each adds at most a
+        # few hundred bytes to incompressible input: docs/performance.md, "Tuning constants"); 64 KiB each,
+        # the slack of a lone chunk, would make the bound 100x the shard.
         spec = self.spec
         blob = spec.n_inner * spec.inner.stored_bound(_INNER_SLACK) + spec.index_nbytes + bounds.OVERHEAD_SLACK
         stages, stored = decode_stages(self.outer, blob)
