@@ -234,11 +234,12 @@ def test_gpu_bench_says_which_way_delivery_went(monkeypatch, cpu_samples, gpu_ra
     from stoker.bench.runner import Result, scenarios
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
-    stats = SimpleNamespace(stages={}, samples=8)
+    stats = SimpleNamespace(stages={}, samples=8, bytes_to_device=4096, bytes_read=4096, batches_emitted=2)
     results = [Result("stoker cpu", 1.0, cpu_samples, 0, 0, {}),
                Result("stoker cuda", 1.0, gpu_rate, 0, 0, {"stats": stats, "pinned_bytes": 0}),
                Result("tensorstore+pin", 1.0, 558, 0, 0, {})]
-    assert verdict in format_device_results(scenarios(tiny=True)[0], results, 3)
+    report = format_device_results(scenarios(tiny=True)[0], results, 3)
+    assert verdict in report and "bytes over PCIe per batch 2,048" in report
 
 
 def test_gpu_bench_times_the_cpu_path_without_a_cpu_reduction(monkeypatch):
