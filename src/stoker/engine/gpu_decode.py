@@ -367,7 +367,9 @@ class GpuDecodeExecutor:
                 if not group:
                     self.host_slots.release(staging)
                     if before == (i, len(cpu)):  # nothing fits an empty group
-                        self._too_large(plan, pending[0].cid if pending else int(reads.order[i]))
+                        if pending:
+                            self._too_large(plan, pending[0].cid, len(pending[0].data))
+                        self._too_large(plan, int(reads.order[i]), int(reads.enc[i + 1] - reads.enc[i] - reads.gap[i]))
                     continue
                 self._flush(plan, sources, dest, group, staging, pending, counts)
             t0 = time.perf_counter()
@@ -381,11 +383,12 @@ class GpuDecodeExecutor:
                 slot.tensor[:rows].copy_(self._work[:rows])  # the one rounding to the 16-bit output
             return self._event()
 
-    def _too_large(self, plan: TablePlan, cid: int) -> None:
+    def _too_large(self, plan: TablePlan, cid: int, size: int) -> None:
+        """BudgetExceeded: chunk ``cid`` (``size`` B in the staging) does not fit an empty group."""
         reader = plan.sources[int(plan.chunk_source[cid])]
-        raise BudgetExceeded(f"{reader.uri}: chunk {plan.key(cid)!r} takes more than the {self._enc_cap:,} B of "
-                             f"staging or {self._dec_cap:,} B of decode scratch", knob="host_buffer_bytes",
-                             needed=self._enc_cap + 1)
+        raise BudgetExceeded(f"{reader.uri}: chunk {plan.key(cid)!r} takes {size:,} B, more than the "
+                             f"{self._enc_cap:,} B of staging (or its decoded bytes more than the {self._dec_cap:,} B "
+                             "of decode scratch); raise host_buffer_bytes", knob="host_buffer_bytes", needed=size)
 
     def _acquire_staging(self):
         slot = None
