@@ -294,3 +294,72 @@ def test_decode_on_gpu_needs_a_cuda_device_and_nvcomp():
         executors.decode_on("gpu", cuda, lambda: False)
     assert executors.decode_on("gpu", cuda, lambda: True) == "gpu"
     assert executors.decode_on("auto", cuda, lambda: True) == "cpu"  # not measured yet: the CPU decode
+
+
+def _many_inner_chunks(root):
+    """An array of one shard of 64 inner chunks (blosc lz4; a few rows unwritten: the fill value)."""
+    comp = BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")
+    return _write(root / "one.zarr", (16, 32, 32), (4, 8, 8), "uint16", comp, shards=(16, 32, 32), fill_value=3,
+                  skip=4)
+
+
+def _two_crops(uri):
+    """One batch of 56 inner chunks (12 of them unwritten), most but not all of the shard's."""
+    return [stoker.Sample(uri, [(0, 12), (0, 24), (0, 32)]), stoker.Sample(uri, [(4, 16), (8, 32), (0, 32)])]
+
+
+def _check_against_cpu_and_zarr(got, samples, data):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipelines, "make_executor", executors.make_executor)
+        want, _ = _run(samples)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for row, s in zip(torch.cat(got), samples):
+        assert torch.equal(row, _expected(data, s, "f32"))
+
+
+def test_inner_chunks_of_a_shard_are_read_in_few_reads(tmp_path, gpu_decode, monkeypatch):
+    z, data = _many_inner_chunks(tmp_path)
+    samples = _two_crops(str(tmp_path / "one.zarr"))
+    reads = []
+    preadv = os.preadv
+
+    def counted(fd, buffers, offset, *args):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(os.path.join("c", "0", "0", "0")):  # the shard
+            reads.append(offset)
+        return preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    got, stats = _run(samples)
+    monkeypatch.setattr(os, "preadv", preadv)
+    # 44 stored inner chunks, close together in their shard: one read (the chunks between them read too)
+    assert stats.chunks_decoded == 44 and len(reads) == 1, reads
+    assert stats.bytes_to_device == stats.bytes_read
+    _check_against_cpu_and_zarr(got, samples, data)
+
+
+def test_inner_chunks_of_a_shard_in_a_store_are_one_request_per_group(tmp_path, gpu_decode, monkeypatch):
+    import zipfile
+
+    from stoker.storage.zipstore import ZipStore
+
+    z, data = _many_inner_chunks(tmp_path)
+    archive = tmp_path / "a.zip"
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+        for folder, _, names in os.walk(tmp_path / "one.zarr"):
+            for name in names:
+                path = os.path.join(folder, name)
+                zf.write(path, os.path.relpath(path, tmp_path))
+    samples = _two_crops(f"{archive}/one.zarr")
+    calls = []
+    get_ranges = ZipStore.get_ranges
+
+    def counted(self, requests):
+        calls.append(len(requests))
+        return get_ranges(self, requests)
+
+    monkeypatch.setattr(ZipStore, "get_ranges", counted)
+    got, stats = _run(samples)
+    monkeypatch.setattr(ZipStore, "get_ranges", get_ranges)
+    # the shard's index, then one call for the batch's 44 stored inner chunks (which the store coalesces)
+    assert stats.chunks_decoded == 44 and calls == [1, 44], calls
+    _check_against_cpu_and_zarr(got, samples, data)

@@ -9,5 +9,6 @@
   decoder's interface over it (the GPU-decode executor's tests run on it);
 - :mod:`.nvcomp`: the device decode over NVIDIA's nvCOMP (an optional dependency, imported lazily).
 
-The executor that uses them is :mod:`stoker.engine.gpu_decode` (``Config.decode_on="gpu"``).
+The executor that uses them is :mod:`stoker.engine.gpu_decode` (``Config.decode_on="gpu"``), with its parts
+in ``stoker.engine.gpu_*`` (sources, staging, layout, placement, CPU fallback).
 """

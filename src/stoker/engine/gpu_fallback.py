@@ -1,0 +1,75 @@
+"""What the GPU-decode executor leaves to the CPU: chunks of arrays the device does not decode, frames
+the parser refuses or whose streams the device cannot take (decoded by the array's own codec, cast into
+the batch dtype by the CPU path's rules, and staged as raw streams), chunks of shards rewritten since
+their index was read (fetched again through the reader), and the error of a group the device failed on
+(decoded again on the CPU, so the batch fails with the CPU path's error for that chunk). Each array's
+first such chunk is noted once, naming the array and why."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..storage.store import ByteRange, get_many
+from .cast import copy_cast, numpy_view
+from .tables import TablePlan
+
+
+def fetch(plan: TablePlan, cid: int, path: str | None):
+    """Chunk ``cid``'s stored bytes through its reader (a new buffer), or None (the fill value). ``path``:
+    its file (its store key for an array in a store)."""
+    reader = plan.sources[int(plan.chunk_source[cid])]
+    if reader.kv is not None and int(plan.chunk_offset[cid]) >= 0:
+        return get_many(reader.kv, [], [ByteRange(path, int(plan.chunk_offset[cid]),
+                                                  int(plan.chunk_length[cid]))])[1][0]
+    return reader.encoded_chunk(tuple(int(v) for v in plan.chunk_index[cid]))[1]
+
+
+def cpu_decode(plan: TablePlan, cid: int, data: Any, dtype: torch.dtype, stats, counts: dict) -> np.ndarray:
+    """Chunk ``cid`` decoded by its codec on the CPU and cast into ``dtype`` (the CPU path's rules), as
+    bytes in C order."""
+    codec = plan.sources[int(plan.chunk_source[cid])].metadata.codec
+    key = plan.key(cid)
+    codec.check_stored_size(len(data), key)
+    t0 = time.perf_counter()
+    chunk = codec.decode(data, key)
+    out = torch.empty(codec.shape, dtype=dtype)
+    view = numpy_view(out)
+    copy_cast(view if view is not None else out, chunk)
+    stats.chunk(time.perf_counter() - t0, 0.0, len(data), codec.nbytes)
+    counts["bytes_decoded"] += codec.nbytes
+    counts["chunks_decoded"] += 1
+    return out.view(-1).view(torch.uint8).numpy()
+
+
+def decode_again(plan: TablePlan, buf: np.ndarray, cids, at, size, exc: BaseException) -> None:
+    """The device failed on a group: decode its chunks (``cids``, stored at ``at`` in ``buf``, ``size``
+    bytes each) on the CPU, in order, so the batch fails with the CPU path's error for the first bad chunk
+    (raised from here)."""
+    for cid, a, n in zip(cids, at, size):
+        reader = plan.sources[int(plan.chunk_source[cid])]
+        reader.metadata.codec.decode(bytes(buf[a:a + n]), plan.key(int(cid)))
+    first = int(cids[0])
+    codec = plan.sources[int(plan.chunk_source[first])].metadata.codec
+    raise codec.decode_error(plan.key(first), exc)  # none failed here: name the first
+
+
+class Notices:
+    """One ``RuntimeWarning`` per array and reason: its chunks are decoded on the CPU."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def note(self, uri: str, why: str) -> None:
+        with self._lock:
+            if (uri, why) in self._seen:
+                return
+            self._seen.add((uri, why))
+        warnings.warn(f"stoker decode_on='gpu': chunks of {uri} are decoded on the CPU: {why}", RuntimeWarning,
+                      stacklevel=3)

@@ -1,0 +1,71 @@
+"""How the GPU-decode executor decodes and places the chunks of one array, for one batch dtype.
+
+An array's chunks are decoded on the device when its codec is a lone zstd or blosc (plain: no filters,
+native byte order, C order) and the device casts it as the CPU does (:func:`device_casts`); else on the
+CPU, by its own codec, and cast there into the batch dtype (:mod:`.gpu_fallback`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..zarr.grid import c_strides
+from .cast import fill_value_as, torch_dtype_of
+
+ZSTD, BLOSC, CPU = 1, 2, 3  # how a source's chunks are decoded
+#: each chunk's decoded bytes start at a multiple of this in the scratch (any dtype's view)
+ALIGN = 64
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def device_casts(source: np.dtype, out: torch.dtype) -> bool:
+    """True when the device's cast of ``source`` elements into ``out`` gives the CPU path's bits: no cast,
+    or integer and bool sources of at most 2 bytes into a float (exact in float32, so the one rounding is
+    the same; the rule :func:`~.device.staging_dtype` follows). Other sources into another dtype are cast on
+    the CPU: torch's conversions on the device are not numpy's for every value (NaN payloads and signalling
+    NaNs, float64 into float16 through float32)."""
+    try:
+        if torch_dtype_of(source) == out:
+            return True
+    except TypeError:
+        return False
+    return source.kind in "biu" and source.itemsize <= 2 and out.is_floating_point
+
+
+@dataclass
+class Source:
+    """How the chunks of one array are decoded and placed, for one batch dtype."""
+
+    how: int  # ZSTD, BLOSC (on the device) or CPU
+    why: str | None  # why its chunks are decoded on the CPU
+    element: torch.dtype  # dtype of its decoded chunks in the scratch (the source's, or the batch's when cast on the CPU)
+    nbytes: int  # bytes of one decoded chunk in the scratch (aligned)
+    stored: int  # the most bytes one stored chunk takes in the staging
+    strides: np.ndarray  # C strides of the chunk, in elements (how it lies in the scratch)
+    fill: torch.Tensor  # the fill value in the batch dtype (a 0-d tensor on the device)
+
+
+def describe(reader, work: torch.dtype, device: torch.device) -> Source:
+    """How ``reader``'s chunks are decoded into a ``work`` batch on ``device`` (call on that device)."""
+    codec = reader.metadata.codec
+    how, why = CPU, None
+    if not codec.plain:
+        why = "filters, another byte order or axis order"
+    elif not (codec.lone_zstd or codec.lone_blosc):
+        why = f"codecs {' -> '.join(codec.names) or 'none'} (the device decodes zstd and blosc with lz4 or zstd)"
+    elif not device_casts(codec.dtype, work):
+        why = f"its {codec.dtype} is cast to {work} on the CPU (the device's rounding of it may differ)"
+    else:
+        how = ZSTD if codec.lone_zstd else BLOSC
+    element = torch_dtype_of(codec.dtype) if how != CPU else work
+    nbytes = math.prod(codec.shape) * element.itemsize
+    fill = fill_value_as(reader.metadata.fill_value, work).to(device)
+    return Source(how, why, element, aligned(nbytes), codec.max_stored_nbytes if how != CPU else nbytes,
+                  np.array(c_strides(tuple(codec.shape)), np.int64), fill)

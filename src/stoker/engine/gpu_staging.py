@@ -1,0 +1,296 @@
+"""Reading a group's stored chunks into a staging buffer, with a fixed number of Python steps per read.
+
+:func:`plan_reads` orders a batch's device-decoded chunks once per batch (numpy): inner chunks of local
+shards first, by file and offset, then whole local chunk files, then chunks of arrays in stores, by store.
+Inner chunks of one file at most :data:`MAX_GAP` apart join one read, the gap read with them (it crosses
+to the device too, and is counted as read). :meth:`ReadPlan.take` cuts the next group off that order with
+two ``searchsorted`` over running sums of staging bytes (whole chunk files and values at their stored
+bound) and decoded bytes.
+
+:meth:`Stager.read` then reads the group: one ``os.preadv`` per coalesced read of a local shard (the GIL
+released, the file's identity checked as the index was read), one open and read per whole chunk file,
+and one :func:`~stoker.storage.store.get_many` per store (whole values and inner chunks' ranges, which the
+store coalesces), copied into the staging in one ``np.concatenate``. Chunks of a shard rewritten since
+its index was read are fetched again through their reader (:func:`.gpu_fallback.fetch`) and staged like
+the CPU's chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import BudgetExceeded, DecodeError
+from ..storage import FileChanged
+from ..storage.store import ByteRange, get_many
+from . import gpu_fallback
+from .gpu_sources import CPU, Source
+from .tables import F_IDENT, F_SOURCE, TablePlan
+
+#: inner chunks of one shard file at most this far apart are read together, the gap included
+MAX_GAP = 64 << 10
+_RANGED, _WHOLE, _STORE = 0, 1, 2
+
+
+@dataclass
+class Pending:
+    """A chunk staged from a buffer: decoded on the CPU (``how`` CPU: raw bytes of the batch dtype) or
+    fetched again through its reader (encoded), ``out`` bytes of scratch."""
+
+    cid: int
+    how: int
+    data: np.ndarray
+    out: int
+
+
+@dataclass
+class Group:
+    """The chunks in one staging buffer: where each one's stored bytes are (``at``, ``size``) and where
+    its decoded bytes go in the scratch (``out``); ``pos`` and ``end``: staging and scratch bytes used."""
+
+    pos: int = 0
+    end: int = 0
+    parts: list = field(default_factory=list)  # (cid, how, at, size, out) arrays
+
+    def add(self, cid, how, at, size, out) -> None:
+        self.parts.append(tuple(np.asarray(a, np.int64).reshape(-1) for a in (cid, how, at, size, out)))
+
+    def stage(self, item: Pending, buf: np.ndarray) -> None:
+        n = len(item.data)
+        buf[self.pos:self.pos + n] = item.data
+        self.add(item.cid, item.how, self.pos, n, self.end)
+        self.pos += n
+        self.end += item.out
+
+    def fits(self, item: Pending, enc_cap: int, dec_cap: int) -> bool:
+        return self.pos + len(item.data) <= enc_cap and self.end + item.out <= dec_cap
+
+    def table(self) -> tuple[np.ndarray, ...]:
+        """``(cid, how, at, size, out)`` of every chunk in the group."""
+        if not self.parts:
+            return tuple(np.zeros(0, np.int64) for _ in range(5))
+        return tuple(np.concatenate(col) for col in zip(*self.parts))
+
+    def __bool__(self) -> bool:
+        return bool(self.parts)
+
+
+@dataclass
+class ReadPlan:
+    """A batch's device-decoded chunks in read order (see the module docstring)."""
+
+    order: np.ndarray  # chunk ids
+    kind: np.ndarray
+    joined: np.ndarray  # read with the chunk before it
+    enc: np.ndarray  # running sums (n + 1) of staging bytes (gaps of joined chunks included)
+    gap: np.ndarray  # the gap before a joined chunk
+    dec: np.ndarray  # running sums (n + 1) of scratch bytes
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def take(self, i: int, enc_room: int, dec_room: int) -> int:
+        """The end of the chunks from ``i`` on that fit ``enc_room`` staging and ``dec_room`` scratch bytes
+        (the first starts a read of its own: its gap is not read)."""
+        e1 = int(np.searchsorted(self.enc, self.enc[i] + self.gap[i] + enc_room, "right")) - 1
+        e2 = int(np.searchsorted(self.dec, self.dec[i] + dec_room, "right")) - 1
+        return min(e1, e2, len(self.order))
+
+
+def plan_reads(plan: TablePlan, sources: list[Source]) -> ReadPlan:
+    """The stored chunks of ``plan`` decoded on the device, ordered and costed for :meth:`ReadPlan.take`."""
+    how = np.array([s.how for s in sources], np.int64)
+    in_store = np.array([r.kv is not None for r in plan.sources], bool)
+    # stores numbered by identity: arrays of one store are fetched together
+    store_no = {id(r.kv): k for k, r in enumerate(plan.sources) if r.kv is not None}
+    store = np.array([store_no.get(id(r.kv), -1) for r in plan.sources], np.int64)
+    ids = np.flatnonzero((plan.chunk_file >= 0) & (how[plan.chunk_source] != CPU))
+    src = plan.chunk_source[ids]
+    offset, length = plan.chunk_offset[ids], plan.chunk_length[ids]
+    kind = np.where(in_store[src], _STORE, np.where(offset >= 0, _RANGED, _WHOLE))
+    order = np.lexsort((offset, plan.chunk_file[ids], store[src], kind))
+    ids, src, kind = ids[order], src[order], kind[order]
+    offset, length, file = offset[order], length[order], plan.chunk_file[ids]
+    bound = np.array([s.stored for s in sources], np.int64)[src]
+    size = np.where(offset >= 0, length, bound)
+    end = offset + length
+    gap = np.zeros(len(ids), np.int64)
+    joined = np.zeros(len(ids), bool)
+    if len(ids) > 1:
+        gap[1:] = offset[1:] - end[:-1]
+        joined[1:] = (kind[1:] == _RANGED) & (kind[:-1] == _RANGED) & (file[1:] == file[:-1]) & \
+            (gap[1:] >= 0) & (gap[1:] <= MAX_GAP)
+    gap = np.where(joined, gap, 0)
+    enc = np.concatenate([[0], np.cumsum(size + gap)])
+    dec = np.concatenate([[0], np.cumsum(np.array([s.nbytes for s in sources], np.int64)[src])])
+    return ReadPlan(ids, kind, joined, enc, gap, dec)
+
+
+class Stager:
+    """Reads groups of a batch's chunks into staging buffers (see the module docstring).
+
+    ``store``: the pipeline's :class:`~stoker.storage.local.LocalStore`; ``stats``: its recorder.
+    """
+
+    def __init__(self, store, stats) -> None:
+        self.store = store
+        self.stats = stats
+
+    def file(self, plan: TablePlan, f: int, files: dict) -> tuple[str, tuple | None]:
+        """``(path, identity or None)`` of file row ``f`` (its store key for an array in a store), once per
+        file and batch."""
+        held = files.get(f)
+        if held is None:
+            row = plan.files[f]
+            reader = plan.sources[int(row[F_SOURCE])]
+            ident = tuple(int(v) for v in row[F_IDENT:F_IDENT + 2].view(np.uint64)) + \
+                tuple(int(v) for v in row[F_IDENT + 2:F_IDENT + 5])
+            held = files[f] = (reader.file_path(plan.file_key(f)), ident)
+        return held
+
+    def path(self, plan: TablePlan, cid: int, files: dict) -> str:
+        return self.file(plan, int(plan.chunk_file[cid]), files)[0]
+
+    def read(self, plan: TablePlan, sources: list[Source], reads: ReadPlan, i: int, e: int, buf: np.ndarray,
+             group: Group, files: dict, counts: dict) -> tuple[list[int], list[Pending]]:
+        """Read chunks ``reads.order[i:e]`` into ``buf`` from ``group.pos`` on and add them to ``group``;
+        returns the chunks with nothing stored (the fill value) and those fetched again (to stage)."""
+        fills: list[int] = []
+        again: list[Pending] = []
+        kind = reads.kind[i:e]
+        lo, hi = i + int(np.searchsorted(kind, _WHOLE)), i + int(np.searchsorted(kind, _STORE))
+        if lo > i:
+            again += self._ranged(plan, sources, reads, i, lo, buf, group, files, counts)
+        if hi > lo:
+            fills += self._whole(plan, sources, reads.order[lo:hi], buf, group, files, counts)
+        if e > hi:
+            fills += self._stores(plan, sources, reads.order[hi:e], buf, group, files, counts)
+        return fills, again
+
+    def _ranged(self, plan, sources, reads: ReadPlan, i: int, e: int, buf, group: Group, files, counts):
+        """Inner chunks of local shards: one positional read per run of joined chunks."""
+        cids = reads.order[i:e]
+        offset, length = plan.chunk_offset[cids], plan.chunk_length[cids]
+        first = ~reads.joined[i:e]
+        first[0] = True
+        heads = np.flatnonzero(first)
+        read_of = np.cumsum(first) - 1
+        start = offset[heads]
+        stop = np.maximum.reduceat(offset + length, heads)
+        span = stop - start
+        read_at = group.pos + np.cumsum(span) - span
+        at = read_at[read_of] + offset - start[read_of]
+        how = np.array([s.how for s in sources], np.int64)[plan.chunk_source[cids]]
+        dec = np.diff(reads.dec[i:e + 1])
+        out = group.end + np.cumsum(dec) - dec
+        keep = np.ones(len(cids), bool)
+        again: list[Pending] = []
+        t0 = time.perf_counter()
+        got_total = 0
+        for r, (h, a, n) in enumerate(zip(heads.tolist(), read_at.tolist(), span.tolist())):
+            cid = int(cids[h])
+            path, ident = self.file(plan, int(plan.chunk_file[cid]), files)
+            try:
+                got = self.store.read_range_into(path, int(start[r]), memoryview(buf)[a:a + n], ident)
+            except FileChanged:  # read again through the reader, which reads the shard's new index
+                mine = read_of == r
+                keep &= ~mine
+                again += self._again(plan, sources, cids[mine], files, counts)
+                continue
+            if got != n:
+                reader = plan.sources[int(plan.chunk_source[cid])]
+                raise DecodeError(f"{reader.uri}: the shard holding inner chunk {plan.key(cid)!r} changed or "
+                                  "vanished while it was read", uri=reader.uri, key=plan.key(cid))
+            got_total += n
+        self._counted(t0, got_total, counts)
+        group.add(cids[keep], how[keep], at[keep], length[keep], out[keep])
+        group.pos += int(span.sum())
+        group.end += int(dec.sum())
+        return again
+
+    def _again(self, plan, sources, cids, files, counts) -> list[Pending]:
+        items = []
+        for cid in cids.tolist():
+            t0 = time.perf_counter()
+            data = gpu_fallback.fetch(plan, cid, self.path(plan, cid, files))
+            if data is None:
+                continue  # (its fill is left to the chunk's new index: nothing stored there now)
+            self._counted(t0, len(data), counts)
+            src = sources[int(plan.chunk_source[cid])]
+            items.append(Pending(cid, src.how, np.frombuffer(memoryview(data).cast("B"), np.uint8), src.nbytes))
+        return items
+
+    def _whole(self, plan, sources, cids, buf, group: Group, files, counts) -> list[int]:
+        """Whole chunk files: one open and read each."""
+        fills, room = [], len(buf)
+        for cid in cids.tolist():
+            reader = plan.sources[int(plan.chunk_source[cid])]
+            t0 = time.perf_counter()
+            f = self.store.open_file(self.path(plan, cid, files))
+            if f is None:
+                fills.append(cid)
+                continue
+            with f:
+                reader.metadata.codec.check_stored_size(f.size, plan.key(cid))
+                _fit(reader, plan, cid, f.size, room - group.pos)
+                got = f.read_into(memoryview(buf)[group.pos:group.pos + f.size], 0)
+            if got != f.size:
+                raise DecodeError(f"{reader.uri}: chunk {plan.key(cid)!r} changed while it was read",
+                                  uri=reader.uri, key=plan.key(cid))
+            self._counted(t0, got, counts)
+            src = sources[int(plan.chunk_source[cid])]
+            group.add(cid, src.how, group.pos, got, group.end)
+            group.pos += got
+            group.end += src.nbytes
+        return fills
+
+    def _stores(self, plan, sources, cids, buf, group: Group, files, counts) -> list[int]:
+        """Chunks of arrays in stores: one get_many per store (whole values, then ranges)."""
+        fills: list[int] = []
+        kvs = [plan.sources[int(s)].kv for s in plan.chunk_source[cids]]
+        for kv in {id(k): k for k in kvs}.values():
+            mine = cids[np.array([k is kv for k in kvs])]
+            whole = mine[plan.chunk_offset[mine] < 0]
+            ranged = mine[plan.chunk_offset[mine] >= 0]
+            t0 = time.perf_counter()
+            values, parts = get_many(kv, [self.path(plan, c, files) for c in whole.tolist()],
+                                     [ByteRange(self.path(plan, c, files), o, n) for c, o, n in
+                                      zip(ranged.tolist(), plan.chunk_offset[ranged].tolist(),
+                                          plan.chunk_length[ranged].tolist())])
+            got = values + list(parts)
+            order = np.concatenate([whole, ranged])
+            missing = np.array([v is None for v in got], bool)
+            fills += order[missing].tolist()
+            order = order[~missing]
+            got = [v for v in got if v is not None]
+            sizes = np.fromiter(map(len, got), np.int64, len(got))
+            bounds = np.array([sources[int(s)].stored for s in plan.chunk_source[order]], np.int64)
+            for k in np.flatnonzero(sizes > bounds).tolist():  # refused unread elsewhere: refused here
+                plan.sources[int(plan.chunk_source[order[k]])].metadata.codec.check_stored_size(
+                    int(sizes[k]), plan.key(int(order[k])))
+            total = int(sizes.sum())
+            if total > len(buf) - group.pos:  # (values within their bounds fit: ReadPlan.take)
+                raise BudgetExceeded(f"{kv.uri}: the chunks of one group take {total:,} B, more than the "
+                                     f"{len(buf) - group.pos:,} B of staging", knob="host_buffer_bytes", needed=total)
+            if len(order):
+                np.concatenate([np.frombuffer(memoryview(v).cast("B"), np.uint8) for v in got],
+                               out=buf[group.pos:group.pos + total])
+            nbytes = np.array([sources[int(s)].nbytes for s in plan.chunk_source[order]], np.int64)
+            how = np.array([sources[int(s)].how for s in plan.chunk_source[order]], np.int64)
+            group.add(order, how, group.pos + np.cumsum(sizes) - sizes, sizes, group.end + np.cumsum(nbytes) - nbytes)
+            group.pos += total
+            group.end += int(nbytes.sum())
+            self._counted(t0, total, counts)
+        return fills
+
+    def _counted(self, t0: float, nbytes: int, counts: dict) -> None:
+        self.stats.stage("io", time.perf_counter() - t0, bytes_out=nbytes)
+        counts["bytes_read"] += nbytes
+
+
+def _fit(reader, plan: TablePlan, cid: int, size: int, room: int) -> None:
+    if size > room:
+        raise BudgetExceeded(f"{reader.uri}: chunk {plan.key(cid)!r} is stored in {size:,} B, more than the "
+                             f"{room:,} B of staging", knob="host_buffer_bytes", needed=size)
