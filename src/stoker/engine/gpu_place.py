@@ -1,7 +1,9 @@
-"""Placing decoded chunks on the device: each chunk's copies as runs of contiguous elements (numpy, no
-Python step per chunk or copy), gathered from the decoded scratch, cast and scattered into the batch with
-one ``index_select`` / ``index_copy_`` per run length and source dtype; chunks with nothing stored filled
-with ``index_fill_``. Elements move as integers of their width (``index_copy_`` has no uint16 kernels);
+"""Placing decoded chunks on the device: each copy of a chunk is a box of elements, described on the host by
+a few numbers (its start in the scratch and in the batch, its extent, the strides of both: numpy, no Python
+step per chunk or copy), expanded into element indices on the device (``repeat_interleave`` and integer
+arithmetic, in pieces that fit the scratch), then gathered from the decoded scratch, cast and scattered into
+the batch in one ``index_select`` / ``index_copy_`` per piece; chunks with nothing stored are filled the same
+way with ``index_fill_``. Elements move as integers of their width (``index_copy_`` has no uint16 kernels);
 casts follow the CPU path's rules (:mod:`.cast`: bfloat16 through float32)."""
 
 from __future__ import annotations
@@ -29,66 +31,79 @@ def cast(values: torch.Tensor, out: torch.dtype) -> torch.Tensor:
     return values.to(out)
 
 
-def spans(counts: np.ndarray) -> np.ndarray:
-    """``0..counts[i]-1`` for each ``i``, end to end."""
-    starts = np.cumsum(counts) - counts
-    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
-
-
-def runs(plan: TablePlan, sources: list[Source], dest: torch.Tensor, cids: np.ndarray,
-         element_base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every copy of chunks ``cids`` as runs of contiguous elements: ``(src, dst, length)`` per run, ``src``
-    in elements of the chunks' dtype from the start of the scratch (chunk ``cids[i]`` at
-    ``element_base[i]``), ``dst`` in elements of the flat batch."""
+def copies(plan: TablePlan, sources: list[Source], dest: torch.Tensor, cids: np.ndarray,
+           element_base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every copy of chunks ``cids`` as ``(src, dst, extent, strides)``: its first element in the scratch (chunk
+    ``cids[i]`` starts at element ``element_base[i]``) and in the flat batch, its extent per axis, and the
+    element strides of its chunk in the scratch, one row per copy."""
     n = plan.n_copies[cids]
-    rows = np.repeat(plan.first_copy[cids], n) + spans(n)
-    strides = np.stack([sources[int(s)].strides for s in plan.chunk_source[cids]]) if len(cids) else \
-        np.zeros((0, plan.ndim), np.int64)
+    starts = np.cumsum(n) - n
+    rows = np.repeat(plan.first_copy[cids] - starts, n) + np.arange(int(n.sum()), dtype=np.int64)
     owner = np.repeat(np.arange(len(cids)), n)
-    src = element_base[owner] + (plan.copy_chunk_start[rows] * strides[owner]).sum(axis=1)
+    if len(cids):
+        strides = np.stack([sources[int(s)].strides for s in plan.chunk_source[cids]])[owner]
+    else:
+        strides = np.zeros((0, plan.ndim), np.int64)
+    src = element_base[owner] + (plan.copy_chunk_start[rows] * strides).sum(axis=1)
     row_stride, *dst_strides = dest.stride()
-    dst_strides = np.array(dst_strides, np.int64)
-    dst = plan.copy_row[rows] * row_stride + plan.copy_box_start[rows] @ dst_strides
-    extent = plan.copy_extent[rows]
-    if plan.ndim == 0:
-        return src, dst, np.ones(len(rows), np.int64)
-    outer = extent[:, :-1]
-    count = outer.prod(axis=1)
-    run_of = np.repeat(np.arange(len(rows)), count)
-    k = spans(count)
-    s, d = src[run_of].copy(), dst[run_of].copy()
-    for a in range(outer.shape[1] - 1, -1, -1):  # the run's index along each outer axis, innermost first
-        size = outer[run_of, a]
+    dst = plan.copy_row[rows] * row_stride + plan.copy_box_start[rows] @ np.array(dst_strides, np.int64)
+    return src, dst, plan.copy_extent[rows].reshape(len(rows), plan.ndim), strides.reshape(len(rows), plan.ndim)
+
+
+def pieces(counts: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of rows whose ``counts`` add up to at most ``limit`` (a row larger than that alone)."""
+    ends = np.cumsum(counts)
+    out, lo = [], 0
+    while lo < len(counts):
+        base = ends[lo - 1] if lo else 0
+        hi = max(lo + 1, int(np.searchsorted(ends, base + limit, side="right")))
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def elements(src: np.ndarray | None, dst: np.ndarray, extent: np.ndarray, strides: np.ndarray | None,
+             dest_strides: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The element indices of the copies ``(src, dst, extent, strides)``, expanded on ``device``: for each
+    copy, every element of its box in C order, as an index into the scratch (None without ``src``) and into
+    the flat batch."""
+    ext = torch.as_tensor(extent, device=device)
+    counts_np = extent.prod(axis=1)  # 1 for 0-d copies (an empty product)
+    total = int(counts_np.sum())  # known on the host: no wait for the device
+    counts = torch.as_tensor(counts_np, device=device)
+    copy = torch.repeat_interleave(torch.arange(len(extent), device=device), counts, output_size=total)
+    k = torch.arange(total, device=device) - (torch.cumsum(counts, 0) - counts)[copy]
+    d = torch.as_tensor(dst, device=device)[copy]
+    s = torch.as_tensor(src, device=device)[copy] if src is not None else None
+    st = torch.as_tensor(strides, device=device) if strides is not None else None
+    for a in range(extent.shape[1] - 1, -1, -1):  # the element's index along each axis, innermost first
+        size = ext[copy, a]
         idx = k % size
-        k //= size
-        s += idx * strides[owner[run_of], a]
-        d += idx * dst_strides[a]
-    return s, d, extent[run_of, -1]
+        k = k // size
+        d += idx * int(dest_strides[a])
+        if s is not None:
+            s += idx * st[copy, a]
+    return s, d
 
 
 def place(plan: TablePlan, sources: list[Source], dest: torch.Tensor, scratch: torch.Tensor, cids: np.ndarray,
-          outs: np.ndarray, elements: list[torch.dtype]) -> None:
-    """Gather the copies of chunks ``cids`` (decoded at byte ``outs`` of ``scratch``, as ``elements``), cast,
-    and scatter them into ``dest``, in pieces whose gathered and cast values and indices take at most the
-    scratch's size."""
+          outs: np.ndarray, elements_of: list[torch.dtype]) -> None:
+    """Gather the copies of chunks ``cids`` (decoded at byte ``outs`` of ``scratch``, as ``elements_of``), cast,
+    and scatter them into ``dest``, in pieces whose indices and gathered values take at most the scratch's
+    size."""
     flat = dest.view(-1).view(carrier(dest.dtype))
-    budget = scratch.numel()
-    for element in set(elements):
-        mine = np.array([e == element for e in elements])
+    for element in set(elements_of):
+        mine = np.array([e == element for e in elements_of])
         view = scratch.view(carrier(element))  # the scratch's size is a multiple of ALIGN
-        src, dst, length = runs(plan, sources, dest, cids[mine], outs[mine] // element.itemsize)
-        per = element.itemsize + (dest.dtype.itemsize if dest.dtype != element else 0)
-        for size in np.unique(length).tolist():
-            sel = np.flatnonzero(length == size)
-            step = max(1, budget // (size * per + 16))
-            for lo in range(0, len(sel), step):
-                part = sel[lo:lo + step]
-                take = torch.as_tensor(src[part], device=dest.device)
-                put = torch.as_tensor(dst[part], device=dest.device)
-                values = view.unfold(0, size, 1).index_select(0, take)
-                if element != dest.dtype:
-                    values = cast(values.view(element), dest.dtype)
-                flat.unfold(0, size, 1).index_copy_(0, put, values.view(flat.dtype))
+        src, dst, extent, strides = copies(plan, sources, dest, cids[mine], outs[mine] // element.itemsize)
+        per = 16 + 8 * 4 + element.itemsize + 2 * dest.dtype.itemsize  # indices, their temporaries, values
+        for lo, hi in pieces(extent.prod(axis=1), max(1, scratch.numel() // per)):
+            take, put = elements(src[lo:hi], dst[lo:hi], extent[lo:hi], strides[lo:hi], dest.stride()[1:],
+                                 dest.device)
+            values = view.index_select(0, take)
+            if element != dest.dtype:
+                values = cast(values.view(element), dest.dtype)
+            flat.index_copy_(0, put, values.view(flat.dtype))
 
 
 def fill(plan: TablePlan, sources: list[Source], dest: torch.Tensor, cids: np.ndarray) -> None:
@@ -97,7 +112,7 @@ def fill(plan: TablePlan, sources: list[Source], dest: torch.Tensor, cids: np.nd
     by_source = plan.chunk_source[cids]
     for s in np.unique(by_source).tolist():
         mine = cids[by_source == s]
-        _, dst, length = runs(plan, sources, dest, mine, np.zeros(len(mine), np.int64))
-        for size in np.unique(length).tolist():
-            put = torch.as_tensor(dst[length == size], device=dest.device)
-            flat.unfold(0, size, 1).index_fill_(0, put, sources[s].fill.view(flat.dtype))
+        _, dst, extent, _ = copies(plan, sources, dest, mine, np.zeros(len(mine), np.int64))
+        for lo, hi in pieces(extent.prod(axis=1), 1 << 24):
+            _, put = elements(None, dst[lo:hi], extent[lo:hi], None, dest.stride()[1:], dest.device)
+            flat.index_fill_(0, put, sources[s].fill.view(flat.dtype))

@@ -138,9 +138,9 @@ class DeviceDecoder:
         dsts = nv.as_arrays(out, layout.dst[rows].tolist(), sizes, cuda_stream=s)
         name = CODEC_NAMES[codec]
         try:
-            # the decoded sizes are known: a config built from them spares nvCOMP a pass over the streams
-            config = nvc.decompression_config(nvc.compression_config(sizes))
-            got = nvc.decode(srcs, out=dsts, decompression_config=config)
+            # no decompression config built from the sizes the frames state: with one, nvCOMP reports those
+            # sizes back whatever the streams decode to, and a damaged stream would pass unnoticed
+            got = nvc.decode(srcs, out=dsts)
             got_sizes = list(got.buffer_sizes)  # waits for the decode
         except (RuntimeError, ValueError) as exc:
             chunks = np.unique(layout.chunk[rows]).tolist()
