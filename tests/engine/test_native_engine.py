@@ -163,6 +163,40 @@ def test_chunks_in_memory_keep_the_checks_of_files(tmp_path):
     assert engine.close(5)
 
 
+def test_chunks_in_memory_take_scratch_for_their_decoded_bytes_only(tmp_path):
+    """A chunk in a buffer is decoded straight from it: a thread's scratch holds its decoded bytes only, not
+    its stored bound (whole zstd, zstd stopped early, blosc in part, lz4, a range of a staging buffer), so a
+    budget of one decoded chunk runs them, while a file chunk still needs its stored bytes too."""
+    t = Tables(tmp_path, 5)
+    zstd = [numcodecs.Zstd(level=1).encode(_chunk(i).tobytes()) for i in range(5)]
+    blosc = numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE, blocksize=32).encode(_chunk(2).tobytes())
+    lz4 = numcodecs.LZ4().encode(_chunk(3).tobytes())
+    staging = np.frombuffer(b"head" + zstd[4] + b"tail", np.uint8)
+    buffers = [zstd[0], zstd[1], blosc, lz4, staging]
+    _in_memory(t, range(5), len(buffers))
+    t.copies[1, 2] = 2  # rows 0..1: zstd stops after the block holding them
+    t.chunks[1, native.C_SPAN_STOP] = 32
+    t.chunks[2, native.C_CODEC] = native.BLOSC
+    t.copies[2, 0], t.copies[2, 2] = 16, 6  # the chunk's rows 2..: its first blosc block is not decoded
+    t.chunks[2, native.C_SPAN_START] = 32
+    t.chunks[3, native.C_CODEC] = native.LZ4
+    t.chunks[4, native.C_OFFSET], t.chunks[4, native.C_LENGTH] = 4, len(zstd[4])
+    engine = native.Engine(2, 128)  # one decoded chunk: 128 bytes (a multiple of 64)
+    job = engine.submit(*t.args(), buffers)
+    assert job.wait(10)
+    status, _, counters = _results(job)
+    assert status.tolist() == [native.OK] * 5
+    for i in (0, 3, 4):
+        np.testing.assert_array_equal(t.batch[i], t.expected(i))
+    np.testing.assert_array_equal(t.batch[1, :2], t.expected(1)[:2])
+    np.testing.assert_array_equal(t.batch[2, :6], t.expected(2)[2:])
+    assert counters["max_threads"] == 1 and engine.info()["peak"] == 128
+    t.chunks[0, native.C_BUFFER], t.chunks[0, native.C_FILE] = -1, 0  # a file chunk: stored bytes too
+    with pytest.raises(ValueError, match="budget"):
+        engine.submit(*t.args(), buffers)
+    assert engine.close(5)
+
+
 @pytest.mark.parametrize("where", [(-2, 0), (0, -1), (-1, 5), (1, 10**6), (2**62, 2**62), (4, 1)])
 def test_a_range_outside_its_buffer_is_refused_before_any_read(tmp_path, where):
     """offset and length of a chunk in a buffer: (-1, 0) for the whole buffer, or a range inside it; any other

@@ -176,15 +176,19 @@ _MEMORY_ENGINE = None
 
 def from_memory(codec: int, data: bytes, where, nbytes: int, span: tuple[int, int], scratch_len: int, result,
                 out: np.ndarray) -> None:
-    """Read the same stored bytes from a buffer (a chunk fetched from a store) on the engine: the status and
-    detail the file got, and the same bytes placed; a range past the buffer is refused before any read."""
+    """Read the same stored bytes from a buffer (a chunk fetched from a store) on the engine, which decodes them
+    where they are: the status and detail the file got, and the same bytes placed; a range past the buffer is
+    refused before any read. The buffer ends where the chunk does (a range: its head and the range), so a read
+    past the chunk is one past the buffer, which ASan catches (.ci/asan)."""
     global _MEMORY_ENGINE
     a, b = span
     if nbytes < 1 or b <= a or nbytes + scratch_len > 1 << 26:  # the engine never asks for no bytes
         return
     if _MEMORY_ENGINE is None:
         _MEMORY_ENGINE = native.Engine(1, 1 << 27)
-    buffer = np.frombuffer(data, np.uint8).copy()  # exactly sized: ASan guards its ends
+    inside = where is None or where[0] + where[1] <= len(data)
+    # exactly sized (ASan guards its ends), and ending with the chunk
+    buffer = np.frombuffer(data if where is None or not inside else data[:where[0] + where[1]], np.uint8).copy()
     chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
     chunks[0, native.C_FILE] = -1
     chunks[0, native.C_OFFSET], chunks[0, native.C_LENGTH] = where if where is not None else (-1, 0)
@@ -195,7 +199,7 @@ def from_memory(codec: int, data: bytes, where, nbytes: int, span: tuple[int, in
     batch = Guarded(b - a, fill=0x11)
     args = (chunks, np.array([[a, 0, b - a]], np.int64), sources, np.zeros((0, native.F_COORDS + 1), np.int64),
             b"x", batch.view, native.SAME, False, np.array([1], np.int64), [buffer])
-    if where is not None and where[0] + where[1] > len(data):
+    if not inside:
         with pytest.raises(ValueError, match="outside its buffer"):
             _MEMORY_ENGINE.submit(*args)
         return
@@ -205,6 +209,16 @@ def from_memory(codec: int, data: bytes, where, nbytes: int, span: tuple[int, in
     status, detail = int(np.frombuffer(status, np.int32)[0]), int(np.frombuffer(detail, np.int64)[0])
     event("read from memory too")
     assert batch.intact(), "a write outside the batch"
+    if codec == native.BLOSC and result[0] == native.CODEC_ERROR and status == native.OK:
+        # blosc's partial decode of a file reads only the blocks the span needs, and states their end as the
+        # frame's size: a block whose streams run past the next block's start fails there (the Python path
+        # then decodes the frame whole). In memory the whole frame is there, and the block decodes from the
+        # chunk's own bytes, as a whole decode reads them.
+        event("blosc from memory: a block read past the next one's start")
+        reference = oracle(codec, bytes(buffer[0 if where is None else where[0]:]), nbytes)
+        if reference is not None:
+            assert batch.view.tobytes() == reference[a:b], "from memory, other bytes than numcodecs'"
+        return
     assert status == result[0], f"from memory: status {status}, from its file: {result[0]}"
     if status == native.OK:
         assert batch.view.tobytes() == out[a:b].tobytes(), "from memory, other bytes than from its file"

@@ -4,6 +4,7 @@ or a typed error naming the URI, key, status and attempts, in bounded time."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 
@@ -119,6 +120,22 @@ def test_latency_past_the_timeout_is_a_storage_error(server):
     with pytest.raises(StorageError) as info:
         s.get("value")
     assert info.value.attempts == 2 and info.value.key == "value"
+
+
+@pytest.mark.timeout(30)
+def test_an_attempt_that_never_answers_is_cut_off_and_retried(server):
+    """The store's own per-attempt limit (obstore's timeouts, plus slack), for a request that never ends
+    whatever obstore does: each attempt is cancelled at that limit, retried, then a StorageError."""
+    s = store(server, timeout_s=0.2, connect_timeout_s=0.2, retries=1)
+    started = []
+
+    async def never():
+        started.append(1)
+        await asyncio.sleep(60)
+
+    with pytest.raises(StorageError, match="timed out") as info:
+        s._run(s._attempts("value", "read", never))
+    assert info.value.attempts == 2 and len(started) == 2
 
 
 @pytest.mark.timeout(30)

@@ -118,8 +118,10 @@ void codec_ctx_free(codec_ctx *ctx) {
     ctx->zstd_tried = 0;
 }
 
-/* The codecs: each reads the stored chunk (``size`` bytes) from the open ``fd``, closes it and decodes
- * into job->out; read_ns counts from ``t0``, when the file was opened. */
+/* The codecs: each reads the stored chunk (``size`` bytes) from the open ``fd`` into ``scratch``, closes it and
+ * decodes into job->out; read_ns counts from ``t0``, when the file was opened. They read the stored bytes at
+ * ``src`` (stored_bytes): ``scratch`` itself for a file; for a chunk in memory its buffer, which the reads
+ * only check (scratch is NULL then, and nothing is written to the buffer). */
 
 static uint32_t le32(const unsigned char *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -149,7 +151,8 @@ static uint32_t le32(const unsigned char *p) {
  * read off their 3-byte headers alone (each read into scratch at its own offset; those before ``*have`` are
  * there already, and once little is left the rest is read in one go, extending ``*have``); 0 when they do
  * not, or a header is reserved; -1 when a read failed (the job's status is set). */
-static int zstd_blocks_end_at(chunk_io *job, int fd, char *scratch, size_t *have, size_t pos, size_t size) {
+static int zstd_blocks_end_at(chunk_io *job, int fd, char *scratch, const char *src, size_t *have, size_t pos,
+                              size_t size) {
     while (pos <= size && size - pos >= 3) {
         if (pos + 3 > *have) {
             if (size - *have <= ZSTD_HOPS_READ_REST) {
@@ -160,7 +163,7 @@ static int zstd_blocks_end_at(chunk_io *job, int fd, char *scratch, size_t *have
                 return -1;
             }
         }
-        const unsigned char *h = (const unsigned char *)scratch + pos;
+        const unsigned char *h = (const unsigned char *)src + pos;
         uint32_t header = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16;
         uint32_t type = (header >> 1) & 3, block = header >> 3;
         if (type == 3) /* reserved */
@@ -175,8 +178,8 @@ static int zstd_blocks_end_at(chunk_io *job, int fd, char *scratch, size_t *have
 /* The prefix path (see above). Returns 1 when the chunk is done: decoded as far as job->span_stop with the
  * rest of the frame checked (ST_OK, detail: the bytes decoded), or a read failed (its status). Returns 0
  * when it must be read and decoded whole instead, with *have: the bytes [0, *have) already in scratch. */
-static int zstd_prefix(chunk_io *job, int fd, size_t size, char *scratch, size_t nbytes, void *dctx,
-                       size_t *have) {
+static int zstd_prefix(chunk_io *job, int fd, size_t size, char *scratch, const char *stored, size_t nbytes,
+                       void *dctx, size_t *have) {
     size_t stop = (size_t)job->span_stop;
     *have = 0;
     /* an inner chunk of a shard: its size came from the index, so check the file holds it (the whole
@@ -186,7 +189,7 @@ static int zstd_prefix(chunk_io *job, int fd, size_t size, char *scratch, size_t
     *have = size < ZSTD_FIRST_READ ? size : ZSTD_FIRST_READ;
     if (read_timed(job, fd, scratch, 0, *have))
         return 1;
-    const unsigned char *src = (const unsigned char *)scratch;
+    const unsigned char *src = (const unsigned char *)stored;
     if (*have < 5 || le32(src) != ZSTD_MAGIC || (src[4] & 0x04) || zstd_content_size(src, *have) != nbytes)
         return 0; /* not one frame that says it holds this chunk, or one with a checksum */
     long long t = now_ns();
@@ -206,7 +209,7 @@ static int zstd_prefix(chunk_io *job, int fd, size_t size, char *scratch, size_t
             t = now_ns();
             *have = want;
         }
-        r = zstd_continue(dctx, job->out + produced, nbytes - produced, scratch + consumed, need);
+        r = zstd_continue(dctx, job->out + produced, nbytes - produced, stored + consumed, need);
         if (!zstd_is_error(r)) {
             consumed += need;
             produced += r;
@@ -216,7 +219,7 @@ static int zstd_prefix(chunk_io *job, int fd, size_t size, char *scratch, size_t
     if (zstd_is_error(r) || produced < stop)
         return 0;
     int whole = zstd_next_src_size(dctx) == 0 ? consumed == size /* the frame is out: it must fill the file */
-                                              : zstd_blocks_end_at(job, fd, scratch, have, consumed, size);
+                                              : zstd_blocks_end_at(job, fd, scratch, stored, have, consumed, size);
     if (whole < 0)
         return 1;
     if (!whole)
@@ -228,12 +231,12 @@ static int zstd_prefix(chunk_io *job, int fd, size_t size, char *scratch, size_t
 
 /* dctx: a context for this call's chunks, or NULL (zstd's streaming functions are not set up, or the
  * context could not be made): then each chunk is one ZSTD_decompress call, decoded whole. */
-static void decode_zstd(chunk_io *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes,
-                        void *dctx) {
+static void decode_zstd(chunk_io *job, int fd, size_t size, long long t0, char *scratch, const char *src,
+                        size_t nbytes, void *dctx) {
     job->read_ns = now_ns() - t0; /* open and stat */
     size_t have = 0;
     /* span_stop 0 (no byte needed: the engine never asks) would stop before any block and hop from the magic */
-    if (dctx != NULL && job->span_stop > 0 && (size_t)job->span_stop < nbytes && zstd_prefix(job, fd, size, scratch, nbytes, dctx, &have)) {
+    if (dctx != NULL && job->span_stop > 0 && (size_t)job->span_stop < nbytes && zstd_prefix(job, fd, size, scratch, src, nbytes, dctx, &have)) {
         close_checked(job, fd); /* decoded as it was read: a change voids it */
         return;
     }
@@ -243,8 +246,8 @@ static void decode_zstd(chunk_io *job, int fd, size_t size, long long t0, char *
     if (close_checked(job, fd) || bad)
         return;
     long long t1 = now_ns();
-    size_t decoded = dctx != NULL ? zstd_decompress_dctx(dctx, job->out, nbytes, scratch, size)
-                                  : zstd_decompress(job->out, nbytes, scratch, size);
+    size_t decoded = dctx != NULL ? zstd_decompress_dctx(dctx, job->out, nbytes, src, size)
+                                  : zstd_decompress(job->out, nbytes, src, size);
     job->decode_ns += now_ns() - t1;
     if (zstd_is_error(decoded)) {
         job->status = ST_CODEC_ERROR;
@@ -314,8 +317,9 @@ static int blosc_stored_range(const unsigned char *table, uint32_t nblocks, uint
 /* Read a blosc1 chunk file and decode either the blocks holding the job's span (when they are
  * at most partial_max_share of the chunk, the rule of stoker/zarr/codecs/blosc.py) or the whole frame. Frames
  * whose header disagrees with the chunk or the file get ST_FRAME: the Python path reports them. */
-static void decode_blosc(chunk_io *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes) {
-    const unsigned char *h = (const unsigned char *)scratch;
+static void decode_blosc(chunk_io *job, int fd, size_t size, long long t0, char *scratch, const char *src,
+                         size_t nbytes) {
+    const unsigned char *h = (const unsigned char *)src;
     int partial = 0, failed = 1;
     size_t lo = 0, hi = 0;
     uint32_t first = 0, last = 0, typesize = 0, blocksize = 0;
@@ -366,17 +370,20 @@ read_done:
     if (failed)
         return;
     if (partial) {
-        /* Only [lo, hi) of the blocks was read; the rest of scratch holds leftovers (another chunk's
-         * bytes). blosc bounds every stream it decodes by the frame's stated size (cbytes), so state the
-         * end of what was read: a block whose streams run past the next block's start then fails (and
-         * the Python path decides) instead of decoding bytes that never came from this file. */
-        unsigned char *stated = (unsigned char *)scratch + 12;
-        for (int b = 0; b < 4; b++)
-            stated[b] = (unsigned char)(hi >> (8 * b));
+        /* From a file, only [lo, hi) of the blocks was read; the rest of scratch holds leftovers (another
+         * chunk's bytes). blosc bounds every stream it decodes by the frame's stated size (cbytes), so state
+         * the end of what was read: a block whose streams run past the next block's start then fails (and
+         * the Python path decides) instead of decoding bytes that never came from this file. A chunk in
+         * memory holds the whole frame (cbytes is its size): its bytes are the chunk's, and never written. */
+        if (!job->in_memory) {
+            unsigned char *stated = (unsigned char *)scratch + 12;
+            for (int b = 0; b < 4; b++)
+                stated[b] = (unsigned char)(hi >> (8 * b));
+        }
         /* whole items around the span; blosc decodes the blocks that hold them */
         long long first_item = job->span_start / typesize;
         long long last_item = (job->span_stop + typesize - 1) / typesize;
-        int got = blosc_getitem(scratch, (int)first_item, (int)(last_item - first_item),
+        int got = blosc_getitem(src, (int)first_item, (int)(last_item - first_item),
                                 job->out + first_item * typesize);
         job->decode_ns = now_ns() - t1;
         if (got != (last_item - first_item) * (long long)typesize) {
@@ -389,7 +396,7 @@ read_done:
         job->status = ST_OK;
         return;
     }
-    int got = blosc_decompress_ctx(scratch, job->out, nbytes, 1);
+    int got = blosc_decompress_ctx(src, job->out, nbytes, 1);
     job->decode_ns = now_ns() - t1;
     if (got < 0) {
         job->status = ST_CODEC_ERROR;
@@ -408,15 +415,16 @@ static int read_whole(chunk_io *job, int fd, size_t size, long long t0, char *sc
 }
 
 /* numcodecs' LZ4: the decoded size (4 bytes, little end), then one LZ4 block. */
-static void decode_lz4(chunk_io *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes) {
+static void decode_lz4(chunk_io *job, int fd, size_t size, long long t0, char *scratch, const char *src,
+                       size_t nbytes) {
     if (read_whole(job, fd, size, t0, scratch))
         return;
-    if (size < 4 || le32((const unsigned char *)scratch) != nbytes || size - 4 > INT_MAX || nbytes > INT_MAX) {
+    if (size < 4 || le32((const unsigned char *)src) != nbytes || size - 4 > INT_MAX || nbytes > INT_MAX) {
         job->status = ST_FRAME;
         return;
     }
     long long t1 = now_ns();
-    int got = lz4_decompress_safe(scratch + 4, job->out, (int)(size - 4), (int)nbytes);
+    int got = lz4_decompress_safe(src + 4, job->out, (int)(size - 4), (int)nbytes);
     job->decode_ns = now_ns() - t1;
     job->detail = got;
     job->status = got == (int)nbytes ? ST_OK : ST_FRAME;
@@ -425,7 +433,8 @@ static void decode_lz4(chunk_io *job, int fd, size_t size, long long t0, char *s
 #if HAVE_ZLIB
 /* One zlib stream (bytes after it ignored, as zlib.decompress does), or gzip members one after the other
  * with zero bytes between or after them (as numcodecs' GZip reads them); the output must be the chunk. */
-static void decode_inflate(chunk_io *job, int fd, size_t size, long long t0, char *scratch, size_t nbytes, int gzip) {
+static void decode_inflate(chunk_io *job, int fd, size_t size, long long t0, char *scratch, const char *src,
+                           size_t nbytes, int gzip) {
     if (read_whole(job, fd, size, t0, scratch))
         return;
     job->status = ST_FRAME; /* until it decodes to exactly the chunk */
@@ -434,7 +443,7 @@ static void decode_inflate(chunk_io *job, int fd, size_t size, long long t0, cha
     long long t1 = now_ns();
     z_stream zs;
     memset(&zs, 0, sizeof(zs));
-    zs.next_in = (Bytef *)scratch;
+    zs.next_in = (Bytef *)(uintptr_t)src; /* zlib only reads it (next_in is const only with ZLIB_CONST) */
     zs.avail_in = (uInt)size;
     zs.next_out = (Bytef *)job->out;
     zs.avail_out = (uInt)nbytes;
@@ -465,28 +474,29 @@ static void decode_inflate(chunk_io *job, int fd, size_t size, long long t0, cha
 #endif
 
 /* The codecs: each reads the stored chunk from its file, closes it and decodes into job->out. */
-void read_decode(chunk_io *job, int codec, char *scratch, size_t scratch_len, size_t nbytes, codec_ctx *ctx) {
+void read_decode(chunk_io *job, int codec, char *scratch, size_t max_stored, size_t nbytes, codec_ctx *ctx) {
     size_t size;
     long long t0 = now_ns();
-    int fd = open_chunk(job, scratch_len, &size);
+    int fd = open_chunk(job, max_stored, &size);
     if (fd < 0) {
         job->read_ns = now_ns() - t0;
         return;
     }
+    const char *src = stored_bytes(job, scratch);
     if (codec == CODEC_ZSTD) {
         if (!ctx->zstd_tried && zstd_create_dctx != NULL) {
             ctx->zstd_dctx = zstd_create_dctx(); /* NULL when out of memory: one-shot decodes then */
             ctx->zstd_tried = 1;
         }
         /* the streaming functions may have been turned off since (tests do, between calls) */
-        decode_zstd(job, fd, size, t0, scratch, nbytes, zstd_create_dctx != NULL ? ctx->zstd_dctx : NULL);
+        decode_zstd(job, fd, size, t0, scratch, src, nbytes, zstd_create_dctx != NULL ? ctx->zstd_dctx : NULL);
     } else if (codec == CODEC_BLOSC) {
-        decode_blosc(job, fd, size, t0, scratch, nbytes);
+        decode_blosc(job, fd, size, t0, scratch, src, nbytes);
     } else if (codec == CODEC_LZ4) {
-        decode_lz4(job, fd, size, t0, scratch, nbytes);
+        decode_lz4(job, fd, size, t0, scratch, src, nbytes);
 #if HAVE_ZLIB
     } else {
-        decode_inflate(job, fd, size, t0, scratch, nbytes, codec == CODEC_GZIP);
+        decode_inflate(job, fd, size, t0, scratch, src, nbytes, codec == CODEC_GZIP);
 #endif
     }
 }

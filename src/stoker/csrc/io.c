@@ -5,8 +5,9 @@
  *
  * A chunk already in memory (job->in_memory: fetched from a store) goes through the same calls, so every
  * codec reads it exactly as it reads a file of the buffer's size: "opening" checks its size against the
- * scratch, reads copy from the buffer, bounded by its length (past it: SHORT, as a file that ends early),
- * and "closing" does nothing.
+ * stored-size bound, the codecs read its bytes where they are (stored_bytes: the buffer itself, never a
+ * copy), "reads" only check that the bytes asked for lie inside it (past it: SHORT, as a file that ends
+ * early), and "closing" does nothing.
  */
 #include "stoker_native.h"
 
@@ -23,10 +24,9 @@ long long now_ns(void) {
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* Read bytes [lo, hi) of the stored chunk into buf + lo; 0 on success, else sets the job's
- * status (OS error, or SHORT: the file ends early). */
-/* read_range for a chunk in memory: bytes [base + lo, base + hi) of the buffer, as far as it holds them */
-static int read_memory(chunk_io *job, char *buf, size_t lo, size_t hi) {
+/* read_range for a chunk in memory: nothing is copied (the codecs read the buffer, see stored_bytes); only
+ * checks that bytes [base + lo, base + hi) lie inside the buffer, as a read of a file of its size would */
+static int read_memory(chunk_io *job, size_t lo, size_t hi) {
     unsigned long long base = job->offset < 0 ? 0 : (unsigned long long)job->offset;
     unsigned long long len = job->mem == NULL ? 0 : (unsigned long long)job->mem_len;
     size_t done = lo;
@@ -34,7 +34,6 @@ static int read_memory(chunk_io *job, char *buf, size_t lo, size_t hi) {
         size_t n = hi - lo;
         if (n > len - base - lo)
             n = (size_t)(len - base - lo);
-        memcpy(buf + lo, job->mem + base + lo, n);
         job->nread += (long long)n;
         done = lo + n;
     }
@@ -46,9 +45,17 @@ static int read_memory(chunk_io *job, char *buf, size_t lo, size_t hi) {
     return 0;
 }
 
+const char *stored_bytes(const chunk_io *job, char *scratch) {
+    if (!job->in_memory)
+        return scratch;
+    return job->mem + (job->offset < 0 ? 0 : job->offset);
+}
+
+/* Read bytes [lo, hi) of the stored chunk into buf + lo (a chunk in memory: check them, see read_memory);
+ * 0 on success, else sets the job's status (OS error, or SHORT: the file ends early). */
 int read_range(chunk_io *job, int fd, char *buf, size_t lo, size_t hi) {
     if (job->in_memory)
-        return read_memory(job, buf, lo, hi);
+        return read_memory(job, lo, hi);
     off_t base = job->offset < 0 ? 0 : (off_t)job->offset;
     size_t done = lo;
     while (done < hi) {
@@ -116,9 +123,9 @@ int close_checked(chunk_io *job, int fd) {
 }
 
 /* Open the chunk's file and learn the stored chunk's size; -1 with the job's status set when it
- * cannot be read, is not a regular file, is not the shard file the job expects, or does not fit the
- * scratch buffer (ST_TOO_BIG, detail: its size). */
-int open_chunk(chunk_io *job, size_t scratch_len, size_t *size) {
+ * cannot be read, is not a regular file, is not the shard file the job expects, or is larger than
+ * ``max_stored`` (ST_TOO_BIG, detail: its size; a file's scratch holds that many bytes). */
+int open_chunk(chunk_io *job, size_t max_stored, size_t *size) {
     if (job->in_memory) { /* no file: a missing value (NULL) is a missing file, the buffer's size the file's */
         if (job->mem == NULL) {
             job->status = ST_MISSING;
@@ -127,7 +134,7 @@ int open_chunk(chunk_io *job, size_t scratch_len, size_t *size) {
         }
         job->file_size = job->mem_len;
         *size = job->offset >= 0 ? (size_t)job->length : (size_t)job->mem_len;
-        if (*size > scratch_len) {
+        if (*size > max_stored) {
             job->status = ST_TOO_BIG;
             job->detail = (long long)*size;
             return -1;
@@ -168,7 +175,7 @@ int open_chunk(chunk_io *job, size_t scratch_len, size_t *size) {
     job->file_size = (long long)st.st_size;
     /* an inner chunk of a shard: its index gave the size */
     *size = job->offset >= 0 ? (size_t)job->length : (size_t)st.st_size;
-    if (*size > scratch_len) {
+    if (*size > max_stored) {
         job->status = ST_TOO_BIG;
         job->detail = (long long)*size;
         close(fd);

@@ -5,7 +5,8 @@
  * chunks left and pull its chunks by an atomic counter; each reads, decodes and places a chunk on its own.
  *
  * Memory: each thread reads and decodes into scratch of its own, sized for the job's largest chunk (its decoded
- * bytes, then its stored bytes), reserved from the engine's budget under its lock. A thread whose scratch is too small gives
+ * bytes, then for a file its stored bytes; a chunk in a buffer is decoded from there, so its decoded bytes
+ * only), reserved from the engine's budget under its lock. A thread whose scratch is too small gives
  * it back before reserving more; when the budget is short it waits, so fewer threads work at once, and nothing
  * is allocated past the budget. Scratch that cannot be allocated (a budget larger than the machine) gives its
  * reservation back and leaves one chunk NO_MEMORY, which the Python path reads. Scratch is kept between jobs
@@ -22,7 +23,7 @@
  *
  * Sources: a chunk is read from its file (path built from the source's prefix and the file's grid coordinates)
  * or from a buffer the caller holds (C_BUFFER: a chunk fetched from a store), through the same codec code and
- * checks (io.c). Buffers are read only holding the job's mem lock shared, after checking that the job is not
+ * checks (io.c), straight from the buffer (nothing is copied, nothing written to it). Buffers are read only holding the job's mem lock shared, after checking that the job is not
  * cancelled; job_cancel takes it exclusively too, so once it returns no worker reads them again (the caller
  * may then let them go; a chunk in memory makes no system call, so that wait is one chunk's decode at most).
  */
@@ -45,7 +46,8 @@ struct job {
     char *blob;
     const char **buf_base; /* the buffers' addresses and lengths (plan_tables), owned copies */
     long long *buf_len;
-    size_t need; /* scratch per thread: the most any chunk needs (decoded, rounded up to ALIGN, then stored) */
+    size_t need; /* scratch per thread: the most any chunk needs (decoded, rounded up to ALIGN, then stored
+                  * for a file) */
     int32_t *status;
     int64_t *detail;
     pthread_rwlock_t place_lock; /* shared: a worker writing into the batch; exclusive: job_cancel */
@@ -284,8 +286,10 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
         if (check_copies(kind, ndim, src + S_STRIDES, t->dst_strides, copies, c[C_NCOPIES], cw, c[C_NBYTES],
                          c[C_SPAN_START], c[C_SPAN_STOP], NULL, &t->dst, 1))
             FAIL("a chunk's copies leave its decoded span or the batch");
-        if (aligned(c[C_NBYTES]) + (size_t)c[C_MAX_STORED] > *need)
-            *need = aligned(c[C_NBYTES]) + (size_t)c[C_MAX_STORED];
+        /* a chunk in a buffer is decoded from it: its stored bytes take no scratch */
+        size_t chunk_need = aligned(c[C_NBYTES]) + (buf >= 0 ? 0 : (size_t)c[C_MAX_STORED]);
+        if (chunk_need > *need)
+            *need = chunk_need;
     }
     return 0;
 }
@@ -450,14 +454,14 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx) {
             io.mem = t->buffers[c[C_BUFFER]];
             io.mem_len = t->buffer_lens[c[C_BUFFER]];
         }
-        /* the decoded chunk, then its stored bytes: the thread's scratch holds both (job->need) */
+        /* the decoded chunk, then a file's stored bytes: the thread's scratch holds both (job->need); a chunk
+         * in a buffer is decoded from the buffer */
         if (io.in_memory) {
             pthread_rwlock_rdlock(&j->mem_lock);
             if (__atomic_load_n(&j->cancelled, __ATOMIC_ACQUIRE)) /* its buffers may be gone */
                 io.status = ST_CANCELLED;
             else
-                read_decode(&io, (int)c[C_CODEC], scratch + aligned(c[C_NBYTES]), (size_t)c[C_MAX_STORED],
-                            (size_t)c[C_NBYTES], ctx);
+                read_decode(&io, (int)c[C_CODEC], NULL, (size_t)c[C_MAX_STORED], (size_t)c[C_NBYTES], ctx);
             pthread_rwlock_unlock(&j->mem_lock);
         } else {
             read_decode(&io, (int)c[C_CODEC], scratch + aligned(c[C_NBYTES]), (size_t)c[C_MAX_STORED],

@@ -1,7 +1,7 @@
 /* stoker._native: the shared declarations of its parts.
  *
- *   io.c      open regular files (non-blocking, then blocking), identity checks, pread loops; or the same
- *             reads from a buffer already in memory (a chunk fetched from a store)
+ *   io.c      open regular files (non-blocking, then blocking), identity checks, pread loops; or a buffer
+ *             already in memory (a chunk fetched from a store), decoded where it is
  *   codecs.c  zstd (whole, or up to the block the copies need), blosc (whole, or some blocks), lz4 (numcodecs'
  *             framing), zlib and gzip (zlib's inflate):
  *             every codec is the library's own function, handed in by address (stoker/native.py)
@@ -54,7 +54,7 @@ typedef struct {
     /* in_memory: the stored chunk is in ``mem`` (``mem_len`` bytes; NULL: a missing value), read as a file of
      * that size would be; no file is opened */
     int in_memory;
-    const char *mem;
+    const char *mem; /* read only: never written, whoever else holds it */
     long long mem_len;
     char *out; /* the decoded chunk */
     long long offset, length; /* the stored chunk in its file; offset -1: the whole file */
@@ -75,7 +75,10 @@ long long now_ns(void);
 /* the file's descriptor (MEM_FD for a chunk in memory), or -1 with the status set; *size: the stored chunk's
  * size (from the index, or the file's / buffer's) */
 #define MEM_FD 0x7fffffff
-int open_chunk(chunk_io *job, size_t scratch_len, size_t *size);
+int open_chunk(chunk_io *job, size_t max_stored, size_t *size);
+/* where the codecs read the stored chunk: ``scratch``, which read_range fills, for a file; the buffer itself
+ * for a chunk in memory (read_range then copies nothing: it checks the bytes asked for are inside it) */
+const char *stored_bytes(const chunk_io *job, char *scratch);
 int read_range(chunk_io *job, int fd, char *buf, size_t lo, size_t hi);
 int read_timed(chunk_io *job, int fd, char *buf, size_t lo, size_t hi);
 /* close after the reads; 1 (status CHANGED) when an inner chunk's shard is no longer the file expected */
@@ -89,8 +92,10 @@ typedef struct {
 } codec_ctx;
 int codec_ready(int codec);
 void codec_ctx_free(codec_ctx *ctx);
-/* Open, read and decode one stored chunk into job->out (``nbytes``), reading through ``scratch``. */
-void read_decode(chunk_io *job, int codec, char *scratch, size_t scratch_len, size_t nbytes, codec_ctx *ctx);
+/* Open, read and decode one stored chunk into job->out (``nbytes``). A stored chunk larger than ``max_stored``
+ * is ST_TOO_BIG, unread. A file is read through ``scratch`` (``max_stored`` bytes); a chunk in memory is
+ * decoded straight from its buffer, and ``scratch`` is not used (it may be NULL). */
+void read_decode(chunk_io *job, int codec, char *scratch, size_t max_stored, size_t nbytes, codec_ctx *ctx);
 /* setters (module.c parses the arguments) */
 void set_codec_functions(uintptr_t zd, uintptr_t ze, uintptr_t bd, uintptr_t bg, double share);
 void set_zstd_functions(const uintptr_t a[7]);

@@ -50,7 +50,7 @@ from .tables import TablePlan
 STREAM_MIN_BYTES = 8 << 20
 
 _BATCH_KINDS = {torch.float32: native.F32, torch.bfloat16: native.BF16}
-_ALIGN = 64  # the engine's scratch holds a chunk's decoded bytes rounded up to this, then its stored bytes
+_ALIGN = 64  # the engine's scratch holds a chunk's decoded bytes rounded up to this, then a file's stored bytes
 
 
 def native_codec(codec) -> int | None:
@@ -72,9 +72,10 @@ def native_codec(codec) -> int | None:
     return None
 
 
-def scratch_need(codec) -> int:
-    """Scratch one engine thread needs for a chunk of ``codec``: its decoded bytes, then its stored bytes."""
-    return -(-codec.nbytes // _ALIGN) * _ALIGN + codec.max_stored_nbytes
+def scratch_need(codec, in_memory: bool = False) -> int:
+    """Scratch one engine thread needs for a chunk of ``codec``: its decoded bytes, then its stored bytes, which
+    a chunk fetched into memory (``in_memory``) does not need: the engine decodes it from the fetched buffer."""
+    return -(-codec.nbytes // _ALIGN) * _ALIGN + (0 if in_memory else codec.max_stored_nbytes)
 
 
 def batch_kind(out: torch.Tensor) -> int | None:
@@ -125,7 +126,7 @@ class _Source:
         # a path the engine cannot build (deep folders) is read by the Python path, which has no such cap
         short = len(self.prefix) + 21 * ndim + 1 <= native.PATH_CAP
         decodes = bool(self.fills and not codec.filters and self.codec is not None and codec.nbytes
-                       and scratch_need(codec) <= budget)
+                       and scratch_need(codec, reader.kv is not None) <= budget)
         self.reads = decodes and short and reader.kv is None
         # an array in a store (reader.kv: an object store, a zip archive) has no files the engine can open:
         # its chunks are fetched through the store, and the engine decodes them from the fetched buffers
