@@ -82,7 +82,8 @@ class Coordinator:
         of its own (at most ``_OPEN_AT_ONCE``): their metadata requests overlap instead of adding up, one
         round trip each, as a batch of arrays seen for the first time would. A failed open is not tried
         again (that would wait out its retries twice): the first failure, in ``uris`` order, is raised."""
-        missing = [u for u in uris if u not in self._readers and u.split("://", 1)[0].lower() in REMOTE_SCHEMES]
+        missing = [u for u in uris if "://" in u and u.split("://", 1)[0].lower() in REMOTE_SCHEMES
+                   and u not in self._readers]
         errors: dict[str, BaseException] = {}
         for i in range(0, len(missing) if len(missing) > 1 else 0, _OPEN_AT_ONCE):
             threads = [threading.Thread(target=self._try_open, args=(u, errors), name="stoker-open", daemon=True)
@@ -161,10 +162,12 @@ class Coordinator:
         try:
             # The arrays' metadata settles the dtype and the budget before planning: a crop too large for
             # host_buffer_bytes is refused before its plan (chunk lists of its whole volume) is built.
-            readers = self._open_all(list({uri: None for s in samples for uri in s.uris}))
+            uris = list({uri: None for s in samples for uri in s.uris})
+            readers = self._open_all(uris)
             dtype = self._batch_dtype(readers)
             self.executor.prepare(samples[0].shape, readers, dtype)
-            plan = self.executor.plan(batch_id, samples, self.open)
+            known = dict(zip(uris, readers))  # the planner asks for each again: no second cache look-up
+            plan = self.executor.plan(batch_id, samples, lambda u: known[u] if u in known else self.open(u))
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
             with self.cond:
                 self.inflight.append(Entry(batch_id, len(samples), error=exc))

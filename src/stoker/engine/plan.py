@@ -280,15 +280,16 @@ def batch_shape(samples: Sequence[Sample]) -> tuple[tuple[int, ...], int | None]
     if not samples:
         return (), None
     first = samples[0]
+    crop = first.crop_shape
     for s in samples:
         if s.channels != first.channels:
             raise InvalidArgument(
                 f"{s} reads {arrays_read(s)}, the batch's first sample {first} reads {arrays_read(first)}; every "
                 "sample of a pipeline must read the same number of arrays", uri=s.uri)
-        if s.crop_shape != first.crop_shape:
+        if s.crop_shape != crop:
             raise InvalidArgument(f"{s} has shape {s.shape}; every sample of a batch must be {first.shape}",
                                   uri=s.uri)
-    return first.crop_shape, first.channels
+    return crop, first.channels
 
 
 def shard_reads(shards: Iterable[list[int]], chunks, sources: Sequence[ArrayReader], max_gap: int, max_group: int,

@@ -242,14 +242,17 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
             sources.append(open_reader(uri))
         check_in_bounds(aabb, sources[sid].shape, uri)
         sids.append(sid)
-        starts.append([start for start, _ in aabb])
+        starts += [start for start, _ in aabb]
     sid = np.array(sids, np.int64)
     start = np.array(starts, np.int64).reshape(len(sids), ndim)
-    itemsize = np.array([r.dtype.itemsize for r in sources], np.int64)
+    # per array: item size, chunk shape, element strides in its decoded layout (C order, or permuted: v2 F
+    # order, v3 transpose), sharded or not
+    per_array = np.array([(r.dtype.itemsize, *r.chunks, *r.metadata.codec.element_strides,
+                           r.metadata.sharding is not None) for r in sources], np.int64).reshape(len(sources), -1)
+    itemsize, chunk_shapes, chunk_strides = (np.ascontiguousarray(per_array[:, at]) for at in
+                                             (0, slice(1, 1 + ndim), slice(1 + ndim, 1 + 2 * ndim)))
+    is_sharded = per_array[:, 1 + 2 * ndim].astype(bool)
     bytes_needed = math.prod(shape) * int(itemsize[sid].sum())
-    chunk_shapes = np.array([r.chunks for r in sources], np.int64).reshape(len(sources), ndim)
-    # offsets and spans in each array's decoded layout (C order, or permuted: v2 F order, v3 transpose)
-    chunk_strides = np.array([r.metadata.codec.element_strides for r in sources], np.int64).reshape(len(sources), ndim)
     grid = _grid_compiled if native.plan_grid is not None else _grid_numpy
     (row, c_start, b_start, c_extent, src_offset, chunk_source, chunk_index, first_copy, n_copies, byte_start,
      byte_stop) = grid(start, sid, np.array(shape, np.int64), chunk_shapes, chunk_strides, itemsize)
@@ -260,22 +263,21 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
     chunk_offset = np.full(n, -1, np.int64)
     chunk_length = np.zeros(n, np.int64)
     chunk_inner = np.full(n, -1, np.int64)
-    files: list[np.ndarray] = []
-    n_files = 0
+    # chunks of unsharded arrays: a file each, in chunk order, all at once
+    plain = np.flatnonzero(~is_sharded[chunk_source]) if is_sharded.any() else np.arange(n)
+    table = np.zeros((len(plain), F_COORDS + ndim), np.int64)
+    table[:, F_SOURCE] = chunk_source[plain]
+    table[:, F_COORDS:] = chunk_index[plain]
+    chunk_file[plain] = np.arange(len(plain))
+    files: list[np.ndarray] = [table]
+    n_files = len(plain)
     failures: list[tuple[int, Callable[[], None]]] = []  # (first chunk it concerns, raise it)
     sharded = []  # (source, its chunks, their shard and inner index, each shard's first chunk and key)
     wanted = []  # (reader, shard key) of every shard file the batch touches
-    for s, reader in enumerate(sources):  # one step per array
+    for s in np.flatnonzero(is_sharded).tolist():  # one step per sharded array
+        reader = sources[s]
         ids = np.flatnonzero(chunk_source == s)
         meta = reader.metadata
-        if meta.sharding is None:
-            table = np.zeros((len(ids), F_COORDS + ndim), np.int64)
-            table[:, F_SOURCE] = s
-            table[:, F_COORDS:] = chunk_index[ids]
-            chunk_file[ids] = n_files + np.arange(len(ids))
-            files.append(table)
-            n_files += len(ids)
-            continue
         cps = np.array(meta.sharding.chunks_per_shard, np.int64)
         shard = chunk_index[ids] // cps
         inner = ((chunk_index[ids] % cps) * np.array(c_strides(tuple(cps.tolist())), np.int64)).sum(axis=1)
@@ -326,7 +328,7 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         batch_id, tuple(samples), shape, sources, m, bytes_needed, row, c_start, b_start, c_extent, src_offset,
         chunk_source, chunk_index, first_copy, n_copies, byte_start, byte_stop, chunk_file, chunk_offset,
         chunk_length, chunk_inner,
-        np.concatenate(files) if files else np.zeros((0, F_COORDS + ndim), np.int64), channels,
+        np.concatenate(files) if len(files) > 1 else files[0], channels,
     )
 
 

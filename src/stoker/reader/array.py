@@ -26,12 +26,14 @@ from ..storage.cache import SizedLRU
 from ..errors import DecodeError, InvalidArgument, MetadataError, NotFound, OutOfBounds, StorageError, UnsupportedFormat
 from ..storage import ByteRange, FileChanged, Identity, LocalStore, Store, default_store
 from ..storage.hierarchy import Hierarchy
+from ..storage.local import identity
 from ..storage.store import get_each, get_many
 from ..storage.locate import Stores, default_stores, locate
 from ..zarr.fields import show
 from ..zarr.grid import chunk_intersections
 from ..zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3
 from ..zarr.sharding import EMPTY_ENTRY, ShardingSpec
+from . import metacache
 
 DEFAULT_INDEX_CACHE_BYTES = 64 << 20
 _reader_tokens = itertools.count()  # cache keys unique per reader, never reused like id()
@@ -44,6 +46,12 @@ MAX_METADATA_BYTES = 16 << 20
 
 def read_document(store: LocalStore, path: str, uri: str) -> bytes | None:
     """A metadata file's bytes (at most :data:`MAX_METADATA_BYTES`), or None when it does not exist."""
+    got = _read_document(store, path, uri)
+    return None if got is None else got[0]
+
+
+def _read_document(store: LocalStore, path: str, uri: str) -> tuple[bytes, Identity | None] | None:
+    """:func:`read_document`, with the file's identity once read (None when it cannot be told)."""
     f = store.open_file(path)
     if f is None:
         return None
@@ -56,7 +64,11 @@ def read_document(store: LocalStore, path: str, uri: str) -> bytes | None:
             )
         buf = bytearray(f.size)
         got = f.read_into(memoryview(buf), 0)
-    return bytes(buf[:got])
+        try:
+            after = identity(os.fstat(f.fd))
+        except OSError:
+            after = None
+    return bytes(buf[:got]), after
 
 
 def _is_index(name: str) -> bool:
@@ -101,15 +113,38 @@ def detect_v2_separator(path: str, doc: dict, uri: str) -> str:
 
 
 def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> ArrayMetadata:
-    """Parse the metadata of the array at local ``path`` (v3 ``zarr.json`` first, then v2 ``.zarray``)."""
+    """Parse the metadata of the array at local ``path`` (v3 ``zarr.json`` first, then v2 ``.zarray``).
+
+    A document unchanged since an earlier open is not read again (:mod:`stoker.reader.metacache`: its
+    file's identity says so); a v2 array's chunk key separator, when ``.zarray`` does not name it, is
+    detected anew on every open (chunks written since may tell)."""
     uri = uri or path
-    raw = read_document(store, os.path.join(path, "zarr.json"), uri)
-    if raw is not None:
-        return _v3(parse_json(raw, uri, "zarr.json"), uri)
-    raw = read_document(store, os.path.join(path, ".zarray"), uri)
-    if raw is not None:
-        doc = parse_json(raw, uri, ".zarray")
-        return parse_v2(doc, uri, separator=detect_v2_separator(path, doc, uri))
+    doc_path = os.path.join(path, "zarr.json")
+    before = metacache.stat_document(doc_path)
+    kept = metacache.lookup(doc_path, uri, before)
+    if kept is not None:
+        return kept
+    got = _read_document(store, doc_path, uri)  # also when the stat failed: the read says why, or that it is missing
+    if got is not None:
+        meta = _v3(parse_json(got[0], uri, "zarr.json"), uri)
+        metacache.keep(doc_path, uri, before, got[1], meta, len(got[0]))
+        return meta
+    doc_path = os.path.join(path, ".zarray")
+    before = metacache.stat_document(doc_path)
+    kept = metacache.lookup(doc_path, uri, before)
+    if kept is not None:
+        meta, doc = kept
+        if doc is None:
+            return meta
+        separator = detect_v2_separator(path, doc, uri)
+        return meta if meta.key_encoding.separator == separator else parse_v2(doc, uri, separator=separator)
+    got = _read_document(store, doc_path, uri)
+    if got is not None:
+        doc = parse_json(got[0], uri, ".zarray")
+        meta = parse_v2(doc, uri, separator=detect_v2_separator(path, doc, uri))
+        detected = doc.get("dimension_separator") is None and meta.ndim > 1
+        metacache.keep(doc_path, uri, before, got[1], (meta, doc if detected else None), len(got[0]))
+        return meta
     if store.size(os.path.join(path, ".zgroup")) is not None:
         raise _v2_group(uri)
     raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)

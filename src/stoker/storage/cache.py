@@ -50,6 +50,23 @@ class SizedLRU(Generic[V]):
                 return item[0]
             self.misses += 1
         value = load()
+        self.put(key, value)
+        return value
+
+    def get(self, key: Hashable) -> V | None:
+        """The value cached for ``key`` (now the most recently used), or None."""
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return item[0]
+
+    def put(self, key: Hashable, value: V) -> None:
+        """Cache ``value`` as ``key`` (replacing what was), evicting the least recently used past the bound; a
+        value weighing more than the whole bound is not kept."""
         size = self._sizeof(value)
         with self._lock:
             old = self._items.pop(key, None)
@@ -61,7 +78,6 @@ class SizedLRU(Generic[V]):
                 while self._bytes > self.max_bytes:
                     _, (_, evicted) = self._items.popitem(last=False)
                     self._bytes -= evicted
-        return value
 
     def discard(self, key: Hashable, when: Callable[[V], bool] | None = None) -> None:
         """Drop ``key``'s value if it is cached (and ``when(value)`` is true, when given)."""

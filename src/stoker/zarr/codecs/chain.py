@@ -88,6 +88,7 @@ class ChunkCodec:
     # the most bytes these codecs can store for one chunk (generous): a larger chunk file or inner chunk
     # is not a chunk of this array and is refused before it is read
     max_stored_nbytes: int = field(init=False, repr=False, compare=False)
+    _element_strides: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         plain = (
@@ -96,6 +97,7 @@ class ChunkCodec:
             and (self.stored_dtype.isnative or self.stored_dtype.itemsize == 1)
         )
         object.__setattr__(self, "plain", plain)
+        object.__setattr__(self, "_element_strides", self._strides())
         n = math.prod(self.shape)
         object.__setattr__(self, "nbytes", n * self.dtype.itemsize)
         # What the last compressor (in decode order) may produce: the chunk's bytes exactly, or, with v2
@@ -116,10 +118,14 @@ class ChunkCodec:
     def element_strides(self) -> tuple[int, ...]:
         """Per axis of :attr:`shape`, how many elements apart neighbours are in the decoded bytes (C order
         of the stored layout: v2 ``F`` order and v3 ``transpose`` permute the axes), before any filter.
+        Computed once (every batch plan asks, per array).
 
         >>> ChunkCodec("u", (2, 3), dt, dt, order=(1, 0)).element_strides
         (1, 2)
         """
+        return self._element_strides
+
+    def _strides(self) -> tuple[int, ...]:
         if self.order is None:
             return c_strides(tuple(self.shape))
         stored = c_strides(tuple(self.shape[o] for o in self.order))

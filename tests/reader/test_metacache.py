@@ -1,0 +1,150 @@
+"""Metadata kept between opens (stoker.reader.metacache): an unchanged document is parsed once, a rewritten
+one is read again, one just written is read on every open, and the cache is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import ZstdCodec
+
+import stoker
+from stoker.reader import metacache
+from stoker.storage import LocalStore
+from stoker.storage.cache import SizedLRU
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def settled(monkeypatch):
+    """Every document counts as settled (as if written long ago), so opens keep what they parse."""
+    monkeypatch.setattr(metacache, "SETTLE_NS", -(1 << 62))
+
+
+def _write(path, data, **kw) -> None:
+    z = zarr.create_array(str(path), shape=data.shape, chunks=(4, 8), dtype=data.dtype,
+                          compressors=ZstdCodec(level=1), fill_value=0, **kw)
+    z[:] = data
+
+
+def _rewrite(doc_path, edit) -> None:
+    """Rewrite a JSON document in place (same inode), as an editor or ``open(..., "w")`` does."""
+    with open(doc_path) as f:
+        doc = json.load(f)
+    edit(doc)
+    with open(doc_path, "r+") as f:
+        text = json.dumps(doc)
+        f.write(text)
+        f.truncate(len(text))
+
+
+def _opened(store: LocalStore, uri) -> tuple:
+    before = store.counters.files_opened
+    arr = stoker.open_array(uri, store=store)
+    return arr, store.counters.files_opened - before
+
+
+DATA = (np.arange(12 * 16, dtype="u1").reshape(12, 16) * 7) % 251
+
+
+def test_zarr_json_rewritten_in_place_at_the_same_size_is_seen_by_the_next_open(tmp_path):
+    _write(tmp_path / "a.zarr", DATA)
+    doc_path = tmp_path / "a.zarr" / "zarr.json"
+    assert stoker.open_array(tmp_path / "a.zarr").fill_value == 0
+    size = os.path.getsize(doc_path)
+    raw = doc_path.read_bytes()
+    assert raw.count(b'"fill_value": 0') == 1
+    with open(doc_path, "r+b") as f:  # in place, one digit for another: the same inode and size
+        f.write(raw.replace(b'"fill_value": 0', b'"fill_value": 7'))
+    assert os.path.getsize(doc_path) == size
+    assert stoker.open_array(tmp_path / "a.zarr").fill_value == 7
+
+
+def test_a_document_just_written_is_read_on_every_open(tmp_path):
+    """Its identity may not change when it is rewritten within one timestamp tick, so it is not kept yet."""
+    _write(tmp_path / "a.zarr", DATA)
+    store = LocalStore()
+    for _ in range(3):
+        _, opened = _opened(store, tmp_path / "a.zarr")
+        assert opened == 1
+
+
+def test_a_settled_document_is_parsed_once_and_read_again_once_replaced(tmp_path, settled):
+    _write(tmp_path / "a.zarr", DATA)
+    store = LocalStore()
+    first, opened = _opened(store, tmp_path / "a.zarr")
+    assert opened == 1
+    again, opened = _opened(store, tmp_path / "a.zarr")
+    assert opened == 0  # a stat, no read
+    assert again.metadata == first.metadata
+    np.testing.assert_array_equal(again[:], zarr.open_array(str(tmp_path / "a.zarr"), mode="r")[:])
+    # replaced by a new file (another inode) with another shape: read again
+    doc_path = tmp_path / "a.zarr" / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc["shape"] = [8, 16]
+    (tmp_path / "new.json").write_text(json.dumps(doc))
+    os.replace(tmp_path / "new.json", doc_path)
+    arr, opened = _opened(store, tmp_path / "a.zarr")
+    assert opened == 1 and arr.shape == (8, 16)
+    np.testing.assert_array_equal(arr[:], zarr.open_array(str(tmp_path / "a.zarr"), mode="r")[:])
+    # rewritten in place at another size
+    _rewrite(doc_path, lambda d: d.update(shape=[12, 16], attributes={"note": "longer now"}))
+    arr, opened = _opened(store, tmp_path / "a.zarr")
+    assert opened == 1 and arr.shape == (12, 16)
+
+
+def test_kept_metadata_names_the_uri_it_was_opened_as(tmp_path, settled, monkeypatch):
+    _write(tmp_path / "a.zarr", DATA)
+    monkeypatch.chdir(tmp_path)
+    stoker.open_array(tmp_path / "a.zarr")
+    assert stoker.open_array("a.zarr").uri == "a.zarr"
+    assert stoker.open_array(f"file://{tmp_path}/a.zarr").metadata.codec.uri == f"file://{tmp_path}/a.zarr"
+
+
+def test_a_v2_separator_not_named_is_detected_on_every_open(tmp_path, settled):
+    """.zarray without dimension_separator (zarr-python before 2.8): the separator comes from the chunks
+    present, which may be written after an open that kept the document."""
+    path = tmp_path / "v2.zarr"
+    zarr.create_array(str(path), shape=(8, 8), chunks=(4, 4), dtype="u1", fill_value=0, zarr_format=2,
+                          compressors=None)
+    doc_path = path / ".zarray"
+    doc = json.loads(doc_path.read_text())
+    doc.pop("dimension_separator", None)
+    doc_path.write_text(json.dumps(doc))
+    store = LocalStore()
+    assert stoker.open_array(path, store=store)[:].sum() == 0  # nothing written: '.'
+    # chunks written nested ("0/0"), as zarr-python before 2.8 wrote them
+    data = np.arange(64, dtype="u1").reshape(8, 8)
+    writer = zarr.create_array(str(tmp_path / "w.zarr"), shape=(8, 8), chunks=(4, 4), dtype="u1", fill_value=0,
+                               zarr_format=2, compressors=None, chunk_key_encoding={"name": "v2", "separator": "/"})
+    writer[:] = data
+    for name in os.listdir(tmp_path / "w.zarr"):
+        if name.isdigit():
+            os.rename(tmp_path / "w.zarr" / name, path / name)
+    arr, opened = _opened(store, path)
+    assert opened == 0  # the document was kept; the separator was detected anew
+    assert arr.metadata.key_encoding.separator == "/"
+    np.testing.assert_array_equal(arr[:], data)
+
+
+def test_the_cache_is_bounded(tmp_path, settled, monkeypatch):
+    doc_bytes = None
+    for i in range(12):
+        _write(tmp_path / f"a{i}.zarr", DATA)
+        doc_bytes = doc_bytes or os.path.getsize(tmp_path / f"a{i}.zarr" / "zarr.json")
+    room = 5 * (doc_bytes + metacache.ENTRY_BYTES)
+    small = SizedLRU(room, lambda entry: entry[1])
+    monkeypatch.setattr(metacache, "_cache", small)
+    store = LocalStore()
+    for i in range(12):
+        stoker.open_array(tmp_path / f"a{i}.zarr", store=store)
+        assert small.nbytes <= room
+    assert len(small) == 5
+    _, opened = _opened(store, tmp_path / "a11.zarr")  # the most recent: kept
+    assert opened == 0
+    _, opened = _opened(store, tmp_path / "a0.zarr")  # the oldest: dropped, read again
+    assert opened == 1
