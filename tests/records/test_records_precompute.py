@@ -391,3 +391,26 @@ def test_two_ranks_write_each_record_exactly_once(tmp_path):
     ds = ZarrRecords(root, fields=["knn"])
     for i, p in enumerate(points):
         assert torch.equal(ds[i]["knn"], brute_knn(torch.from_numpy(p), K))
+
+
+def test_a_dataset_in_a_store_is_refused_saying_what_to_do(tmp_path):
+    """stoker writes nothing into a store: precompute on a dataset in one (here a zip archive) is a typed
+    error naming the dataset and the two ways out, and nothing is written anywhere."""
+    import zipfile
+
+    from stoker.errors import UnsupportedFormat
+
+    root = str(tmp_path / "data")
+    write_dataset(root, n=2)
+    archive = tmp_path / "data.zip"
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+        for folder, _, files in os.walk(root):
+            for f in files:
+                path = os.path.join(folder, f)
+                zf.write(path, os.path.relpath(path, root))
+    ds = ZarrRecords(str(archive), fields=["points"])
+    before = archive.stat().st_mtime_ns, sorted(os.listdir(tmp_path))
+    with pytest.raises(UnsupportedFormat, match="copy the dataset to a local folder") as err:
+        precompute(ds, "knn4", Counter(), params={"k": 4})
+    assert "on the fly" in str(err.value) and err.value.uri == str(archive) and err.value.field == "knn4"
+    assert (archive.stat().st_mtime_ns, sorted(os.listdir(tmp_path))) == before

@@ -5,6 +5,7 @@ server stopped mid-run, ``close()`` with requests in flight)."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -585,6 +586,82 @@ def test_record_dataset_over_http_needs_consolidated_metadata(records):
     assert http.requests - before == chunks
     with pytest.raises(UnsupportedFormat, match="consolidate"):
         ZarrRecords(f"{http.url}/rec2")  # an HTTP server cannot be listed
+
+
+def _record_uri(records, kind: str, tmp_path) -> tuple[str, dict | None]:
+    """rec3 in a store of ``kind``: its URI and storage options (the S3 secret is a marker to look for)."""
+    if kind == "s3":
+        return (f"s3://{BUCKET}/{RECORDS}/rec3",
+                {**records["s3"].options, "secret_access_key": "SECRET-d41d8cd9", **FAST})
+    if kind == "http":
+        return f"{records['http'].url}/rec3", None
+    archive = str(tmp_path / "rec3.zip")
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+        for key, value in sorted(read_tree(os.path.join(records["root"], "rec3")).items()):
+            zf.writestr(key, value)
+    return archive, None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stats_of_a_store_dataset_are_cached_in_the_local_cache(records, kind, tmp_path, monkeypatch):
+    """compute_stats on a dataset in a store keeps its result in $STOKER_CACHE, keyed by the dataset and the
+    fingerprint: a second call reads no record, other fields are a new entry, and no secret is written."""
+    from stoker.records import ZarrRecords, compute_stats
+    from stoker.storage.artifacts import dataset_dir
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("STOKER_CACHE", str(cache))
+    uri, options = _record_uri(records, kind, tmp_path)
+    spec = {"positions": ("T", "N", 3), "cells": ("N", 2)}
+    local = ZarrRecords(os.path.join(records["root"], "rec3"), fields=spec)
+    ds = ZarrRecords(uri, fields=spec, storage_options=options)
+    reads = []
+    real = ZarrRecords.read
+    monkeypatch.setattr(ZarrRecords, "read", lambda self, i, *a, **k: reads.append(i) or real(self, i, *a, **k))
+
+    first = compute_stats(ds, ["positions"])
+    assert reads, "the first call reads the records"
+    want = compute_stats(local, ["positions"], cache=False)
+    assert first["positions"].mean.numpy().tobytes() == want["positions"].mean.numpy().tobytes()
+    folder = dataset_dir(uri, options)
+    assert folder.parent.parent == cache and (folder / ".stoker-stats.json").is_file()
+
+    reads.clear()
+    again = compute_stats(ZarrRecords(uri, fields=spec, storage_options=options), ["positions"])
+    assert reads == [], "a matching entry is reused without reading a record"
+    assert again["positions"].std.numpy().tobytes() == first["positions"].std.numpy().tobytes()
+
+    both = compute_stats(ds, ["positions", "cells"])  # another fingerprint: computed, kept beside the first
+    assert reads and both["cells"].mean.numpy().tobytes() == \
+        compute_stats(local, ["cells"], cache=False)["cells"].mean.numpy().tobytes()
+    reads.clear()
+    compute_stats(ds, ["positions"])
+    compute_stats(ds, ["positions", "cells"])
+    assert reads == []
+    for path in cache.rglob("*"):
+        assert "SECRET" not in str(path) and (path.is_dir() or b"SECRET" not in path.read_bytes()), path
+
+
+def test_store_dataset_cache_folders_name_the_dataset_and_its_endpoint(tmp_path, monkeypatch):
+    """One folder per dataset whatever URI form names it; another endpoint or prefix is another dataset."""
+    from stoker.storage.artifacts import dataset_dir, dataset_identity
+
+    monkeypatch.setenv("STOKER_CACHE", str(tmp_path))
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT", raising=False)
+    archive = tmp_path / "d.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("recs/zarr.json", b"{}")
+    forms = {dataset_dir(u) for u in (f"{archive}/recs", f"zip://{archive}!/recs", f"zip://{archive}/recs/")}
+    assert len(forms) == 1
+    a = dataset_dir("s3://b/recs", {"endpoint": "http://127.0.0.1:9000", "secret_access_key": "x"})
+    assert a == dataset_dir("s3://b/recs/", {"endpoint": "http://127.0.0.1:9000", "secret_access_key": "y"})
+    assert a != dataset_dir("s3://b/recs", {"endpoint": "http://127.0.0.1:9001"})
+    assert a != dataset_dir("s3://b/other", {"endpoint": "http://127.0.0.1:9000"})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    assert dataset_dir("s3://b/recs") == a  # the endpoint from the environment counts as one given
+    ident = dataset_identity("https://host/recs", {"default_headers": {"Authorization": "Bearer T0KEN"}})
+    assert "T0KEN" not in json.dumps(ident)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -13,7 +13,7 @@ import pytest
 from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
 from stoker import Config
 from stoker.storage import ByteRange, ObjectStore, open_store
-from stoker.storage.locate import options_for
+from stoker.storage.locate import Stores, locate, options_for
 from stoker.storage.uri import check_remote_url
 
 from range_server import RangeServer
@@ -173,6 +173,62 @@ def test_close_cancels_reads_in_flight(server):
     assert not t.is_alive() and isinstance(outcome[0], ShutdownError)
     with pytest.raises(ShutdownError):
         s.get("value")
+
+
+def _wait_in_flight(server, n: int) -> None:
+    for _ in range(1000):  # bounded: 10 s
+        if server.in_flight >= n:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"the server never had {n} request(s) in flight")
+
+
+def test_a_request_queued_behind_a_stalled_one_gives_up_within_the_callers_bound(server):
+    """A pipeline's stores share its requests_in_flight slots. With the server stalled on the request that
+    holds the only slot, another store's read waits for that slot no longer than its own bound (every
+    try's limit plus backoffs), then a StorageError names its key and says it waited for a slot."""
+    stores = Stores(requests_in_flight=1)
+    loc = locate(f"{server.url}/value")
+    slow, _ = stores.get(loc, {"timeout_s": 30.0, "retries": 0})
+    quick, _ = stores.get(loc, {"timeout_s": 0.3, "connect_timeout_s": 0.3, "retries": 0, "retry_timeout_s": 0.3,
+                                "max_backoff_s": 0.01})
+    assert slow is not quick
+    server.latency_s = 10.0  # the server stalls
+    outcome: list = []
+    holder = threading.Thread(target=lambda: outcome.append(_outcome(slow.get, "value")))
+    holder.start()
+    try:
+        _wait_in_flight(server, 1)  # the slow store's request holds the slot
+        with pytest.raises(StorageError, match="free request slot") as err:
+            quick.get("c/0")
+        assert err.value.key == "c/0" and err.value.attempts == 0 and err.value.waited_s > 0
+        assert "requests_in_flight" in str(err.value) and server.requests == 1  # it never went out
+    finally:
+        stores.close()  # cancels the stalled read
+        holder.join(10)
+    assert not holder.is_alive() and isinstance(outcome[0], ShutdownError)
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - what the read ended with
+        return exc
+
+
+def test_queue_timeout_s_bounds_a_wait_for_one_of_the_calls_slots(server):
+    s = store(server, max_gap=0, max_in_flight=1, timeout_s=20.0, queue_timeout_s=0.2)
+    server.latency_s = 10.0  # the first range's request stalls, holding the call's only slot
+    with pytest.raises(StorageError, match="free request slot") as err:
+        s.get_ranges([ByteRange("value", 0, 10), ByteRange("c/0", 900, 10)])
+    assert err.value.key == "c/0" and "max_in_flight=1" in str(err.value)
+    server.latency_s = 1.0
+    got = s.get_each([ByteRange("value", 0, 10), ByteRange("c/0", 900, 10)])  # each range its own outcome
+    assert bytes(got[0]) == VALUE[:10]
+    assert isinstance(got[1], StorageError) and got[1].key == "c/0" and "free request slot" in str(got[1])
+    with pytest.raises(InvalidArgument, match="queue_timeout_s"):
+        store(server, queue_timeout_s=0)
+    s.close()
 
 
 def test_near_ranges_are_one_request(server):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgument
+from ..storage.artifacts import cache_root
 from ..storage.fsutil import write_once
 
 __all__ = [
@@ -37,8 +38,7 @@ _MARKER = ".stoker-complete"
 
 def cache_dir() -> Path:
     """Where generated demo data lives (``$STOKER_CACHE`` or ``~/.cache/stoker``)."""
-    root = os.environ.get("STOKER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stoker")
-    return Path(root)
+    return cache_root()
 
 
 def default_volume_path() -> Path:

@@ -196,6 +196,11 @@ class ZarrRecords(torch.utils.data.Dataset):
         return self._catalog.fields
 
     @property
+    def storage_options(self) -> dict | None:
+        """The storage options the dataset was opened with (a copy; None for none)."""
+        return dict(self._storage_options) if self._storage_options else None
+
+    @property
     def names(self) -> list[str]:
         """Record names of this view, in index order."""
         return [self._catalog.names[int(b)] for b in self._indices]

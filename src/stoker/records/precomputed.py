@@ -52,6 +52,7 @@ from .dataset import Sample, ZarrRecords, rank_part
 from ..storage.fsutil import claim, fsync_tree, make_sibling_dir, place_dir, remove_dead_siblings, try_claim
 from ..storage import read_regular
 from ..storage.locate import locate
+from ..storage.uri import redact
 
 ATTR = "stoker_precompute"
 FORMAT = "stoker-precompute"
@@ -204,8 +205,13 @@ def _check_args(ds: Any, name: Any, fn: Any, params: Any) -> str:
             f"name must be a plain array name (letters, digits, '_', '-', '.'; not starting with '.' or '__'), "
             f"got {name!r}")
     if not locate(ds.root).is_local:
-        raise UnsupportedFormat(f"{ds.root}: precompute writes arrays into the records, and stoker writes local "
-                                "datasets only; copy the dataset locally first", uri=ds.root)
+        uri = redact(ds.root)
+        raise UnsupportedFormat(
+            f"{uri}: precompute stores its arrays inside the records, and stoker writes nothing into a store "
+            "(s3://, gs://, az://, http(s)://, a zip archive). Either copy the dataset to a local folder (e.g. "
+            "`aws s3 sync`, `gcloud storage rsync`, `unzip`), precompute there and open ZarrRecords on the copy; "
+            f"or compute {name!r} on the fly from each sample (in the collate function or the training step) "
+            "instead of storing it", uri=uri, field=name)
     if name in ds.fields:
         raise InvalidArgument(
             f"{name!r} is a field of ds, so fn would see its old value; open the dataset without it", field=name)

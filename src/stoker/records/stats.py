@@ -25,7 +25,9 @@ collective that carries their moments) and nothing is written.
 ``FieldStats.skipped`` (and the sidecar).
 
 The result is written once, by rank 0, to ``root/.stoker-stats.json`` (see
-:mod:`stoker.records.sidecar`) and reused while the fingerprint matches: rank 0
+:mod:`stoker.records.sidecar`; for a dataset in a store, which stoker does not write
+to, the same file in the dataset's folder of the local cache, see
+:mod:`stoker.storage.artifacts`) and reused while the fingerprint matches: rank 0
 reads the entry and shares it with every rank, or computes it with them under a
 claim, so another job computing the same statistics at the same moment waits for
 this one's entry instead of computing it again; the other ranks wait on a barrier
@@ -34,6 +36,7 @@ until the file is in place.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -44,6 +47,7 @@ import torch
 
 from ..dist.collectives import all_gather, barrier, broadcast_object, group_position, rank_info
 from ..errors import ClaimTimeout, InvalidArgument, NonFiniteData, StokerError
+from ..storage.artifacts import dataset_dir, dataset_identity
 from ..storage.locate import locate
 from . import sidecar
 from .dataset import Sample, ZarrRecords, rank_part
@@ -348,7 +352,8 @@ def compute_stats(
     rank's part. ``per_channel`` reduces over every axis but the last (tensors of 0
     or 1 dims give one scalar). ``derived`` maps a name to ``fn(normalised sample) ->
     tensor (..., C)``; it costs a second pass. With ``cache``, a matching entry of
-    ``root/.stoker-stats.json`` is returned without reading any record, and a fresh
+    ``root/.stoker-stats.json`` (for a dataset in a store: in its folder of the local
+    cache, ``$STOKER_CACHE``) is returned without reading any record, and a fresh
     result is written there by rank 0 (a failed write only warns). ``nonfinite``: what
     a NaN or infinite value does: ``"raise"`` a :class:`~stoker.errors.NonFiniteData`
     (on every rank, naming the record, the field and the count; nothing is written),
@@ -370,18 +375,25 @@ def compute_stats(
     headers = all_gather(torch.tensor([int(fp[:14], 16)], dtype=torch.int64), group)
     if len({int(h[0]) for h in headers}) > 1:
         raise InvalidArgument(f"ranks see different datasets under {ds.root} (their fingerprints differ)")
-    # the statistics file lives next to a local dataset; one in a store (read-only here) is computed each time
-    cache = cache and locate(ds.root).is_local
-    held, entry = _cached_entry(ds.root, fp, lead, world, group) if cache else (None, None)
+    folder = _folder(ds) if cache else None
+    held, entry = _cached_entry(folder, fp, lead, world, group) if cache else (None, None)
     try:
         loaded = _from_entry(entry, expect, list(derived)) if entry is not None else None
         if loaded is not None:  # every rank holds rank 0's entry: all return here, or none
             return loaded
         return _compute(ds, local, names, derived, per_channel, skip, expect, group, world, fp, nonfinite,
-                        cache, lead)
+                        folder, lead)
     finally:
         if held is not None:
             held.release()
+
+
+def _folder(ds: ZarrRecords) -> str:
+    """Where the statistics file of ``ds`` lives: its root when local; for a dataset in a store (read-only
+    to stoker), the dataset's folder in the local cache (:mod:`stoker.storage.artifacts`)."""
+    if locate(ds.root).is_local:
+        return ds.root
+    return str(dataset_dir(ds.root, ds.storage_options))
 
 
 def _cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tuple[Any, dict | None]:
@@ -396,6 +408,7 @@ def _cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tup
         try:
             entry = sidecar.load(root, fp)
             if entry is None:
+                os.makedirs(root, exist_ok=True)  # a cache folder is made on first use
                 held = sidecar.claim_computation(root, fp)
                 if held is None:
                     entry = sidecar.load(root, fp)
@@ -419,9 +432,9 @@ def _cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tup
 
 def _compute(ds: ZarrRecords, local: ZarrRecords, names: list[str], derived: Mapping[str, Derived],
              per_channel: bool, skip: bool, expect: dict, group: Any, world: int, fp: str, nonfinite: str,
-             cache: bool, lead: bool) -> dict[str, FieldStats]:
-    """Both passes; with ``cache``, the ``lead`` process writes the sidecar entry and the ranks meet at a
-    barrier once it is in place."""
+             folder: str | None, lead: bool) -> dict[str, FieldStats]:
+    """Both passes; with a ``folder`` (the cache), the ``lead`` process writes the sidecar entry there and the
+    ranks meet at a barrier once it is in place."""
     # Pass 1: the stored fields.
     acc, error, found = _plain_pass(local, names, per_channel, skip)
     plain_m = _merge_ranks(acc, names, expect, error, found, group, ds, "field")
@@ -436,7 +449,7 @@ def _compute(ds: ZarrRecords, local: ZarrRecords, names: list[str], derived: Map
         _check_some_finite(derived_m, "derived")
         result.update({name: FieldStats.from_moments(derived_m[name]) for name in derived})
 
-    if cache:
+    if folder is not None:
         if lead:
             entry = {
                 "fields": names,
@@ -448,10 +461,12 @@ def _compute(ds: ZarrRecords, local: ZarrRecords, names: list[str], derived: Map
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "stats": {name: st.to_json() for name, st in result.items()},
             }
+            if folder != ds.root:  # a cache folder says which dataset it holds (nothing secret: see artifacts)
+                entry["dataset"] = dataset_identity(ds.root, ds.storage_options)
             try:
-                sidecar.write(ds.root, fp, entry)
+                sidecar.write(folder, fp, entry)
             except OSError as exc:  # read-only data is common: the statistics are still right
-                warnings.warn(f"could not write {sidecar.path_for(ds.root)}: {exc}", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"could not write {sidecar.path_for(folder)}: {exc}", RuntimeWarning, stacklevel=3)
         barrier(group)  # the file is in place (or known unwritable) before anyone goes on
     return result
 

@@ -9,11 +9,14 @@ read by obstore, and from ``storage_options`` (obstore's configuration keys, e.g
 
 Requests run on one event loop thread shared by every ObjectStore of the process, many at once
 (``max_in_flight`` per call; ``gate``, a semaphore several stores share, caps them together: a
-pipeline's ``Config.requests_in_flight``). Ranges of one object are merged by
+pipeline's ``Config.requests_in_flight``). Waiting for a free request slot is bounded too: by the
+call's own bound (below), or sooner by ``queue_timeout_s``; then a StorageError names the key and says
+it waited for a slot. Ranges of one object are merged by
 :func:`~stoker.storage.ranges.coalesce` (gaps up to ``max_gap``, reads up to ``max_length``), so one
 call costs few requests.
 
-Faults. Each request has a time limit (``timeout_s``, connecting ``connect_timeout_s``). A request
+Faults. Each request has a time limit (``timeout_s``, connecting ``connect_timeout_s``); a call, as many
+of them as its rounds of ``max_in_flight`` requests could take with every try and backoff. A request
 that fails for a reason that may pass (HTTP 5xx, 408, 429, a timeout, a refused or dropped
 connection, a short body) is tried again after an exponential backoff with jitter, at most
 ``retries`` more times and not after ``retry_timeout_s``; then, as for any other failure, a
@@ -26,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import contextvars
 import os
 import random
 import re
@@ -55,6 +60,15 @@ _STATUS = re.compile(r"status code: (\d{3})")
 # Matched in obstore's first message line (its debug dump names timeouts of every request).
 _TRANSIENT = ("error sending request", "body error", "timed out", "connection reset", "connection closed",
               "incomplete")
+
+
+#: When the call this task serves must be done (the loop's clock): the most any of its requests waits for a
+#: free request slot. Set by ObjectStore._bounded; tasks a call starts copy it with their context.
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("stoker_objectstore_deadline",
+                                                                         default=None)
+#: What a call's wait is allowed past its deadline, so that a request gives up on a slot (naming its key)
+#: before the call as a whole does.
+_SLACK_S = 5.0
 
 
 class _ShortBody(Exception):
@@ -108,7 +122,7 @@ class ObjectStore:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, timeout_s: float = 30.0,
                  connect_timeout_s: float = 5.0, retries: int = 5, retry_timeout_s: float = 60.0,
                  backoff_s: float = 0.1, max_backoff_s: float = 5.0, max_in_flight: int = 16,
-                 max_gap: int = 1 << 20, max_length: int = 16 << 20,
+                 max_gap: int = 1 << 20, max_length: int = 16 << 20, queue_timeout_s: float | None = None,
                  gate: asyncio.Semaphore | None = None) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise InvalidArgument(f"ObjectStore takes a URL such as s3://bucket/root, got {url!r}", uri=url)
@@ -128,6 +142,7 @@ class ObjectStore:
         self.max_in_flight = checks.integer("max_in_flight", max_in_flight, 1, uri=url)
         self.max_gap = checks.integer("max_gap", max_gap, 0, uri=url)
         self.max_length = checks.integer("max_length", max_length, 1, uri=url)
+        self.queue_timeout_s = checks.seconds("queue_timeout_s", queue_timeout_s, optional=True, uri=url)
         self._gate = gate  # shared with other stores (a pipeline's): caps their requests at once together
         self._closed = False
         self._pending: set[concurrent.futures.Future] = set()
@@ -140,7 +155,7 @@ class ObjectStore:
     def _settings(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in (
             "timeout_s", "connect_timeout_s", "retries", "retry_timeout_s", "backoff_s", "max_backoff_s",
-            "max_in_flight", "max_gap", "max_length")}
+            "max_in_flight", "max_gap", "max_length", "queue_timeout_s")}
 
     def __reduce__(self):  # for worker processes: rebuilt there (its own connections and loop)
         return _rebuild, (self.uri, self.storage_options, self._settings())
@@ -225,9 +240,9 @@ class ObjectStore:
         except StorageError:
             coro.close()
             raise
-        bound = rounds * (self.retry_timeout_s + self.max_backoff_s + self._per_attempt()) + 5
+        bound = rounds * (self.retry_timeout_s + self.max_backoff_s + self._per_attempt())
         future = asyncio.run_coroutine_threadsafe(self._bounded(coro, bound), _Loop.get().loop)
-        future.bound_s = bound  # type: ignore[attr-defined]
+        future.bound_s = bound + _SLACK_S  # type: ignore[attr-defined]
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._settled)
@@ -240,11 +255,52 @@ class ObjectStore:
             self._pending.discard(future)
 
     async def _bounded(self, coro, bound: float):
+        """``coro``'s result; its requests wait for slots until ``bound`` (see :meth:`_slot`), the whole of
+        it a little longer."""
+        _deadline.set(asyncio.get_running_loop().time() + bound)
         try:
-            return await asyncio.wait_for(coro, bound)
+            return await asyncio.wait_for(coro, bound + _SLACK_S)
         except asyncio.TimeoutError:
-            raise StorageError(f"{self.uri}: no answer in {bound:.0f} s", uri=self.uri, key=None, status=None,
-                               attempts=None) from None
+            raise StorageError(f"{self.uri}: no answer in {bound + _SLACK_S:.0f} s", uri=self.uri, key=None,
+                               status=None, attempts=None) from None
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, gate: asyncio.Semaphore | None, key: str, what: str, whose: str, tried: int = 0):
+        """Hold a request slot of ``gate`` (None: no cap), waiting at most until the call's deadline or
+        ``queue_timeout_s``, whichever comes first; then a StorageError naming ``key`` (a saturated store
+        or server otherwise keeps a request queued for as long as the requests ahead of it take).
+        ``tried``: the key's tries so far (the error's ``attempts``)."""
+        if gate is None:
+            yield
+            return
+        if gate.locked():
+            await self._queue(gate, key, what, whose, tried)
+        else:
+            await gate.acquire()  # a free slot: taken at once, no timer
+        try:
+            yield
+        finally:
+            gate.release()
+
+    async def _queue(self, gate: asyncio.Semaphore, key: str, what: str, whose: str, tried: int) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = _deadline.get()
+        limits = [t for t in (None if deadline is None else deadline - started, self.queue_timeout_s)
+                  if t is not None]
+        try:
+            await asyncio.wait_for(gate.acquire(), max(0.0, min(limits)) if limits else None)
+        except asyncio.TimeoutError:
+            waited = loop.time() - started
+            raise StorageError(
+                f"{self.uri}: {what} of key {key!r} waited {waited:.1f} s for a free request slot ({whose}) and "
+                "gave up: the requests ahead of it did not finish (a saturated or stalled store or server). "
+                "Allow more requests at once (requests_in_flight, max_in_flight), lower the load, or raise "
+                "queue_timeout_s / timeout_s", uri=self.uri, key=key, status=None, attempts=tried,
+                waited_s=waited) from None
+
+    def _call_slots(self) -> str:
+        return f"one of this call's max_in_flight={self.max_in_flight}"
 
     def _closed_mid_read(self) -> ShutdownError:
         return ShutdownError(f"{self.uri}: the store was closed while a read was in flight", uri=self.uri)
@@ -264,18 +320,18 @@ class ObjectStore:
         per_attempt = self._per_attempt()
         while True:
             attempt += 1
-            try:
-                if self._gate is None:
+            # a slot of the shared gate per try, not held through the backoff; waiting for one is no try
+            async with self._slot(self._gate, key, what, "requests_in_flight, shared with other stores",
+                                  tried=attempt - 1):
+                try:
                     return await _within(op, per_attempt)
-                async with self._gate:
-                    return await _within(op, per_attempt)
-            except FileNotFoundError:
-                raise not_found(self.uri, key) from None
-            except StorageError as exc:  # permanent, raised by op (a range past the end of the value)
-                exc.attempts = exc.context["attempts"] = attempt
-                raise
-            except Exception as exc:
-                status, transient, text = _classify(exc)
+                except FileNotFoundError:
+                    raise not_found(self.uri, key) from None
+                except StorageError as exc:  # permanent, raised by op (a range past the end of the value)
+                    exc.attempts = exc.context["attempts"] = attempt
+                    raise
+                except Exception as exc:
+                    status, transient, text = _classify(exc)
             if not transient or attempt > self.retries or time.monotonic() - started >= self.retry_timeout_s:
                 if short is not None and status == 416:
                     raise short(attempt) from None
@@ -355,7 +411,7 @@ class ObjectStore:
         out: list = [None] * n
 
         async def one(r: ByteRange, start: int, length: int, serve: list[tuple[int, slice]]) -> None:
-            async with gate:
+            async with self._slot(gate, r.key, "ranged read", self._call_slots()):
                 data = await self._attempts(r.key, "ranged read", lambda: self._get_range(r, start, length),
                                             short=lambda k: short_read(self.uri, r, 0, attempts=k))
             for i, part in serve:
@@ -402,7 +458,7 @@ class ObjectStore:
         gate = asyncio.Semaphore(self.max_in_flight)
 
         async def whole(i: int, key: str) -> None:
-            async with gate:
+            async with self._slot(gate, key, "read", self._call_slots()):
                 try:
                     values[i] = await self._attempts(key, "read", lambda: self._get_whole(key))
                 except NotFound:
@@ -425,12 +481,12 @@ class ObjectStore:
         gate = asyncio.Semaphore(self.max_in_flight)
 
         async def one(r: ByteRange):
-            async with gate:
-                try:
+            try:
+                async with self._slot(gate, r.key, "ranged read", self._call_slots()):
                     return await self._attempts(r.key, "ranged read", lambda: self._get_range(r, r.start, r.length),
                                                 short=lambda k: short_read(self.uri, r, 0, attempts=k))
-                except Exception as exc:  # noqa: BLE001 - this range's own error, returned in its place
-                    return exc
+            except Exception as exc:  # noqa: BLE001 - this range's own error (no free slot too), in its place
+                return exc
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
