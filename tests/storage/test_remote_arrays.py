@@ -28,7 +28,7 @@ from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
 from stoker.storage.locate import Stores, locate
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, MotoS3, read_tree
+from store_fixtures import BUCKET, MotoS3, read_tree, write_zip
 
 PREFIX = "remote-arrays"  # in the bucket the store tests share (one moto backend per process)
 RECORDS = "remote-records"
@@ -1097,3 +1097,65 @@ def test_span_bytes_is_what_the_stores_coalescing_fetches(ranges, gap, cap):
     assert got >= fetched
     if cap == 1 << 40 and not overlap:
         assert got == fetched
+
+
+
+def test_a_fetch_over_its_share_of_the_budget_is_split_where_gaps_would_coalesce(tmp_path, monkeypatch,
+                                                                                 decode_path):
+    # Fetch groups were cut by the chunks' lengths, but a fetch holds the gaps its store coalesces too: 8 inner
+    # chunks of 128 KiB spread over their shard (under a store gap of 8 MiB), were one fetch
+    # holding 3.75 MiB against a share of the budget of 3.5 MiB (and a batch past the budget failed). Every fetch
+    # of more than one chunk now holds at most its share: a quarter of the transient budget.
+    root = str(tmp_path / "src")
+    z = zarr.create_array(os.path.join(root, "s.zarr"), shape=(8, 8 << 16), chunks=(1, 1 << 16),
+                          shards=(8, 8 << 16), dtype="uint16", compressors=ZstdCodec(level=1), fill_value=0)
+    z[...] = np.random.default_rng(3).integers(0, 2**16, (8, 8 << 16), dtype=np.uint16)
+    server = RangeServer(root)
+    seen = []
+    fetch = PythonDecoder.fetch
+
+    def recorded(self, job, f, then, users=1):
+        seen.append((f.cost, len(f.cids), self.budget.capacity // 4))
+        return fetch(self, job, f, then, users)
+
+    monkeypatch.setattr(PythonDecoder, "fetch", recorded)
+    cfg = stoker.Config(batch_size=8, dtype="native", n_compute_threads=1, pop_timeout_s=30,
+                        host_buffer_bytes=16 << 20, lookahead_batches=1,
+                        storage_options={server.url + "/": {**FAST, "max_gap": 8 << 20}})
+    try:
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(server.url + "/s.zarr", [(r, r + 1), (0, 1 << 16)]) for r in range(8)])
+            got = torch.from_dlpack(p.pop()).clone()
+    finally:
+        server.stop()
+    assert np.array_equal(got[:, 0].numpy(), z[:, : 1 << 16])
+    limit = seen[0][2]
+    assert len(seen) > 1, seen  # one fetch of the 8 chunks would hold more than its share
+    assert all(cost <= limit for cost, n, _ in seen if n > 1), seen
+
+
+def test_a_fetch_the_engine_refuses_fails_its_batch_with_that_error(tmp_path, monkeypatch):
+    # A fetched group the engine could not take (its tables refused, memory short) failed the batch with an
+    # UnboundLocalError of the hand-off's own, the real error only in its context.
+    from stoker.engine import native
+
+    if native.Engine is None:
+        pytest.skip("the compiled engine is not built")
+    root = str(tmp_path / "src")
+    z = zarr.create_array(os.path.join(root, "a.zarr"), shape=(8, 64), chunks=(8, 8), dtype="uint16",
+                          compressors=ZstdCodec(level=1))
+    z[...] = np.arange(512, dtype="uint16").reshape(8, 64)
+    write_zip(str(tmp_path / "a.zip"), read_tree(root))
+    tables = NativeDecoder._tables
+
+    def refuse(self, *args, fetched=False, **kwargs):
+        if fetched:
+            raise MemoryError("no memory for the tables")
+        return tables(self, *args, fetched=fetched, **kwargs)
+
+    monkeypatch.setattr(NativeDecoder, "_tables", refuse)
+    cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=2, pop_timeout_s=20)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(str(tmp_path / "a.zip/a.zarr"), [(0, 8), (0, 64)])])
+        with pytest.raises(MemoryError, match="no memory for the tables"):
+            p.pop()

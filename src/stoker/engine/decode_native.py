@@ -285,8 +285,25 @@ class NativeDecoder:
             while start < len(group_ids):
                 base = int(group_cost[start - 1]) if start else 0
                 stop = max(start + 1, int(np.searchsorted(group_cost, base + limit, "right")))
-                self._python.fetch(job, self._fetch_of(plan, kv, group_ids[start:stop], sources, stored), then)
+                for fetch in self._fetches_within(plan, kv, group_ids[start:stop], sources, stored, limit):
+                    self._python.fetch(job, fetch, then)
                 start = stop
+
+    def _fetches_within(self, plan: TablePlan, kv, ids: np.ndarray, sources: list[_Source], stored: np.ndarray,
+                        limit: int) -> list[Fetch]:
+        """Fetches of ``ids`` (in order) each holding at most ``limit`` bytes: what a fetch holds counts the gaps
+        the store coalesces between its ranges, which the chunks' lengths leave out, so a group over the limit
+        is halved (a lone chunk is fetched whatever it holds)."""
+        out, todo = [], [ids]
+        while todo:
+            part = todo.pop()
+            fetch = self._fetch_of(plan, kv, part, sources, stored)
+            if fetch.cost <= limit or len(part) == 1:
+                out.append(fetch)
+            else:
+                half = len(part) // 2
+                todo += [part[half:], part[:half]]  # the first half next: chunk order kept
+        return out
 
     def _fetch_of(self, plan: TablePlan, kv, ids: np.ndarray, sources: list[_Source], stored: np.ndarray) -> Fetch:
         """One fetch of ``ids``: their whole values, then their ranges (inner chunks), and what it holds."""
@@ -330,11 +347,12 @@ class NativeDecoder:
             if self._closing:
                 raise ShutdownError("the pipeline was closed while this batch was being made")
             bjob = self.engine.submit(*self._tables(job.plan, job.out, kind, sources, ids, fetched=True), buffers)
-        except BaseException:  # noqa: BLE001 - closed meanwhile, or the engine refused the tables (a bug)
+        except BaseException as exc:  # noqa: BLE001 - closed meanwhile, or the engine refused the tables (a bug)
             res.done()
+            error: BaseException = exc
             if self._closing:
-                exc = ShutdownError("the pipeline was closed while this batch was being made")
-            job.finish(len(ids), exc)
+                error = ShutdownError("the pipeline was closed while this batch was being made")
+            job.finish(len(ids), error)
             return
         job.on_cancel(bjob.cancel)
         with self._cond:

@@ -187,20 +187,31 @@ class PythonDecoder:
                 groups.append([fr])
                 costs.append(cost)
         for kv, groups, _ in by_store.values():
-            for group in groups:
-                whole = [fr for fr in group if fr.whole_file]
-                ranged = [(cid, plan.chunks[cid]) for fr in group if not fr.whole_file for cid in fr.chunk_ids]
-                tasks = [plan.chunks[fr.chunk_ids[0]] for fr in whole] + [t for _, t in ranged]
-                stored = sum(plan.sources[plan.chunks[fr.chunk_ids[0]].source].metadata.codec.max_stored_nbytes
-                             for fr in whole)
-                paths = {t.path: k for k, (_, t) in enumerate(ranged)}
-                spans = span_bytes(kv, np.array([paths[t.path] for _, t in ranged], np.int64),
-                                   np.array([t.offset for _, t in ranged], np.int64),
-                                   np.array([t.length for _, t in ranged], np.int64))
-                scratch = sum(size_class(plan.sources[t.source].metadata.codec.nbytes) for t in tasks)
-                fetch = Fetch(kv, [fr.path for fr in whole], [ByteRange(t.path, t.offset, t.length) for _, t in ranged],
-                              [fr.chunk_ids[0] for fr in whole] + [c for c, _ in ranged], stored + spans + scratch)
+            todo = groups[::-1]
+            while todo:  # a group holding more than its share (the gaps its store coalesces) is halved
+                group = todo.pop()
+                fetch = self._fetch_of(plan, kv, group)
+                if fetch.cost > limit and len(group) > 1:
+                    todo += [group[len(group) // 2:], group[:len(group) // 2]]
+                    continue
                 self.fetch(job, fetch, self._decode_fetched, users=len(fetch.cids))
+
+    @staticmethod
+    def _fetch_of(plan, kv, group: list[FileRead]) -> "Fetch":
+        """One fetch of ``group``'s reads and what it holds: whole values at the most their codecs store, the
+        spans the store fetches for the ranges (gaps included), and the decode scratch of every chunk."""
+        whole = [fr for fr in group if fr.whole_file]
+        ranged = [(cid, plan.chunks[cid]) for fr in group if not fr.whole_file for cid in fr.chunk_ids]
+        tasks = [plan.chunks[fr.chunk_ids[0]] for fr in whole] + [t for _, t in ranged]
+        stored = sum(plan.sources[plan.chunks[fr.chunk_ids[0]].source].metadata.codec.max_stored_nbytes
+                     for fr in whole)
+        paths = {t.path: k for k, (_, t) in enumerate(ranged)}
+        spans = span_bytes(kv, np.array([paths[t.path] for _, t in ranged], np.int64),
+                           np.array([t.offset for _, t in ranged], np.int64),
+                           np.array([t.length for _, t in ranged], np.int64))
+        scratch = sum(size_class(plan.sources[t.source].metadata.codec.nbytes) for t in tasks)
+        return Fetch(kv, [fr.path for fr in whole], [ByteRange(t.path, t.offset, t.length) for _, t in ranged],
+                     [fr.chunk_ids[0] for fr in whole] + [c for c, _ in ranged], stored + spans + scratch)
 
     def fetch(self, job: Job, fetch: "Fetch", then: Callable, users: int = 1) -> None:
         """Fetch ``fetch`` on the I/O pool (see :meth:`_fetch`), then ``then(job, fetch, values, parts, res)`` on the
