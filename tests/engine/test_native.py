@@ -582,14 +582,15 @@ def test_direct_call_leaves_doubtful_blosc_frames_to_python(tmp_path):
         assert status["table"] == (native.FRAME if span[1] == 100 else native.CODEC_ERROR), span
 
 
-def _place(tmp_path, dtype_src, batch_dtype, kind):
-    """Cast a 2-D chunk into a batch through the compiled reader; returns (batch, expected by copy_cast)."""
+def _place(tmp_path, dtype_src, batch_dtype, kind, stream=False):
+    """Cast a 2-D chunk into a batch through the compiled reader; returns (batch, expected by copy_cast).
+    ``stream``: with streaming stores, the values repeated so that every row holds whole cache lines."""
     from stoker.engine.cast import copy_cast
     from stoker.engine.decode_native import copy_plan
     from stoker.engine.plan import ChunkTask, Copy
     from stoker.zarr.codecs.chain import ChunkCodec
 
-    chunk = _SPECIAL[np.dtype(dtype_src)].reshape(4, -1)
+    chunk = np.tile(_SPECIAL[np.dtype(dtype_src)], 4 if stream else 1).reshape(4, -1)
     codec = ChunkCodec("mem://x", chunk.shape, chunk.dtype, chunk.dtype)
     task = ChunkTask(0, (0, 0), "c/0/0", [Copy.of(0, (slice(0, 4), slice(0, chunk.shape[1])), (slice(1, 5), slice(2, 2 + chunk.shape[1]))),
                                           Copy.of(1, (slice(1, 3), slice(3, 5)), (slice(0, 2), slice(0, 2)))])
@@ -601,7 +602,7 @@ def _place(tmp_path, dtype_src, batch_dtype, kind):
     path = tmp_path / f"{dtype_src}"
     path.write_bytes(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
     results, _ = _call(native.ZSTD, [path], chunk.nbytes, scratch=chunk.nbytes + 4096, places=[plan],
-                       dst=(got.data_ptr(), got.numel() * got.element_size(), kind))
+                       dst=(got.data_ptr(), got.numel() * got.element_size(), kind, stream))
     assert results[0][0] == native.OK and results[0][6] == 1
     for c in task.copies:
         copy_cast(want[c.dst] if want.dtype == torch.bfloat16 else want.numpy()[c.dst], chunk[c.chunk_sel])
@@ -629,23 +630,25 @@ _SPECIAL = _special_values()
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # float64 max becomes inf, as it must
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("batch", ["f32", "bf16", "native"])
 @pytest.mark.parametrize("src", sorted(str(d) for d in _SPECIAL))
-def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch):
+def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch, stream):
     """Every source kind into every batch kind the compiled reader casts to, on edge values (extremes,
     rounding ties, infinities, subnormals, signed zeros): the same bits as the Python path's numpy and
-    torch casts. NaN stays NaN (torch's own bfloat16 NaN bits differ between its vector and scalar loops)."""
+    torch casts, written in place or streamed (whole lines converted apart from a row's ends). NaN stays
+    NaN (torch's own bfloat16 NaN bits differ between its vector and scalar loops)."""
     if not native.zstd:
         pytest.skip("stoker._native is not available")
     batch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "native": torch.from_numpy(np.empty(0, src)).dtype}[batch]
     kind = {"f32": native.F32, "bf16": native.BF16, "native": native.SAME}[batch]
-    got, want = _place(tmp_path, src, batch_dtype, kind)
+    got, want = _place(tmp_path, src, batch_dtype, kind, stream)
     nan = want.isnan() if want.is_floating_point() else torch.zeros_like(want, dtype=torch.bool)
     assert torch.equal(got.isnan() if got.is_floating_point() else nan, nan)
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
     assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
     if src.startswith("float"):
-        assert nan.sum() == 2  # NaN and -NaN (in the first copy only)
+        assert nan.sum() == (8 if stream else 2)  # NaN and -NaN, once per repeat (in the first copy only)
 
 
 @pytest.mark.parametrize("batch", [torch.float32, torch.bfloat16, torch.int16])

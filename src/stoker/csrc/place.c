@@ -13,57 +13,33 @@
 
 const int src_itemsize[N_SRC_KINDS] = {1, 1, 2, 2, 4, 4, 8, 8, 4, 8};
 
-/* float -> bfloat16 bits, round to nearest even; NaN stays a quiet NaN (torch's conversion) */
+/* Loops marked HOT are compiled twice on x86-64 with GCC and glibc: for AVX2 and for the baseline (SSE2), the
+ * copy used being picked once when the extension loads (target_clones, through an ifunc). Wheels must run on
+ * every x86-64, so the build never uses -march=native. Elsewhere (other compilers, architectures or C
+ * libraries), or built with -DHOT= , HOT is nothing and the plain C below is what runs. */
+#if !defined(HOT) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) &&         \
+    defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define HOT __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef HOT
+#define HOT
+#endif
+
+/* float -> bfloat16 bits, round to nearest even; NaN stays a quiet NaN (torch's conversion). Written as a
+ * select, not a branch, so loops of it vectorise. */
 static inline uint16_t bf16_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if (isnan(f))
-        return 0x7FC0;
-    u += 0x7FFF + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
+    uint16_t rounded = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    return isnan(f) ? (uint16_t)0x7FC0 : rounded;
 }
 
-#define CONVERT_LOOPS(NAME, T)                                                                    \
-    static void NAME##_to_f32(const void *s, void *d, size_t n) {                                 \
-        const T *src = s;                                                                         \
-        float *dst = d;                                                                           \
-        for (size_t i = 0; i < n; i++)                                                            \
-            dst[i] = (float)src[i];                                                               \
-    }                                                                                             \
-    static void NAME##_to_bf16(const void *s, void *d, size_t n) {                                \
-        const T *src = s;                                                                         \
-        uint16_t *dst = d;                                                                        \
-        for (size_t i = 0; i < n; i++)                                                            \
-            dst[i] = bf16_bits((float)src[i]);                                                  \
-    }
-
-CONVERT_LOOPS(u8, uint8_t)
-CONVERT_LOOPS(i8, int8_t)
-CONVERT_LOOPS(u16, uint16_t)
-CONVERT_LOOPS(i16, int16_t)
-CONVERT_LOOPS(u32, uint32_t)
-CONVERT_LOOPS(i32, int32_t)
-CONVERT_LOOPS(u64, uint64_t)
-CONVERT_LOOPS(i64, int64_t)
-CONVERT_LOOPS(f32, float)
-CONVERT_LOOPS(f64, double)
-
-typedef void (*convert_fn)(const void *src, void *dst, size_t n);
-
-static const convert_fn converters[N_SRC_KINDS][N_DST_KINDS] = {
-    {NULL, u8_to_f32, u8_to_bf16},   {NULL, i8_to_f32, i8_to_bf16},   {NULL, u16_to_f32, u16_to_bf16},
-    {NULL, i16_to_f32, i16_to_bf16}, {NULL, u32_to_f32, u32_to_bf16}, {NULL, i32_to_f32, i32_to_bf16},
-    {NULL, u64_to_f32, u64_to_bf16}, {NULL, i64_to_f32, i64_to_bf16}, {NULL, f32_to_f32, f32_to_bf16},
-    {NULL, f64_to_f32, f64_to_bf16},
-};
-
+#define TO_F32(x) ((float)(x))
+#define TO_BF16(x) bf16_bits((float)(x))
 size_t dst_itemsize(const batch_dst *dst, int src_kind) {
     return dst->kind == KIND_SAME ? (size_t)src_itemsize[src_kind] : dst->kind == KIND_F32 ? 4 : 2;
-}
-
-int cast_supported(int src_kind, int dst_kind) {
-    return src_kind >= 0 && src_kind < N_SRC_KINDS && dst_kind >= 0 && dst_kind < N_DST_KINDS &&
-           (dst_kind == KIND_SAME || converters[src_kind][dst_kind] != NULL);
 }
 
 /* The batch's end, in elements of ``d_item`` bytes, and every copy's last element in it; -1 when a copy
@@ -137,76 +113,128 @@ int check_fill_copies(int ndim, const int64_t *ds, const int64_t *copies, long l
     return 0;
 }
 
-/* Writing a run into the batch. A batch is usually far larger than the caches and is read only
- * later (by the consumer or a DMA), so ordinary stores first read every destination line from memory
- * and then evict it again: twice the memory traffic. Streaming (non-temporal) stores write whole lines
- * straight to memory. Runs are converted in small pieces into an L1 buffer, then streamed. */
-#define STREAM_PIECE 1024 /* bytes of batch per piece: stays in L1 */
+/* Writing into the batch. A batch is usually far larger than the caches and is read only later (by the
+ * consumer or a DMA), so ordinary stores first read every destination line from memory and then evict it
+ * again: twice the memory traffic. Streaming (non-temporal) stores write whole lines straight to memory; only
+ * whole lines are streamed (a partly streamed line costs a read-modify-write in memory), the partial lines at
+ * a run's ends are written with ordinary stores. */
+#define LINE 64
+#define STREAM_PIECE 1024 /* bytes of an L1 buffer: gathered elements, or repeated fill values */
 
-static void stream_bytes(char *d, const char *s, size_t n) {
 #if defined(__SSE2__)
-    /* only whole cache lines are streamed: a partly streamed line costs a read-modify-write in memory */
-    size_t head = (64 - ((uintptr_t)d & 63)) & 63;
-    if (head > n)
-        head = n;
-    memcpy(d, s, head);
-    d += head, s += head, n -= head;
-    for (; n >= 64; n -= 64, d += 64, s += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
-        _mm_stream_si128((__m128i *)d, a);
-        _mm_stream_si128((__m128i *)(d + 16), b);
-        _mm_stream_si128((__m128i *)(d + 32), c);
-        _mm_stream_si128((__m128i *)(d + 48), e);
-    }
-#endif
-    memcpy(d, s, n);
+#define CAN_STREAM 1
+static inline void stream_line(char *d, const char *s) {
+    __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+    _mm_stream_si128((__m128i *)d, a);
+    _mm_stream_si128((__m128i *)(d + 16), b);
+    _mm_stream_si128((__m128i *)(d + 32), c);
+    _mm_stream_si128((__m128i *)(d + 48), e);
 }
+#else
+#define CAN_STREAM 0
+static inline void stream_line(char *d, const char *s) { memcpy(d, s, LINE); }
+#endif
 
-static void write_run(const char *s, char *d, size_t run, size_t s_item, size_t d_item, convert_fn convert,
+/* ``rows`` runs of ``run`` elements (bytes, for a plain copy), the i-th from s + i * s_step to d + i * d_step
+ * (byte steps). One function per element conversion, so that the whole walk over a plane of a copy is one
+ * straight loop the compiler vectorises: no call, branch or index arithmetic per element. */
+typedef void (*rows_fn)(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step, size_t rows, size_t run,
+                        int stream);
+
+static void copy_rows(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step, size_t rows, size_t run,
                       int stream) {
-#if !defined(__SSE2__)
-    stream = 0; /* no streaming stores here: write in place rather than through the piece buffer */
-#endif
-    if (!stream) {
-        if (convert == NULL)
-            memcpy(d, s, run * s_item);
-        else
-            convert(s, d, run);
-        return;
-    }
-    if (convert == NULL) {
-        stream_bytes(d, s, run * s_item);
-        return;
-    }
-    char piece[STREAM_PIECE] __attribute__((aligned(64)));
-    /* the first piece ends on a line boundary, so no line is split between two pieces */
-    size_t room = STREAM_PIECE - ((uintptr_t)d & 63);
-    while (run) {
-        size_t k = room / d_item;
-        if (k > run)
-            k = run;
-        convert(s, piece, k);
-        stream_bytes(d, piece, k * d_item);
-        s += k * s_item, d += k * d_item, run -= k;
-        room = STREAM_PIECE;
+    for (size_t r = 0; r < rows; r++) {
+        const char *sr = s + (ptrdiff_t)r * s_step;
+        char *dr = d + (ptrdiff_t)r * d_step;
+        size_t n = run;
+        if (CAN_STREAM && stream) {
+            size_t head = (LINE - ((uintptr_t)dr & (LINE - 1))) & (LINE - 1);
+            head = head < n ? head : n;
+            memcpy(dr, sr, head);
+            sr += head, dr += head, n -= head;
+            for (; n >= LINE; n -= LINE, sr += LINE, dr += LINE)
+                stream_line(dr, sr);
+        }
+        memcpy(dr, sr, n);
     }
 }
 
-/* Run over every innermost run of a copy: fn(src element offset, dst element offset, run) */
-#define FOR_EACH_RUN(ndim, ss, ds, c, ...)                                                                  \
+#define CONVERT_ROWS(NAME, T, U, CONV, ATTR)                                                                 \
+    static inline void NAME##_run(const T *restrict s, U *restrict d, size_t n) {                            \
+        for (size_t i = 0; i < n; i++)                                                                       \
+            d[i] = CONV(s[i]);                                                                               \
+    }                                                                                                        \
+    ATTR static void NAME##_rows(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step, size_t rows,    \
+                                 size_t run, int stream) {                                                   \
+        enum { PER_LINE = LINE / sizeof(U) };                                                                \
+        for (size_t r = 0; r < rows; r++) {                                                                  \
+            const T *sr = (const T *)(s + (ptrdiff_t)r * s_step);                                            \
+            U *dr = (U *)(d + (ptrdiff_t)r * d_step);                                                        \
+            size_t n = run;                                                                                  \
+            if (CAN_STREAM && stream) {                                                                      \
+                size_t head = ((LINE - ((uintptr_t)dr & (LINE - 1))) & (LINE - 1)) / sizeof(U);              \
+                head = head < n ? head : n;                                                                  \
+                NAME##_run(sr, dr, head);                                                                    \
+                sr += head, dr += head, n -= head;                                                           \
+                for (; n >= PER_LINE; n -= PER_LINE, sr += PER_LINE, dr += PER_LINE) {                       \
+                    U line[PER_LINE] __attribute__((aligned(LINE)));                                        \
+                    NAME##_run(sr, line, PER_LINE);                                                          \
+                    stream_line((char *)dr, (const char *)line);                                             \
+                }                                                                                            \
+            }                                                                                                \
+            NAME##_run(sr, dr, n);                                                                           \
+        }                                                                                                    \
+    }
+
+/* AVX2 pays for the bfloat16 rounding only: the widening conversions to float32 wait on memory either way,
+ * and their 32-byte copies were slower on the short rows of small chunks */
+#define CONVERSIONS(NAME, T)                                                                                 \
+    CONVERT_ROWS(NAME##_f32, T, float, TO_F32, ) CONVERT_ROWS(NAME##_bf16, T, uint16_t, TO_BF16, HOT)
+CONVERSIONS(u8, uint8_t)
+CONVERSIONS(i8, int8_t)
+CONVERSIONS(u16, uint16_t)
+CONVERSIONS(i16, int16_t)
+CONVERSIONS(u32, uint32_t)
+CONVERSIONS(i32, int32_t)
+CONVERSIONS(u64, uint64_t)
+CONVERSIONS(i64, int64_t)
+CONVERSIONS(f32, float)
+CONVERSIONS(f64, double)
+
+/* by [source kind][batch kind]; KIND_SAME is copy_rows */
+static const rows_fn converters[N_SRC_KINDS][N_DST_KINDS] = {
+    {NULL, u8_f32_rows, u8_bf16_rows},   {NULL, i8_f32_rows, i8_bf16_rows},   {NULL, u16_f32_rows, u16_bf16_rows},
+    {NULL, i16_f32_rows, i16_bf16_rows}, {NULL, u32_f32_rows, u32_bf16_rows}, {NULL, i32_f32_rows, i32_bf16_rows},
+    {NULL, u64_f32_rows, u64_bf16_rows}, {NULL, i64_f32_rows, i64_bf16_rows}, {NULL, f32_f32_rows, f32_bf16_rows},
+    {NULL, f64_f32_rows, f64_bf16_rows},
+};
+
+int cast_supported(int src_kind, int dst_kind) {
+    return src_kind >= 0 && src_kind < N_SRC_KINDS && dst_kind >= 0 && dst_kind < N_DST_KINDS &&
+           (dst_kind == KIND_SAME || converters[src_kind][dst_kind] != NULL);
+}
+
+/* Run over every plane of a copy, its two innermost axes: the body gets so and dof (the plane's first element
+ * in the chunk and the batch), rows (its extent on axis ndim - 2, 1 for a 1-d copy), s_row and d_row (the
+ * element strides of that axis) and run (the innermost extent). */
+#define FOR_EACH_PLANE(ndim, ss, ds, c, ...)                                                                \
     do {                                                                                                   \
         const int64_t *ext_ = (c) + 2, *ss_ = (ss);                                                        \
+        int outer_ = (ndim) - 2; /* axes [0, outer_) are walked here */                                    \
         long long idx_[MAX_NDIM] = {0};                                                                    \
         size_t run = (size_t)ext_[(ndim) - 1];                                                             \
+        size_t rows = outer_ >= 0 ? (size_t)ext_[outer_] : 1;                                              \
+        long long s_row = outer_ >= 0 && ss_ != NULL ? ss_[outer_] : 0;                                    \
+        long long d_row = outer_ >= 0 ? (ds)[outer_] : 0;                                                  \
         for (;;) {                                                                                         \
             long long so = (c)[0], dof = (c)[1];                                                           \
-            for (int k_ = 0; k_ < (ndim) - 1; k_++) {                                                      \
+            for (int k_ = 0; k_ < outer_; k_++) {                                                          \
                 so += idx_[k_] * (ss_ != NULL ? ss_[k_] : 0);                                              \
                 dof += idx_[k_] * (ds)[k_];                                                                \
             }                                                                                              \
             __VA_ARGS__;                                                                                   \
-            int k_ = (ndim) - 2;                                                                           \
+            int k_ = outer_ - 1;                                                                           \
             for (; k_ >= 0; k_--) {                                                                        \
                 if (++idx_[k_] < ext_[k_])                                                                 \
                     break;                                                                                 \
@@ -218,42 +246,47 @@ static void write_run(const char *s, char *d, size_t run, size_t s_item, size_t 
     } while (0)
 
 /* ``n`` elements of ``item`` bytes, ``stride`` elements apart from ``s``, next to each other at ``d``; bytes
- * reversed within each element when ``swap`` */
-static void gather(const char *s, char *d, size_t n, size_t item, long long stride, int swap) {
+ * reversed within each element when ``swap``. Next to each other already (stride 1) it is a straight loop
+ * that vectorises (a byte swap needs AVX2's byte shuffles: hence HOT). */
+#define GATHER(T, BSWAP)                                                                                     \
+    do {                                                                                                     \
+        T v;                                                                                                 \
+        if (stride == 1) {                                                                                   \
+            for (size_t i = 0; i < n; i++) {                                                                 \
+                memcpy(&v, s + i * sizeof(T), sizeof(T));                                                    \
+                v = swap ? BSWAP(v) : v;                                                                     \
+                memcpy(d + i * sizeof(T), &v, sizeof(T));                                                    \
+            }                                                                                                \
+            return;                                                                                          \
+        }                                                                                                    \
+        for (size_t i = 0; i < n; i++, s += step) {                                                          \
+            memcpy(&v, s, sizeof(T));                                                                        \
+            v = swap ? BSWAP(v) : v;                                                                         \
+            memcpy(d + i * sizeof(T), &v, sizeof(T));                                                        \
+        }                                                                                                    \
+        return;                                                                                              \
+    } while (0)
+#define NO_SWAP(v) (v)
+
+HOT static void gather(const char *restrict s, char *restrict d, size_t n, size_t item, long long stride, int swap) {
     size_t step = (size_t)stride * item;
-    switch (item * 2 + (swap != 0)) {
-    case 2: case 3:
-        for (size_t i = 0; i < n; i++, s += step)
-            d[i] = *s;
-        return;
-    case 4: case 5: {
-        uint16_t v;
-        for (size_t i = 0; i < n; i++, s += step) {
-            memcpy(&v, s, 2);
-            v = swap ? __builtin_bswap16(v) : v;
-            memcpy(d + 2 * i, &v, 2);
-        }
-        return;
+    switch (item) {
+    case 1:
+        GATHER(uint8_t, NO_SWAP);
+    case 2:
+        GATHER(uint16_t, __builtin_bswap16);
+    case 4:
+        GATHER(uint32_t, __builtin_bswap32);
+    default:
+        GATHER(uint64_t, __builtin_bswap64);
     }
-    case 8: case 9: {
-        uint32_t v;
-        for (size_t i = 0; i < n; i++, s += step) {
-            memcpy(&v, s, 4);
-            v = swap ? __builtin_bswap32(v) : v;
-            memcpy(d + 4 * i, &v, 4);
-        }
-        return;
-    }
-    default: {
-        uint64_t v;
-        for (size_t i = 0; i < n; i++, s += step) {
-            memcpy(&v, s, 8);
-            v = swap ? __builtin_bswap64(v) : v;
-            memcpy(d + 8 * i, &v, 8);
-        }
-        return;
-    }
-    }
+}
+
+/* Elements of a run that fill a piece of ``per_piece``, the first piece ending on a line of the batch, so no
+ * line is split between two pieces (per_piece * d_item is a whole number of lines). */
+static size_t piece_len(const char *d, size_t d_item, size_t per_piece, size_t left, int first) {
+    size_t k = per_piece - (first ? ((uintptr_t)d & (LINE - 1)) / d_item : 0);
+    return k < left ? k : left;
 }
 
 /* Cast every copy from the decoded chunk into the batch; runs without the GIL. Runs whose elements are not
@@ -262,25 +295,31 @@ void place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t
                   long long ncopies, long long step, const char *chunk, const batch_dst *dst) {
     size_t s_item = (size_t)src_itemsize[kind];
     size_t d_item = dst_itemsize(dst, kind);
-    convert_fn convert = dst->kind == KIND_SAME ? NULL : converters[kind][dst->kind];
+    int same = dst->kind == KIND_SAME;
+    rows_fn rows_of = same ? copy_rows : converters[kind][dst->kind];
+    size_t unit = same ? s_item : 1; /* copy_rows counts bytes */
+    int stream = dst->stream;
     swap = swap && s_item > 1;
     int direct = ss[ndim - 1] == 1 && !swap;
     long long inner = ss[ndim - 1];
-    char buf[STREAM_PIECE] __attribute__((aligned(64)));
+    char buf[STREAM_PIECE] __attribute__((aligned(LINE)));
     size_t per_buf = STREAM_PIECE / s_item;
     const int64_t *c = copies;
     for (long long i = 0; i < ncopies; i++, c += step) {
-        FOR_EACH_RUN(ndim, ss, ds, c, {
+        FOR_EACH_PLANE(ndim, ss, ds, c, {
             const char *src = chunk + (size_t)so * s_item;
             char *d = dst->base + (size_t)dof * d_item;
-            if (direct) {
-                write_run(src, d, run, s_item, d_item, convert, dst->stream);
-            } else {
-                for (size_t left = run; left;) {
-                    size_t k = left < per_buf ? left : per_buf;
-                    gather(src, buf, k, s_item, inner, swap);
-                    write_run(buf, d, k, s_item, d_item, convert, dst->stream);
-                    src += (size_t)inner * s_item * k, d += d_item * k, left -= k;
+            if (direct)
+                rows_of(src, (ptrdiff_t)(s_row * (long long)s_item), d, (ptrdiff_t)(d_row * (long long)d_item), rows,
+                        run * unit, stream);
+            for (size_t r = 0; !direct && r < rows; r++) {
+                const char *sr = src + (size_t)(r * s_row) * s_item;
+                char *dr = d + (size_t)(r * d_row) * d_item;
+                for (size_t left = run, k; left; left -= k) {
+                    k = piece_len(dr, d_item, per_buf, left, left == run);
+                    gather(sr, buf, k, s_item, inner, swap);
+                    rows_of(buf, 0, dr, 0, 1, k * unit, stream);
+                    sr += (size_t)inner * s_item * k, dr += d_item * k;
                 }
             }
         });
@@ -290,20 +329,26 @@ void place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t
 /* Write ``value`` (one element of ``d_item`` bytes, the batch's dtype) into every element of the copies. */
 void fill_copies(int ndim, const int64_t *ds, const int64_t *copies, long long ncopies, long long step,
                  const unsigned char *value, size_t d_item, const batch_dst *dst) {
-    /* a piece of repeated values, as long as a streamed piece, copied (or streamed) run by run */
-    char piece[STREAM_PIECE] __attribute__((aligned(64)));
+    /* a piece of repeated values, copied (or streamed) run by run */
+    char piece[STREAM_PIECE] __attribute__((aligned(LINE)));
     size_t per_piece = STREAM_PIECE / d_item;
     for (size_t i = 0; i < per_piece; i++)
         memcpy(piece + i * d_item, value, d_item);
     const int64_t *c = copies;
     for (long long i = 0; i < ncopies; i++, c += step) {
-        FOR_EACH_RUN(ndim, NULL, ds, c, {
-            (void)so;
+        FOR_EACH_PLANE(ndim, NULL, ds, c, {
+            (void)so, (void)s_row;
             char *d = dst->base + (size_t)dof * d_item;
-            for (size_t left = run; left;) {
-                size_t k = left < per_piece ? left : per_piece;
-                write_run(piece, d, k, d_item, d_item, NULL, dst->stream);
-                d += k * d_item, left -= k;
+            int whole = run <= per_piece; /* each run from the piece's start */
+            if (whole)
+                copy_rows(piece, 0, d, (ptrdiff_t)(d_row * (long long)d_item), rows, run * d_item, dst->stream);
+            for (size_t r = 0; !whole && r < rows; r++) {
+                char *dr = d + (size_t)(r * d_row) * d_item;
+                for (size_t left = run, k; left; left -= k) {
+                    k = piece_len(dr, d_item, per_piece, left, left == run);
+                    copy_rows(piece, 0, dr, 0, 1, k * d_item, dst->stream);
+                    dr += k * d_item;
+                }
             }
         });
     }
