@@ -18,7 +18,7 @@ submitter does steps 3-4 in order, so group N+1 is read while the device decodes
 
 The decoded sizes of a group (reading them waits for its decode) are checked once the next group's decode
 and placement are queued, or at the batch's end, always before the batch is delivered; a staging buffer is
-read into again only once the stream is past its copy (its event). ``close()`` waits a second at most: the
+read into again only once the stream is past its copy and decode (their event). ``close()`` waits a second at most: the
 threads end at their next step.
 
 Chunks the device does not decode are decoded on the CPU (:mod:`.gpu_fallback`), cast there into the batch
@@ -435,14 +435,13 @@ class GpuDecodeExecutor:
             kind, b, data = msg
             with self._on_device(), self._on_stream():
                 if kind == "group":
-                    staging = data[0]
+                    if b.error is not None or self._closing:  # skipped: the stream never read its staging
+                        self.host_slots.release(data[0])
+                        continue
                     try:
-                        if b.error is None and not self._closing:
-                            self._flush(b, *data)
+                        self._flush(b, *data)  # (gives the staging back, once)
                     except BaseException as exc:  # noqa: BLE001 - the batch's error, delivered at pop
                         b.error = exc
-                    finally:  # the staging goes back once the stream is past its copy
-                        self.host_slots.release(staging, ready_after=self._event())
                 elif kind == "start":
                     try:
                         self._begin(b)
@@ -540,6 +539,8 @@ class GpuDecodeExecutor:
             dev = dev if len(dev) else held
             gpu_fallback.decode_again(plan, staging.tensor.numpy(), cid[dev], at[dev], size[dev], exc)
             raise
+        finally:  # read into again once the stream is past its copy (the decode reads the device's copy)
+            self.host_slots.release(staging, ready_after=self._event())
         t1 = time.perf_counter()
         elements = [dest.dtype if h == CPU else sources[int(s)].element
                     for h, s in zip(how[held].tolist(), plan.chunk_source[cid[held]].tolist())]
