@@ -18,8 +18,8 @@ submitter does steps 3-4 in order, so group N+1 is read while the device decodes
 
 The decoded sizes of a group (reading them waits for its decode) are checked once the next group's decode
 and placement are queued, or at the batch's end, always before the batch is delivered; a staging buffer is
-read into again only once the stream is past its copy and decode (their event). ``close()`` waits a second at most: the
-threads end at their next step.
+read into again only once the stream is past its copy and decode (their event). ``close()`` waits a second
+at most: the threads end at their next step.
 
 Chunks the device does not decode are decoded on the CPU (:mod:`.gpu_fallback`), cast there into the batch
 dtype and staged as raw streams of a group, so they cross to the device and are placed by the same
