@@ -8,6 +8,7 @@ zarr-python's, bit for bit. tests/test_gpu_nvcomp.py runs it on a GPU with nvCOM
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 
 import numcodecs
@@ -19,8 +20,11 @@ from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 import stoker
 from stoker.engine import executor as executors
+from stoker.engine import gpu_decode as gpu_decodes
+from stoker.engine import gpu_staging
 from stoker.engine import pipeline as pipelines
 from stoker.engine.gpu_decode import GpuDecodeExecutor, device_casts
+from stoker.gpu.reference import HostDecoder
 from stoker.errors import BudgetExceeded, DecodeError, InvalidArgument
 
 pytestmark = pytest.mark.timeout(60)
@@ -363,3 +367,104 @@ def test_inner_chunks_of_a_shard_in_a_store_are_one_request_per_group(tmp_path, 
     # the shard's index, then one call for the batch's 44 stored inner chunks (which the store coalesces)
     assert stats.chunks_decoded == 44 and calls == [1, 44], calls
     _check_against_cpu_and_zarr(got, samples, data)
+
+
+OVERLAP_SHAPE, OVERLAP_CHUNKS = (16, 32, 32), (8, 16, 16)  # 8 chunks of 4096 decoded bytes: one group each (below)
+N_GROUPS = 8
+
+
+@pytest.fixture
+def one_chunk_groups(tmp_path, monkeypatch):
+    """A zstd array whose chunks are each a group of their own, and a counter of the staging's reads."""
+    z, data = _write(tmp_path / "a.zarr", OVERLAP_SHAPE, OVERLAP_CHUNKS, "uint16", ZstdCodec(level=3))
+    monkeypatch.setattr(gpu_decodes, "GROUP_BYTES", 8 * 16 * 16 * 2)
+    reads = {"started": 0}
+    cond = threading.Condition()
+    read = gpu_staging.Stager.read
+
+    def counted(self, *args, **kw):
+        with cond:
+            reads["started"] += 1
+            cond.notify_all()
+        return read(self, *args, **kw)
+
+    monkeypatch.setattr(gpu_staging.Stager, "read", counted)
+    sample = stoker.Sample(str(tmp_path / "a.zarr"), [(0, 16), (0, 32), (0, 32)])
+    return sample, data, reads, cond
+
+
+def _with_decoder(monkeypatch, make_decoder, made):
+    def factory(cfg, device, stats, store):
+        ex = GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda stream: make_decoder())
+        made.append(ex)
+        return ex
+
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+
+
+def test_a_batch_s_groups_are_read_while_earlier_ones_decode(one_chunk_groups, monkeypatch):
+    sample, data, reads, cond = one_chunk_groups
+    overlapped = []
+
+    class Blocking(HostDecoder):
+        """Decodes group n only once group n + 1's read has started (2 s at most: then it was not)."""
+
+        def decode_staged(self, *args, **kw):
+            n = len(overlapped)
+            if n < N_GROUPS - 1:
+                with cond:
+                    overlapped.append(cond.wait_for(lambda: reads["started"] >= n + 2, timeout=2.0))
+            else:
+                overlapped.append(True)
+            return super().decode_staged(*args, **kw)
+
+    _with_decoder(monkeypatch, Blocking, [])
+    got, stats = _run([sample])
+    assert overlapped == [True] * N_GROUPS
+    assert stats.chunks_decoded == N_GROUPS
+    assert torch.equal(got[0][0], _expected(data, sample, "f32"))
+
+
+def test_close_mid_batch_returns_while_a_read_is_blocked(one_chunk_groups, monkeypatch):
+    sample, data, reads, cond = one_chunk_groups
+    unblock, entered = threading.Event(), threading.Event()
+    read = gpu_staging.Stager.read
+
+    def blocked(self, *args, **kw):  # the batch's third read never finishes before close() returns
+        if reads["started"] >= 3:
+            entered.set()
+            assert unblock.wait(30.0)
+        return read(self, *args, **kw)
+
+    monkeypatch.setattr(gpu_staging.Stager, "read", blocked)
+    made = []
+    _with_decoder(monkeypatch, HostDecoder, made)
+    cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=1, host_buffer_bytes=64 << 20,
+                        device_buffer_bytes=64 << 20)
+    p = stoker.Pipeline(cfg)
+    try:
+        p.push([sample, sample])
+        assert entered.wait(10.0)  # the reader is inside a read, mid-batch
+        p.close()
+        assert not unblock.is_set()  # close() returned without waiting for the read
+    finally:
+        unblock.set()
+        p.close()
+    ex = made[0]
+    for thread in (ex._reader, ex._thread):  # both end once the read returns: nothing waits on them
+        thread.join(10.0)
+        assert not thread.is_alive()
+    assert all(not s.busy for s in ex.host_slots.slots)
+
+
+def test_a_damaged_stream_found_after_its_group_fails_the_batch_with_the_cpu_path_s_error(one_chunk_groups,
+                                                                                          gpu_decode, tmp_path):
+    sample, data, reads, cond = one_chunk_groups
+    _corrupt(str(tmp_path / "a.zarr"), "c/0/1/0", "flip")  # its decode is checked once the next group is queued
+    cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=1, host_buffer_bytes=64 << 20,
+                        device_buffer_bytes=64 << 20)
+    with stoker.Pipeline(cfg) as p:
+        p.push([sample])
+        with pytest.raises(DecodeError) as e:
+            p.pop()
+    assert e.value.key == "c/0/1/0" and str(tmp_path / "a.zarr") in str(e.value)

@@ -1,7 +1,9 @@
 """The GPU-decode executor (``Config.decode_on="gpu"``): chunks cross PCIe encoded, the device decodes,
 casts and places them.
 
-Per batch, on one worker thread, in groups that fit the staging (all on the pipeline's CUDA stream):
+Per batch, in groups that fit the staging (all device work on the pipeline's CUDA stream), on two threads:
+a reader does steps 1-2 and hands each staged group on (at most two wait: there are two staging buffers), a
+submitter does steps 3-4 in order, so group N+1 is read while the device decodes and places group N:
 
 1. plan as the CPU executor does (:func:`~.tables.plan_tables`: each chunk's file, offset, length and copies),
    and order the chunks the device decodes for reading (:func:`.gpu_staging.plan_reads`: numpy, once);
@@ -13,6 +15,11 @@ Per batch, on one worker thread, in groups that fit the staging (all on the pipe
    transfer and decodes every stream into the device scratch;
 4. the copies of the group's chunks are expanded into runs of contiguous elements and gathered from the
    scratch, cast and scattered into the batch (:mod:`.gpu_place`: numpy, no Python step per chunk or copy).
+
+The decoded sizes of a group (reading them waits for its decode) are checked once the next group's decode
+and placement are queued, or at the batch's end, always before the batch is delivered; a staging buffer is
+read into again only once the stream is past its copy and decode (their event). ``close()`` waits a second
+at most: the threads end at their next step.
 
 Chunks the device does not decode are decoded on the CPU (:mod:`.gpu_fallback`), cast there into the batch
 dtype and staged as raw streams of a group, so they cross to the device and are placed by the same
@@ -69,6 +76,7 @@ __all__ = ["GROUP_BYTES", "GpuDecodeExecutor", "device_casts"]
 #: decoded bytes of one group at most (more only for a single larger chunk)
 GROUP_BYTES = 64 << 20
 _HALF = (torch.bfloat16, torch.float16)
+_COUNTS = ("bytes_read", "bytes_decoded", "chunks_decoded", "bytes_to_device")
 
 
 def _stream_of(device: torch.device):
@@ -104,8 +112,10 @@ class GpuDecodeExecutor:
         self._sources: dict[tuple, tuple[Any, Source]] = {}
         self._notices = gpu_fallback.Notices()
         self._stager = Stager(store, stats)
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue = queue.Queue()  # batches submitted, for the reader
+        self._staged: queue.Queue = queue.Queue(maxsize=2)  # staged groups, for the submitter
         self._closing = False
+        self._reader: threading.Thread | None = None
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -193,8 +203,10 @@ class GpuDecodeExecutor:
             def make(stream):
                 return DeviceDecoder(self.device, stream)
         self._decoder = make(self.stream)
+        self._reader = threading.Thread(target=self._read_loop, name="stoker-gpu-read", daemon=True)
         self._thread = threading.Thread(target=self._run, name="stoker-gpu-decode", daemon=True)
         self._thread.start()
+        self._reader.start()
 
     def _on_device(self):
         return torch.cuda.device(self.device) if self._on_gpu else contextlib.nullcontext()
@@ -271,85 +283,89 @@ class GpuDecodeExecutor:
         self._queue.put(None)
 
     def close(self) -> None:
-        """Wait for the work queued on the stream, so no buffer is freed under it."""
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(1.0)
+        """Wait (a second at most, for both threads) for the worker, then for the work queued on the stream,
+        so no buffer is freed under it."""
+        deadline = time.monotonic() + 1.0
+        for thread in (self._reader, self._thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
         if self.stream is not None:
             self.stream.synchronize()
 
-    # -- the worker -------------------------------------------------------------------------------
+    # -- the reader: batches staged group by group ------------------------------------------------
 
-    def _run(self) -> None:
-        gil.enroll()
+    def _hand(self, msg) -> None:
+        """Queue ``msg`` for the submitter (at most two waiting: the staging ring bounds them anyway)."""
         while True:
-            item = self._queue.get()
-            if item is None or self._closing:
-                while item is not None:  # fail what is queued: nothing will make it
-                    item[0].finish(item[0].plan.n_chunks, ShutdownError("the pipeline was closed while this "
-                                                                        "batch was being made"))
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        item = None
-                return
-            job, target = item
-            counts = dict.fromkeys(("bytes_read", "bytes_decoded", "chunks_decoded", "bytes_to_device"), 0)
             try:
-                self._make(job, target, counts)
-                error = None
-            except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop
-                error = exc
-            job.finish(job.plan.n_chunks, error, **counts)
-            self.stats.charge_thread()
-            del job, target, item
+                self._staged.put(msg, timeout=0.1)
+                return
+            except queue.Full:
+                if not self._thread.is_alive():  # nothing will take it: give its staging back
+                    if msg is not None and msg[0] == "group":
+                        self.host_slots.release(msg[2][0])
+                    return
 
-    def _make(self, job: Job, target: Target, counts: dict) -> None:
-        """Make one batch into its slot: every group read, decoded and placed, then fills, transform and event."""
-        plan: TablePlan = job.plan
-        slot = target.slot
-        rows = plan.rows
-        batch = self._work[:rows] if self._work is not None else slot.tensor[:rows]
-        dest = batch.flatten(0, 1) if plan.channels is not None else batch  # copy rows are b * C + c
+    def _read_loop(self) -> None:
+        gil.enroll()
         try:
-            target.event = self._make_into(plan, slot, batch, dest, counts)
-        finally:  # staging still held (a failed batch) goes back once the stream is past it
-            for held in self.host_slots.slots:
-                if held.busy:
-                    self.host_slots.release(held, ready_after=self._event())
+            while True:
+                try:
+                    item = self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    if self._closing:
+                        return
+                    continue
+                if item is None or self._closing:
+                    while item is not None:  # fail what is queued: nothing will make it
+                        item[0].finish(item[0].plan.n_chunks, ShutdownError("the pipeline was closed while "
+                                                                            "this batch was being made"))
+                        try:
+                            item = self._queue.get_nowait()
+                        except queue.Empty:
+                            item = None
+                    return
+                b = _Batch(*item, self)
+                self._hand(("start", b, None))
+                counts = dict.fromkeys(_COUNTS, 0)
+                try:
+                    fills, error = self._stage(b, counts), None
+                except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop, in order
+                    fills, error = None, exc
+                self._hand(("end", b, (fills, counts, error)))
+                self.stats.charge_thread()
+                del b, item
+        finally:
+            self._hand(None)
 
-    def _make_into(self, plan: TablePlan, slot, batch: torch.Tensor, dest: torch.Tensor, counts: dict):
-        """What :meth:`_make` does; returns the event after the batch (None on the CPU)."""
-        rows = plan.rows
-        with self._on_device(), self._on_stream():
-            for wait in slot.stream_waits:  # what the slot's previous batch asked its next writer to wait for
-                if isinstance(wait, EVENT_TYPES):
-                    self.stream.wait_event(wait)
-                else:
-                    self.stream.wait_stream(wait)
-            slot.stream_waits = []
-            sources = [self._source(r, dest.dtype) for r in plan.sources]
-            stored = plan.chunk_file >= 0
-            for s, (reader, src) in enumerate(zip(plan.sources, sources)):
-                if src.why is not None and np.any((plan.chunk_source == s) & stored):
-                    self._notices.note(reader.uri, src.why)
-            fills = [np.flatnonzero(~stored)]
-            on_cpu = np.array([s.how == CPU for s in sources], bool)[plan.chunk_source]
-            cpu = deque(np.flatnonzero(stored & on_cpu).tolist())  # decoded on the CPU one at a time
-            reads = plan_reads(plan, sources)
-            pending: deque[Pending] = deque()  # chunks staged from a buffer, waiting for room in a group
-            files: dict = {}
-            i = 0
-            while i < len(reads) or cpu or pending:
-                if self._closing:
-                    raise ShutdownError("the pipeline was closed while this batch was being made")
-                staging = self._acquire_staging()
+    def _stage(self, b: "_Batch", counts: dict) -> np.ndarray:
+        """Read batch ``b`` group by group into the staging buffers, each parsed and handed to the submitter;
+        returns the chunks to fill."""
+        plan, dtype = b.plan, b.dest.dtype
+        sources = b.sources = [self._source(r, dtype) for r in plan.sources]
+        stored = plan.chunk_file >= 0
+        for s, (reader, src) in enumerate(zip(plan.sources, sources)):
+            if src.why is not None and np.any((plan.chunk_source == s) & stored):
+                self._notices.note(reader.uri, src.why)
+        fills = [np.flatnonzero(~stored)]
+        on_cpu = np.array([s.how == CPU for s in sources], bool)[plan.chunk_source]
+        cpu = deque(np.flatnonzero(stored & on_cpu).tolist())  # decoded on the CPU one at a time
+        reads = plan_reads(plan, sources)
+        pending: deque[Pending] = deque()  # chunks staged from a buffer, waiting for room in a group
+        files: dict = {}
+        i = 0
+        while (i < len(reads) or cpu or pending) and b.error is None:  # (the submitter failed: stop)
+            if self._closing:
+                raise ShutdownError("the pipeline was closed while this batch was being made")
+            staging = self._acquire_staging()
+            try:
                 buf = staging.tensor.numpy()
                 before = (i, len(cpu))
                 group = Group()
                 while True:  # what waits first; then CPU chunks, each decoded once there is room for the last
                     if not pending and cpu:
                         c = cpu.popleft()
-                        item = self._cpu_chunk(plan, c, dest.dtype, files, counts)
+                        item = self._cpu_chunk(plan, c, dtype, files, counts)
                         if item is None:
                             fills.append(np.array([c], np.int64))
                             continue
@@ -365,23 +381,125 @@ class GpuDecodeExecutor:
                         pending.extend(again)
                         i = e
                 if not group:
-                    self.host_slots.release(staging)
                     if before == (i, len(cpu)):  # nothing fits an empty group
                         if pending:
                             self._too_large(plan, pending[0].cid, len(pending[0].data))
                         self._too_large(plan, int(reads.order[i]), int(reads.enc[i + 1] - reads.enc[i] - reads.gap[i]))
-                    continue
-                self._flush(plan, sources, dest, group, staging, pending, counts)
+                    parsed = None
+                else:
+                    parsed = self._parse(plan, dtype, group, buf, pending, counts)
+                del buf  # no view of a staging buffer outlives its hand-over
+            except BaseException:
+                self.host_slots.release(staging)  # read into here only: the device never saw it
+                raise
+            if parsed is None:
+                self.host_slots.release(staging)
+                continue
+            self._hand(("group", b, (staging, *parsed)))
+        return np.sort(np.concatenate(fills))
+
+    def _parse(self, plan: TablePlan, dtype: torch.dtype, group: Group, buf: np.ndarray, pending: deque,
+               counts: dict):
+        """``group`` (in ``buf``) as one Layout: ``(layout, held, cid, how, at, size, out, nbytes)``, or None
+        when no chunk is left for the device. Frames the device does not take are decoded on the CPU into
+        ``pending`` (staged with a later group)."""
+        cid, how, at, size, out = group.table()
+        nbytes = np.array([plan.sources[int(s)].metadata.codec.nbytes for s in plan.chunk_source[cid]], np.int64)
+        nbytes = np.where(how == CPU, size, nbytes)
+        limit = self._decoder.max_stream_bytes
+        layout, held, cpu = layout_of(buf[:group.pos], how, at, size, out, nbytes, limit)
+        for k in cpu.tolist():  # refused by the parser, or streams the device cannot take: the CPU decodes them
+            c = int(cid[k])
+            raw = gpu_fallback.cpu_decode(plan, c, bytes(buf[at[k]:at[k] + size[k]]), dtype, self.stats, counts)
+            pending.append(Pending(c, CPU, raw, aligned(len(raw))))
+            self._notices.note(plan.sources[int(plan.chunk_source[c])].uri,
+                               "frames the device does not decode (other compressors inside blosc, streams over "
+                               f"{limit:,} B, or frames the parser refuses)")
+        if not len(held):
+            return None
+        return layout, held, cid, how, at, size, out, nbytes
+
+    # -- the submitter: groups decoded and placed on the stream, in order --------------------------
+
+    def _run(self) -> None:
+        gil.enroll()
+        while True:
+            try:
+                msg = self._staged.get(timeout=0.1)
+            except queue.Empty:
+                if not self._reader.is_alive() and self._staged.empty():
+                    return
+                continue
+            if msg is None:  # the reader's last word
+                return
+            kind, b, data = msg
+            with self._on_device(), self._on_stream():
+                if kind == "group":
+                    if b.error is not None or self._closing:  # skipped: the stream never read its staging
+                        self.host_slots.release(data[0])
+                        continue
+                    try:
+                        self._flush(b, *data)  # (gives the staging back, once)
+                    except BaseException as exc:  # noqa: BLE001 - the batch's error, delivered at pop
+                        b.error = exc
+                elif kind == "start":
+                    try:
+                        self._begin(b)
+                    except BaseException as exc:  # noqa: BLE001
+                        b.error = exc
+                else:
+                    fills, counts, error = data
+                    if b.error is None and error is None:
+                        try:
+                            self._end(b, fills)
+                        except BaseException as exc:  # noqa: BLE001
+                            b.error = exc
+                    if b.checks[0]:  # a failed batch: its last decode is still waited for, not reported
+                        with contextlib.suppress(Exception):
+                            self._check_sizes(b)
+                    for k, v in counts.items():
+                        b.counts[k] += v
+                    b.job.finish(b.plan.n_chunks, b.error or error, **b.counts)
+                    self.stats.charge_thread()
+            del msg, b, data
+
+    def _begin(self, b: "_Batch") -> None:
+        """The stream waits for what the slot's previous batch asked its next writer to wait for."""
+        slot = b.target.slot
+        for wait in slot.stream_waits:
+            if isinstance(wait, EVENT_TYPES):
+                self.stream.wait_event(wait)
+            else:
+                self.stream.wait_stream(wait)
+        slot.stream_waits = []
+
+    def _end(self, b: "_Batch", fills: np.ndarray) -> None:
+        """The batch's last group checked, then fills, transform, the 16-bit rounding and the event."""
+        self._check_sizes(b)
+        if self._closing:
+            raise ShutdownError("the pipeline was closed while this batch was being made")
+        t0 = time.perf_counter()
+        gpu_place.fill(b.plan, b.sources, b.dest, fills)
+        self.stats.stage("assemble", time.perf_counter() - t0)
+        if self.cfg.transform is not None:
             t0 = time.perf_counter()
-            gpu_place.fill(plan, sources, dest, np.sort(np.concatenate(fills)))
-            self.stats.stage("assemble", time.perf_counter() - t0)
-            if self.cfg.transform is not None:
-                t0 = time.perf_counter()
-                apply_transform(self.cfg.transform, batch)
-                self.stats.stage("transform", time.perf_counter() - t0)
-            if self._work is not None:
-                slot.tensor[:rows].copy_(self._work[:rows])  # the one rounding to the 16-bit output
-            return self._event()
+            apply_transform(self.cfg.transform, b.batch)
+            self.stats.stage("transform", time.perf_counter() - t0)
+        if self._work is not None:
+            b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits
+        b.target.event = self._event()
+
+    def _check_sizes(self, b: "_Batch") -> None:
+        """The deferred checks of the group before (decoded sizes: they wait for its decode): a damaged stream
+        fails the batch with the CPU path's error, its chunks fetched again (their staging is reused)."""
+        checks, cids = b.checks
+        b.checks = ((), ())
+        try:
+            for check in checks:
+                check()
+        except frames.FrameError as exc:
+            gpu_fallback.decode_fetched(b.plan, cids, lambda c: self._stager.path(b.plan, c, {}), exc)
+            raise
 
     def _too_large(self, plan: TablePlan, cid: int, size: int) -> None:
         """BudgetExceeded: chunk ``cid`` (``size`` B in the staging) does not fit an empty group."""
@@ -408,42 +526,46 @@ class GpuDecodeExecutor:
         raw = gpu_fallback.cpu_decode(plan, cid, data, dtype, self.stats, counts)
         return Pending(cid, CPU, raw, aligned(len(raw)))
 
-    def _flush(self, plan: TablePlan, sources: list[Source], dest: torch.Tensor, group: Group, staging,
-               pending: deque, counts: dict) -> None:
-        """Decode and place ``group``, then hand its staging back once the stream is past its copy. Frames the
-        device does not take are decoded on the CPU into ``pending`` (placed with a later group)."""
-        cid, how, at, size, out = group.table()
-        buf = staging.tensor.numpy()
-        nbytes = np.array([plan.sources[int(s)].metadata.codec.nbytes for s in plan.chunk_source[cid]], np.int64)
-        nbytes = np.where(how == CPU, size, nbytes)
-        limit = self._decoder.max_stream_bytes
-        layout, held, cpu = layout_of(buf[:group.pos], how, at, size, out, nbytes, limit)
-        for k in cpu.tolist():  # refused by the parser, or streams the device cannot take: the CPU decodes them
-            c = int(cid[k])
-            raw = gpu_fallback.cpu_decode(plan, c, bytes(buf[at[k]:at[k] + size[k]]), dest.dtype, self.stats, counts)
-            pending.append(Pending(c, CPU, raw, aligned(len(raw))))
-            self._notices.note(plan.sources[int(plan.chunk_source[c])].uri,
-                               "frames the device does not decode (other compressors inside blosc, streams over "
-                               f"{limit:,} B, or frames the parser refuses)")
+    def _flush(self, b: "_Batch", staging, layout, held, cid, how, at, size, out, nbytes) -> None:
+        """Decode and place a staged group on the stream; the decoded sizes of the group before are checked
+        once this one is queued (the wait for them no longer holds the device's next work back)."""
+        plan, sources, dest = b.plan, b.sources, b.dest
         t0 = time.perf_counter()
-        if len(held):
-            try:
-                self._decoder.decode_staged(staging.tensor, layout, data=self._data, out=self._scratch)
-            except (frames.FrameError, frames.UnsupportedFrame) as exc:
-                dev = held[how[held] != CPU]
-                dev = dev if len(dev) else held
-                gpu_fallback.decode_again(plan, buf, cid[dev], at[dev], size[dev], exc)
-                raise
-            t1 = time.perf_counter()
-            elements = [dest.dtype if h == CPU else sources[int(s)].element
-                        for h, s in zip(how[held].tolist(), plan.chunk_source[cid[held]].tolist())]
-            gpu_place.place(plan, sources, dest, self._scratch, cid[held], out[held], elements)
-            on_device = held[how[held] != CPU]
-            decoded = int(nbytes[on_device].sum())
-            self.stats.chunk(t1 - t0, time.perf_counter() - t1, int(size[on_device].sum()), decoded,
-                             count=len(on_device))
-            counts["bytes_to_device"] += int(layout.in_nbytes)
-            counts["bytes_decoded"] += decoded
-            counts["chunks_decoded"] += len(on_device)
-        # the staging goes back once the stream is past its copy; the next group is read into the other one
-        self.host_slots.release(staging, ready_after=self._event())
+        checks: list = []
+        try:
+            self._decoder.decode_staged(staging.tensor, layout, data=self._data, out=self._scratch, deferred=checks)
+        except (frames.FrameError, frames.UnsupportedFrame) as exc:
+            dev = held[how[held] != CPU]
+            dev = dev if len(dev) else held
+            gpu_fallback.decode_again(plan, staging.tensor.numpy(), cid[dev], at[dev], size[dev], exc)
+            raise
+        finally:  # read into again once the stream is past its copy (the decode reads the device's copy)
+            self.host_slots.release(staging, ready_after=self._event())
+        t1 = time.perf_counter()
+        elements = [dest.dtype if h == CPU else sources[int(s)].element
+                    for h, s in zip(how[held].tolist(), plan.chunk_source[cid[held]].tolist())]
+        gpu_place.place(plan, sources, dest, self._scratch, cid[held], out[held], elements)
+        self._check_sizes(b)
+        on_device = held[how[held] != CPU]
+        b.checks = (checks, cid[on_device] if len(on_device) else cid[held])
+        decoded = int(nbytes[on_device].sum())
+        self.stats.chunk(t1 - t0, time.perf_counter() - t1, int(size[on_device].sum()), decoded,
+                         count=len(on_device))
+        b.counts["bytes_to_device"] += int(layout.in_nbytes)
+        b.counts["bytes_decoded"] += decoded
+        b.counts["chunks_decoded"] += len(on_device)
+
+
+class _Batch:
+    """One batch between the reader and the submitter: its job, slot, tables, and what the submitter has
+    done (its error, counts, and the deferred checks of its last group)."""
+
+    def __init__(self, job: Job, target: Target, ex: GpuDecodeExecutor) -> None:
+        self.job, self.target, self.plan = job, target, job.plan
+        rows = self.plan.rows
+        self.batch = ex._work[:rows] if ex._work is not None else target.slot.tensor[:rows]
+        self.dest = self.batch.flatten(0, 1) if self.plan.channels is not None else self.batch  # rows b * C + c
+        self.sources: list[Source] = []
+        self.error: BaseException | None = None
+        self.counts = dict.fromkeys(_COUNTS, 0)
+        self.checks: tuple = ((), ())

@@ -59,6 +59,18 @@ def decode_again(plan: TablePlan, buf: np.ndarray, cids, at, size, exc: BaseExce
     raise codec.decode_error(plan.key(first), exc)  # none failed here: name the first
 
 
+def decode_fetched(plan: TablePlan, cids, path_of, exc: BaseException) -> None:
+    """As :func:`decode_again`, for a group whose staging is reused already (a damaged stream found by a
+    deferred check): its chunks ``cids`` fetched again through their readers (``path_of(cid)``: the file)."""
+    for cid in (int(c) for c in cids):
+        data = fetch(plan, cid, path_of(cid))
+        if data is not None:
+            plan.sources[int(plan.chunk_source[cid])].metadata.codec.decode(bytes(data), plan.key(cid))
+    first = int(cids[0])
+    codec = plan.sources[int(plan.chunk_source[first])].metadata.codec
+    raise codec.decode_error(plan.key(first), exc)  # none failed here: name the first
+
+
 class Notices:
     """One ``RuntimeWarning`` per array and reason: its chunks are decoded on the CPU."""
 

@@ -98,7 +98,7 @@ class DeviceDecoder:
         return self.decode_staged(staged, layout)
 
     def decode_staged(self, staged: torch.Tensor, layout: Layout, data: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, deferred: list | None = None) -> torch.Tensor:
         """As :meth:`decode`, for chunks already in ``staged`` (pinned, uint8) where ``layout`` has them
         (:func:`~stoker.gpu.frames.parse_blosc_batch` parses them there). ``staged`` must not be
         written again before :attr:`stream` has run past this call (its copy to the device is
@@ -125,28 +125,42 @@ class DeviceDecoder:
             for codec in _ALGORITHMS:
                 rows = np.flatnonzero(~layout.raw & (layout.codec == codec))
                 if len(rows):
-                    self._decompress(codec, data, out, layout, rows)
+                    check = self._decompress(codec, data, out, layout, rows)
+                    if deferred is None:
+                        check()
+                    else:
+                        deferred.append(check)
             raw = layout.raw
             ops.copy_segments_(data, layout.src[raw], out, layout.dst[raw], layout.dsize[raw])
             ops.unshuffle_(out, layout)
         return out
 
-    def _decompress(self, codec: int, data: torch.Tensor, out: torch.Tensor, layout: Layout, rows: np.ndarray) -> None:
+    def _decompress(self, codec: int, data: torch.Tensor, out: torch.Tensor, layout: Layout, rows: np.ndarray):
+        """Queue one batched decode; returns the check of its decoded sizes (which waits for the decode)."""
         nv, nvc, s = self._nv, self._codecs[codec], self.stream.cuda_stream
         sizes = layout.dsize[rows].tolist()
         srcs = nv.as_arrays(data, layout.src[rows].tolist(), layout.csize[rows].tolist(), cuda_stream=s)
         dsts = nv.as_arrays(out, layout.dst[rows].tolist(), sizes, cuda_stream=s)
         name = CODEC_NAMES[codec]
+        chunks = np.unique(layout.chunk[rows]).tolist()
         try:
             # no decompression config built from the sizes the frames state: with one, nvCOMP reports those
             # sizes back whatever the streams decode to, and a damaged stream would pass unnoticed
             got = nvc.decode(srcs, out=dsts)
-            got_sizes = list(got.buffer_sizes)  # waits for the decode
         except (RuntimeError, ValueError) as exc:
-            chunks = np.unique(layout.chunk[rows]).tolist()
             raise FrameError(f"nvCOMP could not decode {len(rows)} {name} streams of chunks {chunks}: {exc}") from None
-        bad = np.flatnonzero(np.asarray(got_sizes, dtype=np.int64) != layout.dsize[rows])
-        if len(bad):
-            i = rows[bad[0]]
-            raise FrameError(f"chunk {int(layout.chunk[i])}: a {name} stream decoded to {got_sizes[bad[0]]} bytes, "
-                             f"{int(layout.dsize[i])} expected")
+        expected = layout.dsize[rows]
+        stream_chunks = layout.chunk[rows]
+
+        def check(held=(srcs, dsts)) -> None:  # holds nvCOMP's arrays of the decode until it is checked
+            try:
+                got_sizes = list(got.buffer_sizes)  # waits for the decode
+            except (RuntimeError, ValueError) as exc:
+                raise FrameError(f"nvCOMP could not decode {len(rows)} {name} streams of chunks {chunks}: "
+                                 f"{exc}") from None
+            bad = np.flatnonzero(np.asarray(got_sizes, dtype=np.int64) != expected)
+            if len(bad):
+                raise FrameError(f"chunk {int(stream_chunks[bad[0]])}: a {name} stream decoded to "
+                                 f"{got_sizes[bad[0]]} bytes, {int(expected[bad[0]])} expected")
+
+        return check

@@ -107,13 +107,24 @@ class HostDecoder:
         self.max_stream_bytes = max_stream_bytes
 
     def decode_staged(self, staged: torch.Tensor, layout: Layout, data: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoded bytes of the chunks in ``staged`` (``data`` is not needed: the input is read where it is)."""
+                      out: torch.Tensor | None = None, deferred: list | None = None) -> torch.Tensor:
+        """The decoded bytes of the chunks in ``staged`` (``data`` is not needed: the input is read where it is).
+        With ``deferred`` (a list), a stream that fails is reported by a check appended there, as the device
+        reports the decoded sizes (the worst case: a whole group's failure found late)."""
         if np.any(~layout.raw & (layout.dsize > self.max_stream_bytes)):
             raise UnsupportedFrame(f"streams over {self.max_stream_bytes} bytes")
         if out is None:
             out = torch.empty(layout.out_nbytes, dtype=torch.uint8)
-        decode_streams(staged[:layout.in_nbytes].numpy(), layout, out.numpy())
+        try:
+            decode_streams(staged[:layout.in_nbytes].numpy(), layout, out.numpy())
+        except FrameError as exc:
+            if deferred is None:
+                raise
+
+            def check(exc=exc):
+                raise exc
+
+            deferred.append(check)
         return out[:layout.out_nbytes]
 
 
