@@ -168,8 +168,8 @@ def decode_on(requested: str, device: torch.device, nvcomp_available: Callable[[
                               "torch.cuda.set_device(local_rank)), or use decode_on='cpu'", knob="decode_on")
     if not nvcomp_available():
         raise InvalidArgument("Config.decode_on='gpu' needs NVIDIA nvCOMP's Python package, which is not installed: "
-                              "pip install 'stoker[gpu]' (nvidia-nvcomp-cu12), or use decode_on='cpu'",
-                              knob="decode_on")
+                              "pip install 'stoker[gpu]' (nvCOMP for CUDA 12; 'stoker[gpu-cu13]' for a CUDA 13 "
+                              "torch), or use decode_on='cpu'", knob="decode_on")
     return "gpu"
 
 

@@ -17,7 +17,8 @@ nvCOMP trusts its input. The host parse has already checked every offset and siz
 frames and the chunks (a stream can only read its own bytes and write its own output range);
 damage inside a stream is reported by nvCOMP or by the decoded sizes checked after the decode.
 
-nvCOMP (``pip install stoker[gpu]``, the ``nvidia-nvcomp-cu12`` package, its 6.x Python API) is
+nvCOMP (``pip install 'stoker[gpu]'``, the ``nvidia-nvcomp-cu12`` package, or ``'stoker[gpu-cu13]'`` with a CUDA 13
+torch build; its 6.x Python API) is
 imported on first use. Nothing here runs without a CUDA device; ``tests/gpu/test_gpu_nvcomp.py``
 checks it against numcodecs on one.
 """
@@ -58,7 +59,8 @@ def _nvcomp() -> Any:
     try:
         from nvidia import nvcomp
     except ImportError as exc:
-        raise InvalidArgument(f"decoding on the GPU needs NVIDIA nvCOMP ({exc}): pip install 'stoker[gpu]'",
+        raise InvalidArgument(f"decoding on the GPU needs NVIDIA nvCOMP ({exc}): pip install 'stoker[gpu]' "
+                              "(CUDA 12) or 'stoker[gpu-cu13]' (a CUDA 13 torch build)",
                               knob="decode_on") from None
     return nvcomp
 
