@@ -1159,3 +1159,52 @@ def test_a_fetch_the_engine_refuses_fails_its_batch_with_that_error(tmp_path, mo
         p.push([stoker.Sample(str(tmp_path / "a.zip/a.zarr"), [(0, 8), (0, 64)])])
         with pytest.raises(MemoryError, match="no memory for the tables"):
             p.pop()
+
+
+def test_a_fetch_handed_over_while_the_pipeline_closes_is_ended_not_left(tmp_path, monkeypatch):
+    # A finished fetch submitted to the engine just as the pipeline closed was queued for a finisher that had
+    # already left: its batch never ended and its reservation of the budget was never given back.
+    from stoker.engine import native
+
+    if native.Engine is None:
+        pytest.skip("the compiled engine is not built")
+    root = str(tmp_path / "src")
+    z = zarr.create_array(os.path.join(root, "a.zarr"), shape=(8, 64), chunks=(8, 8), dtype="uint16",
+                          compressors=ZstdCodec(level=1))
+    z[...] = np.arange(512, dtype="uint16").reshape(8, 64)
+    write_zip(str(tmp_path / "a.zip"), read_tree(root))
+    jobs = []
+    fetched = NativeDecoder._fetched
+
+    class ClosingEngine:  # the compiled engine, but the pipeline closes right after a submission
+        def __init__(self, decoder, engine):
+            self.decoder, self.engine = decoder, engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def submit(self, *args):
+            bjob = self.engine.submit(*args)
+            self.decoder.shutdown()  # between the engine's submission and the hand-over to the finisher
+            return bjob
+
+    def closing_meanwhile(self, job, *args, **kwargs):
+        if not isinstance(self.engine, ClosingEngine):
+            self.engine = ClosingEngine(self, self.engine)
+        jobs.append(job)
+        return fetched(self, job, *args, **kwargs)
+
+    monkeypatch.setattr(NativeDecoder, "_fetched", closing_meanwhile)
+    cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=2, pop_timeout_s=20)
+    p = stoker.Pipeline(cfg)
+    try:
+        p.push([stoker.Sample(str(tmp_path / "a.zip/a.zarr"), [(0, 8), (0, 64)])])
+        deadline = time.monotonic() + 10
+        while not jobs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert jobs and jobs[0].done.wait(5), "the batch never ended"
+        assert isinstance(jobs[0].error, ShutdownError)
+        budget = p._coordinator.executor.decoders.python.budget
+        assert budget.reserved == 0
+    finally:
+        p.close()

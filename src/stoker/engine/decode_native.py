@@ -180,6 +180,12 @@ class NativeDecoder:
         self.engine.close(0.25)
         if self._thread is not threading.current_thread():
             self._thread.join(0.25)  # it leaves as soon as the engine's jobs are cancelled
+        with self._cond:  # what the finisher left: its batches fail, their fetches' reservations go back
+            left, self._pending = self._pending, []
+        for job, _, eids, fetched in left:
+            if fetched:
+                fetched[1].done()
+            job.finish(len(eids), ShutdownError("the pipeline was closed while this batch was being made"))
 
     # -- submission ------------------------------------------------------------------------------
 
@@ -356,8 +362,14 @@ class NativeDecoder:
             return
         job.on_cancel(bjob.cancel)
         with self._cond:
-            self._pending.append((job, bjob, ids, (buffers, res)))
-            self._cond.notify_all()
+            if not self._closing:
+                self._pending.append((job, bjob, ids, (buffers, res)))
+                self._cond.notify_all()
+                return
+        # closed between the submission and here: the finisher may be gone, so nobody else would end it
+        bjob.cancel()
+        res.done()
+        job.finish(len(ids), ShutdownError("the pipeline was closed while this batch was being made"))
 
     def _to_python(self, job: Job, ids: np.ndarray, stored: np.ndarray) -> None:
         """Chunks the engine does not take: fills on their own, whole chunk files one read each, inner chunks
