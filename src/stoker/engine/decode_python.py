@@ -123,10 +123,12 @@ class PythonDecoder:
         return self._closing
 
     def shutdown(self) -> None:
-        """Cancel queued work; running tasks stop at their next check."""
+        """Cancel queued work; running tasks stop at their next check. Queued tasks still run, and end at once
+        (every one checks ``_closing`` first) finishing their chunks with a ShutdownError and giving their
+        reservations back: dropped, a fetch handed over just before, say, left its batch unfinished."""
         self._closing = True
-        self._io.shutdown()
-        self._compute.shutdown()
+        self._io.shutdown(drain=True)
+        self._compute.shutdown(drain=True)
 
     # -- submission -------------------------------------------------------------------------
 

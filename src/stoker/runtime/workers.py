@@ -36,10 +36,11 @@ class _State:
         self.closed = False
         self.idle = 0
 
-    def close(self) -> None:
+    def close(self, drain: bool = False) -> None:
         with self.cv:
             self.closed = True
-            self.tasks.clear()
+            if not drain:
+                self.tasks.clear()
             self.cv.notify_all()
 
 
@@ -80,9 +81,11 @@ class DaemonPool:
                     state.tasks.remove((fn, args))
                 raise
 
-    def shutdown(self) -> None:
-        """Drop queued tasks and stop idle threads, without waiting; running tasks finish on their own."""
-        self._state.close()
+    def shutdown(self, drain: bool = False) -> None:
+        """Refuse new tasks and stop the threads, without waiting; running tasks finish on their own. Queued
+        tasks are dropped, or with ``drain`` run first (by whichever threads are free): for tasks that end
+        at once once their owner is closing, and must still run to account for their work."""
+        self._state.close(drain)
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -98,7 +101,7 @@ def _work(state: _State) -> None:
                 state.idle += 1
                 state.cv.wait()
                 state.idle -= 1
-            if state.closed:
+            if not state.tasks:  # closed, and nothing left to drain
                 return
             fn, args = state.tasks.popleft()
         try:
