@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.timeout(120)]
 
 @pytest.fixture
 def decoder():
-    pytest.importorskip("nvidia.nvcomp", reason="nvCOMP is not installed (pip install 'stoker[gpu]')")
+    pytest.importorskip("nvidia.libnvcomp", reason="nvCOMP is not installed (pip install 'stoker[gpu]')")
     from stoker.gpu.nvcomp import DeviceDecoder
 
     return DeviceDecoder(torch.cuda.current_device())
@@ -102,7 +102,7 @@ def test_a_damaged_stream_is_a_frame_error_on_the_device_too(decoder):
 def test_a_pipeline_decoding_on_the_gpu_gives_the_cpu_decode_s_batches(tmp_path, dtype):
     """End to end: Config(decode_on="gpu") against decode_on="cpu" on the same CUDA device, bit for bit, and
     what crossed PCIe is the encoded bytes read (zstd and blosc arrays, missing chunks, partial edge chunks)."""
-    pytest.importorskip("nvidia.nvcomp", reason="nvCOMP is not installed (pip install 'stoker[gpu]')")
+    pytest.importorskip("nvidia.libnvcomp", reason="nvCOMP is not installed (pip install 'stoker[gpu]')")
     import stoker
     from zarr.codecs import BloscCodec, ZstdCodec
     from test_gpu_executor import _samples, _same, _write

@@ -75,6 +75,8 @@ __all__ = ["GROUP_BYTES", "GpuDecodeExecutor", "device_casts"]
 
 #: decoded bytes of one group at most (more only for a single larger chunk)
 GROUP_BYTES = 64 << 20
+#: threads that read a group's chunks into the staging (at most; no more than the compute threads)
+READ_THREADS = 4
 _HALF = (torch.bfloat16, torch.float16)
 _COUNTS = ("bytes_read", "bytes_decoded", "chunks_decoded", "bytes_to_device")
 
@@ -108,10 +110,13 @@ class GpuDecodeExecutor:
         self._work: torch.Tensor | None = None
         self._data: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
+        self._temp: torch.Tensor | None = None
         self._enc_cap = self._dec_cap = self._transient = 0
         self._sources: dict[tuple, tuple[Any, Source]] = {}
         self._notices = gpu_fallback.Notices()
-        self._stager = Stager(store, stats)
+        # the chunks are read on a few of the compute threads: more contend for the GIL with the submitter
+        # (H200, scenario 8: 16 threads gave 831 samples/s where one gave 1,256)
+        self._stager = Stager(store, stats, min(cfg.compute_threads, READ_THREADS))
         self._queue: queue.Queue = queue.Queue()  # batches submitted, for the reader
         self._staged: queue.Queue = queue.Queue(maxsize=2)  # staged groups, for the submitter
         self._closing = False
@@ -147,17 +152,18 @@ class GpuDecodeExecutor:
         host bytes fit host_buffer_bytes (the staging and scratch are checked in :meth:`prepare`)."""
         self._check(shape, dtype, 0, 0, transient)
 
-    def _check(self, shape: tuple[int, ...], dtype: torch.dtype, enc_cap: int, dec_cap: int, transient: int) -> None:
+    def _check(self, shape: tuple[int, ...], dtype: torch.dtype, enc_cap: int, dec_cap: int, transient: int,
+               temp: int = 0) -> None:
         cfg = self.cfg
         slot_bytes, slots = self._device_need(shape, dtype)
-        device_need = slots + enc_cap + 2 * dec_cap
+        device_need = slots + enc_cap + 2 * dec_cap + temp
         if device_need > cfg.device_buffer_bytes:
             raise BudgetExceeded(
                 f"Config.device_buffer_bytes={cfg.device_buffer_bytes:,} cannot hold this pipeline on {self.device} "
                 f"with decode_on='gpu': {self.n_slots} batch slots (lookahead_batches + 1) x {slot_bytes:,} B"
                 f"{' plus the float32 work buffer for the transform' if slots > self.n_slots * slot_bytes else ''}, "
-                f"plus {enc_cap + 2 * dec_cap:,} B of decode scratch for one chunk (its stored bytes, and twice its "
-                f"decoded bytes); needs {device_need:,} B. Raise device_buffer_bytes, or lower batch_size, "
+                f"plus {enc_cap + 2 * dec_cap + temp:,} B of decode scratch for one chunk (its stored bytes, twice its "
+                f"decoded bytes and nvCOMP's {temp:,} B); needs {device_need:,} B. Raise device_buffer_bytes, or lower batch_size, "
                 "lookahead_batches or the sample shape.",
                 knob="device_buffer_bytes", needed=device_need)
         host_need = self._host_need(enc_cap) + transient
@@ -180,29 +186,35 @@ class GpuDecodeExecutor:
         # the CPU decode of one chunk: its stored bytes, what the codec returns, the cast chunk
         transient = max(r.metadata.codec.max_stored_nbytes + r.metadata.codec.nbytes + s.nbytes
                         for r, s in zip(readers, sources))
-        self._check(sample_shape, dtype, enc, dec, transient)  # one chunk per group at least
-        _, slots = self._device_need(sample_shape, dtype)
-        k = max(1, GROUP_BYTES // max(dec, 1))
-        while k > 1 and (slots + k * (enc + 2 * dec) > self.cfg.device_buffer_bytes
-                         or self._host_need(k * enc) + transient > self.cfg.host_buffer_bytes):
-            k = max(1, k * 3 // 4)
-        self._enc_cap, self._dec_cap, self._transient = k * enc, k * dec, transient
-        batch_shape = (self.cfg.batch_size, *sample_shape)
-        with self._on_device():
-            self.stream = _stream_of(self.device)
-            with self._on_stream():  # allocated on the stream that writes them: reused in its order
-                self.slots = SlotRing(self.n_slots, batch_shape, dtype, device=self.device)
-                self._work = torch.empty(batch_shape, dtype=work, device=self.device) if work != dtype else None
-                self._data = torch.empty(self._enc_cap, dtype=torch.uint8, device=self.device)
-                self._scratch = torch.empty(self._dec_cap, dtype=torch.uint8, device=self.device)
-            self.host_slots = SlotRing(2, (self._enc_cap,), torch.uint8, pin=self._on_gpu)
         make = self._make_decoder
         if make is None:
             from ..gpu.nvcomp import DeviceDecoder
 
             def make(stream):
                 return DeviceDecoder(self.device, stream)
+        with self._on_device():
+            self.stream = _stream_of(self.device)
         self._decoder = make(self.stream)
+
+        def temp(k: int) -> int:  # nvCOMP's scratch for a group of k chunks, one stream each (more: in parts)
+            return self._decoder.temp_bytes(k, dec, k * dec)
+
+        self._check(sample_shape, dtype, enc, dec, transient, temp(1))  # one chunk per group at least
+        _, slots = self._device_need(sample_shape, dtype)
+        k = max(1, GROUP_BYTES // max(dec, 1))
+        while k > 1 and (slots + k * (enc + 2 * dec) + temp(k) > self.cfg.device_buffer_bytes
+                         or self._host_need(k * enc) + transient > self.cfg.host_buffer_bytes):
+            k = max(1, k * 3 // 4)
+        self._enc_cap, self._dec_cap, self._transient = k * enc, k * dec, transient
+        batch_shape = (self.cfg.batch_size, *sample_shape)
+        with self._on_device():
+            with self._on_stream():  # allocated on the stream that writes them: reused in its order
+                self.slots = SlotRing(self.n_slots, batch_shape, dtype, device=self.device)
+                self._work = torch.empty(batch_shape, dtype=work, device=self.device) if work != dtype else None
+                self._data = torch.empty(self._enc_cap, dtype=torch.uint8, device=self.device)
+                self._scratch = torch.empty(self._dec_cap, dtype=torch.uint8, device=self.device)
+                self._temp = torch.empty(temp(k), dtype=torch.uint8, device=self.device)
+            self.host_slots = SlotRing(2, (self._enc_cap,), torch.uint8, pin=self._on_gpu)
         self._reader = threading.Thread(target=self._read_loop, name="stoker-gpu-read", daemon=True)
         self._thread = threading.Thread(target=self._run, name="stoker-gpu-decode", daemon=True)
         self._thread.start()
@@ -225,8 +237,8 @@ class GpuDecodeExecutor:
         """Device memory held: batch slots, the work buffer, the staging's copy and the decode scratch."""
         if self.slots is None:
             return 0
-        return self.slots.nbytes + sum(t.numel() * t.element_size() for t in (self._work, self._data, self._scratch)
-                                       if t is not None)
+        return self.slots.nbytes + sum(t.numel() * t.element_size()
+                                       for t in (self._work, self._data, self._scratch, self._temp) if t is not None)
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -280,12 +292,14 @@ class GpuDecodeExecutor:
 
     def shutdown(self) -> None:
         self._closing = True
+        self._stager.pool.closing = True
         self._queue.put(None)
 
     def close(self) -> None:
         """Wait (a second at most, for both threads) for the worker, then for the work queued on the stream,
         so no buffer is freed under it."""
         deadline = time.monotonic() + 1.0
+        self._stager.close()
         for thread in (self._reader, self._thread):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
@@ -533,7 +547,8 @@ class GpuDecodeExecutor:
         t0 = time.perf_counter()
         checks: list = []
         try:
-            self._decoder.decode_staged(staging.tensor, layout, data=self._data, out=self._scratch, deferred=checks)
+            self._decoder.decode_staged(staging.tensor, layout, data=self._data, out=self._scratch, deferred=checks,
+                                        temp=self._temp)
         except (frames.FrameError, frames.UnsupportedFrame) as exc:
             dev = held[how[held] != CPU]
             dev = dev if len(dev) else held

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..gpu.ops import upload
 from .gpu_sources import Source
 from .tables import TablePlan
 
@@ -67,15 +68,18 @@ def elements(src: np.ndarray | None, dst: np.ndarray, extent: np.ndarray, stride
     """The element indices of the copies ``(src, dst, extent, strides)``, expanded on ``device``: for each
     copy, every element of its box in C order, as an index into the scratch (None without ``src``) and into
     the flat batch."""
-    ext = torch.as_tensor(extent, device=device)
     counts_np = extent.prod(axis=1)  # 1 for 0-d copies (an empty product)
     total = int(counts_np.sum())  # known on the host: no wait for the device
-    counts = torch.as_tensor(counts_np, device=device)
-    copy = torch.repeat_interleave(torch.arange(len(extent), device=device), counts, output_size=total)
+    n, ndim = extent.shape
+    # one upload of every per-copy number (uploads from the host do not wait for the device: ops.upload)
+    rows = [counts_np, dst, *extent.T] + ([*strides.T, src] if src is not None else [])
+    on_device = upload(np.stack(rows).astype(np.int64, copy=False).reshape(len(rows), n), device)
+    counts, ext = on_device[0], on_device[2:2 + ndim].T
+    copy = torch.repeat_interleave(torch.arange(n, device=device), counts, output_size=total)
     k = torch.arange(total, device=device) - (torch.cumsum(counts, 0) - counts)[copy]
-    d = torch.as_tensor(dst, device=device)[copy]
-    s = torch.as_tensor(src, device=device)[copy] if src is not None else None
-    st = torch.as_tensor(strides, device=device) if strides is not None else None
+    d = on_device[1][copy]
+    s = on_device[-1][copy] if src is not None else None
+    st = on_device[2 + ndim:2 + 2 * ndim].T if src is not None else None
     for a in range(extent.shape[1] - 1, -1, -1):  # the element's index along each axis, innermost first
         size = ext[copy, a]
         idx = k % size

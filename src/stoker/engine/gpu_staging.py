@@ -17,12 +17,15 @@ the CPU's chunks.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import BudgetExceeded, DecodeError
+from ..errors import BudgetExceeded, DecodeError, ShutdownError
+from ..runtime.workers import DaemonPool
 from ..storage import FileChanged
 from ..storage.store import ByteRange, get_many
 from . import gpu_fallback
@@ -134,9 +137,13 @@ class Stager:
     ``store``: the pipeline's :class:`~stoker.storage.local.LocalStore`; ``stats``: its recorder.
     """
 
-    def __init__(self, store, stats) -> None:
+    def __init__(self, store, stats, threads: int = 1) -> None:
         self.store = store
         self.stats = stats
+        self.pool = ReadPool(threads)
+
+    def close(self) -> None:
+        self.pool.close()
 
     def file(self, plan: TablePlan, f: int, files: dict) -> tuple[str, tuple | None]:
         """``(path, identity or None)`` of file row ``f`` (its store key for an array in a store), once per
@@ -189,12 +196,18 @@ class Stager:
         again: list[Pending] = []
         t0 = time.perf_counter()
         got_total = 0
-        for r, (h, a, n) in enumerate(zip(heads.tolist(), read_at.tolist(), span.tolist())):
+        view = memoryview(buf)
+        run_file = plan.chunk_file[cids[heads]]
+        cuts = np.flatnonzero(np.diff(run_file)) + 1  # the runs of one file are adjacent (read order)
+        bounds = np.concatenate([[0], cuts, [len(heads)]]).tolist()
+        reads = [(*self.file(plan, int(run_file[lo]), files), start[lo:hi].tolist(),
+                  [view[a:a + n] for a, n in zip(read_at[lo:hi].tolist(), span[lo:hi].tolist())])
+                 for lo, hi in zip(bounds[:-1], bounds[1:])]
+        got_of = [g for (lo, hi), got in zip(zip(bounds[:-1], bounds[1:]), self.pool.map(self._read_file, reads))
+                  for g in (got if got is not None else [None] * (hi - lo))]
+        for r, (h, n, got) in enumerate(zip(heads.tolist(), span.tolist(), got_of)):
             cid = int(cids[h])
-            path, ident = self.file(plan, int(plan.chunk_file[cid]), files)
-            try:
-                got = self.store.read_range_into(path, int(start[r]), memoryview(buf)[a:a + n], ident)
-            except FileChanged:  # read again through the reader, which reads the shard's new index
+            if got is None:  # the shard changed: read again through the reader, which reads its new index
                 mine = read_of == r
                 keep &= ~mine
                 again += self._again(plan, sources, cids[mine], files, counts)
@@ -222,28 +235,60 @@ class Stager:
             items.append(Pending(cid, src.how, np.frombuffer(memoryview(data).cast("B"), np.uint8), src.nbytes))
         return items
 
+    def _read_file(self, read: tuple) -> list[int] | None:
+        """The runs of one shard file, each one positional read (None: the shard is not the one its index was
+        read from, or is gone)."""
+        path, ident, starts, views = read
+        try:
+            got = self.store.read_ranges_into(path, starts, views, ident)
+        except FileChanged:
+            return None
+        return got if got is not None else [0] * len(views)
+
+    def _open(self, path: str):
+        """The open file (None: no such file), or what opening it raised (so every opened one is closed)."""
+        try:
+            return self.store.open_file(path)
+        except Exception as exc:  # noqa: BLE001 - raised by _whole once the others are closed
+            return exc
+
     def _whole(self, plan, sources, cids, buf, group: Group, files, counts) -> list[int]:
-        """Whole chunk files: one open and read each."""
+        """Whole chunk files: opened on the read threads, placed end to end by their sizes, then read there."""
         fills, room = [], len(buf)
-        for cid in cids.tolist():
-            reader = plan.sources[int(plan.chunk_source[cid])]
-            t0 = time.perf_counter()
-            f = self.store.open_file(self.path(plan, cid, files))
-            if f is None:
-                fills.append(cid)
-                continue
-            with f:
+        t0 = time.perf_counter()
+        cids = cids.tolist()
+        opened = self.pool.map(self._open, [self.path(plan, cid, files) for cid in cids])
+        try:
+            failed = next((f for f in opened if isinstance(f, BaseException)), None)
+            if failed is not None:
+                raise failed
+            reads, placed = [], []
+            for cid, f in zip(cids, opened):
+                if f is None:
+                    fills.append(cid)
+                    continue
+                reader = plan.sources[int(plan.chunk_source[cid])]
                 reader.metadata.codec.check_stored_size(f.size, plan.key(cid))
                 _fit(reader, plan, cid, f.size, room - group.pos)
-                got = f.read_into(memoryview(buf)[group.pos:group.pos + f.size], 0)
-            if got != f.size:
+                reads.append((f, memoryview(buf)[group.pos:group.pos + f.size]))
+                placed.append((cid, group.pos, f.size))
+                group.pos += f.size
+            got_of = self.pool.map(lambda read: read[0].read_into(read[1], 0), reads)
+        finally:
+            for f in opened:
+                if f is not None and not isinstance(f, BaseException):
+                    f.close()
+        total = 0
+        for (cid, at, size), got in zip(placed, got_of):
+            if got != size:
+                reader = plan.sources[int(plan.chunk_source[cid])]
                 raise DecodeError(f"{reader.uri}: chunk {plan.key(cid)!r} changed while it was read",
                                   uri=reader.uri, key=plan.key(cid))
-            self._counted(t0, got, counts)
             src = sources[int(plan.chunk_source[cid])]
-            group.add(cid, src.how, group.pos, got, group.end)
-            group.pos += got
+            group.add(cid, src.how, at, size, group.end)
             group.end += src.nbytes
+            total += size
+        self._counted(t0, total, counts)
         return fills
 
     def _stores(self, plan, sources, cids, buf, group: Group, files, counts) -> list[int]:
@@ -288,6 +333,58 @@ class Stager:
     def _counted(self, t0: float, nbytes: int, counts: dict) -> None:
         self.stats.stage("io", time.perf_counter() - t0, bytes_out=nbytes)
         counts["bytes_read"] += nbytes
+
+
+class ReadPool:
+    """Runs a group's reads on ``threads`` threads, the caller's among them (each read releases the GIL).
+
+    >>> pool = ReadPool(4)
+    >>> pool.map(len, [b"ab", b"c"])
+    [2, 1]
+    >>> pool.close()
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._pool = DaemonPool(self.threads - 1, "stoker-gpu-read") if self.threads > 1 else None
+        self.closing = False
+
+    def map(self, fn: Callable[[Any], Any], items: list) -> list:
+        """``[fn(x) for x in items]``, in slices on the threads; the first exception raised is raised here.
+        Every wait is bounded: :class:`~stoker.errors.ShutdownError` once :meth:`close` was called."""
+        k = min(self.threads, len(items))
+        if self._pool is None or k < 2:
+            return [fn(x) for x in items]
+        cuts = np.linspace(0, len(items), k + 1).astype(np.int64).tolist()
+        results: list = [None] * k
+        errors: list = [None] * k
+        done = [threading.Event() for _ in range(k - 1)]
+
+        def run(j: int) -> None:
+            try:
+                results[j] = [fn(x) for x in items[cuts[j]:cuts[j + 1]]]
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller
+                errors[j] = exc
+            finally:
+                if j < k - 1:
+                    done[j].set()
+
+        for j in range(k - 1):
+            self._pool.submit(run, j)
+        run(k - 1)
+        for event in done:
+            while not event.wait(0.1):
+                if self.closing:
+                    raise ShutdownError("the pipeline was closed while chunks were being read")
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return [r for part in results for r in part]
+
+    def close(self) -> None:
+        self.closing = True
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 def _fit(reader, plan: TablePlan, cid: int, size: int, room: int) -> None:

@@ -6,20 +6,22 @@ For the chunks of a :class:`~stoker.gpu.frames.Layout` (:func:`~stoker.gpu.frame
 1. the stored chunks copied end to end into one pinned host buffer (or read there by the caller:
    :meth:`DeviceDecoder.decode_staged`), and that buffer copied to the device in one transfer (the
    encoded bytes are all that cross PCIe);
-2. per compressor, one batched nvCOMP decode (``BitstreamKind.RAW``: plain LZ4 blocks and zstd
+2. per compressor, one batched nvCOMP decode (:mod:`.capi`: its C API, plain LZ4 blocks and zstd
    frames, as c-blosc and numcodecs write them) of every stream, from its offset in the staged
    bytes straight to its offset in the output; nvCOMP's LZ4 and zstd decoders need no alignment
-   (1 byte, input and output), so the streams are decoded where the frames put them;
+   of their input or output (1 byte), so the streams are decoded where the frames put them. Each
+   decode writes every stream's status and decoded size on the device; their host copies are
+   checked later (``deferred``), so nothing here waits for the device;
 3. raw streams copied and blocks unshuffled by :mod:`stoker.gpu.ops`, the code the CPU reference
    (:mod:`stoker.gpu.reference`) runs and the tests hold to numcodecs.
 
 nvCOMP trusts its input. The host parse has already checked every offset and size against the
 frames and the chunks (a stream can only read its own bytes and write its own output range);
-damage inside a stream is reported by nvCOMP or by the decoded sizes checked after the decode.
+damage inside a stream is reported by nvCOMP's statuses or by the decoded sizes checked after the
+decode.
 
-nvCOMP (``pip install 'stoker[gpu]'``, the ``nvidia-nvcomp-cu12`` package, or ``'stoker[gpu-cu13]'`` with a CUDA 13
-torch build; its 6.x Python API) is
-imported on first use. Nothing here runs without a CUDA device; ``tests/gpu/test_gpu_nvcomp.py``
+nvCOMP 6 (``pip install 'stoker[gpu]'``: the ``nvidia-libnvcomp-cu12`` package; ``'stoker[gpu-cu13]'``
+with a CUDA 13 torch build) is loaded on first use. Nothing here runs without a CUDA device; ``tests/gpu/test_gpu_nvcomp.py``
 checks it against numcodecs on one.
 """
 
@@ -33,6 +35,7 @@ import torch
 
 from ..errors import InvalidArgument
 from . import ops
+from .capi import STATUS_NAMES, Batched, NvcompError
 from .frames import CODEC_NAMES, LZ4, ZSTD, FrameError, Layout, UnsupportedFrame, stage
 
 #: the largest stream sent to nvCOMP: its batched LZ4 and zstd kernels take chunks up to 16 MiB
@@ -42,9 +45,9 @@ _ALGORITHMS = {LZ4: "LZ4", ZSTD: "Zstd"}
 
 
 def available() -> bool:
-    """True when torch sees a CUDA device and nvCOMP's Python package is installed (not imported here)."""
+    """True when torch sees a CUDA device and nvCOMP's library package is installed (not loaded here)."""
     try:
-        found = importlib.util.find_spec("nvidia.nvcomp") is not None
+        found = importlib.util.find_spec("nvidia.libnvcomp") is not None
     except (ImportError, ValueError):
         found = False
     return found and torch.cuda.is_available()
@@ -55,21 +58,11 @@ def can_decode(layout: Layout) -> bool:
     return layout.supported and not np.any(~layout.raw & (layout.dsize > MAX_STREAM_BYTES))
 
 
-def _nvcomp() -> Any:
-    try:
-        from nvidia import nvcomp
-    except ImportError as exc:
-        raise InvalidArgument(f"decoding on the GPU needs NVIDIA nvCOMP ({exc}): pip install 'stoker[gpu]' "
-                              "(CUDA 12) or 'stoker[gpu-cu13]' (a CUDA 13 torch build)",
-                              knob="decode_on") from None
-    return nvcomp
-
-
 class DeviceDecoder:
     """Decodes batches of chunks on one CUDA device, in order on one CUDA stream.
 
-    One per thread: nvCOMP's codecs hold per-call state. The output of :meth:`decode` is ready
-    once :attr:`stream` has run the work queued so far (``torch.cuda.current_stream().wait_stream``).
+    One per thread (each holds its own queued work). The output of :meth:`decode` is ready once
+    :attr:`stream` has run the work queued so far (``torch.cuda.current_stream().wait_stream``).
     """
 
     #: streams that decode to more than this go to the CPU (:func:`can_decode`)
@@ -82,11 +75,12 @@ class DeviceDecoder:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
-        self._nv = _nvcomp()
-        kind = self._nv.BitstreamKind.RAW
-        self._codecs = {c: self._nv.Codec(algorithm=name, bitstream_kind=kind, device_id=self.device.index,
-                                          cuda_stream=self.stream.cuda_stream)
-                        for c, name in _ALGORITHMS.items()}
+        self._codecs = _batched()
+
+    def temp_bytes(self, n: int, max_bytes: int, total_bytes: int) -> int:
+        """Device scratch nvCOMP needs to decode ``n`` streams of at most ``max_bytes`` (``total_bytes`` in all)
+        with any of its codecs: what ``decode_staged``'s ``temp`` should hold."""
+        return max(c.temp_bytes(n, min(max_bytes, MAX_STREAM_BYTES), total_bytes) for c in self._codecs.values())
 
     def decode(self, frames: Sequence[Any], layout: Layout) -> torch.Tensor:
         """The decoded, unshuffled bytes (``layout.out_nbytes``, uint8 on the device) of ``frames``.
@@ -100,14 +94,18 @@ class DeviceDecoder:
         return self.decode_staged(staged, layout)
 
     def decode_staged(self, staged: torch.Tensor, layout: Layout, data: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None, deferred: list | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, deferred: list | None = None,
+                      temp: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`decode`, for chunks already in ``staged`` (pinned, uint8) where ``layout`` has them
         (:func:`~stoker.gpu.frames.parse_blosc_batch` parses them there). ``staged`` must not be
         written again before :attr:`stream` has run past this call (its copy to the device is
-        queued there; an event recorded on :attr:`stream` tells when). ``data`` and ``out``: device
-        buffers (flat uint8, at least ``layout.in_nbytes`` and ``layout.out_nbytes``) for the staged
-        copy and the decoded bytes, allocated here when not given; the result is ``out``'s first
-        ``layout.out_nbytes`` bytes."""
+        queued there; an event recorded on :attr:`stream` tells when). ``data``, ``out`` and ``temp``:
+        device buffers (flat uint8, at least ``layout.in_nbytes``, ``layout.out_nbytes`` and a
+        :meth:`temp_bytes`) for the staged copy, the decoded bytes and nvCOMP's scratch, allocated here
+        when not given (a ``temp`` too small for all streams at once decodes them in parts that fit);
+        the result is ``out``'s first ``layout.out_nbytes`` bytes. With ``deferred`` (a list), the
+        checks of the decoded sizes and statuses (each waits for its decode) are appended there
+        instead of run."""
         if not can_decode(layout):
             raise UnsupportedFrame(f"chunks {layout.unsupported_chunks().tolist()} hold streams that are neither lz4 "
                                    f"nor zstd, or streams over {MAX_STREAM_BYTES} bytes")
@@ -126,8 +124,8 @@ class DeviceDecoder:
             out = out[:layout.out_nbytes]
             for codec in _ALGORITHMS:
                 rows = np.flatnonzero(~layout.raw & (layout.codec == codec))
-                if len(rows):
-                    check = self._decompress(codec, data, out, layout, rows)
+                for part in self._parts(codec, layout, rows, temp):
+                    check = self._decompress(codec, data, out, layout, part, temp)
                     if deferred is None:
                         check()
                     else:
@@ -137,32 +135,60 @@ class DeviceDecoder:
             ops.unshuffle_(out, layout)
         return out
 
-    def _decompress(self, codec: int, data: torch.Tensor, out: torch.Tensor, layout: Layout, rows: np.ndarray):
-        """Queue one batched decode; returns the check of its decoded sizes (which waits for the decode)."""
-        nv, nvc, s = self._nv, self._codecs[codec], self.stream.cuda_stream
-        sizes = layout.dsize[rows].tolist()
-        srcs = nv.as_arrays(data, layout.src[rows].tolist(), layout.csize[rows].tolist(), cuda_stream=s)
-        dsts = nv.as_arrays(out, layout.dst[rows].tolist(), sizes, cuda_stream=s)
-        name = CODEC_NAMES[codec]
-        chunks = np.unique(layout.chunk[rows]).tolist()
-        try:
-            # no decompression config built from the sizes the frames state: with one, nvCOMP reports those
-            # sizes back whatever the streams decode to, and a damaged stream would pass unnoticed
-            got = nvc.decode(srcs, out=dsts)
-        except (RuntimeError, ValueError) as exc:
-            raise FrameError(f"nvCOMP could not decode {len(rows)} {name} streams of chunks {chunks}: {exc}") from None
+    def _parts(self, codec: int, layout: Layout, rows: np.ndarray, temp: torch.Tensor | None) -> list[np.ndarray]:
+        """``rows`` in consecutive parts whose decode fits ``temp`` (all of them at once without one)."""
+        if temp is None or not len(rows):
+            return [rows] if len(rows) else []
+        batched, room = self._codecs[codec], temp.numel()
+        sizes = layout.dsize[rows]
+        parts, lo = [], 0
+        while lo < len(rows):
+            hi = len(rows)
+            while hi - lo > 1 and batched.temp_bytes(hi - lo, int(sizes[lo:hi].max()), int(sizes[lo:hi].sum())) > room:
+                hi = lo + (hi - lo) // 2
+            parts.append(rows[lo:hi])
+            lo = hi
+        return parts
+
+    def _decompress(self, codec: int, data: torch.Tensor, out: torch.Tensor, layout: Layout, rows: np.ndarray,
+                    temp: torch.Tensor | None):
+        """Queue one batched decode of streams ``rows``; returns the check of their decoded sizes and statuses
+        (which waits for the decode)."""
+        batched, name = self._codecs[codec], CODEC_NAMES[codec]
         expected = layout.dsize[rows]
+        need = batched.temp_bytes(len(rows), int(expected.max()), int(expected.sum()))
+        if temp is None or temp.numel() < need:  # (a single stream over the given scratch: its own)
+            temp = torch.empty(need, dtype=torch.uint8, device=self.device)
+        try:
+            queued = batched.decompress(data.data_ptr() + layout.src[rows], layout.csize[rows],
+                                        out.data_ptr() + layout.dst[rows], expected, temp[:max(need, 1)],
+                                        self.stream)
+        except NvcompError as exc:
+            raise FrameError(f"nvCOMP could not decode {len(rows)} {name} streams of chunks "
+                             f"{np.unique(layout.chunk[rows]).tolist()}: {exc}") from None
         stream_chunks = layout.chunk[rows]
 
-        def check(held=(srcs, dsts)) -> None:  # holds nvCOMP's arrays of the decode until it is checked
-            try:
-                got_sizes = list(got.buffer_sizes)  # waits for the decode
-            except (RuntimeError, ValueError) as exc:
-                raise FrameError(f"nvCOMP could not decode {len(rows)} {name} streams of chunks {chunks}: "
-                                 f"{exc}") from None
-            bad = np.flatnonzero(np.asarray(got_sizes, dtype=np.int64) != expected)
+        def check() -> None:
+            queued.event.synchronize()
+            statuses = queued.statuses.numpy()
+            bad = np.flatnonzero(statuses != 0)
+            if len(bad):
+                code = int(statuses[bad[0]])
+                raise FrameError(f"chunk {int(stream_chunks[bad[0]])}: nvCOMP could not decode a {name} stream "
+                                 f"(status {code}: {STATUS_NAMES.get(code, 'unknown')})")
+            got = queued.sizes.numpy()
+            bad = np.flatnonzero(got != expected)
             if len(bad):
                 raise FrameError(f"chunk {int(stream_chunks[bad[0]])}: a {name} stream decoded to "
-                                 f"{got_sizes[bad[0]]} bytes, {int(expected[bad[0]])} expected")
+                                 f"{int(got[bad[0]])} bytes, {int(expected[bad[0]])} expected")
 
         return check
+
+
+def _batched() -> dict[int, Batched]:
+    try:
+        return {c: Batched(name) for c, name in _ALGORITHMS.items()}
+    except (ImportError, OSError) as exc:
+        raise InvalidArgument(f"decoding on the GPU needs NVIDIA nvCOMP ({exc}): pip install 'stoker[gpu]' "
+                              "(CUDA 12) or 'stoker[gpu-cu13]' (a CUDA 13 torch build)",
+                              knob="decode_on") from None

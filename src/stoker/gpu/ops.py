@@ -5,7 +5,8 @@
 - :func:`unshuffle_`: every block a :class:`~stoker.gpu.frames.Layout` lists, in place in a flat
   byte buffer, one :func:`unshuffle` per kind of block (shuffle, item size, block size);
 - :func:`copy_segments_`: many byte ranges from one buffer to another (raw streams), one gather and
-  one scatter per distinct length.
+  one scatter per distinct length;
+- :func:`upload`: host index arrays to the device without waiting for it.
 
 Blocks are gathered as rows of ``buf.unfold(0, size, 1)`` (a view of every ``size``-byte window)
 and written back through the same view: the index tensors hold one entry per block, not per byte.
@@ -88,7 +89,7 @@ def unshuffle_(buf: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Unshuffle in place every block of ``layout`` in ``buf`` (flat uint8, ``layout.out_nbytes`` long)."""
     check_flat(buf, layout.out_nbytes, "unshuffle_")
     for (size, typesize, shuffle), rows in _groups(layout.block_size, layout.block_typesize, layout.block_shuffle):
-        starts = torch.as_tensor(layout.block_dst[rows], device=buf.device)
+        starts = upload(layout.block_dst[rows], buf.device)
         windows = buf.unfold(0, size, 1)
         windows.index_copy_(0, starts, unshuffle(windows.index_select(0, starts), typesize, shuffle))
     return buf
@@ -100,10 +101,19 @@ def copy_segments_(src: torch.Tensor, src_off: np.ndarray, dst: torch.Tensor, ds
     for (size,), rows in _groups(np.asarray(sizes)):
         if not size:
             continue
-        take = torch.as_tensor(np.asarray(src_off)[rows], device=src.device)
-        put = torch.as_tensor(np.asarray(dst_off)[rows], device=dst.device)
+        take = upload(np.asarray(src_off)[rows], src.device)
+        put = upload(np.asarray(dst_off)[rows], dst.device)
         dst.unfold(0, size, 1).index_copy_(0, put, src.unfold(0, size, 1).index_select(0, take).to(dst.device))
     return dst
+
+
+def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``. To a GPU it goes through pinned memory, queued on the current
+    stream: a copy from pageable memory would wait for everything queued there first (the decode)."""
+    host = torch.from_numpy(np.ascontiguousarray(values))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def check_flat(buf: torch.Tensor, nbytes: int, what: str) -> None:

@@ -106,8 +106,13 @@ class HostDecoder:
     def __init__(self, max_stream_bytes: int = 1 << 24) -> None:
         self.max_stream_bytes = max_stream_bytes
 
+    def temp_bytes(self, n: int, max_bytes: int, total_bytes: int) -> int:
+        """No scratch: the CPU decodes each stream into its place."""
+        return 0
+
     def decode_staged(self, staged: torch.Tensor, layout: Layout, data: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None, deferred: list | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, deferred: list | None = None,
+                      temp: torch.Tensor | None = None) -> torch.Tensor:
         """The decoded bytes of the chunks in ``staged`` (``data`` is not needed: the input is read where it is).
         With ``deferred`` (a list), a stream that fails is reported by a check appended there, as the device
         reports the decoded sizes (the worst case: a whole group's failure found late)."""

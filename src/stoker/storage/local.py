@@ -312,6 +312,18 @@ class LocalStore:
             self._check_after(handle, path, expected)
             return got
 
+    def read_ranges_into(self, path: str, offsets: list[int], views: list[memoryview],
+                         expected: Identity | None = None) -> list[int] | None:
+        """:meth:`read_range_into` for several ranges of one file, its identity checked once before and once
+        after them all; the bytes read into each view, or ``None`` when the file is missing."""
+        with self._open(path) as handle:
+            if handle is None:
+                return None
+            self._check(handle, path, expected)
+            got = [self._preadv_into(handle.fd, path, view, offset) for offset, view in zip(offsets, views)]
+            self._check_after(handle, path, expected)
+            return got
+
     def read_current(self, path: str, where: Callable[[int], tuple[int, int]],
                      attempts: int = 3) -> tuple[bytes, Identity] | None:
         """The bytes at ``where(size)`` (an ``(offset, length)``) of the file now at ``path``, with the
