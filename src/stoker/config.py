@@ -98,8 +98,10 @@ class Config:
       to the GPU encoded, and NVIDIA nvCOMP decodes them there (zstd chunks, blosc frames of lz4 or
       zstd; other chunks are decoded on the CPU, with a one-time warning naming the array); it needs a
       CUDA ``device`` and nvCOMP (``pip install 'stoker[gpu]'``), else ``InvalidArgument`` at
-      ``Pipeline(cfg)``. ``"auto"`` and ``"cpu"`` decode on the CPU (``"auto"`` will pick the GPU
-      where it has been measured to pay). See docs/architecture.md, "Decoding on the GPU".
+      ``Pipeline(cfg)``. ``"cpu"`` decodes on the CPU. ``"auto"`` decodes on the GPU where that was
+      measured to pay: a CUDA ``device``, nvCOMP installed, and at most 2 compute threads (with more
+      cores the CPU decode was faster, on an H200); else on the CPU. See docs/architecture.md,
+      "Decoding on the GPU".
     - ``transform``: ``None``, a callable ``batch -> batch`` or a list of them (run in order), applied to
       every batch on its device after the cast, before the consumer sees it; built-ins in
       :mod:`stoker.transforms` (``Normalize``, ``FillNaN``). See that module for where it runs and what it costs.

@@ -32,7 +32,8 @@ def volume(tmp_path_factory):
 
 def _cfg(device, **kw):
     base = dict(batch_size=4, dtype="f32", host_buffer_bytes=64 << 20, device_buffer_bytes=64 << 20,
-                n_io_threads=2, n_compute_threads=2, pop_timeout_s=30.0, device=device)
+                n_io_threads=2, n_compute_threads=2, pop_timeout_s=30.0, device=device,
+                decode_on="cpu")  # this file is the CPU-decode CUDA path ("auto" on 2 threads: the GPU decode)
     base.update(kw)
     return stoker.Config(**base)
 

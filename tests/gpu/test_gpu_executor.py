@@ -95,8 +95,9 @@ def _samples(uri, shape, crop, n, seed):
 
 
 def _run(samples, **kw):
-    cfg = stoker.Config(batch_size=4, device="cpu", n_compute_threads=1, n_io_threads=1,
-                        host_buffer_bytes=64 << 20, device_buffer_bytes=64 << 20, drop_last=False, **kw)
+    base = dict(batch_size=4, device="cpu", n_compute_threads=1, n_io_threads=1, host_buffer_bytes=64 << 20,
+                device_buffer_bytes=64 << 20, drop_last=False)
+    cfg = stoker.Config(**{**base, **kw})
     with stoker.Pipeline(cfg) as p:
         p.push(samples)
         out = [torch.from_dlpack(b).clone() for b in p]
@@ -235,7 +236,8 @@ def test_a_corrupt_chunk_fails_its_batch_with_the_cpu_path_s_error(tmp_path, gpu
     assert str(tmp_path / "a.zarr") in str(gpu) and "c/1/0/1" in str(gpu)
 
 
-def test_sharded_arrays_and_samples_of_several_arrays(tmp_path, gpu_decode):
+@pytest.mark.parametrize("threads", [1, 4])  # 4: each group's reads spread over the read threads
+def test_sharded_arrays_and_samples_of_several_arrays(tmp_path, gpu_decode, threads):
     z, data = _write(tmp_path / "s.zarr", (32, 32, 32), (8, 8, 8), "uint16",
                      BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle"), shards=(16, 16, 32), skip=8)
     z2, data2 = _write(tmp_path / "t.zarr", (32, 32, 32), (16, 16, 16), "uint16", ZstdCodec(level=1), seed=5)
@@ -245,7 +247,8 @@ def test_sharded_arrays_and_samples_of_several_arrays(tmp_path, gpu_decode):
         c = [int(v) for v in rng.integers(0, 32 - 10, 3)]
         box = [(a, a + 10) for a in c]
         samples.append(stoker.Sample([str(tmp_path / "s.zarr"), str(tmp_path / "t.zarr")], box))
-    got, stats = _run(samples)
+    got, stats = _run(samples, n_compute_threads=threads)
+    assert gpu_decode[0][-1]._stager.pool.threads == threads
     for row, s in zip(torch.cat(got), samples):
         sel = tuple(slice(a, b) for a, b in s.aabb)
         assert torch.equal(row, torch.from_numpy(np.stack([data[sel], data2[sel]]).astype(np.float32)))
@@ -297,7 +300,13 @@ def test_decode_on_gpu_needs_a_cuda_device_and_nvcomp():
     with pytest.raises(InvalidArgument, match=r"pip install 'stoker\[gpu\]'"):
         executors.decode_on("gpu", cuda, lambda: False)
     assert executors.decode_on("gpu", cuda, lambda: True) == "gpu"
-    assert executors.decode_on("auto", cuda, lambda: True) == "cpu"  # not measured yet: the CPU decode
+    # "auto": the GPU where it was measured to pay (a CUDA device, nvCOMP, few compute threads)
+    assert executors.decode_on("auto", cuda, lambda: True, compute_threads=2) == "gpu"
+    assert executors.decode_on("auto", cuda, lambda: True, compute_threads=1) == "gpu"
+    assert executors.decode_on("auto", cuda, lambda: True, compute_threads=3) == "cpu"
+    assert executors.decode_on("auto", cuda, lambda: False, compute_threads=1) == "cpu"  # no nvCOMP: no error
+    assert executors.decode_on("auto", torch.device("cpu"), lambda: True, compute_threads=1) == "cpu"
+    assert executors.decode_on("cpu", cuda, lambda: True, compute_threads=1) == "cpu"
 
 
 def _many_inner_chunks(root):

@@ -155,11 +155,21 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-def decode_on(requested: str, device: torch.device, nvcomp_available: Callable[[], bool]) -> str:
+#: "auto" decodes on the GPU up to this many compute threads: on an H200 the GPU decode (1.6-1.9 cores busy)
+#: gave 1.07-2.37x the CPU decode on 2 threads but 0.26-0.34x on 16 (scenarios 1, 3, 7, 8; docs/performance.md)
+AUTO_GPU_MAX_THREADS = 2
+
+
+def decode_on(requested: str, device: torch.device, nvcomp_available: Callable[[], bool],
+              compute_threads: int = AUTO_GPU_MAX_THREADS + 1) -> str:
     """Where a pipeline on ``device`` decodes its chunks for ``Config.decode_on=requested``: "cpu" or "gpu".
 
-    "auto" is the CPU decode for now (where the GPU decode pays has not been measured); "gpu" needs a CUDA
-    device and NVIDIA nvCOMP (InvalidArgument saying which is missing)."""
+    "auto" is the GPU decode on a CUDA device with nvCOMP installed and at most
+    :data:`AUTO_GPU_MAX_THREADS` ``compute_threads``, else the CPU's; "gpu" needs a CUDA device and NVIDIA
+    nvCOMP (InvalidArgument saying which is missing)."""
+    if requested == "auto":
+        pays = device.type == "cuda" and compute_threads <= AUTO_GPU_MAX_THREADS and nvcomp_available()
+        return "gpu" if pays else "cpu"
     if requested != "gpu":
         return "cpu"
     if device.type != "cuda":
@@ -167,7 +177,7 @@ def decode_on(requested: str, device: torch.device, nvcomp_available: Callable[[
                               f"{device}: set Config.device to a GPU (device=local_rank after "
                               "torch.cuda.set_device(local_rank)), or use decode_on='cpu'", knob="decode_on")
     if not nvcomp_available():
-        raise InvalidArgument("Config.decode_on='gpu' needs NVIDIA nvCOMP's Python package, which is not installed: "
+        raise InvalidArgument("Config.decode_on='gpu' needs NVIDIA nvCOMP's library package, which is not installed: "
                               "pip install 'stoker[gpu]' (nvCOMP for CUDA 12; 'stoker[gpu-cu13]' for a CUDA 13 "
                               "torch), or use decode_on='cpu'", knob="decode_on")
     return "gpu"
@@ -178,7 +188,7 @@ def make_executor(cfg: Any, device: torch.device, stats: Any, store: Any) -> Exe
     device), CUDA's (pinned staging, copy and cast on the GPU) or the CPU's."""
     from ..gpu import nvcomp
 
-    if decode_on(cfg.decode_on, device, nvcomp.available) == "gpu":
+    if decode_on(cfg.decode_on, device, nvcomp.available, cfg.compute_threads) == "gpu":
         from .gpu_decode import GpuDecodeExecutor
 
         return GpuDecodeExecutor(cfg, device, stats, store)
