@@ -242,6 +242,29 @@ def test_gpu_bench_says_which_way_delivery_went(monkeypatch, cpu_samples, gpu_ra
     assert verdict in report and "bytes over PCIe per batch 2,048" in report
 
 
+def test_gpu_bench_sets_gpu_decode_beside_the_cpu_decode_path(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from stoker.bench.device import format_device_results
+    from stoker.bench.runner import Result, scenarios
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    cuda = SimpleNamespace(stages={}, samples=8, bytes_to_device=8192, bytes_read=4096, batches_emitted=2)
+    gpu = SimpleNamespace(stages={}, samples=8, bytes_to_device=4096, bytes_read=4096, batches_emitted=2)
+    results = [Result("stoker cpu", 1.0, 400, 0, 0, {"cores": 1.9}),
+               Result("stoker cuda", 1.0, 500, 0, 0, {"stats": cuda, "pinned_bytes": 0, "cores": 1.8}),
+               Result("tensorstore+pin", 1.0, 300, 0, 0, {}),
+               Result("stoker gpu-decode", 1.0, 1250, 0, 0, {"stats": gpu, "pinned_bytes": 0, "cores": 0.75})]
+    report = format_device_results(scenarios(tiny=True)[0], results, 3)
+    assert "GPU decode: 2.50x the CPU-decode path with 0.75 CPU cores busy" in report
+    assert "stoker gpu-decode: bytes over PCIe per batch 2,048 (encoded bytes read per batch 2,048)" in report
+    assert "stoker cuda: bytes over PCIe per batch 4,096" in report
+    row = next(line for line in report.splitlines() if line.startswith("tensorstore+pin"))
+    assert row.split()[-2:] == ["1.67x", "4.17x"]  # cuda x, gpu-decode x
+
+
 def test_gpu_bench_times_the_cpu_path_without_a_cpu_reduction(monkeypatch):
     # the CPU peer of `bench --device cuda` used to sum every bf16 batch on the CPU, which cost more than
     # the pipeline itself and flattered the GPU path
@@ -250,8 +273,9 @@ def test_gpu_bench_times_the_cpu_path_without_a_cpu_reduction(monkeypatch):
 
     seen = {}
 
-    def fake_time_pipeline(p, samples, batch_size, consume=lambda x: None, sync=lambda: None):
+    def fake_time_pipeline(p, samples, batch_size, consume=lambda x: None, sync=lambda: None, clock=None):
         seen["consume"] = consume
+        clock["cpu"] = 0.5
         return 1, 1.0, 0.0
 
     class NoSum:

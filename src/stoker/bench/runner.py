@@ -200,7 +200,7 @@ def _slices(s: Sample) -> tuple[slice, ...]:
 
 
 def time_pipeline(p: Pipeline, samples: list[Sample], batch_size: int, consume=lambda x: None,
-                  sync=lambda: None) -> tuple[int, float, float]:
+                  sync=lambda: None, clock: dict | None = None) -> tuple[int, float, float]:
     """``(timed batches, seconds, first-batch seconds)`` for a pipeline over ``samples``.
 
     Warm-up: the first batch (its latency is the first-batch time), then its crops again until every
@@ -209,7 +209,8 @@ def time_pipeline(p: Pipeline, samples: list[Sample], batch_size: int, consume=l
     its 30-batch window a third of its rate) is not the steady state. The timed samples are pushed only
     when the clock starts, as tensorstore issues its first timed read only after its warm-up: no peer
     has work done before its clock starts. ``consume(x)`` runs on every timed batch; ``sync`` before the
-    clock starts and before it stops.
+    clock starts and before it stops. ``clock`` (a dict) gets ``"cpu"``: the process's CPU seconds in the
+    timed window (every thread of it, the pipeline's and the consumer's).
     """
     n = len(samples) // batch_size - 1
     t_push = time.perf_counter()
@@ -223,12 +224,14 @@ def time_pipeline(p: Pipeline, samples: list[Sample], batch_size: int, consume=l
             torch.from_dlpack(b)
     p.stats_reset()
     sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     p.push(samples[batch_size: (n + 1) * batch_size])
     for _ in range(n):
         with p.pop() as b:
             consume(torch.from_dlpack(b))
     sync()
+    if clock is not None:
+        clock["cpu"] = time.process_time() - c0
     return n, time.perf_counter() - t0, first
 
 
