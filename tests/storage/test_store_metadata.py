@@ -94,6 +94,13 @@ def test_a_failed_load_is_seen_by_all_waiters_and_not_kept(consolidated):
     results, errors = _open_all(hierarchy)
     assert gated.arrived == 1
     assert all(isinstance(e, StorageError) for e in errors), errors
+    assert len({id(e) for e in errors}) == THREADS  # each thread its own error (tracebacks are per raise)
+    loader = [i for i, e in enumerate(errors) if e is gated.fail]
+    assert len(loader) == 1  # the thread that read raised the store's error as it came
+    for i, e in enumerate(errors):  # the waiters: naming the array each opened, the store's error inside
+        if i != loader[0]:
+            assert str(e).startswith(f"memory://g.zarr/a{i}: ") and e.uri == f"memory://g.zarr/a{i}", str(e)
+            assert "read failed (injected)" in str(e) and e.__cause__ is gated.fail and e.key == document
     gated.fail = None  # the failure was not kept as "no consolidated metadata": asked again, found
     found = hierarchy.consolidated("g.zarr/a3", "memory://g.zarr/a3")
     assert found is not None and found[0] == fmt and gated.arrived == 2

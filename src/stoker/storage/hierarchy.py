@@ -10,7 +10,8 @@ or only their own document (not consolidated).
 
 A group's documents are loaded once however many threads ask at once (single flight): the first asks
 the store, the others wait for its answer (at most :data:`LOAD_WAIT_S`); a failure is raised in all of
-them and not kept, so the next open asks again.
+them (in each a new error of the same type naming its own array, the loader's as its cause) and not kept,
+so the next open asks again.
 
 Ancestors' documents are optional: a key the store refuses to read (HTTP 403, what S3 answers for a
 missing key without ``s3:ListBucket`` permission) is read as absent. Of an array's own documents
@@ -25,7 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 
-from ..errors import MetadataError, NotFound, StorageError
+from ..errors import MetadataError, NotFound, StokerError, StorageError
 from .store import Store, denied
 
 #: Ancestors looked at for consolidated metadata, nearest first.
@@ -158,6 +159,9 @@ class Hierarchy:
             except concurrent.futures.TimeoutError:
                 raise StorageError(f"{uri}: the metadata of group {group or '/'!r} was not read in {LOAD_WAIT_S:.0f} s "
                                    "by the thread reading it", uri=uri, key=group) from None
+            except StokerError as exc:  # the loader's error names the array it opened: this one names ours
+                raise type(exc)(f"{uri}: reading the metadata of group {group or '/'!r} (for another open at "
+                                f"once) failed: {exc.message}", **{**exc.context, "uri": uri}) from exc
         try:
             found = self._load(group, uri)
         except BaseException as exc:
