@@ -1004,24 +1004,35 @@ def test_a_damaged_shard_index_fails_its_first_chunk_and_costs_the_others_nothin
     raw[-5] ^= 0xFF  # its index fails its checksum
     open(os.path.join(shards, "1", "2"), "wb").write(bytes(raw))
     open(os.path.join(shards, "2", "1"), "wb").write(b"short")  # shorter than its index
+    open(os.path.join(shards, "0", "3"), "wb").write(b"")  # empty (a server answers 416 to its index range)
     # what reading each index alone raises (the reads one at a time of before): the same error, typed
     alone = many.open(kind, "many.zarr")
+    local = many.local("many.zarr")
     errors = {}
-    for key in ("c/1/2", "c/2/1"):
+    for key in ("c/1/2", "c/2/1", "c/0/3"):
         with pytest.raises(stoker.StokerError) as info:
             alone.shard_entry(key)
         errors[key] = info.value
-    assert isinstance(errors["c/1/2"], stoker.DecodeError) and isinstance(errors["c/2/1"], StorageError)
-    good = [s for s in ALL_SHARDS if s not in ((1, 2), (2, 1))]
+        # corrupt data, as the local read says it: a DecodeError naming the shard, not a storage failure
+        assert type(info.value) is stoker.DecodeError and info.value.key == key, info.value
+        with pytest.raises(stoker.DecodeError) as here:
+            local.shard_entry(key)
+        if key != "c/1/2":  # (a checksum message names the sums, which the two reads see alike anyway)
+            assert str(info.value).replace(alone.uri, "") == str(here.value).replace(local.uri, "")
+    assert "is truncated: 5 bytes, but its index alone needs" in str(errors["c/2/1"])
+    assert "is truncated: 0 bytes" in str(errors["c/0/3"])
+    good = [s for s in ALL_SHARDS if s not in ((1, 2), (2, 1), (0, 3))]
     arr = many.open(kind, "many.zarr")
     for order, first in (([(1, 2), (2, 1)], "c/1/2"), ([(2, 1), (1, 2)], "c/2/1")):
         samples = _shard_samples(arr.uri, good[:5] + order[:1] + good[5:9] + order[1:] + good[9:])
         with pytest.raises(type(errors[first])) as info:
             plan(0, samples, lambda uri: arr)
         assert str(info.value) == str(errors[first])  # the first damaged shard in the batch's chunk order
+    samples = _shard_samples(arr.uri, good[:3] + [(0, 3)] + good[3:])
+    with pytest.raises(stoker.DecodeError, match="is truncated: 0 bytes"):  # read in the batch's one call too
+        plan(0, samples, lambda uri: many.open(kind, "many.zarr"))
     # nothing else lost: every good shard's index was read (together) and kept
     arr.kv.reset()
-    local = many.local("many.zarr")
     got = plan(1, _shard_samples(arr.uri, good), lambda uri: arr)
     assert arr.kv.counters.calls == 0
     assert _located(got) == _located(plan(1, _shard_samples(local.uri, good), lambda uri: local))
@@ -1208,3 +1219,55 @@ def test_a_fetch_handed_over_while_the_pipeline_closes_is_ended_not_left(tmp_pat
         assert budget.reserved == 0
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("kind", ["http", "zip"])
+def test_a_shard_shorter_than_its_index_claims_is_the_local_read_s_decode_error(tmp_path, kind, decode_path,
+                                                                               monkeypatch):
+    """A shard cut short after its index (index at the start): the ranges of its last inner chunks reach past
+    the value's end. The store's short read is that array's DecodeError naming the shard, as the local read
+    says, in open_array, in a pipeline (either decode path) and in the GPU decode's staging."""
+    from zarr.codecs import ShardingCodec
+
+    from stoker.engine import pipeline as pipelines
+    from stoker.engine.gpu_decode import GpuDecodeExecutor
+
+    root = str(tmp_path / "src")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        z = zarr.create_array(os.path.join(root, "a.zarr"), shape=(32, 32), chunks=(16, 16), dtype="uint16",
+                              serializer=ShardingCodec(chunk_shape=(8, 8), index_location="start",
+                                                       codecs=[BytesCodec(), ZstdCodec(level=1)]),
+                              compressors=None)
+        z[:] = np.arange(32 * 32, dtype="uint16").reshape(32, 32)
+    shard = os.path.join(root, "a.zarr", "c", "0", "0")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 10)
+    server = RangeServer(root) if kind == "http" else None
+    stores = Stores()
+    try:
+        if kind == "http":
+            uri, options = f"{server.url}/a.zarr", dict(FAST)
+        else:
+            _zip(str(tmp_path / "a.zip"), read_tree(root))
+            uri, options = f"{tmp_path}/a.zip/a.zarr", None
+        with pytest.raises(stoker.DecodeError, match="shard 'c/0/0' is shorter than its index claims") as info:
+            stoker.open_array(uri, options, stores=stores)[:16, :16]
+        assert info.value.key == "c/0/0" and info.value.uri == uri
+        with pytest.raises(stoker.DecodeError, match="shorter than its index claims"):
+            stoker.open_array(os.path.join(root, "a.zarr"))[:16, :16]  # the local read, for comparison
+        assert stoker.open_array(uri, options, stores=stores)[16:, :].tolist() == z[16:, :].tolist()  # others read
+        storage = {uri: options} if options else None
+        cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1, pop_timeout_s=30,
+                            storage_options=storage)
+        for gpu in (False, True):
+            if gpu:  # the GPU decode's executor on CPU tensors: its staging reads the store too
+                monkeypatch.setattr(pipelines, "make_executor", lambda c, d, s, st: GpuDecodeExecutor.on_host(c, s, st))
+            with stoker.Pipeline(cfg) as p:
+                p.push([stoker.Sample(uri, [(0, 16), (0, 16)])])
+                with pytest.raises(stoker.DecodeError, match="shard 'c/0/0' is shorter than its index claims"):
+                    p.pop()
+    finally:
+        stores.close()
+        if server is not None:
+            server.stop()

@@ -27,7 +27,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..errors import DecodeError, ShutdownError
+from ..errors import DecodeError, ShutdownError, StorageError
+from ..reader.array import raise_read_error
 from ..storage import ByteRange, FileChanged, LocalStore
 from ..storage.store import get_many
 from ..runtime.workers import DaemonPool
@@ -244,7 +245,10 @@ class PythonDecoder:
                 future.add_done_callback(
                     lambda f: self._hand_over(job, fetch, then, users, res, t0, lambda: kv.result_of(f)))
                 return
-            values, parts = get_many(kv, fetch.keys, fetch.requests)
+            try:
+                values, parts = get_many(kv, fetch.keys, fetch.requests)
+            except StorageError as exc:  # a range past a shard's end: that array's DecodeError
+                raise_read_error(job.plan.sources, exc)
         except BaseException:
             _release(res, users)
             raise
@@ -283,7 +287,10 @@ class PythonDecoder:
                 _release(res, users)
                 job.finish(len(fetch.cids))
                 return
-            values, parts = result()
+            try:
+                values, parts = result()
+            except StorageError as exc:  # a range past a shard's end: that array's DecodeError
+                raise_read_error(job.plan.sources, exc)
             nread = sum(len(v) for v in values if v is not None) + sum(len(p) for p in parts)
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
             job.count(bytes_read=nread)

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import StorageError
+from ..reader.array import raise_read_error
 from ..storage.store import ByteRange, get_many
 from .cast import copy_cast, numpy_view
 from .tables import TablePlan
@@ -25,8 +27,11 @@ def fetch(plan: TablePlan, cid: int, path: str | None):
     its file (its store key for an array in a store)."""
     reader = plan.sources[int(plan.chunk_source[cid])]
     if reader.kv is not None and int(plan.chunk_offset[cid]) >= 0:
-        return get_many(reader.kv, [], [ByteRange(path, int(plan.chunk_offset[cid]),
-                                                  int(plan.chunk_length[cid]))])[1][0]
+        try:
+            return get_many(reader.kv, [], [ByteRange(path, int(plan.chunk_offset[cid]),
+                                                      int(plan.chunk_length[cid]))])[1][0]
+        except StorageError as exc:  # a range past a shard's end: the array's DecodeError
+            raise_read_error([reader], exc)
     return reader.encoded_chunk(tuple(int(v) for v in plan.chunk_index[cid]))[1]
 
 

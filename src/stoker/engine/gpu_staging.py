@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import BudgetExceeded, DecodeError, ShutdownError
+from ..errors import BudgetExceeded, DecodeError, ShutdownError, StorageError
+from ..reader.array import raise_read_error
 from ..runtime.workers import DaemonPool
 from ..storage import FileChanged
 from ..storage.store import ByteRange, get_many
@@ -300,10 +301,13 @@ class Stager:
             whole = mine[plan.chunk_offset[mine] < 0]
             ranged = mine[plan.chunk_offset[mine] >= 0]
             t0 = time.perf_counter()
-            values, parts = get_many(kv, [self.path(plan, c, files) for c in whole.tolist()],
-                                     [ByteRange(self.path(plan, c, files), o, n) for c, o, n in
-                                      zip(ranged.tolist(), plan.chunk_offset[ranged].tolist(),
-                                          plan.chunk_length[ranged].tolist())])
+            try:
+                values, parts = get_many(kv, [self.path(plan, c, files) for c in whole.tolist()],
+                                         [ByteRange(self.path(plan, c, files), o, n) for c, o, n in
+                                          zip(ranged.tolist(), plan.chunk_offset[ranged].tolist(),
+                                              plan.chunk_length[ranged].tolist())])
+            except StorageError as exc:  # a range past a shard's end: that array's DecodeError
+                raise_read_error(plan.sources, exc)
             got = values + list(parts)
             order = np.concatenate([whole, ranged])
             missing = np.array([v is None for v in got], bool)

@@ -17,7 +17,7 @@ import itertools
 import math
 import os
 import threading
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, NoReturn, Sequence
 
 import numpy as np
 
@@ -352,8 +352,11 @@ class ArrayReader:
         """Fetch ``(piece, location)``s in one store call, then decode each into ``out``."""
         whole = [(p, loc) for p, loc in group if loc.offset is None]
         ranged = [(p, loc) for p, loc in group if loc.offset is not None]
-        values, parts = get_many(self.kv, [loc.path for _, loc in whole],
-                                 [ByteRange(loc.path, loc.offset, loc.length) for _, loc in ranged])
+        try:
+            values, parts = get_many(self.kv, [loc.path for _, loc in whole],
+                                     [ByteRange(loc.path, loc.offset, loc.length) for _, loc in ranged])
+        except StorageError as exc:
+            raise_read_error([self], exc)
         codec = self.metadata.codec
         for (piece, loc), data in itertools.chain(zip(whole, values), zip(ranged, parts)):
             if data is None:  # a chunk not stored: the fill value
@@ -436,7 +439,10 @@ class ArrayReader:
                 return None
             self.metadata.codec.check_stored_size(len(data), loc.key)
             return data
-        return self.kv.get_ranges([ByteRange(loc.path, loc.offset, loc.length)])[0]
+        try:
+            return self.kv.get_ranges([ByteRange(loc.path, loc.offset, loc.length)])[0]
+        except StorageError as exc:
+            raise_read_error([self], exc)
 
     def _read_chunk_file(self, loc: ChunkLocation) -> bytearray | None:
         """The whole chunk file, or None when missing; one larger than the codecs can write is not read."""
@@ -501,7 +507,32 @@ class ArrayReader:
             raw = self.kv.get_ranges([self._index_range(shard_key)])[0]
         except NotFound:
             return None
+        except StorageError as exc:
+            raise self.index_error(shard_key, exc) from None
         return self._stored_index(shard_key, raw)
+
+    def read_error(self, exc: BaseException) -> BaseException:
+        """What a failed store read of this array's chunks means: a range past the end of one of its shard
+        values (the store knows the value's size) is a shard shorter than its index claims, corrupt data (the
+        DecodeError a local read gives); anything else is the store's error as it came."""
+        key = exc.context.get("key") if isinstance(exc, StorageError) else None
+        size = exc.context.get("value_size") if isinstance(exc, StorageError) else None
+        if self.metadata.sharding is None or size is None or not isinstance(key, str) or \
+                not key.startswith(self._dir):
+            return exc
+        shard_key = key[len(self._dir):]
+        return DecodeError(f"{self.uri}: shard {shard_key!r} is shorter than its index claims: the store holds "
+                           f"{size} bytes of it ({exc})", uri=self.uri, key=shard_key)
+
+    def index_error(self, shard_key: str, exc: Exception) -> Exception:
+        """The error for a shard whose index read through the store failed with ``exc``: a shard shorter than
+        its index is corrupt data (the DecodeError a local shard gives), anything else the store's error."""
+        size = exc.context.get("value_size") if isinstance(exc, StorageError) else None
+        need = self.metadata.sharding.index_nbytes
+        if size is None or size >= need:
+            return exc
+        return DecodeError(f"{self.uri}: shard {shard_key!r} is truncated: {size} bytes, but its index alone needs "
+                           f"{need}", uri=self.uri, key=shard_key)
 
     def _index_range(self, shard_key: str) -> ByteRange:
         """The range of a stored shard holding its index: a suffix when it ends the shard, so the shard's size
@@ -521,6 +552,16 @@ class ArrayReader:
 
     def _is_cached(self, shard_key: str) -> bool:
         return (self._token, shard_key) in self._index_cache
+
+
+def raise_read_error(readers: Iterable[ArrayReader], exc: BaseException) -> NoReturn:
+    """Raise what the failed store read ``exc`` of chunks of ``readers`` means (:meth:`ArrayReader.read_error`
+    of the array whose shard it read; the store's error itself otherwise). Call it inside an ``except``."""
+    for reader in {id(r): r for r in readers}.values():
+        err = reader.read_error(exc)
+        if err is not exc:
+            raise err from exc
+    raise exc
 
 
 _UNKNOWN_SIZE = (1 << 63) - 1  # a shard's size, not known from a suffix read
@@ -564,7 +605,7 @@ def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex 
             if isinstance(raw, NotFound):
                 out[i] = reader._cached_index(shard_key, None)
             elif isinstance(raw, Exception):
-                out[i] = raw
+                out[i] = reader.index_error(shard_key, raw)
             else:
                 try:
                     out[i] = reader._cached_index(shard_key, reader._stored_index(shard_key, raw))

@@ -71,6 +71,12 @@ _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("stoker
 _SLACK_S = 5.0
 
 
+def _unsatisfiable(uri: str, r: ByteRange, attempts: int) -> StorageError:
+    """The error for a range the server answered 416 (not satisfiable): a suffix, or a range from byte 0, is
+    unsatisfiable only for an empty value (RFC 9110, 14.1.1), so its size is known then."""
+    return short_read(uri, r, 0, attempts=attempts, size=0 if r.is_suffix or r.start == 0 else None)
+
+
 class _ShortBody(Exception):
     """Fewer bytes than the server said it sends (retried like a dropped connection)."""
 
@@ -413,7 +419,7 @@ class ObjectStore:
         async def one(r: ByteRange, start: int, length: int, serve: list[tuple[int, slice]]) -> None:
             async with self._slot(gate, r.key, "ranged read", self._call_slots()):
                 data = await self._attempts(r.key, "ranged read", lambda: self._get_range(r, start, length),
-                                            short=lambda k: short_read(self.uri, r, 0, attempts=k))
+                                            short=lambda k: _unsatisfiable(self.uri, r, k))
             for i, part in serve:
                 out[i] = data[part]
 
@@ -484,7 +490,7 @@ class ObjectStore:
             try:
                 async with self._slot(gate, r.key, "ranged read", self._call_slots()):
                     return await self._attempts(r.key, "ranged read", lambda: self._get_range(r, r.start, r.length),
-                                                short=lambda k: short_read(self.uri, r, 0, attempts=k))
+                                                short=lambda k: _unsatisfiable(self.uri, r, k))
             except Exception as exc:  # noqa: BLE001 - this range's own error (no free slot too), in its place
                 return exc
 
