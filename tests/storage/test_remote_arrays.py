@@ -1145,18 +1145,24 @@ def test_a_fetch_over_its_share_of_the_budget_is_split_where_gaps_would_coalesce
     assert all(cost <= limit for cost, n, _ in seen if n > 1), seen
 
 
-def test_a_fetch_the_engine_refuses_fails_its_batch_with_that_error(tmp_path, monkeypatch):
+@pytest.fixture
+def zipped(tmp_path) -> str:
+    """The URI of an array of 8 zstd chunks (8 x 64 uint16) in a zip archive."""
+    root = str(tmp_path / "src")
+    z = zarr.create_array(os.path.join(root, "a.zarr"), shape=(8, 64), chunks=(8, 8), dtype="uint16",
+                          compressors=ZstdCodec(level=1))
+    z[...] = np.arange(512, dtype="uint16").reshape(8, 64)
+    write_zip(str(tmp_path / "a.zip"), read_tree(root))
+    return str(tmp_path / "a.zip/a.zarr")
+
+
+def test_a_fetch_the_engine_refuses_fails_its_batch_with_that_error(zipped, monkeypatch):
     # A fetched group the engine could not take (its tables refused, memory short) failed the batch with an
     # UnboundLocalError of the hand-off's own, the real error only in its context.
     from stoker.engine import native
 
     if native.Engine is None:
         pytest.skip("the compiled engine is not built")
-    root = str(tmp_path / "src")
-    z = zarr.create_array(os.path.join(root, "a.zarr"), shape=(8, 64), chunks=(8, 8), dtype="uint16",
-                          compressors=ZstdCodec(level=1))
-    z[...] = np.arange(512, dtype="uint16").reshape(8, 64)
-    write_zip(str(tmp_path / "a.zip"), read_tree(root))
     tables = NativeDecoder._tables
 
     def refuse(self, *args, fetched=False, **kwargs):
@@ -1167,23 +1173,18 @@ def test_a_fetch_the_engine_refuses_fails_its_batch_with_that_error(tmp_path, mo
     monkeypatch.setattr(NativeDecoder, "_tables", refuse)
     cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=2, pop_timeout_s=20)
     with stoker.Pipeline(cfg) as p:
-        p.push([stoker.Sample(str(tmp_path / "a.zip/a.zarr"), [(0, 8), (0, 64)])])
+        p.push([stoker.Sample(zipped, [(0, 8), (0, 64)])])
         with pytest.raises(MemoryError, match="no memory for the tables"):
             p.pop()
 
 
-def test_a_fetch_handed_over_while_the_pipeline_closes_is_ended_not_left(tmp_path, monkeypatch):
+def test_a_fetch_handed_over_while_the_pipeline_closes_is_ended_not_left(zipped, monkeypatch):
     # A finished fetch submitted to the engine just as the pipeline closed was queued for a finisher that had
     # already left: its batch never ended and its reservation of the budget was never given back.
     from stoker.engine import native
 
     if native.Engine is None:
         pytest.skip("the compiled engine is not built")
-    root = str(tmp_path / "src")
-    z = zarr.create_array(os.path.join(root, "a.zarr"), shape=(8, 64), chunks=(8, 8), dtype="uint16",
-                          compressors=ZstdCodec(level=1))
-    z[...] = np.arange(512, dtype="uint16").reshape(8, 64)
-    write_zip(str(tmp_path / "a.zip"), read_tree(root))
     jobs = []
     fetched = NativeDecoder._fetched
 
@@ -1209,7 +1210,7 @@ def test_a_fetch_handed_over_while_the_pipeline_closes_is_ended_not_left(tmp_pat
     cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=2, pop_timeout_s=20)
     p = stoker.Pipeline(cfg)
     try:
-        p.push([stoker.Sample(str(tmp_path / "a.zip/a.zarr"), [(0, 8), (0, 64)])])
+        p.push([stoker.Sample(zipped, [(0, 8), (0, 64)])])
         deadline = time.monotonic() + 10
         while not jobs and time.monotonic() < deadline:
             time.sleep(0.01)
