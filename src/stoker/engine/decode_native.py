@@ -38,7 +38,7 @@ from ..zarr.grid import c_strides
 from .buffers import size_class
 from .cast import fill_value_as, torch_dtype_of
 from ..storage import ByteRange
-from .decode_python import Fetch, PythonDecoder, span_bytes
+from .decode_python import Fetch, PythonDecoder, fetches_within, span_bytes
 from .executor import Job
 from .plan import ChunkTask, FileRead, shard_reads
 from .stats import StatsRecorder
@@ -287,29 +287,14 @@ class NativeDecoder:
         for k, kv in kvs.values():
             mine = store_of == k
             group_ids, group_cost = ids[mine], np.cumsum(cost[mine])
+            fetch_of = functools.partial(self._fetch_of, plan, kv, sources=sources, stored=stored)
             start = 0
             while start < len(group_ids):
                 base = int(group_cost[start - 1]) if start else 0
                 stop = max(start + 1, int(np.searchsorted(group_cost, base + limit, "right")))
-                for fetch in self._fetches_within(plan, kv, group_ids[start:stop], sources, stored, limit):
+                for fetch in fetches_within(group_ids[start:stop], fetch_of, limit):
                     self._python.fetch(job, fetch, then)
                 start = stop
-
-    def _fetches_within(self, plan: TablePlan, kv, ids: np.ndarray, sources: list[_Source], stored: np.ndarray,
-                        limit: int) -> list[Fetch]:
-        """Fetches of ``ids`` (in order) each holding at most ``limit`` bytes: what a fetch holds counts the gaps
-        the store coalesces between its ranges, which the chunks' lengths leave out, so a group over the limit
-        is halved (a lone chunk is fetched whatever it holds)."""
-        out, todo = [], [ids]
-        while todo:
-            part = todo.pop()
-            fetch = self._fetch_of(plan, kv, part, sources, stored)
-            if fetch.cost <= limit or len(part) == 1:
-                out.append(fetch)
-            else:
-                half = len(part) // 2
-                todo += [part[half:], part[:half]]  # the first half next: chunk order kept
-        return out
 
     def _fetch_of(self, plan: TablePlan, kv, ids: np.ndarray, sources: list[_Source], stored: np.ndarray) -> Fetch:
         """One fetch of ``ids``: their whole values, then their ranges (inner chunks), and what it holds."""

@@ -59,6 +59,22 @@ class Fetch:
     cost: int
 
 
+def fetches_within(items: Sequence, fetch_of: Callable[[Sequence], "Fetch"], limit: int) -> list["Fetch"]:
+    """``fetch_of(part)`` for consecutive parts of ``items``, in order, each holding at most ``limit`` bytes:
+    what a fetch holds counts the gaps its store coalesces between ranges, which the chunks' own lengths
+    leave out, so a part over the limit is halved (a lone item is fetched whatever it holds)."""
+    out, todo = [], [items]
+    while todo:
+        part = todo.pop()
+        fetch = fetch_of(part)
+        if fetch.cost <= limit or len(part) == 1:
+            out.append(fetch)
+        else:
+            half = len(part) // 2
+            todo += [part[half:], part[:half]]  # the first half next: the order kept
+    return out
+
+
 def span_bytes(kv, objects: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> int:
     """The bytes ``kv`` holds once it fetched these ranges (``objects[i]`` numbers range i's key): ranges of
     one key at most the store's ``max_gap`` apart are fetched as one read, the gap between them included
@@ -190,14 +206,9 @@ class PythonDecoder:
                 groups.append([fr])
                 costs.append(cost)
         for kv, groups, _ in by_store.values():
-            todo = groups[::-1]
-            while todo:  # a group holding more than its share (the gaps its store coalesces) is halved
-                group = todo.pop()
-                fetch = self._fetch_of(plan, kv, group)
-                if fetch.cost > limit and len(group) > 1:
-                    todo += [group[len(group) // 2:], group[:len(group) // 2]]
-                    continue
-                self.fetch(job, fetch, self._decode_fetched, users=len(fetch.cids))
+            for group in groups:
+                for fetch in fetches_within(group, lambda part: self._fetch_of(plan, kv, part), limit):
+                    self.fetch(job, fetch, self._decode_fetched, users=len(fetch.cids))
 
     @staticmethod
     def _fetch_of(plan, kv, group: list[FileRead]) -> "Fetch":
