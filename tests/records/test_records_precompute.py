@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -393,24 +394,59 @@ def test_two_ranks_write_each_record_exactly_once(tmp_path):
         assert torch.equal(ds[i]["knn"], brute_knn(torch.from_numpy(p), K))
 
 
-def test_a_dataset_in_a_store_is_refused_saying_what_to_do(tmp_path):
-    """stoker writes nothing into a store: precompute on a dataset in one (here a zip archive) is a typed
-    error naming the dataset and the two ways out, and nothing is written anywhere."""
-    import zipfile
-
-    from stoker.errors import UnsupportedFormat
-
+def _zipped(tmp_path, n: int = 3) -> tuple[str, list[np.ndarray]]:
     root = str(tmp_path / "data")
-    write_dataset(root, n=2)
+    points = write_dataset(root, n=n)
     archive = tmp_path / "data.zip"
     with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
         for folder, _, files in os.walk(root):
             for f in files:
                 path = os.path.join(folder, f)
                 zf.write(path, os.path.relpath(path, root))
-    ds = ZarrRecords(str(archive), fields=["points"])
-    before = archive.stat().st_mtime_ns, sorted(os.listdir(tmp_path))
-    with pytest.raises(UnsupportedFormat, match="copy the dataset to a local folder") as err:
-        precompute(ds, "knn4", Counter(), params={"k": 4})
-    assert "on the fly" in str(err.value) and err.value.uri == str(archive) and err.value.field == "knn4"
-    assert (archive.stat().st_mtime_ns, sorted(os.listdir(tmp_path))) == before
+    return str(archive), points
+
+
+def test_a_dataset_in_a_store_gets_its_arrays_in_the_local_cache(tmp_path, monkeypatch):
+    """stoker writes nothing into a store: precompute on a dataset in one (here a zip archive) keeps its
+    arrays in the dataset's folder of the local cache, where a ZarrRecords of the dataset asking for the field
+    finds them; a second run skips every record, and the archive is never touched."""
+    from stoker.storage.artifacts import precomputed_dir
+
+    monkeypatch.setenv("STOKER_CACHE", str(tmp_path / "cache"))
+    archive, points = _zipped(tmp_path)
+    before = os.stat(archive).st_mtime_ns, os.path.getsize(archive)
+    ds = ZarrRecords(archive, fields=["points", "rid"])
+    fn = Counter()
+    result = precompute(ds, "knn4", fn, params={"k": 4})
+    assert (result.written, result.skipped) == (3, 0) and sorted(fn.seen) == [0, 1, 2]
+    assert (os.stat(archive).st_mtime_ns, os.path.getsize(archive)) == before
+    folder = precomputed_dir(archive)
+    assert sorted(os.listdir(folder)) == [f"rec_{i:03d}.zarr" for i in range(3)]
+    assert zarr.open_group(str(folder / "rec_001.zarr"), mode="r")["knn4"].shape == (15, 4)  # plain Zarr
+    fresh = ZarrRecords(archive, fields=["points", "knn4"])
+    assert fresh.fields == ("points", "knn4")
+    for i, p in enumerate(points):
+        assert torch.equal(fresh[i]["knn4"], brute_knn(torch.from_numpy(p), K))
+        assert torch.equal(fresh[i]["points"], torch.from_numpy(p))
+    assert "knn4" not in ZarrRecords(archive).fields  # every array of the first record: the store's own
+    again = precompute(ds, "knn4", Counter(), params={"k": 4})
+    assert (again.written, again.skipped) == (0, 3)
+    redo = precompute(ds, "knn4", Counter(), params={"k": 4, "v": 2})  # other params: computed again
+    assert redo.written == 3
+
+
+def test_a_store_dataset_missing_a_record_s_precomputed_array_says_so(tmp_path, monkeypatch):
+    import shutil
+
+    from stoker.errors import NotFound
+    from stoker.storage.artifacts import precomputed_dir
+
+    monkeypatch.setenv("STOKER_CACHE", str(tmp_path / "cache"))
+    archive, _ = _zipped(tmp_path)
+    precompute(ZarrRecords(archive, fields=["points", "rid"]), "knn4", Counter(), params={"k": 4})
+    shutil.rmtree(precomputed_dir(archive) / "rec_002.zarr" / "knn4")
+    with pytest.raises(NotFound, match="record 'rec_002.zarr' has no precomputed 'knn4'.*run precompute again") as e:
+        ZarrRecords(archive, fields=["points", "knn4"])
+    assert e.value.field == "knn4"
+    with pytest.raises(NotFound, match="record 'rec_000.zarr' has no field 'nope'"):  # never precomputed
+        ZarrRecords(archive, fields=["points", "nope"])

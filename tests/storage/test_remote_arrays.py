@@ -1272,3 +1272,35 @@ def test_a_shard_shorter_than_its_index_claims_is_the_local_read_s_decode_error(
         stores.close()
         if server is not None:
             server.stop()
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_precompute_on_a_remote_dataset_keeps_its_arrays_in_the_local_cache(records, kind, tmp_path, monkeypatch):
+    """precompute over S3 and HTTP: the derived arrays go to the dataset's local cache folder (nothing is
+    written to the server), and a new ZarrRecords asking for the field reads them there, in a worker's copy
+    too; the secret among the storage options appears in no path or file."""
+    import pickle
+
+    from stoker.records import ZarrRecords, precompute
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("STOKER_CACHE", str(cache))
+    uri, options = _record_uri(records, kind, tmp_path)
+    requests = records["http"].requests if kind == "http" else None
+    ds = ZarrRecords(uri, fields=["positions", "cells"], storage_options=options)
+
+    def count(sample):  # the number of points of the first step, per point: a small derived array
+        return torch.full((sample["positions"].shape[1],), sample["positions"].shape[1], dtype=torch.int32)
+
+    result = precompute(ds, "npoints", count, params={"v": 1})
+    assert result.written == 3
+    fresh = ZarrRecords(uri, fields=["cells", "npoints"], storage_options=options)
+    for i in range(3):
+        assert fresh[i]["npoints"].tolist() == [5 + i] * (5 + i)
+        assert fresh[i]["cells"].shape == (5 + i, 2)
+    assert pickle.loads(pickle.dumps(fresh))[2]["npoints"].tolist() == [7] * 7
+    assert precompute(ds, "npoints", count, params={"v": 1}).skipped == 3
+    if requests is not None:
+        assert records["http"].requests > requests  # (it read over HTTP; a plain server takes no writes)
+    for path in cache.rglob("*"):
+        assert "SECRET" not in str(path) and (path.is_dir() or b"SECRET" not in path.read_bytes()), path

@@ -22,7 +22,7 @@ array per field, dtypes as small codes into a table. No file stays open.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
@@ -30,6 +30,7 @@ import numpy as np
 from ..reader.array import read_document, read_metadata, read_store_metadata
 from ..errors import InvalidArgument, MetadataError, NotFound, RankMismatch, UnsupportedFormat
 from ..storage import LocalStore
+from ..storage.artifacts import precomputed_dir
 from ..storage.hierarchy import MAX_DOCUMENT_BYTES
 from ..storage.locate import default_stores, locate
 from ..storage.store import get_many
@@ -55,12 +56,17 @@ class Catalog:
     shapes: dict[str, np.ndarray]  # field -> int64 (n_records, ndim)
     dtype_codes: dict[str, np.ndarray]  # field -> uint8 (n_records,), indexes dtype_table
     dtype_table: tuple[np.dtype, ...]
+    #: fields of a dataset in a store read from precompute's local folder (field -> the folder of its records)
+    local_fields: dict[str, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.names)
 
     def path(self, i: int, name: str | None = None) -> str:
-        """Local path (or URI, for a dataset in a store) of record ``i`` or of one of its fields."""
+        """Local path (or URI, for a dataset in a store) of record ``i`` or of one of its fields (a field
+        precomputed for a dataset in a store: its local path)."""
+        if name is not None and name in self.local_fields:
+            return os.path.join(self.local_fields[name], self.names[i], *name.split("/"))
         rec = os.path.join(self.root, self.names[i])
         return rec if name is None else os.path.join(rec, *name.split("/"))
 
@@ -208,6 +214,9 @@ def scan(root: str | os.PathLike, fields: FieldsArg = None, store: LocalStore | 
     :func:`~stoker.storage.locate.locate`), with ``storage_options`` for remote ones: records are found
     in the root group's consolidated metadata when it has some, else by listing the store.
 
+    A field a dataset in a store lacks is read from :func:`~stoker.records.precompute`'s local folder
+    (:func:`~stoker.storage.artifacts.precomputed_dir`) when its first record has it there.
+
     Raises :class:`~stoker.errors.NotFound` when a record lacks a field and
     :class:`~stoker.errors.InvalidArgument` (naming record, field and dims) when
     shapes break the spec or a field's rank differs between records.
@@ -215,7 +224,13 @@ def scan(root: str | os.PathLike, fields: FieldsArg = None, store: LocalStore | 
     loc = locate(root)
     if not loc.is_local:
         kv, hierarchy = default_stores().get(loc, storage_options)
-        return _scan(loc.uri.rstrip("/"), fields, _StoreNodes(loc.uri.rstrip("/"), loc.prefix, kv, hierarchy))
+        uri = loc.uri.rstrip("/")
+        local = LocalStore(max_open_files=8)
+        try:
+            return _scan(uri, fields, _StoreNodes(uri, loc.prefix, kv, hierarchy),
+                         _Precomputed(str(precomputed_dir(uri, storage_options)), local))
+        finally:
+            local.close()
     if storage_options:
         raise InvalidArgument(f"{root}: storage_options apply to remote URIs only; drop them for a local path",
                               uri=os.fspath(root))
@@ -323,7 +338,25 @@ class _StoreNodes:
         return read_store_metadata(self.hierarchy, self._key(f"{record}/{name}"), path)
 
 
-def _scan(root: str, fields: FieldsArg, nodes) -> Catalog:
+class _Precomputed:
+    """The arrays precompute derived from a dataset in a store, in its local folder (a group per record)."""
+
+    def __init__(self, folder: str, store: LocalStore) -> None:
+        self.folder, self.store = folder, store
+
+    def has(self, record: str, name: str) -> bool:
+        return os.path.isdir(os.path.join(self.folder, record, *name.split("/")))
+
+    def metadata(self, record: str, name: str):
+        path = os.path.join(self.folder, record, *name.split("/"))
+        try:
+            return read_metadata(path, self.store, uri=path)
+        except NotFound:
+            raise NotFound(f"record {record!r} has no precomputed {name!r} in {self.folder} (other records have it: "
+                           "run precompute again to complete it)", uri=path, sample=record, field=name) from None
+
+
+def _scan(root: str, fields: FieldsArg, nodes, precomputed: _Precomputed | None = None) -> Catalog:
     names = nodes.records()
     wanted, specs = parse_fields(fields)
     if wanted is None:
@@ -336,15 +369,25 @@ def _scan(root: str, fields: FieldsArg, nodes) -> Catalog:
     shapes: dict[str, np.ndarray] = {}
     codes = {name: np.zeros(n, dtype=np.uint8) for name in wanted}
     table: list[np.dtype] = []
+    local: dict[str, str] = {}  # fields read from precompute's folder (decided by the first record)
     for i, record in enumerate(names):
         bound: dict[str, tuple[int, str]] = {}
         for name in wanted:
             path = os.path.join(root, record, *name.split("/"))
             try:
-                meta = nodes.metadata(path, record, name)
+                if name in local:
+                    meta = precomputed.metadata(record, name)
+                else:
+                    meta = nodes.metadata(path, record, name)
             except NotFound:
-                raise NotFound(f"record {record!r} has no field {name!r} (no Zarr array at {path})",
-                               uri=path, sample=record, field=name) from None
+                if i == 0 and precomputed is not None and precomputed.has(record, name):
+                    local[name] = precomputed.folder
+                    meta = precomputed.metadata(record, name)
+                elif name in local:
+                    raise
+                else:
+                    raise NotFound(f"record {record!r} has no field {name!r} (no Zarr array at {path})",
+                                   uri=path, sample=record, field=name) from None
             except InvalidArgument as exc:  # a group where an array should be
                 raise InvalidArgument(f"record {record!r}, field {name!r}: {exc.message}",
                                       uri=path, sample=record, field=name) from None
@@ -365,4 +408,4 @@ def _scan(root: str, fields: FieldsArg, nodes) -> Catalog:
                 table.append(meta.dtype)
             codes[name][i] = table.index(meta.dtype)
     return Catalog(root=root, names=names, fields=tuple(wanted), specs=dict(specs), shapes=shapes,
-                   dtype_codes=codes, dtype_table=tuple(table))
+                   dtype_codes=codes, dtype_table=tuple(table), local_fields=local)

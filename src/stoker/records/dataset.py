@@ -196,6 +196,11 @@ class ZarrRecords(torch.utils.data.Dataset):
         return self._catalog.fields
 
     @property
+    def in_store(self) -> bool:
+        """Whether the records are in a store (s3://, http(s)://, a zip archive...) rather than a local folder."""
+        return self._in_store
+
+    @property
     def storage_options(self) -> dict | None:
         """The storage options the dataset was opened with (a copy; None for none)."""
         return dict(self._storage_options) if self._storage_options else None
@@ -313,7 +318,10 @@ class ZarrRecords(torch.utils.data.Dataset):
         out: Sample = {}
         for name in names:
             path = cat.path(b, name)
-            arr = open_array(path, self._storage_options, store=store, stores=stores)
+            if name in cat.local_fields:  # precomputed for a dataset in a store: a local array
+                arr = open_array(path, store=store)
+            else:
+                arr = open_array(path, self._storage_options, store=store, stores=stores)
             want_shape, want_dtype = cat.shape(b, name), cat.dtype(b, name)
             if arr.shape != want_shape or arr.dtype != want_dtype:
                 raise MetadataError(

@@ -7,7 +7,10 @@
     >>> ZarrRecords("/data/crash", fields=["positions", "knn16"])[0]["knn16"]   # a new dataset sees it
 
 Each record's group gets an array ``name`` written with zarr-python, in the
-group's Zarr format. Under ``torch.distributed`` every rank computes its strided
+group's Zarr format. A dataset in a store (``s3://``, ``https://``, a zip archive) is
+never written to: its arrays go to a group per record in the dataset's local cache
+folder (:func:`~stoker.storage.artifacts.precomputed_dir`), where ``ZarrRecords``
+finds them. Under ``torch.distributed`` every rank computes its strided
 share (records ``rank::world_size``), so each record is written exactly once;
 the call is collective and returns once every rank is done.
 
@@ -47,12 +50,11 @@ import numpy as np
 import torch
 
 from ..dist.collectives import all_gather, group_position
-from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError, UnsupportedFormat
+from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
 from .dataset import Sample, ZarrRecords, rank_part
 from ..storage.fsutil import claim, fsync_tree, make_sibling_dir, place_dir, remove_dead_siblings, try_claim
 from ..storage import read_regular
-from ..storage.locate import locate
-from ..storage.uri import redact
+from ..storage.artifacts import precomputed_dir
 
 ATTR = "stoker_precompute"
 FORMAT = "stoker-precompute"
@@ -204,14 +206,6 @@ def _check_args(ds: Any, name: Any, fn: Any, params: Any) -> str:
         raise InvalidArgument(
             f"name must be a plain array name (letters, digits, '_', '-', '.'; not starting with '.' or '__'), "
             f"got {name!r}")
-    if not locate(ds.root).is_local:
-        uri = redact(ds.root)
-        raise UnsupportedFormat(
-            f"{uri}: precompute stores its arrays inside the records, and stoker writes nothing into a store "
-            "(s3://, gs://, az://, http(s)://, a zip archive). Either copy the dataset to a local folder (e.g. "
-            "`aws s3 sync`, `gcloud storage rsync`, `unzip`), precompute there and open ZarrRecords on the copy; "
-            f"or compute {name!r} on the fly from each sample (in the collate function or the training step) "
-            "instead of storing it", uri=uri, field=name)
     if name in ds.fields:
         raise InvalidArgument(
             f"{name!r} is a field of ds, so fn would see its old value; open the dataset without it", field=name)
@@ -223,27 +217,48 @@ def _check_args(ds: Any, name: Any, fn: Any, params: Any) -> str:
         raise InvalidArgument(f"params must be JSON data (numbers, strings, lists, dicts): {exc}") from None
 
 
+def record_folder(ds: ZarrRecords, i: int) -> str:
+    """The local group precompute writes record ``i``'s arrays into: the record itself for a local dataset;
+    for a dataset in a store, a group named as the record in its local folder
+    (:func:`~stoker.storage.artifacts.precomputed_dir`), made here when missing."""
+    info = ds.metadata(i)
+    if not ds.in_store:
+        return info.path
+    folder = os.path.join(str(precomputed_dir(ds.root, ds.storage_options)), info.name)
+    if not os.path.exists(os.path.join(folder, "zarr.json")):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, f".zarr.json.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+            with open(tmp, "w") as f:
+                json.dump({"zarr_format": 3, "node_type": "group", "attributes": {}}, f)
+            os.replace(tmp, os.path.join(folder, "zarr.json"))  # (racing writers write the same document)
+        except OSError as exc:
+            raise StorageError(f"could not make {folder} for record {info.name!r}: {exc}", uri=folder) from exc
+    return folder
+
+
 def _store(local: ZarrRecords, i: int, name: str, fn: Callable[[Sample], Any], fp: str, attrs: dict,
            wait: bool) -> bool | None:
     """Store record ``i``'s array under its claim: True when written here, False when it was there (or another
     process wrote it while this one waited), None (``wait=False``) when another process is writing it now."""
-    info = local.metadata(i)
-    final = os.path.join(info.path, name)
+    record = record_folder(local, i)
+    sample = local.metadata(i).name
+    final = os.path.join(record, name)
     remove_dead_siblings(final)
 
     def done() -> bool:
-        return stored_fingerprint(info.path, name) == fp
+        return stored_fingerprint(record, name) == fp
 
     if done():
         return False
-    _check_replaceable(info.path, info.name, name)
+    _check_replaceable(record, sample, name)
     held = claim(final, until=done) if wait else try_claim(final)
     if held is None:
         return False if wait else None
     with held:
         if not wait and done():  # finished by another process between the look above and the claim
             return False
-        write_array(info.path, name, _as_numpy(fn(local[i]), info.name, name), attrs)
+        write_array(record, name, _as_numpy(fn(local[i]), sample, name), attrs)
     return True
 
 
@@ -302,4 +317,4 @@ def precompute(ds: ZarrRecords, name: str, fn: Callable[[Sample], torch.Tensor],
                             sum(int(t[1]) for t in tails), sum(int(t[2]) for t in tails))
 
 
-__all__ = ["PrecomputeResult", "precompute", "fingerprint", "stored_fingerprint", "write_array"]
+__all__ = ["PrecomputeResult", "precompute", "fingerprint", "record_folder", "stored_fingerprint", "write_array"]

@@ -4,7 +4,8 @@ A local dataset keeps its derived files beside it (the statistics sidecar). A da
 store, behind HTTP or in a zip archive is read-only to stoker, so those files go to a folder of this
 machine instead::
 
-    $STOKER_CACHE/stores/<key>/        ($STOKER_CACHE defaults to ~/.cache/stoker)
+    $STOKER_CACHE/stores/<key>/                       ($STOKER_CACHE defaults to ~/.cache/stoker)
+    $STOKER_CACHE/stores/<key>/precomputed/<record>/  (precompute's arrays, a Zarr group per record)
 
 ``<key>`` is a hash of the dataset's identity: its store root and key prefix as :func:`locate` reads them
 (so every URI form of one zip archive maps to one folder), with user information, query and fragment
@@ -67,4 +68,10 @@ def dataset_dir(uri: str, storage_options: Mapping | None = None) -> Path:
     return cache_root() / "stores" / hashlib.sha256(ident.encode()).hexdigest()[:32]
 
 
-__all__ = ["CACHE_ENV", "cache_root", "dataset_dir", "dataset_identity"]
+def precomputed_dir(uri: str, storage_options: Mapping | None = None) -> Path:
+    """Where :func:`~stoker.records.precompute` keeps the arrays it derives from the records of the dataset in
+    a store at ``uri``: a folder per record, named as the record (not created here)."""
+    return dataset_dir(uri, storage_options) / "precomputed"
+
+
+__all__ = ["CACHE_ENV", "cache_root", "dataset_dir", "dataset_identity", "precomputed_dir"]
