@@ -477,3 +477,36 @@ def test_a_damaged_stream_found_after_its_group_fails_the_batch_with_the_cpu_pat
         with pytest.raises(DecodeError) as e:
             p.pop()
     assert e.value.key == "c/0/1/0" and str(tmp_path / "a.zarr") in str(e.value)
+
+
+def test_a_group_of_many_chunk_files_holds_a_descriptor_per_read_thread_at_most(tmp_path, gpu_decode,
+                                                                                monkeypatch):
+    # A group held every chunk file of its whole-file reads open at once: thousands of small chunks ran out of
+    # descriptors ("Too many open files") where the CPU path read them.
+    from stoker.storage.local import LocalStore, OpenFile
+
+    z, data = _write(tmp_path / "small.zarr", (32, 32, 32), (4, 4, 4), "uint16", ZstdCodec(level=1))  # 512 files
+    lock, now, peak = threading.Lock(), [0], [0]
+    open_file, close = LocalStore.open_file, OpenFile.close
+
+    def opened(self, path):
+        f = open_file(self, path)
+        if f is not None:
+            with lock:
+                now[0] += 1
+                peak[0] = max(peak[0], now[0])
+        return f
+
+    def closed(self):
+        with lock:
+            now[0] -= 1
+        return close(self)
+
+    monkeypatch.setattr(LocalStore, "open_file", opened)
+    monkeypatch.setattr(OpenFile, "close", closed)
+    samples = [stoker.Sample(str(tmp_path / "small.zarr"), [(0, 32), (0, 32), (0, 32)])] * 2
+    got, stats = _run(samples, n_compute_threads=4, batch_size=2)
+    assert stats.chunks_decoded == 512 and now[0] == 0  # (the two samples share their chunks)
+    assert 1 <= peak[0] <= 4, peak  # one per read thread
+    for row in got[0]:
+        assert torch.equal(row, torch.from_numpy(data.astype(np.float32)))

@@ -246,39 +246,52 @@ class Stager:
             return None
         return got if got is not None else [0] * len(views)
 
-    def _open(self, path: str):
-        """The open file (None: no such file), or what opening it raised (so every opened one is closed)."""
+    def _size(self, path: str):
+        """The size of the chunk file at ``path`` (None: no such file), or what looking raised."""
         try:
-            return self.store.open_file(path)
-        except Exception as exc:  # noqa: BLE001 - raised by _whole once the others are closed
+            f = self.store.open_file(path)
+        except Exception as exc:  # noqa: BLE001 - raised by _whole, after every look
             return exc
+        if f is None:
+            return None
+        with f:
+            return f.size
+
+    def _read_whole(self, read: tuple[str, int, memoryview]) -> int:
+        """Read the chunk file at ``path`` into ``view``: the bytes read, -1 when its size is no longer
+        ``size``. Each task opens and closes its own file: no descriptor outlives it or is shared."""
+        path, size, view = read
+        f = self.store.open_file(path)
+        if f is None or f.size != size:
+            if f is not None:
+                f.close()
+            return -1
+        with f:
+            return f.read_into(view, 0)
 
     def _whole(self, plan, sources, cids, buf, group: Group, files, counts) -> list[int]:
-        """Whole chunk files: opened on the read threads, placed end to end by their sizes, then read there."""
+        """Whole chunk files: their sizes looked up on the read threads, placed end to end by them, then read
+        there (each task opening and closing its own file: at most one descriptor per thread)."""
         fills, room = [], len(buf)
         t0 = time.perf_counter()
         cids = cids.tolist()
-        opened = self.pool.map(self._open, [self.path(plan, cid, files) for cid in cids])
-        try:
-            failed = next((f for f in opened if isinstance(f, BaseException)), None)
-            if failed is not None:
-                raise failed
-            reads, placed = [], []
-            for cid, f in zip(cids, opened):
-                if f is None:
-                    fills.append(cid)
-                    continue
-                reader = plan.sources[int(plan.chunk_source[cid])]
-                reader.metadata.codec.check_stored_size(f.size, plan.key(cid))
-                _fit(reader, plan, cid, f.size, room - group.pos)
-                reads.append((f, memoryview(buf)[group.pos:group.pos + f.size]))
-                placed.append((cid, group.pos, f.size))
-                group.pos += f.size
-            got_of = self.pool.map(lambda read: read[0].read_into(read[1], 0), reads)
-        finally:
-            for f in opened:
-                if f is not None and not isinstance(f, BaseException):
-                    f.close()
+        paths = [self.path(plan, cid, files) for cid in cids]
+        sizes = self.pool.map(self._size, paths)
+        failed = next((f for f in sizes if isinstance(f, BaseException)), None)
+        if failed is not None:
+            raise failed
+        reads, placed = [], []
+        for cid, path, size in zip(cids, paths, sizes):
+            if size is None:
+                fills.append(cid)
+                continue
+            reader = plan.sources[int(plan.chunk_source[cid])]
+            reader.metadata.codec.check_stored_size(size, plan.key(cid))
+            _fit(reader, plan, cid, size, room - group.pos)
+            reads.append((path, size, memoryview(buf)[group.pos:group.pos + size]))
+            placed.append((cid, group.pos, size))
+            group.pos += size
+        got_of = self.pool.map(self._read_whole, reads)
         total = 0
         for (cid, at, size), got in zip(placed, got_of):
             if got != size:
