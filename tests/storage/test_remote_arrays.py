@@ -1304,3 +1304,32 @@ def test_precompute_on_a_remote_dataset_keeps_its_arrays_in_the_local_cache(reco
         assert records["http"].requests > requests  # (it read over HTTP; a plain server takes no writes)
     for path in cache.rglob("*"):
         assert "SECRET" not in str(path) and (path.is_dir() or b"SECRET" not in path.read_bytes()), path
+
+
+def test_a_short_shard_is_blamed_on_its_own_array_not_one_at_the_same_key_elsewhere(tmp_path, decode_path):
+    """Two zip archives each holding ``a.zarr``, the second with a shard cut short: the batch's DecodeError
+    names the second (the store that answered short), not the intact first, whose keys read the same."""
+    from zarr.codecs import ShardingCodec
+
+    uris = []
+    for name, cut in (("one", False), ("two", True)):
+        root = str(tmp_path / name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            z = zarr.create_array(os.path.join(root, "a.zarr"), shape=(32, 32), chunks=(16, 16), dtype="uint16",
+                                  serializer=ShardingCodec(chunk_shape=(8, 8), index_location="start",
+                                                           codecs=[BytesCodec(), ZstdCodec(level=1)]),
+                                  compressors=None)
+            z[:] = np.arange(32 * 32, dtype="uint16").reshape(32, 32)
+        if cut:
+            shard = os.path.join(root, "a.zarr", "c", "0", "0")
+            with open(shard, "r+b") as f:
+                f.truncate(os.path.getsize(shard) - 10)
+        _zip(str(tmp_path / f"{name}.zip"), read_tree(root))
+        uris.append(str(tmp_path / f"{name}.zip" / "a.zarr"))
+    cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1, pop_timeout_s=30)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uris, [(0, 16), (0, 16)])])
+        with pytest.raises(stoker.DecodeError, match="shorter than its index claims") as info:
+            p.pop()
+    assert info.value.uri == uris[1], info.value

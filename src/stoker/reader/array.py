@@ -515,14 +515,20 @@ class ArrayReader:
         """What a failed store read of this array's chunks means: a range past the end of one of its shard
         values (the store knows the value's size) is a shard shorter than its index claims, corrupt data (the
         DecodeError a local read gives); anything else is the store's error as it came."""
-        key = exc.context.get("key") if isinstance(exc, StorageError) else None
-        size = exc.context.get("value_size") if isinstance(exc, StorageError) else None
+        if not self.raised_by_my_store(exc):
+            return exc
+        key, size = exc.context.get("key"), exc.context.get("value_size")
         if self.metadata.sharding is None or size is None or not isinstance(key, str) or \
                 not key.startswith(self._dir):
             return exc
         shard_key = key[len(self._dir):]
         return DecodeError(f"{self.uri}: shard {shard_key!r} is shorter than its index claims: the store holds "
                            f"{size} bytes of it ({exc})", uri=self.uri, key=shard_key)
+
+    def raised_by_my_store(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a StorageError of the store this array is read from (it names its URI)."""
+        return (isinstance(exc, StorageError) and self.kv is not None
+                and exc.context.get("uri") == getattr(self.kv, "uri", None))
 
     def index_error(self, shard_key: str, exc: Exception) -> Exception:
         """The error for a shard whose index read through the store failed with ``exc``: a shard shorter than
@@ -557,10 +563,10 @@ class ArrayReader:
 def raise_read_error(readers: Iterable[ArrayReader], exc: BaseException) -> NoReturn:
     """Raise what the failed store read ``exc`` of chunks of ``readers`` means (:meth:`ArrayReader.read_error`
     of the array whose shard it read; the store's error itself otherwise). Call it inside an ``except``."""
-    for reader in {id(r): r for r in readers}.values():
-        err = reader.read_error(exc)
-        if err is not exc:
-            raise err from exc
+    # the array whose folder holds the key, in the store that raised: the deepest, should folders nest
+    mine = [r for r in {id(r): r for r in readers}.values() if r.read_error(exc) is not exc]
+    if mine:
+        raise max(mine, key=lambda r: len(r._dir)).read_error(exc) from exc
     raise exc
 
 
