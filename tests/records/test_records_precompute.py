@@ -450,3 +450,43 @@ def test_a_store_dataset_missing_a_record_s_precomputed_array_says_so(tmp_path, 
     assert e.value.field == "knn4"
     with pytest.raises(NotFound, match="record 'rec_000.zarr' has no field 'nope'"):  # never precomputed
         ZarrRecords(archive, fields=["points", "nope"])
+
+def _store_rank_worker(rank: int, world: int, tmp: str, archive: str, shared: bool) -> None:
+    os.environ["STOKER_CACHE"] = os.path.join(tmp, "cache" if shared else f"cache_node{rank}")
+    os.environ.pop("LOCAL_RANK", None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        out: dict = {}
+        ds = ZarrRecords(archive, fields=["points", "rid"])
+        fn = Counter()
+        res = precompute(ds, "knn", fn, params={"k": K})
+        out["seen"] = sorted(fn.seen)
+        out["first"] = [res.written, res.total_written]
+        res = precompute(ds, "knn", Counter(), params={"k": K})
+        out["again"] = [res.written, res.skipped]
+        fresh = ZarrRecords(archive, fields=["points", "knn"])
+        out["knn"] = [fresh[i]["knn"].tolist() for i in range(len(fresh))]
+        with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shared", [False, True])
+def test_two_ranks_precompute_a_store_dataset_into_their_caches(tmp_path, shared):
+    """Two ranks, as on two nodes with node-local caches (or one shared cache): after precompute every rank's
+    cache holds every record, so a ZarrRecords asking for the field opens on each; a rerun writes nothing."""
+    archive, points = _zipped(tmp_path, n=4)
+    mp.spawn(_store_rank_worker, args=(2, str(tmp_path), archive, shared), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
+    want = [brute_knn(torch.from_numpy(p), K).tolist() for p in points]
+    assert all(r["knn"] == want for r in results)
+    assert all(r["again"] == [0, 2] for r in results)  # (skipped: its share; the rest only looked at)
+    if shared:  # the work split: each record computed once
+        assert sorted(results[0]["seen"] + results[1]["seen"]) == [0, 1, 2, 3]
+        assert results[0]["first"][1] == 4
+    else:  # every node computed every record once, its share first
+        assert results[0]["seen"] == results[1]["seen"] == [0, 1, 2, 3]
+        assert results[0]["first"] == [4, 8]

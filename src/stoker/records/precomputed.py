@@ -289,7 +289,9 @@ def precompute(ds: ZarrRecords, name: str, fn: Callable[[Sample], torch.Tensor],
     """Store ``fn(ds[i])`` as array ``name`` in every record that lacks it under ``params``.
 
     ``ds`` is the full dataset (each rank takes records ``rank::world_size``) or this
-    rank's ``ds.for_rank(rank, world_size)``; without a process group, any view. ``params`` is JSON data describing
+    rank's ``ds.for_rank(rank, world_size)``; without a process group, any view. For a dataset
+    in a store each rank then completes its own machine's cache with the records of ``ds``
+    that other machines computed (none, when ``$STOKER_CACHE`` is shared). ``params`` is JSON data describing
     everything ``fn``'s result depends on; records whose array was stored under the
     same ``name`` and ``params`` are skipped. Collective under ``torch.distributed``:
     call it on every rank of ``group``; it returns (or raises, on every rank) once all
@@ -305,6 +307,14 @@ def precompute(ds: ZarrRecords, name: str, fn: Callable[[Sample], torch.Tensor],
         raise InvalidArgument(f"ranks passed different name or params to precompute({name!r}, ...)", field=name)
 
     written, skipped, error = _run_local(local, name, fn, params, fp)
+    if ds.in_store and world > 1:
+        # A dataset in a store keeps its arrays in each machine's cache: once every rank has done its share
+        # (all of them, in a cache the ranks share), each completes its own cache, computing the records
+        # that other machines wrote to theirs (in a shared cache this only looks, and finds them).
+        done = all_gather(torch.tensor([0 if error else 1], dtype=torch.int64), group)
+        if all(int(d[0]) for d in done):
+            more, _, error = _run_local(ds, name, fn, params, fp)
+            written += more
     # This gather doubles as the closing barrier: nobody returns before every record is in place.
     tails = all_gather(torch.tensor([0 if error else 1, written, skipped], dtype=torch.int64), group)
     failed = [r for r, t in enumerate(tails) if int(t[0]) == 0]
