@@ -36,7 +36,7 @@ def test_scratch_sizes_come_from_the_library():
     many = zstd.temp_bytes(432, 1 << 16, 432 << 16)
     assert many >= 400 * one // 2  # grows with the streams
     assert zstd.temp_bytes(432, 1 << 16, 108 << 16) < many  # and with the bytes in all
-    assert lz4.temp_bytes(432, 1 << 16, 432 << 16) >= 0
+    assert lz4.temp_bytes(432, 1 << 16, 432 << 16) == 0  # (LZ4 decodes without scratch)
 
 
 def test_a_refused_call_is_a_typed_error_naming_the_status():

@@ -510,3 +510,24 @@ def test_a_group_of_many_chunk_files_holds_a_descriptor_per_read_thread_at_most(
     assert 1 <= peak[0] <= 4, peak  # one per read thread
     for row in got[0]:
         assert torch.equal(row, torch.from_numpy(data.astype(np.float32)))
+
+
+def test_auto_never_picks_a_gpu_decode_whose_library_does_not_load(monkeypatch):
+    # "auto" is the default: an installed but broken nvCOMP (another CUDA major, a missing symbol) must leave
+    # it on the CPU decode instead of failing every pipeline of a user who never asked for the GPU
+    import importlib.util
+
+    from stoker.gpu import capi, nvcomp
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "nvidia.libnvcomp" else None)
+
+    def broken(*args, **kwargs):
+        raise OSError("libcudart.so.12: cannot open shared object file")
+
+    monkeypatch.setattr(capi, "library", broken)
+    assert nvcomp.available() is False
+    cuda = torch.device("cuda", 0)
+    assert executors.decode_on("auto", cuda, nvcomp.available, compute_threads=1) == "cpu"
+    with pytest.raises(InvalidArgument, match="not installed or does not load"):
+        executors.decode_on("gpu", cuda, nvcomp.available)

@@ -177,7 +177,8 @@ def decode_on(requested: str, device: torch.device, nvcomp_available: Callable[[
                               f"{device}: set Config.device to a GPU (device=local_rank after "
                               "torch.cuda.set_device(local_rank)), or use decode_on='cpu'", knob="decode_on")
     if not nvcomp_available():
-        raise InvalidArgument("Config.decode_on='gpu' needs NVIDIA nvCOMP's library package, which is not installed: "
+        raise InvalidArgument("Config.decode_on='gpu' needs NVIDIA nvCOMP's library package, which is not installed "
+                              "or does not load: "
                               "pip install 'stoker[gpu]' (nvCOMP for CUDA 12; 'stoker[gpu-cu13]' for a CUDA 13 "
                               "torch), or use decode_on='cpu'", knob="decode_on")
     return "gpu"

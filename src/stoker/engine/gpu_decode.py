@@ -160,7 +160,7 @@ class GpuDecodeExecutor:
         if device_need > cfg.device_buffer_bytes:
             raise BudgetExceeded(
                 f"Config.device_buffer_bytes={cfg.device_buffer_bytes:,} cannot hold this pipeline on {self.device} "
-                f"with decode_on='gpu': {self.n_slots} batch slots (lookahead_batches + 1) x {slot_bytes:,} B"
+                f"decoding on the GPU (decode_on={cfg.decode_on!r}): {self.n_slots} batch slots (lookahead_batches + 1) x {slot_bytes:,} B"
                 f"{' plus the float32 work buffer for the transform' if slots > self.n_slots * slot_bytes else ''}, "
                 f"plus {enc_cap + 2 * dec_cap + temp:,} B of decode scratch for one chunk (its stored bytes, twice its "
                 f"decoded bytes and nvCOMP's {temp:,} B); needs {device_need:,} B. Raise device_buffer_bytes, or lower batch_size, "
@@ -169,7 +169,8 @@ class GpuDecodeExecutor:
         host_need = self._host_need(enc_cap) + transient
         if host_need > cfg.host_buffer_bytes:
             raise BudgetExceeded(
-                f"Config.host_buffer_bytes={cfg.host_buffer_bytes:,} cannot hold this pipeline with decode_on='gpu': "
+                f"Config.host_buffer_bytes={cfg.host_buffer_bytes:,} cannot hold this pipeline decoding on the GPU "
+                f"(decode_on={cfg.decode_on!r}): "
                 f"two staging buffers of {enc_cap:,} B (one chunk's stored bytes"
                 f"{', pinned in powers of two' if self._on_gpu else ''}) plus {transient:,} B to decode one chunk "
                 f"on the CPU; needs {host_need:,} B. Raise host_buffer_bytes.",
@@ -196,8 +197,13 @@ class GpuDecodeExecutor:
             self.stream = _stream_of(self.device)
         self._decoder = make(self.stream)
 
-        def temp(k: int) -> int:  # nvCOMP's scratch for a group of k chunks, one stream each (more: in parts)
-            return self._decoder.temp_bytes(k, dec, k * dec)
+        # nvCOMP's scratch for a group of k chunks of the arrays the device decodes, as streams of at most the
+        # decoder's largest (a group whose streams need more is decoded in parts that fit: DeviceDecoder)
+        on_device = [s.nbytes for s in sources if s.how != CPU]
+        stream = min(max(on_device, default=0), self._decoder.max_stream_bytes)
+
+        def temp(k: int) -> int:
+            return self._decoder.temp_bytes(k, stream, k * stream) if stream else 0
 
         self._check(sample_shape, dtype, enc, dec, transient, temp(1))  # one chunk per group at least
         _, slots = self._device_need(sample_shape, dtype)

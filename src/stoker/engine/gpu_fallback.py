@@ -88,5 +88,5 @@ class Notices:
             if (uri, why) in self._seen:
                 return
             self._seen.add((uri, why))
-        warnings.warn(f"stoker decode_on='gpu': chunks of {uri} are decoded on the CPU: {why}", RuntimeWarning,
+        warnings.warn(f"stoker's GPU decode: chunks of {uri} are decoded on the CPU: {why}", RuntimeWarning,
                       stacklevel=3)

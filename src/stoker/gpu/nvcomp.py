@@ -45,12 +45,19 @@ _ALGORITHMS = {LZ4: "LZ4", ZSTD: "Zstd"}
 
 
 def available() -> bool:
-    """True when torch sees a CUDA device and nvCOMP's library package is installed (not loaded here)."""
+    """True when torch sees a CUDA device and nvCOMP's library is installed and loads (its LZ4 and zstd
+    decoders found in it), so ``decode_on="auto"`` never picks a GPU decode that cannot run."""
     try:
         found = importlib.util.find_spec("nvidia.libnvcomp") is not None
     except (ImportError, ValueError):
         found = False
-    return found and torch.cuda.is_available()
+    if not found or not torch.cuda.is_available():
+        return False
+    try:
+        _batched()
+    except InvalidArgument:
+        return False
+    return True
 
 
 def can_decode(layout: Layout) -> bool:

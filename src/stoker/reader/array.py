@@ -515,7 +515,7 @@ class ArrayReader:
         """What a failed store read of this array's chunks means: a range past the end of one of its shard
         values (the store knows the value's size) is a shard shorter than its index claims, corrupt data (the
         DecodeError a local read gives); anything else is the store's error as it came."""
-        if not self.raised_by_my_store(exc):
+        if not isinstance(exc, StorageError) or not self.raised_by_my_store(exc):
             return exc
         key, size = exc.context.get("key"), exc.context.get("value_size")
         if self.metadata.sharding is None or size is None or not isinstance(key, str) or \

@@ -352,8 +352,8 @@ class _Precomputed:
         try:
             return read_metadata(path, self.store, uri=path)
         except NotFound:
-            raise NotFound(f"record {record!r} has no precomputed {name!r} in {self.folder} (other records have it: "
-                           "run precompute again to complete it)", uri=path, sample=record, field=name) from None
+            raise NotFound(f"record {record!r} has no precomputed {name!r} in {self.folder} (run precompute again "
+                           "to complete it)", uri=path, sample=record, field=name) from None
 
 
 def _scan(root: str, fields: FieldsArg, nodes, precomputed: _Precomputed | None = None) -> Catalog:
@@ -374,23 +374,22 @@ def _scan(root: str, fields: FieldsArg, nodes, precomputed: _Precomputed | None 
         bound: dict[str, tuple[int, str]] = {}
         for name in wanted:
             path = os.path.join(root, record, *name.split("/"))
+            meta = None
             try:
-                if name in local:
-                    meta = precomputed.metadata(record, name)
-                else:
-                    meta = nodes.metadata(path, record, name)
+                meta = (precomputed.metadata(record, name) if name in local
+                        else nodes.metadata(path, record, name))
             except NotFound:
-                if i == 0 and precomputed is not None and precomputed.has(record, name):
-                    local[name] = precomputed.folder
-                    meta = precomputed.metadata(record, name)
-                elif name in local:
+                if name in local:
                     raise
-                else:
+                if not (i == 0 and precomputed is not None and precomputed.has(record, name)):
                     raise NotFound(f"record {record!r} has no field {name!r} (no Zarr array at {path})",
                                    uri=path, sample=record, field=name) from None
             except InvalidArgument as exc:  # a group where an array should be
                 raise InvalidArgument(f"record {record!r}, field {name!r}: {exc.message}",
                                       uri=path, sample=record, field=name) from None
+            if meta is None:  # the store's first record lacks it, precompute's folder has it: read from there
+                local[name] = precomputed.folder
+                meta = precomputed.metadata(record, name)
             shape = tuple(meta.shape)
             check_dims(record, name, shape, specs[name], bound)
             if name not in shapes:

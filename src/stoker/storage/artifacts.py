@@ -35,9 +35,10 @@ _S3_ENDPOINT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 
 
 def cache_root() -> Path:
-    """``$STOKER_CACHE``, or ``~/.cache/stoker`` (not created here)."""
+    """``$STOKER_CACHE``, or ``~/.cache/stoker``, as an absolute path (not created here): paths under it are
+    kept (a catalog's precomputed fields) and must not change meaning with the working directory."""
     root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "stoker")
-    return Path(root)
+    return Path(os.path.abspath(root))
 
 
 def _endpoint(root: str, storage_options: Mapping | None) -> str | None:
