@@ -17,6 +17,8 @@ the CPU's chunks.
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -247,7 +249,16 @@ class Stager:
         return got if got is not None else [0] * len(views)
 
     def _size(self, path: str):
-        """The size of the chunk file at ``path`` (None: no such file), or what looking raised."""
+        """The size of the chunk file at ``path`` (None: no such file), or what looking raised: one ``stat``
+        (no descriptor); what is not a regular file is opened as the store opens it, to raise its error."""
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode):
+            return st.st_size
         try:
             f = self.store.open_file(path)
         except Exception as exc:  # noqa: BLE001 - raised by _whole, after every look
