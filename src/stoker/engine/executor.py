@@ -155,8 +155,9 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-#: "auto" decodes on the GPU up to this many compute threads: on an H200 the GPU decode (1.6-1.9 cores busy)
-#: gave 1.07-2.37x the CPU decode on 2 threads but 0.26-0.34x on 16 (scenarios 1, 3, 7, 8; docs/performance.md)
+#: "auto" decodes on the GPU up to this many compute threads: on an H200 the GPU decode (1.5-1.9 cores busy)
+#: gave 0.87-2.37x the CPU decode on 2 threads (about even on scenario 1's lz4, 1.5x and more on zstd) but
+#: 0.22-0.34x on 16 (scenarios 1, 3, 7, 8; docs/performance.md)
 AUTO_GPU_MAX_THREADS = 2
 
 
