@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 
 import numcodecs
@@ -531,3 +532,39 @@ def test_auto_never_picks_a_gpu_decode_whose_library_does_not_load(monkeypatch):
     assert executors.decode_on("auto", cuda, nvcomp.available, compute_threads=1) == "cpu"
     with pytest.raises(InvalidArgument, match="not installed or does not load"):
         executors.decode_on("gpu", cuda, nvcomp.available)
+
+
+def test_close_returns_while_a_read_thread_is_blocked_in_a_chunk_file(tmp_path, monkeypatch):
+    # the reads of a group run on the read threads: close() must not wait for one stuck in a read, and every
+    # thread ends once the read returns
+    from stoker.engine.gpu_staging import Stager
+
+    _write(tmp_path / "w.zarr", (16, 64, 64), (8, 16, 16), "uint16", ZstdCodec(level=1))  # 32 chunk files
+    unblock, entered = threading.Event(), threading.Event()
+    read_whole = Stager._read_whole
+
+    def stuck(self, read):
+        if threading.current_thread().name.startswith("stoker-gpu-read_"):  # a pool thread ("_i"), not the reader
+            entered.set()
+            assert unblock.wait(30.0)
+        return read_whole(self, read)
+
+    monkeypatch.setattr(Stager, "_read_whole", stuck)
+    made = []
+    _with_decoder(monkeypatch, HostDecoder, made)
+    cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=4, host_buffer_bytes=64 << 20,
+                        device_buffer_bytes=64 << 20)
+    p = stoker.Pipeline(cfg)
+    try:
+        p.push([stoker.Sample(str(tmp_path / "w.zarr"), [(0, 16), (0, 64), (0, 64)])])
+        assert entered.wait(10.0)
+        t0 = time.monotonic()
+        p.close()
+        assert time.monotonic() - t0 < 3.0 and not unblock.is_set()
+    finally:
+        unblock.set()
+        p.close()
+    ex = made[0]
+    for thread in (ex._reader, ex._thread, *ex._stager.pool._pool.threads):
+        thread.join(10.0)
+        assert not thread.is_alive(), thread.name
