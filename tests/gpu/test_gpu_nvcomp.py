@@ -82,6 +82,32 @@ def test_frames_read_into_pinned_memory_are_parsed_and_decoded_there(decoder):
         assert got[base:base + n].tobytes() == _numcodecs(frame).tobytes()
 
 
+def test_a_scratch_too_small_for_a_batch_decodes_it_in_parts(decoder):
+    """The executor reserves nvCOMP's scratch for a group of whole chunks; streams that need more (many small
+    blosc blocks) are decoded in parts that fit it, with the same bytes as one decode."""
+    made = _frames()
+    data = _data("small", 300000, 1)
+    made.append((numcodecs.Zstd(level=3).encode(data), len(data)))
+    layouts = [parse_blosc(f, n) for f, n in made[:-1]] + [parse_zstd(*made[-1])]
+    layout = frames.batch(layouts)
+    staged = torch.empty(layout.in_nbytes, dtype=torch.uint8, pin_memory=True)
+    frames.stage([f for f, _ in made], layout, staged.numpy())
+    zstd_rows = np.flatnonzero(~layout.raw & (layout.codec == frames.ZSTD))
+    one = decoder.temp_bytes(1, int(layout.dsize[zstd_rows].max()), int(layout.dsize[zstd_rows].max()))
+    temp = torch.empty(one, dtype=torch.uint8, device=decoder.device)  # room for the largest stream alone
+    parts = decoder._parts(frames.ZSTD, layout, zstd_rows, temp)
+    assert len(parts) > 1  # the test decodes in parts indeed
+    checks: list = []
+    got = decoder.decode_staged(staged, layout, temp=temp, deferred=checks)
+    for check in checks:
+        check()
+    got = _on_host(decoder, got)
+    want = _on_host(decoder, decoder.decode_staged(staged, layout))  # one decode, its own scratch
+    assert np.array_equal(got, want)
+    for (frame, n), base in zip(made[:-1], layout.chunk_out.tolist()):
+        assert got[base:base + n].tobytes() == _numcodecs(frame).tobytes()
+
+
 def test_the_device_refuses_what_it_cannot_decode(decoder):
     frame = _encode(_data("small", 20000, 0), 2, "blosclz", 1, 5, 4096)
     with pytest.raises(UnsupportedFrame):
