@@ -288,40 +288,49 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         wanted += [(reader, key) for key in keys]
     # every index not cached read before the loop: those of arrays in a store together, in one round trip
     entries = iter(shard_entries(wanted))
-    for s, reader, ids, shard, inner, shard_first, shard_of, keys in sharded:  # one step per shard file
+    for s, reader, ids, shard, inner, shard_first, shard_of, keys in sharded:  # one step per sharded array
+        got = [next(entries) for _ in keys]
         meta = reader.metadata
-        for k, at in enumerate(shard_first.tolist()):
-            mine = ids[shard_of == k]
-            shard_key = keys[k]
-            entry = next(entries)
+        order = np.argsort(shard_of, kind="stable")  # the array's chunks shard by shard, in chunk order within
+        bounds = np.searchsorted(shard_of[order], np.arange(len(keys) + 1)).tolist()
+        usable = []  # (shard number, its ids in chunk order, where each is stored in it)
+        for k, entry in enumerate(got):  # a few steps per shard file
+            mine = ids[order[bounds[k]:bounds[k + 1]]]
             if isinstance(entry, BaseException):  # raised below if no earlier chunk has a failure
-                failures.append((int(mine.min()), _raiser(entry)))
-                continue
-            if entry is None:  # no shard file: every chunk of it is the fill value
-                continue
-            where = entry.table[inner[shard_of == k]]
-            stored = ~((where[:, 0] == EMPTY_ENTRY) & (where[:, 1] == EMPTY_ENTRY))
-            if not stored.any():
-                continue
-            lengths = where[:, 1]
-            over = stored & (lengths > meta.codec.max_stored_nbytes)
-            if over.any():  # before anyone reads or reserves room for it (as locate does)
-                bad = int(np.argmax(over))
-                key = f"{shard_key}[{int(inner[shard_of == k][bad])}]"
-                failures.append((int(mine[bad]), _too_big(meta.codec, int(lengths[bad]), key)))
-            row_f = np.zeros(F_COORDS + ndim, np.int64)
-            row_f[F_SOURCE], row_f[F_HAS_IDENT] = s, 1
-            ident = entry.ident
-            row_f[F_IDENT:F_IDENT + 2] = np.array([ident[0] & (2**64 - 1), ident[1] & (2**64 - 1)],
-                                                  np.uint64).view(np.int64)
-            row_f[F_IDENT + 2:F_IDENT + 5] = ident[2:5]
-            row_f[F_COORDS:] = shard[at]
-            files.append(row_f[None])
-            held = mine[stored]
-            chunk_file[held] = n_files
-            chunk_offset[held] = where[stored, 0].astype(np.int64)
-            chunk_length[held] = lengths[stored].astype(np.int64)
-            n_files += 1
+                failures.append((int(mine[0]), _raiser(entry)))
+            elif entry is not None:  # (None: no shard file, every chunk of it is the fill value)
+                usable.append((k, mine, entry.table[inner[order[bounds[k]:bounds[k + 1]]]]))
+        if not usable:
+            continue
+        held_ids = np.concatenate([mine for _, mine, _ in usable])
+        entry_rows = np.concatenate([w for _, _, w in usable])  # (offset, length) as the index holds them
+        of = np.repeat(np.arange(len(usable)), [len(mine) for _, mine, _ in usable])
+        stored = ~((entry_rows[:, 0] == EMPTY_ENTRY) & (entry_rows[:, 1] == EMPTY_ENTRY))
+        where = entry_rows.astype(np.int64)  # (an empty entry wraps; it is never used)
+        over = stored & (entry_rows[:, 1] > meta.codec.max_stored_nbytes)
+        if over.any():  # before anyone reads or reserves room for it (as locate does): the first in chunk order
+            bad = np.flatnonzero(over)
+            bad = int(bad[np.argmin(held_ids[bad])])
+            k = usable[int(of[bad])][0]
+            key = f"{keys[k]}[{int(inner[ids == held_ids[bad]][0])}]"
+            failures.append((int(held_ids[bad]), _too_big(meta.codec, int(entry_rows[bad, 1]), key)))
+        with_data = np.flatnonzero(np.bincount(of[stored], minlength=len(usable)))  # shards holding a chunk
+        if not len(with_data):
+            continue
+        rows = np.zeros((len(with_data), F_COORDS + ndim), np.int64)
+        rows[:, F_SOURCE], rows[:, F_HAS_IDENT] = s, 1
+        idents = [got[usable[j][0]].ident for j in with_data.tolist()]
+        rows[:, F_IDENT:F_IDENT + 2] = np.array([(i[0] & (2**64 - 1), i[1] & (2**64 - 1)) for i in idents],
+                                                np.uint64).view(np.int64)
+        rows[:, F_IDENT + 2:F_IDENT + 5] = [i[2:5] for i in idents]
+        rows[:, F_COORDS:] = shard[shard_first[[usable[j][0] for j in with_data.tolist()]]]
+        files.append(rows)
+        number = np.full(len(usable), -1, np.int64)
+        number[with_data] = n_files + np.arange(len(with_data))
+        chunk_file[held_ids[stored]] = number[of[stored]]
+        chunk_offset[held_ids[stored]] = where[stored, 0]
+        chunk_length[held_ids[stored]] = where[stored, 1]
+        n_files += len(with_data)
     if failures:
         min(failures, key=lambda f: f[0])[1]()
     return TablePlan(
