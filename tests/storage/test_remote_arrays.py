@@ -1222,18 +1222,11 @@ def test_a_fetch_handed_over_while_the_pipeline_closes_is_ended_not_left(zipped,
         p.close()
 
 
-@pytest.mark.parametrize("kind", ["http", "zip"])
-def test_a_shard_shorter_than_its_index_claims_is_the_local_read_s_decode_error(tmp_path, kind, decode_path,
-                                                                               monkeypatch):
-    """A shard cut short after its index (index at the start): the ranges of its last inner chunks reach past
-    the value's end. The store's short read is that array's DecodeError naming the shard, as the local read
-    says, in open_array, in a pipeline (either decode path) and in the GPU decode's staging."""
+def _index_first_array(root: str, cut: bool):
+    """``root/a.zarr``: 32 x 32 uint16 in shards of 16 x 16 whose index comes first (8 x 8 zstd inner chunks);
+    with ``cut``, its first shard loses its last 10 bytes, so its last inner chunks reach past its end."""
     from zarr.codecs import ShardingCodec
 
-    from stoker.engine import pipeline as pipelines
-    from stoker.engine.gpu_decode import GpuDecodeExecutor
-
-    root = str(tmp_path / "src")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         z = zarr.create_array(os.path.join(root, "a.zarr"), shape=(32, 32), chunks=(16, 16), dtype="uint16",
@@ -1241,9 +1234,24 @@ def test_a_shard_shorter_than_its_index_claims_is_the_local_read_s_decode_error(
                                                        codecs=[BytesCodec(), ZstdCodec(level=1)]),
                               compressors=None)
         z[:] = np.arange(32 * 32, dtype="uint16").reshape(32, 32)
-    shard = os.path.join(root, "a.zarr", "c", "0", "0")
-    with open(shard, "r+b") as f:
-        f.truncate(os.path.getsize(shard) - 10)
+    if cut:
+        shard = os.path.join(root, "a.zarr", "c", "0", "0")
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) - 10)
+    return z
+
+
+@pytest.mark.parametrize("kind", ["http", "zip"])
+def test_a_shard_shorter_than_its_index_claims_is_the_local_read_s_decode_error(tmp_path, kind, decode_path,
+                                                                               monkeypatch):
+    """A shard cut short after its index (index at the start): the ranges of its last inner chunks reach past
+    the value's end. The store's short read is that array's DecodeError naming the shard, as the local read
+    says, in open_array, in a pipeline (either decode path) and in the GPU decode's staging."""
+    from stoker.engine import pipeline as pipelines
+    from stoker.engine.gpu_decode import GpuDecodeExecutor
+
+    root = str(tmp_path / "src")
+    z = _index_first_array(root, cut=True)
     server = RangeServer(root) if kind == "http" else None
     stores = Stores()
     try:
@@ -1309,22 +1317,10 @@ def test_precompute_on_a_remote_dataset_keeps_its_arrays_in_the_local_cache(reco
 def test_a_short_shard_is_blamed_on_its_own_array_not_one_at_the_same_key_elsewhere(tmp_path, decode_path):
     """Two zip archives each holding ``a.zarr``, the second with a shard cut short: the batch's DecodeError
     names the second (the store that answered short), not the intact first, whose keys read the same."""
-    from zarr.codecs import ShardingCodec
-
     uris = []
     for name, cut in (("one", False), ("two", True)):
         root = str(tmp_path / name)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            z = zarr.create_array(os.path.join(root, "a.zarr"), shape=(32, 32), chunks=(16, 16), dtype="uint16",
-                                  serializer=ShardingCodec(chunk_shape=(8, 8), index_location="start",
-                                                           codecs=[BytesCodec(), ZstdCodec(level=1)]),
-                                  compressors=None)
-            z[:] = np.arange(32 * 32, dtype="uint16").reshape(32, 32)
-        if cut:
-            shard = os.path.join(root, "a.zarr", "c", "0", "0")
-            with open(shard, "r+b") as f:
-                f.truncate(os.path.getsize(shard) - 10)
+        _index_first_array(root, cut)
         _zip(str(tmp_path / f"{name}.zip"), read_tree(root))
         uris.append(str(tmp_path / f"{name}.zip" / "a.zarr"))
     cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1, pop_timeout_s=30)

@@ -203,11 +203,12 @@ class Stager:
         run_file = plan.chunk_file[cids[heads]]
         cuts = np.flatnonzero(np.diff(run_file)) + 1  # the runs of one file are adjacent (read order)
         bounds = np.concatenate([[0], cuts, [len(heads)]]).tolist()
-        reads = [(*self.file(plan, int(run_file[lo]), files), start[lo:hi].tolist(),
-                  [view[a:a + n] for a, n in zip(read_at[lo:hi].tolist(), span[lo:hi].tolist())])
-                 for lo, hi in zip(bounds[:-1], bounds[1:])]
-        got_of = [g for (lo, hi), got in zip(zip(bounds[:-1], bounds[1:]), self.pool.map(self._read_file, reads))
-                  for g in (got if got is not None else [None] * (hi - lo))]
+        per_file = [(*self.file(plan, int(run_file[lo]), files), start[lo:hi].tolist(),
+                     [view[a:a + n] for a, n in zip(read_at[lo:hi].tolist(), span[lo:hi].tolist())])
+                    for lo, hi in zip(bounds[:-1], bounds[1:])]
+        got_of: list = []  # bytes read per run; None for the runs of a shard that changed
+        for lo, hi, got in zip(bounds[:-1], bounds[1:], self.pool.map(self._read_file, per_file)):
+            got_of += got if got is not None else [None] * (hi - lo)
         for r, (h, n, got) in enumerate(zip(heads.tolist(), span.tolist(), got_of)):
             cid = int(cids[h])
             if got is None:  # the shard changed: read again through the reader, which reads its new index
