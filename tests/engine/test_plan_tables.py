@@ -120,11 +120,23 @@ def test_flat_plan_fills_and_locates_like_plan_batch(arrays):
 def test_flat_plan_raises_what_plan_batch_raises(arrays, tmp_path):
     opener = stoker.open_array
     plain = arrays["plain"]
+    flat2d = str(tmp_path / "flat.zarr")  # two axes: a three-axis box is a rank mismatch
+    zarr.create_array(flat2d, shape=(8, 8), chunks=(4, 4), dtype="uint16")[...] = 1
     for samples, error in [
         ([stoker.Sample(plain, [(0, 4), (0, 4), (15, 18)])], stoker.OutOfBounds),
         ([stoker.Sample(str(tmp_path / "none.zarr"), [(0, 4), (0, 4), (0, 4)])], stoker.NotFound),
         ([stoker.Sample(plain, [(0, 4), (0, 4), (0, 4)]), stoker.Sample(plain, [(0, 4), (0, 4), (0, 5)])],
          stoker.InvalidArgument),
+        # the first crop at fault decides, whichever check finds it: bounds before a later missing array...
+        ([stoker.Sample(plain, [(0, 4), (0, 4), (15, 18)]),
+          stoker.Sample(str(tmp_path / "none.zarr"), [(0, 4), (0, 4), (0, 3)])], stoker.OutOfBounds),
+        # ...a later crop out of bounds after one in bounds, and a rank mismatch after an out-of-bounds crop
+        ([stoker.Sample(plain, [(0, 4), (0, 4), (0, 3)]), stoker.Sample(plain, [(20, 24), (0, 4), (0, 3)])],
+         stoker.OutOfBounds),
+        ([stoker.Sample(plain, [(0, 4), (0, 4), (15, 18)]), stoker.Sample(flat2d, [(0, 4), (0, 4), (0, 3)])],
+         stoker.OutOfBounds),
+        ([stoker.Sample(flat2d, [(0, 4), (0, 4), (0, 3)]), stoker.Sample(plain, [(0, 4), (0, 4), (15, 18)])],
+         stoker.RankMismatch),
     ]:
         with pytest.raises(error) as ref:
             plan_batch(0, samples, opener)

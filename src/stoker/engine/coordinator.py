@@ -68,6 +68,7 @@ class Coordinator:
         self._batch_ids = itertools.count()
         self._index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
+        self._dtypes: dict = {}  # the batch dtype of each source dtype (numpy's), as batch_dtype settles it
         # remote stores of this pipeline's arrays, closed with it; their requests capped together
         self.stores = Stores(cfg.requests_in_flight)
 
@@ -183,7 +184,12 @@ class Coordinator:
             self.cond.notify_all()
 
     def _batch_dtype(self, readers: list[ArrayReader]) -> torch.dtype:
-        dtypes = {batch_dtype(self.cfg.output_dtype, r.dtype, r.uri) for r in readers}
+        dtypes = set()
+        for r in readers:
+            got = self._dtypes.get(r.dtype)
+            if got is None:  # once per source dtype; a refused one raises every time
+                got = self._dtypes[r.dtype] = batch_dtype(self.cfg.output_dtype, r.dtype, r.uri)
+            dtypes.add(got)
         if self.executor.dtype is not None:
             dtypes.add(self.executor.dtype)
         if len(dtypes) > 1:

@@ -21,6 +21,7 @@ the pipeline's coordinator and the consumer never wait on the engine themselves.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 from array import array
@@ -109,7 +110,8 @@ def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
 class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
-    __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep")
+    __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep",
+                 "info")
 
     def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
         meta = reader.metadata
@@ -148,6 +150,13 @@ class _Source:
         self.row = row
         self.nbytes = codec.nbytes
         self.stored = codec.max_stored_nbytes
+        # what submit asks of every array of a batch, as one row of I_* columns: one numpy call per batch
+        self.info = (self.fills, self.reads, self.memory, self.codec if self.reads or self.memory else native.FILL,
+                     self.nbytes, self.stored)
+
+
+#: columns of the per-array rows NativeDecoder.submit builds from _Source.info
+I_FILLS, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED = range(6)
 
 
 class NativeDecoder:
@@ -205,12 +214,11 @@ class NativeDecoder:
         out = job.out
         kind = batch_kind(out)
         sources = [self._source(r, out.dtype, kind) for r in plan.sources]
-        fills = np.array([s.fills for s in sources], bool)
-        reads = np.array([s.reads for s in sources], bool)
-        memory = np.array([s.memory for s in sources], bool)
+        info = np.array([s.info for s in sources], np.int64)
+        mine = info[plan.chunk_source]
         stored = plan.chunk_file >= 0
-        fetched = stored & memory[plan.chunk_source]  # fetched from a store, then decoded by the engine
-        engine = np.where(stored, reads[plan.chunk_source], fills[plan.chunk_source])
+        fetched = stored & (mine[:, I_MEMORY] != 0)  # fetched from a store, then decoded by the engine
+        engine = np.where(stored, mine[:, I_READS], mine[:, I_FILLS]) != 0
         rest = np.flatnonzero(~engine & ~fetched)
         if rest.size:
             self._to_python(job, rest, stored)
@@ -220,7 +228,7 @@ class NativeDecoder:
         if not eids.size:
             return
         try:
-            bjob = self.engine.submit(*self._tables(plan, out, kind, sources, eids))
+            bjob = self.engine.submit(*self._tables(plan, out, kind, sources, eids, info=info))
         except BaseException as exc:  # noqa: BLE001 - the engine refused the tables (a bug): the batch fails
             job.finish(len(eids), exc)
             return
@@ -230,12 +238,14 @@ class NativeDecoder:
             self._cond.notify_all()
 
     def _tables(self, plan: TablePlan, out: torch.Tensor, kind: int, sources: list[_Source], eids: np.ndarray,
-                fetched: bool = False):
+                fetched: bool = False, info: np.ndarray | None = None):
         """The engine's arguments for the chunks ``eids`` of ``plan`` into ``out`` (see Engine.submit); with
-        ``fetched``, chunk k's stored bytes are the whole of buffer k (a fetch's values, then its parts)."""
+        ``fetched``, chunk k's stored bytes are the whole of buffer k (a fetch's values, then its parts).
+        ``info``: the sources' rows of :attr:`_Source.info`, when the caller has them."""
         src = plan.chunk_source[eids]
-        per = np.array([(s.codec if s.reads or s.memory else native.FILL, s.nbytes, s.stored) for s in sources],
-                       np.int64).reshape(len(sources), 3)
+        if info is None:
+            info = np.array([s.info for s in sources], np.int64)
+        per = info[:, I_CODEC:]
         chunks = np.empty((len(eids), native.N_CHUNK_COLS), np.int64)
         chunks[:, native.C_SOURCE] = src
         if fetched:
@@ -262,8 +272,7 @@ class NativeDecoder:
         copies[:, 1] = plan.copy_row * row_stride + plan.copy_box_start @ dst_strides
         copies[:, 2:] = plan.copy_extent
         table = np.stack([s.row for s in sources])
-        starts = np.cumsum([0] + [len(s.prefix) for s in sources[:-1]])
-        table[:, native.S_PATH_START] = starts
+        table[:, native.S_PATH_START] = list(itertools.accumulate([len(s.prefix) for s in sources[:-1]], initial=0))
         blob = b"".join(s.prefix for s in sources)
         nbytes = out.numel() * out.element_size()
         dst = out.view(-1).view(torch.uint8).numpy()  # holds the tensor's memory for the job's lifetime

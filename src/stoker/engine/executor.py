@@ -27,6 +27,9 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ..errors import InvalidArgument
+from .cast import numpy_view
+
+_UNSET: Any = object()
 
 class Job:
     """One batch in flight. ``then(job)``, if given, runs once every chunk is in place (on the thread that
@@ -34,11 +37,9 @@ class Job:
 
     def __init__(self, plan: Any, out: torch.Tensor, n_chunks: int,
                  then: Callable[["Job"], None] | None = None) -> None:
-        from .cast import numpy_view
-
         self.plan = plan
         self.out = out
-        self.out_np = numpy_view(out)  # numpy indexing costs far less GIL time than torch's
+        self._out_np = _UNSET  # made when first asked for: the engine's batches never need it
         self.done = threading.Event()
         self.error: BaseException | None = None
         self._remaining = n_chunks
@@ -51,6 +52,18 @@ class Job:
         self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0, "bytes_to_device": 0}
         if n_chunks == 0:
             self._complete()
+
+    @property
+    def out_np(self) -> Any:
+        """A numpy view of ``out`` (None where numpy lacks its dtype, or off the CPU): numpy indexing costs
+        far less GIL time than torch's."""
+        if self._out_np is _UNSET:
+            self._out_np = None if self.out is None else numpy_view(self.out)
+        return self._out_np
+
+    @out_np.setter
+    def out_np(self, value: Any) -> None:
+        self._out_np = value
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)

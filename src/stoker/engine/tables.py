@@ -234,24 +234,36 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
     source_of: dict[str, int] = {}
     shape, channels = batch_shape(samples)  # every copy's offsets are into a crop of this shape
     ndim = len(shape)
-    sids, starts = [], []
-    for uri, aabb in parts(samples):  # one step per sample and channel (a row each: b * C + c)
+    crops = parts(samples)  # one per sample and channel (a row each: b * C + c)
+    sids = []
+    for uri, _ in crops:
         sid = source_of.get(uri)
         if sid is None:
+            try:
+                reader = open_reader(uri)
+            except BaseException:  # a crop before it out of bounds is the batch's first error
+                for (earlier, aabb), at in zip(crops, sids):
+                    check_in_bounds(aabb, sources[at].shape, earlier)
+                raise
             sid = source_of[uri] = len(sources)
-            sources.append(open_reader(uri))
-        check_in_bounds(aabb, sources[sid].shape, uri)
+            sources.append(reader)
         sids.append(sid)
-        starts += [start for start, _ in aabb]
+    if any(len(r.shape) != ndim for r in sources):  # the first crop at fault raises RankMismatch (or OutOfBounds)
+        for (uri, aabb), at in zip(crops, sids):
+            check_in_bounds(aabb, sources[at].shape, uri)
     sid = np.array(sids, np.int64)
-    start = np.array(starts, np.int64).reshape(len(sids), ndim)
+    boxes = np.array([aabb for _, aabb in crops], np.int64).reshape(len(crops), ndim, 2)
+    start = np.ascontiguousarray(boxes[:, :, 0])
     # per array: item size, chunk shape, element strides in its decoded layout (C order, or permuted: v2 F
-    # order, v3 transpose), sharded or not
-    per_array = np.array([(r.dtype.itemsize, *r.chunks, *r.metadata.codec.element_strides,
-                           r.metadata.sharding is not None) for r in sources], np.int64).reshape(len(sources), -1)
+    # order, v3 transpose), sharded or not, shape
+    per_array = np.array([_array_row(r) for r in sources], np.int64).reshape(len(sources), -1)
     itemsize, chunk_shapes, chunk_strides = (np.ascontiguousarray(per_array[:, at]) for at in
                                              (0, slice(1, 1 + ndim), slice(1 + ndim, 1 + 2 * ndim)))
     is_sharded = per_array[:, 1 + 2 * ndim].astype(bool)
+    out_of_bounds = (boxes[:, :, 1] > per_array[sid, 2 + 2 * ndim:]).any(axis=1)
+    if out_of_bounds.any():  # the first crop out of bounds raises OutOfBounds
+        at = int(np.argmax(out_of_bounds))
+        check_in_bounds(crops[at][1], sources[sids[at]].shape, crops[at][0])
     bytes_needed = math.prod(shape) * int(itemsize[sid].sum())
     grid = _grid_compiled if native.plan_grid is not None else _grid_numpy
     (row, c_start, b_start, c_extent, src_offset, chunk_source, chunk_index, first_copy, n_copies, byte_start,
@@ -339,6 +351,17 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         chunk_length, chunk_inner,
         np.concatenate(files) if len(files) > 1 else files[0], channels,
     )
+
+
+def _array_row(reader: ArrayReader) -> tuple[int, ...]:
+    """What plan_tables needs of an array, in one row: item size, chunk shape, element strides, sharded or
+    not, shape. Kept on the reader (its metadata never changes): planning asks for it every batch."""
+    row = reader.__dict__.get("_table_row")
+    if row is None:
+        meta = reader.metadata
+        row = reader.__dict__["_table_row"] = (meta.dtype.itemsize, *meta.read_chunk_shape,
+                                              *meta.codec.element_strides, meta.sharding is not None, *meta.shape)
+    return row
 
 
 def _raiser(exc: BaseException) -> Callable[[], None]:

@@ -40,11 +40,12 @@ class Sample:
     single-array sample (no channel axis) and ``len(uris)`` otherwise (also for a list of one).
     """
 
-    __slots__ = ("uri", "uris", "channels", "aabb", "_hash")
+    __slots__ = ("uri", "uris", "channels", "aabb", "crop_shape", "_hash")
     uri: str
     uris: tuple[str, ...]
     channels: int | None
     aabb: Box
+    crop_shape: tuple[int, ...]  # the shape of the box (what is read from each array); planners ask it often
     _hash: int
 
     def __init__(self, uri: str | os.PathLike | Sequence[str | os.PathLike], aabb: Any) -> None:
@@ -62,6 +63,7 @@ class Sample:
         object.__setattr__(self, "uris", uris)
         object.__setattr__(self, "channels", channels)
         object.__setattr__(self, "aabb", box)
+        object.__setattr__(self, "crop_shape", box_shape(box))
         object.__setattr__(self, "_hash", hash((uris, channels, box)))
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -70,13 +72,8 @@ class Sample:
     @property
     def shape(self) -> tuple[int, ...]:
         """The sample's shape in a batch: the box's shape, with the channel axis first when it has one."""
-        crop = box_shape(self.aabb)
+        crop = self.crop_shape
         return crop if self.channels is None else (self.channels, *crop)
-
-    @property
-    def crop_shape(self) -> tuple[int, ...]:
-        """The shape of the box (what is read from each array)."""
-        return box_shape(self.aabb)
 
     @property
     def box(self) -> Box:
