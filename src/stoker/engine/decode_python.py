@@ -57,6 +57,13 @@ class Fetch:
     requests: list[ByteRange]
     cids: Sequence[int]
     cost: int
+    # ask the store (one that ``reports_versions``) for the version of every object read; once fetched:
+    # ``(value_versions, part_versions)`` (see ObjectStore.get_many)
+    versions: bool = False
+    got_versions: tuple | None = None
+    # parts that are the stored blocks of a blosc frame, by part number: ``(lo, FrameTable, key)``
+    # (see stoker.engine.frame_spans)
+    spans: dict | None = None
 
 
 def fetches_within(items: Sequence, fetch_of: Callable[[Sequence], "Fetch"], limit: int) -> list["Fetch"]:
@@ -252,7 +259,8 @@ class PythonDecoder:
             t0 = time.perf_counter()
             start = getattr(kv, "start_get_many", None)
             if start is not None:
-                future = start(fetch.keys, fetch.requests)
+                future = start(fetch.keys, fetch.requests, versions=True) if fetch.versions else \
+                    start(fetch.keys, fetch.requests)
                 future.add_done_callback(
                     lambda f: self._hand_over(job, fetch, then, users, res, t0, lambda: kv.result_of(f)))
                 return
@@ -299,9 +307,12 @@ class PythonDecoder:
                 job.finish(len(fetch.cids))
                 return
             try:
-                values, parts = result()
+                got = result()
             except StorageError as exc:  # a range past a shard's end: that array's DecodeError
                 raise_read_error(job.plan.sources, exc)
+            values, parts = got[0], got[1]
+            if len(got) > 2:  # the objects' versions, asked for
+                fetch.got_versions = (got[2], got[3])
             nread = sum(len(v) for v in values if v is not None) + sum(len(p) for p in parts)
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
             job.count(bytes_read=nread)

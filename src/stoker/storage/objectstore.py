@@ -355,27 +355,32 @@ class ObjectStore:
 
     # -- reads ----------------------------------------------------------------------------------
 
+    #: get_many and start_get_many can say which version of each object they read (``versions=True``)
+    reports_versions = True
+
     def get(self, key: str) -> memoryview:
         check_key(key)
-        return self._run(self._attempts(key, "read", lambda: self._get_whole(key)))
+        return self._run(self._attempts(key, "read", lambda: self._get_whole(key)))[0]
 
-    async def _get_whole(self, key: str) -> memoryview:
+    async def _get_whole(self, key: str) -> tuple[memoryview, Version | None]:
+        """The value of ``key`` and the version of the object that gave it."""
         import obstore
 
         result = await obstore.get_async(self._obstore(), key)
         data = memoryview(await result.bytes_async())
         if len(data) != result.meta["size"]:
             raise _ShortBody(f"got {len(data)} bytes of a {result.meta['size']}-byte value")
-        return data
+        return data, _version(result.meta)
 
-    async def _get_range(self, r: ByteRange, start: int, length: int) -> memoryview:
-        """``length`` bytes at ``start`` of ``r.key`` (``start`` < 0: the last ``length`` bytes)."""
+    async def _get_range(self, r: ByteRange, start: int, length: int) -> tuple[memoryview, Version | None]:
+        """``length`` bytes at ``start`` of ``r.key`` (``start`` < 0: the last ``length`` bytes), and the version
+        of the object that gave them."""
         import obstore
 
         asked = {"suffix": length} if start < 0 else (start, start + length)
         if length == 0:
-            await obstore.head_async(self._obstore(), r.key)  # a zero-length range of a missing key is missing
-            return memoryview(b"")
+            # a zero-length range of a missing key is missing
+            return memoryview(b""), _version(await obstore.head_async(self._obstore(), r.key))
         result = await obstore.get_async(self._obstore(), r.key, options={"range": asked})
         first, end = result.range
         size = result.meta["size"]
@@ -387,7 +392,7 @@ class ObjectStore:
         data = memoryview(await result.bytes_async())
         if len(data) != length:
             raise _ShortBody(f"got {len(data)} of {length} bytes")
-        return data
+        return data, _version(result.meta)
 
     def get_ranges(self, requests: Sequence[ByteRange]) -> list[memoryview]:
         reads = self._plan_reads(requests)
@@ -409,21 +414,23 @@ class ObjectStore:
         return reads
 
     async def _get_ranges(self, n: int, reads: list) -> list[memoryview]:
-        out, tasks = await self._start_ranges(n, reads, asyncio.Semaphore(self.max_in_flight))
+        out, _, tasks = await self._start_ranges(n, reads, asyncio.Semaphore(self.max_in_flight))
         await self._gather(tasks)
         return out
 
-    async def _start_ranges(self, n: int, reads: list, gate: asyncio.Semaphore) -> tuple[list, list]:
+    async def _start_ranges(self, n: int, reads: list, gate: asyncio.Semaphore) -> tuple[list, list, list]:
         out: list = [None] * n
+        versions: list = [None] * n
 
         async def one(r: ByteRange, start: int, length: int, serve: list[tuple[int, slice]]) -> None:
             async with self._slot(gate, r.key, "ranged read", self._call_slots()):
-                data = await self._attempts(r.key, "ranged read", lambda: self._get_range(r, start, length),
-                                            short=lambda k: _unsatisfiable(self.uri, r, k))
+                data, version = await self._attempts(r.key, "ranged read", lambda: self._get_range(r, start, length),
+                                                     short=lambda k: _unsatisfiable(self.uri, r, k))
             for i, part in serve:
                 out[i] = data[part]
+                versions[i] = version
 
-        return out, [asyncio.ensure_future(one(*read)) for read in reads]
+        return out, versions, [asyncio.ensure_future(one(*read)) for read in reads]
 
     @staticmethod
     async def _gather(tasks: list) -> None:
@@ -435,14 +442,16 @@ class ObjectStore:
             await asyncio.gather(*tasks, return_exceptions=True)  # and collect what they raised
             raise
 
-    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange]) \
-            -> tuple[list[memoryview | None], list[memoryview]]:
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False) -> tuple:
         """Whole values of ``keys`` (None for a missing one) and the bytes of ``requests`` (ranges of one
         object merged as :meth:`get_ranges` merges them), all in one call, at most ``max_in_flight``
-        requests at once."""
-        return self._wait(self.start_get_many(keys, requests))
+        requests at once. With ``versions``, also the :data:`Version` of the object each value and each
+        range came from (``(values, parts, value_versions, part_versions)``): a caller that keeps what it
+        learnt of an object checks a later read against it."""
+        return self._wait(self.start_get_many(keys, requests, versions))
 
-    def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> concurrent.futures.Future:
+    def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange],
+                       versions: bool = False) -> concurrent.futures.Future:
         """:meth:`get_many` without waiting: its future (a thread waits for no network). Its result or
         exception is :meth:`get_many`'s; cancelled when the store is closed (:meth:`result_of` says
         :class:`ShutdownError`)."""
@@ -450,7 +459,7 @@ class ObjectStore:
             check_key(key)
         reads = self._plan_reads(requests)
         rounds = -(-(len(reads) + len(keys)) // self.max_in_flight)
-        return self._start(self._get_many(list(keys), len(requests), reads), rounds=max(1, rounds))
+        return self._start(self._get_many(list(keys), len(requests), reads, versions), rounds=max(1, rounds))
 
     def result_of(self, future: concurrent.futures.Future):
         """The result of a finished future of :meth:`start_get_many` (raising its error; a cancelled one:
@@ -459,21 +468,22 @@ class ObjectStore:
             raise self._closed_mid_read()
         return future.result()
 
-    async def _get_many(self, keys: list[str], n: int, reads: list) -> tuple[list, list]:
+    async def _get_many(self, keys: list[str], n: int, reads: list, versions: bool = False) -> tuple:
         values: list = [None] * len(keys)
+        value_versions: list = [None] * len(keys)
         gate = asyncio.Semaphore(self.max_in_flight)
 
         async def whole(i: int, key: str) -> None:
             async with self._slot(gate, key, "read", self._call_slots()):
                 try:
-                    values[i] = await self._attempts(key, "read", lambda: self._get_whole(key))
+                    values[i], value_versions[i] = await self._attempts(key, "read", lambda: self._get_whole(key))
                 except NotFound:
                     values[i] = None
 
-        out, tasks = await self._start_ranges(n, reads, gate)
+        out, part_versions, tasks = await self._start_ranges(n, reads, gate)
         tasks += [asyncio.ensure_future(whole(i, key)) for i, key in enumerate(keys)]
         await self._gather(tasks)
-        return values, out
+        return (values, out, value_versions, part_versions) if versions else (values, out)
 
     def get_each(self, requests: Sequence[ByteRange]) -> list[memoryview | Exception]:
         """The bytes of each range, or the error that range alone met (see
@@ -489,8 +499,10 @@ class ObjectStore:
         async def one(r: ByteRange):
             try:
                 async with self._slot(gate, r.key, "ranged read", self._call_slots()):
-                    return await self._attempts(r.key, "ranged read", lambda: self._get_range(r, r.start, r.length),
-                                                short=lambda k: _unsatisfiable(self.uri, r, k))
+                    data, _ = await self._attempts(r.key, "ranged read",
+                                                   lambda: self._get_range(r, r.start, r.length),
+                                                   short=lambda k: _unsatisfiable(self.uri, r, k))
+                    return data
             except Exception as exc:  # noqa: BLE001 - this range's own error (no free slot too), in its place
                 return exc
 
@@ -553,6 +565,17 @@ class ObjectStore:
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.uri!r})"
+
+
+#: What identifies one version of an object: its size and ETag (a rewritten object gets a new ETag).
+Version = tuple[int, str]
+
+
+def _version(meta: dict) -> Version | None:
+    """The :data:`Version` an answer's metadata states, or None where the server sends no ETag (then
+    nothing learnt of the object can be checked against a later read, and nothing is kept)."""
+    e_tag = meta.get("e_tag")
+    return (int(meta["size"]), str(e_tag)) if e_tag else None
 
 
 async def _within(op: Callable, seconds: float):
