@@ -111,7 +111,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(end - start))
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True))
-        self.send_header("ETag", f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{size:x}"')
+        if self.server.etags:
+            self.send_header("ETag", f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{size:x}"')
         self.end_headers()
         if not body:
             return
@@ -134,6 +135,7 @@ class RangeServer(ThreadingHTTPServer):
         self.root = root
         self.latency_s = 0.0
         self.missing_status = 404
+        self.etags = True  # False: answers name no version of the file (as some servers do)
         self.requests = 0
         self.in_flight = self.peak_in_flight = 0
         self._faults: list[tuple] = []

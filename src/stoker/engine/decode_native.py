@@ -41,9 +41,16 @@ from .cast import fill_value_as, torch_dtype_of
 from ..storage import ByteRange
 from .decode_python import Fetch, PythonDecoder, fetches_within, span_bytes
 from .executor import Job
+from .frame_spans import FrameTables, assemble
 from .plan import ChunkTask, FileRead, shard_reads
 from .stats import StatsRecorder
 from .tables import TablePlan
+
+#: A fetch from a store holds at most this much: a batch's chunks fetched in a few calls, whose first ones the
+#: engine decodes while the others are still in flight (one call for the whole batch decodes nothing until its
+#: slowest request is in: scenario 1 over S3 at 20 ms went from 150-167 to 186-201 samples/s with 16 MiB, about
+#: four calls per batch; 8 MiB gave 182-196). See docs/performance.md, "Tuning constants".
+FETCH_MAX_BYTES = 16 << 20
 
 #: Batches at least this large are written with streaming stores (whole cache lines straight to memory).
 #: A batch that size outgrows the caches before anyone reads it, so ordinary stores only add a read of
@@ -170,6 +177,7 @@ class NativeDecoder:
         self._stats = stats
         self._max_group, self._max_gap = max_group, max_gap
         self._sources: dict[tuple, tuple[object, _Source]] = {}
+        self._frames = FrameTables()  # blosc frames of arrays in stores: fetch only the blocks crops need
         self._cond = threading.Condition()
         # (job, engine job, its chunks, and for fetched chunks (their buffers, the fetch's reservation))
         self._pending: list[tuple[Job, object, np.ndarray, tuple | None]] = []
@@ -282,10 +290,11 @@ class NativeDecoder:
 
     def _fetch(self, job: Job, ids: np.ndarray, kind: int, sources: list[_Source]) -> None:
         """Fetch the stored chunks ``ids`` (of arrays in stores) through the Python path's fetches: per store,
-        in groups of at most a quarter of its budget (a group at least one chunk), in chunk order; each
-        finished fetch goes to the engine in one call (:meth:`_fetched`). A step per store and per group."""
+        in groups of at most a quarter of its budget (and FETCH_MAX_BYTES over a network; a group at least
+        one chunk), in chunk order; each finished fetch goes to the engine in one call (:meth:`_fetched`). A
+        step per store and per group."""
         plan = job.plan
-        limit = max(1, self._python.budget.capacity // 4)
+        quarter = max(1, self._python.budget.capacity // 4)
         src = plan.chunk_source[ids]
         stored = np.array([s.stored for s in sources], np.int64)
         # before the fetch, a whole value may take the most its codec stores; a range is its length
@@ -294,6 +303,9 @@ class NativeDecoder:
         store_of = np.array([kvs.setdefault(id(s.kv), (len(kvs), s.kv))[0] for s in sources], np.int64)[src]
         then = functools.partial(self._fetched, kind=kind, sources=sources)
         for k, kv in kvs.values():
+            # a store read over a network (its fetches start without a waiting thread) gets its batch in a few
+            # fetches, decoded as each comes in; a zip archive's reads wait for nobody
+            limit = min(quarter, FETCH_MAX_BYTES) if getattr(kv, "start_get_many", None) is not None else quarter
             mine = store_of == k
             group_ids, group_cost = ids[mine], np.cumsum(cost[mine])
             fetch_of = functools.partial(self._fetch_of, plan, kv, sources=sources, stored=stored)
@@ -306,7 +318,8 @@ class NativeDecoder:
                 start = stop
 
     def _fetch_of(self, plan: TablePlan, kv, ids: np.ndarray, sources: list[_Source], stored: np.ndarray) -> Fetch:
-        """One fetch of ``ids``: their whole values, then their ranges (inner chunks), and what it holds."""
+        """One fetch of ``ids``: their whole values, then their ranges (inner chunks), then the blocks some
+        crops need of blosc chunks whose frame tables are kept (:mod:`.frame_spans`), and what it holds."""
         whole = ids[plan.chunk_offset[ids] < 0]
         ranged = ids[plan.chunk_offset[ids] >= 0]
         shards, which = np.unique(plan.chunk_file[ranged], return_inverse=True)
@@ -314,9 +327,75 @@ class NativeDecoder:
         paths = np.array(self._keys(plan, shards, sources) + [""], object)[:-1]  # 1-d even when empty
         offsets, lengths = plan.chunk_offset[ranged], plan.chunk_length[ranged]
         requests = list(map(ByteRange, paths[which].tolist(), offsets.tolist(), lengths.tolist()))
+        keys = self._keys(plan, plan.chunk_file[whole], sources)
+        versions = bool(getattr(kv, "reports_versions", False))
+        spans: dict = {}
+        if versions and len(self._frames) and len(whole):
+            whole, keys, span_ids = self._spans_of(plan, kv, whole, keys, sources, requests, spans)
+        else:
+            span_ids = whole[:0]
         held = int(stored[plan.chunk_source[whole]].sum()) + span_bytes(kv, which, offsets, lengths)
-        return Fetch(kv, self._keys(plan, plan.chunk_file[whole], sources), requests,
-                     np.concatenate([whole, ranged]), held)
+        held += sum(table.cbytes + hi - lo for lo, hi, table, _ in spans.values())  # each span's frame and blocks
+        return Fetch(kv, keys, requests, np.concatenate([whole, ranged, span_ids]), held, versions=versions,
+                     spans={j: (lo, table, key) for j, (lo, _, table, key) in spans.items()} or None)
+
+    def _spans_of(self, plan: TablePlan, kv, whole: np.ndarray, keys: list[str], sources: list[_Source],
+                  requests: list[ByteRange], spans: dict) -> tuple[np.ndarray, list[str], np.ndarray]:
+        """Of the whole values ``whole`` (keys ``keys``), the blosc chunks whose frame tables are kept and
+        whose crops need only some blocks become ranges of those blocks, appended to ``requests`` (their
+        ``(lo, hi, table, key)`` in ``spans`` by part number); returns the values left whole, their keys and
+        the chunks fetched as spans. A step per whole value of a blosc array in a store."""
+        keep, span_ids = [], []
+        for k, cid in enumerate(whole.tolist()):
+            source = sources[int(plan.chunk_source[cid])]
+            got = None
+            if source.codec == native.BLOSC:
+                got = self._frames.span(kv.uri, keys[k], source.nbytes, int(plan.byte_start[cid]),
+                                        int(plan.byte_stop[cid]))
+            if got is None:
+                keep.append(k)
+                continue
+            lo, hi, table = got
+            spans[len(requests)] = (lo, hi, table, keys[k])
+            requests.append(ByteRange(keys[k], lo, hi - lo))
+            span_ids.append(cid)
+        return whole[keep], [keys[k] for k in keep], np.array(span_ids, np.int64)
+
+    def _frames_from(self, fetch: Fetch, values: list, parts: list, sources: list[_Source],
+                     plan: TablePlan) -> tuple[list, np.ndarray]:
+        """Learn the frame tables of the blosc chunks ``fetch`` got whole, and lay out each span's blocks in a
+        frame buffer (:func:`~.frame_spans.assemble`). Returns the parts as the engine reads them and the parts
+        that came from another version of their object than their table (to fetch whole again)."""
+        value_versions, part_versions = fetch.got_versions or ([None] * len(values), [None] * len(parts))
+        store = fetch.kv.uri
+        for k, value in enumerate(values):
+            source = sources[int(plan.chunk_source[fetch.cids[k]])]
+            if value is not None and source.codec == native.BLOSC:
+                self._frames.learn(store, fetch.keys[k], value, source.nbytes, value_versions[k])
+        stale = []
+        if fetch.spans:
+            parts = list(parts)
+            for j, (lo, table, key) in fetch.spans.items():
+                if self._frames.fits(store, key, table, part_versions[j]):
+                    parts[j] = assemble(table, lo, parts[j])
+                else:
+                    stale.append(j)
+        return parts, np.array(stale, np.int64)
+
+    def _refetch(self, job: Job, fetch: Fetch, values: list, parts: list, stale: np.ndarray, kind: int,
+                 sources: list[_Source]) -> tuple[np.ndarray, list]:
+        """Fetch the chunks of the ``stale`` parts of ``fetch`` again, whole, in a fetch of their own (its
+        own reservation; the engine decodes it when it comes); returns the ids and parts left to decode now."""
+        first = len(values)
+        gone = first + stale
+        keep = np.setdiff1d(np.arange(len(fetch.cids)), gone)
+        plan = job.plan
+        cids = np.asarray(fetch.cids)[gone]
+        cost = int(sum(sources[int(plan.chunk_source[c])].stored for c in cids.tolist()))
+        again = Fetch(fetch.kv, [fetch.spans[int(j)][2] for j in stale.tolist()], [], cids, cost, versions=True)
+        self._python.fetch(job, again, functools.partial(self._fetched, kind=kind, sources=sources))
+        left = set(stale.tolist())
+        return np.asarray(fetch.cids)[keep], [p for j, p in enumerate(parts) if j not in left]
 
     @staticmethod
     def _keys(plan: TablePlan, rows: np.ndarray, sources: list[_Source]) -> list[str]:
@@ -342,8 +421,12 @@ class NativeDecoder:
         buffers, which the engine's job holds until it is done or cancelled (``res``, what the fetch reserved,
         is released once it is done)."""
         ids = fetch.cids
-        buffers = values + parts
         try:
+            if fetch.versions:
+                parts, stale = self._frames_from(fetch, values, parts, sources, job.plan)
+                if len(stale):  # rewritten since their tables were learnt: fetched whole, not decoded here
+                    ids, parts = self._refetch(job, fetch, values, parts, stale, kind, sources)
+            buffers = values + parts
             if self._closing:
                 raise ShutdownError("the pipeline was closed while this batch was being made")
             bjob = self.engine.submit(*self._tables(job.plan, job.out, kind, sources, ids, fetched=True), buffers)

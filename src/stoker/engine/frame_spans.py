@@ -1,0 +1,119 @@
+"""Fetch only the blocks a crop needs of a blosc chunk in an object store.
+
+A blosc1 frame is a 16-byte header, a table of where each block is stored, then the blocks; the engine
+decodes only the blocks that hold a crop's bytes when they are at most ``PARTIAL_MAX_SHARE`` of the chunk
+(csrc/codecs.c, the rule of :mod:`stoker.zarr.codecs.blosc`). From a local file it reads just those blocks;
+from an object store the first fetch of a chunk has to take the whole value, since nothing says where its
+blocks are. :class:`FrameTables` keeps the header and table of each blosc frame fetched whole from a store,
+with the version of the object it came from (:data:`~stoker.storage.objectstore.Version`: its size and
+ETag). A later crop of the same chunk then fetches one range, the stored bytes of the blocks it needs
+(:meth:`FrameTables.span`), and :func:`assemble` lays them out where they sit in the frame, in a buffer of
+the frame's size holding the kept header and table; the engine decodes that buffer as the whole frame, and
+reads only those blocks (the rest of the buffer is zeros it never reads).
+
+A range whose answer comes from another version of the object (rewritten since its table was kept) is
+not decoded: its table is forgotten and the chunk fetched whole again (:meth:`FrameTables.fits`). A store
+that sends no ETag gets no spans: nothing could tell its versions apart.
+
+>>> tables = FrameTables()
+>>> tables.learn(store_id, "c/0/1", frame, nbytes=1 << 20, version=(736564, '"abc"'))
+>>> lo, hi, table = tables.span(store_id, "c/0/1", nbytes=1 << 20, byte_start=0, byte_stop=200_000)
+>>> buffer = assemble(table, lo, fetched)   # then decoded as the whole frame
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import numpy as np
+
+from ..runtime import gil
+from ..storage.cache import SizedLRU
+from ..zarr.codecs import blosc
+
+#: default bound on the tables kept per pipeline: about 100,000 frames of 4-16 blocks
+DEFAULT_TABLE_BYTES = 16 << 20
+_ENTRY_OVERHEAD = 200  # bytes of Python objects around each kept header and table
+
+
+@dataclass(frozen=True)
+class FrameTable:
+    """What is kept of one blosc frame: its header and block table (``head``), its stored size
+    (``cbytes``) and the version of the object it was fetched from."""
+
+    head: bytes
+    cbytes: int
+    version: Any
+
+
+class FrameTables:
+    """Headers and block tables of blosc frames fetched whole from object stores, by ``(store, key)``;
+    bounded by ``max_bytes`` (least recently used first out). Thread-safe."""
+
+    def __init__(self, max_bytes: int = DEFAULT_TABLE_BYTES) -> None:
+        self._kept: SizedLRU[FrameTable] = SizedLRU(max_bytes, lambda t: len(t.head) + _ENTRY_OVERHEAD)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def learn(self, store: Hashable, key: str, frame: Any, nbytes: int, version: Any) -> None:
+        """Keep the header and table of ``frame`` (a chunk of ``nbytes`` decoded bytes, the whole value of
+        ``key``) when a later crop could fetch only some of its blocks: a sound blosc1 frame of that size,
+        blocks not memcpy'd, whole items, and a version to check later reads against."""
+        if version is None:
+            return
+        try:
+            typesize, size, blocksize, cbytes = blosc.frame_info(frame)
+            mv = memoryview(frame).cast("B")
+            table_end = blosc.table_size(mv[:blosc.HEADER_SIZE])
+        except (blosc.PartialDecodeError, ValueError, TypeError):
+            return  # the engine reports what is wrong with it
+        if size != nbytes or size % typesize or table_end == blosc.HEADER_SIZE or nbytes <= blocksize:
+            return  # decoded whole (another size, partial items, memcpy'd or a single block)
+        self._kept.put((store, key), FrameTable(bytes(mv[:table_end]), cbytes, version))
+
+    def span(self, store: Hashable, key: str, nbytes: int, byte_start: int,
+             byte_stop: int) -> tuple[int, int, FrameTable] | None:
+        """``(lo, hi, table)``: the stored bytes ``[lo, hi)`` of the blocks holding decoded bytes
+        ``[byte_start, byte_stop)`` of ``key``'s frame, when its table is kept and the engine decodes that
+        span from those blocks alone (the rule csrc/codecs.c applies: the blocks are at most
+        ``PARTIAL_MAX_SHARE`` of the chunk); else None (fetch the whole value)."""
+        table = self._kept.get((store, key))
+        if table is None or not 0 <= byte_start < byte_stop <= nbytes:
+            return None
+        try:
+            if not blosc.partial_ok(table.head, nbytes, byte_start, byte_stop):
+                return None
+            lo, hi = blosc.stored_range(table.head, byte_start, byte_stop)
+        except blosc.PartialDecodeError:
+            return None
+        return max(lo, len(table.head)), hi, table
+
+    def fits(self, store: Hashable, key: str, table: FrameTable, version: Any) -> bool:
+        """Whether a range of ``key`` read at ``version`` came from the object ``table`` was learnt from;
+        when not, the table is forgotten (the chunk is then fetched whole, and its new table learnt)."""
+        if version is not None and version == table.version:
+            return True
+        self._kept.discard((store, key), lambda kept: kept is table)
+        return False
+
+
+def assemble(table: FrameTable, lo: int, blocks: Any) -> np.ndarray:
+    """The frame ``table`` describes with ``blocks`` (its stored bytes from ``lo``) in place, as one
+    buffer of the frame's size: header and table, zeros, the blocks, zeros. Every byte is written once,
+    so nothing of another chunk is ever left in it, and the bulk of it without the GIL."""
+    out = np.empty(table.cbytes, np.uint8)
+    head = np.frombuffer(table.head, np.uint8)
+    out[:len(head)] = head
+    gil.released(_lay_out, out, len(head), lo, np.frombuffer(blocks, np.uint8))
+    return out
+
+
+def _lay_out(out: np.ndarray, start: int, lo: int, data: np.ndarray) -> None:
+    """Zeros in ``out[start:lo]`` and after the blocks, ``data`` from ``lo`` (numpy fills and copies without
+    holding the GIL)."""
+    hi = lo + len(data)
+    out[start:lo] = 0
+    out[lo:hi] = data
+    out[hi:] = 0
