@@ -6,6 +6,7 @@ no version gets no spans. Also: a batch larger than a fetch holds goes to the st
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import numcodecs
@@ -16,6 +17,7 @@ import zarr
 
 import stoker
 from stoker.engine import decode_native, native
+from stoker.engine.decode_python import PythonDecoder
 from stoker.engine.frame_spans import FrameTables, assemble
 from stoker.storage.objectstore import ObjectStore
 from stoker.zarr.codecs import blosc
@@ -26,21 +28,24 @@ from store_fixtures import BUCKET, MotoS3, read_tree
 PREFIX = "blosc-spans"  # in the bucket the store tests share (one moto backend per process)
 FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
 # uint16: 256 KiB chunks, which blosc (lz4, level 1) cuts into four blocks of 64 KiB (32 rows each)
-SHAPE, CHUNKS = (256, 1024), (128, 1024)
+SHAPE, CHUNKS = (384, 1024), (128, 1024)
 # crops of 10 rows: one of a chunk's four blocks, or two across a block boundary
 BOXES = [[(3, 13), (0, 1024)], [(130, 140), (0, 1024)], [(60, 70), (0, 1024)], [(200, 210), (0, 1024)]]
 
 pytestmark = pytest.mark.skipif(native.Engine is None or not native.blosc, reason="the compiled engine reads blosc")
 
 
-def _write(path: str, seed: int) -> None:
+def _data(seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    data = (rng.integers(0, 300, SHAPE) + np.arange(SHAPE[1])).astype("<u2")
+    return (rng.integers(0, 300, SHAPE) + np.arange(SHAPE[1])).astype("<u2")
+
+
+def _write(path: str, seed: int = 1, data: np.ndarray | None = None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         z = zarr.create_array(path, shape=SHAPE, chunks=CHUNKS, dtype="<u2", zarr_format=2, fill_value=0,
                               compressors=numcodecs.Blosc("lz4", 1, numcodecs.Blosc.SHUFFLE))
-        z[...] = data
+        z[...] = _data(seed) if data is None else data
 
 
 @pytest.fixture(scope="module")
@@ -83,50 +88,129 @@ def _local(root: str) -> list:
 
 
 @pytest.mark.parametrize("kind", ["s3", "http"])
-def test_a_second_pass_fetches_only_the_blocks_its_crops_need(served, kind):
+def test_a_second_pass_fetches_only_the_blocks_its_crops_need(served, kind, monkeypatch):
     uri, options = _uri(served, kind)
+    decoded_in_python = []
+    monkeypatch.setattr(PythonDecoder, "decode_bytes", lambda self, *a, **k: decoded_in_python.append(a))
     (first, read_first), (second, read_second) = _passes(uri, options)
     local = _local(served["root"])
     for got in (first, second):
         assert [b.numpy().tobytes() for b in got] == [b.numpy().tobytes() for b in local]
     # each crop needs one or two of its chunk's four blocks: well under half the bytes of the whole chunks
     assert read_second < 0.5 * read_first, (read_first, read_second)
+    assert not decoded_in_python  # the engine decoded every chunk, the spans' assembled frames included
 
 
-def test_a_chunk_rewritten_after_its_table_was_kept_is_fetched_whole_again(served, tmp_path):
-    """Over S3 (moto: a new ETag per upload) and HTTP (the file's identity): the second pass reads the new
-    chunks, never blocks of the new object placed in the old one's frame."""
-    new_root = str(tmp_path / "new")
-    _write(os.path.join(new_root, "a.zarr"), 2)
-    new_values = read_tree(new_root)
-    expected = _local(new_root)
+class _Private:
+    """A store of its own holding ``values``: a prefix of the shared moto server, or a RangeServer over a
+    folder; :meth:`replace` makes it hold other values (keys missing from them deleted)."""
 
-    def rewrite_s3() -> None:
-        for key, value in new_values.items():
-            served["s3"].client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{key}", Body=value)
+    def __init__(self, served, kind: str, values: dict[str, bytes], folder: str) -> None:
+        self.kind, self.served, self.values = kind, served, dict(values)
+        if kind == "s3":
+            self.prefix = f"{PREFIX}/{os.path.basename(folder)}"
+            self._put(values)
+            self.uri = f"s3://{BUCKET}/{self.prefix}/a.zarr"
+            self.options = {f"s3://{BUCKET}/": {**served["s3"].options, **FAST}}
+        else:
+            self.folder = folder
+            self._put(values)
+            self.server = RangeServer(folder)
+            self.uri, self.options = f"{self.server.url}/a.zarr", {self.server.url + "/": FAST}
 
-    uri, options = _uri(served, "s3")
-    try:
-        (_, _), (second, _) = _passes(uri, options, between=rewrite_s3)
-        assert [b.numpy().tobytes() for b in second] == [b.numpy().tobytes() for b in expected]
-    finally:  # the fixture's values again, for the other tests
-        for key, value in read_tree(served["root"]).items():
-            served["s3"].client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{key}", Body=value)
-
-    http_root = str(tmp_path / "served")
-    _write(os.path.join(http_root, "a.zarr"), 1)
-    server = RangeServer(http_root)
-    try:
-        def rewrite_files() -> None:
-            for key, value in new_values.items():
-                with open(os.path.join(http_root, key), "wb") as f:
+    def _put(self, values: dict[str, bytes]) -> None:
+        for key, value in values.items():
+            if self.kind == "s3":
+                self.served["s3"].client.put_object(Bucket=BUCKET, Key=f"{self.prefix}/{key}", Body=value)
+            else:
+                os.makedirs(os.path.dirname(os.path.join(self.folder, key)), exist_ok=True)
+                with open(os.path.join(self.folder, key), "wb") as f:
                     f.write(value)
 
-        uri, options = f"{server.url}/a.zarr", {server.url + "/": FAST}
-        (_, _), (second, _) = _passes(uri, options, between=rewrite_files)
-        assert [b.numpy().tobytes() for b in second] == [b.numpy().tobytes() for b in expected]
+    def replace(self, values: dict[str, bytes]) -> None:
+        for key in set(self.values) - set(values):
+            if self.kind == "s3":
+                self.served["s3"].client.delete_object(Bucket=BUCKET, Key=f"{self.prefix}/{key}")
+            else:
+                os.remove(os.path.join(self.folder, key))
+        self._put(values)
+        self.values = dict(values)
+
+    def close(self) -> None:
+        if self.kind == "http":
+            self.server.stop()
+
+
+def _tree_of(tmp_path, name: str, data: np.ndarray) -> tuple[dict[str, bytes], list]:
+    """The files of array ``a.zarr`` holding ``data`` (zarr leaves chunks of fill values unwritten), and
+    the batches a local pipeline reads from it."""
+    root = str(tmp_path / name)
+    _write(os.path.join(root, "a.zarr"), data=data)
+    return read_tree(root), _local(root)
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_a_chunk_rewritten_deleted_or_shrunk_after_its_table_was_kept_reads_as_it_now_is(served, kind, tmp_path):
+    """Between two passes the chunks change under the pipeline: rewritten with other data (a new ETag), or one
+    deleted (now the fill value) and one shrunk (compressed smaller than the range its kept table asks):
+    the second pass reads the arrays as they now are, never blocks of one version in another's frame."""
+    old = _data(1)
+    values, _ = _tree_of(tmp_path, "old", old)
+    rewritten = _data(2)
+    changed = old.copy()
+    changed[:128] = 0  # chunk 0 only fill: deleted
+    changed[128:] = 7  # chunk 1 one value: a frame far smaller than before
+    for name, data in [("rewritten", rewritten), ("changed", changed)]:
+        new_values, expected = _tree_of(tmp_path, name, data)
+        store = _Private(served, kind, values, str(tmp_path / f"served-{kind}-{name}"))
+        try:
+            (first, _), (second, _) = _passes(store.uri, store.options, between=lambda: store.replace(new_values))
+        finally:
+            store.close()
+        assert [b.numpy().tobytes() for b in second] == [b.numpy().tobytes() for b in expected], name
+    assert set(new_values) < set(values)  # chunk 0 was deleted
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_a_rewrite_of_the_same_size_is_told_apart_by_its_etag(served, kind, tmp_path):
+    """Blocks 0 and 1 of chunk 0 swapped: the same frame size, another block table; only the version
+    (size and ETag) says the kept table is not this object's."""
+    old = _data(1)
+    old[:32] = old[:32] % 30  # block 0 compresses better than block 1: their stored sizes differ
+    new = old.copy()
+    new[:32], new[32:64] = old[32:64], old[:32]
+    values, _ = _tree_of(tmp_path, "old", old)
+    new_values, expected = _tree_of(tmp_path, "new", new)
+    assert len(values["a.zarr/0.0"]) == len(new_values["a.zarr/0.0"])
+    assert values["a.zarr/0.0"][16:32] != new_values["a.zarr/0.0"][16:32]  # the block tables differ
+    store = _Private(served, kind, values, str(tmp_path / f"served-{kind}"))
+    try:
+        (_, _), (second, _) = _passes(store.uri, store.options, between=lambda: store.replace(new_values))
     finally:
-        server.stop()
+        store.close()
+    assert [b.numpy().tobytes() for b in second] == [b.numpy().tobytes() for b in expected]
+
+
+def test_one_fetch_of_a_whole_value_a_known_span_and_a_stale_one(served, tmp_path):
+    """Chunk 2 read whole for the first time, chunk 0 as a span, chunk 1 as a span of an object rewritten
+    since (the same bytes, a new ETag): each chunk's bytes reach its own place in the batch."""
+    data = _data(1)
+    values, _ = _tree_of(tmp_path, "a", data)
+    store = _Private(served, "http", values, str(tmp_path / "served"))
+    cfg = stoker.Config(batch_size=3, dtype="native", host_buffer_bytes=64 << 20, storage_options=store.options)
+    try:
+        with stoker.Pipeline(cfg) as p:
+            for k, boxes in enumerate([[[(3, 13), (0, 1024)], [(130, 140), (0, 1024)], [(5, 15), (0, 1024)]],
+                                       [[(260, 270), (0, 1024)], [(3, 13), (0, 1024)], [(130, 140), (0, 1024)]]]):
+                if k:
+                    time.sleep(0.01)  # a new modification time: a new ETag
+                    store.replace({**values, "a.zarr/1.0": bytes(values["a.zarr/1.0"])})
+                p.push([stoker.Sample(store.uri, box) for box in boxes])
+                with p.pop() as b:
+                    got = torch.from_dlpack(b).clone().numpy()
+                assert np.array_equal(got, np.stack([data[a:c] for (a, c), _ in boxes])), k
+    finally:
+        store.close()
 
 
 def test_a_server_that_names_no_version_gets_no_spans(served):

@@ -374,7 +374,9 @@ read_done:
          * chunk's bytes). blosc bounds every stream it decodes by the frame's stated size (cbytes), so state
          * the end of what was read: a block whose streams run past the next block's start then fails (and
          * the Python path decides) instead of decoding bytes that never came from this file. A chunk in
-         * memory holds the whole frame (cbytes is its size): its bytes are the chunk's, and never written. */
+         * memory is never written: it holds the whole frame (cbytes is its size), or, fetched as its needed
+         * blocks (engine/frame_spans.py), a buffer of that size holding the header, zeros, those blocks and
+         * zeros, so a stream running past its block reads the zeros, never another chunk's bytes. */
         if (!job->in_memory) {
             unsigned char *stated = (unsigned char *)scratch + 12;
             for (int b = 0; b < 4; b++)

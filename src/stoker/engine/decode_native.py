@@ -118,7 +118,7 @@ class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
     __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep",
-                 "info")
+                 "info", "spans")
 
     def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
         meta = reader.metadata
@@ -142,6 +142,9 @@ class _Source:
         self.memory = decodes and reader.kv is not None
         self.kv = reader.kv
         self.key_prefix = reader.file_path(enc.prefix + enc.separator if enc.prefix else "")  # its chunks' keys
+        # blosc chunks fetched from a store may later be fetched as their needed blocks (frame_spans): only where
+        # the Python path, should the engine leave one, also decodes those blocks alone (a plain layout)
+        self.spans = bool(self.memory and self.codec == native.BLOSC and codec.partial)
         self.sep = enc.separator
         row = np.zeros(native.S_STRIDES + ndim, np.int64)
         row[native.S_KIND] = src_kind if self.fills else 0  # any kind: no chunk of it goes to the engine
@@ -349,7 +352,7 @@ class NativeDecoder:
         for k, cid in enumerate(whole.tolist()):
             source = sources[int(plan.chunk_source[cid])]
             got = None
-            if source.codec == native.BLOSC:
+            if source.spans:
                 got = self._frames.span(kv.uri, keys[k], source.nbytes, int(plan.byte_start[cid]),
                                         int(plan.byte_stop[cid]))
             if got is None:
@@ -370,15 +373,19 @@ class NativeDecoder:
         store = fetch.kv.uri
         for k, value in enumerate(values):
             source = sources[int(plan.chunk_source[fetch.cids[k]])]
-            if value is not None and source.codec == native.BLOSC:
+            if value is not None and source.spans:
                 self._frames.learn(store, fetch.keys[k], value, source.nbytes, value_versions[k])
         stale = []
         if fetch.spans:
             parts = list(parts)
             for j, (lo, table, key) in fetch.spans.items():
-                if self._frames.fits(store, key, table, part_versions[j]):
+                # a range of another version, or of an object now gone or shorter (its error in its place)
+                fresh = not isinstance(parts[j], BaseException) and self._frames.fits(store, key, table,
+                                                                                       part_versions[j])
+                if fresh:
                     parts[j] = assemble(table, lo, parts[j])
                 else:
+                    self._frames.forget(store, key, table)
                     stale.append(j)
         return parts, np.array(stale, np.int64)
 
@@ -422,13 +429,13 @@ class NativeDecoder:
         is released once it is done)."""
         ids = fetch.cids
         try:
-            if fetch.versions:
-                parts, stale = self._frames_from(fetch, values, parts, sources, job.plan)
-                if len(stale):  # rewritten since their tables were learnt: fetched whole, not decoded here
-                    ids, parts = self._refetch(job, fetch, values, parts, stale, kind, sources)
-            buffers = values + parts
             if self._closing:
                 raise ShutdownError("the pipeline was closed while this batch was being made")
+            if fetch.versions:
+                parts, stale = self._frames_from(fetch, values, parts, sources, job.plan)
+                if len(stale):  # rewritten (or gone) since their tables were learnt: fetched whole, not decoded here
+                    ids, parts = self._refetch(job, fetch, values, parts, stale, kind, sources)
+            buffers = values + parts
             bjob = self.engine.submit(*self._tables(job.plan, job.out, kind, sources, ids, fetched=True), buffers)
         except BaseException as exc:  # noqa: BLE001 - closed meanwhile, or the engine refused the tables (a bug)
             res.done()

@@ -259,8 +259,9 @@ class PythonDecoder:
             t0 = time.perf_counter()
             start = getattr(kv, "start_get_many", None)
             if start is not None:
-                future = start(fetch.keys, fetch.requests, versions=True) if fetch.versions else \
-                    start(fetch.keys, fetch.requests)
+                # a fetch with spans gets a span's "gone or shorter" as its part (the chunk is read whole then)
+                future = start(fetch.keys, fetch.requests, versions=True, lenient=list(fetch.spans or ())) \
+                    if fetch.versions else start(fetch.keys, fetch.requests)
                 future.add_done_callback(
                     lambda f: self._hand_over(job, fetch, then, users, res, t0, lambda: kv.result_of(f)))
                 return
@@ -313,7 +314,8 @@ class PythonDecoder:
             values, parts = got[0], got[1]
             if len(got) > 2:  # the objects' versions, asked for
                 fetch.got_versions = (got[2], got[3])
-            nread = sum(len(v) for v in values if v is not None) + sum(len(p) for p in parts)
+            nread = sum(len(v) for v in values if v is not None) + \
+                sum(len(p) for p in parts if not isinstance(p, BaseException))
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
             job.count(bytes_read=nread)
         except BaseException:

@@ -11,9 +11,12 @@ ETag). A later crop of the same chunk then fetches one range, the stored bytes o
 the frame's size holding the kept header and table; the engine decodes that buffer as the whole frame, and
 reads only those blocks (the rest of the buffer is zeros it never reads).
 
-A range whose answer comes from another version of the object (rewritten since its table was kept) is
-not decoded: its table is forgotten and the chunk fetched whole again (:meth:`FrameTables.fits`). A store
-that sends no ETag gets no spans: nothing could tell its versions apart.
+A range whose answer comes from another version of the object (rewritten since its table was kept), or
+whose object is now gone or shorter than the range, is not decoded: its table is forgotten and the chunk
+fetched whole again (:meth:`FrameTables.fits`; a missing value then reads as the fill value). A store that
+sends no ETag gets no spans: nothing could tell its versions apart. Versions are compared after the read
+(no ``If-Match``): a server whose ETag stays the same across a rewrite (one made of the size and a
+modification time in whole seconds, rewritten twice in a second) cannot be told apart by either.
 
 >>> tables = FrameTables()
 >>> tables.learn(store_id, "c/0/1", frame, nbytes=1 << 20, version=(736564, '"abc"'))
@@ -95,8 +98,12 @@ class FrameTables:
         when not, the table is forgotten (the chunk is then fetched whole, and its new table learnt)."""
         if version is not None and version == table.version:
             return True
-        self._kept.discard((store, key), lambda kept: kept is table)
+        self.forget(store, key, table)
         return False
+
+    def forget(self, store: Hashable, key: str, table: FrameTable) -> None:
+        """Drop ``table`` of ``key`` (if it is still the one kept): its object changed or is gone."""
+        self._kept.discard((store, key), lambda kept: kept is table)
 
 
 def assemble(table: FrameTable, lo: int, blocks: Any) -> np.ndarray:

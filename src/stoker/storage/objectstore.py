@@ -418,14 +418,23 @@ class ObjectStore:
         await self._gather(tasks)
         return out
 
-    async def _start_ranges(self, n: int, reads: list, gate: asyncio.Semaphore) -> tuple[list, list, list]:
+    async def _start_ranges(self, n: int, reads: list, gate: asyncio.Semaphore,
+                            lenient: frozenset = frozenset()) -> tuple[list, list, list]:
         out: list = [None] * n
         versions: list = [None] * n
 
         async def one(r: ByteRange, start: int, length: int, serve: list[tuple[int, slice]]) -> None:
-            async with self._slot(gate, r.key, "ranged read", self._call_slots()):
-                data, version = await self._attempts(r.key, "ranged read", lambda: self._get_range(r, start, length),
-                                                     short=lambda k: _unsatisfiable(self.uri, r, k))
+            try:
+                async with self._slot(gate, r.key, "ranged read", self._call_slots()):
+                    data, version = await self._attempts(r.key, "ranged read",
+                                                         lambda: self._get_range(r, start, length),
+                                                         short=lambda k: _unsatisfiable(self.uri, r, k))
+            except (NotFound, StorageError) as exc:
+                if not _gone_or_shorter(exc) or any(i not in lenient for i, _ in serve):
+                    raise
+                for i, _ in serve:  # the caller asked for this error in place of the bytes
+                    out[i] = exc
+                return
             for i, part in serve:
                 out[i] = data[part]
                 versions[i] = version
@@ -442,16 +451,19 @@ class ObjectStore:
             await asyncio.gather(*tasks, return_exceptions=True)  # and collect what they raised
             raise
 
-    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False) -> tuple:
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
+                 lenient: Sequence[int] = ()) -> tuple:
         """Whole values of ``keys`` (None for a missing one) and the bytes of ``requests`` (ranges of one
         object merged as :meth:`get_ranges` merges them), all in one call, at most ``max_in_flight``
         requests at once. With ``versions``, also the :data:`Version` of the object each value and each
         range came from (``(values, parts, value_versions, part_versions)``): a caller that keeps what it
-        learnt of an object checks a later read against it."""
-        return self._wait(self.start_get_many(keys, requests, versions))
+        learnt of an object checks a later read against it. The requests numbered in ``lenient`` get, when
+        their object is gone or shorter than the range, that error in place of their bytes (a caller that
+        guessed a range from an older version reads the value whole instead); any other error fails the call."""
+        return self._wait(self.start_get_many(keys, requests, versions, lenient))
 
-    def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange],
-                       versions: bool = False) -> concurrent.futures.Future:
+    def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
+                       lenient: Sequence[int] = ()) -> concurrent.futures.Future:
         """:meth:`get_many` without waiting: its future (a thread waits for no network). Its result or
         exception is :meth:`get_many`'s; cancelled when the store is closed (:meth:`result_of` says
         :class:`ShutdownError`)."""
@@ -459,7 +471,8 @@ class ObjectStore:
             check_key(key)
         reads = self._plan_reads(requests)
         rounds = -(-(len(reads) + len(keys)) // self.max_in_flight)
-        return self._start(self._get_many(list(keys), len(requests), reads, versions), rounds=max(1, rounds))
+        return self._start(self._get_many(list(keys), len(requests), reads, versions, frozenset(lenient)),
+                           rounds=max(1, rounds))
 
     def result_of(self, future: concurrent.futures.Future):
         """The result of a finished future of :meth:`start_get_many` (raising its error; a cancelled one:
@@ -468,7 +481,8 @@ class ObjectStore:
             raise self._closed_mid_read()
         return future.result()
 
-    async def _get_many(self, keys: list[str], n: int, reads: list, versions: bool = False) -> tuple:
+    async def _get_many(self, keys: list[str], n: int, reads: list, versions: bool = False,
+                        lenient: frozenset = frozenset()) -> tuple:
         values: list = [None] * len(keys)
         value_versions: list = [None] * len(keys)
         gate = asyncio.Semaphore(self.max_in_flight)
@@ -480,7 +494,7 @@ class ObjectStore:
                 except NotFound:
                     values[i] = None
 
-        out, part_versions, tasks = await self._start_ranges(n, reads, gate)
+        out, part_versions, tasks = await self._start_ranges(n, reads, gate, lenient)
         tasks += [asyncio.ensure_future(whole(i, key)) for i, key in enumerate(keys)]
         await self._gather(tasks)
         return (values, out, value_versions, part_versions) if versions else (values, out)
@@ -569,6 +583,11 @@ class ObjectStore:
 
 #: What identifies one version of an object: its size and ETag (a rewritten object gets a new ETag).
 Version = tuple[int, str]
+
+
+def _gone_or_shorter(exc: BaseException) -> bool:
+    """Whether ``exc`` says a range's object is missing, or ends before the range does."""
+    return isinstance(exc, NotFound) or (isinstance(exc, StorageError) and "value_size" in exc.context)
 
 
 def _version(meta: dict) -> Version | None:
