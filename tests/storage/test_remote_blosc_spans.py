@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from zarr.codecs import ZstdCodec
 
 import stoker
 from stoker.engine import decode_native, native
@@ -52,6 +53,10 @@ def _write(path: str, seed: int = 1, data: np.ndarray | None = None) -> None:
 def served(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("spans") / "data")
     _write(os.path.join(root, "a.zarr"), 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.create_array(os.path.join(root, "s.zarr"), shape=SHAPE, chunks=(32, 256), shards=(128, 1024),
+                          dtype="<u2", compressors=ZstdCodec(level=1))[...] = _data(3)
     s3 = MotoS3(read_tree(root), PREFIX)
     http = RangeServer(root)
     yield {"root": root, "s3": s3, "http": http}
@@ -247,6 +252,16 @@ def test_a_batch_larger_than_a_fetch_goes_to_the_store_in_several_calls(served, 
                 got = torch.from_dlpack(b).clone()
         assert got.numpy().tobytes() == b"".join(x.numpy().tobytes() for x in local)
         assert sum(calls) == 2 and len(calls) == n_calls, calls
+    # the inner chunks of a shard stay in one call, however many bytes: the store merges their ranges
+    sharded = f"s3://{BUCKET}/{PREFIX}/s.zarr"
+    monkeypatch.setattr(decode_native, "FETCH_MAX_BYTES", 1)
+    calls.clear()
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(sharded, [(0, 64), (0, 1024)]) for _ in range(4)])
+        with p.pop() as b:
+            got = torch.from_dlpack(b).clone()
+    assert len(calls) == 1 and calls[0] == 8, calls  # 2 x 4 inner chunks of 32 x 256, one call
+    assert np.array_equal(got.numpy()[0], zarr.open_array(os.path.join(served["root"], "s.zarr"))[:64])
 
 
 # -- the frame tables on their own ------------------------------------------------------------------------

@@ -46,10 +46,12 @@ from .plan import ChunkTask, FileRead, shard_reads
 from .stats import StatsRecorder
 from .tables import TablePlan
 
-#: A fetch from a store holds at most this much: a batch's chunks fetched in a few calls, whose first ones the
-#: engine decodes while the others are still in flight (one call for the whole batch decodes nothing until its
-#: slowest request is in: scenario 1 over S3 at 20 ms went from 150-167 to 186-201 samples/s with 16 MiB, about
-#: four calls per batch; 8 MiB gave 182-196). See docs/performance.md, "Tuning constants".
+#: A fetch of whole values over a network holds at most this much: a batch's chunk files fetched in a few
+#: calls, whose first ones the engine decodes while the others are still in flight (one call for the whole
+#: batch decodes nothing until its slowest request is in: scenario 1 over S3 at 20 ms went from 150-167 to
+#: 186-201 samples/s with 16 MiB, about four calls per batch; 8 MiB gave 182-196). Inner chunks of shards are
+#: not split so: the ranges of one shard in one call are merged into few requests (scenario 2 lost 10-15% and
+#: made 30.8 requests a batch instead of 24.4). See docs/performance.md, "Tuning constants".
 FETCH_MAX_BYTES = 16 << 20
 
 #: Batches at least this large are written with streaming stores (whole cache lines straight to memory).
@@ -293,9 +295,9 @@ class NativeDecoder:
 
     def _fetch(self, job: Job, ids: np.ndarray, kind: int, sources: list[_Source]) -> None:
         """Fetch the stored chunks ``ids`` (of arrays in stores) through the Python path's fetches: per store,
-        in groups of at most a quarter of its budget (and FETCH_MAX_BYTES over a network; a group at least
-        one chunk), in chunk order; each finished fetch goes to the engine in one call (:meth:`_fetched`). A
-        step per store and per group."""
+        in groups of at most a quarter of its budget (a group at least one chunk), in chunk order; over a
+        network, whole values in groups of at most FETCH_MAX_BYTES, before the ranges. Each finished fetch
+        goes to the engine in one call (:meth:`_fetched`). A step per store and per group."""
         plan = job.plan
         quarter = max(1, self._python.budget.capacity // 4)
         src = plan.chunk_source[ids]
@@ -305,20 +307,25 @@ class NativeDecoder:
         kvs: dict[int, tuple[int, object]] = {}  # a number per store, in order of first use
         store_of = np.array([kvs.setdefault(id(s.kv), (len(kvs), s.kv))[0] for s in sources], np.int64)[src]
         then = functools.partial(self._fetched, kind=kind, sources=sources)
+        whole = plan.chunk_offset[ids] < 0
         for k, kv in kvs.values():
-            # a store read over a network (its fetches start without a waiting thread) gets its batch in a few
-            # fetches, decoded as each comes in; a zip archive's reads wait for nobody
-            limit = min(quarter, FETCH_MAX_BYTES) if getattr(kv, "start_get_many", None) is not None else quarter
             mine = store_of == k
-            group_ids, group_cost = ids[mine], np.cumsum(cost[mine])
             fetch_of = functools.partial(self._fetch_of, plan, kv, sources=sources, stored=stored)
-            start = 0
-            while start < len(group_ids):
-                base = int(group_cost[start - 1]) if start else 0
-                stop = max(start + 1, int(np.searchsorted(group_cost, base + limit, "right")))
-                for fetch in fetches_within(group_ids[start:stop], fetch_of, limit):
-                    self._python.fetch(job, fetch, then)
-                start = stop
+            if getattr(kv, "start_get_many", None) is None:  # a zip archive: its reads wait for nobody
+                groups = [(mine, quarter)]
+            else:
+                # over a network the whole values go in a few fetches, decoded as each comes in; a shard's
+                # ranges stay together, so the store merges them into few requests
+                groups = [(mine & whole, min(quarter, FETCH_MAX_BYTES)), (mine & ~whole, quarter)]
+            for chosen, limit in groups:
+                group_ids, group_cost = ids[chosen], np.cumsum(cost[chosen])
+                start = 0
+                while start < len(group_ids):
+                    base = int(group_cost[start - 1]) if start else 0
+                    stop = max(start + 1, int(np.searchsorted(group_cost, base + limit, "right")))
+                    for fetch in fetches_within(group_ids[start:stop], fetch_of, limit):
+                        self._python.fetch(job, fetch, then)
+                    start = stop
 
     def _fetch_of(self, plan: TablePlan, kv, ids: np.ndarray, sources: list[_Source], stored: np.ndarray) -> Fetch:
         """One fetch of ``ids``: their whole values, then their ranges (inner chunks), then the blocks some
