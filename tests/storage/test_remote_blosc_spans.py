@@ -312,3 +312,44 @@ def test_frame_tables_keep_only_what_a_later_read_can_check_and_use():
     assert tables.fits("s", "k", table, (len(frame), '"a"'))
     assert not tables.fits("s", "k", table, (len(frame), '"b"'))  # another version: forgotten
     assert tables.span("s", "k", data.nbytes, 0, 100) is None
+
+
+# -- get_many's lenient ranges, on their own ---------------------------------------------------------------
+
+
+def test_lenient_ranges_get_gone_or_shorter_in_place_and_every_other_error_raises(tmp_path):
+    """What a span may meet, an object now missing (404) or shorter than its range (a short answer, or 416
+    past the end), comes back in the range's place; anything else (5xx after the retries, a 403, a body cut
+    short, a range the caller did not mark) fails the call as it would without ``lenient``."""
+    import gc
+
+    from stoker.errors import NotFound, StorageError
+    from stoker.storage import ByteRange
+
+    root = str(tmp_path)
+    with open(os.path.join(root, "k"), "wb") as f:
+        f.write(bytes(range(256)) * 40)
+    with open(os.path.join(root, "small"), "wb") as f:
+        f.write(b"x" * 100)
+    server = RangeServer(root)
+    store = ObjectStore(server.url, None, **FAST)
+    R = ByteRange
+    try:
+        values, parts, _, versions = store.get_many(
+            [], [R("nope", 10, 20), R("small", 50, 100), R("small", 500, 10), R("k", 0, 8)], versions=True,
+            lenient=[0, 1, 2, 3])
+        assert isinstance(parts[0], NotFound) and isinstance(parts[1], StorageError)
+        assert isinstance(parts[2], StorageError) and bytes(parts[3]) == bytes(range(8))
+        assert parts[0].__traceback__ is None and versions[3] is not None and versions[0] is None
+        gc.collect()
+        assert not gc.garbage
+        with pytest.raises(NotFound):
+            store.get_many([], [R("nope", 10, 20)], versions=True)  # not marked lenient
+        for fault, status in [("fail", 503), ("fail", 403), ("truncate", None)]:
+            getattr(server, fault)(10, status) if status else getattr(server, fault)(10)
+            with pytest.raises(StorageError):
+                store.get_many([], [R("k", 10, 2000)], versions=True, lenient=[0])
+            server._faults.clear()
+    finally:
+        store.close()
+        server.stop()
