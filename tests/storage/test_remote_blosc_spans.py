@@ -19,7 +19,7 @@ from zarr.codecs import ZstdCodec
 import stoker
 from stoker.engine import decode_native, native
 from stoker.engine.decode_python import PythonDecoder
-from stoker.engine.frame_spans import FrameTables, assemble
+from stoker.engine.frame_spans import FrameBuffers, FrameTables, assemble
 from stoker.storage.objectstore import ObjectStore
 from stoker.zarr.codecs import blosc
 
@@ -70,8 +70,10 @@ def _uri(served, kind: str) -> tuple[str, dict]:
     return f"{served['http'].url}/a.zarr", {served["http"].url + "/": FAST}
 
 
-def _passes(uri: str, options: dict | None, n: int = 2, between=lambda: None) -> list[tuple[list, int]]:
-    """``n`` passes over BOXES in one pipeline: each pass's batches and the bytes it read."""
+def _passes(uri: str, options: dict | None, n: int = 2, between=lambda: None,
+            seen: dict | None = None) -> list[tuple[list, int]]:
+    """``n`` passes over BOXES in one pipeline: each pass's batches and the bytes it read (``seen``: gets
+    the pipeline's engine decoder, ``"decoder"``)."""
     out = []
     cfg = stoker.Config(batch_size=2, dtype="native", host_buffer_bytes=64 << 20, storage_options=options)
     with stoker.Pipeline(cfg) as p:
@@ -85,6 +87,8 @@ def _passes(uri: str, options: dict | None, n: int = 2, between=lambda: None) ->
                 with p.pop() as b:
                     batches.append(torch.from_dlpack(b).clone())
             out.append((batches, p.stats().bytes_read))
+        if seen is not None:
+            seen["decoder"] = p._executor.decoders.native
     return out
 
 
@@ -97,9 +101,11 @@ def test_a_second_pass_fetches_only_the_blocks_its_crops_need(served, kind, monk
     uri, options = _uri(served, kind)
     decoded_in_python = []
     monkeypatch.setattr(PythonDecoder, "decode_bytes", lambda self, *a, **k: decoded_in_python.append(a))
-    (first, read_first), (second, read_second) = _passes(uri, options)
+    seen: dict = {}
+    (first, read_first), (second, read_second), (third, _) = _passes(uri, options, n=3, seen=seen)
+    assert seen["decoder"]._frame_buffers._free  # the frames' buffers came back for later fetches
     local = _local(served["root"])
-    for got in (first, second):
+    for got in (first, second, third):  # the third in buffers the second's frames were laid out in
         assert [b.numpy().tobytes() for b in got] == [b.numpy().tobytes() for b in local]
     # each crop needs one or two of its chunk's four blocks: well under half the bytes of the whole chunks
     assert read_second < 0.5 * read_first, (read_first, read_second)
@@ -353,3 +359,26 @@ def test_lenient_ranges_get_gone_or_shorter_in_place_and_every_other_error_raise
     finally:
         store.close()
         server.stop()
+
+
+def test_frame_buffers_are_used_again_and_kept_within_their_bound():
+    pool = FrameBuffers(max_bytes=3 * FrameBuffers.ROUND)
+    a = pool.take(100_000)
+    assert len(a) == 100_000 and len(a.base) == 2 * FrameBuffers.ROUND
+    pool.give([a])
+    b = pool.take(70_000)  # the free buffer is large enough: the same memory
+    assert np.shares_memory(a, b) and len(b) == 70_000
+    c = pool.take(70_000)  # none free: a new one
+    assert not np.shares_memory(b, c)
+    pool.give([b, c])  # 4 x ROUND would pass the bound: one is dropped
+    assert sum(len(x) for x in pool._free) <= pool.max_bytes
+    frame = numcodecs.Blosc("lz4", 1, numcodecs.Blosc.SHUFFLE).encode(np.arange(1 << 17, dtype="<u2") % 300)
+    tables = FrameTables()
+    tables.learn("s", "k", frame, 1 << 18, version=(len(frame), '"a"'))
+    lo, hi, table = tables.span("s", "k", 1 << 18, 0, 1000)
+    dirty = pool.take(len(frame))
+    dirty[:] = 0xAB  # what an earlier frame left
+    out = assemble(table, lo, memoryview(frame)[lo:hi], dirty)
+    assert len(out) == len(frame) and out[:hi].tobytes() == (frame[:len(table.head)] + bytes(lo - len(table.head))
+                                                             + frame[lo:hi])
+    assert not out[hi:].any()

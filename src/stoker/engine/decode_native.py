@@ -41,7 +41,7 @@ from .cast import fill_value_as, torch_dtype_of
 from ..storage import ByteRange
 from .decode_python import Fetch, PythonDecoder, fetches_within, span_bytes
 from .executor import Job
-from .frame_spans import FrameTables, assemble
+from .frame_spans import FrameBuffers, FrameTables, assemble
 from .plan import ChunkTask, FileRead, shard_reads
 from .stats import StatsRecorder
 from .tables import TablePlan
@@ -183,6 +183,7 @@ class NativeDecoder:
         self._max_group, self._max_gap = max_group, max_gap
         self._sources: dict[tuple, tuple[object, _Source]] = {}
         self._frames = FrameTables()  # blosc frames of arrays in stores: fetch only the blocks crops need
+        self._frame_buffers = FrameBuffers()  # where their fetched blocks are laid out as frames
         self._cond = threading.Condition()
         # (job, engine job, its chunks, and for fetched chunks (their buffers, the fetch's reservation))
         self._pending: list[tuple[Job, object, np.ndarray, tuple | None]] = []
@@ -372,10 +373,11 @@ class NativeDecoder:
         return whole[keep], [keys[k] for k in keep], np.array(span_ids, np.int64)
 
     def _frames_from(self, fetch: Fetch, values: list, parts: list, sources: list[_Source],
-                     plan: TablePlan) -> tuple[list, np.ndarray]:
+                     plan: TablePlan, pooled: list) -> tuple[list, np.ndarray]:
         """Learn the frame tables of the blosc chunks ``fetch`` got whole, and lay out each span's blocks in a
-        frame buffer (:func:`~.frame_spans.assemble`). Returns the parts as the engine reads them and the parts
-        that came from another version of their object than their table (to fetch whole again)."""
+        frame buffer (:func:`~.frame_spans.assemble`, into buffers of the pool, listed in ``pooled``). Returns
+        the parts as the engine reads them and the parts that came from another version of their object than
+        their table (to fetch whole again)."""
         value_versions, part_versions = fetch.got_versions or ([None] * len(values), [None] * len(parts))
         store = fetch.kv.uri
         for k, value in enumerate(values):
@@ -390,7 +392,8 @@ class NativeDecoder:
                 fresh = not isinstance(parts[j], BaseException) and self._frames.fits(store, key, table,
                                                                                        part_versions[j])
                 if fresh:
-                    parts[j] = assemble(table, lo, parts[j])
+                    parts[j] = assemble(table, lo, parts[j], self._frame_buffers.take(table.cbytes))
+                    pooled.append(parts[j])
                 else:
                     self._frames.forget(store, key, table)
                     stale.append(j)
@@ -435,17 +438,19 @@ class NativeDecoder:
         buffers, which the engine's job holds until it is done or cancelled (``res``, what the fetch reserved,
         is released once it is done)."""
         ids = fetch.cids
+        pooled: list = []  # frame buffers of the pool: given back once the engine's job is done with them
         try:
             if self._closing:
                 raise ShutdownError("the pipeline was closed while this batch was being made")
             if fetch.versions:
-                parts, stale = self._frames_from(fetch, values, parts, sources, job.plan)
+                parts, stale = self._frames_from(fetch, values, parts, sources, job.plan, pooled)
                 if len(stale):  # rewritten (or gone) since their tables were learnt: fetched whole, not decoded here
                     ids, parts = self._refetch(job, fetch, values, parts, stale, kind, sources)
             buffers = values + parts
             bjob = self.engine.submit(*self._tables(job.plan, job.out, kind, sources, ids, fetched=True), buffers)
         except BaseException as exc:  # noqa: BLE001 - closed meanwhile, or the engine refused the tables (a bug)
             res.done()
+            self._frame_buffers.give(pooled)  # no engine job holds them
             error: BaseException = exc
             if self._closing:
                 error = ShutdownError("the pipeline was closed while this batch was being made")
@@ -454,7 +459,7 @@ class NativeDecoder:
         job.on_cancel(bjob.cancel)
         with self._cond:
             if not self._closing:
-                self._pending.append((job, bjob, ids, (buffers, res)))
+                self._pending.append((job, bjob, ids, (buffers, res, pooled)))
                 self._cond.notify_all()
                 return
         # closed between the submission and here: the finisher may be gone, so nobody else would end it
@@ -500,19 +505,23 @@ class NativeDecoder:
                 if self._closing:
                     return
                 self._pending.pop(0)
+            all_placed = False
             try:
-                self._finish(job, bjob, eids, fetched and fetched[0])
+                all_placed = self._finish(job, bjob, eids, fetched and fetched[0])
             except BaseException as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
                 job.finish(0, exc)
             finally:
                 if fetched:
                     fetched[1].done()  # the engine is done with the buffers
+                    if all_placed:  # else the Python path may still decode some of them
+                        self._frame_buffers.give(fetched[2])
             self._stats.charge_thread()
             del job, bjob, eids, fetched  # hold nothing of a finished batch while idle
 
-    def _finish(self, job: Job, bjob, eids: np.ndarray, buffers: list | None = None) -> None:
+    def _finish(self, job: Job, bjob, eids: np.ndarray, buffers: list | None = None) -> bool:
         """Account for a finished engine job; ``buffers``: those its chunks were read from (a fetch's), whose
-        bytes the fetch already counted as read."""
+        bytes the fetch already counted as read. True when the engine placed every chunk (nothing of it goes
+        to the Python path)."""
         status, detail, c = bjob.results()
         status = np.frombuffer(status, np.int32)
         ok = status == native.OK
@@ -528,6 +537,7 @@ class NativeDecoder:
             data = None if buffers is None else [buffers[k] for k in bad.tolist()]
             self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
         job.finish(n_ok, bytes_read=read, bytes_decoded=c["bytes_decoded"], chunks_decoded=c["chunks_decoded"])
+        return not bad.size
 
     def _failed(self, job: Job, cids: np.ndarray, statuses: np.ndarray, details: np.ndarray,
                 data: list | None = None) -> None:
