@@ -388,15 +388,14 @@ class NativeDecoder:
         if fetch.spans:
             parts = list(parts)
             for j, (lo, table, key) in fetch.spans.items():
-                # a range of another version, or of an object now gone or shorter (its error in its place)
-                fresh = not isinstance(parts[j], BaseException) and self._frames.fits(store, key, table,
-                                                                                       part_versions[j])
-                if fresh:
-                    parts[j] = assemble(table, lo, parts[j], self._frame_buffers.take(table.cbytes))
-                    pooled.append(parts[j])
-                else:
+                if isinstance(parts[j], BaseException):  # its object is now gone or shorter (the error in place)
                     self._frames.forget(store, key, table)
                     stale.append(j)
+                elif not self._frames.fits(store, key, table, part_versions[j]):  # another version: forgotten
+                    stale.append(j)
+                else:
+                    parts[j] = assemble(table, lo, parts[j], self._frame_buffers.take(table.cbytes))
+                    pooled.append(parts[j])
         return parts, np.array(stale, np.int64)
 
     def _refetch(self, job: Job, fetch: Fetch, values: list, parts: list, stale: np.ndarray, kind: int,

@@ -242,15 +242,13 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
             try:
                 reader = open_reader(uri)
             except BaseException:  # a crop before it out of bounds is the batch's first error
-                for (earlier, aabb), at in zip(crops, sids):
-                    check_in_bounds(aabb, sources[at].shape, earlier)
+                _check_each(crops, sids, sources)
                 raise
             sid = source_of[uri] = len(sources)
             sources.append(reader)
         sids.append(sid)
     if any(len(r.shape) != ndim for r in sources):  # the first crop at fault raises RankMismatch (or OutOfBounds)
-        for (uri, aabb), at in zip(crops, sids):
-            check_in_bounds(aabb, sources[at].shape, uri)
+        _check_each(crops, sids, sources)
     sid = np.array(sids, np.int64)
     boxes = np.array([aabb for _, aabb in crops], np.int64).reshape(len(crops), ndim, 2)
     start = np.ascontiguousarray(boxes[:, :, 0])
@@ -351,6 +349,14 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         chunk_length, chunk_inner,
         np.concatenate(files) if len(files) > 1 else files[0], channels,
     )
+
+
+def _check_each(crops: list, sids: list[int], sources: list[ArrayReader]) -> None:
+    """Check, one by one and in order, the crops whose arrays are open (one per entry of ``sids``): the slow
+    path that raises the first crop's error where the numpy check cannot (an array of another rank, or an
+    array that failed to open after them)."""
+    for (uri, aabb), at in zip(crops, sids):
+        check_in_bounds(aabb, sources[at].shape, uri)
 
 
 def _array_row(reader: ArrayReader) -> tuple[int, ...]:
