@@ -1,7 +1,7 @@
 """A pipeline's coordinator thread: pulls samples when there is room, plans and launches one batch at a time.
 
-There is room when fewer than ``lookahead_batches`` batches are in flight and the intake has samples; a
-launch opens the batch's arrays (cached per pipeline), settles its dtype and the executor's buffers from
+There is room when at most ``lookahead_batches`` batches are in flight and the intake has samples (the batch
+planned then waits for a free slot, see :meth:`Coordinator._cycle`); a launch opens the batch's arrays (cached per pipeline), settles its dtype and the executor's buffers from
 their metadata (so a crop too large for ``host_buffer_bytes`` is refused before its plan is built), plans it,
 waits for a slot and submits it. Batches are in flight in push order; a batch that could not be planned,
 or a source's error, rides in its place as an error for ``pop`` to raise.
@@ -134,9 +134,14 @@ class Coordinator:
                 self.cond.notify_all()
 
     def _cycle(self) -> bool:
-        """One round: wait (at most 0.1 s) for room, then launch one batch. False once closed."""
+        """One round: wait (at most 0.1 s) for room, then launch one batch. False once closed.
+
+        There is room while at most ``lookahead_batches`` batches are in flight: the next one is planned
+        while they are, and its launch then waits in ``acquire`` for the slot the consumer gives back. So a
+        slot is written again as soon as it is released, and planning (the coordinator's Python, under the
+        GIL) overlaps the batches being made instead of sitting between a release and the next launch."""
         with self.cond:
-            if not self.closed and (len(self.inflight) >= self.cfg.lookahead_batches or not self.intake.has_work()):
+            if not self.closed and (len(self.inflight) > self.cfg.lookahead_batches or not self.intake.has_work()):
                 self.cond.wait(0.1)
                 return not self.closed
             if self.closed:
