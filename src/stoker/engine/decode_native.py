@@ -171,6 +171,31 @@ class _Source:
 I_FILLS, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED = range(6)
 
 
+class _SourceSet:
+    """The arrays of a batch (``plan.sources``, in order) as the engine takes them: their :class:`_Source`,
+    their ``info`` rows (I_* columns), the sources table and path blob of ``Engine.submit``, and whether the
+    engine makes every chunk of them (files it reads, no store, every element kind it fills)."""
+
+    __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine")
+
+    def __init__(self, readers: list, sources: list[_Source]) -> None:
+        self.readers = list(readers)
+        self.sources = sources
+        self.info = np.array([s.info for s in sources], np.int64).reshape(len(sources), 6)
+        self.all_engine = bool(len(sources)) and bool(
+            (self.info[:, I_READS] != 0).all() and (self.info[:, I_FILLS] != 0).all())
+        table = np.stack([s.row for s in sources])
+        table[:, native.S_PATH_START] = list(itertools.accumulate([len(s.prefix) for s in sources[:-1]], initial=0))
+        self.table = table
+        self.blob = b"".join(s.prefix for s in sources)
+
+    def __getitem__(self, i: int) -> _Source:
+        return self.sources[i]
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
 class NativeDecoder:
     """Whole batches on the engine's threads; what it cannot do goes to the Python path."""
 
@@ -182,6 +207,7 @@ class NativeDecoder:
         self._stats = stats
         self._max_group, self._max_gap = max_group, max_gap
         self._sources: dict[tuple, tuple[object, _Source]] = {}
+        self._sets: dict[tuple, _SourceSet] = {}  # the arrays of recent batches, as the engine's tables say them
         self._frames = FrameTables()  # blosc frames of arrays in stores: fetch only the blocks crops need
         self._frame_buffers = FrameBuffers()  # where their fetched blocks are laid out as frames
         self._cond = threading.Condition()
@@ -221,80 +247,92 @@ class NativeDecoder:
             held = self._sources[key] = (reader, _Source(reader, dtype, kind, self.budget_bytes))
         return held[1]
 
+    def _source_set(self, readers: list, dtype: torch.dtype, kind: int | None) -> "_SourceSet":
+        """The engine's view of a batch's arrays, kept while the same arrays come again (a training run over
+        one volume plans every batch from the same array): the per-array rows, their table and path blob."""
+        key = (tuple(map(id, readers)), dtype, kind)
+        held = self._sets.get(key)
+        if held is None or any(a is not b for a, b in zip(held.readers, readers)):
+            if len(self._sets) > 256:  # many arrays (batches of random ones) rarely repeat a set: keep a few
+                self._sets.clear()
+            held = self._sets[key] = _SourceSet(readers, [self._source(r, dtype, kind) for r in readers])
+        return held
+
     def submit(self, job: Job) -> None:
         """Start ``job`` (a TablePlan into ``job.out``): the engine's chunks in one call, the rest on the
         Python path."""
         plan: TablePlan = job.plan
         out = job.out
         kind = batch_kind(out)
-        sources = [self._source(r, out.dtype, kind) for r in plan.sources]
-        info = np.array([s.info for s in sources], np.int64)
-        mine = info[plan.chunk_source]
-        stored = plan.chunk_file >= 0
-        fetched = stored & (mine[:, I_MEMORY] != 0)  # fetched from a store, then decoded by the engine
-        engine = np.where(stored, mine[:, I_READS], mine[:, I_FILLS]) != 0
-        rest = np.flatnonzero(~engine & ~fetched)
-        if rest.size:
-            self._to_python(job, rest, stored)
-        if fetched.any():
-            self._fetch(job, np.flatnonzero(fetched), kind, sources)
-        eids = np.flatnonzero(engine)
-        if not eids.size:
+        sources = self._source_set(plan.sources, out.dtype, kind)
+        if sources.all_engine:  # every array's chunks, stored or not, are the engine's: nothing to sort
+            eids = None
+        else:
+            mine = sources.info[plan.chunk_source]
+            stored = plan.chunk_file >= 0
+            fetched = stored & (mine[:, I_MEMORY] != 0)  # fetched from a store, then decoded by the engine
+            engine = np.where(stored, mine[:, I_READS], mine[:, I_FILLS]) != 0
+            rest = np.flatnonzero(~engine & ~fetched)
+            if rest.size:
+                self._to_python(job, rest, stored)
+            if fetched.any():
+                self._fetch(job, np.flatnonzero(fetched), kind, sources)
+            eids = np.flatnonzero(engine)
+            if not eids.size:
+                return
+        if eids is None and not plan.n_chunks:
             return
         try:
-            bjob = self.engine.submit(*self._tables(plan, out, kind, sources, eids, info=info))
+            bjob = self.engine.submit(*self._tables(plan, out, kind, sources, eids))
         except BaseException as exc:  # noqa: BLE001 - the engine refused the tables (a bug): the batch fails
-            job.finish(len(eids), exc)
+            job.finish(plan.n_chunks if eids is None else len(eids), exc)
             return
         job.on_cancel(bjob.cancel)
         with self._cond:
-            self._pending.append((job, bjob, eids, None))
+            self._pending.append((job, bjob, np.arange(plan.n_chunks) if eids is None else eids, None))
             self._cond.notify_all()
 
-    def _tables(self, plan: TablePlan, out: torch.Tensor, kind: int, sources: list[_Source], eids: np.ndarray,
-                fetched: bool = False, info: np.ndarray | None = None):
-        """The engine's arguments for the chunks ``eids`` of ``plan`` into ``out`` (see Engine.submit); with
-        ``fetched``, chunk k's stored bytes are the whole of buffer k (a fetch's values, then its parts).
-        ``info``: the sources' rows of :attr:`_Source.info`, when the caller has them."""
-        src = plan.chunk_source[eids]
-        if info is None:
-            info = np.array([s.info for s in sources], np.int64)
-        per = info[:, I_CODEC:]
-        chunks = np.empty((len(eids), native.N_CHUNK_COLS), np.int64)
+    def _tables(self, plan: TablePlan, out: torch.Tensor, kind: int, sources: "_SourceSet",
+                eids: np.ndarray | None, fetched: bool = False):
+        """The engine's arguments for the chunks ``eids`` of ``plan`` (None: all of them) into ``out`` (see
+        Engine.submit); with ``fetched``, chunk k's stored bytes are the whole of buffer k (a fetch's values,
+        then its parts)."""
+        every = eids is None
+        src = plan.chunk_source if every else plan.chunk_source[eids]
+        per = sources.info[:, I_CODEC:]
+        chunks = np.empty((len(src), native.N_CHUNK_COLS), np.int64)
         chunks[:, native.C_SOURCE] = src
         if fetched:
             chunks[:, native.C_FILE] = chunks[:, native.C_OFFSET] = -1
             chunks[:, native.C_LENGTH] = 0
-            chunks[:, native.C_BUFFER] = np.arange(len(eids))
+            chunks[:, native.C_BUFFER] = np.arange(len(src))
             chunks[:, native.C_CODEC] = per[src, 0]
         else:
-            chunks[:, native.C_FILE] = plan.chunk_file[eids]
-            chunks[:, native.C_OFFSET] = plan.chunk_offset[eids]
-            chunks[:, native.C_LENGTH] = plan.chunk_length[eids]
+            chunks[:, native.C_FILE] = plan.chunk_file if every else plan.chunk_file[eids]
+            chunks[:, native.C_OFFSET] = plan.chunk_offset if every else plan.chunk_offset[eids]
+            chunks[:, native.C_LENGTH] = plan.chunk_length if every else plan.chunk_length[eids]
             chunks[:, native.C_BUFFER] = -1
             chunks[:, native.C_CODEC] = np.where(chunks[:, native.C_FILE] >= 0, per[src, 0], native.FILL)
-        chunks[:, native.C_SPAN_START] = plan.byte_start[eids]
-        chunks[:, native.C_SPAN_STOP] = plan.byte_stop[eids]
+        chunks[:, native.C_SPAN_START] = plan.byte_start if every else plan.byte_start[eids]
+        chunks[:, native.C_SPAN_STOP] = plan.byte_stop if every else plan.byte_stop[eids]
         chunks[:, native.C_NBYTES] = per[src, 1]
         chunks[:, native.C_MAX_STORED] = per[src, 2]
-        chunks[:, native.C_FIRST_COPY] = plan.first_copy[eids]
-        chunks[:, native.C_NCOPIES] = plan.n_copies[eids]
+        chunks[:, native.C_FIRST_COPY] = plan.first_copy if every else plan.first_copy[eids]
+        chunks[:, native.C_NCOPIES] = plan.n_copies if every else plan.n_copies[eids]
         row_stride, *strides = out.stride()
         dst_strides = np.array(strides, np.int64)
         copies = np.empty((len(plan.copy_row), 2 + plan.ndim), np.int64)
         copies[:, 0] = plan.copy_src_offset
         copies[:, 1] = plan.copy_row * row_stride + plan.copy_box_start @ dst_strides
         copies[:, 2:] = plan.copy_extent
-        table = np.stack([s.row for s in sources])
-        table[:, native.S_PATH_START] = list(itertools.accumulate([len(s.prefix) for s in sources[:-1]], initial=0))
-        blob = b"".join(s.prefix for s in sources)
         nbytes = out.numel() * out.element_size()
         dst = out.view(-1).view(torch.uint8).numpy()  # holds the tensor's memory for the job's lifetime
-        return chunks, copies, table, plan.files, blob, dst, kind, nbytes >= STREAM_MIN_BYTES, dst_strides
+        return (chunks, copies, sources.table, plan.files, sources.blob, dst, kind, nbytes >= STREAM_MIN_BYTES,
+                dst_strides)
 
     # -- chunks of arrays in stores: fetched, then decoded by the engine ---------------------------------
 
-    def _fetch(self, job: Job, ids: np.ndarray, kind: int, sources: list[_Source]) -> None:
+    def _fetch(self, job: Job, ids: np.ndarray, kind: int, sources: "_SourceSet") -> None:
         """Fetch the stored chunks ``ids`` (of arrays in stores) through the Python path's fetches: per store,
         in groups of at most a quarter of its budget (a group at least one chunk), in chunk order; over a
         network, whole values in groups of at most FETCH_MAX_BYTES, before the ranges. Each finished fetch
@@ -328,7 +366,7 @@ class NativeDecoder:
                         self._python.fetch(job, fetch, then)
                     start = stop
 
-    def _fetch_of(self, plan: TablePlan, kv, ids: np.ndarray, sources: list[_Source], stored: np.ndarray) -> Fetch:
+    def _fetch_of(self, plan: TablePlan, kv, ids: np.ndarray, sources: "_SourceSet", stored: np.ndarray) -> Fetch:
         """One fetch of ``ids``: their whole values, then their ranges (inner chunks), then the blocks some
         crops need of blosc chunks whose frame tables are kept (:mod:`.frame_spans`), and what it holds."""
         whole = ids[plan.chunk_offset[ids] < 0]
@@ -350,7 +388,7 @@ class NativeDecoder:
         return Fetch(kv, keys, requests, np.concatenate([whole, ranged, span_ids]), held, versions=versions,
                      spans={j: (lo, table, key) for j, (lo, _, table, key) in spans.items()} or None)
 
-    def _spans_of(self, plan: TablePlan, kv, whole: np.ndarray, keys: list[str], sources: list[_Source],
+    def _spans_of(self, plan: TablePlan, kv, whole: np.ndarray, keys: list[str], sources: "_SourceSet",
                   requests: list[ByteRange], spans: dict) -> tuple[np.ndarray, list[str], np.ndarray]:
         """Of the whole values ``whole`` (keys ``keys``), the blosc chunks whose frame tables are kept and
         whose crops need only some blocks become ranges of those blocks, appended to ``requests`` (their
@@ -372,7 +410,7 @@ class NativeDecoder:
             span_ids.append(cid)
         return whole[keep], [keys[k] for k in keep], np.array(span_ids, np.int64)
 
-    def _frames_from(self, fetch: Fetch, values: list, parts: list, sources: list[_Source],
+    def _frames_from(self, fetch: Fetch, values: list, parts: list, sources: "_SourceSet",
                      plan: TablePlan, pooled: list) -> tuple[list, np.ndarray]:
         """Learn the frame tables of the blosc chunks ``fetch`` got whole, and lay out each span's blocks in a
         frame buffer (:func:`~.frame_spans.assemble`, into buffers of the pool, listed in ``pooled``). Returns
@@ -399,7 +437,7 @@ class NativeDecoder:
         return parts, np.array(stale, np.int64)
 
     def _refetch(self, job: Job, fetch: Fetch, values: list, parts: list, stale: np.ndarray, kind: int,
-                 sources: list[_Source]) -> tuple[np.ndarray, list]:
+                 sources: "_SourceSet") -> tuple[np.ndarray, list]:
         """Fetch the chunks of the ``stale`` parts of ``fetch`` again, whole, in a fetch of their own (its
         own reservation; the engine decodes it when it comes); returns the ids and parts left to decode now."""
         first = len(values)
@@ -414,7 +452,7 @@ class NativeDecoder:
         return np.asarray(fetch.cids)[keep], [p for j, p in enumerate(parts) if j not in left]
 
     @staticmethod
-    def _keys(plan: TablePlan, rows: np.ndarray, sources: list[_Source]) -> list[str]:
+    def _keys(plan: TablePlan, rows: np.ndarray, sources: "_SourceSet") -> list[str]:
         """The store keys of the files ``rows`` of ``plan``: each array's key prefix, then the file's grid
         coordinates joined by its separator (the paths the engine builds for files), with numpy string ops:
         a step per array and axis."""
@@ -432,7 +470,7 @@ class NativeDecoder:
         return keys.tolist()
 
     def _fetched(self, job: Job, fetch: Fetch, values: list, parts: list, res, kind: int,
-                 sources: list[_Source]) -> None:
+                 sources: "_SourceSet") -> None:
         """A finished fetch (on a compute thread): its chunks to the engine in one call, reading the fetched
         buffers, which the engine's job holds until it is done or cancelled (``res``, what the fetch reserved,
         is released once it is done)."""
