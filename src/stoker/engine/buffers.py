@@ -272,7 +272,11 @@ class SlotRing:
         return None
 
     def acquire(self, cancelled: Callable[[], bool], timeout: float | None = None) -> Slot | None:
-        """A free slot (marked busy), or None after ``timeout``. Views die without telling us, so poll."""
+        """A free slot (marked busy), or None after ``timeout``. A slot given back but still viewed (or still
+        read by a CUDA copy) frees without telling us, so while there is one this polls (2 ms); while every
+        slot is busy only :meth:`release` frees one, and it notifies, so the wait is long (50 ms): a
+        coordinator waiting for a slot then takes the GIL from a busy training loop once a release, not 500
+        times a second."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -282,9 +286,11 @@ class SlotRing:
                     return slot
                 if cancelled():
                     raise ShutdownError("pipeline closed")
-                if deadline is not None and time.monotonic() >= deadline:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
                     return None
-                self._cond.wait(0.002)
+                wait = 0.05 if all(s.busy for s in self.slots) else 0.002
+                self._cond.wait(wait if deadline is None else min(wait, deadline - now))
 
     def release(self, slot: Slot, ready_after=None, stream_waits: list | None = None) -> None:
         """Give ``slot`` back; with ``ready_after`` (a CUDA event) it is reused only once that event completed,
