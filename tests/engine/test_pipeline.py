@@ -170,6 +170,32 @@ def test_generator_is_pulled_lazily_and_push_while_pop(volume):
         assert next(pulled) <= (5 + 3 + 1) * 4 + 1
 
 
+def test_a_released_slot_is_refilled_before_the_next_pop(volume):
+    """The coordinator plans the next batch while every slot is full and launches it into the slot the
+    consumer gives back, without waiting for the consumer's next pop; the batches still come in push order
+    and hold the right crops."""
+    uri, data = volume
+    samples = _random_samples(uri, data.shape, (8, 16, 16), 4 * 6)
+    with stoker.Pipeline(_cfg(lookahead_batches=1)) as p:  # two slots
+        p.push(samples)
+        inflight = p._coordinator.inflight
+        first = p.pop()  # holds one slot; batch 1 is in the other
+        deadline = time.monotonic() + 10
+        while len(inflight) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(inflight) == 1  # nothing more: no slot is free
+        first.release()
+        while len(inflight) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(inflight) == 2  # batch 2 launched into the released slot, no pop in between
+        for b in range(1, 6):
+            with p.pop() as batch:
+                got = torch.from_dlpack(batch)
+                for i, s in enumerate(samples[4 * b: 4 * b + 4]):
+                    want = data[tuple(slice(a, z) for a, z in s.aabb)].astype(np.float32)
+                    assert np.array_equal(got[i].numpy(), want)
+
+
 def test_infinite_generator_memory_is_bounded(volume):
     """Current (not peak) RSS stays flat over 300 batches of an endless generator.
 
