@@ -83,7 +83,10 @@ class Config:
       the string, so a rank's ``ctx.device`` can be passed as is). ``None`` takes torch's current CUDA
       device when CUDA is available, else the CPU; a GPU must be torch's current device
       (``torch.cuda.set_device(local_rank)`` first), checked at ``Pipeline(cfg)``.
-    - ``lookahead_batches`` (>= 1): batches prepared ahead of the consumer.
+    - ``lookahead_batches`` (>= 1): batches prepared ahead of the consumer. The pipeline holds
+      ``lookahead_batches + 1`` batch slots: a slot the consumer gives back is filled again at once, so up
+      to ``lookahead_batches + 1`` batches are made ahead between a ``release`` and the next ``pop``, and
+      the next batch is planned while they are.
     - ``pop_timeout_s`` (> 0 or ``None``): ``PoolStarved`` after this long without a batch.
     - ``drop_last``: drop a final short batch (default) or emit it.
     - ``storage_options``: ``None`` or ``{URI prefix: options}`` for remote arrays (``s3://``, ``gs://``,

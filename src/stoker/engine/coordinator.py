@@ -1,9 +1,9 @@
 """A pipeline's coordinator thread: pulls samples when there is room, plans and launches one batch at a time.
 
-There is room when at most ``lookahead_batches`` batches are in flight and the intake has samples (the batch
-planned then waits for a free slot, see :meth:`Coordinator._cycle`); a launch opens the batch's arrays (cached per pipeline), settles its dtype and the executor's buffers from
-their metadata (so a crop too large for ``host_buffer_bytes`` is refused before its plan is built), plans it,
-waits for a slot and submits it. Batches are in flight in push order; a batch that could not be planned,
+There is room when at most ``lookahead_batches`` batches are in flight and the intake has samples (the
+batch planned then waits for a free slot, see :meth:`Coordinator._cycle`); a launch opens the batch's arrays
+(cached per pipeline), settles its dtype and the executor's buffers from their metadata (so a crop too large
+for ``host_buffer_bytes`` is refused before its plan is built), plans it, waits for a slot and submits it. Batches are in flight in push order; a batch that could not be planned,
 or a source's error, rides in its place as an error for ``pop`` to raise.
 
 The thread holds the coordinator, never the pipeline, so a pipeline nobody closed can still be collected
