@@ -515,3 +515,28 @@ def test_a_failed_job_cancels_its_engine_work_at_once():
     job.finish(1, stoker.DecodeError("a second one"))
     job.cancel()
     assert stopped == ["engine", "late"] and "corrupt" in str(job.error)
+
+
+def _fill_word_now(fill, dtype) -> int:
+    """The fill word cast afresh: ``fill`` in ``dtype``, its bytes zero-padded to 8, as an int64."""
+    from stoker.engine.cast import fill_value_as
+
+    raw = fill_value_as(fill, dtype).reshape(1).view(torch.uint8).numpy().tobytes()
+    return int(np.frombuffer(raw.ljust(8, b"\0"), np.int64)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint16, torch.int8, torch.float64])
+def test_fill_words_are_kept_per_value_and_dtype(dtype):
+    """The engine's fill word of an array (its fill value cast into the batch dtype) is the same whether it
+    was cast now or kept from an earlier array, and a kept word never answers for another value, source
+    dtype or batch dtype (the cache is filled with every value first, then asked again)."""
+    from stoker.engine.decode_native import _FILL_WORDS, _fill_word
+
+    fills = [np.array(v, dt) for dt in ("uint8", "int16", "float32", "float64") for v in (0, 1, 7, 100)]
+    fills += [np.array(np.nan, "float64"), np.array(-3, "int16"), np.array(-0.0, "float32")]
+    _FILL_WORDS.clear()
+    for other in (torch.float32, torch.uint16):  # words of other batch dtypes kept beside these
+        [_fill_word(f, other) for f in fills]
+    first = [_fill_word(f, dtype) for f in fills]
+    again = [_fill_word(f, dtype) for f in fills]
+    assert first == again == [_fill_word_now(f, dtype) for f in fills]

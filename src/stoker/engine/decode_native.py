@@ -116,6 +116,27 @@ def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
     return array("q", values)
 
 
+_FILL_WORDS: dict[tuple, int] = {}  # (fill value's dtype and bytes, batch dtype) -> its S_FILL word
+
+
+def _fill_word(fill_value, dtype: torch.dtype) -> int:
+    """The sources table's S_FILL column for ``fill_value`` in a batch of ``dtype``: its bytes in that dtype,
+    zero-padded to 8, as an int64. Kept per value and dtype: many arrays share a fill value, and the cast
+    through torch costs more than the rest of describing an array to the engine."""
+    if isinstance(fill_value, np.ndarray) and fill_value.dtype.kind in "biufc":  # as the metadata holds it
+        key: tuple = (fill_value.dtype.str, fill_value.tobytes(), dtype)
+    else:
+        key = (type(fill_value), repr(fill_value), dtype)
+    word = _FILL_WORDS.get(key)
+    if word is None:
+        fill = fill_value_as(fill_value, dtype).reshape(1).view(torch.uint8).numpy().tobytes()
+        word = int(np.frombuffer(fill.ljust(8, b"\0"), np.int64)[0])
+        if len(_FILL_WORDS) > 1024:
+            _FILL_WORDS.clear()
+        _FILL_WORDS[key] = word
+    return word
+
+
 class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
@@ -151,8 +172,7 @@ class _Source:
         row = np.zeros(native.S_STRIDES + ndim, np.int64)
         row[native.S_KIND] = src_kind if self.fills else 0  # any kind: no chunk of it goes to the engine
         if self.fills:
-            fill = fill_value_as(meta.fill_value, dtype).reshape(1).view(torch.uint8).numpy().tobytes()
-            row[native.S_FILL] = np.frombuffer(fill.ljust(8, b"\0"), np.int64)[0]
+            row[native.S_FILL] = _fill_word(meta.fill_value, dtype)
         if not short:  # its chunks take the Python path: the engine builds no path of it
             self.prefix = self.prefix[:1]
         row[native.S_PATH_LEN] = len(self.prefix)
