@@ -848,6 +848,28 @@ def test_copy_plans(work, data):
     np.testing.assert_array_equal(batch.view, want)
 
 
+@pytest.mark.parametrize("dst_kind", [native.SAME, native.F32])
+@pytest.mark.parametrize("stride", [2**63 - 2, 2**62 + 1, 12345])
+def test_a_huge_stride_on_an_axis_of_extent_one_is_never_scaled(work, dst_kind, stride):
+    """A copy whose outer axis has extent 1 never steps along it, so the checks take any stride there; placing
+    it must not scale that stride to bytes (2 * (2**63 - 2) overflows: UBSan under ``make asan`` stopped on
+    it, found by the copy-plan fuzzer). The copy is taken and placed as the model says."""
+    values = np.arange(4, dtype=np.uint16)
+    chunk = values.tobytes()
+    kind = native.SOURCE_KINDS[np.dtype("uint16")]
+    plan = [kind, 2, 1, stride, 1, stride, 1, 0, 0, 1, 4]  # (1, 4) chunk into a (1, 4) batch
+    d_item = 2 if dst_kind == native.SAME else 4
+    batch = Guarded(4 * d_item, fill=0x11)
+    want = batch.view.copy()
+    assert model_place(plan, chunk, (0, len(chunk)), want, 4 * d_item, dst_kind)
+    frame = numcodecs.Zstd(level=1).encode(chunk)
+    results, _ = call(work, native.ZSTD, [frame], len(chunk), [(0, len(chunk))], [None], len(frame),
+                      places=[array("q", plan)], dst=(batch.view.ctypes.data, 4 * d_item, dst_kind, False))
+    assert results[0][0] == native.OK and results[0][6]
+    assert batch.intact()
+    np.testing.assert_array_equal(batch.view, want)
+
+
 # ---------------------------------------------------------------------------------------------
 # The call's other arguments
 

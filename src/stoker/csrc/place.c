@@ -289,6 +289,13 @@ static size_t piece_len(const char *d, size_t d_item, size_t per_piece, size_t l
     return k < left ? k : left;
 }
 
+/* Bytes from one row of a plane to the next. A row stride counts only between rows: with one row (an axis of
+ * extent 1) the checks let any stride through, and scaling it to bytes could overflow. With two rows or more
+ * the checks keep stride * (rows - 1) inside the buffer, so the product fits. */
+static ptrdiff_t row_step(long long stride, size_t rows, size_t item) {
+    return rows > 1 ? (ptrdiff_t)(stride * (long long)item) : 0;
+}
+
 /* Cast every copy from the decoded chunk into the batch; runs without the GIL. Runs whose elements are not
  * next to each other in the chunk, or are in the other byte order, are gathered into an L1 buffer first. */
 void place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies,
@@ -310,8 +317,7 @@ void place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t
             const char *src = chunk + (size_t)so * s_item;
             char *d = dst->base + (size_t)dof * d_item;
             if (direct)
-                rows_of(src, (ptrdiff_t)(s_row * (long long)s_item), d, (ptrdiff_t)(d_row * (long long)d_item), rows,
-                        run * unit, stream);
+                rows_of(src, row_step(s_row, rows, s_item), d, row_step(d_row, rows, d_item), rows, run * unit, stream);
             for (size_t r = 0; !direct && r < rows; r++) {
                 const char *sr = src + (size_t)(r * s_row) * s_item;
                 char *dr = d + (size_t)(r * d_row) * d_item;
@@ -341,7 +347,7 @@ void fill_copies(int ndim, const int64_t *ds, const int64_t *copies, long long n
             char *d = dst->base + (size_t)dof * d_item;
             int whole = run <= per_piece; /* each run from the piece's start */
             if (whole)
-                copy_rows(piece, 0, d, (ptrdiff_t)(d_row * (long long)d_item), rows, run * d_item, dst->stream);
+                copy_rows(piece, 0, d, row_step(d_row, rows, d_item), rows, run * d_item, dst->stream);
             for (size_t r = 0; !whole && r < rows; r++) {
                 char *dr = d + (size_t)(r * d_row) * d_item;
                 for (size_t left = run, k; left; left -= k) {
