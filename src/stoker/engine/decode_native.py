@@ -119,14 +119,12 @@ def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
 _FILL_WORDS: dict[tuple, int] = {}  # (fill value's dtype and bytes, batch dtype) -> its S_FILL word
 
 
-def _fill_word(fill_value, dtype: torch.dtype) -> int:
-    """The sources table's S_FILL column for ``fill_value`` in a batch of ``dtype``: its bytes in that dtype,
-    zero-padded to 8, as an int64. Kept per value and dtype: many arrays share a fill value, and the cast
-    through torch costs more than the rest of describing an array to the engine."""
-    if isinstance(fill_value, np.ndarray) and fill_value.dtype.kind in "biufc":  # as the metadata holds it
-        key: tuple = (fill_value.dtype.str, fill_value.tobytes(), dtype)
-    else:
-        key = (type(fill_value), repr(fill_value), dtype)
+def _fill_word(fill_value: np.ndarray, dtype: torch.dtype) -> int:
+    """The sources table's S_FILL column for ``fill_value`` (the metadata's 0-d array of a numeric dtype: the
+    engine fills no other) in a batch of ``dtype``: its bytes in that dtype, zero-padded to 8, as an int64.
+    Kept per value and dtype: many arrays share a fill value, and the cast through torch costs more than the
+    rest of describing an array to the engine."""
+    key = (fill_value.dtype.str, fill_value.tobytes(), dtype)
     word = _FILL_WORDS.get(key)
     if word is None:
         fill = fill_value_as(fill_value, dtype).reshape(1).view(torch.uint8).numpy().tobytes()
@@ -270,9 +268,9 @@ class NativeDecoder:
     def _source_set(self, readers: list, dtype: torch.dtype, kind: int | None) -> "_SourceSet":
         """The engine's view of a batch's arrays, kept while the same arrays come again (a training run over
         one volume plans every batch from the same array): the per-array rows, their table and path blob."""
-        key = (tuple(map(id, readers)), dtype, kind)
+        key = (tuple(map(id, readers)), dtype, kind)  # a kept set holds its readers: their ids stay theirs
         held = self._sets.get(key)
-        if held is None or any(a is not b for a, b in zip(held.readers, readers)):
+        if held is None:
             if len(self._sets) > 256:  # many arrays (batches of random ones) rarely repeat a set: keep a few
                 self._sets.clear()
             held = self._sets[key] = _SourceSet(readers, [self._source(r, dtype, kind) for r in readers])
@@ -317,8 +315,8 @@ class NativeDecoder:
         """The engine's arguments for the chunks ``eids`` of ``plan`` (None: all of them) into ``out`` (see
         Engine.submit); with ``fetched``, chunk k's stored bytes are the whole of buffer k (a fetch's values,
         then its parts)."""
-        every = eids is None
-        src = plan.chunk_source if every else plan.chunk_source[eids]
+        take = slice(None) if eids is None else eids  # every chunk: views of the plan's columns, no copies
+        src = plan.chunk_source[take]
         per = sources.info[:, I_CODEC:]
         chunks = np.empty((len(src), native.N_CHUNK_COLS), np.int64)
         chunks[:, native.C_SOURCE] = src
@@ -328,17 +326,17 @@ class NativeDecoder:
             chunks[:, native.C_BUFFER] = np.arange(len(src))
             chunks[:, native.C_CODEC] = per[src, 0]
         else:
-            chunks[:, native.C_FILE] = plan.chunk_file if every else plan.chunk_file[eids]
-            chunks[:, native.C_OFFSET] = plan.chunk_offset if every else plan.chunk_offset[eids]
-            chunks[:, native.C_LENGTH] = plan.chunk_length if every else plan.chunk_length[eids]
+            chunks[:, native.C_FILE] = plan.chunk_file[take]
+            chunks[:, native.C_OFFSET] = plan.chunk_offset[take]
+            chunks[:, native.C_LENGTH] = plan.chunk_length[take]
             chunks[:, native.C_BUFFER] = -1
             chunks[:, native.C_CODEC] = np.where(chunks[:, native.C_FILE] >= 0, per[src, 0], native.FILL)
-        chunks[:, native.C_SPAN_START] = plan.byte_start if every else plan.byte_start[eids]
-        chunks[:, native.C_SPAN_STOP] = plan.byte_stop if every else plan.byte_stop[eids]
+        chunks[:, native.C_SPAN_START] = plan.byte_start[take]
+        chunks[:, native.C_SPAN_STOP] = plan.byte_stop[take]
         chunks[:, native.C_NBYTES] = per[src, 1]
         chunks[:, native.C_MAX_STORED] = per[src, 2]
-        chunks[:, native.C_FIRST_COPY] = plan.first_copy if every else plan.first_copy[eids]
-        chunks[:, native.C_NCOPIES] = plan.n_copies if every else plan.n_copies[eids]
+        chunks[:, native.C_FIRST_COPY] = plan.first_copy[take]
+        chunks[:, native.C_NCOPIES] = plan.n_copies[take]
         row_stride, *strides = out.stride()
         dst_strides = np.array(strides, np.int64)
         copies = np.empty((len(plan.copy_row), 2 + plan.ndim), np.int64)
