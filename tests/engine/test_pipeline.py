@@ -183,6 +183,7 @@ def test_a_released_slot_is_refilled_before_the_next_pop(volume):
         deadline = time.monotonic() + 10
         while len(inflight) < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
+        time.sleep(0.2)  # time enough for a launch that should not happen
         assert len(inflight) == 1  # nothing more: no slot is free
         first.release()
         while len(inflight) < 2 and time.monotonic() < deadline:
