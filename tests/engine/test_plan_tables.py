@@ -166,6 +166,53 @@ def test_flat_plan_raises_for_the_first_damaged_shard_in_chunk_order(tmp_path):
         assert str(got.value) == str(ref.value) and repr(key) in str(got.value)
 
 
+def test_shard_indexes_gathered_a_table_at_a_time_match(arrays, monkeypatch):
+    """Shards whose indexes are too large to join are gathered one table at a time: the same plan."""
+    from stoker.engine import tables
+    monkeypatch.setattr(tables, "_JOIN_ROWS", 1)
+    opener_cache = {}
+    opener = lambda uri: opener_cache.setdefault(uri, stoker.open_array(uri))  # noqa: E731
+    for name in ("sharded-end", "sharded-start"):
+        samples = [stoker.Sample(arrays[name], [(0, 17), (3, 26), (1, 17)]),  # every shard, missing ones too
+                   stoker.Sample(arrays[name], [(4, 21), (0, 23), (0, 16)]),
+                   stoker.Sample(arrays["plain"], [(0, 17), (0, 23), (0, 16)])]
+        ref, got = _compare(samples, opener)
+        assert len({c.path for c in ref.chunks if c.offset is not None}) > 1
+
+
+def test_a_shard_grid_past_int64_is_planned_by_its_coordinates(tmp_path):
+    """Shards are numbered in C order over the grid to key them once per reader; a grid of more shards than
+    an int64 counts is planned by coordinates instead, to the same plan."""
+    path = str(tmp_path / "huge.zarr")
+    z = zarr.create_array(path, shape=(2**40, 2**40), chunks=(4, 4), shards=(8, 8), dtype="uint16",
+                          compressors=ZstdCodec(level=1), fill_value=7)
+    z[2**39: 2**39 + 16, 5: 21] = np.arange(256, dtype="uint16").reshape(16, 16)
+    reader = stoker.open_array(path)
+    opener = lambda uri: reader  # noqa: E731
+    samples = [stoker.Sample(path, [(2**39 + 2, 2**39 + 14), (3, 15)]),
+               stoker.Sample(path, [(2**40 - 12, 2**40), (2**40 - 12, 2**40)])]  # no shard: the fill value
+    ref, got = _compare(samples, opener)
+    assert sum(c.offset is not None for c in ref.chunks) == 12 and sum(c.fill for c in ref.chunks) == 4 + 9
+    from stoker.engine.tables import _shard_geometry
+    assert _shard_geometry(reader)[2] is None
+
+
+def test_shard_keys_are_made_once_and_bounded(arrays, monkeypatch):
+    """ArrayReader.shard_keys: the key of each shard number (C order over the shard grid), kept per reader up
+    to a bound past which it starts afresh."""
+    from stoker.reader import array
+    reader = stoker.open_array(arrays["sharded-end"])
+    grid = reader.shard_grid
+    assert grid == (3, 3, 3)
+    every = list(range(27))
+    assert reader.shard_keys(every) == [reader.metadata.chunk_key(tuple(int(v) for v in np.unravel_index(n, grid)))
+                                        for n in every]
+    assert reader.shard_keys([26, 0]) == ["c/2/2/2", "c/0/0/0"]
+    monkeypatch.setattr(array, "_MAX_KEPT_KEYS", 4)
+    reader.shard_keys([1])  # over the bound: started afresh
+    assert reader.shard_keys([5, 1]) == ["c/0/1/2", "c/0/0/1"] and len(reader._shard_key_of) == 2
+
+
 def _python_calls(fn) -> int:
     """Python function calls (and calls into C functions) made while ``fn`` runs."""
     calls = 0

@@ -86,6 +86,21 @@ def test_sized_lru_order_and_counters():
     assert len(cache) == 0 and cache.nbytes == 0
 
 
+def test_get_many_is_get_for_each_key_in_one_lock():
+    """Hits become the most recent in the order asked; misses are counted and given as ``missing``; a cached
+    None is a hit."""
+    cache = SizedLRU(max_bytes=40, sizeof=lambda v: 10)
+    for k in (1, 2, 3):
+        cache.put(k, None if k == 2 else k * 10)
+    missing = object()
+    assert cache.get_many([3, 9, 2, 1], missing) == [30, missing, None, 10]
+    assert list(cache._items) == [3, 2, 1] and (cache.hits, cache.misses) == (3, 1)
+    cache.put(4, 40)
+    cache.put(5, 50)  # evicts 3: the least recently asked for
+    assert cache.get_many([3, 2], missing) == [missing, None]
+    assert cache.get_many([]) == []
+
+
 def test_sized_lru_oversized_values_are_returned_not_kept():
     cache = SizedLRU(max_bytes=100, sizeof=len)
     small = cache.get_or_load("s", lambda: b"x" * 60)

@@ -10,9 +10,11 @@ one per array and one per shard file, and numpy for the rest:
   (``native.plan_grid``, csrc/grid.c: a hash table, one pass), else with numpy (the crossing by broadcasting,
   every sample padded to the largest count and masked; ``np.unique`` over (array, grid index) rows; a
   stable sort; ``reduceat``);
-- shard indexes looked up in bulk: those not cached read first (an array's in a store all in one round trip,
-  :func:`~stoker.reader.array.shard_entries`), then each needed shard's ``(n_inner, 2)`` table gathered with fancy
-  indexing.
+- shard indexes looked up in bulk: each sharded array's shards in the batch numbered in C order over its shard
+  grid (their keys made once per reader), looked up in the index cache in one call
+  (:meth:`~stoker.reader.array.ArrayReader.cached_shard_entries`); those not cached read together
+  (:func:`~stoker.reader.array.shard_entries`: an array's in a store in one round trip); then every chunk's
+  ``(offset, length)`` gathered from its shard's ``(n_inner, 2)`` table with one fancy index.
 
 The engine (``stoker._native.Engine``) takes the tables as they are; the Python path asks
 :meth:`TablePlan.task` for a :class:`~stoker.engine.plan.ChunkTask` of the few chunks it reads itself.
@@ -31,7 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import native
-from ..reader.array import ArrayReader, shard_entries
+from ..reader.array import NOT_CACHED, ArrayReader, shard_entries
 from ..zarr.box import check_in_bounds
 from ..sampling.sample import Sample, parts
 from ..zarr.grid import c_strides
@@ -160,15 +162,50 @@ class TablePlan:
 
 
 def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(first, inverse)``: the distinct int64 rows of ``rows`` numbered in order of first appearance:
+    """``(first, inverse)``: the distinct int64 rows of ``rows`` (or values of a 1-d ``rows``) numbered in order of first appearance:
     ``first[k]`` is the first row of distinct row k, ``inverse[r]`` the number of row r."""
     rows = np.ascontiguousarray(rows)
-    keys = rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
+    keys = rows if rows.ndim == 1 else rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
     _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
     order = np.argsort(first, kind="stable")
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     return first[order], rank[inverse.ravel()]
+
+
+#: Largest shard index (inner chunks) whose tables are joined to gather a batch's entries in one step; a larger
+#: one's rows are gathered a table at a time rather than copied whole.
+_JOIN_ROWS = 4096
+
+
+def _gather_entries(tables: list[np.ndarray], slot: np.ndarray, inner: np.ndarray) -> np.ndarray:
+    """``out[i] = tables[slot[i]][inner[i]]``: each chunk's ``(offset, length)`` from its shard's index (every
+    table of one array has the same number of rows)."""
+    if len(tables) == 1:
+        return tables[0][inner]
+    n_inner = len(tables[0])
+    if n_inner <= _JOIN_ROWS:
+        return np.concatenate(tables)[slot * n_inner + inner]
+    out = np.empty((len(slot), 2), tables[0].dtype)
+    order = np.argsort(slot, kind="stable")
+    bounds = np.searchsorted(slot[order], np.arange(len(tables) + 1)).tolist()
+    for j, table in enumerate(tables):
+        mine = order[bounds[j]:bounds[j + 1]]
+        out[mine] = table[inner[mine]]
+    return out
+
+
+def _shard_geometry(reader: ArrayReader) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(inner chunks per shard, their C-order strides, the shard grid's C-order strides)`` of a sharded array,
+    kept on the reader; the last is None when the grid holds more shards than an int64 counts."""
+    geometry = reader.__dict__.get("_shard_geometry")
+    if geometry is None:
+        cps = reader.metadata.sharding.chunks_per_shard
+        grid = reader.shard_grid
+        geometry = reader.__dict__["_shard_geometry"] = (
+            np.array(cps, np.int64), np.array(c_strides(cps), np.int64),
+            np.array(c_strides(grid), np.int64) if math.prod(grid) < 2**63 else None)
+    return geometry
 
 
 def _grid_compiled(start, sid, extent, chunk_shapes, chunk_strides, itemsize) -> tuple:
@@ -282,64 +319,70 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
     files: list[np.ndarray] = [table]
     n_files = len(plain)
     failures: list[tuple[int, Callable[[], None]]] = []  # (first chunk it concerns, raise it)
-    sharded = []  # (source, its chunks, their shard and inner index, each shard's first chunk and key)
-    wanted = []  # (reader, shard key) of every shard file the batch touches
+    # every sharded array's shards in the batch numbered, keyed and looked up in the index cache at once; those
+    # not cached read before the loop (those of arrays in a store together, in one round trip)
+    sharded = []  # (source, reader, its chunks, their shard and inner index, each shard's first chunk, keys, entries)
+    missing: list[tuple[ArrayReader, str]] = []  # (reader, shard key) of every index not cached
     for s in np.flatnonzero(is_sharded).tolist():  # one step per sharded array
         reader = sources[s]
-        ids = np.flatnonzero(chunk_source == s)
+        ids = np.arange(n) if len(sources) == 1 else np.flatnonzero(chunk_source == s)
+        cps, inner_strides, shard_strides = _shard_geometry(reader)
+        index = chunk_index[ids]
+        shard = index // cps
+        inner = chunk_inner[ids] = ((index - shard * cps) * inner_strides).sum(axis=1)
+        if shard_strides is not None:  # shards numbered in C order over the grid: each key made once per reader
+            number = shard @ shard_strides
+            shard_first, shard_of = _unique_rows(number)
+            keys = reader.shard_keys(number[shard_first].tolist())
+        else:  # a grid of more shards than an int64 counts
+            shard_first, shard_of = _unique_rows(shard)
+            keys = [reader.metadata.chunk_key(tuple(shard[at].tolist())) for at in shard_first.tolist()]
+        got = reader.cached_shard_entries(keys)
+        missing += [(reader, keys[k]) for k, entry in enumerate(got) if entry is NOT_CACHED]
+        sharded.append((s, reader, ids, shard, inner, shard_first, keys, got, shard_of))
+    loaded = iter(shard_entries(missing))
+    for s, reader, ids, shard, inner, shard_first, keys, got, shard_of in sharded:  # one step per sharded array
         meta = reader.metadata
-        cps = np.array(meta.sharding.chunks_per_shard, np.int64)
-        shard = chunk_index[ids] // cps
-        inner = ((chunk_index[ids] % cps) * np.array(c_strides(tuple(cps.tolist())), np.int64)).sum(axis=1)
-        chunk_inner[ids] = inner
-        shard_first, shard_of = _unique_rows(shard)
-        keys = [meta.chunk_key(tuple(shard[at].tolist())) for at in shard_first.tolist()]
-        sharded.append((s, reader, ids, shard, inner, shard_first, shard_of, keys))
-        wanted += [(reader, key) for key in keys]
-    # every index not cached read before the loop: those of arrays in a store together, in one round trip
-    entries = iter(shard_entries(wanted))
-    for s, reader, ids, shard, inner, shard_first, shard_of, keys in sharded:  # one step per sharded array
-        got = [next(entries) for _ in keys]
-        meta = reader.metadata
-        order = np.argsort(shard_of, kind="stable")  # the array's chunks shard by shard, in chunk order within
-        bounds = np.searchsorted(shard_of[order], np.arange(len(keys) + 1)).tolist()
-        usable = []  # (shard number, its ids in chunk order, where each is stored in it)
-        for k, entry in enumerate(got):  # a few steps per shard file
-            mine = ids[order[bounds[k]:bounds[k + 1]]]
+        usable = []  # the shards with an index (not missing, not failed), in order of first use
+        for k, entry in enumerate(got):  # a step per shard file
+            if entry is NOT_CACHED:
+                entry = got[k] = next(loaded)
             if isinstance(entry, BaseException):  # raised below if no earlier chunk has a failure
-                failures.append((int(mine[0]), _raiser(entry)))
+                failures.append((int(ids[shard_first[k]]), _raiser(entry)))
             elif entry is not None:  # (None: no shard file, every chunk of it is the fill value)
-                usable.append((k, mine, entry.table[inner[order[bounds[k]:bounds[k + 1]]]]))
+                usable.append(k)
         if not usable:
             continue
-        held_ids = np.concatenate([mine for _, mine, _ in usable])
-        entry_rows = np.concatenate([w for _, _, w in usable])  # (offset, length) as the index holds them
-        of = np.repeat(np.arange(len(usable)), [len(mine) for _, mine, _ in usable])
+        slot = np.full(len(got), -1, np.int64)
+        slot[usable] = np.arange(len(usable))
+        chunk_slot = slot[shard_of]
+        held = np.flatnonzero(chunk_slot >= 0)  # in chunk order
+        held_ids, held_slot = ids[held], chunk_slot[held]
+        entry_rows = _gather_entries([got[k].table for k in usable], held_slot, inner[held])  # (offset, length)
         stored = ~((entry_rows[:, 0] == EMPTY_ENTRY) & (entry_rows[:, 1] == EMPTY_ENTRY))
-        where = entry_rows.astype(np.int64)  # (an empty entry wraps; it is never used)
         over = stored & (entry_rows[:, 1] > meta.codec.max_stored_nbytes)
         if over.any():  # before anyone reads or reserves room for it (as locate does): the first in chunk order
-            bad = np.flatnonzero(over)
-            bad = int(bad[np.argmin(held_ids[bad])])
-            k = usable[int(of[bad])][0]
-            key = f"{keys[k]}[{int(inner[ids == held_ids[bad]][0])}]"
+            bad = int(np.argmax(over))
+            key = f"{keys[usable[int(held_slot[bad])]]}[{int(inner[held[bad]])}]"
             failures.append((int(held_ids[bad]), _too_big(meta.codec, int(entry_rows[bad, 1]), key)))
-        with_data = np.flatnonzero(np.bincount(of[stored], minlength=len(usable)))  # shards holding a chunk
+        with_data = np.flatnonzero(np.bincount(held_slot[stored], minlength=len(usable)))  # shards holding a chunk
         if not len(with_data):
             continue
-        rows = np.zeros((len(with_data), F_COORDS + ndim), np.int64)
+        data_shards = [usable[j] for j in with_data.tolist()]
+        rows = np.zeros((len(data_shards), F_COORDS + ndim), np.int64)
         rows[:, F_SOURCE], rows[:, F_HAS_IDENT] = s, 1
-        idents = [got[usable[j][0]].ident for j in with_data.tolist()]
+        idents = [got[k].ident for k in data_shards]
         rows[:, F_IDENT:F_IDENT + 2] = np.array([(i[0] & (2**64 - 1), i[1] & (2**64 - 1)) for i in idents],
                                                 np.uint64).view(np.int64)
         rows[:, F_IDENT + 2:F_IDENT + 5] = [i[2:5] for i in idents]
-        rows[:, F_COORDS:] = shard[shard_first[[usable[j][0] for j in with_data.tolist()]]]
+        rows[:, F_COORDS:] = shard[shard_first[data_shards]]
         files.append(rows)
-        number = np.full(len(usable), -1, np.int64)
-        number[with_data] = n_files + np.arange(len(with_data))
-        chunk_file[held_ids[stored]] = number[of[stored]]
-        chunk_offset[held_ids[stored]] = where[stored, 0]
-        chunk_length[held_ids[stored]] = where[stored, 1]
+        file_of = np.full(len(usable), -1, np.int64)
+        file_of[with_data] = n_files + np.arange(len(with_data))
+        at, where = held_ids[stored], entry_rows[stored].astype(np.int64)
+        chunk_file[at] = file_of[held_slot[stored]]
+        chunk_offset[at] = where[:, 0]
+        chunk_length[at] = where[:, 1]
         n_files += len(with_data)
     if failures:
         min(failures, key=lambda f: f[0])[1]()

@@ -30,7 +30,7 @@ from ..storage.local import identity
 from ..storage.store import get_each, get_many
 from ..storage.locate import Stores, default_stores, locate
 from ..zarr.fields import show
-from ..zarr.grid import chunk_intersections
+from ..zarr.grid import chunk_intersections, grid_shape
 from ..zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3
 from ..zarr.sharding import EMPTY_ENTRY, ShardingSpec
 from . import metacache
@@ -473,6 +473,36 @@ class ArrayReader:
         first use), or ``None`` when the shard file is missing."""
         return self._shard_entry(shard_key)
 
+    def cached_shard_entries(self, shard_keys: Sequence[str]) -> list:
+        """Each shard's cached :class:`ShardIndex` (or None: no shard file), :data:`NOT_CACHED` where the cache
+        holds none: one look-up for them all, as a planner asks for a batch's shards together (read the
+        missing ones with :func:`shard_entries`)."""
+        token = self._token
+        return self._index_cache.get_many([(token, key) for key in shard_keys], NOT_CACHED)
+
+    def shard_keys(self, numbers: Sequence[int]) -> list[str]:
+        """The keys of the shards numbered ``numbers`` in C order over the shard grid (see
+        :attr:`shard_grid`), each made once per reader: a planner names every shard of a batch, every batch.
+
+        >>> arr.shard_keys([0, 5])
+        ['c/0/0/0', 'c/0/1/1']
+        """
+        made = self.__dict__.get("_shard_key_of")
+        if made is None or len(made) > _MAX_KEPT_KEYS:  # bounded: a huge array's keys are not all kept
+            made = self.__dict__["_shard_key_of"] = {}
+        keys: list = [made.get(n) for n in numbers]
+        if None in keys:
+            grid, key = self.shard_grid, self.metadata.chunk_key
+            for at, n in enumerate(numbers):
+                if keys[at] is None:
+                    keys[at] = made[n] = key(tuple(int(v) for v in np.unravel_index(n, grid)))
+        return keys
+
+    @property
+    def shard_grid(self) -> tuple[int, ...]:
+        """Shards along each axis (of a sharded array)."""
+        return grid_shape(self.metadata.shape, self.metadata.chunk_shape)
+
     def _shard_entry(self, shard_key: str) -> ShardIndex | None:
         return self._index_cache.get_or_load((self._token, shard_key), lambda: self._load_shard_index(shard_key))
 
@@ -570,6 +600,9 @@ def raise_read_error(readers: Iterable[ArrayReader], exc: BaseException) -> NoRe
     raise exc
 
 
+#: What :meth:`ArrayReader.cached_shard_entries` gives for a shard whose index is not cached.
+NOT_CACHED = type("NotCached", (), {"__repr__": lambda self: "NOT_CACHED"})()
+_MAX_KEPT_KEYS = 1 << 16  # shard keys an ArrayReader keeps made (per reader; a key is ~100 bytes)
 _UNKNOWN_SIZE = (1 << 63) - 1  # a shard's size, not known from a suffix read
 _UNREAD = object()
 #: Encoded bytes one store call of :meth:`ArrayReader.read` fetches at most (whole values counted at their
