@@ -1129,3 +1129,86 @@ def test_plan_grid_extremes_refused_or_sound(start, chunk, stride, itemsize):
     copies = np.frombuffer(copies, np.int64).reshape(-1, 5)
     assert len(chunks) == 1 and 0 <= chunks[0, 3] < chunks[0, 4]
     assert copies[0, 2] == start - (start // chunk) * chunk and copies[0, 4] == 1
+
+
+def _shard_positions_reference(index, cps, shard_strides):
+    """What csrc/grid.c's shard_positions must give, in Python."""
+    inner, shard_of, first, numbers = [], [], [], []
+    for i, row in enumerate(index.tolist()):
+        flat = 0
+        for v, c in zip(row, cps.tolist()):
+            flat = flat * c + v % c
+        number = sum(v // c * s for v, c, s in zip(row, cps.tolist(), shard_strides.tolist()))
+        if number not in numbers:
+            numbers.append(number)
+            first.append(i)
+        inner.append(flat)
+        shard_of.append(numbers.index(number))
+    return inner, shard_of, first, numbers
+
+
+@pytest.mark.skipif(native.shard_positions is None, reason="the compiled grid planner is not built")
+@fuzz(300)
+@given(st.data())
+def test_shard_positions_arguments(data):
+    """shard_positions takes any int64 buffers: a ValueError, or each chunk's inner index and shard, and each
+    shard's first chunk and number, as the reference computes them (the reference's Python ints never wrap:
+    a sum past int64 must be refused)."""
+    ndim = data.draw(st.integers(1, 3))
+    n = data.draw(st.integers(0, 12))
+    small = data.draw(st.integers(0, 2)) > 0
+    edge = st.one_of(st.integers(-3, 40), st.sampled_from([-2**63, -1, 2**31, 2**62, 2**63 - 1]))
+    value = st.integers(0, 30) if small else edge
+    index = np.array([[data.draw(value) for _ in range(ndim)] for _ in range(n)], np.int64).reshape(n, ndim)
+    cps = np.array([data.draw(st.integers(1, 5) if small else edge) for _ in range(ndim)], np.int64)
+    strides = np.array([data.draw(st.integers(0, 50) if small else edge) for _ in range(ndim)], np.int64)
+    if data.draw(st.integers(0, 5)) == 0:  # a buffer of another rank or count
+        cps = np.append(cps, 2)
+    try:
+        got = native.shard_positions(index, cps, strides)
+    except (ValueError, MemoryError):
+        event("refused")
+        assert not small or len(cps) != ndim
+        return
+    event("placed")
+    inner, shard_of, first, numbers = (np.frombuffer(b, np.int64).tolist() for b in got)
+    want = _shard_positions_reference(index, cps, strides)
+    assert [inner, shard_of, first, numbers] == list(want)
+    assert all(-2**63 <= v < 2**63 for v in numbers + inner)
+
+
+@pytest.mark.skipif(native.gather_entries is None, reason="the compiled grid planner is not built")
+@fuzz(300)
+@given(st.data())
+def test_gather_entries_arguments(data):
+    """gather_entries takes any tables and int64 buffers: a ValueError, or every chunk's entry from its shard's
+    table (the empty entry where its shard has none), never a read outside a table."""
+    n_inner = data.draw(st.integers(0, 6))
+    n_tables = data.draw(st.integers(0, 3))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    tables = [rng.integers(0, 2**63, (n_inner, 2), dtype=np.uint64) for _ in range(n_tables)]
+    hostile = data.draw(st.integers(0, 3)) == 0  # out-of-range values, a malformed table or count
+    if n_tables and hostile and data.draw(st.booleans()):  # one of another length, or not a table at all
+        tables[-1] = data.draw(st.sampled_from([np.zeros((n_inner + 1, 2), np.uint64), np.zeros(3, np.uint8),
+                                                 b"x" * 16 * n_inner, "text"]))
+    n_shards = data.draw(st.integers(0, 4))
+    n = data.draw(st.integers(0, 8))
+    edge = st.sampled_from([-2**63, -2, 2**62, 2**63 - 1]) if hostile else st.nothing()
+    slot = np.array([data.draw(st.one_of(st.integers(-1, n_tables - 1), edge)) for _ in range(n_shards)], np.int64)
+    shard_of = np.array([data.draw(st.one_of(st.integers(0, max(0, n_shards - 1)), edge)) for _ in range(n)],
+                        np.int64)
+    inner = np.array([data.draw(st.one_of(st.integers(0, max(0, n_inner - 1)), edge)) for _ in range(n)], np.int64)
+    if hostile and data.draw(st.booleans()):
+        inner = inner[:-1]  # one too few
+    try:
+        got = native.gather_entries(tables, slot, shard_of, inner)
+    except (ValueError, TypeError):
+        event("refused")
+        return
+    event("gathered")
+    got = np.frombuffer(got, np.uint64).reshape(-1, 2)
+    assert len(got) == len(shard_of)
+    for i, (k, j) in enumerate(zip(shard_of.tolist(), inner.tolist())):
+        s = int(slot[k])
+        want = [2**64 - 1] * 2 if s < 0 else np.asarray(tables[s]).reshape(-1, 2)[j].tolist()
+        assert got[i].tolist() == want

@@ -26,9 +26,11 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(autouse=True, params=["compiled", "numpy"])
 def grid(request, monkeypatch):
-    """Which planner crosses the crops with the grid: C (csrc/grid.c, where the extension is built) or numpy."""
+    """Which planner crosses the crops with the grid and finds where sharded chunks are stored: C (csrc/grid.c,
+    where the extension is built) or numpy."""
     if request.param == "numpy":
-        monkeypatch.setattr(native, "plan_grid", None)
+        for name in ("plan_grid", "shard_positions", "gather_entries"):
+            monkeypatch.setattr(native, name, None)
     elif native.plan_grid is None:
         pytest.skip("stoker._native is not available")
     return request.param
@@ -58,6 +60,13 @@ def arrays(tmp_path_factory):
         z[:10] = rng.standard_normal((10, 26, 18)).astype("float32")  # shards beyond plane 10: missing
         z[:5, :4, :4] = 0.5  # an inner chunk of nothing but the fill value: an empty entry
         made[f"sharded-{where}"] = path
+    # other shards and inner chunks (each array's own geometry), and an index at the end again
+    path = str(root / "sharded-other.zarr")
+    z = zarr.create_array(path, shape=(21, 25, 19), chunks=(6, 5, 9), dtype="uint16", fill_value=2,
+                          compressors=None, filters=None,
+                          serializer=ShardingCodec(chunk_shape=(3, 5, 3), codecs=[BytesCodec(), ZstdCodec(level=1)]))
+    z[...] = rng.integers(0, 1000, (21, 25, 19))
+    made["sharded-other"] = path
     return made
 
 
@@ -83,7 +92,8 @@ def _compare(samples, opener):
 
 @st.composite
 def batches(draw, names):
-    shapes = {"plain": (23, 31, 17), "v2": (19, 26, 21), "sharded-end": (22, 26, 18), "sharded-start": (22, 26, 18)}
+    shapes = {"plain": (23, 31, 17), "v2": (19, 26, 21), "sharded-end": (22, 26, 18), "sharded-start": (22, 26, 18),
+              "sharded-other": (21, 25, 19)}
     crop = tuple(draw(st.integers(1, 17)) for _ in range(3))
     picks = draw(st.lists(st.sampled_from(names), min_size=1, max_size=6))
     out = []
@@ -115,6 +125,16 @@ def test_flat_plan_fills_and_locates_like_plan_batch(arrays):
     fills = [i for i, c in enumerate(ref.chunks) if c.fill]
     assert fills and (got.chunk_file[fills] == -1).all()
     assert (got.chunk_file[[i for i in range(got.n_chunks) if i not in fills]] >= 0).all()
+
+
+def test_sharded_arrays_of_other_geometries_in_one_batch(arrays):
+    """Each sharded array's shards found with its own shard and inner chunk shapes, whichever comes last."""
+    opener_cache = {}
+    opener = lambda uri: opener_cache.setdefault(uri, stoker.open_array(uri))  # noqa: E731
+    for names in (("sharded-other", "sharded-end"), ("sharded-end", "sharded-other")):
+        samples = [stoker.Sample(arrays[name], [(2, 19), (3, 24), (1, 18)]) for name in names]
+        ref, got = _compare(samples, opener)
+        assert len(got.files) > 4
 
 
 def test_flat_plan_raises_what_plan_batch_raises(arrays, tmp_path):

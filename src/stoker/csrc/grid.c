@@ -192,3 +192,93 @@ fail:
     grid_plan_free(out);
     return -1;
 }
+
+/* Where a batch's chunks of one sharded array are stored: per chunk (a grid index, n rows of D) its inner
+ * chunk's flat index in its shard (C order over chunks_per_shard) and its shard, numbered in order of first
+ * use; per shard its first chunk (a row of index) and its number in C order over the shard grid (the sum of
+ * its coordinates times shard_strides: the caller's strides over a grid it knows to fit). */
+int shard_positions(int ndim, long long n, const int64_t *index, const int64_t *cps, const int64_t *shard_strides,
+                    int64_t *inner, int64_t *shard_of, int64_t *first, int64_t *numbers, long long *n_shards,
+                    const char **error) {
+    int D = ndim;
+    int64_t *slots = NULL;
+    long long cap = 16, k = 0;
+    if (D < 1 || D > MAX_NDIM || n < 0) {
+        *error = "shard positions need 1 to 32 axes";
+        return -1;
+    }
+    for (int a = 0; a < D; a++)
+        if (cps[a] < 1 || shard_strides[a] < 0) {
+            *error = "chunks per shard must be positive and shard strides not negative";
+            return -1;
+        }
+    while (cap < 2 * n)
+        cap *= 2;
+    slots = calloc((size_t)cap, sizeof(int64_t)); /* shard number in order of first use + 1; 0: empty */
+    if (slots == NULL) {
+        *error = "out of memory";
+        return -1;
+    }
+    for (long long i = 0; i < n; i++) {
+        const int64_t *idx = index + i * D;
+        int64_t flat = 0, number = 0, term;
+        for (int a = 0; a < D; a++) {
+            if (idx[a] < 0)
+                GRID_FAIL("a chunk's grid index is negative");
+            if (__builtin_mul_overflow(flat, cps[a], &flat) || __builtin_add_overflow(flat, idx[a] % cps[a], &flat) ||
+                __builtin_mul_overflow(idx[a] / cps[a], shard_strides[a], &term) ||
+                __builtin_add_overflow(number, term, &number))
+                GRID_FAIL("a shard's position is too large to count");
+        }
+        inner[i] = flat;
+        uint64_t h = mix(&number, 1) & (uint64_t)(cap - 1);
+        for (;;) {
+            int64_t at = slots[h];
+            if (at == 0) {
+                slots[h] = ++k;
+                first[k - 1] = i;
+                numbers[k - 1] = number;
+                shard_of[i] = k - 1;
+                break;
+            }
+            if (numbers[at - 1] == number) {
+                shard_of[i] = at - 1;
+                break;
+            }
+            h = (h + 1) & (uint64_t)(cap - 1);
+        }
+    }
+    free(slots);
+    *n_shards = k;
+    return 0;
+fail:
+    free(slots);
+    return -1;
+}
+
+/* Each chunk's (offset, length) from its shard's index: out[i] = tables[slot[shard_of[i]]][inner[i]], and the
+ * empty entry (both all ones: nothing stored) where that slot is -1 (a missing shard). Every table holds
+ * n_inner rows of two values. */
+int gather_entries(long long n, const int64_t *shard_of, const int64_t *inner, long long n_shards,
+                   const int64_t *slot, long long n_tables, const uint64_t *const *tables, long long n_inner,
+                   uint64_t *out, const char **error) {
+    for (long long k = 0; k < n_shards; k++)
+        if (slot[k] < -1 || slot[k] >= n_tables) {
+            *error = "a shard's table is out of range";
+            return -1;
+        }
+    for (long long i = 0; i < n; i++) {
+        if (shard_of[i] < 0 || shard_of[i] >= n_shards || inner[i] < 0 || inner[i] >= n_inner) {
+            *error = "a chunk's shard or inner chunk is out of range";
+            return -1;
+        }
+        int64_t s = slot[shard_of[i]];
+        if (s < 0) {
+            out[2 * i] = out[2 * i + 1] = UINT64_MAX;
+        } else {
+            out[2 * i] = tables[s][2 * inner[i]];
+            out[2 * i + 1] = tables[s][2 * inner[i] + 1];
+        }
+    }
+    return 0;
+}

@@ -150,6 +150,129 @@ done:
     return result;
 }
 
+/* Take aligned int64 buffers of objs[0..n): 0, or -1 with an exception set and none held. */
+static int int64_buffers(PyObject *const *objs, Py_buffer *b, int n, const char *who) {
+    for (int i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(objs[i], &b[i], PyBUF_C_CONTIGUOUS) == 0 &&
+            (b[i].len % (Py_ssize_t)sizeof(int64_t) || (uintptr_t)b[i].buf % _Alignof(int64_t))) {
+            PyBuffer_Release(&b[i]);
+            PyErr_Format(PyExc_ValueError, "%s takes aligned int64 buffers", who);
+        }
+        if (PyErr_Occurred()) {
+            while (i-- > 0)
+                PyBuffer_Release(&b[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* shard_positions(index, chunks_per_shard, shard_strides) -> (inner, shard_of, first, numbers): see grid.c;
+ * index holds a grid index per chunk (chunks x ndim int64); the results are bytes of int64: inner and shard_of
+ * one per chunk, first and numbers one per shard. */
+static PyObject *shard_positions_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *objs[3];
+    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &objs[2]))
+        return NULL;
+    Py_buffer b[3] = {{0}};
+    if (int64_buffers(objs, b, 3, "shard_positions"))
+        return NULL;
+    PyObject *result = NULL;
+    int64_t *work = NULL;
+    long long ndim = b[1].len / 8, n = ndim ? b[0].len / 8 / ndim : 0, k = 0;
+    if (ndim < 1 || ndim > MAX_NDIM || b[2].len != ndim * 8 || b[0].len != n * ndim * 8) {
+        PyErr_SetString(PyExc_ValueError, "shard_positions' buffers disagree on the rank or the counts");
+        goto done;
+    }
+    work = malloc(sizeof(int64_t) * (size_t)(4 * n + 1));
+    if (work == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const char *error = NULL;
+    if (shard_positions((int)ndim, n, b[0].buf, b[1].buf, b[2].buf, work, work + n, work + 2 * n, work + 3 * n, &k,
+                        &error)) {
+        PyErr_SetString(error && strcmp(error, "out of memory") == 0 ? PyExc_MemoryError : PyExc_ValueError,
+                        error ? error : "shard_positions failed");
+        goto done;
+    }
+    result = Py_BuildValue("(y#y#y#y#)", (const char *)work, (Py_ssize_t)(n * 8), (const char *)(work + n),
+                           (Py_ssize_t)(n * 8), (const char *)(work + 2 * n), (Py_ssize_t)(k * 8),
+                           (const char *)(work + 3 * n), (Py_ssize_t)(k * 8));
+done:
+    free(work);
+    for (int i = 0; i < 3; i++)
+        PyBuffer_Release(&b[i]);
+    return result;
+}
+
+/* gather_entries(tables, slot, shard_of, inner) -> bytes: see grid.c; tables: shard indexes, each n_inner rows
+ * of two native uint64 (the same n_inner for all); slot: a table per shard (-1: none); shard_of, inner: per
+ * chunk. The result: two uint64 per chunk. */
+static PyObject *gather_entries_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *tables, *objs[3];
+    if (!PyArg_ParseTuple(args, "OOOO", &tables, &objs[0], &objs[1], &objs[2]))
+        return NULL;
+    PyObject *seq = PySequence_Fast(tables, "gather_entries takes a sequence of tables");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t nt = PySequence_Fast_GET_SIZE(seq), held = 0;
+    Py_buffer b[3] = {{0}};
+    Py_buffer *tb = calloc((size_t)nt + 1, sizeof(Py_buffer));
+    const uint64_t **tp = calloc((size_t)nt + 1, sizeof(*tp));
+    uint64_t *out = NULL;
+    PyObject *result = NULL;
+    int have_ints = 0;
+    long long n_inner = 0;
+    if (tb == NULL || tp == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < nt; held++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &tb[held], PyBUF_C_CONTIGUOUS) != 0)
+            goto done;
+        long long rows = tb[held].len / 16;
+        if (tb[held].len % 16 || (uintptr_t)tb[held].buf % _Alignof(uint64_t) || (held && rows != n_inner)) {
+            PyBuffer_Release(&tb[held]);
+            PyErr_SetString(PyExc_ValueError, "gather_entries takes aligned tables of (offset, length) rows, each "
+                                              "as long as the others");
+            goto done;
+        }
+        n_inner = rows;
+        tp[held] = tb[held].buf;
+    }
+    if (int64_buffers(objs, b, 3, "gather_entries"))
+        goto done;
+    have_ints = 1;
+    long long n_shards = b[0].len / 8, n = b[1].len / 8;
+    if (b[2].len != b[1].len) {
+        PyErr_SetString(PyExc_ValueError, "gather_entries needs an inner index per chunk");
+        goto done;
+    }
+    out = malloc(sizeof(uint64_t) * (size_t)(2 * n + 1));
+    if (out == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const char *error = NULL;
+    if (gather_entries(n, b[1].buf, b[2].buf, n_shards, b[0].buf, (long long)nt, tp, n_inner, out, &error)) {
+        PyErr_SetString(PyExc_ValueError, error);
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)(n * 16));
+done:
+    free(out);
+    if (have_ints)
+        for (int i = 0; i < 3; i++)
+            PyBuffer_Release(&b[i]);
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&tb[i]);
+    free(tb);
+    free(tp);
+    Py_DECREF(seq);
+    return result;
+}
+
 /* A copy plan (int64 values, aligned: array('q') always is):
  *   src_kind, ndim, ncopies, src_strides[ndim], dst_strides[ndim],
  *   then per copy: src_offset, dst_offset, extent[ndim]
@@ -704,6 +827,12 @@ static PyMethodDef methods[] = {
     {"plan_grid", plan_grid_py, METH_VARARGS,
      "plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes) -> (copies, chunks): the chunks a batch's "
      "crops touch, once each in order of first use, and every copy grouped by chunk (int64 rows; see grid.c)."},
+    {"shard_positions", shard_positions_py, METH_VARARGS,
+     "shard_positions(index, chunks_per_shard, shard_strides) -> (inner, shard_of, first, numbers): a sharded "
+     "array's chunks' inner indexes and shards, numbered in order of first use (int64 bytes; see grid.c)."},
+    {"gather_entries", gather_entries_py, METH_VARARGS,
+     "gather_entries(tables, slot, shard_of, inner) -> bytes: each chunk's (offset, length) from its shard's "
+     "index table, the empty entry where its shard has none (uint64 pairs; see grid.c)."},
     {"decode_files", decode_files, METH_VARARGS,
      "decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst) -> "
      "[(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]: read, decompress and place chunk "

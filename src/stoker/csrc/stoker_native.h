@@ -144,6 +144,15 @@ int plan_grid(int ndim, long long n_samples, const int64_t *starts, const int64_
               long long n_sources, const int64_t *chunk_shapes, const int64_t *strides, const int64_t *itemsizes,
               grid_plan *out, const char **error);
 void grid_plan_free(grid_plan *g);
+/* a sharded array's chunks: each one's inner index and shard (numbered in order of first use); each shard's
+ * first chunk and number over the shard grid. inner, shard_of: n values; first, numbers: room for n */
+int shard_positions(int ndim, long long n, const int64_t *index, const int64_t *cps, const int64_t *shard_strides,
+                    int64_t *inner, int64_t *shard_of, int64_t *first, int64_t *numbers, long long *n_shards,
+                    const char **error);
+/* each chunk's (offset, length) from its shard's index table (slot -1: a missing shard, the empty entry) */
+int gather_entries(long long n, const int64_t *shard_of, const int64_t *inner, long long n_shards,
+                   const int64_t *slot, long long n_tables, const uint64_t *const *tables, long long n_inner,
+                   uint64_t *out, const char **error);
 
 /* ---- pool.c: the engine ---- */
 

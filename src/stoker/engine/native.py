@@ -166,5 +166,9 @@ decode_files = _released(decode_files)
 #: ``plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes) -> (copies, chunks)`` (csrc/grid.c), or
 #: None without the engine (engine/tables.py then plans with numpy)
 plan_grid = None
+#: ``shard_positions(index, chunks_per_shard, shard_strides) -> (inner, shard_of, first, numbers)`` and
+#: ``gather_entries(tables, slot, shard_of, inner) -> bytes`` (csrc/grid.c: where a batch's chunks of a sharded
+#: array are stored), or None without the engine (engine/tables.py then does both with numpy)
+shard_positions = gather_entries = None
 if Engine is not None:
-    from .._native import plan_grid  # noqa: F401 (read as native.plan_grid)
+    from .._native import gather_entries, plan_grid, shard_positions  # noqa: F401 (read as native.*)

@@ -178,20 +178,48 @@ def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 _JOIN_ROWS = 4096
 
 
-def _gather_entries(tables: list[np.ndarray], slot: np.ndarray, inner: np.ndarray) -> np.ndarray:
-    """``out[i] = tables[slot[i]][inner[i]]``: each chunk's ``(offset, length)`` from its shard's index (every
-    table of one array has the same number of rows)."""
-    if len(tables) == 1:
-        return tables[0][inner]
+def _shard_positions(index: np.ndarray, cps: np.ndarray, inner_strides: np.ndarray,
+                     shard_strides: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(inner, shard_of, first, numbers)`` of chunks of a sharded array at grid ``index`` (rows): each one's
+    flat inner index in its shard and its shard, numbered in order of first use; each shard's first chunk and
+    its number in C order over the shard grid (None when ``shard_strides`` is: a grid past int64). In C
+    (csrc/grid.c) where the extension is built, else numpy."""
+    if native.shard_positions is not None and shard_strides is not None:
+        got = native.shard_positions(index, cps, shard_strides)
+        inner, shard_of, first, numbers = (np.frombuffer(b, np.int64) for b in got)
+        return inner, shard_of, first, numbers
+    shard = index // cps
+    inner = ((index - shard * cps) * inner_strides).sum(axis=1)
+    if shard_strides is None:
+        first, shard_of = _unique_rows(shard)
+        return inner, shard_of, first, None
+    number = shard @ shard_strides
+    first, shard_of = _unique_rows(number)
+    return inner, shard_of, first, number[first]
+
+
+def _gather_entries(tables: list[np.ndarray], slot: np.ndarray, shard_of: np.ndarray,
+                    inner: np.ndarray) -> np.ndarray:
+    """``out[i] = tables[slot[shard_of[i]]][inner[i]]``: each chunk's ``(offset, length)`` from its shard's index
+    (every table of one array has the same number of rows), the empty entry where the slot is -1 (no shard
+    file). In C where the extension is built, else numpy."""
+    if native.gather_entries is not None:
+        return np.frombuffer(native.gather_entries(tables, slot, shard_of, inner), np.uint64).reshape(-1, 2)
+    chunk_slot = slot[shard_of]
+    out = np.full((len(shard_of), 2), EMPTY_ENTRY, np.uint64)
+    held = np.flatnonzero(chunk_slot >= 0)
+    chunk_slot, inner = chunk_slot[held], inner[held]
     n_inner = len(tables[0])
-    if n_inner <= _JOIN_ROWS:
-        return np.concatenate(tables)[slot * n_inner + inner]
-    out = np.empty((len(slot), 2), tables[0].dtype)
-    order = np.argsort(slot, kind="stable")
-    bounds = np.searchsorted(slot[order], np.arange(len(tables) + 1)).tolist()
-    for j, table in enumerate(tables):
-        mine = order[bounds[j]:bounds[j + 1]]
-        out[mine] = table[inner[mine]]
+    if len(tables) == 1:
+        out[held] = tables[0][inner]
+    elif n_inner <= _JOIN_ROWS:
+        out[held] = np.concatenate(tables)[chunk_slot * n_inner + inner]
+    else:
+        order = np.argsort(chunk_slot, kind="stable")
+        bounds = np.searchsorted(chunk_slot[order], np.arange(len(tables) + 1)).tolist()
+        for j, table in enumerate(tables):
+            mine = order[bounds[j]:bounds[j + 1]]
+            out[held[mine]] = table[inner[mine]]
     return out
 
 
@@ -321,66 +349,60 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
     failures: list[tuple[int, Callable[[], None]]] = []  # (first chunk it concerns, raise it)
     # every sharded array's shards in the batch numbered, keyed and looked up in the index cache at once; those
     # not cached read before the loop (those of arrays in a store together, in one round trip)
-    sharded = []  # (source, reader, its chunks, their shard and inner index, each shard's first chunk, keys, entries)
+    sharded = []  # (source, reader, its chunks, their grid indexes, shard and inner index, shards' first chunk...)
     missing: list[tuple[ArrayReader, str]] = []  # (reader, shard key) of every index not cached
     for s in np.flatnonzero(is_sharded).tolist():  # one step per sharded array
         reader = sources[s]
         ids = np.arange(n) if len(sources) == 1 else np.flatnonzero(chunk_source == s)
+        index = np.ascontiguousarray(chunk_index[ids])
         cps, inner_strides, shard_strides = _shard_geometry(reader)
-        index = chunk_index[ids]
-        shard = index // cps
-        inner = chunk_inner[ids] = ((index - shard * cps) * inner_strides).sum(axis=1)
-        if shard_strides is not None:  # shards numbered in C order over the grid: each key made once per reader
-            number = shard @ shard_strides
-            shard_first, shard_of = _unique_rows(number)
-            keys = reader.shard_keys(number[shard_first].tolist())
+        inner, shard_of, shard_first, numbers = _shard_positions(index, cps, inner_strides, shard_strides)
+        if numbers is not None:  # shards numbered in C order over the grid: each key made once per reader
+            keys = reader.shard_keys(numbers.tolist())
         else:  # a grid of more shards than an int64 counts
-            shard_first, shard_of = _unique_rows(shard)
-            keys = [reader.metadata.chunk_key(tuple(shard[at].tolist())) for at in shard_first.tolist()]
+            keys = [reader.metadata.chunk_key(tuple(c)) for c in (index[shard_first] // cps).tolist()]
         got = reader.cached_shard_entries(keys)
         missing += [(reader, keys[k]) for k, entry in enumerate(got) if entry is NOT_CACHED]
-        sharded.append((s, reader, ids, shard, inner, shard_first, keys, got, shard_of))
+        chunk_inner[ids] = inner
+        sharded.append((s, reader, ids, index, cps, inner, shard_of, shard_first, keys, got))
     loaded = iter(shard_entries(missing))
-    for s, reader, ids, shard, inner, shard_first, keys, got, shard_of in sharded:  # one step per sharded array
+    for s, reader, ids, index, cps, inner, shard_of, shard_first, keys, got in sharded:  # a step per sharded array
         meta = reader.metadata
-        usable = []  # the shards with an index (not missing, not failed), in order of first use
+        slot, tables = [], []  # each shard's table in tables (-1: none: no shard file, or a failure)
         for k, entry in enumerate(got):  # a step per shard file
             if entry is NOT_CACHED:
                 entry = got[k] = next(loaded)
             if isinstance(entry, BaseException):  # raised below if no earlier chunk has a failure
                 failures.append((int(ids[shard_first[k]]), _raiser(entry)))
-            elif entry is not None:  # (None: no shard file, every chunk of it is the fill value)
-                usable.append(k)
-        if not usable:
+            if entry is None or isinstance(entry, BaseException):  # (None: every chunk of it is the fill value)
+                slot.append(-1)
+            else:
+                slot.append(len(tables))
+                tables.append(entry.table)
+        if not tables:
             continue
-        slot = np.full(len(got), -1, np.int64)
-        slot[usable] = np.arange(len(usable))
-        chunk_slot = slot[shard_of]
-        held = np.flatnonzero(chunk_slot >= 0)  # in chunk order
-        held_ids, held_slot = ids[held], chunk_slot[held]
-        entry_rows = _gather_entries([got[k].table for k in usable], held_slot, inner[held])  # (offset, length)
-        stored = ~((entry_rows[:, 0] == EMPTY_ENTRY) & (entry_rows[:, 1] == EMPTY_ENTRY))
-        over = stored & (entry_rows[:, 1] > meta.codec.max_stored_nbytes)
+        entries = _gather_entries(tables, np.array(slot, np.int64), shard_of, inner)  # (offset, length) per chunk
+        stored = ~((entries[:, 0] == EMPTY_ENTRY) & (entries[:, 1] == EMPTY_ENTRY))
+        over = stored & (entries[:, 1] > meta.codec.max_stored_nbytes)
         if over.any():  # before anyone reads or reserves room for it (as locate does): the first in chunk order
             bad = int(np.argmax(over))
-            key = f"{keys[usable[int(held_slot[bad])]]}[{int(inner[held[bad]])}]"
-            failures.append((int(held_ids[bad]), _too_big(meta.codec, int(entry_rows[bad, 1]), key)))
-        with_data = np.flatnonzero(np.bincount(held_slot[stored], minlength=len(usable)))  # shards holding a chunk
+            key = f"{keys[int(shard_of[bad])]}[{int(inner[bad])}]"
+            failures.append((int(ids[bad]), _too_big(meta.codec, int(entries[bad, 1]), key)))
+        with_data = np.flatnonzero(np.bincount(shard_of[stored], minlength=len(got)))  # shards holding a chunk
         if not len(with_data):
             continue
-        data_shards = [usable[j] for j in with_data.tolist()]
-        rows = np.zeros((len(data_shards), F_COORDS + ndim), np.int64)
+        rows = np.zeros((len(with_data), F_COORDS + ndim), np.int64)
         rows[:, F_SOURCE], rows[:, F_HAS_IDENT] = s, 1
-        idents = [got[k].ident for k in data_shards]
+        idents = [got[k].ident for k in with_data.tolist()]
         rows[:, F_IDENT:F_IDENT + 2] = np.array([(i[0] & (2**64 - 1), i[1] & (2**64 - 1)) for i in idents],
                                                 np.uint64).view(np.int64)
         rows[:, F_IDENT + 2:F_IDENT + 5] = [i[2:5] for i in idents]
-        rows[:, F_COORDS:] = shard[shard_first[data_shards]]
+        rows[:, F_COORDS:] = index[shard_first[with_data]] // cps
         files.append(rows)
-        file_of = np.full(len(usable), -1, np.int64)
+        file_of = np.full(len(got), -1, np.int64)
         file_of[with_data] = n_files + np.arange(len(with_data))
-        at, where = held_ids[stored], entry_rows[stored].astype(np.int64)
-        chunk_file[at] = file_of[held_slot[stored]]
+        at, where = ids[stored], entries[stored].astype(np.int64)
+        chunk_file[at] = file_of[shard_of[stored]]
         chunk_offset[at] = where[:, 0]
         chunk_length[at] = where[:, 1]
         n_files += len(with_data)
