@@ -218,19 +218,23 @@ def test_a_shard_grid_past_int64_is_planned_by_its_coordinates(tmp_path):
 
 
 def test_shard_keys_are_made_once_and_bounded(arrays, monkeypatch):
-    """ArrayReader.shard_keys: the key of each shard number (C order over the shard grid), kept per reader up
-    to a bound past which it starts afresh."""
+    """ArrayReader.shard_keys: the key of each shard number (C order over the shard grid), kept for the process
+    up to a bound past which it starts afresh, each reader's apart from another's."""
     from stoker.reader import array
-    reader = stoker.open_array(arrays["sharded-end"])
+    reader, other = stoker.open_array(arrays["sharded-end"]), stoker.open_array(arrays["sharded-other"])
     grid = reader.shard_grid
-    assert grid == (3, 3, 3)
+    assert grid == (3, 3, 3) and other.shard_grid == (4, 5, 3)
     every = list(range(27))
     assert reader.shard_keys(every) == [reader.metadata.chunk_key(tuple(int(v) for v in np.unravel_index(n, grid)))
                                         for n in every]
     assert reader.shard_keys([26, 0]) == ["c/2/2/2", "c/0/0/0"]
+    assert other.shard_keys([26, 0]) == ["c/1/3/2", "c/0/0/0"]
+    assert array._SHARD_KEYS[(reader._token, 26)] == "c/2/2/2"
     monkeypatch.setattr(array, "_MAX_KEPT_KEYS", 4)
-    reader.shard_keys([1])  # over the bound: started afresh
-    assert reader.shard_keys([5, 1]) == ["c/0/1/2", "c/0/0/1"] and len(reader._shard_key_of) == 2
+    assert other.shard_keys([1, 40]) == ["c/0/0/1", "c/2/3/1"]  # new keys, over the bound: started afresh
+    assert set(array._SHARD_KEYS) == {(other._token, 1), (other._token, 40)}
+    assert reader.shard_keys([5]) == ["c/0/1/2"]
+    assert set(array._SHARD_KEYS) == {(other._token, 1), (other._token, 40), (reader._token, 5)}
 
 
 def _python_calls(fn) -> int:

@@ -482,20 +482,21 @@ class ArrayReader:
 
     def shard_keys(self, numbers: Sequence[int]) -> list[str]:
         """The keys of the shards numbered ``numbers`` in C order over the shard grid (see
-        :attr:`shard_grid`), each made once per reader: a planner names every shard of a batch, every batch.
+        :attr:`shard_grid`), each kept once made (in a table bounded for the whole process): a planner names
+        every shard of a batch, every batch.
 
         >>> arr.shard_keys([0, 5])
         ['c/0/0/0', 'c/0/1/1']
         """
-        made = self.__dict__.get("_shard_key_of")
-        if made is None or len(made) > _MAX_KEPT_KEYS:  # bounded: a huge array's keys are not all kept
-            made = self.__dict__["_shard_key_of"] = {}
-        keys: list = [made.get(n) for n in numbers]
+        made, token = _SHARD_KEYS, self._token
+        keys: list = [made.get((token, n)) for n in numbers]
         if None in keys:
+            if len(made) > _MAX_KEPT_KEYS:  # bounded for the process: start afresh
+                made.clear()
             grid, key = self.shard_grid, self.metadata.chunk_key
             for at, n in enumerate(numbers):
                 if keys[at] is None:
-                    keys[at] = made[n] = key(tuple(int(v) for v in np.unravel_index(n, grid)))
+                    keys[at] = made[(token, n)] = key(tuple(int(v) for v in np.unravel_index(n, grid)))
         return keys
 
     @property
@@ -602,7 +603,10 @@ def raise_read_error(readers: Iterable[ArrayReader], exc: BaseException) -> NoRe
 
 #: What :meth:`ArrayReader.cached_shard_entries` gives for a shard whose index is not cached.
 NOT_CACHED = type("NotCached", (), {"__repr__": lambda self: "NOT_CACHED"})()
-_MAX_KEPT_KEYS = 1 << 16  # shard keys an ArrayReader keeps made (per reader; a key is ~100 bytes)
+#: Shard keys made by ArrayReader.shard_keys, by (reader token, shard number): at most _MAX_KEPT_KEYS for the
+#: whole process (about 200 bytes each), however many arrays are open.
+_SHARD_KEYS: dict[tuple[int, int], str] = {}
+_MAX_KEPT_KEYS = 1 << 14
 _UNKNOWN_SIZE = (1 << 63) - 1  # a shard's size, not known from a suffix read
 _UNREAD = object()
 #: Encoded bytes one store call of :meth:`ArrayReader.read` fetches at most (whole values counted at their
