@@ -1173,8 +1173,8 @@ def test_shard_positions_arguments(data):
     event("placed")
     inner, shard_of, first, numbers = (np.frombuffer(b, np.int64).tolist() for b in got)
     want = _shard_positions_reference(index, cps, strides)
-    assert [inner, shard_of, first, numbers] == list(want)
-    assert all(-2**63 <= v < 2**63 for v in numbers + inner)
+    assert [inner, shard_of, first, numbers] == list(want)  # the reference's ints never wrap: a sum past int64
+    # would differ from any value the C code could give
 
 
 @pytest.mark.skipif(native.gather_entries is None, reason="the compiled grid planner is not built")
@@ -1210,5 +1210,6 @@ def test_gather_entries_arguments(data):
     assert len(got) == len(shard_of)
     for i, (k, j) in enumerate(zip(shard_of.tolist(), inner.tolist())):
         s = int(slot[k])
-        want = [2**64 - 1] * 2 if s < 0 else np.asarray(tables[s]).reshape(-1, 2)[j].tolist()
+        want = [2**64 - 1] * 2 if s < 0 else \
+            np.frombuffer(memoryview(tables[s]).cast("B"), np.uint64).reshape(-1, 2)[j].tolist()
         assert got[i].tolist() == want

@@ -268,11 +268,15 @@ int gather_entries(long long n, const int64_t *shard_of, const int64_t *inner, l
             return -1;
         }
     for (long long i = 0; i < n; i++) {
-        if (shard_of[i] < 0 || shard_of[i] >= n_shards || inner[i] < 0 || inner[i] >= n_inner) {
-            *error = "a chunk's shard or inner chunk is out of range";
+        if (shard_of[i] < 0 || shard_of[i] >= n_shards) {
+            *error = "a chunk's shard is out of range";
             return -1;
         }
         int64_t s = slot[shard_of[i]];
+        if (s >= 0 && (inner[i] < 0 || inner[i] >= n_inner)) {
+            *error = "a chunk's inner chunk is out of range";
+            return -1;
+        }
         if (s < 0) {
             out[2 * i] = out[2 * i + 1] = UINT64_MAX;
         } else {

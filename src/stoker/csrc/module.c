@@ -150,11 +150,27 @@ done:
     return result;
 }
 
-/* Take aligned int64 buffers of objs[0..n): 0, or -1 with an exception set and none held. */
+/* Whether b holds 8-byte integers in native byte order (numpy's int64 and uint64, array('q')): the functions
+ * below read their buffers as such, so bytes or an int32 array of the right length are refused, not read. */
+static int native_words(const Py_buffer *b) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    const char order = '<';
+#else
+    const char order = '>';
+#endif
+    const char *f = b->format;
+    if (f == NULL || b->itemsize != 8)
+        return 0;
+    if (*f == '@' || *f == '=' || *f == order)
+        f++;
+    return (f[0] == 'q' || f[0] == 'Q' || f[0] == 'l' || f[0] == 'L') && f[1] == '\0';
+}
+
+/* Take aligned buffers of 8-byte integers of objs[0..n): 0, or -1 with an exception set and none held. */
 static int int64_buffers(PyObject *const *objs, Py_buffer *b, int n, const char *who) {
     for (int i = 0; i < n; i++) {
-        if (PyObject_GetBuffer(objs[i], &b[i], PyBUF_C_CONTIGUOUS) == 0 &&
-            (b[i].len % (Py_ssize_t)sizeof(int64_t) || (uintptr_t)b[i].buf % _Alignof(int64_t))) {
+        if (PyObject_GetBuffer(objs[i], &b[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0 &&
+            (!native_words(&b[i]) || (uintptr_t)b[i].buf % _Alignof(int64_t))) {
             PyBuffer_Release(&b[i]);
             PyErr_Format(PyExc_ValueError, "%s takes aligned int64 buffers", who);
         }
@@ -213,10 +229,11 @@ static PyObject *gather_entries_py(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *tables, *objs[3];
     if (!PyArg_ParseTuple(args, "OOOO", &tables, &objs[0], &objs[1], &objs[2]))
         return NULL;
-    PyObject *seq = PySequence_Fast(tables, "gather_entries takes a sequence of tables");
+    /* a tuple of its own: what a table's buffer export does cannot change the items under the loop */
+    PyObject *seq = PySequence_Tuple(tables);
     if (seq == NULL)
         return NULL;
-    Py_ssize_t nt = PySequence_Fast_GET_SIZE(seq), held = 0;
+    Py_ssize_t nt = PyTuple_GET_SIZE(seq), held = 0;
     Py_buffer b[3] = {{0}};
     Py_buffer *tb = calloc((size_t)nt + 1, sizeof(Py_buffer));
     const uint64_t **tp = calloc((size_t)nt + 1, sizeof(*tp));
@@ -229,10 +246,11 @@ static PyObject *gather_entries_py(PyObject *Py_UNUSED(self), PyObject *args) {
         goto done;
     }
     for (; held < nt; held++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &tb[held], PyBUF_C_CONTIGUOUS) != 0)
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(seq, held), &tb[held], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
             goto done;
         long long rows = tb[held].len / 16;
-        if (tb[held].len % 16 || (uintptr_t)tb[held].buf % _Alignof(uint64_t) || (held && rows != n_inner)) {
+        if (!native_words(&tb[held]) || tb[held].len % 16 || (uintptr_t)tb[held].buf % _Alignof(uint64_t) ||
+            (held && rows != n_inner)) {
             PyBuffer_Release(&tb[held]);
             PyErr_SetString(PyExc_ValueError, "gather_entries takes aligned tables of (offset, length) rows, each "
                                               "as long as the others");

@@ -491,11 +491,11 @@ class ArrayReader:
         made, token = _SHARD_KEYS, self._token
         keys: list = [made.get((token, n)) for n in numbers]
         if None in keys:
-            if len(made) > _MAX_KEPT_KEYS:  # bounded for the process: start afresh
-                made.clear()
             grid, key = self.shard_grid, self.metadata.chunk_key
             for at, n in enumerate(numbers):
                 if keys[at] is None:
+                    if len(made) >= _MAX_KEPT_KEYS:  # bounded for the process: start afresh
+                        made.clear()
                     keys[at] = made[(token, n)] = key(tuple(int(v) for v in np.unravel_index(n, grid)))
         return keys
 
