@@ -105,6 +105,11 @@ static PyObject *set_zlib(PyObject *Py_UNUSED(self), PyObject *args) {
                            a[0] != 0);
 }
 
+/* The exception for a C function's error message: MemoryError for "out of memory", else ValueError. */
+static PyObject *error_type(const char *error) {
+    return error && strcmp(error, "out of memory") == 0 ? PyExc_MemoryError : PyExc_ValueError;
+}
+
 /* plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes) -> (copies, chunks): see grid.c; the
  * arguments are int64 buffers (starts: crops x ndim; shape: ndim; chunk_shapes, strides: arrays x ndim;
  * itemsizes: arrays), the results bytes of int64 rows (copies: 2 + 3 ndim values, chunks: 5 + ndim). */
@@ -137,8 +142,7 @@ static PyObject *plan_grid_py(PyObject *Py_UNUSED(self), PyObject *args) {
     int bad = plan_grid((int)ndim, n_samples, b[0].buf, b[1].buf, b[2].buf, n_sources, b[3].buf, b[4].buf,
                         b[5].buf, &g, &error);
     if (bad) {
-        PyErr_SetString(error && strcmp(error, "out of memory") == 0 ? PyExc_MemoryError : PyExc_ValueError,
-                        error ? error : "plan_grid failed");
+        PyErr_SetString(error_type(error), error ? error : "plan_grid failed");
         goto done;
     }
     result = Py_BuildValue("(y#y#)", (const char *)g.copies, (Py_ssize_t)(g.n_copies * (2 + 3 * ndim) * 8),
@@ -208,8 +212,7 @@ static PyObject *shard_positions_py(PyObject *Py_UNUSED(self), PyObject *args) {
     const char *error = NULL;
     if (shard_positions((int)ndim, n, b[0].buf, b[1].buf, b[2].buf, work, work + n, work + 2 * n, work + 3 * n, &k,
                         &error)) {
-        PyErr_SetString(error && strcmp(error, "out of memory") == 0 ? PyExc_MemoryError : PyExc_ValueError,
-                        error ? error : "shard_positions failed");
+        PyErr_SetString(error_type(error), error ? error : "shard_positions failed");
         goto done;
     }
     result = Py_BuildValue("(y#y#y#y#)", (const char *)work, (Py_ssize_t)(n * 8), (const char *)(work + n),
@@ -663,8 +666,7 @@ static PyObject *engine_submit_py(EngineObject *self, PyObject *args) {
     const char *error = NULL;
     result->j = job_new(self->e, &t, &error);
     if (result->j == NULL) {
-        PyErr_Format(error && strcmp(error, "out of memory") == 0 ? PyExc_MemoryError : PyExc_ValueError,
-                     "not a plan this engine can run: %s", error ? error : "?");
+        PyErr_Format(error_type(error), "not a plan this engine can run: %s", error ? error : "?");
         Py_CLEAR(result);
         goto done;
     }
