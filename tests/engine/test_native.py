@@ -296,6 +296,44 @@ def test_direct_call_reports_each_zstd_file(tmp_path):
                                 [np.empty(64, "uint8")], 64, None, None)
 
 
+def test_argument_lists_emptied_by_their_own_items_are_not_read_past(tmp_path):
+    """Converting an argument's item runs Python code (a path's __fspath__, a region's __index__), which may
+    empty the very lists being walked: the call walks the arguments as they were when it began, holding
+    them. Walking the lists themselves read freed memory (AddressSanitizer: heap-use-after-free)."""
+    if not native.zstd:
+        pytest.skip("stoker._native is not available")
+    payload = np.arange(64, dtype="uint8").tobytes()
+    good = tmp_path / "good"
+    good.write_bytes(numcodecs.Zstd(level=1).encode(payload))
+    paths: list = []
+    regions: list = []
+    outs: list = []
+
+    def empty_them():
+        paths.clear()
+        regions.clear()
+        outs.clear()
+
+    class EmptyingPath:
+        def __fspath__(self):
+            empty_them()
+            return str(good)
+
+    class EmptyingIndex:
+        def __index__(self):
+            empty_them()
+            return 0
+
+    for first_path, first_region in [(EmptyingPath(), (-1, 0, 0, 64)), (str(good), (-1, 0, EmptyingIndex(), 64))]:
+        paths[:] = [first_path] + [str(tmp_path / "good") for _ in range(3)]  # strings only the list holds
+        regions[:] = [first_region] + [(-1, 0, 0, 64)] * 3
+        outs[:] = [np.zeros(64, "uint8") for _ in range(4)]
+        kept = list(outs)
+        results = native.decode_files(native.ZSTD, paths, regions, np.empty(4096, "uint8"), outs, 64, None, None)
+        assert [r[0] for r in results] == [native.OK] * 4
+        assert all(o.tobytes() == payload for o in kept)
+
+
 def test_direct_call_reads_inner_chunks_at_their_offsets(tmp_path):
     """Chunks stored back to back in one file (a shard), read by (offset, length), whole and in blocks."""
     if not (native.zstd and native.blosc):

@@ -105,6 +105,17 @@ static PyObject *set_zlib(PyObject *Py_UNUSED(self), PyObject *args) {
                            a[0] != 0);
 }
 
+/* A new reference to a tuple of ``obj``'s items (``obj`` itself when it is a tuple), or NULL with TypeError
+ * naming ``what``. Arguments are walked as tuples: converting an item can run Python code (a path's
+ * __fspath__, an index's __index__, on 3.12 a buffer's __buffer__) that could change a list under the walk. */
+static PyObject *tuple_of(PyObject *obj, const char *what) {
+    if (!PySequence_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a sequence", what);
+        return NULL;
+    }
+    return PySequence_Tuple(obj);
+}
+
 /* The exception for a C function's error message: MemoryError for "out of memory", else ValueError. */
 static PyObject *error_type(const char *error) {
     return error && strcmp(error, "out of memory") == 0 ? PyExc_MemoryError : PyExc_ValueError;
@@ -362,12 +373,11 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
     batch_dst dst = {0};
     if (dst_obj != Py_None && parse_dst(dst_obj, &dst))
         return NULL;
-    PyObject *paths = PySequence_Fast(paths_obj, "paths must be a sequence");
-    PyObject *regions = paths ? PySequence_Fast(regions_obj, "regions must be a sequence") : NULL;
-    PyObject *outs = regions ? PySequence_Fast(outs_obj, "outs must be a sequence") : NULL;
-    PyObject *places = (outs && places_obj != Py_None) ? PySequence_Fast(places_obj, "places must be a sequence")
-                                                        : NULL;
-    Py_ssize_t n = paths ? PySequence_Fast_GET_SIZE(paths) : 0;
+    PyObject *paths = tuple_of(paths_obj, "paths");
+    PyObject *regions = paths ? tuple_of(regions_obj, "regions") : NULL;
+    PyObject *outs = regions ? tuple_of(outs_obj, "outs") : NULL;
+    PyObject *places = (outs && places_obj != Py_None) ? tuple_of(places_obj, "places") : NULL;
+    Py_ssize_t n = paths ? PyTuple_GET_SIZE(paths) : 0;
     PyObject *result = NULL;
     Py_buffer scratch = {0};
     Py_buffer *out_views = NULL, *place_views = NULL;
@@ -377,8 +387,7 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
 
     if (outs == NULL || (places_obj != Py_None && places == NULL))
         goto done;
-    if (PySequence_Fast_GET_SIZE(outs) != n || PySequence_Fast_GET_SIZE(regions) != n ||
-        (places && PySequence_Fast_GET_SIZE(places) != n)) {
+    if (PyTuple_GET_SIZE(outs) != n || PyTuple_GET_SIZE(regions) != n || (places && PyTuple_GET_SIZE(places) != n)) {
         PyErr_SetString(PyExc_ValueError, "paths, regions, outs and places must have the same length");
         goto done;
     }
@@ -397,10 +406,10 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(paths, i), &encoded_paths[i]))
+        if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(paths, i), &encoded_paths[i]))
             goto done;
         paths_held++;
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(outs, i), &out_views[i],
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(outs, i), &out_views[i],
                                PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
             goto done;
         views_held++;
@@ -410,7 +419,7 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         }
         chunk_io *job = &jobs[i].io;
-        PyObject *region = PySequence_Fast_GET_ITEM(regions, i);
+        PyObject *region = PyTuple_GET_ITEM(regions, i);
         job->has_ident = PyTuple_Check(region) && PyTuple_GET_SIZE(region) == 9;
         if (job->has_ident ? !PyArg_ParseTuple(region, "LLLLKKLLL", &job->offset, &job->length, &job->span_start,
                                                &job->span_stop, &job->dev, &job->ino, &job->size, &job->mtime_ns,
@@ -428,7 +437,7 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         }
         job->out = out_views[i].buf;
-        PyObject *place = places ? PySequence_Fast_GET_ITEM(places, i) : Py_None;
+        PyObject *place = places ? PyTuple_GET_ITEM(places, i) : Py_None;
         if (place != Py_None) {
             if (PyObject_GetBuffer(place, &place_views[places_held], PyBUF_C_CONTIGUOUS) != 0)
                 goto done;
@@ -568,10 +577,10 @@ static int table_buffer(PyObject *obj, Py_buffer *view, long long width, long lo
 /* views of ``obj``'s items (a sequence of buffers or None) into result->bufs, their addresses and lengths into
  * the tables; -1 with an exception set */
 static int hold_buffers(BatchJobObject *result, PyObject *obj, plan_tables *t, const char ***bases, long long **lens) {
-    PyObject *seq = PySequence_Fast(obj, "buffers must be a sequence of buffers (or None: a missing value)");
+    PyObject *seq = tuple_of(obj, "buffers");
     if (seq == NULL)
         return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     result->bufs = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
     *bases = PyMem_Calloc((size_t)n + 1, sizeof(char *));
     *lens = PyMem_Calloc((size_t)n + 1, sizeof(long long));
@@ -582,7 +591,7 @@ static int hold_buffers(BatchJobObject *result, PyObject *obj, plan_tables *t, c
     }
     result->n_bufs = n; /* views not taken (None, or after a failure) have obj NULL: nothing to release */
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
         if (item == Py_None)
             continue; /* obj NULL, address NULL: a missing value */
         if (PyObject_GetBuffer(item, &result->bufs[i], PyBUF_C_CONTIGUOUS) != 0) {
