@@ -444,6 +444,26 @@ def test_close_is_prompt_with_infinite_generator_and_held_batches(volume):
     assert not any(t.name.startswith("stoker-coordinator") and t.is_alive() for t in threading.enumerate())
 
 
+def test_close_stops_a_slow_source_between_two_samples(volume):
+    """The coordinator draws a batch's samples in one go, but looks for a close between two of them: behind
+    a slow source its thread ends a sample after close(), not a batch after."""
+    uri, data = volume
+    samples = _random_samples(uri, data.shape, (8, 16, 16), 64)
+
+    def slow():
+        for s in samples:
+            time.sleep(0.25)
+            yield s
+
+    p = stoker.Pipeline(_cfg(batch_size=16))
+    p.push(slow())
+    time.sleep(0.6)  # two of the first batch's 16 samples drawn, the third on its way
+    thread = p._coordinator.thread
+    p.close()
+    thread.join(1.5)  # the sample being drawn (0.25 s) and slack; the rest of the batch would take 3.2 s more
+    assert not thread.is_alive()
+
+
 def test_exception_in_with_block_closes(volume):
     uri, data = volume
     with pytest.raises(RuntimeError, match="boom"):
