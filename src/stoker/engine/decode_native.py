@@ -21,7 +21,6 @@ the pipeline's coordinator and the consumer never wait on the engine themselves.
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import threading
 from array import array
@@ -139,7 +138,7 @@ class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
     __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep",
-                 "info", "spans")
+                 "info", "info_row", "engine_only", "spans")
 
     def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
         meta = reader.metadata
@@ -167,7 +166,7 @@ class _Source:
         # the Python path, should the engine leave one, also decodes those blocks alone (a plain layout)
         self.spans = bool(self.memory and self.codec == native.BLOSC and codec.partial)
         self.sep = enc.separator
-        row = np.zeros(native.S_STRIDES + ndim, np.int64)
+        row = [0] * (native.S_STRIDES + ndim)  # a list packed once: numpy's per-item stores cost more here
         row[native.S_KIND] = src_kind if self.fills else 0  # any kind: no chunk of it goes to the engine
         if self.fills:
             row[native.S_FILL] = _fill_word(meta.fill_value, dtype)
@@ -175,18 +174,22 @@ class _Source:
             self.prefix = self.prefix[:1]
         row[native.S_PATH_LEN] = len(self.prefix)
         row[native.S_SEP] = ord(enc.separator)
-        row[native.S_SWAP] = not codec.stored_dtype.isnative and codec.stored_dtype.itemsize > 1
+        row[native.S_SWAP] = int(not codec.stored_dtype.isnative and codec.stored_dtype.itemsize > 1)
         row[native.S_STRIDES:] = codec.element_strides
-        self.row = row
+        self.row = array("q", row).tobytes()  # the sources table's row (S_PATH_START set per batch)
         self.nbytes = codec.nbytes
         self.stored = codec.max_stored_nbytes
         # what submit asks of every array of a batch, as one row of I_* columns: one numpy call per batch
         self.info = (self.fills, self.reads, self.memory, self.codec if self.reads or self.memory else native.FILL,
                      self.nbytes, self.stored)
+        self.info_row = array("q", self.info).tobytes()
+        self.engine_only = self.reads and self.fills  # the engine reads and fills every chunk of it
 
 
 #: columns of the per-array rows NativeDecoder.submit builds from _Source.info
 I_FILLS, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED = range(6)
+# _tables copies the last three into the chunks table's three adjacent columns at once
+assert (native.C_NBYTES - native.C_CODEC, native.C_MAX_STORED - native.C_CODEC) == (I_NBYTES - I_CODEC, I_STORED - I_CODEC)
 
 
 class _SourceSet:
@@ -197,15 +200,19 @@ class _SourceSet:
     __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine")
 
     def __init__(self, readers: list, sources: list[_Source]) -> None:
+        # rows packed by each _Source, joined here: a batch of arrays new to the pipeline (many small arrays,
+        # each sample from another) builds a set per batch, so this runs under the GIL every batch
+        n = len(sources)
         self.readers = list(readers)
         self.sources = sources
-        self.info = np.array([s.info for s in sources], np.int64).reshape(len(sources), 6)
-        self.all_engine = bool(len(sources)) and bool(
-            (self.info[:, I_READS] != 0).all() and (self.info[:, I_FILLS] != 0).all())
-        table = np.stack([s.row for s in sources])
-        table[:, native.S_PATH_START] = list(itertools.accumulate([len(s.prefix) for s in sources[:-1]], initial=0))
+        self.info = np.frombuffer(b"".join([s.info_row for s in sources]), np.int64).reshape(n, 6)
+        self.all_engine = bool(n) and all([s.engine_only for s in sources])
+        width = len(sources[0].row) // 8 if n else native.S_STRIDES  # every array of a batch has its rank
+        table = np.frombuffer(bytearray(b"".join([s.row for s in sources])), np.int64).reshape(n, width)
+        lengths = table[:, native.S_PATH_LEN]
+        table[:, native.S_PATH_START] = np.cumsum(lengths) - lengths
         self.table = table
-        self.blob = b"".join(s.prefix for s in sources)
+        self.blob = b"".join([s.prefix for s in sources])
 
     def __getitem__(self, i: int) -> _Source:
         return self.sources[i]
@@ -317,24 +324,23 @@ class NativeDecoder:
         then its parts)."""
         take = slice(None) if eids is None else eids  # every chunk: views of the plan's columns, no copies
         src = plan.chunk_source[take]
-        per = sources.info[:, I_CODEC:]
         chunks = np.empty((len(src), native.N_CHUNK_COLS), np.int64)
         chunks[:, native.C_SOURCE] = src
+        # each chunk's (codec, decoded bytes, stored bound): its array's, in one gather (adjacent columns, as
+        # in the I_* rows)
+        chunks[:, native.C_CODEC:native.C_MAX_STORED + 1] = sources.info[src, I_CODEC:]
         if fetched:
             chunks[:, native.C_FILE] = chunks[:, native.C_OFFSET] = -1
             chunks[:, native.C_LENGTH] = 0
             chunks[:, native.C_BUFFER] = np.arange(len(src))
-            chunks[:, native.C_CODEC] = per[src, 0]
         else:
             chunks[:, native.C_FILE] = plan.chunk_file[take]
             chunks[:, native.C_OFFSET] = plan.chunk_offset[take]
             chunks[:, native.C_LENGTH] = plan.chunk_length[take]
             chunks[:, native.C_BUFFER] = -1
-            chunks[:, native.C_CODEC] = np.where(chunks[:, native.C_FILE] >= 0, per[src, 0], native.FILL)
+            chunks[chunks[:, native.C_FILE] < 0, native.C_CODEC] = native.FILL  # nothing stored: the fill value
         chunks[:, native.C_SPAN_START] = plan.byte_start[take]
         chunks[:, native.C_SPAN_STOP] = plan.byte_stop[take]
-        chunks[:, native.C_NBYTES] = per[src, 1]
-        chunks[:, native.C_MAX_STORED] = per[src, 2]
         chunks[:, native.C_FIRST_COPY] = plan.first_copy[take]
         chunks[:, native.C_NCOPIES] = plan.n_copies[take]
         row_stride, *strides = out.stride()

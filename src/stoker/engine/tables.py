@@ -27,6 +27,7 @@ The engine (``stoker._native.Engine``) takes the tables as they are; the Python 
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -319,7 +320,7 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
     start = np.ascontiguousarray(boxes[:, :, 0])
     # per array: item size, chunk shape, element strides in its decoded layout (C order, or permuted: v2 F
     # order, v3 transpose), sharded or not, shape
-    per_array = np.array([_array_row(r) for r in sources], np.int64).reshape(len(sources), -1)
+    per_array = np.frombuffer(b"".join([_array_row(r) for r in sources]), np.int64).reshape(len(sources), -1)
     itemsize, chunk_shapes, chunk_strides = (np.ascontiguousarray(per_array[:, at]) for at in
                                              (0, slice(1, 1 + ndim), slice(1 + ndim, 1 + 2 * ndim)))
     is_sharded = per_array[:, 1 + 2 * ndim].astype(bool)
@@ -424,14 +425,16 @@ def _check_each(crops: list, sids: list[int], sources: list[ArrayReader]) -> Non
         check_in_bounds(aabb, sources[at].shape, uri)
 
 
-def _array_row(reader: ArrayReader) -> tuple[int, ...]:
-    """What plan_tables needs of an array, in one row: item size, chunk shape, element strides, sharded or
-    not, shape. Kept on the reader (its metadata never changes): planning asks for it every batch."""
+def _array_row(reader: ArrayReader) -> bytes:
+    """What plan_tables needs of an array, in one row of int64s: item size, chunk shape, element strides,
+    sharded or not, shape. Kept on the reader, packed (its metadata never changes): planning asks for it
+    every batch, and joins a batch's rows in one call."""
     row = reader.__dict__.get("_table_row")
     if row is None:
         meta = reader.metadata
-        row = reader.__dict__["_table_row"] = (meta.dtype.itemsize, *meta.read_chunk_shape,
-                                              *meta.codec.element_strides, meta.sharding is not None, *meta.shape)
+        row = reader.__dict__["_table_row"] = array("q", (
+            meta.dtype.itemsize, *meta.read_chunk_shape, *meta.codec.element_strides, meta.sharding is not None,
+            *meta.shape)).tobytes()
     return row
 
 
