@@ -7,6 +7,7 @@ zarr-python as the oracle; on the compiled runs a spy proves the engine ran.
 
 import os
 import shutil
+from array import array
 
 import numpy as np
 import pytest
@@ -332,6 +333,32 @@ def test_argument_lists_emptied_by_their_own_items_are_not_read_past(tmp_path):
         results = native.decode_files(native.ZSTD, paths, regions, np.empty(4096, "uint8"), outs, 64, None, None)
         assert [r[0] for r in results] == [native.OK] * 4
         assert all(o.tobytes() == payload for o in kept)
+
+
+def test_a_copy_plan_rewritten_after_its_check_is_placed_as_checked(tmp_path):
+    """A copy plan is checked, then used once its chunk is decoded: Python code run for a later item (here a
+    path's __fspath__) rewrites the caller's array in between, pointing the copy 900 elements past an
+    8-element batch. The call places the plan it checked (its own copy), nothing outside the batch."""
+    if not native.zstd:
+        pytest.skip("stoker._native is not available")
+    chunk = tmp_path / "c"
+    chunk.write_bytes(numcodecs.Zstd(level=1).encode(np.arange(1, 9, dtype="uint16").tobytes()))
+    u16 = native.SOURCE_KINDS[np.dtype("uint16")]
+    backing = torch.zeros(1024, dtype=torch.float32)  # the batch is its first 8 floats
+    dst = (backing.data_ptr(), 32, native.F32)
+    plan = array("q", [u16, 1, 1, 1, 1, 0, 0, 8])  # 8 elements from the chunk's start to the batch's
+
+    class Rewriting:
+        def __fspath__(self):
+            plan[6] = 900  # dst offset
+            return str(chunk)
+
+    results = native.decode_files(native.ZSTD, [str(chunk), Rewriting()], [(-1, 0, 0, 16)] * 2,
+                                  np.empty(4096, "uint8"), [np.zeros(16, "uint8") for _ in range(2)], 16,
+                                  [plan, None], dst)
+    assert [r[0] for r in results] == [native.OK, native.OK] and results[0][6] == 1  # decoded, placed
+    assert backing[:8].tolist() == list(range(1, 9))
+    assert not backing[8:].any()
 
 
 def test_direct_call_reads_inner_chunks_at_their_offsets(tmp_path):

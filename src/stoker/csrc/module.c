@@ -105,14 +105,17 @@ static PyObject *set_zlib(PyObject *Py_UNUSED(self), PyObject *args) {
                            a[0] != 0);
 }
 
-/* A new reference to a tuple of ``obj``'s items (``obj`` itself when it is a tuple), or NULL with TypeError
- * naming ``what``. Arguments are walked as tuples: converting an item can run Python code (a path's
- * __fspath__, an index's __index__, on 3.12 a buffer's __buffer__) that could change a list under the walk. */
+/* A new reference to a tuple of ``obj``'s items (``obj`` itself when it is a tuple; any iterable), or NULL
+ * with TypeError naming ``what`` when it is not iterable. Arguments are walked as tuples: converting an
+ * item can run Python code (a path's __fspath__, an index's __index__, on 3.12 a buffer's __buffer__)
+ * that could change a list under the walk. */
 static PyObject *tuple_of(PyObject *obj, const char *what) {
-    if (!PySequence_Check(obj)) {
+    PyObject *it = PyObject_GetIter(obj); /* any iterable, as PySequence_Fast took */
+    if (it == NULL) {
         PyErr_Format(PyExc_TypeError, "%s must be a sequence", what);
         return NULL;
     }
+    Py_DECREF(it);
     return PySequence_Tuple(obj);
 }
 
@@ -380,10 +383,11 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t n = paths ? PyTuple_GET_SIZE(paths) : 0;
     PyObject *result = NULL;
     Py_buffer scratch = {0};
-    Py_buffer *out_views = NULL, *place_views = NULL;
+    Py_buffer *out_views = NULL;
+    int64_t **place_plans = NULL; /* our copies of the copy plans */
     PyObject **encoded_paths = NULL;
     file_job *jobs = NULL;
-    Py_ssize_t views_held = 0, paths_held = 0, places_held = 0;
+    Py_ssize_t views_held = 0, paths_held = 0;
 
     if (outs == NULL || (places_obj != Py_None && places == NULL))
         goto done;
@@ -398,10 +402,10 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
     if (PyObject_GetBuffer(scratch_obj, &scratch, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
         goto done;
     out_views = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
-    place_views = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    place_plans = PyMem_Calloc((size_t)n + 1, sizeof(int64_t *));
     encoded_paths = PyMem_Calloc((size_t)n + 1, sizeof(PyObject *));
     jobs = PyMem_Calloc((size_t)n + 1, sizeof(file_job));
-    if (out_views == NULL || place_views == NULL || encoded_paths == NULL || jobs == NULL) {
+    if (out_views == NULL || place_plans == NULL || encoded_paths == NULL || jobs == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -439,13 +443,29 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
         job->out = out_views[i].buf;
         PyObject *place = places ? PyTuple_GET_ITEM(places, i) : Py_None;
         if (place != Py_None) {
-            if (PyObject_GetBuffer(place, &place_views[places_held], PyBUF_C_CONTIGUOUS) != 0)
+            /* checked and used as a copy of our own: Python code run for a later item (or another thread
+             * while the GIL is released below) may rewrite the caller's array after its check */
+            Py_buffer pv;
+            if (PyObject_GetBuffer(place, &pv, PyBUF_C_CONTIGUOUS) != 0)
                 goto done;
-            places_held++;
-            Py_buffer *pv = &place_views[places_held - 1];
-            if (check_place(pv->buf, pv->len, job, nbytes, &dst, i))
+            int misaligned = (uintptr_t)pv.buf % _Alignof(int64_t) != 0;
+            place_plans[i] = misaligned ? NULL : PyMem_Malloc(pv.len > 0 ? (size_t)pv.len : 1);
+            if (place_plans[i] != NULL && pv.len > 0)
+                memcpy(place_plans[i], pv.buf, (size_t)pv.len);
+            Py_ssize_t len = pv.len;
+            PyBuffer_Release(&pv);
+            if (misaligned) {
+                PyErr_Format(PyExc_ValueError, "places[%zd] is not a valid copy plan for this chunk, its span and "
+                             "the batch", i);
                 goto done;
-            jobs[i].place = pv->buf;
+            }
+            if (place_plans[i] == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            if (check_place(place_plans[i], len, job, nbytes, &dst, i))
+                goto done;
+            jobs[i].place = place_plans[i];
         }
         job->path = PyBytes_AS_STRING(encoded_paths[i]);
     }
@@ -482,14 +502,14 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
 done:
     for (Py_ssize_t i = 0; i < views_held; i++)
         PyBuffer_Release(&out_views[i]);
-    for (Py_ssize_t i = 0; i < places_held; i++)
-        PyBuffer_Release(&place_views[i]);
+    for (Py_ssize_t i = 0; place_plans != NULL && i < n; i++)
+        PyMem_Free(place_plans[i]);
     for (Py_ssize_t i = 0; i < paths_held; i++)
         Py_DECREF(encoded_paths[i]);
     if (scratch.obj != NULL)
         PyBuffer_Release(&scratch);
     PyMem_Free(out_views);
-    PyMem_Free(place_views);
+    PyMem_Free(place_plans);
     PyMem_Free(encoded_paths);
     PyMem_Free(jobs);
     Py_XDECREF(paths);
@@ -577,7 +597,7 @@ static int table_buffer(PyObject *obj, Py_buffer *view, long long width, long lo
 /* views of ``obj``'s items (a sequence of buffers or None) into result->bufs, their addresses and lengths into
  * the tables; -1 with an exception set */
 static int hold_buffers(BatchJobObject *result, PyObject *obj, plan_tables *t, const char ***bases, long long **lens) {
-    PyObject *seq = tuple_of(obj, "buffers");
+    PyObject *seq = tuple_of(obj, "buffers (each a buffer, or None: a missing value)");
     if (seq == NULL)
         return -1;
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
