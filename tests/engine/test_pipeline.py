@@ -464,6 +464,30 @@ def test_close_stops_a_slow_source_between_two_samples(volume):
     assert not thread.is_alive()
 
 
+def test_a_list_pushed_while_a_generator_is_drawn_is_checked_against_its_samples(volume):
+    """The shape of a generator's first sample is the pipeline's as soon as it is pulled, not once its batch
+    is complete: a list of another shape pushed meanwhile is refused at push, as any other would be."""
+    uri, data = volume
+    first = _random_samples(uri, data.shape, (8, 16, 16), 8)
+    other = _random_samples(uri, data.shape, (8, 16, 32), 4)
+
+    def slow():
+        for s in first:
+            time.sleep(0.2)
+            yield s
+
+    with stoker.Pipeline(_cfg(batch_size=4)) as p:
+        p.push(slow())
+        deadline = time.monotonic() + 10
+        while not p._intake.staged and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(stoker.InvalidArgument, match=r"has shape \(8, 16, 32\)"):
+            p.push(other)
+        for _ in range(2):
+            with p.pop() as batch:
+                assert tuple(torch.from_dlpack(batch).shape) == (4, 8, 16, 16)
+
+
 def test_exception_in_with_block_closes(volume):
     uri, data = volume
     with pytest.raises(RuntimeError, match="boom"):

@@ -84,16 +84,25 @@ class Intake:
                 if closed() or not self.sources:
                     break
                 source, counted, sid = self.sources[0]
-            got, shape, first, error, ended = self._draw(source, sid, want - len(self.staged), closed)
+            try:
+                sample = next(source)  # user code: outside the lock
+            except StopIteration:
+                with self.cond:
+                    if self.sources and self.sources[0][0] is source:
+                        self.sources.popleft()
+                continue
+            except BaseException as exc:  # noqa: BLE001
+                return self._take_before_error(), exc if isinstance(exc, StokerError) else _wrap_source_error(exc)
+            try:
+                shape = validate(sample, self.shape, self.first)
+            except StokerError as exc:
+                return self._take_before_error(), exc
             with self.cond:
                 self.shape = self.shape or shape
-                self.first = self.first or first
+                self.first = self.first or sample
                 if not counted:
-                    self.pending += got
-                if ended and self.sources and self.sources[0][0] is source:
-                    self.sources.popleft()
-            if error is not None:
-                return self._take_before_error(), error
+                    self.pending += 1
+            self.staged.append((sample, sid))
         with self.cond:
             if len(self.staged) >= want or (self.flush and not self.sources):
                 self.flush = False
@@ -101,32 +110,6 @@ class Intake:
                 self.launching = bool(batch)
                 return batch, None
         return [], None
-
-    def _draw(self, source: Iterator, sid: int, n: int, closed: Callable[[], bool]
-              ) -> tuple[int, tuple[int, ...] | None, Sample | None, StokerError | None, bool]:
-        """Stage up to ``n`` samples of ``source``, each validated, drawn without the lock (the source may be
-        user code) and in one go (a batch takes the lock a few times, not a few times per sample):
-        ``(samples staged, batch shape, first sample, the error that stopped the draw or None, whether the
-        source ended)``. A sample that fails validation is not staged; a close stops the draw between two
-        samples. Each is staged as it comes: a starved pop says how many are."""
-        got = 0
-        shape, first = self.shape, self.first
-        try:
-            for _ in range(n):
-                if got and closed():
-                    break
-                sample = next(source)
-                shape = validate(sample, shape, first)
-                first = first or sample
-                self.staged.append((sample, sid))
-                got += 1
-        except StopIteration:
-            return got, shape, first, None, True
-        except StokerError as exc:  # the source's own, or validation's
-            return got, shape, first, exc, False
-        except BaseException as exc:  # noqa: BLE001 - delivered at pop, as the source's error
-            return got, shape, first, _wrap_source_error(exc), False
-        return got, shape, first, None, False
 
     def _take_before_error(self) -> list[tuple[Sample, int]]:
         """Samples staged before a source error: a short batch only when drop_last is off."""
