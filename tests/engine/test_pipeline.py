@@ -445,8 +445,8 @@ def test_close_is_prompt_with_infinite_generator_and_held_batches(volume):
 
 
 def test_close_stops_a_slow_source_between_two_samples(volume):
-    """The coordinator draws a batch's samples in one go, but looks for a close between two of them: behind
-    a slow source its thread ends a sample after close(), not a batch after."""
+    """The coordinator looks for a close between two samples of a batch: behind a slow source its thread
+    ends a sample after close(), not a batch after."""
     uri, data = volume
     samples = _random_samples(uri, data.shape, (8, 16, 16), 64)
 

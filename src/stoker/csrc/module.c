@@ -312,6 +312,8 @@ done:
  *   src_kind, ndim, ncopies, src_strides[ndim], dst_strides[ndim],
  *   then per copy: src_offset, dst_offset, extent[ndim]
  * strides and offsets count elements; the innermost stride of both must be 1. */
+#define BAD_PLAN "places[%zd] is not a valid copy plan for this chunk, its span and the batch"
+
 static int check_place(const void *plan, Py_ssize_t len, const chunk_io *job, long long chunk_bytes,
                        const batch_dst *dst, Py_ssize_t index) {
     const int64_t *p = plan;
@@ -328,9 +330,28 @@ static int check_place(const void *plan, Py_ssize_t len, const chunk_io *job, lo
                      job->span_start, job->span_stop, job->out, dst, 0) == 0)
         return 0;
 bad:
-    PyErr_Format(PyExc_ValueError, "places[%zd] is not a valid copy plan for this chunk, its span and the batch",
-                 index);
+    PyErr_Format(PyExc_ValueError, BAD_PLAN, index);
     return -1;
+}
+
+/* Our own copy of copy plan ``place`` (aligned, PyMem_Malloc'd) and its length in bytes, or NULL with an
+ * exception set. The caller's array is not read again: Python code run for a later item (or another thread
+ * while the GIL is released) could rewrite it after its check. A misaligned array is refused, as
+ * check_place refuses one. */
+static int64_t *own_plan(PyObject *place, Py_ssize_t *len, Py_ssize_t index) {
+    Py_buffer pv;
+    if (PyObject_GetBuffer(place, &pv, PyBUF_C_CONTIGUOUS) != 0)
+        return NULL;
+    int64_t *copy = NULL;
+    if ((uintptr_t)pv.buf % _Alignof(int64_t))
+        PyErr_Format(PyExc_ValueError, BAD_PLAN, index);
+    else if ((copy = PyMem_Malloc(pv.len > 0 ? (size_t)pv.len : 1)) == NULL)
+        PyErr_NoMemory();
+    else if (pv.len > 0)
+        memcpy(copy, pv.buf, (size_t)pv.len);
+    *len = pv.len;
+    PyBuffer_Release(&pv);
+    return copy;
 }
 
 static void place_plan(const int64_t *p, const char *chunk, const batch_dst *dst) {
@@ -443,27 +464,9 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
         job->out = out_views[i].buf;
         PyObject *place = places ? PyTuple_GET_ITEM(places, i) : Py_None;
         if (place != Py_None) {
-            /* checked and used as a copy of our own: Python code run for a later item (or another thread
-             * while the GIL is released below) may rewrite the caller's array after its check */
-            Py_buffer pv;
-            if (PyObject_GetBuffer(place, &pv, PyBUF_C_CONTIGUOUS) != 0)
-                goto done;
-            int misaligned = (uintptr_t)pv.buf % _Alignof(int64_t) != 0;
-            place_plans[i] = misaligned ? NULL : PyMem_Malloc(pv.len > 0 ? (size_t)pv.len : 1);
-            if (place_plans[i] != NULL && pv.len > 0)
-                memcpy(place_plans[i], pv.buf, (size_t)pv.len);
-            Py_ssize_t len = pv.len;
-            PyBuffer_Release(&pv);
-            if (misaligned) {
-                PyErr_Format(PyExc_ValueError, "places[%zd] is not a valid copy plan for this chunk, its span and "
-                             "the batch", i);
-                goto done;
-            }
-            if (place_plans[i] == NULL) {
-                PyErr_NoMemory();
-                goto done;
-            }
-            if (check_place(place_plans[i], len, job, nbytes, &dst, i))
+            Py_ssize_t len = 0;
+            if ((place_plans[i] = own_plan(place, &len, i)) == NULL ||
+                check_place(place_plans[i], len, job, nbytes, &dst, i))
                 goto done;
             jobs[i].place = place_plans[i];
         }

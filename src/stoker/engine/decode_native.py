@@ -138,7 +138,7 @@ class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
     __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep",
-                 "info", "info_row", "engine_only", "spans")
+                 "info_row", "engine_only", "spans")
 
     def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
         meta = reader.metadata
@@ -179,14 +179,14 @@ class _Source:
         self.row = array("q", row).tobytes()  # the sources table's row (S_PATH_START set per batch)
         self.nbytes = codec.nbytes
         self.stored = codec.max_stored_nbytes
-        # what submit asks of every array of a batch, as one row of I_* columns: one numpy call per batch
-        self.info = (self.fills, self.reads, self.memory, self.codec if self.reads or self.memory else native.FILL,
-                     self.nbytes, self.stored)
-        self.info_row = array("q", self.info).tobytes()
+        # what submit asks of every array of a batch, as one packed row of I_* columns: one join per batch
+        self.info_row = array("q", (self.fills, self.reads, self.memory,
+                                    self.codec if self.reads or self.memory else native.FILL, self.nbytes,
+                                    self.stored)).tobytes()
         self.engine_only = self.reads and self.fills  # the engine reads and fills every chunk of it
 
 
-#: columns of the per-array rows NativeDecoder.submit builds from _Source.info
+#: columns of the per-array rows NativeDecoder.submit builds from _Source.info_row
 I_FILLS, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED = range(6)
 # _tables copies the last three into the chunks table's three adjacent columns at once
 assert (native.C_NBYTES - native.C_CODEC, native.C_MAX_STORED - native.C_CODEC) == (I_NBYTES - I_CODEC, I_STORED - I_CODEC)
