@@ -66,7 +66,7 @@ def spying_engine(real, calls):
             self._engine = real(*args)
 
         def submit(self, chunks, *rest):
-            codecs = np.asarray(chunks)[:, native.C_CODEC].copy()
+            codecs = np.frombuffer(chunks, np.int64).reshape(-1, native.N_CHUNK_COLS)[:, native.C_CODEC].copy()
             return _SpyJob(self._engine.submit(chunks, *rest), codecs, calls)
 
         def __getattr__(self, name):

@@ -1213,3 +1213,170 @@ def test_gather_entries_arguments(data):
         want = [2**64 - 1] * 2 if s < 0 else \
             np.frombuffer(memoryview(tables[s]).cast("B"), np.uint64).reshape(-1, 2)[j].tolist()
         assert got[i].tolist() == want
+
+
+def _fits(v: int) -> bool:
+    return -2**63 <= v < 2**63
+
+
+@pytest.mark.skipif(native.plan_crops is None, reason="the compiled grid planner is not built")
+@fuzz(300)
+@given(st.data())
+def test_plan_crops_arguments(data):
+    """plan_crops takes any int64 buffers: a ValueError, the first crop that ends past its array, or
+    plan_grid's plan of the same crops with the bytes they need and whether an array is sharded, as Python's
+    ints compute them."""
+    ndim = data.draw(st.integers(1, 3))
+    n_src = data.draw(st.integers(1, 3))
+    n = data.draw(st.integers(0, 4))
+    small = data.draw(st.integers(0, 2)) > 0
+    edge = st.one_of(st.integers(-3, 40), st.sampled_from([-2**63, 2**62, 2**63 - 1]))
+    v = (lambda lo, hi: st.integers(lo, hi)) if small else (lambda lo, hi: edge)
+    shape = [data.draw(v(1, 12)) for _ in range(ndim)]
+    rows = [[data.draw(st.sampled_from([1, 2, 4, 8]) if small else edge)]
+            + [data.draw(v(1, 9)) for _ in range(ndim)] + [data.draw(v(0, 99)) for _ in range(ndim)]
+            + [data.draw(st.integers(0, 1))] + [data.draw(v(1, 60)) for _ in range(ndim)] for _ in range(n_src)]
+    sids = [data.draw(v(0, n_src - 1)) for _ in range(n)]
+    boxes = []
+    for _ in range(n):
+        starts = [data.draw(v(0, 40)) for _ in range(ndim)]
+        boxes.append([[s, s + e] if _fits(s + e) else [s, 2**63 - 1] for s, e in zip(starts, shape)])
+    args = [np.array(boxes, np.int64).reshape(n, ndim, 2), np.array(sids, np.int64), np.array(shape, np.int64),
+            array("q", [x for r in rows for x in r])]
+    if data.draw(st.integers(0, 7)) == 0:  # a buffer of another type or count
+        k = data.draw(st.integers(0, 3))
+        # (7 int64 fit no count here: boxes hold an even number, rows a multiple of 5, 8 or 11)
+        args[k] = data.draw(st.sampled_from([np.zeros(3, np.int32), b"\0" * 24, np.zeros(7, np.int64)]))
+        with pytest.raises((ValueError, TypeError)):
+            native.plan_crops(*args)
+        return
+    # the reference: crops in order, an array number out of range refused, the first crop past its array named
+    want_outside, refused = -1, False
+    for s in range(n):
+        if not 0 <= sids[s] < n_src:
+            refused = True
+            break
+        if any(boxes[s][a][1] > rows[sids[s]][2 + 2 * ndim + a] for a in range(ndim)):
+            want_outside = s
+            break
+    try:
+        copies, chunks, outside, bytes_needed, any_sharded = native.plan_crops(*args)
+    except (ValueError, MemoryError):
+        event("refused")
+        assert refused or want_outside < 0
+        return
+    assert not refused and outside == want_outside
+    if outside >= 0:
+        event("outside")
+        assert copies is None and chunks is None
+        return
+    event("planned")
+    want_bytes = int(np.prod(shape, dtype=object)) * sum(rows[s][0] for s in sids)
+    assert bytes_needed == want_bytes and any_sharded == any(r[1 + 2 * ndim] for r in rows)
+    per = np.array(rows, np.int64)
+    starts = np.array([[b[0] for b in box] for box in boxes], np.int64).reshape(n, ndim)
+    assert (copies, chunks) == native.plan_grid(starts, args[1], args[2], np.ascontiguousarray(per[:, 1:1 + ndim]),
+                                                np.ascontiguousarray(per[:, 1 + ndim:1 + 2 * ndim]),
+                                                np.ascontiguousarray(per[:, 0]))
+
+
+@pytest.mark.skipif(native.chunk_rows is None, reason="the compiled engine is not built")
+@fuzz(300)
+@given(st.data())
+def test_chunk_rows_arguments(data):
+    """chunk_rows takes any columns: a ValueError (a chunk number or array out of range, columns of other
+    lengths or types), or the engine's chunks table as numpy builds it. Columns may be strided views (a plan's
+    columns are views of plan_grid's rows)."""
+    n = data.draw(st.integers(0, 6))
+    n_src = data.draw(st.integers(1, 3))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    hostile = data.draw(st.integers(0, 3)) == 0
+    info = rng.integers(-5, 2**40, (n_src, 6), dtype=np.int64)
+    plan = rng.integers(-2, 2**40, (n, 9), dtype=np.int64)  # a wider table: its columns are strided views
+    plan[:, 0] = rng.integers(0, n_src, n) if not hostile else rng.integers(-2, n_src + 2, n)
+    plan[:, 1] = rng.integers(-1, 4, n)
+    cols = [plan[:, k] for k in range(8)]
+    eids = data.draw(st.one_of(st.none(), st.lists(st.integers(-2, n + 1) if hostile else
+                                                   st.integers(0, max(0, n - 1)), max_size=8 if n else 0)))
+    eids = None if eids is None else np.array(eids, np.int64)
+    fetched = data.draw(st.booleans())
+    if hostile and data.draw(st.booleans()):
+        k = data.draw(st.integers(0, 8))
+        bad = data.draw(st.sampled_from([np.zeros(n + 1, np.int64), np.zeros(n, np.int32), b"\0" * 8 * n]))
+        if k == 8:
+            info = bad if data.draw(st.booleans()) else np.zeros((n_src, 5), np.int64)
+        else:
+            cols[k] = bad
+    try:
+        got = native.chunk_rows(info, *cols, eids, fetched)
+    except (ValueError, TypeError):
+        event("refused")
+        assert hostile
+        return
+    event("made")
+    take = np.arange(n) if eids is None else eids
+    assert ((take >= 0) & (take < n)).all()
+    src = plan[take, 0]
+    assert ((src >= 0) & (src < n_src)).all()
+    want = np.empty((len(take), native.N_CHUNK_COLS), np.int64)
+    want[:, native.C_SOURCE] = src
+    want[:, native.C_CODEC:native.C_MAX_STORED + 1] = info[src, 3:]
+    if fetched:
+        want[:, native.C_FILE] = want[:, native.C_OFFSET] = -1
+        want[:, native.C_LENGTH] = 0
+        want[:, native.C_BUFFER] = np.arange(len(take))
+    else:
+        want[:, native.C_FILE], want[:, native.C_OFFSET], want[:, native.C_LENGTH] = (plan[take, k] for k in (1, 2, 3))
+        want[:, native.C_BUFFER] = -1
+        want[want[:, native.C_FILE] < 0, native.C_CODEC] = native.FILL
+    for k, col in zip(range(4, 8), (native.C_SPAN_START, native.C_SPAN_STOP, native.C_FIRST_COPY, native.C_NCOPIES)):
+        want[:, col] = plan[take, k]
+    assert np.frombuffer(got, np.int64).reshape(-1, native.N_CHUNK_COLS).tolist() == want.tolist()
+
+
+@pytest.mark.skipif(native.copy_rows is None, reason="the compiled engine is not built")
+@fuzz(300)
+@given(st.data())
+def test_copy_rows_arguments(data):
+    """copy_rows takes any columns: a ValueError (a place past int64, columns of other lengths, ranks or
+    types), or each copy's (first element in its chunk, first in the batch, extent) as Python's ints give them."""
+    ndim = data.draw(st.integers(1, 4))
+    m = data.draw(st.integers(0, 6))
+    small = data.draw(st.integers(0, 2)) > 0
+    edge = st.one_of(st.integers(-3, 50), st.sampled_from([-2**63, 2**31, 2**62, 2**63 - 1]))
+    value = st.integers(0, 50) if small else edge
+    table = np.array([[data.draw(value) for _ in range(2 + 3 * ndim)] for _ in range(m)],
+                     np.int64).reshape(m, 2 + 3 * ndim)  # plan_grid's layout: the columns are views of it
+    row_stride = data.draw(value)
+    strides = [data.draw(value) for _ in range(ndim)]
+    args = [table[:, 1], table[:, 0], table[:, 2 + ndim:2 + 2 * ndim], table[:, 2 + 2 * ndim:], row_stride,
+            array("q", strides)]
+    if data.draw(st.integers(0, 7)) == 0:  # a column of another length, rank or type
+        k = data.draw(st.sampled_from([0, 1, 2, 3, 5]))
+        wrong = {0: [np.zeros(m + 1, np.int64), np.zeros((m, ndim + 1), np.int64), np.zeros(m, np.int32), b"\0" * 8],
+                 2: [np.zeros(m + 1, np.int64), np.zeros((m, ndim + 1), np.int64), np.zeros((m, ndim), np.int32)],
+                 5: [np.zeros(ndim, np.int32), b"\0" * 8, array("q"), array("q", [1] * 33)]}
+        args[k] = data.draw(st.sampled_from(wrong[{1: 0, 3: 2}.get(k, k)]))
+        with pytest.raises((ValueError, TypeError)):
+            native.copy_rows(*args)
+        return
+    want = []
+    for r in table.tolist():
+        dst = r[0] * row_stride + sum(b * s for b, s in zip(r[2 + ndim:2 + 2 * ndim], strides))
+        partial = [r[0] * row_stride]
+        for b, s in zip(r[2 + ndim:2 + 2 * ndim], strides):
+            partial.append(partial[-1] + b * s)
+        if not all(_fits(p) for p in partial) or not all(_fits(b * s) for b, s in zip(r[2 + ndim:2 + 2 * ndim],
+                                                                                       strides)):
+            want = None
+            break
+        want.append([r[1], dst, *r[2 + 2 * ndim:]])
+    try:
+        got = native.copy_rows(*args)
+    except ValueError:
+        event("refused")
+        assert want is None
+        return
+    event("made")
+    assert want is not None
+    assert np.frombuffer(got, np.int64).reshape(-1, 2 + ndim).tolist() == want

@@ -24,14 +24,17 @@ from stoker.zarr.grid import c_strides
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+@pytest.fixture(autouse=True, params=["compiled", "compiled-grid", "numpy"])
 def grid(request, monkeypatch):
-    """Which planner crosses the crops with the grid and finds where sharded chunks are stored: C (csrc/grid.c,
-    where the extension is built) or numpy."""
+    """Which planner crosses the crops with the grid and finds where sharded chunks are stored: C (csrc/tables.c
+    plan_crops, where the extension is built), C's grid alone with the boxes checked in numpy (csrc/grid.c
+    plan_grid: plan_tables' way when plan_crops and check_in_bounds disagree), or numpy."""
     if request.param == "numpy":
-        for name in ("plan_grid", "shard_positions", "gather_entries"):
+        for name in ("plan_crops", "plan_grid", "shard_positions", "gather_entries"):
             monkeypatch.setattr(native, name, None)
-    elif native.plan_grid is None:
+    elif request.param == "compiled-grid":
+        monkeypatch.setattr(native, "plan_crops", None)
+    if request.param != "numpy" and native.plan_grid is None:
         pytest.skip("stoker._native is not available")
     return request.param
 

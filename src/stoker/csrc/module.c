@@ -201,6 +201,161 @@ static int int64_buffers(PyObject *const *objs, Py_buffer *b, int n, const char 
     return 0;
 }
 
+/* plan_crops(boxes, sids, shape, rows) -> (copies, chunks, first_outside, bytes_needed, any_sharded): see
+ * tables.c; int64 buffers: boxes crops x ndim x 2, sids one per crop, shape ndim, rows an array's 3 ndim + 2
+ * values each. copies and chunks as plan_grid returns them (None when a crop ends outside its array). */
+static PyObject *plan_crops_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *objs[4];
+    if (!PyArg_ParseTuple(args, "OOOO", &objs[0], &objs[1], &objs[2], &objs[3]))
+        return NULL;
+    Py_buffer b[4] = {{0}};
+    if (int64_buffers(objs, b, 4, "plan_crops"))
+        return NULL;
+    PyObject *result = NULL;
+    long long ndim = b[2].len / 8, n_crops = b[1].len / 8, w = 3 * ndim + 2, n_sources = b[3].len / 8 / w;
+    if (ndim < 1 || ndim > MAX_NDIM || b[0].len != n_crops * ndim * 2 * 8 || b[3].len != n_sources * w * 8) {
+        PyErr_SetString(PyExc_ValueError, "plan_crops' buffers disagree on the rank or the counts");
+        goto done;
+    }
+    grid_plan g;
+    long long first_outside, bytes_needed;
+    int any_sharded;
+    const char *error = NULL;
+    if (plan_crops((int)ndim, n_crops, b[0].buf, b[1].buf, b[2].buf, n_sources, b[3].buf, &g, &first_outside,
+                   &bytes_needed, &any_sharded, &error)) {
+        PyErr_SetString(error_type(error), error ? error : "plan_crops failed");
+        goto done;
+    }
+    if (first_outside >= 0)
+        result = Py_BuildValue("(OOLLO)", Py_None, Py_None, first_outside, 0LL, Py_False);
+    else
+        result = Py_BuildValue("(y#y#LLO)", (const char *)g.copies, (Py_ssize_t)(g.n_copies * (2 + 3 * ndim) * 8),
+                               (const char *)g.chunks, (Py_ssize_t)(g.n_chunks * (GRID_CHUNK_COLS + ndim) * 8),
+                               -1LL, bytes_needed, any_sharded ? Py_True : Py_False);
+    grid_plan_free(&g);
+done:
+    for (int i = 0; i < 4; i++)
+        PyBuffer_Release(&b[i]);
+    return result;
+}
+
+/* obj's 8-byte integers, a 1-d buffer (cols 0) or an n x cols one, with any strides (numpy's column views of
+ * a table), copied in C order into *out (free it); *n its rows. 0, or -1 with an exception set. */
+static int int64_matrix(PyObject *obj, long long cols, long long *n, int64_t **out, const char *what) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_STRIDED_RO | PyBUF_FORMAT) != 0)
+        return -1;
+    if (!native_words(&b) || (cols == 0 ? b.ndim != 1 : (b.ndim != 2 || b.shape[1] != cols))) {
+        PyBuffer_Release(&b);
+        if (cols == 0)
+            PyErr_Format(PyExc_ValueError, "%s must be a 1-d buffer of int64", what);
+        else
+            PyErr_Format(PyExc_ValueError, "%s must be rows of %lld int64", what, cols);
+        return -1;
+    }
+    long long rows = b.shape[0], w = cols ? cols : 1;
+    int64_t *o = malloc(sizeof(int64_t) * (size_t)(rows * w + 1)); /* rows * w * 8 == b.len: bounded */
+    if (o == NULL) {
+        PyBuffer_Release(&b);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (long long r = 0; r < rows; r++)
+        for (long long c = 0; c < w; c++)
+            memcpy(&o[r * w + c], (const char *)b.buf + r * b.strides[0] + (cols ? c * b.strides[1] : 0), 8);
+    PyBuffer_Release(&b);
+    *n = rows;
+    *out = o;
+    return 0;
+}
+
+/* chunk_rows(info, source, file, offset, length, span_start, span_stop, first_copy, n_copies, eids, fetched)
+ * -> bytes: the engine's chunks table (see tables.c); info: an array's I_* row each; then the plan's per-chunk
+ * columns; eids: the chunks to take (None: all), fetched: chunk k's stored bytes are buffer k. */
+static PyObject *chunk_rows_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *info_obj, *col_objs[N_PLAN_COLS], *eids_obj;
+    int fetched;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOp", &info_obj, &col_objs[0], &col_objs[1], &col_objs[2], &col_objs[3],
+                          &col_objs[4], &col_objs[5], &col_objs[6], &col_objs[7], &eids_obj, &fetched))
+        return NULL;
+    int64_t *info = NULL, *cols[N_PLAN_COLS] = {NULL}, *eids = NULL;
+    long long n_sources = 0, n = 0, n_rows = 0;
+    PyObject *result = NULL;
+    if (int64_matrix(info_obj, N_INFO_COLS, &n_sources, &info, "info"))
+        goto done;
+    for (int c = 0; c < N_PLAN_COLS; c++) {
+        long long rows;
+        if (int64_matrix(col_objs[c], 0, &rows, &cols[c], "a plan column"))
+            goto done;
+        if (c > 0 && rows != n) {
+            PyErr_SetString(PyExc_ValueError, "the plan's columns disagree on the number of chunks");
+            goto done;
+        }
+        n = rows;
+    }
+    if (eids_obj == Py_None)
+        n_rows = n;
+    else if (int64_matrix(eids_obj, 0, &n_rows, &eids, "eids"))
+        goto done;
+    result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n_rows * N_CHUNK_COLS * 8));
+    if (result == NULL)
+        goto done;
+    const char *error = NULL;
+    if (plan_chunk_rows(n, (const int64_t *const *)cols, n_sources, info, n_rows, eids, fetched,
+                        (int64_t *)PyBytes_AS_STRING(result), &error)) {
+        Py_CLEAR(result);
+        PyErr_SetString(PyExc_ValueError, error ? error : "chunk_rows failed");
+    }
+done:
+    free(info);
+    free(eids);
+    for (int c = 0; c < N_PLAN_COLS; c++)
+        free(cols[c]);
+    return result;
+}
+
+/* copy_rows(src_offset, row, box_start, extent, row_stride, dst_strides) -> bytes: the engine's copies table
+ * (see tables.c); per copy its first element in its chunk, its batch row, its start in the crop and its
+ * extent (copies x ndim), into a batch of those strides. */
+static PyObject *copy_rows_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *objs[5];
+    long long row_stride;
+    if (!PyArg_ParseTuple(args, "OOOOLO", &objs[0], &objs[1], &objs[2], &objs[3], &row_stride, &objs[4]))
+        return NULL;
+    int64_t *src = NULL, *row = NULL, *box = NULL, *extent = NULL, *strides = NULL;
+    long long ndim = 0, m = 0, rows;
+    PyObject *result = NULL;
+    if (int64_matrix(objs[4], 0, &ndim, &strides, "dst_strides"))
+        goto done;
+    if (ndim < 1 || ndim > MAX_NDIM) {
+        PyErr_SetString(PyExc_ValueError, "dst_strides must hold 1 to 32 strides");
+        goto done;
+    }
+    if (int64_matrix(objs[0], 0, &m, &src, "src_offset") || int64_matrix(objs[1], 0, &rows, &row, "row") ||
+        rows != m || int64_matrix(objs[2], ndim, &rows, &box, "box_start") || rows != m ||
+        int64_matrix(objs[3], ndim, &rows, &extent, "extent") || rows != m) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "copy_rows' columns disagree on the number of copies");
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(m * (2 + ndim) * 8));
+    if (result == NULL)
+        goto done;
+    const char *error = NULL;
+    if (plan_copy_rows((int)ndim, m, src, row, box, extent, (int64_t)row_stride, strides,
+                       (int64_t *)PyBytes_AS_STRING(result), &error)) {
+        Py_CLEAR(result);
+        PyErr_SetString(PyExc_ValueError, error ? error : "copy_rows failed");
+    }
+done:
+    free(src);
+    free(row);
+    free(box);
+    free(extent);
+    free(strides);
+    return result;
+}
+
 /* shard_positions(index, chunks_per_shard, shard_strides) -> (inner, shard_of, first, numbers): see grid.c;
  * index holds a grid index per chunk (chunks x ndim int64); the results are bytes of int64: inner and shard_of
  * one per chunk, first and numbers one per shard. */
@@ -822,10 +977,13 @@ static PyObject *batch_job_results(BatchJobObject *self, PyObject *Py_UNUSED(ign
     job_counters c;
     job_results(self->owner->e, self->j, (int32_t *)PyBytes_AS_STRING(status), (int64_t *)PyBytes_AS_STRING(detail),
                 &c);
-    return Py_BuildValue("(NN{sLsLsLsLsLsLsLsLsL})", status, detail, "bytes_read", c.bytes_read, "bytes_decoded",
+    long long not_placed = 0; /* counted here: a batch whose chunks were all placed needs no look at them */
+    for (long long i = 0; i < n; i++)
+        not_placed += ((const int32_t *)PyBytes_AS_STRING(status))[i] != ST_OK;
+    return Py_BuildValue("(NN{sLsLsLsLsLsLsLsLsLsL})", status, detail, "bytes_read", c.bytes_read, "bytes_decoded",
                          c.bytes_decoded, "chunks_decoded", c.chunks_decoded, "chunks_filled", c.chunks_filled,
                          "read_ns", c.read_ns, "decode_ns", c.decode_ns, "place_ns", c.place_ns, "fill_ns",
-                         c.fill_ns, "max_threads", c.max_threads);
+                         c.fill_ns, "max_threads", c.max_threads, "not_placed", not_placed);
 }
 
 static PyObject *batch_job_done(BatchJobObject *self, void *Py_UNUSED(closure)) {
@@ -841,7 +999,7 @@ static PyMethodDef batch_job_methods[] = {
      "cancel(): once it returns no thread writes into the batch; chunks not placed are CANCELLED."},
     {"results", (PyCFunction)batch_job_results, METH_NOARGS,
      "results() -> (status, detail, counters): per chunk an int32 status and an int64 detail (as bytes), and "
-     "the job's summed counters. Final once the job is done."},
+     "the job's summed counters, with not_placed: the chunks whose status is not OK. Final once the job is done."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -885,6 +1043,16 @@ static PyMethodDef methods[] = {
     {"gather_entries", gather_entries_py, METH_VARARGS,
      "gather_entries(tables, slot, shard_of, inner) -> bytes: each chunk's (offset, length) from its shard's "
      "index table, the empty entry where its shard has none (uint64 pairs; see grid.c)."},
+    {"plan_crops", plan_crops_py, METH_VARARGS,
+     "plan_crops(boxes, sids, shape, rows) -> (copies, chunks, first_outside, bytes_needed, any_sharded): "
+     "plan_grid from a batch's boxes and its arrays' rows, the boxes checked against the arrays' shapes first "
+     "(see tables.c)."},
+    {"chunk_rows", chunk_rows_py, METH_VARARGS,
+     "chunk_rows(info, source, file, offset, length, span_start, span_stop, first_copy, n_copies, eids, fetched) "
+     "-> bytes: the engine's chunks table of a plan's chunks eids (None: all), as int64 rows (see tables.c)."},
+    {"copy_rows", copy_rows_py, METH_VARARGS,
+     "copy_rows(src_offset, row, box_start, extent, row_stride, dst_strides) -> bytes: the engine's copies table "
+     "of a plan's copies into a batch of those strides, as int64 rows (see tables.c)."},
     {"decode_files", decode_files, METH_VARARGS,
      "decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst) -> "
      "[(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]: read, decompress and place chunk "

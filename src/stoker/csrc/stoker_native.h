@@ -154,6 +154,32 @@ int gather_entries(long long n, const int64_t *shard_of, const int64_t *inner, l
                    const int64_t *slot, long long n_tables, const uint64_t *const *tables, long long n_inner,
                    uint64_t *out, const char **error);
 
+/* ---- tables.c: the engine's tables from a plan's columns ---- */
+
+/* a batch plan's per-chunk columns (engine/tables.py's TablePlan), in chunk_rows' cols[] */
+enum { P_SOURCE = 0, P_FILE, P_OFFSET, P_LENGTH, P_SPAN_START, P_SPAN_STOP, P_FIRST_COPY, P_NCOPIES, N_PLAN_COLS };
+/* an array's row of what the engine does with it (engine/decode_native.py's _Source.info_row, I_* there) */
+enum { I_FILLS = 0, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED, N_INFO_COLS };
+/* the chunks table (N_CHUNK_COLS values a row) of chunks eids[0..n_rows) (NULL: 0..n_rows) of a plan of n_chunks:
+ * each its array's codec and sizes (info: n_sources rows), its place in its file, or with fetched buffer k */
+int plan_chunk_rows(long long n_chunks, const int64_t *const cols[N_PLAN_COLS], long long n_sources,
+                    const int64_t *info, long long n_rows, const int64_t *eids, int fetched, int64_t *out,
+                    const char **error);
+/* the copies table (2 + ndim values a row): each copy's first element in its chunk, its first in the batch
+ * (row * row_stride + box_start . dst_strides, checked against int64 overflow), its extent */
+int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, const int64_t *row,
+                   const int64_t *box_start, const int64_t *extent, int64_t row_stride, const int64_t *dst_strides,
+                   int64_t *out, const char **error);
+
+/* plan_grid from a batch's boxes (n_crops x ndim x [start, stop)) and its arrays' rows (n_sources x (3 ndim + 2):
+ * item size, read chunk shape, element strides, sharded or not, shape), as engine/tables.py keeps them; first
+ * the boxes are checked against their arrays' shapes: *first_outside is the first crop that ends past its array
+ * (then nothing is planned), else -1; *bytes_needed the crops' elements times their item sizes; *any_sharded
+ * whether an array is sharded */
+int plan_crops(int ndim, long long n_crops, const int64_t *boxes, const int64_t *sids, const int64_t *shape,
+               long long n_sources, const int64_t *rows, grid_plan *out, long long *first_outside,
+               long long *bytes_needed, int *any_sharded, const char **error);
+
 /* ---- pool.c: the engine ---- */
 
 /* The plan tables of a batch (int64, row-major; ndim: the batch's sample rank). Columns: */

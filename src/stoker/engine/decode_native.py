@@ -186,10 +186,9 @@ class _Source:
         self.engine_only = self.reads and self.fills  # the engine reads and fills every chunk of it
 
 
-#: columns of the per-array rows NativeDecoder.submit builds from _Source.info_row
+#: columns of the per-array rows NativeDecoder.submit builds from _Source.info_row (csrc/stoker_native.h: I_*,
+#: as native.chunk_rows reads them)
 I_FILLS, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED = range(6)
-# _tables copies the last three into the chunks table's three adjacent columns at once
-assert (native.C_NBYTES - native.C_CODEC, native.C_MAX_STORED - native.C_CODEC) == (I_NBYTES - I_CODEC, I_STORED - I_CODEC)
 
 
 class _SourceSet:
@@ -208,9 +207,12 @@ class _SourceSet:
         self.info = np.frombuffer(b"".join([s.info_row for s in sources]), np.int64).reshape(n, 6)
         self.all_engine = bool(n) and all([s.engine_only for s in sources])
         width = len(sources[0].row) // 8 if n else native.S_STRIDES  # every array of a batch has its rank
-        table = np.frombuffer(bytearray(b"".join([s.row for s in sources])), np.int64).reshape(n, width)
-        lengths = table[:, native.S_PATH_LEN]
-        table[:, native.S_PATH_START] = np.cumsum(lengths) - lengths
+        table = array("q")
+        table.frombytes(b"".join([s.row for s in sources]))
+        start = 0
+        for at, s in zip(range(native.S_PATH_START, len(table), width), sources):  # each path's place in the blob
+            table[at] = start
+            start += len(s.prefix)
         self.table = table
         self.blob = b"".join([s.prefix for s in sources])
 
@@ -322,35 +324,17 @@ class NativeDecoder:
         """The engine's arguments for the chunks ``eids`` of ``plan`` (None: all of them) into ``out`` (see
         Engine.submit); with ``fetched``, chunk k's stored bytes are the whole of buffer k (a fetch's values,
         then its parts)."""
-        take = slice(None) if eids is None else eids  # every chunk: views of the plan's columns, no copies
-        src = plan.chunk_source[take]
-        chunks = np.empty((len(src), native.N_CHUNK_COLS), np.int64)
-        chunks[:, native.C_SOURCE] = src
-        # each chunk's (codec, decoded bytes, stored bound): its array's, in one gather (adjacent columns, as
-        # in the I_* rows)
-        chunks[:, native.C_CODEC:native.C_MAX_STORED + 1] = sources.info[src, I_CODEC:]
-        if fetched:
-            chunks[:, native.C_FILE] = chunks[:, native.C_OFFSET] = -1
-            chunks[:, native.C_LENGTH] = 0
-            chunks[:, native.C_BUFFER] = np.arange(len(src))
-        else:
-            chunks[:, native.C_FILE] = plan.chunk_file[take]
-            chunks[:, native.C_OFFSET] = plan.chunk_offset[take]
-            chunks[:, native.C_LENGTH] = plan.chunk_length[take]
-            chunks[:, native.C_BUFFER] = -1
-            chunks[chunks[:, native.C_FILE] < 0, native.C_CODEC] = native.FILL  # nothing stored: the fill value
-        chunks[:, native.C_SPAN_START] = plan.byte_start[take]
-        chunks[:, native.C_SPAN_STOP] = plan.byte_stop[take]
-        chunks[:, native.C_FIRST_COPY] = plan.first_copy[take]
-        chunks[:, native.C_NCOPIES] = plan.n_copies[take]
+        # each table in one compiled call (csrc/tables.c): numpy took a dozen calls per batch for the same
+        chunks = native.chunk_rows(sources.info, plan.chunk_source, plan.chunk_file, plan.chunk_offset,
+                                   plan.chunk_length, plan.byte_start, plan.byte_stop, plan.first_copy, plan.n_copies,
+                                   eids, fetched)
         row_stride, *strides = out.stride()
-        dst_strides = np.array(strides, np.int64)
-        copies = np.empty((len(plan.copy_row), 2 + plan.ndim), np.int64)
-        copies[:, 0] = plan.copy_src_offset
-        copies[:, 1] = plan.copy_row * row_stride + plan.copy_box_start @ dst_strides
-        copies[:, 2:] = plan.copy_extent
+        dst_strides = array("q", strides)
+        copies = native.copy_rows(plan.copy_src_offset, plan.copy_row, plan.copy_box_start, plan.copy_extent,
+                                  row_stride, dst_strides)
         nbytes = out.numel() * out.element_size()
-        dst = out.view(-1).view(torch.uint8).numpy()  # holds the tensor's memory for the job's lifetime
+        # holds the tensor's memory for the job's lifetime (numpy has no bfloat16: that batch as bytes)
+        dst = out.numpy() if out.dtype != torch.bfloat16 else out.view(torch.uint8).numpy()
         return (chunks, copies, sources.table, plan.files, sources.blob, dst, kind, nbytes >= STREAM_MIN_BYTES,
                 dst_strides)
 
@@ -584,21 +568,24 @@ class NativeDecoder:
         bytes the fetch already counted as read. True when the engine placed every chunk (nothing of it goes
         to the Python path)."""
         status, detail, c = bjob.results()
-        status = np.frombuffer(status, np.int32)
-        ok = status == native.OK
-        n_ok = int(ok.sum())
         read = c["bytes_read"] if buffers is None else 0
         if c["chunks_decoded"]:
             self._stats.chunk(c["decode_ns"] * 1e-9, c["place_ns"] * 1e-9, c["bytes_read"], c["bytes_decoded"],
                               read_s=c["read_ns"] * 1e-9 if buffers is None else None, count=c["chunks_decoded"])
         if c["chunks_filled"]:
             self._stats.stage("assemble", c["fill_ns"] * 1e-9)
+        if not c["not_placed"]:  # the usual batch: no status to look at
+            job.finish(len(eids), bytes_read=read, bytes_decoded=c["bytes_decoded"],
+                       chunks_decoded=c["chunks_decoded"])
+            return True
+        status = np.frombuffer(status, np.int32)
+        ok = status == native.OK
         bad = np.flatnonzero(~ok)
-        if bad.size:
-            data = None if buffers is None else [buffers[k] for k in bad.tolist()]
-            self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
-        job.finish(n_ok, bytes_read=read, bytes_decoded=c["bytes_decoded"], chunks_decoded=c["chunks_decoded"])
-        return not bad.size
+        data = None if buffers is None else [buffers[k] for k in bad.tolist()]
+        self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
+        job.finish(int(ok.sum()), bytes_read=read, bytes_decoded=c["bytes_decoded"],
+                   chunks_decoded=c["chunks_decoded"])
+        return False
 
     def _failed(self, job: Job, cids: np.ndarray, statuses: np.ndarray, details: np.ndarray,
                 data: list | None = None) -> None:

@@ -166,9 +166,17 @@ decode_files = _released(decode_files)
 #: ``plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes) -> (copies, chunks)`` (csrc/grid.c), or
 #: None without the engine (engine/tables.py then plans with numpy)
 plan_grid = None
+#: ``plan_crops(boxes, sids, shape, rows) -> (copies, chunks, first_outside, bytes_needed, any_sharded)``
+#: (csrc/tables.c: plan_grid from a batch's boxes and its arrays' rows, the boxes checked first), or None
+plan_crops = None
 #: ``shard_positions(index, chunks_per_shard, shard_strides) -> (inner, shard_of, first, numbers)`` and
 #: ``gather_entries(tables, slot, shard_of, inner) -> bytes`` (csrc/grid.c: where a batch's chunks of a sharded
 #: array are stored), or None without the engine (engine/tables.py then does both with numpy)
 shard_positions = gather_entries = None
+#: ``chunk_rows(info, <8 plan columns>, eids, fetched) -> bytes`` and ``copy_rows(src_offset, row, box_start,
+#: extent, row_stride, dst_strides) -> bytes`` (csrc/tables.c): the engine's chunks and copies tables from a plan's
+#: columns, or None without the engine
+chunk_rows = copy_rows = None
 if Engine is not None:
-    from .._native import gather_entries, plan_grid, shard_positions  # noqa: F401 (read as native.*)
+    from .._native import (chunk_rows, copy_rows, gather_entries, plan_crops,  # noqa: F401 (native.*)
+                           plan_grid, shard_positions)

@@ -239,12 +239,29 @@ def _shard_geometry(reader: ArrayReader) -> tuple[np.ndarray, np.ndarray, np.nda
 
 def _grid_compiled(start, sid, extent, chunk_shapes, chunk_strides, itemsize) -> tuple:
     """The chunks the crops touch and every copy, planned in C (csrc/grid.c): see :func:`_grid_numpy`."""
-    ndim = len(extent)
-    copies, chunks = native.plan_grid(start, sid, extent, chunk_shapes, chunk_strides, itemsize)
+    return _grid_columns(*native.plan_grid(start, sid, extent, chunk_shapes, chunk_strides, itemsize), len(extent))
+
+
+def _grid_columns(copies: bytes, chunks: bytes, ndim: int) -> tuple:
+    """plan_grid's (or plan_crops') rows as the columns _grid_numpy returns (views, no copies)."""
     copies = np.frombuffer(copies, np.int64).reshape(-1, 2 + 3 * ndim)
     chunks = np.frombuffer(chunks, np.int64).reshape(-1, 5 + ndim)
     return (copies[:, 0], copies[:, 2:2 + ndim], copies[:, 2 + ndim:2 + 2 * ndim], copies[:, 2 + 2 * ndim:],
             copies[:, 1], chunks[:, 0], chunks[:, 5:], chunks[:, 1], chunks[:, 2], chunks[:, 3], chunks[:, 4])
+
+
+def _grid_of_crops(crops, sids, sources, shape, sid, boxes, rows) -> tuple | None:
+    """``(grid columns as _grid_numpy returns them, bytes needed, the sharded arrays' numbers)``, planned in one
+    compiled call with the boxes' bounds checked there (csrc/tables.c: plan_crops), or None without the
+    extension (or for a crop the check there and check_in_bounds disagree on, which the caller redoes)."""
+    if native.plan_crops is None or not boxes.shape[1] or not sources:
+        return None
+    copies, chunks, outside, bytes_needed, any_sharded = native.plan_crops(boxes, sid, array("q", shape), rows)
+    if outside >= 0:  # the first crop out of bounds raises OutOfBounds
+        check_in_bounds(crops[outside][1], sources[sids[outside]].shape, crops[outside][0])
+        return None
+    sharded_ids = [k for k, r in enumerate(sources) if r.metadata.sharding is not None] if any_sharded else []
+    return _grid_columns(copies, chunks, boxes.shape[1]), bytes_needed, sharded_ids
 
 
 def _grid_numpy(start, sid, extent, chunk_shapes, chunk_strides, itemsize) -> tuple:
@@ -317,34 +334,46 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         _check_each(crops, sids, sources)
     sid = np.array(sids, np.int64)
     boxes = np.array([aabb for _, aabb in crops], np.int64).reshape(len(crops), ndim, 2)
-    start = np.ascontiguousarray(boxes[:, :, 0])
     # per array: item size, chunk shape, element strides in its decoded layout (C order, or permuted: v2 F
     # order, v3 transpose), sharded or not, shape
-    per_array = np.frombuffer(b"".join([_array_row(r) for r in sources]), np.int64).reshape(len(sources), -1)
-    itemsize, chunk_shapes, chunk_strides = (np.ascontiguousarray(per_array[:, at]) for at in
-                                             (0, slice(1, 1 + ndim), slice(1 + ndim, 1 + 2 * ndim)))
-    is_sharded = per_array[:, 1 + 2 * ndim].astype(bool)
-    out_of_bounds = (boxes[:, :, 1] > per_array[sid, 2 + 2 * ndim:]).any(axis=1)
-    if out_of_bounds.any():  # the first crop out of bounds raises OutOfBounds
-        at = int(np.argmax(out_of_bounds))
-        check_in_bounds(crops[at][1], sources[sids[at]].shape, crops[at][0])
-    bytes_needed = math.prod(shape) * int(itemsize[sid].sum())
-    grid = _grid_compiled if native.plan_grid is not None else _grid_numpy
+    rows = array("q", b"".join([_array_row(r) for r in sources]))
+    grid = _grid_of_crops(crops, sids, sources, shape, sid, boxes, rows)
+    if grid is None:  # no extension (numpy), or a crop past its array that check_in_bounds let through
+        per_array = np.frombuffer(rows, np.int64).reshape(len(sources), -1)
+        itemsize, chunk_shapes, chunk_strides = (np.ascontiguousarray(per_array[:, at]) for at in
+                                                 (0, slice(1, 1 + ndim), slice(1 + ndim, 1 + 2 * ndim)))
+        sharded_ids = np.flatnonzero(per_array[:, 1 + 2 * ndim]).tolist()
+        out_of_bounds = (boxes[:, :, 1] > per_array[sid, 2 + 2 * ndim:]).any(axis=1)
+        if out_of_bounds.any():  # the first crop out of bounds raises OutOfBounds
+            at = int(np.argmax(out_of_bounds))
+            check_in_bounds(crops[at][1], sources[sids[at]].shape, crops[at][0])
+        bytes_needed = math.prod(shape) * int(itemsize[sid].sum())
+        start = np.ascontiguousarray(boxes[:, :, 0])
+        grid = _grid_compiled if native.plan_grid is not None else _grid_numpy
+        columns = grid(start, sid, np.array(shape, np.int64), chunk_shapes, chunk_strides, itemsize)
+    else:
+        columns, bytes_needed, sharded_ids = grid
     (row, c_start, b_start, c_extent, src_offset, chunk_source, chunk_index, first_copy, n_copies, byte_start,
-     byte_stop) = grid(start, sid, np.array(shape, np.int64), chunk_shapes, chunk_strides, itemsize)
+     byte_stop) = columns
     m = len(row)
 
     n = len(chunk_source)
-    chunk_file = np.full(n, -1, np.int64)
     chunk_offset = np.full(n, -1, np.int64)
     chunk_length = np.zeros(n, np.int64)
     chunk_inner = np.full(n, -1, np.int64)
     # chunks of unsharded arrays: a file each, in chunk order, all at once
-    plain = np.flatnonzero(~is_sharded[chunk_source]) if is_sharded.any() else np.arange(n)
-    table = np.zeros((len(plain), F_COORDS + ndim), np.int64)
-    table[:, F_SOURCE] = chunk_source[plain]
-    table[:, F_COORDS:] = chunk_index[plain]
-    chunk_file[plain] = np.arange(len(plain))
+    if sharded_ids:
+        plain = np.flatnonzero(~np.isin(chunk_source, sharded_ids))
+        chunk_file = np.full(n, -1, np.int64)
+        chunk_file[plain] = np.arange(len(plain))
+        table = np.zeros((len(plain), F_COORDS + ndim), np.int64)
+        table[:, F_SOURCE] = chunk_source[plain]
+        table[:, F_COORDS:] = chunk_index[plain]
+    else:  # every chunk (the usual batch)
+        plain = chunk_file = np.arange(n)
+        table = np.zeros((n, F_COORDS + ndim), np.int64)
+        table[:, F_SOURCE] = chunk_source
+        table[:, F_COORDS:] = chunk_index
     files: list[np.ndarray] = [table]
     n_files = len(plain)
     failures: list[tuple[int, Callable[[], None]]] = []  # (first chunk it concerns, raise it)
@@ -352,7 +381,7 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
     # not cached read before the loop (those of arrays in a store together, in one round trip)
     sharded = []  # (source, reader, its chunks, their grid indexes, shard and inner index, shards' first chunk...)
     missing: list[tuple[ArrayReader, str]] = []  # (reader, shard key) of every index not cached
-    for s in np.flatnonzero(is_sharded).tolist():  # one step per sharded array
+    for s in sharded_ids:  # one step per sharded array
         reader = sources[s]
         ids = np.arange(n) if len(sources) == 1 else np.flatnonzero(chunk_source == s)
         index = np.ascontiguousarray(chunk_index[ids])
@@ -366,7 +395,7 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         missing += [(reader, keys[k]) for k, entry in enumerate(got) if entry is NOT_CACHED]
         chunk_inner[ids] = inner
         sharded.append((s, reader, ids, index, cps, inner, shard_of, shard_first, keys, got))
-    loaded = iter(shard_entries(missing))
+    loaded = iter(shard_entries(missing) if missing else ())
     for s, reader, ids, index, cps, inner, shard_of, shard_first, keys, got in sharded:  # a step per sharded array
         meta = reader.metadata
         slot, tables = [], []  # each shard's table in tables (-1: none: no shard file, or a failure)

@@ -1,0 +1,133 @@
+/* The engine's chunks and copies tables, made from a batch plan's columns in one pass each.
+ *
+ * engine/tables.py plans a batch as columns (numpy arrays, one value per chunk or per copy); the engine takes
+ * row tables (see the C_* columns). Joining them with numpy costs a dozen calls per batch under the GIL, each
+ * a few microseconds: for a batch of small chunks a measurable share of the pipeline's Python time. These do
+ * the same in one call each, and check every index they follow (a row of eids, a chunk's array) against the
+ * counts they were given: the engine checks the tables it is handed again (job_new).
+ */
+#include "stoker_native.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+int plan_chunk_rows(long long n_chunks, const int64_t *const cols[N_PLAN_COLS], long long n_sources,
+                    const int64_t *info, long long n_rows, const int64_t *eids, int fetched, int64_t *out,
+                    const char **error) {
+    for (long long k = 0; k < n_rows; k++) {
+        long long i = eids == NULL ? k : eids[k];
+        if (i < 0 || i >= n_chunks) {
+            *error = "a chunk number is past the plan's chunks";
+            return -1;
+        }
+        int64_t src = cols[P_SOURCE][i];
+        if (src < 0 || src >= n_sources) {
+            *error = "a chunk's array is past the batch's arrays";
+            return -1;
+        }
+        const int64_t *mine = info + src * N_INFO_COLS;
+        int64_t *row = out + k * N_CHUNK_COLS;
+        row[C_SOURCE] = src;
+        row[C_CODEC] = mine[I_CODEC];
+        row[C_NBYTES] = mine[I_NBYTES];
+        row[C_MAX_STORED] = mine[I_STORED];
+        if (fetched) { /* chunk k's stored bytes are the whole of buffer k */
+            row[C_FILE] = row[C_OFFSET] = -1;
+            row[C_LENGTH] = 0;
+            row[C_BUFFER] = k;
+        } else {
+            row[C_FILE] = cols[P_FILE][i];
+            row[C_OFFSET] = cols[P_OFFSET][i];
+            row[C_LENGTH] = cols[P_LENGTH][i];
+            row[C_BUFFER] = -1;
+            if (row[C_FILE] < 0)
+                row[C_CODEC] = CODEC_FILL; /* nothing stored: the fill value */
+        }
+        row[C_SPAN_START] = cols[P_SPAN_START][i];
+        row[C_SPAN_STOP] = cols[P_SPAN_STOP][i];
+        row[C_FIRST_COPY] = cols[P_FIRST_COPY][i];
+        row[C_NCOPIES] = cols[P_NCOPIES][i];
+    }
+    return 0;
+}
+
+int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, const int64_t *row,
+                   const int64_t *box_start, const int64_t *extent, int64_t row_stride, const int64_t *dst_strides,
+                   int64_t *out, const char **error) {
+    long long width = 2 + (long long)ndim;
+    for (long long k = 0; k < n_copies; k++) {
+        int64_t *o = out + k * width, dst;
+        if (__builtin_mul_overflow(row[k], row_stride, &dst))
+            goto overflow;
+        for (int a = 0; a < ndim; a++) {
+            int64_t term;
+            if (__builtin_mul_overflow(box_start[k * ndim + a], dst_strides[a], &term) ||
+                __builtin_add_overflow(dst, term, &dst))
+                goto overflow;
+        }
+        o[0] = src_offset[k];
+        o[1] = dst;
+        memcpy(o + 2, extent + k * ndim, sizeof(int64_t) * (size_t)ndim);
+    }
+    return 0;
+overflow:
+    *error = "a copy's place in the batch is past what an int64 counts";
+    return -1;
+}
+
+int plan_crops(int ndim, long long n_crops, const int64_t *boxes, const int64_t *sids, const int64_t *shape,
+               long long n_sources, const int64_t *rows, grid_plan *out, long long *first_outside,
+               long long *bytes_needed, int *any_sharded, const char **error) {
+    int D = ndim;
+    long long w = 3 * (long long)D + 2; /* a row: item size, chunk shape, element strides, sharded, shape */
+    memset(out, 0, sizeof(*out));
+    *first_outside = -1, *bytes_needed = 0, *any_sharded = 0;
+    if (D < 1 || D > MAX_NDIM || n_crops < 0 || n_sources < 1) {
+        *error = "a grid needs 1 to 32 axes and at least one array";
+        return -1;
+    }
+    for (long long s = 0; s < n_crops; s++) {
+        if (sids[s] < 0 || sids[s] >= n_sources) {
+            *error = "a crop's array is out of range";
+            return -1;
+        }
+        const int64_t *array_shape = rows + sids[s] * w + 2 + 2 * D;
+        for (int a = 0; a < D; a++)
+            if (boxes[(s * D + a) * 2 + 1] > array_shape[a]) { /* the caller raises the crop's own error */
+                *first_outside = s;
+                return 0;
+            }
+    }
+    long long crop = 1, items = 0;
+    for (int a = 0; a < D; a++)
+        if (__builtin_mul_overflow(crop, shape[a], &crop))
+            goto too_big;
+    for (long long s = 0; s < n_crops; s++)
+        if (__builtin_add_overflow(items, rows[sids[s] * w], &items))
+            goto too_big;
+    if (__builtin_mul_overflow(crop, items, bytes_needed))
+        goto too_big;
+    int64_t *work = malloc(sizeof(int64_t) * (size_t)(n_crops * D + n_sources * (2 * (long long)D + 1) + 1));
+    if (work == NULL) {
+        *error = "out of memory";
+        return -1;
+    }
+    int64_t *starts = work, *chunk_shapes = starts + n_crops * D, *strides = chunk_shapes + n_sources * D;
+    int64_t *itemsizes = strides + n_sources * D;
+    for (long long s = 0; s < n_crops; s++)
+        for (int a = 0; a < D; a++)
+            starts[s * D + a] = boxes[(s * D + a) * 2];
+    for (long long k = 0; k < n_sources; k++) {
+        const int64_t *row = rows + k * w;
+        itemsizes[k] = row[0];
+        memcpy(chunk_shapes + k * D, row + 1, sizeof(int64_t) * (size_t)D);
+        memcpy(strides + k * D, row + 1 + D, sizeof(int64_t) * (size_t)D);
+        *any_sharded |= row[1 + 2 * D] != 0;
+    }
+    int bad = plan_grid(D, n_crops, starts, sids, shape, n_sources, chunk_shapes, strides, itemsizes, out, error);
+    free(work);
+    return bad;
+too_big:
+    *error = "a batch holds more bytes than an int64 counts";
+    return -1;
+}
