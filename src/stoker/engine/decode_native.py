@@ -151,7 +151,8 @@ class _Source:
         self.fills = kind is not None and src_kind is not None and same_ok
         self.codec = native_codec(codec)
         enc = meta.key_encoding
-        self.prefix = os.fsencode(reader.file_path(enc.prefix + enc.separator if enc.prefix else ""))
+        self.key_prefix = reader.file_path(enc.prefix + enc.separator if enc.prefix else "")  # its chunks' keys
+        self.prefix = os.fsencode(self.key_prefix)
         # a path the engine cannot build (deep folders) is read by the Python path, which has no such cap
         short = len(self.prefix) + 21 * ndim + 1 <= native.PATH_CAP
         decodes = bool(self.fills and not codec.filters and self.codec is not None and codec.nbytes
@@ -161,7 +162,6 @@ class _Source:
         # its chunks are fetched through the store, and the engine decodes them from the fetched buffers
         self.memory = decodes and reader.kv is not None
         self.kv = reader.kv
-        self.key_prefix = reader.file_path(enc.prefix + enc.separator if enc.prefix else "")  # its chunks' keys
         # blosc chunks fetched from a store may later be fetched as their needed blocks (frame_spans): only where
         # the Python path, should the engine leave one, also decodes those blocks alone (a plain layout)
         self.spans = bool(self.memory and self.codec == native.BLOSC and codec.partial)
