@@ -250,18 +250,21 @@ def _grid_columns(copies: bytes, chunks: bytes, ndim: int) -> tuple:
             copies[:, 1], chunks[:, 0], chunks[:, 5:], chunks[:, 1], chunks[:, 2], chunks[:, 3], chunks[:, 4])
 
 
-def _grid_of_crops(crops, sids, sources, shape, sid, boxes, rows) -> tuple | None:
+def _grid_of_crops(crops, sids, sources, shape, rows) -> tuple | None:
     """``(grid columns as _grid_numpy returns them, bytes needed, the sharded arrays' numbers)``, planned in one
     compiled call with the boxes' bounds checked there (csrc/tables.c: plan_crops), or None without the
-    extension (or for a crop the check there and check_in_bounds disagree on, which the caller redoes)."""
-    if native.plan_crops is None or not boxes.shape[1] or not sources:
+    extension (or for a crop the check there and check_in_bounds disagree on, which the caller redoes).
+    The boxes go as one flat array('q'): numpy's conversion of the nested tuples costs twice as much."""
+    if native.plan_crops is None or not shape or not sources:
         return None
-    copies, chunks, outside, bytes_needed, any_sharded = native.plan_crops(boxes, sid, array("q", shape), rows)
+    boxes = array("q", [v for _, aabb in crops for box in aabb for v in box])  # crops x ndim x (start, stop)
+    copies, chunks, outside, bytes_needed, any_sharded = native.plan_crops(boxes, array("q", sids),
+                                                                           array("q", shape), rows)
     if outside >= 0:  # the first crop out of bounds raises OutOfBounds
         check_in_bounds(crops[outside][1], sources[sids[outside]].shape, crops[outside][0])
         return None
     sharded_ids = [k for k, r in enumerate(sources) if r.metadata.sharding is not None] if any_sharded else []
-    return _grid_columns(copies, chunks, boxes.shape[1]), bytes_needed, sharded_ids
+    return _grid_columns(copies, chunks, len(shape)), bytes_needed, sharded_ids
 
 
 def _grid_numpy(start, sid, extent, chunk_shapes, chunk_strides, itemsize) -> tuple:
@@ -332,13 +335,13 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         sids.append(sid)
     if any(len(r.shape) != ndim for r in sources):  # the first crop at fault raises RankMismatch (or OutOfBounds)
         _check_each(crops, sids, sources)
-    sid = np.array(sids, np.int64)
-    boxes = np.array([aabb for _, aabb in crops], np.int64).reshape(len(crops), ndim, 2)
     # per array: item size, chunk shape, element strides in its decoded layout (C order, or permuted: v2 F
     # order, v3 transpose), sharded or not, shape
     rows = array("q", b"".join([_array_row(r) for r in sources]))
-    grid = _grid_of_crops(crops, sids, sources, shape, sid, boxes, rows)
+    grid = _grid_of_crops(crops, sids, sources, shape, rows)
     if grid is None:  # no extension (numpy), or a crop past its array that check_in_bounds let through
+        sid = np.array(sids, np.int64)
+        boxes = np.array([aabb for _, aabb in crops], np.int64).reshape(len(crops), ndim, 2)
         per_array = np.frombuffer(rows, np.int64).reshape(len(sources), -1)
         itemsize, chunk_shapes, chunk_strides = (np.ascontiguousarray(per_array[:, at]) for at in
                                                  (0, slice(1, 1 + ndim), slice(1 + ndim, 1 + 2 * ndim)))
