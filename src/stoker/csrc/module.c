@@ -278,39 +278,61 @@ static PyObject *chunk_rows_py(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOOOOOOp", &info_obj, &col_objs[0], &col_objs[1], &col_objs[2], &col_objs[3],
                           &col_objs[4], &col_objs[5], &col_objs[6], &col_objs[7], &eids_obj, &fetched))
         return NULL;
-    int64_t *info = NULL, *cols[N_PLAN_COLS] = {NULL}, *eids = NULL;
+    Py_buffer views[N_PLAN_COLS];
+    int held = 0;
+    int64_t *info = NULL, *eids = NULL, *taken = NULL;
     long long n_sources = 0, n = 0, n_rows = 0;
     PyObject *result = NULL;
     if (int64_matrix(info_obj, N_INFO_COLS, &n_sources, &info, "info"))
         goto done;
-    for (int c = 0; c < N_PLAN_COLS; c++) {
-        long long rows;
-        if (int64_matrix(col_objs[c], 0, &rows, &cols[c], "a plan column"))
+    /* the columns as views (read where eids point: a fetch takes a few chunks of a large plan) */
+    for (; held < N_PLAN_COLS; held++) {
+        Py_buffer *b = &views[held];
+        if (PyObject_GetBuffer(col_objs[held], b, PyBUF_STRIDED_RO | PyBUF_FORMAT) != 0)
             goto done;
-        if (c > 0 && rows != n) {
-            PyErr_SetString(PyExc_ValueError, "the plan's columns disagree on the number of chunks");
+        if (!native_words(b) || b->ndim != 1 || (held > 0 && b->shape[0] != n)) {
+            PyBuffer_Release(b);
+            PyErr_SetString(PyExc_ValueError, "the plan's columns must be 1-d int64 buffers of one length each");
             goto done;
         }
-        n = rows;
+        n = b->shape[0];
     }
     if (eids_obj == Py_None)
         n_rows = n;
     else if (int64_matrix(eids_obj, 0, &n_rows, &eids, "eids"))
         goto done;
+    taken = malloc(sizeof(int64_t) * (size_t)(N_PLAN_COLS * n_rows + 1));
+    if (taken == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *cols[N_PLAN_COLS];
+    for (int c = 0; c < N_PLAN_COLS; c++)
+        cols[c] = taken + c * n_rows;
+    for (long long k = 0; k < n_rows; k++) {
+        long long i = eids == NULL ? k : eids[k];
+        if (i < 0 || i >= n) {
+            PyErr_SetString(PyExc_ValueError, "a chunk number is past the plan's chunks");
+            goto done;
+        }
+        for (int c = 0; c < N_PLAN_COLS; c++)
+            memcpy(taken + c * n_rows + k, (const char *)views[c].buf + i * views[c].strides[0], 8);
+    }
     result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n_rows * N_CHUNK_COLS * 8));
     if (result == NULL)
         goto done;
     const char *error = NULL;
-    if (plan_chunk_rows(n, (const int64_t *const *)cols, n_sources, info, n_rows, eids, fetched,
-                        (int64_t *)PyBytes_AS_STRING(result), &error)) {
+    if (plan_chunk_rows(n_rows, cols, n_sources, info, n_rows, NULL, fetched, (int64_t *)PyBytes_AS_STRING(result),
+                        &error)) {
         Py_CLEAR(result);
         PyErr_SetString(PyExc_ValueError, error ? error : "chunk_rows failed");
     }
 done:
+    while (held-- > 0)
+        PyBuffer_Release(&views[held]);
     free(info);
     free(eids);
-    for (int c = 0; c < N_PLAN_COLS; c++)
-        free(cols[c]);
+    free(taken);
     return result;
 }
 

@@ -333,8 +333,9 @@ class NativeDecoder:
         copies = native.copy_rows(plan.copy_src_offset, plan.copy_row, plan.copy_box_start, plan.copy_extent,
                                   row_stride, dst_strides)
         nbytes = out.numel() * out.element_size()
-        # holds the tensor's memory for the job's lifetime (numpy has no bfloat16: that batch as bytes)
-        dst = out.numpy() if out.dtype != torch.bfloat16 else out.view(torch.uint8).numpy()
+        # holds the tensor's memory for the job's lifetime (numpy has no bfloat16: that batch as bytes, flat
+        # first: a dtype view needs a last stride of 1, which a contiguous tensor need not have on an axis of 1)
+        dst = out.numpy() if out.dtype != torch.bfloat16 else out.view(-1).view(torch.uint8).numpy()
         return (chunks, copies, sources.table, plan.files, sources.blob, dst, kind, nbytes >= STREAM_MIN_BYTES,
                 dst_strides)
 
