@@ -1259,11 +1259,31 @@ def test_plan_crops_arguments(data):
         if any(boxes[s][a][1] > rows[sids[s]][2 + 2 * ndim + a] for a in range(ndim)):
             want_outside = s
             break
+    per = np.array(rows, np.int64)
+    starts = np.array([[b[0] for b in box] for box in boxes], np.int64).reshape(n, ndim)
+
+    def grid():  # plan_grid's plan of the same crops (it raises what it refuses)
+        return native.plan_grid(starts, args[1], args[2], np.ascontiguousarray(per[:, 1:1 + ndim]),
+                                np.ascontiguousarray(per[:, 1 + ndim:1 + 2 * ndim]), np.ascontiguousarray(per[:, 0]))
+
+    # the bytes the crops need, each step as the C code takes it: past int64 anywhere is refused
+    crop, items, steps = 1, 0, []
+    for e in shape:
+        crop *= e
+        steps.append(crop)
+    for s in sids if not refused and want_outside < 0 else ():  # (past a crop outside, a number may be any)
+        items += rows[s][0]
+        steps.append(items)
+    bytes_fit = all(_fits(v) for v in steps) and _fits(crop * items)
     try:
         copies, chunks, outside, bytes_needed, any_sharded = native.plan_crops(*args)
     except (ValueError, MemoryError):
         event("refused")
-        assert refused or want_outside < 0
+        if not refused:  # every crop inside its array: a refusal needs a reason
+            assert want_outside < 0
+            if bytes_fit:
+                with pytest.raises((ValueError, MemoryError)):
+                    grid()
         return
     assert not refused and outside == want_outside
     if outside >= 0:
@@ -1271,13 +1291,8 @@ def test_plan_crops_arguments(data):
         assert copies is None and chunks is None
         return
     event("planned")
-    want_bytes = int(np.prod(shape, dtype=object)) * sum(rows[s][0] for s in sids)
-    assert bytes_needed == want_bytes and any_sharded == any(r[1 + 2 * ndim] for r in rows)
-    per = np.array(rows, np.int64)
-    starts = np.array([[b[0] for b in box] for box in boxes], np.int64).reshape(n, ndim)
-    assert (copies, chunks) == native.plan_grid(starts, args[1], args[2], np.ascontiguousarray(per[:, 1:1 + ndim]),
-                                                np.ascontiguousarray(per[:, 1 + ndim:1 + 2 * ndim]),
-                                                np.ascontiguousarray(per[:, 0]))
+    assert bytes_fit and bytes_needed == crop * items and any_sharded == any(r[1 + 2 * ndim] for r in rows)
+    assert (copies, chunks) == grid()
 
 
 @pytest.mark.skipif(native.chunk_rows is None, reason="the compiled engine is not built")
