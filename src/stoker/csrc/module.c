@@ -322,8 +322,7 @@ static PyObject *chunk_rows_py(PyObject *Py_UNUSED(self), PyObject *args) {
     if (result == NULL)
         goto done;
     const char *error = NULL;
-    if (plan_chunk_rows(n_rows, cols, n_sources, info, n_rows, NULL, fetched, (int64_t *)PyBytes_AS_STRING(result),
-                        &error)) {
+    if (plan_chunk_rows(n_rows, cols, n_sources, info, fetched, (int64_t *)PyBytes_AS_STRING(result), &error)) {
         Py_CLEAR(result);
         PyErr_SetString(PyExc_ValueError, error ? error : "chunk_rows failed");
     }

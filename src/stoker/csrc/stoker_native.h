@@ -160,11 +160,11 @@ int gather_entries(long long n, const int64_t *shard_of, const int64_t *inner, l
 enum { P_SOURCE = 0, P_FILE, P_OFFSET, P_LENGTH, P_SPAN_START, P_SPAN_STOP, P_FIRST_COPY, P_NCOPIES, N_PLAN_COLS };
 /* an array's row of what the engine does with it (engine/decode_native.py's _Source.info_row, I_* there) */
 enum { I_FILLS = 0, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED, N_INFO_COLS };
-/* the chunks table (N_CHUNK_COLS values a row) of chunks eids[0..n_rows) (NULL: 0..n_rows) of a plan of n_chunks:
- * each its array's codec and sizes (info: n_sources rows), its place in its file, or with fetched buffer k */
-int plan_chunk_rows(long long n_chunks, const int64_t *const cols[N_PLAN_COLS], long long n_sources,
-                    const int64_t *info, long long n_rows, const int64_t *eids, int fetched, int64_t *out,
-                    const char **error);
+/* the chunks table (N_CHUNK_COLS values a row) of n_rows chunks, given as columns (the chunks a batch takes,
+ * gathered): each its array's codec and sizes (info: n_sources rows), its place in its file, or with fetched
+ * buffer i for chunk i */
+int plan_chunk_rows(long long n_rows, const int64_t *const cols[N_PLAN_COLS], long long n_sources,
+                    const int64_t *info, int fetched, int64_t *out, const char **error);
 /* the copies table (2 + ndim values a row): each copy's first element in its chunk, its first in the batch
  * (row * row_stride + box_start . dst_strides, checked against int64 overflow), its extent */
 int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, const int64_t *row,

@@ -3,38 +3,33 @@
  * engine/tables.py plans a batch as columns (numpy arrays, one value per chunk or per copy); the engine takes
  * row tables (see the C_* columns). Joining them with numpy costs a dozen calls per batch under the GIL, each
  * a few microseconds: for a batch of small chunks a measurable share of the pipeline's Python time. These do
- * the same in one call each, and check every index they follow (a row of eids, a chunk's array) against the
- * counts they were given: the engine checks the tables it is handed again (job_new).
+ * the same in one call each, and check every index they follow (a chunk's array; module.c checks the chunk
+ * numbers it gathers) against the counts they were given: the engine checks the tables it is handed again
+ * (job_new).
  */
 #include "stoker_native.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-int plan_chunk_rows(long long n_chunks, const int64_t *const cols[N_PLAN_COLS], long long n_sources,
-                    const int64_t *info, long long n_rows, const int64_t *eids, int fetched, int64_t *out,
-                    const char **error) {
-    for (long long k = 0; k < n_rows; k++) {
-        long long i = eids == NULL ? k : eids[k];
-        if (i < 0 || i >= n_chunks) {
-            *error = "a chunk number is past the plan's chunks";
-            return -1;
-        }
+int plan_chunk_rows(long long n_rows, const int64_t *const cols[N_PLAN_COLS], long long n_sources,
+                    const int64_t *info, int fetched, int64_t *out, const char **error) {
+    for (long long i = 0; i < n_rows; i++) {
         int64_t src = cols[P_SOURCE][i];
         if (src < 0 || src >= n_sources) {
             *error = "a chunk's array is past the batch's arrays";
             return -1;
         }
         const int64_t *mine = info + src * N_INFO_COLS;
-        int64_t *row = out + k * N_CHUNK_COLS;
+        int64_t *row = out + i * N_CHUNK_COLS;
         row[C_SOURCE] = src;
         row[C_CODEC] = mine[I_CODEC];
         row[C_NBYTES] = mine[I_NBYTES];
         row[C_MAX_STORED] = mine[I_STORED];
-        if (fetched) { /* chunk k's stored bytes are the whole of buffer k */
+        if (fetched) { /* chunk i's stored bytes are the whole of buffer i */
             row[C_FILE] = row[C_OFFSET] = -1;
             row[C_LENGTH] = 0;
-            row[C_BUFFER] = k;
+            row[C_BUFFER] = i;
         } else {
             row[C_FILE] = cols[P_FILE][i];
             row[C_OFFSET] = cols[P_OFFSET][i];
