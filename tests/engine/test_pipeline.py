@@ -166,8 +166,8 @@ def test_generator_is_pulled_lazily_and_push_while_pop(volume):
         _check_all(p, data, "f32", n_batches=5)
         time.sleep(0.2)
         # consumed and released 5 batches; beyond them at most the 3 slots' batches (lookahead 2 and the slot
-        # the consumer gave back) were pulled: a fourth is planned only while the consumer holds a slot
-        assert next(pulled) <= (5 + 3) * 4 + 1
+        # the consumer gave back) and the one planned to wait for a slot were pulled, nothing more
+        assert next(pulled) <= (5 + 3 + 1) * 4 + 1
 
 
 def test_a_released_slot_is_refilled_before_the_next_pop(volume):
@@ -195,6 +195,26 @@ def test_a_released_slot_is_refilled_before_the_next_pop(volume):
                 for i, s in enumerate(samples[4 * b: 4 * b + 4]):
                     want = data[tuple(slice(a, z) for a, z in s.aabb)].astype(np.float32)
                     assert np.array_equal(got[i].numpy(), want)
+
+
+def test_a_source_of_bad_samples_is_not_drained_ahead(volume):
+    """Batches that fail to plan ride in flight as errors, one per slot and one more: the coordinator stops
+    pulling there, as it does for good batches, instead of drawing an endless source dry."""
+    uri, data = volume
+    pulled = itertools.count()
+    past_the_end = stoker.Sample(uri, [(a, a + 8) for a in (data.shape[0], 0, 0)])
+
+    def gen():
+        while True:
+            next(pulled)
+            yield past_the_end
+
+    with stoker.Pipeline(_cfg(lookahead_batches=1)) as p:  # two slots
+        p.push(gen())
+        time.sleep(0.3)
+        assert next(pulled) <= (2 + 1) * 4 + 1
+        with pytest.raises(stoker.OutOfBounds):
+            p.pop()
 
 
 def test_infinite_generator_memory_is_bounded(volume):

@@ -1,7 +1,7 @@
 """A pipeline's coordinator thread: pulls samples when there is room, plans and launches one batch at a time.
 
-There is room when at most ``lookahead_batches`` batches are in flight and the intake has samples (the
-batch planned then waits for a free slot, see :meth:`Coordinator._cycle`); a launch opens the batch's arrays
+There is room when at most ``lookahead_batches + 1`` batches (one per slot) are in flight and the intake has
+samples (the batch planned then waits for a free slot, see :meth:`Coordinator._cycle`); a launch opens the batch's arrays
 (cached per pipeline), settles its dtype and the executor's buffers from their metadata (so a crop too large
 for ``host_buffer_bytes`` is refused before its plan is built), plans it, waits for a slot and submits it. Batches are in flight in push order; a batch that could not be planned,
 or a source's error, rides in its place as an error for ``pop`` to raise.
@@ -136,13 +136,17 @@ class Coordinator:
     def _cycle(self) -> bool:
         """One round: wait (at most 0.1 s) for room, then launch one batch. False once closed.
 
-        There is room while at most ``lookahead_batches`` batches are in flight: the next one is planned
-        while they are, and its launch then waits in ``acquire`` for the slot the consumer gives back. So a
-        slot is written again as soon as it is released, and planning (the coordinator's Python, under the
-        GIL) overlaps the batches being made instead of sitting between a release and the next launch."""
+        There is room while at most ``lookahead_batches + 1`` batches, one per slot, are in flight: the next
+        one is planned while they are, and its launch then waits in ``acquire`` for the slot the consumer
+        gives back. So a slot is written again as soon as it is released, planning (the coordinator's
+        Python, under the GIL) overlaps the batches being made instead of sitting between a release and the
+        next launch, and the coordinator wakes once per batch (at that release), not also at each pop. At
+        most one batch is planned beyond the slots, and a batch that failed to plan rides in flight in its
+        place, so a source of bad samples is not drained ahead of the consumer."""
         with self.cond:
-            if not self.closed and (len(self.inflight) > self.cfg.lookahead_batches or not self.intake.has_work()):
-                self.cond.wait(0.1)
+            if not self.closed and (len(self.inflight) > self.cfg.lookahead_batches + 1
+                                    or not self.intake.has_work()):
+                gil.wait(self.cond, 0.1)
                 return not self.closed
             if self.closed:
                 return False

@@ -84,6 +84,13 @@ class Intake:
                 if closed() or not self.sources:
                     break
                 source, counted, sid = self.sources[0]
+                if counted:  # a pushed sequence's own iterator, its samples checked at push: taken in one step
+                    got = list(itertools.islice(source, want - len(self.staged)))
+                    if got:
+                        self.staged += [(sample, sid) for sample in got]
+                    elif self.sources[0][0] is source:
+                        self.sources.popleft()
+                    continue
             try:
                 sample = next(source)  # user code: outside the lock
             except StopIteration:

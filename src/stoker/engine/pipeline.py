@@ -9,7 +9,7 @@
 
 This module is the public face; the work is split by job: :mod:`.intake` keeps what
 was pushed and pulls it lazily, :mod:`.coordinator` runs the thread that plans each
-batch (while at most ``lookahead_batches`` are in flight; it then waits for a free
+batch (while at most ``lookahead_batches + 1`` are in flight; it then waits for a free
 batch slot) and hands it to the executor (:mod:`.executor`: slots and decoding, on
 the CPU or staged for a GPU). The consumer's ``pop`` takes batches in push order. Errors are sticky: once ``pop``
 raised one, every later ``pop`` and ``push`` raises it again.
