@@ -80,6 +80,47 @@ def test_held_time_counts_python_and_leaves_out_released_calls():
     assert again < held  # the next call counts from the previous one
 
 
+def test_a_wait_counts_as_released_and_returns_what_the_condition_says():
+    class WakeUpCosts:
+        """A condition whose wake-up burns CPU, as a futex wake and the GIL hand-over do on a busy host."""
+
+        def wait(self, timeout=None):
+            _burn_python(BURN_S)
+            return True
+
+    cond = threading.Condition()
+
+    def work():
+        gil.held_since_last()
+        woken = gil.wait(WakeUpCosts(), 1.0)
+        held = gil.held_since_last() * 1e-9
+        with cond:
+            timed_out = gil.wait(cond, 0.01)
+        return woken, held, timed_out
+
+    woken, held, timed_out = _on_enrolled_thread(work)
+    assert woken is True and timed_out is False
+    assert held < BURN_S / 2  # the wait's CPU is not GIL time
+
+    out = {}
+
+    def waiter():
+        gil.enroll()
+        with cond:
+            out["ready"] = True
+            cond.notify_all()
+            out["notified"] = gil.wait(cond, 30)
+
+    t = threading.Thread(target=waiter)
+    with cond:
+        t.start()
+        while not out.get("ready"):
+            cond.wait(1)
+        cond.notify_all()  # the waiter is in gil.wait: it holds the lock only once woken
+    t.join(30)
+    assert out["notified"] is True
+
+
 def test_threads_that_are_not_enrolled_are_not_measured():
     out = {}
 

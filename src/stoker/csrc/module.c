@@ -872,13 +872,21 @@ static PyObject *engine_submit_py(EngineObject *self, PyObject *args) {
     t.dst.kind = kind;
     t.dst.stream = stream;
     const char *error = NULL;
-    result->j = job_new(self->e, &t, &error);
-    if (result->j == NULL) {
+    job *j;
+    /* Checking and copying the tables, then the engine's lock and waking its threads: no Python in either
+     * (the buffers stay held), and the lock may be contended and the wake-up costs a system call, so not
+     * under the GIL. */
+    Py_BEGIN_ALLOW_THREADS
+    j = job_new(self->e, &t, &error);
+    if (j != NULL)
+        engine_submit(self->e, j);
+    Py_END_ALLOW_THREADS
+    result->j = j;
+    if (j == NULL) {
         PyErr_Format(error_type(error), "not a plan this engine can run: %s", error ? error : "?");
         Py_CLEAR(result);
         goto done;
     }
-    engine_submit(self->e, result->j);
 done:
     for (int i = 0; i < held; i++)
         PyBuffer_Release(&b[i]);

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import BudgetExceeded, ShutdownError
+from ..runtime import gil
 from .hugepages import advise_huge_pages
 
 
@@ -84,7 +85,7 @@ class TransientBudget:
                     raise Cancelled()
                 self._waiting += 1
                 try:
-                    self._cond.wait(0.05)
+                    gil.wait(self._cond, 0.05)
                 finally:
                     self._waiting -= 1
 
@@ -290,7 +291,7 @@ class SlotRing:
                 if deadline is not None and now >= deadline:
                     return None
                 wait = 0.05 if all(s.busy for s in self.slots) else 0.002
-                self._cond.wait(wait if deadline is None else min(wait, deadline - now))
+                gil.wait(self._cond, wait if deadline is None else min(wait, deadline - now))
 
     def release(self, slot: Slot, ready_after=None, stream_waits: list | None = None) -> None:
         """Give ``slot`` back; with ``ready_after`` (a CUDA event) it is reused only once that event completed,

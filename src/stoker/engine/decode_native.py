@@ -310,7 +310,8 @@ class NativeDecoder:
         if eids is None and not plan.n_chunks:
             return
         try:
-            bjob = self.engine.submit(*self._tables(plan, out, kind, sources, eids))
+            # the call copies the tables and wakes the engine's threads with the GIL released
+            bjob = gil.released(self.engine.submit, *self._tables(plan, out, kind, sources, eids))
         except BaseException as exc:  # noqa: BLE001 - the engine refused the tables (a bug): the batch fails
             job.finish(plan.n_chunks if eids is None else len(eids), exc)
             return
@@ -493,7 +494,8 @@ class NativeDecoder:
                 if len(stale):  # rewritten (or gone) since their tables were learnt: fetched whole, not decoded here
                     ids, parts = self._refetch(job, fetch, values, parts, stale, kind, sources)
             buffers = values + parts
-            bjob = self.engine.submit(*self._tables(job.plan, job.out, kind, sources, ids, fetched=True), buffers)
+            bjob = gil.released(self.engine.submit, *self._tables(job.plan, job.out, kind, sources, ids, fetched=True),
+                                buffers)
         except BaseException as exc:  # noqa: BLE001 - closed meanwhile, or the engine refused the tables (a bug)
             res.done()
             self._frame_buffers.give(pooled)  # no engine job holds them
@@ -539,7 +541,7 @@ class NativeDecoder:
         while True:
             with self._cond:
                 while not self._pending and not self._closing:
-                    self._cond.wait()
+                    gil.wait(self._cond)
                 if self._closing:
                     return
                 job, bjob, eids, fetched = self._pending[0]

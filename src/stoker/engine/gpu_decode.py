@@ -331,7 +331,7 @@ class GpuDecodeExecutor:
         try:
             while True:
                 try:
-                    item = self._queue.get(timeout=0.1)
+                    item = gil.released(self._queue.get, timeout=0.1)
                 except queue.Empty:
                     if self._closing:
                         return
@@ -445,7 +445,7 @@ class GpuDecodeExecutor:
         gil.enroll()
         while True:
             try:
-                msg = self._staged.get(timeout=0.1)
+                msg = gil.released(self._staged.get, timeout=0.1)
             except queue.Empty:
                 if not self._reader.is_alive() and self._staged.empty():
                     return

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import BudgetExceeded, DecodeError, ShutdownError, StorageError
 from ..reader.array import raise_read_error
+from ..runtime import gil
 from ..runtime.workers import DaemonPool
 from ..storage import FileChanged
 from ..storage.store import ByteRange, get_many
@@ -402,7 +403,7 @@ class ReadPool:
             self._pool.submit(run, j)
         run(k - 1)
         for event in done:
-            while not event.wait(0.1):
+            while not gil.released(event.wait, 0.1):
                 if self.closing:
                     raise ShutdownError("the pipeline was closed while chunks were being read")
         for exc in errors:

@@ -15,12 +15,19 @@ calls it whenever a pipeline thread reports work, so nothing else in the hot pat
 pays for the measure. Threads that are not enrolled (the consumer's, the user's) are
 never measured: their calls through :func:`released` cost one attribute lookup.
 
+Blocking waits are released calls too (:func:`wait`): a ``Condition.wait`` drops the
+GIL while it sleeps, yet on a busy virtual machine a thread's CPU clock runs 30-80 us
+per wake-up (the futex calls, the scheduler, taking the GIL back), none of it under
+the GIL. Counted as held, those wake-ups were a fifth of the coordinator's "GIL" on
+scenario 5 (see docs/performance.md).
+
 What the measure cannot see: GIL time while the OS has the holder descheduled (its
 CPU clock stops, the GIL stays held); the waits other threads spend for the GIL (they
 show as lost throughput, not as CPU); C inside a released call that runs before the
-GIL is dropped or after it is taken back (argument and result conversion), which
-counts as released; and GIL-free work not declared here (file opens, small numpy or
-torch calls), which counts as held. See docs/performance.md.
+GIL is dropped or after it is taken back (argument and result conversion, and the few
+microseconds of Python bookkeeping inside ``Condition.wait``), which counts as
+released; and GIL-free work not declared here (file opens, small numpy or torch
+calls, a contended ``with lock:``), which counts as held. See docs/performance.md.
 
 >>> enroll()                                   # first thing on a thread stoker starts
 >>> out = released(numcodecs_zstd.decompress, frame)
@@ -62,6 +69,16 @@ def released(fn, *args, **kwargs):
     finally:
         _local.free += _clock() - t0
         _local.inside = False
+
+
+def wait(cond, timeout: float | None = None) -> bool:
+    """``cond.wait(timeout)`` (a ``threading.Condition`` the caller holds), counted as released: the
+    wait drops the GIL while it sleeps, and its wake-up's CPU is the kernel's and the GIL hand-over's.
+
+    >>> with cond:
+    ...     gil.wait(cond, 0.1)
+    """
+    return released(cond.wait, timeout)
 
 
 def held_since_last() -> int:

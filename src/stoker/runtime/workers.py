@@ -99,7 +99,7 @@ def _work(state: _State) -> None:
         with state.cv:
             while not state.tasks and not state.closed:
                 state.idle += 1
-                state.cv.wait()
+                gil.wait(state.cv)
                 state.idle -= 1
             if not state.tasks:  # closed, and nothing left to drain
                 return
