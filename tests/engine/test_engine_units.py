@@ -540,3 +540,24 @@ def test_fill_words_are_kept_per_value_and_dtype(dtype):
     first = [_fill_word(f, dtype) for f in fills]
     again = [_fill_word(f, dtype) for f in fills]
     assert first == again == [_fill_word_now(f, dtype) for f in fills]
+
+
+def test_done_wakes_every_waiter_once_set_and_times_out_before():
+    from stoker.engine.executor import Done
+
+    done = Done()
+    assert not done.is_set() and done.wait(0.01) is False  # a wait before the set times out
+    woken = []
+    waiters = [threading.Thread(target=lambda: woken.append(done.wait(10))) for _ in range(4)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.05)  # most of them waiting, on the Event the first one made
+    assert woken == []
+    done.set()
+    done.set()  # idempotent
+    for t in waiters:
+        t.join(10)
+    assert woken == [True] * 4 and done.is_set() and done.wait(0) is True
+    late = Done()
+    late.set()
+    assert late.wait() is True and late._event is None  # set before anyone waited: no Event made

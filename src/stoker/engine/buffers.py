@@ -32,13 +32,6 @@ from .hugepages import advise_huge_pages
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def storage_refs(tensor: torch.Tensor) -> int | None:
-    """How many tensors share ``tensor``'s storage, or None when torch cannot tell us."""
-    if _use_count is None:
-        return None
-    return int(_use_count(tensor.untyped_storage()._cdata))
-
-
 class Cancelled(Exception):
     """Internal: work stopped because the pipeline is closing."""
 
@@ -204,15 +197,28 @@ class Reservation:
 
 
 class Slot:
-    __slots__ = ("index", "tensor", "busy", "baseline", "ready_after", "stream_waits")
+    __slots__ = ("index", "tensor", "rows", "busy", "baseline", "ready_after", "stream_waits", "_storage")
 
     def __init__(self, index: int, tensor: torch.Tensor) -> None:
         self.index = index
         self.tensor = tensor
+        self.rows = tensor.shape[0] if tensor.dim() else 0
         self.busy = False
-        self.baseline = storage_refs(tensor)
+        # the storage's handle, asked for once: the slot's tensor keeps it (and never swaps it) for its life
+        self._storage = tensor.untyped_storage()._cdata if _use_count is not None else None
+        self.baseline = self.refs()
         self.ready_after = None  # CUDA event the host waits for before reuse (a copy still reading the slot)
         self.stream_waits: list = []  # CUDA events/streams the next writer's stream must wait for
+
+    def refs(self) -> int | None:
+        """How many tensors share the slot's storage (itself and every view), or None when torch cannot tell."""
+        return None if self._storage is None else int(_use_count(self._storage))
+
+    def batch(self, rows: int) -> torch.Tensor:
+        """A new view of the slot's first ``rows`` rows: a batch's target, whose life tells that the slot is
+        still written or read (see :meth:`SlotRing.acquire`). A full slot's is a ``detach()``, which costs a
+        third of a slice."""
+        return self.tensor.detach() if rows == self.rows else self.tensor[:rows]
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The slot's first bytes as a ``shape`` tensor of ``dtype`` (byte slots hold any dtype)."""
@@ -267,7 +273,7 @@ class SlotRing:
                 if not slot.ready_after.query():
                     continue
                 slot.ready_after = None
-            refs = storage_refs(slot.tensor)
+            refs = slot.refs()
             if refs is None or refs <= slot.baseline:
                 return slot
         return None
@@ -307,4 +313,4 @@ class SlotRing:
     def held(self) -> int:
         """Slots a consumer still holds (released or not, but with live views)."""
         with self._cond:
-            return sum(1 for s in self.slots if s.busy or (storage_refs(s.tensor) or 0) > (s.baseline or 0))
+            return sum(1 for s in self.slots if s.busy or (s.refs() or 0) > (s.baseline or 0))

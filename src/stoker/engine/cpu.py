@@ -234,9 +234,9 @@ class CpuExecutor:
         when batches are transformed in float32."""
         slot = self._acquire(self.slots, closed)
         if self.host_slots is self.slots:
-            return Target(slot.tensor[: plan.rows], slot, slot)
+            return Target(slot.batch(plan.rows), slot, slot)
         host_slot = self._acquire(self.host_slots, closed)
-        return Target(host_slot.tensor[: plan.rows], slot, host_slot)
+        return Target(host_slot.batch(plan.rows), slot, host_slot)
 
     def submit(self, plan: Any, target: Target) -> Job:
         """Start making ``plan`` into ``target``; the job completes or fails. With ``Config.transform`` the
@@ -260,7 +260,7 @@ class CpuExecutor:
     def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]:
         """``(view, release, ready event, ready stream)`` of a finished batch (see Batch)."""
         slots, slot = self.slots, target.slot
-        return slot.tensor[:rows], lambda waits: slots.release(slot, stream_waits=waits), None, None
+        return slot.batch(rows), lambda waits: slots.release(slot, stream_waits=waits), None, None
 
     def drop(self, target: Target) -> None:
         """Give back the slots of a batch that failed."""

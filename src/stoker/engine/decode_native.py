@@ -90,7 +90,7 @@ def scratch_need(codec, in_memory: bool = False) -> int:
 def batch_kind(out: torch.Tensor) -> int | None:
     """The engine's kind of batch for ``out``, or None where it cannot write it (float16, or a tensor that is
     not a C-contiguous CPU batch)."""
-    if out.device.type != "cpu" or out.dim() < 2 or not out.is_contiguous() or out.dtype == torch.float16:
+    if not out.is_cpu or out.dim() < 2 or not out.is_contiguous() or out.dtype == torch.float16:
         return None
     return _BATCH_KINDS.get(out.dtype, native.SAME)
 
@@ -333,7 +333,7 @@ class NativeDecoder:
         dst_strides = array("q", strides)
         copies = native.copy_rows(plan.copy_src_offset, plan.copy_row, plan.copy_box_start, plan.copy_extent,
                                   row_stride, dst_strides)
-        nbytes = out.numel() * out.element_size()
+        nbytes = out.nbytes
         # holds the tensor's memory for the job's lifetime (numpy has no bfloat16: that batch as bytes, flat
         # first: a dtype view needs a last stride of 1, which a contiguous tensor need not have on an axis of 1)
         dst = out.numpy() if out.dtype != torch.bfloat16 else out.view(-1).view(torch.uint8).numpy()
