@@ -580,8 +580,10 @@ def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, 
             assert np.array_equal(out[0].numpy(), want)
         results[n] = (dict(counts), calls)
     assert results[10][0] == results[1000][0] and results[10][0]["submit"] == 1
+    # timing moves a few calls: waking a consumer that waits for the batch (a job's Done makes its Event only
+    # then) is a dozen; Python per chunk would be a thousand
     for where in ("submit", "finish"):
-        assert results[10][1][where] > 0 and abs(results[10][1][where] - results[1000][1][where]) <= 5, results
+        assert results[10][1][where] > 0 and abs(results[10][1][where] - results[1000][1][where]) <= 20, results
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -646,7 +648,7 @@ def test_python_work_per_batch_does_not_grow_with_fetched_chunks(tmp_path, shard
     for n in boxes:
         assert results[n]["fetches"] == results[n]["submits"] == 1 and results[n]["python_decodes"] == 0, results
     for where in ("handoff", "finish"):
-        assert results[10][where] > 0 and abs(results[10][where] - results[1000][where]) <= 5, results
+        assert results[10][where] > 0 and abs(results[10][where] - results[1000][where]) <= 20, results  # as above
 
 
 @pytest.mark.parametrize("batch", ["f32", "bf16", "same"])
