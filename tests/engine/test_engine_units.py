@@ -561,3 +561,24 @@ def test_done_wakes_every_waiter_once_set_and_times_out_before():
     late = Done()
     late.set()
     assert late.wait() is True and late._event is None  # set before anyone waited: no Event made
+
+
+def test_a_sized_push_is_checked_against_a_shape_settled_while_it_was_checked(monkeypatch):
+    """push checks a list outside the lock and pull stages it without a second look: when a pull of an
+    earlier generator settles the pipeline's shape meanwhile, push checks the list again, against it."""
+    import stoker.engine.intake as intake_module
+
+    intake = intake_module.Intake(stoker.Config(batch_size=2, dtype="f32"), threading.Condition())
+    settled = stoker.Sample("a.zarr", [(0, 8), (0, 8)])
+    other = [stoker.Sample("b.zarr", [(0, 4), (0, 4)]) for _ in range(2)]
+    real = intake_module.validate
+
+    def pulled_meanwhile(s, shape, first=None):
+        if s is other[0] and intake.shape is None:  # as a coordinator's pull of the generator would
+            intake.shape, intake.first = settled.shape, settled
+        return real(s, shape, first)
+
+    monkeypatch.setattr(intake_module, "validate", pulled_meanwhile)
+    with pytest.raises(stoker.InvalidArgument, match=r"must be \(8, 8\)"):
+        intake.push(other)
+    assert intake.pending == 0 and not intake.sources  # nothing of the refused list was queued

@@ -56,11 +56,16 @@ class Intake:
                 self.cond.notify_all()
         elif isinstance(samples, Sized) and not isinstance(samples, Iterator):
             items = list(it)
-            shape, first = self.shape, self.first
-            for s in items:
+            shape0, first0 = shape, first = self.shape, self.first
+            for s in items:  # outside the lock: a long list takes a while
                 shape = validate(s, shape, first)
                 first = first or s
             with self.cond:
+                if self.shape is not shape0 or self.first is not first0:
+                    # a pull or another push settled the pipeline's shape meanwhile: check against it (pull
+                    # stages these samples without a second look)
+                    for s in items:
+                        validate(s, self.shape, self.first)
                 self.shape = self.shape or shape
                 self.first = self.first or first
                 self.sources.append((iter(items), True, next(self._source_ids)))
