@@ -458,17 +458,15 @@ def _unsharded_columns(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     return _shared_unsharded_columns(n) if n <= 4096 else _make_unsharded_columns(n)
 
 
-@functools.lru_cache(maxsize=64)
-def _shared_unsharded_columns(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    return _make_unsharded_columns(n)
-
-
 def _make_unsharded_columns(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     columns = (np.arange(n, dtype=np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64),
                np.full(n, -1, np.int64))
     for column in columns:
         column.flags.writeable = False
     return columns
+
+
+_shared_unsharded_columns = functools.lru_cache(maxsize=64)(_make_unsharded_columns)
 
 
 def _check_each(crops: list, sids: list[int], sources: list[ArrayReader]) -> None:

@@ -16,7 +16,7 @@ pays for the measure. Threads that are not enrolled (the consumer's, the user's)
 never measured: their calls through :func:`released` cost one attribute lookup.
 
 Blocking waits are released calls too (:func:`wait`): a ``Condition.wait`` drops the
-GIL while it sleeps, yet on a busy virtual machine a thread's CPU clock runs 30-80 us
+GIL while it sleeps, yet on a busy virtual machine a thread's CPU clock runs 27-80 us
 per wake-up (the futex calls, the scheduler, taking the GIL back), none of it under
 the GIL. Counted as held, those wake-ups were a fifth of the coordinator's "GIL" on
 scenario 5 (see docs/performance.md).
