@@ -25,7 +25,7 @@ import stoker
 from stoker.engine.decode_native import NativeDecoder
 from stoker.engine.decode_python import PythonDecoder
 from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
-from stoker.storage.locate import Stores, locate
+from stoker.storage.locate import Location, Stores, locate
 
 from range_server import RangeServer
 from store_fixtures import BUCKET, MotoS3, read_tree, write_zip
@@ -142,6 +142,30 @@ def test_uri_forms():
         locate("s3://b/g.zarr/../a")
     with pytest.raises(InvalidArgument):
         stoker.open_array("/tmp/some.zarr", {"region": "x"})  # options for a local path: refused
+
+
+@pytest.mark.parametrize("path", ["/a/b.zarr", "/a//b.zarr/", "/a/./x/../b.zarr", "//a/b.zarr", "/a/b:c.zarr"])
+def test_absolute_local_paths_are_located_as_their_normal_form(path):
+    """locate keeps the Location of an absolute path naming no archive (a function of the string alone): the
+    same as resolving it each time, also when asked again."""
+    for _ in range(2):
+        assert locate(path) == Location(path, None, "", os.path.abspath(path))
+
+
+def test_a_relative_path_is_located_from_the_working_folder_of_the_moment(tmp_path, monkeypatch):
+    for sub in ("one", "two"):
+        (tmp_path / sub).mkdir()
+        monkeypatch.chdir(tmp_path / sub)
+        assert locate("a.zarr").path == str(tmp_path / sub / "a.zarr")
+
+
+def test_an_absolute_path_through_a_zip_archive_is_looked_at_each_time(tmp_path):
+    path = str(tmp_path / "d.ZIP" / "g.zarr")
+    assert locate(path).is_local  # no archive there yet: a folder
+    with zipfile.ZipFile(tmp_path / "d.ZIP", "w") as zf:
+        zf.writestr("g.zarr/zarr.json", "{}")
+    z = locate(path)
+    assert (z.root, z.prefix, z.archive) == (str(tmp_path / "d.ZIP"), "g.zarr", True)
 
 
 def test_consolidated_metadata_costs_constant_round_trips(tree):
