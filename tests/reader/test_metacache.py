@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 import zarr
 from zarr.codecs import ZstdCodec
 
@@ -148,3 +149,56 @@ def test_the_cache_is_bounded(tmp_path, settled, monkeypatch):
     assert opened == 0
     _, opened = _opened(store, tmp_path / "a0.zarr")  # the oldest: dropped, read again
     assert opened == 1
+
+
+def _batch(uri, crop=(slice(0, 12), slice(0, 16))) -> np.ndarray:
+    aabb = [(s.start, s.stop) for s in crop]
+    with stoker.Pipeline(stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1)) as p:
+        p.push([stoker.Sample(str(uri), aabb)])
+        with p.pop(timeout=30) as batch:
+            return torch.from_dlpack(batch).clone()[0].numpy()
+
+
+def test_pipelines_share_what_the_engine_knows_of_an_unchanged_array_and_not_of_a_replaced_one(
+        tmp_path, settled, monkeypatch):
+    """The engine's description of a local array (decode_native.shared_source) is made once per process and
+    kept by the metadata object metacache hands out: a second pipeline makes none, a replaced array (other
+    dtype, codec and chunks) is described anew and read right."""
+    decode_native = pytest.importorskip("stoker.engine.decode_native")
+    from stoker.engine.cpu import engine_available
+
+    if not engine_available():
+        pytest.skip("the compiled engine is not built")
+    made = []
+    init = decode_native._Source.__init__
+    monkeypatch.setattr(decode_native._Source, "__init__", lambda self, *a: made.append(a[0].uri) or init(self, *a))
+    monkeypatch.setattr(decode_native, "_shared_sources", {})
+    uri = tmp_path / "a.zarr"
+    _write(uri, DATA)
+    np.testing.assert_array_equal(_batch(uri), DATA.astype(np.float32))
+    np.testing.assert_array_equal(_batch(uri), DATA.astype(np.float32))
+    assert made == [str(uri)]  # the second pipeline found the first one's description
+    wide = (DATA.astype(np.uint16) * 257)[:, ::-1].copy()
+    zarr.create_array(str(uri), shape=wide.shape, chunks=(6, 4), dtype=wide.dtype, fill_value=0,
+                      overwrite=True)[:] = wide  # no compressor now, other chunks, two bytes an element
+    np.testing.assert_array_equal(_batch(uri), wide.astype(np.float32))
+    assert made == [str(uri)] * 2
+
+
+def test_a_bounded_number_of_engine_descriptions_is_kept(tmp_path, settled, monkeypatch):
+    decode_native = pytest.importorskip("stoker.engine.decode_native")
+    from stoker.engine import native
+
+    if native.Engine is None:
+        pytest.skip("the compiled engine is not built")
+    monkeypatch.setattr(decode_native, "SHARED_SOURCES", 3)
+    monkeypatch.setattr(decode_native, "_shared_sources", {})
+    readers = []
+    for i in range(5):
+        _write(tmp_path / f"{i}.zarr", DATA)
+        readers.append(stoker.open_array(tmp_path / f"{i}.zarr"))
+    got = [decode_native.shared_source(r, torch.float32, native.F32, 1 << 20) for r in readers]
+    assert len(decode_native._shared_sources) <= 3
+    assert decode_native.shared_source(readers[4], torch.float32, native.F32, 1 << 20) is got[4]
+    assert decode_native.shared_source(readers[4], torch.float32, native.F32, 1 << 10) is not got[4]  # budget
+    assert decode_native.shared_source(readers[4], torch.bfloat16, native.BF16, 1 << 20) is not got[4]

@@ -186,6 +186,36 @@ class _Source:
         self.engine_only = self.reads and self.fills  # the engine reads and fills every chunk of it
 
 
+#: Most :class:`_Source` of local arrays kept for the process (see :func:`shared_source`); past it they are
+#: forgotten together, as the per-pipeline caches of them are.
+SHARED_SOURCES = 4096
+_shared_sources: dict[tuple, tuple[object, _Source]] = {}
+
+
+def shared_source(reader, dtype: torch.dtype, kind: int | None, budget: int) -> _Source:
+    """The :class:`_Source` of a local array, shared by the process's pipelines.
+
+    Every pipeline opens its arrays afresh, and with many small arrays (a batch of samples from arrays new to
+    the pipeline) describing each to the engine cost 25-30 us of Python per array, under the GIL. A local
+    array's description depends only on its parsed metadata, its folder, the batch dtype and kind and the
+    engine's budget, and :mod:`stoker.reader.metacache` hands every reader of an unchanged document the same
+    :class:`~stoker.zarr.metadata.ArrayMetadata`: keyed by that object, a rewritten array (parsed anew) is a
+    miss. An entry holds its metadata, so the id in its key is not reused while it is kept.
+
+    >>> a = shared_source(open_array("/data/a.zarr"), torch.float32, native.F32, 1 << 30)
+    >>> a is shared_source(open_array("/data/a.zarr"), torch.float32, native.F32, 1 << 30)
+    True
+    """
+    meta = reader.metadata
+    key = (id(meta), reader.path, dtype, kind, budget)
+    held = _shared_sources.get(key)
+    if held is None or held[0] is not meta:
+        if len(_shared_sources) >= SHARED_SOURCES:
+            _shared_sources.clear()
+        held = _shared_sources[key] = (meta, _Source(reader, dtype, kind, budget))
+    return held[1]
+
+
 #: columns of the per-array rows NativeDecoder.submit builds from _Source.info_row (csrc/stoker_native.h: I_*,
 #: as native.chunk_rows reads them)
 I_FILLS, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED = range(6)
@@ -266,10 +296,12 @@ class NativeDecoder:
     # -- submission ------------------------------------------------------------------------------
 
     def _source(self, reader, dtype: torch.dtype, kind: int | None) -> _Source:
-        key = (id(reader), dtype, kind)
+        if reader.kv is None:  # a local array: described once per process
+            return shared_source(reader, dtype, kind, self.budget_bytes)
+        key = (id(reader), dtype, kind)  # an array in a store: the store is this pipeline's
         held = self._sources.get(key)
         if held is None or held[0] is not reader:
-            if len(self._sources) > 4096:  # readers come and go with the pipeline's own cache of them
+            if len(self._sources) > SHARED_SOURCES:  # readers come and go with the pipeline's own cache of them
                 self._sources.clear()
             held = self._sources[key] = (reader, _Source(reader, dtype, kind, self.budget_bytes))
         return held[1]

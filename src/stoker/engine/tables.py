@@ -479,12 +479,13 @@ def _check_each(crops: list, sids: list[int], sources: list[ArrayReader]) -> Non
 
 def _array_row(reader: ArrayReader) -> bytes:
     """What plan_tables needs of an array, in one row of int64s: item size, chunk shape, element strides,
-    sharded or not, shape. Kept on the reader, packed (its metadata never changes): planning asks for it
-    every batch, and joins a batch's rows in one call."""
-    row = reader.__dict__.get("_table_row")
-    if row is None:
-        meta = reader.metadata
-        row = reader.__dict__["_table_row"] = array("q", (
+    sharded or not, shape. Kept on the metadata, packed (it never changes; every pipeline's reader of an
+    unchanged document shares it, see stoker.reader.metacache): planning asks for it every batch, and joins
+    a batch's rows in one call."""
+    meta = reader.metadata
+    row = meta.__dict__.get("_table_row")
+    if row is None:  # written past the frozen dataclass's __setattr__: a cache, not a field (no eq, no repr)
+        row = meta.__dict__["_table_row"] = array("q", (
             meta.dtype.itemsize, *meta.read_chunk_shape, *meta.codec.element_strides, meta.sharding is not None,
             *meta.shape)).tobytes()
     return row
