@@ -153,7 +153,8 @@ def test_the_cache_is_bounded(tmp_path, settled, monkeypatch):
 
 def _batch(uri, crop=(slice(0, 12), slice(0, 16))) -> np.ndarray:
     aabb = [(s.start, s.stop) for s in crop]
-    with stoker.Pipeline(stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1)) as p:
+    with stoker.Pipeline(stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1, device="cpu",
+                                     decode_on="cpu")) as p:
         p.push([stoker.Sample(str(uri), aabb)])
         with p.pop(timeout=30) as batch:
             return torch.from_dlpack(batch).clone()[0].numpy()

@@ -206,6 +206,8 @@ def shared_source(reader, dtype: torch.dtype, kind: int | None, budget: int) -> 
     >>> a is shared_source(open_array("/data/a.zarr"), torch.float32, native.F32, 1 << 30)
     True
     """
+    if reader.kv is not None:  # its store is one pipeline's: NativeDecoder keeps its _Source per pipeline
+        raise ValueError(f"{reader.uri}: shared_source describes local arrays only")
     meta = reader.metadata
     key = (id(meta), reader.path, dtype, kind, budget)
     held = _shared_sources.get(key)
