@@ -3,16 +3,19 @@ one is read again, one just written is read on every open, and the cache is boun
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
+import numcodecs
 import numpy as np
 import pytest
 import torch
 import zarr
-from zarr.codecs import ZstdCodec
+from zarr.codecs import ShardingCodec, TransposeCodec, ZstdCodec
 
 import stoker
+from stoker.reader import array as array_module
 from stoker.reader import metacache
 from stoker.storage import LocalStore
 from stoker.storage.cache import SizedLRU
@@ -203,3 +206,104 @@ def test_a_bounded_number_of_engine_descriptions_is_kept(tmp_path, settled, monk
     assert decode_native.shared_source(readers[4], torch.float32, native.F32, 1 << 20) is got[4]
     assert decode_native.shared_source(readers[4], torch.float32, native.F32, 1 << 10) is not got[4]  # budget
     assert decode_native.shared_source(readers[4], torch.bfloat16, native.BF16, 1 << 20) is not got[4]
+
+
+def _strings(obj, seen=None):
+    """Every string reachable from ``obj``: fields, containers, instance dicts, and what functions close over
+    (a codec's decode stages are closures and bound methods)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (bytes, int, float, np.ndarray, np.dtype, type, type(None))):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, str):
+        yield obj
+        return
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        parts = list(obj)
+    elif isinstance(obj, dict):
+        parts = [*obj.keys(), *obj.values()]
+    elif isinstance(obj, functools.partial):
+        parts = [obj.func, obj.args, obj.keywords]
+    elif callable(obj) and not hasattr(obj, "__dataclass_fields__"):
+        parts = [getattr(obj, "__self__", None), *(c.cell_contents for c in (getattr(obj, "__closure__", None) or ()))]
+    else:
+        parts = [getattr(obj, f) for f in getattr(obj, "__dataclass_fields__", ())]
+        parts += list(getattr(obj, "__dict__", {}).values())
+    for part in parts:
+        yield from _strings(part, seen)
+
+
+def _layouts():
+    """Arrays of every kind of codec chain metadata parses into: (name, writer)."""
+    yield "v3 zstd", lambda p: zarr.create_array(p, shape=(16, 16), chunks=(8, 8), dtype="<u2",
+                                                 compressors=ZstdCodec(level=1), fill_value=3)
+    yield "v3 sharded", lambda p: zarr.create_array(p, shape=(16, 16), chunks=(4, 4), shards=(8, 8), dtype="<u2",
+                                                    compressors=ZstdCodec(level=1), fill_value=0)
+    yield "v3 shard compressed whole", lambda p: zarr.create_array(
+        p, shape=(16, 16), chunks=(8, 8), dtype="<u2", fill_value=0, compressors=ZstdCodec(level=1),
+        serializer=ShardingCodec(chunk_shape=(4, 4)))
+    yield "v3 big-endian, transposed", lambda p: zarr.create_array(
+        p, shape=(16, 16), chunks=(8, 8), dtype=">u2", fill_value=0, filters=TransposeCodec(order=(1, 0)),
+        compressors=None)
+    yield "v2 F order, delta filter", lambda p: zarr.create_array(
+        p, shape=(16, 16), chunks=(8, 8), dtype="<u2", fill_value=0, zarr_format=2, order="F",
+        filters=numcodecs.Delta(dtype="<u2"), compressors=numcodecs.Zlib(1))
+
+
+@pytest.mark.parametrize("layout", [name for name, _ in _layouts()])
+def test_a_document_of_the_same_bytes_is_parsed_once_and_names_each_array(tmp_path, layout, monkeypatch):
+    """Arrays whose documents hold the same bytes share one parse (metacache.parse_of), renamed: equal to a
+    parse of its own, naming its own URI everywhere (messages of its chunks' errors), reading its own data."""
+    write = dict(_layouts())[layout]
+    metacache.clear()
+    data = {}
+    for name in ("first", "second"):
+        z = write(str(tmp_path / f"{name}.zarr"))
+        data[name] = z[:] = (np.arange(256, dtype="<u2").reshape(16, 16) * (7 if name == "first" else 13)) % 65521
+    doc = "zarr.json" if (tmp_path / "first.zarr" / "zarr.json").exists() else ".zarray"
+    assert (tmp_path / "first.zarr" / doc).read_bytes() == (tmp_path / "second.zarr" / doc).read_bytes()
+    from stoker.zarr import metadata
+
+    parses = []
+    for fn in ("parse_v3", "parse_v2"):
+        real = getattr(metadata, fn)
+        monkeypatch.setattr(array_module, fn, lambda *a, real=real, **k: parses.append(a[1]) or real(*a, **k))
+    first = stoker.open_array(tmp_path / "first.zarr")
+    second = stoker.open_array(tmp_path / "second.zarr")
+    assert parses == [str(tmp_path / "first.zarr")]
+    own = getattr(metadata, "parse_v3" if doc == "zarr.json" else "parse_v2")(
+        json.loads((tmp_path / "second.zarr" / doc).read_text()), str(tmp_path / "second.zarr"),
+        **({} if doc == "zarr.json" else {"separator": second.metadata.key_encoding.separator}))
+    assert second.metadata == own and repr(second.metadata) == repr(own)
+    names = {"first": set(_strings(first.metadata)), "second": set(_strings(second.metadata))}
+    assert str(tmp_path / "second.zarr") in names["second"] and str(tmp_path / "first.zarr") not in names["second"]
+    assert str(tmp_path / "first.zarr") in names["first"] and str(tmp_path / "second.zarr") not in names["first"]
+    np.testing.assert_array_equal(first[:], data["first"])
+    np.testing.assert_array_equal(second[:], data["second"])
+    # a chunk of the second array damaged: its error names the second array
+    chunk = max((p for p in (tmp_path / "second.zarr").rglob("*") if p.is_file() and p.name != doc),
+                key=lambda p: p.stat().st_size)
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    with pytest.raises(stoker.errors.StokerError) as info:
+        stoker.open_array(tmp_path / "second.zarr")[:]
+    assert str(tmp_path / "second.zarr") in str(info.value) and str(tmp_path / "first.zarr") not in str(info.value)
+
+
+def test_v2_documents_of_the_same_bytes_keep_each_arrays_own_separator(tmp_path):
+    """Two v2 arrays with the same .zarray naming no separator, one with flat chunk keys and one nested: the
+    shared parse does not carry one array's separator to the other."""
+    metacache.clear()
+    data = np.arange(64, dtype="u1").reshape(8, 8)
+    for name, separator in (("flat", "."), ("nested", "/")):
+        z = zarr.create_array(str(tmp_path / f"{name}.zarr"), shape=(8, 8), chunks=(4, 4), dtype="u1",
+                              fill_value=0, zarr_format=2, compressors=None,
+                              chunk_key_encoding={"name": "v2", "separator": separator})
+        z[:] = data + len(name)
+        doc_path = tmp_path / f"{name}.zarr" / ".zarray"
+        doc = json.loads(doc_path.read_text())
+        doc.pop("dimension_separator", None)
+        doc_path.write_text(json.dumps(doc))
+    for name, separator in (("flat", "."), ("nested", "/"), ("flat", ".")):
+        arr = stoker.open_array(tmp_path / f"{name}.zarr")
+        assert arr.metadata.key_encoding.separator == separator
+        np.testing.assert_array_equal(arr[:], data + len(name))

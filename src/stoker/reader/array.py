@@ -31,7 +31,7 @@ from ..storage.store import get_each, get_many
 from ..storage.locate import Stores, default_stores, locate
 from ..zarr.fields import show
 from ..zarr.grid import chunk_intersections, grid_shape
-from ..zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3
+from ..zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3, renamed
 from ..zarr.sharding import EMPTY_ENTRY, ShardingSpec
 from . import metacache
 
@@ -127,7 +127,12 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
         return kept
     got = _read_document(store, doc_path, uri)  # also when the stat failed: the read says why, or that it is missing
     if got is not None:
-        meta = _v3(parse_json(got[0], uri, "zarr.json"), uri)
+        shared = metacache.parse_of("zarr.json", got[0])
+        if shared is not None:  # another array's document holds the same bytes
+            meta = renamed(shared[1], uri)
+        else:
+            meta = _v3(parse_json(got[0], uri, "zarr.json"), uri)
+            metacache.share_parse("zarr.json", got[0], None, meta)
         metacache.keep(doc_path, uri, before, got[1], meta, len(got[0]))
         return meta
     doc_path = folder + ".zarray"
@@ -141,8 +146,16 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
         return meta if meta.key_encoding.separator == separator else parse_v2(doc, uri, separator=separator)
     got = _read_document(store, doc_path, uri)
     if got is not None:
-        doc = parse_json(got[0], uri, ".zarray")
-        meta = parse_v2(doc, uri, separator=detect_v2_separator(path, doc, uri))
+        shared = metacache.parse_of(".zarray", got[0])
+        if shared is not None:  # another array's document holds the same bytes; its separator may differ
+            doc, first = shared
+            separator = detect_v2_separator(path, doc, uri)
+            meta = renamed(first, uri) if first.key_encoding.separator == separator else \
+                parse_v2(doc, uri, separator=separator)
+        else:
+            doc = parse_json(got[0], uri, ".zarray")
+            meta = parse_v2(doc, uri, separator=detect_v2_separator(path, doc, uri))
+            metacache.share_parse(".zarray", got[0], doc, meta)
         detected = doc.get("dimension_separator") is None and meta.ndim > 1
         metacache.keep(doc_path, uri, before, got[1], (meta, doc if detected else None), len(got[0]))
         return meta

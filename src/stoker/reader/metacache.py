@@ -6,6 +6,10 @@ document's path, the URI the array was opened as (the metadata names it in every
 file's identity (device, inode, size, modification and change times), so a document rewritten or
 replaced since is a miss and is read again.
 
+Documents are also kept by content: many arrays of a dataset have byte-identical documents (their names
+are not in them), so the first open of each array but one copies a parse (:func:`~stoker.zarr.metadata.renamed`)
+instead of parsing. Content is never stale, so this needs no settling.
+
 File timestamps are coarse (a kernel tick; a second on some file systems): a document rewritten in
 place at the same size within one tick keeps its identity. So, as git does for its index ("racily
 clean" files), a document is kept only when its identity was the same before and after it was read and
@@ -31,6 +35,8 @@ ENTRY_BYTES = 4096
 SETTLE_NS = 3_000_000_000
 
 _cache: SizedLRU = SizedLRU(MAX_BYTES, lambda entry: entry[1])
+#: Parses by document content: ``(file name, bytes) -> ((document or None, metadata), weight)``.
+_by_content: SizedLRU = SizedLRU(MAX_BYTES // 4, lambda entry: entry[1])
 
 
 def stat_document(path: str) -> os.stat_result | None:
@@ -62,6 +68,21 @@ def keep(path: str, uri: str, before: os.stat_result | None, after: Identity | N
     _cache.put((path, uri, after), (value, nbytes + ENTRY_BYTES))
 
 
+def parse_of(name: str, raw: bytes) -> tuple[dict | None, Any] | None:
+    """``(document, metadata)`` as :func:`share_parse` kept them for a document named ``name`` (``zarr.json``,
+    ``.zarray``) holding exactly ``raw``, or None. The metadata names the array first parsed from it."""
+    entry = _by_content.get((name, raw))
+    return None if entry is None else entry[0]
+
+
+def share_parse(name: str, raw: bytes, doc: dict | None, meta: Any) -> None:
+    """Keep the parse of ``raw`` (``doc``: the decoded document, where opens of other arrays need it again:
+    a v2 separator is detected from each array's own chunks) for arrays whose documents hold the same bytes.
+    Neither is changed after: both are shared."""
+    _by_content.put((name, bytes(raw)), ((doc, meta), 2 * len(raw) + ENTRY_BYTES))
+
+
 def clear() -> None:
-    """Forget every kept document."""
+    """Forget every kept document and parse."""
     _cache.clear()
+    _by_content.clear()
