@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import types
 
 import numcodecs
 import numpy as np
@@ -18,6 +19,7 @@ import stoker
 from stoker.reader import array as array_module
 from stoker.reader import metacache
 from stoker.storage import LocalStore
+from stoker.zarr import metadata
 from stoker.storage.cache import SizedLRU
 
 pytestmark = pytest.mark.timeout(60)
@@ -212,7 +214,8 @@ def _strings(obj, seen=None):
     """Every string reachable from ``obj``: fields, containers, instance dicts, and what functions close over
     (a codec's decode stages are closures and bound methods)."""
     seen = set() if seen is None else seen
-    if id(obj) in seen or isinstance(obj, (bytes, int, float, np.ndarray, np.dtype, type, type(None))):
+    if id(obj) in seen or isinstance(obj, (bytes, int, float, np.ndarray, np.dtype, type, type(None),
+                                           types.ModuleType)):  # (a builtin's __self__ is its module)
         return
     seen.add(id(obj))
     if isinstance(obj, str):
@@ -225,7 +228,9 @@ def _strings(obj, seen=None):
     elif isinstance(obj, functools.partial):
         parts = [obj.func, obj.args, obj.keywords]
     elif callable(obj) and not hasattr(obj, "__dataclass_fields__"):
-        parts = [getattr(obj, "__self__", None), *(c.cell_contents for c in (getattr(obj, "__closure__", None) or ()))]
+        parts = [getattr(obj, "__self__", None), getattr(obj, "__defaults__", None),
+                 getattr(obj, "__kwdefaults__", None),
+                 *(c.cell_contents for c in (getattr(obj, "__closure__", None) or ()))]
     else:
         parts = [getattr(obj, f) for f in getattr(obj, "__dataclass_fields__", ())]
         parts += list(getattr(obj, "__dict__", {}).values())
@@ -245,6 +250,9 @@ def _layouts():
     yield "v3 big-endian, transposed", lambda p: zarr.create_array(
         p, shape=(16, 16), chunks=(8, 8), dtype=">u2", fill_value=0, filters=TransposeCodec(order=(1, 0)),
         compressors=None)
+    yield "v2 nested keys", lambda p: zarr.create_array(
+        p, shape=(16, 16), chunks=(8, 8), dtype="<u2", fill_value=0, zarr_format=2, compressors=numcodecs.Zstd(1),
+        chunk_key_encoding={"name": "v2", "separator": "/"})
     yield "v2 F order, delta filter", lambda p: zarr.create_array(
         p, shape=(16, 16), chunks=(8, 8), dtype="<u2", fill_value=0, zarr_format=2, order="F",
         filters=numcodecs.Delta(dtype="<u2"), compressors=numcodecs.Zlib(1))
@@ -262,8 +270,6 @@ def test_a_document_of_the_same_bytes_is_parsed_once_and_names_each_array(tmp_pa
         data[name] = z[:] = (np.arange(256, dtype="<u2").reshape(16, 16) * (7 if name == "first" else 13)) % 65521
     doc = "zarr.json" if (tmp_path / "first.zarr" / "zarr.json").exists() else ".zarray"
     assert (tmp_path / "first.zarr" / doc).read_bytes() == (tmp_path / "second.zarr" / doc).read_bytes()
-    from stoker.zarr import metadata
-
     parses = []
     for fn in ("parse_v3", "parse_v2"):
         real = getattr(metadata, fn)
@@ -289,7 +295,7 @@ def test_a_document_of_the_same_bytes_is_parsed_once_and_names_each_array(tmp_pa
     assert str(tmp_path / "second.zarr") in str(info.value) and str(tmp_path / "first.zarr") not in str(info.value)
 
 
-def test_v2_documents_of_the_same_bytes_keep_each_arrays_own_separator(tmp_path):
+def test_v2_documents_of_the_same_bytes_keep_each_arrays_own_separator(tmp_path, monkeypatch):
     """Two v2 arrays with the same .zarray naming no separator, one with flat chunk keys and one nested: the
     shared parse does not carry one array's separator to the other."""
     metacache.clear()
@@ -303,7 +309,13 @@ def test_v2_documents_of_the_same_bytes_keep_each_arrays_own_separator(tmp_path)
         doc = json.loads(doc_path.read_text())
         doc.pop("dimension_separator", None)
         doc_path.write_text(json.dumps(doc))
+    assert (tmp_path / "flat.zarr" / ".zarray").read_bytes() == (tmp_path / "nested.zarr" / ".zarray").read_bytes()
+    parses = []
+    monkeypatch.setattr(array_module, "parse_v2", lambda *a, **k: parses.append(k) or metadata.parse_v2(*a, **k))
     for name, separator in (("flat", "."), ("nested", "/"), ("flat", ".")):
         arr = stoker.open_array(tmp_path / f"{name}.zarr")
         assert arr.metadata.key_encoding.separator == separator
+        assert arr.uri == str(tmp_path / f"{name}.zarr")
         np.testing.assert_array_equal(arr[:], data + len(name))
+    # the nested array's separator differs from the shared parse's: parsed for it; the flat one's again: shared
+    assert parses == [{"separator": "."}, {"separator": "/"}]

@@ -116,8 +116,9 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
     """Parse the metadata of the array at local ``path`` (v3 ``zarr.json`` first, then v2 ``.zarray``).
 
     A document unchanged since an earlier open is not read again (:mod:`stoker.reader.metacache`: its
-    file's identity says so); a v2 array's chunk key separator, when ``.zarray`` does not name it, is
-    detected anew on every open (chunks written since may tell)."""
+    file's identity says so), and one holding the same bytes as another array's is not parsed again; a v2
+    array's chunk key separator, when ``.zarray`` does not name it, is detected anew on every open (chunks
+    written since may tell)."""
     uri = uri or path
     folder = path + "/" if path and path[-1] != "/" else path  # os.path.join's result, at a third of its cost
     doc_path = folder + "zarr.json"
@@ -147,7 +148,9 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
     got = _read_document(store, doc_path, uri)
     if got is not None:
         shared = metacache.parse_of(".zarray", got[0])
-        if shared is not None:  # another array's document holds the same bytes; its separator may differ
+        if shared is not None and shared[0] is None:  # another array's document holds the same bytes
+            meta, doc = renamed(shared[1], uri), None
+        elif shared is not None:  # the same bytes, naming no separator: this array's chunks may say another
             doc, first = shared
             separator = detect_v2_separator(path, doc, uri)
             meta = renamed(first, uri) if first.key_encoding.separator == separator else \
@@ -155,9 +158,11 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
         else:
             doc = parse_json(got[0], uri, ".zarray")
             meta = parse_v2(doc, uri, separator=detect_v2_separator(path, doc, uri))
+            if doc.get("dimension_separator") is not None or meta.ndim < 2:  # the separator is the document's
+                doc = None
             metacache.share_parse(".zarray", got[0], doc, meta)
-        detected = doc.get("dimension_separator") is None and meta.ndim > 1
-        metacache.keep(doc_path, uri, before, got[1], (meta, doc if detected else None), len(got[0]))
+        # doc: the document, kept where each open detects the separator from the chunks present
+        metacache.keep(doc_path, uri, before, got[1], (meta, doc), len(got[0]))
         return meta
     if store.size(os.path.join(path, ".zgroup")) is not None:
         raise _v2_group(uri)
