@@ -209,12 +209,19 @@ def shared_source(reader, dtype: torch.dtype, kind: int | None, budget: int) -> 
     if reader.kv is not None:  # its store is one pipeline's: NativeDecoder keeps its _Source per pipeline
         raise ValueError(f"{reader.uri}: shared_source describes local arrays only")
     meta = reader.metadata
-    key = (id(meta), reader.path, dtype, kind, budget)
-    held = _shared_sources.get(key)
-    if held is None or held[0] is not meta:
-        if len(_shared_sources) >= SHARED_SOURCES:
-            _shared_sources.clear()
-        held = _shared_sources[key] = (meta, _Source(reader, dtype, kind, budget))
+    return _kept(_shared_sources, (id(meta), reader.path, dtype, kind, budget), meta,
+                 lambda: _Source(reader, dtype, kind, budget))
+
+
+def _kept(table: dict, key: tuple, holder: object, make: Callable[[], _Source]) -> _Source:
+    """``table``'s _Source for ``key`` (whose first part is ``id(holder)``: an entry holds its holder, so the id
+    is not reused while it is kept), made and kept on a miss; past :data:`SHARED_SOURCES` entries the table
+    is emptied (arrays come and go: a long-running pipeline meets new ones)."""
+    held = table.get(key)
+    if held is None or held[0] is not holder:
+        if len(table) >= SHARED_SOURCES:
+            table.clear()
+        held = table[key] = (holder, make())
     return held[1]
 
 
@@ -300,13 +307,9 @@ class NativeDecoder:
     def _source(self, reader, dtype: torch.dtype, kind: int | None) -> _Source:
         if reader.kv is None:  # a local array: described once per process
             return shared_source(reader, dtype, kind, self.budget_bytes)
-        key = (id(reader), dtype, kind)  # an array in a store: the store is this pipeline's
-        held = self._sources.get(key)
-        if held is None or held[0] is not reader:
-            if len(self._sources) > SHARED_SOURCES:  # readers come and go with the pipeline's own cache of them
-                self._sources.clear()
-            held = self._sources[key] = (reader, _Source(reader, dtype, kind, self.budget_bytes))
-        return held[1]
+        # an array in a store: the store is this pipeline's, and so is its _Source
+        return _kept(self._sources, (id(reader), dtype, kind), reader,
+                     lambda: _Source(reader, dtype, kind, self.budget_bytes))
 
     def _source_set(self, readers: list, dtype: torch.dtype, kind: int | None) -> "_SourceSet":
         """The engine's view of a batch's arrays, kept while the same arrays come again (a training run over

@@ -120,7 +120,7 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
     array's chunk key separator, when ``.zarray`` does not name it, is detected anew on every open (chunks
     written since may tell)."""
     uri = uri or path
-    folder = path + "/" if path and path[-1] != "/" else path  # os.path.join's result, at a third of its cost
+    folder = _folder(path)
     doc_path = folder + "zarr.json"
     before = metacache.stat_document(doc_path)
     kept = metacache.lookup(doc_path, uri, before)
@@ -141,20 +141,15 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
     kept = metacache.lookup(doc_path, uri, before)
     if kept is not None:
         meta, doc = kept
-        if doc is None:
-            return meta
-        separator = detect_v2_separator(path, doc, uri)
-        return meta if meta.key_encoding.separator == separator else parse_v2(doc, uri, separator=separator)
+        return meta if doc is None else _v2_as_detected(meta, doc, path, uri)
     got = _read_document(store, doc_path, uri)
     if got is not None:
         shared = metacache.parse_of(".zarray", got[0])
         if shared is not None and shared[0] is None:  # another array's document holds the same bytes
             meta, doc = renamed(shared[1], uri), None
         elif shared is not None:  # the same bytes, naming no separator: this array's chunks may say another
-            doc, first = shared
-            separator = detect_v2_separator(path, doc, uri)
-            meta = renamed(first, uri) if first.key_encoding.separator == separator else \
-                parse_v2(doc, uri, separator=separator)
+            doc = shared[0]
+            meta = _v2_as_detected(renamed(shared[1], uri), doc, path, uri)
         else:
             doc = parse_json(got[0], uri, ".zarray")
             meta = parse_v2(doc, uri, separator=detect_v2_separator(path, doc, uri))
@@ -167,6 +162,18 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
     if store.size(os.path.join(path, ".zgroup")) is not None:
         raise _v2_group(uri)
     raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
+
+
+def _folder(path: str) -> str:
+    """``os.path.join(path, "")``, at a third of its cost: run for every array a pipeline opens."""
+    return path + "/" if path and path[-1] != "/" else path
+
+
+def _v2_as_detected(meta: ArrayMetadata, doc: dict, path: str, uri: str) -> ArrayMetadata:
+    """``meta`` (parsed from ``doc``, a ``.zarray`` naming no separator) if its separator is the one this
+    array's chunks say now, else ``doc`` parsed with that one."""
+    separator = detect_v2_separator(path, doc, uri)
+    return meta if meta.key_encoding.separator == separator else parse_v2(doc, uri, separator=separator)
 
 
 def _v3(doc: dict, uri: str) -> ArrayMetadata:
@@ -246,7 +253,7 @@ class ArrayReader:
         self.path = path
         self.kv = kv
         # path with its separator: file_path is then one concatenation
-        self._dir = (path + "/" if path and path[-1] != "/" else path) if kv is None else (f"{path}/" if path else "")
+        self._dir = _folder(path) if kv is None else (f"{path}/" if path else "")
         self.store = store
         # "is None", not "or": an empty SizedLRU is falsy, and a pipeline hands every reader its shared one
         if index_cache is None:
