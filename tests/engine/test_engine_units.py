@@ -183,7 +183,7 @@ def test_planned_offsets_are_used_only_for_batches_of_the_plans_shape(arrays):
         try:
             for out in (torch.full((1, 4, 4), -1.0), torch.full((1, 8, 8), -1.0)):
                 job = ex.submit(ex.plan(0, [stoker.Sample(plain, [(2, 6), (5, 9)])], _opener()), out)
-                assert job.done.wait(10) and job.error is None
+                assert job.wait(10) and job.error is None
                 assert torch.equal(out[0, :4, :4], torch.from_numpy(want))
                 assert (out[0, 4:] == -1).all() and (out[0, :, 4:] == -1).all()
         finally:
@@ -239,12 +239,12 @@ def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays
     out = torch.full((2, 12, 14), -1.0)
     try:
         job = ex.submit(plan, out)
-        assert not job.done.wait(0.3)  # nothing fits: the reads wait on I/O threads, not compute threads
+        assert not job.wait(0.3)  # nothing fits: the reads wait on I/O threads, not compute threads
         # every chunk read is handed off once (the compiled reader hands a shard's inner chunks one by one)
         handed = sorted(c for fr in handoffs for c in fr.chunk_ids)
         assert handed == sorted(c for fr in plan.file_reads for c in fr.chunk_ids)
         budget.release(budget.capacity)
-        assert job.done.wait(10) and job.error is None
+        assert job.wait(10) and job.error is None
     finally:
         ex.shutdown()
     expect = torch.from_numpy(np.stack([zarr.open_array(u)[2:14, 1:15] for u in (plain, sharded)]).astype(np.float32))

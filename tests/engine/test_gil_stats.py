@@ -20,6 +20,7 @@ import stoker
 import stoker.engine.cpu as cpu_module
 from stoker.runtime import gil
 from stoker.engine import native
+from stoker.engine.decode_native import NativeDecoder
 from stoker.engine.stats import StatsRecorder
 from stoker.runtime.workers import DaemonPool
 
@@ -243,3 +244,42 @@ def test_a_consumer_on_a_pool_thread_is_not_charged(tmp_path):
     assert done.wait(30)
     pool.shutdown()
     assert out["stats"].gil_seconds < 2 * BURN_S  # 4 steps of BURN_S ran on the consumer's thread
+
+
+@pytest.mark.parametrize("consumer", ["main thread", "stoker pool thread"])
+def test_a_batch_settled_on_the_consumers_thread_is_charged_to_the_pipeline(tmp_path, monkeypatch, consumer):
+    # a batch the engine makes whole is settled by the thread that pops it (no thread of ours wakes for it):
+    # that work is the pipeline's GIL time, while the consumer's own step stays out, on any thread
+    if native.Engine is None:
+        pytest.skip("the compiled reader is not built")
+    uri = _volume(tmp_path, shape=(8, 64, 64), chunks=(4, 32, 32))
+    real = NativeDecoder._finish
+    settled_on = []
+
+    def slow_finish(self, *args, **kwargs):
+        settled_on.append(threading.current_thread())
+        _burn_python(BURN_S)  # settling that holds the GIL for a known time
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(NativeDecoder, "_finish", slow_finish)
+    n = 4
+    out = {}
+
+    def consume():
+        with stoker.Pipeline(_cfg(batch_size=2)) as p:
+            p.push(_samples(uri, 2 * n, depth=2, shape=(8, 64, 64)))
+            for _ in range(n):
+                with p.pop():
+                    _burn_python(3 * BURN_S)  # the training step: not the pipeline's
+            out["stats"], out["thread"] = p.stats(), threading.current_thread()
+
+    if consumer == "main thread":
+        consume()
+    else:
+        pool = DaemonPool(1, "consumer")
+        done = threading.Event()
+        pool.submit(lambda: (consume(), done.set()))
+        assert done.wait(30)
+        pool.shutdown()
+    assert settled_on == [out["thread"]] * n
+    assert n * BURN_S <= out["stats"].gil_seconds < 2 * n * BURN_S, out["stats"].gil_seconds

@@ -529,7 +529,7 @@ class _Proxy:
 def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, sharded):
     """A batch of 10 chunks and one of 1,000: the same calls from Python into the engine, and about the same
     number of Python calls altogether (planning and the engine's tables on the submitting thread, the
-    accounting on the finisher thread; a few calls vary with timing, never with the chunks)."""
+    accounting on the thread that waits for the batch; a few calls vary with timing, never with the chunks)."""
     uri = str(tmp_path / "a.zarr")
     z = zarr.create_array(uri, shape=(40, 40, 40), chunks=(4, 4, 4), dtype="uint8",
                           shards=(40, 40, 40) if sharded else None, compressors=ZstdCodec(level=1))
@@ -559,7 +559,7 @@ def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, 
             decoder = executor.native
             finish = decoder._finish
 
-            def counted(*args):  # on the finisher thread
+            def counted(*args):  # on the thread that settles the batch (the one waiting for it)
                 sys.setprofile(counter("finish"))
                 try:
                     finish(*args)
@@ -584,6 +584,82 @@ def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, 
     # then) is a dozen; Python per chunk would be a thousand
     for where in ("submit", "finish"):
         assert results[10][1][where] > 0 and abs(results[10][1][where] - results[1000][1][where]) <= 20, results
+
+
+def _one_array_pipeline(tmp_path):
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(16, 16, 16), chunks=(4, 4, 4), dtype="uint16", compressors=ZstdCodec(level=1))
+    z[...] = np.arange(16 ** 3, dtype=np.uint16).reshape(16, 16, 16)
+    cfg = stoker.Config(batch_size=1, sample_shape=(8, 8, 8), dtype="f32", device="cpu", n_compute_threads=2,
+                        pop_timeout_s=20.0)
+    p = stoker.Pipeline(cfg)
+    p.push([stoker.Sample(uri, [(0, 8), (0, 8), (0, 8)])])  # a first batch: the engine and its threads up
+    with p.pop():
+        pass
+    return p, uri, z
+
+
+class _Gate:
+    """An engine job whose wait returns only once ``open`` is set (``inside``: one release per waiter)."""
+
+    def __init__(self, engine_job):
+        self.engine_job, self.open, self.inside = engine_job, threading.Event(), threading.Semaphore(0)
+
+    def wait(self, timeout=None):
+        self.inside.release()
+        self.open.wait(timeout)
+        return self.engine_job.wait(timeout)
+
+    def results(self):
+        return self.engine_job.results()
+
+
+def test_a_batch_is_settled_once_by_a_thread_that_waits_for_it(tmp_path):
+    """A batch the engine makes whole goes to no thread of ours: the first of its waiters to find the engine
+    done reads the results, once, however many wait; the others see it finished."""
+    p, uri, z = _one_array_pipeline(tmp_path)
+    with p:
+        executor = p._executor.decoders
+        decoder = executor.native
+        finish, settled_on = decoder._finish, []
+
+        def recording(*args):
+            settled_on.append(threading.current_thread())
+            return finish(*args)
+
+        decoder._finish = recording
+        before = decoder._stats.snapshot().stages["decode"].count
+        box = [(4, 12), (2, 10), (6, 14)]
+        plan = executor.plan(1, [stoker.Sample(uri, box)], p._open)
+        out = torch.full((1, 8, 8, 8), -1.0)
+        job = executor.submit(plan, out)
+        assert not decoder._pending  # nothing for the finisher thread
+        gate = _Gate(job._engine)  # all four inside the engine's wait before any of them returns
+        job._engine = gate
+        woken: list[bool] = []
+        waiters = [threading.Thread(target=lambda: woken.append(job.wait(20))) for _ in range(4)]
+        for t in waiters:
+            t.start()
+        for _ in waiters:
+            assert gate.inside.acquire(timeout=10)
+        gate.open.set()
+        for t in waiters:
+            t.join(30)
+        assert woken == [True] * 4 and job.error is None
+        assert len(settled_on) == 1 and settled_on[0] in waiters
+        assert job.counts["chunks_decoded"] == plan.n_chunks == 18
+        assert decoder._stats.snapshot().stages["decode"].count - before == plan.n_chunks  # counted once
+        assert np.array_equal(out[0].numpy(), z[4:12, 2:10, 6:14].astype(np.float32))
+
+
+def test_a_batch_waited_for_after_shutdown_fails_as_closed(tmp_path):
+    p, uri, _ = _one_array_pipeline(tmp_path)
+    with p:
+        executor = p._executor.decoders
+        job = executor.submit(executor.plan(1, [stoker.Sample(uri, [(0, 8), (0, 8), (0, 8)])], p._open),
+                              torch.empty((1, 8, 8, 8)))
+        executor.shutdown()  # the engine's jobs cancelled (or already done): none is settled from it now
+        assert job.wait(5) and isinstance(job.error, stoker.ShutdownError)
 
 
 @pytest.mark.parametrize("sharded", [False, True])

@@ -481,7 +481,7 @@ def test_close_mid_batch_cancels_requests_in_flight(tree):
         t0 = time.monotonic()
         p.close()
         assert time.monotonic() - t0 < 5  # far below the server's 30 s
-        assert job.done.wait(5)  # the fetch was cancelled, not left waiting for the server
+        assert job.wait(5)  # the fetch was cancelled, not left waiting for the server
         assert isinstance(job.error, ShutdownError)
     finally:
         server.latency_s = 0
@@ -1238,7 +1238,7 @@ def test_a_fetch_handed_over_while_the_pipeline_closes_is_ended_not_left(zipped,
         deadline = time.monotonic() + 10
         while not jobs and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert jobs and jobs[0].done.wait(5), "the batch never ended"
+        assert jobs and jobs[0].wait(5), "the batch never ended"
         assert isinstance(jobs[0].error, ShutdownError)
         budget = p._coordinator.executor.decoders.python.budget
         assert budget.reserved == 0

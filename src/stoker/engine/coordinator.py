@@ -48,7 +48,7 @@ class Entry:
         self.source_ids: list[int] = []
 
     def ready(self, timeout: float) -> bool:
-        return self.job is None or self.job.done.wait(timeout)
+        return self.job is None or self.job.wait(timeout)
 
 
 class Coordinator:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ..errors import InvalidArgument
+from ..runtime import gil
 from .cast import numpy_view
 
 _UNSET: Any = object()
@@ -71,7 +72,12 @@ class Done:
 
 class Job:
     """One batch in flight. ``then(job)``, if given, runs once every chunk is in place (on the thread that
-    placed the last one) and before ``done`` is set; an exception from it becomes the job's error."""
+    placed the last one) and before ``done`` is set; an exception from it becomes the job's error.
+
+    A job made by the compiled engine alone, with no ``then``, is settled by whoever waits for it
+    (:meth:`settled_by`): its wait is the engine's, in C without the GIL, and the first waiter that sees the
+    engine done reads the results (a few calls, once), instead of a thread of ours waking to do it and then
+    waking the waiter."""
 
     def __init__(self, plan: Any, out: torch.Tensor, n_chunks: int,
                  then: Callable[["Job"], None] | None = None) -> None:
@@ -85,6 +91,8 @@ class Job:
         self._completing = False
         self._lock = threading.Lock()
         self._cancel: list[Callable[[], None]] = []  # what cancel() stops (the engine's job)
+        self._engine: Any = None  # the engine's job, while nobody has settled this one from it
+        self._settle: Callable[["Job", Any], None] | None = None  # settle(job, engine job): see settled_by
         # read/decode counters of this batch, added to Stats when it is popped, so every counter
         # describes the same delivered batches (work done ahead is not lost to stats_reset())
         self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0, "bytes_to_device": 0}
@@ -103,7 +111,26 @@ class Job:
     def out_np(self, value: Any) -> None:
         self._out_np = value
 
+    @property
+    def has_hook(self) -> bool:
+        """Whether a ``then`` hook runs when the chunks are in place (and has not run yet)."""
+        return self._then is not None
+
+    def settled_by(self, engine_job: Any, settle: Callable[["Job", Any], None]) -> None:
+        """Leave ``settle(job, engine_job)`` to the first :meth:`wait` that finds ``engine_job`` done (its
+        ``wait(timeout)`` releases the GIL); ``settle`` finishes the job (or hands chunks on)."""
+        self._settle, self._engine = settle, engine_job
+
     def wait(self, timeout: float | None = None) -> bool:
+        engine = self._engine
+        if engine is not None:
+            if not gil.released(engine.wait, timeout):
+                return False
+            with self._lock:  # the first waiter to see it done settles it; the others wait for that below
+                settle, self._settle, self._engine = self._settle, None, None
+            if settle is not None:
+                settle(self, engine)
+            del engine
         return self.done.wait(timeout)
 
     def cancel(self) -> None:
