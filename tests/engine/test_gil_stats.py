@@ -122,6 +122,17 @@ def test_a_wait_counts_as_released_and_returns_what_the_condition_says():
     assert out["notified"] is True
 
 
+def test_held_time_given_back_is_counted_by_the_next_report():
+    def work():
+        _burn_python(BURN_S)
+        taken = gil.held_since_last()
+        gil.carry(taken)  # not charged by its taker: the thread's next report counts it
+        return taken, gil.held_since_last()
+
+    taken, again = _on_enrolled_thread(work)
+    assert taken >= BURN_S * 1e9 and again >= taken
+
+
 def test_threads_that_are_not_enrolled_are_not_measured():
     out = {}
 

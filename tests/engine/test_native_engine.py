@@ -559,10 +559,10 @@ def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, 
             decoder = executor.native
             finish = decoder._finish
 
-            def counted(*args):  # on the thread that settles the batch (the one waiting for it)
+            def counted(*args, **kwargs):  # on the thread that settles the batch (the one waiting for it)
                 sys.setprofile(counter("finish"))
                 try:
-                    finish(*args)
+                    finish(*args, **kwargs)
                 finally:
                     sys.setprofile(None)
 
@@ -623,9 +623,9 @@ def test_a_batch_is_settled_once_by_a_thread_that_waits_for_it(tmp_path):
         decoder = executor.native
         finish, settled_on = decoder._finish, []
 
-        def recording(*args):
+        def recording(*args, **kwargs):
             settled_on.append(threading.current_thread())
-            return finish(*args)
+            return finish(*args, **kwargs)
 
         decoder._finish = recording
         before = decoder._stats.snapshot().stages["decode"].count
@@ -650,6 +650,65 @@ def test_a_batch_is_settled_once_by_a_thread_that_waits_for_it(tmp_path):
         assert job.counts["chunks_decoded"] == plan.n_chunks == 18
         assert decoder._stats.snapshot().stages["decode"].count - before == plan.n_chunks  # counted once
         assert np.array_equal(out[0].numpy(), z[4:12, 2:10, 6:14].astype(np.float32))
+
+
+def test_a_settle_interrupted_by_ctrl_c_is_done_again_by_the_next_pop(tmp_path, monkeypatch):
+    """Ctrl-C lands on the main thread, often the one that pops and so settles batches: the pop raises it,
+    the batch is not lost, and the next pop delivers it."""
+    from stoker.engine.decode_native import NativeDecoder
+
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(8, 32, 32), chunks=(4, 8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
+    z[...] = np.arange(8 * 32 * 32, dtype=np.uint16).reshape(8, 32, 32)
+    real, calls = NativeDecoder._finish, []
+
+    def interrupted_once(self, *args, **kwargs):
+        calls.append(threading.current_thread())
+        if len(calls) == 2:  # the second batch's first settle
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(NativeDecoder, "_finish", interrupted_once)
+    boxes = [[(0, 4), (0, 16), (0, 16)], [(4, 8), (8, 24), (16, 32)], [(2, 6), (16, 32), (0, 16)]]
+    cfg = stoker.Config(batch_size=1, sample_shape=(4, 16, 16), dtype="f32", n_compute_threads=2, pop_timeout_s=20.0)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, b) for b in boxes])
+        got = []
+        with p.pop() as batch:
+            got.append(torch.from_dlpack(batch).clone())
+        with pytest.raises(KeyboardInterrupt):
+            p.pop()
+        for _ in range(2):
+            with p.pop() as batch:
+                got.append(torch.from_dlpack(batch).clone())
+    assert calls == [threading.current_thread()] * 4
+    for box, batch in zip(boxes, got):
+        assert np.array_equal(batch[0].numpy(), z[tuple(slice(a, b) for a, b in box)].astype(np.float32))
+
+
+def test_chunks_the_engine_did_not_place_are_never_handled_inside_pop(tmp_path, monkeypatch):
+    """The Python path reads what the engine did not place (and words errors) on the finisher thread, so a
+    slow mount cannot hold ``pop`` past its timeout."""
+    from stoker.engine.decode_native import NativeDecoder
+
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(8, 64), chunks=(8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
+    z[...] = np.arange(512, dtype="uint16").reshape(8, 64)
+    path = os.path.join(uri, "c", "0", "3")
+    raw = bytearray(open(path, "rb").read())
+    raw[-6:] = b"\xff" * 6  # a damaged last block
+    open(path, "wb").write(bytes(raw))
+    real, threads = NativeDecoder._failed, []
+
+    def recording(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(NativeDecoder, "_failed", recording)
+    with pytest.raises(stoker.DecodeError) as err:
+        _pipeline_batch(uri, [[(0, 8), (0, 64)]])
+    assert err.value.key == "c/0/3"
+    assert threads == ["stoker-engine-finisher"]
 
 
 def test_a_batch_waited_for_after_shutdown_fails_as_closed(tmp_path):

@@ -18,9 +18,10 @@ A batch the engine makes whole (every chunk its own, no completion hook) is sett
 waits for it, the consumer's at ``pop``: its wait is the engine's, in C with the GIL released, and the
 first waiter to see the job done maps its statuses, once (:meth:`~.executor.Job.settled_by`). Waking a
 thread of ours to do that and then waking the consumer cost more GIL than the mapping itself (scenario 5:
-about 0.19 ms a batch against 0.08). The rest (fetched chunks, batches with a hook: a transform, the copy
-to a GPU) go to a finisher thread per decoder, which waits for each engine job in order, so the pipeline's
-coordinator never waits on the engine.
+about 0.19 ms a batch against 0.08). The rest (batches with chunks the engine did not place, fetched
+chunks, batches with a hook: a transform, the copy to a GPU) go to a finisher thread per decoder, which
+waits for each engine job in order, so neither the pipeline's coordinator nor ``pop`` runs the Python
+path's reads.
 """
 
 from __future__ import annotations
@@ -615,30 +616,40 @@ class NativeDecoder:
     def _settle(self, job: Job, bjob) -> None:
         """Finish ``job``, every chunk of which the engine (done) was given, on the thread that waited for it
         (see Job.settled_by): the consumer's, whose GIL time is otherwise never the pipeline's, so what this
-        holds is charged here, and only this (a consumer may run on a thread stoker started: what it held
-        before, its training step, is dropped)."""
+        holds is charged here, and only this (on a thread stoker started, what it held before, a training
+        step or another pipeline's work, is left for its next report). A batch with chunks the engine did not
+        place goes to the finisher thread: the Python path's reads never run inside ``pop``."""
         enrolled = gil.enrolled()
-        if enrolled:
-            gil.held_since_last()
+        before = gil.held_since_last() if enrolled else 0
         t0 = time.thread_time_ns()
         try:
             if self._closing:  # cancelled by shutdown: nothing of it goes to the Python path now
                 job.finish(job.plan.n_chunks, ShutdownError("the pipeline was closed while this batch was being made"))
-            else:
-                self._finish(job, bjob, None)
-        except BaseException as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
+                return
+            results = bjob.results()
+            if results[2]["not_placed"]:
+                job.handed_on()  # first: a settle interrupted after this is not run again (see Job._interrupted)
+                with self._cond:
+                    self._pending.append((job, bjob, np.arange(job.plan.n_chunks), None))
+                    self._cond.notify_all()
+                return
+            self._finish(job, bjob, None, results=results)
+        except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
             job.finish(0, exc)
         finally:
             if enrolled:
-                self._stats.charge_thread()
+                self._stats.gil(gil.held_since_last() * 1e-9)
+                gil.carry(before)
             else:
                 self._stats.gil((time.thread_time_ns() - t0) * 1e-9)
 
-    def _finish(self, job: Job, bjob, eids: np.ndarray | None, buffers: list | None = None) -> bool:
+    def _finish(self, job: Job, bjob, eids: np.ndarray | None, buffers: list | None = None,
+                results: tuple | None = None) -> bool:
         """Account for a finished engine job of the chunks ``eids`` of its plan (None: all of them);
         ``buffers``: those its chunks were read from (a fetch's), whose bytes the fetch already counted as
-        read. True when the engine placed every chunk (nothing of it goes to the Python path)."""
-        status, detail, c = bjob.results()
+        read; ``results``: ``bjob.results()`` when already asked for. True when the engine placed every chunk
+        (nothing of it goes to the Python path)."""
+        status, detail, c = results if results is not None else bjob.results()
         read = c["bytes_read"] if buffers is None else 0
         if c["chunks_decoded"]:
             self._stats.chunk(c["decode_ns"] * 1e-9, c["place_ns"] * 1e-9, c["bytes_read"], c["bytes_decoded"],

@@ -21,12 +21,13 @@ and placed on the device) all keep it, so the pipeline has no branch for any: :f
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, StokerError
 from ..runtime import gil
 from .cast import numpy_view
 
@@ -93,6 +94,8 @@ class Job:
         self._cancel: list[Callable[[], None]] = []  # what cancel() stops (the engine's job)
         self._engine: Any = None  # the engine's job, while nobody has settled this one from it
         self._settle: Callable[["Job", Any], None] | None = None  # settle(job, engine job): see settled_by
+        self._changed = False  # finish() was entered (an interrupted settle is not run again after it)
+        self._handed = False  # a settle gave the job to another thread
         # read/decode counters of this batch, added to Stats when it is popped, so every counter
         # describes the same delivered batches (work done ahead is not lost to stats_reset())
         self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0, "bytes_to_device": 0}
@@ -122,6 +125,7 @@ class Job:
         self._settle, self._engine = settle, engine_job
 
     def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
         engine = self._engine
         if engine is not None:
             if not gil.released(engine.wait, timeout):
@@ -129,9 +133,34 @@ class Job:
             with self._lock:  # the first waiter to see it done settles it; the others wait for that below
                 settle, self._settle, self._engine = self._settle, None, None
             if settle is not None:
-                settle(self, engine)
+                try:
+                    settle(self, engine)
+                except BaseException:
+                    self._interrupted(settle, engine)
+                    raise
             del engine
-        return self.done.wait(timeout)
+        return self.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def handed_on(self) -> None:
+        """Said by a settle that gave the job to another thread (which finishes it)."""
+        self._handed = True
+
+    def _interrupted(self, settle: Callable[["Job", Any], None], engine: Any) -> None:
+        """After ``settle`` raised past its own error handling (a KeyboardInterrupt lands on the main thread,
+        often the consumer's): if it had not begun to change the job, the next wait settles it again; if it
+        was completing it (a settled job has no hook), it is complete; otherwise the batch is lost, as an
+        error for pop, rather than waited for forever."""
+        with self._lock:
+            if self.done.is_set() or self._handed:
+                return
+            if not self._changed:
+                self._settle, self._engine = settle, engine
+                return
+        if self._completing:
+            self.done.set()
+        else:
+            self.finish(0, StokerError("this batch was interrupted while it was being handed over, and is lost; "
+                                       "close the pipeline and start another to go on"))
 
     def cancel(self) -> None:
         """Stop writing into the batch: once this returns, the compiled engine writes no more of it (Python
@@ -160,6 +189,7 @@ class Job:
 
     def finish(self, n: int = 1, error: BaseException | None = None, **counts: int) -> None:
         """``n`` chunks are in place (or failed with ``error``); ``counts`` are added as by :meth:`count`."""
+        self._changed = True
         with self._lock:
             for name, value in counts.items():
                 self.counts[name] += value

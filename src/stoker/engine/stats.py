@@ -36,7 +36,12 @@ class Metric:
 
 @dataclass(frozen=True)
 class Stats:
-    """A snapshot of a pipeline's work since creation (or ``stats_reset()``)."""
+    """A snapshot of a pipeline's work since creation (or ``stats_reset()``).
+
+    Counters describe popped batches. Stage times are added as the work is reported: planning when a batch
+    is launched; the reads, decodes and placements of a batch the compiled engine made alone when it is
+    popped (the pop settles it, see :meth:`stoker.engine.executor.Job.settled_by`), so a batch made ahead and
+    never popped adds none; other batches' as their chunks finish."""
 
     stages: dict[str, Metric] = field(default_factory=dict)
     batches_emitted: int = 0

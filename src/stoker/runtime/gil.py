@@ -92,3 +92,10 @@ def held_since_last() -> int:
     _local.mark = now
     _local.free = 0
     return held if held > 0 else 0
+
+
+def carry(ns: int) -> None:
+    """Give back ``ns`` that :func:`held_since_last` returned to a caller who does not charge them: the
+    thread's next report counts them again (nothing on a thread that is not enrolled)."""
+    if getattr(_local, "mark", None) is not None:
+        _local.mark -= ns
