@@ -130,15 +130,17 @@ class Job:
         if engine is not None:
             if not gil.released(engine.wait, timeout):
                 return False
-            with self._lock:  # the first waiter to see it done settles it; the others wait for that below
-                settle, self._settle, self._engine = self._settle, None, None
-            if settle is not None:
-                try:
+            settle = None
+            try:
+                with self._lock:  # the first waiter to see it done settles it; the others wait for that below
+                    settle, self._settle, self._engine = self._settle, None, None
+                if settle is not None:
                     settle(self, engine)
-                except BaseException:
+            except BaseException:
+                if settle is not None:  # claimed: put back unless it had begun (see _interrupted)
                     self._interrupted(settle, engine)
-                    raise
-            del engine
+                raise
+            del engine, settle
         return self.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def handed_on(self) -> None:
