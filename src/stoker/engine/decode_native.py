@@ -645,10 +645,11 @@ class NativeDecoder:
 
     def _finish(self, job: Job, bjob, eids: np.ndarray | None, buffers: list | None = None,
                 results: tuple | None = None) -> bool:
-        """Account for a finished engine job of the chunks ``eids`` of its plan (None: all of them);
-        ``buffers``: those its chunks were read from (a fetch's), whose bytes the fetch already counted as
-        read; ``results``: ``bjob.results()`` when already asked for. True when the engine placed every chunk
-        (nothing of it goes to the Python path)."""
+        """Account for a finished engine job of the chunks ``eids`` of its plan (None: all of them, every one
+        placed: _settle hands any other batch to the finisher with its ids); ``buffers``: those its chunks were
+        read from (a fetch's), whose bytes the fetch already counted as read; ``results``: ``bjob.results()``
+        when already asked for. True when the engine placed every chunk (nothing of it goes to the Python
+        path)."""
         status, detail, c = results if results is not None else bjob.results()
         read = c["bytes_read"] if buffers is None else 0
         if c["chunks_decoded"]:
@@ -664,7 +665,7 @@ class NativeDecoder:
         ok = status == native.OK
         bad = np.flatnonzero(~ok)
         data = None if buffers is None else [buffers[k] for k in bad.tolist()]
-        self._failed(job, bad if eids is None else eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
+        self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
         job.finish(int(ok.sum()), bytes_read=read, bytes_decoded=c["bytes_decoded"],
                    chunks_decoded=c["chunks_decoded"])
         return False
