@@ -163,10 +163,10 @@ int open_chunk(chunk_io *job, size_t max_stored, size_t *size) {
         close(fd);
         return -1;
     }
-    /* blocking again: a no-op for local regular files, but some FUSE and network file systems honour it */
-    int fl = fcntl(fd, F_GETFL);
-    if (fl != -1 && (fl & O_NONBLOCK))
-        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    /* blocking again: a no-op for local regular files, but some FUSE and network file systems honour it.
+     * F_SETFL changes only the status flags (O_APPEND, O_NONBLOCK, O_NOATIME, O_DIRECT, O_ASYNC), and the
+     * open above set none of them but O_NONBLOCK: no F_GETFL first (a system call per chunk file). */
+    fcntl(fd, F_SETFL, 0);
     if (job->has_ident && !same_file(job, &st)) {
         job->status = ST_CHANGED;
         close(fd);
