@@ -557,16 +557,16 @@ def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, 
                 pass
             executor = p._executor.decoders
             decoder = executor.native
-            finish = decoder._finish
+            settle = decoder._settle
 
             def counted(*args, **kwargs):  # on the thread that settles the batch (the one waiting for it)
                 sys.setprofile(counter("finish"))
                 try:
-                    finish(*args, **kwargs)
+                    settle(*args, **kwargs)
                 finally:
                     sys.setprofile(None)
 
-            decoder._finish = counted
+            decoder._settle = counted  # before the submit, which hands the batch its settle
             counts.clear()
             out = torch.empty((1, *shape))
             sys.setprofile(counter("submit"))
@@ -621,13 +621,13 @@ def test_a_batch_is_settled_once_by_a_thread_that_waits_for_it(tmp_path):
     with p:
         executor = p._executor.decoders
         decoder = executor.native
-        finish, settled_on = decoder._finish, []
+        settle, settled_on = decoder._settle, []
 
         def recording(*args, **kwargs):
             settled_on.append(threading.current_thread())
-            return finish(*args, **kwargs)
+            return settle(*args, **kwargs)
 
-        decoder._finish = recording
+        decoder._settle = recording  # before the submit, which hands the batch its settle
         before = decoder._stats.snapshot().stages["decode"].count
         box = [(4, 12), (2, 10), (6, 14)]
         plan = executor.plan(1, [stoker.Sample(uri, box)], p._open)
@@ -660,15 +660,15 @@ def test_a_settle_interrupted_by_ctrl_c_is_done_again_by_the_next_pop(tmp_path, 
     uri = str(tmp_path / "a.zarr")
     z = zarr.create_array(uri, shape=(8, 32, 32), chunks=(4, 8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
     z[...] = np.arange(8 * 32 * 32, dtype=np.uint16).reshape(8, 32, 32)
-    real, calls = NativeDecoder._finish, []
+    real, calls = NativeDecoder._account, []
 
-    def interrupted_once(self, *args, **kwargs):
+    def interrupted_once(self, *args, **kwargs):  # inside the settle, once it has the engine's results
         calls.append(threading.current_thread())
         if len(calls) == 2:  # the second batch's first settle
             raise KeyboardInterrupt
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(NativeDecoder, "_finish", interrupted_once)
+    monkeypatch.setattr(NativeDecoder, "_account", interrupted_once)
     boxes = [[(0, 4), (0, 16), (0, 16)], [(4, 8), (8, 24), (16, 32)], [(2, 6), (16, 32), (0, 16)]]
     cfg = stoker.Config(batch_size=1, sample_shape=(4, 16, 16), dtype="f32", n_compute_threads=2, pop_timeout_s=20.0)
     with stoker.Pipeline(cfg) as p:

@@ -363,8 +363,13 @@ class NativeDecoder:
         if eids is None and not job.has_hook:  # the usual batch: settled by the thread that waits for it
             job.settled_by(bjob, self._settle)
             return
+        self._to_finisher(job, bjob, eids)
+
+    def _to_finisher(self, job: Job, bjob, eids: np.ndarray | None) -> None:
+        """Have the finisher thread finish ``job`` once the engine's ``bjob`` (the chunks ``eids`` of its plan;
+        None: every chunk) is done."""
         with self._cond:
-            self._pending.append((job, bjob, np.arange(plan.n_chunks) if eids is None else eids, None))
+            self._pending.append((job, bjob, np.arange(job.plan.n_chunks) if eids is None else eids, None))
             self._cond.notify_all()
 
     def _tables(self, plan: TablePlan, out: torch.Tensor, kind: int, sources: "_SourceSet",
@@ -626,14 +631,13 @@ class NativeDecoder:
             if self._closing:  # cancelled by shutdown: nothing of it goes to the Python path now
                 job.finish(job.plan.n_chunks, ShutdownError("the pipeline was closed while this batch was being made"))
                 return
-            results = bjob.results()
-            if results[2]["not_placed"]:
+            counts = bjob.results()[2]
+            if counts["not_placed"]:
                 job.handed_on()  # first: a settle interrupted after this is not run again (see Job._interrupted)
-                with self._cond:
-                    self._pending.append((job, bjob, np.arange(job.plan.n_chunks), None))
-                    self._cond.notify_all()
+                self._to_finisher(job, bjob, None)
                 return
-            self._finish(job, bjob, None, results=results)
+            self._account(counts, fetched=False)
+            self._all_placed(job, job.plan.n_chunks, counts, fetched=False)
         except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
             job.finish(0, exc)
         finally:
@@ -643,32 +647,41 @@ class NativeDecoder:
             else:
                 self._stats.gil((time.thread_time_ns() - t0) * 1e-9)
 
-    def _finish(self, job: Job, bjob, eids: np.ndarray | None, buffers: list | None = None,
-                results: tuple | None = None) -> bool:
-        """Account for a finished engine job of the chunks ``eids`` of its plan (None: all of them, every one
-        placed: _settle hands any other batch to the finisher with its ids); ``buffers``: those its chunks were
-        read from (a fetch's), whose bytes the fetch already counted as read; ``results``: ``bjob.results()``
-        when already asked for. True when the engine placed every chunk (nothing of it goes to the Python
-        path)."""
-        status, detail, c = results if results is not None else bjob.results()
-        read = c["bytes_read"] if buffers is None else 0
-        if c["chunks_decoded"]:
-            self._stats.chunk(c["decode_ns"] * 1e-9, c["place_ns"] * 1e-9, c["bytes_read"], c["bytes_decoded"],
-                              read_s=c["read_ns"] * 1e-9 if buffers is None else None, count=c["chunks_decoded"])
-        if c["chunks_filled"]:
-            self._stats.stage("assemble", c["fill_ns"] * 1e-9)
+    def _finish(self, job: Job, bjob, eids: np.ndarray, buffers: list | None = None) -> bool:
+        """Account for a finished engine job of the chunks ``eids`` of its plan (``buffers``: those its chunks
+        were read from, a fetch's) and finish them: placed, or handed to :meth:`_failed`. True when the engine
+        placed every chunk (nothing of it goes to the Python path)."""
+        status, detail, c = bjob.results()
+        fetched = buffers is not None
+        self._account(c, fetched)
         if not c["not_placed"]:  # the usual batch: no status to look at
-            job.finish(job.plan.n_chunks if eids is None else len(eids), bytes_read=read,
-                       bytes_decoded=c["bytes_decoded"], chunks_decoded=c["chunks_decoded"])
+            self._all_placed(job, len(eids), c, fetched)
             return True
         status = np.frombuffer(status, np.int32)
         ok = status == native.OK
         bad = np.flatnonzero(~ok)
         data = None if buffers is None else [buffers[k] for k in bad.tolist()]
         self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
-        job.finish(int(ok.sum()), bytes_read=read, bytes_decoded=c["bytes_decoded"],
+        job.finish(int(ok.sum()), bytes_read=0 if fetched else c["bytes_read"], bytes_decoded=c["bytes_decoded"],
                    chunks_decoded=c["chunks_decoded"])
         return False
+
+    def _account(self, counts: dict, fetched: bool) -> None:
+        """A finished engine job's counts into the pipeline's statistics (``fetched``: its chunks were decoded
+        from a fetch's buffers, whose reads the fetch already timed)."""
+        if counts["chunks_decoded"]:
+            self._stats.chunk(counts["decode_ns"] * 1e-9, counts["place_ns"] * 1e-9, counts["bytes_read"],
+                              counts["bytes_decoded"], read_s=None if fetched else counts["read_ns"] * 1e-9,
+                              count=counts["chunks_decoded"])
+        if counts["chunks_filled"]:
+            self._stats.stage("assemble", counts["fill_ns"] * 1e-9)
+
+    @staticmethod
+    def _all_placed(job: Job, n: int, counts: dict, fetched: bool) -> None:
+        """Finish the ``n`` chunks of ``job`` the engine placed, every one (``fetched``: see :meth:`_account`;
+        the fetch counted their bytes as read)."""
+        job.finish(n, bytes_read=0 if fetched else counts["bytes_read"], bytes_decoded=counts["bytes_decoded"],
+                   chunks_decoded=counts["chunks_decoded"])
 
     def _failed(self, job: Job, cids: np.ndarray, statuses: np.ndarray, details: np.ndarray,
                 data: list | None = None) -> None:
