@@ -541,7 +541,7 @@ def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, 
         shape = tuple(b - a for a, b in box)
         counts: dict[str, int] = {}
         monkeypatch.setattr(native, "Engine", _Counting(real, counts))
-        calls = {"submit": 0, "finish": 0}
+        calls = {"submit": 0, "settle": 0}
 
         def counter(where):
             def profile(frame, event, arg):
@@ -560,7 +560,7 @@ def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, 
             settle = decoder._settle
 
             def counted(*args, **kwargs):  # on the thread that settles the batch (the one waiting for it)
-                sys.setprofile(counter("finish"))
+                sys.setprofile(counter("settle"))
                 try:
                     settle(*args, **kwargs)
                 finally:
@@ -582,7 +582,7 @@ def test_python_work_per_batch_does_not_grow_with_chunks(tmp_path, monkeypatch, 
     assert results[10][0] == results[1000][0] and results[10][0]["submit"] == 1
     # timing moves a few calls: waking a consumer that waits for the batch (a job's Done makes its Event only
     # then) is a dozen; Python per chunk would be a thousand
-    for where in ("submit", "finish"):
+    for where in ("submit", "settle"):
         assert results[10][1][where] > 0 and abs(results[10][1][where] - results[1000][1][where]) <= 20, results
 
 
@@ -604,6 +604,7 @@ class _Gate:
 
     def __init__(self, engine_job):
         self.engine_job, self.open, self.inside = engine_job, threading.Event(), threading.Semaphore(0)
+        self.results_on: list[threading.Thread] = []  # the thread of each results() call
 
     def wait(self, timeout=None):
         self.inside.release()
@@ -611,6 +612,7 @@ class _Gate:
         return self.engine_job.wait(timeout)
 
     def results(self):
+        self.results_on.append(threading.current_thread())
         return self.engine_job.results()
 
 
@@ -647,6 +649,7 @@ def test_a_batch_is_settled_once_by_a_thread_that_waits_for_it(tmp_path):
             t.join(30)
         assert woken == [True] * 4 and job.error is None
         assert len(settled_on) == 1 and settled_on[0] in waiters
+        assert gate.results_on == settled_on  # read once, by that waiter: not handed to the finisher
         assert job.counts["chunks_decoded"] == plan.n_chunks == 18
         assert decoder._stats.snapshot().stages["decode"].count - before == plan.n_chunks  # counted once
         assert np.array_equal(out[0].numpy(), z[4:12, 2:10, 6:14].astype(np.float32))
