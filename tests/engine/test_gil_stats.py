@@ -264,15 +264,15 @@ def test_a_batch_settled_on_the_consumers_thread_is_charged_to_the_pipeline(tmp_
     if native.Engine is None:
         pytest.skip("the compiled reader is not built")
     uri = _volume(tmp_path, shape=(8, 64, 64), chunks=(4, 32, 32))
-    real = NativeDecoder._all_placed
+    real = NativeDecoder._finish_placed
     settled_on = []
 
-    def slow_all_placed(*args, **kwargs):
+    def slow_finish_placed(*args, **kwargs):
         settled_on.append(threading.current_thread())
         _burn_python(BURN_S)  # settling that holds the GIL for a known time
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(NativeDecoder, "_all_placed", staticmethod(slow_all_placed))
+    monkeypatch.setattr(NativeDecoder, "_finish_placed", staticmethod(slow_finish_placed))
     n = 4
     out = {}
 

@@ -637,7 +637,7 @@ class NativeDecoder:
                 self._to_finisher(job, bjob, None)
                 return
             self._account(counts, fetched=False)
-            self._all_placed(job, job.plan.n_chunks, counts, fetched=False)
+            self._finish_placed(job, job.plan.n_chunks, counts, fetched=False)
         except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
             job.finish(0, exc)
         finally:
@@ -655,15 +655,14 @@ class NativeDecoder:
         fetched = buffers is not None
         self._account(c, fetched)
         if not c["not_placed"]:  # the usual batch: no status to look at
-            self._all_placed(job, len(eids), c, fetched)
+            self._finish_placed(job, len(eids), c, fetched)
             return True
         status = np.frombuffer(status, np.int32)
         ok = status == native.OK
         bad = np.flatnonzero(~ok)
         data = None if buffers is None else [buffers[k] for k in bad.tolist()]
         self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
-        job.finish(int(ok.sum()), bytes_read=0 if fetched else c["bytes_read"], bytes_decoded=c["bytes_decoded"],
-                   chunks_decoded=c["chunks_decoded"])
+        self._finish_placed(job, int(ok.sum()), c, fetched)
         return False
 
     def _account(self, counts: dict, fetched: bool) -> None:
@@ -677,9 +676,9 @@ class NativeDecoder:
             self._stats.stage("assemble", counts["fill_ns"] * 1e-9)
 
     @staticmethod
-    def _all_placed(job: Job, n: int, counts: dict, fetched: bool) -> None:
-        """Finish the ``n`` chunks of ``job`` the engine placed, every one (``fetched``: see :meth:`_account`;
-        the fetch counted their bytes as read)."""
+    def _finish_placed(job: Job, n: int, counts: dict, fetched: bool) -> None:
+        """Finish the ``n`` chunks of ``job`` the engine placed, with its ``counts`` (``fetched``: see
+        :meth:`_account`; the fetch counted their bytes as read)."""
         job.finish(n, bytes_read=0 if fetched else counts["bytes_read"], bytes_decoded=counts["bytes_decoded"],
                    chunks_decoded=counts["chunks_decoded"])
 
