@@ -314,6 +314,111 @@ def test_each_failure_has_its_status(tmp_path):
     assert not t.batch[1:].any()  # nothing was written for a chunk that failed
 
 
+def _shards(t: Tables, frames: list[bytes], shard_of: list[int]) -> list[str]:
+    """Chunk i of ``t`` becomes an inner chunk of shard ``shard_of[i]`` (the file ``c/0.<shard>``, file row
+    ``shard``), its frame stored after the earlier chunks of that shard, with the shard's identity."""
+    stored: dict[int, bytes] = {}
+    for i, (frame, s) in enumerate(zip(frames, shard_of)):
+        here = stored.get(s, b"")
+        t.chunks[i, native.C_FILE] = s
+        t.chunks[i, native.C_OFFSET], t.chunks[i, native.C_LENGTH] = len(here), len(frame)
+        stored[s] = here + frame
+    paths = []
+    for s, data in stored.items():
+        paths.append(t.write(s, data + b"index"))
+        st = os.stat(paths[-1])
+        t.files[s, native.F_HAS_IDENT:native.F_COORDS] = [1, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                                                          st.st_ctime_ns]
+    return paths
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_thread_opens_a_shard_once_for_its_inner_chunks(tmp_path, threads):
+    """A thread keeps a shard's file open between the inner chunks of it that it reads (one open, not one
+    per chunk), for a few shards at a time, as a crop straddling shards needs; each chunk is still read at
+    its own offset and decoded to its own values."""
+    frames = [numcodecs.Zstd(level=1).encode(_chunk(i).tobytes()) for i in range(120)]
+    for shard_of, opened in (([0] * 120, 1), ([i % 2 for i in range(120)], 2), ([i // 40 for i in range(120)], 3)):
+        t = Tables(tmp_path / f"{len(set(shard_of))}", 120)
+        _shards(t, frames, shard_of)
+        engine = native.Engine(threads, 1 << 20)
+        job = engine.submit(*t.args())
+        assert job.wait(10)
+        status, _, counters = _results(job)
+        assert (status == native.OK).all()
+        for i in range(120):
+            np.testing.assert_array_equal(t.batch[i], t.expected(i))
+        assert counters["files_opened"] == opened * counters["max_threads"] or (
+            threads > 1 and opened < counters["files_opened"] <= opened * threads), counters
+        assert engine.close(5)
+
+
+def test_whole_chunk_files_are_opened_each(tmp_path):
+    t = Tables(tmp_path, 30)
+    for i in range(30):
+        t.write(i)
+    engine = native.Engine(1, 1 << 20)
+    job = engine.submit(*t.args())
+    assert job.wait(10)
+    assert _results(job)[2]["files_opened"] == 30
+    assert engine.close(5)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_no_file_stays_open_once_a_job_is_done(tmp_path):
+    """The shard files a thread kept open are closed before the job is done, whatever its chunks did: read
+    well, failed (too big, damaged, past the file's end) or were cancelled."""
+    n = 400
+    frames = [numcodecs.Zstd(level=1).encode(_chunk(i).tobytes()) for i in range(n)]
+    frames[3] = frames[3][:-3] + b"\xff\xff\xff"
+    t = Tables(tmp_path, n)
+    _shards(t, frames, [i % 6 for i in range(n)])  # more shards than a thread keeps: some are closed early
+    t.chunks[5, native.C_MAX_STORED] = 10
+    t.chunks[n - 1, native.C_LENGTH] += 1000  # the last chunk of its shard: past the file's end
+    engine = native.Engine(2, 1 << 20)
+    before = _open_descriptors()
+    job = engine.submit(*t.args())
+    assert job.wait(10)
+    assert _open_descriptors() == before
+    status, _, _ = _results(job)
+    assert status[[3, 5, n - 1]].tolist() == [native.CODEC_ERROR, native.TOO_BIG, native.SHORT]
+    assert (np.delete(status, [3, 5, n - 1]) == native.OK).all()
+    for _ in range(3):
+        job = engine.submit(*t.args())
+        job.cancel()
+        assert job.wait(10)
+        assert _open_descriptors() == before
+    assert engine.close(5)
+    assert _open_descriptors() == before
+
+
+def test_a_shard_rewritten_in_place_while_kept_open_is_not_read_again(tmp_path):
+    """A thread that keeps a shard open still checks its identity after each inner chunk's reads: a shard
+    rewritten in place (same inode) while the thread decodes its first chunk gives CHANGED for the chunks
+    after (Python then reads the index anew), never bytes read at the old index's offsets."""
+    t = Tables(tmp_path, 20)
+    big = numcodecs.Zstd(level=1).encode(np.zeros(64 << 20, np.uint8))  # long to decode, quick to read
+    frames = [big] + [numcodecs.Zstd(level=1).encode(_chunk(i).tobytes()) for i in range(1, 20)]
+    [shard] = _shards(t, frames, [0] * 20)
+    t.chunks[0, native.C_NBYTES] = t.chunks[0, native.C_SPAN_STOP] = 64 << 20
+    t.chunks[0, native.C_MAX_STORED] = 1 << 20
+    t.copies[0, 2:] = (1, 8)
+    time.sleep(0.05)  # the rewrite lands on another tick of the file system's clock
+    engine = native.Engine(1, 80 << 20)
+    job = engine.submit(*t.args())
+    with open(shard, "r+b") as f:  # the same bytes: only the identity says it was written
+        f.write(open(shard, "rb").read())
+    assert job.wait(20)
+    status, _, counters = _results(job)
+    assert status[0] in (native.OK, native.CHANGED)  # read before or after the rewrite
+    assert (status[1:] == native.CHANGED).all(), status
+    assert engine.close(5)
+
+
 def test_budget_for_one_thread_runs_one_thread_at_a_time(tmp_path):
     """A budget that holds one thread's scratch: four threads, one at a time; less than that: refused."""
     t = Tables(tmp_path, 64)

@@ -105,7 +105,17 @@ static int same_file(const chunk_io *job, const struct stat *st) {
            ns_of(CTIME(st)) == job->ctime_ns;
 }
 
-/* Close the chunk's file after its reads. An inner chunk of a shard is checked once more first: a shard
+/* Done with the chunk's file: kept open for the next chunk of it (job->keep), else closed. */
+static void release_file(chunk_io *job, int fd) {
+    if (job->keep) {
+        job->kept = 1;
+        job->fd = fd;
+    } else {
+        close(fd);
+    }
+}
+
+/* Close the chunk's file after its reads (or keep it, see release_file). An inner chunk of a shard is checked once more first: a shard
  * rewritten in place while it was read may have given bytes of both versions, at the old index's offsets.
  * Then the job's status is ST_CHANGED (Python reads the index anew) and 1 is returned. */
 int close_checked(chunk_io *job, int fd) {
@@ -116,9 +126,12 @@ int close_checked(chunk_io *job, int fd) {
         struct stat st;
         changed = fstat(fd, &st) != 0 || !same_file(job, &st);
     }
-    close(fd);
-    if (changed)
+    if (changed) {
+        close(fd);
         job->status = ST_CHANGED;
+    } else {
+        release_file(job, fd);
+    }
     return changed;
 }
 
@@ -140,6 +153,17 @@ int open_chunk(chunk_io *job, size_t max_stored, size_t *size) {
             return -1;
         }
         return MEM_FD;
+    }
+    if (job->reuse) { /* a shard's file, kept open since the thread's last chunk of it: checked after that */
+        job->file_size = job->size;
+        *size = (size_t)job->length;
+        if (*size > max_stored) {
+            job->status = ST_TOO_BIG;
+            job->detail = (long long)*size;
+            release_file(job, job->fd);
+            return -1;
+        }
+        return job->fd;
     }
     int fd;
     do /* a signal may cut it short on a thread that does not block them (decode_files' caller) */
@@ -178,7 +202,7 @@ int open_chunk(chunk_io *job, size_t max_stored, size_t *size) {
     if (*size > max_stored) {
         job->status = ST_TOO_BIG;
         job->detail = (long long)*size;
-        close(fd);
+        release_file(job, fd);
         return -1;
     }
     return fd;

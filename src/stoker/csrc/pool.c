@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define PATH_CAP 4096
 #define ALIGN 64
@@ -421,7 +422,48 @@ static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char 
     return go;
 }
 
-static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx) {
+/* Shard files a thread keeps open while it works on a job (see chunk_io.reuse): a crop's inner chunks come
+ * one after the other, and one crop may straddle a few shards (threads share a job's chunks in turn, so each
+ * sees those shards alternate). Keyed by the job's file row, so a file is only ever reused for the identity
+ * its row was read with. */
+#define KEPT_FILES 4
+typedef struct {
+    long long file[KEPT_FILES]; /* the job's file row */
+    int fd[KEPT_FILES];
+    int n;
+} kept_files;
+
+/* the descriptor kept for file row ``file``, taken out of ``k`` (the chunk's read owns it now), or -1 */
+static int take_kept(kept_files *k, long long file) {
+    for (int s = 0; s < k->n; s++) {
+        if (k->file[s] == file) {
+            int fd = k->fd[s];
+            k->n--;
+            k->file[s] = k->file[k->n], k->fd[s] = k->fd[k->n];
+            return fd;
+        }
+    }
+    return -1;
+}
+
+/* keep ``fd`` (file row ``file``) for the thread's next chunks of it; full: the oldest is closed first */
+static void keep_file(kept_files *k, long long file, int fd) {
+    if (k->n == KEPT_FILES) {
+        close(k->fd[0]);
+        memmove(k->file, k->file + 1, (KEPT_FILES - 1) * sizeof(k->file[0]));
+        memmove(k->fd, k->fd + 1, (KEPT_FILES - 1) * sizeof(k->fd[0]));
+        k->n--;
+    }
+    k->file[k->n] = file, k->fd[k->n] = fd;
+    k->n++;
+}
+
+static void close_kept(kept_files *k) {
+    while (k->n)
+        close(k->fd[--k->n]);
+}
+
+static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_files *kept) {
     const plan_tables *t = &j->t;
     const int64_t *c = t->chunks + i * N_CHUNK_COLS;
     const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
@@ -449,6 +491,13 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx) {
             io.size = f[F_SIZE];
             io.mtime_ns = f[F_MTIME];
             io.ctime_ns = f[F_CTIME];
+            if (io.has_ident && io.offset >= 0) { /* an inner chunk of a shard: its file may stay open */
+                io.keep = 1;
+                io.fd = take_kept(kept, c[C_FILE]);
+                io.reuse = io.fd >= 0;
+            }
+            if (!io.reuse)
+                count(&j->counters.files_opened, 1);
         } else {
             io.in_memory = 1;
             io.mem = t->buffers[c[C_BUFFER]];
@@ -467,6 +516,8 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx) {
             read_decode(&io, (int)c[C_CODEC], scratch + aligned(c[C_NBYTES]), (size_t)c[C_MAX_STORED],
                         (size_t)c[C_NBYTES], ctx);
         }
+        if (io.kept)
+            keep_file(kept, c[C_FILE], io.fd);
         count(&j->counters.bytes_read, io.nread);
         count(&j->counters.read_ns, io.read_ns);
         count(&j->counters.decode_ns, io.decode_ns);
@@ -499,19 +550,27 @@ static void finish_chunks(engine *e, job *j, long long n) {
     }
 }
 
+/* Work on a job's chunks until none is left. The chunks are reported finished when the thread leaves the job,
+ * after it closed the files it kept: once a job is done, none of its files is open. (It leaves right after
+ * its last chunk: the next fetch finds none left, so this delays nothing.) */
 static void run_job(engine *e, job *j, char *scratch, codec_ctx *ctx) {
+    kept_files kept = {0};
+    long long finished = 0;
     for (;;) {
         if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE))
-            return;
+            break;
         long long i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (i >= j->t.n_chunks)
-            return;
+            break;
         if (__atomic_load_n(&j->cancelled, __ATOMIC_ACQUIRE))
             __atomic_store_n(&j->status[i], ST_CANCELLED, __ATOMIC_RELEASE);
         else
-            run_chunk(j, i, scratch, ctx);
-        finish_chunks(e, j, 1);
+            run_chunk(j, i, scratch, ctx, &kept);
+        finished++;
     }
+    close_kept(&kept);
+    if (finished)
+        finish_chunks(e, j, finished);
 }
 
 static void *worker(void *arg) {

@@ -63,6 +63,12 @@ typedef struct {
     unsigned long long dev, ino;
     long long size, mtime_ns, ctime_ns;
     long long file_size; /* the file's size, from the fstat at open */
+    /* An inner chunk's shard file kept open between the chunks of it that one thread reads (pool.c), which
+     * saves an open, two stats, an fcntl and a close per chunk. reuse: ``fd`` is that file, open already, so
+     * it is neither opened nor stat'ed again (the check after the last chunk's reads saw the identity this
+     * chunk expects; a change since is seen by the check after this chunk's reads). keep: leave the file
+     * open after the reads unless that check failed; then ``kept`` says it is, and ``fd`` holds it. */
+    int reuse, keep, kept, fd;
     int status;
     long long nread;
     long long detail;
@@ -81,7 +87,8 @@ int open_chunk(chunk_io *job, size_t max_stored, size_t *size);
 const char *stored_bytes(const chunk_io *job, char *scratch);
 int read_range(chunk_io *job, int fd, char *buf, size_t lo, size_t hi);
 int read_timed(chunk_io *job, int fd, char *buf, size_t lo, size_t hi);
-/* close after the reads; 1 (status CHANGED) when an inner chunk's shard is no longer the file expected */
+/* close after the reads (or keep it open: job->keep); 1 (status CHANGED, the file closed) when an inner chunk's
+ * shard is no longer the file expected */
 int close_checked(chunk_io *job, int fd);
 
 /* ---- codecs.c ---- */
@@ -234,6 +241,7 @@ typedef struct {
     long long bytes_read, bytes_decoded, chunks_decoded, chunks_filled;
     long long read_ns, decode_ns, place_ns, fill_ns;
     long long max_threads; /* the most threads that worked on it at once */
+    long long files_opened; /* files opened (a shard's is kept open between the chunks of it a thread reads) */
 } job_counters;
 
 typedef struct engine engine;
