@@ -819,9 +819,15 @@ def test_copy_plans(work, data):
 
     batch = Guarded(batch_bytes, fill=0x11, shift=dst_shift)
     want = batch.view.copy()
-    aligned = dst_kind == native.SAME or (out_shift % src_t.itemsize == 0 and dst_shift % d_item == 0)
-    valid = (aligned and forms == ["array"] * len(plans)
-             and all(model_place(p, chunk, span, want, declared, dst_kind) for p in plans))
+
+    def aligned(plan: list[int]) -> bool:
+        """A cast reads and writes whole elements of the plan's own kind (damage may have changed it; a plan
+        of no kind is refused by the model)."""
+        item = _KINDS[plan[0]].itemsize if plan and 0 <= plan[0] < len(_KINDS) else src_t.itemsize
+        return dst_kind == native.SAME or (out_shift % item == 0 and dst_shift % d_item == 0)
+
+    valid = (forms == ["array"] * len(plans)
+             and all(aligned(p) and model_place(p, chunk, span, want, declared, dst_kind) for p in plans))
     event("taken" if valid else "refused")
     if not valid:
         want = batch.view.copy()
