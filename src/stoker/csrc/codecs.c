@@ -118,7 +118,8 @@ void codec_ctx_free(codec_ctx *ctx) {
     ctx->zstd_tried = 0;
 }
 
-/* The codecs: each reads the stored chunk (``size`` bytes) from the open ``fd`` into ``scratch``, closes it and
+/* The codecs: each reads the stored chunk (``size`` bytes) from the open ``fd`` into ``scratch``, closes it
+ * (or keeps it open: close_checked) and
  * decodes into job->out; read_ns counts from ``t0``, when the file was opened. They read the stored bytes at
  * ``src`` (stored_bytes): ``scratch`` itself for a file; for a chunk in memory its buffer, which the reads
  * only check (scratch is NULL then, and nothing is written to the buffer). */
@@ -409,7 +410,7 @@ read_done:
     job->status = (size_t)got == nbytes ? ST_OK : ST_SIZE;
 }
 
-/* Read the whole stored chunk; 0 with its file closed, or -1 with the status set. */
+/* Read the whole stored chunk; 0 with its file closed (or kept: close_checked), or -1 with the status set. */
 static int read_whole(chunk_io *job, int fd, size_t size, long long t0, char *scratch) {
     job->read_ns = now_ns() - t0; /* open and stat */
     int bad = read_timed(job, fd, scratch, 0, size);
@@ -475,7 +476,7 @@ static void decode_inflate(chunk_io *job, int fd, size_t size, long long t0, cha
 }
 #endif
 
-/* The codecs: each reads the stored chunk from its file, closes it and decodes into job->out. */
+/* The codecs: each reads the stored chunk from its file, closes (or keeps) it and decodes into job->out. */
 void read_decode(chunk_io *job, int codec, char *scratch, size_t max_stored, size_t nbytes, codec_ctx *ctx) {
     size_t size;
     long long t0 = now_ns();

@@ -17,6 +17,12 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/vfs.h>
+#elif defined(__APPLE__)
+#include <sys/mount.h>
+#include <sys/param.h>
+#endif
 
 long long now_ns(void) {
     struct timespec ts;
@@ -105,6 +111,36 @@ static int same_file(const chunk_io *job, const struct stat *st) {
            ns_of(CTIME(st)) == job->ctime_ns;
 }
 
+/* 1 when the open file is on a local file system, whose pages and attributes are the file's own. A network
+ * file system (NFS, SMB, Lustre, a FUSE mount) checks a file against its server at open and answers fstat from
+ * a cache for a while, so there a shard rewritten from another machine is only seen by opening it anew: its
+ * files are never kept open (see chunk_io.keep). Unknown file systems count as remote. */
+int on_local_fs(int fd) {
+#if defined(__linux__)
+    struct statfs fs;
+    if (fstatfs(fd, &fs) != 0)
+        return 0;
+    switch ((unsigned long)fs.f_type) {
+    case 0xEF53UL:     /* ext2, ext3, ext4 */
+    case 0x58465342UL: /* xfs */
+    case 0x9123683EUL: /* btrfs */
+    case 0x01021994UL: /* tmpfs */
+    case 0x794C7630UL: /* overlayfs (containers) */
+    case 0x2FC12FC1UL: /* zfs */
+    case 0xF2F52010UL: /* f2fs */
+        return 1;
+    default:
+        return 0;
+    }
+#elif defined(__APPLE__)
+    struct statfs fs;
+    return fstatfs(fd, &fs) == 0 && (strcmp(fs.f_fstypename, "apfs") == 0 || strcmp(fs.f_fstypename, "hfs") == 0);
+#else
+    (void)fd;
+    return 0;
+#endif
+}
+
 /* Done with the chunk's file: kept open for the next chunk of it (job->keep), else closed. */
 static void release_file(chunk_io *job, int fd) {
     if (job->keep) {
@@ -115,9 +151,10 @@ static void release_file(chunk_io *job, int fd) {
     }
 }
 
-/* Close the chunk's file after its reads (or keep it, see release_file). An inner chunk of a shard is checked once more first: a shard
- * rewritten in place while it was read may have given bytes of both versions, at the old index's offsets.
- * Then the job's status is ST_CHANGED (Python reads the index anew) and 1 is returned. */
+/* Close the chunk's file after its reads (or keep it, see release_file). An inner chunk of a shard is checked
+ * once more first: a shard rewritten in place while it was read may have given bytes of both versions, at the
+ * old index's offsets. Then the job's status is ST_CHANGED (Python reads the index anew), the file is closed
+ * and 1 is returned. */
 int close_checked(chunk_io *job, int fd) {
     if (job->in_memory)
         return 0;
@@ -196,6 +233,8 @@ int open_chunk(chunk_io *job, size_t max_stored, size_t *size) {
         close(fd);
         return -1;
     }
+    if (job->keep && !on_local_fs(fd))
+        job->keep = 0;
     job->file_size = (long long)st.st_size;
     /* an inner chunk of a shard: its index gave the size */
     *size = job->offset >= 0 ? (size_t)job->length : (size_t)st.st_size;

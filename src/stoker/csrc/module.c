@@ -31,9 +31,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <fcntl.h>
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "stoker_native.h"
 
@@ -918,6 +920,27 @@ static PyObject *engine_info_py(EngineObject *self, PyObject *Py_UNUSED(ignored)
                          v[4], "closing", v[5] ? Py_True : Py_False);
 }
 
+static PyObject *local_file_system_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *path;
+    if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &path))
+        return NULL;
+    int fd, local = 0;
+    Py_BEGIN_ALLOW_THREADS
+    fd = open(PyBytes_AS_STRING(path), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd >= 0) {
+        local = on_local_fs(fd);
+        close(fd);
+    }
+    Py_END_ALLOW_THREADS
+    if (fd < 0) {
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+        Py_DECREF(path);
+        return NULL;
+    }
+    Py_DECREF(path);
+    return PyBool_FromLong(local);
+}
+
 static PyMethodDef engine_methods[] = {
     {"submit", (PyCFunction)engine_submit_py, METH_VARARGS,
      "submit(chunks, copies, sources, files, blob, dst, kind, stream, dst_strides[, buffers]) -> BatchJob: make a "
@@ -1052,6 +1075,10 @@ static PyTypeObject BatchJobType = {
 };
 
 static PyMethodDef methods[] = {
+    {"local_file_system", local_file_system_py, METH_VARARGS,
+     "local_file_system(path) -> bool: whether the file is on a file system the engine keeps shard files open "
+     "on between inner chunks (a local one: ext4, xfs, btrfs, tmpfs, overlayfs, zfs, f2fs; apfs and hfs on "
+     "macOS). OSError when it cannot be opened."},
     {"set_codecs", set_codecs, METH_VARARGS,
      "set_codecs(zstd_decompress, zstd_is_error, blosc_decompress_ctx, blosc_getitem[, partial_max_share]): "
      "function addresses (0: that codec is not available) and the largest share of a blosc chunk decoded "

@@ -18,7 +18,8 @@
  * after checking that the job is not cancelled; job_cancel takes the lock exclusively, so once it returns no
  * worker writes into that batch again. engine_close cancels every job and waits a bounded time for the
  * threads; a thread stuck in a system call (a hung network mount) is left behind: it holds only its own
- * scratch and references, checks cancellation before any write into a batch, and frees what it holds last.
+ * scratch, references and the few shard files it keeps open (kept_files), checks cancellation before any
+ * write into a batch, and frees what it holds last.
  * Workers never call into Python.
  *
  * Sources: a chunk is read from its file (path built from the source's prefix and the file's grid coordinates)
@@ -425,7 +426,8 @@ static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char 
 /* Shard files a thread keeps open while it works on a job (see chunk_io.reuse): a crop's inner chunks come
  * one after the other, and one crop may straddle a few shards (threads share a job's chunks in turn, so each
  * sees those shards alternate). Keyed by the job's file row, so a file is only ever reused for the identity
- * its row was read with. */
+ * its row was read with. Only files on a local file system are kept (on_local_fs); a thread holds at most
+ * KEPT_FILES of them, and none once it leaves the job. */
 #define KEPT_FILES 4
 typedef struct {
     long long file[KEPT_FILES]; /* the job's file row */
@@ -433,20 +435,22 @@ typedef struct {
     int n;
 } kept_files;
 
-/* the descriptor kept for file row ``file``, taken out of ``k`` (the chunk's read owns it now), or -1 */
+/* the descriptor kept for file row ``file``, taken out of ``k`` (the chunk's read owns it now), or -1; the
+ * others stay in order of last use, oldest first */
 static int take_kept(kept_files *k, long long file) {
     for (int s = 0; s < k->n; s++) {
         if (k->file[s] == file) {
             int fd = k->fd[s];
             k->n--;
-            k->file[s] = k->file[k->n], k->fd[s] = k->fd[k->n];
+            memmove(k->file + s, k->file + s + 1, (size_t)(k->n - s) * sizeof(k->file[0]));
+            memmove(k->fd + s, k->fd + s + 1, (size_t)(k->n - s) * sizeof(k->fd[0]));
             return fd;
         }
     }
     return -1;
 }
 
-/* keep ``fd`` (file row ``file``) for the thread's next chunks of it; full: the oldest is closed first */
+/* keep ``fd`` (file row ``file``) for the thread's next chunks of it; full: the least recently used is closed */
 static void keep_file(kept_files *k, long long file, int fd) {
     if (k->n == KEPT_FILES) {
         close(k->fd[0]);

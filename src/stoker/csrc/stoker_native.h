@@ -64,10 +64,11 @@ typedef struct {
     long long size, mtime_ns, ctime_ns;
     long long file_size; /* the file's size, from the fstat at open */
     /* An inner chunk's shard file kept open between the chunks of it that one thread reads (pool.c), which
-     * saves an open, two stats, an fcntl and a close per chunk. reuse: ``fd`` is that file, open already, so
-     * it is neither opened nor stat'ed again (the check after the last chunk's reads saw the identity this
-     * chunk expects; a change since is seen by the check after this chunk's reads). keep: leave the file
-     * open after the reads unless that check failed; then ``kept`` says it is, and ``fd`` holds it. */
+     * saves an open, an fstat, an fcntl and a close per chunk. reuse: ``fd`` is that file, open already, so
+     * it is neither opened nor stat'ed again (the check after the previous chunk's reads saw the identity
+     * this chunk expects; a change since is seen by the check after this chunk's reads). keep: leave the
+     * file open after the reads unless that check failed or the file system is not local (open_chunk
+     * clears it then, see on_local_fs); ``kept`` then says it is open, and ``fd`` holds it. */
     int reuse, keep, kept, fd;
     int status;
     long long nread;
@@ -90,6 +91,8 @@ int read_timed(chunk_io *job, int fd, char *buf, size_t lo, size_t hi);
 /* close after the reads (or keep it open: job->keep); 1 (status CHANGED, the file closed) when an inner chunk's
  * shard is no longer the file expected */
 int close_checked(chunk_io *job, int fd);
+/* 1 when the open file is on a local file system (only there are shard files kept open between chunks) */
+int on_local_fs(int fd);
 
 /* ---- codecs.c ---- */
 /* What one thread keeps between chunks: zstd's context, made at the first zstd chunk (NULL: one-shot decodes). */
@@ -241,7 +244,7 @@ typedef struct {
     long long bytes_read, bytes_decoded, chunks_decoded, chunks_filled;
     long long read_ns, decode_ns, place_ns, fill_ns;
     long long max_threads; /* the most threads that worked on it at once */
-    long long files_opened; /* files opened (a shard's is kept open between the chunks of it a thread reads) */
+    long long files_opened; /* opens of files tried (a shard's may stay open for a thread's next chunks of it) */
 } job_counters;
 
 typedef struct engine engine;

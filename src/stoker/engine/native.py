@@ -177,6 +177,10 @@ shard_positions = gather_entries = None
 #: extent, row_stride, dst_strides) -> bytes`` (csrc/tables.c): the engine's chunks and copies tables from a plan's
 #: columns, or None without the engine
 chunk_rows = copy_rows = None
+#: ``local_file_system(path) -> bool``: whether the engine keeps a shard file there open between the inner
+#: chunks a thread reads (a local file system; a network one is only checked against its server at open), or
+#: None without the engine
+local_file_system = None
 if Engine is not None:
-    from .._native import (chunk_rows, copy_rows, gather_entries, plan_crops,  # noqa: F401 (native.*)
-                           plan_grid, shard_positions)
+    from .._native import (chunk_rows, copy_rows, gather_entries, local_file_system,  # noqa: F401 (native.*)
+                           plan_crops, plan_grid, shard_positions)
