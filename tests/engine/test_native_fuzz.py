@@ -222,7 +222,10 @@ def from_memory(codec: int, data: bytes, where, nbytes: int, span: tuple[int, in
     assert status == result[0], f"from memory: status {status}, from its file: {result[0]}"
     if status == native.OK:
         assert batch.view.tobytes() == out[a:b].tobytes(), "from memory, other bytes than from its file"
-    else:
+    elif not (codec == native.BLOSC and status == native.CODEC_ERROR):
+        # blosc's error code depends on the frame it was handed: read in part from a file, the frame states the
+        # end of the blocks read as its size (above); in memory it is whole. Only zstd's code is ever shown:
+        # the engine hands every failed blosc chunk to the Python path, which decides and words the error.
         assert detail == result[2]
 
 
