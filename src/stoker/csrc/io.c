@@ -175,33 +175,9 @@ int close_checked(chunk_io *job, int fd) {
 /* Open the chunk's file and learn the stored chunk's size; -1 with the job's status set when it
  * cannot be read, is not a regular file, is not the shard file the job expects, or is larger than
  * ``max_stored`` (ST_TOO_BIG, detail: its size; a file's scratch holds that many bytes). */
-int open_chunk(chunk_io *job, size_t max_stored, size_t *size) {
-    if (job->in_memory) { /* no file: a missing value (NULL) is a missing file, the buffer's size the file's */
-        if (job->mem == NULL) {
-            job->status = ST_MISSING;
-            job->detail = ENOENT;
-            return -1;
-        }
-        job->file_size = job->mem_len;
-        *size = job->offset >= 0 ? (size_t)job->length : (size_t)job->mem_len;
-        if (*size > max_stored) {
-            job->status = ST_TOO_BIG;
-            job->detail = (long long)*size;
-            return -1;
-        }
-        return MEM_FD;
-    }
-    if (job->reuse) { /* a shard's file, kept open since the thread's last chunk of it: checked after that */
-        job->file_size = job->size;
-        *size = (size_t)job->length;
-        if (*size > max_stored) {
-            job->status = ST_TOO_BIG;
-            job->detail = (long long)*size;
-            release_file(job, job->fd);
-            return -1;
-        }
-        return job->fd;
-    }
+/* Open the chunk's file and check it (regular, blocking again, the identity expected; kept only on a local file
+ * system): its descriptor with job->file_size set, or -1 with the job's status set. */
+static int open_file(chunk_io *job) {
     int fd;
     do /* a signal may cut it short on a thread that does not block them (decode_files' caller) */
         fd = open(job->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
@@ -236,12 +212,32 @@ int open_chunk(chunk_io *job, size_t max_stored, size_t *size) {
     if (job->keep && !on_local_fs(fd))
         job->keep = 0;
     job->file_size = (long long)st.st_size;
+    return fd;
+}
+
+int open_chunk(chunk_io *job, size_t max_stored, size_t *size) {
+    int fd;
+    if (job->in_memory) { /* no file: a missing value (NULL) is a missing file, the buffer's size the file's */
+        if (job->mem == NULL) {
+            job->status = ST_MISSING;
+            job->detail = ENOENT;
+            return -1;
+        }
+        job->file_size = job->mem_len;
+        fd = MEM_FD;
+    } else if (job->reuse) { /* a shard's file, kept open since the thread's last chunk of it: checked after that */
+        job->file_size = job->size;
+        fd = job->fd;
+    } else if ((fd = open_file(job)) < 0) {
+        return -1;
+    }
     /* an inner chunk of a shard: its index gave the size */
-    *size = job->offset >= 0 ? (size_t)job->length : (size_t)st.st_size;
+    *size = job->offset >= 0 ? (size_t)job->length : (size_t)job->file_size;
     if (*size > max_stored) {
         job->status = ST_TOO_BIG;
         job->detail = (long long)*size;
-        release_file(job, fd);
+        if (fd != MEM_FD)
+            release_file(job, fd);
         return -1;
     }
     return fd;
