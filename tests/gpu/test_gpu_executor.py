@@ -158,6 +158,26 @@ def _uri(z):
     return str(z.store.root)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "native"])
+@pytest.mark.parametrize("array, fill", [("float32", float("nan")), ("float32", -0.0), ("float32", float("-inf")),
+                                         ("uint16", 65535), ("int8", -5), ("uint8", 255)])
+def test_chunks_with_nothing_stored_get_every_bit_of_the_fill_value(tmp_path, gpu_decode, array, fill, dtype):
+    # the fill is placed as the bits of an integer of the batch dtype's width (held on the host)
+    z, data = _write(tmp_path / "f.zarr", (20, 37, 29), (8, 16, 16), array, ZstdCodec(level=1), fill_value=fill,
+                     skip=8)
+    samples = _samples(_uri(z), data.shape, (12, 20, 13), 6, seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (float32 into bfloat16 is cast on the CPU)
+        got, _ = _run(samples, dtype=dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipelines, "make_executor", executors.make_executor)
+        want, _ = _run(samples, dtype=dtype)
+    for g, w in zip(got, want):
+        assert _same(g, w), (array, fill, dtype)
+    for row, s in zip(torch.cat(got), samples):
+        assert _same(row, _expected(data, s, dtype).to(row.dtype)), (array, fill, dtype)
+
+
 def test_what_crosses_to_the_device_is_the_encoded_bytes_read(arrays, gpu_decode):
     z, data = arrays["lz4-shuffle-u16"]
     got, stats = _run(_samples(_uri(z), data.shape, (8, 16, 16), 8, seed=3))

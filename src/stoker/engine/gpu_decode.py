@@ -264,8 +264,7 @@ class GpuDecodeExecutor:
         held = self._sources.get(key)
         if held is not None and held[0] is reader:
             return held[1]
-        with self._on_device():
-            src = describe(reader, work, self.device)
+        src = describe(reader, work)  # (host only)
         if len(self._sources) > 4096:
             self._sources.clear()
         self._sources[key] = (reader, src)

@@ -12,15 +12,8 @@ import numpy as np
 import torch
 
 from ..gpu.ops import upload
-from .gpu_sources import Source
+from .gpu_sources import Source, carrier
 from .tables import TablePlan
-
-_CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def carrier(dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype of ``dtype``'s width: what elements are moved as."""
-    return _CARRIERS[dtype.itemsize]
 
 
 def cast(values: torch.Tensor, out: torch.dtype) -> torch.Tensor:
@@ -119,4 +112,4 @@ def fill(plan: TablePlan, sources: list[Source], dest: torch.Tensor, cids: np.nd
         _, dst, extent, _ = copies(plan, sources, dest, mine, np.zeros(len(mine), np.int64))
         for lo, hi in pieces(extent.prod(axis=1), 1 << 24):
             _, put = elements(None, dst[lo:hi], extent[lo:hi], None, dest.stride()[1:], dest.device)
-            flat.index_fill_(0, put, sources[s].fill.view(flat.dtype))
+            flat.index_fill_(0, put, sources[s].fill)

@@ -17,12 +17,18 @@ from ..zarr.grid import c_strides
 from .cast import fill_value_as, torch_dtype_of
 
 ZSTD, BLOSC, CPU = 1, 2, 3  # how a source's chunks are decoded
+_CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: each chunk's decoded bytes start at a multiple of this in the scratch (any dtype's view)
 ALIGN = 64
 
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def carrier(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype of ``dtype``'s width: what elements are moved as."""
+    return _CARRIERS[dtype.itemsize]
 
 
 def device_casts(source: np.dtype, out: torch.dtype) -> bool:
@@ -49,11 +55,13 @@ class Source:
     nbytes: int  # bytes of one decoded chunk in the scratch (aligned)
     stored: int  # the most bytes one stored chunk takes in the staging
     strides: np.ndarray  # C strides of the chunk, in elements (how it lies in the scratch)
-    fill: torch.Tensor  # the fill value in the batch dtype (a 0-d tensor on the device)
+    # the fill value in the batch dtype, as the bits of its carrier: a Python int, because index_fill_ given a
+    # tensor on the device reads it back with .item(), which waits for everything queued on the stream
+    fill: int
 
 
-def describe(reader, work: torch.dtype, device: torch.device) -> Source:
-    """How ``reader``'s chunks are decoded into a ``work`` batch on ``device`` (call on that device)."""
+def describe(reader, work: torch.dtype) -> Source:
+    """How ``reader``'s chunks are decoded into a ``work`` batch (on the host: nothing touches the device)."""
     codec = reader.metadata.codec
     how, why = CPU, None
     if not codec.plain:
@@ -66,6 +74,6 @@ def describe(reader, work: torch.dtype, device: torch.device) -> Source:
         how = ZSTD if codec.lone_zstd else BLOSC
     element = torch_dtype_of(codec.dtype) if how != CPU else work
     nbytes = math.prod(codec.shape) * element.itemsize
-    fill = fill_value_as(reader.metadata.fill_value, work).to(device)
+    fill = int(fill_value_as(reader.metadata.fill_value, work).view(carrier(work)).item())
     return Source(how, why, element, aligned(nbytes), codec.max_stored_nbytes if how != CPU else nbytes,
                   np.array(c_strides(tuple(codec.shape)), np.int64), fill)
