@@ -21,7 +21,8 @@ from .engine.reduce import reduce_stats
 from .dist.telemetry import TelemetryWriter, memory_report
 from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
-from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DtypeMismatch, InvalidArgument,
+from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DeviceError, DtypeMismatch,
+                     InvalidArgument,
                      MetadataError, NonFiniteData, NonFiniteLoss, NotFound, OutOfBounds, PoolStarved, RankFailed,
                      RankMismatch, ShutdownError, StokerError, StorageError, UnsupportedFormat, UnusedParameters)
 
@@ -58,6 +59,7 @@ __all__ = [
     "CheckpointError",
     "ClaimTimeout",
     "DecodeError",
+    "DeviceError",
     "DtypeMismatch",
     "InvalidArgument",
     "MetadataError",

@@ -82,6 +82,12 @@ class DecodeError(StokerError):
     """Stored bytes are corrupt, truncated or inconsistent with the array metadata."""
 
 
+class DeviceError(StokerError, RuntimeError):
+    """The GPU failed at work stoker queued on it: nvCOMP refused a decode, or reported damage in chunks
+    that decode on the CPU. The message names the call or the chunks; ``Config(decode_on="cpu")`` reads
+    them without the GPU decode."""
+
+
 class MetadataError(DecodeError):
     """An array's metadata document is not valid JSON or contradicts itself."""
 

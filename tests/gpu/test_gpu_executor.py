@@ -25,6 +25,7 @@ from stoker.engine import gpu_decode as gpu_decodes
 from stoker.engine import gpu_staging
 from stoker.engine import pipeline as pipelines
 from stoker.engine.gpu_decode import GpuDecodeExecutor, device_casts
+from stoker.gpu import frames
 from stoker.gpu.reference import HostDecoder
 from stoker.errors import BudgetExceeded, DecodeError, InvalidArgument
 
@@ -485,6 +486,37 @@ def test_close_mid_batch_returns_while_a_read_is_blocked(one_chunk_groups, monke
         thread.join(10.0)
         assert not thread.is_alive()
     assert all(not s.busy for s in ex.host_slots.slots)
+
+
+@pytest.mark.parametrize("when", ["at once", "deferred"])
+def test_a_device_failure_on_healthy_chunks_is_a_device_error_not_a_decode_error(one_chunk_groups, monkeypatch,
+                                                                                 when):
+    # nvCOMP reports the third group damaged (at once, or by its deferred check), but its chunk decodes on
+    # the CPU: the data is good, so the batch fails with DeviceError, naming the chunk and the way round it
+    sample, data, reads, cond = one_chunk_groups
+    calls = []
+
+    class Failing(HostDecoder):
+        def decode_staged(self, staged, layout, *args, deferred=None, **kw):
+            calls.append(layout.chunk.copy())
+            out = super().decode_staged(staged, layout, *args, deferred=deferred, **kw)
+            if len(calls) == 3:
+                exc = frames.FrameError("nvCOMP status 7 (ERROR_BAD_CHECKSUM)")
+                if when == "at once":
+                    raise exc
+                deferred.append(lambda: (_ for _ in ()).throw(exc))
+            return out
+
+    _with_decoder(monkeypatch, Failing, [])
+    cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=1, host_buffer_bytes=64 << 20,
+                        device_buffer_bytes=64 << 20)
+    with stoker.Pipeline(cfg) as p:
+        p.push([sample])
+        with pytest.raises(stoker.DeviceError, match="which the CPU decodes: nvCOMP status 7") as e:
+            p.pop()
+    assert not isinstance(e.value, DecodeError)
+    assert len(e.value.keys) == 1 and e.value.keys[0] in str(e.value) and "decode_on='cpu'" in str(e.value)
+    assert e.value.uris == [sample.uri]
 
 
 def test_a_damaged_stream_found_after_its_group_fails_the_batch_with_the_cpu_path_s_error(one_chunk_groups,

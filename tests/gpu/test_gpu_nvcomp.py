@@ -124,6 +124,20 @@ def test_a_damaged_stream_is_a_frame_error_on_the_device_too(decoder):
         decoder.decode([bytes(bad)], lay)
 
 
+def test_a_decode_nvcomp_refuses_is_a_device_error_not_a_damaged_chunk(decoder, monkeypatch):
+    from stoker.errors import DeviceError
+    from stoker.gpu.capi import Batched, NvcompError
+
+    def refuse(self, *args, **kw):
+        raise NvcompError("nvCOMP Zstd DecompressAsync: status 21 (ERROR_BATCH_SIZE_TOO_LARGE)")
+
+    monkeypatch.setattr(Batched, "decompress", refuse)
+    data = _data("small", 70000, 3)
+    frame = numcodecs.Zstd(level=3).encode(data)
+    with pytest.raises(DeviceError, match="refused to decode 1 zstd streams of chunks \\[0\\].*status 21"):
+        decoder.decode([frame], parse_zstd(frame, len(data)))
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "native"])
 def test_a_pipeline_decoding_on_the_gpu_gives_the_cpu_decode_s_batches(tmp_path, dtype):
     """End to end: Config(decode_on="gpu") against decode_on="cpu" on the same CUDA device, bit for bit, and

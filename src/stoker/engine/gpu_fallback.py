@@ -2,7 +2,8 @@
 the parser refuses or whose streams the device cannot take (decoded by the array's own codec, cast into
 the batch dtype by the CPU path's rules, and staged as raw streams), chunks of shards rewritten since
 their index was read (fetched again through the reader), and the error of a group the device failed on
-(decoded again on the CPU, so the batch fails with the CPU path's error for that chunk). Each array's
+(decoded again on the CPU, so the batch fails with the CPU path's error for that chunk, or with
+``DeviceError`` when the CPU decodes every one of them). Each array's
 first such chunk is noted once, naming the array and why."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import StorageError
+from ..errors import DeviceError, StorageError
 from ..reader.array import raise_read_error
 from ..storage.store import ByteRange, get_many
 from .cast import copy_cast, numpy_view
@@ -55,13 +56,11 @@ def cpu_decode(plan: TablePlan, cid: int, data: Any, dtype: torch.dtype, stats, 
 def decode_again(plan: TablePlan, buf: np.ndarray, cids, at, size, exc: BaseException) -> None:
     """The device failed on a group: decode its chunks (``cids``, stored at ``at`` in ``buf``, ``size``
     bytes each) on the CPU, in order, so the batch fails with the CPU path's error for the first bad chunk
-    (raised from here)."""
+    (raised from here; :class:`~stoker.errors.DeviceError` when every one decodes there)."""
     for cid, a, n in zip(cids, at, size):
         reader = plan.sources[int(plan.chunk_source[cid])]
         reader.metadata.codec.decode(bytes(buf[a:a + n]), plan.key(int(cid)))
-    first = int(cids[0])
-    codec = plan.sources[int(plan.chunk_source[first])].metadata.codec
-    raise codec.decode_error(plan.key(first), exc)  # none failed here: name the first
+    raise _healthy(plan, cids, exc)
 
 
 def decode_fetched(plan: TablePlan, cids, path_of, exc: BaseException) -> None:
@@ -71,9 +70,17 @@ def decode_fetched(plan: TablePlan, cids, path_of, exc: BaseException) -> None:
         data = fetch(plan, cid, path_of(cid))
         if data is not None:
             plan.sources[int(plan.chunk_source[cid])].metadata.codec.decode(bytes(data), plan.key(cid))
-    first = int(cids[0])
-    codec = plan.sources[int(plan.chunk_source[first])].metadata.codec
-    raise codec.decode_error(plan.key(first), exc)  # none failed here: name the first
+    raise _healthy(plan, cids, exc)
+
+
+def _healthy(plan: TablePlan, cids, exc: BaseException) -> DeviceError:
+    """The error for a group the device failed on although the CPU decodes every chunk of it: the chunks are
+    not damaged (so not a DecodeError, which would send a caller to mend good data)."""
+    keys = [plan.key(int(c)) for c in cids]
+    uris = sorted({plan.sources[int(plan.chunk_source[int(c)])].uri for c in cids})
+    shown = ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+    return DeviceError(f"the GPU decode failed on chunks {shown} of {', '.join(uris)}, which the CPU decodes: "
+                       f"{exc}; Config(decode_on='cpu') reads them without it", uris=uris, keys=keys)
 
 
 class Notices:

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import InvalidArgument
+from ..errors import DeviceError, InvalidArgument
 from . import ops
 from .capi import STATUS_NAMES, Batched, NvcompError
 from .frames import CODEC_NAMES, LZ4, ZSTD, FrameError, Layout, UnsupportedFrame, stage
@@ -93,8 +93,8 @@ class DeviceDecoder:
         """The decoded, unshuffled bytes (``layout.out_nbytes``, uint8 on the device) of ``frames``.
 
         Raises :class:`UnsupportedFrame` when a stream is not for the device (:func:`can_decode`:
-        decode those chunks on the CPU) and :class:`FrameError` when nvCOMP fails or a stream does
-        not decode to its size.
+        decode those chunks on the CPU), :class:`FrameError` when nvCOMP reports a stream damaged or it does
+        not decode to its size, and :class:`~stoker.errors.DeviceError` when nvCOMP refuses the call.
         """
         staged = torch.empty(layout.in_nbytes, dtype=torch.uint8, pin_memory=True)
         stage(frames, layout, staged.numpy())
@@ -170,9 +170,10 @@ class DeviceDecoder:
             queued = batched.decompress(data.data_ptr() + layout.src[rows], layout.csize[rows],
                                         out.data_ptr() + layout.dst[rows], expected, temp[:max(need, 1)],
                                         self.stream)
-        except NvcompError as exc:
-            raise FrameError(f"nvCOMP could not decode {len(rows)} {name} streams of chunks "
-                             f"{np.unique(layout.chunk[rows]).tolist()}: {exc}") from None
+        except NvcompError as exc:  # refused before it read a byte: not the data's fault
+            raise DeviceError(f"nvCOMP refused to decode {len(rows)} {name} streams of chunks "
+                              f"{np.unique(layout.chunk[rows]).tolist()}: {exc}; Config(decode_on='cpu') "
+                              "decodes them on the CPU") from None
         stream_chunks = layout.chunk[rows]
 
         def check() -> None:
