@@ -488,6 +488,27 @@ def test_close_mid_batch_returns_while_a_read_is_blocked(one_chunk_groups, monke
     assert all(not s.busy for s in ex.host_slots.slots)
 
 
+def test_a_damaged_last_group_fails_its_batch_as_such_even_when_the_transform_fails_too(one_chunk_groups,
+                                                                                         gpu_decode, tmp_path):
+    # the batch's tail (fills, transform, event) is queued before its last group's decode is checked: the
+    # check still decides the batch's error, and a transform that stumbles on the damage does not hide it
+    sample, data, reads, cond = one_chunk_groups
+    _corrupt(str(tmp_path / "a.zarr"), "c/1/1/1", "flip")  # the last group
+    seen = []
+
+    def fussy(batch):
+        seen.append(batch.shape)
+        raise ValueError("the transform choked")
+
+    cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=1, host_buffer_bytes=64 << 20,
+                        device_buffer_bytes=64 << 20, transform=fussy)
+    with stoker.Pipeline(cfg) as p:
+        p.push([sample])
+        with pytest.raises(DecodeError) as e:
+            p.pop()
+    assert seen and e.value.key == "c/1/1/1"
+
+
 @pytest.mark.parametrize("when", ["at once", "deferred"])
 def test_a_device_failure_on_healthy_chunks_is_a_device_error_not_a_decode_error(one_chunk_groups, monkeypatch,
                                                                                  when):

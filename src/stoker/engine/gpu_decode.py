@@ -203,7 +203,8 @@ class GpuDecodeExecutor:
         stream = min(max(on_device, default=0), self._decoder.max_stream_bytes)
 
         def temp(k: int) -> int:
-            return self._decoder.temp_bytes(k, stream, k * stream) if stream else 0
+            with self._on_device():  # nvCOMP sizes its scratch for the current device: the pipeline's
+                return self._decoder.temp_bytes(k, stream, k * stream) if stream else 0
 
         self._check(sample_shape, dtype, enc, dec, transient, temp(1))  # one chunk per group at least
         _, slots = self._device_need(sample_shape, dtype)
@@ -493,20 +494,26 @@ class GpuDecodeExecutor:
         slot.stream_waits = []
 
     def _end(self, b: "_Batch", fills: np.ndarray) -> None:
-        """The batch's last group checked, then fills, transform, the 16-bit rounding and the event."""
-        self._check_sizes(b)
+        """Fills, transform, the 16-bit rounding and the event queued, then the batch's last group checked.
+
+        The check waits for the last decode; queued first, the batch's tail keeps the device busy meanwhile.
+        The batch is delivered only after the check, and a damaged chunk's error replaces any error of the
+        transform (which saw the damage)."""
         if self._closing:
             raise ShutdownError("the pipeline was closed while this batch was being made")
-        t0 = time.perf_counter()
-        gpu_place.fill(b.plan, b.sources, b.dest, fills)
-        self.stats.stage("assemble", time.perf_counter() - t0)
-        if self.cfg.transform is not None:
+        try:
             t0 = time.perf_counter()
-            apply_transform(self.cfg.transform, b.batch)
-            self.stats.stage("transform", time.perf_counter() - t0)
-        if self._work is not None:
-            b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits
-        b.target.event = self._event()
+            gpu_place.fill(b.plan, b.sources, b.dest, fills)
+            self.stats.stage("assemble", time.perf_counter() - t0)
+            if self.cfg.transform is not None:
+                t0 = time.perf_counter()
+                apply_transform(self.cfg.transform, b.batch)
+                self.stats.stage("transform", time.perf_counter() - t0)
+            if self._work is not None:
+                b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits
+            b.target.event = self._event()
+        finally:
+            self._check_sizes(b)
 
     def _check_sizes(self, b: "_Batch") -> None:
         """The deferred checks of the group before (decoded sizes: they wait for its decode): a damaged stream
