@@ -488,6 +488,33 @@ def test_close_mid_batch_returns_while_a_read_is_blocked(one_chunk_groups, monke
     assert all(not s.busy for s in ex.host_slots.slots)
 
 
+def test_arrays_decoded_on_the_device_after_a_first_batch_without_any_get_nvcomp_s_scratch(arrays, monkeypatch):
+    # the scratch is sized at the first batch; one of CPU-decoded chunks alone still leaves room for a group
+    asked = []
+
+    class Scratchy(HostDecoder):
+        def temp_bytes(self, n, max_bytes, total_bytes):
+            return n * 100 + max_bytes // 8 if n else 0
+
+        def decode_staged(self, staged, layout, *args, temp=None, **kw):
+            streams = layout.dsize[~layout.raw]
+            if len(streams):  # (the CPU's chunks cross as raw bytes)
+                need = self.temp_bytes(len(streams), int(streams.max()), int(streams.sum()))
+                asked.append((temp.numel() if temp is not None else 0, need))
+            return super().decode_staged(staged, layout, *args, temp=temp, **kw)
+
+    _with_decoder(monkeypatch, Scratchy, [])
+    zg, dg = arrays["gzip-u16"]
+    zz, dz = arrays["zstd-u16"]
+    samples = _samples(_uri(zg), dg.shape, (5, 9, 9), 4, 1) + _samples(_uri(zz), dz.shape, (5, 9, 9), 4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got, _ = _run(samples)
+    assert asked and all(have >= need > 0 for have, need in asked), asked  # the second batch's groups
+    for row, s in zip(torch.cat(got), samples):
+        assert torch.equal(row, _expected(dg if "gzip" in s.uri else dz, s, "f32"))
+
+
 def test_a_damaged_last_group_fails_its_batch_as_such_even_when_the_transform_fails_too(one_chunk_groups,
                                                                                          gpu_decode, tmp_path):
     # the batch's tail (fills, transform, event) is queued before its last group's decode is checked: the

@@ -198,9 +198,11 @@ class GpuDecodeExecutor:
         self._decoder = make(self.stream)
 
         # nvCOMP's scratch for a group of k chunks of the arrays the device decodes, as streams of at most the
-        # decoder's largest (a group whose streams need more is decoded in parts that fit: DeviceDecoder)
+        # decoder's largest (a group whose streams need more is decoded in parts that fit: DeviceDecoder).
+        # Without such arrays in the first batch, chunks of its size: arrays met later get a scratch too,
+        # rather than one decode per stream, each with a scratch of its own outside the budget.
         on_device = [s.nbytes for s in sources if s.how != CPU]
-        stream = min(max(on_device, default=0), self._decoder.max_stream_bytes)
+        stream = min(max(on_device, default=dec), self._decoder.max_stream_bytes)
 
         def temp(k: int) -> int:
             with self._on_device():  # nvCOMP sizes its scratch for the current device: the pipeline's
