@@ -16,7 +16,7 @@ Errors carry the context that explains them as attributes (``uri``, ``key``,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 
 class StokerError(Exception):
@@ -41,6 +41,34 @@ class StokerError(Exception):
 
 def _rebuild_error(cls: type, message: str, context: dict) -> "StokerError":
     return cls(message, **context)
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def as_value(exc: _E) -> _E:
+    """``exc``, and the exceptions it was raised from, without their tracebacks: for an error kept as a value
+    (returned in place of a result). A traceback holds the frames it passed through, and a frame its
+    caller's; the list the error is put in is one of their locals, so error, frames and everything they
+    hold (a batch's buffers among them) would form a cycle that only a garbage collection frees.
+
+    >>> try:
+    ...     {}["k"]
+    ... except KeyError as e:
+    ...     got = as_value(e)
+    >>> got.__traceback__ is None
+    True
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
+    return exc
 
 
 class InvalidArgument(StokerError, ValueError):

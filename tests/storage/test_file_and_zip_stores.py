@@ -161,3 +161,52 @@ def test_byte_range_checks():
     with pytest.raises(InvalidArgument):
         ByteRange("../k", 0, 1)
     assert ByteRange.suffix("k", 5) == ByteRange("k", -5, 5) and ByteRange.suffix("k", 5).is_suffix
+
+
+def test_errors_get_each_returns_in_place_of_bytes_carry_no_traceback(tmp_path):
+    # a traceback would tie the error to the frames it passed through, and so to the caller's locals (a
+    # batch's buffers among them), in a cycle that only a garbage collection frees
+    from stoker.storage.store import get_each
+
+    path = tmp_path / "a.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("here", b"0123456789")
+    store = ZipStore(str(path))
+    for asked in ([ByteRange("gone", 0, 4)], [ByteRange("here", 0, 4), ByteRange("gone", 0, 4)]):
+        got = get_each(store, asked)
+        assert isinstance(got[-1], NotFound) and got[-1].__traceback__ is None
+        assert got[-1].__context__ is None or got[-1].__context__.__traceback__ is None
+    assert bytes(got[0]) == b"0123"
+
+
+def test_batches_of_a_zipped_sharded_array_without_shards_free_their_slots_at_once(tmp_path):
+    # every shard missing: each batch's shard-index reads end in NotFound, kept as values; with the garbage
+    # collector off, a released batch's slot must still be free (no cycle holds it), batch after batch
+    import gc
+
+    import torch
+    import zarr
+
+    import stoker
+
+    src = tmp_path / "a.zarr"
+    zarr.create_array(str(src), shape=(8,), chunks=(1,), shards=(1,), dtype="uint8", fill_value=5, compressors=None)
+    path = tmp_path / "a.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.write(src / "zarr.json", "zarr.json")
+    cfg = stoker.Config(batch_size=1, dtype="native", device="cpu", host_buffer_bytes=64 << 20, pop_timeout_s=20)
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(str(path), [(s, s + 2)]) for s in (1, 0, 2, 3, 4, 5)])
+            for _ in range(6):
+                with p.pop() as b:
+                    assert torch.from_dlpack(b).tolist() == [[5, 5]]
+            del b
+            slots = p._executor.slots.slots
+            assert all((s.refs() or 0) <= s.baseline for s in slots)  # no garbage holds a released slot
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -23,7 +23,8 @@ import numpy as np
 
 from ..zarr.box import Box, box_shape, parse_box
 from ..storage.cache import SizedLRU
-from ..errors import DecodeError, InvalidArgument, MetadataError, NotFound, OutOfBounds, StorageError, UnsupportedFormat
+from ..errors import (DecodeError, InvalidArgument, MetadataError, NotFound, OutOfBounds, StorageError, UnsupportedFormat,
+                      as_value)
 from ..storage import ByteRange, FileChanged, Identity, LocalStore, Store, default_store
 from ..storage.hierarchy import Hierarchy
 from ..storage.local import identity
@@ -658,7 +659,7 @@ def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex 
             try:
                 out[i] = reader.shard_entry(shard_key)
             except Exception as exc:  # noqa: BLE001 - returned in its place
-                out[i] = exc
+                out[i] = as_value(exc)
 
     def load(kv: Store, numbers: list[int]) -> None:
         firsts: dict[tuple[int, str], int] = {}  # a shard asked twice is read once
@@ -668,7 +669,7 @@ def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex 
         try:
             got = get_each(kv, [wanted[i][0]._index_range(wanted[i][1]) for i in asked])
         except Exception as exc:  # noqa: BLE001 - the store failed as a whole (closed...): every shard's error
-            got = [exc] * len(asked)
+            got = [as_value(exc)] * len(asked)
         for i, raw in zip(asked, got):
             reader, shard_key = wanted[i]
             if isinstance(raw, NotFound):
@@ -679,7 +680,7 @@ def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex 
                 try:
                     out[i] = reader._cached_index(shard_key, reader._stored_index(shard_key, raw))
                 except Exception as exc:  # noqa: BLE001 - a corrupt index: this shard's error
-                    out[i] = exc
+                    out[i] = as_value(exc)
         for i in numbers:
             out[i] = out[firsts[(id(wanted[i][0]), wanted[i][1])]]
 
@@ -689,7 +690,7 @@ def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex 
         except BaseException as exc:  # noqa: BLE001 - never an unread index taken for a missing shard
             for i in numbers:
                 if out[i] is _UNREAD:
-                    out[i] = exc
+                    out[i] = as_value(exc)
 
     groups = list(by_store.values())
     if len(groups) == 1:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
 
 from .. import checks
-from ..errors import InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat
+from ..errors import InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat, as_value
 from .ranges import coalesce
 from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read
 from .uri import check_remote_url
@@ -422,7 +422,7 @@ class ObjectStore:
                     raise
                 # the caller asked for this error in place of the bytes; without its traceback, whose frame
                 # holds ``out`` (a cycle that would keep every part of the call alive until a collection)
-                exc = exc.with_traceback(None)
+                exc = as_value(exc)
                 for i, _ in serve:
                     out[i] = exc
                 return
@@ -509,7 +509,7 @@ class ObjectStore:
                                                    short=lambda k: _unsatisfiable(self.uri, r, k))
                     return data
             except Exception as exc:  # noqa: BLE001 - this range's own error (no free slot too), in its place
-                return exc
+                return as_value(exc)
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
 

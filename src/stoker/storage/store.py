@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
-from ..errors import InvalidArgument, NotFound, StorageError
+from ..errors import InvalidArgument, NotFound, StorageError, as_value
 
 @dataclass(frozen=True)
 class ByteRange:
@@ -199,11 +199,11 @@ def get_each(store: Store, requests: Sequence[ByteRange]) -> list[bytes | memory
         return list(store.get_ranges(requests))
     except Exception as exc:  # noqa: BLE001 - whose it is is found below
         if len(requests) == 1:
-            return [exc]
+            return [as_value(exc)]
     out: list = []
     for r in requests:
         try:
             out.append(store.get_ranges([r])[0])
         except Exception as exc:  # noqa: BLE001 - this range's own error, returned in its place
-            out.append(exc)
+            out.append(as_value(exc))
     return out
