@@ -596,6 +596,20 @@ def test_a_fetched_batch_reports_its_lowest_failing_chunk(tmp_path, codec):
     assert np.array_equal(_pipeline_batch(uri, [[(0, 8), (0, 8)]])[0].numpy(), z[:, :8].astype(np.float32))
 
 
+@pytest.mark.parametrize("layout", ["v2", "v3 with v2 keys", "v3"])
+def test_an_array_at_the_root_of_a_zip_archive_is_read(tmp_path, layout):
+    # zarr's ZipStore puts the array at the archive's root: its chunk keys have no prefix ("0.1")
+    from store_fixtures import read_tree, write_zip
+
+    kw = {"v2": dict(zarr_format=2, compressors=numcodecs.Zstd(level=1)),
+          "v3 with v2 keys": dict(chunk_key_encoding={"name": "v2"}), "v3": {}}[layout]
+    z = zarr.create_array(str(tmp_path / "src"), shape=(8, 64), chunks=(4, 8), dtype="uint16", **kw)
+    z[...] = np.arange(512, dtype="uint16").reshape(8, 64)
+    write_zip(str(tmp_path / "a.zip"), read_tree(str(tmp_path / "src")))
+    got = _pipeline_batch(str(tmp_path / "a.zip"), [[(0, 4), (3, 40)], [(2, 6), (27, 64)]], dtype="native")
+    assert np.array_equal(got[0].numpy(), z[0:4, 3:40]) and np.array_equal(got[1].numpy(), z[2:6, 27:64])
+
+
 def test_os_errors_name_the_file(tmp_path):
     uri = str(tmp_path / "a.zarr")
     z = zarr.create_array(uri, shape=(8, 16), chunks=(8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
