@@ -515,6 +515,19 @@ def test_out_of_bounds_names_axis(small_array, box, axis):
     assert err.axis == axis and err.uri == uri
 
 
+@pytest.mark.parametrize("box", [[(2**64, 2**64 + 1), (2, 6)], [(2**63, 2**63 + 1), (2, 6)], [(0, 2**63), (2, 6)],
+                                 [(0, 2**40), (2, 6)], [(3, 4), (2**70, 2**70 + 4)]])
+def test_a_pipeline_sample_of_huge_bounds_is_out_of_bounds(small_array, box):
+    # past int64 the bounds cannot be planned, and a huge box is over any budget: it is past its array first
+    uri, _, _ = small_array
+    cfg = stoker.Config(batch_size=1, dtype="native", device="cpu", host_buffer_bytes=64 << 20, pop_timeout_s=20)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, box)])
+        with pytest.raises(stoker.OutOfBounds) as err:
+            p.pop()
+    assert err.value.uri == uri and err.value.axis == (1 if box[1][0] > 20 else 0)
+
+
 @pytest.mark.parametrize("box", [[(0, 1)], [(0, 1), (0, 1), (0, 1)], [], np.s_[0:1], (slice(0, 1),) * 4])
 def test_wrong_rank(small_array, box):
     uri, arr, _ = small_array

@@ -23,11 +23,12 @@ from ..runtime import gil
 from ..reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
 from ..storage.cache import SizedLRU
 from ..config import Config
-from ..errors import DtypeMismatch
-from ..sampling.sample import Sample
+from ..errors import BudgetExceeded, DtypeMismatch
+from ..sampling.sample import Sample, parts
 from ..storage import LocalStore
 from ..storage.locate import Stores, options_for
 from ..storage.uri import REMOTE_SCHEMES
+from ..zarr.box import check_in_bounds
 from .cast import batch_dtype
 from .executor import Executor, Job, Target
 from .intake import Intake
@@ -175,7 +176,13 @@ class Coordinator:
             uris = list({uri: None for s in samples for uri in s.uris})
             readers = self._open_all(uris)
             dtype = self._batch_dtype(readers)
-            self.executor.prepare(samples[0].shape, readers, dtype)
+            try:
+                self.executor.prepare(samples[0].shape, readers, dtype)
+            except BudgetExceeded:  # a box past its array (a huge one, say) is what to say first
+                shapes = {uri: r.shape for uri, r in zip(uris, readers)}
+                for uri, aabb in parts(samples):
+                    check_in_bounds(aabb, shapes[uri], uri)
+                raise
             known = dict(zip(uris, readers))  # the planner asks for each again: no second cache look-up
             plan = self.executor.plan(batch_id, samples, lambda u: known[u] if u in known else self.open(u))
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order

@@ -258,7 +258,11 @@ def _grid_of_crops(crops, sids, sources, shape, rows) -> tuple | None:
     The boxes go as one flat array('q'): numpy's conversion of the nested tuples costs twice as much."""
     if native.plan_crops is None or not shape or not sources:
         return None
-    boxes = array("q", [v for _, aabb in crops for box in aabb for v in box])  # crops x ndim x (start, stop)
+    try:
+        boxes = array("q", [v for _, aabb in crops for box in aabb for v in box])  # crops x ndim x (start, stop)
+    except OverflowError:  # a bound past int64, so past its array: the first crop out of bounds raises
+        _check_each(crops, sids, sources)
+        raise
     copies, chunks, outside, bytes_needed, any_sharded = native.plan_crops(boxes, array("q", sids),
                                                                            array("q", shape), rows)
     if outside >= 0:  # the first crop out of bounds raises OutOfBounds
