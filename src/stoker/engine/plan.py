@@ -68,8 +68,9 @@ class Copy:
 
     @property
     def dst(self) -> tuple:
-        """``(row, *box_sel)``: where the copy lands in the batch."""
-        return (self.row, *self.box_sel)
+        """``(row, *box_sel, ...)``: where the copy lands in the batch (the Ellipsis keeps a crop of a 0-d
+        array, ``(row,)`` alone, a view: an integer index alone gives numpy's scalar, a copy)."""
+        return (self.row, *self.box_sel, Ellipsis)
 
     def __repr__(self) -> str:
         return f"Copy(row={self.row}, chunk_sel={self.chunk_sel}, box_sel={self.box_sel})"
