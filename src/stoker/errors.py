@@ -47,10 +47,12 @@ _E = TypeVar("_E", bound=BaseException)
 
 
 def as_value(exc: _E) -> _E:
-    """``exc``, and the exceptions it was raised from, without their tracebacks: for an error kept as a value
-    (returned in place of a result). A traceback holds the frames it passed through, and a frame its
-    caller's; the list the error is put in is one of their locals, so error, frames and everything they
-    hold (a batch's buffers among them) would form a cycle that only a garbage collection frees.
+    """``exc`` made fit to be kept as a value (returned in place of a result): without its traceback, nor those
+    of the exceptions it was raised from (``__cause__``), and cut from the one being handled when it was
+    raised (``__context__``, which may be another caller's, still in flight). A traceback holds the frames
+    it passed through, and a frame its caller's; the list the error is put in is one of their locals, so
+    error, frames and everything they hold (a batch's buffers among them) would form a cycle that only a
+    garbage collection frees.
 
     >>> try:
     ...     {}["k"]
@@ -60,14 +62,12 @@ def as_value(exc: _E) -> _E:
     True
     """
     seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
         seen.add(id(e))
         e.__traceback__ = None
-        todo += [e.__cause__, e.__context__]
+        e.__context__ = None
+        e = e.__cause__
     return exc
 
 

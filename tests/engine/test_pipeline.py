@@ -292,6 +292,51 @@ def test_held_view_is_never_overwritten_and_pool_starves(volume):
             assert len(b) == 2
 
 
+def test_slots_held_by_garbage_alone_are_collected_for_a_waiting_consumer(volume, monkeypatch):
+    # views kept only by reference cycles (an exception kept with its traceback, say) are freed only by
+    # Python's collector, which a process that waits does not run: a consumer kept waiting runs it
+    from stoker.engine import pipeline as pipelines
+
+    uri, data = volume
+    samples = _random_samples(uri, data.shape, (8, 8, 8), 24)
+    collections = []
+    collect = gc.collect
+    monkeypatch.setattr(pipelines.gc, "collect", lambda *a: collections.append(collect(*a)))
+
+    class Holder:
+        pass
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with stoker.Pipeline(_cfg(batch_size=2, lookahead_batches=1, pop_timeout_s=10.0)) as p:
+            p.push(samples)
+            for k in range(12):
+                with p.pop() as b:
+                    held = Holder()
+                    held.me, held.x = held, torch.from_dlpack(b)  # a cycle holding the batch
+                    assert torch.equal(held.x[0], _expected(data, samples[2 * k], "f32"))
+                    del held
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert collections  # (each wait for both slots ran one)
+
+
+def test_no_collection_runs_while_batches_flow(volume, monkeypatch):
+    from stoker.engine import pipeline as pipelines
+
+    uri, data = volume
+    collections = []
+    monkeypatch.setattr(pipelines.gc, "collect", lambda *a: collections.append(1))
+    with stoker.Pipeline(_cfg(batch_size=2, lookahead_batches=1, pop_timeout_s=10.0)) as p:
+        p.push(_random_samples(uri, data.shape, (8, 8, 8), 24))
+        for _ in range(12):
+            with p.pop() as b:
+                torch.from_dlpack(b).sum()
+    assert not collections
+
+
 def test_release_then_drop_view_frees_slot(volume):
     uri, data = volume
     samples = _random_samples(uri, data.shape, (8, 8, 8), 40)

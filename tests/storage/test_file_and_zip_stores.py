@@ -210,3 +210,24 @@ def test_batches_of_a_zipped_sharded_array_without_shards_free_their_slots_at_on
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_an_error_kept_as_a_value_leaves_the_error_being_handled_alone():
+    from stoker.errors import as_value
+
+    def lookup():
+        try:
+            {}["k"]
+        except KeyError as exc:
+            raise NotFound("no value at k") from exc
+
+    try:
+        raise RuntimeError("handled by a caller")
+    except RuntimeError as outer:
+        try:
+            lookup()
+        except NotFound as exc:
+            kept = as_value(exc)
+        assert outer.__traceback__ is not None  # (still the caller's, to re-raise whole)
+    assert kept.__traceback__ is None and kept.__context__ is None
+    assert isinstance(kept.__cause__, KeyError) and kept.__cause__.__traceback__ is None

@@ -14,7 +14,6 @@ Two parts share the cap:
 
 from __future__ import annotations
 
-import gc
 import math
 import threading
 import time
@@ -237,11 +236,6 @@ def pinned_footprint(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
-#: how long :meth:`SlotRing.acquire` waits on slots given back but still viewed before it runs Python's
-#: garbage collector (a view may be held by a reference cycle alone), doubling after each collection
-COLLECT_AFTER_S = 0.25
-
-
 class SlotRing:
     """``n`` batch slots; :meth:`acquire` returns one no consumer can still see.
 
@@ -264,9 +258,6 @@ class SlotRing:
             for slot in self.slots:
                 advise_huge_pages(slot.tensor)  # before the first write: rewritten every batch, faulted once
         self._cond = threading.Condition()
-        # while no slot is free but some are given back and still viewed: since when, and when to collect
-        self._viewed_since: float | None = None
-        self._collect_after = COLLECT_AFTER_S
 
     @property
     def nbytes(self) -> int:
@@ -292,35 +283,21 @@ class SlotRing:
         read by a CUDA copy) frees without telling us, so while there is one this polls (2 ms); while every
         slot is busy only :meth:`release` frees one, and it notifies, so the wait is long (50 ms): a
         coordinator waiting for a slot then takes the GIL from a busy training loop once a release, not 500
-        times a second.
-
-        A view may be held by garbage alone: a reference cycle (an exception kept with its traceback, whose
-        frames hold a batch) is freed only by Python's collector, which a process that is only waiting does
-        not run. So after :data:`COLLECT_AFTER_S` with no slot free and some given back but viewed, this
-        runs a collection, then again after twice as long each time, until a slot is taken."""
+        times a second."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._cond:
-                while True:
-                    slot = self._free_locked()
-                    if slot is not None:
-                        slot.busy = True
-                        self._viewed_since, self._collect_after = None, COLLECT_AFTER_S
-                        return slot
-                    if cancelled():
-                        raise ShutdownError("pipeline closed")
-                    now = time.monotonic()
-                    if deadline is not None and now >= deadline:
-                        return None
-                    viewed = not all(s.busy for s in self.slots)
-                    if viewed and self._viewed_since is None:
-                        self._viewed_since = now
-                    if viewed and now - self._viewed_since >= self._collect_after:
-                        self._collect_after *= 2
-                        break  # collect outside the lock: finalisers (a Batch's release) take it
-                    wait = 0.002 if viewed else 0.05
-                    gil.wait(self._cond, wait if deadline is None else min(wait, deadline - now))
-            gc.collect()
+        with self._cond:
+            while True:
+                slot = self._free_locked()
+                if slot is not None:
+                    slot.busy = True
+                    return slot
+                if cancelled():
+                    raise ShutdownError("pipeline closed")
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return None
+                wait = 0.05 if all(s.busy for s in self.slots) else 0.002
+                gil.wait(self._cond, wait if deadline is None else min(wait, deadline - now))
 
     def release(self, slot: Slot, ready_after=None, stream_waits: list | None = None) -> None:
         """Give ``slot`` back; with ``ready_after`` (a CUDA event) it is reused only once that event completed,

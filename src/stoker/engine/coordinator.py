@@ -198,6 +198,9 @@ class Coordinator:
         with self.cond:
             self.inflight.append(entry)
             self.cond.notify_all()
+        # a frame can outlive its call (the callers' frames of an exception's traceback kept in a cycle):
+        # this one must not keep the batch's target, a view of its slot, alive once the batch is popped
+        del entry
 
     def _batch_dtype(self, readers: list[ArrayReader]) -> torch.dtype:
         dtypes = set()

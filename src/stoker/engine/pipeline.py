@@ -23,6 +23,7 @@ consumer is done with it.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -116,6 +117,7 @@ class Pipeline:
     def _pop(self, limit: float | None, deadline: float | None) -> Batch:
         t0 = time.perf_counter()
         inflight = self._coordinator.inflight
+        collector = _Collector(self._executor)
         while True:
             with self._cond:
                 self._raise_if_unusable()
@@ -126,6 +128,7 @@ class Pipeline:
             if head is None:
                 with self._cond:
                     self._cond.wait(0.01)
+                collector.waited()
             if deadline is not None and time.monotonic() >= deadline:
                 raise PoolStarved(self._starved_message(limit))
         with self._cond:
@@ -206,8 +209,9 @@ class Pipeline:
         """True once a batch is in flight; False when nothing more can come from what was pushed.
         PoolStarved past ``deadline`` (the coordinator may be waiting for a slot the consumer holds)."""
         intake, inflight = self._intake, self._coordinator.inflight
-        with self._cond:
-            while True:
+        collector = _Collector(self._executor)
+        while True:
+            with self._cond:
                 self._raise_if_unusable()
                 if inflight:
                     return True
@@ -220,6 +224,7 @@ class Pipeline:
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 self._cond.wait(0.05)
+            collector.waited()
         raise PoolStarved(self._starved_message(limit))
 
     # -- resumption -------------------------------------------------------------------------
@@ -266,6 +271,36 @@ class Pipeline:
             self.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+#: how long a consumer waits for a batch while every slot is held, released or not, before Python's garbage
+#: collector is run (a view may be held by a reference cycle alone), then twice as long after each collection
+COLLECT_AFTER_S = 0.25
+
+
+class _Collector:
+    """Runs a garbage collection for a consumer kept waiting because every batch slot is held.
+
+    A released slot is reused once no tensor views it; a view may be held by garbage alone (a reference
+    cycle: an exception kept with its traceback, whose frames hold a batch), which only Python's collector
+    frees, and a process that only waits does not run it. The consumer, blocked in ``pop``, is then the one
+    to run it: after :data:`COLLECT_AFTER_S` of such a wait, then after twice as long each time. Nothing
+    runs while batches flow, or while the wait is for storage or decoding."""
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+        self.since = time.monotonic()
+        self.after = COLLECT_AFTER_S
+
+    def waited(self) -> None:
+        now = time.monotonic()
+        if now - self.since < self.after:
+            return
+        ex = self.executor
+        if ex.dtype is not None and ex.held() >= ex.n_slots:
+            gc.collect()
+            self.after *= 2
+        self.since = time.monotonic()
 
 
 def _deadline(limit: float | None) -> float | None:

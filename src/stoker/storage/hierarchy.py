@@ -26,7 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 
-from ..errors import MetadataError, NotFound, StokerError, StorageError
+from ..errors import MetadataError, NotFound, StokerError, StorageError, as_value
 from .store import Store, denied
 
 #: Ancestors looked at for consolidated metadata, nearest first.
@@ -84,7 +84,7 @@ class Hierarchy:
             except StorageError as exc:
                 if not denied(exc):
                     raise
-                refused = refused or exc
+                refused = refused or as_value(exc)  # (kept past its except: no traceback, so no cycle)
                 continue
             if raw is not None:
                 return key, raw
