@@ -503,14 +503,18 @@ def test_arrays_decoded_on_the_device_after_a_first_batch_without_any_get_nvcomp
                 asked.append((temp.numel() if temp is not None else 0, need))
             return super().decode_staged(staged, layout, *args, temp=temp, **kw)
 
-    _with_decoder(monkeypatch, Scratchy, [])
+    made = []
+    _with_decoder(monkeypatch, Scratchy, made)
     zg, dg = arrays["gzip-u16"]
     zz, dz = arrays["zstd-u16"]
     samples = _samples(_uri(zg), dg.shape, (5, 9, 9), 4, 1) + _samples(_uri(zz), dz.shape, (5, 9, 9), 4, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
+        got, _ = _run(samples[:4])  # CPU-decoded chunks alone: no scratch is held for the device's decode
+        assert made[-1]._temp.numel() == 0 and not asked
         got, _ = _run(samples)
     assert asked and all(have >= need > 0 for have, need in asked), asked  # the second batch's groups
+    assert made[-1].device_nbytes() <= 64 << 20  # (the scratch within device_buffer_bytes)
     for row, s in zip(torch.cat(got), samples):
         assert torch.equal(row, _expected(dg if "gzip" in s.uri else dz, s, "f32"))
 

@@ -364,9 +364,11 @@ def test_zstd_frames_whose_header_states_another_size_are_left_out():
     magic = struct.pack("<I", 0xFD2FB528)
     no_size = magic + bytes([0x00, 0x58]) + good[9:]  # no content size: a window descriptor instead (allowed)
     huge = magic + bytes([0xE0]) + struct.pack("<Q", 2**40) + good[9:]  # 8 bytes, single segment
-    with_dict = magic + bytes([0x63]) + b"\1\0\0\0" + struct.pack("<H", 65000 - 256)  # a dictionary id; 2 bytes
-    frames_ = [good, good, no_size, huge, with_dict, with_dict, good[:7]]
-    nbytes = [70000, 69999, 70000, 70000, 65000, 65001, 70000]
+    no_dict = magic + bytes([0x63]) + b"\0\0\0\0" + struct.pack("<H", 65000 - 256)  # dictionary id 0; 2 bytes
+    with_dict = magic + bytes([0x61]) + b"\7" + struct.pack("<H", 65000 - 256)  # dictionary 7: not for the device
+    reserved = bytes(good[:4]) + bytes([good[4] | 0x08]) + good[5:]
+    frames_ = [good, good, no_size, huge, no_dict, no_dict, good[:7], with_dict, reserved]
+    nbytes = [70000, 69999, 70000, 70000, 65000, 65001, 70000, 65000, 70000]
     ins = np.cumsum([len(f) for f in frames_]) - [len(f) for f in frames_]
     buf = np.frombuffer(b"".join(frames_), np.uint8)
     layout, faults = frames.parse_zstd_batch(buf, ins, [len(f) for f in frames_], nbytes)
@@ -374,7 +376,12 @@ def test_zstd_frames_whose_header_states_another_size_are_left_out():
     assert faults == {1: "zstd frame holds 70000 bytes, the chunk 69999",
                       3: "zstd frame holds 1099511627776 bytes, the chunk 70000",
                       5: "zstd frame holds 65000 bytes, the chunk 65001",
-                      6: "zstd frame header of 7 bytes is cut short"}
+                      6: "zstd frame header of 7 bytes is cut short",
+                      7: "zstd frame needs dictionary 7",
+                      8: "zstd frame header has its reserved bit set"}
+    for bad in (with_dict, reserved):  # the CPU refuses them too
+        with pytest.raises(RuntimeError):
+            numcodecs.Zstd().decode(bad)
 
 
 # -- hostile blosc frames ---------------------------------------------------------------------------

@@ -199,14 +199,12 @@ class GpuDecodeExecutor:
 
         # nvCOMP's scratch for a group of k chunks of the arrays the device decodes, as streams of at most the
         # decoder's largest (a group whose streams need more is decoded in parts that fit: DeviceDecoder).
-        # Without such arrays in the first batch, chunks of its size: arrays met later get a scratch too,
-        # rather than one decode per stream, each with a scratch of its own outside the budget.
+        # Without such arrays in the first batch, none: the first one met later has it made (_grow_temp).
         on_device = [s.nbytes for s in sources if s.how != CPU]
-        stream = min(max(on_device, default=dec), self._decoder.max_stream_bytes)
+        stream = min(max(on_device, default=0), self._decoder.max_stream_bytes)
 
         def temp(k: int) -> int:
-            with self._on_device():  # nvCOMP sizes its scratch for the current device: the pipeline's
-                return self._decoder.temp_bytes(k, stream, k * stream) if stream else 0
+            return self._temp_bytes(k, stream)
 
         self._check(sample_shape, dtype, enc, dec, transient, temp(1))  # one chunk per group at least
         _, slots = self._device_need(sample_shape, dtype)
@@ -215,6 +213,7 @@ class GpuDecodeExecutor:
                          or self._host_need(k * enc) + transient > self.cfg.host_buffer_bytes):
             k = max(1, k * 3 // 4)
         self._enc_cap, self._dec_cap, self._transient = k * enc, k * dec, transient
+        self._group_chunks = k
         batch_shape = (self.cfg.batch_size, *sample_shape)
         with self._on_device():
             with self._on_stream():  # allocated on the stream that writes them: reused in its order
@@ -228,6 +227,26 @@ class GpuDecodeExecutor:
         self._thread = threading.Thread(target=self._run, name="stoker-gpu-decode", daemon=True)
         self._thread.start()
         self._reader.start()
+
+    def _temp_bytes(self, k: int, stream: int) -> int:
+        """nvCOMP's scratch for ``k`` streams of ``stream`` decoded bytes each."""
+        with self._on_device():  # nvCOMP sizes its scratch for the current device: the pipeline's
+            return self._decoder.temp_bytes(k, stream, k * stream) if stream else 0
+
+    def _grow_temp(self, src: Source) -> None:
+        """The first array decoded on the device after a first batch without one: nvCOMP's scratch for a
+        group of its chunks, or for as many as the rest of ``device_buffer_bytes`` holds (its groups are then
+        decoded in parts that fit). Called by the reader before it stages any of its chunks, so the submitter
+        uses the new scratch from that array's first group on."""
+        stream = min(src.nbytes, self._decoder.max_stream_bytes)
+        room = self.cfg.device_buffer_bytes - self.device_nbytes()
+        k = self._group_chunks
+        while k > 1 and self._temp_bytes(k, stream) > room:
+            k = max(1, k * 3 // 4)
+        need = self._temp_bytes(k, stream)
+        if 0 < need <= room:
+            with self._on_device(), self._on_stream():
+                self._temp = torch.empty(need, dtype=torch.uint8, device=self.device)
 
     def _on_device(self):
         return torch.cuda.device(self.device) if self._on_gpu else contextlib.nullcontext()
@@ -268,6 +287,8 @@ class GpuDecodeExecutor:
         if held is not None and held[0] is reader:
             return held[1]
         src = describe(reader, work)  # (host only)
+        if src.how != CPU and self._temp is not None and not self._temp.numel():
+            self._grow_temp(src)
         if len(self._sources) > 4096:
             self._sources.clear()
         self._sources[key] = (reader, src)

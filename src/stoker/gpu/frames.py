@@ -311,9 +311,10 @@ def parse_zstd_batch(buf: Any, chunk_in: Any, chunk_in_nbytes: Any, chunk_nbytes
                      chunk_out: Sequence[int] | None = None) -> tuple[Layout, dict[int, str]]:
     """Plain zstd chunks (numcodecs' ``Zstd``): each one stream, its stored bytes, decoding to its chunk.
 
-    Checked here: the magic number (a zstd frame, or a skippable one first) and, where a zstd frame's header
-    states its content size, that it is the chunk's size (nvCOMP's behaviour on a stream that disagrees with
-    the size it is given is undefined; the CPU decode of such a chunk fails). The decoder checks that each
+    Checked here: the magic number (a zstd frame, or a skippable one first) and, in a zstd frame's header,
+    that its reserved bit is clear, that it needs no dictionary, and that the content size it states, if it
+    states one, is the chunk's (nvCOMP's behaviour on such frames is undefined; the CPU decode of them
+    fails). A chunk that starts with a skippable frame has no header checked. The decoder checks that each
     stream decodes to exactly its chunk's size. Arguments and result as for :func:`parse_blosc_batch`.
     """
     buf = _as_bytes(buf)
@@ -325,8 +326,10 @@ def parse_zstd_batch(buf: Any, chunk_in: Any, chunk_in_nbytes: Any, chunk_nbytes
     magic = _le32(buf, np.where(faults.bad | ~live, 0, ins)) if len(buf) >= 4 else np.zeros(len(ins), _I64)
     faults.add(live & (magic != _ZSTD_MAGIC) & (magic & ~0xF != _ZSTD_SKIPPABLE),
                lambda i: f"not a zstd frame (magic number {magic[i]:#010x})")
-    stated = _zstd_content_sizes(buf, ins, sizes, live & ~faults.bad & (magic == _ZSTD_MAGIC))
+    stated, dictionary, reserved = _zstd_headers(buf, ins, sizes, live & ~faults.bad & (magic == _ZSTD_MAGIC))
     faults.add((stated == -2), lambda i: f"zstd frame header of {sizes[i]} bytes is cut short")
+    faults.add(reserved, lambda i: "zstd frame header has its reserved bit set")
+    faults.add(dictionary != 0, lambda i: f"zstd frame needs dictionary {dictionary[i]}")
     faults.add((stated >= 0) & (stated != nbytes),
                lambda i: f"zstd frame holds {stated[i]} bytes, the chunk {nbytes[i]}")
     c = np.flatnonzero(live & ~faults.bad)
@@ -337,30 +340,44 @@ def parse_zstd_batch(buf: Any, chunk_in: Any, chunk_in_nbytes: Any, chunk_nbytes
     return layout, faults.why
 
 
-def _zstd_content_sizes(buf: np.ndarray, ins: np.ndarray, sizes: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """The content size the header of each zstd frame in ``mask`` states (RFC 8878, 3.1.1.1): -1 where it
-    states none (or outside ``mask``), -2 where the frame ends inside its header."""
-    out = np.full(len(ins), -1, _I64)
+def _zstd_headers(buf: np.ndarray, ins: np.ndarray, sizes: np.ndarray,
+                  mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the header of each zstd frame in ``mask`` says (RFC 8878, 3.1.1.1): ``(content size, dictionary id,
+    reserved bit set)``. The content size is -1 where it states none (or outside ``mask``) and -2 where the
+    frame ends inside its header."""
+    stated = np.full(len(ins), -1, _I64)
+    dictionary = np.zeros(len(ins), _I64)
+    reserved = np.zeros(len(ins), bool)
     i = np.flatnonzero(mask & (sizes >= 5))
-    out[mask & (sizes < 5)] = -2
+    stated[mask & (sizes < 5)] = -2
     if not len(i):
-        return out
+        return stated, dictionary, reserved
     fhd = buf[ins[i] + 4].astype(_I64)
     fcs_flag, single = fhd >> 6, (fhd >> 5) & 1
+    reserved[i] = (fhd & 0x08) != 0
+    did_bytes = np.array([0, 1, 2, 4], _I64)[fhd & 3]
     fcs_bytes = np.where(fcs_flag == 0, single, 1 << fcs_flag)  # 0 or 1, 2, 4, 8
-    at = ins[i] + 5 + (1 - single) + np.array([0, 1, 2, 4], _I64)[fhd & 3]  # past window and dictionary id
-    short = at + fcs_bytes > ins[i] + sizes[i]
-    out[i[short]] = -2
-    has = ~short & (fcs_bytes > 0)
-    i, at, fcs_bytes = i[has], at[has], fcs_bytes[has]
-    value = np.zeros(len(i), np.uint64)
-    for k in range(8):  # little-endian, fcs_bytes of them
-        byte = buf[np.where(k < fcs_bytes, at + k, at)].astype(np.uint64)
-        value |= np.where(k < fcs_bytes, byte << np.uint64(8 * k), np.uint64(0))
-    value += np.where(fcs_bytes == 2, np.uint64(256), np.uint64(0))  # a 2-byte size is stored less 256
+    did_at = ins[i] + 5 + (1 - single)  # past the window descriptor (absent in a single segment)
+    fcs_at = did_at + did_bytes
+    short = fcs_at + fcs_bytes > ins[i] + sizes[i]
+    stated[i[short]] = -2
+    ok = ~short
+    dictionary[i[ok]] = _le_var(buf, did_at[ok], did_bytes[ok]).astype(_I64)  # (at most 4 bytes)
+    has = ok & (fcs_bytes > 0)
+    value = _le_var(buf, fcs_at[has], fcs_bytes[has])
+    value += np.where(fcs_bytes[has] == 2, np.uint64(256), np.uint64(0))  # a 2-byte size is stored less 256
     # (a size beyond int64 is beyond any chunk: clamped, it still differs from the chunk's)
-    out[i] = np.minimum(value, np.uint64(np.iinfo(_I64).max)).astype(_I64)
-    return out
+    stated[i[has]] = np.minimum(value, np.uint64(np.iinfo(_I64).max)).astype(_I64)
+    return stated, dictionary, reserved
+
+
+def _le_var(buf: np.ndarray, at: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Little-endian unsigned values of ``n`` (0 to 8) bytes at ``at`` (within ``buf``), as uint64."""
+    value = np.zeros(len(at), np.uint64)
+    for k in range(int(n.max()) if len(n) else 0):
+        byte = buf[np.where(k < n, at + k, at)].astype(np.uint64)  # (a value of no bytes reads nothing)
+        value |= np.where(k < n, byte << np.uint64(8 * k), np.uint64(0))
+    return value
 
 
 def parse_zstd(frame: Any, nbytes: int) -> Layout:
