@@ -573,6 +573,27 @@ def test_records_are_found_by_one_level_listings_not_every_chunk_key(records, ki
     assert not [k for k in seen if "/c/" in k or k.rsplit("/", 1)[-1][:1].isdigit()], seen  # no chunk key
 
 
+def test_record_names_a_uri_would_decode_read_their_own_record(records, tmp_path):
+    """A remote URI's path is percent-decoded: listed names holding '%', '?', '#' or a space are encoded when
+    made into URIs, so each record reads its own data (not 'x y.zarr' for 'x%20y.zarr'), in a store as locally."""
+    from stoker.records import ZarrRecords
+
+    names = ["x y.zarr", "x%20y.zarr", "q?.zarr", "r#1.zarr", "e\u0301.zarr"]
+    base = str(tmp_path / "odd")
+    for i, name in enumerate(names):
+        g = zarr.open_group(os.path.join(base, name), mode="w")
+        g.create_array("p", shape=(4, 2), chunks=(2, 2), dtype="float32")[...] = np.full((4, 2), i, "float32")
+    for key, value in read_tree(base).items():
+        records["s3"].client.put_object(Bucket=BUCKET, Key=f"{RECORDS}/odd/{key}", Body=value)
+    local = ZarrRecords(base)
+    remote_ds = ZarrRecords(f"s3://{BUCKET}/{RECORDS}/odd", storage_options={**records["s3"].options, **FAST})
+    assert sorted(remote_ds.metadata(i).name for i in range(len(remote_ds))) == sorted(names)
+    for ds in (local, remote_ds):
+        for i in range(len(ds)):
+            want = names.index(ds.metadata(i).name)
+            assert ds[i]["p"].numpy().tolist() == [[want, want]] * 4, (ds.metadata(i).name, ds.root)
+
+
 def test_record_datasets_in_a_zip_archive_under_every_uri_form(records, tmp_path):
     """The archive found along a ``zip://`` path without ``!`` too, as along a plain path."""
     from stoker.records import ZarrRecords

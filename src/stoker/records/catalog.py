@@ -34,6 +34,7 @@ from ..storage.artifacts import precomputed_dir
 from ..storage.hierarchy import MAX_DOCUMENT_BYTES
 from ..storage.locate import default_stores, locate
 from ..storage.store import get_many
+from ..storage.uri import join_key
 from ..zarr.metadata import parse_json
 
 Dim = Union[str, int, None]
@@ -67,8 +68,7 @@ class Catalog:
         precomputed for a dataset in a store: its local path)."""
         if name is not None and name in self.local_fields:
             return os.path.join(self.local_fields[name], self.names[i], *name.split("/"))
-        rec = os.path.join(self.root, self.names[i])
-        return rec if name is None else os.path.join(rec, *name.split("/"))
+        return join_key(self.root, self.names[i], *(name.split("/") if name is not None else ()))
 
     def shape(self, i: int, name: str) -> tuple[int, ...]:
         return tuple(int(s) for s in self.shapes[name][i])
@@ -373,7 +373,7 @@ def _scan(root: str, fields: FieldsArg, nodes, precomputed: _Precomputed | None 
     for i, record in enumerate(names):
         bound: dict[str, tuple[int, str]] = {}
         for name in wanted:
-            path = os.path.join(root, record, *name.split("/"))
+            path = join_key(root, record, *name.split("/"))
             meta = None
             try:
                 meta = (precomputed.metadata(record, name) if name in local

@@ -22,7 +22,7 @@ import functools
 import os
 import threading
 from typing import Any
-from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlparse, urlsplit, urlunsplit
 
 from ..errors import InvalidArgument
 from .store import Store
@@ -50,6 +50,22 @@ def store_root(uri: str) -> tuple[str, str]:
         if _first_segment_is_root(root, first):
             return f"{root}/{first}", rest
     return root, path
+
+
+def join_key(root: str, *names: str) -> str:
+    """``root`` joined with the key segments ``names`` (folder names as a store lists them): a remote URI's
+    segments percent-encoded, since :func:`store_root` decodes a URI's path (a record listed as
+    ``x%20y.zarr`` must not be read as ``x y.zarr``, nor ``q?.zarr`` cut at a query string); a local
+    path's, or a zip archive's, as they are.
+
+    >>> join_key("s3://bkt/data", "x%20y.zarr", "p")
+    's3://bkt/data/x%2520y.zarr/p'
+    >>> join_key("/data", "x%20y.zarr", "p")
+    '/data/x%20y.zarr/p'
+    """
+    if urlsplit(root).scheme.lower() in REMOTE_SCHEMES:
+        return "/".join([root.rstrip("/"), *(quote(n, safe="") for n in names)])
+    return os.path.join(root, *names)
 
 
 @functools.lru_cache(maxsize=256)
