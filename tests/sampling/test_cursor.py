@@ -120,11 +120,34 @@ def test_what_was_consumed_not_what_was_produced():
     ({**OLD_SHARE_STATE, "even": "sometimes"}, "even='sometimes'"),
     ({**OLD_SHARE_STATE, "segments": [[0, "strided", "wrap", 1]]}, "world_size >= 1"),
     ({**OLD_SHARE_STATE, "epoch": -1}, "epoch=-1"),
+    ({**OLD_SHARE_STATE, "rank": 2, "world_size": 2}, "rank=2"),
     ([1, 2], "dict"),
 ])
 def test_bad_states_name_what_is_wrong(bad, match):
     with pytest.raises(InvalidArgument, match=match):
         CursorState.from_dict(bad)
+
+
+@pytest.mark.parametrize("runs, steps", [([], 5), ([], 10**6), ([(2, "strided", "wrap", 100)], 0),
+                                         ([(3, "contiguous", "wrap", 3)], 2), ([(2, "strided", "drop", 5)], 1)])
+def test_a_state_that_does_not_fit_the_dataset_is_refused_on_load(runs, steps):
+    # (10 samples on 2 ranks: 5 each; after 3 on each of 3 ranks, 1 left (1 a rank); a finished "drop" run: none)
+    state = CursorState(0, 2, 0, "strided", "wrap", steps, tuple(Run(*r) for r in runs))
+    fits = not runs and steps == 5
+    for keep_split in (True, False):
+        cursor = EpochCursor(10, 0, 2)
+        if fits:
+            cursor.load(state, keep_split)  # a whole share is an epoch's end, not too much
+            continue
+        with pytest.raises(InvalidArgument, match="does not fit a dataset of 10 samples"):
+            cursor.load(state, keep_split)
+
+
+def test_a_loader_refuses_a_state_past_its_dataset_as_invalid():
+    with _loader(0, 1) as loader:
+        state = loader.state_dict()
+        with pytest.raises(InvalidArgument, match="does not fit"):
+            loader.load_state_dict({**state, "steps": 10**6})
 
 
 def test_a_state_of_the_other_kind_is_refused():

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import stoker
 from stoker.sampling import partition as sh
+from stoker.errors import InvalidArgument
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,6 +93,12 @@ def test_intervals_match_the_array_implementation(n, segments, world, policy, ev
     assert state["position"] == old_position(n, segments, world, policy, even, steps)
     assert state["segments"] == segments and state["steps"] == steps
     again = src.for_rank(world - 1, world, sh.POLICIES[steps % 2], sh.EVEN[n % 2])
+    runs = segments + [[world, policy, even, steps]]
+    fits = all(r[3] <= sh.per_rank(len(old_remaining_after(n, runs[:k])), r[0], r[2]) for k, r in enumerate(runs))
+    if not fits:  # more consumed than a run's share: not a state of this list (another one's, or edited)
+        with pytest.raises(InvalidArgument, match="does not fit"):
+            again.load_state_dict(state)
+        return
     again.load_state_dict(state)
     after = segments + ([[world, policy, even, steps]] if steps else [])
     ref = old_rank_positions(old_remaining_after(n, after), world - 1, world, again.policy, again.even)

@@ -110,7 +110,7 @@ class CursorState:
                     run.even not in partition.EVEN:
                 raise InvalidArgument(f"malformed epoch cursor state: earlier run {list(run)} needs world_size >= "
                                       f"1, policy in {partition.POLICIES}, even in {partition.EVEN}, steps >= 0")
-        if epoch < 0 or steps < 0 or world < 1 or rank < 0 or even not in partition.EVEN or \
+        if epoch < 0 or steps < 0 or world < 1 or not 0 <= rank < world or even not in partition.EVEN or \
                 policy not in partition.POLICIES:
             raise InvalidArgument(f"malformed epoch cursor state: epoch={epoch}, steps={steps}, world_size={world}, "
                                   f"rank={rank}, policy={policy!r}, even={even!r}")
@@ -172,6 +172,19 @@ class EpochCursor:
         return CursorState(self.epoch, self.world_size, self.rank, self.policy, self.even, self.steps,
                            tuple(self.segments), self.position(), dict(order))
 
+    def _check_fits(self, runs: list[Run]) -> None:
+        """InvalidArgument unless each run consumed at most a rank's share of what the runs before it left of
+        this cursor's ``size`` samples (a state of another, larger dataset, or edited, would else be read as
+        an epoch with nothing, or less than nothing, left)."""
+        for k, run in enumerate(runs):
+            left = len(partition.remaining_after(self.size, runs[:k]))
+            share = partition.per_rank(left, run.world_size, run.even)
+            if run.steps > share:
+                raise InvalidArgument(
+                    f"this epoch cursor state does not fit a dataset of {self.size} samples: a run on "
+                    f"{run.world_size} ranks consumed {run.steps} samples per rank where {left} were left "
+                    f"({share} per rank); was it saved for another dataset?", size=self.size)
+
     def load(self, state: CursorState, keep_split: bool) -> None:
         """Continue from ``state`` (saved on any world size): nothing of the epoch repeated or skipped.
 
@@ -180,6 +193,7 @@ class EpochCursor:
         anew over this world size.
         """
         segments = list(state.segments)
+        self._check_fits(segments + [Run(state.world_size, state.policy, state.even, state.steps)])
         same = (state.world_size, state.policy, state.even) == (self.world_size, self.policy, self.even)
         if keep_split and same:
             self.place(state.epoch, segments, state.steps)
