@@ -352,3 +352,44 @@ def test_options_apply_under_their_prefix_only():
     assert options_for(by_prefix, "s3://data-public/g.zarr") is None
     assert options_for(by_prefix, "s3://data/g.zarr") == {"b": 2}
     assert options_for(by_prefix, "s3://data/x/g.zarr") == {"c": 3}  # the longest prefix
+
+
+def test_a_value_announced_larger_than_max_value_bytes_is_refused_unread(server):
+    s = store(server, max_value_bytes=50_000)
+    with pytest.raises(StorageError, match="51,200 bytes as the server announces it.*max_value_bytes") as info:
+        s.get("value")
+    assert (info.value.key, info.value.attempts, info.value.announced_size) == ("value", 1, 51_200)
+    assert bytes(s.get("c/0")) == VALUE[:1000]  # within the bound
+    assert bytes(store(server).get("value")) == VALUE  # (2 GiB by default)
+    with pytest.raises(InvalidArgument, match="max_value_bytes"):
+        store(server, max_value_bytes=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_announcing_a_terabyte_is_a_storage_error_not_an_abort(tmp_path):
+    # obstore reserves the announced size at once when it reads a body whole: a terabyte aborted the process
+    import subprocess
+    import sys
+
+    script = tmp_path / "liar.py"
+    script.write_text(
+        "import threading\n"
+        "from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer\n"
+        "import stoker\n"
+        "class H(BaseHTTPRequestHandler):\n"
+        "    protocol_version = 'HTTP/1.1'\n"
+        "    def log_message(self, *a): pass\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.send_header('Content-Length', str(1 << 40)); self.end_headers()\n"
+        "        try:\n"
+        "            for _ in range(4096): self.wfile.write(b' ' * (1 << 16))\n"
+        "        except OSError: pass\n"
+        "srv = ThreadingHTTPServer(('127.0.0.1', 0), H); srv.daemon_threads = True\n"
+        "threading.Thread(target=srv.serve_forever, daemon=True).start()\n"
+        "try:\n"
+        "    stoker.open_array(f'http://127.0.0.1:{srv.server_address[1]}/a.zarr', {'timeout_s': 5.0, 'retries': 0})\n"
+        "except stoker.StorageError as e:\n"
+        "    print('StorageError', e)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "StorageError" in done.stdout and "1,099,511,627,776 bytes" in done.stdout

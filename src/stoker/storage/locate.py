@@ -33,7 +33,8 @@ from .uri import REMOTE_SCHEMES, check_remote_url, store_root
 
 #: ObjectStore settings that may be given among ``storage_options`` (stoker's, not obstore's keys).
 SETTING_KEYS = frozenset({"timeout_s", "connect_timeout_s", "retries", "retry_timeout_s", "backoff_s",
-                          "max_backoff_s", "max_in_flight", "max_gap", "max_length", "queue_timeout_s"})
+                          "max_backoff_s", "max_in_flight", "max_gap", "max_length", "queue_timeout_s",
+                          "max_value_bytes"})
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ class ObjectStore:
                  connect_timeout_s: float = 5.0, retries: int = 5, retry_timeout_s: float = 60.0,
                  backoff_s: float = 0.1, max_backoff_s: float = 5.0, max_in_flight: int = 16,
                  max_gap: int = 1 << 20, max_length: int = 16 << 20, queue_timeout_s: float | None = None,
-                 gate: asyncio.Semaphore | None = None) -> None:
+                 max_value_bytes: int = 2 << 30, gate: asyncio.Semaphore | None = None) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise InvalidArgument(f"ObjectStore takes a URL such as s3://bucket/root, got {url!r}", uri=url)
         check_remote_url(url)  # no credentials in a URI that every message names
@@ -148,6 +148,7 @@ class ObjectStore:
         self.max_gap = checks.integer("max_gap", max_gap, 0, uri=url)
         self.max_length = checks.integer("max_length", max_length, 1, uri=url)
         self.queue_timeout_s = checks.seconds("queue_timeout_s", queue_timeout_s, optional=True, uri=url)
+        self.max_value_bytes = checks.integer("max_value_bytes", max_value_bytes, 1, uri=url)
         self._gate = gate  # shared with other stores (a pipeline's): caps their requests at once together
         self._closed = False
         self._pending: set[concurrent.futures.Future] = set()
@@ -160,7 +161,7 @@ class ObjectStore:
     def _settings(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in (
             "timeout_s", "connect_timeout_s", "retries", "retry_timeout_s", "backoff_s", "max_backoff_s",
-            "max_in_flight", "max_gap", "max_length", "queue_timeout_s")}
+            "max_in_flight", "max_gap", "max_length", "queue_timeout_s", "max_value_bytes")}
 
     def __reduce__(self):  # for worker processes: rebuilt there (its own connections and loop)
         return _rebuild, (self.uri, self.storage_options, self._settings())
@@ -355,6 +356,12 @@ class ObjectStore:
         import obstore
 
         result = await obstore.get_async(self._obstore(), key)
+        size = result.meta["size"]
+        if size > self.max_value_bytes:  # obstore would reserve the announced size at once: a lie aborts us
+            raise StorageError(f"{self.uri}: key {key!r} is {size:,} bytes as the server announces it, more than "
+                               f"the {self.max_value_bytes:,} stoker reads as one value (a chunk or a metadata "
+                               "document); if that size is right, raise the storage option max_value_bytes",
+                               uri=self.uri, key=key, announced_size=size)
         data = memoryview(await result.bytes_async())
         if len(data) != result.meta["size"]:
             raise _ShortBody(f"got {len(data)} bytes of a {result.meta['size']}-byte value")
