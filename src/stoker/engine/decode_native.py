@@ -177,8 +177,8 @@ class _Source:
         row[native.S_KIND] = src_kind if self.fills else 0  # any kind: no chunk of it goes to the engine
         if self.fills:
             row[native.S_FILL] = _fill_word(meta.fill_value, dtype)
-        if not (short and self.reads):  # the engine builds no path of it (the Python path reads its chunks,
-            self.prefix = b"/"           # or a store fetches them: an array at a store's root has no prefix)
+        if not self.reads:  # the engine builds no path of it (the Python path reads its chunks, or a store
+            self.prefix = b"/"  # fetches them: an array at a store's root has no prefix)
         row[native.S_PATH_LEN] = len(self.prefix)
         row[native.S_SEP] = ord(enc.separator)
         row[native.S_SWAP] = int(not codec.stored_dtype.isnative and codec.stored_dtype.itemsize > 1)

@@ -161,7 +161,7 @@ class Pipeline:
         intake, inflight = self._intake, self._coordinator.inflight
         with self._cond:
             n_slots = self._executor.n_slots
-            if self._executor.dtype is not None and self._executor.held() >= n_slots:
+            if _all_slots_held(self._executor):
                 return (
                     f"no batch within pop_timeout_s={limit}: the consumer holds all {n_slots} batch slots. "
                     "Release batches (use `with p.pop() as batch:`), drop tensors made from old batches, or "
@@ -296,11 +296,15 @@ class _Collector:
         now = time.monotonic()
         if now - self.since < self.after:
             return
-        ex = self.executor
-        if ex.dtype is not None and ex.held() >= ex.n_slots:
+        if _all_slots_held(self.executor):
             gc.collect()
             self.after *= 2
         self.since = time.monotonic()
+
+
+def _all_slots_held(executor) -> bool:
+    """Whether every batch slot is held, released or not: no batch can be made until a view of one dies."""
+    return executor.dtype is not None and executor.held() >= executor.n_slots
 
 
 def _deadline(limit: float | None) -> float | None:

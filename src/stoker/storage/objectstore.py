@@ -363,8 +363,8 @@ class ObjectStore:
                                "document); if that size is right, raise the storage option max_value_bytes",
                                uri=self.uri, key=key, announced_size=size)
         data = memoryview(await result.bytes_async())
-        if len(data) != result.meta["size"]:
-            raise _ShortBody(f"got {len(data)} bytes of a {result.meta['size']}-byte value")
+        if len(data) != size:
+            raise _ShortBody(f"got {len(data)} bytes of a {size}-byte value")
         return data, _version(result.meta)
 
     async def _get_range(self, r: ByteRange, start: int, length: int) -> tuple[memoryview, Version | None]:
