@@ -109,6 +109,22 @@ def test_a_pipeline_reads_an_array_rewritten_on_s3_as_the_new_array(on_s3, decod
             assert np.array_equal(a, b), f"crop {k}: {(a != b).sum()} of {a.size} values are not the new array's"
 
 
+def test_the_gpu_decode_staging_reads_an_array_rewritten_on_s3_as_the_new_array(on_s3, monkeypatch):
+    """The GPU decode's executor on CPU tensors: its staging fetches the chunks through the store too."""
+    from stoker.engine import pipeline as pipelines
+    from stoker.engine.gpu_decode import GpuDecodeExecutor
+
+    monkeypatch.setattr(pipelines, "make_executor", lambda c, d, s, st: GpuDecodeExecutor.on_host(c, s, st))
+    uri, options, upload = on_s3
+    first, second, _ = _versions()
+    old = upload(first)
+    with _pipeline(options, uri) as p:
+        assert all(np.array_equal(a, b) for a, b in zip(_batch(p, uri), _crops(old)))
+        new = upload(second)
+        for k, (a, b) in enumerate(zip(_batch(p, uri), _crops(new))):
+            assert np.array_equal(a, b), f"crop {k}: {(a != b).sum()} of {a.size} values are not the new array's"
+
+
 def test_a_long_lived_reader_reads_an_array_rewritten_on_s3_as_the_new_array(on_s3):
     uri, options, upload = on_s3
     first, second, third = _versions()

@@ -393,36 +393,8 @@ class ArrayReader:
             out[piece.box_sel] = codec.decode(data, loc.key)[piece.chunk_sel]
 
     def _fetch_checked(self, keys: list[str], ranged: list[tuple[tuple[int, ...], ChunkLocation]]) -> tuple[list, list]:
-        """Whole values of ``keys`` (None: missing) and the bytes of the inner chunks ``(index, location)``, in
-        one store call; an inner chunk whose range came from another generation of its shard than its index,
-        or whose shard is now gone or shorter, is located again in the shard's index read anew and fetched
-        once more (None: now the fill value); changed again, :meth:`shard_changed`. Never bytes of one version
-        located by the index of another."""
-        try:
-            values, parts, _, versions = get_many(self.kv, keys, [ByteRange(loc.path, loc.offset, loc.length)
-                                                                  for _, loc in ranged],
-                                                  versions=True, lenient=range(len(ranged)))
-        except StorageError as exc:
-            raise_read_error([self], exc)
-        stale = [k for k, ((_, loc), data, version) in enumerate(zip(ranged, parts, versions))
-                 if isinstance(data, Exception) or not same_generation(loc.ident, version)]
-        if not stale:
-            return values, parts
-        parts = list(parts)
-        moved = [(k, self.relocate(ranged[k][0], ranged[k][1].ident)) for k in stale]
-        for k, loc in moved:
-            parts[k] = None  # empty in the new shard, or the shard is gone: the fill value
-        again = [(k, loc) for k, loc in moved if loc.path is not None]
-        try:
-            _, got, _, got_versions = get_many(self.kv, [], [ByteRange(loc.path, loc.offset, loc.length)
-                                                             for _, loc in again], versions=True)
-        except StorageError as exc:
-            raise_read_error([self], exc)
-        for (k, loc), data, version in zip(again, got, got_versions):
-            if not same_generation(loc.ident, version):
-                raise self.shard_changed(loc.key)
-            parts[k] = data
-        return values, parts
+        """:func:`fetch_stored` of this array's chunks."""
+        return fetch_stored(self.kv, keys, [(self, index, loc) for index, loc in ranged])
 
     def read_chunk(self, index: tuple[int, ...]) -> np.ndarray | None:
         """Decoded read chunk at grid ``index`` (a view, maybe strided), or ``None`` for fill."""
@@ -657,6 +629,44 @@ def raise_read_error(readers: Iterable[ArrayReader], exc: BaseException) -> NoRe
     if mine:
         raise max(mine, key=lambda r: len(r._dir)).read_error(exc) from exc
     raise exc
+
+
+def fetch_stored(kv: Store, keys: Sequence[str],
+                 ranged: Sequence[tuple[ArrayReader, tuple[int, ...], ChunkLocation]]) -> tuple[list, list]:
+    """Whole values of ``keys`` (None: missing) and the bytes of the inner chunks ``(reader, index, location)``
+    of arrays read through ``kv``, in one store call. An inner chunk whose range came from another generation
+    of its shard than its index, or whose shard is now gone or shorter, is located again in the shard's
+    index read anew (:meth:`ArrayReader.relocate`) and fetched once more (None: now the fill value); changed
+    again, :meth:`ArrayReader.shard_changed`. Never bytes of one version located by the index of another.
+
+    >>> values, parts = fetch_stored(arr.kv, [], [(arr, (0, 1), arr.locate((0, 1)))])
+    """
+    readers = [reader for reader, _, _ in ranged]
+    try:
+        values, parts, _, versions = get_many(kv, keys, [ByteRange(loc.path, loc.offset, loc.length)
+                                                         for _, _, loc in ranged],
+                                              versions=True, lenient=range(len(ranged)))
+    except StorageError as exc:
+        raise_read_error(readers, exc)
+    stale = [k for k, ((_, _, loc), data, version) in enumerate(zip(ranged, parts, versions))
+             if isinstance(data, Exception) or not same_generation(loc.ident, version)]
+    if not stale:
+        return values, parts
+    parts = list(parts)
+    moved = [(k, ranged[k][0].relocate(ranged[k][1], ranged[k][2].ident)) for k in stale]
+    for k, _ in moved:
+        parts[k] = None  # empty in the new shard, or the shard is gone: the fill value
+    again = [(k, loc) for k, loc in moved if loc.path is not None]
+    try:
+        _, got, _, got_versions = get_many(kv, [], [ByteRange(loc.path, loc.offset, loc.length) for _, loc in again],
+                                           versions=True)
+    except StorageError as exc:  # read anew, a range past its shard's end: that array's DecodeError
+        raise_read_error(readers, exc)
+    for (k, loc), data, version in zip(again, got, got_versions):
+        if not same_generation(loc.ident, version):
+            raise ranged[k][0].shard_changed(loc.key)
+        parts[k] = data
+    return values, parts
 
 
 def same_generation(ident: Identity | None, generation: Any) -> bool:
