@@ -440,10 +440,11 @@ class NativeDecoder:
         offsets, lengths = plan.chunk_offset[ranged], plan.chunk_length[ranged]
         requests = list(map(ByteRange, paths[which].tolist(), offsets.tolist(), lengths.tolist()))
         keys = self._keys(plan, plan.chunk_file[whole], sources)
-        versions = bool(getattr(kv, "reports_versions", False))
+        # blosc spans only where an ETag tells versions apart (an object store's; see frame_spans); inner chunks'
+        # generations wherever the store reports them (see PythonDecoder.check_generations)
+        versions = bool(getattr(kv, "reports_versions", False)) and getattr(kv, "start_get_many", None) is not None
         spans: dict = {}
-        # spans only where an ETag tells versions apart (an object store's; see frame_spans)
-        if versions and len(self._frames) and len(whole) and getattr(kv, "start_get_many", None) is not None:
+        if versions and len(self._frames) and len(whole):
             whole, keys, span_ids = self._spans_of(plan, kv, whole, keys, sources, requests, spans)
         else:
             span_ids = whole[:0]
