@@ -355,12 +355,14 @@ class PythonDecoder:
         stale = []
         for j, cid, expected in zip(fetch.inner, cids, want):
             version = versions[j]
-            if isinstance(parts[j], BaseException):
-                pass
-            elif not expected or version is None:
-                continue  # the store cannot tell its generations apart
-            elif (stamps[version] if version in stamps else stamps.setdefault(version, stamp(version))) == expected:
-                continue
+            if not isinstance(parts[j], BaseException):  # (gone or shorter: stale whatever its generation)
+                if not expected or version is None:
+                    continue  # the store cannot tell this shard's generations apart
+                got = stamps.get(version)
+                if got is None:
+                    got = stamps[version] = stamp(version)
+                if got == expected:
+                    continue
             if fetch.retried:
                 task = plan.chunks[cid]
                 raise plan.sources[task.source].shard_changed(task.key)
@@ -404,6 +406,7 @@ class PythonDecoder:
                             fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype))
             else:
                 again.append((cid, task))
+
         def fetch_of(part: Sequence) -> Fetch:
             cost = sum(t.length + size_class(plan.sources[t.source].metadata.codec.nbytes) for _, t in part)
             return Fetch(fetch.kv, [], [ByteRange(t.path, t.offset, t.length) for _, t in part],

@@ -24,6 +24,7 @@ came from the same generation (:func:`stamp` makes one an int to keep in a table
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Protocol, Sequence, runtime_checkable
@@ -175,6 +176,7 @@ def not_found(uri: str, key: str) -> NotFound:
     return NotFound(f"{uri}: no value at key {key!r}", uri=uri, key=key)
 
 
+@functools.lru_cache(maxsize=4096)  # the parts of one object share its generation: a fingerprint each, not per part
 def stamp(generation: Any) -> int:
     """A value's generation as a nonzero int of 62 bits (a fingerprint of it), 0 for None (unknown): what a
     table of int64s keeps of it. Two generations that differ get stamps that differ (but for a chance of
