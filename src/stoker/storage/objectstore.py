@@ -23,6 +23,12 @@ connection, a short body) is tried again after an exponential backoff with jitte
 :class:`~stoker.errors.StorageError` names the URI, key, status and attempts. A missing key is
 :class:`~stoker.errors.NotFound` at once. obstore's own retries are off: it does not report how many
 attempts it made or which status ended them, so this module retries itself.
+
+Versions. Every answer names the version of the object it came from (:data:`Version`: its size and ETag,
+or its Last-Modified time where the server sends no ETag); ``get_many`` and ``get_each`` report them with
+``versions=True``, which is how a reader tells a shard rewritten since its index was read (see
+:mod:`stoker.storage.store`, "Generations"). They are compared after the read, not sent as ``If-Match``:
+the version an answer names is that of the object whose bytes it carries.
 """
 
 from __future__ import annotations
