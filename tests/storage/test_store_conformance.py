@@ -345,3 +345,59 @@ def test_s3_anonymous_access_to_a_public_bucket(servers, values, monkeypatch):
         assert bytes(private.get("blob.bin")) == values["blob.bin"]
     finally:
         servers["s3"].client.delete_bucket_policy(Bucket=BUCKET)
+
+
+def test_every_store_reports_the_generation_of_each_read(store, values):
+    """``get_many`` and ``get_each`` with ``versions=True`` name the generation each value and range came from:
+    the same for reads of one unchanged value, None only for what was not read."""
+    from stoker.storage.store import get_each, get_many
+
+    assert store.reports_versions
+    key = next(k for k in sorted(values) if len(values[k]) > 8)
+    got, parts, value_versions, part_versions = get_many(
+        store, [key, "no/such/key"], [ByteRange(key, 0, 4), ByteRange(key, 4, 4)], versions=True)
+    assert bytes(got[0]) == values[key] and got[1] is None and [bytes(p) for p in parts] == [values[key][:4],
+                                                                                           values[key][4:8]]
+    assert value_versions[0] is not None and value_versions[1] is None
+    assert part_versions[0] == part_versions[1] == value_versions[0]
+    out, generations = get_each(store, [ByteRange.suffix(key, 4), ByteRange("no/such/key", 0, 1)], versions=True)
+    assert bytes(out[0]) == values[key][-4:] and isinstance(out[1], NotFound)
+    assert generations == [value_versions[0], None]
+    counted = CountingStore(store)  # a wrapper passes them on
+    assert get_each(counted, [ByteRange(key, 0, 1)], versions=True)[1] == [value_versions[0]]
+
+
+def test_a_memory_store_gives_a_rewritten_value_a_new_generation():
+    from stoker.storage.store import get_many
+
+    store = MemoryStore({"a": b"old value"})
+    first = get_many(store, ["a"], [], versions=True)[2][0]
+    store.set("a", b"old value")  # the same bytes written again: another write, another generation
+    second = get_many(store, [], [ByteRange("a", 0, 3)], versions=True)[3][0]
+    assert first != second
+    assert get_many(store, ["a"], [], versions=True)[2][0] == second
+
+
+def test_a_file_changed_while_it_was_read_gets_a_generation_equal_to_no_other(tmp_path, monkeypatch):
+    from stoker.storage.store import get_each
+
+    (tmp_path / "v").write_bytes(b"0123456789")
+    store = FileStore(tmp_path)
+    (_,), (before,) = get_each(store, [ByteRange("v", 0, 4)], versions=True)
+    each_alone = FileStore.get_ranges
+
+    def rewrite_after(self, requests):
+        got = each_alone(self, requests)
+        os.replace(_write(tmp_path / "w", b"abcdefghij"), tmp_path / "v")
+        return got
+
+    monkeypatch.setattr(FileStore, "get_ranges", rewrite_after)
+    (data,), (during,) = get_each(store, [ByteRange("v", 0, 4)], versions=True)
+    monkeypatch.undo()
+    (_,), (after,) = get_each(store, [ByteRange("v", 0, 4)], versions=True)
+    assert bytes(data) == b"0123" and during not in (before, after) and before != after
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path

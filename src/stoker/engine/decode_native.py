@@ -45,6 +45,7 @@ from ..zarr.grid import c_strides
 from .buffers import size_class
 from .cast import fill_value_as, torch_dtype_of
 from ..storage import ByteRange
+from ..storage.objectstore import etag_version
 from .decode_python import Fetch, PythonDecoder, fetches_within, span_bytes
 from .executor import Job
 from .frame_spans import FrameBuffers, FrameTables, assemble
@@ -439,7 +440,9 @@ class NativeDecoder:
         offsets, lengths = plan.chunk_offset[ranged], plan.chunk_length[ranged]
         requests = list(map(ByteRange, paths[which].tolist(), offsets.tolist(), lengths.tolist()))
         keys = self._keys(plan, plan.chunk_file[whole], sources)
-        versions = bool(getattr(kv, "reports_versions", False))
+        # blosc spans only where an ETag tells versions apart (an object store's; see frame_spans); inner chunks'
+        # generations wherever the store reports them (see PythonDecoder.check_generations)
+        versions = bool(getattr(kv, "reports_versions", False)) and getattr(kv, "start_get_many", None) is not None
         spans: dict = {}
         if versions and len(self._frames) and len(whole):
             whole, keys, span_ids = self._spans_of(plan, kv, whole, keys, sources, requests, spans)
@@ -447,8 +450,10 @@ class NativeDecoder:
             span_ids = whole[:0]
         held = int(stored[plan.chunk_source[whole]].sum()) + span_bytes(kv, which, offsets, lengths)
         held += sum(table.cbytes + hi - lo for lo, hi, table, _ in spans.values())  # each span's frame and blocks
-        return Fetch(kv, keys, requests, np.concatenate([whole, ranged, span_ids]), held, versions=versions,
-                     spans={j: (lo, table, key) for j, (lo, _, table, key) in spans.items()} or None)
+        return Fetch(kv, keys, requests, np.concatenate([whole, ranged, span_ids]), held,
+                     versions=versions or bool(len(ranged)),
+                     spans={j: (lo, table, key) for j, (lo, _, table, key) in spans.items()} or None,
+                     inner=range(len(ranged)))
 
     def _spans_of(self, plan: TablePlan, kv, whole: np.ndarray, keys: list[str], sources: "_SourceSet",
                   requests: list[ByteRange], spans: dict) -> tuple[np.ndarray, list[str], np.ndarray]:
@@ -483,7 +488,7 @@ class NativeDecoder:
         for k, value in enumerate(values):
             source = sources[int(plan.chunk_source[fetch.cids[k]])]
             if value is not None and source.spans:
-                self._frames.learn(store, fetch.keys[k], value, source.nbytes, value_versions[k])
+                self._frames.learn(store, fetch.keys[k], value, source.nbytes, etag_version(value_versions[k]))
         stale = []
         if fetch.spans:
             parts = list(parts)

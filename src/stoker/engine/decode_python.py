@@ -30,9 +30,10 @@ import torch
 from ..errors import DecodeError, ShutdownError, StorageError
 from ..reader.array import raise_read_error
 from ..storage import ByteRange, FileChanged, LocalStore
-from ..storage.store import get_many
+from ..storage.store import get_many, stamp
 from ..runtime.workers import DaemonPool
 from ..zarr.codecs import blosc
+from . import native
 from .buffers import Cancelled, Reservation, TransientBudget, size_class
 from .cast import copy_cast, fill_value_as
 from .executor import Job
@@ -64,6 +65,11 @@ class Fetch:
     # parts that are the stored blocks of a blosc frame, by part number: ``(lo, FrameTable, key)``
     # (see stoker.engine.frame_spans)
     spans: dict | None = None
+    # the parts that are inner chunks of shards, located by a cached index: each checked against the generation
+    # its index was read at (see PythonDecoder.check_generations); their "gone or shorter" comes in their place
+    inner: Sequence[int] = ()
+    # a fetch of inner chunks located again after their shard changed: changed again is an error
+    retried: bool = False
 
 
 def fetches_within(items: Sequence, fetch_of: Callable[[Sequence], "Fetch"], limit: int) -> list["Fetch"]:
@@ -232,7 +238,8 @@ class PythonDecoder:
                            np.array([t.length for _, t in ranged], np.int64))
         scratch = sum(size_class(plan.sources[t.source].metadata.codec.nbytes) for t in tasks)
         return Fetch(kv, [fr.path for fr in whole], [ByteRange(t.path, t.offset, t.length) for _, t in ranged],
-                     [fr.chunk_ids[0] for fr in whole] + [c for c, _ in ranged], stored + spans + scratch)
+                     [fr.chunk_ids[0] for fr in whole] + [c for c, _ in ranged], stored + spans + scratch,
+                     versions=bool(ranged), inner=range(len(ranged)))
 
     def fetch(self, job: Job, fetch: "Fetch", then: Callable, users: int = 1) -> None:
         """Fetch ``fetch`` on the I/O pool (see :meth:`_fetch`), then ``then(job, fetch, values, parts, res)`` on the
@@ -258,21 +265,23 @@ class PythonDecoder:
             res.reserve(fetch.cost, self.cancelled)
             t0 = time.perf_counter()
             start = getattr(kv, "start_get_many", None)
+            # a span's or an inner chunk's "gone or shorter" comes as its part: the chunk is read whole, or
+            # located again in its shard's index read anew, then (once: read anew, it is the error it is)
+            lenient = sorted(set(fetch.spans or ()) | set(() if fetch.retried else fetch.inner))
             if start is not None:
-                # a fetch with spans gets a span's "gone or shorter" as its part (the chunk is read whole then)
-                future = start(fetch.keys, fetch.requests, versions=True, lenient=list(fetch.spans or ())) \
+                future = start(fetch.keys, fetch.requests, versions=True, lenient=lenient) \
                     if fetch.versions else start(fetch.keys, fetch.requests)
                 future.add_done_callback(
                     lambda f: self._hand_over(job, fetch, then, users, res, t0, lambda: kv.result_of(f)))
                 return
             try:
-                values, parts = get_many(kv, fetch.keys, fetch.requests)
+                got = get_many(kv, fetch.keys, fetch.requests, versions=fetch.versions, lenient=lenient)
             except StorageError as exc:  # a range past a shard's end: that array's DecodeError
                 raise_read_error(job.plan.sources, exc)
         except BaseException:
             _release(res, users)
             raise
-        self._fetched(job, fetch, then, users, res, t0, lambda: (values, parts))
+        self._fetched(job, fetch, then, users, res, t0, lambda: got)
 
     def _hand_over(self, job: Job, fetch: "Fetch", then: Callable, users: int, res: Reservation, t0: float,
                    result: Callable) -> None:
@@ -318,10 +327,94 @@ class PythonDecoder:
                 sum(len(p) for p in parts if not isinstance(p, BaseException))
             self.stats.stage("io", time.perf_counter() - t0, bytes_out=nread)
             job.count(bytes_read=nread)
+            stale = self.check_generations(job, fetch, parts)
+            if stale:
+                fetch, values, parts = self._without_stale(job, fetch, values, parts, stale, res, users)
         except BaseException:
             _release(res, users)
             raise
-        then(job, fetch, values, parts, res)
+        if fetch is not None:
+            then(job, fetch, values, parts, res)
+
+    def check_generations(self, job: Job, fetch: "Fetch", parts: list) -> list[int]:
+        """The numbers of ``fetch``'s inner chunk parts that must not be decoded as located: their range came
+        from another generation of the shard than the index that located it, or their shard is now gone or
+        shorter (the error in place). Of a fetch already ``retried``, the first such chunk's
+        :meth:`~stoker.reader.array.ArrayReader.shard_changed` is raised instead: its shard changed again
+        after its index was read anew."""
+        if not fetch.inner or fetch.got_versions is None:
+            return []
+        plan, versions, first = job.plan, fetch.got_versions[1], len(fetch.keys)
+        cids = [fetch.cids[first + j] for j in fetch.inner]
+        files = None if fetch.retried else getattr(plan, "files", None)  # relocated tasks hold their new identity
+        if files is not None:  # a table plan: the stamp is the shard's identity field 3, no task made per chunk
+            want = files[plan.chunk_file[np.asarray(cids, np.int64)], native.F_MTIME].tolist()
+        else:
+            want = [plan.chunks[c].ident[3] if plan.chunks[c].ident else 0 for c in cids]
+        stamps: dict = {}  # a stamp per version read (the parts of one shard share theirs)
+        stale = []
+        for j, cid, expected in zip(fetch.inner, cids, want):
+            version = versions[j]
+            if not isinstance(parts[j], BaseException):  # (gone or shorter: stale whatever its generation)
+                if not expected or version is None:
+                    continue  # the store cannot tell this shard's generations apart
+                got = stamps.get(version)
+                if got is None:
+                    got = stamps[version] = stamp(version)
+                if got == expected:
+                    continue
+            if fetch.retried:
+                task = plan.chunks[cid]
+                raise plan.sources[task.source].shard_changed(task.key)
+            stale.append(j)
+        return stale
+
+    def _without_stale(self, job: Job, fetch: "Fetch", values: list, parts: list, stale: list[int],
+                       res: Reservation, users: int) -> tuple:
+        """``fetch`` less its ``stale`` inner chunks, which are located again in their shards' indexes read anew
+        (:meth:`~stoker.reader.array.ArrayReader.relocate`) and fetched once more, decoded on this path (the
+        fill value where the new shard holds none). Returns ``(fetch, values, parts)`` left for its ``then``
+        (fetch None: nothing left; ``res`` released then). ``res`` has a user per chunk (this path's
+        decodes) or one for all (the engine's): the stale chunks' users are released here."""
+        plan, first = job.plan, len(fetch.keys)
+        tasks = [(fetch.cids[first + j], plan.chunks[fetch.cids[first + j]]) for j in stale]
+        for _, task in tasks:  # all located before any is handed on: a failure here fails the fetch once
+            loc = plan.sources[task.source].relocate(task.index, task.ident)
+            task.path, task.offset, task.length, task.ident = loc.path, loc.offset, loc.length, loc.ident
+        gone = set(stale)
+        keep = [j for j in range(len(parts)) if j not in gone]
+        if not values and not keep:
+            _release(res, users)
+            rest = None
+        else:
+            if users == len(fetch.cids):  # a user per chunk
+                for _ in stale:
+                    res.done()
+            renumber = {j: n for n, j in enumerate(keep)}
+            versions = fetch.got_versions
+            cids = list(fetch.cids[:first]) + [fetch.cids[first + j] for j in keep]
+            rest = Fetch(fetch.kv, fetch.keys, [fetch.requests[j] for j in keep],
+                         np.asarray(cids, np.int64) if isinstance(fetch.cids, np.ndarray) else cids, fetch.cost,
+                         fetch.versions, versions and (versions[0], [versions[1][j] for j in keep]),
+                         {renumber[j]: span for j, span in fetch.spans.items()} if fetch.spans else None,
+                         [renumber[j] for j in fetch.inner if j in renumber], fetch.retried)
+            parts = [parts[j] for j in keep]
+        again = []
+        for cid, task in tasks:
+            if task.path is None:  # empty in the new shard, or the shard is gone
+                self._guard(job, 1, self._fill, job, task,
+                            fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype))
+            else:
+                again.append((cid, task))
+
+        def fetch_of(part: Sequence) -> Fetch:
+            cost = sum(t.length + size_class(plan.sources[t.source].metadata.codec.nbytes) for _, t in part)
+            return Fetch(fetch.kv, [], [ByteRange(t.path, t.offset, t.length) for _, t in part],
+                         [c for c, _ in part], cost, versions=True, inner=range(len(part)), retried=True)
+
+        for again_fetch in fetches_within(again, fetch_of, max(1, self.budget.capacity // 4)) if again else ():
+            self.fetch(job, again_fetch, self._decode_fetched, users=len(again_fetch.cids))
+        return rest, values, parts
 
     def _decode_fetched(self, job: Job, fetch: "Fetch", values: list, parts: list, res: Reservation) -> None:
         """Decode every chunk of a finished fetch on the compute pool (one task each); a missing whole value is

@@ -16,24 +16,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DeviceError, StorageError
-from ..reader.array import raise_read_error
-from ..storage.store import ByteRange, get_many
+from ..errors import DeviceError
+from ..reader.array import ChunkLocation, fetch_stored
 from .cast import copy_cast, numpy_view
-from .tables import TablePlan
+from .tables import F_IDENT, TablePlan
 
 
 def fetch(plan: TablePlan, cid: int, path: str | None):
     """Chunk ``cid``'s stored bytes through its reader (a new buffer), or None (the fill value). ``path``:
     its file (its store key for an array in a store)."""
     reader = plan.sources[int(plan.chunk_source[cid])]
+    index = tuple(int(v) for v in plan.chunk_index[cid])
     if reader.kv is not None and int(plan.chunk_offset[cid]) >= 0:
-        try:
-            return get_many(reader.kv, [], [ByteRange(path, int(plan.chunk_offset[cid]),
-                                                      int(plan.chunk_length[cid]))])[1][0]
-        except StorageError as exc:  # a range past a shard's end: the array's DecodeError
-            raise_read_error([reader], exc)
-    return reader.encoded_chunk(tuple(int(v) for v in plan.chunk_index[cid]))[1]
+        f = int(plan.chunk_file[cid])
+        ident = tuple(int(v) for v in plan.files[f, F_IDENT:F_IDENT + 2].view(np.uint64)) + \
+            tuple(int(v) for v in plan.files[f, F_IDENT + 2:F_IDENT + 5])
+        loc = ChunkLocation(plan.key(cid), path, int(plan.chunk_offset[cid]), int(plan.chunk_length[cid]), ident)
+        return fetch_stored(reader.kv, [], [(reader, index, loc)])[1][0]  # checked against its index's generation
+    return reader.encoded_chunk(index)[1]
 
 
 def cpu_decode(plan: TablePlan, cid: int, data: Any, dtype: torch.dtype, stats, counts: dict) -> np.ndarray:

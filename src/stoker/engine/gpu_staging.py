@@ -26,12 +26,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import BudgetExceeded, DecodeError, ShutdownError, StorageError
-from ..reader.array import raise_read_error
+from ..errors import BudgetExceeded, DecodeError, ShutdownError
+from ..reader.array import ChunkLocation, fetch_stored
 from ..runtime import gil
 from ..runtime.workers import DaemonPool
 from ..storage import FileChanged
-from ..storage.store import ByteRange, get_many
 from . import gpu_fallback
 from .gpu_sources import CPU, Source
 from .tables import F_IDENT, F_SOURCE, TablePlan
@@ -327,13 +326,12 @@ class Stager:
             whole = mine[plan.chunk_offset[mine] < 0]
             ranged = mine[plan.chunk_offset[mine] >= 0]
             t0 = time.perf_counter()
-            try:
-                values, parts = get_many(kv, [self.path(plan, c, files) for c in whole.tolist()],
-                                         [ByteRange(self.path(plan, c, files), o, n) for c, o, n in
-                                          zip(ranged.tolist(), plan.chunk_offset[ranged].tolist(),
-                                              plan.chunk_length[ranged].tolist())])
-            except StorageError as exc:  # a range past a shard's end: that array's DecodeError
-                raise_read_error(plan.sources, exc)
+            inner = []  # (reader, grid index, location) of each inner chunk: checked against its index's generation
+            for c, o, n in zip(ranged.tolist(), plan.chunk_offset[ranged].tolist(), plan.chunk_length[ranged].tolist()):
+                path, ident = self.file(plan, int(plan.chunk_file[c]), files)
+                inner.append((plan.sources[int(plan.chunk_source[c])], tuple(int(v) for v in plan.chunk_index[c]),
+                              ChunkLocation(plan.key(c), path, o, n, ident)))
+            values, parts = fetch_stored(kv, [self.path(plan, c, files) for c in whole.tolist()], inner)
             got = values + list(parts)
             order = np.concatenate([whole, ranged])
             missing = np.array([v is None for v in got], bool)

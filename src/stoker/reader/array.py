@@ -28,7 +28,7 @@ from ..errors import (DecodeError, InvalidArgument, MetadataError, NotFound, Out
 from ..storage import ByteRange, FileChanged, Identity, LocalStore, Store, default_store
 from ..storage.hierarchy import Hierarchy
 from ..storage.local import identity
-from ..storage.store import get_each, get_many
+from ..storage.store import get_each, get_many, stamp
 from ..storage.locate import Stores, default_stores, locate
 from ..zarr.fields import show
 from ..zarr.grid import chunk_intersections, grid_shape
@@ -227,7 +227,10 @@ class ChunkLocation(NamedTuple):
 
 class ShardIndex(NamedTuple):
     """A shard's decoded ``(n_inner, 2)`` index and the :data:`~stoker.storage.Identity` of the file it
-    was read from: its offsets hold in that file only."""
+    was read from: its offsets hold in that file only. An index read through a store has an identity of
+    its own, ``(0, reader token, 0, generation stamp, 0)``: the :func:`~stoker.storage.store.stamp` of the
+    generation of the shard value it was read from (0: the store cannot tell), checked by
+    :func:`same_generation` against every range read of the shard's chunks."""
 
     table: np.ndarray
     ident: Identity
@@ -379,11 +382,7 @@ class ArrayReader:
         """Fetch ``(piece, location)``s in one store call, then decode each into ``out``."""
         whole = [(p, loc) for p, loc in group if loc.offset is None]
         ranged = [(p, loc) for p, loc in group if loc.offset is not None]
-        try:
-            values, parts = get_many(self.kv, [loc.path for _, loc in whole],
-                                     [ByteRange(loc.path, loc.offset, loc.length) for _, loc in ranged])
-        except StorageError as exc:
-            raise_read_error([self], exc)
+        values, parts = self._fetch_checked([loc.path for _, loc in whole], [(p.index, loc) for p, loc in ranged])
         codec = self.metadata.codec
         for (piece, loc), data in itertools.chain(zip(whole, values), zip(ranged, parts)):
             if data is None:  # a chunk not stored: the fill value
@@ -392,6 +391,10 @@ class ArrayReader:
             if loc.offset is None:
                 codec.check_stored_size(len(data), loc.key)
             out[piece.box_sel] = codec.decode(data, loc.key)[piece.chunk_sel]
+
+    def _fetch_checked(self, keys: list[str], ranged: list[tuple[tuple[int, ...], ChunkLocation]]) -> tuple[list, list]:
+        """:func:`fetch_stored` of this array's chunks."""
+        return fetch_stored(self.kv, keys, [(self, index, loc) for index, loc in ranged])
 
     def read_chunk(self, index: tuple[int, ...]) -> np.ndarray | None:
         """Decoded read chunk at grid ``index`` (a view, maybe strided), or ``None`` for fill."""
@@ -438,7 +441,7 @@ class ArrayReader:
         if loc.path is None:
             return loc.key, None
         if self.kv is not None:
-            return loc.key, self._get_stored(loc)
+            return loc.key, self._get_stored(index, loc)
         if loc.offset is None:
             return loc.key, self._read_chunk_file(loc)
         try:
@@ -456,9 +459,9 @@ class ArrayReader:
                               "it was read", uri=self.uri, key=loc.key)
         return loc.key, data
 
-    def _get_stored(self, loc: ChunkLocation):
+    def _get_stored(self, index: tuple[int, ...], loc: ChunkLocation):
         """A chunk read through the store: a whole value (None when missing: the fill value) or an inner
-        chunk's range."""
+        chunk's range (checked against its index's generation: see :meth:`_fetch_checked`)."""
         if loc.offset is None:
             try:
                 data = self.kv.get(loc.path)
@@ -466,10 +469,7 @@ class ArrayReader:
                 return None
             self.metadata.codec.check_stored_size(len(data), loc.key)
             return data
-        try:
-            return self.kv.get_ranges([ByteRange(loc.path, loc.offset, loc.length)])[0]
-        except StorageError as exc:
-            raise_read_error([self], exc)
+        return self._fetch_checked([], [(index, loc)])[1][0]
 
     def _read_chunk_file(self, loc: ChunkLocation) -> bytearray | None:
         """The whole chunk file, or None when missing; one larger than the codecs can write is not read."""
@@ -561,13 +561,14 @@ class ArrayReader:
 
     def _load_stored_index(self, shard_key: str) -> ShardIndex | None:
         """A shard's index read through the store by one range (see :meth:`_index_range`)."""
-        try:
-            raw = self.kv.get_ranges([self._index_range(shard_key)])[0]
-        except NotFound:
+        out, generations = get_each(self.kv, [self._index_range(shard_key)], versions=True)
+        if isinstance(out[0], NotFound):
             return None
-        except StorageError as exc:
-            raise self.index_error(shard_key, exc) from None
-        return self._stored_index(shard_key, raw)
+        if isinstance(out[0], StorageError):
+            raise self.index_error(shard_key, out[0])
+        if isinstance(out[0], Exception):
+            raise out[0]
+        return self._stored_index(shard_key, out[0], generations[0])
 
     def read_error(self, exc: BaseException) -> BaseException:
         """What a failed store read of this array's chunks means: a range past the end of one of its shard
@@ -606,9 +607,11 @@ class ArrayReader:
         return ByteRange.suffix(key, spec.index_nbytes) if spec.index_location == "end" else \
             ByteRange(key, 0, spec.index_nbytes)
 
-    def _stored_index(self, shard_key: str, raw) -> ShardIndex:
+    def _stored_index(self, shard_key: str, raw, generation: Any = None) -> ShardIndex:
+        """The index ``raw`` read at ``generation`` of the shard: an identity per reader and generation (see
+        :class:`ShardIndex`), so neither readers' nor generations' shards ever mix."""
         table = self.metadata.sharding.decode_index(raw, self.uri, shard_key, _UNKNOWN_SIZE)
-        return ShardIndex(table, (0, self._token, 0, 0, 0))  # one identity per reader: its shards never mix
+        return ShardIndex(table, (0, self._token, 0, stamp(generation), 0))
 
     def _cached_index(self, shard_key: str, entry: ShardIndex | None) -> ShardIndex | None:
         """``entry`` cached as ``shard_key``'s index (unless another thread cached one first: that one)."""
@@ -626,6 +629,53 @@ def raise_read_error(readers: Iterable[ArrayReader], exc: BaseException) -> NoRe
     if mine:
         raise max(mine, key=lambda r: len(r._dir)).read_error(exc) from exc
     raise exc
+
+
+def fetch_stored(kv: Store, keys: Sequence[str],
+                 ranged: Sequence[tuple[ArrayReader, tuple[int, ...], ChunkLocation]]) -> tuple[list, list]:
+    """Whole values of ``keys`` (None: missing) and the bytes of the inner chunks ``(reader, index, location)``
+    of arrays read through ``kv``, in one store call. An inner chunk whose range came from another generation
+    of its shard than its index, or whose shard is now gone or shorter, is located again in the shard's
+    index read anew (:meth:`ArrayReader.relocate`) and fetched once more (None: now the fill value); changed
+    again, :meth:`ArrayReader.shard_changed`. Never bytes of one version located by the index of another.
+
+    >>> values, parts = fetch_stored(arr.kv, [], [(arr, (0, 1), arr.locate((0, 1)))])
+    """
+    readers = [reader for reader, _, _ in ranged]
+    try:
+        values, parts, _, versions = get_many(kv, keys, [ByteRange(loc.path, loc.offset, loc.length)
+                                                         for _, _, loc in ranged],
+                                              versions=True, lenient=range(len(ranged)))
+    except StorageError as exc:
+        raise_read_error(readers, exc)
+    stale = [k for k, ((_, _, loc), data, version) in enumerate(zip(ranged, parts, versions))
+             if isinstance(data, Exception) or not same_generation(loc.ident, version)]
+    if not stale:
+        return values, parts
+    parts = list(parts)
+    moved = [(k, ranged[k][0].relocate(ranged[k][1], ranged[k][2].ident)) for k in stale]
+    for k, _ in moved:
+        parts[k] = None  # empty in the new shard, or the shard is gone: the fill value
+    again = [(k, loc) for k, loc in moved if loc.path is not None]
+    try:
+        _, got, _, got_versions = get_many(kv, [], [ByteRange(loc.path, loc.offset, loc.length) for _, loc in again],
+                                           versions=True)
+    except StorageError as exc:  # read anew, a range past its shard's end: that array's DecodeError
+        raise_read_error(readers, exc)
+    for (k, loc), data, version in zip(again, got, got_versions):
+        if not same_generation(loc.ident, version):
+            raise ranged[k][0].shard_changed(loc.key)
+        parts[k] = data
+    return values, parts
+
+
+def same_generation(ident: Identity | None, generation: Any) -> bool:
+    """Whether a range read through a store at ``generation`` (None: the store cannot tell) may be decoded as
+    located by a shard index of identity ``ident`` (a :class:`ShardIndex`'s): the same generation of the
+    shard value, or one of the two unknown."""
+    if ident is None or generation is None or not ident[3]:
+        return True
+    return stamp(generation) == ident[3]
 
 
 #: What :meth:`ArrayReader.cached_shard_entries` gives for a shard whose index is not cached.
@@ -667,10 +717,10 @@ def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex 
             firsts.setdefault((id(wanted[i][0]), wanted[i][1]), i)
         asked = list(firsts.values())
         try:
-            got = get_each(kv, [wanted[i][0]._index_range(wanted[i][1]) for i in asked])
+            got, generations = get_each(kv, [wanted[i][0]._index_range(wanted[i][1]) for i in asked], versions=True)
         except Exception as exc:  # noqa: BLE001 - the store failed as a whole (closed...): every shard's error
-            got = [as_value(exc)] * len(asked)
-        for i, raw in zip(asked, got):
+            got, generations = [as_value(exc)] * len(asked), [None] * len(asked)
+        for i, raw, generation in zip(asked, got, generations):
             reader, shard_key = wanted[i]
             if isinstance(raw, NotFound):
                 out[i] = reader._cached_index(shard_key, None)
@@ -678,7 +728,7 @@ def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex 
                 out[i] = reader.index_error(shard_key, raw)
             else:
                 try:
-                    out[i] = reader._cached_index(shard_key, reader._stored_index(shard_key, raw))
+                    out[i] = reader._cached_index(shard_key, reader._stored_index(shard_key, raw, generation))
                 except Exception as exc:  # noqa: BLE001 - a corrupt index: this shard's error
                     out[i] = as_value(exc)
         for i in numbers:

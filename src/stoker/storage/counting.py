@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Collection, Sequence
 
 from .store import ByteRange, Store, get_each, get_many
 
@@ -63,16 +63,24 @@ class CountingStore:
         self._count(len(requests), sum(memoryview(d).nbytes for d in out))
         return out
 
-    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> tuple[list, list]:
-        values, out = get_many(self.store, keys, requests)
-        self._count(len(keys) + len(requests),
-                    sum(memoryview(d).nbytes for d in values if d is not None) + sum(memoryview(d).nbytes for d in out))
-        return values, out
+    @property
+    def reports_versions(self) -> bool:
+        return True  # what the store it wraps reports, or None for every read (see store.get_many)
 
-    def get_each(self, requests: Sequence[ByteRange]) -> list:
-        out = get_each(self.store, requests)
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
+                 lenient: Collection[int] = ()) -> tuple:
+        got = get_many(self.store, keys, requests, versions, lenient)
+        values, out = got[0], got[1]
+        self._count(len(keys) + len(requests),
+                    sum(memoryview(d).nbytes for d in values if d is not None)
+                    + sum(memoryview(d).nbytes for d in out if not isinstance(d, Exception)))
+        return got
+
+    def get_each(self, requests: Sequence[ByteRange], versions: bool = False) -> Any:
+        got = get_each(self.store, requests, versions)
+        out = got[0] if versions else got
         self._count(len(requests), sum(memoryview(d).nbytes for d in out if not isinstance(d, Exception)))
-        return out
+        return got
 
     def size(self, key: str) -> int:
         self._count()

@@ -4,18 +4,23 @@ Keys name files under the root (``"c/0/1"`` is ``<root>/c/0/1``). Reads go throu
 :class:`~stoker.storage.local.LocalStore` (the process-wide one by default): positional reads, the
 bounded descriptor cache for files read by ranges (shards), regular files only. Ranges of one file
 are merged by :func:`~stoker.storage.ranges.coalesce` before they are read.
+
+A value's generation (see :mod:`stoker.storage.store`, "Generations") is its file's identity (device,
+inode, size, modification and change times), taken before and after the read: a file that changed while it
+was read gets a generation equal to no other, so bytes that may mix two versions never pass for either.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from typing import Sequence
+from typing import Any, Collection, Sequence
 
 from ..errors import StorageError
-from .local import LocalStore, default_store
+from .local import LocalStore, default_store, identity
 from .ranges import coalesce
-from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read
+from .store import (ByteRange, by_key, check_key, check_prefix, each_alone, not_found, ranges_in_place, read_values,
+                    short_read)
 
 
 class FileStore:
@@ -24,6 +29,8 @@ class FileStore:
     supports_ranges = True
     supports_list = True
     is_local = True
+    #: get_many and get_each can say which generation of each value they read (``versions=True``)
+    reports_versions = True
 
     def __init__(self, root: str | os.PathLike, files: LocalStore | None = None,
                  max_gap: int = 64 << 10, max_length: int = 64 << 20) -> None:
@@ -75,6 +82,50 @@ class FileStore:
                         raise short_read(self.uri, requests[plain[j]], max(0, len(view) - part.start))
                     out[plain[j]] = view[part]
         return out
+
+    def _identity(self, key: str) -> tuple | None:
+        st = self._stat(key)
+        return None if st is None else identity(st)
+
+    def _versioned(self, key: str, read) -> tuple[Any, Any]:
+        """``(read(), generation)``: the file's identity, the same before and after the read; else a generation
+        equal to no other (the bytes may mix two versions of the file)."""
+        before = self._identity(key)
+        data = read()
+        after = self._identity(key)
+        return data, (after if before == after else ("changed while read", before, after))
+
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
+                 lenient: Collection[int] = ()) -> tuple:
+        """See :func:`~stoker.storage.store.get_many`."""
+        if not versions:
+            return read_values(self, keys), ranges_in_place(self.get_ranges, requests, lenient)
+        values, value_versions = [], []
+        for key in keys:
+            value, generation = self._versioned(key, lambda k=key: read_values(self, [k])[0])
+            values.append(value)
+            value_versions.append(None if value is None else generation)
+        parts: list = [None] * len(requests)
+        part_versions: list = [None] * len(requests)
+        for key, numbers in by_key(requests).items():
+            mine = {n for n, i in enumerate(numbers) if i in lenient}
+            got, generation = self._versioned(
+                key, lambda ns=numbers, m=mine: ranges_in_place(self.get_ranges, [requests[i] for i in ns], m))
+            for i, data in zip(numbers, got):
+                parts[i] = data
+                part_versions[i] = None if isinstance(data, Exception) else generation
+        return values, parts, value_versions, part_versions
+
+    def get_each(self, requests: Sequence[ByteRange], versions: bool = False) -> Any:
+        """See :func:`~stoker.storage.store.get_each`."""
+        if not versions:
+            return each_alone(self, requests)
+        out, generations = [], []
+        for r in requests:
+            got, generation = self._versioned(r.key, lambda r=r: each_alone(self, [r])[0])
+            out.append(got)
+            generations.append(None if isinstance(got, Exception) else generation)
+        return out, generations
 
     def _stat(self, key: str) -> os.stat_result | None:
         path = self.path(key)

@@ -1,12 +1,17 @@
-"""MemoryStore: values in a dict, for tests and small in-process data."""
+"""MemoryStore: values in a dict, for tests and small in-process data.
+
+Each value's generation is the store's write count when it was set: every :meth:`MemoryStore.set` gives
+the value a new one, so a reader tells a rewritten value from the one it read before (see
+:mod:`stoker.storage.store`, "Generations")."""
 
 from __future__ import annotations
 
 import threading
-from typing import Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
-from ..errors import InvalidArgument
-from .store import ByteRange, by_key, check_key, check_prefix, not_found, one_level, slice_value, under
+from ..errors import InvalidArgument, NotFound, StorageError, as_value
+from .store import (ByteRange, by_key, check_key, check_prefix, gone_or_shorter, not_found, one_level,
+                    slice_value, under)
 
 
 class MemoryStore:
@@ -15,10 +20,14 @@ class MemoryStore:
     supports_ranges = True
     supports_list = True
     is_local = False
+    #: get_many and get_each can say which generation of each value they read (``versions=True``)
+    reports_versions = True
 
     def __init__(self, values: Mapping[str, bytes] | None = None, uri: str = "memory://") -> None:
         self.uri = uri
         self._values: dict[str, bytes] = {}
+        self._generations: dict[str, int] = {}  # each value's: the write count when it was set
+        self._writes = 0
         self._lock = threading.Lock()
         for key, value in (values or {}).items():
             self.set(key, value)
@@ -32,7 +41,9 @@ class MemoryStore:
             raise InvalidArgument(f"{self.uri}: value at {key!r} must be bytes-like, got {type(value).__name__}",
                                   key=key) from None
         with self._lock:
+            self._writes += 1
             self._values[key] = data
+            self._generations[key] = self._writes
 
     def _value(self, key: str) -> bytes:
         check_key(key)
@@ -42,8 +53,55 @@ class MemoryStore:
             raise not_found(self.uri, key)
         return value
 
+    def _value_and_generation(self, key: str) -> tuple[bytes, int]:
+        check_key(key)
+        with self._lock:
+            value, generation = self._values.get(key), self._generations.get(key)
+        if value is None:
+            raise not_found(self.uri, key)
+        return value, generation  # type: ignore[return-value]
+
     def get(self, key: str) -> bytes:
         return self._value(key)
+
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
+                 lenient: Collection[int] = ()) -> tuple:
+        """See :func:`~stoker.storage.store.get_many`: each value read once, with its generation."""
+        values: list = []
+        value_versions: list = []
+        for key in keys:
+            try:
+                value, generation = self._value_and_generation(key)
+            except NotFound:
+                value, generation = None, None
+            values.append(value)
+            value_versions.append(generation)
+        parts: list = [None] * len(requests)
+        part_versions: list = [None] * len(requests)
+        for key, numbers in by_key(requests).items():
+            for i in numbers:
+                try:
+                    value, generation = self._value_and_generation(key)
+                    parts[i], part_versions[i] = slice_value(value, requests[i], self.uri), generation
+                except (NotFound, StorageError) as exc:
+                    if i not in lenient or not gone_or_shorter(exc):
+                        raise
+                    parts[i] = as_value(exc)
+        return (values, parts, value_versions, part_versions) if versions else (values, parts)
+
+    def get_each(self, requests: Sequence[ByteRange], versions: bool = False) -> Any:
+        """See :func:`~stoker.storage.store.get_each`."""
+        out: list = []
+        generations: list = []
+        for r in requests:
+            try:
+                value, generation = self._value_and_generation(r.key)
+                out.append(slice_value(value, r, self.uri))
+                generations.append(generation)
+            except Exception as exc:  # noqa: BLE001 - this range's own error, in its place
+                out.append(as_value(exc))
+                generations.append(None)
+        return (out, generations) if versions else out
 
     def get_ranges(self, requests: Sequence[ByteRange]) -> list[memoryview]:
         out: list = [None] * len(requests)

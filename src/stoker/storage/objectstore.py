@@ -23,6 +23,12 @@ connection, a short body) is tried again after an exponential backoff with jitte
 :class:`~stoker.errors.StorageError` names the URI, key, status and attempts. A missing key is
 :class:`~stoker.errors.NotFound` at once. obstore's own retries are off: it does not report how many
 attempts it made or which status ended them, so this module retries itself.
+
+Versions. Every answer names the version of the object it came from (:data:`Version`: its size and ETag,
+or its Last-Modified time where the server sends no ETag); ``get_many`` and ``get_each`` report them with
+``versions=True``, which is how a reader tells a shard rewritten since its index was read (see
+:mod:`stoker.storage.store`, "Generations"). They are compared after the read, not sent as ``If-Match``:
+the version an answer names is that of the object whose bytes it carries.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from urllib.parse import urlparse
 from .. import checks
 from ..errors import InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat, as_value
 from .ranges import coalesce
-from .store import ByteRange, by_key, check_key, check_prefix, not_found, short_read
+from .store import ByteRange, by_key, check_key, check_prefix, gone_or_shorter, not_found, short_read
 from .uri import check_remote_url
 
 #: obstore's HTTP client options (``ClientConfig``): these ``storage_options`` go to the client.
@@ -425,7 +431,7 @@ class ObjectStore:
                                                          lambda: self._get_range(r, start, length),
                                                          short=lambda k: _unsatisfiable(self.uri, r, k))
             except (NotFound, StorageError) as exc:
-                if not _gone_or_shorter(exc) or any(i not in lenient for i, _ in serve):
+                if not gone_or_shorter(exc) or any(i not in lenient for i, _ in serve):
                     raise
                 # the caller asked for this error in place of the bytes; without its traceback, whose frame
                 # holds ``out`` (a cycle that would keep every part of the call alive until a collection)
@@ -497,13 +503,16 @@ class ObjectStore:
         await self._gather(tasks)
         return (values, out, value_versions, part_versions) if versions else (values, out)
 
-    def get_each(self, requests: Sequence[ByteRange]) -> list[memoryview | Exception]:
+    def get_each(self, requests: Sequence[ByteRange], versions: bool = False) -> Any:
         """The bytes of each range, or the error that range alone met (see
         :func:`~stoker.storage.store.get_each`), in one call: each range its own request (retried on its
-        own), at most ``max_in_flight`` at once; one failure does not stop the others."""
+        own), at most ``max_in_flight`` at once; one failure does not stop the others. With ``versions``,
+        ``(outcomes, versions)``: the :data:`Version` each range came from (None for an error)."""
         by_key(requests)  # checks them
         rounds = -(-len(requests) // self.max_in_flight)
-        return self._run(self._get_each(list(requests)), rounds=max(1, rounds)) if requests else []
+        got = self._run(self._get_each(list(requests)), rounds=max(1, rounds)) if requests else []
+        out = [g if isinstance(g, Exception) else g[0] for g in got]
+        return (out, [None if isinstance(g, Exception) else g[1] for g in got]) if versions else out
 
     async def _get_each(self, requests: list[ByteRange]) -> list:
         gate = asyncio.Semaphore(self.max_in_flight)
@@ -511,10 +520,8 @@ class ObjectStore:
         async def one(r: ByteRange):
             try:
                 async with self._slot(gate, r.key, "ranged read", self._call_slots()):
-                    data, _ = await self._attempts(r.key, "ranged read",
-                                                   lambda: self._get_range(r, r.start, r.length),
-                                                   short=lambda k: _unsatisfiable(self.uri, r, k))
-                    return data
+                    return await self._attempts(r.key, "ranged read", lambda: self._get_range(r, r.start, r.length),
+                                                short=lambda k: _unsatisfiable(self.uri, r, k))
             except Exception as exc:  # noqa: BLE001 - this range's own error (no free slot too), in its place
                 return as_value(exc)
 
@@ -605,20 +612,37 @@ class _Slot:
         return False
 
 
-#: What identifies one version of an object: its size and ETag (a rewritten object gets a new ETag).
+#: What identifies one version of an object: its size and ETag (a rewritten object gets a new ETag), or where
+#: the server sends none its size and Last-Modified time (see :func:`_version`).
 Version = tuple[int, str]
 
 
-def _gone_or_shorter(exc: BaseException) -> bool:
-    """Whether ``exc`` says a range's object is missing, or ends before the range does."""
-    return isinstance(exc, NotFound) or (isinstance(exc, StorageError) and "value_size" in exc.context)
-
-
 def _version(meta: dict) -> Version | None:
-    """The :data:`Version` an answer's metadata states, or None where the server sends no ETag (then
-    nothing learnt of the object can be checked against a later read, and nothing is kept)."""
+    """The :data:`Version` an answer's metadata states: its size and ETag; where the server sends no ETag, its
+    size and Last-Modified time (whole seconds: a rewrite in the same second keeps it); None where it sends
+    neither (obstore then reports the epoch): nothing learnt of the object can be checked against a later
+    read."""
     e_tag = meta.get("e_tag")
-    return (int(meta["size"]), str(e_tag)) if e_tag else None
+    if e_tag:
+        return int(meta["size"]), str(e_tag)
+    modified = meta.get("last_modified")
+    if modified is None or getattr(modified, "timestamp", lambda: 0)() == 0:
+        return None
+    return int(meta["size"]), f"{_MODIFIED}{modified.isoformat()}"
+
+
+#: what starts the second field of a :data:`Version` made of a Last-Modified time, not an ETag
+_MODIFIED = "last-modified:"
+
+
+def etag_version(version: Any) -> Version | None:
+    """``version`` when it holds an ETag (which changes with every rewrite), else None: a Last-Modified
+    time in whole seconds is too coarse for what must never mix (blosc frame tables, see
+    :mod:`stoker.engine.frame_spans`)."""
+    if isinstance(version, tuple) and len(version) == 2 and isinstance(version[1], str) and \
+            not version[1].startswith(_MODIFIED):
+        return version
+    return None  # none, a Last-Modified time, or another store's generation
 
 
 async def _within(op: Callable, seconds: float):

@@ -13,12 +13,21 @@ Reads return exactly the asked bytes or raise: a missing key is :class:`~stoker.
 any failure to deliver them, a short body included, is a :class:`~stoker.errors.StorageError` naming
 the store's URI, the key and, where there is one, the status and the attempts made. Never fewer bytes.
 Reads return ``bytes`` or a ``memoryview`` of a larger buffer (compare with ``bytes(x)``).
+
+Generations. A store that sets ``reports_versions`` also says, for every value and range its ``get_many``
+and ``get_each`` read (``versions=True``), the generation of the value the bytes came from: what tells one
+version of a value from another (an object store's size and ETag, or Last-Modified; a memory store's write
+count; a zip archive's identity), ``None`` where it cannot tell. A reader that keeps what it learnt of a
+value (a shard's index) keeps its generation with it, and uses a later range of that value only when it
+came from the same generation (:func:`stamp` makes one an int to keep in a table).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Collection, Protocol, Sequence, runtime_checkable
 
 from ..errors import InvalidArgument, NotFound, StorageError, as_value
 
@@ -167,32 +176,92 @@ def not_found(uri: str, key: str) -> NotFound:
     return NotFound(f"{uri}: no value at key {key!r}", uri=uri, key=key)
 
 
-def get_many(store: Store, keys: Sequence[str], requests: Sequence[ByteRange]) \
-        -> tuple[list[bytes | memoryview | None], list[bytes | memoryview]]:
-    """Whole values of ``keys`` (None for a missing key) and the bytes of ``requests``, in one call: a store
-    with a ``get_many`` of its own (an object store: many requests at once) runs them together; others
-    read one after the other."""
-    many = getattr(store, "get_many", None)
-    if many is not None:
-        return many(keys, requests)
+@functools.lru_cache(maxsize=4096)  # the parts of one object share its generation: a fingerprint each, not per part
+def stamp(generation: Any) -> int:
+    """A value's generation as a nonzero int of 62 bits (a fingerprint of it), 0 for None (unknown): what a
+    table of int64s keeps of it. Two generations that differ get stamps that differ (but for a chance of
+    one in 2**62).
+
+    >>> stamp(None), stamp((1024, '"abc"')) == stamp((1024, '"abc"'))
+    (0, True)
+    """
+    if generation is None:
+        return 0
+    digest = hashlib.blake2b(repr(generation).encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 2) or 1
+
+
+def gone_or_shorter(exc: BaseException) -> bool:
+    """Whether ``exc`` says a range's value is missing, or ends before the range does."""
+    return isinstance(exc, NotFound) or (isinstance(exc, StorageError) and "value_size" in exc.context)
+
+
+def ranges_in_place(get_ranges: Callable, requests: Sequence[ByteRange], lenient: Collection[int] = ()) -> list:
+    """``get_ranges(requests)``; with ``lenient``, the requests numbered there whose value is gone or shorter
+    than the range get that error in place of their bytes (each range then read alone), any other error
+    raised."""
+    if not requests:
+        return []
+    try:
+        return list(get_ranges(requests))
+    except (NotFound, StorageError) as exc:
+        if not lenient or not gone_or_shorter(exc):
+            raise
+    out: list = []
+    for i, r in enumerate(requests):
+        try:
+            out.append(get_ranges([r])[0])
+        except (NotFound, StorageError) as exc:
+            if i not in lenient or not gone_or_shorter(exc):
+                raise
+            out.append(as_value(exc))
+    return out
+
+
+def read_values(store: Store, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+    """The whole value of each key, None for a missing one, one after the other."""
     values: list = []
     for key in keys:
         try:
             values.append(store.get(key))
         except NotFound:
             values.append(None)
-    return values, (store.get_ranges(requests) if requests else [])
+    return values
 
 
-def get_each(store: Store, requests: Sequence[ByteRange]) -> list[bytes | memoryview | Exception]:
+def get_many(store: Store, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
+             lenient: Collection[int] = ()) -> tuple:
+    """Whole values of ``keys`` (None for a missing key) and the bytes of ``requests``, in one call: a store
+    with a ``get_many`` of its own (an object store: many requests at once) runs them together; others
+    read one after the other. With ``versions``, also each value's and range's generation (None where the
+    store reports none): ``(values, parts, value_versions, part_versions)``. The requests numbered in
+    ``lenient`` get, when their value is gone or shorter than the range, that error in place of their bytes
+    (a caller that located a range in an older version reads anew)."""
+    many = getattr(store, "get_many", None)
+    if many is not None and getattr(store, "reports_versions", False):
+        return many(keys, requests, versions=versions, lenient=lenient)
+    if many is not None and not lenient:
+        values, parts = many(keys, requests)
+    else:
+        values, parts = read_values(store, keys), ranges_in_place(store.get_ranges, requests, lenient)
+    return (values, parts, [None] * len(values), [None] * len(parts)) if versions else (values, parts)
+
+
+def get_each(store: Store, requests: Sequence[ByteRange], versions: bool = False) -> Any:
     """The bytes of each range, or the error that range alone met (:class:`NotFound` for a missing key,
     a short read...), in one call: for readers whose ranges are independent (shard indexes), one failure
     costs nobody else their bytes. A store with a ``get_each`` of its own (an object store: every range
     its own request, many at once) runs them together; others read them in one ``get_ranges`` call and,
-    only if it fails, each range alone."""
+    only if it fails, each range alone. With ``versions``: ``(outcomes, generations)``."""
     each = getattr(store, "get_each", None)
-    if each is not None:
-        return each(requests)
+    if each is not None and getattr(store, "reports_versions", False):
+        return each(requests, versions=versions)
+    out = each(requests) if each is not None else each_alone(store, requests)
+    return (out, [None] * len(out)) if versions else out
+
+
+def each_alone(store: Store, requests: Sequence[ByteRange]) -> list[bytes | memoryview | Exception]:
+    """:func:`get_each` of a store without one of its own."""
     if not requests:
         return []
     try:

@@ -15,7 +15,9 @@ The archive must stay the file it was when it opened: every read checks the open
 size and modification time before and after it, and an archive rewritten in
 place is a :class:`~stoker.errors.StorageError` (its central directory, and so every offset, is stale),
 never bytes of the new archive at the old offsets. An archive replaced by a rename leaves the open file
-as it was: it is still read. Opening the array again (a new store) reads the new archive.
+as it was: it is still read. Opening the array again (a new store) reads the new archive. So the
+generation of every member read (see :mod:`stoker.storage.store`, "Generations") is the archive's identity:
+a reader holding a member's index read through another store of that path (an older archive) tells.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ import threading
 import weakref
 import zipfile
 import zlib
-from typing import Sequence
+from typing import Any, Collection, Sequence
 
 from ..errors import DecodeError, InvalidArgument, NotFound, StorageError, UnsupportedFormat
 from .local import LocalStore, OpenFile, default_store, identity, open_regular
 from .ranges import coalesce
-from .store import (ByteRange, by_key, check_key, check_prefix, not_found, one_level, short_read, slice_value,
-                    under)
+from .store import (ByteRange, by_key, check_key, check_prefix, each_alone, not_found, one_level, ranges_in_place,
+                    read_values, short_read, slice_value, under)
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader: a member's local header
 _LOCAL_MAGIC = b"PK\x03\x04"
@@ -44,6 +46,8 @@ class ZipStore:
     supports_ranges = True
     supports_list = True
     is_local = False
+    #: get_many and get_each can say which generation of each member they read (``versions=True``)
+    reports_versions = True
 
     def __init__(self, path: str | os.PathLike, files: LocalStore | None = None,
                  max_gap: int = 64 << 10, max_length: int = 64 << 20) -> None:
@@ -219,6 +223,26 @@ class ZipStore:
                     raise short_read(self.uri, requests[i], max(0, len(view) - part.start))
                 out[i] = view[part]
         return out
+
+    @property
+    def generation(self) -> tuple[int, int, int, int]:
+        """The generation of every member: the archive's device, inode, size and modification time as it
+        opened (a read of an archive changed since is an error, never another generation's bytes)."""
+        return self.identity[:4]  # type: ignore[return-value]
+
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
+                 lenient: Collection[int] = ()) -> tuple:
+        """See :func:`~stoker.storage.store.get_many`."""
+        values, parts = read_values(self, keys), ranges_in_place(self.get_ranges, requests, lenient)
+        if not versions:
+            return values, parts
+        return (values, parts, [None if v is None else self.generation for v in values],
+                [None if isinstance(p, Exception) else self.generation for p in parts])
+
+    def get_each(self, requests: Sequence[ByteRange], versions: bool = False) -> Any:
+        """See :func:`~stoker.storage.store.get_each`."""
+        out = each_alone(self, requests)
+        return (out, [None if isinstance(d, Exception) else self.generation for d in out]) if versions else out
 
     def size(self, key: str) -> int:
         return self._info(key).file_size
