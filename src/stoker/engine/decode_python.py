@@ -333,7 +333,7 @@ class PythonDecoder:
             if data is None:  # a missing chunk is the fill value
                 res.done()
                 self.guard(job, 1, self._fill, job, task,
-                            fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype))
+                           fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype))
                 continue
             try:
                 self._compute.submit(self._guard_decode, job, task, memoryview(data), res, None, True)
@@ -495,7 +495,7 @@ class PythonDecoder:
                 self.guard(job, 1, self._fill, job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype))
             else:
                 self.guard(job, 1, self.read_file, job, FileRead.inner_chunk(task.path, cid, task.offset, task.length),
-                            on_compute, True)
+                           on_compute, True)
 
     def _reserve(self, res: Reservation, nbytes: int, on_compute: bool) -> None:
         """Reserve ``nbytes``: an I/O thread waits for them; a compute thread raises _NoRoom instead."""
