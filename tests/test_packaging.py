@@ -53,7 +53,8 @@ def test_sdist_holds_sources_tests_and_docs(dist):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     csrc = {p.relative_to(REPO).as_posix() for p in (REPO / "src/stoker/csrc").iterdir() if p.suffix in (".c", ".h")}
     assert csrc and csrc <= names, f"missing C sources: {sorted(csrc - names)}"
-    assert {"setup.py", "pyproject.toml", "README.md", "src/stoker/py.typed", "src/stoker/__init__.py",
+    assert {"setup.py", "pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "src/stoker/py.typed",
+            "src/stoker/__init__.py",
             "docs/records.md", "mkdocs.yml", "tests/test_packaging.py"} <= names
     assert not [n for n in names if n.endswith((".so", ".pyc")) or "__pycache__" in n]
 
@@ -64,6 +65,8 @@ def test_wheel_contents(dist):
     assert "stoker/py.typed" in names
     assert "stoker/__init__.py" in names and "stoker/records/loader.py" in names
     assert any(n.startswith("stoker-0") and n.endswith(".dist-info/entry_points.txt") for n in names)
+    (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]  # the one pyproject names
+    assert "Apache License" in zipfile.ZipFile(wheel).read(license_file).decode()
     native = [n for n in names if n.startswith("stoker/_native") and n.endswith((".so", ".pyd"))]
     if _compiler():
         assert len(native) == 1, names

@@ -5,7 +5,6 @@
 >>> crop = arr.read([(0, 32), (0, 128), (0, 128)])
 """
 
-from . import _moved
 from .reader.array import ArrayReader, open_array
 from .config import Config
 from .engine.batch import Batch, BatchInfo
@@ -25,8 +24,6 @@ from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError,
                      InvalidArgument,
                      MetadataError, NonFiniteData, NonFiniteLoss, NotFound, OutOfBounds, PoolStarved, RankFailed,
                      RankMismatch, ShutdownError, StokerError, StorageError, UnsupportedFormat, UnusedParameters)
-
-_moved.install()  # the module paths before the folders by layer, as aliases that warn
 
 __version__ = "0.1.0"
 
@@ -78,11 +75,3 @@ __all__ = [
     "__version__",
 ]
 
-
-def __getattr__(name: str) -> object:
-    if name == "ShardedSource":  # the name before RankShare (a rank's share, not a Zarr shard)
-        import warnings
-
-        warnings.warn("stoker.ShardedSource is deprecated; use stoker.RankShare", DeprecationWarning, stacklevel=2)
-        return RankShare
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -133,6 +133,16 @@ class ShutdownError(StokerError, RuntimeError):
     """The object was closed, or is closing, and cannot do the requested work."""
 
 
+def pipeline_closed() -> ShutdownError:
+    """The error of a batch whose work stopped because its pipeline was closed (one wording for every path).
+
+    >>> raise pipeline_closed()
+    Traceback (most recent call last):
+    stoker.errors.ShutdownError: the pipeline was closed while this batch was being made
+    """
+    return ShutdownError("the pipeline was closed while this batch was being made")
+
+
 class RankFailed(StokerError, RuntimeError):
     """A rank of a launched job raised; the others were stopped. ``rank`` and ``traceback`` say where."""
 

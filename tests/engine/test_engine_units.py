@@ -582,3 +582,35 @@ def test_a_sized_push_is_checked_against_a_shape_settled_while_it_was_checked(mo
     with pytest.raises(stoker.InvalidArgument, match=r"must be \(8, 8\)"):
         intake.push(other)
     assert intake.pending == 0 and not intake.sources  # nothing of the refused list was queued
+
+
+def test_host_slot_bytes_counts_the_pipelines_host_slots(tmp_path):
+    """pipeline.host_slot_bytes (what stoker bench reports) is the host batch slots' size: 0 before the
+    first batch makes them, then every slot of the ring."""
+    from stoker.engine.pipeline import host_slot_bytes
+
+    uri = str(tmp_path / "a.zarr")
+    zarr.create_array(uri, shape=(64, 64), chunks=(16, 16), dtype="uint16", fill_value=0)[:] = 7
+    cfg = stoker.Config(batch_size=2, sample_shape=(8, 8), dtype="f32", device="cpu", lookahead_batches=3)
+    with stoker.Pipeline(cfg) as p:
+        assert host_slot_bytes(p) == 0
+        p.push([stoker.Sample(uri, [(i, i + 8), (0, 8)]) for i in range(4)])
+        with p.pop():
+            pass
+        ring = p._host_slots
+        assert host_slot_bytes(p) == ring.nbytes == len(ring.slots) * 2 * 8 * 8 * 4 > 0
+
+
+def test_a_batch_cut_off_by_close_has_one_error_written_once():
+    """errors.pipeline_closed is the one place the closed-batch error is worded (it was copied 19 times)."""
+    from pathlib import Path
+
+    from stoker.errors import ShutdownError, pipeline_closed
+
+    error = pipeline_closed()
+    assert isinstance(error, ShutdownError) and isinstance(error, RuntimeError)
+    assert str(error) == "the pipeline was closed while this batch was being made"
+    src = Path(stoker.__file__).parent
+    copies = [p.relative_to(src).as_posix() for p in src.rglob("*.py") if "pipeline was closed while this" in
+              p.read_text() or 'ShutdownError("the pipeline was closed")' in p.read_text()]
+    assert copies == ["errors.py"]

@@ -20,7 +20,7 @@ import zarr
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 import stoker
-from stoker.engine import executor as executors
+from stoker.engine import choose as executors
 from stoker.engine import gpu_decode as gpu_decodes
 from stoker.engine import gpu_staging
 from stoker.engine import pipeline as pipelines

@@ -467,14 +467,6 @@ def test_shards_are_disjoint_and_compose(data):
         compute_stats(ds.for_rank(1, 2), ["cells"], cache=False)  # rank 0 of 1 here
 
 
-def test_shard_is_a_deprecated_alias_of_for_rank(data):
-    root, _ = data
-    ds = ZarrRecords(root)
-    with pytest.warns(DeprecationWarning, match=r"ZarrRecords\.for_rank\(\)"):
-        old = ds.shard(1, 3)
-    assert old.part == (1, 3) and old.names == ds.for_rank(1, 3).names
-
-
 # -- statistics ---------------------------------------------------------------------------------
 
 

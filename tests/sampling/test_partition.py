@@ -7,6 +7,8 @@ implementation must give the same positions, order, states and resumes.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -131,29 +133,19 @@ def test_huge_epochs_are_a_few_intervals():
     assert mine[-1] == rem[(4 + (len(mine) - 1) * 5) % len(rem)]
 
 
-# -- the names before "partition" (shard, ShardedSource): aliases that warn -----------------------
+# -- the names of the layout before "partition" and the folders by layer: gone, never released -----
 
 
-def test_old_names_warn_and_are_the_new_ones():
-    import stoker.shard as old_module
-    import stoker.sources
-
-    with pytest.warns(DeprecationWarning, match=r"stoker\.sampling\.partition\.remaining_after"):
-        assert old_module.remaining_after is sh.remaining_after
-    with pytest.warns(DeprecationWarning, match=r"stoker\.RankShare"):
-        assert stoker.ShardedSource is stoker.RankShare
-    with pytest.warns(DeprecationWarning, match=r"stoker\.RankShare"):
-        assert stoker.sources.ShardedSource is stoker.RankShare
+def test_the_unreleased_old_names_are_gone():
+    """0.1.0 was never published: the old module paths (stoker.shard, stoker.sources...), ShardedSource and
+    .shard() were removed rather than kept as aliases (CHANGELOG.md)."""
+    for old in ("stoker.shard", "stoker.sources", "stoker.pin", "stoker.engine.device"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
     with pytest.raises(AttributeError):
-        stoker.NoSuchName  # noqa: B018
+        stoker.ShardedSource  # noqa: B018
+    with pytest.raises(AttributeError):
+        stoker.sampling.samplers.ShardedSource  # noqa: B018
+    from stoker.records import ZarrRecords
 
-
-def test_shard_is_a_deprecated_alias_of_for_rank():
-    src = stoker.SampleList([stoker.Sample("/a.zarr", [(i, i + 1)]) for i in range(10)], shuffle=True, seed=3)
-    with pytest.warns(DeprecationWarning, match=r"SampleSource\.for_rank\(\)"):
-        old = src.shard(1, 3, "contiguous", "drop")
-    new = src.for_rank(1, 3, "contiguous", "drop")
-    assert isinstance(old, stoker.RankShare) and (old.rank, old.world_size, old.policy, old.even) == (1, 3,
-                                                                                                     "contiguous",
-                                                                                                     "drop")
-    assert list(old) == list(new) and old.state_dict() == new.state_dict()
+    assert not hasattr(stoker.SampleSource, "shard") and not hasattr(ZarrRecords, "shard")

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine.pipeline import Pipeline
+from ..engine.pipeline import Pipeline, host_slot_bytes
 from ..errors import InvalidArgument
 from ..device.pin import pin_object, to_device
 from ..sampling.sample import Sample
@@ -61,7 +61,7 @@ def run_stoker_on(samples: list[Sample], batch_size: int, itemsize: int, host_bu
         consume = (lambda x: x.sum()) if on_gpu else (lambda x: None)
         n, seconds, _ = time_pipeline(p, samples, batch_size, consume=consume, sync=sync, clock=clock)
         stats = p.stats()
-        pinned = p._host_slots.nbytes if on_gpu else 0
+        pinned = host_slot_bytes(p) if on_gpu else 0
     crop = int(np.prod(samples[0].shape))
     name = ("stoker gpu-decode" if cfg.decode_on == "gpu" else "stoker cuda") if on_gpu else "stoker cpu"
     name += f" {threads}t" if threads else ""
@@ -204,4 +204,4 @@ def pipeline_pinned_bytes(sc: Scenario, root: Path, batch_size: int, host_buffer
         p.push(samples)
         with p.pop():
             pass
-        return p._host_slots.nbytes
+        return host_slot_bytes(p)

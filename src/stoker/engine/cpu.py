@@ -110,6 +110,15 @@ def engine_budget(left: int, python_need: int, threads: int, readers: list) -> i
     return max(0, min(left - python_need, max(_ENGINE_MIN_BYTES, 2 * threads * max(needs))))
 
 
+def take_slot(ring: SlotRing, closed: Callable[[], bool]) -> Slot:
+    """A free slot of ``ring``, waiting for one (ShutdownError once ``closed()``); the CPU and CUDA
+    executors' ``acquire``."""
+    slot = None
+    while slot is None:
+        slot = ring.acquire(closed, timeout=0.1)
+    return slot
+
+
 class CpuExecutor:
     """The executor of CPU batches (see :class:`~.executor.Executor`): ``lookahead_batches + 1`` slots in
     host memory, filled by :class:`Decoders` and handed out as they are. One per pipeline; nothing is
@@ -221,21 +230,13 @@ class CpuExecutor:
     def plan(self, batch_id: int, samples: Sequence, open_reader: Callable) -> BatchPlan | TablePlan:
         return self.decoders.plan(batch_id, samples, open_reader)
 
-    @staticmethod
-    def _acquire(ring: SlotRing, closed: Callable[[], bool]) -> Slot:
-        """A free slot of ``ring``, waiting for one (ShutdownError once ``closed()``)."""
-        slot = None
-        while slot is None:
-            slot = ring.acquire(closed, timeout=0.1)
-        return slot
-
     def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target:
         """The slot ``plan``'s batch is made in (waits until one is free): its delivered slot, or a work slot
         when batches are transformed in float32."""
-        slot = self._acquire(self.slots, closed)
+        slot = take_slot(self.slots, closed)
         if self.host_slots is self.slots:
             return Target(slot.batch(plan.rows), slot, slot)
-        host_slot = self._acquire(self.host_slots, closed)
+        host_slot = take_slot(self.host_slots, closed)
         return Target(host_slot.batch(plan.rows), slot, host_slot)
 
     def submit(self, plan: Any, target: Target) -> Job:

@@ -39,7 +39,7 @@ import torch
 
 from ..runtime import gil
 from . import native
-from ..errors import DecodeError, ShutdownError, StorageError
+from ..errors import DecodeError, StorageError, pipeline_closed
 from ..storage.local import not_regular
 from ..zarr.grid import c_strides
 from .buffers import size_class
@@ -308,7 +308,7 @@ class NativeDecoder:
         for job, _, eids, fetched in left:
             if fetched:
                 fetched[1].done()
-            job.finish(len(eids), ShutdownError("the pipeline was closed while this batch was being made"))
+            job.finish(len(eids), pipeline_closed())
 
     # -- submission ------------------------------------------------------------------------------
 
@@ -545,7 +545,7 @@ class NativeDecoder:
         pooled: list = []  # frame buffers of the pool: given back once the engine's job is done with them
         try:
             if self._closing:
-                raise ShutdownError("the pipeline was closed while this batch was being made")
+                raise pipeline_closed()
             if fetch.versions:
                 parts, stale = self._frames_from(fetch, values, parts, sources, job.plan, pooled)
                 if len(stale):  # rewritten (or gone) since their tables were learnt: fetched whole, not decoded here
@@ -558,7 +558,7 @@ class NativeDecoder:
             self._frame_buffers.give(pooled)  # no engine job holds them
             error: BaseException = exc
             if self._closing:
-                error = ShutdownError("the pipeline was closed while this batch was being made")
+                error = pipeline_closed()
             job.finish(len(ids), error)
             return
         job.on_cancel(bjob.cancel)
@@ -570,7 +570,7 @@ class NativeDecoder:
         # closed between the submission and here: the finisher may be gone, so nobody else would end it
         bjob.cancel()
         res.done()
-        job.finish(len(ids), ShutdownError("the pipeline was closed while this batch was being made"))
+        job.finish(len(ids), pipeline_closed())
 
     def _to_python(self, job: Job, ids: np.ndarray, stored: np.ndarray) -> None:
         """Chunks the engine does not take: fills on their own, whole chunk files one read each, inner chunks
@@ -634,7 +634,7 @@ class NativeDecoder:
         t0 = time.thread_time_ns()
         try:
             if self._closing:  # cancelled by shutdown: nothing of it goes to the Python path now
-                job.finish(job.plan.n_chunks, ShutdownError("the pipeline was closed while this batch was being made"))
+                job.finish(job.plan.n_chunks, pipeline_closed())
                 return
             counts = bjob.results()[2]
             if counts["not_placed"]:
@@ -708,15 +708,15 @@ class NativeDecoder:
         for cid, retry, arg in retries:
             if cid > final[0] or job.failed:
                 break
-            self._python._guard(job, 1, retry, job, arg, True)
+            self._python.guard(job, 1, retry, job, arg, True)
             done += 1
         job.finish(len(cids) - done, final[1])
 
     def _retry_in_order(self, job: Job, n: int, retries: list) -> None:
         """The ``n`` chunks the Python path reads (or decodes) again, one after the other in chunk order; once
-        one fails, the rest are only counted (``_guard``)."""
+        one fails, the rest are only counted (``guard``)."""
         for _, retry, arg in retries:
-            self._python._guard(job, 1, retry, job, arg, True)
+            self._python.guard(job, 1, retry, job, arg, True)
 
     def _outcome(self, job: Job, cid: int, status: int, detail: int, fetched: bool = False):
         """``(error, None)`` for a chunk that failed, ``(None, retry)`` for one the Python path reads (or, for a
@@ -727,7 +727,7 @@ class NativeDecoder:
         whole = int(plan.chunk_offset[cid]) < 0
         python = self._python
         if status == native.CANCELLED:
-            return ShutdownError("the pipeline was closed while this batch was being made"), None
+            return pipeline_closed(), None
         if fetched and not (status in (native.CODEC_ERROR, native.SIZE) and whole
                             and native_codec(codec) == native.ZSTD):
             # any other failure of a chunk in memory (no file: nothing changed or vanished meanwhile): the
@@ -736,7 +736,7 @@ class NativeDecoder:
         if status == native.NOT_REGULAR:
             return not_regular(plan.path(cid), detail), None
         if status == native.CHANGED:  # the shard is not the file its cached index was read from
-            return None, python._relocate
+            return None, python.relocate
         if status == native.OS_ERROR and whole:
             path = plan.path(cid)
             return StorageError(f"cannot read {path}: {os.strerror(detail)}", path=path), None
@@ -745,7 +745,7 @@ class NativeDecoder:
             # larger than any stored chunk of this codec (the Python path refuses it unread); blosc, lz4, zlib
             # and gzip: any chunk the engine declined or could not decode; any failure of an inner chunk of a
             # shard. The Python path reads it again and decides (and words the error) as it always does.
-            return None, python._read
+            return None, python.read_file
         key = plan.key(cid)
         if status == native.SHORT:
             return DecodeError(f"{reader.uri}: chunk {key!r} changed while it was read", uri=reader.uri,

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..errors import DecodeError, ShutdownError, StorageError
+from ..errors import DecodeError, ShutdownError, StorageError, pipeline_closed
 from ..reader.array import raise_read_error
 from ..storage import ByteRange, FileChanged, LocalStore
 from ..storage.store import get_many, stamp
@@ -169,7 +169,7 @@ class PythonDecoder:
             task = plan.chunks[cid]
             if task.source not in fills:
                 fills[task.source] = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype)
-            self.run(self._guard, job, 1, self._fill, job, task, fills[task.source])
+            self.run(self.guard, job, 1, self._fill, job, task, fills[task.source])
 
     def submit_reads(self, job: Job, reads: list[FileRead]) -> None:
         """Read, decode and place ``reads`` on the compute pool.
@@ -178,7 +178,7 @@ class PythonDecoder:
         thread: a local read is a page-cache copy that releases the GIL, and handing each chunk from an
         I/O thread to a compute thread costs more GIL time than the overlap gains. Reads go to the pool
         in a few groups (two per thread, for balance): a task per chunk file costs GIL time too. I/O
-        threads take the reads that find the budget short (see _read). Groups hold a few reads each, also
+        threads take the reads that find the budget short (see read_file). Groups hold a few reads each, also
         with many threads, unless that leaves fewer groups than half the threads: with two batches in
         flight (lookahead), every thread still has a group.
         """
@@ -248,9 +248,9 @@ class PythonDecoder:
         finished here when the fetch fails, the job failed meanwhile or the pipeline closed."""
         n = len(fetch.cids)
         try:
-            self._io.submit(self._guard, job, n, self._fetch, job, fetch, then, users)
+            self._io.submit(self.guard, job, n, self._fetch, job, fetch, then, users)
         except ShutdownError:
-            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+            job.finish(n, pipeline_closed())
 
     def _fetch(self, job: Job, fetch: "Fetch", then: Callable, users: int) -> None:
         """Fetch ``fetch`` from its store in one call (whole values and inner chunks' ranges).
@@ -293,7 +293,7 @@ class PythonDecoder:
             self._compute.submit(self._fetch_done, job, fetch, then, users, res, t0, result)
         except ShutdownError:  # the pool was shut down (close): nothing will decode these chunks
             _release(res, users)
-            job.finish(len(fetch.cids), ShutdownError("the pipeline was closed while this batch was being made"))
+            job.finish(len(fetch.cids), pipeline_closed())
 
     def _fetch_done(self, job: Job, fetch: "Fetch", then: Callable, users: int, res: Reservation, t0: float,
                     result: Callable) -> None:
@@ -302,7 +302,7 @@ class PythonDecoder:
         try:
             self._fetched(job, fetch, then, users, res, t0, result)
         except Cancelled:
-            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+            job.finish(n, pipeline_closed())
         except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop
             job.finish(n, exc)
 
@@ -312,7 +312,7 @@ class PythonDecoder:
         try:
             if self._closing:
                 raise Cancelled()
-            if job.failed:  # nothing to decode: count the chunks finished, as _guard does
+            if job.failed:  # nothing to decode: count the chunks finished, as guard does
                 _release(res, users)
                 job.finish(len(fetch.cids))
                 return
@@ -425,15 +425,15 @@ class PythonDecoder:
             task = plan.chunks[cid]
             if data is None:  # a missing chunk is the fill value
                 res.done()
-                self._guard(job, 1, self._fill, job, task,
-                            fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype))
+                self.guard(job, 1, self._fill, job, task,
+                           fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype))
                 continue
             try:
                 self._compute.submit(self._guard_decode, job, task, memoryview(data), res, None, True)
             except ShutdownError:  # the pool was shut down (close): account for every chunk not queued
                 for _ in items[i:]:
                     res.done()
-                job.finish(len(items) - i, ShutdownError("the pipeline was closed"))
+                job.finish(len(items) - i, pipeline_closed())
                 return
 
     def decode_bytes(self, job: Job, fetched: tuple[int, Any], on_compute: bool = False) -> None:
@@ -448,7 +448,7 @@ class PythonDecoder:
             self._reserve(res, held, on_compute)
         except _NoRoom:
             try:
-                self._io.submit(self._guard, job, 1, self.decode_bytes, job, fetched, False)
+                self._io.submit(self.guard, job, 1, self.decode_bytes, job, fetched, False)
             except ShutdownError:  # the pool was shut down (close)
                 raise Cancelled() from None
             return
@@ -461,20 +461,13 @@ class PythonDecoder:
             self._compute.submit(fn, job, *args)
         except ShutdownError:
             n = sum(len(fr.chunk_ids) for fr in args[0]) if fn == self._read_group else args[0]
-            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+            job.finish(n, pipeline_closed())
 
     def _read_group(self, job: Job, reads: list[FileRead]) -> None:
         for fr in reads:
-            self._guard(job, len(fr.chunk_ids), self._read, job, fr, True)
+            self.guard(job, len(fr.chunk_ids), self.read_file, job, fr, True)
 
-    def _handoff_each(self, job: Job, reads: list[FileRead]) -> None:
-        for fr in reads:
-            try:
-                self._handoff(job, fr)
-            except Cancelled:
-                job.finish(len(fr.chunk_ids), ShutdownError("the pipeline was closed while this batch was being made"))
-
-    def _guard(self, job: Job, n: int, fn, *args) -> None:
+    def guard(self, job: Job, n: int, fn, *args) -> None:
         """Run a task; on any failure (or after the job failed) count its chunks as finished.
 
         Work skipped because the pipeline is closing finishes with a ShutdownError,
@@ -484,12 +477,12 @@ class PythonDecoder:
             job.finish(n)
             return
         if self._closing:
-            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+            job.finish(n, pipeline_closed())
             return
         try:
             fn(*args)
         except Cancelled:
-            job.finish(n, ShutdownError("the pipeline was closed while this batch was being made"))
+            job.finish(n, pipeline_closed())
         except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop
             job.finish(n, exc)
 
@@ -502,7 +495,7 @@ class PythonDecoder:
         self.stats.stage("assemble", time.perf_counter() - t0)
         job.finish()
 
-    def _read(self, job: Job, fr: FileRead, on_compute: bool = False, retried: bool = False) -> None:
+    def read_file(self, job: Job, fr: FileRead, on_compute: bool = False, retried: bool = False) -> None:
         """Read one file's share into a pooled buffer, then decode its chunks: right here, one after the
         other, when running on a compute thread, else by handing each chunk to the compute pool.
 
@@ -511,7 +504,7 @@ class PythonDecoder:
         when the budget is short it passes the read to an I/O thread, which can wait.
 
         Inner chunks are read only from the shard file their index was read from; when it changed, they
-        are located again in its new index (:meth:`_relocate`), once (``retried``).
+        are located again in its new index (:meth:`relocate`), once (``retried``).
         """
         plan = job.plan
         chunks = [plan.chunks[c] for c in fr.chunk_ids]
@@ -566,7 +559,7 @@ class PythonDecoder:
                 raise
             if retried:
                 raise plan.sources[chunks[0].source].shard_changed(chunks[0].key) from None
-            self._relocate(job, fr, on_compute)
+            self.relocate(job, fr, on_compute)
             return
         if on_compute:
             for cid, task in zip(fr.chunk_ids, chunks):
@@ -578,10 +571,10 @@ class PythonDecoder:
             except ShutdownError:  # the pool was shut down (close): account for every chunk not queued
                 for _ in fr.chunk_ids[i:]:
                     res.done()
-                job.finish(len(fr.chunk_ids) - i, ShutdownError("the pipeline was closed"))
+                job.finish(len(fr.chunk_ids) - i, pipeline_closed())
                 return
 
-    def _relocate(self, job: Job, fr: FileRead, on_compute: bool) -> None:
+    def relocate(self, job: Job, fr: FileRead, on_compute: bool) -> None:
         """Read ``fr``'s inner chunks again from where the shard's index, read anew, says they are now:
         the shard file changed since the index the plan used was read."""
         plan = job.plan
@@ -592,10 +585,10 @@ class PythonDecoder:
             task.path, task.offset, task.length, task.ident = loc.path, loc.offset, loc.length, loc.ident
         for cid, task in zip(fr.chunk_ids, tasks):
             if task.path is None:  # empty in the new shard, or the shard is gone
-                self._guard(job, 1, self._fill, job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype))
+                self.guard(job, 1, self._fill, job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype))
             else:
-                self._guard(job, 1, self._read, job, FileRead.inner_chunk(task.path, cid, task.offset, task.length),
-                            on_compute, True)
+                self.guard(job, 1, self.read_file, job, FileRead.inner_chunk(task.path, cid, task.offset, task.length),
+                           on_compute, True)
 
     def _reserve(self, res: Reservation, nbytes: int, on_compute: bool) -> None:
         """Reserve ``nbytes``: an I/O thread waits for them; a compute thread raises _NoRoom instead."""
@@ -606,7 +599,7 @@ class PythonDecoder:
 
     def _handoff(self, job: Job, fr: FileRead, retried: bool = False) -> None:
         try:
-            self._io.submit(self._guard, job, len(fr.chunk_ids), self._read, job, fr, False, retried)
+            self._io.submit(self.guard, job, len(fr.chunk_ids), self.read_file, job, fr, False, retried)
         except ShutdownError:  # the pool was shut down (close)
             raise Cancelled() from None
 
@@ -651,7 +644,7 @@ class PythonDecoder:
     def _guard_decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation,
                       read_end: int | None = None, check: bool = False) -> None:
         try:
-            self._guard(job, 1, self._decode, job, task, encoded, res, read_end, check)
+            self.guard(job, 1, self._decode, job, task, encoded, res, read_end, check)
         finally:
             res.done()
 

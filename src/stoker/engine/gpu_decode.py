@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from ..runtime import gil
-from ..errors import BudgetExceeded, ShutdownError
+from ..errors import BudgetExceeded, pipeline_closed
 from ..gpu import frames
 from ..transforms import apply as apply_transform
 from . import gpu_fallback, gpu_place
@@ -101,7 +101,7 @@ class GpuDecodeExecutor:
         self.store = store
         self.n_slots = cfg.lookahead_batches + 1
         self.slots: SlotRing | None = None
-        self.host_slots: SlotRing | None = None  # the staging ring (what the pipeline's _host_slots shows)
+        self.host_slots: SlotRing | None = None  # the staging ring (what pipeline.host_slot_bytes counts)
         self.budget = None  # no transient budget: the CPU decode of one chunk at a time is counted in prepare
         self._make_decoder = decoder
         self._decoder = None
@@ -361,8 +361,7 @@ class GpuDecodeExecutor:
                     continue
                 if item is None or self._closing:
                     while item is not None:  # fail what is queued: nothing will make it
-                        item[0].finish(item[0].plan.n_chunks, ShutdownError("the pipeline was closed while "
-                                                                            "this batch was being made"))
+                        item[0].finish(item[0].plan.n_chunks, pipeline_closed())
                         try:
                             item = self._queue.get_nowait()
                         except queue.Empty:
@@ -399,7 +398,7 @@ class GpuDecodeExecutor:
         i = 0
         while (i < len(reads) or cpu or pending) and b.error is None:  # (the submitter failed: stop)
             if self._closing:
-                raise ShutdownError("the pipeline was closed while this batch was being made")
+                raise pipeline_closed()
             staging = self._acquire_staging()
             try:
                 buf = staging.tensor.numpy()
@@ -523,7 +522,7 @@ class GpuDecodeExecutor:
         The batch is delivered only after the check, and a damaged chunk's error replaces any error of the
         transform (which saw the damage)."""
         if self._closing:
-            raise ShutdownError("the pipeline was closed while this batch was being made")
+            raise pipeline_closed()
         try:
             t0 = time.perf_counter()
             gpu_place.fill(b.plan, b.sources, b.dest, fills)

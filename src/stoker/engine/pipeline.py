@@ -37,7 +37,7 @@ from ..storage import LocalStore
 from ..device import resolve as devices
 from .batch import Batch
 from .coordinator import Coordinator
-from .executor import make_executor
+from .choose import make_executor
 from .intake import Intake
 from .stats import Stats, StatsRecorder
 
@@ -310,3 +310,15 @@ def _all_slots_held(executor) -> bool:
 def _deadline(limit: float | None) -> float | None:
     """When a wait of ``limit`` seconds (None: unbounded) that starts now ends, on the monotonic clock."""
     return None if limit is None else time.monotonic() + limit
+
+
+def host_slot_bytes(pipeline: Pipeline) -> int:
+    """Bytes of ``pipeline``'s host batch slots (pinned staging on a GPU; 0 before its first batch): what
+    ``stoker bench`` reports as a CUDA pipeline's pinned memory.
+
+    >>> with stoker.Pipeline(cfg) as p:
+    ...     p.push(samples); p.pop().release()
+    ...     host_slot_bytes(p)
+    """
+    slots = pipeline._executor.host_slots
+    return 0 if slots is None else slots.nbytes

@@ -32,11 +32,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import BudgetExceeded, ShutdownError
+from ..errors import BudgetExceeded, pipeline_closed
 from ..transforms import apply as apply_transform
 from .cast import staging_dtype
 from .buffers import Slot, SlotRing, pinned_footprint
-from .cpu import CpuExecutor
+from .cpu import CpuExecutor, take_slot
 from .executor import Job, Target
 
 
@@ -81,7 +81,7 @@ class CudaTransfer:
         transform_s = 0.0
         with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if self._closed:
-                raise ShutdownError("the pipeline was closed while this batch was being made")
+                raise pipeline_closed()
             for wait in slot.stream_waits:
                 if isinstance(wait, EVENT_TYPES):
                     self.stream.wait_event(wait)
@@ -222,8 +222,8 @@ class CudaExecutor(CpuExecutor):
         self.slots = self.transfer.slots
 
     def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target:
-        slot = self._acquire(self.slots, closed)
-        host_slot = self._acquire(self.host_slots, closed)
+        slot = take_slot(self.slots, closed)
+        host_slot = take_slot(self.host_slots, closed)
         stage = staging_dtype(self._cast_dtype(self.slots.dtype), {r.dtype for r in plan.sources}) \
             or self.slots.dtype
         return Target(host_slot.view(stage, (plan.rows, *plan.row_shape)), slot, host_slot)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import operator
 import os
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -361,12 +360,6 @@ class ZarrRecords(torch.utils.data.Dataset):
         view._init_process_state(self._user_store)
         view._owner_pid = self._owner_pid
         return view
-
-    def shard(self, rank: int | None = None, world_size: int | None = None) -> "ZarrRecords":
-        """Deprecated name of :meth:`for_rank` (a rank's part, not a Zarr shard)."""
-        warnings.warn("ZarrRecords.shard() is deprecated; use ZarrRecords.for_rank()", DeprecationWarning,
-                      stacklevel=2)
-        return self.for_rank(rank, world_size)
 
 
 def rank_part(ds: ZarrRecords, rank: int, world: int) -> ZarrRecords:

@@ -86,14 +86,21 @@ class Sample:
     def __hash__(self) -> int:
         return self._hash
 
-    def _target(self) -> str | list[str]:
-        return self.uri if self.channels is None else list(self.uris)
-
     def __repr__(self) -> str:
-        return f"Sample({self._target()!r}, {list(self.aabb)})"
+        return f"Sample({given_uri(self)!r}, {list(self.aabb)})"
 
     def __reduce__(self):
-        return (Sample, (self._target(), self.aabb))
+        return (Sample, (given_uri(self), self.aabb))
+
+
+def given_uri(sample: Sample) -> str | list[str]:
+    """The ``uri`` argument that makes ``sample``: its one URI, or the list of a sample with channels (its
+    repr, its pickle, and its part of a sampler's fingerprint).
+
+    >>> given_uri(Sample(["/data/a.zarr"], [(0, 4)]))
+    ['/data/a.zarr']
+    """
+    return sample.uri if sample.channels is None else list(sample.uris)
 
 
 def parts(samples: Sequence[Sample]) -> list[tuple[str, Box]]:

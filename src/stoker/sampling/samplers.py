@@ -25,7 +25,6 @@ import json
 import math
 import operator
 import os
-import warnings
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -34,7 +33,7 @@ from .cursor import CursorState, EpochCursor
 from ..dist.collectives import resolve_rank
 from ..errors import InvalidArgument
 from .permutation import ORDER_VERSION, Permutation
-from .sample import Sample
+from .sample import Sample, given_uri
 
 _BLOCK = 1024  # RandomCrops draws samples in seeded blocks: cheap, and any index is reachable directly
 # Positions are int64 where they meet numpy (a rank's share as an array, seeds); with at most 2**62
@@ -70,13 +69,6 @@ class SampleSource:
         ``RANK``/``WORLD_SIZE`` environment, else a single process."""
         rank, world_size = resolve_rank(rank, world_size)
         return RankShare(self, rank, world_size, policy, even)
-
-    def shard(self, rank: int | None = None, world_size: int | None = None, policy: str = "strided",
-              even: str = "wrap") -> "RankShare":
-        """Deprecated name of :meth:`for_rank` (a rank's share, not a Zarr shard)."""
-        warnings.warn("SampleSource.shard() is deprecated; use SampleSource.for_rank()", DeprecationWarning,
-                      stacklevel=2)
-        return self.for_rank(rank, world_size, policy, even)
 
     def __iter__(self) -> Iterator[Sample]:
         """Epoch 0 in global order, whole (a single process)."""
@@ -278,7 +270,7 @@ class SampleList(SampleSource):
         return self.samples[index]
 
     def _identity(self) -> Any:
-        return [[s._target(), s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
+        return [[given_uri(s), s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
 
 
 def _order(cached: Permutation | None, n: int, seed: int, epoch: int) -> Permutation:
@@ -395,9 +387,3 @@ class _Cursor:
     def state_after(self, n: int) -> dict:
         """The share's state once ``n`` samples of this iterator have been consumed."""
         return self.start.after(n, self.forever).state(self.src._order()).to_dict()
-
-def __getattr__(name: str) -> Any:
-    if name == "ShardedSource":  # the name before RankShare (a rank's share, not a Zarr shard)
-        warnings.warn("stoker.ShardedSource is deprecated; use stoker.RankShare", DeprecationWarning, stacklevel=2)
-        return RankShare
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

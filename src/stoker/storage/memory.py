@@ -134,9 +134,9 @@ class MemoryStore:
     def close(self) -> None:
         """Forget this store's name: ``open_store`` of its ``memory://`` URI gives a new, empty one (the
         values stay readable here)."""
-        from .uri import forget_memory
-
-        forget_memory(self)
+        with _names_lock:
+            if _names.get(self.uri) is self:
+                del _names[self.uri]
 
     def __reduce__(self):  # a copy of the values (processes share no memory)
         with self._lock:
@@ -144,3 +144,19 @@ class MemoryStore:
 
     def __repr__(self) -> str:
         return f"MemoryStore({self.uri!r}, {len(self._values)} values)"
+
+
+#: ``memory://name`` -> its store: one per name in a process, until closed (``open_store``)
+_names: dict[str, MemoryStore] = {}
+_names_lock = threading.Lock()
+
+
+def named(uri: str) -> MemoryStore:
+    """The store ``memory://name`` names in this process (a new, empty one the first time, or after it was
+    closed): what :func:`~stoker.storage.uri.open_store` gives for such a URI.
+
+    >>> named("memory://a") is named("memory://a")
+    True
+    """
+    with _names_lock:
+        return _names.setdefault(uri, MemoryStore(uri=uri))

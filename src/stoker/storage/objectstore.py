@@ -49,7 +49,7 @@ from .. import checks
 from ..errors import InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat, as_value
 from .ranges import coalesce
 from .store import ByteRange, by_key, check_key, check_prefix, gone_or_shorter, not_found, short_read
-from .uri import check_remote_url
+from .urls import check_remote_url
 
 #: obstore's HTTP client options (``ClientConfig``): these ``storage_options`` go to the client.
 CLIENT_KEYS = frozenset({

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 from typing import Any
-from urllib.parse import quote, unquote, urlparse, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlparse, urlsplit
 
 from ..errors import InvalidArgument
 from .store import Store
+from .urls import check_remote_url, redact, resolve_local_path
 
 #: Schemes obstore opens (ObjectStore).
 REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https"})
-
-_memory: dict[str, Any] = {}
 
 #: Hosts whose https URLs obstore (object_store) may open as a provider's store rather than plain HTTP.
 _PROVIDER_HOSTS = (".amazonaws.com", ".r2.cloudflarestorage.com", ".blob.core.windows.net", ".dfs.core.windows.net",
@@ -81,40 +79,6 @@ def _first_segment_is_root(root: str, first: str) -> bool:
     return type(store).__name__ != "HTTPStore" and getattr(store, "prefix", None) == "k"
 
 
-def redact(uri: str) -> str:
-    """``uri`` fit for a message: its user information (``user:password@``), query and fragment masked."""
-    if "://" not in uri:
-        return uri
-    parsed = urlsplit(uri)
-    netloc = parsed.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    return urlunsplit((parsed.scheme, netloc, parsed.path, "***" if parsed.query else "",
-                       "***" if parsed.fragment else ""))
-
-
-def check_remote_url(uri: str) -> None:
-    """InvalidArgument for a remote URI carrying what obstore never sends (a query, a fragment; user
-    information over HTTP) or a password: credentials go in ``storage_options``, never in a URI that ends up
-    in messages, logs and ``uri`` attributes. (Azure's ``abfs://container@account...`` names no password.)"""
-    parsed = urlsplit(uri)
-    scheme = parsed.scheme.lower()
-    userinfo = parsed.netloc.rpartition("@")[0] if "@" in parsed.netloc else None
-    if userinfo is not None and (":" in userinfo or scheme in ("http", "https")):
-        raise InvalidArgument(
-            f"{redact(uri)}: credentials in the URL are not used (obstore does not send them) and would leak "
-            "into messages; drop the user:password@ part and pass credentials in storage_options (an "
-            "'Authorization' header in default_headers for HTTP; access_key_id/secret_access_key, "
-            "account_key... for a bucket)", uri=redact(uri))
-    if parsed.query or parsed.fragment:
-        raise InvalidArgument(
-            f"{redact(uri)}: a query string or fragment is not sent with a store's requests (keys are read "
-            "under the URI's path); drop it, and pass tokens in storage_options (e.g. sas_key for Azure)",
-            uri=redact(uri))
-
-_memory_lock = threading.Lock()
-
-
 def open_store(uri: str | os.PathLike, storage_options: dict[str, Any] | None = None, **settings: Any) -> Store:
     """The store ``uri`` names (see the module docstring).
 
@@ -135,17 +99,14 @@ def open_store(uri: str | os.PathLike, storage_options: dict[str, Any] | None = 
         raise InvalidArgument(f"{uri}: storage_options and store settings ({given}) apply to remote URIs only "
                               "(s3://, gs://, az://, http(s)://); drop them for this one", uri=uri)
     if scheme == "memory":
-        from .memory import MemoryStore
+        from .memory import named
 
-        with _memory_lock:
-            return _memory.setdefault(uri, MemoryStore(uri=uri))
+        return named(uri)
     if scheme == "zip":
         from .zipstore import ZipStore
 
         return ZipStore(uri[len("zip://"):])
-    from . import resolve_local_path  # file:// and plain paths; other schemes are refused there
-
-    path = resolve_local_path(uri)
+    path = resolve_local_path(uri)  # file:// and plain paths; other schemes are refused there
     if path.lower().endswith(".zip") and os.path.isfile(path):
         from .zipstore import ZipStore
 
@@ -155,11 +116,4 @@ def open_store(uri: str | os.PathLike, storage_options: dict[str, Any] | None = 
     return FileStore(path)
 
 
-def forget_memory(store: Any) -> None:
-    """Drop ``store`` from the ``memory://`` names (``MemoryStore.close``), so its values can be freed."""
-    with _memory_lock:
-        if _memory.get(store.uri) is store:
-            del _memory[store.uri]
-
-
-__all__ = ["REMOTE_SCHEMES", "check_remote_url", "forget_memory", "open_store", "redact"]
+__all__ = ["REMOTE_SCHEMES", "check_remote_url", "open_store", "redact", "resolve_local_path"]

@@ -151,12 +151,6 @@ class ChunkCodec:
         """True when the stored chunk is one zstd frame and nothing else (no filters, no checksum)."""
         return not self.filters and len(self.compressors) == 1 and type(self.compressors[0]) is numcodecs.Zstd
 
-    def decoded_view(self, buf: np.ndarray, key: str = "?") -> np.ndarray:
-        """The chunk array over ``buf``, a uint8 buffer holding the chunk's decoded bytes (and maybe more)."""
-        flat = buf.reshape(-1)[: self.nbytes]
-        self.check_size(flat.nbytes, key)
-        return self._stored_layout(flat)
-
     @property
     def names(self) -> tuple[str, ...]:
         """Codec ids in encode order, for summaries and messages."""
