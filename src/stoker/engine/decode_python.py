@@ -402,8 +402,8 @@ class PythonDecoder:
         again = []
         for cid, task in tasks:
             if task.path is None:  # empty in the new shard, or the shard is gone
-                self._guard(job, 1, self._fill, job, task,
-                            fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype))
+                self.guard(job, 1, self._fill, job, task,
+                           fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype))
             else:
                 again.append((cid, task))
 
