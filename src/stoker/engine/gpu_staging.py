@@ -34,7 +34,7 @@ from ..storage import FileChanged
 from ..storage.store import ByteRange, get_many
 from . import gpu_fallback
 from .gpu_sources import CPU, Source
-from .tables import F_IDENT, F_SOURCE, TablePlan
+from .tables import F_SOURCE, TablePlan, file_ident
 
 #: inner chunks of one shard file at most this far apart are read together, the gap included
 MAX_GAP = 64 << 10
@@ -156,9 +156,7 @@ class Stager:
         if held is None:
             row = plan.files[f]
             reader = plan.sources[int(row[F_SOURCE])]
-            ident = tuple(int(v) for v in row[F_IDENT:F_IDENT + 2].view(np.uint64)) + \
-                tuple(int(v) for v in row[F_IDENT + 2:F_IDENT + 5])
-            held = files[f] = (reader.file_path(plan.file_key(f)), ident)
+            held = files[f] = (reader.file_path(plan.file_key(f)), file_ident(row))
         return held
 
     def path(self, plan: TablePlan, cid: int, files: dict) -> str:
