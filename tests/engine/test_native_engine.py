@@ -44,7 +44,10 @@ class Tables:
         os.makedirs(self.root + "c", exist_ok=True)
         self.n = n
         self.blob = os.fsencode(self.root + "c/")
-        self.sources = np.array([[U16, 0, 0, len(self.blob), ord("."), 0, 8, 1]], np.int64)
+        self.sources = np.zeros((1, native.S_STRIDES + 2), np.int64)
+        s = self.sources[0]
+        s[native.S_KIND], s[native.S_PATH_LEN], s[native.S_SEP] = U16, len(self.blob), ord(".")
+        s[native.S_STRIDES:] = (8, 1)
         fill = np.float32(-1).tobytes() if kind == native.KIND_F32 else np.uint16(65535).tobytes()
         self.sources[0, native.S_FILL] = np.frombuffer(fill.ljust(8, b"\0"), np.int64)[0]
         self.files = np.zeros((n, native.F_COORDS + 2), np.int64)
@@ -58,9 +61,9 @@ class Tables:
         c[:, native.C_MAX_STORED] = 4096
         c[:, native.C_FIRST_COPY] = np.arange(n)
         c[:, native.C_NCOPIES] = 1
-        self.copies = np.zeros((n, 4), np.int64)
-        self.copies[:, 1] = np.arange(n) * 64
-        self.copies[:, 2:] = 8
+        self.copies = np.zeros((n, native.COPY_COLS(2)), np.int64)
+        self.copies[:, native.CP_DST_OFFSET] = np.arange(n) * 64
+        self.copies[:, native.CP_EXTENT:] = 8
         self.kind = kind
         self.batch = np.zeros((n, 8, 8), np.float32 if kind == native.KIND_F32 else np.uint16)
 
@@ -129,10 +132,10 @@ def test_chunks_in_memory_are_read_as_files_are(tmp_path):
     _in_memory(t, range(6), len(buffers))
     t.chunks[3, native.C_OFFSET], t.chunks[3, native.C_LENGTH] = 4, len(frames[3])
     t.chunks[4, native.C_CODEC] = native.CODEC_BLOSC
-    t.copies[4, 0] = 16  # the chunk's rows 2..: its first blosc block is not decoded
-    t.copies[4, 2] = 6
+    t.copies[4, native.CP_SRC_OFFSET] = 16  # the chunk's rows 2..: its first blosc block is not decoded
+    t.copies[4, native.CP_EXTENT] = 6
     t.chunks[4, native.C_SPAN_START] = 32
-    t.copies[5, 2] = 2  # rows 0..1: zstd stops after the block holding them
+    t.copies[5, native.CP_EXTENT] = 2  # rows 0..1: zstd stops after the block holding them
     t.chunks[5, native.C_SPAN_STOP] = 32
     engine = native.Engine(2, 1 << 20)
     job = engine.submit(*t.args(), buffers)
@@ -179,10 +182,10 @@ def test_chunks_in_memory_take_scratch_for_their_decoded_bytes_only(tmp_path):
     staging = np.frombuffer(b"head" + zstd[4] + b"tail", np.uint8)
     buffers = [zstd[0], zstd[1], blosc, lz4, staging]
     _in_memory(t, range(5), len(buffers))
-    t.copies[1, 2] = 2  # rows 0..1: zstd stops after the block holding them
+    t.copies[1, native.CP_EXTENT] = 2  # rows 0..1: zstd stops after the block holding them
     t.chunks[1, native.C_SPAN_STOP] = 32
     t.chunks[2, native.C_CODEC] = native.CODEC_BLOSC
-    t.copies[2, 0], t.copies[2, 2] = 16, 6  # the chunk's rows 2..: its first blosc block is not decoded
+    t.copies[2, native.CP_SRC_OFFSET], t.copies[2, native.CP_EXTENT] = 16, 6  # the chunk's rows 2..: its first blosc block is not decoded
     t.chunks[2, native.C_SPAN_START] = 32
     t.chunks[3, native.C_CODEC] = native.CODEC_LZ4
     t.chunks[4, native.C_OFFSET], t.chunks[4, native.C_LENGTH] = 4, len(zstd[4])

@@ -904,13 +904,13 @@ def test_regions_and_batch_targets(work, data):
     if use_dst:
         expect_error |= not dst_fields[0] or dst_fields[1] < 0 or not 0 <= dst_fields[2] <= 2
     try:
-        results = native_testing.decode_files(native.CODEC_ZSTD, [str(path)], [region], np.empty(len(frame) + 10, np.uint8),
-                                      [out.view], nbytes, None, dst)
+        results = native_testing.decode_files(native.CODEC_ZSTD, [str(path)], [region],
+                                              np.empty(len(frame) + 10, np.uint8), [out.view], nbytes, None, dst)
     except ValueError:
         assert expect_error
     else:
         assert not expect_error
-        assert results[0][0] in range(8)
+        assert native.ST_OK <= results[0][0] <= native.ST_FRAME  # a status of a chunk file, not of the engine
     assert out.intact() and batch.intact() and (batch.view == 0xAB).all()
 
 
@@ -1105,15 +1105,18 @@ def test_plan_grid_arguments(work, data):
         event("refused")
         return
     event("planned")
-    copies = np.frombuffer(copies, np.int64).reshape(-1, 2 + 3 * ndim)
-    chunks = np.frombuffer(chunks, np.int64).reshape(-1, 5 + ndim)
-    keys = {tuple(c[[0, *range(5, 5 + ndim)]]) for c in chunks}
+    copies = np.frombuffer(copies, np.int64).reshape(-1, native.GRID_COPY_COLS(ndim))
+    chunks = np.frombuffer(chunks, np.int64).reshape(-1, native.GRID_CHUNK_COLS + ndim)
+    coords = range(native.GRID_CHUNK_COLS, native.GRID_CHUNK_COLS + ndim)
+    keys = {tuple(c[[native.G_SOURCE, *coords]]) for c in chunks}
     assert len(keys) == len(chunks)
-    assert chunks[:, 2].sum() == len(copies) and (np.cumsum(chunks[:, 2]) - chunks[:, 2] == chunks[:, 1]).all()
+    n_copies, first = chunks[:, native.G_NCOPIES], chunks[:, native.G_FIRST_COPY]
+    assert n_copies.sum() == len(copies) and (np.cumsum(n_copies) - n_copies == first).all()
+    box_at, ext_at = native.GC_BOX_START(ndim), native.GC_EXTENT(ndim)
     for c in chunks:
-        mine = copies[c[1]:c[1] + c[2]]
-        cs = chunk_shapes[c[0]]
-        start, box, ext = mine[:, 2:2 + ndim], mine[:, 2 + ndim:2 + 2 * ndim], mine[:, 2 + 2 * ndim:]
+        mine = copies[c[native.G_FIRST_COPY]:c[native.G_FIRST_COPY] + c[native.G_NCOPIES]]
+        cs = chunk_shapes[c[native.G_SOURCE]]
+        start, box, ext = mine[:, native.GC_CHUNK_START:box_at], mine[:, box_at:ext_at], mine[:, ext_at:]
         assert (start >= 0).all() and (ext >= 1).all() and (start + ext <= cs).all()
         assert (box >= 0).all() and (box + ext <= shape).all()
 
@@ -1264,15 +1267,18 @@ def test_plan_crops_arguments(data):
         if not 0 <= sids[s] < n_src:
             refused = True
             break
-        if any(boxes[s][a][1] > rows[sids[s]][2 + 2 * ndim + a] for a in range(ndim)):
+        if any(boxes[s][a][1] > rows[sids[s]][native.A_SHAPE(ndim) + a] for a in range(ndim)):
             want_outside = s
             break
     per = np.array(rows, np.int64)
     starts = np.array([[b[0] for b in box] for box in boxes], np.int64).reshape(n, ndim)
 
     def grid():  # plan_grid's plan of the same crops (it raises what it refuses)
-        return native.plan_grid(starts, args[1], args[2], np.ascontiguousarray(per[:, 1:1 + ndim]),
-                                np.ascontiguousarray(per[:, 1 + ndim:1 + 2 * ndim]), np.ascontiguousarray(per[:, 0]))
+        strides_at = native.A_STRIDES(ndim)
+        return native.plan_grid(starts, args[1], args[2],
+                                np.ascontiguousarray(per[:, native.A_CHUNK_SHAPE:native.A_CHUNK_SHAPE + ndim]),
+                                np.ascontiguousarray(per[:, strides_at:strides_at + ndim]),
+                                np.ascontiguousarray(per[:, native.A_ITEMSIZE]))
 
     # the bytes the crops need, each step as the C code takes it: past int64 anywhere is refused
     crop, items, steps = 1, 0, []
@@ -1280,7 +1286,7 @@ def test_plan_crops_arguments(data):
         crop *= e
         steps.append(crop)
     for s in sids if not refused and want_outside < 0 else ():  # (past a crop outside, a number may be any)
-        items += rows[s][0]
+        items += rows[s][native.A_ITEMSIZE]
         steps.append(items)
     bytes_fit = all(_fits(v) for v in steps) and _fits(crop * items)
     try:
@@ -1299,7 +1305,7 @@ def test_plan_crops_arguments(data):
         assert copies is None and chunks is None
         return
     event("planned")
-    assert bytes_fit and bytes_needed == crop * items and any_sharded == any(r[1 + 2 * ndim] for r in rows)
+    assert bytes_fit and bytes_needed == crop * items and any_sharded == any(r[native.A_SHARDED(ndim)] for r in rows)
     assert (copies, chunks) == grid()
 
 
@@ -1314,11 +1320,12 @@ def test_chunk_rows_arguments(data):
     n_src = data.draw(st.integers(1, 3))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     hostile = data.draw(st.integers(0, 3)) == 0
-    info = rng.integers(-5, 2**40, (n_src, 6), dtype=np.int64)
-    plan = rng.integers(-2, 2**40, (n, 9), dtype=np.int64)  # a wider table: its columns are strided views
-    plan[:, 0] = rng.integers(0, n_src, n) if not hostile else rng.integers(-2, n_src + 2, n)
-    plan[:, 1] = rng.integers(-1, 4, n)
-    cols = [plan[:, k] for k in range(8)]
+    info = rng.integers(-5, 2**40, (n_src, native.N_INFO_COLS), dtype=np.int64)
+    # a wider table: its columns are strided views
+    plan = rng.integers(-2, 2**40, (n, native.N_PLAN_COLS + 1), dtype=np.int64)
+    plan[:, native.P_SOURCE] = rng.integers(0, n_src, n) if not hostile else rng.integers(-2, n_src + 2, n)
+    plan[:, native.P_FILE] = rng.integers(-1, 4, n)
+    cols = [plan[:, k] for k in range(native.N_PLAN_COLS)]
     eids = data.draw(st.one_of(st.none(), st.lists(st.integers(-2, n + 1) if hostile else
                                                    st.integers(0, max(0, n - 1)), max_size=8 if n else 0)))
     eids = None if eids is None else np.array(eids, np.int64)
@@ -1327,7 +1334,7 @@ def test_chunk_rows_arguments(data):
         k = data.draw(st.integers(0, 8))
         bad = data.draw(st.sampled_from([np.zeros(n + 1, np.int64), np.zeros(n, np.int32), b"\0" * 8 * n]))
         if k == 8:
-            info = bad if data.draw(st.booleans()) else np.zeros((n_src, 5), np.int64)
+            info = bad if data.draw(st.booleans()) else np.zeros((n_src, native.N_INFO_COLS - 1), np.int64)
         else:
             cols[k] = bad
     try:
@@ -1339,21 +1346,26 @@ def test_chunk_rows_arguments(data):
     event("made")
     take = np.arange(n) if eids is None else eids
     assert ((take >= 0) & (take < n)).all()
-    src = plan[take, 0]
+    src = plan[take, native.P_SOURCE]
     assert ((src >= 0) & (src < n_src)).all()
     want = np.empty((len(take), native.N_CHUNK_COLS), np.int64)
     want[:, native.C_SOURCE] = src
-    want[:, native.C_CODEC:native.C_MAX_STORED + 1] = info[src, 3:]
+    for i_col, c_col in ((native.I_CODEC, native.C_CODEC), (native.I_NBYTES, native.C_NBYTES),
+                         (native.I_STORED, native.C_MAX_STORED)):
+        want[:, c_col] = info[src, i_col]
     if fetched:
         want[:, native.C_FILE] = want[:, native.C_OFFSET] = -1
         want[:, native.C_LENGTH] = 0
         want[:, native.C_BUFFER] = np.arange(len(take))
     else:
-        want[:, native.C_FILE], want[:, native.C_OFFSET], want[:, native.C_LENGTH] = (plan[take, k] for k in (1, 2, 3))
+        for p_col, c_col in ((native.P_FILE, native.C_FILE), (native.P_OFFSET, native.C_OFFSET),
+                             (native.P_LENGTH, native.C_LENGTH)):
+            want[:, c_col] = plan[take, p_col]
         want[:, native.C_BUFFER] = -1
         want[want[:, native.C_FILE] < 0, native.C_CODEC] = native.CODEC_FILL
-    for k, col in zip(range(4, 8), (native.C_SPAN_START, native.C_SPAN_STOP, native.C_FIRST_COPY, native.C_NCOPIES)):
-        want[:, col] = plan[take, k]
+    for p_col, c_col in ((native.P_SPAN_START, native.C_SPAN_START), (native.P_SPAN_STOP, native.C_SPAN_STOP),
+                         (native.P_FIRST_COPY, native.C_FIRST_COPY), (native.P_NCOPIES, native.C_NCOPIES)):
+        want[:, c_col] = plan[take, p_col]
     assert np.frombuffer(got, np.int64).reshape(-1, native.N_CHUNK_COLS).tolist() == want.tolist()
 
 
@@ -1368,12 +1380,13 @@ def test_copy_rows_arguments(data):
     small = data.draw(st.integers(0, 2)) > 0
     edge = st.one_of(st.integers(-3, 50), st.sampled_from([-2**63, 2**31, 2**62, 2**63 - 1]))
     value = st.integers(0, 50) if small else edge
-    table = np.array([[data.draw(value) for _ in range(2 + 3 * ndim)] for _ in range(m)],
-                     np.int64).reshape(m, 2 + 3 * ndim)  # plan_grid's layout: the columns are views of it
+    width, box_at, ext_at = native.GRID_COPY_COLS(ndim), native.GC_BOX_START(ndim), native.GC_EXTENT(ndim)
+    table = np.array([[data.draw(value) for _ in range(width)] for _ in range(m)],
+                     np.int64).reshape(m, width)  # plan_grid's layout: the columns are views of it
     row_stride = data.draw(value)
     strides = [data.draw(value) for _ in range(ndim)]
-    args = [table[:, 1], table[:, 0], table[:, 2 + ndim:2 + 2 * ndim], table[:, 2 + 2 * ndim:], row_stride,
-            array("q", strides)]
+    args = [table[:, native.GC_SRC_OFFSET], table[:, native.GC_ROW], table[:, box_at:ext_at], table[:, ext_at:],
+            row_stride, array("q", strides)]
     if data.draw(st.integers(0, 7)) == 0:  # a column of another length, rank or type
         k = data.draw(st.sampled_from([0, 1, 2, 3, 5]))
         wrong = {0: [np.zeros(m + 1, np.int64), np.zeros((m, ndim + 1), np.int64), np.zeros(m, np.int32), b"\0" * 8],
@@ -1385,15 +1398,18 @@ def test_copy_rows_arguments(data):
         return
     want = []
     for r in table.tolist():
-        dst = r[0] * row_stride + sum(b * s for b, s in zip(r[2 + ndim:2 + 2 * ndim], strides))
-        partial = [r[0] * row_stride]
-        for b, s in zip(r[2 + ndim:2 + 2 * ndim], strides):
+        row, box = r[native.GC_ROW], r[box_at:ext_at]
+        dst = row * row_stride + sum(b * s for b, s in zip(box, strides))
+        partial = [row * row_stride]
+        for b, s in zip(box, strides):
             partial.append(partial[-1] + b * s)
-        if not all(_fits(p) for p in partial) or not all(_fits(b * s) for b, s in zip(r[2 + ndim:2 + 2 * ndim],
-                                                                                       strides)):
+        if not all(_fits(p) for p in partial) or not all(_fits(b * s) for b, s in zip(box, strides)):
             want = None
             break
-        want.append([r[1], dst, *r[2 + 2 * ndim:]])
+        copy = [0] * native.COPY_COLS(ndim)
+        copy[native.CP_SRC_OFFSET], copy[native.CP_DST_OFFSET] = r[native.GC_SRC_OFFSET], dst
+        copy[native.CP_EXTENT:] = r[ext_at:]
+        want.append(copy)
     try:
         got = native.copy_rows(*args)
     except ValueError:
@@ -1402,4 +1418,4 @@ def test_copy_rows_arguments(data):
         return
     event("made")
     assert want is not None
-    assert np.frombuffer(got, np.int64).reshape(-1, 2 + ndim).tolist() == want
+    assert np.frombuffer(got, np.int64).reshape(-1, native.COPY_COLS(ndim)).tolist() == want
