@@ -242,8 +242,8 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
         for (long long k = 0; k < c[C_NCOPIES]; k++) { /* bytes written: each bounded by the batch in check_copies */
             long long n = 1;
             for (int a = 0; a < ndim; a++)
-                if (copies[k * cw + CP_EXTENT + a] < 1 || __builtin_mul_overflow(n, copies[k * cw + CP_EXTENT + a], &n) ||
-                    n > t->dst.nbytes)
+                if (copies[k * cw + CP_EXTENT + a] < 1 ||
+                    __builtin_mul_overflow(n, copies[k * cw + CP_EXTENT + a], &n) || n > t->dst.nbytes)
                     FAIL("a copy's extent is not positive, or larger than the batch");
             if (__builtin_mul_overflow(n, (long long)d_item, &n) || !add_ok(written, n, &written) ||
                 written > t->dst.nbytes)
@@ -409,8 +409,8 @@ static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char 
         if (fill) {
             unsigned char value[8];
             memcpy(value, &src[S_FILL], sizeof(value));
-            fill_copies(ndim, t->dst_strides, copies, c[C_NCOPIES], COPY_COLS(ndim), value, dst_itemsize(&t->dst, kind),
-                        &t->dst);
+            fill_copies(ndim, t->dst_strides, copies, c[C_NCOPIES], COPY_COLS(ndim), value,
+                        dst_itemsize(&t->dst, kind), &t->dst);
         } else {
             place_copies(kind, (int)src[S_SWAP], ndim, src + S_STRIDES, t->dst_strides, copies, c[C_NCOPIES],
                          COPY_COLS(ndim), decoded, &t->dst);

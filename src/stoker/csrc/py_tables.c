@@ -8,7 +8,8 @@
 
 /* plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes) -> (copies, chunks): see grid.c; the
  * arguments are int64 buffers (starts: crops x ndim; shape: ndim; chunk_shapes, strides: arrays x ndim;
- * itemsizes: arrays), the results bytes of int64 rows (copies: GRID_COPY_COLS(ndim) values, chunks: GRID_CHUNK_COLS + ndim). */
+ * itemsizes: arrays), the results bytes of int64 rows (copies: GRID_COPY_COLS(ndim) values, chunks:
+ * GRID_CHUNK_COLS + ndim). */
 static PyObject *plan_grid_py(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *objs[6];
     if (!PyArg_ParseTuple(args, "OOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5]))
@@ -52,7 +53,8 @@ done:
 
 /* plan_crops(boxes, sids, shape, rows) -> (copies, chunks, first_outside, bytes_needed, any_sharded): see
  * tables.c; int64 buffers: boxes crops x ndim x 2, sids one per crop, shape ndim, rows an array's
- * ARRAY_ROW_COLS(ndim) values each (A_*). copies and chunks as plan_grid returns them (None when a crop ends outside its array). */
+ * ARRAY_ROW_COLS(ndim) values each (A_*). copies and chunks as plan_grid returns them (None when a crop ends
+ * outside its array). */
 static PyObject *plan_crops_py(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *objs[4];
     if (!PyArg_ParseTuple(args, "OOOO", &objs[0], &objs[1], &objs[2], &objs[3]))
