@@ -5,6 +5,7 @@
 #   make asan   runs the compiled reader's tests and fuzz tests against an AddressSanitizer build (gcc)
 #   make lint   ruff over src/ and tests/, mypy over the public API (configured in pyproject.toml)
 #   make docs   builds the documentation site and its API reference strictly (mkdocs.yml) into site/
+#   make interface  writes stoker/engine/interface.py and csrc/interface_names.h from csrc/stoker_native.h
 
 PYTHON ?= python3
 VENV   := .venv
@@ -14,7 +15,7 @@ STAMP  := $(VENV)/.installed-stamp
 # so users keep their own (CUDA) build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test asan bench lint docs venv clean
+.PHONY: demo test asan bench lint docs venv clean interface
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,9 @@ test: $(STAMP)
 
 asan: $(STAMP)
 	PY=$(PY) .ci/asan
+
+interface:
+	$(PYTHON) .ci/interface.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

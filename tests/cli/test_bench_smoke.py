@@ -353,4 +353,4 @@ def test_doctor_reports_what_loading_data_depends_on(capsys):
         assert re.search(rf"^{re.escape(what)}\s+\S", out, re.M), (what, out)
     from stoker.engine import native
 
-    assert ("loaded; decodes" in out) == (native.decode_files is not None), out
+    assert ("loaded; decodes" in out) == (native.Engine is not None), out

@@ -18,6 +18,7 @@ from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, ShardingCodec, Transp
 import numcodecs
 import stoker
 from stoker.engine import native
+import native_testing
 from stoker.engine import decode_native
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,9 +31,12 @@ def _native_disabled() -> bool:
 def test_extension_is_built():
     if _native_disabled():
         pytest.skip("STOKER_NATIVE=0 turns the compiled reader off")
-    assert native.Engine is not None and native.decode_files is not None and native.zstd and native.blosc, (
+    assert native.Engine is not None and native.zstd and native.blosc, (
         "stoker._native was not built or could not find zstd and blosc in numcodecs: install a C compiler and "
         "reinstall stoker (pip install -e .)"
+    )
+    assert native_testing.decode_files is not None, (
+        "stoker._testing (the tests' decode_files) was not built: python setup.py build_ext --inplace"
     )
 
 
@@ -52,8 +56,8 @@ class _SpyJob:
 
     def results(self):
         status, detail, counters = self._job.results()
-        ok = np.frombuffer(status, np.int32) == native.OK
-        for codec in sorted(set(self._codecs.tolist()) - {native.FILL}):
+        ok = np.frombuffer(status, np.int32) == native.ST_OK
+        for codec in sorted(set(self._codecs.tolist()) - {native.CODEC_FILL}):
             mine = self._codecs == codec
             self._calls.append((codec, int(mine.sum()), int((ok & mine).sum()), counters["bytes_decoded"]))
         return status, detail, counters
@@ -285,7 +289,7 @@ def _call(codec, paths, nbytes, spans=None, scratch=4096, places=None, dst=None,
     spans = spans or [(0, nbytes)] * len(paths)
     where = where or [None] * len(paths)
     regions = [(*(w or (-1, 0)), *sp) for w, sp in zip(where, spans)]
-    return native.decode_files(codec, [str(p) for p in paths], regions, np.empty(scratch, "uint8"), outs, nbytes,
+    return native_testing.decode_files(codec, [str(p) for p in paths], regions, np.empty(scratch, "uint8"), outs, nbytes,
                                places, dst), outs
 
 
@@ -299,18 +303,18 @@ def test_direct_call_reports_each_zstd_file(tmp_path):
     paths[2].write_bytes(b"not a zstd frame at all")
     paths[3].write_bytes(bytes(10_000))
     paths[4].write_bytes(numcodecs.Zstd(level=1).encode(bytes(32)))
-    results, outs = _call(native.ZSTD, paths, 64)
-    assert [r[0] for r in results] == [native.OK, native.MISSING, native.CODEC_ERROR, native.TOO_BIG, native.SIZE]
+    results, outs = _call(native.CODEC_ZSTD, paths, 64)
+    assert [r[0] for r in results] == [native.ST_OK, native.ST_MISSING, native.ST_CODEC_ERROR, native.ST_TOO_BIG, native.ST_SIZE]
     assert results[0][1] == len(good) and results[0][2] == 64
     np.testing.assert_array_equal(outs[0], np.arange(64, dtype="uint8"))
     assert results[3][2] == 10_000 and results[4][2] == 32
     assert native.zstd_error(results[2][2])  # zstd's own words for the failure
     with pytest.raises(ValueError):
-        native.decode_files(native.ZSTD, [str(paths[0])], [(-1, 0, 0, 64)], np.empty(4096, "uint8"),
+        native_testing.decode_files(native.CODEC_ZSTD, [str(paths[0])], [(-1, 0, 0, 64)], np.empty(4096, "uint8"),
                             [np.empty(8, "uint8")], 64, None, None)
     for bad_region in [(-2, 0, 0, 64), (0, -1, 0, 64), (-1, 0, 0, 65), (-1, 0, 9, 8)]:
         with pytest.raises(ValueError, match="regions"):
-            native.decode_files(native.ZSTD, [str(paths[0])], [bad_region], np.empty(4096, "uint8"),
+            native_testing.decode_files(native.CODEC_ZSTD, [str(paths[0])], [bad_region], np.empty(4096, "uint8"),
                                 [np.empty(64, "uint8")], 64, None, None)
 
 
@@ -347,8 +351,8 @@ def test_argument_lists_emptied_by_their_own_items_are_not_read_past(tmp_path):
         regions[:] = [first_region] + [(-1, 0, 0, 64)] * 3
         outs[:] = [np.zeros(64, "uint8") for _ in range(4)]
         kept = list(outs)
-        results = native.decode_files(native.ZSTD, paths, regions, np.empty(4096, "uint8"), outs, 64, None, None)
-        assert [r[0] for r in results] == [native.OK] * 4
+        results = native_testing.decode_files(native.CODEC_ZSTD, paths, regions, np.empty(4096, "uint8"), outs, 64, None, None)
+        assert [r[0] for r in results] == [native.ST_OK] * 4
         assert all(o.tobytes() == payload for o in kept)
 
 
@@ -362,7 +366,7 @@ def test_a_copy_plan_rewritten_after_its_check_is_placed_as_checked(tmp_path):
     chunk.write_bytes(numcodecs.Zstd(level=1).encode(np.arange(1, 9, dtype="uint16").tobytes()))
     u16 = native.SOURCE_KINDS[np.dtype("uint16")]
     backing = torch.zeros(1024, dtype=torch.float32)  # the batch is its first 8 floats
-    dst = (backing.data_ptr(), 32, native.F32)
+    dst = (backing.data_ptr(), 32, native.KIND_F32)
     plan = array("q", [u16, 1, 1, 1, 1, 0, 0, 8])  # 8 elements from the chunk's start to the batch's
 
     class Rewriting:
@@ -370,10 +374,10 @@ def test_a_copy_plan_rewritten_after_its_check_is_placed_as_checked(tmp_path):
             plan[6] = 900  # dst offset
             return str(chunk)
 
-    results = native.decode_files(native.ZSTD, [str(chunk), Rewriting()], [(-1, 0, 0, 16)] * 2,
+    results = native_testing.decode_files(native.CODEC_ZSTD, [str(chunk), Rewriting()], [(-1, 0, 0, 16)] * 2,
                                   np.empty(4096, "uint8"), [np.zeros(16, "uint8") for _ in range(2)], 16,
                                   [plan, None], dst)
-    assert [r[0] for r in results] == [native.OK, native.OK] and results[0][6] == 1  # decoded, placed
+    assert [r[0] for r in results] == [native.ST_OK, native.ST_OK] and results[0][6] == 1  # decoded, placed
     assert backing[:8].tolist() == list(range(1, 9))
     assert not backing[8:].any()
 
@@ -383,20 +387,20 @@ def test_direct_call_reads_inner_chunks_at_their_offsets(tmp_path):
     if not (native.zstd and native.blosc):
         pytest.skip("stoker._native is not available")
     n = _BLOCKY.nbytes
-    frames = {native.ZSTD: numcodecs.Zstd(level=1).encode(_BLOCKY), native.BLOSC: _blocky_frame()}
+    frames = {native.CODEC_ZSTD: numcodecs.Zstd(level=1).encode(_BLOCKY), native.CODEC_BLOSC: _blocky_frame()}
     for codec, frame in frames.items():
-        other = numcodecs.Zstd(level=1).encode(_BLOCKY[::-1].copy()) if codec == native.ZSTD else \
+        other = numcodecs.Zstd(level=1).encode(_BLOCKY[::-1].copy()) if codec == native.CODEC_ZSTD else \
             numcodecs.Blosc("lz4", 5, 1, blocksize=_BLOCK // 2).encode(_BLOCKY[::-1].copy())
         shard = tmp_path / f"shard{codec}"
         shard.write_bytes(b"junk" * 10 + frame + other + b"tail")
         where = [(40, len(frame)), (40 + len(frame), len(other)), (40 + len(frame), len(other) + 100)]
         spans = [(0, n), (_BLOCK + 8, _BLOCK + 16), (0, n)]
         results, outs = _call(codec, [shard] * 3, n, spans=spans, scratch=n + 4096, where=where)
-        assert [r[0] for r in results[:2]] == [native.OK, native.OK]
-        assert results[2][0] == native.SHORT  # runs past the end of the file
+        assert [r[0] for r in results[:2]] == [native.ST_OK, native.ST_OK]
+        assert results[2][0] == native.ST_SHORT  # runs past the end of the file
         np.testing.assert_array_equal(outs[0], _BLOCKY.view("uint8"))
         np.testing.assert_array_equal(outs[1][_BLOCK + 8:_BLOCK + 16], _BLOCKY[::-1].copy().view("uint8")[_BLOCK + 8:_BLOCK + 16])
-        assert results[0][1] == len(frame) and (codec == native.ZSTD or results[1][1] < len(other))
+        assert results[0][1] == len(frame) and (codec == native.CODEC_ZSTD or results[1][1] < len(other))
 
 
 # 256 KiB of smooth uint16, stored as four blosc blocks of 64 KiB
@@ -423,8 +427,8 @@ def test_direct_call_decodes_only_the_blocks_a_span_needs(tmp_path):
     spans = [(_BLOCK + 100, _BLOCK + 200), (_BLOCK - 10, _BLOCK + 10), (0, n), (100, n // 2 + _BLOCK), (5, n - 5),
              (5, 9)]
     paths = [tmp_path / "chunk"] * 5 + [tmp_path / "noise"]
-    results, outs = _call(native.BLOSC, paths, n, spans=spans, scratch=n + 4096)
-    assert [r[0] for r in results] == [native.OK] * 6
+    results, outs = _call(native.CODEC_BLOSC, paths, n, spans=spans, scratch=n + 4096)
+    assert [r[0] for r in results] == [native.ST_OK] * 6
     # bytes decompressed: one block; two blocks; all; three of the four (under PARTIAL_MAX_SHARE); a span
     # touching every block, so all; a memcpyed frame, all
     assert [r[2] for r in results] == [_BLOCK, 2 * _BLOCK, n, 3 * _BLOCK, n, n]
@@ -443,10 +447,8 @@ def test_direct_call_decodes_only_the_blocks_a_span_needs(tmp_path):
 def _zstd_streaming(on: bool) -> None:
     """Turn the compiled reader's zstd context reuse and early stop on or off (off: ZSTD_decompress per chunk,
     what a numcodecs build without those exports gets)."""
-    from stoker import _native
-
     _, addrs = native._symbols(numcodecs.zstd.__file__, *native.ZSTD_STREAMING)
-    _native.set_zstd_streaming(*(addrs if on else [0] * len(native.ZSTD_STREAMING)))
+    native_testing.module.set_zstd_streaming(*(addrs if on else [0] * len(native.ZSTD_STREAMING)))
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "one-shot"])
@@ -482,18 +484,18 @@ def test_direct_call_stops_zstd_after_the_blocks_a_span_needs(tmp_path, streamin
     if not streaming:
         _zstd_streaming(False)
     try:
-        results, outs = _call(native.ZSTD, paths, n, spans=spans, scratch=n + 4096)
+        results, outs = _call(native.CODEC_ZSTD, paths, n, spans=spans, scratch=n + 4096)
     finally:
         _zstd_streaming(True)
     status = {name: r[0] for name, r in zip(files, results)}
     decoded = {name: r[2] for name, r in zip(files, results)}
     nread = {name: r[1] for name, r in zip(files, results)}
-    assert status == {"plain": native.OK, "raw-rle": native.OK, "checksum": native.OK,
-                      "truncated": native.CODEC_ERROR, "trailing": native.CODEC_ERROR,
-                      "cut-in-first": native.CODEC_ERROR}
+    assert status == {"plain": native.ST_OK, "raw-rle": native.ST_OK, "checksum": native.ST_OK,
+                      "truncated": native.ST_CODEC_ERROR, "trailing": native.ST_CODEC_ERROR,
+                      "cut-in-first": native.ST_CODEC_ERROR}
     stopped = block if streaming else n
     assert decoded["plain"] == decoded["raw-rle"] == stopped and decoded["checksum"] == n
-    assert [r[:1] + r[2:3] for r in results[len(files):]] == [(native.OK, n)] * 2
+    assert [r[:1] + r[2:3] for r in results[len(files):]] == [(native.ST_OK, n)] * 2
     if streaming:  # the first read (one block and a little), then one header the first read missed
         assert nread["plain"] <= block + 64 + 3 * 3 < len(plain)
         assert nread["raw-rle"] == block + 64 + 3
@@ -504,7 +506,7 @@ def test_direct_call_stops_zstd_after_the_blocks_a_span_needs(tmp_path, streamin
         assert len(files[name]) <= nread[name] <= len(files[name]) + 4 * 3, name
     expected = {"raw-rle": noise}
     for name, out, (a, b), r in zip([*files, "plain", "plain"], outs, spans, results):
-        if r[0] == native.OK:
+        if r[0] == native.ST_OK:
             np.testing.assert_array_equal(out[a:b], expected.get(name, content)[a:b])
     for i, name in enumerate(("plain", "raw-rle")):  # each whole first block
         np.testing.assert_array_equal(outs[i][:block], expected.get(name, content)[:block])
@@ -533,9 +535,9 @@ def test_direct_call_damage_found_after_a_stop_deep_in_the_frame(tmp_path):
     fake[at:at + 3] = (1 | (len(fake) - at - 3) << 3).to_bytes(3, "little")
     (tmp_path / "fake").write_bytes(bytes(fake))
     deep = (0, 2 * block + 10)
-    results, outs = _call(native.ZSTD, [tmp_path / "plain", tmp_path / "truncated", tmp_path / "fake"], n,
+    results, outs = _call(native.CODEC_ZSTD, [tmp_path / "plain", tmp_path / "truncated", tmp_path / "fake"], n,
                           spans=[deep, deep, (0, 0)], scratch=n + 4096)
-    assert [r[0] for r in results] == [native.OK, native.CODEC_ERROR, native.CODEC_ERROR]
+    assert [r[0] for r in results] == [native.ST_OK, native.ST_CODEC_ERROR, native.ST_CODEC_ERROR]
     assert results[0][2] == 3 * block and results[0][1] < len(plain)
     np.testing.assert_array_equal(outs[0][:3 * block], content[:3 * block])
 
@@ -612,7 +614,6 @@ def test_compiled_reader_follows_the_partial_share_of_the_blosc_module(tmp_path)
     import numcodecs.blosc
     import numcodecs.zstd
 
-    from stoker import _native
     from stoker.zarr.codecs.blosc import PARTIAL_MAX_SHARE
 
     _, zstd_addrs = native._symbols(numcodecs.zstd.__file__, "ZSTD_decompress", "ZSTD_isError")
@@ -623,18 +624,18 @@ def test_compiled_reader_follows_the_partial_share_of_the_blosc_module(tmp_path)
     decoded = {}
     try:
         for share in (0.0, 0.5, 1.0, PARTIAL_MAX_SHARE):
-            _native.set_codecs(*zstd_addrs, *blosc_addrs, share)
-            results, _ = _call(native.BLOSC, [tmp_path / "chunk"] * 2, n, spans=spans, scratch=n + 4096)
-            assert [r[0] for r in results] == [native.OK] * 2
+            native_testing.module.set_codecs(*zstd_addrs, *blosc_addrs, share)
+            results, _ = _call(native.CODEC_BLOSC, [tmp_path / "chunk"] * 2, n, spans=spans, scratch=n + 4096)
+            assert [r[0] for r in results] == [native.ST_OK] * 2
             decoded[share] = [r[2] for r in results]
     finally:
-        _native.set_codecs(*zstd_addrs, *blosc_addrs, PARTIAL_MAX_SHARE)
+        native_testing.module.set_codecs(*zstd_addrs, *blosc_addrs, PARTIAL_MAX_SHARE)
     assert decoded[0.0] == [n, n]
     assert decoded[1.0] == [_BLOCK, n - _BLOCK]
     assert decoded[0.5] == [_BLOCK, n]  # the second span needs 3 of the 4 blocks
     assert decoded[PARTIAL_MAX_SHARE] == [_BLOCK, n - _BLOCK if n - _BLOCK <= PARTIAL_MAX_SHARE * n else n]
     with pytest.raises(ValueError, match="between 0 and 1"):
-        _native.set_codecs(*zstd_addrs, *blosc_addrs, 1.5)
+        native_testing.module.set_codecs(*zstd_addrs, *blosc_addrs, 1.5)
 
 
 def test_direct_call_leaves_doubtful_blosc_frames_to_python(tmp_path):
@@ -656,19 +657,19 @@ def test_direct_call_leaves_doubtful_blosc_frames_to_python(tmp_path):
         (tmp_path / name).write_bytes(data)
         paths.append(tmp_path / name)
     for span in [(0, n), (0, 100)]:  # whole and partial decodes
-        results, outs = _call(native.BLOSC, paths, n, spans=[span] * len(paths), scratch=n + 4096)
+        results, outs = _call(native.CODEC_BLOSC, paths, n, spans=[span] * len(paths), scratch=n + 4096)
         status = dict(zip(cases, (r[0] for r in results)))
-        assert status["good"] == native.OK
-        assert status["other-size"] == status["truncated"] == status["short"] == native.FRAME
-        assert status["garbage-blocks"] == native.CODEC_ERROR
-        assert status["table"] == (native.FRAME if span[1] == 100 else native.CODEC_ERROR), span
+        assert status["good"] == native.ST_OK
+        assert status["other-size"] == status["truncated"] == status["short"] == native.ST_FRAME
+        assert status["garbage-blocks"] == native.ST_CODEC_ERROR
+        assert status["table"] == (native.ST_FRAME if span[1] == 100 else native.ST_CODEC_ERROR), span
 
 
 def _place(tmp_path, dtype_src, batch_dtype, kind, stream=False):
     """Cast a 2-D chunk into a batch through the compiled reader; returns (batch, expected by copy_cast).
     ``stream``: with streaming stores, the values repeated so that every row holds whole cache lines."""
     from stoker.engine.cast import copy_cast
-    from stoker.engine.decode_native import copy_plan
+    from native_testing import copy_plan
     from stoker.engine.plan import ChunkTask, Copy
     from stoker.zarr.codecs.chain import ChunkCodec
 
@@ -683,9 +684,9 @@ def _place(tmp_path, dtype_src, batch_dtype, kind, stream=False):
     assert plan is not None
     path = tmp_path / f"{dtype_src}"
     path.write_bytes(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
-    results, _ = _call(native.ZSTD, [path], chunk.nbytes, scratch=chunk.nbytes + 4096, places=[plan],
+    results, _ = _call(native.CODEC_ZSTD, [path], chunk.nbytes, scratch=chunk.nbytes + 4096, places=[plan],
                        dst=(got.data_ptr(), got.numel() * got.element_size(), kind, stream))
-    assert results[0][0] == native.OK and results[0][6] == 1
+    assert results[0][0] == native.ST_OK and results[0][6] == 1
     for c in task.copies:
         copy_cast(want[c.dst] if want.dtype == torch.bfloat16 else want.numpy()[c.dst], chunk[c.chunk_sel])
     return got, want
@@ -723,7 +724,7 @@ def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch, strea
     if not native.zstd:
         pytest.skip("stoker._native is not available")
     batch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "native": torch.from_numpy(np.empty(0, src)).dtype}[batch]
-    kind = {"f32": native.F32, "bf16": native.BF16, "native": native.SAME}[batch]
+    kind = {"f32": native.KIND_F32, "bf16": native.KIND_BF16, "native": native.KIND_SAME}[batch]
     got, want = _place(tmp_path, src, batch_dtype, kind, stream)
     nan = want.isnan() if want.is_floating_point() else torch.zeros_like(want, dtype=torch.bool)
     assert torch.equal(got.isnan() if got.is_floating_point() else nan, nan)
@@ -740,7 +741,7 @@ def test_streamed_writes_cover_every_alignment_and_nothing_else(tmp_path, batch)
     if not native.zstd:
         pytest.skip("stoker._native is not available")
     from stoker.engine.cast import copy_cast
-    from stoker.engine.decode_native import copy_plan
+    from native_testing import copy_plan
     from stoker.engine.plan import ChunkTask, Copy
     from stoker.zarr.codecs.chain import ChunkCodec
 
@@ -753,13 +754,13 @@ def test_streamed_writes_cover_every_alignment_and_nothing_else(tmp_path, batch)
     task = ChunkTask(0, (0, 0), "c/0/0", copies)
     got = torch.full((1, 40, 360), -7, dtype=batch)
     want = got.clone()
-    kind = {torch.float32: native.F32, torch.bfloat16: native.BF16, torch.int16: native.SAME}[batch]
+    kind = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16, torch.int16: native.KIND_SAME}[batch]
     plan = copy_plan(task, codec, got, kind)
     path = tmp_path / "c"
     path.write_bytes(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
-    results, _ = _call(native.ZSTD, [path], chunk.nbytes, scratch=chunk.nbytes + 4096, places=[plan],
+    results, _ = _call(native.CODEC_ZSTD, [path], chunk.nbytes, scratch=chunk.nbytes + 4096, places=[plan],
                        dst=(got.data_ptr(), got.numel() * got.element_size(), kind, True))
-    assert results[0][0] == native.OK and results[0][6] == 1
+    assert results[0][0] == native.ST_OK and results[0][6] == 1
     for c in copies:
         copy_cast(want[c.dst] if batch == torch.bfloat16 else want.numpy()[c.dst], chunk[c.chunk_sel])
     assert torch.equal(got, want)
@@ -775,7 +776,7 @@ def test_invalid_copy_plans_are_refused_before_any_write(tmp_path):
     path = tmp_path / "c"
     path.write_bytes(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
     batch = torch.zeros(2, 8, 8, dtype=torch.float32)
-    dst = (batch.data_ptr(), batch.numel() * 4, native.F32)
+    dst = (batch.data_ptr(), batch.numel() * 4, native.KIND_F32)
     u16 = native.SOURCE_KINDS[np.dtype("uint16")]
     good = [u16, 2, 1, 8, 1, 8, 1, 0, 64, 8, 8]  # the whole 8x8 chunk into row 1
     bad = {
@@ -793,14 +794,14 @@ def test_invalid_copy_plans_are_refused_before_any_write(tmp_path):
     }
     for name, plan in bad.items():
         with pytest.raises(ValueError, match="copy plan"):
-            _call(native.ZSTD, [path], 128, places=[array("q", plan)], dst=dst)
+            _call(native.CODEC_ZSTD, [path], 128, places=[array("q", plan)], dst=dst)
         assert not batch.any(), name
     with pytest.raises(ValueError, match="copy plan"):  # reads past the decoded span (another chunk's bytes)
-        _call(native.ZSTD, [path], 128, spans=[(0, 64)], places=[array("q", good)], dst=dst)
+        _call(native.CODEC_ZSTD, [path], 128, spans=[(0, 64)], places=[array("q", good)], dst=dst)
     with pytest.raises(ValueError, match="regions"):
-        _call(native.ZSTD, [path], 128, where=[(2**63 - 10, 100)])
+        _call(native.CODEC_ZSTD, [path], 128, where=[(2**63 - 10, 100)])
     assert not batch.any()
-    results, _ = _call(native.ZSTD, [path], 128, places=[array("q", good)], dst=dst)
+    results, _ = _call(native.CODEC_ZSTD, [path], 128, places=[array("q", good)], dst=dst)
     assert results[0][6] == 1
     assert torch.equal(batch[1], torch.arange(64, dtype=torch.float32).reshape(8, 8)) and not batch[0].any()
 
@@ -817,10 +818,10 @@ def test_copy_plans_bounded_by_the_batch_even_with_zero_strides(tmp_path):
     path.write_bytes(numcodecs.Zstd(level=1).encode(np.arange(16, dtype="uint8").tobytes()))
     batch = torch.zeros(16, dtype=torch.uint8)
     u8 = native.SOURCE_KINDS[np.dtype("uint8")]
-    dst = (batch.data_ptr(), 16, native.SAME)
+    dst = (batch.data_ptr(), 16, native.KIND_SAME)
     with pytest.raises(ValueError, match="copy plan"):
-        _call(native.ZSTD, [path], 16, places=[array("q", [u8, 2, 1, 0, 1, 0, 1, 0, 0, 2**40, 1])], dst=dst)
-    results, _ = _call(native.ZSTD, [path], 16, places=[array("q", [u8, 2, 1, 0, 1, 0, 1, 15, 0, 16, 1])], dst=dst)
+        _call(native.CODEC_ZSTD, [path], 16, places=[array("q", [u8, 2, 1, 0, 1, 0, 1, 0, 0, 2**40, 1])], dst=dst)
+    results, _ = _call(native.CODEC_ZSTD, [path], 16, places=[array("q", [u8, 2, 1, 0, 1, 0, 1, 15, 0, 16, 1])], dst=dst)
     assert results[0][6] == 1 and batch[0] == 15 and not batch[1:].any()  # 16 writes: as many as the batch holds
 
 
@@ -837,19 +838,19 @@ def test_plan_buffers_of_a_ragged_length_or_unaligned_are_refused(tmp_path):
     batch = torch.zeros(9, dtype=torch.float32)
     u16 = native.SOURCE_KINDS[np.dtype("uint16")]
     plan = array("q", [u16, 1, 1, 1, 1, 0, 0, 8]).tobytes()
-    dst = (batch.data_ptr(), 32, native.F32)
-    results, _ = _call(native.ZSTD, [path], 16, places=[plan], dst=dst)  # as bytes: good
+    dst = (batch.data_ptr(), 32, native.KIND_F32)
+    results, _ = _call(native.CODEC_ZSTD, [path], 16, places=[plan], dst=dst)  # as bytes: good
     assert results[0][6] == 1 and torch.equal(batch[:8], torch.arange(8, dtype=torch.float32))
     batch.zero_()
     out = np.zeros(17, np.uint8)[1:]  # a chunk buffer one byte off its uint16 elements
     for name, kwargs in {
         "ragged": dict(places=[plan + b"\0"], dst=dst),
         "unaligned plan": dict(places=[memoryview(bytearray(1) + plan)[1:]], dst=dst),
-        "unaligned batch": dict(places=[plan], dst=(batch.data_ptr() + 2, 32, native.F32)),
+        "unaligned batch": dict(places=[plan], dst=(batch.data_ptr() + 2, 32, native.KIND_F32)),
         "unaligned chunk": dict(places=[plan], dst=dst, outs=[out]),
     }.items():
         with pytest.raises(ValueError, match="copy plan"):
-            _call(native.ZSTD, [path], 16, **kwargs)
+            _call(native.CODEC_ZSTD, [path], 16, **kwargs)
         assert not batch.any(), name
 
 
@@ -877,11 +878,11 @@ def test_blosc_partial_decode_reads_no_byte_it_did_not_read(tmp_path):
     (tmp_path / "chunk").write_bytes(evil)
     for fill in (0, 0xC3):
         out = np.zeros(1024, np.uint8)
-        results = native.decode_files(native.BLOSC, [str(tmp_path / "chunk")], [(-1, 0, 0, 8)],
+        results = native_testing.decode_files(native.CODEC_BLOSC, [str(tmp_path / "chunk")], [(-1, 0, 0, 8)],
                                       np.full(len(evil), fill, np.uint8), [out], 1024, None, None)
         status, nread = results[0][:2]
         assert nread < len(evil)  # header, table and block 0's 4 bytes
-        assert status != native.OK or out[:8].tobytes() == reference[:8], (results[0], fill)
+        assert status != native.ST_OK or out[:8].tobytes() == reference[:8], (results[0], fill)
 
 
 def test_a_crafted_blosc_frame_never_decodes_leftovers_in_a_pipeline(tmp_path, reader):
@@ -974,7 +975,7 @@ def test_blosc_crops_match_zarr(tmp_path, reader, layout, dtype, depth):
     reader["expect_engine"] = castable
     if reader["kind"] == "compiled":
         codecs = {c[0] for c in reader["calls"]}
-        assert codecs == ({native.BLOSC} if castable else set())
+        assert codecs == ({native.CODEC_BLOSC} if castable else set())
         placed = sum(c[2] for c in reader["calls"])
         assert (placed > 0) == castable
         if depth == 6 and (layout.startswith("v3-lz4") or layout == "v2-C"):  # plain: some blocks only

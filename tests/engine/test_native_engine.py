@@ -39,13 +39,16 @@ class Tables:
     """Hand-made tables: chunk i is the file ``root/c/0.<i>`` (key separator '.'), an 8x8 uint16 chunk copied
     whole into row i of an (n, 8, 8) batch; fill chunks take -1."""
 
-    def __init__(self, root, n: int, codec: int = native.ZSTD, kind: int = native.F32):
+    def __init__(self, root, n: int, codec: int = native.CODEC_ZSTD, kind: int = native.KIND_F32):
         self.root = str(root) + "/"
         os.makedirs(self.root + "c", exist_ok=True)
         self.n = n
         self.blob = os.fsencode(self.root + "c/")
-        self.sources = np.array([[U16, 0, 0, len(self.blob), ord("."), 0, 8, 1]], np.int64)
-        fill = np.float32(-1).tobytes() if kind == native.F32 else np.uint16(65535).tobytes()
+        self.sources = np.zeros((1, native.S_STRIDES + 2), np.int64)
+        s = self.sources[0]
+        s[native.S_KIND], s[native.S_PATH_LEN], s[native.S_SEP] = U16, len(self.blob), ord(".")
+        s[native.S_STRIDES:] = (8, 1)
+        fill = np.float32(-1).tobytes() if kind == native.KIND_F32 else np.uint16(65535).tobytes()
         self.sources[0, native.S_FILL] = np.frombuffer(fill.ljust(8, b"\0"), np.int64)[0]
         self.files = np.zeros((n, native.F_COORDS + 2), np.int64)
         self.files[:, native.F_COORDS + 1] = np.arange(n)
@@ -58,11 +61,11 @@ class Tables:
         c[:, native.C_MAX_STORED] = 4096
         c[:, native.C_FIRST_COPY] = np.arange(n)
         c[:, native.C_NCOPIES] = 1
-        self.copies = np.zeros((n, 4), np.int64)
-        self.copies[:, 1] = np.arange(n) * 64
-        self.copies[:, 2:] = 8
+        self.copies = np.zeros((n, native.COPY_COLS(2)), np.int64)
+        self.copies[:, native.CP_DST_OFFSET] = np.arange(n) * 64
+        self.copies[:, native.CP_EXTENT:] = 8
         self.kind = kind
-        self.batch = np.zeros((n, 8, 8), np.float32 if kind == native.F32 else np.uint16)
+        self.batch = np.zeros((n, 8, 8), np.float32 if kind == native.KIND_F32 else np.uint16)
 
     def write(self, i: int, data: bytes | None = None, codec=None) -> str:
         path = self.root + f"c/0.{i}"
@@ -87,7 +90,7 @@ def _results(job):
     finisher reads no status when it is 0)."""
     status, detail, counters = job.results()
     status = np.frombuffer(status, np.int32)
-    assert counters["not_placed"] == int((status != native.OK).sum())
+    assert counters["not_placed"] == int((status != native.ST_OK).sum())
     return status, np.frombuffer(detail, np.int64), counters
 
 
@@ -99,7 +102,7 @@ def test_a_batch_in_one_call(tmp_path):
     job = engine.submit(*t.args())
     assert job.wait(10) and job.done and len(job) == 40
     status, _, counters = _results(job)
-    assert (status == native.OK).all()
+    assert (status == native.ST_OK).all()
     for i in range(40):
         np.testing.assert_array_equal(t.batch[i], t.expected(i))
     assert counters["chunks_decoded"] == 40 and counters["bytes_decoded"] == 40 * 128
@@ -128,17 +131,17 @@ def test_chunks_in_memory_are_read_as_files_are(tmp_path):
     buffers = [frames[0], memoryview(b"xx" + frames[1])[2:], None, staging, blosc, np.frombuffer(frames[5], np.uint8)]
     _in_memory(t, range(6), len(buffers))
     t.chunks[3, native.C_OFFSET], t.chunks[3, native.C_LENGTH] = 4, len(frames[3])
-    t.chunks[4, native.C_CODEC] = native.BLOSC
-    t.copies[4, 0] = 16  # the chunk's rows 2..: its first blosc block is not decoded
-    t.copies[4, 2] = 6
+    t.chunks[4, native.C_CODEC] = native.CODEC_BLOSC
+    t.copies[4, native.CP_SRC_OFFSET] = 16  # the chunk's rows 2..: its first blosc block is not decoded
+    t.copies[4, native.CP_EXTENT] = 6
     t.chunks[4, native.C_SPAN_START] = 32
-    t.copies[5, 2] = 2  # rows 0..1: zstd stops after the block holding them
+    t.copies[5, native.CP_EXTENT] = 2  # rows 0..1: zstd stops after the block holding them
     t.chunks[5, native.C_SPAN_STOP] = 32
     engine = native.Engine(2, 1 << 20)
     job = engine.submit(*t.args(), buffers)
     assert job.wait(10)
     status, _, counters = _results(job)
-    assert status.tolist() == [native.OK] * 7
+    assert status.tolist() == [native.ST_OK] * 7
     for i in (0, 1, 3, 6):
         np.testing.assert_array_equal(t.batch[i], t.expected(i))
     assert (t.batch[2] == -1).all()
@@ -157,12 +160,12 @@ def test_chunks_in_memory_keep_the_checks_of_files(tmp_path):
                numcodecs.Blosc("lz4").encode(b"\0" * 64)]
     _in_memory(t, range(4), len(buffers))
     t.chunks[0, native.C_MAX_STORED] = len(good) - 1
-    t.chunks[3, native.C_CODEC] = native.BLOSC
+    t.chunks[3, native.C_CODEC] = native.CODEC_BLOSC
     engine = native.Engine(1, 1 << 20)
     job = engine.submit(*t.args(), buffers)
     assert job.wait(10)
     status, detail, _ = _results(job)
-    assert status.tolist() == [native.TOO_BIG, native.CODEC_ERROR, native.SIZE, native.FRAME]
+    assert status.tolist() == [native.ST_TOO_BIG, native.ST_CODEC_ERROR, native.ST_SIZE, native.ST_FRAME]
     assert detail[0] == len(good) and detail[2] == 64
     assert (t.batch == 0).all()
     assert engine.close(5)
@@ -179,18 +182,18 @@ def test_chunks_in_memory_take_scratch_for_their_decoded_bytes_only(tmp_path):
     staging = np.frombuffer(b"head" + zstd[4] + b"tail", np.uint8)
     buffers = [zstd[0], zstd[1], blosc, lz4, staging]
     _in_memory(t, range(5), len(buffers))
-    t.copies[1, 2] = 2  # rows 0..1: zstd stops after the block holding them
+    t.copies[1, native.CP_EXTENT] = 2  # rows 0..1: zstd stops after the block holding them
     t.chunks[1, native.C_SPAN_STOP] = 32
-    t.chunks[2, native.C_CODEC] = native.BLOSC
-    t.copies[2, 0], t.copies[2, 2] = 16, 6  # the chunk's rows 2..: its first blosc block is not decoded
+    t.chunks[2, native.C_CODEC] = native.CODEC_BLOSC
+    t.copies[2, native.CP_SRC_OFFSET], t.copies[2, native.CP_EXTENT] = 16, 6  # the chunk's rows 2..: its first blosc block is not decoded
     t.chunks[2, native.C_SPAN_START] = 32
-    t.chunks[3, native.C_CODEC] = native.LZ4
+    t.chunks[3, native.C_CODEC] = native.CODEC_LZ4
     t.chunks[4, native.C_OFFSET], t.chunks[4, native.C_LENGTH] = 4, len(zstd[4])
     engine = native.Engine(2, 128)  # one decoded chunk: 128 bytes (a multiple of 64)
     job = engine.submit(*t.args(), buffers)
     assert job.wait(10)
     status, _, counters = _results(job)
-    assert status.tolist() == [native.OK] * 5
+    assert status.tolist() == [native.ST_OK] * 5
     for i in (0, 3, 4):
         np.testing.assert_array_equal(t.batch[i], t.expected(i))
     np.testing.assert_array_equal(t.batch[1, :2], t.expected(1)[:2])
@@ -215,8 +218,8 @@ def test_a_range_outside_its_buffer_is_refused_before_any_read(tmp_path, where):
     with pytest.raises(ValueError, match="plan"):
         engine.submit(*t.args(), buffers)
     t.chunks[0, native.C_OFFSET], t.chunks[0, native.C_LENGTH] = -1, 0
-    for buffer, file, codec in [(1, -1, native.ZSTD), (-2, -1, native.ZSTD), (0, 0, native.ZSTD),
-                                (0, -1, native.FILL), (-1, -1, native.ZSTD)]:
+    for buffer, file, codec in [(1, -1, native.CODEC_ZSTD), (-2, -1, native.CODEC_ZSTD), (0, 0, native.CODEC_ZSTD),
+                                (0, -1, native.CODEC_FILL), (-1, -1, native.CODEC_ZSTD)]:
         t.chunks[0, native.C_BUFFER], t.chunks[0, native.C_FILE], t.chunks[0, native.C_CODEC] = buffer, file, codec
         with pytest.raises(ValueError, match="plan"):
             engine.submit(*t.args(), [b"abcd"])
@@ -239,7 +242,7 @@ def test_buffers_live_as_long_as_the_job(tmp_path):
     del frame
     assert gone() is not None
     assert job.wait(10)
-    assert _results(job)[0].tolist() == [native.OK] * 2
+    assert _results(job)[0].tolist() == [native.ST_OK] * 2
     np.testing.assert_array_equal(t.batch[1], t.expected(0))
     del job
     assert gone() is None
@@ -260,7 +263,7 @@ def test_cancel_stops_reading_buffers(tmp_path):
         job.cancel()  # as a rule mid-batch (how far the workers got is up to the machine)
         del buffers  # the job's views hold them now
         assert job.wait(10)
-        assert set(_results(job)[0].tolist()) <= {native.OK, native.CANCELLED}
+        assert set(_results(job)[0].tolist()) <= {native.ST_OK, native.ST_CANCELLED}
         del job  # the last views of the buffers: freed here
     assert engine.close(5)
 
@@ -269,13 +272,13 @@ def test_missing_files_and_fill_chunks_take_the_fill_value(tmp_path):
     t = Tables(tmp_path, 4)
     t.write(0)
     t.chunks[2, native.C_FILE] = -1  # nothing stored (an empty shard entry): no file at all
-    t.chunks[2, native.C_CODEC] = native.FILL
+    t.chunks[2, native.C_CODEC] = native.CODEC_FILL
     t.write(3)
     engine = native.Engine(1, 1 << 20)
     job = engine.submit(*t.args())
     assert job.wait(10)
     status, _, counters = _results(job)
-    assert status.tolist() == [native.OK] * 4
+    assert status.tolist() == [native.ST_OK] * 4
     assert (t.batch[1] == -1).all() and (t.batch[2] == -1).all()
     np.testing.assert_array_equal(t.batch[3], t.expected(3))
     assert counters["chunks_filled"] == 2 and counters["chunks_decoded"] == 2
@@ -295,7 +298,7 @@ def test_each_failure_has_its_status(tmp_path):
     t.write(5, bytes(5000))  # larger than the stored bound
     blosc = numcodecs.Blosc("lz4", 5, 1).encode(np.arange(10, dtype="uint16"))
     t.write(6, blosc)
-    t.chunks[6, native.C_CODEC] = native.BLOSC  # a blosc frame of another size: left to the Python path
+    t.chunks[6, native.C_CODEC] = native.CODEC_BLOSC  # a blosc frame of another size: left to the Python path
     # chunk 7: an inner chunk of a shard (here the whole file at offset 0), read only from a file of the
     # identity its index was read from: this identity is not the file's
     size = os.path.getsize(t.root + "c/0.7")
@@ -308,8 +311,8 @@ def test_each_failure_has_its_status(tmp_path):
     job = engine.submit(*t.args())
     assert job.wait(10)
     status, detail, _ = _results(job)
-    assert status.tolist() == [native.OK, native.NOT_REGULAR, native.OS_ERROR, native.CODEC_ERROR, native.SIZE,
-                               native.TOO_BIG, native.FRAME, native.CHANGED, native.SHORT]
+    assert status.tolist() == [native.ST_OK, native.ST_NOT_REGULAR, native.ST_OS_ERROR, native.ST_CODEC_ERROR, native.ST_SIZE,
+                               native.ST_TOO_BIG, native.ST_FRAME, native.ST_CHANGED, native.ST_SHORT]
     assert detail[1] == stat.S_IFIFO and detail[2] == 40 and detail[4] == 64 and detail[5] == 5000  # ELOOP: 40
     np.testing.assert_array_equal(t.batch[0], t.expected(0))
     assert not t.batch[1:].any()  # nothing was written for a chunk that failed
@@ -353,7 +356,7 @@ def test_a_thread_opens_a_shard_once_for_its_inner_chunks(tmp_path, threads):
         job = engine.submit(*t.args())
         assert job.wait(10)
         status, _, counters = _results(job)
-        assert (status == native.OK).all()
+        assert (status == native.ST_OK).all()
         for i in range(120):
             np.testing.assert_array_equal(t.batch[i], t.expected(i))
         if opened == 120:
@@ -391,8 +394,8 @@ def test_no_file_stays_open_once_a_job_is_done(tmp_path):
     assert job.wait(10)
     assert _open_descriptors() == before
     status, _, _ = _results(job)
-    assert status[[3, 5, n - 1]].tolist() == [native.CODEC_ERROR, native.TOO_BIG, native.SHORT]
-    assert (np.delete(status, [3, 5, n - 1]) == native.OK).all()
+    assert status[[3, 5, n - 1]].tolist() == [native.ST_CODEC_ERROR, native.ST_TOO_BIG, native.ST_SHORT]
+    assert (np.delete(status, [3, 5, n - 1]) == native.ST_OK).all()
     for _ in range(3):
         job = engine.submit(*t.args())
         job.cancel()
@@ -420,8 +423,8 @@ def test_a_shard_rewritten_in_place_while_kept_open_is_not_read_again(tmp_path):
         f.write(open(shard, "rb").read())
     assert job.wait(20)
     status, _, counters = _results(job)
-    assert status[0] in (native.OK, native.CHANGED)  # read before or after the rewrite
-    assert (status[1:] == native.CHANGED).all(), status
+    assert status[0] in (native.ST_OK, native.ST_CHANGED)  # read before or after the rewrite
+    assert (status[1:] == native.ST_CHANGED).all(), status
     assert engine.close(5)
 
 
@@ -437,7 +440,7 @@ def test_budget_for_one_thread_runs_one_thread_at_a_time(tmp_path):
         job = engine.submit(*t.args())
         assert job.wait(10)
         status, _, counters = _results(job)
-        assert (status == native.OK).all() and counters["max_threads"] == 1
+        assert (status == native.ST_OK).all() and counters["max_threads"] == 1
         assert all((t.batch[i] == t.expected(i)).all() for i in range(64))
     info = engine.info()
     assert info["used"] <= need and info["peak"] == need
@@ -477,7 +480,7 @@ def test_scratch_that_cannot_be_allocated_leaves_its_chunks_to_python(tmp_path):
         job = engine.submit(*t.args(batch))
         assert job.wait(10)
         status, _, _ = _results(job)
-        assert status.tolist() == [native.NO_MEMORY] * 2 and not batch.any()
+        assert status.tolist() == [native.ST_NO_MEMORY] * 2 and not batch.any()
         del job
     assert engine.close(5)
     info = engine.info()
@@ -498,7 +501,7 @@ def test_cancel_stops_every_write_into_the_batch(tmp_path):
     t.batch[...] = 7
     assert job.wait(10)
     status, _, _ = _results(job)
-    assert (status == native.CANCELLED).sum() > 0 and set(status.tolist()) <= {native.OK, native.CANCELLED}
+    assert (status == native.ST_CANCELLED).sum() > 0 and set(status.tolist()) <= {native.ST_OK, native.ST_CANCELLED}
     time.sleep(0.05)
     assert (t.batch == 7).all()
 
@@ -540,7 +543,7 @@ def test_close_mid_batch_leaves_a_busy_thread_behind_safely(tmp_path):
         time.sleep(0.01)
     assert engine.info()["alive"] == 0 and engine.info()["used"] == 0
     status, _, _ = _results(job)
-    assert set(status.tolist()) <= {native.OK, native.CANCELLED, native.PENDING}
+    assert set(status.tolist()) <= {native.ST_OK, native.ST_CANCELLED, native.ST_PENDING}
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(*t.args())
 
@@ -932,7 +935,7 @@ def test_any_layout_and_byte_order_casts_as_copy_cast(tmp_path, dtype, layout, b
     order = "F" if layout.startswith("F") else "C"
     stored = chunk.astype(dt.newbyteorder("S")) if layout.endswith("swapped") else chunk
     raw = np.asarray(stored).tobytes(order=order)
-    kind = {"f32": native.F32, "bf16": native.BF16, "same": native.SAME}[batch]
+    kind = {"f32": native.KIND_F32, "bf16": native.KIND_BF16, "same": native.KIND_SAME}[batch]
     out_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "same": torch.from_numpy(chunk[:1]).dtype}[batch]
     root = str(tmp_path) + "/"
     os.makedirs(root + "c")
@@ -946,7 +949,7 @@ def test_any_layout_and_byte_order_casts_as_copy_cast(tmp_path, dtype, layout, b
     chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
     chunks[0, native.C_OFFSET] = chunks[0, native.C_BUFFER] = -1
     chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = chunk.nbytes
-    chunks[0, native.C_CODEC] = native.ZSTD
+    chunks[0, native.C_CODEC] = native.CODEC_ZSTD
     chunks[0, native.C_MAX_STORED] = chunk.nbytes + 4096
     chunks[0, native.C_NCOPIES] = 2
     # rows 1..4, columns 3..19 into a (2, 5, 17) batch at (0, 1, 0); the whole chunk's first 5 rows, 17
@@ -958,7 +961,7 @@ def test_any_layout_and_byte_order_casts_as_copy_cast(tmp_path, dtype, layout, b
     job = engine.submit(chunks, copies, sources, files, blob, out.view(-1).view(torch.uint8).numpy(), kind, False,
                         np.array([17, 1], np.int64))
     assert job.wait(10)
-    assert np.frombuffer(job.results()[0], np.int32).tolist() == [native.OK]
+    assert np.frombuffer(job.results()[0], np.int32).tolist() == [native.ST_OK]
     want = torch.full((2, 5, 17), -7, dtype=out_dtype)
     view = numcodecs.Zstd().decode(open(root + "c/0.0", "rb").read())
     decoded = np.frombuffer(view, stored.dtype).reshape(chunk.shape, order=order)

@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 from stoker.engine import native
+import native_testing
 from stoker.zarr.codecs.blosc import PARTIAL_MAX_SHARE
 
 _LONG = os.environ.get("STOKER_FUZZ_EXAMPLES", "").strip()
@@ -38,7 +39,7 @@ _LONG = os.environ.get("STOKER_FUZZ_EXAMPLES", "").strip()
 pytestmark = [
     pytest.mark.fuzz,
     pytest.mark.timeout(600 if _LONG else 120),
-    pytest.mark.skipif(not (native.decode_files and native.zstd and native.blosc),
+    pytest.mark.skipif(not (native_testing.decode_files and native.zstd and native.blosc),
                        reason="stoker._native is not available (tests/engine/test_native.py says why)"),
 ]
 
@@ -69,10 +70,8 @@ _STREAMING = native._symbols(numcodecs.zstd.__file__, *native.ZSTD_STREAMING)[1]
 
 def _configure(streaming: bool = True, share: float = PARTIAL_MAX_SHARE) -> None:
     """zstd's early stop on or off, and the largest share of a blosc chunk decoded block by block."""
-    from stoker import _native
-
-    _native.set_codecs(*_CODECS, share)
-    _native.set_zstd_streaming(*(_STREAMING if streaming and native.zstd_streaming else [0] * 7))
+    native_testing.module.set_codecs(*_CODECS, share)
+    native_testing.module.set_zstd_streaming(*(_STREAMING if streaming and native.zstd_streaming else [0] * 7))
 
 
 @contextlib.contextmanager
@@ -104,7 +103,7 @@ def oracle(codec: int, stored: bytes, nbytes: int) -> bytes | None:
     """numcodecs' decode of ``stored`` when it is a chunk of ``nbytes``, else None. Called only on frames
     whose header the compiled reader found to state ``nbytes`` (so numcodecs allocates no more)."""
     try:
-        if codec == native.ZSTD:
+        if codec == native.CODEC_ZSTD:
             out = np.empty(nbytes, np.uint8)
             numcodecs.Zstd().decode(stored, out=out)  # with out: at most nbytes, or an error
             return out.tobytes()
@@ -165,7 +164,7 @@ def call(work, codec, files: list[bytes], nbytes: int, spans, wheres, scratch_le
     scratch = fenced(scratch_len, scratch_fill)
     outs = [Guarded(nbytes, shift=out_shift) for _ in files]
     regions = [(*(w if w is not None else (-1, 0)), *sp) for w, sp in zip(wheres, spans)]
-    results = native.decode_files(codec, paths, regions, scratch, [o.view for o in outs], nbytes, places, dst)
+    results = native_testing.decode_files(codec, paths, regions, scratch, [o.view for o in outs], nbytes, places, dst)
     assert all(o.intact() for o in outs), "a write outside the output buffer"
     assert len(results) == len(files)
     return results, outs
@@ -198,7 +197,7 @@ def from_memory(codec: int, data: bytes, where, nbytes: int, span: tuple[int, in
     sources = np.array([[native.SOURCE_KINDS[np.dtype("uint8")], 0, 0, 1, ord("."), 0, 1]], np.int64)
     batch = Guarded(b - a, fill=0x11)
     args = (chunks, np.array([[a, 0, b - a]], np.int64), sources, np.zeros((0, native.F_COORDS + 1), np.int64),
-            b"x", batch.view, native.SAME, False, np.array([1], np.int64), [buffer])
+            b"x", batch.view, native.KIND_SAME, False, np.array([1], np.int64), [buffer])
     if not inside:
         with pytest.raises(ValueError, match="outside its buffer"):
             _MEMORY_ENGINE.submit(*args)
@@ -209,7 +208,7 @@ def from_memory(codec: int, data: bytes, where, nbytes: int, span: tuple[int, in
     status, detail = int(np.frombuffer(status, np.int32)[0]), int(np.frombuffer(detail, np.int64)[0])
     event("read from memory too")
     assert batch.intact(), "a write outside the batch"
-    if codec == native.BLOSC and result[0] == native.CODEC_ERROR and status == native.OK:
+    if codec == native.CODEC_BLOSC and result[0] == native.ST_CODEC_ERROR and status == native.ST_OK:
         # blosc's partial decode of a file reads only the blocks the span needs, and states their end as the
         # frame's size: a block whose streams run past the next block's start fails there (the Python path
         # then decodes the frame whole). In memory the whole frame is there, and the block decodes from the
@@ -220,9 +219,9 @@ def from_memory(codec: int, data: bytes, where, nbytes: int, span: tuple[int, in
             assert batch.view.tobytes() == reference[a:b], "from memory, other bytes than numcodecs'"
         return
     assert status == result[0], f"from memory: status {status}, from its file: {result[0]}"
-    if status == native.OK:
+    if status == native.ST_OK:
         assert batch.view.tobytes() == out[a:b].tobytes(), "from memory, other bytes than from its file"
-    elif not (codec == native.BLOSC and status == native.CODEC_ERROR):
+    elif not (codec == native.CODEC_BLOSC and status == native.ST_CODEC_ERROR):
         # blosc's error code depends on the frame it was handed: read in part from a file, the frame states the
         # end of the blocks read as its size (above); in memory it is whole. Only zstd's code is ever shown:
         # the engine hands every failed blosc chunk to the Python path, which decides and words the error.
@@ -261,20 +260,20 @@ def check_one(work, codec: int, stored: bytes, nbytes: int, span: tuple[int, int
     result, out = results[0], outs[0].view
     status, nread, detail, *_, placed = result
     note(f"status {status}, read {nread}, detail {detail}; size {size}, nbytes {nbytes}, span {span}")
-    event(f"status {status}" + (" (stopped early)" if status == native.OK and detail < nbytes else ""))
+    event(f"status {status}" + (" (stopped early)" if status == native.ST_OK and detail < nbytes else ""))
     assert (again[0][0], again[0][2]) == (status, detail), "the outcome depends on bytes never read"
-    assert status in (native.OK, native.TOO_BIG, native.SHORT, native.CODEC_ERROR, native.SIZE, native.FRAME)
+    assert status in (native.ST_OK, native.ST_TOO_BIG, native.ST_SHORT, native.ST_CODEC_ERROR, native.ST_SIZE, native.ST_FRAME)
     assert placed == 0
     a, b = span
     if size > scratch_len:
-        assert status == native.TOO_BIG and detail == size
+        assert status == native.ST_TOO_BIG and detail == size
         return result
-    assert status != native.TOO_BIG
-    if status == native.SHORT:
+    assert status != native.ST_TOO_BIG
+    if status == native.ST_SHORT:
         assert where is not None and where[0] + where[1] > len(data)
-    if status == native.FRAME:
-        assert codec == native.BLOSC
-    if status == native.OK:
+    if status == native.ST_FRAME:
+        assert codec == native.CODEC_BLOSC
+    if status == native.ST_OK:
         assert 0 < detail <= nbytes or detail == nbytes == 0
         assert nread <= 2 * size  # at worst zstd's block-header hops, then the whole frame
         np.testing.assert_array_equal(out[a:b], outs_again[0].view[a:b])
@@ -470,7 +469,7 @@ def test_zstd_frames_from_numcodecs_read_as_numcodecs_does(work, data):
     nbytes = len(content)
     span = data.draw(spans(nbytes))
     with configured(streaming=data.draw(streamings)):
-        check_one(work, native.ZSTD, frame, nbytes, span, data.draw(placements), data.draw(scratch_slack),
+        check_one(work, native.CODEC_ZSTD, frame, nbytes, span, data.draw(placements), data.draw(scratch_slack),
                   valid=True, reference=content)
 
 
@@ -484,7 +483,7 @@ def test_hand_built_zstd_frames(work, data):
         return
     valid &= nbytes == len(content)
     with configured(streaming=data.draw(streamings)):
-        check_one(work, native.ZSTD, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
+        check_one(work, native.CODEC_ZSTD, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
                   data.draw(scratch_slack), valid=valid, reference=content if valid else None)
 
 
@@ -506,7 +505,7 @@ def test_damaged_zstd_frames(work, data):
     if nbytes < 0:
         return
     with configured(streaming=data.draw(streamings)):
-        check_one(work, native.ZSTD, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
+        check_one(work, native.CODEC_ZSTD, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
                   data.draw(scratch_slack), valid=False)
 
 
@@ -533,7 +532,7 @@ def test_zstd_early_stop_with_damage_after_it(work, data):
         frame = frame[:data.draw(st.integers(min(later), len(frame) - 1))]
     elif damage == "extend":
         frame += data.draw(st.binary(min_size=1, max_size=8))
-    check_one(work, native.ZSTD, frame, size, span, data.draw(placements), data.draw(scratch_slack),
+    check_one(work, native.CODEC_ZSTD, frame, size, span, data.draw(placements), data.draw(scratch_slack),
               valid=damage == "none", reference=content if damage == "none" else None)
 
 
@@ -604,7 +603,7 @@ def test_blosc_frames_from_numcodecs_read_as_numcodecs_does(work, data):
     frame, content = data.draw(numcodecs_blosc())
     nbytes = len(content)
     with configured(share=data.draw(shares)):
-        check_one(work, native.BLOSC, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
+        check_one(work, native.CODEC_BLOSC, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
                   data.draw(scratch_slack), valid=True, reference=content)
 
 
@@ -623,7 +622,7 @@ def test_damaged_blosc_frames(work, data):
     if nbytes < 0:
         return
     with configured(share=data.draw(shares)):
-        check_one(work, native.BLOSC, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
+        check_one(work, native.CODEC_BLOSC, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
                   data.draw(scratch_slack), valid=False)
 
 
@@ -677,7 +676,7 @@ def test_hand_built_blosc_frames(work, data):
     frame, content, valid = data.draw(hand_blosc())
     nbytes = len(content)
     with configured(share=data.draw(shares)):
-        check_one(work, native.BLOSC, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
+        check_one(work, native.CODEC_BLOSC, frame, nbytes, data.draw(spans(nbytes)), data.draw(placements),
                   data.draw(scratch_slack), valid=valid, reference=content if valid else None)
 
 
@@ -688,12 +687,12 @@ def test_hand_built_blosc_frames(work, data):
 @given(st.data())
 def test_random_bytes(work, data):
     """Bytes that are no frame at all, some starting as one (zstd's magic number, a blosc1 header)."""
-    codec = data.draw(st.sampled_from([native.ZSTD, native.BLOSC]))
+    codec = data.draw(st.sampled_from([native.CODEC_ZSTD, native.CODEC_BLOSC]))
     nbytes = data.draw(st.sampled_from([0, 1, 16, 100, 4096, 65536]))
     start = data.draw(st.sampled_from([b"", b"\x28\xb5\x2f\xfd", b"\x28\xb5\x2f\xfd\x20", b"\x28\xb5\x2f\xfd\x00\x00",
                                        b"\x02\x01\x21\x01" + nbytes.to_bytes(4, "little")]))
     stored = start + data.draw(st.binary(max_size=600))
-    if codec == native.BLOSC and len(stored) >= 16 and data.draw(st.booleans()):  # cbytes: the stored size
+    if codec == native.CODEC_BLOSC and len(stored) >= 16 and data.draw(st.booleans()):  # cbytes: the stored size
         stored = stored[:12] + len(stored).to_bytes(4, "little") + stored[16:]
     with configured(streaming=data.draw(streamings), share=data.draw(shares)):
         check_one(work, codec, stored, nbytes, data.draw(spans(nbytes)), data.draw(placements),
@@ -721,7 +720,7 @@ def model_place(plan: list[int], chunk: bytes, span: tuple[int, int], batch: np.
         return False
     src_t = _KINDS[kind]
     item = src_t.itemsize
-    d_item = item if dst_kind == native.SAME else 4 if dst_kind == native.F32 else 2
+    d_item = item if dst_kind == native.KIND_SAME else 4 if dst_kind == native.KIND_F32 else 2
     chunk_elems, dst_elems = len(chunk) // item, dst_bytes // d_item
     copies = [plan[3 + 2 * ndim + i * (2 + ndim):3 + 2 * ndim + (i + 1) * (2 + ndim)] for i in range(ncopies)]
     for s0, d0, *ext in copies:
@@ -734,9 +733,9 @@ def model_place(plan: list[int], chunk: bytes, span: tuple[int, int], batch: np.
         if np.prod(ext, dtype=object) > dst_elems:  # a copy writes no more elements than the batch holds
             return False
     src = np.frombuffer(chunk[:chunk_elems * item], dtype=src_t)
-    if dst_kind == native.SAME:
+    if dst_kind == native.KIND_SAME:
         dst, conv = batch[:dst_elems * d_item].view(src_t), lambda v: v
-    elif dst_kind == native.F32:
+    elif dst_kind == native.KIND_F32:
         dst, conv = batch[:dst_elems * d_item].view(np.float32), lambda v: v.astype(np.float32)
     else:
         dst = batch[:dst_elems * d_item].view(np.uint16)
@@ -806,8 +805,8 @@ def test_copy_plans(work, data):
                               endpoint=True)
     chunk = values.tobytes()
     nbytes = len(chunk)
-    dst_kind = data.draw(st.sampled_from([native.SAME, native.F32, native.BF16]))
-    d_item = src_t.itemsize if dst_kind == native.SAME else 4 if dst_kind == native.F32 else 2
+    dst_kind = data.draw(st.sampled_from([native.KIND_SAME, native.KIND_F32, native.KIND_BF16]))
+    d_item = src_t.itemsize if dst_kind == native.KIND_SAME else 4 if dst_kind == native.KIND_F32 else 2
     batch_bytes = int(np.prod(batch_shape)) * d_item
     declared = data.draw(st.one_of(st.just(batch_bytes), st.integers(0, batch_bytes)))  # a batch too small
     plans = [data.draw(copy_plans(chunk_shape, batch_shape, kind)) for _ in range(data.draw(st.integers(1, 2)))]
@@ -827,7 +826,7 @@ def test_copy_plans(work, data):
         """A cast reads and writes whole elements of the plan's own kind (damage may have changed it; a plan
         of no kind is refused by the model)."""
         item = _KINDS[plan[0]].itemsize if plan and 0 <= plan[0] < len(_KINDS) else src_t.itemsize
-        return dst_kind == native.SAME or (out_shift % item == 0 and dst_shift % d_item == 0)
+        return dst_kind == native.KIND_SAME or (out_shift % item == 0 and dst_shift % d_item == 0)
 
     valid = (forms == ["array"] * len(plans)
              and all(aligned(p) and model_place(p, chunk, span, want, declared, dst_kind) for p in plans))
@@ -845,19 +844,19 @@ def test_copy_plans(work, data):
             raw = memoryview(bytearray(1) + raw)[1:]
         places.append(array("q", plan) if form == "array" else raw)
     try:
-        results, outs = call(work, native.ZSTD, [frame] * len(plans), nbytes, [span] * len(plans),
+        results, outs = call(work, native.CODEC_ZSTD, [frame] * len(plans), nbytes, [span] * len(plans),
                              [None] * len(plans), len(frame), places=places, dst=dst, out_shift=out_shift)
     except ValueError as exc:
         assert "copy plan" in str(exc)
         assert not valid, "a valid plan was refused"
     else:
         assert valid, "a plan that reaches outside the chunk's span or the batch was taken"
-        assert [r[0] for r in results] == [native.OK] * len(plans) and all(r[6] for r in results)
+        assert [r[0] for r in results] == [native.ST_OK] * len(plans) and all(r[6] for r in results)
     assert batch.intact(), "a write outside the batch"
     np.testing.assert_array_equal(batch.view, want)
 
 
-@pytest.mark.parametrize("dst_kind", [native.SAME, native.F32])
+@pytest.mark.parametrize("dst_kind", [native.KIND_SAME, native.KIND_F32])
 @pytest.mark.parametrize("stride", [2**63 - 2, 2**62 + 1, 12345])
 def test_a_huge_stride_on_an_axis_of_extent_one_is_never_scaled(work, dst_kind, stride):
     """A copy whose outer axis has extent 1 never steps along it, so the checks take any stride there; placing
@@ -867,14 +866,14 @@ def test_a_huge_stride_on_an_axis_of_extent_one_is_never_scaled(work, dst_kind, 
     chunk = values.tobytes()
     kind = native.SOURCE_KINDS[np.dtype("uint16")]
     plan = [kind, 2, 1, stride, 1, stride, 1, 0, 0, 1, 4]  # (1, 4) chunk into a (1, 4) batch
-    d_item = 2 if dst_kind == native.SAME else 4
+    d_item = 2 if dst_kind == native.KIND_SAME else 4
     batch = Guarded(4 * d_item, fill=0x11)
     want = batch.view.copy()
     assert model_place(plan, chunk, (0, len(chunk)), want, 4 * d_item, dst_kind)
     frame = numcodecs.Zstd(level=1).encode(chunk)
-    results, _ = call(work, native.ZSTD, [frame], len(chunk), [(0, len(chunk))], [None], len(frame),
+    results, _ = call(work, native.CODEC_ZSTD, [frame], len(chunk), [(0, len(chunk))], [None], len(frame),
                       places=[array("q", plan)], dst=(batch.view.ctypes.data, 4 * d_item, dst_kind, False))
-    assert results[0][0] == native.OK and results[0][6]
+    assert results[0][0] == native.ST_OK and results[0][6]
     assert batch.intact()
     np.testing.assert_array_equal(batch.view, want)
 
@@ -905,13 +904,13 @@ def test_regions_and_batch_targets(work, data):
     if use_dst:
         expect_error |= not dst_fields[0] or dst_fields[1] < 0 or not 0 <= dst_fields[2] <= 2
     try:
-        results = native.decode_files(native.ZSTD, [str(path)], [region], np.empty(len(frame) + 10, np.uint8),
-                                      [out.view], nbytes, None, dst)
+        results = native_testing.decode_files(native.CODEC_ZSTD, [str(path)], [region],
+                                              np.empty(len(frame) + 10, np.uint8), [out.view], nbytes, None, dst)
     except ValueError:
         assert expect_error
     else:
         assert not expect_error
-        assert results[0][0] in range(8)
+        assert native.ST_OK <= results[0][0] <= native.ST_FRAME  # a status of a chunk file, not of the engine
     assert out.intact() and batch.intact() and (batch.view == 0xAB).all()
 
 
@@ -965,7 +964,7 @@ def test_engine_tables(work, data):
         which = data.draw(st.integers(0, 1))
         chunks[i, native.C_OFFSET] = 4 if which == 0 else 4 + len(frame)
         chunks[i, native.C_LENGTH] = len(frame) if which == 0 else len(shard) - 8 - len(frame)
-        chunks[i, native.C_CODEC] = native.ZSTD if which == 0 else native.BLOSC
+        chunks[i, native.C_CODEC] = native.CODEC_ZSTD if which == 0 else native.CODEC_BLOSC
     # chunks in memory (fetched from a store): buffer i holds what file i holds, exactly sized (ASan guards
     # its ends), or nothing (None: a missing value)
     buffers = [None if data.draw(st.integers(0, 5)) == 0 else np.frombuffer(frame if i % 2 == 0 else shard,
@@ -974,13 +973,13 @@ def test_engine_tables(work, data):
         if data.draw(st.booleans()):
             chunks[i, native.C_FILE], chunks[i, native.C_BUFFER] = -1, i
     if data.draw(st.booleans()):
-        chunks[0, native.C_FILE], chunks[0, native.C_BUFFER], chunks[0, native.C_CODEC] = -1, -1, native.FILL
+        chunks[0, native.C_FILE], chunks[0, native.C_BUFFER], chunks[0, native.C_CODEC] = -1, -1, native.CODEC_FILL
     copies = np.zeros((n, 4), np.int64)
     copies[:, 1] = np.arange(n) * 64
     copies[:, 2:] = 8
     strides = np.array([8, 1], np.int64)
-    kind = data.draw(st.sampled_from([native.SAME, native.F32, native.BF16]))
-    d_item = {native.SAME: 2, native.F32: 4, native.BF16: 2}[kind]
+    kind = data.draw(st.sampled_from([native.KIND_SAME, native.KIND_F32, native.KIND_BF16]))
+    d_item = {native.KIND_SAME: 2, native.KIND_F32: 4, native.KIND_BF16: 2}[kind]
     tables = {"chunks": chunks, "copies": copies, "sources": sources, "files": files, "strides": strides}
     for _ in range(data.draw(st.integers(0, 3))):
         name = data.draw(st.sampled_from(sorted(tables)))
@@ -1004,15 +1003,15 @@ def test_engine_tables(work, data):
         event("run")
         assert job.wait(20)
         status = np.frombuffer(job.results()[0], np.int32)
-        assert set(status.tolist()) <= set(range(native.PENDING))
+        assert set(status.tolist()) <= set(range(native.ST_PENDING))
     assert batch.intact(), "a write outside the batch"
 
 
 # ---------------------------------------------------------------------------------------------
 # lz4, zlib and gzip: decoded whole by the engine, with lz4's and zlib's own functions
 
-_WHOLE = {native.LZ4: lambda: numcodecs.LZ4(), native.ZLIB: lambda: numcodecs.Zlib(level=1),
-          native.GZIP: lambda: numcodecs.GZip(level=1)}
+_WHOLE = {native.CODEC_LZ4: lambda: numcodecs.LZ4(), native.CODEC_ZLIB: lambda: numcodecs.Zlib(level=1),
+          native.CODEC_GZIP: lambda: numcodecs.GZip(level=1)}
 
 
 def _bounded(codec: int, stored: bytes, nbytes: int) -> bytes | None:
@@ -1041,12 +1040,12 @@ def test_lz4_zlib_gzip_chunks_decode_as_the_python_path_does(work, data):
         content = b"\1"
     stored = _WHOLE[codec]().encode(content)
     stored = bytes(stored)
-    if codec == native.GZIP and data.draw(st.booleans()):  # more members, with zero padding between and after
+    if codec == native.CODEC_GZIP and data.draw(st.booleans()):  # more members, with zero padding between and after
         cut = data.draw(st.integers(0, len(content)))
         stored = (bytes(numcodecs.GZip(1).encode(content[:cut])) + bytes(data.draw(st.integers(0, 9)))
                   + bytes(numcodecs.GZip(1).encode(content[cut:])) + bytes(data.draw(st.integers(0, 9))))
     if data.draw(st.booleans()):
-        stored = data.draw(mutated(stored, [stored[::-1]], fields=[0] if codec == native.LZ4 else []))
+        stored = data.draw(mutated(stored, [stored[::-1]], fields=[0] if codec == native.CODEC_LZ4 else []))
     nbytes = len(content) + data.draw(st.sampled_from([0, 0, 0, -1, 1]))
     if nbytes < 1:
         return
@@ -1067,18 +1066,18 @@ def test_lz4_zlib_gzip_chunks_decode_as_the_python_path_does(work, data):
     chunks[0, native.C_NCOPIES] = 1
     copies = np.array([[0, 0, nbytes]], np.int64)
     batch = Guarded(nbytes, fill=0x11)
-    job = _engine().submit(chunks, copies, sources, files, blob, batch.view, native.SAME, False,
+    job = _engine().submit(chunks, copies, sources, files, blob, batch.view, native.KIND_SAME, False,
                            np.array([1], np.int64))
     assert job.wait(20)
     status = int(np.frombuffer(job.results()[0], np.int32)[0])
     event(f"status {status}")
     assert batch.intact(), "a write outside the batch"
-    if status == native.OK:
+    if status == native.ST_OK:
         assert want is not None and batch.view.tobytes() == want
     else:
-        assert status in (native.FRAME, native.TOO_BIG), status
+        assert status in (native.ST_FRAME, native.ST_TOO_BIG), status
         assert (batch.view == 0x11).all()
-        assert status == native.TOO_BIG or want is None, "a chunk the Python path reads was left to it"
+        assert status == native.ST_TOO_BIG or want is None, "a chunk the Python path reads was left to it"
 
 
 @fuzz(300)
@@ -1106,15 +1105,18 @@ def test_plan_grid_arguments(work, data):
         event("refused")
         return
     event("planned")
-    copies = np.frombuffer(copies, np.int64).reshape(-1, 2 + 3 * ndim)
-    chunks = np.frombuffer(chunks, np.int64).reshape(-1, 5 + ndim)
-    keys = {tuple(c[[0, *range(5, 5 + ndim)]]) for c in chunks}
+    copies = np.frombuffer(copies, np.int64).reshape(-1, native.GRID_COPY_COLS(ndim))
+    chunks = np.frombuffer(chunks, np.int64).reshape(-1, native.GRID_CHUNK_COLS + ndim)
+    coords = range(native.GRID_CHUNK_COLS, native.GRID_CHUNK_COLS + ndim)
+    keys = {tuple(c[[native.G_SOURCE, *coords]]) for c in chunks}
     assert len(keys) == len(chunks)
-    assert chunks[:, 2].sum() == len(copies) and (np.cumsum(chunks[:, 2]) - chunks[:, 2] == chunks[:, 1]).all()
+    n_copies, first = chunks[:, native.G_NCOPIES], chunks[:, native.G_FIRST_COPY]
+    assert n_copies.sum() == len(copies) and (np.cumsum(n_copies) - n_copies == first).all()
+    box_at, ext_at = native.GC_BOX_START(ndim), native.GC_EXTENT(ndim)
     for c in chunks:
-        mine = copies[c[1]:c[1] + c[2]]
-        cs = chunk_shapes[c[0]]
-        start, box, ext = mine[:, 2:2 + ndim], mine[:, 2 + ndim:2 + 2 * ndim], mine[:, 2 + 2 * ndim:]
+        mine = copies[c[native.G_FIRST_COPY]:c[native.G_FIRST_COPY] + c[native.G_NCOPIES]]
+        cs = chunk_shapes[c[native.G_SOURCE]]
+        start, box, ext = mine[:, native.GC_CHUNK_START:box_at], mine[:, box_at:ext_at], mine[:, ext_at:]
         assert (start >= 0).all() and (ext >= 1).all() and (start + ext <= cs).all()
         assert (box >= 0).all() and (box + ext <= shape).all()
 
@@ -1265,15 +1267,18 @@ def test_plan_crops_arguments(data):
         if not 0 <= sids[s] < n_src:
             refused = True
             break
-        if any(boxes[s][a][1] > rows[sids[s]][2 + 2 * ndim + a] for a in range(ndim)):
+        if any(boxes[s][a][1] > rows[sids[s]][native.A_SHAPE(ndim) + a] for a in range(ndim)):
             want_outside = s
             break
     per = np.array(rows, np.int64)
     starts = np.array([[b[0] for b in box] for box in boxes], np.int64).reshape(n, ndim)
 
     def grid():  # plan_grid's plan of the same crops (it raises what it refuses)
-        return native.plan_grid(starts, args[1], args[2], np.ascontiguousarray(per[:, 1:1 + ndim]),
-                                np.ascontiguousarray(per[:, 1 + ndim:1 + 2 * ndim]), np.ascontiguousarray(per[:, 0]))
+        strides_at = native.A_STRIDES(ndim)
+        return native.plan_grid(starts, args[1], args[2],
+                                np.ascontiguousarray(per[:, native.A_CHUNK_SHAPE:native.A_CHUNK_SHAPE + ndim]),
+                                np.ascontiguousarray(per[:, strides_at:strides_at + ndim]),
+                                np.ascontiguousarray(per[:, native.A_ITEMSIZE]))
 
     # the bytes the crops need, each step as the C code takes it: past int64 anywhere is refused
     crop, items, steps = 1, 0, []
@@ -1281,7 +1286,7 @@ def test_plan_crops_arguments(data):
         crop *= e
         steps.append(crop)
     for s in sids if not refused and want_outside < 0 else ():  # (past a crop outside, a number may be any)
-        items += rows[s][0]
+        items += rows[s][native.A_ITEMSIZE]
         steps.append(items)
     bytes_fit = all(_fits(v) for v in steps) and _fits(crop * items)
     try:
@@ -1300,7 +1305,7 @@ def test_plan_crops_arguments(data):
         assert copies is None and chunks is None
         return
     event("planned")
-    assert bytes_fit and bytes_needed == crop * items and any_sharded == any(r[1 + 2 * ndim] for r in rows)
+    assert bytes_fit and bytes_needed == crop * items and any_sharded == any(r[native.A_SHARDED(ndim)] for r in rows)
     assert (copies, chunks) == grid()
 
 
@@ -1315,11 +1320,12 @@ def test_chunk_rows_arguments(data):
     n_src = data.draw(st.integers(1, 3))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     hostile = data.draw(st.integers(0, 3)) == 0
-    info = rng.integers(-5, 2**40, (n_src, 6), dtype=np.int64)
-    plan = rng.integers(-2, 2**40, (n, 9), dtype=np.int64)  # a wider table: its columns are strided views
-    plan[:, 0] = rng.integers(0, n_src, n) if not hostile else rng.integers(-2, n_src + 2, n)
-    plan[:, 1] = rng.integers(-1, 4, n)
-    cols = [plan[:, k] for k in range(8)]
+    info = rng.integers(-5, 2**40, (n_src, native.N_INFO_COLS), dtype=np.int64)
+    # a wider table: its columns are strided views
+    plan = rng.integers(-2, 2**40, (n, native.N_PLAN_COLS + 1), dtype=np.int64)
+    plan[:, native.P_SOURCE] = rng.integers(0, n_src, n) if not hostile else rng.integers(-2, n_src + 2, n)
+    plan[:, native.P_FILE] = rng.integers(-1, 4, n)
+    cols = [plan[:, k] for k in range(native.N_PLAN_COLS)]
     eids = data.draw(st.one_of(st.none(), st.lists(st.integers(-2, n + 1) if hostile else
                                                    st.integers(0, max(0, n - 1)), max_size=8 if n else 0)))
     eids = None if eids is None else np.array(eids, np.int64)
@@ -1328,7 +1334,7 @@ def test_chunk_rows_arguments(data):
         k = data.draw(st.integers(0, 8))
         bad = data.draw(st.sampled_from([np.zeros(n + 1, np.int64), np.zeros(n, np.int32), b"\0" * 8 * n]))
         if k == 8:
-            info = bad if data.draw(st.booleans()) else np.zeros((n_src, 5), np.int64)
+            info = bad if data.draw(st.booleans()) else np.zeros((n_src, native.N_INFO_COLS - 1), np.int64)
         else:
             cols[k] = bad
     try:
@@ -1340,21 +1346,26 @@ def test_chunk_rows_arguments(data):
     event("made")
     take = np.arange(n) if eids is None else eids
     assert ((take >= 0) & (take < n)).all()
-    src = plan[take, 0]
+    src = plan[take, native.P_SOURCE]
     assert ((src >= 0) & (src < n_src)).all()
     want = np.empty((len(take), native.N_CHUNK_COLS), np.int64)
     want[:, native.C_SOURCE] = src
-    want[:, native.C_CODEC:native.C_MAX_STORED + 1] = info[src, 3:]
+    for i_col, c_col in ((native.I_CODEC, native.C_CODEC), (native.I_NBYTES, native.C_NBYTES),
+                         (native.I_STORED, native.C_MAX_STORED)):
+        want[:, c_col] = info[src, i_col]
     if fetched:
         want[:, native.C_FILE] = want[:, native.C_OFFSET] = -1
         want[:, native.C_LENGTH] = 0
         want[:, native.C_BUFFER] = np.arange(len(take))
     else:
-        want[:, native.C_FILE], want[:, native.C_OFFSET], want[:, native.C_LENGTH] = (plan[take, k] for k in (1, 2, 3))
+        for p_col, c_col in ((native.P_FILE, native.C_FILE), (native.P_OFFSET, native.C_OFFSET),
+                             (native.P_LENGTH, native.C_LENGTH)):
+            want[:, c_col] = plan[take, p_col]
         want[:, native.C_BUFFER] = -1
-        want[want[:, native.C_FILE] < 0, native.C_CODEC] = native.FILL
-    for k, col in zip(range(4, 8), (native.C_SPAN_START, native.C_SPAN_STOP, native.C_FIRST_COPY, native.C_NCOPIES)):
-        want[:, col] = plan[take, k]
+        want[want[:, native.C_FILE] < 0, native.C_CODEC] = native.CODEC_FILL
+    for p_col, c_col in ((native.P_SPAN_START, native.C_SPAN_START), (native.P_SPAN_STOP, native.C_SPAN_STOP),
+                         (native.P_FIRST_COPY, native.C_FIRST_COPY), (native.P_NCOPIES, native.C_NCOPIES)):
+        want[:, c_col] = plan[take, p_col]
     assert np.frombuffer(got, np.int64).reshape(-1, native.N_CHUNK_COLS).tolist() == want.tolist()
 
 
@@ -1369,12 +1380,13 @@ def test_copy_rows_arguments(data):
     small = data.draw(st.integers(0, 2)) > 0
     edge = st.one_of(st.integers(-3, 50), st.sampled_from([-2**63, 2**31, 2**62, 2**63 - 1]))
     value = st.integers(0, 50) if small else edge
-    table = np.array([[data.draw(value) for _ in range(2 + 3 * ndim)] for _ in range(m)],
-                     np.int64).reshape(m, 2 + 3 * ndim)  # plan_grid's layout: the columns are views of it
+    width, box_at, ext_at = native.GRID_COPY_COLS(ndim), native.GC_BOX_START(ndim), native.GC_EXTENT(ndim)
+    table = np.array([[data.draw(value) for _ in range(width)] for _ in range(m)],
+                     np.int64).reshape(m, width)  # plan_grid's layout: the columns are views of it
     row_stride = data.draw(value)
     strides = [data.draw(value) for _ in range(ndim)]
-    args = [table[:, 1], table[:, 0], table[:, 2 + ndim:2 + 2 * ndim], table[:, 2 + 2 * ndim:], row_stride,
-            array("q", strides)]
+    args = [table[:, native.GC_SRC_OFFSET], table[:, native.GC_ROW], table[:, box_at:ext_at], table[:, ext_at:],
+            row_stride, array("q", strides)]
     if data.draw(st.integers(0, 7)) == 0:  # a column of another length, rank or type
         k = data.draw(st.sampled_from([0, 1, 2, 3, 5]))
         wrong = {0: [np.zeros(m + 1, np.int64), np.zeros((m, ndim + 1), np.int64), np.zeros(m, np.int32), b"\0" * 8],
@@ -1386,15 +1398,18 @@ def test_copy_rows_arguments(data):
         return
     want = []
     for r in table.tolist():
-        dst = r[0] * row_stride + sum(b * s for b, s in zip(r[2 + ndim:2 + 2 * ndim], strides))
-        partial = [r[0] * row_stride]
-        for b, s in zip(r[2 + ndim:2 + 2 * ndim], strides):
+        row, box = r[native.GC_ROW], r[box_at:ext_at]
+        dst = row * row_stride + sum(b * s for b, s in zip(box, strides))
+        partial = [row * row_stride]
+        for b, s in zip(box, strides):
             partial.append(partial[-1] + b * s)
-        if not all(_fits(p) for p in partial) or not all(_fits(b * s) for b, s in zip(r[2 + ndim:2 + 2 * ndim],
-                                                                                       strides)):
+        if not all(_fits(p) for p in partial) or not all(_fits(b * s) for b, s in zip(box, strides)):
             want = None
             break
-        want.append([r[1], dst, *r[2 + 2 * ndim:]])
+        copy = [0] * native.COPY_COLS(ndim)
+        copy[native.CP_SRC_OFFSET], copy[native.CP_DST_OFFSET] = r[native.GC_SRC_OFFSET], dst
+        copy[native.CP_EXTENT:] = r[ext_at:]
+        want.append(copy)
     try:
         got = native.copy_rows(*args)
     except ValueError:
@@ -1403,4 +1418,4 @@ def test_copy_rows_arguments(data):
         return
     event("made")
     assert want is not None
-    assert np.frombuffer(got, np.int64).reshape(-1, 2 + ndim).tolist() == want
+    assert np.frombuffer(got, np.int64).reshape(-1, native.COPY_COLS(ndim)).tolist() == want

@@ -203,11 +203,11 @@ def test_a_bounded_number_of_engine_descriptions_is_kept(tmp_path, settled, monk
     for i in range(5):
         _write(tmp_path / f"{i}.zarr", DATA)
         readers.append(stoker.open_array(tmp_path / f"{i}.zarr"))
-    got = [decode_native.shared_source(r, torch.float32, native.F32, 1 << 20) for r in readers]
+    got = [decode_native.shared_source(r, torch.float32, native.KIND_F32, 1 << 20) for r in readers]
     assert len(decode_native._shared_sources) <= 3
-    assert decode_native.shared_source(readers[4], torch.float32, native.F32, 1 << 20) is got[4]
-    assert decode_native.shared_source(readers[4], torch.float32, native.F32, 1 << 10) is not got[4]  # budget
-    assert decode_native.shared_source(readers[4], torch.bfloat16, native.BF16, 1 << 20) is not got[4]
+    assert decode_native.shared_source(readers[4], torch.float32, native.KIND_F32, 1 << 20) is got[4]
+    assert decode_native.shared_source(readers[4], torch.float32, native.KIND_F32, 1 << 10) is not got[4]  # budget
+    assert decode_native.shared_source(readers[4], torch.bfloat16, native.KIND_BF16, 1 << 20) is not got[4]
 
 
 def _strings(obj, seen=None):

@@ -21,6 +21,7 @@ from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 import stoker
 from stoker.engine import native
+import native_testing
 from stoker.storage import LocalStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -191,8 +192,8 @@ def test_pipeline_racing_a_writer_returns_old_or_new_crops(tmp_path, codec):
 def test_compiled_reader_reads_an_inner_chunk_only_from_the_file_its_index_describes(tmp_path):
     """Given the identity of the shard file the index was read from, the compiled reader reads the inner
     chunk only from a file of that identity, and reports CHANGED (not bytes of another file) otherwise."""
-    if native.decode_files is None or not native.zstd:
-        pytest.skip("stoker._native is not available")
+    if native_testing.decode_files is None or not native.zstd:
+        pytest.skip("stoker._native (and stoker._testing) is not available")
     import numcodecs
 
     chunk = np.arange(32, dtype="uint16")
@@ -204,15 +205,15 @@ def test_compiled_reader_reads_an_inner_chunk_only_from_the_file_its_index_descr
 
     def read(identity):
         out = np.zeros(64, "uint8")
-        [result] = native.decode_files(native.ZSTD, [str(path)], [(7, len(frame), 0, 64, *identity)],
-                                       np.empty(4096, "uint8"), [out], 64, None, None)
+        [result] = native_testing.decode_files(native.CODEC_ZSTD, [str(path)], [(7, len(frame), 0, 64, *identity)],
+                                               np.empty(4096, "uint8"), [out], 64, None, None)
         return result[0], out
 
     status, out = read(ident)
-    assert status == native.OK and np.array_equal(out.view("uint16"), chunk)
+    assert status == native.ST_OK and np.array_equal(out.view("uint16"), chunk)
     for changed in ((ident[0], ident[1] + 1, *ident[2:]), (*ident[:2], ident[2] + 1, *ident[3:]),
                     (*ident[:3], ident[3] + 1, ident[4]), (*ident[:4], ident[4] + 1)):
-        assert read(changed)[0] == native.CHANGED
+        assert read(changed)[0] == native.ST_CHANGED
 
 
 def test_a_shard_rewritten_in_place_during_a_read_is_not_read_at_old_offsets(tmp_path):

@@ -23,6 +23,7 @@ from zarr.codecs import ZstdCodec
 
 import stoker
 from stoker.engine import native
+import native_testing
 from stoker.records import ZarrRecords, compute_stats
 from stoker.records import sidecar
 from stoker.storage import LocalStore
@@ -114,13 +115,13 @@ def test_fifo_as_shard_file(tmp_path, fifo, engine):
 
 
 def test_compiled_reader_refuses_a_fifo_as_chunk_file_and_as_shard(tmp_path, fifo):
-    if native.decode_files is None:
-        pytest.skip("stoker._native is not available")
+    if native_testing.decode_files is None:
+        pytest.skip("stoker._native (and stoker._testing) is not available")
     path = fifo(tmp_path / "chunk")
     regions = [(-1, 0, 0, 64), (0, 16, 0, 64)]  # a whole chunk file, an inner chunk of a shard
-    results = native.decode_files(native.ZSTD, [path, path], regions, np.empty(4096, "uint8"),
-                                  [np.empty(64, "uint8") for _ in regions], 64, None, None)
-    assert [r[0] for r in results] == [native.NOT_REGULAR] * 2
+    results = native_testing.decode_files(native.CODEC_ZSTD, [path, path], regions, np.empty(4096, "uint8"),
+                                          [np.empty(64, "uint8") for _ in regions], 64, None, None)
+    assert [r[0] for r in results] == [native.ST_NOT_REGULAR] * 2
     assert [r[2] for r in results] == [stat.S_IFIFO] * 2
 
 

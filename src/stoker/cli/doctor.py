@@ -62,7 +62,7 @@ def report() -> list[tuple[str, str, str | None]]:
     # tensorstore: a bench peer; tensorboard and matplotlib: optional extras for telemetry and pictures
     rows += [(p, _version(p), None)
              for p in ("numpy", "numcodecs", "zarr", "tensorstore", "tensorboard", "matplotlib")]
-    if native.decode_files is None:
+    if native.Engine is None:
         why = "STOKER_NATIVE=0" if os.environ.get("STOKER_NATIVE") == "0" else "not built (no C compiler at install?)"
         rows.append(("compiled reader", f"off: {why}", "every chunk takes the Python path, 1.3-1.6x slower; "
                                                        "reinstall with a C compiler"))

@@ -80,7 +80,7 @@ int plan_grid(int ndim, long long n_samples, const int64_t *starts, const int64_
     slots = malloc(sizeof(int64_t) * (size_t)cap); /* chunk number + 1; 0: empty */
     chunk_of = malloc(sizeof(int64_t) * (size_t)(m + 1));
     out->chunks = malloc(sizeof(int64_t) * (size_t)(m * (GRID_CHUNK_COLS + D) + 1));
-    out->copies = malloc(sizeof(int64_t) * (size_t)(m * (2 + 3 * (long long)D) + 1));
+    out->copies = malloc(sizeof(int64_t) * (size_t)(m * GRID_COPY_COLS((long long)D) + 1));
     if (keys == NULL || tmp == NULL || slots == NULL || chunk_of == NULL || out->chunks == NULL || out->copies == NULL)
         GRID_FAIL("out of memory");
     memset(slots, 0, sizeof(int64_t) * (size_t)cap);
@@ -137,7 +137,7 @@ int plan_grid(int ndim, long long n_samples, const int64_t *starts, const int64_
         }
     }
     /* grouped by chunk: each chunk's copies from its first row on, in batch order */
-    long long cw = GRID_CHUNK_COLS + D, ow = 2 + 3 * (long long)D, at = 0;
+    long long cw = GRID_CHUNK_COLS + D, ow = GRID_COPY_COLS((long long)D), at = 0;
     for (long long c = 0; c < n; c++) {
         int64_t *row = out->chunks + c * cw;
         const int64_t *key = keys + row[G_FIRST_COPY] * kw;
@@ -155,18 +155,18 @@ int plan_grid(int ndim, long long n_samples, const int64_t *starts, const int64_
         const int64_t *t = tmp + k * tw, *sd = strides + row[G_SOURCE] * D;
         int64_t *o = out->copies + (row[G_FIRST_COPY] + row[G_NCOPIES]++) * ow;
         long long first = 0, last = 0;
-        o[0] = t[0];
+        o[GC_ROW] = t[0];
         for (int a = 0; a < D; a++) {
             long long f, l;
-            o[2 + a] = t[1 + a];
-            o[2 + D + a] = t[1 + D + a];
-            o[2 + 2 * D + a] = t[1 + 2 * D + a];
+            o[GC_CHUNK_START + a] = t[1 + a];
+            o[GC_BOX_START(D) + a] = t[1 + D + a];
+            o[GC_EXTENT(D) + a] = t[1 + 2 * D + a];
             if (__builtin_mul_overflow(t[1 + a], sd[a], &f) || __builtin_add_overflow(first, f, &first) ||
                 __builtin_mul_overflow(t[1 + a] + t[1 + 2 * D + a] - 1, sd[a], &l) ||
                 __builtin_add_overflow(last, l, &last) || last >= (1LL << 58)) /* x 16 B still fits */
                 GRID_FAIL("a chunk's elements are too many to count");
         }
-        o[1] = first;
+        o[GC_SRC_OFFSET] = first;
         if (row[G_SPAN_START] < 0 || first < row[G_SPAN_START])
             row[G_SPAN_START] = first;
         if (last + 1 > row[G_SPAN_STOP])

@@ -48,18 +48,19 @@ size_t dst_itemsize(const batch_dst *dst, int src_kind) {
  * source element per copy when ``ss`` is given. Products are checked for overflow before they are used. */
 static int copy_bounds(int ndim, const int64_t *ss, const int64_t *ds, const int64_t *c, long long dst_elems,
                        long long *s_last_out) {
-    long long s_last = c[0], d_last = c[1], step, count = 1;
+    long long s_last = c[CP_SRC_OFFSET], d_last = c[CP_DST_OFFSET], step, count = 1;
     if (s_last < 0 || d_last < 0)
         return -1;
     for (int k = 0; k < ndim; k++) {
         long long sk = ss != NULL ? ss[k] : 0;
-        if (c[2 + k] < 1 || sk < 0 || ds[k] < 0)
+        if (c[CP_EXTENT + k] < 1 || sk < 0 || ds[k] < 0)
             return -1;
-        if (__builtin_mul_overflow(count, c[2 + k], &count) || count > dst_elems)
+        if (__builtin_mul_overflow(count, c[CP_EXTENT + k], &count) || count > dst_elems)
             return -1;
-        if (__builtin_mul_overflow(c[2 + k] - 1, sk, &step) || __builtin_add_overflow(s_last, step, &s_last))
+        if (__builtin_mul_overflow(c[CP_EXTENT + k] - 1, sk, &step) || __builtin_add_overflow(s_last, step, &s_last))
             return -1;
-        if (__builtin_mul_overflow(c[2 + k] - 1, ds[k], &step) || __builtin_add_overflow(d_last, step, &d_last))
+        if (__builtin_mul_overflow(c[CP_EXTENT + k] - 1, ds[k], &step) ||
+            __builtin_add_overflow(d_last, step, &d_last))
             return -1;
     }
     if (d_last >= dst_elems)
@@ -71,7 +72,7 @@ static int copy_bounds(int ndim, const int64_t *ss, const int64_t *ds, const int
 int check_copies(int kind, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies, long long ncopies,
                  long long step, long long chunk_bytes, long long span_start, long long span_stop, const char *chunk,
                  const batch_dst *dst, int strided) {
-    if (kind < 0 || kind >= N_SRC_KINDS || ndim < 1 || ndim > MAX_NDIM || ncopies < 0 || step < 2 + ndim)
+    if (kind < 0 || kind >= N_SRC_KINDS || ndim < 1 || ndim > MAX_NDIM || ncopies < 0 || step < COPY_COLS(ndim))
         return -1;
     if (!cast_supported(kind, dst->kind))
         return -1;
@@ -91,7 +92,7 @@ int check_copies(int kind, int ndim, const int64_t *ss, const int64_t *ds, const
         if (copy_bounds(ndim, ss, ds, c, dst_elems, &s_last) || s_last >= chunk_elems)
             return -1;
         /* a copy reads only the decoded span: outside it a shared buffer holds another chunk's bytes */
-        if (c[0] * item < span_start || (s_last + 1) * item > span_stop)
+        if (c[CP_SRC_OFFSET] * item < span_start || (s_last + 1) * item > span_stop)
             return -1;
     }
     return 0;
@@ -99,7 +100,7 @@ int check_copies(int kind, int ndim, const int64_t *ss, const int64_t *ds, const
 
 int check_fill_copies(int ndim, const int64_t *ds, const int64_t *copies, long long ncopies, long long step,
                       size_t d_item, const batch_dst *dst) {
-    if (ndim < 1 || ndim > MAX_NDIM || ncopies < 0 || step < 2 + ndim || d_item == 0 || ds[ndim - 1] != 1)
+    if (ndim < 1 || ndim > MAX_NDIM || ncopies < 0 || step < COPY_COLS(ndim) || d_item == 0 || ds[ndim - 1] != 1)
         return -1;
     if (dst->kind != KIND_SAME && (uintptr_t)dst->base % d_item)
         return -1;
@@ -220,7 +221,7 @@ int cast_supported(int src_kind, int dst_kind) {
  * element strides of that axis) and run (the innermost extent). */
 #define FOR_EACH_PLANE(ndim, ss, ds, c, ...)                                                                \
     do {                                                                                                   \
-        const int64_t *ext_ = (c) + 2, *ss_ = (ss);                                                        \
+        const int64_t *ext_ = (c) + CP_EXTENT, *ss_ = (ss);                                                \
         int outer_ = (ndim) - 2; /* axes [0, outer_) are walked here */                                    \
         long long idx_[MAX_NDIM] = {0};                                                                    \
         size_t run = (size_t)ext_[(ndim) - 1];                                                             \
@@ -228,7 +229,7 @@ int cast_supported(int src_kind, int dst_kind) {
         long long s_row = outer_ >= 0 && ss_ != NULL ? ss_[outer_] : 0;                                    \
         long long d_row = outer_ >= 0 ? (ds)[outer_] : 0;                                                  \
         for (;;) {                                                                                         \
-            long long so = (c)[0], dof = (c)[1];                                                           \
+            long long so = (c)[CP_SRC_OFFSET], dof = (c)[CP_DST_OFFSET];                                   \
             for (int k_ = 0; k_ < outer_; k_++) {                                                          \
                 so += idx_[k_] * (ss_ != NULL ? ss_[k_] : 0);                                              \
                 dof += idx_[k_] * (ds)[k_];                                                                \

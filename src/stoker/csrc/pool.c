@@ -39,7 +39,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PATH_CAP 4096
 #define ALIGN 64
 
 struct job {
@@ -202,7 +201,7 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
     for (int k = 0; k < ndim; k++)
         if (t->dst_strides[k] < 0)
             FAIL("the batch's strides must not be negative");
-    long long sw = S_STRIDES + ndim, fw = F_COORDS + ndim, cw = 2 + ndim;
+    long long sw = S_STRIDES + ndim, fw = F_COORDS + ndim, cw = COPY_COLS(ndim);
     for (long long s = 0; s < t->n_sources; s++) {
         const int64_t *r = t->sources + s * sw;
         long long end;
@@ -243,8 +242,8 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
         for (long long k = 0; k < c[C_NCOPIES]; k++) { /* bytes written: each bounded by the batch in check_copies */
             long long n = 1;
             for (int a = 0; a < ndim; a++)
-                if (copies[k * cw + 2 + a] < 1 || __builtin_mul_overflow(n, copies[k * cw + 2 + a], &n) ||
-                    n > t->dst.nbytes)
+                if (copies[k * cw + CP_EXTENT + a] < 1 ||
+                    __builtin_mul_overflow(n, copies[k * cw + CP_EXTENT + a], &n) || n > t->dst.nbytes)
                     FAIL("a copy's extent is not positive, or larger than the batch");
             if (__builtin_mul_overflow(n, (long long)d_item, &n) || !add_ok(written, n, &written) ||
                 written > t->dst.nbytes)
@@ -304,7 +303,7 @@ static void copy_table(int64_t *to, const int64_t *from, long long n) {
 
 job *job_new(engine *e, const plan_tables *t, const char **error) {
     job *j = calloc(1, sizeof(job));
-    long long sw = S_STRIDES + t->ndim, fw = F_COORDS + t->ndim, cw = 2 + t->ndim;
+    long long sw = S_STRIDES + t->ndim, fw = F_COORDS + t->ndim, cw = COPY_COLS(t->ndim);
     long long values = t->n_chunks * N_CHUNK_COLS + t->n_copies * cw + t->n_sources * sw + t->n_files * fw;
     if (j == NULL)
         goto oom;
@@ -402,7 +401,7 @@ static void build_path(char *out, const job *j, const int64_t *src, const int64_
 static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char *decoded, int fill) {
     const plan_tables *t = &j->t;
     int ndim = t->ndim, kind = (int)src[S_KIND];
-    const int64_t *copies = t->copies + c[C_FIRST_COPY] * (2 + ndim);
+    const int64_t *copies = t->copies + c[C_FIRST_COPY] * COPY_COLS(ndim);
     long long t0 = now_ns();
     pthread_rwlock_rdlock(&j->place_lock);
     int go = !j->cancelled;
@@ -410,11 +409,11 @@ static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char 
         if (fill) {
             unsigned char value[8];
             memcpy(value, &src[S_FILL], sizeof(value));
-            fill_copies(ndim, t->dst_strides, copies, c[C_NCOPIES], 2 + ndim, value, dst_itemsize(&t->dst, kind),
-                        &t->dst);
+            fill_copies(ndim, t->dst_strides, copies, c[C_NCOPIES], COPY_COLS(ndim), value,
+                        dst_itemsize(&t->dst, kind), &t->dst);
         } else {
             place_copies(kind, (int)src[S_SWAP], ndim, src + S_STRIDES, t->dst_strides, copies, c[C_NCOPIES],
-                         2 + ndim, decoded, &t->dst);
+                         COPY_COLS(ndim), decoded, &t->dst);
         }
         place_fence(&t->dst);
     }

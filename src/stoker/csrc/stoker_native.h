@@ -1,4 +1,4 @@
-/* stoker._native: the shared declarations of its parts.
+/* stoker._native: the shared declarations of its parts, and the one source of its interface.
  *
  *   io.c      open regular files (non-blocking, then blocking), identity checks, pread loops; or a buffer
  *             already in memory (a chunk fetched from a store), decoded where it is
@@ -7,10 +7,21 @@
  *             every codec is the library's own function, handed in by address (stoker/native.py)
  *   place.c   copy plans: checks, casts, streaming stores, fill values
  *   grid.c    planning a batch's grid: the chunks its crops touch, once each, and every copy
+ *   tables.c  the engine's tables from a plan's columns
  *   pool.c    the engine: worker threads owned by the extension, jobs, the scratch budget
- *   module.c  the Python glue (set_codecs, decode_files, Engine, BatchJob)
+ *   py_*.c    the Python glue (py_glue.h): py_args.c (argument buffers), py_codecs.c (set_codecs...),
+ *             py_tables.c (plan_grid, plan_crops, chunk_rows...), py_engine.c (Engine, BatchJob)
+ *   module.c  the module stoker._native: the glue's functions and types, and ``interface``, this header's
+ *             constants by name
+ *   testing.c stoker._testing, built for the tests only (never shipped in a wheel): the codec setters and
+ *             decode_files, which reads, decodes and places chunks on the calling thread
  *
- * Nothing here holds the GIL except module.c, and module.c releases it around all work. (The folder is csrc/,
+ * The constants below (enums and #defines; the function-like #defines give a table's columns for a rank D)
+ * are the interface's one source: .ci/interface writes stoker/engine/interface.py from this file, and the
+ * extension exports the same names with the values it was compiled with (module.c: ``interface``), which
+ * stoker/engine/native.py checks before it uses the extension.
+ *
+ * Nothing here holds the GIL except the glue, and the glue releases it around all work. (The folder is csrc/,
  * not native/ or _native/: beside native.py and the extension module _native, a folder of either name would
  * read as a package of that name.)
  */
@@ -21,11 +32,14 @@
 #include <stdint.h>
 
 #define MAX_NDIM 32
+/* the longest chunk path the engine builds, NUL included: a source's prefix plus at most 21 bytes per grid
+ * coordinate and separator must fit (engine/decode_native.py leaves longer ones to the Python path) */
+#define PATH_CAP 4096
 
 /* Codecs of a stored chunk. CODEC_FILL: nothing is stored, the copies take the source's fill value. */
 enum { CODEC_ZSTD = 0, CODEC_BLOSC = 1, CODEC_LZ4 = 2, CODEC_ZLIB = 3, CODEC_GZIP = 4, N_CODECS, CODEC_FILL = -1 };
 
-/* Chunk statuses (stoker/native.py has the same numbers). */
+/* Chunk statuses (engine/decode_native.py maps each to a typed error or a retry on the Python path). */
 enum {
     ST_OK = 0,
     ST_MISSING,      /* no such file */
@@ -146,6 +160,12 @@ void place_fence(const batch_dst *dst);
  * its ndim grid coordinates; a copy: its crop (batch row), its first element in the chunk (decoded layout),
  * then per axis its start in the chunk, its start in the crop, its extent */
 enum { G_SOURCE = 0, G_FIRST_COPY, G_NCOPIES, G_SPAN_START, G_SPAN_STOP, GRID_CHUNK_COLS };
+#define GC_ROW 0
+#define GC_SRC_OFFSET 1
+#define GC_CHUNK_START 2
+#define GC_BOX_START(D) (2 + (D))
+#define GC_EXTENT(D) (2 + 2 * (D))
+#define GRID_COPY_COLS(D) (2 + 3 * (D))
 typedef struct {
     long long n_copies, n_chunks;
     int64_t *copies, *chunks;
@@ -175,14 +195,22 @@ enum { I_FILLS = 0, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED, N_INFO_COLS 
  * buffer i for chunk i */
 int plan_chunk_rows(long long n_rows, const int64_t *const cols[N_PLAN_COLS], long long n_sources,
                     const int64_t *info, int fetched, int64_t *out, const char **error);
-/* the copies table (2 + ndim values a row): each copy's first element in its chunk, its first in the batch
- * (row * row_stride + box_start . dst_strides, checked against int64 overflow), its extent */
+/* the copies table (CP_* columns, COPY_COLS(ndim) a row): each copy's first element in its chunk, its first in
+ * the batch (row * row_stride + box_start . dst_strides, checked against int64 overflow), its extent */
 int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, const int64_t *row,
                    const int64_t *box_start, const int64_t *extent, int64_t row_stride, const int64_t *dst_strides,
                    int64_t *out, const char **error);
 
-/* plan_grid from a batch's boxes (n_crops x ndim x [start, stop)) and its arrays' rows (n_sources x (3 ndim + 2):
- * item size, read chunk shape, element strides, sharded or not, shape), as engine/tables.py keeps them; first
+/* an array's row for plan_crops (engine/tables.py's _array_row): its item size, read chunk shape (D values),
+ * element strides (D), sharded or not, shape (D) */
+#define A_ITEMSIZE 0
+#define A_CHUNK_SHAPE 1
+#define A_STRIDES(D) (1 + (D))
+#define A_SHARDED(D) (1 + 2 * (D))
+#define A_SHAPE(D) (2 + 2 * (D))
+#define ARRAY_ROW_COLS(D) (2 + 3 * (D))
+/* plan_grid from a batch's boxes (n_crops x ndim x [start, stop)) and its arrays' rows (A_* above), as
+ * engine/tables.py keeps them; first
  * the boxes are checked against their arrays' shapes: *first_outside is the first crop that ends past its array
  * (then nothing is planned), else -1; *bytes_needed the crops' elements times their item sizes; *any_sharded
  * whether an array is sharded */
@@ -208,6 +236,11 @@ enum { /* a chunk: one stored chunk (or a fill), and its copies */
     C_BUFFER,      /* -1: read from its file; else the buffer holding it (C_FILE -1, C_OFFSET/C_LENGTH: in it) */
     N_CHUNK_COLS
 };
+/* a copy: its first element in the chunk (decoded layout) and in the batch, then its extent (D values) */
+#define CP_SRC_OFFSET 0
+#define CP_DST_OFFSET 1
+#define CP_EXTENT 2
+#define COPY_COLS(D) (2 + (D))
 enum { /* a source (an array): S_STRIDES then holds ndim strides of its decoded chunks (any layout), in elements */
     S_KIND = 0,    /* element kind (K_*) of its decoded chunks */
     S_FILL,        /* its fill value as the batch holds it: the element's bytes, in the low bytes (little end) */

@@ -49,7 +49,7 @@ int plan_chunk_rows(long long n_rows, const int64_t *const cols[N_PLAN_COLS], lo
 int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, const int64_t *row,
                    const int64_t *box_start, const int64_t *extent, int64_t row_stride, const int64_t *dst_strides,
                    int64_t *out, const char **error) {
-    long long width = 2 + (long long)ndim;
+    long long width = COPY_COLS((long long)ndim);
     for (long long k = 0; k < n_copies; k++) {
         int64_t *o = out + k * width, dst;
         if (__builtin_mul_overflow(row[k], row_stride, &dst))
@@ -60,9 +60,9 @@ int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, cons
                 __builtin_add_overflow(dst, term, &dst))
                 goto overflow;
         }
-        o[0] = src_offset[k];
-        o[1] = dst;
-        memcpy(o + 2, extent + k * ndim, sizeof(int64_t) * (size_t)ndim);
+        o[CP_SRC_OFFSET] = src_offset[k];
+        o[CP_DST_OFFSET] = dst;
+        memcpy(o + CP_EXTENT, extent + k * ndim, sizeof(int64_t) * (size_t)ndim);
     }
     return 0;
 overflow:
@@ -74,7 +74,7 @@ int plan_crops(int ndim, long long n_crops, const int64_t *boxes, const int64_t 
                long long n_sources, const int64_t *rows, grid_plan *out, long long *first_outside,
                long long *bytes_needed, int *any_sharded, const char **error) {
     int D = ndim;
-    long long w = 3 * (long long)D + 2; /* a row: item size, chunk shape, element strides, sharded, shape */
+    long long w = ARRAY_ROW_COLS((long long)D); /* a row: A_* columns */
     memset(out, 0, sizeof(*out));
     *first_outside = -1, *bytes_needed = 0, *any_sharded = 0;
     if (D < 1 || D > MAX_NDIM || n_crops < 0 || n_sources < 1) {
@@ -86,7 +86,7 @@ int plan_crops(int ndim, long long n_crops, const int64_t *boxes, const int64_t 
             *error = "a crop's array is out of range";
             return -1;
         }
-        const int64_t *array_shape = rows + sids[s] * w + 2 + 2 * D;
+        const int64_t *array_shape = rows + sids[s] * w + A_SHAPE(D);
         for (int a = 0; a < D; a++)
             if (boxes[(s * D + a) * 2 + 1] > array_shape[a]) { /* the caller raises the crop's own error */
                 *first_outside = s;
@@ -98,7 +98,7 @@ int plan_crops(int ndim, long long n_crops, const int64_t *boxes, const int64_t 
         if (__builtin_mul_overflow(crop, shape[a], &crop))
             goto too_big;
     for (long long s = 0; s < n_crops; s++)
-        if (__builtin_add_overflow(items, rows[sids[s] * w], &items))
+        if (__builtin_add_overflow(items, rows[sids[s] * w + A_ITEMSIZE], &items))
             goto too_big;
     if (__builtin_mul_overflow(crop, items, bytes_needed))
         goto too_big;
@@ -114,10 +114,10 @@ int plan_crops(int ndim, long long n_crops, const int64_t *boxes, const int64_t 
             starts[s * D + a] = boxes[(s * D + a) * 2];
     for (long long k = 0; k < n_sources; k++) {
         const int64_t *row = rows + k * w;
-        itemsizes[k] = row[0];
-        memcpy(chunk_shapes + k * D, row + 1, sizeof(int64_t) * (size_t)D);
-        memcpy(strides + k * D, row + 1 + D, sizeof(int64_t) * (size_t)D);
-        *any_sharded |= row[1 + 2 * D] != 0;
+        itemsizes[k] = row[A_ITEMSIZE];
+        memcpy(chunk_shapes + k * D, row + A_CHUNK_SHAPE, sizeof(int64_t) * (size_t)D);
+        memcpy(strides + k * D, row + A_STRIDES(D), sizeof(int64_t) * (size_t)D);
+        *any_sharded |= row[A_SHARDED(D)] != 0;
     }
     int bad = plan_grid(D, n_crops, starts, sids, shape, n_sources, chunk_shapes, strides, itemsizes, out, error);
     free(work);

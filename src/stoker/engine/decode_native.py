@@ -41,7 +41,6 @@ from ..runtime import gil
 from . import native
 from ..errors import DecodeError, StorageError, pipeline_closed
 from ..storage.local import not_regular
-from ..zarr.grid import c_strides
 from .buffers import size_class
 from .cast import fill_value_as, torch_dtype_of
 from ..storage import ByteRange
@@ -49,7 +48,7 @@ from ..storage.objectstore import etag_version
 from .decode_python import Fetch, PythonDecoder, fetches_within, span_bytes
 from .executor import Job
 from .frame_spans import FrameBuffers, FrameTables, assemble
-from .plan import ChunkTask, FileRead, shard_reads
+from .plan import FileRead, shard_reads
 from .stats import StatsRecorder
 from .tables import TablePlan
 
@@ -66,7 +65,7 @@ FETCH_MAX_BYTES = 16 << 20
 #: every line; smaller ones are better left cached (docs/performance.md, "Tuning constants").
 STREAM_MIN_BYTES = 8 << 20
 
-_BATCH_KINDS = {torch.float32: native.F32, torch.bfloat16: native.BF16}
+_BATCH_KINDS = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16}
 _ALIGN = 64  # the engine's scratch holds a chunk's decoded bytes rounded up to this, then a file's stored bytes
 
 
@@ -74,18 +73,18 @@ def native_codec(codec) -> int | None:
     """The engine's codec for chunks of ``codec`` (one compressor, no filters; any layout and byte order), or
     None (the Python path reads them)."""
     if codec.lone_zstd and native.zstd:
-        return native.ZSTD
+        return native.CODEC_ZSTD
     if codec.lone_blosc and native.blosc:
-        return native.BLOSC
+        return native.CODEC_BLOSC
     if codec.filters or len(codec.compressors) != 1:
         return None
     kind = type(codec.compressors[0])
     if kind is numcodecs.LZ4 and native.lz4_ready:
-        return native.LZ4
+        return native.CODEC_LZ4
     if kind is numcodecs.Zlib and native.zlib_ready:
-        return native.ZLIB
+        return native.CODEC_ZLIB
     if kind is numcodecs.GZip and native.zlib_ready:
-        return native.GZIP
+        return native.CODEC_GZIP
     return None
 
 
@@ -100,27 +99,7 @@ def batch_kind(out: torch.Tensor) -> int | None:
     not a C-contiguous CPU batch)."""
     if not out.is_cpu or out.dim() < 2 or not out.is_contiguous() or out.dtype == torch.float16:
         return None
-    return _BATCH_KINDS.get(out.dtype, native.SAME)
-
-
-def copy_plan(task: ChunkTask, codec, out: torch.Tensor, kind: int,
-              out_strides: tuple[int, ...] | None = None) -> array | None:
-    """``decode_files``' copy plan for casting ``task``'s copies from its decoded chunk into ``out`` (see
-    ``csrc/module.c``), or None where the chunk's layout or dtype is left to copy_cast.
-
-    >>> copy_plan(task, codec, batch, native.F32)  # array('q', [kind, ndim, ncopies, strides..., copies...])
-    """
-    src = native.SOURCE_KINDS.get(codec.dtype) if codec.plain else None
-    if src is None or (kind == native.SAME and out.dtype != torch_dtype_of(codec.dtype)):
-        return None
-    chunk_strides = c_strides(codec.shape)
-    row_stride, *dst_strides = out.stride() if out_strides is None else out_strides
-    values = [src, len(chunk_strides), len(task.copies), *chunk_strides, *dst_strides]
-    for c in task.copies:
-        src_offset = sum(s * cs for s, cs in zip(c.chunk_start, chunk_strides))
-        dst_offset = c.row * row_stride + sum(b * ds for b, ds in zip(c.box_start, dst_strides))
-        values += (src_offset, dst_offset, *c.extent)
-    return array("q", values)
+    return _BATCH_KINDS.get(out.dtype, native.KIND_SAME)
 
 
 _FILL_WORDS: dict[tuple, int] = {}  # (fill value's dtype and bytes, batch dtype) -> its S_FILL word
@@ -153,7 +132,7 @@ class _Source:
         codec = meta.codec
         ndim = len(codec.shape)
         src_kind = native.SOURCE_KINDS.get(codec.dtype)
-        same_ok = kind != native.SAME or (src_kind is not None and dtype == torch_dtype_of(codec.dtype))
+        same_ok = kind != native.KIND_SAME or (src_kind is not None and dtype == torch_dtype_of(codec.dtype))
         # fills need the array's element kind only; reads a codec it has, no filters (any layout, any byte
         # order) and room in the budget
         self.fills = kind is not None and src_kind is not None and same_ok
@@ -172,7 +151,7 @@ class _Source:
         self.kv = reader.kv
         # blosc chunks fetched from a store may later be fetched as their needed blocks (frame_spans): only where
         # the Python path, should the engine leave one, also decodes those blocks alone (a plain layout)
-        self.spans = bool(self.memory and self.codec == native.BLOSC and codec.partial)
+        self.spans = bool(self.memory and self.codec == native.CODEC_BLOSC and codec.partial)
         self.sep = enc.separator
         row = [0] * (native.S_STRIDES + ndim)  # a list packed once: numpy's per-item stores cost more here
         row[native.S_KIND] = src_kind if self.fills else 0  # any kind: no chunk of it goes to the engine
@@ -188,9 +167,11 @@ class _Source:
         self.nbytes = codec.nbytes
         self.stored = codec.max_stored_nbytes
         # what submit asks of every array of a batch, as one packed row of I_* columns: one join per batch
-        self.info_row = array("q", (self.fills, self.reads, self.memory,
-                                    self.codec if self.reads or self.memory else native.FILL, self.nbytes,
-                                    self.stored)).tobytes()
+        info = [0] * native.N_INFO_COLS
+        info[native.I_FILLS], info[native.I_READS], info[native.I_MEMORY] = self.fills, self.reads, self.memory
+        info[native.I_CODEC] = self.codec if self.reads or self.memory else native.CODEC_FILL
+        info[native.I_NBYTES], info[native.I_STORED] = self.nbytes, self.stored
+        self.info_row = array("q", info).tobytes()
         self.engine_only = self.reads and self.fills  # the engine reads and fills every chunk of it
 
 
@@ -210,8 +191,8 @@ def shared_source(reader, dtype: torch.dtype, kind: int | None, budget: int) -> 
     :class:`~stoker.zarr.metadata.ArrayMetadata`: keyed by that object, a rewritten array (parsed anew) is a
     miss. An entry holds its metadata, so the id in its key is not reused while it is kept.
 
-    >>> a = shared_source(open_array("/data/a.zarr"), torch.float32, native.F32, 1 << 30)
-    >>> a is shared_source(open_array("/data/a.zarr"), torch.float32, native.F32, 1 << 30)
+    >>> a = shared_source(open_array("/data/a.zarr"), torch.float32, native.KIND_F32, 1 << 30)
+    >>> a is shared_source(open_array("/data/a.zarr"), torch.float32, native.KIND_F32, 1 << 30)
     True
     """
     if reader.kv is not None:  # its store is one pipeline's: NativeDecoder keeps its _Source per pipeline
@@ -233,11 +214,6 @@ def _kept(table: dict, key: tuple, holder: object, make: Callable[[], _Source]) 
     return held[1]
 
 
-#: columns of the per-array rows NativeDecoder.submit builds from _Source.info_row (csrc/stoker_native.h: I_*,
-#: as native.chunk_rows reads them)
-I_FILLS, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED = range(6)
-
-
 class _SourceSet:
     """The arrays of a batch (``plan.sources``, in order) as the engine takes them: their :class:`_Source`,
     their ``info`` rows (I_* columns), the sources table and path blob of ``Engine.submit``, and whether the
@@ -251,7 +227,7 @@ class _SourceSet:
         n = len(sources)
         self.readers = list(readers)
         self.sources = sources
-        self.info = np.frombuffer(b"".join([s.info_row for s in sources]), np.int64).reshape(n, 6)
+        self.info = np.frombuffer(b"".join([s.info_row for s in sources]), np.int64).reshape(n, native.N_INFO_COLS)
         self.all_engine = bool(n) and all([s.engine_only for s in sources])
         width = len(sources[0].row) // 8 if n else native.S_STRIDES  # every array of a batch has its rank
         table = array("q")
@@ -342,8 +318,8 @@ class NativeDecoder:
         else:
             mine = sources.info[plan.chunk_source]
             stored = plan.chunk_file >= 0
-            fetched = stored & (mine[:, I_MEMORY] != 0)  # fetched from a store, then decoded by the engine
-            engine = np.where(stored, mine[:, I_READS], mine[:, I_FILLS]) != 0
+            fetched = stored & (mine[:, native.I_MEMORY] != 0)  # fetched from a store, then decoded by the engine
+            engine = np.where(stored, mine[:, native.I_READS], mine[:, native.I_FILLS]) != 0
             rest = np.flatnonzero(~engine & ~fetched)
             if rest.size:
                 self._to_python(job, rest, stored)
@@ -663,7 +639,7 @@ class NativeDecoder:
             self._finish_placed(job, len(eids), c, fetched)
             return True
         status = np.frombuffer(status, np.int32)
-        ok = status == native.OK
+        ok = status == native.ST_OK
         bad = np.flatnonzero(~ok)
         data = None if buffers is None else [buffers[k] for k in bad.tolist()]
         self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
@@ -726,35 +702,36 @@ class NativeDecoder:
         codec = reader.metadata.codec
         whole = int(plan.chunk_offset[cid]) < 0
         python = self._python
-        if status == native.CANCELLED:
+        if status == native.ST_CANCELLED:
             return pipeline_closed(), None
-        if fetched and not (status in (native.CODEC_ERROR, native.SIZE) and whole
-                            and native_codec(codec) == native.ZSTD):
+        if fetched and not (status in (native.ST_CODEC_ERROR, native.ST_SIZE) and whole
+                            and native_codec(codec) == native.CODEC_ZSTD):
             # any other failure of a chunk in memory (no file: nothing changed or vanished meanwhile): the
             # Python path decodes the same bytes and decides, and words the error, as it always does
             return None, python.decode_bytes
-        if status == native.NOT_REGULAR:
+        if status == native.ST_NOT_REGULAR:
             return not_regular(plan.path(cid), detail), None
-        if status == native.CHANGED:  # the shard is not the file its cached index was read from
+        if status == native.ST_CHANGED:  # the shard is not the file its cached index was read from
             return None, python.relocate
-        if status == native.OS_ERROR and whole:
+        if status == native.ST_OS_ERROR and whole:
             path = plan.path(cid)
             return StorageError(f"cannot read {path}: {os.strerror(detail)}", path=path), None
-        if status in (native.TOO_BIG, native.NO_MEMORY, native.FRAME, native.MISSING, native.PENDING) or \
-                native_codec(codec) != native.ZSTD or not whole:
+        if status in (native.ST_TOO_BIG, native.ST_NO_MEMORY, native.ST_FRAME, native.ST_MISSING,
+                      native.ST_PENDING) or native_codec(codec) != native.CODEC_ZSTD or not whole:
             # larger than any stored chunk of this codec (the Python path refuses it unread); blosc, lz4, zlib
             # and gzip: any chunk the engine declined or could not decode; any failure of an inner chunk of a
             # shard. The Python path reads it again and decides (and words the error) as it always does.
             return None, python.read_file
         key = plan.key(cid)
-        if status == native.SHORT:
+        if status == native.ST_SHORT:
             return DecodeError(f"{reader.uri}: chunk {key!r} changed while it was read", uri=reader.uri,
                                key=key), None
-        if status == native.CODEC_ERROR:
+        if status == native.ST_CODEC_ERROR:
             return codec.decode_error(key, ValueError(native.zstd_error(detail))), None
-        try:
-            codec.check_size(detail, key)  # native.SIZE
-        except DecodeError as exc:
-            return exc, None
+        if status == native.ST_SIZE:  # by name: a status this code does not know is not taken for this one
+            try:
+                codec.check_size(detail, key)
+            except DecodeError as exc:
+                return exc, None
         return DecodeError(f"{reader.uri}: chunk {key!r}: unknown reader status {status}", uri=reader.uri,
                            key=key), None

@@ -33,7 +33,7 @@ from ..runtime.workers import DaemonPool
 from ..storage import FileChanged
 from . import gpu_fallback
 from .gpu_sources import CPU, Source
-from .tables import F_IDENT, F_SOURCE, TablePlan
+from .tables import F_SOURCE, TablePlan, file_ident
 
 #: inner chunks of one shard file at most this far apart are read together, the gap included
 MAX_GAP = 64 << 10
@@ -155,9 +155,7 @@ class Stager:
         if held is None:
             row = plan.files[f]
             reader = plan.sources[int(row[F_SOURCE])]
-            ident = tuple(int(v) for v in row[F_IDENT:F_IDENT + 2].view(np.uint64)) + \
-                tuple(int(v) for v in row[F_IDENT + 2:F_IDENT + 5])
-            held = files[f] = (reader.file_path(plan.file_key(f)), ident)
+            held = files[f] = (reader.file_path(plan.file_key(f)), file_ident(row))
         return held
 
     def path(self, plan: TablePlan, cid: int, files: dict) -> str:

@@ -4,8 +4,10 @@
 compiler is present; without it (or with ``STOKER_NATIVE=0`` in the environment)
 every chunk takes the pure-Python path, which reads and decodes the same bytes.
 Its :data:`Engine` makes whole batches from flat plan tables on threads of its own
-(see ``engine/decode_native.py``); ``decode_files`` reads a group of chunks on the
-calling thread (the same readers and decoders; kept for tests and fuzzing).
+(see ``engine/decode_native.py``). Its statuses, codecs and table columns are the
+constants of ``csrc/stoker_native.h``, by their C names (``ST_OK``, ``CODEC_ZSTD``,
+``C_SOURCE``...): :mod:`stoker.engine.interface` is written from that header, and
+this module re-exports it and checks the extension was compiled with the same values.
 The extension calls zstd's own ``ZSTD_decompress`` (or, where numcodecs exports them,
 its context and buffer-less streaming functions, so a chunk whose copies need only
 its first blocks is decoded only that far) and c-blosc's
@@ -15,6 +17,8 @@ extension modules, found here through ctypes, so no second codec is built.
 >>> from stoker import native
 >>> native.Engine is None or callable(native.Engine)
 True
+>>> native.ST_OK, native.CODEC_ZSTD
+(0, 0)
 """
 
 from __future__ import annotations
@@ -22,30 +26,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import warnings
 
 import numpy as np
 
-from ..runtime import gil
+from . import interface
+from .interface import *  # noqa: F403 - the header's constants, by their C names (native.ST_OK, native.C_FILE...)
 
-# chunk statuses of the compiled reader (see csrc/stoker_native.h)
-(OK, MISSING, TOO_BIG, OS_ERROR, SHORT, CODEC_ERROR, SIZE, FRAME, NOT_REGULAR, CHANGED, CANCELLED, NO_MEMORY,
- PENDING) = range(13)
-ZSTD, BLOSC, LZ4, ZLIB, GZIP = range(5)  # codecs of a stored chunk (decode_files: ZSTD and BLOSC)
-FILL = -1  # an engine chunk with nothing stored: its copies take the fill value
 
-# columns of the engine's plan tables (csrc/stoker_native.h: C_*, S_*, F_*)
-(C_SOURCE, C_FILE, C_OFFSET, C_LENGTH, C_SPAN_START, C_SPAN_STOP, C_CODEC, C_NBYTES, C_MAX_STORED, C_FIRST_COPY,
- C_NCOPIES, C_BUFFER, N_CHUNK_COLS) = range(13)  # C_BUFFER: -1 (read from its file), or the buffer holding it
-S_KIND, S_FILL, S_PATH_START, S_PATH_LEN, S_SEP, S_SWAP, S_STRIDES = range(7)  # then ndim chunk strides
-F_SOURCE, F_HAS_IDENT, F_DEV, F_INO, F_SIZE, F_MTIME, F_CTIME, F_COORDS = range(8)  # then ndim grid coordinates
-
-#: source kinds of a copy plan (native byte order), by numpy dtype
-SOURCE_KINDS = {np.dtype(t): k for k, t in enumerate(
-    ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float32", "float64"))}
-SAME, F32, BF16 = 0, 1, 2  # batch kinds: the source's own dtype, float32, bfloat16
-#: the longest chunk path the engine builds (csrc/pool.c PATH_CAP, NUL included): a source's prefix plus at
-#: most 21 bytes per grid coordinate and separator must fit, or its chunks take the Python path
-PATH_CAP = 4096
+#: source kinds of a copy-cast (csrc/stoker_native.h: K_U8...K_F64), by numpy dtype of native byte order
+SOURCE_KINDS = {np.dtype({"U": "uint", "I": "int", "F": "float"}[name[2]] + name[3:]): value
+                for name, value in interface.CONSTANTS.items() if name.startswith("K_")}
 
 
 #: zstd functions behind the context reuse and the early stop, in ``set_zstd_streaming``'s order (the
@@ -71,52 +62,87 @@ def _symbols(module_file: str, *names: str):
         return None, None
 
 
-def _load():
-    """``(decode_files, Engine, zstd ready, blosc ready)``; the first two are None without the extension."""
-    if _disabled():
-        return None, None, False, False
-    try:
-        from .. import _native
-    except ImportError:
-        return None, None, False, False
-    zstd_addrs = blosc_addrs = streaming_addrs = None
+@functools.lru_cache(maxsize=None)
+def _codec_functions() -> dict:
+    """The addresses of the codecs' functions in numcodecs' extension modules and zlib's library, found once:
+    ``zstd`` and ``blosc`` (a pair each), ``streaming`` (:data:`ZSTD_STREAMING`), ``lz4`` and ``zlib``, each
+    None where it is not exported."""
+    found: dict = {"zstd": None, "streaming": None, "blosc": None, "lz4": None, "zlib": _zlib_functions()}
     try:
         from numcodecs import zstd
 
-        lib, zstd_addrs = _symbols(zstd.__file__, "ZSTD_decompress", "ZSTD_isError")
-        if zstd_addrs:
+        lib, found["zstd"] = _symbols(zstd.__file__, "ZSTD_decompress", "ZSTD_isError")
+        if found["zstd"]:
             global _error_name
             _error_name = lib.ZSTD_getErrorName
             _error_name.restype = ctypes.c_char_p
             _error_name.argtypes = [ctypes.c_size_t]
-            _, streaming_addrs = _symbols(zstd.__file__, *ZSTD_STREAMING)
+            _, found["streaming"] = _symbols(zstd.__file__, *ZSTD_STREAMING)
     except ImportError:
         pass
     try:
         from numcodecs import blosc
 
-        _, blosc_addrs = _symbols(blosc.__file__, "blosc_decompress_ctx", "blosc_getitem")
+        _, found["blosc"] = _symbols(blosc.__file__, "blosc_decompress_ctx", "blosc_getitem")
     except ImportError:
         pass
     try:
         from numcodecs import lz4
 
         _, lz4_addrs = _symbols(lz4.__file__, "LZ4_decompress_safe")
+        found["lz4"] = lz4_addrs[0] if lz4_addrs else None
     except ImportError:
-        lz4_addrs = None
-    global lz4_ready, zlib_ready
-    _native.set_lz4(lz4_addrs[0] if lz4_addrs else 0)
-    lz4_ready = bool(lz4_addrs)
-    zlib_ready = _native.set_zlib(*(_zlib_functions() or (0, 0, 0, 0)))
+        pass
+    return found
+
+
+def configure(module) -> dict | None:
+    """Hand a compiled module of ``csrc`` (``stoker._native``; the tests' ``stoker._testing``, which holds
+    codec state of its own) the codecs' functions; returns which it decodes now (``zstd``, ``blosc``, ``lz4``,
+    ``zlib``, and ``streaming``: zstd's early stop). None, with a warning, when the module was compiled from
+    another ``stoker_native.h`` than :mod:`.interface` was written from (a stale build, whose statuses and
+    columns would be misread): it is then not to be used.
+
+    >>> configure(stoker_testing)["zstd"]  # tests/native_testing.py sets up stoker._testing so
+    True
+    """
+    built = getattr(module, "interface", None)
+    if built != interface.CONSTANTS:
+        differ = sorted(k for k in set(built or {}) | set(interface.CONSTANTS)
+                        if (built or {}).get(k) != interface.CONSTANTS.get(k))
+        warnings.warn(f"{module.__file__} was compiled from another csrc/stoker_native.h than this stoker's "
+                      f"(differing: {', '.join(differ[:8])}{'...' if len(differ) > 8 else ''}): rebuild it "
+                      "(python setup.py build_ext --inplace, or reinstall); until then every chunk takes the "
+                      "Python path", RuntimeWarning, stacklevel=2)
+        return None
+    found = _codec_functions()
+    module.set_lz4(found["lz4"] or 0)
+    zlib = module.set_zlib(*(found["zlib"] or (0, 0, 0, 0)))
     from ..zarr.codecs.blosc import PARTIAL_MAX_SHARE
 
-    _native.set_codecs(*(zstd_addrs or (0, 0)), *(blosc_addrs or (0, 0)), PARTIAL_MAX_SHARE)
-    global zstd_streaming
-    zstd_streaming = bool(zstd_addrs and streaming_addrs)
-    _native.set_zstd_streaming(*(streaming_addrs if zstd_streaming else (0,) * len(ZSTD_STREAMING)))
-    if not zstd_addrs and not blosc_addrs:
-        return None, None, False, False
-    return _native.decode_files, _native.Engine, bool(zstd_addrs), bool(blosc_addrs)
+    module.set_codecs(*(found["zstd"] or (0, 0)), *(found["blosc"] or (0, 0)), PARTIAL_MAX_SHARE)
+    streaming = bool(found["zstd"] and found["streaming"])
+    module.set_zstd_streaming(*(found["streaming"] if streaming else (0,) * len(ZSTD_STREAMING)))
+    return {"zstd": bool(found["zstd"]), "blosc": bool(found["blosc"]), "lz4": bool(found["lz4"]),
+            "zlib": bool(zlib), "streaming": streaming}
+
+
+def _load():
+    """``(Engine, zstd ready, blosc ready)``; Engine is None without the extension (or with neither codec)."""
+    if _disabled():
+        return None, False, False
+    try:
+        from .. import _native
+    except ImportError:
+        return None, False, False
+    ready = configure(_native)
+    if ready is None:
+        return None, False, False
+    global lz4_ready, zlib_ready, zstd_streaming
+    lz4_ready, zlib_ready, zstd_streaming = ready["lz4"], ready["zlib"], ready["streaming"]
+    if not ready["zstd"] and not ready["blosc"]:
+        return None, False, False
+    return _native.Engine, ready["zstd"], ready["blosc"]
 
 
 _error_name = None
@@ -140,28 +166,15 @@ def _zlib_functions():
 
 
 def zstd_error(code: int) -> str:
-    """zstd's name for an error code that ``decode_files`` reported (status CODEC_ERROR)."""
+    """zstd's name for an error code the engine reported (status ST_CODEC_ERROR)."""
     if _error_name is None:
         return f"zstd error {code}"
     return _error_name((1 << 64) - code if code > 0 else 0).decode(errors="replace")
 
 
-def _released(fn):
-    """``fn`` timed as a call that releases the GIL (:func:`stoker.runtime.gil.released`): the compiled reader
-    reads, decodes and places with no GIL held, so its CPU time is not the pipeline's GIL time."""
-    if fn is None:
-        return None
-    call = functools.partial(gil.released, fn)
-    call.__doc__ = fn.__doc__
-    return call
-
-
-#: ``decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst)
-#: -> [(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]`` and ``Engine(n_threads, budget_bytes)``,
-#: or ``None`` where the extension is not built (or ``STOKER_NATIVE=0``); ``zstd`` / ``blosc``: which codecs
-#: it can call
-decode_files, Engine, zstd, blosc = _load()
-decode_files = _released(decode_files)
+#: ``Engine(n_threads, budget_bytes)``, or ``None`` where the extension is not built (or ``STOKER_NATIVE=0``);
+#: ``zstd`` / ``blosc``: which codecs it can call
+Engine, zstd, blosc = _load()
 
 #: ``plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes) -> (copies, chunks)`` (csrc/grid.c), or
 #: None without the engine (engine/tables.py then plans with numpy)

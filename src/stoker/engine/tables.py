@@ -42,8 +42,19 @@ from ..zarr.grid import c_strides
 from ..zarr.sharding import EMPTY_ENTRY
 from .plan import ChunkTask, Copy, FileRead, batch_shape
 
-#: columns of the files table before the grid coordinates (see csrc/stoker_native.h: F_*)
-F_SOURCE, F_HAS_IDENT, F_IDENT, F_COORDS = 0, 1, 2, 7
+#: columns of the files table (csrc/stoker_native.h: F_*), by name: its source, whether it has an identity,
+#: that identity (F_DEV, F_INO as uint64 bits, then F_SIZE, F_MTIME, F_CTIME), then its grid coordinates
+F_SOURCE, F_HAS_IDENT, F_COORDS = native.F_SOURCE, native.F_HAS_IDENT, native.F_COORDS
+#: the identity's columns, in the order of a file's identity tuple (dev, ino, size, mtime_ns, ctime_ns)
+F_IDENT = [native.F_DEV, native.F_INO, native.F_SIZE, native.F_MTIME, native.F_CTIME]
+
+
+def file_ident(row: np.ndarray) -> tuple[int, int, int, int, int]:
+    """The identity ``(dev, ino, size, mtime_ns, ctime_ns)`` a files table's ``row`` holds (F_HAS_IDENT 1):
+    dev and ino as uint64 bits, the rest as they are."""
+    dev, ino = (int(v) for v in row[F_IDENT[:2]].view(np.uint64))
+    size, mtime, ctime = (int(v) for v in row[F_IDENT[2:]])
+    return dev, ino, size, mtime, ctime
 
 
 class _Tasks:
@@ -149,8 +160,7 @@ class TablePlan:
                          byte_stop=int(self.byte_stop[i]))
         if f >= 0 and int(self.chunk_offset[i]) >= 0:
             task.offset, task.length = int(self.chunk_offset[i]), int(self.chunk_length[i])
-            task.ident = tuple(int(v) for v in self.files[f, F_IDENT:F_IDENT + 5].view(np.uint64)[:2]) + \
-                tuple(int(v) for v in self.files[f, F_IDENT + 2:F_IDENT + 5])
+            task.ident = file_ident(self.files[f])
         return task
 
     def file_read(self, i: int) -> FileRead | None:
@@ -245,10 +255,13 @@ def _grid_compiled(start, sid, extent, chunk_shapes, chunk_strides, itemsize) ->
 
 def _grid_columns(copies: bytes, chunks: bytes, ndim: int) -> tuple:
     """plan_grid's (or plan_crops') rows as the columns _grid_numpy returns (views, no copies)."""
-    copies = np.frombuffer(copies, np.int64).reshape(-1, 2 + 3 * ndim)
-    chunks = np.frombuffer(chunks, np.int64).reshape(-1, 5 + ndim)
-    return (copies[:, 0], copies[:, 2:2 + ndim], copies[:, 2 + ndim:2 + 2 * ndim], copies[:, 2 + 2 * ndim:],
-            copies[:, 1], chunks[:, 0], chunks[:, 5:], chunks[:, 1], chunks[:, 2], chunks[:, 3], chunks[:, 4])
+    copies = np.frombuffer(copies, np.int64).reshape(-1, native.GRID_COPY_COLS(ndim))
+    chunks = np.frombuffer(chunks, np.int64).reshape(-1, native.GRID_CHUNK_COLS + ndim)
+    box, extent = native.GC_BOX_START(ndim), native.GC_EXTENT(ndim)
+    return (copies[:, native.GC_ROW], copies[:, native.GC_CHUNK_START:box], copies[:, box:extent],
+            copies[:, extent:extent + ndim], copies[:, native.GC_SRC_OFFSET], chunks[:, native.G_SOURCE],
+            chunks[:, native.GRID_CHUNK_COLS:], chunks[:, native.G_FIRST_COPY], chunks[:, native.G_NCOPIES],
+            chunks[:, native.G_SPAN_START], chunks[:, native.G_SPAN_STOP])
 
 
 def _grid_of_crops(crops, sids, sources, shape, rows) -> tuple | None:
@@ -348,10 +361,12 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         sid = np.array(sids, np.int64)
         boxes = np.array([aabb for _, aabb in crops], np.int64).reshape(len(crops), ndim, 2)
         per_array = np.frombuffer(rows, np.int64).reshape(len(sources), -1)
+        strides_at, shape_at = native.A_STRIDES(ndim), native.A_SHAPE(ndim)
         itemsize, chunk_shapes, chunk_strides = (np.ascontiguousarray(per_array[:, at]) for at in
-                                                 (0, slice(1, 1 + ndim), slice(1 + ndim, 1 + 2 * ndim)))
-        sharded_ids = np.flatnonzero(per_array[:, 1 + 2 * ndim]).tolist()
-        out_of_bounds = (boxes[:, :, 1] > per_array[sid, 2 + 2 * ndim:]).any(axis=1)
+                                                 (native.A_ITEMSIZE, slice(native.A_CHUNK_SHAPE, strides_at),
+                                                  slice(strides_at, strides_at + ndim)))
+        sharded_ids = np.flatnonzero(per_array[:, native.A_SHARDED(ndim)]).tolist()
+        out_of_bounds = (boxes[:, :, 1] > per_array[sid, shape_at:shape_at + ndim]).any(axis=1)
         if out_of_bounds.any():  # the first crop out of bounds raises OutOfBounds
             at = int(np.argmax(out_of_bounds))
             check_in_bounds(crops[at][1], sources[sids[at]].shape, crops[at][0])
@@ -435,9 +450,9 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         rows = np.zeros((len(with_data), F_COORDS + ndim), np.int64)
         rows[:, F_SOURCE], rows[:, F_HAS_IDENT] = s, 1
         idents = [got[k].ident for k in with_data.tolist()]
-        rows[:, F_IDENT:F_IDENT + 2] = np.array([(i[0] & (2**64 - 1), i[1] & (2**64 - 1)) for i in idents],
-                                                np.uint64).view(np.int64)
-        rows[:, F_IDENT + 2:F_IDENT + 5] = [i[2:5] for i in idents]
+        rows[:, F_IDENT[:2]] = np.array([(i[0] & (2**64 - 1), i[1] & (2**64 - 1)) for i in idents],
+                                        np.uint64).view(np.int64)
+        rows[:, F_IDENT[2:]] = [i[2:5] for i in idents]
         rows[:, F_COORDS:] = index[shard_first[with_data]] // cps
         files.append(rows)
         file_of = np.full(len(got), -1, np.int64)
@@ -491,9 +506,14 @@ def _array_row(reader: ArrayReader) -> bytes:
     meta = reader.metadata
     row = meta.__dict__.get("_table_row")
     if row is None:  # written past the frozen dataclass's __setattr__: a cache, not a field (no eq, no repr)
-        row = meta.__dict__["_table_row"] = array("q", (
-            meta.dtype.itemsize, *meta.read_chunk_shape, *meta.codec.element_strides, meta.sharding is not None,
-            *meta.shape)).tobytes()
+        ndim = len(meta.shape)
+        values = [0] * native.ARRAY_ROW_COLS(ndim)  # A_* columns (csrc/stoker_native.h)
+        values[native.A_ITEMSIZE] = meta.dtype.itemsize
+        for at, part in ((native.A_CHUNK_SHAPE, meta.read_chunk_shape),
+                         (native.A_STRIDES(ndim), meta.codec.element_strides), (native.A_SHAPE(ndim), meta.shape)):
+            values[at:at + ndim] = part
+        values[native.A_SHARDED(ndim)] = meta.sharding is not None
+        row = meta.__dict__["_table_row"] = array("q", values).tobytes()
     return row
 
 

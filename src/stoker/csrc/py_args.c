@@ -1,0 +1,87 @@
+/* The glue's argument helpers: sequences walked as tuples, buffers of int64, error types. */
+#include "py_glue.h"
+
+#include <stdint.h>
+#include <string.h>
+
+/* A new reference to a tuple of ``obj``'s items (``obj`` itself when it is a tuple; any iterable), or NULL
+ * with TypeError naming ``what`` when it is not iterable. Arguments are walked as tuples: converting an
+ * item can run Python code (a path's __fspath__, an index's __index__, on 3.12 a buffer's __buffer__)
+ * that could change a list under the walk. */
+PyObject *tuple_of(PyObject *obj, const char *what) {
+    PyObject *it = PyObject_GetIter(obj); /* any iterable, as PySequence_Fast took */
+    if (it == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s must be a sequence", what);
+        return NULL;
+    }
+    Py_DECREF(it);
+    return PySequence_Tuple(obj);
+}
+
+/* The exception for a C function's error message: MemoryError for "out of memory", else ValueError. */
+PyObject *error_type(const char *error) {
+    return error && strcmp(error, "out of memory") == 0 ? PyExc_MemoryError : PyExc_ValueError;
+}
+
+/* Whether b holds 8-byte integers in native byte order (numpy's int64 and uint64, array('q')): the functions
+ * below read their buffers as such, so bytes or an int32 array of the right length are refused, not read. */
+int native_words(const Py_buffer *b) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    const char order = '<';
+#else
+    const char order = '>';
+#endif
+    const char *f = b->format;
+    if (f == NULL || b->itemsize != 8)
+        return 0;
+    if (*f == '@' || *f == '=' || *f == order)
+        f++;
+    return (f[0] == 'q' || f[0] == 'Q' || f[0] == 'l' || f[0] == 'L') && f[1] == '\0';
+}
+
+/* Take aligned buffers of 8-byte integers of objs[0..n): 0, or -1 with an exception set and none held. */
+int int64_buffers(PyObject *const *objs, Py_buffer *b, int n, const char *who) {
+    for (int i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(objs[i], &b[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0 &&
+            (!native_words(&b[i]) || (uintptr_t)b[i].buf % _Alignof(int64_t))) {
+            PyBuffer_Release(&b[i]);
+            PyErr_Format(PyExc_ValueError, "%s takes aligned int64 buffers", who);
+        }
+        if (PyErr_Occurred()) {
+            while (i-- > 0)
+                PyBuffer_Release(&b[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* obj's 8-byte integers, a 1-d buffer (cols 0) or an n x cols one, with any strides (numpy's column views of
+ * a table), copied in C order into *out (free it); *n its rows. 0, or -1 with an exception set. */
+int int64_matrix(PyObject *obj, long long cols, long long *n, int64_t **out, const char *what) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_STRIDED_RO | PyBUF_FORMAT) != 0)
+        return -1;
+    if (!native_words(&b) || (cols == 0 ? b.ndim != 1 : (b.ndim != 2 || b.shape[1] != cols))) {
+        PyBuffer_Release(&b);
+        if (cols == 0)
+            PyErr_Format(PyExc_ValueError, "%s must be a 1-d buffer of int64", what);
+        else
+            PyErr_Format(PyExc_ValueError, "%s must be rows of %lld int64", what, cols);
+        return -1;
+    }
+    long long rows = b.shape[0], w = cols ? cols : 1;
+    int64_t *o = malloc(sizeof(int64_t) * (size_t)(rows * w + 1)); /* rows * w * 8 == b.len: bounded */
+    if (o == NULL) {
+        PyBuffer_Release(&b);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (long long r = 0; r < rows; r++)
+        for (long long c = 0; c < w; c++)
+            memcpy(&o[r * w + c], (const char *)b.buf + r * b.strides[0] + (cols ? c * b.strides[1] : 0), 8);
+    PyBuffer_Release(&b);
+    *n = rows;
+    *out = o;
+    return 0;
+}

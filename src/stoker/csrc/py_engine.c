@@ -1,0 +1,398 @@
+/* The engine (pool.c) as Python types: Engine, whose threads make whole batches from plan tables, and BatchJob,
+ * one batch on it; and local_file_system, whether the engine keeps shard files open there. */
+#include "py_glue.h"
+
+#include <fcntl.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef struct {
+    PyObject_HEAD
+    engine *e;
+    int closed;
+} EngineObject;
+
+typedef struct {
+    PyObject_HEAD
+    EngineObject *owner;
+    job *j;
+    Py_buffer view; /* the batch: alive as long as this object, and written only until cancel() */
+    int has_view;
+    /* the buffers chunks are read from (a view each; obj NULL: None, a missing value), alive as long as this
+     * object, and read only until cancel() */
+    Py_buffer *bufs;
+    Py_ssize_t n_bufs;
+} BatchJobObject;
+
+static PyTypeObject BatchJobType;
+
+static int engine_init(EngineObject *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"n_threads", "budget_bytes", NULL};
+    int n;
+    long long budget;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iL", names, &n, &budget))
+        return -1;
+    if (self->e != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Engine is initialised once");
+        return -1;
+    }
+    if (n < 1 || n > 4096 || budget < 0) {
+        PyErr_SetString(PyExc_ValueError, "Engine needs 1 to 4096 threads and a budget of at least 0 bytes");
+        return -1;
+    }
+    int started = 0;
+    engine *e = engine_new(n, budget, &started);
+    if (e == NULL)
+        return PyErr_NoMemory(), -1;
+    if (started == 0) {
+        engine_release(e);
+        PyErr_SetString(PyExc_OSError, "the system gives no thread to the engine");
+        return -1;
+    }
+    self->e = e;
+    return 0;
+}
+
+static void engine_dealloc(EngineObject *self) {
+    if (self->e != NULL) {
+        if (!self->closed) {
+            Py_BEGIN_ALLOW_THREADS
+            engine_close(self->e, 0);
+            Py_END_ALLOW_THREADS
+        }
+        engine_release(self->e);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* an int64 table: a C-contiguous buffer of a whole number of ``width``-value rows; *rows its row count */
+static int table_buffer(PyObject *obj, Py_buffer *view, long long width, long long *rows, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) != 0)
+        return -1;
+    if (view->len % (Py_ssize_t)(sizeof(int64_t) * width)) {
+        PyErr_Format(PyExc_ValueError, "%s must hold rows of %lld int64 values", name, width);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    *rows = view->len / (Py_ssize_t)(sizeof(int64_t) * width);
+    return 0;
+}
+
+/* views of ``obj``'s items (a sequence of buffers or None) into result->bufs, their addresses and lengths into
+ * the tables; -1 with an exception set */
+static int hold_buffers(BatchJobObject *result, PyObject *obj, plan_tables *t, const char ***bases, long long **lens) {
+    PyObject *seq = tuple_of(obj, "buffers (each a buffer, or None: a missing value)");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    result->bufs = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    *bases = PyMem_Calloc((size_t)n + 1, sizeof(char *));
+    *lens = PyMem_Calloc((size_t)n + 1, sizeof(long long));
+    if (result->bufs == NULL || *bases == NULL || *lens == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    result->n_bufs = n; /* views not taken (None, or after a failure) have obj NULL: nothing to release */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
+        if (item == Py_None)
+            continue; /* obj NULL, address NULL: a missing value */
+        if (PyObject_GetBuffer(item, &result->bufs[i], PyBUF_C_CONTIGUOUS) != 0) {
+            result->bufs[i].obj = NULL;
+            Py_DECREF(seq);
+            return -1;
+        }
+        (*bases)[i] = result->bufs[i].buf;
+        (*lens)[i] = (long long)result->bufs[i].len;
+    }
+    t->n_buffers = n;
+    t->buffers = *bases;
+    t->buffer_lens = *lens;
+    Py_DECREF(seq);
+    return 0;
+}
+
+static PyObject *engine_submit_py(EngineObject *self, PyObject *args) {
+    PyObject *chunks_obj, *copies_obj, *sources_obj, *files_obj, *blob_obj, *dst_obj, *strides_obj;
+    PyObject *buffers_obj = Py_None;
+    int kind, stream;
+    if (!PyArg_ParseTuple(args, "OOOOOOipO|O", &chunks_obj, &copies_obj, &sources_obj, &files_obj, &blob_obj,
+                          &dst_obj, &kind, &stream, &strides_obj, &buffers_obj))
+        return NULL;
+    const char **bases = NULL;
+    long long *lens = NULL;
+    if (self->e == NULL || self->closed) {
+        PyErr_SetString(PyExc_RuntimeError, "the engine is closed");
+        return NULL;
+    }
+    Py_buffer b[6] = {{0}};
+    int held = 0;
+    BatchJobObject *result = NULL;
+    plan_tables t = {0};
+    long long ndim;
+    if (table_buffer(strides_obj, &b[0], 1, &ndim, "dst_strides"))
+        goto done;
+    held++;
+    if (ndim < 1 || ndim > MAX_NDIM) {
+        PyErr_SetString(PyExc_ValueError, "dst_strides must hold the batch's strides: 1 to 32 of them");
+        goto done;
+    }
+    t.ndim = (int)ndim;
+    memcpy(t.dst_strides, b[0].buf, sizeof(int64_t) * (size_t)ndim);
+    if (table_buffer(chunks_obj, &b[1], N_CHUNK_COLS, &t.n_chunks, "chunks"))
+        goto done;
+    held++;
+    if (table_buffer(copies_obj, &b[2], COPY_COLS(ndim), &t.n_copies, "copies"))
+        goto done;
+    held++;
+    if (table_buffer(sources_obj, &b[3], S_STRIDES + ndim, &t.n_sources, "sources"))
+        goto done;
+    held++;
+    if (table_buffer(files_obj, &b[4], F_COORDS + ndim, &t.n_files, "files"))
+        goto done;
+    held++;
+    if (PyObject_GetBuffer(blob_obj, &b[5], PyBUF_C_CONTIGUOUS) != 0)
+        goto done;
+    held++;
+    t.chunks = b[1].buf, t.copies = b[2].buf, t.sources = b[3].buf, t.files = b[4].buf;
+    t.blob = b[5].buf, t.blob_len = b[5].len;
+    result = PyObject_New(BatchJobObject, &BatchJobType);
+    if (result == NULL)
+        goto done;
+    result->j = NULL, result->has_view = 0, result->bufs = NULL, result->n_bufs = 0;
+    Py_INCREF(self);
+    result->owner = self;
+    if (buffers_obj != Py_None && hold_buffers(result, buffers_obj, &t, &bases, &lens)) {
+        Py_CLEAR(result);
+        goto done;
+    }
+    if (PyObject_GetBuffer(dst_obj, &result->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+        Py_CLEAR(result);
+        goto done;
+    }
+    result->has_view = 1;
+    t.dst.base = result->view.buf;
+    t.dst.nbytes = result->view.len;
+    t.dst.kind = kind;
+    t.dst.stream = stream;
+    const char *error = NULL;
+    job *j;
+    /* Checking and copying the tables, then the engine's lock and waking its threads: no Python in either
+     * (the buffers stay held), and the lock may be contended and the wake-up costs a system call, so not
+     * under the GIL. */
+    Py_BEGIN_ALLOW_THREADS
+    j = job_new(self->e, &t, &error);
+    if (j != NULL)
+        engine_submit(self->e, j);
+    Py_END_ALLOW_THREADS
+    result->j = j;
+    if (j == NULL) {
+        PyErr_Format(error_type(error), "not a plan this engine can run: %s", error ? error : "?");
+        Py_CLEAR(result);
+        goto done;
+    }
+done:
+    for (int i = 0; i < held; i++)
+        PyBuffer_Release(&b[i]);
+    PyMem_Free(bases); /* job_new copied them */
+    PyMem_Free(lens);
+    return (PyObject *)result;
+}
+
+static PyObject *engine_close_py(EngineObject *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"timeout", NULL};
+    double timeout = 1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|d", names, &timeout))
+        return NULL;
+    if (self->e == NULL)
+        Py_RETURN_TRUE;
+    int all;
+    self->closed = 1;
+    Py_BEGIN_ALLOW_THREADS
+    all = engine_close(self->e, timeout);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(all);
+}
+
+static PyObject *engine_info_py(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
+    long long v[6] = {0};
+    if (self->e != NULL)
+        engine_info(self->e, v);
+    return Py_BuildValue("{sLsLsLsLsLsO}", "threads", v[0], "alive", v[1], "budget", v[2], "used", v[3], "peak",
+                         v[4], "closing", v[5] ? Py_True : Py_False);
+}
+
+static PyObject *local_file_system_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *path;
+    if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &path))
+        return NULL;
+    int fd, local = 0;
+    Py_BEGIN_ALLOW_THREADS
+    fd = open(PyBytes_AS_STRING(path), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd >= 0) {
+        local = on_local_fs(fd);
+        close(fd);
+    }
+    Py_END_ALLOW_THREADS
+    if (fd < 0) {
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+        Py_DECREF(path);
+        return NULL;
+    }
+    Py_DECREF(path);
+    return PyBool_FromLong(local);
+}
+
+static PyMethodDef engine_methods[] = {
+    {"submit", (PyCFunction)engine_submit_py, METH_VARARGS,
+     "submit(chunks, copies, sources, files, blob, dst, kind, stream, dst_strides[, buffers]) -> BatchJob: make a "
+     "batch from its plan tables (int64; see csrc/stoker_native.h) into dst (a writable buffer), on the engine's "
+     "threads. buffers: the buffers (or None: a missing value) that chunks with a C_BUFFER are read from, held "
+     "by the BatchJob and read until it is done or cancelled. The tables are copied and checked first: "
+     "ValueError when they are not a sound plan."},
+    {"close", (PyCFunction)(void (*)(void))engine_close_py, METH_VARARGS | METH_KEYWORDS,
+     "close(timeout=1.0) -> bool: cancel every job and stop the threads; True when all left within timeout "
+     "(a thread stuck in a system call is left behind, and writes into no batch)."},
+    {"info", (PyCFunction)engine_info_py, METH_NOARGS,
+     "info() -> {threads, alive, budget, used, peak, closing}: threads started and alive, the scratch budget, "
+     "the bytes of it reserved now, and the most allocated at once."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stoker._native.Engine",
+    .tp_basicsize = sizeof(EngineObject),
+    .tp_dealloc = (destructor)engine_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Engine(n_threads, budget_bytes): worker threads that make whole batches from plan tables, "
+              "without the GIL; each thread's read and decode scratch comes out of budget_bytes.",
+    .tp_methods = engine_methods,
+    .tp_init = (initproc)engine_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static void batch_job_dealloc(BatchJobObject *self) {
+    if (self->j != NULL) {
+        if ((self->has_view || self->n_bufs) && !job_done(self->owner->e, self->j)) {
+            Py_BEGIN_ALLOW_THREADS
+            job_cancel(self->owner->e, self->j); /* then nothing writes into or reads the views released below */
+            Py_END_ALLOW_THREADS
+        }
+        job_release(self->owner->e, self->j);
+    }
+    if (self->has_view)
+        PyBuffer_Release(&self->view);
+    for (Py_ssize_t i = 0; i < self->n_bufs; i++)
+        if (self->bufs[i].obj != NULL)
+            PyBuffer_Release(&self->bufs[i]);
+    PyMem_Free(self->bufs);
+    Py_XDECREF(self->owner);
+    PyObject_Free(self);
+}
+
+static PyObject *batch_job_wait(BatchJobObject *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"timeout", NULL};
+    PyObject *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", names, &timeout_obj))
+        return NULL;
+    double timeout = -1;
+    if (timeout_obj != Py_None) {
+        timeout = PyFloat_AsDouble(timeout_obj);
+        if (timeout == -1 && PyErr_Occurred())
+            return NULL;
+        if (!(timeout >= 0)) {
+            PyErr_SetString(PyExc_ValueError, "timeout must be None or at least 0");
+            return NULL;
+        }
+    }
+    int done;
+    Py_BEGIN_ALLOW_THREADS
+    done = job_wait(self->owner->e, self->j, timeout);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(done);
+}
+
+static PyObject *batch_job_cancel(BatchJobObject *self, PyObject *Py_UNUSED(ignored)) {
+    Py_BEGIN_ALLOW_THREADS
+    job_cancel(self->owner->e, self->j);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *batch_job_results(BatchJobObject *self, PyObject *Py_UNUSED(ignored)) {
+    long long n = job_chunks(self->j);
+    PyObject *status = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * (long long)sizeof(int32_t)));
+    PyObject *detail = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * (long long)sizeof(int64_t)));
+    if (status == NULL || detail == NULL) {
+        Py_XDECREF(status);
+        Py_XDECREF(detail);
+        return NULL;
+    }
+    job_counters c;
+    job_results(self->owner->e, self->j, (int32_t *)PyBytes_AS_STRING(status), (int64_t *)PyBytes_AS_STRING(detail),
+                &c);
+    long long not_placed = 0; /* counted here: a batch whose chunks were all placed needs no look at them */
+    for (long long i = 0; i < n; i++)
+        not_placed += ((const int32_t *)PyBytes_AS_STRING(status))[i] != ST_OK;
+    return Py_BuildValue("(NN{sLsLsLsLsLsLsLsLsLsLsL})", status, detail, "bytes_read", c.bytes_read,
+                         "bytes_decoded", c.bytes_decoded, "chunks_decoded", c.chunks_decoded, "chunks_filled",
+                         c.chunks_filled, "read_ns", c.read_ns, "decode_ns", c.decode_ns, "place_ns", c.place_ns,
+                         "fill_ns", c.fill_ns, "max_threads", c.max_threads, "files_opened", c.files_opened,
+                         "not_placed", not_placed);
+}
+
+static PyObject *batch_job_done(BatchJobObject *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(job_done(self->owner->e, self->j));
+}
+
+static Py_ssize_t batch_job_len(BatchJobObject *self) { return (Py_ssize_t)job_chunks(self->j); }
+
+static PyMethodDef batch_job_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))batch_job_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait(timeout=None) -> bool: whether every chunk finished (the GIL is released while waiting)."},
+    {"cancel", (PyCFunction)batch_job_cancel, METH_NOARGS,
+     "cancel(): once it returns no thread writes into the batch; chunks not placed are CANCELLED."},
+    {"results", (PyCFunction)batch_job_results, METH_NOARGS,
+     "results() -> (status, detail, counters): per chunk an int32 status and an int64 detail (as bytes), and "
+     "the job's summed counters, with not_placed: the chunks whose status is not OK. Final once the job is done."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef batch_job_getset[] = {
+    {"done", (getter)batch_job_done, NULL, "whether every chunk finished", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods batch_job_sequence = {.sq_length = (lenfunc)batch_job_len};
+
+static PyTypeObject BatchJobType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stoker._native.BatchJob",
+    .tp_basicsize = sizeof(BatchJobObject),
+    .tp_dealloc = (destructor)batch_job_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One batch on an Engine (from Engine.submit): wait, cancel, results. Dropping it cancels it.",
+    .tp_methods = batch_job_methods,
+    .tp_getset = batch_job_getset,
+    .tp_as_sequence = &batch_job_sequence,
+};
+
+PyMethodDef engine_functions[] = {
+    {"local_file_system", local_file_system_py, METH_VARARGS,
+     "local_file_system(path) -> bool: whether the file is on a file system the engine keeps shard files open "
+     "on between inner chunks (a local one: ext4, xfs, btrfs, tmpfs, overlayfs, zfs, f2fs; apfs and hfs on "
+     "macOS). OSError when it cannot be opened."},
+    {NULL, NULL, 0, NULL},
+};
+
+int add_engine_types(PyObject *m) {
+    if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&BatchJobType) < 0)
+        return -1;
+    Py_INCREF(&EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
+        Py_DECREF(&EngineType);
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,166 @@
+"""The compiled engine's interface: the constants of src/stoker/csrc/stoker_native.h, by name.
+
+Written by .ci/interface.py from that header (do not edit: change the header and run
+``make interface``; tests/engine/test_interface.py checks the two agree, and the extension exports
+the same names with the values it was compiled with, which :mod:`stoker.engine.native` checks).
+
+>>> from stoker.engine import interface
+>>> interface.ST_OK, interface.COPY_COLS(3)
+(0, 5)
+"""
+
+MAX_NDIM = 32
+PATH_CAP = 4096
+CODEC_ZSTD = 0
+CODEC_BLOSC = 1
+CODEC_LZ4 = 2
+CODEC_ZLIB = 3
+CODEC_GZIP = 4
+N_CODECS = 5
+CODEC_FILL = -1
+ST_OK = 0
+ST_MISSING = 1
+ST_TOO_BIG = 2
+ST_OS_ERROR = 3
+ST_SHORT = 4
+ST_CODEC_ERROR = 5
+ST_SIZE = 6
+ST_FRAME = 7
+ST_NOT_REGULAR = 8
+ST_CHANGED = 9
+ST_CANCELLED = 10
+ST_NO_MEMORY = 11
+ST_PENDING = 12
+N_STATUSES = 13
+K_U8 = 0
+K_I8 = 1
+K_U16 = 2
+K_I16 = 3
+K_U32 = 4
+K_I32 = 5
+K_U64 = 6
+K_I64 = 7
+K_F32 = 8
+K_F64 = 9
+N_SRC_KINDS = 10
+KIND_SAME = 0
+KIND_F32 = 1
+KIND_BF16 = 2
+N_DST_KINDS = 3
+MEM_FD = 2147483647
+G_SOURCE = 0
+G_FIRST_COPY = 1
+G_NCOPIES = 2
+G_SPAN_START = 3
+G_SPAN_STOP = 4
+GRID_CHUNK_COLS = 5
+GC_ROW = 0
+GC_SRC_OFFSET = 1
+GC_CHUNK_START = 2
+P_SOURCE = 0
+P_FILE = 1
+P_OFFSET = 2
+P_LENGTH = 3
+P_SPAN_START = 4
+P_SPAN_STOP = 5
+P_FIRST_COPY = 6
+P_NCOPIES = 7
+N_PLAN_COLS = 8
+I_FILLS = 0
+I_READS = 1
+I_MEMORY = 2
+I_CODEC = 3
+I_NBYTES = 4
+I_STORED = 5
+N_INFO_COLS = 6
+A_ITEMSIZE = 0
+A_CHUNK_SHAPE = 1
+C_SOURCE = 0
+C_FILE = 1
+C_OFFSET = 2
+C_LENGTH = 3
+C_SPAN_START = 4
+C_SPAN_STOP = 5
+C_CODEC = 6
+C_NBYTES = 7
+C_MAX_STORED = 8
+C_FIRST_COPY = 9
+C_NCOPIES = 10
+C_BUFFER = 11
+N_CHUNK_COLS = 12
+CP_SRC_OFFSET = 0
+CP_DST_OFFSET = 1
+CP_EXTENT = 2
+S_KIND = 0
+S_FILL = 1
+S_PATH_START = 2
+S_PATH_LEN = 3
+S_SEP = 4
+S_SWAP = 5
+S_STRIDES = 6
+F_SOURCE = 0
+F_HAS_IDENT = 1
+F_DEV = 2
+F_INO = 3
+F_SIZE = 4
+F_MTIME = 5
+F_CTIME = 6
+F_COORDS = 7
+
+
+def GC_BOX_START(D: int) -> int:
+    return (2 + (D))
+
+
+def GC_EXTENT(D: int) -> int:
+    return (2 + 2 * (D))
+
+
+def GRID_COPY_COLS(D: int) -> int:
+    return (2 + 3 * (D))
+
+
+def A_STRIDES(D: int) -> int:
+    return (1 + (D))
+
+
+def A_SHARDED(D: int) -> int:
+    return (1 + 2 * (D))
+
+
+def A_SHAPE(D: int) -> int:
+    return (2 + 2 * (D))
+
+
+def ARRAY_ROW_COLS(D: int) -> int:
+    return (2 + 3 * (D))
+
+
+def COPY_COLS(D: int) -> int:
+    return (2 + (D))
+
+
+#: every integer constant above, by name (as the extension's ``interface`` holds them)
+CONSTANTS = {'MAX_NDIM': MAX_NDIM, 'PATH_CAP': PATH_CAP, 'CODEC_ZSTD': CODEC_ZSTD, 'CODEC_BLOSC': CODEC_BLOSC,
+    'CODEC_LZ4': CODEC_LZ4, 'CODEC_ZLIB': CODEC_ZLIB, 'CODEC_GZIP': CODEC_GZIP, 'N_CODECS': N_CODECS,
+    'CODEC_FILL': CODEC_FILL, 'ST_OK': ST_OK, 'ST_MISSING': ST_MISSING, 'ST_TOO_BIG': ST_TOO_BIG,
+    'ST_OS_ERROR': ST_OS_ERROR, 'ST_SHORT': ST_SHORT, 'ST_CODEC_ERROR': ST_CODEC_ERROR, 'ST_SIZE': ST_SIZE,
+    'ST_FRAME': ST_FRAME, 'ST_NOT_REGULAR': ST_NOT_REGULAR, 'ST_CHANGED': ST_CHANGED, 'ST_CANCELLED': ST_CANCELLED,
+    'ST_NO_MEMORY': ST_NO_MEMORY, 'ST_PENDING': ST_PENDING, 'N_STATUSES': N_STATUSES, 'K_U8': K_U8, 'K_I8': K_I8,
+    'K_U16': K_U16, 'K_I16': K_I16, 'K_U32': K_U32, 'K_I32': K_I32, 'K_U64': K_U64, 'K_I64': K_I64, 'K_F32': K_F32,
+    'K_F64': K_F64, 'N_SRC_KINDS': N_SRC_KINDS, 'KIND_SAME': KIND_SAME, 'KIND_F32': KIND_F32, 'KIND_BF16': KIND_BF16,
+    'N_DST_KINDS': N_DST_KINDS, 'MEM_FD': MEM_FD, 'G_SOURCE': G_SOURCE, 'G_FIRST_COPY': G_FIRST_COPY,
+    'G_NCOPIES': G_NCOPIES, 'G_SPAN_START': G_SPAN_START, 'G_SPAN_STOP': G_SPAN_STOP,
+    'GRID_CHUNK_COLS': GRID_CHUNK_COLS, 'GC_ROW': GC_ROW, 'GC_SRC_OFFSET': GC_SRC_OFFSET,
+    'GC_CHUNK_START': GC_CHUNK_START, 'P_SOURCE': P_SOURCE, 'P_FILE': P_FILE, 'P_OFFSET': P_OFFSET,
+    'P_LENGTH': P_LENGTH, 'P_SPAN_START': P_SPAN_START, 'P_SPAN_STOP': P_SPAN_STOP, 'P_FIRST_COPY': P_FIRST_COPY,
+    'P_NCOPIES': P_NCOPIES, 'N_PLAN_COLS': N_PLAN_COLS, 'I_FILLS': I_FILLS, 'I_READS': I_READS, 'I_MEMORY': I_MEMORY,
+    'I_CODEC': I_CODEC, 'I_NBYTES': I_NBYTES, 'I_STORED': I_STORED, 'N_INFO_COLS': N_INFO_COLS,
+    'A_ITEMSIZE': A_ITEMSIZE, 'A_CHUNK_SHAPE': A_CHUNK_SHAPE, 'C_SOURCE': C_SOURCE, 'C_FILE': C_FILE,
+    'C_OFFSET': C_OFFSET, 'C_LENGTH': C_LENGTH, 'C_SPAN_START': C_SPAN_START, 'C_SPAN_STOP': C_SPAN_STOP,
+    'C_CODEC': C_CODEC, 'C_NBYTES': C_NBYTES, 'C_MAX_STORED': C_MAX_STORED, 'C_FIRST_COPY': C_FIRST_COPY,
+    'C_NCOPIES': C_NCOPIES, 'C_BUFFER': C_BUFFER, 'N_CHUNK_COLS': N_CHUNK_COLS, 'CP_SRC_OFFSET': CP_SRC_OFFSET,
+    'CP_DST_OFFSET': CP_DST_OFFSET, 'CP_EXTENT': CP_EXTENT, 'S_KIND': S_KIND, 'S_FILL': S_FILL,
+    'S_PATH_START': S_PATH_START, 'S_PATH_LEN': S_PATH_LEN, 'S_SEP': S_SEP, 'S_SWAP': S_SWAP, 'S_STRIDES': S_STRIDES,
+    'F_SOURCE': F_SOURCE, 'F_HAS_IDENT': F_HAS_IDENT, 'F_DEV': F_DEV, 'F_INO': F_INO, 'F_SIZE': F_SIZE,
+    'F_MTIME': F_MTIME, 'F_CTIME': F_CTIME, 'F_COORDS': F_COORDS}
