@@ -2,7 +2,7 @@
 
 ``stoker._native`` (``src/stoker/csrc``) reads, decodes and places chunks on threads of its own, without
 the GIL. It is optional: where no C compiler is found the install goes on and stoker reads every chunk on
-its pure-Python path (``stoker.engine.native.Engine`` is then ``None``).
+its pure-Python path (``stoker.engine.cpu.native.Engine`` is then ``None``).
 
 ``stoker._testing`` is the same sources plus ``csrc/testing.c`` (``decode_files``: the readers and decoders
 on the calling thread, for the tests and fuzzing). It is built only in place (``setup.py build_ext

@@ -6,7 +6,7 @@ import torch
 @pytest.fixture(params=["python", "engine"])
 def decode_path(request, monkeypatch):
     """Each test that takes it runs on the Python path and on the compiled engine (where it is built)."""
-    from stoker.engine import native
+    from stoker.engine.cpu import native
 
     if request.param == "python":
         monkeypatch.setattr(native, "Engine", None)

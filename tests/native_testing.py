@@ -1,5 +1,5 @@
 """``stoker._testing`` for the tests: ``decode_files``, the compiled engine's readers and decoders called on the
-calling thread (see csrc/testing.c), with its codecs set up as :mod:`stoker.engine.native` sets up
+calling thread (see csrc/testing.c), with its codecs set up as :mod:`stoker.engine.cpu.native` sets up
 ``stoker._native``'s; and :func:`copy_plan`, the copy plans it places.
 
 ``stoker._testing`` is built from the same sources as ``stoker._native`` plus csrc/testing.c, in place only
@@ -14,7 +14,7 @@ from array import array
 
 import torch
 
-from stoker.engine import native
+from stoker.engine.cpu import native
 from stoker.engine.cast import torch_dtype_of
 from stoker.zarr.grid import c_strides
 

@@ -2,7 +2,7 @@
 
 (a) No module imports another module's private name (``from .x import _y``) or a private module
     (``import stoker._x``): what is shared across modules is public and documented. The one exception is
-    the compiled extension ``stoker._native``, which ``stoker.engine.native`` alone loads and wraps. Nor
+    the compiled extension ``stoker._native``, which ``stoker.engine.cpu.native`` alone loads and wraps. Nor
     are other libraries' private names or modules imported (``from multiprocessing import _x``).
 (a') Nor reaches one by attribute: ``mod._name`` on anything an import statement bound (a module of
     stoker, the standard library's or a dependency's, or a class imported from one), and ``obj._name`` where
@@ -27,7 +27,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ALLOWED_PRIVATE = {
-    ("stoker.engine.native", "stoker._native"),  # the loader of the compiled extension
+    ("stoker.engine.cpu.native", "stoker._native"),  # the loader of the compiled extension
 }
 #: Private names of other libraries reached on purpose, each for want of a public one (module, attribute).
 ALLOWED_ATTRS = {
@@ -109,7 +109,7 @@ def private_imports(src: Path) -> list[str]:
 
 def _bound_by_imports(tree: ast.AST, here: str) -> dict[str, str]:
     """Every name an import statement binds in a module (any scope) -> what it names (``"os"``,
-    ``"torch.cuda"``, ``"stoker.engine.cpu.CpuExecutor"``)."""
+    ``"torch.cuda"``, ``"stoker.engine.cpu.executor.CpuExecutor"``)."""
     bound = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -97,9 +97,9 @@ def test_wheel_installs_into_a_fresh_venv_and_reads(dist, tmp_path):
     arr = zarr.create_array(str(tmp_path / "v.zarr"), shape=data.shape, chunks=(8, 16, 12), dtype="float32")
     arr[:] = data
     script = (
-        "import sys, numpy, stoker, stoker.engine.native\n"
+        "import sys, numpy, stoker, stoker.engine.cpu.native\n"
         "print(stoker.__file__)\n"
-        "print(stoker.engine.native.Engine is not None)\n"
+        "print(stoker.engine.cpu.native.Engine is not None)\n"
         "a = stoker.open_array(sys.argv[1])\n"
         "numpy.save(sys.argv[2], a.read([(3, 21), (5, 37), (0, 12)]))\n"
     )

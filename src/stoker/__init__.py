@@ -8,7 +8,7 @@
 from .reader.array import ArrayReader, open_array
 from .config import Config
 from .engine.batch import Batch, BatchInfo
-from .engine.pipeline import Pipeline
+from .engine.pipeline.facade import Pipeline
 from .engine.stats import Metric, Stats
 from .sampling.sample import Sample
 from .sampling.samplers import RandomCrops, RankShare, SampleList, SampleSource, TileGrid

@@ -351,6 +351,6 @@ def test_doctor_reports_what_loading_data_depends_on(capsys):
     for what in ("stoker", "torch", "numcodecs", "zarr", "tensorboard", "matplotlib", "compiled reader", "GPUs",
                  "CPUs", "locked memory", "open files", "/dev/shm"):
         assert re.search(rf"^{re.escape(what)}\s+\S", out, re.M), (what, out)
-    from stoker.engine import native
+    from stoker.engine.cpu import native
 
     assert ("loaded; decodes" in out) == (native.Engine is not None), out

@@ -154,7 +154,7 @@ def test_a_forked_child_of_a_cuda_parent_falls_back_to_cpu_or_says_why(monkeypat
 
 def test_dlpack_stream_numbers_follow_the_protocol():
     """-1 asks for no fence; 0 and 2 are not streams a CUDA consumer may name (checked before any CUDA call)."""
-    from stoker.engine.transfer import consumer_stream
+    from stoker.engine.cuda.transfer import consumer_stream
 
     assert consumer_stream(-1, torch.device("cuda", 0)) is None
     for reserved in (0, 2):

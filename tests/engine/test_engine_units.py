@@ -17,8 +17,8 @@ import torch
 
 import stoker
 from stoker.engine.buffers import Cancelled, Reservation, TransientBudget, size_class
-from stoker.engine.cpu import engine_available
-from stoker.engine.plan import plan_batch
+from stoker.engine.cpu.executor import engine_available
+from stoker.engine.planning.plan import plan_batch
 from stoker.zarr.codecs import blosc as blosc_partial
 
 pytestmark = pytest.mark.timeout(60)
@@ -172,7 +172,7 @@ def test_plan_offsets_and_spans_match_the_slices(tmp_path):
 def test_planned_offsets_are_used_only_for_batches_of_the_plans_shape(arrays):
     """The planner's offsets assume contiguous crops of the plan's sample shape. Into a larger batch tensor
     (the executor's contract does not forbid one) every path must still place the crop where slices say."""
-    from stoker.engine import cpu
+    from stoker.engine.cpu import executor as cpu
     from stoker.engine.stats import StatsRecorder
     from stoker.storage import LocalStore
 
@@ -220,7 +220,7 @@ def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays
     """Compute threads read and decode; they never wait for memory (decodes queued behind them may be
     what frees it). With the budget held elsewhere, every read is handed to an I/O thread, which waits:
     shards coalesced, and shards planned with a read per inner chunk (as for the compiled reader)."""
-    from stoker.engine import cpu, decode_python
+    from stoker.engine.cpu import executor as cpu, decode_python
     from stoker.engine.stats import StatsRecorder
     from stoker.storage import LocalStore
 
@@ -440,7 +440,7 @@ def test_large_batch_slots_are_backed_by_huge_pages():
     and pinned ones are left alone."""
     import torch
 
-    from stoker.engine import hugepages
+    from stoker.engine.cpu import hugepages
     from stoker.engine.buffers import SlotRing
 
     ring = SlotRing(2, (8, 4 << 20), torch.uint8)  # 32 MiB slots
@@ -456,9 +456,9 @@ def test_executors_check_their_memory_as_the_pipeline_did():
     """The budget checks moved into the executors (so the pipeline has no CUDA branch) keep their words: the
     CPU's slots, and a GPU's pinned staging slots (charged at the size torch pins) and device slots. (The
     CUDA executor's arithmetic needs no GPU; tests/engine/test_cuda_pipeline.py runs the rest where there is one.)"""
-    from stoker.engine.cpu import CpuExecutor
+    from stoker.engine.cpu.executor import CpuExecutor
     from stoker.engine.stats import StatsRecorder
-    from stoker.engine.transfer import CudaExecutor
+    from stoker.engine.cuda.transfer import CudaExecutor
     from stoker.storage import LocalStore
 
     cfg = stoker.Config(batch_size=4, sample_shape=(10, 100, 100), dtype="f32", host_buffer_bytes=4 << 20,
@@ -530,7 +530,7 @@ def test_fill_words_are_kept_per_value_and_dtype(dtype):
     """The engine's fill word of an array (its fill value cast into the batch dtype) is the same whether it
     was cast now or kept from an earlier array, and a kept word never answers for another value, source
     dtype or batch dtype (the cache is filled with every value first, then asked again)."""
-    from stoker.engine.decode_native import _FILL_WORDS, _fill_word
+    from stoker.engine.cpu.decode_native import _FILL_WORDS, _fill_word
 
     fills = [np.array(v, dt) for dt in ("uint8", "int16", "float32", "float64") for v in (0, 1, 7, 100)]
     fills += [np.array(np.nan, "float64"), np.array(-3, "int16"), np.array(-0.0, "float32")]
@@ -566,7 +566,7 @@ def test_done_wakes_every_waiter_once_set_and_times_out_before():
 def test_a_sized_push_is_checked_against_a_shape_settled_while_it_was_checked(monkeypatch):
     """push checks a list outside the lock and pull stages it without a second look: when a pull of an
     earlier generator settles the pipeline's shape meanwhile, push checks the list again, against it."""
-    import stoker.engine.intake as intake_module
+    import stoker.engine.pipeline.intake as intake_module
 
     intake = intake_module.Intake(stoker.Config(batch_size=2, dtype="f32"), threading.Condition())
     settled = stoker.Sample("a.zarr", [(0, 8), (0, 8)])
@@ -587,7 +587,7 @@ def test_a_sized_push_is_checked_against_a_shape_settled_while_it_was_checked(mo
 def test_host_slot_bytes_counts_the_pipelines_host_slots(tmp_path):
     """pipeline.host_slot_bytes (what stoker bench reports) is the host batch slots' size: 0 before the
     first batch makes them, then every slot of the ring."""
-    from stoker.engine.pipeline import host_slot_bytes
+    from stoker.engine.pipeline.facade import host_slot_bytes
 
     uri = str(tmp_path / "a.zarr")
     zarr.create_array(uri, shape=(64, 64), chunks=(16, 16), dtype="uint16", fill_value=0)[:] = 7

@@ -17,10 +17,10 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 import stoker
-import stoker.engine.cpu as cpu_module
+import stoker.engine.cpu.executor as cpu_module
 from stoker.runtime import gil
-from stoker.engine import native
-from stoker.engine.decode_native import NativeDecoder
+from stoker.engine.cpu import native
+from stoker.engine.cpu.decode_native import NativeDecoder
 from stoker.engine.stats import StatsRecorder
 from stoker.runtime.workers import DaemonPool
 

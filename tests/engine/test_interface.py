@@ -18,7 +18,8 @@ from zarr.codecs import ZstdCodec
 
 import native_testing
 import stoker
-from stoker.engine import interface, native
+from stoker.engine import interface
+from stoker.engine.cpu import native
 
 REPO = Path(__file__).resolve().parents[2]
 

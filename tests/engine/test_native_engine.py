@@ -23,7 +23,7 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 import stoker
-from stoker.engine import native
+from stoker.engine.cpu import native
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(native.Engine is None, reason="stoker._native is not available")]
@@ -786,7 +786,7 @@ def test_a_batch_is_settled_once_by_a_thread_that_waits_for_it(tmp_path):
 def test_a_settle_interrupted_by_ctrl_c_is_done_again_by_the_next_pop(tmp_path, monkeypatch):
     """Ctrl-C lands on the main thread, often the one that pops and so settles batches: the pop raises it,
     the batch is not lost, and the next pop delivers it."""
-    from stoker.engine.decode_native import NativeDecoder
+    from stoker.engine.cpu.decode_native import NativeDecoder
 
     uri = str(tmp_path / "a.zarr")
     z = zarr.create_array(uri, shape=(8, 32, 32), chunks=(4, 8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
@@ -820,7 +820,7 @@ def test_a_settle_interrupted_by_ctrl_c_is_done_again_by_the_next_pop(tmp_path, 
 def test_chunks_the_engine_did_not_place_are_never_handled_inside_pop(tmp_path, monkeypatch):
     """The Python path reads what the engine did not place (and words errors) on the finisher thread, so a
     slow mount cannot hold ``pop`` past its timeout."""
-    from stoker.engine.decode_native import NativeDecoder
+    from stoker.engine.cpu.decode_native import NativeDecoder
 
     uri = str(tmp_path / "a.zarr")
     z = zarr.create_array(uri, shape=(8, 64), chunks=(8, 8), dtype="uint16", compressors=ZstdCodec(level=1))

@@ -30,7 +30,7 @@ import torch
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
-from stoker.engine import native
+from stoker.engine.cpu import native
 import native_testing
 from stoker.zarr.codecs.blosc import PARTIAL_MAX_SHARE
 

@@ -295,7 +295,7 @@ def test_held_view_is_never_overwritten_and_pool_starves(volume):
 def test_slots_held_by_garbage_alone_are_collected_for_a_waiting_consumer(volume, monkeypatch):
     # views kept only by reference cycles (an exception kept with its traceback, say) are freed only by
     # Python's collector, which a process that waits does not run: a consumer kept waiting runs it
-    from stoker.engine import pipeline as pipelines
+    from stoker.engine.pipeline import facade as pipelines
 
     uri, data = volume
     samples = _random_samples(uri, data.shape, (8, 8, 8), 24)
@@ -324,7 +324,7 @@ def test_slots_held_by_garbage_alone_are_collected_for_a_waiting_consumer(volume
 
 
 def test_no_collection_runs_while_batches_flow(volume, monkeypatch):
-    from stoker.engine import pipeline as pipelines
+    from stoker.engine.pipeline import facade as pipelines
 
     uri, data = volume
     collections = []
@@ -398,8 +398,8 @@ def test_many_threads_do_not_cut_a_batch_into_single_chunk_tasks(volume, monkeyp
     # 16 threads used to cut a batch's ~58 chunk reads into 32 groups: 2 threads running the same groups
     # lost 18% (scenario 1) and 20% (scenario 6) of samples/s to the per-group overhead. (The Python path's
     # grouping: the compiled engine takes a whole batch in one call.)
-    from stoker.engine import native
-    from stoker.engine import decode_python
+    from stoker.engine.cpu import native
+    from stoker.engine.cpu import decode_python
 
     monkeypatch.setattr(native, "Engine", None)
     uri, data = volume
@@ -601,7 +601,7 @@ def test_complex_source_cannot_be_cast(tmp_path):
 def test_budget_is_fully_returned_after_drain(fixture, path, request, monkeypatch):
     """The Python path gives back every reservation; the engine's threads keep their scratch (within its
     budget) for the next batch. Either way the batch slots and both stay within host_buffer_bytes."""
-    from stoker.engine import native
+    from stoker.engine.cpu import native
 
     if path == "python":
         monkeypatch.setattr(native, "Engine", None)
@@ -812,8 +812,8 @@ def test_oversized_crop_is_refused_before_it_is_planned(tmp_path, monkeypatch):
     zarr.create_array(uri, shape=(1024, 1024, 1024), chunks=(8, 8, 8), dtype="uint8")  # metadata only
     planned = []
     for name in ("plan_batch", "plan_tables"):  # whichever plans: the Python path's, or the engine's
-        real = getattr(stoker.engine.cpu, name)
-        monkeypatch.setattr(stoker.engine.cpu, name, lambda *a, real=real, **k: planned.append(1) or real(*a, **k))
+        real = getattr(stoker.engine.cpu.executor, name)
+        monkeypatch.setattr(stoker.engine.cpu.executor, name, lambda *a, real=real, **k: planned.append(1) or real(*a, **k))
     for dtype in ("f32", "native"):
         with stoker.Pipeline(_cfg(batch_size=1, dtype=dtype, host_buffer_bytes=64 << 20)) as p:
             p.push([stoker.Sample(uri, [(0, 1024)] * 3)])

@@ -1,4 +1,4 @@
-"""The flat planner (engine/tables.py) against the reference planner (plan_batch): on random batches of random
+"""The flat planner (engine/planning/tables.py) against the reference planner (plan_batch): on random batches of random
 crops over arrays with edge chunks, shards (missing ones, empty inner chunks, index at either end), duplicates
 across samples and several arrays per batch, both must plan the same chunks, copies, spans and locations, and
 raise the same errors; and the flat planner's Python work must not grow with the number of chunks."""
@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
 
 import stoker
-from stoker.engine import native
-from stoker.engine.plan import plan_batch
-from stoker.engine.tables import plan_tables
+from stoker.engine.cpu import native
+from stoker.engine.planning.plan import plan_batch
+from stoker.engine.planning.tables import plan_tables
 from stoker.zarr.grid import c_strides
 
 pytestmark = pytest.mark.timeout(120)
@@ -199,7 +199,7 @@ def test_flat_plan_raises_for_the_first_damaged_shard_in_chunk_order(tmp_path):
 def test_shard_indexes_gathered_a_table_at_a_time_match(arrays, monkeypatch, grid):
     """Shards whose indexes are too large to join are gathered one table at a time (numpy, without the
     extension): the same plan."""
-    from stoker.engine import tables
+    from stoker.engine.planning import tables
     if grid != "numpy":
         pytest.skip("the compiled gather takes any size of table")
     monkeypatch.setattr(tables, "_JOIN_ROWS", 1)
@@ -226,7 +226,7 @@ def test_a_shard_grid_past_int64_is_planned_by_its_coordinates(tmp_path):
                stoker.Sample(path, [(2**40 - 12, 2**40), (2**40 - 12, 2**40)])]  # no shard: the fill value
     ref, got = _compare(samples, opener)
     assert sum(c.offset is not None for c in ref.chunks) == 12 and sum(c.fill for c in ref.chunks) == 4 + 9
-    from stoker.engine.tables import _shard_geometry
+    from stoker.engine.planning.tables import _shard_geometry
     assert _shard_geometry(reader)[2] is None
 
 

@@ -1,4 +1,4 @@
-"""nvCOMP's C API as stoker binds it (stoker.gpu.capi), checked against the library without a GPU.
+"""nvCOMP's C API as stoker binds it (stoker.engine.gpu.capi), checked against the library without a GPU.
 
 Its host-only calls (alignments, scratch sizes) run anywhere the library is installed (the test extra
 installs it), so the ctypes structures and signatures are held to nvCOMP 6's here; the decode itself runs
@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("nvidia.libnvcomp", reason="nvCOMP's library is not installed (pip install 'stoker[gpu]')")
 
-from stoker.gpu import frames  # noqa: E402
-from stoker.gpu.capi import Batched, NvcompError  # noqa: E402
-from stoker.gpu.nvcomp import DeviceDecoder  # noqa: E402
+from stoker.engine.gpu import frames  # noqa: E402
+from stoker.engine.gpu.capi import Batched, NvcompError  # noqa: E402
+from stoker.engine.gpu.nvcomp import DeviceDecoder  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

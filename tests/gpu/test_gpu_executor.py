@@ -21,12 +21,12 @@ from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 import stoker
 from stoker.engine import choose as executors
-from stoker.engine import gpu_decode as gpu_decodes
-from stoker.engine import gpu_staging
-from stoker.engine import pipeline as pipelines
-from stoker.engine.gpu_decode import GpuDecodeExecutor, device_casts
-from stoker.gpu import frames
-from stoker.gpu.reference import HostDecoder
+from stoker.engine.gpu import executor as gpu_decodes
+from stoker.engine.gpu import staging as gpu_staging
+from stoker.engine.pipeline import facade as pipelines
+from stoker.engine.gpu.executor import GpuDecodeExecutor, device_casts
+from stoker.engine.gpu import frames
+from stoker.engine.gpu.reference import HostDecoder
 from stoker.errors import BudgetExceeded, DecodeError, InvalidArgument
 
 pytestmark = pytest.mark.timeout(60)
@@ -622,7 +622,7 @@ def test_auto_never_picks_a_gpu_decode_whose_library_does_not_load(monkeypatch):
     # it on the CPU decode instead of failing every pipeline of a user who never asked for the GPU
     import importlib.util
 
-    from stoker.gpu import capi, nvcomp
+    from stoker.engine.gpu import capi, nvcomp
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "nvidia.libnvcomp" else None)
@@ -641,7 +641,7 @@ def test_auto_never_picks_a_gpu_decode_whose_library_does_not_load(monkeypatch):
 def test_close_returns_while_a_read_thread_is_blocked_in_a_chunk_file(tmp_path, monkeypatch):
     # the reads of a group run on the read threads: close() must not wait for one stuck in a read, and every
     # thread ends once the read returns
-    from stoker.engine.gpu_staging import Stager
+    from stoker.engine.gpu.staging import Stager
 
     _write(tmp_path / "w.zarr", (16, 64, 64), (8, 16, 16), "uint16", ZstdCodec(level=1))  # 32 chunk files
     unblock, entered = threading.Event(), threading.Event()

@@ -15,8 +15,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from stoker.gpu import frames, ops, reference
-from stoker.gpu.frames import BITSHUFFLE, BYTESHUFFLE, FrameError, UnsupportedFrame, parse_blosc, parse_zstd
+from stoker.engine.gpu import frames, ops, reference
+from stoker.engine.gpu.frames import BITSHUFFLE, BYTESHUFFLE, FrameError, UnsupportedFrame, parse_blosc, parse_zstd
 
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 CNAMES = [c for c in ("lz4", "lz4hc", "zstd", "blosclz", "zlib") if c in numcodecs.blosc.list_compressors()]

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.gpu import frames, ops
-from stoker.gpu.frames import BITSHUFFLE, BYTESHUFFLE, FrameError, UnsupportedFrame, parse_blosc, parse_zstd
+from stoker.engine.gpu import frames, ops
+from stoker.engine.gpu.frames import BITSHUFFLE, BYTESHUFFLE, FrameError, UnsupportedFrame, parse_blosc, parse_zstd
 from test_gpu_host import _data, _encode, _numcodecs  # tests/ is on sys.path (pytest's prepend mode)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(120)]
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.timeout(120)]
 @pytest.fixture
 def decoder():
     pytest.importorskip("nvidia.libnvcomp", reason="nvCOMP is not installed (pip install 'stoker[gpu]')")
-    from stoker.gpu.nvcomp import DeviceDecoder
+    from stoker.engine.gpu.nvcomp import DeviceDecoder
 
     return DeviceDecoder(torch.cuda.current_device())
 
@@ -126,7 +126,7 @@ def test_a_damaged_stream_is_a_frame_error_on_the_device_too(decoder):
 
 def test_a_decode_nvcomp_refuses_is_a_device_error_not_a_damaged_chunk(decoder, monkeypatch):
     from stoker.errors import DeviceError
-    from stoker.gpu.capi import Batched, NvcompError
+    from stoker.engine.gpu.capi import Batched, NvcompError
 
     def refuse(self, *args, **kw):
         raise NvcompError("nvCOMP Zstd DecompressAsync: status 21 (ERROR_BATCH_SIZE_TOO_LARGE)")

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from stoker.engine.gpu_staging import ReadPool
+from stoker.engine.gpu.staging import ReadPool
 from stoker.errors import ShutdownError
 from stoker.storage import FileChanged
 from stoker.storage.local import LocalStore

@@ -170,8 +170,8 @@ def test_pipelines_share_what_the_engine_knows_of_an_unchanged_array_and_not_of_
     """The engine's description of a local array (decode_native.shared_source) is made once per process and
     kept by the metadata object metacache hands out: a second pipeline makes none, a replaced array (other
     dtype, codec and chunks) is described anew and read right."""
-    decode_native = pytest.importorskip("stoker.engine.decode_native")
-    from stoker.engine.cpu import engine_available
+    decode_native = pytest.importorskip("stoker.engine.cpu.decode_native")
+    from stoker.engine.cpu.executor import engine_available
 
     if not engine_available():
         pytest.skip("the compiled engine is not built")
@@ -192,8 +192,8 @@ def test_pipelines_share_what_the_engine_knows_of_an_unchanged_array_and_not_of_
 
 
 def test_a_bounded_number_of_engine_descriptions_is_kept(tmp_path, settled, monkeypatch):
-    decode_native = pytest.importorskip("stoker.engine.decode_native")
-    from stoker.engine import native
+    decode_native = pytest.importorskip("stoker.engine.cpu.decode_native")
+    from stoker.engine.cpu import native
 
     if native.Engine is None:
         pytest.skip("the compiled engine is not built")

@@ -20,7 +20,7 @@ import zarr
 from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 import stoker
-from stoker.engine import native
+from stoker.engine.cpu import native
 import native_testing
 from stoker.storage import LocalStore
 

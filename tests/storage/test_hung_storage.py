@@ -22,7 +22,7 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 import stoker
-from stoker.engine import native
+from stoker.engine.cpu import native
 import native_testing
 from stoker.records import ZarrRecords, compute_stats
 from stoker.records import sidecar

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, ZstdCodec
 
 import stoker
-from stoker.engine.decode_native import NativeDecoder
-from stoker.engine.decode_python import PythonDecoder
+from stoker.engine.cpu.decode_native import NativeDecoder
+from stoker.engine.cpu.decode_python import PythonDecoder
 from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
 from stoker.storage.locate import Location, Stores, locate
 
@@ -812,7 +812,7 @@ def test_a_batchs_new_remote_arrays_are_opened_together(tree, monkeypatch):
     # A batch's arrays not open yet are opened at once, their metadata requests overlapping: the first two
     # opens must be under way together to pass the barrier (one after the other, the first would wait
     # alone until the barrier breaks, and its batch fail).
-    import stoker.engine.coordinator as coordinator
+    import stoker.engine.pipeline.coordinator as coordinator
 
     real, barrier, lock, opened = coordinator.open_array, threading.Barrier(2, timeout=20), threading.Lock(), []
 
@@ -1004,8 +1004,8 @@ def many(tmp_path):
 
 
 def _planners():
-    from stoker.engine.plan import plan_batch
-    from stoker.engine.tables import plan_tables
+    from stoker.engine.planning.plan import plan_batch
+    from stoker.engine.planning.tables import plan_tables
 
     return {"tables": plan_tables, "batch": plan_batch}
 
@@ -1140,7 +1140,7 @@ def test_span_bytes_is_what_the_stores_coalescing_fetches(ranges, gap, cap):
     # exactly that with no cap on a read's length and no overlapping ranges.
     from types import SimpleNamespace
 
-    from stoker.engine.decode_python import span_bytes
+    from stoker.engine.cpu.decode_python import span_bytes
     from stoker.storage.ranges import coalesce
 
     kv = SimpleNamespace(max_gap=gap)
@@ -1204,7 +1204,7 @@ def zipped(tmp_path) -> str:
 def test_a_fetch_the_engine_refuses_fails_its_batch_with_that_error(zipped, monkeypatch):
     # A fetched group the engine could not take (its tables refused, memory short) failed the batch with an
     # UnboundLocalError of the hand-off's own, the real error only in its context.
-    from stoker.engine import native
+    from stoker.engine.cpu import native
 
     if native.Engine is None:
         pytest.skip("the compiled engine is not built")
@@ -1226,7 +1226,7 @@ def test_a_fetch_the_engine_refuses_fails_its_batch_with_that_error(zipped, monk
 def test_a_fetch_handed_over_while_the_pipeline_closes_is_ended_not_left(zipped, monkeypatch):
     # A finished fetch submitted to the engine just as the pipeline closed was queued for a finisher that had
     # already left: its batch never ended and its reservation of the budget was never given back.
-    from stoker.engine import native
+    from stoker.engine.cpu import native
 
     if native.Engine is None:
         pytest.skip("the compiled engine is not built")
@@ -1292,8 +1292,8 @@ def test_a_shard_shorter_than_its_index_claims_is_the_local_read_s_decode_error(
     """A shard cut short after its index (index at the start): the ranges of its last inner chunks reach past
     the value's end. The store's short read is that array's DecodeError naming the shard, as the local read
     says, in open_array, in a pipeline (either decode path) and in the GPU decode's staging."""
-    from stoker.engine import pipeline as pipelines
-    from stoker.engine.gpu_decode import GpuDecodeExecutor
+    from stoker.engine.pipeline import facade as pipelines
+    from stoker.engine.gpu.executor import GpuDecodeExecutor
 
     root = str(tmp_path / "src")
     z = _index_first_array(root, cut=True)

@@ -1,5 +1,5 @@
 """Blosc chunks in object stores, fetched whole once, then only the blocks a crop needs
-(stoker/engine/frame_spans.py): the same batches as a local read, bit for bit, with fewer bytes; a chunk
+(stoker/engine/cpu/frame_spans.py): the same batches as a local read, bit for bit, with fewer bytes; a chunk
 rewritten since its table was kept is fetched whole again (its new data, never a mix); a server that names
 no version gets no spans. Also: a batch larger than a fetch holds goes to the store in several calls."""
 
@@ -17,9 +17,9 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 import stoker
-from stoker.engine import decode_native, native
-from stoker.engine.decode_python import PythonDecoder
-from stoker.engine.frame_spans import FrameBuffers, FrameTables, assemble
+from stoker.engine.cpu import decode_native, native
+from stoker.engine.cpu.decode_python import PythonDecoder
+from stoker.engine.cpu.frame_spans import FrameBuffers, FrameTables, assemble
 from stoker.storage.objectstore import ObjectStore
 from stoker.zarr.codecs import blosc
 

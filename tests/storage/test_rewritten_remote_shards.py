@@ -111,8 +111,8 @@ def test_a_pipeline_reads_an_array_rewritten_on_s3_as_the_new_array(on_s3, decod
 
 def test_the_gpu_decode_staging_reads_an_array_rewritten_on_s3_as_the_new_array(on_s3, monkeypatch):
     """The GPU decode's executor on CPU tensors: its staging fetches the chunks through the store too."""
-    from stoker.engine import pipeline as pipelines
-    from stoker.engine.gpu_decode import GpuDecodeExecutor
+    from stoker.engine.pipeline import facade as pipelines
+    from stoker.engine.gpu.executor import GpuDecodeExecutor
 
     monkeypatch.setattr(pipelines, "make_executor", lambda c, d, s, st: GpuDecodeExecutor.on_host(c, s, st))
     uri, options, upload = on_s3

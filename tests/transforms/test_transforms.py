@@ -101,7 +101,7 @@ def test_the_gpu_budget_counts_the_float32_work_buffer_of_a_transformed_16_bit_b
     """Checked without a GPU (the budget is arithmetic): 3 bf16 slots of 4 MiB, the float32 work buffer
     (8 MiB) and the staging of the cast (4 MiB) pass 20 MiB; without a transform, slots and staging fit."""
     from stoker.engine.stats import StatsRecorder
-    from stoker.engine.transfer import CudaExecutor
+    from stoker.engine.cuda.transfer import CudaExecutor
 
     def check(**kw):
         cfg = stoker.Config(batch_size=8, dtype="bf16", lookahead_batches=2, host_buffer_bytes=64 << 20,

@@ -22,8 +22,8 @@ import zarr.codecs.numcodecs as zn
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 import stoker
-from stoker.engine import native
-from stoker.engine.cpu import native_codec
+from stoker.engine.cpu import native
+from stoker.engine.cpu.executor import native_codec
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine.pipeline import Pipeline, host_slot_bytes
+from ..engine.pipeline.facade import Pipeline, host_slot_bytes
 from ..errors import InvalidArgument
 from ..device.pin import pin_object, to_device
 from ..sampling.sample import Sample

@@ -38,7 +38,7 @@ from numcodecs import zstd as numcodecs_zstd
 from ..runtime import gil
 from ..reader.array import open_array
 from ..config import Config
-from ..engine.pipeline import Pipeline
+from ..engine.pipeline.facade import Pipeline
 from ..sampling.sample import Sample
 from ..zarr.grid import chunk_intersections
 from .datasets import VolumeSpec, ensure, warm_page_cache

@@ -50,7 +50,7 @@ def report() -> list[tuple[str, str, str | None]]:
     import torch
 
     from .. import __version__
-    from ..engine import native
+    from ..engine.cpu import native
     from ..config import default_compute_threads, usable_cpus
 
     rows: list[tuple[str, str, str | None]] = [

@@ -376,7 +376,7 @@ read_done:
          * the end of what was read: a block whose streams run past the next block's start then fails (and
          * the Python path decides) instead of decoding bytes that never came from this file. A chunk in
          * memory is never written: it holds the whole frame (cbytes is its size), or, fetched as its needed
-         * blocks (engine/frame_spans.py), a buffer of that size holding the header, zeros, those blocks and
+         * blocks (engine/cpu/frame_spans.py), a buffer of that size holding the header, zeros, those blocks and
          * zeros, so a stream running past its block reads the zeros, never another chunk's bytes. */
         if (!job->in_memory) {
             unsigned char *stated = (unsigned char *)scratch + 12;

@@ -4,7 +4,7 @@
  * within a crop, crops in batch order) is a copy. Chunks are (array, grid index) keys, numbered in order of
  * first use through an open-addressing hash table; copies are then grouped by chunk (stably: each chunk's
  * copies in batch order), and each chunk's decoded byte span is the lowest and highest element its copies
- * read, in the array's decoded layout (its element strides). engine/tables.py adds where each chunk is stored.
+ * read, in the array's decoded layout (its element strides). engine/planning/tables.py adds where each chunk is stored.
  */
 #include "stoker_native.h"
 

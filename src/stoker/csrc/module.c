@@ -1,7 +1,7 @@
 /* stoker._native: the module. Its functions and types come from the glue (py_glue.h): py_codecs.c (the codecs'
  * functions by address), py_tables.c (planning), py_engine.c (Engine, BatchJob, local_file_system); and
  * ``interface``, a dict of the constants of stoker_native.h by name (interface_names.h, written from the
- * header by .ci/interface.py), with the values this build was compiled with: stoker/engine/native.py checks
+ * header by .ci/interface.py), with the values this build was compiled with: stoker/engine/cpu/native.py checks
  * them against stoker/engine/interface.py (written from the same header) before it uses the extension.
  */
 #include "py_glue.h"

@@ -1,4 +1,4 @@
-/* The codecs' functions, handed in by address (stoker/engine/native.py finds them in numcodecs and zlib). */
+/* The codecs' functions, handed in by address (stoker/engine/cpu/native.py finds them in numcodecs and zlib). */
 #include "py_glue.h"
 
 #include <stdint.h>

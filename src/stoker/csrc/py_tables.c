@@ -1,4 +1,4 @@
-/* Planning in C (grid.c, tables.c) for engine/tables.py: a batch's grid, where its inner chunks are, the
+/* Planning in C (grid.c, tables.c) for engine/planning/tables.py: a batch's grid, where its inner chunks are, the
  * engine's chunks and copies tables from a plan's columns. */
 #include "py_glue.h"
 

@@ -19,7 +19,7 @@
  * The constants below (enums and #defines; the function-like #defines give a table's columns for a rank D)
  * are the interface's one source: .ci/interface writes stoker/engine/interface.py from this file, and the
  * extension exports the same names with the values it was compiled with (module.c: ``interface``), which
- * stoker/engine/native.py checks before it uses the extension.
+ * stoker/engine/cpu/native.py checks before it uses the extension.
  *
  * Nothing here holds the GIL except the glue, and the glue releases it around all work. (The folder is csrc/,
  * not native/ or _native/: beside native.py and the extension module _native, a folder of either name would
@@ -33,13 +33,13 @@
 
 #define MAX_NDIM 32
 /* the longest chunk path the engine builds, NUL included: a source's prefix plus at most 21 bytes per grid
- * coordinate and separator must fit (engine/decode_native.py leaves longer ones to the Python path) */
+ * coordinate and separator must fit (engine/cpu/decode_native.py leaves longer ones to the Python path) */
 #define PATH_CAP 4096
 
 /* Codecs of a stored chunk. CODEC_FILL: nothing is stored, the copies take the source's fill value. */
 enum { CODEC_ZSTD = 0, CODEC_BLOSC = 1, CODEC_LZ4 = 2, CODEC_ZLIB = 3, CODEC_GZIP = 4, N_CODECS, CODEC_FILL = -1 };
 
-/* Chunk statuses (engine/decode_native.py maps each to a typed error or a retry on the Python path). */
+/* Chunk statuses (engine/cpu/decode_native.py maps each to a typed error or a retry on the Python path). */
 enum {
     ST_OK = 0,
     ST_MISSING,      /* no such file */
@@ -186,9 +186,9 @@ int gather_entries(long long n, const int64_t *shard_of, const int64_t *inner, l
 
 /* ---- tables.c: the engine's tables from a plan's columns ---- */
 
-/* a batch plan's per-chunk columns (engine/tables.py's TablePlan), in chunk_rows' cols[] */
+/* a batch plan's per-chunk columns (engine/planning/tables.py's TablePlan), in chunk_rows' cols[] */
 enum { P_SOURCE = 0, P_FILE, P_OFFSET, P_LENGTH, P_SPAN_START, P_SPAN_STOP, P_FIRST_COPY, P_NCOPIES, N_PLAN_COLS };
-/* an array's row of what the engine does with it (engine/decode_native.py's _Source.info_row, I_* there) */
+/* an array's row of what the engine does with it (engine/cpu/decode_native.py's _Source.info_row, I_* there) */
 enum { I_FILLS = 0, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED, N_INFO_COLS };
 /* the chunks table (N_CHUNK_COLS values a row) of n_rows chunks, given as columns (the chunks a batch takes,
  * gathered): each its array's codec and sizes (info: n_sources rows), its place in its file, or with fetched
@@ -201,7 +201,7 @@ int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, cons
                    const int64_t *box_start, const int64_t *extent, int64_t row_stride, const int64_t *dst_strides,
                    int64_t *out, const char **error);
 
-/* an array's row for plan_crops (engine/tables.py's _array_row): its item size, read chunk shape (D values),
+/* an array's row for plan_crops (engine/planning/tables.py's _array_row): its item size, read chunk shape (D values),
  * element strides (D), sharded or not, shape (D) */
 #define A_ITEMSIZE 0
 #define A_CHUNK_SHAPE 1
@@ -210,7 +210,7 @@ int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, cons
 #define A_SHAPE(D) (2 + 2 * (D))
 #define ARRAY_ROW_COLS(D) (2 + 3 * (D))
 /* plan_grid from a batch's boxes (n_crops x ndim x [start, stop)) and its arrays' rows (A_* above), as
- * engine/tables.py keeps them; first
+ * engine/planning/tables.py keeps them; first
  * the boxes are checked against their arrays' shapes: *first_outside is the first crop that ends past its array
  * (then nothing is planned), else -1; *bytes_needed the crops' elements times their item sizes; *any_sharded
  * whether an array is sharded */

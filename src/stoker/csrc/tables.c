@@ -1,6 +1,6 @@
 /* The engine's chunks and copies tables, made from a batch plan's columns in one pass each.
  *
- * engine/tables.py plans a batch as columns (numpy arrays, one value per chunk or per copy); the engine takes
+ * engine/planning/tables.py plans a batch as columns (numpy arrays, one value per chunk or per copy); the engine takes
  * row tables (see the C_* columns). Joining them with numpy costs a dozen calls per batch under the GIL, each
  * a few microseconds: for a batch of small chunks a measurable share of the pipeline's Python time. These do
  * the same in one call each, and check every index they follow (a chunk's array; module.c checks the chunk

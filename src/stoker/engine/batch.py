@@ -74,7 +74,7 @@ class Batch:
         t = self._tensor()
         if not t.is_cuda:
             return t.__dlpack__(*args, **kwargs) if stream is None else t.__dlpack__(*args, stream=stream, **kwargs)
-        from .transfer import consumer_stream
+        from .cuda.transfer import consumer_stream
 
         consumer = consumer_stream(stream, t.device)
         if consumer is not None:
@@ -102,7 +102,7 @@ class Batch:
         view = self._view
         waits = None
         if view is not None and view.is_cuda:
-            from .transfer import release_waits
+            from .cuda.transfer import release_waits
 
             try:
                 waits = release_waits(event, self._consumers + [torch.cuda.current_stream(view.device)])

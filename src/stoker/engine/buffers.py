@@ -26,7 +26,7 @@ import torch
 
 from ..errors import BudgetExceeded, ShutdownError
 from ..runtime import gil
-from .hugepages import advise_huge_pages
+from .cpu.hugepages import advise_huge_pages
 
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)

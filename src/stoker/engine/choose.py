@@ -2,7 +2,7 @@
 that every executor implements, so the contract imports none of them.
 
 >>> make_executor(stoker.Config(batch_size=8), torch.device("cpu"), stats, store)
-<stoker.engine.cpu.CpuExecutor ...>
+<stoker.engine.cpu.executor.CpuExecutor ...>
 >>> decode_on("auto", torch.device("cpu"), lambda: True)
 'cpu'
 """
@@ -50,16 +50,16 @@ def decode_on(requested: str, device: torch.device, nvcomp_available: Callable[[
 def make_executor(cfg: Any, device: torch.device, stats: Any, store: Any) -> Executor:
     """The executor for batches on ``device``: the GPU-decode one (``decode_on="gpu"``: chunks decoded on the
     device), CUDA's (pinned staging, copy and cast on the GPU) or the CPU's."""
-    from ..gpu import nvcomp
+    from .gpu import nvcomp
 
     if decode_on(cfg.decode_on, device, nvcomp.available, cfg.compute_threads) == "gpu":
-        from .gpu_decode import GpuDecodeExecutor
+        from .gpu.executor import GpuDecodeExecutor
 
         return GpuDecodeExecutor(cfg, device, stats, store)
     if device.type == "cuda":
-        from .transfer import CudaExecutor
+        from .cuda.transfer import CudaExecutor
 
         return CudaExecutor(cfg, device, stats, store)
-    from .cpu import CpuExecutor
+    from .cpu.executor import CpuExecutor
 
     return CpuExecutor(cfg, stats, store)

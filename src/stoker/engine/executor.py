@@ -7,7 +7,7 @@ free slot); ``submit`` starts it and returns a :class:`Job` that completes or fa
 ``shutdown`` cancels work in flight, ``close`` frees the rest; ``check_budget``, ``held`` and ``peak_bytes``
 answer for memory. The CPU executor (:mod:`.cpu`: slots in host memory, filled by the compiled engine or
 the Python path), the CUDA executor (:mod:`.transfer`: the same filling pinned staging, then a copy and
-cast on the GPU) and the GPU-decode executor (:mod:`.gpu_decode`: chunks cross encoded and are decoded, cast
+cast on the GPU) and the GPU-decode executor (:mod:`.gpu.executor`: chunks cross encoded and are decoded, cast
 and placed on the device) all keep it, so the pipeline has no branch for any:
 :func:`stoker.engine.choose.make_executor` picks one. This module imports none of them.
 

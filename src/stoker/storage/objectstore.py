@@ -638,7 +638,7 @@ _MODIFIED = "last-modified:"
 def etag_version(version: Any) -> Version | None:
     """``version`` when it holds an ETag (which changes with every rewrite), else None: a Last-Modified
     time in whole seconds is too coarse for what must never mix (blosc frame tables, see
-    :mod:`stoker.engine.frame_spans`)."""
+    :mod:`stoker.engine.cpu.frame_spans`)."""
     if isinstance(version, tuple) and len(version) == 2 and isinstance(version[1], str) and \
             not version[1].startswith(_MODIFIED):
         return version

@@ -23,7 +23,7 @@ import torch
 
 from ..config import Config
 from ..engine.batch import Batch
-from ..engine.pipeline import Pipeline
+from ..engine.pipeline.facade import Pipeline
 from ..engine.stats import Stats
 from ..device.resolve import as_device
 from ..errors import InvalidArgument, ShutdownError

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from ..config import Config
-from ..engine.pipeline import Pipeline
+from ..engine.pipeline.facade import Pipeline
 from ..errors import InvalidArgument, ShutdownError
 from ..sampling.samplers import RankShare, SampleSource
 

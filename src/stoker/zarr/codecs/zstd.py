@@ -17,7 +17,7 @@ _ERROR_DST_TOO_SMALL = 70  # ZSTD_error_dstSize_tooSmall, a stable value of zstd
 
 
 def _load_zstd():
-    """zstd's size and one-shot functions from numcodecs' extension (as ``stoker.engine.native`` finds them)."""
+    """zstd's size and one-shot functions from numcodecs' extension (as ``stoker.engine.cpu.native`` finds them)."""
     try:
         from numcodecs import zstd as nz
 

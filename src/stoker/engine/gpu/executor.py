@@ -6,25 +6,25 @@ a reader does steps 1-2 and hands each staged group on (at most two wait: there 
 submitter does steps 3-4 in order, so group N+1 is read while the device decodes and places group N:
 
 1. plan as the CPU executor does (:func:`~.tables.plan_tables`: each chunk's file, offset, length and copies),
-   and order the chunks the device decodes for reading (:func:`.gpu_staging.plan_reads`: numpy, once);
+   and order the chunks the device decodes for reading (:func:`.staging.plan_reads`: numpy, once);
 2. read the stored bytes of the group's chunks end to end into a pinned staging buffer
-   (:class:`.gpu_staging.Stager`: one positional read per coalesced run of a shard's inner chunks, one per
-   chunk file, one ``get_many`` per store), and parse them into one :class:`~stoker.gpu.frames.Layout`
-   (:mod:`.gpu_layout`: blosc1 frames and plain zstd chunks, a fixed number of numpy steps per group);
-3. the stream decoder (:class:`~stoker.gpu.nvcomp.DeviceDecoder`) copies the staging to the device in one
+   (:class:`.staging.Stager`: one positional read per coalesced run of a shard's inner chunks, one per
+   chunk file, one ``get_many`` per store), and parse them into one :class:`~stoker.engine.gpu.frames.Layout`
+   (:mod:`.layout`: blosc1 frames and plain zstd chunks, a fixed number of numpy steps per group);
+3. the stream decoder (:class:`~stoker.engine.gpu.nvcomp.DeviceDecoder`) copies the staging to the device in one
    transfer and decodes every stream into the device scratch;
 4. the copies of the group's chunks are expanded into runs of contiguous elements and gathered from the
-   scratch, cast and scattered into the batch (:mod:`.gpu_place`: numpy, no Python step per chunk or copy).
+   scratch, cast and scattered into the batch (:mod:`.place`: numpy, no Python step per chunk or copy).
 
 The decoded sizes of a group (reading them waits for its decode) are checked once the next group's decode
 and placement are queued, or at the batch's end, always before the batch is delivered; a staging buffer is
 read into again only once the stream is past its copy and decode (their event). ``close()`` waits a second
 at most: the threads end at their next step.
 
-Chunks the device does not decode are decoded on the CPU (:mod:`.gpu_fallback`), cast there into the batch
+Chunks the device does not decode are decoded on the CPU (:mod:`.fallback`), cast there into the batch
 dtype and staged as raw streams of a group, so they cross to the device and are placed by the same
 operations: arrays with other codecs, filters, another byte order or axis order, a cast the device would
-round differently (:func:`.gpu_sources.device_casts`), and frames the parser refuses or whose streams the
+round differently (:func:`.sources.device_casts`), and frames the parser refuses or whose streams the
 device cannot take. Each array's first such chunk is noted once (a ``RuntimeWarning`` naming the array and
 why). A frame that fails to parse or to decode on the device is decoded again on the CPU, so a corrupt
 chunk fails the batch with the same :class:`~stoker.errors.DecodeError` (naming the array and the chunk
@@ -39,9 +39,9 @@ Groups hold up to 64 MiB of decoded chunks, fewer where the budgets are short; :
 budgets that cannot hold one chunk of the first batch's arrays (:class:`~stoker.errors.BudgetExceeded`,
 naming the knob).
 
-The stream decoder is pluggable (anything with :class:`~stoker.gpu.nvcomp.DeviceDecoder`'s ``stream``,
+The stream decoder is pluggable (anything with :class:`~stoker.engine.gpu.nvcomp.DeviceDecoder`'s ``stream``,
 ``max_stream_bytes`` and ``decode_staged``): on CUDA it is nvCOMP's; :meth:`GpuDecodeExecutor.on_host`
-builds the same executor on CPU tensors with :class:`~stoker.gpu.reference.HostDecoder`, which is how it
+builds the same executor on CPU tensors with :class:`~stoker.engine.gpu.reference.HostDecoder`, which is how it
 is tested without a GPU.
 """
 
@@ -58,18 +58,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..runtime import gil
-from ..errors import BudgetExceeded, pipeline_closed
-from ..gpu import frames
-from ..transforms import apply as apply_transform
-from . import gpu_fallback, gpu_place
-from .buffers import SlotRing, pinned_footprint
-from .executor import Job, Target
-from .gpu_layout import layout_of
-from .gpu_sources import CPU, Source, aligned, describe, device_casts
-from .gpu_staging import Group, Pending, Stager, plan_reads
-from .tables import TablePlan, plan_tables
-from .transfer import EVENT_TYPES
+from ...runtime import gil
+from ...errors import BudgetExceeded, pipeline_closed
+from . import frames
+from ...transforms import apply as apply_transform
+from . import fallback as gpu_fallback, place as gpu_place
+from ..buffers import SlotRing, pinned_footprint
+from ..executor import Job, Target
+from .layout import layout_of
+from .sources import CPU, Source, aligned, describe, device_casts
+from .staging import Group, Pending, Stager, plan_reads
+from ..planning.tables import TablePlan, plan_tables
+from ..cuda.transfer import EVENT_TYPES
 
 __all__ = ["GROUP_BYTES", "GpuDecodeExecutor", "device_casts"]
 
@@ -125,8 +125,8 @@ class GpuDecodeExecutor:
 
     @classmethod
     def on_host(cls, cfg, stats, store, max_stream_bytes: int = 1 << 24) -> "GpuDecodeExecutor":
-        """The same executor on CPU tensors, decoding with :class:`~stoker.gpu.reference.HostDecoder` (its tests)."""
-        from ..gpu.reference import HostDecoder
+        """The same executor on CPU tensors, decoding with :class:`~stoker.engine.gpu.reference.HostDecoder` (its tests)."""
+        from .reference import HostDecoder
 
         return cls(cfg, torch.device("cpu"), stats, store, decoder=lambda stream: HostDecoder(max_stream_bytes))
 
@@ -189,7 +189,7 @@ class GpuDecodeExecutor:
                         for r, s in zip(readers, sources))
         make = self._make_decoder
         if make is None:
-            from ..gpu.nvcomp import DeviceDecoder
+            from .nvcomp import DeviceDecoder
 
             def make(stream):
                 return DeviceDecoder(self.device, stream)

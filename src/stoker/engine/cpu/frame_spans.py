@@ -32,9 +32,9 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from ..runtime import gil
-from ..storage.cache import SizedLRU
-from ..zarr.codecs import blosc
+from ...runtime import gil
+from ...storage.cache import SizedLRU
+from ...zarr.codecs import blosc
 
 #: default bound on the tables kept per pipeline: about 100,000 frames of 4-16 blocks
 DEFAULT_TABLE_BYTES = 16 << 20

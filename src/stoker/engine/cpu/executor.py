@@ -25,17 +25,17 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import native
-from ..config import Config
-from ..errors import BudgetExceeded
-from ..storage import LocalStore
-from ..transforms import apply as apply_transform
-from .buffers import Slot, SlotRing, TransientBudget, size_class
+from ...config import Config
+from ...errors import BudgetExceeded
+from ...storage import LocalStore
+from ...transforms import apply as apply_transform
+from ..buffers import Slot, SlotRing, TransientBudget, size_class
 from .decode_native import NativeDecoder, native_codec, scratch_need
 from .decode_python import PythonDecoder
-from .executor import Job, Target
-from .plan import BatchPlan, plan_batch
-from .stats import StatsRecorder
-from .tables import TablePlan, plan_tables
+from ..executor import Job, Target
+from ..planning.plan import BatchPlan, plan_batch
+from ..stats import StatsRecorder
+from ..planning.tables import TablePlan, plan_tables
 
 __all__ = ["CpuExecutor", "Decoders", "Job", "engine_available", "native_codec", "scratch_need"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..gpu.ops import upload
-from .gpu_sources import Source, carrier
-from .tables import TablePlan
+from .ops import upload
+from .sources import Source, carrier
+from ..planning.tables import TablePlan
 
 
 def cast(values: torch.Tensor, out: torch.dtype) -> torch.Tensor:

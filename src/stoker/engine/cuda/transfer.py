@@ -32,12 +32,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import BudgetExceeded, pipeline_closed
-from ..transforms import apply as apply_transform
-from .cast import staging_dtype
-from .buffers import Slot, SlotRing, pinned_footprint
-from .cpu import CpuExecutor, take_slot
-from .executor import Job, Target
+from ...errors import BudgetExceeded, pipeline_closed
+from ...transforms import apply as apply_transform
+from ..cast import staging_dtype
+from ..buffers import Slot, SlotRing, pinned_footprint
+from ..cpu.executor import CpuExecutor, take_slot
+from ..executor import Job, Target
 
 
 # What release(event=...) accepts: torch's CUDA classes and the device-generic ones (torch.cuda.Stream is a

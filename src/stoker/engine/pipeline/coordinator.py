@@ -19,20 +19,20 @@ import time
 
 import torch
 
-from ..runtime import gil
-from ..reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
-from ..storage.cache import SizedLRU
-from ..config import Config
-from ..errors import BudgetExceeded, DtypeMismatch
-from ..sampling.sample import Sample, parts
-from ..storage import LocalStore
-from ..storage.locate import Stores, options_for
-from ..storage.uri import REMOTE_SCHEMES
-from ..zarr.box import check_in_bounds
-from .cast import batch_dtype
-from .executor import Executor, Job, Target
+from ...runtime import gil
+from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
+from ...storage.cache import SizedLRU
+from ...config import Config
+from ...errors import BudgetExceeded, DtypeMismatch
+from ...sampling.sample import Sample, parts
+from ...storage import LocalStore
+from ...storage.locate import Stores, options_for
+from ...storage.uri import REMOTE_SCHEMES
+from ...zarr.box import check_in_bounds
+from ..cast import batch_dtype
+from ..executor import Executor, Job, Target
 from .intake import Intake
-from .stats import StatsRecorder
+from ..stats import StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
 _OPEN_AT_ONCE = 16  # remote arrays of one batch opened together (threads waiting on their metadata)

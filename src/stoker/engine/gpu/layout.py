@@ -1,4 +1,4 @@
-"""A staged group as one :class:`~stoker.gpu.frames.Layout` for the stream decoder: blosc1 frames, plain
+"""A staged group as one :class:`~stoker.engine.gpu.frames.Layout` for the stream decoder: blosc1 frames, plain
 zstd chunks and raw streams (chunks decoded on the CPU), each chunk's output at its offset in the scratch,
 parsed with a fixed number of numpy steps per group. Frames the parser refuses, or with a stream the
 device does not decompress (another compressor inside blosc, or over the decoder's ``max_stream_bytes``),
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..gpu import frames
-from .gpu_sources import BLOSC, CPU, ZSTD
+from . import frames
+from .sources import BLOSC, CPU, ZSTD
 
 
 def too_big(layout: frames.Layout, max_stream_bytes: int) -> np.ndarray:

@@ -16,9 +16,9 @@ import threading
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any, Callable
 
-from ..config import Config
-from ..errors import InvalidArgument, RankMismatch, StokerError
-from ..sampling.sample import Sample, arrays_read
+from ...config import Config
+from ...errors import InvalidArgument, RankMismatch, StokerError
+from ...sampling.sample import Sample, arrays_read
 
 
 class Intake:

@@ -1,6 +1,6 @@
 """The compiled decode path: one call into the engine per batch, and Python only for what it leaves.
 
-:class:`NativeDecoder` turns a :class:`~stoker.engine.tables.TablePlan` into the engine's tables (numpy,
+:class:`NativeDecoder` turns a :class:`~stoker.engine.planning.tables.TablePlan` into the engine's tables (numpy,
 a constant number of steps per batch plus one per array), submits them to ``stoker._native.Engine``, whose
 threads read, decode, cast and place every chunk with no GIL held, and when the job is done maps its
 statuses (also with numpy): chunks placed are counted in one step; the few that need Python (codecs, filters
@@ -37,20 +37,20 @@ import numcodecs
 import numpy as np
 import torch
 
-from ..runtime import gil
+from ...runtime import gil
 from . import native
-from ..errors import DecodeError, StorageError, pipeline_closed
-from ..storage.local import not_regular
-from .buffers import size_class
-from .cast import fill_value_as, torch_dtype_of
-from ..storage import ByteRange
-from ..storage.objectstore import etag_version
+from ...errors import DecodeError, StorageError, pipeline_closed
+from ...storage.local import not_regular
+from ..buffers import size_class
+from ..cast import fill_value_as, torch_dtype_of
+from ...storage import ByteRange
+from ...storage.objectstore import etag_version
 from .decode_python import Fetch, PythonDecoder, fetches_within, span_bytes
-from .executor import Job
+from ..executor import Job
 from .frame_spans import FrameBuffers, FrameTables, assemble
-from .plan import FileRead, shard_reads
-from .stats import StatsRecorder
-from .tables import TablePlan
+from ..planning.plan import FileRead, shard_reads
+from ..stats import StatsRecorder
+from ..planning.tables import TablePlan
 
 #: A fetch of whole values over a network holds at most this much: a batch's chunk files fetched in a few
 #: calls, whose first ones the engine decodes while the others are still in flight (one call for the whole

@@ -1,6 +1,6 @@
 """The device decode: a batch's streams decompressed by NVIDIA nvCOMP, then unshuffled on the GPU.
 
-For the chunks of a :class:`~stoker.gpu.frames.Layout` (:func:`~stoker.gpu.frames.batch`),
+For the chunks of a :class:`~stoker.engine.gpu.frames.Layout` (:func:`~stoker.engine.gpu.frames.batch`),
 :meth:`DeviceDecoder.decode` does, all on the decoder's CUDA stream:
 
 1. the stored chunks copied end to end into one pinned host buffer (or read there by the caller:
@@ -12,8 +12,8 @@ For the chunks of a :class:`~stoker.gpu.frames.Layout` (:func:`~stoker.gpu.frame
    of their input or output (1 byte), so the streams are decoded where the frames put them. Each
    decode writes every stream's status and decoded size on the device; their host copies are
    checked later (``deferred``), so nothing here waits for the device;
-3. raw streams copied and blocks unshuffled by :mod:`stoker.gpu.ops`, the code the CPU reference
-   (:mod:`stoker.gpu.reference`) runs and the tests hold to numcodecs.
+3. raw streams copied and blocks unshuffled by :mod:`stoker.engine.gpu.ops`, the code the CPU reference
+   (:mod:`stoker.engine.gpu.reference`) runs and the tests hold to numcodecs.
 
 nvCOMP trusts its input. The host parse has already checked every offset and size against the
 frames and the chunks (a stream can only read its own bytes and write its own output range);
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import DeviceError, InvalidArgument
+from ...errors import DeviceError, InvalidArgument
 from . import ops
 from .capi import STATUS_NAMES, Batched, NvcompError
 from .frames import CODEC_NAMES, LZ4, ZSTD, FrameError, Layout, UnsupportedFrame, stage
@@ -104,7 +104,7 @@ class DeviceDecoder:
                       out: torch.Tensor | None = None, deferred: list | None = None,
                       temp: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`decode`, for chunks already in ``staged`` (pinned, uint8) where ``layout`` has them
-        (:func:`~stoker.gpu.frames.parse_blosc_batch` parses them there). ``staged`` must not be
+        (:func:`~stoker.engine.gpu.frames.parse_blosc_batch` parses them there). ``staged`` must not be
         written again before :attr:`stream` has run past this call (its copy to the device is
         queued there; an event recorded on :attr:`stream` tells when). ``data``, ``out`` and ``temp``:
         device buffers (flat uint8, at least ``layout.in_nbytes``, ``layout.out_nbytes`` and a

@@ -1,6 +1,6 @@
 """Planning a batch as flat tables: numpy arrays, with no Python step per chunk.
 
-:func:`plan_tables` plans what :func:`~stoker.engine.plan.plan_batch` plans (every chunk a batch needs,
+:func:`plan_tables` plans what :func:`~stoker.engine.planning.plan.plan_batch` plans (every chunk a batch needs,
 once, its copies, the decoded bytes they read, where the chunk is stored) with one Python step per sample,
 one per array and one per shard file, and numpy for the rest:
 
@@ -17,7 +17,7 @@ one per array and one per shard file, and numpy for the rest:
   ``(offset, length)`` gathered from its shard's ``(n_inner, 2)`` table with one fancy index.
 
 The engine (``stoker._native.Engine``) takes the tables as they are; the Python path asks
-:meth:`TablePlan.task` for a :class:`~stoker.engine.plan.ChunkTask` of the few chunks it reads itself.
+:meth:`TablePlan.task` for a :class:`~stoker.engine.planning.plan.ChunkTask` of the few chunks it reads itself.
 
 >>> plan = plan_tables(0, samples, open_reader)
 >>> plan.n_chunks, plan.chunks_needed, plan.chunk_file[:4]
@@ -34,12 +34,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import native
-from ..reader.array import NOT_CACHED, ArrayReader, shard_entries
-from ..zarr.box import check_in_bounds
-from ..sampling.sample import Sample, parts
-from ..zarr.grid import c_strides
-from ..zarr.sharding import EMPTY_ENTRY
+from ..cpu import native
+from ...reader.array import NOT_CACHED, ArrayReader, shard_entries
+from ...zarr.box import check_in_bounds
+from ...sampling.sample import Sample, parts
+from ...zarr.grid import c_strides
+from ...zarr.sharding import EMPTY_ENTRY
 from .plan import ChunkTask, Copy, FileRead, batch_shape
 
 #: columns of the files table (csrc/stoker_native.h: F_*), by name: its source, whether it has an identity,

@@ -24,12 +24,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from ..reader.array import ArrayReader, shard_entries
-from ..zarr.box import check_in_bounds
-from ..errors import InvalidArgument
-from ..sampling.sample import Sample, arrays_read, parts
-from ..storage.ranges import Read, coalesce
-from ..zarr.grid import c_strides
+from ...reader.array import ArrayReader, shard_entries
+from ...zarr.box import check_in_bounds
+from ...errors import InvalidArgument
+from ...sampling.sample import Sample, arrays_read, parts
+from ...storage.ranges import Read, coalesce
+from ...zarr.grid import c_strides
 
 
 class Copy:

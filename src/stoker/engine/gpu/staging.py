@@ -11,7 +11,7 @@ bound) and decoded bytes.
 released, the file's identity checked as the index was read), one open and read per whole chunk file,
 and one :func:`~stoker.storage.store.get_many` per store (whole values and inner chunks' ranges, which the
 store coalesces), copied into the staging in one ``np.concatenate``. Chunks of a shard rewritten since
-its index was read are fetched again through their reader (:func:`.gpu_fallback.fetch`) and staged like
+its index was read are fetched again through their reader (:func:`.fallback.fetch`) and staged like
 the CPU's chunks.
 """
 
@@ -26,14 +26,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import BudgetExceeded, DecodeError, ShutdownError
-from ..reader.array import ChunkLocation, fetch_stored
-from ..runtime import gil
-from ..runtime.workers import DaemonPool
-from ..storage import FileChanged
-from . import gpu_fallback
-from .gpu_sources import CPU, Source
-from .tables import F_SOURCE, TablePlan, file_ident
+from ...errors import BudgetExceeded, DecodeError, ShutdownError
+from ...reader.array import ChunkLocation, fetch_stored
+from ...runtime import gil
+from ...runtime.workers import DaemonPool
+from ...storage import FileChanged
+from . import fallback as gpu_fallback
+from .sources import CPU, Source
+from ..planning.tables import F_SOURCE, TablePlan, file_ident
 
 #: inner chunks of one shard file at most this far apart are read together, the gap included
 MAX_GAP = 64 << 10

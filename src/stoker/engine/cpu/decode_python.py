@@ -27,18 +27,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..errors import DecodeError, ShutdownError, StorageError, pipeline_closed
-from ..reader.array import raise_read_error
-from ..storage import ByteRange, FileChanged, LocalStore
-from ..storage.store import get_many, stamp
-from ..runtime.workers import DaemonPool
-from ..zarr.codecs import blosc
+from ...errors import DecodeError, ShutdownError, StorageError, pipeline_closed
+from ...reader.array import raise_read_error
+from ...storage import ByteRange, FileChanged, LocalStore
+from ...storage.store import get_many, stamp
+from ...runtime.workers import DaemonPool
+from ...zarr.codecs import blosc
 from . import native
-from .buffers import Cancelled, Reservation, TransientBudget, size_class
-from .cast import copy_cast, fill_value_as
-from .executor import Job
-from .plan import ChunkTask, FileRead
-from .stats import StatsRecorder
+from ..buffers import Cancelled, Reservation, TransientBudget, size_class
+from ..cast import copy_cast, fill_value_as
+from ..executor import Job
+from ..planning.plan import ChunkTask, FileRead
+from ..stats import StatsRecorder
 
 
 class _NoRoom(Exception):
@@ -63,7 +63,7 @@ class Fetch:
     versions: bool = False
     got_versions: tuple | None = None
     # parts that are the stored blocks of a blosc frame, by part number: ``(lo, FrameTable, key)``
-    # (see stoker.engine.frame_spans)
+    # (see stoker.engine.cpu.frame_spans)
     spans: dict | None = None
     # the parts that are inner chunks of shards, located by a cached index: each checked against the generation
     # its index was read at (see PythonDecoder.check_generations); their "gone or shorter" comes in their place

@@ -2,7 +2,7 @@
 
 An array's chunks are decoded on the device when its codec is a lone zstd or blosc (plain: no filters,
 native byte order, C order) and the device casts it as the CPU does (:func:`device_casts`); else on the
-CPU, by its own codec, and cast there into the batch dtype (:mod:`.gpu_fallback`).
+CPU, by its own codec, and cast there into the batch dtype (:mod:`.fallback`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..zarr.grid import c_strides
-from .cast import fill_value_as, torch_dtype_of
+from ...zarr.grid import c_strides
+from ..cast import fill_value_as, torch_dtype_of
 
 ZSTD, BLOSC, CPU = 1, 2, 3  # how a source's chunks are decoded
 _CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -4,7 +4,7 @@
 compiler is present; without it (or with ``STOKER_NATIVE=0`` in the environment)
 every chunk takes the pure-Python path, which reads and decodes the same bytes.
 Its :data:`Engine` makes whole batches from flat plan tables on threads of its own
-(see ``engine/decode_native.py``). Its statuses, codecs and table columns are the
+(see ``engine/cpu/decode_native.py``). Its statuses, codecs and table columns are the
 constants of ``csrc/stoker_native.h``, by their C names (``ST_OK``, ``CODEC_ZSTD``,
 ``C_SOURCE``...): :mod:`stoker.engine.interface` is written from that header, and
 this module re-exports it and checks the extension was compiled with the same values.
@@ -30,8 +30,8 @@ import warnings
 
 import numpy as np
 
-from . import interface
-from .interface import *  # noqa: F403 - the header's constants, by their C names (native.ST_OK, native.C_FILE...)
+from .. import interface
+from ..interface import *  # noqa: F403 - the header's constants, by their C names (native.ST_OK, native.C_FILE...)
 
 
 #: source kinds of a copy-cast (csrc/stoker_native.h: K_U8...K_F64), by numpy dtype of native byte order
@@ -118,7 +118,7 @@ def configure(module) -> dict | None:
     found = _codec_functions()
     module.set_lz4(found["lz4"] or 0)
     zlib = module.set_zlib(*(found["zlib"] or (0, 0, 0, 0)))
-    from ..zarr.codecs.blosc import PARTIAL_MAX_SHARE
+    from ...zarr.codecs.blosc import PARTIAL_MAX_SHARE
 
     module.set_codecs(*(found["zstd"] or (0, 0)), *(found["blosc"] or (0, 0)), PARTIAL_MAX_SHARE)
     streaming = bool(found["zstd"] and found["streaming"])
@@ -132,7 +132,7 @@ def _load():
     if _disabled():
         return None, False, False
     try:
-        from .. import _native
+        from ... import _native
     except ImportError:
         return None, False, False
     ready = configure(_native)
@@ -177,14 +177,14 @@ def zstd_error(code: int) -> str:
 Engine, zstd, blosc = _load()
 
 #: ``plan_grid(starts, sids, shape, chunk_shapes, strides, itemsizes) -> (copies, chunks)`` (csrc/grid.c), or
-#: None without the engine (engine/tables.py then plans with numpy)
+#: None without the engine (engine/planning/tables.py then plans with numpy)
 plan_grid = None
 #: ``plan_crops(boxes, sids, shape, rows) -> (copies, chunks, first_outside, bytes_needed, any_sharded)``
 #: (csrc/tables.c: plan_grid from a batch's boxes and its arrays' rows, the boxes checked first), or None
 plan_crops = None
 #: ``shard_positions(index, chunks_per_shard, shard_strides) -> (inner, shard_of, first, numbers)`` and
 #: ``gather_entries(tables, slot, shard_of, inner) -> bytes`` (csrc/grid.c: where a batch's chunks of a sharded
-#: array are stored), or None without the engine (engine/tables.py then does both with numpy)
+#: array are stored), or None without the engine (engine/planning/tables.py then does both with numpy)
 shard_positions = gather_entries = None
 #: ``chunk_rows(info, <8 plan columns>, eids, fetched) -> bytes`` and ``copy_rows(src_offset, row, box_start,
 #: extent, row_stride, dst_strides) -> bytes`` (csrc/tables.c): the engine's chunks and copies tables from a plan's
@@ -195,5 +195,5 @@ chunk_rows = copy_rows = None
 #: None without the engine
 local_file_system = None
 if Engine is not None:
-    from .._native import (chunk_rows, copy_rows, gather_entries, local_file_system,  # noqa: F401 (native.*)
+    from ..._native import (chunk_rows, copy_rows, gather_entries, local_file_system,  # noqa: F401 (native.*)
                            plan_crops, plan_grid, shard_positions)

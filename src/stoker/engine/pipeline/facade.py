@@ -16,7 +16,7 @@ raised one, every later ``pop`` and ``push`` raises it again.
 
 On a CUDA device (``Config(device=local_rank)``, or ``None`` with CUDA available)
 each batch is assembled in pinned host memory in its source dtype, copied on a
-side stream and cast on the GPU (:mod:`stoker.engine.transfer`); ``from_dlpack``
+side stream and cast on the GPU (:mod:`stoker.engine.cuda.transfer`); ``from_dlpack``
 makes the consumer's stream wait for it, and ``release(event=...)`` says when the
 consumer is done with it.
 """
@@ -29,17 +29,17 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..reader.array import ArrayReader
-from ..config import Config
-from ..errors import InvalidArgument, PoolStarved, ShutdownError
-from ..sampling.sample import Sample
-from ..storage import LocalStore
-from ..device import resolve as devices
-from .batch import Batch
+from ...reader.array import ArrayReader
+from ...config import Config
+from ...errors import InvalidArgument, PoolStarved, ShutdownError
+from ...sampling.sample import Sample
+from ...storage import LocalStore
+from ...device import resolve as devices
+from ..batch import Batch
 from .coordinator import Coordinator
-from .choose import make_executor
+from ..choose import make_executor
 from .intake import Intake
-from .stats import Stats, StatsRecorder
+from ..stats import Stats, StatsRecorder
 
 
 class Pipeline:

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..zarr.codecs.blosc import HEADER_SIZE
+from ...zarr.codecs.blosc import HEADER_SIZE
 
 VERSION_FORMAT = 2  # the only frame format c-blosc 1.x decodes
 MAX_SPLITS = 16

@@ -2,7 +2,7 @@
 
 - :func:`unshuffle`: c-blosc's byte and bit unshuffle of a batch of equal blocks, as tensor
   reshapes (no loop over blocks);
-- :func:`unshuffle_`: every block a :class:`~stoker.gpu.frames.Layout` lists, in place in a flat
+- :func:`unshuffle_`: every block a :class:`~stoker.engine.gpu.frames.Layout` lists, in place in a flat
   byte buffer, one :func:`unshuffle` per kind of block (shuffle, item size, block size);
 - :func:`copy_segments_`: many byte ranges from one buffer to another (raw streams), one gather and
   one scatter per distinct length;

@@ -1,12 +1,12 @@
 """The CPU reference of the device decode: the same streams and unshuffle, decompressed by c-blosc's own codecs.
 
-Each stream of a :class:`~stoker.gpu.frames.Layout` is decompressed with the LZ4 and zstd that
+Each stream of a :class:`~stoker.engine.gpu.frames.Layout` is decompressed with the LZ4 and zstd that
 numcodecs carries in its extensions (``LZ4_decompress_safe`` from ``numcodecs.lz4``,
 ``ZSTD_decompress`` from ``numcodecs.zstd``, called through ctypes as
 :mod:`stoker.zarr.codecs.bounds` does), raw streams are copied, and the blocks are unshuffled with
-:func:`stoker.gpu.ops.unshuffle_`, the torch code the device runs. The tests hold the result to
+:func:`stoker.engine.gpu.ops.unshuffle_`, the torch code the device runs. The tests hold the result to
 numcodecs' own decode, bit for bit; the device path differs only in who decompresses (raw streams
-are copied by :func:`stoker.gpu.ops.copy_segments_` here too).
+are copied by :func:`stoker.engine.gpu.ops.copy_segments_` here too).
 
 >>> decode_blosc(frame, nbytes)  # the chunk's bytes, as numcodecs.Blosc().decode(frame) gives them
 """
@@ -92,7 +92,7 @@ def decode_streams(data: np.ndarray, layout: Layout, out: np.ndarray | None = No
 
 
 class HostDecoder:
-    """:class:`~stoker.gpu.nvcomp.DeviceDecoder`'s interface on the CPU, over :func:`decode_streams`.
+    """:class:`~stoker.engine.gpu.nvcomp.DeviceDecoder`'s interface on the CPU, over :func:`decode_streams`.
 
     What the GPU-decode executor runs in place of nvCOMP where there is no GPU (its tests run the
     executor end to end on CPU tensors with it): the same layouts, the same raw copies and torch
@@ -141,7 +141,7 @@ def decode(frames: Sequence[Any], layout: Layout) -> np.ndarray:
 
 
 def decode_blosc(frame: Any, nbytes: int) -> np.ndarray:
-    """One blosc1 frame decoded through its streams (:func:`~stoker.gpu.frames.parse_blosc`)."""
+    """One blosc1 frame decoded through its streams (:func:`~stoker.engine.gpu.frames.parse_blosc`)."""
     return decode([frame], parse_blosc(frame, nbytes))
 
 

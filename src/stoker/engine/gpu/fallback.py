@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DeviceError
-from ..reader.array import ChunkLocation, fetch_stored
-from .cast import copy_cast, numpy_view
-from .tables import F_IDENT, TablePlan
+from ...errors import DeviceError
+from ...reader.array import ChunkLocation, fetch_stored
+from ..cast import copy_cast, numpy_view
+from ..planning.tables import F_IDENT, TablePlan
 
 
 def fetch(plan: TablePlan, cid: int, path: str | None):
