@@ -22,9 +22,10 @@ from .dist.telemetry import TelemetryWriter, memory_report
 from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
 from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DeviceError, DtypeMismatch,
-                     InvalidArgument,
-                     MetadataError, NonFiniteData, NonFiniteLoss, NotFound, OutOfBounds, PoolStarved, RankFailed,
-                     RankMismatch, ShutdownError, StokerError, StorageError, UnsupportedFormat, UnusedParameters)
+                     IncompleteSource, InvalidArgument,
+                     MetadataError, NonFiniteData, NonFiniteLoss, NotFound, OutOfBounds, OutOfMemory, PoolStarved,
+                     RankFailed, RankMismatch, ShutdownError, StokerError, StorageError, ThreadStartError,
+                     UnsupportedFormat, UnusedParameters)
 
 _moved.install()  # the module paths before the folders by layer, as aliases that warn
 
@@ -61,18 +62,21 @@ __all__ = [
     "DecodeError",
     "DeviceError",
     "DtypeMismatch",
+    "IncompleteSource",
     "InvalidArgument",
     "MetadataError",
     "NonFiniteData",
     "NonFiniteLoss",
     "NotFound",
     "OutOfBounds",
+    "OutOfMemory",
     "PoolStarved",
     "RankFailed",
     "RankMismatch",
     "ShutdownError",
     "StokerError",
     "StorageError",
+    "ThreadStartError",
     "UnsupportedFormat",
     "UnusedParameters",
     "__version__",
