@@ -61,7 +61,7 @@ def start_thread(thread: threading.Thread, knob: str) -> None:
     """``thread.start()``; ThreadStartError naming ``knob`` (the Config thread count to lower) when the system
     gives no thread (Python says so with a RuntimeError, "can't start new thread").
 
-    >>> start_thread(threading.Thread(target=print, daemon=True), "n_compute_threads")
+    >>> start_thread(threading.Thread(target=lambda: None, daemon=True), "n_compute_threads")
     """
     try:
         thread.start()

@@ -51,20 +51,20 @@ class SampleSource:
     :meth:`identity`, so a state is never resumed into another sample list. The default identity is the
     source's length, ``seed`` and public attributes, when they are plain data (numbers, strings, paths,
     samples and lists, tuples and dicts of them); override :meth:`identity` otherwise (``IncompleteSource``
-    says so, naming the attribute)::
+    says so, naming the attribute):
 
-        >>> class EveryOther(stoker.SampleSource):
-        ...     def __init__(self, uri, n):
-        ...         self.uri, self.n = uri, n
-        ...     def __len__(self):
-        ...         return self.n
-        ...     def sample(self, epoch, index):
-        ...         return stoker.Sample(self.uri, [(2 * index, 2 * index + 1)])
-        >>> src = EveryOther("/data/line.zarr", 50)
-        >>> src.identity()
-        {'len': 50, 'seed': 0, 'fields': {'uri': '/data/line.zarr', 'n': 50}}
-        >>> src.for_rank(0, 1).state_dict()["fingerprint"] == src.fingerprint
-        True
+    >>> class EveryOther(stoker.SampleSource):
+    ...     def __init__(self, uri, n):
+    ...         self.uri, self.n = uri, n
+    ...     def __len__(self):
+    ...         return self.n
+    ...     def sample(self, epoch, index):
+    ...         return stoker.Sample(self.uri, [(2 * index, 2 * index + 1)])
+    >>> src = EveryOther("/data/line.zarr", 50)
+    >>> src.identity()
+    {'len': 50, 'seed': 0, 'fields': {'uri': '/data/line.zarr', 'n': 50}}
+    >>> src.for_rank(0, 1).state_dict()["fingerprint"] == src.fingerprint
+    True
 
     A source is fixed once made: the fingerprint is computed once, at the first state saved or loaded, and
     kept (it is recomputed only when ``len(source)``, ``seed`` or ``shuffle`` change).
