@@ -163,3 +163,27 @@ def test_a_pool_keeps_working_when_a_further_thread_is_refused(monkeypatch):
     gate.set()
     assert ran.wait(5) and len(pool.threads) == 1
     pool.shutdown()
+
+
+_LOADER = r"""
+import numpy as np, zarr
+from stoker.records import Loader, ZarrRecords
+root = sys.argv[1]
+for i in range(4):
+    zarr.open_group(f"{root}/rec_{i}.zarr", mode="w").create_array("x", data=np.full((2,), i, "f4"))
+loader = Loader(ZarrRecords(root, fields=["x"]), batch_size=2, rank=0, world_size=1, n_threads=2)
+threading.stack_size(1 << 40)
+try:
+    next(iter(loader))
+except stoker.StokerError as exc:
+    report(exc)
+threading.stack_size(0)
+print(sorted(float(v) for b in loader for v in b["x"].reshape(-1)))  # threads again: the epoch reads
+"""
+
+
+def test_the_records_loader_given_no_thread_names_its_knob(tmp_path):
+    lines = _run(_LOADER, str(tmp_path))
+    kind, _, knob, _, message = _outcome(lines[:-1])
+    assert (kind, knob) == ("ThreadStartError", "n_threads") and "Lower Loader.n_threads" in message
+    assert lines[-1] == str([0.0] * 2 + [1.0] * 2 + [2.0] * 2 + [3.0] * 2)

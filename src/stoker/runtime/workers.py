@@ -47,19 +47,20 @@ class _State:
             self.cv.notify_all()
 
 
-def no_thread(name: str, knob: str, exc: BaseException) -> ThreadStartError:
-    """The typed error for a thread ``name`` the system did not give (``exc``, its own error)."""
+def no_thread(name: str, knob: str, exc: BaseException, owner: str = "Config") -> ThreadStartError:
+    """The typed error for a thread ``name`` the system did not give (``exc``, its own error); ``owner.knob``
+    is the setting that asks for such threads."""
     err = ThreadStartError(
         f"the system gives no thread for {name} ({type(exc).__name__}: {exc}): the process is at its limit of "
         f"threads or processes (ulimit -u, a container's pids limit) or of memory for thread stacks. Lower "
-        f"Config.{knob}, run fewer pipelines or ranks per machine, or raise the limit", knob=knob, thread=name)
+        f"{owner}.{knob}, run fewer pipelines or ranks per machine, or raise the limit", knob=knob, thread=name)
     err.__cause__ = exc
     return err
 
 
-def start_thread(thread: threading.Thread, knob: str) -> None:
-    """``thread.start()``; ThreadStartError naming ``knob`` (the Config thread count to lower) when the system
-    gives no thread (Python says so with a RuntimeError, "can't start new thread").
+def start_thread(thread: threading.Thread, knob: str, owner: str = "Config") -> None:
+    """``thread.start()``; ThreadStartError naming ``knob`` (the thread count of ``owner`` to lower) when the
+    system gives no thread (Python says so with a RuntimeError, "can't start new thread").
 
     >>> start_thread(threading.Thread(target=lambda: None, daemon=True), "n_compute_threads")
     """
@@ -68,7 +69,7 @@ def start_thread(thread: threading.Thread, knob: str) -> None:
     except RuntimeError as exc:
         if "can't start new thread" not in str(exc):
             raise
-        raise no_thread(thread.name, knob, exc) from exc
+        raise no_thread(thread.name, knob, exc, owner) from exc
 
 
 class DaemonPool:
