@@ -152,6 +152,7 @@ def _plain(value: Any, where: str, source: SampleSource) -> Any:
     raise _incomplete(source, "identity", f"{where} is of type {type(value).__name__}, not plain data, so the default "
                       "identity cannot tell two such sources apart; return what the samples are made of")
 
+
 def _open_shapes(arrays: Sequence[str], storage_options: dict | None, stores) -> list[tuple[int, ...]]:
     """The arrays' shapes (remote URIs with the options of their longest prefix in ``storage_options``,
     as Config.storage_options; credentials are never part of a source's identity), opened in ``stores``."""
@@ -267,6 +268,7 @@ class RandomCrops(SampleSource):
         return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)])
 
     def identity(self) -> Any:
+        """The arrays, their shapes, the crop shape, weights, epoch length and seed."""
         return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
                 self.seed]
 
@@ -323,6 +325,7 @@ class TileGrid(SampleSource):
         return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
 
     def identity(self) -> Any:
+        """The arrays, their shapes, the tile shape and stride, and the order's settings."""
         return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + _order_id(self)
 
 
@@ -347,6 +350,7 @@ class SampleList(SampleSource):
         return self.samples[index]
 
     def identity(self) -> Any:
+        """Every sample (its arrays and box) and the order's settings."""
         return [[s._target(), s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
 
 
