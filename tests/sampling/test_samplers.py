@@ -418,6 +418,14 @@ def test_a_source_lacking_what_is_needed_gets_a_typed_error_naming_it(arrays):
     with pytest.raises(stoker.IncompleteSource, match=r"does not implement identity\(\).*_Holding.reader is of type ArrayReader") as e:
         _Holding(arrays[0], 4).for_rank(0, 1).state_dict()
     assert e.value.method == "identity" and isinstance(e.value, NotImplementedError)
+    cfg = stoker.Config(batch_size=2, dtype="f32", device="cpu", n_compute_threads=1, host_buffer_bytes=4 << 20)
+    with pytest.raises(stoker.IncompleteSource, match="_Holding.reader"):
+        stoker.CropDataset(_Holding(arrays[0], 4), cfg)  # at construction, not at the first checkpoint
+    with stoker.Pipeline(cfg) as p:
+        p.push(_Holding(arrays[0], 4).for_rank(0, 1))  # reads: only saving a position needs the identity
+        p.pop().release()
+        with pytest.raises(stoker.IncompleteSource, match="_Holding.reader"):
+            p.state_dict()
     assert _Described(arrays[0], 4).for_rank(0, 1).state_dict()["fingerprint"]
     with pytest.raises(stoker.IncompleteSource, match=r"_Lengthless does not implement __len__\(\)") as e:
         _Lengthless().for_rank(0, 1)
