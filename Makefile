@@ -5,7 +5,7 @@
 #   make asan   runs the compiled reader's tests and fuzz tests against an AddressSanitizer build (gcc)
 #   make lint   ruff over src/ and tests/, mypy over the public API (configured in pyproject.toml)
 #   make docs   builds the documentation site and its API reference strictly (mkdocs.yml) into site/
-#   make interface  writes stoker/engine/interface.py and csrc/interface_names.h from csrc/stoker_native.h
+#   make interface  writes stoker/engine/cpu/interface.py and csrc/interface_names.h from csrc/stoker_native.h
 
 PYTHON ?= python3
 VENV   := .venv

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes src/stoker/engine/interface.py and src/stoker/csrc/interface_names.h from the compiled engine's
+"""Writes src/stoker/engine/cpu/interface.py and src/stoker/csrc/interface_names.h from the compiled engine's
 header, src/stoker/csrc/stoker_native.h: its enums and #defines (statuses, codecs, element kinds, the plan
 tables' columns) are the interface's one source. The Python side takes them by name from the module written
 here; the extension exports the same names (interface_names.h lists them for module.c) with the values it
@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = REPO / "src/stoker/csrc/stoker_native.h"
-MODULE = REPO / "src/stoker/engine/interface.py"
+MODULE = REPO / "src/stoker/engine/cpu/interface.py"
 NAMES = REPO / "src/stoker/csrc/interface_names.h"
 
 _NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
@@ -75,7 +75,7 @@ def render(text: str) -> str:
            "``make interface``; tests/engine/test_interface.py checks the two agree, and the extension exports",
            "the same names with the values it was compiled with, which :mod:`stoker.engine.cpu.native` checks).",
            "",
-           ">>> from stoker.engine import interface",
+           ">>> from stoker.engine.cpu import interface",
            ">>> interface.ST_OK, interface.COPY_COLS(3)",
            "(0, 5)",
            '"""',

@@ -109,3 +109,24 @@ def test_wheel_installs_into_a_fresh_venv_and_reads(dist, tmp_path):
     if _compiler():
         assert native == "True", "the wheel's compiled reader did not load"
     np.testing.assert_array_equal(np.load(tmp_path / "crop.npy"), data[3:21, 5:37, 0:12])
+
+
+def test_building_prints_no_warning_about_the_c_sources_folder(tmp_path):
+    """The build step that copies the package (build_py, run by pip install, make demo, python -m build) said a
+    page of warnings about 'stoker.csrc' being an undeclared package: MANIFEST.in's C sources were counted as
+    package data. It copies the Python modules and py.typed, never csrc/, and says nothing about it."""
+    tree = tmp_path / "tree"
+    for name in ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md"):
+        tree.mkdir(exist_ok=True)
+        shutil.copy(REPO / name, tree / name)
+    shutil.copytree(REPO / "src", tree / "src", ignore=shutil.ignore_patterns("*.so", "*.pyc", "__pycache__",
+                                                                              "*.egg-info"))
+    done = subprocess.run([sys.executable, "setup.py", "build_py", "--build-lib", str(tmp_path / "lib")], cwd=tree,
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "stoker.csrc" not in said and "Package would be ignored" not in said, said[-3000:]
+    built = {p.relative_to(tmp_path / "lib").as_posix() for p in (tmp_path / "lib").rglob("*") if p.is_file()}
+    assert {"stoker/py.typed", "stoker/__init__.py", "stoker/records/loader.py"} <= built
+    assert not [n for n in built if "/csrc/" in n]

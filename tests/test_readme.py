@@ -29,6 +29,18 @@ def test_readme_examples_run(tmp_path, monkeypatch):
                                                                                  "step-000000010.pt"]
 
 
+@pytest.mark.timeout(120)
+def test_readme_examples_run_again_in_the_same_folder(tmp_path, monkeypatch):
+    """A reader runs the examples twice (after an edit, say): the arrays the first run wrote are replaced,
+    not a ContainsArrayError."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    monkeypatch.chdir(tmp_path)
+    code = compile("\n".join(blocks), str(README), "exec")
+    for _ in range(2):
+        exec(code, {"__name__": "readme"})
+    assert (tmp_path / "volume.zarr").exists() and (tmp_path / "t2m.zarr").exists()
+
+
 @pytest.mark.timeout(300)
 def test_readme_training_example_runs_as_its_own_file(tmp_path, monkeypatch):
     """The Trainer block, saved as train.py beside the volume the first block writes, runs with python."""

@@ -21,9 +21,10 @@ from .dist.telemetry import TelemetryWriter, memory_report
 from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
 from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DeviceError, DtypeMismatch,
-                     InvalidArgument,
-                     MetadataError, NonFiniteData, NonFiniteLoss, NotFound, OutOfBounds, PoolStarved, RankFailed,
-                     RankMismatch, ShutdownError, StokerError, StorageError, UnsupportedFormat, UnusedParameters)
+                     IncompleteSource, InvalidArgument,
+                     MetadataError, NonFiniteData, NonFiniteLoss, NotFound, OutOfBounds, OutOfMemory, PoolStarved,
+                     RankFailed, RankMismatch, ShutdownError, StokerError, StorageError, ThreadStartError,
+                     UnsupportedFormat, UnusedParameters)
 
 __version__ = "0.1.0"
 
@@ -58,18 +59,21 @@ __all__ = [
     "DecodeError",
     "DeviceError",
     "DtypeMismatch",
+    "IncompleteSource",
     "InvalidArgument",
     "MetadataError",
     "NonFiniteData",
     "NonFiniteLoss",
     "NotFound",
     "OutOfBounds",
+    "OutOfMemory",
     "PoolStarved",
     "RankFailed",
     "RankMismatch",
     "ShutdownError",
     "StokerError",
     "StorageError",
+    "ThreadStartError",
     "UnsupportedFormat",
     "UnusedParameters",
     "__version__",

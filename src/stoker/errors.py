@@ -87,6 +87,22 @@ class BudgetExceeded(InvalidArgument):
     """The configured memory budget cannot hold what the configuration asks for."""
 
 
+class OutOfMemory(StokerError, MemoryError):
+    """The system refused memory stoker asked for (a batch slot, a staging or read buffer): ``knob`` names the
+    budget it counts against (``host_buffer_bytes``, ``device_buffer_bytes``) and ``nbytes`` the request. The
+    budget is a cap, not a reservation: lower it, or batch_size or lookahead_batches, or free memory."""
+
+
+class ThreadStartError(StokerError, RuntimeError):
+    """The system gave no thread (a limit on processes or threads, ``ulimit -u``, or on memory for their
+    stacks): ``knob`` names the Config thread count to lower (``n_compute_threads``, ``n_io_threads``)."""
+
+
+class IncompleteSource(StokerError, NotImplementedError):
+    """A :class:`~stoker.SampleSource` subclass lacks a method stoker needs: ``method`` names it (``__len__``,
+    ``sample``, or ``identity`` when its attributes are not plain data)."""
+
+
 class NotFound(StokerError, FileNotFoundError):
     """An array, group or store does not exist where the URI points."""
 
@@ -176,6 +192,9 @@ __all__ = [
     "OutOfBounds",
     "RankMismatch",
     "BudgetExceeded",
+    "OutOfMemory",
+    "ThreadStartError",
+    "IncompleteSource",
     "NotFound",
     "UnsupportedFormat",
     "DtypeMismatch",

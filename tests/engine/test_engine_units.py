@@ -440,7 +440,7 @@ def test_large_batch_slots_are_backed_by_huge_pages():
     and pinned ones are left alone."""
     import torch
 
-    from stoker.engine.cpu import hugepages
+    from stoker.engine import allocate as hugepages
     from stoker.engine.buffers import SlotRing
 
     ring = SlotRing(2, (8, 4 << 20), torch.uint8)  # 32 MiB slots

@@ -1,4 +1,4 @@
-"""The compiled engine's interface has one source, csrc/stoker_native.h: stoker.engine.interface and
+"""The compiled engine's interface has one source, csrc/stoker_native.h: stoker.engine.cpu.interface and
 csrc/interface_names.h are what .ci/interface.py writes from it, the extension modules export its constants
 with the values they were compiled with (and a build from another header is refused), and every chunk
 status it defines becomes a typed error or a retry on the Python path."""
@@ -18,7 +18,7 @@ from zarr.codecs import ZstdCodec
 
 import native_testing
 import stoker
-from stoker.engine import interface
+from stoker.engine.cpu import interface
 from stoker.engine.cpu import native
 
 REPO = Path(__file__).resolve().parents[2]

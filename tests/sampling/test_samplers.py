@@ -333,3 +333,102 @@ def test_states_of_the_earlier_shuffled_order_are_refused(arrays):
     crops = stoker.RandomCrops(arrays, (4, 4), seed=5, samples_per_epoch=40)
     assert crops.fingerprint == _old_fingerprint(crops, [crops.arrays, crops.shapes, crops.sample_shape,
                                                          crops.weights.round(12).tolist(), 40, 5])
+
+
+def _count_identities(monkeypatch, cls):
+    """Counts the identity computations of ``cls`` (each one a JSON dump of what the source is made of)."""
+    calls = []
+    original = cls.identity
+    monkeypatch.setattr(cls, "identity", lambda self: calls.append(1) or original(self))
+    return calls
+
+
+def test_state_dict_of_a_long_sample_list_computes_its_fingerprint_once(monkeypatch):
+    """A SampleList of 200,000 samples: its fingerprint (a JSON dump and SHA-256 of every sample) is computed
+    at the first state, not at every one, and its value is the one states were saved with before."""
+    samples = [stoker.Sample("/data/hourly.zarr", [(i, i + 24), (0, 8)]) for i in range(200_000)]
+    calls = _count_identities(monkeypatch, stoker.SampleList)
+    src = stoker.SampleList(samples)
+    share = src.for_rank(0, 2)
+    first = share.state_dict()
+    it = iter(share)
+    for _ in range(100):
+        next(it)
+        assert it.state_after(1)["fingerprint"] == first["fingerprint"]
+        assert share.state_dict()["fingerprint"] == first["fingerprint"]
+    share.load_state_dict(first)
+    assert len(calls) == 1
+    assert first["fingerprint"] == _old_fingerprint(src, [[s.uri, s.aabb] for s in samples] + [False, 0])
+    src.samples.append(samples[0])  # another list (a longer one): fingerprinted anew
+    assert src.fingerprint != first["fingerprint"] and len(calls) == 2
+
+
+class _Every(stoker.SampleSource):
+    """A source of one's own with public methods only: every ``step``-th row of an array."""
+
+    def __init__(self, uri, n, step, rows=2):
+        self.uri, self.n, self.step, self.rows = uri, n, step, rows
+
+    def __len__(self):
+        return self.n
+
+    def sample(self, epoch, index):
+        start = (index * self.step + epoch) % 20
+        return stoker.Sample(self.uri, [(start, start + self.rows), (0, 4)])
+
+
+def test_a_source_of_ones_own_saves_and_resumes_through_a_pipeline(arrays):
+    """A subclass with public methods only: its default identity is its attributes; its states and a
+    pipeline's carry its fingerprint and resume; another step is another sample list."""
+    src = _Every(arrays[0], 12, 3)
+    assert src.identity() == {"len": 12, "seed": 0, "fields": {"uri": arrays[0], "n": 12, "step": 3, "rows": 2}}
+    cfg = stoker.Config(batch_size=2, dtype="f32", device="cpu", n_compute_threads=1, host_buffer_bytes=4 << 20)
+    share = src.for_rank(0, 1)
+    with stoker.Pipeline(cfg) as p:
+        p.push(share)
+        first = [torch.from_dlpack(p.pop()).clone() for _ in range(2)]
+        state = p.state_dict()["sources"][0]
+    assert state["fingerprint"] == src.fingerprint and state["position"] == 4
+    resumed = _Every(arrays[0], 12, 3).for_rank(0, 1)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert rest == [src.sample(0, i) for i in range(4, 12)]
+    assert first[0][0].numpy().tolist() == np.arange(24 * 40).reshape(24, 40)[0:2, 0:4].tolist()
+    with pytest.raises(stoker.InvalidArgument, match="another sample list"):
+        _Every(arrays[0], 12, 5).for_rank(0, 1).load_state_dict(state)
+
+
+class _Holding(_Every):
+    def __init__(self, uri, n):
+        super().__init__(uri, n, 1)
+        self.reader = stoker.open_array(uri)  # not plain data: the default identity cannot describe it
+
+
+class _Described(_Holding):
+    def identity(self):
+        return [self.uri, self.n]
+
+
+class _Lengthless(stoker.SampleSource):
+    def sample(self, epoch, index):
+        return stoker.Sample("/data/a.zarr", [(0, 1)])
+
+
+def test_a_source_lacking_what_is_needed_gets_a_typed_error_naming_it(arrays):
+    with pytest.raises(stoker.IncompleteSource, match=r"does not implement identity\(\).*_Holding.reader is of type ArrayReader") as e:
+        _Holding(arrays[0], 4).for_rank(0, 1).state_dict()
+    assert e.value.method == "identity" and isinstance(e.value, NotImplementedError)
+    cfg = stoker.Config(batch_size=2, dtype="f32", device="cpu", n_compute_threads=1, host_buffer_bytes=4 << 20)
+    with pytest.raises(stoker.IncompleteSource, match="_Holding.reader"):
+        stoker.CropDataset(_Holding(arrays[0], 4), cfg)  # at construction, not at the first checkpoint
+    with stoker.Pipeline(cfg) as p:
+        p.push(_Holding(arrays[0], 4).for_rank(0, 1))  # reads: only saving a position needs the identity
+        p.pop().release()
+        with pytest.raises(stoker.IncompleteSource, match="_Holding.reader"):
+            p.state_dict()
+    assert _Described(arrays[0], 4).for_rank(0, 1).state_dict()["fingerprint"]
+    with pytest.raises(stoker.IncompleteSource, match=r"_Lengthless does not implement __len__\(\)") as e:
+        _Lengthless().for_rank(0, 1)
+    assert e.value.method == "__len__"
+    with pytest.raises(stoker.IncompleteSource, match=r"does not implement sample\(\)"):
+        stoker.SampleSource.sample(_Lengthless(), 0, 0)

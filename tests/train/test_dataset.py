@@ -201,3 +201,41 @@ def test_a_dataset_built_before_the_process_group_takes_each_ranks_share(group):
     for rank, batches in ((0, b0), (1, b1)):  # strided: rank r takes samples r, r + 2, ...
         got = torch.cat(batches).numpy()
         np.testing.assert_array_equal(got, _oracle(data, samples[rank::2]))
+
+
+def test_per_batch_bookkeeping_does_not_refingerprint_the_sample_list(group, monkeypatch):
+    """The position CropDataset keeps after every batch carries the source's fingerprint: computed once
+    for the source (a JSON dump of every sample of a long list), not once a batch."""
+    uris, data = group
+    calls = []
+    original = stoker.SampleList.identity
+    monkeypatch.setattr(stoker.SampleList, "identity", lambda self: calls.append(1) or original(self))
+    samples = _epoch_samples(uris, 0)
+    ds = stoker.CropDataset(stoker.SampleList(samples).for_rank(0, 1), stoker.Config(**CFG), copy=True)
+    got = list(DataLoader(ds, batch_size=None))
+    assert len(got) == 6 and ds.state_dict()["epoch"] == 1  # used up: the next epoch
+    assert np.array_equal(torch.cat(got).numpy(), _oracle(data, samples))
+    assert len(calls) == 1
+
+
+def test_a_source_of_ones_own_feeds_a_dataset(group):
+    """A SampleSource subclass with public methods only works through CropDataset and its states."""
+    uris, data = group
+
+    class Rows(stoker.SampleSource):
+        def __init__(self, uris, n):
+            self.uris, self.n = uris, n
+
+        def __len__(self):
+            return self.n
+
+        def sample(self, epoch, index):
+            return stoker.Sample(self.uris, [(index % 8, index % 8 + 4), (0, 8), (8, 16)])
+
+    ds = stoker.CropDataset(Rows(uris, 8), stoker.Config(**CFG), copy=True)
+    first = next(iter(DataLoader(ds, batch_size=None)))
+    again = stoker.CropDataset(Rows(uris, 8), stoker.Config(**CFG), copy=True)
+    again.load_state_dict(pickle.loads(pickle.dumps(ds.state_dict())))
+    rest = list(DataLoader(again, batch_size=None))
+    want = _oracle(data, [Rows(uris, 8).sample(0, i) for i in range(8)])
+    assert np.array_equal(torch.cat([first] + rest).numpy(), want)

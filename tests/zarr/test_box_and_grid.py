@@ -207,3 +207,26 @@ def test_zero_d_array_key_on_disk(tmp_path, fmt, expected_key):
     assert reader.metadata.chunk_key(()) == expected_key
     out = reader.read(())
     assert out.shape == () and out[()] == 42
+
+
+@pytest.mark.parametrize("box", [[(True, 3)], [(0, True)], [(False, 2), (0, 2)], [slice(False, 2)],
+                                 [(np.True_, 2)]])
+def test_booleans_are_not_coordinates(box):
+    """True is an int to Python; as a box coordinate it is a mistake (a mask, a flag), not 1."""
+    with pytest.raises(stoker.InvalidArgument, match="must be an integer, got"):
+        stoker.Sample("/data/a.zarr", box)
+
+
+def test_a_box_that_is_not_one_names_what_a_box_is(tmp_path):
+    """read(None) said "box has 1 axes": None, Ellipsis or a float is no box of any rank."""
+    uri = str(tmp_path / "a.zarr")
+    zarr.create_array(uri, shape=(4, 6), chunks=(2, 3), dtype="u1")[:] = 1
+    reader = stoker.open_array(uri)
+    for box in (None, Ellipsis, 2.5):
+        with pytest.raises(stoker.InvalidArgument, match=r"a box is one \(start, stop\) pair or slice per axis") as e:
+            reader.read(box)
+        assert not isinstance(e.value, stoker.RankMismatch)
+        assert "the whole array is [(0, 4), (0, 6)]" in str(e.value) and uri in str(e.value)
+    with pytest.raises(stoker.InvalidArgument, match="a box is one"):
+        stoker.Sample(uri, None)
+    assert reader.read(np.s_[0:2, 0:3]).sum() == 6  # boxes still read

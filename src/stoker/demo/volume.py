@@ -11,14 +11,16 @@ exercises the sharded read path with modest read amplification for its crops.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, StokerError, StorageError
 from ..storage.artifacts import cache_root
 from ..storage.fsutil import write_once
 
@@ -55,6 +57,9 @@ def ensure_volume(path: str | os.PathLike, shape: tuple[int, int, int] = VOLUME_
     written under a temporary name with its marker (the shape and seed) last, then renamed
     into place, so whatever sits at ``path`` with a matching marker is complete; anything
     else there (an older or interrupted volume) is replaced.
+
+    A volume that cannot be written (a full disk, a folder without write permission) is a
+    :class:`~stoker.errors.StorageError` naming the path, the room it needs and where else to put it.
     """
     path = Path(path)
     if len(shape) != 3 or any(s % c for s, c in zip(shape, SHARD)):
@@ -67,9 +72,27 @@ def ensure_volume(path: str | os.PathLike, shape: tuple[int, int, int] = VOLUME_
         except (OSError, ValueError):
             return False
 
-    write_once(path, lambda tmp: _write_volume(tmp, shape, seed, progress, marker), is_complete=is_complete,
-               wait_s=wait_s)
+    try:
+        write_once(path, lambda tmp: _write_volume(tmp, shape, seed, progress, marker), is_complete=is_complete,
+                   wait_s=wait_s)
+    except OSError as exc:
+        if isinstance(exc, StokerError):  # already says what and where (a claim that timed out, ...)
+            raise
+        raise _not_written(path, shape, exc) from exc
     return path
+
+
+def _not_written(path: Path, shape: tuple[int, int, int], exc: OSError) -> StorageError:
+    """The error for a volume the file system did not take: what failed, the room needed, what to do."""
+    need = math.prod(shape) * 2  # uint16, before compression: an upper bound of what is written
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    why = ("the disk (or a quota, or a file size limit) is full" if full
+           else "the folder cannot be written" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+           else "the file system refused it")
+    return StorageError(
+        f"cannot write the demo volume at {path}: {why} ({type(exc).__name__}: {exc}). It needs up to "
+        f"{need / 2**20:,.0f} MiB; free that much there, or set STOKER_CACHE to a folder with room (the "
+        "volume goes to $STOKER_CACHE/demo-volume-v2.zarr)", uri=str(path), errno=exc.errno)
 
 
 def _write_volume(root: Path, shape: tuple[int, int, int], seed: int, progress: bool, marker: dict) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import BudgetExceeded, ShutdownError
 from ..runtime import gil
-from .cpu.hugepages import advise_huge_pages
+from .allocate import advise_huge_pages, allocate, host_bytes
 
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -137,7 +137,7 @@ class TransientBudget:
             if pool:
                 self._cached -= cap
                 return pool.pop()
-        return np.empty(cap, dtype=np.uint8)
+        return host_bytes(cap)
 
     def give(self, buf: np.ndarray) -> None:
         """Return a buffer: its share of the caller's reservation becomes cached memory."""
@@ -253,7 +253,7 @@ class SlotRing:
             )
         self.dtype = dtype
         self.pinned = pin
-        self.slots = [Slot(i, torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)) for i in range(n)]
+        self.slots = [Slot(i, allocate(shape, dtype, device, pin, what=f"batch slot {i + 1} of {n}")) for i in range(n)]
         if not pin:  # page-locked memory is torch's to manage
             for slot in self.slots:
                 advise_huge_pages(slot.tensor)  # before the first write: rewritten every batch, faulted once

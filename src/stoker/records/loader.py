@@ -47,7 +47,8 @@ from ..sampling import partition
 from ..sampling.cursor import CursorState, EpochCursor
 from ..checks import integer, seconds
 from ..dist.collectives import resolve_rank
-from ..errors import InvalidArgument, ShutdownError, StokerError
+from ..errors import InvalidArgument, ShutdownError, StokerError, ThreadStartError
+from ..runtime.workers import start_thread
 from ..device.resolve import as_device
 from ..device.pin import pin_object, to_device
 from .collate import CollateArg, resolve
@@ -312,8 +313,12 @@ class _Work:
                         for i in range(n)]
         with self.cv:
             self._issue(taken=0)
-        for t in self.threads:
-            t.start()
+        try:
+            for t in self.threads:
+                start_thread(t, "n_threads", owner="Loader")
+        except ThreadStartError:
+            self.stop.set()  # the threads that started leave at their next look
+            raise
 
     def _issue(self, taken: int) -> None:
         """Queue the samples of the batches up to ``prefetch`` ahead of the consumer (lock held)."""

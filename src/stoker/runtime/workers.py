@@ -5,13 +5,16 @@ one task stuck in a system call (a read from a hung NFS or FUSE mount) keeps the
 ever exiting. These threads are daemon threads that nothing joins: at exit a stuck one is
 abandoned, and the process ends.
 
->>> pool = DaemonPool(4, "stoker-io")
+>>> pool = DaemonPool(4, "stoker-io", knob="n_io_threads")
 >>> pool.submit(print, "hello")     # threads start as work arrives, up to 4
 >>> pool.shutdown()                 # drops queued tasks and returns; running ones finish on their own
 
 Tasks return nothing: they report through objects of their own (a job, an event). An
 exception that escapes a task goes to :func:`threading.excepthook`, as one escaping a
 thread would, and the thread goes on with the next task.
+
+:func:`start_thread` starts any thread of stoker's: a system that gives no more threads is a
+:class:`~stoker.errors.ThreadStartError` naming the Config knob that sets how many are asked for.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import weakref
 from typing import Any, Callable
 
 from . import gil
-from ..errors import ShutdownError
+from ..errors import ShutdownError, ThreadStartError
 
 
 class _State:
@@ -44,14 +47,41 @@ class _State:
             self.cv.notify_all()
 
 
-class DaemonPool:
-    """Runs ``fn(*args)`` on at most ``max_threads`` daemon threads named ``{name}_{i}``."""
+def no_thread(name: str, knob: str, exc: BaseException, owner: str = "Config") -> ThreadStartError:
+    """The typed error for a thread ``name`` the system did not give (``exc``, its own error); ``owner.knob``
+    is the setting that asks for such threads."""
+    err = ThreadStartError(
+        f"the system gives no thread for {name} ({type(exc).__name__}: {exc}): the process is at its limit of "
+        f"threads or processes (ulimit -u, a container's pids limit) or of memory for thread stacks. Lower "
+        f"{owner}.{knob}, run fewer pipelines or ranks per machine, or raise the limit", knob=knob, thread=name)
+    err.__cause__ = exc
+    return err
 
-    def __init__(self, max_threads: int, name: str) -> None:
+
+def start_thread(thread: threading.Thread, knob: str, owner: str = "Config") -> None:
+    """``thread.start()``; ThreadStartError naming ``knob`` (the thread count of ``owner`` to lower) when the
+    system gives no thread (Python says so with a RuntimeError, "can't start new thread").
+
+    >>> start_thread(threading.Thread(target=lambda: None, daemon=True), "n_compute_threads")
+    """
+    try:
+        thread.start()
+    except RuntimeError as exc:
+        if "can't start new thread" not in str(exc):
+            raise
+        raise no_thread(thread.name, knob, exc, owner) from exc
+
+
+class DaemonPool:
+    """Runs ``fn(*args)`` on at most ``max_threads`` daemon threads named ``{name}_{i}``; ``knob`` is the Config
+    knob that sets ``max_threads`` (named when the system gives no thread)."""
+
+    def __init__(self, max_threads: int, name: str, knob: str = "n_compute_threads") -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be at least 1, got {max_threads}")
         self.max_threads = max_threads
         self.name = name
+        self.knob = knob
         self._state = _State()
         self._threads: list[threading.Thread] = []
         weakref.finalize(self, self._state.close)  # a pool dropped unclosed stops its idle threads
@@ -72,8 +102,8 @@ class DaemonPool:
             state.cv.notify()
         if start:
             try:
-                thread.start()
-            except RuntimeError:  # the system gives no more threads ("can't start new thread")
+                start_thread(thread, self.knob)
+            except ThreadStartError:  # the system gives no more threads
                 with state.cv:
                     self._threads.remove(thread)
                     if self._threads:  # the running threads take the task in turn

@@ -31,7 +31,7 @@ import numpy as np
 
 from .cursor import CursorState, EpochCursor
 from ..dist.collectives import resolve_rank
-from ..errors import InvalidArgument
+from ..errors import IncompleteSource, InvalidArgument
 from .permutation import ORDER_VERSION, Permutation
 from .sample import Sample, given_uri
 
@@ -42,26 +42,70 @@ MAX_SAMPLES = 2**62
 
 
 class SampleSource:
-    """Base class: ``len(source)`` samples per epoch, ``source.sample(epoch, i)`` is the i-th of the epoch."""
+    """Base class of sample sources: ``len(source)`` samples per epoch, ``source.sample(epoch, i)`` the i-th
+    of epoch's global order, and ``source.identity()`` what the samples are made of.
+
+    A source of one's own implements ``__len__`` and ``sample(epoch, index)`` (the same sample for the same
+    ``(epoch, index)`` in every process), and may set ``seed``. Its position is saved with a fingerprint of
+    :meth:`identity`, so a state is never resumed into another sample list. The default identity is the
+    source's length, ``seed`` and public attributes, when they are plain data (numbers, strings, paths,
+    samples and lists, tuples and dicts of them); override :meth:`identity` otherwise (``IncompleteSource``
+    says so, naming the attribute):
+
+    >>> class EveryOther(stoker.SampleSource):
+    ...     def __init__(self, uri, n):
+    ...         self.uri, self.n = uri, n
+    ...     def __len__(self):
+    ...         return self.n
+    ...     def sample(self, epoch, index):
+    ...         return stoker.Sample(self.uri, [(2 * index, 2 * index + 1)])
+    >>> src = EveryOther("/data/line.zarr", 50)
+    >>> src.identity()
+    {'len': 50, 'seed': 0, 'fields': {'uri': '/data/line.zarr', 'n': 50}}
+    >>> src.for_rank(0, 1).state_dict()["fingerprint"] == src.fingerprint
+    True
+
+    A source is fixed once made: the fingerprint is computed once, at the first state saved or loaded, and
+    kept (it is recomputed only when ``len(source)``, ``seed`` or ``shuffle`` change).
+    """
 
     seed: int = 0
 
     def __len__(self) -> int:
-        raise NotImplementedError
+        raise _incomplete(self, "__len__", "how many samples an epoch has")
 
     def sample(self, epoch: int, index: int) -> Sample:
         """The ``index``-th sample of ``epoch``'s global order."""
-        raise NotImplementedError
+        raise _incomplete(self, "sample", "sample(epoch, index): the index-th Sample of the epoch's order")
 
-    def _identity(self) -> Any:
-        """What the sample list is made of (JSON-able); the fingerprint hashes it."""
-        raise NotImplementedError
+    def identity(self) -> Any:
+        """What the sample list is made of, as JSON-able data: equal identities must mean equal samples in
+        equal orders. The default: ``len(self)``, ``seed`` and the public attributes (see the class)."""
+        legacy = getattr(self, "_identity", None)
+        if callable(legacy):  # the hook's private name before it was public: such sources keep their fingerprints
+            return legacy()
+        try:
+            fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        except TypeError:  # __slots__ and no __dict__: nothing to read the identity from
+            raise _incomplete(self, "identity", "what the samples are made of (its attributes cannot be read)") \
+                from None
+        return {"len": len(self), "seed": self.seed, "fields": {k: _plain(v, f"{type(self).__name__}.{k}", self)
+                                                                  for k, v in fields.items()}}
 
     @property
     def fingerprint(self) -> str:
-        """Identifies the sample list: resuming with another list is refused."""
-        blob = json.dumps([type(self).__name__, self._identity()], sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        """Identifies the sample list: resuming with another list is refused. Computed once per source."""
+        key = (len(self), self.seed, getattr(self, "shuffle", None))
+        cached = getattr(self, "_fingerprint_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        blob = json.dumps([type(self).__name__, self.identity()], sort_keys=True, default=str)
+        value = hashlib.sha256(blob.encode()).hexdigest()[:16]
+        try:
+            self._fingerprint_cache = (key, value)
+        except AttributeError:  # a subclass with __slots__: computed every time
+            pass
+        return value
 
     def for_rank(self, rank: int | None = None, world_size: int | None = None, policy: str = "strided",
                  even: str = "wrap") -> "RankShare":
@@ -73,6 +117,32 @@ class SampleSource:
     def __iter__(self) -> Iterator[Sample]:
         """Epoch 0 in global order, whole (a single process)."""
         return iter(self.for_rank(0, 1))
+
+
+def _incomplete(source: SampleSource, method: str, what: str) -> IncompleteSource:
+    return IncompleteSource(
+        f"{type(source).__name__} does not implement {method}(): a SampleSource of one's own implements "
+        f"__len__ and sample(epoch, index), and identity() when its attributes are not plain data; {what}",
+        method=method)
+
+
+def _plain(value: Any, where: str, source: SampleSource) -> Any:
+    """``value`` as JSON data for a default identity: numbers, strings, paths, samples, and lists, tuples and
+    dicts of them; IncompleteSource naming ``where`` for anything else (its str would differ between runs)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, Sample):
+        return [value.uri if value.channels is None else list(value.uris), [list(p) for p in value.aabb]]
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]", source) for i, v in enumerate(value)]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _plain(v, f"{where}[{k!r}]", source) for k, v in value.items()}
+    raise _incomplete(source, "identity", f"{where} is of type {type(value).__name__}, not plain data, so the default "
+                      "identity cannot tell two such sources apart; return what the samples are made of")
 
 
 def _open_shapes(arrays: Sequence[str], storage_options: dict | None, stores) -> list[tuple[int, ...]]:
@@ -189,7 +259,8 @@ class RandomCrops(SampleSource):
         corner = corners[k]
         return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)])
 
-    def _identity(self) -> Any:
+    def identity(self) -> Any:
+        """The arrays, their shapes, the crop shape, weights, epoch length and seed."""
         return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
                 self.seed]
 
@@ -245,7 +316,8 @@ class TileGrid(SampleSource):
         corner = [t * st for t, st in zip(reversed(tile), self.stride)]
         return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
 
-    def _identity(self) -> Any:
+    def identity(self) -> Any:
+        """The arrays, their shapes, the tile shape and stride, and the order's settings."""
         return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + _order_id(self)
 
 
@@ -269,7 +341,8 @@ class SampleList(SampleSource):
             index = self._perm[index]
         return self.samples[index]
 
-    def _identity(self) -> Any:
+    def identity(self) -> Any:
+        """Every sample (its arrays and box) and the order's settings."""
         return [[given_uri(s), s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
 
 

@@ -22,10 +22,23 @@ Box = tuple[tuple[int, int], ...]
 
 
 def _as_int(value: Any, what: str, uri: str | None = None) -> int:
+    if isinstance(value, bool):  # an int to Python, but True as a coordinate is a mistake, not 1
+        raise _invalid(f"{what} must be an integer, got the bool {value!r}", uri)
     try:
         return operator.index(value)
     except TypeError:
         raise _invalid(f"{what} must be an integer, got {value!r}", uri) from None
+
+
+def _is_integer(value: Any) -> bool:
+    """Whether ``value`` is one integer (numpy's too), not an array or a sequence."""
+    if hasattr(value, "__len__") or hasattr(value, "__iter__"):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _invalid(message: str, uri: str | None, **context: Any) -> InvalidArgument:
@@ -39,8 +52,12 @@ def parse_box(aabb: Any, shape: Sequence[int] | None = None, uri: str | None = N
     With ``shape`` given, open slice ends are resolved and the box is checked
     against it (rank and bounds); without it every end must be explicit.
     """
-    if isinstance(aabb, (slice, int)) or not isinstance(aabb, Sequence) and not hasattr(aabb, "__iter__"):
-        aabb = (aabb,)
+    if isinstance(aabb, (slice, int)) or _is_integer(aabb):
+        aabb = (aabb,)  # one axis: checked below (a bare integer is refused there, naming the axis)
+    elif not isinstance(aabb, Sequence) and not hasattr(aabb, "__iter__"):  # None, Ellipsis, a float...
+        whole = f"; the whole array is {[(0, int(s)) for s in shape]}" if shape is not None else ""
+        raise _invalid(f"a box is one (start, stop) pair or slice per axis (numpy.s_[0:4, 2:6] or "
+                       f"[(0, 4), (2, 6)]), got {aabb!r}{whole}", uri)
     axes = list(aabb)
     if shape is not None and len(axes) != len(shape):
         where = f" {uri}" if uri else ""

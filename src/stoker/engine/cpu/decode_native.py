@@ -38,8 +38,9 @@ import numpy as np
 import torch
 
 from ...runtime import gil
+from ...runtime.workers import no_thread, start_thread
 from . import native
-from ...errors import DecodeError, StorageError, pipeline_closed
+from ...errors import DecodeError, OutOfMemory, StorageError, pipeline_closed
 from ...storage.local import not_regular
 from ..buffers import size_class
 from ..cast import fill_value_as, torch_dtype_of
@@ -246,12 +247,25 @@ class _SourceSet:
         return len(self.sources)
 
 
+def _start_engine(n_threads: int, budget_bytes: int):
+    """``native.Engine(n_threads, budget_bytes)``, its failures typed: the C engine says OSError when the
+    system gives it no thread at all, MemoryError when it has no memory for its tables."""
+    try:
+        return native.Engine(n_threads, budget_bytes)
+    except MemoryError as exc:
+        raise OutOfMemory(f"the system has no memory to start the compiled engine ({n_threads} threads): free "
+                          "memory, or lower Config.host_buffer_bytes or n_compute_threads",
+                          knob="host_buffer_bytes", nbytes=None) from exc
+    except OSError as exc:  # "the system gives no thread to the engine" (csrc/module.c, engine_init)
+        raise no_thread(f"the compiled engine's {n_threads} threads", "n_compute_threads", exc) from exc
+
+
 class NativeDecoder:
     """Whole batches on the engine's threads; what it cannot do goes to the Python path."""
 
     def __init__(self, n_threads: int, budget_bytes: int, python: PythonDecoder, stats: StatsRecorder,
                  max_group: int = 8 << 20, max_gap: int = 64 << 10) -> None:
-        self.engine = native.Engine(n_threads, budget_bytes)
+        self.engine = _start_engine(n_threads, budget_bytes)
         self.budget_bytes = budget_bytes
         self._python = python
         self._stats = stats
@@ -265,7 +279,11 @@ class NativeDecoder:
         self._pending: list[tuple[Job, object, np.ndarray, tuple | None]] = []
         self._closing = False
         self._thread = threading.Thread(target=self._finisher, name="stoker-engine-finisher", daemon=True)
-        self._thread.start()
+        try:
+            start_thread(self._thread, "n_compute_threads")
+        except BaseException:
+            self.engine.close(0.25)  # its threads run: they end with the error
+            raise
 
     def peak_bytes(self) -> int:
         return int(self.engine.info()["peak"])

@@ -144,8 +144,8 @@ class PythonDecoder:
         self.budget = budget
         self.stats = stats
         self.store = store
-        self._io = DaemonPool(n_io, "stoker-io")
-        self._compute = DaemonPool(n_compute, "stoker-compute")
+        self._io = DaemonPool(n_io, "stoker-io", knob="n_io_threads")
+        self._compute = DaemonPool(n_compute, "stoker-compute", knob="n_compute_threads")
         self._n_compute = n_compute
         self._closing = False
 

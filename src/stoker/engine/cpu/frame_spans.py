@@ -35,6 +35,7 @@ import numpy as np
 from ...runtime import gil
 from ...storage.cache import SizedLRU
 from ...zarr.codecs import blosc
+from ..allocate import host_bytes
 
 #: default bound on the tables kept per pipeline: about 100,000 frames of 4-16 blocks
 DEFAULT_TABLE_BYTES = 16 << 20
@@ -135,7 +136,7 @@ class FrameBuffers:
                 base = self._free.pop(best)
                 self._free_bytes -= len(base)
                 return base[:nbytes]
-        return np.empty(-(-nbytes // self.ROUND) * self.ROUND, np.uint8)[:nbytes]
+        return host_bytes(-(-nbytes // self.ROUND) * self.ROUND, "a blosc frame's fetched blocks")[:nbytes]
 
     def give(self, buffers: list[np.ndarray]) -> None:
         """Keep ``buffers`` (from :meth:`take`) for later frames, within ``max_bytes``."""
@@ -153,7 +154,7 @@ def assemble(table: FrameTable, lo: int, blocks: Any, out: np.ndarray | None = N
     zeros, the blocks, zeros. Every byte is written, so nothing of another chunk is ever left in it, and
     the bulk of it without the GIL."""
     if out is None:
-        out = np.empty(table.cbytes, np.uint8)
+        out = host_bytes(table.cbytes, "a blosc frame's fetched blocks")
     out = out[:table.cbytes]
     head = np.frombuffer(table.head, np.uint8)
     out[:len(head)] = head

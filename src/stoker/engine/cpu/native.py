@@ -6,7 +6,7 @@ every chunk takes the pure-Python path, which reads and decodes the same bytes.
 Its :data:`Engine` makes whole batches from flat plan tables on threads of its own
 (see ``engine/cpu/decode_native.py``). Its statuses, codecs and table columns are the
 constants of ``csrc/stoker_native.h``, by their C names (``ST_OK``, ``CODEC_ZSTD``,
-``C_SOURCE``...): :mod:`stoker.engine.interface` is written from that header, and
+``C_SOURCE``...): :mod:`stoker.engine.cpu.interface` is written from that header, and
 this module re-exports it and checks the extension was compiled with the same values.
 The extension calls zstd's own ``ZSTD_decompress`` (or, where numcodecs exports them,
 its context and buffer-less streaming functions, so a chunk whose copies need only
@@ -30,8 +30,8 @@ import warnings
 
 import numpy as np
 
-from .. import interface
-from ..interface import *  # noqa: F403 - the header's constants, by their C names (native.ST_OK, native.C_FILE...)
+from . import interface
+from .interface import *  # noqa: F403 - the header's constants, by their C names (native.ST_OK, native.C_FILE...)
 
 
 #: source kinds of a copy-cast (csrc/stoker_native.h: K_U8...K_F64), by numpy dtype of native byte order

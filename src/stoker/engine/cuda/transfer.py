@@ -34,6 +34,7 @@ import torch
 
 from ...errors import BudgetExceeded, pipeline_closed
 from ...transforms import apply as apply_transform
+from ..allocate import allocate
 from ..cast import staging_dtype
 from ..buffers import Slot, SlotRing, pinned_footprint
 from ..cpu.executor import CpuExecutor, take_slot
@@ -59,8 +60,9 @@ class CudaTransfer:
             # Allocated on the side stream, which writes them: freed memory is then reused in its order.
             with torch.cuda.stream(self.stream):
                 self.slots = SlotRing(n_slots, batch_shape, dtype, device=device)
-                self._stage = torch.empty(stage_bytes, dtype=torch.uint8, device=device) if stage_bytes else None
-                self._work = (torch.empty(batch_shape, dtype=work, device=device)
+                self._stage = (allocate(stage_bytes, torch.uint8, device, what="the device staging of the cast")
+                               if stage_bytes else None)
+                self._work = (allocate(batch_shape, work, device, what="the device work buffer of the transform")
                               if work is not None and work != dtype else None)
 
     @property

@@ -59,10 +59,12 @@ import numpy as np
 import torch
 
 from ...runtime import gil
+from ...runtime.workers import start_thread
 from ...errors import BudgetExceeded, pipeline_closed
 from . import frames
 from ...transforms import apply as apply_transform
 from . import fallback as gpu_fallback, place as gpu_place
+from ..allocate import allocate
 from ..buffers import SlotRing, pinned_footprint
 from ..executor import Job, Target
 from .layout import layout_of
@@ -218,15 +220,16 @@ class GpuDecodeExecutor:
         with self._on_device():
             with self._on_stream():  # allocated on the stream that writes them: reused in its order
                 self.slots = SlotRing(self.n_slots, batch_shape, dtype, device=self.device)
-                self._work = torch.empty(batch_shape, dtype=work, device=self.device) if work != dtype else None
-                self._data = torch.empty(self._enc_cap, dtype=torch.uint8, device=self.device)
-                self._scratch = torch.empty(self._dec_cap, dtype=torch.uint8, device=self.device)
-                self._temp = torch.empty(temp(k), dtype=torch.uint8, device=self.device)
+                self._work = (allocate(batch_shape, work, self.device, what="the work buffer of the transform")
+                              if work != dtype else None)
+                self._data = allocate(self._enc_cap, torch.uint8, self.device, what="the encoded chunks of a group")
+                self._scratch = allocate(self._dec_cap, torch.uint8, self.device, what="the decoded chunks of a group")
+                self._temp = allocate(temp(k), torch.uint8, self.device, what="nvCOMP's scratch")
             self.host_slots = SlotRing(2, (self._enc_cap,), torch.uint8, pin=self._on_gpu)
         self._reader = threading.Thread(target=self._read_loop, name="stoker-gpu-read", daemon=True)
         self._thread = threading.Thread(target=self._run, name="stoker-gpu-decode", daemon=True)
-        self._thread.start()
-        self._reader.start()
+        start_thread(self._thread, "n_compute_threads")
+        start_thread(self._reader, "n_compute_threads")
 
     def _temp_bytes(self, k: int, stream: int) -> int:
         """nvCOMP's scratch for ``k`` streams of ``stream`` decoded bytes each."""
@@ -246,7 +249,7 @@ class GpuDecodeExecutor:
         need = self._temp_bytes(k, stream)
         if 0 < need <= room:
             with self._on_device(), self._on_stream():
-                self._temp = torch.empty(need, dtype=torch.uint8, device=self.device)
+                self._temp = allocate(need, torch.uint8, self.device, what="nvCOMP's scratch")
 
     def _on_device(self):
         return torch.cuda.device(self.device) if self._on_gpu else contextlib.nullcontext()

@@ -372,7 +372,7 @@ class ReadPool:
 
     def __init__(self, threads: int) -> None:
         self.threads = max(1, threads)
-        self._pool = DaemonPool(self.threads - 1, "stoker-gpu-read") if self.threads > 1 else None
+        self._pool = DaemonPool(self.threads - 1, "stoker-gpu-read", knob="n_compute_threads") if self.threads > 1 else None
         self.closing = False
 
     def map(self, fn: Callable[[Any], Any], items: list) -> list:

@@ -20,6 +20,7 @@ import time
 import torch
 
 from ...runtime import gil
+from ...runtime.workers import start_thread
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
 from ...storage.cache import SizedLRU
 from ...config import Config
@@ -90,10 +91,13 @@ class Coordinator:
         for i in range(0, len(missing) if len(missing) > 1 else 0, _OPEN_AT_ONCE):
             threads = [threading.Thread(target=self._try_open, args=(u, errors), name="stoker-open", daemon=True)
                        for u in missing[i:i + _OPEN_AT_ONCE]]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()  # bounded: every store request has its own time limit
+            try:
+                for t in threads:
+                    start_thread(t, "n_io_threads")
+            finally:
+                for t in threads:
+                    if t.ident is not None:  # started: joined before an error goes on
+                        t.join()  # bounded: every store request has its own time limit
         out = []
         for u in uris:
             if u in errors:
@@ -110,8 +114,9 @@ class Coordinator:
     def start(self) -> None:
         with self.cond:
             if self.thread is None and not self.closed:
-                self.thread = threading.Thread(target=self._run, name="stoker-coordinator", daemon=True)
-                self.thread.start()
+                thread = threading.Thread(target=self._run, name="stoker-coordinator", daemon=True)
+                start_thread(thread, "n_compute_threads")  # none given: a later push tries again
+                self.thread = thread
 
     def close(self) -> None:
         """Stop launching (under the condition); the thread ends at its next check."""

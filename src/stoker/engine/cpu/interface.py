@@ -4,7 +4,7 @@ Written by .ci/interface.py from that header (do not edit: change the header and
 ``make interface``; tests/engine/test_interface.py checks the two agree, and the extension exports
 the same names with the values it was compiled with, which :mod:`stoker.engine.cpu.native` checks).
 
->>> from stoker.engine import interface
+>>> from stoker.engine.cpu import interface
 >>> interface.ST_OK, interface.COPY_COLS(3)
 (0, 5)
 """
