@@ -332,3 +332,22 @@ def test_the_default_folder_comes_from_the_environment(tmp_path, monkeypatch):
     assert stoker.Config(cache_bytes=0).cache.enabled is False
     monkeypatch.delenv("STOKER_CACHE_DIR")
     assert stoker.Config().cache.enabled is False
+
+
+def test_missing_chunks_cost_one_request_a_read_as_without_a_cache(tmp_path):
+    root = tmp_path / "holes"
+    arr = zarr.create_array(str(root / "a"), shape=(32, 32), chunks=(16, 16), dtype="int32", fill_value=9,
+                            compressors=ZstdCodec(level=1))
+    arr[:16] = np.arange(16 * 32, dtype="int32").reshape(16, 32)  # the chunks of rows 16.. are never written
+    want = zarr.open_array(str(root / "a"), mode="r")[...]
+    server = RangeServer(str(root))
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        a = stoker.open_array(f"{server.url}/a", options, stores=Stores())
+        np.testing.assert_array_equal(a.read((slice(0, 32), slice(0, 32))), want)
+        assert a.kv.cache.flush(30)
+        asked = server.requests
+        np.testing.assert_array_equal(a.read((slice(0, 32), slice(0, 32))), want)
+        assert server.requests - asked == 2  # a GET of each missing chunk (found missing), no HEAD again
+    finally:
+        server.stop()

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
-from ..errors import ShutdownError
+from ..errors import NotFound, ShutdownError
 from .diskcache import DiskCache, disk_cache
 from .store import ByteRange, Store, by_key, check_key
 
@@ -49,6 +49,10 @@ class CacheCounters:
         """The share of bytes served from disk (0 before any read)."""
         total = self.hit_bytes + self.miss_bytes
         return self.hit_bytes / total if total else 0.0
+
+
+#: A key learnt to be missing, or whose store states no generation: read through, not asked again until stale.
+_UNCACHED = object()
 
 
 def _ident(uri: str, key: str, start: int | None, length: int | None, generation: Any) -> str:
@@ -94,7 +98,7 @@ class CachingStore:
             for key in keys:
                 known = self._known.get(key)
                 if known is not None and now - known[1] < self.staleness_s:
-                    out[key] = known[0]
+                    out[key] = None if known[0] is _UNCACHED else known[0]
                 else:
                     stale.append(key)
         if stale:
@@ -102,14 +106,21 @@ class CachingStore:
                 found = self.store.versions(stale)
             except ShutdownError:
                 raise
-            except Exception:  # noqa: BLE001 - revalidation failed: read through, the read says what is wrong
-                found = [None] * len(stale)
+            except Exception as exc:  # noqa: BLE001 - revalidation failed: read through, the read says what is wrong
+                found = [exc] * len(stale)
             self.counters.revalidations += len(stale)
             for key, version in zip(stale, found):
-                out[key] = self._learn(key, None if isinstance(version, Exception) else version, now)
+                if isinstance(version, NotFound) or version is None:
+                    # missing, or no generation stated: read through (one request a read, as without a
+                    # cache), not asked again until stale
+                    self._learn(key, _UNCACHED, now)
+                    out[key] = None
+                else:  # a generation, or an error of this key's: read through, the read says what is wrong
+                    out[key] = None if isinstance(version, Exception) else self._learn(key, version, now)
         return out
 
     def _learn(self, key: str, generation: Any, when: float) -> Any:
+        """Keep ``generation`` as ``key``'s now (None: nothing learnt); returns it."""
         if generation is not None:
             with self._lock:
                 self._known[key] = (generation, when)
