@@ -184,9 +184,9 @@ def test_a_pipeline_reads_new_data_after_the_staleness_bound(s3, data, tmp_path)
             np.testing.assert_array_equal(got, _oracle(data, "plain")[tuple(slice(*s) for s in box)])
 
 
-def _reader(args) -> tuple[int, int, int]:
+def _reader(args) -> tuple[int, int, int, int]:
     """One of the processes sharing a cache: reads every box of every array ``passes`` times, each checked
-    against ``want``; returns (hit bytes, miss bytes, the most the folder held)."""
+    against ``want``; returns (hit bytes, miss bytes, the most the folder held, entries it evicted)."""
     uri, options, want, passes, seed = args
     rng = np.random.default_rng(seed)
     cache = disk_cache(os.path.abspath(options["cache_dir"]), options["cache_bytes"])
@@ -203,7 +203,7 @@ def _reader(args) -> tuple[int, int, int]:
             most = max(most, cache.size_on_disk())
     cache.flush(30)
     most = max(most, cache.size_on_disk())
-    return kv.counters.hit_bytes, kv.counters.miss_bytes, most
+    return kv.counters.hit_bytes, kv.counters.miss_bytes, most, cache.evicted
 
 
 def test_four_processes_share_one_folder_under_eviction_pressure(s3, data, tmp_path):
@@ -222,6 +222,7 @@ def test_four_processes_share_one_folder_under_eviction_pressure(s3, data, tmp_p
                            chunksize=1)
     hits = sum(r[0] for r in results)
     assert hits > 0, results  # some reads were served from the shared folder
+    assert sum(r[3] for r in results) > 0, results  # and entries were evicted under the bound
     assert max(r[2] for r in results) <= bound + biggest, (results, bound)
     assert DiskCache(options["cache_dir"], bound).size_on_disk() <= bound + biggest
 

@@ -105,7 +105,7 @@ class DiskCache:
         self.cache_bytes = cache_bytes
         self.root = self.folder / _LAYOUT
         self.writable = True
-        self.hits = self.misses = self.corrupt = self.written = self.dropped = 0
+        self.hits = self.misses = self.corrupt = self.written = self.dropped = self.evicted = 0
         self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
         self._queue: deque[tuple[str, Any]] = deque()
         self._queued = 0
@@ -295,6 +295,7 @@ class DiskCache:
                 except OSError:
                     continue
                 total -= size
+                self.evicted += 1
         return total
 
     def _disable(self, exc: BaseException) -> None:
