@@ -352,3 +352,27 @@ def test_missing_chunks_cost_one_request_a_read_as_without_a_cache(tmp_path):
         assert server.requests - asked == 2  # a GET of each missing chunk (found missing), no HEAD again
     finally:
         server.stop()
+
+
+def test_a_cold_cache_costs_the_requests_of_an_uncached_read(data, tmp_path):
+    server = RangeServer(data)
+    try:
+        counts = []
+        for options in (dict(FAST), {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}):
+            asked = server.requests
+            _check(_read_all(server.url, options, Stores()), data)
+            counts.append(server.requests - asked)
+        assert counts[0] == counts[1] > 0, counts  # no HEAD for keys the cache never kept
+    finally:
+        server.stop()
+
+
+def test_samplers_take_the_cache_keys_among_storage_options(data, tmp_path):
+    server = RangeServer(data)
+    try:
+        options = {server.url + "/": {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 1 << 20}}
+        src = stoker.RandomCrops([f"{server.url}/plain"], (8, 8), seed=0, samples_per_epoch=4,
+                                 storage_options=options)
+        assert src.shapes == [SHAPE]
+    finally:
+        server.stop()

@@ -7,6 +7,9 @@
 A wrapper, as :class:`~stoker.storage.counting.CountingStore` is: the pipeline and ``open_array`` get one
 where a cache is configured (:class:`~stoker.storage.locate.Stores`), nothing else knows of it.
 
+A key of which nothing was ever kept needs no HEAD (an empty *marker* entry says which keys have entries),
+so a cold cache costs the requests an uncached read does.
+
 What is cached: whole values and ranges read by ``get_many``/``start_get_many``, ``get_each`` and
 ``get_ranges`` (chunks, inner chunks, shard indexes), each under (store URI, key, range, generation) in a
 :class:`~stoker.storage.diskcache.DiskCache`. ``get`` (metadata documents) is never cached.
@@ -72,6 +75,7 @@ class CachingStore:
         self.staleness_s = staleness_s
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
+        self._marked: set[str] = set()  # keys whose marker this wrapper has written
         self._lock = threading.Lock()
 
     uri = property(lambda self: self.store.uri)
@@ -101,6 +105,12 @@ class CachingStore:
                     out[key] = None if known[0] is _UNCACHED else known[0]
                 else:
                     stale.append(key)
+        # a key of which nothing was ever kept (no marker) needs no HEAD: its read goes to the store anyway
+        # and states the generation; so a cold cache costs the requests an uncached read does
+        cold = [key for key in stale if not self.cache.has(self._marker(key))]
+        for key in cold:
+            out[key] = None
+        stale = [key for key in stale if key not in out]
         if stale:
             try:
                 found = self.store.versions(stale)
@@ -118,6 +128,10 @@ class CachingStore:
                 else:  # a generation, or an error of this key's: read through, the read says what is wrong
                     out[key] = None if isinstance(version, Exception) else self._learn(key, version, now)
         return out
+
+    def _marker(self, key: str) -> str:
+        """The ident of the empty entry that says entries of ``key`` may be kept."""
+        return f"{self.uri}\n{key}\nkept"
 
     def _learn(self, key: str, generation: Any, when: float) -> Any:
         """Keep ``generation`` as ``key``'s now (None: nothing learnt); returns it."""
@@ -246,6 +260,11 @@ class CachingStore:
             return  # no generation: a later read could not tell it from a rewritten object's
         self._learn(key, gen, now)  # an answer states the object's generation as a HEAD would
         self.cache.put(_ident(self.uri, key, start, length, gen), data)
+        with self._lock:
+            marked = key in self._marked
+            self._marked.add(key)
+        if not marked:
+            self.cache.put(self._marker(key), b"")
 
     # -- the rest, passed through ----------------------------------------------------------------
 

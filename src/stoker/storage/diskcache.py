@@ -120,6 +120,17 @@ class DiskCache:
         name = hashlib.blake2b(ident.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
         return self.root / name[:2] / name
 
+    def has(self, ident: str) -> bool:
+        """Whether an entry is stored under ``ident`` (its bytes unread and unchecked); a use for the LRU."""
+        path = self.path(ident)
+        try:
+            os.utime(path, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError:  # a read-only folder: only look
+            return os.path.lexists(path)
+
     def get(self, ident: str) -> memoryview | None:
         """The bytes stored under ``ident``, or None (never written, evicted, or corrupt: then removed)."""
         path = self.path(ident)
