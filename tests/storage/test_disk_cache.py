@@ -152,11 +152,12 @@ def test_an_object_replaced_between_epochs_is_read_new(remote, data, tmp_path):
     _check(_read_all(uri, options), data)
 
 
-def test_a_pipeline_reads_new_data_after_the_staleness_bound(s3, data, tmp_path):
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_a_pipeline_reads_new_data_after_the_staleness_bound(s3, data, tmp_path, path):
     prefix = f"cache-{uuid.uuid4().hex[:8]}"
     for key, value in read_tree(data).items():
         s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
-    uri = f"s3://{BUCKET}/{prefix}/plain"
+    uri = f"s3://{BUCKET}/{prefix}/{path}"
     cfg = stoker.Config(batch_size=2, dtype="native", n_compute_threads=1, pop_timeout_s=60,
                         storage_options={f"s3://{BUCKET}/": {**s3.options, **FAST}}, cache_dir=str(tmp_path / "c"),
                         cache_bytes=64 << 20, cache_staleness_s=0.5)
@@ -173,7 +174,7 @@ def test_a_pipeline_reads_new_data_after_the_staleness_bound(s3, data, tmp_path)
     with stoker.Pipeline(cfg) as p:
         for _ in range(2):
             for got, box in zip(epoch(p), boxes):
-                np.testing.assert_array_equal(got, _oracle(data, "plain")[tuple(slice(*s) for s in box)])
+                np.testing.assert_array_equal(got, _oracle(data, path)[tuple(slice(*s) for s in box)])
             assert cache.flush(30)
         assert cache.hits > 0 and cache.written > 0  # the second epoch was served from disk
         _write(data, 3)
@@ -181,7 +182,7 @@ def test_a_pipeline_reads_new_data_after_the_staleness_bound(s3, data, tmp_path)
             s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
         time.sleep(0.6)
         for got, box in zip(epoch(p), boxes):
-            np.testing.assert_array_equal(got, _oracle(data, "plain")[tuple(slice(*s) for s in box)])
+            np.testing.assert_array_equal(got, _oracle(data, path)[tuple(slice(*s) for s in box)])
 
 
 def _reader(args) -> tuple[int, int, int, int]:
