@@ -118,7 +118,8 @@ class CachingStore:
                 raise
             except Exception as exc:  # noqa: BLE001 - revalidation failed: read through, the read says what is wrong
                 found = [exc] * len(stale)
-            self.counters.revalidations += len(stale)
+            with self._lock:
+                self.counters.revalidations += len(stale)
             for key, version in zip(stale, found):
                 if isinstance(version, NotFound) or version is None:
                     # missing, or no generation stated: read through (one request a read, as without a
