@@ -51,6 +51,19 @@ def test_bench_store_s3_smoke(tmp_path, capsys):
     check_table(out, 1)
 
 
+@pytest.mark.timeout(300)
+def test_bench_store_epochs_through_the_disk_cache(tmp_path, capsys):
+    assert main(["bench", "--tiny", "--store", "http", "--latency-ms", "5", "--scenarios", "2", "--batches", "3",
+                 "--peers", "stoker", "--epochs", "2", "--data", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    epoch = r"^stoker e{}\s+\d+\.\d.*\s(\d+\.\d)\s+(\d+\.\d\d)  disk cache: (\d+\.\d\d) MB/batch, hit rate (\d+\.\d)%$"
+    first, second = (re.search(epoch.format(k), out, re.M) for k in (1, 2))
+    assert first and second, out
+    # the second epoch's crops (the first's again) come from disk: no body from the server, every byte a hit
+    assert float(second[2]) == 0.0 and float(second[3]) > 0 and float(second[4]) == 100.0, out
+    assert float(first[2]) > 0, out
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["http", "s3"])
 def test_served_arrays_read_as_the_local_ones(tmp_path, kind):
@@ -84,6 +97,7 @@ def test_served_arrays_read_as_the_local_ones(tmp_path, kind):
 
 @pytest.mark.parametrize("argv, words", [
     (["--latency-ms", "5"], "give --store http or --store s3"),
+    (["--epochs", "2"], "give --store http or --store s3"),
     (["--store", "http", "--peers", "stoker,bound"], "the decode bound makes no reads"),
     (["--store", "s3", "--device", "cuda"], "without --device cuda"),
 ])

@@ -25,6 +25,9 @@ def run(args: argparse.Namespace) -> int:
     rounds = args.rounds or (1 if args.tiny else 3)
     if args.latency_ms is not None and args.store is None:
         raise InvalidArgument("--latency-ms delays the requests of a served store: give --store http or --store s3")
+    if args.epochs is not None and args.store is None:
+        raise InvalidArgument("--epochs reads a served store through a local disk cache: give --store http or "
+                              "--store s3")
     if args.store is not None and (args.suite == "records" or args.device == "cuda"):
         raise InvalidArgument(f"--store runs the crops suite on the CPU; run it without "
                               f"{'the records suite' if args.suite == 'records' else '--device cuda'}")
@@ -131,7 +134,7 @@ def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: P
             n_batches = args.batches or sc.timed_batches
             results, step = run_scenario(sc, root, n_batches, batch_size, budget, args.slow_batches, peers,
                                          rounds=rounds, threads=threads, step_ms=args.step_ms, remote=remote,
-                                         counters=server.counters)
+                                         counters=server.counters, epochs=args.epochs or 0)
             print(format_results(sc, results, n_batches, batch_size, step), flush=True)
             records.append(report.scenario_record(sc, results, n_batches, batch_size, step.seconds if step else None))
             _keep(args, records, "cpu", f"stoker bench --store {args.store} --latency-ms {latency:g} on "
@@ -190,6 +193,10 @@ def add_parser(sub) -> None:
                         "through obstore); also reports requests and bytes per batch")
     p.add_argument("--latency-ms", type=_latency_ms, default=None,
                    help="with --store: milliseconds the server waits before answering each request (default 0)")
+    p.add_argument("--epochs", type=_positive_int, default=None,
+                   help="with --store: also stoker through a local disk cache, one peer per epoch (stoker e1 "
+                        "from an empty cache, e2... a new pipeline each over the same crops), with the bytes "
+                        "served from disk per batch and the hit rate")
     p.add_argument("--tiny", action="store_true", help="small datasets: a smoke run in seconds")
     p.add_argument("--json", type=Path, metavar="FILE", default=None,
                    help="also write the numbers as JSON: every peer's samples/s per round, stoker's stages")

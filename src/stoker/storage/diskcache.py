@@ -105,7 +105,7 @@ class DiskCache:
         self.cache_bytes = cache_bytes
         self.root = self.folder / _LAYOUT
         self.writable = True
-        self.hits = self.misses = self.corrupt = self.written = self.dropped = self.evicted = 0
+        self.hits = self.misses = self.corrupt = self.written = self.dropped = self.evicted = self.hit_bytes = 0
         self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
         self._queue: deque[tuple[str, Any]] = deque()
         self._queued = 0
@@ -161,6 +161,7 @@ class DiskCache:
                 pass
             return None
         self.hits += 1
+        self.hit_bytes += payload.nbytes
         return payload
 
     @staticmethod
