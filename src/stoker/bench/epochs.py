@@ -35,7 +35,12 @@ def epoch_peers(epochs: int, run: Callable) -> dict[str, Callable]:
         cache = disk_cache(state["folder"], CACHE_BYTES)
         cache.flush(600)  # the previous epoch's entries written before this one starts
         marks: list[int] = []
-        result = run(lambda: (marks.append(cache.hit_bytes), mark()), state["folder"])
+
+        def marked() -> None:  # the clock starts or stops: the disk's bytes so far, then the server's
+            marks.append(cache.hit_bytes)
+            mark()
+
+        result = run(marked, state["folder"])
         batches = max(1, result.samples // max(1, result.extra.get("batch_size", 1)))
         result.peer = f"stoker e{k}"
         result.extra["disk_bytes_per_batch"] = (marks[-1] - marks[0]) / batches if marks else 0.0
