@@ -7,9 +7,6 @@
 A wrapper, as :class:`~stoker.storage.counting.CountingStore` is: the pipeline and ``open_array`` get one
 where a cache is configured (:class:`~stoker.storage.locate.Stores`), nothing else knows of it.
 
-A key of which nothing was ever kept needs no HEAD (an empty *marker* entry says which keys have entries),
-so a cold cache costs the requests an uncached read does.
-
 What is cached: whole values and ranges read by ``get_many``/``start_get_many``, ``get_each`` and
 ``get_ranges`` (chunks, inner chunks, shard indexes), each under (store URI, key, range, generation) in a
 :class:`~stoker.storage.diskcache.DiskCache`. ``get`` (metadata documents) is never cached.
@@ -20,7 +17,8 @@ Generations. A hit needs the object's generation now: it is learnt by a HEAD req
 has another generation, so its old entries are never served (they age out). :meth:`forget` drops what was
 learnt, so the next read of every key revalidates (``open_array`` outside a pipeline does it at each open;
 a pipeline has its own wrapper, so it revalidates when it starts). A key whose generation the store cannot
-state (no ETag, no Last-Modified) is never cached.
+state (no ETag, no Last-Modified) is never cached. A key of which nothing was ever kept needs no HEAD (an
+empty *marker* entry says which keys have entries), so a cold cache costs the requests an uncached read does.
 """
 
 from __future__ import annotations
