@@ -377,3 +377,30 @@ def test_samplers_take_the_cache_keys_among_storage_options(data, tmp_path):
         assert src.shapes == [SHAPE]
     finally:
         server.stop()
+
+
+_FILLER = textwrap.dedent("""
+    import sys, numpy as np, stoker
+    from stoker.storage.diskcache import disk_cache
+    url, folder = sys.argv[1], sys.argv[2]
+    options = {"cache_dir": folder, "cache_bytes": 64 << 20, "timeout_s": 5.0, "retries": 2}
+    for path in ("plain", "sharded"):
+        stoker.open_array(f"{url}/{path}", options).read((slice(0, 64), slice(0, 48)))
+    assert disk_cache(folder, 64 << 20).flush(30)
+""")
+
+
+def test_the_cache_survives_a_restart(data, tmp_path):
+    server = RangeServer(data)
+    try:
+        folder = str(tmp_path / "cache")
+        subprocess.run([sys.executable, "-c", _FILLER, server.url, folder], check=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        options = {**FAST, "cache_dir": folder, "cache_bytes": 64 << 20}
+        stores = Stores()
+        _check(_read_all(server.url, options, stores), data)
+        for path in ARRAYS:  # this process fetched no chunk: every byte came from the other one's entries
+            kv = stores.get(locate(f"{server.url}/{path}"), options)[0]
+            assert kv.counters.hit_bytes > 0 and kv.counters.miss_bytes == 0, kv.counters
+    finally:
+        server.stop()
