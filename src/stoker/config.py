@@ -16,6 +16,7 @@ import torch
 
 from .checks import integer, seconds
 from .errors import InvalidArgument
+from .storage.diskcache import CacheSettings, cache_settings
 from .storage.locate import check_options_by_prefix
 
 #: Output dtypes by name; "native" keeps the source dtype.
@@ -97,6 +98,12 @@ class Config:
       Left out of the Config's repr (it may hold secrets).
     - ``requests_in_flight`` (>= 1): the most requests to remote stores the pipeline has open at once
       (a batch's chunks are fetched together; independent of the thread counts).
+    - ``cache_dir``, ``cache_bytes``, ``cache_staleness_s``: a local disk cache of the chunks and shard
+      ranges read from remote stores, shared by every rank and process that names the same folder
+      (``cache_dir``; ``None``: ``$STOKER_CACHE_DIR``, else no cache), at most ``cache_bytes`` (>= 0, 0: no
+      cache; ``None``: 10 GiB), each object's generation (ETag) revalidated when the pipeline starts and at
+      most every ``cache_staleness_s`` seconds after (``None``: 60). Local arrays never use it; per-prefix
+      ``storage_options`` may set the same keys. See docs/remote.md, "Local cache".
     - ``decode_on``: ``"auto" | "cpu" | "gpu"``, where chunks are decompressed. ``"gpu"``: chunks cross
       to the GPU encoded, and NVIDIA nvCOMP decodes them there (zstd chunks, blosc frames of lz4 or
       zstd; other chunks are decoded on the CPU, with a one-time warning naming the array); it needs a
@@ -125,6 +132,9 @@ class Config:
     transform: Any = None
     storage_options: dict | None = field(default=None, repr=False)  # may hold secrets: never printed
     requests_in_flight: int = 64
+    cache_dir: str | os.PathLike | None = None
+    cache_bytes: int | None = None
+    cache_staleness_s: float | None = None
 
     def __post_init__(self) -> None:
         for name, low in _INTEGER_KNOBS.items():  # numpy integers are stored as ints
@@ -167,6 +177,12 @@ class Config:
         object.__setattr__(self, "transform", as_transform(self.transform))
         object.__setattr__(self, "storage_options",
                            check_options_by_prefix(self.storage_options, "Config.storage_options"))
+        cache_settings(self.cache_dir, self.cache_bytes, self.cache_staleness_s)  # checked here, used by `cache`
+
+    @property
+    def cache(self) -> CacheSettings:
+        """The disk cache of remote chunks these knobs (and ``$STOKER_CACHE_DIR``) ask for."""
+        return cache_settings(self.cache_dir, self.cache_bytes, self.cache_staleness_s)
 
     def _check_device(self) -> None:
         d = self.device

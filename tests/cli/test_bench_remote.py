@@ -51,6 +51,21 @@ def test_bench_store_s3_smoke(tmp_path, capsys):
     check_table(out, 1)
 
 
+@pytest.mark.timeout(300)
+def test_bench_store_epochs_through_the_disk_cache(tmp_path, capsys):
+    assert main(["bench", "--tiny", "--store", "http", "--latency-ms", "2,5", "--scenarios", "2", "--batches", "3",
+                 "--peers", "stoker", "--epochs", "2", "--data", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert [float(t) for t in re.findall(r"with (\d+) ms added to every request", out)] == [2.0, 5.0], out
+    epoch = r"^stoker e{}\s+\d+\.\d.*\s(\d+\.\d)\s+(\d+\.\d\d)  disk cache: (\d+\.\d\d) MB/batch, hit rate (\d+\.\d)%$"
+    firsts, seconds = (re.findall(epoch.format(k), out, re.M) for k in (1, 2))
+    assert len(firsts) == len(seconds) == 2, out  # a table per latency
+    for first, second in zip(firsts, seconds):
+        # the second epoch's crops (the first's again) come from disk: no body from the server, every byte a hit
+        assert float(second[1]) == 0.0 and float(second[2]) > 0 and float(second[3]) == 100.0, out
+        assert float(first[1]) > 0, out
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["http", "s3"])
 def test_served_arrays_read_as_the_local_ones(tmp_path, kind):
@@ -84,6 +99,7 @@ def test_served_arrays_read_as_the_local_ones(tmp_path, kind):
 
 @pytest.mark.parametrize("argv, words", [
     (["--latency-ms", "5"], "give --store http or --store s3"),
+    (["--epochs", "2"], "give --store http or --store s3"),
     (["--store", "http", "--peers", "stoker,bound"], "the decode bound makes no reads"),
     (["--store", "s3", "--device", "cuda"], "without --device cuda"),
 ])
@@ -91,7 +107,8 @@ def test_bench_store_mistakes_are_one_line(tmp_path, capsys, argv, words):
     assert main(["bench", "--tiny", *argv, "--data", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1, err
-    for bad in (["--latency-ms", "-1"], ["--latency-ms", "nan"], ["--latency-ms", "soon"], ["--store", "ftp"]):
+    for bad in (["--latency-ms", "-1"], ["--latency-ms", "nan"], ["--latency-ms", "soon"], ["--latency-ms", "20,"],
+                ["--store", "ftp"]):
         with pytest.raises(SystemExit) as exited:  # usage errors: argparse's status 2
             main(["bench", "--tiny", "--store", "http", *bad, "--data", str(tmp_path)])
         assert exited.value.code == 2

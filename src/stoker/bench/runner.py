@@ -42,6 +42,7 @@ from ..engine.pipeline.facade import Pipeline
 from ..sampling.sample import Sample
 from ..zarr.grid import chunk_intersections
 from .datasets import VolumeSpec, ensure, warm_page_cache
+from .epochs import CACHE_BYTES, epoch_peers, hit_rate
 from .remote import Remote, ZarrOpener
 from ..dist.telemetry import host_rss_bytes as rss_bytes
 
@@ -236,12 +237,14 @@ def time_pipeline(p: Pipeline, samples: list[Sample], batch_size: int, consume=l
 
 
 def stoker_config(batch_size: int, host_buffer_bytes: int, dtype: str = "f32", device: str = "cpu",
-                  threads: int | None = None, storage_options: dict | None = None) -> Config:
+                  threads: int | None = None, storage_options: dict | None = None,
+                  cache_dir: str | None = None) -> Config:
     """The pipeline every stoker peer runs (``device="cpu"`` also on a GPU machine unless asked); compute
     threads: the default (this rank's share of the CPUs) unless ``threads`` says."""
     return Config(batch_size=batch_size, dtype=dtype, host_buffer_bytes=host_buffer_bytes, device_buffer_bytes=2 << 30,
                   n_io_threads=2, lookahead_batches=LOOKAHEAD, device=device, n_compute_threads=threads,
-                  storage_options=storage_options)
+                  storage_options=storage_options, cache_dir=cache_dir,
+                  cache_bytes=None if cache_dir is None else CACHE_BYTES)
 
 
 class PipelineCollections:
@@ -270,7 +273,7 @@ class PipelineCollections:
 
 def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int,
                threads: int | None = None, step_s: float = 0.0, storage_options: dict | None = None,
-               mark=lambda: None) -> Result:
+               mark=lambda: None, cache_dir: str | None = None) -> Result:
     """The stoker peer; ``threads`` compute threads (a peer of a thread sweep, named ``stoker t=N``) or the
     default. ``cpu_s``: the process's CPU time while timed, less the consumer's steps; ``gc_s``: the
     pipeline threads' garbage collections while timed. ``mark`` runs as the clock starts and stops."""
@@ -281,7 +284,8 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
         marks.append((time.process_time(), collections.seconds))
 
     consume = Consumer(step_s)
-    config = stoker_config(batch_size, host_buffer_bytes, threads=threads, storage_options=storage_options)
+    config = stoker_config(batch_size, host_buffer_bytes, threads=threads, storage_options=storage_options,
+                           cache_dir=cache_dir)
     with RssSampler() as rss, PipelineCollections() as collections, Pipeline(config) as p:
         n, seconds, first = time_pipeline(p, samples, batch_size, consume=consume, sync=sync)
         stats = p.stats()
@@ -591,7 +595,7 @@ def auto_step(samples: list[Sample], batch_size: int, itemsize: int, rounds: int
 def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host_buffer_bytes: int,
                  slow_batches: int, peers: set[str], growth: bool = False, rounds: int = 1,
                  threads: tuple[int, ...] = (), step_ms: float | str | None = None,
-                 remote: Remote | None = None, counters=None) -> tuple[list[Result], Step | None]:
+                 remote: Remote | None = None, counters=None, epochs: int = 0) -> tuple[list[Result], Step | None]:
     """Every peer in ``peers`` on the scenario's crops, in interleaved rounds; ``threads``: a stoker peer
     per compute-thread count besides the default one (a thread sweep, for machines of many cores).
     ``step_ms``: a busy consumer (milliseconds of Python after each batch, or ``"auto"``); the decode
@@ -599,7 +603,8 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
 
     ``remote``: every peer reads the arrays through the bench server (``--store``), and ``counters()``
     (the server's ``(requests, bytes)``) gives each peer's requests and bytes per timed batch; the
-    decode bound and stoker's fresh-process memory runs are left out."""
+    decode bound and stoker's fresh-process memory runs are left out. ``epochs``: with ``remote``, also
+    stoker through a local disk cache, a peer per epoch (:mod:`stoker.bench.epochs`)."""
     paths = ensure(root, sc.volume)
     warm_page_cache(paths)
     in_flight, dl_timed = dataloader_batches(slow_batches)
@@ -632,6 +637,11 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
                                                     m),
         "bound": lambda m: run_decode_bound(samples, batch_size, itemsize),
     }
+    if remote is not None and epochs:
+        every.update(epoch_peers(epochs, lambda m, folder: run_stoker(
+            samples, batch_size, itemsize, host_buffer_bytes, step_s=step_s, storage_options=options, mark=m,
+            cache_dir=folder)))
+        peers = peers | set(epoch_peers(epochs, lambda m, folder: None))
     if step is not None or remote is not None:
         del every["bound"]  # no consumer to be busy, or no reads to make: its number would not compare
     if counters is not None:
@@ -674,6 +684,8 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
         line = f"{r.peer:<18}{r.samples_per_s:>11.1f}{r.mb_per_s:>9.1f}{ratio}{r.peak_rss / 1e6:>13.0f}"
         if "requests_per_batch" in r.extra:
             line += f"{r.extra['requests_per_batch']:>16.1f}{r.extra['bytes_per_batch'] / 1e6:>10.2f}"
+        if hit_rate(r.extra) is not None:
+            line += f"  disk cache: {r.extra['disk_bytes_per_batch'] / 1e6:.2f} MB/batch, hit rate {hit_rate(r.extra):.1%}"
         lines.append(line)
     if st:
         stats = st.extra["stats"]

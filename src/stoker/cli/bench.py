@@ -25,6 +25,9 @@ def run(args: argparse.Namespace) -> int:
     rounds = args.rounds or (1 if args.tiny else 3)
     if args.latency_ms is not None and args.store is None:
         raise InvalidArgument("--latency-ms delays the requests of a served store: give --store http or --store s3")
+    if args.epochs is not None and args.store is None:
+        raise InvalidArgument("--epochs reads a served store through a local disk cache: give --store http or "
+                              "--store s3")
     if args.store is not None and (args.suite == "records" or args.device == "cuda"):
         raise InvalidArgument(f"--store runs the crops suite on the CPU; run it without "
                               f"{'the records suite' if args.suite == 'records' else '--device cuda'}")
@@ -116,26 +119,29 @@ def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: P
     from ..bench.runner import BATCH_SIZE, format_results, host_budget, run_scenario
     from ..bench.serve import Served
 
-    latency = args.latency_ms or 0.0
     for sc in chosen:  # written before the server starts serving them
         ensure(root, sc.volume)
-    with Served(root, args.store, latency) as server:
-        remote = Remote(args.store, server.url, Path(root), latency)
-        print(f"stoker bench --store {args.store}: {os.cpu_count()} cores, {platform.python_version()}; batch "
-              f"{args.batch_size or f'{BATCH_SIZE} unless a scenario says'}; f32 out; data in {root}, served at "
-              f"{server.url} (a process of its own) with {latency:g} ms added to every request; requests and "
-              "bytes per timed batch as the server counted them", flush=True)
-        for sc in chosen:
-            batch_size = args.batch_size or sc.batch_size
-            budget = host_budget(sc, batch_size, args.host_buffer_bytes)
-            n_batches = args.batches or sc.timed_batches
-            results, step = run_scenario(sc, root, n_batches, batch_size, budget, args.slow_batches, peers,
-                                         rounds=rounds, threads=threads, step_ms=args.step_ms, remote=remote,
-                                         counters=server.counters)
-            print(format_results(sc, results, n_batches, batch_size, step), flush=True)
-            records.append(report.scenario_record(sc, results, n_batches, batch_size, step.seconds if step else None))
-            _keep(args, records, "cpu", f"stoker bench --store {args.store} --latency-ms {latency:g} on "
-                                        f"{os.cpu_count()} cores")
+    for latency in args.latency_ms or (0.0,):  # one served run per latency (--latency-ms 20,100)
+        with Served(root, args.store, latency) as server:
+            remote = Remote(args.store, server.url, Path(root), latency)
+            print(f"stoker bench --store {args.store}: {os.cpu_count()} cores, {platform.python_version()}; batch "
+                  f"{args.batch_size or f'{BATCH_SIZE} unless a scenario says'}; f32 out; data in {root}, served at "
+                  f"{server.url} (a process of its own) with {latency:g} ms added to every request; requests and "
+                  "bytes per timed batch as the server counted them", flush=True)
+            for sc in chosen:
+                batch_size = args.batch_size or sc.batch_size
+                budget = host_budget(sc, batch_size, args.host_buffer_bytes)
+                n_batches = args.batches or sc.timed_batches
+                results, step = run_scenario(sc, root, n_batches, batch_size, budget, args.slow_batches, peers,
+                                             rounds=rounds, threads=threads, step_ms=args.step_ms, remote=remote,
+                                             counters=server.counters, epochs=args.epochs or 0)
+                print(format_results(sc, results, n_batches, batch_size, step), flush=True)
+                records.append(report.scenario_record(sc, results, n_batches, batch_size,
+                                                      step.seconds if step else None))
+                records[-1]["latency_ms"] = latency
+                _keep(args, records, "cpu", f"stoker bench --store {args.store} --latency-ms "
+                                            f"{','.join(f'{t:g}' for t in args.latency_ms or (0.0,))} on "
+                                            f"{os.cpu_count()} cores")
     return 0
 
 
@@ -189,7 +195,12 @@ def add_parser(sub) -> None:
                         "or an S3 bucket (stoker by URI, tensorstore with its http/s3 kvstore, zarr-python "
                         "through obstore); also reports requests and bytes per batch")
     p.add_argument("--latency-ms", type=_latency_ms, default=None,
-                   help="with --store: milliseconds the server waits before answering each request (default 0)")
+                   help="with --store: milliseconds the server waits before answering each request (default 0); "
+                        "a comma-separated list runs the suite once per latency (e.g. 20,100)")
+    p.add_argument("--epochs", type=_positive_int, default=None,
+                   help="with --store: also stoker through a local disk cache, one peer per epoch (stoker e1 "
+                        "from an empty cache, e2... a new pipeline each over the same crops), with the bytes "
+                        "served from disk per batch and the hit rate")
     p.add_argument("--tiny", action="store_true", help="small datasets: a smoke run in seconds")
     p.add_argument("--json", type=Path, metavar="FILE", default=None,
                    help="also write the numbers as JSON: every peer's samples/s per round, stoker's stages")
@@ -223,15 +234,19 @@ def _peers(text: str) -> tuple[str, ...]:
     return names
 
 
-def _latency_ms(text: str) -> float:
-    """``--latency-ms``: milliseconds, 0 or more (finite)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"takes milliseconds (a number, 0 or more), got {text!r}")
-    return value
+def _latency_ms(text: str) -> tuple[float, ...]:
+    """``--latency-ms``: milliseconds, 0 or more (finite), or a comma-separated list of them (a run each)."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            value = -1.0
+        if not 0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"takes milliseconds (a number, 0 or more, or a comma-separated "
+                                             f"list of them), got {text!r}")
+        values.append(value)
+    return tuple(values)
 
 
 def _step_ms(text: str) -> float | str:

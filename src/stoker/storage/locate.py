@@ -28,6 +28,7 @@ from typing import Any, Mapping
 from urllib.parse import urlparse
 
 from ..errors import InvalidArgument, ShutdownError
+from .diskcache import CacheSettings, cache_settings
 from .store import Store, check_key
 from .uri import REMOTE_SCHEMES, check_remote_url, store_root
 
@@ -35,6 +36,8 @@ from .uri import REMOTE_SCHEMES, check_remote_url, store_root
 SETTING_KEYS = frozenset({"timeout_s", "connect_timeout_s", "retries", "retry_timeout_s", "backoff_s",
                           "max_backoff_s", "max_in_flight", "max_gap", "max_length", "queue_timeout_s",
                           "max_value_bytes"})
+#: The disk cache's settings that may be given among ``storage_options`` (see :mod:`.cachingstore`).
+CACHE_KEYS = frozenset({"cache_dir", "cache_bytes", "cache_staleness_s"})
 
 
 @dataclass(frozen=True)
@@ -160,12 +163,14 @@ class Stores:
     see data rewritten between them as local files do (``revalidate``)."""
 
     def __init__(self, requests_in_flight: int | None = None, *, revalidate: bool = False,
-                 max_stores: int | None = None) -> None:
+                 max_stores: int | None = None, cache: CacheSettings | None = None) -> None:
         """``requests_in_flight``: the most requests the object stores opened here have open at once, all
         of them together (None: each store's ``max_in_flight`` per call only). ``revalidate``: every
         :meth:`get` reopens a zip archive changed since it was opened (its file identity) and gives a
         fresh :class:`~stoker.storage.hierarchy.Hierarchy` (metadata read again). ``max_stores``: the
-        most stores kept (least recently used dropped first; None: no bound)."""
+        most stores kept (least recently used dropped first; None: no bound). ``cache``: the disk cache of
+        the object stores' chunks (:class:`~stoker.storage.cachingstore.CachingStore`; None: the one
+        ``$STOKER_CACHE_DIR`` names, if any); ``storage_options`` may override it per store."""
         import asyncio
 
         # used only on the stores' one event loop thread (a semaphore binds to a loop when first waited on)
@@ -174,6 +179,7 @@ class Stores:
         self._lock = threading.Lock()
         self._closed = False
         self._revalidate, self._max_stores = revalidate, max_stores
+        self._cache = cache
 
     def get(self, loc: Location, storage_options: dict | None = None) -> tuple[Store, Any]:
         """``(store, hierarchy)`` for ``loc`` (not a local directory)."""
@@ -181,12 +187,15 @@ class Stores:
 
         options = dict(storage_options or {})
         settings = {k: options.pop(k) for k in list(options) if k in SETTING_KEYS}
+        caching = {k: options.pop(k) for k in list(options) if k in CACHE_KEYS}
         if not loc.archive:
             check_remote_url(loc.uri)  # the array's URI is in its messages and ArrayReader.uri
-        if loc.archive and (options or settings):
+        if loc.archive and (options or settings or caching):
             raise InvalidArgument(f"{loc.uri}: storage_options apply to remote stores only, not to zip archives",
                                   uri=loc.uri)
-        ident = (loc.root, json.dumps(options, sort_keys=True, default=repr), json.dumps(settings, sort_keys=True))
+        cache = None if loc.archive else self._cache_of(caching)
+        ident = (loc.root, json.dumps(options, sort_keys=True, default=repr), json.dumps(settings, sort_keys=True),
+                 cache)
         with self._lock:
             self._check_open(loc)
             held = self._stores.get(ident)
@@ -196,7 +205,10 @@ class Stores:
                 if self._stores.get(ident) is held:
                     del self._stores[ident]
             held = None
+        if held is not None and self._revalidate and hasattr(held[0], "forget"):
+            held[0].forget()  # a disk cache revalidates each object's generation at each open
         if held is None:
+            store: Any
             if loc.archive:
                 from .zipstore import ZipStore
 
@@ -205,6 +217,11 @@ class Stores:
                 from .objectstore import ObjectStore
 
                 store = ObjectStore(loc.root, options, gate=self._gate, **settings)
+                if cache is not None and cache.enabled:
+                    from .cachingstore import CachingStore
+                    from .diskcache import disk_cache
+
+                    store = CachingStore(store, disk_cache(str(cache.folder), cache.cache_bytes), cache.staleness_s)
             with self._lock:
                 held = None if self._closed else self._stores.setdefault(ident, (store, Hierarchy(store)))
             if held is None or held[0] is not store:
@@ -219,6 +236,15 @@ class Stores:
                 # descriptor is closed when the last of them is gone (ZipStore's finalizer).
                 self._stores.popitem(last=False)
         return (held[0], Hierarchy(held[0])) if self._revalidate else held
+
+    def _cache_of(self, given: dict) -> CacheSettings:
+        """This store's disk cache settings: the Stores' (or ``$STOKER_CACHE_DIR``'s), with ``given``
+        (``storage_options`` keys) over them."""
+        base = self._cache if self._cache is not None else cache_settings()
+        if not given:
+            return base
+        return cache_settings(given.get("cache_dir", base.folder), given.get("cache_bytes", base.cache_bytes),
+                              given.get("cache_staleness_s", base.staleness_s), what="storage_options")
 
     def _check_open(self, loc: Location) -> None:
         if self._closed:

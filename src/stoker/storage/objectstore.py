@@ -527,6 +527,27 @@ class ObjectStore:
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
+    def versions(self, keys: Sequence[str]) -> list:
+        """The :data:`Version` of each object now (None where the server states none), or the error that key
+        alone met (:class:`NotFound` for a missing one), in its place: one HEAD request each (no body), at
+        most ``max_in_flight`` at once. What a cache of this store's bytes revalidates its entries with."""
+        for key in keys:
+            check_key(key)
+        rounds = -(-len(keys) // self.max_in_flight)
+        return self._run(self._versions(list(keys)), rounds=max(1, rounds)) if keys else []
+
+    async def _versions(self, keys: list[str]) -> list:
+        gate = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(key: str):
+            try:
+                async with self._slot(gate, key, "revalidation", self._call_slots()):
+                    return _version(await self._attempts(key, "revalidation", lambda: self._head(key)))
+            except Exception as exc:  # noqa: BLE001 - this key's own error, in its place
+                return as_value(exc)
+
+        return list(await asyncio.gather(*(one(k) for k in keys)))
+
     async def _head(self, key: str) -> dict:
         import obstore
 

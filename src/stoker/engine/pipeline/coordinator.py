@@ -72,7 +72,7 @@ class Coordinator:
         self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
         self._dtypes: dict = {}  # the batch dtype of each source dtype (numpy's), as batch_dtype settles it
         # remote stores of this pipeline's arrays, closed with it; their requests capped together
-        self.stores = Stores(cfg.requests_in_flight)
+        self.stores = Stores(cfg.requests_in_flight, cache=cfg.cache)
 
     def open(self, uri: str) -> ArrayReader:
         """The array at ``uri``, opened once per pipeline (metadata and shard indexes cached)."""

@@ -1,0 +1,367 @@
+"""DiskCache: a bounded folder of checksummed byte entries, shared by every process of a node.
+
+>>> cache = disk_cache("/scratch/stoker-cache", cache_bytes=50 << 30)
+>>> cache.put("s3://bkt|c/0/1|0:-1|(123, '\"e\"')", data); cache.get("s3://bkt|c/0/1|0:-1|(123, '\"e\"')")
+
+An entry is a file named by a hash of its *ident* (the caller's string: store, key, range, generation), under
+``<folder>/v1/<2 hex>/<32 hex>``. It holds a header (magic, crc32c, lengths), the ident (so a hash collision
+is never served) and the bytes. Rules that make one folder safe for many processes without a daemon:
+
+- **Written once, never seen partial**: written to a temporary sibling, flushed, fsynced and renamed
+  (:func:`~stoker.storage.fsutil.replace_atomically`); readers open the final name only.
+- **Bounded**: every write takes the folder's lock (``fcntl.flock`` on ``v1/.index``, bounded wait), makes
+  room, writes and adds its size to the total kept in that file, so the entries and the one being written
+  never exceed ``cache_bytes``. Making room scans the folder and unlinks the least recently used entries
+  (by mtime, which a hit refreshes) down to 90% of the bound, so scans are rare. Each process scans once
+  before its first write, so a total left wrong by a crash is corrected (and dead writers' temporary files
+  removed).
+- **Eviction never breaks a read**: it unlinks; a reader that opened the file keeps reading it, one that
+  comes after finds no entry (a miss).
+- **Corruption is a miss**: a short file, a bad header or a checksum mismatch is removed and reported as
+  absent; the caller fetches again.
+- **Failure is a miss**: a folder that cannot be created or written (read-only, full disk), or an entry
+  larger than ``cache_bytes``, makes writes stop (one ``RuntimeWarning``); reads go on uncached.
+
+Writes are queued to one daemon thread per folder (bounded in bytes: past :data:`QUEUE_BYTES` an entry is
+dropped, cached on a later read), so a fetch never waits for a disk write.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import struct
+import threading
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c
+
+from .. import checks
+from ..errors import InvalidArgument
+from .fsutil import is_temp_path, remove_dead_temp_files, replace_atomically, writer_gone
+
+#: The entry header: magic, crc32c of ident + payload, ident length, payload length.
+HEADER = struct.Struct("<6sHIIQ")
+MAGIC = b"STKC1\n"
+#: Bytes of entries queued for writing, at most, per folder (more are dropped: cached on a later read).
+QUEUE_BYTES = 256 << 20
+#: The most a write waits for the folder's lock (another process evicting); then that entry is not written.
+LOCK_WAIT_S = 10.0
+#: Making room evicts down to this share of ``cache_bytes``, so a scan serves many writes.
+LOW_WATER = 0.9
+_ENTRY = re.compile(r"[0-9a-f]{32}")
+_LAYOUT = "v1"
+#: The environment variable naming the default cache folder.
+CACHE_DIR_ENV = "STOKER_CACHE_DIR"
+#: The bound of a cache whose folder is given without ``cache_bytes``.
+DEFAULT_CACHE_BYTES = 10 << 30
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """Where and how much: ``folder`` (None: no cache), ``cache_bytes`` (0: no cache), and how long a
+    revalidated generation is trusted (``staleness_s``)."""
+
+    folder: str | None = None
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    staleness_s: float = 60.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.folder is not None and self.cache_bytes > 0
+
+
+def cache_settings(cache_dir=None, cache_bytes=None, cache_staleness_s=None, *, what: str = "Config") -> CacheSettings:
+    """The :class:`CacheSettings` of the three knobs, checked (``InvalidArgument`` names the knob):
+    ``cache_dir`` a folder (None: ``$STOKER_CACHE_DIR``, else no cache), ``cache_bytes`` an int >= 0
+    (None: :data:`DEFAULT_CACHE_BYTES`; 0: no cache), ``cache_staleness_s`` seconds > 0 (None: 60)."""
+    if cache_dir is None:
+        cache_dir = os.environ.get(CACHE_DIR_ENV) or None
+    elif not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir):
+        raise InvalidArgument(f"{what}.cache_dir must be a folder path (str or PathLike) or None, got {cache_dir!r}",
+                              knob="cache_dir")
+    folder = None if cache_dir is None else os.path.abspath(os.path.expanduser(os.fspath(cache_dir)))
+    size = DEFAULT_CACHE_BYTES if cache_bytes is None else \
+        checks.integer(f"{what}.cache_bytes", cache_bytes, 0, knob="cache_bytes")
+    stale = 60.0 if cache_staleness_s is None else \
+        checks.seconds(f"{what}.cache_staleness_s", cache_staleness_s, knob="cache_staleness_s")
+    return CacheSettings(folder, size, stale)
+
+
+class DiskCache:
+    """One cache folder as this process sees it (see the module docstring); thread-safe. Get one with
+    :func:`disk_cache`, which shares it between the stores of a process."""
+
+    def __init__(self, folder: str, cache_bytes: int) -> None:
+        self.folder = Path(folder)
+        self.cache_bytes = cache_bytes
+        self.root = self.folder / _LAYOUT
+        self.writable = True
+        self.hits = self.misses = self.corrupt = self.written = self.dropped = self.evicted = self.hit_bytes = 0
+        self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
+        self._queue: deque[tuple[str, Any]] = deque()
+        self._queued = 0
+        self._cond = threading.Condition()
+        self._busy = False
+        self._warned: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def path(self, ident: str) -> Path:
+        name = hashlib.blake2b(ident.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+        return self.root / name[:2] / name
+
+    def has(self, ident: str) -> bool:
+        """Whether an entry is stored under ``ident`` (its bytes unread and unchecked); a use for the LRU."""
+        path = self.path(ident)
+        try:
+            os.utime(path, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError:  # a read-only folder: only look
+            return os.path.lexists(path)
+
+    def get(self, ident: str) -> memoryview | None:
+        """The bytes stored under ``ident``, or None (never written, evicted, or corrupt: then removed)."""
+        path = self.path(ident)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            self.misses += 1
+            return None
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                raw = f.read()
+            try:
+                os.utime(fd)  # the LRU clock: a hit is a use
+            except OSError:
+                pass  # a read-only folder: still a hit
+        except OSError:
+            self.misses += 1
+            return None
+        finally:
+            os.close(fd)
+        payload = self._check(raw, ident)
+        if payload is None:
+            self.corrupt += 1
+            self.misses += 1
+            try:
+                os.unlink(path)  # a later write puts a good one there (the total is corrected at the next scan)
+            except OSError:
+                pass
+            return None
+        self.hits += 1
+        self.hit_bytes += payload.nbytes
+        return payload
+
+    @staticmethod
+    def _check(raw: bytes, ident: str) -> memoryview | None:
+        if len(raw) < HEADER.size:
+            return None
+        magic, _, crc, ident_len, length = HEADER.unpack_from(raw)
+        body = memoryview(raw)[HEADER.size:]
+        if magic != MAGIC or len(body) != ident_len + length or crc32c.crc32c(body) != crc:
+            return None
+        if bytes(body[:ident_len]) != ident.encode("utf-8", "surrogatepass"):
+            return None  # another ident hashing to the same name
+        return body[ident_len:]
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def put(self, ident: str, data) -> None:
+        """Queue ``data`` to be stored under ``ident`` (written by the folder's writer thread)."""
+        n = memoryview(data).nbytes
+        if not self.writable:
+            return
+        if HEADER.size + len(ident) * 4 + n > self.cache_bytes:
+            self._warn("big", f"stoker's disk cache {self.folder}: an entry of {n:,} bytes is larger than "
+                              f"cache_bytes={self.cache_bytes:,}; such values are read uncached (raise cache_bytes)")
+            return
+        with self._cond:
+            if self._queued + n > QUEUE_BYTES:
+                self.dropped += 1
+                return
+            self._queue.append((ident, data))
+            self._queued += n
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name="stoker-diskcache", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued entry is written (or dropped); False if that took longer than ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.1))
+        return True
+
+    def _drain(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait(1.0)
+                ident, data = self._queue.popleft()
+                self._busy = True
+            try:
+                self.write(ident, data)
+            except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
+                self._disable(exc)
+            finally:
+                with self._cond:
+                    self._queued -= memoryview(data).nbytes
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def write(self, ident: str, data) -> bool:
+        """Store ``data`` under ``ident`` now (see the module docstring); True when written."""
+        if not self.writable:
+            return False
+        payload = memoryview(data).cast("B")
+        name = ident.encode("utf-8", "surrogatepass")
+        size = HEADER.size + len(name) + payload.nbytes
+        if size > self.cache_bytes:
+            return False
+        final = self.path(ident)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            lock = os.open(self.root / ".index", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except OSError as exc:
+            self._disable(exc)
+            return False
+        try:
+            if not _lock(lock, LOCK_WAIT_S):
+                return False  # a process holds it that long (a hung disk?): this entry stays unwritten
+            if os.path.exists(final):
+                return False  # another process wrote it meanwhile
+            total = self._total(lock)
+            if not self._scanned or total + size > self.cache_bytes:
+                total = self._evict(size)
+                self._scanned = True
+            crc = crc32c.crc32c(payload, crc32c.crc32c(name))
+            header = HEADER.pack(MAGIC, 0, crc, len(name), payload.nbytes)
+            _store_total(lock, total + size)  # counted before the file exists: a crash can only over-count
+            try:
+                replace_atomically(final, lambda f: (f.write(header), f.write(name), f.write(payload)))
+            except OSError as exc:
+                _store_total(lock, total)
+                self._disable(exc)
+                return False
+            self.written += 1
+            return True
+        finally:
+            os.close(lock)  # releases the flock
+
+    def _total(self, lock: int) -> int:
+        raw = os.pread(lock, 8, 0)
+        return struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+
+    def _evict(self, incoming: int) -> int:
+        """Scan the folder (under the lock); unlink least recently used entries until ``incoming`` more bytes fit
+        under the low water mark; remove dead writers' temporary files. Returns the bytes left."""
+        entries: list[tuple[float, int, str]] = []
+        total = 0
+        try:
+            folders = [e.path for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            folders = []
+        for folder in folders:
+            remove_dead_temp_files(folder)
+            try:
+                listing = list(os.scandir(folder))
+            except OSError:
+                continue
+            for e in listing:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if _ENTRY.fullmatch(e.name):
+                    entries.append((st.st_mtime, st.st_size, e.path))
+                    total += st.st_size
+                elif is_temp_path(e.path) and not writer_gone(e.path):
+                    total += st.st_size  # a live writer's (another machine's, on a shared folder)
+        target = min(int(self.cache_bytes * LOW_WATER), self.cache_bytes - incoming)
+        if total + incoming > self.cache_bytes:
+            entries.sort()
+            for _, size, path in entries:
+                if total + incoming <= target:
+                    break
+                try:
+                    os.unlink(path)  # a reader that opened it reads on; later ones miss
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue
+                total -= size
+                self.evicted += 1
+        return total
+
+    def _disable(self, exc: BaseException) -> None:
+        self.writable = False
+        full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        why = "the disk is full" if full else str(exc)
+        self._warn("off", f"stoker's disk cache {self.folder} stops caching in this process ({why}); remote reads "
+                          "go on uncached. Free space or pick a writable folder (cache_dir, $STOKER_CACHE_DIR)")
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def size_on_disk(self) -> int:
+        """The bytes of every entry and temporary file in the folder now (a scan; for checks and tests)."""
+        total = 0
+        for folder, _, names in os.walk(self.root):
+            for name in names:
+                if name != ".index":
+                    try:
+                        total += os.lstat(os.path.join(folder, name)).st_size
+                    except OSError:
+                        pass
+        return total
+
+
+def _lock(fd: int, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+def _store_total(fd: int, total: int) -> None:
+    os.pwrite(fd, struct.pack("<Q", max(0, total)), 0)
+
+
+_caches: dict[tuple[str, int, int], DiskCache] = {}
+_caches_lock = threading.Lock()
+
+
+def disk_cache(folder: str, cache_bytes: int) -> DiskCache:
+    """The process's :class:`DiskCache` of ``folder`` with bound ``cache_bytes`` (one writer thread each)."""
+    ident = (folder, cache_bytes, os.getpid())  # a forked child gets its own (its writer thread did not survive)
+    with _caches_lock:
+        cache = _caches.get(ident)
+        if cache is None:
+            cache = _caches[ident] = DiskCache(folder, cache_bytes)
+        return cache

@@ -1,0 +1,406 @@
+"""The local disk cache of remote chunks (``cache_dir``/``cache_bytes``): against moto's S3 server and the
+loopback HTTP server, every read equals zarr-python's; a second read is served from disk (revalidation
+costs bodiless HEAD requests only); a replaced object is read new; four processes share one folder under
+eviction pressure within the bound; a writer killed mid-entry, a corrupt entry, a too-small bound and an
+unwritable folder never fail a read."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.codecs import ZstdCodec
+
+import stoker
+from stoker.errors import InvalidArgument
+from stoker.storage.cachingstore import CachingStore
+from stoker.storage.diskcache import DiskCache, disk_cache
+from stoker.storage.locate import Stores, locate
+
+from range_server import RangeServer
+from store_fixtures import BUCKET, MotoS3, read_tree
+
+pytestmark = pytest.mark.timeout(180)
+
+SHAPE = (64, 48)
+FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+#: path -> how zarr-python writes it: one sharded (ranges of shards), one plain (whole chunk values)
+ARRAYS = {"sharded": dict(chunks=(8, 8), shards=(32, 24), dtype="uint16", compressors=ZstdCodec(level=1)),
+          "plain": dict(chunks=(16, 16), dtype="int32", compressors=ZstdCodec(level=1))}
+BOXES = [(slice(0, 64), slice(0, 48)), (slice(3, 29), slice(5, 33)), (slice(40, 64), slice(20, 48))]
+
+
+def _write(root: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for path, spec in ARRAYS.items():
+        arr = zarr.create_array(os.path.join(root, path), shape=SHAPE, overwrite=True, **spec)
+        arr[...] = rng.integers(0, 5000, size=SHAPE).astype(spec["dtype"])
+
+
+def _oracle(root: str, path: str) -> np.ndarray:
+    return zarr.open_array(os.path.join(root, path), mode="r")[...]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = MotoS3({}, "unused")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def data(tmp_path):
+    root = str(tmp_path / "data")
+    _write(root, 1)
+    return root
+
+
+@pytest.fixture(params=["s3", "http"])
+def remote(request, s3, data):
+    """``(uri of the root, storage options, upload())``: the fixture's arrays on moto's S3 or over HTTP;
+    ``upload()`` puts what is under the local root now (HTTP serves the folder itself)."""
+    if request.param == "s3":
+        prefix = f"cache-{uuid.uuid4().hex[:8]}"
+
+        def upload() -> None:
+            for key, value in read_tree(data).items():
+                s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
+
+        upload()
+        yield f"s3://{BUCKET}/{prefix}", {**s3.options, **FAST}, upload
+        return
+    server = RangeServer(data)
+    yield server.url, dict(FAST), lambda: None
+    server.stop()
+
+
+def _read_all(root_uri: str, options: dict, stores: Stores | None = None) -> dict[str, list[np.ndarray]]:
+    out = {}
+    for path in ARRAYS:
+        arr = stoker.open_array(f"{root_uri}/{path}", options, stores=stores)
+        out[path] = [arr.read(box) for box in BOXES]
+    return out
+
+
+def _check(got: dict, root: str) -> None:
+    for path, crops in got.items():
+        want = _oracle(root, path)
+        for box, crop in zip(BOXES, crops):
+            np.testing.assert_array_equal(crop, want[box])
+
+
+def _store_of(root_uri: str, options: dict) -> CachingStore:
+    kv, _ = stoker.storage.locate.default_stores().get(locate(f"{root_uri}/plain"), options)
+    assert isinstance(kv, CachingStore)
+    return kv
+
+
+def test_second_read_is_served_from_disk(remote, data, tmp_path):
+    uri, options, _ = remote
+    options = {**options, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+    _check(_read_all(uri, options), data)
+    kv = _store_of(uri, options)
+    assert kv.cache.flush(30)
+    first = kv.counters.miss_bytes
+    assert first > 0 and kv.counters.hit_bytes == 0
+    before = (kv.counters.hit_bytes, kv.counters.miss_bytes, kv.counters.revalidations)
+    _check(_read_all(uri, options), data)
+    hit = kv.counters.hit_bytes - before[0]
+    missed = kv.counters.miss_bytes - before[1]
+    assert hit >= 0.99 * (hit + missed), (hit, missed)
+    assert kv.counters.revalidations > before[2]  # each open revalidated its objects (HEAD: no body)
+
+
+def test_revalidation_costs_only_head_requests(data, tmp_path):
+    server = RangeServer(data)
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        arrays = {path: stoker.open_array(f"{server.url}/{path}", options, stores=Stores()) for path in ARRAYS}
+        _check({path: [a.read(box) for box in BOXES] for path, a in arrays.items()}, data)
+        kv = arrays["plain"].kv
+        assert kv.cache.flush(30)
+        asked, heads = server.requests, sum(a.kv.counters.revalidations for a in arrays.values())
+        for a in arrays.values():
+            a.kv.forget()  # as a new pipeline would: every object's generation asked again
+        _check({path: [a.read(box) for box in BOXES] for path, a in arrays.items()}, data)
+        # every request of the second pass was a revalidation (a HEAD): no chunk came over the network
+        revalidated = sum(a.kv.counters.revalidations for a in arrays.values()) - heads
+        assert server.requests - asked == revalidated > 0
+    finally:
+        server.stop()
+
+
+def test_an_object_replaced_between_epochs_is_read_new(remote, data, tmp_path):
+    uri, options, upload = remote
+    options = {**options, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+    _check(_read_all(uri, options), data)
+    assert _store_of(uri, options).cache.flush(30)
+    time.sleep(1.1)  # a new Last-Modified second for servers whose generation is their mtime
+    _write(data, 2)  # new bytes, same keys: new ETags
+    upload()
+    _check(_read_all(uri, options), data)
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_a_pipeline_reads_new_data_after_the_staleness_bound(s3, data, tmp_path, path):
+    prefix = f"cache-{uuid.uuid4().hex[:8]}"
+    for key, value in read_tree(data).items():
+        s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
+    uri = f"s3://{BUCKET}/{prefix}/{path}"
+    cfg = stoker.Config(batch_size=2, dtype="native", n_compute_threads=1, pop_timeout_s=60,
+                        storage_options={f"s3://{BUCKET}/": {**s3.options, **FAST}}, cache_dir=str(tmp_path / "c"),
+                        cache_bytes=64 << 20, cache_staleness_s=0.5)
+    boxes = [[(0, 16), (0, 16)], [(20, 36), (10, 26)]]
+
+    def epoch(p) -> list[np.ndarray]:
+        p.push([stoker.Sample(uri, b) for b in boxes])
+        b = p.pop()
+        out = [t.numpy().copy() for t in torch.from_dlpack(b)]
+        b.release()
+        return out
+
+    cache = disk_cache(str(tmp_path / "c"), 64 << 20)  # the process's one for the folder: the pipeline's too
+    with stoker.Pipeline(cfg) as p:
+        for _ in range(2):
+            for got, box in zip(epoch(p), boxes):
+                np.testing.assert_array_equal(got, _oracle(data, path)[tuple(slice(*s) for s in box)])
+            assert cache.flush(30)
+        assert cache.hits > 0 and cache.written > 0  # the second epoch was served from disk
+        _write(data, 3)
+        for key, value in read_tree(data).items():
+            s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
+        time.sleep(0.6)
+        for got, box in zip(epoch(p), boxes):
+            np.testing.assert_array_equal(got, _oracle(data, path)[tuple(slice(*s) for s in box)])
+
+
+def _reader(args) -> tuple[int, int, int, int]:
+    """One of the processes sharing a cache: reads every box of every array ``passes`` times, each checked
+    against ``want``; returns (hit bytes, miss bytes, the most the folder held, entries it evicted)."""
+    uri, options, want, passes, seed = args
+    rng = np.random.default_rng(seed)
+    cache = disk_cache(os.path.abspath(options["cache_dir"]), options["cache_bytes"])
+    most = 0
+    kv = None
+    for _ in range(passes):
+        for path in rng.permutation(list(ARRAYS)):
+            arr = stoker.open_array(f"{uri}/{path}", options)
+            for b in rng.permutation(len(BOXES)):
+                got = arr.read(BOXES[b])
+                if not np.array_equal(got, want[path][BOXES[b]]):
+                    raise AssertionError(f"{path} {BOXES[b]} differs from zarr-python's read")
+            kv = arr.kv
+            most = max(most, cache.size_on_disk())
+    cache.flush(30)
+    most = max(most, cache.size_on_disk())
+    return kv.counters.hit_bytes, kv.counters.miss_bytes, most, cache.evicted
+
+
+def test_four_processes_share_one_folder_under_eviction_pressure(s3, data, tmp_path):
+    prefix = f"cache-{uuid.uuid4().hex[:8]}"
+    values = read_tree(data)
+    for key, value in values.items():
+        s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
+    chunk_bytes = sum(len(v) for k, v in values.items() if "/c/" in k)
+    biggest = max(len(v) for k, v in values.items() if "/c/" in k) + 512  # an entry: a value and its header
+    bound = chunk_bytes // 3  # far less than one pass reads: entries are evicted all the time
+    options = {**s3.options, **FAST, "cache_dir": str(tmp_path / "shared"), "cache_bytes": bound}
+    want = {path: _oracle(data, path) for path in ARRAYS}
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        results = pool.map(_reader, [(f"s3://{BUCKET}/{prefix}", options, want, 4, seed) for seed in range(4)],
+                           chunksize=1)
+    hits = sum(r[0] for r in results)
+    assert hits > 0, results  # some reads were served from the shared folder
+    assert sum(r[3] for r in results) > 0, results  # and entries were evicted under the bound
+    assert max(r[2] for r in results) <= bound + biggest, (results, bound)
+    assert DiskCache(options["cache_dir"], bound).size_on_disk() <= bound + biggest
+
+
+_KILLED_WRITER = textwrap.dedent("""
+    import os, sys, time
+    from stoker.storage import diskcache, fsutil
+    real = os.fsync
+    def stall(fd):  # the entry's bytes are in its temporary file, not renamed yet: the parent kills us here
+        real(fd)
+        print("writing", flush=True)
+        time.sleep(60)
+    os.fsync = stall
+    diskcache.DiskCache(sys.argv[1], 1 << 20).write("killed", b"x" * 100_000)
+""")
+
+
+def test_a_writer_killed_mid_entry_leaves_nothing_served(tmp_path):
+    folder = str(tmp_path / "cache")
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, folder], stdout=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert child.stdout.readline().strip() == b"writing"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    cache = DiskCache(folder, 1 << 20)
+    leftovers = [n for _, _, names in os.walk(folder) for n in names if n != ".index"]
+    assert leftovers and all(n.startswith(".") for n in leftovers)  # its temporary file, never the entry
+    assert cache.get("killed") is None
+    assert cache.write("other", b"y" * 1000)  # the first write of a process scans: the dead writer's file goes
+    assert cache.get("killed") is None and bytes(cache.get("other")) == b"y" * 1000
+    assert cache.size_on_disk() < 2000
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage):
+    uri, options, _ = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)  # the process's one for the folder: the stores below use it
+    stores = Stores(cache=stoker.Config(cache_dir=str(folder), cache_bytes=64 << 20).cache)
+    _check(_read_all(uri, options, stores), data)
+    assert cache.flush(30)
+    entries = [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names if n != ".index"]
+    assert entries
+    for path in entries:
+        with open(path, "r+b") as f:
+            if damage == "truncate":
+                f.truncate(os.path.getsize(path) - 3)
+            else:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0xFF]))
+    fresh = Stores(cache=stoker.Config(cache_dir=str(folder), cache_bytes=64 << 20).cache)
+    corrupt = cache.corrupt
+    _check(_read_all(uri, options, fresh), data)
+    assert cache.corrupt > corrupt
+
+
+def test_a_too_small_bound_reads_uncached_with_one_warning(remote, data, tmp_path):
+    uri, options, _ = remote
+    options = {**options, "cache_dir": str(tmp_path / "tiny"), "cache_bytes": 64}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _check(_read_all(uri, options), data)
+        _store_of(uri, options).cache.flush(30)
+    mine = [w for w in caught if "disk cache" in str(w.message)]
+    assert len(mine) == 1 and "cache_bytes" in str(mine[0].message), [str(w.message) for w in caught]
+
+
+def test_an_unwritable_folder_reads_uncached_with_one_warning(remote, data, tmp_path):
+    uri, options, _ = remote
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")  # a folder under a regular file cannot be made, whoever we are
+    options = {**options, "cache_dir": str(blocker / "cache"), "cache_bytes": 64 << 20}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _check(_read_all(uri, options), data)
+            _store_of(uri, options).cache.flush(30)
+    mine = [w for w in caught if "disk cache" in str(w.message)]
+    assert len(mine) == 1 and "uncached" in str(mine[0].message), [str(w.message) for w in caught]
+
+
+def test_local_arrays_never_use_the_cache(data, tmp_path):
+    cfg = stoker.Config(cache_dir=str(tmp_path / "cache"), batch_size=1, dtype="native", pop_timeout_s=60)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(os.path.join(data, "plain"), [(0, 8), (0, 8)])])
+        b = p.pop()
+        b.release()
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("knobs, knob", [({"cache_bytes": -1}, "cache_bytes"), ({"cache_bytes": 1.5}, "cache_bytes"),
+                                         ({"cache_staleness_s": 0}, "cache_staleness_s"),
+                                         ({"cache_dir": 3}, "cache_dir")])
+def test_cache_knobs_are_validated(knobs, knob):
+    with pytest.raises(InvalidArgument, match=knob) as info:
+        stoker.Config(**knobs)
+    assert info.value.context["knob"] == knob
+
+
+def test_the_default_folder_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "env"))
+    assert stoker.Config().cache.folder == str(tmp_path / "env")
+    assert stoker.Config(cache_bytes=0).cache.enabled is False
+    monkeypatch.delenv("STOKER_CACHE_DIR")
+    assert stoker.Config().cache.enabled is False
+
+
+def test_missing_chunks_cost_one_request_a_read_as_without_a_cache(tmp_path):
+    root = tmp_path / "holes"
+    arr = zarr.create_array(str(root / "a"), shape=(32, 32), chunks=(16, 16), dtype="int32", fill_value=9,
+                            compressors=ZstdCodec(level=1))
+    arr[:16] = np.arange(16 * 32, dtype="int32").reshape(16, 32)  # the chunks of rows 16.. are never written
+    want = zarr.open_array(str(root / "a"), mode="r")[...]
+    server = RangeServer(str(root))
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        a = stoker.open_array(f"{server.url}/a", options, stores=Stores())
+        np.testing.assert_array_equal(a.read((slice(0, 32), slice(0, 32))), want)
+        assert a.kv.cache.flush(30)
+        asked = server.requests
+        np.testing.assert_array_equal(a.read((slice(0, 32), slice(0, 32))), want)
+        assert server.requests - asked == 2  # a GET of each missing chunk (found missing), no HEAD again
+    finally:
+        server.stop()
+
+
+def test_a_cold_cache_costs_the_requests_of_an_uncached_read(data, tmp_path):
+    server = RangeServer(data)
+    try:
+        counts = []
+        for options in (dict(FAST), {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}):
+            asked = server.requests
+            _check(_read_all(server.url, options, Stores()), data)
+            counts.append(server.requests - asked)
+        assert counts[0] == counts[1] > 0, counts  # no HEAD for keys the cache never kept
+    finally:
+        server.stop()
+
+
+def test_samplers_take_the_cache_keys_among_storage_options(data, tmp_path):
+    server = RangeServer(data)
+    try:
+        options = {server.url + "/": {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 1 << 20}}
+        src = stoker.RandomCrops([f"{server.url}/plain"], (8, 8), seed=0, samples_per_epoch=4,
+                                 storage_options=options)
+        assert src.shapes == [SHAPE]
+    finally:
+        server.stop()
+
+
+_FILLER = textwrap.dedent("""
+    import sys, numpy as np, stoker
+    from stoker.storage.diskcache import disk_cache
+    url, folder = sys.argv[1], sys.argv[2]
+    options = {"cache_dir": folder, "cache_bytes": 64 << 20, "timeout_s": 5.0, "retries": 2}
+    for path in ("plain", "sharded"):
+        stoker.open_array(f"{url}/{path}", options).read((slice(0, 64), slice(0, 48)))
+    assert disk_cache(folder, 64 << 20).flush(30)
+""")
+
+
+def test_the_cache_survives_a_restart(data, tmp_path):
+    server = RangeServer(data)
+    try:
+        folder = str(tmp_path / "cache")
+        subprocess.run([sys.executable, "-c", _FILLER, server.url, folder], check=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        options = {**FAST, "cache_dir": folder, "cache_bytes": 64 << 20}
+        stores = Stores()
+        _check(_read_all(server.url, options, stores), data)
+        for path in ARRAYS:  # this process fetched no chunk: every byte came from the other one's entries
+            kv = stores.get(locate(f"{server.url}/{path}"), options)[0]
+            assert kv.counters.hit_bytes > 0 and kv.counters.miss_bytes == 0, kv.counters
+    finally:
+        server.stop()
