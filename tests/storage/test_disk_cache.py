@@ -113,7 +113,9 @@ def test_second_read_is_served_from_disk(remote, data, tmp_path):
     kv = _store_of(uri, options)
     assert kv.cache.flush(30)
     first = kv.counters.miss_bytes
-    assert first > 0 and kv.counters.hit_bytes == 0
+    # the first pass fetched its bytes (a chunk two boxes share may already be a hit: entries are written
+    # on the cache's own thread, so whether the second box finds it depends on timing)
+    assert first > kv.counters.hit_bytes
     before = (kv.counters.hit_bytes, kv.counters.miss_bytes, kv.counters.revalidations)
     _check(_read_all(uri, options), data)
     hit = kv.counters.hit_bytes - before[0]
@@ -363,7 +365,9 @@ def test_a_cold_cache_costs_the_requests_of_an_uncached_read(data, tmp_path):
             asked = server.requests
             _check(_read_all(server.url, options, Stores()), data)
             counts.append(server.requests - asked)
-        assert counts[0] == counts[1] > 0, counts  # no HEAD for keys the cache never kept
+        # no HEAD for keys the cache never kept: never more requests than without it (fewer where a chunk
+        # two boxes share was written to the cache before the second box asked for it)
+        assert 0 < counts[1] <= counts[0], counts
     finally:
         server.stop()
 
