@@ -36,7 +36,7 @@ def test_bench_tiny_compressible_scenarios_smoke(tmp_path, capsys):
         assert len(rates) == 2 and min(rates) > 0, (peer, out)
     printed = {int(n): float(r) for n, r in HEADER.findall(out)}
     assert set(printed) == {9, 10}, out
-    assert 2.5 <= printed[9] <= 4.0 and printed[10] > 1.3, printed
+    assert 2.5 <= printed[9] <= 4.0 and 2.0 <= printed[10] <= 5.0, printed
     doc = json.loads(doc_path.read_text())
     recorded = {s["number"]: s["compression_ratio"] for s in doc["scenarios"]}
     assert recorded.keys() == printed.keys()
@@ -86,7 +86,9 @@ def test_weather_like_fields_are_smooth_float32_kelvin(tmp_path):
     assert data.dtype == np.float32 and 190 < data.min() and data.max() < 330
     # smooth: neighbours in longitude differ by far less than the field varies
     assert np.abs(np.diff(data, axis=2)).mean() < 0.1 * data.std()
-    assert compression_ratio(path, sc.volume) > 1.3
+    # on GRIB's 16-bit packing grid (2^-8 K), as reanalyses are distributed, yet with noise resolved
+    assert np.array_equal(data * 256, np.rint(data * 256)) and (np.diff(data, axis=2) != 0).mean() > 0.9
+    assert 2.0 <= compression_ratio(path, sc.volume) <= 5.0
 
 
 @pytest.mark.timeout(120)
@@ -134,6 +136,21 @@ def test_datasets_written_before_contents_had_names_are_reused(tmp_path):
     # a synthetic dataset of the same name and layout is other data: it is written anew
     ensure(tmp_path, replace(spec, content="microscopy"), progress=False)
     assert json.loads(marker.read_text())["content"] == "microscopy"
+
+
+def test_a_retuned_generator_writes_its_datasets_anew(tmp_path, monkeypatch):
+    import stoker.bench.synthetic as synthetic
+
+    spec = VolumeSpec("w", (8, 16, 32), (4, 16, 32), "float32", "blosc-zstd-bitshuffle", content="weather")
+    ensure(tmp_path, spec, progress=False)
+    meta = tmp_path / "w" / "array.zarr" / "zarr.json"
+    before = meta.stat().st_mtime_ns
+    ensure(tmp_path, spec, progress=False)
+    assert meta.stat().st_mtime_ns == before  # complete: reused
+    monkeypatch.setattr(synthetic, "VERSION", synthetic.VERSION + 1)
+    ensure(tmp_path, spec, progress=False)
+    assert meta.stat().st_mtime_ns != before
+    assert json.loads((tmp_path / "w" / ".complete").read_text())["generator"] == synthetic.VERSION
 
 
 def test_gpu_bench_header_says_the_compression_ratio(monkeypatch):

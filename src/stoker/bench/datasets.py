@@ -76,6 +76,10 @@ def _marker(spec: VolumeSpec) -> dict:
     fields = json.loads(json.dumps(asdict(spec)))
     if spec.content == "smooth":  # as before contents had names: datasets written then stay complete
         del fields["content"]
+    else:  # a retuned generator makes other data: a dataset it wrote before is written anew
+        from .synthetic import VERSION
+
+        fields["generator"] = VERSION
     return {"format": "stoker-bench-volume", **fields}
 
 
