@@ -105,7 +105,7 @@ def scenarios(tiny: bool = False) -> list[Scenario]:
         # Data that compresses like real measurements (the others store nearly as many bytes as they decode).
         # Microscopy-like uint16 (cells, membranes, nuclei, shot noise; zstd stores it about 2.9x smaller)
         # in the layout of a common microscopy training setup: 32x64x64 zstd inner chunks in shards, random
-        # 128^3 crops, 32 a batch (256 MiB of float32: the bench's budget is 1.25 GiB, over Config's 1 GiB).
+        # 128^3 crops, 32 a batch (256 MiB of float32: the bench's 4 slots and 256 MiB take 1.25 GiB).
         Scenario(9, "microscopy-like u16, shards 128x256x256 of zstd 32x64x64, random 128^3",
                  VolumeSpec("s9-microscopy", base.shape, (32, 64, 64), "uint16", "zstd", shards=(128, 256, 256),
                             content="microscopy"), (128, 128, 128), timed_batches=10, batch_size=32),

@@ -25,9 +25,10 @@ VERSION = 2  # of what the generators make: raise it with any change to their by
 
 # Microscopy: cells whose membranes are the zero set of a smooth random field, nuclei where a coarser
 # field is high, over a dark background; photons with shot noise (variance = mean) and a camera's read
-# noise, offset and gain. Tuned so that zstd (level 3) on 32x64x64 chunks stores them about 2.9x
+# noise, offset and gain. Tuned so that zstd (level 3) on 32x64x64 chunks stores them about 2.8x
 # smaller (2.5-4 asked): most of a real volume is dark background, whose few counts of noise are what
-# compression keeps; the membranes' width moves the ratio most (0.03 gave 2.6x).
+# compression keeps; the membranes' width moves the ratio most (0.03, with the cytoplasm level at
+# 0.3, gave 2.55x).
 _CELL_SPACING = 12  # voxels between the knots of the membranes' field: cells about 20-40 voxels across
 _NUCLEUS_SPACING = 24
 _MEMBRANE_WIDTH = 0.02  # of the cell field (std about 0.33): membranes 1-2 voxels thick
