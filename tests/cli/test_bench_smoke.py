@@ -68,7 +68,7 @@ def test_bench_tiny_scenario_8_small_inner_chunks(tmp_path, capsys):
     assert main(["bench", "--tiny", "--scenarios", "8", "--batches", "2", "--slow-batches", "1",
                  "--data", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^Scenario 8: .*\(batch 16, 2 timed batches per fast peer\)$", out, re.M), out
+    assert re.search(r"^Scenario 8: .*\(batch 16, 2 timed batches per fast peer; compression ratio", out, re.M), out
     for peer in PEERS:
         assert len(rates(out, peer)) == 1 and rates(out, peer)[0] > 0, (peer, out)
     assert len(CPU_LINE.findall(out)) == 1, out
@@ -322,7 +322,7 @@ def test_bench_writes_every_batch_slot_before_its_clock_starts():
 
 @pytest.mark.parametrize("argv, words", [
     (["bench", "--peers", "stoker,foo"], "unknown peer 'foo'; the peers are stoker,tensorstore"),
-    (["bench", "--tiny", "--scenarios", "3"], "--scenarios 3: no such scenario; the --tiny scenarios are 1,2,6,8"),
+    (["bench", "--tiny", "--scenarios", "3"], "--scenarios 3: no such scenario; the --tiny scenarios are 1,2,6,8,9,10"),
     (["bench", "--scenarios", "one"], "whole number of at least 1, got 'one'"),
     (["bench", "--device", "tpu"], "invalid choice: 'tpu'"),
     (["bench", "--rounds", "0"], "whole number of at least 1"),

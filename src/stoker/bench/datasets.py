@@ -1,4 +1,9 @@
-"""Seeded benchmark datasets, written once with zarr-python (reused when complete)."""
+"""Seeded benchmark datasets, written once with zarr-python (reused when complete).
+
+A dataset's content is smooth structure with a little noise (``"smooth"``, scenarios 1-8), or
+compressible data like real measurements (:mod:`.synthetic`: ``"microscopy"``, ``"weather"``);
+:func:`compression_ratio` says how much smaller it is stored than decoded.
+"""
 
 from __future__ import annotations
 
@@ -23,9 +28,10 @@ class VolumeSpec:
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
     dtype: str
-    codec: str  # "blosc-lz4" | "blosc-zstd" | "zstd"
+    codec: str  # "blosc-lz4" | "blosc-zstd" | "blosc-zstd-bitshuffle" | "zstd"
     shards: tuple[int, ...] | None = None
     count: int = 1  # number of arrays (copies of one generated array under different names)
+    content: str = "smooth"  # or one of synthetic.CONTENTS
 
 
 def _codec(name: str):
@@ -35,6 +41,8 @@ def _codec(name: str):
         return BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")
     if name == "blosc-zstd":
         return BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
+    if name == "blosc-zstd-bitshuffle":  # what weather data written through xarray often carries
+        return BloscCodec(cname="zstd", clevel=3, shuffle="bitshuffle")
     if name == "zstd":
         return ZstdCodec(level=3)
     raise ValueError(name)
@@ -65,7 +73,14 @@ def array_paths(root: Path, spec: VolumeSpec) -> list[str]:
 
 
 def _marker(spec: VolumeSpec) -> dict:
-    return {"format": "stoker-bench-volume", **json.loads(json.dumps(asdict(spec)))}
+    fields = json.loads(json.dumps(asdict(spec)))
+    if spec.content == "smooth":  # as before contents had names: datasets written then stay complete
+        del fields["content"]
+    else:  # a retuned generator makes other data: a dataset it wrote before is written anew
+        from .synthetic import VERSION
+
+        fields["generator"] = VERSION
+    return {"format": "stoker-bench-volume", **fields}
 
 
 def _is_complete(base: Path, spec: VolumeSpec) -> bool:
@@ -101,7 +116,20 @@ def _write(tmp: Path, spec: VolumeSpec, progress: bool) -> None:
     z = zarr.create_array(str(first), shape=spec.shape, chunks=spec.chunks, shards=spec.shards,
                           dtype=spec.dtype, compressors=_codec(spec.codec), fill_value=0)
     # A seed from the name that every process agrees on (str hashes differ between processes).
-    rng = np.random.default_rng(zlib.crc32(spec.name.encode()))
+    seed = zlib.crc32(spec.name.encode())
+    if spec.content == "smooth":
+        _write_smooth(z, spec, seed, progress)
+    else:
+        _write_synthetic(z, spec, seed, progress)
+    for p in tqdm(paths[1:], desc=f"copying {spec.name}", unit="array", disable=not progress or len(paths) < 2):
+        shutil.copytree(first, p)
+    (tmp / MARKER).write_text(json.dumps(_marker(spec)))  # last: it says the dataset is complete
+
+
+def _write_smooth(z, spec: VolumeSpec, seed: int, progress: bool) -> None:
+    from tqdm import tqdm
+
+    rng = np.random.default_rng(seed)
     # Generated a plane of shards (or chunks) at a time, written a row of them at a time: every write
     # covers whole shards, so none is read back and written again, and the bar moves every few seconds.
     block = spec.shards or spec.chunks
@@ -114,9 +142,63 @@ def _write(tmp: Path, spec: VolumeSpec, progress: bool) -> None:
                 rows = slab[:, y0:y0 + block[1]]
                 z[z0:z0 + depth, y0:y0 + rows.shape[1]] = rows
                 bar.update(rows.nbytes)
-    for p in tqdm(paths[1:], desc=f"copying {spec.name}", unit="array", disable=not progress or len(paths) < 2):
-        shutil.copytree(first, p)
-    (tmp / MARKER).write_text(json.dumps(_marker(spec)))  # last: it says the dataset is complete
+
+
+_BLOCK_BYTES = 8 << 20  # an unsharded array is generated and written this many bytes' worth of chunks at a time
+
+
+def write_blocks(spec: VolumeSpec) -> list[tuple[tuple[int, int], ...]]:
+    """The boxes a synthetic dataset is generated and written in: whole shards, or runs of whole chunks
+    along the first axis of about 8 MiB, so no write reads a stored chunk back."""
+    block = list(spec.shards or spec.chunks)
+    if spec.shards is None:
+        chunk_bytes = math.prod(spec.chunks) * np.dtype(spec.dtype).itemsize
+        block[0] *= max(1, _BLOCK_BYTES // chunk_bytes)
+    corners = np.ndindex(*(-(-s // b) for s, b in zip(spec.shape, block)))
+    return [tuple((c * b, min(s, (c + 1) * b)) for c, b, s in zip(corner, block, spec.shape)) for corner in corners]
+
+
+def _write_synthetic(z, spec: VolumeSpec, seed: int, progress: bool) -> None:
+    """Generate :mod:`.synthetic` content box by box on every core (numpy releases the GIL) while this
+    thread writes the boxes made, in order: at most one box per core and one more are in memory at once."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    from .synthetic import block
+
+    boxes = write_blocks(spec)
+    cores = os.cpu_count() or 1
+    total = math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
+    with tqdm(total=total, desc=f"writing {spec.name}", unit="B", unit_scale=True, disable=not progress) as bar, \
+            ThreadPoolExecutor(cores) as pool:
+        window: deque = deque()
+
+        def write_oldest() -> None:
+            box, made = window.popleft()
+            data = made.result()
+            z[tuple(slice(a, b) for a, b in box)] = data
+            bar.update(data.nbytes)
+
+        for box in boxes:
+            window.append((box, pool.submit(block, spec.content, seed, spec.shape, box)))
+            if len(window) > cores:
+                write_oldest()
+        while window:
+            write_oldest()
+
+
+def stored_bytes(path: str | os.PathLike) -> int:
+    """Bytes the chunks (or shards) of the array at ``path`` take on disk: every file but its metadata."""
+    meta = {"zarr.json", ".zarray", ".zattrs", ".zgroup"}
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file() and f.name not in meta)
+
+
+def compression_ratio(path: str | os.PathLike, spec: VolumeSpec) -> float:
+    """Decoded bytes over stored bytes of one array of ``spec`` at ``path`` (3.0: stored 3x smaller)."""
+    stored = stored_bytes(path)
+    return math.prod(spec.shape) * np.dtype(spec.dtype).itemsize / stored if stored else float("inf")
 
 
 def evict_page_cache(paths: list[str]) -> int:

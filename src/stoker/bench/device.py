@@ -34,8 +34,8 @@ from ..errors import InvalidArgument
 from ..device.pin import pin_object, to_device
 from ..sampling.sample import Sample
 from .datasets import ensure, warm_page_cache
-from .runner import (Result, Scenario, split_batches, interleaved, make_samples, stoker_config, time_pipeline,
-                     time_tensorstore)
+from .runner import (Result, Scenario, split_batches, interleaved, make_samples, ratio_note, stoker_config,
+                     time_pipeline, time_tensorstore)
 
 
 def cuda_or_exit() -> torch.device:
@@ -103,12 +103,13 @@ def run_device_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: in
     return list(interleaved(peers, rounds).values())
 
 
-def format_device_results(sc: Scenario, results: list[Result], timed_batches: int) -> str:
+def format_device_results(sc: Scenario, results: list[Result], timed_batches: int,
+                          compression: float | None = None) -> str:
     by = {r.peer: r for r in results}
     cuda, cpu = by["stoker cuda"], by["stoker cpu"]
     decoder = by.get("stoker gpu-decode")
     lines = [f"\nScenario {sc.number} on {torch.cuda.get_device_name()}: {sc.title}, bf16 out "
-             f"({timed_batches} timed batches per peer)",
+             f"({timed_batches} timed batches per peer{ratio_note(compression)})",
              f"{'peer':<19}{'samples/s':>11}{'MB/s':>9}{'cores':>7}{'cuda x':>9}"
              + (f"{'gpu-decode x':>14}" if decoder else "")]
     for r in results:

@@ -1,7 +1,8 @@
 """``stoker bench --json``: the numbers of a bench run as one JSON document (``plots.plot_bench`` draws it).
 
 The document: ``{"title", "stoker", "python", "torch", "cores", "suite", "device", "scenarios": [...]}``;
-each scenario ``{"number", "title", "batch_size", "timed_batches", "step_ms", "peers": [...]}``; each peer
+each scenario ``{"number", "title", "batch_size", "timed_batches", "step_ms", "compression_ratio", "peers": [...]}``
+(``compression_ratio``: the dataset's decoded bytes over its stored bytes; null where not measured); each peer
 ``{"peer", "samples_per_s", "mb_per_s", "peak_rss_bytes", "seconds", "samples", "rounds"}`` (``rounds``:
 samples/s of every interleaved round; the peer's numbers are its median round's), and for stoker's peers
 ``read_amplification``, ``decode_amplification`` and, where the CPU time was measured, ``breakdown``
@@ -57,10 +58,11 @@ def peer_record(r: Any) -> dict[str, Any]:
 
 
 def scenario_record(sc: Any, results: list[Any], timed_batches: int, batch_size: int | None = None,
-                    step_s: float | None = None) -> dict[str, Any]:
-    """A scenario's results: what ran and every peer's numbers."""
+                    step_s: float | None = None, compression: float | None = None) -> dict[str, Any]:
+    """A scenario's results: what ran, its dataset's compression ratio and every peer's numbers."""
     return {"number": sc.number, "title": sc.title, "batch_size": batch_size, "timed_batches": timed_batches,
-            "step_ms": None if step_s is None else step_s * 1e3, "peers": [peer_record(r) for r in results]}
+            "step_ms": None if step_s is None else step_s * 1e3, "compression_ratio": compression,
+            "peers": [peer_record(r) for r in results]}
 
 
 def document(scenarios: list[dict[str, Any]], *, suite: str, device: str, title: str) -> dict[str, Any]:

@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         print(run_records(root, small, 10 * small, batch_size=batch_size, n_batches=timed), flush=True)
         return 0
 
-    from ..bench.runner import BATCH_SIZE, dataloader_batches, format_results, host_budget, run_scenario, scenarios
+    from ..bench.runner import (BATCH_SIZE, dataloader_batches, dataset_ratio, format_results, host_budget,
+                                run_scenario, scenarios)
 
     from ..bench import report
 
@@ -83,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
             n_batches = args.batches or sc.timed_batches
             results = run_device_scenario(sc, root, n_batches, batch_size, budget, rounds=rounds,
                                           decode_on=args.decode_on)
-            print(format_device_results(sc, results, n_batches), flush=True)
-            records.append(report.scenario_record(sc, results, n_batches, batch_size))
+            ratio = dataset_ratio(root, sc)
+            print(format_device_results(sc, results, n_batches, ratio), flush=True)
+            records.append(report.scenario_record(sc, results, n_batches, batch_size, compression=ratio))
             _keep(args, records, "cuda", f"stoker bench --device cuda on {torch.cuda.get_device_name()}")
         return 0
     if args.store is not None:
@@ -104,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
         n_batches = args.batches or sc.timed_batches
         results, step = run_scenario(sc, root, n_batches, batch_size, budget, args.slow_batches, peers,
                                      growth=sc.number == 6, rounds=rounds, threads=threads, step_ms=args.step_ms)
-        print(format_results(sc, results, n_batches, batch_size, step), flush=True)
-        records.append(report.scenario_record(sc, results, n_batches, batch_size, step.seconds if step else None))
+        ratio = dataset_ratio(root, sc)
+        print(format_results(sc, results, n_batches, batch_size, step, ratio), flush=True)
+        records.append(report.scenario_record(sc, results, n_batches, batch_size, step.seconds if step else None,
+                                              ratio))
         _keep(args, records, "cpu", f"stoker bench on {os.cpu_count()} cores")
     return 0
 
@@ -116,7 +120,7 @@ def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: P
     from ..bench import report
     from ..bench.datasets import ensure
     from ..bench.remote import Remote
-    from ..bench.runner import BATCH_SIZE, format_results, host_budget, run_scenario
+    from ..bench.runner import BATCH_SIZE, dataset_ratio, format_results, host_budget, run_scenario
     from ..bench.serve import Served
 
     for sc in chosen:  # written before the server starts serving them
@@ -135,9 +139,10 @@ def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: P
                 results, step = run_scenario(sc, root, n_batches, batch_size, budget, args.slow_batches, peers,
                                              rounds=rounds, threads=threads, step_ms=args.step_ms, remote=remote,
                                              counters=server.counters, epochs=args.epochs or 0)
-                print(format_results(sc, results, n_batches, batch_size, step), flush=True)
+                ratio = dataset_ratio(root, sc)
+                print(format_results(sc, results, n_batches, batch_size, step, ratio), flush=True)
                 records.append(report.scenario_record(sc, results, n_batches, batch_size,
-                                                      step.seconds if step else None))
+                                                      step.seconds if step else None, ratio))
                 records[-1]["latency_ms"] = latency
                 _keep(args, records, "cpu", f"stoker bench --store {args.store} --latency-ms "
                                             f"{','.join(f'{t:g}' for t in args.latency_ms or (0.0,))} on "
