@@ -22,7 +22,7 @@ from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
 from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DeviceError, DtypeMismatch,
                      IncompleteSource, InvalidArgument,
-                     MetadataError, NonFiniteData, NonFiniteLoss, NotFound, OutOfBounds, OutOfMemory, PoolStarved,
+                     MetadataError, NonFiniteData, NonFiniteLoss, NotFound, NotYetSupported, OutOfBounds, OutOfMemory, PoolStarved,
                      RankFailed, RankMismatch, ShutdownError, StokerError, StorageError, ThreadStartError,
                      UnsupportedFormat, UnusedParameters)
 
@@ -65,6 +65,7 @@ __all__ = [
     "NonFiniteData",
     "NonFiniteLoss",
     "NotFound",
+    "NotYetSupported",
     "OutOfBounds",
     "OutOfMemory",
     "PoolStarved",
