@@ -13,6 +13,7 @@ from .engine.stats import Metric, Stats
 from .sampling.sample import Sample
 from .sampling.samplers import RandomCrops, RankShare, SampleList, SampleSource, TileGrid
 from .train.dataset import CropDataset
+from .inference.writer import TileWriter
 from . import transforms
 from .dist.collectives import rank_info
 from .dist.reduce import reduce_max
@@ -45,6 +46,7 @@ __all__ = [
     "RankShare",
     "TelemetryWriter",
     "TileGrid",
+    "TileWriter",
     "memory_report",
     "pin_object",
     "rank_info",

@@ -70,6 +70,9 @@ class SampleSource:
     """
 
     seed: int = 0
+    #: Every sample of an epoch must be delivered (the tiles of an inference): a rank split refuses
+    #: ``even="drop"``, and :class:`~stoker.CropDataset` yields the short last batch whatever ``drop_last``.
+    complete_epochs: bool = False
 
     def __len__(self) -> int:
         raise _incomplete(self, "__len__", "how many samples an epoch has")
@@ -111,6 +114,11 @@ class SampleSource:
                  even: str = "wrap") -> "RankShare":
         """This rank's share. ``rank``/``world_size`` default to the torch.distributed group, else the
         ``RANK``/``WORLD_SIZE`` environment, else a single process."""
+        if even == "drop" and self.complete_epochs:
+            raise InvalidArgument(
+                f"{type(self).__name__}.for_rank(even='drop') would leave the last samples of the epoch out, and "
+                "with them parts of the arrays; its epochs are delivered whole: split it with even='wrap' (a short "
+                "rank repeats samples from the start, which TileWriter counts once)", knob="even")
         rank, world_size = resolve_rank(rank, world_size)
         return RankShare(self, rank, world_size, policy, even)
 
@@ -277,7 +285,8 @@ class TileGrid(SampleSource):
 
     A grid's epoch is never cut short: :class:`~stoker.CropDataset` yields its last batch at its true size
     whatever ``Config.drop_last`` says, and :meth:`for_rank` splits it with ``even="wrap"`` only (a short
-    rank repeats tiles from the start; :class:`~stoker.TileWriter` counts a repeated tile once).
+    rank repeats tiles from the start; :class:`~stoker.TileWriter` counts a repeated tile once): its
+    ``complete_epochs`` is True.
 
     ``pad`` (tiles that reach past the borders, as sliding-window inference lays them out) is not supported
     yet: it raises :class:`~stoker.NotYetSupported`.
@@ -326,6 +335,8 @@ class TileGrid(SampleSource):
                 f"{self.stride}, more than the 2**62 samples an epoch can hold; use a larger stride or sample_shape")
         self._perm: Permutation | None = None
 
+    complete_epochs = True
+
     def __len__(self) -> int:
         return self._offsets[-1]
 
@@ -346,17 +357,6 @@ class TileGrid(SampleSource):
                   zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
         return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
 
-    def for_rank(self, rank: int | None = None, world_size: int | None = None, policy: str = "strided",
-                 even: str = "wrap") -> "RankShare":
-        """This rank's share (see :meth:`SampleSource.for_rank`); ``even="drop"`` is refused: it would leave
-        tiles, and so parts of the arrays, out."""
-        if even == "drop":
-            raise InvalidArgument(
-                "TileGrid.for_rank(even='drop') would leave the last tiles of the epoch out, and with them parts "
-                "of the arrays; a grid is split with even='wrap' (a short rank repeats tiles from the start, which "
-                "TileWriter counts once)", knob="even")
-        return super().for_rank(rank, world_size, policy, even)
-
     def identity(self) -> Any:
         """The arrays, their shapes, the tile shape and stride, and the order's settings."""
         # grids whose last tiles are shifted to the border hold other tiles than before they were: marked, so a
@@ -367,9 +367,12 @@ class TileGrid(SampleSource):
 
 
 class SampleList(SampleSource):
-    """An explicit list of samples (permuted per ``(seed, epoch)`` with ``shuffle=True``)."""
+    """An explicit list of samples (permuted per ``(seed, epoch)`` with ``shuffle=True``). ``complete=True``:
+    its epochs are delivered whole (see :attr:`SampleSource.complete_epochs`), as tiles to infer are."""
 
-    def __init__(self, samples: Sequence[Sample], shuffle: bool = False, seed: int = 0) -> None:
+    def __init__(self, samples: Sequence[Sample], shuffle: bool = False, seed: int = 0,
+                 complete: bool = False) -> None:
+        self.complete_epochs = bool(complete)
         self.samples = list(samples)
         if not all(isinstance(s, Sample) for s in self.samples):
             raise InvalidArgument("SampleList takes stoker.Sample objects")

@@ -20,7 +20,7 @@ import torch
 from ..config import Config
 from ..engine.pipeline.facade import Pipeline
 from ..errors import InvalidArgument, ShutdownError
-from ..sampling.samplers import RankShare, SampleSource, TileGrid
+from ..sampling.samplers import RankShare, SampleSource
 
 
 class CropDataset(torch.utils.data.IterableDataset):
@@ -68,7 +68,7 @@ class CropDataset(torch.utils.data.IterableDataset):
                                   f"SampleList, or their .for_rank()), got {type(source).__name__}")
         if not isinstance(cfg, Config):
             raise InvalidArgument(f"CropDataset needs a stoker.Config, got {type(cfg).__name__}")
-        if isinstance(source.source, TileGrid) and cfg.drop_last:
+        if getattr(source.source, "complete_epochs", False) and cfg.drop_last:
             cfg = dataclasses.replace(cfg, drop_last=False)  # every tile is inferred: the short last batch too
         self.source, self.cfg, self.copy, self.with_samples = source, cfg, bool(copy), bool(with_samples)
         self._state = source.state_dict()  # the position as of the last batch yielded
