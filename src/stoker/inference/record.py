@@ -1,8 +1,10 @@
 """The completion record of a TileWriter: one small JSON file per written region, beside the array.
 
-``<array>.tiles-done/<i>_<j>_<k>.json`` is written after the region's chunks, through a durable rename for
+``<array>.tiles-done/<i>_<j>_<k>.json`` is written after the region's chunks, through an atomic rename for
 local arrays (fsspec for object stores), so a job killed mid-way and restarted skips exactly the regions that
-were written whole. ``writer.json`` there holds the settings the record is valid for.
+were written whole. The marks are not fsynced one by one (an fsync per region cost more than the region's
+write, and zarr-python does not fsync the chunks they vouch for); :meth:`CompletionRecord.sync` flushes the
+folder once, at the writer's close. ``writer.json`` there holds the settings the record is valid for.
 
 >>> rec = CompletionRecord("/out/pred.zarr")
 >>> rec.mark((0, 1, 2))
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgument
-from ..storage.fsutil import replace_atomically
+from ..storage.fsutil import fsync_dir, replace_atomically, sibling_path
 
 SUFFIX = ".tiles-done"
 
@@ -39,11 +41,27 @@ class CompletionRecord:
         else:
             Path(self.path).mkdir(parents=True, exist_ok=True)
 
-    def _write(self, name: str, blob: bytes) -> None:
+    def _write(self, name: str, blob: bytes, durable: bool = True) -> None:
         if self.remote:
             self._fs.pipe_file(f"{self.path}/{name}", blob)
-        else:
+        elif durable:
             replace_atomically(Path(self.path) / name, lambda f: f.write(blob))
+        else:  # atomic (a reader sees the whole mark or none), flushed later by sync()
+            final = Path(self.path) / name
+            tmp = sibling_path(final, "tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(blob)
+                os.replace(tmp, final)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+
+    def sync(self) -> None:
+        """Make the marks written so far durable (one fsync of the record's folder)."""
+        if not self.remote:
+            fsync_dir(self.path)
 
     def _read(self, name: str) -> bytes | None:
         try:
@@ -69,7 +87,7 @@ class CompletionRecord:
     def mark(self, index: tuple[int, ...]) -> None:
         """Record region ``index`` as written (after its chunks are)."""
         name = "_".join(map(str, index)) + ".json"
-        self._write(name, json.dumps({"region": list(index)}).encode())
+        self._write(name, json.dumps({"region": list(index)}).encode(), durable=False)
 
     def done(self) -> set[tuple[int, ...]]:
         """The regions recorded as written."""

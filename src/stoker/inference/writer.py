@@ -258,6 +258,7 @@ class TileWriter:
         self._closed = True
         for r in sorted(self._open):
             self._flush(r)
+        self.record.sync()
         barrier(self.group)
 
     def __enter__(self) -> "TileWriter":
