@@ -149,6 +149,8 @@ def test_arguments_are_checked(volume, tmp_path):
         w.write([stoker.Sample(uri, [(0, 8), (0, 10), (0, 9)])], np.zeros((1, 2, 8, 10, 9), "f4"))
     with pytest.raises(stoker.InvalidArgument, match="shape"):
         stoker.TileWriter(str(tmp_path / "b.zarr"), (13, 29, 18), (4, 8, 8), "f4")
+    with pytest.raises(stoker.InvalidArgument, match="a grid and a writer per array"):
+        stoker.TileWriter(str(tmp_path / "c.zarr"), SHAPE, (4, 8, 8), "f4", grid=stoker.TileGrid([uri, uri], TILE))
     with pytest.raises(stoker.InvalidArgument, match="other settings"):
         stoker.TileWriter(str(tmp_path / "b.zarr"), SHAPE, (4, 8, 8), "f4", blend="hann")
 

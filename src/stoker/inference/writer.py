@@ -80,6 +80,10 @@ class TileWriter:
         self.uri, self.blend, self.group = str(uri), blend, group
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.shape = tuple(int(s) for s in shape)
+        if grid is not None and len(grid.arrays) != 1:
+            raise InvalidArgument(f"TileWriter(grid=...) takes a grid over one array (or one group of channels); "
+                                  f"this one has {len(grid.arrays)}: make a grid and a writer per array",
+                                  knob="grid")
         self.grid = grid
         self._ndim = len(grid.sample_shape) if grid is not None else None
         self._crop_arg = crop
