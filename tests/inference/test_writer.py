@@ -212,3 +212,17 @@ def test_a_killed_job_restarts_to_the_same_array(volume, tmp_path):
     assert todo < len(grid)  # the restart predicts only the tiles of regions still to write
     assert writer.written == 48 - len(done)
     np.testing.assert_allclose(zarr.open_array(out)[:], reference(data, "hann", 0), rtol=2e-7, atol=0)
+
+
+def test_without_a_grid_every_region_waits_for_close(volume, tmp_path):
+    uri, data = volume
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    out = str(tmp_path / "o.zarr")
+    w = stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", blend="hann", crop=CROP, fill_value=-1)
+    for i in range(len(grid)):
+        s = grid.sample(0, i)
+        w.write([s], model(torch.from_numpy(data[tuple(slice(a, b) for a, b in s.aabb)][None]), 0))
+    assert w.written == 0 and (zarr.open_array(out)[:] == -1).all()  # it cannot know a region is complete
+    w.close()
+    assert w.written == 48
+    np.testing.assert_allclose(zarr.open_array(out)[:], reference(data, "hann", 0), rtol=2e-7, atol=0)
