@@ -13,6 +13,7 @@ from .engine.stats import Metric, Stats
 from .sampling.sample import Sample
 from .sampling.samplers import RandomCrops, RankShare, SampleList, SampleSource, TileGrid
 from .train.dataset import CropDataset
+from .inference.writer import TileWriter
 from . import transforms
 from .dist.collectives import rank_info
 from .dist.reduce import reduce_max
@@ -22,7 +23,7 @@ from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
 from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DeviceError, DtypeMismatch,
                      IncompleteSource, InvalidArgument,
-                     MetadataError, NonFiniteData, NonFiniteLoss, NotFound, OutOfBounds, OutOfMemory, PoolStarved,
+                     MetadataError, NonFiniteData, NonFiniteLoss, NotFound, NotYetSupported, OutOfBounds, OutOfMemory, PoolStarved,
                      RankFailed, RankMismatch, ShutdownError, StokerError, StorageError, ThreadStartError,
                      UnsupportedFormat, UnusedParameters)
 
@@ -45,6 +46,7 @@ __all__ = [
     "RankShare",
     "TelemetryWriter",
     "TileGrid",
+    "TileWriter",
     "memory_report",
     "pin_object",
     "rank_info",
@@ -65,6 +67,7 @@ __all__ = [
     "NonFiniteData",
     "NonFiniteLoss",
     "NotFound",
+    "NotYetSupported",
     "OutOfBounds",
     "OutOfMemory",
     "PoolStarved",

@@ -103,6 +103,10 @@ class IncompleteSource(StokerError, NotImplementedError):
     ``sample``, or ``identity`` when its attributes are not plain data)."""
 
 
+class NotYetSupported(StokerError, NotImplementedError):
+    """An option stoker names but does not do yet: ``knob`` names it, and the message the workaround."""
+
+
 class NotFound(StokerError, FileNotFoundError):
     """An array, group or store does not exist where the URI points."""
 

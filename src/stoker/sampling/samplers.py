@@ -31,7 +31,7 @@ import numpy as np
 
 from .cursor import CursorState, EpochCursor
 from ..dist.collectives import resolve_rank
-from ..errors import IncompleteSource, InvalidArgument
+from ..errors import IncompleteSource, InvalidArgument, NotYetSupported
 from .permutation import ORDER_VERSION, Permutation
 from .sample import Sample, given_uri
 
@@ -70,6 +70,9 @@ class SampleSource:
     """
 
     seed: int = 0
+    #: Every sample of an epoch must be delivered (the tiles of an inference): a rank split refuses
+    #: ``even="drop"``, and :class:`~stoker.CropDataset` yields the short last batch whatever ``drop_last``.
+    complete_epochs: bool = False
 
     def __len__(self) -> int:
         raise _incomplete(self, "__len__", "how many samples an epoch has")
@@ -111,6 +114,11 @@ class SampleSource:
                  even: str = "wrap") -> "RankShare":
         """This rank's share. ``rank``/``world_size`` default to the torch.distributed group, else the
         ``RANK``/``WORLD_SIZE`` environment, else a single process."""
+        if even == "drop" and self.complete_epochs:
+            raise InvalidArgument(
+                f"{type(self).__name__}.for_rank(even='drop') would leave the last samples of the epoch out, and "
+                "with them parts of the arrays; its epochs are delivered whole: split it with even='wrap' (a short "
+                "rank repeats samples from the start, which TileWriter counts once)", knob="even")
         rank, world_size = resolve_rank(rank, world_size)
         return RankShare(self, rank, world_size, policy, even)
 
@@ -266,30 +274,59 @@ class RandomCrops(SampleSource):
 
 
 class TileGrid(SampleSource):
-    """A regular grid of in-bounds crops over arrays (``stride`` defaults to the sample shape).
+    """A regular grid of in-bounds crops that covers every voxel of the arrays (``stride`` defaults to the
+    sample shape).
 
-    With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
+    Along each axis tiles start every ``stride``; when the array's length is not a whole number of strides
+    past the first tile, the last tile is shifted back to end at the border, so no voxel is left out (that
+    tile overlaps its neighbour by more than the others do; a ``stride`` larger than the tile leaves gaps, on
+    purpose). An array smaller than a tile on some axis has
+    no tile. With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
+
+    A grid's epoch is never cut short: :class:`~stoker.CropDataset` yields its last batch at its true size
+    whatever ``Config.drop_last`` says, and :meth:`for_rank` splits it with ``even="wrap"`` only (a short
+    rank repeats tiles from the start; :class:`~stoker.TileWriter` counts a repeated tile once): its
+    ``complete_epochs`` is True.
+
+    ``pad`` (tiles that reach past the borders, as sliding-window inference lays them out) is not supported
+    yet: it raises :class:`~stoker.NotYetSupported`.
+
+    >>> grid = stoker.TileGrid(["/data/vol.zarr"], (96, 96, 96), stride=(56, 56, 56))   # shape (128, 256, 256)
+    >>> [grid.sample(0, i).aabb[0] for i in (0, len(grid) - 1)]
+    [(0, 96), (32, 128)]
     """
 
     def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int],
                  stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None, pad: Any = None) -> None:
+        if pad is not None and pad is not False:
+            raise NotYetSupported(
+                f"TileGrid(pad={pad!r}): tiles that reach past the array's borders need the engine to fill what "
+                "lies outside, which it does not do yet. Leave pad out: the grid still covers every voxel (the "
+                "last tile of each axis ends at the border), and TileWriter keeps the border side of a border "
+                "tile's prediction uncropped; or tile a zero-padded copy of the array", knob="pad")
         self.arrays = _entries(arrays, "TileGrid")
         self.sample_shape = tuple(int(s) for s in sample_shape)
         self.stride = tuple(int(s) for s in (stride or self.sample_shape))
-        if any(s < 1 for s in self.stride):
-            raise InvalidArgument(f"stride must be positive, got {self.stride}")
+        if any(s < 1 for s in self.stride) or len(self.stride) != len(self.sample_shape):
+            raise InvalidArgument(f"stride must be {len(self.sample_shape)} positive integers, got {self.stride}")
+        if any(c < 1 for c in self.sample_shape):
+            raise InvalidArgument(f"TileGrid: sample_shape {self.sample_shape} must be >= 1 on every axis")
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
         self._counts = []
         self._offsets = [0]  # tiles before each array (Python ints: counts of huge grids overflow int64)
+        self._shifted = False  # some axis ends with a tile shifted back to the border
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape):
                 raise InvalidArgument(f"{uri}: rank {len(shape)} differs from sample rank {len(self.sample_shape)}")
-            self._counts.append(tuple(max(0, (s - c) // st + 1) for s, c, st in
-                                      zip(shape, self.sample_shape, self.stride)))
-            self._offsets.append(self._offsets[-1] + math.prod(self._counts[-1]))
+            counts = tuple(0 if s < c else -(-(s - c) // st) + 1 for s, c, st in
+                           zip(shape, self.sample_shape, self.stride))
+            self._counts.append(counts)
+            if math.prod(counts):
+                self._shifted |= any((s - c) % st for s, c, st in zip(shape, self.sample_shape, self.stride))
+            self._offsets.append(self._offsets[-1] + math.prod(counts))
         if self._offsets[-1] == 0:
             raise InvalidArgument(f"no array can hold a {self.sample_shape} tile")
         if self._offsets[-1] > MAX_SAMPLES:
@@ -297,6 +334,8 @@ class TileGrid(SampleSource):
                 f"TileGrid over {self.arrays}: {self._offsets[-1]} tiles of {self.sample_shape} at stride "
                 f"{self.stride}, more than the 2**62 samples an epoch can hold; use a larger stride or sample_shape")
         self._perm: Permutation | None = None
+
+    complete_epochs = True
 
     def __len__(self) -> int:
         return self._offsets[-1]
@@ -313,18 +352,27 @@ class TileGrid(SampleSource):
         for count in reversed(self._counts[a]):  # C order, as numpy.unravel_index
             rest, t = divmod(rest, count)
             tile.append(t)
-        corner = [t * st for t, st in zip(reversed(tile), self.stride)]
+        # the last tile of an axis ends at the border (shifted back when the strides do not land there)
+        corner = [min(t * st, s - c) for t, st, s, c in
+                  zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
         return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
 
     def identity(self) -> Any:
         """The arrays, their shapes, the tile shape and stride, and the order's settings."""
-        return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + _order_id(self)
+        # grids whose last tiles are shifted to the border hold other tiles than before they were: marked, so a
+        # state saved for the grid that left the remainder out is not resumed into this one
+        cover = ["cover-border"] if self._shifted else []
+        return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + \
+            _order_id(self) + cover
 
 
 class SampleList(SampleSource):
-    """An explicit list of samples (permuted per ``(seed, epoch)`` with ``shuffle=True``)."""
+    """An explicit list of samples (permuted per ``(seed, epoch)`` with ``shuffle=True``). ``complete=True``:
+    its epochs are delivered whole (see :attr:`SampleSource.complete_epochs`), as tiles to infer are."""
 
-    def __init__(self, samples: Sequence[Sample], shuffle: bool = False, seed: int = 0) -> None:
+    def __init__(self, samples: Sequence[Sample], shuffle: bool = False, seed: int = 0,
+                 complete: bool = False) -> None:
+        self.complete_epochs = bool(complete)
         self.samples = list(samples)
         if not all(isinstance(s, Sample) for s in self.samples):
             raise InvalidArgument("SampleList takes stoker.Sample objects")

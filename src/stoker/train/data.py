@@ -7,6 +7,9 @@
 ...     loss = model(x[:, None]).mean()
 >>> data.close()
 
+``CropBatches(..., with_samples=True)`` yields ``(samples, x)`` pairs, ``samples`` the batch's
+:class:`~stoker.Sample` s in order (where each crop came from).
+
 One :class:`~stoker.Pipeline` reads ahead (``Config.lookahead_batches``) from the
 source's endless cursor (epoch after epoch). Each yielded tensor is a zero-copy
 view of a pipeline slot, valid until the next one is requested; keep data longer
@@ -35,10 +38,12 @@ __all__ = ["CropBatches"]
 class CropBatches:
     """Endless batches of crops from one rank's :class:`~stoker.RankShare` (see the module docstring).
 
-    ``device``: where the yielded tensors go (``None``: stay on the CPU, zero-copy).
+    ``device``: where the yielded tensors go (``None``: stay on the CPU, zero-copy). ``with_samples``: yield
+    ``(samples, x)`` pairs, the batch's samples in order.
     """
 
-    def __init__(self, source: RankShare, cfg: Config, device: torch.device | str | None = None) -> None:
+    def __init__(self, source: RankShare, cfg: Config, device: torch.device | str | None = None,
+                 with_samples: bool = False) -> None:
         if not isinstance(source, RankShare):
             raise InvalidArgument(f"source must be a RankShare (call .for_rank() on a SampleSource), got "
                                   f"{type(source).__name__}")
@@ -46,6 +51,7 @@ class CropBatches:
             raise InvalidArgument(f"cfg must be a stoker.Config, got {type(cfg).__name__}")
         self.source = source
         self.cfg = cfg
+        self.with_samples = bool(with_samples)
         self.device = None if device is None else as_device(device, "CropBatches(device=...)")
         self._pipeline: Pipeline | None = None
         self._held: Batch | None = None
@@ -55,7 +61,7 @@ class CropBatches:
     def batch_size(self) -> int:
         return self.cfg.batch_size
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise ShutdownError("CropBatches is closed")
         if self._pipeline is not None:
@@ -65,7 +71,7 @@ class CropBatches:
         self._pipeline.push(self.source.forever())
         return self._batches(self._pipeline)
 
-    def _batches(self, pipeline: Pipeline) -> Iterator[torch.Tensor]:
+    def _batches(self, pipeline: Pipeline) -> Iterator[Any]:
         try:
             while True:
                 batch = pipeline.pop()
@@ -74,7 +80,7 @@ class CropBatches:
                 if self.device is not None and x.device != self.device:
                     x = x.to(self.device, non_blocking=False)  # a copy: the slot can go back at once
                     self._release()
-                yield x
+                yield (batch.samples, x) if self.with_samples else x
                 self._release()  # the step that used x is over
         finally:
             self._release()

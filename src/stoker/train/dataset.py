@@ -12,7 +12,8 @@ carries this dataset's position (see docs/dataloader.md).
 
 from __future__ import annotations
 
-from typing import Iterator
+import dataclasses
+from typing import Any, Iterator
 
 import torch
 
@@ -46,12 +47,18 @@ class CropDataset(torch.utils.data.IterableDataset):
     without slots until you drop one (``PoolStarved`` after ``pop_timeout_s``). ``copy=True`` clones each
     batch (one batch-sized copy, memory of your own) and the slot goes back at once.
 
+    ``with_samples=True`` yields ``(samples, x)`` pairs, ``samples`` the batch's :class:`~stoker.Sample` s in
+    order (where each crop came from: what :class:`~stoker.TileWriter` needs to place predictions). Over a
+    :class:`~stoker.TileGrid` the last batch of an epoch comes at its true size whatever ``cfg.drop_last``
+    says: a grid's epoch is never cut short.
+
     ``state_dict()``/``load_state_dict()`` give and take the source's position as of the last batch
     yielded (the state :meth:`Pipeline.state_dict` reports), so a state taken after k batches resumes with
     batch k + 1, on any world size; ``StatefulDataLoader`` (torchdata) calls them.
     """
 
-    def __init__(self, source: SampleSource | RankShare, cfg: Config, copy: bool = False) -> None:
+    def __init__(self, source: SampleSource | RankShare, cfg: Config, copy: bool = False,
+                 with_samples: bool = False) -> None:
         super().__init__()
         self._follow_group = isinstance(source, SampleSource)  # the rank is ours to pick, and to re-pick
         if isinstance(source, SampleSource):
@@ -61,7 +68,9 @@ class CropDataset(torch.utils.data.IterableDataset):
                                   f"SampleList, or their .for_rank()), got {type(source).__name__}")
         if not isinstance(cfg, Config):
             raise InvalidArgument(f"CropDataset needs a stoker.Config, got {type(cfg).__name__}")
-        self.source, self.cfg, self.copy = source, cfg, bool(copy)
+        if getattr(source.source, "complete_epochs", False) and cfg.drop_last:
+            cfg = dataclasses.replace(cfg, drop_last=False)  # every tile is inferred: the short last batch too
+        self.source, self.cfg, self.copy, self.with_samples = source, cfg, bool(copy), bool(with_samples)
         self._state = source.state_dict()  # the position as of the last batch yielded
         self._run = 0  # bumped by every iter() and load: an older iteration stops reporting positions
         self._live: Pipeline | None = None  # the pipeline of the current iteration
@@ -131,7 +140,7 @@ class CropDataset(torch.utils.data.IterableDataset):
 
     # -- iteration --------------------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[Any]:
         if torch.utils.data.get_worker_info() is not None:
             raise InvalidArgument(
                 "CropDataset runs in the main process: use DataLoader(..., num_workers=0). Its pipeline already "
@@ -139,7 +148,7 @@ class CropDataset(torch.utils.data.IterableDataset):
                 "same samples and deliver every one of them once per worker", knob="num_workers")
         return self._iterate()
 
-    def _iterate(self) -> Iterator[torch.Tensor]:
+    def _iterate(self) -> Iterator[Any]:
         # a generator: nothing runs before the first next(), so a load_state_dict between iter() and the
         # first batch (StatefulDataLoader does so) is what the pipeline starts from
         self._stop()
@@ -151,13 +160,14 @@ class CropDataset(torch.utils.data.IterableDataset):
             try:
                 for batch in pipeline:
                     x = torch.from_dlpack(batch)
+                    samples = batch.samples
                     if self.copy:
                         x = x.clone()
                     batch.release()  # the slot is reused only once x (and every view of it) is gone
                     if run != self._run:
                         return  # a newer iteration or a load took over: this one is stale
                     self._state = pipeline.state_dict()["sources"][0]
-                    yield x
+                    yield (samples, x) if self.with_samples else x
             except ShutdownError:
                 if run == self._run:
                     raise
@@ -173,4 +183,5 @@ class CropDataset(torch.utils.data.IterableDataset):
 
     def __repr__(self) -> str:
         return (f"CropDataset({type(self.source.source).__name__}, rank {self.source.rank} of "
-                f"{self.source.world_size}, batch_size={self.cfg.batch_size}, copy={self.copy})")
+                f"{self.source.world_size}, batch_size={self.cfg.batch_size}, copy={self.copy}, "
+                f"with_samples={self.with_samples})")

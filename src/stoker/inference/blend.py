@@ -1,0 +1,65 @@
+"""The arithmetic of blending tile predictions: windows, where a prediction lands, which regions it touches.
+
+Pure numpy, no I/O. A tile's *output box* is its sample box less ``crop`` on every side that does not lie on
+the array's border (no other tile covers a border margin, so it is kept):
+
+>>> output_box([(0, 96), (40, 136)], crop=(20, 20), shape=(128, 256))
+((0, 76), (60, 116))
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Sequence
+
+import numpy as np
+
+BLENDS = ("none", "linear", "hann")
+
+Box = tuple[tuple[int, int], ...]
+
+
+def output_box(aabb: Sequence[Sequence[int]], crop: Sequence[int], shape: Sequence[int]) -> Box:
+    """The part of a tile whose prediction is kept (see the module docstring)."""
+    return tuple((a if a <= 0 else a + c, b if b >= n else b - c) for (a, b), c, n in zip(aabb, crop, shape))
+
+
+def window(blend: str, length: int) -> np.ndarray:
+    """One axis of a blend's weights over a tile of ``length`` (float64, every weight > 0).
+
+    ``linear``: a tent, 1 at the ends rising to the middle; ``hann``: a Hann window without its zero ends.
+    """
+    k = np.arange(length, dtype=np.float64)
+    if blend == "linear":
+        return np.minimum(k + 1, length - k)
+    if blend == "hann":
+        return 0.5 - 0.5 * np.cos(2 * np.pi * (k + 1) / (length + 1))
+    return np.ones(length)
+
+
+def weights(blend: str, tile: Sequence[int]) -> np.ndarray:
+    """The weights of a whole tile: the outer product of the axes' windows."""
+    w = np.ones((), dtype=np.float64)
+    for n in tile:
+        w = np.multiply.outer(w, window(blend, n))
+    return w
+
+
+def regions_of(box: Box, unit: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """Indices of the write regions (a grid of ``unit``) that ``box`` touches."""
+    ranges = [range(a // u, (b - 1) // u + 1) for (a, b), u in zip(box, unit)]
+    return itertools.product(*ranges)
+
+
+def region_box(index: Sequence[int], unit: Sequence[int], shape: Sequence[int]) -> Box:
+    """The box of region ``index``, clipped to the array."""
+    return tuple((i * u, min((i + 1) * u, n)) for i, u, n in zip(index, unit, shape))
+
+
+def intersect(a: Box, b: Box) -> Box:
+    return tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+
+
+def local(box: Box, origin: Box) -> tuple[slice, ...]:
+    """``box`` as slices relative to ``origin``'s start."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))

@@ -1,0 +1,289 @@
+"""``TileWriter``: tile predictions blended and written to a Zarr array, once per region, by one rank.
+
+>>> grid = stoker.TileGrid(["/data/vol.zarr"], (96, 96, 96), stride=(56, 56, 56))
+>>> writer = stoker.TileWriter("/out/prob.zarr", (2, 128, 256, 256), (2, 64, 64, 64), "f4", blend="hann",
+...                            crop=20, grid=grid)
+>>> for samples, x in stoker.CropDataset(writer.pending(grid), cfg, with_samples=True):
+...     writer.write(samples, model(x[:, None]))          # (B, 2, 96, 96, 96), any device
+>>> writer.close()
+
+How the work is split (see docs/inference.md):
+
+- The array is cut into *regions*: its shards when it has them, else its chunks (spatial axes; a region
+  holds every channel). Region ``r`` belongs to rank ``ravel(r) % world_size``, and only that rank writes
+  it, whole, once: no two ranks ever write one chunk.
+- ``write()`` is collective when several ranks take part (every rank calls it once per batch, as the
+  equal shares of a grid make them do): each rank cuts its predictions into the parts each region needs,
+  and one ``all_gather_object`` hands every rank the parts of the regions it owns.
+- A rank keeps an accumulator per region it owns that has parts but is not finished: the blend's
+  weighted sum and the sum of weights (``linear``, ``hann``), or the value of the earliest tile covering
+  each voxel (``none``: the tile whose output box starts first, so the result is independent of order).
+  With ``grid=`` the writer knows how many tiles touch each region and writes a region as soon as all
+  of them arrived; memory is then the regions in flight. Without it every region waits for ``close()``.
+- A tile seen twice (a short rank of a grid's split repeats tiles from the start) counts once.
+- After its chunks are written a region is marked in a completion record beside the array; a restarted
+  writer skips marked regions, and :meth:`TileWriter.pending` lists the tiles still needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..dist.collectives import active_group, barrier, resolve_rank
+from ..errors import InvalidArgument
+from ..sampling.sample import Sample
+from ..sampling.samplers import SampleList, TileGrid
+from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
+from .record import CompletionRecord
+
+Part = tuple[tuple[int, ...], Box, Box, np.ndarray]  # region, tile key (its box), part's box, values
+
+
+class _Region:
+    """What one owned region has received so far."""
+
+    def __init__(self, box: Box, channels: tuple[int, ...], blend: str, dtype: np.dtype) -> None:
+        self.box = box
+        shape = tuple(b - a for a, b in box)
+        self.seen: set[Box] = set()
+        if blend == "none":
+            self.values = np.zeros(channels + shape, dtype=dtype)
+            self.key = np.full(shape, np.iinfo(np.int64).max, dtype=np.int64)
+        else:
+            self.values = np.zeros(channels + shape, dtype=np.float64)
+            self.wsum = np.zeros(shape, dtype=np.float64)
+
+
+class TileWriter:
+    """Blends tile predictions into the Zarr array at ``uri`` (see the module docstring).
+
+    ``shape``, ``chunks``, ``dtype`` (and ``shards``, ``zarr_format``, ``fill_value``) make the array when it
+    does not exist; an existing one must have that shape and dtype. ``shape`` is the volume's
+    (``(Z, Y, X)``) or with channels first (``(C, Z, Y, X)``, for ``(B, C, *tile)`` predictions).
+    ``crop``: the margin dropped from every side of a prediction that is not on the array's border (an
+    int, or one per spatial axis). ``grid``: the TileGrid the samples come from, to write regions as soon
+    as they are complete. ``rank``/``world_size``: from ``torch.distributed`` when not given; ``group``: the
+    process group of the collectives.
+    """
+
+    def __init__(self, uri: str, shape: Sequence[int], chunks: Sequence[int], dtype: Any, blend: str = "none",
+                 crop: int | Sequence[int] | None = None, rank: int | None = None,
+                 world_size: int | None = None, *, grid: TileGrid | None = None,
+                 shards: Sequence[int] | None = None, zarr_format: int = 3, fill_value: Any = 0,
+                 storage_options: dict | None = None, group: Any = None) -> None:
+        import zarr
+
+        if blend not in BLENDS:
+            raise InvalidArgument(f"TileWriter(blend={blend!r}): one of {BLENDS}", knob="blend")
+        self.uri, self.blend, self.group = str(uri), blend, group
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self.shape = tuple(int(s) for s in shape)
+        if grid is not None and len(grid.arrays) != 1:
+            raise InvalidArgument(f"TileWriter(grid=...) takes a grid over one array (or one group of channels); "
+                                  f"this one has {len(grid.arrays)}: make a grid and a writer per array",
+                                  knob="grid")
+        self.grid = grid
+        self._ndim = len(grid.sample_shape) if grid is not None else None
+        self._crop_arg = crop
+        opts: dict[str, Any] = {"storage_options": storage_options} if storage_options else {}
+        if self.rank == 0:
+            try:
+                arr = zarr.open_array(self.uri, mode="r+", **opts)
+            except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
+                fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
+                arr = zarr.create_array(self.uri, shape=self.shape, chunks=tuple(chunks),
+                                        shards=None if shards is None else tuple(shards), dtype=dtype,
+                                        zarr_format=fmt, fill_value=fill_value, **opts)
+        barrier(group)  # the array exists before the other ranks open it
+        if self.rank != 0:
+            arr = zarr.open_array(self.uri, mode="r+", **opts)
+        if tuple(arr.shape) != self.shape or arr.dtype != np.dtype(dtype):
+            raise InvalidArgument(f"{self.uri}: the array there has shape {arr.shape} and dtype {arr.dtype}, not "
+                                  f"{self.shape} and {np.dtype(dtype)}; write to another URI or remove it",
+                                  uri=self.uri)
+        self.array = arr
+        self.dtype = arr.dtype
+        self.unit_full = tuple(arr.shards or arr.chunks)  # the write unit: one shard, or one chunk
+        self.record = CompletionRecord(self.uri, storage_options)
+        if self.rank == 0:
+            self.record.check_settings({"shape": list(self.shape), "unit": list(self.unit_full),
+                                        "dtype": str(self.dtype), "blend": blend, "crop": _plain(crop)})
+        barrier(group)
+        self.done = self.record.done()
+        self._open: dict[tuple[int, ...], _Region] = {}
+        self._expected: dict[tuple[int, ...], int] | None = None
+        self._weights: dict[tuple[int, ...], np.ndarray] = {}
+        self.written = 0  # regions this rank wrote
+        self._closed = False
+        if self._ndim is not None:
+            self._setup(self._ndim)
+
+    # -- geometry ----------------------------------------------------------------------------
+
+    def _setup(self, ndim: int) -> None:
+        self._ndim = ndim
+        if len(self.shape) not in (ndim, ndim + 1):
+            raise InvalidArgument(f"{self.uri}: shape {self.shape} is neither the {ndim}-d volume of the tiles nor "
+                                  "it with a channel axis first", uri=self.uri)
+        self.spatial = self.shape[-ndim:]
+        self.channels = self.shape[:-ndim]
+        self.unit = self.unit_full[-ndim:]
+        self.regions_shape = tuple(-(-s // u) for s, u in zip(self.spatial, self.unit))
+        c = self._crop_arg
+        self.crop = (0,) * ndim if c is None else (int(c),) * ndim if isinstance(c, (int, np.integer)) \
+            else tuple(int(x) for x in c)
+        if len(self.crop) != ndim or min(self.crop) < 0:
+            raise InvalidArgument(f"TileWriter(crop={c!r}): one non-negative margin, or one per spatial axis",
+                                  knob="crop")
+        if self.grid is not None:
+            self._expected = {}
+            for tile in {self.grid.sample(0, i).aabb for i in range(len(self.grid))}:
+                for r in regions_of(self._out(tile), self.unit):
+                    if self._owner(r) == self.rank:
+                        self._expected[r] = self._expected.get(r, 0) + 1
+
+    def _out(self, aabb: Sequence[Sequence[int]]) -> Box:
+        return output_box(aabb, self.crop, self.spatial)
+
+    def _owner(self, region: tuple[int, ...]) -> int:
+        return int(np.ravel_multi_index(region, self.regions_shape)) % self.world_size
+
+    def owned_regions(self) -> list[tuple[int, ...]]:
+        """The regions this rank writes."""
+        return [r for r in np.ndindex(*self.regions_shape) if self._owner(r) == self.rank]
+
+    def pending(self, grid: TileGrid) -> SampleList:
+        """The tiles of ``grid`` that touch a region not yet written (all of them on a fresh array), in the
+        grid's order: what a restarted job still has to predict. Call it on every rank (same answer)."""
+        self._setup(len(grid.sample_shape)) if self._ndim is None else None
+        keep = []
+        for i in range(len(grid)):
+            s = grid.sample(0, i)
+            if any(r not in self.done for r in regions_of(self._out(s.aabb), self.unit)):
+                keep.append(s)
+        if not keep:  # a finished array: one tile, so an epoch still has a sample; its regions are skipped
+            keep.append(grid.sample(0, 0))
+        return SampleList(keep, complete=True)
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def write(self, samples: Sequence[Sample], predictions: Any) -> None:
+        """Blend one batch: ``predictions[i]`` (``(B, *tile)`` or ``(B, C, *tile)``, numpy or torch, any device)
+        is the prediction of ``samples[i]``. Collective over the ranks when several take part."""
+        if self._closed:
+            raise InvalidArgument(f"TileWriter({self.uri}) is closed")
+        p = _numpy(predictions)
+        if len(samples) != len(p):
+            raise InvalidArgument(f"TileWriter.write: {len(samples)} samples but {len(p)} predictions")
+        parts: list[list[Part]] = [[] for _ in range(self.world_size)]
+        for s, pred in zip(samples, p):
+            if self._ndim is None:
+                self._setup(len(s.aabb))
+            tile = tuple(b - a for a, b in s.aabb)
+            if pred.shape != self.channels + tile:
+                raise InvalidArgument(
+                    f"TileWriter.write: a prediction of shape {pred.shape} for a tile of {tile}; expected "
+                    f"{self.channels + tile} (the array {self.uri} has shape {self.shape})", uri=self.uri)
+            out = self._out(s.aabb)
+            if any(b <= a for a, b in out):
+                continue  # cropped away whole
+            key = tuple(s.aabb)
+            for r in regions_of(out, self.unit):
+                if r in self.done:
+                    continue
+                box = intersect(out, region_box(r, self.unit, self.spatial))
+                values = pred[(Ellipsis,) + local(box, tuple(s.aabb))]
+                parts[self._owner(r)].append((r, key, box, values))
+        self._receive(self._exchange(parts))
+
+    def _exchange(self, parts: list[list[Part]]) -> list[Part]:
+        dist = active_group(self.group)
+        if dist is None or self.world_size == 1:
+            return parts[0] if self.world_size == 1 else parts[self.rank]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, parts, group=self.group)
+        return [part for sent in everyone for part in sent[self.rank]]
+
+    def _receive(self, parts: list[Part]) -> None:
+        for r, key, box, values in sorted(parts, key=lambda p: (p[0], p[1])):
+            if r in self.done:
+                continue  # written already: this is a repeat of one of its tiles (a short rank's wrap-around)
+            region = self._open.get(r)
+            if region is None:
+                region = self._open[r] = _Region(region_box(r, self.unit, self.spatial), self.channels, self.blend,
+                                                 self.dtype)
+            if key in region.seen:
+                continue  # a repeated tile (a short rank's wrap-around) counts once
+            region.seen.add(key)
+            where = local(box, region.box)
+            if self.blend == "none":
+                start = int(np.ravel_multi_index(tuple(max(a, 0) for a, _ in self._out(key)), self.spatial))
+                keys = region.key[where]
+                first = keys > start  # the tile whose output box starts first wins, whatever the order
+                keys[first] = start
+                region.values[(Ellipsis,) + where][..., first] = values.astype(self.dtype)[..., first]
+            else:
+                w = self._weights_of(key)[local(box, key)]
+                region.values[(Ellipsis,) + where] += w * values
+                region.wsum[where] += w
+            if self._expected is not None and len(region.seen) >= self._expected.get(r, 0):
+                self._flush(r)
+
+    def _weights_of(self, aabb: Box) -> np.ndarray:
+        tile = tuple(b - a for a, b in aabb)
+        if tile not in self._weights:
+            self._weights[tile] = weights(self.blend, tile)
+        return self._weights[tile]
+
+    def _flush(self, r: tuple[int, ...]) -> None:
+        region = self._open.pop(r)
+        if self.blend == "none":
+            out = region.values
+            if self.array.fill_value is not None:  # voxels no tile reached keep the fill value
+                out[..., region.key == np.iinfo(np.int64).max] = self.array.fill_value
+        else:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                mean = region.values / region.wsum
+            if np.issubdtype(self.dtype, np.integer):
+                mean = np.rint(mean)
+            out = np.where(region.wsum > 0, mean, self.array.fill_value or 0).astype(self.dtype)
+        self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
+        self.record.mark(r)
+        self.done.add(r)
+        self.written += 1
+
+    def close(self) -> None:
+        """Write the regions still open (those without all their tiles, or all without ``grid=``); on every
+        rank (it waits for the others)."""
+        if self._closed:
+            return
+        self._closed = True
+        for r in sorted(self._open):
+            self._flush(r)
+        self.record.sync()
+        barrier(self.group)
+
+    def __enter__(self) -> "TileWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+
+
+def _numpy(x: Any) -> np.ndarray:
+    """A batch of predictions as a numpy array on the host."""
+    if hasattr(x, "detach"):
+        return x.detach().to("cpu").numpy()
+    return np.asarray(x)
+
+
+def _plain(crop: Any) -> Any:
+    if crop is None or isinstance(crop, (int, np.integer)):
+        return None if crop is None else int(crop)
+    return [int(c) for c in crop]
+
+
+__all__ = ["TileWriter"]

@@ -1,0 +1,228 @@
+"""TileWriter: blended tile predictions written back to Zarr, checked against a NumPy reference of the same
+blend; one rank and two (a real gloo group) give the same array; a killed job restarts to the same array."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import stoker
+
+pytestmark = pytest.mark.timeout(180)
+
+SHAPE = (13, 29, 17)
+TILE, STRIDE, CROP = (8, 10, 9), (4, 6, 5), 2
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vol")
+    data = np.random.default_rng(0).random(SHAPE).astype("f4")
+    a = zarr.create_array(str(root / "in.zarr"), shape=SHAPE, chunks=(5, 8, 7), dtype="f4")
+    a[:] = data
+    return str(root / "in.zarr"), data
+
+
+def model(x: torch.Tensor, channels: int) -> torch.Tensor:
+    """A tiny 'model' whose output differs per tile position, so blending has something to mix."""
+    corner = x[(slice(None),) + (slice(0, 1),) * (x.dim() - 1)]  # elementwise only: the same in any batch size
+    y = torch.sin(3 * x) + corner
+    return y if channels == 0 else torch.stack([y * (c + 1) for c in range(channels)], dim=1)
+
+
+# -- the reference: written from the documented rules, independent of stoker.inference ------------------
+
+def _window(blend, n):
+    k = np.arange(n, dtype=np.float64)
+    if blend == "linear":
+        return np.minimum(k + 1, n - k)
+    if blend == "hann":
+        return 0.5 - 0.5 * np.cos(2 * np.pi * (k + 1) / (n + 1))
+    return np.ones(n)
+
+
+def reference(data, blend, channels, dtype="f4"):
+    """Every tile of the grid predicted on the whole array, its margins cropped except on the array's border,
+    blended with the documented weights ('none': the tile whose kept box starts first wins)."""
+    grid = [(z, y, x) for z in _starts(SHAPE[0], TILE[0], STRIDE[0]) for y in _starts(SHAPE[1], TILE[1], STRIDE[1])
+            for x in _starts(SHAPE[2], TILE[2], STRIDE[2])]
+    lead = (channels,) if channels else ()
+    acc = np.zeros(lead + SHAPE, np.float64)
+    wsum = np.zeros(SHAPE, np.float64)
+    out = np.zeros(lead + SHAPE, dtype)
+    key = np.full(SHAPE, np.inf)
+    for corner in grid:
+        box = [(c, c + t) for c, t in zip(corner, TILE)]
+        pred = model(torch.from_numpy(data[tuple(slice(a, b) for a, b in box)][None]), channels)[0].numpy()
+        kept = [(a if a == 0 else a + CROP, b if b == n else b - CROP) for (a, b), n in zip(box, SHAPE)]
+        dst = tuple(slice(a, b) for a, b in kept)
+        src = (Ellipsis,) + tuple(slice(k0 - a, k1 - a) for (k0, k1), (a, _) in zip(kept, box))
+        if blend == "none":
+            start = np.ravel_multi_index([k for k, _ in kept], SHAPE)
+            win = key[dst] > start
+            key[dst][win] = start
+            view = out[(Ellipsis,) + dst]
+            view[..., win] = pred[src].astype(dtype)[..., win]
+        else:
+            w = np.multiply.outer(np.multiply.outer(_window(blend, TILE[0]), _window(blend, TILE[1])),
+                                  _window(blend, TILE[2]))[src[1:]]
+            acc[(Ellipsis,) + dst] += w * pred[src]
+            wsum[dst] += w
+    return out if blend == "none" else (acc / wsum).astype(dtype)
+
+
+def _starts(n, t, s):
+    return sorted({min(i * s, n - t) for i in range(-(-(n - t) // s) + 1)})
+
+
+def run(uri_in, out, blend, channels, world=1, rank=0, stop_after=None, **kw):
+    grid = stoker.TileGrid([uri_in], TILE, stride=STRIDE)
+    shape = ((channels,) if channels else ()) + SHAPE
+    chunks = ((channels,) if channels else ()) + (4, 8, 8)
+    writer = stoker.TileWriter(out, shape, chunks, "f4", blend=blend, crop=CROP, rank=rank, world_size=world,
+                               grid=grid, **kw)
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
+    todo = writer.pending(grid)
+    done = 0
+    for samples, x in stoker.CropDataset(todo.for_rank(rank, world), cfg, with_samples=True):
+        writer.write(samples, model(x, channels))
+        done += 1
+        if stop_after is not None and done == stop_after:
+            os._exit(3)  # killed mid-way: no close, nothing flushed
+    writer.close()
+    return writer, len(todo)
+
+
+@pytest.mark.parametrize("blend", ["none", "linear", "hann"])
+@pytest.mark.parametrize("channels", [0, 2])
+def test_the_blend_equals_the_numpy_reference(volume, tmp_path, blend, channels):
+    uri, data = volume
+    writer, _ = run(uri, str(tmp_path / "out.zarr"), blend, channels)
+    got = zarr.open_array(str(tmp_path / "out.zarr"), mode="r")[:]
+    want = reference(data, blend, channels)
+    if blend == "none":
+        np.testing.assert_array_equal(got, want)  # bit for bit
+    else:
+        np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
+    assert writer.written == len(writer.owned_regions()) == 4 * 4 * 3  # every region once, all of them
+
+
+@pytest.mark.parametrize("layout", [dict(zarr_format=2), dict(shards=(8, 16, 16))])
+def test_v2_and_sharded_arrays(volume, tmp_path, layout):
+    uri, data = volume
+    writer, _ = run(uri, str(tmp_path / "out.zarr"), "hann", 0, **layout)
+    got = zarr.open_array(str(tmp_path / "out.zarr"), mode="r")
+    assert got.metadata.zarr_format == layout.get("zarr_format", 3)
+    np.testing.assert_allclose(got[:], reference(data, "hann", 0), rtol=2e-7, atol=0)
+    if "shards" in layout:  # a region is a shard: no two writes of one shard
+        assert writer.written == 2 * 2 * 2
+
+
+def test_repeated_tiles_count_once(volume, tmp_path):
+    """A short rank's wrap-around repeats tiles; a repeat must not weigh twice."""
+    uri, data = volume
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    w = stoker.TileWriter(str(tmp_path / "o.zarr"), SHAPE, (4, 8, 8), "f4", blend="linear", crop=CROP, grid=grid)
+    tiles = [grid.sample(0, i) for i in range(len(grid))]
+    for s in tiles + tiles[:3]:
+        w.write([s], model(torch.from_numpy(data[tuple(slice(a, b) for a, b in s.aabb)][None]), 0))
+    w.close()
+    np.testing.assert_allclose(zarr.open_array(str(tmp_path / "o.zarr"))[:], reference(data, "linear", 0),
+                               rtol=2e-7, atol=0)
+
+
+def test_arguments_are_checked(volume, tmp_path):
+    uri, _ = volume
+    with pytest.raises(stoker.InvalidArgument, match="blend"):
+        stoker.TileWriter(str(tmp_path / "a.zarr"), SHAPE, (4, 8, 8), "f4", blend="gauss")
+    w = stoker.TileWriter(str(tmp_path / "b.zarr"), SHAPE, (4, 8, 8), "f4")
+    with pytest.raises(stoker.InvalidArgument, match=r"expected \(8, 10, 9\)"):
+        w.write([stoker.Sample(uri, [(0, 8), (0, 10), (0, 9)])], np.zeros((1, 2, 8, 10, 9), "f4"))
+    with pytest.raises(stoker.InvalidArgument, match="shape"):
+        stoker.TileWriter(str(tmp_path / "b.zarr"), (13, 29, 18), (4, 8, 8), "f4")
+    with pytest.raises(stoker.InvalidArgument, match="a grid and a writer per array"):
+        stoker.TileWriter(str(tmp_path / "c.zarr"), SHAPE, (4, 8, 8), "f4", grid=stoker.TileGrid([uri, uri], TILE))
+    with pytest.raises(stoker.InvalidArgument, match="other settings"):
+        stoker.TileWriter(str(tmp_path / "b.zarr"), SHAPE, (4, 8, 8), "f4", blend="hann")
+
+
+# -- two ranks, and a restart ------------------------------------------------------------------
+
+def _rank_main(rank, world, init, uri, out, blend, result):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        writer, _ = run(uri, out, blend, 2, world=world, rank=rank)
+        with open(f"{result}-{rank}.json", "w") as f:
+            json.dump({"written": writer.written, "owned": [list(r) for r in writer.owned_regions()]}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("blend", ["none", "hann"])
+def test_two_ranks_give_the_one_rank_array(volume, tmp_path, blend):
+    uri, data = volume
+    one, _ = run(uri, str(tmp_path / "one.zarr"), blend, 2)
+    torch.multiprocessing.spawn(_rank_main, args=(2, str(tmp_path / "init"), uri, str(tmp_path / "two.zarr"), blend,
+                                                  str(tmp_path / "r")), nprocs=2, join=True)
+    a = zarr.open_array(str(tmp_path / "one.zarr"))[:]
+    b = zarr.open_array(str(tmp_path / "two.zarr"))[:]
+    if blend == "none":
+        np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=2e-7, atol=0)
+    np.testing.assert_allclose(b, reference(data, blend, 2), rtol=2e-7, atol=0)
+    ranks = [json.loads((tmp_path / f"r-{r}.json").read_text()) for r in range(2)]
+    owned = [tuple(x) for r in ranks for x in r["owned"]]
+    assert len(owned) == len(set(owned)) == 48  # each region has one owner
+    assert all(r["written"] == len(r["owned"]) > 0 for r in ranks)  # and its owner wrote it, once
+
+
+_KILLED = """
+import sys
+sys.path.insert(0, {tests!r})
+from inference.test_writer import run
+run({uri!r}, {out!r}, "hann", 0, stop_after=10)
+"""
+
+
+def test_a_killed_job_restarts_to_the_same_array(volume, tmp_path):
+    uri, data = volume
+    out = str(tmp_path / "out.zarr")
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(tests, "..", "src"), tests])}
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(_KILLED.format(tests=tests, uri=uri, out=out))],
+                       env=env, timeout=120)
+    assert p.returncode == 3
+    done = [n for n in os.listdir(out + ".tiles-done") if n != "writer.json" and n.endswith(".json")]
+    assert 0 < len(done) < 48  # killed mid-way: some regions written, some not
+    writer, todo = run(uri, out, "hann", 0)
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    assert todo < len(grid)  # the restart predicts only the tiles of regions still to write
+    assert writer.written == 48 - len(done)
+    np.testing.assert_allclose(zarr.open_array(out)[:], reference(data, "hann", 0), rtol=2e-7, atol=0)
+
+
+def test_without_a_grid_every_region_waits_for_close(volume, tmp_path):
+    uri, data = volume
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    out = str(tmp_path / "o.zarr")
+    w = stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", blend="hann", crop=CROP, fill_value=-1)
+    for i in range(len(grid)):
+        s = grid.sample(0, i)
+        w.write([s], model(torch.from_numpy(data[tuple(slice(a, b) for a, b in s.aabb)][None]), 0))
+    assert w.written == 0 and (zarr.open_array(out)[:] == -1).all()  # it cannot know a region is complete
+    w.close()
+    assert w.written == 48
+    np.testing.assert_allclose(zarr.open_array(out)[:], reference(data, "hann", 0), rtol=2e-7, atol=0)
