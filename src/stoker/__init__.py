@@ -22,7 +22,7 @@ from .dist.telemetry import TelemetryWriter, memory_report
 from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
 from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DeviceError, DtypeMismatch,
-                     InvalidArgument,
+                     ForkedPipeline, InvalidArgument,
                      MetadataError, NonFiniteData, NonFiniteLoss, NotFound, OutOfBounds, PoolStarved, RankFailed,
                      RankMismatch, ShutdownError, StokerError, StorageError, UnsupportedFormat, UnusedParameters)
 
@@ -61,6 +61,7 @@ __all__ = [
     "DecodeError",
     "DeviceError",
     "DtypeMismatch",
+    "ForkedPipeline",
     "InvalidArgument",
     "MetadataError",
     "NonFiniteData",

@@ -133,6 +133,12 @@ class ShutdownError(StokerError, RuntimeError):
     """The object was closed, or is closing, and cannot do the requested work."""
 
 
+class ForkedPipeline(StokerError, RuntimeError):
+    """A pipeline (or another object with threads of its own) was used in a process forked from the one that
+    made it, where its threads do not exist: make a new one in this process. ``close()`` works there and
+    frees nothing of the parent's."""
+
+
 class RankFailed(StokerError, RuntimeError):
     """A rank of a launched job raised; the others were stopped. ``rank`` and ``traceback`` say where."""
 
@@ -175,6 +181,7 @@ __all__ = [
     "NonFiniteData",
     "PoolStarved",
     "ShutdownError",
+    "ForkedPipeline",
     "RankFailed",
     "UnusedParameters",
     "NonFiniteLoss",
