@@ -22,7 +22,7 @@ from .dist.telemetry import TelemetryWriter, memory_report
 from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
 from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DeviceError, DtypeMismatch,
-                     IncompleteSource, InvalidArgument,
+                     ForkedPipeline, IncompleteSource, InvalidArgument,
                      MetadataError, NonFiniteData, NonFiniteLoss, NotFound, NotYetSupported, OutOfBounds, OutOfMemory, PoolStarved,
                      RankFailed, RankMismatch, ShutdownError, StokerError, StorageError, ThreadStartError,
                      UnsupportedFormat, UnusedParameters)
@@ -62,6 +62,7 @@ __all__ = [
     "DeviceError",
     "DtypeMismatch",
     "IncompleteSource",
+    "ForkedPipeline",
     "InvalidArgument",
     "MetadataError",
     "NonFiniteData",

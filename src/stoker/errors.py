@@ -153,6 +153,12 @@ class ShutdownError(StokerError, RuntimeError):
     """The object was closed, or is closing, and cannot do the requested work."""
 
 
+class ForkedPipeline(StokerError, RuntimeError):
+    """A pipeline (or another object with threads of its own) was used in a process forked from the one that
+    made it, where its threads do not exist: make a new one in this process. ``close()`` works there and
+    frees nothing of the parent's."""
+
+
 def pipeline_closed() -> ShutdownError:
     """The error of a batch whose work stopped because its pipeline was closed (one wording for every path).
 
@@ -208,6 +214,7 @@ __all__ = [
     "NonFiniteData",
     "PoolStarved",
     "ShutdownError",
+    "ForkedPipeline",
     "RankFailed",
     "UnusedParameters",
     "NonFiniteLoss",

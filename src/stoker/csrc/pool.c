@@ -27,6 +27,13 @@
  * checks (io.c), straight from the buffer (nothing is copied, nothing written to it). Buffers are read only holding the job's mem lock shared, after checking that the job is not
  * cancelled; job_cancel takes it exclusively too, so once it returns no worker reads them again (the caller
  * may then let them go; a chunk in memory makes no system call, so that wait is one chunk's decode at most).
+ *
+ * Fork: a child process has none of the engine's threads, and its mutex, condition variables and job locks may
+ * be held, or owe wake-ups, to threads that do not exist there (glibc's pthread_cond_broadcast then waits for
+ * waiters that never come). An engine records the fork generation it was made in (counted by a pthread_atfork
+ * handler); in a later one (foreign) every call leaves its threads and locks alone: close reports the threads
+ * gone, a submitted job is done with every chunk cancelled, and memory is left to the process's end (the
+ * parent's pages, copy-on-write).
  */
 #include "stoker_native.h"
 
@@ -76,7 +83,20 @@ struct engine {
     long long budget, used; /* the scratch budget, and how much of it threads have reserved */
     long long held, peak;   /* scratch allocated now, and at most (never more than reserved) */
     job *live; /* jobs not done nor cancelled, in submission order */
+    unsigned generation; /* the fork generation it was made in (see "Fork" above) */
 };
+
+/* ---- fork ---- */
+
+static unsigned fork_generation; /* bumped in a child by the atfork handler (one thread runs there) */
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void forked_child(void) { __atomic_add_fetch(&fork_generation, 1, __ATOMIC_RELAXED); }
+
+static void watch_forks(void) { pthread_atfork(NULL, NULL, forked_child); }
+
+/* whether e was made in another process (a parent of this one): its threads and locks are not ours to touch */
+static int foreign(const engine *e) { return e->generation != __atomic_load_n(&fork_generation, __ATOMIC_RELAXED); }
 
 /* ---- small helpers ---- */
 
@@ -668,6 +688,8 @@ engine *engine_new(int n_threads, long long budget, int *started) {
     cond_init(&e->done_cv);
     e->budget = budget;
     e->refs = 1;
+    pthread_once(&atfork_once, watch_forks);
+    e->generation = __atomic_load_n(&fork_generation, __ATOMIC_RELAXED);
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED); /* waited for by engine_close, never joined */
@@ -696,6 +718,13 @@ engine *engine_new(int n_threads, long long budget, int *started) {
 }
 
 void engine_submit(engine *e, job *j) {
+    if (foreign(e)) { /* no thread to make it: done, every chunk cancelled (it holds no engine reference) */
+        for (long long i = 0; i < j->t.n_chunks; i++)
+            j->status[i] = ST_CANCELLED;
+        j->next = j->finished = j->t.n_chunks;
+        j->cancelled = j->done = 1;
+        return;
+    }
     pthread_mutex_lock(&e->mu);
     e->refs++; /* the job's */
     j->submitted = 1;
@@ -720,6 +749,8 @@ void engine_submit(engine *e, job *j) {
 }
 
 int job_done(engine *e, job *j) {
+    if (foreign(e)) /* nothing changes it here any more */
+        return __atomic_load_n(&j->done, __ATOMIC_ACQUIRE);
     pthread_mutex_lock(&e->mu);
     int done = j->done;
     pthread_mutex_unlock(&e->mu);
@@ -727,6 +758,8 @@ int job_done(engine *e, job *j) {
 }
 
 int job_wait(engine *e, job *j, double timeout_s) {
+    if (foreign(e)) /* no thread here will finish it: waiting could only last for ever */
+        return __atomic_load_n(&j->done, __ATOMIC_ACQUIRE);
     struct timespec deadline;
     if (timeout_s >= 0)
         deadline_after(&deadline, timeout_s);
@@ -746,6 +779,8 @@ int job_wait(engine *e, job *j, double timeout_s) {
 }
 
 void job_cancel(engine *e, job *j) {
+    if (foreign(e)) /* no worker writes into it here */
+        return;
     /* waits for the workers placing a chunk of it right now (a chunk's copies: microseconds) */
     pthread_rwlock_wrlock(&j->place_lock);
     __atomic_store_n(&j->cancelled, 1, __ATOMIC_RELEASE);
@@ -777,6 +812,8 @@ void job_results(engine *e, job *j, int32_t *status, int64_t *detail, job_counte
 }
 
 void job_release(engine *e, job *j) {
+    if (foreign(e)) /* left as it is (see "Fork") */
+        return;
     pthread_mutex_lock(&e->mu);
     job *fj = NULL;
     int fe = 0;
@@ -794,6 +831,10 @@ void job_release(engine *e, job *j) {
 }
 
 int engine_close(engine *e, double timeout_s) {
+    if (foreign(e)) { /* its threads are the parent's: none runs here */
+        e->closing = 1;
+        return 1;
+    }
     pthread_mutex_lock(&e->mu);
     e->closing = 1;
     job *j = e->live;
@@ -823,6 +864,10 @@ int engine_close(engine *e, double timeout_s) {
 }
 
 void engine_info(engine *e, long long out[6]) {
+    if (foreign(e)) { /* read without its lock, which a thread of the parent may hold */
+        out[0] = e->n_threads, out[1] = 0, out[2] = e->budget, out[3] = 0, out[4] = e->peak, out[5] = 1;
+        return;
+    }
     pthread_mutex_lock(&e->mu);
     out[0] = e->n_threads;
     out[1] = e->alive;
@@ -834,6 +879,8 @@ void engine_info(engine *e, long long out[6]) {
 }
 
 void engine_release(engine *e) {
+    if (foreign(e)) /* left as it is (see "Fork") */
+        return;
     pthread_mutex_lock(&e->mu);
     int last = --e->refs == 0;
     pthread_mutex_unlock(&e->mu);

@@ -4,8 +4,9 @@ An executor owns the batch slots and the decode work. ``prepare`` makes its buff
 batch's arrays); ``plan`` plans a batch; ``acquire`` gives the :class:`Target` to make it in (waiting for a
 free slot); ``submit`` starts it and returns a :class:`Job` that completes or fails (``cancel``);
 ``deliver`` hands out a finished batch's view and how to release it, ``drop`` gives back a failed one;
-``shutdown`` cancels work in flight, ``close`` frees the rest; ``check_budget``, ``held`` and ``peak_bytes``
-answer for memory. The CPU executor (:mod:`.cpu`: slots in host memory, filled by the compiled engine or
+``shutdown`` cancels work in flight, ``close`` frees the rest, ``threads`` lists the threads it started (waited
+for at interpreter exit, :mod:`stoker.runtime.lifetime`); ``check_budget``, ``held`` and ``peak_bytes`` answer
+for memory. The CPU executor (:mod:`.cpu`: slots in host memory, filled by the compiled engine or
 the Python path), the CUDA executor (:mod:`.transfer`: the same filling pinned staging, then a copy and
 cast on the GPU) and the GPU-decode executor (:mod:`.gpu.executor`: chunks cross encoded and are decoded, cast
 and placed on the device) all keep it, so the pipeline has no branch for any:
@@ -265,3 +266,5 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
     def close(self) -> None: ...
+
+    def threads(self) -> list[threading.Thread]: ...

@@ -13,7 +13,8 @@ No worker processes: reads release the GIL (``os.pread`` and the decoders), so a
 small thread pool keeps up, and nothing goes through ``/dev/shm`` (whose size
 limit is what makes DataLoader workers die of SIGBUS in containers). At most
 ``prefetch`` batches are prepared ahead of the consumer; every wait has a
-timeout, so ``close()`` (or dropping the iterator) stops the threads promptly.
+timeout, so ``close()`` (or dropping the iterator) stops the threads promptly;
+an iteration still open when the interpreter exits is closed before it finalises.
 
 **Order.** Epoch ``e`` permutes the records with ``(seed, e)``; ranks take
 strided parts of that order with equal sample counts (short ranks wrap around to
@@ -49,6 +50,7 @@ from ..checks import integer, seconds
 from ..dist.collectives import resolve_rank
 from ..errors import InvalidArgument, ShutdownError, StokerError, ThreadStartError
 from ..runtime.workers import start_thread
+from ..runtime import lifetime
 from ..device.resolve import as_device
 from ..device.pin import pin_object, to_device
 from .collate import CollateArg, resolve
@@ -319,6 +321,9 @@ class _Work:
         except ThreadStartError:
             self.stop.set()  # the threads that started leave at their next look
             raise
+        # an iteration still running at interpreter exit (an iterator kept after a break) is closed first: its
+        # threads collate with torch, which a daemon thread must not be inside when the interpreter finalises
+        lifetime.track(self, _threads_of)
 
     def _issue(self, taken: int) -> None:
         """Queue the samples of the batches up to ``prefetch`` ahead of the consumer (lock held)."""
@@ -386,6 +391,10 @@ class _Work:
         for t in self.threads:
             if t is not threading.current_thread() and t.ident is not None:
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _threads_of(work: _Work) -> list[threading.Thread]:
+    return list(work.threads)
 
 
 class _Part:

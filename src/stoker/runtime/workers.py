@@ -9,6 +9,8 @@ abandoned, and the process ends.
 >>> pool.submit(print, "hello")     # threads start as work arrives, up to 4
 >>> pool.shutdown()                 # drops queued tasks and returns; running ones finish on their own
 
+In a process forked from the pool's, where its threads do not exist, ``shutdown`` touches none of its locks.
+
 Tasks return nothing: they report through objects of their own (a job, an event). An
 exception that escapes a task goes to :func:`threading.excepthook`, as one escaping a
 thread would, and the thread goes on with the next task.
@@ -20,6 +22,7 @@ thread would, and the thread goes on with the next task.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import weakref
 from typing import Any, Callable
@@ -31,15 +34,21 @@ from ..errors import ShutdownError, ThreadStartError
 class _State:
     """What the pool shares with its threads (not the pool itself, so an unused pool can be collected)."""
 
-    __slots__ = ("cv", "tasks", "closed", "idle", "__weakref__")
+    __slots__ = ("cv", "tasks", "closed", "idle", "pid", "__weakref__")
 
     def __init__(self) -> None:
         self.cv = threading.Condition(threading.Lock())
         self.tasks: collections.deque[tuple[Callable[..., Any], tuple]] = collections.deque()
         self.closed = False
         self.idle = 0
+        self.pid = os.getpid()  # the process whose threads these are
 
     def close(self, drain: bool = False) -> None:
+        if os.getpid() != self.pid:
+            # a process forked from the pool's: none of its threads runs here, and the lock may have been
+            # held by one of them at the fork, for ever here; nothing is left to stop
+            self.closed = True
+            return
         with self.cv:
             self.closed = True
             if not drain:

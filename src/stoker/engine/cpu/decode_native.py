@@ -288,6 +288,10 @@ class NativeDecoder:
     def peak_bytes(self) -> int:
         return int(self.engine.info()["peak"])
 
+    def threads(self) -> list[threading.Thread]:
+        """The finisher thread (the engine's own threads never run Python)."""
+        return [self._thread]
+
     def shutdown(self) -> None:
         """Cancel every job (once this returns the engine writes into no batch) and stop the threads,
         waiting a quarter of a second at most for them (one stuck in a system call is left behind)."""

@@ -20,6 +20,7 @@ fetch; no thread waits for the network, so the budget, not the I/O threads, boun
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -151,6 +152,10 @@ class PythonDecoder:
 
     def cancelled(self) -> bool:
         return self._closing
+
+    def threads(self) -> list[threading.Thread]:
+        """The pools' threads started so far."""
+        return self._io.threads + self._compute.threads
 
     def shutdown(self) -> None:
         """Cancel queued work; running tasks stop at their next check. Queued tasks still run, and end at once

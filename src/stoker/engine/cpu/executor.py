@@ -19,6 +19,7 @@ threads' scratch (its budget) and the Python path's buffers (the :class:`~.buffe
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -87,6 +88,10 @@ class Decoders:
         if self.native is not None:
             self.native.shutdown()
         self.python.shutdown()
+
+    def threads(self) -> list[threading.Thread]:
+        """The threads of both paths started so far."""
+        return self.python.threads() + (self.native.threads() if self.native is not None else [])
 
     def peak_bytes(self) -> int:
         """The most the decode paths' buffers held at once (the engine's scratch and the transient budget)."""
@@ -278,3 +283,7 @@ class CpuExecutor:
 
     def close(self) -> None:
         """Free what outlives the work (nothing on the CPU)."""
+
+    def threads(self) -> list[threading.Thread]:
+        """The decode threads started so far."""
+        return self.decoders.threads() if self.decoders is not None else []

@@ -322,6 +322,10 @@ class GpuDecodeExecutor:
         if target.slot is not None:
             self.slots.release(target.slot)
 
+    def threads(self) -> list[threading.Thread]:
+        """The reader, the decode thread and the read pool's threads started so far."""
+        return [t for t in (self._reader, self._thread) if t is not None] + self._stager.pool.started()
+
     def shutdown(self) -> None:
         self._closing = True
         self._stager.pool.closing = True

@@ -375,6 +375,10 @@ class ReadPool:
         self._pool = DaemonPool(self.threads - 1, "stoker-gpu-read", knob="n_compute_threads") if self.threads > 1 else None
         self.closing = False
 
+    def started(self) -> list:
+        """The pool's threads started so far (the callers' are not its own)."""
+        return self._pool.threads if self._pool is not None else []
+
     def map(self, fn: Callable[[Any], Any], items: list) -> list:
         """``[fn(x) for x in items]``, in slices on the threads; the first exception raised is raised here.
         Every wait is bounded: :class:`~stoker.errors.ShutdownError` once :meth:`close` was called."""

@@ -14,6 +14,12 @@ batch slot) and hands it to the executor (:mod:`.executor`: slots and decoding, 
 the CPU or staged for a GPU). The consumer's ``pop`` takes batches in push order. Errors are sticky: once ``pop``
 raised one, every later ``pop`` and ``push`` raises it again.
 
+A pop hands its batch over as one step: an interrupt (Ctrl-C in ``pop``) leaves the batch for the next pop,
+and :meth:`Pipeline.state_dict` counts only batches the consumer received (see :meth:`Pipeline._hand_over`).
+A pipeline belongs to the process that made it: in a process forked from it (whose threads are not there)
+every call raises :class:`~stoker.ForkedPipeline`, and ``close()`` drops it without touching its threads or
+locks. One still open when the interpreter exits is closed first (:mod:`stoker.runtime.lifetime`).
+
 On a CUDA device (``Config(device=local_rank)``, or ``None`` with CUDA available)
 each batch is assembled in pinned host memory in its source dtype, copied on a
 side stream and cast on the GPU (:mod:`stoker.engine.cuda.transfer`); ``from_dlpack``
@@ -24,6 +30,7 @@ consumer is done with it.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -31,7 +38,8 @@ from typing import Any
 
 from ...reader.array import ArrayReader
 from ...config import Config
-from ...errors import InvalidArgument, PoolStarved, ShutdownError
+from ...errors import ForkedPipeline, InvalidArgument, PoolStarved, ShutdownError
+from ...runtime import lifetime
 from ...sampling.sample import Sample
 from ...storage import LocalStore
 from ...device import resolve as devices
@@ -46,6 +54,7 @@ class Pipeline:
     """Turns a stream of :class:`~stoker.Sample` into batches. One per rank; see the module docstring."""
 
     def __init__(self, cfg: Config) -> None:
+        self._pid = os.getpid()  # the process whose threads serve it (see _check_process)
         if not isinstance(cfg, Config):
             raise InvalidArgument(f"Pipeline needs a stoker.Config, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -63,6 +72,10 @@ class Pipeline:
         self._error: BaseException | None = None
         self._closed = False
         self._pop_lock = threading.Lock()  # pop is single-consumer: concurrent pops take turns
+        # a hand-over under way, or one an interrupt cut short: (its entry, what was received before it, the
+        # consumer's thread); see _hand_over
+        self._handing: tuple[Any, Any, int] | None = None
+        lifetime.track(self, _threads_of)  # closed at interpreter exit if still open
 
     # -- what the executor and the coordinator hold (tests and the bench look at them) ------------
 
@@ -86,10 +99,22 @@ class Pipeline:
     def push(self, samples: Sample | Iterable[Sample]) -> None:
         """Queue samples: one Sample, a sequence (checked now), a sharded source (pulled lazily, its
         position tracked for :meth:`state_dict`) or any iterable (pulled lazily, checked then)."""
+        self._check_process()
         with self._cond:
             self._raise_if_unusable()
         self._intake.push(samples)
         self._coordinator.start()
+
+    def _check_process(self) -> None:
+        """ForkedPipeline in a process forked from the one that made this pipeline: its threads are not there,
+        and its locks may be held for ever by a thread that was inside them at the fork. Checked before any
+        lock is taken."""
+        if os.getpid() != self._pid:
+            raise ForkedPipeline(
+                f"this Pipeline was made in process {self._pid} and is used in process {os.getpid()}, forked from "
+                "it: its threads do not run here. Make a new Pipeline in this process (in a DataLoader worker: "
+                "in the dataset's __iter__ or in worker_init_fn); close() works here and frees nothing of the "
+                "parent's")
 
     def _raise_if_unusable(self) -> None:
         if self._error is not None:
@@ -100,7 +125,9 @@ class Pipeline:
     @property
     def pending(self) -> int:
         """Pushed samples not yet in a popped batch (generators count as far as they have been pulled)."""
+        self._check_process()
         with self._cond:
+            self._undo_hand_over()
             return self._intake.pending
 
     # -- pop --------------------------------------------------------------------------------
@@ -108,19 +135,23 @@ class Pipeline:
     def pop(self, timeout: float | None = None) -> Batch:
         """The next batch, in push order. Raises the pipeline's (sticky) error, or PoolStarved on timeout.
 
-        One consumer at a time: concurrent calls are serialised.
+        One consumer at a time: concurrent calls are serialised. An interrupt (Ctrl-C) inside it leaves the
+        batch for the next call.
         """
+        self._check_process()
         limit = self.cfg.pop_timeout_s if timeout is None else timeout
         with self._pop_lock:
-            return self._pop(limit, _deadline(limit))
+            batch, handed = self._pop(limit, _deadline(limit))
+        handed[0] = True; self._handing = None; return batch  # noqa: E702 - the hand-over's end: see _hand_over
 
-    def _pop(self, limit: float | None, deadline: float | None) -> Batch:
+    def _pop(self, limit: float | None, deadline: float | None) -> tuple[Batch, list[bool]]:
         t0 = time.perf_counter()
         inflight = self._coordinator.inflight
         collector = _Collector(self._executor)
         while True:
             with self._cond:
                 self._raise_if_unusable()
+                self._undo_hand_over()
                 self._intake.flush_if_drained(bool(inflight))
                 head = inflight[0] if inflight else None
             if head is not None and head.ready(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))):
@@ -131,31 +162,70 @@ class Pipeline:
                 collector.waited()
             if deadline is not None and time.monotonic() >= deadline:
                 raise PoolStarved(self._starved_message(limit))
-        with self._cond:
-            self._raise_if_unusable()  # closed while we waited: the batch may be incomplete
-            inflight.popleft()
-            self._cond.notify_all()
         error = head.error or (head.job.error if head.job else None)
         if error is not None:
+            with self._cond:
+                self._raise_if_unusable()  # closed while we waited: say so rather than what the close caused
+                self._error = error  # first: sticky, whatever interrupts the rest
+                if inflight and inflight[0] is head:
+                    inflight.popleft()
+                self._cond.notify_all()
             if head.target is not None:
                 self._executor.drop(head.target)
-            with self._cond:
-                self._error = error
             raise error
-        rows = head.rows
+        return self._hand_over(head, t0)
+
+    def _hand_over(self, head: Any, t0: float) -> tuple[Batch, list[bool]]:
+        """The finished batch ``head`` (first in flight), taken off the batches in flight and counted as popped,
+        and ``handed``: the public caller (``pop``, ``batches``, ``__iter__``) ends the hand-over with
+        ``handed[0] = True; self._handing = None`` and returns or yields the batch, in one line with no call.
+
+        A KeyboardInterrupt (or any exception a signal handler raises) lands in the consumer's thread where
+        CPython checks for one: entering a function, and after each call, a return from ``_pop`` or a lock's
+        release among them. The batch is made first, changing nothing, with its release off until it is
+        handed over: an interrupt there leaves ``head`` first in flight for the next pop (the batch made is
+        garbage, and gives no slot back). Then, under the condition, ``_handing`` notes the hand-over and what
+        was received before it, ``head`` leaves the batches in flight and the intake counts it in one store:
+        an interrupt from there to the caller's last line is undone by this thread's next call
+        (:meth:`_undo_hand_over`). That line arms the release, clears the note and hands the batch over with
+        no point where an interrupt can land. The promise is one consumer thread's (interrupts land on the
+        main thread); another thread's pop meanwhile neither undoes this one nor is undone.
+        (Stats count an undone batch again when it is popped again. Not covered: an interrupt inside CPython's
+        own ``Condition.__enter__`` just after it took the lock, which leaks the lock whatever the caller does.)"""
+        rows, plan = head.rows, head.job.plan
         view, release, event, stream = self._executor.deliver(head.target, rows)
-        plan = head.job.plan
+        handed = [False]
+        batch = Batch(view, plan.samples, head.batch_id, _once_handed(release, handed), ready_event=event,
+                      ready_stream=stream)
+        counts = dict(batches_emitted=1, samples=rows, chunks_needed=plan.chunks_needed,
+                      chunk_dedup_hits=plan.chunks_needed - len(plan.chunks),
+                      bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
+                      **head.job.counts)
+        del view, release
+        intake, inflight = self._intake, self._coordinator.inflight
         with self._cond:
-            self._intake.popped(head.source_ids, rows)
-        wait = time.perf_counter() - t0
-        self._stats.stage("pop_wait", wait)
-        self._stats.add(
-            batches_emitted=1, samples=rows, chunks_needed=plan.chunks_needed,
-            chunk_dedup_hits=plan.chunks_needed - len(plan.chunks),
-            bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
-            **head.job.counts,
-        )
-        return Batch(view, plan.samples, head.batch_id, release, ready_event=event, ready_stream=stream)
+            self._raise_if_unusable()  # closed while we waited: the batch may be incomplete
+            # from here an interrupt is undone by this thread's next call
+            self._handing = (head, intake.received, threading.get_ident())
+            inflight.popleft()
+            intake.popped(head.source_ids, rows)
+            self._stats.stage("pop_wait", time.perf_counter() - t0)
+            self._stats.add(**counts)
+            self._cond.notify_all()
+        return batch, handed
+
+    def _undo_hand_over(self) -> None:
+        """Under the condition: put back the batch of a hand-over an interrupt cut short, as if it had not
+        begun: first in flight again, and not received. Every step may be done twice (an interrupt here
+        leaves the rest to the next call)."""
+        if self._handing is None or self._handing[2] != threading.get_ident():
+            return
+        head, received, _ = self._handing
+        inflight = self._coordinator.inflight
+        if not inflight or inflight[0] is not head:
+            inflight.appendleft(head)
+        self._intake.received = received
+        self._handing = None
 
     def _starved_message(self, limit: float) -> str:
         intake, inflight = self._intake, self._coordinator.inflight
@@ -181,8 +251,12 @@ class Pipeline:
 
     def batches(self, n: int) -> Iterator[Batch]:
         """Yield ``n`` batches (each released when the next is requested)."""
+        limit = self.cfg.pop_timeout_s
         for _ in range(n):
-            batch = self.pop()
+            self._check_process()
+            with self._pop_lock:
+                batch, handed = self._pop(limit, _deadline(limit))
+            handed[0] = True; self._handing = None  # noqa: E702 - the hand-over's end: see _hand_over
             try:
                 yield batch
             finally:
@@ -195,11 +269,13 @@ class Pipeline:
         """
         limit = self.cfg.pop_timeout_s
         while True:
+            self._check_process()
             deadline = _deadline(limit)
             with self._pop_lock:
                 if not self._wait_for_work(limit, deadline):
                     return
-                batch = self._pop(limit, deadline)
+                batch, handed = self._pop(limit, deadline)
+            handed[0] = True; self._handing = None  # noqa: E702 - the hand-over's end: see _hand_over
             try:
                 yield batch
             finally:
@@ -213,6 +289,7 @@ class Pipeline:
         while True:
             with self._cond:
                 self._raise_if_unusable()
+                self._undo_hand_over()
                 if inflight:
                     return True
                 if not intake.sources and not intake.launching and not intake.flush:
@@ -238,18 +315,28 @@ class Pipeline:
             state = p.state_dict()                       # {"sources": [...], "batches": k}
             source.load_state_dict(state["sources"][0])  # later, possibly on another world size
         """
-        return self._intake.state_dict()
+        self._check_process()
+        with self._cond:
+            self._undo_hand_over()
+            return self._intake.state_dict()
 
     # -- stats and lifetime -----------------------------------------------------------------
 
     def stats(self) -> Stats:
+        self._check_process()
         return self._stats.snapshot(peak_host_bytes=self._executor.peak_bytes())
 
     def stats_reset(self) -> None:
+        self._check_process()
         self._stats.reset()
 
     def close(self) -> None:
-        """Cancel in-flight work and stop threads; returns within about a second. Idempotent."""
+        """Cancel in-flight work and stop threads; returns within about a second. Idempotent.
+
+        In a process forked from the one that made the pipeline it only drops it (see :meth:`_forget`)."""
+        if os.getpid() != self._pid:
+            self._forget()
+            return
         with self._cond:
             if self._closed:
                 return
@@ -259,6 +346,14 @@ class Pipeline:
         self._coordinator.join(1.0)
         self._executor.close()
         self._store.close()
+
+    def _forget(self) -> None:
+        """Close in a process forked from the pipeline's: its threads are the parent's and do not run here,
+        and a lock one of them held at the fork is held for ever here, so nothing is stopped, joined or
+        locked. The executor and coordinator are dropped; the compiled engine's objects made in the parent
+        leave its memory as it is (csrc/pool.c, "Fork"), and so do its thread pools (DaemonPool)."""
+        self._closed = True
+        self._executor = self._coordinator = None  # type: ignore[assignment]
 
     def __enter__(self) -> "Pipeline":
         return self
@@ -300,6 +395,23 @@ class _Collector:
             gc.collect()
             self.after *= 2
         self.since = time.monotonic()
+
+
+def _once_handed(release: Any, handed: list[bool]) -> Any:
+    """A batch's release that gives its slot back only once ``handed[0]``: a batch made by a pop that was
+    interrupted before handing it over must not free the slot its entry, still in flight, is delivered from."""
+    def give_back(waits: Any) -> None:
+        if handed[0]:
+            release(waits)
+    return give_back
+
+
+def _threads_of(p: Pipeline) -> list[threading.Thread]:
+    """The threads a pipeline started (the exit hook waits for them after closing it)."""
+    if p._coordinator is None:
+        return []
+    threads = p._executor.threads()
+    return threads + [p._coordinator.thread] if p._coordinator.thread is not None else threads
 
 
 def _all_slots_held(executor) -> bool:

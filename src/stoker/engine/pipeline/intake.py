@@ -3,7 +3,8 @@
 Sized pushes are checked at once and counted as pending; iterables (also infinite generators) are pulled
 only when the coordinator has room for a batch, and checked then; resumable sources (``state_after``) have
 their position reported as of the samples the consumer popped (:meth:`Intake.state_dict`). Every field is
-read and written under the pipeline's condition, which :class:`Intake` shares.
+read and written under the pipeline's condition, which :class:`Intake` shares. What the consumer received is
+one record (:class:`Received`), replaced whole at each pop, so a pop interrupted part way can put it back.
 
 >>> intake.push(samples); batch, error = intake.pull(closed)   # up to batch_size (sample, source id) pairs
 """
@@ -14,11 +15,20 @@ import collections
 import itertools
 import threading
 from collections.abc import Iterable, Iterator, Sized
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ...config import Config
 from ...errors import InvalidArgument, RankMismatch, StokerError
 from ...sampling.sample import Sample, arrays_read
+
+
+class Received(NamedTuple):
+    """What the consumer has popped: batches, samples, and samples per source id (a dict never changed after
+    it is made: a new record replaces the whole)."""
+
+    batches: int = 0
+    samples: int = 0
+    per_source: dict = {}
 
 
 class Intake:
@@ -32,11 +42,10 @@ class Intake:
         self.staged: list[tuple[Sample, int]] = []  # pulled, not yet in a batch, with their source id
         self._source_ids = itertools.count()
         self._resumable: dict[int, Any] = {}  # source id -> iterator that can report state_after(n)
-        self._popped: collections.Counter[int] = collections.Counter()  # source id -> samples popped
-        self.batches_popped = 0
+        self.received = Received()  # replaced whole by popped(): see Pipeline._hand_over
         self.flush = False  # launch a short batch of what is staged (drop_last=False, sources drained)
         self.launching = False  # samples taken from the sources but not yet in flight
-        self.pending = 0
+        self._counted = 0  # samples counted as pushed: sized pushes at push, iterables as they are pulled
         self.shape: tuple[int, ...] | None = cfg.sample_shape
         self.first: Sample | None = None  # the first sample checked: its channel count is the pipeline's
 
@@ -69,7 +78,7 @@ class Intake:
                 self.shape = self.shape or shape
                 self.first = self.first or first
                 self.sources.append((iter(items), True, next(self._source_ids)))
-                self.pending += len(items)
+                self._counted += len(items)
                 self.cond.notify_all()
         else:
             with self.cond:
@@ -113,7 +122,7 @@ class Intake:
                 self.shape = self.shape or shape
                 self.first = self.first or sample
                 if not counted:
-                    self.pending += 1
+                    self._counted += 1
             self.staged.append((sample, sid))
         with self.cond:
             if len(self.staged) >= want or (self.flush and not self.sources):
@@ -129,7 +138,7 @@ class Intake:
             self.launching = True
             batch = self._take()
             if self.cfg.drop_last and len(batch) < self.cfg.batch_size:
-                self.pending = max(0, self.pending - len(batch))
+                self._counted -= len(batch)
                 return []
             return batch
 
@@ -149,17 +158,26 @@ class Intake:
             self.flush = True
             self.cond.notify_all()
 
+    @property
+    def pending(self) -> int:
+        """Samples counted as pushed and not yet in a popped batch."""
+        return max(0, self._counted - self.received.samples)
+
     def popped(self, source_ids: list[int], rows: int) -> None:
-        """Under the condition: the consumer got a batch of these samples."""
-        self.pending = max(0, self.pending - rows)
-        self._popped.update(source_ids)
-        self.batches_popped += 1
+        """Under the condition: the consumer got a batch of these samples. One store changes what was
+        received: an interrupt lands before it (nothing counted) or after it (all of it)."""
+        r = self.received
+        per_source = dict(r.per_source)
+        for sid, n in collections.Counter(source_ids).items():
+            per_source[sid] = per_source.get(sid, 0) + n
+        self.received = Received(r.batches + 1, r.samples + rows, per_source)
 
     def state_dict(self) -> dict:
         with self.cond:
+            r = self.received
             return {
-                "sources": [it.state_after(self._popped[sid]) for sid, it in self._resumable.items()],
-                "batches": self.batches_popped,
+                "sources": [it.state_after(r.per_source.get(sid, 0)) for sid, it in self._resumable.items()],
+                "batches": r.batches,
             }
 
 

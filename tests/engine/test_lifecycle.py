@@ -1,0 +1,352 @@
+"""A pipeline's life at its edges: used in a forked process, interrupted inside ``pop``, left open at exit.
+
+Forks and exits run in scripts in a subprocess (a hang there cannot take pytest down); each wait is bounded.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.codecs import ZstdCodec
+
+import stoker
+from stoker.engine.cpu import native as engine_native
+from stoker.engine.executor import Job
+from stoker.engine.pipeline.facade import Pipeline
+
+pytestmark = pytest.mark.timeout(300)
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+CROP = (8, 16, 16)
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory):
+    path = tmp_path_factory.mktemp("life") / "v.zarr"
+    z = zarr.create_array(str(path), shape=(32, 64, 64), chunks=(8, 16, 16), dtype="float32",
+                          compressors=ZstdCodec(level=1))
+    data = np.random.default_rng(0).normal(size=z.shape).astype("float32")
+    z[:] = data
+    return str(path), data
+
+
+def _samples(uri, shape, n, seed=1):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        corner = [int(rng.integers(0, s - c + 1)) for s, c in zip(shape, CROP)]
+        out.append(stoker.Sample(uri, [(a, a + c) for a, c in zip(corner, CROP)]))
+    return out
+
+
+def _run(script: str, *args: str, timeout: float = 120, native: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": SRC, "STOKER_NATIVE": "1" if native else "0"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+# -- fork ------------------------------------------------------------------------------------------------------
+
+FORK_SCRIPT = """
+import json, os, random, sys, time
+import numpy as np
+import stoker
+
+uri, forks, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cfg = stoker.Config(batch_size=4, dtype="f32", host_buffer_bytes=64 << 20, n_compute_threads=threads,
+                    pop_timeout_s=20, device="cpu")
+rng = np.random.default_rng(1)
+
+def crops():
+    while True:
+        c = [int(rng.integers(0, s - 8 + 1)) for s in (32, 64, 64)]
+        yield stoker.Sample(uri, [(a, a + 8) for a in c])
+
+p = stoker.Pipeline(cfg)
+p.push(crops())
+p.pop().release()
+codes = []
+for i in range(forks):
+    p.pop().release()  # the next batches are being made as the fork happens
+    time.sleep(random.random() * 0.003)
+    pid = os.fork()
+    if pid == 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(10, exit=True)  # a hang ends the child with exit code 1
+        code = 0
+        for call in (p.pop, lambda: p.push([]), p.state_dict, lambda: p.pending, p.stats):
+            try:
+                call()
+                code = 2  # a call that worked in the child
+            except stoker.ForkedPipeline as e:
+                if "Make a new Pipeline in this process" not in str(e):
+                    code = 3
+            except BaseException:
+                code = 4
+        t0 = time.monotonic()
+        p.close()
+        p.close()
+        if time.monotonic() - t0 > 2.0:
+            code = 5
+        if i % 2:
+            os._exit(code)  # as multiprocessing's fork children end
+        sys.exit(code)  # through the interpreter's exit: atexit hooks, then finalisation
+    deadline = time.monotonic() + 30
+    while True:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            codes.append(os.waitstatus_to_exitcode(status))
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            codes.append("hung")
+            break
+        time.sleep(0.005)
+with p.pop() as b:  # the parent's pipeline goes on
+    rows = len(b.samples)
+p.close()
+print(json.dumps({"codes": codes, "rows": rows}))
+"""
+
+
+@pytest.mark.parametrize("native,forks,threads", [(True, 30, 8), (False, 10, 2)], ids=["engine", "python"])
+def test_a_forked_child_refuses_every_call_and_closes_at_once(volume, native, forks, threads):
+    """A child that inherited an open pipeline gets ForkedPipeline from every call and closes it promptly, 30
+    times over with 8 engine threads (close hung in pthread_cond_broadcast 1 fork in 10, and pop returned the
+    batches made before the fork); the child's exit, through the interpreter or os._exit, is clean."""
+    if native and engine_native.Engine is None:
+        pytest.skip("the compiled engine is not built")
+    proc = _run(FORK_SCRIPT, volume[0], str(forks), str(threads), native=native, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["codes"] == [0] * forks, (out, proc.stderr[-3000:])
+    assert out["rows"] == 4
+
+
+LOADER_SCRIPT = """
+import json, os, sys
+import numpy as np
+import torch
+import stoker
+
+uri = sys.argv[1]
+cfg = stoker.Config(batch_size=2, dtype="f32", host_buffer_bytes=64 << 20, n_compute_threads=2, pop_timeout_s=20,
+                    device="cpu")
+boxes = [[(i, i + 8), (0, 16), (0, 16)] for i in range(8)]
+
+
+class Crops(torch.utils.data.Dataset):
+    # each worker makes its own pipeline (the one inherited from the parent is refused there)
+    def __init__(self, inherited):
+        self.inherited, self.mine = inherited, {}
+
+    def __len__(self):
+        return len(boxes)
+
+    def __getitem__(self, i):
+        try:
+            self.inherited.pop()
+            refused = False
+        except stoker.ForkedPipeline:
+            refused = True
+        p = self.mine.get(os.getpid())
+        if p is None:
+            p = self.mine[os.getpid()] = stoker.Pipeline(cfg)
+        p.push([stoker.Sample(uri, boxes[i]), stoker.Sample(uri, boxes[i])])
+        with p.pop() as b:
+            return torch.from_dlpack(b)[0].clone(), refused
+
+
+parent = stoker.Pipeline(cfg)
+parent.push([stoker.Sample(uri, boxes[0])] * 40)
+parent.pop().release()
+loader = torch.utils.data.DataLoader(Crops(parent), batch_size=None, num_workers=2, multiprocessing_context="fork",
+                                     timeout=60)
+got = [(x.numpy().tolist(), refused) for x, refused in loader]
+with parent.pop() as b:
+    after = torch.from_dlpack(b)[0].numpy().tolist()
+parent.close()
+print(json.dumps({"got": got, "after": after}))
+"""
+
+
+def test_dataloader_fork_workers_make_pipelines_of_their_own(volume):
+    """DataLoader workers made by fork, while the parent has a pipeline making batches, make and use pipelines
+    of their own, and are refused the inherited one; the parent's goes on."""
+    uri, data = volume
+    proc = _run(LOADER_SCRIPT, uri, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["got"]) == 8
+    for i, (x, refused) in enumerate(out["got"]):
+        assert refused
+        np.testing.assert_array_equal(np.array(x, dtype=np.float32), data[i:i + 8, 0:16, 0:16])
+    np.testing.assert_array_equal(np.array(out["after"], dtype=np.float32), data[0:8, 0:16, 0:16])
+
+
+# -- Ctrl-C inside pop ---------------------------------------------------------------------------------------
+
+
+STOKER = str(Path(stoker.__file__).parent)
+
+
+def _ours(frame) -> bool:
+    return frame is not None and frame.f_code.co_filename.startswith(STOKER)
+
+
+class _Interrupter:
+    """A profile function that raises KeyboardInterrupt at the ``at``-th point of a ``pop`` on this thread.
+
+    A signal's handler runs in the consumer's thread where CPython checks for one: entering a function, and
+    after a call returns to its caller. The profile's events mark those points: "call" (entering stoker's
+    code), "c_return" and "return" (back in stoker's code from a call; not from an ``__enter__``, which the
+    ``with`` statement calls without a check after it). Each is taken in turn. Points in CPython's own
+    threading code are left out (an interrupt inside ``Condition.__enter__`` after it took the lock leaks
+    the lock, whoever calls it), and so are those inside :meth:`Job.wait`, whose interrupted settle has its
+    own handling (test_native_engine.py)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def __call__(self, frame, event, arg):
+        if event in ("call", "c_return"):
+            point = _ours(frame)
+        elif event == "return":
+            point = _ours(frame.f_back) and frame.f_code.co_name != "__enter__"
+        else:
+            point = False
+        if not point:
+            return
+        f, in_pop = frame, False
+        while f is not None:
+            if f.f_code is Job.wait.__code__:
+                return
+            if f.f_code is Pipeline.pop.__code__:
+                in_pop = True
+                break
+            f = f.f_back
+        if not in_pop:
+            return
+        self.seen += 1
+        if self.seen == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("transform", [False, True], ids=["plain", "transform"])
+def test_ctrl_c_anywhere_in_pop_loses_no_batch_and_state_counts_only_received(volume, decode_path, transform):
+    """A KeyboardInterrupt at every point of a pop in turn: the batch stays for the next pop, every batch comes
+    once and in order, and ``state_dict`` counts exactly the batches returned (an epoch lost 3-4 batches of
+    288, and a checkpoint counted batches never received)."""
+    uri, data = volume
+    bs, n_batches = 4, 6
+    samples = _samples(uri, data.shape, bs * n_batches)
+    cfg = stoker.Config(batch_size=bs, dtype="f32", host_buffer_bytes=64 << 20, n_io_threads=2, n_compute_threads=2,
+                        pop_timeout_s=5, device="cpu", transform=(lambda x: x.mul_(2)) if transform else None)
+    scale = 2 if transform else 1
+    expected = [iter(stoker.SampleList(samples).for_rank(0, 1)).state_after(bs * k) for k in range(n_batches + 1)]
+    gc.collect()  # none of these is finalised inside a pop, where the profile function would interrupt it
+    received, interrupts = [], 0
+    with stoker.Pipeline(cfg) as p:
+        p.push(stoker.SampleList(samples).for_rank(0, 1))
+        at = 1
+        while len(received) < n_batches:
+            assert interrupts < 5000, "pop never got through"
+            sys.setprofile(_Interrupter(at))
+            try:
+                batch = p.pop()
+            except KeyboardInterrupt:
+                interrupts += 1
+                at += 1
+                batch = None
+            finally:
+                sys.setprofile(None)
+            if batch is not None:
+                with batch:
+                    received.append((list(batch.samples), torch.from_dlpack(batch).clone()))
+                at = 1
+            state = p.state_dict()
+            assert state["batches"] == len(received)
+            assert state["sources"][0] == expected[len(received)]
+        assert p.stats().batches_emitted >= n_batches
+    assert interrupts > 10 * n_batches  # every pop was cut at many points before one went through
+    assert [s for got, _ in received for s in got] == samples
+    for got, x in received:
+        for row, s in enumerate(got):
+            crop = data[tuple(slice(a, b) for a, b in s.aabb)]
+            torch.testing.assert_close(x[row], torch.from_numpy(crop) * scale)
+
+
+# -- exit with a pipeline open ---------------------------------------------------------------------------------
+
+EXIT_SCRIPT = """
+import sys
+import torch
+import stoker
+
+uri, what = sys.argv[1], sys.argv[2]
+
+def slow(x):  # a transform that keeps a pipeline thread inside torch most of the time
+    for _ in range(100):
+        x.mul_(1.0001)
+    return x
+
+cfg = stoker.Config(batch_size=16, dtype="bf16", host_buffer_bytes=256 << 20, n_compute_threads=2, pop_timeout_s=60,
+                    device="cpu", transform=slow)
+source = stoker.RandomCrops([uri], sample_shape=(8, 64, 64), seed=0, samples_per_epoch=100000).for_rank(0, 1)
+if what == "pipeline":
+    p = stoker.Pipeline(cfg)
+    p.push(source)
+    with p.pop() as b:
+        torch.from_dlpack(b).sum()
+else:  # a CropDataset iterator kept after a break, as StatefulDataLoader keeps it
+    it = iter(stoker.CropDataset(source, cfg))
+    for x in it:
+        break
+print("left open", flush=True)
+"""
+
+
+@pytest.mark.parametrize("what", ["pipeline", "dataset"])
+def test_a_script_that_ends_with_a_pipeline_open_exits_cleanly(volume, what):
+    """A script ending without close(), a transform running on a pipeline thread: exit code 0 every time, in
+    bounded time, 6 runs of 6 (it aborted with "terminate called without an active exception", exit code 134, as the
+    interpreter finalised with a daemon thread inside torch)."""
+    for _ in range(6):
+        proc = _run(EXIT_SCRIPT, volume[0], what, timeout=120)
+        assert (proc.returncode, proc.stdout.strip()) == (0, "left open"), proc.stderr[-3000:]
+        assert "terminate called" not in proc.stderr
+
+
+RECORDS_EXIT_SCRIPT = """
+import stoker.records
+
+def slow(items):  # a collate that keeps the reader threads inside torch most of the time
+    import torch
+    x = torch.ones(1 << 20)
+    for _ in range(100):
+        x.mul_(1.0001)
+    return len(items)
+
+loader = stoker.records.Loader(list(range(64)), batch_size=2, collate=slow, seed=0, prefetch=4, n_threads=2)
+it = iter(loader)
+next(it)
+print("left open", flush=True)
+"""
+
+
+def test_a_script_that_ends_with_a_records_loader_open_exits_cleanly():
+    """A records Loader iterator kept open at exit, its threads collating with torch: exit code 0 every time."""
+    for _ in range(6):
+        proc = _run(RECORDS_EXIT_SCRIPT, timeout=120)
+        assert (proc.returncode, proc.stdout.strip()) == (0, "left open"), proc.stderr[-3000:]
