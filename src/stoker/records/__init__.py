@@ -19,7 +19,7 @@ Modules: :mod:`~stoker.records.catalog` (metadata scan and checks),
 """
 
 from .catalog import Catalog, scan
-from .collate import Concat, Pad
+from .collate import Concat, Pad, RecordBatch
 from .dataset import CacheInfo, FieldInfo, SampleInfo, ZarrRecords
 from .knn import knn_edge_index, knn_graph
 from .loader import Loader, LoaderTimeout
@@ -38,6 +38,7 @@ __all__ = [
     "Moments",
     "Pad",
     "PrecomputeResult",
+    "RecordBatch",
     "SampleInfo",
     "ZarrRecords",
     "compute_stats",
