@@ -211,3 +211,102 @@ def test_the_trainer_asks_the_batch_before_anything_else():
     from stoker.device.pin import to_device  # a move to a device rebuilds the dict: the count stays
 
     assert to_device(b, torch.device("cpu")).num_samples == 4
+
+
+# -- statistics of meshes: per entry, derived inputs, reuse, precompute on what the model sees ---------------
+
+
+def _stack(root: str, name: str) -> list[np.ndarray]:
+    return [zarr.open_group(os.path.join(root, f"run_{i:03d}.zarr"), mode="r")[name][:].astype(np.float64)
+            for i in range(N_RECORDS)]
+
+
+def test_a_fixed_size_1d_field_gets_statistics_per_entry(root):
+    ds = ZarrRecords(root, fields=SPEC)
+    stats = compute_stats(ds, ["params", "mesh_pos", "thickness"], cache=False)
+    params = np.stack(_stack(root, "params"))  # (records, 4)
+    assert stats["params"].mean.shape == (4,) and int(stats["params"].count) == N_RECORDS
+    np.testing.assert_allclose(stats["params"].mean.numpy(), params.mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(stats["params"].std.numpy(), params.std(axis=0), rtol=1e-10)
+    pos = np.concatenate([p.reshape(-1, 3) for p in _stack(root, "mesh_pos")])
+    np.testing.assert_allclose(stats["mesh_pos"].mean.numpy(), pos.mean(axis=0), rtol=1e-12)
+    assert stats["thickness"].mean.shape == ()  # a named (varying) dim: one statistic
+    batch = Concat(increment={"edges": "N"}).bind(ds)([normalize(ds[i], stats) for i in range(3)])
+    assert batch["params"].shape == (3, 4)  # per-entry statistics broadcast over the stacked batch
+
+
+def _edge_len(s):
+    pos, edges = s["mesh_pos"][0], s["edges"]
+    return (pos[edges[0]] - pos[edges[1]]).norm(dim=-1)
+
+
+def test_a_derived_function_never_silently_reads_normalised_fields(root):
+    ds = ZarrRecords(root, fields=SPEC)
+    with pytest.raises(InvalidArgument, match=r"derived 'edge_len' reads field 'mesh_pos'.*derived_input") as info:
+        compute_stats(ds, ["mesh_pos"], derived={"edge_len": _edge_len}, cache=False)
+    assert info.value.field == "mesh_pos"
+    raw = compute_stats(ds, ["mesh_pos"], derived={"edge_len": _edge_len}, derived_input="raw", cache=False)
+    lengths = []
+    for pos, edges in zip(_stack(root, "mesh_pos"), _stack(root, "edges")):
+        e = edges.astype(np.int64)
+        lengths.append(np.linalg.norm(pos[0][e[0]] - pos[0][e[1]], axis=-1))
+    np.testing.assert_allclose(float(raw["edge_len"].mean), np.concatenate(lengths).mean(), rtol=1e-6)
+    normed = compute_stats(ds, ["mesh_pos"], derived={"edge_len": _edge_len}, derived_input="normalized",
+                           cache=False)
+    assert abs(float(normed["edge_len"].mean) - float(raw["edge_len"].mean)) > 1e-3
+    # fields compute_stats does not normalise pass as they are, unwatched: edges here
+    ok = compute_stats(ds, ["params"], derived={"n_edges": lambda s: torch.tensor([float(s["edges"].shape[1])])},
+                       cache=False)
+    assert float(ok["n_edges"].mean) == pytest.approx(np.mean([2 * (3 + i) for i in range(N_RECORDS)]))
+
+
+def test_reuse_adds_derived_quantities_to_statistics_computed_before(root, tmp_path):
+    ds = ZarrRecords(root, fields=SPEC)
+    full = compute_stats(ds, ["mesh_pos"], derived={"edge_len": _edge_len}, derived_input="normalized",
+                         cache=False)
+    plain = compute_stats(ds, ["mesh_pos"], cache=False)
+    again = compute_stats(ds, ["mesh_pos"], derived={"edge_len": _edge_len}, derived_input="normalized",
+                          reuse=plain, cache=False)
+    for key in ("mean", "std", "min", "max"):
+        assert torch.equal(getattr(again["edge_len"], key), getattr(full["edge_len"], key))
+    assert again["mesh_pos"] is plain["mesh_pos"]
+    # Other statistics given: they are what is returned and what the derived pass normalises with (no pass 1).
+    other = {"mesh_pos": plain["mesh_pos"].__class__(plain["mesh_pos"].count, plain["mesh_pos"].mean + 1.0,
+                                                     plain["mesh_pos"].std * 2, plain["mesh_pos"].min,
+                                                     plain["mesh_pos"].max)}
+    shifted = compute_stats(ds, ["mesh_pos"], derived={"edge_len": _edge_len}, derived_input="normalized",
+                            reuse=other)
+    assert torch.equal(shifted["mesh_pos"].mean, other["mesh_pos"].mean)
+    torch.testing.assert_close(shifted["edge_len"].mean, full["edge_len"].mean / 2)
+    # The cache keys on the statistics reused: the same call with the first ones is not served the other entry.
+    cached = compute_stats(ds, ["mesh_pos"], derived={"edge_len": _edge_len}, derived_input="normalized",
+                           reuse=plain)
+    assert torch.equal(cached["edge_len"].mean, full["edge_len"].mean)
+    with pytest.raises(InvalidArgument, match="reuse holds no statistics of field 'params'"):
+        compute_stats(ds, ["params"], reuse=plain, cache=False)
+
+
+def test_precompute_normalized_with_builds_the_graph_the_model_sees(tmp_path):
+    from stoker.records import knn_graph, precompute
+
+    for i in range(4):
+        rng = np.random.default_rng(i)
+        pts = rng.normal(size=(40, 3)) * np.array([1.0, 50.0, 0.02])  # anisotropic: normalising moves neighbours
+        g = zarr.open_group(str(tmp_path / f"cloud_{i}.zarr"), mode="w")
+        g.create_array("points", data=pts.astype("f4"))
+    ds = ZarrRecords(str(tmp_path), fields={"points": ("N", 3)})
+    stats = compute_stats(ds, ["points"], cache=False)
+    r = precompute(ds, "knn4", lambda s: knn_graph(s["points"], 4), {"k": 4}, normalized_with=stats)
+    assert (r.written, r.skipped) == (4, 0)
+    seen = ZarrRecords(str(tmp_path), fields=["points", "knn4"])
+    differs = 0
+    for i in range(4):
+        want = knn_graph(normalize(seen[i], stats)["points"], 4)
+        assert torch.equal(seen[i]["knn4"], want)
+        differs += int(not torch.equal(want, knn_graph(seen[i]["points"], 4)))
+    assert differs > 0
+    assert precompute(ds, "knn4", lambda s: knn_graph(s["points"], 4), {"k": 4}, normalized_with=stats).skipped == 4
+    moved = {"points": stats["points"].__class__(stats["points"].count, stats["points"].mean,
+                                                 stats["points"].std.flip(0), stats["points"].min,
+                                                 stats["points"].max)}
+    assert precompute(ds, "knn4", lambda s: knn_graph(s["points"], 4), {"k": 4}, normalized_with=moved).written == 4

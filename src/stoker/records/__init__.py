@@ -25,7 +25,7 @@ from .knn import knn_edge_index, knn_graph
 from .loader import Loader, LoaderTimeout
 from .moments import Moments
 from .precomputed import PrecomputeResult, precompute
-from .stats import FieldStats, compute_stats, denormalize, normalize
+from .stats import FieldStats, compute_stats, denormalize, normalize, stats_fingerprint
 
 __all__ = [
     "CacheInfo",
@@ -48,4 +48,5 @@ __all__ = [
     "normalize",
     "precompute",
     "scan",
+    "stats_fingerprint",
 ]
