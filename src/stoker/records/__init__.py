@@ -21,13 +21,14 @@ Modules: :mod:`~stoker.records.catalog` (metadata scan and checks),
 from .catalog import Catalog, scan
 from .collate import Concat, Pad, RecordBatch
 from .dataset import CacheInfo, FieldInfo, SampleInfo, ZarrRecords
-from .knn import knn_edge_index, knn_graph
+from .knn import TREE_MIN_POINTS, knn_edge_index, knn_graph
 from .loader import Loader, LoaderTimeout
 from .moments import Moments
 from .precomputed import PrecomputeResult, precompute
 from .stats import FieldStats, compute_stats, denormalize, normalize, stats_fingerprint
 
 __all__ = [
+    "TREE_MIN_POINTS",
     "CacheInfo",
     "Catalog",
     "Concat",
