@@ -147,9 +147,12 @@ def test_a_transform_runs_in_the_reader_threads_and_stays_out_of_the_state(root)
         for key in want:
             torch.testing.assert_close(batch[key], want[key], rtol=0, atol=0)
     state = loader.state_dict()
-    assert "transform" not in repr(state)
+    assert "function" not in repr(state) and "test_records_meshes" in repr(state)  # its name, not itself
     again = Loader(ds, 3, collate=Concat(increment={"edges": "N"}), shuffle=False, transform=transform)
-    again.load_state_dict(state)  # a transform is the loader's, not the position's
+    again.load_state_dict(state)  # the same transform: silent
+    other = Loader(ds, 3, collate=Concat(increment={"edges": "N"}), shuffle=False)
+    with pytest.warns(RuntimeWarning, match="transformed differently"):
+        other.load_state_dict(state)  # a transform is not the position: allowed, and said
 
 
 def test_transform_errors_reach_the_consumer_naming_the_record(root):

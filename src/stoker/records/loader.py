@@ -36,6 +36,7 @@ import json
 import queue
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -62,6 +63,17 @@ class LoaderTimeout(StokerError, TimeoutError):
     """No batch arrived within ``timeout_s`` (a read is stuck, or far slower than expected)."""
 
 
+def _identity(fn: Any) -> str | None:
+    """A transform's identity in the state: its ``identity()`` when it has one, else its qualified name."""
+    if fn is None:
+        return None
+    ident = getattr(fn, "identity", None)
+    if callable(ident):
+        return str(ident())
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}"
+
+
 def _names_id(ds: Any) -> str | None:
     """A digest of the record names when the dataset has them (a wrapper around one may not)."""
     names = getattr(ds, "base_names", None)
@@ -78,8 +90,9 @@ class Loader:
     ``"concat"``, ``"pad"`` (see :mod:`stoker.records.collate`) or a function of
     the list of samples; a ``Concat`` is bound to the dataset's field dims
     (:meth:`Concat.bind`). ``transform`` (e.g. ``lambda s: normalize(s, stats)``)
-    runs on each sample in the reader threads, before collation; it is part of the
-    resumable state only by identity (the state does not hold it). ``n_threads``
+    runs on each sample in the reader threads, before collation; the state holds
+    only its identity (its ``identity()``, else its qualified name): resuming with
+    another one warns. ``n_threads``
     reader threads (default ``min(4, this rank's share of the node's CPUs)``)
     keep at most ``prefetch`` batches ready. With a CUDA ``device``, batches are
     pinned by the readers and copied with ``non_blocking=True`` when handed out;
@@ -196,8 +209,10 @@ class Loader:
         return skip + min(self._received * self.batch_size, split - skip)
 
     def _order(self) -> dict:
-        """What makes the epoch's order (a state saved with other values would resume into other records)."""
-        return {"seed": self.seed, "shuffle": self.shuffle, "size": self._size, "names": self._names_id}
+        """What makes the epoch's order (a state saved with other values would resume into other records), and
+        the transform's identity (only its name: a function is not state)."""
+        return {"seed": self.seed, "shuffle": self.shuffle, "size": self._size, "names": self._names_id,
+                "transform": _identity(self.transform)}
 
     def state_dict(self) -> dict:
         """The position as of the last batch the consumer received (prefetched ones do not count)."""
@@ -213,6 +228,12 @@ class Loader:
         for key, mine in self._order().items():
             if key == "names" and (mine is None or saved.order.get(key) is None):
                 continue  # one side cannot tell its record names: the size has to do
+            if key == "transform":  # not the position: a changed transform is allowed, and said
+                if "transform" in saved.order and saved.order["transform"] != mine:
+                    warnings.warn(f"the state was saved with transform {saved.order['transform']!r}, this loader "
+                                  f"has {mine!r}: the samples from here on are transformed differently",
+                                  RuntimeWarning, stacklevel=2)
+                continue
             if saved.order.get(key) != mine:
                 raise InvalidArgument(
                     f"the state was saved with {key}={saved.order.get(key)!r}, this loader has {mine!r}: the "
