@@ -313,3 +313,18 @@ def test_precompute_normalized_with_builds_the_graph_the_model_sees(tmp_path):
                                                  stats["points"].std.flip(0), stats["points"].min,
                                                  stats["points"].max)}
     assert precompute(ds, "knn4", lambda s: knn_graph(s["points"], 4), {"k": 4}, normalized_with=moved).written == 4
+
+
+def test_the_docs_pyg_recipe_matches_pygs_own_batching(root):
+    pyg = pytest.importorskip("torch_geometric.data")
+    ds = ZarrRecords(root, fields=SPEC)
+    b = next(iter(Loader(ds, 3, collate=Concat(increment={"edges": "N"}), shuffle=False)))
+    counts = torch.bincount(b["batch"], minlength=b.num_samples)  # the recipe of docs/records.md
+    mine = pyg.Batch(pos=b["mesh_pos"][0], thickness=b["thickness"], edge_index=b["edges"], params=b["params"],
+                     batch=b["batch"], ptr=torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
+    theirs = pyg.Batch.from_data_list([
+        pyg.Data(pos=ds[i]["mesh_pos"][0], thickness=ds[i]["thickness"], edge_index=ds[i]["edges"],
+                 params=ds[i]["params"][None]) for i in range(3)])
+    assert mine.num_graphs == theirs.num_graphs == 3
+    for key in ("pos", "thickness", "edge_index", "params", "batch", "ptr"):
+        assert torch.equal(getattr(mine, key), getattr(theirs, key)), key

@@ -6,9 +6,12 @@
     >>> loader = torch.utils.data.DataLoader(ds.for_rank(rank, world_size), batch_size=None, num_workers=4)
     >>> for sample in loader:
     ...     x = normalize(sample, stats)
-    >>> precompute(ds, "knn16", lambda s: knn_graph(s["positions"][0], 16), params={"k": 16})
-    >>> for batch in Loader(ZarrRecords("/data/crash", fields=["positions", "knn16"]), batch_size=8):
-    ...     ...                                      # threads, no worker processes; resumable
+    >>> precompute(ds, "knn16", lambda s: knn_graph(s["positions"][0], 16), params={"k": 16},
+    ...            normalized_with=stats)           # the graph of what the model sees
+    >>> ds = ZarrRecords("/data/crash", fields={"positions": ("T", "N", 3), "knn16": ("N", 16)})
+    >>> for batch in Loader(ds, batch_size=8, collate=Concat(increment={"knn16": "N"}),
+    ...                     transform=lambda s: normalize(s, stats)):
+    ...     ...                                      # positions (T, sum N, 3), batch (sum N,); resumable
 
 Modules: :mod:`~stoker.records.catalog` (metadata scan and checks),
 :mod:`~stoker.records.dataset` (``ZarrRecords``), :mod:`~stoker.records.moments`

@@ -1,6 +1,6 @@
 """Normalisation statistics of record fields: one streaming pass, merged across ranks, cached on disk.
 
-    >>> stats = compute_stats(ds, ["positions", "velocity"],
+    >>> stats = compute_stats(ds, ["positions", "velocity"], derived_input="normalized",
     ...                       derived={"edge": lambda s: s["positions"][:, 1:] - s["positions"][:, :-1]})
     >>> stats["positions"].mean, stats["edge"].std          # per channel: shape (3,)
     >>> batch = normalize(ds[0], stats)                      # what the model trains on
@@ -14,7 +14,10 @@ twice, and no record is counted more than once.
 
 Derived quantities need a second pass, and only they do: they are computed on
 samples *normalised with the plain fields' statistics* (pass one), exactly as
-training computes them, e.g. edge vectors from normalised positions.
+training computes them, e.g. edge vectors from normalised positions
+(``derived_input="normalized"``), or on the stored values (``"raw"``); a derived
+function that reads a normalised field without either said is an error.
+``reuse=`` takes pass one's result from an earlier call.
 
 One NaN or infinity would make a field's statistics NaN, and normalising with
 them would turn every sample into NaN. By default (``nonfinite="raise"``) a
