@@ -328,3 +328,75 @@ def test_the_docs_pyg_recipe_matches_pygs_own_batching(root):
     assert mine.num_graphs == theirs.num_graphs == 3
     for key in ("pos", "thickness", "edge_index", "params", "batch", "ptr"):
         assert torch.equal(getattr(mine, key), getattr(theirs, key)), key
+
+
+# -- under a real 2-process gloo group ----------------------------------------------------------------------
+
+
+def _hex(st) -> dict:
+    return {k: [float(v).hex() for v in getattr(st, k).reshape(-1).tolist()] for k in ("mean", "std", "min", "max")}
+
+
+def _mesh_worker(rank: int, world: int, tmp: str, root: str) -> None:
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from stoker.records import knn_graph, precompute
+
+    os.environ.pop("LOCAL_RANK", None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        out: dict = {}
+        ds = ZarrRecords(root, fields=SPEC)
+        stats = compute_stats(ds, ["mesh_pos", "params"])
+        out["params_shape"] = list(stats["params"].mean.shape)
+        out["plain"] = {k: _hex(v) for k, v in stats.items()}
+        more = compute_stats(ds, ["mesh_pos", "params"], derived={"edge_len": _edge_len},
+                             derived_input="normalized", reuse=stats)
+        out["edge_len"] = _hex(more["edge_len"])
+        r = precompute(ds, "knn2", lambda s: knn_graph(s["mesh_pos"][0], 2), {"k": 2}, normalized_with=stats)
+        out["written"] = [r.written, r.total_written]
+        try:  # reading a normalised field without derived_input: an error on every rank, no hang
+            compute_stats(ds, ["mesh_pos"], derived={"edge_len": _edge_len}, cache=False)
+        except Exception as exc:  # noqa: BLE001 - recorded for the test
+            out["unsaid"] = type(exc).__name__
+        with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
+            json.dump(out, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_reuse_and_normalized_with_across_two_ranks(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    data = str(tmp_path / "data")
+    write_meshes(data)
+    mp.spawn(_mesh_worker, args=(2, str(tmp_path), data), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
+    assert results[0] == {**results[1], "written": results[0]["written"]}  # bit-identical statistics
+    assert results[0]["params_shape"] == [4]
+    assert results[0]["unsaid"] == "InvalidArgument" and results[1]["unsaid"] in ("InvalidArgument", "StokerError")
+    assert results[0]["written"][1] == N_RECORDS and sum(r["written"][0] for r in results) == N_RECORDS
+    ds = ZarrRecords(data, fields=SPEC)
+    full = compute_stats(ds, ["mesh_pos", "params"], derived={"edge_len": _edge_len}, derived_input="normalized",
+                         cache=False)  # one process, both passes
+    got = {k: np.array([float.fromhex(v) for v in vals]) for k, vals in results[0]["edge_len"].items()}
+    for key in ("mean", "std", "min", "max"):
+        np.testing.assert_allclose(got[key], getattr(full["edge_len"], key).reshape(-1).numpy(), rtol=1e-6)
+    seen = ZarrRecords(data, fields={**SPEC, "knn2": ("N", 2)})
+    stats = compute_stats(ds, ["mesh_pos", "params"])  # the cached entry rank 0 wrote
+    for i in range(N_RECORDS):
+        assert torch.equal(seen[i]["knn2"], knn_graph_of(normalize(seen[i], stats)["mesh_pos"][0]))
+
+
+def knn_graph_of(points):
+    from stoker.records import knn_graph
+
+    return knn_graph(points, 2)
