@@ -400,3 +400,17 @@ def knn_graph_of(points):
     from stoker.records import knn_graph
 
     return knn_graph(points, 2)
+
+
+def test_a_dim_that_index_fields_point_into_is_joined_even_when_every_record_has_its_size(tmp_path):
+    for i in range(4):
+        g = zarr.open_group(str(tmp_path / f"c{i}.zarr"), mode="w")
+        g.create_array("points", data=np.full((5, 3), i, "f4"))
+        g.create_array("knn", data=np.tile(np.arange(5, dtype="i8")[:, None], (1, 2)))
+    ds = ZarrRecords(str(tmp_path), fields={"points": ("N", 3), "knn": ("N", 2)})
+    stacked = next(iter(Loader(ds, 4, shuffle=False)))  # nothing varies, nothing points into N: stacked
+    assert stacked["points"].shape == (4, 5, 3) and set(stacked) == {"points", "knn"}
+    joined = next(iter(Loader(ds, 4, collate=Concat(increment={"knn": "N"}), shuffle=False)))
+    assert joined["points"].shape == (20, 3) and joined["knn"].shape == (20, 2)
+    assert torch.equal(joined["knn"][5:10, 0], torch.arange(5, 10))
+    assert torch.equal(joined["batch"], torch.arange(4).repeat_interleave(5))

@@ -132,7 +132,7 @@ class Concat:
     With named dims (``along={"N": ["mesh_pos", "thickness"], "E": ["edges"]}``, or a
     dataset whose fields have a dims spec: :meth:`bind` takes the specs, and
     ``Concat()`` alone joins each field along its one named dim that varies between
-    records): a field joins along the axis of its dim, other dims stay
+    records, or that ``increment`` points into): a field joins along the axis of its dim, other dims stay
     (``mesh_pos (T, N, 3)`` becomes ``(T, sum N, 3)``); a field with no joined dim is
     stacked (``params (4,)`` becomes ``(B, 4)``). ``increment`` maps an index field to a
     dim (or a field): its values are offset by that dim's running size. One batch
@@ -194,11 +194,15 @@ class Concat:
         plan: dict[str, str | None] = {}
         if self.along is not None or self.dims is None:
             return plan
+        targets = set(self.increment.values())  # a dim index fields point into is joined even where it does not vary
         for name, spec in self.dims.items():
             if spec is None:
                 continue
             named = [d for d in spec if isinstance(d, str)]
-            cands = list(self._varying[name]) if self._varying is not None and name in self._varying else named
+            if self._varying is not None and name in self._varying:
+                cands = [d for d in named if d in self._varying[name] or d in targets]
+            else:
+                cands = named
             if len(cands) > 1:
                 raise InvalidArgument(
                     f"field {name!r} (dims {spec}) varies along {cands}: Concat joins along one dim; pass "
