@@ -354,3 +354,15 @@ def test_doctor_reports_what_loading_data_depends_on(capsys):
     from stoker.engine.cpu import native
 
     assert ("loaded; decodes" in out) == (native.Engine is not None), out
+
+
+@pytest.mark.timeout(300)
+def test_bench_records_mesh_tiny_smoke(tmp_path, capsys):
+    assert main(["bench", "records", "--mesh", "--tiny", "--data", str(tmp_path / "bench")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^stoker Loader \(\d+ threads\) \+ Concat\(along\)\s+\d+\.\d", out, re.M), out
+    assert re.search(r"^DataLoader\(2 workers\) \+ zarr \+ hand collate\s+\d+\.\d+\s+\d+\.\d+x", out, re.M), out
+    assert re.search(r"^\s+10,000\s+\d+\.\d{3}\s+\d+\.\d{3}", out, re.M), out  # both knn methods timed
+    assert "DISAGREE" not in out
+    assert main(["bench", "--mesh", "--tiny"]) != 0
+    assert "stoker bench records --mesh" in capsys.readouterr().err

@@ -543,7 +543,7 @@ def test_moments_merge_is_stable_with_a_large_offset():
 def test_derived_stats_come_from_normalised_positions(data):
     root, truth = data
     ds = ZarrRecords(root, fields=SPEC)
-    stats = compute_stats(ds, ["positions"], derived=DERIVED, cache=False)
+    stats = compute_stats(ds, ["positions"], derived=DERIVED, derived_input="normalized", cache=False)
     plain = numpy_stats([t["positions"] for t in truth])
     want = numpy_derived(truth, plain)
     assert_stats_close(stats["edge"], want["edge"], rtol=1e-6)
@@ -565,13 +565,13 @@ def test_stats_file_written_once_reused_and_recomputed(tmp_path):
     ds = ZarrRecords(root, fields=SPEC, store=store)
     path = sidecar.path_for(root)
     with recording() as events:
-        first = compute_stats(ds, ["positions"], derived=DERIVED)
+        first = compute_stats(ds, ["positions"], derived=DERIVED, derived_input="normalized")
     assert stats_writes(events) == 2  # one temporary file opened, one rename
     st = os.stat(path)
 
     reads = store.counters.reads
     with recording() as events:
-        again = compute_stats(ds, ["positions"], derived=DERIVED)
+        again = compute_stats(ds, ["positions"], derived=DERIVED, derived_input="normalized")
     assert stats_writes(events) == 0 and store.counters.reads == reads  # no record read either
     st2 = os.stat(path)
     assert (st2.st_ino, st2.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
@@ -584,12 +584,12 @@ def test_stats_file_written_once_reused_and_recomputed(tmp_path):
     assert stats_writes(events) == 2 and "velocity" in other
     assert len(json.loads(open(path).read())["entries"]) == 2
     with recording() as events:
-        compute_stats(ds, ["positions"], derived=DERIVED)
+        compute_stats(ds, ["positions"], derived=DERIVED, derived_input="normalized")
         compute_stats(ds.for_rank(0, 1), ["positions", "velocity"])
     assert stats_writes(events) == 0
 
     with recording() as events:  # the data changed shape: the fingerprint no longer matches
-        compute_stats(ZarrRecords(root, fields=SPEC, time_slice=2), ["positions"], derived=DERIVED)
+        compute_stats(ZarrRecords(root, fields=SPEC, time_slice=2), ["positions"], derived=DERIVED, derived_input="normalized")
     assert stats_writes(events) == 2
 
 
@@ -612,11 +612,11 @@ def test_stats_argument_errors(data):
     with pytest.raises(InvalidArgument, match="unknown field"):
         compute_stats(ds, ["nope"], cache=False)
     with pytest.raises(InvalidArgument, match="also a field"):
-        compute_stats(ds, ["positions"], derived={"cells": edge_vectors}, cache=False)
+        compute_stats(ds, ["positions"], derived={"cells": edge_vectors}, derived_input="normalized", cache=False)
     with pytest.raises(InvalidArgument, match="channels"):
         # 2 channels for records with odd N, 1 for even N
         odd = {"bad": lambda s: s["positions"][..., : 1 + s["positions"].shape[1] % 2]}
-        compute_stats(ds, ["positions"], derived=odd, cache=False)
+        compute_stats(ds, ["positions"], derived=odd, derived_input="normalized", cache=False)
     with pytest.raises(InvalidArgument):
         compute_stats([1, 2], ["positions"])
 
@@ -651,9 +651,9 @@ def _stats_worker(rank: int, world: int, tmp: str, root: str, small: str) -> Non
         out["exists_before"] = os.path.exists(path)
         dist.barrier()
         with recording() as events:
-            first = compute_stats(ds, STAT_FIELDS, derived=DERIVED)
+            first = compute_stats(ds, STAT_FIELDS, derived=DERIVED, derived_input="normalized")
             st1 = os.stat(path)
-            second = compute_stats(ds, STAT_FIELDS, derived=DERIVED)
+            second = compute_stats(ds, STAT_FIELDS, derived=DERIVED, derived_input="normalized")
             st2 = os.stat(path)
         out["writes"] = stats_writes(events)
         out["stat"] = [[st1.st_ino, st1.st_mtime_ns], [st2.st_ino, st2.st_mtime_ns]]
@@ -661,7 +661,7 @@ def _stats_worker(rank: int, world: int, tmp: str, root: str, small: str) -> Non
         out["second"] = {k: _hexes(v) for k, v in second.items()}
         # A failure on one rank is raised on every rank instead of leaving the others in a collective.
         try:
-            compute_stats(ds, ["positions"], derived={"boom": boom}, cache=False)
+            compute_stats(ds, ["positions"], derived={"boom": boom}, derived_input="normalized", cache=False)
         except Exception as exc:
             out["boom"] = type(exc).__name__
         if world > 1:  # ranks that see different data refuse together

@@ -67,7 +67,7 @@ def test_a_nonfinite_value_is_an_error_naming_record_field_and_count(tmp_path):
     assert not os.path.exists(sidecar.path_for(root))  # nothing cached
     # A derived quantity that is non-finite is named the same way.
     with pytest.raises(NonFiniteData, match="derived 'ratio' of record 'rec_000.zarr'"):
-        compute_stats(ds, ["velocity"], derived={"ratio": lambda s: s["velocity"] / 0.0}, cache=False)
+        compute_stats(ds, ["velocity"], derived={"ratio": lambda s: s["velocity"] / 0.0}, derived_input="normalized", cache=False)
     with pytest.raises(InvalidArgument, match="nonfinite"):
         compute_stats(ds, ["velocity"], nonfinite="ignore")
 
@@ -84,7 +84,7 @@ def test_skipping_matches_numpys_nan_aware_statistics(data):
     scalar = compute_stats(ds, ["positions"], per_channel=False, nonfinite="skip", cache=False)["positions"]
     assert int(scalar.skipped) == 3 and scalar.mean.shape == ()
     with pytest.raises(NonFiniteData, match="holds no finite value in channel"):
-        compute_stats(ds, ["velocity"], derived={"nan": lambda s: s["velocity"] * torch.nan},
+        compute_stats(ds, ["velocity"], derived={"nan": lambda s: s["velocity"] * torch.nan}, derived_input="normalized",
                       nonfinite="skip", cache=False)
 
 

@@ -490,3 +490,75 @@ def test_two_ranks_precompute_a_store_dataset_into_their_caches(tmp_path, shared
     else:  # every node computed every record once, its share first
         assert results[0]["seen"] == results[1]["seen"] == [0, 1, 2, 3]
         assert results[0]["first"] == [4, 8]
+
+
+# -- the k-d tree method: the same table as the brute force ----------------------------------------
+
+
+def _tree_spy(monkeypatch):
+    """Counts the real scipy cKDTree constructions knn_graph makes."""
+    spatial = pytest.importorskip("scipy.spatial")
+    built = []
+    real = spatial.cKDTree
+
+    def spy(*args, **kwargs):
+        built.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(spatial, "cKDTree", spy)
+    return built
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32])
+def test_knn_tree_and_brute_force_give_the_same_table(dtype, monkeypatch):
+    built = _tree_spy(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    if dtype == torch.int32:  # small integers: a lattice full of equal distances and duplicate points
+        pts = torch.randint(0, 9, (3000, 3), generator=gen, dtype=dtype)
+    else:
+        pts = torch.randn(3000, 3, generator=gen, dtype=dtype)
+        pts[1000:1100] = pts[:100]  # duplicates
+    for k in (1, 6, 16):
+        want = knn_graph(pts, k, method="brute")
+        assert torch.equal(knn_graph(pts, k, method="tree"), want), k
+        if dtype != torch.int32:
+            assert torch.equal(want, brute_knn(pts, k)), k
+    assert len(built) == 3
+
+
+def test_knn_auto_takes_the_tree_for_large_cpu_clouds_only(monkeypatch):
+    from stoker.records import TREE_MIN_POINTS
+
+    built = _tree_spy(monkeypatch)
+    small = torch.randn(TREE_MIN_POINTS - 1, 3)
+    knn_graph(small, 4)
+    assert built == []
+    big = torch.randn(TREE_MIN_POINTS, 2)
+    assert torch.equal(knn_graph(big, 4), knn_graph(big, 4, method="brute"))
+    assert built == [(TREE_MIN_POINTS, 2)]
+    knn_graph(torch.randn(TREE_MIN_POINTS, 12), 4)  # many dims: the brute force
+    assert len(built) == 1
+
+
+def test_knn_without_scipy_falls_back_to_the_brute_force(monkeypatch):
+    import sys
+
+    from stoker.records import TREE_MIN_POINTS
+
+    pts = torch.randn(TREE_MIN_POINTS, 3)
+    want = knn_graph(pts, 3, method="brute")
+    monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy now raises ImportError
+    monkeypatch.setitem(sys.modules, "scipy.spatial", None)
+    assert torch.equal(knn_graph(pts, 3), want)
+    with pytest.raises(InvalidArgument, match=r"stoker\[knn\]"):
+        knn_graph(pts, 3, method="tree")
+    with pytest.raises(InvalidArgument, match="method"):
+        knn_graph(pts, 3, method="kd")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_knn_on_a_gpu_is_the_brute_force_and_matches_the_tree():
+    pts = torch.randn(20_000, 3, dtype=torch.float64)
+    got = knn_graph(pts.cuda(), 8)
+    assert got.device.type == "cuda"
+    assert torch.equal(got.cpu(), knn_graph(pts, 8, method="tree"))

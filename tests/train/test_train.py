@@ -874,3 +874,17 @@ def test_the_eval_reduction_is_marked_eval_not_a_wait(monkeypatch):
     seen.clear()
     r = trainer.fit(jobs.global_batches(2, 4), steps=2, resume=None, eval_data=jobs.global_batches(2, 4))
     assert list(r.eval_losses) == [2] and "eval" in seen
+
+
+def test_telemetry_marks_the_steps_a_resumed_run_replays(tmp_path):
+    batches = jobs.global_batches(8, 4)
+    first = _trainer(tmp_path, telemetry_dir=tmp_path / "run", log_every=1).fit(Batches(batches), steps=5)
+    (tmp_path / "ck" / "step-000000005.pt").unlink()  # killed after step 5, before its checkpoint
+    second = _trainer(tmp_path, telemetry_dir=tmp_path / "run", log_every=1).fit(Batches(batches), steps=7)
+    assert second.start_step == 4 and first.telemetry == second.telemetry
+    records = [json.loads(line) for line in second.telemetry.read_text().splitlines()]
+    assert [(r["step"], r.get("replayed", False)) for r in records] == [
+        (1, False), (2, False), (3, False), (4, False), (5, False), (5, True), (6, False), (7, False)]
+    from stoker.cli.plots import read_telemetry
+
+    assert read_telemetry(tmp_path / "run")["loss"][5] == pytest.approx(second.losses[5])  # the last one wins

@@ -79,7 +79,7 @@ def _concat(samples: list[dict]) -> dict:
     return out
 
 
-def _rate(batches, n_batches: int, batch_size: int, in_flight: int) -> float:
+def steady_rate(batches, n_batches: int, batch_size: int, in_flight: int) -> float:
     """Samples/s in steady state: ``in_flight`` batches are being prepared when the clock starts and when it
     stops (the epoch has more batches after the window), so no head start or drain is timed."""
     it = iter(batches)
@@ -145,11 +145,11 @@ def run(root: Path, n_small: int, n_large: int, batch_size: int, n_batches: int)
         raise ValueError(f"{n_small} records are too few to time {cores} workers in steady state")
     ds = ZarrRecords(small, fields=["points", "features"])
     with Loader(ds, batch_size, collate="concat", shuffle=True, seed=0, n_threads=cores) as loader:
-        stoker_rate = _rate(loader, n_batches, batch_size, in_flight)
+        stoker_rate = steady_rate(loader, n_batches, batch_size, in_flight)
     dl = torch.utils.data.DataLoader(_ZarrPython(small), batch_size=batch_size, shuffle=True,
                                      num_workers=cores, collate_fn=_concat,
                                      generator=torch.Generator().manual_seed(0))
-    dl_rate = _rate(dl, n_batches, batch_size, in_flight)
+    dl_rate = steady_rate(dl, n_batches, batch_size, in_flight)
     a, b = _construction(small), _construction(large)
     lines = [
         f"records: {n_small} point clouds (500-3,000 points), batch {batch_size}, {n_batches} timed batches in "

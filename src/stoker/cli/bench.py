@@ -34,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
     if args.store is not None and args.peers and set(args.peers) & {"bound"}:
         raise InvalidArgument("--peers bound: the decode bound makes no reads, so it has no place in a --store run; "
                               f"choose among {','.join(p for p in PEERS if p != 'bound')}")
+    if args.mesh and args.suite != "records":
+        raise InvalidArgument("--mesh is a records benchmark: stoker bench records --mesh")
     if args.suite == "records":
         if args.json is not None or args.plot is not None:
             raise InvalidArgument("--json and --plot record the crops suite; stoker bench records prints a table")
@@ -41,6 +43,14 @@ def run(args: argparse.Namespace) -> int:
         from ..bench.records import run as run_records
 
         root = args.data or cache_dir() / "bench"
+        if args.mesh:
+            from ..bench.meshes import knn_times, run_meshes
+
+            n, nodes, steps, batch = (12, (200, 400), 4, 2) if args.tiny else (200, (2_000, 5_000), 10, 8)
+            print(run_meshes(root, n, batch, min(args.batches or 15, 15), nodes, steps), flush=True)
+            sizes = (1_000, 10_000) if args.tiny else (10_000, 100_000, 1_000_000)
+            print(knn_times(sizes), flush=True)
+            return 0
         timed = min(args.batches or 30, 40)  # run() times as many of these as the record set allows
         # Records enough to time that many batches (the tiny set: one) after every core's DataLoader prefetch
         # has filled; the large set is 10x, for the RSS-growth check.
@@ -207,6 +217,10 @@ def add_parser(sub) -> None:
                         "from an empty cache, e2... a new pipeline each over the same crops), with the bytes "
                         "served from disk per batch and the hit rate")
     p.add_argument("--tiny", action="store_true", help="small datasets: a smoke run in seconds")
+    p.add_argument("--mesh", action="store_true",
+                   help="with records: crash-simulation meshes ((T, N, 3) trajectories, edge lists) batched by "
+                        "Concat along named dims vs a DataLoader (2 workers) with zarr-python and a hand collate; "
+                        "then knn_graph's brute force and k-d tree on 10^4-10^6 points")
     p.add_argument("--json", type=Path, metavar="FILE", default=None,
                    help="also write the numbers as JSON: every peer's samples/s per round, stoker's stages")
     p.add_argument("--plot", type=Path, metavar="FILE.png", default=None,

@@ -101,9 +101,12 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         if type(obj) is dict:
             return items
         try:
-            return cast(Any, type(obj))(items)  # a Mapping subclass built from a dict, when it can be
+            rebuilt = cast(Any, type(obj))(items)  # a Mapping subclass built from a dict, when it can be
         except TypeError:
             return items
+        if hasattr(obj, "__dict__") and hasattr(rebuilt, "__dict__"):
+            rebuilt.__dict__.update(obj.__dict__)  # its own attributes too (a RecordBatch's num_samples)
+        return rebuilt
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(walk(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
     if isinstance(obj, (list, tuple)):

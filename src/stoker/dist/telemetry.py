@@ -15,7 +15,10 @@ One process appends to ``telemetry.jsonl`` at a time: the writer holds its claim
 folder at the same moment writes ``telemetry-<host>-<pid>.jsonl`` instead (with a
 warning). Appending alone would not do: ``O_APPEND`` keeps whole lines apart on a
 local disk, but NFS clients on two machines overwrite each other's lines. A later
-run (a resumed job) appends to the same file once the claim is free.
+run (a resumed job) appends to the same file once the claim is free; a resumed job
+replays the steps between its checkpoint and where the killed run stopped, and its
+lines for steps the file already holds carry ``"replayed": true`` (a reader wanting
+one line per step keeps the last, the one on the path to the final model).
 """
 
 from __future__ import annotations
@@ -178,6 +181,7 @@ class TelemetryWriter:
         self._file: int | None = None  # a descriptor opened O_APPEND
         self._path: Path | None = None
         self._claim: Any = None
+        self._logged_before = -1  # the highest step the file held when this writer opened it
         self._tb: Any = None
         self._closed = False
 
@@ -198,7 +202,7 @@ class TelemetryWriter:
         step = integer("step", step, 0)
         if not isinstance(metrics, Mapping):
             raise InvalidArgument(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
-        clash = {"step", "time"} & set(metrics)
+        clash = {"step", "time", "replayed"} & set(metrics)
         if clash:
             raise InvalidArgument(f"metric names {sorted(clash)} are reserved for the log record itself")
         if step % self.every:
@@ -227,6 +231,7 @@ class TelemetryWriter:
                 self._claim.release()
             raise
         self._path = path
+        self._logged_before = _last_step(path)
 
     def _write(self, step: int, metrics: dict[str, Any]) -> None:
         if self._file is None:
@@ -235,6 +240,8 @@ class TelemetryWriter:
             if summary_writer is not None:
                 self._tb = summary_writer(log_dir=str(self.log_dir))
         record = {"step": step, "time": time.time(), **{k: _json_value(v) for k, v in metrics.items()}}
+        if step <= self._logged_before:  # an earlier run logged this step: a resumed run replays it
+            record["replayed"] = True
         line = (json.dumps(record) + "\n").encode()
         fd = self._file
         assert fd is not None  # opened above
@@ -263,6 +270,23 @@ class TelemetryWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _last_step(path: Path) -> int:
+    """The highest step a telemetry file holds (-1 for none); lines that do not parse are passed over."""
+    last = -1
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    step = json.loads(line).get("step")
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(step, int) and not isinstance(step, bool):
+                    last = max(last, step)
+    except OSError:
+        return -1
+    return last
 
 
 def _summary_writer_class(tensorboard: bool | None) -> Any:

@@ -6,9 +6,12 @@
     >>> loader = torch.utils.data.DataLoader(ds.for_rank(rank, world_size), batch_size=None, num_workers=4)
     >>> for sample in loader:
     ...     x = normalize(sample, stats)
-    >>> precompute(ds, "knn16", lambda s: knn_graph(s["positions"][0], 16), params={"k": 16})
-    >>> for batch in Loader(ZarrRecords("/data/crash", fields=["positions", "knn16"]), batch_size=8):
-    ...     ...                                      # threads, no worker processes; resumable
+    >>> precompute(ds, "knn16", lambda s: knn_graph(s["positions"][0], 16), params={"k": 16},
+    ...            normalized_with=stats)           # the graph of what the model sees
+    >>> ds = ZarrRecords("/data/crash", fields={"positions": ("T", "N", 3), "knn16": ("N", 16)})
+    >>> for batch in Loader(ds, batch_size=8, collate=Concat(increment={"knn16": "N"}),
+    ...                     transform=lambda s: normalize(s, stats)):
+    ...     ...                                      # positions (T, sum N, 3), batch (sum N,); resumable
 
 Modules: :mod:`~stoker.records.catalog` (metadata scan and checks),
 :mod:`~stoker.records.dataset` (``ZarrRecords``), :mod:`~stoker.records.moments`
@@ -19,15 +22,16 @@ Modules: :mod:`~stoker.records.catalog` (metadata scan and checks),
 """
 
 from .catalog import Catalog, scan
-from .collate import Concat, Pad
+from .collate import Concat, Pad, RecordBatch
 from .dataset import CacheInfo, FieldInfo, SampleInfo, ZarrRecords
-from .knn import knn_edge_index, knn_graph
+from .knn import TREE_MIN_POINTS, knn_edge_index, knn_graph
 from .loader import Loader, LoaderTimeout
 from .moments import Moments
 from .precomputed import PrecomputeResult, precompute
-from .stats import FieldStats, compute_stats, denormalize, normalize
+from .stats import FieldStats, compute_stats, denormalize, normalize, stats_fingerprint
 
 __all__ = [
+    "TREE_MIN_POINTS",
     "CacheInfo",
     "Catalog",
     "Concat",
@@ -38,6 +42,7 @@ __all__ = [
     "Moments",
     "Pad",
     "PrecomputeResult",
+    "RecordBatch",
     "SampleInfo",
     "ZarrRecords",
     "compute_stats",
@@ -47,4 +52,5 @@ __all__ = [
     "normalize",
     "precompute",
     "scan",
+    "stats_fingerprint",
 ]

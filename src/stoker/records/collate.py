@@ -6,10 +6,21 @@
     {'x': tensor (2, 4, 3), 'x_lengths': tensor([2, 4])}
     >>> Concat(increment={"knn": "points"})     # per-record indices into "points" become batch indices
 
-``Concat`` is the layout graph libraries use (PyG's ``batch`` vector); ``Pad`` the
-one sequence models use. Every sample must have the same fields; a field must
-agree in dtype and in every dim but the first across the batch. A 0-d field is
-treated as shape ``(1,)``.
+Meshes and graphs join along *named* dims (the dims a ``ZarrRecords`` field spec
+gives), the layout graph libraries use::
+
+    >>> ds = ZarrRecords(root, fields={"mesh_pos": ("T", "N", 3), "thickness": ("N",),
+    ...                                "edges": (2, "E"), "params": (4,)})
+    >>> collate = Concat(along={"N": ["mesh_pos", "thickness"], "E": ["edges"]}, increment={"edges": "N"})
+    >>> batch = collate.bind(ds)(samples)    # the Loader binds its dataset itself
+    >>> batch["mesh_pos"].shape, batch["edges"].shape, batch["params"].shape, batch["batch"].shape
+    ((T, sum N, 3), (2, sum E), (B, 4), (sum N,))
+
+``Concat`` is PyG's layout (a ``batch`` vector); ``Pad`` the one sequence models
+use. Every sample must have the same fields and dtypes. Both return a
+:class:`RecordBatch`: a dict that also says how many samples it holds
+(``num_samples``), which the Trainer counts. A 0-d field is treated as shape ``(1,)``
+(legacy layout) or stacked as ``(B,)``.
 """
 
 from __future__ import annotations
@@ -23,26 +34,38 @@ from ..errors import DtypeMismatch, InvalidArgument, RankMismatch
 
 Batch = dict[str, torch.Tensor]
 CollateArg = Union[str, Callable[[list], Any]]
+Spec = Union[tuple, None]
 
 
-def _fields(samples: Sequence[Mapping[str, Any]], suffix: str) -> dict[str, list[torch.Tensor]]:
-    """Per field, the samples' tensors (at least 1-d), after checking keys, dtypes and trailing dims."""
+class RecordBatch(dict):
+    """A collated batch: ``{key: tensor}`` plus ``num_samples``, the number of samples it was made of
+    (graphs, meshes, sequences: what samples/s counts), whatever its keys are called.
+
+    >>> b = Concat()([{"x": torch.zeros(2)}, {"x": torch.zeros(3)}]); b.num_samples
+    2
+    """
+
+    def __init__(self, *args: Any, num_samples: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_samples = num_samples
+
+
+def _check_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, list[torch.Tensor]]:
+    """Per field, the samples' tensors, after checking they are dicts with the same keys and dtypes."""
     if not samples:
         raise InvalidArgument("cannot collate an empty batch")
     for j, s in enumerate(samples):
         if not isinstance(s, Mapping):
             raise InvalidArgument(f"sample {j} of the batch is a {type(s).__name__}, expected a dict of tensors; "
-                                  "pass collate=<your function> for other samples")
+                                  "pass collate=<your function> for other samples", position=j)
     keys = list(samples[0])
-    out: dict[str, list[torch.Tensor]] = {}
     for j, s in enumerate(samples):
         if set(s) != set(keys):
-            raise InvalidArgument(f"sample {j} of the batch has fields {sorted(s)}, sample 0 has {sorted(keys)}")
+            raise InvalidArgument(f"sample {j} of the batch has fields {sorted(s)}, sample 0 has {sorted(keys)}",
+                                  position=j)
+    out: dict[str, list[torch.Tensor]] = {}
     for key in keys:
-        if f"{key}{suffix}" in keys:
-            raise InvalidArgument(f"fields {key!r} and {key + suffix!r} collide: the batch adds {key + suffix!r}",
-                                  field=key)
-        ts = []
+        ts: list[torch.Tensor] = []
         for j, s in enumerate(samples):
             t = s[key]
             if isinstance(t, np.ndarray):
@@ -50,39 +73,260 @@ def _fields(samples: Sequence[Mapping[str, Any]], suffix: str) -> dict[str, list
             if not isinstance(t, torch.Tensor):
                 raise InvalidArgument(f"field {key!r} of sample {j} is a {type(t).__name__}, not a tensor; pass "
                                       "collate=<your function of the list of samples> to batch other values",
-                                      field=key)
-            ts.append(t.reshape(1) if t.ndim == 0 else t)
-        first = ts[0]
-        for j, t in enumerate(ts):
-            if t.dtype != first.dtype:
-                raise DtypeMismatch(f"field {key!r}: sample {j} is {t.dtype}, sample 0 is {first.dtype}; cast it "
+                                      field=key, position=j)
+            if ts and t.dtype != ts[0].dtype:
+                raise DtypeMismatch(f"field {key!r}: sample {j} is {t.dtype}, sample 0 is {ts[0].dtype}; cast it "
                                     "in the dataset, or pass collate=<your function of the list of samples>",
-                                    field=key)
-            if t.shape[1:] != first.shape[1:]:
-                raise RankMismatch(
-                    f"field {key!r}: sample {j} has shape {tuple(t.shape)}, sample 0 {tuple(first.shape)}; only "
-                    "the first dim may differ (collate='concat' and 'pad' join along it): pass "
-                    "collate=<your function of the list of samples> for other shapes", field=key,
-                    shape=tuple(t.shape))
+                                    field=key, position=j)
+            ts.append(t)
         out[key] = ts
     return out
 
 
-class Concat:
-    """Concatenate each field along dim 0 and add ``{field}_batch``: the sample each row came from.
+def _fields(samples: Sequence[Mapping[str, Any]], suffix: str) -> dict[str, list[torch.Tensor]]:
+    """The legacy layout's check: tensors at least 1-d agreeing in every dim but the first."""
+    out = _check_samples(samples)
+    for key, ts in out.items():
+        if f"{key}{suffix}" in out:
+            raise InvalidArgument(f"fields {key!r} and {key + suffix!r} collide: the batch adds {key + suffix!r}",
+                                  field=key)
+        ts = [t.reshape(1) if t.ndim == 0 else t for t in ts]
+        _same_but(key, ts, 0, "only the first dim may differ (collate='concat' and 'pad' join along it): pass "
+                  "collate=<your function of the list of samples> for other shapes")
+        out[key] = ts
+    return out
 
-    ``increment`` maps an index field to the field it indexes: its values are
-    shifted by the rows of that field in the samples before it (k-NN tables,
-    edge lists and cells stay valid in the concatenated batch).
+
+def _same_but(key: str, ts: Sequence[torch.Tensor], axis: int | None, fix: str) -> None:
+    """RankMismatch naming the field and the sample unless every tensor has sample 0's shape but on ``axis``."""
+    first = ts[0]
+
+    def rest(t: torch.Tensor) -> tuple:
+        shape = tuple(t.shape)
+        return (len(shape), shape) if axis is None else (len(shape), shape[:axis] + shape[axis + 1:])
+
+    for j, t in enumerate(ts):
+        if rest(t) != rest(first):
+            raise RankMismatch(f"field {key!r}: sample {j} has shape {tuple(t.shape)}, sample 0 "
+                               f"{tuple(first.shape)}; {fix}", field=key, shape=tuple(t.shape), position=j)
+
+
+def _varying(ds: Any, name: str, spec: tuple) -> tuple[str, ...]:
+    """The named dims of field ``name`` whose size differs between the dataset's records."""
+    shapes = ds.base_shapes(name)
+    out = []
+    for axis, d in enumerate(spec):
+        if isinstance(d, str) and shapes.shape[0] and bool((shapes[:, axis] != shapes[0, axis]).any()):
+            out.append(d)
+    return tuple(out)
+
+
+class Concat:
+    """Join samples into one batch, the layout graph libraries use.
+
+    Without dims (``Concat()`` on fields given by name only): every field joins along
+    dim 0 and ``{field}_batch`` says which sample each row came from;
+    ``increment={"knn": "points"}`` shifts an index field by the rows of the field it
+    indexes in the samples before it.
+
+    With named dims (``along={"N": ["mesh_pos", "thickness"], "E": ["edges"]}``, or a
+    dataset whose fields have a dims spec: :meth:`bind` takes the specs, and
+    ``Concat()`` alone joins each field along its one named dim that varies between
+    records, or that ``increment`` points into): a field joins along the axis of its dim, other dims stay
+    (``mesh_pos (T, N, 3)`` becomes ``(T, sum N, 3)``); a field with no joined dim is
+    stacked (``params (4,)`` becomes ``(B, 4)``). ``increment`` maps an index field to a
+    dim (or a field): its values are offset by that dim's running size. One batch
+    vector per joined dim: the *node* dim's (the dim that ``increment`` points into,
+    or the only joined one) is ``batch_key`` (PyG's ``"batch"`` by default), every
+    other ``{dim}_batch``. ``dims`` maps fields to specs, as ``ds.dims`` gives them.
     """
 
-    def __init__(self, increment: Mapping[str, str] | None = None) -> None:
+    def __init__(self, increment: Mapping[str, str] | None = None,
+                 along: Mapping[str, Sequence[str]] | None = None, batch_key: str | None = None,
+                 dims: Mapping[str, Spec] | None = None) -> None:
         self.increment = dict(increment or {})
         for key, target in self.increment.items():
             if not isinstance(key, str) or not isinstance(target, str):
-                raise InvalidArgument(f"increment maps field names to field names, got {key!r}: {target!r}")
+                raise InvalidArgument(f"increment maps field names to field or dim names, got {key!r}: {target!r}")
+        self.along: dict[str, list[str]] | None = None
+        if along is not None:
+            if not isinstance(along, Mapping):
+                raise InvalidArgument(f"along maps dim names to lists of fields, got {along!r}", knob="along")
+            self.along = {}
+            seen: dict[str, str] = {}
+            for dim, names in along.items():
+                names = [names] if isinstance(names, str) else list(names)
+                if not isinstance(dim, str) or not all(isinstance(n, str) for n in names):
+                    raise InvalidArgument(f"along maps dim names to lists of fields, got {dim!r}: {names!r}",
+                                          knob="along")
+                for n in names:
+                    if n in seen:
+                        raise InvalidArgument(f"along lists field {n!r} under dims {seen[n]!r} and {dim!r}; a "
+                                              "field joins along one dim", field=n, knob="along")
+                    seen[n] = dim
+                self.along[dim] = names
+        if batch_key is not None and (not isinstance(batch_key, str) or not batch_key):
+            raise InvalidArgument(f"batch_key must be a non-empty string, got {batch_key!r}", knob="batch_key")
+        self.batch_key = batch_key
+        self.dims: dict[str, Spec] | None = None if dims is None else {k: _spec(k, v) for k, v in dims.items()}
+        self._varying: dict[str, tuple[str, ...]] | None = None  # set by bind: dims that vary between records
 
-    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> Batch:
+    def bind(self, ds: Any) -> "Concat":
+        """This collate with ``ds``'s field specs (``ds.dims``) and the dims that vary between its records;
+        ``self`` when the dataset has no specs or dims were given already. The Loader calls it."""
+        specs = getattr(ds, "dims", None)
+        if self.dims is not None or not isinstance(specs, Mapping) or not any(v is not None for v in specs.values()):
+            return self
+        bound = Concat(self.increment, self.along, self.batch_key, specs)
+        if callable(getattr(ds, "base_shapes", None)):
+            bound._varying = {name: _varying(ds, name, tuple(spec)) for name, spec in specs.items() if spec}
+        bound._plan_auto()  # a field with two varying dims fails here, before any batch
+        return bound
+
+    # -- which field joins along what --------------------------------------------------------
+
+    def _named(self) -> bool:
+        return self.along is not None or (self.dims is not None and any(v is not None for v in self.dims.values()))
+
+    def _plan_auto(self) -> dict[str, str | None]:
+        """Field -> the dim it joins along (None: stacked) for the fields with a spec, when ``along`` is not
+        given: its one named dim that varies between records (every named dim when that is not known)."""
+        plan: dict[str, str | None] = {}
+        if self.along is not None or self.dims is None:
+            return plan
+        targets = set(self.increment.values())  # a dim index fields point into is joined even where it does not vary
+        for name, spec in self.dims.items():
+            if spec is None:
+                continue
+            named = [d for d in spec if isinstance(d, str)]
+            if self._varying is not None and name in self._varying:
+                cands = [d for d in named if d in self._varying[name] or d in targets]
+            else:
+                cands = named
+            if len(cands) > 1:
+                raise InvalidArgument(
+                    f"field {name!r} (dims {spec}) varies along {cands}: Concat joins along one dim; pass "
+                    f"along={{dim: [fields]}} naming it, or collate='pad'", field=name, knob="along")
+            plan[name] = cands[0] if cands else None
+        return plan
+
+    def _axis(self, name: str, dim: str) -> int:
+        spec = (self.dims or {}).get(name)
+        if spec is None:
+            return 0  # a field without a spec joins along its first dim
+        if dim not in spec:
+            raise InvalidArgument(f"along lists field {name!r} under dim {dim!r}, but its dims are {spec}",
+                                  field=name, knob="along")
+        return spec.index(dim)
+
+    # -- collating ---------------------------------------------------------------------------
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> RecordBatch:
+        if not self._named():
+            return self._legacy(samples)
+        fields = _check_samples(samples)
+        if self.along is not None:
+            plan: dict[str, str | None] = {n: None for n in fields}
+            for dim, names in self.along.items():
+                for n in names:
+                    if n not in fields:
+                        raise InvalidArgument(f"along {dim!r} lists field {n!r}; the samples have {sorted(fields)}",
+                                              field=n, knob="along")
+                    plan[n] = dim
+            legacy: list[str] = []
+        else:
+            auto = self._plan_auto()
+            plan = {n: auto[n] for n in fields if n in auto}
+            legacy = [n for n in fields if n not in auto]  # no spec: joined along dim 0, as without dims
+        out = RecordBatch(num_samples=len(samples))
+        # Sizes of each joined dim per sample, from the first field joined along it; the others must agree.
+        sizes: dict[str, list[int]] = {}
+        owner: dict[str, str] = {}
+        axes: dict[str, int] = {}
+        for name, joined in plan.items():
+            if joined is None:
+                continue
+            dim = joined
+            axis = self._axis(name, dim)
+            ts = fields[name]
+            for j, t in enumerate(ts):
+                if t.ndim <= axis:
+                    raise RankMismatch(f"field {name!r}: sample {j} has shape {tuple(t.shape)}, with no axis "
+                                       f"{axis} for dim {dim!r}", field=name, shape=tuple(t.shape), position=j)
+            _same_but(name, ts, axis, f"only dim {dim!r} (axis {axis}) may differ: give the field its other "
+                      "varying dims in along=, or collate='pad'")
+            got = [int(t.shape[axis]) for t in ts]
+            if dim in sizes and got != sizes[dim]:
+                j = next(k for k, (a, b) in enumerate(zip(got, sizes[dim])) if a != b)
+                raise RankMismatch(f"field {name!r}: sample {j} has {got[j]} along dim {dim!r} but field "
+                                   f"{owner[dim]!r} has {sizes[dim][j]}", field=name, position=j)
+            sizes.setdefault(dim, got)
+            owner.setdefault(dim, name)
+            axes[name] = axis
+        offsets = self._offsets(fields, plan, sizes, axes, legacy)
+        for name, ts in fields.items():
+            if name in offsets:
+                ts = [t + off for t, off in zip(ts, offsets[name])]
+            if name in legacy:
+                ts = [t.reshape(1) if t.ndim == 0 else t for t in ts]
+                _same_but(name, ts, 0, "only the first dim may differ: give the field dims in the dataset's "
+                          "fields= spec, or pass along=")
+                out[name] = torch.cat(ts, dim=0)
+                self._put(out, f"{name}_batch", torch.repeat_interleave(
+                    torch.arange(len(ts)), torch.tensor([t.shape[0] for t in ts], dtype=torch.long)), fields)
+            elif plan.get(name) is None:
+                _same_but(name, ts, None, "a field with no joined dim is stacked, so its shape must not vary: "
+                          "name the dim it varies along in along=")
+                out[name] = torch.stack(ts)
+            else:
+                out[name] = torch.cat(ts, dim=axes[name])
+        for dim, key in self._batch_keys(sizes, plan).items():
+            self._put(out, key, torch.repeat_interleave(torch.arange(len(samples)),
+                                                        torch.tensor(sizes[dim], dtype=torch.long)), fields)
+        return out
+
+    def _offsets(self, fields: dict, plan: dict, sizes: dict, axes: dict, legacy: list) -> dict[str, list[int]]:
+        """Per incremented field, each sample's offset: the running size of the dim (or field) it indexes."""
+        out: dict[str, list[int]] = {}
+        for key, target in self.increment.items():
+            if key not in fields:
+                raise InvalidArgument(f"increment {key!r} -> {target!r}: the samples have fields {sorted(fields)}",
+                                      field=key)
+            if fields[key][0].is_floating_point() or fields[key][0].dtype == torch.bool:
+                raise DtypeMismatch(f"increment {key!r}: index fields must be integers, got {fields[key][0].dtype}",
+                                    field=key)
+            if target in sizes:
+                rows = sizes[target]
+            elif target in fields and target in legacy:
+                rows = [int(t.shape[0]) if t.ndim else 1 for t in fields[target]]
+            elif target in fields and plan.get(target) is not None:
+                rows = sizes[plan[target]]
+            else:
+                raise InvalidArgument(f"increment {key!r} -> {target!r}: that is neither a joined dim "
+                                      f"{sorted(sizes)} nor a joined field", field=key)
+            out[key] = np.cumsum([0] + rows[:-1]).tolist()
+        return out
+
+    def _batch_keys(self, sizes: dict[str, list[int]], plan: dict[str, str | None]) -> dict[str, str]:
+        """Joined dim -> the key of its batch vector."""
+        targets = {plan.get(t, t) for t in self.increment.values()}
+        nodes = [d for d in sizes if d in targets] or list(sizes)
+        if len(nodes) > 1 and self.batch_key is not None:
+            raise InvalidArgument(f"batch_key={self.batch_key!r} but there are several node dims {nodes}; "
+                                  "say which with increment= (the dim index fields point into)", knob="batch_key")
+        keys = {d: f"{d}_batch" for d in sizes}
+        if len(nodes) == 1:
+            keys[nodes[0]] = self.batch_key or "batch"
+        return keys
+
+    @staticmethod
+    def _put(out: dict, key: str, value: torch.Tensor, fields: Mapping) -> None:
+        if key in fields or key in out:
+            raise InvalidArgument(f"the batch adds {key!r}, which is also a field (or another batch vector); "
+                                  "rename the field or pass batch_key=", field=key)
+        out[key] = value
+
+    def _legacy(self, samples: Sequence[Mapping[str, Any]]) -> RecordBatch:
         fields = _fields(samples, "_batch")
         for key, target in self.increment.items():
             if key not in fields or target not in fields:
@@ -91,7 +335,7 @@ class Concat:
             if fields[key][0].is_floating_point() or fields[key][0].dtype == torch.bool:
                 raise DtypeMismatch(f"increment {key!r}: index fields must be integers, got {fields[key][0].dtype}",
                                     field=key)
-        out: Batch = {}
+        out = RecordBatch(num_samples=len(samples))
         for key, ts in fields.items():
             if key in self.increment:
                 rows = [t.shape[0] for t in fields[self.increment[key]]]
@@ -103,7 +347,21 @@ class Concat:
         return out
 
     def __repr__(self) -> str:
-        return f"Concat(increment={self.increment})" if self.increment else "Concat()"
+        args = [f"increment={self.increment}"] if self.increment else []
+        if self.along is not None:
+            args.append(f"along={self.along}")
+        if self.batch_key is not None:
+            args.append(f"batch_key={self.batch_key!r}")
+        return f"Concat({', '.join(args)})"
+
+
+def _spec(name: str, spec: Any) -> Spec:
+    if spec is None:
+        return None
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence):
+        raise InvalidArgument(f"dims of field {name!r} must be a tuple like ('T', 'N', 3), got {spec!r}",
+                              field=name, knob="dims")
+    return tuple(spec)
 
 
 class Pad:
@@ -115,8 +373,8 @@ class Pad:
             raise InvalidArgument(f"pad value must be a number, got {value!r}")
         self.value = value
 
-    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> Batch:
-        out: Batch = {}
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> RecordBatch:
+        out = RecordBatch(num_samples=len(samples))
         for key, ts in _fields(samples, "_lengths").items():
             lengths = [t.shape[0] for t in ts]
             first = ts[0]
@@ -132,15 +390,18 @@ class Pad:
         return f"Pad(value={self.value!r})"
 
 
-def resolve(collate: CollateArg) -> Callable[[list], Any]:
-    """``"concat"``, ``"pad"`` or a callable taking the list of samples."""
+def resolve(collate: CollateArg, ds: Any = None) -> Callable[[list], Any]:
+    """``"concat"``, ``"pad"`` or a callable taking the list of samples; a ``Concat`` is bound to ``ds``'s
+    field specs (:meth:`Concat.bind`)."""
     if isinstance(collate, str) and collate == "concat":
-        return Concat()
-    if isinstance(collate, str) and collate == "pad":
+        collate = Concat()
+    elif isinstance(collate, str) and collate == "pad":
         return Pad()
+    if isinstance(collate, Concat):
+        return collate.bind(ds) if ds is not None else collate
     if callable(collate):
         return collate
     raise InvalidArgument(f"collate must be 'concat', 'pad' or a function of the list of samples, got {collate!r}")
 
 
-__all__ = ["Concat", "Pad", "resolve"]
+__all__ = ["Concat", "Pad", "RecordBatch", "resolve"]

@@ -195,6 +195,11 @@ class ZarrRecords(torch.utils.data.Dataset):
         return self._catalog.fields
 
     @property
+    def dims(self) -> dict[str, tuple | None]:
+        """Each field's dims as the ``fields=`` spec gave them (None for a field given by name only)."""
+        return {name: self._catalog.specs.get(name) for name in self._catalog.fields}
+
+    @property
     def in_store(self) -> bool:
         """Whether the records are in a store (s3://, http(s)://, a zip archive...) rather than a local folder."""
         return self._in_store

@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import threading
 import time
+import warnings
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ import torch
 from ..sampling import partition
 from ..sampling.cursor import CursorState, EpochCursor
 from ..checks import integer, seconds
+from ..config import default_compute_threads
 from ..dist.collectives import resolve_rank
 from ..errors import InvalidArgument, ShutdownError, StokerError, ThreadStartError
 from ..runtime.workers import start_thread
@@ -64,6 +65,17 @@ class LoaderTimeout(StokerError, TimeoutError):
     """No batch arrived within ``timeout_s`` (a read is stuck, or far slower than expected)."""
 
 
+def _identity(fn: Any) -> str | None:
+    """A transform's identity in the state: its ``identity()`` when it has one, else its qualified name."""
+    if fn is None:
+        return None
+    ident = getattr(fn, "identity", None)
+    if callable(ident):
+        return str(ident())
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}"
+
+
 def _names_id(ds: Any) -> str | None:
     """A digest of the record names when the dataset has them (a wrapper around one may not)."""
     names = getattr(ds, "base_names", None)
@@ -78,7 +90,12 @@ class Loader:
     ``ds`` is any map-style dataset whose ``ds[i]`` is a dict of tensors (a full
     :class:`ZarrRecords`, not a rank's part: the loader splits it). ``collate`` is
     ``"concat"``, ``"pad"`` (see :mod:`stoker.records.collate`) or a function of
-    the list of samples. ``n_threads`` reader threads (default ``min(4, cpus)``)
+    the list of samples; a ``Concat`` is bound to the dataset's field dims
+    (:meth:`Concat.bind`). ``transform`` (e.g. ``lambda s: normalize(s, stats)``)
+    runs on each sample in the reader threads, before collation; the state holds
+    only its identity (its ``identity()``, else its qualified name): resuming with
+    another one warns. ``n_threads``
+    reader threads (default ``min(4, this rank's share of the node's CPUs)``)
     keep at most ``prefetch`` batches ready. With a CUDA ``device``, batches are
     pinned by the readers and copied with ``non_blocking=True`` when handed out;
     a CPU device (or None) hands out the CPU batches as they are. ``rank`` and
@@ -89,7 +106,8 @@ class Loader:
     def __init__(self, ds: Any, batch_size: int, collate: CollateArg = "concat", shuffle: bool = True,
                  seed: int = 0, n_threads: int | None = None, prefetch: int = 2,
                  device: torch.device | str | int | None = None, drop_last: bool = False,
-                 rank: int | None = None, world_size: int | None = None, timeout_s: float = 300.0) -> None:
+                 rank: int | None = None, world_size: int | None = None, timeout_s: float = 300.0,
+                 transform: Callable[[Any], Any] | None = None) -> None:
         if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
             raise InvalidArgument(f"ds must be a map-style dataset (len and [i]), got {type(ds).__name__}")
         if isinstance(ds, ZarrRecords) and ds.part != (0, 1):
@@ -103,10 +121,14 @@ class Loader:
         rank, world_size = resolve_rank(rank, world_size)
         self.ds = ds
         self.batch_size = batch_size
-        self.collate = resolve(collate)
+        if transform is not None and not callable(transform):
+            raise InvalidArgument(f"transform must be a function of one sample, got {transform!r}", knob="transform")
+        self.collate = resolve(collate, ds)
+        self.transform = transform
         self.shuffle = bool(shuffle)
         self.seed = seed
-        self.n_threads = n_threads or min(4, os.cpu_count() or 1)
+        # This rank's share of the node's CPUs (LOCAL_WORLD_SIZE), as the Pipeline's threads.
+        self.n_threads = n_threads or min(4, default_compute_threads())
         self.prefetch = prefetch
         self.device = None if device is None else as_device(device, "Loader(device=...)")
         self.drop_last = bool(drop_last)
@@ -189,8 +211,10 @@ class Loader:
         return skip + min(self._received * self.batch_size, split - skip)
 
     def _order(self) -> dict:
-        """What makes the epoch's order (a state saved with other values would resume into other records)."""
-        return {"seed": self.seed, "shuffle": self.shuffle, "size": self._size, "names": self._names_id}
+        """What makes the epoch's order (a state saved with other values would resume into other records), and
+        the transform's identity (only its name: a function is not state)."""
+        return {"seed": self.seed, "shuffle": self.shuffle, "size": self._size, "names": self._names_id,
+                "transform": _identity(self.transform)}
 
     def state_dict(self) -> dict:
         """The position as of the last batch the consumer received (prefetched ones do not count)."""
@@ -206,6 +230,12 @@ class Loader:
         for key, mine in self._order().items():
             if key == "names" and (mine is None or saved.order.get(key) is None):
                 continue  # one side cannot tell its record names: the size has to do
+            if key == "transform":  # not the position: a changed transform is allowed, and said
+                if "transform" in saved.order and saved.order["transform"] != mine:
+                    warnings.warn(f"the state was saved with transform {saved.order['transform']!r}, this loader "
+                                  f"has {mine!r}: the samples from here on are transformed differently",
+                                  RuntimeWarning, stacklevel=2)
+                continue
             if saved.order.get(key) != mine:
                 raise InvalidArgument(
                     f"the state was saved with {key}={saved.order.get(key)!r}, this loader has {mine!r}: the "
@@ -228,7 +258,7 @@ class Loader:
         self._hold = False
         batches = self._run_batches()[self._received:]
         pin = self.device is not None and self.device.type == "cuda"
-        self._work = _Work(self.ds, batches, self.collate, pin, self.n_threads, self.prefetch)
+        self._work = _Work(self.ds, batches, self.collate, pin, self.n_threads, self.prefetch, self.transform)
         return _Iter(self, self._work, self._received)
 
     def _stop_work(self) -> None:
@@ -302,8 +332,9 @@ class _Work:
     """The reader threads of one iteration and the batches they prepare; shared with the threads only."""
 
     def __init__(self, ds: Any, batches: list[np.ndarray], collate: Any, pin: bool, n_threads: int,
-                 prefetch: int) -> None:
+                 prefetch: int, transform: Callable[[Any], Any] | None = None) -> None:
         self.ds, self.batches, self.collate, self.pin, self.prefetch = ds, batches, collate, pin, prefetch
+        self.transform = transform
         self.tasks: queue.Queue = queue.Queue()
         self.cv = threading.Condition()
         self.parts: dict[int, _Part] = {}
@@ -361,6 +392,8 @@ class _Work:
             try:
                 batch = self.collate(part.samples)
                 result = (True, pin_object(batch) if self.pin else batch)
+            except StokerError as exc:  # noqa: BLE001 - delivered to the consumer, naming the record
+                result = (False, _name_record(exc, self.ds, self.batches[j]))
             except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
                 result = (False, exc)
         with self.cv:
@@ -397,6 +430,20 @@ def _threads_of(work: _Work) -> list[threading.Thread]:
     return list(work.threads)
 
 
+def _name_record(exc: StokerError, ds: Any, indices: np.ndarray) -> StokerError:
+    """A collate error about sample ``position`` of a batch, retold naming the record it is."""
+    j = exc.context.get("position")
+    names = getattr(ds, "base_names", None)
+    if not isinstance(j, int) or not 0 <= j < len(indices):
+        return exc
+    index = int(indices[j])
+    name = names()[index] if callable(names) else index
+    context = {**exc.context, "sample": name}
+    retold = type(exc)(f"record {name!r}: {exc.message}", **context)
+    retold.__cause__ = exc
+    return retold
+
+
 class _Part:
     """A batch being read: its samples by slot, errors by slot, and how many slots are still out."""
 
@@ -421,9 +468,12 @@ def _read_loop(work: _Work) -> None:
         sample, error = None, None
         try:
             sample = work.ds[index]
+            if work.transform is not None:
+                sample = work.transform(sample)
         except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
             if hasattr(exc, "add_note"):
-                exc.add_note(f"(while stoker.records.Loader read record {index})")
+                exc.add_note(f"(while stoker.records.Loader read{'' if work.transform is None else ' and transformed'}"
+                             f" record {index})")
             error = exc
         with work.cv:
             part = work.parts.get(j)

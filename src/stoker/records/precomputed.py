@@ -44,7 +44,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ import torch
 from ..dist.collectives import all_gather, group_position
 from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
 from .dataset import Sample, ZarrRecords, rank_part
+from .stats import FieldStats, normalize, stats_fingerprint
 from ..storage.fsutil import claim, fsync_tree, make_sibling_dir, place_dir, remove_dead_siblings, try_claim
 from ..storage import read_regular
 from ..storage.artifacts import precomputed_dir
@@ -285,7 +286,7 @@ def _run_local(local: ZarrRecords, name: str, fn: Callable[[Sample], Any], param
 
 
 def precompute(ds: ZarrRecords, name: str, fn: Callable[[Sample], torch.Tensor], params: Any,
-               group: Any = None) -> PrecomputeResult:
+               group: Any = None, normalized_with: Mapping[str, FieldStats] | None = None) -> PrecomputeResult:
     """Store ``fn(ds[i])`` as array ``name`` in every record that lacks it under ``params``.
 
     ``ds`` is the full dataset (each rank takes records ``rank::world_size``) or this
@@ -296,8 +297,22 @@ def precompute(ds: ZarrRecords, name: str, fn: Callable[[Sample], torch.Tensor],
     same ``name`` and ``params`` are skipped. Collective under ``torch.distributed``:
     call it on every rank of ``group``; it returns (or raises, on every rank) once all
     ranks are done. Open a new ``ZarrRecords`` to see the new field.
+
+    ``normalized_with`` (a :func:`compute_stats` result): ``fn`` receives
+    ``normalize(ds[i], normalized_with)``, the sample the model sees (a k-NN graph of
+    normalised positions), and the statistics' fingerprint joins ``params``', so new
+    statistics recompute the array.
+
+        >>> precompute(ds, "knn16", lambda s: knn_graph(s["points"], 16), {"k": 16}, normalized_with=stats)
     """
     fp = _check_args(ds, name, fn, params)
+    if normalized_with is not None:
+        stats = dict(normalized_with)
+        fp = fingerprint(name, {"params": params, "normalized_with": stats_fingerprint(stats)})
+        user_fn = fn
+
+        def fn(sample: Sample) -> torch.Tensor:  # the sample the model sees
+            return user_fn(normalize(sample, stats))
     rank, world = group_position(group)
     local = _local_view(ds, rank, world)
 

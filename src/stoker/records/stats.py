@@ -1,6 +1,6 @@
 """Normalisation statistics of record fields: one streaming pass, merged across ranks, cached on disk.
 
-    >>> stats = compute_stats(ds, ["positions", "velocity"],
+    >>> stats = compute_stats(ds, ["positions", "velocity"], derived_input="normalized",
     ...                       derived={"edge": lambda s: s["positions"][:, 1:] - s["positions"][:, :-1]})
     >>> stats["positions"].mean, stats["edge"].std          # per channel: shape (3,)
     >>> batch = normalize(ds[0], stats)                      # what the model trains on
@@ -14,7 +14,10 @@ twice, and no record is counted more than once.
 
 Derived quantities need a second pass, and only they do: they are computed on
 samples *normalised with the plain fields' statistics* (pass one), exactly as
-training computes them, e.g. edge vectors from normalised positions.
+training computes them, e.g. edge vectors from normalised positions
+(``derived_input="normalized"``), or on the stored values (``"raw"``); a derived
+function that reads a normalised field without either said is an error.
+``reuse=`` takes pass one's result from an earlier call.
 
 One NaN or infinity would make a field's statistics NaN, and normalising with
 them would turn every sample into NaN. By default (``nonfinite="raise"``) a
@@ -36,6 +39,8 @@ until the file is in place.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 import warnings
@@ -58,6 +63,7 @@ Derived = Callable[[Sample], torch.Tensor]
 _UNKNOWN = -1  # channel code of a derived quantity this rank never computed
 _SCALAR = 0
 _NONFINITE = ("raise", "skip")
+_DERIVED_INPUT = (None, "normalized", "raw")
 # A rank's state in the header collective of each pass.
 _OK, _FAILED, _FOUND_NONFINITE = 0, 1, 2
 #: What a rank found under nonfinite="raise": (record's index in the full dataset, name's index, count).
@@ -210,12 +216,26 @@ def _channel_code(m: Moments | None) -> int:
     return _SCALAR if m.channels is None else m.channels
 
 
+def _entry_wise(ds: ZarrRecords, name: str, per_channel: bool) -> bool:
+    """Whether a 1-d field gets statistics per entry: its spec gives its one dim a fixed size (``params (4,)``),
+    so entry k means the same thing in every record."""
+    spec = ds.dims.get(name)
+    return (per_channel and spec is not None and len(spec) == 1 and isinstance(spec[0], int)
+            and not isinstance(spec[0], bool))
+
+
 def _plain_channels(ds: ZarrRecords, name: str, per_channel: bool) -> int:
-    """Channel code of a stored field, from metadata: its last dim when per channel."""
+    """Channel code of a stored field, from metadata: its last dim when per channel (a 1-d field's too when
+    the spec fixes its size)."""
     dtypes = {d for d in ds.base_dtypes(name)}
     if any(d.kind == "c" for d in dtypes):
         raise InvalidArgument(f"field {name!r} is complex; statistics need real numbers", field=name)
     shapes = ds.base_shapes(name)
+    if _entry_wise(ds, name, per_channel):
+        size = int(ds.dims[name][0])  # type: ignore[index]
+        if size == 0:
+            raise InvalidArgument(f"field {name!r} has 0 entries (dims (0,))", field=name)
+        return size
     if not per_channel or shapes.shape[1] < 2:
         return _SCALAR
     last = shapes[:, -1]
@@ -241,11 +261,13 @@ def _plain_pass(local: ZarrRecords, fields: Sequence[str], per_channel: bool, sk
     """This rank's moments; or the error it met (reported to every rank by _merge_ranks, raised here); or,
     unless ``skip``, the first record holding non-finite values (no need to read further)."""
     acc: dict[str, Moments] = {}
+    entry_wise = {name for name in fields if _entry_wise(local, name, per_channel)}
     try:
         for i in range(len(local)):
             sample = local.read(i, fields)  # only the fields asked for: no bytes read for the others
             for j, name in enumerate(fields):
-                m = Moments.of(sample[name], per_channel)
+                x = sample[name].reshape(1, -1) if name in entry_wise else sample[name]
+                m = Moments.of(x, per_channel)
                 if not skip and bool(m.skipped.any()):
                     return acc, None, _first_nonfinite(local, i, j, m)
                 acc[name] = acc[name].merge(m) if name in acc else m
@@ -254,14 +276,50 @@ def _plain_pass(local: ZarrRecords, fields: Sequence[str], per_channel: bool, sk
     return acc, None, None
 
 
+class _Watched(dict):
+    """A normalised sample that notices a derived function reading a normalised field without having said it
+    wants normalised values (``derived_input=None``): that is an error, never a silent surprise."""
+
+    def __init__(self, sample: Mapping[str, torch.Tensor], normalised: set[str], fn_name: str) -> None:
+        super().__init__(sample)
+        self._normalised, self._fn_name = normalised, fn_name
+
+    def _check(self, key: Any) -> None:
+        if key in self._normalised:
+            raise InvalidArgument(
+                f"derived {self._fn_name!r} reads field {key!r}, which compute_stats normalises with the fields' "
+                "statistics before derived functions see it; pass derived_input='normalized' (what the model "
+                "sees after normalize) or derived_input='raw' (the stored values)", field=key, knob="derived_input")
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        self._check(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._check(key)
+        return super().get(key, default)
+
+    def values(self):  # type: ignore[override]
+        for key in self._normalised & set(self):
+            self._check(key)
+        return super().values()
+
+    def items(self):  # type: ignore[override]
+        for key in self._normalised & set(self):
+            self._check(key)
+        return super().items()
+
+
 def _derived_pass(local: ZarrRecords, plain: Mapping[str, FieldStats], derived: Mapping[str, Derived],
-                  per_channel: bool, skip: bool) -> tuple[dict[str, Moments], BaseException | None, _Found | None]:
+                  per_channel: bool, skip: bool, derived_input: str | None = "normalized"
+                  ) -> tuple[dict[str, Moments], BaseException | None, _Found | None]:
     acc: dict[str, Moments] = {}
     try:
         for i in range(len(local)):
-            sample = normalize(local[i], plain)  # what training sees
+            raw = local[i]
+            sample = raw if derived_input == "raw" else normalize(raw, plain)  # normalised: what training sees
             for j, (name, fn) in enumerate(derived.items()):
-                value = fn(sample)
+                value = fn(_Watched(sample, set(plain), name) if derived_input is None else sample)
                 if not isinstance(value, torch.Tensor):
                     value = torch.as_tensor(np.asarray(value))
                 if value.is_complex():
@@ -344,6 +402,8 @@ def compute_stats(
     derived: Mapping[str, Derived] | None = None,
     cache: bool = True,
     nonfinite: str = "raise",
+    derived_input: str | None = None,
+    reuse: Mapping[str, FieldStats] | None = None,
 ) -> dict[str, FieldStats]:
     """Statistics of ``fields`` (and of ``derived`` quantities) over the whole dataset.
 
@@ -357,9 +417,21 @@ def compute_stats(
     result is written there by rank 0 (a failed write only warns). ``nonfinite``: what
     a NaN or infinite value does: ``"raise"`` a :class:`~stoker.errors.NonFiniteData`
     (on every rank, naming the record, the field and the count; nothing is written),
-    or ``"skip"`` it (counted per channel in ``FieldStats.skipped``).
+    or ``"skip"`` it (counted per channel in ``FieldStats.skipped``). A 1-d field whose
+    spec fixes its size (``params (4,)``) gets statistics per entry, shape ``(4,)``.
+
+    ``derived_input``: what a derived function reads for the plain ``fields``:
+    ``"normalized"`` (normalised with their statistics: what the model sees) or
+    ``"raw"`` (the stored values); None (the default) makes reading one an
+    ``InvalidArgument``, so nobody gets normalised values without having asked.
+    ``reuse``: statistics of ``fields`` computed before (a ``compute_stats`` result):
+    they are returned as they are, and only the derived quantities are computed,
+    without a pass over the plain fields; their fingerprint joins the cache key.
     """
     names, derived = _check_args(ds, fields, derived)
+    if derived_input not in _DERIVED_INPUT:
+        raise InvalidArgument(f"derived_input must be one of {_DERIVED_INPUT}, got {derived_input!r}",
+                              knob="derived_input")
     if nonfinite not in _NONFINITE:
         raise InvalidArgument(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}", knob="nonfinite")
     skip = nonfinite == "skip"
@@ -369,6 +441,11 @@ def compute_stats(
     rank, world = group_position(group)
     local = rank_part(ds, rank, world)
     fp = sidecar.fingerprint(ds, names, per_channel, list(derived), nonfinite)
+    if derived_input is not None:
+        fp = _join(fp, f"derived_input={derived_input}")
+    if reuse is not None:
+        reuse = _check_reuse(reuse, names, expect)
+        fp = _join(fp, stats_fingerprint(reuse))
 
     lead = rank_info(group).rank == 0  # writes the file: rank 0 of the group, or RANK 0 without one
     # Ranks seeing other data must fail here, together, before any of them waits for a claim.
@@ -382,10 +459,43 @@ def compute_stats(
         if loaded is not None:  # every rank holds rank 0's entry: all return here, or none
             return loaded
         return _compute(ds, local, names, derived, per_channel, skip, expect, group, world, fp, nonfinite,
-                        folder, lead)
+                        folder, lead, derived_input, reuse)
     finally:
         if held is not None:
             held.release()
+
+
+def stats_fingerprint(stats: Mapping[str, FieldStats]) -> str:
+    """Hex digest of statistics (names and every number): what a result computed from samples normalised
+    with them depends on. ``precompute(normalized_with=)`` and ``compute_stats(reuse=)`` key on it.
+
+    >>> stats_fingerprint(compute_stats(ds, ["points"]))[:8]    # doctest: +SKIP
+    '3f1c9a02'
+    """
+    if not isinstance(stats, Mapping) or not all(isinstance(v, FieldStats) for v in stats.values()):
+        raise InvalidArgument("statistics must be a dict of name -> FieldStats (a compute_stats result)")
+    doc = {str(name): st.to_json() for name, st in stats.items()}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _join(fp: str, extra: str) -> str:
+    return hashlib.sha256(f"{fp}\0{extra}".encode()).hexdigest()
+
+
+def _check_reuse(reuse: Any, names: Sequence[str], expect: Mapping[str, int]) -> dict[str, FieldStats]:
+    """``reuse`` must hold statistics of every field asked for, of the shape this call would compute."""
+    if not isinstance(reuse, Mapping):
+        raise InvalidArgument(f"reuse must be a compute_stats result, got {type(reuse).__name__}", knob="reuse")
+    for name in names:
+        st = reuse.get(name)
+        if not isinstance(st, FieldStats):
+            raise InvalidArgument(f"reuse holds no statistics of field {name!r}; it has {sorted(reuse)}",
+                                  field=name, knob="reuse")
+        want = () if expect[name] == _SCALAR else (expect[name],)
+        if tuple(st.mean.shape) != want:
+            raise InvalidArgument(f"reuse's statistics of {name!r} have shape {tuple(st.mean.shape)}, this call "
+                                  f"computes {want} (another per_channel or dims spec?)", field=name, knob="reuse")
+    return dict(reuse)
 
 
 def _folder(ds: ZarrRecords) -> str:
@@ -432,18 +542,22 @@ def _cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tup
 
 def _compute(ds: ZarrRecords, local: ZarrRecords, names: list[str], derived: Mapping[str, Derived],
              per_channel: bool, skip: bool, expect: dict, group: Any, world: int, fp: str, nonfinite: str,
-             folder: str | None, lead: bool) -> dict[str, FieldStats]:
+             folder: str | None, lead: bool, derived_input: str | None = "normalized",
+             reuse: Mapping[str, FieldStats] | None = None) -> dict[str, FieldStats]:
     """Both passes; with a ``folder`` (the cache), the ``lead`` process writes the sidecar entry there and the
     ranks meet at a barrier once it is in place."""
-    # Pass 1: the stored fields.
-    acc, error, found = _plain_pass(local, names, per_channel, skip)
-    plain_m = _merge_ranks(acc, names, expect, error, found, group, ds, "field")
-    _check_some_finite(plain_m, "field")
-    result = {name: FieldStats.from_moments(plain_m[name]) for name in names}
+    # Pass 1: the stored fields (unless their statistics are given).
+    if reuse is not None:
+        result = {name: reuse[name] for name in names}
+    else:
+        acc, error, found = _plain_pass(local, names, per_channel, skip)
+        plain_m = _merge_ranks(acc, names, expect, error, found, group, ds, "field")
+        _check_some_finite(plain_m, "field")
+        result = {name: FieldStats.from_moments(plain_m[name]) for name in names}
 
     # Pass 2 (derived quantities only): on samples normalised with pass 1's statistics.
     if derived:
-        acc, error, found = _derived_pass(local, result, derived, per_channel, skip)
+        acc, error, found = _derived_pass(local, result, derived, per_channel, skip, derived_input)
         codes = {name: _channel_code(acc.get(name)) for name in derived}
         derived_m = _merge_ranks(acc, list(derived), codes, error, found, group, ds, "derived")
         _check_some_finite(derived_m, "derived")
@@ -471,4 +585,4 @@ def _compute(ds: ZarrRecords, local: ZarrRecords, names: list[str], derived: Map
     return result
 
 
-__all__ = ["FieldStats", "compute_stats", "normalize", "denormalize"]
+__all__ = ["FieldStats", "compute_stats", "normalize", "denormalize", "stats_fingerprint"]

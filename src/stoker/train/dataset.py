@@ -164,6 +164,7 @@ class CropDataset(torch.utils.data.IterableDataset):
                     if self.copy:
                         x = x.clone()
                     batch.release()  # the slot is reused only once x (and every view of it) is gone
+                    x.num_samples = int(x.shape[0])  # type: ignore[attr-defined]  # what the Trainer counts
                     if run != self._run:
                         return  # a newer iteration or a load took over: this one is stale
                     self._state = pipeline.state_dict()["sources"][0]

@@ -113,15 +113,17 @@ def _wait_share(wait: float, compute: float) -> float:
 
 
 def _batch_len(batch: Any) -> int:
-    """Samples in a batch: a tensor's first dim; for a dict, ``*_lengths`` (Pad), the ``*_batch``
-    index (Concat: a sample with no rows at the end is not counted) or the first field."""
+    """Samples in a batch, as the batch says: its ``num_samples`` (a records ``RecordBatch``, a
+    ``CropDataset`` batch) or ``num_graphs`` (torch_geometric's ``Batch``); else a tensor's first dim (the
+    first tensor of a dict, list or tuple). Key names are never read: PyG's ``batch`` vector and a
+    ``{field}_batch`` one both count nodes, not samples."""
+    for attr in ("num_samples", "num_graphs"):
+        n = getattr(batch, attr, None)
+        if isinstance(n, int) and not isinstance(n, bool):
+            return n
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     if isinstance(batch, Mapping):
-        for suffix, count in (("_lengths", lambda v: int(v.shape[0])), ("_batch", lambda v: int(v.max()) + 1)):
-            for key, value in batch.items():
-                if isinstance(key, str) and key.endswith(suffix) and isinstance(value, torch.Tensor) and value.numel():
-                    return count(value)
         for value in batch.values():
             if isinstance(value, torch.Tensor):
                 return int(value.shape[0]) if value.dim() else 1
