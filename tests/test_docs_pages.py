@@ -27,7 +27,9 @@ def test_records_page_example_runs(tmp_path, monkeypatch):
     state = namespace["state"]
     assert state["epoch"] == 1 and state["steps"] == 4  # both epochs read through
     batch = namespace["batch"]
-    assert set(batch) == {"points", "points_batch", "knn4", "knn4_batch", "label", "label_batch"}
+    assert set(batch) == {"points", "knn4", "label", "batch"}  # joined along N, one node batch vector (PyG's)
+    assert batch.num_samples == 2 and tuple(batch["label"].shape) == (2, 1)  # label (1,) stacked
+    assert int(batch["knn4"].max()) < batch["points"].shape[0] == batch["batch"].shape[0]
 
 
 @pytest.mark.timeout(120)
