@@ -151,7 +151,7 @@ class Pipeline:
         self._stats.stage("pop_wait", wait)
         self._stats.add(
             batches_emitted=1, samples=rows, chunks_needed=plan.chunks_needed,
-            chunk_dedup_hits=plan.chunks_needed - len(plan.chunks),
+            chunk_dedup_hits=plan.chunks_needed - plan.n_chunks,
             bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
             **head.job.counts,
         )
