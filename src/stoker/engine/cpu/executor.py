@@ -34,7 +34,7 @@ from ...transforms import apply as apply_transform
 from ..buffers import Slot, SlotRing, TransientBudget, size_class
 from .decode_native import NativeDecoder, native_codec, scratch_need
 from .decode_python import PythonDecoder
-from ..executor import Job, Target
+from ..executor import Delivery, Job, Target
 from ..stats import StatsRecorder
 from ..planning.tables import TablePlan, plan_tables
 
@@ -255,7 +255,7 @@ class CpuExecutor:
             target.host_slot = None
         self.stats.stage("transform", time.perf_counter() - t0)
 
-    def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, object, object]:
+    def deliver(self, target: Target, rows: int) -> Delivery:
         """``(view, release, ready event, ready stream)`` of a finished batch (see Batch)."""
         slots, slot = self.slots, target.slot
         return slot.batch(rows), lambda waits: slots.release(slot, stream_waits=waits), None, None
