@@ -191,6 +191,9 @@ def test_flat_plan_raises_what_the_reference_raises(arrays, tmp_path):
     for samples, error in [
         ([stoker.Sample(plain, [(0, 4), (0, 4), (15, 18)])], stoker.OutOfBounds),
         ([stoker.Sample(str(tmp_path / "none.zarr"), [(0, 4), (0, 4), (0, 4)])], stoker.NotFound),
+        # bounds past int64 (which no planner's table holds), after a crop in bounds
+        ([stoker.Sample(plain, [(0, 4), (0, 4), (0, 1)]), stoker.Sample(plain, [(0, 4), (0, 4), (2**64, 2**64 + 1)])],
+         stoker.OutOfBounds),
         ([stoker.Sample(plain, [(0, 4), (0, 4), (0, 4)]), stoker.Sample(plain, [(0, 4), (0, 4), (0, 5)])],
          stoker.InvalidArgument),
         # the first crop at fault decides, whichever check finds it: bounds before a later missing array...

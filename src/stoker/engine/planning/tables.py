@@ -109,7 +109,10 @@ class TablePlan:
     files: np.ndarray
     channels: int | None = None  # multi-array samples: arrays per sample (copy rows are b * C + c)
     chunks: _Tasks = field(init=False, repr=False)
-    _paths: dict[int, str] = field(init=False, repr=False, default_factory=dict)  # file row -> path, as asked
+    # per file row, made as asked: its key, its path, its identity
+    _keys: dict[int, str] = field(init=False, repr=False, default_factory=dict)
+    _paths: dict[int, str] = field(init=False, repr=False, default_factory=dict)
+    _idents: dict[int, tuple] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.chunks = _Tasks(self)
@@ -132,13 +135,20 @@ class TablePlan:
         return len(self.sample_shape)
 
     def file_key(self, f: int) -> str:
-        reader = self.sources[int(self.files[f, F_SOURCE])]
-        return reader.metadata.chunk_key(tuple(int(v) for v in self.files[f, F_COORDS:]))
+        """The key of file ``f`` (a row of ``files``): a chunk file's (its chunk's key) or a shard's."""
+        key = self._keys.get(f)
+        if key is None:
+            reader = self.sources[int(self.files[f, F_SOURCE])]
+            key = self._keys[f] = reader.metadata.chunk_key(tuple(self.files[f, F_COORDS:].tolist()))
+        return key
 
     def key(self, i: int) -> str:
         """Chunk ``i``'s key ("c/0/1", or "c/0/0[3]" for an inner chunk of a shard), as ArrayReader.locate says it."""
+        f, inner = int(self.chunk_file[i]), int(self.chunk_inner[i])
+        if f >= 0:  # its file's key (kept per file), and an inner chunk's place in its shard
+            return self.file_key(f) if inner < 0 else f"{self.file_key(f)}[{inner}]"
         meta = self.sources[int(self.chunk_source[i])].metadata
-        index = tuple(int(v) for v in self.chunk_index[i])
+        index = tuple(self.chunk_index[i].tolist())
         if meta.sharding is None:
             return meta.chunk_key(index)
         shard, inner = meta.sharding.inner_position(index)
@@ -158,19 +168,23 @@ class TablePlan:
 
     def copies(self, i: int) -> list[Copy]:
         lo = int(self.first_copy[i])
-        rows = range(lo, lo + int(self.n_copies[i]))
-        return [Copy(int(self.copy_row[r]), tuple(self.copy_chunk_start[r].tolist()),
-                     tuple(self.copy_box_start[r].tolist()), tuple(self.copy_extent[r].tolist())) for r in rows]
+        hi = lo + int(self.n_copies[i])
+        return list(map(Copy, self.copy_row[lo:hi].tolist(), map(tuple, self.copy_chunk_start[lo:hi].tolist()),
+                        map(tuple, self.copy_box_start[lo:hi].tolist()), map(tuple, self.copy_extent[lo:hi].tolist())))
 
     def make_task(self, i: int) -> ChunkTask:
-        """Chunk ``i`` as the Python path reads it: its key, file and byte range, copies and decoded span."""
+        """Chunk ``i`` as the Python path reads it: its key, file and byte range, copies and decoded span (what
+        each file says, its key, path and identity, made once per file)."""
         f = int(self.chunk_file[i])
-        task = ChunkTask(int(self.chunk_source[i]), tuple(int(v) for v in self.chunk_index[i]), self.key(i),
-                         self.copies(i), self.path(i), byte_start=int(self.byte_start[i]),
+        task = ChunkTask(int(self.chunk_source[i]), tuple(self.chunk_index[i].tolist()), self.key(i),
+                         self.copies(i), None if f < 0 else self.file_path(f), byte_start=int(self.byte_start[i]),
                          byte_stop=int(self.byte_stop[i]))
         if f >= 0 and int(self.chunk_offset[i]) >= 0:
             task.offset, task.length = int(self.chunk_offset[i]), int(self.chunk_length[i])
-            task.ident = file_ident(self.files[f])
+            ident = self._idents.get(f)
+            if ident is None:
+                ident = self._idents[f] = file_ident(self.files[f])
+            task.ident = ident
         return task
 
     def file_read(self, i: int) -> FileRead | None:
@@ -401,7 +415,11 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
     grid = _grid_of_crops(crops, sids, sources, shape, rows)
     if grid is None:  # no extension (numpy), or a crop past its array that check_in_bounds let through
         sid = np.array(sids, np.int64)
-        boxes = np.array([aabb for _, aabb in crops], np.int64).reshape(len(crops), ndim, 2)
+        try:
+            boxes = np.array([aabb for _, aabb in crops], np.int64).reshape(len(crops), ndim, 2)
+        except OverflowError:  # a bound past int64, so past its array: the first crop out of bounds raises
+            _check_each(crops, sids, sources)
+            raise
         per_array = np.frombuffer(rows, np.int64).reshape(len(sources), native.ARRAY_ROW_COLS(ndim))
         strides_at, shape_at = native.A_STRIDES(ndim), native.A_SHAPE(ndim)
         itemsize, chunk_shapes, chunk_strides = (np.ascontiguousarray(per_array[:, at]) for at in
