@@ -18,7 +18,7 @@ import torch
 import stoker
 from stoker.engine.buffers import Cancelled, Reservation, TransientBudget, size_class
 from stoker.engine.cpu.executor import engine_available
-from stoker.engine.planning.plan import plan_batch
+from stoker.engine.planning.tables import plan_tables
 from stoker.zarr.codecs import blosc as blosc_partial
 
 pytestmark = pytest.mark.timeout(60)
@@ -122,23 +122,30 @@ def _opener():
     return lambda uri: cache.setdefault(uri, stoker.open_array(uri))
 
 
+def _tasks(plan) -> list:
+    """Every chunk of ``plan`` as the Python path reads it."""
+    return [plan.chunks[i] for i in range(plan.n_chunks)]
+
+
 def test_plan_dedupes_chunks_and_records_every_copy(arrays):
     plain, _ = arrays
     samples = [stoker.Sample(plain, [(2, 6), (2, 6)]), stoker.Sample(plain, [(2, 6), (2, 6)]),
                stoker.Sample(plain, [(4, 8), (0, 4)])]
-    plan = plan_batch(0, samples, _opener())
+    plan = plan_tables(0, samples, _opener())
     assert plan.chunks_needed == 4 + 4 + 1
-    assert sorted(c.index for c in plan.chunks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    c10 = next(c for c in plan.chunks if c.index == (1, 0))
+    assert sorted(c.index for c in _tasks(plan)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    c10 = next(c for c in _tasks(plan) if c.index == (1, 0))
     assert [cp.row for cp in c10.copies] == [0, 1, 2]
-    assert len(plan.file_reads) == 4 and all(fr.whole_file for fr in plan.file_reads)
+    fills, reads = plan.python_reads()
+    assert not fills and [fr.chunk_ids for fr in reads] == [(0,), (1,), (2,), (3,)]  # a read per file, in order
+    assert all(fr.whole_file for fr in reads)
     assert plan.bytes_needed == 3 * 16 * 2
 
 
 def test_plan_byte_range_covers_exactly_the_selected_rows(arrays):
     plain, _ = arrays
-    plan = plan_batch(0, [stoker.Sample(plain, [(1, 3), (1, 2)])], _opener())
-    (task,) = plan.chunks
+    plan = plan_tables(0, [stoker.Sample(plain, [(1, 3), (1, 2)])], _opener())
+    (task,) = _tasks(plan)
     # rows 1..2 of a 4x4 uint16 chunk, columns 1..1: bytes from (1,1) to (2,1) inclusive
     assert (task.byte_start, task.byte_stop) == ((1 * 4 + 1) * 2, (2 * 4 + 1) * 2 + 2)
 
@@ -157,15 +164,15 @@ def test_plan_offsets_and_spans_match_the_slices(tmp_path):
         corner = [int(rng.integers(0, s - k + 1)) for s, k in zip((23, 31, 17), shape)]
         samples.append(stoker.Sample(path, [(c, c + k) for c, k in zip(corner, shape)]))
     samples.append(samples[3])  # a repeated crop: more copies of the same chunks
-    plan = plan_batch(0, samples, _opener())
+    plan = plan_tables(0, samples, _opener())
     seen = 0
-    for task in plan.chunks:
+    for task in _tasks(plan):
         assert (task.byte_start, task.byte_stop) == c_order_span((5, 7, 4), 2, [c.chunk_sel for c in task.copies])
         seen += len(task.copies)
     # every copy is one the reference geometry names, with the same selections
     want = sorted((row, p.index, p.chunk_sel, p.box_sel) for row, s in enumerate(samples)
                   for p in chunk_intersections(s.aabb, (5, 7, 4)))
-    got = sorted((c.row, t.index, c.chunk_sel, c.box_sel) for t in plan.chunks for c in t.copies)
+    got = sorted((c.row, t.index, c.chunk_sel, c.box_sel) for t in _tasks(plan) for c in t.copies)
     assert seen == plan.chunks_needed and got == want
 
 
@@ -193,26 +200,28 @@ def test_planned_offsets_are_used_only_for_batches_of_the_plans_shape(arrays):
 def test_plan_refuses_samples_of_another_shape(arrays):
     plain, _ = arrays
     with pytest.raises(stoker.InvalidArgument, match="every sample of a batch"):
-        plan_batch(0, [stoker.Sample(plain, [(0, 4), (0, 4)]), stoker.Sample(plain, [(0, 4), (0, 5)])], _opener())
+        plan_tables(0, [stoker.Sample(plain, [(0, 4), (0, 4)]), stoker.Sample(plain, [(0, 4), (0, 5)])], _opener())
 
 
 def test_plan_sharded_coalesces_and_fills(arrays):
     _, sharded = arrays
     samples = [stoker.Sample(sharded, [(0, 8), (0, 16)])]  # shard (0,0) present, shard (0,1) missing
-    plan = plan_batch(0, samples, _opener())
-    fills = {plan.chunks[i].index for i in plan.fill_chunks}
+    plan = plan_tables(0, samples, _opener())
+    fill_ids, reads = plan.python_reads()
+    fills = {plan.chunks[i].index for i in fill_ids}
     assert (0, 0) in fills  # empty index entry
     assert {(0, 2), (0, 3), (1, 2), (1, 3)} <= fills  # missing shard file
-    (fr,) = plan.file_reads
+    (fr,) = reads
     assert fr.path.endswith("c/0/0") and len(fr.chunk_ids) == 3 and len(fr.reads) == 1  # coalesced
-    # arrays whose chunks the compiled reader takes: a read per inner chunk, at its index entry's range
-    alone = plan_batch(0, samples, _opener(), one_by_one=lambda reader: True)
-    assert sorted(c for fr in alone.file_reads for c in fr.chunk_ids) == sorted(fr.chunk_ids)
-    for fr in alone.file_reads:
-        (cid,), (read,) = fr.chunk_ids, fr.reads
-        task = alone.chunks[cid]
-        assert fr.path.endswith("c/0/0") and (read.offset, read.length) == (task.offset, task.length)
+    # a chunk the compiled engine left to the Python path: a read of its own, at its index entry's range
+    alone = [plan.file_read(c) for c in fr.chunk_ids]
+    for one, cid in zip(alone, fr.chunk_ids):
+        (read,) = one.reads
+        task = plan.chunks[cid]
+        assert one.chunk_ids == (cid,) and one.path.endswith("c/0/0")
+        assert (read.offset, read.length) == (task.offset, task.length)
         assert read.slices() == [(0, slice(0, task.length))]
+    assert all(plan.file_read(c) is None for c in fill_ids)
 
 
 @pytest.mark.parametrize("one_by_one", [False, True], ids=["coalesced", "read-per-inner-chunk"])
@@ -221,6 +230,7 @@ def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays
     what frees it). With the budget held elsewhere, every read is handed to an I/O thread, which waits:
     shards coalesced, and shards planned with a read per inner chunk (as for the compiled reader)."""
     from stoker.engine.cpu import executor as cpu, decode_python
+    from stoker.engine.executor import Job
     from stoker.engine.stats import StatsRecorder
     from stoker.storage import LocalStore
 
@@ -230,19 +240,24 @@ def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays
                         lambda self, job, fr, *rest: (handoffs.append(fr), real(self, job, fr, *rest)))
     plain, sharded = arrays
     samples = [stoker.Sample(plain, [(2, 14), (1, 15)]), stoker.Sample(sharded, [(2, 14), (1, 15)])]
-    plan = plan_batch(0, samples, _opener(), one_by_one=lambda reader: one_by_one)
-    assert any(fr.whole_file for fr in plan.file_reads) and any(not fr.whole_file for fr in plan.file_reads)
-    assert one_by_one == all(len(fr.chunk_ids) == 1 for fr in plan.file_reads)
+    plan = plan_tables(0, samples, _opener())
+    fills, reads = plan.python_reads()
+    if one_by_one:  # as the compiled engine hands the Python path the chunks it leaves
+        reads = [plan.file_read(c) for fr in reads for c in fr.chunk_ids]
+    assert any(fr.whole_file for fr in reads) and any(not fr.whole_file for fr in reads)
+    assert one_by_one == all(len(fr.chunk_ids) == 1 for fr in reads)
     budget = TransientBudget(8 * size_class(1))
     budget.reserve(budget.capacity, lambda: False)  # someone else holds it all
     ex = cpu.Decoders(1, 1, budget, StatsRecorder(), LocalStore())
     out = torch.full((2, 12, 14), -1.0)
     try:
-        job = ex.submit(plan, out)
+        job = Job(plan, out, plan.n_chunks)
+        ex.python.submit_fills(job, fills)
+        ex.python.submit_reads(job, reads)
         assert not job.wait(0.3)  # nothing fits: the reads wait on I/O threads, not compute threads
         # every chunk read is handed off once (the compiled reader hands a shard's inner chunks one by one)
         handed = sorted(c for fr in handoffs for c in fr.chunk_ids)
-        assert handed == sorted(c for fr in plan.file_reads for c in fr.chunk_ids)
+        assert handed == sorted(c for fr in reads for c in fr.chunk_ids)
         budget.release(budget.capacity)
         assert job.wait(10) and job.error is None
     finally:
@@ -255,9 +270,9 @@ def test_reads_that_find_the_budget_short_move_to_io_threads_and_complete(arrays
 def test_plan_raises_typed_errors(arrays, tmp_path):
     plain, _ = arrays
     with pytest.raises(stoker.OutOfBounds):
-        plan_batch(0, [stoker.Sample(plain, [(0, 4), (14, 18)])], _opener())
+        plan_tables(0, [stoker.Sample(plain, [(0, 4), (14, 18)])], _opener())
     with pytest.raises(stoker.NotFound):
-        plan_batch(0, [stoker.Sample(str(tmp_path / "none.zarr"), [(0, 4), (0, 4)])], _opener())
+        plan_tables(0, [stoker.Sample(str(tmp_path / "none.zarr"), [(0, 4), (0, 4)])], _opener())
 
 
 def test_budget_waits_for_release_and_cancels():
@@ -328,10 +343,11 @@ def test_reservation_returns_exactly_what_it_held():
 def test_plan_splits_a_shard_into_bounded_read_groups(arrays):
     _, sharded = arrays
     samples = [stoker.Sample(sharded, [(0, 8), (0, 8)])]  # 3 present inner chunks of shard (0, 0)
-    plan = plan_batch(0, samples, _opener(), max_group=1)
-    assert len(plan.file_reads) == 3 and all(len(fr.chunk_ids) == 1 for fr in plan.file_reads)
-    plan = plan_batch(0, samples, _opener(), max_group=10**9)
-    assert len(plan.file_reads) == 1 and len(plan.file_reads[0].chunk_ids) == 3
+    plan = plan_tables(0, samples, _opener())
+    _, reads = plan.python_reads(max_group=1)
+    assert len(reads) == 3 and all(len(fr.chunk_ids) == 1 for fr in reads)
+    _, reads = plan.python_reads(max_group=10**9)
+    assert len(reads) == 1 and len(reads[0].chunk_ids) == 3
     # the gap between requested chunks counts: take the first and last present inner chunks by file
     # offset (the middle one lies between them) as two samples
     table = stoker.open_array(sharded).shard_index("c/0/0")
@@ -340,13 +356,12 @@ def test_plan_splits_a_shard_into_bounded_read_groups(arrays):
     boxes = [[(4 * (flat // 2), 4 * (flat // 2) + 4), (4 * (flat % 2), 4 * (flat % 2) + 4)]
              for _, flat in (present[0], present[-1])]
     gapped = [stoker.Sample(sharded, b) for b in boxes]
-    plan = plan_batch(0, gapped, _opener(), max_group=10**9)
-    (fr,) = plan.file_reads
+    plan = plan_tables(0, gapped, _opener())
+    (fr,) = plan.python_reads(max_group=10**9)[1]
     lengths = sum(plan.chunks[c].length for c in fr.chunk_ids)
     assert len(fr.chunk_ids) == 2 and fr.reads[0].length > lengths  # one coalesced read spanning the gap
     decoded = 2 * 4 * 4 * 2
-    plan = plan_batch(0, gapped, _opener(), max_group=lengths + decoded)  # fits the chunks, not the span
-    assert len(plan.file_reads) == 2
+    assert len(plan.python_reads(max_group=lengths + decoded)[1]) == 2  # fits the chunks, not the span
 
 
 def _block_starts(frame: bytes) -> tuple[int, list[int]]:

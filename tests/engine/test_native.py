@@ -670,7 +670,7 @@ def _place(tmp_path, dtype_src, batch_dtype, kind, stream=False):
     ``stream``: with streaming stores, the values repeated so that every row holds whole cache lines."""
     from stoker.engine.cast import copy_cast
     from native_testing import copy_plan
-    from stoker.engine.planning.plan import ChunkTask, Copy
+    from stoker.engine.planning.tasks import ChunkTask, Copy
     from stoker.zarr.codecs.chain import ChunkCodec
 
     chunk = np.tile(_SPECIAL[np.dtype(dtype_src)], 4 if stream else 1).reshape(4, -1)
@@ -742,7 +742,7 @@ def test_streamed_writes_cover_every_alignment_and_nothing_else(tmp_path, batch)
         pytest.skip("stoker._native is not available")
     from stoker.engine.cast import copy_cast
     from native_testing import copy_plan
-    from stoker.engine.planning.plan import ChunkTask, Copy
+    from stoker.engine.planning.tasks import ChunkTask, Copy
     from stoker.zarr.codecs.chain import ChunkCodec
 
     chunk = np.random.default_rng(3).integers(-30000, 30000, size=(40, 300), dtype="int16")

@@ -1,12 +1,15 @@
-"""The flat planner (engine/planning/tables.py) against the reference planner (plan_batch): on random batches of random
-crops over arrays with edge chunks, shards (missing ones, empty inner chunks, index at either end), duplicates
-across samples and several arrays per batch, both must plan the same chunks, copies, spans and locations, and
-raise the same errors; and the flat planner's Python work must not grow with the number of chunks."""
+"""The planner (engine/planning/tables.py) against a reference made of the reader's parts (the grid's reference,
+zarr/grid.py, crop by crop, and ArrayReader.locate chunk by chunk): on random batches of random crops over arrays
+with edge chunks, shards (missing ones, empty inner chunks, index at either end), duplicates across samples and
+several arrays per batch, it must plan the same chunks, copies, spans and locations, and raise the same errors;
+its compiled grid (csrc/grid.c, csrc/tables.c) must give the numpy reference's pieces on random boxes and
+chunkings; and its Python work must not grow with the number of chunks."""
 
 from __future__ import annotations
 
 import os
 import sys
+from array import array
 
 import numpy as np
 import pytest
@@ -17,9 +20,12 @@ from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
 
 import stoker
 from stoker.engine.cpu import native
-from stoker.engine.planning.plan import plan_batch
-from stoker.engine.planning.tables import plan_tables
-from stoker.zarr.grid import c_strides
+from stoker.engine.planning import tables
+from stoker.engine.planning.tables import batch_shape, plan_tables
+from stoker.engine.planning.tasks import ChunkTask, Copy
+from stoker.sampling.sample import parts
+from stoker.zarr.box import check_in_bounds
+from stoker.zarr.grid import axis_pieces, box_pieces, c_order_span, c_strides, chunk_intersections
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,10 +79,40 @@ def arrays(tmp_path_factory):
     return made
 
 
+class _Reference:
+    """The batch plan the reader's own parts make, one Python step per crop and chunk: the crops' chunks from
+    :func:`~stoker.zarr.grid.chunk_intersections` (the grid's reference), numbered in order of first use, every
+    copy, each chunk's C-order byte span (these arrays' layout), located by :meth:`ArrayReader.locate` in chunk
+    order. Raises the first crop's error in the batch's order (opening, bounds, rank), then the first chunk's."""
+
+    def __init__(self, samples, opener):
+        self.shape, _ = batch_shape(samples)
+        self.sources, opened, found = [], {}, {}
+        self.chunks_needed = self.bytes_needed = 0
+        for row, (uri, aabb) in enumerate(parts(samples)):
+            if uri not in opened:
+                opened[uri] = len(self.sources)
+                self.sources.append(opener(uri))
+            sid, reader = opened[uri], self.sources[opened[uri]]
+            check_in_bounds(aabb, reader.shape, uri)
+            self.bytes_needed += int(np.prod(self.shape)) * reader.dtype.itemsize
+            for piece in chunk_intersections(aabb, reader.chunks):
+                self.chunks_needed += 1
+                task = found.setdefault((sid, piece.index), ChunkTask(sid, piece.index, ""))
+                task.copies.append(Copy.of(row, piece.chunk_sel, piece.box_sel))
+        self.chunks = list(found.values())
+        for task in self.chunks:
+            reader = self.sources[task.source]
+            task.byte_start, task.byte_stop = c_order_span(reader.chunks, reader.dtype.itemsize,
+                                                           [c.chunk_sel for c in task.copies])
+            loc = reader.locate(task.index)
+            task.key, task.path, task.offset, task.length, task.ident = loc
+
+
 def _compare(samples, opener, cold=()):
-    """plan_batch against plan_tables on the same readers; ``cold``: the arrays (by name) whose shard indexes
-    are dropped before plan_tables plans, so it reads them itself (plan_batch cached them all)."""
-    ref = plan_batch(0, samples, opener)
+    """The reference against plan_tables on the same readers; ``cold``: the arrays (by name) whose shard indexes
+    are dropped before plan_tables plans, so it reads them itself (the reference cached them all)."""
+    ref = _Reference(samples, opener)
     for reader in ref.sources:
         if reader.uri in cold:
             reader._index_cache.clear()
@@ -115,7 +151,7 @@ def batches(draw, names):
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_flat_plan_matches_plan_batch(arrays, data):
+def test_flat_plan_matches_the_reference(arrays, data):
     batch = data.draw(batches(sorted(arrays)))
     opener_cache = {}
     opener = lambda uri: opener_cache.setdefault(uri, stoker.open_array(uri))  # noqa: E731
@@ -123,7 +159,7 @@ def test_flat_plan_matches_plan_batch(arrays, data):
     _compare([stoker.Sample(arrays[name], box) for name, box in batch], opener, {arrays[name] for name in cold})
 
 
-def test_flat_plan_fills_and_locates_like_plan_batch(arrays):
+def test_flat_plan_fills_and_locates_like_the_reader(arrays):
     """A crop over a missing shard, an empty inner chunk and a missing chunk file, in one batch."""
     opener_cache = {}
     opener = lambda uri: opener_cache.setdefault(uri, stoker.open_array(uri))  # noqa: E731
@@ -147,7 +183,7 @@ def test_sharded_arrays_of_other_geometries_in_one_batch(arrays):
             assert len(got.files) > 4
 
 
-def test_flat_plan_raises_what_plan_batch_raises(arrays, tmp_path):
+def test_flat_plan_raises_what_the_reference_raises(arrays, tmp_path):
     opener = stoker.open_array
     plain = arrays["plain"]
     flat2d = str(tmp_path / "flat.zarr")  # two axes: a three-axis box is a rank mismatch
@@ -155,6 +191,9 @@ def test_flat_plan_raises_what_plan_batch_raises(arrays, tmp_path):
     for samples, error in [
         ([stoker.Sample(plain, [(0, 4), (0, 4), (15, 18)])], stoker.OutOfBounds),
         ([stoker.Sample(str(tmp_path / "none.zarr"), [(0, 4), (0, 4), (0, 4)])], stoker.NotFound),
+        # bounds past int64 (which no planner's table holds), after a crop in bounds
+        ([stoker.Sample(plain, [(0, 4), (0, 4), (0, 1)]), stoker.Sample(plain, [(0, 4), (0, 4), (2**64, 2**64 + 1)])],
+         stoker.OutOfBounds),
         ([stoker.Sample(plain, [(0, 4), (0, 4), (0, 4)]), stoker.Sample(plain, [(0, 4), (0, 4), (0, 5)])],
          stoker.InvalidArgument),
         # the first crop at fault decides, whichever check finds it: bounds before a later missing array...
@@ -169,14 +208,14 @@ def test_flat_plan_raises_what_plan_batch_raises(arrays, tmp_path):
          stoker.RankMismatch),
     ]:
         with pytest.raises(error) as ref:
-            plan_batch(0, samples, opener)
+            _Reference(samples, opener)
         with pytest.raises(error) as got:
             plan_tables(0, samples, opener)
         assert str(got.value) == str(ref.value)
 
 
 def test_flat_plan_raises_for_the_first_damaged_shard_in_chunk_order(tmp_path):
-    """Two damaged shards in one batch: the error is the one plan_batch meets first, whichever shard the
+    """Two damaged shards in one batch: the error is the one the reference meets first, whichever shard the
     flat planner looks up first."""
     path = str(tmp_path / "s.zarr")
     z = zarr.create_array(path, shape=(8, 16), chunks=(8, 8), shards=(8, 8), dtype="uint16",
@@ -190,7 +229,7 @@ def test_flat_plan_raises_for_the_first_damaged_shard_in_chunk_order(tmp_path):
     for boxes, key in [([[(0, 8), (0, 8)], [(0, 8), (8, 16)]], "c/0/0"), ([[(0, 8), (8, 16)], [(0, 8), (0, 8)]], "c/0/1")]:
         samples = [stoker.Sample(path, box) for box in boxes]
         with pytest.raises(stoker.DecodeError) as ref:
-            plan_batch(0, samples, stoker.open_array)
+            _Reference(samples, stoker.open_array)
         with pytest.raises(stoker.DecodeError) as got:
             plan_tables(0, samples, stoker.open_array)
         assert str(got.value) == str(ref.value) and repr(key) in str(got.value)
@@ -199,7 +238,6 @@ def test_flat_plan_raises_for_the_first_damaged_shard_in_chunk_order(tmp_path):
 def test_shard_indexes_gathered_a_table_at_a_time_match(arrays, monkeypatch, grid):
     """Shards whose indexes are too large to join are gathered one table at a time (numpy, without the
     extension): the same plan."""
-    from stoker.engine.planning import tables
     if grid != "numpy":
         pytest.skip("the compiled gather takes any size of table")
     monkeypatch.setattr(tables, "_JOIN_ROWS", 1)
@@ -252,7 +290,7 @@ def test_shard_keys_are_made_once_and_bounded(arrays, monkeypatch):
 
 def test_an_entry_past_its_codec_bound_and_a_truncated_shard_in_either_order(tmp_path):
     """An index entry longer than its codec can store (refused before it is read) and a truncated shard in
-    one batch: plan_tables raises plan_batch's error, the first chunk's in chunk order, with the index
+    one batch: plan_tables raises the reference's error, the first chunk's in chunk order, with the index
     cached or read by plan_tables itself."""
     path = str(tmp_path / "g.zarr")
     z = zarr.create_array(path, shape=(16, 16), chunks=(8, 8), dtype="uint16", compressors=None, filters=None,
@@ -274,7 +312,7 @@ def test_an_entry_past_its_codec_bound_and_a_truncated_shard_in_either_order(tmp
             samples = [stoker.Sample(path, box) for box in boxes]
             reader = stoker.open_array(path)
             with pytest.raises(error) as ref:
-                plan_batch(0, samples, lambda uri: reader)
+                _Reference(samples, lambda uri: reader)
             if cold:
                 reader._index_cache.clear()
             with pytest.raises(error) as got:
@@ -303,7 +341,7 @@ def _python_calls(fn) -> int:
 @pytest.mark.parametrize("sharded", [False, True], ids=["chunk-files", "one-shard"])
 def test_flat_planning_work_does_not_grow_with_chunks(tmp_path, sharded):
     """One crop over 8 chunks and one over 1,000 (the same array, the same shard): the flat planner makes the
-    same number of Python calls for both; plan_batch makes more for the larger one."""
+    same number of Python calls for both; the reference, a step per chunk, makes more for the larger one."""
     path = str(tmp_path / "a.zarr")
     kw = dict(shards=(40, 40, 40)) if sharded else {}
     zarr.create_array(path, shape=(40, 40, 40), chunks=(4, 4, 4), dtype="uint8", **kw)[...] = 1
@@ -315,5 +353,142 @@ def test_flat_planning_work_does_not_grow_with_chunks(tmp_path, sharded):
     assert plan_tables(0, large, opener).n_chunks == 1000
     calls = [_python_calls(lambda s=s: plan_tables(0, s, opener)) for s in (small, large)]
     assert calls[0] == calls[1]
-    reference = [_python_calls(lambda s=s: plan_batch(0, s, opener)) for s in (small, large)]
+    reference = [_python_calls(lambda s=s: _Reference(s, opener)) for s in (small, large)]
     assert reference[1] > 10 * reference[0]  # what the flat planner is for
+
+
+# -- the grid: compiled against the numpy reference ------------------------------------------------------------
+
+
+@st.composite
+def grids(draw):
+    """A batch's crops over random arrays: 1-4 axes, 1-3 arrays of their own chunk shape, element strides (C
+    order or permuted) and item size, crops anywhere (or, on one axis, near int64's end in chunks of 2**56 to
+    2**57 elements, where a chunk's end passes int64); ``(starts, sids, extent, chunk_shapes, strides,
+    itemsizes, array shapes)``."""
+    ndim = draw(st.integers(1, 4))
+    n_arrays = draw(st.integers(1, 3))
+    far = draw(st.none() | st.integers(0, ndim - 1))  # the axis near int64's end, if any
+    chunk_shapes = np.array([[draw(st.integers(2**56, 2**57) if a == far else st.integers(1, 9)) for a in range(ndim)]
+                             for _ in range(n_arrays)], np.int64)
+    strides = []
+    for cs in chunk_shapes.tolist():
+        order = draw(st.permutations(range(ndim)))
+        stored = c_strides(tuple(cs[o] for o in order))
+        # (with a far axis, strides of 1: the elements a copy spans must stay countable, as the C planner asks)
+        strides.append([1] * ndim if far is not None else [stored[order.index(a)] for a in range(ndim)])
+    itemsizes = np.array([draw(st.sampled_from([1, 2, 4, 8])) for _ in range(n_arrays)], np.int64)
+    extent = np.array([draw(st.integers(1, 20)) for _ in range(ndim)], np.int64)
+    n_crops = draw(st.integers(0, 6))
+    sids = np.array([draw(st.integers(0, n_arrays - 1)) for _ in range(n_crops)], np.int64)
+    starts = np.array([[draw(st.integers(2**63 - 2**57, 2**63 - 21) if a == far else st.integers(0, 40))
+                        for a in range(ndim)] for _ in range(n_crops)], np.int64).reshape(n_crops, ndim)
+    if n_crops and draw(st.booleans()):
+        starts[-1], sids[-1] = starts[0], sids[0]  # a crop again: its chunks again, more copies
+    shapes = np.full((n_arrays, ndim), 2**63 - 1, np.int64)  # every crop inside its array
+    return starts, sids, extent, chunk_shapes, np.array(strides, np.int64), itemsizes, shapes
+
+
+def _rows(chunk_shapes, strides, itemsizes, shapes) -> array:
+    """The arrays' rows as plan_crops takes them (csrc/stoker_native.h: A_*), from numbers."""
+    ndim = chunk_shapes.shape[1]
+    rows = np.zeros((len(itemsizes), native.ARRAY_ROW_COLS(ndim)), np.int64)
+    rows[:, native.A_ITEMSIZE] = itemsizes
+    rows[:, native.A_CHUNK_SHAPE:native.A_CHUNK_SHAPE + ndim] = chunk_shapes
+    rows[:, native.A_STRIDES(ndim):native.A_STRIDES(ndim) + ndim] = strides
+    rows[:, native.A_SHAPE(ndim):native.A_SHAPE(ndim) + ndim] = shapes
+    return array("q", rows.tobytes())
+
+
+def _pieces_of(columns) -> list[tuple]:
+    """A grid's copies as ``(crop, array, chunk index, start in the chunk, start in the crop, extent)``, sorted."""
+    row, c_start, b_start, c_extent, _, chunk_source, chunk_index, first_copy, n_copies = columns[:9]
+    chunk_of = np.repeat(np.arange(len(chunk_source)), n_copies)
+    return sorted(zip(row.tolist(), chunk_source[chunk_of].tolist(), map(tuple, chunk_index[chunk_of].tolist()),
+                      map(tuple, c_start.tolist()), map(tuple, b_start.tolist()), map(tuple, c_extent.tolist())))
+
+
+@settings(max_examples=int(os.environ.get("STOKER_FUZZ_EXAMPLES", 200)), deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(batch=grids())
+def test_compiled_grid_gives_the_reference_pieces(batch, grid):
+    """csrc/grid.c (plan_grid) and csrc/tables.c (plan_crops, the boxes checked first) against the grid's numpy
+    reference (zarr/grid.py box_pieces): every crop's pieces, once each; and every column of the plan (chunks
+    numbered in order of first use, copies grouped by chunk in batch order, offsets, decoded spans) the same
+    as the numpy planner's, built on that reference."""
+    if grid != "numpy":
+        pytest.skip("the compiled grid against numpy: once")
+    if native_module() is None:
+        pytest.skip("stoker._native is not available")
+    starts, sids, extent, chunk_shapes, strides, itemsizes, shapes = batch
+    ref = box_pieces(starts, starts + extent, chunk_shapes[sids])
+    want = sorted(zip(ref.box.tolist(), sids[ref.box].tolist(), map(tuple, ref.index.tolist()),
+                      map(tuple, ref.chunk_start.tolist()), map(tuple, ref.box_start.tolist()),
+                      map(tuple, ref.extent.tolist())))
+    assert all(int(np.prod(e)) > 0 for *_, e in want) and len(want) == len(set(want))
+    numpy_columns = tables._grid_numpy(starts, sids, extent, chunk_shapes, strides, itemsizes)
+    assert _pieces_of(numpy_columns) == want
+    compiled = native_module()
+    got = tables._grid_columns(*compiled.plan_grid(starts, sids, extent, chunk_shapes, strides, itemsizes),
+                               len(extent))
+    planned = [got]
+    if len(sids):  # (plan_tables plans no crop without it)
+        boxes = array("q", np.stack([starts, starts + extent], axis=2).tobytes())
+        copies, chunks, outside, bytes_needed, _ = compiled.plan_crops(
+            boxes, array("q", sids.tobytes()), array("q", extent.tobytes()),
+            _rows(chunk_shapes, strides, itemsizes, shapes))
+        assert outside == -1 and bytes_needed == int(np.prod(extent)) * int(itemsizes[sids].sum())
+        planned.append(tables._grid_columns(copies, chunks, len(extent)))
+    for columns in planned:
+        assert _pieces_of(columns) == want
+        for column, expected in zip(columns, numpy_columns):
+            assert column.tolist() == expected.tolist()
+
+
+def native_module():
+    """stoker._native, whatever the fixture patched out of engine/cpu/native.py, or None where it is not built."""
+    try:
+        from stoker import _native
+    except ImportError:
+        return None
+    return _native
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(starts=st.lists(st.integers(0, 2**62), min_size=0, max_size=5), data=st.data())
+def test_axis_pieces_cover_each_range_once_in_order(starts, data, grid):
+    """The reference itself, per axis: a range's pieces are its chunks in order, each inside its chunk,
+    together exactly the range; an empty range has none (also near int64's end, where a chunk's end would
+    pass it)."""
+    if grid != "numpy":
+        pytest.skip("pure numpy: once")
+    stops = [s + data.draw(st.integers(0, 30)) for s in starts]
+    chunk = data.draw(st.sampled_from([1, 3, 7, 2**61 + 1]))
+    p = axis_pieces(np.array(starts, np.int64), np.array(stops, np.int64), chunk)
+    for i, (start, stop) in enumerate(zip(starts, stops)):
+        mine = p.valid[i]
+        index, at, to, extent = (v[i][mine].tolist() for v in (p.index, p.chunk_start, p.box_start, p.extent))
+        assert index == list(range(start // chunk, (stop - 1) // chunk + 1)) if stop > start else index == []
+        assert all(0 <= a and e >= 1 and a + e <= chunk for a, e in zip(at, extent))
+        assert [k * chunk + a for k, a in zip(index, at)] == [start + b for b in to]  # where each piece is
+        assert to == [sum(extent[:j]) for j in range(len(extent))] and sum(extent) == stop - start
+
+
+@pytest.mark.parametrize("written", [True, False])
+def test_zero_dimensional_arrays_are_planned_as_tables(tmp_path, written, grid):
+    """A 0-d array is one chunk with an empty grid index (the compiled grid takes 1 to 32 axes: numpy plans
+    it): one copy per crop, read from its one chunk file, as the reader's reference plans it."""
+    paths = [str(tmp_path / f"{name}.zarr") for name in ("a", "b")]
+    for path in paths:
+        z = zarr.create_array(path, shape=(), chunks=(), dtype="int32", fill_value=-7)
+        if written:
+            z[()] = 42
+    opener_cache = {}
+    opener = lambda uri: opener_cache.setdefault(uri, stoker.open_array(uri))  # noqa: E731
+    samples = [stoker.Sample(paths[0], []), stoker.Sample(paths[1], []), stoker.Sample(paths[0], [])]
+    ref, got = _compare(samples, opener)
+    assert got.n_chunks == 2 and got.chunk_index.shape == (2, 0) and got.copy_row.tolist() == [0, 2, 1]
+    fills, reads = got.python_reads()
+    assert not fills and [(fr.path, fr.chunk_ids) for fr in reads] == [(os.path.join(paths[0], "c"), (0,)),
+                                                                     (os.path.join(paths[1], "c"), (1,))]
+    assert plan_tables(0, [], opener).n_chunks == 0  # (no sample: nothing planned)

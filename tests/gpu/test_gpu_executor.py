@@ -179,6 +179,26 @@ def test_chunks_with_nothing_stored_get_every_bit_of_the_fill_value(tmp_path, gp
         assert _same(row, _expected(data, s, dtype).to(row.dtype)), (array, fill, dtype)
 
 
+@pytest.mark.parametrize("written", [True, False])
+def test_zero_dimensional_arrays_are_planned_and_decoded(tmp_path, gpu_decode, written):
+    """A 0-d array (one chunk, an empty grid index) is planned by the one planner, which plans every rank, and
+    made into the same batches as the CPU executor's: its value, or its fill value where nothing is stored."""
+    made, _ = gpu_decode
+    uri = str(tmp_path / "s.zarr")
+    z = zarr.create_array(uri, shape=(), chunks=(), dtype="int32", fill_value=-7, compressors=ZstdCodec(level=1))
+    if written:
+        z[()] = 42
+    samples = [stoker.Sample(uri, [])] * 5
+    for dtype in ("native", "f32"):
+        got, _ = _run(samples, dtype=dtype)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pipelines, "make_executor", executors.make_executor)
+            want, _ = _run(samples, dtype=dtype)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want] == [[42 if written else -7] * 4,
+                                                                           [42 if written else -7]]
+    assert made
+
+
 def test_what_crosses_to_the_device_is_the_encoded_bytes_read(arrays, gpu_decode):
     z, data = arrays["lz4-shuffle-u16"]
     got, stats = _run(_samples(_uri(z), data.shape, (8, 16, 16), 8, seed=3))

@@ -124,12 +124,10 @@ def test_samples_of_a_pipeline_read_one_number_of_arrays(cube, decode_path):
     # also when the second one comes from a generator (checked as it is pulled)
     with pytest.raises(stoker.InvalidArgument, match="same number of arrays"):
         _batches(iter([two, three]), batch_size=2)
-    # and by the planners themselves
-    from stoker.engine.planning.plan import plan_batch
+    # and by the planner itself
     from stoker.engine.planning.tables import plan_tables
-    for plan in (plan_batch, plan_tables):
-        with pytest.raises(stoker.InvalidArgument, match="same number of arrays"):
-            plan(0, [two, three], stoker.open_array)
+    with pytest.raises(stoker.InvalidArgument, match="same number of arrays"):
+        plan_tables(0, [two, three], stoker.open_array)
 
 
 def test_sample_api():

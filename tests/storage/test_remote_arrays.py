@@ -1003,11 +1003,10 @@ def many(tmp_path):
     m.close()
 
 
-def _planners():
-    from stoker.engine.planning.plan import plan_batch
+def _planner():
     from stoker.engine.planning.tables import plan_tables
 
-    return {"tables": plan_tables, "batch": plan_batch}
+    return plan_tables
 
 
 def _shard_samples(uri: str, shards: list[tuple[int, int]]) -> list:
@@ -1024,12 +1023,11 @@ def _located(plan) -> list[tuple]:
 ALL_SHARDS = [(i, j) for i in range(4) for j in range(4)]
 
 
-@pytest.mark.parametrize("planner", ["tables", "batch"])
 @pytest.mark.parametrize("kind", ["http", "zip"])
-def test_a_batchs_shard_indexes_cost_one_store_call(many, kind, planner):
+def test_a_batchs_shard_indexes_cost_one_store_call(many, kind):
     # 16 shards (4 of them missing): their indexes are asked in one call, not one call (a round trip) each;
     # every chunk is located where the local plan locates it; planned again, nothing is read.
-    plan = _planners()[planner]
+    plan = _planner()
     arr, local = many.open(kind, "many.zarr"), many.local("many.zarr")
     got = plan(0, _shard_samples(arr.uri, ALL_SHARDS), lambda uri: arr)
     assert (arr.kv.counters.calls, arr.kv.counters.requests) == (1, 16)
@@ -1040,10 +1038,9 @@ def test_a_batchs_shard_indexes_cost_one_store_call(many, kind, planner):
     assert arr.kv.counters.calls == 0
 
 
-@pytest.mark.parametrize("planner", ["tables", "batch"])
 @pytest.mark.parametrize("kind", ["http", "zip"])
-def test_a_damaged_shard_index_fails_its_first_chunk_and_costs_the_others_nothing(many, kind, planner):
-    plan = _planners()[planner]
+def test_a_damaged_shard_index_fails_its_first_chunk_and_costs_the_others_nothing(many, kind):
+    plan = _planner()
     shards = os.path.join(many.root, "many.zarr", "c")
     raw = bytearray(open(os.path.join(shards, "1", "2"), "rb").read())
     raw[-5] ^= 0xFF  # its index fails its checksum

@@ -9,12 +9,17 @@ that every executor implements, so the contract imports none of them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..errors import InvalidArgument
 from .executor import Executor
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..storage import LocalStore
+    from .stats import StatsRecorder
 
 
 #: "auto" decodes on the GPU up to this many compute threads: on an H200 the GPU decode (1.5-1.9 cores busy)
@@ -47,7 +52,7 @@ def decode_on(requested: str, device: torch.device, nvcomp_available: Callable[[
     return "gpu"
 
 
-def make_executor(cfg: Any, device: torch.device, stats: Any, store: Any) -> Executor:
+def make_executor(cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore) -> Executor:
     """The executor for batches on ``device``: the GPU-decode one (``decode_on="gpu"``: chunks decoded on the
     device), CUDA's (pinned staging, copy and cast on the GPU) or the CPU's."""
     from .gpu import nvcomp

@@ -25,15 +25,39 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import StokerError
 from ..runtime import gil
 from .cast import numpy_view
 
-_UNSET: Any = object()
+if TYPE_CHECKING:  # for annotations only: the contract imports none of what implements it
+    from ..reader.array import ArrayReader
+    from ..sampling.sample import Sample
+    from .buffers import Slot, SlotRing
+    from .planning.tables import TablePlan
+
+
+class _Unset:
+    """The type of :data:`_UNSET`: a value not made yet."""
+
+
+_UNSET = _Unset()
+
+#: What :meth:`Executor.deliver` gives for a finished batch: its view, ``release(stream_waits)`` giving its slot
+#: back (the streams its next writer waits for, or None), and the CUDA event and stream it is ready after
+#: (None, None for a batch in host memory).
+Delivery = tuple[torch.Tensor, Callable[[list | None], None], "torch.cuda.Event | None", "torch.cuda.Stream | None"]
+
+
+class EngineJob(Protocol):
+    """The compiled engine's job (``stoker._native.BatchJob``) as a :class:`Job` waits for it: ``wait(timeout)``
+    True once it is done (in C, the GIL released)."""
+
+    def wait(self, timeout: float | None = None, /) -> bool: ...
 
 class Done:
     """Set once, waited on by any thread: ``threading.Event``'s ``set``, ``is_set`` and ``wait``. An Event
@@ -82,11 +106,12 @@ class Job:
     engine done reads the results (a few calls, once), instead of a thread of ours waking to do it and then
     waking the waiter."""
 
-    def __init__(self, plan: Any, out: torch.Tensor, n_chunks: int,
+    def __init__(self, plan: TablePlan, out: torch.Tensor | None, n_chunks: int,
                  then: Callable[["Job"], None] | None = None) -> None:
         self.plan = plan
         self.out = out
-        self._out_np = _UNSET  # made when first asked for: the engine's batches never need it
+        # made when first asked for: the engine's batches never need it
+        self._out_np: np.ndarray | None | _Unset = _UNSET
         self.done = Done()
         self.error: BaseException | None = None
         self._remaining = n_chunks
@@ -94,8 +119,8 @@ class Job:
         self._completing = False
         self._lock = threading.Lock()
         self._cancel: list[Callable[[], None]] = []  # what cancel() stops (the engine's job)
-        self._engine: Any = None  # the engine's job, while nobody has settled this one from it
-        self._settle: Callable[["Job", Any], None] | None = None  # settle(job, engine job): see settled_by
+        self._engine: EngineJob | None = None  # the engine's job, while nobody has settled this one from it
+        self._settle: Callable[["Job", EngineJob], None] | None = None  # settle(job, engine job): see settled_by
         self._changed = False  # finish() was entered (an interrupted settle is not run again after it)
         self._handed = False  # a settle gave the job to another thread
         # read/decode counters of this batch, added to Stats when it is popped, so every counter
@@ -105,15 +130,16 @@ class Job:
             self._complete()
 
     @property
-    def out_np(self) -> Any:
+    def out_np(self) -> np.ndarray | None:
         """A numpy view of ``out`` (None where numpy lacks its dtype, or off the CPU): numpy indexing costs
         far less GIL time than torch's."""
-        if self._out_np is _UNSET:
-            self._out_np = None if self.out is None else numpy_view(self.out)
-        return self._out_np
+        view = self._out_np
+        if isinstance(view, _Unset):
+            view = self._out_np = None if self.out is None else numpy_view(self.out)
+        return view
 
     @out_np.setter
-    def out_np(self, value: Any) -> None:
+    def out_np(self, value: np.ndarray | None) -> None:
         self._out_np = value
 
     @property
@@ -121,7 +147,7 @@ class Job:
         """Whether a ``then`` hook runs when the chunks are in place (and has not run yet)."""
         return self._then is not None
 
-    def settled_by(self, engine_job: Any, settle: Callable[["Job", Any], None]) -> None:
+    def settled_by(self, engine_job: EngineJob, settle: Callable[["Job", EngineJob], None]) -> None:
         """Leave ``settle(job, engine_job)`` to the first :meth:`wait` that finds ``engine_job`` done (its
         ``wait(timeout)`` releases the GIL); ``settle`` finishes the job (or hands chunks on)."""
         self._settle, self._engine = settle, engine_job
@@ -149,7 +175,7 @@ class Job:
         """Said by a settle that gave the job to another thread (which finishes it)."""
         self._handed = True
 
-    def _interrupted(self, settle: Callable[["Job", Any], None], engine: Any) -> None:
+    def _interrupted(self, settle: Callable[["Job", EngineJob], None], engine: EngineJob) -> None:
         """After ``settle`` raised past its own error handling (a KeyboardInterrupt lands on the main thread,
         often the consumer's): if it had not begun to change the job, the next wait settles it again; if it
         was completing it (a settled job has no hook), it is complete; otherwise the batch is lost, as an
@@ -231,31 +257,31 @@ class Target:
     the ``host_slot`` it is assembled in (the same slot on the CPU); ``event``: the CUDA event after its copy."""
 
     out: torch.Tensor | None
-    slot: Any
-    host_slot: Any
-    event: Any = None
+    slot: Slot | None
+    host_slot: Slot | None
+    event: torch.cuda.Event | None = None
 
 
 class Executor(Protocol):
     """What the pipeline needs of whatever makes its batches (see the module docstring)."""
 
     n_slots: int
-    host_slots: Any  # the SlotRing batches are assembled in, in host memory (None until prepare)
+    host_slots: SlotRing | None  # the slots batches are assembled in, in host memory (None until prepare)
 
     def check_budget(self, shape: tuple[int, ...], dtype: torch.dtype, transient: int) -> None: ...
 
-    def prepare(self, sample_shape: tuple[int, ...], readers: list, dtype: torch.dtype) -> None: ...
+    def prepare(self, sample_shape: tuple[int, ...], readers: list[ArrayReader], dtype: torch.dtype) -> None: ...
 
     @property
     def dtype(self) -> torch.dtype | None: ...
 
-    def plan(self, batch_id: int, samples: Sequence[Any], open_reader: Callable[[str], Any]) -> Any: ...
+    def plan(self, batch_id: int, samples: Sequence[Sample], open_reader: Callable[[str], ArrayReader]) -> TablePlan: ...
 
-    def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target: ...
+    def acquire(self, plan: TablePlan, closed: Callable[[], bool]) -> Target: ...
 
-    def submit(self, plan: Any, target: Target) -> Job: ...
+    def submit(self, plan: TablePlan, target: Target) -> Job: ...
 
-    def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]: ...
+    def deliver(self, target: Target, rows: int) -> Delivery: ...
 
     def drop(self, target: Target) -> None: ...
 

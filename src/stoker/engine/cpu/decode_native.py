@@ -42,14 +42,12 @@ from ...runtime.workers import no_thread, start_thread
 from . import native
 from ...errors import DecodeError, OutOfMemory, StorageError, pipeline_closed
 from ...storage.local import not_regular
-from ..buffers import size_class
 from ..cast import fill_value_as, torch_dtype_of
 from ...storage import ByteRange
 from ...storage.objectstore import etag_version
 from .decode_python import Fetch, PythonDecoder, fetches_within, span_bytes
 from ..executor import Job
 from .frame_spans import FrameBuffers, FrameTables, assemble
-from ..planning.plan import FileRead, shard_reads
 from ..stats import StatsRecorder
 from ..planning.tables import TablePlan
 
@@ -263,13 +261,11 @@ def _start_engine(n_threads: int, budget_bytes: int):
 class NativeDecoder:
     """Whole batches on the engine's threads; what it cannot do goes to the Python path."""
 
-    def __init__(self, n_threads: int, budget_bytes: int, python: PythonDecoder, stats: StatsRecorder,
-                 max_group: int = 8 << 20, max_gap: int = 64 << 10) -> None:
+    def __init__(self, n_threads: int, budget_bytes: int, python: PythonDecoder, stats: StatsRecorder) -> None:
         self.engine = _start_engine(n_threads, budget_bytes)
         self.budget_bytes = budget_bytes
         self._python = python
         self._stats = stats
-        self._max_group, self._max_gap = max_group, max_gap
         self._sources: dict[tuple, tuple[object, _Source]] = {}
         self._sets: dict[tuple, _SourceSet] = {}  # the arrays of recent batches, as the engine's tables say them
         self._frames = FrameTables()  # blosc frames of arrays in stores: fetch only the blocks crops need
@@ -343,8 +339,8 @@ class NativeDecoder:
             fetched = stored & (mine[:, native.I_MEMORY] != 0)  # fetched from a store, then decoded by the engine
             engine = np.where(stored, mine[:, native.I_READS], mine[:, native.I_FILLS]) != 0
             rest = np.flatnonzero(~engine & ~fetched)
-            if rest.size:
-                self._to_python(job, rest, stored)
+            if rest.size:  # fills on their own, a read per chunk file, a shard's inner chunks coalesced
+                self._python.submit_chunks(job, rest)
             if fetched.any():
                 self._fetch(job, np.flatnonzero(fetched), kind, sources)
             eids = np.flatnonzero(engine)
@@ -569,24 +565,6 @@ class NativeDecoder:
         bjob.cancel()
         res.done()
         job.finish(len(ids), pipeline_closed())
-
-    def _to_python(self, job: Job, ids: np.ndarray, stored: np.ndarray) -> None:
-        """Chunks the engine does not take: fills on their own, whole chunk files one read each, inner chunks
-        coalesced per shard file (as plan_batch plans them for the Python path)."""
-        plan = job.plan
-        fills = [int(i) for i in ids[~stored[ids]]]
-        if fills:
-            self._python.submit_fills(job, fills)
-        reads, shards = [], {}
-        for i in ids[stored[ids]].tolist():
-            task = plan.chunks[i]
-            if task.offset is None:
-                reads.append(FileRead(task.path, (i,)))
-            else:
-                shards.setdefault((task.path, task.ident), []).append(i)
-        reads += shard_reads(shards.values(), plan.chunks, plan.sources, self._max_gap, self._max_group, size_class)
-        if reads:
-            self._python.submit_reads(job, reads)
 
     # -- completion --------------------------------------------------------------------------------
 

@@ -2,8 +2,10 @@
 
 It makes whole batches where the compiled engine is not built (or ``STOKER_NATIVE=0``), and the chunks the
 engine leaves to it: codecs and layouts it does not do, frames it declines, shards rewritten since their
-index was read. A file's share (a chunk file, or a shard's coalesced ranges) is read and decoded by one
-compute task; I/O threads take only the reads that must wait for memory.
+index was read. Its work comes from the batch's :class:`~stoker.engine.planning.tables.TablePlan`
+(:meth:`~stoker.engine.planning.tables.TablePlan.python_reads`: a read per chunk file, a shard's inner chunks
+coalesced). A file's share (a chunk file, or a shard's coalesced ranges) is read and decoded by one compute
+task; I/O threads take only the reads that must wait for memory.
 
 Per file read, the task reserves everything the read will need (encoded bytes plus decode scratch) from
 the transient budget in one step, so work that holds memory never waits for more memory.
@@ -38,7 +40,7 @@ from . import native
 from ..buffers import Cancelled, Reservation, TransientBudget, size_class
 from ..cast import copy_cast, fill_value_as
 from ..executor import Job
-from ..planning.plan import ChunkTask, FileRead
+from ..planning.tasks import ChunkTask, FileRead
 from ..stats import StatsRecorder
 
 
@@ -141,10 +143,13 @@ class PythonDecoder:
     (:class:`~stoker.runtime.workers.DaemonPool`): one stuck in a read of a hung mount cannot keep the process alive."""
 
     def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
-                 store: LocalStore) -> None:
+                 store: LocalStore, max_group: int = 8 << 20, max_gap: int = 64 << 10) -> None:
         self.budget = budget
         self.stats = stats
         self.store = store
+        # a shard's inner chunks read together reserve at most max_group (a lone chunk excepted); ranges at
+        # most max_gap apart are read as one
+        self.max_group, self.max_gap = max_group, max_gap
         self._io = DaemonPool(n_io, "stoker-io", knob="n_io_threads")
         self._compute = DaemonPool(n_compute, "stoker-compute", knob="n_compute_threads")
         self._n_compute = n_compute
@@ -167,7 +172,17 @@ class PythonDecoder:
 
     # -- submission -------------------------------------------------------------------------
 
-    def submit_fills(self, job: Job, chunk_ids) -> None:
+    def submit_chunks(self, job: Job, ids: np.ndarray | None) -> None:
+        """Make the chunks ``ids`` of ``job.plan`` (ascending; None: all of them): their fills, then their
+        reads (:meth:`~stoker.engine.planning.tables.TablePlan.python_reads`, each group reserving at most
+        ``max_group``)."""
+        fills, reads = job.plan.python_reads(ids, self.max_gap, self.max_group, size_class)
+        if fills:
+            self.submit_fills(job, fills)
+        if reads:
+            self.submit_reads(job, reads)
+
+    def submit_fills(self, job: Job, chunk_ids: Sequence[int]) -> None:
         """Fill the copies of chunks with nothing stored (each its array's fill value)."""
         plan, fills = job.plan, {}
         for cid in chunk_ids:
@@ -351,10 +366,9 @@ class PythonDecoder:
             return []
         plan, versions, first = job.plan, fetch.got_versions[1], len(fetch.keys)
         cids = [fetch.cids[first + j] for j in fetch.inner]
-        files = None if fetch.retried else getattr(plan, "files", None)  # relocated tasks hold their new identity
-        if files is not None:  # a table plan: the stamp is the shard's identity field 3, no task made per chunk
-            want = files[plan.chunk_file[np.asarray(cids, np.int64)], native.F_MTIME].tolist()
-        else:
+        if not fetch.retried:  # the stamp is the shard's identity field 3 in the plan: no task made per chunk
+            want = plan.files[plan.chunk_file[np.asarray(cids, np.int64)], native.F_MTIME].tolist()
+        else:  # relocated tasks hold their new identity
             want = [plan.chunks[c].ident[3] if plan.chunks[c].ident else 0 for c in cids]
         stamps: dict = {}  # a stamp per version read (the parts of one shard share theirs)
         stale = []

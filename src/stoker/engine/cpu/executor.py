@@ -1,11 +1,11 @@
 """The CPU executor: batch slots in host memory, and which decode path fills them.
 
-With the compiled engine (``stoker._native.Engine``, see :mod:`.decode_native`) a batch is planned as flat
-tables (:mod:`.tables`) and made in one call on the engine's threads (chunks of arrays in stores: object
-stores and zip archives, fetched first, then one engine call per fetch, from the fetched buffers); the chunks
-it leaves (other codecs and layouts, doubtful frames, rewritten shards) take the Python path. Without the engine (no compiler,
-``STOKER_NATIVE=0``), or for arrays of rank 0, batches are planned by :func:`~.plan.plan_batch` and made by
-the Python path (:mod:`.decode_python`) alone.
+Every batch is planned as flat tables (:func:`~stoker.engine.planning.tables.plan_tables`). With the compiled
+engine (``stoker._native.Engine``, see :mod:`.decode_native`) it is made in one call on the engine's threads
+(chunks of arrays in stores: object stores and zip archives, fetched first, then one engine call per fetch,
+from the fetched buffers); the chunks it leaves (other codecs and layouts, doubtful frames, rewritten shards,
+arrays of rank 0) take the Python path. Without the engine (no compiler, ``STOKER_NATIVE=0``, or no array of
+the first batch it decodes) the Python path (:mod:`.decode_python`) makes the whole batch from the same plan.
 
 With ``Config.transform`` and a 16-bit float output, a batch is assembled in a float32 *work* slot,
 transformed there, and cast once into the delivered slot (:meth:`CpuExecutor.work_dtype`): a transform
@@ -21,20 +21,21 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from . import native
 from ...config import Config
 from ...errors import BudgetExceeded
+from ...sampling.sample import Sample
+from ...reader.array import ArrayReader
 from ...storage import LocalStore
 from ...transforms import apply as apply_transform
 from ..buffers import Slot, SlotRing, TransientBudget, size_class
 from .decode_native import NativeDecoder, native_codec, scratch_need
 from .decode_python import PythonDecoder
-from ..executor import Job, Target
-from ..planning.plan import BatchPlan, plan_batch
+from ..executor import Delivery, Job, Target
 from ..stats import StatsRecorder
 from ..planning.tables import TablePlan, plan_tables
 
@@ -55,31 +56,27 @@ class Decoders:
     def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
                  store: LocalStore, engine_budget: int = 0, group_limit: int = 8 << 20) -> None:
         self.budget = budget
-        self.python = PythonDecoder(n_io, n_compute, budget, stats, store)
-        self.native = (NativeDecoder(n_compute, engine_budget, self.python, stats, max_group=group_limit)
+        self.python = PythonDecoder(n_io, n_compute, budget, stats, store, max_group=group_limit)
+        self.native = (NativeDecoder(n_compute, engine_budget, self.python, stats)
                        if engine_available() and engine_budget > 0 else None)
-        self._group_limit = group_limit
 
-    def plan(self, batch_id: int, samples: Sequence, open_reader: Callable) -> BatchPlan | TablePlan:
-        """The batch's plan: flat tables for the engine, or plan_batch's tasks for the Python path."""
-        if self.native is not None and samples and samples[0].crop_shape:
-            return plan_tables(batch_id, samples, open_reader)
-        return plan_batch(batch_id, samples, open_reader, max_group=self._group_limit, sizing=size_class)
+    @staticmethod
+    def plan(batch_id: int, samples: Sequence[Sample], open_reader: Callable[[str], ArrayReader]) -> TablePlan:
+        """The batch's plan, the same for both paths: flat tables (:func:`~.tables.plan_tables`)."""
+        return plan_tables(batch_id, samples, open_reader)
 
-    def submit(self, plan: BatchPlan | TablePlan, out: torch.Tensor,
-               then: Callable[[Job], None] | None = None) -> Job:
+    def submit(self, plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None] | None = None) -> Job:
         """Start making ``plan`` into ``out``; ``then(job)`` runs once every chunk is in place.
 
         A batch of multi-array samples, ``(B, C, *box)``, is made through its ``(B * C, *box)`` view: the
         plans' copy rows are ``b * C + c``, so neither path knows about channels."""
         if plan.channels is not None:
             out = out.flatten(0, 1)
-        job = Job(plan, out, len(plan.chunks), then)
-        if isinstance(plan, TablePlan):
+        job = Job(plan, out, plan.n_chunks, then)
+        if self.native is not None:
             self.native.submit(job)
         else:
-            self.python.submit_fills(job, plan.fill_chunks)
-            self.python.submit_reads(job, plan.file_reads)
+            self.python.submit_chunks(job, None)
         return job
 
     def shutdown(self) -> None:
@@ -188,7 +185,7 @@ class CpuExecutor:
                 knob="host_buffer_bytes", needed=need,
             )
 
-    def prepare(self, sample_shape: tuple[int, ...], readers: list, dtype: torch.dtype) -> None:
+    def prepare(self, sample_shape: tuple[int, ...], readers: list[ArrayReader], dtype: torch.dtype) -> None:
         """Slots, budgets and decode threads, once: at the first batch, whose arrays size the buffers."""
         if self.slots is not None:
             return
@@ -232,10 +229,10 @@ class CpuExecutor:
 
     # -- batches ----------------------------------------------------------------------------------
 
-    def plan(self, batch_id: int, samples: Sequence, open_reader: Callable) -> BatchPlan | TablePlan:
-        return self.decoders.plan(batch_id, samples, open_reader)
+    def plan(self, batch_id: int, samples: Sequence[Sample], open_reader: Callable[[str], ArrayReader]) -> TablePlan:
+        return plan_tables(batch_id, samples, open_reader)
 
-    def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target:
+    def acquire(self, plan: TablePlan, closed: Callable[[], bool]) -> Target:
         """The slot ``plan``'s batch is made in (waits until one is free): its delivered slot, or a work slot
         when batches are transformed in float32."""
         slot = take_slot(self.slots, closed)
@@ -244,7 +241,7 @@ class CpuExecutor:
         host_slot = take_slot(self.host_slots, closed)
         return Target(host_slot.batch(plan.rows), slot, host_slot)
 
-    def submit(self, plan: Any, target: Target) -> Job:
+    def submit(self, plan: TablePlan, target: Target) -> Job:
         """Start making ``plan`` into ``target``; the job completes or fails. With ``Config.transform`` the
         job's completion hook runs it on the batch in its slot (its error is the job's), then casts a work
         slot's batch into the delivered slot."""
@@ -263,7 +260,7 @@ class CpuExecutor:
             target.host_slot = None
         self.stats.stage("transform", time.perf_counter() - t0)
 
-    def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]:
+    def deliver(self, target: Target, rows: int) -> Delivery:
         """``(view, release, ready event, ready stream)`` of a finished batch (see Batch)."""
         slots, slot = self.slots, target.slot
         return slot.batch(rows), lambda waits: slots.release(slot, stream_waits=waits), None, None

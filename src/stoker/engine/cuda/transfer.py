@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -38,7 +38,13 @@ from ..allocate import allocate
 from ..cast import staging_dtype
 from ..buffers import Slot, SlotRing, pinned_footprint
 from ..cpu.executor import CpuExecutor, take_slot
-from ..executor import Job, Target
+from ..executor import Delivery, Job, Target
+
+if TYPE_CHECKING:
+    from ...config import Config
+    from ...storage import LocalStore
+    from ..planning.tables import TablePlan
+    from ..stats import StatsRecorder
 
 
 # What release(event=...) accepts: torch's CUDA classes and the device-generic ones (torch.cuda.Stream is a
@@ -174,7 +180,7 @@ class CudaExecutor(CpuExecutor):
 
     staging = "pinned staging slots (lookahead_batches)"
 
-    def __init__(self, cfg, device: torch.device, stats, store) -> None:
+    def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore) -> None:
         super().__init__(cfg, stats, store)
         self.device = device
         self.transfer: CudaTransfer | None = None
@@ -223,14 +229,14 @@ class CudaExecutor(CpuExecutor):
                                      stage_bytes(work_bytes, self._cast_dtype(dtype)), work=work)
         self.slots = self.transfer.slots
 
-    def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target:
+    def acquire(self, plan: TablePlan, closed: Callable[[], bool]) -> Target:
         slot = take_slot(self.slots, closed)
         host_slot = take_slot(self.host_slots, closed)
         stage = staging_dtype(self._cast_dtype(self.slots.dtype), {r.dtype for r in plan.sources}) \
             or self.slots.dtype
         return Target(host_slot.view(stage, (plan.rows, *plan.row_shape)), slot, host_slot)
 
-    def submit(self, plan: Any, target: Target) -> Job:
+    def submit(self, plan: TablePlan, target: Target) -> Job:
         return self.decoders.submit(plan, target.out, then=lambda job: self._to_device(target, job))
 
     def _to_device(self, target: Target, job: Job) -> None:
@@ -250,7 +256,7 @@ class CudaExecutor(CpuExecutor):
         self.stats.stage("transfer", time.perf_counter() - t0 - transform_s, bytes_in=nbytes)
         job.count(bytes_to_device=nbytes)
 
-    def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]:
+    def deliver(self, target: Target, rows: int) -> Delivery:
         view, release, _, _ = super().deliver(target, rows)
         return view, release, target.event, self.transfer.stream
 

@@ -53,7 +53,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -66,12 +66,19 @@ from ...transforms import apply as apply_transform
 from . import fallback as gpu_fallback, place as gpu_place
 from ..allocate import allocate
 from ..buffers import SlotRing, pinned_footprint
-from ..executor import Job, Target
+from ..executor import Delivery, Job, Target
 from .layout import layout_of
 from .sources import CPU, Source, aligned, describe, device_casts
 from .staging import Group, Pending, Stager, plan_reads
 from ..planning.tables import TablePlan, plan_tables
 from ..cuda.transfer import EVENT_TYPES
+
+if TYPE_CHECKING:
+    from ...config import Config
+    from ...reader.array import ArrayReader
+    from ...sampling.sample import Sample
+    from ...storage import LocalStore
+    from ..stats import StatsRecorder
 
 __all__ = ["GROUP_BYTES", "GpuDecodeExecutor", "device_casts"]
 
@@ -95,7 +102,7 @@ class GpuDecodeExecutor:
 
     staging = "pinned staging buffers for the encoded chunks (2)"
 
-    def __init__(self, cfg, device: torch.device, stats, store,
+    def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,
                  decoder: Callable[[Any], Any] | None = None) -> None:
         self.cfg = cfg
         self.device = device
@@ -114,7 +121,7 @@ class GpuDecodeExecutor:
         self._scratch: torch.Tensor | None = None
         self._temp: torch.Tensor | None = None
         self._enc_cap = self._dec_cap = self._transient = 0
-        self._sources: dict[tuple, tuple[Any, Source]] = {}
+        self._sources: dict[tuple, tuple[ArrayReader, Source]] = {}
         self._notices = gpu_fallback.Notices()
         # the chunks are read on a few of the compute threads: more contend for the GIL with the submitter
         # (H200, scenario 8: 16 threads gave 831 samples/s where one gave 1,256)
@@ -178,7 +185,7 @@ class GpuDecodeExecutor:
                 f"on the CPU; needs {host_need:,} B. Raise host_buffer_bytes.",
                 knob="host_buffer_bytes", needed=host_need)
 
-    def prepare(self, sample_shape: tuple[int, ...], readers: list, dtype: torch.dtype) -> None:
+    def prepare(self, sample_shape: tuple[int, ...], readers: list[ArrayReader], dtype: torch.dtype) -> None:
         """Slots, staging, scratch and the worker, once: at the first batch, whose arrays size the buffers."""
         if self.slots is not None:
             return
@@ -299,10 +306,10 @@ class GpuDecodeExecutor:
 
     # -- batches ----------------------------------------------------------------------------------
 
-    def plan(self, batch_id: int, samples: Sequence, open_reader: Callable) -> TablePlan:
+    def plan(self, batch_id: int, samples: Sequence[Sample], open_reader: Callable[[str], ArrayReader]) -> TablePlan:
         return plan_tables(batch_id, samples, open_reader)
 
-    def acquire(self, plan: Any, closed: Callable[[], bool]) -> Target:
+    def acquire(self, plan: TablePlan, closed: Callable[[], bool]) -> Target:
         slot = None
         while slot is None:
             slot = self.slots.acquire(closed, timeout=0.1)
@@ -314,7 +321,7 @@ class GpuDecodeExecutor:
             self._queue.put((job, target))
         return job  # (a batch of no chunks is complete: there is nothing to place)
 
-    def deliver(self, target: Target, rows: int) -> tuple[torch.Tensor, Callable, Any, Any]:
+    def deliver(self, target: Target, rows: int) -> Delivery:
         slots, slot = self.slots, target.slot
         return slot.tensor[:rows], lambda waits: slots.release(slot, stream_waits=waits), target.event, self.stream
 

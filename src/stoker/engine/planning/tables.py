@@ -1,15 +1,15 @@
 """Planning a batch as flat tables: numpy arrays, with no Python step per chunk.
 
-:func:`plan_tables` plans what :func:`~stoker.engine.planning.plan.plan_batch` plans (every chunk a batch needs,
-once, its copies, the decoded bytes they read, where the chunk is stored) with one Python step per sample,
-one per array and one per shard file, and numpy for the rest:
+:func:`plan_tables` is the planner of every batch, whoever makes it (the compiled engine, the Python path, the
+GPU decode): every chunk a batch needs, once, its copies, the decoded bytes they read, where the chunk is
+stored, with one Python step per sample, one per array and one per shard file, and numpy for the rest:
 
-- per axis, the chunks each crop touches (first and last chunk index, start and extent in the chunk and in
-  the crop), every combination a copy; chunks de-duplicated across the batch, numbered in order of first
-  use; copies grouped by chunk, each chunk's decoded byte span: in C where the extension is built
-  (``native.plan_grid``, csrc/grid.c: a hash table, one pass), else with numpy (the crossing by broadcasting,
-  every sample padded to the largest count and masked; ``np.unique`` over (array, grid index) rows; a
-  stable sort; ``reduceat``);
+- per axis, the chunks each crop touches (chunk index, start in the chunk and in the crop, extent), every
+  combination a copy; chunks de-duplicated across the batch, numbered in order of first use; copies grouped
+  by chunk, each chunk's decoded byte span: in C where the extension is built (``native.plan_grid``,
+  csrc/grid.c: a hash table, one pass; tested against the numpy reference), else with numpy (the crops'
+  pieces from :func:`~stoker.zarr.grid.box_pieces`, the grid's one reference; ``np.unique`` over (array, grid
+  index) rows; a stable sort; ``reduceat``);
 - shard indexes looked up in bulk: each sharded array's shards in the batch numbered in C order over its shard
   grid (their keys made once per reader), looked up in the index cache in one call
   (:meth:`~stoker.reader.array.ArrayReader.cached_shard_entries`); those not cached read together
@@ -17,7 +17,8 @@ one per array and one per shard file, and numpy for the rest:
   ``(offset, length)`` gathered from its shard's ``(n_inner, 2)`` table with one fancy index.
 
 The engine (``stoker._native.Engine``) takes the tables as they are; the Python path asks
-:meth:`TablePlan.task` for a :class:`~stoker.engine.planning.plan.ChunkTask` of the few chunks it reads itself.
+:meth:`TablePlan.python_reads` for the reads of the chunks it reads itself (a whole chunk file each, a shard's
+inner chunks coalesced) and ``plan.chunks[i]`` for each one's :class:`~stoker.engine.planning.tasks.ChunkTask`.
 
 >>> plan = plan_tables(0, samples, open_reader)
 >>> plan.n_chunks, plan.chunks_needed, plan.chunk_file[:4]
@@ -35,12 +36,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..cpu import native
+from ...errors import InvalidArgument
 from ...reader.array import NOT_CACHED, ArrayReader, shard_entries
 from ...zarr.box import check_in_bounds
-from ...sampling.sample import Sample, parts
-from ...zarr.grid import c_strides
+from ...sampling.sample import Sample, arrays_read, parts
+from ...zarr.grid import box_pieces, c_strides
 from ...zarr.sharding import EMPTY_ENTRY
-from .plan import ChunkTask, Copy, FileRead, batch_shape
+from .tasks import ChunkTask, Copy, FileRead, shard_reads
 
 #: columns of the files table (csrc/stoker_native.h: F_*), by name: its source, whether it has an identity,
 #: that identity (F_DEV, F_INO as uint64 bits, then F_SIZE, F_MTIME, F_CTIME), then its grid coordinates
@@ -67,8 +69,8 @@ class _Tasks:
 
     def __getitem__(self, i: int) -> ChunkTask:
         task = self._made.get(i)
-        if task is None:
-            task = self._made[i] = self._plan.make_task(i)
+        if task is None:  # setdefault: two threads asking at once get the same task
+            task = self._made.setdefault(i, self._plan.make_task(i))
         return task
 
     def __len__(self) -> int:
@@ -107,6 +109,10 @@ class TablePlan:
     files: np.ndarray
     channels: int | None = None  # multi-array samples: arrays per sample (copy rows are b * C + c)
     chunks: _Tasks = field(init=False, repr=False)
+    # per file row, made as asked: its key, its path, its identity
+    _keys: dict[int, str] = field(init=False, repr=False, default_factory=dict)
+    _paths: dict[int, str] = field(init=False, repr=False, default_factory=dict)
+    _idents: dict[int, tuple] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.chunks = _Tasks(self)
@@ -129,38 +135,56 @@ class TablePlan:
         return len(self.sample_shape)
 
     def file_key(self, f: int) -> str:
-        reader = self.sources[int(self.files[f, F_SOURCE])]
-        return reader.metadata.chunk_key(tuple(int(v) for v in self.files[f, F_COORDS:]))
+        """The key of file ``f`` (a row of ``files``): a chunk file's (its chunk's key) or a shard's."""
+        key = self._keys.get(f)
+        if key is None:
+            reader = self.sources[int(self.files[f, F_SOURCE])]
+            key = self._keys[f] = reader.metadata.chunk_key(tuple(self.files[f, F_COORDS:].tolist()))
+        return key
 
     def key(self, i: int) -> str:
         """Chunk ``i``'s key ("c/0/1", or "c/0/0[3]" for an inner chunk of a shard), as ArrayReader.locate says it."""
+        f, inner = int(self.chunk_file[i]), int(self.chunk_inner[i])
+        if f >= 0:  # its file's key (kept per file), and an inner chunk's place in its shard
+            return self.file_key(f) if inner < 0 else f"{self.file_key(f)}[{inner}]"
         meta = self.sources[int(self.chunk_source[i])].metadata
-        index = tuple(int(v) for v in self.chunk_index[i])
+        index = tuple(self.chunk_index[i].tolist())
         if meta.sharding is None:
             return meta.chunk_key(index)
         shard, inner = meta.sharding.inner_position(index)
         return f"{meta.chunk_key(shard)}[{inner}]"
 
+    def file_path(self, f: int) -> str:
+        """The path of file ``f`` (a row of ``files``): in its array's folder, or its key in the array's store."""
+        path = self._paths.get(f)
+        if path is None:
+            path = self._paths[f] = self.sources[int(self.files[f, F_SOURCE])].file_path(self.file_key(f))
+        return path
+
     def path(self, i: int) -> str | None:
         """The file holding chunk ``i``, or None (the fill value)."""
         f = int(self.chunk_file[i])
-        return None if f < 0 else self.sources[int(self.files[f, F_SOURCE])].file_path(self.file_key(f))
+        return None if f < 0 else self.file_path(f)
 
     def copies(self, i: int) -> list[Copy]:
         lo = int(self.first_copy[i])
-        rows = range(lo, lo + int(self.n_copies[i]))
-        return [Copy(int(self.copy_row[r]), tuple(self.copy_chunk_start[r].tolist()),
-                     tuple(self.copy_box_start[r].tolist()), tuple(self.copy_extent[r].tolist())) for r in rows]
+        hi = lo + int(self.n_copies[i])
+        return list(map(Copy, self.copy_row[lo:hi].tolist(), map(tuple, self.copy_chunk_start[lo:hi].tolist()),
+                        map(tuple, self.copy_box_start[lo:hi].tolist()), map(tuple, self.copy_extent[lo:hi].tolist())))
 
     def make_task(self, i: int) -> ChunkTask:
-        """Chunk ``i`` as the Python path plans it (see plan_batch)."""
+        """Chunk ``i`` as the Python path reads it: its key, file and byte range, copies and decoded span (what
+        each file says, its key, path and identity, made once per file)."""
         f = int(self.chunk_file[i])
-        task = ChunkTask(int(self.chunk_source[i]), tuple(int(v) for v in self.chunk_index[i]), self.key(i),
-                         self.copies(i), self.path(i), byte_start=int(self.byte_start[i]),
+        task = ChunkTask(int(self.chunk_source[i]), tuple(self.chunk_index[i].tolist()), self.key(i),
+                         self.copies(i), None if f < 0 else self.file_path(f), byte_start=int(self.byte_start[i]),
                          byte_stop=int(self.byte_stop[i]))
         if f >= 0 and int(self.chunk_offset[i]) >= 0:
             task.offset, task.length = int(self.chunk_offset[i]), int(self.chunk_length[i])
-            task.ident = file_ident(self.files[f])
+            ident = self._idents.get(f)
+            if ident is None:
+                ident = self._idents[f] = file_ident(self.files[f])
+            task.ident = ident
         return task
 
     def file_read(self, i: int) -> FileRead | None:
@@ -171,6 +195,58 @@ class TablePlan:
         if task.offset is None:
             return FileRead(task.path, (i,))
         return FileRead.inner_chunk(task.path, i, task.offset, task.length)
+
+    def python_reads(self, ids: np.ndarray | None = None, max_gap: int = 64 << 10, max_group: int = 8 << 20,
+                     sizing: Callable[[int], int] = lambda n: n) -> tuple[list[int], list[FileRead]]:
+        """``(fills, reads)``: the chunks ``ids`` (ascending; None: every chunk) as the Python path reads them.
+        ``fills``: those with nothing stored (the fill value); ``reads``: a chunk file each (in chunk order),
+        then each shard file's inner chunks (shards in order of their first chunk), coalesced in groups
+        costing at most ``max_group`` (:func:`~stoker.engine.planning.tasks.shard_reads`). Numpy, and a Python
+        step per read.
+
+        >>> fills, reads = plan.python_reads()
+        >>> fills, [fr.chunk_ids for fr in reads]
+        ([2], [(0,), (1,), (3,)])
+        """
+        ids = np.arange(self.n_chunks) if ids is None else np.asarray(ids, np.int64)
+        files = self.chunk_file[ids]
+        fills = ids[files < 0].tolist()
+        stored = ids[files >= 0]
+        inner = self.chunk_offset[stored] >= 0
+        reads = [FileRead(self.file_path(f), (i,))
+                 for i, f in zip(stored[~inner].tolist(), self.chunk_file[stored[~inner]].tolist())]
+        inner_ids = stored[inner]
+        if not len(inner_ids):
+            return fills, reads
+        order = np.argsort(self.chunk_file[inner_ids], kind="stable")  # by shard file, each in chunk order
+        inner_ids = inner_ids[order]
+        shard = self.chunk_file[inner_ids]
+        heads = np.flatnonzero(np.concatenate([[True], shard[1:] != shard[:-1]]))
+        decoded = np.array([r.metadata.codec.nbytes for r in self.sources], np.int64)[self.chunk_source[inner_ids]]
+        ends = np.append(heads[1:], len(inner_ids))
+        for lo, hi in sorted(zip(heads.tolist(), ends.tolist()), key=lambda b: int(inner_ids[b[0]])):
+            reads += shard_reads(self.file_path(int(shard[lo])), inner_ids[lo:hi], self.chunk_offset[inner_ids[lo:hi]],
+                                 self.chunk_length[inner_ids[lo:hi]], decoded[lo:hi], max_gap, max_group, sizing)
+        return fills, reads
+
+
+def batch_shape(samples: Sequence[Sample]) -> tuple[tuple[int, ...], int | None]:
+    """``(crop shape, channels)`` every sample of a batch shares (the offsets of every copy are into a crop
+    of that shape, and its rows into ``channels`` arrays per sample); InvalidArgument naming the first sample
+    that differs."""
+    if not samples:
+        return (), None
+    first = samples[0]
+    crop = first.crop_shape
+    for s in samples:
+        if s.channels != first.channels:
+            raise InvalidArgument(
+                f"{s} reads {arrays_read(s)}, the batch's first sample {first} reads {arrays_read(first)}; every "
+                "sample of a pipeline must read the same number of arrays", uri=s.uri)
+        if s.crop_shape != crop:
+            raise InvalidArgument(f"{s} has shape {s.shape}; every sample of a batch must be {first.shape}",
+                                  uri=s.uri)
+    return crop, first.channels
 
 
 def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -287,30 +363,10 @@ def _grid_of_crops(crops, sids, sources, shape, rows) -> tuple | None:
 
 def _grid_numpy(start, sid, extent, chunk_shapes, chunk_strides, itemsize) -> tuple:
     """``(row, chunk_start, box_start, extent, src_offset)`` per copy, grouped by chunk, and ``(source, index,
-    first_copy, n_copies, byte_start, byte_stop)`` per chunk, numbered in order of first use."""
-    n_samples, ndim = start.shape
-    cs = chunk_shapes[sid]
-    stop = start + extent
-    first_chunk = start // cs
-    pieces = (stop - 1) // cs - first_chunk + 1
-    per_axis = []
-    for a in range(ndim):
-        k = np.arange(pieces[:, a].max())
-        index = first_chunk[:, a, None] + k
-        lo = np.maximum(start[:, a, None], index * cs[:, a, None])
-        hi = np.minimum(stop[:, a, None], (index + 1) * cs[:, a, None])
-        per_axis.append((k < pieces[:, a, None], index, lo - index * cs[:, a, None], lo - start[:, a, None], hi - lo))
-    valid = np.ones((n_samples, *(p[1].shape[1] for p in per_axis)), bool)
-    for a, (ok, *_) in enumerate(per_axis):
-        valid &= ok.reshape(n_samples, *(ok.shape[1] if b == a else 1 for b in range(ndim)))
-    row, *ks = np.nonzero(valid)
-    m = len(row)
-    c_index = np.empty((m, ndim), np.int64)
-    c_start = np.empty((m, ndim), np.int64)
-    b_start = np.empty((m, ndim), np.int64)
-    c_extent = np.empty((m, ndim), np.int64)
-    for a, (_, index, lo, at, n) in enumerate(per_axis):
-        c_index[:, a], c_start[:, a], b_start[:, a], c_extent[:, a] = (v[row, ks[a]] for v in (index, lo, at, n))
+    first_copy, n_copies, byte_start, byte_stop)`` per chunk, numbered in order of first use: the crops' pieces
+    (:func:`~stoker.zarr.grid.box_pieces`, the grid's reference) de-duplicated with numpy."""
+    pieces = box_pieces(start, start + extent, chunk_shapes[sid])
+    row, c_index, c_start, b_start, c_extent = pieces
     copy_sid = sid[row]
     # one chunk per (array, grid index), in order of first use; copies grouped by chunk, in order
     first, chunk_of = _unique_rows(np.concatenate([copy_sid[:, None], c_index], axis=1))
@@ -331,9 +387,9 @@ def _grid_numpy(start, sid, extent, chunk_shapes, chunk_strides, itemsize) -> tu
 
 
 def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[[str], ArrayReader]) -> TablePlan:
-    """Plan one batch as arrays. Raises what plan_batch raises (the typed errors of opening arrays, boxes out of
-    bounds or of another shape, shard indexes that cannot be read, stored chunks over their codec's bound), for
-    the first chunk in the batch's order that has one."""
+    """Plan one batch as arrays, of arrays of any rank (0-d too). Raises the typed errors of opening arrays, boxes
+    out of bounds or of another shape (the first crop's in the batch's order), shard indexes that cannot be read
+    and stored chunks over their codec's bound (the first chunk's in chunk order)."""
     sources: list[ArrayReader] = []
     source_of: dict[str, int] = {}
     shape, channels = batch_shape(samples)  # every copy's offsets are into a crop of this shape
@@ -359,8 +415,12 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
     grid = _grid_of_crops(crops, sids, sources, shape, rows)
     if grid is None:  # no extension (numpy), or a crop past its array that check_in_bounds let through
         sid = np.array(sids, np.int64)
-        boxes = np.array([aabb for _, aabb in crops], np.int64).reshape(len(crops), ndim, 2)
-        per_array = np.frombuffer(rows, np.int64).reshape(len(sources), -1)
+        try:
+            boxes = np.array([aabb for _, aabb in crops], np.int64).reshape(len(crops), ndim, 2)
+        except OverflowError:  # a bound past int64, so past its array: the first crop out of bounds raises
+            _check_each(crops, sids, sources)
+            raise
+        per_array = np.frombuffer(rows, np.int64).reshape(len(sources), native.ARRAY_ROW_COLS(ndim))
         strides_at, shape_at = native.A_STRIDES(ndim), native.A_SHAPE(ndim)
         itemsize, chunk_shapes, chunk_strides = (np.ascontiguousarray(per_array[:, at]) for at in
                                                  (native.A_ITEMSIZE, slice(native.A_CHUNK_SHAPE, strides_at),
@@ -372,7 +432,8 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
             check_in_bounds(crops[at][1], sources[sids[at]].shape, crops[at][0])
         bytes_needed = math.prod(shape) * int(itemsize[sid].sum())
         start = np.ascontiguousarray(boxes[:, :, 0])
-        grid = _grid_compiled if native.plan_grid is not None else _grid_numpy
+        # the compiled grid takes crops of 1 to 32 axes, of at least one array; numpy the rest (0-d arrays)
+        grid = _grid_compiled if native.plan_grid is not None and ndim and sources else _grid_numpy
         columns = grid(start, sid, np.array(shape, np.int64), chunk_shapes, chunk_strides, itemsize)
     else:
         columns, bytes_needed, sharded_ids = grid
