@@ -69,9 +69,14 @@ _STREAMING = native._symbols(numcodecs.zstd.__file__, *native.ZSTD_STREAMING)[1]
 
 
 def _configure(streaming: bool = True, share: float = PARTIAL_MAX_SHARE) -> None:
-    """zstd's early stop on or off, and the largest share of a blosc chunk decoded block by block."""
-    native_testing.module.set_codecs(*_CODECS, share)
-    native_testing.module.set_zstd_streaming(*(_STREAMING if streaming and native.zstd_streaming else [0] * 7))
+    """zstd's early stop on or off, and the largest share of a blosc chunk decoded block by block: in the tests'
+    module (decode_files, the chunk from its file) and in stoker._native (the engine, the same chunk from memory)
+    alike, since each extension module keeps settings of its own and the two reads are compared."""
+    import stoker._native as shipped
+
+    for module in (native_testing.module, shipped):
+        module.set_codecs(*_CODECS, share)
+        module.set_zstd_streaming(*(_STREAMING if streaming and native.zstd_streaming else [0] * 7))
 
 
 @contextlib.contextmanager
