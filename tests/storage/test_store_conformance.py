@@ -13,6 +13,7 @@ import pytest
 
 from stoker.errors import InvalidArgument, NotFound, StorageError, UnsupportedFormat
 from stoker.storage import ByteRange, CountingStore, FileStore, MemoryStore, ObjectStore, Store, ZipStore, open_store
+from stoker.storage.uri import REMOTE_SCHEMES, resolve_local_path
 
 from range_server import RangeServer
 from store_fixtures import BUCKET, DEFLATED, PREFIX, MotoS3, write_tree, write_zip
@@ -401,3 +402,10 @@ def test_a_file_changed_while_it_was_read_gets_a_generation_equal_to_no_other(tm
 def _write(path, data: bytes):
     path.write_bytes(data)
     return path
+
+
+@pytest.mark.parametrize("scheme", sorted(REMOTE_SCHEMES))
+def test_every_remote_scheme_is_remote_everywhere(scheme):
+    """One list of remote schemes: a path-only API refuses each as remote (not as an unknown scheme)."""
+    with pytest.raises(UnsupportedFormat, match="names no local path"):
+        resolve_local_path(f"{scheme}://bucket/a.zarr")
