@@ -266,7 +266,7 @@ def _read_stored_indexes(chunks: list[ChunkTask], sources: Sequence[ArrayReader]
     for task in chunks:
         reader = sources[task.source]
         spec = reader.metadata.sharding
-        if reader.kv is not None and spec is not None:
+        if not reader.kv.is_local and spec is not None:
             wanted[(task.source, reader.metadata.chunk_key(spec.inner_position(task.index)[0]))] = None
     if not wanted:
         return {}
