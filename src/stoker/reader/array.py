@@ -219,7 +219,7 @@ class ChunkLocation(NamedTuple):
     """Where a read chunk is stored (see :meth:`ArrayReader.locate`)."""
 
     key: str  # "c/0/1", or "c/0/0[3]" for inner chunk 3 of the shard at "c/0/0"
-    path: str | None  # the file (a reader on a store: the store's key); None: nothing stored (the fill value)
+    path: str | None  # the file (a store that is not local: the store's key); None: nothing stored (the fill value)
     offset: int | None = None  # an inner chunk's byte range in ``path``; None: the whole file
     length: int | None = None
     ident: Identity | None = None  # an inner chunk's: the shard file its index was read from
@@ -227,7 +227,8 @@ class ChunkLocation(NamedTuple):
 
 class ShardIndex(NamedTuple):
     """A shard's decoded ``(n_inner, 2)`` index and the :data:`~stoker.storage.Identity` of the file it
-    was read from: its offsets hold in that file only. An index read through a store has an identity of
+    was read from: its offsets hold in that file only (an index read through a local store: the generation
+    that store reports, the file's identity). An index read through any other store has an identity of
     its own, ``(0, reader token, 0, generation stamp, 0)``: the :func:`~stoker.storage.store.stamp` of the
     generation of the shard value it was read from (0: the store cannot tell), checked by
     :func:`same_generation` against every range read of the shard's chunks."""

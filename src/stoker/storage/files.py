@@ -37,11 +37,14 @@ class FileStore(Store):
                  max_gap: int = 64 << 10, max_length: int = 64 << 20) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.uri = self.root
+        self._head = self.root.rstrip("/") + "/"
         self.files = files if files is not None else default_store()
         self.max_gap, self.max_length = max_gap, max_length
 
     def path(self, key: str) -> str:
         """The local path of ``key``."""
+        if os.sep == "/":  # a checked key is already the path under the root: one concatenation per chunk
+            return self._head + check_key(key)
         return os.path.join(self.root, *check_key(key).split("/"))
 
     def _read(self, key: str, read, *args):
