@@ -13,6 +13,7 @@ import pytest
 
 from stoker.errors import InvalidArgument, NotFound, StorageError, UnsupportedFormat
 from stoker.storage import ByteRange, CountingStore, FileStore, MemoryStore, ObjectStore, Store, ZipStore, open_store
+from stoker.storage.uri import REMOTE_SCHEMES, resolve_local_path
 
 from range_server import RangeServer
 from store_fixtures import BUCKET, DEFLATED, PREFIX, MotoS3, write_tree, write_zip
@@ -384,14 +385,14 @@ def test_a_file_changed_while_it_was_read_gets_a_generation_equal_to_no_other(tm
     (tmp_path / "v").write_bytes(b"0123456789")
     store = FileStore(tmp_path)
     (_,), (before,) = get_each(store, [ByteRange("v", 0, 4)], versions=True)
-    each_alone = FileStore.get_ranges
+    read_ranges = FileStore._get_ranges  # what every read of ranges goes through
 
-    def rewrite_after(self, requests):
-        got = each_alone(self, requests)
+    def rewrite_after(self, requests, expected=None):
+        got = read_ranges(self, requests, expected)
         os.replace(_write(tmp_path / "w", b"abcdefghij"), tmp_path / "v")
         return got
 
-    monkeypatch.setattr(FileStore, "get_ranges", rewrite_after)
+    monkeypatch.setattr(FileStore, "_get_ranges", rewrite_after)
     (data,), (during,) = get_each(store, [ByteRange("v", 0, 4)], versions=True)
     monkeypatch.undo()
     (_,), (after,) = get_each(store, [ByteRange("v", 0, 4)], versions=True)
@@ -401,3 +402,10 @@ def test_a_file_changed_while_it_was_read_gets_a_generation_equal_to_no_other(tm
 def _write(path, data: bytes):
     path.write_bytes(data)
     return path
+
+
+@pytest.mark.parametrize("scheme", sorted(REMOTE_SCHEMES))
+def test_every_remote_scheme_is_remote_everywhere(scheme):
+    """One list of remote schemes: a path-only API refuses each as remote (not as an unknown scheme)."""
+    with pytest.raises(UnsupportedFormat, match="names no local path"):
+        resolve_local_path(f"{scheme}://bucket/a.zarr")

@@ -24,33 +24,17 @@ def _stored_size_and_header(arr, index: tuple[int, ...], header: bool) -> tuple[
     loc = arr.locate(index)
     if loc.path is None:
         return None, b""
-    if arr.kv is not None:  # an array in a store: sizes and headers by key (a missing key: not stored)
-        return _stored_in_store(arr, loc, header)
-    if loc.offset is not None:
-        head = arr.store.read_range(loc.path, loc.offset, min(HEADER_SIZE, loc.length)) if header else b""
-        return loc.length, head or b""
-    f = arr.store.open_file(loc.path)
-    if f is None:
-        return None, b""
-    with f:
-        arr.metadata.codec.check_stored_size(f.size, loc.key)  # as a read would (locate checks inner chunks)
-        head = bytearray(min(HEADER_SIZE, f.size) if header else 0)
-        if head:
-            f.read_into(memoryview(head), 0)
-        return f.size, bytes(head)
-
-
-def _stored_in_store(arr, loc, header: bool) -> tuple[int | None, bytes]:
+    key = arr.key_of(loc.path)  # sizes and headers by key through the array's store (a missing key: not stored)
     if loc.offset is not None:
         size, start = loc.length, loc.offset
     else:
         try:
-            size, start = arr.kv.size(loc.path), 0
+            size, start = arr.kv.size(key), 0
         except NotFound:
             return None, b""
-        arr.metadata.codec.check_stored_size(size, loc.key)
+        arr.metadata.codec.check_stored_size(size, loc.key)  # as a read would (locate checks inner chunks)
     n = min(HEADER_SIZE, size) if header else 0
-    head = arr.kv.get_ranges([ByteRange(loc.path, start, n)])[0] if n else b""
+    head = arr.kv.get_ranges([ByteRange(key, start, n)])[0] if n else b""
     return size, bytes(head)
 
 

@@ -25,7 +25,7 @@ from ..zarr.box import Box, box_shape, parse_box
 from ..storage.cache import SizedLRU
 from ..errors import (DecodeError, InvalidArgument, MetadataError, NotFound, OutOfBounds, StorageError, UnsupportedFormat,
                       as_value)
-from ..storage import ByteRange, FileChanged, Identity, LocalStore, Store, default_store
+from ..storage import ByteRange, FileChanged, FileStore, Identity, LocalStore, Store, default_store
 from ..storage.hierarchy import Hierarchy
 from ..storage.local import identity
 from ..storage.store import get_each, get_many, stamp
@@ -219,7 +219,7 @@ class ChunkLocation(NamedTuple):
     """Where a read chunk is stored (see :meth:`ArrayReader.locate`)."""
 
     key: str  # "c/0/1", or "c/0/0[3]" for inner chunk 3 of the shard at "c/0/0"
-    path: str | None  # the file (a reader on a store: the store's key); None: nothing stored (the fill value)
+    path: str | None  # the file (a store that is not local: the store's key); None: nothing stored (the fill value)
     offset: int | None = None  # an inner chunk's byte range in ``path``; None: the whole file
     length: int | None = None
     ident: Identity | None = None  # an inner chunk's: the shard file its index was read from
@@ -227,7 +227,8 @@ class ChunkLocation(NamedTuple):
 
 class ShardIndex(NamedTuple):
     """A shard's decoded ``(n_inner, 2)`` index and the :data:`~stoker.storage.Identity` of the file it
-    was read from: its offsets hold in that file only. An index read through a store has an identity of
+    was read from: its offsets hold in that file only (an index read through a local store: the generation
+    that store reports, the file's identity). An index read through any other store has an identity of
     its own, ``(0, reader token, 0, generation stamp, 0)``: the :func:`~stoker.storage.store.stamp` of the
     generation of the shard value it was read from (0: the store cannot tell), checked by
     :func:`same_generation` against every range read of the shard's chunks."""
@@ -236,29 +237,35 @@ class ShardIndex(NamedTuple):
     ident: Identity
 
 
+def _is_stamped(ident: Identity) -> bool:
+    """Whether a :class:`ShardIndex` identity is a stamped generation, not a file's :data:`Identity` (a file an
+    index was read from is never empty, so its size is never 0)."""
+    return ident[0] == 0 and ident[2] == 0
+
+
 class ArrayReader:
     """One Zarr array, opened for reading. Create with :func:`open_array`.
 
-    Local arrays (``kv`` None) are read as files under the directory ``path`` through ``store`` (the
-    :class:`~stoker.storage.LocalStore`: positional reads, descriptor cache, file identities; what the
-    compiled engine reads too). An array in a store (``kv``: an object store, a zip archive) is read by
-    key: ``path`` is its key prefix in ``kv``, and what :meth:`file_path` and :meth:`locate` name are keys.
+    Every array is read by key through one store ``kv``: ``path`` is the array's key prefix there. A local
+    array's store is a :class:`~stoker.storage.FileStore` rooted at its directory (``path`` is ``""``),
+    which declares ``is_local``: its keys are files, whose paths :meth:`file_path` and :meth:`locate` name
+    (what the compiled engine reads itself), and the generations it reports are the files' identities. For
+    an array in another store (an object store, a zip archive) they name keys (:meth:`key_of` is the key).
     """
 
     def __init__(
         self,
         metadata: ArrayMetadata,
         path: str,
-        store: LocalStore,
+        kv: Store,
         index_cache: SizedLRU | None = None,
-        kv: Store | None = None,
     ) -> None:
         self.metadata = metadata
         self.path = path
         self.kv = kv
-        # path with its separator: file_path is then one concatenation
-        self._dir = _folder(path) if kv is None else (f"{path}/" if path else "")
-        self.store = store
+        self._keys = f"{path}/" if path else ""  # the array's key prefix in kv, with its separator
+        # where file_path puts a key (one concatenation): under the store's root if its keys are files
+        self._dir = _folder(kv.root) + self._keys if kv.is_local else self._keys
         # "is None", not "or": an empty SizedLRU is falsy, and a pipeline hands every reader its shared one
         if index_cache is None:
             index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
@@ -268,8 +275,13 @@ class ArrayReader:
             check_index_fits(metadata.sharding, self._index_cache.max_bytes, metadata.uri)
 
     def file_path(self, key: str) -> str:
-        """The local file holding chunk (or shard) ``key``; for an array in a store, the store's key."""
+        """The local file holding chunk (or shard) ``key``; for an array in a store whose keys are not files,
+        the store's key."""
         return self._dir + key
+
+    def key_of(self, path: str) -> str:
+        """The store key of what :meth:`file_path` (or :meth:`locate`) names ``path``."""
+        return path if self._dir is self._keys else self._keys + path[len(self._dir):]
 
     # -- what the array is ------------------------------------------------------------------
 
@@ -340,18 +352,9 @@ class ArrayReader:
         return out
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
-        """Fill ``out`` (shaped like ``box``) with the box's data, casting to ``out.dtype`` if needed."""
-        if self.kv is not None:
-            return self._read_stored_into(box, out)
-        for piece in chunk_intersections(box, self.chunks):
-            chunk = self.read_chunk(piece.index)
-            if chunk is None:
-                out[piece.box_sel] = self.metadata.fill_value
-            else:
-                out[piece.box_sel] = chunk[piece.chunk_sel]
+        """Fill ``out`` (shaped like ``box``) with the box's data, casting to ``out.dtype`` if needed.
 
-    def _read_stored_into(self, box: Box, out: np.ndarray) -> None:
-        """:meth:`read_into` of an array in a store: the box's shard indexes not cached read together (see
+        The box's shard indexes not cached are read together (see
         :func:`shard_entries`), then its chunks fetched by one ``get_many`` call per
         :data:`STORE_READ_BYTES` (whole values and inner chunks' ranges, which the store merges per object),
         each call's chunks decoded before the next is fetched."""
@@ -382,7 +385,8 @@ class ArrayReader:
         """Fetch ``(piece, location)``s in one store call, then decode each into ``out``."""
         whole = [(p, loc) for p, loc in group if loc.offset is None]
         ranged = [(p, loc) for p, loc in group if loc.offset is not None]
-        values, parts = self._fetch_checked([loc.path for _, loc in whole], [(p.index, loc) for p, loc in ranged])
+        values, parts = self._fetch_checked([self.key_of(loc.path) for _, loc in whole],
+                                            [(p.index, loc) for p, loc in ranged])
         codec = self.metadata.codec
         for (piece, loc), data in itertools.chain(zip(whole, values), zip(ranged, parts)):
             if data is None:  # a chunk not stored: the fill value
@@ -440,49 +444,19 @@ class ArrayReader:
         loc = self.locate(index)
         if loc.path is None:
             return loc.key, None
-        if self.kv is not None:
-            return loc.key, self._get_stored(index, loc)
-        if loc.offset is None:
-            return loc.key, self._read_chunk_file(loc)
-        try:
-            data = self.store.read_range(loc.path, loc.offset, loc.length, loc.ident)
-        except FileChanged:  # the shard was rewritten since its index was cached: read the new index, once
-            loc = self.relocate(index, loc.ident)
-            if loc.path is None:
-                return loc.key, None
-            try:
-                data = self.store.read_range(loc.path, loc.offset, loc.length, loc.ident)
-            except FileChanged:
-                raise self.shard_changed(loc.key) from None
-        if data is None or len(data) != loc.length:
-            raise DecodeError(f"{self.uri}: the shard holding inner chunk {loc.key!r} changed or vanished while "
-                              "it was read", uri=self.uri, key=loc.key)
-        return loc.key, data
+        return loc.key, self._get_stored(index, loc)
 
     def _get_stored(self, index: tuple[int, ...], loc: ChunkLocation):
         """A chunk read through the store: a whole value (None when missing: the fill value) or an inner
         chunk's range (checked against its index's generation: see :meth:`_fetch_checked`)."""
         if loc.offset is None:
             try:
-                data = self.kv.get(loc.path)
+                data = self.kv.get(self.key_of(loc.path))
             except NotFound:
                 return None
             self.metadata.codec.check_stored_size(len(data), loc.key)
             return data
         return self._fetch_checked([], [(index, loc)])[1][0]
-
-    def _read_chunk_file(self, loc: ChunkLocation) -> bytearray | None:
-        """The whole chunk file, or None when missing; one larger than the codecs can write is not read."""
-        f = self.store.open_file(loc.path)
-        if f is None:
-            return None
-        with f:
-            self.metadata.codec.check_stored_size(f.size, loc.key)
-            data = bytearray(f.size)
-            if f.read_into(memoryview(data), 0) != f.size:
-                raise DecodeError(f"{self.uri}: chunk {loc.key!r} changed while it was read", uri=self.uri,
-                                  key=loc.key)
-        return data
 
     def shard_changed(self, key: str) -> DecodeError:
         """The error for a shard that changed again after its index was read anew."""
@@ -534,41 +508,24 @@ class ArrayReader:
     def _shard_entry(self, shard_key: str) -> ShardIndex | None:
         return self._index_cache.get_or_load((self._token, shard_key), lambda: self._load_shard_index(shard_key))
 
-    def _load_shard_index(self, shard_key: str) -> ShardIndex | None:
-        spec = self.metadata.sharding
-        if self.kv is not None:
-            return self._load_stored_index(shard_key)
-
-        def where(size: int) -> tuple[int, int]:
-            if size < spec.index_nbytes:
-                raise DecodeError(
-                    f"{self.uri}: shard {shard_key!r} is truncated: {size} bytes, but its index alone needs "
-                    f"{spec.index_nbytes}",
-                    uri=self.uri, key=shard_key,
-                )
-            return spec.index_range(size)
-
-        try:
-            got = self.store.read_current(self.file_path(shard_key), where)
-        except FileChanged:
-            raise DecodeError(f"{self.uri}: shard {shard_key!r} kept changing while its index was read; read it "
-                              "once writing has finished", uri=self.uri, key=shard_key) from None
-        if got is None:
-            return None
-        raw, ident = got
-        return ShardIndex(spec.decode_index(raw, self.uri, shard_key, ident[2]), ident)
-
-
-    def _load_stored_index(self, shard_key: str) -> ShardIndex | None:
-        """A shard's index read through the store by one range (see :meth:`_index_range`)."""
-        out, generations = get_each(self.kv, [self._index_range(shard_key)], versions=True)
-        if isinstance(out[0], NotFound):
-            return None
-        if isinstance(out[0], StorageError):
-            raise self.index_error(shard_key, out[0])
-        if isinstance(out[0], Exception):
-            raise out[0]
-        return self._stored_index(shard_key, out[0], generations[0])
+    def _load_shard_index(self, shard_key: str, attempts: int = 3) -> ShardIndex | None:
+        """A shard's index read through the store by one range (see :meth:`_index_range`). A file read while
+        it changed (its generation before and after the read differ) is read again, ``attempts`` times."""
+        for _ in range(attempts):
+            out, generations = get_each(self.kv, [self._index_range(shard_key)], versions=True)
+            if isinstance(out[0], NotFound):
+                return None
+            if isinstance(out[0], (StorageError, FileChanged)):
+                raise self.index_error(shard_key, out[0])
+            if isinstance(out[0], Exception):
+                raise out[0]
+            if not self.kv.is_local:
+                return self._stored_index(shard_key, out[0], generations[0])
+            if is_identity(generations[0]):  # a file's: what the compiled engine checks the file against
+                ident = generations[0]
+                spec = self.metadata.sharding
+                return ShardIndex(spec.decode_index(out[0], self.uri, shard_key, ident[2]), ident)
+        raise self.index_error(shard_key, FileChanged(f"{self.file_path(shard_key)} kept changing while read"))
 
     def read_error(self, exc: BaseException) -> BaseException:
         """What a failed store read of this array's chunks means: a range past the end of one of its shard
@@ -578,20 +535,23 @@ class ArrayReader:
             return exc
         key, size = exc.context.get("key"), exc.context.get("value_size")
         if self.metadata.sharding is None or size is None or not isinstance(key, str) or \
-                not key.startswith(self._dir):
+                not key.startswith(self._keys):
             return exc
-        shard_key = key[len(self._dir):]
+        shard_key = key[len(self._keys):]
         return DecodeError(f"{self.uri}: shard {shard_key!r} is shorter than its index claims: the store holds "
                            f"{size} bytes of it ({exc})", uri=self.uri, key=shard_key)
 
     def raised_by_my_store(self, exc: BaseException) -> bool:
         """Whether ``exc`` is a StorageError of the store this array is read from (it names its URI)."""
-        return (isinstance(exc, StorageError) and self.kv is not None
-                and exc.context.get("uri") == getattr(self.kv, "uri", None))
+        return isinstance(exc, StorageError) and exc.context.get("uri") == self.kv.uri
 
     def index_error(self, shard_key: str, exc: Exception) -> Exception:
         """The error for a shard whose index read through the store failed with ``exc``: a shard shorter than
-        its index is corrupt data (the DecodeError a local shard gives), anything else the store's error."""
+        its index is corrupt data, as is a file that kept changing while read; anything else the store's
+        error."""
+        if isinstance(exc, FileChanged):
+            return DecodeError(f"{self.uri}: shard {shard_key!r} kept changing while its index was read; read it "
+                               "once writing has finished", uri=self.uri, key=shard_key)
         size = exc.context.get("value_size") if isinstance(exc, StorageError) else None
         need = self.metadata.sharding.index_nbytes
         if size is None or size >= need:
@@ -603,7 +563,7 @@ class ArrayReader:
         """The range of a stored shard holding its index: a suffix when it ends the shard, so the shard's size
         is not needed (a shard whose entries reach past its end fails when they are read)."""
         spec = self.metadata.sharding
-        key = self.file_path(shard_key)
+        key = self._keys + shard_key
         return ByteRange.suffix(key, spec.index_nbytes) if spec.index_location == "end" else \
             ByteRange(key, 0, spec.index_nbytes)
 
@@ -627,7 +587,7 @@ def raise_read_error(readers: Iterable[ArrayReader], exc: BaseException) -> NoRe
     # the array whose folder holds the key, in the store that raised: the deepest, should folders nest
     mine = [r for r in {id(r): r for r in readers}.values() if r.read_error(exc) is not exc]
     if mine:
-        raise max(mine, key=lambda r: len(r._dir)).read_error(exc) from exc
+        raise max(mine, key=lambda r: len(r._keys)).read_error(exc) from exc
     raise exc
 
 
@@ -643,8 +603,8 @@ def fetch_stored(kv: Store, keys: Sequence[str],
     """
     readers = [reader for reader, _, _ in ranged]
     try:
-        values, parts, _, versions = get_many(kv, keys, [ByteRange(loc.path, loc.offset, loc.length)
-                                                         for _, _, loc in ranged],
+        values, parts, _, versions = get_many(kv, keys, [ByteRange(reader.key_of(loc.path), loc.offset, loc.length)
+                                                         for reader, _, loc in ranged],
                                               versions=True, lenient=range(len(ranged)))
     except StorageError as exc:
         raise_read_error(readers, exc)
@@ -658,8 +618,8 @@ def fetch_stored(kv: Store, keys: Sequence[str],
         parts[k] = None  # empty in the new shard, or the shard is gone: the fill value
     again = [(k, loc) for k, loc in moved if loc.path is not None]
     try:
-        _, got, _, got_versions = get_many(kv, [], [ByteRange(loc.path, loc.offset, loc.length) for _, loc in again],
-                                           versions=True)
+        _, got, _, got_versions = get_many(kv, [], [ByteRange(ranged[k][0].key_of(loc.path), loc.offset, loc.length)
+                                                    for k, loc in again], versions=True)
     except StorageError as exc:  # read anew, a range past its shard's end: that array's DecodeError
         raise_read_error(readers, exc)
     for (k, loc), data, version in zip(again, got, got_versions):
@@ -672,10 +632,21 @@ def fetch_stored(kv: Store, keys: Sequence[str],
 def same_generation(ident: Identity | None, generation: Any) -> bool:
     """Whether a range read through a store at ``generation`` (None: the store cannot tell) may be decoded as
     located by a shard index of identity ``ident`` (a :class:`ShardIndex`'s): the same generation of the
-    shard value, or one of the two unknown."""
-    if ident is None or generation is None or not ident[3]:
+    shard value, or one of the two unknown. A shard file's index (read through a store that is local) holds
+    the file's identity, which is its generation: the range's must be that very one."""
+    if ident is None:
+        return True
+    if not _is_stamped(ident):
+        return generation == ident
+    if generation is None or not ident[3]:
         return True
     return stamp(generation) == ident[3]
+
+
+def is_identity(generation: Any) -> bool:
+    """Whether a generation a local store reported is a file's :data:`~stoker.storage.Identity` (the same
+    before and after the read), not a file that changed while read."""
+    return isinstance(generation, tuple) and len(generation) == 5 and all(isinstance(v, int) for v in generation)
 
 
 #: What :meth:`ArrayReader.cached_shard_entries` gives for a shard whose index is not cached.
@@ -699,11 +670,12 @@ def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex 
     :func:`~stoker.storage.store.get_each` call per store (arrays sharing a store share it; several stores
     are read at once, a thread each), so a cold batch touching N shards waits one round trip, not N. Each is
     decoded and checked as :meth:`~ArrayReader.shard_entry` does, and cached (a missing shard as None).
-    Local arrays read their indexes one after the other, through the cache, as before."""
+    Arrays in a local store (files, read by positional reads, no round trip to wait) read their indexes one
+    after the other, through the cache."""
     out: list = [_UNREAD] * len(wanted)
     by_store: dict[int, tuple[Store, list[int]]] = {}
     for i, (reader, shard_key) in enumerate(wanted):
-        if reader.kv is not None and not reader._is_cached(shard_key):
+        if not reader.kv.is_local and not reader._is_cached(shard_key):
             by_store.setdefault(id(reader.kv), (reader.kv, []))[1].append(i)
         else:
             try:
@@ -832,10 +804,11 @@ def open_array(uri: str | os.PathLike, storage_options: dict[str, Any] | None = 
     store = store or default_store()
     if not loc.is_local:
         kv, hierarchy = (stores or default_stores()).get(loc, storage_options)
-        return ArrayReader(read_store_metadata(hierarchy, loc.prefix, loc.uri), loc.prefix, store, index_cache, kv)
+        return ArrayReader(read_store_metadata(hierarchy, loc.prefix, loc.uri), loc.prefix, kv, index_cache)
     if storage_options:
         raise InvalidArgument(f"{uri}: storage_options apply to remote URIs only (s3://, gs://, az://, "
                               "http(s)://); drop them for a local path", uri=os.fspath(uri))
     path = loc.path
     store.forget(path)  # the array may have been rewritten since its files were last opened
-    return ArrayReader(read_metadata(path, store, uri=os.fspath(uri)), path, store, index_cache)
+    meta = read_metadata(path, store, uri=os.fspath(uri))
+    return ArrayReader(meta, "", FileStore(path, store), index_cache)

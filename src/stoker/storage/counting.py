@@ -23,7 +23,7 @@ class StoreCounters:
     bytes: int = 0
 
 
-class CountingStore:
+class CountingStore(Store):
     """Wraps ``store``: same reads, plus :attr:`counters`; thread-safe."""
 
     def __init__(self, store: Store) -> None:
@@ -63,9 +63,18 @@ class CountingStore:
         self._count(len(requests), sum(memoryview(d).nbytes for d in out))
         return out
 
+    #: what the store it wraps reports, or None for every read (see Store.get_many)
+    reports_versions = True
+    #: every read on the caller's thread, so that it is counted (never the wrapped store's start_get_many)
+    starts_reads = False
+
     @property
-    def reports_versions(self) -> bool:
-        return True  # what the store it wraps reports, or None for every read (see store.get_many)
+    def max_gap(self) -> int:  # type: ignore[override]
+        return self.store.max_gap
+
+    @property
+    def root(self) -> str | None:  # type: ignore[override]
+        return self.store.root
 
     def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
                  lenient: Collection[int] = ()) -> tuple:

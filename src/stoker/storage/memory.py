@@ -10,11 +10,11 @@ import threading
 from typing import Any, Collection, Mapping, Sequence
 
 from ..errors import InvalidArgument, NotFound, StorageError, as_value
-from .store import (ByteRange, by_key, check_key, check_prefix, gone_or_shorter, not_found, one_level,
+from .store import (ByteRange, Store, by_key, check_key, check_prefix, gone_or_shorter, not_found, one_level,
                     slice_value, under)
 
 
-class MemoryStore:
+class MemoryStore(Store):
     """A :class:`~stoker.storage.store.Store` over a dict of ``key -> bytes``; thread-safe."""
 
     supports_ranges = True

@@ -48,7 +48,7 @@ from urllib.parse import urlparse
 from .. import checks
 from ..errors import InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat, as_value
 from .ranges import coalesce
-from .store import ByteRange, by_key, check_key, check_prefix, gone_or_shorter, not_found, short_read
+from .store import ByteRange, Store, by_key, check_key, check_prefix, gone_or_shorter, not_found, short_read
 from .urls import check_remote_url
 
 #: obstore's HTTP client options (``ClientConfig``): these ``storage_options`` go to the client.
@@ -124,11 +124,13 @@ class _Loop:
             return cls._current
 
 
-class ObjectStore:
+class ObjectStore(Store):
     """A bucket, container or HTTP(S) root read as a store (see the module docstring); thread-safe."""
 
     supports_ranges = True
     is_local = False
+    #: start_get_many runs a get_many on the store's event loop, with no thread waiting for it
+    starts_reads = True
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, timeout_s: float = 30.0,
                  connect_timeout_s: float = 5.0, retries: int = 5, retry_timeout_s: float = 60.0,

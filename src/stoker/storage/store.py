@@ -2,19 +2,16 @@
 
 A key is a ``/``-separated relative name (``"zarr.json"``, ``"c/0/1"``), never an OS path: the same
 key reads the same value from a directory, a zip archive, an object store bucket or memory. Every
-store has the methods of :class:`Store` and three capability flags:
-
-- ``supports_ranges``: :meth:`Store.get_ranges` reads only the asked bytes (otherwise whole values
-  are read and sliced);
-- ``supports_list``: :meth:`Store.list` and :meth:`Store.list_dir` work (plain HTTP servers cannot list);
-- ``is_local``: keys are files on the local file system (``store.path(key)`` names them).
+store subclasses :class:`Store`: its methods, and the capabilities it declares as class attributes
+(``supports_ranges``, ``supports_list``, ``is_local``, ``reports_versions``, ``starts_reads``, ``max_gap``;
+see :class:`Store`), which callers read and never probe for.
 
 Reads return exactly the asked bytes or raise: a missing key is :class:`~stoker.errors.NotFound`, and
 any failure to deliver them, a short body included, is a :class:`~stoker.errors.StorageError` naming
 the store's URI, the key and, where there is one, the status and the attempts made. Never fewer bytes.
 Reads return ``bytes`` or a ``memoryview`` of a larger buffer (compare with ``bytes(x)``).
 
-Generations. A store that sets ``reports_versions`` also says, for every value and range its ``get_many``
+Generations. A store that declares ``reports_versions`` also says, for every value and range its ``get_many``
 and ``get_each`` read (``versions=True``), the generation of the value the bytes came from: what tells one
 version of a value from another (an object store's size and ETag, or Last-Modified; a memory store's write
 count; a zip archive's identity), ``None`` where it cannot tell. A reader that keeps what it learnt of a
@@ -27,7 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Collection, Sequence
 
 from ..errors import InvalidArgument, NotFound, StorageError, as_value
 
@@ -63,36 +60,97 @@ class ByteRange:
         return self.start < 0
 
 
-@runtime_checkable
-class Store(Protocol):
-    """What every store does (see the module docstring for the rules they share)."""
+class Store:
+    """What every store does (see the module docstring for the rules they share): every store subclasses it.
+
+    A store declares what it can do as class attributes (never probed): :attr:`supports_ranges`,
+    :attr:`supports_list`, :attr:`is_local`, :attr:`reports_versions`, :attr:`starts_reads`,
+    :attr:`max_gap`. It implements :meth:`get`, :meth:`get_ranges`, :meth:`size`, :meth:`exists`,
+    :meth:`list`, :meth:`list_dir` and :meth:`close`; the bulk reads :meth:`get_many` and :meth:`get_each`
+    have defaults built on them, which a store that reads many things at once (an object store) overrides.
+
+    >>> class Dict(Store):
+    ...     uri, supports_list = "memory://d", False
+    ...     def get(self, key): return b"abc"
+    ...     def get_ranges(self, requests): return [self.get(r.key)[r.start:r.start + r.length] for r in requests]
+    >>> Dict().get_many(["k"], [ByteRange("k", 1, 2)])
+    ([b'abc'], [b'bc'])
+    """
 
     uri: str
-    supports_ranges: bool
-    supports_list: bool
-    is_local: bool
+    #: :meth:`get_ranges` reads only the asked bytes (otherwise whole values are read and sliced)
+    supports_ranges: bool = True
+    #: :meth:`list` and :meth:`list_dir` work (plain HTTP servers cannot list)
+    supports_list: bool = True
+    #: keys are regular files under the directory :attr:`root` (``store.path(key)`` names one), and each
+    #: value's generation is its file's :data:`~stoker.storage.local.Identity`: an engine may read the files
+    #: itself by path, checking their identities as :class:`~stoker.storage.local.LocalStore` does
+    is_local: bool = False
+    #: :meth:`get_many` and :meth:`get_each` say which generation of each value they read (``versions=True``);
+    #: otherwise they report None (unknown) for every read
+    reports_versions: bool = False
+    #: :meth:`start_get_many` starts a :meth:`get_many` without a waiting thread (an object store's requests
+    #: run on its event loop): its future's :meth:`result_of` is the result
+    starts_reads: bool = False
+    #: ranges of one value at most this many bytes apart are read as one (the gap read too); 0: none merged
+    max_gap: int = 0
+    #: the directory holding the values of an ``is_local`` store (None for others)
+    root: str | None = None
 
     def get(self, key: str) -> bytes | memoryview:
         """The whole value at ``key``."""
+        raise NotImplementedError
 
     def get_ranges(self, requests: Sequence[ByteRange]) -> list[bytes | memoryview]:
         """The bytes of every range, in order: one call for many ranges of one or several keys, so a
         store can merge and overlap them."""
+        raise NotImplementedError
+
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
+                 lenient: Collection[int] = ()) -> tuple:
+        """Whole values of ``keys`` (None for a missing key) and the bytes of ``requests``, in one call (here one
+        after the other; a store that can, many at once). With ``versions``, also each value's and range's
+        generation (None where the store reports none): ``(values, parts, value_versions, part_versions)``.
+        The requests numbered in ``lenient`` get, when their value is gone or shorter than the range, that
+        error in place of their bytes (a caller that located a range in an older version reads anew)."""
+        values, parts = read_values(self, keys), ranges_in_place(self.get_ranges, requests, lenient)
+        return (values, parts, [None] * len(values), [None] * len(parts)) if versions else (values, parts)
+
+    def get_each(self, requests: Sequence[ByteRange], versions: bool = False) -> Any:
+        """The bytes of each range, or the error that range alone met (:class:`NotFound` for a missing key,
+        a short read...), in one call: for readers whose ranges are independent (shard indexes), one failure
+        costs nobody else their bytes. Here all in one :meth:`get_ranges` call and, only if it fails, each
+        range alone. With ``versions``: ``(outcomes, generations)``."""
+        out = each_alone(self, requests)
+        return (out, [None] * len(out)) if versions else out
+
+    def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
+                       lenient: Collection[int] = ()) -> Any:
+        """A future of :meth:`get_many` (a store that declares :attr:`starts_reads`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not start reads (starts_reads is False)")
+
+    def result_of(self, future: Any) -> Any:
+        """What the future of :meth:`start_get_many` holds (its error raised)."""
+        raise NotImplementedError(f"{type(self).__name__} does not start reads (starts_reads is False)")
 
     def size(self, key: str) -> int:
         """The value's length in bytes."""
+        raise NotImplementedError
 
     def exists(self, key: str) -> bool:
         """Whether a value is stored at ``key``."""
+        raise NotImplementedError
 
     def list(self, prefix: str = "") -> list[str]:
         """Every key under ``prefix`` (a ``/``-separated directory; ``""``: all), sorted."""
+        raise NotImplementedError
 
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         """One level under ``prefix``: ``(keys, folders)``, the keys directly in it and the folders
         (full key prefixes, no trailing ``/``) holding keys further down, both sorted. Never the keys
         under those folders: an object store answers it with a delimiter listing, a page of 1,000
         entries per request, so finding the groups of a hierarchy reads none of their chunk keys."""
+        raise NotImplementedError
 
     def close(self) -> None:
         """Release what the store holds (descriptors, connections); reads after it may fail."""
@@ -231,33 +289,13 @@ def read_values(store: Store, keys: Sequence[str]) -> list[bytes | memoryview | 
 
 def get_many(store: Store, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
              lenient: Collection[int] = ()) -> tuple:
-    """Whole values of ``keys`` (None for a missing key) and the bytes of ``requests``, in one call: a store
-    with a ``get_many`` of its own (an object store: many requests at once) runs them together; others
-    read one after the other. With ``versions``, also each value's and range's generation (None where the
-    store reports none): ``(values, parts, value_versions, part_versions)``. The requests numbered in
-    ``lenient`` get, when their value is gone or shorter than the range, that error in place of their bytes
-    (a caller that located a range in an older version reads anew)."""
-    many = getattr(store, "get_many", None)
-    if many is not None and getattr(store, "reports_versions", False):
-        return many(keys, requests, versions=versions, lenient=lenient)
-    if many is not None and not lenient:
-        values, parts = many(keys, requests)
-    else:
-        values, parts = read_values(store, keys), ranges_in_place(store.get_ranges, requests, lenient)
-    return (values, parts, [None] * len(values), [None] * len(parts)) if versions else (values, parts)
+    """``store.get_many(...)`` (see :meth:`Store.get_many`)."""
+    return store.get_many(keys, requests, versions=versions, lenient=lenient)
 
 
 def get_each(store: Store, requests: Sequence[ByteRange], versions: bool = False) -> Any:
-    """The bytes of each range, or the error that range alone met (:class:`NotFound` for a missing key,
-    a short read...), in one call: for readers whose ranges are independent (shard indexes), one failure
-    costs nobody else their bytes. A store with a ``get_each`` of its own (an object store: every range
-    its own request, many at once) runs them together; others read them in one ``get_ranges`` call and,
-    only if it fails, each range alone. With ``versions``: ``(outcomes, generations)``."""
-    each = getattr(store, "get_each", None)
-    if each is not None and getattr(store, "reports_versions", False):
-        return each(requests, versions=versions)
-    out = each(requests) if each is not None else each_alone(store, requests)
-    return (out, [None] * len(out)) if versions else out
+    """``store.get_each(...)`` (see :meth:`Store.get_each`)."""
+    return store.get_each(requests, versions=versions)
 
 
 def each_alone(store: Store, requests: Sequence[ByteRange]) -> list[bytes | memoryview | Exception]:

@@ -25,10 +25,7 @@ from urllib.parse import quote, unquote, urlparse, urlsplit
 
 from ..errors import InvalidArgument
 from .store import Store
-from .urls import check_remote_url, redact, resolve_local_path
-
-#: Schemes obstore opens (ObjectStore).
-REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https"})
+from .urls import REMOTE_SCHEMES, check_remote_url, redact, resolve_local_path
 
 #: Hosts whose https URLs obstore (object_store) may open as a provider's store rather than plain HTTP.
 _PROVIDER_HOSTS = (".amazonaws.com", ".r2.cloudflarestorage.com", ".blob.core.windows.net", ".dfs.core.windows.net",

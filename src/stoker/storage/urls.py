@@ -15,7 +15,8 @@ from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 
 from ..errors import InvalidArgument, UnsupportedFormat
 
-_NO_LOCAL_PATH = {"s3", "gs", "gcs", "az", "abfs", "http", "https"}
+#: Schemes obstore opens (:class:`~stoker.storage.objectstore.ObjectStore`): remote URIs, which name no local path.
+REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https"})
 
 
 def resolve_local_path(uri: str) -> str:
@@ -33,7 +34,7 @@ def resolve_local_path(uri: str) -> str:
             if parsed.netloc not in ("", "localhost"):
                 raise UnsupportedFormat(f"file URI {uri!r} names host {parsed.netloc!r}; use file:///path", uri=uri)
             uri = unquote(parsed.path)
-        elif parsed.scheme in _NO_LOCAL_PATH:
+        elif parsed.scheme in REMOTE_SCHEMES:
             raise UnsupportedFormat(
                 f"{uri}: a remote URI ({parsed.scheme}://) names no local path; this needs a local file or "
                 "directory (open_array, Sample, the samplers, ZarrRecords and stoker inspect take remote URIs)",

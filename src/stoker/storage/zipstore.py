@@ -33,14 +33,14 @@ from typing import Any, Collection, Sequence
 from ..errors import DecodeError, InvalidArgument, NotFound, StorageError, UnsupportedFormat
 from .local import LocalStore, OpenFile, default_store, identity, open_regular
 from .ranges import coalesce
-from .store import (ByteRange, by_key, check_key, check_prefix, each_alone, not_found, one_level, ranges_in_place,
+from .store import (ByteRange, Store, by_key, check_key, check_prefix, each_alone, not_found, one_level, ranges_in_place,
                     read_values, short_read, slice_value, under)
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader: a member's local header
 _LOCAL_MAGIC = b"PK\x03\x04"
 
 
-class ZipStore:
+class ZipStore(Store):
     """A zip archive on the local file system, read as a store (see the module docstring)."""
 
     supports_ranges = True

@@ -142,11 +142,12 @@ class _Source:
         # a path the engine cannot build (deep folders) is read by the Python path, which has no such cap
         short = len(self.prefix) + 21 * ndim + 1 <= native.PATH_CAP
         decodes = bool(self.fills and not codec.filters and self.codec is not None and codec.nbytes
-                       and scratch_need(codec, reader.kv is not None) <= budget)
-        self.reads = decodes and short and reader.kv is None
-        # an array in a store (reader.kv: an object store, a zip archive) has no files the engine can open:
+                       and scratch_need(codec, not reader.kv.is_local) <= budget)
+        # a local array's store (is_local) holds files, which the engine opens and reads itself by path
+        self.reads = decodes and short and reader.kv.is_local
+        # an array in another store (an object store, a zip archive) has no files the engine can open:
         # its chunks are fetched through the store, and the engine decodes them from the fetched buffers
-        self.memory = decodes and reader.kv is not None
+        self.memory = decodes and not reader.kv.is_local
         self.kv = reader.kv
         # blosc chunks fetched from a store may later be fetched as their needed blocks (frame_spans): only where
         # the Python path, should the engine leave one, also decodes those blocks alone (a plain layout)
@@ -194,10 +195,10 @@ def shared_source(reader, dtype: torch.dtype, kind: int | None, budget: int) -> 
     >>> a is shared_source(open_array("/data/a.zarr"), torch.float32, native.KIND_F32, 1 << 30)
     True
     """
-    if reader.kv is not None:  # its store is one pipeline's: NativeDecoder keeps its _Source per pipeline
+    if not reader.kv.is_local:  # its store is one pipeline's: NativeDecoder keeps its _Source per pipeline
         raise ValueError(f"{reader.uri}: shared_source describes local arrays only")
     meta = reader.metadata
-    return _kept(_shared_sources, (id(meta), reader.path, dtype, kind, budget), meta,
+    return _kept(_shared_sources, (id(meta), reader.file_path(""), dtype, kind, budget), meta,
                  lambda: _Source(reader, dtype, kind, budget))
 
 
@@ -307,7 +308,7 @@ class NativeDecoder:
     # -- submission ------------------------------------------------------------------------------
 
     def _source(self, reader, dtype: torch.dtype, kind: int | None) -> _Source:
-        if reader.kv is None:  # a local array: described once per process
+        if reader.kv.is_local:  # a local array: described once per process
             return shared_source(reader, dtype, kind, self.budget_bytes)
         # an array in a store: the store is this pipeline's, and so is its _Source
         return _kept(self._sources, (id(reader), dtype, kind), reader,
@@ -407,7 +408,7 @@ class NativeDecoder:
         for k, kv in kvs.values():
             mine = store_of == k
             fetch_of = functools.partial(self._fetch_of, plan, kv, sources=sources, stored=stored)
-            if getattr(kv, "start_get_many", None) is None:  # a zip archive: its reads wait for nobody
+            if not kv.starts_reads:  # a zip archive: its reads wait for nobody
                 groups = [(mine, quarter)]
             else:
                 # over a network the whole values go in a few fetches, decoded as each comes in; a shard's
@@ -436,7 +437,7 @@ class NativeDecoder:
         keys = self._keys(plan, plan.chunk_file[whole], sources)
         # blosc spans only where an ETag tells versions apart (an object store's; see frame_spans); inner chunks'
         # generations wherever the store reports them (see PythonDecoder.check_generations)
-        versions = bool(getattr(kv, "reports_versions", False)) and getattr(kv, "start_get_many", None) is not None
+        versions = kv.reports_versions and kv.starts_reads
         spans: dict = {}
         if versions and len(self._frames) and len(whole):
             whole, keys, span_ids = self._spans_of(plan, kv, whole, keys, sources, requests, spans)

@@ -10,7 +10,7 @@ task; I/O threads take only the reads that must wait for memory.
 Per file read, the task reserves everything the read will need (encoded bytes plus decode scratch) from
 the transient budget in one step, so work that holds memory never waits for more memory.
 
-Arrays in a store (object stores, zip archives: ``reader.kv``) are fetched here, for both paths
+Arrays in a store whose keys are not local files (object stores, zip archives) are fetched here, for both paths
 (:meth:`PythonDecoder.fetch`): a batch's chunks of one store by one call per group
 (:func:`~stoker.storage.store.get_many`: whole chunk values, and inner chunks' ranges, which the store merges
 per object within its gap and size cap), with at most ``Config.requests_in_flight`` requests of the
@@ -32,7 +32,7 @@ import torch
 
 from ...errors import DecodeError, ShutdownError, StorageError, pipeline_closed
 from ...reader.array import raise_read_error
-from ...storage import ByteRange, FileChanged, LocalStore
+from ...storage import ByteRange, FileChanged, LocalStore, Store
 from ...storage.store import get_many, stamp
 from ...runtime.workers import DaemonPool
 from ...zarr.codecs import blosc
@@ -91,10 +91,10 @@ def fetches_within(items: Sequence, fetch_of: Callable[[Sequence], "Fetch"], lim
     return out
 
 
-def span_bytes(kv, objects: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> int:
+def span_bytes(kv: Store, objects: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> int:
     """The bytes ``kv`` holds once it fetched these ranges (``objects[i]`` numbers range i's key): ranges of
     one key at most the store's ``max_gap`` apart are fetched as one read, the gap between them included
-    (:func:`~stoker.storage.ranges.coalesce`; a store without ``max_gap`` merges none). An upper bound: the
+    (:func:`~stoker.storage.ranges.coalesce`; a store whose ``max_gap`` is 0 merges none). An upper bound: the
     store also caps a read's length, which splits reads and leaves the gaps between them unread (a range
     overlapping earlier ones is counted again: a split there fetches its bytes twice).
 
@@ -104,7 +104,7 @@ def span_bytes(kv, objects: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
     n = len(offsets)
     if n == 0:
         return 0
-    gap = int(getattr(kv, "max_gap", 0) or 0)
+    gap = kv.max_gap
     order = np.lexsort((offsets, objects))
     obj, start = objects[order], offsets[order]
     end = start + lengths[order]
@@ -202,10 +202,10 @@ class PythonDecoder:
         with many threads, unless that leaves fewer groups than half the threads: with two batches in
         flight (lookahead), every thread still has a group.
         """
-        stored = [fr for fr in reads if self._kv(job, fr) is not None]
+        stored = [fr for fr in reads if not self._kv(job, fr).is_local]
         if stored:
             self._submit_fetches(job, stored)
-            reads = [fr for fr in reads if self._kv(job, fr) is None]
+            reads = [fr for fr in reads if self._kv(job, fr).is_local]
             if not reads:
                 return
         n_groups = min(len(reads), 2 * self._n_compute,
@@ -214,8 +214,8 @@ class PythonDecoder:
             self.run(self._read_group, job, reads[g::n_groups])
 
     @staticmethod
-    def _kv(job: Job, fr: FileRead):
-        """The store ``fr``'s array is read through, or None (local files)."""
+    def _kv(job: Job, fr: FileRead) -> Store:
+        """The store ``fr``'s array is read through (one that ``is_local``: its files are read here by path)."""
         plan = job.plan
         return plan.sources[plan.chunks[fr.chunk_ids[0]].source].kv
 
@@ -284,13 +284,12 @@ class PythonDecoder:
         try:
             res.reserve(fetch.cost, self.cancelled)
             t0 = time.perf_counter()
-            start = getattr(kv, "start_get_many", None)
             # a span's or an inner chunk's "gone or shorter" comes as its part: the chunk is read whole, or
             # located again in its shard's index read anew, then (once: read anew, it is the error it is)
             lenient = sorted(set(fetch.spans or ()) | set(() if fetch.retried else fetch.inner))
-            if start is not None:
-                future = start(fetch.keys, fetch.requests, versions=True, lenient=lenient) \
-                    if fetch.versions else start(fetch.keys, fetch.requests)
+            if kv.starts_reads:
+                future = kv.start_get_many(fetch.keys, fetch.requests, versions=True, lenient=lenient) \
+                    if fetch.versions else kv.start_get_many(fetch.keys, fetch.requests)
                 future.add_done_callback(
                     lambda f: self._hand_over(job, fetch, then, users, res, t0, lambda: kv.result_of(f)))
                 return

@@ -105,7 +105,7 @@ def engine_budget(left: int, python_need: int, threads: int, readers: list) -> i
     for their scratch; the Python path keeps the rest, at least ``python_need`` (one file's chunks). Arrays
     whose codec the engine does not decode size nothing: when the first batch has none it can decode, the
     engine gets nothing and the Python path, which reads them all, keeps everything."""
-    needs = [scratch_need(r.metadata.codec, r.kv is not None) for r in readers
+    needs = [scratch_need(r.metadata.codec, not r.kv.is_local) for r in readers
              if native_codec(r.metadata.codec) is not None]
     if not needs:
         return 0

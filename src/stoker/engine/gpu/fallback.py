@@ -27,7 +27,7 @@ def fetch(plan: TablePlan, cid: int, path: str | None):
     its file (its store key for an array in a store)."""
     reader = plan.sources[int(plan.chunk_source[cid])]
     index = tuple(int(v) for v in plan.chunk_index[cid])
-    if reader.kv is not None and int(plan.chunk_offset[cid]) >= 0:
+    if not reader.kv.is_local and int(plan.chunk_offset[cid]) >= 0:
         f = int(plan.chunk_file[cid])
         ident = tuple(int(v) for v in plan.files[f, F_IDENT:F_IDENT + 2].view(np.uint64)) + \
             tuple(int(v) for v in plan.files[f, F_IDENT + 2:F_IDENT + 5])

@@ -108,9 +108,9 @@ class ReadPlan:
 def plan_reads(plan: TablePlan, sources: list[Source]) -> ReadPlan:
     """The stored chunks of ``plan`` decoded on the device, ordered and costed for :meth:`ReadPlan.take`."""
     how = np.array([s.how for s in sources], np.int64)
-    in_store = np.array([r.kv is not None for r in plan.sources], bool)
+    in_store = np.array([not r.kv.is_local for r in plan.sources], bool)  # the rest: files read by path
     # stores numbered by identity: arrays of one store are fetched together
-    store_no = {id(r.kv): k for k, r in enumerate(plan.sources) if r.kv is not None}
+    store_no = {id(r.kv): k for k, r in enumerate(plan.sources) if not r.kv.is_local}
     store = np.array([store_no.get(id(r.kv), -1) for r in plan.sources], np.int64)
     ids = np.flatnonzero((plan.chunk_file >= 0) & (how[plan.chunk_source] != CPU))
     src = plan.chunk_source[ids]
