@@ -19,7 +19,7 @@ import torch
 from ...errors import DeviceError
 from ...reader.array import ChunkLocation, fetch_stored
 from ..cast import copy_cast, numpy_view
-from ..planning.tables import F_IDENT, TablePlan
+from ..planning.tables import TablePlan, file_ident
 
 
 def fetch(plan: TablePlan, cid: int, path: str | None):
@@ -29,8 +29,7 @@ def fetch(plan: TablePlan, cid: int, path: str | None):
     index = tuple(int(v) for v in plan.chunk_index[cid])
     if not reader.kv.is_local and int(plan.chunk_offset[cid]) >= 0:
         f = int(plan.chunk_file[cid])
-        ident = tuple(int(v) for v in plan.files[f, F_IDENT:F_IDENT + 2].view(np.uint64)) + \
-            tuple(int(v) for v in plan.files[f, F_IDENT + 2:F_IDENT + 5])
+        ident = file_ident(plan.files[f])
         loc = ChunkLocation(plan.key(cid), path, int(plan.chunk_offset[cid]), int(plan.chunk_length[cid]), ident)
         return fetch_stored(reader.kv, [], [(reader, index, loc)])[1][0]  # checked against its index's generation
     return reader.encoded_chunk(index)[1]
