@@ -24,6 +24,7 @@ TileWriter with the samples that made it; the writer blends and writes each outp
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -88,8 +89,11 @@ def main() -> None:
             writer.write(samples, logits.argmax(1).to(torch.uint8) if labels else logits.softmax(1))
             tiles += len(samples)
     writer.close()
-    print(json.dumps({"rank": rank, "world_size": world, "tiles": tiles, "regions_written": writer.written}),
-          flush=True)
+    # one write of a whole line: the ranks share the launcher's stdout, and print() writes the text and its
+    # newline apart, so two ranks' lines could run together
+    summary = {"rank": rank, "world_size": world, "tiles": tiles, "regions_written": writer.written}
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -385,6 +385,7 @@ class ArrayReader:
         """Fetch ``(piece, location)``s in one store call, then decode each into ``out``."""
         whole = [(p, loc) for p, loc in group if loc.offset is None]
         ranged = [(p, loc) for p, loc in group if loc.offset is not None]
+        self._refuse_oversized([loc for _, loc in whole])
         values, parts = self._fetch_checked([self.key_of(loc.path) for _, loc in whole],
                                             [(p.index, loc) for p, loc in ranged])
         codec = self.metadata.codec
@@ -395,6 +396,20 @@ class ArrayReader:
             if loc.offset is None:
                 codec.check_stored_size(len(data), loc.key)
             out[piece.box_sel] = codec.decode(data, loc.key)[piece.chunk_sel]
+
+    def _refuse_oversized(self, whole: list[ChunkLocation]) -> None:
+        """Local chunk files larger than the codecs can write are refused by their size before a byte is read
+        (a sparse file of 3 GiB costs a stat, not 3 GiB; a missing one is left to the read: the fill value).
+        An object store's values are bounded as they are fetched (``max_value_bytes``), where asking each
+        size first would cost a request per chunk."""
+        if not self.kv.is_local:
+            return
+        for loc in whole:
+            try:
+                size = self.kv.size(self.key_of(loc.path))
+            except NotFound:
+                continue
+            self.metadata.codec.check_stored_size(size, loc.key)
 
     def _fetch_checked(self, keys: list[str], ranged: list[tuple[tuple[int, ...], ChunkLocation]]) -> tuple[list, list]:
         """:func:`fetch_stored` of this array's chunks."""
@@ -450,6 +465,7 @@ class ArrayReader:
         """A chunk read through the store: a whole value (None when missing: the fill value) or an inner
         chunk's range (checked against its index's generation: see :meth:`_fetch_checked`)."""
         if loc.offset is None:
+            self._refuse_oversized([loc])
             try:
                 data = self.kv.get(self.key_of(loc.path))
             except NotFound:
