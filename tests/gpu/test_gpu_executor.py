@@ -392,18 +392,24 @@ def test_inner_chunks_of_a_shard_are_read_in_few_reads(tmp_path, gpu_decode, mon
     _check_against_cpu_and_zarr(got, samples, data)
 
 
-def test_inner_chunks_of_a_shard_in_a_store_are_one_request_per_group(tmp_path, gpu_decode, monkeypatch):
+def _zipped(root, name):
+    """``root/name`` stored (not compressed) in the zip archive ``root/a.zip``, under its own name."""
     import zipfile
 
+    archive = root / "a.zip"
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+        for folder, _, names in os.walk(root / name):
+            for file in names:
+                path = os.path.join(folder, file)
+                zf.write(path, os.path.relpath(path, root))
+    return archive
+
+
+def test_inner_chunks_of_a_shard_in_a_store_are_one_request_per_group(tmp_path, gpu_decode, monkeypatch):
     from stoker.storage.zipstore import ZipStore
 
     z, data = _many_inner_chunks(tmp_path)
-    archive = tmp_path / "a.zip"
-    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
-        for folder, _, names in os.walk(tmp_path / "one.zarr"):
-            for name in names:
-                path = os.path.join(folder, name)
-                zf.write(path, os.path.relpath(path, tmp_path))
+    archive = _zipped(tmp_path, "one.zarr")
     samples = _two_crops(f"{archive}/one.zarr")
     calls = []
     get_ranges = ZipStore.get_ranges
@@ -425,16 +431,9 @@ def test_inner_chunks_in_a_store_that_the_device_does_not_decode_are_fetched_and
                                                                                                  gpu_decode):
     # gzip inner chunks of a shard in a zip archive: the device takes none, so each is fetched through its
     # reader at the offset its index gave (checked against the index's generation) and decoded on the CPU
-    import zipfile
-
     z, data = _write(tmp_path / "one.zarr", (16, 32, 32), (4, 8, 8), "uint16", GzipCodec(level=1),
                      shards=(16, 32, 32), fill_value=3, skip=4)
-    archive = tmp_path / "a.zip"
-    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
-        for folder, _, names in os.walk(tmp_path / "one.zarr"):
-            for name in names:
-                path = os.path.join(folder, name)
-                zf.write(path, os.path.relpath(path, tmp_path))
+    archive = _zipped(tmp_path, "one.zarr")
     samples = _two_crops(f"{archive}/one.zarr")
     with pytest.warns(RuntimeWarning, match="decoded on the CPU: codecs gzip"):
         got, stats = _run(samples)
