@@ -286,30 +286,29 @@ def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage):
     assert cache.corrupt > corrupt
 
 
-def test_a_too_small_bound_reads_uncached_with_one_warning(remote, data, tmp_path):
-    uri, options, _ = remote
-    options = {**options, "cache_dir": str(tmp_path / "tiny"), "cache_bytes": 64}
+def _disk_cache_warnings(uri: str, options: dict, data: str) -> list[str]:
+    """Read everything twice through a cache set by ``options`` (each read equal to zarr-python's), flushing
+    after each; the disk cache's warnings."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
             _check(_read_all(uri, options), data)
-        _store_of(uri, options).cache.flush(30)
-    mine = [w for w in caught if "disk cache" in str(w.message)]
-    assert len(mine) == 1 and "cache_bytes" in str(mine[0].message), [str(w.message) for w in caught]
+            _store_of(uri, options).cache.flush(30)
+    return [str(w.message) for w in caught if "disk cache" in str(w.message)]
+
+
+def test_a_too_small_bound_reads_uncached_with_one_warning(remote, data, tmp_path):
+    uri, options, _ = remote
+    mine = _disk_cache_warnings(uri, {**options, "cache_dir": str(tmp_path / "tiny"), "cache_bytes": 64}, data)
+    assert len(mine) == 1 and "cache_bytes" in mine[0], mine
 
 
 def test_an_unwritable_folder_reads_uncached_with_one_warning(remote, data, tmp_path):
     uri, options, _ = remote
     blocker = tmp_path / "a-file"
     blocker.write_bytes(b"")  # a folder under a regular file cannot be made, whoever we are
-    options = {**options, "cache_dir": str(blocker / "cache"), "cache_bytes": 64 << 20}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(2):
-            _check(_read_all(uri, options), data)
-            _store_of(uri, options).cache.flush(30)
-    mine = [w for w in caught if "disk cache" in str(w.message)]
-    assert len(mine) == 1 and "uncached" in str(mine[0].message), [str(w.message) for w in caught]
+    mine = _disk_cache_warnings(uri, {**options, "cache_dir": str(blocker / "cache"), "cache_bytes": 64 << 20}, data)
+    assert len(mine) == 1 and "uncached" in mine[0], mine
 
 
 def test_local_arrays_never_use_the_cache(data, tmp_path):
