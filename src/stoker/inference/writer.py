@@ -33,7 +33,7 @@ import numpy as np
 
 from ..dist.collectives import active_group, barrier, resolve_rank
 from ..errors import InvalidArgument
-from ..sampling.sample import Sample
+from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
 from .record import CompletionRecord
@@ -139,7 +139,7 @@ class TileWriter:
                                   knob="crop")
         if self.grid is not None:
             self._expected = {}
-            for tile in {self.grid.sample(0, i).aabb for i in range(len(self.grid))}:
+            for tile in {box_of(self.grid.sample(0, i)) for i in range(len(self.grid))}:
                 for r in regions_of(self._out(tile), self.unit):
                     if self._owner(r) == self.rank:
                         self._expected[r] = self._expected.get(r, 0) + 1
@@ -161,7 +161,7 @@ class TileWriter:
         keep = []
         for i in range(len(grid)):
             s = grid.sample(0, i)
-            if any(r not in self.done for r in regions_of(self._out(s.aabb), self.unit)):
+            if any(r not in self.done for r in regions_of(self._out(box_of(s)), self.unit)):
                 keep.append(s)
         if not keep:  # a finished array: one tile, so an epoch still has a sample; its regions are skipped
             keep.append(grid.sample(0, 0))
@@ -179,22 +179,23 @@ class TileWriter:
             raise InvalidArgument(f"TileWriter.write: {len(samples)} samples but {len(p)} predictions")
         parts: list[list[Part]] = [[] for _ in range(self.world_size)]
         for s, pred in zip(samples, p):
+            aabb = box_of(s)
             if self._ndim is None:
-                self._setup(len(s.aabb))
-            tile = tuple(b - a for a, b in s.aabb)
+                self._setup(len(aabb))
+            tile = tuple(b - a for a, b in aabb)
             if pred.shape != self.channels + tile:
                 raise InvalidArgument(
                     f"TileWriter.write: a prediction of shape {pred.shape} for a tile of {tile}; expected "
                     f"{self.channels + tile} (the array {self.uri} has shape {self.shape})", uri=self.uri)
-            out = self._out(s.aabb)
+            out = self._out(aabb)
             if any(b <= a for a, b in out):
                 continue  # cropped away whole
-            key = tuple(s.aabb)
+            key = tuple(aabb)
             for r in regions_of(out, self.unit):
                 if r in self.done:
                     continue
                 box = intersect(out, region_box(r, self.unit, self.spatial))
-                values = pred[(Ellipsis,) + local(box, tuple(s.aabb))]
+                values = pred[(Ellipsis,) + local(box, key)]
                 parts[self._owner(r)].append((r, key, box, values))
         self._receive(self._exchange(parts))
 

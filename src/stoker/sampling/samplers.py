@@ -33,7 +33,7 @@ from .cursor import CursorState, EpochCursor
 from ..dist.collectives import resolve_rank
 from ..errors import IncompleteSource, InvalidArgument, NotYetSupported
 from .permutation import ORDER_VERSION, Permutation
-from .sample import Sample, given_uri
+from .sample import Sample, box_of, given_uri
 
 _BLOCK = 1024  # RandomCrops draws samples in seeded blocks: cheap, and any index is reachable directly
 # Positions are int64 where they meet numpy (a rank's share as an array, seeds); with at most 2**62
@@ -141,8 +141,11 @@ def _plain(value: Any, where: str, source: SampleSource) -> Any:
         return value
     if isinstance(value, os.PathLike):
         return os.fspath(value)
+    if isinstance(value, Sample) and value.fields is not None:
+        return [{name: _plain(f, where, source) for name, f in value.fields.items()}, value.pad]
     if isinstance(value, Sample):
-        return [value.uri if value.channels is None else list(value.uris), [list(p) for p in value.aabb]]
+        plain = [given_uri(value), [list(p) for p in box_of(value)]]
+        return plain if value.pad is None else plain + [value.pad]  # unpadded: the identity it always had
     if isinstance(value, (np.generic, np.ndarray)):
         return value.tolist()
     if isinstance(value, (list, tuple)):

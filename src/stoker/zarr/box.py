@@ -46,11 +46,13 @@ def _invalid(message: str, uri: str | None, **context: Any) -> InvalidArgument:
     return InvalidArgument(f"{uri}: {message}" if uri else message, uri=uri, **context)
 
 
-def parse_box(aabb: Any, shape: Sequence[int] | None = None, uri: str | None = None) -> Box:
+def parse_box(aabb: Any, shape: Sequence[int] | None = None, uri: str | None = None,
+              allow_negative: bool = False) -> Box:
     """Normalise ``aabb`` to a tuple of ``(start, stop)`` int pairs.
 
     With ``shape`` given, open slice ends are resolved and the box is checked
-    against it (rank and bounds); without it every end must be explicit.
+    against it (rank and bounds); without it every end must be explicit. ``allow_negative`` accepts
+    starts below 0 (a padded box, which reaches past its array: see :class:`~stoker.Sample`'s ``pad``).
     """
     if isinstance(aabb, (slice, int)) or _is_integer(aabb):
         aabb = (aabb,)  # one axis: checked below (a bare integer is refused there, naming the axis)
@@ -91,9 +93,10 @@ def parse_box(aabb: Any, shape: Sequence[int] | None = None, uri: str | None = N
                 raise _invalid(f"axis {axis}: expected a (start, stop) pair, got {item!r}", uri, axis=axis)
             start = _as_int(item[0], f"axis {axis} start", uri)
             stop = _as_int(item[1], f"axis {axis} stop", uri)
-        if start < 0 or stop < start:
+        if (start < 0 and not allow_negative) or stop < start:
             raise _invalid(
-                f"axis {axis}: need 0 <= start <= stop, got ({start}, {stop}); negative indices are not supported",
+                f"axis {axis}: need 0 <= start <= stop, got ({start}, {stop}); negative indices are not supported "
+                "(a box that reaches past its array needs pad=: Sample(..., pad='zero'))",
                 uri, axis=axis,
             )
         out.append((start, stop))

@@ -1,0 +1,70 @@
+"""Sample of named fields and padded boxes: the data type (what the pipeline reads of them is tested with it)."""
+
+import pickle
+
+import pytest
+
+import stoker
+from stoker.errors import InvalidArgument, NotYetSupported
+
+BOX = [(0, 8), (0, 8)]
+
+
+def test_fields_keep_order_shapes_and_boxes():
+    s = stoker.Sample({"raw": (["/a.zarr", "/b.zarr"], BOX), "labels": ("/l.zarr", [(2, 6), (2, 6)])})
+    assert s.names == ("raw", "labels")
+    assert s.shape == {"raw": (2, 8, 8), "labels": (4, 4)}
+    assert s["labels"] == stoker.Sample("/l.zarr", [(2, 6), (2, 6)])
+    assert s.uris == ("/a.zarr", "/b.zarr", "/l.zarr")
+    assert s.aabb is None and s.channels is None and s.crop_shape is None
+
+
+def test_fields_equality_hash_and_pickle():
+    a = stoker.Sample({"x": ("/a.zarr", BOX), "y": ("/b.zarr", BOX)})
+    b = stoker.Sample({"x": stoker.Sample("/a.zarr", BOX), "y": ("/b.zarr", BOX)})
+    swapped = stoker.Sample({"y": ("/b.zarr", BOX), "x": ("/a.zarr", BOX)})
+    assert a == b and hash(a) == hash(b)
+    assert a != swapped  # the order of fields is the order of the batch's mapping
+    assert a != stoker.Sample("/a.zarr", BOX)
+    assert pickle.loads(pickle.dumps(a)) == a
+    assert eval(repr(a), {"Sample": stoker.Sample}) == a
+
+
+@pytest.mark.parametrize("bad", [{}, {"": ("/a.zarr", BOX)}, {"x": "/a.zarr"}, {"x": ("/a.zarr", [(0, 0)])},
+                                 {"x": stoker.Sample({"y": ("/a.zarr", BOX)})}])
+def test_bad_fields_are_refused(bad):
+    with pytest.raises(InvalidArgument):
+        stoker.Sample(bad)
+
+
+def test_fields_take_no_box_of_their_own_and_plain_samples_need_one():
+    with pytest.raises(InvalidArgument, match="not a box of its own"):
+        stoker.Sample({"x": ("/a.zarr", BOX)}, BOX)
+    with pytest.raises(InvalidArgument, match="a box is one"):
+        stoker.Sample("/a.zarr")
+    with pytest.raises(KeyError):
+        stoker.Sample("/a.zarr", BOX)["x"]
+
+
+def test_pad_allows_boxes_past_the_array_and_is_part_of_identity():
+    with pytest.raises(InvalidArgument, match="pad="):
+        stoker.Sample("/a.zarr", [(-2, 6)])
+    p = stoker.Sample("/a.zarr", [(-2, 6)], pad="edge")
+    assert p.aabb == ((-2, 6),) and p.pad == "edge"
+    assert p != stoker.Sample("/a.zarr", [(-2, 6)], pad="zero")
+    assert pickle.loads(pickle.dumps(p)) == p
+    f = stoker.Sample({"x": ("/a.zarr", [(-2, 6)])}, pad="reflect")
+    assert f["x"].pad == "reflect"
+    with pytest.raises(InvalidArgument, match="pad must be"):
+        stoker.Sample("/a.zarr", BOX, pad="wrap")
+
+
+def test_the_pipeline_says_what_it_does_not_read_yet(tmp_path):
+    import numpy as np
+    import zarr
+
+    uri = str(tmp_path / "a.zarr")
+    zarr.create_array(uri, shape=(8, 8), chunks=(4, 4), dtype="u1")[:] = np.ones((8, 8), "u1")
+    with stoker.Pipeline(stoker.Config(batch_size=1)) as p:
+        with pytest.raises(NotYetSupported, match="named fields"):
+            p.push(stoker.Sample({"x": (uri, BOX)}))
