@@ -15,7 +15,7 @@ runs, apply to the next requests in order:
 - ``stop()``: stops listening and closes every open connection (a server gone mid-run).
 
 ``requests`` counts what it was asked (faulty requests included); ``peak_in_flight`` is the most
-requests it answered at once.
+requests it answered at once; ``paths`` lists the path of every request, in the order they came.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.entered(-1)
 
     def _answer(self, body: bool) -> None:
+        self.server.paths.append(unquote(urlparse(self.path).path))
         fault = self.server.next_fault()
         if self.server.latency_s:
             time.sleep(self.server.latency_s)
@@ -137,6 +138,7 @@ class RangeServer(ThreadingHTTPServer):
         self.missing_status = 404
         self.etags = True  # False: answers name no version of the file (as some servers do)
         self.requests = 0
+        self.paths: list[str] = []
         self.in_flight = self.peak_in_flight = 0
         self._faults: list[tuple] = []
         self._lock = threading.Lock()

@@ -27,7 +27,8 @@ DECODE_ON = ("auto", "cpu", "gpu")
 
 
 _INTEGER_KNOBS = {"batch_size": 1, "host_buffer_bytes": 1 << 20, "device_buffer_bytes": 1 << 20, "n_io_threads": 1,
-                  "n_compute_threads": 1, "lookahead_batches": 1, "requests_in_flight": 1}  # knob -> least value
+                  "n_compute_threads": 1, "lookahead_batches": 1, "requests_in_flight": 1,
+                  "prefetch_bytes": 0, "prefetch_requests": 1}  # knob -> least value
 
 
 def usable_cpus() -> int:
@@ -98,6 +99,12 @@ class Config:
       Left out of the Config's repr (it may hold secrets).
     - ``requests_in_flight`` (>= 1): the most requests to remote stores the pipeline has open at once
       (a batch's chunks are fetched together; independent of the thread counts).
+    - ``prefetch_bytes`` (>= 0) and ``prefetch_requests`` (>= 1): remote chunks and shard ranges of the batches
+      after those in their slots are fetched ahead while the current ones are made, into a buffer in host
+      memory of at most ``prefetch_bytes`` (on top of ``host_buffer_bytes``; 0: no prefetch), with at most
+      ``prefetch_requests`` of its values and ranges asked at once (within ``requests_in_flight``). The
+      pipeline plans batches ahead while the buffer has room, so a batch waits for the network only when it is
+      slower than the decode. Local arrays never prefetch. See docs/remote.md, "Prefetch".
     - ``cache_dir``, ``cache_bytes``, ``cache_staleness_s``: a local disk cache of the chunks and shard
       ranges read from remote stores, shared by every rank and process that names the same folder
       (``cache_dir``; ``None``: ``$STOKER_CACHE_DIR``, else no cache), at most ``cache_bytes`` (>= 0, 0: no
@@ -132,6 +139,8 @@ class Config:
     transform: Any = None
     storage_options: dict | None = field(default=None, repr=False)  # may hold secrets: never printed
     requests_in_flight: int = 64
+    prefetch_bytes: int = 128 << 20
+    prefetch_requests: int = 32
     cache_dir: str | os.PathLike | None = None
     cache_bytes: int | None = None
     cache_staleness_s: float | None = None

@@ -163,14 +163,16 @@ class Stores:
     see data rewritten between them as local files do (``revalidate``)."""
 
     def __init__(self, requests_in_flight: int | None = None, *, revalidate: bool = False,
-                 max_stores: int | None = None, cache: CacheSettings | None = None) -> None:
+                 max_stores: int | None = None, cache: CacheSettings | None = None, prefetch: Any = None) -> None:
         """``requests_in_flight``: the most requests the object stores opened here have open at once, all
         of them together (None: each store's ``max_in_flight`` per call only). ``revalidate``: every
         :meth:`get` reopens a zip archive changed since it was opened (its file identity) and gives a
         fresh :class:`~stoker.storage.hierarchy.Hierarchy` (metadata read again). ``max_stores``: the
         most stores kept (least recently used dropped first; None: no bound). ``cache``: the disk cache of
         the object stores' chunks (:class:`~stoker.storage.cachingstore.CachingStore`; None: the one
-        ``$STOKER_CACHE_DIR`` names, if any); ``storage_options`` may override it per store."""
+        ``$STOKER_CACHE_DIR`` names, if any); ``storage_options`` may override it per store. ``prefetch``: a
+        :class:`~stoker.storage.prefetch.PrefetchBuffer` the object stores' reads consult first (each store
+        wrapped in a :class:`~stoker.storage.prefetch.PrefetchStore`; None: no prefetch)."""
         import asyncio
 
         # used only on the stores' one event loop thread (a semaphore binds to a loop when first waited on)
@@ -180,6 +182,7 @@ class Stores:
         self._closed = False
         self._revalidate, self._max_stores = revalidate, max_stores
         self._cache = cache
+        self._prefetch = prefetch
 
     def get(self, loc: Location, storage_options: dict | None = None) -> tuple[Store, Any]:
         """``(store, hierarchy)`` for ``loc`` (not a local directory)."""
@@ -222,6 +225,10 @@ class Stores:
                     from .diskcache import disk_cache
 
                     store = CachingStore(store, disk_cache(str(cache.folder), cache.cache_bytes), cache.staleness_s)
+                if self._prefetch is not None:
+                    from .prefetch import PrefetchStore
+
+                    store = PrefetchStore(store, self._prefetch)
             with self._lock:
                 held = None if self._closed else self._stores.setdefault(ident, (store, Hierarchy(store)))
             if held is None or held[0] is not store:

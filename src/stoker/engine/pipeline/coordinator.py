@@ -3,7 +3,8 @@
 There is room when at most ``lookahead_batches + 1`` batches (one per slot) are in flight and the intake has
 samples (the batch planned then waits for a free slot, see :meth:`Coordinator._cycle`); a launch opens the batch's arrays
 (cached per pipeline), settles its dtype and the executor's buffers from their metadata (so a crop too large
-for ``host_buffer_bytes`` is refused before its plan is built), plans it, waits for a slot and submits it. Batches are in flight in push order; a batch that could not be planned,
+for ``host_buffer_bytes`` is refused before its plan is built), plans it, waits for a slot and submits it (batches of remote arrays are planned further ahead, their chunks
+prefetched while they wait: :mod:`.prefetch`). Batches are in flight in push order; a batch that could not be planned,
 or a source's error, rides in its place as an error for ``pop`` to raise.
 
 The thread holds the coordinator, never the pipeline, so a pipeline nobody closed can still be collected
@@ -33,6 +34,7 @@ from ...zarr.box import check_in_bounds
 from ..cast import batch_dtype
 from ..executor import Executor, Job, Target
 from .intake import Intake
+from .prefetch import Ahead
 from ..stats import StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
@@ -71,8 +73,10 @@ class Coordinator:
         self._index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
         self._dtypes: dict = {}  # the batch dtype of each source dtype (numpy's), as batch_dtype settles it
+        # batches planned, waiting for a slot, their remote chunks prefetched meanwhile (see .prefetch)
+        self.ahead = Ahead(cfg)
         # remote stores of this pipeline's arrays, closed with it; their requests capped together
-        self.stores = Stores(cfg.requests_in_flight, cache=cfg.cache)
+        self.stores = Stores(cfg.requests_in_flight, cache=cfg.cache, prefetch=self.ahead.buffer)
 
     def open(self, uri: str) -> ArrayReader:
         """The array at ``uri``, opened once per pipeline (metadata and shard indexes cached)."""
@@ -123,6 +127,8 @@ class Coordinator:
         self.closed = True
         self.cond.notify_all()
         self.stores.close()  # cancels requests in flight: their batches fail with ShutdownError
+        if self.ahead.buffer is not None:
+            self.ahead.buffer.close()  # what was prefetched and not used is dropped
 
     def join(self, timeout: float) -> None:
         if self.thread is not None and self.thread is not threading.current_thread():
@@ -147,24 +153,30 @@ class Coordinator:
         gives back. So a slot is written again as soon as it is released, planning (the coordinator's
         Python, under the GIL) overlaps the batches being made instead of sitting between a release and the
         next launch, and the coordinator wakes once per batch (at that release), not also at each pop. At
-        most one batch is planned beyond the slots, and a batch that failed to plan rides in flight in its
-        place, so a source of bad samples is not drained ahead of the consumer."""
+        most one batch is planned beyond the slots (more while the prefetch buffer has room for their remote
+        chunks: :mod:`.prefetch`), and a batch that failed to plan rides in flight in its place, so a source
+        of bad samples is not drained ahead of the consumer."""
         with self.cond:
-            if not self.closed and (len(self.inflight) > self.cfg.lookahead_batches + 1
-                                    or not self.intake.has_work()):
-                gil.wait(self.cond, 0.1)
-                return not self.closed
             if self.closed:
                 return False
-        staged, error = self.intake.pull(lambda: self.closed)
-        if staged:
-            self._launch(staged)
-        if error is not None:
-            with self.cond:
-                self.inflight.append(Entry(next(self._batch_ids), 0, error=error))
-            self.intake.drop_sources()
+            # batches planned ahead (see .prefetch): plan one more while the prefetch buffer has room,
+            # else submit the oldest (waiting for its slot)
+            submit = bool(self.ahead.queue) and not (self.intake.has_work() and self.ahead.more())
+            if not submit and (not self.intake.has_work() or
+                               (not self.ahead.queue and len(self.inflight) > self.cfg.lookahead_batches + 1)):
+                gil.wait(self.cond, 0.1)
+                return not self.closed
+        if submit:
+            self._submit(*self.ahead.queue.popleft())
+        else:
+            staged, error = self.intake.pull(lambda: self.closed)
+            if staged:
+                self._launch(staged)
+            if error is not None:
+                self.ahead.failed(Entry(next(self._batch_ids), 0, error=error))
+                self.intake.drop_sources()
         with self.cond:
-            self.intake.launching = False
+            self.intake.launching = bool(self.ahead.queue)
             self.cond.notify_all()
         return True
 
@@ -191,15 +203,19 @@ class Coordinator:
             known = dict(zip(uris, readers))  # the planner asks for each again: no second cache look-up
             plan = self.executor.plan(batch_id, samples, lambda u: known[u] if u in known else self.open(u))
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
-            with self.cond:
-                self.inflight.append(Entry(batch_id, len(samples), error=exc))
-                self.cond.notify_all()
+            self.ahead.failed(Entry(batch_id, len(samples), error=exc))
             return
         self.stats.stage("plan", time.perf_counter() - t0)
         entry = Entry(batch_id, plan.rows)
         entry.source_ids = source_ids
-        entry.target = self.executor.acquire(plan, lambda: self.closed)
-        entry.job = self.executor.submit(plan, entry.target)
+        self.ahead.planned(plan, entry, waits=len(self.inflight) + len(self.ahead.queue) >= self.executor.n_slots)
+
+    def _submit(self, plan, entry: Entry, seq: int) -> None:
+        """Put the oldest batch planned in flight: wait for a slot and submit it (an error: in its place)."""
+        if plan is not None:
+            entry.target = self.executor.acquire(plan, lambda: self.closed)
+            self.ahead.submitted(seq, self.executor.n_slots)
+            entry.job = self.executor.submit(plan, entry.target)
         with self.cond:
             self.inflight.append(entry)
             self.cond.notify_all()

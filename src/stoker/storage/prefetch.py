@@ -1,0 +1,434 @@
+"""Prefetch: values and ranges of batches not yet made, fetched ahead into a bounded buffer in memory.
+
+>>> buffer = PrefetchBuffer(max_bytes=64 << 20, max_requests=32)
+>>> kv = PrefetchStore(ObjectStore("s3://bkt"), buffer)
+>>> kv.prefetch(["g.zarr/c/0/0"], [1 << 20], [ByteRange("g.zarr/s/0", 0, 4096)], seq=7)  # started, not waited for
+>>> values, parts = kv.get_many(["g.zarr/c/0/0"], [ByteRange("g.zarr/s/0", 0, 4096)])  # served from the buffer
+
+A wrapper, as :class:`~stoker.storage.cachingstore.CachingStore` is: a pipeline's
+:class:`~stoker.storage.locate.Stores` wraps each remote store in one when the pipeline prefetches
+(``Config.prefetch_bytes``), so every fetch path (the compiled engine's, the Python decoders', the GPU
+staging) consults the buffer first, knowing nothing of it; nothing else does.
+
+Bounds. The buffer holds at most ``max_bytes``: a request is started only when its bytes fit (a range's
+length; a whole value's most its codec stores, the estimate the caller gives), counted from start to
+:meth:`PrefetchBuffer.retire` (or :meth:`~PrefetchBuffer.close`), and at most ``max_requests`` values and
+ranges are asked at once (those that do not fit are not prefetched: the batch fetches them itself).
+:attr:`PrefetchBuffer.counters` says what is held, and the peaks. (Ranges the store merges across a small
+gap share one buffer: the gap's bytes, at most the store's ``max_gap`` a merge, are not counted.)
+
+Generations. A prefetched value or range is served with the generation it was read at, so a reader's
+checks (a shard index against its inner chunks' ranges) see exactly what a fetch at that moment would have
+seen: a shard rewritten in between is found stale and read anew, as without prefetch. A prefetch that
+failed (an error, a missing value, a short read, the store closed) is served by fetching again, so its
+error, if any, surfaces then, typed, from the batch's own fetch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Sequence
+
+from ..errors import InvalidArgument, StorageError
+from .store import ByteRange, check_key
+
+#: Longest a synchronous read (``get_many``) waits for a prefetch still in flight before reading itself.
+WAIT_S = 60.0
+
+
+@dataclass
+class PrefetchCounters:
+    """What a :class:`PrefetchBuffer` holds and did: bytes held (asked or arrived, never above its
+    ``max_bytes``) and their peak, requests in flight and their peak, values and ranges started, served to a
+    batch (``used``, once per batch that read one), failed, and not started for want of room (``skipped``)."""
+
+    held_bytes: int = 0
+    peak_bytes: int = 0
+    requests_in_flight: int = 0
+    peak_requests: int = 0
+    started: int = 0
+    used: int = 0
+    failed: int = 0
+    skipped: int = 0
+
+
+class _Entry:
+    """One value or range asked ahead: its bytes counted (``nbytes``), the newest batch that wants it
+    (``seq``), how many batches asked for it and have not read it yet (``uses``), and its outcome (``future``:
+    ``(data, generation)``, or None when it failed)."""
+
+    __slots__ = ("nbytes", "seq", "uses", "future", "read")
+
+    def __init__(self, nbytes: int, seq: int) -> None:
+        self.nbytes, self.seq, self.uses = nbytes, seq, 1
+        self.read = False  # taken by its last reader while in flight: delivered to it, no longer held here
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def outcome(self) -> tuple[Any, Any] | None:
+        return self.future.result() if self.future.done() else None
+
+
+class PrefetchBuffer:
+    """The values and ranges fetched ahead for one pipeline, from any of its stores; thread-safe.
+
+    ``max_bytes`` (>= 1) and ``max_requests`` (>= 1) bound it (see the module docstring). An entry serves as
+    many reads as batches asked for it (a chunk two batches share is fetched once), then leaves: a batch
+    planned later fetches it anew, so it sees the value as it is then (a rewritten object's new generation),
+    as without prefetch. What no read took leaves when :meth:`retire` says its batches are made."""
+
+    def __init__(self, max_bytes: int, max_requests: int) -> None:
+        if max_bytes < 1 or max_requests < 1:
+            raise InvalidArgument(f"PrefetchBuffer needs max_bytes >= 1 and max_requests >= 1, got {max_bytes} "
+                                  f"and {max_requests}", knob="prefetch_bytes")
+        self.max_bytes, self.max_requests = max_bytes, max_requests
+        self.counters = PrefetchCounters()
+        self._entries: dict[tuple, _Entry] = {}  # (store, key, start, length): start None for a whole value
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def room(self, nbytes: int = 1, requests: int = 1) -> bool:
+        """Whether ``nbytes`` and ``requests`` more would fit now."""
+        c = self.counters
+        with self._lock:
+            return not self._closed and c.held_bytes + nbytes <= self.max_bytes and \
+                c.requests_in_flight + requests <= self.max_requests
+
+    def start(self, store: Any, keys: Sequence[str], estimates: Sequence[int], requests: Sequence[ByteRange],
+              seq: int) -> int:
+        """Start fetching, through ``store``'s ``start_get_many``, the whole values of ``keys`` (each at most
+        ``estimates[i]`` bytes) and the ``requests``, for the batch numbered ``seq``, as far as they fit; those
+        asked already are only marked wanted by ``seq``. Returns how many were started (never waits)."""
+        sid = id(store)
+        asked: list[tuple[tuple, Any, _Entry]] = []
+        with self._lock:
+            if self._closed:
+                return 0
+            c = self.counters
+            held, n = c.held_bytes, c.requests_in_flight
+            wanted = [((sid, k, None, None), k, int(e)) for k, e in zip(keys, estimates)] + \
+                     [((sid, r.key, r.start, r.length), r, r.length) for r in requests]
+            for ident, what, nbytes in wanted:
+                entry = self._entries.get(ident)
+                if entry is not None:  # asked already by another batch: one fetch serves both
+                    if entry.seq != seq:
+                        entry.seq, entry.uses = max(entry.seq, seq), entry.uses + 1
+                elif held + nbytes > self.max_bytes or n + 1 > self.max_requests:
+                    c.skipped += 1
+                else:
+                    entry = self._entries[ident] = _Entry(nbytes, seq)
+                    asked.append((ident, what, entry))
+                    held, n = held + nbytes, n + 1
+            if not asked:
+                return 0
+            c.held_bytes, c.requests_in_flight = held, n
+            c.peak_bytes, c.peak_requests = max(c.peak_bytes, held), max(c.peak_requests, n)
+            c.started += len(asked)
+        whole = [a for a in asked if a[0][2] is None]
+        ranged = [a for a in asked if a[0][2] is not None]
+        try:
+            future = store.start_get_many([a[1] for a in whole], [a[1] for a in ranged], versions=True,
+                                          lenient=range(len(ranged)))
+        except Exception:  # noqa: BLE001 - the store refused at once (closed...): the batches fetch themselves
+            self._arrived(store, whole + ranged, None)
+            return 0
+        future.add_done_callback(lambda f: self._arrived(store, whole + ranged, f))
+        return len(asked)
+
+    def _arrived(self, store: Any, asked: list, future: Any) -> None:
+        """Keep what a prefetch brought (each with its generation); drop what failed or would not fit. Every
+        entry's future is settled, kept or not, so a batch waiting on one goes on (fetching it itself)."""
+        got: list = [None] * len(asked)
+        if future is not None:
+            try:
+                values, parts, value_versions, part_versions = store.result_of(future)
+                got = list(zip(values, value_versions)) + list(zip(parts, part_versions))
+            except BaseException:  # noqa: BLE001 - a failed prefetch: its batch fetches itself, and sees why
+                pass
+        results = []
+        with self._lock:
+            c = self.counters
+            c.requests_in_flight -= len(asked)
+            for (ident, _, entry), outcome in zip(asked, got):
+                data = None if outcome is None else outcome[0]
+                ok = data is not None and not isinstance(data, BaseException)
+                size = memoryview(data).nbytes if ok else 0
+                if self._entries.get(ident) is not entry:  # taken, retired or closed: bytes given back then
+                    results.append((entry, (data, outcome[1]) if ok and entry.read else None))
+                elif not ok or size > entry.nbytes:  # failed, or larger than its estimate: not kept (the cap)
+                    del self._entries[ident]
+                    c.held_bytes -= entry.nbytes
+                    c.failed += 1
+                    results.append((entry, None))
+                else:
+                    c.held_bytes -= entry.nbytes - size
+                    entry.nbytes = size
+                    results.append((entry, (data, outcome[1])))
+        for entry, result in results:
+            entry.future.set_result(result)
+
+    def claim(self, store: Any, keys: Sequence[str], requests: Sequence[ByteRange], wait: bool) -> tuple[dict, dict]:
+        """What the buffer holds of ``keys`` (whole values) and ``requests`` read through ``store``:
+        ``({key number: entry}, {request number: (entry, cut)})``, ``cut`` taking the entry's data to the
+        request's bytes (a range of a whole value prefetched is cut from it). ``wait``: entries still in
+        flight too (their futures say when they arrive), else only those arrived."""
+        sid = id(store)
+        values: dict[int, _Entry] = {}
+        parts: dict[int, tuple[_Entry, Callable]] = {}
+        with self._lock:
+            if self._closed or not self._entries:
+                return values, parts
+            taken: dict[tuple, _Entry] = {}  # one use each per call, however many of its ranges it serves
+            for i, key in enumerate(keys):
+                ident = (sid, key, None, None)
+                entry = taken.get(ident) or self._entries.get(ident)
+                if entry is not None and _usable(entry, wait):
+                    values[i] = taken[ident] = entry
+            for j, r in enumerate(requests):
+                for ident, cut in (((sid, r.key, r.start, r.length), _whole), ((sid, r.key, None, None), _cutter(r))):
+                    entry = taken.get(ident) or self._entries.get(ident)
+                    if entry is not None and _usable(entry, wait):
+                        parts[j] = (entry, cut)
+                        taken[ident] = entry
+                        break
+            for ident, entry in taken.items():
+                entry.uses -= 1
+                if entry.uses <= 0:  # read by every batch that asked: its bytes are the readers' now
+                    entry.read = True
+                    del self._entries[ident]
+                    self.counters.held_bytes -= entry.nbytes
+        return values, parts
+
+    def used(self, n: int) -> None:
+        with self._lock:
+            self.counters.used += n
+
+    def retire(self, seq: int) -> None:
+        """Drop what only batches numbered ``seq`` or lower wanted (they are made): its bytes given back."""
+        with self._lock:
+            gone = [ident for ident, entry in self._entries.items() if entry.seq <= seq]
+            for ident in gone:
+                self.counters.held_bytes -= self._entries.pop(ident).nbytes
+
+    def close(self) -> None:
+        """Drop everything held; nothing is started or served from now on (requests in flight end with
+        their store, which the pipeline closes)."""
+        with self._lock:
+            self._closed = True
+            self._entries.clear()
+            self.counters.held_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _usable(entry: _Entry, wait: bool) -> bool:
+    if not entry.future.done():
+        return wait
+    return entry.future.result() is not None
+
+
+def _whole(data):
+    return data
+
+
+def _cutter(r: ByteRange) -> Callable:
+    """The bytes of ``r`` cut from a whole value (None when the value is shorter: read again)."""
+
+    def cut(data):
+        view = memoryview(data)
+        start = len(view) - r.length if r.is_suffix else r.start
+        return None if start < 0 or start + r.length > len(view) else view[start:start + r.length]
+
+    return cut
+
+
+class PrefetchStore:
+    """``store`` (a remote store that ``starts_reads``) whose reads are served from ``buffer`` first; see the
+    module docstring. Thread-safe; everything else is the store's."""
+
+    def __init__(self, store: Any, buffer: PrefetchBuffer) -> None:
+        self.store = store
+        self.buffer = buffer
+
+    uri = property(lambda self: self.store.uri)
+    supports_ranges = property(lambda self: self.store.supports_ranges)
+    supports_list = property(lambda self: self.store.supports_list)
+    is_local = property(lambda self: self.store.is_local)
+    reports_versions = property(lambda self: self.store.reports_versions)
+    starts_reads = property(lambda self: self.store.starts_reads)
+    max_gap = property(lambda self: self.store.max_gap)
+    root = property(lambda self: getattr(self.store, "root", None))
+
+    def __reduce__(self):  # to worker processes: the store alone (a buffer is one pipeline's, in memory)
+        return _unwrapped, (self.store,)
+
+    def prefetch(self, keys: Sequence[str], estimates: Sequence[int], requests: Sequence[ByteRange],
+                 seq: int) -> int:
+        """Start fetching these ahead for the batch numbered ``seq`` (see :meth:`PrefetchBuffer.start`)."""
+        for key in keys:
+            check_key(key)
+        return self.buffer.start(self.store, keys, estimates, requests, seq)
+
+    def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
+                       lenient: Collection[int] = ()) -> concurrent.futures.Future:
+        """The store's ``start_get_many``, served from the buffer where it holds (or is fetching) a value or
+        range; the rest, and what the buffer failed to bring, fetched from the store."""
+        values, parts = self.buffer.claim(self.store, keys, requests, wait=True)
+        if not values and not parts:
+            return self.store.start_get_many(keys, requests, versions=versions, lenient=lenient)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        _Combined(self, keys, requests, versions, lenient, values, parts, future)
+        return future
+
+    def get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
+                 lenient: Collection[int] = ()) -> tuple:
+        """The store's ``get_many``, served from the buffer where a value or range has arrived."""
+        values, parts = self.buffer.claim(self.store, keys, requests, wait=False)
+        if not values and not parts:
+            return self.store.get_many(keys, requests, versions=versions, lenient=lenient)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        _Combined(self, keys, requests, versions, lenient, values, parts, future)
+        try:
+            return future.result(timeout=WAIT_S)
+        except concurrent.futures.TimeoutError:
+            raise StorageError(f"{self.uri}: a read served partly from the prefetch buffer did not finish within "
+                               f"{WAIT_S:.0f} s; the store or the network is stalled", uri=self.uri) from None
+
+    def result_of(self, future: concurrent.futures.Future):
+        """The result of a finished future of :meth:`start_get_many` (the store's rules: cancelled means
+        closed)."""
+        return self.store.result_of(future)
+
+    def get_ranges(self, requests: Sequence[ByteRange]) -> list:
+        return list(self.get_many([], requests)[1])
+
+    def get(self, key: str):
+        return self.store.get(key)
+
+    def get_each(self, requests: Sequence[ByteRange], versions: bool = False) -> Any:
+        return self.store.get_each(requests, versions=versions)
+
+    def size(self, key: str) -> int:
+        return self.store.size(key)
+
+    def exists(self, key: str) -> bool:
+        return self.store.exists(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.store.list(prefix)
+
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        return self.store.list_dir(prefix)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __getattr__(self, name: str):  # the store's extras (forget, versions, counters...) stay reachable
+        if name in ("store", "buffer"):
+            raise AttributeError(name)
+        return getattr(self.store, name)
+
+    def __repr__(self) -> str:
+        return f"PrefetchStore({self.store!r})"
+
+
+class _Combined:
+    """One ``start_get_many`` answered partly from the buffer: the store's part started at once, the buffer's
+    awaited; once all are in, what the buffer failed to bring is fetched from the store, then the answer is
+    put together in the caller's order and set on ``future``."""
+
+    def __init__(self, kv: PrefetchStore, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool,
+                 lenient: Collection[int], values: dict, parts: dict, future: concurrent.futures.Future) -> None:
+        self.kv, self.keys, self.requests, self.versions = kv, keys, requests, versions
+        self.lenient = set(lenient)
+        self.values, self.parts = values, parts
+        self.out: tuple = ([None] * len(keys), [None] * len(requests), [None] * len(keys), [None] * len(requests))
+        self.future: concurrent.futures.Future | None = future
+        miss_k = [i for i in range(len(keys)) if i not in values]
+        miss_p = [j for j in range(len(requests)) if j not in parts]
+        entries = {id(e): e for e in values.values()} | {id(e): e for e, _ in parts.values()}
+        self._left = len(entries) + 1
+        self._lock = threading.Lock()
+        inner = self._fetch(miss_k, miss_p)  # may raise (store closed): the caller's error, as without prefetch
+        for entry in entries.values():
+            entry.future.add_done_callback(self._one_done)
+        if inner is None:
+            self._one_done(None)
+        else:
+            inner.add_done_callback(lambda f: self._one_done(f, miss_k, miss_p))
+
+    def _fetch(self, miss_k: list[int], miss_p: list[int]):
+        if not miss_k and not miss_p:
+            return None
+        lenient = [n for n, j in enumerate(miss_p) if j in self.lenient]
+        return self.kv.store.start_get_many([self.keys[i] for i in miss_k], [self.requests[j] for j in miss_p],
+                                            versions=True, lenient=lenient)
+
+    def _one_done(self, inner, miss_k: list[int] | None = None, miss_p: list[int] | None = None) -> None:
+        try:
+            if inner is not None and miss_k is not None:
+                self._put(miss_k, miss_p or [], self.kv.store.result_of(inner))
+            with self._lock:
+                self._left -= 1
+                if self._left:
+                    return
+            self._settle()
+        except BaseException as exc:  # noqa: BLE001 - the caller's result_of raises it
+            self._answer(exc)
+
+    def _answer(self, outcome: Any) -> None:
+        """Settle the caller's future (once), then let go of it: the buffer's entries keep their futures'
+        callbacks (this object's) until retired, and the caller's callbacks hold its batch (a view of its
+        slot), which must not outlive the batch."""
+        future, self.future, self.out = self.future, None, ()
+        if future is None:
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    def _put(self, ks: list[int], ps: list[int], got: tuple) -> None:
+        values, parts, value_versions, part_versions = self.out
+        for i, data, gen in zip(ks, got[0], got[2]):
+            values[i], value_versions[i] = data, gen
+        for j, data, gen in zip(ps, got[1], got[3]):
+            parts[j], part_versions[j] = data, gen
+
+    def _settle(self) -> None:
+        """Everything is in: the buffer's part put in place; what it failed to bring fetched now."""
+        if self.future is None:
+            return
+        values, parts, value_versions, part_versions = self.out
+        again_k, again_p = [], []
+        for i, entry in self.values.items():
+            got = entry.outcome()
+            if got is None:
+                again_k.append(i)
+            else:
+                values[i], value_versions[i] = got
+        for j, (entry, cut) in self.parts.items():
+            got = entry.outcome()
+            data = None if got is None else cut(got[0])
+            if data is None:
+                again_p.append(j)
+            else:
+                parts[j], part_versions[j] = data, got[1]
+        self.kv.buffer.used(len(self.values) + len(self.parts) - len(again_k) - len(again_p))
+        if not again_k and not again_p:
+            self._answer(self.out if self.versions else self.out[:2])
+            return
+        self.values = self.parts = {}
+        with self._lock:
+            self._left = 1
+        inner = self._fetch(again_k, again_p)
+        inner.add_done_callback(lambda f: self._one_done(f, again_k, again_p))
+
+
+def _unwrapped(store: Any) -> Any:
+    return store
+
+
+__all__ = ["PrefetchBuffer", "PrefetchCounters", "PrefetchStore", "WAIT_S"]

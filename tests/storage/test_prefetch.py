@@ -1,0 +1,283 @@
+"""Prefetch (``Config.prefetch_bytes``/``prefetch_requests``): the remote chunks of batches waiting for a slot
+are fetched ahead into a bounded buffer. Against moto's S3 server and the loopback HTTP server (with
+latency): every batch equals zarr-python's; the requests of later batches are made before the first batch is
+popped (the server's request log); the buffer never holds more than its cap; an object rewritten between a
+prefetch and its use is read as without prefetch; close() with prefetches in flight is prompt; local arrays
+never prefetch."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.codecs import BloscCodec, ZstdCodec
+
+import stoker
+from stoker.errors import NotFound
+from stoker.storage import ByteRange, ObjectStore
+from stoker.storage.prefetch import PrefetchBuffer, PrefetchStore
+
+from range_server import RangeServer
+from store_fixtures import BUCKET, MotoS3, read_tree
+
+pytestmark = pytest.mark.timeout(180)
+
+SHAPE = (64, 256)
+FAST = {"timeout_s": 10.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+#: path -> how zarr-python writes it: whole chunk values, blosc frames (cut into spans), ranges of shards
+ARRAYS = {"plain": dict(chunks=(16, 16), dtype="int32", compressors=ZstdCodec(level=1)),
+          "blosc": dict(chunks=(16, 32), dtype="uint16", compressors=BloscCodec(cname="lz4", clevel=1)),
+          "sharded": dict(chunks=(8, 8), shards=(32, 64), dtype="uint16", compressors=ZstdCodec(level=1))}
+
+
+def _write(root: str, seed: int, hole: bool = False) -> None:
+    """The arrays written by zarr-python; ``hole``: each shard's first inner chunk left empty (not stored), so
+    the shards are shorter and their chunks sit at other offsets than before."""
+    rng = np.random.default_rng(seed)
+    for path, spec in ARRAYS.items():
+        arr = zarr.create_array(os.path.join(root, path), shape=SHAPE, fill_value=0, overwrite=True, **spec)
+        data = rng.integers(1, 5000, size=SHAPE).astype(spec["dtype"])
+        if hole:
+            data.reshape(2, 32, 4, 64)[:, :8, :, :8] = 0
+        arr[...] = data
+
+
+def _oracle(root: str, path: str) -> np.ndarray:
+    return zarr.open_array(os.path.join(root, path), mode="r")[...]
+
+
+def _boxes(n: int, seed: int = 3, size: tuple[int, int] = (12, 20)) -> list[list[tuple[int, int]]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        y, x = int(rng.integers(0, SHAPE[0] - size[0] + 1)), int(rng.integers(0, SHAPE[1] - size[1] + 1))
+        out.append([(y, y + size[0]), (x, x + size[1])])
+    return out
+
+
+def _crop(data: np.ndarray, box) -> np.ndarray:
+    (a, b), (c, d) = box
+    return data[a:b, c:d]
+
+
+def _config(options: dict | None, **kw) -> stoker.Config:
+    base = dict(batch_size=4, dtype="native", n_compute_threads=2, lookahead_batches=1, pop_timeout_s=60,
+                host_buffer_bytes=32 << 20, storage_options=options)
+    return stoker.Config(**{**base, **kw})
+
+
+def _counters(p: stoker.Pipeline):
+    return p._coordinator.ahead.buffer.counters
+
+
+def _until(what, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if what():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = MotoS3({}, "unused")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def data(tmp_path):
+    root = str(tmp_path / "data")
+    _write(root, 1)
+    return root
+
+
+@pytest.fixture
+def http(data):
+    server = RangeServer(data)
+    yield server
+    server.latency_s = 0
+    server.stop()
+
+
+def _on_s3(s3, root: str) -> tuple[str, dict, callable]:
+    prefix = f"prefetch-{uuid.uuid4().hex[:8]}"
+
+    def upload() -> None:
+        for key, value in read_tree(root).items():
+            s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
+
+    upload()
+    return f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}, upload
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_every_batch_equals_zarr_python_with_prefetch(kind, path, s3, http, data, decode_path):
+    if kind == "s3":
+        uri, options, _ = _on_s3(s3, data)
+    else:
+        http.latency_s = 0.02
+        uri, options = http.url, {http.url + "/": FAST}
+    boxes = _boxes(48)
+    want = _oracle(data, path)
+    with stoker.Pipeline(_config(options)) as p:
+        p.push([stoker.Sample(f"{uri}/{path}", box) for box in boxes])
+        for k in range(len(boxes) // 4):
+            with p.pop() as b:
+                got = torch.from_dlpack(b).clone().numpy()
+            for row, box in zip(got, boxes[4 * k:4 * k + 4]):
+                assert np.array_equal(row, _crop(want, box)), f"batch {k}"
+        counters = _counters(p)
+        assert counters.used > 0, counters  # later batches were served from the buffer
+        assert counters.peak_bytes <= p.cfg.prefetch_bytes
+
+
+def _chunk_box(n: int) -> list[tuple[int, int]]:
+    """The box of chunk file ``n`` of the plain array (16 x 16 chunks, 16 along x)."""
+    r, c = divmod(n, 16)
+    return [(16 * r, 16 * r + 16), (16 * c, 16 * c + 16)]
+
+
+def _chunk_path(n: int) -> str:
+    r, c = divmod(n, 16)
+    return f"/plain/c/{r}/{c}"
+
+
+@pytest.mark.parametrize("prefetch_bytes", [128 << 20, 0])
+def test_the_chunks_of_later_batches_are_requested_before_the_first_pop(http, prefetch_bytes):
+    # Two slots (lookahead 1), a batch of 2 samples each reading its own chunk file: batches 0 and 1 go in the
+    # slots, batch 2 waits for one; without prefetch nothing later is requested before a pop. With it, batch 5
+    # (and more) is requested while nobody has popped anything.
+    http.latency_s = 0.05
+    cfg = _config({http.url + "/": FAST}, batch_size=2, prefetch_bytes=prefetch_bytes)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(f"{http.url}/plain", _chunk_box(n)) for n in range(40)])
+        first = [_chunk_path(n) for n in (0, 1, 2, 3)]
+        assert _until(lambda: all(x in http.paths for x in first))
+        later = [_chunk_path(n) for n in (10, 11)]  # batch 5
+        if prefetch_bytes:
+            assert _until(lambda: all(x in http.paths for x in later)), http.paths
+        else:
+            time.sleep(1.0)
+            assert not any(x in http.paths for x in later), http.paths
+        want = _oracle(http.root, "plain")
+        for k in range(20):
+            with p.pop() as b:
+                got = torch.from_dlpack(b).clone().numpy()
+            assert np.array_equal(got[0], _crop(want, _chunk_box(2 * k)))
+            assert np.array_equal(got[1], _crop(want, _chunk_box(2 * k + 1)))
+
+
+@pytest.mark.parametrize("path", ["plain", "sharded"])
+def test_the_buffer_never_holds_more_than_its_cap(http, path):
+    http.latency_s = 0.02
+    stored = stoker.open_array(os.path.join(http.root, path)).metadata.codec.max_stored_nbytes
+    cap = 5 * stored  # a few chunks: most batches fit only in part
+    cfg = _config({http.url + "/": FAST}, prefetch_bytes=cap, prefetch_requests=3)
+    boxes = _boxes(48, seed=9)
+    want = _oracle(http.root, path)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(f"{http.url}/{path}", box) for box in boxes])
+        for k in range(len(boxes) // 4):
+            with p.pop() as b:
+                got = torch.from_dlpack(b).clone().numpy()
+            for row, box in zip(got, boxes[4 * k:4 * k + 4]):
+                assert np.array_equal(row, _crop(want, box))
+            counters = _counters(p)
+            assert 0 <= counters.held_bytes <= cap and counters.peak_bytes <= cap, counters
+            assert counters.peak_requests <= 3, counters
+        assert counters.started > 0 and counters.skipped > 0, counters  # it prefetched, and the cap bit
+
+
+def test_a_prefetched_range_carries_the_generation_it_was_read_at(s3, data):
+    uri, options, upload = _on_s3(s3, data)
+    store = ObjectStore(uri.rsplit("/", 1)[0], {k: v for k, v in options[f"s3://{BUCKET}/"].items()
+                                                if k not in FAST})
+    prefix = uri.rsplit("/", 1)[1]
+    kv = PrefetchStore(store, PrefetchBuffer(1 << 20, 8))
+    key = f"{prefix}/plain/c/0/0"
+    old, old_version = store.get(key), store.versions([key])[0]
+    r = ByteRange(key, 2, 10)
+    try:
+        assert kv.prefetch([], [], [r], seq=1) == 1
+        assert _until(lambda: kv.buffer.counters.requests_in_flight == 0)
+        _write(data, 2)
+        upload()
+        new_version = store.versions([key])[0]
+        assert new_version != old_version
+        _, parts, _, versions = kv.get_many([], [r], versions=True)  # what a read at the prefetch would have seen
+        assert bytes(parts[0]) == bytes(old)[2:12] and versions[0] == old_version
+        assert kv.buffer.counters.held_bytes == 0 and len(kv.buffer) == 0  # read by its batch: gone
+        _, parts, _, versions = kv.get_many([], [r], versions=True)  # a later read: the store's, as it is now
+        assert bytes(parts[0]) == bytes(store.get(key))[2:12] and versions[0] == new_version
+        # a failed prefetch (a missing value) is read again: the store's answer, typed
+        gone = f"{prefix}/plain/c/9/9"
+        kv.prefetch([gone], [1 << 10], [ByteRange(gone, 0, 4)], seq=2)
+        assert _until(lambda: kv.buffer.counters.requests_in_flight == 0)
+        assert kv.get_many([gone], [])[0] == [None]
+        with pytest.raises(NotFound):
+            kv.get_many([], [ByteRange(gone, 0, 4)])
+    finally:
+        store.close()
+
+
+def test_an_array_rewritten_between_prefetch_and_use_is_read_as_without_prefetch(s3, data, decode_path):
+    # Batches prefetched before the rewrite are the old array's, whole (their ranges were read at the
+    # generation their indexes came from); batches pushed after it are the new array's: their ranges, located
+    # by the cached old indexes, come back from the new generation, and the indexes and chunks are read anew.
+    uri, options, upload = _on_s3(s3, data)
+    old = _oracle(data, "sharded")
+    boxes = _boxes(40, seed=4)
+    with stoker.Pipeline(_config(options)) as p:
+        p.push([stoker.Sample(f"{uri}/sharded", box) for box in boxes[:28]])
+        with p.pop() as b:
+            got = torch.from_dlpack(b).clone().numpy()
+        assert all(np.array_equal(row, _crop(old, box)) for row, box in zip(got, boxes[:4]))
+        assert _until(lambda: _counters(p).started > 0 and _counters(p).requests_in_flight == 0)
+        _write(data, 2, hole=True)
+        upload()
+        new = _oracle(data, "sharded")
+        p.push([stoker.Sample(f"{uri}/sharded", box) for box in boxes[28:]])
+        for k in range(1, 10):
+            with p.pop() as b:
+                got = torch.from_dlpack(b).clone().numpy()
+            for row, box in zip(got, boxes[4 * k:4 * k + 4]):
+                if k < 7:  # pushed before the rewrite: either version, never a mix within a chunk's crop
+                    assert np.array_equal(row, _crop(old, box)) or np.array_equal(row, _crop(new, box)), k
+                else:
+                    assert np.array_equal(row, _crop(new, box)), k
+
+
+def test_close_with_prefetches_in_flight_returns_promptly(http):
+    http.latency_s = 3.0
+    cfg = _config({http.url + "/": {**FAST, "timeout_s": 30.0}}, batch_size=2)
+    p = stoker.Pipeline(cfg)
+    try:
+        p.push([stoker.Sample(f"{http.url}/plain", _chunk_box(n)) for n in range(40)])
+        assert _until(lambda: _counters(p).requests_in_flight > 0)
+    finally:
+        t0 = time.monotonic()
+        p.close()
+        took = time.monotonic() - t0
+    assert took < 2.0, took
+    assert len(p._coordinator.ahead.buffer) == 0
+
+
+def test_local_arrays_never_prefetch(data, decode_path):
+    boxes = _boxes(32)
+    want = _oracle(data, "sharded")
+    with stoker.Pipeline(_config(None)) as p:
+        p.push([stoker.Sample(os.path.join(data, "sharded"), box) for box in boxes])
+        for k in range(len(boxes) // 4):
+            with p.pop() as b:
+                got = torch.from_dlpack(b).clone().numpy()
+            assert all(np.array_equal(row, _crop(want, box)) for row, box in zip(got, boxes[4 * k:4 * k + 4]))
+            assert len(p._coordinator.ahead.queue) <= 1  # one batch planned past the slots, as without prefetch
+        assert _counters(p).started == 0
