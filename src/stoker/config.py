@@ -140,7 +140,7 @@ class Config:
     storage_options: dict | None = field(default=None, repr=False)  # may hold secrets: never printed
     requests_in_flight: int = 64
     prefetch_bytes: int = 128 << 20
-    prefetch_requests: int = 32
+    prefetch_requests: int = 64
     cache_dir: str | os.PathLike | None = None
     cache_bytes: int | None = None
     cache_staleness_s: float | None = None

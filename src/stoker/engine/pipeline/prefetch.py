@@ -57,10 +57,12 @@ class Ahead:
 
     def more(self) -> bool:
         """Whether to plan another batch before submitting the oldest: the newest one prefetched something,
-        and the buffer has room for as much again."""
+        and the buffer has room for as much again (or for as much as its bounds allow)."""
         nbytes, n = self._last
-        return self.buffer is not None and bool(self.queue) and len(self.queue) < MAX_AHEAD and n > 0 and \
-            self.buffer.room(nbytes, n)
+        buffer = self.buffer
+        # a batch larger than the buffer's bounds is prefetched in part: room for that part is enough
+        return buffer is not None and bool(self.queue) and len(self.queue) < MAX_AHEAD and n > 0 and \
+            buffer.room(min(nbytes, buffer.max_bytes), min(n, buffer.max_requests))
 
     def submitted(self, seq: int, n_slots: int) -> None:
         """Batch ``seq`` took a slot: the batch that last held it, ``n_slots`` before, is made, so what only
