@@ -283,3 +283,13 @@ def test_local_arrays_never_prefetch(data, decode_path):
             assert all(np.array_equal(row, _crop(want, box)) for row, box in zip(got, boxes[4 * k:4 * k + 4]))
             assert len(p._coordinator.ahead.queue) <= 1  # one batch planned past the slots, as without prefetch
         assert _counters(p).started == 0
+
+
+def test_the_knobs_are_validated():
+    from stoker.errors import InvalidArgument
+
+    for bad in [dict(prefetch_bytes=-1), dict(prefetch_requests=0), dict(prefetch_bytes=1.5),
+                dict(prefetch_requests=True)]:
+        with pytest.raises(InvalidArgument, match=next(iter(bad))):
+            stoker.Config(**bad)
+    assert stoker.Config(prefetch_bytes=0).prefetch_bytes == 0  # off
