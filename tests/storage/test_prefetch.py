@@ -220,6 +220,20 @@ def test_a_prefetched_range_carries_the_generation_it_was_read_at(s3, data):
         assert kv.buffer.counters.held_bytes == 0 and len(kv.buffer) == 0  # read by its batch: gone
         _, parts, _, versions = kv.get_many([], [r], versions=True)  # a later read: the store's, as it is now
         assert bytes(parts[0]) == bytes(store.get(key))[2:12] and versions[0] == new_version
+        # once a read states the new generation (a shard index read anew), what was prefetched at the old one
+        # is never served: a reader that re-read the index retries for a fresh read
+        other = ByteRange(key, 0, 8)
+        _write(data, 3)
+        upload()
+        newest = store.versions([key])[0]
+        assert kv.prefetch([], [], [other], seq=3) == 1
+        assert _until(lambda: kv.buffer.counters.requests_in_flight == 0)
+        _write(data, 4)
+        upload()
+        kv.get_each([ByteRange.suffix(key, 4)])  # states the newest generation
+        _, parts, _, versions = kv.get_many([], [other], versions=True)
+        assert versions[0] != newest and bytes(parts[0]) == bytes(store.get(key))[:8]
+        assert kv.prefetch([], [], [other], seq=4) == 0  # a rewritten object is not prefetched again
         # a failed prefetch (a missing value) is read again: the store's answer, typed
         gone = f"{prefix}/plain/c/9/9"
         kv.prefetch([gone], [1 << 10], [ByteRange(gone, 0, 4)], seq=2)

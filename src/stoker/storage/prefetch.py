@@ -85,6 +85,8 @@ class PrefetchBuffer:
         self.max_bytes, self.max_requests = max_bytes, max_requests
         self.counters = PrefetchCounters()
         self._entries: dict[tuple, _Entry] = {}  # (store, key, start, length): start None for a whole value
+        self._generations: dict[tuple, Any] = {}  # (store, key): the generation its reads have stated
+        self._changed: set[tuple] = set()  # (store, key) seen at two generations: never prefetched again
         self._lock = threading.Lock()
         self._closed = False
 
@@ -111,7 +113,9 @@ class PrefetchBuffer:
                      [((sid, r.key, r.start, r.length), r, r.length) for r in requests]
             for ident, what, nbytes in wanted:
                 entry = self._entries.get(ident)
-                if entry is not None:  # asked already by another batch: one fetch serves both
+                if ident[:2] in self._changed:
+                    c.skipped += 1
+                elif entry is not None:  # asked already by another batch: one fetch serves both
                     if entry.seq != seq:
                         entry.seq, entry.uses = max(entry.seq, seq), entry.uses + 1
                 elif held + nbytes > self.max_bytes or n + 1 > self.max_requests:
@@ -154,9 +158,10 @@ class PrefetchBuffer:
                 data = None if outcome is None else outcome[0]
                 ok = data is not None and not isinstance(data, BaseException)
                 size = memoryview(data).nbytes if ok else 0
+                settled = ok and self._observe(ident[0], ident[1], outcome[1])
                 if self._entries.get(ident) is not entry:  # taken, retired or closed: bytes given back then
                     results.append((entry, (data, outcome[1]) if ok and entry.read else None))
-                elif not ok or size > entry.nbytes:  # failed, or larger than its estimate: not kept (the cap)
+                elif not settled or size > entry.nbytes:  # failed, changed, or larger than its estimate
                     del self._entries[ident]
                     c.held_bytes -= entry.nbytes
                     c.failed += 1
@@ -167,6 +172,31 @@ class PrefetchBuffer:
                     results.append((entry, (data, outcome[1])))
         for entry, result in results:
             entry.future.set_result(result)
+
+    def seen(self, store: Any, keys: Sequence[str], generations: Sequence[Any]) -> None:
+        """Note the generations a read through ``store`` stated for ``keys`` (see :meth:`_observe`)."""
+        with self._lock:
+            for key, generation in zip(keys, generations):
+                self._observe(id(store), key, generation)
+
+    def _observe(self, sid: int, key: str, generation: Any) -> bool:
+        """Under the lock: whether ``key`` has shown one generation only, ``generation`` now included. A key
+        seen at two (its object rewritten) loses its entries and is never prefetched again: an entry read at
+        the old generation must not answer a reader that re-read the shard index at the new one (its retry
+        expects a fresh read), and generations have no order to tell which is newer."""
+        if generation is None:
+            return True
+        name = (sid, key)
+        if name in self._changed:
+            return False
+        known = self._generations.setdefault(name, generation)
+        if known == generation:
+            return True
+        self._changed.add(name)
+        del self._generations[name]
+        for ident in [i for i in self._entries if i[:2] == name]:
+            self.counters.held_bytes -= self._entries.pop(ident).nbytes
+        return False
 
     def claim(self, store: Any, keys: Sequence[str], requests: Sequence[ByteRange], wait: bool) -> tuple[dict, dict]:
         """What the buffer holds of ``keys`` (whole values) and ``requests`` read through ``store``:
@@ -182,10 +212,14 @@ class PrefetchBuffer:
             taken: dict[tuple, _Entry] = {}  # one use each per call, however many of its ranges it serves
             for i, key in enumerate(keys):
                 ident = (sid, key, None, None)
+                if ident[:2] in self._changed:
+                    continue
                 entry = taken.get(ident) or self._entries.get(ident)
                 if entry is not None and _usable(entry, wait):
                     values[i] = taken[ident] = entry
             for j, r in enumerate(requests):
+                if (sid, r.key) in self._changed:
+                    continue
                 for ident, cut in (((sid, r.key, r.start, r.length), _whole), ((sid, r.key, None, None), _cutter(r))):
                     entry = taken.get(ident) or self._entries.get(ident)
                     if entry is not None and _usable(entry, wait):
@@ -217,6 +251,7 @@ class PrefetchBuffer:
         with self._lock:
             self._closed = True
             self._entries.clear()
+            self._generations.clear()
             self.counters.held_bytes = 0
 
     def __len__(self) -> int:
@@ -277,7 +312,11 @@ class PrefetchStore:
         range; the rest, and what the buffer failed to bring, fetched from the store."""
         values, parts = self.buffer.claim(self.store, keys, requests, wait=True)
         if not values and not parts:
-            return self.store.start_get_many(keys, requests, versions=versions, lenient=lenient)
+            inner = self.store.start_get_many(keys, requests, versions=versions, lenient=lenient)
+            if versions:  # the generations it states are noted (a rewritten object stops being prefetched)
+                names = [*keys, *(r.key for r in requests)]
+                inner.add_done_callback(lambda f: self._seen(names, f))
+            return inner
         future: concurrent.futures.Future = concurrent.futures.Future()
         _Combined(self, keys, requests, versions, lenient, values, parts, future)
         return future
@@ -296,6 +335,11 @@ class PrefetchStore:
             raise StorageError(f"{self.uri}: a read served partly from the prefetch buffer did not finish within "
                                f"{WAIT_S:.0f} s; the store or the network is stalled", uri=self.uri) from None
 
+    def _seen(self, names: list[str], future: concurrent.futures.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            got = future.result()
+            self.buffer.seen(self.store, names, [*got[2], *got[3]])
+
     def result_of(self, future: concurrent.futures.Future):
         """The result of a finished future of :meth:`start_get_many` (the store's rules: cancelled means
         closed)."""
@@ -308,7 +352,10 @@ class PrefetchStore:
         return self.store.get(key)
 
     def get_each(self, requests: Sequence[ByteRange], versions: bool = False) -> Any:
-        return self.store.get_each(requests, versions=versions)
+        """The store's ``get_each`` (shard indexes): the generations it states are noted."""
+        out, generations = self.store.get_each(requests, versions=True)
+        self.buffer.seen(self.store, [r.key for r in requests], generations)
+        return (out, generations) if versions else out
 
     def size(self, key: str) -> int:
         return self.store.size(key)
@@ -391,6 +438,8 @@ class _Combined:
             future.set_result(outcome)
 
     def _put(self, ks: list[int], ps: list[int], got: tuple) -> None:
+        self.kv.buffer.seen(self.kv.store, [self.keys[i] for i in ks] + [self.requests[j].key for j in ps],
+                            [*got[2], *got[3]])
         values, parts, value_versions, part_versions = self.out
         for i, data, gen in zip(ks, got[0], got[2]):
             values[i], value_versions[i] = data, gen
