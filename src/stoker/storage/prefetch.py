@@ -56,7 +56,7 @@ class PrefetchCounters:
 
 class _Entry:
     """One value or range asked ahead: its bytes counted (``nbytes``), the newest batch that wants it
-    (``seq``), how many batches asked for it and have not read it yet (``uses``), and its outcome (``future``:
+    (``seq``), the reads it may still serve (``uses``: one), and its outcome (``future``:
     ``(data, generation)``, or None when it failed)."""
 
     __slots__ = ("nbytes", "seq", "uses", "future", "read")
@@ -73,10 +73,11 @@ class _Entry:
 class PrefetchBuffer:
     """The values and ranges fetched ahead for one pipeline, from any of its stores; thread-safe.
 
-    ``max_bytes`` (>= 1) and ``max_requests`` (>= 1) bound it (see the module docstring). An entry serves as
-    many reads as batches asked for it (a chunk two batches share is fetched once), then leaves: a batch
-    planned later fetches it anew, so it sees the value as it is then (a rewritten object's new generation),
-    as without prefetch. What no read took leaves when :meth:`retire` says its batches are made."""
+    ``max_bytes`` (>= 1) and ``max_requests`` (>= 1) bound it (see the module docstring). An entry serves one
+    read, then leaves; a value or range already asked for an earlier batch is not asked again for a later
+    one, which reads it itself when its turn comes, so it sees the value as it is then (a rewritten object's
+    new generation), as without prefetch. What no read took leaves when :meth:`retire` says its batches are
+    made."""
 
     def __init__(self, max_bytes: int, max_requests: int) -> None:
         if max_bytes < 1 or max_requests < 1:
@@ -115,9 +116,8 @@ class PrefetchBuffer:
                 entry = self._entries.get(ident)
                 if ident[:2] in self._changed:
                     c.skipped += 1
-                elif entry is not None:  # asked already by another batch: one fetch serves both
-                    if entry.seq != seq:
-                        entry.seq, entry.uses = max(entry.seq, seq), entry.uses + 1
+                elif entry is not None:  # asked by an earlier batch: not shared (its bytes were read before this
+                    c.skipped += 1  # batch was planned, maybe before a rewrite it must see), fetched by its batch
                 elif held + nbytes > self.max_bytes or n + 1 > self.max_requests:
                     c.skipped += 1
                 else:
