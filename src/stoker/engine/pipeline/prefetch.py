@@ -78,8 +78,8 @@ class Ahead:
 
 def prefetch_plan(plan: TablePlan, seq: int) -> tuple[int, int]:
     """Start fetching the remote chunks of ``plan`` (whole values and inner chunks' ranges of its arrays in
-    stores that prefetch), for batch ``seq``; ``(bytes, values and ranges)`` it needs
-    (those asked already for an earlier batch, or past the bounds, included: they are not asked again). A step per chunk of an array in such a store."""
+    stores that prefetch), for batch ``seq``; ``(bytes, values and ranges)`` it needs (those asked already for
+    an earlier batch, or past the bounds, included: they are not asked). A step per chunk of such an array."""
     stored = np.nonzero(plan.chunk_file >= 0)[0]
     remote = [isinstance(r.kv, PrefetchStore) for r in plan.sources]
     if not len(stored) or not any(remote):
