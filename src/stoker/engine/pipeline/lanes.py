@@ -3,7 +3,8 @@
 Each field of a sample is a plain sample (one box of one array or several); a field's batch is a plain batch.
 So the engine makes it as it makes any batch: a *lane* is one field's executor (:func:`~.choose.make_executor`
 with a Config of its own: that field's output dtype, no transform, and a share of ``host_buffer_bytes`` and
-``device_buffer_bytes`` proportional to its batch bytes), its slots and its threads. The coordinator plans and
+``device_buffer_bytes``: 1 MiB, and of the rest a part proportional to its batch bytes), its slots and its
+threads. The coordinator plans and
 submits each field's batch in its lane; a batch in flight is one :class:`Part` (job and target) per field,
 ready when all are, failed when one is (the others are stopped and every slot given back). The transform of
 a pipeline of fields runs on the dict of the fields' batches, on the consumer's thread at ``pop``
@@ -85,6 +86,7 @@ class Lanes:
         self.make = make
         self.lanes: dict[str, Lane] = {}
         self.names: tuple[str, ...] | None = None  # the fields, in the first sample's order
+        self.nbytes: dict[str, int] = {}  # each field's batch bytes (its slots'), which split the budgets
 
     def __iter__(self) -> Iterator[Lane]:
         return iter(list(self.lanes.values()))
@@ -103,32 +105,40 @@ class Lanes:
 
     def setup(self, first: Sample, dtypes: dict[str, torch.dtype]) -> None:
         """One executor per field of ``first`` (the pipeline's first sample of fields), its batches of
-        ``dtypes[name]``, each with its share of the budgets: proportional to its batch bytes.
-        BudgetExceeded naming the field whose share is below the least a Config takes (1 MiB)."""
+        ``dtypes[name]``, each with its share of the budgets (:meth:`share`). BudgetExceeded when a budget
+        is below 1 MiB per field (the least a Config takes)."""
         assert first.fields is not None
         cfg = self.cfg
         shapes = {name: tuple(f.shape) for name, f in first.fields.items()}
-        nbytes = {name: cfg.batch_size * math.prod(shapes[name]) * dtypes[name].itemsize for name in shapes}
-        total = sum(nbytes.values())
+        self.nbytes = {name: cfg.batch_size * math.prod(shapes[name]) * dtypes[name].itemsize for name in shapes}
+        for knob in ("host_buffer_bytes", "device_buffer_bytes"):
+            whole, need = getattr(cfg, knob), _MIN_BUDGET * len(shapes)
+            if whole < need:
+                raise BudgetExceeded(
+                    f"Config.{knob}={whole:,} cannot hold {len(shapes)} fields ({', '.join(shapes)}): each field's "
+                    f"executor takes 1 MiB at least; raise {knob} to at least {need:,}", knob=knob, needed=need)
         lanes = {}
         for name in shapes:
-            budgets = {}
-            for knob in ("host_buffer_bytes", "device_buffer_bytes"):
-                whole = getattr(cfg, knob)
-                share = whole * nbytes[name] // total
-                if share < _MIN_BUDGET:
-                    need = math.ceil(_MIN_BUDGET * total / nbytes[name])
-                    raise BudgetExceeded(
-                        f"field {name!r} ({shapes[name]}, {dtypes[name]}) gets {share:,} B of Config.{knob}={whole:,} "
-                        f"(each field gets a share proportional to its batch bytes, {nbytes[name]:,} of {total:,}), "
-                        f"less than the 1 MiB a field needs at least; raise {knob} to at least {need:,}",
-                        knob=knob, needed=need, field=name)
-                budgets[knob] = share
+            budgets = {knob: self.share(name, getattr(cfg, knob)) for knob in ("host_buffer_bytes", "device_buffer_bytes")}
             lane_cfg = dataclasses.replace(cfg, dtype=cfg.field_dtype(name), transform=None, sample_shape=None,
                                            **budgets)
             lanes[name] = Lane(name, self.make(lane_cfg), lane_cfg, shapes[name], dtypes[name])
         self.lanes = lanes
         self.names = tuple(shapes)
+
+    def share(self, name: str, whole: int) -> int:
+        """Field ``name``'s share of a budget of ``whole`` bytes: 1 MiB (the least a Config takes: room to decode
+        a small field's chunks), and of the rest a part proportional to its batch bytes (its slots)."""
+        rest = whole - _MIN_BUDGET * len(self.nbytes)
+        return _MIN_BUDGET + rest * self.nbytes[name] // sum(self.nbytes.values())
+
+    def whole_for(self, name: str, need: int) -> int:
+        """The least budget whose :meth:`share` for field ``name`` is at least ``need`` bytes."""
+        whole = _MIN_BUDGET * len(self.nbytes) + math.ceil(
+            max(0, need - _MIN_BUDGET) * sum(self.nbytes.values()) / self.nbytes[name])
+        while self.share(name, whole) < need:  # the floor of the share: a byte or so more
+            whole += 1
+        return whole
 
     def budget_error(self, lane: Lane, exc: BudgetExceeded) -> BudgetExceeded:
         """``exc`` (a lane's budget refused its batch) said in the pipeline's terms: the field, its share of
@@ -136,11 +146,12 @@ class Lanes:
         knob = exc.context.get("knob") or "host_buffer_bytes"
         whole, share = getattr(self.cfg, knob), getattr(lane.cfg, knob)
         needed = exc.context.get("needed")
-        total = math.ceil(needed * whole / share) if isinstance(needed, int) and share else None
+        total = self.whole_for(lane.name, needed) if isinstance(needed, int) else None
         advice = f"; for this field's share to hold it, Config.{knob} must be at least {total:,}" if total else ""
         err = BudgetExceeded(
             f"field {lane.name!r} ({lane.shape}, {lane.dtype}) has {share:,} B of Config.{knob}={whole:,} (each "
-            f"field gets a share proportional to its batch bytes), and its batches need more: {exc.message}{advice}",
+            f"field gets 1 MiB and a part of the rest proportional to its batch bytes), and its batches need more: "
+            f"{exc.message}{advice}",
             **{**exc.context, "field": lane.name, **({"needed": total} if total else {})})
         err.__cause__ = as_value(exc)
         return err
