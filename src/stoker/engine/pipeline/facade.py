@@ -405,10 +405,13 @@ class Pipeline:
                 return
             self._closed = True
             self._coordinator.close()
-        for executor in self._executors():
+        stopped = self._executors()
+        for executor in stopped:
             executor.shutdown()
         self._coordinator.join(1.0)
         for executor in self._executors():
+            if executor not in stopped:  # a field's lane made by a launch under way at the close
+                executor.shutdown()
             executor.close()
         self._store.close()
 
@@ -491,12 +494,13 @@ def _deadline(limit: float | None) -> float | None:
 
 
 def host_slot_bytes(pipeline: Pipeline) -> int:
-    """Bytes of ``pipeline``'s host batch slots (pinned staging on a GPU; 0 before its first batch): what
+    """Bytes of ``pipeline``'s host batch slots (pinned staging on a GPU; every field's for samples of named
+    fields; 0 before its first batch): what
     ``stoker bench`` reports as a CUDA pipeline's pinned memory.
 
     >>> with stoker.Pipeline(cfg) as p:
     ...     p.push(samples); p.pop().release()
     ...     host_slot_bytes(p)
     """
-    slots = pipeline._executor.host_slots
-    return 0 if slots is None else slots.nbytes
+    rings = [e.host_slots for e in pipeline._executors()]  # samples of fields: every lane's
+    return sum(ring.nbytes for ring in rings if ring is not None)
