@@ -537,3 +537,24 @@ def test_cuda_transform_of_fields_is_fenced_for_the_consumer(arrays):
             for row, s in enumerate(batch.samples):
                 assert torch.equal(x["raw"][row], _expected(arrays, "raw", s["raw"], "f32") * 2)
                 assert torch.equal(x["labels"][row], _expected(arrays, "labels", s["labels"], "native"))
+
+
+def test_an_interrupt_inside_the_transform_loses_that_batch_rather_than_transforming_it_twice(arrays):
+    """The transform of fields runs in pop, on the consumer's thread: a Ctrl-C inside it leaves the fields part
+    transformed, so the next pop says the batch is lost instead of running the transform on it again."""
+    calls = []
+
+    def interrupted(x):
+        calls.append(1)
+        x["raw"].mul_(2)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    samples = [stoker.Sample({"raw": s["raw"], "mask": s["mask"]}) for s in _samples(arrays, 8, seed=13)]
+    with stoker.Pipeline(_cfg(dtype={"raw": "f32", "mask": "native"}, transform=interrupted)) as p:
+        p.push(samples)
+        with pytest.raises(KeyboardInterrupt):
+            p.pop()
+        with pytest.raises(stoker.StokerError, match="interrupted while its transform ran on its fields"):
+            p.pop()
+    assert len(calls) == 1
