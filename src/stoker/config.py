@@ -118,6 +118,8 @@ class Config:
     - ``transform``: ``None``, a callable ``batch -> batch`` or a list of them (run in order), applied to
       every batch on its device after the cast, before the consumer sees it; built-ins in
       :mod:`stoker.transforms` (``Normalize``, ``FillNaN``). See that module for where it runs and what it costs.
+      For samples of named fields it runs once per batch on the dict ``{name: tensor}``, on the consumer's
+      thread in ``pop`` (docs/dataloader.md, "Samples of named fields").
     """
 
     batch_size: int = 8

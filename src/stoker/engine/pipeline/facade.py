@@ -7,6 +7,9 @@
 ...         with p.pop() as batch:
 ...             x = torch.from_dlpack(batch)  # (8, *sample_shape), zero-copy
 
+Samples of named fields (``Sample({"raw": ..., "labels": ...})``) give a :class:`~stoker.FieldBatch` per pop,
+field name to that field's batch, each field made by an executor of its own (:mod:`.lanes`).
+
 This module is the public face; the work is split by job: :mod:`.intake` keeps what
 was pushed and pulls it lazily, :mod:`.coordinator` runs the thread that plans each
 batch (while at most ``lookahead_batches + 1`` are in flight; it then waits for a free
