@@ -127,6 +127,7 @@ def test_fields_are_zarr_s_bit_for_bit(arrays, decode_path, dtype):
         p.push(samples)
         seen = []
         for batch in p:
+            assert len(batch) == 3 and batch.rows == 4  # a mapping's length: its fields; rows: its samples
             assert [tuple(batch[n].info.shape) for n in batch] == [(4, 2, 16, 24, 24), (4, 8, 12, 12), (4, 8, 12, 12)]
             _check(arrays, batch, dtype)
             seen += batch.samples
@@ -558,3 +559,15 @@ def test_an_interrupt_inside_the_transform_loses_that_batch_rather_than_transfor
         with pytest.raises(stoker.StokerError, match="interrupted while its transform ran on its fields"):
             p.pop()
     assert len(calls) == 1
+
+
+def test_batches_of_one_box_take_no_lane(arrays, decode_path):
+    uri, data = arrays["raw"]
+    with stoker.Pipeline(_cfg()) as p:
+        p.push([stoker.Sample(uri, [(i, i + 8), (0, 16), (0, 16)]) for i in range(8)])
+        for batch in p:
+            assert type(batch) is stoker.Batch
+            x = torch.from_dlpack(batch)
+            for row, s in enumerate(batch.samples):
+                assert torch.equal(x[row], torch.from_numpy(_crop(data, s).astype(np.float32)))
+        assert not p._coordinator.lanes.ready and p._executors() == [p._executor]
