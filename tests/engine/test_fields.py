@@ -253,6 +253,11 @@ def test_budgets_below_1_mib_per_field_are_refused(arrays):
         with pytest.raises(stoker.BudgetExceeded, match=r"cannot hold 3 fields \(raw, labels, mask\)") as got:
             p.pop()
     assert got.value.knob == "host_buffer_bytes" and got.value.needed == 3 << 20
+    # device_buffer_bytes counts device memory: a CPU pipeline's fields do not split it
+    with stoker.Pipeline(_cfg(device_buffer_bytes=1 << 20, dtype={"raw": "f32", "labels": "native", "mask": "native"})) as p:
+        p.push(samples)
+        with p.pop() as batch:
+            _check(arrays, batch, {"raw": "f32", "labels": "native", "mask": "native"})
 
 
 def test_a_lane_s_budget_error_names_the_field_and_the_pipeline_s_knob(arrays, tmp_path):

@@ -76,7 +76,8 @@ class Pipeline:
         self._intake = Intake(cfg, self._cond)
         # samples of named fields: one executor per field (made at the first such batch; see .lanes), made as
         # this one is (a partial, not a closure over self: the coordinator's thread must not keep the pipeline)
-        lanes = Lanes(cfg, functools.partial(make_executor, device=self.device, stats=self._stats, store=self._store))
+        lanes = Lanes(cfg, functools.partial(make_executor, device=self.device, stats=self._stats, store=self._store),
+                      on_device=self.device.type == "cuda")
         self._coordinator = Coordinator(cfg, self._intake, self._executor, self._stats, self._store, lanes)
         self._error: BaseException | None = None
         self._closed = False

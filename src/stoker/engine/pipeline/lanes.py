@@ -2,8 +2,8 @@
 
 Each field of a sample is a plain sample (one box of one array or several); a field's batch is a plain batch.
 So the engine makes it as it makes any batch: a *lane* is one field's executor (:func:`~.choose.make_executor`
-with a Config of its own: that field's output dtype, no transform, and a share of ``host_buffer_bytes`` and
-``device_buffer_bytes``: 1 MiB, and of the rest a part proportional to its batch bytes), its slots and its
+with a Config of its own: that field's output dtype, no transform, and a share of ``host_buffer_bytes`` (and on a CUDA
+device of ``device_buffer_bytes``): 1 MiB, and of the rest a part proportional to its batch bytes), its slots and its
 threads. The coordinator plans and
 submits each field's batch in its lane; a batch in flight is one :class:`Part` (job and target) per field,
 ready when all are, failed when one is (the others are stopped and every slot given back). The transform of
@@ -81,9 +81,11 @@ class Part:
 class Lanes:
     """The lanes of a pipeline (none until its first batch of fields, whose samples and dtypes size them)."""
 
-    def __init__(self, cfg: Config, make: Callable[[Config], Executor]) -> None:
+    def __init__(self, cfg: Config, make: Callable[[Config], Executor], on_device: bool = False) -> None:
         self.cfg = cfg
         self.make = make
+        # device_buffer_bytes is split only where there is device memory to count (a CUDA pipeline)
+        self.knobs = ("host_buffer_bytes", "device_buffer_bytes") if on_device else ("host_buffer_bytes",)
         self.lanes: dict[str, Lane] = {}
         self.names: tuple[str, ...] | None = None  # the fields, in the first sample's order
         self.nbytes: dict[str, int] = {}  # each field's batch bytes (its slots'), which split the budgets
@@ -111,7 +113,7 @@ class Lanes:
         cfg = self.cfg
         shapes = {name: tuple(f.shape) for name, f in first.fields.items()}
         self.nbytes = {name: cfg.batch_size * math.prod(shapes[name]) * dtypes[name].itemsize for name in shapes}
-        for knob in ("host_buffer_bytes", "device_buffer_bytes"):
+        for knob in self.knobs:
             whole, need = getattr(cfg, knob), _MIN_BUDGET * len(shapes)
             if whole < need:
                 raise BudgetExceeded(
@@ -119,7 +121,7 @@ class Lanes:
                     f"executor takes 1 MiB at least; raise {knob} to at least {need:,}", knob=knob, needed=need)
         lanes = {}
         for name in shapes:
-            budgets = {knob: self.share(name, getattr(cfg, knob)) for knob in ("host_buffer_bytes", "device_buffer_bytes")}
+            budgets = {knob: self.share(name, getattr(cfg, knob)) for knob in self.knobs}
             lane_cfg = dataclasses.replace(cfg, dtype=cfg.field_dtype(name), transform=None, sample_shape=None,
                                            **budgets)
             lanes[name] = Lane(name, self.make(lane_cfg), lane_cfg, shapes[name], dtypes[name])
