@@ -8,6 +8,7 @@
 from .reader.array import ArrayReader, open_array
 from .config import Config
 from .engine.batch import Batch, BatchInfo
+from .engine.fieldbatch import FieldBatch
 from .engine.pipeline.facade import Pipeline
 from .engine.stats import Metric, Stats
 from .sampling.sample import Sample
@@ -37,6 +38,7 @@ __all__ = [
     "BatchInfo",
     "Config",
     "CropDataset",
+    "FieldBatch",
     "Metric",
     "Pipeline",
     "RandomCrops",

@@ -65,6 +65,10 @@ def test_the_pipeline_says_what_it_does_not_read_yet(tmp_path):
 
     uri = str(tmp_path / "a.zarr")
     zarr.create_array(uri, shape=(8, 8), chunks=(4, 4), dtype="u1")[:] = np.ones((8, 8), "u1")
-    with stoker.Pipeline(stoker.Config(batch_size=1)) as p:
-        with pytest.raises(NotYetSupported, match="named fields"):
-            p.push(stoker.Sample({"x": (uri, BOX)}))
+    with stoker.Pipeline(stoker.Config(batch_size=1, device="cpu")) as p:
+        p.push(stoker.Sample({"x": (uri, BOX)}))  # samples of named fields are read (tests/engine/test_fields.py)
+        with p.pop() as batch:
+            assert isinstance(batch, stoker.FieldBatch) and list(batch) == ["x"]
+    with stoker.Pipeline(stoker.Config(batch_size=1, device="cpu")) as p:
+        with pytest.raises(NotYetSupported, match="padded boxes"):
+            p.push(stoker.Sample(uri, [(-2, 6), (0, 8)], pad="zero"))

@@ -6,7 +6,9 @@ consumer sees it.
 ...                     transform=[FillNaN(0.0), Normalize(mean=[280.0, 0.0, 0.0], std=[12.0, 5.0, 5.0])])
 
 A transform is any callable ``batch -> batch`` on a tensor of shape ``(B, *sample_shape)`` (``(B, C, *box)``
-for samples of several arrays). It runs after the cast to the output dtype, in the batch's slot: on the CPU
+for samples of several arrays). For samples of named fields it gets the dict ``{name: tensor}`` of each batch
+once, on the consumer's thread in ``pop``, and changes it in place (or puts tensors of the same shape, dtype
+and device in it, copied back). It runs after the cast to the output dtype, in the batch's slot: on the CPU
 on the pipeline thread that finished the batch, on a GPU on the pipeline's side stream before the event the
 consumer waits on. With ``dtype='bf16'`` or ``'f16'`` the batch is made and transformed in float32 and
 rounded to the 16-bit output once, after the transform (a float32 work slot per batch in flight, counted

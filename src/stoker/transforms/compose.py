@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import torch
@@ -48,9 +49,17 @@ def as_transform(value: Any) -> Transform | None:
     return value
 
 
-def apply(transform: Transform, out: torch.Tensor) -> torch.Tensor:
-    """Run ``transform`` on the batch ``out``, leaving the result in ``out`` (see the module docstring)."""
-    result = transform(out)
+def apply(transform: Transform, out: Any) -> Any:
+    """Run ``transform`` on the batch ``out``, leaving the result in ``out`` (see the module docstring). A batch
+    of samples of named fields is a dict ``{name: tensor}``: the transform gets the dict, and each field's
+    result is left in that field's tensor by the same rules."""
+    if isinstance(out, dict):
+        return _apply_fields(transform, out)
+    return _keep(transform, out, transform(out))
+
+
+def _keep(transform: Transform, out: torch.Tensor, result: Any) -> torch.Tensor:
+    """``result`` of ``transform`` on ``out`` left in ``out`` (see :func:`apply`)."""
     if result is None or result is out:
         return out
     if not isinstance(result, torch.Tensor) or result.shape != out.shape:
@@ -66,4 +75,23 @@ def apply(transform: Transform, out: torch.Tensor) -> torch.Tensor:
             "Config(dtype='f32')", knob="transform")
     if result.data_ptr() != out.data_ptr() or result.stride() != out.stride():
         out.copy_(result)
+    return out
+
+
+def _apply_fields(transform: Transform, out: dict) -> dict:
+    """:func:`apply` on a dict of field batches: ``transform(out)`` may change the tensors in place, put new
+    ones in the dict, or return a mapping of the same names; each field's result is left in its own tensor
+    by :func:`apply`'s rules (so a dict entry replaced by ``x["raw"] = x["raw"] * 2`` reaches the batch)."""
+    slots = dict(out)
+    result = transform(out)  # type: ignore[arg-type]  # a transform of fields takes the dict
+    if result is None:
+        result = out
+    if not isinstance(result, Mapping) or set(result) != set(slots):
+        what = f"a mapping of {sorted(result)}" if isinstance(result, Mapping) else type(result).__name__
+        raise InvalidArgument(f"transform {transform!r} returned {what} for a batch of fields {sorted(slots)}; it "
+                              "must return the dict it got (best modified in place)", knob="transform")
+    for name, tensor in slots.items():
+        _keep(transform, tensor, result[name])
+    out.clear()
+    out.update(slots)
     return out

@@ -16,6 +16,7 @@ import collections
 import itertools
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from ...runtime.workers import start_thread
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
 from ...storage.cache import SizedLRU
 from ...config import Config
-from ...errors import BudgetExceeded, DtypeMismatch
+from ...errors import BudgetExceeded, DtypeMismatch, ShutdownError, StokerError
 from ...sampling.sample import Sample, parts
 from ...storage import LocalStore
 from ...storage.locate import Stores, options_for
@@ -33,32 +34,74 @@ from ...zarr.box import check_in_bounds
 from ..cast import batch_dtype
 from ..executor import Executor, Job, Target
 from .intake import Intake
+from .lanes import Lanes, Part, in_field
 from ..stats import StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
 _OPEN_AT_ONCE = 16  # remote arrays of one batch opened together (threads waiting on their metadata)
+_CONFIG = object()  # _batch_dtype's default: the Config's output dtype
 
 
 class Entry:
-    """A batch in flight: a running job, or an error to deliver in its place."""
+    """A batch in flight: a running job, or an error to deliver in its place. A batch of samples of named
+    fields has no job of its own but ``parts``, one job and target per field (:mod:`.lanes`), and its
+    ``samples``; ``transformed``: None, "running" or True (its transform, run at pop, see
+    :func:`~.lanes.transform_fields`), and ``ready_after``: the (event, stream) after that transform."""
 
-    __slots__ = ("job", "target", "error", "batch_id", "rows", "source_ids")
+    __slots__ = ("job", "target", "error", "batch_id", "rows", "source_ids", "parts", "samples", "transformed",
+                 "ready_after")
 
     def __init__(self, batch_id: int, rows: int, job: Job | None = None, target: Target | None = None,
                  error: BaseException | None = None) -> None:
         self.batch_id, self.rows, self.job, self.target, self.error = batch_id, rows, job, target, error
         self.source_ids: list[int] = []
+        self.parts: list[Part] | None = None
+        self.samples: tuple[Sample, ...] = ()
+        self.transformed: str | bool | None = None
+        self.ready_after: tuple = (None, None)
 
     def ready(self, timeout: float) -> bool:
-        return self.job is None or self.job.wait(timeout)
+        if self.parts is None:
+            return self.job is None or self.job.wait(timeout)
+        # every field's job done, or one failed (the batch fails with it: the others need not finish)
+        deadline = time.monotonic() + timeout
+        for part in self.parts:
+            if not part.job.wait(max(0.0, deadline - time.monotonic())):
+                return any(p.job.failed for p in self.parts)
+        return True
+
+    def failure(self) -> BaseException | None:
+        """The error to deliver for this batch, once ready: its own, its job's, or the first failed field's
+        (named; the other fields' jobs are then stopped, so none writes into a slot given back)."""
+        if self.error is not None or self.parts is None:
+            return self.error or (self.job.error if self.job else None)
+        failed = next((p for p in self.parts if p.job.error is not None), None)
+        if failed is None:
+            return None
+        self.error = in_field(failed.job.error, failed.name)
+        for p in self.parts:
+            if not p.job.done.is_set():
+                p.job.finish(0, ShutdownError(f"the batch's field {failed.name!r} failed: field {p.name!r} was "
+                                              "stopped", field=p.name))
+        return self.error
+
+    def drop(self, executor: Executor) -> None:
+        """Give back the slots of a failed batch (``executor``'s, or each field's lane's)."""
+        if self.parts is None:
+            if self.target is not None:
+                executor.drop(self.target)
+            return
+        for p in self.parts:
+            p.executor.drop(p.target)
 
 
 class Coordinator:
     """The batches in flight (``inflight``, in push order) and the thread that launches them."""
 
     def __init__(self, cfg: Config, intake: Intake, executor: Executor, stats: StatsRecorder,
-                 store: LocalStore) -> None:
+                 store: LocalStore, lanes: Lanes) -> None:
         self.cfg = cfg
+        self.lanes = lanes  # samples of named fields: one executor per field, made at the first such batch
         self.intake = intake
         self.cond = intake.cond
         self.executor = executor
@@ -175,6 +218,9 @@ class Coordinator:
         t0 = time.perf_counter()
         if self.closed:
             return
+        if samples[0].fields is not None:
+            self._launch_fields(batch_id, samples, source_ids, t0)
+            return
         try:
             # The arrays' metadata settles the dtype and the budget before planning: a crop too large for
             # host_buffer_bytes is refused before its plan (chunk lists of its whole volume) is built.
@@ -207,15 +253,84 @@ class Coordinator:
         # this one must not keep the batch's target, a view of its slot, alive once the batch is popped
         del entry
 
-    def _batch_dtype(self, readers: list[ArrayReader]) -> torch.dtype:
+    def _launch_fields(self, batch_id: int, samples: list[Sample], source_ids: list[int], t0: float) -> None:
+        """Launch a batch of samples of named fields: each field's plain samples planned, given a slot and
+        submitted in that field's lane (made at the first such batch); an error names its field."""
+        lanes = self.lanes
+        plans = []
+        try:
+            uris = list({uri: None for s in samples for uri in s.uris})
+            known = dict(zip(uris, self._open_all(uris)))
+
+            def opened(u: str) -> ArrayReader:
+                return known[u] if u in known else self.open(u)
+
+            names = lanes.names or samples[0].names
+            assert names is not None
+            per_field = {name: [s.fields[name] for s in samples] for name in names}  # type: ignore[index]
+            readers = {name: [known[u] for u in dict.fromkeys(u for f in fs for u in f.uris)]
+                       for name, fs in per_field.items()}
+            if not lanes.ready:
+                dtypes = {}
+                for name in names:
+                    try:
+                        dtypes[name] = self._batch_dtype(readers[name], lanes.requested(name, names))
+                    except StokerError as exc:
+                        raise in_field(exc, name) from None
+                lanes.setup(samples[0], dtypes)
+            for lane in lanes:
+                fs, rs = per_field[lane.name], readers[lane.name]
+                try:
+                    dtype = self._batch_dtype(rs, lane.cfg.output_dtype, lane.executor, (lane.name,))
+                    try:
+                        lane.executor.prepare(lane.shape, rs, dtype)
+                    except BudgetExceeded as exc:  # a box past its array is what to say first, as for one box
+                        shapes = {r.uri: r.shape for r in rs}
+                        for uri, aabb in parts(fs):
+                            check_in_bounds(aabb, shapes[uri], uri)
+                        raise lanes.budget_error(lane, exc) from None
+                    plans.append(lane.executor.plan(batch_id, fs, opened))
+                except StokerError as exc:
+                    raise in_field(exc, lane.name) from None
+        except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
+            with self.cond:
+                self.inflight.append(Entry(batch_id, len(samples), error=exc))
+                self.cond.notify_all()
+            return
+        self.stats.stage("plan", time.perf_counter() - t0)
+        entry = Entry(batch_id, plans[0].rows)
+        entry.source_ids, entry.samples = source_ids, tuple(samples)
+        held: list[Part] = []
+        try:  # every field's slot, in the fields' order (every batch takes them so: no two wait on each other)
+            for lane, plan in zip(lanes, plans):
+                held.append(Part(lane.name, lane.executor, None, lane.executor.acquire(plan, lambda: self.closed)))
+        except BaseException:
+            for part in held:
+                part.executor.drop(part.target)
+            raise
+        for part, plan in zip(held, plans):
+            part.job = part.executor.submit(plan, part.target)
+        entry.parts = held
+        with self.cond:
+            self.inflight.append(entry)
+            self.cond.notify_all()
+        del entry, held, part  # no frame keeps a view of a slot (see _launch)
+
+    def _batch_dtype(self, readers: list[ArrayReader], requested: Any = _CONFIG, executor: Executor | None = None,
+                     key: tuple = ()) -> torch.dtype:
+        """The dtype of a batch of ``readers``' arrays for the ``requested`` output (default: the Config's),
+        the same as ``executor``'s batches so far; ``key`` keeps a field's settled dtypes apart."""
+        if requested is _CONFIG:
+            requested = self.cfg.output_dtype
+        executor = executor or self.executor
         dtypes = set()
         for r in readers:
-            got = self._dtypes.get(r.dtype)
+            got = self._dtypes.get((*key, requested, r.dtype))
             if got is None:  # once per source dtype; a refused one raises every time
-                got = self._dtypes[r.dtype] = batch_dtype(self.cfg.output_dtype, r.dtype, r.uri)
+                got = self._dtypes[(*key, requested, r.dtype)] = batch_dtype(requested, r.dtype, r.uri)
             dtypes.add(got)
-        if self.executor.dtype is not None:
-            dtypes.add(self.executor.dtype)
+        if executor.dtype is not None:
+            dtypes.add(executor.dtype)
         if len(dtypes) > 1:
             raise DtypeMismatch(
                 f"dtype='native' needs one source dtype per pipeline, found {sorted(map(str, dtypes))} "

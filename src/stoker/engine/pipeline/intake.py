@@ -46,7 +46,7 @@ class Intake:
         self.flush = False  # launch a short batch of what is staged (drop_last=False, sources drained)
         self.launching = False  # samples taken from the sources but not yet in flight
         self._counted = 0  # samples counted as pushed: sized pushes at push, iterables as they are pulled
-        self.shape: tuple[int, ...] | None = cfg.sample_shape
+        self.shape: Any = cfg.sample_shape  # a dict (field name -> shape) for samples of named fields
         self.first: Sample | None = None  # the first sample checked: its channel count is the pipeline's
 
     def push(self, samples: Sample | Iterable[Sample]) -> None:
@@ -181,14 +181,16 @@ class Intake:
             }
 
 
-def validate(s: Any, shape: tuple[int, ...] | None, first: Sample | None = None) -> tuple[int, ...]:
+def validate(s: Any, shape: Any, first: Sample | None = None) -> Any:
     """The batch shape after ``s``: typed errors for a non-Sample, another number of arrays than ``first``
-    (the pipeline's first sample), another rank or another shape."""
+    (the pipeline's first sample), another rank or another shape. For samples of named fields the shape is
+    a dict of each field's (see :func:`validate_fields`)."""
     if not isinstance(s, Sample):
         raise InvalidArgument(f"expected stoker.Sample, got {type(s).__name__}: {s!r}")
-    if s.fields is not None or s.pad is not None:
-        what = "samples of named fields" if s.fields is not None else f"padded boxes (pad={s.pad!r})"
-        raise NotYetSupported(f"{s}: the pipeline does not read {what} yet", uri=s.uri)
+    if s.pad is not None:
+        raise NotYetSupported(f"{s}: the pipeline does not read padded boxes (pad={s.pad!r}) yet", uri=s.uri)
+    if s.fields is not None or (first is not None and first.fields is not None):
+        return validate_fields(s, shape, first)
     if first is not None and s.channels != first.channels:
         raise InvalidArgument(f"{s} reads {arrays_read(s)}, this pipeline's first sample {first} reads "
                               f"{arrays_read(first)}; "
@@ -203,6 +205,40 @@ def validate(s: Any, shape: tuple[int, ...] | None, first: Sample | None = None)
                               "(set Config.sample_shape, or make all boxes the same size; a sample of several arrays is "
                               "(channels, *box))", uri=s.uri)
     return shape
+
+
+def validate_fields(s: Sample, shape: Any, first: Sample | None) -> dict[str, tuple[int, ...]]:
+    """The shapes (field name -> shape) after ``s``, a sample of named fields: typed errors naming the field
+    for another set of field names than ``first``'s, another number of arrays in a field, another rank or
+    shape; for a pipeline that mixes them with samples of one box, or sets ``Config.sample_shape``."""
+    if first is not None and (first.fields is None) != (s.fields is None):
+        one, other = (s, first) if s.fields is None else (first, s)
+        raise InvalidArgument(f"{other} is a sample of named fields and {one} is not: a pipeline reads samples of "
+                              "one kind (push them to two pipelines)", uri=s.uri)
+    assert s.fields is not None
+    if shape is not None and not isinstance(shape, dict):
+        raise InvalidArgument(f"Config.sample_shape={shape} is for samples of one box; {s} has named fields, "
+                              "whose shapes the first sample sets: leave sample_shape None", knob="sample_shape")
+    if first is not None and first.fields is not None and set(s.fields) != set(first.fields):
+        missing = [n for n in first.fields if n not in s.fields]
+        extra = [n for n in s.fields if n not in first.fields]
+        raise InvalidArgument(f"{s} has fields {list(s.fields)}, the pipeline's first sample {list(first.fields)} "
+                              f"(missing: {missing}, not in the first: {extra}); every sample of a pipeline must "
+                              "have the same field names", uri=s.uri)
+    for name, f in s.fields.items():
+        f0 = first.fields[name] if first is not None and first.fields is not None else None
+        if f0 is not None and f.channels != f0.channels:
+            raise InvalidArgument(f"field {name!r} of {s} reads {arrays_read(f)}, the pipeline's first sample's "
+                                  f"reads {arrays_read(f0)}; each field must read the same number of arrays in "
+                                  "every sample", uri=f.uri)
+        want = shape[name] if shape is not None else None
+        if want is not None and len(f.shape) != len(want):
+            raise RankMismatch(f"field {name!r} of {s} has {len(f.shape)} axes, the batch's has {len(want)} {want}",
+                               uri=f.uri)
+        if want is not None and f.shape != want:
+            raise InvalidArgument(f"field {name!r} of {s} has shape {f.shape}; it must be {want} in every sample "
+                                  "(a field of several arrays is (channels, *box))", uri=f.uri)
+    return shape if shape is not None else dict(s.shape)
 
 
 def _wrap_source_error(exc: BaseException) -> StokerError:
