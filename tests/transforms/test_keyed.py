@@ -1,0 +1,190 @@
+"""Keyed transforms: per-sample draws from keys, RandomFlip / RandomTranspose against numpy per sample on
+dict batches of related fields, the protocol through Compose and apply; ``field=`` of Normalize and FillNaN."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+import torch
+
+import stoker
+from stoker.transforms import (Compose, FillNaN, Keyed, Normalize, RandomFlip, RandomTranspose, apply, takes_keys,
+                               uniform)
+
+pytestmark = pytest.mark.timeout(120)
+
+def _keys(n, epoch=0, start=0):
+    return np.stack([np.full(n, epoch, np.int64), np.arange(start, start + n, dtype=np.int64)], axis=1)
+
+
+# -- draws -------------------------------------------------------------------------------------------
+
+
+def test_uniform_is_a_function_of_the_key_alone():
+    keys = np.array([[0, 0], [0, 1], [1, 0], [7, 123456789], [0, 2**40]])
+    u = uniform(keys, seed=0, n=3)
+    assert u.shape == (5, 3) and u.dtype == np.float64 and ((u >= 0) & (u < 1)).all()
+    # each row depends on its own key only: any other batch composition gives the same rows
+    assert np.array_equal(uniform(keys[::-1], seed=0, n=3), u[::-1])
+    assert np.array_equal(uniform(keys[3:4], seed=0, n=3), u[3:4])
+    assert np.array_equal(uniform(torch.from_numpy(keys), seed=0, n=3), u)  # a tensor of keys reads the same
+    # epoch, index, seed, salt and the draw's number each change it
+    assert len({float(v) for v in u.ravel()}) == u.size
+    assert not np.isin(uniform(keys, seed=1, n=3), u).any()
+    assert not np.isin(uniform(keys, seed=0, n=3, salt=1), u).any()
+    many = uniform(_keys(20000), seed=5)[:, 0]
+    assert abs(many.mean() - 0.5) < 0.01 and abs((many < 0.25).mean() - 0.25) < 0.015
+
+
+def test_flip_draws_follow_p():
+    keys = _keys(4000)
+    assert RandomFlip(seed=0, p=0.0).draws(keys).sum() == 0
+    assert RandomFlip(seed=0, p=1.0).draws(keys).all()
+    d = RandomFlip(axes=(-3, -2, -1), seed=0, p=0.3).draws(keys)
+    assert d.shape == (4000, 3) and np.allclose(d.mean(axis=0), 0.3, atol=0.03)
+    assert not np.array_equal(d, RandomFlip(axes=(-3, -2, -1), seed=1, p=0.3).draws(keys))
+    orders = RandomTranspose(axes=(-3, -2, -1), seed=0).draws(keys)
+    assert np.allclose(np.bincount(orders, minlength=6) / 4000, 1 / 6, atol=0.03)
+
+
+# -- on tensors and dicts of fields -----------------------------------------------------------------
+
+
+def _flip_oracle(x, flips, axes):
+    out = x.copy()
+    for i in range(len(x)):
+        ax = tuple(a for a, f in zip(axes, flips[i]) if f)
+        if ax:
+            out[i] = np.flip(x[i], ax)
+    return out
+
+
+def _transpose_oracle(x, orders, axes, table):
+    out = x.copy()
+    for i in range(len(x)):
+        sample = x[i]
+        dims = list(range(sample.ndim))
+        pos = [sample.ndim + a for a in axes]
+        for k, p in enumerate(pos):
+            dims[p] = pos[table[orders[i]][k]]
+        out[i] = np.transpose(sample, dims)
+    return out
+
+
+def _fields(rng, b=16):
+    raw = rng.normal(0, 1, (b, 12, 10, 8)).astype(np.float32)
+    return {
+        "raw": torch.from_numpy(raw.copy()),
+        "labels": torch.from_numpy(raw[:, 2:10, 2:8, 1:7].copy()),  # centred in raw on every axis
+        "two": torch.from_numpy(np.stack([raw, -raw], axis=1)),  # a field with a channel axis
+    }, raw
+
+
+def test_random_flip_is_the_same_for_every_field_of_a_sample(rng):
+    batch, raw = _fields(rng)
+    flip = RandomFlip(axes=(-3, -2, -1), seed=3)
+    keys = _keys(16, epoch=2, start=40)
+    flips = flip.draws(keys)
+    assert 0 < flips.sum() < flips.size and len({tuple(f) for f in flips}) > 3  # groups of several draws
+    ptrs = {k: v.data_ptr() for k, v in batch.items()}
+    assert flip(batch, keys) is batch
+    assert {k: v.data_ptr() for k, v in batch.items()} == ptrs  # in place
+    want = _flip_oracle(raw, flips, (-3, -2, -1))
+    np.testing.assert_array_equal(batch["raw"].numpy(), want)
+    # the labels field is still the centre of the raw one, and each channel of "two" still raw and -raw
+    assert torch.equal(batch["labels"], batch["raw"][:, 2:10, 2:8, 1:7])
+    assert torch.equal(batch["two"][:, 0], batch["raw"]) and torch.equal(batch["two"][:, 1], -batch["raw"])
+    # a plain tensor batch gets the same flips
+    plain = torch.from_numpy(raw.copy())
+    flip(plain, keys)
+    assert torch.equal(plain, batch["raw"])
+
+
+def test_random_transpose_is_the_same_for_every_field_of_a_sample(rng):
+    raw = rng.normal(0, 1, (12, 3, 8, 8, 8)).astype(np.float32)  # (B, C, Z, Y, X), cubic
+    batch = {"raw": torch.from_numpy(raw.copy()), "labels": torch.from_numpy(raw[:, 0, 2:6, 2:6, 2:6].copy())}
+    t = RandomTranspose(axes=(-3, -2, -1), seed=4)
+    keys = _keys(12, start=100)
+    orders = t.draws(keys)
+    assert len(set(orders.tolist())) >= 4  # several permutations, the identity possibly among them
+    t(batch, keys)
+    np.testing.assert_array_equal(batch["raw"].numpy(), _transpose_oracle(raw, orders, (-3, -2, -1), t.orders))
+    assert torch.equal(batch["labels"], batch["raw"][:, 0, 2:6, 2:6, 2:6])
+
+
+def test_compose_passes_keys_on_and_plain_callables_stay_plain(rng):
+    seen = []
+
+    class Record(Keyed):
+        def __call__(self, x, keys):
+            seen.append(("keyed", keys.copy()))
+            return x
+
+    def plain(x, extra="default"):  # a second parameter with a default: still called t(batch)
+        seen.append(("plain", extra))
+        return x
+
+    keys = _keys(3, epoch=1)
+    x = torch.zeros(3, 4)
+    c = Compose([plain, Record(), RandomFlip(axes=(-1,), seed=0, p=1.0)])
+    assert takes_keys(c) and not takes_keys(plain)
+    x[:, 0] = 1.0
+    assert apply(c, x, keys) is x
+    assert seen[0] == ("plain", "default") and seen[1][0] == "keyed" and np.array_equal(seen[1][1], keys)
+    assert torch.equal(x[:, -1], torch.ones(3)) and torch.equal(x[:, 0], torch.zeros(3))  # flipped, p=1
+    # a plain callable returning a new dict of fields has it copied back; other fields are an error
+    batch = {"a": torch.zeros(2, 3), "b": torch.ones(2, 3)}
+    before = batch["a"]
+    assert apply(lambda d: {"a": d["a"] + 1, "b": d["b"]}, batch) is batch and batch["a"] is before
+    assert torch.equal(before, torch.ones(2, 3))
+    with pytest.raises(stoker.InvalidArgument, match=r"returned fields \['a'\]"):
+        apply(lambda d: {"a": d["a"]}, batch)
+    with pytest.raises(stoker.InvalidArgument, match="field 'b' of a batch of torch.float32"):
+        apply(lambda d: {"a": d["a"], "b": d["b"].double()}, batch)
+
+
+def test_keyed_transform_errors(rng):
+    x = torch.zeros(4, 8, 6)
+    with pytest.raises(stoker.InvalidArgument, match=r"sizes \[8, 6\] on those axes.*one size"):
+        RandomTranspose(axes=(-2, -1))(x, _keys(4))
+    with pytest.raises(stoker.InvalidArgument, match="field 'labels' of shape"):
+        RandomTranspose(axes=(-2, -1))({"raw": torch.zeros(4, 6, 6), "labels": torch.zeros(4, 6, 5)}, _keys(4))
+    with pytest.raises(stoker.InvalidArgument, match="too few axes"):
+        RandomTranspose(axes=(-3, -2, -1))(torch.zeros(4, 6, 6), _keys(4))
+    with pytest.raises(stoker.InvalidArgument, match="needs the batch's per-sample keys"):
+        RandomFlip()(torch.zeros(4, 2, 2, 2))
+    with pytest.raises(stoker.InvalidArgument, match="3 keys for a batch of 4 samples"):
+        RandomFlip()(torch.zeros(4, 2, 2, 2), _keys(3))
+    with pytest.raises(stoker.InvalidArgument, match=r"shape \(4,\)"):
+        RandomFlip()(torch.zeros(4, 2, 2, 2), np.arange(4))
+    with pytest.raises(stoker.InvalidArgument, match="negative integers"):
+        RandomTranspose(axes=(1, 2))
+    with pytest.raises(stoker.InvalidArgument, match="2 or more"):
+        RandomTranspose(axes=(-1,))
+    with pytest.raises(stoker.InvalidArgument, match="distinct"):
+        RandomFlip(axes=(-1, -1))
+    with pytest.raises(stoker.InvalidArgument, match="probability"):
+        RandomFlip(p=1.5)
+    with pytest.raises(stoker.InvalidArgument, match="seed"):
+        RandomFlip(seed=0.5)  # type: ignore[arg-type]
+
+
+def test_normalize_and_fill_nan_act_on_one_field(rng):
+    raw = torch.tensor([[1.0, float("nan"), 3.0]] * 2)
+    other = torch.tensor([[float("nan"), 5.0, 7.0]] * 2)
+    batch = {"raw": raw.clone(), "other": other.clone()}
+    Compose([FillNaN(0.0, field="raw"), Normalize(1.0, 2.0, field="raw")])(batch)
+    assert torch.equal(batch["raw"], torch.tensor([[0.0, -0.5, 1.0]] * 2))
+    torch.testing.assert_close(batch["other"], other, rtol=0, atol=0, equal_nan=True)  # left alone
+    with pytest.raises(stoker.InvalidArgument, match=r"batch of fields \['other', 'raw'\].*field="):
+        Normalize(0.0, 1.0)(batch)
+    with pytest.raises(stoker.InvalidArgument, match=r"no field 'labels'; its fields are \['other', 'raw'\]"):
+        FillNaN(0.0, field="labels")(batch)
+    with pytest.raises(stoker.InvalidArgument, match="single tensor"):
+        FillNaN(0.0, field="raw")(raw.clone())
+    with pytest.raises(stoker.InvalidArgument, match="field must be a field name"):
+        Normalize(0.0, 1.0, field=3)  # type: ignore[arg-type]
+    with pytest.raises(stoker.InvalidArgument, match="field 'ids' of the batch"):
+        Normalize(0.0, 1.0, field="ids")({"ids": torch.zeros(2, 3, dtype=torch.int64)})
+    assert "field='raw'" in repr(Normalize(0.0, 1.0, field="raw")) and "field='raw'" in repr(FillNaN(field="raw"))
