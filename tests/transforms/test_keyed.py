@@ -1,12 +1,16 @@
-"""Keyed transforms: per-sample draws from keys, RandomFlip / RandomTranspose against numpy per sample on
-dict batches of related fields, the protocol through Compose and apply; ``field=`` of Normalize and FillNaN."""
+"""Keyed transforms: per-sample keys through a real Pipeline (resumed on another world size, batches
+finishing out of order), RandomFlip / RandomTranspose against numpy per sample, on dict batches of related
+fields, on CPU and CUDA; the protocol through Compose and apply; ``field=`` of Normalize and FillNaN."""
 
 from __future__ import annotations
 
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
+import zarr
 
 import stoker
 from stoker.transforms import (Compose, FillNaN, Keyed, Normalize, RandomFlip, RandomTranspose, apply, takes_keys,
@@ -188,3 +192,212 @@ def test_normalize_and_fill_nan_act_on_one_field(rng):
     with pytest.raises(stoker.InvalidArgument, match="field 'ids' of the batch"):
         Normalize(0.0, 1.0, field="ids")({"ids": torch.zeros(2, 3, dtype=torch.int64)})
     assert "field='raw'" in repr(Normalize(0.0, 1.0, field="raw")) and "field='raw'" in repr(FillNaN(field="raw"))
+
+
+# -- through a real Pipeline ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory):
+    root = tmp_path_factory.mktemp("keyed")
+    uri = str(root / "v.zarr")
+    z = zarr.create_array(uri, shape=(40, 48), chunks=(8, 16), dtype="float32")
+    z[:] = np.random.default_rng(1).normal(0, 1, (40, 48)).astype(np.float32)
+    return uri, zarr.open_array(uri, mode="r")[:]
+
+
+def _cfg(**kw):
+    base = dict(batch_size=4, dtype="f32", device="cpu", host_buffer_bytes=16 << 20, pop_timeout_s=30.0,
+                lookahead_batches=2, n_compute_threads=2, n_io_threads=1)
+    base.update(kw)
+    return stoker.Config(**base)
+
+
+def _read(data, sample):
+    return data[tuple(slice(a, b) for a, b in sample.aabb)]
+
+
+def _drain(p, n=None):
+    """{key: (sample, tensor)} of the batches popped (all of them, or n)."""
+    out = {}
+    it = p if n is None else p.batches(n)
+    for batch in it:
+        x = torch.from_dlpack(batch)
+        assert batch.keys.shape == (len(batch), 2) and batch.keys.dtype == np.int64
+        for row, key in enumerate(batch.keys.tolist()):
+            assert tuple(key) not in out
+            out[tuple(key)] = (batch.samples[row], x[row].clone())
+    return out
+
+
+def test_keys_are_epoch_and_index_and_survive_a_resume_on_another_world_size(volume, decode_path):
+    """1 rank pops 5 batches and saves; 2 ranks resume from that state. Every sample's key is its
+    (epoch, index) in the source's global order, and its flips are those of the uninterrupted run."""
+    uri, data = volume
+    src = stoker.RandomCrops([uri], (8, 8), seed=5, samples_per_epoch=52)
+    flip = RandomFlip(axes=(-2, -1), seed=11)
+    cfg = _cfg(transform=[RandomTranspose(axes=(-2, -1), seed=12), flip])
+    with stoker.Pipeline(cfg) as p:
+        p.push(src.for_rank(0, 1))
+        full = _drain(p)
+    assert sorted(full) == [(0, i) for i in range(52)]
+    for (epoch, index), (sample, x) in full.items():
+        assert sample == src.sample(epoch, index)  # the key names the sample
+    # the transform did something, and what the per-sample oracle says
+    keys = np.array(sorted(full))
+    flips, orders = flip.draws(keys), cfg.transform.transforms[0].draws(keys)
+    changed = 0
+    for row, key in enumerate(keys.tolist()):
+        sample, x = full[tuple(key)]
+        want = _read(data, sample)[None]
+        want = _transpose_oracle(want, orders[row:row + 1], (-2, -1), cfg.transform.transforms[0].orders)
+        want = _flip_oracle(want, flips[row:row + 1], (-2, -1))[0]
+        np.testing.assert_array_equal(x.numpy(), want)
+        changed += not np.array_equal(want, _read(data, sample))
+    assert changed > 26
+
+    with stoker.Pipeline(cfg) as p:
+        p.push(src.for_rank(0, 1))
+        before = _drain(p, 5)
+        state = p.state_dict()["sources"][0]
+    after = {}
+    for rank in range(2):
+        share = src.for_rank(rank, 2)
+        share.load_state_dict(state)
+        with stoker.Pipeline(cfg) as p:
+            p.push(share)
+            got = _drain(p)
+        assert len(got) == 16 and not set(got) & set(after)
+        after.update(got)
+    assert sorted(list(before) + list(after)) == sorted(full)  # the epoch once, nothing repeated
+    for key, (sample, x) in {**before, **after}.items():
+        assert sample == full[key][0] and torch.equal(x, full[key][1])
+
+
+def test_keys_cross_epochs_and_plain_pushes_count_in_push_order(volume):
+    uri, _ = volume
+    src = stoker.RandomCrops([uri], (8, 8), seed=5, samples_per_epoch=6)
+    with stoker.Pipeline(_cfg(batch_size=4)) as p:
+        p.push(src.for_rank(1, 2).forever())  # rank 1 of 2: positions 1, 3, 5 of each epoch
+        got = [b.keys.tolist() for b in p.batches(3)]
+    assert got == [[[0, 1], [0, 3], [0, 5], [1, 1]], [[1, 3], [1, 5], [2, 1], [2, 3]],
+                   [[2, 5], [3, 1], [3, 3], [3, 5]]]
+    samples = [src.sample(0, i) for i in range(10)]
+    with stoker.Pipeline(_cfg(batch_size=4)) as p:
+        p.push(samples[:3])
+        p.push(iter(samples[3:7]))
+        p.push(samples[7])
+        p.push(samples[8:])
+        batches = [(b.keys.tolist(), list(b.samples)) for b in p.batches(2)]
+    assert [k for keys, _ in batches for k in keys] == [[0, i] for i in range(8)]
+    assert [s for _, ss in batches for s in ss] == samples[:8]
+
+
+class _Late(Keyed):
+    """Holds back the batches whose first key index is a multiple of 8, so later batches finish first;
+    records the order batches finished their transform in."""
+
+    def __init__(self, batch_size):
+        self.batch_size, self.finished, self.lock = batch_size, [], threading.Lock()
+
+    def __call__(self, x, keys):
+        first = int(keys[0, 1])
+        if first % (2 * self.batch_size) == 0:
+            time.sleep(0.25)
+        with self.lock:
+            self.finished.append(first // self.batch_size)
+        return x
+
+
+def test_a_fast_and_a_slow_consumer_see_the_same_draws_as_a_sequential_run(volume, monkeypatch):
+    """Batches finish out of order on several threads (the Python path finishes a batch on the thread that
+    placed its last chunk); the draws per sample are still the sequential run's, whatever the consumer's
+    pace."""
+    from stoker.engine.cpu import native
+
+    monkeypatch.setattr(native, "Engine", None)
+    uri, _ = volume
+    samples = list(stoker.RandomCrops([uri], (8, 8), seed=2, samples_per_epoch=48))
+    flips = [RandomFlip(axes=(-2, -1), seed=7), RandomTranspose(axes=(-2, -1), seed=8)]
+
+    def run(consumer_sleep, late, **kw):
+        cfg = _cfg(transform=[late, *flips] if late else flips, **kw)
+        with stoker.Pipeline(cfg) as p:
+            p.push(samples)
+            out = []
+            for batch in p:
+                out.append((batch.keys.copy(), torch.from_dlpack(batch).clone()))
+                time.sleep(consumer_sleep)
+        return out
+
+    sequential = run(0.0, None, n_compute_threads=1, lookahead_batches=1)
+    assert len(sequential) == 12
+    for sleep in (0.0, 0.05):
+        late = _Late(4)
+        got = run(sleep, late, n_compute_threads=4, lookahead_batches=5)
+        assert late.finished != sorted(late.finished)  # batches did finish out of order
+        assert len(got) == 12
+        for (k1, x1), (k2, x2) in zip(sequential, got):
+            assert np.array_equal(k1, k2) and torch.equal(x1, x2)
+
+
+def test_a_keyed_transform_of_ones_own_gets_the_batch_keys(volume, decode_path):
+    uri, _ = volume
+    seen = []
+
+    class Record(Keyed):
+        def __call__(self, x, keys):
+            seen.append(keys.copy())
+            x[:] = torch.from_numpy(keys[:, 1].astype(np.float32)).view(-1, 1, 1)
+            return x
+
+    samples = list(stoker.RandomCrops([uri], (4, 4), seed=2, samples_per_epoch=8))
+    with stoker.Pipeline(_cfg(transform=Record())) as p:
+        p.push(samples)
+        for batch in p:
+            x = torch.from_dlpack(batch)
+            assert any(np.array_equal(batch.keys, s) for s in seen)
+            assert torch.equal(x[:, 0, 0], torch.from_numpy(batch.keys[:, 1].astype(np.float32)))
+            with pytest.raises(ValueError):
+                batch.keys[0, 0] = 5  # read-only: the transform's and the consumer's are one array
+
+
+def test_random_transpose_of_unequal_axes_reaches_pop(volume):
+    uri, _ = volume
+    samples = [stoker.Sample(uri, [(0, 8), (0, 6)])] * 4
+    with stoker.Pipeline(_cfg(transform=RandomTranspose(axes=(-2, -1)))) as p:
+        p.push(samples)
+        with pytest.raises(stoker.InvalidArgument, match=r"sizes \[8, 6\]"):
+            p.pop()
+
+
+# -- CPU and CUDA ------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)")
+def test_draws_are_equal_on_cpu_and_cuda(volume, rng):
+    batch, raw = _fields(rng)
+    on_gpu = {k: v.cuda() for k, v in batch.items()}
+    keys = _keys(16, epoch=3)
+    t = Compose([RandomFlip(seed=1), RandomFlip(axes=(-2,), seed=9, p=0.7)])
+    t(batch, keys)
+    t(on_gpu, keys)
+    for k in batch:
+        assert torch.equal(batch[k], on_gpu[k].cpu())
+    cube = torch.from_numpy(rng.normal(0, 1, (16, 2, 6, 6, 6)).astype(np.float32))
+    gpu = cube.cuda()
+    RandomTranspose(axes=(-3, -2, -1), seed=3)(cube, keys)
+    RandomTranspose(axes=(-3, -2, -1), seed=3)(gpu, keys)
+    assert torch.equal(cube, gpu.cpu())
+    # through pipelines on each device: the same batches
+    uri, _ = volume
+    src = stoker.RandomCrops([uri], (8, 8), seed=5, samples_per_epoch=16)
+    got = {}
+    for device in ("cpu", 0):
+        with stoker.Pipeline(_cfg(device=device, transform=[RandomFlip(axes=(-2, -1), seed=4),
+                                                            RandomTranspose(axes=(-2, -1), seed=5)])) as p:
+            p.push(src.for_rank(0, 1))
+            got[device] = [(b.keys.copy(), torch.from_dlpack(b).cpu().clone()) for b in p]
+    assert len(got["cpu"]) == 4
+    for (k1, x1), (k2, x2) in zip(got["cpu"], got[0]):
+        assert np.array_equal(k1, k2) and torch.equal(x1, x2)

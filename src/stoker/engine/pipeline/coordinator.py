@@ -17,6 +17,7 @@ import itertools
 import threading
 import time
 
+import numpy as np
 import torch
 
 from ...runtime import gil
@@ -25,14 +26,14 @@ from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, 
 from ...storage.cache import SizedLRU
 from ...config import Config
 from ...errors import BudgetExceeded, DtypeMismatch
-from ...sampling.sample import Sample, parts
+from ...sampling.sample import parts
 from ...storage import LocalStore
 from ...storage.locate import Stores, options_for
 from ...storage.uri import REMOTE_SCHEMES
 from ...zarr.box import check_in_bounds
 from ..cast import batch_dtype
 from ..executor import Executor, Job, Target
-from .intake import Intake
+from .intake import Intake, Staged
 from ..stats import StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
@@ -168,9 +169,11 @@ class Coordinator:
             self.cond.notify_all()
         return True
 
-    def _launch(self, staged: list[tuple[Sample, int]]) -> None:
-        samples = [s for s, _ in staged]
-        source_ids = [sid for _, sid in staged]
+    def _launch(self, staged: list[Staged]) -> None:
+        samples = [s for s, _, _ in staged]
+        source_ids = [sid for _, sid, _ in staged]
+        keys = np.array([key for _, _, key in staged], dtype=np.int64).reshape(len(staged), 2)
+        keys.setflags(write=False)  # shared by the transform and Batch.keys
         batch_id = next(self._batch_ids)
         t0 = time.perf_counter()
         if self.closed:
@@ -195,6 +198,7 @@ class Coordinator:
                 self.inflight.append(Entry(batch_id, len(samples), error=exc))
                 self.cond.notify_all()
             return
+        plan.keys = keys  # where the transform runs (the executor's completion hook) and Batch.keys find them
         self.stats.stage("plan", time.perf_counter() - t0)
         entry = Entry(batch_id, plan.rows)
         entry.source_ids = source_ids

@@ -196,7 +196,7 @@ class Pipeline:
         view, release, event, stream = self._executor.deliver(head.target, rows)
         handed = [False]
         batch = Batch(view, plan.samples, head.batch_id, _once_handed(release, handed), ready_event=event,
-                      ready_stream=stream)
+                      ready_stream=stream, keys=plan.keys)
         counts = dict(batches_emitted=1, samples=rows, chunks_needed=plan.chunks_needed,
                       chunk_dedup_hits=plan.chunks_needed - plan.n_chunks,
                       bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
