@@ -1,11 +1,14 @@
 """Keyed transforms: per-sample keys through a real Pipeline (resumed on another world size, batches
 finishing out of order), RandomFlip / RandomTranspose against numpy per sample, on dict batches of related
-fields, on CPU and CUDA; the protocol through Compose and apply; ``field=`` of Normalize and FillNaN."""
+fields, on CPU and CUDA; ``field=`` of Normalize and FillNaN; docs/augmentation.md's examples and the MONAI
+recipe."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +20,9 @@ from stoker.transforms import (Compose, FillNaN, Keyed, Normalize, RandomFlip, R
                                uniform)
 
 pytestmark = pytest.mark.timeout(120)
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "augmentation.md"
+
 
 def _keys(n, epoch=0, start=0):
     return np.stack([np.full(n, epoch, np.int64), np.arange(start, start + n, dtype=np.int64)], axis=1)
@@ -401,3 +407,52 @@ def test_draws_are_equal_on_cpu_and_cuda(volume, rng):
     assert len(got["cpu"]) == 4
     for (k1, x1), (k2, x2) in zip(got["cpu"], got[0]):
         assert np.array_equal(k1, k2) and torch.equal(x1, x2)
+
+
+# -- docs/augmentation.md ------------------------------------------------------------------------------
+
+
+def _blocks():
+    return re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
+
+
+def test_augmentation_page_examples_run(tmp_path, monkeypatch, capsys):
+    blocks = _blocks()
+    assert len(blocks) == 3 and "class MonaiDict" in blocks[2]
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "docs"}
+    for block in blocks[:2]:
+        exec(compile(block, str(PAGE), "exec"), namespace)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["[[0, 4], [0, 5], [0, 6], [0, 7]]", "[[0, 9], [0, 11], [0, 13], [0, 15]]"]
+    gain = namespace["RandomGain"](seed=3)
+    x = torch.ones(3, 2, 2)
+    gain(x, _keys(3))
+    assert ((x[:, 0, 0] >= 0.9) & (x[:, 0, 0] < 1.1)).all() and len(set(x[:, 0, 0].tolist())) == 3
+    assert torch.equal(x, namespace["RandomGain"](seed=3)(torch.ones(3, 2, 2), _keys(3)))
+
+
+def test_monai_recipe_runs_dictionary_transforms_on_a_dict_batch(rng):
+    pytest.importorskip("monai")  # in the test extra: runs wherever the project's test deps are installed
+    from monai import transforms as mt
+
+    namespace = {"__name__": "docs"}
+    exec(compile(_blocks()[2], str(PAGE), "exec"), namespace)
+    names = ["raw", "labels"]
+    make = lambda seed: namespace["MonaiDict"](mt.Compose([  # noqa: E731
+        mt.RandFlipd(keys=names, prob=0.5, spatial_axis=0), mt.RandRotate90d(keys=names, prob=0.5,
+                                                                             spatial_axes=(1, 2))]), seed=seed)
+    raw = rng.normal(0, 1, (8, 10, 12, 12)).astype(np.float32)
+    labels = (raw[:, 2:8, 3:9, 3:9] > 0).astype(np.int64)  # centred, no channel axis (MONAI gets one added)
+    batch = {"raw": torch.from_numpy(raw[:, None].copy()), "labels": torch.from_numpy(labels.copy())}
+    ptr = batch["raw"].data_ptr()
+    keys = _keys(8, epoch=1)
+    assert apply(make(0), batch, keys) is batch and batch["raw"].data_ptr() == ptr
+    assert batch["labels"].dtype == torch.int64
+    assert torch.equal(batch["labels"], (batch["raw"][:, 0, 2:8, 3:9, 3:9] > 0).long())  # aligned
+    changed = [not np.array_equal(batch["raw"][i, 0].numpy(), raw[i]) for i in range(8)]
+    assert any(changed) and not all(changed)
+    # each sample's draw is its key's: the second half alone, in another batch, comes out the same
+    again = {"raw": torch.from_numpy(raw[4:, None].copy()), "labels": torch.from_numpy(labels[4:].copy())}
+    make(0)(again, keys[4:])
+    assert torch.equal(again["raw"], batch["raw"][4:]) and torch.equal(again["labels"], batch["labels"][4:])
