@@ -85,6 +85,7 @@ def _changed(x: torch.Tensor, flip: list[int] | None, permute: list[int] | None)
     """``x`` flipped along ``flip`` or permuted by ``permute``, as a new tensor (never a view of ``x``)."""
     if flip is not None:
         return x.flip(flip)
+    assert permute is not None
     return x.permute(permute).clone()  # a view of the same memory: copied before it is written over its source
 
 
