@@ -377,6 +377,32 @@ def test_random_transpose_of_unequal_axes_reaches_pop(volume):
             p.pop()
 
 
+def test_the_gpu_decode_executor_passes_the_keys_too(volume, monkeypatch):
+    """The GPU-decode executor (run on the host, as tests/gpu does) transforms its placed batch with the
+    same keys, so the same draws, as the CPU executor."""
+    from stoker.engine.gpu.executor import GpuDecodeExecutor
+    from stoker.engine.pipeline import facade
+
+    uri, _ = volume
+    src = stoker.RandomCrops([uri], (8, 8), seed=6, samples_per_epoch=12)
+    t = [RandomTranspose(axes=(-2, -1), seed=3), RandomFlip(axes=(-2, -1), seed=4)]
+
+    def run():
+        with stoker.Pipeline(_cfg(transform=t, device_buffer_bytes=16 << 20)) as p:
+            p.push(src.for_rank(0, 1))
+            return [(b.keys.copy(), torch.from_dlpack(b).clone()) for b in p]
+
+    want = run()
+    made = []
+    monkeypatch.setattr(facade, "make_executor",
+                        lambda cfg, device, stats, store: made.append(GpuDecodeExecutor.on_host(cfg, stats, store))
+                        or made[-1])
+    got = run()
+    assert made and len(got) == len(want) == 3
+    for (k1, x1), (k2, x2) in zip(want, got):
+        assert np.array_equal(k1, k2) and torch.equal(x1, x2)
+
+
 # -- CPU and CUDA ------------------------------------------------------------------------------------
 
 
