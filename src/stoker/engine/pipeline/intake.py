@@ -8,8 +8,9 @@ one record (:class:`Received`), replaced whole at each pop, so a pop interrupted
 
 Each pulled sample gets its key ``(epoch, index)`` (what keyed transforms draw from, ``Batch.keys``): a
 resumable source's sample its epoch and index in the epoch's global order, as the source's iterator reports
-it (``key``), the same on any world size and after a resume; any other sample ``(0, n)``, ``n`` the samples
-of such pushes pulled before it (its place among them in push order).
+it (``key``), the same on any world size and after a resume; any other sample (and one of a resumable
+iterator of one's own without ``key``) ``(0, n)``, ``n`` the samples of such pushes pulled before it (its
+place among them in push order).
 
 >>> intake.push(samples); batch, error = intake.pull(closed)   # up to batch_size (sample, source id, key)
 """
