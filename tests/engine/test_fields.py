@@ -446,7 +446,7 @@ def test_a_failing_transform_fails_its_batch(arrays):
     samples = [stoker.Sample({"raw": s["raw"], "labels": s["labels"]}) for s in _samples(arrays, 4, seed=8)]
     with stoker.Pipeline(_cfg(dtype={"raw": "f32", "labels": "native"}, transform=bad)) as p:
         p.push(samples)
-        with pytest.raises(stoker.InvalidArgument, match="must return the dict it got") as got:
+        with pytest.raises(stoker.InvalidArgument, match=r"must return the batch \(fields \['labels', 'raw'\]\)") as got:
             p.pop()
         assert got.value.knob == "transform"
 

@@ -3,6 +3,7 @@
 >>> with pipeline.pop() as batch:
 ...     x = torch.from_dlpack(batch)        # zero-copy view, (rows, *sample_shape)
 ...     batch.samples[0], batch.info.shape
+...     batch.keys[0]                       # (epoch, index) of sample 0: what keyed transforms drew from
 
 On a CUDA pipeline the import is stream-fenced: ``torch.from_dlpack`` names the
 consumer's current stream, and that stream waits on the batch's ready event (no
@@ -16,9 +17,17 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ..sampling.sample import Sample
+
+
+def _plain_keys(n: int) -> np.ndarray:
+    """Keys ``(0, i)`` for a batch made without them."""
+    keys = np.stack([np.zeros(n, np.int64), np.arange(n, dtype=np.int64)], axis=1)
+    keys.setflags(write=False)
+    return keys
 
 
 @dataclass(frozen=True)
@@ -48,12 +57,17 @@ class Batch:
     ``__dlpack__``, current at ``release``); work on a tensor of it queued on another
     stream is not seen. ``release(event=e)`` fences on ``e`` alone: work queued on the
     batch after ``e`` is not covered.
+
+    ``keys`` is an int64 numpy array ``(B, 2)``, read-only: each sample's ``(epoch, index)``, the key keyed
+    transforms drew its augmentation from (see :mod:`stoker.transforms.keys`).
     """
 
     def __init__(self, view: torch.Tensor, samples: tuple[Sample, ...], batch_id: int,
-                 on_release: Callable[[list | None], None], ready_event: Any = None, ready_stream: Any = None) -> None:
+                 on_release: Callable[[list | None], None], ready_event: Any = None, ready_stream: Any = None,
+                 keys: np.ndarray | None = None) -> None:
         self._view: torch.Tensor | None = view
         self.samples = samples
+        self.keys = keys if keys is not None else _plain_keys(len(samples))
         self.info = BatchInfo(
             data_ptr=view.data_ptr(), shape=tuple(view.shape), dtype=view.dtype, device=view.device,
             ready_stream=ready_stream, batch_id=batch_id, ready_event=ready_event,

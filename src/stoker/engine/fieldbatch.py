@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..sampling.sample import Sample
@@ -27,10 +28,13 @@ class FieldBatch(Mapping):
     """One batch of samples of named fields: field name -> :class:`~stoker.Batch`, in the fields' order (see
     the module docstring). ``samples``: the batch's samples of fields, in order; ``rows``: how many."""
 
-    def __init__(self, batches: dict[str, Batch], samples: tuple[Sample, ...], batch_id: int) -> None:
+    def __init__(self, batches: dict[str, Batch], samples: tuple[Sample, ...], batch_id: int,
+                 keys: np.ndarray | None = None) -> None:
         self._batches = dict(batches)
         self.samples = samples
         self.batch_id = batch_id
+        #: each sample's (epoch, index), int64 (B, 2): what keyed transforms drew from (as :attr:`Batch.keys`)
+        self.keys = keys if keys is not None else next(iter(self._batches.values())).keys
 
     def __getitem__(self, name: str) -> Batch:
         return self._batches[name]

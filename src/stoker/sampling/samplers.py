@@ -479,12 +479,15 @@ class _Cursor:
     """An iterator over a RankShare that knows the share's state after any number of its samples.
 
     A Pipeline pulls ahead of what the consumer has popped; it asks
-    :meth:`state_after` for the state as of the samples really consumed.
+    :meth:`state_after` for the state as of the samples really consumed. ``key`` is the ``(epoch, index)`` of
+    the sample it yielded last (its index in the epoch's global order: the same on any world size), the key
+    the pipeline gives that sample's keyed transforms.
     """
 
     def __init__(self, src: RankShare, forever: bool) -> None:
         self.src = src
         self.forever = forever
+        self.key: tuple[int, int] | None = None
         c = src.cursor
         self.start = c.at(c.epoch, c.segments, c.steps)
         self._gen = self._run()
@@ -497,7 +500,9 @@ class _Cursor:
             positions = c.at(epoch, segments, 0).share()
             for i in range(steps, len(positions)):
                 src.cursor.place(epoch, segments, i + 1)
-                yield src.source.sample(epoch, int(positions[i]))
+                index = int(positions[i])
+                self.key = (epoch, index)
+                yield src.source.sample(epoch, index)
             if not self.forever:
                 return
             epoch, segments, steps = epoch + 1, [], 0

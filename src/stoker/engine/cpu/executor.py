@@ -251,7 +251,7 @@ class CpuExecutor:
 
     def _transform(self, target: Target, job: Job) -> None:
         t0 = time.perf_counter()
-        apply_transform(self.cfg.transform, target.out)
+        apply_transform(self.cfg.transform, target.out, job.plan.keys)
         if target.host_slot is not target.slot:
             work = target.out
             target.slot.tensor[: work.shape[0]].copy_(work)  # the one rounding to the 16-bit output

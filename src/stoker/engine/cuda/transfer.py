@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -78,9 +78,11 @@ class CudaTransfer:
         return self.slots.nbytes + (self._stage.numel() if self._stage is not None else 0) + work
 
     def issue(self, host: torch.Tensor, slot: Slot, transform: Callable | None = None,
-              copied: Callable[[torch.cuda.Event], None] | None = None) -> tuple[torch.cuda.Event, float]:
+              copied: Callable[[torch.cuda.Event], None] | None = None,
+              keys: Any = None) -> tuple[torch.cuda.Event, float]:
         """Enqueue ``host`` (pinned, ``(rows, *sample_shape)``) into ``slot``, then ``transform`` on it (on the
-        side stream, after the cast: in the work buffer when there is one, cast into ``slot`` after it).
+        side stream, after the cast: in the work buffer when there is one, cast into ``slot`` after it;
+        ``keys``, the samples' keys, for a transform that takes them).
         ``copied(event)`` runs once the copy is queued: ``host`` may be refilled after that event. Returns the
         event after all of it, and the seconds the transform took to enqueue."""
         rows = host.shape[0]
@@ -112,7 +114,7 @@ class CudaTransfer:
                 copied(read)
             if transform is not None:
                 t0 = time.perf_counter()
-                apply_transform(transform, dest)
+                apply_transform(transform, dest, keys)
                 transform_s = time.perf_counter() - t0
             if dest is not out:
                 out.copy_(dest)  # the one rounding to the 16-bit output, after the transform
@@ -250,7 +252,8 @@ class CudaExecutor(CpuExecutor):
             self.host_slots.release(target.host_slot, ready_after=read)
             target.host_slot = None
 
-        target.event, transform_s = self.transfer.issue(host, target.slot, self.cfg.transform, copied=release_host)
+        target.event, transform_s = self.transfer.issue(host, target.slot, self.cfg.transform, copied=release_host,
+                                                        keys=job.plan.keys)
         if self.cfg.transform is not None:
             self.stats.stage("transform", transform_s)  # enqueueing it: the kernels run on the side stream
         self.stats.stage("transfer", time.perf_counter() - t0 - transform_s, bytes_in=nbytes)

@@ -543,7 +543,7 @@ class GpuDecodeExecutor:
             self.stats.stage("assemble", time.perf_counter() - t0)
             if self.cfg.transform is not None:
                 t0 = time.perf_counter()
-                apply_transform(self.cfg.transform, b.batch)
+                apply_transform(self.cfg.transform, b.batch, b.plan.keys)
                 self.stats.stage("transform", time.perf_counter() - t0)
             if self._work is not None:
                 b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...runtime import gil
@@ -33,7 +34,7 @@ from ...storage.uri import REMOTE_SCHEMES
 from ...zarr.box import check_in_bounds
 from ..cast import batch_dtype
 from ..executor import Executor, Job, Target
-from .intake import Intake
+from .intake import Intake, Staged
 from .lanes import Lanes, Part, in_field
 from ..stats import StatsRecorder
 
@@ -211,15 +212,17 @@ class Coordinator:
             self.cond.notify_all()
         return True
 
-    def _launch(self, staged: list[tuple[Sample, int]]) -> None:
-        samples = [s for s, _ in staged]
-        source_ids = [sid for _, sid in staged]
+    def _launch(self, staged: list[Staged]) -> None:
+        samples = [s for s, _, _ in staged]
+        source_ids = [sid for _, sid, _ in staged]
+        keys = np.array([key for _, _, key in staged], dtype=np.int64).reshape(len(staged), 2)
+        keys.setflags(write=False)  # shared by the transform and Batch.keys
         batch_id = next(self._batch_ids)
         t0 = time.perf_counter()
         if self.closed:
             return
         if samples[0].fields is not None:
-            self._launch_fields(batch_id, samples, source_ids, t0)
+            self._launch_fields(batch_id, samples, source_ids, t0, keys)
             return
         try:
             # The arrays' metadata settles the dtype and the budget before planning: a crop too large for
@@ -241,6 +244,7 @@ class Coordinator:
                 self.inflight.append(Entry(batch_id, len(samples), error=exc))
                 self.cond.notify_all()
             return
+        plan.keys = keys  # where the transform runs (the executor's completion hook) and Batch.keys find them
         self.stats.stage("plan", time.perf_counter() - t0)
         entry = Entry(batch_id, plan.rows)
         entry.source_ids = source_ids
@@ -253,7 +257,8 @@ class Coordinator:
         # this one must not keep the batch's target, a view of its slot, alive once the batch is popped
         del entry
 
-    def _launch_fields(self, batch_id: int, samples: list[Sample], source_ids: list[int], t0: float) -> None:
+    def _launch_fields(self, batch_id: int, samples: list[Sample], source_ids: list[int], t0: float,
+                       keys: np.ndarray) -> None:
         """Launch a batch of samples of named fields: each field's plain samples planned, given a slot and
         submitted in that field's lane (made at the first such batch); an error names its field."""
         lanes = self.lanes
@@ -290,6 +295,7 @@ class Coordinator:
                             check_in_bounds(aabb, shapes[uri], uri)
                         raise lanes.budget_error(lane, exc) from None
                     plans.append(lane.executor.plan(batch_id, fs, opened))
+                    plans[-1].keys = keys  # each field's Batch.keys; the transform gets them with the dict
                 except StokerError as exc:
                     raise in_field(exc, lane.name) from None
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order

@@ -205,7 +205,8 @@ class Pipeline:
         head.transformed = "running"
         t0 = time.perf_counter()
         try:
-            head.ready_after = transform_fields(self.cfg.transform, head.parts, head.rows)
+            head.ready_after = transform_fields(self.cfg.transform, head.parts, head.rows,
+                                              head.parts[0].job.plan.keys)
         except Exception as exc:  # noqa: BLE001 - the batch's error, delivered by this pop
             head.error = as_value(exc)
         head.transformed = True
@@ -234,7 +235,7 @@ class Pipeline:
         view, release, event, stream = self._executor.deliver(head.target, rows)
         handed = [False]
         batch = Batch(view, plan.samples, head.batch_id, _once_handed(release, handed), ready_event=event,
-                      ready_stream=stream)
+                      ready_stream=stream, keys=plan.keys)
         counts = dict(batches_emitted=1, samples=rows, chunks_needed=plan.chunks_needed,
                       chunk_dedup_hits=plan.chunks_needed - plan.n_chunks,
                       bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
@@ -263,7 +264,7 @@ class Pipeline:
                                     **part.job.counts).items():
                 counts[name] = counts.get(name, 0) + value
             del view, release
-        batch = FieldBatch(batches, head.samples, head.batch_id)
+        batch = FieldBatch(batches, head.samples, head.batch_id, keys=head.parts[0].job.plan.keys)
         self._popped(head, t0, rows, counts)
         return batch, handed
 

@@ -6,7 +6,13 @@ their position reported as of the samples the consumer popped (:meth:`Intake.sta
 read and written under the pipeline's condition, which :class:`Intake` shares. What the consumer received is
 one record (:class:`Received`), replaced whole at each pop, so a pop interrupted part way can put it back.
 
->>> intake.push(samples); batch, error = intake.pull(closed)   # up to batch_size (sample, source id) pairs
+Each pulled sample gets its key ``(epoch, index)`` (what keyed transforms draw from, ``Batch.keys``): a
+resumable source's sample its epoch and index in the epoch's global order, as the source's iterator reports
+it (``key``), the same on any world size and after a resume; any other sample (and one of a resumable
+iterator of one's own without ``key``) ``(0, n)``, ``n`` the samples of such pushes pulled before it (its
+place among them in push order).
+
+>>> intake.push(samples); batch, error = intake.pull(closed)   # up to batch_size (sample, source id, key)
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from typing import Any, Callable, NamedTuple
 from ...config import Config
 from ...errors import NotYetSupported, InvalidArgument, RankMismatch, StokerError
 from ...sampling.sample import Sample, arrays_read
+
+
+#: a pulled sample, its source id and its key (epoch, index)
+Staged = tuple[Sample, int, tuple[int, int]]
 
 
 class Received(NamedTuple):
@@ -39,7 +49,9 @@ class Intake:
         self.cond = cond
         # (iterator, counted, source id): sized pushes are counted in `pending` at push, generators as pulled
         self.sources: collections.deque[tuple[Iterator[Any], bool, int]] = collections.deque()
-        self.staged: list[tuple[Sample, int]] = []  # pulled, not yet in a batch, with their source id
+        # pulled, not yet in a batch, with their source id and key (epoch, index)
+        self.staged: list[tuple[Sample, int, tuple[int, int]]] = []
+        self._plain = 0  # samples of plain (not resumable) pushes pulled so far: the index of their keys
         self._source_ids = itertools.count()
         self._resumable: dict[int, Any] = {}  # source id -> iterator that can report state_after(n)
         self.received = Received()  # replaced whole by popped(): see Pipeline._hand_over
@@ -89,7 +101,7 @@ class Intake:
         """Under the condition: whether a pull may give a batch."""
         return bool(self.sources) or (self.flush and bool(self.staged))
 
-    def pull(self, closed: Callable[[], bool]) -> tuple[list[tuple[Sample, int]], BaseException | None]:
+    def pull(self, closed: Callable[[], bool]) -> tuple[list[Staged], BaseException | None]:
         """Up to batch_size samples (a short batch only when flushing), or an error from the source (with the
         samples staged before it, when they make a batch)."""
         want = self.cfg.batch_size
@@ -101,7 +113,8 @@ class Intake:
                 if counted:  # a pushed sequence's own iterator, its samples checked at push: taken in one step
                     got = list(itertools.islice(source, want - len(self.staged)))
                     if got:
-                        self.staged += [(sample, sid) for sample in got]
+                        self.staged += [(sample, sid, (0, self._plain + i)) for i, sample in enumerate(got)]
+                        self._plain += len(got)
                     elif self.sources[0][0] is source:
                         self.sources.popleft()
                     continue
@@ -118,12 +131,15 @@ class Intake:
                 shape = validate(sample, self.shape, self.first)
             except StokerError as exc:
                 return self._take_before_error(), exc
+            key = getattr(source, "key", None) if sid in self._resumable else None
+            if key is None:
+                key, self._plain = (0, self._plain), self._plain + 1
             with self.cond:
                 self.shape = self.shape or shape
                 self.first = self.first or sample
                 if not counted:
                     self._counted += 1
-            self.staged.append((sample, sid))
+            self.staged.append((sample, sid, (int(key[0]), int(key[1]))))
         with self.cond:
             if len(self.staged) >= want or (self.flush and not self.sources):
                 self.flush = False
@@ -132,7 +148,7 @@ class Intake:
                 return batch, None
         return [], None
 
-    def _take_before_error(self) -> list[tuple[Sample, int]]:
+    def _take_before_error(self) -> list[Staged]:
         """Samples staged before a source error: a short batch only when drop_last is off."""
         with self.cond:
             self.launching = True
@@ -142,7 +158,7 @@ class Intake:
                 return []
             return batch
 
-    def _take(self) -> list[tuple[Sample, int]]:
+    def _take(self) -> list[Staged]:
         batch, self.staged = self.staged[: self.cfg.batch_size], self.staged[self.cfg.batch_size:]
         return batch
 

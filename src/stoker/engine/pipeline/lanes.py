@@ -164,18 +164,19 @@ class Lanes:
         return [lane.executor for lane in self.lanes.values()]
 
 
-def transform_fields(transform: Callable, parts: list[Part], rows: int) -> tuple[Any, Any]:
+def transform_fields(transform: Callable, parts: list[Part], rows: int, keys: Any = None) -> tuple[Any, Any]:
     """Run ``transform`` on ``{name: field batch}`` of a finished batch of fields, in the fields' slots, on
     the calling thread (the consumer's, at ``pop``). On CUDA its kernels are queued on the caller's current
     stream after each field's ready event; returns ``(event, stream)`` recorded after them (the fields'
-    new ready event), or ``(None, None)`` on the CPU."""
+    new ready event), or ``(None, None)`` on the CPU. ``keys``: each sample's (epoch, index), for a keyed
+    transform."""
     views = {}
     for part in parts:
         view, _, event, _ = part.executor.deliver(part.target, rows)  # changes nothing: the release is dropped
         if view.is_cuda and event is not None:
             torch.cuda.current_stream(view.device).wait_event(event)
         views[part.name] = view
-    apply_transform(transform, views)
+    apply_transform(transform, views, keys)
     first = next(iter(views.values()))
     if not first.is_cuda:
         return None, None

@@ -108,6 +108,8 @@ class TablePlan:
     # per file: source, has identity, identity (dev, ino, size, mtime_ns, ctime_ns as int64 bits), grid coordinates
     files: np.ndarray
     channels: int | None = None  # multi-array samples: arrays per sample (copy rows are b * C + c)
+    # per sample: its key (epoch, index), int64 (B, 2), set by the coordinator; what keyed transforms get
+    keys: np.ndarray | None = None
     chunks: _Tasks = field(init=False, repr=False)
     # per file row, made as asked: its key, its path, its identity
     _keys: dict[int, str] = field(init=False, repr=False, default_factory=dict)
