@@ -10,6 +10,8 @@ from .config import Config
 from .engine.batch import Batch, BatchInfo
 from .engine.pipeline.facade import Pipeline
 from .engine.stats import Metric, Stats
+from .sampling.field import Field
+from .sampling.mask import Mask
 from .sampling.sample import Sample
 from .sampling.samplers import RandomCrops, RankShare, SampleList, SampleSource, TileGrid
 from .train.dataset import CropDataset
@@ -37,6 +39,8 @@ __all__ = [
     "BatchInfo",
     "Config",
     "CropDataset",
+    "Field",
+    "Mask",
     "Metric",
     "Pipeline",
     "RandomCrops",
