@@ -16,7 +16,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import zarr
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import stoker
@@ -243,7 +243,8 @@ def test_tile_grid_over_fields_covers_the_anchor_range(volume):
 
 def _coverage(s, mask: np.ndarray, scale=4, field="labels", field_scale=1) -> float:
     """The fraction of nonzero mask voxels in the field's box, from the mask as zarr-python reads it."""
-    box = [(lo * field_scale // scale, hi * field_scale // scale) for lo, hi in s[field].aabb]
+    scales = scale if isinstance(scale, tuple) else (scale,) * len(s[field].aabb)
+    box = [(lo * field_scale // m, hi * field_scale // m) for (lo, hi), m in zip(s[field].aabb, scales)]
     cells = math.prod(hi - lo for lo, hi in box)
     inside = tuple(slice(max(0, lo), min(n, hi)) for (lo, hi), n in zip(box, mask.shape))
     return int(np.count_nonzero(mask[inside])) / cells
@@ -424,3 +425,75 @@ def test_fields_and_mask_over_http_match_the_local_ones(volume, tmp_path):
         assert [repr(s).replace(server.url, local) for s in _epoch(remote)] == [repr(s) for s in _epoch(here)]
     finally:
         server.stop()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), ndim=st.integers(1, 3), slab=st.sampled_from([1, 50, 1 << 20]))
+def test_mask_qualifying_set_is_exact_for_any_geometry(tmp_path_factory, data, ndim, slab):
+    """Random masks, scales, boxes and offsets in 1 to 3 axes, the mask read in slabs of any size: the anchors
+    kept are exactly those whose box covers min_fraction of the mask as zarr-python reads it."""
+    from unittest import mock
+
+    from stoker.sampling import mask as mask_module
+
+    root = tmp_path_factory.mktemp("geom")
+    scale = tuple(data.draw(st.sampled_from([1, 2, 3]), label="mask scale") for _ in range(ndim))
+    mshape = tuple(data.draw(st.integers(4, 9), label="mask shape") for _ in range(ndim))
+    width = tuple(data.draw(st.integers(1, 3), label="box, mask voxels") for _ in range(ndim))
+    offset = tuple(s * data.draw(st.integers(-1, 1), label="offset, mask voxels") for s in scale)
+    density = data.draw(st.sampled_from([0.1, 0.3, 0.6]), label="density")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="mask seed")
+    mask = (np.random.default_rng(seed).random(mshape) < density).astype(np.uint8) * 7
+    fraction = data.draw(st.sampled_from([0.1, 0.25, 0.5, 1.0]), label="min_fraction")
+    # the arrays may reach past the mask (a mask cut short: what lies past it counts as zero)
+    ref = tuple((m + data.draw(st.integers(0, 2), label="past the mask")) * s + data.draw(st.integers(0, 2))
+                for m, s in zip(mshape, scale))
+    for name, arr_shape in (("raw.zarr", ref), ("mask.zarr", mshape)):
+        z = zarr.create_array(str(root / name), shape=arr_shape, chunks=tuple(max(1, n // 2) for n in arr_shape),
+                              dtype="uint8")
+        z[:] = mask if name == "mask.zarr" else 0
+    box = tuple(w * s for w, s in zip(width, scale))
+    fields = {"raw": stoker.Field(str(root / "raw.zarr"), box),
+              "labels": stoker.Field(str(root / "raw.zarr"), box, offset=offset)}
+    with mock.patch.object(mask_module, "SLAB_VOXELS", slab):
+        try:
+            src = stoker.RandomCrops(fields, seed=0, samples_per_epoch=40,
+                                     mask=stoker.Mask(str(root / "mask.zarr"), fraction, field="labels", scale=scale))
+        except stoker.InvalidArgument as exc:
+            if "no anchor on axis" in str(exc):
+                event("boxes do not fit")
+                return  # the boxes do not fit this volume: nothing to draw
+            assert "no anchor qualifies" in str(exc)
+            vol = stoker.RandomCrops(fields, seed=0, samples_per_epoch=1).volumes[0].volume
+            coverages = [_coverage(vol.sample(vol.anchor(k)), mask, scale=scale) for k in np.ndindex(*vol.counts)]
+            assert max(coverages) < fraction and exc.best == pytest.approx(max(coverages))
+            event("no anchor qualifies")
+            return
+    vol = src.volumes[0].volume
+    want = set()
+    for k in np.ndindex(*vol.counts):
+        if _coverage(vol.sample(vol.anchor(k)), mask, scale=scale) >= fraction:
+            want.add(vol.anchor(k))
+    assert {vol.anchor(np.unravel_index(int(i), vol.counts)) for i in src.volumes[0].qualifying} == want
+    assert {_anchor(s) for s in _epoch(src)} <= want
+    event("some anchors qualify" if len(want) < vol.n_anchors else "every anchor qualifies")
+
+
+def test_field_of_channels_and_a_boolean_mask(volume, tmp_path):
+    other = zarr.create_array(str(tmp_path / "other.zarr"), shape=SHAPE, chunks=(16, 32, 32), dtype="float32")
+    other[:] = 1.5
+    fg = zarr.create_array(str(tmp_path / "fg.zarr"), shape=volume["mask_data"].shape, chunks=(8, 8, 8), dtype="bool")
+    fg[:] = volume["mask_data"] != 0
+    src = stoker.RandomCrops({"raw": stoker.Field([volume["labels"], str(tmp_path / "other.zarr")], (8, 8, 8)),
+                              "labels": stoker.Field(volume["labels"], (8, 8, 8))}, seed=0, samples_per_epoch=30,
+                             mask=stoker.Mask(str(tmp_path / "fg.zarr"), 0.5, field="labels", scale=4))
+    for s in _epoch(src):
+        assert s["raw"].channels == 2 and s["raw"].uris == (volume["labels"], str(tmp_path / "other.zarr"))
+        assert s.shape["raw"] == (2, 8, 8, 8) and s["raw"].aabb == s["labels"].aabb
+        assert _coverage(s, volume["mask_data"]) >= 0.5
+    small = zarr.create_array(str(tmp_path / "small.zarr"), shape=(8, 8, 8), chunks=(8, 8, 8), dtype="uint8")
+    small[:] = 0
+    with pytest.raises(stoker.InvalidArgument, match="small.zarr.*must have one shape"):
+        stoker.RandomCrops({"raw": stoker.Field([volume["labels"], str(tmp_path / "small.zarr")], (4, 4, 4))})
+    with pytest.raises(stoker.InvalidArgument, match="box of 2 axes"):
+        stoker.RandomCrops({"raw": stoker.Field(volume["labels"], (4, 4))})
