@@ -11,6 +11,8 @@ from .engine.batch import Batch, BatchInfo
 from .engine.fieldbatch import FieldBatch
 from .engine.pipeline.facade import Pipeline
 from .engine.stats import Metric, Stats
+from .sampling.field import Field
+from .sampling.mask import Mask
 from .sampling.sample import Sample
 from .sampling.samplers import RandomCrops, RankShare, SampleList, SampleSource, TileGrid
 from .train.dataset import CropDataset
@@ -38,7 +40,9 @@ __all__ = [
     "BatchInfo",
     "Config",
     "CropDataset",
+    "Field",
     "FieldBatch",
+    "Mask",
     "Metric",
     "Pipeline",
     "RandomCrops",

@@ -25,11 +25,12 @@ import json
 import math
 import operator
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from .cursor import CursorState, EpochCursor
+from .field import Field, MaskedVolume, check_fields, open_volume
 from ..dist.collectives import resolve_rank
 from ..errors import IncompleteSource, InvalidArgument, NotYetSupported
 from .permutation import ORDER_VERSION, Permutation
@@ -210,11 +211,41 @@ class RandomCrops(SampleSource):
     ``samples_per_epoch`` defaults to the number of crops that would tile the data once.
 
     >>> src = stoker.RandomCrops(["/data/a.zarr"], (32, 128, 128), seed=0, samples_per_epoch=10_000)
+
+    **Fields.** A dict of :class:`~stoker.Field` (one volume), or a list of such dicts (several volumes, with
+    the same field names and shapes), makes samples of named fields (``Sample({name: (uris, box)})``): each
+    sample draws an anchor uniformly among those that keep every field's box inside its arrays, on multiples
+    of every field's scale (see :mod:`stoker.sampling.field`); ``sample_shape`` is not given then.
+
+    >>> fields = {"raw": stoker.Field("/data/raw.ome.zarr/0", (96, 96, 96)),
+    ...           "labels": stoker.Field("/data/labels.zarr", (56, 56, 56), offset=(20, 20, 20))}
+    >>> src = stoker.RandomCrops(fields, seed=0, mask=stoker.Mask("/data/fg.zarr", 0.25, field="labels", scale=4))
+
+    ``mask`` (a :class:`~stoker.Mask`, or one per volume, ``None`` for none) draws only the anchors whose
+    named field's box covers at least ``min_fraction`` of nonzero mask voxels (see
+    :mod:`stoker.sampling.mask`). Volumes are weighted by their anchors (those that qualify, with a mask)
+    unless ``weights`` is given; ``samples_per_epoch`` defaults to the crops of each volume's first field
+    that tile its arrays once, times the fraction of its anchors that qualify.
     """
 
-    def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int], seed: int = 0,
+    def __init__(self, arrays: Any, sample_shape: Sequence[int] | None = None, seed: int = 0,
                  samples_per_epoch: int | None = None, weights: Sequence[float] | None = None,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None, mask: Any = None) -> None:
+        volumes = _volumes_given(arrays)
+        if volumes is not None:
+            if sample_shape is not None:
+                raise InvalidArgument("RandomCrops over fields takes each field's shape in its Field, not "
+                                      "sample_shape; leave sample_shape out", knob="sample_shape")
+            self._init_fields(volumes, seed, samples_per_epoch, weights, storage_options, mask)
+            return
+        if mask is not None:
+            raise InvalidArgument("RandomCrops(mask=...) draws where a named field's box covers the mask: give "
+                                  "the arrays as fields, {name: stoker.Field(uri, shape)}, and name one in the Mask",
+                                  knob="mask")
+        if sample_shape is None:
+            raise InvalidArgument("RandomCrops over arrays needs sample_shape (the crop's shape)",
+                                  knob="sample_shape")
+        self.volumes: list[MaskedVolume] | None = None
         self.arrays = _entries(arrays, "RandomCrops")
         if not self.arrays:
             raise InvalidArgument("RandomCrops needs at least one array")
@@ -226,17 +257,9 @@ class RandomCrops(SampleSource):
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape) or any(c > s for c, s in zip(self.sample_shape, shape)):
                 raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}", uri=uri)
-        if weights is None:
-            w = np.array([math.prod(s) for s in self.shapes], dtype=np.float64)
-        else:
-            w = np.asarray(weights, dtype=np.float64)
-            if w.shape != (len(self.arrays),) or (w < 0).any() or not w.sum() > 0:
-                raise InvalidArgument(f"weights must be {len(self.arrays)} non-negative numbers, not all zero")
-        self.weights = w / w.sum()
+        self.weights = _weights(weights, [math.prod(s) for s in self.shapes], len(self.arrays))
         if samples_per_epoch:
-            count = int(samples_per_epoch)
-            if not 1 <= count <= MAX_SAMPLES:
-                raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}")
+            count = _epoch_length(samples_per_epoch)
         else:  # the crops that tile the data once
             count = max(1, sum(math.prod(s) for s in self.shapes) // math.prod(self.sample_shape))
             if count > MAX_SAMPLES:
@@ -250,6 +273,35 @@ class RandomCrops(SampleSource):
         self._limits = np.array([[s - c + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
         self._cache: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
 
+    def _init_fields(self, volumes: list[dict[str, Field]], seed: int, samples_per_epoch: int | None,
+                     weights: Sequence[float] | None, storage_options: dict | None, mask: Any) -> None:
+        from ..storage.locate import Stores
+
+        masks = list(mask) if isinstance(mask, (list, tuple)) else [mask] * len(volumes)
+        if len(masks) != len(volumes):
+            raise InvalidArgument(f"RandomCrops: mask is a list of {len(masks)}, for {len(volumes)} volumes; give one "
+                                  "per volume (None for none)", knob="mask")
+        self.fields, self.masks, self.seed = volumes, masks, int(seed)
+        stores = Stores()  # shared by every array: a consolidated group's metadata is read once, not per array
+        try:
+            self.volumes = [open_volume(v, m, storage_options, stores, "RandomCrops") for v, m in zip(volumes, masks)]
+        finally:
+            stores.close()
+        anchors = [len(mv.qualifying) if mv.qualifying is not None else mv.volume.n_anchors for mv in self.volumes]
+        self.weights = _weights(weights, anchors, len(volumes))
+        if samples_per_epoch:
+            count = _epoch_length(samples_per_epoch)
+        else:  # the crops of each volume's first field that tile its arrays once (those that qualify)
+            count = 0
+            for mv, n in zip(self.volumes, anchors):
+                first = mv.volume.names[0]
+                tiles = math.prod(mv.volume.shapes[first]) // math.prod(mv.volume.fields[first].shape)
+                count += tiles * n // mv.volume.n_anchors
+            count = min(max(1, count), MAX_SAMPLES)
+        self.samples_per_epoch = count
+        self._cdf = np.cumsum(self.weights)
+        self._cache = None
+
     def __len__(self) -> int:
         return self.samples_per_epoch
 
@@ -258,9 +310,24 @@ class RandomCrops(SampleSource):
         if cached is not None and cached[0] == (epoch, block):
             return cached[1]
         rng = np.random.default_rng([self.seed, epoch, block])
-        which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"), len(self.arrays) - 1)
-        frac = rng.random((_BLOCK, len(self.sample_shape)))
-        corners = np.floor(frac * self._limits[which]).astype(np.int64)
+        n = len(self.volumes) if self.volumes is not None else len(self.arrays)
+        which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"), n - 1)
+        if self.volumes is None:
+            frac = rng.random((_BLOCK, len(self.sample_shape)))
+            corners = np.floor(frac * self._limits[which]).astype(np.int64)
+        else:  # lattice indices of the anchors: uniform per axis, or uniform among those a mask lets through
+            frac = rng.random((_BLOCK, len(self.volumes[0].volume.counts)))
+            corners = np.zeros(frac.shape, dtype=np.int64)
+            for v, mv in enumerate(self.volumes):
+                rows = which == v
+                if mv.qualifying is None:
+                    counts = np.array(mv.volume.counts, dtype=np.float64)
+                    corners[rows] = np.minimum(np.floor(frac[rows] * counts), counts - 1).astype(np.int64)
+                else:
+                    pick = np.minimum(np.floor(frac[rows, 0] * len(mv.qualifying)).astype(np.int64),
+                                      len(mv.qualifying) - 1)
+                    flat = mv.qualifying[pick].astype(np.int64)
+                    corners[rows] = np.stack(np.unravel_index(flat, mv.volume.counts), axis=-1)
         self._cache = ((epoch, block), (which, corners))
         return which, corners
 
@@ -268,12 +335,68 @@ class RandomCrops(SampleSource):
         which, corners = self._block(epoch, index // _BLOCK)
         k = index % _BLOCK
         corner = corners[k]
+        if self.volumes is not None:
+            volume = self.volumes[int(which[k])].volume
+            return volume.sample(volume.anchor(corner))
         return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)])
 
     def identity(self) -> Any:
-        """The arrays, their shapes, the crop shape, weights, epoch length and seed."""
+        """The arrays, their shapes, the crop shape, weights, epoch length and seed; over fields, the fields,
+        their arrays' shapes and scales, the masks and what they let through."""
+        if self.volumes is not None:
+            return ["fields", _fields_identity(self.fields, self.volumes), [None if m is None else m.plain()
+                                                                             for m in self.masks],
+                    [None if mv.qualifying is None else _digest(mv.qualifying) for mv in self.volumes],
+                    self.weights.round(12).tolist(), self.samples_per_epoch, self.seed]
         return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
                 self.seed]
+
+
+def _volumes_given(arrays: Any) -> list[dict[str, Field]] | None:
+    """The volumes of fields when ``arrays`` is a dict of Fields or a list of them, else None (arrays)."""
+    if isinstance(arrays, Mapping):
+        given = [arrays]
+    elif isinstance(arrays, (list, tuple)) and arrays and all(isinstance(a, Mapping) for a in arrays):
+        given = list(arrays)
+    else:
+        return None
+    volumes = [check_fields(v, "RandomCrops/TileGrid") for v in given]
+    first = volumes[0]
+    for i, v in enumerate(volumes[1:], 1):
+        same = list(v) == list(first) and all(
+            v[n].shape == first[n].shape and v[n].channels == first[n].channels for n in first)
+        if not same:
+            raise InvalidArgument(
+                f"volume {i}'s fields {{{', '.join(f'{n}: {f.shape}' for n, f in v.items())}}} differ from volume "
+                f"0's {{{', '.join(f'{n}: {f.shape}' for n, f in first.items())}}}: a batch stacks every sample's "
+                "fields, so every volume needs the same field names, shapes and channels")
+    return volumes
+
+
+def _fields_identity(volumes: list[dict[str, Field]], opened: list[MaskedVolume]) -> list:
+    return [[{n: f.plain() for n, f in v.items()}, [list(mv.volume.shapes[n]) for n in mv.volume.names],
+             [list(mv.volume.scales[n]) for n in mv.volume.names], list(mv.volume.step)]
+            for v, mv in zip(volumes, opened)]
+
+
+def _digest(index: np.ndarray) -> list:
+    """What a mask let through, in short: how many anchors, and a hash of which (a rewritten mask changes it)."""
+    return [int(index.size), hashlib.sha256(np.ascontiguousarray(index).data).hexdigest()[:16]]
+
+
+def _weights(weights: Sequence[float] | None, default: Sequence[float], n: int) -> np.ndarray:
+    """The sampling weights of ``n`` volumes, normalised (``default`` unless ``weights`` is given)."""
+    w = np.asarray(default if weights is None else weights, dtype=np.float64)
+    if w.shape != (n,) or (w < 0).any() or not w.sum() > 0:
+        raise InvalidArgument(f"weights must be {n} non-negative numbers, not all zero")
+    return w / w.sum()
+
+
+def _epoch_length(samples_per_epoch: int) -> int:
+    count = int(samples_per_epoch)
+    if not 1 <= count <= MAX_SAMPLES:
+        raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}")
+    return count
 
 
 class TileGrid(SampleSource):
@@ -297,9 +420,19 @@ class TileGrid(SampleSource):
     >>> grid = stoker.TileGrid(["/data/vol.zarr"], (96, 96, 96), stride=(56, 56, 56))   # shape (128, 256, 256)
     >>> [grid.sample(0, i).aabb[0] for i in (0, len(grid) - 1)]
     [(0, 96), (32, 128)]
+
+    **Fields.** A dict of :class:`~stoker.Field` (or a list of them, one per volume) tiles the anchors: along
+    each axis, every ``stride`` reference voxels from the first anchor that keeps every field's box inside
+    its arrays, the last one shifted back to the last such anchor. ``stride`` (reference voxels, a multiple
+    of the fields' scales) defaults to the first field's extent (its shape times its scale), so its boxes
+    tile its arrays; samples are ``Sample({name: (uris, box)})``.
+
+    >>> grid = stoker.TileGrid({"raw": stoker.Field("/data/raw.zarr", (96, 96, 96)),
+    ...                         "labels": stoker.Field("/data/labels.zarr", (56, 56, 56), offset=(20, 20, 20))},
+    ...                        stride=(56, 56, 56))
     """
 
-    def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int],
+    def __init__(self, arrays: Any, sample_shape: Sequence[int] | None = None,
                  stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0,
                  storage_options: dict | None = None, pad: Any = None) -> None:
         if pad is not None and pad is not False:
@@ -308,6 +441,16 @@ class TileGrid(SampleSource):
                 "lies outside, which it does not do yet. Leave pad out: the grid still covers every voxel (the "
                 "last tile of each axis ends at the border), and TileWriter keeps the border side of a border "
                 "tile's prediction uncropped; or tile a zero-padded copy of the array", knob="pad")
+        volumes = _volumes_given(arrays)
+        self.volumes: list[MaskedVolume] | None = None
+        if volumes is not None:
+            if sample_shape is not None:
+                raise InvalidArgument("TileGrid over fields takes each field's shape in its Field, not sample_shape; "
+                                      "leave sample_shape out", knob="sample_shape")
+            self._init_fields(volumes, stride, shuffle, seed, storage_options)
+            return
+        if sample_shape is None:
+            raise InvalidArgument("TileGrid over arrays needs sample_shape (the tile's shape)", knob="sample_shape")
         self.arrays = _entries(arrays, "TileGrid")
         self.sample_shape = tuple(int(s) for s in sample_shape)
         self.stride = tuple(int(s) for s in (stride or self.sample_shape))
@@ -338,6 +481,44 @@ class TileGrid(SampleSource):
                 f"{self.stride}, more than the 2**62 samples an epoch can hold; use a larger stride or sample_shape")
         self._perm: Permutation | None = None
 
+    def _init_fields(self, volumes: list[dict[str, Field]], stride: Sequence[int] | None, shuffle: bool, seed: int,
+                     storage_options: dict | None) -> None:
+        from ..storage.locate import Stores
+
+        self.fields, self.shuffle, self.seed = volumes, bool(shuffle), int(seed)
+        stores = Stores()
+        try:
+            self.volumes = [open_volume(v, None, storage_options, stores, "TileGrid") for v in volumes]
+        finally:
+            stores.close()
+        first = self.volumes[0].volume
+        ndim = len(first.counts)
+        if stride is None:  # the first field's extent in reference voxels, on the anchors' lattice
+            name = first.names[0]
+            stride = [max(st, c * s // st * st) for st, c, s in
+                      zip(first.step, first.fields[name].shape, first.scales[name])]
+        self.stride = tuple(int(s) for s in stride)
+        if len(self.stride) != ndim or any(s < 1 for s in self.stride):
+            raise InvalidArgument(f"TileGrid: stride must be {ndim} positive integers, got {self.stride}", knob="stride")
+        self._counts, self._offsets, self._lattice_stride = [], [0], []
+        for i, mv in enumerate(self.volumes):
+            step = mv.volume.step
+            if any(s % st for s, st in zip(self.stride, step)):
+                raise InvalidArgument(
+                    f"TileGrid: stride {self.stride} (reference voxels) is not a multiple of the step {step} anchors "
+                    f"of volume {i} lie on (the least common multiple of its fields' scales): round it to one",
+                    knob="stride")
+            lattice = tuple(s // st for s, st in zip(self.stride, step))
+            counts = tuple(-(-(n - 1) // q) + 1 for n, q in zip(mv.volume.counts, lattice))
+            self._lattice_stride.append(lattice)
+            self._counts.append(counts)
+            self._offsets.append(self._offsets[-1] + math.prod(counts))
+        if self._offsets[-1] > MAX_SAMPLES:
+            raise InvalidArgument(f"TileGrid: {self._offsets[-1]} tiles at stride {self.stride}, more than the 2**62 "
+                                  "samples an epoch can hold; use a larger stride", knob="stride")
+        self._shifted = False
+        self._perm = None
+
     complete_epochs = True
 
     def __len__(self) -> int:
@@ -355,6 +536,10 @@ class TileGrid(SampleSource):
         for count in reversed(self._counts[a]):  # C order, as numpy.unravel_index
             rest, t = divmod(rest, count)
             tile.append(t)
+        if self.volumes is not None:  # the last tile of an axis at the last anchor
+            volume = self.volumes[a].volume
+            k = [min(t * q, n - 1) for t, q, n in zip(reversed(tile), self._lattice_stride[a], volume.counts)]
+            return volume.sample(volume.anchor(k))
         # the last tile of an axis ends at the border (shifted back when the strides do not land there)
         corner = [min(t * st, s - c) for t, st, s, c in
                   zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
@@ -362,6 +547,9 @@ class TileGrid(SampleSource):
 
     def identity(self) -> Any:
         """The arrays, their shapes, the tile shape and stride, and the order's settings."""
+        if self.volumes is not None:
+            return ["fields", _fields_identity(self.fields, self.volumes), self.stride, self.shuffle, self.seed] + \
+                _order_id(self)
         # grids whose last tiles are shifted to the border hold other tiles than before they were: marked, so a
         # state saved for the grid that left the remainder out is not resumed into this one
         cover = ["cover-border"] if self._shifted else []
