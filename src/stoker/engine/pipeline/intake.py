@@ -186,9 +186,8 @@ def validate(s: Any, shape: tuple[int, ...] | None, first: Sample | None = None)
     (the pipeline's first sample), another rank or another shape."""
     if not isinstance(s, Sample):
         raise InvalidArgument(f"expected stoker.Sample, got {type(s).__name__}: {s!r}")
-    if s.fields is not None or s.pad is not None:
-        what = "samples of named fields" if s.fields is not None else f"padded boxes (pad={s.pad!r})"
-        raise NotYetSupported(f"{s}: the pipeline does not read {what} yet", uri=s.uri)
+    if s.fields is not None:
+        raise NotYetSupported(f"{s}: the pipeline does not read samples of named fields yet", uri=s.uri)
     if first is not None and s.channels != first.channels:
         raise InvalidArgument(f"{s} reads {arrays_read(s)}, this pipeline's first sample {first} reads "
                               f"{arrays_read(first)}; "
