@@ -31,9 +31,9 @@ import numpy as np
 
 from .cursor import CursorState, EpochCursor
 from ..dist.collectives import resolve_rank
-from ..errors import IncompleteSource, InvalidArgument, NotYetSupported
+from ..errors import IncompleteSource, InvalidArgument
 from .permutation import ORDER_VERSION, Permutation
-from .sample import Sample, box_of, given_uri
+from .sample import Sample, box_of, check_pad, given_uri
 
 _BLOCK = 1024  # RandomCrops draws samples in seeded blocks: cheap, and any index is reachable directly
 # Positions are int64 where they meet numpy (a rank's share as an array, seeds); with at most 2**62
@@ -209,12 +209,18 @@ class RandomCrops(SampleSource):
 
     ``samples_per_epoch`` defaults to the number of crops that would tile the data once.
 
+    ``pad`` (one of :data:`~stoker.sampling.sample.PAD_MODES`) makes padded samples (see :class:`~stoker.Sample`):
+    crops are drawn as without it where the array holds them, and an array shorter than the crop on some axis is
+    accepted: there the crop covers the whole axis, the array at a uniform random place inside it, the rest
+    filled by ``pad``.
+
     >>> src = stoker.RandomCrops(["/data/a.zarr"], (32, 128, 128), seed=0, samples_per_epoch=10_000)
     """
 
     def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int], seed: int = 0,
                  samples_per_epoch: int | None = None, weights: Sequence[float] | None = None,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None, pad: str | None = None) -> None:
+        self.pad = check_pad(pad, "RandomCrops")
         self.arrays = _entries(arrays, "RandomCrops")
         if not self.arrays:
             raise InvalidArgument("RandomCrops needs at least one array")
@@ -224,8 +230,11 @@ class RandomCrops(SampleSource):
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
         for uri, shape in zip(self.arrays, self.shapes):
-            if len(shape) != len(self.sample_shape) or any(c > s for c, s in zip(self.sample_shape, shape)):
-                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}", uri=uri)
+            if len(shape) != len(self.sample_shape) or (
+                    self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape))):
+                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}"
+                                      f"{'' if len(shape) != len(self.sample_shape) else ' (pad= lets them reach past it)'}",
+                                      uri=uri)
         if weights is None:
             w = np.array([math.prod(s) for s in self.shapes], dtype=np.float64)
         else:
@@ -246,8 +255,10 @@ class RandomCrops(SampleSource):
                     "sample_shape)")
         self.samples_per_epoch = count
         self._cdf = np.cumsum(self.weights)
-        # Per array, how many corner positions each axis allows.
-        self._limits = np.array([[s - c + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
+        # Per array, how many corner positions each axis allows, and the first (below 0 where a padded crop is
+        # longer than the axis: it covers the axis, which lies anywhere inside it)
+        self._limits = np.array([[abs(s - c) + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
+        self._first = np.array([[min(0, s - c) for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
         self._cache: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
 
     def __len__(self) -> int:
@@ -260,7 +271,7 @@ class RandomCrops(SampleSource):
         rng = np.random.default_rng([self.seed, epoch, block])
         which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"), len(self.arrays) - 1)
         frac = rng.random((_BLOCK, len(self.sample_shape)))
-        corners = np.floor(frac * self._limits[which]).astype(np.int64)
+        corners = np.floor(frac * self._limits[which]).astype(np.int64) + self._first[which]
         self._cache = ((epoch, block), (which, corners))
         return which, corners
 
@@ -268,12 +279,13 @@ class RandomCrops(SampleSource):
         which, corners = self._block(epoch, index // _BLOCK)
         k = index % _BLOCK
         corner = corners[k]
-        return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)])
+        return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)],
+                      pad=self.pad)
 
     def identity(self) -> Any:
-        """The arrays, their shapes, the crop shape, weights, epoch length and seed."""
+        """The arrays, their shapes, the crop shape, weights, epoch length and seed (and ``pad`` when set)."""
         return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
-                self.seed]
+                self.seed] + ([] if self.pad is None else ["pad", self.pad])
 
 
 class TileGrid(SampleSource):
@@ -291,23 +303,25 @@ class TileGrid(SampleSource):
     rank repeats tiles from the start; :class:`~stoker.TileWriter` counts a repeated tile once): its
     ``complete_epochs`` is True.
 
-    ``pad`` (tiles that reach past the borders, as sliding-window inference lays them out) is not supported
-    yet: it raises :class:`~stoker.NotYetSupported`.
+    With ``pad`` (one of :data:`~stoker.sampling.sample.PAD_MODES`) the grid is laid out as sliding-window
+    inference needs it: the *centre* of each tile (the tile less ``(sample_shape - stride) // 2`` on each side)
+    tiles the array exactly, so tiles start every ``stride`` from ``-(sample_shape - stride) // 2``, the last ones
+    extend past the far border, and every sample is padded (see :class:`~stoker.Sample`); an axis has
+    ``ceil(length / stride)`` tiles, also an axis shorter than a tile. ``stride`` may not exceed the tile then.
+    ``TileWriter(crop=(sample_shape - stride) // 2)`` writes exactly the centres.
 
     >>> grid = stoker.TileGrid(["/data/vol.zarr"], (96, 96, 96), stride=(56, 56, 56))   # shape (128, 256, 256)
     >>> [grid.sample(0, i).aabb[0] for i in (0, len(grid) - 1)]
     [(0, 96), (32, 128)]
+    >>> padded = stoker.TileGrid(["/data/vol.zarr"], (96, 96, 96), stride=(56, 56, 56), pad="reflect")
+    >>> [padded.sample(0, i).aabb[0] for i in (0, len(padded) - 1)]
+    [(-20, 76), (36, 132)]
     """
 
     def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int],
                  stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0,
                  storage_options: dict | None = None, pad: Any = None) -> None:
-        if pad is not None and pad is not False:
-            raise NotYetSupported(
-                f"TileGrid(pad={pad!r}): tiles that reach past the array's borders need the engine to fill what "
-                "lies outside, which it does not do yet. Leave pad out: the grid still covers every voxel (the "
-                "last tile of each axis ends at the border), and TileWriter keeps the border side of a border "
-                "tile's prediction uncropped; or tile a zero-padded copy of the array", knob="pad")
+        self.pad = None if pad is False else check_pad(pad, "TileGrid")
         self.arrays = _entries(arrays, "TileGrid")
         self.sample_shape = tuple(int(s) for s in sample_shape)
         self.stride = tuple(int(s) for s in (stride or self.sample_shape))
@@ -315,6 +329,14 @@ class TileGrid(SampleSource):
             raise InvalidArgument(f"stride must be {len(self.sample_shape)} positive integers, got {self.stride}")
         if any(c < 1 for c in self.sample_shape):
             raise InvalidArgument(f"TileGrid: sample_shape {self.sample_shape} must be >= 1 on every axis")
+        if self.pad is not None and any(st > c for st, c in zip(self.stride, self.sample_shape)):
+            raise InvalidArgument(f"TileGrid(pad={self.pad!r}): stride {self.stride} exceeds the tile "
+                                  f"{self.sample_shape} on some axis; a padded grid's tile centres (the tile less "
+                                  "(sample_shape - stride) // 2 on each side) tile the array: use a stride up to the tile",
+                                  knob="stride")
+        # a padded grid's tiles start this far before each stride (the margin around each tile's centre)
+        self._margin = tuple((c - st) // 2 for c, st in zip(self.sample_shape, self.stride)) \
+            if self.pad is not None else (0,) * len(self.stride)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
@@ -324,10 +346,13 @@ class TileGrid(SampleSource):
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape):
                 raise InvalidArgument(f"{uri}: rank {len(shape)} differs from sample rank {len(self.sample_shape)}")
-            counts = tuple(0 if s < c else -(-(s - c) // st) + 1 for s, c, st in
-                           zip(shape, self.sample_shape, self.stride))
+            if self.pad is not None:  # the centres tile the axis: ceil(length / stride) of them
+                counts = tuple(-(-s // st) for s, st in zip(shape, self.stride))
+            else:
+                counts = tuple(0 if s < c else -(-(s - c) // st) + 1 for s, c, st in
+                               zip(shape, self.sample_shape, self.stride))
             self._counts.append(counts)
-            if math.prod(counts):
+            if math.prod(counts) and self.pad is None:
                 self._shifted |= any((s - c) % st for s, c, st in zip(shape, self.sample_shape, self.stride))
             self._offsets.append(self._offsets[-1] + math.prod(counts))
         if self._offsets[-1] == 0:
@@ -355,18 +380,21 @@ class TileGrid(SampleSource):
         for count in reversed(self._counts[a]):  # C order, as numpy.unravel_index
             rest, t = divmod(rest, count)
             tile.append(t)
-        # the last tile of an axis ends at the border (shifted back when the strides do not land there)
-        corner = [min(t * st, s - c) for t, st, s, c in
-                  zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
-        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
+        if self.pad is not None:  # tile t's centre starts at t * stride
+            corner = [t * st - m for t, st, m in zip(reversed(tile), self.stride, self._margin)]
+        else:  # the last tile of an axis ends at the border (shifted back when the strides do not land there)
+            corner = [min(t * st, s - c) for t, st, s, c in
+                      zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
+        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)], pad=self.pad)
 
     def identity(self) -> Any:
         """The arrays, their shapes, the tile shape and stride, and the order's settings."""
         # grids whose last tiles are shifted to the border hold other tiles than before they were: marked, so a
         # state saved for the grid that left the remainder out is not resumed into this one
         cover = ["cover-border"] if self._shifted else []
+        pad = [] if self.pad is None else ["pad", self.pad]
         return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + \
-            _order_id(self) + cover
+            _order_id(self) + cover + pad
 
 
 class SampleList(SampleSource):
