@@ -160,6 +160,22 @@ def test_boxes_longer_than_the_array(tmp_path, decode_path, mode):
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("out", ["f32", "bf16"])
+def test_a_transform_sees_the_padded_batch(tmp_path, decode_path, out):
+    """Padding is filled before the transform runs (bf16: in the float32 work slot, rounded once after it)."""
+    uri, data = _array(tmp_path / "a.zarr")
+    cfg = stoker.Config(batch_size=3, dtype=out, device="cpu", n_compute_threads=2, pop_timeout_s=30.0,
+                        transform=lambda x: x.sub_(100.0).mul_(0.5))
+    boxes = BOXES[:3]
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, box, pad="fill") for box in boxes])
+        with p.pop() as batch:
+            got = torch.from_dlpack(batch).clone()
+    want = (torch.from_numpy(np.stack([_reference(data, box, "fill", 7) for box in boxes]).astype(np.float32))
+            .sub_(100.0).mul_(0.5)).to(got.dtype)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_padded_and_unpadded_samples_share_a_batch(tmp_path, decode_path):
     uri, data = _array(tmp_path / "a.zarr")
     inside = [(1, 9), (2, 8), (0, 6)]
