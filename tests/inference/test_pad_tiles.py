@@ -108,6 +108,17 @@ def test_a_blended_padded_grid_gives_back_the_array(volume, tmp_path):
     np.testing.assert_allclose(zarr.open_array(out, mode="r")[:], data, rtol=1e-6)
 
 
+def test_a_list_of_padded_samples_is_not_the_unpadded_list(volume):
+    uri, _ = volume
+    inside, past = [(7, 13), (20, 26), (0, 6)], [(-2, 4), (0, 6), (1, 7)]
+    plain = stoker.SampleList([stoker.Sample(uri, past, pad="zero"), stoker.Sample(uri, inside)])
+    zero = stoker.SampleList([stoker.Sample(uri, b, pad="zero") for b in (past, inside)])
+    edge = stoker.SampleList([stoker.Sample(uri, b, pad="edge") for b in (past, inside)])
+    assert len({plain.fingerprint, zero.fingerprint, edge.fingerprint}) == 3
+    unpadded = stoker.SampleList([stoker.Sample(uri, [(0, 6), (0, 6), (1, 7)])])
+    assert unpadded.identity()[0] == [uri, ((0, 6), (0, 6), (1, 7))]  # the identity unpadded lists always had
+
+
 def test_random_crops_with_pad_reach_past_arrays_shorter_than_the_crop(volume):
     uri, data = volume
     with pytest.raises(InvalidArgument, match="pad= lets them"):

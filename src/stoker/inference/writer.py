@@ -64,7 +64,8 @@ class TileWriter:
     does not exist; an existing one must have that shape and dtype. ``shape`` is the volume's
     (``(Z, Y, X)``) or with channels first (``(C, Z, Y, X)``, for ``(B, C, *tile)`` predictions).
     ``crop``: the margin dropped from every side of a prediction that is not on the array's border (an
-    int, or one per spatial axis). ``grid``: the TileGrid the samples come from, to write regions as soon
+    int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
+    clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
     as they are complete. ``rank``/``world_size``: from ``torch.distributed`` when not given; ``group``: the
     process group of the collectives.
     """

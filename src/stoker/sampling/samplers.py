@@ -296,7 +296,7 @@ class TileGrid(SampleSource):
     past the first tile, the last tile is shifted back to end at the border, so no voxel is left out (that
     tile overlaps its neighbour by more than the others do; a ``stride`` larger than the tile leaves gaps, on
     purpose). An array smaller than a tile on some axis has
-    no tile. With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
+    no tile (without ``pad``). With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
 
     A grid's epoch is never cut short: :class:`~stoker.CropDataset` yields its last batch at its true size
     whatever ``Config.drop_last`` says, and :meth:`for_rank` splits it with ``even="wrap"`` only (a short
@@ -422,7 +422,8 @@ class SampleList(SampleSource):
 
     def identity(self) -> Any:
         """Every sample (its arrays and box) and the order's settings."""
-        return [[given_uri(s), s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
+        return [[given_uri(s), s.aabb] + ([] if s.pad is None else [s.pad]) for s in self.samples] + \
+            [self.shuffle, self.seed] + _order_id(self)
 
 
 def _order(cached: Permutation | None, n: int, seed: int, epoch: int) -> Permutation:
