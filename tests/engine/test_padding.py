@@ -16,7 +16,7 @@ import stoker
 from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.planning.padding import axis_map, pad_crop
 from stoker.engine.pipeline import facade as pipelines
-from stoker.errors import OutOfBounds, RankMismatch
+from stoker.errors import BudgetExceeded, OutOfBounds, RankMismatch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -193,6 +193,17 @@ def test_a_box_past_the_array_without_pad_is_still_out_of_bounds(tmp_path, decod
         p.push([stoker.Sample(uri, [(-2, 6), (0, 6), (0, 6)], pad="zero"),
                 stoker.Sample(uri, [(8, 16), (0, 6), (0, 6)])])
         with pytest.raises(OutOfBounds, match="stop 16 > size 12"):
+            p.pop()
+
+
+def test_a_padded_box_too_large_for_the_budget_is_a_budget_error(tmp_path):
+    """Not OutOfBounds: when the budget refuses a batch, unpadded boxes past their arrays are named first,
+    and a padded one may reach past its array."""
+    uri, _ = _array(tmp_path / "a.zarr")
+    cfg = stoker.Config(batch_size=1, dtype="f32", device="cpu", host_buffer_bytes=1 << 20, pop_timeout_s=30.0)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, [(-200, 200), (-200, 200), (0, 9)], pad="zero")])
+        with pytest.raises(BudgetExceeded):
             p.pop()
 
 
