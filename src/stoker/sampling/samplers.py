@@ -232,9 +232,8 @@ class RandomCrops(SampleSource):
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape) or (
                     self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape))):
-                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}"
-                                      f"{'' if len(shape) != len(self.sample_shape) else ' (pad= lets them reach past it)'}",
-                                      uri=uri)
+                hint = "" if len(shape) != len(self.sample_shape) else " (pad= lets them reach past it)"
+                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}{hint}", uri=uri)
         if weights is None:
             w = np.array([math.prod(s) for s in self.shapes], dtype=np.float64)
         else:
@@ -332,8 +331,8 @@ class TileGrid(SampleSource):
         if self.pad is not None and any(st > c for st, c in zip(self.stride, self.sample_shape)):
             raise InvalidArgument(f"TileGrid(pad={self.pad!r}): stride {self.stride} exceeds the tile "
                                   f"{self.sample_shape} on some axis; a padded grid's tile centres (the tile less "
-                                  "(sample_shape - stride) // 2 on each side) tile the array: use a stride up to the tile",
-                                  knob="stride")
+                                  "(sample_shape - stride) // 2 on each side) tile the array: use a stride up to "
+                                  "the tile", knob="stride")
         # a padded grid's tiles start this far before each stride (the margin around each tile's centre)
         self._margin = tuple((c - st) // 2 for c, st in zip(self.sample_shape, self.stride)) \
             if self.pad is not None else (0,) * len(self.stride)

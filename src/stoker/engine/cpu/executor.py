@@ -71,7 +71,8 @@ class Decoders:
 
         A batch of multi-array samples, ``(B, C, *box)``, is made through its ``(B * C, *box)`` view: the
         plans' copy rows are ``b * C + c``, so neither path knows about channels. A batch with boxes past their
-        arrays (``plan.pads``) has them filled first, in the hook (:func:`~stoker.engine.planning.padding.fill_padding`)."""
+        arrays (``plan.pads``) has them filled first in the hook
+        (:func:`~stoker.engine.planning.padding.fill_padding`)."""
         if plan.channels is not None:
             out = out.flatten(0, 1)
         if plan.pads:

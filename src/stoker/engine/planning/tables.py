@@ -109,7 +109,7 @@ class TablePlan:
     # per file: source, has identity, identity (dev, ino, size, mtime_ns, ctime_ns as int64 bits), grid coordinates
     files: np.ndarray
     channels: int | None = None  # multi-array samples: arrays per sample (copy rows are b * C + c)
-    # the crops that reach past their arrays (Sample.pad), filled after the chunks are placed (planning/padding.py)
+    # the crops that reach past their arrays (Sample.pad), filled after the chunks are placed (padding.py)
     pads: tuple[PadCrop, ...] = ()
     chunks: _Tasks = field(init=False, repr=False)
     # per file row, made as asked: its key, its path, its identity
@@ -575,9 +575,9 @@ def _grid_padded(samples: Sequence[Sample], crops: list, sids: list[int], source
                  shape: tuple[int, ...], rows: array) -> tuple[tuple, tuple[PadCrop, ...]] | None:
     """``((grid columns, bytes needed, sharded arrays' numbers), padded crops)`` of a batch with padded samples,
     or None when none of them reaches past its array (the usual planner takes the batch). Each padded crop is
-    planned as its read box (:func:`~stoker.engine.planning.padding.pad_crop`) at its offset in the slot, with the numpy
-    grid (the compiled one takes crops of one shape); an unpadded crop past its array raises OutOfBounds, in
-    the batch's order."""
+    planned as its read box (:func:`~stoker.engine.planning.padding.pad_crop`) at its offset in the slot, with
+    the numpy grid (the compiled one takes crops of one shape); an unpadded crop past its array raises
+    OutOfBounds, in the batch's order."""
     modes = [s.pad for s in samples for _ in s.uris]
     ndim = len(shape)
     pads, starts, stops, offsets = [], [], [], []
