@@ -38,7 +38,8 @@ from ..sampling.samplers import SampleList, TileGrid
 from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
 from .record import CompletionRecord
 
-Part = tuple[tuple[int, ...], Box, Box, np.ndarray]  # region, tile key (its box), part's box, values
+# region, tile key (its box), part's box, values, the flat index of the tile's output box's first voxel
+Part = tuple[tuple[int, ...], Box, Box, np.ndarray, int]
 
 
 class _Region:
@@ -63,7 +64,8 @@ class TileWriter:
     does not exist; an existing one must have that shape and dtype. ``shape`` is the volume's
     (``(Z, Y, X)``) or with channels first (``(C, Z, Y, X)``, for ``(B, C, *tile)`` predictions).
     ``crop``: the margin dropped from every side of a prediction that is not on the array's border (an
-    int, or one per spatial axis). ``grid``: the TileGrid the samples come from, to write regions as soon
+    int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
+    clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
     as they are complete. ``rank``/``world_size``: from ``torch.distributed`` when not given; ``group``: the
     process group of the collectives.
     """
@@ -140,12 +142,12 @@ class TileWriter:
         if self.grid is not None:
             self._expected = {}
             for tile in {box_of(self.grid.sample(0, i)) for i in range(len(self.grid))}:
-                for r in regions_of(self._out(tile), self.unit):
+                for r in regions_of(self._out(tile, self.grid.pad is not None), self.unit):
                     if self._owner(r) == self.rank:
                         self._expected[r] = self._expected.get(r, 0) + 1
 
-    def _out(self, aabb: Sequence[Sequence[int]]) -> Box:
-        return output_box(aabb, self.crop, self.spatial)
+    def _out(self, aabb: Sequence[Sequence[int]], padded: bool) -> Box:
+        return output_box(aabb, self.crop, self.spatial, padded)
 
     def _owner(self, region: tuple[int, ...]) -> int:
         return int(np.ravel_multi_index(region, self.regions_shape)) % self.world_size
@@ -161,7 +163,7 @@ class TileWriter:
         keep = []
         for i in range(len(grid)):
             s = grid.sample(0, i)
-            if any(r not in self.done for r in regions_of(self._out(box_of(s)), self.unit)):
+            if any(r not in self.done for r in regions_of(self._out(box_of(s), s.pad is not None), self.unit)):
                 keep.append(s)
         if not keep:  # a finished array: one tile, so an epoch still has a sample; its regions are skipped
             keep.append(grid.sample(0, 0))
@@ -187,16 +189,17 @@ class TileWriter:
                 raise InvalidArgument(
                     f"TileWriter.write: a prediction of shape {pred.shape} for a tile of {tile}; expected "
                     f"{self.channels + tile} (the array {self.uri} has shape {self.shape})", uri=self.uri)
-            out = self._out(aabb)
+            out = self._out(aabb, s.pad is not None)
             if any(b <= a for a, b in out):
                 continue  # cropped away whole
             key = tuple(aabb)
+            start = int(np.ravel_multi_index(tuple(a for a, _ in out), self.spatial))
             for r in regions_of(out, self.unit):
                 if r in self.done:
                     continue
                 box = intersect(out, region_box(r, self.unit, self.spatial))
                 values = pred[(Ellipsis,) + local(box, key)]
-                parts[self._owner(r)].append((r, key, box, values))
+                parts[self._owner(r)].append((r, key, box, values, start))
         self._receive(self._exchange(parts))
 
     def _exchange(self, parts: list[list[Part]]) -> list[Part]:
@@ -208,7 +211,7 @@ class TileWriter:
         return [part for sent in everyone for part in sent[self.rank]]
 
     def _receive(self, parts: list[Part]) -> None:
-        for r, key, box, values in sorted(parts, key=lambda p: (p[0], p[1])):
+        for r, key, box, values, start in sorted(parts, key=lambda p: (p[0], p[1])):
             if r in self.done:
                 continue  # written already: this is a repeat of one of its tiles (a short rank's wrap-around)
             region = self._open.get(r)
@@ -220,7 +223,6 @@ class TileWriter:
             region.seen.add(key)
             where = local(box, region.box)
             if self.blend == "none":
-                start = int(np.ravel_multi_index(tuple(max(a, 0) for a, _ in self._out(key)), self.spatial))
                 keys = region.key[where]
                 first = keys > start  # the tile whose output box starts first wins, whatever the order
                 keys[first] = start

@@ -34,7 +34,7 @@ from .field import Field, MaskedVolume, check_fields, open_volume
 from ..dist.collectives import resolve_rank
 from ..errors import IncompleteSource, InvalidArgument, NotYetSupported
 from .permutation import ORDER_VERSION, Permutation
-from .sample import Sample, box_of, given_uri
+from .sample import Sample, box_of, check_pad, given_uri
 
 _BLOCK = 1024  # RandomCrops draws samples in seeded blocks: cheap, and any index is reachable directly
 # Positions are int64 where they meet numpy (a rank's share as an array, seeds); with at most 2**62
@@ -210,6 +210,11 @@ class RandomCrops(SampleSource):
 
     ``samples_per_epoch`` defaults to the number of crops that would tile the data once.
 
+    ``pad`` (one of :data:`~stoker.sampling.sample.PAD_MODES`) makes padded samples (see :class:`~stoker.Sample`):
+    crops are drawn as without it where the array holds them, and an array shorter than the crop on some axis is
+    accepted: there the crop covers the whole axis, the array at a uniform random place inside it, the rest
+    filled by ``pad``.
+
     >>> src = stoker.RandomCrops(["/data/a.zarr"], (32, 128, 128), seed=0, samples_per_epoch=10_000)
 
     **Fields.** A dict of :class:`~stoker.Field` (one volume), or a list of such dicts (several volumes, with
@@ -230,12 +235,16 @@ class RandomCrops(SampleSource):
 
     def __init__(self, arrays: Any, sample_shape: Sequence[int] | None = None, seed: int = 0,
                  samples_per_epoch: int | None = None, weights: Sequence[float] | None = None,
-                 storage_options: dict | None = None, mask: Any = None) -> None:
+                 storage_options: dict | None = None, mask: Any = None, pad: str | None = None) -> None:
+        self.pad = check_pad(pad, "RandomCrops")
         volumes = _volumes_given(arrays)
         if volumes is not None:
             if sample_shape is not None:
                 raise InvalidArgument("RandomCrops over fields takes each field's shape in its Field, not "
                                       "sample_shape; leave sample_shape out", knob="sample_shape")
+            if self.pad is not None:
+                raise NotYetSupported("RandomCrops over fields with pad= (anchors whose boxes reach past the "
+                                      "arrays) is not drawn yet; pad= applies to RandomCrops over arrays", knob="pad")
             self._init_fields(volumes, seed, samples_per_epoch, weights, storage_options, mask)
             return
         if mask is not None:
@@ -255,8 +264,10 @@ class RandomCrops(SampleSource):
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
         for uri, shape in zip(self.arrays, self.shapes):
-            if len(shape) != len(self.sample_shape) or any(c > s for c, s in zip(self.sample_shape, shape)):
-                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}", uri=uri)
+            if len(shape) != len(self.sample_shape) or (
+                    self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape))):
+                hint = "" if len(shape) != len(self.sample_shape) else " (pad= lets them reach past it)"
+                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}{hint}", uri=uri)
         self.weights = _weights(weights, [math.prod(s) for s in self.shapes], len(self.arrays))
         if samples_per_epoch:
             count = _epoch_length(samples_per_epoch)
@@ -269,8 +280,10 @@ class RandomCrops(SampleSource):
                     "sample_shape)")
         self.samples_per_epoch = count
         self._cdf = np.cumsum(self.weights)
-        # Per array, how many corner positions each axis allows.
-        self._limits = np.array([[s - c + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
+        # Per array, how many corner positions each axis allows, and the first (below 0 where a padded crop is
+        # longer than the axis: it covers the axis, which lies anywhere inside it)
+        self._limits = np.array([[abs(s - c) + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
+        self._first = np.array([[min(0, s - c) for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
         self._cache: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
 
     def _init_fields(self, volumes: list[dict[str, Field]], seed: int, samples_per_epoch: int | None,
@@ -314,7 +327,7 @@ class RandomCrops(SampleSource):
         which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"), n - 1)
         if self.volumes is None:
             frac = rng.random((_BLOCK, len(self.sample_shape)))
-            corners = np.floor(frac * self._limits[which]).astype(np.int64)
+            corners = np.floor(frac * self._limits[which]).astype(np.int64) + self._first[which]
         else:  # lattice indices of the anchors: uniform per axis, or uniform among those a mask lets through
             frac = rng.random((_BLOCK, len(self.volumes[0].volume.counts)))
             corners = np.zeros(frac.shape, dtype=np.int64)
@@ -338,18 +351,19 @@ class RandomCrops(SampleSource):
         if self.volumes is not None:
             volume = self.volumes[int(which[k])].volume
             return volume.sample(volume.anchor(corner))
-        return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)])
+        return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)],
+                      pad=self.pad)
 
     def identity(self) -> Any:
         """The arrays, their shapes, the crop shape, weights, epoch length and seed; over fields, the fields,
-        their arrays' shapes and scales, the masks and what they let through."""
+        their arrays' shapes and scales, the masks and what they let through (and ``pad`` when set)."""
         if self.volumes is not None:
             return ["fields", _fields_identity(self.fields, self.volumes), [None if m is None else m.plain()
                                                                              for m in self.masks],
                     [None if mv.qualifying is None else _digest(mv.qualifying) for mv in self.volumes],
                     self.weights.round(12).tolist(), self.samples_per_epoch, self.seed]
         return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
-                self.seed]
+                self.seed] + ([] if self.pad is None else ["pad", self.pad])
 
 
 def _volumes_given(arrays: Any) -> list[dict[str, Field]] | None:
@@ -407,19 +421,26 @@ class TileGrid(SampleSource):
     past the first tile, the last tile is shifted back to end at the border, so no voxel is left out (that
     tile overlaps its neighbour by more than the others do; a ``stride`` larger than the tile leaves gaps, on
     purpose). An array smaller than a tile on some axis has
-    no tile. With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
+    no tile (without ``pad``). With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
 
     A grid's epoch is never cut short: :class:`~stoker.CropDataset` yields its last batch at its true size
     whatever ``Config.drop_last`` says, and :meth:`for_rank` splits it with ``even="wrap"`` only (a short
     rank repeats tiles from the start; :class:`~stoker.TileWriter` counts a repeated tile once): its
     ``complete_epochs`` is True.
 
-    ``pad`` (tiles that reach past the borders, as sliding-window inference lays them out) is not supported
-    yet: it raises :class:`~stoker.NotYetSupported`.
+    With ``pad`` (one of :data:`~stoker.sampling.sample.PAD_MODES`) the grid is laid out as sliding-window
+    inference needs it: the *centre* of each tile (the tile less ``(sample_shape - stride) // 2`` on each side)
+    tiles the array exactly, so tiles start every ``stride`` from ``-(sample_shape - stride) // 2``, the last ones
+    extend past the far border, and every sample is padded (see :class:`~stoker.Sample`); an axis has
+    ``ceil(length / stride)`` tiles, also an axis shorter than a tile. ``stride`` may not exceed the tile then.
+    ``TileWriter(crop=(sample_shape - stride) // 2)`` writes exactly the centres.
 
     >>> grid = stoker.TileGrid(["/data/vol.zarr"], (96, 96, 96), stride=(56, 56, 56))   # shape (128, 256, 256)
     >>> [grid.sample(0, i).aabb[0] for i in (0, len(grid) - 1)]
     [(0, 96), (32, 128)]
+    >>> padded = stoker.TileGrid(["/data/vol.zarr"], (96, 96, 96), stride=(56, 56, 56), pad="reflect")
+    >>> [padded.sample(0, i).aabb[0] for i in (0, len(padded) - 1)]
+    [(-20, 76), (36, 132)]
 
     **Fields.** A dict of :class:`~stoker.Field` (or a list of them, one per volume) tiles the anchors: along
     each axis, every ``stride`` reference voxels from the first anchor that keeps every field's box inside
@@ -435,18 +456,16 @@ class TileGrid(SampleSource):
     def __init__(self, arrays: Any, sample_shape: Sequence[int] | None = None,
                  stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0,
                  storage_options: dict | None = None, pad: Any = None) -> None:
-        if pad is not None and pad is not False:
-            raise NotYetSupported(
-                f"TileGrid(pad={pad!r}): tiles that reach past the array's borders need the engine to fill what "
-                "lies outside, which it does not do yet. Leave pad out: the grid still covers every voxel (the "
-                "last tile of each axis ends at the border), and TileWriter keeps the border side of a border "
-                "tile's prediction uncropped; or tile a zero-padded copy of the array", knob="pad")
+        self.pad = None if pad is False else check_pad(pad, "TileGrid")
         volumes = _volumes_given(arrays)
         self.volumes: list[MaskedVolume] | None = None
         if volumes is not None:
             if sample_shape is not None:
                 raise InvalidArgument("TileGrid over fields takes each field's shape in its Field, not sample_shape; "
                                       "leave sample_shape out", knob="sample_shape")
+            if self.pad is not None:
+                raise NotYetSupported("TileGrid over fields with pad= is not laid out yet; pad= applies to "
+                                      "TileGrid over arrays", knob="pad")
             self._init_fields(volumes, stride, shuffle, seed, storage_options)
             return
         if sample_shape is None:
@@ -458,6 +477,14 @@ class TileGrid(SampleSource):
             raise InvalidArgument(f"stride must be {len(self.sample_shape)} positive integers, got {self.stride}")
         if any(c < 1 for c in self.sample_shape):
             raise InvalidArgument(f"TileGrid: sample_shape {self.sample_shape} must be >= 1 on every axis")
+        if self.pad is not None and any(st > c for st, c in zip(self.stride, self.sample_shape)):
+            raise InvalidArgument(f"TileGrid(pad={self.pad!r}): stride {self.stride} exceeds the tile "
+                                  f"{self.sample_shape} on some axis; a padded grid's tile centres (the tile less "
+                                  "(sample_shape - stride) // 2 on each side) tile the array: use a stride up to "
+                                  "the tile", knob="stride")
+        # a padded grid's tiles start this far before each stride (the margin around each tile's centre)
+        self._margin = tuple((c - st) // 2 for c, st in zip(self.sample_shape, self.stride)) \
+            if self.pad is not None else (0,) * len(self.stride)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
@@ -467,10 +494,13 @@ class TileGrid(SampleSource):
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape):
                 raise InvalidArgument(f"{uri}: rank {len(shape)} differs from sample rank {len(self.sample_shape)}")
-            counts = tuple(0 if s < c else -(-(s - c) // st) + 1 for s, c, st in
-                           zip(shape, self.sample_shape, self.stride))
+            if self.pad is not None:  # the centres tile the axis: ceil(length / stride) of them
+                counts = tuple(-(-s // st) for s, st in zip(shape, self.stride))
+            else:
+                counts = tuple(0 if s < c else -(-(s - c) // st) + 1 for s, c, st in
+                               zip(shape, self.sample_shape, self.stride))
             self._counts.append(counts)
-            if math.prod(counts):
+            if math.prod(counts) and self.pad is None:
                 self._shifted |= any((s - c) % st for s, c, st in zip(shape, self.sample_shape, self.stride))
             self._offsets.append(self._offsets[-1] + math.prod(counts))
         if self._offsets[-1] == 0:
@@ -540,10 +570,12 @@ class TileGrid(SampleSource):
             volume = self.volumes[a].volume
             k = [min(t * q, n - 1) for t, q, n in zip(reversed(tile), self._lattice_stride[a], volume.counts)]
             return volume.sample(volume.anchor(k))
-        # the last tile of an axis ends at the border (shifted back when the strides do not land there)
-        corner = [min(t * st, s - c) for t, st, s, c in
-                  zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
-        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
+        if self.pad is not None:  # tile t's centre starts at t * stride
+            corner = [t * st - m for t, st, m in zip(reversed(tile), self.stride, self._margin)]
+        else:  # the last tile of an axis ends at the border (shifted back when the strides do not land there)
+            corner = [min(t * st, s - c) for t, st, s, c in
+                      zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
+        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)], pad=self.pad)
 
     def identity(self) -> Any:
         """The arrays, their shapes, the tile shape and stride, and the order's settings."""
@@ -553,8 +585,9 @@ class TileGrid(SampleSource):
         # grids whose last tiles are shifted to the border hold other tiles than before they were: marked, so a
         # state saved for the grid that left the remainder out is not resumed into this one
         cover = ["cover-border"] if self._shifted else []
+        pad = [] if self.pad is None else ["pad", self.pad]
         return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + \
-            _order_id(self) + cover
+            _order_id(self) + cover + pad
 
 
 class SampleList(SampleSource):
@@ -582,7 +615,8 @@ class SampleList(SampleSource):
 
     def identity(self) -> Any:
         """Every sample (its arrays and box) and the order's settings."""
-        return [[given_uri(s), s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
+        return [[given_uri(s), s.aabb] + ([] if s.pad is None else [s.pad]) for s in self.samples] + \
+            [self.shuffle, self.seed] + _order_id(self)
 
 
 def _order(cached: Permutation | None, n: int, seed: int, epoch: int) -> Permutation:

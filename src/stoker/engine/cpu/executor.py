@@ -36,6 +36,7 @@ from ..buffers import Slot, SlotRing, TransientBudget, size_class
 from .decode_native import NativeDecoder, native_codec, scratch_need
 from .decode_python import PythonDecoder
 from ..executor import Delivery, Job, Target
+from ..planning.padding import fill_padding
 from ..stats import StatsRecorder
 from ..planning.tables import TablePlan, plan_tables
 
@@ -69,9 +70,13 @@ class Decoders:
         """Start making ``plan`` into ``out``; ``then(job)`` runs once every chunk is in place.
 
         A batch of multi-array samples, ``(B, C, *box)``, is made through its ``(B * C, *box)`` view: the
-        plans' copy rows are ``b * C + c``, so neither path knows about channels."""
+        plans' copy rows are ``b * C + c``, so neither path knows about channels. A batch with boxes past their
+        arrays (``plan.pads``) has them filled first in the hook
+        (:func:`~stoker.engine.planning.padding.fill_padding`)."""
         if plan.channels is not None:
             out = out.flatten(0, 1)
+        if plan.pads:
+            then = _padded_then(plan, out, then)
         job = Job(plan, out, plan.n_chunks, then)
         if self.native is not None:
             self.native.submit(job)
@@ -93,6 +98,15 @@ class Decoders:
     def peak_bytes(self) -> int:
         """The most the decode paths' buffers held at once (the engine's scratch and the transient budget)."""
         return self.budget.peak + (self.native.peak_bytes() if self.native is not None else 0)
+
+
+def _padded_then(plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None] | None) -> Callable[[Job], None]:
+    """A completion hook that fills the padded crops of ``plan`` in ``out``, then runs ``then``."""
+    def hook(job: Job) -> None:
+        fill_padding(plan.pads, plan.sources, out)
+        if then is not None:
+            then(job)
+    return hook
 
 
 #: The engine's scratch budget: room for every compute thread's scratch for the largest chunk of the first

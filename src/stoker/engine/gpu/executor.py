@@ -68,6 +68,8 @@ from ..allocate import allocate
 from ..buffers import SlotRing, pinned_footprint
 from ..executor import Delivery, Job, Target
 from .layout import layout_of
+from .ops import upload
+from ..planning.padding import fill_padding
 from .sources import CPU, Source, aligned, describe, device_casts
 from .staging import Group, Pending, Stager, plan_reads
 from ..planning.tables import TablePlan, plan_tables
@@ -316,10 +318,10 @@ class GpuDecodeExecutor:
         return Target(slot.tensor[:plan.rows], slot, None)
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
-        job = Job(plan, target.out, plan.n_chunks)
-        if plan.n_chunks:
+        job = Job(plan, target.out, _units(plan))
+        if _units(plan):
             self._queue.put((job, target))
-        return job  # (a batch of no chunks is complete: there is nothing to place)
+        return job  # (a batch of no chunks and no padding is complete: there is nothing to place)
 
     def deliver(self, target: Target, rows: int) -> Delivery:
         slots, slot = self.slots, target.slot
@@ -515,7 +517,7 @@ class GpuDecodeExecutor:
                             self._check_sizes(b)
                     for k, v in counts.items():
                         b.counts[k] += v
-                    b.job.finish(b.plan.n_chunks, b.error or error, **b.counts)
+                    b.job.finish(_units(b.plan), b.error or error, **b.counts)
                     self.stats.charge_thread()
             del msg, b, data
 
@@ -540,6 +542,8 @@ class GpuDecodeExecutor:
         try:
             t0 = time.perf_counter()
             gpu_place.fill(b.plan, b.sources, b.dest, fills)
+            if b.plan.pads:  # boxes past their arrays: on the stream, after every chunk is placed
+                fill_padding(b.plan.pads, b.plan.sources, b.dest, upload)
             self.stats.stage("assemble", time.perf_counter() - t0)
             if self.cfg.transform is not None:
                 t0 = time.perf_counter()
@@ -617,6 +621,12 @@ class GpuDecodeExecutor:
         b.counts["bytes_to_device"] += int(layout.in_nbytes)
         b.counts["bytes_decoded"] += decoded
         b.counts["chunks_decoded"] += len(on_device)
+
+
+def _units(plan: TablePlan) -> int:
+    """What a batch's job counts down: its chunks, or one for a batch of padded crops that reads none (the
+    padding is still to be filled on the stream)."""
+    return plan.n_chunks or (1 if plan.pads else 0)
 
 
 class _Batch:

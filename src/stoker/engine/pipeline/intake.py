@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Sized
 from typing import Any, Callable, NamedTuple
 
 from ...config import Config
-from ...errors import NotYetSupported, InvalidArgument, RankMismatch, StokerError
+from ...errors import InvalidArgument, RankMismatch, StokerError
 from ...sampling.sample import Sample, arrays_read
 
 
@@ -203,8 +203,6 @@ def validate(s: Any, shape: Any, first: Sample | None = None) -> Any:
     a dict of each field's (see :func:`validate_fields`)."""
     if not isinstance(s, Sample):
         raise InvalidArgument(f"expected stoker.Sample, got {type(s).__name__}: {s!r}")
-    if s.pad is not None:
-        raise NotYetSupported(f"{s}: the pipeline does not read padded boxes (pad={s.pad!r}) yet", uri=s.uri)
     if s.fields is not None or (first is not None and first.fields is not None):
         return validate_fields(s, shape, first)
     if first is not None and s.channels != first.channels:
