@@ -362,3 +362,68 @@ def test_cache_over_ranks_and_errors_on_every_rank(ranked):
             assert all("ranks see different data" in res["different"] for res in results)
         else:
             assert "different" not in results[0]
+
+
+# -- arrays in stores: cached in $STOKER_CACHE, keyed by object versions / the archive ------------------------
+
+
+def _spy_reads(monkeypatch) -> list:
+    """Every ``ArrayReader.read`` call (the real method runs): how many boxes a call read."""
+    from stoker.reader.array import ArrayReader
+
+    calls: list = []
+    real = ArrayReader.read
+
+    def read(self, aabb):
+        calls.append(self.uri)
+        return real(self, aabb)
+
+    monkeypatch.setattr(ArrayReader, "read", read)
+    return calls
+
+
+@pytest.mark.timeout(180)
+def test_arrays_in_stores_cache_in_the_local_cache_and_see_rewrites(tmp_path, monkeypatch):
+    from store_fixtures import BUCKET, MotoS3, read_tree, write_zip
+
+    from range_server import RangeServer
+    from stoker.storage.artifacts import dataset_dir
+
+    monkeypatch.setenv("STOKER_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(9)
+    data = rng.normal(0, 1, size=(24, 30)).astype(np.float32)
+    root = tmp_path / "tree"
+    local = write(root / "a.zarr", data, (8, 10))
+    values = read_tree(str(root))
+    s3 = MotoS3(values, "arraystats")
+    http = RangeServer(str(root))
+    try:
+        write_zip(str(tmp_path / "d.zip"), values)
+        where = {"s3": (f"s3://{BUCKET}/arraystats/a.zarr", s3.options), "zip": (str(tmp_path / "d.zip/a.zarr"), None)}
+        for kind, (uri, options) in where.items():
+            calls = _spy_reads(monkeypatch)
+            st = stoker.compute_stats(uri, storage_options=options)
+            assert_matches(st, truth(local))
+            assert len(calls) == 9  # 3 x 3 chunks
+            assert os.path.isfile(sidecar.path_for(str(dataset_dir(uri, options)))), kind
+            again = stoker.compute_stats(uri, storage_options=options)
+            assert len(calls) == 9 and torch.equal(again.mean, st.mean), kind  # the cache: no chunk read
+        # rewrite one chunk: in the bucket (a new ETag), and the whole archive
+        zarr.open_array(local, mode="r+")[0, 0] = 500.0
+        changed = read_tree(str(root))
+        key = next(k for k in changed if changed[k] != values[k])
+        s3.client.put_object(Bucket=BUCKET, Key=f"arraystats/{key}", Body=changed[key])
+        write_zip(str(tmp_path / "d.zip"), changed)
+        for kind, (uri, options) in where.items():
+            calls = _spy_reads(monkeypatch)
+            st = stoker.compute_stats(uri, storage_options=options)
+            assert len(calls) == 9 and st.max.item() == 500.0, kind
+            assert_matches(st, truth(local))
+        # HTTP cannot list: nothing identifies its data, so nothing is cached and every call reads
+        calls = _spy_reads(monkeypatch)
+        for _ in range(2):
+            assert_matches(stoker.compute_stats(f"{http.url}/a.zarr"), truth(local))
+        assert len(calls) == 18
+    finally:
+        http.stop()
+        s3.stop()

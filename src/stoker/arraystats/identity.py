@@ -72,9 +72,9 @@ def data_identity(reader: ArrayReader) -> Any:
     lister = getattr(kv, "list_versions", None)
     if callable(lister) and kv.supports_list:  # an object store: versions come with the listing
         return {"objects": [[k, v] for k, v in lister(*keep) if not _own_file(k.rsplit("/", 1)[-1])]}
-    generation = getattr(kv, "generation", None)
-    if callable(generation) and kv.supports_list:  # a zip archive: its identity covers every member
-        return {"archive": list(generation()), "keys": kv.list(*keep)}
+    generation = getattr(kv, "generation", None)  # a zip archive's identity (a property) covers every member
+    if isinstance(generation, tuple) and kv.supports_list:
+        return {"archive": list(generation), "keys": kv.list(*keep)}
     return None
 
 
