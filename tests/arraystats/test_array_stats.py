@@ -427,3 +427,25 @@ def test_arrays_in_stores_cache_in_the_local_cache_and_see_rewrites(tmp_path, mo
     finally:
         http.stop()
         s3.stop()
+
+
+def test_dataloader_page_example_runs(tmp_path, monkeypatch):
+    """docs/dataloader.md's "Statistics of arrays" example runs as written and says what it shows."""
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "dataloader.md"
+    section = page.read_text().split("## Statistics of arrays", 1)[1]
+    block = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {"__name__": "docs"}
+    exec(compile(block, str(page), "exec"), ns)
+    image = ns["image"]
+    assert image.mean.shape == (2,) and image.skipped.tolist() == [4, 4]
+    for c, name in enumerate(("red.zarr", "green.zarr")):
+        assert (tmp_path / name / ".stoker-stats.json").is_file()
+        want = truth(str(tmp_path / name), {0: (0, 12)})
+        np.testing.assert_allclose(image.mean[c].item(), want["mean"], rtol=1e-12)
+    assert ns["x"].shape == (2, 2, 4, 64, 64)
+    assert ns["per_channel"].mean(1).abs().max() < 0.05
+    assert (ns["per_channel"].std(1) - 1).abs().max() < 0.05
