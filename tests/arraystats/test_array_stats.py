@@ -300,6 +300,20 @@ def _worker(rank: int, world: int, tmp: str, uris: dict) -> None:
             stoker.compute_stats(uris["f"], nonfinite="raise", cache=False)
         except NonFiniteData as exc:
             out["nonfinite"] = str(exc)
+        from stoker.reader.array import ArrayReader
+
+        real = ArrayReader.read
+        if rank == world - 1:  # the last rank's reads fail (a broken disk on its node)
+            def broken(self, aabb):
+                raise OSError(f"disk error reading {self.uri}")
+
+            ArrayReader.read = broken  # type: ignore[method-assign]
+        try:
+            stoker.compute_stats(uris["g"], cache=False)
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            out["failed"] = [type(exc).__name__, str(exc)]
+        finally:
+            ArrayReader.read = real  # type: ignore[method-assign]
         with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
             json.dump(out, f)
         dist.barrier()
@@ -358,6 +372,10 @@ def test_cache_over_ranks_and_errors_on_every_rank(ranked):
             assert "f.zarr: the box" in res["nonfinite"]  # the same error, whichever rank read the box
         entries = json.loads(open(sidecar.path_for(uris["i"])).read())["entries"]
         assert len(entries) == 1 and next(iter(entries.values()))["world_size"] == world
+        # a rank whose reads fail raises its error, and every other rank a StokerError naming it
+        assert results[-1]["failed"] == ["OSError", f"disk error reading {uris['g']}"]
+        for res in results[:-1]:
+            assert res["failed"][0] == "StokerError" and f"rank(s) [{world - 1}]" in res["failed"][1]
         if world == 2:
             assert all("ranks see different data" in res["different"] for res in results)
         else:
@@ -449,3 +467,87 @@ def test_dataloader_page_example_runs(tmp_path, monkeypatch):
     assert ns["x"].shape == (2, 2, 4, 64, 64)
     assert ns["per_channel"].mean(1).abs().max() < 0.05
     assert (ns["per_channel"].std(1) - 1).abs().max() < 0.05
+
+
+# -- the threads: order, a stuck read, the progress bar ----------------------------------------------------
+
+
+def test_ordered_map_keeps_order_bounds_work_and_raises_in_place():
+    import threading
+    import time
+
+    from stoker.arraystats.ordered import ordered_map
+
+    rng = np.random.default_rng(2)
+    delays = rng.random(40) * 0.01
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def slow(i):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(delays[i])  # later items often finish first
+        with lock:
+            running[0] -= 1
+        return i * i
+
+    assert list(ordered_map(slow, list(range(40)), threads=4, timeout_s=10, what="t")) == [i * i for i in range(40)]
+    assert 1 < peak[0] <= 4
+
+    def boom(i):
+        if i == 7:
+            raise ValueError("item 7")
+        return i
+
+    out = []
+    with pytest.raises(ValueError, match="item 7"):
+        for v in ordered_map(boom, list(range(20)), threads=3, timeout_s=10, what="t"):
+            out.append(v)
+    assert out == list(range(7))
+
+
+def test_a_stuck_read_is_an_error_not_a_hang(arrays, monkeypatch):
+    import threading
+    import time
+
+    from stoker.errors import StorageError
+    from stoker.reader.array import ArrayReader
+
+    release = threading.Event()
+    real = ArrayReader.read
+
+    def stuck(self, aabb):
+        if tuple(aabb)[0] == (8, 16):  # one chunk row never comes back (a hung mount)
+            release.wait(30)
+        return real(self, aabb)
+
+    monkeypatch.setattr(ArrayReader, "read", stuck)
+    start = time.monotonic()
+    try:
+        with pytest.raises(StorageError, match=r"f\.zarr: reading .*took more than 0\.5 s"):
+            stoker.compute_stats(arrays["float_nan"], cache=False, threads=2, timeout_s=0.5)
+    finally:
+        release.set()
+    assert time.monotonic() - start < 10
+
+
+def test_progress_bar_on_long_work_only(arrays, monkeypatch, capfd):
+    import time
+
+    from stoker.reader.array import ArrayReader
+
+    uri = arrays["int16_sharded"]  # 5 x 5 x 3 = 75 chunks
+    stoker.compute_stats(uri, cache=False)  # quick: no bar
+    assert "statistics of" not in capfd.readouterr().err
+    real = ArrayReader.read
+
+    def slow(self, aabb):
+        time.sleep(0.03)
+        return real(self, aabb)
+
+    monkeypatch.setattr(ArrayReader, "read", slow)
+    stoker.compute_stats(uri, cache=False, threads=1)
+    err = capfd.readouterr().err
+    assert f"statistics of {uri}" in err and "75/75" in err
+    stoker.compute_stats(uri, cache=False, threads=1, progress=False)
+    assert "statistics of" not in capfd.readouterr().err
