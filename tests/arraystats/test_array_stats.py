@@ -551,3 +551,21 @@ def test_progress_bar_on_long_work_only(arrays, monkeypatch, capfd):
     assert f"statistics of {uri}" in err and "75/75" in err
     stoker.compute_stats(uri, cache=False, threads=1, progress=False)
     assert "statistics of" not in capfd.readouterr().err
+
+
+def test_bits_do_not_depend_on_torch_threads(tmp_path):
+    """torchrun runs several ranks per node with one torch thread each, a lone process with every core: the
+    statistics must not change with that (torch's reductions split over its threads; numpy's do not)."""
+    rng = np.random.default_rng(4)
+    # one chunk of 4M values: torch splits a reduction that large over its threads
+    uri = write(tmp_path / "big.zarr", (rng.normal(0, 1e3, size=(1, 2048, 2048)) + 1e6).astype(np.float64),
+                (1, 2048, 2048))
+    before = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            got.append(_hexes(stoker.compute_stats(uri, cache=False, threads=1, progress=False)))
+    finally:
+        torch.set_num_threads(before)
+    assert got[0] == got[1] == got[2]

@@ -6,10 +6,10 @@
 
 The units of work are the array's read chunks (a sharded array's inner chunks) inside the region, in C
 order (with ``channel_axis``, a unit spans every channel of the region on that axis), each read with the
-array's own reader (``ArrayReader.read``) on a few threads and summarised in
-float64 as :class:`~stoker.records.moments.Moments` (count, mean, M2, min, max, non-finite count: Chan's
-parallel merge). The units are cut into at most :data:`MAX_BLOCKS` consecutive blocks, a function of the
-unit count alone; rank ``r`` of ``w`` reads blocks ``r, r + w, ...``, merges each block's units in order,
+array's own reader (``ArrayReader.read``) on a few threads and summarised in float64 (in numpy: see
+:func:`_moments`) as :class:`~stoker.records.moments.Moments` (count, mean, M2, min, max, non-finite
+count), merged with its Chan update. The units are cut into at most :data:`MAX_BLOCKS` consecutive
+blocks, a function of the unit count alone; rank ``r`` of ``w`` reads blocks ``r, r + w, ...``, merges each block's units in order,
 and one ``all_gather`` brings every block's moments to every rank, merged in block order. So every rank
 returns the same bits, and so does any world size (the same blocks are merged in the same order).
 
@@ -88,10 +88,40 @@ def blocks(n_units: int) -> list[range]:
 
 
 def _moments(x: np.ndarray, channel_axis: int | None) -> Moments:
-    t = torch.from_numpy(np.asarray(x, dtype=np.float64))  # exact for every integer below 2**53
+    """The :class:`Moments` of one unit, computed in numpy on the calling thread.
+
+    Not ``Moments.of``: torch's reductions split over its intra-op threads, so their bits depend on
+    ``torch.get_num_threads()`` (torchrun sets ``OMP_NUM_THREADS=1`` for several ranks per node, a single
+    process uses every core: 1 and 2 ranks would differ), and on a loaded host those threads made each
+    chunk's moments 20 times slower than numpy's single-threaded pairwise sums. Same definitions: a
+    two-pass M2 within the unit, non-finite values left out and counted."""
+    x = np.asarray(x, dtype=np.float64)  # exact for every integer below 2**53
     if channel_axis is None:
-        return Moments.of(t, per_channel=False)
-    return Moments.of(torch.movedim(t, channel_axis, -1).reshape(-1, t.shape[channel_axis]), per_channel=True)
+        x = x.reshape(-1, 1)  # one column: numpy sums it pairwise
+        channels = None
+    else:
+        channels = x.shape[channel_axis]
+        x = np.moveaxis(x, channel_axis, -1).reshape(-1, channels)
+    n = x.shape[0]
+    if n == 0:
+        return Moments.empty(channels)
+    finite = np.isfinite(x)
+    if finite.all():
+        mean = x.mean(axis=0)
+        m2 = np.square(x - mean).sum(axis=0)
+        lo, hi = x.min(axis=0), x.max(axis=0)
+        skipped = np.zeros(x.shape[1], dtype=np.int64)
+    else:
+        kept = finite.sum(axis=0)
+        mean = np.where(finite, x, 0.0).sum(axis=0) / np.maximum(kept, 1)  # 0 for a channel with none
+        m2 = np.square(np.where(finite, x - mean, 0.0)).sum(axis=0)
+        lo = np.where(finite, x, np.inf).min(axis=0)
+        hi = np.where(finite, x, -np.inf).max(axis=0)
+        skipped = (n - kept).astype(np.int64)
+    parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in (mean, m2, lo, hi, skipped)]
+    if channels is None:
+        parts = [p[0] for p in parts]
+    return Moments(n, *parts)
 
 
 def _check_array(reader: ArrayReader, channel_axis: int | None) -> None:
