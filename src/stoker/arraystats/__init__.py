@@ -30,7 +30,7 @@ def compute_stats(data: Any, *args: Any, **kwargs: Any) -> Any:
     torch.distributed and cache their results beside the data.
 
     >>> st = stoker.compute_stats("/data/volume.zarr")               # FieldStats: count, mean, std, min, max
-    >>> st = stoker.compute_stats([["/d/c0.zarr", "/d/c1.zarr"]], channel_axis=None)[0]   # per channel (2,)
+    >>> st = stoker.compute_stats([["/d/c0.zarr", "/d/c1.zarr"]])[0]   # per channel: shape (2,)
     """
     if isinstance(data, ZarrRecords):
         return compute_record_stats(data, *args, **kwargs)
