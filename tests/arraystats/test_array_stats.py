@@ -569,3 +569,20 @@ def test_bits_do_not_depend_on_torch_threads(tmp_path):
     finally:
         torch.set_num_threads(before)
     assert got[0] == got[1] == got[2]
+
+
+def test_threads_the_system_refuses_name_compute_stats_threads(arrays):
+    import threading
+
+    from stoker.errors import ThreadStartError
+
+    threading.stack_size(1 << 40)  # no system maps a 1 TiB stack: Python's "can't start new thread"
+    try:
+        with pytest.raises(ThreadStartError, match=r"Lower compute_stats\.threads") as info:
+            # no bar: tqdm would give up its monitor thread for the rest of the process
+            stoker.compute_stats(arrays["int16_sharded"], cache=False, threads=2, progress=False)
+    finally:
+        threading.stack_size(0)
+    assert info.value.knob == "threads"
+    assert_matches(stoker.compute_stats(arrays["int16_sharded"], cache=False, threads=2),
+                   truth(arrays["int16_sharded"]))  # threads again: it works

@@ -39,7 +39,7 @@ def ordered_map(fn: Callable[[Any], Any], items: Sequence[Any], threads: int, ti
             done[i] = out
             cv.notify_all()
 
-    pool = DaemonPool(threads, "stoker-stats", knob="threads")
+    pool = DaemonPool(threads, "stoker-stats", knob="threads", owner="compute_stats")
     window = 2 * threads
     submitted = 0
     try:
