@@ -21,6 +21,7 @@ from . import transforms
 from .dist.collectives import rank_info
 from .dist.reduce import reduce_max
 from .engine.reduce import reduce_stats
+from .arraystats import compute_stats
 from .dist.telemetry import TelemetryWriter, memory_report
 from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
@@ -53,6 +54,7 @@ __all__ = [
     "TelemetryWriter",
     "TileGrid",
     "TileWriter",
+    "compute_stats",
     "memory_report",
     "pin_object",
     "rank_info",

@@ -575,6 +575,16 @@ class ObjectStore(Store):
         metas = self._run(self._attempts(prefix or "/", "listing", lambda: self._list(prefix)))
         return sorted(m["path"] for m in metas)
 
+    def list_versions(self, prefix: str = "") -> list[tuple[str, Version | None]]:
+        """``(key, version)`` of every key under ``prefix``, sorted: the listing already carries each object's
+        size and ETag (or Last-Modified), so this costs what :meth:`list` costs, no request per key. What the
+        array statistics key their cache on (a rewritten chunk changes its version)."""
+        prefix = check_prefix(prefix)
+        if not self.supports_list:
+            raise UnsupportedFormat(f"{self.uri}: an HTTP server cannot list its keys", uri=self.uri)
+        metas = self._run(self._attempts(prefix or "/", "listing", lambda: self._list(prefix)))
+        return sorted(((m["path"], _version(m)) for m in metas), key=lambda kv: kv[0])
+
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         """One delimiter listing (obstore follows its pages, 1,000 entries each): the keys directly under
         ``prefix`` and its folders, none of the keys below them."""

@@ -70,15 +70,20 @@ class Normalize:
         self._cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     @classmethod
-    def from_stats(cls, stats: Any, field: str | None = None) -> "Normalize":
-        """From statistics with ``mean`` and ``std`` per channel, e.g. one field of what
-        :func:`stoker.records.compute_stats` returns (a ``FieldStats``). Channels whose std is 0 (constant)
-        are only centred, as :func:`stoker.records.normalize` does."""
+    def from_stats(cls, stats: Any, **kwargs: Any) -> "Normalize":
+        """From statistics with ``mean`` and ``std`` per channel: a ``FieldStats``, one field of what
+        :func:`stoker.records.compute_stats` returns, or what :func:`stoker.compute_stats` returns for an
+        array (scalar) or a list of arrays (per channel: the batch's axis 1). Channels whose std is 0
+        (constant) are only centred, as :func:`stoker.records.normalize` does. Other keyword arguments go to
+        the constructor as they are (``field=`` for one field of a dict batch).
+
+        >>> norm = Normalize.from_stats(stoker.compute_stats([["/d/c0.zarr", "/d/c1.zarr"]])[0])
+        """
         if not hasattr(stats, "mean") or not hasattr(stats, "std"):
             raise InvalidArgument(f"Normalize.from_stats takes an object with mean and std (a FieldStats of "
                                   f"compute_stats' result, one field), got {type(stats).__name__}")
         std = _per_channel("std", stats.std)
-        return cls(stats.mean, torch.where(std > 0, std, torch.ones_like(std)), field=field)
+        return cls(stats.mean, torch.where(std > 0, std, torch.ones_like(std)), **kwargs)
 
     @property
     def channels(self) -> int | None:
