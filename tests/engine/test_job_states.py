@@ -1,0 +1,333 @@
+"""A batch's Job as a state machine: every legal path, the transitions it refuses, one finisher however many
+threads finish chunks at once, and a settle interrupted at each stage (see ``Job``'s docstring)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+import stoker
+from stoker.engine.executor import Job, JobState, JobStateError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _job(n: int, then=None) -> Job:
+    return Job(SimpleNamespace(n_chunks=n), None, n, then)
+
+
+class _EngineJob:
+    """The compiled engine's job as a Job waits for it: done once ``open`` is set."""
+
+    def __init__(self, done: bool = True) -> None:
+        self.open = threading.Event()
+        if done:
+            self.open.set()
+
+    def wait(self, timeout=None) -> bool:
+        return self.open.wait(timeout)
+
+
+class _Hook:
+    """A ``then`` that records the thread it ran on and whether ``done`` was already set then."""
+
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.calls: list[tuple[threading.Thread, bool]] = []
+        self.fail = fail
+
+    def __call__(self, job: Job) -> None:
+        self.calls.append((threading.current_thread(), job.done.is_set()))
+        if self.fail is not None:
+            raise self.fail
+
+
+# -- the paths of a batch whose chunks are placed by threads of ours ------------------------------------------
+
+def test_the_thread_that_places_the_last_chunk_runs_the_hook_then_sets_done():
+    hook = _Hook()
+    job = _job(3, hook)
+    job.finish(2, bytes_read=5)
+    assert job.state is JobState.RUNNING and not job.done.is_set() and not hook.calls
+    job.finish(1, bytes_read=7, chunks_decoded=1)
+    assert job.state is JobState.DONE and job.done.wait(0) and job.error is None
+    assert hook.calls == [(threading.current_thread(), False)]  # before done, once
+    assert job.counts["bytes_read"] == 12 and job.counts["chunks_decoded"] == 1
+    assert not job.has_hook  # dropped once run
+
+
+def test_a_batch_of_no_chunks_is_done_when_made():
+    hook = _Hook()
+    job = _job(0, hook)
+    assert job.state is JobState.DONE and job.done.is_set() and len(hook.calls) == 1
+
+
+def test_a_hook_that_raises_fails_the_batch_with_its_error():
+    boom = ValueError("the copy to the device failed")
+    job = _job(1, _Hook(fail=boom))
+    job.finish()
+    assert job.state is JobState.FAILED and job.error is boom and job.done.is_set()
+
+
+def test_the_first_failure_fails_the_batch_cancels_it_once_and_later_chunks_are_only_counted():
+    hook, stops = _Hook(), []
+    job = _job(4, hook)
+    job.on_cancel(lambda: stops.append(1))
+    first = stoker.DecodeError("chunk c/0/1 is damaged", key="c/0/1")
+    job.finish(1)
+    job.finish(1, first)
+    assert job.state is JobState.FAILED and job.error is first and job.done.is_set() and stops == [1]
+    job.finish(1, stoker.DecodeError("chunk c/0/2 too", key="c/0/2"), bytes_read=3)
+    job.finish(1)  # the last chunk of a failed batch: no hook, no second cancel
+    assert job.error is first and stops == [1] and not hook.calls and job.counts["bytes_read"] == 3
+    job.on_cancel(lambda: stops.append(2))  # a stop given to a failed job runs at once
+    assert stops == [1, 2]
+
+
+# -- refused -------------------------------------------------------------------------------------------------
+
+def test_more_chunks_than_the_batch_has_are_refused_and_the_state_kept():
+    job = _job(1)
+    job.finish()
+    with pytest.raises(JobStateError, match="done job of 1 chunks"):
+        job.finish()
+    with pytest.raises(JobStateError):
+        job.finish(0, ValueError("late"))
+    assert job.state is JobState.DONE and job.error is None
+
+
+def test_a_hook_that_reports_a_chunk_is_refused_and_fails_the_batch():
+    job = _job(1, lambda j: j.finish())
+    job.finish()
+    assert job.state is JobState.FAILED and isinstance(job.error, JobStateError)
+
+
+@pytest.mark.parametrize("case", ["hook", "twice", "done", "failed"])
+def test_only_a_running_job_without_a_hook_is_left_to_its_waiter(case):
+    job = _job(0 if case == "done" else 1, _Hook() if case == "hook" else None)
+    if case == "twice":
+        job.settled_by(_EngineJob(), lambda j, e: j.finish())
+    if case == "failed":
+        job.finish(1, ValueError("read failed"))
+    state = job.state
+    with pytest.raises(JobStateError):
+        job.settled_by(_EngineJob(), lambda j, e: j.finish())
+    assert job.state is state
+
+
+@pytest.mark.parametrize("how", ["running", "done", "applying"])
+def test_only_a_settling_job_is_handed_on(how):
+    job = _job(2)
+    if how == "done":
+        job.finish(2)
+    if how == "applying":  # the settle changed the job before handing it on: too late
+        def settle(j, e):
+            j.finish(1)
+            j.handed_on()
+        job.settled_by(_EngineJob(), settle)
+        with pytest.raises(JobStateError):
+            job.wait(1)
+        return
+    with pytest.raises(JobStateError):
+        job.handed_on()
+
+
+# -- many threads at once ------------------------------------------------------------------------------------
+
+def test_chunks_finished_from_many_threads_at_once_finish_the_batch_exactly_once():
+    n_threads, per_thread = 16, 300
+    for _ in range(5):
+        hook = _Hook()
+        job = _job(n_threads * per_thread, hook)
+        start = threading.Barrier(n_threads)
+
+        def place():
+            start.wait(10)
+            for _ in range(per_thread):
+                job.finish(1, bytes_decoded=2)
+
+        threads = [threading.Thread(target=place) for _ in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert job.done.wait(5) and job.state is JobState.DONE and job.error is None
+        assert len(hook.calls) == 1 and hook.calls[0][0] in threads and hook.calls[0][1] is False
+        assert job.counts["bytes_decoded"] == 2 * n_threads * per_thread
+
+
+def test_failures_from_many_threads_at_once_keep_one_error_and_cancel_once():
+    n_threads = 16
+    for _ in range(5):
+        hook, stops = _Hook(), []
+        job = _job(n_threads * 2, hook)
+        job.on_cancel(lambda: stops.append(threading.current_thread()))
+        errors = [ValueError(f"chunk {i}") for i in range(n_threads)]
+        start = threading.Barrier(n_threads)
+
+        def place(i):
+            start.wait(10)
+            job.finish(1)
+            job.finish(1, errors[i])
+
+        threads = [threading.Thread(target=place, args=(i,)) for i in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert job.state is JobState.FAILED and job.done.is_set() and job.error in errors
+        assert len(stops) == 1 and not hook.calls
+
+
+# -- settled by the thread that waits ------------------------------------------------------------------------
+
+def test_a_settled_job_is_settled_once_by_one_of_many_waiters():
+    engine, settled = _EngineJob(done=False), []
+
+    def settle(job, engine_job):
+        settled.append(threading.current_thread())
+        assert job.state is JobState.SETTLING and engine_job is engine
+        job.finish(3, chunks_decoded=3)
+
+    job = _job(3)
+    job.settled_by(engine, settle)
+    results: list[bool] = []
+    waiters = [threading.Thread(target=lambda: results.append(job.wait(20))) for _ in range(8)]
+    for t in waiters:
+        t.start()
+    engine.open.set()
+    for t in waiters:
+        t.join(30)
+    assert results == [True] * 8 and job.state is JobState.DONE
+    assert len(settled) == 1 and settled[0] in waiters and job.counts["chunks_decoded"] == 3
+
+
+def test_a_wait_that_times_out_on_the_engine_claims_nothing():
+    engine, settled = _EngineJob(done=False), []
+    job = _job(1)
+    job.settled_by(engine, lambda j, e: (settled.append(1), j.finish()))
+    assert job.wait(0.01) is False and job.state is JobState.RUNNING and not settled
+    engine.open.set()
+    assert job.wait(5) and settled == [1] and job.state is JobState.DONE
+
+
+def test_a_settle_hands_the_job_on_and_the_other_thread_finishes_it():
+    finisher: list[threading.Thread] = []
+
+    def settle(job, engine_job):
+        job.handed_on()
+        assert job.state is JobState.RUNNING
+        t = threading.Thread(target=job.finish, args=(2,))
+        finisher.append(t)
+        t.start()
+
+    job = _job(2)
+    job.settled_by(_EngineJob(), settle)
+    assert job.wait(10) and job.state is JobState.DONE
+    finisher[0].join(10)
+
+
+# -- a settle interrupted (Ctrl-C on the consumer's thread) ---------------------------------------------------
+
+def test_a_settle_interrupted_before_it_changed_the_job_is_done_again_by_the_next_wait():
+    calls = []
+
+    def settle(job, engine_job):
+        calls.append(job.state)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        job.finish(2)
+
+    job = _job(2)
+    job.settled_by(_EngineJob(), settle)
+    with pytest.raises(KeyboardInterrupt):
+        job.wait(5)
+    assert job.state is JobState.RUNNING and not job.done.is_set()
+    assert job.wait(5) and job.state is JobState.DONE and job.error is None
+    assert calls == [JobState.SETTLING, JobState.SETTLING]
+
+
+class _Interrupting(int):
+    """A count whose addition raises KeyboardInterrupt: an interrupt inside ``finish``, under its lock."""
+
+    def __radd__(self, other):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["inside finish", "between two finishes"])
+def test_a_settle_interrupted_while_it_changed_the_job_fails_the_batch_rather_than_hang(where):
+    calls = []
+
+    def settle(job, engine_job):
+        calls.append(1)
+        if where == "inside finish":
+            job.finish(2, bytes_read=_Interrupting(1))
+        job.finish(1)
+        raise KeyboardInterrupt
+
+    job = _job(2)
+    job.settled_by(_EngineJob(), settle)
+    with pytest.raises(KeyboardInterrupt):
+        job.wait(5)
+    assert job.state is JobState.FAILED and job.done.is_set() and calls == [1]
+    assert isinstance(job.error, stoker.StokerError) and "interrupted" in str(job.error)
+    assert job.wait(1)  # not settled again
+
+
+def test_a_settle_interrupted_after_it_handed_the_job_on_leaves_it_to_the_new_owner():
+    calls, go = [], threading.Event()
+
+    def settle(job, engine_job):
+        calls.append(1)
+        job.handed_on()
+        threading.Thread(target=lambda: (go.wait(10), job.finish(2))).start()
+        raise KeyboardInterrupt
+
+    job = _job(2)
+    job.settled_by(_EngineJob(), settle)
+    with pytest.raises(KeyboardInterrupt):
+        job.wait(5)
+    assert job.state is JobState.RUNNING and not job.done.is_set()
+    go.set()
+    assert job.wait(10) and job.state is JobState.DONE and calls == [1]
+
+
+def test_a_settle_interrupted_as_it_completed_the_job_completes_it():
+    """The interrupt lands at the call of the completion, after the last chunk made the job COMPLETING."""
+    def settle(job, engine_job):
+        job.finish(1)
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is Job._complete.__code__:
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    job = _job(1)
+    job.settled_by(_EngineJob(), settle)
+    sys.setprofile(profile)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            job.wait(5)
+    finally:
+        sys.setprofile(None)
+    assert job.state is JobState.DONE and job.done.is_set() and job.error is None
+
+
+def test_a_settle_interrupted_between_the_state_and_the_event_still_wakes_the_waiters():
+    class SetRaisesOnce(type(_job(0).done)):
+        raised = False
+
+        def set(self):
+            if not SetRaisesOnce.raised:
+                SetRaisesOnce.raised = True
+                raise KeyboardInterrupt
+            super().set()
+
+    job = _job(1)
+    job.done = SetRaisesOnce()
+    job.settled_by(_EngineJob(), lambda j, e: j.finish(1))
+    with pytest.raises(KeyboardInterrupt):
+        job.wait(5)
+    assert job.state is JobState.DONE and job.done.is_set()
