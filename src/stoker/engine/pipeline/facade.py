@@ -89,7 +89,8 @@ class Pipeline:
 
     @property
     def _thread(self) -> threading.Thread | None:
-        return self._coordinator.thread
+        threads = self._coordinator.threads()
+        return threads[0] if threads else None
 
     def _open(self, uri: str) -> ArrayReader:
         return self._coordinator.open(uri)
@@ -146,14 +147,14 @@ class Pipeline:
 
     def _pop(self, limit: float | None, deadline: float | None) -> tuple[Batch, list[bool]]:
         t0 = time.perf_counter()
-        inflight = self._coordinator.inflight
+        coordinator = self._coordinator
         collector = _Collector(self._executor)
         while True:
             with self._cond:
                 self._raise_if_unusable()
                 self._undo_hand_over()
-                self._intake.flush_if_drained(bool(inflight))
-                head = inflight[0] if inflight else None
+                head = coordinator.head()
+                self._intake.flush_if_drained(head is not None)
             if head is not None and head.ready(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))):
                 break
             if head is None:
@@ -167,8 +168,7 @@ class Pipeline:
             with self._cond:
                 self._raise_if_unusable()  # closed while we waited: say so rather than what the close caused
                 self._error = error  # first: sticky, whatever interrupts the rest
-                if inflight and inflight[0] is head:
-                    inflight.popleft()
+                coordinator.take_head(head)
                 self._cond.notify_all()
             if head.target is not None:
                 self._executor.drop(head.target)
@@ -202,12 +202,12 @@ class Pipeline:
                       bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
                       **head.job.counts)
         del view, release
-        intake, inflight = self._intake, self._coordinator.inflight
+        intake = self._intake
         with self._cond:
             self._raise_if_unusable()  # closed while we waited: the batch may be incomplete
             # from here an interrupt is undone by this thread's next call
-            self._handing = (head, intake.received, threading.get_ident())
-            inflight.popleft()
+            self._handing = (head, intake.received_now(), threading.get_ident())
+            self._coordinator.take_head(head)
             intake.popped(head.source_ids, rows)
             self._stats.stage("pop_wait", time.perf_counter() - t0)
             self._stats.add(**counts)
@@ -221,14 +221,11 @@ class Pipeline:
         if self._handing is None or self._handing[2] != threading.get_ident():
             return
         head, received, _ = self._handing
-        inflight = self._coordinator.inflight
-        if not inflight or inflight[0] is not head:
-            inflight.appendleft(head)
-        self._intake.received = received
+        self._coordinator.put_back(head)
+        self._intake.put_back(received)
         self._handing = None
 
     def _starved_message(self, limit: float) -> str:
-        intake, inflight = self._intake, self._coordinator.inflight
         with self._cond:
             n_slots = self._executor.n_slots
             if _all_slots_held(self._executor):
@@ -237,16 +234,11 @@ class Pipeline:
                     "Release batches (use `with p.pop() as batch:`), drop tensors made from old batches, or "
                     "keep data with `.clone()`."
                 )
-            if not intake.sources and not inflight:
-                staged = len(intake.staged)
-                extra = (f" {staged} samples wait for a full batch of {self.cfg.batch_size}; push more or set "
-                         "Config(drop_last=False).") if staged else ""
-                return f"no batch within pop_timeout_s={limit}: no samples are pending; push more.{extra}"
-            if not inflight and not intake.launching:
-                return (f"no batch within pop_timeout_s={limit}: the pushed samples have not filled a batch yet "
-                        f"({len(intake.staged)} of {self.cfg.batch_size} pulled so far); the pushed iterable "
-                        "yields samples slower than the timeout (make it faster, or raise pop_timeout_s)")
-            return (f"no batch within pop_timeout_s={limit}: {len(inflight)} batches in flight; storage or "
+            in_flight = self._coordinator.in_flight()
+            why = self._intake.starved_reason(in_flight > 0)
+            if why is not None:
+                return f"no batch within pop_timeout_s={limit}: {why}"
+            return (f"no batch within pop_timeout_s={limit}: {in_flight} batches in flight; storage or "
                     "decoding is slower than the timeout (raise pop_timeout_s or check p.stats())")
 
     def batches(self, n: int) -> Iterator[Batch]:
@@ -284,20 +276,16 @@ class Pipeline:
     def _wait_for_work(self, limit: float | None, deadline: float | None) -> bool:
         """True once a batch is in flight; False when nothing more can come from what was pushed.
         PoolStarved past ``deadline`` (the coordinator may be waiting for a slot the consumer holds)."""
-        intake, inflight = self._intake, self._coordinator.inflight
+        intake, coordinator = self._intake, self._coordinator
         collector = _Collector(self._executor)
         while True:
             with self._cond:
                 self._raise_if_unusable()
                 self._undo_hand_over()
-                if inflight:
+                if coordinator.head() is not None:
                     return True
-                if not intake.sources and not intake.launching and not intake.flush:
-                    if intake.staged and not self.cfg.drop_last:
-                        intake.flush = True
-                        self._cond.notify_all()
-                    else:
-                        return False
+                if not intake.more_to_come():
+                    return False
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 self._cond.wait(0.05)
@@ -410,8 +398,7 @@ def _threads_of(p: Pipeline) -> list[threading.Thread]:
     """The threads a pipeline started (the exit hook waits for them after closing it)."""
     if p._coordinator is None:
         return []
-    threads = p._executor.threads()
-    return threads + [p._coordinator.thread] if p._coordinator.thread is not None else threads
+    return p._executor.threads() + p._coordinator.threads()
 
 
 def _all_slots_held(executor) -> bool:
