@@ -73,7 +73,7 @@ class Done:
 
     def __init__(self) -> None:
         self._flag = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._event: threading.Event | None = None
 
     def is_set(self) -> bool:
@@ -166,7 +166,7 @@ class Job:
         self._state = RUNNING
         self._remaining = n_chunks
         self._then = then
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py): every transition
         self._cancel: list[Callable[[], None]] = []  # what cancel() stops (the engine's job)
         self._engine: EngineJob | None = None  # the engine's job, while RUNNING and unclaimed (see settled_by)
         self._settle: Callable[["Job", EngineJob], None] | None = None  # settle(job, engine job): see settled_by

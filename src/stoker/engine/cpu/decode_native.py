@@ -271,7 +271,7 @@ class NativeDecoder:
         self._sets: dict[tuple, _SourceSet] = {}  # the arrays of recent batches, as the engine's tables say them
         self._frames = FrameTables()  # blosc frames of arrays in stores: fetch only the blocks crops need
         self._frame_buffers = FrameBuffers()  # where their fetched blocks are laid out as frames
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         # (job, engine job, its chunks, and for fetched chunks (their buffers, the fetch's reservation))
         self._pending: list[tuple[Job, object, np.ndarray, tuple | None]] = []
         self._closing = False

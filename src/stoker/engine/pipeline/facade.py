@@ -25,6 +25,23 @@ each batch is assembled in pinned host memory in its source dtype, copied on a
 side stream and cast on the GPU (:mod:`stoker.engine.cuda.transfer`); ``from_dlpack``
 makes the consumer's stream wait for it, and ``release(event=...)`` says when the
 consumer is done with it.
+
+Locks, outermost first (written once, here and in ``docs/architecture.md``, "Locks and their order"; each lock
+names its rank where it is made). A thread holding a lock takes only locks of a higher rank:
+
+1. ``Pipeline._pop_lock``: one consumer at a time, held across a whole pop (the wait for the batch, the
+   settle of an engine job, :class:`~stoker.engine.executor.Job`, and the hand-over).
+2. ``Pipeline._cond``: the intake and the batches in flight, shared by :class:`.Intake` and
+   :class:`.Coordinator` (re-entrant). Under it: stats, the slots (``held``), a resumable source's
+   ``state_after``, and ``close`` closing the stores, whose cancelled reads' callbacks run there (rank 4:
+   store, budget, pool and job locks).
+3. ``CudaTransfer._lock``: a copy against ``close``; held around the copy, the user's transform and the
+   host slot's release (rank 4: ``SlotRing._cond``).
+4. Every other lock of the engine, storage and runtime (jobs, ``Done``, slot rings, the transient budget
+   and its reservations, the native decoder's condition, stats, batches, thread pools, frame buffers, stores,
+   caches, the lifetime registry): a leaf, held only around its own fields; it takes no other lock and
+   calls no code that could (callbacks, hooks and ``Event.set`` run after it is released).
+5. The compiled engine's mutexes (``csrc/``): taken with the GIL released, they never call back into Python.
 """
 
 from __future__ import annotations
@@ -66,12 +83,13 @@ class Pipeline:
         self._executor = make_executor(cfg, self.device, self._stats, self._store)
         if cfg.sample_shape is not None and cfg.output_dtype is not None:
             self._executor.check_budget(cfg.sample_shape, cfg.output_dtype, transient=0)
-        self._cond = threading.Condition()  # guards the intake, the batches in flight and the flags below
+        # lock rank 2 (see the module docstring): guards the intake, the batches in flight and the flags below
+        self._cond = threading.Condition()
         self._intake = Intake(cfg, self._cond)
         self._coordinator = Coordinator(cfg, self._intake, self._executor, self._stats, self._store)
         self._error: BaseException | None = None
         self._closed = False
-        self._pop_lock = threading.Lock()  # pop is single-consumer: concurrent pops take turns
+        self._pop_lock = threading.Lock()  # lock rank 1, the outermost: pop is single-consumer, pops take turns
         # a hand-over under way, or one an interrupt cut short: (its entry, what was received before it, the
         # consumer's thread); see _hand_over
         self._handing: tuple[Any, Any, int] | None = None
