@@ -7,9 +7,14 @@ import sys
 import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
+import zarr
+from zarr.codecs import ZstdCodec
 
 import stoker
+from stoker.engine.cpu.executor import engine_available
 from stoker.engine.executor import Job, JobState, JobStateError
 
 pytestmark = pytest.mark.timeout(60)
@@ -331,3 +336,40 @@ def test_a_settle_interrupted_between_the_state_and_the_event_still_wakes_the_wa
     with pytest.raises(KeyboardInterrupt):
         job.wait(5)
     assert job.state is JobState.DONE and job.done.is_set()
+
+
+# -- through a pipeline and the compiled engine --------------------------------------------------------------
+
+@pytest.mark.skipif(not engine_available(), reason="stoker._native is not available")
+def test_a_pop_interrupted_while_its_settle_applied_the_results_fails_that_batch_and_says_why(tmp_path, monkeypatch):
+    """Ctrl-C on the consumer's thread while its settle was changing the batch (some chunks counted): the
+    batch cannot be settled again (its counts would be added twice), so the next pop raises it as lost
+    instead of waiting for it forever."""
+    from stoker.engine.cpu.decode_native import NativeDecoder
+
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(8, 32, 32), chunks=(4, 8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
+    z[...] = np.arange(8 * 32 * 32, dtype=np.uint16).reshape(8, 32, 32)
+    real, calls = NativeDecoder._finish_placed, []
+
+    def interrupted_once(job, n, counts, fetched):
+        calls.append((threading.current_thread(), job.state))
+        if len(calls) == 2:  # the second batch: one chunk counted, then the interrupt
+            job.finish(1)
+            raise KeyboardInterrupt
+        real(job, n, counts, fetched)
+
+    monkeypatch.setattr(NativeDecoder, "_finish_placed", staticmethod(interrupted_once))
+    boxes = [[(0, 4), (0, 16), (0, 16)], [(4, 8), (8, 24), (16, 32)], [(2, 6), (16, 32), (0, 16)]]
+    cfg = stoker.Config(batch_size=1, sample_shape=(4, 16, 16), dtype="f32", n_compute_threads=2, pop_timeout_s=20.0,
+                        device="cpu")
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, b) for b in boxes])
+        with p.pop() as batch:
+            assert np.array_equal(torch.from_dlpack(batch)[0].numpy(), z[0:4, 0:16, 0:16].astype(np.float32))
+        with pytest.raises(KeyboardInterrupt):
+            p.pop()
+        with pytest.raises(stoker.StokerError, match="interrupted while it was being handed over"):
+            p.pop()
+    assert [state for _, state in calls] == [JobState.SETTLING, JobState.SETTLING]  # claimed by the pop
+    assert {thread for thread, _ in calls} == {threading.current_thread()}
