@@ -119,7 +119,8 @@ class JobStateError(StokerError, RuntimeError):
 
 class Job:
     """One batch in flight, a small state machine (:class:`JobState`) whose every transition is one method
-    under the job's lock, and whose batch one thread finishes (runs ``then``, sets ``done``):
+    under the job's lock (but SETTLING -> APPLYING, which only the settling thread makes, at the top of
+    :meth:`finish`), and whose batch one thread finishes (runs ``then``, sets ``done``):
 
     ======================  =================================  ==================================================
     from                    to                                 by (who then owns the batch)
@@ -233,8 +234,9 @@ class Job:
         return self.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def handed_on(self) -> None:
-        """SETTLING -> RUNNING: said by a settle that gave the job, unchanged, to another thread, which then
-        owns it (finishes it)."""
+        """SETTLING -> RUNNING: said by a settle that gives the job, unchanged, to another thread, which then
+        owns it (finishes it). Said just before the hand-off, so a settle interrupted after it is not run
+        again (which would hand it on twice); an interrupt between the two leaves the batch unfinished."""
         with self._lock:
             if self._state is not SETTLING:
                 raise JobStateError(f"a {self._state.value} job cannot be handed on: only a settling one, before "
