@@ -122,21 +122,23 @@ def test_only_a_running_job_without_a_hook_is_left_to_its_waiter(case):
     assert job.state is state
 
 
-@pytest.mark.parametrize("how", ["running", "done", "applying"])
-def test_only_a_settling_job_is_handed_on(how):
+@pytest.mark.parametrize("how", ["running", "done", "applying", "twice"])
+def test_only_a_settling_job_is_taken_over_and_only_once(how):
     job = _job(2)
     if how == "done":
         job.finish(2)
-    if how == "applying":  # the settle changed the job before handing it on: too late
+    if how in ("applying", "twice"):
         def settle(j, e):
-            j.finish(1)
-            j.handed_on()
+            if how == "applying":  # the settle changed the job before handing it on: too late
+                j.finish(1)
+            assert j.take_over(j.claim)
+            j.take_over(j.claim)
         job.settled_by(_EngineJob(), settle)
         with pytest.raises(JobStateError):
             job.wait(1)
         return
     with pytest.raises(JobStateError):
-        job.handed_on()
+        job.take_over(job.claim)
 
 
 # -- many threads at once ------------------------------------------------------------------------------------
@@ -218,13 +220,17 @@ def test_a_wait_that_times_out_on_the_engine_claims_nothing():
     assert job.wait(5) and settled == [1] and job.state is JobState.DONE
 
 
-def test_a_settle_hands_the_job_on_and_the_other_thread_finishes_it():
+def test_a_settle_hands_the_job_on_and_the_other_thread_takes_it_and_finishes_it():
     finisher: list[threading.Thread] = []
 
     def settle(job, engine_job):
-        job.handed_on()
-        assert job.state is JobState.RUNNING
-        t = threading.Thread(target=job.finish, args=(2,))
+        claim = job.claim
+
+        def take():
+            assert job.take_over(claim) and job.state is JobState.RUNNING
+            job.finish(2)
+
+        t = threading.Thread(target=take)
         finisher.append(t)
         t.start()
 
@@ -281,22 +287,41 @@ def test_a_settle_interrupted_while_it_changed_the_job_fails_the_batch_rather_th
     assert job.wait(1)  # not settled again
 
 
-def test_a_settle_interrupted_after_it_handed_the_job_on_leaves_it_to_the_new_owner():
-    calls, go = [], threading.Event()
+@pytest.mark.parametrize("taken", ["before the interrupt", "after it"])
+def test_a_settle_interrupted_after_it_handed_the_job_on_finishes_the_batch_once(taken):
+    """The thread the job was handed to takes it over first (and owns it), or the interrupt puts it back
+    first (that hand-off is stale and dropped, and the next wait settles and hands it on again)."""
+    calls, takers = [], []
 
     def settle(job, engine_job):
-        calls.append(1)
-        job.handed_on()
-        threading.Thread(target=lambda: (go.wait(10), job.finish(2))).start()
-        raise KeyboardInterrupt
+        calls.append(job.claim)
+        claim, took = job.claim, threading.Event()
+
+        def take():
+            if job.take_over(claim):
+                job.finish(2)
+            took.set()
+
+        takers.append(threading.Thread(target=take))
+        if taken == "before the interrupt" or len(calls) > 1:
+            takers[-1].start()
+            took.wait(10)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
 
     job = _job(2)
     job.settled_by(_EngineJob(), settle)
     with pytest.raises(KeyboardInterrupt):
         job.wait(5)
-    assert job.state is JobState.RUNNING and not job.done.is_set()
-    go.set()
-    assert job.wait(10) and job.state is JobState.DONE and calls == [1]
+    if taken == "after it":
+        assert job.state is JobState.RUNNING and not job.done.is_set()
+        takers[0].start()
+        takers[0].join(10)
+        assert job.state is JobState.RUNNING  # a stale hand-off: dropped
+    assert job.wait(10) and job.state is JobState.DONE and job.error is None
+    assert calls == ([1] if taken == "before the interrupt" else [1, 2])
+    for t in takers:
+        t.join(10)
 
 
 def test_a_settle_interrupted_as_it_completed_the_job_completes_it():
@@ -373,3 +398,45 @@ def test_a_pop_interrupted_while_its_settle_applied_the_results_fails_that_batch
             p.pop()
     assert [state for _, state in calls] == [JobState.SETTLING, JobState.SETTLING]  # claimed by the pop
     assert {thread for thread, _ in calls} == {threading.current_thread()}
+
+
+@pytest.mark.skipif(not engine_available(), reason="stoker._native is not available")
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_pop_interrupted_as_its_settle_handed_the_batch_on_delivers_it_at_the_next_pop(tmp_path, monkeypatch,
+                                                                                          where):
+    """A chunk the engine did not place sends the batch to the finisher thread; Ctrl-C on the consumer's
+    thread just before or just after that hand-off: the next pop delivers the batch (here its chunk's
+    DecodeError), neither lost (a pop timing out) nor finished twice."""
+    import os
+
+    from stoker.engine.cpu.decode_native import NativeDecoder
+
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(8, 64), chunks=(8, 8), dtype="uint16", compressors=ZstdCodec(level=1))
+    z[...] = np.arange(512, dtype="uint16").reshape(8, 64)
+    path = os.path.join(uri, "c", "0", "3")
+    raw = bytearray(open(path, "rb").read())
+    raw[-6:] = b"\xff" * 6  # a damaged last block: the engine does not place it
+    open(path, "wb").write(bytes(raw))
+    real, calls = NativeDecoder._to_finisher, []
+
+    def interrupted_once(self, job, *args):
+        calls.append(threading.current_thread())
+        if where == "after":
+            real(self, job, *args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        if where == "before":
+            real(self, job, *args)
+
+    monkeypatch.setattr(NativeDecoder, "_to_finisher", interrupted_once)
+    cfg = stoker.Config(batch_size=1, sample_shape=(8, 64), dtype="f32", n_compute_threads=2, pop_timeout_s=10.0,
+                        device="cpu")
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, [(0, 8), (0, 64)])])
+        with pytest.raises(KeyboardInterrupt):
+            p.pop()
+        with pytest.raises(stoker.DecodeError) as err:
+            p.pop()
+        assert err.value.key == "c/0/3"
+    assert calls[0] is threading.current_thread() and len(calls) in (1, 2)

@@ -114,7 +114,7 @@ RUNNING, SETTLING, APPLYING, COMPLETING, DONE, FAILED = JobState  # read per chu
 
 class JobStateError(StokerError, RuntimeError):
     """A transition :class:`Job` refuses: a bug of the executor that asked for it (more chunks reported than
-    the batch has, a settle handed on twice...), never the user's; the message names the job's state."""
+    the batch has, a job taken over twice...), never the user's; the message names the job's state."""
 
 
 class Job:
@@ -130,9 +130,10 @@ class Job:
     RUNNING                 SETTLING                           :meth:`wait`: the first waiter that finds the
                                                                engine's job done (see :meth:`settled_by`)
     SETTLING                APPLYING                           its settle entering :meth:`finish`
-    SETTLING                RUNNING                            :meth:`handed_on` (the thread handed to owns it),
-                                                               or an interrupt (:meth:`_interrupted`: the next
-                                                               waiter settles it again)
+    SETTLING                RUNNING                            :meth:`take_over` by the thread the settle handed
+                                                               the job to (which then owns it), or an interrupt
+                                                               (:meth:`_interrupted`: the next waiter settles it
+                                                               again, and the hand-off it made is stale)
     APPLYING                COMPLETING, FAILED                 :meth:`finish`, as from RUNNING (an interrupt:
                                                                FAILED, the batch lost)
     RUNNING, APPLYING       FAILED                             the first :meth:`finish` with an error: its thread
@@ -171,6 +172,7 @@ class Job:
         self._cancel: list[Callable[[], None]] = []  # what cancel() stops (the engine's job)
         self._engine: EngineJob | None = None  # the engine's job, while RUNNING and unclaimed (see settled_by)
         self._settle: Callable[["Job", EngineJob], None] | None = None  # settle(job, engine job): see settled_by
+        self._claims = 0  # how many waiters claimed it (RUNNING -> SETTLING): names each claim's hand-off
         # read/decode counters of this batch, added to Stats when it is popped, so every counter
         # describes the same delivered batches (work done ahead is not lost to stats_reset())
         self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0, "bytes_to_device": 0}
@@ -203,7 +205,7 @@ class Job:
 
     def settled_by(self, engine_job: EngineJob, settle: Callable[["Job", EngineJob], None]) -> None:
         """Leave ``settle(job, engine_job)`` to the first :meth:`wait` that finds ``engine_job`` done (its
-        ``wait(timeout)`` releases the GIL); ``settle`` finishes the job (or hands it on, :meth:`handed_on`).
+        ``wait(timeout)`` releases the GIL); ``settle`` finishes the job (or hands it on, :meth:`take_over`).
         Only for a RUNNING job with no hook and no settle yet: the settle is then its only finisher."""
         with self._lock:
             if self._state is not RUNNING or self._engine is not None or self._then is not None:
@@ -224,6 +226,7 @@ class Job:
                 with self._lock:
                     if self._state is RUNNING and self._engine is not None:
                         settle, self._settle, self._engine, self._state = self._settle, None, None, SETTLING
+                        self._claims += 1
                 if settle is not None:
                     settle(self, engine)
             except BaseException:
@@ -233,21 +236,32 @@ class Job:
             del engine, settle
         return self.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    def handed_on(self) -> None:
-        """SETTLING -> RUNNING: said by a settle that gives the job, unchanged, to another thread, which then
-        owns it (finishes it). Said just before the hand-off, so a settle interrupted after it is not run
-        again (which would hand it on twice); an interrupt between the two leaves the batch unfinished."""
+    @property
+    def claim(self) -> int:
+        """The current claim (read by the settle, to hand the job on with: :meth:`take_over`)."""
+        return self._claims
+
+    def take_over(self, claim: int) -> bool:
+        """SETTLING -> RUNNING: the thread a settle handed the job to, unchanged, with its ``claim``, takes it
+        and owns it from then on (finishes it). False for a stale hand-off, which that thread drops: the
+        settle was interrupted and the job put back for its waiters (then perhaps claimed again). So an
+        interrupt anywhere in a settle that hands the job on neither loses the batch nor finishes it twice."""
         with self._lock:
-            if self._state is not SETTLING:
-                raise JobStateError(f"a {self._state.value} job cannot be handed on: only a settling one, before "
+            state = self._state
+            if self._claims != claim or (state is RUNNING and self._engine is not None):
+                return False  # claimed again since, or put back for the waiters
+            if state is not SETTLING:
+                raise JobStateError(f"a {state.value} job cannot be taken over: only a settling one, once, before "
                                     "its settle changed it")
             self._state = RUNNING
+            return True
 
     def _interrupted(self, settle: Callable[["Job", EngineJob], None], engine: EngineJob) -> None:
         """After ``settle`` raised past its own error handling (a KeyboardInterrupt lands on the main thread,
         often the consumer's): SETTLING (it had not begun to change the job) goes back to RUNNING and the next
-        wait settles it again; COMPLETING, DONE and FAILED (a settled job has no hook) are finished here; a
-        job handed on (RUNNING) is its new owner's; APPLYING (it was changing the job) fails: the batch is
+        wait settles it again (a hand-off it made is stale: :meth:`take_over`); COMPLETING, DONE and FAILED (a
+        settled job has no hook) are finished here; a job taken over (RUNNING) is its new owner's; APPLYING
+        (it was changing the job) fails: the batch is
         lost, as an error for pop, rather than waited for forever."""
         with self._lock:
             state = self._state
