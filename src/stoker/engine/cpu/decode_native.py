@@ -272,8 +272,8 @@ class NativeDecoder:
         self._frames = FrameTables()  # blosc frames of arrays in stores: fetch only the blocks crops need
         self._frame_buffers = FrameBuffers()  # where their fetched blocks are laid out as frames
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
-        # (job, engine job, its chunks, and for fetched chunks (their buffers, the fetch's reservation))
-        # (job, engine job, chunk ids, a fetch's buffers, the claim of the settle that handed it on)
+        # (job, engine job, its chunks, for fetched chunks (their buffers, the fetch's reservation), and for a
+        # settled job the claim of the settle that handed it on (see Job.take_over))
         self._pending: list[tuple[Job, object, np.ndarray, tuple | None, int | None]] = []
         self._closing = False
         self._thread = threading.Thread(target=self._finisher, name="stoker-engine-finisher", daemon=True)
