@@ -75,7 +75,7 @@ class Batch:
         self._on_release: Callable[[list | None], None] | None = on_release
         # release() may race with itself (a consumer thread, __del__, a data-loader thread): exactly one
         # caller may hand the slot back, or a slot reused meanwhile would be freed under its next batch
-        self._release_lock = threading.Lock()
+        self._release_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         # CUDA streams that imported or may use the batch: a plain release() fences the slot's reuse on them
         self._consumers: list = [torch.cuda.current_stream(view.device)] if view.is_cuda else []
 

@@ -101,7 +101,7 @@ class StatsRecorder:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self.reset()
 
     def reset(self) -> None:

@@ -37,7 +37,7 @@ class _State:
     __slots__ = ("cv", "tasks", "closed", "idle", "pid", "__weakref__")
 
     def __init__(self) -> None:
-        self.cv = threading.Condition(threading.Lock())
+        self.cv = threading.Condition(threading.Lock())  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self.tasks: collections.deque[tuple[Callable[..., Any], tuple]] = collections.deque()
         self.closed = False
         self.idle = 0

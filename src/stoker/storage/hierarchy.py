@@ -55,7 +55,7 @@ class Hierarchy:
         self.store = store
         self._groups: dict[str, tuple | None] = {}  # group prefix -> (format, {relative key: doc}) or None
         self._loading: dict[str, concurrent.futures.Future] = {}  # group prefix -> its load in flight
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     def read(self, key: str, uri: str, optional: bool = False) -> bytes | None:
         """The document at ``key`` (at most :data:`MAX_DOCUMENT_BYTES`), or None when there is none (or,

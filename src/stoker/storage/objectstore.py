@@ -108,7 +108,7 @@ def _check_not_forked(uri: str) -> None:
 class _Loop:
     """The event loop thread that runs every ObjectStore's requests (one per process)."""
 
-    _lock = threading.Lock()
+    _lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
     _current: "_Loop | None" = None
 
     def __init__(self) -> None:
@@ -160,7 +160,7 @@ class ObjectStore(Store):
         self._gate = gate  # shared with other stores (a pipeline's): caps their requests at once together
         self._closed = False
         self._pending: set[concurrent.futures.Future] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         _check_not_forked(self.uri)
         self._store = self._build()
         self._pid = os.getpid()

@@ -59,7 +59,8 @@ class CudaTransfer:
     def __init__(self, device: torch.device, n_slots: int, batch_shape: tuple[int, ...], dtype: torch.dtype,
                  stage_bytes: int, work: torch.dtype | None = None) -> None:
         self.device = device
-        self._lock = threading.Lock()  # issue() against close(): no copy is queued after close synchronised
+        # lock rank 3 (engine/pipeline/facade.py): issue() against close(): no copy is queued after close synchronised
+        self._lock = threading.Lock()
         self._closed = False
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)

@@ -87,7 +87,7 @@ class Notices:
 
     def __init__(self) -> None:
         self._seen: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     def note(self, uri: str, why: str) -> None:
         with self._lock:

@@ -97,7 +97,8 @@ class Entry:
 
 
 class Coordinator:
-    """The batches in flight (``inflight``, in push order) and the thread that launches them."""
+    """The batches in flight (in push order) and the thread that launches them. The pipeline asks about them
+    under its condition through methods (:meth:`head`, :meth:`take_head`, :meth:`put_back`...)."""
 
     def __init__(self, cfg: Config, intake: Intake, executor: Executor, stats: StatsRecorder,
                  store: LocalStore, lanes: Lanes) -> None:
@@ -155,6 +156,29 @@ class Coordinator:
         except BaseException as exc:  # noqa: BLE001 - raised, in order, by _open_all
             errors[uri] = exc
 
+    def head(self) -> Entry | None:
+        """Under the condition: the first batch in flight (the next to pop), or None."""
+        return self.inflight[0] if self.inflight else None
+
+    def in_flight(self) -> int:
+        """Under the condition: how many batches are in flight (errors riding in place of one included)."""
+        return len(self.inflight)
+
+    def take_head(self, head: Entry) -> None:
+        """Under the condition: ``head`` leaves the batches in flight, if it is still the first (so it may be
+        asked twice)."""
+        if self.inflight and self.inflight[0] is head:
+            self.inflight.popleft()
+
+    def put_back(self, head: Entry) -> None:
+        """Under the condition: ``head``, taken by :meth:`take_head`, is first in flight again (if not already)."""
+        if not self.inflight or self.inflight[0] is not head:
+            self.inflight.appendleft(head)
+
+    def threads(self) -> list[threading.Thread]:
+        """The coordinator's thread, once started."""
+        return [] if self.thread is None else [self.thread]
+
     def start(self) -> None:
         with self.cond:
             if self.thread is None and not self.closed:
@@ -208,7 +232,7 @@ class Coordinator:
                 self.inflight.append(Entry(next(self._batch_ids), 0, error=error))
             self.intake.drop_sources()
         with self.cond:
-            self.intake.launching = False
+            self.intake.launched()
             self.cond.notify_all()
         return True
 

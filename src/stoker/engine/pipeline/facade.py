@@ -28,6 +28,23 @@ each batch is assembled in pinned host memory in its source dtype, copied on a
 side stream and cast on the GPU (:mod:`stoker.engine.cuda.transfer`); ``from_dlpack``
 makes the consumer's stream wait for it, and ``release(event=...)`` says when the
 consumer is done with it.
+
+Locks, outermost first (written once, here and in ``docs/architecture.md``, "Locks and their order"; each lock
+names its rank where it is made). A thread holding a lock takes only locks of a higher rank:
+
+1. ``Pipeline._pop_lock``: one consumer at a time, held across a whole pop (the wait for the batch, the
+   settle of an engine job, :class:`~stoker.engine.executor.Job`, and the hand-over).
+2. ``Pipeline._cond``: the intake and the batches in flight, shared by :class:`.Intake` and
+   :class:`.Coordinator` (re-entrant). Under it: stats, the slots (``held``), a resumable source's
+   ``state_after``, and ``close`` closing the stores, whose cancelled reads' callbacks run there (rank 4:
+   store, budget, pool and job locks).
+3. ``CudaTransfer._lock``: a copy against ``close``; held around the copy, the user's transform and the
+   host slot's release (rank 4: ``SlotRing._cond``).
+4. Every other lock of the engine, storage and runtime (jobs, ``Done``, slot rings, the transient budget
+   and its reservations, the native decoder's condition, stats, batches, thread pools, frame buffers, stores,
+   caches, the lifetime registry): a leaf, held only around its own fields; it takes no other lock and
+   calls no code that could (callbacks, hooks and ``Event.set`` run after it is released).
+5. The compiled engine's mutexes (``csrc/``): taken with the GIL released, they never call back into Python.
 """
 
 from __future__ import annotations
@@ -72,7 +89,8 @@ class Pipeline:
         self._executor = make_executor(cfg, self.device, self._stats, self._store)
         if cfg.sample_shape is not None and cfg.output_dtype is not None:
             self._executor.check_budget(cfg.sample_shape, cfg.output_dtype, transient=0)
-        self._cond = threading.Condition()  # guards the intake, the batches in flight and the flags below
+        # lock rank 2 (see the module docstring): guards the intake, the batches in flight and the flags below
+        self._cond = threading.Condition()
         self._intake = Intake(cfg, self._cond)
         # samples of named fields: one executor per field (made at the first such batch; see .lanes), made as
         # this one is (a partial, not a closure over self: the coordinator's thread must not keep the pipeline)
@@ -81,7 +99,7 @@ class Pipeline:
         self._coordinator = Coordinator(cfg, self._intake, self._executor, self._stats, self._store, lanes)
         self._error: BaseException | None = None
         self._closed = False
-        self._pop_lock = threading.Lock()  # pop is single-consumer: concurrent pops take turns
+        self._pop_lock = threading.Lock()  # lock rank 1, the outermost: pop is single-consumer, pops take turns
         # a hand-over under way, or one an interrupt cut short: (its entry, what was received before it, the
         # consumer's thread); see _hand_over
         self._handing: tuple[Any, Any, int] | None = None
@@ -99,7 +117,8 @@ class Pipeline:
 
     @property
     def _thread(self) -> threading.Thread | None:
-        return self._coordinator.thread
+        threads = self._coordinator.threads()
+        return threads[0] if threads else None
 
     def _executors(self) -> list:
         """Every executor: the one of batches of one box, and those of the fields' lanes (see .lanes)."""
@@ -161,14 +180,14 @@ class Pipeline:
 
     def _pop(self, limit: float | None, deadline: float | None) -> tuple[Any, list[bool]]:
         t0 = time.perf_counter()
-        inflight = self._coordinator.inflight
+        coordinator = self._coordinator
         collector = _Collector(self._executors())
         while True:
             with self._cond:
                 self._raise_if_unusable()
                 self._undo_hand_over()
-                self._intake.flush_if_drained(bool(inflight))
-                head = inflight[0] if inflight else None
+                head = coordinator.head()
+                self._intake.flush_if_drained(head is not None)
             if head is not None and head.ready(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))):
                 break
             if head is None:
@@ -184,8 +203,7 @@ class Pipeline:
             with self._cond:
                 self._raise_if_unusable()  # closed while we waited: say so rather than what the close caused
                 self._error = error  # first: sticky, whatever interrupts the rest
-                if inflight and inflight[0] is head:
-                    inflight.popleft()
+                coordinator.take_head(head)
                 self._cond.notify_all()
             head.drop(self._executor)
             raise error
@@ -271,12 +289,12 @@ class Pipeline:
     def _popped(self, head: Any, t0: float, rows: int, counts: dict) -> None:
         """The hand-over's one step under the condition (see :meth:`_hand_over`): ``head`` leaves the batches in
         flight and is counted as received, with ``_handing`` noting it for an interrupt to undo."""
-        intake, inflight = self._intake, self._coordinator.inflight
+        intake = self._intake
         with self._cond:
             self._raise_if_unusable()  # closed while we waited: the batch may be incomplete
             # from here an interrupt is undone by this thread's next call
-            self._handing = (head, intake.received, threading.get_ident())
-            inflight.popleft()
+            self._handing = (head, intake.received_now(), threading.get_ident())
+            self._coordinator.take_head(head)
             intake.popped(head.source_ids, rows)
             self._stats.stage("pop_wait", time.perf_counter() - t0)
             self._stats.add(**counts)
@@ -289,14 +307,11 @@ class Pipeline:
         if self._handing is None or self._handing[2] != threading.get_ident():
             return
         head, received, _ = self._handing
-        inflight = self._coordinator.inflight
-        if not inflight or inflight[0] is not head:
-            inflight.appendleft(head)
-        self._intake.received = received
+        self._coordinator.put_back(head)
+        self._intake.put_back(received)
         self._handing = None
 
     def _starved_message(self, limit: float) -> str:
-        intake, inflight = self._intake, self._coordinator.inflight
         with self._cond:
             n_slots = self._executor.n_slots
             if _all_slots_held(self._executors()):
@@ -305,16 +320,11 @@ class Pipeline:
                     "Release batches (use `with p.pop() as batch:`), drop tensors made from old batches, or "
                     "keep data with `.clone()`."
                 )
-            if not intake.sources and not inflight:
-                staged = len(intake.staged)
-                extra = (f" {staged} samples wait for a full batch of {self.cfg.batch_size}; push more or set "
-                         "Config(drop_last=False).") if staged else ""
-                return f"no batch within pop_timeout_s={limit}: no samples are pending; push more.{extra}"
-            if not inflight and not intake.launching:
-                return (f"no batch within pop_timeout_s={limit}: the pushed samples have not filled a batch yet "
-                        f"({len(intake.staged)} of {self.cfg.batch_size} pulled so far); the pushed iterable "
-                        "yields samples slower than the timeout (make it faster, or raise pop_timeout_s)")
-            return (f"no batch within pop_timeout_s={limit}: {len(inflight)} batches in flight; storage or "
+            in_flight = self._coordinator.in_flight()
+            why = self._intake.starved_reason(in_flight > 0)
+            if why is not None:
+                return f"no batch within pop_timeout_s={limit}: {why}"
+            return (f"no batch within pop_timeout_s={limit}: {in_flight} batches in flight; storage or "
                     "decoding is slower than the timeout (raise pop_timeout_s or check p.stats())")
 
     def batches(self, n: int) -> Iterator[Batch | FieldBatch]:
@@ -352,20 +362,16 @@ class Pipeline:
     def _wait_for_work(self, limit: float | None, deadline: float | None) -> bool:
         """True once a batch is in flight; False when nothing more can come from what was pushed.
         PoolStarved past ``deadline`` (the coordinator may be waiting for a slot the consumer holds)."""
-        intake, inflight = self._intake, self._coordinator.inflight
+        intake, coordinator = self._intake, self._coordinator
         collector = _Collector(self._executors())
         while True:
             with self._cond:
                 self._raise_if_unusable()
                 self._undo_hand_over()
-                if inflight:
+                if coordinator.head() is not None:
                     return True
-                if not intake.sources and not intake.launching and not intake.flush:
-                    if intake.staged and not self.cfg.drop_last:
-                        intake.flush = True
-                        self._cond.notify_all()
-                    else:
-                        return False
+                if not intake.more_to_come():
+                    return False
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 self._cond.wait(0.05)
@@ -483,8 +489,7 @@ def _threads_of(p: Pipeline) -> list[threading.Thread]:
     """The threads a pipeline started (the exit hook waits for them after closing it)."""
     if p._coordinator is None:
         return []
-    threads = [t for e in p._executors() for t in e.threads()]
-    return threads + [p._coordinator.thread] if p._coordinator.thread is not None else threads
+    return [t for e in p._executors() for t in e.threads()] + p._coordinator.threads()
 
 
 def _all_slots_held(executors: list) -> bool:

@@ -3,8 +3,10 @@
 Sized pushes are checked at once and counted as pending; iterables (also infinite generators) are pulled
 only when the coordinator has room for a batch, and checked then; resumable sources (``state_after``) have
 their position reported as of the samples the consumer popped (:meth:`Intake.state_dict`). Every field is
-read and written under the pipeline's condition, which :class:`Intake` shares. What the consumer received is
-one record (:class:`Received`), replaced whole at each pop, so a pop interrupted part way can put it back.
+read and written under the pipeline's condition, which :class:`Intake` shares; the pipeline asks through
+methods (:meth:`Intake.more_to_come`, :meth:`Intake.starved_reason`...) and reads no field. What the consumer
+received is one record (:class:`Received`), replaced whole at each pop, so a pop interrupted part way can put it
+back.
 
 Each pulled sample gets its key ``(epoch, index)`` (what keyed transforms draw from, ``Batch.keys``): a
 resumable source's sample its epoch and index in the epoch's global order, as the source's iterator reports
@@ -174,6 +176,34 @@ class Intake:
             self.flush = True
             self.cond.notify_all()
 
+    def launched(self) -> None:
+        """Under the condition: the batch the last pull took is in flight (or was dropped)."""
+        self.launching = False
+
+    def more_to_come(self) -> bool:
+        """Under the condition: whether what was pushed can still give a batch: a source to pull, a batch
+        being launched, or staged samples (launched now as a short batch when drop_last is off)."""
+        if self.sources or self.launching or self.flush:
+            return True
+        if self.staged and not self.cfg.drop_last:
+            self.flush = True
+            self.cond.notify_all()
+            return True
+        return False
+
+    def starved_reason(self, in_flight: bool) -> str | None:
+        """Under the condition: why no batch came, when the intake is the reason (else None)."""
+        if not self.sources and not in_flight:
+            staged = len(self.staged)
+            extra = (f" {staged} samples wait for a full batch of {self.cfg.batch_size}; push more or set "
+                     "Config(drop_last=False).") if staged else ""
+            return f"no samples are pending; push more.{extra}"
+        if not in_flight and not self.launching:
+            return (f"the pushed samples have not filled a batch yet ({len(self.staged)} of {self.cfg.batch_size} "
+                    "pulled so far); the pushed iterable yields samples slower than the timeout (make it faster, "
+                    "or raise pop_timeout_s)")
+        return None
+
     @property
     def pending(self) -> int:
         """Samples counted as pushed and not yet in a popped batch."""
@@ -187,6 +217,14 @@ class Intake:
         for sid, n in collections.Counter(source_ids).items():
             per_source[sid] = per_source.get(sid, 0) + n
         self.received = Received(r.batches + 1, r.samples + rows, per_source)
+
+    def received_now(self) -> Received:
+        """Under the condition: what the consumer has received, as one record (see :meth:`put_back`)."""
+        return self.received
+
+    def put_back(self, received: Received) -> None:
+        """Under the condition: undo the pops after ``received`` (from :meth:`received_now`), in one store."""
+        self.received = received
 
     def state_dict(self) -> dict:
         with self.cond:
