@@ -209,12 +209,19 @@ class RandomCrops(SampleSource):
 
     ``samples_per_epoch`` defaults to the number of crops that would tile the data once.
 
+    ``region`` restricts where boxes start (the anchor), per axis of each entry's first array: axis numbers
+    take index ranges, dimension names label ranges of their coordinates, both labels included (see
+    :mod:`stoker.sampling.region`); weights and the default epoch length then count the anchors (and the
+    region's voxels) of each array, and an array the region leaves no anchor in is not drawn from.
+
     >>> src = stoker.RandomCrops(["/data/a.zarr"], (32, 128, 128), seed=0, samples_per_epoch=10_000)
+    >>> spring = stoker.RandomCrops([["era5.zarr/t2m", "era5.zarr/u10"]], (2, 181, 360),
+    ...                             region={"time": ("2000-03-01", "2000-05-31")})
     """
 
     def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int], seed: int = 0,
                  samples_per_epoch: int | None = None, weights: Sequence[float] | None = None,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None, region: dict | None = None) -> None:
         self.arrays = _entries(arrays, "RandomCrops")
         if not self.arrays:
             raise InvalidArgument("RandomCrops needs at least one array")
@@ -226,19 +233,22 @@ class RandomCrops(SampleSource):
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape) or any(c > s for c, s in zip(self.sample_shape, shape)):
                 raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}", uri=uri)
+        # per array and axis the first box start and how many there are (a region may restrict them)
+        self._lo, self._limits, volumes = _anchors(self, region, storage_options)
         if weights is None:
-            w = np.array([math.prod(s) for s in self.shapes], dtype=np.float64)
+            w = np.array(volumes, dtype=np.float64)
         else:
             w = np.asarray(weights, dtype=np.float64)
             if w.shape != (len(self.arrays),) or (w < 0).any() or not w.sum() > 0:
                 raise InvalidArgument(f"weights must be {len(self.arrays)} non-negative numbers, not all zero")
+        _check_drawable(self, w)
         self.weights = w / w.sum()
         if samples_per_epoch:
             count = int(samples_per_epoch)
             if not 1 <= count <= MAX_SAMPLES:
                 raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}")
         else:  # the crops that tile the data once
-            count = max(1, sum(math.prod(s) for s in self.shapes) // math.prod(self.sample_shape))
+            count = max(1, sum(volumes) // math.prod(self.sample_shape))
             if count > MAX_SAMPLES:
                 raise InvalidArgument(
                     f"RandomCrops over {self.arrays}: {count} crops of {self.sample_shape} would tile the data "
@@ -246,8 +256,7 @@ class RandomCrops(SampleSource):
                     "sample_shape)")
         self.samples_per_epoch = count
         self._cdf = np.cumsum(self.weights)
-        # Per array, how many corner positions each axis allows.
-        self._limits = np.array([[s - c + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
+        self._last = int(np.flatnonzero(self.weights > 0)[-1])  # never past it, whatever the cdf's rounding
         self._cache: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
 
     def __len__(self) -> int:
@@ -258,9 +267,9 @@ class RandomCrops(SampleSource):
         if cached is not None and cached[0] == (epoch, block):
             return cached[1]
         rng = np.random.default_rng([self.seed, epoch, block])
-        which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"), len(self.arrays) - 1)
+        which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"), self._last)
         frac = rng.random((_BLOCK, len(self.sample_shape)))
-        corners = np.floor(frac * self._limits[which]).astype(np.int64)
+        corners = self._lo[which] + np.floor(frac * self._limits[which]).astype(np.int64)
         self._cache = ((epoch, block), (which, corners))
         return which, corners
 
@@ -271,9 +280,35 @@ class RandomCrops(SampleSource):
         return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)])
 
     def identity(self) -> Any:
-        """The arrays, their shapes, the crop shape, weights, epoch length and seed."""
+        """The arrays, their shapes, the crop shape, weights, epoch length and seed (and a region's anchors)."""
+        region = [["region", self._lo.tolist(), self._limits.tolist()]] if self.region is not None else []
         return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
-                self.seed]
+                self.seed] + region
+
+
+def _anchors(src: RandomCrops, region: dict | None, storage_options: dict | None) -> tuple[np.ndarray, np.ndarray, list]:
+    """RandomCrops' ``(first box start, box starts)`` per array and axis, and each array's volume for the
+    default weights and epoch length: the whole array's, or under a region its anchors' span (the voxels
+    of the region its boxes cover)."""
+    src.region = None if region is None else dict(region)
+    if region is None:
+        limits = np.array([[s - c + 1 for s, c in zip(shape, src.sample_shape)] for shape in src.shapes])
+        return np.zeros_like(limits), limits, [math.prod(s) for s in src.shapes]
+    from .region import anchor_ranges
+
+    lo, limits = anchor_ranges(src.arrays, src.shapes, src.sample_shape, region, storage_options)
+    volumes = [math.prod(n + c - 1 for n, c in zip(row, src.sample_shape)) if row.all() else 0 for row in limits]
+    return lo, limits, volumes
+
+
+def _check_drawable(src: RandomCrops, w: np.ndarray) -> None:
+    """InvalidArgument when a region leaves an array that may be drawn (weight > 0) no box start."""
+    empty = [a for a, row, weight in zip(src.arrays, src._limits, w) if weight > 0 and not row.all()]
+    if src.region is not None and (empty or not w.sum() > 0):
+        raise InvalidArgument(
+            f"RandomCrops: region {src.region!r} leaves no box of {src.sample_shape} a start in "
+            f"{empty or src.arrays}; widen the region, or leave such arrays out (or give them weight 0)",
+            knob="region")
 
 
 class TileGrid(SampleSource):
