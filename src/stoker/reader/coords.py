@@ -34,6 +34,7 @@ from .array import MAX_METADATA_BYTES, ArrayReader, open_array
 _lock = threading.Lock()
 # per reader: its documents' attributes and v2 stored fill value, its coordinates (by storage options)
 _documents: "weakref.WeakKeyDictionary[ArrayReader, tuple[dict, Any, tuple | None]]" = weakref.WeakKeyDictionary()
+_codings: "weakref.WeakKeyDictionary[ArrayReader, CFCoding | None]" = weakref.WeakKeyDictionary()
 _coords: "weakref.WeakKeyDictionary[ArrayReader, dict[str, np.ndarray | None]]" = weakref.WeakKeyDictionary()
 
 
@@ -90,8 +91,14 @@ def dimension_names(reader: ArrayReader) -> tuple[str | None, ...] | None:
 
 def coding(reader: ArrayReader) -> CFCoding | None:
     """What CF decoding does to the array's values (:func:`stoker.zarr.cf.coding_of`), or None."""
+    with _lock:
+        if reader in _codings:
+            return _codings[reader]
     attrs, fill, _ = _documents_of(reader)
-    return coding_of(attrs, reader.dtype, reader.zarr_format, fill, reader.uri)
+    got = coding_of(attrs, reader.dtype, reader.zarr_format, fill, reader.uri)
+    with _lock:
+        _codings[reader] = got
+    return got
 
 
 def sibling_uri(uri: str, name: str) -> str:

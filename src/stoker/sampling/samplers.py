@@ -233,6 +233,7 @@ class RandomCrops(SampleSource):
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape) or any(c > s for c, s in zip(self.sample_shape, shape)):
                 raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}", uri=uri)
+        self.region: dict | None = None if region is None else dict(region)
         # per array and axis the first box start and how many there are (a region may restrict them)
         self._lo, self._limits, volumes = _anchors(self, region, storage_options)
         if weights is None:
@@ -290,7 +291,6 @@ def _anchors(src: RandomCrops, region: dict | None, storage_options: dict | None
     """RandomCrops' ``(first box start, box starts)`` per array and axis, and each array's volume for the
     default weights and epoch length: the whole array's, or under a region its anchors' span (the voxels
     of the region its boxes cover)."""
-    src.region = None if region is None else dict(region)
     if region is None:
         limits = np.array([[s - c + 1 for s, c in zip(shape, src.sample_shape)] for shape in src.shapes])
         return np.zeros_like(limits), limits, [math.prod(s) for s in src.shapes]

@@ -24,13 +24,14 @@ from ...runtime.workers import start_thread
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
 from ...storage.cache import SizedLRU
 from ...config import Config
-from ...errors import BudgetExceeded, DtypeMismatch
+from ...errors import BudgetExceeded, DtypeMismatch, NotYetSupported
 from ...sampling.sample import Sample, parts
 from ...storage import LocalStore
 from ...storage.locate import Stores, options_for
 from ...storage.uri import REMOTE_SCHEMES
 from ...zarr.box import check_in_bounds
 from ..cast import batch_dtype
+from ..cpu.cf import check_output
 from ..executor import Executor, Job, Target
 from .intake import Intake
 from ..stats import StatsRecorder
@@ -188,6 +189,7 @@ class Coordinator:
                 for uri, aabb in parts(samples):
                     check_in_bounds(aabb, shapes[uri], uri)
                 raise
+            self._check_cf(readers, dtype)
             known = dict(zip(uris, readers))  # the planner asks for each again: no second cache look-up
             plan = self.executor.plan(batch_id, samples, lambda u: known[u] if u in known else self.open(u))
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
@@ -206,6 +208,22 @@ class Coordinator:
         # a frame can outlive its call (the callers' frames of an exception's traceback kept in a cycle):
         # this one must not keep the batch's target, a view of its slot, alive once the batch is popped
         del entry
+
+    def _check_cf(self, readers: list[ArrayReader], dtype: torch.dtype) -> None:
+        """Arrays with CF attributes (Config.cf): decoded by the executor into a float batch, never ignored."""
+        if not self.cfg.cf:
+            return
+        if not getattr(self.executor, "applies_cf", False):
+            from ...reader.coords import coding
+
+            coded = [r.uri for r in readers if coding(r) is not None]
+            if coded:
+                raise NotYetSupported(
+                    f"{coded[0]}: its CF attributes (scale_factor, add_offset, _FillValue, missing_value) are not "
+                    f"decoded by this executor ({type(self.executor).__name__}) yet; decode on the CPU "
+                    "(Config(decode_on='cpu')), or read the stored values with Config(cf=False)", knob="cf")
+            return
+        check_output(readers, dtype, self.executor.work_dtype(dtype), True)
 
     def _batch_dtype(self, readers: list[ArrayReader]) -> torch.dtype:
         dtypes = set()
