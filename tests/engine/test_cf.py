@@ -149,3 +149,48 @@ def test_the_plain_reader_reads_stored_values(dataset):
 def test_config_cf_is_checked():
     with pytest.raises(stoker.InvalidArgument, match="Config.cf must be True"):
         stoker.Config(cf="yes")
+
+
+def test_a_16_bit_output_without_float32_work_is_refused(dataset, tmp_path):
+    """The work slots are sized at the first batch: CF arrays first met later in a bf16 pipeline would be
+    decoded in bf16 (their offset cancelling what the rounding kept), so that batch is refused, not wrong."""
+    plain = zarr.create_array(str(tmp_path / "plain"), shape=SHAPE, chunks=(4, 8, 8), dtype="f4")
+    plain[...] = 1.0
+    box = _boxes(1)[0]
+    samples = [stoker.Sample(str(tmp_path / "plain"), box)] * 4 + [stoker.Sample(os.path.join(dataset, "p"), box)] * 4
+    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
+        pipe.push(samples)
+        assert torch.equal(torch.from_dlpack(pipe.pop()), torch.ones(4, *[b - a for a, b in box], dtype=torch.bfloat16))
+        with pytest.raises(stoker.DtypeMismatch, match="/p: its CF attributes.*first batch.*cf=False"):
+            pipe.pop()
+
+
+def test_an_executor_that_does_not_decode_refuses(dataset, monkeypatch):
+    """An executor without CF decoding (the GPU-decode one) never ignores the attributes: NotYetSupported."""
+    from stoker.engine.cpu.executor import CpuExecutor
+
+    monkeypatch.setattr(CpuExecutor, "applies_cf", False)
+    samples = [stoker.Sample(os.path.join(dataset, "t2m"), box) for box in _boxes(4)]
+    with stoker.Pipeline(_cfg()) as pipe:
+        pipe.push(samples)
+        with pytest.raises(stoker.NotYetSupported, match="/t2m: its CF attributes.*cf=False"):
+            pipe.pop()
+    with stoker.Pipeline(_cfg(cf=False)) as pipe:
+        pipe.push(samples)
+        assert torch.from_dlpack(pipe.pop()).shape[0] == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_cuda_batches_equal_xarray(dataset, dtype):
+    """On a GPU the decoding runs on the side stream after the device cast (int16 crosses PCIe as int16)."""
+    ref = xr.open_zarr(dataset, consolidated=False)
+    uris = [os.path.join(dataset, v) for v in ("t2m", "p", "q")]
+    samples = [stoker.Sample(uris, box) for box in _boxes(8)]
+    with stoker.Pipeline(_cfg(dtype=dtype, device="cuda", decode_on="cpu")) as pipe:
+        pipe.push(samples)
+        for b in pipe.batches(2):
+            x = torch.from_dlpack(b).cpu()
+            for i, s in enumerate(b.samples):
+                for c, v in enumerate(("t2m", "p", "q")):
+                    _assert_same(x[i, c], _want(ref, v, s.aabb))
