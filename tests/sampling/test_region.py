@@ -99,3 +99,39 @@ def test_region_errors_are_typed_and_name_the_fix(tmp_path, era):
     zarr.create_array(str(tmp_path / "g" / "time"), shape=(4,), chunks=(4,), dtype="f4")[...] = [0, 2, 1, 3]
     with pytest.raises(InvalidArgument, match="'time' is not sorted"):
         stoker.RandomCrops([str(tmp_path / "g" / "v")], (1, 1), region={"time": (0, 1)})
+
+
+def test_region_and_cf_over_s3(era, tmp_path):
+    """Dimension names, coordinates and CF attributes of arrays in an object store (moto's S3 server), read
+    through the store with the array's storage options: the same anchors as the local copy, and batches
+    equal to xarray's decoding."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    import torch
+    from store_fixtures import BUCKET, MotoS3, read_tree
+
+    path = str(tmp_path / "packed.zarr")
+    ds = xr.open_zarr(era, consolidated=era.endswith("2.zarr")).load().drop_encoding()
+    ds["t2m"] = ds.t2m + np.linspace(-5, 5, ds.t2m.size, dtype="f4").reshape(ds.t2m.shape)
+    ds.t2m.encoding = {"dtype": "int16", "scale_factor": 0.001, "add_offset": 1.0, "_FillValue": -32767}
+    ds.to_zarr(path, zarr_format=3, consolidated=False)
+    s3 = MotoS3(read_tree(path), "region")
+    try:
+        options = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, **s3.options}
+        uri = f"s3://{BUCKET}/region/t2m"
+        kw = dict(samples_per_epoch=300, seed=4, region={"time": ("2000-03-01", "2000-03-10"), "lat": (60, 0)})
+        remote = stoker.RandomCrops([uri], (2, 2, 4), storage_options={f"s3://{BUCKET}/region": options}, **kw)
+        local = stoker.RandomCrops([os.path.join(path, "t2m")], (2, 2, 4), **kw)
+        assert [s.aabb for s in remote] == [s.aabb for s in local]
+        ref = xr.open_zarr(path, consolidated=False).t2m.values
+        cfg = stoker.Config(batch_size=4, dtype="f32", host_buffer_bytes=64 << 20, device="cpu",
+                            storage_options={f"s3://{BUCKET}/region": options}, pop_timeout_s=20.0)
+        samples = [remote.sample(0, i) for i in range(8)]
+        with stoker.Pipeline(cfg) as pipe:
+            pipe.push(samples)
+            got = [(s, torch.from_dlpack(b)[i].clone()) for b in pipe.batches(2) for i, s in enumerate(b.samples)]
+        for s, x in got:
+            want = ref[tuple(slice(a, b) for a, b in s.aabb)].astype(np.float32)
+            np.testing.assert_array_equal(x.numpy(), want)
+    finally:
+        s3.stop()

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgument, MetadataError, NotFound
-from ..storage.locate import Stores
+from ..storage.locate import Stores, locate
 from ..zarr.cf import CFCoding, coding_of, decode_times, is_time_units
 from ..zarr.fields import show
 from ..zarr.metadata import parse_json
@@ -50,20 +50,41 @@ def _read(reader: ArrayReader, name: str) -> dict | None:
     return parse_json(bytes(raw), reader.uri, name)
 
 
-def _documents_of(reader: ArrayReader) -> tuple[dict, Any, tuple | None]:
-    """``(attributes, v2 stored fill value, dimension names)`` of ``reader``'s array, read once."""
+def _consolidated(reader: ArrayReader, stores: Stores | None, options: dict | None) -> dict | None:
+    """The array's documents from an ancestor's consolidated metadata, when it was opened from a store whose
+    groups are consolidated (read already: no request), as ``{name: document}``; else None."""
+    if reader.kv.is_local or stores is None:
+        return None
+    loc = locate(reader.uri)
+    if loc.is_local:
+        return None
+    found = stores.get(loc, options)[1].consolidated(loc.prefix, reader.uri)
+    if found is None:
+        return None
+    fmt, doc = found
+    return {"zarr.json": doc} if fmt == 3 else {".zattrs": {}, **doc}
+
+
+def _documents_of(reader: ArrayReader, stores: Stores | None = None,
+                  options: dict | None = None) -> tuple[dict, Any, tuple | None]:
+    """``(attributes, v2 stored fill value, dimension names)`` of ``reader``'s array, read once: from the
+    consolidated metadata of ``stores`` (those it was opened in, with its ``options``) where its group has
+    it, else its own documents."""
     with _lock:
         got = _documents.get(reader)
     if got is not None:
         return got
     uri = reader.uri
+    known = _consolidated(reader, stores, options) or {}
+    read = (lambda name: known[name] if name in known else _read(reader, name))
     if reader.zarr_format == 3:
-        doc = _read(reader, "zarr.json") or {}
+        doc = read("zarr.json") or {}
         attrs, fill, dims = doc.get("attributes") or {}, None, doc.get("dimension_names")
     else:
-        attrs = _read(reader, ".zattrs") or {}
-        fill = (_read(reader, ".zarray") or {}).get("fill_value")
+        attrs = read(".zattrs") or {}
         dims = attrs.get("_ARRAY_DIMENSIONS") if isinstance(attrs, dict) else None
+        # the stored fill value as written (null or not), which xarray takes for _FillValue in what it wrote
+        fill = (read(".zarray") or {}).get("fill_value") if dims is not None else None
     if not isinstance(attrs, dict):
         raise MetadataError(f"{uri}: attributes {show(attrs)} are not a JSON object", uri=uri)
     names = None
@@ -79,22 +100,24 @@ def _documents_of(reader: ArrayReader) -> tuple[dict, Any, tuple | None]:
     return got
 
 
-def attributes(reader: ArrayReader) -> dict:
-    """The array's user attributes (v3 ``attributes``, v2 ``.zattrs``; ``{}`` when there are none)."""
-    return _documents_of(reader)[0]
+def attributes(reader: ArrayReader, stores: Stores | None = None, options: dict | None = None) -> dict:
+    """The array's user attributes (v3 ``attributes``, v2 ``.zattrs``; ``{}`` when there are none).
+    ``stores`` and ``options``: those the array was opened with, whose consolidated metadata may hold them."""
+    return _documents_of(reader, stores, options)[0]
 
 
-def dimension_names(reader: ArrayReader) -> tuple[str | None, ...] | None:
+def dimension_names(reader: ArrayReader, stores: Stores | None = None,
+                    options: dict | None = None) -> tuple[str | None, ...] | None:
     """The array's dimension names (v3 ``dimension_names``, v2 ``_ARRAY_DIMENSIONS``), or None."""
-    return _documents_of(reader)[2]
+    return _documents_of(reader, stores, options)[2]
 
 
-def coding(reader: ArrayReader) -> CFCoding | None:
+def coding(reader: ArrayReader, stores: Stores | None = None, options: dict | None = None) -> CFCoding | None:
     """What CF decoding does to the array's values (:func:`stoker.zarr.cf.coding_of`), or None."""
     with _lock:
         if reader in _codings:
             return _codings[reader]
-    attrs, fill, _ = _documents_of(reader)
+    attrs, fill, _ = _documents_of(reader, stores, options)
     got = coding_of(attrs, reader.dtype, reader.zarr_format, fill, reader.uri)
     with _lock:
         _codings[reader] = got
@@ -109,11 +132,12 @@ def sibling_uri(uri: str, name: str) -> str:
     return text.rsplit("/", 1)[0] + "/" + name
 
 
-def decoded(reader: ArrayReader, values: np.ndarray) -> np.ndarray:
+def decoded(reader: ArrayReader, values: np.ndarray, stores: Stores | None = None,
+            options: dict | None = None) -> np.ndarray:
     """``values`` read from ``reader`` decoded as xarray decodes a variable: CF times to dates (masked
     values: NaT), else packed or filled values to floats; values without a coding as they are."""
-    attrs = attributes(reader)
-    code = coding(reader)
+    attrs = attributes(reader, stores, options)
+    code = coding(reader, stores, options)
     if is_time_units(attrs.get("units")):
         if code is not None:  # masked or packed times: floats first, NaN the fills
             values = code.decode(values, np.float64)
@@ -130,7 +154,7 @@ def coordinates(reader: ArrayReader, storage_options: dict | None = None,
         kept = _coords.get(reader)
     if kept is not None:
         return kept
-    names = dimension_names(reader) or ()
+    names = dimension_names(reader, stores, storage_options) or ()
     out: dict[str, np.ndarray | None] = {}
     for axis, name in enumerate(names):
         if name is None or name in out:
@@ -146,7 +170,7 @@ def coordinates(reader: ArrayReader, storage_options: dict | None = None,
         if coord.ndim != 1 or coord.shape[0] != reader.shape[axis]:
             out[name] = None
             continue
-        out[name] = decoded(coord, coord.read([(0, coord.shape[0])]))
+        out[name] = decoded(coord, coord.read([(0, coord.shape[0])]), stores, storage_options)
     with _lock:
         _coords[reader] = out
     return out

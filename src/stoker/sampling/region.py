@@ -103,11 +103,11 @@ def _pair(value: Any, key: Any, uri: str) -> tuple[Any, Any]:
     return value[0], value[1]
 
 
-def index_ranges(region: dict, uri: str, shape: tuple[int, ...], reader_of: Any) -> list[tuple[int, int]]:
+def index_ranges(region: dict, uri: str, shape: tuple[int, ...], reader_of: Any, names_of: Any,
+                 coords_of: Any) -> list[tuple[int, int]]:
     """Per axis of an array of ``shape``, the half-open index range ``region`` allows (whole axes where it
-    says nothing). ``reader_of()`` opens the array, asked only for dimension names."""
-    from ..reader.coords import coordinates, dimension_names
-
+    says nothing). ``reader_of()`` opens the array, ``names_of(reader)`` and ``coords_of(reader)`` read its
+    dimension names and coordinates, asked only for dimension names."""
     ndim = len(shape)
     out = [(0, s) for s in shape]
     for key, value in region.items():
@@ -124,14 +124,14 @@ def index_ranges(region: dict, uri: str, shape: tuple[int, ...], reader_of: Any)
             start, stop, _ = slice(first, last).indices(shape[axis])
         elif isinstance(key, str):
             reader = reader_of()
-            names = dimension_names(reader)
+            names = names_of(reader)
             if not names or key not in names:
                 raise InvalidArgument(
                     f"{uri}: region names the dimension {key!r}, but the array's dimensions are "
                     f"{list(names) if names else 'not named'} (v3 dimension_names, or xarray's _ARRAY_DIMENSIONS); "
                     "give the region by axis number: region={axis: (start, stop)}", uri=uri, dimension=key)
             axis = names.index(key)
-            coord = coordinates(reader).get(key)
+            coord = coords_of(reader).get(key)
             if coord is None:
                 raise InvalidArgument(
                     f"{uri}: region names the dimension {key!r}, but no coordinate array {key!r} of length "
@@ -150,6 +150,7 @@ def anchor_ranges(entries: Sequence[Any], shapes: Sequence[tuple[int, ...]], sam
     """``(first anchor, anchor count)`` per entry and axis, ``(n, ndim)`` int64 each: the box starts a
     sampler may draw in each entry's reference array under ``region`` (a count of 0: none)."""
     from ..reader.array import open_array
+    from ..reader.coords import coordinates, dimension_names
     from ..storage.locate import Stores, check_options_by_prefix, options_for
 
     if not isinstance(region, dict) or not region:
@@ -168,7 +169,13 @@ def anchor_ranges(entries: Sequence[Any], shapes: Sequence[tuple[int, ...]], sam
                     opened.append(open_array(uri, options_for(by_prefix, uri), stores=stores))
                 return opened[0]
 
-            ranges = index_ranges(region, uri, tuple(shape), reader_of)
+            def coords_of(reader: Any, uri: str = uri) -> dict:  # beside it, opened with its options
+                return coordinates(reader, options_for(by_prefix, uri), stores)
+
+            def names_of(reader: Any, uri: str = uri) -> Any:
+                return dimension_names(reader, stores, options_for(by_prefix, uri))
+
+            ranges = index_ranges(region, uri, tuple(shape), reader_of, names_of, coords_of)
             lo = [start for start, _ in ranges]
             # a box starting at i fits when i + crop <= the axis' length
             hi = [min(stop, s - c + 1) for (_, stop), s, c in zip(ranges, shape, sample_shape)]

@@ -22,6 +22,7 @@ import torch
 from ...runtime import gil
 from ...runtime.workers import start_thread
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
+from ...reader.coords import coding
 from ...storage.cache import SizedLRU
 from ...config import Config
 from ...errors import BudgetExceeded, DtypeMismatch, NotYetSupported
@@ -77,9 +78,14 @@ class Coordinator:
 
     def open(self, uri: str) -> ArrayReader:
         """The array at ``uri``, opened once per pipeline (metadata and shard indexes cached)."""
-        return self._readers.get_or_load(uri, lambda: open_array(
-            uri, options_for(self.cfg.storage_options, uri), store=self.store, index_cache=self._index_cache,
-            stores=self.stores))
+        return self._readers.get_or_load(uri, lambda: self._load(uri))
+
+    def _load(self, uri: str) -> ArrayReader:
+        options = options_for(self.cfg.storage_options, uri)
+        reader = open_array(uri, options, store=self.store, index_cache=self._index_cache, stores=self.stores)
+        if self.cfg.cf:  # its attributes read with its metadata (consolidated, or on _open_all's threads)
+            coding(reader, self.stores, options)
+        return reader
 
     def _open_all(self, uris: list[str]) -> list[ArrayReader]:
         """The arrays at ``uris``. Those in remote stores not open yet are opened at once, each on a thread
@@ -214,8 +220,6 @@ class Coordinator:
         if not self.cfg.cf:
             return
         if not getattr(self.executor, "applies_cf", False):
-            from ...reader.coords import coding
-
             coded = [r.uri for r in readers if coding(r) is not None]
             if coded:
                 raise NotYetSupported(
