@@ -194,3 +194,21 @@ def test_cuda_batches_equal_xarray(dataset, dtype):
             for i, s in enumerate(b.samples):
                 for c, v in enumerate(("t2m", "p", "q")):
                     _assert_same(x[i, c], _want(ref, v, s.aabb))
+
+
+def test_batches_without_cf_rows_still_leave_the_work_slot(dataset, tmp_path, decode_path):
+    """A bf16 pipeline whose first batch reads CF arrays makes every batch in float32 work slots: a later
+    batch of plain arrays is rounded into its delivered slot too."""
+    plain = zarr.create_array(str(tmp_path / "plain"), shape=SHAPE, chunks=(4, 8, 8), dtype="f4")
+    values = np.random.default_rng(2).normal(0, 100, SHAPE).astype("f4")
+    plain[...] = values
+    boxes = _boxes(4)
+    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in boxes]
+    samples += [stoker.Sample(str(tmp_path / "plain"), box) for box in boxes]
+    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
+        pipe.push(samples)
+        pipe.pop().release()
+        x = torch.from_dlpack(pipe.pop())
+    for i, box in enumerate(boxes):
+        want = torch.from_numpy(values[tuple(slice(a, b) for a, b in box)]).to(torch.bfloat16)
+        assert torch.equal(x[i], want)

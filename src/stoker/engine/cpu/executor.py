@@ -253,8 +253,8 @@ class CpuExecutor:
         job's completion hook runs it on the batch in its slot (its error is the job's), then casts a work
         slot's batch into the delivered slot. Arrays' CF attributes are decoded there first (:mod:`.cf`)."""
         decode = plan_decoder(plan, self.cfg.cf)
-        if self.cfg.transform is None and decode is None:
-            return self.decoders.submit(plan, target.out)
+        if self.cfg.transform is None and decode is None and target.host_slot is target.slot:
+            return self.decoders.submit(plan, target.out)  # made in the delivered slot: nothing after it
         return self.decoders.submit(plan, target.out, then=lambda job: self._transform(target, job, decode))
 
     def _transform(self, target: Target, job: Job, decode: RowDecode | None = None) -> None:
