@@ -11,7 +11,9 @@ on the pipeline thread that finished the batch, on a GPU on the pipeline's side 
 consumer waits on. With ``dtype='bf16'`` or ``'f16'`` the batch is made and transformed in float32 and
 rounded to the 16-bit output once, after the transform (a float32 work slot per batch in flight, counted
 in ``host_buffer_bytes``; on a GPU a float32 work buffer in ``device_buffer_bytes``), so ``Normalize`` near
-a large mean loses nothing to an early rounding.
+a large mean loses nothing to an early rounding. Arrays' CF attributes (``Config(cf=True)``, the default:
+packed values unpacked, fills to NaN, as xarray decodes them) are decoded in the same place just before the
+transform, so it sees the decoded values (``FillNaN`` after a ``_FillValue``).
 
 It should work in place and return its argument (the built-ins do: no extra batch-sized buffer); a new
 tensor of the batch's shape, dtype and device it returns is copied back into the slot (one batch copy); any
