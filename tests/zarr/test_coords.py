@@ -148,3 +148,24 @@ def test_bad_units_are_typed_errors():
         cf.decode_times(np.array([0]), "weeks since 2000-01-01", None, uri="/d/time")
     with pytest.raises(MetadataError, match="is not a date"):
         cf.decode_times(np.array([0]), "days since yesterday", None, uri="/d/time")
+
+
+def test_coding_of_attribute_forms():
+    i2, f4 = np.dtype("int16"), np.dtype("float32")
+    # netCDF writers' one-element lists; missing_value beside _FillValue; both masked
+    c = cf.coding_of({"scale_factor": [0.5], "_FillValue": [-1], "missing_value": [-2, -3]}, i2, 3)
+    assert c == cf.CFCoding(0.5, None, (-1.0, -2.0, -3.0))
+    np.testing.assert_array_equal(c.decode(np.array([4, -1, -2, -3], np.int16)), [2.0, np.nan, np.nan, np.nan])
+    # v3 float fills as xarray writes them (base64 of a little-endian float64); a NaN fill does nothing
+    import base64
+    import struct
+
+    b64 = base64.standard_b64encode(struct.pack("<d", -9999.0)).decode()
+    assert cf.coding_of({"_FillValue": b64}, f4, 3) == cf.CFCoding(None, None, (-9999.0,))
+    assert cf.coding_of({"_FillValue": "NaN"}, f4, 3) is None
+    # v2: the .zarray fill value counts only for arrays xarray wrote
+    assert cf.coding_of({"_ARRAY_DIMENSIONS": ["x"]}, i2, 2, zarr_fill=7) == cf.CFCoding(None, None, (7.0,))
+    assert cf.coding_of({}, i2, 2, zarr_fill=7) is None
+    assert cf.coding_of({"_ARRAY_DIMENSIONS": ["x"]}, i2, 2, zarr_fill=None) is None
+    with pytest.raises(MetadataError, match="attribute scale_factor 'big' is not a number"):
+        cf.coding_of({"scale_factor": "big"}, i2, 3, uri="/d/v")
