@@ -120,6 +120,11 @@ class Config:
       :mod:`stoker.transforms` (``Normalize``, ``FillNaN``). See that module for where it runs and what it costs.
       For samples of named fields it runs once per batch on the dict ``{name: tensor}``, on the consumer's
       thread in ``pop`` (docs/dataloader.md, "Samples of named fields").
+    - ``cf`` (default True): arrays with CF attributes (``scale_factor``, ``add_offset``, ``_FillValue``,
+      ``missing_value``: what xarray writes for packed or masked variables) are decoded as xarray decodes
+      them, fills to NaN, in the batch's float dtype before the transform (:mod:`stoker.engine.cpu.cf`);
+      such an array read into an integer batch (``dtype='native'``) is a ``DtypeMismatch``. ``False``:
+      the stored values, as they are.
     """
 
     batch_size: int = 8
@@ -140,6 +145,7 @@ class Config:
     cache_dir: str | os.PathLike | None = None
     cache_bytes: int | None = None
     cache_staleness_s: float | None = None
+    cf: bool = True
 
     def __post_init__(self) -> None:
         for name, low in _INTEGER_KNOBS.items():  # numpy integers are stored as ints
@@ -175,6 +181,9 @@ class Config:
             )
         object.__setattr__(self, "pop_timeout_s",
                            seconds("Config.pop_timeout_s", self.pop_timeout_s, optional=True, knob="pop_timeout_s"))
+        if not isinstance(self.cf, bool):
+            raise InvalidArgument(f"Config.cf must be True (decode CF attributes, as xarray) or False (the stored "
+                                  f"values), got {self.cf!r}", knob="cf")
         if not isinstance(self.drop_last, bool):
             raise InvalidArgument(f"Config.drop_last must be True or False, got {self.drop_last!r}", knob="drop_last")
         self._check_device()

@@ -215,7 +215,15 @@ class RandomCrops(SampleSource):
     accepted: there the crop covers the whole axis, the array at a uniform random place inside it, the rest
     filled by ``pad``.
 
+    ``region`` restricts where boxes start (the anchor), per axis of each entry's first array: axis numbers
+    take index ranges, dimension names label ranges of their coordinates, both labels included (see
+    :mod:`stoker.sampling.region`); weights and the default epoch length then count the anchors (and the
+    region's voxels) of each array, and an array the region leaves no anchor in is not drawn from.
+
+
     >>> src = stoker.RandomCrops(["/data/a.zarr"], (32, 128, 128), seed=0, samples_per_epoch=10_000)
+    >>> spring = stoker.RandomCrops([["era5.zarr/t2m", "era5.zarr/u10"]], (2, 181, 360),
+    ...                             region={"time": ("2000-03-01", "2000-05-31")})
 
     **Fields.** A dict of :class:`~stoker.Field` (one volume), or a list of such dicts (several volumes, with
     the same field names and shapes), makes samples of named fields (``Sample({name: (uris, box)})``): each
@@ -235,7 +243,8 @@ class RandomCrops(SampleSource):
 
     def __init__(self, arrays: Any, sample_shape: Sequence[int] | None = None, seed: int = 0,
                  samples_per_epoch: int | None = None, weights: Sequence[float] | None = None,
-                 storage_options: dict | None = None, mask: Any = None, pad: str | None = None) -> None:
+                 storage_options: dict | None = None, mask: Any = None, pad: str | None = None,
+                 region: dict | None = None) -> None:
         self.pad = check_pad(pad, "RandomCrops")
         volumes = _volumes_given(arrays)
         if volumes is not None:
@@ -245,6 +254,9 @@ class RandomCrops(SampleSource):
             if self.pad is not None:
                 raise NotYetSupported("RandomCrops over fields with pad= (anchors whose boxes reach past the "
                                       "arrays) is not drawn yet; pad= applies to RandomCrops over arrays", knob="pad")
+            if region is not None:
+                raise NotYetSupported("RandomCrops over fields with region= is not drawn yet; region= applies to "
+                                      "RandomCrops over arrays", knob="region")
             self._init_fields(volumes, seed, samples_per_epoch, weights, storage_options, mask)
             return
         if mask is not None:
@@ -268,11 +280,18 @@ class RandomCrops(SampleSource):
                     self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape))):
                 hint = "" if len(shape) != len(self.sample_shape) else " (pad= lets them reach past it)"
                 raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}{hint}", uri=uri)
-        self.weights = _weights(weights, [math.prod(s) for s in self.shapes], len(self.arrays))
+        self.region: dict | None = None if region is None else dict(region)
+        # per array and axis the first box start and how many there are (a region may restrict them; a padded
+        # crop longer than its axis covers it, the axis anywhere inside it: first start below 0)
+        self._lo, self._limits, spans = _anchors(self, region, storage_options)
+        raw = np.asarray(spans if weights is None else weights, dtype=np.float64)
+        if raw.shape == (len(self.arrays),):  # a region that leaves an array no box start is what to say first
+            _check_drawable(self, raw)
+        self.weights = _weights(weights, spans, len(self.arrays))
         if samples_per_epoch:
             count = _epoch_length(samples_per_epoch)
         else:  # the crops that tile the data once
-            count = max(1, sum(math.prod(s) for s in self.shapes) // math.prod(self.sample_shape))
+            count = max(1, sum(spans) // math.prod(self.sample_shape))
             if count > MAX_SAMPLES:
                 raise InvalidArgument(
                     f"RandomCrops over {self.arrays}: {count} crops of {self.sample_shape} would tile the data "
@@ -280,10 +299,7 @@ class RandomCrops(SampleSource):
                     "sample_shape)")
         self.samples_per_epoch = count
         self._cdf = np.cumsum(self.weights)
-        # Per array, how many corner positions each axis allows, and the first (below 0 where a padded crop is
-        # longer than the axis: it covers the axis, which lies anywhere inside it)
-        self._limits = np.array([[abs(s - c) + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
-        self._first = np.array([[min(0, s - c) for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
+        self._last = int(np.flatnonzero(self.weights > 0)[-1])  # never past it, whatever the cdf's rounding
         self._cache: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
 
     def _init_fields(self, volumes: list[dict[str, Field]], seed: int, samples_per_epoch: int | None,
@@ -324,10 +340,11 @@ class RandomCrops(SampleSource):
             return cached[1]
         rng = np.random.default_rng([self.seed, epoch, block])
         n = len(self.volumes) if self.volumes is not None else len(self.arrays)
-        which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"), n - 1)
+        which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"),
+                           n - 1 if self.volumes is not None else self._last)
         if self.volumes is None:
             frac = rng.random((_BLOCK, len(self.sample_shape)))
-            corners = np.floor(frac * self._limits[which]).astype(np.int64) + self._first[which]
+            corners = self._lo[which] + np.floor(frac * self._limits[which]).astype(np.int64)
         else:  # lattice indices of the anchors: uniform per axis, or uniform among those a mask lets through
             frac = rng.random((_BLOCK, len(self.volumes[0].volume.counts)))
             corners = np.zeros(frac.shape, dtype=np.int64)
@@ -362,8 +379,37 @@ class RandomCrops(SampleSource):
                                                                              for m in self.masks],
                     [None if mv.qualifying is None else _digest(mv.qualifying) for mv in self.volumes],
                     self.weights.round(12).tolist(), self.samples_per_epoch, self.seed]
+        region = [["region", self._lo.tolist(), self._limits.tolist()]] if self.region is not None else []
         return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
-                self.seed] + ([] if self.pad is None else ["pad", self.pad])
+                self.seed] + region + ([] if self.pad is None else ["pad", self.pad])
+
+
+def _anchors(src: RandomCrops, region: dict | None, storage_options: dict | None) -> tuple[np.ndarray, np.ndarray, list]:
+    """RandomCrops' ``(first box start, box starts)`` per array and axis, and each array's volume for the
+    default weights and epoch length: the whole array's, or under a region its anchors' span (the voxels
+    of the region its boxes cover)."""
+    if region is None:
+        limits = np.array([[abs(s - c) + 1 for s, c in zip(shape, src.sample_shape)] for shape in src.shapes])
+        first = np.array([[min(0, s - c) for s, c in zip(shape, src.sample_shape)] for shape in src.shapes])
+        return first, limits, [math.prod(s) for s in src.shapes]
+    if src.pad is not None and any(c > s for shape in src.shapes for s, c in zip(shape, src.sample_shape)):
+        raise NotYetSupported(f"RandomCrops: region= with arrays shorter than the crop {src.sample_shape} (pad=) is "
+                              "not drawn yet; leave region out, or crop no longer than the arrays", knob="region")
+    from .region import anchor_ranges
+
+    lo, limits = anchor_ranges(src.arrays, src.shapes, src.sample_shape, region, storage_options)
+    volumes = [math.prod(n + c - 1 for n, c in zip(row, src.sample_shape)) if row.all() else 0 for row in limits]
+    return lo, limits, volumes
+
+
+def _check_drawable(src: RandomCrops, w: np.ndarray) -> None:
+    """InvalidArgument when a region leaves an array that may be drawn (weight > 0) no box start."""
+    empty = [a for a, row, weight in zip(src.arrays, src._limits, w) if weight > 0 and not row.all()]
+    if src.region is not None and (empty or not w.sum() > 0):
+        raise InvalidArgument(
+            f"RandomCrops: region {src.region!r} leaves no box of {src.sample_shape} a start in "
+            f"{empty or src.arrays}; widen the region, or leave such arrays out (or give them weight 0)",
+            knob="region")
 
 
 def _volumes_given(arrays: Any) -> list[dict[str, Field]] | None:

@@ -27,6 +27,10 @@ generator state): the built-ins :class:`RandomFlip` and :class:`RandomTranspose`
 speed, on the thread or on the device. :class:`Compose` passes the keys on; any other callable is called
 ``t(batch)``.
 
+**CF attributes.** Arrays' CF attributes (``Config(cf=True)``, the default: packed values unpacked, fills to
+NaN, as xarray decodes them) are decoded in the slot just before the transform, so it sees the decoded values
+(``FillNaN`` after a ``_FillValue``).
+
 It should work in place and return its argument (the built-ins do: no extra batch-sized buffer); a new
 tensor of the batch's shape, dtype and device it returns is copied back into the slot (one batch copy); any
 other result (another shape, dtype or device: never cast back silently) is an

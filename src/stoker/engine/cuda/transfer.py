@@ -37,6 +37,7 @@ from ...transforms import apply as apply_transform
 from ..allocate import allocate
 from ..cast import staging_dtype
 from ..buffers import Slot, SlotRing, pinned_footprint
+from ..cpu.cf import plan_decoder
 from ..cpu.executor import CpuExecutor, take_slot
 from ..executor import Delivery, Job, Target
 
@@ -240,10 +241,13 @@ class CudaExecutor(CpuExecutor):
         return Target(host_slot.view(stage, (plan.rows, *plan.row_shape)), slot, host_slot)
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
-        return self.decoders.submit(plan, target.out, then=lambda job: self._to_device(target, job))
+        decode = plan_decoder(plan, self.cfg.cf)  # CF attributes, decoded on the device after the cast
+        transform = self.cfg.transform if decode is None else decode.then(self.cfg.transform)
+        return self.decoders.submit(plan, target.out, then=lambda job: self._to_device(target, job, transform))
 
-    def _to_device(self, target: Target, job: Job) -> None:
-        """The job's completion hook: enqueue copy, cast and transform, free the host slot behind the copy."""
+    def _to_device(self, target: Target, job: Job, transform: Callable | None = None) -> None:
+        """The job's completion hook: enqueue copy, cast, CF decoding and transform, free the host slot behind
+        the copy."""
         t0 = time.perf_counter()
         host = target.out  # (rows, *row_shape); job.out may be its (rows * C, *box) view
         nbytes = host.numel() * host.element_size()
@@ -253,9 +257,9 @@ class CudaExecutor(CpuExecutor):
             self.host_slots.release(target.host_slot, ready_after=read)
             target.host_slot = None
 
-        target.event, transform_s = self.transfer.issue(host, target.slot, self.cfg.transform, copied=release_host,
+        target.event, transform_s = self.transfer.issue(host, target.slot, transform, copied=release_host,
                                                         keys=job.plan.keys)
-        if self.cfg.transform is not None:
+        if transform is not None:
             self.stats.stage("transform", transform_s)  # enqueueing it: the kernels run on the side stream
         self.stats.stage("transfer", time.perf_counter() - t0 - transform_s, bytes_in=nbytes)
         job.count(bytes_to_device=nbytes)

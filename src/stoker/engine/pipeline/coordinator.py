@@ -24,15 +24,17 @@ import torch
 from ...runtime import gil
 from ...runtime.workers import start_thread
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
+from ...reader.coords import coding
 from ...storage.cache import SizedLRU
 from ...config import Config
-from ...errors import BudgetExceeded, DtypeMismatch, ShutdownError, StokerError
+from ...errors import BudgetExceeded, DtypeMismatch, NotYetSupported, ShutdownError, StokerError
 from ...sampling.sample import Sample, parts
 from ...storage import LocalStore
 from ...storage.locate import Stores, options_for
 from ...storage.uri import REMOTE_SCHEMES
 from ...zarr.box import check_in_bounds
 from ..cast import batch_dtype
+from ..cpu.cf import check_output
 from ..executor import Executor, Job, Target
 from .intake import Intake, Staged
 from .lanes import Lanes, Part, in_field
@@ -121,9 +123,14 @@ class Coordinator:
 
     def open(self, uri: str) -> ArrayReader:
         """The array at ``uri``, opened once per pipeline (metadata and shard indexes cached)."""
-        return self._readers.get_or_load(uri, lambda: open_array(
-            uri, options_for(self.cfg.storage_options, uri), store=self.store, index_cache=self._index_cache,
-            stores=self.stores))
+        return self._readers.get_or_load(uri, lambda: self._load(uri))
+
+    def _load(self, uri: str) -> ArrayReader:
+        options = options_for(self.cfg.storage_options, uri)
+        reader = open_array(uri, options, store=self.store, index_cache=self._index_cache, stores=self.stores)
+        if self.cfg.cf:  # its attributes read with its metadata (consolidated, or on _open_all's threads)
+            coding(reader, self.stores, options)
+        return reader
 
     def _open_all(self, uris: list[str]) -> list[ArrayReader]:
         """The arrays at ``uris``. Those in remote stores not open yet are opened at once, each on a thread
@@ -261,6 +268,7 @@ class Coordinator:
                 for uri, aabb in parts([s for s in samples if s.pad is None]):  # padded boxes may reach past
                     check_in_bounds(aabb, shapes[uri], uri)
                 raise
+            self._check_cf(readers, dtype)
             known = dict(zip(uris, readers))  # the planner asks for each again: no second cache look-up
             plan = self.executor.plan(batch_id, samples, lambda u: known[u] if u in known else self.open(u))
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
@@ -318,6 +326,7 @@ class Coordinator:
                         for uri, aabb in parts(fs):
                             check_in_bounds(aabb, shapes[uri], uri)
                         raise lanes.budget_error(lane, exc) from None
+                    self._check_cf(rs, dtype, lane.executor)
                     plans.append(lane.executor.plan(batch_id, fs, opened))
                     plans[-1].keys = keys  # each field's Batch.keys; the transform gets them with the dict
                 except StokerError as exc:
@@ -345,6 +354,22 @@ class Coordinator:
             self.inflight.append(entry)
             self.cond.notify_all()
         del entry, held, part  # no frame keeps a view of a slot (see _launch)
+
+    def _check_cf(self, readers: list[ArrayReader], dtype: torch.dtype, executor: Executor | None = None) -> None:
+        """Arrays with CF attributes (Config.cf): decoded by the executor (the pipeline's, or a field's lane's)
+        into a float batch, never ignored."""
+        if not self.cfg.cf:
+            return
+        executor = executor or self.executor
+        if not getattr(executor, "applies_cf", False):
+            coded = [r.uri for r in readers if coding(r) is not None]
+            if coded:
+                raise NotYetSupported(
+                    f"{coded[0]}: its CF attributes (scale_factor, add_offset, _FillValue, missing_value) are not "
+                    f"decoded by this executor ({type(executor).__name__}) yet; decode on the CPU "
+                    "(Config(decode_on='cpu')), or read the stored values with Config(cf=False)", knob="cf")
+            return
+        check_output(readers, dtype, executor.work_dtype(dtype), True)
 
     def _batch_dtype(self, readers: list[ArrayReader], requested: Any = _CONFIG, executor: Executor | None = None,
                      key: tuple = ()) -> torch.dtype:
