@@ -5,6 +5,7 @@ need ``Config(lossy_casts=True)``. Every batch is checked against zarr-python's 
 from __future__ import annotations
 
 import os
+import zipfile
 
 import numcodecs
 import numpy as np
@@ -125,6 +126,28 @@ def test_a_value_that_does_not_fit_names_the_chunk(tmp_path, decode_path, dtype,
     clear = ((4, 8), (5, 8))  # chunk (1, 1) again, without column 8
     got = _batches(_cfg(dtype=out, batch_size=1), [stoker.Sample(uri, clear)])
     assert torch.equal(got[0][0].to(torch.int64), torch.from_numpy(z[4:8, 5:8].astype(np.int64)))
+
+
+def test_chunks_fetched_from_a_store_are_checked_too(tmp_path, decode_path, python_casts):
+    """An array in a zip archive: its chunks are fetched, and the engine decodes and casts them from the fetched
+    buffers; exact values, and a value past "i32" names its chunk, as for files."""
+    data = np.arange(np.prod(SHAPE), dtype=np.int64).reshape(SHAPE) - 60
+    bad = data.copy()
+    bad[6, 8] = 2**40
+    _write(tmp_path / "d" / "ok.zarr", data)
+    _write(tmp_path / "d" / "bad.zarr", bad)
+    archive = tmp_path / "data.zip"
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+        for root, _, files in os.walk(tmp_path / "d"):
+            for name in files:
+                full = os.path.join(root, name)
+                zf.write(full, os.path.relpath(full, tmp_path / "d"))
+    got = _batches(_cfg(dtype="i32", batch_size=1), [stoker.Sample(f"{archive}/ok.zarr", BOX)])
+    assert torch.equal(got[0][0].to(torch.int64), torch.from_numpy(data[1:11, 2:9]))
+    assert (python_casts == []) == (decode_path == "engine")
+    with pytest.raises(stoker.DtypeMismatch) as info:
+        _batches(_cfg(dtype="i32", batch_size=1), [stoker.Sample(f"{archive}/bad.zarr", BOX)])
+    assert info.value.key == "c/1/1" and "bad.zarr" in info.value.uri
 
 
 def test_a_fill_value_that_does_not_fit_names_the_missing_chunk(tmp_path, decode_path):
