@@ -5,6 +5,7 @@ need ``Config(lossy_casts=True)``. Every batch is checked against zarr-python's 
 from __future__ import annotations
 
 import os
+import warnings
 import zipfile
 
 import numcodecs
@@ -317,10 +318,16 @@ def test_gpu_decode_executor_integer_outputs(tmp_path, monkeypatch, dtype, out):
     z = _write(tmp_path / "a.zarr", data, fill_value=True if data.dtype == bool else 0, skip_chunk=(2, 1))
     boxes = [BOX, ((0, 10), (0, 7))]
     cfg = _cfg(dtype=out, device_buffer_bytes=16 << 20)
-    got = _batches(cfg, [stoker.Sample(uri, b) for b in boxes])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = _batches(cfg, [stoker.Sample(uri, b) for b in boxes])
     want = np.stack([z[tuple(slice(a, b) for a, b in box)].astype(np.int64) for box in boxes])
     assert got[0].dtype == TORCH[out] and torch.equal(got[0].to(torch.int64), torch.from_numpy(want))
+    on_cpu = [str(w.message) for w in seen if "decoded on the CPU" in str(w.message)]
     room = torch.iinfo(TORCH[out])
+    widening = data.dtype == bool or (data.dtype.itemsize < TORCH[out].itemsize and data.dtype != np.uint32)
+    # widenings are cast on the device (nothing to check); the others on the CPU, every value checked
+    assert on_cpu == [] if widening or data.dtype == np.dtype(out.replace("i", "int")) else "every value is checked" in on_cpu[0], on_cpu
     if data.dtype == bool or np.iinfo(data.dtype).max <= room.max:
         return
     data[6, 8] = np.iinfo(data.dtype).max

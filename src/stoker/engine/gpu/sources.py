@@ -73,7 +73,9 @@ def describe(reader, work: torch.dtype) -> Source:
     elif not (codec.lone_zstd or codec.lone_blosc):
         why = f"codecs {' -> '.join(codec.names) or 'none'} (the device decodes zstd and blosc with lz4 or zstd)"
     elif not device_casts(codec.dtype, work):
-        why = f"its {codec.dtype} is cast to {work} on the CPU (the device's rounding of it may differ)"
+        why = (f"its {codec.dtype} is cast to {work} on the CPU, where every value is checked against it"
+               if work in (torch.int32, torch.int64) else
+               f"its {codec.dtype} is cast to {work} on the CPU (the device's rounding of it may differ)")
     else:
         how = ZSTD if codec.lone_zstd else BLOSC
     element = torch_dtype_of(codec.dtype) if how != CPU else work
