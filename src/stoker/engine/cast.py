@@ -154,7 +154,9 @@ def staging_dtype(output: torch.dtype | None, sources: set[np.dtype]) -> torch.d
     The source dtype when all sources of the batch share one that is narrower than the output (a
     uint16 batch crosses PCIe in half the bytes of float32), else the output dtype (cast on the host).
     Only integer and bool sources of at most 2 bytes are staged: float32 represents them exactly, so
-    the device cast rounds once, as the host cast does, and the batch has the same bits either way.
+    the device cast rounds once, as the host cast does, and the batch has the same bits either way (into
+    "i32"/"i64" the device's widening is exact, and no value of them can be out of range; wider integer
+    sources are cast, and checked, on the host).
     ``None`` for ``output=None`` ("native"): the batch is the source dtype either way.
     """
     if output is None or len(sources) != 1:
