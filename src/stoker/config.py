@@ -20,8 +20,10 @@ from .errors import InvalidArgument
 from .storage.diskcache import CacheSettings, cache_settings
 from .storage.locate import check_options_by_prefix
 
-#: Output dtypes by name; "native" keeps the source dtype.
-OUTPUT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "native": None}
+#: Output dtypes by name; "native" keeps the source dtype. "i32" and "i64" take integer and bool sources
+#: and keep every value exactly (engine/cast.py has the rules).
+OUTPUT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32,
+                 "i64": torch.int64, "native": None}
 
 #: Where chunks may be decompressed (Config.decode_on).
 DECODE_ON = ("auto", "cpu", "gpu")
@@ -70,10 +72,15 @@ class Config:
     - ``batch_size`` (>= 1): samples per batch.
     - ``sample_shape``: shape every sample must have (``(C, *box)`` for samples of ``C`` arrays); ``None``
       takes the first sample's.
-    - ``dtype``: ``"f32" | "bf16" | "f16" | "native"`` (the source dtype), or ``torch.float32``,
-      ``torch.bfloat16``, ``torch.float16`` (stored as their names); for every field of samples of named
-      fields alike, or per field as a dict ``{"raw": "bf16", "labels": "native"}`` (samples of fields only;
-      its names must be the samples' field names, checked at the first batch; see :meth:`field_dtype`).
+    - ``dtype``: ``"f32" | "bf16" | "f16" | "i32" | "i64" | "native"`` (the source dtype), or ``torch.float32``,
+      ``torch.bfloat16``, ``torch.float16``, ``torch.int32``, ``torch.int64`` (stored as their names); for every field of samples of named fields alike, or per field as a
+      dict ``{"raw": "bf16", "labels": "i64"}`` (samples of fields only; its names must be the samples'
+      field names, checked at the first batch; see :meth:`field_dtype`).
+      ``"i32"``/``"i64"`` take integer and bool sources and keep every value: one that does not fit is a
+      ``DtypeMismatch`` naming the array and chunk (float sources are refused). 32- and 64-bit integer
+      sources into ``"f32"``/``"bf16"``/``"f16"`` are refused when the first batch settles its dtype, before
+      any read (label ids would merge) unless ``lossy_casts``; 8- and 16-bit integers (images) are allowed.
+    - ``lossy_casts`` (bool, default False): allow 32- and 64-bit integer sources into float outputs, rounded.
     - ``host_buffer_bytes`` (>= 1 MiB): hard cap on host buffers (batch slots, or the pinned staging
       slots on CUDA, plus read and decode buffers).
     - ``device_buffer_bytes`` (>= 1 MiB): cap on device memory: ``lookahead_batches + 1`` batch slots
@@ -146,6 +153,7 @@ class Config:
     cache_bytes: int | None = None
     cache_staleness_s: float | None = None
     cf: bool = True
+    lossy_casts: bool = False
 
     def __post_init__(self) -> None:
         for name, low in _INTEGER_KNOBS.items():  # numpy integers are stored as ints
@@ -172,7 +180,7 @@ class Config:
             if self.dtype not in names:
                 raise InvalidArgument(
                     f"Config.dtype {self.dtype} is not an output dtype; use torch.float32, torch.bfloat16, "
-                    "torch.float16, or 'native' for the source dtype", knob="dtype")
+                    "torch.float16, torch.int32, torch.int64, or 'native' for the source dtype", knob="dtype")
             object.__setattr__(self, "dtype", names[self.dtype])
         if not isinstance(self.dtype, dict) and self.dtype not in OUTPUT_DTYPES:
             raise InvalidArgument(
@@ -186,6 +194,9 @@ class Config:
                                   f"values), got {self.cf!r}", knob="cf")
         if not isinstance(self.drop_last, bool):
             raise InvalidArgument(f"Config.drop_last must be True or False, got {self.drop_last!r}", knob="drop_last")
+        if not isinstance(self.lossy_casts, bool):
+            raise InvalidArgument(f"Config.lossy_casts must be True or False, got {self.lossy_casts!r}",
+                                  knob="lossy_casts")
         self._check_device()
         self._check_decode_on()
         from .transforms import as_transform  # imports torch only; here to keep config's imports light

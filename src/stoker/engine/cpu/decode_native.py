@@ -42,7 +42,7 @@ from ...runtime.workers import no_thread, start_thread
 from . import native
 from ...errors import DecodeError, OutOfMemory, StorageError, pipeline_closed
 from ...storage.local import not_regular
-from ..cast import fill_value_as, torch_dtype_of
+from ..cast import fill_value_as, range_error, torch_dtype_of, unfit_range
 from ...storage import ByteRange
 from ...storage.objectstore import etag_version
 from .decode_python import Fetch, PythonDecoder, fetches_within, span_bytes
@@ -64,7 +64,8 @@ FETCH_MAX_BYTES = 16 << 20
 #: every line; smaller ones are better left cached (docs/performance.md, "Tuning constants").
 STREAM_MIN_BYTES = 8 << 20
 
-_BATCH_KINDS = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16}
+_BATCH_KINDS = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16, torch.int32: native.KIND_I32,
+                torch.int64: native.KIND_I64}
 _ALIGN = 64  # the engine's scratch holds a chunk's decoded bytes rounded up to this, then a file's stored bytes
 
 
@@ -132,9 +133,11 @@ class _Source:
         ndim = len(codec.shape)
         src_kind = native.SOURCE_KINDS.get(codec.dtype)
         same_ok = kind != native.KIND_SAME or (src_kind is not None and dtype == torch_dtype_of(codec.dtype))
-        # fills need the array's element kind only; reads a codec it has, no filters (any layout, any byte
-        # order) and room in the budget
-        self.fills = kind is not None and src_kind is not None and same_ok
+        # fills need the array's element kind only (and, in an integer batch, a fill value that fits it: else
+        # the Python path fills, and fails naming the chunk); reads a codec it has, no filters (any layout, any
+        # byte order) and room in the budget
+        self.fills = (kind is not None and src_kind is not None and same_ok
+                      and unfit_range(meta.fill_value, dtype) is None)
         self.codec = native_codec(codec)
         enc = meta.key_encoding
         self.key_prefix = reader.file_path(enc.prefix + enc.separator if enc.prefix else "")  # its chunks' keys
@@ -710,6 +713,8 @@ class NativeDecoder:
         python = self._python
         if status == native.ST_CANCELLED:
             return pipeline_closed(), None
+        if status == native.ST_RANGE:  # a value its copies read does not fit the integer batch
+            return range_error(reader.uri, plan.key(cid), codec.dtype, job.out.dtype), None
         if fetched and not (status in (native.ST_CODEC_ERROR, native.ST_SIZE) and whole
                             and native_codec(codec) == native.CODEC_ZSTD):
             # any other failure of a chunk in memory (no file: nothing changed or vanished meanwhile): the

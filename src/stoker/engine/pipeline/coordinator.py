@@ -382,13 +382,15 @@ class Coordinator:
         for r in readers:
             got = self._dtypes.get((*key, requested, r.dtype))
             if got is None:  # once per source dtype; a refused one raises every time
-                got = self._dtypes[(*key, requested, r.dtype)] = batch_dtype(requested, r.dtype, r.uri)
+                got = self._dtypes[(*key, requested, r.dtype)] = batch_dtype(requested, r.dtype, r.uri,
+                                                                             self.cfg.lossy_casts)
             dtypes.add(got)
         if executor.dtype is not None:
             dtypes.add(executor.dtype)
         if len(dtypes) > 1:
             raise DtypeMismatch(
                 f"dtype='native' needs one source dtype per pipeline, found {sorted(map(str, dtypes))} "
-                f"(arrays {[r.uri for r in readers]}); pick dtype='f32', 'bf16' or 'f16' to mix sources"
+                f"(arrays {[r.uri for r in readers]}); to mix sources pick an output all of them fit: 'i64' (or "
+                "'i32') for integer ids, which keeps them exact, 'f32' for floats and 8- or 16-bit integers"
             )
         return dtypes.pop()
