@@ -258,3 +258,28 @@ def test_padded_tile_grid_over_fields_lays_the_first_field_out_as_sliding_window
         stoker.TileGrid(fields, stride=(14, 8, 4), pad=mode)
     with pytest.raises(InvalidArgument, match="not a multiple of"):
         stoker.TileGrid(fields, stride=(10, 8, 4), pad=mode)  # margin 1: an odd anchor, context at half voxels
+
+
+def test_distributed_page_forecasting_example_runs(tmp_path, monkeypatch):
+    """docs/distributed.md's forecasting example (fields, region by date) runs as written on a dataset xarray
+    wrote, and draws inputs starting on the training days and the validation days whose target fits."""
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
+    block = next(b for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S) if "region=" in b)
+    block = "\n".join(line[2:] if line.startswith("  ") else line for line in block.splitlines())
+    t = pd.date_range("2000-01-01", "2004-12-31", freq="D")
+    a = np.zeros((len(t), 19, 36), "float32")
+    xr.Dataset({"t2m": (("time", "lat", "lon"), a), "u10": (("time", "lat", "lon"), a)},
+               coords={"time": t, "lat": np.linspace(90, -90, 19), "lon": np.arange(0, 360, 10.0)}).to_zarr(
+        str(tmp_path / "era5.zarr"), zarr_format=3, consolidated=False)
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "docs", "stoker": stoker}
+    exec(compile(block, str(page), "exec"), namespace)
+    train, valid = namespace["train"], namespace["valid"]
+    n_train = int((t < np.datetime64("2004-01-01")).sum())
+    assert {s["input"].aabb[0][0] for s in _epoch(train)} <= set(range(n_train))
+    assert max(s["input"].aabb[0][0] for s in _epoch(valid)) <= len(t) - 8  # the target fits in the array
+    assert min(s["input"].aabb[0][0] for s in _epoch(valid)) >= n_train
+    assert train.sample(0, 0).shape == {"input": (2, 2, 19, 36), "target": (2, 1, 19, 36)}

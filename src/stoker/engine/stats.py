@@ -153,7 +153,7 @@ class StatsRecorder:
             # per stage: seconds, count, bytes in, bytes out (Metric's fields)
             self._stages: dict[str, list[Any]] = {name: [0.0, 0, 0, 0] for name in STAGES}
             self._counters = dict.fromkeys(COUNTERS, 0)
-            self._fields: dict[str, dict[str, int]] = {}
+            self._per_field: dict[str, dict[str, int]] = {}
             self._gil_ns = 0
 
     def gil(self, seconds: float) -> None:
@@ -210,13 +210,13 @@ class StatsRecorder:
             for name, value in counts.items():
                 self._counters[name] += value
             for name, own in (fields or {}).items():
-                mine = self._fields.setdefault(name, dict.fromkeys(FIELD_COUNTERS, 0))
+                mine = self._per_field.setdefault(name, dict.fromkeys(FIELD_COUNTERS, 0))
                 for key, value in own.items():
                     mine[key] += value
 
     def snapshot(self, peak_host_bytes: int = 0) -> Stats:
         with self._lock:
             stages = {n: Metric(n, *v) for n, v in self._stages.items()}
-            fields = {name: FieldCounts(**c) for name, c in self._fields.items()}
+            fields = {name: FieldCounts(**c) for name, c in self._per_field.items()}
             return Stats(stages=stages, peak_host_bytes=peak_host_bytes, gil_seconds=self._gil_ns * 1e-9,
                          fields=fields, **self._counters)
