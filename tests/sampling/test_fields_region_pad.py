@@ -123,16 +123,19 @@ def masked(tmp_path_factory):
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16), lo=st.integers(0, 14), width=st.integers(1, 14),
-       frac=st.sampled_from([0.05, 0.25, 0.5]))
-def test_region_and_mask_draw_exactly_the_qualifying_anchors_in_the_region(masked, seed, lo, width, frac):
+       frac=st.sampled_from([0.05, 0.25, 0.5]), pad=st.booleans())
+def test_region_and_mask_draw_exactly_the_qualifying_anchors_in_the_region(masked, seed, lo, width, frac, pad):
+    """With pad, labels sit 2 voxels before raw's anchor, so at the low border their box passes the mask's start
+    (the part outside counts as zero)."""
     rng = np.random.default_rng(seed)
     mask = (rng.random((16, 12, 10)) < 0.3).astype("u1")  # 2x coarser than the fields' arrays
     uri = str(masked / f"mask{seed}.zarr")
     zarr.create_array(uri, shape=mask.shape, chunks=(4, 4, 4), dtype="u1", overwrite=True)[:] = mask
     mask = zarr.open_array(uri, mode="r")[...]
     fields = {"raw": stoker.Field(str(masked / "raw.zarr"), (8, 8, 8)),
-              "labels": stoker.Field(str(masked / "labels.zarr"), (4, 4, 4), offset=(2, 2, 2))}
+              "labels": stoker.Field(str(masked / "labels.zarr"), (4, 4, 4), offset=(-2,) * 3 if pad else (2,) * 3)}
     region = {0: (lo, lo + width)}
+    o = -2 if pad else 2
     # brute force: anchors on even voxels (the mask's scale), raw inside its arrays, in the region
     want = set()
     for a in range(0, 32 - 8 + 1, 2):
@@ -140,11 +143,12 @@ def test_region_and_mask_draw_exactly_the_qualifying_anchors_in_the_region(maske
             continue
         for b in range(0, 24 - 8 + 1, 2):
             for c in range(0, 20 - 8 + 1, 2):
-                m = mask[(a + 2) // 2:(a + 6) // 2, (b + 2) // 2:(b + 6) // 2, (c + 2) // 2:(c + 6) // 2]
+                m = mask[tuple(slice(max(0, (x + o) // 2), max(0, (x + o + 4) // 2)) for x in (a, b, c))]
                 if m.sum() / 8 >= frac:
                     want.add((a, b, c))
     make = lambda: stoker.RandomCrops(fields, seed=seed, samples_per_epoch=60 * max(1, len(want)), region=region,
-                                      mask=stoker.Mask(uri, frac, field="labels", scale=2))
+                                      mask=stoker.Mask(uri, frac, field="labels", scale=2),
+                                      pad="zero" if pad else None)
     if not want:
         with pytest.raises(InvalidArgument):
             make()
