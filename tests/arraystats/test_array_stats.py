@@ -22,7 +22,7 @@ from zarr.codecs import BloscCodec, ZstdCodec
 import stoker
 from stoker.arraystats import compute as compute_mod
 from stoker.arraystats.compute import Units, blocks
-from stoker.errors import InvalidArgument, NonFiniteData, NotYetSupported, OutOfBounds
+from stoker.errors import InvalidArgument, NonFiniteData, OutOfBounds
 from stoker.records import sidecar
 from stoker.storage import LocalStore
 from stoker.transforms import Normalize
@@ -148,7 +148,7 @@ def test_argument_errors_name_what_is_wrong(arrays):
     f, u = arrays["float_nan"], arrays["uint8_channels"]
     with pytest.raises(OutOfBounds, match=r"region\[0\] = \(0, 99\).*f\.zarr"):
         stoker.compute_stats(f, {0: (0, 99)}, cache=False)
-    with pytest.raises(NotYetSupported, match="dimension name"):
+    with pytest.raises(InvalidArgument, match="names the dimension 'time', but the array's dimensions are not named"):
         stoker.compute_stats(f, {"time": (0, 3)}, cache=False)
     with pytest.raises(InvalidArgument, match="different shapes"):
         stoker.compute_stats([[f, u]], cache=False)

@@ -576,3 +576,53 @@ def test_batches_of_one_box_take_no_lane(arrays, decode_path):
             for row, s in enumerate(batch.samples):
                 assert torch.equal(x[row], torch.from_numpy(_crop(data, s).astype(np.float32)))
         assert not p._coordinator.lanes.ready and p._executors() == [p._executor]
+
+
+def _chunk_files(path: str, box, chunks) -> set[str]:
+    """The chunk files zarr-python wrote for the chunks ``box`` touches (v3 default keys ``c/i/j/k``)."""
+    ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, chunks)]
+    return {str(Path(path) / "c" / "/".join(map(str, idx))) for idx in np.ndindex(*[len(r) for r in ranges])
+            for idx in [tuple(r[i] for r, i in zip(ranges, idx))]}
+
+
+def test_stats_report_amplification_per_field(tmp_path, decode_path):
+    """Stats.fields: each field's bytes needed, read and decoded, from its own chunks only: against the sizes
+    of the chunk files zarr-python wrote for the distinct chunks each batch's crops of that field touch."""
+    rng = np.random.default_rng(7)
+    img = zarr.create_array(str(tmp_path / "img.zarr"), shape=(32, 48, 48), chunks=(8, 16, 16), dtype="u2",
+                            compressors=ZstdCodec(level=3))
+    img[:] = rng.integers(0, 50, img.shape, dtype=np.uint16)  # compressible: read < decoded
+    lab = zarr.create_array(str(tmp_path / "lab.zarr"), shape=(32, 48, 48), chunks=(4, 4, 4), dtype="u1",
+                            compressors=ZstdCodec(level=3))
+    lab[:] = rng.integers(0, 3, lab.shape, dtype=np.uint8)
+    samples = []
+    for _ in range(12):  # img's box straddles its chunks; lab's box is exactly chunk-aligned: amplification 1
+        z, y, x = (int(v) for v in rng.integers(0, 4, 3) * 4)
+        samples.append(stoker.Sample({"img": (str(tmp_path / "img.zarr"),
+                                              [(z + 1, z + 13), (y + 3, y + 19), (x + 5, x + 21)]),
+                                      "lab": (str(tmp_path / "lab.zarr"), [(z + 4, z + 12), (y + 4, y + 12),
+                                                                           (x + 4, x + 12)])}))
+    with stoker.Pipeline(_cfg(dtype={"img": "f32", "lab": "native"})) as p:
+        p.push(samples)
+        assert sum(1 for _ in p) == 3
+        stats = p.stats()
+    assert list(stats.fields) == ["img", "lab"]
+    for name, itemsize, chunks in (("img", 2, (8, 16, 16)), ("lab", 1, (4, 4, 4))):
+        got = stats.fields[name]
+        path = str(tmp_path / f"{name}.zarr")
+        files = [set().union(*(_chunk_files(path, s[name].aabb, chunks) for s in samples[b:b + 4]))
+                 for b in range(0, 12, 4)]  # a batch decodes a chunk its samples share once
+        assert got.bytes_needed == sum(math.prod(s[name].shape) * itemsize for s in samples)
+        assert got.chunks_needed == sum(len(_chunk_files(path, s[name].aabb, chunks)) for s in samples)
+        assert got.chunks_decoded == sum(len(f) for f in files)
+        assert got.bytes_decoded == sum(len(f) for f in files) * math.prod(chunks) * itemsize
+        assert got.bytes_read == sum(Path(f).stat().st_size for fs in files for f in fs)
+        assert got.bytes_delivered == sum(math.prod(s[name].shape) for s in samples) * (4 if name == "img" else 1)
+    # lab's aligned boxes decode nothing they do not need (less than 1: chunks its samples share are decoded
+    # once a batch); img's straddle its chunks
+    assert stats.fields["lab"].decode_amplification <= 1.0 < 2.0 < stats.fields["img"].decode_amplification
+    assert stats.fields["img"].read_amplification < stats.fields["img"].decode_amplification
+    # the fields' counts are the pipeline's, split
+    for key in ("bytes_needed", "bytes_read", "bytes_decoded", "chunks_needed", "chunks_decoded", "bytes_delivered"):
+        assert getattr(stats, key) == sum(getattr(c, key) for c in stats.fields.values()), key
+    assert "decode amp" in str(stats) and "\nlab " in str(stats)

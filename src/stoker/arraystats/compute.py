@@ -275,7 +275,7 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
     """The statistics of one array (from its cache entry, or computed by every rank and then cached)."""
     reader = open_array(uri, storage_options, store=store)
     _check_array(reader, channel_axis)
-    box = parse_region(region, reader.shape, uri)
+    box = parse_region(region, reader.shape, uri, reader, storage_options)
     axis = None if channel_axis is None else channel_axis % reader.ndim
     channels = _channels(box, axis)
     lead = rank_info(group).rank == 0
@@ -334,7 +334,9 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
     URIs (scalar statistics each) or lists of URIs (channels: statistics of shape ``(C,)``, channel ``c`` from
     array ``c``; a list of results back), or a dict name -> URI, list of URIs or field (anything with an
     ``arrays`` attribute, such as ``stoker.Field``; a dict of results back). ``region``: dict axis ->
-    ``(start, stop)`` index range (other axes whole), the same for every array. ``channel_axis``: statistics
+    ``(start, stop)`` index range (other axes whole), the same for every array, or dimension name ->
+    ``(first, last)`` labels of its coordinates, both included (``{"time": ("2000-01-01", "2009-12-31")}``,
+    see :func:`~stoker.arraystats.inputs.parse_region`). ``channel_axis``: statistics
     per index of that axis of each array (shape ``(C,)``) instead of one scalar (not with lists of arrays).
 
     ``nonfinite``: NaN and infinities are left out and counted per channel in ``FieldStats.skipped``

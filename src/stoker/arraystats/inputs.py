@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from ..errors import InvalidArgument, NotYetSupported, OutOfBounds
+from ..errors import InvalidArgument, OutOfBounds
 
 
 class Entry(NamedTuple):
@@ -71,10 +71,16 @@ def parse_entries(arrays_or_fields: Any) -> tuple[str, list[Entry]]:
 Box = tuple[tuple[int, int], ...]
 
 
-def parse_region(region: Any, shape: Sequence[int], uri: str) -> Box:
+def parse_region(region: Any, shape: Sequence[int], uri: str, reader: Any = None,
+                 storage_options: dict | None = None) -> Box:
     """The index box ``region`` selects in an array of ``shape``: a dict axis -> ``(start, stop)`` (half-open;
     negative axes count from the end; ``None`` for an open end); axes it leaves out are whole. Ranges
-    outside the array are an :class:`~stoker.errors.OutOfBounds` naming the array."""
+    outside the array are an :class:`~stoker.errors.OutOfBounds` naming the array.
+
+    A dimension name -> ``(first, last)`` takes labels of that dimension's coordinates, both included, as
+    ``RandomCrops(region=...)`` does (:func:`stoker.sampling.region.index_ranges`: xarray's
+    ``.sel(dim=slice(first, last))``, dates covering their whole period); it needs ``reader`` (the opened
+    array, whose dimension names and coordinate arrays beside it are read with ``storage_options``)."""
     box = [(0, int(n)) for n in shape]
     if region is None:
         return tuple(box)
@@ -83,8 +89,12 @@ def parse_region(region: Any, shape: Sequence[int], uri: str) -> Box:
                               f"{type(region).__name__}", knob="region")
     for axis, bounds in region.items():
         if isinstance(axis, str):
-            raise NotYetSupported(f"compute_stats: region by dimension name ({axis!r}) is not supported here; "
-                                  "give index ranges by axis number, e.g. {0: (0, 365)}", knob="region")
+            a, (start, stop) = _labels(axis, bounds, shape, uri, reader, storage_options)
+            if not start < stop:
+                raise OutOfBounds(f"compute_stats: region[{axis!r}] = {bounds!r} holds no label of {uri}'s "
+                                  f"{axis!r} coordinate; choose labels inside its range", knob="region", uri=uri)
+            box[a] = (start, stop)
+            continue
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise InvalidArgument(f"compute_stats: region axes must be ints, got {axis!r}", knob="region")
         if not -len(shape) <= axis < len(shape):
@@ -108,6 +118,22 @@ def parse_region(region: Any, shape: Sequence[int], uri: str) -> Box:
                               knob="region", uri=uri)
         box[a] = (start, stop)
     return tuple(box)
+
+
+def _labels(name: str, bounds: Any, shape: Sequence[int], uri: str, reader: Any,
+            storage_options: dict | None) -> tuple[int, tuple[int, int]]:
+    """``(axis, (start, stop))``: the index range of dimension ``name``'s labels ``bounds`` in ``reader``'s array."""
+    from ..reader.coords import coordinates, dimension_names
+    from ..sampling.region import index_ranges
+
+    if reader is None:
+        raise InvalidArgument(f"compute_stats: region by dimension name ({name!r}) needs the opened array of {uri}",
+                              knob="region", uri=uri)
+    ranges = index_ranges({name: bounds}, uri, tuple(shape), lambda: reader,
+                          lambda r: dimension_names(r, None, storage_options),
+                          lambda r: coordinates(r, storage_options))
+    axis = list(dimension_names(reader, None, storage_options) or ()).index(name)
+    return axis, ranges[axis]
 
 
 __all__ = ["Box", "Entry", "parse_entries", "parse_region"]

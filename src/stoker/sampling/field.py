@@ -122,11 +122,18 @@ class Volume:
     ``scales`` (each field's, from the field or the OME metadata), and the anchor lattice: anchors are
     ``(first + k) * step`` for ``0 <= k < counts`` per axis, where every field's box lies inside its arrays.
 
-    ``align`` (per axis) adds a step anchors must also be multiples of (a mask's scale).
+    ``align`` (per axis) adds a step anchors must also be multiples of (a mask's scale). ``bounds`` (per axis,
+    half-open, reference voxels) restricts the anchors further (a region). ``pad`` (a mode of
+    :data:`~stoker.sampling.sample.PAD_MODES`): only the first field bounds the anchors, as a padded crop over
+    arrays is bounded (its box inside its arrays, or covering an axis shorter than it whole); the other fields'
+    boxes may reach past their arrays, filled while placing.
     """
 
     def __init__(self, fields: Mapping[str, Field], shapes: Mapping[str, tuple[int, ...]],
-                 scales: Mapping[str, tuple[int, ...]], align: Sequence[int] | None = None, who: str = "RandomCrops") -> None:
+                 scales: Mapping[str, tuple[int, ...]], align: Sequence[int] | None = None, who: str = "RandomCrops",
+                 bounds: Sequence[tuple[int, int]] | None = None, pad: str | None = None) -> None:
+        self.pad = pad
+        self.bounds = None if bounds is None else [tuple(int(v) for v in b) for b in bounds]
         self.fields = dict(fields)
         self.names = tuple(fields)
         self.shapes = {n: tuple(shapes[n]) for n in self.names}
@@ -148,22 +155,34 @@ class Volume:
         steps = [self.scales[n] for n in self.names] + ([tuple(align)] if align is not None else [])
         self.step = tuple(math.lcm(*(s[d] for s in steps)) for d in range(ndim))
         # anchor a is valid iff 0 <= (a + o) / s and (a + o) / s + shape <= array shape, for every field
-        lows = {n: tuple(-o for o in f.offset) for n, f in self.fields.items()}
-        highs = {n: tuple(s * (a - c) - o for s, a, c, o in zip(self.scales[n], self.shapes[n], f.shape, f.offset))
-                 for n, f in self.fields.items()}
+        # (with pad, of the first field only; an axis shorter than its box: the anchors whose box covers it)
+        bounding = self.names[:1] if pad is not None else self.names
+        lows, highs = {}, {}
+        for n in bounding:
+            f = self.fields[n]
+            ends = [(-o, s * (a - c) - o) for o, s, a, c in zip(f.offset, self.scales[n], self.shapes[n], f.shape)]
+            lows[n], highs[n] = tuple(min(e) for e in ends), tuple(max(e) for e in ends)
         self.first, self.counts = [], []
         for d in range(ndim):
-            lo = max(lows[n][d] for n in self.names)
-            hi = min(highs[n][d] for n in self.names)
+            lo = max(lows[n][d] for n in bounding)
+            hi = min(highs[n][d] for n in bounding)
             k0, k1 = -(-lo // self.step[d]), hi // self.step[d]
             if k1 < k0:
-                below = max(self.names, key=lambda n: lows[n][d])
-                above = min(self.names, key=lambda n: highs[n][d])
+                below = max(bounding, key=lambda n: lows[n][d])
+                above = min(bounding, key=lambda n: highs[n][d])
                 raise InvalidArgument(
                     f"{who}: no anchor on axis {d} keeps every field's box inside its arrays (anchors on multiples "
                     f"of {self.step[d]}): field {below!r} needs anchors >= {lo}, field {above!r} (arrays of shape "
                     f"{self.shapes[above]}, box {self.fields[above].shape}, scale {self.scales[above]}) <= {hi}; "
                     "make the boxes smaller or their offsets closer", field=above, axis=d)
+            if self.bounds is not None:  # a region: anchors in [start, stop) as well
+                start, stop = self.bounds[d]
+                k0, k1 = max(k0, -(-start // self.step[d])), min(k1, (stop - 1) // self.step[d])
+                if k1 < k0:
+                    raise InvalidArgument(
+                        f"{who}: the region leaves no anchor on axis {d}: it allows anchors in [{start}, {stop}) "
+                        f"(reference voxels), the fields' boxes fit at anchors in [{lo}, {hi}] on multiples of "
+                        f"{self.step[d]}; widen the region", knob="region", axis=d)
             self.first.append(k0)
             self.counts.append(k1 - k0 + 1)
 
@@ -183,8 +202,8 @@ class Volume:
         return [(b, b + c) for b, c in zip(starts, f.shape)]
 
     def sample(self, anchor: Sequence[int]) -> Sample:
-        """The sample of every field at ``anchor``."""
-        return Sample({n: (self.fields[n].arrays, self.box(n, anchor)) for n in self.names})
+        """The sample of every field at ``anchor`` (padded with the volume's ``pad``)."""
+        return Sample({n: (self.fields[n].arrays, self.box(n, anchor)) for n in self.names}, pad=self.pad)
 
 
 class MaskedVolume(NamedTuple):
@@ -196,10 +215,11 @@ class MaskedVolume(NamedTuple):
 
 
 def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | None, stores: Any,
-                who: str) -> MaskedVolume:
+                who: str, region: dict | None = None, pad: str | None = None) -> MaskedVolume:
     """Open ``fields``' arrays (shapes; scales from the OME metadata where not given) in ``stores``, and with
     ``mask`` (a :class:`~stoker.sampling.mask.Mask`) find the anchors it lets through; InvalidArgument naming
-    the mask, the fraction and the best coverage found when none does."""
+    the mask, the fraction and the best coverage found when none does. ``region`` and ``pad``: see
+    :func:`region_bounds` and :class:`Volume`."""
     from ..reader.array import open_array
     from ..reader.ome import level_scale
     from ..storage.locate import check_options_by_prefix, options_for
@@ -216,8 +236,9 @@ def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | 
         shapes[name] = found[0]
         scales[name] = f.scale or level_scale(f.uris[0], options_for(by_prefix, f.uris[0]), stores) or \
             (1,) * len(found[0])
+    bounds = None if region is None else region_bounds(fields, shapes, scales, region, by_prefix, stores)
     if mask is None:
-        return MaskedVolume(Volume(fields, shapes, scales, who=who), None)
+        return MaskedVolume(Volume(fields, shapes, scales, who=who, bounds=bounds, pad=pad), None)
     if not isinstance(mask, Mask):
         raise InvalidArgument(f"{who}: mask must be a stoker.Mask, got {type(mask).__name__}", knob="mask")
     if mask.field not in fields:
@@ -232,7 +253,7 @@ def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | 
         raise InvalidArgument(f"{who}: mask {mask.uri} has scale {mask_scale}, of {len(mask_scale)} axes; field "
                               f"{mask.field!r} has {ndim}", uri=mask.uri, knob="scale")
     check_alignment(mask, mask.field, fields[mask.field], scales[mask.field], mask_scale, who)
-    volume = Volume(fields, shapes, scales, align=mask_scale, who=who)
+    volume = Volume(fields, shapes, scales, align=mask_scale, who=who, bounds=bounds, pad=pad)
     index, best = covering_anchors(volume, mask, mask_scale, reader)
     if not index.size:
         raise InvalidArgument(
@@ -241,3 +262,28 @@ def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | 
             "min_fraction, or check that the mask and its scale belong to this volume",
             uri=mask.uri, knob="min_fraction", min_fraction=mask.min_fraction, best=best)
     return MaskedVolume(volume, index)
+
+
+def region_bounds(fields: Mapping[str, Field], shapes: Mapping[str, tuple[int, ...]],
+                  scales: Mapping[str, tuple[int, ...]], region: dict, by_prefix: Any,
+                  stores: Any) -> list[tuple[int, int]]:
+    """The anchors (half-open, reference voxels, per axis) ``region`` allows: it is read on the first field's
+    first array (axis numbers: index ranges; dimension names: labels of its coordinates, see
+    :mod:`stoker.sampling.region`) and restricts where that field's box starts, ``[i0, i1)`` in its own
+    voxels; with its scale ``s`` and offset ``o`` that is anchors in ``[i0 * s - o, i1 * s - o)``."""
+    from ..reader.array import open_array
+    from ..reader.coords import coordinates, dimension_names
+    from ..storage.locate import options_for
+    from .region import index_ranges
+
+    if not isinstance(region, dict) or not region:
+        raise InvalidArgument(f"region must be a non-empty dict of axis numbers or dimension names to ranges, got "
+                              f"{region!r}", knob="region")
+    name = next(iter(fields))
+    f, scale = fields[name], scales[name]
+    uri = f.uris[0]
+    options = options_for(by_prefix, uri)
+    ranges = index_ranges(region, uri, tuple(shapes[name]), lambda: open_array(uri, options, stores=stores),
+                          lambda reader: dimension_names(reader, stores, options),
+                          lambda reader: coordinates(reader, options, stores))
+    return [(i0 * s - o, i1 * s - o) for (i0, i1), s, o in zip(ranges, scale, f.offset)]

@@ -234,6 +234,15 @@ class RandomCrops(SampleSource):
     ...           "labels": stoker.Field("/data/labels.zarr", (56, 56, 56), offset=(20, 20, 20))}
     >>> src = stoker.RandomCrops(fields, seed=0, mask=stoker.Mask("/data/fg.zarr", 0.25, field="labels", scale=4))
 
+    ``region`` over fields is read on the first field's first array and restricts where that field's box
+    starts (in its voxels; anchors ``[i0 * scale - offset, i1 * scale - offset)``), combined exactly with a
+    mask. ``pad`` over fields: only the first field bounds the anchors (as a padded crop over arrays); the
+    other fields' boxes may reach past their arrays, filled while placing (see :class:`~stoker.sampling.field.Volume`).
+
+    >>> train = stoker.RandomCrops({"input": stoker.Field(vars_, (2, 64, 128)),
+    ...                             "target": stoker.Field(vars_, (1, 64, 128), offset=(7, 0, 0))},
+    ...                            region={"time": ("1990-01-01", "2015-12-31")})
+
     ``mask`` (a :class:`~stoker.Mask`, or one per volume, ``None`` for none) draws only the anchors whose
     named field's box covers at least ``min_fraction`` of nonzero mask voxels (see
     :mod:`stoker.sampling.mask`). Volumes are weighted by their anchors (those that qualify, with a mask)
@@ -251,12 +260,7 @@ class RandomCrops(SampleSource):
             if sample_shape is not None:
                 raise InvalidArgument("RandomCrops over fields takes each field's shape in its Field, not "
                                       "sample_shape; leave sample_shape out", knob="sample_shape")
-            if self.pad is not None:
-                raise NotYetSupported("RandomCrops over fields with pad= (anchors whose boxes reach past the "
-                                      "arrays) is not drawn yet; pad= applies to RandomCrops over arrays", knob="pad")
-            if region is not None:
-                raise NotYetSupported("RandomCrops over fields with region= is not drawn yet; region= applies to "
-                                      "RandomCrops over arrays", knob="region")
+            self.region: dict | None = None if region is None else dict(region)
             self._init_fields(volumes, seed, samples_per_epoch, weights, storage_options, mask)
             return
         if mask is not None:
@@ -280,7 +284,7 @@ class RandomCrops(SampleSource):
                     self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape))):
                 hint = "" if len(shape) != len(self.sample_shape) else " (pad= lets them reach past it)"
                 raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}{hint}", uri=uri)
-        self.region: dict | None = None if region is None else dict(region)
+        self.region = None if region is None else dict(region)
         # per array and axis the first box start and how many there are (a region may restrict them; a padded
         # crop longer than its axis covers it, the axis anywhere inside it: first start below 0)
         self._lo, self._limits, spans = _anchors(self, region, storage_options)
@@ -313,7 +317,8 @@ class RandomCrops(SampleSource):
         self.fields, self.masks, self.seed = volumes, masks, int(seed)
         stores = Stores()  # shared by every array: a consolidated group's metadata is read once, not per array
         try:
-            self.volumes = [open_volume(v, m, storage_options, stores, "RandomCrops") for v, m in zip(volumes, masks)]
+            self.volumes = [open_volume(v, m, storage_options, stores, "RandomCrops", region=self.region, pad=self.pad)
+                            for v, m in zip(volumes, masks)]
         finally:
             stores.close()
         anchors = [len(mv.qualifying) if mv.qualifying is not None else mv.volume.n_anchors for mv in self.volumes]
@@ -323,9 +328,15 @@ class RandomCrops(SampleSource):
         else:  # the crops of each volume's first field that tile its arrays once (those that qualify)
             count = 0
             for mv, n in zip(self.volumes, anchors):
-                first = mv.volume.names[0]
-                tiles = math.prod(mv.volume.shapes[first]) // math.prod(mv.volume.fields[first].shape)
-                count += tiles * n // mv.volume.n_anchors
+                vol = mv.volume
+                first = vol.names[0]
+                span = math.prod(vol.shapes[first])
+                if self.region is not None:  # the voxels of the first field's arrays its boxes in the region cover
+                    span = math.prod(min(a, (k - 1) * st // s + c) for a, k, st, s, c in
+                                     zip(vol.shapes[first], vol.counts, vol.step, vol.scales[first],
+                                         vol.fields[first].shape))
+                tiles = span // math.prod(vol.fields[first].shape)
+                count += tiles * n // vol.n_anchors
             count = min(max(1, count), MAX_SAMPLES)
         self.samples_per_epoch = count
         self._cdf = np.cumsum(self.weights)
@@ -375,10 +386,15 @@ class RandomCrops(SampleSource):
         """The arrays, their shapes, the crop shape, weights, epoch length and seed; over fields, the fields,
         their arrays' shapes and scales, the masks and what they let through (and ``pad`` when set)."""
         if self.volumes is not None:
+            # a region adds each volume's anchor range (lattice start and counts), pad its mode; without them the
+            # identity is what it was
+            region = [] if self.region is None else \
+                [["region", [[list(mv.volume.first), list(mv.volume.counts)] for mv in self.volumes]]]
             return ["fields", _fields_identity(self.fields, self.volumes), [None if m is None else m.plain()
                                                                              for m in self.masks],
                     [None if mv.qualifying is None else _digest(mv.qualifying) for mv in self.volumes],
-                    self.weights.round(12).tolist(), self.samples_per_epoch, self.seed]
+                    self.weights.round(12).tolist(), self.samples_per_epoch, self.seed] + region + \
+                ([] if self.pad is None else ["pad", self.pad])
         region = [["region", self._lo.tolist(), self._limits.tolist()]] if self.region is not None else []
         return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
                 self.seed] + region + ([] if self.pad is None else ["pad", self.pad])
@@ -492,7 +508,9 @@ class TileGrid(SampleSource):
     each axis, every ``stride`` reference voxels from the first anchor that keeps every field's box inside
     its arrays, the last one shifted back to the last such anchor. ``stride`` (reference voxels, a multiple
     of the fields' scales) defaults to the first field's extent (its shape times its scale), so its boxes
-    tile its arrays; samples are ``Sample({name: (uris, box)})``.
+    tile its arrays; samples are ``Sample({name: (uris, box)})``. With ``pad`` the first field's tiles are laid
+    out as a padded grid over arrays (their centres tile its arrays, the first box at minus the margin
+    ``(shape - stride / scale) // 2``); the anchors, and the other fields, follow them.
 
     >>> grid = stoker.TileGrid({"raw": stoker.Field("/data/raw.zarr", (96, 96, 96)),
     ...                         "labels": stoker.Field("/data/labels.zarr", (56, 56, 56), offset=(20, 20, 20))},
@@ -509,9 +527,6 @@ class TileGrid(SampleSource):
             if sample_shape is not None:
                 raise InvalidArgument("TileGrid over fields takes each field's shape in its Field, not sample_shape; "
                                       "leave sample_shape out", knob="sample_shape")
-            if self.pad is not None:
-                raise NotYetSupported("TileGrid over fields with pad= is not laid out yet; pad= applies to "
-                                      "TileGrid over arrays", knob="pad")
             self._init_fields(volumes, stride, shuffle, seed, storage_options)
             return
         if sample_shape is None:
@@ -564,7 +579,7 @@ class TileGrid(SampleSource):
         self.fields, self.shuffle, self.seed = volumes, bool(shuffle), int(seed)
         stores = Stores()
         try:
-            self.volumes = [open_volume(v, None, storage_options, stores, "TileGrid") for v in volumes]
+            self.volumes = [open_volume(v, None, storage_options, stores, "TileGrid", pad=self.pad) for v in volumes]
         finally:
             stores.close()
         first = self.volumes[0].volume
@@ -576,7 +591,7 @@ class TileGrid(SampleSource):
         self.stride = tuple(int(s) for s in stride)
         if len(self.stride) != ndim or any(s < 1 for s in self.stride):
             raise InvalidArgument(f"TileGrid: stride must be {ndim} positive integers, got {self.stride}", knob="stride")
-        self._counts, self._offsets, self._lattice_stride = [], [0], []
+        self._counts, self._offsets, self._lattice_stride, self._starts = [], [0], [], []
         for i, mv in enumerate(self.volumes):
             step = mv.volume.step
             if any(s % st for s, st in zip(self.stride, step)):
@@ -585,7 +600,11 @@ class TileGrid(SampleSource):
                     f"of volume {i} lie on (the least common multiple of its fields' scales): round it to one",
                     knob="stride")
             lattice = tuple(s // st for s, st in zip(self.stride, step))
-            counts = tuple(-(-(n - 1) // q) + 1 for n, q in zip(mv.volume.counts, lattice))
+            if self.pad is not None:
+                self._starts.append(_padded_layout(mv.volume, self.stride, self.pad, i))
+                counts = self._starts[-1][1]
+            else:
+                counts = tuple(-(-(n - 1) // q) + 1 for n, q in zip(mv.volume.counts, lattice))
             self._lattice_stride.append(lattice)
             self._counts.append(counts)
             self._offsets.append(self._offsets[-1] + math.prod(counts))
@@ -612,6 +631,10 @@ class TileGrid(SampleSource):
         for count in reversed(self._counts[a]):  # C order, as numpy.unravel_index
             rest, t = divmod(rest, count)
             tile.append(t)
+        if self.volumes is not None and self.pad is not None:  # tile t's first-field centre starts at t * stride
+            volume = self.volumes[a].volume
+            first = self._starts[a][0]
+            return volume.sample(tuple(f + t * st for f, t, st in zip(first, reversed(tile), self.stride)))
         if self.volumes is not None:  # the last tile of an axis at the last anchor
             volume = self.volumes[a].volume
             k = [min(t * q, n - 1) for t, q, n in zip(reversed(tile), self._lattice_stride[a], volume.counts)]
@@ -627,13 +650,38 @@ class TileGrid(SampleSource):
         """The arrays, their shapes, the tile shape and stride, and the order's settings."""
         if self.volumes is not None:
             return ["fields", _fields_identity(self.fields, self.volumes), self.stride, self.shuffle, self.seed] + \
-                _order_id(self)
+                _order_id(self) + ([] if self.pad is None else ["pad", self.pad])
         # grids whose last tiles are shifted to the border hold other tiles than before they were: marked, so a
         # state saved for the grid that left the remainder out is not resumed into this one
         cover = ["cover-border"] if self._shifted else []
         pad = [] if self.pad is None else ["pad", self.pad]
         return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + \
             _order_id(self) + cover + pad
+
+
+def _padded_layout(volume: Any, stride: tuple[int, ...], pad: str, i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A padded grid over fields: ``(first anchor, tiles per axis)``. The first field's tiles are laid out as
+    a padded grid over arrays: their centres (the box less ``(shape - stride) // 2`` on each side, in its own
+    voxels) tile its arrays, so its boxes start every stride at ``-(shape - stride) // 2``; the anchor
+    follows (``box start * scale - offset``), and the other fields with it."""
+    name = volume.names[0]
+    f, scale, shape = volume.fields[name], volume.scales[name], volume.shapes[name]
+    own = [st // s for st, s in zip(stride, scale)]  # the stride in the first field's voxels
+    if any(st > c for st, c in zip(own, f.shape)):
+        raise InvalidArgument(
+            f"TileGrid(pad={pad!r}): stride {stride} (reference voxels; {tuple(own)} of field {name!r}'s voxels) "
+            f"exceeds field {name!r}'s box {f.shape} on some axis; a padded grid's tile centres tile the arrays: use "
+            "a stride up to the first field's extent", knob="stride")
+    first = tuple(-((c - st) // 2) * s - o for c, st, s, o in zip(f.shape, own, scale, f.offset))
+    for d, (a, step) in enumerate(zip(first, volume.step)):
+        if a % step:
+            raise InvalidArgument(
+                f"TileGrid(pad={pad!r}) over volume {i}: the first tile's anchor on axis {d} is {a} (field {name!r}'s "
+                f"box less its margin (shape - stride) // 2, times its scale, less its offset), not a multiple of "
+                f"{step}, the fields' scales' least common multiple, so some box would not start on a whole voxel; "
+                "choose a stride whose margin is a multiple of it", knob="stride", axis=d)
+    counts = tuple(-(-n // st) for n, st in zip(shape, own))
+    return first, counts
 
 
 class SampleList(SampleSource):

@@ -70,7 +70,7 @@ from .coordinator import Coordinator
 from ..choose import make_executor
 from .intake import Intake
 from .lanes import Lanes, transform_fields
-from ..stats import Stats, StatsRecorder
+from ..stats import FIELD_COUNTERS, Stats, StatsRecorder
 
 
 class Pipeline:
@@ -271,22 +271,25 @@ class Pipeline:
         batches = {}
         counts = dict(batches_emitted=1, samples=rows, chunks_needed=0, chunk_dedup_hits=0, bytes_delivered=0,
                       bytes_needed=0)
+        fields: dict[str, dict[str, int]] = {}  # each field's own (Stats.fields): its lane's chunks alone
         for part in head.parts:
             plan = part.job.plan
             view, release, event, stream = part.executor.deliver(part.target, rows)
             batches[part.name] = Batch(view, plan.samples, head.batch_id, _once_handed(release, handed),
                                        ready_event=event if ready_event is None else ready_event,
                                        ready_stream=stream if ready_stream is None else ready_stream)
-            for name, value in dict(chunks_needed=plan.chunks_needed, chunk_dedup_hits=plan.chunks_needed - plan.n_chunks,
-                                    bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
-                                    **part.job.counts).items():
+            own = dict(chunks_needed=plan.chunks_needed, chunk_dedup_hits=plan.chunks_needed - plan.n_chunks,
+                       bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
+                       **part.job.counts)
+            for name, value in own.items():
                 counts[name] = counts.get(name, 0) + value
+            fields[part.name] = {k: own[k] for k in FIELD_COUNTERS}
             del view, release
         batch = FieldBatch(batches, head.samples, head.batch_id, keys=head.parts[0].job.plan.keys)
-        self._popped(head, t0, rows, counts)
+        self._popped(head, t0, rows, counts, fields)
         return batch, handed
 
-    def _popped(self, head: Any, t0: float, rows: int, counts: dict) -> None:
+    def _popped(self, head: Any, t0: float, rows: int, counts: dict, fields: dict | None = None) -> None:
         """The hand-over's one step under the condition (see :meth:`_hand_over`): ``head`` leaves the batches in
         flight and is counted as received, with ``_handing`` noting it for an interrupt to undo."""
         intake = self._intake
@@ -297,7 +300,7 @@ class Pipeline:
             self._coordinator.take_head(head)
             intake.popped(head.source_ids, rows)
             self._stats.stage("pop_wait", time.perf_counter() - t0)
-            self._stats.add(**counts)
+            self._stats.add(fields, **counts)
             self._cond.notify_all()
 
     def _undo_hand_over(self) -> None:
