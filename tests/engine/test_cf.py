@@ -166,7 +166,8 @@ def test_a_16_bit_output_without_float32_work_is_refused(dataset, tmp_path):
 
 
 def test_an_executor_that_does_not_decode_refuses(dataset, monkeypatch):
-    """An executor without CF decoding (the GPU-decode one) never ignores the attributes: NotYetSupported."""
+    """An executor without CF decoding (applies_cf false; none of the built-in ones) never ignores the
+    attributes: NotYetSupported."""
     from stoker.engine.cpu.executor import CpuExecutor
 
     monkeypatch.setattr(CpuExecutor, "applies_cf", False)
