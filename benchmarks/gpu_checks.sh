@@ -115,7 +115,7 @@ if wanted bench; then
     decode=()
     "$PY" -c "from stoker.engine.gpu import nvcomp; raise SystemExit(not nvcomp.available())" 2>/dev/null \
         && decode=(--decode-on gpu)
-    step bench-cuda 200 "$PY" -m stoker bench --device cuda "${decode[@]}" --scenarios 1,9,10 --rounds 2 \
+    step bench-cuda 200 "$PY" -m stoker bench --device cuda ${decode[@]+"${decode[@]}"} --scenarios 1,9,10 --rounds 2 \
         --data "$DATA" --json "$OUT_DIR/bench-cuda.json"
 fi
 
