@@ -197,3 +197,21 @@ def test_a_16_bit_output_without_float32_work_is_refused(dataset, on_host, tmp_p
         with pytest.raises(stoker.DtypeMismatch, match="/p: its CF attributes.*first batch.*cf=False"):
             pipe.pop()
     assert on_host
+
+
+def test_batches_without_cf_rows_are_rounded_from_the_work_buffer(dataset, on_host, tmp_path):
+    """A bf16 pipeline whose first batch reads CF arrays makes every batch in the float32 work buffer: a later
+    batch of plain arrays is rounded into its slot too."""
+    plain = zarr.create_array(str(tmp_path / "plain"), shape=SHAPE, chunks=(4, 8, 8), dtype="f4")
+    values = np.random.default_rng(2).normal(0, 100, SHAPE).astype("f4")
+    plain[...] = values
+    boxes = _boxes(4)
+    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in boxes]
+    samples += [stoker.Sample(str(tmp_path / "plain"), box) for box in boxes]
+    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
+        pipe.push(samples)
+        pipe.pop().release()
+        x = torch.from_dlpack(pipe.pop())
+        for i, box in enumerate(boxes):
+            assert torch.equal(x[i], torch.from_numpy(values[tuple(slice(a, b) for a, b in box)]).to(torch.bfloat16))
+    assert on_host and on_host[0].cf_work
