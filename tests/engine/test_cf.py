@@ -166,7 +166,8 @@ def test_a_16_bit_output_without_float32_work_is_refused(dataset, tmp_path):
 
 
 def test_an_executor_that_does_not_decode_refuses(dataset, monkeypatch):
-    """An executor without CF decoding (the GPU-decode one) never ignores the attributes: NotYetSupported."""
+    """An executor without CF decoding (applies_cf false; none of the built-in ones) never ignores the
+    attributes: NotYetSupported."""
     from stoker.engine.cpu.executor import CpuExecutor
 
     monkeypatch.setattr(CpuExecutor, "applies_cf", False)
@@ -181,13 +182,21 @@ def test_an_executor_that_does_not_decode_refuses(dataset, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("decode_on", ["cpu", "gpu"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_cuda_batches_equal_xarray(dataset, dtype):
-    """On a GPU the decoding runs on the side stream after the device cast (int16 crosses PCIe as int16)."""
+def test_cuda_batches_equal_xarray(dataset, dtype, decode_on):
+    """On a GPU the decoding runs on the side stream after the device cast (int16 crosses PCIe as int16), or
+    on the GPU-decode executor's stream after placing (tests/gpu/test_gpu_cf.py runs it on the host)."""
+    if decode_on == "gpu":
+        from stoker.engine.gpu import nvcomp
+
+        if not nvcomp.available():
+            pytest.skip("nvCOMP is not installed")
     ref = xr.open_zarr(dataset, consolidated=False)
     uris = [os.path.join(dataset, v) for v in ("t2m", "p", "q")]
     samples = [stoker.Sample(uris, box) for box in _boxes(8)]
-    with stoker.Pipeline(_cfg(dtype=dtype, device="cuda", decode_on="cpu")) as pipe:
+    with stoker.Pipeline(_cfg(dtype=dtype, device="cuda", decode_on=decode_on,
+                              device_buffer_bytes=64 << 20)) as pipe:
         pipe.push(samples)
         for b in pipe.batches(2):
             x = torch.from_dlpack(b).cpu()

@@ -5,6 +5,7 @@ training side (CropDataset, CropBatches). The CUDA path's tests need a GPU and a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import sys
@@ -498,47 +499,78 @@ def test_the_trainer_s_loss_fn_gets_the_dict(arrays):
 # -- on a GPU ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("decode_on", ["cpu", "gpu"])
-def test_cuda_batches_of_fields_are_the_cpu_s(arrays, decode_on):
+def _on_host(monkeypatch):
+    """Pipelines built from here on decode with the GPU-decode executor run on CPU tensors (its host stand-in),
+    so the logic of a CUDA test's ``decode_on="gpu"`` runs where no GPU is; returns the executors made."""
+    from stoker.engine.gpu.executor import GpuDecodeExecutor
+
+    made: list = []
+    monkeypatch.setattr(pipelines, "make_executor",
+                        lambda cfg, device, stats, store: made.append(GpuDecodeExecutor.on_host(cfg, stats, store))
+                        or made[-1])
+    return made
+
+
+@pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
+                                       pytest.param("gpu", marks=pytest.mark.cuda), "host"])
+def test_cuda_batches_of_fields_are_the_cpu_s(arrays, decode_on, monkeypatch):
+    """On a GPU, both decode paths; "host": the GPU-decode executor's logic on CPU tensors."""
     from stoker.engine.gpu import nvcomp
 
     if decode_on == "gpu" and not nvcomp.available():
         pytest.skip("nvCOMP is not installed")
-    torch.cuda.set_device(0)
+    on_gpu = decode_on != "host"
+    if on_gpu:
+        torch.cuda.set_device(0)
+    else:
+        made = _on_host(monkeypatch)
     dtype = {"raw": "bf16", "labels": "native", "mask": "f32"}
     samples = _samples(arrays, 16, seed=11)
-    cfg = dict(dtype=dtype, device_buffer_bytes=64 << 20, decode_on=decode_on)
-    with stoker.Pipeline(_cfg(**cfg, device=0)) as p:
+    cfg = dict(dtype=dtype, device_buffer_bytes=64 << 20, decode_on="gpu" if not on_gpu else decode_on)
+    with stoker.Pipeline(_cfg(**cfg, device=0 if on_gpu else "cpu")) as p:
         p.push(samples)
         n = 0
         for batch in p:
-            assert all(batch[k].info.device == torch.device("cuda", 0) and batch[k].info.ready_event is not None
-                       for k in batch)
-            x = {k: torch.from_dlpack(v).cpu() for k, v in batch.items()}
+            assert all(batch[k].info.device == (torch.device("cuda", 0) if on_gpu else torch.device("cpu"))
+                       and (batch[k].info.ready_event is not None) == on_gpu for k in batch)
+            # copies (on the host .cpu() would be the slot itself, held past its batch)
+            x = {k: torch.from_dlpack(v).to("cpu", copy=True) for k, v in batch.items()}
             for row, s in enumerate(batch.samples):
                 for name in x:
                     assert torch.equal(x[name][row], _expected(arrays, name, s[name], dtype[name]))
             n += 1
         assert n == 4
         assert _lane_slots_free(p)
+    if not on_gpu:
+        assert len(made) == 4 and all(ex.slots is not None for ex in made[1:])  # the pipeline's, one per field
 
 
-@pytest.mark.cuda
-def test_cuda_transform_of_fields_is_fenced_for_the_consumer(arrays):
-    torch.cuda.set_device(0)
+@pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
+                                       pytest.param("gpu", marks=pytest.mark.cuda), "host"])
+def test_cuda_transform_of_fields_is_fenced_for_the_consumer(arrays, decode_on, monkeypatch):
+    """On a GPU, both decode paths; "host": the GPU-decode executor's logic on CPU tensors (no fence there)."""
+    from stoker.engine.gpu import nvcomp
+
+    if decode_on == "gpu" and not nvcomp.available():
+        pytest.skip("nvCOMP is not installed")
+    on_gpu = decode_on != "host"
+    if on_gpu:
+        torch.cuda.set_device(0)
+    else:
+        _on_host(monkeypatch)
     dtype = {"raw": "f32", "labels": "native"}
     samples = [stoker.Sample({"raw": s["raw"], "labels": s["labels"]}) for s in _samples(arrays, 8, seed=12)]
 
     def scale(x):
         x["raw"].mul_(2)
 
-    with stoker.Pipeline(_cfg(dtype=dtype, device=0, device_buffer_bytes=64 << 20, decode_on="cpu",
-                              transform=scale)) as p:
+    with stoker.Pipeline(_cfg(dtype=dtype, device=0 if on_gpu else "cpu", device_buffer_bytes=64 << 20,
+                              decode_on=decode_on if on_gpu else "gpu", transform=scale)) as p:
         p.push(samples)
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream() if on_gpu else None
         for batch in p:
-            with torch.cuda.stream(side):  # another stream than the transform's: it waits on the batch's event
+            # another stream than the transform's: it waits on the batch's event
+            with torch.cuda.stream(side) if on_gpu else contextlib.nullcontext():
                 x = {k: torch.from_dlpack(v).cpu() for k, v in batch.items()}
             for row, s in enumerate(batch.samples):
                 assert torch.equal(x["raw"][row], _expected(arrays, "raw", s["raw"], "f32") * 2)

@@ -232,11 +232,23 @@ def test_the_gpu_decode_executor_pads_on_the_device(tmp_path, monkeypatch):
     assert (got == 7).all()
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
+                                       pytest.param("gpu", marks=pytest.mark.cuda), "host"])
 @pytest.mark.parametrize("mode", MODES)
-def test_cuda_batches_are_padded(tmp_path, mode):
+def test_cuda_batches_are_padded(tmp_path, mode, decode_on, monkeypatch):
+    """On a GPU, both decode paths; "host": the GPU-decode executor's logic on CPU tensors, the same batch."""
+    if decode_on == "gpu":
+        from stoker.engine.gpu import nvcomp
+
+        if not nvcomp.available():
+            pytest.skip("nvCOMP is not installed")
+    if decode_on == "host":
+        monkeypatch.setattr(pipelines, "make_executor",
+                            lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store))
     uri, data = _array(tmp_path / "a.zarr")
-    cfg = stoker.Config(batch_size=len(BOXES), dtype="f32", device="cuda", pop_timeout_s=30.0)
+    cfg = stoker.Config(batch_size=len(BOXES), dtype="f32", device="cpu" if decode_on == "host" else "cuda",
+                        decode_on="gpu" if decode_on == "host" else decode_on, pop_timeout_s=30.0,
+                        device_buffer_bytes=64 << 20)
     with stoker.Pipeline(cfg) as p:
         p.push([stoker.Sample(uri, box, pad=mode) for box in BOXES])
         with p.pop() as batch:

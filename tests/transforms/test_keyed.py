@@ -406,8 +406,14 @@ def test_the_gpu_decode_executor_passes_the_keys_too(volume, monkeypatch):
 # -- CPU and CUDA ------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)")
-def test_draws_are_equal_on_cpu_and_cuda(volume, rng):
+@pytest.mark.cuda  # (so `pytest -m cuda` runs it; skipped without a GPU by tests/conftest.py)
+@pytest.mark.parametrize("decode_on", ["cpu", "gpu"])
+def test_draws_are_equal_on_cpu_and_cuda(volume, rng, decode_on):
+    if decode_on == "gpu":
+        from stoker.engine.gpu import nvcomp
+
+        if not nvcomp.available():
+            pytest.skip("nvCOMP is not installed")
     batch, raw = _fields(rng)
     on_gpu = {k: v.cuda() for k, v in batch.items()}
     keys = _keys(16, epoch=3)
@@ -426,7 +432,8 @@ def test_draws_are_equal_on_cpu_and_cuda(volume, rng):
     src = stoker.RandomCrops([uri], (8, 8), seed=5, samples_per_epoch=16)
     got = {}
     for device in ("cpu", 0):
-        with stoker.Pipeline(_cfg(device=device, transform=[RandomFlip(axes=(-2, -1), seed=4),
+        with stoker.Pipeline(_cfg(device=device, decode_on="cpu" if device == "cpu" else decode_on,
+                                  transform=[RandomFlip(axes=(-2, -1), seed=4),
                                                             RandomTranspose(axes=(-2, -1), seed=5)])) as p:
             p.push(src.for_rank(0, 1))
             got[device] = [(b.keys.copy(), torch.from_dlpack(b).cpu().clone()) for b in p]

@@ -3,7 +3,8 @@
 A batch's rows (``b * C + c``: sample ``b``, channel ``c``) may each come from another array, and the plan
 knows which; :func:`row_decoder` makes the batch's decoder from it, which the job's completion hook runs
 on the batch in its slot after the cast to the float output and before ``Config.transform`` (on a CUDA
-device on the side stream, after the cast there). Per run of rows of one coding (a piece of at most
+device on the side stream, after the cast there; in the GPU-decode executor on its stream, once the batch is
+placed and padded). Per run of rows of one coding (a piece of at most
 :data:`PIECE_ELEMENTS` at a time): values equal to a fill become NaN (compared in the batch's float dtype,
 exact for 8- and 16-bit integer and float32 sources), and ``x * scale_factor + add_offset`` is computed in
 float64 and rounded once to the batch's dtype, as xarray computes it (the attributes of a Zarr array are
