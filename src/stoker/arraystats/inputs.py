@@ -19,8 +19,6 @@ import numbers
 import os
 from typing import Any, Mapping, NamedTuple, Sequence
 
-import numpy as np
-
 from ..errors import InvalidArgument, NotYetSupported, OutOfBounds
 
 
@@ -102,7 +100,7 @@ def parse_region(region: Any, shape: Sequence[int], uri: str) -> Box:
         start = 0 if start is None else start
         stop = int(shape[a]) if stop is None else stop
         for v in (start, stop):  # numpy integers too (what pandas' and xarray's index lookups return)
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise InvalidArgument(f"compute_stats: region[{axis}] bounds must be ints, got {bounds!r}",
                                       knob="region")
         start, stop = int(start), int(stop)  # plain ints: the box is part of the cache's JSON
