@@ -33,7 +33,7 @@ def slices(box) -> tuple[slice, ...]:
 
 @pytest.mark.timeout(180)
 def test_segmentation_guide_runs(tmp_path, monkeypatch):
-    pytest.importorskip("ome_zarr")
+    pytest.importorskip("ome_zarr", minversion="0.18")  # scale_factors per axis, levels named s0, s1, ...
     ns = run_page("segmentation.md", tmp_path, monkeypatch)
     first, samples = ns["first"], ns["samples"]
     assert {k: (tuple(v.shape), v.dtype) for k, v in first.items()} == {
