@@ -586,3 +586,31 @@ def test_threads_the_system_refuses_name_compute_stats_threads(arrays):
     assert info.value.knob == "threads"
     assert_matches(stoker.compute_stats(arrays["int16_sharded"], cache=False, threads=2),
                    truth(arrays["int16_sharded"]))  # threads again: it works
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_cf_packed_variables_give_the_statistics_of_what_batches_hold(tmp_path, zarr_format):
+    """A variable xarray packed as int16 (scale_factor, add_offset, _FillValue): the statistics are those of the
+    decoded values (xarray's, fills left out as NaN), which a Config(cf=True) batch holds; cf=False those of the
+    stored integers. The two are cached apart."""
+    xr = pytest.importorskip("xarray")
+    rng = np.random.default_rng(3)
+    t2m = (280 + 5 * rng.normal(0, 1, (12, 8, 16))).astype("float32")
+    t2m[2, :3, :3] = np.nan
+    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), t2m)})
+    path = str(tmp_path / "era.zarr")
+    ds.to_zarr(path, mode="w", zarr_format=zarr_format, consolidated=False, encoding={
+        "t2m": {"dtype": "int16", "scale_factor": 0.01, "add_offset": 280.0, "_FillValue": -32768,
+                "chunks": (4, 8, 16)}})
+    decoded = xr.open_zarr(path, consolidated=False)["t2m"].values[1:9].astype(np.float64)
+    st = stoker.compute_stats(path + "/t2m", region={0: (np.int64(1), np.int64(9))}, progress=False)
+    assert int(st.skipped) == 9 and int(st.count) == decoded.size
+    np.testing.assert_allclose(float(st.mean), np.nanmean(decoded), rtol=1e-6)
+    np.testing.assert_allclose(float(st.std), np.nanstd(decoded), rtol=1e-4)
+    assert float(st.min) == pytest.approx(np.nanmin(decoded), abs=0.006)  # xarray rounds to float32
+    stored = zarr.open_array(path + "/t2m", mode="r")[1:9].astype(np.float64)
+    raw = stoker.compute_stats(path + "/t2m", region={0: (1, 9)}, cf=False, progress=False)
+    assert int(raw.skipped) == 0 and float(raw.min) == stored.min() == -32768
+    np.testing.assert_allclose(float(raw.mean), stored.mean(), rtol=1e-12)
+    again = stoker.compute_stats(path + "/t2m", region={0: (1, 9)}, progress=False)  # the cache keeps both apart
+    assert float(again.mean) == float(st.mean)

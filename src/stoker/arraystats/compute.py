@@ -27,7 +27,7 @@ import math
 import os
 import time
 import warnings
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ import torch
 from ..dist.collectives import all_gather, barrier, group_position, rank_info
 from ..errors import InvalidArgument, NonFiniteData, StokerError
 from ..reader.array import ArrayReader, open_array
+from ..reader.coords import coding
 from ..records import sidecar
 from ..records.moments import F64, Moments
 from ..records.stats import FieldStats, cached_entry
@@ -44,6 +45,9 @@ from ..storage.locate import locate
 from . import identity
 from .inputs import Box, parse_entries, parse_region
 from .ordered import ordered_map
+
+if TYPE_CHECKING:
+    from ..zarr.cf import CFCoding
 
 #: Most blocks an array's units are cut into: what one all_gather carries (5 numbers per channel each).
 MAX_BLOCKS = 1024
@@ -161,14 +165,17 @@ class _Progress:
 
 
 def _local_pass(reader: ArrayReader, units: Units, mine: list[range], channel_axis: int | None, skip: bool,
-                threads: int, timeout_s: float, show: bool) -> tuple[list[Moments], tuple[int, int] | None]:
+                threads: int, timeout_s: float, show: bool,
+                code: CFCoding | None = None) -> tuple[list[Moments], tuple[int, int] | None]:
     """This rank's blocks' moments (each block merged in unit order), or, unless ``skip``, the first unit
-    holding non-finite values (``(unit, count)``: no need to read further)."""
+    holding non-finite values (``(unit, count)``: no need to read further). ``code``: the CF decoding applied
+    to what is read (in float64, as the pipeline decodes before its one rounding), or None."""
     order = [u for block in mine for u in block]
     bar = _Progress(len(order), reader.uri, show)
 
     def one(u: int) -> Moments:
-        return _moments(reader.read(units[u]), channel_axis)
+        values = reader.read(units[u])
+        return _moments(values if code is None else code.decode(values, np.float64), channel_axis)
 
     out: list[Moments] = []
     try:
@@ -228,7 +235,7 @@ def _merge_ranks(reader: ArrayReader, units: Units, local: list[Moments], error:
 
 
 def _compute(reader: ArrayReader, box: Box, channel_axis: int | None, skip: bool, group: Any, threads: int,
-             timeout_s: float, show: bool) -> FieldStats:
+             timeout_s: float, show: bool, code: CFCoding | None = None) -> FieldStats:
     rank, world = group_position(group)
     axis = None if channel_axis is None else channel_axis % reader.ndim
     chunks = list(reader.chunks)
@@ -241,7 +248,7 @@ def _compute(reader: ArrayReader, box: Box, channel_axis: int | None, skip: bool
     local: list[Moments] = []
     found = None
     try:
-        local, found = _local_pass(reader, units, cut[rank::world], axis, skip, threads, timeout_s, show)
+        local, found = _local_pass(reader, units, cut[rank::world], axis, skip, threads, timeout_s, show, code)
     except Exception as exc:  # noqa: BLE001 - told to every rank by _merge_ranks, raised here
         error = exc
     merged = _merge_ranks(reader, units, local, error, found, channels, len(cut), group)
@@ -271,7 +278,7 @@ def _from_entry(entry: dict | None, channels: int | None) -> FieldStats | None:
 
 def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, group: Any, cache: bool,
                threads: int, timeout_s: float, progress: bool, storage_options: dict | None,
-               store: LocalStore | None) -> tuple[FieldStats, Box]:
+               store: LocalStore | None, cf: bool = True) -> tuple[FieldStats, Box]:
     """The statistics of one array (from its cache entry, or computed by every rank and then cached)."""
     reader = open_array(uri, storage_options, store=store)
     _check_array(reader, channel_axis)
@@ -280,7 +287,7 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
     channels = _channels(box, axis)
     lead = rank_info(group).rank == 0
     _, world = group_position(group)
-    fp = identity.fingerprint(reader, box, axis, nonfinite) if cache else None
+    fp = identity.fingerprint(reader, box, axis, nonfinite, cf) if cache else None
     # Ranks seeing other data must fail here, together, before any of them waits for a claim or a read.
     mine = int(fp[:14], 16) if fp else 0
     if len({int(h[0]) for h in all_gather(torch.tensor([mine], dtype=torch.int64), group)}) > 1:
@@ -292,11 +299,14 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
         st = _from_entry(entry, channels)
         if st is not None:  # every rank holds rank 0's entry: all return here, or none
             return st, box
-        st = _compute(reader, box, axis, nonfinite == "skip", group, threads, timeout_s, progress and lead)
+        # the values a batch holds: with cf (as Config(cf=True), the default) packed values unpacked, fills NaN
+        code = coding(reader, options=storage_options) if cf else None
+        st = _compute(reader, box, axis, nonfinite == "skip", group, threads, timeout_s, progress and lead, code)
         if folder is not None and fp is not None:
             if lead:
                 doc = {"kind": "array", "uri": uri if locate(uri).is_local else None, "region": [list(b) for b in box],
                        "channel_axis": axis, "nonfinite": nonfinite, "world_size": world,
+                       "cf": None if code is None else code.describe(),
                        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "stats": {"array": st.to_json()}}
                 if not locate(uri).is_local:  # a cache folder says which array it holds (nothing secret)
                     doc["dataset"] = dataset_identity(uri, storage_options)
@@ -327,7 +337,7 @@ def _stack(key: Any, uris: Sequence[str], got: dict[str, tuple[FieldStats, Box]]
 def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_axis: int | None = None,
                         nonfinite: str = "skip", group: Any = None, cache: bool = True, threads: int | None = None,
                         progress: bool = True, storage_options: dict | None = None, store: LocalStore | None = None,
-                        timeout_s: float = READ_TIMEOUT_S) -> Any:
+                        timeout_s: float = READ_TIMEOUT_S, cf: bool = True) -> Any:
     """Statistics (count, mean, std, min, max, non-finite count) of Zarr arrays, per array and channel.
 
     ``arrays_or_fields``: one array URI (a :class:`~stoker.records.FieldStats` back), a list whose items are
@@ -343,6 +353,11 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
     (``"skip"``, the default: arrays often hold NaN for missing values), or a
     :class:`~stoker.errors.NonFiniteData` naming the array and the box (``"raise"``). A region without a finite
     value is a NonFiniteData either way. Integers are exact in float64 up to 2**53.
+
+    ``cf``: the statistics of the values a batch holds with ``Config(cf=True)`` (the default): CF attributes
+    (``scale_factor``, ``add_offset``, ``_FillValue``/``missing_value``, as xarray writes a packed variable)
+    applied as xarray applies them, fills NaN (so ``nonfinite`` counts them); ``cf=False`` for the stored
+    values, as ``Config(cf=False)`` reads them.
 
     Collective: call it on every rank of ``group`` (the default process group when torch.distributed is
     initialised) with the same arguments; each rank reads its share of the chunks once and every rank
@@ -380,7 +395,7 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
         for uri in e.uris:
             if uri not in got:
                 got[uri] = _one_array(uri, region, channel_axis, nonfinite, group, cache, threads, float(timeout_s),
-                                      progress, storage_options, store)
+                                      progress, storage_options, store, bool(cf))
     results = [_stack(e.key, e.uris, got) if e.channels else got[e.uris[0]][0] for e in entries]
     if kind == "one":
         return results[0]

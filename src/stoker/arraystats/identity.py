@@ -85,14 +85,16 @@ def _metadata(reader: ArrayReader) -> dict:
             "fill": bytes(meta.fill_value.tobytes()).hex()}  # codecs: the metadata document is among the files
 
 
-def fingerprint(reader: ArrayReader, region: Any, channel_axis: int | None, nonfinite: str) -> str | None:
-    """Hex digest of what the statistics of ``reader``'s array over ``region`` depend on, or None where the
+def fingerprint(reader: ArrayReader, region: Any, channel_axis: int | None, nonfinite: str,
+                cf: bool = True) -> str | None:
+    """Hex digest of what the statistics of ``reader``'s array over ``region`` depend on (``cf``: CF attributes
+    applied; the attributes themselves are in the metadata document, among the files), or None where the
     stored data cannot be identified (then nothing is cached)."""
     stored = data_identity(reader)
     if stored is None:
         return None
     head = {"format": FORMAT, "version": VERSION, "metadata": _metadata(reader), "region": [list(b) for b in region],
-            "channel_axis": channel_axis, "nonfinite": nonfinite}
+            "channel_axis": channel_axis, "nonfinite": nonfinite, "cf": bool(cf)}
     h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
     h.update(json.dumps(stored, sort_keys=True).encode())
     return h.hexdigest()

@@ -15,6 +15,7 @@ are read, not which values the arrays hold, so they play no part here.
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -108,10 +109,11 @@ def parse_region(region: Any, shape: Sequence[int], uri: str, reader: Any = None
                                   knob="region") from None
         start = 0 if start is None else start
         stop = int(shape[a]) if stop is None else stop
-        for v in (start, stop):
-            if isinstance(v, bool) or not isinstance(v, int):
+        for v in (start, stop):  # numpy integers too (what pandas' and xarray's index lookups return)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise InvalidArgument(f"compute_stats: region[{axis}] bounds must be ints, got {bounds!r}",
                                       knob="region")
+        start, stop = int(start), int(stop)  # plain ints: the box is part of the cache's JSON
         if not 0 <= start < stop <= shape[a]:
             raise OutOfBounds(f"compute_stats: region[{axis}] = ({start}, {stop}) is empty or outside axis {a} "
                               f"of {uri} (length {shape[a]}); need 0 <= start < stop <= {shape[a]}",
