@@ -37,6 +37,7 @@ from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
 from .record import CompletionRecord
+from .target import array_store
 
 # region, tile key (its box), part's box, values, the flat index of the tile's output box's first voxel
 Part = tuple[tuple[int, ...], Box, Box, np.ndarray, int]
@@ -89,18 +90,18 @@ class TileWriter:
         self.grid = grid
         self._ndim = len(grid.sample_shape) if grid is not None else None
         self._crop_arg = crop
-        opts: dict[str, Any] = {"storage_options": storage_options} if storage_options else {}
+        store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
         if self.rank == 0:
             try:
-                arr = zarr.open_array(self.uri, mode="r+", **opts)
+                arr = zarr.open_array(store, mode="r+")
             except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
                 fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
-                arr = zarr.create_array(self.uri, shape=self.shape, chunks=tuple(chunks),
+                arr = zarr.create_array(store, shape=self.shape, chunks=tuple(chunks),
                                         shards=None if shards is None else tuple(shards), dtype=dtype,
-                                        zarr_format=fmt, fill_value=fill_value, **opts)
+                                        zarr_format=fmt, fill_value=fill_value)
         barrier(group)  # the array exists before the other ranks open it
         if self.rank != 0:
-            arr = zarr.open_array(self.uri, mode="r+", **opts)
+            arr = zarr.open_array(store, mode="r+")
         if tuple(arr.shape) != self.shape or arr.dtype != np.dtype(dtype):
             raise InvalidArgument(f"{self.uri}: the array there has shape {arr.shape} and dtype {arr.dtype}, not "
                                   f"{self.shape} and {np.dtype(dtype)}; write to another URI or remove it",
