@@ -224,13 +224,14 @@ class TileWriter:
             region.seen.add(key)
             where = local(box, region.box)
             if self.blend == "none":
-                keys = region.key[where]
+                keys = region.key[where]  # views: copyto(where=) writes in place, no gather of masked voxels
                 first = keys > start  # the tile whose output box starts first wins, whatever the order
-                keys[first] = start
-                region.values[(Ellipsis,) + where][..., first] = values.astype(self.dtype)[..., first]
+                np.copyto(keys, start, where=first)
+                np.copyto(region.values[(Ellipsis,) + where], values, where=first, casting="unsafe")  # as astype
             else:
                 w = self._weights_of(key)[local(box, key)]
-                region.values[(Ellipsis,) + where] += w * values
+                acc = region.values[(Ellipsis,) + where]
+                acc += np.multiply(w, values, dtype=np.float64)
                 region.wsum[where] += w
             if self._expected is not None and len(region.seen) >= self._expected.get(r, 0):
                 self._flush(r)
@@ -246,13 +247,17 @@ class TileWriter:
         if self.blend == "none":
             out = region.values
             if self.array.fill_value is not None:  # voxels no tile reached keep the fill value
-                out[..., region.key == np.iinfo(np.int64).max] = self.array.fill_value
+                np.copyto(out, np.asarray(self.array.fill_value, dtype=out.dtype),
+                          where=region.key == np.iinfo(np.int64).max)
         else:
             with np.errstate(invalid="ignore", divide="ignore"):
-                mean = region.values / region.wsum
+                mean = np.divide(region.values, region.wsum, out=region.values)  # in place: the region is done
             if np.issubdtype(self.dtype, np.integer):
-                mean = np.rint(mean)
-            out = np.where(region.wsum > 0, mean, self.array.fill_value or 0).astype(self.dtype)
+                np.rint(mean, out=mean)
+            reached = region.wsum > 0
+            if not reached.all():  # voxels no tile reached keep the fill value
+                np.copyto(mean, self.array.fill_value or 0, where=~reached)
+            out = mean.astype(self.dtype)
         self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
         self.record.mark(r)
         self.done.add(r)
