@@ -253,3 +253,15 @@ def test_voxels_no_tile_reaches_keep_the_fill_value(volume, tmp_path, blend, dty
         np.testing.assert_allclose(got, want, rtol=1e-6)
     else:
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_region_that_cannot_be_written_is_a_storage_error_and_stays_unmarked(volume, tmp_path):
+    uri, data = volume
+    out = tmp_path / "o.zarr"
+    w = stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4")
+    (out / "c").write_bytes(b"")  # a file where the chunks' folder goes: every chunk write fails (root too)
+    s = stoker.Sample(uri, [(0, 4), (0, 8), (0, 8)])
+    w.write([s], data[None, :4, :8, :8])
+    with pytest.raises(stoker.StorageError, match=r"o.zarr: writing region \(0, 0, 0\) \(voxels"):
+        w.close()
+    assert w.record.done() == set() and w.written == 0

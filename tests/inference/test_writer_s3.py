@@ -137,3 +137,9 @@ def test_object_store_arguments_are_checked(tmp_path, s3):
         stoker.TileWriter(str(tmp_path / "a.zarr"), SHAPE, (4, 8, 8), "f4", storage_options=s3.options)
     with pytest.raises(stoker.InvalidArgument, match="plain HTTP server"):
         stoker.TileWriter(f"{s3.endpoint}/{BUCKET}/x.zarr", SHAPE, (4, 8, 8), "f4")
+
+
+def test_a_failed_write_is_a_storage_error_naming_the_array(s3):
+    with pytest.raises(stoker.StorageError, match=r"s3://no-such-bucket/out.zarr: writing the array's metadata"):
+        stoker.TileWriter("s3://no-such-bucket/out.zarr", SHAPE, (4, 8, 8), "f4",
+                          storage_options={**s3.options, "retries": 0})

@@ -13,10 +13,11 @@ may pass, and the record through stoker's :class:`~stoker.storage.objectstore.Ob
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 from urllib.parse import urlparse
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, StokerError, StorageError
 from ..storage.locate import CACHE_KEYS, SETTING_KEYS
 from ..storage.objectstore import ObjectStore
 from ..storage.uri import REMOTE_SCHEMES
@@ -58,3 +59,21 @@ def array_store(uri: str, storage_options: dict | None) -> Any:
         return zarr.storage.ObjectStore(store.writable_obstore(), read_only=False)
     finally:
         store.close()
+
+
+@contextlib.contextmanager
+def writing(uri: str, what: str) -> Iterator[None]:
+    """A failed write through zarr-python (an OSError, or obstore's own error) as a
+    :class:`~stoker.errors.StorageError` naming ``uri`` and ``what`` was being written."""
+    try:
+        yield
+    except StokerError:
+        raise
+    except Exception as exc:
+        if not isinstance(exc, OSError) and type(exc).__module__.split(".")[0] != "obstore":
+            raise  # zarr-python refusing its arguments (ValueError, TypeError...): not the storage
+        text = str(exc).split("\n")[0][:300]
+        raise StorageError(f"{uri}: writing {what} through zarr-python failed ({type(exc).__name__}: {text}); check "
+                           "the URI, the bucket, credentials and endpoint (storage_options or the environment). "
+                           "Regions written before are recorded: a restarted job resumes after them", uri=uri,
+                           key=None, status=None, attempts=None) from exc

@@ -37,7 +37,7 @@ from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
 from .record import CompletionRecord
-from .target import array_store
+from .target import array_store, writing
 
 # region, tile key (its box), part's box, values, the flat index of the tile's output box's first voxel
 Part = tuple[tuple[int, ...], Box, Box, np.ndarray, int]
@@ -96,9 +96,10 @@ class TileWriter:
                 arr = zarr.open_array(store, mode="r+")
             except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
                 fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
-                arr = zarr.create_array(store, shape=self.shape, chunks=tuple(chunks),
-                                        shards=None if shards is None else tuple(shards), dtype=dtype,
-                                        zarr_format=fmt, fill_value=fill_value)
+                with writing(self.uri, "the array's metadata"):
+                    arr = zarr.create_array(store, shape=self.shape, chunks=tuple(chunks),
+                                            shards=None if shards is None else tuple(shards), dtype=dtype,
+                                            zarr_format=fmt, fill_value=fill_value)
         barrier(group)  # the array exists before the other ranks open it
         if self.rank != 0:
             arr = zarr.open_array(store, mode="r+")
@@ -258,7 +259,8 @@ class TileWriter:
             if not reached.all():  # voxels no tile reached keep the fill value
                 np.copyto(mean, self.array.fill_value or 0, where=~reached)
             out = mean.astype(self.dtype)
-        self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
+        with writing(self.uri, f"region {r} (voxels {region.box})"):
+            self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
         self.record.mark(r)
         self.done.add(r)
         self.written += 1
