@@ -226,3 +226,42 @@ def test_without_a_grid_every_region_waits_for_close(volume, tmp_path):
     w.close()
     assert w.written == 48
     np.testing.assert_allclose(zarr.open_array(out)[:], reference(data, "hann", 0), rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("blend", ["none", "hann"])
+@pytest.mark.parametrize("dtype,fill", [("f4", -1.5), ("u1", 255)])
+def test_voxels_no_tile_reaches_keep_the_fill_value(volume, tmp_path, blend, dtype, fill):
+    """A stride longer than the tile leaves gaps: there the array keeps its fill value, elsewhere the
+    predictions (an identity model: its blend is its input, rounded for integers)."""
+    uri, data = volume
+    grid = stoker.TileGrid([uri], (4, 5, 5), stride=(6, 8, 7))
+    out = str(tmp_path / "o.zarr")
+    w = stoker.TileWriter(out, SHAPE, (4, 8, 8), dtype, blend=blend, grid=grid, fill_value=fill)
+    want = np.full(SHAPE, fill, dtype)
+    for i in range(len(grid)):
+        s = grid.sample(0, i)
+        box = tuple(slice(a, b) for a, b in s.aabb)
+        tile = data[box] * 100
+        # every tile's values at a voxel are the same (overlaps agree); "none" casts as astype, "hann" rounds
+        # to integers
+        want[box] = (np.rint(tile) if blend == "hann" and dtype == "u1" else tile).astype(dtype)
+        w.write([s], tile[None])
+    w.close()
+    got = zarr.open_array(out, mode="r")[:]
+    assert (got == fill).any() and (got != fill).any()  # gaps and tiles both
+    if dtype == "f4" and blend == "hann":
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_region_that_cannot_be_written_is_a_storage_error_and_stays_unmarked(volume, tmp_path):
+    uri, data = volume
+    out = tmp_path / "o.zarr"
+    w = stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4")
+    (out / "c").write_bytes(b"")  # a file where the chunks' folder goes: every chunk write fails (root too)
+    s = stoker.Sample(uri, [(0, 4), (0, 8), (0, 8)])
+    w.write([s], data[None, :4, :8, :8])
+    with pytest.raises(stoker.StorageError, match=r"o.zarr: writing region \(0, 0, 0\) \(voxels"):
+        w.close()
+    assert w.record.done() == set() and w.written == 0

@@ -37,6 +37,7 @@ from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
 from .record import CompletionRecord
+from .target import array_store, writing
 
 # region, tile key (its box), part's box, values, the flat index of the tile's output box's first voxel
 Part = tuple[tuple[int, ...], Box, Box, np.ndarray, int]
@@ -89,18 +90,19 @@ class TileWriter:
         self.grid = grid
         self._ndim = len(grid.sample_shape) if grid is not None else None
         self._crop_arg = crop
-        opts: dict[str, Any] = {"storage_options": storage_options} if storage_options else {}
+        store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
         if self.rank == 0:
             try:
-                arr = zarr.open_array(self.uri, mode="r+", **opts)
+                arr = zarr.open_array(store, mode="r+")
             except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
                 fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
-                arr = zarr.create_array(self.uri, shape=self.shape, chunks=tuple(chunks),
-                                        shards=None if shards is None else tuple(shards), dtype=dtype,
-                                        zarr_format=fmt, fill_value=fill_value, **opts)
+                with writing(self.uri, "the array's metadata"):
+                    arr = zarr.create_array(store, shape=self.shape, chunks=tuple(chunks),
+                                            shards=None if shards is None else tuple(shards), dtype=dtype,
+                                            zarr_format=fmt, fill_value=fill_value)
         barrier(group)  # the array exists before the other ranks open it
         if self.rank != 0:
-            arr = zarr.open_array(self.uri, mode="r+", **opts)
+            arr = zarr.open_array(store, mode="r+")
         if tuple(arr.shape) != self.shape or arr.dtype != np.dtype(dtype):
             raise InvalidArgument(f"{self.uri}: the array there has shape {arr.shape} and dtype {arr.dtype}, not "
                                   f"{self.shape} and {np.dtype(dtype)}; write to another URI or remove it",
@@ -223,13 +225,14 @@ class TileWriter:
             region.seen.add(key)
             where = local(box, region.box)
             if self.blend == "none":
-                keys = region.key[where]
+                keys = region.key[where]  # views: copyto(where=) writes in place, no gather of masked voxels
                 first = keys > start  # the tile whose output box starts first wins, whatever the order
-                keys[first] = start
-                region.values[(Ellipsis,) + where][..., first] = values.astype(self.dtype)[..., first]
+                np.copyto(keys, start, where=first)
+                np.copyto(region.values[(Ellipsis,) + where], values, where=first, casting="unsafe")  # as astype
             else:
                 w = self._weights_of(key)[local(box, key)]
-                region.values[(Ellipsis,) + where] += w * values
+                acc = region.values[(Ellipsis,) + where]
+                acc += np.multiply(w, values, dtype=np.float64)
                 region.wsum[where] += w
             if self._expected is not None and len(region.seen) >= self._expected.get(r, 0):
                 self._flush(r)
@@ -245,14 +248,19 @@ class TileWriter:
         if self.blend == "none":
             out = region.values
             if self.array.fill_value is not None:  # voxels no tile reached keep the fill value
-                out[..., region.key == np.iinfo(np.int64).max] = self.array.fill_value
+                np.copyto(out, np.asarray(self.array.fill_value, dtype=out.dtype),
+                          where=region.key == np.iinfo(np.int64).max)
         else:
             with np.errstate(invalid="ignore", divide="ignore"):
-                mean = region.values / region.wsum
+                mean = np.divide(region.values, region.wsum, out=region.values)  # in place: the region is done
             if np.issubdtype(self.dtype, np.integer):
-                mean = np.rint(mean)
-            out = np.where(region.wsum > 0, mean, self.array.fill_value or 0).astype(self.dtype)
-        self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
+                np.rint(mean, out=mean)
+            reached = region.wsum > 0
+            if not reached.all():  # voxels no tile reached keep the fill value
+                np.copyto(mean, self.array.fill_value or 0, where=~reached)
+            out = mean.astype(self.dtype)
+        with writing(self.uri, f"region {r} (voxels {region.box})"):
+            self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
         self.record.mark(r)
         self.done.add(r)
         self.written += 1
