@@ -8,7 +8,7 @@
 from .reader.array import ArrayReader, open_array
 from .config import Config
 from .engine.batch import Batch, BatchInfo
-from .engine.fieldbatch import FieldBatch
+from .engine.batch import FieldBatch
 from .engine.pipeline.facade import Pipeline
 from .engine.stats import Metric, Stats
 from .sampling.field import Field

@@ -489,3 +489,21 @@ def test_monai_recipe_runs_dictionary_transforms_on_a_dict_batch(rng):
     again = {"raw": torch.from_numpy(raw[4:, None].copy()), "labels": torch.from_numpy(labels[4:].copy())}
     make(0)(again, keys[4:])
     assert torch.equal(again["raw"], batch["raw"][4:]) and torch.equal(again["labels"], batch["labels"][4:])
+
+
+def test_a_batch_of_fields_carries_the_sources_keys_and_stays_a_mapping(tmp_path):
+    """Each field's Batch.keys and FieldBatch.sample_keys are the samples' (epoch, index) from the source; the
+    FieldBatch is still a plain mapping (``dict(batch)``, ``batch.keys()`` are its field names)."""
+
+    raw = str(tmp_path / "raw.zarr")
+    zarr.create_array(raw, shape=(32, 32), chunks=(8, 8), dtype="u2")[:] = np.arange(1024, dtype="u2").reshape(32, 32)
+    fields = {"a": stoker.Field(raw, (8, 8)), "b": stoker.Field(raw, (4, 4), offset=(2, 2))}
+    source = stoker.RandomCrops(fields, seed=3, samples_per_epoch=8).for_rank(0, 1)
+    source.set_epoch(2)
+    with stoker.Pipeline(stoker.Config(batch_size=4, dtype="f32", device="cpu")) as p:
+        p.push(source)
+        with p.pop() as batch:
+            assert list(batch.keys()) == ["a", "b"] and set(dict(batch)) == {"a", "b"}
+            want = [[2, i] for i in range(4)]
+            assert batch.sample_keys.tolist() == want
+            assert batch["a"].keys.tolist() == want and batch["b"].keys.tolist() == want

@@ -27,7 +27,7 @@ import torch
 
 from ..config import Config
 from ..engine.batch import Batch
-from ..engine.fieldbatch import FieldBatch, to_tensors
+from ..engine.batch import FieldBatch, to_tensors
 from ..engine.pipeline.facade import Pipeline
 from ..engine.stats import Stats
 from ..device.resolve import as_device

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 
 from ..config import Config
-from ..engine.fieldbatch import to_tensors
+from ..engine.batch import to_tensors
 from ..engine.pipeline.facade import Pipeline
 from ..errors import InvalidArgument, ShutdownError
 from ..sampling.samplers import RankShare, SampleSource

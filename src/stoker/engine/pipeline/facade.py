@@ -65,7 +65,7 @@ from ...sampling.sample import Sample
 from ...storage import LocalStore
 from ...device import resolve as devices
 from ..batch import Batch
-from ..fieldbatch import FieldBatch
+from ..batch import FieldBatch
 from .coordinator import Coordinator
 from ..choose import make_executor
 from .intake import Intake
@@ -277,7 +277,8 @@ class Pipeline:
             view, release, event, stream = part.executor.deliver(part.target, rows)
             batches[part.name] = Batch(view, plan.samples, head.batch_id, _once_handed(release, handed),
                                        ready_event=event if ready_event is None else ready_event,
-                                       ready_stream=stream if ready_stream is None else ready_stream)
+                                       ready_stream=stream if ready_stream is None else ready_stream,
+                                       keys=plan.keys)
             own = dict(chunks_needed=plan.chunks_needed, chunk_dedup_hits=plan.chunks_needed - plan.n_chunks,
                        bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
                        **part.job.counts)
@@ -285,7 +286,7 @@ class Pipeline:
                 counts[name] = counts.get(name, 0) + value
             fields[part.name] = {k: own[k] for k in FIELD_COUNTERS}
             del view, release
-        batch = FieldBatch(batches, head.samples, head.batch_id, keys=head.parts[0].job.plan.keys)
+        batch = FieldBatch(batches, head.samples, head.batch_id, sample_keys=head.parts[0].job.plan.keys)
         self._popped(head, t0, rows, counts, fields)
         return batch, handed
 
