@@ -77,3 +77,14 @@ def test_the_pipeline_reads_fields_and_padded_fields(tmp_path):
         with p.pop() as batch:
             want = np.pad(data, ((2, 0), (0, 0)), mode="edge")[:8]
             assert (torch.from_dlpack(batch["x"])[0].numpy() == want).all()
+
+
+def test_sample_lists_of_fields_differ_by_every_field():
+    """A SampleList's fingerprint covers each field's arrays and box: a state is not resumed into another list
+    of samples of fields."""
+    a = stoker.SampleList([stoker.Sample({"x": ("/a.zarr", BOX), "y": ("/b.zarr", BOX)})])
+    b = stoker.SampleList([stoker.Sample({"x": ("/a.zarr", BOX), "y": ("/b.zarr", [(0, 8), (1, 9)])})])
+    c = stoker.SampleList([stoker.Sample({"x": ("/a.zarr", BOX), "y": ("/c.zarr", BOX)})])
+    same = stoker.SampleList([stoker.Sample({"x": ("/a.zarr", BOX), "y": ("/b.zarr", BOX)})])
+    assert a.fingerprint == same.fingerprint
+    assert len({a.fingerprint, b.fingerprint, c.fingerprint}) == 3

@@ -708,9 +708,16 @@ class SampleList(SampleSource):
         return self.samples[index]
 
     def identity(self) -> Any:
-        """Every sample (its arrays and box) and the order's settings."""
-        return [[given_uri(s), s.aabb] + ([] if s.pad is None else [s.pad]) for s in self.samples] + \
-            [self.shuffle, self.seed] + _order_id(self)
+        """Every sample (its arrays and box; a sample of fields: each field's) and the order's settings."""
+        return [_sample_id(s) for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
+
+
+def _sample_id(s: Sample) -> list:
+    """A sample in a SampleList's identity: ``[uri(s), box]`` as always (``pad`` after it when set); a sample of
+    fields: ``{name: that field's}`` and its pad."""
+    if s.fields is not None:
+        return [{name: _sample_id(f) for name, f in s.fields.items()}, s.pad]
+    return [given_uri(s), s.aabb] + ([] if s.pad is None else [s.pad])
 
 
 def _order(cached: Permutation | None, n: int, seed: int, epoch: int) -> Permutation:
