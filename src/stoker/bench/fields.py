@@ -62,7 +62,7 @@ def fields_scenarios(tiny: bool = False) -> list[FieldsScenario]:
                 FieldsScenario(12, "tiny forecasting", (40, 46, 90), {"input": (2, 46, 90), "target": (1, 46, 90)}, 3, 4)]
     return [FieldsScenario(11, "segmentation: raw u16 96^3 -> f32, labels u64 56^3 -> i64 centred, 4x coarser mask "
                            "(5% foreground), min_fraction 0.25", (128, 512, 512),
-                           {"raw": (96, 96, 96), "labels": (56, 56, 56)}, 20),
+                           {"raw": (96, 96, 96), "labels": (56, 56, 56)}, 60),
             FieldsScenario(12, "forecasting: 4 f32 variables (time, 181, 360) by xarray, 2 steps in, 1 step 6 later",
                            (365, 181, 360), {"input": (2, 181, 360), "target": (1, 181, 360)}, 30)]
 

@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     from ..config import default_compute_threads
 
     print(f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
+          f"data in {root}" if not chosen else
+          f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
           f"batch {args.batch_size or f'{BATCH_SIZE} unless a scenario says'}; stoker's compute threads: "
           f"{default_compute_threads()} (the default); timed batches: {args.slow_batches} for zarr, "
           f"{dataloader_batches(args.slow_batches)[1]} in steady state for zarr+DataLoader; f32 out; data in {root}"
