@@ -11,7 +11,7 @@ import zarr
 from stoker import Pipeline
 from stoker.bench.fields import (MASK_SCALE, FieldCrops, TensorstoreFields, prepare, split, stoker_config)
 from stoker.cli import main
-from stoker.engine.fieldbatch import to_tensors
+from stoker.engine.batch import to_tensors
 
 PEERS = {11: ("stoker", "stoker (no mask)", "tensorstore", "zarr+DataLoader"),
          12: ("stoker", "tensorstore", "xarray+DataLoader")}

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..config import Config
-from ..engine.fieldbatch import to_tensors
+from ..engine.batch import to_tensors
 from ..engine.pipeline.facade import Pipeline
 from ..sampling.field import Field
 from ..sampling.mask import Mask
