@@ -59,7 +59,9 @@ class _Region:
         self.seen: set[Box] = set()
         if blend == "none":
             self.values = np.zeros(channels + shape, dtype=dtype)
-            self.key = np.full(shape, np.iinfo(np.int64).max, dtype=np.int64)
+            # the boxes placed so far and their tiles' starts: which tile wins a voxel is decided from
+            # these (a mask only where boxes overlap), not from a per-voxel array of starts
+            self.placed: list[tuple[Box, int]] = []
         else:
             self.values = np.zeros(channels + shape, dtype=np.float64)
             self.wsum = np.zeros(shape, dtype=np.float64)
@@ -67,7 +69,7 @@ class _Region:
     @property
     def nbytes(self) -> int:
         """The memory the region holds until it is written."""
-        return self.values.nbytes + (self.key.nbytes if hasattr(self, "key") else self.wsum.nbytes)
+        return self.values.nbytes + (self.wsum.nbytes if hasattr(self, "wsum") else 0)
 
 
 class TileWriter:
@@ -248,10 +250,17 @@ class TileWriter:
             region.seen.add(key)
             where = local(box, region.box)
             if self.blend == "none":
-                keys = region.key[where]  # views: copyto(where=) writes in place, no gather of masked voxels
-                first = keys > start  # the tile whose output box starts first wins, whatever the order
-                np.copyto(keys, start, where=first)
-                np.copyto(region.values[(Ellipsis,) + where], values, where=first, casting="unsafe")  # as astype
+                # the tile whose output box starts first wins, whatever the order: this part loses the
+                # voxels of the boxes placed before it that start no later
+                win: Any = True
+                for other, other_start in region.placed:
+                    common = intersect(box, other)
+                    if other_start <= start and all(a < b for a, b in common):
+                        if win is True:
+                            win = np.ones(tuple(b - a for a, b in box), dtype=bool)
+                        win[local(common, box)] = False
+                region.placed.append((box, start))
+                np.copyto(region.values[(Ellipsis,) + where], values, where=win, casting="unsafe")  # as astype
             else:
                 w = self._weights_of(key)[local(box, key)]
                 acc = region.values[(Ellipsis,) + where]
@@ -277,9 +286,11 @@ class TileWriter:
     def _finish(self, r: tuple[int, ...], region: _Region) -> None:
         if self.blend == "none":
             out = region.values
-            if self.array.fill_value is not None:  # voxels no tile reached keep the fill value
-                np.copyto(out, np.asarray(self.array.fill_value, dtype=out.dtype),
-                          where=region.key == np.iinfo(np.int64).max)
+            reached = np.zeros(out.shape[len(self.channels):], dtype=bool)
+            for box, _ in region.placed:
+                reached[local(box, region.box)] = True
+            if self.array.fill_value is not None and not reached.all():  # voxels no tile reached keep it
+                np.copyto(out, np.asarray(self.array.fill_value, dtype=out.dtype), where=~reached)
         else:
             with np.errstate(invalid="ignore", divide="ignore"):
                 mean = np.divide(region.values, region.wsum, out=region.values)  # in place: the region is done
