@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -98,7 +99,12 @@ def run(uri_in, out, blend, channels, world=1, rank=0, stop_after=None, **kw):
         writer.write(samples, model(x, channels))
         done += 1
         if stop_after is not None and done == stop_after:
-            os._exit(3)  # killed mid-way: no close, nothing flushed
+            # killed mid-way, once the regions finished so far are written and recorded (the background
+            # threads write behind); nothing more is flushed
+            deadline = time.monotonic() + 60
+            while writer.record.done() != writer.done and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os._exit(3)
     writer.close()
     return writer, len(todo)
 
