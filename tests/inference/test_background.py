@@ -125,3 +125,36 @@ def volume(tmp_path_factory):
     zarr.create_array(str(root / "in.zarr"), shape=SHAPE, chunks=(5, 8, 7), dtype="f4")[:] = data
     return str(root / "in.zarr"), data
 
+
+
+def _tile_writer(tmp_path, **kw):
+    data = np.random.default_rng(1).random((8, 8)).astype("f4")
+    src = tmp_path / "in.zarr"
+    zarr.create_array(str(src), shape=(8, 8), chunks=(4, 4), dtype="f4")[:] = data
+    grid = stoker.TileGrid([str(src)], (4, 4), stride=(4, 4))
+    w = stoker.TileWriter(str(tmp_path / "o.zarr"), (8, 8), (4, 4), "f4", grid=grid, **kw)
+    return w, data, [grid.sample(0, i) for i in range(len(grid))]
+
+
+def test_an_error_in_a_with_block_lets_the_queued_writes_finish_and_is_the_one_raised(tmp_path):
+    w, data, tiles = _tile_writer(tmp_path, write_threads=2)
+    with pytest.raises(KeyError, match="the model failed"):
+        with w:
+            w.write(tiles[:2], np.stack([data[:4, :4], data[:4, 4:]]))  # regions (0, 0) and (0, 1) complete
+            raise KeyError("the model failed")
+    assert w.record.done() == {(0, 0), (0, 1)} and w.written == 2
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "o.zarr"))[:4], data[:4])
+    assert not any(t.is_alive() for t in w._background._threads)
+
+
+def test_a_writer_dropped_without_close_does_not_leave_its_threads(tmp_path):
+    import gc
+
+    w, _, _ = _tile_writer(tmp_path, write_threads=3)
+    threads = list(w._background._threads)
+    assert all(t.is_alive() for t in threads)
+    del w
+    gc.collect()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)

@@ -125,10 +125,16 @@ class BackgroundWriter:
         finally:
             self._shutdown()
 
-    def _shutdown(self) -> None:
+    def stop(self) -> None:
+        """Let the threads end once the queue is empty, without waiting for them (a writer dropped
+        without ``close()``: its threads do not outlive it)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+
+    def _shutdown(self) -> None:
+        self.stop()
+        with self._cv:
             stuck = self._running > 0  # a drain timed out: a write hangs
         deadline = time.monotonic() + (0.0 if stuck else self.timeout_s)
         for t in self._threads:  # a thread stuck in a write is a daemon: it cannot keep the process alive

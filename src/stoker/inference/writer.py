@@ -33,6 +33,7 @@ How the work is split (see docs/inference.md):
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -144,6 +145,8 @@ class TileWriter:
         self._closed = False
         self._background = None if int(write_threads) == 0 else \
             BackgroundWriter(self.uri, int(write_threads), int(write_bytes), float(write_timeout_s))
+        if self._background is not None:  # a writer dropped without close(): its threads end with it
+            weakref.finalize(self, self._background.stop)
         if self._ndim is not None:
             self._setup(self._ndim)
 
