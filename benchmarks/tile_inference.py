@@ -8,7 +8,10 @@ the tile less ``--crop`` on each side (stride ``tile - 2 * crop``), blends the o
 Zarr array of the volume's shape (``--chunks``) with zarr-python:
 
 - ``stoker``: ``TileGrid`` -> ``CropDataset(with_samples=True)`` -> model -> ``TileWriter`` (``crop``,
-  ``blend`` "none" or "hann"), reading and writing chunk by chunk;
+  ``blend`` "none" or "hann"), reading and writing chunk by chunk, the writes on ``--write-threads``
+  background threads;
+- ``stoker_sync`` (only when named in ``--peers``): the same with ``write_threads=0``, every region written
+  on the consumer's thread (the writer before its background writes);
 - ``monai``: a zarr-python read of the whole array, ``sliding_window_inference`` (the same tile and stride;
   ``mode`` "constant" for "none", "gaussian" for "hann"; MONAI blends whole tiles, it has no crop), a
   zarr-python write;
@@ -51,10 +54,11 @@ def make_volume(path: Path, shape: tuple[int, ...], chunks: tuple[int, ...]) -> 
     return str(path)
 
 
-def run_stoker(src: str, out: str, a: argparse.Namespace, blend: str) -> None:
+def run_stoker(src: str, out: str, a: argparse.Namespace, blend: str, write_threads: int | None = None) -> None:
     tile = tuple(a.tile)
     grid = stoker.TileGrid([src], tile, stride=tuple(t - 2 * a.crop for t in tile))
-    writer = stoker.TileWriter(out, tuple(a.shape), tuple(a.chunks), "float32", blend=blend, crop=a.crop, grid=grid)
+    writer = stoker.TileWriter(out, tuple(a.shape), tuple(a.chunks), "float32", blend=blend, crop=a.crop, grid=grid,
+                               write_threads=a.write_threads if write_threads is None else write_threads)
     cfg = stoker.Config(batch_size=a.batch_size, dtype="f32", sample_shape=tile, device="cpu",
                         n_compute_threads=a.threads)
     with torch.inference_mode():
@@ -97,15 +101,19 @@ def run_torchio(src: str, out: str, a: argparse.Namespace, blend: str) -> None:
     _write(out, a, aggregator.get_output_tensor()[0])
 
 
+def run_stoker_sync(src: str, out: str, a: argparse.Namespace, blend: str) -> None:
+    run_stoker(src, out, a, blend, write_threads=0)
+
+
 PEERS: dict[str, Callable[[str, str, argparse.Namespace, str], None]] = {
-    "stoker": run_stoker, "monai": run_monai, "torchio": run_torchio}
+    "stoker": run_stoker, "monai": run_monai, "torchio": run_torchio, "stoker_sync": run_stoker_sync}
 
 
 def available(names: list[str]) -> tuple[list[str], dict[str, str]]:
     """The peers that import, and why each other one does not."""
     ok, missing = [], {}
     for name in names:
-        if name == "stoker":
+        if name.startswith("stoker"):
             ok.append(name)
             continue
         try:
@@ -140,9 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunks", type=int, nargs=3, default=(64, 64, 64))
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--write-threads", type=int, default=2, help="TileWriter(write_threads=) of stoker")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--blends", nargs="+", choices=BLENDS, default=list(BLENDS))
-    p.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS))
+    p.add_argument("--peers", nargs="+", choices=list(PEERS), default=["stoker", "monai", "torchio"])
     p.add_argument("--extra-path", action="append", default=[],
                    help="a folder appended to sys.path (a package installed with pip --target), after the "
                         "environment's own, so it shadows nothing")
@@ -173,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
             shutil.rmtree(root, ignore_errors=True)
     voxels = int(np.prod(a.shape))
     result: dict = {"shape": a.shape, "tile": a.tile, "crop": a.crop, "chunks": a.chunks, "dtype": "uint16",
-                    "batch_size": a.batch_size, "threads": a.threads, "rounds": a.rounds, "cpus": os.cpu_count(),
+                    "batch_size": a.batch_size, "threads": a.threads, "write_threads": a.write_threads, "rounds": a.rounds, "cpus": os.cpu_count(),
                     "load_1min": [round(x, 2) for x in load], "missing": missing, "blends": {}}
     for blend, by_peer in times.items():
         med = {peer: statistics.median(t) for peer, t in by_peer.items()}

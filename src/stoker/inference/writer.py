@@ -23,10 +23,17 @@ How the work is split (see docs/inference.md):
 - A tile seen twice (a short rank of a grid's split repeats tiles from the start) counts once.
 - After its chunks are written a region is marked in a completion record beside the array; a restarted
   writer skips marked regions, and :meth:`TileWriter.pending` lists the tiles still needed.
+- A finished region is blended down and written by ``write_threads`` background threads
+  (:mod:`.background`) while reading and the model go on; at most ``write_bytes`` of finished regions wait
+  for them (``write()`` blocks for room), a failed write is raised at the next ``write()`` or at
+  ``close()``, and ``close()`` waits for them (``write_timeout_s`` bounds every wait). ``write_threads=0``
+  writes on the caller's thread.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -35,6 +42,7 @@ from ..dist.collectives import active_group, barrier, resolve_rank
 from ..errors import InvalidArgument
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
+from .background import BackgroundWriter
 from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
 from .record import CompletionRecord
 from .target import array_store, writing
@@ -52,10 +60,17 @@ class _Region:
         self.seen: set[Box] = set()
         if blend == "none":
             self.values = np.zeros(channels + shape, dtype=dtype)
-            self.key = np.full(shape, np.iinfo(np.int64).max, dtype=np.int64)
+            # the boxes placed so far and their tiles' starts: which tile wins a voxel is decided from
+            # these (a mask only where boxes overlap), not from a per-voxel array of starts
+            self.placed: list[tuple[Box, int]] = []
         else:
             self.values = np.zeros(channels + shape, dtype=np.float64)
             self.wsum = np.zeros(shape, dtype=np.float64)
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the region holds until it is written."""
+        return self.values.nbytes + (self.wsum.nbytes if hasattr(self, "wsum") else 0)
 
 
 class TileWriter:
@@ -68,18 +83,24 @@ class TileWriter:
     int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
     clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
     as they are complete. ``rank``/``world_size``: from ``torch.distributed`` when not given; ``group``: the
-    process group of the collectives.
+    process group of the collectives. ``write_threads``, ``write_bytes``, ``write_timeout_s``: the
+    background writes (the module docstring).
     """
 
     def __init__(self, uri: str, shape: Sequence[int], chunks: Sequence[int], dtype: Any, blend: str = "none",
                  crop: int | Sequence[int] | None = None, rank: int | None = None,
                  world_size: int | None = None, *, grid: TileGrid | None = None,
                  shards: Sequence[int] | None = None, zarr_format: int = 3, fill_value: Any = 0,
-                 storage_options: dict | None = None, group: Any = None) -> None:
+                 storage_options: dict | None = None, group: Any = None, write_threads: int = 2,
+                 write_bytes: int = 256 << 20, write_timeout_s: float = 600.0) -> None:
         import zarr
 
         if blend not in BLENDS:
             raise InvalidArgument(f"TileWriter(blend={blend!r}): one of {BLENDS}", knob="blend")
+        if int(write_threads) < 0 or int(write_bytes) < 0 or not float(write_timeout_s) > 0:
+            raise InvalidArgument(f"TileWriter(write_threads={write_threads}, write_bytes={write_bytes}, "
+                                  f"write_timeout_s={write_timeout_s}): threads and bytes >= 0, a timeout > 0",
+                                  knob="write_threads")
         self.uri, self.blend, self.group = str(uri), blend, group
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.shape = tuple(int(s) for s in shape)
@@ -120,7 +141,12 @@ class TileWriter:
         self._expected: dict[tuple[int, ...], int] | None = None
         self._weights: dict[tuple[int, ...], np.ndarray] = {}
         self.written = 0  # regions this rank wrote
+        self._count_lock = threading.Lock()
         self._closed = False
+        self._background = None if int(write_threads) == 0 else \
+            BackgroundWriter(self.uri, int(write_threads), int(write_bytes), float(write_timeout_s))
+        if self._background is not None:  # a writer dropped without close(): its threads end with it
+            weakref.finalize(self, self._background.stop)
         if self._ndim is not None:
             self._setup(self._ndim)
 
@@ -178,6 +204,8 @@ class TileWriter:
         is the prediction of ``samples[i]``. Collective over the ranks when several take part."""
         if self._closed:
             raise InvalidArgument(f"TileWriter({self.uri}) is closed")
+        if self._background is not None:
+            self._background.check()  # a background write failed: say so before more work
         p = _numpy(predictions)
         if len(samples) != len(p):
             raise InvalidArgument(f"TileWriter.write: {len(samples)} samples but {len(p)} predictions")
@@ -225,10 +253,17 @@ class TileWriter:
             region.seen.add(key)
             where = local(box, region.box)
             if self.blend == "none":
-                keys = region.key[where]  # views: copyto(where=) writes in place, no gather of masked voxels
-                first = keys > start  # the tile whose output box starts first wins, whatever the order
-                np.copyto(keys, start, where=first)
-                np.copyto(region.values[(Ellipsis,) + where], values, where=first, casting="unsafe")  # as astype
+                # the tile whose output box starts first wins, whatever the order: this part loses the
+                # voxels of the boxes placed before it that start no later
+                win: Any = True
+                for other, other_start in region.placed:
+                    common = intersect(box, other)
+                    if other_start <= start and all(a < b for a, b in common):
+                        if win is True:
+                            win = np.ones(tuple(b - a for a, b in box), dtype=bool)
+                        win[local(common, box)] = False
+                region.placed.append((box, start))
+                np.copyto(region.values[(Ellipsis,) + where], values, where=win, casting="unsafe")  # as astype
             else:
                 w = self._weights_of(key)[local(box, key)]
                 acc = region.values[(Ellipsis,) + where]
@@ -245,11 +280,20 @@ class TileWriter:
 
     def _flush(self, r: tuple[int, ...]) -> None:
         region = self._open.pop(r)
+        self.done.add(r)  # no later part opens it again; the record is marked once it is written
+        if self._background is None:
+            self._finish(r, region)
+        else:  # the blend's last step and the write run on the background threads
+            self._background.submit(f"region {r}", region.nbytes, lambda: self._finish(r, region))
+
+    def _finish(self, r: tuple[int, ...], region: _Region) -> None:
         if self.blend == "none":
             out = region.values
-            if self.array.fill_value is not None:  # voxels no tile reached keep the fill value
-                np.copyto(out, np.asarray(self.array.fill_value, dtype=out.dtype),
-                          where=region.key == np.iinfo(np.int64).max)
+            reached = np.zeros(out.shape[len(self.channels):], dtype=bool)
+            for box, _ in region.placed:
+                reached[local(box, region.box)] = True
+            if self.array.fill_value is not None and not reached.all():  # voxels no tile reached keep it
+                np.copyto(out, np.asarray(self.array.fill_value, dtype=out.dtype), where=~reached)
         else:
             with np.errstate(invalid="ignore", divide="ignore"):
                 mean = np.divide(region.values, region.wsum, out=region.values)  # in place: the region is done
@@ -262,8 +306,8 @@ class TileWriter:
         with writing(self.uri, f"region {r} (voxels {region.box})"):
             self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
         self.record.mark(r)
-        self.done.add(r)
-        self.written += 1
+        with self._count_lock:
+            self.written += 1
 
     def close(self) -> None:
         """Write the regions still open (those without all their tiles, or all without ``grid=``); on every
@@ -271,8 +315,12 @@ class TileWriter:
         if self._closed:
             return
         self._closed = True
-        for r in sorted(self._open):
-            self._flush(r)
+        try:
+            for r in sorted(self._open):
+                self._flush(r)
+        finally:
+            if self._background is not None:
+                self._background.close()  # waits for the queued writes, raises the first failure
         self.record.sync()
         barrier(self.group)
 
@@ -282,6 +330,12 @@ class TileWriter:
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
             self.close()
+        elif self._background is not None:  # the regions already queued are written; the error is the caller's
+            self._closed = True
+            try:
+                self._background.close()
+            except Exception:
+                pass  # the caller's exception is the one raised
 
 
 def _numpy(x: Any) -> np.ndarray:
