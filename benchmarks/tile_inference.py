@@ -1,24 +1,43 @@
-"""Whole-volume inference throughput: stoker (TileGrid -> CropDataset -> model -> TileWriter) against MONAI's
-``sliding_window_inference`` over a zarr-python read of the array, followed by a zarr-python write.
+"""Whole-volume inference throughput: stoker against MONAI and torchio, side by side on one volume.
 
-    python benchmarks/tile_inference.py --shape 128 256 256 --tile 96 96 96 --crop 20 --repeats 3
+    python benchmarks/tile_inference.py --shape 128 256 256 --tile 96 96 96 --crop 20 --rounds 5
+    python benchmarks/tile_inference.py --extra-path /tmp/torchio_site   # torchio installed with --target
 
-Both sides run an identity model (the prediction is the input tile), blend overlapping tiles (stoker
-``hann``, MONAI ``gaussian``) and write a float32 array of the volume's shape to a fresh Zarr array with
-the given chunks. The time is read + model + write, best of ``--repeats``; the report is voxels per second
-and the ratio (the target is stoker >= 1.5x MONAI). MONAI pads the borders and stoker shifts its last
-tiles back instead; both cover every voxel with the same tile and overlap, so the work is comparable.
-Without MONAI installed the script says so and times stoker alone.
+Each peer reads a uint16 Zarr array, runs an identity model over tiles of ``--tile`` whose valid centres are
+the tile less ``--crop`` on each side (stride ``tile - 2 * crop``), blends the overlaps and writes a float32
+Zarr array of the volume's shape (``--chunks``) with zarr-python:
+
+- ``stoker``: ``TileGrid`` -> ``CropDataset(with_samples=True)`` -> model -> ``TileWriter`` (``crop``,
+  ``blend`` "none" or "hann"), reading and writing chunk by chunk, the writes on ``--write-threads``
+  background threads;
+- ``stoker_sync`` (only when named in ``--peers``): the same with ``write_threads=0``, every region written
+  on the consumer's thread (the writer before its background writes);
+- ``monai``: a zarr-python read of the whole array, ``sliding_window_inference`` (the same tile and stride;
+  ``mode`` "constant" for "none", "gaussian" for "hann"; MONAI blends whole tiles, it has no crop), a
+  zarr-python write;
+- ``torchio``: a zarr-python read, ``GridSampler`` (``patch_overlap = 2 * crop``) through a DataLoader,
+  ``GridAggregator`` (``overlap_mode`` "crop" for "none", "hann" for "hann"), a zarr-python write.
+
+Rounds are interleaved (every round runs every peer and blend, the peers' order rotating), so a machine
+shared with other work slows all peers alike; the report is each peer's median and best time and the
+ratios ``peer / stoker`` of the medians (the targets: >= 1.5 against MONAI, >= 2 against torchio). Every
+output is checked against the input outside the timings (an identity model's blend is the input). A peer
+that does not import is reported as missing and left out. Threads: ``--threads`` for stoker's decoding and
+for torch (``torch.set_num_threads``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,80 +45,159 @@ import zarr
 
 import stoker
 
+BLENDS = ("none", "hann")
+
 
 def make_volume(path: Path, shape: tuple[int, ...], chunks: tuple[int, ...]) -> str:
-    z = zarr.create_array(str(path), shape=shape, chunks=chunks, dtype="float32")
-    z[:] = np.random.default_rng(0).random(shape, dtype=np.float32)
+    z = zarr.create_array(str(path), shape=shape, chunks=chunks, dtype="uint16")
+    z[:] = np.random.default_rng(0).integers(0, 4096, shape, dtype=np.uint16)
     return str(path)
 
 
-def run_stoker(src: str, out: str, shape, tile, crop, chunks, batch: int, threads: int) -> float:
-    t0 = time.perf_counter()
-    stride = tuple(t - 2 * crop for t in tile)
-    grid = stoker.TileGrid([src], tile, stride=stride)
-    writer = stoker.TileWriter(out, shape, chunks, "float32", blend="hann", crop=crop, grid=grid)
-    cfg = stoker.Config(batch_size=batch, dtype="f32", sample_shape=tile, device="cpu", n_compute_threads=threads)
+def run_stoker(src: str, out: str, a: argparse.Namespace, blend: str, write_threads: int | None = None) -> None:
+    tile = tuple(a.tile)
+    grid = stoker.TileGrid([src], tile, stride=tuple(t - 2 * a.crop for t in tile))
+    writer = stoker.TileWriter(out, tuple(a.shape), tuple(a.chunks), "float32", blend=blend, crop=a.crop, grid=grid,
+                               write_threads=a.write_threads if write_threads is None else write_threads)
+    cfg = stoker.Config(batch_size=a.batch_size, dtype="f32", sample_shape=tile, device="cpu",
+                        n_compute_threads=a.threads)
     with torch.inference_mode():
         for samples, x in stoker.CropDataset(writer.pending(grid), cfg, with_samples=True):
             writer.write(samples, x)  # the identity model
     writer.close()
-    return time.perf_counter() - t0
 
 
-def run_monai(src: str, out: str, shape, tile, crop, chunks, batch: int) -> float:
+def _read(src: str) -> torch.Tensor:
+    return torch.from_numpy(zarr.open_array(src, mode="r")[:].astype(np.float32))
+
+
+def _write(out: str, a: argparse.Namespace, values: torch.Tensor) -> None:
+    z = zarr.create_array(out, shape=tuple(a.shape), chunks=tuple(a.chunks), dtype="float32")
+    z[:] = values.numpy()
+
+
+def run_monai(src: str, out: str, a: argparse.Namespace, blend: str) -> None:
     from monai.inferers import sliding_window_inference
 
-    t0 = time.perf_counter()
-    volume = torch.from_numpy(zarr.open_array(src, mode="r")[:])[None, None]
-    overlap = [2 * crop / t for t in tile]  # the same stride as stoker's
+    # MONAI's stride is int(tile * (1 - overlap)): half a voxel less overlap keeps float rounding off it
+    overlap = [(2 * a.crop - 0.5) / t for t in a.tile]
     with torch.inference_mode():
-        pred = sliding_window_inference(volume, roi_size=tile, sw_batch_size=batch, predictor=lambda x: x,
-                                        overlap=overlap, mode="gaussian")
-    z = zarr.create_array(out, shape=shape, chunks=chunks, dtype="float32")
-    z[:] = pred[0, 0].numpy()
-    return time.perf_counter() - t0
+        pred = sliding_window_inference(_read(src)[None, None], roi_size=tuple(a.tile), sw_batch_size=a.batch_size,
+                                        predictor=lambda x: x, overlap=overlap,
+                                        mode="constant" if blend == "none" else "gaussian")
+    _write(out, a, pred[0, 0])
 
 
-def main() -> None:
+def run_torchio(src: str, out: str, a: argparse.Namespace, blend: str) -> None:
+    import torchio as tio
+
+    subject = tio.Subject(img=tio.ScalarImage(tensor=_read(src)[None]))
+    sampler = tio.inference.GridSampler(subject, tuple(a.tile), patch_overlap=2 * a.crop)
+    aggregator = tio.inference.GridAggregator(sampler, overlap_mode="crop" if blend == "none" else "hann")
+    loader = torch.utils.data.DataLoader(sampler, batch_size=a.batch_size)
+    with torch.inference_mode():
+        for batch in loader:
+            aggregator.add_batch(batch["img"][tio.DATA], batch[tio.LOCATION])  # the identity model
+    _write(out, a, aggregator.get_output_tensor()[0])
+
+
+def run_stoker_sync(src: str, out: str, a: argparse.Namespace, blend: str) -> None:
+    run_stoker(src, out, a, blend, write_threads=0)
+
+
+PEERS: dict[str, Callable[[str, str, argparse.Namespace, str], None]] = {
+    "stoker": run_stoker, "monai": run_monai, "torchio": run_torchio, "stoker_sync": run_stoker_sync}
+
+
+def available(names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The peers that import, and why each other one does not."""
+    ok, missing = [], {}
+    for name in names:
+        if name.startswith("stoker"):
+            ok.append(name)
+            continue
+        try:
+            __import__(name)
+            ok.append(name)
+        except Exception as exc:  # ImportError, or a package that breaks on import
+            missing[name] = f"{type(exc).__name__}: {exc}"
+    return ok, missing
+
+
+def check(src: str, out: str, peer: str, blend: str) -> None:
+    """An identity model's blend is its input, wherever a peer puts its weights."""
+    want = zarr.open_array(src, mode="r")[:].astype(np.float32)
+    got = zarr.open_array(out, mode="r")[:]
+    if got.shape != want.shape or not np.allclose(got, want, rtol=1e-5, atol=1e-3):
+        bad = np.argwhere(~np.isclose(got, want, rtol=1e-5, atol=1e-3)) if got.shape == want.shape else None
+        raise SystemExit(f"{peer} blend={blend}: the output is not the input (identity model): shape {got.shape}, "
+                         f"{0 if bad is None else len(bad)} voxels differ, the first at "
+                         f"{None if bad is None or not len(bad) else tuple(int(i) for i in bad[0])}")
+
+
+def _remove(out: str) -> None:
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out + ".tiles-done", ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=int, nargs=3, default=(128, 256, 256))
     p.add_argument("--tile", type=int, nargs=3, default=(96, 96, 96))
-    p.add_argument("--crop", type=int, default=20)
+    p.add_argument("--crop", type=int, default=20, help="margin of each tile outside its valid centre")
     p.add_argument("--chunks", type=int, nargs=3, default=(64, 64, 64))
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--threads", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--write-threads", type=int, default=2, help="TileWriter(write_threads=) of stoker")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--blends", nargs="+", choices=BLENDS, default=list(BLENDS))
+    p.add_argument("--peers", nargs="+", choices=list(PEERS), default=["stoker", "monai", "torchio"])
+    p.add_argument("--extra-path", action="append", default=[],
+                   help="a folder appended to sys.path (a package installed with pip --target), after the "
+                        "environment's own, so it shadows nothing")
     p.add_argument("--dir", default=None, help="where the arrays go (default: a temporary folder)")
-    a = p.parse_args()
-    shape, tile, chunks = tuple(a.shape), tuple(a.tile), tuple(a.chunks)
+    a = p.parse_args(argv)
+    sys.path.extend(a.extra_path)
+    torch.set_num_threads(a.threads)
+    peers, missing = available(a.peers)
     root = Path(a.dir or tempfile.mkdtemp(prefix="stoker-tiles-"))
-    src = make_volume(root / "in.zarr", shape, chunks)
-    voxels = int(np.prod(shape))
-    result: dict = {"shape": shape, "tile": tile, "crop": a.crop, "chunks": chunks, "batch_size": a.batch_size}
-    times = []
-    for i in range(a.repeats):
-        out = root / f"stoker-{i}.zarr"
-        times.append(run_stoker(src, str(out), shape, tile, a.crop, chunks, a.batch_size, a.threads))
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.rmtree(str(out) + ".tiles-done", ignore_errors=True)
-    result["stoker_s"] = min(times)
-    result["stoker_voxels_per_s"] = voxels / min(times)
+    src = make_volume(root / "in.zarr", tuple(a.shape), tuple(a.chunks))
+    times: dict[str, dict[str, list[float]]] = {b: {peer: [] for peer in peers} for b in a.blends}
+    load = [os.getloadavg()[0]]
     try:
-        import monai  # noqa: F401
-    except ImportError:
-        result["monai"] = "not installed (pip install monai): stoker timed alone"
-    else:
-        times = []
-        for i in range(a.repeats):
-            out = root / f"monai-{i}.zarr"
-            times.append(run_monai(src, str(out), shape, tile, a.crop, chunks, a.batch_size))
-            shutil.rmtree(out, ignore_errors=True)
-        result["monai_s"] = min(times)
-        result["monai_voxels_per_s"] = voxels / min(times)
-        result["speedup"] = result["monai_s"] / result["stoker_s"]
-    if a.dir is None:
-        shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps(result, indent=1))
+        for r in range(a.rounds):
+            for blend in a.blends:
+                for peer in peers[r % len(peers):] + peers[:r % len(peers)]:  # the order rotates per round
+                    out = str(root / f"{peer}-{blend}.zarr")
+                    _remove(out)
+                    t0 = time.perf_counter()
+                    PEERS[peer](src, out, a, blend)
+                    times[blend][peer].append(time.perf_counter() - t0)
+                    if r == 0:
+                        check(src, out, peer, blend)
+                    _remove(out)
+            load.append(os.getloadavg()[0])
+    finally:
+        if a.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    voxels = int(np.prod(a.shape))
+    result: dict = {"shape": a.shape, "tile": a.tile, "crop": a.crop, "chunks": a.chunks, "dtype": "uint16",
+                    "batch_size": a.batch_size, "threads": a.threads, "write_threads": a.write_threads, "rounds": a.rounds, "cpus": os.cpu_count(),
+                    "load_1min": [round(x, 2) for x in load], "missing": missing, "blends": {}}
+    for blend, by_peer in times.items():
+        med = {peer: statistics.median(t) for peer, t in by_peer.items()}
+        result["blends"][blend] = {
+            "median_s": {k: round(v, 3) for k, v in med.items()},
+            "best_s": {peer: round(min(t), 3) for peer, t in by_peer.items()},
+            "stoker_mvoxels_per_s": round(voxels / med["stoker"] / 1e6, 1) if "stoker" in med else None,
+            "speedup": {f"stoker_vs_{peer}": round(v / med["stoker"], 2) for peer, v in med.items()
+                        if peer != "stoker" and "stoker" in med}}
+    print(f"{a.shape} uint16, tiles {a.tile}, crop {a.crop}, chunks {a.chunks}, {a.rounds} interleaved rounds, "
+          f"{os.cpu_count()} CPUs, 1-min load {result['load_1min']}" + (f"; missing: {missing}" if missing else ""))
+    for blend, r in result["blends"].items():
+        print(f"blend={blend}: median s {r['median_s']}, best s {r['best_s']}; stoker / peer: {r['speedup']}")
+    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

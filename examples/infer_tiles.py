@@ -15,6 +15,10 @@ Options:
                         that is dropped (default 8: the valid output of a 32^3 tile is 16^3).
     --chunks Z Y X      the output's chunks (default 32 32 32).
     --batch-size B      tiles per batch, per rank (default 4).
+    --pad MODE          tiles that reach past the borders, as sliding-window inference lays them out ("zero",
+                        "fill", "reflect" or "edge": what the model sees outside the volume); every tile's
+                        centre is then cropped out of it, also at the borders. Default: no padding (the
+                        last tile of an axis ends at the border, whose margin is kept).
 
 The model here is a tiny, fixed 3D convolution so the example runs anywhere; put yours in its place.
 Every rank reads its share of the tiles (TileGrid.for_rank), predicts, and hands the batch to the
@@ -61,6 +65,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs=3, default=(32, 32, 32))
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--classes", type=int, default=3)
+    p.add_argument("--pad", choices=("zero", "fill", "reflect", "edge"), default=None)
     args = p.parse_args()
 
     if "RANK" in os.environ and not dist.is_initialized():  # launched by torchrun
@@ -71,7 +76,7 @@ def main() -> None:
     uri = level_uri(args.image, args.level)
     tile = tuple(args.tile)
     stride = tuple(t - 2 * args.crop for t in tile)  # the tiles' centres tile the volume
-    grid = stoker.TileGrid([uri], tile, stride=stride)
+    grid = stoker.TileGrid([uri], tile, stride=stride, pad=args.pad)
     volume = stoker.open_array(uri).shape
     labels = args.output == "labels"
     writer = stoker.TileWriter(

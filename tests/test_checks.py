@@ -97,5 +97,6 @@ def test_config_takes_torch_dtypes_by_their_names():
     assert stoker.Config(dtype=torch.float32).dtype == "f32"
     assert stoker.Config(dtype=torch.bfloat16).output_dtype is torch.bfloat16
     assert stoker.Config(dtype=torch.float16) == stoker.Config(dtype="f16")
-    with pytest.raises(stoker.InvalidArgument, match="torch.int32 is not an output dtype"):
-        stoker.Config(dtype=torch.int32)
+    assert stoker.Config(dtype=torch.int32).dtype == "i32"
+    with pytest.raises(stoker.InvalidArgument, match="torch.int16 is not an output dtype"):
+        stoker.Config(dtype=torch.int16)

@@ -8,8 +8,11 @@
 from .reader.array import ArrayReader, open_array
 from .config import Config
 from .engine.batch import Batch, BatchInfo
+from .engine.batch import FieldBatch
 from .engine.pipeline.facade import Pipeline
 from .engine.stats import Metric, Stats
+from .sampling.field import Field
+from .sampling.mask import Mask
 from .sampling.sample import Sample
 from .sampling.samplers import RandomCrops, RankShare, SampleList, SampleSource, TileGrid
 from .train.dataset import CropDataset
@@ -18,6 +21,7 @@ from . import transforms
 from .dist.collectives import rank_info
 from .dist.reduce import reduce_max
 from .engine.reduce import reduce_stats
+from .arraystats import compute_stats
 from .dist.telemetry import TelemetryWriter, memory_report
 from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
@@ -37,6 +41,9 @@ __all__ = [
     "BatchInfo",
     "Config",
     "CropDataset",
+    "Field",
+    "FieldBatch",
+    "Mask",
     "Metric",
     "Pipeline",
     "RandomCrops",
@@ -47,6 +54,7 @@ __all__ = [
     "TelemetryWriter",
     "TileGrid",
     "TileWriter",
+    "compute_stats",
     "memory_report",
     "pin_object",
     "rank_info",

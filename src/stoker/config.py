@@ -9,6 +9,7 @@ stoker.errors.InvalidArgument: Config.batch_size must be an integer >= 1, got 0
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -19,8 +20,10 @@ from .errors import InvalidArgument
 from .storage.diskcache import CacheSettings, cache_settings
 from .storage.locate import check_options_by_prefix
 
-#: Output dtypes by name; "native" keeps the source dtype.
-OUTPUT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "native": None}
+#: Output dtypes by name; "native" keeps the source dtype. "i32" and "i64" take integer and bool sources
+#: and keep every value exactly (engine/cast.py has the rules).
+OUTPUT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32,
+                 "i64": torch.int64, "native": None}
 
 #: Where chunks may be decompressed (Config.decode_on).
 DECODE_ON = ("auto", "cpu", "gpu")
@@ -70,8 +73,15 @@ class Config:
     - ``batch_size`` (>= 1): samples per batch.
     - ``sample_shape``: shape every sample must have (``(C, *box)`` for samples of ``C`` arrays); ``None``
       takes the first sample's.
-    - ``dtype``: ``"f32" | "bf16" | "f16" | "native"`` (the source dtype), or ``torch.float32``,
-      ``torch.bfloat16``, ``torch.float16`` (stored as their names).
+    - ``dtype``: ``"f32" | "bf16" | "f16" | "i32" | "i64" | "native"`` (the source dtype), or ``torch.float32``,
+      ``torch.bfloat16``, ``torch.float16``, ``torch.int32``, ``torch.int64`` (stored as their names); for every field of samples of named fields alike, or per field as a
+      dict ``{"raw": "bf16", "labels": "i64"}`` (samples of fields only; its names must be the samples'
+      field names, checked at the first batch; see :meth:`field_dtype`).
+      ``"i32"``/``"i64"`` take integer and bool sources and keep every value: one that does not fit is a
+      ``DtypeMismatch`` naming the array and chunk (float sources are refused). 32- and 64-bit integer
+      sources into ``"f32"``/``"bf16"``/``"f16"`` are refused when the first batch settles its dtype, before
+      any read (label ids would merge) unless ``lossy_casts``; 8- and 16-bit integers (images) are allowed.
+    - ``lossy_casts`` (bool, default False): allow 32- and 64-bit integer sources into float outputs, rounded.
     - ``host_buffer_bytes`` (>= 1 MiB): hard cap on host buffers (batch slots, or the pinned staging
       slots on CUDA, plus read and decode buffers).
     - ``device_buffer_bytes`` (>= 1 MiB): cap on device memory: ``lookahead_batches + 1`` batch slots
@@ -122,6 +132,13 @@ class Config:
     - ``transform``: ``None``, a callable ``batch -> batch`` or a list of them (run in order), applied to
       every batch on its device after the cast, before the consumer sees it; built-ins in
       :mod:`stoker.transforms` (``Normalize``, ``FillNaN``). See that module for where it runs and what it costs.
+      For samples of named fields it runs once per batch on the dict ``{name: tensor}``, on the consumer's
+      thread in ``pop`` (docs/dataloader.md, "Samples of named fields").
+    - ``cf`` (default True): arrays with CF attributes (``scale_factor``, ``add_offset``, ``_FillValue``,
+      ``missing_value``: what xarray writes for packed or masked variables) are decoded as xarray decodes
+      them, fills to NaN, in the batch's float dtype before the transform (:mod:`stoker.engine.cpu.cf`);
+      such an array read into an integer batch (``dtype='native'``) is a ``DtypeMismatch``. ``False``:
+      the stored values, as they are.
     """
 
     batch_size: int = 8
@@ -144,6 +161,8 @@ class Config:
     cache_dir: str | os.PathLike | None = None
     cache_bytes: int | None = None
     cache_staleness_s: float | None = None
+    cf: bool = True
+    lossy_casts: bool = False
 
     def __post_init__(self) -> None:
         for name, low in _INTEGER_KNOBS.items():  # numpy integers are stored as ints
@@ -163,22 +182,30 @@ class Config:
                     knob="sample_shape",
                 )
             object.__setattr__(self, "sample_shape", shape)
-        if isinstance(self.dtype, torch.dtype):  # torch.float32 and friends: stored by their name here
+        if isinstance(self.dtype, Mapping):  # per field: each value checked and stored by its name
+            object.__setattr__(self, "dtype", field_dtypes(self.dtype))
+        elif isinstance(self.dtype, torch.dtype):  # torch.float32 and friends: stored by their name here
             names = {d: n for n, d in OUTPUT_DTYPES.items() if d is not None}
             if self.dtype not in names:
                 raise InvalidArgument(
                     f"Config.dtype {self.dtype} is not an output dtype; use torch.float32, torch.bfloat16, "
-                    "torch.float16, or 'native' for the source dtype", knob="dtype")
+                    "torch.float16, torch.int32, torch.int64, or 'native' for the source dtype", knob="dtype")
             object.__setattr__(self, "dtype", names[self.dtype])
-        if self.dtype not in OUTPUT_DTYPES:
+        if not isinstance(self.dtype, dict) and self.dtype not in OUTPUT_DTYPES:
             raise InvalidArgument(
                 f"Config.dtype must be one of {', '.join(map(repr, OUTPUT_DTYPES))}, got {self.dtype!r}",
                 knob="dtype",
             )
         object.__setattr__(self, "pop_timeout_s",
                            seconds("Config.pop_timeout_s", self.pop_timeout_s, optional=True, knob="pop_timeout_s"))
+        if not isinstance(self.cf, bool):
+            raise InvalidArgument(f"Config.cf must be True (decode CF attributes, as xarray) or False (the stored "
+                                  f"values), got {self.cf!r}", knob="cf")
         if not isinstance(self.drop_last, bool):
             raise InvalidArgument(f"Config.drop_last must be True or False, got {self.drop_last!r}", knob="drop_last")
+        if not isinstance(self.lossy_casts, bool):
+            raise InvalidArgument(f"Config.lossy_casts must be True or False, got {self.lossy_casts!r}",
+                                  knob="lossy_casts")
         self._check_device()
         self._check_decode_on()
         from .transforms import as_transform  # imports torch only; here to keep config's imports light
@@ -221,5 +248,56 @@ class Config:
 
     @property
     def output_dtype(self) -> torch.dtype | None:
-        """The torch dtype of batches, or ``None`` for "native" (decided by the source)."""
+        """The torch dtype of batches, or ``None`` for "native" (decided by the source). InvalidArgument for a
+        per-field ``dtype`` (a dict), which only samples of named fields take (see :meth:`field_dtype`)."""
+        if isinstance(self.dtype, dict):
+            raise InvalidArgument(
+                f"Config.dtype={self.dtype!r} gives a dtype per field, and this pipeline's samples are of one box "
+                "(no named fields): give one dtype (dtype='f32'), or push samples of named fields "
+                "(stoker.Sample({name: (uri, box)}))", knob="dtype")
         return OUTPUT_DTYPES[cast(str, self.dtype)]  # __post_init__ turned a torch.dtype into its name
+
+    def field_dtype(self, name: str, names: tuple[str, ...] | None = None) -> str:
+        """The output dtype's name for field ``name`` of samples of named fields: ``dtype`` itself, or its
+        entry for ``name`` when it is a dict. With ``names`` (the samples' fields), a dict must name exactly
+        them: InvalidArgument naming a field it lacks or one the samples do not have.
+
+        >>> Config(dtype={"raw": "bf16", "labels": "native"}).field_dtype("labels")
+        'native'
+        """
+        if not isinstance(self.dtype, dict):
+            return cast(str, self.dtype)
+        given = self.dtype
+        if names is not None:
+            unknown = [n for n in given if n not in names]
+            if unknown:
+                raise InvalidArgument(f"Config.dtype names field(s) {unknown} that the samples do not have (their "
+                                      f"fields: {list(names)}); fix the name or drop it", knob="dtype")
+        if name not in given:
+            raise InvalidArgument(f"Config.dtype={given!r} gives no dtype for field {name!r} of the samples; add "
+                                  f"{name!r}: 'f32' (or the dtype it needs)", knob="dtype")
+        return given[name]
+
+
+def field_dtypes(given: Mapping) -> dict[str, str]:
+    """A per-field ``Config.dtype``: field name -> output dtype name, each value checked as ``dtype`` is
+    (a torch dtype stored as its name).
+
+    >>> field_dtypes({"raw": torch.bfloat16, "labels": "native"})
+    {'raw': 'bf16', 'labels': 'native'}
+    """
+    if not given:
+        raise InvalidArgument("Config.dtype as a dict needs at least one field: {name: dtype}", knob="dtype")
+    names = {d: n for n, d in OUTPUT_DTYPES.items() if d is not None}
+    out = {}
+    for name, value in given.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"Config.dtype's keys are field names (non-empty strings), got {name!r}",
+                                  knob="dtype")
+        if isinstance(value, torch.dtype) and value in names:
+            value = names[value]
+        if not isinstance(value, str) or value not in OUTPUT_DTYPES:
+            raise InvalidArgument(f"Config.dtype[{name!r}] must be one of {', '.join(map(repr, OUTPUT_DTYPES))} "
+                                  f"(or their torch dtypes), got {value!r}", knob="dtype")
+        out[name] = value
+    return out

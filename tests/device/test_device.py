@@ -98,6 +98,10 @@ def test_resolve_warns_once_per_local_rank_and_device(monkeypatch):
     (torch.float32, {np.dtype(">u2")}, torch.float32),  # byte-swapped sources are cast on the host
     (torch.float32, {np.dtype("uint16"), np.dtype("uint8")}, torch.float32),  # mixed: one host dtype
     (None, {np.dtype("uint16")}, None),  # native: the batch is the source dtype anyway
+    (torch.int32, {np.dtype("uint8")}, torch.uint8),  # widened exactly on the device
+    (torch.int64, {np.dtype("int16")}, torch.int16),
+    (torch.int64, {np.dtype("uint64")}, torch.int64),  # cast (and every value checked) on the host
+    (torch.int32, {np.dtype("int64")}, torch.int32),
 ])
 def test_staging_dtype(output, sources, staged):
     assert staging_dtype(output, sources) == staged

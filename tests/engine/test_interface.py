@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import zarr
 from zarr.codecs import ZstdCodec
 
@@ -102,7 +103,8 @@ def test_every_status_the_header_defines_is_a_typed_error_or_a_retry(tmp_path, f
         with p.pop():
             pass
         decoders = p._executor.decoders
-        job = types.SimpleNamespace(plan=decoders.plan(1, [sample], p._open))
+        # out: the batch, whose dtype an ST_RANGE error names (reported for integer batches only)
+        job = types.SimpleNamespace(plan=decoders.plan(1, [sample], p._open), out=torch.empty(0, dtype=torch.int32))
         statuses = [n for n in interface.CONSTANTS if n.startswith("ST_") and n != "ST_OK"]
         assert len(statuses) == interface.N_STATUSES - 1
         for name in statuses:

@@ -148,19 +148,21 @@ def test_crops_match_zarr(tmp_path, reader, layout):
 
 
 @pytest.mark.parametrize("written", [True, False])
-@pytest.mark.parametrize("dtype", ["native", "f32", "f16", "bf16"])
+@pytest.mark.parametrize("dtype", ["native", "f32", "f16", "bf16", "i64"])
 def test_a_zero_dimensional_array_makes_batches_of_its_value(tmp_path, reader, dtype, written):
     reader["expect_engine"] = False  # (either path may take it)
     uri = str(tmp_path / "s.zarr")
     z = zarr.create_array(uri, shape=(), chunks=(), dtype="int32", fill_value=-7)
     if written:
         z[()] = 42  # (exact in every batch dtype)
-    cfg = stoker.Config(batch_size=3, dtype=dtype, device="cpu", host_buffer_bytes=64 << 20, pop_timeout_s=20)
+    cfg = stoker.Config(batch_size=3, dtype=dtype, device="cpu", host_buffer_bytes=64 << 20, pop_timeout_s=20,
+                        lossy_casts=True)  # int32 into the float dtypes
     with stoker.Pipeline(cfg) as p:
         p.push([stoker.Sample(uri, [])] * 3)
         with p.pop() as b:
             got = torch.from_dlpack(b).clone()
-    want = {"native": torch.int32, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    want = {"native": torch.int32, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+            "i64": torch.int64}[dtype]
     assert got.dtype == want and got.tolist() == [42 if written else -7] * 3
 
 

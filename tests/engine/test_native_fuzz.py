@@ -708,14 +708,27 @@ def test_random_bytes(work, data):
 # Copy plans
 
 _KINDS = {k: t for t, k in native.SOURCE_KINDS.items()}  # source kind -> numpy dtype
+_INTEGER_BATCHES = {native.KIND_I32: np.dtype("int32"), native.KIND_I64: np.dtype("int64")}
+DST_KINDS = [native.KIND_SAME, native.KIND_F32, native.KIND_BF16, native.KIND_I32, native.KIND_I64]
+
+
+def batch_item(dst_kind: int, src_item: int) -> int:
+    """Bytes of one batch element of ``dst_kind`` (KIND_SAME: the source's)."""
+    if dst_kind in _INTEGER_BATCHES:
+        return _INTEGER_BATCHES[dst_kind].itemsize
+    return src_item if dst_kind == native.KIND_SAME else 4 if dst_kind == native.KIND_F32 else 2
 
 
 def model_place(plan: list[int], chunk: bytes, span: tuple[int, int], batch: np.ndarray, dst_bytes: int,
-                dst_kind: int) -> bool:
+                dst_kind: int, unfit: list[bool] | None = None) -> bool:
     """What a copy plan must do (see check_copies and place_copies in csrc/place.c), done in Python on ``batch``
-    (uint8): False, writing nothing, when the plan is malformed or any element it reads or writes lies
-    outside the chunk's decoded span or the batch's first ``dst_bytes``; else True, with the copies made."""
+    (uint8): False, writing nothing, when the plan is malformed, casts a float into an integer batch, or any
+    element it reads or writes lies outside the chunk's decoded span or the batch's first ``dst_bytes``; else
+    True, with the copies made. Into an integer batch a value that does not fit is written as 0, and
+    ``unfit`` gets whether one did not (the chunk's ST_RANGE)."""
     if len(plan) < 3 or not 0 <= plan[0] < len(_KINDS) or not 1 <= plan[1] <= 32 or plan[2] < 0:
+        return False
+    if dst_kind in _INTEGER_BATCHES and _KINDS[plan[0]].kind == "f":
         return False
     kind, ndim, ncopies = plan[:3]
     if len(plan) != 3 + 2 * ndim + ncopies * (2 + ndim):
@@ -725,7 +738,7 @@ def model_place(plan: list[int], chunk: bytes, span: tuple[int, int], batch: np.
         return False
     src_t = _KINDS[kind]
     item = src_t.itemsize
-    d_item = item if dst_kind == native.KIND_SAME else 4 if dst_kind == native.KIND_F32 else 2
+    d_item = batch_item(dst_kind, item)
     chunk_elems, dst_elems = len(chunk) // item, dst_bytes // d_item
     copies = [plan[3 + 2 * ndim + i * (2 + ndim):3 + 2 * ndim + (i + 1) * (2 + ndim)] for i in range(ncopies)]
     for s0, d0, *ext in copies:
@@ -738,8 +751,19 @@ def model_place(plan: list[int], chunk: bytes, span: tuple[int, int], batch: np.
         if np.prod(ext, dtype=object) > dst_elems:  # a copy writes no more elements than the batch holds
             return False
     src = np.frombuffer(chunk[:chunk_elems * item], dtype=src_t)
+    bad = False
     if dst_kind == native.KIND_SAME:
         dst, conv = batch[:dst_elems * d_item].view(src_t), lambda v: v
+    elif dst_kind in _INTEGER_BATCHES:
+        out_t = _INTEGER_BATCHES[dst_kind]
+        dst = batch[:dst_elems * d_item].view(out_t)
+
+        def conv(v):
+            nonlocal bad
+            x = int(v[0])
+            fits = np.iinfo(out_t).min <= x <= np.iinfo(out_t).max
+            bad |= not fits
+            return np.array([x if fits else 0], out_t)
     elif dst_kind == native.KIND_F32:
         dst, conv = batch[:dst_elems * d_item].view(np.float32), lambda v: v.astype(np.float32)
     else:
@@ -752,6 +776,8 @@ def model_place(plan: list[int], chunk: bytes, span: tuple[int, int], batch: np.
             s = s0 + sum(i * k for i, k in zip(idx, ss))
             d = d0 + sum(i * k for i, k in zip(idx, ds))
             dst[d] = conv(src[s:s + 1])[0]
+    if unfit is not None:
+        unfit.append(bad)
     return True
 
 
@@ -810,8 +836,13 @@ def test_copy_plans(work, data):
                               endpoint=True)
     chunk = values.tobytes()
     nbytes = len(chunk)
-    dst_kind = data.draw(st.sampled_from([native.KIND_SAME, native.KIND_F32, native.KIND_BF16]))
-    d_item = src_t.itemsize if dst_kind == native.KIND_SAME else 4 if dst_kind == native.KIND_F32 else 2
+    dst_kind = data.draw(st.sampled_from(DST_KINDS))
+    if dst_kind in _INTEGER_BATCHES and src_t.kind in "iu" and data.draw(st.booleans()):
+        # values the integer batch holds, so wide sources are placed whole too (else most overflow: ST_RANGE)
+        have, room = np.iinfo(src_t), np.iinfo(_INTEGER_BATCHES[dst_kind])
+        chunk = rng.integers(max(have.min, room.min), min(have.max, room.max), len(values), dtype=src_t,
+                             endpoint=True).tobytes()
+    d_item = batch_item(dst_kind, src_t.itemsize)
     batch_bytes = int(np.prod(batch_shape)) * d_item
     declared = data.draw(st.one_of(st.just(batch_bytes), st.integers(0, batch_bytes)))  # a batch too small
     plans = [data.draw(copy_plans(chunk_shape, batch_shape, kind)) for _ in range(data.draw(st.integers(1, 2)))]
@@ -833,9 +864,12 @@ def test_copy_plans(work, data):
         item = _KINDS[plan[0]].itemsize if plan and 0 <= plan[0] < len(_KINDS) else src_t.itemsize
         return dst_kind == native.KIND_SAME or (out_shift % item == 0 and dst_shift % d_item == 0)
 
+    unfit: list[bool] = []
     valid = (forms == ["array"] * len(plans)
-             and all(aligned(p) and model_place(p, chunk, span, want, declared, dst_kind) for p in plans))
+             and all(aligned(p) and model_place(p, chunk, span, want, declared, dst_kind, unfit) for p in plans))
     event("taken" if valid else "refused")
+    if valid and any(unfit):
+        event("a value past the integer batch: ST_RANGE")
     if not valid:
         want = batch.view.copy()
     frame = numcodecs.Zstd(level=1).encode(chunk)
@@ -856,7 +890,8 @@ def test_copy_plans(work, data):
         assert not valid, "a valid plan was refused"
     else:
         assert valid, "a plan that reaches outside the chunk's span or the batch was taken"
-        assert [r[0] for r in results] == [native.ST_OK] * len(plans) and all(r[6] for r in results)
+        assert [r[0] for r in results] == [native.ST_RANGE if u else native.ST_OK for u in unfit]
+        assert all(r[6] for r in results)
     assert batch.intact(), "a write outside the batch"
     np.testing.assert_array_equal(batch.view, want)
 

@@ -130,7 +130,7 @@ def test_mixed_source_dtypes_in_one_batch(tmp_path):
     b, db = _write(tmp_path / "b.zarr", (16, 16), (8, 8), dtype="float32", compressors="zstd")
     c, dc = _write(tmp_path / "c.zarr", (16, 16), (8, 8), dtype=">i4", compressors=None)
     samples = [stoker.Sample(str(tmp_path / n), [(1, 9), (3, 11)]) for n in ("a.zarr", "b.zarr", "c.zarr", "a.zarr")]
-    with stoker.Pipeline(_cfg(dtype="bf16")) as p:
+    with stoker.Pipeline(_cfg(dtype="bf16", lossy_casts=True)) as p:  # int32 into bf16 rounds: asked for
         p.push(samples)
         x = torch.from_dlpack(p.pop())
     for row, data in enumerate((da, db, dc, da)):
@@ -841,3 +841,21 @@ def test_a_slow_source_is_named_as_the_cause_of_a_timeout(volume):
         p.push(slow())
         with pytest.raises(stoker.PoolStarved, match="1 of 2 pulled so far"):
             p.pop()
+
+
+def test_a_timeout_says_whether_samples_were_missing_or_the_batches_slow(volume):
+    """The pipeline asks its intake why no batch came (Intake.starved_reason) and its coordinator how many
+    are in flight: each cause has its words."""
+    uri, data = volume
+    samples = _random_samples(uri, data.shape, (8, 8, 8), 3)
+    with stoker.Pipeline(_cfg(batch_size=2, pop_timeout_s=0.3)) as p:
+        with pytest.raises(stoker.PoolStarved, match=r"no samples are pending; push more\.$"):
+            p.pop()
+    with stoker.Pipeline(_cfg(batch_size=4, pop_timeout_s=0.3, drop_last=True)) as p:
+        p.push(samples)
+        with pytest.raises(stoker.PoolStarved, match="3 samples wait for a full batch of 4"):
+            p.pop()
+        assert list(p) == []  # nothing more can come: iteration ends instead of waiting
+    with stoker.Pipeline(_cfg(batch_size=4, pop_timeout_s=5, drop_last=False)) as p:
+        p.push(samples)
+        assert [len(b) for b in p] == [3]  # the staged samples are asked for as a short batch

@@ -98,7 +98,7 @@ def _samples(uri, shape, crop, n, seed):
 
 def _run(samples, **kw):
     base = dict(batch_size=4, device="cpu", n_compute_threads=1, n_io_threads=1, host_buffer_bytes=64 << 20,
-                device_buffer_bytes=64 << 20, drop_last=False)
+                device_buffer_bytes=64 << 20, drop_last=False, lossy_casts=True)  # int32 arrays into floats too
     cfg = stoker.Config(**{**base, **kw})
     with stoker.Pipeline(cfg) as p:
         p.push(samples)

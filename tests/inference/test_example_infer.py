@@ -60,3 +60,17 @@ def test_two_ranks_write_the_one_rank_array(tmp_path, output):
         assert a.shape == (3, *SHAPE)
         np.testing.assert_allclose(a.sum(0), 1, rtol=1e-5)  # blended probabilities, everywhere
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_padded_tiles_write_every_voxel_on_two_ranks_as_on_one(tmp_path):
+    """--pad reflect: tiles reach past the borders, the engine fills what lies outside, and the writer crops
+    every tile to its centre."""
+    image = _image(tmp_path)
+    args = ("--image", image, "--output", "labels", "--pad", "reflect")
+    one = _run(1, *args, "--out", str(tmp_path / "one.zarr"))
+    two = _run(2, *args, "--out", str(tmp_path / "two.zarr"))
+    assert sum(r["regions_written"] for r in two) == one[0]["regions_written"] == 2 * 3 * 2
+    assert one[0]["tiles"] == 3 * 5 * 4  # ceil(40 / 16) x ceil(70 / 16) x ceil(50 / 16) centres of 16^3
+    a = zarr.open_array(str(tmp_path / "one.zarr"), mode="r")[:]
+    assert a.shape == SHAPE and (a != 255).all()  # every voxel written
+    np.testing.assert_array_equal(a, zarr.open_array(str(tmp_path / "two.zarr"), mode="r")[:])

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import torch
 import zarr
 
 import stoker
+from stoker.sampling.sample import box_of
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -97,7 +99,12 @@ def run(uri_in, out, blend, channels, world=1, rank=0, stop_after=None, **kw):
         writer.write(samples, model(x, channels))
         done += 1
         if stop_after is not None and done == stop_after:
-            os._exit(3)  # killed mid-way: no close, nothing flushed
+            # killed mid-way, once the regions finished so far are written and recorded (the background
+            # threads write behind); nothing more is flushed
+            deadline = time.monotonic() + 60
+            while writer.record.done() != writer.done and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os._exit(3)
     writer.close()
     return writer, len(todo)
 
@@ -226,3 +233,71 @@ def test_without_a_grid_every_region_waits_for_close(volume, tmp_path):
     w.close()
     assert w.written == 48
     np.testing.assert_allclose(zarr.open_array(out)[:], reference(data, "hann", 0), rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("blend", ["none", "hann"])
+@pytest.mark.parametrize("dtype,fill", [("f4", -1.5), ("u1", 255)])
+def test_voxels_no_tile_reaches_keep_the_fill_value(volume, tmp_path, blend, dtype, fill):
+    """A stride longer than the tile leaves gaps: there the array keeps its fill value, elsewhere the
+    predictions (an identity model: its blend is its input, rounded for integers)."""
+    uri, data = volume
+    grid = stoker.TileGrid([uri], (4, 5, 5), stride=(6, 8, 7))
+    out = str(tmp_path / "o.zarr")
+    w = stoker.TileWriter(out, SHAPE, (4, 8, 8), dtype, blend=blend, grid=grid, fill_value=fill)
+    want = np.full(SHAPE, fill, dtype)
+    for i in range(len(grid)):
+        s = grid.sample(0, i)
+        box = tuple(slice(a, b) for a, b in s.aabb)
+        tile = data[box] * 100
+        # every tile's values at a voxel are the same (overlaps agree); "none" casts as astype, "hann" rounds
+        # to integers
+        want[box] = (np.rint(tile) if blend == "hann" and dtype == "u1" else tile).astype(dtype)
+        w.write([s], tile[None])
+    w.close()
+    got = zarr.open_array(out, mode="r")[:]
+    assert (got == fill).any() and (got != fill).any()  # gaps and tiles both
+    if dtype == "f4" and blend == "hann":
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_region_that_cannot_be_written_is_a_storage_error_and_stays_unmarked(volume, tmp_path):
+    uri, data = volume
+    out = tmp_path / "o.zarr"
+    w = stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4")
+    (out / "c").write_bytes(b"")  # a file where the chunks' folder goes: every chunk write fails (root too)
+    s = stoker.Sample(uri, [(0, 4), (0, 8), (0, 8)])
+    w.write([s], data[None, :4, :8, :8])
+    with pytest.raises(stoker.StorageError, match=r"o.zarr: writing region \(0, 0, 0\) \(voxels"):
+        w.close()
+    assert w.record.done() == set() and w.written == 0
+
+
+@pytest.mark.parametrize("order", ["grid", "reversed", "shuffled"])
+def test_blend_none_overlapping_tiles_in_any_order(volume, tmp_path, order):
+    """crop 0 and a stride under half the tile: up to 8 tiles overlap a voxel; the tile whose box starts first
+    wins it, whatever order the tiles come in (the reference keeps a per-voxel start, the writer boxes)."""
+    uri, data = volume
+    grid = stoker.TileGrid([uri], TILE, stride=(3, 4, 4))
+    samples = [grid.sample(0, i) for i in range(len(grid))]
+    if order != "grid":
+        samples = samples[::-1] if order == "reversed" else \
+            [samples[i] for i in np.random.default_rng(3).permutation(len(samples))]
+    out = str(tmp_path / "o.zarr")
+    w = stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", blend="none", fill_value=-1)
+    want = np.full(SHAPE, -1, "f4")
+    key = np.full(SHAPE, np.iinfo(np.int64).max)
+    for i in range(0, len(samples), 5):
+        batch = samples[i:i + 5]
+        preds = np.stack([data[tuple(slice(a, b) for a, b in box_of(s))] + 1000 * j
+                          for j, s in enumerate(batch, start=i)])  # every tile a different value
+        w.write(batch, preds)
+        for s, p in zip(batch, preds):
+            dst = tuple(slice(a, b) for a, b in box_of(s))
+            start = np.ravel_multi_index([a for a, _ in box_of(s)], SHAPE)
+            win = key[dst] > start
+            key[dst][win] = start
+            want[dst][win] = p[win]
+    w.close()
+    np.testing.assert_array_equal(zarr.open_array(out)[:], want)

@@ -5,7 +5,7 @@ import pickle
 import pytest
 
 import stoker
-from stoker.errors import InvalidArgument, NotYetSupported
+from stoker.errors import InvalidArgument
 
 BOX = [(0, 8), (0, 8)]
 
@@ -59,12 +59,32 @@ def test_pad_allows_boxes_past_the_array_and_is_part_of_identity():
         stoker.Sample("/a.zarr", BOX, pad="wrap")
 
 
-def test_the_pipeline_says_what_it_does_not_read_yet(tmp_path):
+def test_the_pipeline_reads_fields_and_padded_fields(tmp_path):
     import numpy as np
+    import torch
     import zarr
 
     uri = str(tmp_path / "a.zarr")
-    zarr.create_array(uri, shape=(8, 8), chunks=(4, 4), dtype="u1")[:] = np.ones((8, 8), "u1")
-    with stoker.Pipeline(stoker.Config(batch_size=1)) as p:
-        with pytest.raises(NotYetSupported, match="named fields"):
-            p.push(stoker.Sample({"x": (uri, BOX)}))
+    data = np.arange(64, dtype="u1").reshape(8, 8)
+    zarr.create_array(uri, shape=(8, 8), chunks=(4, 4), dtype="u1")[:] = data
+    with stoker.Pipeline(stoker.Config(batch_size=1, device="cpu", dtype="native")) as p:
+        p.push(stoker.Sample({"x": (uri, BOX)}))  # samples of named fields are read (tests/engine/test_fields.py)
+        with p.pop() as batch:
+            assert isinstance(batch, stoker.FieldBatch) and list(batch) == ["x"]
+            assert (torch.from_dlpack(batch["x"])[0].numpy() == data).all()
+        # a padded field: every field's box filled as numpy.pad fills it (tests/engine/test_padding.py)
+        p.push(stoker.Sample({"x": (uri, [(-2, 6), (0, 8)])}, pad="edge"))
+        with p.pop() as batch:
+            want = np.pad(data, ((2, 0), (0, 0)), mode="edge")[:8]
+            assert (torch.from_dlpack(batch["x"])[0].numpy() == want).all()
+
+
+def test_sample_lists_of_fields_differ_by_every_field():
+    """A SampleList's fingerprint covers each field's arrays and box: a state is not resumed into another list
+    of samples of fields."""
+    a = stoker.SampleList([stoker.Sample({"x": ("/a.zarr", BOX), "y": ("/b.zarr", BOX)})])
+    b = stoker.SampleList([stoker.Sample({"x": ("/a.zarr", BOX), "y": ("/b.zarr", [(0, 8), (1, 9)])})])
+    c = stoker.SampleList([stoker.Sample({"x": ("/a.zarr", BOX), "y": ("/c.zarr", BOX)})])
+    same = stoker.SampleList([stoker.Sample({"x": ("/a.zarr", BOX), "y": ("/b.zarr", BOX)})])
+    assert a.fingerprint == same.fingerprint
+    assert len({a.fingerprint, b.fingerprint, c.fingerprint}) == 3

@@ -64,13 +64,6 @@ def test_a_grid_that_fits_keeps_its_tiles_and_fingerprint_kind(volume):
     assert "cover-border" in shifted.identity()  # a state of the old, shorter grid is not resumed into it
 
 
-def test_pad_is_refused_with_the_workaround(volume):
-    uri, _ = volume
-    with pytest.raises(stoker.NotYetSupported, match="zero-padded copy") as e:
-        stoker.TileGrid([uri], (6, 8, 7), pad=True)
-    assert e.value.knob == "pad" and isinstance(e.value, NotImplementedError)
-
-
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_a_rank_split_never_loses_a_tile(volume, world):
     uri, _ = volume

@@ -327,7 +327,7 @@ def test_a_zip_archive_rewritten_in_place_under_an_open_array_is_an_error(tmp_pa
     # a pipeline opens each array once: a batch after the rewrite fails, it does not read the new bytes
     with open(path, "wb") as f:
         f.write(archive(1, b""))
-    cfg = stoker.Config(batch_size=2, dtype="f32", n_compute_threads=1, pop_timeout_s=60, lookahead_batches=1)
+    cfg = stoker.Config(batch_size=2, dtype="f32", lossy_casts=True, n_compute_threads=1, pop_timeout_s=60, lookahead_batches=1)
     with stoker.Pipeline(cfg) as p:
         p.push([stoker.Sample(f"{path}/a", [(0, 16)])] * 2)
         batch = p.pop()
@@ -378,7 +378,7 @@ def samples(prefix: str) -> list:
 
 
 def run_pipeline(prefix: str, options: dict | None = None, **cfg) -> list[torch.Tensor]:
-    cfg = stoker.Config(batch_size=4, dtype="f32", n_compute_threads=2, pop_timeout_s=30,
+    cfg = stoker.Config(batch_size=4, dtype="f32", lossy_casts=True, n_compute_threads=2, pop_timeout_s=30,
                         host_buffer_bytes=64 << 20, storage_options=options, **cfg)
     out = []
     with stoker.Pipeline(cfg) as p:
@@ -445,7 +445,7 @@ def test_503_storm_is_retried_to_success_through_a_pipeline(tree):
 def test_server_stopped_mid_run_is_a_storage_error_at_pop(tree):
     server = RangeServer(tree["root"])
     opts = {server.url + "/": {**FAST, "retries": 1, "timeout_s": 2.0, "connect_timeout_s": 1.0}}
-    cfg = stoker.Config(batch_size=4, dtype="f32", n_compute_threads=2, pop_timeout_s=60,
+    cfg = stoker.Config(batch_size=4, dtype="f32", lossy_casts=True, n_compute_threads=2, pop_timeout_s=60,
                         host_buffer_bytes=64 << 20, storage_options=opts, lookahead_batches=1)
     try:
         with stoker.Pipeline(cfg) as p:
@@ -464,7 +464,7 @@ def test_server_stopped_mid_run_is_a_storage_error_at_pop(tree):
 def test_close_mid_batch_cancels_requests_in_flight(tree):
     server = RangeServer(tree["root"])
     opts = {server.url + "/": {**FAST, "timeout_s": 60.0}}
-    cfg = stoker.Config(batch_size=4, dtype="f32", n_compute_threads=2, pop_timeout_s=60,
+    cfg = stoker.Config(batch_size=4, dtype="f32", lossy_casts=True, n_compute_threads=2, pop_timeout_s=60,
                         host_buffer_bytes=64 << 20, storage_options=opts, lookahead_batches=1)
     try:
         p = stoker.Pipeline(cfg)
@@ -857,7 +857,7 @@ def test_fetches_in_flight_are_not_bounded_by_io_threads(tree):
     # first answer would leave the second request unsent until the barrier broke.
     server = _MeetingServer(tree["root"])
     try:
-        cfg = stoker.Config(batch_size=1, dtype="f32", n_io_threads=1, n_compute_threads=1, lookahead_batches=3,
+        cfg = stoker.Config(batch_size=1, dtype="f32", lossy_casts=True, n_io_threads=1, n_compute_threads=1, lookahead_batches=3,
                             pop_timeout_s=60, host_buffer_bytes=64 << 20,
                             storage_options={server.url + "/": {**FAST, "timeout_s": 40.0}})  # no retry meets it
         uri = f"{server.url}/g3.zarr/zstd"
@@ -886,7 +886,7 @@ def test_transform_never_runs_on_the_stores_event_loop_thread(tree):
         return batch
 
     prefix, options = _prefix(tree, "http")
-    cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1, pop_timeout_s=30,
+    cfg = stoker.Config(batch_size=1, dtype="f32", lossy_casts=True, n_compute_threads=1, pop_timeout_s=30,
                         host_buffer_bytes=16 << 20, transform=transform, storage_options=options)
     with stoker.Pipeline(cfg) as p:
         p.push([stoker.Sample(f"{prefix}/plain2.zarr", [(32, 40), (0, 16)]) for _ in range(3)])
@@ -903,7 +903,7 @@ def test_a_failed_concurrent_open_is_not_tried_again(tree):
     # Two arrays new to the pipeline are opened together; their metadata answers 503 for ever. Each open
     # costs one retry budget (retries=2: 3 requests), once: not a second time by an open one after the other.
     server = RangeServer(tree["root"])
-    cfg = stoker.Config(batch_size=2, dtype="f32", pop_timeout_s=60, host_buffer_bytes=16 << 20,
+    cfg = stoker.Config(batch_size=2, dtype="f32", lossy_casts=True, pop_timeout_s=60, host_buffer_bytes=16 << 20,
                         storage_options={server.url + "/": FAST})
     try:
         server.fail(1000, 503)
@@ -937,7 +937,7 @@ def test_closed_stores_open_no_more(tree):
 def test_array_uris_with_credentials_are_refused_never_printed(tree):
     # An array URI is in every message about it and in ArrayReader.uri: no user:password, no query in it.
     host = tree["http"].url.split("://", 1)[1]
-    cfg = stoker.Config(batch_size=1, dtype="f32", pop_timeout_s=30, host_buffer_bytes=16 << 20)
+    cfg = stoker.Config(batch_size=1, dtype="f32", lossy_casts=True, pop_timeout_s=30, host_buffer_bytes=16 << 20)
     for uri in (f"http://user:s3cr3tpw@{host}/g3.zarr/zstd", f"{tree['http'].url}/g3.zarr/zstd?sig=s3cr3tpw"):
         with pytest.raises(InvalidArgument) as info:
             stoker.open_array(uri, FAST, stores=Stores())
@@ -1120,7 +1120,7 @@ def test_a_fetch_reserves_what_it_holds(tmp_path, decode_path, monkeypatch):
         return fetch(self, job, f, record, users)
 
     monkeypatch.setattr(PythonDecoder, "_fetch", recorded)
-    cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1, pop_timeout_s=30, host_buffer_bytes=16 << 20)
+    cfg = stoker.Config(batch_size=1, dtype="f32", lossy_casts=True, n_compute_threads=1, pop_timeout_s=30, host_buffer_bytes=16 << 20)
     with stoker.Pipeline(cfg) as p:
         p.push(stoker.Sample(str(tmp_path / "a.zip/s.zarr"), [(0, 40), (0, 4)]))
         got = torch.from_dlpack(p.pop()).clone()
@@ -1213,7 +1213,7 @@ def test_a_fetch_the_engine_refuses_fails_its_batch_with_that_error(zipped, monk
         return tables(self, *args, fetched=fetched, **kwargs)
 
     monkeypatch.setattr(NativeDecoder, "_tables", refuse)
-    cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=2, pop_timeout_s=20)
+    cfg = stoker.Config(batch_size=1, dtype="f32", lossy_casts=True, n_compute_threads=2, pop_timeout_s=20)
     with stoker.Pipeline(cfg) as p:
         p.push([stoker.Sample(zipped, [(0, 8), (0, 64)])])
         with pytest.raises(MemoryError, match="no memory for the tables"):
@@ -1249,7 +1249,7 @@ def test_a_fetch_handed_over_while_the_pipeline_closes_is_ended_not_left(zipped,
         return fetched(self, job, *args, **kwargs)
 
     monkeypatch.setattr(NativeDecoder, "_fetched", closing_meanwhile)
-    cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=2, pop_timeout_s=20)
+    cfg = stoker.Config(batch_size=1, dtype="f32", lossy_casts=True, n_compute_threads=2, pop_timeout_s=20)
     p = stoker.Pipeline(cfg)
     try:
         p.push([stoker.Sample(zipped, [(0, 8), (0, 64)])])
@@ -1309,7 +1309,7 @@ def test_a_shard_shorter_than_its_index_claims_is_the_local_read_s_decode_error(
             stoker.open_array(os.path.join(root, "a.zarr"))[:16, :16]  # the local read, for comparison
         assert stoker.open_array(uri, options, stores=stores)[16:, :].tolist() == z[16:, :].tolist()  # others read
         storage = {uri: options} if options else None
-        cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1, pop_timeout_s=30,
+        cfg = stoker.Config(batch_size=1, dtype="f32", lossy_casts=True, n_compute_threads=1, pop_timeout_s=30,
                             storage_options=storage)
         for gpu in (False, True):
             if gpu:  # the GPU decode's executor on CPU tensors: its staging reads the store too
@@ -1365,7 +1365,7 @@ def test_a_short_shard_is_blamed_on_its_own_array_not_one_at_the_same_key_elsewh
         _index_first_array(root, cut)
         _zip(str(tmp_path / f"{name}.zip"), read_tree(root))
         uris.append(str(tmp_path / f"{name}.zip" / "a.zarr"))
-    cfg = stoker.Config(batch_size=1, dtype="f32", n_compute_threads=1, pop_timeout_s=30)
+    cfg = stoker.Config(batch_size=1, dtype="f32", lossy_casts=True, n_compute_threads=1, pop_timeout_s=30)
     with stoker.Pipeline(cfg) as p:
         p.push([stoker.Sample(uris, [(0, 16), (0, 16)])])
         with pytest.raises(stoker.DecodeError, match="shorter than its index claims") as info:

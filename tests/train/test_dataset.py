@@ -163,7 +163,7 @@ def test_docs_examples_run(tmp_path, monkeypatch):
 
     page = Path(__file__).resolve().parents[2] / "docs" / "dataloader.md"
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
-    assert len(blocks) == 5
+    assert len(blocks) == 9
     lightning = find_spec("lightning") is not None
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "docs"}
@@ -172,6 +172,10 @@ def test_docs_examples_run(tmp_path, monkeypatch):
             continue
         exec(compile(block, str(page), "exec"), namespace)
     assert namespace["state"]["_num_yielded"] == 3
+    xs = namespace["xs"]  # the samples of named fields
+    assert {k: (tuple(v.shape), v.dtype) for k, v in xs.items()} == {
+        "inputs": ((4, 2, 2, 64, 64), torch.float32), "target": ((4, 1, 32, 32), torch.bfloat16)}
+    assert namespace["exact"].output_dtype == torch.int64 and namespace["rounded"].lossy_casts
     if lightning:
         assert namespace["trainer"].global_step == 6
 

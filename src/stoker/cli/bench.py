@@ -1,4 +1,5 @@
-"""``stoker bench``: stoker against tensorstore and zarr-python on the same crops, one process run."""
+"""``stoker bench``: stoker against tensorstore and zarr-python on the same crops, one process run; scenarios
+11 and 12 (samples of named fields) against tensorstore and a DataLoader (bench/fields.py)."""
 
 from __future__ import annotations
 
@@ -64,16 +65,23 @@ def run(args: argparse.Namespace) -> int:
 
     from ..bench import report
 
+    from ..bench.fields import FIELDS_SCENARIOS
+
     records: list[dict] = []
     threads = args.threads or ()
     chosen = scenarios(tiny=args.tiny)
+    fields = list(FIELDS_SCENARIOS)
     if args.scenarios:
-        known = [s.number for s in chosen]
+        known = [s.number for s in chosen] + fields
         unknown = sorted(set(args.scenarios) - set(known))
         if unknown:
             raise InvalidArgument(f"--scenarios {','.join(map(str, unknown))}: no such scenario; the "
                                   f"{'--tiny ' if args.tiny else ''}scenarios are {','.join(map(str, known))}")
         chosen = [s for s in chosen if s.number in args.scenarios]
+        fields = [n for n in fields if n in args.scenarios]
+    if fields:  # named: refused with options they do not take; by default: left out of such runs
+        _check_fields_args(args, fields, named=bool(args.scenarios))
+        fields = fields if args.scenarios or not _fields_refused(args) else []
     peers = set(args.peers) if args.peers else set(PEERS if args.store is None else REMOTE_PEERS)
     root = args.data or cache_dir() / "bench"
     if args.decode_on == "gpu" and args.device != "cuda":
@@ -104,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     from ..config import default_compute_threads
 
     print(f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
+          f"data in {root}" if not chosen else
+          f"stoker bench: {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
           f"batch {args.batch_size or f'{BATCH_SIZE} unless a scenario says'}; stoker's compute threads: "
           f"{default_compute_threads()} (the default); timed batches: {args.slow_batches} for zarr, "
           f"{dataloader_batches(args.slow_batches)[1]} in steady state for zarr+DataLoader; f32 out; data in {root}"
@@ -121,7 +131,47 @@ def run(args: argparse.Namespace) -> int:
         records.append(report.scenario_record(sc, results, n_batches, batch_size, step.seconds if step else None,
                                               ratio))
         _keep(args, records, "cpu", f"stoker bench on {os.cpu_count()} cores")
+    if fields:
+        _run_fields(args, fields, peers, root, rounds, records)
     return 0
+
+
+def _fields_refused(args: argparse.Namespace) -> list[str]:
+    """The options given that scenarios 11 and 12 do not take."""
+    return [flag for flag, value in (("--store", args.store), ("--device cuda", args.device == "cuda"),
+                                     ("--threads", args.threads), ("--step-ms", args.step_ms),
+                                     ("--batch-size", args.batch_size),
+                                     ("--host-buffer-bytes", args.host_buffer_bytes)) if value]
+
+
+def _check_fields_args(args: argparse.Namespace, numbers: list[int], named: bool) -> None:
+    """InvalidArgument when scenarios 11 or 12 (samples of named fields, on the CPU) are ``named`` in
+    --scenarios with an option they do not take."""
+    given = _fields_refused(args)
+    if given and named:
+        raise InvalidArgument(f"{' and '.join(given)}: scenarios {','.join(map(str, numbers))} (samples of named "
+                              "fields against tensorstore and a DataLoader) run on the CPU from the local data "
+                              "directory with their own batch and budget; run them without it, or choose other "
+                              "scenarios with --scenarios")
+
+
+def _run_fields(args: argparse.Namespace, numbers: list[int], peers: set[str], root: Path, rounds: int,
+                records: list[dict]) -> None:
+    """Scenarios 11 and 12 (bench/fields.py): peers ``stoker`` (also ``stoker (no mask)``), ``tensorstore``
+    and ``dataloader``; ``--batches`` sets the fast peers' timed batches."""
+    from ..bench import report
+    from ..bench.fields import run_fields_scenario
+
+    def chosen(name: str) -> bool:
+        key = "dataloader" if name.endswith("DataLoader") else name.split(" ")[0]
+        return key in peers
+
+    for number in numbers:
+        sc, results, table = run_fields_scenario(number, root, rounds=rounds, tiny=args.tiny, n_batches=args.batches,
+                                                 peers=chosen)
+        print(table, flush=True)
+        records.append(report.scenario_record(sc, results, args.batches or sc.timed_batches, sc.batch_size))
+        _keep(args, records, "cpu", f"stoker bench on {os.cpu_count()} cores")
 
 
 def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: Path, rounds: int,
@@ -179,7 +229,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark stoker against tensorstore and zarr-python")
     p.add_argument("suite", nargs="?", choices=("crops", "records"), default="crops",
                    help="crops: the crop pipeline (default); records: the record Loader")
-    p.add_argument("--scenarios", type=_positive_ints, help="comma-separated scenario numbers (default: all)")
+    p.add_argument("--scenarios", type=_positive_ints, help="comma-separated scenario numbers (default: all); 11 and 12 are samples of named "
+                        "fields (segmentation with a mask, forecasting from xarray), on the CPU")
     p.add_argument("--peers", type=_peers, help=f"comma-separated subset of {','.join(PEERS)}")
     p.add_argument("--batches", type=_positive_int, default=None,
                    help="timed batches per fast peer (default: per scenario, about a second of stoker)")

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..zarr.amplification import estimate
 from ..reader.array import open_array
+from ..reader.coords import coding, coordinates, dimension_names
 from ..errors import InvalidArgument, NotFound
 from ..storage import ByteRange
 from ..zarr.codecs.blosc import HEADER_SIZE, blosc_header
@@ -74,6 +75,7 @@ def facts(uri: str, sample_shape: tuple[int, ...] | None = None,
         "shards": list(arr.shards) if arr.shards else None, "codecs": list(codec.names),
         "fill_value": _plain(arr.fill_value),
     }
+    out.update(_named(arr, options))
     if sample_shape is not None:
         if len(sample_shape) != arr.ndim or any(c > s for c, s in zip(sample_shape, arr.shape)):
             raise InvalidArgument(f"--sample-shape {sample_shape} does not fit in shape {arr.shape}")
@@ -86,6 +88,28 @@ def facts(uri: str, sample_shape: tuple[int, ...] | None = None,
             "advice": list(est.advice),
         }
     return out
+
+
+def _named(arr, options: dict[str, Any] | None) -> dict[str, Any]:
+    """Dimension names, each named dimension's coordinates (length, first and last label, decoded as
+    xarray decodes them) and the CF decoding the pipeline applies (Config.cf), as plain values."""
+    names = dimension_names(arr)
+    code = coding(arr)
+    cf = None if code is None else {"scale_factor": code.scale, "add_offset": code.offset,
+                                    "missing": [_plain(v) for v in code.fills]}
+    if names is None:
+        return {"dimensions": None, "coordinates": {}, "cf": cf}
+    found = coordinates(arr, options)
+    coords = {name: None if c is None or not len(c) else
+              {"length": len(c), "first": _label(c[0]), "last": _label(c[-1]), "dtype": str(c.dtype)}
+              for name, c in found.items()}
+    return {"dimensions": list(names), "coordinates": coords, "cf": cf}
+
+
+def _label(value: Any) -> Any:
+    if isinstance(value, np.datetime64):
+        return str(np.datetime_as_string(value, unit="auto"))
+    return _plain(value) if isinstance(value, (np.generic, int, float)) else str(value)
 
 
 def _plain(value: Any) -> Any:
@@ -114,6 +138,16 @@ def describe(uri: str, sample_shape: tuple[int, ...] | None = None, options: dic
         f"codecs       {' -> '.join(f['codecs']) or 'none'}",
         f"fill value   {f['fill_value']}",
     ]
+    if f["dimensions"] is not None:
+        lines.append(f"dimensions   {', '.join(str(d) for d in f['dimensions'])}")
+        for name, c in f["coordinates"].items():
+            lines.append(f"  {name:<10} " + ("no coordinate array" if c is None else
+                                             f"{c['first']} .. {c['last']} ({c['length']} labels, {c['dtype']})"))
+    if f["cf"] is not None:
+        cf = f["cf"]
+        parts = [f"{k}={cf[k]}" for k in ("scale_factor", "add_offset") if cf[k] is not None]
+        parts += [f"missing values {cf['missing']} -> NaN"] if cf["missing"] else []
+        lines.append(f"cf decoding  {', '.join(parts)} (as xarray; Config(cf=False): stored values)")
     crops = f.get("crops")
     if crops is not None:
         partial = crops["partial_decode_amplification"]

@@ -39,7 +39,17 @@ static inline uint16_t bf16_bits(float f) {
 #define TO_F32(x) ((float)(x))
 #define TO_BF16(x) bf16_bits((float)(x))
 size_t dst_itemsize(const batch_dst *dst, int src_kind) {
-    return dst->kind == KIND_SAME ? (size_t)src_itemsize[src_kind] : dst->kind == KIND_F32 ? 4 : 2;
+    switch (dst->kind) {
+    case KIND_SAME:
+        return (size_t)src_itemsize[src_kind];
+    case KIND_F32:
+    case KIND_I32:
+        return 4;
+    case KIND_I64:
+        return 8;
+    default:
+        return 2;
+    }
 }
 
 /* The batch's end, in elements of ``d_item`` bytes, and every copy's last element in it; -1 when a copy
@@ -139,12 +149,13 @@ static inline void stream_line(char *d, const char *s) { memcpy(d, s, LINE); }
 
 /* ``rows`` runs of ``run`` elements (bytes, for a plain copy), the i-th from s + i * s_step to d + i * d_step
  * (byte steps). One function per element conversion, so that the whole walk over a plane of a copy is one
- * straight loop the compiler vectorises: no call, branch or index arithmetic per element. */
-typedef void (*rows_fn)(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step, size_t rows, size_t run,
-                        int stream);
+ * straight loop the compiler vectorises: no call, branch or index arithmetic per element. Returns 1 when a
+ * value did not fit the batch's integer type (zero written in its place), else 0. */
+typedef int (*rows_fn)(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step, size_t rows, size_t run,
+                       int stream);
 
-static void copy_rows(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step, size_t rows, size_t run,
-                      int stream) {
+static int copy_rows(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step, size_t rows, size_t run,
+                     int stream) {
     for (size_t r = 0; r < rows; r++) {
         const char *sr = s + (ptrdiff_t)r * s_step;
         char *dr = d + (ptrdiff_t)r * d_step;
@@ -159,16 +170,26 @@ static void copy_rows(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step
         }
         memcpy(dr, sr, n);
     }
+    return 0;
 }
 
-#define CONVERT_ROWS(NAME, T, U, CONV, ATTR)                                                                 \
-    static inline void NAME##_run(const T *restrict s, U *restrict d, size_t n) {                            \
-        for (size_t i = 0; i < n; i++)                                                                       \
-            d[i] = CONV(s[i]);                                                                               \
+/* OUT(v): 1 when v does not fit U (then 0 is written, never the out-of-range conversion); 0 for float
+ * batches, where the test vanishes at compile time. The bad flag is an OR reduction, which vectorises. */
+#define CONVERT_ROWS(NAME, T, U, CONV, OUT, ATTR)                                                            \
+    static inline int NAME##_run(const T *restrict s, U *restrict d, size_t n) {                             \
+        int bad = 0;                                                                                         \
+        for (size_t i = 0; i < n; i++) {                                                                     \
+            T v = s[i];                                                                                      \
+            int out = OUT(v);                                                                                \
+            bad |= out;                                                                                      \
+            d[i] = out ? (U)0 : CONV(v);                                                                     \
+        }                                                                                                    \
+        return bad;                                                                                          \
     }                                                                                                        \
-    ATTR static void NAME##_rows(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step, size_t rows,    \
-                                 size_t run, int stream) {                                                   \
+    ATTR static int NAME##_rows(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step, size_t rows,     \
+                                size_t run, int stream) {                                                    \
         enum { PER_LINE = LINE / sizeof(U) };                                                                \
+        int bad = 0;                                                                                         \
         for (size_t r = 0; r < rows; r++) {                                                                  \
             const T *sr = (const T *)(s + (ptrdiff_t)r * s_step);                                            \
             U *dr = (U *)(d + (ptrdiff_t)r * d_step);                                                        \
@@ -176,22 +197,24 @@ static void copy_rows(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step
             if (CAN_STREAM && stream) {                                                                      \
                 size_t head = ((LINE - ((uintptr_t)dr & (LINE - 1))) & (LINE - 1)) / sizeof(U);              \
                 head = head < n ? head : n;                                                                  \
-                NAME##_run(sr, dr, head);                                                                    \
+                bad |= NAME##_run(sr, dr, head);                                                             \
                 sr += head, dr += head, n -= head;                                                           \
                 for (; n >= PER_LINE; n -= PER_LINE, sr += PER_LINE, dr += PER_LINE) {                       \
                     U line[PER_LINE] __attribute__((aligned(LINE)));                                        \
-                    NAME##_run(sr, line, PER_LINE);                                                          \
+                    bad |= NAME##_run(sr, line, PER_LINE);                                                   \
                     stream_line((char *)dr, (const char *)line);                                             \
                 }                                                                                            \
             }                                                                                                \
-            NAME##_run(sr, dr, n);                                                                           \
+            bad |= NAME##_run(sr, dr, n);                                                                    \
         }                                                                                                    \
+        return bad;                                                                                          \
     }
 
 /* AVX2 pays for the bfloat16 rounding only: the widening conversions to float32 wait on memory either way,
  * and their 32-byte copies were slower on the short rows of small chunks */
+#define FITS(v) 0
 #define CONVERSIONS(NAME, T)                                                                                 \
-    CONVERT_ROWS(NAME##_f32, T, float, TO_F32, ) CONVERT_ROWS(NAME##_bf16, T, uint16_t, TO_BF16, HOT)
+    CONVERT_ROWS(NAME##_f32, T, float, TO_F32, FITS, ) CONVERT_ROWS(NAME##_bf16, T, uint16_t, TO_BF16, FITS, HOT)
 CONVERSIONS(u8, uint8_t)
 CONVERSIONS(i8, int8_t)
 CONVERSIONS(u16, uint16_t)
@@ -203,12 +226,32 @@ CONVERSIONS(i64, int64_t)
 CONVERSIONS(f32, float)
 CONVERSIONS(f64, double)
 
-/* by [source kind][batch kind]; KIND_SAME is copy_rows */
+/* Integer batches from integer sources: each value checked against the batch's range, so an id never wraps
+ * (the tests are per source type: a comparison that can never hold would draw warnings) */
+#define TO_I32(x) ((int32_t)(x))
+#define TO_I64(x) ((int64_t)(x))
+#define ABOVE_I32(v) ((v) > INT32_MAX)
+#define OUTSIDE_I32(v) ((v) < INT32_MIN || (v) > INT32_MAX)
+#define ABOVE_I64(v) ((v) > INT64_MAX)
+#define INTEGERS(NAME, T, OUT32, OUT64)                                                                      \
+    CONVERT_ROWS(NAME##_i32, T, int32_t, TO_I32, OUT32, ) CONVERT_ROWS(NAME##_i64, T, int64_t, TO_I64, OUT64, )
+INTEGERS(u8, uint8_t, FITS, FITS)
+INTEGERS(i8, int8_t, FITS, FITS)
+INTEGERS(u16, uint16_t, FITS, FITS)
+INTEGERS(i16, int16_t, FITS, FITS)
+INTEGERS(u32, uint32_t, ABOVE_I32, FITS)
+INTEGERS(i32, int32_t, FITS, FITS)
+INTEGERS(u64, uint64_t, ABOVE_I32, ABOVE_I64)
+INTEGERS(i64, int64_t, OUTSIDE_I32, FITS)
+
+/* by [source kind][batch kind]; KIND_SAME is copy_rows; float sources make no integer batch */
+#define INT_ROWS(NAME) NAME##_i32_rows, NAME##_i64_rows
 static const rows_fn converters[N_SRC_KINDS][N_DST_KINDS] = {
-    {NULL, u8_f32_rows, u8_bf16_rows},   {NULL, i8_f32_rows, i8_bf16_rows},   {NULL, u16_f32_rows, u16_bf16_rows},
-    {NULL, i16_f32_rows, i16_bf16_rows}, {NULL, u32_f32_rows, u32_bf16_rows}, {NULL, i32_f32_rows, i32_bf16_rows},
-    {NULL, u64_f32_rows, u64_bf16_rows}, {NULL, i64_f32_rows, i64_bf16_rows}, {NULL, f32_f32_rows, f32_bf16_rows},
-    {NULL, f64_f32_rows, f64_bf16_rows},
+    {NULL, u8_f32_rows, u8_bf16_rows, INT_ROWS(u8)},    {NULL, i8_f32_rows, i8_bf16_rows, INT_ROWS(i8)},
+    {NULL, u16_f32_rows, u16_bf16_rows, INT_ROWS(u16)}, {NULL, i16_f32_rows, i16_bf16_rows, INT_ROWS(i16)},
+    {NULL, u32_f32_rows, u32_bf16_rows, INT_ROWS(u32)}, {NULL, i32_f32_rows, i32_bf16_rows, INT_ROWS(i32)},
+    {NULL, u64_f32_rows, u64_bf16_rows, INT_ROWS(u64)}, {NULL, i64_f32_rows, i64_bf16_rows, INT_ROWS(i64)},
+    {NULL, f32_f32_rows, f32_bf16_rows, NULL, NULL},    {NULL, f64_f32_rows, f64_bf16_rows, NULL, NULL},
 };
 
 int cast_supported(int src_kind, int dst_kind) {
@@ -299,11 +342,14 @@ static ptrdiff_t row_step(long long stride, size_t rows, size_t item) {
 
 /* Cast every copy from the decoded chunk into the batch; runs without the GIL. Runs whose elements are not
  * next to each other in the chunk, or are in the other byte order, are gathered into an L1 buffer first. */
-void place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies,
-                  long long ncopies, long long step, const char *chunk, const batch_dst *dst) {
+int place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies,
+                 long long ncopies, long long step, const char *chunk, const batch_dst *dst) {
     size_t s_item = (size_t)src_itemsize[kind];
     size_t d_item = dst_itemsize(dst, kind);
-    int same = dst->kind == KIND_SAME;
+    /* an integer batch of the source's own type is a plain copy too */
+    int same = dst->kind == KIND_SAME || (dst->kind == KIND_I32 && kind == K_I32) ||
+               (dst->kind == KIND_I64 && kind == K_I64);
+    int bad = 0;
     rows_fn rows_of = same ? copy_rows : converters[kind][dst->kind];
     size_t unit = same ? s_item : 1; /* copy_rows counts bytes */
     int stream = dst->stream;
@@ -318,19 +364,21 @@ void place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t
             const char *src = chunk + (size_t)so * s_item;
             char *d = dst->base + (size_t)dof * d_item;
             if (direct)
-                rows_of(src, row_step(s_row, rows, s_item), d, row_step(d_row, rows, d_item), rows, run * unit, stream);
+                bad |= rows_of(src, row_step(s_row, rows, s_item), d, row_step(d_row, rows, d_item), rows, run * unit,
+                               stream);
             for (size_t r = 0; !direct && r < rows; r++) {
                 const char *sr = src + (size_t)(r * s_row) * s_item;
                 char *dr = d + (size_t)(r * d_row) * d_item;
                 for (size_t left = run, k; left; left -= k) {
                     k = piece_len(dr, d_item, per_buf, left, left == run);
                     gather(sr, buf, k, s_item, inner, swap);
-                    rows_of(buf, 0, dr, 0, 1, k * unit, stream);
+                    bad |= rows_of(buf, 0, dr, 0, 1, k * unit, stream);
                     sr += (size_t)inner * s_item * k, dr += d_item * k;
                 }
             }
         });
     }
+    return bad;
 }
 
 /* Write ``value`` (one element of ``d_item`` bytes, the batch's dtype) into every element of the copies. */

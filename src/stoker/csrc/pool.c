@@ -417,14 +417,15 @@ static void build_path(char *out, const job *j, const int64_t *src, const int64_
     out[n] = 0;
 }
 
-/* Write into the batch only while the job is not cancelled (see job_cancel); 0 when it was. */
+/* Write into the batch only while the job is not cancelled (see job_cancel): ST_OK, ST_CANCELLED, or ST_RANGE
+ * when a value did not fit the integer batch. */
 static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char *decoded, int fill) {
     const plan_tables *t = &j->t;
     int ndim = t->ndim, kind = (int)src[S_KIND];
     const int64_t *copies = t->copies + c[C_FIRST_COPY] * COPY_COLS(ndim);
     long long t0 = now_ns();
     pthread_rwlock_rdlock(&j->place_lock);
-    int go = !j->cancelled;
+    int go = !j->cancelled, bad = 0;
     if (go) {
         if (fill) {
             unsigned char value[8];
@@ -432,14 +433,14 @@ static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char 
             fill_copies(ndim, t->dst_strides, copies, c[C_NCOPIES], COPY_COLS(ndim), value,
                         dst_itemsize(&t->dst, kind), &t->dst);
         } else {
-            place_copies(kind, (int)src[S_SWAP], ndim, src + S_STRIDES, t->dst_strides, copies, c[C_NCOPIES],
-                         COPY_COLS(ndim), decoded, &t->dst);
+            bad = place_copies(kind, (int)src[S_SWAP], ndim, src + S_STRIDES, t->dst_strides, copies, c[C_NCOPIES],
+                               COPY_COLS(ndim), decoded, &t->dst);
         }
         place_fence(&t->dst);
     }
     pthread_rwlock_unlock(&j->place_lock);
     count(fill ? &j->counters.fill_ns : &j->counters.place_ns, now_ns() - t0);
-    return go;
+    return !go ? ST_CANCELLED : bad ? ST_RANGE : ST_OK;
 }
 
 /* Shard files a thread keeps open while it works on a job (see chunk_io.reuse): a crop's inner chunks come
@@ -493,7 +494,7 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
     int32_t status = ST_OK;
     int64_t detail = 0;
     if (c[C_CODEC] == CODEC_FILL) {
-        status = place_chunk(j, src, c, NULL, 1) ? ST_OK : ST_CANCELLED;
+        status = place_chunk(j, src, c, NULL, 1);
         if (status == ST_OK)
             count(&j->counters.chunks_filled, 1);
     } else {
@@ -545,11 +546,11 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
         count(&j->counters.read_ns, io.read_ns);
         count(&j->counters.decode_ns, io.decode_ns);
         if (io.status == ST_MISSING && io.offset < 0) { /* an absent chunk file is the fill value */
-            status = place_chunk(j, src, c, NULL, 1) ? ST_OK : ST_CANCELLED;
+            status = place_chunk(j, src, c, NULL, 1);
             if (status == ST_OK)
                 count(&j->counters.chunks_filled, 1);
         } else if (io.status == ST_OK) {
-            status = place_chunk(j, src, c, scratch, 0) ? ST_OK : ST_CANCELLED;
+            status = place_chunk(j, src, c, scratch, 0);
             if (status == ST_OK) {
                 count(&j->counters.bytes_decoded, io.detail);
                 count(&j->counters.chunks_decoded, 1);

@@ -53,13 +53,16 @@ enum {
     ST_CHANGED,      /* the shard file is not the one its index was read from */
     ST_CANCELLED,    /* the job was cancelled before this chunk was placed */
     ST_NO_MEMORY,    /* the thread's scratch could not be allocated */
+    ST_RANGE,        /* a value the copies read does not fit the integer batch (KIND_I32, KIND_I64); the batch
+                      * holds zero in its place, and the Python side raises DtypeMismatch naming the chunk */
     ST_PENDING,      /* not finished yet */
     N_STATUSES
 };
 
-/* Element kinds of a copy-cast: the source's, and the batch's (KIND_SAME: a plain copy). */
+/* Element kinds of a copy-cast: the source's, and the batch's (KIND_SAME: a plain copy). KIND_I32 and KIND_I64
+ * take integer sources only, each value checked against the batch's range (ST_RANGE when one does not fit). */
 enum { K_U8 = 0, K_I8, K_U16, K_I16, K_U32, K_I32, K_U64, K_I64, K_F32, K_F64, N_SRC_KINDS };
-enum { KIND_SAME = 0, KIND_F32 = 1, KIND_BF16 = 2, N_DST_KINDS };
+enum { KIND_SAME = 0, KIND_F32 = 1, KIND_BF16 = 2, KIND_I32 = 3, KIND_I64 = 4, N_DST_KINDS };
 extern const int src_itemsize[N_SRC_KINDS];
 
 /* One stored chunk to read and decode: where it is, what the copies read, and what happened. */
@@ -147,8 +150,9 @@ int check_copies(int kind, int ndim, const int64_t *ss, const int64_t *ds, const
 int check_fill_copies(int ndim, const int64_t *ds, const int64_t *copies, long long ncopies, long long step,
                       size_t d_item, const batch_dst *dst);
 /* swap: the chunk's elements are in the other byte order; an innermost chunk stride other than 1 (F order, a
- * transpose) gathers each run's elements first */
-void place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies,
+ * transpose) gathers each run's elements first. Returns 1 when a value read did not fit an integer batch
+ * (KIND_I32, KIND_I64: zero written in its place, the other copies made), else 0. */
+int place_copies(int kind, int swap, int ndim, const int64_t *ss, const int64_t *ds, const int64_t *copies,
                   long long ncopies, long long step, const char *chunk, const batch_dst *dst);
 void fill_copies(int ndim, const int64_t *ds, const int64_t *copies, long long ncopies, long long step,
                  const unsigned char *value, size_t d_item, const batch_dst *dst);

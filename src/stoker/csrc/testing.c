@@ -28,7 +28,8 @@
  * (errno), ST_SHORT (the file is shorter than its size: it changed while read), ST_CODEC_ERROR (zstd's error
  * code, or blosc's negative result), ST_SIZE (decoded to a size other than nbytes: the size), ST_FRAME (a blosc
  * frame whose header does not fit this chunk or the stored size: left to the Python path), ST_NOT_REGULAR (its
- * st_mode & S_IFMT), ST_CHANGED (the shard file is not the one its index was read from).
+ * st_mode & S_IFMT), ST_CHANGED (the shard file is not the one its index was read from), ST_RANGE (placed, but
+ * a value did not fit the integer batch: zero written in its place).
  */
 #include "py_glue.h"
 
@@ -82,10 +83,13 @@ static int64_t *own_plan(PyObject *place, Py_ssize_t *len, Py_ssize_t index) {
     return copy;
 }
 
-static void place_plan(const int64_t *p, const char *chunk, const batch_dst *dst) {
+/* 1 when a value did not fit the integer batch (see place_copies) */
+static int place_plan(const int64_t *p, const char *chunk, const batch_dst *dst) {
     int ndim = (int)p[1];
-    place_copies((int)p[0], 0, ndim, p + 3, p + 3 + ndim, p + 3 + 2 * ndim, p[2], COPY_COLS(ndim), chunk, dst);
+    int bad = place_copies((int)p[0], 0, ndim, p + 3, p + 3 + ndim, p + 3 + 2 * ndim, p[2], COPY_COLS(ndim), chunk,
+                           dst);
     place_fence(dst);
+    return bad;
 }
 
 static int parse_dst(PyObject *obj, batch_dst *dst) {
@@ -208,7 +212,8 @@ static PyObject *decode_files(PyObject *Py_UNUSED(self), PyObject *args) {
         read_decode(&job->io, codec, scratch.buf, (size_t)scratch.len, (size_t)nbytes, &ctx);
         if (job->io.status == ST_OK && job->place != NULL) {
             long long t = now_ns();
-            place_plan(job->place, job->io.out, &dst);
+            if (place_plan(job->place, job->io.out, &dst))
+                job->io.status = ST_RANGE;
             job->place_ns = now_ns() - t;
             job->placed = 1;
         }

@@ -57,7 +57,7 @@ class TransientBudget:
         self._reserved = 0
         self._cached = 0
         self._free: dict[int, list[np.ndarray]] = defaultdict(list)
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._waiting = 0  # threads inside reserve()'s wait: only then do returns need a notify
         self.peak = 0
 
@@ -156,7 +156,7 @@ class Reservation:
         self.users = users
         self.held = 0
         self._kept: list[np.ndarray] = []  # buffers shared by all users, given back by the last
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     def reserve(self, nbytes: int, cancelled: Callable[[], bool]) -> None:
         self.budget.reserve(nbytes, cancelled)
@@ -257,7 +257,7 @@ class SlotRing:
         if not pin:  # page-locked memory is torch's to manage
             for slot in self.slots:
                 advise_huge_pages(slot.tensor)  # before the first write: rewritten every batch, faulted once
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     @property
     def nbytes(self) -> int:

@@ -6,6 +6,13 @@
   (numpy's casts: one correctly rounded conversion).
 - ``"bf16"``: via float32, then round-to-nearest-even to bfloat16 (torch's
   conversion), so ``bf16(x) == bf16(f32(x))`` for every source.
+- ``"i32"`` / ``"i64"``: integer and bool sources only, every value kept exactly; a value that does not
+  fit (a uint64 id >= 2**63 into ``"i64"``, one beyond int32's range into ``"i32"``) is a
+  :class:`~stoker.errors.DtypeMismatch` naming the array and the chunk (:func:`unfit_range`,
+  :func:`range_error`), never a wrapped id. Float sources are refused (:func:`batch_dtype`).
+- 32- and 64-bit integer sources into float batches are refused unless ``lossy_casts`` (float32 holds
+  integers exactly only up to 2**24, bfloat16 and float16 far fewer: label ids would merge); 8- and
+  16-bit integers (images) are allowed.
 - complex sources cannot become real batches: :class:`~stoker.errors.DtypeMismatch`.
 
 Copies run in compute threads; numpy and torch release the GIL while copying.
@@ -35,8 +42,21 @@ def torch_dtype_of(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
 
 
-def batch_dtype(requested: torch.dtype | None, source: np.dtype, uri: str) -> torch.dtype:
-    """The batch dtype for ``source`` under the requested output (``None``: native)."""
+#: The integer batch dtypes and their names in ``Config.dtype``.
+INTEGER_OUTPUTS = {torch.int32: "i32", torch.int64: "i64"}
+_FLOAT_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def batch_dtype(requested: torch.dtype | None, source: np.dtype, uri: str, lossy: bool = False) -> torch.dtype:
+    """The batch dtype for ``source`` under the requested output (``None``: native), or the
+    :class:`~stoker.errors.DtypeMismatch` that refuses the cast (``lossy``: ``Config.lossy_casts``).
+
+    >>> batch_dtype(torch.int64, np.dtype("uint64"), "labels.zarr")
+    torch.int64
+    >>> batch_dtype(torch.float32, np.dtype("uint64"), "labels.zarr")
+    Traceback (most recent call last):
+    stoker.errors.DtypeMismatch: labels.zarr: uint64 values cast to f32 may change ...
+    """
     if requested is None:
         try:
             return torch_dtype_of(source)
@@ -48,7 +68,51 @@ def batch_dtype(requested: torch.dtype | None, source: np.dtype, uri: str) -> to
             "or store real and imaginary parts as separate arrays",
             uri=uri,
         )
+    if requested in INTEGER_OUTPUTS:
+        if source.kind not in "biu":
+            raise DtypeMismatch(
+                f"{uri}: dtype {source} cannot be cast to the integer output {INTEGER_OUTPUTS[requested]!r} "
+                "(its values would be truncated); use a float dtype ('f32', 'bf16', 'f16') or 'native'",
+                uri=uri, dtype=str(source))
+        return requested
+    if source.kind in "iu" and source.itemsize >= 4 and not lossy:
+        name = _FLOAT_NAMES.get(requested, str(requested))
+        raise DtypeMismatch(
+            f"{uri}: {source} values cast to {name} may change (float32 holds integers exactly only up to "
+            f"2**24, bfloat16 and float16 far fewer: label ids would merge); use dtype 'i32', 'i64' or 'native' "
+            "for exact values, or Config(lossy_casts=True) to cast them anyway",
+            uri=uri, dtype=str(source))
     return requested
+
+
+def unfit_range(src: np.ndarray, dtype: torch.dtype) -> tuple[int, int] | None:
+    """``(min, max)`` of ``src`` when one of its values does not fit the integer batch ``dtype``, else None
+    (also for float batches, and without a pass over ``src`` when its dtype's range fits: uint16 into int32).
+
+    >>> unfit_range(np.array([1, 2**40], np.int64), torch.int32)
+    (1, 1099511627776)
+    """
+    if dtype not in INTEGER_OUTPUTS or src.dtype.kind not in "iu" or src.size == 0:
+        return None
+    have, room = np.iinfo(src.dtype), torch.iinfo(dtype)
+    if have.min >= room.min and have.max <= room.max:
+        return None
+    lo, hi = int(gil.released(np.min, src)), int(gil.released(np.max, src))
+    return (lo, hi) if lo < room.min or hi > room.max else None
+
+
+def range_error(uri: str, key: str, source: np.dtype, dtype: torch.dtype,
+                span: tuple[int, int] | None = None) -> DtypeMismatch:
+    """The error of a chunk (``key``; for a missing one, its fill value) holding a value that does not fit the
+    integer batch ``dtype``; ``span``: its values' (min, max) where known (the engine's ST_RANGE says only that
+    one did not fit)."""
+    room = torch.iinfo(dtype)
+    held = ("a value" if span is None else f"the value {span[0]}" if span[0] == span[1]
+            else f"values in [{span[0]}, {span[1]}]")
+    wider = "use dtype 'i64' or 'native'" if dtype == torch.int32 else "use dtype='native'"
+    return DtypeMismatch(
+        f"{uri}: chunk {key!r} holds {held} outside {INTEGER_OUTPUTS[dtype]}'s range [{room.min}, {room.max}] "
+        f"(source dtype {source}); {wider} to keep every value", uri=uri, key=key, dtype=str(source))
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray | None:
@@ -90,7 +154,9 @@ def staging_dtype(output: torch.dtype | None, sources: set[np.dtype]) -> torch.d
     The source dtype when all sources of the batch share one that is narrower than the output (a
     uint16 batch crosses PCIe in half the bytes of float32), else the output dtype (cast on the host).
     Only integer and bool sources of at most 2 bytes are staged: float32 represents them exactly, so
-    the device cast rounds once, as the host cast does, and the batch has the same bits either way.
+    the device cast rounds once, as the host cast does, and the batch has the same bits either way (into
+    "i32"/"i64" the device's widening is exact, and no value of them can be out of range; wider integer
+    sources are cast, and checked, on the host).
     ``None`` for ``output=None`` ("native"): the batch is the source dtype either way.
     """
     if output is None or len(sources) != 1:

@@ -22,6 +22,7 @@ and placed on the device) all keep it, so the pipeline has no branch for any:
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class Done:
 
     def __init__(self) -> None:
         self._flag = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._event: threading.Event | None = None
 
     def is_set(self) -> bool:
@@ -97,14 +98,64 @@ class Done:
         return event.wait(timeout)
 
 
+class JobState(enum.Enum):
+    """Where a :class:`Job` is in its life (see :class:`Job` for the transitions and who makes each)."""
+
+    RUNNING = "running"  # chunks are being placed; the thread that places the last one finishes the batch
+    SETTLING = "settling"  # the engine's job, done, claimed by one waiter, which has not changed the job yet
+    APPLYING = "applying"  # that waiter is applying the engine's results: an interrupt now loses the batch
+    COMPLETING = "completing"  # every chunk is in place; its finisher runs the hook
+    DONE = "done"  # complete (``done`` is set, or is being set by the finisher)
+    FAILED = "failed"  # lost, with ``error`` (``done`` is set by the thread that failed it)
+
+
+RUNNING, SETTLING, APPLYING, COMPLETING, DONE, FAILED = JobState  # read per chunk: module names, no lookup
+
+
+class JobStateError(StokerError, RuntimeError):
+    """A transition :class:`Job` refuses: a bug of the executor that asked for it (more chunks reported than
+    the batch has, a job taken over twice...), never the user's; the message names the job's state."""
+
+
 class Job:
-    """One batch in flight. ``then(job)``, if given, runs once every chunk is in place (on the thread that
-    placed the last one) and before ``done`` is set; an exception from it becomes the job's error.
+    """One batch in flight, a small state machine (:class:`JobState`) whose every transition is one method
+    under the job's lock (but SETTLING -> APPLYING, which only the settling thread makes, at the top of
+    :meth:`finish`), and whose batch one thread finishes (runs ``then``, sets ``done``):
+
+    ======================  =================================  ==================================================
+    from                    to                                 by (who then owns the batch)
+    ======================  =================================  ==================================================
+    RUNNING                 COMPLETING, then DONE or FAILED    :meth:`finish` of the last chunk: that thread runs
+                                                               ``then(job)`` (its exception is the job's error)
+    RUNNING                 SETTLING                           :meth:`wait`: the first waiter that finds the
+                                                               engine's job done (see :meth:`settled_by`)
+    SETTLING                APPLYING                           its settle entering :meth:`finish`
+    SETTLING                RUNNING                            :meth:`take_over` by the thread the settle handed
+                                                               the job to (which then owns it), or an interrupt
+                                                               (:meth:`_interrupted`: the next waiter settles it
+                                                               again, and the hand-off it made is stale)
+    APPLYING                COMPLETING, FAILED                 :meth:`finish`, as from RUNNING (an interrupt:
+                                                               FAILED, the batch lost)
+    RUNNING, APPLYING       FAILED                             the first :meth:`finish` with an error: its thread
+                                                               cancels the rest and sets ``done``; later chunks
+                                                               are only counted
+    ======================  =================================  ==================================================
+
+    DONE and FAILED are final; a :meth:`finish` after COMPLETING or DONE (more chunks than the batch has) and
+    every other transition asked for are refused with :class:`JobStateError`. ``then(job)``, if given, runs
+    once every chunk is in place (on the thread that placed the last one) and before ``done`` is set.
 
     A job made by the compiled engine alone, with no ``then``, is settled by whoever waits for it
     (:meth:`settled_by`): its wait is the engine's, in C without the GIL, and the first waiter that sees the
     engine done reads the results (a few calls, once), instead of a thread of ours waking to do it and then
-    waking the waiter."""
+    waking the waiter.
+
+    >>> job = Job(plan, out, 2)
+    >>> job.finish(); job.state, job.done.is_set()
+    (<JobState.RUNNING: 'running'>, False)
+    >>> job.finish(); job.state, job.done.is_set()
+    (<JobState.DONE: 'done'>, True)
+    """
 
     def __init__(self, plan: TablePlan, out: torch.Tensor | None, n_chunks: int,
                  then: Callable[["Job"], None] | None = None) -> None:
@@ -114,20 +165,25 @@ class Job:
         self._out_np: np.ndarray | None | _Unset = _UNSET
         self.done = Done()
         self.error: BaseException | None = None
+        self._state = RUNNING
         self._remaining = n_chunks
         self._then = then
-        self._completing = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py): every transition
         self._cancel: list[Callable[[], None]] = []  # what cancel() stops (the engine's job)
-        self._engine: EngineJob | None = None  # the engine's job, while nobody has settled this one from it
+        self._engine: EngineJob | None = None  # the engine's job, while RUNNING and unclaimed (see settled_by)
         self._settle: Callable[["Job", EngineJob], None] | None = None  # settle(job, engine job): see settled_by
-        self._changed = False  # finish() was entered (an interrupted settle is not run again after it)
-        self._handed = False  # a settle gave the job to another thread
+        self._claims = 0  # how many waiters claimed it (RUNNING -> SETTLING): names each claim's hand-off
         # read/decode counters of this batch, added to Stats when it is popped, so every counter
         # describes the same delivered batches (work done ahead is not lost to stats_reset())
         self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0, "bytes_to_device": 0}
         if n_chunks == 0:
+            self._state = COMPLETING
             self._complete()
+
+    @property
+    def state(self) -> JobState:
+        """Where the job is now (see the class docstring)."""
+        return self._state
 
     @property
     def out_np(self) -> np.ndarray | None:
@@ -149,8 +205,13 @@ class Job:
 
     def settled_by(self, engine_job: EngineJob, settle: Callable[["Job", EngineJob], None]) -> None:
         """Leave ``settle(job, engine_job)`` to the first :meth:`wait` that finds ``engine_job`` done (its
-        ``wait(timeout)`` releases the GIL); ``settle`` finishes the job (or hands chunks on)."""
-        self._settle, self._engine = settle, engine_job
+        ``wait(timeout)`` releases the GIL); ``settle`` finishes the job (or hands it on, :meth:`take_over`).
+        Only for a RUNNING job with no hook and no settle yet: the settle is then its only finisher."""
+        with self._lock:
+            if self._state is not RUNNING or self._engine is not None or self._then is not None:
+                raise JobStateError(f"a {self._state.value} job (hook: {self._then is not None}, settle: "
+                                    f"{self._engine is not None}) cannot be left to its waiter to settle")
+            self._settle, self._engine = settle, engine_job
 
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -160,8 +221,12 @@ class Job:
                 return False
             settle = None
             try:
-                with self._lock:  # the first waiter to see it done settles it; the others wait for that below
-                    settle, self._settle, self._engine = self._settle, None, None
+                # RUNNING -> SETTLING: the first waiter to see it done claims it; the others wait for it below.
+                # Claimed in this frame, not a call, so an interrupt cannot come between the claim and `settle`.
+                with self._lock:
+                    if self._state is RUNNING and self._engine is not None:
+                        settle, self._settle, self._engine, self._state = self._settle, None, None, SETTLING
+                        self._claims += 1
                 if settle is not None:
                     settle(self, engine)
             except BaseException:
@@ -171,26 +236,47 @@ class Job:
             del engine, settle
         return self.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    def handed_on(self) -> None:
-        """Said by a settle that gave the job to another thread (which finishes it)."""
-        self._handed = True
+    @property
+    def claim(self) -> int:
+        """The current claim (read by the settle, to hand the job on with: :meth:`take_over`)."""
+        return self._claims
+
+    def take_over(self, claim: int) -> bool:
+        """SETTLING -> RUNNING: the thread a settle handed the job to, unchanged, with its ``claim``, takes it
+        and owns it from then on (finishes it). False for a stale hand-off, which that thread drops: the
+        settle was interrupted and the job put back for its waiters (then perhaps claimed again). So an
+        interrupt anywhere in a settle that hands the job on neither loses the batch nor finishes it twice."""
+        with self._lock:
+            state = self._state
+            if self._claims != claim or (state is RUNNING and self._engine is not None):
+                return False  # claimed again since, or put back for the waiters
+            if state is not SETTLING:
+                raise JobStateError(f"a {state.value} job cannot be taken over: only a settling one, once, before "
+                                    "its settle changed it")
+            self._state = RUNNING
+            return True
 
     def _interrupted(self, settle: Callable[["Job", EngineJob], None], engine: EngineJob) -> None:
         """After ``settle`` raised past its own error handling (a KeyboardInterrupt lands on the main thread,
-        often the consumer's): if it had not begun to change the job, the next wait settles it again; if it
-        was completing it (a settled job has no hook), it is complete; otherwise the batch is lost, as an
-        error for pop, rather than waited for forever."""
+        often the consumer's): SETTLING (it had not begun to change the job) goes back to RUNNING and the next
+        wait settles it again (a hand-off it made is stale: :meth:`take_over`); COMPLETING, DONE and FAILED (a
+        settled job has no hook) are finished here; a job taken over (RUNNING) is its new owner's; APPLYING
+        (it was changing the job) fails: the batch is
+        lost, as an error for pop, rather than waited for forever."""
         with self._lock:
-            if self.done.is_set() or self._handed:
+            state = self._state
+            if state is SETTLING:
+                self._state, self._settle, self._engine = RUNNING, settle, engine
                 return
-            if not self._changed:
-                self._settle, self._engine = settle, engine
-                return
-        if self._completing:
-            self.done.set()
-        else:
+            if state is COMPLETING:
+                self._state = DONE
+        if state is RUNNING:
+            return
+        if state is APPLYING:
             self.finish(0, StokerError("this batch was interrupted while it was being handed over, and is lost; "
                                        "close the pipeline and start another to go on"))
+        else:
+            self.done.set()
 
     def cancel(self) -> None:
         """Stop writing into the batch: once this returns, the compiled engine writes no more of it (Python
@@ -218,36 +304,49 @@ class Job:
         return self.error is not None
 
     def finish(self, n: int = 1, error: BaseException | None = None, **counts: int) -> None:
-        """``n`` chunks are in place (or failed with ``error``); ``counts`` are added as by :meth:`count`."""
-        self._changed = True
+        """``n`` chunks are in place (or failed with ``error``); ``counts`` are added as by :meth:`count`.
+        Called per chunk on the Python path: keep it short."""
+        if self._state is SETTLING:  # SETTLING -> APPLYING: only its settling thread changes a settling job,
+            self._state = APPLYING  # and this comes first, so an interrupt anywhere below counts as begun
         with self._lock:
             for name, value in counts.items():
                 self.counts[name] += value
-            first_failure = error is not None and self.error is None
-            if first_failure:
-                self.error = error
             self._remaining -= n
-            failed = self.error is not None
-            last = not failed and self._remaining <= 0 and not self._completing
-            self._completing = self._completing or last
-        if failed:
-            self._then = None  # the hook holds the pipeline: no cycle through a failed job
-            if first_failure:  # the batch is lost: the engine stops writing it before anyone sees the error
-                self.cancel()
-            self.done.set()
-        elif last:
+            state = self._state
+            if state is FAILED:  # lost already: later chunks are only counted
+                return
+            if state is COMPLETING or state is DONE:
+                raise JobStateError(f"a {state.value} job of {self.plan.n_chunks} chunks was told of {n} more "
+                                    f"(error: {error!r}): a chunk was reported twice")
+            if error is None:
+                if self._remaining > 0:
+                    return
+                self._state = COMPLETING  # RUNNING or APPLYING -> COMPLETING: this thread finishes the batch
+            else:
+                self.error, self._state = error, FAILED  # RUNNING or APPLYING -> FAILED
+        if error is None:
             self._complete()
+            return
+        self._then = None  # the hook holds the pipeline: no cycle through a failed job
+        self.cancel()  # the batch is lost: the engine stops writing it before anyone sees the error
+        self.done.set()
 
     def _complete(self) -> None:
+        """COMPLETING -> DONE or FAILED, on the thread that made it COMPLETING: the hook, then ``done``."""
         # nothing left to cancel: the engine's job (which holds a view of the batch, so its slot would look
         # in use) goes, before the hook gives the slot back
         self._cancel = []
         then, self._then = self._then, None  # run once; drop it so the job holds no pipeline
+        error = None
         if then is not None:
             try:
                 then(self)
             except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop
-                self.error = exc
+                error = exc
+        with self._lock:
+            if error is not None:
+                self.error = error
+            self._state = DONE if error is None else FAILED
         self.done.set()
 
 

@@ -119,7 +119,7 @@ def reduce_stats(stats: Stats, group: Any = None, *, elapsed_s: float | None = N
         secs, count, b_in, b_out = sums[4 * i: 4 * i + 4]
         stages[name] = Metric(name, secs, int(count), int(b_in), int(b_out))
     off = 4 * len(STAGES)
-    counters = {name: int(sums[off + j]) for j, name in enumerate(COUNTERS)}
+    counters: dict[str, Any] = {name: int(sums[off + j]) for j, name in enumerate(COUNTERS)}
     totals = Stats(stages=stages, peak_host_bytes=int(sums[-2]), gil_seconds=sums[-1], **counters)
     return ReducedStats(
         totals=totals,

@@ -34,6 +34,39 @@ class Metric:
     bytes_out: int = 0
 
 
+#: what :attr:`Stats.fields` counts per field
+FIELD_COUNTERS = ("chunks_needed", "chunks_decoded", "bytes_needed", "bytes_read", "bytes_decoded",
+                  "bytes_delivered")
+
+
+@dataclass(frozen=True)
+class FieldCounts:
+    """One field's share of a pipeline of samples of named fields (:attr:`Stats.fields`): what its crops
+    need and what was read and decoded for them (its lane's chunks only, so a field's amplification is its
+    own chunking's, not the others').
+
+    >>> s.fields["labels"].decode_amplification
+    1.0
+    """
+
+    chunks_needed: int = 0
+    chunks_decoded: int = 0
+    bytes_needed: int = 0  # source-dtype bytes of the field's crops
+    bytes_read: int = 0
+    bytes_decoded: int = 0
+    bytes_delivered: int = 0  # the field's batches, in its output dtype
+
+    @property
+    def read_amplification(self) -> float:
+        """Encoded bytes read for this field per source byte its crops need."""
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 0.0
+
+    @property
+    def decode_amplification(self) -> float:
+        """Bytes decoded for this field per source byte its crops need."""
+        return self.bytes_decoded / self.bytes_needed if self.bytes_needed else 0.0
+
+
 @dataclass(frozen=True)
 class Stats:
     """A snapshot of a pipeline's work since creation (or ``stats_reset()``).
@@ -58,6 +91,8 @@ class Stats:
     # CPU seconds the pipeline's own threads (coordinator, I/O and compute threads) held the GIL
     # (see stoker.runtime.gil for how it is measured and what it cannot see)
     gil_seconds: float = 0.0
+    # samples of named fields: each field's counts (they sum to the counters above); {} for other samples
+    fields: dict[str, FieldCounts] = field(default_factory=dict)
 
     @property
     def gil_per_batch(self) -> float:
@@ -87,6 +122,13 @@ class Stats:
         lines.append(f"{'gil_ms_per_batch':<20}{self.gil_per_batch * 1e3:>14.3f}")
         lines.append(f"{'read_amplification':<20}{self.read_amplification:>14.2f}")
         lines.append(f"{'decode_amplification':<20}{self.decode_amplification:>14.2f}")
+        if self.fields:
+            lines += ["", f"{'field':<14}{'MB needed':>12}{'MB read':>12}{'MB decoded':>12}{'read amp':>10}"
+                          f"{'decode amp':>12}"]
+            for name, c in self.fields.items():
+                lines.append(f"{name:<14}{c.bytes_needed / 1e6:>12.1f}{c.bytes_read / 1e6:>12.1f}"
+                             f"{c.bytes_decoded / 1e6:>12.1f}{c.read_amplification:>10.2f}"
+                             f"{c.decode_amplification:>12.2f}")
         return "\n".join(lines)
 
 
@@ -101,7 +143,7 @@ class StatsRecorder:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self.reset()
 
     def reset(self) -> None:
@@ -111,6 +153,7 @@ class StatsRecorder:
             # per stage: seconds, count, bytes in, bytes out (Metric's fields)
             self._stages: dict[str, list[Any]] = {name: [0.0, 0, 0, 0] for name in STAGES}
             self._counters = dict.fromkeys(COUNTERS, 0)
+            self._per_field: dict[str, dict[str, int]] = {}
             self._gil_ns = 0
 
     def gil(self, seconds: float) -> None:
@@ -160,13 +203,20 @@ class StatsRecorder:
             a[0] += assemble_s
             a[1] += count
 
-    def add(self, **counts: int) -> None:
+    def add(self, fields: dict[str, dict[str, int]] | None = None, **counts: int) -> None:
+        """Add ``counts`` to the counters and, for a batch of fields, each field's ``fields[name]`` (names of
+        :data:`FIELD_COUNTERS`) to its own, under the one lock (a snapshot sees both or neither)."""
         with self._lock:
             for name, value in counts.items():
                 self._counters[name] += value
+            for name, own in (fields or {}).items():
+                mine = self._per_field.setdefault(name, dict.fromkeys(FIELD_COUNTERS, 0))
+                for key, value in own.items():
+                    mine[key] += value
 
     def snapshot(self, peak_host_bytes: int = 0) -> Stats:
         with self._lock:
             stages = {n: Metric(n, *v) for n, v in self._stages.items()}
+            fields = {name: FieldCounts(**c) for name, c in self._per_field.items()}
             return Stats(stages=stages, peak_host_bytes=peak_host_bytes, gil_seconds=self._gil_ns * 1e-9,
-                         **self._counters)
+                         fields=fields, **self._counters)

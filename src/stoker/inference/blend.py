@@ -19,8 +19,17 @@ BLENDS = ("none", "linear", "hann")
 Box = tuple[tuple[int, int], ...]
 
 
-def output_box(aabb: Sequence[Sequence[int]], crop: Sequence[int], shape: Sequence[int]) -> Box:
-    """The part of a tile whose prediction is kept (see the module docstring)."""
+def output_box(aabb: Sequence[Sequence[int]], crop: Sequence[int], shape: Sequence[int],
+               padded: bool = False) -> Box:
+    """The part of a tile whose prediction is kept (see the module docstring). A ``padded`` tile (a sample
+    with ``pad``, which may reach past the array) has its context beyond the border too: ``crop`` comes off
+    every side, and what is left is clipped to the array.
+
+    >>> output_box([(-20, 76), (36, 132)], crop=(20, 20), shape=(128, 120), padded=True)
+    ((0, 56), (56, 112))
+    """
+    if padded:
+        return tuple((max(a + c, 0), min(b - c, n)) for (a, b), c, n in zip(aabb, crop, shape))
     return tuple((a if a <= 0 else a + c, b if b >= n else b - c) for (a, b), c, n in zip(aabb, crop, shape))
 
 

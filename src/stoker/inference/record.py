@@ -1,8 +1,8 @@
 """The completion record of a TileWriter: one small JSON file per written region, beside the array.
 
 ``<array>.tiles-done/<i>_<j>_<k>.json`` is written after the region's chunks, through an atomic rename for
-local arrays (fsspec for object stores), so a job killed mid-way and restarted skips exactly the regions that
-were written whole. The marks are not fsynced one by one (an fsync per region cost more than the region's
+local arrays (one PUT of the whole object on an object store, :mod:`.target`), so a job killed mid-way and
+restarted skips exactly the regions that were written whole. The marks are not fsynced one by one (an fsync per region cost more than the region's
 write, and zarr-python does not fsync the chunks they vouch for); :meth:`CompletionRecord.sync` flushes the
 folder once, at the writer's close. ``writer.json`` there holds the settings the record is valid for.
 
@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import InvalidArgument
 from ..storage.fsutil import fsync_dir, replace_atomically, sibling_path
+from .target import is_remote, remote_store
 
 SUFFIX = ".tiles-done"
 
@@ -30,20 +31,18 @@ class CompletionRecord:
 
     def __init__(self, uri: str, storage_options: dict | None = None) -> None:
         self.uri = uri.rstrip("/")
-        self.remote = "://" in self.uri and not self.uri.startswith("file://")
+        self.remote = is_remote(self.uri)
         path = self.uri[len("file://"):] if self.uri.startswith("file://") else self.uri
         self.path = path + SUFFIX
-        self._fs: Any = None
-        if self.remote:
-            import fsspec  # type: ignore[import-untyped]
-
-            self._fs, self.path = fsspec.core.url_to_fs(self.path, **(storage_options or {}))
+        self._store: Any = None
+        if self.remote:  # the record's folder as a store of its own: keys are the marks' names
+            self._store = remote_store(self.path, storage_options)
         else:
             Path(self.path).mkdir(parents=True, exist_ok=True)
 
     def _write(self, name: str, blob: bytes, durable: bool = True) -> None:
         if self.remote:
-            self._fs.pipe_file(f"{self.path}/{name}", blob)
+            self._store.put(name, blob)
         elif durable:
             replace_atomically(Path(self.path) / name, lambda f: f.write(blob))
         else:  # atomic (a reader sees the whole mark or none), flushed later by sync()
@@ -66,7 +65,7 @@ class CompletionRecord:
     def _read(self, name: str) -> bytes | None:
         try:
             if self.remote:
-                return self._fs.cat_file(f"{self.path}/{name}")
+                return bytes(self._store.get(name))
             return (Path(self.path) / name).read_bytes()
         except FileNotFoundError:
             return None
@@ -92,10 +91,7 @@ class CompletionRecord:
     def done(self) -> set[tuple[int, ...]]:
         """The regions recorded as written."""
         if self.remote:
-            try:
-                names = [os.path.basename(p) for p in self._fs.ls(self.path, detail=False)]
-            except FileNotFoundError:
-                names = []
+            names = self._store.list()  # an empty folder lists no keys (object stores have no folders)
         else:
             names = os.listdir(self.path)
         out = set()

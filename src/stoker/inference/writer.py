@@ -23,10 +23,17 @@ How the work is split (see docs/inference.md):
 - A tile seen twice (a short rank of a grid's split repeats tiles from the start) counts once.
 - After its chunks are written a region is marked in a completion record beside the array; a restarted
   writer skips marked regions, and :meth:`TileWriter.pending` lists the tiles still needed.
+- A finished region is blended down and written by ``write_threads`` background threads
+  (:mod:`.background`) while reading and the model go on; at most ``write_bytes`` of finished regions wait
+  for them (``write()`` blocks for room), a failed write is raised at the next ``write()`` or at
+  ``close()``, and ``close()`` waits for them (``write_timeout_s`` bounds every wait). ``write_threads=0``
+  writes on the caller's thread.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -35,10 +42,13 @@ from ..dist.collectives import active_group, barrier, resolve_rank
 from ..errors import InvalidArgument
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
+from .background import BackgroundWriter
 from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
 from .record import CompletionRecord
+from .target import array_store, writing
 
-Part = tuple[tuple[int, ...], Box, Box, np.ndarray]  # region, tile key (its box), part's box, values
+# region, tile key (its box), part's box, values, the flat index of the tile's output box's first voxel
+Part = tuple[tuple[int, ...], Box, Box, np.ndarray, int]
 
 
 class _Region:
@@ -50,10 +60,17 @@ class _Region:
         self.seen: set[Box] = set()
         if blend == "none":
             self.values = np.zeros(channels + shape, dtype=dtype)
-            self.key = np.full(shape, np.iinfo(np.int64).max, dtype=np.int64)
+            # the boxes placed so far and their tiles' starts: which tile wins a voxel is decided from
+            # these (a mask only where boxes overlap), not from a per-voxel array of starts
+            self.placed: list[tuple[Box, int]] = []
         else:
             self.values = np.zeros(channels + shape, dtype=np.float64)
             self.wsum = np.zeros(shape, dtype=np.float64)
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the region holds until it is written."""
+        return self.values.nbytes + (self.wsum.nbytes if hasattr(self, "wsum") else 0)
 
 
 class TileWriter:
@@ -63,20 +80,27 @@ class TileWriter:
     does not exist; an existing one must have that shape and dtype. ``shape`` is the volume's
     (``(Z, Y, X)``) or with channels first (``(C, Z, Y, X)``, for ``(B, C, *tile)`` predictions).
     ``crop``: the margin dropped from every side of a prediction that is not on the array's border (an
-    int, or one per spatial axis). ``grid``: the TileGrid the samples come from, to write regions as soon
+    int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
+    clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
     as they are complete. ``rank``/``world_size``: from ``torch.distributed`` when not given; ``group``: the
-    process group of the collectives.
+    process group of the collectives. ``write_threads``, ``write_bytes``, ``write_timeout_s``: the
+    background writes (the module docstring).
     """
 
     def __init__(self, uri: str, shape: Sequence[int], chunks: Sequence[int], dtype: Any, blend: str = "none",
                  crop: int | Sequence[int] | None = None, rank: int | None = None,
                  world_size: int | None = None, *, grid: TileGrid | None = None,
                  shards: Sequence[int] | None = None, zarr_format: int = 3, fill_value: Any = 0,
-                 storage_options: dict | None = None, group: Any = None) -> None:
+                 storage_options: dict | None = None, group: Any = None, write_threads: int = 2,
+                 write_bytes: int = 256 << 20, write_timeout_s: float = 600.0) -> None:
         import zarr
 
         if blend not in BLENDS:
             raise InvalidArgument(f"TileWriter(blend={blend!r}): one of {BLENDS}", knob="blend")
+        if int(write_threads) < 0 or int(write_bytes) < 0 or not float(write_timeout_s) > 0:
+            raise InvalidArgument(f"TileWriter(write_threads={write_threads}, write_bytes={write_bytes}, "
+                                  f"write_timeout_s={write_timeout_s}): threads and bytes >= 0, a timeout > 0",
+                                  knob="write_threads")
         self.uri, self.blend, self.group = str(uri), blend, group
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.shape = tuple(int(s) for s in shape)
@@ -87,18 +111,19 @@ class TileWriter:
         self.grid = grid
         self._ndim = len(grid.sample_shape) if grid is not None else None
         self._crop_arg = crop
-        opts: dict[str, Any] = {"storage_options": storage_options} if storage_options else {}
+        store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
         if self.rank == 0:
             try:
-                arr = zarr.open_array(self.uri, mode="r+", **opts)
+                arr = zarr.open_array(store, mode="r+")
             except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
                 fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
-                arr = zarr.create_array(self.uri, shape=self.shape, chunks=tuple(chunks),
-                                        shards=None if shards is None else tuple(shards), dtype=dtype,
-                                        zarr_format=fmt, fill_value=fill_value, **opts)
+                with writing(self.uri, "the array's metadata"):
+                    arr = zarr.create_array(store, shape=self.shape, chunks=tuple(chunks),
+                                            shards=None if shards is None else tuple(shards), dtype=dtype,
+                                            zarr_format=fmt, fill_value=fill_value)
         barrier(group)  # the array exists before the other ranks open it
         if self.rank != 0:
-            arr = zarr.open_array(self.uri, mode="r+", **opts)
+            arr = zarr.open_array(store, mode="r+")
         if tuple(arr.shape) != self.shape or arr.dtype != np.dtype(dtype):
             raise InvalidArgument(f"{self.uri}: the array there has shape {arr.shape} and dtype {arr.dtype}, not "
                                   f"{self.shape} and {np.dtype(dtype)}; write to another URI or remove it",
@@ -116,7 +141,12 @@ class TileWriter:
         self._expected: dict[tuple[int, ...], int] | None = None
         self._weights: dict[tuple[int, ...], np.ndarray] = {}
         self.written = 0  # regions this rank wrote
+        self._count_lock = threading.Lock()
         self._closed = False
+        self._background = None if int(write_threads) == 0 else \
+            BackgroundWriter(self.uri, int(write_threads), int(write_bytes), float(write_timeout_s))
+        if self._background is not None:  # a writer dropped without close(): its threads end with it
+            weakref.finalize(self, self._background.stop)
         if self._ndim is not None:
             self._setup(self._ndim)
 
@@ -140,12 +170,12 @@ class TileWriter:
         if self.grid is not None:
             self._expected = {}
             for tile in {box_of(self.grid.sample(0, i)) for i in range(len(self.grid))}:
-                for r in regions_of(self._out(tile), self.unit):
+                for r in regions_of(self._out(tile, self.grid.pad is not None), self.unit):
                     if self._owner(r) == self.rank:
                         self._expected[r] = self._expected.get(r, 0) + 1
 
-    def _out(self, aabb: Sequence[Sequence[int]]) -> Box:
-        return output_box(aabb, self.crop, self.spatial)
+    def _out(self, aabb: Sequence[Sequence[int]], padded: bool) -> Box:
+        return output_box(aabb, self.crop, self.spatial, padded)
 
     def _owner(self, region: tuple[int, ...]) -> int:
         return int(np.ravel_multi_index(region, self.regions_shape)) % self.world_size
@@ -161,7 +191,7 @@ class TileWriter:
         keep = []
         for i in range(len(grid)):
             s = grid.sample(0, i)
-            if any(r not in self.done for r in regions_of(self._out(box_of(s)), self.unit)):
+            if any(r not in self.done for r in regions_of(self._out(box_of(s), s.pad is not None), self.unit)):
                 keep.append(s)
         if not keep:  # a finished array: one tile, so an epoch still has a sample; its regions are skipped
             keep.append(grid.sample(0, 0))
@@ -174,6 +204,8 @@ class TileWriter:
         is the prediction of ``samples[i]``. Collective over the ranks when several take part."""
         if self._closed:
             raise InvalidArgument(f"TileWriter({self.uri}) is closed")
+        if self._background is not None:
+            self._background.check()  # a background write failed: say so before more work
         p = _numpy(predictions)
         if len(samples) != len(p):
             raise InvalidArgument(f"TileWriter.write: {len(samples)} samples but {len(p)} predictions")
@@ -187,16 +219,17 @@ class TileWriter:
                 raise InvalidArgument(
                     f"TileWriter.write: a prediction of shape {pred.shape} for a tile of {tile}; expected "
                     f"{self.channels + tile} (the array {self.uri} has shape {self.shape})", uri=self.uri)
-            out = self._out(aabb)
+            out = self._out(aabb, s.pad is not None)
             if any(b <= a for a, b in out):
                 continue  # cropped away whole
             key = tuple(aabb)
+            start = int(np.ravel_multi_index(tuple(a for a, _ in out), self.spatial))
             for r in regions_of(out, self.unit):
                 if r in self.done:
                     continue
                 box = intersect(out, region_box(r, self.unit, self.spatial))
                 values = pred[(Ellipsis,) + local(box, key)]
-                parts[self._owner(r)].append((r, key, box, values))
+                parts[self._owner(r)].append((r, key, box, values, start))
         self._receive(self._exchange(parts))
 
     def _exchange(self, parts: list[list[Part]]) -> list[Part]:
@@ -208,7 +241,7 @@ class TileWriter:
         return [part for sent in everyone for part in sent[self.rank]]
 
     def _receive(self, parts: list[Part]) -> None:
-        for r, key, box, values in sorted(parts, key=lambda p: (p[0], p[1])):
+        for r, key, box, values, start in sorted(parts, key=lambda p: (p[0], p[1])):
             if r in self.done:
                 continue  # written already: this is a repeat of one of its tiles (a short rank's wrap-around)
             region = self._open.get(r)
@@ -220,14 +253,21 @@ class TileWriter:
             region.seen.add(key)
             where = local(box, region.box)
             if self.blend == "none":
-                start = int(np.ravel_multi_index(tuple(max(a, 0) for a, _ in self._out(key)), self.spatial))
-                keys = region.key[where]
-                first = keys > start  # the tile whose output box starts first wins, whatever the order
-                keys[first] = start
-                region.values[(Ellipsis,) + where][..., first] = values.astype(self.dtype)[..., first]
+                # the tile whose output box starts first wins, whatever the order: this part loses the
+                # voxels of the boxes placed before it that start no later
+                win: Any = True
+                for other, other_start in region.placed:
+                    common = intersect(box, other)
+                    if other_start <= start and all(a < b for a, b in common):
+                        if win is True:
+                            win = np.ones(tuple(b - a for a, b in box), dtype=bool)
+                        win[local(common, box)] = False
+                region.placed.append((box, start))
+                np.copyto(region.values[(Ellipsis,) + where], values, where=win, casting="unsafe")  # as astype
             else:
                 w = self._weights_of(key)[local(box, key)]
-                region.values[(Ellipsis,) + where] += w * values
+                acc = region.values[(Ellipsis,) + where]
+                acc += np.multiply(w, values, dtype=np.float64)
                 region.wsum[where] += w
             if self._expected is not None and len(region.seen) >= self._expected.get(r, 0):
                 self._flush(r)
@@ -240,20 +280,34 @@ class TileWriter:
 
     def _flush(self, r: tuple[int, ...]) -> None:
         region = self._open.pop(r)
+        self.done.add(r)  # no later part opens it again; the record is marked once it is written
+        if self._background is None:
+            self._finish(r, region)
+        else:  # the blend's last step and the write run on the background threads
+            self._background.submit(f"region {r}", region.nbytes, lambda: self._finish(r, region))
+
+    def _finish(self, r: tuple[int, ...], region: _Region) -> None:
         if self.blend == "none":
             out = region.values
-            if self.array.fill_value is not None:  # voxels no tile reached keep the fill value
-                out[..., region.key == np.iinfo(np.int64).max] = self.array.fill_value
+            reached = np.zeros(out.shape[len(self.channels):], dtype=bool)
+            for box, _ in region.placed:
+                reached[local(box, region.box)] = True
+            if self.array.fill_value is not None and not reached.all():  # voxels no tile reached keep it
+                np.copyto(out, np.asarray(self.array.fill_value, dtype=out.dtype), where=~reached)
         else:
             with np.errstate(invalid="ignore", divide="ignore"):
-                mean = region.values / region.wsum
+                mean = np.divide(region.values, region.wsum, out=region.values)  # in place: the region is done
             if np.issubdtype(self.dtype, np.integer):
-                mean = np.rint(mean)
-            out = np.where(region.wsum > 0, mean, self.array.fill_value or 0).astype(self.dtype)
-        self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
+                np.rint(mean, out=mean)
+            reached = region.wsum > 0
+            if not reached.all():  # voxels no tile reached keep the fill value
+                np.copyto(mean, self.array.fill_value or 0, where=~reached)
+            out = mean.astype(self.dtype)
+        with writing(self.uri, f"region {r} (voxels {region.box})"):
+            self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
         self.record.mark(r)
-        self.done.add(r)
-        self.written += 1
+        with self._count_lock:
+            self.written += 1
 
     def close(self) -> None:
         """Write the regions still open (those without all their tiles, or all without ``grid=``); on every
@@ -261,8 +315,12 @@ class TileWriter:
         if self._closed:
             return
         self._closed = True
-        for r in sorted(self._open):
-            self._flush(r)
+        try:
+            for r in sorted(self._open):
+                self._flush(r)
+        finally:
+            if self._background is not None:
+                self._background.close()  # waits for the queued writes, raises the first failure
         self.record.sync()
         barrier(self.group)
 
@@ -272,6 +330,12 @@ class TileWriter:
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
             self.close()
+        elif self._background is not None:  # the regions already queued are written; the error is the caller's
+            self._closed = True
+            try:
+                self._background.close()
+            except Exception:
+                pass  # the caller's exception is the one raised
 
 
 def _numpy(x: Any) -> np.ndarray:

@@ -339,7 +339,9 @@ class ArrayReader:
         return out.reshape([n for axis, n in enumerate(out.shape) if axis not in dropped])
 
     def read(self, aabb: Any) -> np.ndarray:
-        """Read the half-open box ``aabb`` (``(start, stop)`` pairs or slices) as a new array."""
+        """Read the half-open box ``aabb`` (``(start, stop)`` pairs or slices) as a new array: the stored values,
+        as zarr-python reads them (CF attributes are not applied here; the pipeline applies them, and
+        ``stoker.reader.coords.coding(arr).decode(values)`` does)."""
         box = parse_box(aabb, self.shape, uri=self.uri)
         shape = box_shape(box)
         try:

@@ -453,7 +453,7 @@ def compute_stats(
     if len({int(h[0]) for h in headers}) > 1:
         raise InvalidArgument(f"ranks see different datasets under {ds.root} (their fingerprints differ)")
     folder = _folder(ds) if cache else None
-    held, entry = _cached_entry(folder, fp, lead, world, group) if cache else (None, None)
+    held, entry = cached_entry(folder, fp, lead, world, group) if cache else (None, None)
     try:
         loaded = _from_entry(entry, expect, list(derived)) if entry is not None else None
         if loaded is not None:  # every rank holds rank 0's entry: all return here, or none
@@ -506,7 +506,7 @@ def _folder(ds: ZarrRecords) -> str:
     return str(dataset_dir(ds.root, ds.storage_options))
 
 
-def _cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tuple[Any, dict | None]:
+def cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tuple[Any, dict | None]:
     """``(claim, entry)``: the sidecar's entry ``fp`` as the lead process finds it, shared with every rank.
 
     When the entry is missing, the lead claims computing it: another job computing the same statistics

@@ -25,7 +25,7 @@ from typing import Any, Callable
 EXIT_WAIT_S = 10.0
 
 _live: "weakref.WeakKeyDictionary[Any, Callable[[Any], list[threading.Thread]]]" = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
+_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 _hooked = False
 
 

@@ -37,7 +37,7 @@ class _State:
     __slots__ = ("cv", "tasks", "closed", "idle", "pid", "__weakref__")
 
     def __init__(self) -> None:
-        self.cv = threading.Condition(threading.Lock())
+        self.cv = threading.Condition(threading.Lock())  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self.tasks: collections.deque[tuple[Callable[..., Any], tuple]] = collections.deque()
         self.closed = False
         self.idle = 0
@@ -82,15 +82,17 @@ def start_thread(thread: threading.Thread, knob: str, owner: str = "Config") -> 
 
 
 class DaemonPool:
-    """Runs ``fn(*args)`` on at most ``max_threads`` daemon threads named ``{name}_{i}``; ``knob`` is the Config
-    knob that sets ``max_threads`` (named when the system gives no thread)."""
+    """Runs ``fn(*args)`` on at most ``max_threads`` daemon threads named ``{name}_{i}``; ``knob`` is the
+    setting of ``owner`` (a Config knob by default) that sets ``max_threads`` (named when the system gives no
+    thread)."""
 
-    def __init__(self, max_threads: int, name: str, knob: str = "n_compute_threads") -> None:
+    def __init__(self, max_threads: int, name: str, knob: str = "n_compute_threads", owner: str = "Config") -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be at least 1, got {max_threads}")
         self.max_threads = max_threads
         self.name = name
         self.knob = knob
+        self.owner = owner
         self._state = _State()
         self._threads: list[threading.Thread] = []
         weakref.finalize(self, self._state.close)  # a pool dropped unclosed stops its idle threads
@@ -111,7 +113,7 @@ class DaemonPool:
             state.cv.notify()
         if start:
             try:
-                start_thread(thread, self.knob)
+                start_thread(thread, self.knob, self.owner)
             except ThreadStartError:  # the system gives no more threads
                 with state.cv:
                     self._threads.remove(thread)

@@ -25,15 +25,16 @@ import json
 import math
 import operator
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from .cursor import CursorState, EpochCursor
+from .field import Field, MaskedVolume, check_fields, open_volume
 from ..dist.collectives import resolve_rank
 from ..errors import IncompleteSource, InvalidArgument, NotYetSupported
 from .permutation import ORDER_VERSION, Permutation
-from .sample import Sample, box_of, given_uri
+from .sample import Sample, box_of, check_pad, given_uri
 
 _BLOCK = 1024  # RandomCrops draws samples in seeded blocks: cheap, and any index is reachable directly
 # Positions are int64 where they meet numpy (a rank's share as an array, seeds); with at most 2**62
@@ -209,12 +210,67 @@ class RandomCrops(SampleSource):
 
     ``samples_per_epoch`` defaults to the number of crops that would tile the data once.
 
+    ``pad`` (one of :data:`~stoker.sampling.sample.PAD_MODES`) makes padded samples (see :class:`~stoker.Sample`):
+    crops are drawn as without it where the array holds them, and an array shorter than the crop on some axis is
+    accepted: there the crop covers the whole axis, the array at a uniform random place inside it, the rest
+    filled by ``pad``.
+
+    ``region`` restricts where boxes start (the anchor), per axis of each entry's first array: axis numbers
+    take index ranges, dimension names label ranges of their coordinates, both labels included (see
+    :mod:`stoker.sampling.region`); weights and the default epoch length then count the anchors (and the
+    region's voxels) of each array, and an array the region leaves no anchor in is not drawn from.
+
+
     >>> src = stoker.RandomCrops(["/data/a.zarr"], (32, 128, 128), seed=0, samples_per_epoch=10_000)
+    >>> spring = stoker.RandomCrops([["era5.zarr/t2m", "era5.zarr/u10"]], (2, 181, 360),
+    ...                             region={"time": ("2000-03-01", "2000-05-31")})
+
+    **Fields.** A dict of :class:`~stoker.Field` (one volume), or a list of such dicts (several volumes, with
+    the same field names and shapes), makes samples of named fields (``Sample({name: (uris, box)})``): each
+    sample draws an anchor uniformly among those that keep every field's box inside its arrays, on multiples
+    of every field's scale (see :mod:`stoker.sampling.field`); ``sample_shape`` is not given then.
+
+    >>> fields = {"raw": stoker.Field("/data/raw.ome.zarr/0", (96, 96, 96)),
+    ...           "labels": stoker.Field("/data/labels.zarr", (56, 56, 56), offset=(20, 20, 20))}
+    >>> src = stoker.RandomCrops(fields, seed=0, mask=stoker.Mask("/data/fg.zarr", 0.25, field="labels", scale=4))
+
+    ``region`` over fields is read on the first field's first array and restricts where that field's box
+    starts (in its voxels; anchors ``[i0 * scale - offset, i1 * scale - offset)``), combined exactly with a
+    mask. ``pad`` over fields: only the first field bounds the anchors (as a padded crop over arrays); the
+    other fields' boxes may reach past their arrays, filled while placing (see :class:`~stoker.sampling.field.Volume`).
+
+    >>> train = stoker.RandomCrops({"input": stoker.Field(vars_, (2, 64, 128)),
+    ...                             "target": stoker.Field(vars_, (1, 64, 128), offset=(7, 0, 0))},
+    ...                            region={"time": ("1990-01-01", "2015-12-31")})
+
+    ``mask`` (a :class:`~stoker.Mask`, or one per volume, ``None`` for none) draws only the anchors whose
+    named field's box covers at least ``min_fraction`` of nonzero mask voxels (see
+    :mod:`stoker.sampling.mask`). Volumes are weighted by their anchors (those that qualify, with a mask)
+    unless ``weights`` is given; ``samples_per_epoch`` defaults to the crops of each volume's first field
+    that tile its arrays once, times the fraction of its anchors that qualify.
     """
 
-    def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int], seed: int = 0,
+    def __init__(self, arrays: Any, sample_shape: Sequence[int] | None = None, seed: int = 0,
                  samples_per_epoch: int | None = None, weights: Sequence[float] | None = None,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None, mask: Any = None, pad: str | None = None,
+                 region: dict | None = None) -> None:
+        self.pad = check_pad(pad, "RandomCrops")
+        volumes = _volumes_given(arrays)
+        if volumes is not None:
+            if sample_shape is not None:
+                raise InvalidArgument("RandomCrops over fields takes each field's shape in its Field, not "
+                                      "sample_shape; leave sample_shape out", knob="sample_shape")
+            self.region: dict | None = None if region is None else dict(region)
+            self._init_fields(volumes, seed, samples_per_epoch, weights, storage_options, mask)
+            return
+        if mask is not None:
+            raise InvalidArgument("RandomCrops(mask=...) draws where a named field's box covers the mask: give "
+                                  "the arrays as fields, {name: stoker.Field(uri, shape)}, and name one in the Mask",
+                                  knob="mask")
+        if sample_shape is None:
+            raise InvalidArgument("RandomCrops over arrays needs sample_shape (the crop's shape)",
+                                  knob="sample_shape")
+        self.volumes: list[MaskedVolume] | None = None
         self.arrays = _entries(arrays, "RandomCrops")
         if not self.arrays:
             raise InvalidArgument("RandomCrops needs at least one array")
@@ -224,21 +280,22 @@ class RandomCrops(SampleSource):
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
         for uri, shape in zip(self.arrays, self.shapes):
-            if len(shape) != len(self.sample_shape) or any(c > s for c, s in zip(self.sample_shape, shape)):
-                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}", uri=uri)
-        if weights is None:
-            w = np.array([math.prod(s) for s in self.shapes], dtype=np.float64)
-        else:
-            w = np.asarray(weights, dtype=np.float64)
-            if w.shape != (len(self.arrays),) or (w < 0).any() or not w.sum() > 0:
-                raise InvalidArgument(f"weights must be {len(self.arrays)} non-negative numbers, not all zero")
-        self.weights = w / w.sum()
+            if len(shape) != len(self.sample_shape) or (
+                    self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape))):
+                hint = "" if len(shape) != len(self.sample_shape) else " (pad= lets them reach past it)"
+                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}{hint}", uri=uri)
+        self.region = None if region is None else dict(region)
+        # per array and axis the first box start and how many there are (a region may restrict them; a padded
+        # crop longer than its axis covers it, the axis anywhere inside it: first start below 0)
+        self._lo, self._limits, spans = _anchors(self, region, storage_options)
+        raw = np.asarray(spans if weights is None else weights, dtype=np.float64)
+        if raw.shape == (len(self.arrays),):  # a region that leaves an array no box start is what to say first
+            _check_drawable(self, raw)
+        self.weights = _weights(weights, spans, len(self.arrays))
         if samples_per_epoch:
-            count = int(samples_per_epoch)
-            if not 1 <= count <= MAX_SAMPLES:
-                raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}")
+            count = _epoch_length(samples_per_epoch)
         else:  # the crops that tile the data once
-            count = max(1, sum(math.prod(s) for s in self.shapes) // math.prod(self.sample_shape))
+            count = max(1, sum(spans) // math.prod(self.sample_shape))
             if count > MAX_SAMPLES:
                 raise InvalidArgument(
                     f"RandomCrops over {self.arrays}: {count} crops of {self.sample_shape} would tile the data "
@@ -246,9 +303,44 @@ class RandomCrops(SampleSource):
                     "sample_shape)")
         self.samples_per_epoch = count
         self._cdf = np.cumsum(self.weights)
-        # Per array, how many corner positions each axis allows.
-        self._limits = np.array([[s - c + 1 for s, c in zip(shape, self.sample_shape)] for shape in self.shapes])
+        self._last = int(np.flatnonzero(self.weights > 0)[-1])  # never past it, whatever the cdf's rounding
         self._cache: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
+
+    def _init_fields(self, volumes: list[dict[str, Field]], seed: int, samples_per_epoch: int | None,
+                     weights: Sequence[float] | None, storage_options: dict | None, mask: Any) -> None:
+        from ..storage.locate import Stores
+
+        masks = list(mask) if isinstance(mask, (list, tuple)) else [mask] * len(volumes)
+        if len(masks) != len(volumes):
+            raise InvalidArgument(f"RandomCrops: mask is a list of {len(masks)}, for {len(volumes)} volumes; give one "
+                                  "per volume (None for none)", knob="mask")
+        self.fields, self.masks, self.seed = volumes, masks, int(seed)
+        stores = Stores()  # shared by every array: a consolidated group's metadata is read once, not per array
+        try:
+            self.volumes = [open_volume(v, m, storage_options, stores, "RandomCrops", region=self.region, pad=self.pad)
+                            for v, m in zip(volumes, masks)]
+        finally:
+            stores.close()
+        anchors = [len(mv.qualifying) if mv.qualifying is not None else mv.volume.n_anchors for mv in self.volumes]
+        self.weights = _weights(weights, anchors, len(volumes))
+        if samples_per_epoch:
+            count = _epoch_length(samples_per_epoch)
+        else:  # the crops of each volume's first field that tile its arrays once (those that qualify)
+            count = 0
+            for mv, n in zip(self.volumes, anchors):
+                vol = mv.volume
+                first = vol.names[0]
+                span = math.prod(vol.shapes[first])
+                if self.region is not None:  # the voxels of the first field's arrays its boxes in the region cover
+                    span = math.prod(min(a, (k - 1) * st // s + c) for a, k, st, s, c in
+                                     zip(vol.shapes[first], vol.counts, vol.step, vol.scales[first],
+                                         vol.fields[first].shape))
+                tiles = span // math.prod(vol.fields[first].shape)
+                count += tiles * n // vol.n_anchors
+            count = min(max(1, count), MAX_SAMPLES)
+        self.samples_per_epoch = count
+        self._cdf = np.cumsum(self.weights)
+        self._cache = None
 
     def __len__(self) -> int:
         return self.samples_per_epoch
@@ -258,9 +350,25 @@ class RandomCrops(SampleSource):
         if cached is not None and cached[0] == (epoch, block):
             return cached[1]
         rng = np.random.default_rng([self.seed, epoch, block])
-        which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"), len(self.arrays) - 1)
-        frac = rng.random((_BLOCK, len(self.sample_shape)))
-        corners = np.floor(frac * self._limits[which]).astype(np.int64)
+        n = len(self.volumes) if self.volumes is not None else len(self.arrays)
+        which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"),
+                           n - 1 if self.volumes is not None else self._last)
+        if self.volumes is None:
+            frac = rng.random((_BLOCK, len(self.sample_shape)))
+            corners = self._lo[which] + np.floor(frac * self._limits[which]).astype(np.int64)
+        else:  # lattice indices of the anchors: uniform per axis, or uniform among those a mask lets through
+            frac = rng.random((_BLOCK, len(self.volumes[0].volume.counts)))
+            corners = np.zeros(frac.shape, dtype=np.int64)
+            for v, mv in enumerate(self.volumes):
+                rows = which == v
+                if mv.qualifying is None:
+                    counts = np.array(mv.volume.counts, dtype=np.float64)
+                    corners[rows] = np.minimum(np.floor(frac[rows] * counts), counts - 1).astype(np.int64)
+                else:
+                    pick = np.minimum(np.floor(frac[rows, 0] * len(mv.qualifying)).astype(np.int64),
+                                      len(mv.qualifying) - 1)
+                    flat = mv.qualifying[pick].astype(np.int64)
+                    corners[rows] = np.stack(np.unravel_index(flat, mv.volume.counts), axis=-1)
         self._cache = ((epoch, block), (which, corners))
         return which, corners
 
@@ -268,12 +376,103 @@ class RandomCrops(SampleSource):
         which, corners = self._block(epoch, index // _BLOCK)
         k = index % _BLOCK
         corner = corners[k]
-        return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)])
+        if self.volumes is not None:
+            volume = self.volumes[int(which[k])].volume
+            return volume.sample(volume.anchor(corner))
+        return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)],
+                      pad=self.pad)
 
     def identity(self) -> Any:
-        """The arrays, their shapes, the crop shape, weights, epoch length and seed."""
+        """The arrays, their shapes, the crop shape, weights, epoch length and seed; over fields, the fields,
+        their arrays' shapes and scales, the masks and what they let through (and ``pad`` when set)."""
+        if self.volumes is not None:
+            # a region adds each volume's anchor range (lattice start and counts), pad its mode; without them the
+            # identity is what it was
+            region = [] if self.region is None else \
+                [["region", [[list(mv.volume.first), list(mv.volume.counts)] for mv in self.volumes]]]
+            return ["fields", _fields_identity(self.fields, self.volumes), [None if m is None else m.plain()
+                                                                             for m in self.masks],
+                    [None if mv.qualifying is None else _digest(mv.qualifying) for mv in self.volumes],
+                    self.weights.round(12).tolist(), self.samples_per_epoch, self.seed] + region + \
+                ([] if self.pad is None else ["pad", self.pad])
+        region = [["region", self._lo.tolist(), self._limits.tolist()]] if self.region is not None else []
         return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
-                self.seed]
+                self.seed] + region + ([] if self.pad is None else ["pad", self.pad])
+
+
+def _anchors(src: RandomCrops, region: dict | None, storage_options: dict | None) -> tuple[np.ndarray, np.ndarray, list]:
+    """RandomCrops' ``(first box start, box starts)`` per array and axis, and each array's volume for the
+    default weights and epoch length: the whole array's, or under a region its anchors' span (the voxels
+    of the region its boxes cover)."""
+    if region is None:
+        limits = np.array([[abs(s - c) + 1 for s, c in zip(shape, src.sample_shape)] for shape in src.shapes])
+        first = np.array([[min(0, s - c) for s, c in zip(shape, src.sample_shape)] for shape in src.shapes])
+        return first, limits, [math.prod(s) for s in src.shapes]
+    if src.pad is not None and any(c > s for shape in src.shapes for s, c in zip(shape, src.sample_shape)):
+        raise NotYetSupported(f"RandomCrops: region= with arrays shorter than the crop {src.sample_shape} (pad=) is "
+                              "not drawn yet; leave region out, or crop no longer than the arrays", knob="region")
+    from .region import anchor_ranges
+
+    lo, limits = anchor_ranges(src.arrays, src.shapes, src.sample_shape, region, storage_options)
+    volumes = [math.prod(n + c - 1 for n, c in zip(row, src.sample_shape)) if row.all() else 0 for row in limits]
+    return lo, limits, volumes
+
+
+def _check_drawable(src: RandomCrops, w: np.ndarray) -> None:
+    """InvalidArgument when a region leaves an array that may be drawn (weight > 0) no box start."""
+    empty = [a for a, row, weight in zip(src.arrays, src._limits, w) if weight > 0 and not row.all()]
+    if src.region is not None and (empty or not w.sum() > 0):
+        raise InvalidArgument(
+            f"RandomCrops: region {src.region!r} leaves no box of {src.sample_shape} a start in "
+            f"{empty or src.arrays}; widen the region, or leave such arrays out (or give them weight 0)",
+            knob="region")
+
+
+def _volumes_given(arrays: Any) -> list[dict[str, Field]] | None:
+    """The volumes of fields when ``arrays`` is a dict of Fields or a list of them, else None (arrays)."""
+    if isinstance(arrays, Mapping):
+        given = [arrays]
+    elif isinstance(arrays, (list, tuple)) and arrays and all(isinstance(a, Mapping) for a in arrays):
+        given = list(arrays)
+    else:
+        return None
+    volumes = [check_fields(v, "RandomCrops/TileGrid") for v in given]
+    first = volumes[0]
+    for i, v in enumerate(volumes[1:], 1):
+        same = list(v) == list(first) and all(
+            v[n].shape == first[n].shape and v[n].channels == first[n].channels for n in first)
+        if not same:
+            raise InvalidArgument(
+                f"volume {i}'s fields {{{', '.join(f'{n}: {f.shape}' for n, f in v.items())}}} differ from volume "
+                f"0's {{{', '.join(f'{n}: {f.shape}' for n, f in first.items())}}}: a batch stacks every sample's "
+                "fields, so every volume needs the same field names, shapes and channels")
+    return volumes
+
+
+def _fields_identity(volumes: list[dict[str, Field]], opened: list[MaskedVolume]) -> list:
+    return [[{n: f.plain() for n, f in v.items()}, [list(mv.volume.shapes[n]) for n in mv.volume.names],
+             [list(mv.volume.scales[n]) for n in mv.volume.names], list(mv.volume.step)]
+            for v, mv in zip(volumes, opened)]
+
+
+def _digest(index: np.ndarray) -> list:
+    """What a mask let through, in short: how many anchors, and a hash of which (a rewritten mask changes it)."""
+    return [int(index.size), hashlib.sha256(np.ascontiguousarray(index).data).hexdigest()[:16]]
+
+
+def _weights(weights: Sequence[float] | None, default: Sequence[float], n: int) -> np.ndarray:
+    """The sampling weights of ``n`` volumes, normalised (``default`` unless ``weights`` is given)."""
+    w = np.asarray(default if weights is None else weights, dtype=np.float64)
+    if w.shape != (n,) or (w < 0).any() or not w.sum() > 0:
+        raise InvalidArgument(f"weights must be {n} non-negative numbers, not all zero")
+    return w / w.sum()
+
+
+def _epoch_length(samples_per_epoch: int) -> int:
+    count = int(samples_per_epoch)
+    if not 1 <= count <= MAX_SAMPLES:
+        raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}")
+    return count
 
 
 class TileGrid(SampleSource):
@@ -284,30 +483,54 @@ class TileGrid(SampleSource):
     past the first tile, the last tile is shifted back to end at the border, so no voxel is left out (that
     tile overlaps its neighbour by more than the others do; a ``stride`` larger than the tile leaves gaps, on
     purpose). An array smaller than a tile on some axis has
-    no tile. With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
+    no tile (without ``pad``). With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
 
     A grid's epoch is never cut short: :class:`~stoker.CropDataset` yields its last batch at its true size
     whatever ``Config.drop_last`` says, and :meth:`for_rank` splits it with ``even="wrap"`` only (a short
     rank repeats tiles from the start; :class:`~stoker.TileWriter` counts a repeated tile once): its
     ``complete_epochs`` is True.
 
-    ``pad`` (tiles that reach past the borders, as sliding-window inference lays them out) is not supported
-    yet: it raises :class:`~stoker.NotYetSupported`.
+    With ``pad`` (one of :data:`~stoker.sampling.sample.PAD_MODES`) the grid is laid out as sliding-window
+    inference needs it: the *centre* of each tile (the tile less ``(sample_shape - stride) // 2`` on each side)
+    tiles the array exactly, so tiles start every ``stride`` from ``-(sample_shape - stride) // 2``, the last ones
+    extend past the far border, and every sample is padded (see :class:`~stoker.Sample`); an axis has
+    ``ceil(length / stride)`` tiles, also an axis shorter than a tile. ``stride`` may not exceed the tile then.
+    ``TileWriter(crop=(sample_shape - stride) // 2)`` writes exactly the centres.
 
     >>> grid = stoker.TileGrid(["/data/vol.zarr"], (96, 96, 96), stride=(56, 56, 56))   # shape (128, 256, 256)
     >>> [grid.sample(0, i).aabb[0] for i in (0, len(grid) - 1)]
     [(0, 96), (32, 128)]
+    >>> padded = stoker.TileGrid(["/data/vol.zarr"], (96, 96, 96), stride=(56, 56, 56), pad="reflect")
+    >>> [padded.sample(0, i).aabb[0] for i in (0, len(padded) - 1)]
+    [(-20, 76), (36, 132)]
+
+    **Fields.** A dict of :class:`~stoker.Field` (or a list of them, one per volume) tiles the anchors: along
+    each axis, every ``stride`` reference voxels from the first anchor that keeps every field's box inside
+    its arrays, the last one shifted back to the last such anchor. ``stride`` (reference voxels, a multiple
+    of the fields' scales) defaults to the first field's extent (its shape times its scale), so its boxes
+    tile its arrays; samples are ``Sample({name: (uris, box)})``. With ``pad`` the first field's tiles are laid
+    out as a padded grid over arrays (their centres tile its arrays, the first box at minus the margin
+    ``(shape - stride / scale) // 2``); the anchors, and the other fields, follow them.
+
+    >>> grid = stoker.TileGrid({"raw": stoker.Field("/data/raw.zarr", (96, 96, 96)),
+    ...                         "labels": stoker.Field("/data/labels.zarr", (56, 56, 56), offset=(20, 20, 20))},
+    ...                        stride=(56, 56, 56))
     """
 
-    def __init__(self, arrays: Sequence[str | Sequence[str]], sample_shape: Sequence[int],
+    def __init__(self, arrays: Any, sample_shape: Sequence[int] | None = None,
                  stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0,
                  storage_options: dict | None = None, pad: Any = None) -> None:
-        if pad is not None and pad is not False:
-            raise NotYetSupported(
-                f"TileGrid(pad={pad!r}): tiles that reach past the array's borders need the engine to fill what "
-                "lies outside, which it does not do yet. Leave pad out: the grid still covers every voxel (the "
-                "last tile of each axis ends at the border), and TileWriter keeps the border side of a border "
-                "tile's prediction uncropped; or tile a zero-padded copy of the array", knob="pad")
+        self.pad = None if pad is False else check_pad(pad, "TileGrid")
+        volumes = _volumes_given(arrays)
+        self.volumes: list[MaskedVolume] | None = None
+        if volumes is not None:
+            if sample_shape is not None:
+                raise InvalidArgument("TileGrid over fields takes each field's shape in its Field, not sample_shape; "
+                                      "leave sample_shape out", knob="sample_shape")
+            self._init_fields(volumes, stride, shuffle, seed, storage_options)
+            return
+        if sample_shape is None:
+            raise InvalidArgument("TileGrid over arrays needs sample_shape (the tile's shape)", knob="sample_shape")
         self.arrays = _entries(arrays, "TileGrid")
         self.sample_shape = tuple(int(s) for s in sample_shape)
         self.stride = tuple(int(s) for s in (stride or self.sample_shape))
@@ -315,6 +538,14 @@ class TileGrid(SampleSource):
             raise InvalidArgument(f"stride must be {len(self.sample_shape)} positive integers, got {self.stride}")
         if any(c < 1 for c in self.sample_shape):
             raise InvalidArgument(f"TileGrid: sample_shape {self.sample_shape} must be >= 1 on every axis")
+        if self.pad is not None and any(st > c for st, c in zip(self.stride, self.sample_shape)):
+            raise InvalidArgument(f"TileGrid(pad={self.pad!r}): stride {self.stride} exceeds the tile "
+                                  f"{self.sample_shape} on some axis; a padded grid's tile centres (the tile less "
+                                  "(sample_shape - stride) // 2 on each side) tile the array: use a stride up to "
+                                  "the tile", knob="stride")
+        # a padded grid's tiles start this far before each stride (the margin around each tile's centre)
+        self._margin = tuple((c - st) // 2 for c, st in zip(self.sample_shape, self.stride)) \
+            if self.pad is not None else (0,) * len(self.stride)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
@@ -324,10 +555,13 @@ class TileGrid(SampleSource):
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape):
                 raise InvalidArgument(f"{uri}: rank {len(shape)} differs from sample rank {len(self.sample_shape)}")
-            counts = tuple(0 if s < c else -(-(s - c) // st) + 1 for s, c, st in
-                           zip(shape, self.sample_shape, self.stride))
+            if self.pad is not None:  # the centres tile the axis: ceil(length / stride) of them
+                counts = tuple(-(-s // st) for s, st in zip(shape, self.stride))
+            else:
+                counts = tuple(0 if s < c else -(-(s - c) // st) + 1 for s, c, st in
+                               zip(shape, self.sample_shape, self.stride))
             self._counts.append(counts)
-            if math.prod(counts):
+            if math.prod(counts) and self.pad is None:
                 self._shifted |= any((s - c) % st for s, c, st in zip(shape, self.sample_shape, self.stride))
             self._offsets.append(self._offsets[-1] + math.prod(counts))
         if self._offsets[-1] == 0:
@@ -337,6 +571,48 @@ class TileGrid(SampleSource):
                 f"TileGrid over {self.arrays}: {self._offsets[-1]} tiles of {self.sample_shape} at stride "
                 f"{self.stride}, more than the 2**62 samples an epoch can hold; use a larger stride or sample_shape")
         self._perm: Permutation | None = None
+
+    def _init_fields(self, volumes: list[dict[str, Field]], stride: Sequence[int] | None, shuffle: bool, seed: int,
+                     storage_options: dict | None) -> None:
+        from ..storage.locate import Stores
+
+        self.fields, self.shuffle, self.seed = volumes, bool(shuffle), int(seed)
+        stores = Stores()
+        try:
+            self.volumes = [open_volume(v, None, storage_options, stores, "TileGrid", pad=self.pad) for v in volumes]
+        finally:
+            stores.close()
+        first = self.volumes[0].volume
+        ndim = len(first.counts)
+        if stride is None:  # the first field's extent in reference voxels, on the anchors' lattice
+            name = first.names[0]
+            stride = [max(st, c * s // st * st) for st, c, s in
+                      zip(first.step, first.fields[name].shape, first.scales[name])]
+        self.stride = tuple(int(s) for s in stride)
+        if len(self.stride) != ndim or any(s < 1 for s in self.stride):
+            raise InvalidArgument(f"TileGrid: stride must be {ndim} positive integers, got {self.stride}", knob="stride")
+        self._counts, self._offsets, self._lattice_stride, self._starts = [], [0], [], []
+        for i, mv in enumerate(self.volumes):
+            step = mv.volume.step
+            if any(s % st for s, st in zip(self.stride, step)):
+                raise InvalidArgument(
+                    f"TileGrid: stride {self.stride} (reference voxels) is not a multiple of the step {step} anchors "
+                    f"of volume {i} lie on (the least common multiple of its fields' scales): round it to one",
+                    knob="stride")
+            lattice = tuple(s // st for s, st in zip(self.stride, step))
+            if self.pad is not None:
+                self._starts.append(_padded_layout(mv.volume, self.stride, self.pad, i))
+                counts = self._starts[-1][1]
+            else:
+                counts = tuple(-(-(n - 1) // q) + 1 for n, q in zip(mv.volume.counts, lattice))
+            self._lattice_stride.append(lattice)
+            self._counts.append(counts)
+            self._offsets.append(self._offsets[-1] + math.prod(counts))
+        if self._offsets[-1] > MAX_SAMPLES:
+            raise InvalidArgument(f"TileGrid: {self._offsets[-1]} tiles at stride {self.stride}, more than the 2**62 "
+                                  "samples an epoch can hold; use a larger stride", knob="stride")
+        self._shifted = False
+        self._perm = None
 
     complete_epochs = True
 
@@ -355,18 +631,57 @@ class TileGrid(SampleSource):
         for count in reversed(self._counts[a]):  # C order, as numpy.unravel_index
             rest, t = divmod(rest, count)
             tile.append(t)
-        # the last tile of an axis ends at the border (shifted back when the strides do not land there)
-        corner = [min(t * st, s - c) for t, st, s, c in
-                  zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
-        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)])
+        if self.volumes is not None and self.pad is not None:  # tile t's first-field centre starts at t * stride
+            volume = self.volumes[a].volume
+            first = self._starts[a][0]
+            return volume.sample(tuple(f + t * st for f, t, st in zip(first, reversed(tile), self.stride)))
+        if self.volumes is not None:  # the last tile of an axis at the last anchor
+            volume = self.volumes[a].volume
+            k = [min(t * q, n - 1) for t, q, n in zip(reversed(tile), self._lattice_stride[a], volume.counts)]
+            return volume.sample(volume.anchor(k))
+        if self.pad is not None:  # tile t's centre starts at t * stride
+            corner = [t * st - m for t, st, m in zip(reversed(tile), self.stride, self._margin)]
+        else:  # the last tile of an axis ends at the border (shifted back when the strides do not land there)
+            corner = [min(t * st, s - c) for t, st, s, c in
+                      zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
+        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)], pad=self.pad)
 
     def identity(self) -> Any:
         """The arrays, their shapes, the tile shape and stride, and the order's settings."""
+        if self.volumes is not None:
+            return ["fields", _fields_identity(self.fields, self.volumes), self.stride, self.shuffle, self.seed] + \
+                _order_id(self) + ([] if self.pad is None else ["pad", self.pad])
         # grids whose last tiles are shifted to the border hold other tiles than before they were: marked, so a
         # state saved for the grid that left the remainder out is not resumed into this one
         cover = ["cover-border"] if self._shifted else []
+        pad = [] if self.pad is None else ["pad", self.pad]
         return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + \
-            _order_id(self) + cover
+            _order_id(self) + cover + pad
+
+
+def _padded_layout(volume: Any, stride: tuple[int, ...], pad: str, i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A padded grid over fields: ``(first anchor, tiles per axis)``. The first field's tiles are laid out as
+    a padded grid over arrays: their centres (the box less ``(shape - stride) // 2`` on each side, in its own
+    voxels) tile its arrays, so its boxes start every stride at ``-(shape - stride) // 2``; the anchor
+    follows (``box start * scale - offset``), and the other fields with it."""
+    name = volume.names[0]
+    f, scale, shape = volume.fields[name], volume.scales[name], volume.shapes[name]
+    own = [st // s for st, s in zip(stride, scale)]  # the stride in the first field's voxels
+    if any(st > c for st, c in zip(own, f.shape)):
+        raise InvalidArgument(
+            f"TileGrid(pad={pad!r}): stride {stride} (reference voxels; {tuple(own)} of field {name!r}'s voxels) "
+            f"exceeds field {name!r}'s box {f.shape} on some axis; a padded grid's tile centres tile the arrays: use "
+            "a stride up to the first field's extent", knob="stride")
+    first = tuple(-((c - st) // 2) * s - o for c, st, s, o in zip(f.shape, own, scale, f.offset))
+    for d, (a, step) in enumerate(zip(first, volume.step)):
+        if a % step:
+            raise InvalidArgument(
+                f"TileGrid(pad={pad!r}) over volume {i}: the first tile's anchor on axis {d} is {a} (field {name!r}'s "
+                f"box less its margin (shape - stride) // 2, times its scale, less its offset), not a multiple of "
+                f"{step}, the fields' scales' least common multiple, so some box would not start on a whole voxel; "
+                "choose a stride whose margin is a multiple of it", knob="stride", axis=d)
+    counts = tuple(-(-n // st) for n, st in zip(shape, own))
+    return first, counts
 
 
 class SampleList(SampleSource):
@@ -393,8 +708,16 @@ class SampleList(SampleSource):
         return self.samples[index]
 
     def identity(self) -> Any:
-        """Every sample (its arrays and box) and the order's settings."""
-        return [[given_uri(s), s.aabb] for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
+        """Every sample (its arrays and box; a sample of fields: each field's) and the order's settings."""
+        return [_sample_id(s) for s in self.samples] + [self.shuffle, self.seed] + _order_id(self)
+
+
+def _sample_id(s: Sample) -> list:
+    """A sample in a SampleList's identity: ``[uri(s), box]`` as always (``pad`` after it when set); a sample of
+    fields: ``{name: that field's}`` and its pad."""
+    if s.fields is not None:
+        return [{name: _sample_id(f) for name, f in s.fields.items()}, s.pad]
+    return [given_uri(s), s.aabb] + ([] if s.pad is None else [s.pad])
 
 
 def _order(cached: Permutation | None, n: int, seed: int, epoch: int) -> Permutation:
@@ -479,12 +802,15 @@ class _Cursor:
     """An iterator over a RankShare that knows the share's state after any number of its samples.
 
     A Pipeline pulls ahead of what the consumer has popped; it asks
-    :meth:`state_after` for the state as of the samples really consumed.
+    :meth:`state_after` for the state as of the samples really consumed. ``key`` is the ``(epoch, index)`` of
+    the sample it yielded last (its index in the epoch's global order: the same on any world size), the key
+    the pipeline gives that sample's keyed transforms.
     """
 
     def __init__(self, src: RankShare, forever: bool) -> None:
         self.src = src
         self.forever = forever
+        self.key: tuple[int, int] | None = None
         c = src.cursor
         self.start = c.at(c.epoch, c.segments, c.steps)
         self._gen = self._run()
@@ -497,7 +823,9 @@ class _Cursor:
             positions = c.at(epoch, segments, 0).share()
             for i in range(steps, len(positions)):
                 src.cursor.place(epoch, segments, i + 1)
-                yield src.source.sample(epoch, int(positions[i]))
+                index = int(positions[i])
+                self.key = (epoch, index)
+                yield src.source.sample(epoch, index)
             if not self.forever:
                 return
             epoch, segments, steps = epoch + 1, [], 0

@@ -21,7 +21,7 @@ class SizedLRU(Generic[V]):
         self._sizeof = sizeof
         self._items: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
         self._bytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self.hits = 0
         self.misses = 0
 

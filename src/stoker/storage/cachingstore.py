@@ -74,7 +74,7 @@ class CachingStore:
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
         self._marked: set[str] = set()  # keys whose marker this wrapper has written
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     uri = property(lambda self: self.store.uri)
     supports_ranges = property(lambda self: self.store.supports_ranges)

@@ -29,7 +29,7 @@ class CountingStore(Store):
     def __init__(self, store: Store) -> None:
         self.store = store
         self.counters = StoreCounters()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     @property
     def uri(self) -> str:

@@ -109,7 +109,7 @@ class DiskCache:
         self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
         self._queue: deque[tuple[str, Any]] = deque()
         self._queued = 0
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._busy = False
         self._warned: set[str] = set()
         self._thread: threading.Thread | None = None
@@ -354,7 +354,7 @@ def _store_total(fd: int, total: int) -> None:
 
 
 _caches: dict[tuple[str, int, int], DiskCache] = {}
-_caches_lock = threading.Lock()
+_caches_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
 
 def disk_cache(folder: str, cache_bytes: int) -> DiskCache:

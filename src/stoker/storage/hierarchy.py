@@ -55,7 +55,7 @@ class Hierarchy:
         self.store = store
         self._groups: dict[str, tuple | None] = {}  # group prefix -> (format, {relative key: doc}) or None
         self._loading: dict[str, concurrent.futures.Future] = {}  # group prefix -> its load in flight
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     def read(self, key: str, uri: str, optional: bool = False) -> bytes | None:
         """The document at ``key`` (at most :data:`MAX_DOCUMENT_BYTES`), or None when there is none (or,
@@ -103,7 +103,8 @@ class Hierarchy:
 
     def consolidated(self, prefix: str, uri: str) -> tuple[int, dict] | None:
         """``(zarr_format, document)`` of the node at ``prefix`` from an ancestor's consolidated metadata
-        (v2: ``{".zarray": doc}``-like dict of its documents; v3: its ``zarr.json`` document), or None.
+        (v2: ``{".zarray": doc, ".zattrs": attributes}``-like dict of its documents; v3: its ``zarr.json``
+        document), or None.
         Ancestors already read are asked first (no request), so the nodes of a group consolidated at its
         top cost nothing once it was read, however deep they are."""
         with self._lock:
@@ -132,7 +133,8 @@ class Hierarchy:
         if fmt == 3 and rel in entries:
             return 3, entries[rel]
         if fmt == 2 and (f"{rel}/.zarray" in entries or f"{rel}/.zgroup" in entries):
-            return 2, {name: entries[f"{rel}/{name}"] for name in (".zarray", ".zgroup") if f"{rel}/{name}" in entries}
+            return 2, {name: entries[f"{rel}/{name}"] for name in (".zarray", ".zgroup", ".zattrs")
+                       if f"{rel}/{name}" in entries}
         return None
 
     def group_entries(self, group: str, uri: str) -> tuple[int, dict] | None:

@@ -143,7 +143,7 @@ class LocalStore:
     def __init__(self, max_open_files: int = 128) -> None:
         self.max_open_files = max_open_files
         self._handles: OrderedDict[str, _Handle] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._closed = False  # after close(), descriptors are still usable but no longer cached
         self.counters = IOCounters()
 

@@ -178,7 +178,7 @@ class Stores:
         # used only on the stores' one event loop thread (a semaphore binds to a loop when first waited on)
         self._gate = asyncio.Semaphore(requests_in_flight) if requests_in_flight else None
         self._stores: OrderedDict[tuple, tuple[Store, Any]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._closed = False
         self._revalidate, self._max_stores = revalidate, max_stores
         self._cache = cache

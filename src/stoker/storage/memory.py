@@ -28,7 +28,7 @@ class MemoryStore(Store):
         self._values: dict[str, bytes] = {}
         self._generations: dict[str, int] = {}  # each value's: the write count when it was set
         self._writes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         for key, value in (values or {}).items():
             self.set(key, value)
 
@@ -148,7 +148,7 @@ class MemoryStore(Store):
 
 #: ``memory://name`` -> its store: one per name in a process, until closed (``open_store``)
 _names: dict[str, MemoryStore] = {}
-_names_lock = threading.Lock()
+_names_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
 
 def named(uri: str) -> MemoryStore:

@@ -108,7 +108,7 @@ def _check_not_forked(uri: str) -> None:
 class _Loop:
     """The event loop thread that runs every ObjectStore's requests (one per process)."""
 
-    _lock = threading.Lock()
+    _lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
     _current: "_Loop | None" = None
 
     def __init__(self) -> None:
@@ -160,7 +160,7 @@ class ObjectStore(Store):
         self._gate = gate  # shared with other stores (a pipeline's): caps their requests at once together
         self._closed = False
         self._pending: set[concurrent.futures.Future] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         _check_not_forked(self.uri)
         self._store = self._build()
         self._pid = os.getpid()
@@ -176,7 +176,7 @@ class ObjectStore(Store):
 
     # -- the obstore store ----------------------------------------------------------------------
 
-    def _build(self):
+    def _build(self, retrying: bool = False):
         try:
             from obstore.store import from_url
         except ImportError:
@@ -206,8 +206,23 @@ class ObjectStore(Store):
             client["allow_http"] = True  # asked for by the URL itself
         client["timeout"] = timedelta(seconds=self.timeout_s)
         client["connect_timeout"] = timedelta(seconds=self.connect_timeout_s)
-        retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=self.retry_timeout_s)}
+        retry: dict[str, Any] = {"max_retries": 0, "retry_timeout": timedelta(seconds=self.retry_timeout_s)}
+        if retrying:
+            retry["max_retries"] = self.retries
+            retry["backoff"] = {"init_backoff": timedelta(seconds=self.backoff_s),
+                                "max_backoff": timedelta(seconds=self.max_backoff_s), "base": 2}
         return self._open(from_url, config, client, retry)
+
+    def writable_obstore(self) -> Any:
+        """A new obstore store of this URL with this store's options and time limits, for writers that talk to
+        obstore themselves (zarr-python's ``zarr.storage.ObjectStore``, which does not retry): obstore retries
+        what may pass itself, ``retries`` times with this store's backoff, within ``retry_timeout_s``.
+
+        >>> store = ObjectStore("s3://bucket/out.zarr", {"region": "eu-west-1"})
+        >>> zarr.create_array(zarr.storage.ObjectStore(store.writable_obstore()), shape=(8,), dtype="u1")
+        """
+        _check_not_forked(self.uri)
+        return self._build(retrying=True)
 
     def _open(self, from_url, config: dict, client: dict | None, retry: dict | None):
         try:
@@ -575,6 +590,16 @@ class ObjectStore(Store):
         metas = self._run(self._attempts(prefix or "/", "listing", lambda: self._list(prefix)))
         return sorted(m["path"] for m in metas)
 
+    def list_versions(self, prefix: str = "") -> list[tuple[str, Version | None]]:
+        """``(key, version)`` of every key under ``prefix``, sorted: the listing already carries each object's
+        size and ETag (or Last-Modified), so this costs what :meth:`list` costs, no request per key. What the
+        array statistics key their cache on (a rewritten chunk changes its version)."""
+        prefix = check_prefix(prefix)
+        if not self.supports_list:
+            raise UnsupportedFormat(f"{self.uri}: an HTTP server cannot list its keys", uri=self.uri)
+        metas = self._run(self._attempts(prefix or "/", "listing", lambda: self._list(prefix)))
+        return sorted(((m["path"], _version(m)) for m in metas), key=lambda kv: kv[0])
+
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         """One delimiter listing (obstore follows its pages, 1,000 entries each): the keys directly under
         ``prefix`` and its folders, none of the keys below them."""
@@ -585,6 +610,18 @@ class ObjectStore(Store):
         found = self._run(self._attempts(prefix or "/", "listing", lambda: self._list_dir(prefix)))
         return (sorted(m["path"] for m in found["objects"]),
                 sorted(p.rstrip("/") for p in found["common_prefixes"]))
+
+    def put(self, key: str, value: bytes) -> None:
+        """Write ``value`` at ``key`` in one request (a reader sees the old value or the new one, never a part),
+        retried as reads are. For small objects beside an array (a writer's completion marks); arrays
+        themselves are written through zarr-python (:meth:`writable_obstore`)."""
+        check_key(key)
+        self._run(self._attempts(key, "write", lambda: self._put(key, value)))
+
+    async def _put(self, key: str, value: bytes) -> None:
+        import obstore
+
+        await obstore.put_async(self._obstore(), key, value)
 
     async def _list_dir(self, prefix: str) -> dict:
         import obstore

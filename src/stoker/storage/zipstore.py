@@ -60,7 +60,8 @@ class ZipStore(Store):
         fd, st = opened
         self.identity = identity(st)
         self._file = OpenFile(files if files is not None else default_store(), fd, self.path, st.st_size)
-        self._lock = threading.Lock()  # zipfile's reads of compressed members share one file position
+        # lock rank 4, a leaf (engine/pipeline/facade.py): zipfile's reads of compressed members share one file position
+        self._lock = threading.Lock()
         self._offsets: dict[str, int] = {}
         try:
             self._zip = zipfile.ZipFile(os.fdopen(os.dup(fd), "rb"))

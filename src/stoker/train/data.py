@@ -7,6 +7,7 @@
 ...     loss = model(x[:, None]).mean()
 >>> data.close()
 
+Samples of named fields give a ``dict[str, Tensor]`` per step (field name to that field's batch).
 ``CropBatches(..., with_samples=True)`` yields ``(samples, x)`` pairs, ``samples`` the batch's
 :class:`~stoker.Sample` s in order (where each crop came from).
 
@@ -26,6 +27,7 @@ import torch
 
 from ..config import Config
 from ..engine.batch import Batch
+from ..engine.batch import FieldBatch, to_tensors
 from ..engine.pipeline.facade import Pipeline
 from ..engine.stats import Stats
 from ..device.resolve import as_device
@@ -54,7 +56,7 @@ class CropBatches:
         self.with_samples = bool(with_samples)
         self.device = None if device is None else as_device(device, "CropBatches(device=...)")
         self._pipeline: Pipeline | None = None
-        self._held: Batch | None = None
+        self._held: Batch | FieldBatch | None = None
         self._closed = False
 
     @property
@@ -76,9 +78,9 @@ class CropBatches:
             while True:
                 batch = pipeline.pop()
                 self._held = batch
-                x = torch.from_dlpack(batch)  # on the GPU already when the pipeline runs there
-                if self.device is not None and x.device != self.device:
-                    x = x.to(self.device, non_blocking=False)  # a copy: the slot can go back at once
+                x = to_tensors(batch)  # on the GPU already when the pipeline runs there; a dict for fields
+                if self.device is not None and any(t.device != self.device for t in _tensors(x)):
+                    x = _to(x, self.device)  # a copy: the slot can go back at once
                     self._release()
                 yield (batch.samples, x) if self.with_samples else x
                 self._release()  # the step that used x is over
@@ -119,3 +121,14 @@ class CropBatches:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _tensors(x: torch.Tensor | dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return list(x.values()) if isinstance(x, dict) else [x]
+
+
+def _to(x: torch.Tensor | dict[str, torch.Tensor], device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``x`` (a batch's tensor, or a dict of the fields' tensors) copied to ``device``."""
+    if isinstance(x, dict):
+        return {k: v.to(device, non_blocking=False) for k, v in x.items()}
+    return x.to(device, non_blocking=False)

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 
 from ..config import Config
+from ..engine.batch import to_tensors
 from ..engine.pipeline.facade import Pipeline
 from ..errors import InvalidArgument, ShutdownError
 from ..sampling.samplers import RankShare, SampleSource
@@ -46,6 +47,9 @@ class CropDataset(torch.utils.data.IterableDataset):
     than ``lookahead_batches`` of them (a list of batches, or a fetcher that prefetches) leaves the pipeline
     without slots until you drop one (``PoolStarved`` after ``pop_timeout_s``). ``copy=True`` clones each
     batch (one batch-sized copy, memory of your own) and the slot goes back at once.
+
+    Samples of named fields (``stoker.Sample({"raw": ..., "labels": ...})``) give a ``dict[str, Tensor]`` per
+    batch, field name to that field's batch (see :class:`~stoker.FieldBatch`); ``copy`` clones each.
 
     ``with_samples=True`` yields ``(samples, x)`` pairs, ``samples`` the batch's :class:`~stoker.Sample` s in
     order (where each crop came from: what :class:`~stoker.TileWriter` needs to place predictions). Over a
@@ -159,12 +163,13 @@ class CropDataset(torch.utils.data.IterableDataset):
             pipeline.push(source)
             try:
                 for batch in pipeline:
-                    x = torch.from_dlpack(batch)
+                    x = to_tensors(batch)  # a dict of the fields' tensors for samples of named fields
                     samples = batch.samples
                     if self.copy:
-                        x = x.clone()
+                        x = {k: v.clone() for k, v in x.items()} if isinstance(x, dict) else x.clone()
                     batch.release()  # the slot is reused only once x (and every view of it) is gone
-                    x.num_samples = int(x.shape[0])  # type: ignore[attr-defined]  # what the Trainer counts
+                    if not isinstance(x, dict):  # (the Trainer counts a dict's samples by its first tensor)
+                        x.num_samples = int(x.shape[0])  # type: ignore[attr-defined]  # what the Trainer counts
                     if run != self._run:
                         return  # a newer iteration or a load took over: this one is stale
                     self._state = pipeline.state_dict()["sources"][0]

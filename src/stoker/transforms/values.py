@@ -1,13 +1,37 @@
-"""The built-in value transforms: Normalize (per channel) and FillNaN, both in place."""
+"""The built-in value transforms: Normalize (per channel) and FillNaN, both in place, on a batch tensor or,
+with ``field=``, on one field of a dict batch."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..errors import InvalidArgument
+
+
+def _check_field(who: str, field: Any) -> str | None:
+    if field is not None and not isinstance(field, str):
+        raise InvalidArgument(f"{who}: field must be a field name (str) or None, got {field!r}", knob="field")
+    return field
+
+
+def _target(who: str, field: str | None, batch: Any) -> torch.Tensor:
+    """The tensor ``who`` acts on: the batch, or its field ``field`` (typed errors when they do not match)."""
+    if isinstance(batch, Mapping):
+        if field is None:
+            raise InvalidArgument(f"{who} got a batch of fields {sorted(batch)}; say which one it acts on with "
+                                  f"field=, e.g. {who}(..., field={next(iter(batch), 'raw')!r})", knob="field")
+        if field not in batch:
+            raise InvalidArgument(f"{who}: the batch has no field {field!r}; its fields are {sorted(batch)}",
+                                  knob="field")
+        return batch[field]
+    if field is not None:
+        raise InvalidArgument(f"{who}: field={field!r} names a field, but the batch is a single tensor, not a dict "
+                              "of fields; leave field out (None)", knob="field")
+    return batch
 
 
 def _per_channel(name: str, values: Any) -> torch.Tensor:
@@ -29,10 +53,14 @@ class Normalize:
 
     ``mean`` and ``std`` are numbers (every element) or sequences/tensors of one value per channel: the
     batch's axis 1, i.e. ``(B, C, *box)`` batches of multi-array samples. A channel count other than the
-    batch's is an InvalidArgument at the first batch. ``std`` must be > 0.
+    batch's is an InvalidArgument at the first batch. ``std`` must be > 0. ``field`` names the field it
+    acts on in a dict batch (``{name: tensor}``); None for a batch tensor.
+
+    >>> Normalize(mean=[280.0], std=[12.0], field="raw")   # the raw field of a dict batch, labels left alone
     """
 
-    def __init__(self, mean: Any, std: Any) -> None:
+    def __init__(self, mean: Any, std: Any, field: str | None = None) -> None:
+        self.field = _check_field("Normalize", field)
         self.mean = _per_channel("mean", mean)
         self.std = _per_channel("std", std)
         if self.mean.shape != self.std.shape and self.mean.dim() and self.std.dim():
@@ -42,15 +70,20 @@ class Normalize:
         self._cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     @classmethod
-    def from_stats(cls, stats: Any) -> "Normalize":
-        """From statistics with ``mean`` and ``std`` per channel, e.g. one field of what
-        :func:`stoker.records.compute_stats` returns (a ``FieldStats``). Channels whose std is 0 (constant)
-        are only centred, as :func:`stoker.records.normalize` does."""
+    def from_stats(cls, stats: Any, **kwargs: Any) -> "Normalize":
+        """From statistics with ``mean`` and ``std`` per channel: a ``FieldStats``, one field of what
+        :func:`stoker.records.compute_stats` returns, or what :func:`stoker.compute_stats` returns for an
+        array (scalar) or a list of arrays (per channel: the batch's axis 1). Channels whose std is 0
+        (constant) are only centred, as :func:`stoker.records.normalize` does. Other keyword arguments go to
+        the constructor as they are (``field=`` for one field of a dict batch).
+
+        >>> norm = Normalize.from_stats(stoker.compute_stats([["/d/c0.zarr", "/d/c1.zarr"]])[0])
+        """
         if not hasattr(stats, "mean") or not hasattr(stats, "std"):
             raise InvalidArgument(f"Normalize.from_stats takes an object with mean and std (a FieldStats of "
                                   f"compute_stats' result, one field), got {type(stats).__name__}")
         std = _per_channel("std", stats.std)
-        return cls(stats.mean, torch.where(std > 0, std, torch.ones_like(std)))
+        return cls(stats.mean, torch.where(std > 0, std, torch.ones_like(std)), **kwargs)
 
     @property
     def channels(self) -> int | None:
@@ -67,39 +100,55 @@ class Normalize:
                                             for v in (self.mean, self.std))
         return held
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, batch: Any) -> Any:
+        x = _target("Normalize", self.field, batch)
+        where = "" if self.field is None else f"field {self.field!r} of "
         if not x.is_floating_point():
-            raise InvalidArgument(f"Normalize needs a floating batch, got {x.dtype}; use Config(dtype='f32', 'bf16' "
-                                  "or 'f16')", knob="transform")
+            raise InvalidArgument(f"Normalize needs a floating batch, got {x.dtype} for {where}the batch; use "
+                                  "Config(dtype='f32', 'bf16' or 'f16')", knob="transform")
         c = self.channels
         if c is not None and (x.dim() < 2 or x.shape[1] != c):
             have = f"{x.shape[1]} channels" if x.dim() >= 2 else "no channel axis"
             raise InvalidArgument(
-                f"Normalize has {c} channels (mean {self.mean.tolist()}, std {self.std.tolist()}) but the batch of "
-                f"shape {tuple(x.shape)} has {have} on axis 1; give one mean and std per array of the samples",
-                knob="transform")
+                f"Normalize has {c} channels (mean {self.mean.tolist()}, std {self.std.tolist()}) but {where}the "
+                f"batch of shape {tuple(x.shape)} has {have} on axis 1; give one mean and std per array of the "
+                "samples", knob="transform")
         mean, std = self._scale(x)
-        return x.sub_(mean).div_(std)
+        x.sub_(mean).div_(std)
+        return batch
 
     def __getstate__(self) -> dict:
-        return {"mean": self.mean, "std": self.std, "_cache": {}}
+        return {"mean": self.mean, "std": self.std, "field": self.field, "_cache": {}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({"field": None, **state})  # pickled before field= existed: the batch tensor
 
     def __repr__(self) -> str:
-        return f"Normalize(mean={self.mean.tolist()}, std={self.std.tolist()})"
+        field = "" if self.field is None else f", field={self.field!r}"
+        return f"Normalize(mean={self.mean.tolist()}, std={self.std.tolist()}{field})"
 
 
 class FillNaN:
-    """Replace NaN with ``value``, in place (infinities stay). Batches of integer dtypes have no NaN: as is."""
+    """Replace NaN with ``value``, in place (infinities stay). Batches of integer dtypes have no NaN: as is.
+    ``field`` names the field it acts on in a dict batch; None for a batch tensor.
 
-    def __init__(self, value: float = 0.0) -> None:
+    >>> FillNaN(0.0, field="raw")
+    """
+
+    def __init__(self, value: float = 0.0, field: str | None = None) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
             raise InvalidArgument(f"FillNaN: value must be a number other than NaN, got {value!r}")
         self.value = float(value)
+        self.field = _check_field("FillNaN", field)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_floating_point():
-            return x
-        return x.nan_to_num_(nan=self.value, posinf=math.inf, neginf=-math.inf)
+    def __call__(self, batch: Any) -> Any:
+        x = _target("FillNaN", self.field, batch)
+        if x.is_floating_point():
+            x.nan_to_num_(nan=self.value, posinf=math.inf, neginf=-math.inf)
+        return batch
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({"field": None, **state})
 
     def __repr__(self) -> str:
-        return f"FillNaN({self.value!r})"
+        return f"FillNaN({self.value!r}{'' if self.field is None else f', field={self.field!r}'})"

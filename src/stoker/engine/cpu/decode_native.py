@@ -42,7 +42,7 @@ from ...runtime.workers import no_thread, start_thread
 from . import native
 from ...errors import DecodeError, OutOfMemory, StorageError, pipeline_closed
 from ...storage.local import not_regular
-from ..cast import fill_value_as, torch_dtype_of
+from ..cast import fill_value_as, range_error, torch_dtype_of, unfit_range
 from ...storage import ByteRange
 from ...storage.objectstore import etag_version
 from .decode_python import Fetch, PythonDecoder, fetches_within, span_bytes
@@ -64,7 +64,8 @@ FETCH_MAX_BYTES = 16 << 20
 #: every line; smaller ones are better left cached (docs/performance.md, "Tuning constants").
 STREAM_MIN_BYTES = 8 << 20
 
-_BATCH_KINDS = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16}
+_BATCH_KINDS = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16, torch.int32: native.KIND_I32,
+                torch.int64: native.KIND_I64}
 _ALIGN = 64  # the engine's scratch holds a chunk's decoded bytes rounded up to this, then a file's stored bytes
 
 
@@ -132,9 +133,11 @@ class _Source:
         ndim = len(codec.shape)
         src_kind = native.SOURCE_KINDS.get(codec.dtype)
         same_ok = kind != native.KIND_SAME or (src_kind is not None and dtype == torch_dtype_of(codec.dtype))
-        # fills need the array's element kind only; reads a codec it has, no filters (any layout, any byte
-        # order) and room in the budget
-        self.fills = kind is not None and src_kind is not None and same_ok
+        # fills need the array's element kind only (and, in an integer batch, a fill value that fits it: else
+        # the Python path fills, and fails naming the chunk); reads a codec it has, no filters (any layout, any
+        # byte order) and room in the budget
+        self.fills = (kind is not None and src_kind is not None and same_ok
+                      and unfit_range(meta.fill_value, dtype) is None)
         self.codec = native_codec(codec)
         enc = meta.key_encoding
         self.key_prefix = reader.file_path(enc.prefix + enc.separator if enc.prefix else "")  # its chunks' keys
@@ -271,9 +274,10 @@ class NativeDecoder:
         self._sets: dict[tuple, _SourceSet] = {}  # the arrays of recent batches, as the engine's tables say them
         self._frames = FrameTables()  # blosc frames of arrays in stores: fetch only the blocks crops need
         self._frame_buffers = FrameBuffers()  # where their fetched blocks are laid out as frames
-        self._cond = threading.Condition()
-        # (job, engine job, its chunks, and for fetched chunks (their buffers, the fetch's reservation))
-        self._pending: list[tuple[Job, object, np.ndarray, tuple | None]] = []
+        self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+        # (job, engine job, its chunks, for fetched chunks (their buffers, the fetch's reservation), and for a
+        # settled job the claim of the settle that handed it on (see Job.take_over))
+        self._pending: list[tuple[Job, object, np.ndarray, tuple | None, int | None]] = []
         self._closing = False
         self._thread = threading.Thread(target=self._finisher, name="stoker-engine-finisher", daemon=True)
         try:
@@ -300,10 +304,11 @@ class NativeDecoder:
             self._thread.join(0.25)  # it leaves as soon as the engine's jobs are cancelled
         with self._cond:  # what the finisher left: its batches fail, their fetches' reservations go back
             left, self._pending = self._pending, []
-        for job, _, eids, fetched in left:
+        for job, _, eids, fetched, claim in left:
             if fetched:
                 fetched[1].done()
-            job.finish(len(eids), pipeline_closed())
+            if claim is None or job.take_over(claim):  # (else its waiter settles it again, as closed)
+                job.finish(len(eids), pipeline_closed())
 
     # -- submission ------------------------------------------------------------------------------
 
@@ -361,11 +366,11 @@ class NativeDecoder:
             return
         self._to_finisher(job, bjob, eids)
 
-    def _to_finisher(self, job: Job, bjob, eids: np.ndarray | None) -> None:
+    def _to_finisher(self, job: Job, bjob, eids: np.ndarray | None, claim: int | None = None) -> None:
         """Have the finisher thread finish ``job`` once the engine's ``bjob`` (the chunks ``eids`` of its plan;
-        None: every chunk) is done."""
+        None: every chunk) is done; ``claim``: the settle's that hands it on (see Job.take_over)."""
         with self._cond:
-            self._pending.append((job, bjob, np.arange(job.plan.n_chunks) if eids is None else eids, None))
+            self._pending.append((job, bjob, np.arange(job.plan.n_chunks) if eids is None else eids, None, claim))
             self._cond.notify_all()
 
     def _tables(self, plan: TablePlan, out: torch.Tensor, kind: int, sources: "_SourceSet",
@@ -559,7 +564,7 @@ class NativeDecoder:
         job.on_cancel(bjob.cancel)
         with self._cond:
             if not self._closing:
-                self._pending.append((job, bjob, ids, (buffers, res, pooled)))
+                self._pending.append((job, bjob, ids, (buffers, res, pooled), None))
                 self._cond.notify_all()
                 return
         # closed between the submission and here: the finisher may be gone, so nobody else would end it
@@ -578,7 +583,7 @@ class NativeDecoder:
                     gil.wait(self._cond)
                 if self._closing:
                     return
-                job, bjob, eids, fetched = self._pending[0]
+                job, bjob, eids, fetched, claim = self._pending[0]
             # In C, without the GIL, and with no timeout: shutdown cancels every job, which ends the wait
             # (a thread of this process waking up while it exits can abort it). A job whose worker is stuck
             # in a hung read keeps this thread waiting, as it keeps the batch from pop.
@@ -587,6 +592,9 @@ class NativeDecoder:
                 if self._closing:
                     return
                 self._pending.pop(0)
+            if claim is not None and not job.take_over(claim):  # a stale hand-off: its waiter settles it again
+                del job, bjob, eids, fetched
+                continue
             all_placed = False
             try:
                 all_placed = self._finish(job, bjob, eids, fetched and fetched[0])
@@ -615,8 +623,8 @@ class NativeDecoder:
                 return
             counts = bjob.results()[2]
             if counts["not_placed"]:
-                job.handed_on()  # first: a settle interrupted after this is not run again (see Job._interrupted)
-                self._to_finisher(job, bjob, None)
+                # the finisher takes it over: an interrupt before that puts it back (see Job.take_over)
+                self._to_finisher(job, bjob, None, job.claim)
                 return
             self._account(counts, fetched=False)
             self._finish_placed(job, job.plan.n_chunks, counts, fetched=False)
@@ -705,6 +713,8 @@ class NativeDecoder:
         python = self._python
         if status == native.ST_CANCELLED:
             return pipeline_closed(), None
+        if status == native.ST_RANGE:  # a value its copies read does not fit the integer batch
+            return range_error(reader.uri, plan.key(cid), codec.dtype, job.out.dtype), None
         if fetched and not (status in (native.ST_CODEC_ERROR, native.ST_SIZE) and whole
                             and native_codec(codec) == native.CODEC_ZSTD):
             # any other failure of a chunk in memory (no file: nothing changed or vanished meanwhile): the

@@ -38,7 +38,7 @@ from ...runtime.workers import DaemonPool
 from ...zarr.codecs import blosc
 from . import native
 from ..buffers import Cancelled, Reservation, TransientBudget, size_class
-from ..cast import copy_cast, fill_value_as
+from ..cast import copy_cast, fill_value_as, range_error, unfit_range
 from ..executor import Job
 from ..planning.tasks import ChunkTask, FileRead
 from ..stats import StatsRecorder
@@ -507,6 +507,10 @@ class PythonDecoder:
     # -- tasks ------------------------------------------------------------------------------
 
     def _fill(self, job: Job, task: ChunkTask, fill: torch.Tensor) -> None:
+        reader = job.plan.sources[task.source]
+        if unfit_range(reader.metadata.fill_value, job.out.dtype) is not None:  # ``fill``: it wrapped around
+            value = int(reader.metadata.fill_value)
+            raise range_error(reader.uri, task.key, reader.metadata.codec.dtype, job.out.dtype, (value, value))
         t0 = time.perf_counter()
         for c in task.copies:
             job.out[c.dst].fill_(fill)
@@ -654,10 +658,16 @@ class PythonDecoder:
 
     @staticmethod
     def _cast_copies(job: Job, task: ChunkTask, chunk) -> None:
-        """Cast every copy of ``task`` from its decoded ``chunk`` into the batch (the Python path's cast)."""
+        """Cast every copy of ``task`` from its decoded ``chunk`` into the batch (the Python path's cast); a value
+        a copy reads that does not fit an integer batch fails the chunk (as the engine's ST_RANGE does)."""
         out = job.out if job.out_np is None else job.out_np
         for c in task.copies:
-            copy_cast(out[c.dst], chunk[c.chunk_sel])
+            src = chunk[c.chunk_sel]
+            span = unfit_range(src, job.out.dtype)
+            if span is not None:
+                reader = job.plan.sources[task.source]
+                raise range_error(reader.uri, task.key, reader.metadata.codec.dtype, job.out.dtype, span)
+            copy_cast(out[c.dst], src)
 
     def _guard_decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation,
                       read_end: int | None = None, check: bool = False) -> None:

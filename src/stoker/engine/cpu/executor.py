@@ -33,9 +33,11 @@ from ...reader.array import ArrayReader
 from ...storage import LocalStore
 from ...transforms import apply as apply_transform
 from ..buffers import Slot, SlotRing, TransientBudget, size_class
+from .cf import RowDecode, plan_decoder
 from .decode_native import NativeDecoder, native_codec, scratch_need
 from .decode_python import PythonDecoder
 from ..executor import Delivery, Job, Target
+from ..planning.padding import fill_padding
 from ..stats import StatsRecorder
 from ..planning.tables import TablePlan, plan_tables
 
@@ -69,9 +71,13 @@ class Decoders:
         """Start making ``plan`` into ``out``; ``then(job)`` runs once every chunk is in place.
 
         A batch of multi-array samples, ``(B, C, *box)``, is made through its ``(B * C, *box)`` view: the
-        plans' copy rows are ``b * C + c``, so neither path knows about channels."""
+        plans' copy rows are ``b * C + c``, so neither path knows about channels. A batch with boxes past their
+        arrays (``plan.pads``) has them filled first in the hook
+        (:func:`~stoker.engine.planning.padding.fill_padding`)."""
         if plan.channels is not None:
             out = out.flatten(0, 1)
+        if plan.pads:
+            then = _padded_then(plan, out, then)
         job = Job(plan, out, plan.n_chunks, then)
         if self.native is not None:
             self.native.submit(job)
@@ -93,6 +99,15 @@ class Decoders:
     def peak_bytes(self) -> int:
         """The most the decode paths' buffers held at once (the engine's scratch and the transient budget)."""
         return self.budget.peak + (self.native.peak_bytes() if self.native is not None else 0)
+
+
+def _padded_then(plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None] | None) -> Callable[[Job], None]:
+    """A completion hook that fills the padded crops of ``plan`` in ``out``, then runs ``then``."""
+    def hook(job: Job) -> None:
+        fill_padding(plan.pads, plan.sources, out)
+        if then is not None:
+            then(job)
+    return hook
 
 
 #: The engine's scratch budget: room for every compute thread's scratch for the largest chunk of the first
@@ -127,6 +142,7 @@ class CpuExecutor:
     allocated and no thread started before :meth:`prepare`."""
 
     staging = "batch slots (lookahead_batches + 1)"  # what the host slots are, in budget messages
+    applies_cf = True  # decodes arrays' CF attributes (Config.cf): engine/cpu/cf.py, in the completion hook
 
     def __init__(self, cfg: Config, stats: StatsRecorder, store: LocalStore) -> None:
         self.cfg = cfg
@@ -139,14 +155,16 @@ class CpuExecutor:
         self.decoders: Decoders | None = None
         # one read group (a shard's coalesced inner chunks plus their decode scratch) reserves at most this
         self.group_limit = min(8 << 20, cfg.host_buffer_bytes // 16)
+        self.cf_work = False  # the first batch reads arrays with CF attributes: decoded in float32 work slots
 
     # -- memory -----------------------------------------------------------------------------------
 
     def work_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype batches of ``dtype`` are assembled and transformed in: float32 when the output is a 16-bit
         float (``dtype='bf16'`` or ``'f16'``) and there is a transform (one rounding, after it), else ``dtype``.
-        (``dtype='native'`` batches are transformed in the source dtype.)"""
-        if self.cfg.transform is not None and self.cfg.output_dtype in _HALF:
+        (``dtype='native'`` batches are transformed in the source dtype.) The same for arrays with CF
+        attributes (:mod:`.cf`), when the first batch reads one."""
+        if (self.cfg.transform is not None or self.cf_work) and self.cfg.output_dtype in _HALF:
             return torch.float32
         return dtype
 
@@ -189,6 +207,9 @@ class CpuExecutor:
         """Slots, budgets and decode threads, once: at the first batch, whose arrays size the buffers."""
         if self.slots is not None:
             return
+        from ...reader.coords import coding
+
+        self.cf_work = self.cfg.cf and any(coding(r) is not None for r in readers)
         # The largest single reservation of the Python path: one read group, or one chunk's encoded bytes
         # (at most its decoded size plus codec overhead for what we read) and its decode scratch.
         chunk = max(size_class(r.metadata.codec.nbytes) for r in readers)
@@ -244,14 +265,18 @@ class CpuExecutor:
     def submit(self, plan: TablePlan, target: Target) -> Job:
         """Start making ``plan`` into ``target``; the job completes or fails. With ``Config.transform`` the
         job's completion hook runs it on the batch in its slot (its error is the job's), then casts a work
-        slot's batch into the delivered slot."""
-        if self.cfg.transform is None:
-            return self.decoders.submit(plan, target.out)
-        return self.decoders.submit(plan, target.out, then=lambda job: self._transform(target, job))
+        slot's batch into the delivered slot. Arrays' CF attributes are decoded there first (:mod:`.cf`)."""
+        decode = plan_decoder(plan, self.cfg.cf)
+        if self.cfg.transform is None and decode is None and target.host_slot is target.slot:
+            return self.decoders.submit(plan, target.out)  # made in the delivered slot: nothing after it
+        return self.decoders.submit(plan, target.out, then=lambda job: self._transform(target, job, decode))
 
-    def _transform(self, target: Target, job: Job) -> None:
+    def _transform(self, target: Target, job: Job, decode: RowDecode | None = None) -> None:
         t0 = time.perf_counter()
-        apply_transform(self.cfg.transform, target.out)
+        if decode is not None:
+            decode(target.out)
+        if self.cfg.transform is not None:
+            apply_transform(self.cfg.transform, target.out, job.plan.keys)
         if target.host_slot is not target.slot:
             work = target.out
             target.slot.tensor[: work.shape[0]].copy_(work)  # the one rounding to the 16-bit output

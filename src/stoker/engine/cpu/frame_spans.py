@@ -125,7 +125,7 @@ class FrameBuffers:
         self.max_bytes = max_bytes
         self._free: list[np.ndarray] = []
         self._free_bytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of ``nbytes`` (its contents whatever they were: :func:`assemble` writes every byte)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -37,6 +37,7 @@ from ...transforms import apply as apply_transform
 from ..allocate import allocate
 from ..cast import staging_dtype
 from ..buffers import Slot, SlotRing, pinned_footprint
+from ..cpu.cf import plan_decoder
 from ..cpu.executor import CpuExecutor, take_slot
 from ..executor import Delivery, Job, Target
 
@@ -59,7 +60,8 @@ class CudaTransfer:
     def __init__(self, device: torch.device, n_slots: int, batch_shape: tuple[int, ...], dtype: torch.dtype,
                  stage_bytes: int, work: torch.dtype | None = None) -> None:
         self.device = device
-        self._lock = threading.Lock()  # issue() against close(): no copy is queued after close synchronised
+        # lock rank 3 (engine/pipeline/facade.py): issue() against close(): no copy is queued after close synchronised
+        self._lock = threading.Lock()
         self._closed = False
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)
@@ -78,9 +80,11 @@ class CudaTransfer:
         return self.slots.nbytes + (self._stage.numel() if self._stage is not None else 0) + work
 
     def issue(self, host: torch.Tensor, slot: Slot, transform: Callable | None = None,
-              copied: Callable[[torch.cuda.Event], None] | None = None) -> tuple[torch.cuda.Event, float]:
+              copied: Callable[[torch.cuda.Event], None] | None = None,
+              keys: Any = None) -> tuple[torch.cuda.Event, float]:
         """Enqueue ``host`` (pinned, ``(rows, *sample_shape)``) into ``slot``, then ``transform`` on it (on the
-        side stream, after the cast: in the work buffer when there is one, cast into ``slot`` after it).
+        side stream, after the cast: in the work buffer when there is one, cast into ``slot`` after it;
+        ``keys``, the samples' keys, for a transform that takes them).
         ``copied(event)`` runs once the copy is queued: ``host`` may be refilled after that event. Returns the
         event after all of it, and the seconds the transform took to enqueue."""
         rows = host.shape[0]
@@ -112,7 +116,7 @@ class CudaTransfer:
                 copied(read)
             if transform is not None:
                 t0 = time.perf_counter()
-                apply_transform(transform, dest)
+                apply_transform(transform, dest, keys)
                 transform_s = time.perf_counter() - t0
             if dest is not out:
                 out.copy_(dest)  # the one rounding to the 16-bit output, after the transform
@@ -237,10 +241,13 @@ class CudaExecutor(CpuExecutor):
         return Target(host_slot.view(stage, (plan.rows, *plan.row_shape)), slot, host_slot)
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
-        return self.decoders.submit(plan, target.out, then=lambda job: self._to_device(target, job))
+        decode = plan_decoder(plan, self.cfg.cf)  # CF attributes, decoded on the device after the cast
+        transform = self.cfg.transform if decode is None else decode.then(self.cfg.transform)
+        return self.decoders.submit(plan, target.out, then=lambda job: self._to_device(target, job, transform))
 
-    def _to_device(self, target: Target, job: Job) -> None:
-        """The job's completion hook: enqueue copy, cast and transform, free the host slot behind the copy."""
+    def _to_device(self, target: Target, job: Job, transform: Callable | None = None) -> None:
+        """The job's completion hook: enqueue copy, cast, CF decoding and transform, free the host slot behind
+        the copy."""
         t0 = time.perf_counter()
         host = target.out  # (rows, *row_shape); job.out may be its (rows * C, *box) view
         nbytes = host.numel() * host.element_size()
@@ -250,8 +257,9 @@ class CudaExecutor(CpuExecutor):
             self.host_slots.release(target.host_slot, ready_after=read)
             target.host_slot = None
 
-        target.event, transform_s = self.transfer.issue(host, target.slot, self.cfg.transform, copied=release_host)
-        if self.cfg.transform is not None:
+        target.event, transform_s = self.transfer.issue(host, target.slot, transform, copied=release_host,
+                                                        keys=job.plan.keys)
+        if transform is not None:
             self.stats.stage("transform", transform_s)  # enqueueing it: the kernels run on the side stream
         self.stats.stage("transfer", time.perf_counter() - t0 - transform_s, bytes_in=nbytes)
         job.count(bytes_to_device=nbytes)

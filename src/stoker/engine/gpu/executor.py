@@ -31,9 +31,14 @@ chunk fails the batch with the same :class:`~stoker.errors.DecodeError` (naming 
 key) as on the CPU path. Chunks with nothing stored are filled on the device with the fill value, cast on
 the host by the CPU path's rules.
 
+Arrays' CF attributes (``Config.cf``) are decoded on the stream once the batch is placed, its fills and its
+padding filled, and before ``Config.transform`` (:class:`~stoker.engine.cpu.cf.RowDecode`, as the CPU and
+CUDA executors do); a 16-bit output is then made in the float32 work buffer, rounded once after, when the
+first batch reads such an array (:attr:`GpuDecodeExecutor.cf_work`).
+
 Memory: ``host_buffer_bytes`` holds two pinned staging buffers (one is read into while the device decodes
 the other) and the CPU decode of one chunk; ``device_buffer_bytes`` holds the batch slots (and the float32
-work buffer of a transformed 16-bit batch) plus the device copy of one staging buffer and twice the decoded
+work buffer of a transformed or CF-decoded 16-bit batch) plus the device copy of one staging buffer and twice the decoded
 bytes of a group (the decoded scratch, and the gathered values of the placement, done in pieces that fit).
 Groups hold up to 64 MiB of decoded chunks, fewer where the budgets are short; :meth:`prepare` refuses
 budgets that cannot hold one chunk of the first batch's arrays (:class:`~stoker.errors.BudgetExceeded`,
@@ -68,6 +73,9 @@ from ..allocate import allocate
 from ..buffers import SlotRing, pinned_footprint
 from ..executor import Delivery, Job, Target
 from .layout import layout_of
+from .ops import upload
+from ..planning.padding import fill_padding
+from ..cpu.cf import RowDecode, plan_decoder
 from .sources import CPU, Source, aligned, describe, device_casts
 from .staging import Group, Pending, Stager, plan_reads
 from ..planning.tables import TablePlan, plan_tables
@@ -101,6 +109,7 @@ class GpuDecodeExecutor:
     """
 
     staging = "pinned staging buffers for the encoded chunks (2)"
+    applies_cf = True  # decodes arrays' CF attributes (Config.cf) on the stream, in _end
 
     def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,
                  decoder: Callable[[Any], Any] | None = None) -> None:
@@ -113,6 +122,7 @@ class GpuDecodeExecutor:
         self.host_slots: SlotRing | None = None  # the staging ring (what pipeline.host_slot_bytes counts)
         self.budget = None  # no transient budget: the CPU decode of one chunk at a time is counted in prepare
         self._make_decoder = decoder
+        self.cf_work = False  # the first batch reads arrays with CF attributes: decoded in the float32 work buffer
         self._decoder = None
         self._on_gpu = device.type == "cuda"
         self.stream = None
@@ -142,8 +152,9 @@ class GpuDecodeExecutor:
     # -- memory -----------------------------------------------------------------------------------
 
     def work_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """float32 for a transformed 16-bit float batch (one rounding, after the transform), else ``dtype``."""
-        if self.cfg.transform is not None and self.cfg.output_dtype in _HALF:
+        """float32 for a 16-bit float batch that is transformed or CF-decoded (:attr:`cf_work`; one rounding,
+        after both), else ``dtype``."""
+        if (self.cfg.transform is not None or self.cf_work) and self.cfg.output_dtype in _HALF:
             return torch.float32
         return dtype
 
@@ -170,7 +181,7 @@ class GpuDecodeExecutor:
             raise BudgetExceeded(
                 f"Config.device_buffer_bytes={cfg.device_buffer_bytes:,} cannot hold this pipeline on {self.device} "
                 f"decoding on the GPU (decode_on={cfg.decode_on!r}): {self.n_slots} batch slots (lookahead_batches + 1) x {slot_bytes:,} B"
-                f"{' plus the float32 work buffer for the transform' if slots > self.n_slots * slot_bytes else ''}, "
+                f"{' plus the float32 work buffer for the transform or CF decoding' if slots > self.n_slots * slot_bytes else ''}, "
                 f"plus {enc_cap + 2 * dec_cap + temp:,} B of decode scratch for one chunk (its stored bytes, twice its "
                 f"decoded bytes and nvCOMP's {temp:,} B); needs {device_need:,} B. Raise device_buffer_bytes, or lower batch_size, "
                 "lookahead_batches or the sample shape.",
@@ -189,6 +200,9 @@ class GpuDecodeExecutor:
         """Slots, staging, scratch and the worker, once: at the first batch, whose arrays size the buffers."""
         if self.slots is not None:
             return
+        from ...reader.coords import coding
+
+        self.cf_work = self.cfg.cf and any(coding(r) is not None for r in readers)
         work = self.work_dtype(dtype)
         sources = [self._source(r, work) for r in readers]
         enc = max(s.stored for s in sources)
@@ -316,10 +330,10 @@ class GpuDecodeExecutor:
         return Target(slot.tensor[:plan.rows], slot, None)
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
-        job = Job(plan, target.out, plan.n_chunks)
-        if plan.n_chunks:
+        job = Job(plan, target.out, _units(plan))
+        if _units(plan):
             self._queue.put((job, target))
-        return job  # (a batch of no chunks is complete: there is nothing to place)
+        return job  # (a batch of no chunks and no padding is complete: there is nothing to place)
 
     def deliver(self, target: Target, rows: int) -> Delivery:
         slots, slot = self.slots, target.slot
@@ -515,7 +529,7 @@ class GpuDecodeExecutor:
                             self._check_sizes(b)
                     for k, v in counts.items():
                         b.counts[k] += v
-                    b.job.finish(b.plan.n_chunks, b.error or error, **b.counts)
+                    b.job.finish(_units(b.plan), b.error or error, **b.counts)
                     self.stats.charge_thread()
             del msg, b, data
 
@@ -530,7 +544,8 @@ class GpuDecodeExecutor:
         slot.stream_waits = []
 
     def _end(self, b: "_Batch", fills: np.ndarray) -> None:
-        """Fills, transform, the 16-bit rounding and the event queued, then the batch's last group checked.
+        """Fills, padding, CF decoding, transform, the 16-bit rounding and the event queued, then the batch's
+        last group checked.
 
         The check waits for the last decode; queued first, the batch's tail keeps the device busy meanwhile.
         The batch is delivered only after the check, and a damaged chunk's error replaces any error of the
@@ -540,10 +555,15 @@ class GpuDecodeExecutor:
         try:
             t0 = time.perf_counter()
             gpu_place.fill(b.plan, b.sources, b.dest, fills)
+            if b.plan.pads:  # boxes past their arrays: on the stream, after every chunk is placed
+                fill_padding(b.plan.pads, b.plan.sources, b.dest, upload)
             self.stats.stage("assemble", time.perf_counter() - t0)
-            if self.cfg.transform is not None:
+            if b.decode is not None or self.cfg.transform is not None:
                 t0 = time.perf_counter()
-                apply_transform(self.cfg.transform, b.batch)
+                if b.decode is not None:  # CF attributes: on the stream, in the work dtype, before the transform
+                    b.decode(b.batch)
+                if self.cfg.transform is not None:
+                    apply_transform(self.cfg.transform, b.batch, b.plan.keys)
                 self.stats.stage("transform", time.perf_counter() - t0)
             if self._work is not None:
                 b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits
@@ -619,6 +639,12 @@ class GpuDecodeExecutor:
         b.counts["chunks_decoded"] += len(on_device)
 
 
+def _units(plan: TablePlan) -> int:
+    """What a batch's job counts down: its chunks, or one for a batch of padded crops that reads none (the
+    padding is still to be filled on the stream)."""
+    return plan.n_chunks or (1 if plan.pads else 0)
+
+
 class _Batch:
     """One batch between the reader and the submitter: its job, slot, tables, and what the submitter has
     done (its error, counts, and the deferred checks of its last group)."""
@@ -629,6 +655,7 @@ class _Batch:
         self.batch = ex._work[:rows] if ex._work is not None else target.slot.tensor[:rows]
         self.dest = self.batch.flatten(0, 1) if self.plan.channels is not None else self.batch  # rows b * C + c
         self.sources: list[Source] = []
+        self.decode: RowDecode | None = plan_decoder(self.plan, ex.cfg.cf)  # None: no row has CF attributes
         self.error: BaseException | None = None
         self.counts = dict.fromkeys(_COUNTS, 0)
         self.checks: tuple = ((), ())

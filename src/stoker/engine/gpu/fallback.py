@@ -18,7 +18,7 @@ import torch
 
 from ...errors import DeviceError
 from ...reader.array import ChunkLocation, fetch_stored
-from ..cast import copy_cast, numpy_view
+from ..cast import copy_cast, numpy_view, range_error, unfit_range
 from ..planning.tables import TablePlan, file_ident
 
 
@@ -43,6 +43,10 @@ def cpu_decode(plan: TablePlan, cid: int, data: Any, dtype: torch.dtype, stats, 
     codec.check_stored_size(len(data), key)
     t0 = time.perf_counter()
     chunk = codec.decode(data, key)
+    span = unfit_range(chunk, dtype)  # the whole chunk is cast here: any value of it that does not fit fails it
+    if span is not None:
+        reader = plan.sources[int(plan.chunk_source[cid])]
+        raise range_error(reader.uri, key, codec.dtype, dtype, span)
     out = torch.empty(codec.shape, dtype=dtype)
     view = numpy_view(out)
     copy_cast(view if view is not None else out, chunk)
@@ -87,7 +91,7 @@ class Notices:
 
     def __init__(self) -> None:
         self._seen: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     def note(self, uri: str, why: str) -> None:
         with self._lock:

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from ...zarr.grid import c_strides
-from ..cast import fill_value_as, torch_dtype_of
+from ...errors import DtypeMismatch
+from ..cast import fill_value_as, torch_dtype_of, unfit_range
 
 ZSTD, BLOSC, CPU = 1, 2, 3  # how a source's chunks are decoded
 _CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -33,15 +34,18 @@ def carrier(dtype: torch.dtype) -> torch.dtype:
 
 def device_casts(source: np.dtype, out: torch.dtype) -> bool:
     """True when the device's cast of ``source`` elements into ``out`` gives the CPU path's bits: no cast,
-    or integer and bool sources of at most 2 bytes into a float (exact in float32, so the one rounding is
-    the same; the rule :func:`~.device.staging_dtype` follows). Other sources into another dtype are cast on
+    integer and bool sources of at most 2 bytes into a float (exact in float32, so the one rounding is
+    the same; the rule :func:`~.device.staging_dtype` follows), or bool, 8- and 16-bit integers and int32 into a
+    wider integer batch (every value fits: nothing to check). Other sources into another dtype are cast on
     the CPU: torch's conversions on the device are not numpy's for every value (NaN payloads and signalling
-    NaNs, float64 into float16 through float32)."""
+    NaNs, float64 into float16 through float32), and a narrowing integer cast is checked there, value by value."""
     try:
         if torch_dtype_of(source) == out:
             return True
     except TypeError:
         return False
+    if source.kind in "biu" and out in (torch.int32, torch.int64):  # not uint32: torch has few kernels of it
+        return source.kind == "b" or (source.itemsize < out.itemsize and (source.kind == "i" or source.itemsize <= 2))
     return source.kind in "biu" and source.itemsize <= 2 and out.is_floating_point
 
 
@@ -69,11 +73,18 @@ def describe(reader, work: torch.dtype) -> Source:
     elif not (codec.lone_zstd or codec.lone_blosc):
         why = f"codecs {' -> '.join(codec.names) or 'none'} (the device decodes zstd and blosc with lz4 or zstd)"
     elif not device_casts(codec.dtype, work):
-        why = f"its {codec.dtype} is cast to {work} on the CPU (the device's rounding of it may differ)"
+        why = (f"its {codec.dtype} is cast to {work} on the CPU, where every value is checked against it"
+               if work in (torch.int32, torch.int64) else
+               f"its {codec.dtype} is cast to {work} on the CPU (the device's rounding of it may differ)")
     else:
         how = ZSTD if codec.lone_zstd else BLOSC
     element = torch_dtype_of(codec.dtype) if how != CPU else work
     nbytes = math.prod(codec.shape) * element.itemsize
+    if unfit_range(reader.metadata.fill_value, work) is not None:  # the device fills missing chunks unchecked
+        raise DtypeMismatch(
+            f"{reader.uri}: its fill value {reader.metadata.fill_value} does not fit the integer output {work}, "
+            "and the GPU decode fills missing chunks with it; use a wider dtype ('i64' or 'native'), or "
+            "Config(decode_on='cpu'), which fails only where a missing chunk is read", uri=reader.uri)
     fill = int(fill_value_as(reader.metadata.fill_value, work).view(carrier(work)).item())
     return Source(how, why, element, aligned(nbytes), codec.max_stored_nbytes if how != CPU else nbytes,
                   np.array(c_strides(tuple(codec.shape)), np.int64), fill)

@@ -17,50 +17,97 @@ import collections
 import itertools
 import threading
 import time
+from typing import Any
 
+import numpy as np
 import torch
 
 from ...runtime import gil
 from ...runtime.workers import start_thread
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
+from ...reader.coords import coding
 from ...storage.cache import SizedLRU
 from ...config import Config
-from ...errors import BudgetExceeded, DtypeMismatch
+from ...errors import BudgetExceeded, DtypeMismatch, NotYetSupported, ShutdownError, StokerError
 from ...sampling.sample import Sample, parts
 from ...storage import LocalStore
 from ...storage.locate import Stores, options_for
 from ...storage.uri import REMOTE_SCHEMES
 from ...zarr.box import check_in_bounds
 from ..cast import batch_dtype
+from ..cpu.cf import check_output
 from ..executor import Executor, Job, Target
-from .intake import Intake
+from .intake import Intake, Staged
+from .lanes import Lanes, Part, in_field
 from .prefetch import Ahead
 from ..stats import StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
 _OPEN_AT_ONCE = 16  # remote arrays of one batch opened together (threads waiting on their metadata)
+_CONFIG = object()  # _batch_dtype's default: the Config's output dtype
 
 
 class Entry:
-    """A batch in flight: a running job, or an error to deliver in its place."""
+    """A batch in flight: a running job, or an error to deliver in its place. A batch of samples of named
+    fields has no job of its own but ``parts``, one job and target per field (:mod:`.lanes`), and its
+    ``samples``; ``transformed``: None, "running" or True (its transform, run at pop, see
+    :func:`~.lanes.transform_fields`), and ``ready_after``: the (event, stream) after that transform."""
 
-    __slots__ = ("job", "target", "error", "batch_id", "rows", "source_ids")
+    __slots__ = ("job", "target", "error", "batch_id", "rows", "source_ids", "parts", "samples", "transformed",
+                 "ready_after")
 
     def __init__(self, batch_id: int, rows: int, job: Job | None = None, target: Target | None = None,
                  error: BaseException | None = None) -> None:
         self.batch_id, self.rows, self.job, self.target, self.error = batch_id, rows, job, target, error
         self.source_ids: list[int] = []
+        self.parts: list[Part] | None = None
+        self.samples: tuple[Sample, ...] = ()
+        self.transformed: str | bool | None = None
+        self.ready_after: tuple = (None, None)
 
     def ready(self, timeout: float) -> bool:
-        return self.job is None or self.job.wait(timeout)
+        if self.parts is None:
+            return self.job is None or self.job.wait(timeout)
+        # every field's job done, or one failed (the batch fails with it: the others need not finish)
+        deadline = time.monotonic() + timeout
+        for part in self.parts:
+            if not part.job.wait(max(0.0, deadline - time.monotonic())):
+                return any(p.job.failed for p in self.parts)
+        return True
+
+    def failure(self) -> BaseException | None:
+        """The error to deliver for this batch, once ready: its own, its job's, or the first failed field's
+        (named; the other fields' jobs are then stopped, so none writes into a slot given back)."""
+        if self.error is not None or self.parts is None:
+            return self.error or (self.job.error if self.job else None)
+        failed = next((p for p in self.parts if p.job.error is not None), None)
+        if failed is None:
+            return None
+        self.error = in_field(failed.job.error, failed.name)
+        for p in self.parts:
+            if not p.job.done.is_set():
+                p.job.finish(0, ShutdownError(f"the batch's field {failed.name!r} failed: field {p.name!r} was "
+                                              "stopped", field=p.name))
+        return self.error
+
+    def drop(self, executor: Executor) -> None:
+        """Give back the slots of a failed batch (``executor``'s, or each field's lane's)."""
+        if self.parts is None:
+            if self.target is not None:
+                executor.drop(self.target)
+            return
+        for p in self.parts:
+            p.executor.drop(p.target)
 
 
 class Coordinator:
-    """The batches in flight (``inflight``, in push order) and the thread that launches them."""
+    """The batches in flight (in push order) and the thread that launches them. The pipeline asks about them
+    under its condition through methods (:meth:`head`, :meth:`take_head`, :meth:`put_back`...)."""
 
     def __init__(self, cfg: Config, intake: Intake, executor: Executor, stats: StatsRecorder,
-                 store: LocalStore) -> None:
+                 store: LocalStore, lanes: Lanes) -> None:
         self.cfg = cfg
+        self.lanes = lanes  # samples of named fields: one executor per field, made at the first such batch
         self.intake = intake
         self.cond = intake.cond
         self.executor = executor
@@ -80,9 +127,14 @@ class Coordinator:
 
     def open(self, uri: str) -> ArrayReader:
         """The array at ``uri``, opened once per pipeline (metadata and shard indexes cached)."""
-        return self._readers.get_or_load(uri, lambda: open_array(
-            uri, options_for(self.cfg.storage_options, uri), store=self.store, index_cache=self._index_cache,
-            stores=self.stores))
+        return self._readers.get_or_load(uri, lambda: self._load(uri))
+
+    def _load(self, uri: str) -> ArrayReader:
+        options = options_for(self.cfg.storage_options, uri)
+        reader = open_array(uri, options, store=self.store, index_cache=self._index_cache, stores=self.stores)
+        if self.cfg.cf:  # its attributes read with its metadata (consolidated, or on _open_all's threads)
+            coding(reader, self.stores, options)
+        return reader
 
     def _open_all(self, uris: list[str]) -> list[ArrayReader]:
         """The arrays at ``uris``. Those in remote stores not open yet are opened at once, each on a thread
@@ -114,6 +166,29 @@ class Coordinator:
             self.open(uri)
         except BaseException as exc:  # noqa: BLE001 - raised, in order, by _open_all
             errors[uri] = exc
+
+    def head(self) -> Entry | None:
+        """Under the condition: the first batch in flight (the next to pop), or None."""
+        return self.inflight[0] if self.inflight else None
+
+    def in_flight(self) -> int:
+        """Under the condition: how many batches are in flight (errors riding in place of one included)."""
+        return len(self.inflight)
+
+    def take_head(self, head: Entry) -> None:
+        """Under the condition: ``head`` leaves the batches in flight, if it is still the first (so it may be
+        asked twice)."""
+        if self.inflight and self.inflight[0] is head:
+            self.inflight.popleft()
+
+    def put_back(self, head: Entry) -> None:
+        """Under the condition: ``head``, taken by :meth:`take_head`, is first in flight again (if not already)."""
+        if not self.inflight or self.inflight[0] is not head:
+            self.inflight.appendleft(head)
+
+    def threads(self) -> list[threading.Thread]:
+        """The coordinator's thread, once started."""
+        return [] if self.thread is None else [self.thread]
 
     def start(self) -> None:
         with self.cond:
@@ -176,16 +251,21 @@ class Coordinator:
                 self.ahead.failed(Entry(next(self._batch_ids), 0, error=error))
                 self.intake.drop_sources()
         with self.cond:
-            self.intake.launching = bool(self.ahead.queue)
+            self.intake.launched(still_waiting=bool(self.ahead.queue))
             self.cond.notify_all()
         return True
 
-    def _launch(self, staged: list[tuple[Sample, int]]) -> None:
-        samples = [s for s, _ in staged]
-        source_ids = [sid for _, sid in staged]
+    def _launch(self, staged: list[Staged]) -> None:
+        samples = [s for s, _, _ in staged]
+        source_ids = [sid for _, sid, _ in staged]
+        keys = np.array([key for _, _, key in staged], dtype=np.int64).reshape(len(staged), 2)
+        keys.setflags(write=False)  # shared by the transform and Batch.keys
         batch_id = next(self._batch_ids)
         t0 = time.perf_counter()
         if self.closed:
+            return
+        if samples[0].fields is not None:
+            self._launch_fields(batch_id, samples, source_ids, t0, keys)
             return
         try:
             # The arrays' metadata settles the dtype and the budget before planning: a crop too large for
@@ -197,14 +277,16 @@ class Coordinator:
                 self.executor.prepare(samples[0].shape, readers, dtype)
             except BudgetExceeded:  # a box past its array (a huge one, say) is what to say first
                 shapes = {uri: r.shape for uri, r in zip(uris, readers)}
-                for uri, aabb in parts(samples):
+                for uri, aabb in parts([s for s in samples if s.pad is None]):  # padded boxes may reach past
                     check_in_bounds(aabb, shapes[uri], uri)
                 raise
+            self._check_cf(readers, dtype)
             known = dict(zip(uris, readers))  # the planner asks for each again: no second cache look-up
             plan = self.executor.plan(batch_id, samples, lambda u: known[u] if u in known else self.open(u))
         except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
             self.ahead.failed(Entry(batch_id, len(samples), error=exc))
             return
+        plan.keys = keys  # where the transform runs (the executor's completion hook) and Batch.keys find them
         self.stats.stage("plan", time.perf_counter() - t0)
         entry = Entry(batch_id, plan.rows)
         entry.source_ids = source_ids
@@ -223,18 +305,108 @@ class Coordinator:
         # this one must not keep the batch's target, a view of its slot, alive once the batch is popped
         del entry
 
-    def _batch_dtype(self, readers: list[ArrayReader]) -> torch.dtype:
+    def _launch_fields(self, batch_id: int, samples: list[Sample], source_ids: list[int], t0: float,
+                       keys: np.ndarray) -> None:
+        """Launch a batch of samples of named fields: each field's plain samples planned, given a slot and
+        submitted in that field's lane (made at the first such batch); an error names its field."""
+        lanes = self.lanes
+        plans = []
+        try:
+            uris = list({uri: None for s in samples for uri in s.uris})
+            known = dict(zip(uris, self._open_all(uris)))
+
+            def opened(u: str) -> ArrayReader:
+                return known[u] if u in known else self.open(u)
+
+            names = lanes.names or samples[0].names
+            assert names is not None
+            per_field = {name: [s.fields[name] for s in samples] for name in names}  # type: ignore[index]
+            readers = {name: [known[u] for u in dict.fromkeys(u for f in fs for u in f.uris)]
+                       for name, fs in per_field.items()}
+            if not lanes.ready:
+                dtypes = {}
+                for name in names:
+                    try:
+                        dtypes[name] = self._batch_dtype(readers[name], lanes.requested(name, names))
+                    except StokerError as exc:
+                        raise in_field(exc, name) from None
+                lanes.setup(samples[0], dtypes)
+            for lane in lanes:
+                fs, rs = per_field[lane.name], readers[lane.name]
+                try:
+                    dtype = self._batch_dtype(rs, lane.cfg.output_dtype, lane.executor, (lane.name,))
+                    try:
+                        lane.executor.prepare(lane.shape, rs, dtype)
+                    except BudgetExceeded as exc:  # a box past its array is what to say first, as for one box
+                        shapes = {r.uri: r.shape for r in rs}
+                        for uri, aabb in parts(fs):
+                            check_in_bounds(aabb, shapes[uri], uri)
+                        raise lanes.budget_error(lane, exc) from None
+                    self._check_cf(rs, dtype, lane.executor)
+                    plans.append(lane.executor.plan(batch_id, fs, opened))
+                    plans[-1].keys = keys  # each field's Batch.keys; the transform gets them with the dict
+                except StokerError as exc:
+                    raise in_field(exc, lane.name) from None
+        except BaseException as exc:  # noqa: BLE001 - delivered at pop, in order
+            with self.cond:
+                self.inflight.append(Entry(batch_id, len(samples), error=exc))
+                self.cond.notify_all()
+            return
+        self.stats.stage("plan", time.perf_counter() - t0)
+        entry = Entry(batch_id, plans[0].rows)
+        entry.source_ids, entry.samples = source_ids, tuple(samples)
+        held: list[Part] = []
+        try:  # every field's slot, in the fields' order (every batch takes them so: no two wait on each other)
+            for lane, plan in zip(lanes, plans):
+                held.append(Part(lane.name, lane.executor, None, lane.executor.acquire(plan, lambda: self.closed)))
+        except BaseException:
+            for part in held:
+                part.executor.drop(part.target)
+            raise
+        for part, plan in zip(held, plans):
+            part.job = part.executor.submit(plan, part.target)
+        entry.parts = held
+        with self.cond:
+            self.inflight.append(entry)
+            self.cond.notify_all()
+        del entry, held, part  # no frame keeps a view of a slot (see _launch)
+
+    def _check_cf(self, readers: list[ArrayReader], dtype: torch.dtype, executor: Executor | None = None) -> None:
+        """Arrays with CF attributes (Config.cf): decoded by the executor (the pipeline's, or a field's lane's)
+        into a float batch, never ignored."""
+        if not self.cfg.cf:
+            return
+        executor = executor or self.executor
+        if not getattr(executor, "applies_cf", False):
+            coded = [r.uri for r in readers if coding(r) is not None]
+            if coded:
+                raise NotYetSupported(
+                    f"{coded[0]}: its CF attributes (scale_factor, add_offset, _FillValue, missing_value) are not "
+                    f"decoded by this executor ({type(executor).__name__}) yet; decode on the CPU "
+                    "(Config(decode_on='cpu')), or read the stored values with Config(cf=False)", knob="cf")
+            return
+        check_output(readers, dtype, executor.work_dtype(dtype), True)
+
+    def _batch_dtype(self, readers: list[ArrayReader], requested: Any = _CONFIG, executor: Executor | None = None,
+                     key: tuple = ()) -> torch.dtype:
+        """The dtype of a batch of ``readers``' arrays for the ``requested`` output (default: the Config's),
+        the same as ``executor``'s batches so far; ``key`` keeps a field's settled dtypes apart."""
+        if requested is _CONFIG:
+            requested = self.cfg.output_dtype
+        executor = executor or self.executor
         dtypes = set()
         for r in readers:
-            got = self._dtypes.get(r.dtype)
+            got = self._dtypes.get((*key, requested, r.dtype))
             if got is None:  # once per source dtype; a refused one raises every time
-                got = self._dtypes[r.dtype] = batch_dtype(self.cfg.output_dtype, r.dtype, r.uri)
+                got = self._dtypes[(*key, requested, r.dtype)] = batch_dtype(requested, r.dtype, r.uri,
+                                                                             self.cfg.lossy_casts)
             dtypes.add(got)
-        if self.executor.dtype is not None:
-            dtypes.add(self.executor.dtype)
+        if executor.dtype is not None:
+            dtypes.add(executor.dtype)
         if len(dtypes) > 1:
             raise DtypeMismatch(
                 f"dtype='native' needs one source dtype per pipeline, found {sorted(map(str, dtypes))} "
-                f"(arrays {[r.uri for r in readers]}); pick dtype='f32', 'bf16' or 'f16' to mix sources"
+                f"(arrays {[r.uri for r in readers]}); to mix sources pick an output all of them fit: 'i64' (or "
+                "'i32') for integer ids, which keeps them exact, 'f32' for floats and 8- or 16-bit integers"
             )
         return dtypes.pop()

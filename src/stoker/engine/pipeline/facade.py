@@ -7,6 +7,9 @@
 ...         with p.pop() as batch:
 ...             x = torch.from_dlpack(batch)  # (8, *sample_shape), zero-copy
 
+Samples of named fields (``Sample({"raw": ..., "labels": ...})``) give a :class:`~stoker.FieldBatch` per pop,
+field name to that field's batch, each field made by an executor of its own (:mod:`.lanes`).
+
 This module is the public face; the work is split by job: :mod:`.intake` keeps what
 was pushed and pulls it lazily, :mod:`.coordinator` runs the thread that plans each
 batch (while at most ``lookahead_batches + 1`` are in flight; it then waits for a free
@@ -25,10 +28,28 @@ each batch is assembled in pinned host memory in its source dtype, copied on a
 side stream and cast on the GPU (:mod:`stoker.engine.cuda.transfer`); ``from_dlpack``
 makes the consumer's stream wait for it, and ``release(event=...)`` says when the
 consumer is done with it.
+
+Locks, outermost first (written once, here and in ``docs/architecture.md``, "Locks and their order"; each lock
+names its rank where it is made). A thread holding a lock takes only locks of a higher rank:
+
+1. ``Pipeline._pop_lock``: one consumer at a time, held across a whole pop (the wait for the batch, the
+   settle of an engine job, :class:`~stoker.engine.executor.Job`, and the hand-over).
+2. ``Pipeline._cond``: the intake and the batches in flight, shared by :class:`.Intake` and
+   :class:`.Coordinator` (re-entrant). Under it: stats, the slots (``held``), a resumable source's
+   ``state_after``, and ``close`` closing the stores, whose cancelled reads' callbacks run there (rank 4:
+   store, budget, pool and job locks).
+3. ``CudaTransfer._lock``: a copy against ``close``; held around the copy, the user's transform and the
+   host slot's release (rank 4: ``SlotRing._cond``).
+4. Every other lock of the engine, storage and runtime (jobs, ``Done``, slot rings, the transient budget
+   and its reservations, the native decoder's condition, stats, batches, thread pools, frame buffers, stores,
+   caches, the lifetime registry): a leaf, held only around its own fields; it takes no other lock and
+   calls no code that could (callbacks, hooks and ``Event.set`` run after it is released).
+5. The compiled engine's mutexes (``csrc/``): taken with the GIL released, they never call back into Python.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import threading
@@ -38,16 +59,18 @@ from typing import Any
 
 from ...reader.array import ArrayReader
 from ...config import Config
-from ...errors import ForkedPipeline, InvalidArgument, PoolStarved, ShutdownError
+from ...errors import ForkedPipeline, InvalidArgument, PoolStarved, ShutdownError, StokerError, as_value
 from ...runtime import lifetime
 from ...sampling.sample import Sample
 from ...storage import LocalStore
 from ...device import resolve as devices
 from ..batch import Batch
+from ..batch import FieldBatch
 from .coordinator import Coordinator
 from ..choose import make_executor
 from .intake import Intake
-from ..stats import Stats, StatsRecorder
+from .lanes import Lanes, transform_fields
+from ..stats import FIELD_COUNTERS, Stats, StatsRecorder
 
 
 class Pipeline:
@@ -66,12 +89,17 @@ class Pipeline:
         self._executor = make_executor(cfg, self.device, self._stats, self._store)
         if cfg.sample_shape is not None and cfg.output_dtype is not None:
             self._executor.check_budget(cfg.sample_shape, cfg.output_dtype, transient=0)
-        self._cond = threading.Condition()  # guards the intake, the batches in flight and the flags below
+        # lock rank 2 (see the module docstring): guards the intake, the batches in flight and the flags below
+        self._cond = threading.Condition()
         self._intake = Intake(cfg, self._cond)
-        self._coordinator = Coordinator(cfg, self._intake, self._executor, self._stats, self._store)
+        # samples of named fields: one executor per field (made at the first such batch; see .lanes), made as
+        # this one is (a partial, not a closure over self: the coordinator's thread must not keep the pipeline)
+        lanes = Lanes(cfg, functools.partial(make_executor, device=self.device, stats=self._stats, store=self._store),
+                      on_device=self.device.type == "cuda")
+        self._coordinator = Coordinator(cfg, self._intake, self._executor, self._stats, self._store, lanes)
         self._error: BaseException | None = None
         self._closed = False
-        self._pop_lock = threading.Lock()  # pop is single-consumer: concurrent pops take turns
+        self._pop_lock = threading.Lock()  # lock rank 1, the outermost: pop is single-consumer, pops take turns
         # a hand-over under way, or one an interrupt cut short: (its entry, what was received before it, the
         # consumer's thread); see _hand_over
         self._handing: tuple[Any, Any, int] | None = None
@@ -89,7 +117,12 @@ class Pipeline:
 
     @property
     def _thread(self) -> threading.Thread | None:
-        return self._coordinator.thread
+        threads = self._coordinator.threads()
+        return threads[0] if threads else None
+
+    def _executors(self) -> list:
+        """Every executor: the one of batches of one box, and those of the fields' lanes (see .lanes)."""
+        return [self._executor, *self._coordinator.lanes.executors()]
 
     def _open(self, uri: str) -> ArrayReader:
         return self._coordinator.open(uri)
@@ -132,8 +165,9 @@ class Pipeline:
 
     # -- pop --------------------------------------------------------------------------------
 
-    def pop(self, timeout: float | None = None) -> Batch:
-        """The next batch, in push order. Raises the pipeline's (sticky) error, or PoolStarved on timeout.
+    def pop(self, timeout: float | None = None) -> Batch | FieldBatch:
+        """The next batch, in push order (a :class:`~stoker.FieldBatch` for samples of named fields). Raises the
+        pipeline's (sticky) error, or PoolStarved on timeout.
 
         One consumer at a time: concurrent calls are serialised. An interrupt (Ctrl-C) inside it leaves the
         batch for the next call.
@@ -144,16 +178,16 @@ class Pipeline:
             batch, handed = self._pop(limit, _deadline(limit))
         handed[0] = True; self._handing = None; return batch  # noqa: E702 - the hand-over's end: see _hand_over
 
-    def _pop(self, limit: float | None, deadline: float | None) -> tuple[Batch, list[bool]]:
+    def _pop(self, limit: float | None, deadline: float | None) -> tuple[Any, list[bool]]:
         t0 = time.perf_counter()
-        inflight = self._coordinator.inflight
-        collector = _Collector(self._executor)
+        coordinator = self._coordinator
+        collector = _Collector(self._executors())
         while True:
             with self._cond:
                 self._raise_if_unusable()
                 self._undo_hand_over()
-                self._intake.flush_if_drained(bool(inflight))
-                head = inflight[0] if inflight else None
+                head = coordinator.head()
+                self._intake.flush_if_drained(head is not None)
             if head is not None and head.ready(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))):
                 break
             if head is None:
@@ -162,20 +196,41 @@ class Pipeline:
                 collector.waited()
             if deadline is not None and time.monotonic() >= deadline:
                 raise PoolStarved(self._starved_message(limit))
-        error = head.error or (head.job.error if head.job else None)
+        if head.parts is not None and self.cfg.transform is not None and head.transformed is not True:
+            self._transform_fields(head)
+        error = head.failure()
         if error is not None:
             with self._cond:
                 self._raise_if_unusable()  # closed while we waited: say so rather than what the close caused
                 self._error = error  # first: sticky, whatever interrupts the rest
-                if inflight and inflight[0] is head:
-                    inflight.popleft()
+                coordinator.take_head(head)
                 self._cond.notify_all()
-            if head.target is not None:
-                self._executor.drop(head.target)
+            head.drop(self._executor)
             raise error
         return self._hand_over(head, t0)
 
-    def _hand_over(self, head: Any, t0: float) -> tuple[Batch, list[bool]]:
+    def _transform_fields(self, head: Any) -> None:
+        """Run the transform on a finished batch of fields (first in flight), once, on this (the consumer's)
+        thread, before it is handed over; its error becomes the batch's. An interrupt inside it leaves the
+        fields part transformed: that batch is then lost (an error for pop) rather than transformed twice."""
+        if head.transformed == "running":
+            head.error = head.error or StokerError(
+                f"batch {head.batch_id} was interrupted while its transform ran on its fields, and is lost; close "
+                "the pipeline and start another to go on")
+            return
+        if head.failure() is not None:
+            return
+        head.transformed = "running"
+        t0 = time.perf_counter()
+        try:
+            head.ready_after = transform_fields(self.cfg.transform, head.parts, head.rows,
+                                              head.parts[0].job.plan.keys)
+        except Exception as exc:  # noqa: BLE001 - the batch's error, delivered by this pop
+            head.error = as_value(exc)
+        head.transformed = True
+        self._stats.stage("transform", time.perf_counter() - t0)
+
+    def _hand_over(self, head: Any, t0: float) -> tuple[Batch | FieldBatch, list[bool]]:
         """The finished batch ``head`` (first in flight), taken off the batches in flight and counted as popped,
         and ``handed``: the public caller (``pop``, ``batches``, ``__iter__``) ends the hand-over with
         ``handed[0] = True; self._handing = None`` and returns or yields the batch, in one line with no call.
@@ -192,27 +247,62 @@ class Pipeline:
         main thread); another thread's pop meanwhile neither undoes this one nor is undone.
         (Stats count an undone batch again when it is popped again. Not covered: an interrupt inside CPython's
         own ``Condition.__enter__`` just after it took the lock, which leaks the lock whatever the caller does.)"""
+        if head.parts is not None:
+            return self._hand_over_fields(head, t0)
         rows, plan = head.rows, head.job.plan
         view, release, event, stream = self._executor.deliver(head.target, rows)
         handed = [False]
         batch = Batch(view, plan.samples, head.batch_id, _once_handed(release, handed), ready_event=event,
-                      ready_stream=stream)
+                      ready_stream=stream, keys=plan.keys)
         counts = dict(batches_emitted=1, samples=rows, chunks_needed=plan.chunks_needed,
                       chunk_dedup_hits=plan.chunks_needed - plan.n_chunks,
                       bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
                       **head.job.counts)
         del view, release
-        intake, inflight = self._intake, self._coordinator.inflight
+        self._popped(head, t0, rows, counts)
+        return batch, handed
+
+    def _hand_over_fields(self, head: Any, t0: float) -> tuple[FieldBatch, list[bool]]:
+        """:meth:`_hand_over` for a batch of samples of named fields: a Batch per field, each of its lane's
+        slot, all armed by the one ``handed`` flag, in a :class:`~stoker.FieldBatch`; counted once, every
+        field's bytes and chunks in its counts."""
+        rows, handed = head.rows, [False]
+        ready_event, ready_stream = head.ready_after
+        batches = {}
+        counts = dict(batches_emitted=1, samples=rows, chunks_needed=0, chunk_dedup_hits=0, bytes_delivered=0,
+                      bytes_needed=0)
+        fields: dict[str, dict[str, int]] = {}  # each field's own (Stats.fields): its lane's chunks alone
+        for part in head.parts:
+            plan = part.job.plan
+            view, release, event, stream = part.executor.deliver(part.target, rows)
+            batches[part.name] = Batch(view, plan.samples, head.batch_id, _once_handed(release, handed),
+                                       ready_event=event if ready_event is None else ready_event,
+                                       ready_stream=stream if ready_stream is None else ready_stream,
+                                       keys=plan.keys)
+            own = dict(chunks_needed=plan.chunks_needed, chunk_dedup_hits=plan.chunks_needed - plan.n_chunks,
+                       bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
+                       **part.job.counts)
+            for name, value in own.items():
+                counts[name] = counts.get(name, 0) + value
+            fields[part.name] = {k: own[k] for k in FIELD_COUNTERS}
+            del view, release
+        batch = FieldBatch(batches, head.samples, head.batch_id, sample_keys=head.parts[0].job.plan.keys)
+        self._popped(head, t0, rows, counts, fields)
+        return batch, handed
+
+    def _popped(self, head: Any, t0: float, rows: int, counts: dict, fields: dict | None = None) -> None:
+        """The hand-over's one step under the condition (see :meth:`_hand_over`): ``head`` leaves the batches in
+        flight and is counted as received, with ``_handing`` noting it for an interrupt to undo."""
+        intake = self._intake
         with self._cond:
             self._raise_if_unusable()  # closed while we waited: the batch may be incomplete
             # from here an interrupt is undone by this thread's next call
-            self._handing = (head, intake.received, threading.get_ident())
-            inflight.popleft()
+            self._handing = (head, intake.received_now(), threading.get_ident())
+            self._coordinator.take_head(head)
             intake.popped(head.source_ids, rows)
             self._stats.stage("pop_wait", time.perf_counter() - t0)
-            self._stats.add(**counts)
+            self._stats.add(fields, **counts)
             self._cond.notify_all()
-        return batch, handed
 
     def _undo_hand_over(self) -> None:
         """Under the condition: put back the batch of a hand-over an interrupt cut short, as if it had not
@@ -221,35 +311,27 @@ class Pipeline:
         if self._handing is None or self._handing[2] != threading.get_ident():
             return
         head, received, _ = self._handing
-        inflight = self._coordinator.inflight
-        if not inflight or inflight[0] is not head:
-            inflight.appendleft(head)
-        self._intake.received = received
+        self._coordinator.put_back(head)
+        self._intake.put_back(received)
         self._handing = None
 
     def _starved_message(self, limit: float) -> str:
-        intake, inflight = self._intake, self._coordinator.inflight
         with self._cond:
             n_slots = self._executor.n_slots
-            if _all_slots_held(self._executor):
+            if _all_slots_held(self._executors()):
                 return (
                     f"no batch within pop_timeout_s={limit}: the consumer holds all {n_slots} batch slots. "
                     "Release batches (use `with p.pop() as batch:`), drop tensors made from old batches, or "
                     "keep data with `.clone()`."
                 )
-            if not intake.sources and not inflight:
-                staged = len(intake.staged)
-                extra = (f" {staged} samples wait for a full batch of {self.cfg.batch_size}; push more or set "
-                         "Config(drop_last=False).") if staged else ""
-                return f"no batch within pop_timeout_s={limit}: no samples are pending; push more.{extra}"
-            if not inflight and not intake.launching:
-                return (f"no batch within pop_timeout_s={limit}: the pushed samples have not filled a batch yet "
-                        f"({len(intake.staged)} of {self.cfg.batch_size} pulled so far); the pushed iterable "
-                        "yields samples slower than the timeout (make it faster, or raise pop_timeout_s)")
-            return (f"no batch within pop_timeout_s={limit}: {len(inflight)} batches in flight; storage or "
+            in_flight = self._coordinator.in_flight()
+            why = self._intake.starved_reason(in_flight > 0)
+            if why is not None:
+                return f"no batch within pop_timeout_s={limit}: {why}"
+            return (f"no batch within pop_timeout_s={limit}: {in_flight} batches in flight; storage or "
                     "decoding is slower than the timeout (raise pop_timeout_s or check p.stats())")
 
-    def batches(self, n: int) -> Iterator[Batch]:
+    def batches(self, n: int) -> Iterator[Batch | FieldBatch]:
         """Yield ``n`` batches (each released when the next is requested)."""
         limit = self.cfg.pop_timeout_s
         for _ in range(n):
@@ -262,7 +344,7 @@ class Pipeline:
             finally:
                 batch.release()
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Batch | FieldBatch]:
         """Yield batches until the pushed samples are used up (a final short batch only with drop_last=False).
 
         Each wait for the next batch is bounded by ``pop_timeout_s``, as :meth:`pop` is.
@@ -284,20 +366,16 @@ class Pipeline:
     def _wait_for_work(self, limit: float | None, deadline: float | None) -> bool:
         """True once a batch is in flight; False when nothing more can come from what was pushed.
         PoolStarved past ``deadline`` (the coordinator may be waiting for a slot the consumer holds)."""
-        intake, inflight = self._intake, self._coordinator.inflight
-        collector = _Collector(self._executor)
+        intake, coordinator = self._intake, self._coordinator
+        collector = _Collector(self._executors())
         while True:
             with self._cond:
                 self._raise_if_unusable()
                 self._undo_hand_over()
-                if inflight:
+                if coordinator.head() is not None:
                     return True
-                if not intake.sources and not intake.launching and not intake.flush:
-                    if intake.staged and not self.cfg.drop_last:
-                        intake.flush = True
-                        self._cond.notify_all()
-                    else:
-                        return False
+                if not intake.more_to_come():
+                    return False
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 self._cond.wait(0.05)
@@ -324,7 +402,7 @@ class Pipeline:
 
     def stats(self) -> Stats:
         self._check_process()
-        return self._stats.snapshot(peak_host_bytes=self._executor.peak_bytes())
+        return self._stats.snapshot(peak_host_bytes=sum(e.peak_bytes() for e in self._executors()))
 
     def stats_reset(self) -> None:
         self._check_process()
@@ -342,9 +420,14 @@ class Pipeline:
                 return
             self._closed = True
             self._coordinator.close()
-        self._executor.shutdown()
+        stopped = self._executors()
+        for executor in stopped:
+            executor.shutdown()
         self._coordinator.join(1.0)
-        self._executor.close()
+        for executor in self._executors():
+            if executor not in stopped:  # a field's lane made by a launch under way at the close
+                executor.shutdown()
+            executor.close()
         self._store.close()
 
     def _forget(self) -> None:
@@ -382,8 +465,8 @@ class _Collector:
     to run it: after :data:`COLLECT_AFTER_S` of such a wait, then after twice as long each time. Nothing
     runs while batches flow, or while the wait is for storage or decoding."""
 
-    def __init__(self, executor) -> None:
-        self.executor = executor
+    def __init__(self, executors: list) -> None:
+        self.executors = executors
         self.since = time.monotonic()
         self.after = COLLECT_AFTER_S
 
@@ -391,7 +474,7 @@ class _Collector:
         now = time.monotonic()
         if now - self.since < self.after:
             return
-        if _all_slots_held(self.executor):
+        if _all_slots_held(self.executors):
             gc.collect()
             self.after *= 2
         self.since = time.monotonic()
@@ -410,13 +493,13 @@ def _threads_of(p: Pipeline) -> list[threading.Thread]:
     """The threads a pipeline started (the exit hook waits for them after closing it)."""
     if p._coordinator is None:
         return []
-    threads = p._executor.threads()
-    return threads + [p._coordinator.thread] if p._coordinator.thread is not None else threads
+    return [t for e in p._executors() for t in e.threads()] + p._coordinator.threads()
 
 
-def _all_slots_held(executor) -> bool:
-    """Whether every batch slot is held, released or not: no batch can be made until a view of one dies."""
-    return executor.dtype is not None and executor.held() >= executor.n_slots
+def _all_slots_held(executors: list) -> bool:
+    """Whether every batch slot of one of ``executors`` (a lane's, for fields) is held, released or not: no
+    batch can be made until a view of one dies."""
+    return any(e.dtype is not None and e.held() >= e.n_slots for e in executors)
 
 
 def _deadline(limit: float | None) -> float | None:
@@ -425,12 +508,13 @@ def _deadline(limit: float | None) -> float | None:
 
 
 def host_slot_bytes(pipeline: Pipeline) -> int:
-    """Bytes of ``pipeline``'s host batch slots (pinned staging on a GPU; 0 before its first batch): what
+    """Bytes of ``pipeline``'s host batch slots (pinned staging on a GPU; every field's for samples of named
+    fields; 0 before its first batch): what
     ``stoker bench`` reports as a CUDA pipeline's pinned memory.
 
     >>> with stoker.Pipeline(cfg) as p:
     ...     p.push(samples); p.pop().release()
     ...     host_slot_bytes(p)
     """
-    slots = pipeline._executor.host_slots
-    return 0 if slots is None else slots.nbytes
+    rings = [e.host_slots for e in pipeline._executors()]  # samples of fields: every lane's
+    return sum(ring.nbytes for ring in rings if ring is not None)

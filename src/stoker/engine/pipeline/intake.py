@@ -3,10 +3,18 @@
 Sized pushes are checked at once and counted as pending; iterables (also infinite generators) are pulled
 only when the coordinator has room for a batch, and checked then; resumable sources (``state_after``) have
 their position reported as of the samples the consumer popped (:meth:`Intake.state_dict`). Every field is
-read and written under the pipeline's condition, which :class:`Intake` shares. What the consumer received is
-one record (:class:`Received`), replaced whole at each pop, so a pop interrupted part way can put it back.
+read and written under the pipeline's condition, which :class:`Intake` shares; the pipeline asks through
+methods (:meth:`Intake.more_to_come`, :meth:`Intake.starved_reason`...) and reads no field. What the consumer
+received is one record (:class:`Received`), replaced whole at each pop, so a pop interrupted part way can put it
+back.
 
->>> intake.push(samples); batch, error = intake.pull(closed)   # up to batch_size (sample, source id) pairs
+Each pulled sample gets its key ``(epoch, index)`` (what keyed transforms draw from, ``Batch.keys``): a
+resumable source's sample its epoch and index in the epoch's global order, as the source's iterator reports
+it (``key``), the same on any world size and after a resume; any other sample (and one of a resumable
+iterator of one's own without ``key``) ``(0, n)``, ``n`` the samples of such pushes pulled before it (its
+place among them in push order).
+
+>>> intake.push(samples); batch, error = intake.pull(closed)   # up to batch_size (sample, source id, key)
 """
 
 from __future__ import annotations
@@ -18,8 +26,12 @@ from collections.abc import Iterable, Iterator, Sized
 from typing import Any, Callable, NamedTuple
 
 from ...config import Config
-from ...errors import NotYetSupported, InvalidArgument, RankMismatch, StokerError
+from ...errors import InvalidArgument, RankMismatch, StokerError
 from ...sampling.sample import Sample, arrays_read
+
+
+#: a pulled sample, its source id and its key (epoch, index)
+Staged = tuple[Sample, int, tuple[int, int]]
 
 
 class Received(NamedTuple):
@@ -39,14 +51,16 @@ class Intake:
         self.cond = cond
         # (iterator, counted, source id): sized pushes are counted in `pending` at push, generators as pulled
         self.sources: collections.deque[tuple[Iterator[Any], bool, int]] = collections.deque()
-        self.staged: list[tuple[Sample, int]] = []  # pulled, not yet in a batch, with their source id
+        # pulled, not yet in a batch, with their source id and key (epoch, index)
+        self.staged: list[tuple[Sample, int, tuple[int, int]]] = []
+        self._plain = 0  # samples of plain (not resumable) pushes pulled so far: the index of their keys
         self._source_ids = itertools.count()
         self._resumable: dict[int, Any] = {}  # source id -> iterator that can report state_after(n)
         self.received = Received()  # replaced whole by popped(): see Pipeline._hand_over
         self.flush = False  # launch a short batch of what is staged (drop_last=False, sources drained)
         self.launching = False  # samples taken from the sources but not yet in flight
         self._counted = 0  # samples counted as pushed: sized pushes at push, iterables as they are pulled
-        self.shape: tuple[int, ...] | None = cfg.sample_shape
+        self.shape: Any = cfg.sample_shape  # a dict (field name -> shape) for samples of named fields
         self.first: Sample | None = None  # the first sample checked: its channel count is the pipeline's
 
     def push(self, samples: Sample | Iterable[Sample]) -> None:
@@ -89,7 +103,7 @@ class Intake:
         """Under the condition: whether a pull may give a batch."""
         return bool(self.sources) or (self.flush and bool(self.staged))
 
-    def pull(self, closed: Callable[[], bool]) -> tuple[list[tuple[Sample, int]], BaseException | None]:
+    def pull(self, closed: Callable[[], bool]) -> tuple[list[Staged], BaseException | None]:
         """Up to batch_size samples (a short batch only when flushing), or an error from the source (with the
         samples staged before it, when they make a batch)."""
         want = self.cfg.batch_size
@@ -101,7 +115,8 @@ class Intake:
                 if counted:  # a pushed sequence's own iterator, its samples checked at push: taken in one step
                     got = list(itertools.islice(source, want - len(self.staged)))
                     if got:
-                        self.staged += [(sample, sid) for sample in got]
+                        self.staged += [(sample, sid, (0, self._plain + i)) for i, sample in enumerate(got)]
+                        self._plain += len(got)
                     elif self.sources[0][0] is source:
                         self.sources.popleft()
                     continue
@@ -118,12 +133,15 @@ class Intake:
                 shape = validate(sample, self.shape, self.first)
             except StokerError as exc:
                 return self._take_before_error(), exc
+            key = getattr(source, "key", None) if sid in self._resumable else None
+            if key is None:
+                key, self._plain = (0, self._plain), self._plain + 1
             with self.cond:
                 self.shape = self.shape or shape
                 self.first = self.first or sample
                 if not counted:
                     self._counted += 1
-            self.staged.append((sample, sid))
+            self.staged.append((sample, sid, (int(key[0]), int(key[1]))))
         with self.cond:
             if len(self.staged) >= want or (self.flush and not self.sources):
                 self.flush = False
@@ -132,7 +150,7 @@ class Intake:
                 return batch, None
         return [], None
 
-    def _take_before_error(self) -> list[tuple[Sample, int]]:
+    def _take_before_error(self) -> list[Staged]:
         """Samples staged before a source error: a short batch only when drop_last is off."""
         with self.cond:
             self.launching = True
@@ -142,7 +160,7 @@ class Intake:
                 return []
             return batch
 
-    def _take(self) -> list[tuple[Sample, int]]:
+    def _take(self) -> list[Staged]:
         batch, self.staged = self.staged[: self.cfg.batch_size], self.staged[self.cfg.batch_size:]
         return batch
 
@@ -158,6 +176,36 @@ class Intake:
             self.flush = True
             self.cond.notify_all()
 
+    def launched(self, still_waiting: bool = False) -> None:
+        """Under the condition: the batch the last pull took is in flight (or was dropped); ``still_waiting``:
+        batches planned ahead still wait for a slot (the prefetch queue, :mod:`.prefetch`), so samples taken
+        from the sources are not yet all in flight."""
+        self.launching = still_waiting
+
+    def more_to_come(self) -> bool:
+        """Under the condition: whether what was pushed can still give a batch: a source to pull, a batch
+        being launched, or staged samples (launched now as a short batch when drop_last is off)."""
+        if self.sources or self.launching or self.flush:
+            return True
+        if self.staged and not self.cfg.drop_last:
+            self.flush = True
+            self.cond.notify_all()
+            return True
+        return False
+
+    def starved_reason(self, in_flight: bool) -> str | None:
+        """Under the condition: why no batch came, when the intake is the reason (else None)."""
+        if not self.sources and not in_flight:
+            staged = len(self.staged)
+            extra = (f" {staged} samples wait for a full batch of {self.cfg.batch_size}; push more or set "
+                     "Config(drop_last=False).") if staged else ""
+            return f"no samples are pending; push more.{extra}"
+        if not in_flight and not self.launching:
+            return (f"the pushed samples have not filled a batch yet ({len(self.staged)} of {self.cfg.batch_size} "
+                    "pulled so far); the pushed iterable yields samples slower than the timeout (make it faster, "
+                    "or raise pop_timeout_s)")
+        return None
+
     @property
     def pending(self) -> int:
         """Samples counted as pushed and not yet in a popped batch."""
@@ -172,6 +220,14 @@ class Intake:
             per_source[sid] = per_source.get(sid, 0) + n
         self.received = Received(r.batches + 1, r.samples + rows, per_source)
 
+    def received_now(self) -> Received:
+        """Under the condition: what the consumer has received, as one record (see :meth:`put_back`)."""
+        return self.received
+
+    def put_back(self, received: Received) -> None:
+        """Under the condition: undo the pops after ``received`` (from :meth:`received_now`), in one store."""
+        self.received = received
+
     def state_dict(self) -> dict:
         with self.cond:
             r = self.received
@@ -181,14 +237,14 @@ class Intake:
             }
 
 
-def validate(s: Any, shape: tuple[int, ...] | None, first: Sample | None = None) -> tuple[int, ...]:
+def validate(s: Any, shape: Any, first: Sample | None = None) -> Any:
     """The batch shape after ``s``: typed errors for a non-Sample, another number of arrays than ``first``
-    (the pipeline's first sample), another rank or another shape."""
+    (the pipeline's first sample), another rank or another shape. For samples of named fields the shape is
+    a dict of each field's (see :func:`validate_fields`)."""
     if not isinstance(s, Sample):
         raise InvalidArgument(f"expected stoker.Sample, got {type(s).__name__}: {s!r}")
-    if s.fields is not None or s.pad is not None:
-        what = "samples of named fields" if s.fields is not None else f"padded boxes (pad={s.pad!r})"
-        raise NotYetSupported(f"{s}: the pipeline does not read {what} yet", uri=s.uri)
+    if s.fields is not None or (first is not None and first.fields is not None):
+        return validate_fields(s, shape, first)
     if first is not None and s.channels != first.channels:
         raise InvalidArgument(f"{s} reads {arrays_read(s)}, this pipeline's first sample {first} reads "
                               f"{arrays_read(first)}; "
@@ -203,6 +259,40 @@ def validate(s: Any, shape: tuple[int, ...] | None, first: Sample | None = None)
                               "(set Config.sample_shape, or make all boxes the same size; a sample of several arrays is "
                               "(channels, *box))", uri=s.uri)
     return shape
+
+
+def validate_fields(s: Sample, shape: Any, first: Sample | None) -> dict[str, tuple[int, ...]]:
+    """The shapes (field name -> shape) after ``s``, a sample of named fields: typed errors naming the field
+    for another set of field names than ``first``'s, another number of arrays in a field, another rank or
+    shape; for a pipeline that mixes them with samples of one box, or sets ``Config.sample_shape``."""
+    if first is not None and (first.fields is None) != (s.fields is None):
+        one, other = (s, first) if s.fields is None else (first, s)
+        raise InvalidArgument(f"{other} is a sample of named fields and {one} is not: a pipeline reads samples of "
+                              "one kind (push them to two pipelines)", uri=s.uri)
+    assert s.fields is not None
+    if shape is not None and not isinstance(shape, dict):
+        raise InvalidArgument(f"Config.sample_shape={shape} is for samples of one box; {s} has named fields, "
+                              "whose shapes the first sample sets: leave sample_shape None", knob="sample_shape")
+    if first is not None and first.fields is not None and set(s.fields) != set(first.fields):
+        missing = [n for n in first.fields if n not in s.fields]
+        extra = [n for n in s.fields if n not in first.fields]
+        raise InvalidArgument(f"{s} has fields {list(s.fields)}, the pipeline's first sample {list(first.fields)} "
+                              f"(missing: {missing}, not in the first: {extra}); every sample of a pipeline must "
+                              "have the same field names", uri=s.uri)
+    for name, f in s.fields.items():
+        f0 = first.fields[name] if first is not None and first.fields is not None else None
+        if f0 is not None and f.channels != f0.channels:
+            raise InvalidArgument(f"field {name!r} of {s} reads {arrays_read(f)}, the pipeline's first sample's "
+                                  f"reads {arrays_read(f0)}; each field must read the same number of arrays in "
+                                  "every sample", uri=f.uri)
+        want = shape[name] if shape is not None else None
+        if want is not None and len(f.shape) != len(want):
+            raise RankMismatch(f"field {name!r} of {s} has {len(f.shape)} axes, the batch's has {len(want)} {want}",
+                               uri=f.uri)
+        if want is not None and f.shape != want:
+            raise InvalidArgument(f"field {name!r} of {s} has shape {f.shape}; it must be {want} in every sample "
+                                  "(a field of several arrays is (channels, *box))", uri=f.uri)
+    return shape if shape is not None else dict(s.shape)
 
 
 def _wrap_source_error(exc: BaseException) -> StokerError:

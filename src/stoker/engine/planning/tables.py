@@ -42,6 +42,7 @@ from ...zarr.box import check_in_bounds
 from ...sampling.sample import Sample, arrays_read, parts
 from ...zarr.grid import box_pieces, c_strides
 from ...zarr.sharding import EMPTY_ENTRY
+from .padding import PadCrop, needs_padding, pad_crop
 from .tasks import ChunkTask, Copy, FileRead, shard_reads
 
 #: columns of the files table (csrc/stoker_native.h: F_*), by name: its source, whether it has an identity,
@@ -108,6 +109,10 @@ class TablePlan:
     # per file: source, has identity, identity (dev, ino, size, mtime_ns, ctime_ns as int64 bits), grid coordinates
     files: np.ndarray
     channels: int | None = None  # multi-array samples: arrays per sample (copy rows are b * C + c)
+    # per sample: its key (epoch, index), int64 (B, 2), set by the coordinator; what keyed transforms get
+    keys: np.ndarray | None = None
+    # the crops that reach past their arrays (Sample.pad), filled after the chunks are placed (padding.py)
+    pads: tuple[PadCrop, ...] = ()
     chunks: _Tasks = field(init=False, repr=False)
     # per file row, made as asked: its key, its path, its identity
     _keys: dict[int, str] = field(init=False, repr=False, default_factory=dict)
@@ -402,17 +407,21 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
             try:
                 reader = open_reader(uri)
             except BaseException:  # a crop before it out of bounds is the batch's first error
-                _check_each(crops, sids, sources)
+                _check_each(crops, sids, sources, samples)
                 raise
             sid = source_of[uri] = len(sources)
             sources.append(reader)
         sids.append(sid)
     if any(len(r.shape) != ndim for r in sources):  # the first crop at fault raises RankMismatch (or OutOfBounds)
-        _check_each(crops, sids, sources)
+        _check_each(crops, sids, sources, samples)
     # per array: item size, chunk shape, element strides in its decoded layout (C order, or permuted: v2 F
     # order, v3 transpose), sharded or not, shape
     rows = array("q", b"".join([_array_row(r) for r in sources]))
-    grid = _grid_of_crops(crops, sids, sources, shape, rows)
+    # a batch with a box past its array (Sample.pad) is planned apart (the same columns); any other, as always
+    padded = (_grid_padded(samples, crops, sids, sources, shape, rows)
+              if any(s.pad is not None for s in samples) else None)
+    pads = padded[1] if padded is not None else ()
+    grid = padded[0] if padded is not None else _grid_of_crops(crops, sids, sources, shape, rows)
     if grid is None:  # no extension (numpy), or a crop past its array that check_in_bounds let through
         sid = np.array(sids, np.int64)
         try:
@@ -529,7 +538,7 @@ def plan_tables(batch_id: int, samples: Sequence[Sample], open_reader: Callable[
         batch_id, tuple(samples), shape, sources, m, bytes_needed, row, c_start, b_start, c_extent, src_offset,
         chunk_source, chunk_index, first_copy, n_copies, byte_start, byte_stop, chunk_file, chunk_offset,
         chunk_length, chunk_inner,
-        np.concatenate(files) if len(files) > 1 else files[0], channels,
+        np.concatenate(files) if len(files) > 1 else files[0], channels, pads=pads,
     )
 
 
@@ -551,12 +560,68 @@ def _make_unsharded_columns(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 _shared_unsharded_columns = functools.lru_cache(maxsize=64)(_make_unsharded_columns)
 
 
-def _check_each(crops: list, sids: list[int], sources: list[ArrayReader]) -> None:
+def _check_each(crops: list, sids: list[int], sources: list[ArrayReader],
+                samples: Sequence[Sample] = ()) -> None:
     """Check, one by one and in order, the crops whose arrays are open (one per entry of ``sids``): the slow
     path that raises the first crop's error where the numpy check cannot (an array of another rank, or an
-    array that failed to open after them)."""
-    for (uri, aabb), at in zip(crops, sids):
-        check_in_bounds(aabb, sources[at].shape, uri)
+    array that failed to open after them). A padded crop (of ``samples``) is checked for its rank only."""
+    padded = [s.pad is not None for s in samples for _ in s.uris]
+    for k, ((uri, aabb), at) in enumerate(zip(crops, sids)):
+        shape = sources[at].shape
+        if k < len(padded) and padded[k] and len(aabb) == len(shape):
+            continue
+        check_in_bounds(aabb, shape, uri)
+
+
+def _grid_padded(samples: Sequence[Sample], crops: list, sids: list[int], sources: list[ArrayReader],
+                 shape: tuple[int, ...], rows: array) -> tuple[tuple, tuple[PadCrop, ...]] | None:
+    """``((grid columns, bytes needed, sharded arrays' numbers), padded crops)`` of a batch with padded samples,
+    or None when none of them reaches past its array (the usual planner takes the batch). Each padded crop is
+    planned as its read box (:func:`~stoker.engine.planning.padding.pad_crop`) at its offset in the slot, with
+    the numpy grid (the compiled one takes crops of one shape); an unpadded crop past its array raises
+    OutOfBounds, in the batch's order."""
+    modes = [s.pad for s in samples for _ in s.uris]
+    ndim = len(shape)
+    pads, starts, stops, offsets = [], [], [], []
+    for k, ((uri, aabb), sid, mode) in enumerate(zip(crops, sids, modes)):
+        array_shape = sources[sid].shape
+        if mode is None or not needs_padding(aabb, array_shape):
+            check_in_bounds(aabb, array_shape, uri)
+            starts.append([a for a, _ in aabb])
+            stops.append([b for _, b in aabb])
+            offsets.append([0] * ndim)
+            continue
+        pc = pad_crop(k, sid, aabb, array_shape, mode)
+        pads.append(pc)
+        starts.append([a for a, _ in pc.read])
+        stops.append([a if pc.empty else b for a, b in pc.read])  # an empty crop reads nothing
+        offsets.append(list(pc.offset))
+    if not pads:
+        return None
+    sid = np.array(sids, np.int64)
+    per_array = np.frombuffer(rows, np.int64).reshape(len(sources), native.ARRAY_ROW_COLS(ndim))
+    strides_at = native.A_STRIDES(ndim)
+    itemsize, chunk_shapes, chunk_strides = (np.ascontiguousarray(per_array[:, at]) for at in
+                                             (native.A_ITEMSIZE, slice(native.A_CHUNK_SHAPE, strides_at),
+                                              slice(strides_at, strides_at + ndim)))
+    sharded_ids = np.flatnonzero(per_array[:, native.A_SHARDED(ndim)]).tolist()
+    start = np.array(starts, np.int64).reshape(len(crops), ndim)
+    extent = np.array(stops, np.int64).reshape(len(crops), ndim) - start
+    reading = np.flatnonzero((extent > 0).all(axis=1))  # crops that read something
+    columns = list(_grid_numpy(start[reading], sid[reading], extent[reading], chunk_shapes, chunk_strides,
+                               itemsize)) if len(reading) else _no_columns(ndim)
+    row = reading[columns[0]]  # the copies' crops, numbered among all crops again
+    columns[2] = columns[2] + np.array(offsets, np.int64).reshape(len(crops), ndim)[row]  # into the crop's slot
+    columns[0] = row
+    bytes_needed = math.prod(shape) * int(itemsize[sid].sum())
+    return (tuple(columns), bytes_needed, sharded_ids), tuple(pads)
+
+
+def _no_columns(ndim: int) -> list:
+    """The grid columns of a batch that reads nothing (every crop misses its array)."""
+    copy = np.zeros((0, ndim), np.int64)
+    none = np.zeros(0, np.int64)
+    return [none, copy, copy, copy, none, none, copy, none, none, none, none]
 
 
 def _array_row(reader: ArrayReader) -> bytes:

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one go, for a session lent one (an H200 host with 16 cores: under 10 minutes).
+#
+# Here, once, on a machine that reaches PyPI (x86-64): the packages the GPU machine's image lacks, as wheels
+# for its Python 3.12 (zarr, numcodecs, crc32c and nvCOMP for CUDA 13, what its torch is built for; about
+# 38 MiB, which travels with the working tree: 42 MiB with it, of the 64 MiB a call takes):
+#   bash benchmarks/gpu_checks.sh wheels        # into .whl/ (ignored by git); NVCOMP_CUDA=12 for a CUDA 12 torch
+# There, in one call of the device tool (read docs/performance.md's GPU sections for what the numbers mean):
+#   run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=600)
+# or some of the steps: `bash benchmarks/gpu_checks.sh tests bench` (setup always runs first).
+#
+# Steps, each under its own timeout, all of them within GPU_CHECKS_BUDGET_S (default 560 s) so the call
+# returns inside its 600 s with every log; a step the budget cannot hold is skipped, and says so:
+#   setup    the carried wheels into /tmp/site; the compiled reader built in place for this Python (without
+#            it the pipeline decodes on its Python path and the engine's tests skip)
+#   tests    pytest -m cuda over tests/: every test marked cuda (the CUDA path, the GPU decode with nvCOMP,
+#            fields, padding, integer casts, CF decoding, keyed transforms on the device); a test module whose
+#            imports are missing there is reported as a collection error, not a stop
+#   bench    stoker bench --device cuda --decode-on gpu --scenarios 1,9,10 --rounds 2: the plain
+#            --device cuda run's peers (stoker cpu, stoker cuda, tensorstore+pin) plus the GPU decode and the
+#            2-thread CPU decode; without nvCOMP the plain --device cuda run
+#   threads  issue 48's thread sweep of the CPU path: stoker bench --scenarios 1,6,8 --threads 2,4,8,16
+#            --peers stoker --rounds 2 (each thread count a peer beside the default one)
+# Logs and the bench's JSON records land in $OUT (the device tool's; ./gpu-checks-out elsewhere), the bench
+# datasets in $GPU_CHECKS_DATA (default /tmp/stoker-bench: written on a fresh machine, about a minute in all).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+
+if [[ ${1:-} == wheels ]]; then
+    # the platforms of the device README's recipe; --no-deps: each package the image lacks is named
+    exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+        "zarr==3.1.6" "numcodecs==0.16.6" "donfig==0.8.1.post1" "google-crc32c==1.9.0" "crc32c==2.9.post0" \
+        "nvidia-libnvcomp-cu${NVCOMP_CUDA:-13}>=6.0,<7"
+fi
+
+STEPS=("$@")
+[[ ${#STEPS[@]} -eq 0 ]] && STEPS=(tests bench threads)
+OUT_DIR=${OUT:-gpu-checks-out}
+DATA=${GPU_CHECKS_DATA:-/tmp/stoker-bench}
+BUDGET=${GPU_CHECKS_BUDGET_S:-560}
+SUMMARY=$OUT_DIR/summary.txt
+mkdir -p "$OUT_DIR" "$DATA"
+: >"$SUMMARY"
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+
+wanted() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
+
+# step NAME LIMIT_S CMD...: CMD under `timeout` (LIMIT_S, or what the budget has left), its output in
+# $OUT_DIR/NAME.log, its tail printed, one line in the summary
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((BUDGET - (SECONDS - START)))
+    ((left < limit)) && limit=$left
+    if ((limit < 30)); then
+        echo "$name: SKIPPED, ${left}s of the ${BUDGET}s budget left" | tee -a "$SUMMARY"
+        return
+    fi
+    echo "== $name (at most ${limit}s): $*"
+    local t0=$SECONDS rc
+    timeout -k 10 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+    rc=$?
+    tail -n "${TAIL_LINES:-40}" "$OUT_DIR/$name.log"
+    local what="rc=$rc"
+    ((rc == 124 || rc == 137)) && what="TIMED OUT after ${limit}s"
+    echo "$name: $what in $((SECONDS - t0))s" | tee -a "$SUMMARY"
+}
+
+# -- setup ------------------------------------------------------------------------------------------------
+{
+    echo "host: $(nproc) cores; $("$PY" --version 2>&1)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -n 2
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl && echo "wheels: $(ls .whl | tr '\n' ' ')"
+        export PYTHONPATH=/tmp/site
+    else
+        echo "wheels: none carried (.whl/): stoker's imports may be missing there; see this script's header"
+    fi
+    export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+    # the compiled reader for this Python (one built elsewhere is for another Python, or ignored and absent)
+    if timeout 180 "$PY" setup.py build_ext --inplace -q >/tmp/gpu-checks-build.log 2>&1; then
+        rm -rf build
+        echo "compiled reader: built"
+    else
+        echo "compiled reader: NOT built (the Python path decodes); tail of /tmp/gpu-checks-build.log:"
+        tail -n 15 /tmp/gpu-checks-build.log
+    fi
+    "$PY" - <<'EOF'
+import torch
+import stoker
+from stoker.engine.cpu import native
+from stoker.engine.gpu import nvcomp
+print(f"stoker from {stoker.__file__}; torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'NONE'}; "
+      f"compiled engine: {native.Engine is not None}; nvCOMP: {nvcomp.available()}")
+EOF
+} 2>&1 | tee "$OUT_DIR/setup.log"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+[[ -d /tmp/site ]] && export PYTHONPATH=$PYTHONPATH:/tmp/site
+echo "setup: done in $((SECONDS - START))s" | tee -a "$SUMMARY"
+
+# -- the CUDA tests ---------------------------------------------------------------------------------------
+if wanted tests; then
+    step tests 210 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rfEs --continue-on-collection-errors tests/
+fi
+
+# -- the bench on the GPU ---------------------------------------------------------------------------------
+if wanted bench; then
+    decode=()
+    "$PY" -c "from stoker.engine.gpu import nvcomp; raise SystemExit(not nvcomp.available())" 2>/dev/null \
+        && decode=(--decode-on gpu)
+    step bench-cuda 200 "$PY" -m stoker bench --device cuda ${decode[@]+"${decode[@]}"} --scenarios 1,9,10 --rounds 2 \
+        --data "$DATA" --json "$OUT_DIR/bench-cuda.json"
+fi
+
+# -- issue 48: the CPU path from 2 to 16 threads ----------------------------------------------------------
+if wanted threads; then
+    step bench-threads 170 "$PY" -m stoker bench --scenarios 1,6,8 --threads 2,4,8,16 --peers stoker --rounds 2 \
+        --data "$DATA" --json "$OUT_DIR/bench-threads.json"
+fi
+
+echo "== summary ($((SECONDS - START))s in all; logs in $OUT_DIR)"
+cat "$SUMMARY"

@@ -1,0 +1,407 @@
+"""Statistics of Zarr arrays: one pass chunk by chunk, shared over ranks, merged alike whatever the world size.
+
+    >>> stats = compute_array_stats({"raw": ["/d/ch0.zarr", "/d/ch1.zarr"]}, region={0: (0, 300)})
+    >>> stats["raw"].mean, stats["raw"].std           # float64, shape (2,): one per channel
+    >>> norm = stoker.transforms.Normalize.from_stats(stats["raw"])
+
+The units of work are the array's read chunks (a sharded array's inner chunks) inside the region, in C
+order (with ``channel_axis``, a unit spans every channel of the region on that axis), each read with the
+array's own reader (``ArrayReader.read``) on a few threads and summarised in float64 (in numpy: see
+:func:`_moments`) as :class:`~stoker.records.moments.Moments` (count, mean, M2, min, max, non-finite
+count), merged with its Chan update. The units are cut into at most :data:`MAX_BLOCKS` consecutive
+blocks, a function of the unit count alone; rank ``r`` of ``w`` reads blocks ``r, r + w, ...``, merges each block's units in order,
+and one ``all_gather`` brings every block's moments to every rank, merged in block order. So every rank
+returns the same bits, and so does any world size (the same blocks are merged in the same order).
+
+Before any collective, the ranks compare the arrays' fingerprints (a rank seeing other data fails them
+all); a rank that fails while reading tells the others in a header collective, so all raise instead of
+one waiting for ever. The result of each array is cached as the record statistics are
+(:mod:`stoker.records.sidecar`, ``.stoker-stats.json`` in the array's folder, or its folder of
+``$STOKER_CACHE`` for an array in a store), keyed by :func:`stoker.arraystats.identity.fingerprint`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+
+from ..dist.collectives import all_gather, barrier, group_position, rank_info
+from ..errors import InvalidArgument, NonFiniteData, StokerError
+from ..reader.array import ArrayReader, open_array
+from ..reader.coords import coding
+from ..records import sidecar
+from ..records.moments import F64, Moments
+from ..records.stats import FieldStats, cached_entry
+from ..storage.artifacts import dataset_identity
+from ..storage.local import LocalStore
+from ..storage.locate import locate
+from . import identity
+from .inputs import Box, parse_entries, parse_region
+from .ordered import ordered_map
+
+if TYPE_CHECKING:
+    from ..zarr.cf import CFCoding
+
+#: Most blocks an array's units are cut into: what one all_gather carries (5 numbers per channel each).
+MAX_BLOCKS = 1024
+#: Longest wait for one unit's read (a read stuck on a hung mount is an error, not a hang).
+READ_TIMEOUT_S = 600.0
+_NONFINITE = ("skip", "raise")
+_OK, _FAILED, _FOUND = 0, 1, 2
+
+
+# -- the units: read chunks inside the region ---------------------------------------------------------
+
+
+class Units:
+    """The read chunks of one array that ``box`` touches, each clipped to ``box``, in C order (never listed:
+    unit ``i``'s box is computed from ``i``)."""
+
+    def __init__(self, box: Box, chunks: Sequence[int]) -> None:
+        self.box, self.chunks = box, tuple(chunks)
+        self.first = [start // c for (start, _), c in zip(box, chunks)]
+        self.counts = [(-(-stop // c)) - f for (_, stop), c, f in zip(box, chunks, self.first)]
+
+    def __len__(self) -> int:
+        return math.prod(self.counts)
+
+    def __getitem__(self, i: int) -> Box:
+        out = []
+        for axis in range(len(self.counts) - 1, -1, -1):
+            i, k = divmod(i, self.counts[axis])
+            c, (start, stop) = self.chunks[axis], self.box[axis]
+            index = self.first[axis] + k
+            out.append((max(start, index * c), min(stop, (index + 1) * c)))
+        return tuple(reversed(out))
+
+
+def blocks(n_units: int) -> list[range]:
+    """The consecutive blocks ``n_units`` units are cut into: a function of ``n_units`` alone."""
+    n = min(n_units, MAX_BLOCKS)
+    return [range(b * n_units // n, (b + 1) * n_units // n) for b in range(n)]
+
+
+# -- one array ----------------------------------------------------------------------------------------
+
+
+def _moments(x: np.ndarray, channel_axis: int | None) -> Moments:
+    """The :class:`Moments` of one unit, computed in numpy on the calling thread.
+
+    Not ``Moments.of``: torch's reductions split over its intra-op threads, so their bits depend on
+    ``torch.get_num_threads()`` (torchrun sets ``OMP_NUM_THREADS=1`` for several ranks per node, a single
+    process uses every core: 1 and 2 ranks would differ), and on a loaded host those threads made each
+    chunk's moments 20 times slower than numpy's single-threaded pairwise sums. Same definitions: a
+    two-pass M2 within the unit, non-finite values left out and counted."""
+    x = np.asarray(x, dtype=np.float64)  # exact for every integer below 2**53
+    if channel_axis is None:
+        x = x.reshape(-1, 1)  # one column: numpy sums it pairwise
+        channels = None
+    else:
+        channels = x.shape[channel_axis]
+        x = np.moveaxis(x, channel_axis, -1).reshape(-1, channels)
+    n = x.shape[0]
+    if n == 0:
+        return Moments.empty(channels)
+    finite = np.isfinite(x)
+    if finite.all():
+        mean = x.mean(axis=0)
+        m2 = np.square(x - mean).sum(axis=0)
+        lo, hi = x.min(axis=0), x.max(axis=0)
+        skipped = np.zeros(x.shape[1], dtype=np.int64)
+    else:
+        kept = finite.sum(axis=0)
+        mean = np.where(finite, x, 0.0).sum(axis=0) / np.maximum(kept, 1)  # 0 for a channel with none
+        m2 = np.square(np.where(finite, x - mean, 0.0)).sum(axis=0)
+        lo = np.where(finite, x, np.inf).min(axis=0)
+        hi = np.where(finite, x, -np.inf).max(axis=0)
+        skipped = (n - kept).astype(np.int64)
+    parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in (mean, m2, lo, hi, skipped)]
+    if channels is None:
+        parts = [p[0] for p in parts]
+    return Moments(n, *parts)
+
+
+def _check_array(reader: ArrayReader, channel_axis: int | None) -> None:
+    """An InvalidArgument naming the array when its statistics cannot be computed as asked."""
+    if reader.dtype.kind not in "biuf":
+        raise InvalidArgument(f"{reader.uri}: statistics need real numbers; its dtype is {reader.dtype}",
+                              uri=reader.uri)
+    if channel_axis is not None and not -reader.ndim <= channel_axis < reader.ndim:
+        raise InvalidArgument(f"compute_stats: channel_axis={channel_axis} does not exist in {reader.uri} "
+                              f"({reader.ndim} axes)", knob="channel_axis", uri=reader.uri)
+
+
+def _channels(box: Box, channel_axis: int | None) -> int | None:
+    if channel_axis is None:
+        return None
+    start, stop = box[channel_axis]
+    return stop - start
+
+
+class _Progress:
+    """The lead rank's bar over its own units (shown after a second only: short work prints nothing)."""
+
+    def __init__(self, total: int, what: str, show: bool) -> None:
+        self.bar = None
+        if show and total > 1:
+            from tqdm import tqdm  # imported when shown: a dependency, but a heavy import
+
+            self.bar = tqdm(total=total, desc=f"statistics of {what}", unit="chunk", delay=1.0, dynamic_ncols=True)
+
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _local_pass(reader: ArrayReader, units: Units, mine: list[range], channel_axis: int | None, skip: bool,
+                threads: int, timeout_s: float, show: bool,
+                code: CFCoding | None = None) -> tuple[list[Moments], tuple[int, int] | None]:
+    """This rank's blocks' moments (each block merged in unit order), or, unless ``skip``, the first unit
+    holding non-finite values (``(unit, count)``: no need to read further). ``code``: the CF decoding applied
+    to what is read (in float64, as the pipeline decodes before its one rounding), or None."""
+    order = [u for block in mine for u in block]
+    bar = _Progress(len(order), reader.uri, show)
+
+    def one(u: int) -> Moments:
+        values = reader.read(units[u])
+        return _moments(values if code is None else code.decode(values, np.float64), channel_axis)
+
+    out: list[Moments] = []
+    try:
+        with contextlib.closing(ordered_map(one, order, threads, timeout_s, reader.uri)) as results:
+            it = iter(results)
+            for block in mine:
+                acc: Moments | None = None
+                for u in block:
+                    m = next(it)
+                    bar.step()
+                    if not skip and bool(m.skipped.any()):
+                        return out, (u, int(m.skipped.sum()))
+                    acc = m if acc is None else acc.merge(m)
+                assert acc is not None  # a block holds at least one unit
+                out.append(acc)
+    finally:
+        bar.close()
+    return out, None
+
+
+def _nonfinite(reader: ArrayReader, units: Units, unit: int, count: int) -> NonFiniteData:
+    box = units[unit]
+    return NonFiniteData(
+        f"{reader.uri}: the box {list(box)} holds {count} non-finite value(s) (NaN or infinite); with "
+        "nonfinite='raise' that is an error. Pass nonfinite='skip' (the default) to leave them out (counted in "
+        "FieldStats.skipped), or fix the data", uri=reader.uri, box=box, count=count)
+
+
+def _merge_ranks(reader: ArrayReader, units: Units, local: list[Moments], error: BaseException | None,
+                 found: tuple[int, int] | None, channels: int | None, n_blocks: int, group: Any) -> Moments:
+    """Every block's moments on every rank (one header collective, then one all_gather), merged in block
+    order: the same bits on every rank and for every world size."""
+    _, world = group_position(group)
+    status = _FAILED if error is not None else _FOUND if found is not None else _OK
+    headers = all_gather(torch.tensor([status, *(found or (-1, 0))], dtype=torch.int64), group)
+    failed = [r for r, h in enumerate(headers) if int(h[0]) == _FAILED]
+    if failed:
+        if error is not None:
+            raise error
+        raise StokerError(f"computing the statistics of {reader.uri} failed on rank(s) {failed}; the cause is "
+                          "raised there", ranks=failed, uri=reader.uri)
+    finds = sorted((int(h[1]), int(h[2])) for h in headers if int(h[0]) == _FOUND)
+    if finds:  # the first unit of the array holding any, whichever rank found it
+        raise _nonfinite(reader, units, *finds[0])
+    rows = -(-n_blocks // world)
+    size = Moments.packed_size(channels)
+    payload = torch.zeros((rows, size), dtype=F64)
+    for j, m in enumerate(local):
+        payload[j] = m.pack()
+    gathered = all_gather(payload, group)
+    merged: Moments | None = None
+    for b in range(n_blocks):
+        m = Moments.unpack(gathered[b % world][b // world], channels)
+        merged = m if merged is None else merged.merge(m)
+    assert merged is not None
+    return merged
+
+
+def _compute(reader: ArrayReader, box: Box, channel_axis: int | None, skip: bool, group: Any, threads: int,
+             timeout_s: float, show: bool, code: CFCoding | None = None) -> FieldStats:
+    rank, world = group_position(group)
+    axis = None if channel_axis is None else channel_axis % reader.ndim
+    chunks = list(reader.chunks)
+    if axis is not None:  # a unit holds every channel: the moments of a chunk of channels merge with no other
+        chunks[axis] = box[axis][1]
+    units = Units(box, chunks)
+    cut = blocks(len(units))
+    channels = _channels(box, axis)
+    error: BaseException | None = None
+    local: list[Moments] = []
+    found = None
+    try:
+        local, found = _local_pass(reader, units, cut[rank::world], axis, skip, threads, timeout_s, show, code)
+    except Exception as exc:  # noqa: BLE001 - told to every rank by _merge_ranks, raised here
+        error = exc
+    merged = _merge_ranks(reader, units, local, error, found, channels, len(cut), group)
+    skipped = merged.skipped
+    assert skipped is not None  # Moments fills it in
+    empty = ((merged.finite == 0) & (skipped > 0)).reshape(-1)
+    if bool(empty.any()):
+        where = "" if channels is None else f" in channel(s) {torch.nonzero(empty).reshape(-1).tolist()}"
+        raise NonFiniteData(f"{reader.uri}: the region holds no finite value{where}, only "
+                            f"{int(skipped.sum())} non-finite ones: there is nothing to compute statistics "
+                            "of; choose another region", uri=reader.uri, count=int(skipped.sum()))
+    return FieldStats.from_moments(merged)
+
+
+def _from_entry(entry: dict | None, channels: int | None) -> FieldStats | None:
+    if entry is None:
+        return None
+    try:
+        st = FieldStats.from_json(entry["stats"]["array"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    want = () if channels is None else (channels,)
+    if tuple(st.mean.shape) != want or not bool(torch.isfinite(st.mean).all()):
+        return None
+    return st
+
+
+def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, group: Any, cache: bool,
+               threads: int, timeout_s: float, progress: bool, storage_options: dict | None,
+               store: LocalStore | None, cf: bool = True) -> tuple[FieldStats, Box]:
+    """The statistics of one array (from its cache entry, or computed by every rank and then cached)."""
+    reader = open_array(uri, storage_options, store=store)
+    _check_array(reader, channel_axis)
+    box = parse_region(region, reader.shape, uri, reader, storage_options)
+    axis = None if channel_axis is None else channel_axis % reader.ndim
+    channels = _channels(box, axis)
+    lead = rank_info(group).rank == 0
+    _, world = group_position(group)
+    fp = identity.fingerprint(reader, box, axis, nonfinite, cf) if cache else None
+    # Ranks seeing other data must fail here, together, before any of them waits for a claim or a read.
+    mine = int(fp[:14], 16) if fp else 0
+    if len({int(h[0]) for h in all_gather(torch.tensor([mine], dtype=torch.int64), group)}) > 1:
+        raise InvalidArgument(f"ranks see different data at {uri} (its fingerprints differ: another file "
+                              "system, or the array changed while they looked)", uri=uri)
+    folder = identity.folder_of(uri, storage_options) if fp else None
+    held, entry = cached_entry(folder, fp, lead, world, group) if folder and fp else (None, None)
+    try:
+        st = _from_entry(entry, channels)
+        if st is not None:  # every rank holds rank 0's entry: all return here, or none
+            return st, box
+        # the values a batch holds: with cf (as Config(cf=True), the default) packed values unpacked, fills NaN
+        code = coding(reader, options=storage_options) if cf else None
+        st = _compute(reader, box, axis, nonfinite == "skip", group, threads, timeout_s, progress and lead, code)
+        if folder is not None and fp is not None:
+            if lead:
+                doc = {"kind": "array", "uri": uri if locate(uri).is_local else None, "region": [list(b) for b in box],
+                       "channel_axis": axis, "nonfinite": nonfinite, "world_size": world,
+                       "cf": None if code is None else code.describe(),
+                       "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "stats": {"array": st.to_json()}}
+                if not locate(uri).is_local:  # a cache folder says which array it holds (nothing secret)
+                    doc["dataset"] = dataset_identity(uri, storage_options)
+                try:
+                    sidecar.write(folder, fp, doc)
+                except OSError as exc:  # read-only data is common: the statistics are still right
+                    warnings.warn(f"could not write {sidecar.path_for(folder)}: {exc}", RuntimeWarning, stacklevel=4)
+            barrier(group)  # the file is in place (or known unwritable) before anyone goes on
+        return st, box
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _stack(key: Any, uris: Sequence[str], got: dict[str, tuple[FieldStats, Box]]) -> FieldStats:
+    """Channel statistics of a list of arrays: one scalar each, stacked (their regions must hold as many
+    elements, as the arrays of one sample must have one shape)."""
+    shapes = {tuple(b - a for a, b in got[u][1]) for u in uris}
+    if len(shapes) > 1:
+        raise InvalidArgument(f"compute_stats: the arrays of {key!r} (channels) have different shapes in the "
+                              f"region: {[tuple(b - a for a, b in got[u][1]) for u in uris]} for {list(uris)}; "
+                              "channels of one sample share one shape", field=key)
+    parts = [got[u][0] for u in uris]
+    return FieldStats(parts[0].count.clone(), *(torch.stack([getattr(p, k) for p in parts])
+                                                 for k in ("mean", "std", "min", "max", "skipped")))
+
+
+def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_axis: int | None = None,
+                        nonfinite: str = "skip", group: Any = None, cache: bool = True, threads: int | None = None,
+                        progress: bool = True, storage_options: dict | None = None, store: LocalStore | None = None,
+                        timeout_s: float = READ_TIMEOUT_S, cf: bool = True) -> Any:
+    """Statistics (count, mean, std, min, max, non-finite count) of Zarr arrays, per array and channel.
+
+    ``arrays_or_fields``: one array URI (a :class:`~stoker.records.FieldStats` back), a list whose items are
+    URIs (scalar statistics each) or lists of URIs (channels: statistics of shape ``(C,)``, channel ``c`` from
+    array ``c``; a list of results back), or a dict name -> URI, list of URIs or field (anything with an
+    ``arrays`` attribute, such as ``stoker.Field``; a dict of results back). ``region``: dict axis ->
+    ``(start, stop)`` index range (other axes whole), the same for every array, or dimension name ->
+    ``(first, last)`` labels of its coordinates, both included (``{"time": ("2000-01-01", "2009-12-31")}``,
+    see :func:`~stoker.arraystats.inputs.parse_region`). ``channel_axis``: statistics
+    per index of that axis of each array (shape ``(C,)``) instead of one scalar (not with lists of arrays).
+
+    ``nonfinite``: NaN and infinities are left out and counted per channel in ``FieldStats.skipped``
+    (``"skip"``, the default: arrays often hold NaN for missing values), or a
+    :class:`~stoker.errors.NonFiniteData` naming the array and the box (``"raise"``). A region without a finite
+    value is a NonFiniteData either way. Integers are exact in float64 up to 2**53.
+
+    ``cf``: the statistics of the values a batch holds with ``Config(cf=True)`` (the default): CF attributes
+    (``scale_factor``, ``add_offset``, ``_FillValue``/``missing_value``, as xarray writes a packed variable)
+    applied as xarray applies them, fills NaN (so ``nonfinite`` counts them); ``cf=False`` for the stored
+    values, as ``Config(cf=False)`` reads them.
+
+    Collective: call it on every rank of ``group`` (the default process group when torch.distributed is
+    initialised) with the same arguments; each rank reads its share of the chunks once and every rank
+    returns the same bits (for any world size). ``threads`` (default ``min(8, cpus)``) read at once, each
+    read waited for at most ``timeout_s``; ``progress`` shows a bar on rank 0 when the work takes over a
+    second. With ``cache``, each array's result is kept in ``.stoker-stats.json`` in its folder (an array in
+    a store: its folder of ``$STOKER_CACHE``), keyed by its metadata, the region, ``channel_axis``,
+    ``nonfinite`` and the identity of every stored file (size and time; objects: ETag), so a rewritten chunk
+    recomputes it; a cache hit reads no chunk. ``store``: the :class:`~stoker.storage.LocalStore` local
+    arrays are read through (its counters count the reads).
+
+    >>> st = stoker.compute_stats("/data/t2m.zarr", region={0: (0, 8760)})      # one year of hours
+    >>> st.mean, st.std, st.skipped                                            # float64 scalars, NaN count
+    >>> raw = stoker.compute_stats({"raw": stoker.Field(["/d/c0.zarr", "/d/c1.zarr"], (64, 64, 64))})["raw"]
+    >>> norm = stoker.transforms.Normalize.from_stats(raw)                      # per channel: the batch's axis 1
+    """
+    if nonfinite not in _NONFINITE:
+        raise InvalidArgument(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}", knob="nonfinite")
+    if channel_axis is not None and (isinstance(channel_axis, bool) or not isinstance(channel_axis, int)):
+        raise InvalidArgument(f"channel_axis must be an int or None, got {channel_axis!r}", knob="channel_axis")
+    threads = min(8, os.cpu_count() or 1) if threads is None else threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InvalidArgument(f"threads must be an int >= 1, got {threads!r}", knob="threads")
+    if not timeout_s > 0:
+        raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s!r}", knob="timeout_s")
+    kind, entries = parse_entries(arrays_or_fields)
+    if channel_axis is not None:
+        for e in entries:
+            if e.channels:
+                raise InvalidArgument(f"compute_stats: {e.key!r} is a list of arrays (one channel each) and "
+                                      f"channel_axis={channel_axis} asks for channels along an axis too; give "
+                                      "one or the other", knob="channel_axis")
+    got: dict[str, tuple[FieldStats, Box]] = {}
+    for e in entries:  # each array once, in the order given (every rank alike)
+        for uri in e.uris:
+            if uri not in got:
+                got[uri] = _one_array(uri, region, channel_axis, nonfinite, group, cache, threads, float(timeout_s),
+                                      progress, storage_options, store, bool(cf))
+    results = [_stack(e.key, e.uris, got) if e.channels else got[e.uris[0]][0] for e in entries]
+    if kind == "one":
+        return results[0]
+    if kind == "list":
+        return results
+    return {e.key: r for e, r in zip(entries, results)}
+
+
+__all__ = ["MAX_BLOCKS", "READ_TIMEOUT_S", "Units", "blocks", "compute_array_stats"]

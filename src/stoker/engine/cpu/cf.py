@@ -1,0 +1,127 @@
+"""CF decoding of a batch (``Config(cf=True)``, the default): each row decoded as its array's attributes say.
+
+A batch's rows (``b * C + c``: sample ``b``, channel ``c``) may each come from another array, and the plan
+knows which; :func:`row_decoder` makes the batch's decoder from it, which the job's completion hook runs
+on the batch in its slot after the cast to the float output and before ``Config.transform`` (on a CUDA
+device on the side stream, after the cast there; in the GPU-decode executor on its stream, once the batch is
+placed and padded). Per run of rows of one coding (a piece of at most
+:data:`PIECE_ELEMENTS` at a time): values equal to a fill become NaN (compared in the batch's float dtype,
+exact for 8- and 16-bit integer and float32 sources), and ``x * scale_factor + add_offset`` is computed in
+float64 and rounded once to the batch's dtype, as xarray computes it (the attributes of a Zarr array are
+float64), so a float32 batch equals xarray's values cast to float32.
+
+>>> decode = row_decoder(plan, cf=True)     # None: nothing to decode in this batch
+>>> decode(batch)                           # in place
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...errors import DtypeMismatch
+from ...reader.array import ArrayReader
+from ...reader.coords import coding
+from ...sampling.sample import parts
+from ...zarr.cf import CFCoding
+
+#: Elements decoded through one float64 temporary at most (32 MiB of it).
+PIECE_ELEMENTS = 1 << 22
+
+
+class RowDecode:
+    """The CF decoding of one batch: ``runs`` of consecutive rows ``[start, stop)`` of one coding."""
+
+    def __init__(self, runs: list[tuple[int, int, CFCoding]], channels: int | None) -> None:
+        self.runs = runs
+        self.channels = channels
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        flat = out.flatten(0, 1) if self.channels is not None else out
+        rows = flat.view(flat.shape[0], -1)  # a view: the slot is contiguous
+        per_piece = max(1, PIECE_ELEMENTS // max(1, rows.shape[1]))
+        for start, stop, code in self.runs:
+            for a in range(start, min(stop, rows.shape[0]), per_piece):
+                decode_(rows[a:min(stop, a + per_piece)], code)
+        return out
+
+    def then(self, transform):
+        """This decoding, then ``transform`` (None: nothing), as one transform, keyed (it passes a batch's keys
+        on to ``transform`` when that takes them)."""
+        if transform is None:
+            return self
+        from ...transforms import Keyed, apply
+
+        decode = self
+
+        class DecodeThen(Keyed):
+            def __call__(self, x, keys=None):
+                return apply(transform, decode(x), keys)
+
+        return DecodeThen()
+
+
+def decode_(v: torch.Tensor, code: CFCoding) -> None:
+    """Decode ``v`` (floating) in place."""
+    mask = None
+    for fill in code.fills:
+        hit = v == fill  # in v's dtype, as numpy compares an array with a Python float
+        mask = hit if mask is None else mask | hit
+    if code.scale is not None or code.offset is not None:
+        t = v.to(torch.float64)
+        if code.scale is not None:
+            t.mul_(code.scale)
+        if code.offset is not None:
+            t.add_(code.offset)
+        v.copy_(t)
+    if mask is not None:
+        v.masked_fill_(mask, float("nan"))
+
+
+def row_decoder(sources: Sequence[ArrayReader], samples, channels: int | None, cf: bool) -> RowDecode | None:
+    """The decoder of a batch of ``samples`` planned over ``sources`` (a plan's: in the order of their first
+    crop), or None when ``cf`` is off or no row has a coding."""
+    if not cf:
+        return None
+    codes = [coding(r) for r in sources]
+    if not any(c is not None for c in codes):
+        return None
+    order: dict[str, int] = {}
+    runs: list[tuple[int, int, CFCoding]] = []
+    for row, (uri, _) in enumerate(parts(samples)):
+        code = codes[order.setdefault(uri, len(order))]
+        if code is None:
+            continue
+        if runs and runs[-1][1] == row and runs[-1][2] == code:
+            runs[-1] = (runs[-1][0], row + 1, code)
+        else:
+            runs.append((row, row + 1, code))
+    return RowDecode(runs, channels)
+
+
+def plan_decoder(plan, cf: bool) -> RowDecode | None:
+    """:func:`row_decoder` of a :class:`~stoker.engine.planning.tables.TablePlan`."""
+    return row_decoder(plan.sources, plan.samples, plan.channels, cf)
+
+
+def check_output(readers: Sequence[ArrayReader], dtype: torch.dtype, work: torch.dtype, cf: bool) -> None:
+    """DtypeMismatch when arrays with CF attributes would be read into a batch that cannot hold decoded values
+    (an integer dtype: ``dtype='native'`` of an integer array), or decoded in a 16-bit ``work`` dtype."""
+    if not cf:
+        return
+    coded = [(r.uri, c) for r in readers if (c := coding(r)) is not None]
+    if not coded:
+        return
+    uri, code = coded[0]
+    if not dtype.is_floating_point:
+        raise DtypeMismatch(
+            f"{uri}: its CF attributes ({code.describe()}) make its values floats (as xarray decodes them), but the "
+            f"batch dtype is {dtype}; ask for a float dtype (Config(dtype='f32')), or read the stored values with "
+            "Config(cf=False)", uri=uri, knob="cf")
+    if work.itemsize < 4:
+        raise DtypeMismatch(
+            f"{uri}: its CF attributes ({code.describe()}) would be decoded in {work}, which loses the values (a "
+            "16-bit output is decoded in float32 work buffers when the pipeline's first batch reads such an array, "
+            "and rounded once after); ask for Config(dtype='f32'), put such an array in the first batch, or read the "
+            "stored values with Config(cf=False)", uri=uri, knob="cf")

@@ -1,0 +1,79 @@
+"""Where a TileWriter writes: its array through zarr-python, and its completion record, on a local disk or an
+object store.
+
+A local path (or ``file://``) goes to zarr-python as it is. An ``s3://``, ``gs://`` or ``az://`` URI is opened
+through obstore with the ``storage_options`` stoker reads with (obstore's keys: ``endpoint``, ``region``,
+credentials...; stoker's request settings ``timeout_s``, ``retries``...; the disk cache's keys are for
+reads and left out here): zarr-python writes through ``zarr.storage.ObjectStore``, obstore retrying what
+may pass, and the record through stoker's :class:`~stoker.storage.objectstore.ObjectStore`.
+
+>>> store = array_store("s3://bucket/out.zarr", {"endpoint": "http://127.0.0.1:9000", "allow_http": True})
+>>> zarr.create_array(store, shape=(64, 64), chunks=(32, 32), dtype="f4")
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+from ..errors import InvalidArgument, StokerError, StorageError
+from ..storage.locate import CACHE_KEYS, SETTING_KEYS
+from ..storage.objectstore import ObjectStore
+from ..storage.uri import REMOTE_SCHEMES
+
+
+def is_remote(uri: str) -> bool:
+    """Whether ``uri`` names an object store (not a local path or ``file://``)."""
+    return "://" in uri and urlparse(uri).scheme.lower() in REMOTE_SCHEMES
+
+
+def remote_store(uri: str, storage_options: dict | None) -> ObjectStore:
+    """Stoker's store rooted at ``uri`` (an object store URI), with the settings among ``storage_options``
+    split from obstore's keys as :class:`~stoker.storage.locate.Stores` splits them for reads."""
+    options = dict(storage_options or {})
+    settings = {k: options.pop(k) for k in list(options) if k in SETTING_KEYS}
+    for k in CACHE_KEYS:
+        options.pop(k, None)
+    store = ObjectStore(uri, options, **settings)
+    if not store.supports_list:
+        store.close()
+        raise InvalidArgument(f"{uri}: a TileWriter writes to a local path or an object store (s3://, gs://, az://); "
+                              "a plain HTTP server cannot take writes nor list the completion record", uri=uri)
+    return store
+
+
+def array_store(uri: str, storage_options: dict | None) -> Any:
+    """What zarr-python opens for the array at ``uri``: the path itself, or a writable
+    ``zarr.storage.ObjectStore`` rooted at it."""
+    if not is_remote(uri):
+        if storage_options:
+            raise InvalidArgument(f"{uri}: storage_options ({', '.join(sorted(storage_options))}) apply to object "
+                                  "stores only (s3://, gs://, az://); drop them for a local path", uri=uri,
+                                  knob="storage_options")
+        return uri
+    import zarr.storage
+
+    store = remote_store(uri, storage_options)
+    try:
+        return zarr.storage.ObjectStore(store.writable_obstore(), read_only=False)
+    finally:
+        store.close()
+
+
+@contextlib.contextmanager
+def writing(uri: str, what: str) -> Iterator[None]:
+    """A failed write through zarr-python (an OSError, or obstore's own error) as a
+    :class:`~stoker.errors.StorageError` naming ``uri`` and ``what`` was being written."""
+    try:
+        yield
+    except StokerError:
+        raise
+    except Exception as exc:
+        if not isinstance(exc, OSError) and type(exc).__module__.split(".")[0] != "obstore":
+            raise  # zarr-python refusing its arguments (ValueError, TypeError...): not the storage
+        text = str(exc).split("\n")[0][:300]
+        raise StorageError(f"{uri}: writing {what} through zarr-python failed ({type(exc).__name__}: {text}); check "
+                           "the URI, the bucket, credentials and endpoint (storage_options or the environment). "
+                           "Regions written before are recorded: a restarted job resumes after them", uri=uri,
+                           key=None, status=None, attempts=None) from exc

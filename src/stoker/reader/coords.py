@@ -1,0 +1,176 @@
+"""An array's attributes, dimension names, CF coding and coordinates, read through its own store.
+
+Dimension names are Zarr v3's ``dimension_names`` or, in v2, xarray's ``_ARRAY_DIMENSIONS`` attribute. A
+dimension's coordinates are the xarray layout's: the 1-d array named like the dimension in the array's
+parent group, as long as the dimension. They are read with :func:`~stoker.reader.array.open_array` (local
+paths, object stores, zip archives alike) and decoded as xarray decodes them (CF times to ``datetime64``,
+packed or filled values to floats; :mod:`stoker.zarr.cf`). Everything is read once per reader and kept
+with it (a pipeline opens each array once).
+
+>>> arr = stoker.open_array("/data/era5.zarr/t2m")
+>>> dimension_names(arr)
+('time', 'lat', 'lon')
+>>> coordinates(arr)["time"][:2]
+array(['2000-01-01T00:00:00.000000000', '2000-01-01T06:00:00.000000000'], dtype='datetime64[ns]')
+>>> coding(arr)            # CFCoding(scale=..., offset=..., fills=(...)) or None
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgument, MetadataError, NotFound
+from ..storage.locate import Stores, locate
+from ..zarr.cf import CFCoding, coding_of, decode_times, is_time_units
+from ..zarr.fields import show
+from ..zarr.metadata import parse_json
+from .array import MAX_METADATA_BYTES, ArrayReader, open_array
+
+_lock = threading.Lock()
+# per reader: its documents' attributes and v2 stored fill value, its coordinates (by storage options)
+_documents: "weakref.WeakKeyDictionary[ArrayReader, tuple[dict, Any, tuple | None]]" = weakref.WeakKeyDictionary()
+_codings: "weakref.WeakKeyDictionary[ArrayReader, CFCoding | None]" = weakref.WeakKeyDictionary()
+_coords: "weakref.WeakKeyDictionary[ArrayReader, dict[str, np.ndarray | None]]" = weakref.WeakKeyDictionary()
+
+
+def _read(reader: ArrayReader, name: str) -> dict | None:
+    key = f"{reader.path}/{name}" if reader.path else name
+    try:
+        raw = reader.kv.get(key)
+    except NotFound:
+        return None
+    if len(raw) > MAX_METADATA_BYTES:
+        raise MetadataError(f"{reader.uri}: {name} is {len(raw)} bytes, more than the {MAX_METADATA_BYTES} bytes "
+                            "stoker reads as Zarr metadata", uri=reader.uri)
+    return parse_json(bytes(raw), reader.uri, name)
+
+
+def _consolidated(reader: ArrayReader, stores: Stores | None, options: dict | None) -> dict | None:
+    """The array's documents from an ancestor's consolidated metadata, when it was opened from a store whose
+    groups are consolidated (read already: no request), as ``{name: document}``; else None."""
+    if reader.kv.is_local or stores is None:
+        return None
+    loc = locate(reader.uri)
+    if loc.is_local:
+        return None
+    found = stores.get(loc, options)[1].consolidated(loc.prefix, reader.uri)
+    if found is None:
+        return None
+    fmt, doc = found
+    return {"zarr.json": doc} if fmt == 3 else {".zattrs": {}, **doc}
+
+
+def _documents_of(reader: ArrayReader, stores: Stores | None = None,
+                  options: dict | None = None) -> tuple[dict, Any, tuple | None]:
+    """``(attributes, v2 stored fill value, dimension names)`` of ``reader``'s array, read once: from the
+    consolidated metadata of ``stores`` (those it was opened in, with its ``options``) where its group has
+    it, else its own documents."""
+    with _lock:
+        got = _documents.get(reader)
+    if got is not None:
+        return got
+    uri = reader.uri
+    known = _consolidated(reader, stores, options) or {}
+    read = (lambda name: known[name] if name in known else _read(reader, name))
+    if reader.zarr_format == 3:
+        doc = read("zarr.json") or {}
+        attrs, fill, dims = doc.get("attributes") or {}, None, doc.get("dimension_names")
+    else:
+        attrs = read(".zattrs") or {}
+        dims = attrs.get("_ARRAY_DIMENSIONS") if isinstance(attrs, dict) else None
+        # the stored fill value as written (null or not), which xarray takes for _FillValue in what it wrote
+        fill = (read(".zarray") or {}).get("fill_value") if dims is not None else None
+    if not isinstance(attrs, dict):
+        raise MetadataError(f"{uri}: attributes {show(attrs)} are not a JSON object", uri=uri)
+    names = None
+    if dims is not None:
+        if not isinstance(dims, list) or len(dims) != reader.ndim or \
+                not all(d is None or isinstance(d, str) for d in dims):
+            raise MetadataError(f"{uri}: dimension names {show(dims)} are not {reader.ndim} names (strings or "
+                                "null), one per axis", uri=uri)
+        names = tuple(dims)
+    got = (attrs, fill, names)
+    with _lock:
+        _documents[reader] = got
+    return got
+
+
+def attributes(reader: ArrayReader, stores: Stores | None = None, options: dict | None = None) -> dict:
+    """The array's user attributes (v3 ``attributes``, v2 ``.zattrs``; ``{}`` when there are none).
+    ``stores`` and ``options``: those the array was opened with, whose consolidated metadata may hold them."""
+    return _documents_of(reader, stores, options)[0]
+
+
+def dimension_names(reader: ArrayReader, stores: Stores | None = None,
+                    options: dict | None = None) -> tuple[str | None, ...] | None:
+    """The array's dimension names (v3 ``dimension_names``, v2 ``_ARRAY_DIMENSIONS``), or None."""
+    return _documents_of(reader, stores, options)[2]
+
+
+def coding(reader: ArrayReader, stores: Stores | None = None, options: dict | None = None) -> CFCoding | None:
+    """What CF decoding does to the array's values (:func:`stoker.zarr.cf.coding_of`), or None."""
+    with _lock:
+        if reader in _codings:
+            return _codings[reader]
+    attrs, fill, _ = _documents_of(reader, stores, options)
+    got = coding_of(attrs, reader.dtype, reader.zarr_format, fill, reader.uri)
+    with _lock:
+        _codings[reader] = got
+    return got
+
+
+def sibling_uri(uri: str, name: str) -> str:
+    """The URI of the node ``name`` beside the array at ``uri`` (in its parent group)."""
+    text = os.fspath(uri).rstrip("/")
+    if "://" not in text:
+        return os.path.join(os.path.dirname(os.path.abspath(text)), name)
+    return text.rsplit("/", 1)[0] + "/" + name
+
+
+def decoded(reader: ArrayReader, values: np.ndarray, stores: Stores | None = None,
+            options: dict | None = None) -> np.ndarray:
+    """``values`` read from ``reader`` decoded as xarray decodes a variable: CF times to dates (masked
+    values: NaT), else packed or filled values to floats; values without a coding as they are."""
+    attrs = attributes(reader, stores, options)
+    code = coding(reader, stores, options)
+    if is_time_units(attrs.get("units")):
+        if code is not None:  # masked or packed times: floats first, NaN the fills
+            values = code.decode(values, np.float64)
+        return decode_times(values, attrs["units"], attrs.get("calendar"), reader.uri)
+    return values if code is None else code.decode(values, np.float64)
+
+
+def coordinates(reader: ArrayReader, storage_options: dict | None = None,
+                stores: Stores | None = None) -> dict[str, np.ndarray | None]:
+    """Each named dimension's coordinate labels, decoded (None: no coordinate array beside it), read once
+    per reader. A coordinate is the 1-d array named like the dimension in the array's parent group, as
+    long as the axis (the xarray layout)."""
+    with _lock:
+        kept = _coords.get(reader)
+    if kept is not None:
+        return kept
+    names = dimension_names(reader, stores, storage_options) or ()
+    out: dict[str, np.ndarray | None] = {}
+    for axis, name in enumerate(names):
+        if name is None or name in out:
+            continue
+        if reader.ndim == 1 and axis == 0 and os.path.basename(reader.uri.rstrip("/")) == name:
+            coord = reader  # the coordinate itself
+        else:
+            try:
+                coord = open_array(sibling_uri(reader.uri, name), storage_options, stores=stores)
+            except (NotFound, InvalidArgument):  # nothing of that name, or a group: no coordinate array
+                out[name] = None
+                continue
+        if coord.ndim != 1 or coord.shape[0] != reader.shape[axis]:
+            out[name] = None
+            continue
+        out[name] = decoded(coord, coord.read([(0, coord.shape[0])]), stores, storage_options)
+    with _lock:
+        _coords[reader] = out
+    return out

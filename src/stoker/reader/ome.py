@@ -1,0 +1,122 @@
+"""The scale of an OME-Zarr pyramid level relative to its level 0, from the image's ``multiscales`` metadata.
+
+>>> level_scale("/data/raw.ome.zarr/2")          # an image whose level 2 is 4x coarser in y and x
+(1, 4, 4)
+>>> level_scale("/data/plain.zarr") is None       # not a level of an OME-Zarr image (or level 0): scale 1
+True
+
+The array's parent group holds the metadata: OME-Zarr 0.5 (Zarr v3) under ``attributes["ome"]["multiscales"]``,
+0.4 (Zarr v2 ``.zattrs``, or a v3 group's attributes) under ``"multiscales"``. Each dataset names its
+``path`` and its ``coordinateTransformations``; the ``scale`` transform of the level over that of the first
+dataset (level 0) is the number of level-0 voxels one of the level's voxels spans, per axis. The
+multiscale's own transforms apply to every level alike and cancel in that ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from typing import Any
+
+from ..errors import MetadataError
+from ..storage.local import read_regular
+from ..storage.locate import Stores, default_stores, locate
+
+#: how far a ratio of float scales may be from an integer and still be that integer (they are written as
+#: products of floats, e.g. 0.36039815 * 4)
+_TOLERANCE = 1e-6
+
+
+def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
+                stores: Stores | None = None) -> tuple[int, ...] | None:
+    """Per axis, how many level-0 voxels one voxel of the array at ``uri`` spans, when the array is a level
+    of an OME-Zarr image (its parent group's ``multiscales`` lists it); None for level 0 and for an array
+    that is no such level (both span one reference voxel per voxel). A level whose scale
+    is missing, or not a whole multiple of level 0's, is a :class:`~stoker.errors.MetadataError` that says
+    to give the scale explicitly."""
+    uri = os.fspath(uri)
+    attrs, name = _parent_attributes(uri, storage_options, stores)
+    if not isinstance(attrs, dict):
+        return None
+    ome = attrs.get("ome")
+    multiscales = ome.get("multiscales") if isinstance(ome, dict) else attrs.get("multiscales")
+    if not isinstance(multiscales, list):
+        return None
+    for multiscale in multiscales:
+        datasets = multiscale.get("datasets") if isinstance(multiscale, dict) else None
+        if not isinstance(datasets, list) or not datasets:
+            continue
+        paths = [d.get("path") if isinstance(d, dict) else None for d in datasets]
+        if name not in paths:
+            continue
+        level = paths.index(name)
+        if level == 0:
+            return None  # level 0 is the reference: scale 1 on every axis (whatever its rank)
+        base, mine = _scale(datasets[0], uri, paths[0]), _scale(datasets[level], uri, name)
+        if base is None or mine is None or len(base) != len(mine):
+            raise MetadataError(
+                f"{uri}: level {name!r} of the OME-Zarr image's multiscales has no scale transform comparable to "
+                f"level {paths[0]!r}'s ({mine} against {base}); pass the scale explicitly (Field(..., scale=...), "
+                "Mask(..., scale=...))", uri=uri)
+        return tuple(_ratio(m, b, uri, name, axis) for axis, (m, b) in enumerate(zip(mine, base)))
+    return None
+
+
+def _scale(dataset: dict, uri: str, name: Any) -> list[float] | None:
+    transforms = dataset.get("coordinateTransformations")
+    for t in transforms if isinstance(transforms, list) else []:
+        if isinstance(t, dict) and t.get("type") == "scale" and isinstance(t.get("scale"), list):
+            try:
+                return [float(v) for v in t["scale"]]
+            except (TypeError, ValueError):
+                raise MetadataError(f"{uri}: the scale of OME-Zarr level {name!r} is not a list of numbers: "
+                                    f"{t['scale']!r}", uri=uri) from None
+    return None
+
+
+def _ratio(mine: float, base: float, uri: str, name: str, axis: int) -> int:
+    ratio = mine / base if base > 0 else float("nan")
+    whole = round(ratio) if ratio == ratio else 0
+    if whole < 1 or abs(ratio - whole) > _TOLERANCE * max(1, whole):
+        raise MetadataError(
+            f"{uri}: OME-Zarr level {name!r} spans {ratio:g} level-0 voxels on axis {axis}, not a whole number >= 1; "
+            "stoker places boxes of levels on whole voxels: pass the scale explicitly (Field(..., scale=...)) or "
+            "use a level whose scale is an integer multiple of level 0's", uri=uri, axis=axis)
+    return int(whole)
+
+
+def _parent_attributes(uri: str, storage_options: dict | None, stores: Stores | None) -> tuple[Any, str]:
+    """``(attributes of the array's parent group or None, the array's name in it)``."""
+    loc = locate(uri)
+    if loc.is_local:
+        assert loc.path is not None
+        parent, name = os.path.split(os.path.normpath(loc.path))
+        for doc_name, pick in (("zarr.json", _v3_attributes), (".zattrs", _as_dict)):
+            raw = read_regular(os.path.join(parent, doc_name))
+            if raw is not None:
+                return pick(raw, uri), name
+        return None, name
+    if not loc.prefix:
+        return None, ""
+    parent, name = posixpath.split(loc.prefix)
+    _, hierarchy = (stores or default_stores()).get(loc, storage_options)
+    for doc_name, pick in (("zarr.json", _v3_attributes), (".zattrs", _as_dict)):
+        raw = hierarchy.read(posixpath.join(parent, doc_name) if parent else doc_name, uri, optional=True)
+        if raw is not None:
+            return pick(raw, uri), name
+    return None, name
+
+
+def _as_dict(raw: bytes, uri: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None  # not a metadata document stoker can read: the array is then no OME-Zarr level
+
+
+def _v3_attributes(raw: bytes, uri: str) -> Any:
+    doc = _as_dict(raw, uri)
+    if not isinstance(doc, dict) or doc.get("node_type") != "group":
+        return None
+    return doc.get("attributes")

@@ -1,0 +1,289 @@
+"""``Field``: what one named part of a sample reads, placed relative to the sample's anchor; ``Volume``: the
+fields of one volume resolved against their arrays, with the anchors that keep every box inside.
+
+>>> raw = stoker.Field("/data/raw.ome.zarr/0", (96, 96, 96))
+>>> labels = stoker.Field("/data/labels.zarr", (56, 56, 56), offset=(20, 20, 20))     # centred in raw
+>>> context = stoker.Field("/data/raw.ome.zarr/2", (48, 48, 48), offset=(-48, -48, -48))  # scale 4 (metadata)
+>>> src = stoker.RandomCrops({"raw": raw, "labels": labels, "context": context}, seed=0)
+
+Coordinates are reference voxels (level 0 of the image: scale 1). A sample has an anchor ``a`` there; a
+field of scale ``s`` and offset ``o`` reads the box that starts at ``(a + o) / s`` in its arrays' own voxels
+and has the field's ``shape``. Anchors lie on multiples of every field's scale (their least common multiple,
+per axis) and offsets are multiples of their field's scale, so every box starts on a whole voxel: the
+context above, at anchor 96, reads ``[(96 - 48) / 4, ... + 48) = [12, 60)`` of level 2, the 192 reference
+voxels around the 96^3 raw crop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from .sample import Sample
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value)
+    except TypeError:
+        raise InvalidArgument(f"{what} must be a sequence of integers, got {value!r}") from None
+    if any(o != v for o, v in zip(out, value)):
+        raise InvalidArgument(f"{what} must hold integers, got {value!r}")
+    return out
+
+
+class Field:
+    """What one named part of a sample reads: ``arrays`` (one URI, or a list read as channels) at a box of
+    ``shape`` (the arrays' own voxels) placed ``offset`` reference voxels from the sample's anchor;
+    ``scale`` (an int >= 1, or one per axis) is how many reference voxels one voxel of the arrays spans:
+    by default that of the array's OME-Zarr level over level 0 (from the image's ``multiscales``), else 1.
+
+    >>> stoker.Field("/data/labels.zarr", (56, 56, 56), offset=(20, 20, 20))
+    Field('/data/labels.zarr', (56, 56, 56), offset=(20, 20, 20))
+    >>> stoker.Field(["/data/t2m.zarr", "/data/u10.zarr"], (2, 64, 128)).channels
+    2
+    """
+
+    def __init__(self, arrays: str | os.PathLike | Sequence[str | os.PathLike], shape: Sequence[int],
+                 offset: Sequence[int] | None = None, scale: int | Sequence[int] | None = None) -> None:
+        if isinstance(arrays, (str, os.PathLike)):
+            self.arrays: str | list[str] = os.fspath(arrays)
+        elif isinstance(arrays, (list, tuple)) and arrays and all(isinstance(a, (str, os.PathLike)) for a in arrays):
+            self.arrays = [os.fspath(a) for a in arrays]
+        else:
+            raise InvalidArgument(f"Field arrays must be an array URI or a non-empty list of them, got {arrays!r}")
+        self.shape = _ints(shape, "Field shape")
+        if not self.shape or any(s < 1 for s in self.shape):
+            raise InvalidArgument(f"Field shape {self.shape} must be non-empty with every extent >= 1")
+        self.offset = (0,) * len(self.shape) if offset is None else _ints(offset, "Field offset")
+        if scale is None:
+            self.scale: tuple[int, ...] | None = None
+        elif isinstance(scale, int) and not isinstance(scale, bool):
+            self.scale = (scale,) * len(self.shape)
+        else:
+            self.scale = _ints(scale, "Field scale")
+        for what, value in (("offset", self.offset), ("scale", self.scale)):
+            if value is not None and len(value) != len(self.shape):
+                raise InvalidArgument(f"Field {what} {value} has {len(value)} axes, its shape {self.shape} "
+                                      f"{len(self.shape)}: give one value per axis", knob=what)
+        if self.scale is not None and any(s < 1 for s in self.scale):
+            raise InvalidArgument(f"Field scale {self.scale} must be >= 1 on every axis (reference voxels per voxel "
+                                  "of the field's arrays)", knob="scale")
+
+    @property
+    def uris(self) -> list[str]:
+        """The field's arrays, as a list."""
+        return self.arrays if isinstance(self.arrays, list) else [self.arrays]
+
+    @property
+    def channels(self) -> int | None:
+        """``len(arrays)`` when arrays is a list (a channel axis), else None."""
+        return len(self.arrays) if isinstance(self.arrays, list) else None
+
+    def plain(self) -> dict:
+        """The field as JSON data (part of a sampler's identity)."""
+        return {"arrays": self.arrays, "shape": list(self.shape), "offset": list(self.offset),
+                "scale": None if self.scale is None else list(self.scale)}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Field) and self.plain() == other.plain()
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
+    def __repr__(self) -> str:
+        extra = "" if not any(self.offset) else f", offset={self.offset}"
+        extra += "" if self.scale is None else f", scale={self.scale}"
+        return f"Field({self.arrays!r}, {self.shape}{extra})"
+
+
+def check_fields(fields: Any, who: str) -> dict[str, Field]:
+    """``fields`` as a ``{name: Field}`` dict (InvalidArgument naming what is wrong otherwise)."""
+    if not isinstance(fields, Mapping) or not fields:
+        raise InvalidArgument(f"{who}: a volume's fields are a non-empty dict {{name: stoker.Field(...)}}, got {fields!r}")
+    for name, f in fields.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"{who}: field names must be non-empty strings, got {name!r}")
+        if not isinstance(f, Field):
+            raise InvalidArgument(f"{who}: field {name!r} must be a stoker.Field, got {type(f).__name__}")
+    ranks = {name: len(f.shape) for name, f in fields.items()}
+    if len(set(ranks.values())) > 1:
+        raise InvalidArgument(f"{who}: the fields of a volume share one anchor and need the same number of axes; "
+                              f"got {ranks}")
+    return dict(fields)
+
+
+class Volume:
+    """The fields of one volume resolved against their arrays: ``shapes`` (each field's arrays' shape),
+    ``scales`` (each field's, from the field or the OME metadata), and the anchor lattice: anchors are
+    ``(first + k) * step`` for ``0 <= k < counts`` per axis, where every field's box lies inside its arrays.
+
+    ``align`` (per axis) adds a step anchors must also be multiples of (a mask's scale). ``bounds`` (per axis,
+    half-open, reference voxels) restricts the anchors further (a region). ``pad`` (a mode of
+    :data:`~stoker.sampling.sample.PAD_MODES`): only the first field bounds the anchors, as a padded crop over
+    arrays is bounded (its box inside its arrays, or covering an axis shorter than it whole); the other fields'
+    boxes may reach past their arrays, filled while placing.
+    """
+
+    def __init__(self, fields: Mapping[str, Field], shapes: Mapping[str, tuple[int, ...]],
+                 scales: Mapping[str, tuple[int, ...]], align: Sequence[int] | None = None, who: str = "RandomCrops",
+                 bounds: Sequence[tuple[int, int]] | None = None, pad: str | None = None) -> None:
+        self.pad = pad
+        self.bounds = None if bounds is None else [tuple(int(v) for v in b) for b in bounds]
+        self.fields = dict(fields)
+        self.names = tuple(fields)
+        self.shapes = {n: tuple(shapes[n]) for n in self.names}
+        self.scales = {n: tuple(scales[n]) for n in self.names}
+        ndim = len(next(iter(fields.values())).shape)
+        for name, f in self.fields.items():
+            shape, scale = self.shapes[name], self.scales[name]
+            if len(shape) != ndim or len(scale) != ndim:
+                raise InvalidArgument(f"{who}: field {name!r} reads arrays of shape {shape} (scale {scale}) with a "
+                                      f"box of {len(f.shape)} axes; give the field one extent per axis of its arrays",
+                                      uri=f.uris[0])
+            for axis, (o, s) in enumerate(zip(f.offset, scale)):
+                if o % s:
+                    low = o - o % s
+                    raise InvalidArgument(
+                        f"{who}: field {name!r} has offset {o} on axis {axis}, not a multiple of its scale {s}: its "
+                        f"box starts at (anchor + offset) / scale, a whole voxel only then; use offset {low} or "
+                        f"{low + s} there", knob="offset", field=name)
+        steps = [self.scales[n] for n in self.names] + ([tuple(align)] if align is not None else [])
+        self.step = tuple(math.lcm(*(s[d] for s in steps)) for d in range(ndim))
+        # anchor a is valid iff 0 <= (a + o) / s and (a + o) / s + shape <= array shape, for every field
+        # (with pad, of the first field only; an axis shorter than its box: the anchors whose box covers it)
+        bounding = self.names[:1] if pad is not None else self.names
+        lows, highs = {}, {}
+        for n in bounding:
+            f = self.fields[n]
+            ends = [(-o, s * (a - c) - o) for o, s, a, c in zip(f.offset, self.scales[n], self.shapes[n], f.shape)]
+            lows[n], highs[n] = tuple(min(e) for e in ends), tuple(max(e) for e in ends)
+        self.first, self.counts = [], []
+        for d in range(ndim):
+            lo = max(lows[n][d] for n in bounding)
+            hi = min(highs[n][d] for n in bounding)
+            k0, k1 = -(-lo // self.step[d]), hi // self.step[d]
+            if k1 < k0:
+                below = max(bounding, key=lambda n: lows[n][d])
+                above = min(bounding, key=lambda n: highs[n][d])
+                raise InvalidArgument(
+                    f"{who}: no anchor on axis {d} keeps every field's box inside its arrays (anchors on multiples "
+                    f"of {self.step[d]}): field {below!r} needs anchors >= {lo}, field {above!r} (arrays of shape "
+                    f"{self.shapes[above]}, box {self.fields[above].shape}, scale {self.scales[above]}) <= {hi}; "
+                    "make the boxes smaller or their offsets closer", field=above, axis=d)
+            if self.bounds is not None:  # a region: anchors in [start, stop) as well
+                start, stop = self.bounds[d]
+                k0, k1 = max(k0, -(-start // self.step[d])), min(k1, (stop - 1) // self.step[d])
+                if k1 < k0:
+                    raise InvalidArgument(
+                        f"{who}: the region leaves no anchor on axis {d}: it allows anchors in [{start}, {stop}) "
+                        f"(reference voxels), the fields' boxes fit at anchors in [{lo}, {hi}] on multiples of "
+                        f"{self.step[d]}; widen the region", knob="region", axis=d)
+            self.first.append(k0)
+            self.counts.append(k1 - k0 + 1)
+
+    @property
+    def n_anchors(self) -> int:
+        """How many anchors the lattice has (a Python int: may exceed int64 for huge volumes)."""
+        return math.prod(self.counts)
+
+    def anchor(self, k: Sequence[int]) -> tuple[int, ...]:
+        """The anchor at lattice index ``k`` (per axis, ``0 <= k < counts``)."""
+        return tuple((f + int(i)) * st for f, i, st in zip(self.first, k, self.step))
+
+    def box(self, name: str, anchor: Sequence[int]) -> list[tuple[int, int]]:
+        """Field ``name``'s box (its arrays' voxels) at ``anchor``."""
+        f, scale = self.fields[name], self.scales[name]
+        starts = [(a + o) // s for a, o, s in zip(anchor, f.offset, scale)]
+        return [(b, b + c) for b, c in zip(starts, f.shape)]
+
+    def sample(self, anchor: Sequence[int]) -> Sample:
+        """The sample of every field at ``anchor`` (padded with the volume's ``pad``)."""
+        return Sample({n: (self.fields[n].arrays, self.box(n, anchor)) for n in self.names}, pad=self.pad)
+
+
+class MaskedVolume(NamedTuple):
+    """A volume opened for a sampler: its lattice, and with a mask the sorted flat lattice indices of the
+    anchors that qualify (None without a mask)."""
+
+    volume: Volume
+    qualifying: np.ndarray | None
+
+
+def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | None, stores: Any,
+                who: str, region: dict | None = None, pad: str | None = None) -> MaskedVolume:
+    """Open ``fields``' arrays (shapes; scales from the OME metadata where not given) in ``stores``, and with
+    ``mask`` (a :class:`~stoker.sampling.mask.Mask`) find the anchors it lets through; InvalidArgument naming
+    the mask, the fraction and the best coverage found when none does. ``region`` and ``pad``: see
+    :func:`region_bounds` and :class:`Volume`."""
+    from ..reader.array import open_array
+    from ..reader.ome import level_scale
+    from ..storage.locate import check_options_by_prefix, options_for
+    from .mask import Mask, check_alignment, covering_anchors
+
+    by_prefix = check_options_by_prefix(storage_options, "storage_options")
+    shapes, scales = {}, {}
+    for name, f in fields.items():
+        found = [open_array(uri, options_for(by_prefix, uri), stores=stores).shape for uri in f.uris]
+        for uri, shape in zip(f.uris, found):
+            if shape != found[0]:
+                raise InvalidArgument(f"{uri}: shape {shape} differs from {f.uris[0]}'s {found[0]}; the arrays of "
+                                      f"field {name!r} are read at the same box and must have one shape", uri=uri)
+        shapes[name] = found[0]
+        scales[name] = f.scale or level_scale(f.uris[0], options_for(by_prefix, f.uris[0]), stores) or \
+            (1,) * len(found[0])
+    bounds = None if region is None else region_bounds(fields, shapes, scales, region, by_prefix, stores)
+    if mask is None:
+        return MaskedVolume(Volume(fields, shapes, scales, who=who, bounds=bounds, pad=pad), None)
+    if not isinstance(mask, Mask):
+        raise InvalidArgument(f"{who}: mask must be a stoker.Mask, got {type(mask).__name__}", knob="mask")
+    if mask.field not in fields:
+        raise InvalidArgument(f"{who}: mask {mask.uri} names field {mask.field!r}, which is none of "
+                              f"{list(fields)}; pass Mask(..., field=<one of them>)", knob="mask", uri=mask.uri)
+    reader = open_array(mask.uri, options_for(by_prefix, mask.uri), stores=stores)
+    ndim = len(fields[mask.field].shape)
+    given = mask.scale
+    mask_scale = (given,) * ndim if isinstance(given, int) else given or \
+        level_scale(mask.uri, options_for(by_prefix, mask.uri), stores) or (1,) * ndim
+    if len(mask_scale) != ndim:
+        raise InvalidArgument(f"{who}: mask {mask.uri} has scale {mask_scale}, of {len(mask_scale)} axes; field "
+                              f"{mask.field!r} has {ndim}", uri=mask.uri, knob="scale")
+    check_alignment(mask, mask.field, fields[mask.field], scales[mask.field], mask_scale, who)
+    volume = Volume(fields, shapes, scales, align=mask_scale, who=who, bounds=bounds, pad=pad)
+    index, best = covering_anchors(volume, mask, mask_scale, reader)
+    if not index.size:
+        raise InvalidArgument(
+            f"{who}: no anchor qualifies under mask {mask.uri}: field {mask.field!r}'s box covers at most "
+            f"{best:.4g} of nonzero mask voxels anywhere, less than min_fraction={mask.min_fraction}; lower "
+            "min_fraction, or check that the mask and its scale belong to this volume",
+            uri=mask.uri, knob="min_fraction", min_fraction=mask.min_fraction, best=best)
+    return MaskedVolume(volume, index)
+
+
+def region_bounds(fields: Mapping[str, Field], shapes: Mapping[str, tuple[int, ...]],
+                  scales: Mapping[str, tuple[int, ...]], region: dict, by_prefix: Any,
+                  stores: Any) -> list[tuple[int, int]]:
+    """The anchors (half-open, reference voxels, per axis) ``region`` allows: it is read on the first field's
+    first array (axis numbers: index ranges; dimension names: labels of its coordinates, see
+    :mod:`stoker.sampling.region`) and restricts where that field's box starts, ``[i0, i1)`` in its own
+    voxels; with its scale ``s`` and offset ``o`` that is anchors in ``[i0 * s - o, i1 * s - o)``."""
+    from ..reader.array import open_array
+    from ..reader.coords import coordinates, dimension_names
+    from ..storage.locate import options_for
+    from .region import index_ranges
+
+    if not isinstance(region, dict) or not region:
+        raise InvalidArgument(f"region must be a non-empty dict of axis numbers or dimension names to ranges, got "
+                              f"{region!r}", knob="region")
+    name = next(iter(fields))
+    f, scale = fields[name], scales[name]
+    uri = f.uris[0]
+    options = options_for(by_prefix, uri)
+    ranges = index_ranges(region, uri, tuple(shapes[name]), lambda: open_array(uri, options, stores=stores),
+                          lambda reader: dimension_names(reader, stores, options),
+                          lambda reader: coordinates(reader, options, stores))
+    return [(i0 * s - o, i1 * s - o) for (i0, i1), s, o in zip(ranges, scale, f.offset)]

@@ -1,0 +1,223 @@
+"""CF attributes in the crop pipeline (Config.cf): batches equal xarray's decoded values, on both decode paths,
+for datasets xarray wrote in both Zarr formats; cf=False reads the stored values; never silently ignored."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import stoker
+from stoker.transforms import FillNaN
+
+xr = pytest.importorskip("xarray")
+pd = pytest.importorskip("pandas")
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPE = (12, 20, 24)
+
+
+def _cfg(**kw):
+    base = dict(batch_size=4, dtype="f32", host_buffer_bytes=64 << 20, n_io_threads=2, n_compute_threads=2,
+                pop_timeout_s=20.0, device="cpu")
+    base.update(kw)
+    return stoker.Config(**base)
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def dataset(request, tmp_path_factory):
+    """p: int16 packed (scale_factor, add_offset, _FillValue); t2m: float32 with a _FillValue; q: float64 with
+    missing_value; chunks smaller than the crops, so crops straddle chunks."""
+    rng = np.random.default_rng(7)
+    path = str(tmp_path_factory.mktemp("cf") / f"d{request.param}.zarr")
+    a = (rng.random(SHAPE) * 100 - 20).astype("float32")
+    a[rng.random(SHAPE) < 0.1] = np.nan
+    q = rng.normal(0, 1, SHAPE)
+    q[rng.random(SHAPE) < 0.1] = np.nan
+    ds = xr.Dataset({"p": (("time", "y", "x"), a), "t2m": (("time", "y", "x"), a.copy()),
+                     "q": (("time", "y", "x"), q)},
+                    coords={"time": pd.date_range("2000-01-01", periods=SHAPE[0], freq="D")})
+    enc = {"p": {"dtype": "int16", "scale_factor": 0.01, "add_offset": 30.0, "_FillValue": -32767,
+                 "chunks": (4, 8, 8)},
+           "t2m": {"_FillValue": -9999.0, "chunks": (4, 8, 8)},
+           "q": {"missing_value": -1e30, "_FillValue": -1e30, "chunks": (4, 8, 8)}}
+    ds.to_zarr(path, zarr_format=request.param, encoding=enc, consolidated=request.param == 2)
+    return path
+
+
+def _boxes(n: int, crop=(3, 9, 10)):
+    rng = np.random.default_rng(1)
+    return [[(int(s), int(s) + c) for s, c in zip((rng.integers(0, d - c + 1) for d, c in zip(SHAPE, crop)), crop)]
+            for _ in range(n)]
+
+
+def _want(ref, var, box) -> np.ndarray:
+    return ref[var].values[tuple(slice(a, b) for a, b in box)]
+
+
+def _assert_same(got: torch.Tensor, want: np.ndarray) -> None:
+    g = got.float().numpy()
+    w = torch.from_numpy(want.astype(np.float32)).to(got.dtype).float().numpy()
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_array_equal(g, w)  # NaNs compare equal here
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_batches_equal_xarray_on_both_paths(dataset, decode_path, dtype):
+    ref = xr.open_zarr(dataset, consolidated=False)
+    uris = {v: os.path.join(dataset, v) for v in ("p", "t2m", "q")}
+    boxes = _boxes(8)
+    singles = [stoker.Sample(uris[v], box) for box in boxes for v in ("p", "t2m", "q")]
+    with stoker.Pipeline(_cfg(dtype=dtype)) as pipe:
+        pipe.push(singles)
+        rows = [(s, torch.from_dlpack(b)[i].clone()) for b in pipe.batches(len(singles) // 4)
+                for i, s in enumerate(b.samples)]
+    assert len(rows) == len(singles)
+    for s, x in rows:
+        _assert_same(x, _want(ref, os.path.basename(s.uri), s.aabb))
+    assert any(torch.isnan(x).any() for _, x in rows)
+    # channels of different codings in one sample: each row decoded as its own array says
+    channels = [stoker.Sample([uris["t2m"], uris["p"], uris["q"]], box) for box in boxes]
+    with stoker.Pipeline(_cfg(dtype=dtype)) as pipe:
+        pipe.push(channels)
+        for b in pipe.batches(2):
+            x = torch.from_dlpack(b)
+            for i, s in enumerate(b.samples):
+                for c, v in enumerate(("t2m", "p", "q")):
+                    _assert_same(x[i, c], _want(ref, v, s.aabb))
+
+
+def test_cf_false_reads_the_stored_values(dataset, decode_path):
+    raw = zarr.open_array(os.path.join(dataset, "p"), mode="r")[...]
+    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in _boxes(4)]
+    with stoker.Pipeline(_cfg(cf=False)) as pipe:
+        pipe.push(samples)
+        x = torch.from_dlpack(pipe.pop())
+    for i, s in enumerate(samples):
+        assert torch.equal(x[i], torch.from_numpy(raw[tuple(slice(a, b) for a, b in s.aabb)].astype(np.float32)))
+    assert (x == -32767).any()  # the fill, as stored
+    with stoker.Pipeline(_cfg(cf=False, dtype="native")) as pipe:
+        pipe.push(samples)
+        assert torch.from_dlpack(pipe.pop()).dtype == torch.int16
+
+
+def test_native_integer_output_is_refused(dataset):
+    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in _boxes(4)]
+    with stoker.Pipeline(_cfg(dtype="native")) as pipe:
+        pipe.push(samples)
+        with pytest.raises(stoker.DtypeMismatch, match=r"/p: its CF attributes.*float dtype.*cf=False") as info:
+            pipe.pop()
+    assert info.value.knob == "cf"
+    # a float array with a fill keeps its dtype, decoded
+    ref = xr.open_zarr(dataset, consolidated=False)
+    samples = [stoker.Sample(os.path.join(dataset, "t2m"), box) for box in _boxes(4)]
+    with stoker.Pipeline(_cfg(dtype="native")) as pipe:
+        pipe.push(samples)
+        x = torch.from_dlpack(pipe.pop())
+    assert x.dtype == torch.float32
+    for i, s in enumerate(samples):
+        _assert_same(x[i], _want(ref, "t2m", s.aabb))
+
+
+def test_decoded_before_the_transform(dataset, decode_path):
+    ref = xr.open_zarr(dataset, consolidated=False)
+    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in _boxes(4)]
+    with stoker.Pipeline(_cfg(dtype="f16", transform=FillNaN(0.0))) as pipe:
+        pipe.push(samples)
+        x = torch.from_dlpack(pipe.pop())
+    for i, s in enumerate(samples):
+        want = np.nan_to_num(_want(ref, "p", s.aabb).astype(np.float32), nan=0.0)
+        assert torch.equal(x[i], torch.from_numpy(want).half())
+
+
+def test_the_plain_reader_reads_stored_values(dataset):
+    """ArrayReader.read is the bit-exact reference, like zarr-python's: stored values; coords.coding decodes."""
+    from stoker.reader.coords import coding
+
+    arr = stoker.open_array(os.path.join(dataset, "p"))
+    raw = arr[...]
+    assert raw.dtype == np.int16
+    np.testing.assert_array_equal(raw, zarr.open_array(os.path.join(dataset, "p"), mode="r")[...])
+    want = xr.open_zarr(dataset, consolidated=False).p.values
+    np.testing.assert_array_equal(coding(arr).decode(raw), want.astype(np.float32))
+
+
+def test_config_cf_is_checked():
+    with pytest.raises(stoker.InvalidArgument, match="Config.cf must be True"):
+        stoker.Config(cf="yes")
+
+
+def test_a_16_bit_output_without_float32_work_is_refused(dataset, tmp_path):
+    """The work slots are sized at the first batch: CF arrays first met later in a bf16 pipeline would be
+    decoded in bf16 (their offset cancelling what the rounding kept), so that batch is refused, not wrong."""
+    plain = zarr.create_array(str(tmp_path / "plain"), shape=SHAPE, chunks=(4, 8, 8), dtype="f4")
+    plain[...] = 1.0
+    box = _boxes(1)[0]
+    samples = [stoker.Sample(str(tmp_path / "plain"), box)] * 4 + [stoker.Sample(os.path.join(dataset, "p"), box)] * 4
+    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
+        pipe.push(samples)
+        assert torch.equal(torch.from_dlpack(pipe.pop()), torch.ones(4, *[b - a for a, b in box], dtype=torch.bfloat16))
+        with pytest.raises(stoker.DtypeMismatch, match="/p: its CF attributes.*first batch.*cf=False"):
+            pipe.pop()
+
+
+def test_an_executor_that_does_not_decode_refuses(dataset, monkeypatch):
+    """An executor without CF decoding (applies_cf false; none of the built-in ones) never ignores the
+    attributes: NotYetSupported."""
+    from stoker.engine.cpu.executor import CpuExecutor
+
+    monkeypatch.setattr(CpuExecutor, "applies_cf", False)
+    samples = [stoker.Sample(os.path.join(dataset, "t2m"), box) for box in _boxes(4)]
+    with stoker.Pipeline(_cfg()) as pipe:
+        pipe.push(samples)
+        with pytest.raises(stoker.NotYetSupported, match="/t2m: its CF attributes.*cf=False"):
+            pipe.pop()
+    with stoker.Pipeline(_cfg(cf=False)) as pipe:
+        pipe.push(samples)
+        assert torch.from_dlpack(pipe.pop()).shape[0] == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("decode_on", ["cpu", "gpu"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_cuda_batches_equal_xarray(dataset, dtype, decode_on):
+    """On a GPU the decoding runs on the side stream after the device cast (int16 crosses PCIe as int16), or
+    on the GPU-decode executor's stream after placing (tests/gpu/test_gpu_cf.py runs it on the host)."""
+    if decode_on == "gpu":
+        from stoker.engine.gpu import nvcomp
+
+        if not nvcomp.available():
+            pytest.skip("nvCOMP is not installed")
+    ref = xr.open_zarr(dataset, consolidated=False)
+    uris = [os.path.join(dataset, v) for v in ("t2m", "p", "q")]
+    samples = [stoker.Sample(uris, box) for box in _boxes(8)]
+    with stoker.Pipeline(_cfg(dtype=dtype, device="cuda", decode_on=decode_on,
+                              device_buffer_bytes=64 << 20)) as pipe:
+        pipe.push(samples)
+        for b in pipe.batches(2):
+            x = torch.from_dlpack(b).cpu()
+            for i, s in enumerate(b.samples):
+                for c, v in enumerate(("t2m", "p", "q")):
+                    _assert_same(x[i, c], _want(ref, v, s.aabb))
+
+
+def test_batches_without_cf_rows_still_leave_the_work_slot(dataset, tmp_path, decode_path):
+    """A bf16 pipeline whose first batch reads CF arrays makes every batch in float32 work slots: a later
+    batch of plain arrays is rounded into its delivered slot too."""
+    plain = zarr.create_array(str(tmp_path / "plain"), shape=SHAPE, chunks=(4, 8, 8), dtype="f4")
+    values = np.random.default_rng(2).normal(0, 100, SHAPE).astype("f4")
+    plain[...] = values
+    boxes = _boxes(4)
+    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in boxes]
+    samples += [stoker.Sample(str(tmp_path / "plain"), box) for box in boxes]
+    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
+        pipe.push(samples)
+        pipe.pop().release()
+        x = torch.from_dlpack(pipe.pop())
+    for i, box in enumerate(boxes):
+        want = torch.from_numpy(values[tuple(slice(a, b) for a, b in box)]).to(torch.bfloat16)
+        assert torch.equal(x[i], want)

@@ -1,0 +1,217 @@
+"""CF attributes decoded by the GPU-decode executor (Config(decode_on="gpu")), run end to end on CPU tensors
+(``GpuDecodeExecutor.on_host``, its stream decoder gpu.reference.HostDecoder): batches equal xarray's decoded
+values (int16 packed with scale_factor/add_offset/_FillValue, float32 with a _FillValue, float64 with
+missing_value), in float32 and bfloat16 (decoded in the float32 work buffer, rounded once), before the
+transform, per channel and per field; and the CPU executor's batches bit for bit, padded boxes included."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import stoker
+from stoker.engine import choose as executors
+from stoker.engine.gpu.executor import GpuDecodeExecutor
+from stoker.engine.pipeline import facade as pipelines
+from stoker.reader.coords import coding
+from stoker.transforms import FillNaN
+
+xr = pytest.importorskip("xarray")
+pd = pytest.importorskip("pandas")
+
+# q (float64) is cast on the CPU, with the executor's notice saying so
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:stoker's GPU decode:RuntimeWarning")]
+
+SHAPE = (12, 20, 24)
+VARS = ("p", "t2m", "q")
+
+
+@pytest.fixture
+def on_host(monkeypatch):
+    """Pipelines built in the test decode with the GPU-decode executor on CPU tensors; yields those made."""
+    made = []
+
+    def factory(cfg, device, stats, store):
+        made.append(GpuDecodeExecutor.on_host(cfg, stats, store))
+        return made[-1]
+
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+    return made
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def dataset(request, tmp_path_factory):
+    """As tests/engine/test_cf.py writes it: p int16 packed (scale_factor, add_offset, _FillValue), t2m float32
+    with a _FillValue, q float64 with missing_value; chunks smaller than the crops."""
+    rng = np.random.default_rng(7)
+    path = str(tmp_path_factory.mktemp("gpucf") / f"d{request.param}.zarr")
+    a = (rng.random(SHAPE) * 100 - 20).astype("float32")
+    a[rng.random(SHAPE) < 0.1] = np.nan
+    q = rng.normal(0, 1, SHAPE)
+    q[rng.random(SHAPE) < 0.1] = np.nan
+    ds = xr.Dataset({"p": (("time", "y", "x"), a), "t2m": (("time", "y", "x"), a.copy()),
+                     "q": (("time", "y", "x"), q)},
+                    coords={"time": pd.date_range("2000-01-01", periods=SHAPE[0], freq="D")})
+    enc = {"p": {"dtype": "int16", "scale_factor": 0.01, "add_offset": 30.0, "_FillValue": -32767,
+                 "chunks": (4, 8, 8)},
+           "t2m": {"_FillValue": -9999.0, "chunks": (4, 8, 8)},
+           "q": {"missing_value": -1e30, "_FillValue": -1e30, "chunks": (4, 8, 8)}}
+    ds.to_zarr(path, zarr_format=request.param, encoding=enc, consolidated=request.param == 2)
+    return path
+
+
+def _cfg(**kw):
+    base = dict(batch_size=4, dtype="f32", host_buffer_bytes=64 << 20, device_buffer_bytes=64 << 20,
+                n_io_threads=1, n_compute_threads=1, pop_timeout_s=20.0, device="cpu")
+    return stoker.Config(**{**base, **kw})
+
+
+def _boxes(n: int, crop=(3, 9, 10)):
+    rng = np.random.default_rng(1)
+    return [[(int(s), int(s) + c) for s, c in zip((rng.integers(0, d - c + 1) for d, c in zip(SHAPE, crop)), crop)]
+            for _ in range(n)]
+
+
+def _want(ref, var, box) -> np.ndarray:
+    return ref[var].values[tuple(slice(a, b) for a, b in box)]
+
+
+def _assert_same(got: torch.Tensor, want: np.ndarray) -> None:
+    """``got`` is xarray's values cast to float32, then to ``got``'s dtype (one rounding), NaN where they are."""
+    g = got.float().numpy()
+    w = torch.from_numpy(want.astype(np.float32)).to(got.dtype).float().numpy()
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_array_equal(g, w)  # NaNs compare equal here
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_batches_equal_xarray(dataset, on_host, dtype):
+    ref = xr.open_zarr(dataset, consolidated=False)
+    uris = {v: os.path.join(dataset, v) for v in VARS}
+    boxes = _boxes(8)
+    singles = [stoker.Sample(uris[v], box) for box in boxes for v in VARS]
+    with stoker.Pipeline(_cfg(dtype=dtype)) as pipe:
+        pipe.push(singles)
+        rows = [(s, torch.from_dlpack(b)[i].clone()) for b in pipe.batches(len(singles) // 4)
+                for i, s in enumerate(b.samples)]
+        stats = pipe.stats()
+    assert on_host and all(isinstance(ex, GpuDecodeExecutor) for ex in on_host)
+    ex = on_host[0]
+    assert ex.cf_work and ex.work_dtype(ex.dtype) == torch.float32  # bf16 too: decoded in float32, rounded once
+    assert stats.bytes_to_device > 0  # the chunks crossed encoded and were decoded by the stream decoder
+    assert len(rows) == len(singles)
+    for s, x in rows:
+        assert x.dtype == {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        _assert_same(x, _want(ref, os.path.basename(s.uri), s.aabb))
+    assert any(torch.isnan(x).any() for _, x in rows)
+    # channels of different codings in one sample: each row decoded as its own array says
+    channels = [stoker.Sample([uris["t2m"], uris["p"], uris["q"]], box) for box in boxes]
+    with stoker.Pipeline(_cfg(dtype=dtype)) as pipe:
+        pipe.push(channels)
+        for b in pipe.batches(2):
+            x = torch.from_dlpack(b)
+            for i, s in enumerate(b.samples):
+                for c, v in enumerate(("t2m", "p", "q")):
+                    _assert_same(x[i, c], _want(ref, v, s.aabb))
+
+
+def test_decoded_before_the_transform(dataset, on_host):
+    ref = xr.open_zarr(dataset, consolidated=False)
+    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in _boxes(4)]
+    with stoker.Pipeline(_cfg(dtype="f16", transform=FillNaN(0.0))) as pipe:
+        pipe.push(samples)
+        x = torch.from_dlpack(pipe.pop())
+    assert on_host
+    for i, s in enumerate(samples):
+        want = np.nan_to_num(_want(ref, "p", s.aabb).astype(np.float32), nan=0.0)
+        assert torch.equal(x[i], torch.from_numpy(want).half())
+
+
+def test_fields_are_decoded_each_in_its_lane(dataset, on_host):
+    """Samples of named fields: each field's lane (a GPU-decode executor of its own) decodes its arrays."""
+    ref = xr.open_zarr(dataset, consolidated=False)
+    boxes = _boxes(4)
+    samples = [stoker.Sample({"p": (os.path.join(dataset, "p"), box),
+                              "t2m": (os.path.join(dataset, "t2m"), [(a, a + 1) for a, _ in box])})
+               for box in boxes]
+    with stoker.Pipeline(_cfg(dtype={"p": "bf16", "t2m": "f32"})) as pipe:
+        pipe.push(samples)
+        batch = pipe.pop()
+        got = {k: torch.from_dlpack(v).clone() for k, v in batch.items()}
+    assert len(on_host) == 3  # the pipeline's, then one per field
+    for i, box in enumerate(boxes):
+        _assert_same(got["p"][i], _want(ref, "p", box))
+        _assert_same(got["t2m"][i], _want(ref, "t2m", [(a, a + 1) for a, _ in box]))
+
+
+@pytest.mark.parametrize("pad", ["fill", "reflect"])
+def test_padded_boxes_are_the_cpu_executor_s(dataset, on_host, pad):
+    """The padding is filled before the decoding (a "fill" pad is the array's stored fill value, decoded as
+    any stored value), as on the CPU path."""
+    boxes = [[(-2, 2), (15, 24), (-3, 7)], [(10, 14), (0, 9), (20, 30)]] * 2
+    samples = [stoker.Sample(os.path.join(dataset, "p"), box, pad=pad) for box in boxes]
+    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
+        pipe.push(samples)
+        got = torch.from_dlpack(pipe.pop()).clone()
+    assert on_host
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipelines, "make_executor", executors.make_executor)
+        with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
+            pipe.push(samples)
+            want = torch.from_dlpack(pipe.pop()).clone()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    assert torch.isnan(got).any()
+    if pad == "fill":  # what lies outside the array (time -2, -1) is the fill value, decoded
+        arr = stoker.open_array(os.path.join(dataset, "p"))
+        fill = coding(arr).decode(np.full(1, arr.fill_value, np.int16)).astype(np.float32)
+        _assert_same(got[0, :2], np.broadcast_to(fill, got[0, :2].shape))
+
+
+def test_cf_false_reads_the_stored_values(dataset, on_host):
+    raw = zarr.open_array(os.path.join(dataset, "p"), mode="r")[...]
+    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in _boxes(4)]
+    with stoker.Pipeline(_cfg(cf=False, dtype="bf16")) as pipe:
+        pipe.push(samples)
+        x = torch.from_dlpack(pipe.pop())
+    assert on_host and not on_host[0].cf_work
+    for i, s in enumerate(samples):
+        want = torch.from_numpy(raw[tuple(slice(a, b) for a, b in s.aabb)].astype(np.float32)).to(torch.bfloat16)
+        assert torch.equal(x[i], want)
+
+
+def test_a_16_bit_output_without_float32_work_is_refused(dataset, on_host, tmp_path):
+    """The work buffer is sized at the first batch: a CF array first met later in a bf16 pipeline is refused,
+    not decoded in bf16."""
+    plain = zarr.create_array(str(tmp_path / "plain"), shape=SHAPE, chunks=(4, 8, 8), dtype="f4")
+    plain[...] = 1.0
+    box = _boxes(1)[0]
+    samples = [stoker.Sample(str(tmp_path / "plain"), box)] * 4 + [stoker.Sample(os.path.join(dataset, "p"), box)] * 4
+    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
+        pipe.push(samples)
+        assert torch.equal(torch.from_dlpack(pipe.pop()), torch.ones(4, *[b - a for a, b in box], dtype=torch.bfloat16))
+        with pytest.raises(stoker.DtypeMismatch, match="/p: its CF attributes.*first batch.*cf=False"):
+            pipe.pop()
+    assert on_host
+
+
+def test_batches_without_cf_rows_are_rounded_from_the_work_buffer(dataset, on_host, tmp_path):
+    """A bf16 pipeline whose first batch reads CF arrays makes every batch in the float32 work buffer: a later
+    batch of plain arrays is rounded into its slot too."""
+    plain = zarr.create_array(str(tmp_path / "plain"), shape=SHAPE, chunks=(4, 8, 8), dtype="f4")
+    values = np.random.default_rng(2).normal(0, 100, SHAPE).astype("f4")
+    plain[...] = values
+    boxes = _boxes(4)
+    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in boxes]
+    samples += [stoker.Sample(str(tmp_path / "plain"), box) for box in boxes]
+    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
+        pipe.push(samples)
+        pipe.pop().release()
+        x = torch.from_dlpack(pipe.pop())
+        for i, box in enumerate(boxes):
+            assert torch.equal(x[i], torch.from_numpy(values[tuple(slice(a, b) for a, b in box)]).to(torch.bfloat16))
+    assert on_host and on_host[0].cf_work

@@ -1,0 +1,44 @@
+"""benchmarks/tile_inference.py runs, tiny and untimed: every peer that imports writes the blend of an identity
+model, which the script checks equals its input, for both blends; a wrong output is caught."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import zarr
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tile_inference.py"
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("tile_inference_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_runs_every_peer_and_checks_them(bench, tmp_path):
+    pytest.importorskip("monai")
+    result = bench.main(["--shape", "20", "36", "30", "--tile", "16", "16", "16", "--crop", "4", "--chunks", "8",
+                         "16", "16", "--rounds", "2", "--batch-size", "3", "--threads", "1", "--dir", str(tmp_path)])
+    peers = {"stoker", "monai"} | ({"torchio"} if "torchio" not in result["missing"] else set())
+    assert set(result["blends"]) == {"none", "hann"}
+    for r in result["blends"].values():
+        assert set(r["median_s"]) == peers and all(t > 0 for t in r["median_s"].values())
+        assert set(r["speedup"]) == {f"stoker_vs_{p}" for p in peers - {"stoker"}}
+    assert not [p for p in tmp_path.iterdir() if p.name != "in.zarr"]  # outputs removed after each run
+
+
+def test_the_check_refuses_an_output_that_is_not_the_input(bench, tmp_path):
+    src = bench.make_volume(tmp_path / "in.zarr", (8, 8, 8), (4, 4, 4))
+    out = zarr.create_array(str(tmp_path / "out.zarr"), shape=(8, 8, 8), chunks=(4, 4, 4), dtype="f4")
+    out[:] = zarr.open_array(src)[:].astype("f4")
+    bench.check(src, str(tmp_path / "out.zarr"), "peer", "hann")  # equal: passes
+    out[7, 7, 7] = out[7, 7, 7] + 1
+    with pytest.raises(SystemExit, match=r"1 voxels differ, the first at \(7, 7, 7\)"):
+        bench.check(src, str(tmp_path / "out.zarr"), "peer", "hann")

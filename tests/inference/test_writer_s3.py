@@ -1,0 +1,145 @@
+"""TileWriter on an object store (moto's S3 server): the array goes through zarr-python's ObjectStore over
+obstore and the completion record beside it, as objects; the arrays equal those written to a local disk, on
+one rank and two (a real gloo group), v2, v3 and sharded, and a killed job restarts to the same array."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from obstore.store import from_url
+
+import stoker
+
+from inference.test_writer import SHAPE, reference, run
+from store_fixtures import BUCKET, MotoS3
+
+pytestmark = pytest.mark.timeout(240)
+
+PREFIX = "tile-writer"
+REGIONS = 4 * 4 * 3  # SHAPE in (4, 8, 8) chunks
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory):
+    """The input of tests/inference/test_writer.py (its reference is computed from it), on the local disk."""
+    path = str(tmp_path_factory.mktemp("vol") / "in.zarr")
+    data = np.random.default_rng(0).random(SHAPE).astype("f4")
+    zarr.create_array(path, shape=SHAPE, chunks=(5, 8, 7), dtype="f4")[:] = data
+    return path, data
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = MotoS3({}, PREFIX)
+    yield server
+    server.stop()
+
+
+def _uri(name: str) -> str:
+    return f"s3://{BUCKET}/{PREFIX}/{name}"
+
+
+def _read(s3, uri: str) -> zarr.Array:
+    """The array at ``uri`` as zarr-python reads it through obstore, set up here, not by stoker."""
+    o = s3.options
+    store = from_url(uri, endpoint=o["endpoint"], region=o["region"], access_key_id=o["access_key_id"],
+                     secret_access_key=o["secret_access_key"], client_options={"allow_http": True})
+    return zarr.open_array(zarr.storage.ObjectStore(store, read_only=True), mode="r")
+
+
+def _marks(s3, uri: str) -> list[str]:
+    """The region marks of the completion record beside ``uri``, as the bucket lists them."""
+    key = uri.split(f"{BUCKET}/", 1)[1] + ".tiles-done/"
+    pages = s3.client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=key)
+    names = [o["Key"][len(key):] for page in pages for o in page.get("Contents", [])]
+    return sorted(n for n in names if n != "writer.json")
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(zarr_format=2), dict(shards=(8, 16, 16))],
+                         ids=["v3", "v2", "sharded"])
+def test_an_s3_array_equals_the_local_one(volume, tmp_path, s3, layout):
+    uri, data = volume
+    out = _uri("one-" + ("-".join(layout) or "v3") + ".zarr")
+    writer, _ = run(uri, out, "hann", 0, storage_options=s3.options, **layout)
+    run(uri, str(tmp_path / "local.zarr"), "hann", 0, **layout)
+    got = _read(s3, out)
+    assert got.metadata.zarr_format == layout.get("zarr_format", 3)
+    assert tuple(got.shards or got.chunks) == tuple(layout.get("shards", (4, 8, 8)))
+    np.testing.assert_array_equal(got[:], zarr.open_array(str(tmp_path / "local.zarr"), mode="r")[:])
+    np.testing.assert_allclose(got[:], reference(data, "hann", 0), rtol=2e-7, atol=0)
+    regions = 2 * 2 * 2 if "shards" in layout else REGIONS
+    assert writer.written == regions and len(_marks(s3, out)) == regions  # every region once, recorded
+
+
+def _rank_main(rank, world, init, uri, out, options, result):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        writer, _ = run(uri, out, "none", 2, world=world, rank=rank, storage_options=options,
+                        shards=(2, 8, 16, 16))
+        with open(f"{result}-{rank}.json", "w") as f:
+            json.dump({"written": writer.written, "owned": len(writer.owned_regions())}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_on_s3_give_the_one_rank_local_array(volume, tmp_path, s3):
+    uri, data = volume
+    run(uri, str(tmp_path / "one.zarr"), "none", 2, shards=(2, 8, 16, 16))
+    out = _uri("two-ranks.zarr")
+    torch.multiprocessing.spawn(_rank_main, args=(2, str(tmp_path / "init"), uri, out, s3.options,
+                                                  str(tmp_path / "r")), nprocs=2, join=True)
+    got = _read(s3, out)[:]
+    np.testing.assert_array_equal(got, zarr.open_array(str(tmp_path / "one.zarr"), mode="r")[:])  # bit for bit
+    np.testing.assert_array_equal(got, reference(data, "none", 2))
+    ranks = [json.loads((tmp_path / f"r-{r}.json").read_text()) for r in range(2)]
+    assert [r["written"] for r in ranks] == [r["owned"] for r in ranks] == [4, 4]  # each shard by its owner
+    assert len(_marks(s3, out)) == 8
+
+
+_KILLED = """
+import sys
+sys.path.insert(0, {tests!r})
+from inference.test_writer import run
+run({uri!r}, {out!r}, "hann", 0, stop_after=10, storage_options={options!r})
+"""
+
+
+def test_a_killed_job_on_s3_restarts_to_the_same_array(volume, s3):
+    uri, data = volume
+    out = _uri("killed.zarr")
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(tests, "..", "src"), tests])}
+    script = textwrap.dedent(_KILLED.format(tests=tests, uri=uri, out=out, options=s3.options))
+    p = subprocess.run([sys.executable, "-c", script], env=env, timeout=180)
+    assert p.returncode == 3
+    done = _marks(s3, out)
+    assert 0 < len(done) < REGIONS  # killed mid-way: some regions written and recorded, some not
+    writer, todo = run(uri, out, "hann", 0, storage_options=s3.options)
+    assert todo < len(stoker.TileGrid([uri], (8, 10, 9), stride=(4, 6, 5)))  # only what is left is predicted
+    assert writer.written == REGIONS - len(done) and len(_marks(s3, out)) == REGIONS
+    np.testing.assert_allclose(_read(s3, out)[:], reference(data, "hann", 0), rtol=2e-7, atol=0)
+
+
+def test_object_store_arguments_are_checked(tmp_path, s3):
+    with pytest.raises(stoker.InvalidArgument, match="apply to object stores only"):
+        stoker.TileWriter(str(tmp_path / "a.zarr"), SHAPE, (4, 8, 8), "f4", storage_options=s3.options)
+    with pytest.raises(stoker.InvalidArgument, match="plain HTTP server"):
+        stoker.TileWriter(f"{s3.endpoint}/{BUCKET}/x.zarr", SHAPE, (4, 8, 8), "f4")
+
+
+def test_a_failed_write_is_a_storage_error_naming_the_array(s3):
+    with pytest.raises(stoker.StorageError, match=r"s3://no-such-bucket/out.zarr: writing the array's metadata"):
+        stoker.TileWriter("s3://no-such-bucket/out.zarr", SHAPE, (4, 8, 8), "f4",
+                          storage_options={**s3.options, "retries": 0})

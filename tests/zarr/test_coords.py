@@ -1,0 +1,171 @@
+"""Dimension names, coordinates and CF times (stoker.reader.coords, stoker.zarr.cf) against xarray's own
+decoding of datasets xarray wrote, read locally, over HTTP and from a zip archive."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import numpy as np
+import pytest
+import zarr
+
+import stoker
+from stoker.errors import MetadataError, UnsupportedFormat
+from stoker.reader import coords
+from stoker.zarr import cf
+
+xr = pytest.importorskip("xarray")
+pd = pytest.importorskip("pandas")
+
+
+def weather(n_time: int = 40, freq: str = "6h") -> "xr.Dataset":
+    """Two variables on (time, lat, lon): t2m float32 with a -9999 fill, p packed into int16."""
+    rng = np.random.default_rng(3)
+    t = pd.date_range("2000-02-25", periods=n_time, freq=freq)
+    lat = np.linspace(90, -90, 6)  # descending, as ERA5's
+    lon = np.arange(8) * 45.0
+    a = (rng.random((n_time, 6, 8)) * 100).astype("float32")
+    a[0, 0, :3] = np.nan
+    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), a), "p": (("time", "lat", "lon"), a.copy())},
+                    coords={"time": t, "lat": lat, "lon": lon})
+    ds.p.encoding.update(dtype="int16", scale_factor=0.01, add_offset=50.0, _FillValue=-32767)
+    ds.t2m.encoding.update(_FillValue=-9999.0)
+    return ds
+
+
+@pytest.fixture(params=[2, 3])
+def dataset(request, tmp_path):
+    path = str(tmp_path / f"w{request.param}.zarr")
+    weather().to_zarr(path, zarr_format=request.param, consolidated=request.param == 2)
+    return path
+
+
+def test_dimension_names_and_coordinates_match_xarray(dataset):
+    ref = xr.open_zarr(dataset, consolidated=False)
+    arr = stoker.open_array(os.path.join(dataset, "t2m"))
+    assert coords.dimension_names(arr) == ("time", "lat", "lon")
+    got = coords.coordinates(arr)
+    assert set(got) == {"time", "lat", "lon"}
+    for name in got:
+        np.testing.assert_array_equal(got[name], ref[name].values)
+    assert got["time"].dtype == ref["time"].dtype  # datetime64[ns]
+    assert coords.coordinates(arr) is got  # read once per reader
+
+
+def test_codings_match_xarray_values(dataset):
+    ref = xr.open_zarr(dataset, consolidated=False)
+    for var in ("t2m", "p"):
+        arr = stoker.open_array(os.path.join(dataset, var))
+        raw = arr[...]
+        code = coords.coding(arr)
+        assert code is not None
+        got = code.decode(raw)
+        want = ref[var].values
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(got, want.astype(np.float32))  # float64 arithmetic, one rounding
+        assert np.isnan(got).sum() > 0
+    assert coords.coding(stoker.open_array(os.path.join(dataset, "lat"))) is None  # only a NaN fill
+
+
+def test_coordinates_over_http_and_in_a_zip(tmp_path):
+    from range_server import RangeServer
+
+    root = tmp_path / "srv"
+    weather().to_zarr(str(root / "w.zarr"), zarr_format=3, consolidated=False)
+    ref = xr.open_zarr(str(root / "w.zarr"), consolidated=False)
+    server = RangeServer(str(root))
+    try:
+        arr = stoker.open_array(f"{server.url}/w.zarr/p")
+        got = coords.coordinates(arr)
+        np.testing.assert_array_equal(got["time"], ref.time.values)
+        assert coords.coding(arr) == cf.CFCoding(0.01, 50.0, (-32767.0,))
+    finally:
+        server.shutdown()
+    archive = tmp_path / "w.zip"
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+        for folder, _, names in os.walk(root / "w.zarr"):
+            for name in names:
+                full = os.path.join(folder, name)
+                zf.write(full, os.path.relpath(full, root / "w.zarr"))
+    arr = stoker.open_array(f"{archive}/t2m")
+    np.testing.assert_array_equal(coords.coordinates(arr)["lat"], ref.lat.values)
+
+
+def test_a_plain_zarr_array_has_no_coding_and_no_dimensions(tmp_path):
+    """zarr-python's fill value of an array xarray did not write is no missing-value marker (xarray takes the
+    v2 fill_value for _FillValue only in what it wrote)."""
+    z = zarr.create_array(str(tmp_path / "a"), shape=(4, 4), chunks=(2, 2), dtype="uint16", zarr_format=2,
+                          fill_value=0)
+    z[...] = 0
+    arr = stoker.open_array(str(tmp_path / "a"))
+    assert coords.coding(arr) is None
+    assert coords.dimension_names(arr) is None
+    assert coords.coordinates(arr) == {}
+
+
+def test_missing_coordinate_is_none(tmp_path):
+    z = zarr.create_array(str(tmp_path / "g" / "v"), shape=(3, 2), chunks=(3, 2), dtype="f4",
+                          dimension_names=["step", "x"])
+    z[...] = 1
+    zarr.create_array(str(tmp_path / "g" / "x"), shape=(5,), chunks=(5,), dtype="f4")[...] = 0  # wrong length
+    got = coords.coordinates(stoker.open_array(str(tmp_path / "g" / "v")))
+    assert got == {"step": None, "x": None}
+
+
+@pytest.mark.parametrize("units,values", [
+    ("days since 2000-01-01", np.array([0, 1, 59, 366], np.int64)),
+    ("hours since 1990-1-1 06:00:00", np.array([0, 6, 12, 8760], np.int32)),
+    ("seconds since 2000-01-01T00:00:00Z", np.array([0.5, 1.25, np.nan, 86400.0])),
+    ("minutes since 2000-01-01 00:00:00+01:00", np.array([0, 30, 90], np.int64)),
+    ("day since 1970-01-01", np.array([0.25, 10.5])),
+])
+@pytest.mark.parametrize("calendar", [None, "standard", "gregorian", "proleptic_gregorian"])
+def test_times_decode_as_xarray_decodes_them(units, values, calendar):
+    from xarray.coding.times import decode_cf_datetime
+
+    want = decode_cf_datetime(values, units, calendar=calendar or "standard")
+    got = cf.decode_times(values, units, calendar)
+    np.testing.assert_array_equal(got, np.asarray(want, dtype="datetime64[ns]"))
+
+
+def test_other_calendars_need_cftime():
+    try:
+        import cftime  # noqa: F401
+    except ImportError:
+        with pytest.raises(UnsupportedFormat, match="'noleap' calendar.*pip install cftime") as info:
+            cf.decode_times(np.array([0, 1]), "days since 2000-01-01", "noleap", uri="/d/time")
+        assert info.value.calendar == "noleap"
+    else:
+        got = cf.decode_times(np.array([0, 59]), "days since 2000-01-01", "noleap")
+        assert (got[1].month, got[1].day) == (3, 1)
+
+
+def test_bad_units_are_typed_errors():
+    with pytest.raises(MetadataError, match="not CF time units"):
+        cf.decode_times(np.array([0]), "days", None, uri="/d/time")
+    with pytest.raises(UnsupportedFormat, match="weeks"):
+        cf.decode_times(np.array([0]), "weeks since 2000-01-01", None, uri="/d/time")
+    with pytest.raises(MetadataError, match="is not a date"):
+        cf.decode_times(np.array([0]), "days since yesterday", None, uri="/d/time")
+
+
+def test_coding_of_attribute_forms():
+    i2, f4 = np.dtype("int16"), np.dtype("float32")
+    # netCDF writers' one-element lists; missing_value beside _FillValue; both masked
+    c = cf.coding_of({"scale_factor": [0.5], "_FillValue": [-1], "missing_value": [-2, -3]}, i2, 3)
+    assert c == cf.CFCoding(0.5, None, (-1.0, -2.0, -3.0))
+    np.testing.assert_array_equal(c.decode(np.array([4, -1, -2, -3], np.int16)), [2.0, np.nan, np.nan, np.nan])
+    # v3 float fills as xarray writes them (base64 of a little-endian float64); a NaN fill does nothing
+    import base64
+    import struct
+
+    b64 = base64.standard_b64encode(struct.pack("<d", -9999.0)).decode()
+    assert cf.coding_of({"_FillValue": b64}, f4, 3) == cf.CFCoding(None, None, (-9999.0,))
+    assert cf.coding_of({"_FillValue": "NaN"}, f4, 3) is None
+    # v2: the .zarray fill value counts only for arrays xarray wrote
+    assert cf.coding_of({"_ARRAY_DIMENSIONS": ["x"]}, i2, 2, zarr_fill=7) == cf.CFCoding(None, None, (7.0,))
+    assert cf.coding_of({}, i2, 2, zarr_fill=7) is None
+    assert cf.coding_of({"_ARRAY_DIMENSIONS": ["x"]}, i2, 2, zarr_fill=None) is None
+    with pytest.raises(MetadataError, match="attribute scale_factor 'big' is not a number"):
+        cf.coding_of({"scale_factor": "big"}, i2, 3, uri="/d/v")
