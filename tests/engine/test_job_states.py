@@ -440,3 +440,30 @@ def test_a_pop_interrupted_as_its_settle_handed_the_batch_on_delivers_it_at_the_
             p.pop()
         assert err.value.key == "c/0/3"
     assert calls[0] is threading.current_thread() and len(calls) in (1, 2)
+
+
+def test_abandon_stops_a_running_job_and_leaves_a_completing_one_be():
+    """A batch of fields whose one field failed stops the others with abandon(): a running job fails (its
+    hook never runs), one whose hook is running (COMPLETING) finishes as it was, with no JobStateError."""
+    hook = _Hook()
+    running = _job(2, hook)
+    running.finish(1)
+    assert running.abandon(RuntimeError("stop")) and running.state is JobState.FAILED and running.done.is_set()
+    running.finish(1)  # a chunk placed after: only counted
+    assert not hook.calls and str(running.error) == "stop"
+
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(job):
+        entered.set()
+        assert release.wait(10)
+
+    completing = _job(1, slow)
+    t = threading.Thread(target=completing.finish)
+    t.start()
+    assert entered.wait(10) and completing.state is JobState.COMPLETING
+    assert not completing.abandon(RuntimeError("stop"))  # finish(0, error) raised JobStateError here
+    release.set()
+    t.join(10)
+    assert completing.state is JobState.DONE and completing.error is None
+    assert not completing.abandon(RuntimeError("late"))  # final states stay as they are

@@ -255,3 +255,19 @@ def test_cuda_batches_are_padded(tmp_path, mode, decode_on, monkeypatch):
             got = torch.from_dlpack(batch).cpu()
     torch.testing.assert_close(got, _expect([_reference(data, box, mode, 7) for box in BOXES], "f32"),
                                rtol=0, atol=0)
+
+
+def test_a_fill_value_that_does_not_fit_an_integer_batch_is_refused(tmp_path, decode_path):
+    """pad="fill" into "i32" of a uint32 array whose fill value is 2**32 - 1: a DtypeMismatch naming the array,
+    never -1 in the padded voxels (the chunks' own fill values are checked the same way)."""
+    z = zarr.create_array(str(tmp_path / "ids.zarr"), shape=(8, 8), chunks=(4, 4), dtype="u4",
+                          fill_value=2**32 - 1)
+    z[...] = np.arange(64, dtype="u4").reshape(8, 8)
+    uri = str(tmp_path / "ids.zarr")
+    with pytest.raises(stoker.DtypeMismatch, match="ids.zarr") as got:
+        _batches([stoker.Sample(uri, [(-2, 6), (0, 8)], pad="fill")], dtype="i32")
+    assert "4294967295" in str(got.value)
+    # zeros fit: the same box with pad="zero" reads, and equals numpy.pad
+    x = _batches([stoker.Sample(uri, [(-2, 6), (0, 8)], pad="zero")], dtype="i32")
+    want = np.pad(np.arange(64).reshape(8, 8), ((2, 0), (0, 0)))[:8]
+    assert (x[0].numpy() == want).all()

@@ -310,3 +310,21 @@ def test_the_knobs_are_validated():
         with pytest.raises(InvalidArgument, match=next(iter(bad))):
             stoker.Config(**bad)
     assert stoker.Config(prefetch_bytes=0).prefetch_bytes == 0  # off
+
+
+def test_the_generations_remembered_are_bounded(monkeypatch):
+    """Every key read states its generation; a buffer remembers at most MAX_KNOWN_KEYS of them (the most recent),
+    so a long run over a dataset of many objects does not grow it without bound, and a rewrite seen among the
+    recent ones is still refused."""
+    from stoker.storage import prefetch as pf
+
+    monkeypatch.setattr(pf, "MAX_KNOWN_KEYS", 8)
+    buffer = pf.PrefetchBuffer(1 << 20, 4)
+    store = object()
+    buffer.seen(store, [f"c/{i}" for i in range(100)], ["g1"] * 100)
+    assert len(buffer._generations) == 8
+    assert buffer._observe(id(store), "c/99", "g1")  # recent, same generation
+    assert not buffer._observe(id(store), "c/99", "g2")  # rewritten: refused, and remembered so
+    assert not buffer._observe(id(store), "c/99", "g1")
+    buffer.seen(store, [f"d/{i}" for i in range(100)], ["g1"] * 100)
+    assert len(buffer._generations) <= 8 and len(buffer._changed) <= 8

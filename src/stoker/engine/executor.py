@@ -331,6 +331,19 @@ class Job:
         self.cancel()  # the batch is lost: the engine stops writing it before anyone sees the error
         self.done.set()
 
+    def abandon(self, error: BaseException) -> bool:
+        """Fail the job with ``error`` unless it is past placing its chunks (COMPLETING, DONE) or failed already:
+        the other fields of a batch whose one field failed are stopped so (:meth:`finish` would take a late
+        stop of a completing job for a chunk reported twice). True when this call failed it."""
+        with self._lock:
+            if self._state in (COMPLETING, DONE, FAILED):
+                return False
+            self.error, self._state = error, FAILED
+        self._then = None
+        self.cancel()
+        self.done.set()
+        return True
+
     def _complete(self) -> None:
         """COMPLETING -> DONE or FAILED, on the thread that made it COMPLETING: the hook, then ``done``."""
         # nothing left to cancel: the engine's job (which holds a view of the batch, so its slot would look

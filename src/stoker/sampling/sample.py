@@ -24,7 +24,10 @@ Sample('/data/labels.zarr', [(20, 76), (20, 76), (20, 76)])
 ``pad`` lets a box reach past its array (negative starts, stops past the end): the part outside is filled
 while placing, with zeros (``"zero"``), the array's fill value (``"fill"``), its mirror image across the
 border (``"reflect"``, the border voxel not repeated: numpy's ``mode="reflect"``) or the border voxel
-(``"edge"``). Without it such a box is an :class:`~stoker.errors.OutOfBounds` error.
+(``"edge"``). Without it such a box is an :class:`~stoker.errors.OutOfBounds` error. The constants are
+stored values: for an array whose CF attributes are decoded (``Config(cf=True)``) they are decoded like the
+data, so ``"zero"`` gives ``add_offset`` (NaN where 0 is the ``_FillValue``) and ``"fill"`` the decoded fill
+value (NaN for a ``_FillValue``).
 
 >>> stoker.Sample("/data/volume.zarr", [(-8, 24), (0, 32), (0, 32)], pad="reflect").pad
 'reflect'

@@ -340,6 +340,7 @@ class RandomCrops(SampleSource):
             count = min(max(1, count), MAX_SAMPLES)
         self.samples_per_epoch = count
         self._cdf = np.cumsum(self.weights)
+        self._last = int(np.flatnonzero(self.weights > 0)[-1])  # never past it, whatever the cdf's rounding
         self._cache = None
 
     def __len__(self) -> int:
@@ -350,9 +351,8 @@ class RandomCrops(SampleSource):
         if cached is not None and cached[0] == (epoch, block):
             return cached[1]
         rng = np.random.default_rng([self.seed, epoch, block])
-        n = len(self.volumes) if self.volumes is not None else len(self.arrays)
         which = np.minimum(np.searchsorted(self._cdf, rng.random(_BLOCK), side="right"),
-                           n - 1 if self.volumes is not None else self._last)
+                           self._last)
         if self.volumes is None:
             frac = rng.random((_BLOCK, len(self.sample_shape)))
             corners = self._lo[which] + np.floor(frac * self._limits[which]).astype(np.int64)

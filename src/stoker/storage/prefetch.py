@@ -26,6 +26,7 @@ error, if any, surfaces then, typed, from the batch's own fetch.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import threading
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ from typing import Any, Callable, Collection, Sequence
 
 from ..errors import InvalidArgument, StorageError
 from .store import ByteRange, check_key
+
+#: keys whose generations a PrefetchBuffer remembers (and as many rewritten keys): bounded memory over epochs
+MAX_KNOWN_KEYS = 1 << 16
 
 #: Longest a synchronous read (``get_many``) waits for a prefetch still in flight before reading itself.
 WAIT_S = 60.0
@@ -86,8 +90,12 @@ class PrefetchBuffer:
         self.max_bytes, self.max_requests = max_bytes, max_requests
         self.counters = PrefetchCounters()
         self._entries: dict[tuple, _Entry] = {}  # (store, key, start, length): start None for a whole value
-        self._generations: dict[tuple, Any] = {}  # (store, key): the generation its reads have stated
-        self._changed: set[tuple] = set()  # (store, key) seen at two generations: never prefetched again
+        # (store, key): the generation its reads have stated, the MAX_KNOWN_KEYS most recent (a dataset's
+        # every key would grow without bound over epochs); an entry served carries its own generation, which
+        # the readers' stale-shard checks compare, so forgetting an old key only loses this early refusal
+        self._generations: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        # (store, key) seen at two generations: never prefetched again (as many, the most recent)
+        self._changed: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -188,11 +196,17 @@ class PrefetchBuffer:
             return True
         name = (sid, key)
         if name in self._changed:
+            self._changed.move_to_end(name)
             return False
         known = self._generations.setdefault(name, generation)
+        self._generations.move_to_end(name)
+        if len(self._generations) > MAX_KNOWN_KEYS:
+            self._generations.popitem(last=False)
         if known == generation:
             return True
-        self._changed.add(name)
+        self._changed[name] = None
+        if len(self._changed) > MAX_KNOWN_KEYS:
+            self._changed.popitem(last=False)
         del self._generations[name]
         for ident in [i for i in self._entries if i[:2] == name]:
             self.counters.held_bytes -= self._entries.pop(ident).nbytes

@@ -85,9 +85,9 @@ class Entry:
             return None
         self.error = in_field(failed.job.error, failed.name)
         for p in self.parts:
-            if not p.job.done.is_set():
-                p.job.finish(0, ShutdownError(f"the batch's field {failed.name!r} failed: field {p.name!r} was "
-                                              "stopped", field=p.name))
+            if not p.job.done.is_set():  # a field still being made, or completing (abandon leaves that one be)
+                p.job.abandon(ShutdownError(f"the batch's field {failed.name!r} failed: field {p.name!r} was "
+                                            "stopped", field=p.name))
         return self.error
 
     def drop(self, executor: Executor) -> None:
