@@ -39,8 +39,27 @@ FIELD_COUNTERS = ("chunks_needed", "chunks_decoded", "bytes_needed", "bytes_read
                   "bytes_delivered")
 
 
+class Amplification:
+    """``read_amplification`` and ``decode_amplification`` of counters with ``bytes_read``, ``bytes_decoded``
+    and ``bytes_needed``: a pipeline's :class:`Stats` and each field's :class:`FieldCounts`."""
+
+    bytes_read: int
+    bytes_decoded: int
+    bytes_needed: int
+
+    @property
+    def read_amplification(self) -> float:
+        """Encoded bytes read per source byte the samples need (compression lowers it)."""
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 0.0
+
+    @property
+    def decode_amplification(self) -> float:
+        """Bytes decoded per source byte the samples need (1.0 is perfect)."""
+        return self.bytes_decoded / self.bytes_needed if self.bytes_needed else 0.0
+
+
 @dataclass(frozen=True)
-class FieldCounts:
+class FieldCounts(Amplification):
     """One field's share of a pipeline of samples of named fields (:attr:`Stats.fields`): what its crops
     need and what was read and decoded for them (its lane's chunks only, so a field's amplification is its
     own chunking's, not the others').
@@ -56,19 +75,10 @@ class FieldCounts:
     bytes_decoded: int = 0
     bytes_delivered: int = 0  # the field's batches, in its output dtype
 
-    @property
-    def read_amplification(self) -> float:
-        """Encoded bytes read for this field per source byte its crops need."""
-        return self.bytes_read / self.bytes_needed if self.bytes_needed else 0.0
-
-    @property
-    def decode_amplification(self) -> float:
-        """Bytes decoded for this field per source byte its crops need."""
-        return self.bytes_decoded / self.bytes_needed if self.bytes_needed else 0.0
 
 
 @dataclass(frozen=True)
-class Stats:
+class Stats(Amplification):
     """A snapshot of a pipeline's work since creation (or ``stats_reset()``).
 
     Counters describe popped batches. Stage times are added as the work is reported: planning when a batch
@@ -99,15 +109,6 @@ class Stats:
         """Seconds the pipeline's threads held the GIL per batch emitted (the consumer's own Python aside)."""
         return self.gil_seconds / self.batches_emitted if self.batches_emitted else 0.0
 
-    @property
-    def read_amplification(self) -> float:
-        """Encoded bytes read per source byte the samples need (compression lowers it)."""
-        return self.bytes_read / self.bytes_needed if self.bytes_needed else 0.0
-
-    @property
-    def decode_amplification(self) -> float:
-        """Bytes decoded per source byte the samples need (1.0 is perfect)."""
-        return self.bytes_decoded / self.bytes_needed if self.bytes_needed else 0.0
 
     def __str__(self) -> str:
         lines = [f"{'stage':<10}{'seconds':>10}{'count':>10}{'MB in':>12}{'MB out':>12}"]

@@ -75,25 +75,24 @@ def label_range(coord: np.ndarray, first: Any, last: Any, uri: str, name: str) -
             f"range; give the region by index instead: region={{axis: (start, stop)}}", uri=uri, dimension=name)
     what = f"{name!r}"
     if ascending:
-        low, low_excl = _as_label(first, coord, what, uri, upper=False)
-        high, high_excl = _as_label(last, coord, what, uri, upper=True)
-        try:
-            start = int(np.searchsorted(coord, low, side="left"))
-            stop = int(np.searchsorted(coord, high, side="left" if high_excl else "right"))
-        except TypeError:
-            raise InvalidArgument(f"{uri}: region {what} labels {(first, last)!r} cannot be compared with the "
-                                  f"coordinate's {coord.dtype} values", uri=uri) from None
+        start, stop = _label_span(coord, first, last, what, uri)
         return start, max(start, stop)
-    rev = coord[::-1]  # descending: labels from first down to last, as xarray's slice on such an index
-    low, _ = _as_label(last, coord, what, uri, upper=False)
-    high, high_excl = _as_label(first, coord, what, uri, upper=True)
-    try:
-        j0 = int(np.searchsorted(rev, low, side="left"))
-        j1 = int(np.searchsorted(rev, high, side="left" if high_excl else "right"))
-    except TypeError:
-        raise InvalidArgument(f"{uri}: region {what} labels {(first, last)!r} cannot be compared with the "
-                              f"coordinate's {coord.dtype} values", uri=uri) from None
+    # descending: labels from first down to last, as xarray's slice on such an index
+    j0, j1 = _label_span(coord[::-1], last, first, what, uri)
     return n - max(j0, j1), n - j0
+
+
+def _label_span(ascending: np.ndarray, low_label: Any, high_label: Any, what: str, uri: str) -> tuple[int, int]:
+    """``(first index >= low_label, end of the indices <= high_label)`` in the ascending coordinate values
+    (a label that is a whole day or month covers it: ``_as_label``)."""
+    low, _ = _as_label(low_label, ascending, what, uri, upper=False)
+    high, high_excl = _as_label(high_label, ascending, what, uri, upper=True)
+    try:
+        return (int(np.searchsorted(ascending, low, side="left")),
+                int(np.searchsorted(ascending, high, side="left" if high_excl else "right")))
+    except TypeError:
+        raise InvalidArgument(f"{uri}: region {what} labels {(low_label, high_label)!r} cannot be compared with "
+                              f"the coordinate's {ascending.dtype} values", uri=uri) from None
 
 
 def _pair(value: Any, key: Any, uri: str) -> tuple[Any, Any]:
