@@ -11,6 +11,8 @@ import torch
 import zarr
 
 import stoker
+from cf_data import SHAPE, VARS, write_dataset  # noqa: F401 - shared with the other CF tests
+from cf_data import assert_same as _assert_same, boxes as _boxes, want as _want
 from stoker.transforms import FillNaN
 
 xr = pytest.importorskip("xarray")
@@ -18,7 +20,6 @@ pd = pytest.importorskip("pandas")
 
 pytestmark = pytest.mark.timeout(120)
 
-SHAPE = (12, 20, 24)
 
 
 def _cfg(**kw):
@@ -30,40 +31,8 @@ def _cfg(**kw):
 
 @pytest.fixture(scope="module", params=[2, 3])
 def dataset(request, tmp_path_factory):
-    """p: int16 packed (scale_factor, add_offset, _FillValue); t2m: float32 with a _FillValue; q: float64 with
-    missing_value; chunks smaller than the crops, so crops straddle chunks."""
-    rng = np.random.default_rng(7)
-    path = str(tmp_path_factory.mktemp("cf") / f"d{request.param}.zarr")
-    a = (rng.random(SHAPE) * 100 - 20).astype("float32")
-    a[rng.random(SHAPE) < 0.1] = np.nan
-    q = rng.normal(0, 1, SHAPE)
-    q[rng.random(SHAPE) < 0.1] = np.nan
-    ds = xr.Dataset({"p": (("time", "y", "x"), a), "t2m": (("time", "y", "x"), a.copy()),
-                     "q": (("time", "y", "x"), q)},
-                    coords={"time": pd.date_range("2000-01-01", periods=SHAPE[0], freq="D")})
-    enc = {"p": {"dtype": "int16", "scale_factor": 0.01, "add_offset": 30.0, "_FillValue": -32767,
-                 "chunks": (4, 8, 8)},
-           "t2m": {"_FillValue": -9999.0, "chunks": (4, 8, 8)},
-           "q": {"missing_value": -1e30, "_FillValue": -1e30, "chunks": (4, 8, 8)}}
-    ds.to_zarr(path, zarr_format=request.param, encoding=enc, consolidated=request.param == 2)
-    return path
-
-
-def _boxes(n: int, crop=(3, 9, 10)):
-    rng = np.random.default_rng(1)
-    return [[(int(s), int(s) + c) for s, c in zip((rng.integers(0, d - c + 1) for d, c in zip(SHAPE, crop)), crop)]
-            for _ in range(n)]
-
-
-def _want(ref, var, box) -> np.ndarray:
-    return ref[var].values[tuple(slice(a, b) for a, b in box)]
-
-
-def _assert_same(got: torch.Tensor, want: np.ndarray) -> None:
-    g = got.float().numpy()
-    w = torch.from_numpy(want.astype(np.float32)).to(got.dtype).float().numpy()
-    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
-    np.testing.assert_array_equal(g, w)  # NaNs compare equal here
+    """The CF dataset of cf_data.write_dataset, in Zarr format 2 and 3."""
+    return write_dataset(tmp_path_factory.mktemp("cf"), request.param)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
