@@ -190,3 +190,21 @@ def test_batches_without_cf_rows_still_leave_the_work_slot(dataset, tmp_path, de
     for i, box in enumerate(boxes):
         want = torch.from_numpy(values[tuple(slice(a, b) for a, b in box)]).to(torch.bfloat16)
         assert torch.equal(x[i], want)
+
+
+def test_unsigned_attribute_is_refused_not_read_signed(tmp_path):
+    """``_Unsigned="true"`` on int8 (netCDF's unsigned bytes, which xarray reads as uint8): never the signed
+    values as if decoded, a typed error; ``cf=False`` reads the stored values."""
+    uri = str(tmp_path / "u.zarr")
+    z = zarr.create_array(uri, shape=(4, 4), chunks=(4, 4), dtype="i1", fill_value=0,
+                          attributes={"_Unsigned": "true", "_FillValue": -1})
+    z[...] = np.full((4, 4), -56, "i1")  # 200 as uint8
+    box = [(0, 4), (0, 4)]
+    with stoker.Pipeline(_cfg(batch_size=1)) as p:
+        p.push(stoker.Sample(uri, box))
+        with pytest.raises(stoker.UnsupportedFormat, match="_Unsigned"):
+            p.pop()
+    with stoker.Pipeline(_cfg(batch_size=1, cf=False)) as p:
+        p.push(stoker.Sample(uri, box))
+        with p.pop() as batch:
+            assert (torch.from_dlpack(batch).numpy() == -56).all()

@@ -107,7 +107,16 @@ def _fill_attribute(value: Any, dtype: np.dtype, uri: str, name: str) -> list[fl
 def coding_of(attrs: dict, dtype: np.dtype, zarr_format: int, zarr_fill: Any = None, uri: str = "") -> CFCoding | None:
     """The CF coding ``attrs`` (an array's attributes) ask for, or None when decoding changes nothing.
     ``zarr_fill`` is a v2 array's ``.zarray`` ``fill_value`` as stored (JSON), which xarray takes for
-    ``_FillValue`` in the arrays it writes (those with ``_ARRAY_DIMENSIONS``)."""
+    ``_FillValue`` in the arrays it writes (those with ``_ARRAY_DIMENSIONS``). ``_Unsigned`` (signed integers
+    stored for unsigned values, which xarray reinterprets) is not decoded: UnsupportedFormat, never the signed
+    values read as if decoded."""
+    unsigned = attrs.get("_Unsigned")
+    if unsigned is not None and str(unsigned).lower() in ("true", "false") and \
+            (np.dtype(dtype).kind == "i") == (str(unsigned).lower() == "true"):
+        raise UnsupportedFormat(
+            f"{uri}: its _Unsigned={show(unsigned)} attribute asks for its {np.dtype(dtype)} values to be read as "
+            "the other signedness, which stoker does not decode yet; read the stored values with Config(cf=False) "
+            "(and reinterpret them), or store the array in its real dtype", uri=uri)
     scale = _number(attrs["scale_factor"], "scale_factor", uri) if attrs.get("scale_factor") is not None else None
     offset = _number(attrs["add_offset"], "add_offset", uri) if attrs.get("add_offset") is not None else None
     fills: list[float] = []
