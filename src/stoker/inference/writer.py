@@ -15,9 +15,11 @@ How the work is split (see docs/inference.md):
 - ``write()`` is collective when several ranks take part (every rank calls it once per batch, as the
   equal shares of a grid make them do): each rank cuts its predictions into the parts each region needs,
   and one ``all_gather_object`` hands every rank the parts of the regions it owns.
-- A rank keeps an accumulator per region it owns that has parts but is not finished: the blend's
-  weighted sum and the sum of weights (``linear``, ``hann``), or the value of the earliest tile covering
-  each voxel (``none``: the tile whose output box starts first, so the result is independent of order).
+- A rank keeps what each region it owns has received until the region is finished: the value of the
+  earliest tile covering each voxel (``none``: the tile whose output box starts first, so the result is
+  independent of order), or the parts themselves (``linear``, ``hann``: copies, blended into float64 sums
+  on a write thread when the region is finished; folded into the sums on arrival instead once they would
+  outgrow them). Written regions' buffers serve the next ones (:mod:`.buffers`).
   With ``grid=`` the writer knows how many tiles touch each region and writes a region as soon as all
   of them arrived; memory is then the regions in flight. Without it every region waits for ``close()``.
 - A tile seen twice (a short rank of a grid's split repeats tiles from the start) counts once.
