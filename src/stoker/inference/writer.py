@@ -93,7 +93,9 @@ class _Region:
                      scratch: Scratch) -> None:
         """Take one weighted part: kept for later, or added to the sums once the region has them."""
         if self.wsum is None and self.parts_bytes + values.nbytes <= self.sums_bytes:
-            self.parts.append((where, w, np.array(values, copy=True)))
+            # a view of the caller's batch is copied (the pipeline reuses it); a part from another rank
+            # arrives as an array of its own
+            self.parts.append((where, w, values if values.base is None else np.array(values, copy=True)))
             self.parts_bytes += values.nbytes
             return
         if self.wsum is None:
