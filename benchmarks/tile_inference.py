@@ -20,8 +20,9 @@ Zarr array of the volume's shape (``--chunks``) with zarr-python:
 
 Rounds are interleaved (every round runs every peer and blend, the peers' order rotating), so a machine
 shared with other work slows all peers alike; the report is each peer's median and best time and the
-ratios ``peer / stoker`` of the medians (the targets: >= 1.5 against MONAI, >= 2 against torchio). Every
-output is checked against the input outside the timings (an identity model's blend is the input). A peer
+ratios ``peer / stoker`` of the medians (the targets: >= 1.5 against MONAI, >= 2 against torchio), and the
+same for CPU time (``time.process_time``: every thread of the process; on a machine shared with other work
+the steadier of the two). Every output is checked against the input outside the timings (an identity model's blend is the input). A peer
 that does not import is reported as missing and left out. Threads: ``--threads`` for stoker's decoding and
 for torch (``torch.set_num_threads``).
 """
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(a.dir or tempfile.mkdtemp(prefix="stoker-tiles-"))
     src = make_volume(root / "in.zarr", tuple(a.shape), tuple(a.chunks))
     times: dict[str, dict[str, list[float]]] = {b: {peer: [] for peer in peers} for b in a.blends}
+    cpu: dict[str, dict[str, list[float]]] = {b: {peer: [] for peer in peers} for b in a.blends}
     load = [os.getloadavg()[0]]
     try:
         for r in range(a.rounds):
@@ -170,9 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
                 for peer in peers[r % len(peers):] + peers[:r % len(peers)]:  # the order rotates per round
                     out = str(root / f"{peer}-{blend}.zarr")
                     _remove(out)
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     PEERS[peer](src, out, a, blend)
                     times[blend][peer].append(time.perf_counter() - t0)
+                    cpu[blend][peer].append(time.process_time() - c0)  # every thread of the process
                     if r == 0:
                         check(src, out, peer, blend)
                     _remove(out)
@@ -186,16 +189,21 @@ def main(argv: list[str] | None = None) -> dict:
                     "load_1min": [round(x, 2) for x in load], "missing": missing, "blends": {}}
     for blend, by_peer in times.items():
         med = {peer: statistics.median(t) for peer, t in by_peer.items()}
+        med_cpu = {peer: statistics.median(t) for peer, t in cpu[blend].items()}
         result["blends"][blend] = {
             "median_s": {k: round(v, 3) for k, v in med.items()},
             "best_s": {peer: round(min(t), 3) for peer, t in by_peer.items()},
+            "cpu_median_s": {k: round(v, 3) for k, v in med_cpu.items()},
             "stoker_mvoxels_per_s": round(voxels / med["stoker"] / 1e6, 1) if "stoker" in med else None,
             "speedup": {f"stoker_vs_{peer}": round(v / med["stoker"], 2) for peer, v in med.items()
-                        if peer != "stoker" and "stoker" in med}}
+                        if peer != "stoker" and "stoker" in med},
+            "cpu_ratio": {f"stoker_vs_{peer}": round(v / med_cpu["stoker"], 2) for peer, v in med_cpu.items()
+                          if peer != "stoker" and "stoker" in med_cpu}}
     print(f"{a.shape} uint16, tiles {a.tile}, crop {a.crop}, chunks {a.chunks}, {a.rounds} interleaved rounds, "
           f"{os.cpu_count()} CPUs, 1-min load {result['load_1min']}" + (f"; missing: {missing}" if missing else ""))
     for blend, r in result["blends"].items():
-        print(f"blend={blend}: median s {r['median_s']}, best s {r['best_s']}; stoker / peer: {r['speedup']}")
+        print(f"blend={blend}: median s {r['median_s']}, best s {r['best_s']}; stoker / peer: {r['speedup']}; "
+              f"CPU s (process_time, median) {r['cpu_median_s']}, peer / stoker: {r['cpu_ratio']}")
     print(json.dumps(result))
     return result
 

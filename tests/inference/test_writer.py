@@ -52,7 +52,7 @@ def _window(blend, n):
     return np.ones(n)
 
 
-def reference(data, blend, channels, dtype="f4"):
+def reference(data, blend, channels, dtype="f4", crop=CROP):
     """Every tile of the grid predicted on the whole array, its margins cropped except on the array's border,
     blended with the documented weights ('none': the tile whose kept box starts first wins)."""
     grid = [(z, y, x) for z in _starts(SHAPE[0], TILE[0], STRIDE[0]) for y in _starts(SHAPE[1], TILE[1], STRIDE[1])
@@ -65,7 +65,7 @@ def reference(data, blend, channels, dtype="f4"):
     for corner in grid:
         box = [(c, c + t) for c, t in zip(corner, TILE)]
         pred = model(torch.from_numpy(data[tuple(slice(a, b) for a, b in box)][None]), channels)[0].numpy()
-        kept = [(a if a == 0 else a + CROP, b if b == n else b - CROP) for (a, b), n in zip(box, SHAPE)]
+        kept = [(a if a == 0 else a + crop, b if b == n else b - crop) for (a, b), n in zip(box, SHAPE)]
         dst = tuple(slice(a, b) for a, b in kept)
         src = (Ellipsis,) + tuple(slice(k0 - a, k1 - a) for (k0, k1), (a, _) in zip(kept, box))
         if blend == "none":
@@ -86,11 +86,11 @@ def _starts(n, t, s):
     return sorted({min(i * s, n - t) for i in range(-(-(n - t) // s) + 1)})
 
 
-def run(uri_in, out, blend, channels, world=1, rank=0, stop_after=None, **kw):
+def run(uri_in, out, blend, channels, world=1, rank=0, stop_after=None, crop=CROP, **kw):
     grid = stoker.TileGrid([uri_in], TILE, stride=STRIDE)
     shape = ((channels,) if channels else ()) + SHAPE
     chunks = ((channels,) if channels else ()) + (4, 8, 8)
-    writer = stoker.TileWriter(out, shape, chunks, "f4", blend=blend, crop=CROP, rank=rank, world_size=world,
+    writer = stoker.TileWriter(out, shape, chunks, "f4", blend=blend, crop=crop, rank=rank, world_size=world,
                                grid=grid, **kw)
     cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
     todo = writer.pending(grid)

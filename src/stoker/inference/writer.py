@@ -15,9 +15,11 @@ How the work is split (see docs/inference.md):
 - ``write()`` is collective when several ranks take part (every rank calls it once per batch, as the
   equal shares of a grid make them do): each rank cuts its predictions into the parts each region needs,
   and one ``all_gather_object`` hands every rank the parts of the regions it owns.
-- A rank keeps an accumulator per region it owns that has parts but is not finished: the blend's
-  weighted sum and the sum of weights (``linear``, ``hann``), or the value of the earliest tile covering
-  each voxel (``none``: the tile whose output box starts first, so the result is independent of order).
+- A rank keeps what each region it owns has received until the region is finished: the value of the
+  earliest tile covering each voxel (``none``: the tile whose output box starts first, so the result is
+  independent of order), or the parts themselves (``linear``, ``hann``: copies, blended into float64 sums
+  on a write thread when the region is finished; folded into the sums on arrival instead once they would
+  outgrow them). Written regions' buffers serve the next ones (:mod:`.buffers`).
   With ``grid=`` the writer knows how many tiles touch each region and writes a region as soon as all
   of them arrived; memory is then the regions in flight. Without it every region waits for ``close()``.
 - A tile seen twice (a short rank of a grid's split repeats tiles from the start) counts once.
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -44,6 +46,7 @@ from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
 from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
+from .buffers import BufferPool
 from .record import CompletionRecord
 from .target import array_store, writing
 
@@ -51,26 +54,66 @@ from .target import array_store, writing
 Part = tuple[tuple[int, ...], Box, Box, np.ndarray, int]
 
 
-class _Region:
-    """What one owned region has received so far."""
+Scratch = Callable[[tuple[int, ...]], np.ndarray]  # a float64 array of a shape, over reused memory
 
-    def __init__(self, box: Box, channels: tuple[int, ...], blend: str, dtype: np.dtype) -> None:
+
+class _Region:
+    """What one owned region has received so far.
+
+    ``none``: the values placed, in the output's dtype. ``linear``/``hann``: the weighted parts themselves
+    (copies: the batch goes back to the pipeline), summed only when the region is finished, on a write
+    thread into float64 sums taken from the pool; a region's parts are folded into sums of its own as soon
+    as they would hold more memory than the sums (tiles overlapping many times), and later parts are added
+    to the sums as they come. So the caller's thread copies each part once, and most float64 sums are
+    recycled memory (a fresh region-sized array faults in page by page: see :mod:`.buffers`)."""
+
+    def __init__(self, box: Box, channels: tuple[int, ...], blend: str, dtype: np.dtype, pool: BufferPool) -> None:
         self.box = box
-        shape = tuple(b - a for a, b in box)
+        self.shape = tuple(b - a for a, b in box)
+        self.full = channels + self.shape
         self.seen: set[Box] = set()
+        self.values: np.ndarray | None = None
+        self.wsum: np.ndarray | None = None
         if blend == "none":
-            self.values = np.zeros(channels + shape, dtype=dtype)
+            self.values = pool.take(self.full, dtype)
             # the boxes placed so far and their tiles' starts: which tile wins a voxel is decided from
             # these (a mask only where boxes overlap), not from a per-voxel array of starts
             self.placed: list[tuple[Box, int]] = []
-        else:
-            self.values = np.zeros(channels + shape, dtype=np.float64)
-            self.wsum = np.zeros(shape, dtype=np.float64)
+        # the weighted parts not yet summed: where in the region, their weights (a view of the tile's), values
+        self.parts: list[tuple[tuple[slice, ...], np.ndarray, np.ndarray]] = []
+        self.parts_bytes = 0
+        self.sums_bytes = (int(np.prod(self.full)) + int(np.prod(self.shape))) * 8
 
     @property
     def nbytes(self) -> int:
         """The memory the region holds until it is written."""
-        return self.values.nbytes + (self.wsum.nbytes if hasattr(self, "wsum") else 0)
+        return sum(a.nbytes for a in (self.values, self.wsum) if a is not None) + self.parts_bytes
+
+    def add_weighted(self, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray, pool: BufferPool,
+                     scratch: Scratch) -> None:
+        """Take one weighted part: kept for later, or added to the sums once the region has them."""
+        if self.wsum is None and self.parts_bytes + values.nbytes <= self.sums_bytes:
+            # a view of the caller's batch is copied (the pipeline reuses it); a part from another rank
+            # arrives as an array of its own
+            self.parts.append((where, w, values if values.base is None else np.array(values, copy=True)))
+            self.parts_bytes += values.nbytes
+            return
+        if self.wsum is None:
+            self.fold(pool, scratch)
+        self._accumulate(where, w, values, scratch)
+
+    def fold(self, pool: BufferPool, scratch: Scratch) -> None:
+        """Sum the parts kept into float64 sums (made here, from ``pool``)."""
+        self.values, self.wsum = pool.take(self.full, np.float64), pool.take(self.shape, np.float64)
+        for where, w, values in self.parts:  # in the order they came, as if summed on arrival
+            self._accumulate(where, w, values, scratch)
+        self.parts, self.parts_bytes = [], 0
+
+    def _accumulate(self, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray, scratch: Scratch) -> None:
+        assert self.values is not None and self.wsum is not None
+        acc = self.values[(Ellipsis,) + where]
+        acc += np.multiply(w, values, out=scratch(values.shape), dtype=np.float64)
+        self.wsum[where] += w
 
 
 class TileWriter:
@@ -140,9 +183,14 @@ class TileWriter:
         self._open: dict[tuple[int, ...], _Region] = {}
         self._expected: dict[tuple[int, ...], int] | None = None
         self._weights: dict[tuple[int, ...], np.ndarray] = {}
+        self._scratch = np.empty(0, dtype=np.float64)  # the blend's products, reused (the caller's thread only)
         self.written = 0  # regions this rank wrote
         self._count_lock = threading.Lock()
         self._closed = False
+        # the buffers of written regions, for the next ones: those of one region per write thread, and one
+        # more (its float64 sums, a float64 scratch and its output; see .buffers)
+        unit_voxels = int(np.prod(self.unit_full))
+        self._pool = BufferPool((int(write_threads) + 1) * unit_voxels * (3 * 8 + self.dtype.itemsize))
         self._background = None if int(write_threads) == 0 else \
             BackgroundWriter(self.uri, int(write_threads), int(write_bytes), float(write_timeout_s))
         if self._background is not None:  # a writer dropped without close(): its threads end with it
@@ -247,7 +295,7 @@ class TileWriter:
             region = self._open.get(r)
             if region is None:
                 region = self._open[r] = _Region(region_box(r, self.unit, self.spatial), self.channels, self.blend,
-                                                 self.dtype)
+                                                 self.dtype, self._pool)
             if key in region.seen:
                 continue  # a repeated tile (a short rank's wrap-around) counts once
             region.seen.add(key)
@@ -263,12 +311,11 @@ class TileWriter:
                             win = np.ones(tuple(b - a for a, b in box), dtype=bool)
                         win[local(common, box)] = False
                 region.placed.append((box, start))
+                assert region.values is not None
                 np.copyto(region.values[(Ellipsis,) + where], values, where=win, casting="unsafe")  # as astype
             else:
-                w = self._weights_of(key)[local(box, key)]
-                acc = region.values[(Ellipsis,) + where]
-                acc += np.multiply(w, values, dtype=np.float64)
-                region.wsum[where] += w
+                region.add_weighted(where, self._weights_of(key)[local(box, key)], values, self._pool,
+                                    self._scratch_of)
             if self._expected is not None and len(region.seen) >= self._expected.get(r, 0):
                 self._flush(r)
 
@@ -277,6 +324,14 @@ class TileWriter:
         if tile not in self._weights:
             self._weights[tile] = weights(self.blend, tile)
         return self._weights[tile]
+
+    def _scratch_of(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A float64 array of ``shape`` over the caller's thread's scratch memory (a fresh temporary per
+        part faults its pages in anew: see :mod:`.buffers`)."""
+        n = int(np.prod(shape))
+        if self._scratch.size < n:
+            self._scratch = np.empty(n, dtype=np.float64)
+        return self._scratch[:n].reshape(shape)
 
     def _flush(self, r: tuple[int, ...]) -> None:
         region = self._open.pop(r)
@@ -288,23 +343,36 @@ class TileWriter:
 
     def _finish(self, r: tuple[int, ...], region: _Region) -> None:
         if self.blend == "none":
+            assert region.values is not None
             out = region.values
             reached = np.zeros(out.shape[len(self.channels):], dtype=bool)
             for box, _ in region.placed:
                 reached[local(box, region.box)] = True
             if self.array.fill_value is not None and not reached.all():  # voxels no tile reached keep it
                 np.copyto(out, np.asarray(self.array.fill_value, dtype=out.dtype), where=~reached)
+            spent = [out]
         else:
+            scratch = self._pool.take(region.full, np.float64, zero=False)  # this thread's, for the fold
+            if region.wsum is None:
+                region.fold(self._pool, lambda shape: scratch.reshape(-1)[:int(np.prod(shape))].reshape(shape))
+            assert region.values is not None and region.wsum is not None
+            out = self._pool.take(region.full, self.dtype, zero=False)
             with np.errstate(invalid="ignore", divide="ignore"):
-                mean = np.divide(region.values, region.wsum, out=region.values)  # in place: the region is done
-            if np.issubdtype(self.dtype, np.integer):
-                np.rint(mean, out=mean)
+                if np.issubdtype(self.dtype, np.integer):
+                    mean = np.divide(region.values, region.wsum, out=region.values)  # in place: the region is done
+                    np.rint(mean, out=mean)
+                    np.copyto(out, mean, casting="unsafe")  # as astype
+                else:  # the float64 quotient rounded once to dtype, as astype would
+                    np.divide(region.values, region.wsum, out=out, casting="same_kind")
             reached = region.wsum > 0
             if not reached.all():  # voxels no tile reached keep the fill value
-                np.copyto(mean, self.array.fill_value or 0, where=~reached)
-            out = mean.astype(self.dtype)
+                np.copyto(out, np.asarray(self.array.fill_value or 0, dtype=np.float64), where=~reached,
+                          casting="unsafe")
+            spent = [region.values, region.wsum, out, scratch]
         with writing(self.uri, f"region {r} (voxels {region.box})"):
             self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
+        for buf in spent:  # zarr-python is done with them: the next regions' accumulators
+            self._pool.give(buf)
         self.record.mark(r)
         with self._count_lock:
             self.written += 1

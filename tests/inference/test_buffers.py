@@ -1,0 +1,119 @@
+"""The TileWriter's recycled buffers and its kept parts: the pool hands written regions' buffers out again,
+zeroed, holding at most its bound; weighted parts are copies (the caller may reuse its batch at once), and a
+region whose parts would outgrow float64 sums is folded into them; every way gives the reference's blend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+
+import stoker
+from stoker.inference.buffers import BufferPool
+
+from .test_writer import SHAPE, STRIDE, TILE, model, reference
+
+pytestmark = pytest.mark.timeout(120)
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vol")
+    data = np.random.default_rng(0).random(SHAPE).astype("f4")
+    zarr.create_array(str(root / "in.zarr"), shape=SHAPE, chunks=(5, 8, 7), dtype="f4")[:] = data
+    return str(root / "in.zarr"), data
+
+
+def test_a_buffer_given_back_is_taken_again_zeroed():
+    pool = BufferPool(max_bytes=4 * MIB)
+    a = pool.take((8, 16), np.float64)
+    assert not a.any()
+    a[:] = 7
+    pool.give(a)
+    assert pool.held_bytes == a.nbytes
+    b = pool.take((8, 16), np.float64)
+    assert b is a and not b.any() and pool.held_bytes == 0
+    b[:] = 5
+    pool.give(b)
+    assert pool.take((8, 16), np.float32) is not b  # another dtype: another kind
+    c = pool.take((8, 16), np.float64, zero=False)
+    assert c is b and (c == 5).all()  # not zeroed when the caller overwrites it all
+
+
+def test_the_pool_holds_at_most_max_bytes_and_never_a_view():
+    pool = BufferPool(max_bytes=2 * MIB)
+    bufs = [np.ones(MIB, dtype=np.uint8) for _ in range(3)]
+    for b in bufs:
+        pool.give(b)
+    assert pool.held_bytes == 2 * MIB  # the third is dropped
+    taken = [pool.take((MIB,), np.uint8) for _ in range(3)]
+    assert sum(any(t is b for b in bufs) for t in taken) == 2 and pool.held_bytes == 0
+    pool.give(taken[0][1:])  # a view: its memory is another array's
+    pool.give(np.ones((4, 4))[:, :2].copy().T)  # not C-contiguous
+    assert pool.held_bytes == 0
+
+
+def _writer(uri_out, blend, channels, crop, **kw):
+    shape = ((channels,) if channels else ()) + SHAPE
+    chunks = ((channels,) if channels else ()) + (4, 8, 8)
+    return stoker.TileWriter(uri_out, shape, chunks, "f4", blend=blend, crop=crop, **kw)
+
+
+def test_the_caller_may_overwrite_its_predictions_after_write(volume, tmp_path):
+    """Weighted parts are kept until their region is finished: as copies, so a batch reused at once (as the
+    pipeline reuses its slots) changes nothing."""
+    uri, data = volume
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    out = str(tmp_path / "out.zarr")
+    writer = _writer(out, "hann", 0, 2, grid=grid, write_threads=0)
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
+    kept = 0
+    for samples, x in stoker.CropDataset(grid, cfg, with_samples=True):
+        y = model(x, 0).numpy()
+        writer.write(samples, y)
+        kept += sum(len(r.parts) for r in writer._open.values())
+        y[:] = 1e9  # the caller's buffer, reused
+    writer.close()
+    assert kept > 0  # parts were kept across writes
+    np.testing.assert_allclose(zarr.open_array(out, mode="r")[:], reference(data, "hann", 0), rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("blend", ["linear", "hann"])
+@pytest.mark.parametrize("channels", [0, 2])
+@pytest.mark.parametrize("threads", [0, 2])
+def test_heavy_overlap_folds_parts_into_sums(volume, tmp_path, blend, channels, threads):
+    """Without a crop the tiles overlap up to 8 times: a region's parts would outgrow its float64 sums, so
+    they are folded into them, and a region never holds more than its sums."""
+    uri, data = volume
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    out = str(tmp_path / "out.zarr")
+    writer = _writer(out, blend, channels, 0, grid=grid, write_threads=threads)
+    cfg = stoker.Config(batch_size=2, dtype="f32", device="cpu", n_compute_threads=1)
+    folded = 0
+    for samples, x in stoker.CropDataset(grid, cfg, with_samples=True):
+        writer.write(samples, model(x, channels))
+        for region in writer._open.values():
+            folded += region.wsum is not None
+            assert 0 < region.nbytes <= region.sums_bytes
+    writer.close()
+    assert folded > 0
+    want = reference(data, blend, channels, crop=0)
+    np.testing.assert_allclose(zarr.open_array(out, mode="r")[:], want, rtol=2e-7, atol=0)
+
+
+def test_a_writer_recycles_its_buffers_within_its_bound(volume, tmp_path):
+    uri, data = volume
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    out = str(tmp_path / "out.zarr")
+    writer = _writer(out, "hann", 2, 2, grid=grid, write_threads=1)
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
+    for samples, x in stoker.CropDataset(grid, cfg, with_samples=True):
+        writer.write(samples, model(x, 2))
+    writer.close()
+    pool = writer._pool
+    assert 0 < pool.held_bytes <= pool.max_bytes
+    # one region per write thread and one more: sums, scratch and output of a 2 x 4 x 8 x 8 region
+    assert pool.max_bytes == 2 * (2 * 4 * 8 * 8) * (3 * 8 + 4)
+    np.testing.assert_allclose(zarr.open_array(out, mode="r")[:], reference(data, "hann", 2), rtol=2e-7, atol=0)
