@@ -65,7 +65,7 @@ import torch
 
 from ...runtime import gil
 from ...runtime.workers import start_thread
-from ...errors import BudgetExceeded, pipeline_closed
+from ...errors import BudgetExceeded, InvalidArgument, MissingDependency, pipeline_closed
 from . import frames
 from ...transforms import apply as apply_transform
 from . import fallback as gpu_fallback, place as gpu_place
@@ -112,8 +112,10 @@ class GpuDecodeExecutor:
     applies_cf = True  # decodes arrays' CF attributes (Config.cf) on the stream, in _end
 
     def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,
-                 decoder: Callable[[Any], Any] | None = None) -> None:
+                 decoder: Callable[[Any], Any] | None = None, placement: str | None = None) -> None:
         self.cfg = cfg
+        self.placement = _placement(placement, device)
+        self._placer = _placer(self.placement)
         self.device = device
         self.stats = stats
         self.store = store
@@ -143,11 +145,14 @@ class GpuDecodeExecutor:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def on_host(cls, cfg, stats, store, max_stream_bytes: int = 1 << 24) -> "GpuDecodeExecutor":
-        """The same executor on CPU tensors, decoding with :class:`~stoker.engine.gpu.reference.HostDecoder` (its tests)."""
+    def on_host(cls, cfg, stats, store, max_stream_bytes: int = 1 << 24,
+                placement: str | None = None) -> "GpuDecodeExecutor":
+        """The same executor on CPU tensors, decoding with :class:`~stoker.engine.gpu.reference.HostDecoder` (its
+        tests); ``placement="fused"`` places with the Triton kernels (under ``TRITON_INTERPRET=1``)."""
         from .reference import HostDecoder
 
-        return cls(cfg, torch.device("cpu"), stats, store, decoder=lambda stream: HostDecoder(max_stream_bytes))
+        return cls(cfg, torch.device("cpu"), stats, store, decoder=lambda stream: HostDecoder(max_stream_bytes),
+                   placement=placement)
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -554,7 +559,7 @@ class GpuDecodeExecutor:
             raise pipeline_closed()
         try:
             t0 = time.perf_counter()
-            gpu_place.fill(b.plan, b.sources, b.dest, fills)
+            self._placer.fill(b.plan, b.sources, b.dest, fills)
             if b.plan.pads:  # boxes past their arrays: on the stream, after every chunk is placed
                 fill_padding(b.plan.pads, b.plan.sources, b.dest, upload)
             self.stats.stage("assemble", time.perf_counter() - t0)
@@ -627,7 +632,7 @@ class GpuDecodeExecutor:
         t1 = time.perf_counter()
         elements = [dest.dtype if h == CPU else sources[int(s)].element
                     for h, s in zip(how[held].tolist(), plan.chunk_source[cid[held]].tolist())]
-        gpu_place.place(plan, sources, dest, self._scratch, cid[held], out[held], elements)
+        self._placer.place(plan, sources, dest, self._scratch, cid[held], out[held], elements)
         self._check_sizes(b)
         on_device = held[how[held] != CPU]
         b.checks = (checks, cid[on_device] if len(on_device) else cid[held])
@@ -637,6 +642,33 @@ class GpuDecodeExecutor:
         b.counts["bytes_to_device"] += int(layout.in_nbytes)
         b.counts["bytes_decoded"] += decoded
         b.counts["chunks_decoded"] += len(on_device)
+
+
+def _placement(asked: str | None, device: torch.device) -> str:
+    """``"fused"`` (:mod:`.fused`'s Triton kernels) or ``"torch"`` (:mod:`.place`'s index operations): as
+    ``asked``, else fused on a CUDA device where triton imports (CUDA builds of torch ship it), torch ops
+    elsewhere (the host stand-in: Triton runs CPU tensors only in its interpreter, which the tests ask for)."""
+    if asked not in (None, "fused", "torch"):
+        raise InvalidArgument(f"GpuDecodeExecutor(placement={asked!r}): 'fused', 'torch' or None")
+    if asked == "torch" or (asked is None and device.type != "cuda"):
+        return "torch"
+    from . import fused
+
+    if fused.available(device):
+        return "fused"
+    if asked == "fused":
+        raise MissingDependency(f"GpuDecodeExecutor(placement='fused') on {device}: needs triton, and on CPU tensors TRITON_INTERPRET=1 "
+                          "set before stoker.engine.gpu.fused is first imported", package="triton")
+    return "torch"
+
+
+def _placer(placement: str):
+    """The module whose ``place`` and ``fill`` the executor calls (looked up per call: tests wrap them)."""
+    if placement == "fused":
+        from . import fused
+
+        return fused
+    return gpu_place
 
 
 def _units(plan: TablePlan) -> int:
