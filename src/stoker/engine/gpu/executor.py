@@ -65,7 +65,7 @@ import torch
 
 from ...runtime import gil
 from ...runtime.workers import start_thread
-from ...errors import BudgetExceeded, InvalidArgument, MissingDependency, pipeline_closed
+from ...errors import BudgetExceeded, DeviceError, InvalidArgument, MissingDependency, pipeline_closed
 from . import frames
 from ...transforms import apply as apply_transform
 from . import fallback as gpu_fallback, place as gpu_place
@@ -139,6 +139,11 @@ class GpuDecodeExecutor:
         # (H200, scenario 8: 16 threads gave 831 samples/s where one gave 1,256)
         self._stager = Stager(store, stats, min(cfg.compute_threads, READ_THREADS))
         self._queue: queue.Queue = queue.Queue()  # batches submitted, for the reader
+        self._wave: _Wave | None = None  # the reader's open wave (room left: the next batch queued fills it)
+        self._ending: list = []  # the reader's: ends of batches whose last chunks are in the open wave
+        self._last: tuple | None = None  # the submitter's: (deferred checks, members) of the last wave decoded
+        #: the last waves handed to the submitter: (batches, staged bytes, decoded bytes) each
+        self.waves: deque[tuple[int, int, int]] = deque(maxlen=256)
         self._staged: queue.Queue = queue.Queue(maxsize=2)  # staged groups, for the submitter
         self._closing = False
         self._reader: threading.Thread | None = None
@@ -298,6 +303,12 @@ class GpuDecodeExecutor:
                                        for t in (self._work, self._data, self._scratch, self._temp) if t is not None)
 
     @property
+    def wave_bytes(self) -> tuple[int, int]:
+        """The most staged (encoded) and decoded bytes one wave holds, as :meth:`prepare` sized them within the
+        budgets (0 before it)."""
+        return self._enc_cap, self._dec_cap
+
+    @property
     def dtype(self) -> torch.dtype | None:
         return self.slots.dtype if self.slots is not None else None
 
@@ -378,21 +389,39 @@ class GpuDecodeExecutor:
                 return
             except queue.Full:
                 if not self._thread.is_alive():  # nothing will take it: give its staging back
-                    if msg is not None and msg[0] == "group":
-                        self.host_slots.release(msg[2][0])
+                    if msg is not None and msg[0] == "wave":
+                        self.host_slots.release(msg[2].staging)
                     return
+
+    def _hand_wave(self) -> None:
+        """Hand the open wave on (or give its staging back when no batch's chunks were parsed into it), then
+        the ends of the batches whose last chunks it holds."""
+        wave, self._wave = self._wave, None
+        if wave is not None:
+            if wave.members:
+                self.waves.append((len(wave.members), wave.group.pos, wave.group.end))
+                self._hand(("wave", None, wave))
+            else:
+                self.host_slots.release(wave.staging)
+        ending, self._ending = self._ending, []
+        for end in ending:
+            self._hand(end)
 
     def _read_loop(self) -> None:
         gil.enroll()
         try:
             while True:
-                try:
-                    item = gil.released(self._queue.get, timeout=0.1)
+                try:  # an open wave takes a batch queued already, never waits for one: it is handed instead
+                    item = (self._queue.get_nowait() if self._wave is not None
+                            else gil.released(self._queue.get, timeout=0.1))
                 except queue.Empty:
-                    if self._closing:
+                    if self._wave is not None:
+                        self._hand_wave()
+                    elif self._closing:
                         return
                     continue
                 if item is None or self._closing:
+                    self._hand_wave()
                     while item is not None:  # fail what is queued: nothing will make it
                         item[0].finish(item[0].plan.n_chunks, pipeline_closed())
                         try:
@@ -407,15 +436,21 @@ class GpuDecodeExecutor:
                     fills, error = self._stage(b, counts), None
                 except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop, in order
                     fills, error = None, exc
-                self._hand(("end", b, (fills, counts, error)))
+                end = ("end", b, (fills, counts, error))
+                if self._wave is not None:  # after the wave holding its last chunks (and earlier batches' ends)
+                    self._ending.append(end)
+                else:
+                    self._hand(end)
                 self.stats.charge_thread()
-                del b, item
+                del b, item, end
         finally:
             self._hand(None)
 
     def _stage(self, b: "_Batch", counts: dict) -> np.ndarray:
-        """Read batch ``b`` group by group into the staging buffers, each parsed and handed to the submitter;
-        returns the chunks to fill."""
+        """Read batch ``b`` into waves: staging buffers filled with its chunks after those of the batches before
+        it still open there, each batch's part parsed, a wave handed to the submitter once full (or once the
+        batch has more chunks than it holds); the last one is left open for the next batch queued. Returns
+        the chunks to fill."""
         plan, dtype = b.plan, b.dest.dtype
         sources = b.sources = [self._source(r, dtype) for r in plan.sources]
         stored = plan.chunk_file >= 0
@@ -432,11 +467,13 @@ class GpuDecodeExecutor:
         while (i < len(reads) or cpu or pending) and b.error is None:  # (the submitter failed: stop)
             if self._closing:
                 raise pipeline_closed()
-            staging = self._acquire_staging()
+            if self._wave is None:
+                self._wave = _Wave(self._acquire_staging())
+            wave = self._wave
+            group = wave.group
             try:
-                buf = staging.tensor.numpy()
-                before = (i, len(cpu))
-                group = Group()
+                buf = wave.staging.tensor.numpy()
+                before, rows, pos = (i, len(cpu)), group.rows, group.pos
                 while True:  # what waits first; then CPU chunks, each decoded once there is room for the last
                     if not pending and cpu:
                         c = cpu.popleft()
@@ -455,30 +492,35 @@ class GpuDecodeExecutor:
                         fills.append(np.array(missing, np.int64))
                         pending.extend(again)
                         i = e
-                if not group:
-                    if before == (i, len(cpu)):  # nothing fits an empty group
+                if group.rows == rows:  # nothing of this batch was staged here
+                    if not rows and before == (i, len(cpu)):  # nothing fits an empty group
                         if pending:
                             self._too_large(plan, pending[0].cid, len(pending[0].data))
                         self._too_large(plan, int(reads.order[i]), int(reads.enc[i + 1] - reads.enc[i] - reads.gap[i]))
                     parsed = None
                 else:
-                    parsed = self._parse(plan, dtype, group, buf, pending, counts)
+                    parsed = self._parse(plan, dtype, group, buf, pending, counts, rows)
                 del buf  # no view of a staging buffer outlives its hand-over
             except BaseException:
-                self.host_slots.release(staging)  # read into here only: the device never saw it
-                raise
-            if parsed is None:
-                self.host_slots.release(staging)
-                continue
-            self._hand(("group", b, (staging, *parsed)))
+                if not wave.members:  # read into here only: the device never saw it
+                    self._wave = None
+                    self.host_slots.release(wave.staging)
+                raise  # (else the wave is handed for the batches before, this one's rows left out)
+            if parsed is not None:
+                wave.members.append(_Member(b, group.pos - pos, *parsed))
+            if (i < len(reads) or cpu or pending or group.pos >= self._enc_cap or group.end >= self._dec_cap
+                    or self._work is not None):
+                # full, or this batch has more to stage; or every batch is placed into the one float32 work
+                # buffer (a transformed or CF-decoded 16-bit batch): the next one's chunks wait for this one's end
+                self._hand_wave()
         return np.sort(np.concatenate(fills))
 
     def _parse(self, plan: TablePlan, dtype: torch.dtype, group: Group, buf: np.ndarray, pending: deque,
-               counts: dict):
-        """``group`` (in ``buf``) as one Layout: ``(layout, held, cid, how, at, size, out, nbytes)``, or None
-        when no chunk is left for the device. Frames the device does not take are decoded on the CPU into
-        ``pending`` (staged with a later group)."""
-        cid, how, at, size, out = group.table()
+               counts: dict, first: int = 0):
+        """The rows of ``group`` from ``first`` on (in ``buf``) as one Layout: ``(layout, held, cid, how, at, size,
+        out, nbytes)``, or None when no chunk is left for the device. Frames the device does not take are
+        decoded on the CPU into ``pending`` (staged with a later group)."""
+        cid, how, at, size, out = (column[first:] for column in group.table())
         nbytes = np.array([plan.sources[int(s)].metadata.codec.nbytes for s in plan.chunk_source[cid]], np.int64)
         nbytes = np.where(how == CPU, size, nbytes)
         limit = self._decoder.max_stream_bytes
@@ -494,7 +536,7 @@ class GpuDecodeExecutor:
             return None
         return layout, held, cid, how, at, size, out, nbytes
 
-    # -- the submitter: groups decoded and placed on the stream, in order --------------------------
+    # -- the submitter: waves decoded and placed on the stream, in order ---------------------------
 
     def _run(self) -> None:
         gil.enroll()
@@ -509,14 +551,11 @@ class GpuDecodeExecutor:
                 return
             kind, b, data = msg
             with self._on_device(), self._on_stream():
-                if kind == "group":
-                    if b.error is not None or self._closing:  # skipped: the stream never read its staging
-                        self.host_slots.release(data[0])
+                if kind == "wave":
+                    if self._closing or all(m.b.error is not None for m in data.members):
+                        self.host_slots.release(data.staging)  # skipped: the stream never read its staging
                         continue
-                    try:
-                        self._flush(b, *data)  # (gives the staging back, once)
-                    except BaseException as exc:  # noqa: BLE001 - the batch's error, delivered at pop
-                        b.error = exc
+                    self._flush(data)  # (gives the staging back, once; each batch's error its own)
                 elif kind == "start":
                     try:
                         self._begin(b)
@@ -529,9 +568,8 @@ class GpuDecodeExecutor:
                             self._end(b, fills)
                         except BaseException as exc:  # noqa: BLE001
                             b.error = exc
-                    if b.checks[0]:  # a failed batch: its last decode is still waited for, not reported
-                        with contextlib.suppress(Exception):
-                            self._check_sizes(b)
+                    elif self._checks_pending(b):  # a failed batch: its last decode is still waited for
+                        self._check_wave()
                     for k, v in counts.items():
                         b.counts[k] += v
                     b.job.finish(_units(b.plan), b.error or error, **b.counts)
@@ -549,10 +587,10 @@ class GpuDecodeExecutor:
         slot.stream_waits = []
 
     def _end(self, b: "_Batch", fills: np.ndarray) -> None:
-        """Fills, padding, CF decoding, transform, the 16-bit rounding and the event queued, then the batch's
-        last group checked.
+        """Fills, padding, CF decoding, transform, the 16-bit rounding and the event queued, then the checks of
+        the wave holding the batch's last chunks, if not run yet.
 
-        The check waits for the last decode; queued first, the batch's tail keeps the device busy meanwhile.
+        The check waits for that wave's decode; queued first, the batch's tail keeps the device busy meanwhile.
         The batch is delivered only after the check, and a damaged chunk's error replaces any error of the
         transform (which saw the damage)."""
         if self._closing:
@@ -574,19 +612,48 @@ class GpuDecodeExecutor:
                 b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits
             b.target.event = self._event()
         finally:
-            self._check_sizes(b)
+            if self._checks_pending(b):
+                self._check_wave()
+            if b.error is not None:
+                raise b.error
 
-    def _check_sizes(self, b: "_Batch") -> None:
-        """The deferred checks of the group before (decoded sizes: they wait for its decode): a damaged stream
-        fails the batch with the CPU path's error, its chunks fetched again (their staging is reused)."""
-        checks, cids = b.checks
-        b.checks = ((), ())
+    def _checks_pending(self, b: "_Batch") -> bool:
+        """True while the checks of the last wave, which holds chunks of ``b``, have not run."""
+        return self._last is not None and any(m.b is b for m in self._last[1])
+
+    def _check_wave(self) -> None:
+        """The deferred checks of the last wave (decoded sizes and statuses: they wait for its decode). A
+        damaged stream fails the batch holding it with the CPU path's error, its chunks fetched again (their
+        staging is reused); the other batches of the wave keep their chunks (each stream decodes into its own
+        bytes), unless no chunk of the wave is damaged on the CPU either: then the device failed, and every
+        batch of the wave fails with DeviceError naming its chunks."""
+        last, self._last = self._last, None
+        if last is None:
+            return
+        checks, members = last
         try:
             for check in checks:
                 check()
         except frames.FrameError as exc:
-            gpu_fallback.decode_fetched(b.plan, cids, lambda c: self._stager.path(b.plan, c, {}), exc)
-            raise
+            healthy, damaged = [], False
+            for m in members:
+                if m.b.error is not None:
+                    continue
+                plan = m.b.plan
+                try:
+                    gpu_fallback.decode_fetched(plan, m.checked, lambda c, plan=plan: self._stager.path(plan, c, {}),
+                                                exc)
+                except DeviceError as error:  # every chunk of this batch decodes on the CPU
+                    healthy.append((m, error))
+                except BaseException as error:  # noqa: BLE001 - this batch's error, delivered at pop
+                    m.b.error, damaged = error, True
+            if not damaged:
+                for m, error in healthy:
+                    m.b.error = error
+        except BaseException as exc:  # noqa: BLE001 - the device failed the whole wave
+            for m in members:
+                if m.b.error is None:
+                    m.b.error = exc
 
     def _too_large(self, plan: TablePlan, cid: int, size: int) -> None:
         """BudgetExceeded: chunk ``cid`` (``size`` B in the staging) does not fit an empty group."""
@@ -613,35 +680,56 @@ class GpuDecodeExecutor:
         raw = gpu_fallback.cpu_decode(plan, cid, data, dtype, self.stats, counts)
         return Pending(cid, CPU, raw, aligned(len(raw)))
 
-    def _flush(self, b: "_Batch", staging, layout, held, cid, how, at, size, out, nbytes) -> None:
-        """Decode and place a staged group on the stream; the decoded sizes of the group before are checked
-        once this one is queued (the wait for them no longer holds the device's next work back)."""
-        plan, sources, dest = b.plan, b.sources, b.dest
+    def _flush(self, wave: "_Wave") -> None:
+        """Decode a wave in one call and place each batch's chunks on the stream; the checks of the wave before
+        run once this one is queued (the wait for them no longer holds the device's next work back). A wave
+        the decode refuses outright fails each of its batches: with the CPU path's error for its damaged chunk,
+        else DeviceError (nothing was decoded)."""
+        members, staging = wave.members, wave.staging
         t0 = time.perf_counter()
         checks: list = []
+        layout = (members[0].layout if len(members) == 1 else
+                  frames.batch([m.layout for m in members], [0] * len(members), [0] * len(members)))
         try:
             self._decoder.decode_staged(staging.tensor, layout, data=self._data, out=self._scratch, deferred=checks,
                                         temp=self._temp)
         except (frames.FrameError, frames.UnsupportedFrame) as exc:
-            dev = held[how[held] != CPU]
-            dev = dev if len(dev) else held
-            gpu_fallback.decode_again(plan, staging.tensor.numpy(), cid[dev], at[dev], size[dev], exc)
-            raise
+            for m in members:
+                if m.b.error is None:
+                    try:
+                        gpu_fallback.decode_again(m.b.plan, staging.tensor.numpy(), m.cid[m.device],
+                                                  m.at[m.device], m.size[m.device], exc)
+                    except BaseException as error:  # noqa: BLE001 - this batch's error, delivered at pop
+                        m.b.error = error
+            return
+        except BaseException as exc:  # noqa: BLE001 - nvCOMP refused the wave (DeviceError): its batches fail
+            for m in members:
+                if m.b.error is None:
+                    m.b.error = exc
+            return
         finally:  # read into again once the stream is past its copy (the decode reads the device's copy)
             self.host_slots.release(staging, ready_after=self._event())
         t1 = time.perf_counter()
-        elements = [dest.dtype if h == CPU else sources[int(s)].element
-                    for h, s in zip(how[held].tolist(), plan.chunk_source[cid[held]].tolist())]
-        self._placer.place(plan, sources, dest, self._scratch, cid[held], out[held], elements)
-        self._check_sizes(b)
-        on_device = held[how[held] != CPU]
-        b.checks = (checks, cid[on_device] if len(on_device) else cid[held])
-        decoded = int(nbytes[on_device].sum())
-        self.stats.chunk(t1 - t0, time.perf_counter() - t1, int(size[on_device].sum()), decoded,
-                         count=len(on_device))
-        b.counts["bytes_to_device"] += int(layout.in_nbytes)
-        b.counts["bytes_decoded"] += decoded
-        b.counts["chunks_decoded"] += len(on_device)
+        decoded = chunks = stored = 0
+        for m in members:
+            b = m.b
+            if b.error is None:
+                elements = [b.dest.dtype if h == CPU else b.sources[int(s)].element
+                            for h, s in zip(m.how[m.held].tolist(), b.plan.chunk_source[m.cid[m.held]].tolist())]
+                try:
+                    self._placer.place(b.plan, b.sources, b.dest, self._scratch, m.cid[m.held], m.out[m.held],
+                                       elements)
+                except BaseException as exc:  # noqa: BLE001 - this batch's error, delivered at pop
+                    b.error = exc
+            on_device = m.held[m.how[m.held] != CPU]
+            n = int(m.nbytes[on_device].sum())
+            decoded, chunks, stored = decoded + n, chunks + len(on_device), stored + int(m.size[on_device].sum())
+            b.counts["bytes_to_device"] += m.staged
+            b.counts["bytes_decoded"] += n
+            b.counts["chunks_decoded"] += len(on_device)
+        self._check_wave()
+        self._last = (checks, members)
+        self.stats.chunk(t1 - t0, time.perf_counter() - t1, stored, decoded, count=chunks)
 
 
 def _placement(asked: str | None, device: torch.device) -> str:
@@ -679,7 +767,7 @@ def _units(plan: TablePlan) -> int:
 
 class _Batch:
     """One batch between the reader and the submitter: its job, slot, tables, and what the submitter has
-    done (its error, counts, and the deferred checks of its last group)."""
+    done (its error and counts)."""
 
     def __init__(self, job: Job, target: Target, ex: GpuDecodeExecutor) -> None:
         self.job, self.target, self.plan = job, target, job.plan
@@ -690,4 +778,25 @@ class _Batch:
         self.decode: RowDecode | None = plan_decoder(self.plan, ex.cfg.cf)  # None: no row has CF attributes
         self.error: BaseException | None = None
         self.counts = dict.fromkeys(_COUNTS, 0)
-        self.checks: tuple = ((), ())
+
+
+class _Wave:
+    """A staging buffer being filled: the chunks of one or more batches (:class:`_Member`, one per batch, in
+    order), decoded in one call."""
+
+    def __init__(self, staging) -> None:
+        self.staging = staging
+        self.group = Group()
+        self.members: list[_Member] = []
+
+
+class _Member:
+    """One batch's chunks in a wave: ``staged`` bytes of it, parsed as ``layout`` (``held``: the rows it holds,
+    of ``cid``, ``how``, ``at``, ``size``, ``out``, ``nbytes``; offsets are the wave's)."""
+
+    def __init__(self, b: "_Batch", staged: int, layout, held, cid, how, at, size, out, nbytes) -> None:
+        self.b, self.staged, self.layout, self.held = b, staged, layout, held
+        self.cid, self.how, self.at, self.size, self.out, self.nbytes = cid, how, at, size, out, nbytes
+        dev = held[how[held] != CPU]
+        self.device = dev if len(dev) else held  # decoded again on the CPU when the device refuses the wave
+        self.checked = cid[self.device]  # fetched and decoded again when a deferred check fails
