@@ -1,9 +1,11 @@
 """The GPU-decode executor (``Config.decode_on="gpu"``): chunks cross PCIe encoded, the device decodes,
 casts and places them.
 
-Per batch, in groups that fit the staging (all device work on the pipeline's CUDA stream), on two threads:
-a reader does steps 1-2 and hands each staged group on (at most two wait: there are two staging buffers), a
-submitter does steps 3-4 in order, so group N+1 is read while the device decodes and places group N:
+In waves that fit the staging (all device work on the pipeline's CUDA stream), on two threads: a reader does
+steps 1-2 and hands each staged wave on (at most two wait: there are two staging buffers), a submitter does
+steps 3-4 in order, so wave N+1 is read while the device decodes and places wave N. A wave is not cut at a
+batch's end: it goes on with the chunks of the next batch submitted already (never waiting for one), so one
+decode takes the chunks of several lookahead batches, each batch's part parsed, placed and failed on its own:
 
 1. plan as the CPU executor does (:func:`~.tables.plan_tables`: each chunk's file, offset, length and copies),
    and order the chunks the device decodes for reading (:func:`.staging.plan_reads`: numpy, once);
@@ -13,11 +15,13 @@ submitter does steps 3-4 in order, so group N+1 is read while the device decodes
    (:mod:`.layout`: blosc1 frames and plain zstd chunks, a fixed number of numpy steps per group);
 3. the stream decoder (:class:`~stoker.engine.gpu.nvcomp.DeviceDecoder`) copies the staging to the device in one
    transfer and decodes every stream into the device scratch;
-4. the copies of the group's chunks are expanded into runs of contiguous elements and gathered from the
-   scratch, cast and scattered into the batch (:mod:`.place`: numpy, no Python step per chunk or copy).
+4. the copies of each batch's chunks are gathered from the scratch, cast and scattered into its slot: by
+   :mod:`.fused`'s Triton kernels where triton runs (a CUDA device), else by :mod:`.place`'s torch index
+   operations (:attr:`GpuDecodeExecutor.placement`).
 
-The decoded sizes of a group (reading them waits for its decode) are checked once the next group's decode
-and placement are queued, or at the batch's end, always before the batch is delivered; a staging buffer is
+The decoded sizes of a wave (reading them waits for its decode) are checked once the next wave's decode
+and placement are queued, or at the end of a batch it holds, always before the batch is delivered (a damaged
+stream fails only the batch holding it); a staging buffer is
 read into again only once the stream is past its copy and decode (their event). ``close()`` waits a second
 at most: the threads end at their next step.
 
