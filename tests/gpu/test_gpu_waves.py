@@ -26,7 +26,7 @@ from stoker.errors import DecodeError, DeviceError
 
 pytestmark = pytest.mark.timeout(120)
 
-SHAPE, CHUNKS = (32, 64, 64), (8, 16, 16)  # 128 chunks of 4,096 uint16 (8 KiB decoded)
+SHAPE, CHUNKS = (32, 64, 64), (8, 16, 16)  # 64 chunks of 2,048 uint16 (4 KiB decoded)
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +236,36 @@ def test_close_with_an_open_wave_returns_promptly_and_gives_the_staging_back(vol
         thread.join(10.0)
         assert not thread.is_alive()
     assert all(not s.busy for s in ex.host_slots.slots)
+
+
+def test_a_batch_is_finished_once_the_next_wave_is_queued_not_before(volume, held_reads, monkeypatch):
+    """No wait for the device in steady state: a batch whose last chunks are in wave k is finished (its
+    deferred check read) only once wave k + 1 is decoded (queued, on a GPU), so the device always has the
+    next wave while the host waits for one; only with nothing to queue is a wave waited for at once. Each
+    "device" decode here takes 50 ms, so the reader is always a wave ahead; waves hold two chunks (one where
+    no second batch is queued: the consumer holds the slots)."""
+    from stoker.engine.gpu import executor as gpu_decodes
+
+    uri, data = volume
+    made, decoder, wait_for, _ = held_reads
+    monkeypatch.setattr(gpu_decodes, "GROUP_BYTES", 2 * 4096)
+    calls, checked = [], []
+
+    class Slow(HostDecoder):
+        def decode_staged(self, staged, layout, *args, deferred=None, **kw):
+            n = len(calls)
+            calls.append(n)
+            out = super().decode_staged(staged, layout, *args, deferred=deferred, **kw)
+            time.sleep(0.05)
+            deferred.append(lambda: checked.append((n, len(calls))))
+            return out
+
+    decoder[0] = Slow
+    samples = [stoker.Sample(uri, _chunk_box(i)) for i in range(12)]
+    got = _batches(_cfg(batch_size=1), samples)
+    waves = [n for n, _, _ in made[0].waves]
+    assert max(waves) == 2 and sum(waves) == 12, waves  # two batches a wave where two are queued
+    assert [n for n, _ in checked] == list(range(len(waves)))
+    assert all(at >= n + 2 for n, at in checked[:-1]), checked  # the next wave was queued first
+    for x, s in zip(got, samples):
+        assert torch.equal(x[0], torch.from_numpy(data[tuple(slice(*a) for a in s.aabb)].astype(np.float32)))

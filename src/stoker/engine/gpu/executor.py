@@ -146,9 +146,12 @@ class GpuDecodeExecutor:
         self._wave: _Wave | None = None  # the reader's open wave (room left: the next batch queued fills it)
         self._ending: list = []  # the reader's: ends of batches whose last chunks are in the open wave
         self._last: tuple | None = None  # the submitter's: (deferred checks, members) of the last wave decoded
+        self._finishing: list = []  # the submitter's: batches ended, finished once the last wave is checked
         #: the last waves handed to the submitter: (batches, staged bytes, decoded bytes) each
         self.waves: deque[tuple[int, int, int]] = deque(maxlen=256)
-        self._staged: queue.Queue = queue.Queue(maxsize=2)  # staged groups, for the submitter
+        # waves, batch starts and ends, for the submitter: unbounded, as the two staging buffers bound the waves
+        # and the slots the batches (a bound here would hold the reader back behind two ends, not a wave ahead)
+        self._staged: queue.Queue = queue.Queue()
         self._closing = False
         self._reader: threading.Thread | None = None
         self._thread: threading.Thread | None = None
@@ -544,10 +547,22 @@ class GpuDecodeExecutor:
 
     def _run(self) -> None:
         gil.enroll()
+        try:
+            self._submit_loop()
+        finally:  # batches ended but not finished: their wave checked now (its decode waited for)
+            if self._finishing:
+                with self._on_device(), self._on_stream():
+                    self._check_wave()
+
+    def _submit_loop(self) -> None:
         while True:
-            try:
-                msg = gil.released(self._staged.get, timeout=0.1)
+            try:  # with batches waiting for their wave's check, nothing waits: that check runs when idle
+                msg = self._staged.get_nowait() if self._finishing else gil.released(self._staged.get, timeout=0.1)
             except queue.Empty:
+                if self._finishing:  # nothing to queue after it: the wave's decode is waited for now
+                    with self._on_device(), self._on_stream():
+                        self._check_wave()
+                    continue
                 if not self._reader.is_alive() and self._staged.empty():
                     return
                 continue
@@ -566,19 +581,25 @@ class GpuDecodeExecutor:
                     except BaseException as exc:  # noqa: BLE001
                         b.error = exc
                 else:
-                    fills, counts, error = data
-                    if b.error is None and error is None:
+                    fills, counts, b.reader_error = data
+                    if b.error is None and b.reader_error is None:
                         try:
                             self._end(b, fills)
-                        except BaseException as exc:  # noqa: BLE001
-                            b.error = exc
-                    elif self._checks_pending(b):  # a failed batch: its last decode is still waited for
-                        self._check_wave()
+                        except BaseException as exc:  # noqa: BLE001 - unless its wave's check finds damage
+                            b.end_error = exc
                     for k, v in counts.items():
                         b.counts[k] += v
-                    b.job.finish(_units(b.plan), b.error or error, **b.counts)
-                    self.stats.charge_thread()
+                    if self._checks_pending(b):  # finished once its wave is checked: when the next wave is
+                        self._finishing.append(b)  # queued, or when there is nothing to queue (a failed one too)
+                    else:
+                        self._finish(b)
             del msg, b, data
+
+    def _finish(self, b: "_Batch") -> None:
+        """The batch's job finished: its chunks in place and its end queued, or its first error (a damaged
+        chunk's before the transform's, which saw the damage)."""
+        b.job.finish(_units(b.plan), b.error or b.end_error or b.reader_error, **b.counts)
+        self.stats.charge_thread()
 
     def _begin(self, b: "_Batch") -> None:
         """The stream waits for what the slot's previous batch asked its next writer to wait for."""
@@ -591,35 +612,26 @@ class GpuDecodeExecutor:
         slot.stream_waits = []
 
     def _end(self, b: "_Batch", fills: np.ndarray) -> None:
-        """Fills, padding, CF decoding, transform, the 16-bit rounding and the event queued, then the checks of
-        the wave holding the batch's last chunks, if not run yet.
-
-        The check waits for that wave's decode; queued first, the batch's tail keeps the device busy meanwhile.
-        The batch is delivered only after the check, and a damaged chunk's error replaces any error of the
-        transform (which saw the damage)."""
+        """Fills, padding, CF decoding, transform, the 16-bit rounding and the event queued. The batch's job is
+        finished once the wave holding its last chunks is checked (:meth:`_check_wave`): when the next wave is
+        queued, so the device has work meanwhile, or at once when nothing is waiting to be queued."""
         if self._closing:
             raise pipeline_closed()
-        try:
+        t0 = time.perf_counter()
+        self._placer.fill(b.plan, b.sources, b.dest, fills)
+        if b.plan.pads:  # boxes past their arrays: on the stream, after every chunk is placed
+            fill_padding(b.plan.pads, b.plan.sources, b.dest, upload)
+        self.stats.stage("assemble", time.perf_counter() - t0)
+        if b.decode is not None or self.cfg.transform is not None:
             t0 = time.perf_counter()
-            self._placer.fill(b.plan, b.sources, b.dest, fills)
-            if b.plan.pads:  # boxes past their arrays: on the stream, after every chunk is placed
-                fill_padding(b.plan.pads, b.plan.sources, b.dest, upload)
-            self.stats.stage("assemble", time.perf_counter() - t0)
-            if b.decode is not None or self.cfg.transform is not None:
-                t0 = time.perf_counter()
-                if b.decode is not None:  # CF attributes: on the stream, in the work dtype, before the transform
-                    b.decode(b.batch)
-                if self.cfg.transform is not None:
-                    apply_transform(self.cfg.transform, b.batch, b.plan.keys)
-                self.stats.stage("transform", time.perf_counter() - t0)
-            if self._work is not None:
-                b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits
-            b.target.event = self._event()
-        finally:
-            if self._checks_pending(b):
-                self._check_wave()
-            if b.error is not None:
-                raise b.error
+            if b.decode is not None:  # CF attributes: on the stream, in the work dtype, before the transform
+                b.decode(b.batch)
+            if self.cfg.transform is not None:
+                apply_transform(self.cfg.transform, b.batch, b.plan.keys)
+            self.stats.stage("transform", time.perf_counter() - t0)
+        if self._work is not None:
+            b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits
+        b.target.event = self._event()
 
     def _checks_pending(self, b: "_Batch") -> bool:
         """True while the checks of the last wave, which holds chunks of ``b``, have not run."""
@@ -632,9 +644,15 @@ class GpuDecodeExecutor:
         bytes), unless no chunk of the wave is damaged on the CPU either: then the device failed, and every
         batch of the wave fails with DeviceError naming its chunks."""
         last, self._last = self._last, None
-        if last is None:
-            return
-        checks, members = last
+        try:
+            if last is not None:
+                self._run_checks(*last)
+        finally:  # the batches that waited for it (their errors, if any, set above)
+            finishing, self._finishing = self._finishing, []
+            for b in finishing:
+                self._finish(b)
+
+    def _run_checks(self, checks: list, members: list) -> None:
         try:
             for check in checks:
                 check()
@@ -780,7 +798,9 @@ class _Batch:
         self.dest = self.batch.flatten(0, 1) if self.plan.channels is not None else self.batch  # rows b * C + c
         self.sources: list[Source] = []
         self.decode: RowDecode | None = plan_decoder(self.plan, ex.cfg.cf)  # None: no row has CF attributes
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # a decode, placement or check error (the submitter's)
+        self.end_error: BaseException | None = None  # an error of its fills, CF decoding or transform
+        self.reader_error: BaseException | None = None  # the reader's (a read, the plan's sources...)
         self.counts = dict.fromkeys(_COUNTS, 0)
 
 
