@@ -20,8 +20,8 @@ decode takes the chunks of several lookahead batches, each batch's part parsed, 
    operations (:attr:`GpuDecodeExecutor.placement`).
 
 The decoded sizes of a wave (reading them waits for its decode) are checked once the next wave's decode
-and placement are queued, or at the end of a batch it holds, always before the batch is delivered (a damaged
-stream fails only the batch holding it); a staging buffer is
+and placement are queued, or once nothing waits to be queued, always before a batch it holds is finished (a
+damaged stream fails only the batch holding it); a staging buffer is
 read into again only once the stream is past its copy and decode (their event). ``close()`` waits a second
 at most: the threads end at their next step.
 
