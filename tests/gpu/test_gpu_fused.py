@@ -26,9 +26,10 @@ from stoker.engine.pipeline import facade as pipelines  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:stoker's GPU decode:RuntimeWarning")]
 
-if not fused.available(torch.device("cpu")) and not torch.cuda.is_available():
-    pytest.skip("triton runs CPU tensors only with TRITON_INTERPRET=1 set before it is imported (tests/conftest.py)",
-                allow_module_level=True)
+#: the tests on CPU tensors: Triton runs them only in its interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+#: where torch sees no CUDA; on a GPU host the kernels are compiled, and only the `cuda` test below runs)
+interpreted = pytest.mark.skipif(not fused.available(torch.device("cpu")),
+                                 reason="Triton runs CPU tensors only with TRITON_INTERPRET=1 set before it is imported")
 
 SHAPE, CHUNKS, CROP = (20, 37, 29), (8, 16, 16), (9, 20, 17)
 _FLOAT_OUT = ["f32", "bf16", "f16"]
@@ -137,6 +138,7 @@ def _expected(data, sample, dtype):
                                          "i64": np.int64}[dtype]))
 
 
+@interpreted
 @pytest.mark.parametrize("name, dtype", CASES)
 def test_fused_kernels_place_what_the_torch_ops_place(arrays, placements, name, dtype):
     uri, data = arrays[name]
@@ -159,6 +161,7 @@ def test_fused_kernels_place_what_the_torch_ops_place(arrays, placements, name, 
             assert torch.equal(torch.nan_to_num(got[row].double(), 12345.0), torch.nan_to_num(want.double(), 12345.0))
 
 
+@interpreted
 def test_copies_longer_than_a_launch_are_placed_in_parts(arrays, placements, monkeypatch):
     """A copy of more blocks than one launch takes along the grid's second axis (CUDA's 65,535) is placed by
     several launches, each from its first block: here a launch takes 2 blocks of 64 elements."""
@@ -171,6 +174,7 @@ def test_copies_longer_than_a_launch_are_placed_in_parts(arrays, placements, mon
     assert all(_same_bits(r, g) for r, g in zip(reference, batches))
 
 
+@interpreted
 def test_padding_fields_and_channels(arrays, placements):
     """Padded boxes (filled after the kernels placed the chunks), a sample of fields (one executor per field,
     each placing with the kernels) and channels: the torch ops' batches, bit for bit."""
@@ -190,6 +194,7 @@ def test_padding_fields_and_channels(arrays, placements):
         assert all(_same_bits(r[k], g[k]) for k in r)
 
 
+@interpreted
 def test_a_value_past_an_integer_output_fails_its_chunk(tmp_path, placements):
     """Narrowing integer casts are checked on the CPU (the kernels only widen): int64 ids into "i32" fail the
     batch with the CPU path's DtypeMismatch naming the chunk, with either placement."""
@@ -208,6 +213,7 @@ def test_a_value_past_an_integer_output_fails_its_chunk(tmp_path, placements):
     assert torch.equal(got[0][0], torch.from_numpy(data[10:19, 18:36, 18:28]))
 
 
+@interpreted
 def test_cf_decoding_after_the_kernels(tmp_path, placements):
     """CF attributes (packed int16, float fills) decoded on the stream after the kernels placed and filled the
     batch, and before the transform: the torch ops' batches, bit for bit."""
@@ -222,6 +228,7 @@ def test_cf_decoding_after_the_kernels(tmp_path, placements):
         assert all(_same_bits(r, g) for r, g in zip(ref, got)), dtype
 
 
+@interpreted
 def test_placement_is_chosen_by_device_and_asked_for_explicitly(tmp_path):
     """Torch ops on the host stand-in unless asked; the kernels where asked; anything else refused."""
     from stoker.engine.stats import StatsRecorder
@@ -236,3 +243,39 @@ def test_placement_is_chosen_by_device_and_asked_for_explicitly(tmp_path):
             GpuDecodeExecutor.on_host(cfg, StatsRecorder(), store, placement="triton")
     finally:
         store.close()
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_kernels_place_what_the_torch_ops_and_the_cpu_path_place(arrays, monkeypatch):
+    """On a CUDA device with nvCOMP: the executor places with the compiled kernels by default, and its batches
+    are the torch ops' and the CPU path's, bit for bit (NaN bits aside in bfloat16, as the CPU path itself)."""
+    pytest.importorskip("nvidia.libnvcomp", reason="nvCOMP is not installed (pip install 'stoker[gpu]')")
+    made = []
+
+    def factory(cfg, device, stats, store, placement=None):
+        made.append(GpuDecodeExecutor(cfg, device, stats, store, placement=placement))
+        return made[-1]
+
+    for name, (_, _, dtypes) in SPECS.items():
+        uri, data = arrays[name]
+        samples = _samples(uri)
+        for dtype in dtypes:
+            lossy = data.dtype == np.int32 and dtype in _FLOAT_OUT
+            runs = {}
+            for using in ("cpu", "torch", None):
+                cfg = stoker.Config(batch_size=3, dtype=dtype, device="cuda", decode_on="cpu" if using == "cpu" else "gpu",
+                                    lossy_casts=lossy, pop_timeout_s=60.0, device_buffer_bytes=256 << 20)
+                with monkeypatch.context() as mp:
+                    if using != "cpu":
+                        mp.setattr(pipelines, "make_executor",
+                                   lambda c, d, s, st, using=using: factory(c, d, s, st, placement=using))
+                    with stoker.Pipeline(cfg) as p:
+                        p.push(samples)
+                        runs[using] = [torch.from_dlpack(b).cpu().clone() for b in p]
+            assert made[-1].placement == "fused" and made[-2].placement == "torch"
+            for cpu, torch_ops, kernels in zip(runs["cpu"], runs["torch"], runs[None]):
+                assert _same_bits(torch_ops, kernels), (name, dtype)
+                same = _bits(cpu) == _bits(kernels)
+                if kernels.dtype == torch.bfloat16:
+                    same |= torch.isnan(cpu) & torch.isnan(kernels)
+                assert bool(same.all()), (name, dtype)

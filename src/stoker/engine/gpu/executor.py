@@ -389,7 +389,8 @@ class GpuDecodeExecutor:
     # -- the reader: batches staged group by group ------------------------------------------------
 
     def _hand(self, msg) -> None:
-        """Queue ``msg`` for the submitter (at most two waiting: the staging ring bounds them anyway)."""
+        """Queue ``msg`` for the submitter (the queue is unbounded: the staging ring bounds the waves, the slots
+        the batches; a put never waits, but if it could and the submitter is gone, a wave's staging is given back)."""
         while True:
             try:
                 self._staged.put(msg, timeout=0.1)
