@@ -1,6 +1,13 @@
+import os
+
 import numpy as np
 import pytest
 import torch
+
+# Triton (the GPU decode's fused kernels, tests/gpu/test_gpu_fused.py) runs CPU tensors in its interpreter:
+# the variable is read when a kernel is made, so it is set before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(params=["python", "engine"])

@@ -1,9 +1,11 @@
 """The GPU-decode executor (``Config.decode_on="gpu"``): chunks cross PCIe encoded, the device decodes,
 casts and places them.
 
-Per batch, in groups that fit the staging (all device work on the pipeline's CUDA stream), on two threads:
-a reader does steps 1-2 and hands each staged group on (at most two wait: there are two staging buffers), a
-submitter does steps 3-4 in order, so group N+1 is read while the device decodes and places group N:
+In waves that fit the staging (all device work on the pipeline's CUDA stream), on two threads: a reader does
+steps 1-2 and hands each staged wave on (at most two wait: there are two staging buffers), a submitter does
+steps 3-4 in order, so wave N+1 is read while the device decodes and places wave N. A wave is not cut at a
+batch's end: it goes on with the chunks of the next batch submitted already (never waiting for one), so one
+decode takes the chunks of several lookahead batches, each batch's part parsed, placed and failed on its own:
 
 1. plan as the CPU executor does (:func:`~.tables.plan_tables`: each chunk's file, offset, length and copies),
    and order the chunks the device decodes for reading (:func:`.staging.plan_reads`: numpy, once);
@@ -13,11 +15,13 @@ submitter does steps 3-4 in order, so group N+1 is read while the device decodes
    (:mod:`.layout`: blosc1 frames and plain zstd chunks, a fixed number of numpy steps per group);
 3. the stream decoder (:class:`~stoker.engine.gpu.nvcomp.DeviceDecoder`) copies the staging to the device in one
    transfer and decodes every stream into the device scratch;
-4. the copies of the group's chunks are expanded into runs of contiguous elements and gathered from the
-   scratch, cast and scattered into the batch (:mod:`.place`: numpy, no Python step per chunk or copy).
+4. the copies of each batch's chunks are gathered from the scratch, cast and scattered into its slot: by
+   :mod:`.fused`'s Triton kernels where triton runs (a CUDA device), else by :mod:`.place`'s torch index
+   operations (:attr:`GpuDecodeExecutor.placement`).
 
-The decoded sizes of a group (reading them waits for its decode) are checked once the next group's decode
-and placement are queued, or at the batch's end, always before the batch is delivered; a staging buffer is
+The decoded sizes of a wave (reading them waits for its decode) are checked once the next wave's decode
+and placement are queued, or once nothing waits to be queued, always before a batch it holds is finished (a
+damaged stream fails only the batch holding it); a staging buffer is
 read into again only once the stream is past its copy and decode (their event). ``close()`` waits a second
 at most: the threads end at their next step.
 
@@ -65,7 +69,7 @@ import torch
 
 from ...runtime import gil
 from ...runtime.workers import start_thread
-from ...errors import BudgetExceeded, pipeline_closed
+from ...errors import BudgetExceeded, DeviceError, InvalidArgument, MissingDependency, pipeline_closed
 from . import frames
 from ...transforms import apply as apply_transform
 from . import fallback as gpu_fallback, place as gpu_place
@@ -112,8 +116,10 @@ class GpuDecodeExecutor:
     applies_cf = True  # decodes arrays' CF attributes (Config.cf) on the stream, in _end
 
     def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,
-                 decoder: Callable[[Any], Any] | None = None) -> None:
+                 decoder: Callable[[Any], Any] | None = None, placement: str | None = None) -> None:
         self.cfg = cfg
+        self.placement = _placement(placement, device)
+        self._placer = _placer(self.placement)
         self.device = device
         self.stats = stats
         self.store = store
@@ -137,17 +143,28 @@ class GpuDecodeExecutor:
         # (H200, scenario 8: 16 threads gave 831 samples/s where one gave 1,256)
         self._stager = Stager(store, stats, min(cfg.compute_threads, READ_THREADS))
         self._queue: queue.Queue = queue.Queue()  # batches submitted, for the reader
-        self._staged: queue.Queue = queue.Queue(maxsize=2)  # staged groups, for the submitter
+        self._wave: _Wave | None = None  # the reader's open wave (room left: the next batch queued fills it)
+        self._ending: list = []  # the reader's: ends of batches whose last chunks are in the open wave
+        self._last: tuple | None = None  # the submitter's: (deferred checks, members) of the last wave decoded
+        self._finishing: list = []  # the submitter's: batches ended, finished once the last wave is checked
+        #: the last waves handed to the submitter: (batches, staged bytes, decoded bytes) each
+        self.waves: deque[tuple[int, int, int]] = deque(maxlen=256)
+        # waves, batch starts and ends, for the submitter: unbounded, as the two staging buffers bound the waves
+        # and the slots the batches (a bound here would hold the reader back behind two ends, not a wave ahead)
+        self._staged: queue.Queue = queue.Queue()
         self._closing = False
         self._reader: threading.Thread | None = None
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def on_host(cls, cfg, stats, store, max_stream_bytes: int = 1 << 24) -> "GpuDecodeExecutor":
-        """The same executor on CPU tensors, decoding with :class:`~stoker.engine.gpu.reference.HostDecoder` (its tests)."""
+    def on_host(cls, cfg, stats, store, max_stream_bytes: int = 1 << 24,
+                placement: str | None = None) -> "GpuDecodeExecutor":
+        """The same executor on CPU tensors, decoding with :class:`~stoker.engine.gpu.reference.HostDecoder` (its
+        tests); ``placement="fused"`` places with the Triton kernels (under ``TRITON_INTERPRET=1``)."""
         from .reference import HostDecoder
 
-        return cls(cfg, torch.device("cpu"), stats, store, decoder=lambda stream: HostDecoder(max_stream_bytes))
+        return cls(cfg, torch.device("cpu"), stats, store, decoder=lambda stream: HostDecoder(max_stream_bytes),
+                   placement=placement)
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -293,6 +310,12 @@ class GpuDecodeExecutor:
                                        for t in (self._work, self._data, self._scratch, self._temp) if t is not None)
 
     @property
+    def wave_bytes(self) -> tuple[int, int]:
+        """The most staged (encoded) and decoded bytes one wave holds, as :meth:`prepare` sized them within the
+        budgets (0 before it)."""
+        return self._enc_cap, self._dec_cap
+
+    @property
     def dtype(self) -> torch.dtype | None:
         return self.slots.dtype if self.slots is not None else None
 
@@ -366,28 +389,47 @@ class GpuDecodeExecutor:
     # -- the reader: batches staged group by group ------------------------------------------------
 
     def _hand(self, msg) -> None:
-        """Queue ``msg`` for the submitter (at most two waiting: the staging ring bounds them anyway)."""
+        """Queue ``msg`` for the submitter (the queue is unbounded: the staging ring bounds the waves, the slots
+        the batches; a put never waits, but if it could and the submitter is gone, a wave's staging is given back)."""
         while True:
             try:
                 self._staged.put(msg, timeout=0.1)
                 return
             except queue.Full:
                 if not self._thread.is_alive():  # nothing will take it: give its staging back
-                    if msg is not None and msg[0] == "group":
-                        self.host_slots.release(msg[2][0])
+                    if msg is not None and msg[0] == "wave":
+                        self.host_slots.release(msg[2].staging)
                     return
+
+    def _hand_wave(self) -> None:
+        """Hand the open wave on (or give its staging back when no batch's chunks were parsed into it), then
+        the ends of the batches whose last chunks it holds."""
+        wave, self._wave = self._wave, None
+        if wave is not None:
+            if wave.members:
+                self.waves.append((len(wave.members), wave.group.pos, wave.group.end))
+                self._hand(("wave", None, wave))
+            else:
+                self.host_slots.release(wave.staging)
+        ending, self._ending = self._ending, []
+        for end in ending:
+            self._hand(end)
 
     def _read_loop(self) -> None:
         gil.enroll()
         try:
             while True:
-                try:
-                    item = gil.released(self._queue.get, timeout=0.1)
+                try:  # an open wave takes a batch queued already, never waits for one: it is handed instead
+                    item = (self._queue.get_nowait() if self._wave is not None
+                            else gil.released(self._queue.get, timeout=0.1))
                 except queue.Empty:
-                    if self._closing:
+                    if self._wave is not None:
+                        self._hand_wave()
+                    elif self._closing:
                         return
                     continue
                 if item is None or self._closing:
+                    self._hand_wave()
                     while item is not None:  # fail what is queued: nothing will make it
                         item[0].finish(item[0].plan.n_chunks, pipeline_closed())
                         try:
@@ -402,15 +444,21 @@ class GpuDecodeExecutor:
                     fills, error = self._stage(b, counts), None
                 except BaseException as exc:  # noqa: BLE001 - delivered to the consumer at pop, in order
                     fills, error = None, exc
-                self._hand(("end", b, (fills, counts, error)))
+                end = ("end", b, (fills, counts, error))
+                if self._wave is not None:  # after the wave holding its last chunks (and earlier batches' ends)
+                    self._ending.append(end)
+                else:
+                    self._hand(end)
                 self.stats.charge_thread()
-                del b, item
+                del b, item, end
         finally:
             self._hand(None)
 
     def _stage(self, b: "_Batch", counts: dict) -> np.ndarray:
-        """Read batch ``b`` group by group into the staging buffers, each parsed and handed to the submitter;
-        returns the chunks to fill."""
+        """Read batch ``b`` into waves: staging buffers filled with its chunks after those of the batches before
+        it still open there, each batch's part parsed, a wave handed to the submitter once full (or once the
+        batch has more chunks than it holds); the last one is left open for the next batch queued. Returns
+        the chunks to fill."""
         plan, dtype = b.plan, b.dest.dtype
         sources = b.sources = [self._source(r, dtype) for r in plan.sources]
         stored = plan.chunk_file >= 0
@@ -427,11 +475,13 @@ class GpuDecodeExecutor:
         while (i < len(reads) or cpu or pending) and b.error is None:  # (the submitter failed: stop)
             if self._closing:
                 raise pipeline_closed()
-            staging = self._acquire_staging()
+            if self._wave is None:
+                self._wave = _Wave(self._acquire_staging())
+            wave = self._wave
+            group = wave.group
             try:
-                buf = staging.tensor.numpy()
-                before = (i, len(cpu))
-                group = Group()
+                buf = wave.staging.tensor.numpy()
+                before, rows, pos = (i, len(cpu)), group.rows, group.pos
                 while True:  # what waits first; then CPU chunks, each decoded once there is room for the last
                     if not pending and cpu:
                         c = cpu.popleft()
@@ -450,30 +500,35 @@ class GpuDecodeExecutor:
                         fills.append(np.array(missing, np.int64))
                         pending.extend(again)
                         i = e
-                if not group:
-                    if before == (i, len(cpu)):  # nothing fits an empty group
+                if group.rows == rows:  # nothing of this batch was staged here
+                    if not rows and before == (i, len(cpu)):  # nothing fits an empty group
                         if pending:
                             self._too_large(plan, pending[0].cid, len(pending[0].data))
                         self._too_large(plan, int(reads.order[i]), int(reads.enc[i + 1] - reads.enc[i] - reads.gap[i]))
                     parsed = None
                 else:
-                    parsed = self._parse(plan, dtype, group, buf, pending, counts)
+                    parsed = self._parse(plan, dtype, group, buf, pending, counts, rows)
                 del buf  # no view of a staging buffer outlives its hand-over
             except BaseException:
-                self.host_slots.release(staging)  # read into here only: the device never saw it
-                raise
-            if parsed is None:
-                self.host_slots.release(staging)
-                continue
-            self._hand(("group", b, (staging, *parsed)))
+                if not wave.members:  # read into here only: the device never saw it
+                    self._wave = None
+                    self.host_slots.release(wave.staging)
+                raise  # (else the wave is handed for the batches before, this one's rows left out)
+            if parsed is not None:
+                wave.members.append(_Member(b, group.pos - pos, *parsed))
+            if (i < len(reads) or cpu or pending or group.pos >= self._enc_cap or group.end >= self._dec_cap
+                    or self._work is not None):
+                # full, or this batch has more to stage; or every batch is placed into the one float32 work
+                # buffer (a transformed or CF-decoded 16-bit batch): the next one's chunks wait for this one's end
+                self._hand_wave()
         return np.sort(np.concatenate(fills))
 
     def _parse(self, plan: TablePlan, dtype: torch.dtype, group: Group, buf: np.ndarray, pending: deque,
-               counts: dict):
-        """``group`` (in ``buf``) as one Layout: ``(layout, held, cid, how, at, size, out, nbytes)``, or None
-        when no chunk is left for the device. Frames the device does not take are decoded on the CPU into
-        ``pending`` (staged with a later group)."""
-        cid, how, at, size, out = group.table()
+               counts: dict, first: int = 0):
+        """The rows of ``group`` from ``first`` on (in ``buf``) as one Layout: ``(layout, held, cid, how, at, size,
+        out, nbytes)``, or None when no chunk is left for the device. Frames the device does not take are
+        decoded on the CPU into ``pending`` (staged with a later group)."""
+        cid, how, at, size, out = (column[first:] for column in group.table())
         nbytes = np.array([plan.sources[int(s)].metadata.codec.nbytes for s in plan.chunk_source[cid]], np.int64)
         nbytes = np.where(how == CPU, size, nbytes)
         limit = self._decoder.max_stream_bytes
@@ -489,14 +544,26 @@ class GpuDecodeExecutor:
             return None
         return layout, held, cid, how, at, size, out, nbytes
 
-    # -- the submitter: groups decoded and placed on the stream, in order --------------------------
+    # -- the submitter: waves decoded and placed on the stream, in order ---------------------------
 
     def _run(self) -> None:
         gil.enroll()
+        try:
+            self._submit_loop()
+        finally:  # batches ended but not finished: their wave checked now (its decode waited for)
+            if self._finishing:
+                with self._on_device(), self._on_stream():
+                    self._check_wave()
+
+    def _submit_loop(self) -> None:
         while True:
-            try:
-                msg = gil.released(self._staged.get, timeout=0.1)
+            try:  # with batches waiting for their wave's check, nothing waits: that check runs when idle
+                msg = self._staged.get_nowait() if self._finishing else gil.released(self._staged.get, timeout=0.1)
             except queue.Empty:
+                if self._finishing:  # nothing to queue after it: the wave's decode is waited for now
+                    with self._on_device(), self._on_stream():
+                        self._check_wave()
+                    continue
                 if not self._reader.is_alive() and self._staged.empty():
                     return
                 continue
@@ -504,34 +571,36 @@ class GpuDecodeExecutor:
                 return
             kind, b, data = msg
             with self._on_device(), self._on_stream():
-                if kind == "group":
-                    if b.error is not None or self._closing:  # skipped: the stream never read its staging
-                        self.host_slots.release(data[0])
+                if kind == "wave":
+                    if self._closing or all(m.b.error is not None for m in data.members):
+                        self.host_slots.release(data.staging)  # skipped: the stream never read its staging
                         continue
-                    try:
-                        self._flush(b, *data)  # (gives the staging back, once)
-                    except BaseException as exc:  # noqa: BLE001 - the batch's error, delivered at pop
-                        b.error = exc
+                    self._flush(data)  # (gives the staging back, once; each batch's error its own)
                 elif kind == "start":
                     try:
                         self._begin(b)
                     except BaseException as exc:  # noqa: BLE001
                         b.error = exc
                 else:
-                    fills, counts, error = data
-                    if b.error is None and error is None:
+                    fills, counts, b.reader_error = data
+                    if b.error is None and b.reader_error is None:
                         try:
                             self._end(b, fills)
-                        except BaseException as exc:  # noqa: BLE001
-                            b.error = exc
-                    if b.checks[0]:  # a failed batch: its last decode is still waited for, not reported
-                        with contextlib.suppress(Exception):
-                            self._check_sizes(b)
+                        except BaseException as exc:  # noqa: BLE001 - unless its wave's check finds damage
+                            b.end_error = exc
                     for k, v in counts.items():
                         b.counts[k] += v
-                    b.job.finish(_units(b.plan), b.error or error, **b.counts)
-                    self.stats.charge_thread()
+                    if self._checks_pending(b):  # finished once its wave is checked: when the next wave is
+                        self._finishing.append(b)  # queued, or when there is nothing to queue (a failed one too)
+                    else:
+                        self._finish(b)
             del msg, b, data
+
+    def _finish(self, b: "_Batch") -> None:
+        """The batch's job finished: its chunks in place and its end queued, or its first error (a damaged
+        chunk's before the transform's, which saw the damage)."""
+        b.job.finish(_units(b.plan), b.error or b.end_error or b.reader_error, **b.counts)
+        self.stats.charge_thread()
 
     def _begin(self, b: "_Batch") -> None:
         """The stream waits for what the slot's previous batch asked its next writer to wait for."""
@@ -544,44 +613,70 @@ class GpuDecodeExecutor:
         slot.stream_waits = []
 
     def _end(self, b: "_Batch", fills: np.ndarray) -> None:
-        """Fills, padding, CF decoding, transform, the 16-bit rounding and the event queued, then the batch's
-        last group checked.
-
-        The check waits for the last decode; queued first, the batch's tail keeps the device busy meanwhile.
-        The batch is delivered only after the check, and a damaged chunk's error replaces any error of the
-        transform (which saw the damage)."""
+        """Fills, padding, CF decoding, transform, the 16-bit rounding and the event queued. The batch's job is
+        finished once the wave holding its last chunks is checked (:meth:`_check_wave`): when the next wave is
+        queued, so the device has work meanwhile, or at once when nothing is waiting to be queued."""
         if self._closing:
             raise pipeline_closed()
-        try:
+        t0 = time.perf_counter()
+        self._placer.fill(b.plan, b.sources, b.dest, fills)
+        if b.plan.pads:  # boxes past their arrays: on the stream, after every chunk is placed
+            fill_padding(b.plan.pads, b.plan.sources, b.dest, upload)
+        self.stats.stage("assemble", time.perf_counter() - t0)
+        if b.decode is not None or self.cfg.transform is not None:
             t0 = time.perf_counter()
-            gpu_place.fill(b.plan, b.sources, b.dest, fills)
-            if b.plan.pads:  # boxes past their arrays: on the stream, after every chunk is placed
-                fill_padding(b.plan.pads, b.plan.sources, b.dest, upload)
-            self.stats.stage("assemble", time.perf_counter() - t0)
-            if b.decode is not None or self.cfg.transform is not None:
-                t0 = time.perf_counter()
-                if b.decode is not None:  # CF attributes: on the stream, in the work dtype, before the transform
-                    b.decode(b.batch)
-                if self.cfg.transform is not None:
-                    apply_transform(self.cfg.transform, b.batch, b.plan.keys)
-                self.stats.stage("transform", time.perf_counter() - t0)
-            if self._work is not None:
-                b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits
-            b.target.event = self._event()
-        finally:
-            self._check_sizes(b)
+            if b.decode is not None:  # CF attributes: on the stream, in the work dtype, before the transform
+                b.decode(b.batch)
+            if self.cfg.transform is not None:
+                apply_transform(self.cfg.transform, b.batch, b.plan.keys)
+            self.stats.stage("transform", time.perf_counter() - t0)
+        if self._work is not None:
+            b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits
+        b.target.event = self._event()
 
-    def _check_sizes(self, b: "_Batch") -> None:
-        """The deferred checks of the group before (decoded sizes: they wait for its decode): a damaged stream
-        fails the batch with the CPU path's error, its chunks fetched again (their staging is reused)."""
-        checks, cids = b.checks
-        b.checks = ((), ())
+    def _checks_pending(self, b: "_Batch") -> bool:
+        """True while the checks of the last wave, which holds chunks of ``b``, have not run."""
+        return self._last is not None and any(m.b is b for m in self._last[1])
+
+    def _check_wave(self) -> None:
+        """The deferred checks of the last wave (decoded sizes and statuses: they wait for its decode). A
+        damaged stream fails the batch holding it with the CPU path's error, its chunks fetched again (their
+        staging is reused); the other batches of the wave keep their chunks (each stream decodes into its own
+        bytes), unless no chunk of the wave is damaged on the CPU either: then the device failed, and every
+        batch of the wave fails with DeviceError naming its chunks."""
+        last, self._last = self._last, None
+        try:
+            if last is not None:
+                self._run_checks(*last)
+        finally:  # the batches that waited for it (their errors, if any, set above)
+            finishing, self._finishing = self._finishing, []
+            for b in finishing:
+                self._finish(b)
+
+    def _run_checks(self, checks: list, members: list) -> None:
         try:
             for check in checks:
                 check()
         except frames.FrameError as exc:
-            gpu_fallback.decode_fetched(b.plan, cids, lambda c: self._stager.path(b.plan, c, {}), exc)
-            raise
+            healthy, damaged = [], False
+            for m in members:
+                if m.b.error is not None:
+                    continue
+                plan = m.b.plan
+                try:
+                    gpu_fallback.decode_fetched(plan, m.checked, lambda c, plan=plan: self._stager.path(plan, c, {}),
+                                                exc)
+                except DeviceError as error:  # every chunk of this batch decodes on the CPU
+                    healthy.append((m, error))
+                except BaseException as error:  # noqa: BLE001 - this batch's error, delivered at pop
+                    m.b.error, damaged = error, True
+            if not damaged:
+                for m, error in healthy:
+                    m.b.error = error
+        except BaseException as exc:  # noqa: BLE001 - the device failed the whole wave
+            for m in members:
+                if m.b.error is None:
+                    m.b.error = exc
 
     def _too_large(self, plan: TablePlan, cid: int, size: int) -> None:
         """BudgetExceeded: chunk ``cid`` (``size`` B in the staging) does not fit an empty group."""
@@ -608,35 +703,83 @@ class GpuDecodeExecutor:
         raw = gpu_fallback.cpu_decode(plan, cid, data, dtype, self.stats, counts)
         return Pending(cid, CPU, raw, aligned(len(raw)))
 
-    def _flush(self, b: "_Batch", staging, layout, held, cid, how, at, size, out, nbytes) -> None:
-        """Decode and place a staged group on the stream; the decoded sizes of the group before are checked
-        once this one is queued (the wait for them no longer holds the device's next work back)."""
-        plan, sources, dest = b.plan, b.sources, b.dest
+    def _flush(self, wave: "_Wave") -> None:
+        """Decode a wave in one call and place each batch's chunks on the stream; the checks of the wave before
+        run once this one is queued (the wait for them no longer holds the device's next work back). A wave
+        the decode refuses outright fails each of its batches: with the CPU path's error for its damaged chunk,
+        else DeviceError (nothing was decoded)."""
+        members, staging = wave.members, wave.staging
         t0 = time.perf_counter()
         checks: list = []
+        layout = (members[0].layout if len(members) == 1 else
+                  frames.batch([m.layout for m in members], [0] * len(members), [0] * len(members)))
         try:
             self._decoder.decode_staged(staging.tensor, layout, data=self._data, out=self._scratch, deferred=checks,
                                         temp=self._temp)
         except (frames.FrameError, frames.UnsupportedFrame) as exc:
-            dev = held[how[held] != CPU]
-            dev = dev if len(dev) else held
-            gpu_fallback.decode_again(plan, staging.tensor.numpy(), cid[dev], at[dev], size[dev], exc)
-            raise
+            for m in members:
+                if m.b.error is None:
+                    try:
+                        gpu_fallback.decode_again(m.b.plan, staging.tensor.numpy(), m.cid[m.device],
+                                                  m.at[m.device], m.size[m.device], exc)
+                    except BaseException as error:  # noqa: BLE001 - this batch's error, delivered at pop
+                        m.b.error = error
+            return
+        except BaseException as exc:  # noqa: BLE001 - nvCOMP refused the wave (DeviceError): its batches fail
+            for m in members:
+                if m.b.error is None:
+                    m.b.error = exc
+            return
         finally:  # read into again once the stream is past its copy (the decode reads the device's copy)
             self.host_slots.release(staging, ready_after=self._event())
         t1 = time.perf_counter()
-        elements = [dest.dtype if h == CPU else sources[int(s)].element
-                    for h, s in zip(how[held].tolist(), plan.chunk_source[cid[held]].tolist())]
-        gpu_place.place(plan, sources, dest, self._scratch, cid[held], out[held], elements)
-        self._check_sizes(b)
-        on_device = held[how[held] != CPU]
-        b.checks = (checks, cid[on_device] if len(on_device) else cid[held])
-        decoded = int(nbytes[on_device].sum())
-        self.stats.chunk(t1 - t0, time.perf_counter() - t1, int(size[on_device].sum()), decoded,
-                         count=len(on_device))
-        b.counts["bytes_to_device"] += int(layout.in_nbytes)
-        b.counts["bytes_decoded"] += decoded
-        b.counts["chunks_decoded"] += len(on_device)
+        decoded = chunks = stored = 0
+        for m in members:
+            b = m.b
+            if b.error is None:
+                elements = [b.dest.dtype if h == CPU else b.sources[int(s)].element
+                            for h, s in zip(m.how[m.held].tolist(), b.plan.chunk_source[m.cid[m.held]].tolist())]
+                try:
+                    self._placer.place(b.plan, b.sources, b.dest, self._scratch, m.cid[m.held], m.out[m.held],
+                                       elements)
+                except BaseException as exc:  # noqa: BLE001 - this batch's error, delivered at pop
+                    b.error = exc
+            on_device = m.held[m.how[m.held] != CPU]
+            n = int(m.nbytes[on_device].sum())
+            decoded, chunks, stored = decoded + n, chunks + len(on_device), stored + int(m.size[on_device].sum())
+            b.counts["bytes_to_device"] += m.staged
+            b.counts["bytes_decoded"] += n
+            b.counts["chunks_decoded"] += len(on_device)
+        self._check_wave()
+        self._last = (checks, members)
+        self.stats.chunk(t1 - t0, time.perf_counter() - t1, stored, decoded, count=chunks)
+
+
+def _placement(asked: str | None, device: torch.device) -> str:
+    """``"fused"`` (:mod:`.fused`'s Triton kernels) or ``"torch"`` (:mod:`.place`'s index operations): as
+    ``asked``, else fused on a CUDA device where triton imports (CUDA builds of torch ship it), torch ops
+    elsewhere (the host stand-in: Triton runs CPU tensors only in its interpreter, which the tests ask for)."""
+    if asked not in (None, "fused", "torch"):
+        raise InvalidArgument(f"GpuDecodeExecutor(placement={asked!r}): 'fused', 'torch' or None")
+    if asked == "torch" or (asked is None and device.type != "cuda"):
+        return "torch"
+    from . import fused
+
+    if fused.available(device):
+        return "fused"
+    if asked == "fused":
+        raise MissingDependency(f"GpuDecodeExecutor(placement='fused') on {device}: needs triton, and on CPU tensors TRITON_INTERPRET=1 "
+                          "set before stoker.engine.gpu.fused is first imported", package="triton")
+    return "torch"
+
+
+def _placer(placement: str):
+    """The module whose ``place`` and ``fill`` the executor calls (looked up per call: tests wrap them)."""
+    if placement == "fused":
+        from . import fused
+
+        return fused
+    return gpu_place
 
 
 def _units(plan: TablePlan) -> int:
@@ -647,7 +790,7 @@ def _units(plan: TablePlan) -> int:
 
 class _Batch:
     """One batch between the reader and the submitter: its job, slot, tables, and what the submitter has
-    done (its error, counts, and the deferred checks of its last group)."""
+    done (its error and counts)."""
 
     def __init__(self, job: Job, target: Target, ex: GpuDecodeExecutor) -> None:
         self.job, self.target, self.plan = job, target, job.plan
@@ -656,6 +799,29 @@ class _Batch:
         self.dest = self.batch.flatten(0, 1) if self.plan.channels is not None else self.batch  # rows b * C + c
         self.sources: list[Source] = []
         self.decode: RowDecode | None = plan_decoder(self.plan, ex.cfg.cf)  # None: no row has CF attributes
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # a decode, placement or check error (the submitter's)
+        self.end_error: BaseException | None = None  # an error of its fills, CF decoding or transform
+        self.reader_error: BaseException | None = None  # the reader's (a read, the plan's sources...)
         self.counts = dict.fromkeys(_COUNTS, 0)
-        self.checks: tuple = ((), ())
+
+
+class _Wave:
+    """A staging buffer being filled: the chunks of one or more batches (:class:`_Member`, one per batch, in
+    order), decoded in one call."""
+
+    def __init__(self, staging) -> None:
+        self.staging = staging
+        self.group = Group()
+        self.members: list[_Member] = []
+
+
+class _Member:
+    """One batch's chunks in a wave: ``staged`` bytes of it, parsed as ``layout`` (``held``: the rows it holds,
+    of ``cid``, ``how``, ``at``, ``size``, ``out``, ``nbytes``; offsets are the wave's)."""
+
+    def __init__(self, b: "_Batch", staged: int, layout, held, cid, how, at, size, out, nbytes) -> None:
+        self.b, self.staged, self.layout, self.held = b, staged, layout, held
+        self.cid, self.how, self.at, self.size, self.out, self.nbytes = cid, how, at, size, out, nbytes
+        dev = held[how[held] != CPU]
+        self.device = dev if len(dev) else held  # decoded again on the CPU when the device refuses the wave
+        self.checked = cid[self.device]  # fetched and decoded again when a deferred check fails

@@ -52,7 +52,8 @@ def decode_streams(data: np.ndarray, layout: Layout, out: np.ndarray | None = No
     in ``out`` (a flat uint8 buffer of at least that many bytes; its first ones are returned) or a new array.
 
     Raises :class:`UnsupportedFrame` when a stream needs a compressor other than LZ4 and zstd, and
-    :class:`FrameError` when a stream does not decode to exactly its size.
+    :class:`FrameError` when a stream does not decode to exactly its size (the first such, once every other
+    stream is decoded: as on the device, where each stream decodes into its own bytes whatever the others do).
     """
     if not available():
         raise UnsupportedFrame("numcodecs' lz4 and zstd extensions do not export LZ4_decompress_safe / "
@@ -72,6 +73,7 @@ def decode_streams(data: np.ndarray, layout: Layout, out: np.ndarray | None = No
     base_out = out.ctypes.data
     rows = zip(layout.src.tolist(), layout.csize.tolist(), layout.dst.tolist(), layout.dsize.tolist(),
                layout.raw.tolist(), layout.codec.tolist(), layout.chunk.tolist())
+    failure = None  # the first stream that failed: raised once every stream is decoded, as the device reports
     for src, csize, dst, dsize, raw, codec, chunk in rows:  # a loop per stream: the reference, not the fast path
         if raw:
             continue
@@ -81,13 +83,16 @@ def decode_streams(data: np.ndarray, layout: Layout, out: np.ndarray | None = No
         else:  # ZSTD: layout.supported leaves no other codec on a stream that is not raw
             got = _zstd(base_out + dst, dsize, base_in + src, csize)
             failed = bool(_zstd_is_error(got))
-        if failed or got != dsize:
+        if (failed or got != dsize) and failure is None:
             what = "failed" if failed else f"gave {got} bytes"
-            raise FrameError(f"chunk {chunk}: a {CODEC_NAMES[codec]} stream of {csize} bytes {what}, {dsize} expected")
+            failure = FrameError(f"chunk {chunk}: a {CODEC_NAMES[codec]} stream of {csize} bytes {what}, {dsize} "
+                                 "expected")
     raw = layout.raw  # copied and unshuffled by the device's own operations, on CPU tensors
     ops.copy_segments_(torch.from_numpy(data), layout.src[raw], torch.from_numpy(out), layout.dst[raw],
                        layout.dsize[raw])
     ops.unshuffle_(torch.from_numpy(out), layout)
+    if failure is not None:
+        raise failure
     return out
 
 

@@ -79,6 +79,11 @@ class Group:
             return tuple(np.zeros(0, np.int64) for _ in range(5))
         return tuple(np.concatenate(col) for col in zip(*self.parts))
 
+    @property
+    def rows(self) -> int:
+        """Chunks in the group so far."""
+        return sum(len(part[0]) for part in self.parts)
+
     def __bool__(self) -> bool:
         return bool(self.parts)
 
