@@ -330,7 +330,7 @@ class GpuDecodeExecutor:
         return Target(slot.tensor[:plan.rows], slot, None)
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
-        job = Job(plan, target.out, _units(plan))
+        job = Job(plan, target.out, _units(plan), then=target.then)
         if _units(plan):
             self._queue.put((job, target))
         return job  # (a batch of no chunks and no padding is complete: there is nothing to place)
@@ -542,6 +542,8 @@ class GpuDecodeExecutor:
             else:
                 self.stream.wait_stream(wait)
         slot.stream_waits = []
+        if b.target.before is not None:  # (the hybrid's host part: lands on the stream before any chunk)
+            b.target.before(b.batch)
 
     def _end(self, b: "_Batch", fills: np.ndarray) -> None:
         """Fills, padding, CF decoding, transform, the 16-bit rounding and the event queued, then the batch's
