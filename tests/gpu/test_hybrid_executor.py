@@ -124,8 +124,12 @@ def test_batches_are_the_cpu_path_s_and_zarr_s_bit_for_bit(arrays, hybrid, dtype
             assert _same(g, w), (name, dtype, fraction)
         for row, s in zip(torch.cat(got), samples):
             assert _same(row, _expected(data, s, dtype).to(row.dtype)), (name, dtype, fraction)
-        if name == "v3-gzip-u16" or fraction != 1.0:  # (1.0: the GPU part takes every chunk it decodes)
-            assert 0 < stats.bytes_to_device_host < stats.bytes_to_device, name
+        if fraction is None:  # measured: both parts placed chunks (those the device does not take: the CPU's alone)
+            host_only = name == "v3-gzip-u16" or (dtype == "bf16" and name.endswith("f32"))
+            assert 0 < stats.bytes_to_device_host == stats.bytes_to_device if host_only else \
+                0 < stats.bytes_to_device_host < stats.bytes_to_device, name
+        elif fraction == 0.0:  # the GPU part places nothing, but finishes every batch
+            assert 0 < stats.bytes_to_device_host == stats.bytes_to_device, name
     assert hybrid.executors and all(isinstance(ex, HybridExecutor) for ex in hybrid.executors)
 
 
@@ -193,11 +197,11 @@ def test_every_chunk_is_placed_by_exactly_one_part_and_the_device_takes_only_wha
     for fraction in (0.0, 0.1, 0.5, 0.9, 1.0):
         cpu, gpu = split(cost, on_device, fraction)
         assert np.array_equal(np.sort(np.concatenate([cpu, gpu])), np.arange(plan.n_chunks))
-        assert len(gpu) >= 1 and on_device[gpu].all()
+        assert on_device[gpu].all() and (len(gpu) >= 1) == (fraction > 0)
         if fraction == 1.0:
             assert on_device[cpu].sum() == 0 and len(cpu) == (~on_device).sum()
         want = min(fraction * cost.sum(), cost[on_device].sum())  # (at most what the device decodes)
-        assert abs(cost[gpu].sum() - want) <= cost.max() or len(gpu) == 1
+        assert abs(cost[gpu].sum() - want) <= cost.max()
         for ids in (cpu, gpu):  # each part's plan: its chunks, each with all of its copies, in the same places
             part = subset(plan, ids)
             assert part.n_chunks == len(ids) and int(part.n_copies.sum()) == len(part.copy_row)
@@ -266,7 +270,6 @@ def test_shares_adapt_when_one_side_is_made_slower(arrays, hybrid, monkeypatch):
 def _corrupt_first_chunk(tmp_path):
     z, data = _write(tmp_path / "c.zarr", (16, 32, 32), (8, 16, 16), "uint16", ZstdCodec(level=1), seed=3)
     (tmp_path / "c.zarr" / "c" / "0" / "0" / "0").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(range(200)))
-    # the first sample reads chunk 0/0/0 first: chunk 0 of the plan, never the GPU part's least share (the last)
     return [stoker.Sample(_uri(z), [(0, 8), (0, 16), (0, 16)])] * 2 + \
         _samples(_uri(z), data.shape, (8, 16, 16), 6, seed=1)
 

@@ -330,8 +330,8 @@ class GpuDecodeExecutor:
         return Target(slot.tensor[:plan.rows], slot, None)
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
-        job = Job(plan, target.out, _units(plan), then=target.then)
-        if _units(plan):
+        job = Job(plan, target.out, _units(plan, target), then=target.then)
+        if _units(plan, target):
             self._queue.put((job, target))
         return job  # (a batch of no chunks and no padding is complete: there is nothing to place)
 
@@ -529,7 +529,7 @@ class GpuDecodeExecutor:
                             self._check_sizes(b)
                     for k, v in counts.items():
                         b.counts[k] += v
-                    b.job.finish(_units(b.plan), b.error or error, **b.counts)
+                    b.job.finish(_units(b.plan, b.target), b.error or error, **b.counts)
                     self.stats.charge_thread()
             del msg, b, data
 
@@ -641,10 +641,10 @@ class GpuDecodeExecutor:
         b.counts["chunks_decoded"] += len(on_device)
 
 
-def _units(plan: TablePlan) -> int:
+def _units(plan: TablePlan, target: Target) -> int:
     """What a batch's job counts down: its chunks, or one for a batch of padded crops that reads none (the
-    padding is still to be filled on the stream)."""
-    return plan.n_chunks or (1 if plan.pads else 0)
+    padding is still to be filled on the stream) or with a ``before`` hook (the hybrid's host part lands)."""
+    return plan.n_chunks or (1 if plan.pads or target.before is not None else 0)
 
 
 class _Batch:

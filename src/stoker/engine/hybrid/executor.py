@@ -17,7 +17,8 @@ The split (:mod:`.split`) is by unique chunk: each is placed by exactly one side
 does not decode go to the CPU part; the rest are cut by decoded bytes in the ratio of the two sides'
 measured rates (:class:`~.split.Shares`: bytes per second of each side's own work, smoothed; the GPU
 part's time excludes its wait for the host part), each side keeping at least
-:data:`~.split.MIN_SHARE`. The GPU part takes at least one chunk of every batch, since it finishes it.
+:data:`~.split.MIN_SHARE`. The GPU part runs every batch, even one it places no chunk of, since it
+finishes it.
 
 Errors: either part's first error fails the batch (the same typed errors as the CPU path: the GPU decode
 decodes a chunk that fails on the device again on the CPU for its error), and stops the other part; a
@@ -155,6 +156,11 @@ class HybridExecutor:
     # -- memory -----------------------------------------------------------------------------------
 
     @property
+    def slots(self) -> SlotRing | None:
+        """The delivered slots (the GPU part's; None until prepared)."""
+        return self.gpu.slots
+
+    @property
     def host_slots(self) -> SlotRing | None:
         """The CPU part's (pinned) staging slots."""
         return self.cpu.host_slots
@@ -195,7 +201,7 @@ class HybridExecutor:
 
     def prepare(self, sample_shape: tuple[int, ...], readers: list[ArrayReader], dtype: torch.dtype) -> None:
         """Both parts' slots and threads, once: the GPU part's first (its work dtype is the host part's)."""
-        if self.gpu.slots is not None and self.cpu.slots is not None:
+        if self.slots is not None and self.cpu.slots is not None:
             return
         self._budgets(lambda: self.gpu.prepare(sample_shape, readers, dtype))
         self._budgets(lambda: self.cpu.prepare(sample_shape, readers, self.gpu.work_dtype(dtype)))

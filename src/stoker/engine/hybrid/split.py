@@ -81,24 +81,20 @@ def split(cost: np.ndarray, on_device: np.ndarray, fraction: float) -> tuple[np.
     """``(cpu, gpu)``: the chunk numbers (ascending) each side places, every chunk in exactly one.
 
     Chunks with ``on_device`` False go to the CPU; of the others the GPU takes a run at the end of the
-    plan's order whose bytes come closest to ``fraction`` of the whole batch's (at most all of them). The GPU
-    takes at least one chunk of a batch that has any (its executor finishes every batch: fills, padding, CF
-    decoding, the transform and the event), the last one it may take, else the last one."""
+    plan's order whose bytes come closest to ``fraction`` of the whole batch's (all of them for 1, none for
+    0; at least one for any other fraction, so its rate goes on being measured)."""
     n = len(cost)
-    if n == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     free = np.flatnonzero(on_device)
-    want = fraction * float(cost.sum())
-    # bytes the GPU holds taking the last k free chunks, k = 0..len(free): the k closest to the target
-    taken = np.concatenate([[0], np.cumsum(cost[free][::-1])])
-    k = int(np.argmin(np.abs(taken - want)))
+    if n == 0 or not len(free) or fraction <= 0:
+        return np.arange(n, dtype=np.int64), np.zeros(0, np.int64)
     if fraction >= 1:
         k = len(free)
-    k = max(k, 1) if len(free) else 0
-    gpu = np.sort(free[len(free) - k:]) if k else np.array([n - 1], np.int64)
+    else:  # bytes the GPU holds taking the last k free chunks, k = 0..len(free): the k closest to the target
+        taken = np.concatenate([[0], np.cumsum(cost[free][::-1])])
+        k = max(1, int(np.argmin(np.abs(taken - fraction * float(cost.sum())))))
     mine = np.zeros(n, bool)
-    mine[gpu] = True
-    return np.flatnonzero(~mine), gpu.astype(np.int64)
+    mine[free[len(free) - k:]] = True
+    return np.flatnonzero(~mine), np.flatnonzero(mine)
 
 
 def subset(plan: TablePlan, ids: np.ndarray, pads: tuple[PadCrop, ...] = ()) -> TablePlan:
