@@ -133,7 +133,25 @@ def test_batches_are_the_cpu_path_s_and_zarr_s_bit_for_bit(arrays, hybrid, dtype
     assert hybrid.executors and all(isinstance(ex, HybridExecutor) for ex in hybrid.executors)
 
 
-def test_padded_boxes_integer_outputs_and_channels_are_the_cpu_path_s(arrays, hybrid):
+@pytest.mark.parametrize("dtype", ["f32", "native"])
+@pytest.mark.parametrize("array, fill", [("float32", float("nan")), ("float32", -0.0), ("uint16", 65535),
+                                         ("int8", -5)])
+def test_chunks_with_nothing_stored_get_every_bit_of_the_fill_value_on_either_part(tmp_path, hybrid, array, fill,
+                                                                                   dtype):
+    hybrid.fraction = 0.5  # missing chunks on both parts: the CPU engine writes some, the GPU part the others
+    z, data = _write(tmp_path / "f.zarr", (20, 37, 29), (8, 16, 16), array, ZstdCodec(level=1), fill_value=fill,
+                     skip=8)
+    samples = _samples(_uri(z), data.shape, (12, 20, 13), 8, seed=5)
+    got, _ = _run(samples, dtype=dtype)
+    want, _ = _on_cpu(samples, dtype=dtype)
+    for g, w in zip(got, want):
+        assert _same(g, w), (array, fill, dtype)
+    for row, s in zip(torch.cat(got), samples):
+        assert _same(row, _expected(data, s, dtype).to(row.dtype)), (array, fill, dtype)
+
+
+def test_padded_boxes_integer_outputs_and_channels_are_the_cpu_path_s(arrays, hybrid, decode_path):
+    """On the compiled engine and on the Python path (the CPU part's decoders either way)."""
     z, data = arrays["v3-zstd-u16-missing"]
     z2, _ = arrays["v3-sharded-zstd-u16"]
     uri, uri2 = _uri(z), _uri(z2)
