@@ -368,6 +368,20 @@ def test_auto_picks_hybrid_where_nvcomp_and_a_cuda_device_are():
         stoker.Pipeline(stoker.Config(decode_on="hybrid", device="cpu"))
 
 
+def test_make_executor_builds_the_hybrid_one_for_hybrid_and_auto(monkeypatch):
+    """Built (nothing touches the device before the first batch) where nvCOMP says it is there."""
+    from stoker.engine.gpu import nvcomp
+    from stoker.engine.stats import StatsRecorder
+    from stoker.storage import LocalStore
+
+    monkeypatch.setattr(nvcomp, "available", lambda: True)
+    made = {where: type(executors.make_executor(stoker.Config(decode_on=where, device="cuda", n_compute_threads=2),
+                                                torch.device("cuda", 0), StatsRecorder(), LocalStore())).__name__
+            for where in ("auto", "hybrid", "gpu", "cpu")}
+    assert made == {"auto": "HybridExecutor", "hybrid": "HybridExecutor", "gpu": "GpuDecodeExecutor",
+                    "cpu": "CudaExecutor"}
+
+
 def test_the_host_budget_is_split_and_a_short_one_says_so(arrays, hybrid):
     z, data = arrays["v3-zstd-u16-missing"]
     samples = _samples(_uri(z), data.shape, (20, 37, 29), 8, seed=1)
