@@ -220,6 +220,8 @@ def test_every_chunk_is_placed_by_exactly_one_part_and_the_device_takes_only_wha
             assert on_device[cpu].sum() == 0 and len(cpu) == (~on_device).sum()
         want = min(fraction * cost.sum(), cost[on_device].sum())  # (at most what the device decodes)
         assert abs(cost[gpu].sum() - want) <= cost.max()
+        if 0 < fraction < 1:  # each part keeps some of what both may take: both rates go on being measured
+            assert 0 < len(gpu) < on_device.sum()
         for ids in (cpu, gpu):  # each part's plan: its chunks, each with all of its copies, in the same places
             part = subset(plan, ids)
             assert part.n_chunks == len(ids) and int(part.n_copies.sum()) == len(part.copy_row)
@@ -231,6 +233,10 @@ def test_every_chunk_is_placed_by_exactly_one_part_and_the_device_takes_only_wha
                 assert np.array_equal(part.copy_box_start[plo:plo + n], plan.copy_box_start[lo:lo + n])
                 assert np.array_equal(part.copy_src_offset[plo:plo + n], plan.copy_src_offset[lo:lo + n])
                 assert part.key(k) == plan.key(c)
+    one, two = np.array([5, 5]), np.ones(2, bool)
+    assert [len(ids) for ids in split(one, two, 0.95)] == [1, 1]  # (9.5 of 10 is closest to both: the CPU keeps one)
+    assert [len(ids) for ids in split(one, two, 0.05)] == [1, 1]
+    assert [len(ids) for ids in split(one[:1], two[:1], 0.05)] == [0, 1]
 
 
 def test_shares_follow_the_measured_rates():

@@ -82,7 +82,7 @@ def split(cost: np.ndarray, on_device: np.ndarray, fraction: float) -> tuple[np.
 
     Chunks with ``on_device`` False go to the CPU; of the others the GPU takes a run at the end of the
     plan's order whose bytes come closest to ``fraction`` of the whole batch's (all of them for 1, none for
-    0; at least one for any other fraction, so its rate goes on being measured)."""
+    0; for any other fraction at least one, and, of two or more, not all: both rates go on being measured)."""
     n = len(cost)
     free = np.flatnonzero(on_device)
     if n == 0 or not len(free) or fraction <= 0:
@@ -92,6 +92,8 @@ def split(cost: np.ndarray, on_device: np.ndarray, fraction: float) -> tuple[np.
     else:  # bytes the GPU holds taking the last k free chunks, k = 0..len(free): the k closest to the target
         taken = np.concatenate([[0], np.cumsum(cost[free][::-1])])
         k = max(1, int(np.argmin(np.abs(taken - fraction * float(cost.sum())))))
+        if len(free) > 1:
+            k = min(k, len(free) - 1)
     mine = np.zeros(n, bool)
     mine[free[len(free) - k:]] = True
     return np.flatnonzero(~mine), np.flatnonzero(mine)
