@@ -14,11 +14,13 @@
 #   setup    the carried wheels into /tmp/site; the compiled reader built in place for this Python (without
 #            it the pipeline decodes on its Python path and the engine's tests skip)
 #   tests    pytest -m cuda over tests/: every test marked cuda (the CUDA path, the GPU decode with nvCOMP,
-#            fields, padding, integer casts, CF decoding, keyed transforms on the device); a test module whose
+#            fields, padding, integer casts, CF decoding, keyed transforms on the device, the hybrid decode:
+#            tests/gpu/test_hybrid_executor.py); a test module whose
 #            imports are missing there is reported as a collection error, not a stop
-#   bench    stoker bench --device cuda --decode-on gpu --scenarios 1,9,10 --rounds 2: the plain
-#            --device cuda run's peers (stoker cpu, stoker cuda, tensorstore+pin) plus the GPU decode and the
-#            2-thread CPU decode; without nvCOMP the plain --device cuda run
+#   bench    stoker bench --device cuda --decode-on hybrid --scenarios 1,9,10 --rounds 2: the plain
+#            --device cuda run's peers (stoker cpu, stoker cuda, tensorstore+pin) plus the GPU decode, the
+#            2-thread CPU decode and the hybrid decode (its PCIe bytes per engine); without nvCOMP the plain
+#            --device cuda run
 #   threads  issue 48's thread sweep of the CPU path: stoker bench --scenarios 1,6,8 --threads 2,4,8,16
 #            --peers stoker --rounds 2 (each thread count a peer beside the default one)
 # Logs and the bench's JSON records land in $OUT (the device tool's; ./gpu-checks-out elsewhere), the bench
@@ -114,7 +116,7 @@ fi
 if wanted bench; then
     decode=()
     "$PY" -c "from stoker.engine.gpu import nvcomp; raise SystemExit(not nvcomp.available())" 2>/dev/null \
-        && decode=(--decode-on gpu)
+        && decode=(--decode-on hybrid)
     step bench-cuda 200 "$PY" -m stoker bench --device cuda ${decode[@]+"${decode[@]}"} --scenarios 1,9,10 --rounds 2 \
         --data "$DATA" --json "$OUT_DIR/bench-cuda.json"
 fi

@@ -81,7 +81,7 @@ def test_config_stores_the_pop_timeout_as_a_float():
 
 def test_config_decode_on_is_validated_and_gpu_needs_a_cuda_pipeline():
     assert stoker.Config().decode_on == "auto" and stoker.Config(decode_on="cpu").decode_on == "cpu"
-    with pytest.raises(stoker.InvalidArgument, match="decode_on must be one of 'auto', 'cpu', 'gpu', got 'GPU'") as e:
+    with pytest.raises(stoker.InvalidArgument, match="decode_on must be one of 'auto', 'cpu', 'gpu', 'hybrid', got 'GPU'") as e:
         stoker.Config(decode_on="GPU")
     assert e.value.knob == "decode_on"
     assert stoker.Config(decode_on="gpu", device="cpu").decode_on == "gpu"  # a valid value: checked by the Pipeline

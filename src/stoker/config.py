@@ -26,7 +26,7 @@ OUTPUT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.floa
                  "i64": torch.int64, "native": None}
 
 #: Where chunks may be decompressed (Config.decode_on).
-DECODE_ON = ("auto", "cpu", "gpu")
+DECODE_ON = ("auto", "cpu", "gpu", "hybrid")
 
 
 _INTEGER_KNOBS = {"batch_size": 1, "host_buffer_bytes": 1 << 20, "device_buffer_bytes": 1 << 20, "n_io_threads": 1,
@@ -85,8 +85,9 @@ class Config:
     - ``host_buffer_bytes`` (>= 1 MiB): hard cap on host buffers (batch slots, or the pinned staging
       slots on CUDA, plus read and decode buffers).
     - ``device_buffer_bytes`` (>= 1 MiB): cap on device memory: ``lookahead_batches + 1`` batch slots
-      plus staging for the cast on the device (CUDA path only), or with ``decode_on="gpu"`` plus the
-      decode scratch.
+      plus staging for the cast on the device (CUDA path only), or with ``decode_on="gpu"`` or ``"hybrid"``
+      plus the decode scratch (``"hybrid"`` gives a quarter of ``host_buffer_bytes`` to the GPU decode's
+      staging, the rest to the CPU part's pinned slots and scratch).
     - ``n_io_threads`` (>= 1): threads for reads that must wait for buffer memory; local reads
       otherwise run on the compute threads (a page-cache copy costs less than a thread hop).
     - ``n_compute_threads``: decode and assembly threads (>= 1); ``None`` means this rank's share of the
@@ -121,14 +122,17 @@ class Config:
       cache; ``None``: 10 GiB), each object's generation (ETag) revalidated when the pipeline starts and at
       most every ``cache_staleness_s`` seconds after (``None``: 60). Local arrays never use it; per-prefix
       ``storage_options`` may set the same keys. See docs/remote.md, "Local cache".
-    - ``decode_on``: ``"auto" | "cpu" | "gpu"``, where chunks are decompressed. ``"gpu"``: chunks cross
-      to the GPU encoded, and NVIDIA nvCOMP decodes them there (zstd chunks, blosc frames of lz4 or
+    - ``decode_on``: ``"auto" | "cpu" | "gpu" | "hybrid"``, where chunks are decompressed. ``"gpu"``: chunks
+      cross to the GPU encoded, and NVIDIA nvCOMP decodes them there (zstd chunks, blosc frames of lz4 or
       zstd; other chunks are decoded on the CPU, with a one-time warning naming the array); it needs a
       CUDA ``device`` and nvCOMP (``pip install 'stoker[gpu]'``), else ``InvalidArgument`` at
-      ``Pipeline(cfg)``. ``"cpu"`` decodes on the CPU. ``"auto"`` decodes on the GPU where that was
-      measured to pay: a CUDA ``device``, nvCOMP installed, and at most 2 compute threads (with more
-      cores the CPU decode was faster, on an H200); else on the CPU. See docs/architecture.md,
-      "Decoding on the GPU".
+      ``Pipeline(cfg)``. ``"hybrid"``: both at once, with the same needs: each batch's chunks are shared
+      between the CPU threads (decoded, cast and placed into a pinned host batch, which crosses as on the
+      CPU-decode path) and the GPU decode (chunks cross encoded and are placed over the host part on the
+      device), in shares from the two sides' measured rates so both finish together; chunks the GPU does
+      not decode go to the CPU threads (its device side has not yet run on a GPU: docs/architecture.md,
+      "Decoding on both"). ``"cpu"`` decodes on the CPU. ``"auto"``: ``"hybrid"`` on a CUDA ``device`` with
+      nvCOMP installed, else the CPU. See docs/architecture.md, "Decoding on the GPU".
     - ``transform``: ``None``, a callable ``batch -> batch`` or a list of them (run in order), applied to
       every batch on its device after the cast, before the consumer sees it; built-ins in
       :mod:`stoker.transforms` (``Normalize``, ``FillNaN``). See that module for where it runs and what it costs.

@@ -265,6 +265,30 @@ def test_gpu_bench_sets_gpu_decode_beside_the_cpu_decode_path(monkeypatch):
     assert row.split()[-2:] == ["1.67x", "4.17x"]  # cuda x, gpu-decode x
 
 
+def test_gpu_bench_reports_the_hybrid_decode_s_pcie_bytes_per_engine(monkeypatch, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    import torch
+
+    from stoker.bench.device import format_device_results
+    from stoker.bench.runner import Result, scenarios
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    cuda = SimpleNamespace(stages={}, samples=8, bytes_to_device=8192, bytes_read=4096, batches_emitted=2)
+    hybrid = SimpleNamespace(stages={}, samples=8, bytes_to_device=7000, bytes_to_device_host=5000,
+                             bytes_read=4096, batches_emitted=2)
+    results = [Result("stoker cpu", 1.0, 400, 0, 0, {"cores": 1.9}),
+               Result("stoker cuda", 1.0, 500, 0, 0, {"stats": cuda, "pinned_bytes": 0, "cores": 1.8}),
+               Result("stoker hybrid", 1.0, 800, 0, 0, {"stats": hybrid, "pinned_bytes": 0, "cores": 1.5})]
+    report = format_device_results(scenarios(tiny=True)[0], results, 3)
+    assert ("stoker hybrid: bytes over PCIe per batch 3,500 (host part 2,500, device part 1,000; encoded bytes "
+            "read per batch 2,048)") in report
+    assert "hybrid decode: 2.00x the CPU path, 1.60x the CPU-decode CUDA path, with 1.50 CPU cores busy" in report
+    assert "stoker cuda: bytes over PCIe per batch 4,096 (encoded" in report  # one engine: no split
+    assert main(["bench", "--tiny", "--decode-on", "hybrid", "--data", str(tmp_path)]) == 2
+    assert "--decode-on hybrid decodes on the GPU: run it with --device cuda" in capsys.readouterr().err
+
+
 def test_gpu_bench_times_the_cpu_path_without_a_cpu_reduction(monkeypatch):
     # the CPU peer of `bench --device cuda` used to sum every bf16 batch on the CPU, which cost more than
     # the pipeline itself and flattered the GPU path

@@ -151,12 +151,12 @@ def test_an_executor_that_does_not_decode_refuses(dataset, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("decode_on", ["cpu", "gpu"])
+@pytest.mark.parametrize("decode_on", ["cpu", "gpu", "hybrid"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_cuda_batches_equal_xarray(dataset, dtype, decode_on):
     """On a GPU the decoding runs on the side stream after the device cast (int16 crosses PCIe as int16), or
     on the GPU-decode executor's stream after placing (tests/gpu/test_gpu_cf.py runs it on the host)."""
-    if decode_on == "gpu":
+    if decode_on in ("gpu", "hybrid"):
         from stoker.engine.gpu import nvcomp
 
         if not nvcomp.available():

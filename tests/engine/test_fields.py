@@ -499,31 +499,35 @@ def test_the_trainer_s_loss_fn_gets_the_dict(arrays):
 # -- on a GPU ---------------------------------------------------------------------------------------------------
 
 
-def _on_host(monkeypatch):
-    """Pipelines built from here on decode with the GPU-decode executor run on CPU tensors (its host stand-in),
-    so the logic of a CUDA test's ``decode_on="gpu"`` runs where no GPU is; returns the executors made."""
+def _on_host(monkeypatch, hybrid: bool = False):
+    """Pipelines built from here on decode with the GPU-decode executor (``hybrid``: the hybrid one) run on CPU
+    tensors (its host stand-in), so the logic of a CUDA test's ``decode_on="gpu"`` (``"hybrid"``) runs where no
+    GPU is; returns the executors made."""
     from stoker.engine.gpu.executor import GpuDecodeExecutor
+    from stoker.engine.hybrid.executor import HybridExecutor
 
+    kind = HybridExecutor if hybrid else GpuDecodeExecutor
     made: list = []
     monkeypatch.setattr(pipelines, "make_executor",
-                        lambda cfg, device, stats, store: made.append(GpuDecodeExecutor.on_host(cfg, stats, store))
-                        or made[-1])
+                        lambda cfg, device, stats, store: made.append(kind.on_host(cfg, stats, store)) or made[-1])
     return made
 
 
 @pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
-                                       pytest.param("gpu", marks=pytest.mark.cuda), "host"])
+                                       pytest.param("gpu", marks=pytest.mark.cuda),
+                                       pytest.param("hybrid", marks=pytest.mark.cuda), "host", "hybrid-host"])
 def test_cuda_batches_of_fields_are_the_cpu_s(arrays, decode_on, monkeypatch):
-    """On a GPU, both decode paths; "host": the GPU-decode executor's logic on CPU tensors."""
+    """On a GPU, every decode path; "host", "hybrid-host": the GPU-decode and hybrid executors' logic on CPU
+    tensors."""
     from stoker.engine.gpu import nvcomp
 
-    if decode_on == "gpu" and not nvcomp.available():
+    if decode_on in ("gpu", "hybrid") and not nvcomp.available():
         pytest.skip("nvCOMP is not installed")
-    on_gpu = decode_on != "host"
+    on_gpu = not decode_on.endswith("host")
     if on_gpu:
         torch.cuda.set_device(0)
     else:
-        made = _on_host(monkeypatch)
+        made = _on_host(monkeypatch, hybrid=decode_on == "hybrid-host")
     dtype = {"raw": "bf16", "labels": "native", "mask": "f32"}
     samples = _samples(arrays, 16, seed=11)
     cfg = dict(dtype=dtype, device_buffer_bytes=64 << 20, decode_on="gpu" if not on_gpu else decode_on)
@@ -546,18 +550,20 @@ def test_cuda_batches_of_fields_are_the_cpu_s(arrays, decode_on, monkeypatch):
 
 
 @pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
-                                       pytest.param("gpu", marks=pytest.mark.cuda), "host"])
+                                       pytest.param("gpu", marks=pytest.mark.cuda),
+                                       pytest.param("hybrid", marks=pytest.mark.cuda), "host", "hybrid-host"])
 def test_cuda_transform_of_fields_is_fenced_for_the_consumer(arrays, decode_on, monkeypatch):
-    """On a GPU, both decode paths; "host": the GPU-decode executor's logic on CPU tensors (no fence there)."""
+    """On a GPU, every decode path; "host", "hybrid-host": the GPU-decode and hybrid executors' logic on CPU
+    tensors (no fence there)."""
     from stoker.engine.gpu import nvcomp
 
-    if decode_on == "gpu" and not nvcomp.available():
+    if decode_on in ("gpu", "hybrid") and not nvcomp.available():
         pytest.skip("nvCOMP is not installed")
-    on_gpu = decode_on != "host"
+    on_gpu = not decode_on.endswith("host")
     if on_gpu:
         torch.cuda.set_device(0)
     else:
-        _on_host(monkeypatch)
+        _on_host(monkeypatch, hybrid=decode_on == "hybrid-host")
     dtype = {"raw": "f32", "labels": "native"}
     samples = [stoker.Sample({"raw": s["raw"], "labels": s["labels"]}) for s in _samples(arrays, 8, seed=12)]
 

@@ -345,13 +345,13 @@ def test_gpu_decode_executor_integer_outputs(tmp_path, monkeypatch, dtype, out):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("decode_on", ["cpu", "gpu"])
+@pytest.mark.parametrize("decode_on", ["cpu", "gpu", "hybrid"])
 @pytest.mark.parametrize("out", ["i32", "i64"])
 @pytest.mark.parametrize("dtype", SOURCES)
 def test_cuda_integer_outputs_are_exact(tmp_path, dtype, out, decode_on):
     """On a GPU (the CUDA transfer path, and the GPU decode where nvCOMP is installed): the batch is
     zarr-python's values, exactly; a value past the output fails naming its chunk."""
-    if decode_on == "gpu":
+    if decode_on in ("gpu", "hybrid"):
         pytest.importorskip("nvidia.libnvcomp", reason="nvCOMP is not installed")
     torch.cuda.set_device(0)
     rng = np.random.default_rng(7)

@@ -233,21 +233,27 @@ def test_the_gpu_decode_executor_pads_on_the_device(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
-                                       pytest.param("gpu", marks=pytest.mark.cuda), "host"])
+                                       pytest.param("gpu", marks=pytest.mark.cuda),
+                                       pytest.param("hybrid", marks=pytest.mark.cuda), "host", "hybrid-host"])
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_batches_are_padded(tmp_path, mode, decode_on, monkeypatch):
-    """On a GPU, both decode paths; "host": the GPU-decode executor's logic on CPU tensors, the same batch."""
-    if decode_on == "gpu":
+    """On a GPU, every decode path; "host" and "hybrid-host": the GPU-decode and hybrid executors' logic on CPU
+    tensors, the same batch."""
+    from stoker.engine.hybrid.executor import HybridExecutor
+
+    if decode_on in ("gpu", "hybrid"):
         from stoker.engine.gpu import nvcomp
 
         if not nvcomp.available():
             pytest.skip("nvCOMP is not installed")
-    if decode_on == "host":
+    on_host = decode_on.endswith("host")
+    if on_host:
+        kind = HybridExecutor if decode_on == "hybrid-host" else GpuDecodeExecutor
         monkeypatch.setattr(pipelines, "make_executor",
-                            lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store))
+                            lambda cfg, device, stats, store: kind.on_host(cfg, stats, store))
     uri, data = _array(tmp_path / "a.zarr")
-    cfg = stoker.Config(batch_size=len(BOXES), dtype="f32", device="cpu" if decode_on == "host" else "cuda",
-                        decode_on="gpu" if decode_on == "host" else decode_on, pop_timeout_s=30.0,
+    cfg = stoker.Config(batch_size=len(BOXES), dtype="f32", device="cpu" if on_host else "cuda",
+                        decode_on="gpu" if on_host else decode_on, pop_timeout_s=30.0,
                         device_buffer_bytes=64 << 20)
     with stoker.Pipeline(cfg) as p:
         p.push([stoker.Sample(uri, box, pad=mode) for box in BOXES])

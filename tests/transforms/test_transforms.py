@@ -176,13 +176,13 @@ def test_channels_and_transforms_on_the_gpu(pair):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("decode_on", ["cpu", "gpu"])
+@pytest.mark.parametrize("decode_on", ["cpu", "gpu", "hybrid"])
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 def test_uint16_staging_with_a_transform_on_the_gpu(tmp_path, dtype, decode_on):
     """uint16 crosses PCIe as uint16 (or encoded, decode_on="gpu") and is cast on the device; with a
     transform and a 16-bit output it is cast into a float32 work buffer, transformed there and rounded once,
     as the CPU pipeline does. The transform's time is its own stage, not the transfer's."""
-    if decode_on == "gpu":
+    if decode_on in ("gpu", "hybrid"):
         pytest.importorskip("nvidia.libnvcomp", reason="nvCOMP is not installed (pip install 'stoker[gpu]')")
     z = zarr.create_array(str(tmp_path / "u.zarr"), shape=(8, 64), chunks=(4, 32), dtype="uint16")
     z[:] = np.arange(512, dtype=np.uint16).reshape(8, 64) * 97 + 20000
@@ -206,7 +206,8 @@ def test_uint16_staging_with_a_transform_on_the_gpu(tmp_path, dtype, decode_on):
 def test_a_failing_transform_on_the_gpu_frees_the_staging_slot_behind_its_copy(pair):
     uris, _ = pair
     cfg = stoker.Config(batch_size=3, dtype="f32", device="cuda", n_compute_threads=2, pop_timeout_s=20.0,
-                        host_buffer_bytes=32 << 20, device_buffer_bytes=32 << 20, transform=lambda b: 1 / 0)
+                        host_buffer_bytes=32 << 20, device_buffer_bytes=32 << 20, transform=lambda b: 1 / 0,
+                        decode_on="cpu")  # the CUDA path's staging ("auto" is the hybrid decode with nvCOMP)
     with stoker.Pipeline(cfg) as p:
         p.push([stoker.Sample(uris[0], box) for box in BOXES])
         with pytest.raises(ZeroDivisionError):

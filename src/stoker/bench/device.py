@@ -5,8 +5,11 @@
 - ``stoker cpu``: the pipeline on the CPU (the batch stays in host memory);
 - ``stoker cuda``: the pipeline bound to the GPU, consumed through ``torch.from_dlpack``, chunks decoded
   on the CPU into pinned staging in the source dtype, then copied and cast on a side stream;
-- ``stoker gpu-decode`` (with ``--decode-on gpu``): the same, but chunks cross encoded and nvCOMP decodes
-  them on the device (``Config.decode_on="gpu"``);
+- ``stoker gpu-decode`` (with ``--decode-on gpu`` or ``hybrid``): the same, but chunks cross encoded and
+  nvCOMP decodes them on the device (``Config.decode_on="gpu"``);
+- ``stoker hybrid`` (with ``--decode-on hybrid``): each batch's chunks shared between the CPU threads and the
+  GPU decode (``Config.decode_on="hybrid"``); its bytes over PCIe are reported per engine (the host part,
+  decoded; the device part, encoded);
 - ``tensorstore``: every crop of a batch read with futures, stacked in the source dtype, then
   ``.pin_memory().to(device, non_blocking=True)`` and cast to bf16 on the device.
 
@@ -63,7 +66,8 @@ def run_stoker_on(samples: list[Sample], batch_size: int, itemsize: int, host_bu
         stats = p.stats()
         pinned = host_slot_bytes(p) if on_gpu else 0
     crop = int(np.prod(samples[0].shape))
-    name = ("stoker gpu-decode" if cfg.decode_on == "gpu" else "stoker cuda") if on_gpu else "stoker cpu"
+    name = ({"gpu": "stoker gpu-decode", "hybrid": "stoker hybrid"}.get(cfg.decode_on, "stoker cuda") if on_gpu
+            else "stoker cpu")
     name += f" {threads}t" if threads else ""
     return Result(name, seconds, n * batch_size, n * batch_size * crop * itemsize, 0,
                   {"stats": stats, "pinned_bytes": pinned, "decode_on": cfg.decode_on,
@@ -94,12 +98,15 @@ def run_device_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: in
         "stoker cuda": lambda: run_stoker_on(samples, batch_size, itemsize, host_buffer_bytes, device),
         "tensorstore+pin": lambda: run_tensorstore_to(samples, batch_size, itemsize, device),
     }
-    if decode_on == "gpu":
+    if decode_on in ("gpu", "hybrid"):
         peers["stoker gpu-decode"] = lambda: run_stoker_on(samples, batch_size, itemsize, host_buffer_bytes,
                                                            device, "gpu")
         # the CPU-decode path held to about the cores the GPU decode keeps busy: what "auto" weighs
         peers["stoker cuda 2t"] = lambda: run_stoker_on(samples, batch_size, itemsize, host_buffer_bytes,
                                                         device, threads=2)
+    if decode_on == "hybrid":
+        peers["stoker hybrid"] = lambda: run_stoker_on(samples, batch_size, itemsize, host_buffer_bytes, device,
+                                                       "hybrid")
     return list(interleaved(peers, rounds).values())
 
 
@@ -128,12 +135,15 @@ def format_device_results(sc: Scenario, results: list[Result], timed_batches: in
     else:
         verdict = f"GPU delivery runs at {speed:.2f}x the CPU path's throughput"
     lines.append(f"{verdict} (target: costs <= 10%); pinned staging held: {cuda.extra['pinned_bytes'] / 2**20:.0f} MiB")
-    for r in (cuda, decoder):
+    hybrid = by.get("stoker hybrid")
+    for r in (cuda, decoder, hybrid):
         if r is None:
             continue
-        stats = r.extra["stats"]
-        lines.append(f"{r.peer}: bytes over PCIe per batch {stats.bytes_to_device / max(1, stats.batches_emitted):,.0f} "
-                     f"(encoded bytes read per batch {stats.bytes_read / max(1, stats.batches_emitted):,.0f})")
+        lines.append(pcie_line(r.peer, r.extra["stats"]))
+    if hybrid and cpu.samples_per_s:
+        lines.append(f"hybrid decode: {hybrid.samples_per_s / cpu.samples_per_s:.2f}x the CPU path, "
+                     f"{hybrid.samples_per_s / cuda.samples_per_s if cuda.samples_per_s else 0:.2f}x the CPU-decode "
+                     f"CUDA path, with {hybrid.extra['cores']:.2f} CPU cores busy")
     if decoder and cuda.samples_per_s:
         lines.append(f"GPU decode: {decoder.samples_per_s / cuda.samples_per_s:.2f}x the CPU-decode path with "
                      f"{decoder.extra['cores']:.2f} CPU cores busy (target: >= 2x with <= 1 core)")
@@ -146,6 +156,21 @@ def format_device_results(sc: Scenario, results: list[Result], timed_batches: in
     if spread:
         lines.append(f"rounds: {len(cuda.extra['rounds'])} interleaved, median shown; range: " + ", ".join(spread))
     return "\n".join(lines)
+
+
+def pcie_line(peer: str, stats) -> str:
+    """``peer``'s bytes over PCIe per batch; per engine where both crossed (decode_on="hybrid": the host part,
+    decoded by the CPU engine, and the device part, encoded for the GPU decode).
+
+    >>> pcie_line("stoker hybrid", stats)
+    'stoker hybrid: bytes over PCIe per batch 9,000,000 (host part 6,000,000, device part 3,000,000; ...)'
+    """
+    n = max(1, stats.batches_emitted)
+    host = getattr(stats, "bytes_to_device_host", 0)
+    split = (f"host part {host / n:,.0f}, device part {(stats.bytes_to_device - host) / n:,.0f}; "
+             if host else "")
+    return (f"{peer}: bytes over PCIe per batch {stats.bytes_to_device / n:,.0f} ({split}encoded bytes read per "
+            f"batch {stats.bytes_read / n:,.0f})")
 
 
 # -- host to device ---------------------------------------------------------------------------------

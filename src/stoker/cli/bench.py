@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
         fields = fields if args.scenarios or not _fields_refused(args) else []
     peers = set(args.peers) if args.peers else set(PEERS if args.store is None else REMOTE_PEERS)
     root = args.data or cache_dir() / "bench"
-    if args.decode_on == "gpu" and args.device != "cuda":
-        raise InvalidArgument("--decode-on gpu decodes on the GPU: run it with --device cuda")
+    if args.decode_on in ("gpu", "hybrid") and args.device != "cuda":
+        raise InvalidArgument(f"--decode-on {args.decode_on} decodes on the GPU: run it with --device cuda")
     if args.device == "cuda":
         if threads:
             raise InvalidArgument("--threads sweeps the CPU pipeline; run it without --device cuda")
@@ -239,9 +239,10 @@ def add_parser(sub) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: stoker on the GPU vs stoker on the CPU vs tensorstore + pin_memory().to(cuda), "
                         "bf16 out")
-    p.add_argument("--decode-on", choices=("cpu", "gpu"), default="cpu",
-                   help="with --device cuda: decode chunks on the CPU (default) or on the GPU with nvCOMP "
-                        "(pip install 'stoker[gpu]'); the report gives the bytes over PCIe per batch")
+    p.add_argument("--decode-on", choices=("cpu", "gpu", "hybrid"), default="cpu",
+                   help="with --device cuda: decode chunks on the CPU (default), on the GPU with nvCOMP "
+                        "(pip install 'stoker[gpu]'), or hybrid: the GPU decode's peers plus both at once "
+                        "(decode_on='hybrid'); the report gives the bytes over PCIe per batch, per engine")
     p.add_argument("--rounds", type=_positive_int, default=None,
                    help="interleaved rounds of every peer; each one's median round is shown "
                         "(default 3; 1 with --tiny)")

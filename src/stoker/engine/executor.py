@@ -175,7 +175,8 @@ class Job:
         self._claims = 0  # how many waiters claimed it (RUNNING -> SETTLING): names each claim's hand-off
         # read/decode counters of this batch, added to Stats when it is popped, so every counter
         # describes the same delivered batches (work done ahead is not lost to stats_reset())
-        self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0, "bytes_to_device": 0}
+        self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0, "bytes_to_device": 0,
+                       "bytes_to_device_host": 0}
         if n_chunks == 0:
             self._state = COMPLETING
             self._complete()
@@ -366,12 +367,19 @@ class Job:
 @dataclass
 class Target:
     """Where one batch is made: ``out`` (the tensor the decoders fill), the ``slot`` it is delivered from and
-    the ``host_slot`` it is assembled in (the same slot on the CPU); ``event``: the CUDA event after its copy."""
+    the ``host_slot`` it is assembled in (the same slot on the CPU); ``event``: the CUDA event after its copy.
+
+    Two optional hooks, honoured by the GPU-decode executor (the hybrid executor, :mod:`.hybrid`, composes it
+    so): ``before(batch)`` runs on the executor's thread (on its CUDA stream) before any chunk of the batch is
+    written, with the tensor the batch is assembled in (it may queue writes the chunks then land over, or
+    raise: the batch's error); ``then(job)`` runs once the batch is complete, before its job is done."""
 
     out: torch.Tensor | None
     slot: Slot | None
     host_slot: Slot | None
     event: torch.cuda.Event | None = None
+    before: Callable[[torch.Tensor], None] | None = None
+    then: Callable[["Job"], None] | None = None
 
 
 class Executor(Protocol):

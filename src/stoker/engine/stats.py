@@ -19,7 +19,7 @@ from ..runtime import gil
 STAGES = ("plan", "io", "decode", "assemble", "transfer", "transform", "pop_wait")
 COUNTERS = (
     "batches_emitted", "samples", "chunks_needed", "chunks_decoded", "chunk_dedup_hits",
-    "bytes_read", "bytes_decoded", "bytes_delivered", "bytes_needed", "bytes_to_device",
+    "bytes_read", "bytes_decoded", "bytes_delivered", "bytes_needed", "bytes_to_device", "bytes_to_device_host",
 )
 
 
@@ -97,6 +97,9 @@ class Stats(Amplification):
     bytes_delivered: int = 0  # bytes of popped batches, in the output dtype
     bytes_needed: int = 0  # source-dtype bytes of the samples emitted
     bytes_to_device: int = 0  # bytes copied from host to device for the batches emitted (CUDA pipelines)
+    # of bytes_to_device, the CPU engine's part under decode_on="hybrid" (its decoded host batches; the rest
+    # crossed encoded, for the GPU decode); 0 on every other path
+    bytes_to_device_host: int = 0
     peak_host_bytes: int = 0  # batch slots + peak transient buffers
     # CPU seconds the pipeline's own threads (coordinator, I/O and compute threads) held the GIL
     # (see stoker.runtime.gil for how it is measured and what it cannot see)

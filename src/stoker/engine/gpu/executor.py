@@ -353,8 +353,8 @@ class GpuDecodeExecutor:
         return Target(slot.tensor[:plan.rows], slot, None)
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
-        job = Job(plan, target.out, _units(plan))
-        if _units(plan):
+        job = Job(plan, target.out, _units(plan, target), then=target.then)
+        if _units(plan, target):
             self._queue.put((job, target))
         return job  # (a batch of no chunks and no padding is complete: there is nothing to place)
 
@@ -599,7 +599,7 @@ class GpuDecodeExecutor:
     def _finish(self, b: "_Batch") -> None:
         """The batch's job finished: its chunks in place and its end queued, or its first error (a damaged
         chunk's before the transform's, which saw the damage)."""
-        b.job.finish(_units(b.plan), b.error or b.end_error or b.reader_error, **b.counts)
+        b.job.finish(_units(b.plan, b.target), b.error or b.end_error or b.reader_error, **b.counts)
         self.stats.charge_thread()
 
     def _begin(self, b: "_Batch") -> None:
@@ -611,6 +611,8 @@ class GpuDecodeExecutor:
             else:
                 self.stream.wait_stream(wait)
         slot.stream_waits = []
+        if b.target.before is not None:  # (the hybrid's host part: lands on the stream before any chunk)
+            b.target.before(b.batch)
 
     def _end(self, b: "_Batch", fills: np.ndarray) -> None:
         """Fills, padding, CF decoding, transform, the 16-bit rounding and the event queued. The batch's job is
@@ -782,10 +784,10 @@ def _placer(placement: str):
     return gpu_place
 
 
-def _units(plan: TablePlan) -> int:
+def _units(plan: TablePlan, target: Target) -> int:
     """What a batch's job counts down: its chunks, or one for a batch of padded crops that reads none (the
-    padding is still to be filled on the stream)."""
-    return plan.n_chunks or (1 if plan.pads else 0)
+    padding is still to be filled on the stream) or with a ``before`` hook (the hybrid's host part lands)."""
+    return plan.n_chunks or (1 if plan.pads or target.before is not None else 0)
 
 
 class _Batch:
