@@ -131,8 +131,9 @@ class Config:
       CPU-decode path) and the GPU decode (chunks cross encoded and are placed over the host part on the
       device), in shares from the two sides' measured rates so both finish together; chunks the GPU does
       not decode go to the CPU threads (its device side has not yet run on a GPU: docs/architecture.md,
-      "Decoding on both"). ``"cpu"`` decodes on the CPU. ``"auto"``: ``"hybrid"`` on a CUDA ``device`` with
-      nvCOMP installed, else the CPU. See docs/architecture.md, "Decoding on the GPU".
+      "Decoding on both"). ``"cpu"`` decodes on the CPU. ``"auto"``: ``"gpu"`` on a CUDA ``device`` with
+      nvCOMP installed and at most 2 ``compute_threads``, else the CPU (``"hybrid"`` is asked for by name
+      until it has been measured on a GPU). See docs/architecture.md, "Decoding on the GPU".
     - ``transform``: ``None``, a callable ``batch -> batch`` or a list of them (run in order), applied to
       every batch on its device after the cast, before the consumer sees it; built-ins in
       :mod:`stoker.transforms` (``Normalize``, ``FillNaN``). See that module for where it runs and what it costs.

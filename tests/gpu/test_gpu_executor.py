@@ -342,10 +342,10 @@ def test_decode_on_gpu_needs_a_cuda_device_and_nvcomp():
     with pytest.raises(InvalidArgument, match=r"pip install 'stoker\[gpu\]'"):
         executors.decode_on("gpu", cuda, lambda: False)
     assert executors.decode_on("gpu", cuda, lambda: True) == "gpu"
-    # "auto": both (the hybrid decode) wherever there are a CUDA device and nvCOMP, whatever the threads
-    assert executors.decode_on("auto", cuda, lambda: True, compute_threads=2) == "hybrid"
-    assert executors.decode_on("auto", cuda, lambda: True, compute_threads=1) == "hybrid"
-    assert executors.decode_on("auto", cuda, lambda: True, compute_threads=3) == "hybrid"
+    # "auto": the GPU decode up to AUTO_GPU_MAX_THREADS compute threads (hybrid only by name, for now)
+    assert executors.decode_on("auto", cuda, lambda: True, compute_threads=2) == "gpu"
+    assert executors.decode_on("auto", cuda, lambda: True, compute_threads=1) == "gpu"
+    assert executors.decode_on("auto", cuda, lambda: True, compute_threads=3) == "cpu"
     assert executors.decode_on("auto", cuda, lambda: False, compute_threads=1) == "cpu"  # no nvCOMP: no error
     assert executors.decode_on("auto", torch.device("cpu"), lambda: True, compute_threads=1) == "cpu"
     assert executors.decode_on("cpu", cuda, lambda: True, compute_threads=1) == "cpu"

@@ -360,10 +360,10 @@ def test_close_during_a_batch_is_prompt_and_stops_every_thread(arrays, hybrid, m
 # -- the choice -------------------------------------------------------------------------------------------------
 
 
-def test_auto_picks_hybrid_where_nvcomp_and_a_cuda_device_are():
+def test_hybrid_is_asked_for_by_name_until_measured_on_a_gpu():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert executors.decode_on("auto", cuda, lambda: True, 16) == "hybrid"
-    assert executors.decode_on("auto", cuda, lambda: True, 1) == "hybrid"
+    assert executors.decode_on("auto", cuda, lambda: True, 16) == "cpu"
+    assert executors.decode_on("auto", cuda, lambda: True, 1) == "gpu"
     assert executors.decode_on("auto", cuda, lambda: False) == "cpu"
     assert executors.decode_on("auto", cpu, lambda: True) == "cpu"
     assert executors.decode_on("hybrid", cuda, lambda: True) == "hybrid"
@@ -374,7 +374,7 @@ def test_auto_picks_hybrid_where_nvcomp_and_a_cuda_device_are():
         stoker.Pipeline(stoker.Config(decode_on="hybrid", device="cpu"))
 
 
-def test_make_executor_builds_the_hybrid_one_for_hybrid_and_auto(monkeypatch):
+def test_make_executor_builds_the_hybrid_one_for_hybrid(monkeypatch):
     """Built (nothing touches the device before the first batch) where nvCOMP says it is there."""
     from stoker.engine.gpu import nvcomp
     from stoker.engine.stats import StatsRecorder
@@ -384,7 +384,7 @@ def test_make_executor_builds_the_hybrid_one_for_hybrid_and_auto(monkeypatch):
     made = {where: type(executors.make_executor(stoker.Config(decode_on=where, device="cuda", n_compute_threads=2),
                                                 torch.device("cuda", 0), StatsRecorder(), LocalStore())).__name__
             for where in ("auto", "hybrid", "gpu", "cpu")}
-    assert made == {"auto": "HybridExecutor", "hybrid": "HybridExecutor", "gpu": "GpuDecodeExecutor",
+    assert made == {"auto": "GpuDecodeExecutor", "hybrid": "HybridExecutor", "gpu": "GpuDecodeExecutor",
                     "cpu": "CudaExecutor"}
 
 

@@ -22,10 +22,10 @@ if TYPE_CHECKING:
     from .stats import StatsRecorder
 
 
-#: "auto" decoded on the GPU alone up to this many compute threads before the hybrid decode (issue 48): on an
-#: H200 the GPU decode (1.5-1.9 cores busy) gave 0.87-2.37x the CPU decode on 2 threads but 0.22-0.34x on 16
-#: (scenarios 1, 3, 7, 8; docs/performance.md). "auto" now picks the hybrid decode wherever nvCOMP and a CUDA
-#: device are present: its shares follow the measured rates, so it leans on whichever side is faster.
+#: "auto" decodes on the GPU alone up to this many compute threads: on an H200 the GPU decode (1.5-1.9 cores
+#: busy) gave 0.87-2.37x the CPU decode on 2 threads but 0.22-0.34x on 16 (scenarios 1, 3, 7, 8;
+#: docs/performance.md). The hybrid decode is asked for by name until its device side has been measured on a
+#: GPU (issue 48 wants "auto" to pick it once it is never slower than the better of CPU and hybrid).
 AUTO_GPU_MAX_THREADS = 2
 
 
@@ -34,11 +34,13 @@ def decode_on(requested: str, device: torch.device, nvcomp_available: Callable[[
     """Where a pipeline on ``device`` decodes its chunks for ``Config.decode_on=requested``: "cpu", "gpu" or
     "hybrid".
 
-    "auto" is the hybrid decode (both, :mod:`.hybrid`) on a CUDA device with nvCOMP installed, else the
-    CPU's; "gpu" and "hybrid" need a CUDA device and NVIDIA nvCOMP (InvalidArgument saying which is
-    missing). ``compute_threads`` is kept for callers that pass it."""
+    "auto" is the GPU decode on a CUDA device with nvCOMP installed and at most
+    :data:`AUTO_GPU_MAX_THREADS` ``compute_threads``, else the CPU's; "hybrid" (both, :mod:`.hybrid`) is
+    asked for by name. "gpu" and "hybrid" need a CUDA device and NVIDIA nvCOMP (InvalidArgument saying which
+    is missing)."""
     if requested == "auto":
-        return "hybrid" if device.type == "cuda" and nvcomp_available() else "cpu"
+        pays = device.type == "cuda" and compute_threads <= AUTO_GPU_MAX_THREADS and nvcomp_available()
+        return "gpu" if pays else "cpu"
     if requested not in ("gpu", "hybrid"):
         return "cpu"
     if device.type != "cuda":
