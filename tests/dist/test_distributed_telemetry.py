@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from stoker.dist.collectives import RankInfo, rank_info
 from stoker.engine.reduce import ReducedStats, reduce_stats
 from stoker.dist.reduce import reduce_max
-from stoker.engine.stats import COUNTERS, STAGES, Metric, Stats
+from stoker.engine.stats import COUNTERS, FIELD_COUNTERS, STAGES, FieldCounts, Metric, Stats
 from stoker.errors import InvalidArgument, ShutdownError
 from stoker.dist.telemetry import (CUDA_MEMORY_KEYS, MEMORY_KEYS, TelemetryWriter, memory_report, pinned_host_bytes,
                                    register_pinned, unregister_pinned)
@@ -58,6 +58,17 @@ def rank_stats(rank: int) -> Stats:
     counters["samples"] = 60 * (rank + 1)
     return Stats(stages=stages, peak_host_bytes=[5000, 9000, 7000][rank % 3], gil_seconds=0.0625 * (rank + 1),
                  **counters)
+
+
+def rank_fields(rank: int) -> dict[str, FieldCounts]:
+    """Each rank's per-field counts: the same fields in another order on rank 1, which also has one the others
+    lack; none on rank 2 (it popped no batch of fields yet)."""
+    def counts(seed: int) -> FieldCounts:
+        return FieldCounts(**{c: 1000 * seed + 17 * j + 3 for j, c in enumerate(FIELD_COUNTERS)})
+
+    return [{"raw": counts(1), "labels": counts(2)},
+            {"labels": counts(3), "mask": counts(4), "raw": counts(5)},
+            {}][rank % 3]
 
 
 def rank_elapsed(rank: int) -> float:
@@ -103,6 +114,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         r = reduce_stats(rank_stats(rank), elapsed_s=rank_elapsed(rank))
         out["reduce_stats"] = _stats_record(r)
         out["reduce_stats_no_elapsed"] = _stats_record(reduce_stats(rank_stats(rank)))
+        with_fields = reduce_stats(Stats(samples=rank + 1, fields=rank_fields(rank)))
+        out["reduce_stats_fields"] = {name: [getattr(c, k) for k in FIELD_COUNTERS]
+                                      for name, c in with_fields.totals.fields.items()}
+        out["reduce_stats_fields_samples"] = with_fields.totals.samples
 
         # Rank 0 alone writes; the others run straight into the next collective.
         returned = {}
@@ -227,6 +242,19 @@ def test_reduce_stats_sums_max_min(group_run):
 
 
 @spawned
+def test_reduce_stats_sums_each_field_over_the_ranks_that_have_it(group_run):
+    world, _, results = group_run
+    ranks = [rank_fields(r) for r in range(world)]
+    names = list(dict.fromkeys(name for fields in ranks for name in fields))  # as the ranks first name them
+    want = {name: [sum(getattr(f[name], k) for f in ranks if name in f) for k in FIELD_COUNTERS] for name in names}
+    assert list(want) == ["raw", "labels", "mask"]
+    for res in results:  # every rank gets the sums, the rank without fields too
+        assert res["reduce_stats_fields"] == want
+        assert list(res["reduce_stats_fields"]) == names
+        assert res["reduce_stats_fields_samples"] == sum(r + 1 for r in range(world))
+
+
+@spawned
 def test_writer_rank0_writes_exactly_the_logged_steps(group_run):
     world, tmp, results = group_run
     lines = (tmp / "tel" / "telemetry.jsonl").read_text().splitlines()
@@ -328,6 +356,8 @@ def test_reduce_stats_not_initialised(no_rank_env):
     partial = reduce_stats(Stats(stages={"io": Metric("io", 1.5, 2)}, samples=3))
     assert partial.totals.stages["io"] == Metric("io", 1.5, 2) and partial.totals.stages["plan"] == Metric("plan")
     assert partial.max_pop_wait_s == 0.0 and partial.min_samples_per_s is None
+    # Per-field counts come back as they are.
+    assert reduce_stats(Stats(fields=rank_fields(1))).totals.fields == rank_fields(1)
 
 
 @pytest.mark.parametrize("elapsed_s", [0, -1.0, math.nan, math.inf, True, "1"])
@@ -341,6 +371,8 @@ def test_reduce_stats_rejects_bad_stats():
         reduce_stats({"samples": 1})
     with pytest.raises(InvalidArgument, match="unknown stages"):
         reduce_stats(Stats(stages={"mystery": Metric("mystery")}))
+    with pytest.raises(InvalidArgument, match="'raw.bytes_read' = 1152921504606846976 is beyond 2\\*\\*53"):
+        reduce_stats(Stats(fields={"raw": FieldCounts(bytes_read=2**60)}))
 
 
 def test_memory_report_keys_and_types():
