@@ -459,23 +459,35 @@ def _on_host(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
-                                       pytest.param("gpu", marks=pytest.mark.cuda), "host"])
-def test_cuda_batches_of_fields_are_the_cpu_s(arrays, decode_on, monkeypatch):
-    """On a GPU, both decode paths; "host": the GPU-decode executor's logic on CPU tensors."""
+#: on a GPU, both decode paths; "host": the GPU-decode executor's logic on CPU tensors
+_DECODE_ON = pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
+                                                   pytest.param("gpu", marks=pytest.mark.cuda), "host"])
+
+
+def _decode_on(decode_on: str, monkeypatch) -> tuple[bool, list | None, dict]:
+    """A ``_DECODE_ON`` test's set-up: whether it runs on a GPU, the executors made on the host ("host"; None
+    on a GPU), and the Config knobs of its pipelines."""
     from stoker.engine.gpu import nvcomp
 
     if decode_on == "gpu" and not nvcomp.available():
         pytest.skip("nvCOMP is not installed")
     on_gpu = decode_on != "host"
+    made = None
     if on_gpu:
         torch.cuda.set_device(0)
     else:
         made = _on_host(monkeypatch)
+    return on_gpu, made, dict(device=0 if on_gpu else "cpu", device_buffer_bytes=64 << 20,
+                              decode_on=decode_on if on_gpu else "gpu")
+
+
+@_DECODE_ON
+def test_cuda_batches_of_fields_are_the_cpu_s(arrays, decode_on, monkeypatch):
+    """On a GPU, both decode paths; "host": the GPU-decode executor's logic on CPU tensors."""
+    on_gpu, made, knobs = _decode_on(decode_on, monkeypatch)
     dtype = {"raw": "bf16", "labels": "native", "mask": "f32"}
     samples = _samples(arrays, 16, seed=11)
-    cfg = dict(dtype=dtype, device_buffer_bytes=64 << 20, decode_on="gpu" if not on_gpu else decode_on)
-    with stoker.Pipeline(_cfg(**cfg, device=0 if on_gpu else "cpu")) as p:
+    with stoker.Pipeline(_cfg(dtype=dtype, **knobs)) as p:
         p.push(samples)
         n = 0
         for batch in p:
@@ -493,27 +505,17 @@ def test_cuda_batches_of_fields_are_the_cpu_s(arrays, decode_on, monkeypatch):
         assert len(made) == 4 and all(ex.slots is not None for ex in made[1:])  # the pipeline's, one per field
 
 
-@pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
-                                       pytest.param("gpu", marks=pytest.mark.cuda), "host"])
+@_DECODE_ON
 def test_cuda_transform_of_fields_is_fenced_for_the_consumer(arrays, decode_on, monkeypatch):
     """On a GPU, both decode paths; "host": the GPU-decode executor's logic on CPU tensors (no fence there)."""
-    from stoker.engine.gpu import nvcomp
-
-    if decode_on == "gpu" and not nvcomp.available():
-        pytest.skip("nvCOMP is not installed")
-    on_gpu = decode_on != "host"
-    if on_gpu:
-        torch.cuda.set_device(0)
-    else:
-        _on_host(monkeypatch)
+    on_gpu, _, knobs = _decode_on(decode_on, monkeypatch)
     dtype = {"raw": "f32", "labels": "native"}
     samples = [stoker.Sample({"raw": s["raw"], "labels": s["labels"]}) for s in _samples(arrays, 8, seed=12)]
 
     def scale(x):
         x["raw"].mul_(2)
 
-    with stoker.Pipeline(_cfg(dtype=dtype, device=0 if on_gpu else "cpu", device_buffer_bytes=64 << 20,
-                              decode_on=decode_on if on_gpu else "gpu", transform=scale)) as p:
+    with stoker.Pipeline(_cfg(dtype=dtype, transform=scale, **knobs)) as p:
         p.push(samples)
         side = torch.cuda.Stream() if on_gpu else None
         for batch in p:
