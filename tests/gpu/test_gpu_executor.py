@@ -29,6 +29,8 @@ from stoker.engine.gpu import frames
 from stoker.engine.gpu.reference import HostDecoder
 from stoker.errors import BudgetExceeded, DecodeError, InvalidArgument
 
+from batch_oracle import bits as _bits, expected as _expected
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -106,10 +108,6 @@ def _run(samples, **kw):
         return out, p.stats()
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit, except the bits of NaNs in bfloat16: the CPU path itself gives 0x7FC0 from its compiled
     engine and what torch's vectorised cast gives (0xFFFF here) from the Python path and zarr + torch."""
@@ -119,15 +117,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.bfloat16:
         same |= torch.isnan(a) & torch.isnan(b)
     return bool(same.all())
-
-
-def _expected(data, sample, dtype):
-    crop = data[tuple(slice(a, b) for a, b in sample.aabb)]
-    if dtype == "native":
-        return torch.from_numpy(np.ascontiguousarray(crop))
-    if dtype == "bf16":
-        return torch.from_numpy(crop.astype(np.float32)).to(torch.bfloat16)
-    return torch.from_numpy(crop.astype({"f32": np.float32, "f16": np.float16}[dtype]))
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,8 @@ from stoker.engine.gpu import place as gpu_place  # noqa: E402
 from stoker.engine.gpu.executor import GpuDecodeExecutor  # noqa: E402
 from stoker.engine.pipeline import facade as pipelines  # noqa: E402
 
+from batch_oracle import bits as _bits, expected as _expected  # noqa: E402
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -72,19 +74,6 @@ def _batches(uri, shape, dtype):
     with stoker.Pipeline(cfg) as p:
         p.push(samples)
         return samples, [torch.from_dlpack(b).clone() for b in p]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _expected(data, sample, dtype):
-    crop = data[tuple(slice(a, b) for a, b in sample.aabb)]
-    if dtype == "native":
-        return torch.from_numpy(np.ascontiguousarray(crop))
-    if dtype == "bf16":
-        return torch.from_numpy(crop.astype(np.float32)).to(torch.bfloat16)
-    return torch.from_numpy(crop.astype({"f32": np.float32, "f16": np.float16}[dtype]))
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16", "native"])
