@@ -1,10 +1,15 @@
-"""What a batch row should hold, for the tests that compare batches with the source array (tests/gpu/): the
-crop cast to the batch dtype as zarr + torch would, and a tensor's bits for bit-for-bit comparisons."""
+"""What a batch row should hold, for the tests that compare batches with the source array: the crop cast to
+the batch dtype as zarr + torch would (tests/gpu/), a padded box's crop as ``numpy.pad`` makes it
+(tests/engine/test_padding.py, tests/sampling/test_fields_region_pad.py), and a tensor's bits for bit-for-bit
+comparisons."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+#: Sample.pad's modes as numpy.pad's
+NUMPY_MODE = {"zero": "constant", "fill": "constant", "edge": "edge", "reflect": "reflect"}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -23,3 +28,17 @@ def expected(data: np.ndarray, sample, dtype: str) -> torch.Tensor:
     if dtype == "bf16":
         return torch.from_numpy(crop.astype(np.float32)).to(torch.bfloat16)
     return torch.from_numpy(crop.astype({"f32": np.float32, "f16": np.float16}[dtype]))
+
+
+def padded(data: np.ndarray, box, mode: str, fill) -> np.ndarray:
+    """``numpy.pad`` of the whole of ``data`` in Sample.pad's ``mode`` (``fill``: the value of "fill"), cut to
+    ``box`` (which may reach past any border).
+
+    >>> padded(np.arange(4), [(-2, 2)], "reflect", None)
+    array([2, 1, 0, 1])
+    """
+    before = [max(0, -a) for a, _ in box]
+    after = [max(0, b - n) for (_, b), n in zip(box, data.shape)]
+    kw = {"constant_values": fill if mode == "fill" else 0} if mode in ("zero", "fill") else {}
+    out = np.pad(data, list(zip(before, after)), mode=NUMPY_MODE[mode], **kw)
+    return out[tuple(slice(a + k, b + k) for (a, b), k in zip(box, before))]
