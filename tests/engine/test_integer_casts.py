@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import warnings
-import zipfile
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from stoker.engine.cpu import native
 from stoker.engine.cpu.decode_python import PythonDecoder
 
 from native_testing import one_chunk_tables
+from store_fixtures import read_tree, write_zip
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -139,11 +139,7 @@ def test_chunks_fetched_from_a_store_are_checked_too(tmp_path, decode_path, pyth
     _write(tmp_path / "d" / "ok.zarr", data)
     _write(tmp_path / "d" / "bad.zarr", bad)
     archive = tmp_path / "data.zip"
-    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
-        for root, _, files in os.walk(tmp_path / "d"):
-            for name in files:
-                full = os.path.join(root, name)
-                zf.write(full, os.path.relpath(full, tmp_path / "d"))
+    write_zip(str(archive), read_tree(str(tmp_path / "d")))
     got = _batches(_cfg(dtype="i32", batch_size=1), [stoker.Sample(f"{archive}/ok.zarr", BOX)])
     assert torch.equal(got[0][0].to(torch.int64), torch.from_numpy(data[1:11, 2:9]))
     assert (python_casts == []) == (decode_path == "engine")
