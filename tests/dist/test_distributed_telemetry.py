@@ -7,7 +7,6 @@ the tests below then read. Single-process (no-op) paths run in the test process.
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
@@ -19,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from stoker.dist.collectives import RankInfo, rank_info
 from stoker.engine.reduce import ReducedStats, reduce_stats
@@ -28,6 +26,8 @@ from stoker.engine.stats import COUNTERS, FIELD_COUNTERS, STAGES, FieldCounts, M
 from stoker.errors import InvalidArgument, ShutdownError
 from stoker.dist.telemetry import (CUDA_MEMORY_KEYS, MEMORY_KEYS, TelemetryWriter, memory_report, pinned_host_bytes,
                                    register_pinned, unregister_pinned)
+
+from gloo_ranks import gloo_group, spawn_ranks, write_result
 
 EVERY = 3
 STEPS = 10
@@ -87,12 +87,7 @@ def typed(d: dict) -> dict:
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    os.environ.pop("LOCAL_RANK", None)  # rank_info must read the group, not a stray variable
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
+    with gloo_group(rank, world, tmp):
         out: dict = {"pid": os.getpid(), "rank_info": list(vars(rank_info()).values())}
 
         m = rank_metrics(rank)
@@ -144,11 +139,8 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             except InvalidArgument:
                 out["non_member_rejected"] = True
 
-        with open(Path(tmp) / f"result_{rank}.json", "w") as f:
-            json.dump(out, f)
+        write_result(tmp, rank, out)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _stats_record(r: ReducedStats) -> dict:
@@ -171,8 +163,7 @@ def _stats_record(r: ReducedStats) -> dict:
 def group_run(request, tmp_path_factory):
     world = request.param
     tmp = tmp_path_factory.mktemp(f"world{world}")
-    mp.spawn(_worker, args=(world, str(tmp)), nprocs=world, join=True)
-    results = [json.loads((tmp / f"result_{r}.json").read_text()) for r in range(world)]
+    results = spawn_ranks(_worker, world, tmp)
     return world, tmp, results
 
 
