@@ -1,15 +1,28 @@
-"""What a batch row should hold, for the tests that compare batches with the source array: the crop cast to
-the batch dtype as zarr + torch would (tests/gpu/), a padded box's crop as ``numpy.pad`` makes it
-(tests/engine/test_padding.py, tests/sampling/test_fields_region_pad.py), and a tensor's bits for bit-for-bit
-comparisons."""
+"""Batches held to their source array in the tests: seeded random crops to read, what a batch row should hold
+(the crop cast to the batch dtype as zarr + torch would, tests/gpu/; a padded box's crop as ``numpy.pad``
+makes it, tests/engine/test_padding.py and tests/sampling/test_fields_region_pad.py), and a tensor's bits
+for bit-for-bit comparisons."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+import stoker
+
 #: Sample.pad's modes as numpy.pad's
 NUMPY_MODE = {"zero": "constant", "fill": "constant", "edge": "edge", "reflect": "reflect"}
+
+
+def random_crops(uri: str, shape, crop, n: int, seed: int = 1) -> list:
+    """``n`` samples of ``uri`` (an array of ``shape``), each a box of ``crop`` at a seeded random corner
+    inside the array."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        corner = [int(rng.integers(0, s - c + 1)) for s, c in zip(shape, crop)]
+        out.append(stoker.Sample(uri, [(a, a + c) for a, c in zip(corner, crop)]))
+    return out
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

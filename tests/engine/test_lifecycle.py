@@ -21,6 +21,7 @@ from zarr.codecs import ZstdCodec
 import stoker
 from stoker.engine.cpu import native as engine_native
 
+from batch_oracle import random_crops
 from interrupts import pop_through_interrupts
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,15 +38,6 @@ def volume(tmp_path_factory):
     data = np.random.default_rng(0).normal(size=z.shape).astype("float32")
     z[:] = data
     return str(path), data
-
-
-def _samples(uri, shape, n, seed=1):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        corner = [int(rng.integers(0, s - c + 1)) for s, c in zip(shape, CROP)]
-        out.append(stoker.Sample(uri, [(a, a + c) for a, c in zip(corner, CROP)]))
-    return out
 
 
 def _run(script: str, *args: str, timeout: float = 120, native: bool = True) -> subprocess.CompletedProcess:
@@ -204,7 +196,7 @@ def test_ctrl_c_anywhere_in_pop_loses_no_batch_and_state_counts_only_received(vo
     288, and a checkpoint counted batches never received)."""
     uri, data = volume
     bs, n_batches = 4, 6
-    samples = _samples(uri, data.shape, bs * n_batches)
+    samples = random_crops(uri, data.shape, CROP, bs * n_batches)
     cfg = stoker.Config(batch_size=bs, dtype="f32", host_buffer_bytes=64 << 20, n_io_threads=2, n_compute_threads=2,
                         pop_timeout_s=5, device="cpu", transform=(lambda x: x.mul_(2)) if transform else None)
     scale = 2 if transform else 1

@@ -29,7 +29,7 @@ from stoker.engine.gpu import frames
 from stoker.engine.gpu.reference import HostDecoder
 from stoker.errors import BudgetExceeded, DecodeError, InvalidArgument
 
-from batch_oracle import bits as _bits, expected as _expected
+from batch_oracle import bits as _bits, expected as _expected, random_crops as _samples
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,12 +90,6 @@ def _arrays(root):
         made[name] = _write(root / f"{name}.zarr", shape, chunks, dtype, comp, zarr_format=fmt,
                             fill_value=7 if i % 2 else 0, skip=8 if i % 3 == 0 else None, seed=i)
     return made
-
-
-def _samples(uri, shape, crop, n, seed):
-    rng = np.random.default_rng(seed)
-    return [stoker.Sample(uri, [(a, a + c) for a, c in zip([int(rng.integers(0, s - c + 1)) for s, c in
-                                                            zip(shape, crop)], crop)]) for _ in range(n)]
 
 
 def _run(samples, **kw):
