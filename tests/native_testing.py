@@ -6,12 +6,17 @@ calling thread (see csrc/testing.c), with its codecs set up as :mod:`stoker.engi
 (``python setup.py build_ext --inplace``, or ``make venv``'s editable install): no wheel holds it. ``module``
 and ``decode_files`` are None where the engine is not loaded (not built, or ``STOKER_NATIVE=0``) or
 ``stoker._testing`` is not built; tests/engine/test_native.py fails when only the latter is missing.
+
+:func:`one_chunk_tables` writes one chunk file and gives the tables of an ``Engine.submit`` that reads it.
 """
 
 from __future__ import annotations
 
+import os
 from array import array
 
+import numcodecs
+import numpy as np
 import torch
 
 from stoker.engine.cpu import native
@@ -50,3 +55,31 @@ def copy_plan(task, codec, out: torch.Tensor, kind: int, out_strides: tuple[int,
         dst_offset = c.row * row_stride + sum(b * ds for b, ds in zip(c.box_start, dst_strides))
         values += (src_offset, dst_offset, *c.extent)
     return array("q", values)
+
+
+def one_chunk_tables(root: str, chunk: np.ndarray, layout: str, ncopies: int) -> tuple:
+    """Write the 2-d ``chunk`` zstd-compressed to ``root``/c/0.0 in ``layout`` ("C" or "F" order; a "-swapped"
+    suffix: in the other byte order) and build the engine's tables for one job reading it with ``ncopies``
+    copies (the caller makes the copy table). Returns ``(chunks, sources, files, blob, strides)``, ``strides``
+    the chunk's element strides in that layout.
+
+    >>> chunks, sources, files, blob, strides = one_chunk_tables(str(tmp_path) + "/", chunk, "F-swapped", 1)
+    """
+    dt = chunk.dtype
+    order = "F" if layout.startswith("F") else "C"
+    swapped = layout.endswith("swapped")
+    stored = chunk.astype(dt.newbyteorder("S")) if swapped else chunk
+    os.makedirs(os.path.join(root, "c"))
+    with open(os.path.join(root, "c", "0.0"), "wb") as f:
+        f.write(numcodecs.Zstd(level=1).encode(np.asarray(stored).tobytes(order=order)))
+    blob = os.fsencode(os.path.join(root, "c") + "/")
+    strides = (1, chunk.shape[0]) if order == "F" else (chunk.shape[1], 1)
+    sources = np.array([[native.SOURCE_KINDS[dt], 0, 0, len(blob), ord("."), int(swapped), *strides]], np.int64)
+    files = np.zeros((1, native.F_COORDS + 2), np.int64)
+    chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
+    chunks[0, native.C_OFFSET] = chunks[0, native.C_BUFFER] = -1
+    chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = chunk.nbytes
+    chunks[0, native.C_CODEC] = native.CODEC_ZSTD
+    chunks[0, native.C_MAX_STORED] = chunk.nbytes + 4096
+    chunks[0, native.C_NCOPIES] = ncopies
+    return chunks, sources, files, blob, strides

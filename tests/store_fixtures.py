@@ -8,6 +8,7 @@ import os
 import zipfile
 
 import numpy as np
+import pytest
 import zarr
 
 BUCKET = "stoker-test"
@@ -70,9 +71,13 @@ class MotoS3:
         client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
                               aws_secret_access_key="testing", region_name="us-east-1")
         client.create_bucket(Bucket=BUCKET)
-        for key, value in values.items():
-            client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
         self.client = client
+        self.upload(values, prefix)
+
+    def upload(self, values: dict[str, bytes], prefix: str) -> None:
+        """Put ``values`` (``{key: bytes}``, e.g. :func:`read_tree`'s) under ``s3://BUCKET/prefix/``."""
+        for key, value in values.items():
+            self.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
 
     @property
     def options(self) -> dict:
@@ -82,3 +87,16 @@ class MotoS3:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def empty_s3_fixture():
+    """A module-scoped fixture: moto's S3 server with an empty bucket, stopped after the module's tests (which
+    upload under prefixes of their own). In a test module: ``s3 = empty_s3_fixture()``."""
+
+    @pytest.fixture(scope="module")
+    def s3():
+        server = MotoS3({}, "unused")
+        yield server
+        server.stop()
+
+    return s3

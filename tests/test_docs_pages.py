@@ -9,15 +9,21 @@ import torch
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-@pytest.mark.timeout(120)
-def test_records_page_example_runs(tmp_path, monkeypatch):
-    page = DOCS / "records.md"
-    # the page's walkthrough, its first block; the later ones are fragments (meshes, the PyG recipe), whose
-    # code tests/records/test_records_meshes.py runs
+def _run_first_block(name: str, tmp_path, monkeypatch) -> dict:
+    """Run the first Python block of docs/``name`` (a page's walkthrough) in ``tmp_path``; its namespace."""
+    page = DOCS / name
     block = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)[0]
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "docs"}
     exec(compile(block, str(page), "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.timeout(120)
+def test_records_page_example_runs(tmp_path, monkeypatch):
+    # the page's walkthrough, its first block; the later ones are fragments (meshes, the PyG recipe), whose
+    # code tests/records/test_records_meshes.py runs
+    namespace = _run_first_block("records.md", tmp_path, monkeypatch)
     assert (tmp_path / "clouds" / ".stoker-stats.json").exists()
     assert namespace["result"].written == 4
     assert int(namespace["stats"]["points"].count) == 10 + 13 + 16 + 19
@@ -34,13 +40,7 @@ def test_records_page_example_runs(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_site_index_example_runs(tmp_path, monkeypatch):
-    page = DOCS / "index.md"
-    # the page's walkthrough, its first block; the later ones are fragments (meshes, the PyG recipe), whose
-    # code tests/records/test_records_meshes.py runs
-    block = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)[0]
-    monkeypatch.chdir(tmp_path)
-    namespace = {"__name__": "docs"}
-    exec(compile(block, str(page), "exec"), namespace)
+    namespace = _run_first_block("index.md", tmp_path, monkeypatch)  # the page's walkthrough
     z, x = namespace["z"], namespace["x"]
     assert (namespace["crop"] == z[0:32, 100:228, 7:135]).all()
     assert tuple(x.shape) == (4, 32, 128, 128) and x.dtype == torch.float32

@@ -7,7 +7,6 @@ the LocalStore's read counters; two real gloo process groups (1 and 2 ranks) com
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 
@@ -26,6 +24,8 @@ from stoker.errors import InvalidArgument, NonFiniteData, OutOfBounds
 from stoker.records import sidecar
 from stoker.storage import LocalStore
 from stoker.transforms import Normalize
+
+from gloo_ranks import gloo_group, spawn_ranks, write_result
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -276,10 +276,7 @@ def _hexes(st) -> dict:
 
 
 def _worker(rank: int, world: int, tmp: str, uris: dict) -> None:
-    os.environ.pop("LOCAL_RANK", None)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, tmp):
         out: dict = {}
         got = stoker.compute_stats({"f": uris["f"], "ch": [uris["f"], uris["g"]], "i": uris["i"]},
                                    {1: (3, 35)}, cache=False, threads=2)
@@ -314,11 +311,8 @@ def _worker(rank: int, world: int, tmp: str, uris: dict) -> None:
             out["failed"] = [type(exc).__name__, str(exc)]
         finally:
             ArrayReader.read = real  # type: ignore[method-assign]
-        with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
-            json.dump(out, f)
+        write_result(tmp, rank, out)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -335,8 +329,7 @@ def ranked(tmp_path_factory):
                 "i": write(tmp / "i.zarr", rng.integers(0, 1 << 30, size=(30, 40, 33)).astype(np.int64),
                            (4, 8, 11), shards=(8, 16, 33)),
                 "u": write(tmp / "u.zarr", rng.integers(0, 255, size=(3, 40, 33)).astype(np.uint8), (1, 8, 8))}
-        mp.spawn(_worker, args=(world, str(tmp), uris), nprocs=world, join=True)
-        runs[world] = (uris, [json.loads((tmp / f"result_{r}.json").read_text()) for r in range(world)])
+        runs[world] = (uris, spawn_ranks(_worker, world, tmp, uris))
     return runs
 
 

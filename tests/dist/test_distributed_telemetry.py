@@ -7,7 +7,6 @@ the tests below then read. Single-process (no-op) paths run in the test process.
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
@@ -19,15 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from stoker.dist.collectives import RankInfo, rank_info
 from stoker.engine.reduce import ReducedStats, reduce_stats
 from stoker.dist.reduce import reduce_max
-from stoker.engine.stats import COUNTERS, STAGES, Metric, Stats
+from stoker.engine.stats import COUNTERS, FIELD_COUNTERS, STAGES, FieldCounts, Metric, Stats
 from stoker.errors import InvalidArgument, ShutdownError
 from stoker.dist.telemetry import (CUDA_MEMORY_KEYS, MEMORY_KEYS, TelemetryWriter, memory_report, pinned_host_bytes,
                                    register_pinned, unregister_pinned)
+
+from gloo_ranks import gloo_group, spawn_ranks, write_result
 
 EVERY = 3
 STEPS = 10
@@ -60,6 +60,17 @@ def rank_stats(rank: int) -> Stats:
                  **counters)
 
 
+def rank_fields(rank: int) -> dict[str, FieldCounts]:
+    """Each rank's per-field counts: the same fields in another order on rank 1, which also has one the others
+    lack; none on rank 2 (it popped no batch of fields yet)."""
+    def counts(seed: int) -> FieldCounts:
+        return FieldCounts(**{c: 1000 * seed + 17 * j + 3 for j, c in enumerate(FIELD_COUNTERS)})
+
+    return [{"raw": counts(1), "labels": counts(2)},
+            {"labels": counts(3), "mask": counts(4), "raw": counts(5)},
+            {}][rank % 3]
+
+
 def rank_elapsed(rank: int) -> float:
     return [3.0, 4.0, 2.0][rank % 3]
 
@@ -76,12 +87,7 @@ def typed(d: dict) -> dict:
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    os.environ.pop("LOCAL_RANK", None)  # rank_info must read the group, not a stray variable
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
+    with gloo_group(rank, world, tmp):
         out: dict = {"pid": os.getpid(), "rank_info": list(vars(rank_info()).values())}
 
         m = rank_metrics(rank)
@@ -103,6 +109,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         r = reduce_stats(rank_stats(rank), elapsed_s=rank_elapsed(rank))
         out["reduce_stats"] = _stats_record(r)
         out["reduce_stats_no_elapsed"] = _stats_record(reduce_stats(rank_stats(rank)))
+        with_fields = reduce_stats(Stats(samples=rank + 1, fields=rank_fields(rank)))
+        out["reduce_stats_fields"] = {name: [getattr(c, k) for k in FIELD_COUNTERS]
+                                      for name, c in with_fields.totals.fields.items()}
+        out["reduce_stats_fields_samples"] = with_fields.totals.samples
 
         # Rank 0 alone writes; the others run straight into the next collective.
         returned = {}
@@ -129,11 +139,8 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             except InvalidArgument:
                 out["non_member_rejected"] = True
 
-        with open(Path(tmp) / f"result_{rank}.json", "w") as f:
-            json.dump(out, f)
+        write_result(tmp, rank, out)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _stats_record(r: ReducedStats) -> dict:
@@ -156,8 +163,7 @@ def _stats_record(r: ReducedStats) -> dict:
 def group_run(request, tmp_path_factory):
     world = request.param
     tmp = tmp_path_factory.mktemp(f"world{world}")
-    mp.spawn(_worker, args=(world, str(tmp)), nprocs=world, join=True)
-    results = [json.loads((tmp / f"result_{r}.json").read_text()) for r in range(world)]
+    results = spawn_ranks(_worker, world, tmp)
     return world, tmp, results
 
 
@@ -224,6 +230,19 @@ def test_reduce_stats_sums_max_min(group_run):
         no_elapsed = res["reduce_stats_no_elapsed"]
         assert no_elapsed["min_samples_per_s"] is None and no_elapsed["max_samples_per_s"] is None
         assert no_elapsed["counters"] == got["counters"]
+
+
+@spawned
+def test_reduce_stats_sums_each_field_over_the_ranks_that_have_it(group_run):
+    world, _, results = group_run
+    ranks = [rank_fields(r) for r in range(world)]
+    names = list(dict.fromkeys(name for fields in ranks for name in fields))  # as the ranks first name them
+    want = {name: [sum(getattr(f[name], k) for f in ranks if name in f) for k in FIELD_COUNTERS] for name in names}
+    assert list(want) == ["raw", "labels", "mask"]
+    for res in results:  # every rank gets the sums, the rank without fields too
+        assert res["reduce_stats_fields"] == want
+        assert list(res["reduce_stats_fields"]) == names
+        assert res["reduce_stats_fields_samples"] == sum(r + 1 for r in range(world))
 
 
 @spawned
@@ -328,6 +347,8 @@ def test_reduce_stats_not_initialised(no_rank_env):
     partial = reduce_stats(Stats(stages={"io": Metric("io", 1.5, 2)}, samples=3))
     assert partial.totals.stages["io"] == Metric("io", 1.5, 2) and partial.totals.stages["plan"] == Metric("plan")
     assert partial.max_pop_wait_s == 0.0 and partial.min_samples_per_s is None
+    # Per-field counts come back as they are.
+    assert reduce_stats(Stats(fields=rank_fields(1))).totals.fields == rank_fields(1)
 
 
 @pytest.mark.parametrize("elapsed_s", [0, -1.0, math.nan, math.inf, True, "1"])
@@ -341,6 +362,8 @@ def test_reduce_stats_rejects_bad_stats():
         reduce_stats({"samples": 1})
     with pytest.raises(InvalidArgument, match="unknown stages"):
         reduce_stats(Stats(stages={"mystery": Metric("mystery")}))
+    with pytest.raises(InvalidArgument, match="'raw.bytes_read' = 1152921504606846976 is beyond 2\\*\\*53"):
+        reduce_stats(Stats(fields={"raw": FieldCounts(bytes_read=2**60)}))
 
 
 def test_memory_report_keys_and_types():

@@ -13,6 +13,8 @@ import zarr
 import stoker
 from cf_data import SHAPE, VARS, write_dataset  # noqa: F401 - shared with the other CF tests
 from cf_data import assert_same as _assert_same, boxes as _boxes, want as _want
+from cf_data import (check_batches_equal_xarray, check_cf_arrays_after_a_first_batch_without_are_refused,
+                     check_decoded_before_the_transform, check_plain_rows_after_cf_rows_are_rounded)
 from stoker.transforms import FillNaN
 
 xr = pytest.importorskip("xarray")
@@ -37,27 +39,7 @@ def dataset(request, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_batches_equal_xarray_on_both_paths(dataset, decode_path, dtype):
-    ref = xr.open_zarr(dataset, consolidated=False)
-    uris = {v: os.path.join(dataset, v) for v in ("p", "t2m", "q")}
-    boxes = _boxes(8)
-    singles = [stoker.Sample(uris[v], box) for box in boxes for v in ("p", "t2m", "q")]
-    with stoker.Pipeline(_cfg(dtype=dtype)) as pipe:
-        pipe.push(singles)
-        rows = [(s, torch.from_dlpack(b)[i].clone()) for b in pipe.batches(len(singles) // 4)
-                for i, s in enumerate(b.samples)]
-    assert len(rows) == len(singles)
-    for s, x in rows:
-        _assert_same(x, _want(ref, os.path.basename(s.uri), s.aabb))
-    assert any(torch.isnan(x).any() for _, x in rows)
-    # channels of different codings in one sample: each row decoded as its own array says
-    channels = [stoker.Sample([uris["t2m"], uris["p"], uris["q"]], box) for box in boxes]
-    with stoker.Pipeline(_cfg(dtype=dtype)) as pipe:
-        pipe.push(channels)
-        for b in pipe.batches(2):
-            x = torch.from_dlpack(b)
-            for i, s in enumerate(b.samples):
-                for c, v in enumerate(("t2m", "p", "q")):
-                    _assert_same(x[i, c], _want(ref, v, s.aabb))
+    check_batches_equal_xarray(_cfg(dtype=dtype), dataset)
 
 
 def test_cf_false_reads_the_stored_values(dataset, decode_path):
@@ -93,14 +75,7 @@ def test_native_integer_output_is_refused(dataset):
 
 
 def test_decoded_before_the_transform(dataset, decode_path):
-    ref = xr.open_zarr(dataset, consolidated=False)
-    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in _boxes(4)]
-    with stoker.Pipeline(_cfg(dtype="f16", transform=FillNaN(0.0))) as pipe:
-        pipe.push(samples)
-        x = torch.from_dlpack(pipe.pop())
-    for i, s in enumerate(samples):
-        want = np.nan_to_num(_want(ref, "p", s.aabb).astype(np.float32), nan=0.0)
-        assert torch.equal(x[i], torch.from_numpy(want).half())
+    check_decoded_before_the_transform(_cfg(dtype="f16", transform=FillNaN(0.0)), dataset)
 
 
 def test_the_plain_reader_reads_stored_values(dataset):
@@ -123,15 +98,7 @@ def test_config_cf_is_checked():
 def test_a_16_bit_output_without_float32_work_is_refused(dataset, tmp_path):
     """The work slots are sized at the first batch: CF arrays first met later in a bf16 pipeline would be
     decoded in bf16 (their offset cancelling what the rounding kept), so that batch is refused, not wrong."""
-    plain = zarr.create_array(str(tmp_path / "plain"), shape=SHAPE, chunks=(4, 8, 8), dtype="f4")
-    plain[...] = 1.0
-    box = _boxes(1)[0]
-    samples = [stoker.Sample(str(tmp_path / "plain"), box)] * 4 + [stoker.Sample(os.path.join(dataset, "p"), box)] * 4
-    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
-        pipe.push(samples)
-        assert torch.equal(torch.from_dlpack(pipe.pop()), torch.ones(4, *[b - a for a, b in box], dtype=torch.bfloat16))
-        with pytest.raises(stoker.DtypeMismatch, match="/p: its CF attributes.*first batch.*cf=False"):
-            pipe.pop()
+    check_cf_arrays_after_a_first_batch_without_are_refused(_cfg(dtype="bf16"), dataset, tmp_path)
 
 
 def test_an_executor_that_does_not_decode_refuses(dataset, monkeypatch):
@@ -177,19 +144,7 @@ def test_cuda_batches_equal_xarray(dataset, dtype, decode_on):
 def test_batches_without_cf_rows_still_leave_the_work_slot(dataset, tmp_path, decode_path):
     """A bf16 pipeline whose first batch reads CF arrays makes every batch in float32 work slots: a later
     batch of plain arrays is rounded into its delivered slot too."""
-    plain = zarr.create_array(str(tmp_path / "plain"), shape=SHAPE, chunks=(4, 8, 8), dtype="f4")
-    values = np.random.default_rng(2).normal(0, 100, SHAPE).astype("f4")
-    plain[...] = values
-    boxes = _boxes(4)
-    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in boxes]
-    samples += [stoker.Sample(str(tmp_path / "plain"), box) for box in boxes]
-    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
-        pipe.push(samples)
-        pipe.pop().release()
-        x = torch.from_dlpack(pipe.pop())
-    for i, box in enumerate(boxes):
-        want = torch.from_numpy(values[tuple(slice(a, b) for a, b in box)]).to(torch.bfloat16)
-        assert torch.equal(x[i], want)
+    check_plain_rows_after_cf_rows_are_rounded(_cfg(dtype="bf16"), dataset, tmp_path)
 
 
 def test_unsigned_attribute_is_refused_not_read_signed(tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -19,9 +18,9 @@ import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 
 import stoker
-from stoker.engine.executor import Job
 from stoker.engine.pipeline import facade as pipelines
-from stoker.engine.pipeline.facade import Pipeline
+
+from interrupts import pop_through_interrupts
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -346,70 +345,19 @@ def test_many_batches_with_a_small_lookahead_leak_no_slot(arrays, decode_path):
             torch.from_dlpack(held[1]["raw"])
 
 
-STOKER = str(Path(stoker.__file__).parent)
-
-
-class _Interrupter:
-    """A profile function raising KeyboardInterrupt at the ``at``-th point of a ``pop`` on this thread where
-    CPython checks for signals (as tests/engine/test_lifecycle.py's, which says why these points)."""
-
-    def __init__(self, at: int) -> None:
-        self.at, self.seen = at, 0
-
-    def __call__(self, frame, event, arg):
-        if event in ("call", "c_return"):
-            point = frame.f_code.co_filename.startswith(STOKER)
-        elif event == "return":
-            point = (frame.f_back is not None and frame.f_back.f_code.co_filename.startswith(STOKER)
-                     and frame.f_code.co_name != "__enter__")
-        else:
-            point = False
-        if not point:
-            return
-        f = frame
-        while f is not None:
-            if f.f_code is Job.wait.__code__:
-                return
-            if f.f_code is Pipeline.pop.__code__:
-                break
-            f = f.f_back
-        if f is None:
-            return
-        self.seen += 1
-        if self.seen == self.at:
-            raise KeyboardInterrupt
-
-
 def test_ctrl_c_anywhere_in_pop_loses_no_batch_of_fields(arrays, decode_path):
     """A KeyboardInterrupt at every point of a pop in turn: the batch of fields stays for the next pop, each comes
     once and in order, state_dict counts only those received, and no field's slot leaks."""
     bs, n_batches = 2, 4
     samples = _samples(arrays, bs * n_batches, seed=6)
     dtype = {"raw": "f32", "labels": "native", "mask": "native"}
-    expected = [iter(stoker.SampleList(samples).for_rank(0, 1)).state_after(bs * k) for k in range(n_batches + 1)]
-    gc.collect()
-    received, interrupts = [], 0
+
+    def keep(batch) -> list:
+        _check(arrays, batch, dtype)
+        return list(batch.samples)
+
     with stoker.Pipeline(_cfg(dtype=dtype, batch_size=bs, lookahead_batches=1, pop_timeout_s=5)) as p:
-        p.push(stoker.SampleList(samples).for_rank(0, 1))
-        at = 1
-        while len(received) < n_batches:
-            assert interrupts < 5000, "pop never got through"
-            sys.setprofile(_Interrupter(at))
-            try:
-                batch = p.pop()
-            except KeyboardInterrupt:
-                interrupts += 1
-                at += 1
-                batch = None
-            finally:
-                sys.setprofile(None)
-            if batch is not None:
-                with batch:
-                    _check(arrays, batch, dtype)
-                    received.append(list(batch.samples))
-                at = 1
-            state = p.state_dict()
-            assert state["batches"] == len(received) and state["sources"][0] == expected[len(received)]
+        received, interrupts = pop_through_interrupts(p, samples, bs, keep)
         assert _lane_slots_free(p)
     assert interrupts > 10 * n_batches
     assert [s for got in received for s in got] == samples
@@ -513,25 +461,38 @@ def _on_host(monkeypatch, hybrid: bool = False):
     return made
 
 
-@pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
-                                       pytest.param("gpu", marks=pytest.mark.cuda),
-                                       pytest.param("hybrid", marks=pytest.mark.cuda), "host", "hybrid-host"])
-def test_cuda_batches_of_fields_are_the_cpu_s(arrays, decode_on, monkeypatch):
-    """On a GPU, every decode path; "host", "hybrid-host": the GPU-decode and hybrid executors' logic on CPU
-    tensors."""
+#: on a GPU, every decode path; "host", "hybrid-host": the GPU-decode and hybrid executors' logic on CPU tensors
+_DECODE_ON = pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
+                                                   pytest.param("gpu", marks=pytest.mark.cuda),
+                                                   pytest.param("hybrid", marks=pytest.mark.cuda),
+                                                   "host", "hybrid-host"])
+
+
+def _decode_on(decode_on: str, monkeypatch) -> tuple[bool, list | None, dict]:
+    """A ``_DECODE_ON`` test's set-up: whether it runs on a GPU, the executors made on the host ("host",
+    "hybrid-host"; None on a GPU), and the Config knobs of its pipelines."""
     from stoker.engine.gpu import nvcomp
 
     if decode_on in ("gpu", "hybrid") and not nvcomp.available():
         pytest.skip("nvCOMP is not installed")
     on_gpu = not decode_on.endswith("host")
+    made = None
     if on_gpu:
         torch.cuda.set_device(0)
     else:
         made = _on_host(monkeypatch, hybrid=decode_on == "hybrid-host")
+    return on_gpu, made, dict(device=0 if on_gpu else "cpu", device_buffer_bytes=64 << 20,
+                              decode_on=decode_on if on_gpu else "gpu")
+
+
+@_DECODE_ON
+def test_cuda_batches_of_fields_are_the_cpu_s(arrays, decode_on, monkeypatch):
+    """On a GPU, every decode path; "host", "hybrid-host": the GPU-decode and hybrid executors' logic on CPU
+    tensors."""
+    on_gpu, made, knobs = _decode_on(decode_on, monkeypatch)
     dtype = {"raw": "bf16", "labels": "native", "mask": "f32"}
     samples = _samples(arrays, 16, seed=11)
-    cfg = dict(dtype=dtype, device_buffer_bytes=64 << 20, decode_on="gpu" if not on_gpu else decode_on)
-    with stoker.Pipeline(_cfg(**cfg, device=0 if on_gpu else "cpu")) as p:
+    with stoker.Pipeline(_cfg(dtype=dtype, **knobs)) as p:
         p.push(samples)
         n = 0
         for batch in p:
@@ -549,29 +510,18 @@ def test_cuda_batches_of_fields_are_the_cpu_s(arrays, decode_on, monkeypatch):
         assert len(made) == 4 and all(ex.slots is not None for ex in made[1:])  # the pipeline's, one per field
 
 
-@pytest.mark.parametrize("decode_on", [pytest.param("cpu", marks=pytest.mark.cuda),
-                                       pytest.param("gpu", marks=pytest.mark.cuda),
-                                       pytest.param("hybrid", marks=pytest.mark.cuda), "host", "hybrid-host"])
+@_DECODE_ON
 def test_cuda_transform_of_fields_is_fenced_for_the_consumer(arrays, decode_on, monkeypatch):
     """On a GPU, every decode path; "host", "hybrid-host": the GPU-decode and hybrid executors' logic on CPU
     tensors (no fence there)."""
-    from stoker.engine.gpu import nvcomp
-
-    if decode_on in ("gpu", "hybrid") and not nvcomp.available():
-        pytest.skip("nvCOMP is not installed")
-    on_gpu = not decode_on.endswith("host")
-    if on_gpu:
-        torch.cuda.set_device(0)
-    else:
-        _on_host(monkeypatch, hybrid=decode_on == "hybrid-host")
+    on_gpu, _, knobs = _decode_on(decode_on, monkeypatch)
     dtype = {"raw": "f32", "labels": "native"}
     samples = [stoker.Sample({"raw": s["raw"], "labels": s["labels"]}) for s in _samples(arrays, 8, seed=12)]
 
     def scale(x):
         x["raw"].mul_(2)
 
-    with stoker.Pipeline(_cfg(dtype=dtype, device=0 if on_gpu else "cpu", device_buffer_bytes=64 << 20,
-                              decode_on=decode_on if on_gpu else "gpu", transform=scale)) as p:
+    with stoker.Pipeline(_cfg(dtype=dtype, transform=scale, **knobs)) as p:
         p.push(samples)
         side = torch.cuda.Stream() if on_gpu else None
         for batch in p:

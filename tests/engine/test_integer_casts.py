@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
-import zipfile
 
-import numcodecs
 import numpy as np
 import pytest
 import torch
@@ -18,6 +16,9 @@ from zarr.codecs import BytesCodec, ZstdCodec
 import stoker
 from stoker.engine.cpu import native
 from stoker.engine.cpu.decode_python import PythonDecoder
+
+from native_testing import one_chunk_tables
+from store_fixtures import read_tree, write_zip
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,11 +139,7 @@ def test_chunks_fetched_from_a_store_are_checked_too(tmp_path, decode_path, pyth
     _write(tmp_path / "d" / "ok.zarr", data)
     _write(tmp_path / "d" / "bad.zarr", bad)
     archive = tmp_path / "data.zip"
-    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
-        for root, _, files in os.walk(tmp_path / "d"):
-            for name in files:
-                full = os.path.join(root, name)
-                zf.write(full, os.path.relpath(full, tmp_path / "d"))
+    write_zip(str(archive), read_tree(str(tmp_path / "d")))
     got = _batches(_cfg(dtype="i32", batch_size=1), [stoker.Sample(f"{archive}/ok.zarr", BOX)])
     assert torch.equal(got[0][0].to(torch.int64), torch.from_numpy(data[1:11, 2:9]))
     assert (python_casts == []) == (decode_path == "engine")
@@ -265,23 +262,7 @@ def test_engine_integer_kinds(tmp_path, dtype, layout, out):
     bad = dt.kind in "iu" and (np.iinfo(dt).max > room.max or np.iinfo(dt).min < room.min)
     if bad:  # one value past the output's range, inside the copy below
         chunk[2, 5] = np.iinfo(dt).max if np.iinfo(dt).max > room.max else np.iinfo(dt).min
-    order = "F" if layout == "F" else "C"
-    stored = chunk.astype(dt.newbyteorder("S")) if layout.endswith("swapped") else chunk
-    root = str(tmp_path) + "/"
-    os.makedirs(root + "c")
-    with open(root + "c/0.0", "wb") as f:
-        f.write(numcodecs.Zstd(level=1).encode(np.asarray(stored).tobytes(order=order)))
-    blob = os.fsencode(root + "c/")
-    strides = (1, 6) if order == "F" else (20, 1)
-    sources = np.array([[native.SOURCE_KINDS[dt], 0, 0, len(blob), ord("."), int(layout.endswith("swapped")),
-                         *strides]], np.int64)
-    files = np.zeros((1, native.F_COORDS + 2), np.int64)
-    chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
-    chunks[0, native.C_OFFSET] = chunks[0, native.C_BUFFER] = -1
-    chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = chunk.nbytes
-    chunks[0, native.C_CODEC] = native.CODEC_ZSTD
-    chunks[0, native.C_MAX_STORED] = chunk.nbytes + 4096
-    chunks[0, native.C_NCOPIES] = 1
+    chunks, sources, files, blob, strides = one_chunk_tables(str(tmp_path), chunk, layout, 1)
     copies = np.array([[1 * strides[0] + 3 * strides[1], 17, 4, 17]], np.int64)  # rows 1..4, columns 3..19
     batch = torch.full((2, 5, 17), -7, dtype=TORCH[out])
     engine = native.Engine(1, 1 << 20)

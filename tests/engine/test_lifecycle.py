@@ -5,7 +5,6 @@ Forks and exits run in scripts in a subprocess (a hang there cannot take pytest 
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -21,8 +20,9 @@ from zarr.codecs import ZstdCodec
 
 import stoker
 from stoker.engine.cpu import native as engine_native
-from stoker.engine.executor import Job
-from stoker.engine.pipeline.facade import Pipeline
+
+from batch_oracle import random_crops
+from interrupts import pop_through_interrupts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,15 +38,6 @@ def volume(tmp_path_factory):
     data = np.random.default_rng(0).normal(size=z.shape).astype("float32")
     z[:] = data
     return str(path), data
-
-
-def _samples(uri, shape, n, seed=1):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        corner = [int(rng.integers(0, s - c + 1)) for s, c in zip(shape, CROP)]
-        out.append(stoker.Sample(uri, [(a, a + c) for a, c in zip(corner, CROP)]))
-    return out
 
 
 def _run(script: str, *args: str, timeout: float = 120, native: bool = True) -> subprocess.CompletedProcess:
@@ -198,51 +189,6 @@ def test_dataloader_fork_workers_make_pipelines_of_their_own(volume):
 # -- Ctrl-C inside pop ---------------------------------------------------------------------------------------
 
 
-STOKER = str(Path(stoker.__file__).parent)
-
-
-def _ours(frame) -> bool:
-    return frame is not None and frame.f_code.co_filename.startswith(STOKER)
-
-
-class _Interrupter:
-    """A profile function that raises KeyboardInterrupt at the ``at``-th point of a ``pop`` on this thread.
-
-    A signal's handler runs in the consumer's thread where CPython checks for one: entering a function, and
-    after a call returns to its caller. The profile's events mark those points: "call" (entering stoker's
-    code), "c_return" and "return" (back in stoker's code from a call; not from an ``__enter__``, which the
-    ``with`` statement calls without a check after it). Each is taken in turn. Points in CPython's own
-    threading code are left out (an interrupt inside ``Condition.__enter__`` after it took the lock leaks
-    the lock, whoever calls it), and so are those inside :meth:`Job.wait`, whose interrupted settle has its
-    own handling (test_native_engine.py)."""
-
-    def __init__(self, at: int) -> None:
-        self.at, self.seen = at, 0
-
-    def __call__(self, frame, event, arg):
-        if event in ("call", "c_return"):
-            point = _ours(frame)
-        elif event == "return":
-            point = _ours(frame.f_back) and frame.f_code.co_name != "__enter__"
-        else:
-            point = False
-        if not point:
-            return
-        f, in_pop = frame, False
-        while f is not None:
-            if f.f_code is Job.wait.__code__:
-                return
-            if f.f_code is Pipeline.pop.__code__:
-                in_pop = True
-                break
-            f = f.f_back
-        if not in_pop:
-            return
-        self.seen += 1
-        if self.seen == self.at:
-            raise KeyboardInterrupt
-
-
 @pytest.mark.parametrize("transform", [False, True], ids=["plain", "transform"])
 def test_ctrl_c_anywhere_in_pop_loses_no_batch_and_state_counts_only_received(volume, decode_path, transform):
     """A KeyboardInterrupt at every point of a pop in turn: the batch stays for the next pop, every batch comes
@@ -250,34 +196,13 @@ def test_ctrl_c_anywhere_in_pop_loses_no_batch_and_state_counts_only_received(vo
     288, and a checkpoint counted batches never received)."""
     uri, data = volume
     bs, n_batches = 4, 6
-    samples = _samples(uri, data.shape, bs * n_batches)
+    samples = random_crops(uri, data.shape, CROP, bs * n_batches)
     cfg = stoker.Config(batch_size=bs, dtype="f32", host_buffer_bytes=64 << 20, n_io_threads=2, n_compute_threads=2,
                         pop_timeout_s=5, device="cpu", transform=(lambda x: x.mul_(2)) if transform else None)
     scale = 2 if transform else 1
-    expected = [iter(stoker.SampleList(samples).for_rank(0, 1)).state_after(bs * k) for k in range(n_batches + 1)]
-    gc.collect()  # none of these is finalised inside a pop, where the profile function would interrupt it
-    received, interrupts = [], 0
     with stoker.Pipeline(cfg) as p:
-        p.push(stoker.SampleList(samples).for_rank(0, 1))
-        at = 1
-        while len(received) < n_batches:
-            assert interrupts < 5000, "pop never got through"
-            sys.setprofile(_Interrupter(at))
-            try:
-                batch = p.pop()
-            except KeyboardInterrupt:
-                interrupts += 1
-                at += 1
-                batch = None
-            finally:
-                sys.setprofile(None)
-            if batch is not None:
-                with batch:
-                    received.append((list(batch.samples), torch.from_dlpack(batch).clone()))
-                at = 1
-            state = p.state_dict()
-            assert state["batches"] == len(received)
-            assert state["sources"][0] == expected[len(received)]
+        received, interrupts = pop_through_interrupts(
+            p, samples, bs, lambda batch: (list(batch.samples), torch.from_dlpack(batch).clone()))
         assert p.stats().batches_emitted >= n_batches
     assert interrupts > 10 * n_batches  # every pop was cut at many points before one went through
     assert [s for got, _ in received for s in got] == samples

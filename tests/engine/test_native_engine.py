@@ -25,6 +25,8 @@ from zarr.codecs import ZstdCodec
 import stoker
 from stoker.engine.cpu import native
 
+from native_testing import one_chunk_tables
+
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(native.Engine is None, reason="stoker._native is not available")]
 
@@ -934,24 +936,10 @@ def test_any_layout_and_byte_order_casts_as_copy_cast(tmp_path, dtype, layout, b
         chunk = rng.integers(info.min, info.max, (6, 20), dtype=dt, endpoint=True)
     order = "F" if layout.startswith("F") else "C"
     stored = chunk.astype(dt.newbyteorder("S")) if layout.endswith("swapped") else chunk
-    raw = np.asarray(stored).tobytes(order=order)
     kind = {"f32": native.KIND_F32, "bf16": native.KIND_BF16, "same": native.KIND_SAME}[batch]
     out_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "same": torch.from_numpy(chunk[:1]).dtype}[batch]
     root = str(tmp_path) + "/"
-    os.makedirs(root + "c")
-    with open(root + "c/0.0", "wb") as f:
-        f.write(numcodecs.Zstd(level=1).encode(raw))
-    blob = os.fsencode(root + "c/")
-    strides = (1, 6) if order == "F" else (20, 1)
-    sources = np.array([[native.SOURCE_KINDS[dt], 0, 0, len(blob), ord("."), int(layout.endswith("swapped")),
-                         *strides]], np.int64)
-    files = np.zeros((1, native.F_COORDS + 2), np.int64)
-    chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
-    chunks[0, native.C_OFFSET] = chunks[0, native.C_BUFFER] = -1
-    chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = chunk.nbytes
-    chunks[0, native.C_CODEC] = native.CODEC_ZSTD
-    chunks[0, native.C_MAX_STORED] = chunk.nbytes + 4096
-    chunks[0, native.C_NCOPIES] = 2
+    chunks, sources, files, blob, strides = one_chunk_tables(root, chunk, layout, 2)
     # rows 1..4, columns 3..19 into a (2, 5, 17) batch at (0, 1, 0); the whole chunk's first 5 rows, 17
     # columns into batch row 1
     copies = np.array([[1 * strides[0] + 3 * strides[1], 1 * 17, 4, 17],

@@ -17,6 +17,8 @@ from zarr.codecs import BloscCodec, ZstdCodec
 
 import stoker
 
+from batch_oracle import random_crops as _random_samples
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -38,15 +40,6 @@ def _write(path, shape, chunks, dtype="uint16", shards=None, compressors="lz4", 
         data = rng.integers(max(info.min, -30000), min(info.max, 60000), size=shape, endpoint=True).astype(dtype)
     z[:] = data
     return z, data
-
-
-def _random_samples(uri, shape, crop, n, seed=1):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        corner = [int(rng.integers(0, s - c + 1)) for s, c in zip(shape, crop)]
-        out.append(stoker.Sample(uri, [(a, a + c) for a, c in zip(corner, crop)]))
-    return out
 
 
 def _expected(data, sample, dtype):

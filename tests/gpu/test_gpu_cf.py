@@ -16,6 +16,8 @@ import zarr
 import stoker
 from cf_data import SHAPE, VARS, write_dataset  # noqa: F401 - shared with the other CF tests
 from cf_data import assert_same as _assert_same, boxes as _boxes, want as _want
+from cf_data import (check_batches_equal_xarray, check_cf_arrays_after_a_first_batch_without_are_refused,
+                     check_decoded_before_the_transform, check_plain_rows_after_cf_rows_are_rounded)
 from stoker.engine import choose as executors
 from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.pipeline import facade as pipelines
@@ -57,45 +59,17 @@ def _cfg(**kw):
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_batches_equal_xarray(dataset, on_host, dtype):
-    ref = xr.open_zarr(dataset, consolidated=False)
-    uris = {v: os.path.join(dataset, v) for v in VARS}
-    boxes = _boxes(8)
-    singles = [stoker.Sample(uris[v], box) for box in boxes for v in VARS]
-    with stoker.Pipeline(_cfg(dtype=dtype)) as pipe:
-        pipe.push(singles)
-        rows = [(s, torch.from_dlpack(b)[i].clone()) for b in pipe.batches(len(singles) // 4)
-                for i, s in enumerate(b.samples)]
-        stats = pipe.stats()
+    rows, stats = check_batches_equal_xarray(_cfg(dtype=dtype), dataset)
     assert on_host and all(isinstance(ex, GpuDecodeExecutor) for ex in on_host)
     ex = on_host[0]
     assert ex.cf_work and ex.work_dtype(ex.dtype) == torch.float32  # bf16 too: decoded in float32, rounded once
     assert stats.bytes_to_device > 0  # the chunks crossed encoded and were decoded by the stream decoder
-    assert len(rows) == len(singles)
-    for s, x in rows:
-        assert x.dtype == {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
-        _assert_same(x, _want(ref, os.path.basename(s.uri), s.aabb))
-    assert any(torch.isnan(x).any() for _, x in rows)
-    # channels of different codings in one sample: each row decoded as its own array says
-    channels = [stoker.Sample([uris["t2m"], uris["p"], uris["q"]], box) for box in boxes]
-    with stoker.Pipeline(_cfg(dtype=dtype)) as pipe:
-        pipe.push(channels)
-        for b in pipe.batches(2):
-            x = torch.from_dlpack(b)
-            for i, s in enumerate(b.samples):
-                for c, v in enumerate(("t2m", "p", "q")):
-                    _assert_same(x[i, c], _want(ref, v, s.aabb))
+    assert all(x.dtype == {"f32": torch.float32, "bf16": torch.bfloat16}[dtype] for _, x in rows)
 
 
 def test_decoded_before_the_transform(dataset, on_host):
-    ref = xr.open_zarr(dataset, consolidated=False)
-    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in _boxes(4)]
-    with stoker.Pipeline(_cfg(dtype="f16", transform=FillNaN(0.0))) as pipe:
-        pipe.push(samples)
-        x = torch.from_dlpack(pipe.pop())
+    check_decoded_before_the_transform(_cfg(dtype="f16", transform=FillNaN(0.0)), dataset)
     assert on_host
-    for i, s in enumerate(samples):
-        want = np.nan_to_num(_want(ref, "p", s.aabb).astype(np.float32), nan=0.0)
-        assert torch.equal(x[i], torch.from_numpy(want).half())
 
 
 def test_fields_are_decoded_each_in_its_lane(dataset, on_host):
@@ -154,31 +128,12 @@ def test_cf_false_reads_the_stored_values(dataset, on_host):
 def test_a_16_bit_output_without_float32_work_is_refused(dataset, on_host, tmp_path):
     """The work buffer is sized at the first batch: a CF array first met later in a bf16 pipeline is refused,
     not decoded in bf16."""
-    plain = zarr.create_array(str(tmp_path / "plain"), shape=SHAPE, chunks=(4, 8, 8), dtype="f4")
-    plain[...] = 1.0
-    box = _boxes(1)[0]
-    samples = [stoker.Sample(str(tmp_path / "plain"), box)] * 4 + [stoker.Sample(os.path.join(dataset, "p"), box)] * 4
-    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
-        pipe.push(samples)
-        assert torch.equal(torch.from_dlpack(pipe.pop()), torch.ones(4, *[b - a for a, b in box], dtype=torch.bfloat16))
-        with pytest.raises(stoker.DtypeMismatch, match="/p: its CF attributes.*first batch.*cf=False"):
-            pipe.pop()
+    check_cf_arrays_after_a_first_batch_without_are_refused(_cfg(dtype="bf16"), dataset, tmp_path)
     assert on_host
 
 
 def test_batches_without_cf_rows_are_rounded_from_the_work_buffer(dataset, on_host, tmp_path):
     """A bf16 pipeline whose first batch reads CF arrays makes every batch in the float32 work buffer: a later
     batch of plain arrays is rounded into its slot too."""
-    plain = zarr.create_array(str(tmp_path / "plain"), shape=SHAPE, chunks=(4, 8, 8), dtype="f4")
-    values = np.random.default_rng(2).normal(0, 100, SHAPE).astype("f4")
-    plain[...] = values
-    boxes = _boxes(4)
-    samples = [stoker.Sample(os.path.join(dataset, "p"), box) for box in boxes]
-    samples += [stoker.Sample(str(tmp_path / "plain"), box) for box in boxes]
-    with stoker.Pipeline(_cfg(dtype="bf16")) as pipe:
-        pipe.push(samples)
-        pipe.pop().release()
-        x = torch.from_dlpack(pipe.pop())
-        for i, box in enumerate(boxes):
-            assert torch.equal(x[i], torch.from_numpy(values[tuple(slice(a, b) for a, b in box)]).to(torch.bfloat16))
+    check_plain_rows_after_cf_rows_are_rounded(_cfg(dtype="bf16"), dataset, tmp_path)
     assert on_host and on_host[0].cf_work

@@ -29,6 +29,8 @@ from stoker.engine.gpu import frames
 from stoker.engine.gpu.reference import HostDecoder
 from stoker.errors import BudgetExceeded, DecodeError, InvalidArgument
 
+from batch_oracle import bits as _bits, expected as _expected, random_crops as _samples
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -90,12 +92,6 @@ def _arrays(root):
     return made
 
 
-def _samples(uri, shape, crop, n, seed):
-    rng = np.random.default_rng(seed)
-    return [stoker.Sample(uri, [(a, a + c) for a, c in zip([int(rng.integers(0, s - c + 1)) for s, c in
-                                                            zip(shape, crop)], crop)]) for _ in range(n)]
-
-
 def _run(samples, **kw):
     base = dict(batch_size=4, device="cpu", n_compute_threads=1, n_io_threads=1, host_buffer_bytes=64 << 20,
                 device_buffer_bytes=64 << 20, drop_last=False, lossy_casts=True)  # int32 arrays into floats too
@@ -104,10 +100,6 @@ def _run(samples, **kw):
         p.push(samples)
         out = [torch.from_dlpack(b).clone() for b in p]
         return out, p.stats()
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -119,15 +111,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.bfloat16:
         same |= torch.isnan(a) & torch.isnan(b)
     return bool(same.all())
-
-
-def _expected(data, sample, dtype):
-    crop = data[tuple(slice(a, b) for a, b in sample.aabb)]
-    if dtype == "native":
-        return torch.from_numpy(np.ascontiguousarray(crop))
-    if dtype == "bf16":
-        return torch.from_numpy(crop.astype(np.float32)).to(torch.bfloat16)
-    return torch.from_numpy(crop.astype({"f32": np.float32, "f16": np.float16}[dtype]))
 
 
 @pytest.fixture(scope="module")

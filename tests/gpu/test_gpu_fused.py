@@ -23,6 +23,7 @@ from stoker.engine.gpu import fused  # noqa: E402
 from stoker.engine.gpu import place as gpu_place  # noqa: E402
 from stoker.engine.gpu.executor import GpuDecodeExecutor  # noqa: E402
 from stoker.engine.pipeline import facade as pipelines  # noqa: E402
+from batch_oracle import bits as _bits, expected as _expected  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:stoker's GPU decode:RuntimeWarning")]
 
@@ -119,23 +120,9 @@ def _run(placements, using, samples, dtype, **kw):
         return out
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def _same_bits(ref: torch.Tensor, got: torch.Tensor) -> bool:
     """Bit for bit (the dtypes too)."""
     return ref.dtype == got.dtype and ref.shape == got.shape and bool((_bits(ref) == _bits(got)).all())
-
-
-def _expected(data, sample, dtype):
-    crop = data[tuple(slice(a, b) for a, b in sample.aabb)]
-    if dtype == "native":
-        return torch.from_numpy(np.ascontiguousarray(crop))
-    if dtype == "bf16":
-        return torch.from_numpy(crop.astype(np.float32)).to(torch.bfloat16)
-    return torch.from_numpy(crop.astype({"f32": np.float32, "f16": np.float16, "i32": np.int32,
-                                         "i64": np.int64}[dtype]))
 
 
 @interpreted

@@ -8,7 +8,6 @@ the store's own counters and a ``sys.addaudithook`` hook.
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import multiprocessing
@@ -23,13 +22,14 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import zarr
 
 from stoker.errors import InvalidArgument, NotFound, OutOfBounds, RankMismatch
 from stoker.records import FieldStats, Moments, ZarrRecords, compute_stats, denormalize, normalize
 from stoker.records import sidecar
 from stoker.storage import LocalStore
+
+from gloo_ranks import gloo_group, spawn_ranks, write_result
 
 METADATA_NAMES = {"zarr.json", ".zarray", ".zgroup", ".zattrs"}
 SPEC = {"positions": ("T", "N", 3), "velocity": ("T", "N", 3), "cells": ("M", 3)}
@@ -638,10 +638,7 @@ def boom(sample: dict) -> torch.Tensor:
 
 
 def _stats_worker(rank: int, world: int, tmp: str, root: str, small: str) -> None:
-    os.environ.pop("LOCAL_RANK", None)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, tmp):
         out: dict = {}
         path = sidecar.path_for(root)
         ds = ZarrRecords(root, fields=SPEC)
@@ -671,11 +668,8 @@ def _stats_worker(rank: int, world: int, tmp: str, root: str, small: str) -> Non
                 out["different"] = str(exc)
         # Two records over up to three ranks: a rank with nothing to read still takes part.
         out["small"] = _hexes(compute_stats(ZarrRecords(small, fields=SPEC), ["positions"], cache=False)["positions"])
-        with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
-            json.dump(out, f)
+        write_result(tmp, rank, out)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=["world1", "world2", "world3"])
@@ -685,8 +679,7 @@ def group_run(request, tmp_path_factory):
     root, small = str(tmp / "data"), str(tmp / "small")
     truth = write_dataset(root, n=N_RECORDS, seed=world)
     small_truth = write_dataset(small, n=2, seed=40 + world)
-    mp.spawn(_stats_worker, args=(world, str(tmp), root, small), nprocs=world, join=True)
-    results = [json.loads((tmp / f"result_{r}.json").read_text()) for r in range(world)]
+    results = spawn_ranks(_stats_worker, world, tmp, root, small)
     return world, truth, small_truth, results
 
 

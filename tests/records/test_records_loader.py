@@ -8,7 +8,6 @@ dataset.
 
 from __future__ import annotations
 
-import datetime
 import json
 import multiprocessing
 import os
@@ -20,11 +19,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import zarr
 
 from stoker.errors import DtypeMismatch, InvalidArgument, RankMismatch, ShutdownError
 from stoker.records import Concat, Loader, LoaderTimeout, Pad, ZarrRecords
+
+from gloo_ranks import gloo_group, spawn_ranks, write_result
 
 N_RECORDS = 13
 
@@ -368,10 +368,7 @@ def test_bad_arguments(ds):
 
 
 def _group_worker(rank: int, world: int, tmp: str, root: str) -> None:
-    os.environ.pop("LOCAL_RANK", None)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, tmp):
         loader = Loader(ZarrRecords(root, fields=["points", "rid"]), 2, seed=4)  # rank and world from the group
         steps = 0
         for _ in loader:
@@ -379,18 +376,14 @@ def _group_worker(rank: int, world: int, tmp: str, root: str) -> None:
             t = torch.ones(1)
             dist.all_reduce(t)
             steps += 1
-        with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
-            json.dump({"rank": loader.rank, "world": loader.world_size, "steps": steps}, f)
-    finally:
-        dist.destroy_process_group()
+        write_result(tmp, rank, {"rank": loader.rank, "world": loader.world_size, "steps": steps})
 
 
 @pytest.mark.timeout(120)
 def test_ranks_from_a_process_group_step_in_lockstep(tmp_path):
     root = str(tmp_path / "data")
     write_dataset(root)
-    mp.spawn(_group_worker, args=(3, str(tmp_path), root), nprocs=3, join=True)
-    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(3)]
+    results = spawn_ranks(_group_worker, 3, tmp_path, root)
     assert [(r["rank"], r["world"], r["steps"]) for r in results] == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
 
 

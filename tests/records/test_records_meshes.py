@@ -20,6 +20,8 @@ from stoker.config import default_compute_threads
 from stoker.errors import InvalidArgument, RankMismatch
 from stoker.records import Concat, Loader, RecordBatch, ZarrRecords, compute_stats, normalize
 
+from gloo_ranks import gloo_group, spawn_ranks, write_result
+
 T = 4
 N_RECORDS = 7
 SPEC = {"mesh_pos": ("T", "N", 3), "thickness": ("N",), "edges": (2, "E"), "params": (4,)}
@@ -338,17 +340,11 @@ def _hex(st) -> dict:
 
 
 def _mesh_worker(rank: int, world: int, tmp: str, root: str) -> None:
-    import datetime
-    import json
-
     import torch.distributed as dist
 
     from stoker.records import knn_graph, precompute
 
-    os.environ.pop("LOCAL_RANK", None)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, tmp):
         out: dict = {}
         ds = ZarrRecords(root, fields=SPEC)
         stats = compute_stats(ds, ["mesh_pos", "params"])
@@ -363,23 +359,15 @@ def _mesh_worker(rank: int, world: int, tmp: str, root: str) -> None:
             compute_stats(ds, ["mesh_pos"], derived={"edge_len": _edge_len}, cache=False)
         except Exception as exc:  # noqa: BLE001 - recorded for the test
             out["unsaid"] = type(exc).__name__
-        with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
-            json.dump(out, f)
+        write_result(tmp, rank, out)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
 def test_reuse_and_normalized_with_across_two_ranks(tmp_path):
-    import json
-
-    import torch.multiprocessing as mp
-
     data = str(tmp_path / "data")
     write_meshes(data)
-    mp.spawn(_mesh_worker, args=(2, str(tmp_path), data), nprocs=2, join=True)
-    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
+    results = spawn_ranks(_mesh_worker, 2, tmp_path, data)
     assert results[0] == {**results[1], "written": results[0]["written"]}  # bit-identical statistics
     assert results[0]["params_shape"] == [4]
     assert results[0]["unsaid"] == "InvalidArgument" and results[1]["unsaid"] in ("InvalidArgument", "StokerError")

@@ -4,7 +4,6 @@ statistics. Records written by zarr-python; a real 2-rank gloo group."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 
@@ -12,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from stoker.errors import InvalidArgument, NonFiniteData
 from stoker.records import Moments, ZarrRecords, compute_stats, normalize
 from stoker.records import sidecar
 from test_records import SPEC, record_arrays, write_dataset, write_record  # tests/ is on sys.path
+
+from gloo_ranks import gloo_group, spawn_ranks, write_result
 
 N = 6
 BAD = 3  # the record holding the non-finite values: rank 1's of 2 (records rank::2)
@@ -134,10 +134,7 @@ def test_moments_skip_nonfinite_values_and_merge_their_counts():
 
 
 def _worker(rank: int, world: int, tmp: str, root: str) -> None:
-    os.environ.pop("LOCAL_RANK", None)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
+    with gloo_group(rank, world, tmp, 30):
         out: dict = {}
         ds = ZarrRecords(root, fields=SPEC)
         try:
@@ -148,10 +145,7 @@ def _worker(rank: int, world: int, tmp: str, root: str) -> None:
         dist.barrier()
         stats = compute_stats(ds, ["positions"], nonfinite="skip")  # the same group still works
         out["skip"] = {k: getattr(stats["positions"], k).tolist() for k in ("count", "skipped", "mean", "std")}
-        with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
-            json.dump(out, f)
-    finally:
-        dist.destroy_process_group()
+        write_result(tmp, rank, out)
 
 
 @pytest.mark.timeout(120)
@@ -159,8 +153,7 @@ def test_a_nonfinite_value_on_one_rank_fails_every_rank_alike(tmp_path):
     root = str(tmp_path / "data")
     truth = write_with_nonfinite(root)
     assert f"rec_{BAD:03d}.zarr" in ZarrRecords(root, fields=SPEC).for_rank(1, 2).names  # rank 1's alone
-    mp.spawn(_worker, args=(2, str(tmp_path), root), nprocs=2, join=True)
-    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
+    results = spawn_ranks(_worker, 2, tmp_path, root)
     for res in results:
         assert res["raised"][0] == "NonFiniteData" and res["raised"][2:] == ["rec_003.zarr", 3]
         assert res["raised"] == results[0]["raised"]  # the same error, word for word, on both ranks

@@ -6,8 +6,6 @@ SIGKILLed in the middle of a write; a real gloo group of two ranks.
 
 from __future__ import annotations
 
-import datetime
-import json
 import multiprocessing
 import os
 import signal
@@ -17,8 +15,6 @@ import zipfile
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import zarr
 
 from stoker.storage import fsutil
@@ -26,6 +22,8 @@ from stoker.errors import DtypeMismatch, InvalidArgument, RankMismatch
 from stoker.records import ZarrRecords, knn_edge_index, knn_graph, precompute
 
 from stoker.records import precomputed as pre
+
+from gloo_ranks import gloo_group, spawn_ranks, write_result
 
 N_RECORDS = 7
 K = 4
@@ -343,10 +341,7 @@ def test_killed_mid_write_leaves_complete_arrays_or_none(tmp_path):
 
 
 def _rank_worker(rank: int, world: int, tmp: str, root: str) -> None:
-    os.environ.pop("LOCAL_RANK", None)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, tmp):
         out: dict = {}
         ds = ZarrRecords(root, fields=["points", "rid"])
         fn = Counter()
@@ -371,18 +366,14 @@ def _rank_worker(rank: int, world: int, tmp: str, root: str) -> None:
             precompute(ds, "knn", Counter(), params={"k": K + rank})
         except InvalidArgument as exc:
             out["different"] = str(exc)
-        with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
-            json.dump(out, f)
-    finally:
-        dist.destroy_process_group()
+        write_result(tmp, rank, out)
 
 
 @pytest.mark.timeout(120)
 def test_two_ranks_write_each_record_exactly_once(tmp_path):
     root = str(tmp_path / "data")
     points = write_dataset(root)
-    mp.spawn(_rank_worker, args=(2, str(tmp_path), root), nprocs=2, join=True)
-    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
+    results = spawn_ranks(_rank_worker, 2, tmp_path, root)
     assert results[0]["seen"] == [0, 2, 4, 6] and results[1]["seen"] == [1, 3, 5]
     assert [r["first"] for r in results] == [[4, 0, 7, 0], [3, 0, 7, 0]]
     assert [r["again"] for r in results] == [[], []]
@@ -453,10 +444,7 @@ def test_a_store_dataset_missing_a_record_s_precomputed_array_says_so(tmp_path, 
 
 def _store_rank_worker(rank: int, world: int, tmp: str, archive: str, shared: bool) -> None:
     os.environ["STOKER_CACHE"] = os.path.join(tmp, "cache" if shared else f"cache_node{rank}")
-    os.environ.pop("LOCAL_RANK", None)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, tmp):
         out: dict = {}
         ds = ZarrRecords(archive, fields=["points", "rid"])
         fn = Counter()
@@ -467,10 +455,7 @@ def _store_rank_worker(rank: int, world: int, tmp: str, archive: str, shared: bo
         out["again"] = [res.written, res.skipped]
         fresh = ZarrRecords(archive, fields=["points", "knn"])
         out["knn"] = [fresh[i]["knn"].tolist() for i in range(len(fresh))]
-        with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
-            json.dump(out, f)
-    finally:
-        dist.destroy_process_group()
+        write_result(tmp, rank, out)
 
 
 @pytest.mark.timeout(120)
@@ -479,8 +464,7 @@ def test_two_ranks_precompute_a_store_dataset_into_their_caches(tmp_path, shared
     """Two ranks, as on two nodes with node-local caches (or one shared cache): after precompute every rank's
     cache holds every record, so a ZarrRecords asking for the field opens on each; a rerun writes nothing."""
     archive, points = _zipped(tmp_path, n=4)
-    mp.spawn(_store_rank_worker, args=(2, str(tmp_path), archive, shared), nprocs=2, join=True)
-    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
+    results = spawn_ranks(_store_rank_worker, 2, tmp_path, archive, shared)
     want = [brute_knn(torch.from_numpy(p), K).tolist() for p in points]
     assert all(r["knn"] == want for r in results)
     assert all(r["again"] == [0, 2] for r in results)  # (skipped: its share; the rest only looked at)

@@ -19,13 +19,14 @@ from hypothesis import strategies as st
 import stoker
 from stoker.errors import InvalidArgument
 
+from batch_oracle import padded as _reference  # numpy.pad of the whole array, cut to the box
+
 xr = pytest.importorskip("xarray")
 pd = pytest.importorskip("pandas")
 
 pytestmark = pytest.mark.timeout(180)
 
 MODES = ("zero", "fill", "edge", "reflect")
-_NUMPY_MODE = {"zero": "constant", "fill": "constant", "edge": "edge", "reflect": "reflect"}
 
 
 def _epoch(src, epoch=0):
@@ -162,15 +163,6 @@ def test_region_and_mask_draw_exactly_the_qualifying_anchors_in_the_region(maske
 
 
 # -- pad over fields, through a Pipeline --------------------------------------------------------------------------
-
-def _reference(data: np.ndarray, box, mode: str, fill) -> np.ndarray:
-    """``numpy.pad`` of zarr-python's read of the whole array, cut to ``box``."""
-    before = [max(0, -a) for a, _ in box]
-    after = [max(0, b - n) for (_, b), n in zip(box, data.shape)]
-    kw = {"constant_values": fill if mode == "fill" else 0} if mode in ("zero", "fill") else {}
-    padded = np.pad(data, list(zip(before, after)), mode=_NUMPY_MODE[mode], **kw)
-    return padded[tuple(slice(a + k, b + k) for (a, b), k in zip(box, before))]
-
 
 @pytest.fixture(scope="module")
 def pyramid(tmp_path_factory):

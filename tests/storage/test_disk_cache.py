@@ -29,7 +29,7 @@ from stoker.storage.diskcache import DiskCache, disk_cache
 from stoker.storage.locate import Stores, locate
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, MotoS3, read_tree
+from store_fixtures import BUCKET, empty_s3_fixture, read_tree
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,11 +52,7 @@ def _oracle(root: str, path: str) -> np.ndarray:
     return zarr.open_array(os.path.join(root, path), mode="r")[...]
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = MotoS3({}, "unused")
-    yield server
-    server.stop()
+s3 = empty_s3_fixture()
 
 
 @pytest.fixture
@@ -74,8 +70,7 @@ def remote(request, s3, data):
         prefix = f"cache-{uuid.uuid4().hex[:8]}"
 
         def upload() -> None:
-            for key, value in read_tree(data).items():
-                s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
+            s3.upload(read_tree(data), prefix)
 
         upload()
         yield f"s3://{BUCKET}/{prefix}", {**s3.options, **FAST}, upload
@@ -157,8 +152,7 @@ def test_an_object_replaced_between_epochs_is_read_new(remote, data, tmp_path):
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_a_pipeline_reads_new_data_after_the_staleness_bound(s3, data, tmp_path, path):
     prefix = f"cache-{uuid.uuid4().hex[:8]}"
-    for key, value in read_tree(data).items():
-        s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
+    s3.upload(read_tree(data), prefix)
     uri = f"s3://{BUCKET}/{prefix}/{path}"
     cfg = stoker.Config(batch_size=2, dtype="native", n_compute_threads=1, pop_timeout_s=60,
                         storage_options={f"s3://{BUCKET}/": {**s3.options, **FAST}}, cache_dir=str(tmp_path / "c"),
@@ -180,8 +174,7 @@ def test_a_pipeline_reads_new_data_after_the_staleness_bound(s3, data, tmp_path,
             assert cache.flush(30)
         assert cache.hits > 0 and cache.written > 0  # the second epoch was served from disk
         _write(data, 3)
-        for key, value in read_tree(data).items():
-            s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
+        s3.upload(read_tree(data), prefix)
         time.sleep(0.6)
         for got, box in zip(epoch(p), boxes):
             np.testing.assert_array_equal(got, _oracle(data, path)[tuple(slice(*s) for s in box)])
@@ -212,8 +205,7 @@ def _reader(args) -> tuple[int, int, int, int]:
 def test_four_processes_share_one_folder_under_eviction_pressure(s3, data, tmp_path):
     prefix = f"cache-{uuid.uuid4().hex[:8]}"
     values = read_tree(data)
-    for key, value in values.items():
-        s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
+    s3.upload(values, prefix)
     chunk_bytes = sum(len(v) for k, v in values.items() if "/c/" in k)
     biggest = max(len(v) for k, v in values.items() if "/c/" in k) + 512  # an entry: a value and its header
     bound = chunk_bytes // 3  # far less than one pass reads: entries are evicted all the time

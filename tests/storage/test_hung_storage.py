@@ -56,15 +56,6 @@ def fifo():
             pass
 
 
-@pytest.fixture(params=["python", "compiled"])
-def engine(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setattr(native, "Engine", None)
-    elif native.Engine is None:
-        pytest.skip("stoker._native is not available")
-    return request.param
-
-
 def _cfg(**kw):
     base = dict(batch_size=2, dtype="f32", host_buffer_bytes=16 << 20, n_io_threads=1, n_compute_threads=2,
                 pop_timeout_s=10.0, device="cpu")
@@ -88,7 +79,7 @@ def _pipeline_raises(uri, match=FIFO):
             p.pop()
 
 
-def test_fifo_as_chunk_file(tmp_path, fifo, engine):
+def test_fifo_as_chunk_file(tmp_path, fifo, decode_path):
     uri = _array(tmp_path / "a.zarr")
     path = fifo(tmp_path / "a.zarr" / "c" / "0" / "0")
     with pytest.raises(stoker.StorageError, match=FIFO) as info:
@@ -106,7 +97,7 @@ def test_fifo_as_metadata(tmp_path, fifo, fmt, name):
     _pipeline_raises(uri)
 
 
-def test_fifo_as_shard_file(tmp_path, fifo, engine):
+def test_fifo_as_shard_file(tmp_path, fifo, decode_path):
     uri = _array(tmp_path / "a.zarr", shards=(4, 4))
     fifo(tmp_path / "a.zarr" / "c" / "0" / "0")
     with pytest.raises(stoker.StorageError, match=FIFO):

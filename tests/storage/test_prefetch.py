@@ -23,7 +23,7 @@ from stoker.storage import ByteRange, ObjectStore
 from stoker.storage.prefetch import PrefetchBuffer, PrefetchStore
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, MotoS3, read_tree
+from store_fixtures import BUCKET, empty_s3_fixture, read_tree
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -90,11 +90,7 @@ def _until(what, timeout: float = 20.0) -> bool:
     return False
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = MotoS3({}, "unused")
-    yield server
-    server.stop()
+s3 = empty_s3_fixture()
 
 
 @pytest.fixture
@@ -116,8 +112,7 @@ def _on_s3(s3, root: str) -> tuple[str, dict, callable]:
     prefix = f"prefetch-{uuid.uuid4().hex[:8]}"
 
     def upload() -> None:
-        for key, value in read_tree(root).items():
-            s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=value)
+        s3.upload(read_tree(root), prefix)
 
     upload()
     return f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}, upload

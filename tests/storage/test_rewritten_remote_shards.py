@@ -24,7 +24,7 @@ from stoker.errors import DecodeError
 from stoker.storage import ObjectStore, ZipStore
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, MotoS3, read_tree, write_zip
+from store_fixtures import BUCKET, empty_s3_fixture, read_tree, write_zip
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,11 +61,7 @@ def _crops(data: np.ndarray) -> list[np.ndarray]:
     return [data[a:b, c:d] for (a, b), (c, d) in BOXES]
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = MotoS3({}, "unused")
-    yield server
-    server.stop()
+s3 = empty_s3_fixture()
 
 
 @pytest.fixture
@@ -76,8 +72,7 @@ def on_s3(s3, tmp_path):
     root = str(tmp_path / "a.zarr")
 
     def upload(data: np.ndarray) -> np.ndarray:
-        for key, value in _write(root, data).items():
-            s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/a.zarr/{key}", Body=value)
+        s3.upload(_write(root, data), f"{prefix}/a.zarr")
         return _oracle(root)
 
     return f"s3://{BUCKET}/{prefix}/a.zarr", {**s3.options, **FAST}, upload

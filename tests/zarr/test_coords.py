@@ -4,7 +4,6 @@ decoding of datasets xarray wrote, read locally, over HTTP and from a zip archiv
 from __future__ import annotations
 
 import os
-import zipfile
 
 import numpy as np
 import pytest
@@ -14,6 +13,8 @@ import stoker
 from stoker.errors import MetadataError, UnsupportedFormat
 from stoker.reader import coords
 from stoker.zarr import cf
+
+from store_fixtures import read_tree, write_zip
 
 xr = pytest.importorskip("xarray")
 pd = pytest.importorskip("pandas")
@@ -83,11 +84,7 @@ def test_coordinates_over_http_and_in_a_zip(tmp_path):
     finally:
         server.shutdown()
     archive = tmp_path / "w.zip"
-    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
-        for folder, _, names in os.walk(root / "w.zarr"):
-            for name in names:
-                full = os.path.join(folder, name)
-                zf.write(full, os.path.relpath(full, root / "w.zarr"))
+    write_zip(str(archive), read_tree(str(root / "w.zarr")))
     arr = stoker.open_array(f"{archive}/t2m")
     np.testing.assert_array_equal(coords.coordinates(arr)["lat"], ref.lat.values)
 

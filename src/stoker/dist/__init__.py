@@ -6,7 +6,7 @@
 0
 
 Modules: :mod:`~stoker.dist.collectives` (rank_info, resolve_rank, all_reduce, all_gather,
-broadcast_object, barrier, group_position), :mod:`~stoker.dist.reduce` (reduce_max),
+all_gather_object, broadcast_object, barrier, group_position), :mod:`~stoker.dist.reduce` (reduce_max),
 :mod:`~stoker.dist.telemetry` (memory_report, TelemetryWriter). A pipeline's ``Stats`` are reduced by
 :func:`stoker.engine.reduce.reduce_stats` (also ``stoker.reduce_stats``).
 """

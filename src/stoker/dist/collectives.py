@@ -1,10 +1,10 @@
 """Rank discovery and the small collectives every rank calls.
 
 ``rank_info`` and ``resolve_rank`` say where this process sits. The collectives ``all_reduce``,
-``all_gather``, ``broadcast_object``, ``barrier`` and ``group_position`` are called on every rank of the
-group; without an initialised process group (or in a group of one) nothing is communicated and the local
-value comes back, so single-process code needs no special case. The record statistics, precompute, the
-Trainer and the reductions (:mod:`stoker.dist.reduce`, :mod:`stoker.engine.reduce`) use them::
+``all_gather``, ``all_gather_object``, ``broadcast_object``, ``barrier`` and ``group_position`` are called on
+every rank of the group; without an initialised process group (or in a group of one) nothing is communicated
+and the local value comes back, so single-process code needs no special case. The record statistics,
+precompute, the Trainer and the reductions (:mod:`stoker.dist.reduce`, :mod:`stoker.engine.reduce`) use them::
 
     from stoker.dist import all_reduce, rank_info
 
@@ -23,7 +23,7 @@ import torch
 from ..checks import env_int, rank_in_world
 from ..errors import InvalidArgument
 
-__all__ = ["RankInfo", "active_group", "all_gather", "all_reduce", "barrier", "broadcast_object", "group_position",
+__all__ = ["RankInfo", "active_group", "all_gather", "all_gather_object", "all_reduce", "barrier", "broadcast_object", "group_position",
            "rank_info", "resolve_rank", "world_size"]
 
 @dataclass(frozen=True)
@@ -126,6 +126,19 @@ def all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t, group=group)
     return [o.cpu() for o in out]
+
+
+def all_gather_object(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable; any size), in rank order; ``[obj]`` when no other rank takes part.
+
+    >>> names = all_gather_object(("raw", "labels"), None)   # every rank
+    """
+    dist = active_group(group)
+    if dist is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def group_position(group: Any) -> tuple[int, int]:

@@ -382,6 +382,22 @@ class Target:
     then: Callable[["Job"], None] | None = None
 
 
+class SlotsDelivery:
+    """``dtype`` and ``held`` of an :class:`Executor` that hands its batches out of ``self.slots`` (None until
+    ``prepare`` makes the ring), for executors to inherit."""
+
+    slots: SlotRing | None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The batches' dtype once the slots exist."""
+        return self.slots.dtype if self.slots is not None else None
+
+    def held(self) -> int:
+        """Slots a consumer still holds."""
+        return self.slots.held() if self.slots is not None else 0
+
+
 class Executor(Protocol):
     """What the pipeline needs of whatever makes its batches (see the module docstring)."""
 

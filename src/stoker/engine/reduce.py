@@ -1,4 +1,5 @@
-"""A pipeline's :class:`~stoker.Stats` combined over ranks: sums, and the worst and best rank.
+"""A pipeline's :class:`~stoker.Stats` combined over ranks: sums (each field's counts too), and the worst and
+best rank.
 
 Collective: call :func:`reduce_stats` on every rank of the group, then let rank 0 alone write::
 
@@ -15,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checks import seconds
-from ..dist.collectives import all_reduce, world_size
+from ..dist.collectives import all_gather_object, all_reduce, world_size
 from ..dist.reduce import check_number
 from ..errors import InvalidArgument
-from .stats import COUNTERS, STAGES, Metric, Stats
+from .stats import COUNTERS, FIELD_COUNTERS, STAGES, FieldCounts, Metric, Stats
 
 __all__ = ["ReducedStats", "reduce_stats"]
 
@@ -31,7 +32,8 @@ class ReducedStats:
 
     ``totals`` holds the sums of every counter and of each stage's seconds, counts and
     bytes (``totals.peak_host_bytes`` is the sum of the per-rank peaks, an upper bound
-    on the job's host memory). Throughputs are samples per second of wall time as each
+    on the job's host memory), and ``totals.fields`` each field's counts summed over
+    the ranks that have them (samples of named fields). Throughputs are samples per second of wall time as each
     rank passed it (``elapsed_s``); None when no rank passed one.
     """
 
@@ -73,7 +75,8 @@ class ReducedStats:
 
 
 def reduce_stats(stats: Stats, group: Any = None, *, elapsed_s: float | None = None) -> ReducedStats:
-    """Combine every rank's ``pipeline.stats()`` in two collectives (one SUM, one MAX).
+    """Combine every rank's ``pipeline.stats()`` in three collectives (the field names gathered, one SUM, one
+    MAX).
 
     Collective: call it on every rank of ``group``. ``elapsed_s`` is this rank's wall
     time for the work ``stats`` covers; each rank's throughput is ``samples / elapsed_s``
@@ -91,8 +94,15 @@ def reduce_stats(stats: Stats, group: Any = None, *, elapsed_s: float | None = N
     pop_wait = stats.stages.get("pop_wait", Metric("pop_wait")).seconds
     for name in COUNTERS + ("peak_host_bytes", "gil_seconds"):
         check_number(name, getattr(stats, name), "counter")
+    for field_name, counts in stats.fields.items():
+        for name in FIELD_COUNTERS:
+            check_number(f"{field_name}.{name}", getattr(counts, name), "field counter")
+    # A rank that has popped no batch yet has no fields (or fewer): every rank packs the union of the names,
+    # in the order the ranks first name them, with zeros for a field it lacks.
+    fields = list(dict.fromkeys(name for names in all_gather_object(list(stats.fields), group) for name in names))
 
-    # One fixed layout on every rank: 4 fields per stage in STAGES order, then COUNTERS, the peak, GIL time.
+    # One fixed layout on every rank: 4 fields per stage in STAGES order, then COUNTERS, the peak, GIL time,
+    # then FIELD_COUNTERS per field.
     sums: list[float] = []
     for name in STAGES:
         m = stats.stages.get(name, Metric(name))
@@ -100,6 +110,9 @@ def reduce_stats(stats: Stats, group: Any = None, *, elapsed_s: float | None = N
     sums.extend(float(getattr(stats, name)) for name in COUNTERS)
     sums.append(float(stats.peak_host_bytes))
     sums.append(float(stats.gil_seconds))
+    for name in fields:
+        counts = stats.fields.get(name, FieldCounts())
+        sums.extend(float(getattr(counts, c)) for c in FIELD_COUNTERS)
 
     # MIN(x) is -MAX(-x), so the minimum rides in the same MAX collective. A rank without
     # elapsed_s packs -inf in both slots and so never wins either.
@@ -120,7 +133,14 @@ def reduce_stats(stats: Stats, group: Any = None, *, elapsed_s: float | None = N
         stages[name] = Metric(name, secs, int(count), int(b_in), int(b_out))
     off = 4 * len(STAGES)
     counters: dict[str, Any] = {name: int(sums[off + j]) for j, name in enumerate(COUNTERS)}
-    totals = Stats(stages=stages, peak_host_bytes=int(sums[-2]), gil_seconds=sums[-1], **counters)
+    off += len(COUNTERS)
+    peak, gil_seconds = int(sums[off]), sums[off + 1]
+    off += 2
+    per_field = {}
+    for name in fields:
+        per_field[name] = FieldCounts(**{c: int(v) for c, v in zip(FIELD_COUNTERS, sums[off:])})
+        off += len(FIELD_COUNTERS)
+    totals = Stats(stages=stages, peak_host_bytes=peak, gil_seconds=gil_seconds, fields=per_field, **counters)
     return ReducedStats(
         totals=totals,
         max_pop_wait_s=maxes[0],

@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 from ..runtime import gil
 from ..errors import DecodeError, StorageError
@@ -41,6 +41,8 @@ _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a 
 
 #: ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``: equal for two stats of one unchanged file.
 Identity = tuple[int, int, int, int, int]
+
+_T = TypeVar("_T")
 
 
 def identity(st: os.stat_result) -> Identity:
@@ -217,6 +219,17 @@ class LocalStore:
         if expected is not None and self._identity(handle.fd, path) != expected:
             raise FileChanged(f"{path} changed while it was read", path=path)
 
+    def _checked_read(self, path: str, expected: Identity | None, read: Callable[[int], _T]) -> _T | None:
+        """``read(fd)`` on the cached descriptor of ``path``, between :meth:`_check` and :meth:`_check_after`
+        against ``expected``; ``None`` when the file is missing."""
+        with self._open(path) as handle:
+            if handle is None:
+                return None
+            self._check(handle, path, expected)
+            got = read(handle.fd)
+            self._check_after(handle, path, expected)
+            return got
+
     def _evict_locked(self) -> None:
         while len(self._handles) > self.max_open_files:
             path, handle = next(iter(self._handles.items()))
@@ -304,25 +317,14 @@ class LocalStore:
 
         With ``expected``, only from a file of that :data:`Identity` (:class:`FileChanged` otherwise).
         """
-        with self._open(path) as handle:
-            if handle is None:
-                return None
-            self._check(handle, path, expected)
-            got = self._preadv_into(handle.fd, path, view, offset)
-            self._check_after(handle, path, expected)
-            return got
+        return self._checked_read(path, expected, lambda fd: self._preadv_into(fd, path, view, offset))
 
     def read_ranges_into(self, path: str, offsets: list[int], views: list[memoryview],
                          expected: Identity | None = None) -> list[int] | None:
         """:meth:`read_range_into` for several ranges of one file, its identity checked once before and once
         after them all; the bytes read into each view, or ``None`` when the file is missing."""
-        with self._open(path) as handle:
-            if handle is None:
-                return None
-            self._check(handle, path, expected)
-            got = [self._preadv_into(handle.fd, path, view, offset) for offset, view in zip(offsets, views)]
-            self._check_after(handle, path, expected)
-            return got
+        return self._checked_read(path, expected, lambda fd: [self._preadv_into(fd, path, view, offset)
+                                                              for offset, view in zip(offsets, views)])
 
     def read_current(self, path: str, where: Callable[[int], tuple[int, int]],
                      attempts: int = 3) -> tuple[bytes, Identity] | None:
@@ -374,13 +376,7 @@ class LocalStore:
 
         With ``expected``, only from a file of that :data:`Identity` (:class:`FileChanged` otherwise).
         """
-        with self._open(path) as handle:
-            if handle is None:
-                return None
-            self._check(handle, path, expected)
-            data = self._pread(handle.fd, path, offset, length)
-            self._check_after(handle, path, expected)
-            return data
+        return self._checked_read(path, expected, lambda fd: self._pread(fd, path, offset, length))
 
 
 class OpenFile:

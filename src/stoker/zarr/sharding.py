@@ -20,7 +20,7 @@ import numpy as np
 from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray
 
-from ..errors import DecodeError, StokerError, UnsupportedFormat
+from ..errors import DecodeError, UnsupportedFormat
 from .codecs import bounds
 from .codecs.chain import ChunkCodec, decode_stages, run_stages
 from .codecs.spec import bytes_endian, codec_name_and_config
@@ -138,14 +138,8 @@ class CompressedShardCodec(ChunkCodec):
 
     def decode(self, encoded: Any, key: str = "?") -> np.ndarray:
         """Decompress the shard file ``encoded`` and assemble its inner chunks (C-contiguous, native)."""
-        try:
+        with self.typed_errors(key):
             blob = memoryview(ensure_contiguous_ndarray(run_stages(self._outer, encoded))).cast("B")
-        except StokerError:
-            raise
-        except bounds.TooLarge as exc:
-            raise self.too_large(key, exc) from None
-        except Exception as exc:
-            raise self.decode_error(key, exc) from exc
         spec = self.spec
         size = blob.nbytes
         if size < spec.index_nbytes:

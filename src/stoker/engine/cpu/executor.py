@@ -36,7 +36,7 @@ from ..buffers import Slot, SlotRing, TransientBudget, size_class
 from .cf import RowDecode, plan_decoder
 from .decode_native import NativeDecoder, native_codec, scratch_need
 from .decode_python import PythonDecoder
-from ..executor import Delivery, Job, Target
+from ..executor import Delivery, Job, SlotsDelivery, Target
 from ..planning.padding import fill_padding
 from ..stats import StatsRecorder
 from ..planning.tables import TablePlan, plan_tables
@@ -136,7 +136,7 @@ def take_slot(ring: SlotRing, closed: Callable[[], bool]) -> Slot:
     return slot
 
 
-class CpuExecutor:
+class CpuExecutor(SlotsDelivery):
     """The executor of CPU batches (see :class:`~.executor.Executor`): ``lookahead_batches + 1`` slots in
     host memory, filled by :class:`Decoders` and handed out as they are. One per pipeline; nothing is
     allocated and no thread started before :meth:`prepare`."""
@@ -231,15 +231,6 @@ class CpuExecutor:
     def host_nbytes(self) -> int:
         """Host memory the slot rings hold."""
         return self.host_slots.nbytes + (self.slots.nbytes if self.slots is not self.host_slots else 0)
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        """The batches' dtype once the slots exist."""
-        return self.slots.dtype if self.slots is not None else None
-
-    def held(self) -> int:
-        """Slots a consumer still holds."""
-        return self.slots.held() if self.slots is not None else 0
 
     def peak_bytes(self) -> int:
         """The most host memory the pipeline's buffers held at once: the slots, the engine's scratch and the

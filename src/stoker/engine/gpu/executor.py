@@ -75,7 +75,7 @@ from ...transforms import apply as apply_transform
 from . import fallback as gpu_fallback, place as gpu_place
 from ..allocate import allocate
 from ..buffers import SlotRing, pinned_footprint
-from ..executor import Delivery, Job, Target
+from ..executor import Delivery, Job, SlotsDelivery, Target
 from .layout import layout_of
 from .ops import upload
 from ..planning.padding import fill_padding
@@ -106,7 +106,7 @@ def _stream_of(device: torch.device):
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
-class GpuDecodeExecutor:
+class GpuDecodeExecutor(SlotsDelivery):
     """Batches decoded on the device (see the module docstring and :class:`~.executor.Executor`).
 
     ``decoder(stream)`` makes the stream decoder; ``None``: nvCOMP's on ``device`` (a CUDA device).
@@ -314,13 +314,6 @@ class GpuDecodeExecutor:
         """The most staged (encoded) and decoded bytes one wave holds, as :meth:`prepare` sized them within the
         budgets (0 before it)."""
         return self._enc_cap, self._dec_cap
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        return self.slots.dtype if self.slots is not None else None
-
-    def held(self) -> int:
-        return self.slots.held() if self.slots is not None else 0
 
     def peak_bytes(self) -> int:
         """Host memory: the staging buffers and the CPU decode of one chunk."""

@@ -21,8 +21,9 @@ several threads at once.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numcodecs
 import numpy as np
@@ -187,6 +188,19 @@ class ChunkCodec:
             uri=self.uri, key=key,
         )
 
+    @contextmanager
+    def typed_errors(self, key: str) -> Iterator[None]:
+        """Decoding chunk ``key``: a StokerError passes as it is, a stage's ``bounds.TooLarge`` becomes
+        :meth:`too_large`'s error and any other failure :meth:`decode_error`'s."""
+        try:
+            yield
+        except StokerError:
+            raise
+        except bounds.TooLarge as exc:
+            raise self.too_large(key, exc) from None
+        except Exception as exc:
+            raise self.decode_error(key, exc) from exc
+
     def check_size(self, nbytes: int, key: str) -> None:
         """DecodeError unless chunk ``key`` decoded to exactly :attr:`nbytes`."""
         if nbytes != self.nbytes:
@@ -206,16 +220,10 @@ class ChunkCodec:
 
     def decode(self, encoded: Any, key: str = "?") -> np.ndarray:
         """Decode into a new chunk-shaped array (maybe strided, maybe in the stored byte order)."""
-        try:
+        with self.typed_errors(key):
             data = run_stages(self._unfilter, run_stages(self._decompress, encoded))
             # compressors return bytes: frombuffer is a view, and cheaper than numcodecs' ensure_ndarray
             flat = (data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)).reshape(-1).view(np.uint8)
-        except StokerError:
-            raise
-        except bounds.TooLarge as exc:
-            raise self.too_large(key, exc) from None
-        except Exception as exc:
-            raise self.decode_error(key, exc) from exc
         self.check_size(flat.nbytes, key)
         return self._stored_layout(flat)
 
@@ -228,13 +236,9 @@ class ChunkCodec:
         if out.shape != self.shape or out.dtype != self.dtype or not out.flags.c_contiguous:
             raise ValueError(f"decode_into needs a C-contiguous {self.shape} {self.dtype} array")
         if self.plain and self.lone_blosc:
-            try:
+            with self.typed_errors(key):
                 self.check_size(blosc.blosc_frame_nbytes(encoded), key)
                 gil.released(self.compressors[0].decode, encoded, out=out)
-            except StokerError:
-                raise
-            except Exception as exc:
-                raise self.decode_error(key, exc) from exc
             return
         out[...] = self.decode(encoded, key)
 

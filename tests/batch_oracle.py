@@ -1,0 +1,59 @@
+"""Batches held to their source array in the tests: seeded random crops to read, what a batch row should hold
+(the crop cast to the batch dtype as zarr + torch would, tests/gpu/; a padded box's crop as ``numpy.pad``
+makes it, tests/engine/test_padding.py and tests/sampling/test_fields_region_pad.py), and a tensor's bits
+for bit-for-bit comparisons."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import stoker
+
+#: Sample.pad's modes as numpy.pad's
+NUMPY_MODE = {"zero": "constant", "fill": "constant", "edge": "edge", "reflect": "reflect"}
+
+
+def random_crops(uri: str, shape, crop, n: int, seed: int = 1) -> list:
+    """``n`` samples of ``uri`` (an array of ``shape``), each a box of ``crop`` at a seeded random corner
+    inside the array."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        corner = [int(rng.integers(0, s - c + 1)) for s, c in zip(shape, crop)]
+        out.append(stoker.Sample(uri, [(a, a + c) for a, c in zip(corner, crop)]))
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits: a view as the signed integer of its element size."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def expected(data: np.ndarray, sample, dtype: str) -> torch.Tensor:
+    """The row of ``sample`` (one box of ``data``) in a batch of ``dtype`` ("native", "bf16", "f32", "f16",
+    "i32", "i64").
+
+    >>> torch.equal(batch[i], expected(data, batch.samples[i], "bf16"))
+    """
+    crop = data[tuple(slice(a, b) for a, b in sample.aabb)]
+    if dtype == "native":
+        return torch.from_numpy(np.ascontiguousarray(crop))
+    if dtype == "bf16":
+        return torch.from_numpy(crop.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(crop.astype({"f32": np.float32, "f16": np.float16, "i32": np.int32,
+                                         "i64": np.int64}[dtype]))
+
+
+def padded(data: np.ndarray, box, mode: str, fill) -> np.ndarray:
+    """``numpy.pad`` of the whole of ``data`` in Sample.pad's ``mode`` (``fill``: the value of "fill"), cut to
+    ``box`` (which may reach past any border).
+
+    >>> padded(np.arange(4), [(-2, 2)], "reflect", None)
+    array([2, 1, 0, 1])
+    """
+    before = [max(0, -a) for a, _ in box]
+    after = [max(0, b - n) for (_, b), n in zip(box, data.shape)]
+    kw = {"constant_values": fill if mode == "fill" else 0} if mode in ("zero", "fill") else {}
+    out = np.pad(data, list(zip(before, after)), mode=NUMPY_MODE[mode], **kw)
+    return out[tuple(slice(a + k, b + k) for (a, b), k in zip(box, before))]
