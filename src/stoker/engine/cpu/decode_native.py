@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ...runtime import gil
+from ...runtime.schedstat import run_times
 from ...runtime.workers import no_thread, start_thread
 from . import native
 from ...errors import DecodeError, OutOfMemory, StorageError, pipeline_closed
@@ -262,6 +263,11 @@ def _start_engine(n_threads: int, budget_bytes: int):
         raise no_thread(f"the compiled engine's {n_threads} threads", "n_compute_threads", exc) from exc
 
 
+#: the engine's clock columns (csrc/stoker_native.h) in :data:`~stoker.engine.stats.WORKER_TIMES` order
+_WORKER_COLUMNS = (native.W_READ, native.W_DECODE, native.W_PLACE, native.W_FILL, native.W_LOCK, native.W_IDLE,
+                   native.W_BUDGET, native.W_OTHER)
+
+
 class NativeDecoder:
     """Whole batches on the engine's threads; what it cannot do goes to the Python path."""
 
@@ -285,6 +291,17 @@ class NativeDecoder:
         except BaseException:
             self.engine.close(0.25)  # its threads run: they end with the error
             raise
+        stats.watch_workers(self.worker_clocks)
+
+    def worker_clocks(self) -> list[tuple]:
+        """Each engine thread's clocks, as :class:`~stoker.engine.stats.StatsRecorder.watch_workers` takes
+        them: its times in seconds (``WORKER_TIMES`` order), wall seconds, chunks, and the OS's run times."""
+        rows = np.frombuffer(self.engine.worker_clocks(), np.int64).reshape(-1, native.N_WORKER_COLS)
+        out = []
+        for r in rows.tolist():
+            ran = run_times(r[native.W_TID]) or (None, None)
+            out.append((*(r[c] * 1e-9 for c in _WORKER_COLUMNS), r[native.W_WALL] * 1e-9, r[native.W_CHUNKS], *ran))
+        return out
 
     def peak_bytes(self) -> int:
         return int(self.engine.info()["peak"])
