@@ -318,4 +318,5 @@ def _window(now: tuple, base: tuple | None) -> WorkerTimes:
     base = base if base is not None else (0,) * (n + 2)
     vals = [a - b for a, b in zip(now[:n], base[:n])]
     on_cpu, run_queue = (None if a is None or b is None else a - b for a, b in zip(now[n:n + 2], base[n:n + 2]))
-    return WorkerTimes(*vals[:-2], wall=vals[-2], chunks=int(vals[-1]), on_cpu=on_cpu, run_queue=run_queue)
+    times = dict(zip(WORKER_TIMES, vals))
+    return WorkerTimes(**times, wall=vals[-2], chunks=int(vals[-1]), on_cpu=on_cpu, run_queue=run_queue)
