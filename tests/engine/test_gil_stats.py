@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import os
 import threading
 import time
 
@@ -335,6 +336,9 @@ def test_engine_threads_and_the_coordinator_show_in_stats(tmp_path, monkeypatch)
     per_batch = s.chunks_decoded // n
     assert 0 < sum(w.chunks for w in s.workers) <= (n + 1) * per_batch
     assert s.coordinator_seconds >= (n - 2) * BURN_S and s.coordinator_per_batch > 0
+    if os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):  # the OS's view: Linux
+        assert all(w.on_cpu is not None and 0 <= w.on_cpu <= w.wall + 0.05 for w in s.workers), s.workers
+        assert s.coordinator_run_queue is not None and s.coordinator_run_queue >= 0
     assert "busy %" in str(s)
 
 

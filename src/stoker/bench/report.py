@@ -43,8 +43,8 @@ def worker_breakdown(stats: Any, batches: int, wall_s: float) -> dict[str, Any]:
     not waiting for a lock, for work or for the budget); ``shares``: each of ``WORKER_TIMES`` as a share of
     the threads' wall time; ``on_cpu_share`` / ``run_queue_share``: the OS's view of the same wall time
     (None off Linux); ``us_per_chunk``: each time per chunk (read, decode, copy, and busy: all the work);
-    ``coordinator_ms_per_batch`` (its CPU) and ``coordinator_cores`` (that CPU over the window's wall
-    time); ``per_thread``: each thread's seconds."""
+    ``coordinator_ms_per_batch`` (its CPU), ``coordinator_cores`` (that CPU over the window's wall time)
+    and ``coordinator_run_queue_ms_per_batch`` (runnable, waiting for a core); ``per_thread``: each thread's seconds."""
     from ..engine.stats import WORKER_TIMES
 
     workers = list(stats.workers)
@@ -67,6 +67,8 @@ def worker_breakdown(stats: Any, batches: int, wall_s: float) -> dict[str, Any]:
         "chunks": chunks,
         "coordinator_ms_per_batch": stats.coordinator_seconds * 1e3 / batches if batches > 0 else 0.0,
         "coordinator_cores": stats.coordinator_seconds / wall_s if wall_s > 0 else 0.0,
+        "coordinator_run_queue_ms_per_batch": (None if stats.coordinator_run_queue is None or batches <= 0 else
+                                               stats.coordinator_run_queue * 1e3 / batches),
         "per_thread": [{**{name: getattr(w, name) for name in WORKER_TIMES}, "wall": w.wall, "chunks": w.chunks,
                         "on_cpu": w.on_cpu, "run_queue": w.run_queue} for w in workers],
     }

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..runtime import gil
+from ..runtime.schedstat import run_times
 
 STAGES = ("plan", "io", "decode", "assemble", "transfer", "transform", "pop_wait")
 COUNTERS = (
@@ -155,8 +156,10 @@ class Stats(Amplification):
     fields: dict[str, FieldCounts] = field(default_factory=dict)
     # each thread of the compiled engine (every field's lane's in turn): where its time went; () without it
     workers: tuple[WorkerTimes, ...] = ()
-    # CPU seconds of the coordinator thread (pulling samples, opening arrays, planning, submitting)
+    # CPU seconds of the coordinator thread (pulling samples, opening arrays, planning, submitting), and the
+    # seconds it was runnable but waited for a core (the OS's count; None off Linux)
     coordinator_seconds: float = 0.0
+    coordinator_run_queue: float | None = None
 
     @property
     def gil_per_batch(self) -> float:
@@ -214,6 +217,7 @@ class StatsRecorder:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._worker_clocks: list[WorkerClocks] = []
+        self._coordinator_tid = 0
         self.reset()
 
     def reset(self) -> None:
@@ -226,8 +230,15 @@ class StatsRecorder:
             self._per_field: dict[str, dict[str, int]] = {}
             self._gil_ns = 0
             self._coordinator_ns = 0
+            self._coordinator_base = run_times(self._coordinator_tid)
             # each watched engine's clocks as of this reset: what a snapshot subtracts
             self._worker_base = [clocks() for clocks in self._worker_clocks]
+
+    def watch_coordinator(self, tid: int) -> None:
+        """The coordinator thread's id (``threading.get_native_id()``): its run-queue time is reported."""
+        with self._lock:
+            self._coordinator_tid = tid
+            self._coordinator_base = run_times(tid)
 
     def watch_workers(self, clocks: WorkerClocks) -> None:
         """Report a compiled engine's threads in each snapshot (:attr:`Stats.workers`): ``clocks()`` gives
@@ -307,8 +318,10 @@ class StatsRecorder:
             workers = tuple(_window(now, bases[i] if i < len(bases) else None)
                             for clocks, bases in zip(self._worker_clocks, self._worker_base)
                             for i, now in enumerate(clocks()))
+            ran, base = run_times(self._coordinator_tid), self._coordinator_base
             return Stats(stages=stages, peak_host_bytes=peak_host_bytes, gil_seconds=self._gil_ns * 1e-9,
                          fields=fields, workers=workers, coordinator_seconds=self._coordinator_ns * 1e-9,
+                         coordinator_run_queue=None if ran is None or base is None else ran[1] - base[1],
                          **self._counters)
 
 

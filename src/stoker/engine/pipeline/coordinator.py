@@ -213,6 +213,7 @@ class Coordinator:
         gil.enroll()  # its GIL time is the pipeline's (charged at each batch's "plan" report)
         try:
             # its CPU time, a round at a time (Stats.coordinator_seconds): one clock read a round
+            self.stats.watch_coordinator(threading.get_native_id())
             last = time.thread_time_ns()
             going = True
             while going:
