@@ -1101,3 +1101,34 @@ def test_a_forked_child_reads_no_thread_clocks(tmp_path):
         assert len(_clocks(engine)) == 2
     finally:
         assert engine.close(5)
+
+
+def test_each_array_is_described_to_the_engine_once_per_pipeline(tmp_path, monkeypatch):
+    """Batches of ever new combinations of arrays (many small arrays) describe each array to the engine once,
+    not once per batch it is in; the batches are what zarr reads."""
+    from stoker.engine.cpu import decode_native
+
+    uris, data = [], []
+    for k in range(3):
+        uri = str(tmp_path / f"a{k}.zarr")
+        z = zarr.create_array(uri, shape=(8, 8), chunks=(4, 4), dtype="uint16", compressors=ZstdCodec(level=1))
+        data.append(np.arange(64, dtype=np.uint16).reshape(8, 8) + 100 * k)
+        z[...] = data[-1]
+        uris.append(uri)
+    described = []
+    real = decode_native.shared_source
+    def counted(reader, *args):
+        described.append(reader.uri)
+        return real(reader, *args)
+
+    monkeypatch.setattr(decode_native, "shared_source", counted)
+    pairs = [(0, 1), (1, 2), (2, 0), (0, 2), (1, 0), (2, 1)]
+    cfg = stoker.Config(batch_size=2, dtype="f32", n_compute_threads=2, lookahead_batches=1)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uris[k], [(2, 6), (1, 7)]) for pair in pairs for k in pair])
+        for pair in pairs:
+            with p.pop() as b:
+                got = torch.from_dlpack(b).numpy()
+                for row, k in enumerate(pair):
+                    np.testing.assert_array_equal(got[row], data[k][2:6, 1:7])
+    assert sorted(described) == sorted(uris), described
