@@ -58,6 +58,7 @@ def test_bench_tiny_smoke(tmp_path, capsys):
         assert workers["threads"] == 1 and len(workers["per_thread"]) == 1 and workers["chunks"] > 0
         assert abs(sum(workers["shares"].values()) - 1) < 1e-6 and 0 < workers["busy_share"] <= 1
         assert workers["coordinator_ms_per_batch"] > 0 and workers["us_per_chunk"]["decode"] > 0
+        assert workers["cpu_us_per_chunk"] is None or workers["cpu_us_per_chunk"] > 0
     with pytest.raises(SystemExit) as exited:  # usage errors: one line on stderr, status 2
         main(["bench", "--tiny", "--threads", "0", "--data", str(data)])
     assert exited.value.code == 2 and "at least 1" in capsys.readouterr().err

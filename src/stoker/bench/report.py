@@ -42,7 +42,8 @@ def worker_breakdown(stats: Any, batches: int, wall_s: float) -> dict[str, Any]:
     coordinator cost: ``threads``; ``busy_share`` (mean over threads, and its ``busy_min`` / ``busy_max``:
     not waiting for a lock, for work or for the budget); ``shares``: each of ``WORKER_TIMES`` as a share of
     the threads' wall time; ``on_cpu_share`` / ``run_queue_share``: the OS's view of the same wall time
-    (None off Linux); ``us_per_chunk``: each time per chunk (read, decode, copy, and busy: all the work);
+    (None off Linux); ``us_per_chunk``: each time per chunk (read, decode, copy, and busy: all the work),
+    and ``cpu_us_per_chunk`` the threads' CPU time per chunk (the OS's; None off Linux);
     ``coordinator_ms_per_batch`` (its CPU), ``coordinator_cores`` (that CPU over the window's wall time)
     and ``coordinator_run_queue_ms_per_batch`` (runnable, waiting for a core); ``per_thread``: each thread's seconds."""
     from ..engine.stats import WORKER_TIMES
@@ -64,6 +65,9 @@ def worker_breakdown(stats: Any, batches: int, wall_s: float) -> dict[str, Any]:
         "run_queue_share": share([w.run_queue for w in workers]),
         "us_per_chunk": {name: (sum(getattr(w, name) for w in workers) / chunks * 1e6 if chunks else 0.0)
                          for name in ("read", "decode", "copy", "busy")},
+        # the OS's CPU time per chunk: the work alone, whatever time the threads spent off a core
+        "cpu_us_per_chunk": (None if not chunks or any(w.on_cpu is None for w in workers) else
+                             sum(w.on_cpu for w in workers) / chunks * 1e6),
         "chunks": chunks,
         "coordinator_ms_per_batch": stats.coordinator_seconds * 1e3 / batches if batches > 0 else 0.0,
         "coordinator_cores": stats.coordinator_seconds / wall_s if wall_s > 0 else 0.0,

@@ -348,8 +348,9 @@ def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float 
 def worker_table(results: list[Result]) -> list[str]:
     """A row per stoker peer of a thread sweep: where its engine threads' timed window went (shares of their
     wall time, means over the threads; busy is all but the waits: lock, idle, budget), what the OS says
-    (on a core, waiting in the run queue), the work per chunk, and the coordinator's CPU per batch, its
-    share of a core and its run-queue wait per batch (see docs/performance.md, "Many cores")."""
+    (on a core, waiting in the run queue), the work per chunk (busy time, and CPU time: the OS's), and the
+    coordinator's CPU per batch, its share of a core and its run-queue wait per batch (see
+    docs/performance.md, "Many cores")."""
     from .report import worker_breakdown
 
     rows = [(r.peer, worker_breakdown(r.extra["stats"], r.extra["batches"], r.seconds)) for r in results
@@ -364,10 +365,13 @@ def worker_table(results: list[Result]) -> list[str]:
     def _ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.3f}"
 
+    def _us(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
     out = ["engine threads in the timed window (% of their wall time, mean over threads; busy: not waiting for a "
            "lock, work or the budget):",
            f"{'peer':<14}{'thr':>4}{'busy':>7}{'min-max':>13}{'read':>6}{'decode':>7}{'copy':>6}{'fill':>6}"
-           f"{'lock':>6}{'idle':>6}{'budget':>7}{'other':>6}{'on CPU':>8}{'run q':>7}{'us/chunk':>9}{'coord ms':>9}"
+           f"{'lock':>6}{'idle':>6}{'budget':>7}{'other':>6}{'on CPU':>8}{'run q':>7}{'us/chunk':>9}{'cpu us':>8}{'coord ms':>9}"
            f"{'coord cores':>12}{'coord runq':>11}"]
     for peer, w in rows:
         sh = w["shares"]
@@ -377,6 +381,7 @@ def worker_table(results: list[Result]) -> list[str]:
                              (("read", 6), ("decode", 7), ("copy", 6), ("fill", 6), ("lock", 6), ("idle", 6),
                               ("budget", 7), ("other", 6)))
                    + f"{pct(w['on_cpu_share']):>8}{pct(w['run_queue_share']):>7}{w['us_per_chunk']['busy']:>9.1f}"
+                   f"{_us(w['cpu_us_per_chunk']):>8}"
                    f"{w['coordinator_ms_per_batch']:>9.3f}{w['coordinator_cores']:>12.2f}"
                    f"{_ms(w['coordinator_run_queue_ms_per_batch']):>11}")
     return out
