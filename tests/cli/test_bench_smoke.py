@@ -1,11 +1,13 @@
 """`stoker bench --tiny` runs every peer end to end (a smoke test: no timing is asserted)."""
 
+import json
 import os
 import re
 
 import pytest
 
 from stoker.bench.records import records_for_steady_state
+from stoker.engine.cpu.executor import engine_available
 from stoker.cli import main
 
 PEERS = ("stoker", "tensorstore", "zarr", "zarr+DataLoader", "decode bound")
@@ -41,12 +43,22 @@ def test_bench_tiny_smoke(tmp_path, capsys):
     meta = data / "tiny-lz4" / "array.zarr" / "zarr.json"
     before = meta.stat().st_mtime_ns
     capsys.readouterr()
+    doc = tmp_path / "sweep.json"
     assert main(["bench", "--tiny", "--scenarios", "1", "--batches", "2", "--peers", "tensorstore", "--threads", "1",
-                 "--data", str(data)]) == 0
+                 "--data", str(data), "--json", str(doc)]) == 0
     assert meta.stat().st_mtime_ns == before
-    # a thread sweep: a stoker peer per thread count beside the default one, each with its CPU line
+    # a thread sweep: a stoker peer per thread count beside the default one, each with its CPU line, and a
+    # row of where its engine threads' time went (busy, the split, the OS's view, the coordinator per batch)
     out = capsys.readouterr().out
     assert re.search(r"^stoker t=1\s+\d+\.\d", out, re.M) and re.search(r"^stoker t=1 per batch: ", out, re.M), out
+    if engine_available():
+        assert "engine threads in the timed window" in out, out
+        assert re.search(r"^stoker t=1\s+1\s+\d+\.\d\s+[\d.]+-[\d.]+(\s+[\d.]+){8}", out, re.M), out
+        workers = json.loads(doc.read_text())["scenarios"][0]["peers"][0]["workers"]
+        assert workers["threads"] == 1 and len(workers["per_thread"]) == 1 and workers["chunks"] > 0
+        assert abs(sum(workers["shares"].values()) - 1) < 1e-6 and 0 < workers["busy_share"] <= 1
+        assert workers["coordinator_ms_per_batch"] > 0 and workers["us_per_chunk"]["decode"] > 0
+        assert workers["cpu_us_per_chunk"] is None or workers["cpu_us_per_chunk"] > 0
     with pytest.raises(SystemExit) as exited:  # usage errors: one line on stderr, status 2
         main(["bench", "--tiny", "--threads", "0", "--data", str(data)])
     assert exited.value.code == 2 and "at least 1" in capsys.readouterr().err

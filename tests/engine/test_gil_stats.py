@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import os
 import threading
 import time
 
@@ -21,6 +22,7 @@ import stoker.engine.cpu.executor as cpu_module
 from stoker.runtime import gil
 from stoker.engine.cpu import native
 from stoker.engine.cpu.decode_native import NativeDecoder
+from stoker.engine import stats as stats_module
 from stoker.engine.stats import StatsRecorder
 from stoker.runtime.workers import DaemonPool
 
@@ -293,3 +295,60 @@ def test_a_batch_settled_on_the_consumers_thread_is_charged_to_the_pipeline(tmp_
         pool.shutdown()
     assert settled_on == [out["thread"]] * n
     assert n * BURN_S <= out["stats"].gil_seconds < 2 * n * BURN_S, out["stats"].gil_seconds
+
+
+# -- where the engine's threads and the coordinator spend their time ---------------------------------------
+
+
+def test_engine_threads_and_the_coordinator_show_in_stats(tmp_path, monkeypatch):
+    """Stats.workers: each engine thread's clocks over the window (since stats_reset), which sum to its wall
+    time, that window; Stats.coordinator_seconds: the coordinator thread's CPU (here planning Python of a
+    known cost per batch)."""
+    if native.Engine is None:
+        pytest.skip("the compiled reader is not built")
+    uri = _volume(tmp_path, shape=(32, 512, 512), chunks=(4, 512, 512))
+    real = cpu_module.plan_tables
+
+    def slow_plan(*args, **kwargs):
+        _burn_python(BURN_S)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_module, "plan_tables", slow_plan)
+    n = 6
+    with stoker.Pipeline(_cfg()) as p:
+        p.push(_samples(uri, 4 * (n + 1), depth=8, shape=(32, 512, 512)))
+        with p.pop():
+            pass
+        t0 = time.monotonic()
+        p.stats_reset()
+        for _ in range(n):
+            with p.pop():
+                pass
+        s = p.stats()
+        window = time.monotonic() - t0
+    assert len(s.workers) == 2
+    for w in s.workers:
+        parts = sum(getattr(w, name) for name in stats_module.WORKER_TIMES)
+        assert abs(parts - w.wall) < 1e-6 and 0 < w.wall <= window + 0.05, (w, window)
+        assert 0 <= w.busy_share <= 1
+    assert sum(w.decode for w in s.workers) > 0 and sum(w.copy for w in s.workers) > 0
+    # the chunks made in the window: at most the pushed batches' (two were made ahead, before the reset)
+    per_batch = s.chunks_decoded // n
+    assert 0 < sum(w.chunks for w in s.workers) <= (n + 1) * per_batch
+    assert s.coordinator_seconds >= (n - 2) * BURN_S and s.coordinator_per_batch > 0
+    if os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):  # the OS's view: Linux
+        assert all(w.on_cpu is not None and 0 <= w.on_cpu <= w.wall + 0.05 for w in s.workers), s.workers
+        assert s.coordinator_run_queue is not None and s.coordinator_run_queue >= 0
+    assert "busy %" in str(s)
+
+
+def test_the_python_path_reports_no_engine_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "Engine", None)
+    uri = _volume(tmp_path, shape=(8, 64, 64), chunks=(4, 32, 32))
+    with stoker.Pipeline(_cfg(batch_size=2)) as p:
+        p.push(_samples(uri, 4, depth=2, shape=(8, 64, 64)))
+        for _ in range(2):
+            with p.pop():
+                pass
+        s = p.stats()
+    assert s.workers == () and s.coordinator_seconds > 0

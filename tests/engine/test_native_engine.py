@@ -1011,3 +1011,112 @@ def test_engine_threads_block_signals(tmp_path):
         assert not blocked(threading.get_native_id()) >> (signal.SIGINT - 1) & 1
     finally:
         assert engine.close(5)
+
+
+# -- each thread's clocks (Engine.worker_clocks) ---------------------------------------------------------------
+
+_TIMES = [native.W_READ, native.W_DECODE, native.W_PLACE, native.W_FILL, native.W_LOCK, native.W_IDLE,
+          native.W_BUDGET, native.W_OTHER]
+
+
+def _clocks(engine) -> np.ndarray:
+    return np.frombuffer(engine.worker_clocks(), np.int64).reshape(-1, native.N_WORKER_COLS)
+
+
+def test_each_thread_clocks_sum_to_its_wall_time(tmp_path):
+    """Every stretch of a thread's time goes to one clock: reading, decoding, placing, waiting for work... sum
+    to its wall time since it started, read at any moment (the stretch under way included); the chunks add
+    up to those of the jobs, and waiting with nothing to do is idle time."""
+    t = Tables(tmp_path, 40)
+    for i in range(30):
+        t.write(i)
+    t.chunks[30:35, native.C_CODEC] = native.CODEC_FILL  # fills
+    t.chunks[30:35, native.C_FILE] = -1
+    engine = native.Engine(2, 1 << 20)
+    try:
+        for _ in range(5):
+            job = engine.submit(*t.args())
+            assert job.wait(10)
+        rows = _clocks(engine)
+        assert rows.shape == (2, native.N_WORKER_COLS)
+        for r in rows:
+            total = r[_TIMES].sum()
+            assert abs(int(total) - int(r[native.W_WALL])) <= max(100_000, r[native.W_WALL] // 1000), r
+            assert (r[_TIMES] >= 0).all()
+        assert rows[:, native.W_CHUNKS].sum() == 5 * 40  # missing files (35-39) too
+        assert rows[:, native.W_READ].sum() > 0 and rows[:, native.W_DECODE].sum() > 0
+        assert rows[:, native.W_PLACE].sum() > 0 and rows[:, native.W_FILL].sum() > 0
+        if sys.platform.startswith("linux"):
+            tids = set(rows[:, native.W_TID].tolist())
+            assert len(tids) == 2 and tids <= {int(x) for x in os.listdir("/proc/self/task")}
+        time.sleep(0.2)  # no work: both threads wait for it
+        idle = _clocks(engine)[:, native.W_IDLE] - rows[:, native.W_IDLE]
+        assert (idle >= 150_000_000).all(), idle
+    finally:
+        assert engine.close(5)
+    stopped = _clocks(engine)  # threads that left: their clocks stop where they left
+    time.sleep(0.05)
+    assert (_clocks(engine)[:, native.W_WALL] == stopped[:, native.W_WALL]).all()
+
+
+def test_a_thread_waiting_for_the_budget_counts_it(tmp_path):
+    """A budget that holds one thread's scratch: one thread works, the others wait for the budget, and their
+    clocks say so (not idle: there was work)."""
+    t = Tables(tmp_path, 64)
+    for i in range(64):
+        t.write(i)
+    engine = native.Engine(3, 128 + 4096)
+    try:
+        batches = [np.zeros_like(t.batch) for _ in range(10)]
+        jobs = [engine.submit(*t.args(b)) for b in batches]  # work enough for the others to wake meanwhile
+        assert all(job.wait(10) for job in jobs)
+        rows = _clocks(engine)
+        working = rows[:, native.W_CHUNKS] > 0
+        assert working.sum() == 1 and rows[working, native.W_CHUNKS].sum() == 10 * 64
+        assert rows[~working, native.W_BUDGET].max() > 0, rows
+    finally:
+        assert engine.close(5)
+
+
+def test_a_forked_child_reads_no_thread_clocks(tmp_path):
+    """A child process has none of the engine's threads: no rows (and no read of a row its fork cut short)."""
+    engine = native.Engine(2, 1 << 20)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if engine.worker_clocks() == b"" else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert len(_clocks(engine)) == 2
+    finally:
+        assert engine.close(5)
+
+
+def test_each_array_is_described_to_the_engine_once_per_pipeline(tmp_path, monkeypatch):
+    """Batches of ever new combinations of arrays (many small arrays) describe each array to the engine once,
+    not once per batch it is in; the batches are what zarr reads."""
+    from stoker.engine.cpu import decode_native
+
+    uris, data = [], []
+    for k in range(3):
+        uri = str(tmp_path / f"a{k}.zarr")
+        z = zarr.create_array(uri, shape=(8, 8), chunks=(4, 4), dtype="uint16", compressors=ZstdCodec(level=1))
+        data.append(np.arange(64, dtype=np.uint16).reshape(8, 8) + 100 * k)
+        z[...] = data[-1]
+        uris.append(uri)
+    described = []
+    real = decode_native.shared_source
+    def counted(reader, *args):
+        described.append(reader.uri)
+        return real(reader, *args)
+
+    monkeypatch.setattr(decode_native, "shared_source", counted)
+    pairs = [(0, 1), (1, 2), (2, 0), (0, 2), (1, 0), (2, 1)]
+    cfg = stoker.Config(batch_size=2, dtype="f32", n_compute_threads=2, lookahead_batches=1)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uris[k], [(2, 6), (1, 7)]) for pair in pairs for k in pair])
+        for pair in pairs:
+            with p.pop() as b:
+                got = torch.from_dlpack(b).numpy()
+                for row, k in enumerate(pair):
+                    np.testing.assert_array_equal(got[row], data[k][2:6, 1:7])
+    assert sorted(described) == sorted(uris), described

@@ -345,6 +345,48 @@ def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float 
             f"{held}{fetch}")
 
 
+def worker_table(results: list[Result]) -> list[str]:
+    """A row per stoker peer of a thread sweep: where its engine threads' timed window went (shares of their
+    wall time, means over the threads; busy is all but the waits: lock, idle, budget), what the OS says
+    (on a core, waiting in the run queue), the work per chunk (busy time, and CPU time: the OS's), and the
+    coordinator's CPU per batch, its share of a core and its run-queue wait per batch (see
+    docs/performance.md, "Many cores")."""
+    from .report import worker_breakdown
+
+    rows = [(r.peer, worker_breakdown(r.extra["stats"], r.extra["batches"], r.seconds)) for r in results
+            if r.extra.get("stats") is not None and r.extra.get("batches")]
+    rows = [(peer, w) for peer, w in rows if w["threads"]]
+    if not rows:
+        return []
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:.1f}"
+
+    def _ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    def _us(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    out = ["engine threads in the timed window (% of their wall time, mean over threads; busy: not waiting for a "
+           "lock, work or the budget):",
+           f"{'peer':<14}{'thr':>4}{'busy':>7}{'min-max':>13}{'read':>6}{'decode':>7}{'copy':>6}{'fill':>6}"
+           f"{'lock':>6}{'idle':>6}{'budget':>7}{'other':>6}{'on CPU':>8}{'run q':>7}{'us/chunk':>9}{'cpu us':>8}{'coord ms':>9}"
+           f"{'coord cores':>12}{'coord runq':>11}"]
+    for peer, w in rows:
+        sh = w["shares"]
+        out.append(f"{peer:<14}{w['threads']:>4}{pct(w['busy_share']):>7}"
+                   f"{pct(w['busy_min']) + '-' + pct(w['busy_max']):>13}"
+                   + "".join(f"{pct(sh[name]):>{width}}" for name, width in
+                             (("read", 6), ("decode", 7), ("copy", 6), ("fill", 6), ("lock", 6), ("idle", 6),
+                              ("budget", 7), ("other", 6)))
+                   + f"{pct(w['on_cpu_share']):>8}{pct(w['run_queue_share']):>7}{w['us_per_chunk']['busy']:>9.1f}"
+                   f"{_us(w['cpu_us_per_chunk']):>8}"
+                   f"{w['coordinator_ms_per_batch']:>9.3f}{w['coordinator_cores']:>12.2f}"
+                   f"{_ms(w['coordinator_run_queue_ms_per_batch']):>11}")
+    return out
+
+
 def interleaved(peers: dict, rounds: int) -> dict[str, Result]:
     """Run every peer ``rounds`` times, taking turns, and keep each one's median round: a slow spell of
     a shared machine then costs every peer a round instead of skewing one peer's number."""
@@ -733,6 +775,8 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
             line = cpu_breakdown(r.extra["stats"], r.extra["cpu_s"], r.extra["batches"], r.seconds,
                                  r.extra.get("gc_s", 0.0), remote=served)
             lines.append(line if r is st else line.replace("stoker per batch", f"{r.peer} per batch", 1))
+    if any(r.peer.startswith("stoker t=") for r in results):  # a thread sweep: where each count's time went
+        lines += worker_table(results)
     if st:
         spread = [f"{r.peer} {min(r.extra['rounds']):.0f}-{max(r.extra['rounds']):.0f}" for r in results
                   if len(r.extra.get("rounds", ())) > 1]

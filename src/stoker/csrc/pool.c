@@ -22,6 +22,13 @@
  * write into a batch, and frees what it holds last.
  * Workers never call into Python.
  *
+ * Accounting: a thread sums a job's counters over the chunks it takes in a row and adds them to the job's once,
+ * as it leaves the job (before it reports them finished), so no cache line is written by every thread per
+ * chunk. Each thread also keeps clocks of its own (worker_slot, W_* in the header): every stretch of its time
+ * goes to one column (reading, decoding, placing, waiting for a lock, for work, for the budget, the rest),
+ * closed at a chunk's end, around waits and around lock acquisitions: a few clock reads a chunk. A sequence
+ * count per row lets engine_worker_clocks read a row whole while its thread writes it.
+ *
  * Sources: a chunk is read from its file (path built from the source's prefix and the file's grid coordinates)
  * or from a buffer the caller holds (C_BUFFER: a chunk fetched from a store), through the same codec code and
  * checks (io.c), straight from the buffer (nothing is copied, nothing written to it). Buffers are read only holding the job's mem lock shared, after checking that the job is not
@@ -45,6 +52,9 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#endif
 
 #define ALIGN 64
 
@@ -73,6 +83,16 @@ struct job {
     job *prev, *next_live;
 };
 
+/* A worker thread's own row (see "Accounting"): written by its thread only, a cache line or more of its own. */
+typedef struct {
+    engine *e;
+    unsigned seq;               /* odd while the thread updates the row */
+    int state;                  /* the column the stretch under way goes to (-1: the thread has left) */
+    long long mark;             /* when that stretch began */
+    long long start, stop;      /* when the thread started and left (0: not yet) */
+    long long v[N_WORKER_COLS]; /* W_WALL is computed when read */
+} __attribute__((aligned(ALIGN))) worker_slot;
+
 struct engine {
     pthread_mutex_t mu;
     pthread_cond_t work_cv; /* workers wait here: new jobs, budget given back, closing */
@@ -84,6 +104,7 @@ struct engine {
     long long held, peak;   /* scratch allocated now, and at most (never more than reserved) */
     job *live; /* jobs not done nor cancelled, in submission order */
     unsigned generation; /* the fork generation it was made in (see "Fork" above) */
+    worker_slot *workers; /* a row per thread asked for; rows [0, n_threads) are started threads' */
 };
 
 /* ---- fork ---- */
@@ -138,7 +159,44 @@ static int past(const struct timespec *deadline) {
     return now.tv_sec > deadline->tv_sec || (now.tv_sec == deadline->tv_sec && now.tv_nsec >= deadline->tv_nsec);
 }
 
+/* ---- a worker's clocks (see "Accounting"); only its own thread writes a row ---- */
+
+static void clock_open(worker_slot *w) { /* the row is being written: a reader retries */
+    __atomic_store_n(&w->seq, w->seq + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+
+static void clock_close(worker_slot *w) { __atomic_store_n(&w->seq, w->seq + 1, __ATOMIC_RELEASE); }
+
+static void clock_add(worker_slot *w, int col, long long ns) {
+    __atomic_store_n(&w->v[col], w->v[col] + (ns > 0 ? ns : 0), __ATOMIC_RELAXED);
+}
+
+/* the stretch under way ends ``now`` and goes to its column; the next one goes to ``next`` */
+static void clock_switch(worker_slot *w, long long now, int next) {
+    clock_open(w);
+    clock_add(w, w->state, now - w->mark);
+    __atomic_store_n(&w->mark, now, __ATOMIC_RELAXED);
+    __atomic_store_n(&w->state, next, __ATOMIC_RELAXED);
+    clock_close(w);
+}
+
+/* lock the engine's mutex, the wait for it on the W_LOCK clock */
+static void lock_timed(worker_slot *w, pthread_mutex_t *mu) {
+    clock_switch(w, now_ns(), W_LOCK);
+    pthread_mutex_lock(mu);
+    clock_switch(w, now_ns(), W_OTHER);
+}
+
+/* wait on the engine's work condition, the wait on the ``col`` clock (W_IDLE, W_BUDGET) */
+static void wait_timed(worker_slot *w, engine *e, int col) {
+    clock_switch(w, now_ns(), col);
+    pthread_cond_wait(&e->work_cv, &e->mu);
+    clock_switch(w, now_ns(), W_OTHER);
+}
+
 static void engine_free(engine *e) {
+    free(e->workers);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->work_cv);
     pthread_cond_destroy(&e->done_cv);
@@ -417,14 +475,22 @@ static void build_path(char *out, const job *j, const int64_t *src, const int64_
     out[n] = 0;
 }
 
+/* A chunk's times (ns) as its worker's clocks take them (see "Accounting"); ``end``: when it was placed (0: not
+ * measured, the clock is read then). */
+typedef struct {
+    long long read, decode, lock, place, fill, end;
+} chunk_times;
+
 /* Write into the batch only while the job is not cancelled (see job_cancel): ST_OK, ST_CANCELLED, or ST_RANGE
- * when a value did not fit the integer batch. */
-static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char *decoded, int fill) {
+ * when a value did not fit the integer batch. The job's counters go to ``mine`` (see run_job). */
+static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char *decoded, int fill,
+                       job_counters *mine, chunk_times *tm) {
     const plan_tables *t = &j->t;
     int ndim = t->ndim, kind = (int)src[S_KIND];
     const int64_t *copies = t->copies + c[C_FIRST_COPY] * COPY_COLS(ndim);
     long long t0 = now_ns();
     pthread_rwlock_rdlock(&j->place_lock);
+    long long t1 = now_ns();
     int go = !j->cancelled, bad = 0;
     if (go) {
         if (fill) {
@@ -439,7 +505,11 @@ static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char 
         place_fence(&t->dst);
     }
     pthread_rwlock_unlock(&j->place_lock);
-    count(fill ? &j->counters.fill_ns : &j->counters.place_ns, now_ns() - t0);
+    long long t2 = now_ns();
+    *(fill ? &mine->fill_ns : &mine->place_ns) += t2 - t0;
+    tm->lock += t1 - t0;
+    *(fill ? &tm->fill : &tm->place) += t2 - t1;
+    tm->end = t2;
     return !go ? ST_CANCELLED : bad ? ST_RANGE : ST_OK;
 }
 
@@ -487,16 +557,17 @@ static void close_kept(kept_files *k) {
         close(k->fd[--k->n]);
 }
 
-static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_files *kept) {
+static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_files *kept, job_counters *mine,
+                      chunk_times *tm) {
     const plan_tables *t = &j->t;
     const int64_t *c = t->chunks + i * N_CHUNK_COLS;
     const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
     int32_t status = ST_OK;
     int64_t detail = 0;
     if (c[C_CODEC] == CODEC_FILL) {
-        status = place_chunk(j, src, c, NULL, 1);
+        status = place_chunk(j, src, c, NULL, 1, mine, tm);
         if (status == ST_OK)
-            count(&j->counters.chunks_filled, 1);
+            mine->chunks_filled++;
     } else {
         char path[PATH_CAP];
         chunk_io io = {0};
@@ -521,7 +592,7 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
                 io.reuse = io.fd >= 0;
             }
             if (!io.reuse)
-                count(&j->counters.files_opened, 1);
+                mine->files_opened++;
         } else {
             io.in_memory = 1;
             io.mem = t->buffers[c[C_BUFFER]];
@@ -530,7 +601,9 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
         /* the decoded chunk, then a file's stored bytes: the thread's scratch holds both (job->need); a chunk
          * in a buffer is decoded from the buffer */
         if (io.in_memory) {
+            long long t = now_ns();
             pthread_rwlock_rdlock(&j->mem_lock);
+            tm->lock += now_ns() - t;
             if (__atomic_load_n(&j->cancelled, __ATOMIC_ACQUIRE)) /* its buffers may be gone */
                 io.status = ST_CANCELLED;
             else
@@ -542,18 +615,20 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
         }
         if (io.kept)
             keep_file(kept, c[C_FILE], io.fd);
-        count(&j->counters.bytes_read, io.nread);
-        count(&j->counters.read_ns, io.read_ns);
-        count(&j->counters.decode_ns, io.decode_ns);
+        mine->bytes_read += io.nread;
+        mine->read_ns += io.read_ns;
+        mine->decode_ns += io.decode_ns;
+        tm->read += io.read_ns;
+        tm->decode += io.decode_ns;
         if (io.status == ST_MISSING && io.offset < 0) { /* an absent chunk file is the fill value */
-            status = place_chunk(j, src, c, NULL, 1);
+            status = place_chunk(j, src, c, NULL, 1, mine, tm);
             if (status == ST_OK)
-                count(&j->counters.chunks_filled, 1);
+                mine->chunks_filled++;
         } else if (io.status == ST_OK) {
-            status = place_chunk(j, src, c, scratch, 0);
+            status = place_chunk(j, src, c, scratch, 0, mine, tm);
             if (status == ST_OK) {
-                count(&j->counters.bytes_decoded, io.detail);
-                count(&j->counters.chunks_decoded, 1);
+                mine->bytes_decoded += io.detail;
+                mine->chunks_decoded++;
             }
         } else {
             status = io.status;
@@ -564,9 +639,13 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
     __atomic_store_n(&j->status[i], status, __ATOMIC_RELEASE);
 }
 
-static void finish_chunks(engine *e, job *j, long long n) {
+/* ``w``: the worker's clocks, or NULL (job_cancel's caller) */
+static void finish_chunks(engine *e, job *j, long long n, worker_slot *w) {
     if (__atomic_add_fetch(&j->finished, n, __ATOMIC_ACQ_REL) == j->t.n_chunks) {
-        pthread_mutex_lock(&e->mu);
+        if (w != NULL)
+            lock_timed(w, &e->mu);
+        else
+            pthread_mutex_lock(&e->mu);
         j->done = 1;
         unlink_live_locked(e, j); /* never the last reference: the worker (or job_cancel's caller) holds one */
         pthread_cond_broadcast(&e->done_cv);
@@ -574,11 +653,30 @@ static void finish_chunks(engine *e, job *j, long long n) {
     }
 }
 
+/* a chunk's times into the worker's clocks: its reads, decode, lock waits and copies, and the rest of the
+ * stretch since the last one closed (taking the chunk, its path, kept files) as W_OTHER */
+static void clock_chunk(worker_slot *w, const chunk_times *tm) {
+    long long end = tm->end ? tm->end : now_ns();
+    long long split = tm->read + tm->decode + tm->lock + tm->place + tm->fill;
+    clock_open(w);
+    clock_add(w, W_READ, tm->read);
+    clock_add(w, W_DECODE, tm->decode);
+    clock_add(w, W_LOCK, tm->lock);
+    clock_add(w, W_PLACE, tm->place);
+    clock_add(w, W_FILL, tm->fill);
+    clock_add(w, W_OTHER, end - w->mark - split);
+    clock_add(w, W_CHUNKS, 1);
+    __atomic_store_n(&w->mark, end, __ATOMIC_RELAXED);
+    clock_close(w);
+}
+
 /* Work on a job's chunks until none is left. The chunks are reported finished when the thread leaves the job,
  * after it closed the files it kept: once a job is done, none of its files is open. (It leaves right after
- * its last chunk: the next fetch finds none left, so this delays nothing.) */
-static void run_job(engine *e, job *j, char *scratch, codec_ctx *ctx) {
+ * its last chunk: the next fetch finds none left, so this delays nothing.) Its counters are summed here and
+ * added to the job's once, before the chunks are reported finished (see "Accounting"). */
+static void run_job(engine *e, job *j, char *scratch, codec_ctx *ctx, worker_slot *w) {
     kept_files kept = {0};
+    job_counters mine = {0};
     long long finished = 0;
     for (;;) {
         if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE))
@@ -586,29 +684,39 @@ static void run_job(engine *e, job *j, char *scratch, codec_ctx *ctx) {
         long long i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (i >= j->t.n_chunks)
             break;
+        chunk_times tm = {0};
         if (__atomic_load_n(&j->cancelled, __ATOMIC_ACQUIRE))
             __atomic_store_n(&j->status[i], ST_CANCELLED, __ATOMIC_RELEASE);
         else
-            run_chunk(j, i, scratch, ctx, &kept);
+            run_chunk(j, i, scratch, ctx, &kept, &mine, &tm);
+        clock_chunk(w, &tm);
         finished++;
     }
     close_kept(&kept);
+    long long *from = (long long *)&mine, *to = (long long *)&j->counters;
+    for (size_t k = 0; k < sizeof(job_counters) / sizeof(long long); k++)
+        if (from[k])
+            count(&to[k], from[k]);
     if (finished)
-        finish_chunks(e, j, finished);
+        finish_chunks(e, j, finished, w);
 }
 
 static void *worker(void *arg) {
-    engine *e = arg;
+    worker_slot *w = arg;
+    engine *e = w->e;
     char *scratch = NULL;
     size_t cap = 0;
     codec_ctx ctx = {0};
-    pthread_mutex_lock(&e->mu);
+#if defined(__linux__)
+    __atomic_store_n(&w->v[W_TID], (long long)syscall(SYS_gettid), __ATOMIC_RELAXED);
+#endif
+    lock_timed(w, &e->mu);
     while (!e->closing) {
         job *j = e->live;
         while (j != NULL && __atomic_load_n(&j->next, __ATOMIC_RELAXED) >= j->t.n_chunks)
             j = j->next_live;
         if (j == NULL) {
-            pthread_cond_wait(&e->work_cv, &e->mu);
+            wait_timed(w, e, W_IDLE);
             continue;
         }
         if (cap < j->need) { /* give back what is too small, then reserve enough, or wait for the budget */
@@ -619,12 +727,12 @@ static void *worker(void *arg) {
                 scratch = NULL, cap = 0;
                 pthread_mutex_unlock(&e->mu);
                 free(old);
-                pthread_mutex_lock(&e->mu);
+                lock_timed(w, &e->mu);
                 pthread_cond_broadcast(&e->work_cv); /* what it gave back may let another thread work */
                 continue; /* look again: the lock was let go */
             }
             if (e->used + (long long)j->need > e->budget) {
-                pthread_cond_wait(&e->work_cv, &e->mu);
+                wait_timed(w, e, W_BUDGET);
                 continue;
             }
             size_t want = j->need;
@@ -634,7 +742,7 @@ static void *worker(void *arg) {
             void *fresh = NULL;
             if (posix_memalign(&fresh, ALIGN, want) != 0)
                 fresh = NULL;
-            pthread_mutex_lock(&e->mu);
+            lock_timed(w, &e->mu);
             if (fresh != NULL) {
                 scratch = fresh, cap = want;
                 e->held += (long long)want;
@@ -647,8 +755,8 @@ static void *worker(void *arg) {
                 if (i < j->t.n_chunks) {
                     pthread_mutex_unlock(&e->mu);
                     __atomic_store_n(&j->status[i], ST_NO_MEMORY, __ATOMIC_RELEASE);
-                    finish_chunks(e, j, 1);
-                    pthread_mutex_lock(&e->mu);
+                    finish_chunks(e, j, 1, w);
+                    lock_timed(w, &e->mu);
                 }
             }
             job_unref_unlocking(e, j);
@@ -658,11 +766,17 @@ static void *worker(void *arg) {
         if (++j->threads_now > j->counters.max_threads)
             j->counters.max_threads = j->threads_now;
         pthread_mutex_unlock(&e->mu);
-        run_job(e, j, scratch, &ctx);
-        pthread_mutex_lock(&e->mu);
+        run_job(e, j, scratch, &ctx, w);
+        lock_timed(w, &e->mu);
         j->threads_now--;
         job_unref_unlocking(e, j);
     }
+    long long now = now_ns(); /* the thread's last stretch: its clocks stop */
+    clock_open(w);
+    clock_add(w, w->state, now - w->mark);
+    __atomic_store_n(&w->state, -1, __ATOMIC_RELAXED);
+    __atomic_store_n(&w->stop, now, __ATOMIC_RELAXED);
+    clock_close(w);
     e->used -= (long long)cap;
     e->held -= (long long)cap;
     e->alive--;
@@ -682,8 +796,20 @@ static void *worker(void *arg) {
 engine *engine_new(int n_threads, long long budget, int *started) {
     *started = 0;
     engine *e = calloc(1, sizeof(engine));
-    if (e == NULL)
+    void *rows = NULL;
+    if (e == NULL || n_threads < 1 || posix_memalign(&rows, ALIGN, sizeof(worker_slot) * (size_t)n_threads) != 0) {
+        free(e);
         return NULL;
+    }
+    e->workers = rows;
+    memset(e->workers, 0, sizeof(worker_slot) * (size_t)n_threads);
+    long long t0 = now_ns();
+    for (int i = 0; i < n_threads; i++) {
+        worker_slot *w = &e->workers[i];
+        w->e = e;
+        w->state = W_OTHER; /* starting */
+        w->start = w->mark = t0;
+    }
     pthread_mutex_init(&e->mu, NULL);
     cond_init(&e->work_cv);
     cond_init(&e->done_cv);
@@ -704,7 +830,7 @@ engine *engine_new(int n_threads, long long budget, int *started) {
     for (int i = 0; i < n_threads; i++) {
         pthread_t thread;
         e->refs++, e->alive++;
-        if (pthread_create(&thread, &attr, worker, e) != 0) {
+        if (pthread_create(&thread, &attr, worker, &e->workers[i]) != 0) {
             e->refs--, e->alive--;
             break;
         }
@@ -794,7 +920,7 @@ void job_cancel(engine *e, job *j) {
     if (first < j->t.n_chunks) {
         for (long long i = first; i < j->t.n_chunks; i++)
             __atomic_store_n(&j->status[i], ST_CANCELLED, __ATOMIC_RELEASE);
-        finish_chunks(e, j, j->t.n_chunks - first);
+        finish_chunks(e, j, j->t.n_chunks - first, NULL);
     }
     pthread_mutex_lock(&e->mu);
     unlink_live_locked(e, j); /* the caller holds a reference: never the last */
@@ -877,6 +1003,35 @@ void engine_info(engine *e, long long out[6]) {
     out[4] = e->peak;
     out[5] = e->closing;
     pthread_mutex_unlock(&e->mu);
+}
+
+int engine_worker_clocks(engine *e, int64_t *out, int rows) {
+    if (foreign(e)) /* its threads are the parent's (see "Fork") */
+        return 0;
+    int n = e->n_threads < rows ? e->n_threads : rows; /* set before engine_new returned, never changed */
+    for (int i = 0; i < n; i++) {
+        worker_slot *w = &e->workers[i];
+        int64_t *r = out + (size_t)i * N_WORKER_COLS;
+        long long mark = 0, stop = 0;
+        int state = -1;
+        /* a consistent row: its thread writes one in nanoseconds, so a few tries do; bounded all the same */
+        for (int tries = 0; tries < 1000; tries++) {
+            unsigned before = __atomic_load_n(&w->seq, __ATOMIC_ACQUIRE);
+            for (int k = 0; k < N_WORKER_COLS; k++)
+                r[k] = __atomic_load_n(&w->v[k], __ATOMIC_RELAXED);
+            mark = __atomic_load_n(&w->mark, __ATOMIC_RELAXED);
+            state = __atomic_load_n(&w->state, __ATOMIC_RELAXED);
+            stop = __atomic_load_n(&w->stop, __ATOMIC_RELAXED);
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (!(before & 1) && __atomic_load_n(&w->seq, __ATOMIC_RELAXED) == before)
+                break;
+        }
+        long long now = now_ns();
+        if (state >= 0 && state < W_WALL && now > mark)
+            r[state] += now - mark; /* the stretch under way */
+        r[W_WALL] = (stop ? stop : now) - w->start;
+    }
+    return n;
 }
 
 void engine_release(engine *e) {

@@ -224,6 +224,22 @@ static PyObject *engine_info_py(EngineObject *self, PyObject *Py_UNUSED(ignored)
                          v[4], "closing", v[5] ? Py_True : Py_False);
 }
 
+static PyObject *engine_worker_clocks_py(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
+    long long v[6] = {0};
+    if (self->e == NULL)
+        return PyBytes_FromStringAndSize(NULL, 0);
+    engine_info(self->e, v);
+    int rows = (int)v[0];
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)rows * N_WORKER_COLS * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL)
+        return NULL;
+    /* memory reads only (no lock): the GIL stays held */
+    int n = engine_worker_clocks(self->e, (int64_t *)PyBytes_AS_STRING(out), rows);
+    if (n < rows)
+        _PyBytes_Resize(&out, (Py_ssize_t)n * N_WORKER_COLS * (Py_ssize_t)sizeof(int64_t));
+    return out;
+}
+
 static PyObject *local_file_system_py(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *path;
     if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &path))
@@ -258,6 +274,11 @@ static PyMethodDef engine_methods[] = {
     {"info", (PyCFunction)engine_info_py, METH_NOARGS,
      "info() -> {threads, alive, budget, used, peak, closing}: threads started and alive, the scratch budget, "
      "the bytes of it reserved now, and the most allocated at once."},
+    {"worker_clocks", (PyCFunction)engine_worker_clocks_py, METH_NOARGS,
+     "worker_clocks() -> bytes: per started thread a row of N_WORKER_COLS int64 values (W_* in "
+     "csrc/stoker_native.h): nanoseconds reading, decoding, placing, filling, waiting for a lock, for work, "
+     "for the budget, the rest, and its wall time since it started (the first eight sum to it), then its "
+     "chunks and thread id; summed since the engine started."},
     {NULL, NULL, 0, NULL},
 };
 

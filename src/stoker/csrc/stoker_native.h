@@ -276,6 +276,24 @@ typedef struct {
     int64_t dst_strides[MAX_NDIM];
 } plan_tables;
 
+/* A worker thread's clocks (monotonic ns, summed since the thread started): where its time went, a few clock
+ * reads a chunk. Each thread writes only its own row; engine_worker_clocks reads every row consistently and
+ * adds the segment under way to its column, so W_READ ... W_OTHER sum to W_WALL. */
+enum {
+    W_READ = 0, /* opening, stat'ing and reading stored chunks */
+    W_DECODE,   /* decompressing them */
+    W_PLACE,    /* copying and casting decoded chunks into batches */
+    W_FILL,     /* writing fill values into batches */
+    W_LOCK,     /* waiting for a lock: the engine's, or a job's place or buffer lock */
+    W_IDLE,     /* waiting for work: no job had chunks left */
+    W_BUDGET,   /* waiting for scratch: other threads held the budget */
+    W_OTHER,    /* the rest: taking chunks, building paths, allocating scratch, bookkeeping */
+    W_WALL,     /* time since the thread started (until it left) */
+    W_CHUNKS,   /* chunks it finished (placed, filled, failed or cancelled) */
+    W_TID,      /* its thread id (Linux: gettid(); 0 elsewhere) */
+    N_WORKER_COLS
+};
+
 /* Counters of a job, summed over its chunks. */
 typedef struct {
     long long bytes_read, bytes_decoded, chunks_decoded, chunks_filled;
@@ -302,6 +320,9 @@ void job_release(engine *e, job *j);
 /* cancel every job, stop the threads; 1 when all have left within timeout_s; call without the GIL */
 int engine_close(engine *e, double timeout_s);
 void engine_info(engine *e, long long out[6]);
+/* each started thread's clocks (a row of N_WORKER_COLS, W_* above), at most ``rows`` rows; returns the rows
+ * written. A forked child's copy of an engine has no threads: no rows. */
+int engine_worker_clocks(engine *e, int64_t *out, int rows);
 void engine_release(engine *e);
 
 #endif

@@ -5,6 +5,8 @@
 (1.9, 1.1)
 >>> s.gil_per_batch     # seconds the pipeline's threads held the GIL per batch
 0.0009
+>>> s.workers[0].busy_share, s.coordinator_per_batch   # a compiled-engine thread; the coordinator
+(0.93, 0.0004)
 >>> print(s)            # a readable table
 """
 
@@ -12,9 +14,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from ..runtime import gil
+from ..runtime.schedstat import run_times
 
 STAGES = ("plan", "io", "decode", "assemble", "transfer", "transform", "pop_wait")
 COUNTERS = (
@@ -32,6 +35,54 @@ class Metric:
     count: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+
+
+#: where a compiled-engine thread's time goes (:class:`WorkerTimes`), in seconds; they sum to its ``wall``
+WORKER_TIMES = ("read", "decode", "copy", "fill", "lock", "idle", "budget", "other")
+_WORKER_WAITS = ("lock", "idle", "budget")
+
+
+@dataclass(frozen=True)
+class WorkerTimes:
+    """One thread of the compiled engine over the window (since the pipeline began or ``stats_reset``):
+    seconds reading, decoding, copying and casting into batches (``copy``), writing fill values, waiting
+    for a lock (the engine's, a batch's), for work (``idle``: no batch had chunks left), for scratch memory
+    (``budget``), and the rest (taking chunks, paths, bookkeeping); they sum to ``wall``. ``on_cpu`` and
+    ``run_queue``: what the OS says of the same window (seconds running, and runnable but waiting for a
+    core; Linux only, else None), so a thread busy on its own clocks but off a core shows the machine is
+    oversubscribed.
+
+    >>> w = s.workers[0]; w.busy_share, w.decode / w.wall
+    (0.93, 0.61)
+    """
+
+    read: float = 0.0
+    decode: float = 0.0
+    copy: float = 0.0
+    fill: float = 0.0
+    lock: float = 0.0
+    idle: float = 0.0
+    budget: float = 0.0
+    other: float = 0.0
+    wall: float = 0.0
+    chunks: int = 0
+    on_cpu: float | None = None
+    run_queue: float | None = None
+
+    @property
+    def busy(self) -> float:
+        """Seconds working (reading, decoding, copying, filling, the rest): not waiting."""
+        return self.wall - sum(getattr(self, name) for name in _WORKER_WAITS)
+
+    @property
+    def busy_share(self) -> float:
+        return self.busy / self.wall if self.wall > 0 else 0.0
+
+
+#: a compiled engine's clocks for :meth:`StatsRecorder.watch_workers`: per thread, its times (seconds, in
+#: :data:`WORKER_TIMES` order), then its wall seconds, chunks, and its OS run times or None (see
+#: :class:`WorkerTimes`), each summed since the thread started
+WorkerClocks = Callable[[], Sequence[tuple[float, ...]]]
 
 
 #: what :attr:`Stats.fields` counts per field
@@ -106,11 +157,22 @@ class Stats(Amplification):
     gil_seconds: float = 0.0
     # samples of named fields: each field's counts (they sum to the counters above); {} for other samples
     fields: dict[str, FieldCounts] = field(default_factory=dict)
+    # each thread of the compiled engine (every field's lane's in turn): where its time went; () without it
+    workers: tuple[WorkerTimes, ...] = ()
+    # CPU seconds of the coordinator thread (pulling samples, opening arrays, planning, submitting), and the
+    # seconds it was runnable but waited for a core (the OS's count; None off Linux)
+    coordinator_seconds: float = 0.0
+    coordinator_run_queue: float | None = None
 
     @property
     def gil_per_batch(self) -> float:
         """Seconds the pipeline's threads held the GIL per batch emitted (the consumer's own Python aside)."""
         return self.gil_seconds / self.batches_emitted if self.batches_emitted else 0.0
+
+    @property
+    def coordinator_per_batch(self) -> float:
+        """CPU seconds of the coordinator thread per batch emitted."""
+        return self.coordinator_seconds / self.batches_emitted if self.batches_emitted else 0.0
 
 
     def __str__(self) -> str:
@@ -126,6 +188,15 @@ class Stats(Amplification):
         lines.append(f"{'gil_ms_per_batch':<20}{self.gil_per_batch * 1e3:>14.3f}")
         lines.append(f"{'read_amplification':<20}{self.read_amplification:>14.2f}")
         lines.append(f"{'decode_amplification':<20}{self.decode_amplification:>14.2f}")
+        lines.append(f"{'coordinator_ms_batch':<20}{self.coordinator_per_batch * 1e3:>14.3f}")
+        if self.workers:
+            lines += ["", f"{'thread':<8}{'busy %':>8}" + "".join(f"{n + ' %':>9}" for n in WORKER_TIMES)
+                      + f"{'chunks':>9}{'on CPU %':>10}{'run queue %':>13}"]
+            for i, w in enumerate(self.workers):
+                share = [100 * getattr(w, n) / w.wall if w.wall > 0 else 0.0 for n in WORKER_TIMES]
+                ran = [f"{100 * v / w.wall:.1f}" if v is not None and w.wall > 0 else "-" for v in (w.on_cpu, w.run_queue)]
+                lines.append(f"{i:<8}{100 * w.busy_share:>8.1f}" + "".join(f"{v:>9.1f}" for v in share)
+                             + f"{w.chunks:>9}{ran[0]:>10}{ran[1]:>13}")
         if self.fields:
             lines += ["", f"{'field':<14}{'MB needed':>12}{'MB read':>12}{'MB decoded':>12}{'read amp':>10}"
                           f"{'decode amp':>12}"]
@@ -148,6 +219,8 @@ class StatsRecorder:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+        self._worker_clocks: list[WorkerClocks] = []
+        self._coordinator_tid = 0
         self.reset()
 
     def reset(self) -> None:
@@ -159,6 +232,29 @@ class StatsRecorder:
             self._counters = dict.fromkeys(COUNTERS, 0)
             self._per_field: dict[str, dict[str, int]] = {}
             self._gil_ns = 0
+            self._coordinator_ns = 0
+            self._coordinator_base = run_times(self._coordinator_tid)
+            # each watched engine's clocks as of this reset: what a snapshot subtracts
+            self._worker_base = [clocks() for clocks in self._worker_clocks]
+
+    def watch_coordinator(self, tid: int) -> None:
+        """The coordinator thread's id (``threading.get_native_id()``): its run-queue time is reported."""
+        with self._lock:
+            self._coordinator_tid = tid
+            self._coordinator_base = run_times(tid)
+
+    def watch_workers(self, clocks: WorkerClocks) -> None:
+        """Report a compiled engine's threads in each snapshot (:attr:`Stats.workers`): ``clocks()`` gives
+        their times since they started (:data:`WorkerClocks`), read as the engine starts and at each reset."""
+        base = clocks()
+        with self._lock:
+            self._worker_clocks.append(clocks)
+            self._worker_base.append(base)
+
+    def coordinator(self, ns: int) -> None:
+        """Add ``ns`` of the coordinator thread's CPU time (one of its rounds)."""
+        with self._lock:
+            self._coordinator_ns += ns
 
     def gil(self, seconds: float) -> None:
         """Add ``seconds`` of GIL-held time measured by the caller (not through :mod:`stoker.runtime.gil`)."""
@@ -222,5 +318,21 @@ class StatsRecorder:
         with self._lock:
             stages = {n: Metric(n, *v) for n, v in self._stages.items()}
             fields = {name: FieldCounts(**c) for name, c in self._per_field.items()}
+            workers = tuple(_window(now, bases[i] if i < len(bases) else None)
+                            for clocks, bases in zip(self._worker_clocks, self._worker_base)
+                            for i, now in enumerate(clocks()))
+            ran, base = run_times(self._coordinator_tid), self._coordinator_base
             return Stats(stages=stages, peak_host_bytes=peak_host_bytes, gil_seconds=self._gil_ns * 1e-9,
-                         fields=fields, **self._counters)
+                         fields=fields, workers=workers, coordinator_seconds=self._coordinator_ns * 1e-9,
+                         coordinator_run_queue=None if ran is None or base is None else ran[1] - base[1],
+                         **self._counters)
+
+
+def _window(now: tuple, base: tuple | None) -> WorkerTimes:
+    """A thread's :class:`WorkerTimes` between two reads of its clocks (``base`` None: since it started)."""
+    n = len(WORKER_TIMES) + 2  # the times, wall and chunks; then on-CPU and run-queue, or None
+    base = base if base is not None else (0,) * (n + 2)
+    vals = [a - b for a, b in zip(now[:n], base[:n])]
+    on_cpu, run_queue = (None if a is None or b is None else a - b for a, b in zip(now[n:n + 2], base[n:n + 2]))
+    times = dict(zip(WORKER_TIMES, vals))
+    return WorkerTimes(**times, wall=vals[-2], chunks=int(vals[-1]), on_cpu=on_cpu, run_queue=run_queue)

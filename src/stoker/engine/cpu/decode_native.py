@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ...runtime import gil
+from ...runtime.schedstat import run_times
 from ...runtime.workers import no_thread, start_thread
 from . import native
 from ...errors import DecodeError, OutOfMemory, StorageError, pipeline_closed
@@ -262,6 +263,11 @@ def _start_engine(n_threads: int, budget_bytes: int):
         raise no_thread(f"the compiled engine's {n_threads} threads", "n_compute_threads", exc) from exc
 
 
+#: the engine's clock columns (csrc/stoker_native.h) in :data:`~stoker.engine.stats.WORKER_TIMES` order
+_WORKER_COLUMNS = (native.W_READ, native.W_DECODE, native.W_PLACE, native.W_FILL, native.W_LOCK, native.W_IDLE,
+                   native.W_BUDGET, native.W_OTHER)
+
+
 class NativeDecoder:
     """Whole batches on the engine's threads; what it cannot do goes to the Python path."""
 
@@ -285,6 +291,17 @@ class NativeDecoder:
         except BaseException:
             self.engine.close(0.25)  # its threads run: they end with the error
             raise
+        stats.watch_workers(self.worker_clocks)
+
+    def worker_clocks(self) -> list[tuple]:
+        """Each engine thread's clocks, as :class:`~stoker.engine.stats.StatsRecorder.watch_workers` takes
+        them: its times in seconds (``WORKER_TIMES`` order), wall seconds, chunks, and the OS's run times."""
+        rows = np.frombuffer(self.engine.worker_clocks(), np.int64).reshape(-1, native.N_WORKER_COLS)
+        out = []
+        for r in rows.tolist():
+            ran = run_times(r[native.W_TID]) or (None, None)
+            out.append((*(r[c] * 1e-9 for c in _WORKER_COLUMNS), r[native.W_WALL] * 1e-9, r[native.W_CHUNKS], *ran))
+        return out
 
     def peak_bytes(self) -> int:
         return int(self.engine.info()["peak"])
@@ -313,11 +330,20 @@ class NativeDecoder:
     # -- submission ------------------------------------------------------------------------------
 
     def _source(self, reader, dtype: torch.dtype, kind: int | None) -> _Source:
+        """The engine's description of ``reader``'s array, kept per reader: a reader's metadata never changes,
+        and a batch of arrays new to the set (many small arrays) asks for each every batch."""
+        key = (id(reader), dtype, kind)  # a kept entry holds its reader: the id stays its own
+        held = self._sources.get(key)
+        if held is not None and held[0] is reader:
+            return held[1]
         if reader.kv.is_local:  # a local array: described once per process
-            return shared_source(reader, dtype, kind, self.budget_bytes)
-        # an array in a store: the store is this pipeline's, and so is its _Source
-        return _kept(self._sources, (id(reader), dtype, kind), reader,
-                     lambda: _Source(reader, dtype, kind, self.budget_bytes))
+            source = shared_source(reader, dtype, kind, self.budget_bytes)
+        else:  # an array in a store: the store is this pipeline's, and so is its _Source
+            source = _Source(reader, dtype, kind, self.budget_bytes)
+        if len(self._sources) >= SHARED_SOURCES:
+            self._sources.clear()
+        self._sources[key] = (reader, source)
+        return source
 
     def _source_set(self, readers: list, dtype: torch.dtype, kind: int | None) -> "_SourceSet":
         """The engine's view of a batch's arrays, kept while the same arrays come again (a training run over

@@ -212,8 +212,15 @@ class Coordinator:
     def _run(self) -> None:
         gil.enroll()  # its GIL time is the pipeline's (charged at each batch's "plan" report)
         try:
-            while self._cycle():
-                pass
+            # its CPU time, a round at a time (Stats.coordinator_seconds): one clock read a round
+            self.stats.watch_coordinator(threading.get_native_id())
+            last = time.thread_time_ns()
+            going = True
+            while going:
+                going = self._cycle()
+                now = time.thread_time_ns()
+                self.stats.coordinator(now - last)
+                last = now
         except BaseException as exc:  # noqa: BLE001 - a bug here must reach the consumer, not vanish
             with self.cond:
                 if not self.closed:
