@@ -283,6 +283,56 @@ def test_engine_integer_kinds(tmp_path, dtype, layout, out):
     assert torch.equal(batch.to(torch.int64), want)
 
 
+@pytest.mark.skipif(native.Engine is None, reason="the compiled engine is not built")
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
+@pytest.mark.parametrize("dtype,out", [("uint64", "i64"), ("int64", "i64"), ("uint32", "i64"), ("uint64", "i32"),
+                                       ("int64", "i32"), ("uint16", "i32")])
+def test_engine_integer_casts_in_whole_lines(tmp_path, dtype, out, stream):
+    """Rows long enough to be written in whole cache lines (streamed: the 64-byte lines go through a buffer
+    and out with streaming stores, 8-byte words for 8-byte elements): values past the output at a line's first,
+    middle and last element and in a row's unaligned head and tail are zero with ST_RANGE, every other value
+    exact, the batch outside the copy untouched."""
+    dt, kind = np.dtype(dtype), native.KIND_I32 if out == "i32" else native.KIND_I64
+    room, have = torch.iinfo(TORCH[out]), np.iinfo(dt)
+    rng = np.random.default_rng(5)
+    chunk = rng.integers(max(have.min, room.min), min(have.max, room.max), (4, 100), dtype=dt, endpoint=True)
+    # the copy: rows 0..3, columns 3..99, to batch columns 5..101 of rows 104 elements apart
+    col = 5 - 3  # batch column minus chunk column
+    per_line = 64 // TORCH[out].itemsize
+    first_full = -(-8 * 5 // 64) * per_line if out == "i64" else 16  # the first element of a whole line (row 0)
+    spots = [(0, 3), (0, first_full - col), (0, first_full - col + per_line // 2),
+             (0, first_full - col + per_line - 1), (3, 99)]
+    past = have.max > room.max or have.min < room.min
+    if past:
+        for r, c in spots:
+            chunk[r, c] = have.max if have.max > room.max else have.min
+    root = str(tmp_path) + "/"
+    os.makedirs(root + "c")
+    with open(root + "c/0.0", "wb") as f:
+        f.write(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
+    blob = os.fsencode(root + "c/")
+    sources = np.array([[native.SOURCE_KINDS[dt], 0, 0, len(blob), ord("."), 0, 100, 1]], np.int64)
+    files = np.zeros((1, native.F_COORDS + 2), np.int64)
+    chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
+    chunks[0, native.C_OFFSET] = chunks[0, native.C_BUFFER] = -1
+    chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = chunk.nbytes
+    chunks[0, native.C_CODEC] = native.CODEC_ZSTD
+    chunks[0, native.C_MAX_STORED] = chunk.nbytes + 4096
+    chunks[0, native.C_NCOPIES] = 1
+    copies = np.array([[3, 5, 4, 97]], np.int64)
+    batch = torch.full((5, 104), -7, dtype=TORCH[out])
+    engine = native.Engine(1, 1 << 20)
+    job = engine.submit(chunks, copies, sources, files, blob, batch.view(-1).view(torch.uint8).numpy(), kind,
+                        stream, np.array([104, 1], np.int64))
+    assert job.wait(10)
+    assert np.frombuffer(job.results()[0], np.int32).tolist() == [native.ST_RANGE if past else native.ST_OK]
+    want = torch.full((5, 104), -7, dtype=torch.int64)
+    part = chunk[:, 3:].astype(object)
+    fits = np.vectorize(lambda v: room.min <= v <= room.max)(part)
+    want[:4, 5:102] = torch.from_numpy(np.where(fits, part, 0).astype(np.int64))
+    assert torch.equal(batch.to(torch.int64), want)
+
+
 @pytest.mark.parametrize("out", ["i32", "i64"])
 @pytest.mark.parametrize("dtype", SOURCES)
 def test_gpu_decode_executor_integer_outputs(tmp_path, monkeypatch, dtype, out):

@@ -489,11 +489,114 @@ def test_scratch_that_cannot_be_allocated_leaves_its_chunks_to_python(tmp_path):
     assert info["alive"] == 0 and info["used"] == 0 and info["peak"] == 0, info
 
 
-def test_cancel_stops_every_write_into_the_batch(tmp_path):
-    """Once cancel() returns no thread writes into the batch: chunks not placed by then are CANCELLED, and a
-    batch overwritten right after cancel keeps what it was given."""
+def test_a_chunk_copied_whole_as_stored_is_decoded_into_the_batch(tmp_path):
+    """A zstd chunk whose one copy is all of it, as stored and contiguous in the batch, is decoded straight into
+    its place (no copy from the scratch: no place time); a cast, a part of a chunk, a byte swap or two copies
+    are placed from the scratch. Every batch holds the chunks' values either way."""
+    def run(t: Tables, batch=None):
+        engine = native.Engine(2, 1 << 20)
+        job = engine.submit(*t.args(batch))
+        assert job.wait(10)
+        status, _, counters = _results(job)
+        assert (status == native.ST_OK).all() and counters["chunks_decoded"] == t.n
+        assert engine.close(5)
+        return counters["place_ns"]
+
+    t = Tables(tmp_path / "same", 6, kind=native.KIND_SAME)
+    for i in range(6):
+        t.write(i)
+    assert run(t) == 0
+    for i in range(6):
+        np.testing.assert_array_equal(t.batch[i], t.expected(i))
+    cast = Tables(tmp_path / "cast", 6)  # uint16 into float32
+    for i in range(6):
+        cast.write(i)
+    assert run(cast) > 0
+    np.testing.assert_array_equal(cast.batch, np.stack([cast.expected(i) for i in range(6)]))
+    part = Tables(tmp_path / "same", 6, kind=native.KIND_SAME)  # rows 2..7 of each chunk
+    part.copies[:, native.CP_SRC_OFFSET] = 16
+    part.copies[:, native.CP_EXTENT] = 6
+    part.chunks[:, native.C_SPAN_START] = 32
+    assert run(part) > 0
+    np.testing.assert_array_equal(part.batch[:, :6], np.stack([part.expected(i)[2:] for i in range(6)]))
+    swapped = Tables(tmp_path / "swapped", 6, kind=native.KIND_SAME)
+    for i in range(6):
+        swapped.write(i, numcodecs.Zstd(level=1).encode(_chunk(i).astype(">u2").tobytes()))
+    swapped.sources[0, native.S_SWAP] = 1
+    assert run(swapped) > 0
+    np.testing.assert_array_equal(swapped.batch, np.stack([swapped.expected(i) for i in range(6)]))
+    wide = Tables(tmp_path / "same", 6, kind=native.KIND_SAME)  # each chunk into the left half of 16-wide rows
+    wide.copies[:, native.CP_DST_OFFSET] = np.arange(6) * 128
+    batch = np.zeros((6, 8, 16), np.uint16)
+    args = list(wide.args(batch))
+    args[-1] = np.array([16, 1], np.int64)  # the batch's strides: its rows are not contiguous
+    wide.args = lambda batch=None: tuple(args)
+    assert run(wide) > 0
+    np.testing.assert_array_equal(batch[:, :, :8], np.stack([wide.expected(i) for i in range(6)]))
+    assert not batch[:, :, 8:].any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "uint16"])
+@pytest.mark.parametrize("out", ["native", "f32", "i64"])
+def test_whole_chunks_decoded_into_the_batch_are_zarrs_values(tmp_path, dtype, out):
+    """Forecasting's layout (a step a chunk, read whole, of several variables as channels, in two fields):
+    each field's batch is zarr-python's values bit for bit, on every output dtype its chunks are decoded
+    straight into (native, f32 from float32, i64 from int64) and on the casts beside them; NaN payloads kept."""
+    if out == "f32" and dtype == "int64" or out == "i64" and dtype == "float32":
+        pytest.skip("refused casts (test_integer_casts.py)")
+    rng = np.random.default_rng(3)
+    uris = []
+    for v in range(2):
+        data = rng.standard_normal((9, 5, 7)).astype(dtype) if dtype == "float32" else \
+            rng.integers(0, 1 << 15, (9, 5, 7)).astype(dtype)
+        if dtype == "float32":  # a signalling NaN's bits and a quiet one with a payload: copied, never changed
+            data.view(np.uint32)[2, 1, 3], data.view(np.uint32)[4, 0, 0] = 0x7F800001, 0x7FC00123
+        uri = str(tmp_path / f"v{v}.zarr")
+        zarr.create_array(uri, shape=data.shape, chunks=(1, 5, 7), dtype=dtype, fill_value=0,
+                          compressors=ZstdCodec(level=1))[...] = data
+        uris.append(uri)
+    starts = [0, 3, 2, 6]
+    samples = [stoker.Sample({"input": (uris, [(t, t + 2), (0, 5), (0, 7)]), "target": (uris, [(t + 2, t + 3), (0, 5), (0, 7)])})
+               for t in starts]
+    cfg = stoker.Config(batch_size=4, dtype=out, device="cpu", n_compute_threads=2, pop_timeout_s=20.0)
+    with stoker.Pipeline(cfg) as p:
+        p.push(samples)
+        with p.pop() as batch:
+            got = {k: torch.from_dlpack(v).clone() for k, v in batch.items()}
+    arrays = [zarr.open_array(u, mode="r")[...] for u in uris]
+    for name, (lo, hi) in {"input": (0, 2), "target": (2, 3)}.items():
+        want = np.stack([np.stack([a[t + lo:t + hi] for a in arrays]) for t in starts])
+        want = want if out == "native" else want.astype({"f32": np.float32, "i64": np.int64}[out])
+        assert got[name].numpy().tobytes() == want.tobytes(), name
+
+
+def test_a_chunk_decoded_into_the_batch_fails_as_any_other(tmp_path):
+    """Chunks decoded straight into the batch keep their statuses: garbage, a frame of another size and a
+    missing file fail or fill as before, and the chunks around them are placed."""
+    t = Tables(tmp_path, 5, kind=native.KIND_SAME)
+    for i in range(5):
+        t.write(i)
+    t.write(1, b"\x28\xb5\x2f\xfd garbage")
+    t.write(2, numcodecs.Zstd(level=1).encode(bytes(64)))
+    os.unlink(t.root + "c/0.3")
+    engine = native.Engine(2, 1 << 20)
+    job = engine.submit(*t.args())
+    assert job.wait(10)
+    status, detail, _ = _results(job)
+    assert status.tolist() == [native.ST_OK, native.ST_CODEC_ERROR, native.ST_SIZE, native.ST_OK, native.ST_OK]
+    assert detail[2] == 64
+    for i in (0, 4):
+        np.testing.assert_array_equal(t.batch[i], t.expected(i))
+    assert (t.batch[3] == 65535).all()  # the fill value
+    assert engine.close(5)
+
+
+@pytest.mark.parametrize("kind", [native.KIND_F32, native.KIND_SAME], ids=["placed", "decoded-into-batch"])
+def test_cancel_stops_every_write_into_the_batch(tmp_path, kind):
+    """Once cancel() returns no thread writes into the batch (nor decodes into it): chunks not placed by then
+    are CANCELLED, and a batch overwritten right after cancel keeps what it was given."""
     n = 3000
-    t = Tables(tmp_path, n)
+    t = Tables(tmp_path, n, kind=kind)
     frame = numcodecs.Zstd(level=1).encode(_chunk(0).tobytes())
     for i in range(n):
         t.write(i, frame)
@@ -508,17 +611,18 @@ def test_cancel_stops_every_write_into_the_batch(tmp_path):
     assert (t.batch == 7).all()
 
 
-def test_a_job_dropped_mid_batch_never_writes_again(tmp_path):
+@pytest.mark.parametrize("kind", [native.KIND_F32, native.KIND_SAME], ids=["placed", "decoded-into-batch"])
+def test_a_job_dropped_mid_batch_never_writes_again(tmp_path, kind):
     """The job holds its batch's buffer; dropped, it cancels first, so the buffer can be freed under
     threads still working (AddressSanitizer would see a write into freed memory)."""
     n = 2000
-    t = Tables(tmp_path, n)
+    t = Tables(tmp_path, n, kind=kind)
     frame = numcodecs.Zstd(level=1).encode(_chunk(0).tobytes())
     for i in range(n):
         t.write(i, frame)
     engine = native.Engine(2, 1 << 20)
     for _ in range(5):
-        batch = np.zeros((n, 8, 8), np.float32)
+        batch = np.zeros((n, 8, 8), t.batch.dtype)
         job = engine.submit(*t.args(batch))
         del job, batch
     assert engine.close(5)

@@ -237,7 +237,8 @@ static void decode_zstd(chunk_io *job, int fd, size_t size, long long t0, char *
     job->read_ns = now_ns() - t0; /* open and stat */
     size_t have = 0;
     /* span_stop 0 (no byte needed: the engine never asks) would stop before any block and hop from the magic */
-    if (dctx != NULL && job->span_stop > 0 && (size_t)job->span_stop < nbytes && zstd_prefix(job, fd, size, scratch, src, nbytes, dctx, &have)) {
+    if (dctx != NULL && job->claim_out == NULL && job->span_stop > 0 && (size_t)job->span_stop < nbytes &&
+        zstd_prefix(job, fd, size, scratch, src, nbytes, dctx, &have)) {
         close_checked(job, fd); /* decoded as it was read: a change voids it */
         return;
     }
@@ -247,8 +248,14 @@ static void decode_zstd(chunk_io *job, int fd, size_t size, long long t0, char *
     if (close_checked(job, fd) || bad)
         return;
     long long t1 = now_ns();
+    if (job->claim_out != NULL && job->claim_out(job->out_arg)) {
+        job->status = ST_CANCELLED;
+        return;
+    }
     size_t decoded = dctx != NULL ? zstd_decompress_dctx(dctx, job->out, nbytes, src, size)
                                   : zstd_decompress(job->out, nbytes, src, size);
+    if (job->claim_out != NULL)
+        job->release_out(job->out_arg);
     job->decode_ns += now_ns() - t1;
     if (zstd_is_error(decoded)) {
         job->status = ST_CODEC_ERROR;

@@ -29,6 +29,11 @@
  * closed at a chunk's end, around waits and around lock acquisitions: a few clock reads a chunk. A sequence
  * count per row lets engine_worker_clocks read a row whole while its thread writes it.
  *
+ * Decoded into the batch: a zstd chunk whose one copy is all of it, as stored, contiguous in the batch, is
+ * decoded straight into its place (direct_place) instead of the scratch, holding the place lock for the
+ * decode only (its reads come first). A failed one may leave part of its bytes there: its status fails the
+ * batch, or the Python path reads the chunk again and places all of it.
+ *
  * Sources: a chunk is read from its file (path built from the source's prefix and the file's grid coordinates)
  * or from a buffer the caller holds (C_BUFFER: a chunk fetched from a store), through the same codec code and
  * checks (io.c), straight from the buffer (nothing is copied, nothing written to it). Buffers are read only holding the job's mem lock shared, after checking that the job is not
@@ -513,6 +518,58 @@ static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char 
     return !go ? ST_CANCELLED : bad ? ST_RANGE : ST_OK;
 }
 
+/* Where a chunk's decode may write straight into the batch, skipping the copy through the scratch, or NULL: a
+ * zstd chunk of a file (a chunk file or a shard's inner chunk; not a buffer), its copies reading all of it
+ * (so no early stop: the reads come first, then the decode), placed as it is stored (its source kind is the
+ * batch's, no byte swap) by one copy of the whole chunk from its first element, over which the chunk's strides
+ * and the batch's are both C-contiguous (axes of extent 1 aside): the decoded bytes are then that copy's
+ * bytes, in order, one contiguous run of the batch, inside it (check_copies at job_new). Forecasting's whole
+ * (1, lat, lon) planes of float32 are such chunks: the copy took 1.1-1.4 ms of CPU a batch of 96. */
+static char *direct_place(const job *j, const int64_t *src, const int64_t *c) {
+    const plan_tables *t = &j->t;
+    int ndim = t->ndim, kind = (int)src[S_KIND], dk = t->dst.kind;
+    if (c[C_CODEC] != CODEC_ZSTD || c[C_BUFFER] >= 0 || c[C_NCOPIES] != 1 ||
+        c[C_SPAN_START] != 0 || c[C_SPAN_STOP] != c[C_NBYTES])
+        return NULL;
+    int same = dk == KIND_SAME || (dk == KIND_F32 && kind == K_F32) || (dk == KIND_I32 && kind == K_I32) ||
+               (dk == KIND_I64 && kind == K_I64);
+    long long item = src_itemsize[kind];
+    if (!same || (src[S_SWAP] && item > 1))
+        return NULL;
+    const int64_t *cp = t->copies + c[C_FIRST_COPY] * COPY_COLS(ndim);
+    const int64_t *ss = src + S_STRIDES;
+    long long elems = 1; /* the copy's elements so far, innermost axes first: the stride a contiguous axis has */
+    if (cp[CP_SRC_OFFSET] != 0)
+        return NULL;
+    for (int k = ndim - 1; k >= 0; k--) {
+        long long ext = cp[CP_EXTENT + k];
+        if (ext == 1)
+            continue;
+        if (ss[k] != elems || t->dst_strides[k] != elems)
+            return NULL;
+        elems *= ext; /* no overflow: check_copies bounded the copy's elements by the batch's */
+    }
+    if (elems * item != c[C_NBYTES])
+        return NULL;
+    return t->dst.base + cp[CP_DST_OFFSET] * item;
+}
+
+/* claim_out and release_out of a chunk decoded into the batch: the place lock, as place_chunk holds it, so
+ * that job_cancel waits for the decode and none writes after it returns */
+static int claim_batch(void *arg) {
+    job *j = arg;
+    pthread_rwlock_rdlock(&j->place_lock);
+    if (!j->cancelled)
+        return 0;
+    pthread_rwlock_unlock(&j->place_lock);
+    return 1;
+}
+
+static void release_batch(void *arg) {
+    job *j = arg;
+    pthread_rwlock_unlock(&j->place_lock);
+}
+
 /* Shard files a thread keeps open while it works on a job (see chunk_io.reuse): a crop's inner chunks come
  * one after the other, and one crop may straddle a few shards (threads share a job's chunks in turn, so each
  * sees those shards alternate). Keyed by the job's file row, so a file is only ever reused for the identity
@@ -571,7 +628,13 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
     } else {
         char path[PATH_CAP];
         chunk_io io = {0};
-        io.out = scratch;
+        char *place = direct_place(j, src, c);
+        io.out = place != NULL ? place : scratch;
+        if (place != NULL) {
+            io.claim_out = claim_batch;
+            io.release_out = release_batch;
+            io.out_arg = j;
+        }
         io.offset = c[C_OFFSET];
         io.length = c[C_LENGTH];
         io.span_start = c[C_SPAN_START];
@@ -625,7 +688,7 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
             if (status == ST_OK)
                 mine->chunks_filled++;
         } else if (io.status == ST_OK) {
-            status = place_chunk(j, src, c, scratch, 0, mine, tm);
+            status = place != NULL ? ST_OK : place_chunk(j, src, c, scratch, 0, mine, tm);
             if (status == ST_OK) {
                 mine->bytes_decoded += io.detail;
                 mine->chunks_decoded++;
@@ -908,7 +971,8 @@ int job_wait(engine *e, job *j, double timeout_s) {
 void job_cancel(engine *e, job *j) {
     if (foreign(e)) /* no worker writes into it here */
         return;
-    /* waits for the workers placing a chunk of it right now (a chunk's copies: microseconds) */
+    /* waits for the workers placing a chunk of it right now (a chunk's copies: microseconds; or its decode, for
+     * one decoded into the batch: see direct_place) */
     pthread_rwlock_wrlock(&j->place_lock);
     __atomic_store_n(&j->cancelled, 1, __ATOMIC_RELEASE);
     pthread_rwlock_unlock(&j->place_lock);

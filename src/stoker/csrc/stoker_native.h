@@ -87,6 +87,12 @@ typedef struct {
      * file open after the reads unless that check failed or the file system is not local (open_chunk
      * clears it then, see on_local_fs); ``kept`` then says it is open, and ``fd`` holds it. */
     int reuse, keep, kept, fd;
+    /* claim_out set: ``out`` is the chunk's place in a batch, which its decode writes into straight (pool.c's
+     * direct_place; zstd chunks read whole only). The decode runs between claim_out(out_arg), 0 when it may
+     * write (else ST_CANCELLED, nothing written), and release_out(out_arg); the reads come before, unclaimed. */
+    int (*claim_out)(void *arg);
+    void (*release_out)(void *arg);
+    void *out_arg;
     int status;
     long long nread;
     long long detail;
