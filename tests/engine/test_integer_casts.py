@@ -306,19 +306,7 @@ def test_engine_integer_casts_in_whole_lines(tmp_path, dtype, out, stream):
     if past:
         for r, c in spots:
             chunk[r, c] = have.max if have.max > room.max else have.min
-    root = str(tmp_path) + "/"
-    os.makedirs(root + "c")
-    with open(root + "c/0.0", "wb") as f:
-        f.write(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
-    blob = os.fsencode(root + "c/")
-    sources = np.array([[native.SOURCE_KINDS[dt], 0, 0, len(blob), ord("."), 0, 100, 1]], np.int64)
-    files = np.zeros((1, native.F_COORDS + 2), np.int64)
-    chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
-    chunks[0, native.C_OFFSET] = chunks[0, native.C_BUFFER] = -1
-    chunks[0, native.C_SPAN_STOP] = chunks[0, native.C_NBYTES] = chunk.nbytes
-    chunks[0, native.C_CODEC] = native.CODEC_ZSTD
-    chunks[0, native.C_MAX_STORED] = chunk.nbytes + 4096
-    chunks[0, native.C_NCOPIES] = 1
+    chunks, sources, files, blob, _ = one_chunk_tables(str(tmp_path) + "/", chunk, "C", 1)
     copies = np.array([[3, 5, 4, 97]], np.int64)
     batch = torch.full((5, 104), -7, dtype=TORCH[out])
     engine = native.Engine(1, 1 << 20)
