@@ -328,3 +328,96 @@ def test_the_generations_remembered_are_bounded(monkeypatch):
     assert not buffer._observe(id(store), "c/99", "g1")
     buffer.seen(store, [f"d/{i}" for i in range(100)], ["g1"] * 100)
     assert len(buffer._generations) <= 8 and len(buffer._changed) <= 8
+
+
+def _requests_of(http, paths) -> int:
+    return sum(1 for x in list(http.paths) if x in paths)
+
+
+def test_a_chunk_asked_for_a_queued_batch_is_shared_by_later_batches(http):
+    # Every batch reads the same four chunk files (two a batch, alternating): with sharing, a later batch
+    # queued behind one that asked a chunk gets it from that request (the server's log counts the requests),
+    # and every batch equals zarr-python's.
+    http.latency_s = 0.05
+    cfg = _config({http.url + "/": FAST}, batch_size=2)
+    n_batches = 24
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(f"{http.url}/plain", _chunk_box(n % 4)) for n in range(2 * n_batches)])
+        chunks = {_chunk_path(n) for n in range(4)}
+        assert _until(lambda: _counters(p).shared >= 8), _counters(p)
+        want = _oracle(http.root, "plain")
+        for k in range(n_batches):
+            got = _pop(p)
+            assert np.array_equal(got[0], _crop(want, _chunk_box((2 * k) % 4))), k
+            assert np.array_equal(got[1], _crop(want, _chunk_box((2 * k + 1) % 4))), k
+        # 48 reads of 4 chunk files; without sharing each batch but the first two's prefetch asks its own
+        asked = _requests_of(http, chunks)
+        assert asked <= 2 * n_batches // 3, (asked, _counters(p))
+        assert _counters(p).used >= _counters(p).shared > 0
+
+
+def test_a_range_asked_before_a_push_serves_no_batch_of_it(http):
+    # The freshness rule, on the buffer: an entry asked when one push had been made is shared by a later batch
+    # of that push, not by a batch of a second push (which asks nothing: its batch reads itself), and once a
+    # batch of the second push is submitted (fresh_from) it is served to no read.
+    http.latency_s = 0.05
+    store = ObjectStore(http.url, **FAST)
+    try:
+        kv = PrefetchStore(store, PrefetchBuffer(1 << 20, 8))
+        key = _chunk_path(0).lstrip("/")
+        r = ByteRange(key, 0, 16)
+        assert kv.ask([], [], [r], seq=1, pushed=1, mark=1).started == 1
+        assert kv.ask([], [], [r], seq=2, pushed=1, mark=1).shared == 1  # same push: one request, two uses
+        late = kv.ask([], [], [r], seq=3, pushed=2, mark=2)  # a batch of a later push: neither
+        assert (late.started, late.shared) == (0, 0) and kv.buffer.counters.skipped == 1
+        assert _until(lambda: kv.buffer.counters.requests_in_flight == 0)
+        assert http.paths.count("/" + key) == 1
+        want = open(os.path.join(http.root, key), "rb").read()[:16]
+        assert bytes(kv.get_many([], [r])[1][0]) == want and kv.buffer.counters.used == 1  # batch 1's use
+        kv.buffer.fresh_from(2)  # a batch of the second push is submitted: the entry serves nobody now
+        assert bytes(kv.get_many([], [r])[1][0]) == want
+        assert kv.buffer.counters.used == 1 and http.paths.count("/" + key) == 2  # read from the store
+    finally:
+        store.close()
+
+
+def test_planning_ahead_goes_on_while_no_slot_is_free(http):
+    # The consumer pops nothing: both slots stay taken. Each batch's prefetch fills the buffer's requests
+    # (prefetch_requests=2); once they end the coordinator plans the next batch and prefetches it, rather
+    # than waiting in acquire for a slot nobody frees, so batch 8's chunks are asked with nothing popped.
+    http.latency_s = 0.05
+    cfg = _config({http.url + "/": FAST}, batch_size=2, prefetch_requests=2)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(f"{http.url}/plain", _chunk_box(n)) for n in range(40)])
+        later = [_chunk_path(n) for n in (16, 17)]  # batch 8
+        assert _until(lambda: all(x in http.paths for x in later)), (http.paths, _counters(p))
+        assert _counters(p).peak_requests <= 2
+        want = _oracle(http.root, "plain")
+        for k in range(20):
+            got = _pop(p)
+            assert np.array_equal(got[0], _crop(want, _chunk_box(2 * k)))
+            assert np.array_equal(got[1], _crop(want, _chunk_box(2 * k + 1)))
+
+
+def test_a_batch_prefetch_is_asked_in_calls_of_max_in_flight(http):
+    # A store's call has at most max_in_flight requests open; a batch's 16 chunk files asked in one call
+    # take four round trips at max_in_flight=4. Asked in four calls side by side they take about one.
+    store = ObjectStore(http.url, **FAST, max_in_flight=4)
+    try:
+        keys = [_chunk_path(n).lstrip("/") for n in range(16)]
+        store.get_many(keys, [])  # connections opened (no latency yet)
+        http.latency_s = 0.3
+        t0 = time.monotonic()
+        store.get_many(keys, [])
+        one_call = time.monotonic() - t0
+        kv = PrefetchStore(store, PrefetchBuffer(64 << 20, 64))
+        t0 = time.monotonic()
+        assert kv.prefetch(keys, [1 << 16] * 16, [], seq=1) == 16
+        assert _until(lambda: kv.buffer.counters.requests_in_flight == 0)
+        took = time.monotonic() - t0
+        assert one_call >= 4 * http.latency_s and took < one_call * 0.7, (took, one_call)
+        values, _ = kv.get_many(keys, [])
+        assert kv.buffer.counters.used == 16
+        assert all(bytes(v) == open(os.path.join(http.root, k), "rb").read() for k, v in zip(keys, values))
+    finally:
+        store.close()
