@@ -421,3 +421,70 @@ def test_a_batch_prefetch_is_asked_in_calls_of_max_in_flight(http):
         assert all(bytes(v) == open(os.path.join(http.root, k), "rb").read() for k, v in zip(keys, values))
     finally:
         store.close()
+
+
+def test_the_arrays_of_batches_pulled_ahead_are_opened_together(tmp_path):
+    # Every sample reads an array not opened yet (two a batch). Batches of remote arrays are pulled a few at
+    # a time and their arrays opened together: the metadata of batches 1-6 is asked in a few round trips,
+    # where opening them batch by batch takes two each (zarr.json, then again for its CF attributes): 12+.
+    root = str(tmp_path / "many")
+    rng = np.random.default_rng(5)
+    arrays = {}
+    for i in range(16):
+        arr = zarr.create_array(os.path.join(root, f"a{i}"), shape=(32, 32), chunks=(16, 16), dtype="uint16",
+                                compressors=ZstdCodec(level=1), fill_value=0)
+        arr[...] = arrays[i] = rng.integers(0, 5000, size=(32, 32)).astype("uint16")
+    server = RangeServer(root)
+    try:
+        server.latency_s = 0.3
+        cfg = _config({server.url + "/": FAST}, batch_size=2)
+        box = [(4, 20), (8, 24)]
+        with stoker.Pipeline(cfg) as p:
+            t0 = time.monotonic()
+            p.push([stoker.Sample(f"{server.url}/a{i}", box) for i in range(16)])
+            assert _until(lambda: "/a1/zarr.json" in server.paths)  # batch 0 opened
+            t1 = time.monotonic()
+            wanted = [f"/a{i}/zarr.json" for i in range(2, 14)]  # batches 1-6
+            assert _until(lambda: all(w in server.paths for w in wanted), timeout=30.0), server.paths
+            took = time.monotonic() - t1
+            assert took < 9 * server.latency_s, (took, t1 - t0)
+            for k in range(8):
+                got = _pop(p)
+                for j in range(2):
+                    assert np.array_equal(got[j], _crop(arrays[2 * k + j], box))
+    finally:
+        server.latency_s = 0
+        server.stop()
+
+
+def test_the_default_requests_in_flight_do_not_cap_a_distant_store(tmp_path):
+    # At the defaults a store 0.3 s away has more than the old 64 requests open at once (the chunk files of
+    # batches queued ahead, prefetched together), never more than requests_in_flight; the buffer asks at most
+    # prefetch_requests, itself at most three quarters of requests_in_flight.
+    root = str(tmp_path / "wide")
+    arr = zarr.create_array(os.path.join(root, "w"), shape=(16, 1280), chunks=(8, 8), dtype="uint8",
+                            compressors=ZstdCodec(level=1), fill_value=0)
+    arr[...] = want = np.random.default_rng(6).integers(0, 255, size=(16, 1280)).astype("uint8")
+    server = RangeServer(root)
+    try:
+        server.latency_s = 0.3
+        cfg = _config({server.url + "/": FAST}, batch_size=16)
+        assert (cfg.requests_in_flight, cfg.prefetch_requests) == (256, 192)
+        boxes = [[(8 * (n % 2), 8 * (n % 2) + 8), (8 * (n // 2), 8 * (n // 2) + 8)] for n in range(320)]
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(f"{server.url}/w", box) for box in boxes])
+            for k in range(20):
+                got = _pop(p)
+                for row, box in zip(got, boxes[16 * k:16 * k + 16]):
+                    assert np.array_equal(row, _crop(want, box))
+            counters = _counters(p)
+            assert counters.peak_requests <= 192
+        assert 64 < server.peak_in_flight <= 256, (server.peak_in_flight, counters)
+    finally:
+        server.latency_s = 0
+        server.stop()
+    tight = stoker.Pipeline(_config(None, requests_in_flight=8))
+    try:
+        assert tight._coordinator.ahead.buffer.max_requests == 6
+    finally:
+        tight.close()

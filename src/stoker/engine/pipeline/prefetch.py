@@ -43,7 +43,10 @@ class Ahead:
     ``wake`` is called (from any thread, never blocking) when requests of the buffer end."""
 
     def __init__(self, cfg: Config, wake: Callable[[], None] | None = None) -> None:
-        self.buffer = PrefetchBuffer(cfg.prefetch_bytes, cfg.prefetch_requests) if cfg.prefetch_bytes else None
+        # prefetches never take more than three quarters of the pipeline's requests: the batches being made
+        # (what was not prefetched, what failed) keep a quarter of requests_in_flight for their own fetches
+        requests = min(cfg.prefetch_requests, max(1, cfg.requests_in_flight * 3 // 4))
+        self.buffer = PrefetchBuffer(cfg.prefetch_bytes, requests) if cfg.prefetch_bytes else None
         if self.buffer is not None:
             self.buffer.on_room = wake
         self.queue: collections.deque[tuple[TablePlan | None, Any, int]] = collections.deque()
@@ -51,6 +54,7 @@ class Ahead:
         # what the newest batch planned needs started anew (bytes, values and ranges: those it shared with an
         # earlier batch's requests left out), and whether it prefetched anything
         self._last = (0, 0, False)
+        self.remote = False  # the newest batch planned reads arrays in stores that prefetch
 
     def planned(self, plan: TablePlan, entry: Any, waits: bool, pushed: int = 0, mark: int = 0) -> None:
         """Queue a planned batch, and start its prefetch when it ``waits`` for a slot (every slot is taken or
@@ -61,6 +65,7 @@ class Ahead:
         self._last = prefetch_plan(plan, self._seq, pushed, mark) if self.buffer is not None and waits \
             else (0, 0, False)
         self.queue.append((plan, entry, self._seq))
+        self.remote = self.buffer is not None and any(isinstance(r.kv, PrefetchStore) for r in plan.sources)
 
     def failed(self, entry: Any) -> None:
         """Queue an error in a batch's place (no slot, nothing to fetch); no batch is planned past it."""
