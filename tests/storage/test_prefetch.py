@@ -488,3 +488,26 @@ def test_the_default_requests_in_flight_do_not_cap_a_distant_store(tmp_path):
         assert tight._coordinator.ahead.buffer.max_requests == 6
     finally:
         tight.close()
+
+
+def test_prefetched_ranges_a_gap_apart_are_not_merged(http, data):
+    # The store merges ranges of one object less than max_gap apart into one read (gap included). Prefetched
+    # ranges of one object a gap apart go in separate calls, so each is read alone (the gap's bytes, the
+    # chunks of other batches, are not read and thrown away); ranges that touch are read as one.
+    store = ObjectStore(http.url, **FAST)
+    try:
+        kv = PrefetchStore(store, PrefetchBuffer(1 << 20, 16))
+        shard = "sharded/c/0/0"
+        size = os.path.getsize(os.path.join(data, shard))
+        apart = [ByteRange(shard, 0, 64), ByteRange(shard, size // 2, 64)]
+        touching = [ByteRange(shard, 200, 50), ByteRange(shard, 250, 50)]
+        before = http.paths.count("/" + shard)
+        assert kv.prefetch([], [], apart + touching, seq=1) == 4
+        assert _until(lambda: kv.buffer.counters.requests_in_flight == 0)
+        assert http.paths.count("/" + shard) - before == 3  # two apart, one for the two that touch
+        _, parts = kv.get_many([], apart + touching)
+        whole = open(os.path.join(data, shard), "rb").read()
+        assert [bytes(x) for x in parts] == [whole[r.start:r.start + r.length] for r in apart + touching]
+        assert kv.buffer.counters.used == 4
+    finally:
+        store.close()

@@ -14,8 +14,15 @@ Bounds. The buffer holds at most ``max_bytes``: a request is started only when i
 length; a whole value's most its codec stores, the estimate the caller gives), counted from start to
 :meth:`PrefetchBuffer.retire` (or :meth:`~PrefetchBuffer.close`), and at most ``max_requests`` values and
 ranges are asked at once (those that do not fit are not prefetched: the batch fetches them itself).
-:attr:`PrefetchBuffer.counters` says what is held, and the peaks. (Ranges the store merges across a small
-gap share one buffer: the gap's bytes, at most the store's ``max_gap`` a merge, are not counted.)
+:attr:`PrefetchBuffer.counters` says what is held, and the peaks. A batch's asks go out in calls of the
+store's ``max_in_flight`` requests, side by side, and ranges of one object a gap apart in different calls,
+so the store never reads a gap's bytes for them (:func:`_calls`).
+
+Sharing. A value or range asked for a queued batch that a later queued batch also needs is asked once:
+the later batch is one more use of it, when it was asked after every push of the later batch's samples
+(``pushed`` and ``mark`` count pushes). And once a batch is submitted (:meth:`PrefetchBuffer.fresh_from`)
+nothing asked before its pushes is served to any read. So no batch gets bytes read before its samples
+were pushed: a batch pushed after an object was rewritten reads the new one, as without prefetch.
 
 Generations. A prefetched value or range is served with the generation it was read at, so a reader's
 checks (a shard index against its inner chunks' ranges) see exactly what a fetch at that moment would have
@@ -322,22 +329,33 @@ class PrefetchBuffer:
 
 
 def _calls(asked: list, per_call: int) -> list[list]:
-    """``asked`` cut into calls of about ``per_call`` objects (a store's ``max_in_flight``: the most requests
-    one call has open at once, so one call of a batch's 64 values would take four round trips where four
-    calls side by side take one; the pipeline's ``requests_in_flight`` still caps them together). The
-    ranges of one object stay in one call, where the store merges those a small gap apart."""
-    by_key: dict[str, list] = {}
-    for a in asked:
-        by_key.setdefault(a[0][1], []).append(a)
-    calls: list[list] = [[]]
-    objects = 0
-    for group in by_key.values():
-        if objects >= max(1, per_call):
-            calls.append([])
-            objects = 0
-        calls[-1].extend(group)
-        objects += 1
-    return calls if calls[0] else []
+    """``asked`` cut into calls of at most ``per_call`` requests (a store's ``max_in_flight``: the most one
+    call has open at once, so one call of a batch's 64 values would take four round trips where four calls
+    side by side take one; the pipeline's ``requests_in_flight`` still caps them together). Ranges of one
+    object that touch stay in one call (the store reads them as one); ranges of one object a gap apart go to
+    different calls, so the store never merges them across the gap: its bytes would be read and thrown away
+    (a later batch asks those chunks by their own ranges), and with requests side by side a merge saves no
+    round trip. Whole values are one request each."""
+    runs: list[tuple[str, list]] = []  # (key, asked entries read as one request)
+    ends: dict[str, int] = {}
+    for a in sorted(asked, key=lambda a: (a[0][1], -1 if a[0][2] is None else a[0][2])):
+        key, start, length = a[0][1], a[0][2], a[0][3]
+        if start is not None and runs and runs[-1][0] == key and ends.get(key, -1) >= start >= 0:
+            runs[-1][1].append(a)
+            ends[key] = max(ends[key], start + length)
+            continue
+        runs.append((key, [a]))
+        ends[key] = -1 if start is None or start < 0 else start + length
+    calls: list[tuple[set, list]] = []  # (keys in the call, its entries)
+    for key, group in runs:
+        # the first call with room and no other run of this object (else a new one)
+        home = next((c for c in calls if key not in c[0] and len(c[0]) < max(1, per_call)), None)
+        if home is None:
+            home = (set(), [])
+            calls.append(home)
+        home[0].add(key)
+        home[1].extend(group)
+    return [entries for _, entries in calls]
 
 
 def _may_serve(entry: _Entry) -> bool:
