@@ -130,7 +130,8 @@ class Coordinator:
 
     def _wake(self) -> None:
         """Requests of the prefetch buffer ended (on the stores' event loop): a coordinator waiting for room
-        to plan may go on. Never blocks that loop: if the condition is busy, the waiter's timeout wakes it."""
+        to plan may go on. Never blocks that loop, and so takes the condition (rank 2) out of order safely: if
+        it is busy, the waiter's timeout (``_SLOT_POLL_S``) wakes it."""
         if self.cond.acquire(blocking=False):
             try:
                 self.cond.notify_all()
