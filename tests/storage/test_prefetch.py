@@ -276,7 +276,8 @@ def test_close_with_prefetches_in_flight_returns_promptly(http):
     p = stoker.Pipeline(cfg)
     try:
         p.push([stoker.Sample(f"{http.url}/plain", _chunk_box(n)) for n in range(40)])
-        assert _until(lambda: _counters(p).requests_in_flight > 0)
+        # the prefetches of several batches in flight, in several calls (a call per batch here)
+        assert _until(lambda: _counters(p).requests_in_flight >= 8), _counters(p)
     finally:
         t0 = time.monotonic()
         p.close()
@@ -323,3 +324,186 @@ def test_the_generations_remembered_are_bounded(monkeypatch):
     assert not buffer._observe(id(store), "c/99", "g1")
     buffer.seen(store, [f"d/{i}" for i in range(100)], ["g1"] * 100)
     assert len(buffer._generations) <= 8 and len(buffer._changed) <= 8
+
+
+def _requests_of(http, paths) -> int:
+    return sum(1 for x in list(http.paths) if x in paths)
+
+
+def test_a_chunk_asked_for_a_queued_batch_is_shared_by_later_batches(http):
+    # Every batch reads the same four chunk files (two a batch, alternating): with sharing, a later batch
+    # queued behind one that asked a chunk gets it from that request (the server's log counts the requests),
+    # and every batch equals zarr-python's.
+    http.latency_s = 0.05
+    cfg = _config({http.url + "/": FAST}, batch_size=2)
+    n_batches = 24
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(f"{http.url}/plain", _chunk_box(n % 4)) for n in range(2 * n_batches)])
+        chunks = {_chunk_path(n) for n in range(4)}
+        assert _until(lambda: _counters(p).shared >= 8), _counters(p)
+        want = _oracle(http.root, "plain")
+        for k in range(n_batches):
+            got = _pop(p)
+            assert np.array_equal(got[0], _crop(want, _chunk_box((2 * k) % 4))), k
+            assert np.array_equal(got[1], _crop(want, _chunk_box((2 * k + 1) % 4))), k
+        # 48 reads of 4 chunk files; without sharing each batch but the first two's prefetch asks its own
+        asked = _requests_of(http, chunks)
+        assert asked <= 2 * n_batches // 3, (asked, _counters(p))
+        assert _counters(p).used >= _counters(p).shared > 0
+
+
+def test_a_range_asked_before_a_push_serves_no_batch_of_it(http):
+    # The freshness rule, on the buffer: an entry asked when one push had been made is shared by a later batch
+    # of that push, not by a batch of a second push (which asks nothing: its batch reads itself), and once a
+    # batch of the second push is submitted (fresh_from) it is served to no read.
+    http.latency_s = 0.05
+    store = ObjectStore(http.url, **FAST)
+    try:
+        kv = PrefetchStore(store, PrefetchBuffer(1 << 20, 8))
+        key = _chunk_path(0).lstrip("/")
+        r = ByteRange(key, 0, 16)
+        assert kv.ask([], [], [r], seq=1, pushed=1, mark=1).started == 1
+        assert kv.ask([], [], [r], seq=2, pushed=1, mark=1).shared == 1  # same push: one request, two uses
+        late = kv.ask([], [], [r], seq=3, pushed=2, mark=2)  # a batch of a later push: neither
+        assert (late.started, late.shared) == (0, 0) and kv.buffer.counters.skipped == 1
+        assert _until(lambda: kv.buffer.counters.requests_in_flight == 0)
+        assert http.paths.count("/" + key) == 1
+        want = open(os.path.join(http.root, key), "rb").read()[:16]
+        assert bytes(kv.get_many([], [r])[1][0]) == want and kv.buffer.counters.used == 1  # batch 1's use
+        kv.buffer.fresh_from(2)  # a batch of the second push is submitted: the entry serves nobody now
+        assert bytes(kv.get_many([], [r])[1][0]) == want
+        assert kv.buffer.counters.used == 1 and http.paths.count("/" + key) == 2  # read from the store
+    finally:
+        store.close()
+
+
+def test_planning_ahead_goes_on_while_no_slot_is_free(http):
+    # The consumer pops nothing: both slots stay taken. Each batch's prefetch fills the buffer's requests
+    # (prefetch_requests=2); once they end the coordinator plans the next batch and prefetches it, rather
+    # than waiting in acquire for a slot nobody frees, so batch 8's chunks are asked with nothing popped.
+    http.latency_s = 0.05
+    cfg = _config({http.url + "/": FAST}, batch_size=2, prefetch_requests=2)
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(f"{http.url}/plain", _chunk_box(n)) for n in range(40)])
+        later = [_chunk_path(n) for n in (16, 17)]  # batch 8
+        assert _until(lambda: all(x in http.paths for x in later)), (http.paths, _counters(p))
+        assert _counters(p).peak_requests <= 2
+        want = _oracle(http.root, "plain")
+        for k in range(20):
+            got = _pop(p)
+            assert np.array_equal(got[0], _crop(want, _chunk_box(2 * k)))
+            assert np.array_equal(got[1], _crop(want, _chunk_box(2 * k + 1)))
+
+
+def test_a_batch_prefetch_is_asked_in_calls_of_max_in_flight(http):
+    # A store's call has at most max_in_flight requests open; a batch's 16 chunk files asked in one call
+    # take four round trips at max_in_flight=4. Asked in four calls side by side they take about one.
+    store = ObjectStore(http.url, **FAST, max_in_flight=4)
+    try:
+        keys = [_chunk_path(n).lstrip("/") for n in range(16)]
+        store.get_many(keys, [])  # connections opened (no latency yet)
+        http.latency_s = 0.3
+        t0 = time.monotonic()
+        store.get_many(keys, [])
+        one_call = time.monotonic() - t0
+        kv = PrefetchStore(store, PrefetchBuffer(64 << 20, 64))
+        t0 = time.monotonic()
+        assert kv.prefetch(keys, [1 << 16] * 16, [], seq=1) == 16
+        assert _until(lambda: kv.buffer.counters.requests_in_flight == 0)
+        took = time.monotonic() - t0
+        assert one_call >= 4 * http.latency_s and took < one_call * 0.7, (took, one_call)
+        values, _ = kv.get_many(keys, [])
+        assert kv.buffer.counters.used == 16
+        assert all(bytes(v) == open(os.path.join(http.root, k), "rb").read() for k, v in zip(keys, values))
+    finally:
+        store.close()
+
+
+def test_the_arrays_of_batches_pulled_ahead_are_opened_together(tmp_path):
+    # Every sample reads an array not opened yet (two a batch). Batches of remote arrays are pulled a few at
+    # a time and their arrays opened together: the metadata of batches 1-6 is asked in a few round trips,
+    # where opening them batch by batch takes two each (zarr.json, then again for its CF attributes): 12+.
+    root = str(tmp_path / "many")
+    rng = np.random.default_rng(5)
+    arrays = {}
+    for i in range(16):
+        arr = zarr.create_array(os.path.join(root, f"a{i}"), shape=(32, 32), chunks=(16, 16), dtype="uint16",
+                                compressors=ZstdCodec(level=1), fill_value=0)
+        arr[...] = arrays[i] = rng.integers(0, 5000, size=(32, 32)).astype("uint16")
+    server = RangeServer(root)
+    try:
+        server.latency_s = 0.3
+        cfg = _config({server.url + "/": FAST}, batch_size=2)
+        box = [(4, 20), (8, 24)]
+        with stoker.Pipeline(cfg) as p:
+            t0 = time.monotonic()
+            p.push([stoker.Sample(f"{server.url}/a{i}", box) for i in range(16)])
+            assert _until(lambda: "/a1/zarr.json" in server.paths)  # batch 0 opened
+            t1 = time.monotonic()
+            wanted = [f"/a{i}/zarr.json" for i in range(2, 14)]  # batches 1-6
+            assert _until(lambda: all(w in server.paths for w in wanted), timeout=30.0), server.paths
+            took = time.monotonic() - t1
+            assert took < 10 * server.latency_s, (took, t1 - t0)
+            for k in range(8):
+                got = _pop(p)
+                for j in range(2):
+                    assert np.array_equal(got[j], _crop(arrays[2 * k + j], box))
+    finally:
+        server.latency_s = 0
+        server.stop()
+
+
+def test_the_default_requests_in_flight_do_not_cap_a_distant_store(tmp_path):
+    # At the defaults a store 0.3 s away has more than the old 64 requests open at once (the chunk files of
+    # batches queued ahead, prefetched together), never more than requests_in_flight; the buffer asks at most
+    # prefetch_requests, itself at most three quarters of requests_in_flight.
+    root = str(tmp_path / "wide")
+    arr = zarr.create_array(os.path.join(root, "w"), shape=(16, 1280), chunks=(8, 8), dtype="uint8",
+                            compressors=ZstdCodec(level=1), fill_value=0)
+    arr[...] = want = np.random.default_rng(6).integers(0, 255, size=(16, 1280)).astype("uint8")
+    server = RangeServer(root)
+    try:
+        server.latency_s = 0.3
+        cfg = _config({server.url + "/": FAST}, batch_size=16)
+        assert (cfg.requests_in_flight, cfg.prefetch_requests) == (256, 192)
+        boxes = [[(8 * (n % 2), 8 * (n % 2) + 8), (8 * (n // 2), 8 * (n // 2) + 8)] for n in range(320)]
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(f"{server.url}/w", box) for box in boxes])
+            for k in range(20):
+                got = _pop(p)
+                for row, box in zip(got, boxes[16 * k:16 * k + 16]):
+                    assert np.array_equal(row, _crop(want, box))
+            counters = _counters(p)
+            assert counters.peak_requests <= 192
+        assert 64 < server.peak_in_flight <= 256, (server.peak_in_flight, counters)
+    finally:
+        server.latency_s = 0
+        server.stop()
+    tight = stoker.Pipeline(_config(None, requests_in_flight=8))
+    try:
+        assert tight._coordinator.ahead.buffer.max_requests == 6
+    finally:
+        tight.close()
+
+
+def test_prefetched_ranges_a_gap_apart_are_not_merged(http, data):
+    # The store merges ranges of one object less than max_gap apart into one read (gap included). Prefetched
+    # ranges of one object a gap apart go in separate calls, so each is read alone (the gap's bytes, the
+    # chunks of other batches, are not read and thrown away); ranges that touch are read as one.
+    store = ObjectStore(http.url, **FAST)
+    try:
+        kv = PrefetchStore(store, PrefetchBuffer(1 << 20, 16))
+        shard = "sharded/c/0/0"
+        size = os.path.getsize(os.path.join(data, shard))
+        apart = [ByteRange(shard, 0, 64), ByteRange(shard, size // 2, 64)]
+        touching = [ByteRange(shard, 200, 50), ByteRange(shard, 250, 50)]
+        before = http.paths.count("/" + shard)
+        assert kv.prefetch([], [], apart + touching, seq=1) == 4
+        assert _until(lambda: kv.buffer.counters.requests_in_flight == 0)
+        assert http.paths.count("/" + shard) - before == 3  # two apart, one for the two that touch
+        _, parts = kv.get_many([], apart + touching)
+        whole = open(os.path.join(data, shard), "rb").read()
+        assert [bytes(x) for x in parts] == [whole[r.start:r.start + r.length] for r in apart + touching]
+        assert kv.buffer.counters.used == 4
+    finally:
+        store.close()

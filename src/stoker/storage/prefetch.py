@@ -14,8 +14,15 @@ Bounds. The buffer holds at most ``max_bytes``: a request is started only when i
 length; a whole value's most its codec stores, the estimate the caller gives), counted from start to
 :meth:`PrefetchBuffer.retire` (or :meth:`~PrefetchBuffer.close`), and at most ``max_requests`` values and
 ranges are asked at once (those that do not fit are not prefetched: the batch fetches them itself).
-:attr:`PrefetchBuffer.counters` says what is held, and the peaks. (Ranges the store merges across a small
-gap share one buffer: the gap's bytes, at most the store's ``max_gap`` a merge, are not counted.)
+:attr:`PrefetchBuffer.counters` says what is held, and the peaks. A batch's asks go out in calls of the
+store's ``max_in_flight`` requests, side by side, and ranges of one object a gap apart in different calls,
+so the store never reads a gap's bytes for them (:func:`_calls`).
+
+Sharing. A value or range asked for a queued batch that a later queued batch also needs is asked once:
+the later batch is one more use of it, when it was asked after every push of the later batch's samples
+(``pushed`` and ``mark`` count pushes). And once a batch is submitted (:meth:`PrefetchBuffer.fresh_from`)
+nothing asked before its pushes is served to any read. So no batch gets bytes read before its samples
+were pushed: a batch pushed after an object was rewritten reads the new one, as without prefetch.
 
 Generations. A prefetched value or range is served with the generation it was read at, so a reader's
 checks (a shard index against its inner chunks' ranges) see exactly what a fetch at that moment would have
@@ -46,7 +53,8 @@ WAIT_S = 60.0
 class PrefetchCounters:
     """What a :class:`PrefetchBuffer` holds and did: bytes held (asked or arrived, never above its
     ``max_bytes``) and their peak, requests in flight and their peak, values and ranges started, served to a
-    batch (``used``, once per batch that read one), failed, and not started for want of room (``skipped``)."""
+    batch (``used``, once per batch that read one), asked again by a later batch and shared with it
+    (``shared``), failed, and not started (``skipped``: no room, or asked before the batch's push)."""
 
     held_bytes: int = 0
     peak_bytes: int = 0
@@ -54,19 +62,31 @@ class PrefetchCounters:
     peak_requests: int = 0
     started: int = 0
     used: int = 0
+    shared: int = 0
     failed: int = 0
     skipped: int = 0
 
 
+@dataclass(frozen=True)
+class Asked:
+    """What :meth:`PrefetchBuffer.ask` did: values and ranges ``started``, and those ``shared`` with an
+    earlier batch's request (``shared_bytes`` of them)."""
+
+    started: int
+    shared: int
+    shared_bytes: int
+
+
 class _Entry:
     """One value or range asked ahead: its bytes counted (``nbytes``), the newest batch that wants it
-    (``seq``), the reads it may still serve (``uses``: one), and its outcome (``future``:
-    ``(data, generation)``, or None when it failed)."""
+    (``seq``), the reads it may still serve (``uses``: one per batch that asked), the pushes made before it
+    was asked (``mark``: it serves only batches of those), and its outcome (``future``: ``(data,
+    generation)``, or None when it failed)."""
 
-    __slots__ = ("nbytes", "seq", "uses", "future", "read")
+    __slots__ = ("nbytes", "seq", "uses", "mark", "future", "read")
 
-    def __init__(self, nbytes: int, seq: int) -> None:
-        self.nbytes, self.seq, self.uses = nbytes, seq, 1
+    def __init__(self, nbytes: int, seq: int, mark: int) -> None:
+        self.nbytes, self.seq, self.uses, self.mark = nbytes, seq, 1, mark
         self.read = False  # taken by its last reader while in flight: delivered to it, no longer held here
         self.future: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -77,11 +97,12 @@ class _Entry:
 class PrefetchBuffer:
     """The values and ranges fetched ahead for one pipeline, from any of its stores; thread-safe.
 
-    ``max_bytes`` (>= 1) and ``max_requests`` (>= 1) bound it (see the module docstring). An entry serves one
-    read, then leaves; a value or range already asked for an earlier batch is not asked again for a later
-    one, which reads it itself when its turn comes, so it sees the value as it is then (a rewritten object's
-    new generation), as without prefetch. What no read took leaves when :meth:`retire` says its batches are
-    made."""
+    ``max_bytes`` (>= 1) and ``max_requests`` (>= 1) bound it (see the module docstring). An entry serves
+    one read per batch that asked for it, then leaves: a value or range already asked for an earlier batch
+    is shared by a later one (no second request, the same bytes and generation) when it was asked after
+    every push of the later batch's samples, so no batch gets bytes read before its samples were pushed;
+    otherwise the later batch reads it itself when its turn comes. What no read took leaves when
+    :meth:`retire` says its batches are made."""
 
     def __init__(self, max_bytes: int, max_requests: int) -> None:
         if max_bytes < 1 or max_requests < 1:
@@ -98,6 +119,10 @@ class PrefetchBuffer:
         self._changed: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+        # the pushes of the newest batch submitted (fresh_from): entries asked before them serve nobody, as
+        # any batch fetching now may be of those pushes
+        self._fresh = 0
+        self.on_room: Callable[[], None] | None = None  # told when requests end (the coordinator may plan)
 
     def room(self, nbytes: int = 1, requests: int = 1) -> bool:
         """Whether ``nbytes`` and ``requests`` more would fit now."""
@@ -107,15 +132,24 @@ class PrefetchBuffer:
                 c.requests_in_flight + requests <= self.max_requests
 
     def start(self, store: Any, keys: Sequence[str], estimates: Sequence[int], requests: Sequence[ByteRange],
-              seq: int) -> int:
+              seq: int, pushed: int = 0, mark: int = 0) -> int:
+        """How many of these were started: see :meth:`ask`."""
+        return self.ask(store, keys, estimates, requests, seq, pushed, mark).started
+
+    def ask(self, store: Any, keys: Sequence[str], estimates: Sequence[int], requests: Sequence[ByteRange],
+            seq: int, pushed: int = 0, mark: int = 0) -> "Asked":
         """Start fetching, through ``store``'s ``start_get_many``, the whole values of ``keys`` (each at most
-        ``estimates[i]`` bytes) and the ``requests``, for the batch numbered ``seq``, as far as they fit; those
-        asked already are only marked wanted by ``seq``. Returns how many were started (never waits)."""
+        ``estimates[i]`` bytes) and the ``requests``, for the batch numbered ``seq`` (``pushed``: the pushes
+        its samples came in, counted; ``mark``: the pushes made so far, at most what the store will see), as
+        far as they fit. One asked already for an earlier batch, with a ``mark`` of at least ``pushed``
+        (asked once this batch's samples were pushed), is shared: this batch is one more use of it. Returns
+        what was started and shared (never waits)."""
         sid = id(store)
         asked: list[tuple[tuple, Any, _Entry]] = []
+        shared = shared_bytes = 0
         with self._lock:
             if self._closed:
-                return 0
+                return Asked(0, 0, 0)
             c = self.counters
             held, n = c.held_bytes, c.requests_in_flight
             wanted = [((sid, k, None, None), k, int(e)) for k, e in zip(keys, estimates)] + \
@@ -124,19 +158,31 @@ class PrefetchBuffer:
                 entry = self._entries.get(ident)
                 if ident[:2] in self._changed:
                     c.skipped += 1
-                elif entry is not None:  # asked by an earlier batch: not shared (its bytes were read before this
-                    c.skipped += 1  # batch was planned, maybe before a rewrite it must see), fetched by its batch
+                elif entry is not None:
+                    if entry.mark >= pushed and entry.seq < seq and _may_serve(entry):  # same bytes, one request
+                        entry.uses += 1
+                        entry.seq = seq
+                        c.shared += 1
+                        shared, shared_bytes = shared + 1, shared_bytes + nbytes
+                    else:  # asked before this batch's samples were pushed (maybe before a rewrite it must
+                        c.skipped += 1  # see), or failed: fetched by its batch at its turn
                 elif held + nbytes > self.max_bytes or n + 1 > self.max_requests:
                     c.skipped += 1
                 else:
-                    entry = self._entries[ident] = _Entry(nbytes, seq)
+                    entry = self._entries[ident] = _Entry(nbytes, seq, mark)
                     asked.append((ident, what, entry))
                     held, n = held + nbytes, n + 1
             if not asked:
-                return 0
+                return Asked(0, shared, shared_bytes)
             c.held_bytes, c.requests_in_flight = held, n
             c.peak_bytes, c.peak_requests = max(c.peak_bytes, held), max(c.peak_requests, n)
             c.started += len(asked)
+        for group in _calls(asked, getattr(store, "max_in_flight", len(asked))):
+            self._call(store, group)
+        return Asked(len(asked), shared, shared_bytes)
+
+    def _call(self, store: Any, asked: list) -> None:
+        """One ``start_get_many`` for ``asked`` (entries counted in flight already)."""
         whole = [a for a in asked if a[0][2] is None]
         ranged = [a for a in asked if a[0][2] is not None]
         try:
@@ -144,9 +190,8 @@ class PrefetchBuffer:
                                           lenient=range(len(ranged)))
         except Exception:  # noqa: BLE001 - the store refused at once (closed...): the batches fetch themselves
             self._arrived(store, whole + ranged, None)
-            return 0
+            return
         future.add_done_callback(lambda f: self._arrived(store, whole + ranged, f))
-        return len(asked)
 
     def _arrived(self, store: Any, asked: list, future: Any) -> None:
         """Keep what a prefetch brought (each with its generation); drop what failed or would not fit. Every
@@ -162,6 +207,7 @@ class PrefetchBuffer:
         with self._lock:
             c = self.counters
             c.requests_in_flight -= len(asked)
+            on_room = None if self._closed else self.on_room
             for (ident, _, entry), outcome in zip(asked, got):
                 data = None if outcome is None else outcome[0]
                 ok = data is not None and not isinstance(data, BaseException)
@@ -180,6 +226,8 @@ class PrefetchBuffer:
                     results.append((entry, (data, outcome[1])))
         for entry, result in results:
             entry.future.set_result(result)
+        if on_room is not None:
+            on_room()
 
     def seen(self, store: Any, keys: Sequence[str], generations: Sequence[Any]) -> None:
         """Note the generations a read through ``store`` stated for ``keys`` (see :meth:`_observe`)."""
@@ -223,20 +271,21 @@ class PrefetchBuffer:
         with self._lock:
             if self._closed or not self._entries:
                 return values, parts
+            fresh = self._fresh
             taken: dict[tuple, _Entry] = {}  # one use each per call, however many of its ranges it serves
             for i, key in enumerate(keys):
                 ident = (sid, key, None, None)
                 if ident[:2] in self._changed:
                     continue
                 entry = taken.get(ident) or self._entries.get(ident)
-                if entry is not None and _usable(entry, wait):
+                if entry is not None and entry.mark >= fresh and _usable(entry, wait):
                     values[i] = taken[ident] = entry
             for j, r in enumerate(requests):
                 if (sid, r.key) in self._changed:
                     continue
                 for ident, cut in (((sid, r.key, r.start, r.length), _whole), ((sid, r.key, None, None), _cutter(r))):
                     entry = taken.get(ident) or self._entries.get(ident)
-                    if entry is not None and _usable(entry, wait):
+                    if entry is not None and entry.mark >= fresh and _usable(entry, wait):
                         parts[j] = (entry, cut)
                         taken[ident] = entry
                         break
@@ -247,6 +296,13 @@ class PrefetchBuffer:
                     del self._entries[ident]
                     self.counters.held_bytes -= entry.nbytes
         return values, parts
+
+    def fresh_from(self, pushed: int) -> None:
+        """A batch of the first ``pushed`` pushes is being submitted: from now on no entry asked before those
+        pushes is served (any batch fetching may be of them, and must see what was stored when they were
+        made). Called before the batch's fetches start; the mark only grows."""
+        with self._lock:
+            self._fresh = max(self._fresh, pushed)
 
     def used(self, n: int) -> None:
         with self._lock:
@@ -270,6 +326,41 @@ class PrefetchBuffer:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _calls(asked: list, per_call: int) -> list[list]:
+    """``asked`` cut into calls of at most ``per_call`` requests (a store's ``max_in_flight``: the most one
+    call has open at once, so one call of a batch's 64 values would take four round trips where four calls
+    side by side take one; the pipeline's ``requests_in_flight`` still caps them together). Ranges of one
+    object that touch stay in one call (the store reads them as one); ranges of one object a gap apart go to
+    different calls, so the store never merges them across the gap: its bytes would be read and thrown away
+    (a later batch asks those chunks by their own ranges), and with requests side by side a merge saves no
+    round trip. Whole values are one request each."""
+    runs: list[tuple[str, list]] = []  # (key, asked entries read as one request)
+    ends: dict[str, int] = {}
+    for a in sorted(asked, key=lambda a: (a[0][1], -1 if a[0][2] is None else a[0][2])):
+        key, start, length = a[0][1], a[0][2], a[0][3]
+        if start is not None and runs and runs[-1][0] == key and ends.get(key, -1) >= start >= 0:
+            runs[-1][1].append(a)
+            ends[key] = max(ends[key], start + length)
+            continue
+        runs.append((key, [a]))
+        ends[key] = -1 if start is None or start < 0 else start + length
+    calls: list[tuple[set, list]] = []  # (keys in the call, its entries)
+    for key, group in runs:
+        # the first call with room and no other run of this object (else a new one)
+        home = next((c for c in calls if key not in c[0] and len(c[0]) < max(1, per_call)), None)
+        if home is None:
+            home = (set(), [])
+            calls.append(home)
+        home[0].add(key)
+        home[1].extend(group)
+    return [entries for _, entries in calls]
+
+
+def _may_serve(entry: _Entry) -> bool:
+    """Whether ``entry`` may still serve a read: in flight, or arrived with its bytes."""
+    return not entry.future.done() or entry.future.result() is not None
 
 
 def _usable(entry: _Entry, wait: bool) -> bool:
@@ -314,11 +405,18 @@ class PrefetchStore:
         return _unwrapped, (self.store,)
 
     def prefetch(self, keys: Sequence[str], estimates: Sequence[int], requests: Sequence[ByteRange],
-                 seq: int) -> int:
+                 seq: int, pushed: int = 0, mark: int = 0) -> int:
         """Start fetching these ahead for the batch numbered ``seq`` (see :meth:`PrefetchBuffer.start`)."""
         for key in keys:
             check_key(key)
-        return self.buffer.start(self.store, keys, estimates, requests, seq)
+        return self.buffer.start(self.store, keys, estimates, requests, seq, pushed, mark)
+
+    def ask(self, keys: Sequence[str], estimates: Sequence[int], requests: Sequence[ByteRange], seq: int,
+            pushed: int = 0, mark: int = 0) -> Asked:
+        """As :meth:`prefetch`, saying what was started and what shared (:meth:`PrefetchBuffer.ask`)."""
+        for key in keys:
+            check_key(key)
+        return self.buffer.ask(self.store, keys, estimates, requests, seq, pushed, mark)
 
     def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
                        lenient: Collection[int] = ()) -> concurrent.futures.Future:
@@ -494,4 +592,4 @@ def _unwrapped(store: Any) -> Any:
     return store
 
 
-__all__ = ["PrefetchBuffer", "PrefetchCounters", "PrefetchStore", "WAIT_S"]
+__all__ = ["Asked", "PrefetchBuffer", "PrefetchCounters", "PrefetchStore", "WAIT_S"]

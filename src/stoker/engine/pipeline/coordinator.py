@@ -45,6 +45,8 @@ from ..stats import StatsRecorder
 _MAX_OPEN_ARRAYS = 16384
 _OPEN_AT_ONCE = 16  # remote arrays of one batch opened together (threads waiting on their metadata)
 _CONFIG = object()  # _batch_dtype's default: the Config's output dtype
+_PULL_AHEAD = 4  # batches of remote arrays pulled at once: their arrays not open yet are opened together
+_SLOT_POLL_S = 0.01  # how often a coordinator waiting for prefetch room or a slot looks for a free slot
 
 
 class Entry:
@@ -121,9 +123,24 @@ class Coordinator:
         self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
         self._dtypes: dict = {}  # the batch dtype of each source dtype (numpy's), as batch_dtype settles it
         # batches planned, waiting for a slot, their remote chunks prefetched meanwhile (see .prefetch)
-        self.ahead = Ahead(cfg)
+        self.ahead = Ahead(cfg, self._wake)
+        self._pulled: collections.deque[tuple[list[Staged], BaseException | None]] = collections.deque()
         # remote stores of this pipeline's arrays, closed with it; their requests capped together
         self.stores = Stores(cfg.requests_in_flight, cache=cfg.cache, prefetch=self.ahead.buffer)
+
+    def _wake(self) -> None:
+        """Requests of the prefetch buffer ended (on the stores' event loop): a coordinator waiting for room
+        to plan may go on. Never blocks that loop, and so takes the condition (rank 2) out of order safely: if
+        it is busy, the waiter's timeout (``_SLOT_POLL_S``) wakes it."""
+        if self.cond.acquire(blocking=False):
+            try:
+                self.cond.notify_all()
+            finally:
+                self.cond.release()
+
+    def _slot_free(self) -> bool:
+        """Whether a batch slot is free now (none is while every one is in flight or held by the consumer)."""
+        return self.executor.held() < self.executor.n_slots
 
     def open(self, uri: str) -> ArrayReader:
         """The array at ``uri``, opened once per pipeline (metadata and shard indexes cached)."""
@@ -243,24 +260,57 @@ class Coordinator:
                 return False
             # batches planned ahead (see .prefetch): plan one more while the prefetch buffer has room,
             # else submit the oldest (waiting for its slot)
-            submit = bool(self.ahead.queue) and not (self.intake.has_work() and self.ahead.more())
-            if not submit and (not self.intake.has_work() or
+            work = self.intake.has_work() or bool(self._pulled)
+            submit = bool(self.ahead.queue) and not (work and self.ahead.more())
+            if submit and work and self.ahead.blocked() and not self._slot_free():
+                # planning ahead waits for room in the buffer, the oldest batch for a slot: wait for
+                # whichever comes first (a request's end wakes us, a slot's release is polled), rather
+                # than in acquire, where planning could not go on when room comes first
+                gil.wait(self.cond, _SLOT_POLL_S)
+                return not self.closed
+            if not submit and (not work or
                                (not self.ahead.queue and len(self.inflight) > self.cfg.lookahead_batches + 1)):
                 gil.wait(self.cond, 0.1)
                 return not self.closed
         if submit:
             self._submit(*self.ahead.queue.popleft())
         else:
-            staged, error = self.intake.pull(lambda: self.closed)
+            staged, error = self._next_pull()
             if staged:
                 self._launch(staged)
             if error is not None:
                 self.ahead.failed(Entry(next(self._batch_ids), 0, error=error))
                 self.intake.drop_sources()
         with self.cond:
-            self.intake.launched(still_waiting=bool(self.ahead.queue))
+            self.intake.launched(still_waiting=bool(self.ahead.queue) or bool(self._pulled))
             self.cond.notify_all()
         return True
+
+    def _next_pull(self) -> tuple[list[Staged], BaseException | None]:
+        """The next batch's samples, or a source's error (:meth:`Intake.pull`). While batches read remote
+        arrays with prefetch on, up to ``_PULL_AHEAD`` batches are pulled at once (stopping at an error or
+        when the sources run dry) and their remote arrays not open yet opened together, so a stream of
+        batches over arrays seen for the first time pays one metadata round trip per few batches, not per
+        batch. An array that failed to open is left to its batch's launch, which opens it again and raises
+        the error in its place."""
+        if not self._pulled:
+            n = _PULL_AHEAD if self.ahead.remote else 1
+            while len(self._pulled) < n:
+                staged, error = self.intake.pull(lambda: self.closed)
+                if staged or error is not None:
+                    self._pulled.append((staged, error))
+                if error is not None or not staged:
+                    break
+                with self.cond:
+                    if not self.intake.has_work():
+                        break
+            if len(self._pulled) > 1:
+                try:
+                    self._open_all(list({u: None for staged, _ in self._pulled for s, _, _ in staged
+                                         for u in s.uris}))
+                except Exception:  # noqa: BLE001 - raised at the launch of the batch that reads it
+                    pass
+        return self._pulled.popleft() if self._pulled else ([], None)
 
     def _launch(self, staged: list[Staged]) -> None:
         samples = [s for s, _, _ in staged]
@@ -297,13 +347,16 @@ class Coordinator:
         self.stats.stage("plan", time.perf_counter() - t0)
         entry = Entry(batch_id, plan.rows)
         entry.source_ids = source_ids
-        self.ahead.planned(plan, entry, waits=len(self.inflight) + len(self.ahead.queue) >= self.executor.n_slots)
+        # its samples' pushes, and the pushes so far: the freshness marks of what it prefetches and shares
+        self.ahead.planned(plan, entry, waits=len(self.inflight) + len(self.ahead.queue) >= self.executor.n_slots,
+                           pushed=max(source_ids) + 1, mark=self.intake.pushes)
 
     def _submit(self, plan, entry: Entry, seq: int) -> None:
         """Put the oldest batch planned in flight: wait for a slot and submit it (an error: in its place)."""
         if plan is not None:
             entry.target = self.executor.acquire(plan, lambda: self.closed)
             self.ahead.submitted(seq, self.executor.n_slots)
+            self.ahead.fresh(max(entry.source_ids) + 1)  # before its fetches start
             entry.job = self.executor.submit(plan, entry.target)
         with self.cond:
             self.inflight.append(entry)
@@ -370,6 +423,7 @@ class Coordinator:
             for part in held:
                 part.executor.drop(part.target)
             raise
+        self.ahead.fresh(max(source_ids) + 1)  # nothing prefetched before its samples' pushes serves it
         for part, plan in zip(held, plans):
             part.job = part.executor.submit(plan, part.target)
         entry.parts = held

@@ -55,6 +55,7 @@ class Intake:
         self.staged: list[tuple[Sample, int, tuple[int, int]]] = []
         self._plain = 0  # samples of plain (not resumable) pushes pulled so far: the index of their keys
         self._source_ids = itertools.count()
+        self.pushes = 0  # pushes so far (each a source id): what prefetch's freshness marks count
         self._resumable: dict[int, Any] = {}  # source id -> iterator that can report state_after(n)
         self.received = Received()  # replaced whole by popped(): see Pipeline._hand_over
         self.flush = False  # launch a short batch of what is staged (drop_last=False, sources drained)
@@ -73,7 +74,7 @@ class Intake:
         it = iter(samples)
         if hasattr(it, "state_after"):  # a resumable source (RankShare): pulled lazily, position tracked
             with self.cond:
-                sid = next(self._source_ids)
+                sid = self._new_source()
                 self._resumable[sid] = it
                 self.sources.append((it, False, sid))
                 self.cond.notify_all()
@@ -91,13 +92,19 @@ class Intake:
                         validate(s, self.shape, self.first)
                 self.shape = self.shape or shape
                 self.first = self.first or first
-                self.sources.append((iter(items), True, next(self._source_ids)))
+                self.sources.append((iter(items), True, self._new_source()))
                 self._counted += len(items)
                 self.cond.notify_all()
         else:
             with self.cond:
-                self.sources.append((it, False, next(self._source_ids)))
+                self.sources.append((it, False, self._new_source()))
                 self.cond.notify_all()
+
+    def _new_source(self) -> int:
+        """Under the condition: a new push's source id (``pushes`` then counts it)."""
+        sid = next(self._source_ids)
+        self.pushes = sid + 1
+        return sid
 
     def has_work(self) -> bool:
         """Under the condition: whether a pull may give a batch."""

@@ -5,13 +5,16 @@ fetched. :class:`Ahead` holds the batches planned and not yet submitted, in orde
 (:class:`~stoker.storage.prefetch.PrefetchBuffer`, ``Config.prefetch_bytes`` and ``prefetch_requests``)
 has room for another batch like the last, the coordinator plans one more (its shard indexes read by the
 planning) and starts the fetch of its remote chunks and ranges into the buffer (:func:`prefetch_plan`);
-otherwise it submits the oldest, waiting for its slot. A batch's fetch then finds its bytes in the buffer, or
-in flight there. A batch's entries are dropped from the buffer once the slot it was made in is taken again
-(the consumer released it: the batch is made). Arrays in local files never prefetch (the page cache is
-theirs), so a pipeline of local arrays plans one batch ahead, as without it.
+a chunk or range an earlier queued batch asked for after this batch's samples were pushed is shared (one
+request, served to each in turn). Otherwise it submits the oldest, waiting for its slot; while no slot is
+free and only the buffer's room stops planning, it waits for either (:meth:`Ahead.blocked`), so planning
+resumes as requests end. A batch's fetch then finds its bytes in the buffer, or in flight there. A batch's
+entries are dropped from the buffer once the slot it was made in is taken again (the consumer released it:
+the batch is made). Arrays in local files never prefetch (the page cache is theirs), so a pipeline of local
+arrays plans one batch ahead, as without it.
 
 >>> ahead = Ahead(cfg)
->>> ahead.planned(plan, entry, waits=True)   # numbered, its chunks prefetched
+>>> ahead.planned(plan, entry, waits=True, pushed=1, mark=1)   # numbered, its chunks prefetched
 >>> ahead.more()                 # room for another batch like it?
 """
 
@@ -23,6 +26,8 @@ from typing import Any
 import numpy as np
 
 from ...config import Config
+from typing import Callable
+
 from ...storage.prefetch import PrefetchBuffer, PrefetchStore
 from ...storage.store import ByteRange
 from ..planning.tables import TablePlan
@@ -34,35 +39,65 @@ MAX_AHEAD = 32
 class Ahead:
     """The batches planned and waiting for a slot (``queue``: ``(plan or None, entry, number)``, oldest first;
     a batch that could not be planned rides as ``(None, entry, -1)``) and the pipeline's prefetch buffer
-    (``buffer``; None when ``Config.prefetch_bytes`` is 0). Used by the coordinator's thread alone."""
+    (``buffer``; None when ``Config.prefetch_bytes`` is 0). Used by the coordinator's thread alone;
+    ``wake`` is called (from any thread, never blocking) when requests of the buffer end."""
 
-    def __init__(self, cfg: Config) -> None:
-        self.buffer = PrefetchBuffer(cfg.prefetch_bytes, cfg.prefetch_requests) if cfg.prefetch_bytes else None
+    def __init__(self, cfg: Config, wake: Callable[[], None] | None = None) -> None:
+        # prefetches never take more than three quarters of the pipeline's requests: the batches being made
+        # (what was not prefetched, what failed) keep a quarter of requests_in_flight for their own fetches
+        requests = min(cfg.prefetch_requests, max(1, cfg.requests_in_flight * 3 // 4))
+        self.buffer = PrefetchBuffer(cfg.prefetch_bytes, requests) if cfg.prefetch_bytes else None
+        if self.buffer is not None:
+            self.buffer.on_room = wake
         self.queue: collections.deque[tuple[TablePlan | None, Any, int]] = collections.deque()
         self._seq = 0  # planned batches, numbered in order (the order they take slots in)
-        self._last = (0, 0)  # what the newest batch planned started: (bytes, values and ranges)
+        # what the newest batch planned needs started anew (bytes, values and ranges: those it shared with an
+        # earlier batch's requests left out), and whether it prefetched anything
+        self._last = (0, 0, False)
+        self.remote = False  # the newest batch planned reads arrays in stores that prefetch
 
-    def planned(self, plan: TablePlan, entry: Any, waits: bool) -> None:
+    def planned(self, plan: TablePlan, entry: Any, waits: bool, pushed: int = 0, mark: int = 0) -> None:
         """Queue a planned batch, and start its prefetch when it ``waits`` for a slot (every slot is taken or
         spoken for: otherwise it is submitted at once and its own fetches, grouped as the decoder groups
-        them, start now anyway)."""
+        them, start now anyway). ``pushed``: the pushes its samples came in; ``mark``: the pushes so far
+        (see :meth:`PrefetchBuffer.ask`)."""
         self._seq += 1
-        self._last = prefetch_plan(plan, self._seq) if self.buffer is not None and waits else (0, 0)
+        self._last = prefetch_plan(plan, self._seq, pushed, mark) if self.buffer is not None and waits \
+            else (0, 0, False)
         self.queue.append((plan, entry, self._seq))
+        self.remote = self.buffer is not None and any(isinstance(r.kv, PrefetchStore) for r in plan.sources)
 
     def failed(self, entry: Any) -> None:
         """Queue an error in a batch's place (no slot, nothing to fetch); no batch is planned past it."""
-        self._last = (0, 0)
+        self._last = (0, 0, False)
         self.queue.append((None, entry, -1))
+
+    def _may_plan(self) -> bool:
+        return self.buffer is not None and bool(self.queue) and len(self.queue) < MAX_AHEAD and self._last[2] \
+            and self.queue[-1][0] is not None
+
+    def _room(self) -> bool:
+        nbytes, n, _ = self._last
+        buffer = self.buffer
+        assert buffer is not None
+        # a batch larger than the buffer's bounds is prefetched in part: room for that part is enough
+        return buffer.room(min(max(nbytes, 1), buffer.max_bytes), min(max(n, 1), buffer.max_requests))
 
     def more(self) -> bool:
         """Whether to plan another batch before submitting the oldest: the newest one prefetched something,
-        and the buffer has room for as much again (or for as much as its bounds allow)."""
-        nbytes, n = self._last
-        buffer = self.buffer
-        # a batch larger than the buffer's bounds is prefetched in part: room for that part is enough
-        return buffer is not None and bool(self.queue) and len(self.queue) < MAX_AHEAD and n > 0 and \
-            buffer.room(min(nbytes, buffer.max_bytes), min(n, buffer.max_requests))
+        and the buffer has room for as much again as it asked anew (or for as much as its bounds allow)."""
+        return self._may_plan() and self._room()
+
+    def blocked(self) -> bool:
+        """Whether only the buffer's room keeps another batch from being planned (requests still in flight
+        end soon, and free it)."""
+        return self._may_plan() and not self._room()
+
+    def fresh(self, pushed: int) -> None:
+        """A batch of the first ``pushed`` pushes is about to fetch: nothing asked before them serves it
+        (:meth:`PrefetchBuffer.fresh_from`)."""
+        if self.buffer is not None:
+            self.buffer.fresh_from(pushed)
 
     def submitted(self, seq: int, n_slots: int) -> None:
         """Batch ``seq`` took a slot: the batch that last held it, ``n_slots`` before, is made, so what only
@@ -76,14 +111,16 @@ class Ahead:
             self.buffer.close()
 
 
-def prefetch_plan(plan: TablePlan, seq: int) -> tuple[int, int]:
+def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> tuple[int, int, bool]:
     """Start fetching the remote chunks of ``plan`` (whole values and inner chunks' ranges of its arrays in
-    stores that prefetch), for batch ``seq``; ``(bytes, values and ranges)`` it needs (those asked already for
-    an earlier batch, or past the bounds, included: they are not asked). A step per chunk of such an array."""
+    stores that prefetch), for batch ``seq`` (``pushed``, ``mark``: see :meth:`PrefetchBuffer.ask`);
+    ``(bytes, values and ranges, any)``: what it needs asked anew (all but those shared with an earlier
+    batch's requests; those past the bounds included: they are not asked), and whether it needs any remote
+    chunk at all. A step per chunk of such an array."""
     stored = np.nonzero(plan.chunk_file >= 0)[0]
     remote = [isinstance(r.kv, PrefetchStore) for r in plan.sources]
     if not len(stored) or not any(remote):
-        return 0, 0
+        return 0, 0, False
     asks: dict[int, tuple[PrefetchStore, dict, dict]] = {}  # per store: {key: estimate}, {(key, off, len): None}
     nbytes = 0
     files, offsets, lengths = plan.chunk_file[stored], plan.chunk_offset[stored], plan.chunk_length[stored]
@@ -103,9 +140,10 @@ def prefetch_plan(plan: TablePlan, seq: int) -> tuple[int, int]:
             nbytes += length
     n = 0
     for kv, keys, ranges in asks.values():
-        kv.prefetch(list(keys), list(keys.values()), [ByteRange(*r) for r in ranges], seq)
-        n += len(keys) + len(ranges)
-    return nbytes, n
+        asked = kv.ask(list(keys), list(keys.values()), [ByteRange(*r) for r in ranges], seq, pushed, mark)
+        n += len(keys) + len(ranges) - asked.shared
+        nbytes -= asked.shared_bytes
+    return nbytes, n, bool(asks)
 
 
 __all__ = ["Ahead", "MAX_AHEAD", "prefetch_plan"]
