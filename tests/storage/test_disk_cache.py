@@ -6,6 +6,7 @@ unwritable folder never fail a read."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing
 import os
 import signal
@@ -24,6 +25,7 @@ from zarr.codecs import ZstdCodec
 
 import stoker
 from stoker.errors import InvalidArgument
+from stoker.engine.cpu import native
 from stoker.storage.cachingstore import CachingStore
 from stoker.storage.diskcache import DiskCache, disk_cache
 from stoker.storage.locate import Stores, locate
@@ -261,12 +263,17 @@ def test_a_writer_killed_mid_entry_leaves_nothing_served(tmp_path):
     assert cache.size_on_disk() < 2000
 
 
+@pytest.mark.parametrize("reader", ["python", "engine"])
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage):
+def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage, reader):
+    # hits read in Python (open_array outside a pipeline) or by the engine's read_files (a pipeline's)
     uri, options, _ = remote
     folder = tmp_path / "cache"
     cache = disk_cache(str(folder), 64 << 20)  # the process's one for the folder: the stores below use it
-    stores = Stores(cache=stoker.Config(cache_dir=str(folder), cache_bytes=64 << 20).cache)
+    read_files = native.read_files if reader == "engine" else None
+    if reader == "engine" and read_files is None:
+        pytest.skip("no compiled engine")
+    stores = Stores(cache=stoker.Config(cache_dir=str(folder), cache_bytes=64 << 20).cache, read_files=read_files)
     _check(_read_all(uri, options, stores), data)
     assert cache.flush(30)
     entries = [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names if n != ".index"]
@@ -280,10 +287,60 @@ def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage):
                 last = f.read(1)
                 f.seek(-1, os.SEEK_END)
                 f.write(bytes([last[0] ^ 0xFF]))
-    fresh = Stores(cache=stoker.Config(cache_dir=str(folder), cache_bytes=64 << 20).cache)
+    fresh = Stores(cache=stoker.Config(cache_dir=str(folder), cache_bytes=64 << 20).cache, read_files=read_files)
     corrupt = cache.corrupt
     _check(_read_all(uri, options, fresh), data)
     assert cache.corrupt > corrupt
+
+
+@pytest.mark.skipif(native.read_files is None, reason="no compiled engine")
+def test_the_engines_file_reads_serve_entries_whole_or_not_at_all(tmp_path):
+    # what DiskCache.get_many relies on: whole regular files, never a link, a FIFO (without hanging), a
+    # folder or a file past the bound; read-only views; each file read touched (the LRU clock)
+    (tmp_path / "entry").write_bytes(b"x" * 5000)
+    (tmp_path / "small").write_bytes(b"abc")
+    (tmp_path / "big").write_bytes(b"y" * 6000)
+    os.symlink(tmp_path / "entry", tmp_path / "link")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    os.utime(tmp_path / "entry", (1_000_000, 1_000_000))
+    names = ["entry", "missing", "link", "fifo", "folder", "big", "small"] * 20  # past one group of 64
+    got = native.read_files([str(tmp_path / n) for n in names], 5500)
+    assert len(got) == len(names)
+    for name, view in zip(names, got):
+        if name == "entry":
+            assert bytes(view) == b"x" * 5000 and view.readonly
+        elif name == "small":
+            assert bytes(view) == b"abc"
+        else:
+            assert view is None, name
+    assert os.stat(tmp_path / "entry").st_mtime > 1_000_000 + 1e8
+
+
+def test_a_prefetch_through_the_cache_never_waits_on_the_callers_thread(data, tmp_path):
+    # start_get_many reads hits and revalidates on the cache's reader threads: a coordinator starting a
+    # prefetch is not held for a HEAD request (here 0.5 s), nor for the disk
+    server = RangeServer(data)
+    try:
+        folder = str(tmp_path / "cache")
+        stores = Stores(cache=stoker.Config(cache_dir=folder, cache_bytes=64 << 20).cache)
+        arr = stoker.open_array(f"{server.url}/plain", FAST, stores=stores)
+        _check({"plain": [arr.read(box) for box in BOXES]}, data)
+        kv = arr.kv
+        assert kv.cache.flush(30)
+        kv.forget()  # the next read revalidates every key (a HEAD each)
+        keys = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))
+        server.latency_s = 0.5
+        hits = kv.counters.hit_bytes
+        t0 = time.perf_counter()
+        future = kv.start_get_many(keys, [])
+        started = time.perf_counter() - t0
+        values, _ = kv.result_of(concurrent.futures.wait([future], timeout=30).done.pop())
+        assert started < 0.25 and time.perf_counter() - t0 >= 0.5, started
+        assert [bytes(v) for v in values] == [read_tree(data)[k] for k in keys]
+        assert kv.counters.hit_bytes - hits == sum(len(read_tree(data)[k]) for k in keys)  # all from disk
+    finally:
+        server.stop()
 
 
 def _disk_cache_warnings(uri: str, options: dict, data: str) -> list[str]:

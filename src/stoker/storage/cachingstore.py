@@ -67,10 +67,11 @@ class CachingStore:
 
     reports_versions = True
 
-    def __init__(self, store: Any, cache: DiskCache, staleness_s: float = 60.0) -> None:
+    def __init__(self, store: Any, cache: DiskCache, staleness_s: float = 60.0, read_files: Any = None) -> None:
         self.store = store
         self.cache = cache
         self.staleness_s = staleness_s
+        self.read_files = read_files  # how hits are read (see DiskCache.get_many; None: in Python)
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
         self._marked: set[str] = set()  # keys whose marker this wrapper has written
@@ -82,7 +83,8 @@ class CachingStore:
     is_local = property(lambda self: self.store.is_local)
 
     def __reduce__(self):  # to worker processes: the store rebuilt there, the same folder
-        return _rebuild, (self.store, str(self.cache.folder), self.cache.cache_bytes, self.staleness_s)
+        return _rebuild, (self.store, str(self.cache.folder), self.cache.cache_bytes, self.staleness_s,
+                          self.read_files)
 
     def forget(self) -> None:
         """Drop every generation learnt: the next read of each key revalidates it."""
@@ -161,28 +163,47 @@ class CachingStore:
 
     def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
                        lenient: Collection[int] = ()) -> concurrent.futures.Future:
-        """:meth:`get_many` without waiting for the store: a future, done at once when every value and range
-        was a hit. Its misses complete on the store's event loop (only lists are filled there; entries are
-        written by the cache's own thread)."""
-        served, miss_keys, miss_parts = self._serve(keys, requests)
+        """:meth:`get_many` without waiting, neither for the disk nor for the store: a future. The hits are read
+        (and stale generations revalidated) on the cache's reader threads (:meth:`DiskCache.serve
+        <stoker.storage.diskcache.DiskCache.serve>`), not on the caller's: a pipeline's coordinator starts
+        prefetches this way, and a batch's disk reads or HEAD requests on it would hold up every batch
+        behind them. The misses then complete on the store's event loop (only lists are filled there;
+        entries are written by the cache's own thread)."""
+        for key in keys:
+            check_key(key)
+        by_key(requests)  # checks them, here: a malformed request is the caller's error, raised at once
         out: concurrent.futures.Future = concurrent.futures.Future()
-        if not miss_keys and not miss_parts:
-            out.set_result(served if versions else served[:2])
-            return out
-        inner = self.store.start_get_many([keys[i] for i in miss_keys], [requests[j] for j in miss_parts],
-                                          versions=True, lenient=_lenient(miss_parts, lenient))
+        try:
+            self.cache.serve(self._start, keys, requests, versions, lenient, out)
+        except ShutdownError:  # no reader thread: served here
+            self._start(keys, requests, versions, lenient, out)
+        return out
+
+    def _start(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool, lenient: Collection[int],
+               out: concurrent.futures.Future) -> None:
+        """:meth:`start_get_many`'s work (on a reader thread): the hits, then the store's read of the misses;
+        ``out`` gets the result or the error, always."""
+        try:
+            served, miss_keys, miss_parts = self._serve(keys, requests)
+            if not miss_keys and not miss_parts:
+                _settle(out, served if versions else served[:2])
+                return
+            inner = self.store.start_get_many([keys[i] for i in miss_keys], [requests[j] for j in miss_parts],
+                                              versions=True, lenient=_lenient(miss_parts, lenient))
+        except BaseException as exc:  # noqa: BLE001 - the caller's result_of raises it
+            _settle(out, error=exc)
+            return
 
         def done(f: concurrent.futures.Future) -> None:
             try:
                 got = self.store.result_of(f)
                 self._merge(served, keys, requests, miss_keys, miss_parts, got)
             except BaseException as exc:  # noqa: BLE001 - the caller's result_of raises it
-                out.set_exception(exc)
+                _settle(out, error=exc)
             else:
-                out.set_result(served if versions else served[:2])
+                _settle(out, served if versions else served[:2])
 
         inner.add_done_callback(done)
-        return out
 
     def result_of(self, future: concurrent.futures.Future):
         """The result of a finished future of :meth:`start_get_many` (raising its error)."""
@@ -215,17 +236,29 @@ class CachingStore:
         part_versions: list = [None] * len(requests)
         miss_keys, miss_parts = [], []
         hits = hit_bytes = 0
+        # every entry of the call read in one go (with the engine's read_files, one GIL release for them all)
+        uri, asked, idents = self.uri, [], []
         for i, key in enumerate(keys):
             gen = gens.get(key)
-            data = None if gen is None else self.cache.get(_ident(self.uri, key, None, None, gen))
+            if gen is not None:
+                asked.append((False, i, gen))
+                idents.append(_ident(uri, key, None, None, gen))
+        for j, r in enumerate(requests):
+            gen = gens.get(r.key)
+            if gen is not None:
+                asked.append((True, j, gen))
+                idents.append(_ident(uri, r.key, r.start, r.length, gen))
+        got = dict(zip(((part, n) for part, n, _ in asked), zip(self.cache.get_many(idents, self.read_files),
+                                                                 (gen for _, _, gen in asked))))
+        for i in range(len(keys)):
+            data, gen = got.get((False, i), (None, None))
             if data is None:
                 miss_keys.append(i)
             else:
                 values[i], value_versions[i] = data, gen
                 hits, hit_bytes = hits + 1, hit_bytes + data.nbytes
-        for j, r in enumerate(requests):
-            gen = gens.get(r.key)
-            data = None if gen is None else self.cache.get(_ident(self.uri, r.key, r.start, r.length, gen))
+        for j in range(len(requests)):
+            data, gen = got.get((True, j), (None, None))
             if data is None:
                 miss_parts.append(j)
             else:
@@ -291,14 +324,25 @@ class CachingStore:
         return f"CachingStore({self.store!r}, {str(self.cache.folder)!r})"
 
 
+def _settle(out: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Give ``out`` its result or error (nothing if its caller cancelled it meanwhile)."""
+    try:
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 def _lenient(miss_parts: list[int], lenient: Collection[int]) -> list[int]:
     """The numbers in the store's call of the parts numbered ``lenient`` in the caller's."""
     wanted = set(lenient)
     return [n for n, j in enumerate(miss_parts) if j in wanted]
 
 
-def _rebuild(store: Store, folder: str, cache_bytes: int, staleness_s: float) -> CachingStore:
-    return CachingStore(store, disk_cache(folder, cache_bytes), staleness_s)
+def _rebuild(store: Store, folder: str, cache_bytes: int, staleness_s: float, read_files: Any = None) -> CachingStore:
+    return CachingStore(store, disk_cache(folder, cache_bytes), staleness_s, read_files)
 
 
 __all__ = ["CacheCounters", "CachingStore"]

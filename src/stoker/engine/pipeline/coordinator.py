@@ -35,6 +35,7 @@ from ...storage.locate import Stores, options_for
 from ...storage.uri import REMOTE_SCHEMES
 from ...zarr.box import check_in_bounds
 from ..cast import batch_dtype
+from ..cpu import native
 from ..cpu.cf import check_output
 from ..executor import Executor, Job, Target
 from .intake import Intake, Staged
@@ -123,7 +124,8 @@ class Coordinator:
         # batches planned, waiting for a slot, their remote chunks prefetched meanwhile (see .prefetch)
         self.ahead = Ahead(cfg)
         # remote stores of this pipeline's arrays, closed with it; their requests capped together
-        self.stores = Stores(cfg.requests_in_flight, cache=cfg.cache, prefetch=self.ahead.buffer)
+        self.stores = Stores(cfg.requests_in_flight, cache=cfg.cache, prefetch=self.ahead.buffer,
+                             read_files=native.read_files)
 
     def open(self, uri: str) -> ArrayReader:
         """The array at ``uri``, opened once per pipeline (metadata and shard indexes cached)."""
