@@ -293,6 +293,34 @@ def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage, reader
     assert cache.corrupt > corrupt
 
 
+def test_revalidations_of_many_prefetches_are_in_flight_together(data, tmp_path):
+    # each start_get_many's HEADs go out on the store's event loop, no thread waiting for them: twelve
+    # calls at 0.4 s a request take about one request's time, not three rounds of the 4 reader threads
+    server = RangeServer(data)
+    try:
+        stores = Stores(cache=stoker.Config(cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20).cache)
+        arr = stoker.open_array(f"{server.url}/plain", FAST, stores=stores)
+        _check({"plain": [arr.read(box) for box in BOXES]}, data)
+        kv = arr.kv
+        assert kv.cache.flush(30)
+        kv.forget()
+        tree = read_tree(data)
+        keys = sorted(k for k in tree if k.startswith("plain/c/"))
+        assert len(keys) == 12
+        server.latency_s = 0.4
+        missed = kv.counters.miss_bytes
+        t0 = time.perf_counter()
+        futures = [kv.start_get_many([key], []) for key in keys]
+        done, _ = concurrent.futures.wait(futures, timeout=30)
+        took = time.perf_counter() - t0
+        assert len(done) == len(keys)
+        assert [bytes(kv.result_of(f)[0][0]) for f in futures] == [tree[k] for k in keys]
+        assert 0.4 <= took < 0.9, took
+        assert kv.counters.miss_bytes == missed and kv.counters.revalidations >= len(keys)  # HEADs, no body
+    finally:
+        server.stop()
+
+
 @pytest.mark.skipif(native.read_files is None, reason="no compiled engine")
 def test_the_engines_file_reads_serve_entries_whole_or_not_at_all(tmp_path):
     # what DiskCache.get_many relies on: whole regular files, never a link, a FIFO (without hanging), a

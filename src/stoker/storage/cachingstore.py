@@ -96,6 +96,20 @@ class CachingStore:
     def _generations(self, keys: Collection[str]) -> dict[str, Any]:
         """The generation of each of ``keys`` now (None: unknown, missing or not stated: read uncached)."""
         now = time.monotonic()
+        out, stale = self._known_now(keys, now)
+        if stale:
+            try:
+                found = self.store.versions(stale)
+            except ShutdownError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - revalidation failed: read through, the read says what is wrong
+                found = [exc] * len(stale)
+            self._revalidated(stale, found, now, out)
+        return out
+
+    def _known_now(self, keys: Collection[str], now: float) -> tuple[dict[str, Any], list[str]]:
+        """``(generations, stale)``: the generation of each of ``keys`` known now (None: read uncached), and
+        the keys to revalidate (a HEAD each) before their entries may be served."""
         out: dict[str, Any] = {}
         stale = []
         with self._lock:
@@ -110,25 +124,21 @@ class CachingStore:
         cold = [key for key in stale if not self.cache.has(self._marker(key))]
         for key in cold:
             out[key] = None
-        stale = [key for key in stale if key not in out]
-        if stale:
-            try:
-                found = self.store.versions(stale)
-            except ShutdownError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - revalidation failed: read through, the read says what is wrong
-                found = [exc] * len(stale)
-            with self._lock:
-                self.counters.revalidations += len(stale)
-            for key, version in zip(stale, found):
-                if isinstance(version, NotFound) or version is None:
-                    # missing, or no generation stated: read through (one request a read, as without a
-                    # cache), not asked again until stale
-                    self._learn(key, _UNCACHED, now)
-                    out[key] = None
-                else:  # a generation, or an error of this key's: read through, the read says what is wrong
-                    out[key] = None if isinstance(version, Exception) else self._learn(key, version, now)
-        return out
+        return out, [key for key in stale if key not in out]
+
+    def _revalidated(self, stale: list[str], found: list, now: float, out: dict[str, Any]) -> None:
+        """Learn what revalidating ``stale`` at ``now`` found (a generation, None, or an error, each in its
+        key's place), into ``out`` too."""
+        with self._lock:
+            self.counters.revalidations += len(stale)
+        for key, version in zip(stale, found):
+            if isinstance(version, NotFound) or version is None:
+                # missing, or no generation stated: read through (one request a read, as without a
+                # cache), not asked again until stale
+                self._learn(key, _UNCACHED, now)
+                out[key] = None
+            else:  # a generation, or an error of this key's: read through, the read says what is wrong
+                out[key] = None if isinstance(version, Exception) else self._learn(key, version, now)
 
     def _marker(self, key: str) -> str:
         """The ident of the empty entry that says entries of ``key`` may be kept."""
@@ -163,8 +173,9 @@ class CachingStore:
 
     def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
                        lenient: Collection[int] = ()) -> concurrent.futures.Future:
-        """:meth:`get_many` without waiting, neither for the disk nor for the store: a future. The hits are read
-        (and stale generations revalidated) on the cache's reader threads (:meth:`DiskCache.serve
+        """:meth:`get_many` without waiting, neither for the disk nor for the store: a future. Stale generations
+        are revalidated by the store's ``start_versions`` (HEAD requests no thread waits for), then the hits
+        are read on the cache's reader threads (:meth:`DiskCache.serve
         <stoker.storage.diskcache.DiskCache.serve>`), not on the caller's: a pipeline's coordinator starts
         prefetches this way, and a batch's disk reads or HEAD requests on it would hold up every batch
         behind them. The misses then complete on the store's event loop (only lists are filled there;
@@ -173,11 +184,42 @@ class CachingStore:
             check_key(key)
         by_key(requests)  # checks them, here: a malformed request is the caller's error, raised at once
         out: concurrent.futures.Future = concurrent.futures.Future()
+        now = time.monotonic()
+        _, stale = self._known_now({*keys, *(r.key for r in requests)}, now)
+        start_versions = getattr(self.store, "start_versions", None)
+        if not stale or start_versions is None:
+            self._submit(keys, requests, versions, lenient, out)
+            return out
+        # the HEADs first, on the store's event loop (no thread waits for them: a prefetch many batches
+        # ahead has its revalidations in flight together, within the store's requests in flight); then the
+        # disk, on a reader thread
+        try:
+            head = start_versions(stale)
+        except ShutdownError as exc:
+            _settle(out, error=exc)
+            return out
+
+        def revalidated(f: concurrent.futures.Future) -> None:
+            try:
+                found = self.store.result_of(f)
+            except ShutdownError as exc:
+                _settle(out, error=exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - revalidation failed: read through, the read says what is wrong
+                found = [exc] * len(stale)
+            self._revalidated(stale, found, now, {})
+            self._submit(keys, requests, versions, lenient, out)
+
+        head.add_done_callback(revalidated)
+        return out
+
+    def _submit(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool, lenient: Collection[int],
+                out: concurrent.futures.Future) -> None:
+        """:meth:`_start` on a reader thread (here when none can be had)."""
         try:
             self.cache.serve(self._start, keys, requests, versions, lenient, out)
-        except ShutdownError:  # no reader thread: served here
+        except ShutdownError:
             self._start(keys, requests, versions, lenient, out)
-        return out
 
     def _start(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool, lenient: Collection[int],
                out: concurrent.futures.Future) -> None:
