@@ -235,12 +235,10 @@ def test_four_processes_share_one_folder_under_eviction_pressure(s3, data, tmp_p
 _KILLED_WRITER = textwrap.dedent("""
     import os, sys, time
     from stoker.storage import diskcache, fsutil
-    real = os.fsync
-    def stall(fd):  # the entry's bytes are in its temporary file, not renamed yet: the parent kills us here
-        real(fd)
+    def stall(src, dst):  # the entry's bytes are in its temporary file, not renamed yet: the parent kills us here
         print("writing", flush=True)
         time.sleep(60)
-    os.fsync = stall
+    os.replace = stall
     diskcache.DiskCache(sys.argv[1], 1 << 20).write("killed", b"x" * 100_000)
 """)
 
@@ -261,6 +259,23 @@ def test_a_writer_killed_mid_entry_leaves_nothing_served(tmp_path):
     assert cache.write("other", b"y" * 1000)  # the first write of a process scans: the dead writer's file goes
     assert cache.get("killed") is None and bytes(cache.get("other")) == b"y" * 1000
     assert cache.size_on_disk() < 2000
+
+
+def test_entries_are_written_without_fsync_and_a_stale_one_is_refetched(tmp_path, monkeypatch):
+    # two fsyncs an entry held the writer to the disk's flush rate, and a first epoch's entries past the
+    # write queue's bound were dropped; a crash can now leave an entry short or with stale bytes, which its
+    # checksum catches (read as absent, removed)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    cache = DiskCache(str(tmp_path / "cache"), 1 << 20)
+    assert cache.write("entry", b"z" * 4000) and synced == []
+    path = cache.path("entry")
+    with open(path, "r+b") as f:  # what a crash before the data reached the disk may leave
+        f.seek(-2000, os.SEEK_END)
+        f.write(b"\0" * 2000)
+    assert cache.get("entry") is None and not path.exists() and cache.corrupt == 1
+    assert cache.write("entry", b"z" * 4000) and bytes(cache.get("entry")) == b"z" * 4000
 
 
 @pytest.mark.parametrize("reader", ["python", "engine"])

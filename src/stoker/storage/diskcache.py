@@ -7,8 +7,9 @@ An entry is a file named by a hash of its *ident* (the caller's string: store, k
 ``<folder>/v1/<2 hex>/<32 hex>``. It holds a header (magic, crc32c, lengths), the ident (so a hash collision
 is never served) and the bytes. Rules that make one folder safe for many processes without a daemon:
 
-- **Written once, never seen partial**: written to a temporary sibling, flushed, fsynced and renamed
-  (:func:`~stoker.storage.fsutil.replace_atomically`); readers open the final name only.
+- **Written once, never seen partial**: written to a temporary sibling, flushed and renamed
+  (:func:`~stoker.storage.fsutil.replace_atomically`); readers open the final name only. Not fsynced: an
+  entry a crash left short or stale fails its checksum (below) and is fetched again.
 - **Bounded**: every write takes the folder's lock (``fcntl.flock`` on ``v1/.index``, bounded wait), makes
   room, writes and adds its size to the total kept in that file, so the entries and the one being written
   never exceed ``cache_bytes``. Making room scans the folder and unlinks the least recently used entries
@@ -272,7 +273,11 @@ class DiskCache:
             header = HEADER.pack(MAGIC, 0, crc, len(name), payload.nbytes)
             _store_total(lock, total + size)  # counted before the file exists: a crash can only over-count
             try:
-                replace_atomically(final, lambda f: (f.write(header), f.write(name), f.write(payload)))
+                # no fsync (two a write held the writer to a few entries a second on a busy disk, and a
+                # first epoch's entries past QUEUE_BYTES were dropped): an entry a crash left short or stale
+                # fails its checksum at its next read, is removed and fetched again
+                replace_atomically(final, lambda f: (f.write(header), f.write(name), f.write(payload)),
+                                   durable=False)
             except OSError as exc:
                 _store_total(lock, total)
                 self._disable(exc)
