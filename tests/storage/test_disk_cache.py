@@ -24,11 +24,12 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 import stoker
-from stoker.errors import InvalidArgument
+from stoker.errors import InvalidArgument, StorageError
 from stoker.engine.cpu import native
 from stoker.storage.cachingstore import CachingStore
 from stoker.storage.diskcache import DiskCache, disk_cache
 from stoker.storage.locate import Stores, locate
+from stoker.storage.store import ByteRange
 
 from range_server import RangeServer
 from store_fixtures import BUCKET, MotoS3, read_tree
@@ -259,6 +260,31 @@ def test_a_writer_killed_mid_entry_leaves_nothing_served(tmp_path):
     assert cache.write("other", b"y" * 1000)  # the first write of a process scans: the dead writer's file goes
     assert cache.get("killed") is None and bytes(cache.get("other")) == b"y" * 1000
     assert cache.size_on_disk() < 2000
+
+
+def test_a_range_of_a_value_kept_whole_is_served_from_disk(data, tmp_path):
+    # an epoch reads a blosc chunk whole, the next asks only the blocks its crops need (other ranges, as
+    # the pipeline learns its frames in another order): cut from the whole value, no request but a HEAD
+    server = RangeServer(data)
+    try:
+        stores = Stores(cache=stoker.Config(cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20).cache)
+        kv = stoker.open_array(f"{server.url}/plain", FAST, stores=stores).kv
+        tree = read_tree(data)
+        keys = sorted(k for k in tree if k.startswith("plain/c/"))[:3]
+        values, _ = kv.get_many(keys, [])
+        assert [bytes(v) for v in values] == [tree[k] for k in keys]
+        assert kv.cache.flush(30)
+        kv.forget()
+        asked, revalidated = server.requests, kv.counters.revalidations
+        ranges = [ByteRange(keys[0], 3, 10), ByteRange.suffix(keys[1], 7), ByteRange(keys[2], 0, len(tree[keys[2]]))]
+        _, parts = kv.get_many([], ranges)
+        assert [bytes(p) for p in parts] == [tree[keys[0]][3:13], tree[keys[1]][-7:], tree[keys[2]]]
+        assert server.requests - asked == kv.counters.revalidations - revalidated == 3  # a HEAD each
+        past = ByteRange(keys[0], len(tree[keys[0]]) - 2, 5)  # past the value's end: the store's error
+        with pytest.raises(StorageError):
+            kv.get_many([], [past])
+    finally:
+        server.stop()
 
 
 def test_entries_are_written_without_fsync_and_a_stale_one_is_refetched(tmp_path, monkeypatch):

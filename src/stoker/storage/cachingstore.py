@@ -299,8 +299,12 @@ class CachingStore:
             else:
                 values[i], value_versions[i] = data, gen
                 hits, hit_bytes = hits + 1, hit_bytes + data.nbytes
+        whole = self._from_whole_values(requests, gens, [j for j in range(len(requests))
+                                                          if got.get((True, j), (None,))[0] is None])
         for j in range(len(requests)):
             data, gen = got.get((True, j), (None, None))
+            if data is None and j in whole:
+                data, gen = whole[j], gens.get(requests[j].key)
             if data is None:
                 miss_parts.append(j)
             else:
@@ -310,6 +314,25 @@ class CachingStore:
             self.counters.hits += hits
             self.counters.hit_bytes += hit_bytes
         return (values, parts, value_versions, part_versions), miss_keys, miss_parts
+
+    def _from_whole_values(self, requests: Sequence[ByteRange], gens: dict[str, Any], missed: list[int]) -> dict:
+        """The ranges ``missed`` (numbers in ``requests``) cut from their objects' whole values where those are
+        kept at the generation known now (a copy each, so a range does not hold its whole value's buffer):
+        a blosc chunk read whole in one epoch is asked again as the blocks a crop needs in the next, and
+        those spans depend on what the pipeline learnt first."""
+        keys = sorted({requests[j].key for j in missed if gens.get(requests[j].key) is not None})
+        if not keys:
+            return {}
+        values = dict(zip(keys, self.cache.get_many([_ident(self.uri, k, None, None, gens[k]) for k in keys],
+                                                    self.read_files)))
+        out = {}
+        for j in missed:
+            r, value = requests[j], values.get(requests[j].key)
+            if value is None or r.length > value.nbytes or (not r.is_suffix and r.start + r.length > value.nbytes):
+                continue  # not kept, or a range past its end: the store says what it says
+            lo = value.nbytes - r.length if r.is_suffix else r.start
+            out[j] = memoryview(bytes(value[lo:lo + r.length]))
+        return out
 
     def _merge(self, served: tuple, keys: Sequence[str], requests: Sequence[ByteRange], miss_keys: list[int],
                miss_parts: list[int], got: tuple) -> None:
