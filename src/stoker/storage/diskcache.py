@@ -62,7 +62,8 @@ LOCK_WAIT_S = 10.0
 LOW_WATER = 0.9
 _ENTRY = re.compile(r"[0-9a-f]{32}")
 _LAYOUT = "v1"
-#: Threads per folder and process that read hits for CachingStore.start_get_many (and wait for revalidations).
+#: Threads per folder and process that read hits for CachingStore.start_get_many (its HEADs are not waited for
+#: here but on the store's event loop; only a key gone stale in between is revalidated on one of these).
 READ_THREADS = 4
 #: The environment variable naming the default cache folder.
 CACHE_DIR_ENV = "STOKER_CACHE_DIR"
@@ -183,8 +184,8 @@ class DiskCache:
 
     def serve(self, fn: Callable, *args: Any) -> None:
         """Run ``fn(*args)`` on one of the folder's reader threads (:data:`READ_THREADS`, started as work
-        comes): a :class:`~stoker.storage.cachingstore.CachingStore`'s reads of hits and revalidations,
-        off the thread that asked. :class:`~stoker.errors.ShutdownError` when no thread can take it."""
+        comes): a :class:`~stoker.storage.cachingstore.CachingStore`'s reads of hits, off the thread that
+        asked. :class:`~stoker.errors.ShutdownError` when no thread can take it."""
         with self._cond:
             if self._readers is None:
                 self._readers = DaemonPool(READ_THREADS, "stoker-diskcache-read", knob="cache_dir")
