@@ -54,7 +54,8 @@ def test_bench_store_s3_smoke(tmp_path, capsys):
 @pytest.mark.timeout(300)
 def test_bench_store_epochs_through_the_disk_cache(tmp_path, capsys):
     assert main(["bench", "--tiny", "--store", "http", "--latency-ms", "2,5", "--scenarios", "2", "--batches", "3",
-                 "--peers", "stoker", "--epochs", "2", "--data", str(tmp_path)]) == 0
+                 "--slow-batches", "1", "--peers", "stoker,tensorstore,zarr", "--epochs", "2",
+                 "--data", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert [float(t) for t in re.findall(r"with (\d+) ms added to every request", out)] == [2.0, 5.0], out
     epoch = r"^stoker e{}\s+\d+\.\d.*\s(\d+\.\d)\s+(\d+\.\d\d)  disk cache: (\d+\.\d\d) MB/batch, hit rate (\d+\.\d)%$"
@@ -64,6 +65,36 @@ def test_bench_store_epochs_through_the_disk_cache(tmp_path, capsys):
         # the second epoch's crops (the first's again) come from disk: no body from the server, every byte a hit
         assert float(second[1]) == 0.0 and float(second[2]) > 0 and float(second[3]) == 100.0, out
         assert float(first[1]) > 0, out
+        # both epochs read about the same bytes a batch (the first partly from the server; prefetch and the
+        # short window move some across its ends): disk bytes per batch, not per sample (8 a batch)
+        assert float(second[2]) > 0.5 * (float(first[1]) + float(first[2])), out
+    # the other peers' epochs, the same crops from local files, and the second epoch against those
+    for peer in ("tensorstore e1", "tensorstore e2", "zarr e1", "zarr e2", "stoker local"):
+        assert len(rows(out, peer)) == 2, (peer, out)
+    assert all(requests == 0 and mb == 0 for _, requests, mb in rows(out, "stoker local")), out
+    assert len(re.findall(r"^second epoch from the disk cache: stoker e2 \d+\.\d samples/s = \d+\.\d\dx stoker "
+                          r"on local files", out, re.M)) == 2, out
+    assert out.count("tensorstore eN: no disk cache") == 2, out
+
+
+def test_the_bench_server_answers_an_unchanged_objects_conditional_get_with_304(tmp_path):
+    # tensorstore's epochs revalidate what their cache_pool holds with conditional GETs: no body when unchanged
+    import urllib.error
+    import urllib.request
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "k").write_bytes(b"0123456789")
+    with Served(tmp_path, "http", 0) as server:
+        with urllib.request.urlopen(f"{server.url}/a/k", timeout=10) as answer:
+            etag, modified = answer.headers["ETag"], answer.headers["Last-Modified"]
+            assert answer.read() == b"0123456789"
+        for header in ({"If-None-Match": etag}, {"If-Modified-Since": modified}):
+            with pytest.raises(urllib.error.HTTPError) as got:
+                urllib.request.urlopen(urllib.request.Request(f"{server.url}/a/k", headers=header), timeout=10)
+            assert got.value.code == 304 and got.value.read() == b""
+        changed = urllib.request.Request(f"{server.url}/a/k", headers={"If-None-Match": '"another"'})
+        with urllib.request.urlopen(changed, timeout=10) as answer:
+            assert answer.status == 200 and answer.read() == b"0123456789"
 
 
 @pytest.mark.timeout(120)

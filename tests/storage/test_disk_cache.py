@@ -6,6 +6,7 @@ unwritable folder never fail a read."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing
 import os
 import signal
@@ -23,10 +24,12 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 import stoker
-from stoker.errors import InvalidArgument
+from stoker.errors import InvalidArgument, StorageError
+from stoker.engine.cpu import native
 from stoker.storage.cachingstore import CachingStore
 from stoker.storage.diskcache import DiskCache, disk_cache
 from stoker.storage.locate import Stores, locate
+from stoker.storage.store import ByteRange
 
 from range_server import RangeServer
 from store_fixtures import BUCKET, empty_s3_fixture, read_tree
@@ -225,12 +228,10 @@ def test_four_processes_share_one_folder_under_eviction_pressure(s3, data, tmp_p
 _KILLED_WRITER = textwrap.dedent("""
     import os, sys, time
     from stoker.storage import diskcache, fsutil
-    real = os.fsync
-    def stall(fd):  # the entry's bytes are in its temporary file, not renamed yet: the parent kills us here
-        real(fd)
+    def stall(src, dst):  # the entry's bytes are in its temporary file, not renamed yet: the parent kills us here
         print("writing", flush=True)
         time.sleep(60)
-    os.fsync = stall
+    os.replace = stall
     diskcache.DiskCache(sys.argv[1], 1 << 20).write("killed", b"x" * 100_000)
 """)
 
@@ -253,12 +254,59 @@ def test_a_writer_killed_mid_entry_leaves_nothing_served(tmp_path):
     assert cache.size_on_disk() < 2000
 
 
+def test_a_range_of_a_value_kept_whole_is_served_from_disk(data, tmp_path):
+    # an epoch reads a blosc chunk whole, the next asks only the blocks its crops need (other ranges, as
+    # the pipeline learns its frames in another order): cut from the whole value, no request but a HEAD
+    server = RangeServer(data)
+    try:
+        stores = Stores(cache=stoker.Config(cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20).cache)
+        kv = stoker.open_array(f"{server.url}/plain", FAST, stores=stores).kv
+        tree = read_tree(data)
+        keys = sorted(k for k in tree if k.startswith("plain/c/"))[:3]
+        values, _ = kv.get_many(keys, [])
+        assert [bytes(v) for v in values] == [tree[k] for k in keys]
+        assert kv.cache.flush(30)
+        kv.forget()
+        asked, revalidated = server.requests, kv.counters.revalidations
+        ranges = [ByteRange(keys[0], 3, 10), ByteRange.suffix(keys[1], 7), ByteRange(keys[2], 0, len(tree[keys[2]]))]
+        _, parts = kv.get_many([], ranges)
+        assert [bytes(p) for p in parts] == [tree[keys[0]][3:13], tree[keys[1]][-7:], tree[keys[2]]]
+        assert server.requests - asked == kv.counters.revalidations - revalidated == 3  # a HEAD each
+        past = ByteRange(keys[0], len(tree[keys[0]]) - 2, 5)  # past the value's end: the store's error
+        with pytest.raises(StorageError):
+            kv.get_many([], [past])
+    finally:
+        server.stop()
+
+
+def test_entries_are_written_without_fsync_and_a_stale_one_is_refetched(tmp_path, monkeypatch):
+    # two fsyncs an entry held the writer to the disk's flush rate, and a first epoch's entries past the
+    # write queue's bound were dropped; a crash can now leave an entry short or with stale bytes, which its
+    # checksum catches (read as absent, removed)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    cache = DiskCache(str(tmp_path / "cache"), 1 << 20)
+    assert cache.write("entry", b"z" * 4000) and synced == []
+    path = cache.path("entry")
+    with open(path, "r+b") as f:  # what a crash before the data reached the disk may leave
+        f.seek(-2000, os.SEEK_END)
+        f.write(b"\0" * 2000)
+    assert cache.get("entry") is None and not path.exists() and cache.corrupt == 1
+    assert cache.write("entry", b"z" * 4000) and bytes(cache.get("entry")) == b"z" * 4000
+
+
+@pytest.mark.parametrize("reader", ["python", "engine"])
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage):
+def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage, reader):
+    # hits read in Python (open_array outside a pipeline) or by the engine's read_files (a pipeline's)
     uri, options, _ = remote
     folder = tmp_path / "cache"
     cache = disk_cache(str(folder), 64 << 20)  # the process's one for the folder: the stores below use it
-    stores = Stores(cache=stoker.Config(cache_dir=str(folder), cache_bytes=64 << 20).cache)
+    read_files = native.read_files if reader == "engine" else None
+    if reader == "engine" and read_files is None:
+        pytest.skip("no compiled engine")
+    stores = Stores(cache=stoker.Config(cache_dir=str(folder), cache_bytes=64 << 20).cache, read_files=read_files)
     _check(_read_all(uri, options, stores), data)
     assert cache.flush(30)
     entries = [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names if n != ".index"]
@@ -272,10 +320,88 @@ def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage):
                 last = f.read(1)
                 f.seek(-1, os.SEEK_END)
                 f.write(bytes([last[0] ^ 0xFF]))
-    fresh = Stores(cache=stoker.Config(cache_dir=str(folder), cache_bytes=64 << 20).cache)
+    fresh = Stores(cache=stoker.Config(cache_dir=str(folder), cache_bytes=64 << 20).cache, read_files=read_files)
     corrupt = cache.corrupt
     _check(_read_all(uri, options, fresh), data)
     assert cache.corrupt > corrupt
+
+
+def test_revalidations_of_many_prefetches_are_in_flight_together(data, tmp_path):
+    # each start_get_many's HEADs go out on the store's event loop, no thread waiting for them: twelve
+    # calls at 0.4 s a request take about one request's time, not three rounds of the 4 reader threads
+    server = RangeServer(data)
+    try:
+        stores = Stores(cache=stoker.Config(cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20).cache)
+        arr = stoker.open_array(f"{server.url}/plain", FAST, stores=stores)
+        _check({"plain": [arr.read(box) for box in BOXES]}, data)
+        kv = arr.kv
+        assert kv.cache.flush(30)
+        kv.forget()
+        tree = read_tree(data)
+        keys = sorted(k for k in tree if k.startswith("plain/c/"))
+        assert len(keys) == 12
+        server.latency_s = 0.4
+        missed = kv.counters.miss_bytes
+        t0 = time.perf_counter()
+        futures = [kv.start_get_many([key], []) for key in keys]
+        done, _ = concurrent.futures.wait(futures, timeout=30)
+        took = time.perf_counter() - t0
+        assert len(done) == len(keys)
+        assert [bytes(kv.result_of(f)[0][0]) for f in futures] == [tree[k] for k in keys]
+        assert 0.4 <= took < 0.9, took
+        assert kv.counters.miss_bytes == missed and kv.counters.revalidations >= len(keys)  # HEADs, no body
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(native.read_files is None, reason="no compiled engine")
+def test_the_engines_file_reads_serve_entries_whole_or_not_at_all(tmp_path):
+    # what DiskCache.get_many relies on: whole regular files, never a link, a FIFO (without hanging), a
+    # folder or a file past the bound; read-only views; each file read touched (the LRU clock)
+    (tmp_path / "entry").write_bytes(b"x" * 5000)
+    (tmp_path / "small").write_bytes(b"abc")
+    (tmp_path / "big").write_bytes(b"y" * 6000)
+    os.symlink(tmp_path / "entry", tmp_path / "link")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    os.utime(tmp_path / "entry", (1_000_000, 1_000_000))
+    names = ["entry", "missing", "link", "fifo", "folder", "big", "small"] * 20  # past one group of 64
+    got = native.read_files([str(tmp_path / n) for n in names], 5500)
+    assert len(got) == len(names)
+    for name, view in zip(names, got):
+        if name == "entry":
+            assert bytes(view) == b"x" * 5000 and view.readonly
+        elif name == "small":
+            assert bytes(view) == b"abc"
+        else:
+            assert view is None, name
+    assert os.stat(tmp_path / "entry").st_mtime > 1_000_000 + 1e8
+
+
+def test_a_prefetch_through_the_cache_never_waits_on_the_callers_thread(data, tmp_path):
+    # start_get_many reads hits and revalidates on the cache's reader threads: a coordinator starting a
+    # prefetch is not held for a HEAD request (here 0.5 s), nor for the disk
+    server = RangeServer(data)
+    try:
+        folder = str(tmp_path / "cache")
+        stores = Stores(cache=stoker.Config(cache_dir=folder, cache_bytes=64 << 20).cache)
+        arr = stoker.open_array(f"{server.url}/plain", FAST, stores=stores)
+        _check({"plain": [arr.read(box) for box in BOXES]}, data)
+        kv = arr.kv
+        assert kv.cache.flush(30)
+        kv.forget()  # the next read revalidates every key (a HEAD each)
+        keys = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))
+        server.latency_s = 0.5
+        hits = kv.counters.hit_bytes
+        t0 = time.perf_counter()
+        future = kv.start_get_many(keys, [])
+        started = time.perf_counter() - t0
+        values, _ = kv.result_of(concurrent.futures.wait([future], timeout=30).done.pop())
+        assert started < 0.25 and time.perf_counter() - t0 >= 0.5, started
+        assert [bytes(v) for v in values] == [read_tree(data)[k] for k in keys]
+        assert kv.counters.hit_bytes - hits == sum(len(read_tree(data)[k]) for k in keys)  # all from disk
+    finally:
+        server.stop()
 
 
 def _disk_cache_warnings(uri: str, options: dict, data: str) -> list[str]:

@@ -42,7 +42,8 @@ from ..engine.pipeline.facade import Pipeline
 from ..sampling.sample import Sample
 from ..zarr.grid import chunk_intersections
 from .datasets import VolumeSpec, compression_ratio, ensure, warm_page_cache
-from .epochs import CACHE_BYTES, epoch_peers, hit_rate
+from .epochs import (CACHE_BYTES, LOCAL, epoch_peers, epochs_note, hit_rate, second_epoch_line,
+                     tensorstore_epoch_peers, zarr_epoch_peers)
 from .remote import Remote, ZarrOpener
 from ..dist.telemetry import host_rss_bytes as rss_bytes
 
@@ -398,7 +399,7 @@ def interleaved(peers: dict, rounds: int) -> dict[str, Result]:
 
 
 def time_tensorstore(samples: list[Sample], batch_size: int, deliver, sync=lambda: None,
-                     consume=lambda batch: None, kvstore=None) -> float:
+                     consume=lambda batch: None, kvstore=None, context=None) -> float:
     """Seconds for tensorstore to read every batch after the first, ``deliver(futures)`` each and
     ``consume`` what it returns.
 
@@ -406,16 +407,20 @@ def time_tensorstore(samples: list[Sample], batch_size: int, deliver, sync=lambd
     the current one is delivered (and so read while it is consumed, as a training loop that prefetches
     one batch would). ``sync`` runs before the clock starts and before it stops (a GPU synchronise for
     device peers). ``kvstore(uri)``: the kvstore spec of an array (default: a local directory).
+    ``context``: a ``tensorstore.Context`` to open the arrays in (its cache kept between calls).
     """
     import tensorstore as ts
 
     kvstore = kvstore or (lambda uri: {"driver": "file", "path": uri})
+    # a context kept between epochs (bench/epochs.py): what its cache_pool holds is revalidated at open
+    extra = {} if context is None else {"context": context}
+    recheck = {} if context is None else {"recheck_cached_data": "open"}
 
     arrays: dict[str, object] = {}
 
     def arr(uri: str):
         if uri not in arrays:
-            arrays[uri] = ts.open({"driver": "zarr3", "kvstore": kvstore(uri)}).result()
+            arrays[uri] = ts.open({"driver": "zarr3", "kvstore": kvstore(uri), **recheck}, **extra).result()
         return arrays[uri]
 
     def issue(batch):
@@ -436,7 +441,7 @@ def time_tensorstore(samples: list[Sample], batch_size: int, deliver, sync=lambd
 
 
 def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int, step_s: float = 0.0, kvstore=None,
-                    mark=lambda: None) -> Result:
+                    mark=lambda: None, context=None) -> Result:
     shape = samples[0].shape
 
     def assemble(futures):
@@ -447,7 +452,7 @@ def run_tensorstore(samples: list[Sample], batch_size: int, itemsize: int, step_
 
     with RssSampler() as rss:
         seconds = time_tensorstore(samples, batch_size, assemble, consume=Consumer(step_s), kvstore=kvstore,
-                                   sync=mark)
+                                   sync=mark, context=context)
     n = len(split_batches(samples, batch_size)) - 1
     return Result("tensorstore", seconds, n * batch_size, n * batch_size * int(np.prod(shape)) * itemsize, rss.peak)
 
@@ -700,10 +705,22 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
         "bound": lambda m: run_decode_bound(samples, batch_size, itemsize),
     }
     if remote is not None and epochs:
-        every.update(epoch_peers(epochs, lambda m, folder: run_stoker(
-            samples, batch_size, itemsize, host_buffer_bytes, step_s=step_s, storage_options=options, mark=m,
-            cache_dir=folder)))
-        peers = peers | set(epoch_peers(epochs, lambda m, folder: None))
+        peers = set(peers)
+        if "stoker" in peers:  # the same crops from the local files; then each epoch through the disk cache
+            local = dict(zip(uris, paths))
+            on_disk = [Sample(local[s.uri], s.aabb) for s in samples]
+            every[LOCAL] = lambda m: _named(run_stoker(on_disk, batch_size, itemsize, host_buffer_bytes,
+                                                       step_s=step_s, mark=m), LOCAL)
+            every.update(epoch_peers(epochs, lambda m, folder: run_stoker(
+                samples, batch_size, itemsize, host_buffer_bytes, step_s=step_s, storage_options=options, mark=m,
+                cache_dir=folder)))
+        if "tensorstore" in peers:
+            every.update(tensorstore_epoch_peers(epochs, lambda m, context: run_tensorstore(
+                samples, batch_size, itemsize, step_s, kvstore, m, context)))
+        if "zarr" in peers:
+            every.update(zarr_epoch_peers(epochs, lambda m: run_zarr(samples, batch_size, itemsize, slow_batches,
+                                                                      step_s, opener, m)))
+        peers |= {name for name in every if name == LOCAL or name.rsplit(" e", 1)[-1].isdigit()}
     if step is not None or remote is not None:
         del every["bound"]  # no consumer to be busy, or no reads to make: its number would not compare
     if counters is not None:
@@ -728,6 +745,11 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
     return results, step
 
 
+def _named(result: Result, name: str) -> Result:
+    result.peer = name
+    return result
+
+
 def ratio_note(ratio: float | None) -> str:
     """The header's words for a dataset's compression ratio (decoded bytes over stored bytes)."""
     return "" if ratio is None else f"; compression ratio {ratio:.2f} (decoded / stored bytes)"
@@ -750,6 +772,8 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
                      f"the steps alone allow at most {batch_size / step.seconds:.1f} samples/s; decode bound left "
                      "out (it has no consumer)")
     served = any("requests_per_batch" in r.extra for r in results)  # --store: what the server was asked
+    if any(r.peer.endswith(" e1") for r in results):
+        lines.append(epochs_note())
     lines.append(f"{'peer':<18}{'samples/s':>11}{'MB/s':>9}{'stoker x':>10}{'peak RSS MB':>13}"
                  + (f"{'requests/batch':>16}{'MB/batch':>10}" if served else ""))
     for r in results:
@@ -760,6 +784,9 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
         if hit_rate(r.extra) is not None:
             line += f"  disk cache: {r.extra['disk_bytes_per_batch'] / 1e6:.2f} MB/batch, hit rate {hit_rate(r.extra):.1%}"
         lines.append(line)
+    second = second_epoch_line(by)
+    if second:
+        lines.append(second)
     if st:
         stats = st.extra["stats"]
         bound = by.get("decode bound")
@@ -773,7 +800,7 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
     for r in results:  # the default stoker, then each peer of a thread sweep
         if "cpu_s" in r.extra:
             line = cpu_breakdown(r.extra["stats"], r.extra["cpu_s"], r.extra["batches"], r.seconds,
-                                 r.extra.get("gc_s", 0.0), remote=served)
+                                 r.extra.get("gc_s", 0.0), remote=served and r.peer != LOCAL)
             lines.append(line if r is st else line.replace("stoker per batch", f"{r.peer} per batch", 1))
     if any(r.peer.startswith("stoker t=") for r in results):  # a thread sweep: where each count's time went
         lines += worker_table(results)

@@ -3,7 +3,8 @@ with a fixed delay added to every request (``python -m stoker.bench.serve``, or 
 
 It runs in a process of its own, so its threads never compete with the peers for the benchmark
 process's GIL. GET and HEAD; ``Range: bytes=a-b``, ``a-`` and ``-n`` are answered with 206 and
-``Content-Range`` (bodies sent with ``sendfile``). S3 mode serves path-style requests
+``Content-Range`` (bodies sent with ``sendfile``); a conditional request (``If-None-Match``,
+``If-Modified-Since``) of an unchanged object gets 304 without a body, as a cache revalidating expects. S3 mode serves path-style requests
 (``/<bucket>/<key>``), the only S3 calls the peers make when reading arrays (ranged and whole
 GETs, HEADs), and ignores signatures: the peers read it anonymously.
 
@@ -79,9 +80,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self._head(416, {"Content-Range": f"bytes */{size}", "Content-Length": "0"})
                 return
             status = 206
-        headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes",
-                   "ETag": f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{size:x}"',
+        etag = f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{size:x}"'
+        headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes", "ETag": etag,
                    "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True)}
+        if _unchanged(self.headers, etag, st.st_mtime):  # a cache revalidating (tensorstore's): no body
+            self._head(304, {"ETag": etag, "Last-Modified": headers["Last-Modified"]})
+            return
         if status == 206:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         self._head(status, headers)
@@ -100,6 +104,21 @@ class _Handler(BaseHTTPRequestHandler):
         if not parts or any(p in (".", "..") for p in parts):
             return None
         return os.path.join(self.server.root, *parts)
+
+
+def _unchanged(headers, etag: str, mtime: float) -> bool:
+    """Whether a conditional request's object is unchanged (answered 304, as S3 and HTTP servers do):
+    ``If-None-Match`` naming its ETag (or ``*``), else ``If-Modified-Since`` not before its mtime."""
+    match = headers.get("If-None-Match")
+    if match is not None:
+        return any(tag.strip() in (etag, "*", "W/" + etag) for tag in match.split(","))
+    since = headers.get("If-Modified-Since")
+    if since is not None:
+        try:
+            return int(mtime) <= email.utils.parsedate_to_datetime(since).timestamp()
+        except (TypeError, ValueError):
+            return False
+    return False
 
 
 class BenchServer(ThreadingHTTPServer):

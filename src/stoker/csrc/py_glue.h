@@ -21,7 +21,7 @@ int int64_matrix(PyObject *obj, long long cols, long long *n, int64_t **out, con
 extern PyMethodDef codec_methods[];  /* py_codecs.c: set_codecs, set_zstd_streaming, set_lz4, set_zlib */
 extern PyMethodDef table_methods[];  /* py_tables.c: plan_grid, plan_crops, shard_positions, gather_entries,
                                       * chunk_rows, copy_rows */
-extern PyMethodDef engine_functions[]; /* py_engine.c: local_file_system */
+extern PyMethodDef engine_functions[]; /* py_engine.c: local_file_system, read_files */
 
 /* py_engine.c: Engine (and its BatchJob type) into module m; 0, or -1 with an exception set */
 int add_engine_types(PyObject *m);

@@ -67,10 +67,11 @@ class CachingStore:
 
     reports_versions = True
 
-    def __init__(self, store: Any, cache: DiskCache, staleness_s: float = 60.0) -> None:
+    def __init__(self, store: Any, cache: DiskCache, staleness_s: float = 60.0, read_files: Any = None) -> None:
         self.store = store
         self.cache = cache
         self.staleness_s = staleness_s
+        self.read_files = read_files  # how hits are read (see DiskCache.get_many; None: in Python)
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
         self._marked: set[str] = set()  # keys whose marker this wrapper has written
@@ -82,7 +83,8 @@ class CachingStore:
     is_local = property(lambda self: self.store.is_local)
 
     def __reduce__(self):  # to worker processes: the store rebuilt there, the same folder
-        return _rebuild, (self.store, str(self.cache.folder), self.cache.cache_bytes, self.staleness_s)
+        return _rebuild, (self.store, str(self.cache.folder), self.cache.cache_bytes, self.staleness_s,
+                          self.read_files)
 
     def forget(self) -> None:
         """Drop every generation learnt: the next read of each key revalidates it."""
@@ -94,6 +96,20 @@ class CachingStore:
     def _generations(self, keys: Collection[str]) -> dict[str, Any]:
         """The generation of each of ``keys`` now (None: unknown, missing or not stated: read uncached)."""
         now = time.monotonic()
+        out, stale = self._known_now(keys, now)
+        if stale:
+            try:
+                found = self.store.versions(stale)
+            except ShutdownError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - revalidation failed: read through, the read says what is wrong
+                found = [exc] * len(stale)
+            self._revalidated(stale, found, now, out)
+        return out
+
+    def _known_now(self, keys: Collection[str], now: float) -> tuple[dict[str, Any], list[str]]:
+        """``(generations, stale)``: the generation of each of ``keys`` known now (None: read uncached), and
+        the keys to revalidate (a HEAD each) before their entries may be served."""
         out: dict[str, Any] = {}
         stale = []
         with self._lock:
@@ -108,25 +124,21 @@ class CachingStore:
         cold = [key for key in stale if not self.cache.has(self._marker(key))]
         for key in cold:
             out[key] = None
-        stale = [key for key in stale if key not in out]
-        if stale:
-            try:
-                found = self.store.versions(stale)
-            except ShutdownError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - revalidation failed: read through, the read says what is wrong
-                found = [exc] * len(stale)
-            with self._lock:
-                self.counters.revalidations += len(stale)
-            for key, version in zip(stale, found):
-                if isinstance(version, NotFound) or version is None:
-                    # missing, or no generation stated: read through (one request a read, as without a
-                    # cache), not asked again until stale
-                    self._learn(key, _UNCACHED, now)
-                    out[key] = None
-                else:  # a generation, or an error of this key's: read through, the read says what is wrong
-                    out[key] = None if isinstance(version, Exception) else self._learn(key, version, now)
-        return out
+        return out, [key for key in stale if key not in out]
+
+    def _revalidated(self, stale: list[str], found: list, now: float, out: dict[str, Any]) -> None:
+        """Learn what revalidating ``stale`` at ``now`` found (a generation, None, or an error, each in its
+        key's place), into ``out`` too."""
+        with self._lock:
+            self.counters.revalidations += len(stale)
+        for key, version in zip(stale, found):
+            if isinstance(version, NotFound) or version is None:
+                # missing, or no generation stated: read through (one request a read, as without a
+                # cache), not asked again until stale
+                self._learn(key, _UNCACHED, now)
+                out[key] = None
+            else:  # a generation, or an error of this key's: read through, the read says what is wrong
+                out[key] = None if isinstance(version, Exception) else self._learn(key, version, now)
 
     def _marker(self, key: str) -> str:
         """The ident of the empty entry that says entries of ``key`` may be kept."""
@@ -161,28 +173,79 @@ class CachingStore:
 
     def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
                        lenient: Collection[int] = ()) -> concurrent.futures.Future:
-        """:meth:`get_many` without waiting for the store: a future, done at once when every value and range
-        was a hit. Its misses complete on the store's event loop (only lists are filled there; entries are
-        written by the cache's own thread)."""
-        served, miss_keys, miss_parts = self._serve(keys, requests)
+        """:meth:`get_many` without waiting, neither for the disk nor for the store: a future. Stale generations
+        are revalidated by the store's ``start_versions`` (HEAD requests no thread waits for), then the hits
+        are read on the cache's reader threads (:meth:`DiskCache.serve
+        <stoker.storage.diskcache.DiskCache.serve>`), not on the caller's: a pipeline's coordinator starts
+        prefetches this way, and a batch's disk reads or HEAD requests on it would hold up every batch
+        behind them. The misses then complete on the store's event loop (only lists are filled there;
+        entries are written by the cache's own thread)."""
+        for key in keys:
+            check_key(key)
+        by_key(requests)  # checks them, here: a malformed request is the caller's error, raised at once
         out: concurrent.futures.Future = concurrent.futures.Future()
-        if not miss_keys and not miss_parts:
-            out.set_result(served if versions else served[:2])
+        now = time.monotonic()
+        _, stale = self._known_now({*keys, *(r.key for r in requests)}, now)
+        start_versions = getattr(self.store, "start_versions", None)
+        if not stale or start_versions is None:
+            self._submit(keys, requests, versions, lenient, out)
             return out
-        inner = self.store.start_get_many([keys[i] for i in miss_keys], [requests[j] for j in miss_parts],
-                                          versions=True, lenient=_lenient(miss_parts, lenient))
+        # the HEADs first, on the store's event loop (no thread waits for them: a prefetch many batches
+        # ahead has its revalidations in flight together, within the store's requests in flight); then the
+        # disk, on a reader thread
+        try:
+            head = start_versions(stale)
+        except ShutdownError as exc:
+            _settle(out, error=exc)
+            return out
+
+        def revalidated(f: concurrent.futures.Future) -> None:
+            try:
+                found = self.store.result_of(f)
+            except ShutdownError as exc:
+                _settle(out, error=exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - revalidation failed: read through, the read says what is wrong
+                found = [exc] * len(stale)
+            self._revalidated(stale, found, now, {})
+            self._submit(keys, requests, versions, lenient, out)
+
+        head.add_done_callback(revalidated)
+        return out
+
+    def _submit(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool, lenient: Collection[int],
+                out: concurrent.futures.Future) -> None:
+        """:meth:`_start` on a reader thread (here when none can be had)."""
+        try:
+            self.cache.serve(self._start, keys, requests, versions, lenient, out)
+        except ShutdownError:
+            self._start(keys, requests, versions, lenient, out)
+
+    def _start(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool, lenient: Collection[int],
+               out: concurrent.futures.Future) -> None:
+        """:meth:`start_get_many`'s work (on a reader thread): the hits, then the store's read of the misses;
+        ``out`` gets the result or the error, always."""
+        try:
+            served, miss_keys, miss_parts = self._serve(keys, requests)
+            if not miss_keys and not miss_parts:
+                _settle(out, served if versions else served[:2])
+                return
+            inner = self.store.start_get_many([keys[i] for i in miss_keys], [requests[j] for j in miss_parts],
+                                              versions=True, lenient=_lenient(miss_parts, lenient))
+        except BaseException as exc:  # noqa: BLE001 - the caller's result_of raises it
+            _settle(out, error=exc)
+            return
 
         def done(f: concurrent.futures.Future) -> None:
             try:
                 got = self.store.result_of(f)
                 self._merge(served, keys, requests, miss_keys, miss_parts, got)
             except BaseException as exc:  # noqa: BLE001 - the caller's result_of raises it
-                out.set_exception(exc)
+                _settle(out, error=exc)
             else:
-                out.set_result(served if versions else served[:2])
+                _settle(out, served if versions else served[:2])
 
         inner.add_done_callback(done)
-        return out
 
     def result_of(self, future: concurrent.futures.Future):
         """The result of a finished future of :meth:`start_get_many` (raising its error)."""
@@ -215,17 +278,33 @@ class CachingStore:
         part_versions: list = [None] * len(requests)
         miss_keys, miss_parts = [], []
         hits = hit_bytes = 0
+        # every entry of the call read in one go (with the engine's read_files, one GIL release for them all)
+        uri, asked, idents = self.uri, [], []
         for i, key in enumerate(keys):
             gen = gens.get(key)
-            data = None if gen is None else self.cache.get(_ident(self.uri, key, None, None, gen))
+            if gen is not None:
+                asked.append((False, i, gen))
+                idents.append(_ident(uri, key, None, None, gen))
+        for j, r in enumerate(requests):
+            gen = gens.get(r.key)
+            if gen is not None:
+                asked.append((True, j, gen))
+                idents.append(_ident(uri, r.key, r.start, r.length, gen))
+        got = dict(zip(((part, n) for part, n, _ in asked), zip(self.cache.get_many(idents, self.read_files),
+                                                                 (gen for _, _, gen in asked))))
+        for i in range(len(keys)):
+            data, gen = got.get((False, i), (None, None))
             if data is None:
                 miss_keys.append(i)
             else:
                 values[i], value_versions[i] = data, gen
                 hits, hit_bytes = hits + 1, hit_bytes + data.nbytes
-        for j, r in enumerate(requests):
-            gen = gens.get(r.key)
-            data = None if gen is None else self.cache.get(_ident(self.uri, r.key, r.start, r.length, gen))
+        whole = self._from_whole_values(requests, gens, [j for j in range(len(requests))
+                                                          if got.get((True, j), (None,))[0] is None])
+        for j in range(len(requests)):
+            data, gen = got.get((True, j), (None, None))
+            if data is None and j in whole:
+                data, gen = whole[j], gens.get(requests[j].key)
             if data is None:
                 miss_parts.append(j)
             else:
@@ -235,6 +314,25 @@ class CachingStore:
             self.counters.hits += hits
             self.counters.hit_bytes += hit_bytes
         return (values, parts, value_versions, part_versions), miss_keys, miss_parts
+
+    def _from_whole_values(self, requests: Sequence[ByteRange], gens: dict[str, Any], missed: list[int]) -> dict:
+        """The ranges ``missed`` (numbers in ``requests``) cut from their objects' whole values where those are
+        kept at the generation known now (a copy each, so a range does not hold its whole value's buffer):
+        a blosc chunk read whole in one epoch is asked again as the blocks a crop needs in the next, and
+        those spans depend on what the pipeline learnt first."""
+        keys = sorted({requests[j].key for j in missed if gens.get(requests[j].key) is not None})
+        if not keys:
+            return {}
+        values = dict(zip(keys, self.cache.get_many([_ident(self.uri, k, None, None, gens[k]) for k in keys],
+                                                    self.read_files)))
+        out = {}
+        for j in missed:
+            r, value = requests[j], values.get(requests[j].key)
+            if value is None or r.length > value.nbytes or (not r.is_suffix and r.start + r.length > value.nbytes):
+                continue  # not kept, or a range past its end: the store says what it says
+            lo = value.nbytes - r.length if r.is_suffix else r.start
+            out[j] = memoryview(bytes(value[lo:lo + r.length]))
+        return out
 
     def _merge(self, served: tuple, keys: Sequence[str], requests: Sequence[ByteRange], miss_keys: list[int],
                miss_parts: list[int], got: tuple) -> None:
@@ -291,14 +389,25 @@ class CachingStore:
         return f"CachingStore({self.store!r}, {str(self.cache.folder)!r})"
 
 
+def _settle(out: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Give ``out`` its result or error (nothing if its caller cancelled it meanwhile)."""
+    try:
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 def _lenient(miss_parts: list[int], lenient: Collection[int]) -> list[int]:
     """The numbers in the store's call of the parts numbered ``lenient`` in the caller's."""
     wanted = set(lenient)
     return [n for n, j in enumerate(miss_parts) if j in wanted]
 
 
-def _rebuild(store: Store, folder: str, cache_bytes: int, staleness_s: float) -> CachingStore:
-    return CachingStore(store, disk_cache(folder, cache_bytes), staleness_s)
+def _rebuild(store: Store, folder: str, cache_bytes: int, staleness_s: float, read_files: Any = None) -> CachingStore:
+    return CachingStore(store, disk_cache(folder, cache_bytes), staleness_s, read_files)
 
 
 __all__ = ["CacheCounters", "CachingStore"]

@@ -7,8 +7,9 @@ An entry is a file named by a hash of its *ident* (the caller's string: store, k
 ``<folder>/v1/<2 hex>/<32 hex>``. It holds a header (magic, crc32c, lengths), the ident (so a hash collision
 is never served) and the bytes. Rules that make one folder safe for many processes without a daemon:
 
-- **Written once, never seen partial**: written to a temporary sibling, flushed, fsynced and renamed
-  (:func:`~stoker.storage.fsutil.replace_atomically`); readers open the final name only.
+- **Written once, never seen partial**: written to a temporary sibling, flushed and renamed
+  (:func:`~stoker.storage.fsutil.replace_atomically`); readers open the final name only. Not fsynced: an
+  entry a crash left short or stale fails its checksum (below) and is fetched again.
 - **Bounded**: every write takes the folder's lock (``fcntl.flock`` on ``v1/.index``, bounded wait), makes
   room, writes and adds its size to the total kept in that file, so the entries and the one being written
   never exceed ``cache_bytes``. Making room scans the folder and unlinks the least recently used entries
@@ -33,6 +34,7 @@ import fcntl
 import hashlib
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -40,12 +42,13 @@ import warnings
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import crc32c
 
 from .. import checks
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, ShutdownError, ThreadStartError
+from ..runtime.workers import DaemonPool
 from .fsutil import is_temp_path, remove_dead_temp_files, replace_atomically, writer_gone
 
 #: The entry header: magic, crc32c of ident + payload, ident length, payload length.
@@ -59,6 +62,9 @@ LOCK_WAIT_S = 10.0
 LOW_WATER = 0.9
 _ENTRY = re.compile(r"[0-9a-f]{32}")
 _LAYOUT = "v1"
+#: Threads per folder and process that read hits for CachingStore.start_get_many (its HEADs are not waited for
+#: here but on the store's event loop; only a key gone stale in between is revalidated on one of these).
+READ_THREADS = 4
 #: The environment variable naming the default cache folder.
 CACHE_DIR_ENV = "STOKER_CACHE_DIR"
 #: The bound of a cache whose folder is given without ``cache_bytes``.
@@ -104,6 +110,7 @@ class DiskCache:
         self.folder = Path(folder)
         self.cache_bytes = cache_bytes
         self.root = self.folder / _LAYOUT
+        self._root = str(self.root)
         self.writable = True
         self.hits = self.misses = self.corrupt = self.written = self.dropped = self.evicted = self.hit_bytes = 0
         self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
@@ -113,12 +120,16 @@ class DiskCache:
         self._busy = False
         self._warned: set[str] = set()
         self._thread: threading.Thread | None = None
+        self._readers: DaemonPool | None = None
 
     # -- reading ---------------------------------------------------------------------------------
 
     def path(self, ident: str) -> Path:
+        return Path(self._path(ident))
+
+    def _path(self, ident: str) -> str:
         name = hashlib.blake2b(ident.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-        return self.root / name[:2] / name
+        return f"{self._root}/{name[:2]}/{name}"
 
     def has(self, ident: str) -> bool:
         """Whether an entry is stored under ``ident`` (its bytes unread and unchecked); a use for the LRU."""
@@ -133,36 +144,31 @@ class DiskCache:
 
     def get(self, ident: str) -> memoryview | None:
         """The bytes stored under ``ident``, or None (never written, evicted, or corrupt: then removed)."""
-        path = self.path(ident)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            self.misses += 1
-            return None
-        try:
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                raw = f.read()
-            try:
-                os.utime(fd)  # the LRU clock: a hit is a use
-            except OSError:
-                pass  # a read-only folder: still a hit
-        except OSError:
-            self.misses += 1
-            return None
-        finally:
-            os.close(fd)
-        payload = self._check(raw, ident)
-        if payload is None:
-            self.corrupt += 1
-            self.misses += 1
-            try:
-                os.unlink(path)  # a later write puts a good one there (the total is corrected at the next scan)
-            except OSError:
-                pass
-            return None
-        self.hits += 1
-        self.hit_bytes += payload.nbytes
-        return payload
+        return self.get_many([ident])[0]
+
+    def get_many(self, idents: Sequence[str], read_files: Callable | None = None) -> list[memoryview | None]:
+        """:meth:`get` of each of ``idents``. ``read_files(paths, max_bytes)``: reads the entries' files whole and
+        touches them (the compiled engine's, which releases the GIL once for many files rather than for every
+        system call, as a batch's hits are many); None: :func:`read_file`, one at a time."""
+        paths = [self._path(ident) for ident in idents]
+        raws = read_files(paths, self.cache_bytes) if read_files is not None else \
+            [read_file(path, self.cache_bytes) for path in paths]
+        out: list[memoryview | None] = []
+        for ident, path, raw in zip(idents, paths, raws):
+            payload = None if raw is None else self._check(raw, ident)
+            if payload is None:
+                self.misses += 1
+                if raw is not None:  # corrupt: a later write puts a good one there (the total: at the next scan)
+                    self.corrupt += 1
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+            else:
+                self.hits += 1
+                self.hit_bytes += payload.nbytes
+            out.append(payload)
+        return out
 
     @staticmethod
     def _check(raw: bytes, ident: str) -> memoryview | None:
@@ -175,6 +181,19 @@ class DiskCache:
         if bytes(body[:ident_len]) != ident.encode("utf-8", "surrogatepass"):
             return None  # another ident hashing to the same name
         return body[ident_len:]
+
+    def serve(self, fn: Callable, *args: Any) -> None:
+        """Run ``fn(*args)`` on one of the folder's reader threads (:data:`READ_THREADS`, started as work
+        comes): a :class:`~stoker.storage.cachingstore.CachingStore`'s reads of hits, off the thread that
+        asked. :class:`~stoker.errors.ShutdownError` when no thread can take it."""
+        with self._cond:
+            if self._readers is None:
+                self._readers = DaemonPool(READ_THREADS, "stoker-diskcache-read", knob="cache_dir")
+            readers = self._readers
+        try:
+            readers.submit(fn, *args)
+        except ThreadStartError as exc:  # the system gives no thread: the caller serves it itself
+            raise ShutdownError(str(exc)) from exc
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -255,7 +274,11 @@ class DiskCache:
             header = HEADER.pack(MAGIC, 0, crc, len(name), payload.nbytes)
             _store_total(lock, total + size)  # counted before the file exists: a crash can only over-count
             try:
-                replace_atomically(final, lambda f: (f.write(header), f.write(name), f.write(payload)))
+                # no fsync (two a write held the writer to a few entries a second on a busy disk, and a
+                # first epoch's entries past QUEUE_BYTES were dropped): an entry a crash left short or stale
+                # fails its checksum at its next read, is removed and fetched again
+                replace_atomically(final, lambda f: (f.write(header), f.write(name), f.write(payload)),
+                                   durable=False)
             except OSError as exc:
                 _store_total(lock, total)
                 self._disable(exc)
@@ -333,6 +356,33 @@ class DiskCache:
                     except OSError:
                         pass
         return total
+
+
+def read_file(path: str, max_bytes: int) -> bytes | None:
+    """The whole of the regular file ``path`` (None: missing, a link, not a regular file, larger than
+    ``max_bytes``, or unreadable), touched (its mtime now: the LRU clock) where allowed."""
+    # O_NONBLOCK: a FIFO planted at an entry's name must not hang the open (it is no regular file)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+            return None
+        raw = os.pread(fd, st.st_size, 0)
+        if len(raw) != st.st_size:
+            return None
+        try:
+            os.utime(fd)  # the LRU clock: a hit is a use
+        except OSError:
+            pass  # a read-only folder: still a hit
+        return raw
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _lock(fd: int, wait_s: float) -> bool:

@@ -238,14 +238,16 @@ def remove_dead_owned_dirs(parent: str | os.PathLike, prefix: str) -> list[Path]
     return removed
 
 
-def replace_atomically(final: Path, write: Callable[[BinaryIO], object]) -> Path:
+def replace_atomically(final: Path, write: Callable[[BinaryIO], object], durable: bool = True) -> Path:
     """Write ``final`` through a fresh temporary sibling: ``write(f)``, flush, fsync, rename, fsync the directory.
 
     Readers see the old file or the complete new one, never a part. The temporary file
     is created exclusively under an unpredictable name, so nothing planted next to
     ``final`` is written through; a symlink at ``final`` itself is replaced, not
     followed. On any error the temporary file is removed (when the directory allows)
-    and the error propagates.
+    and the error propagates. ``durable=False`` leaves out both fsyncs: for a file whose
+    reader checks it whole (a checksum) and can do without it, as a crash may then leave
+    the new name with missing or stale bytes.
     """
     final = Path(final)
     tmp, fd = _fresh(lambda: sibling_path(final, "tmp"), _create_file)
@@ -253,7 +255,8 @@ def replace_atomically(final: Path, write: Callable[[BinaryIO], object]) -> Path
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, final)
     except BaseException:
         try:
@@ -261,7 +264,8 @@ def replace_atomically(final: Path, write: Callable[[BinaryIO], object]) -> Path
         except OSError:
             pass  # the directory itself is the problem; nothing was left behind in it
         raise
-    fsync_dir(final.parent)
+    if durable:
+        fsync_dir(final.parent)
     return final
 
 

@@ -163,7 +163,8 @@ class Stores:
     see data rewritten between them as local files do (``revalidate``)."""
 
     def __init__(self, requests_in_flight: int | None = None, *, revalidate: bool = False,
-                 max_stores: int | None = None, cache: CacheSettings | None = None, prefetch: Any = None) -> None:
+                 max_stores: int | None = None, cache: CacheSettings | None = None, prefetch: Any = None,
+                 read_files: Any = None) -> None:
         """``requests_in_flight``: the most requests the object stores opened here have open at once, all
         of them together (None: each store's ``max_in_flight`` per call only). ``revalidate``: every
         :meth:`get` reopens a zip archive changed since it was opened (its file identity) and gives a
@@ -172,7 +173,9 @@ class Stores:
         the object stores' chunks (:class:`~stoker.storage.cachingstore.CachingStore`; None: the one
         ``$STOKER_CACHE_DIR`` names, if any); ``storage_options`` may override it per store. ``prefetch``: a
         :class:`~stoker.storage.prefetch.PrefetchBuffer` the object stores' reads consult first (each store
-        wrapped in a :class:`~stoker.storage.prefetch.PrefetchStore`; None: no prefetch)."""
+        wrapped in a :class:`~stoker.storage.prefetch.PrefetchStore`; None: no prefetch). ``read_files``: how the
+        disk cache reads its hits (the compiled engine's ``read_files``, which a pipeline passes; None: in
+        Python, an entry at a time)."""
         import asyncio
 
         # used only on the stores' one event loop thread (a semaphore binds to a loop when first waited on)
@@ -183,6 +186,7 @@ class Stores:
         self._revalidate, self._max_stores = revalidate, max_stores
         self._cache = cache
         self._prefetch = prefetch
+        self._read_files = read_files
 
     def get(self, loc: Location, storage_options: dict | None = None) -> tuple[Store, Any]:
         """``(store, hierarchy)`` for ``loc`` (not a local directory)."""
@@ -224,7 +228,8 @@ class Stores:
                     from .cachingstore import CachingStore
                     from .diskcache import disk_cache
 
-                    store = CachingStore(store, disk_cache(str(cache.folder), cache.cache_bytes), cache.staleness_s)
+                    store = CachingStore(store, disk_cache(str(cache.folder), cache.cache_bytes), cache.staleness_s,
+                                         read_files=self._read_files)
                 if self._prefetch is not None:
                     from .prefetch import PrefetchStore
 

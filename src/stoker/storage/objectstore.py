@@ -553,6 +553,13 @@ class ObjectStore(Store):
         rounds = -(-len(keys) // self.max_in_flight)
         return self._run(self._versions(list(keys)), rounds=max(1, rounds)) if keys else []
 
+    def start_versions(self, keys: Sequence[str]) -> concurrent.futures.Future:
+        """:meth:`versions` without waiting: its future (:meth:`result_of` gives the list, or raises
+        :class:`ShutdownError` when the store was closed)."""
+        for key in keys:
+            check_key(key)
+        return self._start(self._versions(list(keys)), rounds=max(1, -(-len(keys) // self.max_in_flight)))
+
     async def _versions(self, keys: list[str]) -> list:
         gate = asyncio.Semaphore(self.max_in_flight)
 

@@ -194,6 +194,10 @@ chunk_rows = copy_rows = None
 #: chunks a thread reads (a local file system; a network one is only checked against its server at open), or
 #: None without the engine
 local_file_system = None
+#: ``read_files(paths, max_bytes) -> [bytes | None]`` (csrc/py_engine.c): whole files in one call, the GIL released
+#: twice per 64 files rather than per system call, each file read touched (the disk cache's hits; see
+#: storage/diskcache.py), or None without the engine
+read_files = None
 if Engine is not None:
     from ..._native import (chunk_rows, copy_rows, gather_entries, local_file_system,  # noqa: F401 (native.*)
-                           plan_crops, plan_grid, shard_positions)
+                           plan_crops, plan_grid, read_files, shard_positions)

@@ -35,6 +35,7 @@ from ...storage.locate import Stores, options_for
 from ...storage.uri import REMOTE_SCHEMES
 from ...zarr.box import check_in_bounds
 from ..cast import batch_dtype
+from ..cpu import native
 from ..cpu.cf import check_output
 from ..executor import Executor, Job, Target
 from .intake import Intake, Staged
@@ -126,7 +127,8 @@ class Coordinator:
         self.ahead = Ahead(cfg, self._wake)
         self._pulled: collections.deque[tuple[list[Staged], BaseException | None]] = collections.deque()
         # remote stores of this pipeline's arrays, closed with it; their requests capped together
-        self.stores = Stores(cfg.requests_in_flight, cache=cfg.cache, prefetch=self.ahead.buffer)
+        self.stores = Stores(cfg.requests_in_flight, cache=cfg.cache, prefetch=self.ahead.buffer,
+                             read_files=native.read_files)
 
     def _wake(self) -> None:
         """Requests of the prefetch buffer ended (on the stores' event loop): a coordinator waiting for room
