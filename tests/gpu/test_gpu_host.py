@@ -316,8 +316,9 @@ def test_a_staged_batch_parses_as_its_chunks_do_one_by_one(chunks, seed):
         mine = (layout.block_dst >= layout.chunk_out[i]) & (layout.block_dst < layout.chunk_out[i] + nbytes)
         assert (layout.block_dst[mine] - layout.chunk_out[i] == alone.block_dst).all()
         assert (layout.block_shuffle[mine] == alone.block_shuffle).all()
-    # the undamaged chunks, parsed again where they are in buf, decode as numcodecs decodes them
-    clean = [i for i, (_, (_, how, _)) in enumerate(chunks) if how == "none"]
+    # the undamaged chunks, parsed again where they are in buf, decode as numcodecs decodes them (those c-blosc
+    # cannot read either, split "always" above 16 bytes an item, fail both ways: left out)
+    clean = [i for i, (_, (_, how, _)) in enumerate(chunks) if how == "none" and _numcodecs(made[i][0]) is not None]
     layout, faults = frames.parse_blosc_batch(buf, ins[clean], sizes[clean], [made[i][1] for i in clean])
     assert not faults
     if layout.supported and clean:
