@@ -420,3 +420,31 @@ def test_on_a_gpu_hybrid_batches_are_the_cpu_path_s(arrays):
                 assert type(p._executor).__name__ == "HybridExecutor"
                 assert stats.bytes_to_device_host > 0 and stats.bytes_to_device > stats.bytes_to_device_host
         assert all(_same(g, w) for g, w in zip(outs["hybrid"], outs["cpu"])), name
+
+
+def test_a_slow_host_part_does_not_hold_back_the_batches_before_it(arrays, hybrid, monkeypatch):
+    """The GPU part of batch k+1 waits for its host part before writing; that wait must not hold back the decode
+    and delivery of batch k, whose chunks may still be in the wave the GPU side has open (the reviewer's
+    trace: batch 0 finished only after the host parts of batches 1 and 2)."""
+    z, data = arrays["v3-zstd-u16-missing"]
+    samples = _samples(_uri(z), data.shape, (6, 20, 13), 12, seed=1)
+    hybrid.fraction = 0.5
+    events: list = []
+    cpu_done, gpu_done = hybrids.HybridExecutor._cpu_done, hybrids.HybridExecutor._gpu_done
+
+    def slow_cpu(self, parts):  # each host part is complete 0.3 s after the one before
+        time.sleep(0.3)
+        cpu_done(self, parts)
+        events.append(("host", parts.job.plan.batch_id))
+
+    def logged_gpu(self, parts, gpu_job):
+        events.append(("done", parts.job.plan.batch_id))
+        gpu_done(self, parts, gpu_job)
+
+    monkeypatch.setattr(hybrids.HybridExecutor, "_cpu_done", slow_cpu)
+    monkeypatch.setattr(hybrids.HybridExecutor, "_gpu_done", logged_gpu)
+    out, _ = _run(samples, lookahead_batches=3)
+    ref, _ = _on_cpu(samples, lookahead_batches=3)
+    assert all(_same(a, b) for a, b in zip(out, ref)) and len(out) == len(ref) == 3
+    order = [e for e in events if e in (("done", 0), ("host", 1), ("host", 2))]
+    assert order.index(("done", 0)) < order.index(("host", 2)), events

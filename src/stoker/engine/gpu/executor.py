@@ -431,6 +431,8 @@ class GpuDecodeExecutor(SlotsDelivery):
                             item = None
                     return
                 b = _Batch(*item, self)
+                if b.target.before is not None:  # its start may wait (the hybrid's host part): the chunks and
+                    self._hand_wave()             # ends of the batches before it go first, not behind that wait
                 self._hand(("start", b, None))
                 counts = dict.fromkeys(_COUNTS, 0)
                 try:
@@ -570,6 +572,8 @@ class GpuDecodeExecutor(SlotsDelivery):
                         continue
                     self._flush(data)  # (gives the staging back, once; each batch's error its own)
                 elif kind == "start":
+                    if b.target.before is not None and self._finishing:  # before its wait (the hybrid's host
+                        self._check_wave()  # part): the batches whose wave was queued last are finished first
                     try:
                         self._begin(b)
                     except BaseException as exc:  # noqa: BLE001
