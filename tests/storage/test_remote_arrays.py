@@ -1371,3 +1371,28 @@ def test_a_short_shard_is_blamed_on_its_own_array_not_one_at_the_same_key_elsewh
         with pytest.raises(stoker.DecodeError, match="shorter than its index claims") as info:
             p.pop()
     assert info.value.uri == uris[1], info.value
+
+
+def test_a_remote_v3_array_s_zarr_json_is_requested_once_for_its_metadata_and_attributes(tmp_path):
+    """A pipeline decoding CF attributes (Config.cf, the default) reads them from the zarr.json its metadata
+    came from: one request for that document, not a second one for the attributes; and they are applied."""
+    root = str(tmp_path / "data")
+    data = np.arange(24 * 20, dtype=np.int16).reshape(24, 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        arr = zarr.create_array(os.path.join(root, "t.zarr"), shape=data.shape, chunks=(8, 10), dtype="int16",
+                                attributes={"scale_factor": 0.5, "add_offset": 10.0})
+        arr[:] = data
+    http = RangeServer(root)
+    try:
+        cfg = stoker.Config(batch_size=2, dtype="f32", n_compute_threads=1, pop_timeout_s=30,
+                            storage_options={http.url: dict(FAST)})
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(f"{http.url}/t.zarr", [(0, 8), (0, 10)]),
+                    stoker.Sample(f"{http.url}/t.zarr", [(8, 16), (5, 15)])])
+            got = torch.from_dlpack(p.pop()).clone()
+        assert torch.equal(got[0], torch.from_numpy(data[0:8, 0:10] * np.float32(0.5) + np.float32(10.0)))
+        assert torch.equal(got[1], torch.from_numpy(data[8:16, 5:15] * np.float32(0.5) + np.float32(10.0)))
+        assert [p for p in http.paths if p.endswith("t.zarr/zarr.json")] == ["/t.zarr/zarr.json"], http.paths
+    finally:
+        http.stop()

@@ -32,7 +32,7 @@ from ..storage.store import get_each, get_many, stamp
 from ..storage.locate import Stores, default_stores, locate
 from ..zarr.fields import show
 from ..zarr.grid import chunk_intersections, grid_shape
-from ..zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3, renamed
+from ..zarr.metadata import ArrayMetadata, parse_json, parse_v2, parse_v3, renamed, with_document
 from ..zarr.sharding import EMPTY_ENTRY, ShardingSpec
 from . import metacache
 
@@ -208,7 +208,8 @@ def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMet
     if own is not None:
         key, raw = own
         if key.endswith("zarr.json"):
-            return _v3(parse_json(raw, uri, "zarr.json"), uri)
+            doc = parse_json(raw, uri, "zarr.json")
+            return with_document(_v3(doc, uri), doc)  # its attributes: a request spared (reader.coords)
         return parse_v2(parse_json(raw, uri, ".zarray"), uri)
     if hierarchy.exists(join(".zgroup")):
         raise _v2_group(uri)

@@ -76,6 +76,8 @@ def _documents_of(reader: ArrayReader, stores: Stores | None = None,
         return got
     uri = reader.uri
     known = _consolidated(reader, stores, options) or {}
+    if not known and reader.metadata.document is not None:  # the zarr.json its metadata was read from
+        known = {"zarr.json": reader.metadata.document}
     read = (lambda name: known[name] if name in known else _read(reader, name))
     if reader.zarr_format == 3:
         doc = read("zarr.json") or {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,9 @@ class ArrayMetadata:
     key_encoding: ChunkKeyEncoding
     codec: ChunkCodec  # decodes one read chunk
     sharding: ShardingSpec | None = None
+    #: the v3 ``zarr.json`` it was parsed from, where a store's read kept it (its attributes and dimension
+    #: names are then read from it, not requested again: stoker.reader.coords); read-only, never compared
+    document: dict | None = field(default=None, compare=False, repr=False)
 
     @property
     def ndim(self) -> int:
@@ -90,6 +93,12 @@ def _renamed_codec(codec: ChunkCodec, uri: str) -> ChunkCodec:
 
 def _renamed_spec(spec: ShardingSpec, uri: str) -> ShardingSpec:
     return _with(spec, inner=_renamed_codec(spec.inner, uri))
+
+
+def with_document(meta: ArrayMetadata, doc: dict) -> ArrayMetadata:
+    """``meta`` (parsed from ``doc``, a v3 ``zarr.json``) keeping ``doc`` for what else it says (attributes,
+    dimension names), so nothing requests the document again."""
+    return _with(meta, document=doc)
 
 
 def _with(obj: Any, **fields: Any) -> Any:
