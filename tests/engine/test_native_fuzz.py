@@ -942,7 +942,7 @@ def test_regions_and_batch_targets(work, data):
     expect_error = (out_len < nbytes or start < 0 or stop > nbytes or start > stop or offset < -1 or length < 0
                     or offset > 2**63 - 1 - length)
     if use_dst:
-        expect_error |= not dst_fields[0] or dst_fields[1] < 0 or not 0 <= dst_fields[2] <= 2
+        expect_error |= not dst_fields[0] or dst_fields[1] < 0 or not 0 <= dst_fields[2] < native.N_DST_KINDS
     try:
         results = native_testing.decode_files(native.CODEC_ZSTD, [str(path)], [region],
                                               np.empty(len(frame) + 10, np.uint8), [out.view], nbytes, None, dst)
