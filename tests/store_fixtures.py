@@ -89,6 +89,19 @@ class MotoS3:
         self.server.stop()
 
 
+def written_tree_fixture(write):
+    """A fixture: a folder "data" of the test's tmp_path holding what ``write(root, 1)`` writes (generation 1 of
+    the module's arrays), its path. In a test module: ``data = written_tree_fixture(_write)``."""
+
+    @pytest.fixture
+    def data(tmp_path):
+        root = str(tmp_path / "data")
+        write(root, 1)
+        return root
+
+    return data
+
+
 def empty_s3_fixture():
     """A module-scoped fixture: moto's S3 server with an empty bucket, stopped after the module's tests (which
     upload under prefixes of their own). In a test module: ``s3 = empty_s3_fixture()``."""

@@ -14,7 +14,7 @@ import zarr
 import stoker
 from stoker.inference.background import BackgroundWriter
 
-from .test_writer import SHAPE, reference, run
+from .test_writer import reference, run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,14 +116,6 @@ def test_the_blend_is_the_same_whatever_the_threads_and_the_bound(volume, tmp_pa
     writer, _ = run(uri, out, "hann", 2, write_threads=threads, write_bytes=nbytes)
     np.testing.assert_allclose(zarr.open_array(out, mode="r")[:], reference(data, "hann", 2), rtol=2e-7, atol=0)
     assert writer.written == len(writer.record.done()) == 4 * 4 * 3
-
-
-@pytest.fixture(scope="module")
-def volume(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vol")
-    data = np.random.default_rng(0).random(SHAPE).astype("f4")
-    zarr.create_array(str(root / "in.zarr"), shape=SHAPE, chunks=(5, 8, 7), dtype="f4")[:] = data
-    return str(root / "in.zarr"), data
 
 
 

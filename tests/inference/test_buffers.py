@@ -18,14 +18,6 @@ pytestmark = pytest.mark.timeout(120)
 MIB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def volume(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vol")
-    data = np.random.default_rng(0).random(SHAPE).astype("f4")
-    zarr.create_array(str(root / "in.zarr"), shape=SHAPE, chunks=(5, 8, 7), dtype="f4")[:] = data
-    return str(root / "in.zarr"), data
-
-
 def test_a_buffer_given_back_is_taken_again_zeroed():
     pool = BufferPool(max_bytes=4 * MIB)
     a = pool.take((8, 16), np.float64)

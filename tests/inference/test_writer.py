@@ -25,15 +25,6 @@ SHAPE = (13, 29, 17)
 TILE, STRIDE, CROP = (8, 10, 9), (4, 6, 5), 2
 
 
-@pytest.fixture(scope="module")
-def volume(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vol")
-    data = np.random.default_rng(0).random(SHAPE).astype("f4")
-    a = zarr.create_array(str(root / "in.zarr"), shape=SHAPE, chunks=(5, 8, 7), dtype="f4")
-    a[:] = data
-    return str(root / "in.zarr"), data
-
-
 def model(x: torch.Tensor, channels: int) -> torch.Tensor:
     """A tiny 'model' whose output differs per tile position, so blending has something to mix."""
     corner = x[(slice(None),) + (slice(0, 1),) * (x.dim() - 1)]  # elementwise only: the same in any batch size

@@ -32,7 +32,7 @@ from stoker.storage.locate import Stores, locate
 from stoker.storage.store import ByteRange
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, empty_s3_fixture, read_tree
+from store_fixtures import BUCKET, empty_s3_fixture, written_tree_fixture, read_tree
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,11 +58,7 @@ def _oracle(root: str, path: str) -> np.ndarray:
 s3 = empty_s3_fixture()
 
 
-@pytest.fixture
-def data(tmp_path):
-    root = str(tmp_path / "data")
-    _write(root, 1)
-    return root
+data = written_tree_fixture(_write)
 
 
 @pytest.fixture(params=["s3", "http"])

@@ -23,7 +23,7 @@ from stoker.storage import ByteRange, ObjectStore
 from stoker.storage.prefetch import PrefetchBuffer, PrefetchStore
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, empty_s3_fixture, read_tree
+from store_fixtures import BUCKET, empty_s3_fixture, written_tree_fixture, read_tree
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -93,11 +93,7 @@ def _until(what, timeout: float = 20.0) -> bool:
 s3 = empty_s3_fixture()
 
 
-@pytest.fixture
-def data(tmp_path):
-    root = str(tmp_path / "data")
-    _write(root, 1)
-    return root
+data = written_tree_fixture(_write)
 
 
 @pytest.fixture

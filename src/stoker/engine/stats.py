@@ -174,7 +174,6 @@ class Stats(Amplification):
         """CPU seconds of the coordinator thread per batch emitted."""
         return self.coordinator_seconds / self.batches_emitted if self.batches_emitted else 0.0
 
-
     def __str__(self) -> str:
         lines = [f"{'stage':<10}{'seconds':>10}{'count':>10}{'MB in':>12}{'MB out':>12}"]
         for name in STAGES:
