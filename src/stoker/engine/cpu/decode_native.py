@@ -332,18 +332,11 @@ class NativeDecoder:
     def _source(self, reader, dtype: torch.dtype, kind: int | None) -> _Source:
         """The engine's description of ``reader``'s array, kept per reader: a reader's metadata never changes,
         and a batch of arrays new to the set (many small arrays) asks for each every batch."""
-        key = (id(reader), dtype, kind)  # a kept entry holds its reader: the id stays its own
-        held = self._sources.get(key)
-        if held is not None and held[0] is reader:
-            return held[1]
-        if reader.kv.is_local:  # a local array: described once per process
-            source = shared_source(reader, dtype, kind, self.budget_bytes)
-        else:  # an array in a store: the store is this pipeline's, and so is its _Source
-            source = _Source(reader, dtype, kind, self.budget_bytes)
-        if len(self._sources) >= SHARED_SOURCES:
-            self._sources.clear()
-        self._sources[key] = (reader, source)
-        return source
+        # a local array: described once per process; an array in a store: the store is this pipeline's, and so
+        # is its _Source
+        return _kept(self._sources, (id(reader), dtype, kind), reader,
+                     lambda: shared_source(reader, dtype, kind, self.budget_bytes) if reader.kv.is_local
+                     else _Source(reader, dtype, kind, self.budget_bytes))
 
     def _source_set(self, readers: list, dtype: torch.dtype, kind: int | None) -> "_SourceSet":
         """The engine's view of a batch's arrays, kept while the same arrays come again (a training run over

@@ -68,6 +68,11 @@ __all__ = ["GPU_HOST_SHARE", "HybridExecutor"]
 GPU_HOST_SHARE = 0.25
 
 
+def _gpu_part_config(cfg: Config) -> Config:
+    """``cfg`` for the GPU part: its share of ``host_buffer_bytes`` (at least 1 MiB) for its staging."""
+    return dataclasses.replace(cfg, host_buffer_bytes=max(1 << 20, int(cfg.host_buffer_bytes * GPU_HOST_SHARE)))
+
+
 @dataclasses.dataclass
 class _Target(Target):
     """A hybrid batch's target: the delivered slot's (``gpu``, the GPU part's) and the host part's."""
@@ -126,10 +131,9 @@ class HybridExecutor:
         self.cfg = cfg
         self.device = device
         self.stats = stats
-        gpu_bytes = max(1 << 20, int(cfg.host_buffer_bytes * GPU_HOST_SHARE))
-        self._split = (gpu_bytes, cfg.host_buffer_bytes - gpu_bytes)
-        self.gpu = gpu or GpuDecodeExecutor(dataclasses.replace(cfg, host_buffer_bytes=gpu_bytes), device, stats,
-                                            store)
+        gpu_cfg = _gpu_part_config(cfg)
+        self._split = (gpu_cfg.host_buffer_bytes, cfg.host_buffer_bytes - gpu_cfg.host_buffer_bytes)
+        self.gpu = gpu or GpuDecodeExecutor(gpu_cfg, device, stats, store)
         self.cpu = cpu or HostPart(dataclasses.replace(cfg, host_buffer_bytes=max(1 << 20, self._split[1])),
                                    device, stats, store)
         self.shares = shares or Shares()
@@ -147,10 +151,8 @@ class HybridExecutor:
         from ..gpu.reference import HostDecoder
 
         device = torch.device("cpu")
-        gpu_bytes = max(1 << 20, int(cfg.host_buffer_bytes * GPU_HOST_SHARE))
         make = decoder or (lambda stream: HostDecoder(max_stream_bytes))
-        gpu = GpuDecodeExecutor(dataclasses.replace(cfg, host_buffer_bytes=gpu_bytes), device, stats, store,
-                                decoder=make)
+        gpu = GpuDecodeExecutor(_gpu_part_config(cfg), device, stats, store, decoder=make)
         return cls(cfg, device, stats, store, gpu=gpu, shares=shares)
 
     # -- memory -----------------------------------------------------------------------------------

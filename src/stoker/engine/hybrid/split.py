@@ -42,7 +42,6 @@ class Shares:
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._rates: dict[str, float] = {}
         self.fixed = fixed
-        self.batches = {"cpu": 0, "gpu": 0}  # batches each side has reported
 
     def record(self, side: str, nbytes: int, seconds: float) -> None:
         """``side`` ("cpu" or "gpu") decoded and placed ``nbytes`` in ``seconds`` of its own work."""
@@ -52,12 +51,6 @@ class Shares:
         with self._lock:
             old = self._rates.get(side)
             self._rates[side] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
-            self.batches[side] += 1
-
-    def rate(self, side: str) -> float | None:
-        """``side``'s smoothed rate in bytes/s, or None before its first measured batch."""
-        with self._lock:
-            return self._rates.get(side)
 
     def gpu_fraction(self) -> float:
         """The share of a batch's decoded bytes the GPU decode should place: its rate over both (one half
