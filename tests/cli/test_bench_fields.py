@@ -9,7 +9,8 @@ import torch
 import zarr
 
 from stoker import Pipeline
-from stoker.bench.fields import (MASK_SCALE, FieldCrops, TensorstoreFields, prepare, split, stoker_config)
+from stoker.bench.fields import MASK_SCALE, FieldCrops, TensorstoreFields, prepare, stoker_config
+from stoker.bench.runner import split_batches as split
 from stoker.cli import main
 from stoker.engine.batch import to_tensors
 

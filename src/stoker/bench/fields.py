@@ -38,7 +38,7 @@ from ..sampling.sample import Sample
 from ..sampling.samplers import RandomCrops, SampleList, SampleSource
 from ..storage.fsutil import write_once
 from .datasets import VolumeSpec, ensure, warm_page_cache
-from .runner import Result, RssSampler, cpu_breakdown, interleaved
+from .runner import Result, RssSampler, cpu_breakdown, interleaved, split_batches
 
 LOOKAHEAD = 3
 WORKERS = 2  # the DataLoader peers' workers, as the issue asks
@@ -163,10 +163,6 @@ def draw(source: SampleSource, n: int) -> list[Sample]:
     return [next(it) for _ in range(n)]
 
 
-def split(samples: list[Sample], b: int) -> list[list[Sample]]:
-    return [samples[i:i + b] for i in range(0, len(samples) - b + 1, b)]
-
-
 def _box(sample: Sample) -> tuple[slice, ...]:
     return tuple(slice(a, c) for a, c in sample.aabb or ())
 
@@ -273,7 +269,7 @@ def run_tensorstore(sc: FieldsScenario, samples: list[Sample], n_batches: int, m
     before the current one is assembled (after a warm-up batch that opens the arrays)."""
     dtypes = {n: _NUMPY[d] for n, d in _dtypes(sc).items()}
     peer = TensorstoreFields(dtypes, mask_uri)
-    batches = split(samples, sc.batch_size)[:n_batches]
+    batches = split_batches(samples, sc.batch_size)[:n_batches]
     with RssSampler() as rss:
         peer.assemble(peer.issue(batches[0]), batches[0])
         t0 = time.perf_counter()

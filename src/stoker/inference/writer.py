@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..dist.collectives import active_group, barrier, resolve_rank
+from ..dist.collectives import active_group, all_gather_object, barrier, resolve_rank
 from ..errors import InvalidArgument
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
@@ -284,8 +284,7 @@ class TileWriter:
         dist = active_group(self.group)
         if dist is None or self.world_size == 1:
             return parts[0] if self.world_size == 1 else parts[self.rank]
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, parts, group=self.group)
+        everyone = all_gather_object(parts, self.group)
         return [part for sent in everyone for part in sent[self.rank]]
 
     def _receive(self, parts: list[Part]) -> None:
@@ -352,9 +351,11 @@ class TileWriter:
                 np.copyto(out, np.asarray(self.array.fill_value, dtype=out.dtype), where=~reached)
             spent = [out]
         else:
-            scratch = self._pool.take(region.full, np.float64, zero=False)  # this thread's, for the fold
-            if region.wsum is None:
+            spent = []
+            if region.wsum is None:  # its parts kept: summed now, through a scratch of this thread's
+                scratch = self._pool.take(region.full, np.float64, zero=False)
                 region.fold(self._pool, lambda shape: scratch.reshape(-1)[:int(np.prod(shape))].reshape(shape))
+                spent.append(scratch)
             assert region.values is not None and region.wsum is not None
             out = self._pool.take(region.full, self.dtype, zero=False)
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -368,7 +369,7 @@ class TileWriter:
             if not reached.all():  # voxels no tile reached keep the fill value
                 np.copyto(out, np.asarray(self.array.fill_value or 0, dtype=np.float64), where=~reached,
                           casting="unsafe")
-            spent = [region.values, region.wsum, out, scratch]
+            spent += [region.values, region.wsum, out]
         with writing(self.uri, f"region {r} (voxels {region.box})"):
             self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
         for buf in spent:  # zarr-python is done with them: the next regions' accumulators

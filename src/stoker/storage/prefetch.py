@@ -159,7 +159,7 @@ class PrefetchBuffer:
                 if ident[:2] in self._changed:
                     c.skipped += 1
                 elif entry is not None:
-                    if entry.mark >= pushed and entry.seq < seq and _may_serve(entry):  # same bytes, one request
+                    if entry.mark >= pushed and entry.seq < seq and _usable(entry, True):  # same bytes, one request
                         entry.uses += 1
                         entry.seq = seq
                         c.shared += 1
@@ -358,12 +358,9 @@ def _calls(asked: list, per_call: int) -> list[list]:
     return [entries for _, entries in calls]
 
 
-def _may_serve(entry: _Entry) -> bool:
-    """Whether ``entry`` may still serve a read: in flight, or arrived with its bytes."""
-    return not entry.future.done() or entry.future.result() is not None
-
-
 def _usable(entry: _Entry, wait: bool) -> bool:
+    """Whether ``entry`` may serve a read now: arrived with its bytes, or still in flight when the read may
+    ``wait`` for it."""
     if not entry.future.done():
         return wait
     return entry.future.result() is not None
