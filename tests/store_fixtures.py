@@ -89,6 +89,11 @@ class MotoS3:
         self.server.stop()
 
 
+def zarr_values(root: str, path: str):
+    """zarr-python's values of the whole array at ``path`` under the folder ``root`` (the tests' oracle)."""
+    return zarr.open_array(os.path.join(root, path), mode="r")[...]
+
+
 def written_tree_fixture(write):
     """A fixture: a folder "data" of the test's tmp_path holding what ``write(root, 1)`` writes (generation 1 of
     the module's arrays), its path. In a test module: ``data = written_tree_fixture(_write)``."""

@@ -73,12 +73,7 @@ def test_segmentation_guide_runs(tmp_path, monkeypatch):
 @pytest.mark.timeout(180)
 def test_forecasting_guide_runs(tmp_path, monkeypatch):
     xr = pytest.importorskip("xarray")
-    try:
-        ns = run_page("forecasting.md", tmp_path, monkeypatch)
-    except stoker.NotYetSupported as exc:
-        if "RandomCrops over fields with region=" in str(exc):
-            pytest.skip("RandomCrops over fields with region= is not in this tree yet (the guide uses it)")
-        raise
+    ns = run_page("forecasting.md", tmp_path, monkeypatch)
     look, samples, time = ns["look"], ns["samples"], ns["time"]
     assert {k: tuple(v.shape) for k, v in look.items()} == {"inputs": (4, 3, 2, 16, 32),
                                                           "target": (4, 3, 1, 16, 32)}

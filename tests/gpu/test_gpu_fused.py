@@ -158,7 +158,7 @@ def test_copies_longer_than_a_launch_are_placed_in_parts(arrays, placements, mon
     monkeypatch.setattr(fused, "MAX_BLOCKS", 2)
     monkeypatch.setattr(fused, "BLOCK", 64)
     batches = _run(placements, "fused", samples, "bf16")
-    assert all(_same_bits(r, g) for r, g in zip(reference, batches))
+    assert batches and all(_same_bits(r, g) for r, g in zip(reference, batches, strict=True))
 
 
 @interpreted
@@ -172,11 +172,12 @@ def test_padding_fields_and_channels(arrays, placements):
     for mode in ("fill", "reflect", "edge"):
         samples = [stoker.Sample([u16, i16], box, pad=mode) for box in boxes]
         ref, got = (_run(placements, using, samples, "bf16") for using in ("torch", "fused"))
-        assert all(_same_bits(r, g) for r, g in zip(ref, got)), mode
+        assert got and all(_same_bits(r, g) for r, g in zip(ref, got, strict=True)), mode
     fields = [stoker.Sample({"img": ([u16, i16], box), "mask": (b8, box)}, pad="edge") for box in boxes]
     ref, got = (_run(placements, using, fields, {"img": "f16", "mask": "i64"}) for using in ("torch", "fused"))
     assert {ex.placement for ex in placements.made[-2:]} == {"fused"}  # both fields' executors
-    for r, g in zip(ref, got):
+    assert got
+    for r, g in zip(ref, got, strict=True):
         assert r.keys() == g.keys() == {"img", "mask"}
         assert all(_same_bits(r[k], g[k]) for k in r)
 
@@ -205,14 +206,18 @@ def test_cf_decoding_after_the_kernels(tmp_path, placements):
     """CF attributes (packed int16, float fills) decoded on the stream after the kernels placed and filled the
     batch, and before the transform: the torch ops' batches, bit for bit."""
     pytest.importorskip("xarray")
-    from cf_data import VARS, boxes, write_dataset
+    from cf_data import VARS, boxes, check_batches_equal_xarray, write_dataset
 
     path = write_dataset(tmp_path, 3)
     samples = [stoker.Sample([os.path.join(path, v) for v in VARS], box) for box in boxes(6)]
     for dtype in ("f32", "bf16"):
         ref, got = (_run(placements, using, samples, dtype, cf=True, batch_size=2) for using in ("torch", "fused"))
         assert placements.made[-1].cf_work
-        assert all(_same_bits(r, g) for r, g in zip(ref, got)), dtype
+        assert got and all(_same_bits(r, g) for r, g in zip(ref, got, strict=True)), dtype
+    placements.using = "fused"  # and xarray's decoded values
+    check_batches_equal_xarray(stoker.Config(batch_size=2, dtype="f32", device="cpu", n_compute_threads=1,
+                                             host_buffer_bytes=64 << 20, device_buffer_bytes=64 << 20, cf=True), path)
+    assert placements.made[-1].placement == "fused"
 
 
 @interpreted

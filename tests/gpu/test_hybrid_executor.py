@@ -184,7 +184,7 @@ def test_fields_and_a_transform_are_the_cpu_path_s(arrays, hybrid):
     plain = _samples(_uri(z), data.shape, (6, 10, 10), 8, seed=9)
     got, _ = _run(plain, dtype="bf16", transform=scale)
     want, _ = _on_cpu(plain, dtype="bf16", transform=scale)
-    assert all(_same(g, w) for g, w in zip(got, want))
+    assert got and all(_same(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_cf_attributes_are_decoded_as_on_the_cpu_path(tmp_path, hybrid):
@@ -197,7 +197,8 @@ def test_cf_attributes_are_decoded_as_on_the_cpu_path(tmp_path, hybrid):
         for dtype in ("f32", "bf16"):
             got, _ = _run(samples, dtype=dtype)
             want, _ = _on_cpu(samples, dtype=dtype)
-            assert all(_same(g, w) for g, w in zip(got, want)), (var, dtype)
+            assert got and all(_same(g, w) for g, w in zip(got, want, strict=True)), (var, dtype)
+    cf_data.check_batches_equal_xarray(_cfg(dtype="f32"), path)  # and xarray's decoded values, on both parts
 
 
 # -- the split --------------------------------------------------------------------------------------------------
@@ -419,7 +420,7 @@ def test_on_a_gpu_hybrid_batches_are_the_cpu_path_s(arrays):
             if where == "hybrid":
                 assert type(p._executor).__name__ == "HybridExecutor"
                 assert stats.bytes_to_device_host > 0 and stats.bytes_to_device > stats.bytes_to_device_host
-        assert all(_same(g, w) for g, w in zip(outs["hybrid"], outs["cpu"])), name
+        assert outs["hybrid"] and all(_same(g, w) for g, w in zip(outs["hybrid"], outs["cpu"], strict=True)), name
 
 
 def test_a_slow_host_part_does_not_hold_back_the_batches_before_it(arrays, hybrid, monkeypatch):

@@ -32,7 +32,7 @@ from stoker.storage.locate import Stores, locate
 from stoker.storage.store import ByteRange
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, empty_s3_fixture, written_tree_fixture, read_tree
+from store_fixtures import BUCKET, empty_s3_fixture, read_tree, written_tree_fixture, zarr_values
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,10 +49,6 @@ def _write(root: str, seed: int) -> None:
     for path, spec in ARRAYS.items():
         arr = zarr.create_array(os.path.join(root, path), shape=SHAPE, overwrite=True, **spec)
         arr[...] = rng.integers(0, 5000, size=SHAPE).astype(spec["dtype"])
-
-
-def _oracle(root: str, path: str) -> np.ndarray:
-    return zarr.open_array(os.path.join(root, path), mode="r")[...]
 
 
 s3 = empty_s3_fixture()
@@ -89,7 +85,7 @@ def _read_all(root_uri: str, options: dict, stores: Stores | None = None) -> dic
 
 def _check(got: dict, root: str) -> None:
     for path, crops in got.items():
-        want = _oracle(root, path)
+        want = zarr_values(root, path)
         for box, crop in zip(BOXES, crops):
             np.testing.assert_array_equal(crop, want[box])
 
@@ -169,14 +165,14 @@ def test_a_pipeline_reads_new_data_after_the_staleness_bound(s3, data, tmp_path,
     with stoker.Pipeline(cfg) as p:
         for _ in range(2):
             for got, box in zip(epoch(p), boxes):
-                np.testing.assert_array_equal(got, _oracle(data, path)[tuple(slice(*s) for s in box)])
+                np.testing.assert_array_equal(got, zarr_values(data, path)[tuple(slice(*s) for s in box)])
             assert cache.flush(30)
         assert cache.hits > 0 and cache.written > 0  # the second epoch was served from disk
         _write(data, 3)
         s3.upload(read_tree(data), prefix)
         time.sleep(0.6)
         for got, box in zip(epoch(p), boxes):
-            np.testing.assert_array_equal(got, _oracle(data, path)[tuple(slice(*s) for s in box)])
+            np.testing.assert_array_equal(got, zarr_values(data, path)[tuple(slice(*s) for s in box)])
 
 
 def _reader(args) -> tuple[int, int, int, int]:
@@ -209,7 +205,7 @@ def test_four_processes_share_one_folder_under_eviction_pressure(s3, data, tmp_p
     biggest = max(len(v) for k, v in values.items() if "/c/" in k) + 512  # an entry: a value and its header
     bound = chunk_bytes // 3  # far less than one pass reads: entries are evicted all the time
     options = {**s3.options, **FAST, "cache_dir": str(tmp_path / "shared"), "cache_bytes": bound}
-    want = {path: _oracle(data, path) for path in ARRAYS}
+    want = {path: zarr_values(data, path) for path in ARRAYS}
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(4) as pool:
         results = pool.map(_reader, [(f"s3://{BUCKET}/{prefix}", options, want, 4, seed) for seed in range(4)],

@@ -23,7 +23,7 @@ from stoker.storage import ByteRange, ObjectStore
 from stoker.storage.prefetch import PrefetchBuffer, PrefetchStore
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, empty_s3_fixture, written_tree_fixture, read_tree
+from store_fixtures import BUCKET, empty_s3_fixture, read_tree, written_tree_fixture, zarr_values
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,10 +45,6 @@ def _write(root: str, seed: int, hole: bool = False) -> None:
         if hole:
             data.reshape(2, 32, 4, 64)[:, :8, :, :8] = 0
         arr[...] = data
-
-
-def _oracle(root: str, path: str) -> np.ndarray:
-    return zarr.open_array(os.path.join(root, path), mode="r")[...]
 
 
 def _boxes(n: int, seed: int = 3, size: tuple[int, int] = (12, 20)) -> list[list[tuple[int, int]]]:
@@ -123,7 +119,7 @@ def test_every_batch_equals_zarr_python_with_prefetch(kind, path, s3, http, data
         http.latency_s = 0.02
         uri, options = http.url, {http.url + "/": FAST}
     boxes = _boxes(48)
-    want = _oracle(data, path)
+    want = zarr_values(data, path)
     with stoker.Pipeline(_config(options)) as p:
         p.push([stoker.Sample(f"{uri}/{path}", box) for box in boxes])
         for k in range(len(boxes) // 4):
@@ -163,7 +159,7 @@ def test_the_chunks_of_later_batches_are_requested_before_the_first_pop(http, pr
         else:
             time.sleep(1.0)
             assert not any(x in http.paths for x in later), http.paths
-        want = _oracle(http.root, "plain")
+        want = zarr_values(http.root, "plain")
         for k in range(20):
             got = _pop(p)
             assert np.array_equal(got[0], _crop(want, _chunk_box(2 * k)))
@@ -177,7 +173,7 @@ def test_the_buffer_never_holds_more_than_its_cap(http, path):
     cap = 5 * stored  # a few chunks: most batches fit only in part
     cfg = _config({http.url + "/": FAST}, prefetch_bytes=cap, prefetch_requests=3)
     boxes = _boxes(48, seed=9)
-    want = _oracle(http.root, path)
+    want = zarr_values(http.root, path)
     with stoker.Pipeline(cfg) as p:
         p.push([stoker.Sample(f"{http.url}/{path}", box) for box in boxes])
         for k in range(len(boxes) // 4):
@@ -241,7 +237,7 @@ def test_an_array_rewritten_between_prefetch_and_use_is_read_as_without_prefetch
     # generation their indexes came from); batches pushed after it are the new array's: their ranges, located
     # by the cached old indexes, come back from the new generation, and the indexes and chunks are read anew.
     uri, options, upload = _on_s3(s3, data)
-    old = _oracle(data, "sharded")
+    old = zarr_values(data, "sharded")
     boxes = _boxes(40, seed=4)
     with stoker.Pipeline(_config(options)) as p:
         p.push([stoker.Sample(f"{uri}/sharded", box) for box in boxes[:28]])
@@ -253,7 +249,7 @@ def test_an_array_rewritten_between_prefetch_and_use_is_read_as_without_prefetch
         _until(lambda: _counters(p).started > 0 and _counters(p).requests_in_flight == 0, timeout=5.0)
         _write(data, 2, hole=True)
         upload()
-        new = _oracle(data, "sharded")
+        new = zarr_values(data, "sharded")
         p.push([stoker.Sample(f"{uri}/sharded", box) for box in boxes[28:]])
         for k in range(2, 10):
             got = _pop(p)
@@ -284,7 +280,7 @@ def test_close_with_prefetches_in_flight_returns_promptly(http):
 
 def test_local_arrays_never_prefetch(data, decode_path):
     boxes = _boxes(32)
-    want = _oracle(data, "sharded")
+    want = zarr_values(data, "sharded")
     with stoker.Pipeline(_config(None)) as p:
         p.push([stoker.Sample(os.path.join(data, "sharded"), box) for box in boxes])
         for k in range(len(boxes) // 4):
@@ -337,7 +333,7 @@ def test_a_chunk_asked_for_a_queued_batch_is_shared_by_later_batches(http):
         p.push([stoker.Sample(f"{http.url}/plain", _chunk_box(n % 4)) for n in range(2 * n_batches)])
         chunks = {_chunk_path(n) for n in range(4)}
         assert _until(lambda: _counters(p).shared >= 8), _counters(p)
-        want = _oracle(http.root, "plain")
+        want = zarr_values(http.root, "plain")
         for k in range(n_batches):
             got = _pop(p)
             assert np.array_equal(got[0], _crop(want, _chunk_box((2 * k) % 4))), k
@@ -384,7 +380,7 @@ def test_planning_ahead_goes_on_while_no_slot_is_free(http):
         later = [_chunk_path(n) for n in (16, 17)]  # batch 8
         assert _until(lambda: all(x in http.paths for x in later)), (http.paths, _counters(p))
         assert _counters(p).peak_requests <= 2
-        want = _oracle(http.root, "plain")
+        want = zarr_values(http.root, "plain")
         for k in range(20):
             got = _pop(p)
             assert np.array_equal(got[0], _crop(want, _chunk_box(2 * k)))
