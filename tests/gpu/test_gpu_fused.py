@@ -23,7 +23,7 @@ from stoker.engine.gpu import fused  # noqa: E402
 from stoker.engine.gpu import place as gpu_place  # noqa: E402
 from stoker.engine.gpu.executor import GpuDecodeExecutor  # noqa: E402
 from stoker.engine.pipeline import facade as pipelines  # noqa: E402
-from batch_oracle import bits as _bits, expected as _expected  # noqa: E402
+from batch_oracle import bits as _bits, expected as _expected, random_crops  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:stoker's GPU decode:RuntimeWarning")]
 
@@ -99,10 +99,7 @@ def arrays(tmp_path_factory):
 
 
 def _samples(uri, n=6, seed=3):
-    rng = np.random.default_rng(seed)
-    return [stoker.Sample(uri, [(a, a + c) for a, c in zip([int(rng.integers(0, s - c + 1))
-                                                            for s, c in zip(SHAPE, CROP)], CROP)])
-            for _ in range(n)]
+    return random_crops(uri, SHAPE, CROP, n, seed)
 
 
 def _run(placements, using, samples, dtype, **kw):

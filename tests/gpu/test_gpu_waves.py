@@ -23,6 +23,7 @@ from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.gpu.reference import HostDecoder
 from stoker.engine.pipeline import facade as pipelines
 from stoker.errors import DecodeError, DeviceError
+from batch_oracle import random_crops
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,10 +95,7 @@ def _chunk_box(i):
 
 
 def _crops(uri, n, crop=(12, 24, 24), seed=5):
-    rng = np.random.default_rng(seed)
-    return [stoker.Sample(uri, [(int(a), int(a) + c) for a, c in zip((rng.integers(0, s - c + 1)
-                                                                       for s, c in zip(SHAPE, crop)), crop)])
-            for _ in range(n)]
+    return random_crops(uri, SHAPE, crop, n, seed)
 
 
 def _batches(cfg, samples):
