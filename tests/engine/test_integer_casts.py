@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 SHAPE, CHUNKS = (12, 10), (4, 5)
 BOX = ((1, 11), (2, 9))  # touches all 3 x 2 chunks
 TORCH = {"i32": torch.int32, "i64": torch.int64}
+TORCH_NAMES = {v: k for k, v in TORCH.items()}
 
 
 def _cfg(**kw):
@@ -159,6 +160,32 @@ def test_a_fill_value_that_does_not_fit_names_the_missing_chunk(tmp_path, decode
     assert info.value.key == "c/0/1" and str(2**64 - 1) in str(info.value)
     got = _batches(_cfg(batch_size=1), [stoker.Sample(uri, ((4, 12), (0, 10)))])
     assert torch.equal(got[0][0], torch.from_numpy(z[4:12].astype(np.int64)))
+
+
+@pytest.mark.parametrize("dtype, fill, fits", [
+    ("uint64", 2**64 - 1, {torch.float32}),
+    ("uint64", 2**63 - 1, {torch.int64, torch.float32}),
+    ("uint32", 2**32 - 1, {torch.int64, torch.bfloat16}),
+    ("int64", -2**31, {torch.int32, torch.int64}),
+    ("int64", -2**31 - 1, {torch.int64}),
+    ("uint16", 65535, {torch.int32, torch.int64}),
+])
+def test_check_fill_refuses_a_fill_value_past_an_integer_batch(tmp_path, dtype, fill, fits):
+    """cast.check_fill, the one check of a fill value against the batch dtype (a missing chunk on the Python
+    path, the padding of pad="fill"): on arrays zarr-python wrote, a DtypeMismatch naming the array, the key
+    and the value where it does not fit an integer batch, nothing where it fits or the batch is a float's."""
+    from stoker.engine.cast import check_fill
+
+    z = _write(tmp_path / "a.zarr", np.zeros(SHAPE, dtype), fill_value=fill)
+    reader = stoker.open_array(str(z.store.root))
+    for out in (torch.int32, torch.int64, torch.float32, torch.bfloat16):
+        if out in fits or out.is_floating_point:
+            check_fill(reader, out, "c/0/1")
+            continue
+        with pytest.raises(stoker.DtypeMismatch) as info:
+            check_fill(reader, out, "c/0/1")
+        assert info.value.uri == reader.uri and info.value.key == "c/0/1", (out, info.value)
+        assert f"the value {fill} outside {TORCH_NAMES[out]}" in str(info.value), (out, info.value)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])

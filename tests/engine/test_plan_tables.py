@@ -159,6 +159,23 @@ def test_flat_plan_matches_the_reference(arrays, data):
     _compare([stoker.Sample(arrays[name], box) for name, box in batch], opener, {arrays[name] for name in cold})
 
 
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_copy_rows_are_each_chunks_copies_in_order(arrays, data):
+    """TablePlan.copy_rows (what the GPU placement and the hybrid's split take a subset of chunks' copies by):
+    for any chunks, in any order, each one's copies (TablePlan.copies) chunk after chunk."""
+    opener_cache = {}
+    opener = lambda uri: opener_cache.setdefault(uri, stoker.open_array(uri))  # noqa: E731
+    plan = plan_tables(0, [stoker.Sample(arrays[name], box) for name, box in data.draw(batches(sorted(arrays)))],
+                       opener)
+    ids = np.array(data.draw(st.lists(st.integers(0, plan.n_chunks - 1), unique=True)), np.int64)
+    rows = plan.copy_rows(ids)
+    assert rows.dtype == np.int64 and len(rows) == int(plan.n_copies[ids].sum())
+    got = [(int(plan.copy_row[r]), tuple(plan.copy_chunk_start[r].tolist()), tuple(plan.copy_box_start[r].tolist()),
+            tuple(plan.copy_extent[r].tolist())) for r in rows.tolist()]
+    assert got == [(c.row, c.chunk_start, c.box_start, c.extent) for i in ids.tolist() for c in plan.copies(i)]
+
+
 def test_flat_plan_fills_and_locates_like_the_reader(arrays):
     """A crop over a missing shard, an empty inner chunk and a missing chunk file, in one batch."""
     opener_cache = {}

@@ -224,6 +224,41 @@ def test_the_device_casts_only_what_it_rounds_as_the_cpu_does():
     assert not device_casts(np.dtype("float16"), torch.float32)
 
 
+def test_each_array_is_described_once_per_batch_dtype(arrays, monkeypatch):
+    """sources.Described, which the GPU-decode executor (its chunks' decode and placement) and the hybrid's
+    split (which chunks the device takes) each keep: describe() runs once per reader and batch dtype, and
+    ``on_new`` with it; another reader of the same array is described anew; past LIMIT descriptions, all are
+    dropped and made again as asked. In a hybrid pipeline, each array is described once by each of the two."""
+    from stoker.engine.gpu import sources
+    from stoker.engine.hybrid.executor import HybridExecutor
+
+    calls = []
+    real = sources.describe
+    monkeypatch.setattr(sources, "describe", lambda r, w: calls.append((r.uri, w)) or real(r, w))
+    (zz, dz), (zg, dg) = arrays["zstd-u16"], arrays["gzip-u16"]
+    new: list = []
+    described = sources.Described(on_new=new.append)
+    a, g = stoker.open_array(_uri(zz)), stoker.open_array(_uri(zg))
+    src = described.get(a, torch.float32)
+    assert src.how == sources.ZSTD and described.get(a, torch.float32) is src
+    assert described.get(g, torch.float32).how == sources.CPU and described.get(g, torch.float32) is new[1]
+    half = described.get(a, torch.bfloat16)
+    assert half is not src and half.element == torch.uint16 and new == [src, new[1], half]
+    assert calls == [(a.uri, torch.float32), (g.uri, torch.float32), (a.uri, torch.bfloat16)]
+    again = stoker.open_array(_uri(zz))  # the same array, another reader: described anew
+    assert described.get(again, torch.float32) is not src and len(calls) == 4
+    described.LIMIT = 3
+    described.get(g, torch.bfloat16)  # a fifth: past the limit, the four held are dropped
+    assert described.get(a, torch.float32) is not src and len(calls) == 6 and len(new) == 6
+    calls.clear()
+    samples = _samples(_uri(zz), dz.shape, (5, 9, 9), 8, 1) + _samples(_uri(zg), dg.shape, (5, 9, 9), 8, 2)
+    monkeypatch.setattr(pipelines, "make_executor", lambda cfg, device, stats, store: HybridExecutor.on_host(
+        cfg, stats, store))
+    got, _ = _run(samples, n_compute_threads=2)
+    assert len(got) == 4
+    assert sorted(calls) == sorted([(_uri(zz), torch.float32), (_uri(zg), torch.float32)] * 2), calls
+
+
 def _corrupt(path, key, how):
     f = os.path.join(path, *key.split("/"))
     raw = bytearray(open(f, "rb").read())

@@ -9,7 +9,7 @@
 - ``"i32"`` / ``"i64"``: integer and bool sources only, every value kept exactly; a value that does not
   fit (a uint64 id >= 2**63 into ``"i64"``, one beyond int32's range into ``"i32"``) is a
   :class:`~stoker.errors.DtypeMismatch` naming the array and the chunk (:func:`unfit_range`,
-  :func:`range_error`), never a wrapped id. Float sources are refused (:func:`batch_dtype`).
+  :func:`range_error`; a fill value: :func:`check_fill`), never a wrapped id. Float sources are refused (:func:`batch_dtype`).
 - 32- and 64-bit integer sources into float batches are refused unless ``lossy_casts`` (float32 holds
   integers exactly only up to 2**24, bfloat16 and float16 far fewer: label ids would merge); 8- and
   16-bit integers (images) are allowed.
@@ -113,6 +113,21 @@ def range_error(uri: str, key: str, source: np.dtype, dtype: torch.dtype,
     return DtypeMismatch(
         f"{uri}: chunk {key!r} holds {held} outside {INTEGER_OUTPUTS[dtype]}'s range [{room.min}, {room.max}] "
         f"(source dtype {source}); {wider} to keep every value", uri=uri, key=key, dtype=str(source))
+
+
+def check_fill(reader, dtype: torch.dtype, key: str) -> None:
+    """The :func:`range_error` naming ``reader``'s array and ``key`` (a missing chunk, or the padding) when the
+    array's fill value does not fit the integer batch ``dtype``: it would be written wrapped around
+    (:func:`fill_value_as` casts it unchecked); nothing for a fill value that fits, or a float batch.
+
+    >>> check_fill(stoker.open_array("ids.zarr"), torch.int32, "c/0/1")  # uint32, fill value 2**32 - 1
+    Traceback (most recent call last):
+    stoker.errors.DtypeMismatch: ids.zarr: chunk 'c/0/1' holds the value 4294967295 outside i32's range ...
+    """
+    fill = np.asarray(reader.metadata.fill_value)
+    if unfit_range(fill.reshape(1), dtype) is not None:
+        value = fill.item()
+        raise range_error(reader.uri, key, fill.dtype, dtype, (value, value))
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray | None:

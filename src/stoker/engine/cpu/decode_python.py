@@ -38,7 +38,7 @@ from ...runtime.workers import DaemonPool
 from ...zarr.codecs import blosc
 from . import native
 from ..buffers import Cancelled, Reservation, TransientBudget, size_class
-from ..cast import copy_cast, fill_value_as, range_error, unfit_range
+from ..cast import check_fill, copy_cast, fill_value_as, range_error, unfit_range
 from ..executor import Job
 from ..planning.tasks import ChunkTask, FileRead
 from ..stats import StatsRecorder
@@ -507,10 +507,7 @@ class PythonDecoder:
     # -- tasks ------------------------------------------------------------------------------
 
     def _fill(self, job: Job, task: ChunkTask, fill: torch.Tensor) -> None:
-        reader = job.plan.sources[task.source]
-        if unfit_range(reader.metadata.fill_value, job.out.dtype) is not None:  # ``fill``: it wrapped around
-            value = int(reader.metadata.fill_value)
-            raise range_error(reader.uri, task.key, reader.metadata.codec.dtype, job.out.dtype, (value, value))
+        check_fill(job.plan.sources[task.source], job.out.dtype, task.key)  # else ``fill`` wrapped around
         t0 = time.perf_counter()
         for c in task.copies:
             job.out[c.dst].fill_(fill)

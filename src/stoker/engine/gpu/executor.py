@@ -80,7 +80,7 @@ from .layout import layout_of
 from .ops import upload
 from ..planning.padding import fill_padding
 from ..cpu.cf import RowDecode, plan_decoder
-from .sources import CPU, Source, aligned, describe, device_casts
+from .sources import CPU, Described, Source, aligned, device_casts
 from .staging import Group, Pending, Stager, plan_reads
 from ..planning.tables import TablePlan, plan_tables
 from ..cuda.transfer import EVENT_TYPES
@@ -137,7 +137,7 @@ class GpuDecodeExecutor(SlotsDelivery):
         self._scratch: torch.Tensor | None = None
         self._temp: torch.Tensor | None = None
         self._enc_cap = self._dec_cap = self._transient = 0
-        self._sources: dict[tuple, tuple[ArrayReader, Source]] = {}
+        self._sources = Described(on_new=self._described)
         self._notices = gpu_fallback.Notices()
         # the chunks are read on a few of the compute threads: more contend for the GIL with the submitter
         # (H200, scenario 8: 16 threads gave 831 samples/s where one gave 1,256)
@@ -322,17 +322,13 @@ class GpuDecodeExecutor(SlotsDelivery):
     # -- sources ----------------------------------------------------------------------------------
 
     def _source(self, reader, work: torch.dtype) -> Source:
-        key = (id(reader), work)
-        held = self._sources.get(key)
-        if held is not None and held[0] is reader:
-            return held[1]
-        src = describe(reader, work)  # (host only)
+        return self._sources.get(reader, work)  # (host only)
+
+    def _described(self, src: Source) -> None:
+        """An array described for the first time: the first one decoded on the device after a first batch
+        without one has nvCOMP's scratch made."""
         if src.how != CPU and self._temp is not None and not self._temp.numel():
             self._grow_temp(src)
-        if len(self._sources) > 4096:
-            self._sources.clear()
-        self._sources[key] = (reader, src)
-        return src
 
     # -- batches ----------------------------------------------------------------------------------
 

@@ -30,10 +30,8 @@ def copies(plan: TablePlan, sources: list[Source], dest: torch.Tensor, cids: np.
     """Every copy of chunks ``cids`` as ``(src, dst, extent, strides)``: its first element in the scratch (chunk
     ``cids[i]`` starts at element ``element_base[i]``) and in the flat batch, its extent per axis, and the
     element strides of its chunk in the scratch, one row per copy."""
-    n = plan.n_copies[cids]
-    starts = np.cumsum(n) - n
-    rows = np.repeat(plan.first_copy[cids] - starts, n) + np.arange(int(n.sum()), dtype=np.int64)
-    owner = np.repeat(np.arange(len(cids)), n)
+    rows = plan.copy_rows(cids)
+    owner = np.repeat(np.arange(len(cids)), plan.n_copies[cids])
     if len(cids):
         strides = np.stack([sources[int(s)].strides for s in plan.chunk_source[cids]])[owner]
     else:

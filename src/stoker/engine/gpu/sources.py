@@ -2,13 +2,15 @@
 
 An array's chunks are decoded on the device when its codec is a lone zstd or blosc (plain: no filters,
 native byte order, C order) and the device casts it as the CPU does (:func:`device_casts`); else on the
-CPU, by its own codec, and cast there into the batch dtype (:mod:`.fallback`).
+CPU, by its own codec, and cast there into the batch dtype (:mod:`.fallback`). :class:`Described` keeps each
+array's description per batch dtype (the GPU-decode executor's, and the hybrid executor's split).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -88,3 +90,35 @@ def describe(reader, work: torch.dtype) -> Source:
     fill = int(fill_value_as(reader.metadata.fill_value, work).view(carrier(work)).item())
     return Source(how, why, element, aligned(nbytes), codec.max_stored_nbytes if how != CPU else nbytes,
                   np.array(c_strides(tuple(codec.shape)), np.int64), fill)
+
+
+class Described:
+    """:func:`describe` of each array for each batch dtype, made once and kept while its reader is the same
+    object (a reader is known by identity: another one at a collected reader's address is described anew).
+    ``on_new(src)`` runs for each description made (the GPU-decode executor sizes nvCOMP's scratch then).
+    At most :attr:`LIMIT` are kept: past it they are all dropped and made again as asked.
+
+    >>> described = Described()
+    >>> described.get(reader, torch.float32) is described.get(reader, torch.float32)
+    True
+    """
+
+    LIMIT = 4096
+
+    def __init__(self, on_new: Callable[[Source], None] | None = None) -> None:
+        self._held: dict[tuple, tuple[Any, Source]] = {}  # (id(reader), dtype) -> (reader, its Source)
+        self._on_new = on_new
+
+    def get(self, reader, work: torch.dtype) -> Source:
+        """How ``reader``'s chunks are decoded into a ``work`` batch (:func:`describe`, once)."""
+        key = (id(reader), work)
+        held = self._held.get(key)
+        if held is not None and held[0] is reader:
+            return held[1]
+        src = describe(reader, work)
+        if self._on_new is not None:
+            self._on_new(src)
+        if len(self._held) > self.LIMIT:
+            self._held.clear()
+        self._held[key] = (reader, src)
+        return src

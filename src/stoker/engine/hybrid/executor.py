@@ -49,7 +49,7 @@ import torch
 from ...errors import BudgetExceeded, pipeline_closed
 from ..executor import Delivery, Job, Target
 from ..gpu.executor import GpuDecodeExecutor
-from ..gpu.sources import CPU, describe
+from ..gpu.sources import CPU, Described
 from ..planning.tables import TablePlan, plan_tables
 from .host import HostPart
 from .split import Shares, chunk_costs, split, subset
@@ -140,7 +140,7 @@ class HybridExecutor:
         self.n_slots = self.gpu.n_slots
         self._closing = False
         self._cpu_free = 0.0  # when the CPU part finished its last batch
-        self._how: dict[tuple, tuple[Any, bool]] = {}  # (id(reader), dtype) -> (reader, decoded on the device)
+        self._described = Described()  # each array's codec and cast: whether the device decodes its chunks
 
     @classmethod
     def on_host(cls, cfg: Config, stats: StatsRecorder, store: LocalStore, max_stream_bytes: int = 1 << 24,
@@ -236,16 +236,7 @@ class HybridExecutor:
 
     def _on_device(self, plan: TablePlan, dtype: torch.dtype) -> np.ndarray:
         """Per chunk of ``plan``: whether the device decodes it (its array's codec and cast)."""
-        how = []
-        for reader in plan.sources:
-            key = (id(reader), dtype)
-            held = self._how.get(key)
-            if held is None or held[0] is not reader:
-                if len(self._how) > 4096:
-                    self._how.clear()
-                held = self._how[key] = (reader, describe(reader, dtype).how != CPU)
-            how.append(held[1])
-        return np.array(how, bool)[plan.chunk_source]
+        return np.array([self._described.get(r, dtype).how != CPU for r in plan.sources], bool)[plan.chunk_source]
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
         """Split ``plan`` and start both parts; the job completes when the GPU part has placed its chunks over

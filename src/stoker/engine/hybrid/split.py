@@ -96,10 +96,9 @@ def subset(plan: TablePlan, ids: np.ndarray, pads: tuple[PadCrop, ...] = ()) -> 
     """``plan`` with only chunks ``ids`` (ascending) and their copies: the same batch (samples, rows, sources,
     files, keys), so its copies land where the whole plan's would; ``pads``: the padded crops it fills."""
     ids = np.asarray(ids, np.int64)
-    first, count = plan.first_copy[ids], plan.n_copies[ids]
+    count = plan.n_copies[ids]
     at = (np.cumsum(count) - count).astype(plan.first_copy.dtype)  # each chunk's first copy in the subset
-    # the rows of the chosen chunks' copies, in order: each chunk's run [first, first + count)
-    rows = np.repeat(first - at, count) + np.arange(int(count.sum()), dtype=np.int64)
+    rows = plan.copy_rows(ids)  # the chosen chunks' copies, in order
     return dataclasses.replace(
         plan,
         copy_row=plan.copy_row[rows], copy_chunk_start=plan.copy_chunk_start[rows],

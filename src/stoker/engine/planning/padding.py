@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..cast import fill_value_as, range_error, unfit_range
+from ..cast import check_fill, fill_value_as
 
 #: index operations move elements as integers of their width (torch has no index kernels for uint16-64)
 _CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -134,10 +134,7 @@ def fill_padding(pads: Sequence[PadCrop], sources: Sequence[Any], out: torch.Ten
             value = fills.get(pc.source) if pc.mode == "fill" else 0
             if value is None:
                 reader = sources[pc.source]
-                stored = np.asarray(reader.metadata.fill_value)
-                if unfit_range(stored.reshape(1), out.dtype) is not None:  # an integer batch it does not fit:
-                    raise range_error(reader.uri, "<padding: the array's fill value>", stored.dtype, out.dtype,
-                                      (stored.item(), stored.item()))  # never a wrapped value
-                fill = fill_value_as(stored, out.dtype)
+                check_fill(reader, out.dtype, "<padding: the array's fill value>")  # never a wrapped value
+                fill = fill_value_as(reader.metadata.fill_value, out.dtype)
                 value = fills[pc.source] = (fill.view(carrier) if carrier is not None else fill).item()
             view.index_fill_(fix.axis, dst, value)
