@@ -11,9 +11,12 @@ What is cached: whole values and ranges read by ``get_many``/``start_get_many``,
 ``get_ranges`` (chunks, inner chunks, shard indexes), each under (store URI, key, range, generation) in a
 :class:`~stoker.storage.diskcache.DiskCache`. ``get`` (metadata documents) is never cached.
 
-Generations. A hit needs the object's generation now: it is learnt by a HEAD request (no body; the store's
-``versions``) the first time a key is read through this wrapper, and again once it is older than
-``staleness_s`` (as tensorstore's staleness bound); every fetched answer also states it. An object rewritten
+Generations. A hit needs the object's generation now. Where the store lists (S3, GCS, Azure), they are learnt
+in bulk when an array is opened (:meth:`CachingStore.opened`: a listing of its prefix, 1,000 keys with their
+ETags a request, up to :data:`LIST_KEYS`; made again once older than half of ``staleness_s``); otherwise, and
+for keys past those, by a HEAD request (no body; the store's ``start_versions``) the first time a key is read
+through this wrapper or asked ahead (:meth:`CachingStore.revalidate`), one in flight per key whatever asks;
+again once older than ``staleness_s`` (as tensorstore's staleness bound); every fetched answer also states it. An object rewritten
 has another generation, so its old entries are never served (they age out). :meth:`forget` drops what was
 learnt, so the next read of every key revalidates (``open_array`` outside a pipeline does it at each open;
 a pipeline has its own wrapper, so it revalidates when it starts). A key whose generation the store cannot
