@@ -20,6 +20,7 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 import stoker
+from stoker.storage import cachingstore
 from stoker.storage.diskcache import disk_cache
 from stoker.storage.locate import Stores
 
@@ -132,6 +133,22 @@ def test_a_new_pipeline_over_a_cached_s3_array_lists_it_once_and_gets_nothing(s3
         _epoch(cfg, uri, data, path)
     replaced = _counted(log, prefix, path)
     assert replaced["list"] == 1 and replaced["head"] == 0 and replaced["get"] > 0, replaced
+
+
+def test_a_listing_goes_page_by_page_up_to_its_bound_then_heads(s3, data, tmp_path, monkeypatch):
+    # pages of 5 keys, at most 10 listed: of the 16 objects (and zarr.json), the first 10 in key order come by
+    # two listing requests, the 6 after them by a HEAD each
+    monkeypatch.setattr(cachingstore, "LIST_PAGE", 5)
+    monkeypatch.setattr(cachingstore, "LIST_KEYS", 10)
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/plain"
+    cfg = _config(tmp_path, {f"s3://{BUCKET}/": {**s3.options, **FAST}})
+    _epoch(cfg, uri, data, "plain")
+    with moto_log() as log:
+        _epoch(cfg, uri, data, "plain")
+    assert _counted(log, prefix, "plain") == {"list": 2, "head": 6, "get": 0}
+    heads = sorted(q.rsplit("/plain/", 1)[1] for m, q in log if m == "HEAD")
+    assert heads == ["c/2/2", "c/2/3", "c/3/0", "c/3/1", "c/3/2", "c/3/3"]
 
 
 def test_a_listing_past_the_staleness_bound_is_made_again(s3, data, tmp_path):
