@@ -15,7 +15,8 @@ runs, apply to the next requests in order:
 - ``stop()``: stops listening and closes every open connection (a server gone mid-run).
 
 ``requests`` counts what it was asked (faulty requests included); ``peak_in_flight`` is the most
-requests it answered at once; ``paths`` lists the path of every request, in the order they came.
+requests it answered at once; ``paths`` lists the path of every request, in the order they came, and ``log``
+each one's arrival time (``time.monotonic()``), method and path.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, body: bool) -> None:
         self.server.paths.append(unquote(urlparse(self.path).path))
+        self.server.log.append((time.monotonic(), self.command, unquote(urlparse(self.path).path)))
         fault = self.server.next_fault()
         if self.server.latency_s:
             time.sleep(self.server.latency_s)
@@ -139,6 +141,7 @@ class RangeServer(ThreadingHTTPServer):
         self.etags = True  # False: answers name no version of the file (as some servers do)
         self.requests = 0
         self.paths: list[str] = []
+        self.log: list[tuple[float, str, str]] = []  # (time.monotonic() on arrival, method, path) of each request
         self.in_flight = self.peak_in_flight = 0
         self._faults: list[tuple] = []
         self._lock = threading.Lock()

@@ -1,8 +1,8 @@
 """``stoker bench --store ... --epochs N``: every peer's epochs over the same crops, a row per epoch.
 
 - ``stoker e1`` starts from an empty cache folder (a fresh one each round); ``stoker e2``... read the same
-  crops again in a new pipeline each (as a new training epoch's pipeline: every object revalidated with a
-  HEAD request, no body), after the previous epoch's entries are on disk. Each gets, besides the server's
+  crops again in a new pipeline each (as a new training epoch's pipeline: every object revalidated, by a
+  listing of its array over S3, by a HEAD request over HTTP: no body), after the previous epoch's entries are on disk. Each gets, besides the server's
   requests and bytes per batch, the bytes served from disk per batch (``disk_bytes_per_batch``), so the
   hit rate is disk / (disk + the bytes the server sent).
 - ``tensorstore e1``... share one ``tensorstore.Context`` whose in-memory ``cache_pool`` holds
@@ -104,7 +104,7 @@ def hit_rate(extra: dict) -> float | None:
 def epochs_note() -> str:
     """The table header's words on the epoch peers."""
     return (f"epochs: stoker eN through a local disk cache (e1 from an empty folder; each epoch a new pipeline, "
-            f"objects revalidated by HEAD); tensorstore eN: no disk cache, one context's in-memory cache_pool "
+            f"objects revalidated by a listing of each array over S3, by HEAD over HTTP); tensorstore eN: no disk cache, one context's in-memory cache_pool "
             f"({TS_CACHE_POOL_BYTES >> 30} GiB) kept between epochs, arrays reopened each epoch with "
             f"recheck_cached_data='open' (conditional GETs, 304 without body); zarr eN: zarr-python over obstore "
             f"keeps nothing between epochs; {LOCAL}: the same crops from the local files")

@@ -6,7 +6,8 @@ process's GIL. GET and HEAD; ``Range: bytes=a-b``, ``a-`` and ``-n`` are answere
 ``Content-Range`` (bodies sent with ``sendfile``); a conditional request (``If-None-Match``,
 ``If-Modified-Since``) of an unchanged object gets 304 without a body, as a cache revalidating expects. S3 mode serves path-style requests
 (``/<bucket>/<key>``), the only S3 calls the peers make when reading arrays (ranged and whole
-GETs, HEADs), and ignores signatures: the peers read it anonymously.
+GETs, HEADs, and ListObjectsV2 of an array's keys, which stoker's disk cache revalidates by), and ignores
+signatures: the peers read it anonymously.
 
 Every request, counted, waits ``latency_s`` before it is answered (thread per connection, so requests
 on different connections wait together, as behind a real network). ``GET /_stoker/counters`` (not
@@ -23,7 +24,8 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
+from xml.sax.saxutils import escape
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 COUNTERS = "/_stoker/counters"
@@ -61,6 +63,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.count(0)
         if self.server.latency_s:
             time.sleep(self.server.latency_s)
+        url = urlparse(self.path)
+        if self.server.s3 and "list-type=2" in url.query.split("&"):
+            self._list(parse_qs(url.query), body)
+            return
         path = self._file()
         if path is None or not os.path.isfile(path):
             self._head(404, {"Content-Length": "0"})
@@ -80,7 +86,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._head(416, {"Content-Range": f"bytes */{size}", "Content-Length": "0"})
                 return
             status = 206
-        etag = f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{size:x}"'
+        etag = _etag(st)
         headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes", "ETag": etag,
                    "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True)}
         if _unchanged(self.headers, etag, st.st_mtime):  # a cache revalidating (tensorstore's): no body
@@ -94,6 +100,44 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.sendfile(f, start, end - start)
             self.server.count(end - start, request=False)
 
+    def _list(self, query: dict, body: bool) -> None:
+        """S3's ListObjectsV2 of the bucket (what a disk cache revalidates an array's objects with): the keys
+        under ``prefix`` after ``start-after`` and ``continuation-token`` (the last key of the page before), at
+        most ``max-keys`` (1,000), each with the size and ETag its HEAD states."""
+        one = {k: v[0] for k, v in query.items()}
+        if unquote(urlparse(self.path).path).strip("/") != BUCKET:
+            self._head(404, {"Content-Length": "0"})
+            return
+        prefix = one.get("prefix", "")
+        after = max(one.get("start-after", ""), one.get("continuation-token", ""))
+        most = min(1000, int(one.get("max-keys", 1000)))
+        top = os.path.join(self.server.root, *[p for p in prefix.split("/")[:-1] if p not in ("", ".", "..")])
+        found = []
+        for folder, _, files in os.walk(top):
+            for name in files:
+                path = os.path.join(folder, name)
+                key = os.path.relpath(path, self.server.root).replace(os.sep, "/")
+                if key.startswith(prefix) and key > after:
+                    found.append((key, path))
+        found.sort()
+        page, more = found[:most], len(found) > most
+        items = []
+        for key, path in page:
+            st = os.stat(path)
+            items.append(f"<Contents><Key>{escape(key)}</Key><LastModified>"
+                         f"{time.strftime('%Y-%m-%dT%H:%M:%S.000Z', time.gmtime(st.st_mtime))}</LastModified>"
+                         f"<ETag>{escape(_etag(st))}</ETag><Size>{st.st_size}</Size>"
+                         "<StorageClass>STANDARD</StorageClass></Contents>")
+        token = f"<NextContinuationToken>{escape(page[-1][0])}</NextContinuationToken>" if more else ""
+        doc = (f'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/'
+               f'2006-03-01/"><Name>{BUCKET}</Name><Prefix>{escape(prefix)}</Prefix><KeyCount>{len(page)}</KeyCount>'
+               f"<MaxKeys>{most}</MaxKeys><IsTruncated>{'true' if more else 'false'}</IsTruncated>{''.join(items)}"
+               f"{token}</ListBucketResult>").encode()
+        self._head(200, {"Content-Type": "application/xml", "Content-Length": str(len(doc))})
+        if body:
+            self.wfile.write(doc)
+            self.server.count(len(doc), request=False)
+
     def _file(self) -> str | None:
         """The file a request's path names, or None (outside the root, or another bucket)."""
         parts = [p for p in unquote(urlparse(self.path).path).split("/") if p]
@@ -104,6 +148,11 @@ class _Handler(BaseHTTPRequestHandler):
         if not parts or any(p in (".", "..") for p in parts):
             return None
         return os.path.join(self.server.root, *parts)
+
+
+def _etag(st: os.stat_result) -> str:
+    """A file's ETag: changes when it is rewritten (inode, mtime, size)."""
+    return f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"'
 
 
 def _unchanged(headers, etag: str, mtime: float) -> bool:

@@ -823,6 +823,9 @@ def open_array(uri: str | os.PathLike, storage_options: dict[str, Any] | None = 
     store = store or default_store()
     if not loc.is_local:
         kv, hierarchy = (stores or default_stores()).get(loc, storage_options)
+        opened = getattr(kv, "opened", None)  # a disk cache: its objects revalidated in bulk, from now
+        if opened is not None:
+            opened(loc.prefix)
         return ArrayReader(read_store_metadata(hierarchy, loc.prefix, loc.uri), loc.prefix, kv, index_cache)
     if storage_options:
         raise InvalidArgument(f"{uri}: storage_options apply to remote URIs only (s3://, gs://, az://, "

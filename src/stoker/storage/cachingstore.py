@@ -11,9 +11,12 @@ What is cached: whole values and ranges read by ``get_many``/``start_get_many``,
 ``get_ranges`` (chunks, inner chunks, shard indexes), each under (store URI, key, range, generation) in a
 :class:`~stoker.storage.diskcache.DiskCache`. ``get`` (metadata documents) is never cached.
 
-Generations. A hit needs the object's generation now: it is learnt by a HEAD request (no body; the store's
-``versions``) the first time a key is read through this wrapper, and again once it is older than
-``staleness_s`` (as tensorstore's staleness bound); every fetched answer also states it. An object rewritten
+Generations. A hit needs the object's generation now. Where the store lists (S3, GCS, Azure), they are learnt
+in bulk when an array is opened (:meth:`CachingStore.opened`: a listing of its prefix, 1,000 keys with their
+ETags a request, up to :data:`LIST_KEYS`; made again once older than half of ``staleness_s``); otherwise, and
+for keys past those, by a HEAD request (no body; the store's ``start_versions``) the first time a key is read
+through this wrapper or asked ahead (:meth:`CachingStore.revalidate`), one in flight per key whatever asks;
+again once older than ``staleness_s`` (as tensorstore's staleness bound); every fetched answer also states it. An object rewritten
 has another generation, so its old entries are never served (they age out). :meth:`forget` drops what was
 learnt, so the next read of every key revalidates (``open_array`` outside a pipeline does it at each open;
 a pipeline has its own wrapper, so it revalidates when it starts). A key whose generation the store cannot
@@ -27,23 +30,24 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from ..errors import NotFound, ShutdownError
 from .diskcache import DiskCache, disk_cache
-from .store import ByteRange, Store, by_key, check_key
+from .store import ByteRange, Store, by_key, check_key, check_prefix
 
 
 @dataclass
 class CacheCounters:
     """What a :class:`CachingStore` served: bytes from disk (``hit_bytes``) and from the store
-    (``miss_bytes``), values and ranges each way, and HEAD requests made to revalidate."""
+    (``miss_bytes``), values and ranges each way, and HEAD requests made to revalidate (``revalidations``, one a key) and listing pages asked (``listings``)."""
 
     hits: int = 0
     misses: int = 0
     hit_bytes: int = 0
     miss_bytes: int = 0
     revalidations: int = 0
+    listings: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -74,7 +78,11 @@ class CachingStore:
         self.read_files = read_files  # how hits are read (see DiskCache.get_many; None: in Python)
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
-        self._marked: set[str] = set()  # keys whose marker this wrapper has written
+        self._marked: set[str] = set()  # keys (and opened prefixes, with their "/") whose marker this wrapper wrote
+        self._opened: set[str] = set()  # prefixes of the arrays opened (see opened)
+        self._listings: dict[str, _Listing] = {}  # prefix -> its newest listing
+        self._heads: dict[str, concurrent.futures.Future] = {}  # key -> the flight of its HEAD in flight
+        self._local = threading.local()  # gens: the generations _start resolved for the _serve it calls
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     uri = property(lambda self: self.store.uri)
@@ -87,58 +95,283 @@ class CachingStore:
                           self.read_files)
 
     def forget(self) -> None:
-        """Drop every generation learnt: the next read of each key revalidates it."""
+        """Drop every generation learnt and every listing: the next read of each key revalidates it."""
         with self._lock:
             self._known.clear()
+            self._listings.clear()
 
     # -- generations -----------------------------------------------------------------------------
 
-    def _generations(self, keys: Collection[str]) -> dict[str, Any]:
-        """The generation of each of ``keys`` now (None: unknown, missing or not stated: read uncached)."""
-        now = time.monotonic()
-        out, stale = self._known_now(keys, now)
-        if stale:
-            try:
-                found = self.store.versions(stale)
-            except ShutdownError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - revalidation failed: read through, the read says what is wrong
-                found = [exc] * len(stale)
-            self._revalidated(stale, found, now, out)
-        return out
+    def opened(self, prefix: str) -> None:
+        """An array at ``prefix`` is being opened: its objects' generations are revalidated now, in bulk where
+        the store lists (S3, GCS, Azure): one page of 1,000 keys with their ETags a request, pages fetched as
+        they come (at most :data:`LIST_KEYS` keys), while the array's metadata is read and its first batches
+        planned; a read that needs a key not listed yet waits for its page, and a key listed nowhere is read
+        through (missing, or written since). Nothing is listed where nothing under ``prefix`` was ever kept
+        (a cold cache costs the requests an uncached read does), and an HTTP server, which cannot list, has
+        each object revalidated by a HEAD as a read (or :meth:`revalidate`) first needs it.
 
-    def _known_now(self, keys: Collection[str], now: float) -> tuple[dict[str, Any], list[str]]:
-        """``(generations, stale)``: the generation of each of ``keys`` known now (None: read uncached), and
-        the keys to revalidate (a HEAD each) before their entries may be served."""
+        >>> kv.opened("g.zarr/a")   # a LIST started; reads of g.zarr/a/c/... then find their generations known
+        """
+        prefix = check_prefix(prefix)
+        with self._lock:
+            self._opened.add(prefix)
+        if not self.store.supports_list or not hasattr(self.store, "start_list_versions"):
+            return
+        if not self.cache.has(self._marker(prefix + "/")):
+            return
+        self._relist(prefix, time.monotonic())
+
+    def revalidate(self, keys: Collection[str]) -> None:
+        """Start revalidating the generations of ``keys`` that are stale, without waiting (a listing or HEAD
+        requests on the store's event loop, one per key at most however many reads ask): what a pipeline
+        calls for the objects of batches planned ahead, so that their reads find the generations known."""
+        for key in keys:
+            check_key(key)
+        self._resolve(set(keys), lambda gens: None)
+
+    def _relist(self, prefix: str, now: float) -> "_Listing":
+        """A new listing of ``prefix`` (its first page started), in place of the one before."""
+        listing = _Listing(prefix, now)
+        with self._lock:
+            self._listings[prefix] = listing
+        self._next_page(listing, None)
+        return listing
+
+    def _next_page(self, listing: "_Listing", offset: str | None) -> None:
+        try:
+            future = self.store.start_list_versions(listing.prefix, offset, LIST_PAGE)
+        except Exception:  # noqa: BLE001 - closed, or the store refused: keys under it are revalidated by HEAD
+            with self._lock:
+                listing.future = None
+            return
+        with self._lock:
+            listing.future = future
+            self.counters.listings += 1
+        future.add_done_callback(lambda f: self._listed(listing, f))
+
+    def _listed(self, listing: "_Listing", future: concurrent.futures.Future) -> None:
+        """A page of ``listing`` came (on the store's event loop): its keys' generations learnt as of when the
+        listing started (conservative: a key changed since is revalidated no later than the bound), and the
+        next page started while it may hold keys within :data:`LIST_KEYS`."""
+        try:
+            pairs, more = self.store.result_of(future)
+        except BaseException:  # noqa: BLE001 - a failed listing: its keys are revalidated by HEAD each
+            pairs, more = None, False
+        with self._lock:
+            if pairs is not None:
+                for key, version in pairs:
+                    known = self._known.get(key)
+                    if known is None or known[1] <= listing.started:  # a newer read's answer stays
+                        self._known[key] = (_UNCACHED if version is None else version, listing.started)
+                listing.listed += len(pairs)
+                if pairs:
+                    listing.upto = pairs[-1][0]
+                listing.complete = not more
+            go_on = pairs is not None and more and listing.listed < LIST_KEYS
+            if not go_on:
+                listing.future = None
+        if go_on:
+            self._next_page(listing, listing.upto)
+
+    def _listing_of(self, key: str) -> "_Listing | None":
+        """Under the lock: the listing of the nearest folder above ``key`` that was listed, if any."""
+        end = len(key)
+        while self._listings:
+            end = key.rfind("/", 0, end)
+            if end <= 0:
+                return self._listings.get("")
+            found = self._listings.get(key[:end])
+            if found is not None:
+                return found
+        return None
+
+    def _generations(self, keys: Collection[str]) -> dict[str, Any]:
+        """The generation of each of ``keys`` now (None: unknown, missing or not stated: read uncached): those
+        :meth:`_start` resolved already, or resolved here, waiting (bounded) for listings and HEADs."""
+        given = getattr(self._local, "gens", None)
+        if given is not None:
+            return given
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._resolve(set(keys), done.set_result)
+        try:
+            found = done.result(timeout=self._wait_s())
+        except concurrent.futures.TimeoutError:  # the store stalled: read through, the read says what is wrong
+            return {}
+        if isinstance(found, BaseException):
+            raise found
+        return found
+
+    def _wait_s(self) -> float:
+        """The longest a read waits for revalidation: a listing page, then a round of HEADs, each as long as one
+        store request can take with its retries (an ObjectStore's own bound), with slack."""
+        store = self.store
+        one = sum(getattr(store, name, 30.0) for name in ("retry_timeout_s", "max_backoff_s", "timeout_s",
+                                                           "connect_timeout_s"))
+        return 2 * one + 10
+
+    def _resolve(self, names: set[str], then: Callable[[Any], None], checked: bool = False) -> None:
+        """Call ``then(generations)`` once the generation of each of ``names`` is known now (None: read it
+        uncached), waiting for nothing: listing pages in flight are awaited by callback, stale keys' HEADs
+        started (one in flight per key, shared by every read that needs it), side by side. ``then`` runs on
+        this thread or on the store's event loop, and gets a ShutdownError in place of the dict when the
+        store is closed. ``checked``: see :meth:`_known_now`."""
+        got, head, waits = self._known_now(names, time.monotonic(), checked)
+        if not waits and not head:
+            then(got)
+            return
+        join = _Join(int(bool(waits)) + int(bool(head)), got, then)
+        if waits:  # then again for the keys the pages may hold (which have entries: checked)
+            rest = names - got.keys() - set(head)
+            _when_all(waits, lambda: self._resolve(rest, join.add, True))
+        if head:
+            self._head(head, join.add)
+
+    def _head(self, keys: list[str], then: Callable[[Any], None]) -> None:
+        """``then({key: generation or None})`` once the HEADs of ``keys`` (started here, or in flight already
+        for another read) have answered and what they found is learnt."""
+        try:
+            flights = self._heads_for(keys)
+        except ShutdownError as exc:
+            then(exc)
+            return
+
+        def headed() -> None:  # after _headed (called back first, in the order callbacks were added)
+            now = time.monotonic()
+            out = {}
+            with self._lock:
+                for key in keys:
+                    known = self._known.get(key)
+                    fresh = known is not None and known[0] is not _UNCACHED and now - known[1] < self.staleness_s
+                    out[key] = known[0] if fresh else None  # failed, missing or no generation: read through
+            then(out)
+
+        _when_all(flights, headed)
+
+    def _heads_for(self, keys: list[str]) -> set[concurrent.futures.Future]:
+        """The flights of the HEAD requests of ``keys``: those in flight already for another read, and one
+        ``start_versions`` call for the rest, started now. A flight's future is settled once what its
+        requests found is learnt."""
+        with self._lock:
+            flights = {self._heads[k] for k in keys if k in self._heads}
+            new = [k for k in keys if k not in self._heads]
+            if new:
+                flight: concurrent.futures.Future = concurrent.futures.Future()
+                for key in new:
+                    self._heads[key] = flight
+                flights.add(flight)
+                self.counters.revalidations += len(new)
+        if new:
+            now = time.monotonic()
+            try:
+                started = self._start_versions(new)
+            except BaseException:
+                self._headed(new, None, now, flight)
+                raise
+            started.add_done_callback(lambda f: self._headed(new, f, now, flight))
+        return flights
+
+    def _start_versions(self, keys: list[str]) -> concurrent.futures.Future:
+        """The store's HEADs of ``keys`` started (a store that cannot start them: asked here)."""
+        start = getattr(self.store, "start_versions", None)
+        if start is not None:
+            return start(keys)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(self.store.versions(keys))
+        except ShutdownError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every key's revalidation failed: read through
+            future.set_exception(exc)
+        return future
+
+    def _headed(self, keys: list[str], future: concurrent.futures.Future | None, now: float,
+                flight: concurrent.futures.Future) -> None:
+        """What the HEADs of ``keys`` started at ``now`` found (``future``; None: they never started), learnt;
+        then ``flight`` settled, no longer in flight."""
+        try:
+            found = [None] * len(keys) if future is None else self.store.result_of(future)
+            failed = future is None
+        except BaseException:  # noqa: BLE001 - every key's revalidation failed: learnt nothing, read through
+            found, failed = [None] * len(keys), True
+        for key, version in zip(keys, found):
+            if isinstance(version, NotFound) or (version is None and not failed):
+                # missing, or no generation stated: read through (one request a read, as without a
+                # cache), not asked again until stale
+                self._learn(key, _UNCACHED, now)
+            elif version is not None and not isinstance(version, BaseException):
+                self._learn(key, version, now)
+            # an error of this key's: learnt nothing; its reads go through, and say what is wrong
+        with self._lock:
+            for key in keys:
+                if self._heads.get(key) is flight:
+                    del self._heads[key]
+        flight.set_result(None)
+
+    def _known_now(self, keys: Collection[str], now: float, checked: bool = False) -> tuple[dict[str, Any], list[str], set]:
+        """``(generations, stale, pages)``: the generation of each of ``keys`` known now (None: read uncached),
+        the keys to revalidate by HEAD before their entries may be served, and the listing pages in flight
+        that may hold the rest (all of ``keys`` are in one of the three). A listing older than half the
+        staleness bound is started again here, so that a steady reader never waits for one. ``checked``: every
+        one of ``keys`` is known to have entries (no disk look-up, which the store's event loop must not do)."""
         out: dict[str, Any] = {}
         stale = []
+        refresh: dict[str, _Listing] = {}
         with self._lock:
             for key in keys:
                 known = self._known.get(key)
                 if known is not None and now - known[1] < self.staleness_s:
                     out[key] = None if known[0] is _UNCACHED else known[0]
+                    if self._listings and now - known[1] >= self.staleness_s / 2:
+                        listing = self._listing_of(key)
+                        if listing is not None and listing.future is None and \
+                                now - listing.started >= self.staleness_s / 2:
+                            refresh[listing.prefix] = listing
                 else:
                     stale.append(key)
+        for prefix in refresh:
+            self._relist(prefix, now)
+        if not stale:
+            return out, [], set()
         # a key of which nothing was ever kept (no marker) needs no HEAD: its read goes to the store anyway
         # and states the generation; so a cold cache costs the requests an uncached read does
-        cold = [key for key in stale if not self.cache.has(self._marker(key))]
-        for key in cold:
+        kept = stale if checked else [key for key in stale if key in self._marked or self.cache.has(self._marker(key))]
+        for key in stale:
             out[key] = None
-        return out, [key for key in stale if key not in out]
-
-    def _revalidated(self, stale: list[str], found: list, now: float, out: dict[str, Any]) -> None:
-        """Learn what revalidating ``stale`` at ``now`` found (a generation, None, or an error, each in its
-        key's place), into ``out`` too."""
+        head: list[str] = []
+        pending: list[str] = []
+        pages: set = set()
+        expired: dict[str, list[str]] = {}
         with self._lock:
-            self.counters.revalidations += len(stale)
-        for key, version in zip(stale, found):
-            if isinstance(version, NotFound) or version is None:
-                # missing, or no generation stated: read through (one request a read, as without a
-                # cache), not asked again until stale
-                self._learn(key, _UNCACHED, now)
-                out[key] = None
-            else:  # a generation, or an error of this key's: read through, the read says what is wrong
-                out[key] = None if isinstance(version, Exception) else self._learn(key, version, now)
+            for key in kept:
+                known = self._known.get(key)
+                if known is not None and now - known[1] < self.staleness_s:  # learnt meanwhile
+                    out[key] = None if known[0] is _UNCACHED else known[0]
+                    continue
+                listing = self._listing_of(key)
+                if listing is None:
+                    head.append(key)
+                elif now - listing.started >= self.staleness_s:  # listed too long ago: listed again
+                    expired.setdefault(listing.prefix, []).append(key)
+                elif listing.covers(key):  # listed nowhere: missing (or written since): read through
+                    self._known[key] = (_UNCACHED, listing.started)
+                elif listing.future is not None:  # its page is still to come
+                    pages.add(listing.future)
+                    pending.append(key)
+                else:  # beyond the keys a listing takes, or the listing failed
+                    head.append(key)
+        for prefix, ks in expired.items():
+            listing = self._relist(prefix, now)
+            with self._lock:
+                future = listing.future
+            if future is not None:
+                pages.add(future)
+                pending.extend(ks)
+            else:
+                head.extend(ks)
+        for key in (*head, *pending):
+            del out[key]
+        return out, head, pages
 
     def _marker(self, key: str) -> str:
         """The ident of the empty entry that says entries of ``key`` may be kept."""
@@ -184,49 +417,35 @@ class CachingStore:
             check_key(key)
         by_key(requests)  # checks them, here: a malformed request is the caller's error, raised at once
         out: concurrent.futures.Future = concurrent.futures.Future()
-        now = time.monotonic()
-        _, stale = self._known_now({*keys, *(r.key for r in requests)}, now)
-        start_versions = getattr(self.store, "start_versions", None)
-        if not stale or start_versions is None:
-            self._submit(keys, requests, versions, lenient, out)
-            return out
-        # the HEADs first, on the store's event loop (no thread waits for them: a prefetch many batches
-        # ahead has its revalidations in flight together, within the store's requests in flight); then the
-        # disk, on a reader thread
-        try:
-            head = start_versions(stale)
-        except ShutdownError as exc:
-            _settle(out, error=exc)
-            return out
 
-        def revalidated(f: concurrent.futures.Future) -> None:
-            try:
-                found = self.store.result_of(f)
-            except ShutdownError as exc:
-                _settle(out, error=exc)
-                return
-            except Exception as exc:  # noqa: BLE001 - revalidation failed: read through, the read says what is wrong
-                found = [exc] * len(stale)
-            self._revalidated(stale, found, now, {})
-            self._submit(keys, requests, versions, lenient, out)
+        def resolved(gens: Any) -> None:
+            if isinstance(gens, BaseException):
+                _settle(out, error=gens)
+            else:
+                self._submit(keys, requests, versions, lenient, out, gens)
 
-        head.add_done_callback(revalidated)
+        self._resolve({*keys, *(r.key for r in requests)}, resolved)
         return out
 
     def _submit(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool, lenient: Collection[int],
-                out: concurrent.futures.Future) -> None:
+                out: concurrent.futures.Future, gens: dict[str, Any]) -> None:
         """:meth:`_start` on a reader thread (here when none can be had)."""
         try:
-            self.cache.serve(self._start, keys, requests, versions, lenient, out)
+            self.cache.serve(self._start, keys, requests, versions, lenient, out, gens)
         except ShutdownError:
-            self._start(keys, requests, versions, lenient, out)
+            self._start(keys, requests, versions, lenient, out, gens)
 
     def _start(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool, lenient: Collection[int],
-               out: concurrent.futures.Future) -> None:
-        """:meth:`start_get_many`'s work (on a reader thread): the hits, then the store's read of the misses;
-        ``out`` gets the result or the error, always."""
+               out: concurrent.futures.Future, gens: dict[str, Any]) -> None:
+        """:meth:`start_get_many`'s work (on a reader thread): the hits at the generations resolved (``gens``:
+        not resolved again, so a key whose HEAD failed is read through, not asked again), then the store's
+        read of the misses; ``out`` gets the result or the error, always."""
         try:
-            served, miss_keys, miss_parts = self._serve(keys, requests)
+            self._local.gens = gens
+            try:
+                served, miss_keys, miss_parts = self._serve(keys, requests)
+            finally:
+                self._local.gens = None
             if not miss_keys and not miss_parts:
                 _settle(out, served if versions else served[:2])
                 return
@@ -360,8 +579,26 @@ class CachingStore:
         with self._lock:
             marked = key in self._marked
             self._marked.add(key)
+            folder = None if marked else self._opened_of(key)
+            if folder is not None and folder in self._marked:
+                folder = None
+            if folder is not None:
+                self._marked.add(folder)
         if not marked:
             self.cache.put(self._marker(key), b"")
+        if folder is not None:  # entries of its array kept: its next open lists it (see opened)
+            self.cache.put(self._marker(folder), b"")
+
+    def _opened_of(self, key: str) -> str | None:
+        """Under the lock: the opened prefix ``key`` is under, with its "/" (None: none)."""
+        end = len(key)
+        while self._opened:
+            end = key.rfind("/", 0, end)
+            if end <= 0:
+                return "/" if "" in self._opened else None
+            if key[:end] in self._opened:
+                return key[:end] + "/"
+        return None
 
     # -- the rest, passed through ----------------------------------------------------------------
 
@@ -387,6 +624,67 @@ class CachingStore:
 
     def __repr__(self) -> str:
         return f"CachingStore({self.store!r}, {str(self.cache.folder)!r})"
+
+
+#: Keys one page of a listing names (S3's most).
+LIST_PAGE = 1000
+#: Keys a listing of an opened array learns at most (ten pages, fetched one after the other as they come); an
+#: array of more objects has those past them revalidated by a HEAD each, as its reads need them, which costs
+#: fewer requests than listing every page of an array of which a pipeline reads a part.
+LIST_KEYS = 10 * LIST_PAGE
+
+
+class _Listing:
+    """The listing of an opened array's ``prefix``: when it ``started`` (monotonic; what it learns is as old as
+    that), the keys ``listed`` so far, the last of them (``upto``: keys come in order, so one before it that
+    was not listed is missing), whether the last page came (``complete``), and the page in flight
+    (``future``; None once it stopped)."""
+
+    __slots__ = ("prefix", "started", "listed", "upto", "complete", "future")
+
+    def __init__(self, prefix: str, started: float) -> None:
+        self.prefix, self.started = prefix, started
+        self.listed, self.upto, self.complete = 0, None, False
+        self.future: concurrent.futures.Future | None = None
+
+    def covers(self, key: str) -> bool:
+        """Whether ``key`` would have been listed by now if it existed when the listing started."""
+        return self.complete or (self.upto is not None and key <= self.upto)
+
+
+class _Join:
+    """``then`` of the merged dicts once ``n`` parts came (``add``), or of the first error among them."""
+
+    def __init__(self, n: int, merged: dict, then: Callable[[Any], None]) -> None:
+        self.n, self.merged, self.then, self.error = n, merged, then, None
+        self.lock = threading.Lock()
+
+    def add(self, part: Any) -> None:
+        with self.lock:
+            if isinstance(part, BaseException):
+                self.error = self.error or part
+            else:
+                self.merged.update(part)
+            self.n -= 1
+            last = self.n == 0
+        if last:
+            self.then(self.error if self.error is not None else self.merged)
+
+
+def _when_all(futures: Collection[concurrent.futures.Future], then: Callable[[], None]) -> None:
+    """``then()`` once every one of ``futures`` is done (on the thread that finished the last)."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_f: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    for future in futures:
+        future.add_done_callback(one)
 
 
 def _settle(out: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:

@@ -607,6 +607,29 @@ class ObjectStore(Store):
         metas = self._run(self._attempts(prefix or "/", "listing", lambda: self._list(prefix)))
         return sorted(((m["path"], _version(m)) for m in metas), key=lambda kv: kv[0])
 
+    def start_list_versions(self, prefix: str = "", offset: str | None = None,
+                            max_keys: int = 1000) -> concurrent.futures.Future:
+        """One page of :meth:`list_versions` without waiting: a future of ``(pairs, more)``, the ``(key,
+        version)`` of at most ``max_keys`` keys under ``prefix`` after ``offset`` (in key order, as S3, GCS and
+        Azure list), and whether more may follow (the next page: ``offset`` the last key). A page of S3's
+        1,000 keys is one request. What a disk cache revalidates an array's objects with, in bulk.
+
+        >>> pairs, more = store.result_of(store.start_list_versions("g.zarr/a"))  # [("g.zarr/a/c/0", (812, '"9b2..."'))...]
+        """
+        prefix = check_prefix(prefix)
+        if not self.supports_list:
+            raise UnsupportedFormat(f"{self.uri}: an HTTP server cannot list its keys", uri=self.uri)
+        max_keys = checks.integer("max_keys", max_keys, 1, uri=self.uri)
+        return self._start(self._attempts(prefix or "/", "listing", lambda: self._list_page(prefix, offset, max_keys)))
+
+    async def _list_page(self, prefix: str, offset: str | None, max_keys: int) -> tuple[list, bool]:
+        import obstore
+
+        # the stream's first chunk of max_keys: its pages are requested as it is read, so one page is one request
+        async for chunk in obstore.list(self._obstore(), prefix or None, offset=offset, chunk_size=max_keys):
+            return [(m["path"], _version(m)) for m in chunk], len(chunk) >= max_keys
+        return [], False
+
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         """One delimiter listing (obstore follows its pages, 1,000 entries each): the keys directly under
         ``prefix`` and its folders, none of the keys below them."""

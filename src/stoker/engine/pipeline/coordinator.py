@@ -40,13 +40,13 @@ from ..cpu.cf import check_output
 from ..executor import Executor, Job, Target
 from .intake import Intake, Staged
 from .lanes import Lanes, Part, in_field
-from .prefetch import Ahead
+from .prefetch import Ahead, revalidate_ahead
 from ..stats import StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
 _OPEN_AT_ONCE = 16  # remote arrays of one batch opened together (threads waiting on their metadata)
 _CONFIG = object()  # _batch_dtype's default: the Config's output dtype
-_PULL_AHEAD = 4  # batches of remote arrays pulled at once: their arrays not open yet are opened together
+_PULL_AHEAD = 8  # batches of remote arrays pulled at once: their arrays not open yet are opened together
 _SLOT_POLL_S = 0.01  # how often a coordinator waiting for prefetch room or a slot looks for a free slot
 
 
@@ -295,23 +295,32 @@ class Coordinator:
         batches over arrays seen for the first time pays one metadata round trip per few batches, not per
         batch. An array that failed to open is left to its batch's launch, which opens it again and raises
         the error in its place."""
-        if not self._pulled:
+        if len(self._pulled) <= _PULL_AHEAD // 2:
+            # refilled while one is left (not only when none is), so that the objects of the batches after
+            # the next are revalidated while the next is made
             n = _PULL_AHEAD if self.ahead.remote else 1
+            more: list = []
             while len(self._pulled) < n:
+                if self._pulled:
+                    with self.cond:
+                        if not self.intake.has_work():
+                            break
                 staged, error = self.intake.pull(lambda: self.closed)
                 if staged or error is not None:
                     self._pulled.append((staged, error))
+                    more.append(staged)
                 if error is not None or not staged:
                     break
-                with self.cond:
-                    if not self.intake.has_work():
-                        break
             if len(self._pulled) > 1:
                 try:
                     self._open_all(list({u: None for staged, _ in self._pulled for s, _, _ in staged
                                          for u in s.uris}))
                 except Exception:  # noqa: BLE001 - raised at the launch of the batch that reads it
                     pass
+                # the objects of the batches just pulled: their generations asked now, batch by batch, so
+                # that their reads wait for no revalidation
+                for staged in more:
+                    revalidate_ahead([s for s, _, _ in staged], self._readers.get)
         return self._pulled.popleft() if self._pulled else ([], None)
 
     def _launch(self, staged: list[Staged]) -> None:

@@ -21,7 +21,8 @@ arrays plans one batch ahead, as without it.
 from __future__ import annotations
 
 import collections
-from typing import Any
+import itertools
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -146,4 +147,52 @@ def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> 
     return nbytes, n, bool(asks)
 
 
-__all__ = ["Ahead", "MAX_AHEAD", "prefetch_plan"]
+#: Most objects one call of :func:`revalidate_ahead` asks about (a huge box is revalidated by its own reads).
+MAX_REVALIDATE = 4096
+
+
+def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) -> int:
+    """Start revalidating the generations of the objects (chunks, or shards) that the boxes of ``samples``
+    touch, in the disk cache of each remote array's store (its ``revalidate``: HEAD requests on the store's
+    event loop, within ``requests_in_flight``, each shared with any read of its object), for batches pulled
+    and not yet planned: their reads then find what the disk holds known to be current, instead of waiting a
+    round trip for it. ``reader_of(uri)``: the open array, or None (not open: skipped). Returns the objects
+    asked about (at most :data:`MAX_REVALIDATE`); never waits. An array whose store lists was revalidated in
+    bulk when opened, so this asks for nothing there.
+
+    >>> revalidate_ahead(pulled_samples, lambda uri: readers.get(uri))
+    """
+    asks: dict[int, tuple[Any, dict]] = {}
+    n = 0
+    for sample in samples:
+        for part in (sample.fields.values() if sample.fields else (sample,)):
+            if part.aabb is None:
+                continue
+            for uri in part.uris:
+                reader = reader_of(uri)
+                revalidate = None if reader is None else getattr(reader.kv, "revalidate", None)
+                if revalidate is None:
+                    continue
+                meta = reader.metadata
+                spans = []
+                for (lo, hi), size, chunk in zip(part.aabb, meta.shape, meta.chunk_shape):
+                    lo, hi = max(0, lo), min(size, hi)  # a padded box may reach past the array
+                    spans.append(range(lo // chunk, (hi - 1) // chunk + 1) if hi > lo else range(0))
+                keys = asks.setdefault(id(reader.kv), (revalidate, {}))[1]
+                for index in itertools.product(*spans):
+                    if n >= MAX_REVALIDATE:
+                        break
+                    key = reader.key_of(reader.file_path(meta.chunk_key(index)))
+                    if key not in keys:
+                        keys[key] = None
+                        n += 1
+    for revalidate, keys in asks.values():
+        if keys:
+            try:
+                revalidate(list(keys))
+            except Exception:  # noqa: BLE001 - the store closed: the batches' own reads say so
+                pass
+    return n
+
+
+__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "prefetch_plan", "revalidate_ahead"]

@@ -1,0 +1,242 @@
+"""How the disk cache revalidates what it holds: against moto's S3 server (requests counted from its log) and
+the loopback HTTP server (its log of arrivals), a new pipeline over a cached array revalidates it by one
+listing where the store lists (no HEAD per object, no GET), HEADs over HTTP go out for the batches pulled
+ahead before the first is popped, a replaced object is read new, the staleness bound is honoured by listing
+again, and a failed HEAD is not asked again by the read it served. Every value is compared with zarr-python's."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.codecs import ZstdCodec
+
+import stoker
+from stoker.storage import cachingstore
+from stoker.storage.diskcache import disk_cache
+from stoker.storage.locate import Stores
+
+from range_server import RangeServer
+from store_fixtures import BUCKET, empty_s3_fixture, read_tree, written_tree_fixture, zarr_values
+
+pytestmark = pytest.mark.timeout(180)
+
+FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+SHAPE = (64, 64)
+#: one sharded (shard index and inner chunks as ranges), one plain (whole chunk values), 16 objects each
+ARRAYS = {"sharded": dict(chunks=(4, 4), shards=(16, 16), dtype="uint16", compressors=ZstdCodec(level=1)),
+          "plain": dict(chunks=(16, 16), dtype="int32", compressors=ZstdCodec(level=1))}
+#: a batch of two boxes, each within one object of each array
+BATCHES = [[((16 * i, 16 * i + 8), (16 * j, 16 * j + 8)) for j in (0, 2)] for i in range(4)] + \
+          [[((16 * i + 8, 16 * i + 16), (16 * j + 8, 16 * j + 16)) for j in (1, 3)] for i in range(4)]
+
+
+def _write(root: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for path, spec in ARRAYS.items():
+        arr = zarr.create_array(os.path.join(root, path), shape=SHAPE, overwrite=True, **spec)
+        arr[...] = rng.integers(0, 5000, size=SHAPE).astype(spec["dtype"])
+
+
+s3 = empty_s3_fixture()
+data = written_tree_fixture(_write)
+
+
+@contextlib.contextmanager
+def moto_log():
+    """The requests moto's server answers meanwhile, ``(method, path and query)`` each, from its log."""
+    got: list[tuple[str, str]] = []
+    line = re.compile(r'"(\w+) (\S+) HTTP')
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            m = line.search(re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage()))  # werkzeug colours some
+            if m:
+                got.append((m.group(1), m.group(2)))
+
+    logger = logging.getLogger("werkzeug")
+    handler, level, propagate = Handler(), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield got
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _config(tmp_path, storage_options: dict | None = None, **more) -> stoker.Config:
+    return stoker.Config(batch_size=2, dtype="native", n_compute_threads=1, pop_timeout_s=60,
+                         storage_options=storage_options, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20,
+                         **more)
+
+
+def _epoch(cfg: stoker.Config, uri: str, root: str, path: str, batches=BATCHES, p=None) -> None:
+    """Every batch of ``batches`` read through a pipeline (a new one unless ``p``), each checked against
+    zarr-python's values of the array now at ``root``; then the cache's writes flushed."""
+    want = zarr_values(root, path)
+    with contextlib.ExitStack() as stack:
+        if p is None:
+            p = stack.enter_context(stoker.Pipeline(cfg))
+        for boxes in batches:
+            p.push([stoker.Sample(uri, b) for b in boxes])
+        for boxes in batches:
+            b = p.pop()
+            for got, box in zip(torch.from_dlpack(b), boxes):
+                np.testing.assert_array_equal(got.numpy(), want[tuple(slice(*s) for s in box)])
+            b.release()
+    assert disk_cache(str(cfg.cache_dir), 64 << 20).flush(30)
+
+
+def _upload(s3, root: str) -> str:
+    prefix = f"reval-{uuid.uuid4().hex[:8]}"
+    s3.upload(read_tree(root), prefix)
+    return prefix
+
+
+def _counted(log: list[tuple[str, str]], prefix: str, path: str) -> dict[str, int]:
+    """Requests of ``log`` about the array: listings of it, HEADs and GETs of its objects (metadata apart)."""
+    where = f"/{BUCKET}/{prefix}/{path}/"
+    listed = f"prefix={prefix}/{path}/"
+    return {"list": sum(m == "GET" and "list-type=2" in q and listed in q.replace("%2F", "/") for m, q in log),
+            "head": sum(m == "HEAD" and q.startswith(where) for m, q in log),
+            "get": sum(m == "GET" and q.startswith(where) and not q.endswith("zarr.json") for m, q in log)}
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_a_new_pipeline_over_a_cached_s3_array_lists_it_once_and_gets_nothing(s3, data, tmp_path, path):
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/{path}"
+    cfg = _config(tmp_path, {f"s3://{BUCKET}/": {**s3.options, **FAST}})
+    with moto_log() as log:
+        _epoch(cfg, uri, data, path)
+    cold = _counted(log, prefix, path)
+    assert cold["list"] == 0 and cold["head"] == 0 and cold["get"] > 0, cold  # nothing kept: nothing listed
+    with moto_log() as log:
+        _epoch(cfg, uri, data, path)
+    # every object revalidated by one listing (16 objects: one page), none by HEAD; nothing fetched
+    assert _counted(log, prefix, path) == {"list": 1, "head": 0, "get": 0}
+    # replaced between epochs (new ETags): the next pipeline's listing says so, and the new bytes are read
+    _write(data, 2)
+    s3.upload(read_tree(data), prefix)
+    with moto_log() as log:
+        _epoch(cfg, uri, data, path)
+    replaced = _counted(log, prefix, path)
+    assert replaced["list"] == 1 and replaced["head"] == 0 and replaced["get"] > 0, replaced
+
+
+def test_a_listing_goes_page_by_page_up_to_its_bound_then_heads(s3, data, tmp_path, monkeypatch):
+    # pages of 5 keys, at most 10 listed: of the 16 objects (and zarr.json), the first 10 in key order come by
+    # two listing requests, the 6 after them by a HEAD each
+    monkeypatch.setattr(cachingstore, "LIST_PAGE", 5)
+    monkeypatch.setattr(cachingstore, "LIST_KEYS", 10)
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/plain"
+    cfg = _config(tmp_path, {f"s3://{BUCKET}/": {**s3.options, **FAST}})
+    _epoch(cfg, uri, data, "plain")
+    with moto_log() as log:
+        _epoch(cfg, uri, data, "plain")
+    assert _counted(log, prefix, "plain") == {"list": 2, "head": 6, "get": 0}
+    heads = sorted(q.rsplit("/plain/", 1)[1] for m, q in log if m == "HEAD")
+    assert heads == ["c/2/2", "c/2/3", "c/3/0", "c/3/1", "c/3/2", "c/3/3"]
+
+
+def test_a_listing_past_the_staleness_bound_is_made_again(s3, data, tmp_path):
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/plain"
+    cfg = _config(tmp_path, {f"s3://{BUCKET}/": {**s3.options, **FAST}}, cache_staleness_s=1.0)
+    _epoch(cfg, uri, data, "plain")
+    with stoker.Pipeline(cfg) as p, moto_log() as log:
+        _epoch(cfg, uri, data, "plain", p=p)
+        assert _counted(log, prefix, "plain") == {"list": 1, "head": 0, "get": 0}
+        _write(data, 3)  # rewritten while the pipeline runs: read new once the listing is older than the bound
+        s3.upload(read_tree(data), prefix)
+        time.sleep(1.1)
+        _epoch(cfg, uri, data, "plain", p=p)
+        counted = _counted(log, prefix, "plain")
+    assert counted["list"] == 2 and counted["head"] == 0 and counted["get"] > 0, counted
+
+
+def test_keys_missing_from_the_listing_are_read_through_as_missing(s3, tmp_path):
+    root = str(tmp_path / "holes")
+    arr = zarr.create_array(os.path.join(root, "a"), shape=(32, 32), chunks=(16, 16), dtype="int32", fill_value=9,
+                            compressors=ZstdCodec(level=1))
+    arr[:16] = np.arange(16 * 32, dtype="int32").reshape(16, 32)  # the chunks of rows 16.. are never written
+    prefix = _upload(s3, root)
+    options = {**s3.options, **FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+    uri = f"s3://{BUCKET}/{prefix}/a"
+    want = zarr_values(root, "a")
+    a = stoker.open_array(uri, options, stores=Stores())
+    np.testing.assert_array_equal(a.read((slice(0, 32), slice(0, 32))), want)
+    assert a.kv.cache.flush(30)
+    with moto_log() as log:
+        a = stoker.open_array(uri, options, stores=Stores())
+        np.testing.assert_array_equal(a.read((slice(0, 32), slice(0, 32))), want)
+    # one listing; the written chunks from disk, the missing ones asked as without a cache (a GET each)
+    assert _counted(log, prefix, "a") == {"list": 1, "head": 0, "get": 2}
+
+
+class _BusyServer(RangeServer):
+    request_queue_size = 64  # a burst of connections accepted at once, as a real server would (default 5)
+
+
+def test_http_revalidations_of_later_batches_go_out_before_the_first_is_popped(data, tmp_path):
+    server = _BusyServer(data)
+    try:
+        uri = f"{server.url}/plain"
+        # a prefetch buffer of one chunk: batches are not planned ahead for their bytes (the prefetch's
+        # HEADs would go out early anyway), only pulled
+        cfg = _config(tmp_path, {server.url + "/": dict(FAST)}, lookahead_batches=1, prefetch_bytes=2048)
+        _epoch(cfg, uri, data, "plain")
+        server.latency_s = 0.1
+        start = len(server.log)
+        want = zarr_values(data, "plain")
+        with stoker.Pipeline(cfg) as p:
+            for boxes in BATCHES:
+                p.push([stoker.Sample(uri, b) for b in boxes])
+            popped = []
+            for boxes in BATCHES:
+                b = p.pop()
+                popped.append(time.monotonic())
+                for got, box in zip(torch.from_dlpack(b), boxes):
+                    np.testing.assert_array_equal(got.numpy(), want[tuple(slice(*s) for s in box)])
+                b.release()
+        heads = {path: t for t, method, path in server.log[start:] if method == "HEAD"}
+        gets = [path for _, method, path in server.log[start:] if method == "GET" and "/c/" in path]
+        assert not gets  # all from disk
+        for k, boxes in enumerate(BATCHES[1:], 1):
+            for box in boxes:
+                key = f"/plain/c/{box[0][0] // 16}/{box[1][0] // 16}"
+                # batch k's object revalidated before batch 0 was popped (the pulled batches' HEADs)
+                assert heads[key] < popped[0], (k, key, heads[key] - popped[0])
+    finally:
+        server.stop()
+
+
+def test_a_failed_head_is_not_asked_again_by_its_read(data, tmp_path):
+    server = RangeServer(data)
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        a = stoker.open_array(f"{server.url}/plain", options, stores=Stores())
+        key = "plain/c/0/0"
+        value = bytes(a.kv.get_many([key], [])[0][0])
+        assert a.kv.cache.flush(30)
+        a.kv.forget()
+        asked = server.requests
+        server.fail(1, status=400)  # the HEAD fails for good (not a status that may pass)
+        got = a.kv.result_of(a.kv.start_get_many([key], []))
+        assert bytes(got[0][0]) == value == read_tree(data)[key]
+        # the failed HEAD, then the value read through: no second HEAD on the way
+        assert [m for _, m, _ in server.log[-(server.requests - asked):]] == ["HEAD", "GET"]
+    finally:
+        server.stop()
