@@ -47,6 +47,7 @@ from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
 from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
 from .buffers import BufferPool
+from .chunks import ChunkWriter
 from .record import CompletionRecord
 from .target import array_store, writing
 
@@ -172,6 +173,7 @@ class TileWriter:
                                   f"{self.shape} and {np.dtype(dtype)}; write to another URI or remove it",
                                   uri=self.uri)
         self.array = arr
+        self._chunks = ChunkWriter(arr)  # whole chunks encoded on the write threads where the layout allows
         self.dtype = arr.dtype
         self.unit_full = tuple(arr.shards or arr.chunks)  # the write unit: one shard, or one chunk
         self.record = CompletionRecord(self.uri, storage_options)
@@ -371,7 +373,7 @@ class TileWriter:
                           casting="unsafe")
             spent += [region.values, region.wsum, out]
         with writing(self.uri, f"region {r} (voxels {region.box})"):
-            self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
+            self._chunks.write((slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box), out)
         for buf in spent:  # zarr-python is done with them: the next regions' accumulators
             self._pool.give(buf)
         self.record.mark(r)
