@@ -13,6 +13,7 @@ import zarr
 
 import stoker
 from stoker.inference.background import BackgroundWriter
+from stoker.sampling.sample import box_of
 
 from .test_writer import reference, run
 
@@ -102,6 +103,9 @@ def test_a_tilewriter_raises_a_failed_background_write_at_the_next_write(tmp_pat
     tiles = [grid.sample(0, i) for i in range(len(grid))]
     w.write(tiles[:1], data[None, :4, :4])  # region (0, 0) is complete: queued, and its write fails
     _until(lambda: w._background.in_flight_bytes == 0)
+    # handed to a write thread but never written: not done, and a job asking what is left still gets its tile
+    assert (0, 0) not in w.done
+    assert [box_of(t) for t in w.pending(grid)] == [box_of(t) for t in tiles]
     with pytest.raises(stoker.StorageError, match=r"o.zarr: writing region \(0, 0\)"):
         w.write(tiles[1:2], data[None, :4, 4:])
     with pytest.raises(stoker.StorageError, match=r"o.zarr: writing region \(0, 0\)"):

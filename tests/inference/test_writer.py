@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -92,9 +91,9 @@ def run(uri_in, out, blend, channels, world=1, rank=0, stop_after=None, crop=CRO
         if stop_after is not None and done == stop_after:
             # killed mid-way, once the regions finished so far are written and recorded (the background
             # threads write behind); nothing more is flushed
-            deadline = time.monotonic() + 60
-            while writer.record.done() != writer.done and time.monotonic() < deadline:
-                time.sleep(0.01)
+            if writer._background is not None:
+                writer._background.drain()
+            assert writer.record.done() == writer.done
             os._exit(3)
     writer.close()
     return writer, len(todo)

@@ -181,7 +181,9 @@ class TileWriter:
             self.record.check_settings({"shape": list(self.shape), "unit": list(self.unit_full),
                                         "dtype": str(self.dtype), "blend": blend, "crop": _plain(crop)})
         barrier(group)
+        # the regions written and marked (the record's, then each after its mark): what pending() skips
         self.done = self.record.done()
+        self._handed = set(self.done)  # those, and the regions handed to be written: no part opens them again
         self._open: dict[tuple[int, ...], _Region] = {}
         self._expected: dict[tuple[int, ...], int] | None = None
         self._weights: dict[tuple[int, ...], np.ndarray] = {}
@@ -275,7 +277,7 @@ class TileWriter:
             key = tuple(aabb)
             start = int(np.ravel_multi_index(tuple(a for a, _ in out), self.spatial))
             for r in regions_of(out, self.unit):
-                if r in self.done:
+                if r in self._handed:
                     continue
                 box = intersect(out, region_box(r, self.unit, self.spatial))
                 values = pred[(Ellipsis,) + local(box, key)]
@@ -291,7 +293,7 @@ class TileWriter:
 
     def _receive(self, parts: list[Part]) -> None:
         for r, key, box, values, start in sorted(parts, key=lambda p: (p[0], p[1])):
-            if r in self.done:
+            if r in self._handed:
                 continue  # written already: this is a repeat of one of its tiles (a short rank's wrap-around)
             region = self._open.get(r)
             if region is None:
@@ -336,7 +338,7 @@ class TileWriter:
 
     def _flush(self, r: tuple[int, ...]) -> None:
         region = self._open.pop(r)
-        self.done.add(r)  # no later part opens it again; the record is marked once it is written
+        self._handed.add(r)  # no later part opens it again; `done` and the record take it once it is written
         if self._background is None:
             self._finish(r, region)
         else:  # the blend's last step and the write run on the background threads
@@ -379,6 +381,7 @@ class TileWriter:
         self.record.mark(r)
         with self._count_lock:
             self.written += 1
+            self.done.add(r)
 
     def close(self) -> None:
         """Write the regions still open (those without all their tiles, or all without ``grid=``); on every
