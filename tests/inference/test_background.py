@@ -52,7 +52,8 @@ def test_close_waits_for_the_queued_writes():
         bw.submit(f"region ({i},)", 10, lambda i=i: (time.sleep(0.1), done.append(i)))
     bw.close()
     assert sorted(done) == [0, 1, 2] and bw.in_flight_bytes == 0
-    assert not any(t.is_alive() for t in bw._threads)  # and its threads are gone
+    threads = bw._pool.threads
+    assert threads and not any(t.is_alive() for t in threads)  # and its threads are gone
 
 
 def test_close_gives_up_on_a_hung_write_after_its_timeout():
@@ -140,15 +141,17 @@ def test_an_error_in_a_with_block_lets_the_queued_writes_finish_and_is_the_one_r
             raise KeyError("the model failed")
     assert w.record.done() == {(0, 0), (0, 1)} and w.written == 2
     np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "o.zarr"))[:4], data[:4])
-    assert not any(t.is_alive() for t in w._background._threads)
+    assert not any(t.is_alive() for t in w._background._pool.threads)
 
 
 def test_a_writer_dropped_without_close_does_not_leave_its_threads(tmp_path):
     import gc
 
-    w, _, _ = _tile_writer(tmp_path, write_threads=3)
-    threads = list(w._background._threads)
-    assert all(t.is_alive() for t in threads)
+    w, data, tiles = _tile_writer(tmp_path, write_threads=3)
+    w.write(tiles, np.stack([data[:4, :4], data[:4, 4:], data[4:, :4], data[4:, 4:]]))  # 4 regions to write
+    _until(lambda: w.written == 4)
+    threads = list(w._background._pool.threads)
+    assert threads and all(t.is_alive() for t in threads)
     del w
     gc.collect()
     for t in threads:

@@ -26,10 +26,15 @@ How the work is split (see docs/inference.md):
 - After its chunks are written a region is marked in a completion record beside the array; a restarted
   writer skips marked regions, and :meth:`TileWriter.pending` lists the tiles still needed.
 - A finished region is blended down and written by ``write_threads`` background threads
-  (:mod:`.background`) while reading and the model go on; at most ``write_bytes`` of finished regions wait
-  for them (``write()`` blocks for room), a failed write is raised at the next ``write()`` or at
-  ``close()``, and ``close()`` waits for them (``write_timeout_s`` bounds every wait). ``write_threads=0``
-  writes on the caller's thread.
+  (:mod:`.background`) while reading and the model go on; the regions queued or being written hold at
+  most ``write_bytes``, each counted as what it holds when handed over (its values, or its parts or
+  float64 sums; one region is always let through, whatever its size; ``write()`` blocks for room). On top
+  of that, each write thread takes for the region it writes its output in ``dtype`` and, for a weighted
+  region that kept its parts, float64 sums and a float64 scratch (from the recycled buffers). A failed
+  write is raised at the next ``write()`` or at ``close()``, and ``close()`` waits for the writes
+  (``write_timeout_s`` bounds every wait). ``write_threads=0`` writes on the caller's thread. Whole chunks
+  are encoded on the write threads and stored through zarr-python's store API where the layout allows
+  (:mod:`.chunks`), else written by zarr-python.
 """
 
 from __future__ import annotations
