@@ -242,14 +242,21 @@ class TileWriter:
         return [r for r in np.ndindex(*self.regions_shape) if self._owner(r) == self.rank]
 
     def pending(self, grid: TileGrid) -> SampleList:
-        """The tiles of ``grid`` that touch a region not yet written (all of them on a fresh array), in the
-        grid's order: what a restarted job still has to predict. Call it on every rank (same answer)."""
+        """The tiles of ``grid`` that touch a region not yet written (all of them on a fresh array): what a
+        restarted job still has to predict. Call it on every rank (same answer).
+
+        They come in the order of the regions (C order) that need them, each tile with the first region
+        it touches, and within a region in the grid's order: so regions are finished, and written behind,
+        from the first batches on, not only once the last row of tiles along the first axis arrives (with
+        the grid's order every region of a 2-tile-deep volume waited for the second half of the tiles)."""
         self._setup(len(grid.sample_shape)) if self._ndim is None else None
-        keep = []
+        first: dict[tuple[int, ...], list[Sample]] = {}  # a region -> the tiles that touch it first
         for i in range(len(grid)):
             s = grid.sample(0, i)
-            if any(r not in self.done for r in regions_of(self._out(box_of(s), s.pad is not None), self.unit)):
-                keep.append(s)
+            todo = [r for r in regions_of(self._out(box_of(s), s.pad is not None), self.unit) if r not in self.done]
+            if todo:
+                first.setdefault(min(todo), []).append(s)
+        keep = [s for r in sorted(first) for s in first[r]]
         if not keep:  # a finished array: one tile, so an epoch still has a sample; its regions are skipped
             keep.append(grid.sample(0, 0))
         return SampleList(keep, complete=True)
