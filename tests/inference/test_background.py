@@ -149,7 +149,9 @@ def test_a_writer_dropped_without_close_does_not_leave_its_threads(tmp_path):
 
     w, data, tiles = _tile_writer(tmp_path, write_threads=3)
     w.write(tiles, np.stack([data[:4, :4], data[:4, 4:], data[4:, :4], data[4:, 4:]]))  # 4 regions to write
-    _until(lambda: w.written == 4)
+    deadline = time.monotonic() + 10  # no closure over w: it is dropped below
+    while w.written < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
     threads = list(w._background._pool.threads)
     assert threads and all(t.is_alive() for t in threads)
     del w
