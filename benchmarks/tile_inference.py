@@ -2,6 +2,7 @@
 
     python benchmarks/tile_inference.py --shape 128 256 256 --tile 96 96 96 --crop 20 --rounds 5
     python benchmarks/tile_inference.py --extra-path /tmp/torchio_site   # torchio installed with --target
+    python benchmarks/tile_inference.py --threads 1 --components          # and CPU by part: read, encode, store, blend
 
 Each peer reads a uint16 Zarr array, runs an identity model over tiles of ``--tile`` whose valid centres are
 the tile less ``--crop`` on each side (stride ``tile - 2 * crop``), blends the overlaps and writes a float32
@@ -141,6 +142,94 @@ def _remove(out: str) -> None:
     shutil.rmtree(out + ".tiles-done", ignore_errors=True)
 
 
+def components(src: str, root: Path, a: argparse.Namespace) -> dict[str, float]:
+    """CPU seconds (``time.process_time``, the least of ``--rounds`` runs) of each peer's parts, run apart: the
+    read, zstd's encoding of the output chunks, the two ways of storing them, and each peer's tiling and blend
+    of the identity model in memory (``--components``; see docs/inference.md)."""
+    import numcodecs
+
+    from stoker.inference.chunks import ChunkWriter
+
+    def least(fn: Callable[[], object]) -> float:
+        spent = []
+        for _ in range(a.rounds):
+            c0 = time.process_time()
+            fn()
+            spent.append(time.process_time() - c0)
+        return round(min(spent), 3)
+
+    vol = zarr.open_array(src, mode="r")[:].astype(np.float32)
+    step = tuple(a.chunks)
+    boxes = [tuple(slice(i * c, min(i * c + c, n)) for i, c, n in zip(corner, step, a.shape))
+             for corner in np.ndindex(*(-(-n // c) for n, c in zip(a.shape, step)))]
+    chunks = [np.ascontiguousarray(vol[b]) for b in boxes]
+    zstd = numcodecs.Zstd(level=0)  # zarr-python's default for a v3 float array
+    out = str(root / "components.zarr")
+
+    def zarr_write() -> None:
+        _remove(out)
+        zarr.create_array(out, shape=tuple(a.shape), chunks=step, dtype="float32")[:] = vol
+
+    def direct_write() -> None:
+        _remove(out)
+        cw = ChunkWriter(zarr.create_array(out, shape=tuple(a.shape), chunks=step, dtype="float32"))
+        for b, c in zip(boxes, chunks):
+            cw.write(b, c)
+
+    got = {"read: zarr-python whole + astype": least(lambda: zarr.open_array(src, mode="r")[:].astype(np.float32)),
+           "encode: zstd of the output chunks": least(lambda: [zstd.encode(c) for c in chunks]),
+           "store: zarr-python write (create + write)": least(zarr_write),
+           "store: ChunkWriter (create + write)": least(direct_write)}
+    tile = tuple(a.tile)
+    grid = stoker.TileGrid([src], tile, stride=tuple(t - 2 * a.crop for t in tile))
+    cfg = stoker.Config(batch_size=a.batch_size, dtype="f32", sample_shape=tile, device="cpu",
+                        n_compute_threads=a.threads)
+    got["read: stoker tiles (TileGrid + CropDataset)"] = least(
+        lambda: [None for _ in stoker.CropDataset(grid, cfg, with_samples=True)])
+    batches = [(s, x.clone()) for s, x in stoker.CropDataset(grid, cfg, with_samples=True)]
+    x = torch.from_numpy(vol)
+    for blend in a.blends:
+        def stoker_blend() -> None:
+            _remove(out)
+            w = stoker.TileWriter(out, tuple(a.shape), step, "float32", blend=blend, crop=a.crop, grid=grid,
+                                  write_threads=0)
+            for s, xb in batches:
+                w.write(s, xb)
+            w.close()
+        # the writer fed batches held in memory, on one thread: its blend, then the same encode and store
+        got[f"blend {blend}: stoker TileWriter (+ encode + store)"] = least(stoker_blend)
+        if _imports("monai"):
+            from monai.inferers import sliding_window_inference
+
+            overlap = [(2 * a.crop - 0.5) / t for t in a.tile]
+            got[f"blend {blend}: monai sliding_window_inference"] = least(lambda: sliding_window_inference(
+                x[None, None], roi_size=tile, sw_batch_size=a.batch_size, predictor=lambda t: t, overlap=overlap,
+                mode="constant" if blend == "none" else "gaussian"))
+        if _imports("torchio"):
+            import torchio as tio
+
+            def tio_blend() -> None:
+                subject = tio.Subject(img=tio.ScalarImage(tensor=x[None]))
+                sampler = tio.inference.GridSampler(subject, tile, patch_overlap=2 * a.crop)
+                agg = tio.inference.GridAggregator(sampler, overlap_mode="crop" if blend == "none" else "hann")
+                for b in torch.utils.data.DataLoader(sampler, batch_size=a.batch_size):
+                    agg.add_batch(b["img"][tio.DATA], b[tio.LOCATION])
+                agg.get_output_tensor()
+            got[f"blend {blend}: torchio GridSampler + GridAggregator"] = least(tio_blend)
+    _remove(out)
+    for k, v in got.items():
+        print(f"  {k:58s} {v:.3f} s CPU")
+    return got
+
+
+def _imports(name: str) -> bool:
+    try:
+        __import__(name)
+        return True
+    except Exception:
+        return False
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=int, nargs=3, default=(128, 256, 256))
@@ -157,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="a folder appended to sys.path (a package installed with pip --target), after the "
                         "environment's own, so it shadows nothing")
     p.add_argument("--dir", default=None, help="where the arrays go (default: a temporary folder)")
+    p.add_argument("--components", action="store_true",
+                   help="also the CPU seconds of each peer's parts, run apart (read, encode, store, blend)")
     a = p.parse_args(argv)
     sys.path.extend(a.extra_path)
     torch.set_num_threads(a.threads)
@@ -166,7 +257,11 @@ def main(argv: list[str] | None = None) -> dict:
     times: dict[str, dict[str, list[float]]] = {b: {peer: [] for peer in peers} for b in a.blends}
     cpu: dict[str, dict[str, list[float]]] = {b: {peer: [] for peer in peers} for b in a.blends}
     load = [os.getloadavg()[0]]
+    parts = None
     try:
+        if a.components:
+            print(f"CPU by component, the least of {a.rounds} runs (torch threads: {a.threads}):")
+            parts = components(src, root, a)
         for r in range(a.rounds):
             for blend in a.blends:
                 for peer in peers[r % len(peers):] + peers[:r % len(peers)]:  # the order rotates per round
@@ -186,7 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
     voxels = int(np.prod(a.shape))
     result: dict = {"shape": a.shape, "tile": a.tile, "crop": a.crop, "chunks": a.chunks, "dtype": "uint16",
                     "batch_size": a.batch_size, "threads": a.threads, "write_threads": a.write_threads, "rounds": a.rounds, "cpus": os.cpu_count(),
-                    "load_1min": [round(x, 2) for x in load], "missing": missing, "blends": {}}
+                    "load_1min": [round(x, 2) for x in load], "missing": missing, "blends": {},
+                    "components_cpu_s": parts}
     for blend, by_peer in times.items():
         med = {peer: statistics.median(t) for peer, t in by_peer.items()}
         med_cpu = {peer: statistics.median(t) for peer, t in cpu[blend].items()}

@@ -13,6 +13,7 @@ import zarr
 
 import stoker
 from stoker.inference.background import BackgroundWriter
+from stoker.sampling.sample import box_of
 
 from .test_writer import reference, run
 
@@ -51,7 +52,8 @@ def test_close_waits_for_the_queued_writes():
         bw.submit(f"region ({i},)", 10, lambda i=i: (time.sleep(0.1), done.append(i)))
     bw.close()
     assert sorted(done) == [0, 1, 2] and bw.in_flight_bytes == 0
-    assert not any(t.is_alive() for t in bw._threads)  # and its threads are gone
+    threads = bw._pool.threads
+    assert threads and not any(t.is_alive() for t in threads)  # and its threads are gone
 
 
 def test_close_gives_up_on_a_hung_write_after_its_timeout():
@@ -102,6 +104,9 @@ def test_a_tilewriter_raises_a_failed_background_write_at_the_next_write(tmp_pat
     tiles = [grid.sample(0, i) for i in range(len(grid))]
     w.write(tiles[:1], data[None, :4, :4])  # region (0, 0) is complete: queued, and its write fails
     _until(lambda: w._background.in_flight_bytes == 0)
+    # handed to a write thread but never written: not done, and a job asking what is left still gets its tile
+    assert (0, 0) not in w.done
+    assert [box_of(t) for t in w.pending(grid)] == [box_of(t) for t in tiles]
     with pytest.raises(stoker.StorageError, match=r"o.zarr: writing region \(0, 0\)"):
         w.write(tiles[1:2], data[None, :4, 4:])
     with pytest.raises(stoker.StorageError, match=r"o.zarr: writing region \(0, 0\)"):
@@ -136,15 +141,19 @@ def test_an_error_in_a_with_block_lets_the_queued_writes_finish_and_is_the_one_r
             raise KeyError("the model failed")
     assert w.record.done() == {(0, 0), (0, 1)} and w.written == 2
     np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "o.zarr"))[:4], data[:4])
-    assert not any(t.is_alive() for t in w._background._threads)
+    assert not any(t.is_alive() for t in w._background._pool.threads)
 
 
 def test_a_writer_dropped_without_close_does_not_leave_its_threads(tmp_path):
     import gc
 
-    w, _, _ = _tile_writer(tmp_path, write_threads=3)
-    threads = list(w._background._threads)
-    assert all(t.is_alive() for t in threads)
+    w, data, tiles = _tile_writer(tmp_path, write_threads=3)
+    w.write(tiles, np.stack([data[:4, :4], data[:4, 4:], data[4:, :4], data[4:, 4:]]))  # 4 regions to write
+    deadline = time.monotonic() + 10  # no closure over w: it is dropped below
+    while w.written < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    threads = list(w._background._pool.threads)
+    assert threads and all(t.is_alive() for t in threads)
     del w
     gc.collect()
     for t in threads:

@@ -42,3 +42,16 @@ def test_the_check_refuses_an_output_that_is_not_the_input(bench, tmp_path):
     out[7, 7, 7] = out[7, 7, 7] + 1
     with pytest.raises(SystemExit, match=r"1 voxels differ, the first at \(7, 7, 7\)"):
         bench.check(src, str(tmp_path / "out.zarr"), "peer", "hann")
+
+
+def test_the_components_are_measured_apart(bench, tmp_path):
+    result = bench.main(["--shape", "20", "36", "30", "--tile", "16", "16", "16", "--crop", "4", "--chunks", "8",
+                         "16", "16", "--rounds", "1", "--batch-size", "3", "--threads", "1", "--peers", "stoker",
+                         "--components", "--dir", str(tmp_path)])
+    parts = result["components_cpu_s"]
+    for key in ("read: zarr-python whole + astype", "encode: zstd of the output chunks",
+                "store: zarr-python write (create + write)", "store: ChunkWriter (create + write)",
+                "read: stoker tiles (TileGrid + CropDataset)", "blend none: stoker TileWriter (+ encode + store)",
+                "blend hann: stoker TileWriter (+ encode + store)"):
+        assert parts[key] >= 0, key
+    assert not [p for p in tmp_path.iterdir() if p.name != "in.zarr"]

@@ -2,9 +2,11 @@
 
 zarr-python's write of a region (encode, compress, store) dominates a whole-volume inference on a CPU;
 doing it on the consumer's thread puts it one after another with the reads and the model. A
-:class:`BackgroundWriter` runs the writes on ``threads`` threads (zarr's codecs and numpy release the
-GIL) and bounds what waits for them in bytes: :meth:`submit` blocks, with a timeout, while the regions
-in flight hold more than ``max_bytes`` (one region is always let through, whatever its size).
+:class:`BackgroundWriter` runs the writes on a :class:`~stoker.runtime.workers.DaemonPool` of ``threads``
+threads (numcodecs and numpy release the GIL; a write stuck in the storage cannot keep the process alive)
+and bounds them in bytes: :meth:`submit` blocks, with a timeout, while the regions queued or being written
+would hold more than ``max_bytes`` with the new one (``nbytes``: all a region's write holds; one region
+is always let through, whatever its size).
 
 A failed write is kept and raised, as it was raised (a :class:`~stoker.errors.StorageError` from the
 writer), at the next :meth:`submit` or at :meth:`close`; the threads write nothing after it. Each task
@@ -18,14 +20,14 @@ marked unless written.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from typing import Callable
 
-from ..errors import StorageError, ThreadStartError
+from ..errors import StorageError
+from ..runtime.workers import DaemonPool
 
-_POLL_S = 0.5  # how often an idle thread checks that it should stop
+_POLL_S = 0.5  # how often a wait looks at the clock again
 
 
 class BackgroundWriter:
@@ -35,21 +37,10 @@ class BackgroundWriter:
     def __init__(self, uri: str, threads: int, max_bytes: int, timeout_s: float) -> None:
         self.uri, self.max_bytes, self.timeout_s = uri, int(max_bytes), float(timeout_s)
         self._cv = threading.Condition()
-        self._queue: collections.deque[tuple[str, int, Callable[[], None]]] = collections.deque()
         self._in_flight = 0  # bytes of the tasks queued or running
         self._running = 0  # tasks queued or running
         self._error: BaseException | None = None
-        self._stop = False
-        self._threads = []
-        for i in range(int(threads)):
-            t = threading.Thread(target=self._work, name=f"stoker-tilewriter-{i}", daemon=True)
-            try:
-                t.start()
-            except RuntimeError as exc:
-                self._shutdown()
-                raise ThreadStartError(f"TileWriter({uri}): could not start write thread {i} ({exc}); lower "
-                                       "write_threads, or 0 to write on the caller's thread") from exc
-            self._threads.append(t)
+        self._pool = DaemonPool(int(threads), "stoker-tilewriter", knob="write_threads", owner="TileWriter")
 
     @property
     def in_flight_bytes(self) -> int:
@@ -85,32 +76,32 @@ class BackgroundWriter:
             self._wait(lambda: self._error is not None or self._running == 0
                        or self._in_flight + nbytes <= self.max_bytes, f"room to queue {what}")
             self._raise_error()
-            self._queue.append((what, int(nbytes), task))
             self._in_flight += int(nbytes)
             self._running += 1
-            self._cv.notify_all()
-
-    def _work(self) -> None:
-        while True:
+        try:
+            self._pool.submit(self._run, int(nbytes), task)  # ThreadStartError when no thread at all starts
+        except BaseException:
             with self._cv:
-                while not self._queue and not self._stop:
-                    self._cv.wait(_POLL_S)
-                if not self._queue:
-                    return  # stopped, nothing left
-                what, nbytes, task = self._queue.popleft()
+                self._in_flight -= int(nbytes)
+                self._running -= 1
+                self._cv.notify_all()
+            raise
+
+    def _run(self, nbytes: int, task: Callable[[], None]) -> None:
+        try:
+            with self._cv:
                 skip = self._error is not None  # after a failure nothing more is written
-            try:
-                if not skip:
-                    task()
-            except BaseException as exc:  # kept for the caller's thread, which raises it
-                with self._cv:
-                    if self._error is None:
-                        self._error = exc
-            finally:
-                with self._cv:
-                    self._in_flight -= nbytes
-                    self._running -= 1
-                    self._cv.notify_all()
+            if not skip:
+                task()
+        except BaseException as exc:  # kept for the caller's thread, which raises it
+            with self._cv:
+                if self._error is None:
+                    self._error = exc
+        finally:
+            with self._cv:
+                self._in_flight -= nbytes
+                self._running -= 1
+                self._cv.notify_all()
 
     def drain(self) -> None:
         """Wait (at most ``timeout_s``) for every queued task; raise the first error."""
@@ -126,18 +117,16 @@ class BackgroundWriter:
             self._shutdown()
 
     def stop(self) -> None:
-        """Let the threads end once the queue is empty, without waiting for them (a writer dropped
+        """Let the threads end once the queued tasks ran, without waiting for them (a writer dropped
         without ``close()``: its threads do not outlive it)."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
+        self._pool.shutdown(drain=True)
 
     def _shutdown(self) -> None:
         self.stop()
         with self._cv:
             stuck = self._running > 0  # a drain timed out: a write hangs
         deadline = time.monotonic() + (0.0 if stuck else self.timeout_s)
-        for t in self._threads:  # a thread stuck in a write is a daemon: it cannot keep the process alive
+        for t in self._pool.threads:  # a thread stuck in a write is a daemon: it cannot keep the process alive
             t.join(max(0.0, deadline - time.monotonic()))
 
 

@@ -26,10 +26,15 @@ How the work is split (see docs/inference.md):
 - After its chunks are written a region is marked in a completion record beside the array; a restarted
   writer skips marked regions, and :meth:`TileWriter.pending` lists the tiles still needed.
 - A finished region is blended down and written by ``write_threads`` background threads
-  (:mod:`.background`) while reading and the model go on; at most ``write_bytes`` of finished regions wait
-  for them (``write()`` blocks for room), a failed write is raised at the next ``write()`` or at
-  ``close()``, and ``close()`` waits for them (``write_timeout_s`` bounds every wait). ``write_threads=0``
-  writes on the caller's thread.
+  (:mod:`.background`) while reading and the model go on; the regions queued or being written hold at
+  most ``write_bytes``, each counted as what it holds when handed over (its values, or its parts or
+  float64 sums; one region is always let through, whatever its size; ``write()`` blocks for room). On top
+  of that, each write thread takes for the region it writes its output in ``dtype`` and, for a weighted
+  region that kept its parts, float64 sums and a float64 scratch (from the recycled buffers). A failed
+  write is raised at the next ``write()`` or at ``close()``, and ``close()`` waits for the writes
+  (``write_timeout_s`` bounds every wait). ``write_threads=0`` writes on the caller's thread. Whole chunks
+  are encoded on the write threads and stored through zarr-python's store API where the layout allows
+  (:mod:`.chunks`), else written by zarr-python.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
 from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
 from .buffers import BufferPool
+from .chunks import ChunkWriter
 from .record import CompletionRecord
 from .target import array_store, writing
 
@@ -172,6 +178,7 @@ class TileWriter:
                                   f"{self.shape} and {np.dtype(dtype)}; write to another URI or remove it",
                                   uri=self.uri)
         self.array = arr
+        self._chunks = ChunkWriter(arr)  # whole chunks encoded on the write threads where the layout allows
         self.dtype = arr.dtype
         self.unit_full = tuple(arr.shards or arr.chunks)  # the write unit: one shard, or one chunk
         self.record = CompletionRecord(self.uri, storage_options)
@@ -179,7 +186,9 @@ class TileWriter:
             self.record.check_settings({"shape": list(self.shape), "unit": list(self.unit_full),
                                         "dtype": str(self.dtype), "blend": blend, "crop": _plain(crop)})
         barrier(group)
+        # the regions written and marked (the record's, then each after its mark): what pending() skips
         self.done = self.record.done()
+        self._handed = set(self.done)  # those, and the regions handed to be written: no part opens them again
         self._open: dict[tuple[int, ...], _Region] = {}
         self._expected: dict[tuple[int, ...], int] | None = None
         self._weights: dict[tuple[int, ...], np.ndarray] = {}
@@ -233,14 +242,21 @@ class TileWriter:
         return [r for r in np.ndindex(*self.regions_shape) if self._owner(r) == self.rank]
 
     def pending(self, grid: TileGrid) -> SampleList:
-        """The tiles of ``grid`` that touch a region not yet written (all of them on a fresh array), in the
-        grid's order: what a restarted job still has to predict. Call it on every rank (same answer)."""
+        """The tiles of ``grid`` that touch a region not yet written (all of them on a fresh array): what a
+        restarted job still has to predict. Call it on every rank (same answer).
+
+        They come in the order of the regions (C order) that need them, each tile with the first region
+        it touches, and within a region in the grid's order: so regions are finished, and written behind,
+        from the first batches on, not only once the last row of tiles along the first axis arrives (with
+        the grid's order every region of a 2-tile-deep volume waited for the second half of the tiles)."""
         self._setup(len(grid.sample_shape)) if self._ndim is None else None
-        keep = []
+        first: dict[tuple[int, ...], list[Sample]] = {}  # a region -> the tiles that touch it first
         for i in range(len(grid)):
             s = grid.sample(0, i)
-            if any(r not in self.done for r in regions_of(self._out(box_of(s), s.pad is not None), self.unit)):
-                keep.append(s)
+            todo = [r for r in regions_of(self._out(box_of(s), s.pad is not None), self.unit) if r not in self.done]
+            if todo:
+                first.setdefault(min(todo), []).append(s)
+        keep = [s for r in sorted(first) for s in first[r]]
         if not keep:  # a finished array: one tile, so an epoch still has a sample; its regions are skipped
             keep.append(grid.sample(0, 0))
         return SampleList(keep, complete=True)
@@ -273,7 +289,7 @@ class TileWriter:
             key = tuple(aabb)
             start = int(np.ravel_multi_index(tuple(a for a, _ in out), self.spatial))
             for r in regions_of(out, self.unit):
-                if r in self.done:
+                if r in self._handed:
                     continue
                 box = intersect(out, region_box(r, self.unit, self.spatial))
                 values = pred[(Ellipsis,) + local(box, key)]
@@ -289,7 +305,7 @@ class TileWriter:
 
     def _receive(self, parts: list[Part]) -> None:
         for r, key, box, values, start in sorted(parts, key=lambda p: (p[0], p[1])):
-            if r in self.done:
+            if r in self._handed:
                 continue  # written already: this is a repeat of one of its tiles (a short rank's wrap-around)
             region = self._open.get(r)
             if region is None:
@@ -334,7 +350,7 @@ class TileWriter:
 
     def _flush(self, r: tuple[int, ...]) -> None:
         region = self._open.pop(r)
-        self.done.add(r)  # no later part opens it again; the record is marked once it is written
+        self._handed.add(r)  # no later part opens it again; `done` and the record take it once it is written
         if self._background is None:
             self._finish(r, region)
         else:  # the blend's last step and the write run on the background threads
@@ -371,12 +387,13 @@ class TileWriter:
                           casting="unsafe")
             spent += [region.values, region.wsum, out]
         with writing(self.uri, f"region {r} (voxels {region.box})"):
-            self.array[(slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)] = out
+            self._chunks.write((slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box), out)
         for buf in spent:  # zarr-python is done with them: the next regions' accumulators
             self._pool.give(buf)
         self.record.mark(r)
         with self._count_lock:
             self.written += 1
+            self.done.add(r)
 
     def close(self) -> None:
         """Write the regions still open (those without all their tiles, or all without ``grid=``); on every

@@ -1,0 +1,134 @@
+"""A finished region's chunks encoded on the calling thread and stored through zarr-python's store API.
+
+zarr-python's ``array[region] = values`` spends, per chunk, an asyncio round trip to its event loop, one
+to a worker thread for the codec, and a full pass over the chunk to see whether it holds only the fill
+value (``write_empty_chunks=False``), on top of the encoding itself. A TileWriter's write threads already
+run beside the caller, and numcodecs releases the GIL while it compresses, so :class:`ChunkWriter` encodes
+the chunks of a region on the thread that writes it and hands the bytes to ``store.set`` (one event-loop
+round trip per region), with zarr-python still owning the metadata, the chunk keys and the store.
+
+It writes directly only layouts whose bytes it encodes exactly as zarr-python does (``tests/inference/
+test_chunks.py`` compares the stored bytes): no shards, native little-endian numeric data, and
+
+- v3: the ``bytes`` codec (little endian) optionally followed by ``zstd``, the default of numeric arrays;
+- v2: no filters, ``order="C"``, any numcodecs compressor or none.
+
+Anything else (shards, filters, transposes, other codecs, a fill value of ``None``) goes through
+zarr-python as before, and so does every chunk that may hold only the fill value: zarr-python decides
+whether to store or delete it. A region that is not aligned to the chunks also goes to zarr-python.
+
+>>> cw = ChunkWriter(zarr.open_array("/out/prob.zarr", mode="r+"))
+>>> cw.direct
+True
+>>> cw.write((slice(0, 64), slice(64, 128)), values)   # a chunk-aligned box
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+
+def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | None:
+    """What turns a whole chunk (C-contiguous) into its stored bytes exactly as zarr-python does, or None
+    when this layout is left to zarr-python."""
+    import numcodecs
+    from zarr.codecs import BytesCodec, ZstdCodec
+
+    dtype = np.dtype(array.dtype)
+    if array.shards is not None or dtype.kind not in "iuf" or sys.byteorder != "little":
+        return None
+    if dtype.itemsize > 1 and dtype.byteorder not in ("=", "<"):
+        return None
+    if array.fill_value is None:
+        return None
+    meta = array.metadata
+    if meta.zarr_format == 2:
+        if meta.filters or meta.order != "C":
+            return None
+        compressor = meta.compressor
+        if compressor is None:
+            return lambda chunk: chunk.tobytes()
+        return lambda chunk: bytes(compressor.encode(chunk))  # an ndarray, as zarr passes it (Blosc's typesize)
+    codecs = list(meta.codecs)
+    if not codecs or not isinstance(codecs[0], BytesCodec):
+        return None
+    if dtype.itemsize > 1 and codecs[0].endian is not None and codecs[0].endian.value != "little":
+        return None
+    if len(codecs) == 1:
+        return lambda chunk: chunk.tobytes()
+    if len(codecs) == 2 and isinstance(codecs[1], ZstdCodec):
+        zstd = numcodecs.Zstd(level=codecs[1].level, checksum=codecs[1].checksum)
+        return lambda chunk: bytes(zstd.encode(chunk))
+    return None
+
+
+class ChunkWriter:
+    """Writes chunk-aligned boxes of ``array`` (a zarr-python array open for writing; see the module
+    docstring). ``direct``: whether its chunks are encoded and stored here, not by zarr-python."""
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+        self._encode = _encoder(array)
+        self.direct = self._encode is not None
+        self.chunks = tuple(int(c) for c in array.chunks)
+        self.shape = tuple(int(s) for s in array.shape)
+        self.dtype = np.dtype(array.dtype)
+        fill = np.asarray(array.fill_value if array.fill_value is not None else 0, dtype=self.dtype)
+        self._fill = fill
+        self._nan_fill = bool(self.dtype.kind == "f" and np.isnan(fill))
+        self._keep_empty = bool(array.config.write_empty_chunks)
+        self.direct_chunks = 0  # chunks stored here (the rest went through zarr-python)
+
+    def write(self, box: tuple[slice, ...], values: np.ndarray) -> None:
+        """``array[box] = values``, each whole chunk of ``box`` encoded here where :attr:`direct`."""
+        sel = tuple(slice(0 if s.start is None else s.start, n if s.stop is None else s.stop)
+                    for s, n in zip(box, self.shape))
+        aligned = all(s.start % c == 0 and (s.stop % c == 0 or s.stop == n)
+                      for s, c, n in zip(sel, self.chunks, self.shape))
+        if self._encode is None or not aligned or values.dtype != self.dtype:
+            self.array[box] = values
+            return
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        store, root = self.array.store_path.store, self.array.store_path.path
+        meta, proto = self.array.metadata, default_buffer_prototype()
+        puts = []
+        ranges = [range(s.start // c, -(-s.stop // c)) for s, c in zip(sel, self.chunks)]
+        for index in itertools.product(*ranges):
+            where = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, self.chunks, self.shape))
+            part = values[tuple(slice(w.start - s.start, w.stop - s.start) for w, s in zip(where, sel))]
+            if not self._keep_empty and not self._not_empty(part):
+                self.array[where] = part  # zarr-python decides whether it is stored or deleted
+                continue
+            if part.shape != self.chunks:  # a chunk past the array's end: the rest is the fill value
+                whole = np.full(self.chunks, self._fill, dtype=self.dtype)
+                whole[tuple(slice(0, n) for n in part.shape)] = part
+                part = whole
+            blob = self._encode(np.ascontiguousarray(part))
+            key = meta.encode_chunk_key(index)
+            puts.append(store.set(f"{root}/{key}" if root else key, proto.buffer.from_bytes(blob)))
+        if puts:
+            sync(_all(puts))  # one round trip to zarr's event loop for the region
+            self.direct_chunks += len(puts)
+
+    def _not_empty(self, part: np.ndarray) -> bool:
+        """Whether ``part`` surely holds a value other than the fill value (zarr-python then stores it); a
+        chunk for which this is not sure goes to zarr-python, whose own test decides."""
+        first = part.flat[0]
+        if self._nan_fill:
+            return bool(first == first) or bool(np.any(part == part))  # a value that is not NaN
+        # compared as values: a voxel that differs in value differs in bits (zarr compares 0.0 by its bits)
+        return bool(first != self._fill) or bool(np.any(part != self._fill))
+
+
+async def _all(puts: list) -> None:
+    await asyncio.gather(*puts)
+
+
+__all__ = ["ChunkWriter"]

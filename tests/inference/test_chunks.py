@@ -1,0 +1,116 @@
+"""ChunkWriter: chunks encoded on the calling thread and stored through the store API hold the same bytes, under
+the same keys, as zarr-python's own write of the same values; layouts it does not encode go to zarr-python."""
+
+from __future__ import annotations
+
+import os
+
+import numcodecs
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import BytesCodec, GzipCodec, ZstdCodec
+
+from stoker.inference.chunks import ChunkWriter
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPE, CHUNKS = (2, 13, 29, 17), (1, 4, 8, 8)  # edge chunks on every spatial axis, one channel per chunk
+
+
+def _files(root: str) -> dict[str, bytes]:
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+def _boxes(shape, unit):
+    for z in range(0, shape[1], unit[1]):
+        for y in range(0, shape[2], unit[2]):
+            for x in range(0, shape[3], unit[3]):
+                yield (slice(None), slice(z, min(z + unit[1], shape[1])), slice(y, min(y + unit[2], shape[2])),
+                       slice(x, min(x + unit[3], shape[3])))
+
+
+def _data(dtype, fill):
+    data = np.random.default_rng(1).integers(0, 50, SHAPE).astype(dtype)
+    data[:, :4, :8, :8] = fill  # a chunk of the fill value only: zarr-python stores nothing for it
+    data[0, 4:8, 8:16, :8] = fill
+    data[0, 4, 8, 0] = 1  # ... and one that starts with the fill value but is not empty
+    return data
+
+
+LAYOUTS = {
+    "v3-zstd": dict(zarr_format=3),
+    "v3-zstd-checksum": dict(zarr_format=3, compressors=ZstdCodec(level=5, checksum=True)),
+    "v3-raw": dict(zarr_format=3, compressors=None),
+    "v2-zstd": dict(zarr_format=2),
+    "v2-blosc": dict(zarr_format=2, compressors=numcodecs.Blosc(cname="lz4", clevel=5, shuffle=1)),
+    "v2-raw": dict(zarr_format=2, compressors=None),
+}
+
+
+@pytest.mark.parametrize("dtype,fill", [("f4", 0.0), ("f4", 7.0), ("u1", 0), ("i2", 3)])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_direct_chunks_are_zarrs_bytes(tmp_path, layout, dtype, fill):
+    data = _data(dtype, fill)
+    kw = dict(shape=SHAPE, chunks=CHUNKS, dtype=dtype, fill_value=fill, **LAYOUTS[layout])
+    ours = zarr.create_array(str(tmp_path / "ours.zarr"), **kw)
+    theirs = zarr.create_array(str(tmp_path / "theirs.zarr"), **kw)
+    cw = ChunkWriter(ours)
+    assert cw.direct
+    for box in _boxes(SHAPE, (2, 4, 8, 8)):
+        cw.write(box, np.ascontiguousarray(data[box]))
+        theirs[box] = data[box]
+    assert cw.direct_chunks > 0
+    assert _files(str(tmp_path / "ours.zarr")) == _files(str(tmp_path / "theirs.zarr"))
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "ours.zarr"), mode="r")[:], data)
+
+
+def test_nan_fill_and_negative_zero(tmp_path):
+    """A NaN fill value: a chunk of NaNs is left to zarr-python (not stored); -0.0 under a 0.0 fill is
+    stored (zarr-python compares a zero fill by its bits)."""
+    for fill in (np.nan, 0.0):
+        data = np.random.default_rng(2).random(SHAPE).astype("f4")
+        data[:, :4, :8, :8] = fill
+        data[:, 4:8, :8, :8] = -0.0
+        kw = dict(shape=SHAPE, chunks=CHUNKS, dtype="f4", fill_value=fill)
+        ours = zarr.create_array(str(tmp_path / f"ours{fill}.zarr"), **kw)
+        theirs = zarr.create_array(str(tmp_path / f"theirs{fill}.zarr"), **kw)
+        cw = ChunkWriter(ours)
+        for box in _boxes(SHAPE, (2, 4, 8, 8)):
+            cw.write(box, np.ascontiguousarray(data[box]))
+            theirs[box] = data[box]
+        assert _files(str(tmp_path / f"ours{fill}.zarr")) == _files(str(tmp_path / f"theirs{fill}.zarr"))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(shards=(2, 8, 16, 16)),
+    dict(compressors=GzipCodec()),
+    dict(serializer=BytesCodec(endian="big")),
+    dict(zarr_format=2, filters=[numcodecs.Delta(dtype="f4")]),
+    dict(zarr_format=2, order="F"),
+], ids=["sharded", "gzip", "big-endian", "v2-filters", "v2-order-F"])
+def test_other_layouts_go_through_zarr(tmp_path, kw):
+    data = _data("f4", 0.0)
+    ours = zarr.create_array(str(tmp_path / "ours.zarr"), shape=SHAPE, chunks=CHUNKS, dtype="f4", **kw)
+    cw = ChunkWriter(ours)
+    assert not cw.direct
+    unit = (2, 8, 16, 16) if "shards" in kw else (2, 4, 8, 8)
+    for box in _boxes(SHAPE, unit):
+        cw.write(box, np.ascontiguousarray(data[box]))
+    assert cw.direct_chunks == 0
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "ours.zarr"), mode="r")[:], data)
+
+
+def test_a_box_off_the_chunks_goes_through_zarr(tmp_path):
+    data = _data("f4", 0.0)
+    ours = zarr.create_array(str(tmp_path / "ours.zarr"), shape=SHAPE, chunks=CHUNKS, dtype="f4")
+    cw = ChunkWriter(ours)
+    box = (slice(None), slice(2, 6), slice(0, 8), slice(0, 8))
+    cw.write(box, np.ascontiguousarray(data[box]))
+    assert cw.direct_chunks == 0
+    np.testing.assert_array_equal(ours[box], data[box])
