@@ -649,6 +649,8 @@ def test_a_group_of_many_chunk_files_holds_a_descriptor_per_read_thread_at_most(
 
     monkeypatch.setattr(LocalStore, "open_file", opened)
     monkeypatch.setattr(OpenFile, "close", closed)
+    monkeypatch.setattr(gpu_staging.native_reads, "available", lambda: False)  # the Python reads (see also
+    # tests/gpu/test_gpu_native_reads.py for the compiled ones)
     samples = [stoker.Sample(str(tmp_path / "small.zarr"), [(0, 32), (0, 32), (0, 32)])] * 2
     got, stats = _run(samples, n_compute_threads=4, batch_size=2)
     assert stats.chunks_decoded == 512 and now[0] == 0  # (the two samples share their chunks)
@@ -751,3 +753,59 @@ def test_close_returns_while_the_reader_is_in_a_compiled_read(tmp_path, monkeypa
     for thread in (ex._reader, ex._thread):
         thread.join(10.0)
         assert not thread.is_alive(), thread.name
+
+
+def _damage(root, how):
+    """An array damaged ``how``; returns its sample and the key the error names (None: the array's whole)."""
+    if how in ("fifo", "directory", "oversized"):
+        _write(root / "a.zarr", (16, 32, 32), (8, 16, 16), "uint16", ZstdCodec(level=3))
+        f = root / "a.zarr" / "c" / "1" / "0" / "1"
+        f.unlink()
+        if how == "fifo":
+            os.mkfifo(f)
+        elif how == "directory":
+            f.mkdir()
+        else:  # more bytes than zstd can write for the chunk: refused unread
+            f.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(16 * 16 * 8 * 2 * 2))
+        return "c/1/0/1"
+    _write(root / "a.zarr", (16, 32, 32), (8, 16, 16), "uint16", BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"),
+           shards=(16, 32, 32))
+    shard = root / "a.zarr" / "c" / "0" / "0" / "0"
+    raw = shard.read_bytes()
+    if how == "truncated shard":  # the index at its end is cut off
+        shard.write_bytes(raw[:len(raw) - 20])
+        return None
+    # "corrupt inner chunk": the first inner chunk's blosc block table pointing past its end
+    shard.write_bytes(raw[:16] + (len(raw) + 100).to_bytes(4, "little") + raw[20:])
+    return "c/0/0/0"
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-reads", "python-reads"])
+@pytest.mark.parametrize("how", ["fifo", "directory", "oversized", "truncated shard", "corrupt inner chunk"])
+def test_damaged_files_fail_with_the_cpu_path_s_typed_error(tmp_path, monkeypatch, compiled, how):
+    from stoker.engine.gpu import native_reads
+
+    if compiled and not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    key = _damage(tmp_path, how)
+    samples = [stoker.Sample(str(tmp_path / "a.zarr"), [(0, 16), (0, 32), (0, 32)])]
+    errors = []
+    for factory in (None, executors.make_executor):
+        with pytest.MonkeyPatch.context() as mp:
+            if factory is not None:
+                mp.setattr(pipelines, "make_executor", factory)
+                if not compiled:
+                    mp.setattr(native_reads, "available", lambda: False)
+            cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=2, host_buffer_bytes=64 << 20,
+                                device_buffer_bytes=64 << 20)
+            with stoker.Pipeline(cfg) as p:
+                p.push(samples)
+                with pytest.raises(stoker.errors.StokerError) as e:
+                    p.pop()
+                errors.append(e.value)
+    cpu, gpu = errors
+    assert type(gpu) is type(cpu), (gpu, cpu)
+    assert getattr(gpu, "key", None) == getattr(cpu, "key", None)
+    if key is not None:  # the chunk, by its key (an inner chunk: its shard's key and index) or its file's path
+        assert key in str(gpu) or os.path.join(*key.split("/")) in str(gpu), gpu
+    assert str(tmp_path / "a.zarr") in str(gpu)

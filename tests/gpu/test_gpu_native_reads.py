@@ -111,6 +111,36 @@ def test_a_fifo_or_directory_is_not_regular_and_never_blocks(tmp_path):
     assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_NOT_REGULAR] * 3
 
 
+def test_whole_files_hold_a_descriptor_per_thread_at_most(tmp_path):
+    # a wave may name thousands of chunk files: each is opened, read and closed by one task, never held
+    # between the two rounds (sizes by stat, then reads)
+    import threading
+
+    paths = []
+    for k in range(600):
+        (tmp_path / f"c{k}").write_bytes(bytes([k % 256]) * (k % 50 + 1))
+        paths.append(str(tmp_path / f"c{k}"))
+    base, peak, done = len(os.listdir("/proc/self/fd")), [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], len(os.listdir("/proc/self/fd")) - base)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for _ in range(5):
+            buf = bytearray(sum(k % 50 + 1 for k in range(600)))
+            reads = np.array([[k, -1, 64, 0] for k in range(600)])
+            out, opens, _ = native_reads.read(buf, paths, np.zeros((600, 6), np.int64), reads, 0, 4)
+            assert (out[:, native_reads.STATUS] == 0).all() and opens == 600
+    finally:
+        done.set()
+        watcher.join(10.0)
+    assert peak[0] <= 4 + 1, peak  # (the watcher's own listing takes one)
+    assert buf == b"".join(bytes([k % 256]) * (k % 50 + 1) for k in range(600))
+
+
 def test_a_plan_outside_the_staging_is_refused_before_any_read(tmp_path):
     (tmp_path / "f").write_bytes(b"z" * 100)
     buf = bytearray(16)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ...runtime import gil
 from ..cpu import native
 from . import frames
 
@@ -43,8 +44,8 @@ def read(buf: Any, paths: list[str], files: np.ndarray, reads: np.ndarray, whole
     ``whole_base``. A read outside ``buf`` is a ``ValueError``, before any byte is read."""
     reads = np.ascontiguousarray(reads, np.int64).reshape(-1, 4)
     out = np.zeros((len(reads), 4), np.int64)
-    opens, preads = native.stage_read(buf, paths, np.ascontiguousarray(files, np.int64).reshape(-1, 6), reads, out,
-                                      int(whole_base), int(threads))
+    opens, preads = gil.released(native.stage_read, buf, paths, np.ascontiguousarray(files, np.int64).reshape(-1, 6),
+                                 reads, out, int(whole_base), int(threads))
     return out, opens, preads
 
 
@@ -63,7 +64,7 @@ def parse_blosc_batch(buf: Any, chunk_in: Any, chunk_in_nbytes: Any, chunk_nbyte
         if np.any((outs[order] + nbytes[order])[:-1] > outs[order][1:]):
             raise ValueError("the chunks' outputs overlap: the unshuffle writes each chunk's blocks in place")
     fault = np.zeros(len(ins), np.int64)
-    streams, blocks = native.blosc_streams(data, np.stack([ins, sizes, nbytes, outs], 1), fault)
+    streams, blocks = gil.released(native.blosc_streams, data, np.stack([ins, sizes, nbytes, outs], 1), fault)
     s = np.frombuffer(streams, np.int64).reshape(-1, 6)
     b = np.frombuffer(blocks, np.int64).reshape(-1, 4)
     order = np.argsort(s[:, 2], kind="stable")  # by where each decodes to, as the numpy parser orders them

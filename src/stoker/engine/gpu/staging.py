@@ -202,14 +202,15 @@ class Stager:
         got_of: list = []  # bytes read per run; None for the runs of a shard that changed
         for lo, hi, got in zip(bounds[:-1], bounds[1:], self.pool.map(self._read_file, per_file)):
             got_of += got if got is not None else [None] * (hi - lo)
-        again, got_total = self._runs_read(plan, sources, reads, i, e, group, files, counts, got_of, runs)
+        got = np.array([-1 if g is None else g for g in got_of], np.int64)
+        again, got_total = self._runs_read(plan, sources, reads, i, e, group, files, counts, got, runs)
         self._counted(t0, got_total, counts)
         return again
 
-    def _runs_read(self, plan, sources, reads: ReadPlan, i: int, e: int, group: Group, files, counts, got_of: list,
-                   runs) -> tuple[list[Pending], int]:
-        """The runs of chunks ``reads.order[i:e]`` read (``got_of``: bytes per run, None where the shard
-        changed) added to ``group``; returns the chunks fetched again and the bytes read."""
+    def _runs_read(self, plan, sources, reads: ReadPlan, i: int, e: int, group: Group, files, counts,
+                   got: np.ndarray, runs) -> tuple[list[Pending], int]:
+        """The runs of chunks ``reads.order[i:e]`` read (``got``: bytes per run, -1 where the shard changed)
+        added to ``group``; returns the chunks fetched again and the bytes read."""
         cids = reads.order[i:e]
         heads, read_of, start, span, read_at = runs
         offset, length = plan.chunk_offset[cids], plan.chunk_length[cids]
@@ -217,21 +218,19 @@ class Stager:
         how = np.array([s.how for s in sources], np.int64)[plan.chunk_source[cids]]
         dec = np.diff(reads.dec[i:e + 1])
         out = group.end + np.cumsum(dec) - dec
-        keep = np.ones(len(cids), bool)
+        # a fixed number of steps whatever the runs: Python only for the runs of a shard that changed
+        changed = got < 0
+        short = np.flatnonzero(~changed & (got != span))
+        if len(short):
+            cid = int(cids[heads[short[0]]])
+            reader = plan.sources[int(plan.chunk_source[cid])]
+            raise DecodeError(f"{reader.uri}: the shard holding inner chunk {plan.key(cid)!r} changed or "
+                              "vanished while it was read", uri=reader.uri, key=plan.key(cid))
+        keep = ~changed[read_of]
         again: list[Pending] = []
-        got_total = 0
-        for r, (h, n, got) in enumerate(zip(heads.tolist(), span.tolist(), got_of)):
-            cid = int(cids[h])
-            if got is None:  # the shard changed: read again through the reader, which reads its new index
-                mine = read_of == r
-                keep &= ~mine
-                again += self._again(plan, sources, cids[mine], files, counts)
-                continue
-            if got != n:
-                reader = plan.sources[int(plan.chunk_source[cid])]
-                raise DecodeError(f"{reader.uri}: the shard holding inner chunk {plan.key(cid)!r} changed or "
-                                  "vanished while it was read", uri=reader.uri, key=plan.key(cid))
-            got_total += n
+        for r in np.flatnonzero(changed).tolist():  # the shard changed: read again through the reader
+            again += self._again(plan, sources, cids[read_of == r], files, counts)
+        got_total = int(span[~changed].sum())
         group.add(cids[keep], how[keep], at[keep], length[keep], out[keep])
         group.pos += int(span.sum())
         group.end += int(dec.sum())
@@ -273,43 +272,49 @@ class Stager:
         cids = reads.order[i:e]
         if not len(cids):
             return [], 0
-        got_of: list = out[:, native_reads.NREAD].tolist()
+        got = out[:, native_reads.NREAD].copy()
         status = out[:, native_reads.STATUS]
         for r in np.flatnonzero((status != native_reads.ST_OK) & (status != native_reads.ST_CHANGED)).tolist():
             # (a run of a file the compiled read failed on: read again as the Python path reads it)
             path = paths[int(local[r])]
             ident = file_ident(plan.files[int(plan.chunk_file[cids[heads[r]]])])
-            got = self._read_file((path, ident, [int(start[r])], [memoryview(buf)[read_at[r]:read_at[r] + span[r]]]))
-            got_of[r] = None if got is None else got[0]
-        for r in np.flatnonzero(status == native_reads.ST_CHANGED).tolist():
-            got_of[r] = None
-        return self._runs_read(plan, sources, reads, i, e, group, files, counts, got_of, runs)
+            again = self._read_file((path, ident, [int(start[r])], [memoryview(buf)[read_at[r]:read_at[r] + span[r]]]))
+            got[r] = -1 if again is None else again[0]
+        got[status == native_reads.ST_CHANGED] = -1
+        return self._runs_read(plan, sources, reads, i, e, group, files, counts, got, runs)
 
     def _native_whole(self, plan, sources, cids, buf, group: Group, out, paths) -> tuple[list[int], int]:
-        fills: list[int] = []
-        total = 0
-        for k, cid in enumerate(cids.tolist()):
-            st, detail, at, got = out[k].tolist()
+        """The whole chunk files the compiled call read added to ``group`` (a fixed number of steps; Python
+        per chunk only for those that failed); returns the missing ones (filled) and the bytes read."""
+        status, size, at, got = (out[:, j] for j in range(4))
+        bad = np.flatnonzero((status != native_reads.ST_OK) & (status != native_reads.ST_MISSING))
+        for k in bad[:1].tolist():  # the first failure raises, as the Python path would
+            cid = int(cids[k])
             reader = plan.sources[int(plan.chunk_source[cid])]
-            if st == native_reads.ST_MISSING:
-                fills.append(cid)
-                continue
-            if st == native_reads.ST_TOO_BIG:  # past its codec's bound, or past the staging
-                reader.metadata.codec.check_stored_size(detail, plan.key(cid))
-                _fit(reader, plan, cid, detail, len(buf) - group.pos)
-            if st != native_reads.ST_OK and st != native_reads.ST_CHANGED:  # the store's own error, if any
-                size = self._size(paths[k])
-                if isinstance(size, BaseException):
-                    raise size
-            if st != native_reads.ST_OK or got != detail:
-                raise DecodeError(f"{reader.uri}: chunk {plan.key(cid)!r} changed while it was read",
-                                  uri=reader.uri, key=plan.key(cid))
-            src = sources[int(plan.chunk_source[cid])]
-            group.add(cid, src.how, at, got, group.end)
-            group.pos = at + got
-            group.end += src.nbytes
-            total += got
-        return fills, total
+            if status[k] == native_reads.ST_TOO_BIG:  # past its codec's bound, or past the staging
+                reader.metadata.codec.check_stored_size(int(size[k]), plan.key(cid))
+                placed = (at + got)[:k][status[:k] == native_reads.ST_OK]  # the files placed before it
+                _fit(reader, plan, cid, int(size[k]), len(buf) - int(placed.max(initial=group.pos)))
+            elif status[k] != native_reads.ST_CHANGED and status[k] != native_reads.ST_SHORT:
+                looked = self._size(paths[k])  # the store's own error (not regular, an OS error), if any
+                if isinstance(looked, BaseException):
+                    raise looked
+            raise DecodeError(f"{reader.uri}: chunk {plan.key(cid)!r} changed while it was read",
+                              uri=reader.uri, key=plan.key(cid))
+        ok = status == native_reads.ST_OK
+        if np.any(ok & (got != size)):  # (a read cut short reports ST_SHORT: never here)
+            k = int(np.flatnonzero(ok & (got != size))[0])
+            reader = plan.sources[int(plan.chunk_source[int(cids[k])])]
+            raise DecodeError(f"{reader.uri}: chunk {plan.key(int(cids[k]))!r} changed while it was read",
+                              uri=reader.uri, key=plan.key(int(cids[k])))
+        src = plan.chunk_source[cids[ok]]
+        nbytes = np.array([s.nbytes for s in sources], np.int64)[src]
+        how = np.array([s.how for s in sources], np.int64)[src]
+        group.add(cids[ok], how, at[ok], got[ok], group.end + np.cumsum(nbytes) - nbytes)
+        if np.any(ok):
+            group.pos = int(at[ok][-1] + got[ok][-1])
+        group.end += int(nbytes.sum())
+        return cids[status == native_reads.ST_MISSING].tolist(), int(got[ok].sum())
 
     def _again(self, plan, sources, cids, files, counts) -> list[Pending]:
         items = []
