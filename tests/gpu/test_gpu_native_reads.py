@@ -245,7 +245,7 @@ def test_fuzz_the_compiled_parser_gives_the_numpy_parser_s_layout(chunks, seed, 
     assert _guards_intact(whole)
 
 
-@fuzz(200)
+@fuzz(300)
 @given(st.binary(min_size=0, max_size=400), st.integers(0, 1 << 20), st.integers(0, 2**32 - 1))
 def test_fuzz_random_bytes_and_hostile_headers(data, nbytes, seed):
     """Random bytes, and a valid header over random bytes (a block table and stream sizes pointing anywhere):
@@ -261,6 +261,26 @@ def test_fuzz_random_bytes_and_hostile_headers(data, nbytes, seed):
         got, got_why = native_reads.parse_blosc_batch(buf, [0], [len(frame)], [nbytes])
         _same_layout(got, want)
         assert got_why == want_why and _guards_intact(whole)
+        # the frame alone in an allocation of its size: under .ci/asan a read past its end is a fault
+        exact = np.frombuffer(frame, np.uint8).copy()
+        got, got_why = native_reads.parse_blosc_batch(exact, [0], [len(frame)], [nbytes])
+        _same_layout(got, want)
+
+
+@pytest.mark.parametrize("tail", [0, 1, 2, 3])
+def test_a_stream_size_field_cut_by_the_frame_s_end_is_refused_unread(tail):
+    """A split block (2 streams) whose second stream's size field would start ``tail`` bytes before the end:
+    refused without reading past the frame, which sits alone in an allocation of its size (under
+    .ci/asan, a read of the missing bytes is a fault)."""
+    header = bytes([2, 1, 0x21, 2]) + np.array([256, 256, 0], "<i4").tobytes()  # lz4, byte shuffle, typesize 2
+    body = np.array([20, 10], "<i4").tobytes() + bytes(range(10)) + bytes(tail)  # block 0 at 20; stream 0: 10 B
+    frame = bytearray(header + body)
+    frame[12:16] = np.array([len(frame)], "<i4").tobytes()
+    exact = np.frombuffer(bytes(frame), np.uint8).copy()
+    want, want_why = frames.parse_blosc_batch(exact, [0], [len(frame)], [256])
+    got, got_why = native_reads.parse_blosc_batch(exact, [0], [len(frame)], [256])
+    assert list(got_why) == [0] and got_why == want_why and "stream 1's size field" in got_why[0]
+    _same_layout(got, want)
 
 
 def test_a_chunk_outside_the_input_is_a_value_error():
