@@ -28,6 +28,7 @@ from stoker.engine.gpu.executor import GpuDecodeExecutor, device_casts
 from stoker.engine.gpu import frames
 from stoker.engine.gpu.reference import HostDecoder
 from stoker.errors import BudgetExceeded, DecodeError, InvalidArgument
+from stoker.runtime import gil
 
 from batch_oracle import bits as _bits, expected as _expected, random_crops as _samples
 
@@ -390,20 +391,35 @@ def _check_against_cpu_and_zarr(got, samples, data):
         assert torch.equal(row, _expected(data, s, "f32"))
 
 
-def test_inner_chunks_of_a_shard_are_read_in_few_reads(tmp_path, gpu_decode, monkeypatch):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-reads", "python-reads"])
+def test_inner_chunks_of_a_shard_are_read_in_few_reads(tmp_path, gpu_decode, monkeypatch, compiled):
+    from stoker.engine.gpu import native_reads
+
+    if compiled and not native_reads.available():
+        pytest.skip("stoker._native is not built")
     z, data = _many_inner_chunks(tmp_path)
     samples = _two_crops(str(tmp_path / "one.zarr"))
     reads = []
-    preadv = os.preadv
+    preadv, read = os.preadv, native_reads.read
 
     def counted(fd, buffers, offset, *args):
         if os.readlink(f"/proc/self/fd/{fd}").endswith(os.path.join("c", "0", "0", "0")):  # the shard
             reads.append(offset)
         return preadv(fd, buffers, offset, *args)
 
+    def counted_native(buf, paths, files, table, whole_base, threads):
+        out, opens, preads = read(buf, paths, files, table, whole_base, threads)
+        shard = [k for k, p in enumerate(paths) if p.endswith(os.path.join("c", "0", "0", "0"))]
+        reads.extend(int(row[1]) for row in table if row[0] in shard)  # (one row: one pread, unless cut short)
+        assert preads == len(table) and opens == len(paths)
+        return out, opens, preads
+
     monkeypatch.setattr(os, "preadv", counted)
+    monkeypatch.setattr(native_reads, "read", counted_native)
+    if not compiled:
+        monkeypatch.setattr(native_reads, "available", lambda: False)
     got, stats = _run(samples)
-    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.undo()
     # 44 stored inner chunks, close together in their shard: one read (the chunks between them read too)
     assert stats.chunks_decoded == 44 and len(reads) == 1, reads
     assert stats.bytes_to_device == stats.bytes_read
@@ -668,6 +684,8 @@ def test_a_group_of_many_chunk_files_holds_a_descriptor_per_read_thread_at_most(
 
     monkeypatch.setattr(LocalStore, "open_file", opened)
     monkeypatch.setattr(OpenFile, "close", closed)
+    monkeypatch.setattr(gpu_staging.native_reads, "available", lambda: False)  # the Python reads (see also
+    # tests/gpu/test_gpu_native_reads.py for the compiled ones)
     samples = [stoker.Sample(str(tmp_path / "small.zarr"), [(0, 32), (0, 32), (0, 32)])] * 2
     got, stats = _run(samples, n_compute_threads=4, batch_size=2)
     assert stats.chunks_decoded == 512 and now[0] == 0  # (the two samples share their chunks)
@@ -700,6 +718,7 @@ def test_auto_never_picks_a_gpu_decode_whose_library_does_not_load(monkeypatch):
 def test_close_returns_while_a_read_thread_is_blocked_in_a_chunk_file(tmp_path, monkeypatch):
     # the reads of a group run on the read threads: close() must not wait for one stuck in a read, and every
     # thread ends once the read returns
+    from stoker.engine.gpu import native_reads
     from stoker.engine.gpu.staging import Stager
 
     _write(tmp_path / "w.zarr", (16, 64, 64), (8, 16, 16), "uint16", ZstdCodec(level=1))  # 32 chunk files
@@ -713,6 +732,7 @@ def test_close_returns_while_a_read_thread_is_blocked_in_a_chunk_file(tmp_path, 
         return read_whole(self, read)
 
     monkeypatch.setattr(Stager, "_read_whole", stuck)
+    monkeypatch.setattr(native_reads, "available", lambda: False)  # the Python reads, on the read pool's threads
     made = []
     _with_decoder(monkeypatch, HostDecoder, made)
     cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=4, host_buffer_bytes=64 << 20,
@@ -731,3 +751,96 @@ def test_close_returns_while_a_read_thread_is_blocked_in_a_chunk_file(tmp_path, 
     for thread in (ex._reader, ex._thread, *ex._stager.pool._pool.threads):
         thread.join(10.0)
         assert not thread.is_alive(), thread.name
+
+
+def test_close_returns_while_the_reader_is_in_a_compiled_read(tmp_path, monkeypatch):
+    # the compiled reads run inside one call on the reader thread (the GIL released): close() must not wait for
+    # a call that does not return, and the reader ends once it does
+    from stoker.engine.gpu import native_reads
+
+    if not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    _write(tmp_path / "w.zarr", (16, 64, 64), (8, 16, 16), "uint16", ZstdCodec(level=1))  # 32 chunk files
+    unblock, entered = threading.Event(), threading.Event()
+    read = native_reads.read
+
+    def stuck(*args):
+        entered.set()
+        assert gil.released(unblock.wait, 30.0)
+        return read(*args)
+
+    monkeypatch.setattr(native_reads, "read", stuck)
+    made = []
+    _with_decoder(monkeypatch, HostDecoder, made)
+    cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=4, host_buffer_bytes=64 << 20,
+                        device_buffer_bytes=64 << 20)
+    p = stoker.Pipeline(cfg)
+    try:
+        p.push([stoker.Sample(str(tmp_path / "w.zarr"), [(0, 16), (0, 64), (0, 64)])])
+        assert entered.wait(10.0)
+        t0 = time.monotonic()
+        p.close()
+        assert time.monotonic() - t0 < 3.0 and not unblock.is_set()
+    finally:
+        unblock.set()
+        p.close()
+    ex = made[0]
+    for thread in (ex._reader, ex._thread):
+        thread.join(10.0)
+        assert not thread.is_alive(), thread.name
+
+
+def _damage(root, how):
+    """An array damaged ``how``; returns its sample and the key the error names (None: the array's whole)."""
+    if how in ("fifo", "directory", "oversized"):
+        _write(root / "a.zarr", (16, 32, 32), (8, 16, 16), "uint16", ZstdCodec(level=3))
+        f = root / "a.zarr" / "c" / "1" / "0" / "1"
+        f.unlink()
+        if how == "fifo":
+            os.mkfifo(f)
+        elif how == "directory":
+            f.mkdir()
+        else:  # more bytes than zstd can write for the chunk: refused unread
+            f.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(16 * 16 * 8 * 2 * 2))
+        return "c/1/0/1"
+    _write(root / "a.zarr", (16, 32, 32), (8, 16, 16), "uint16", BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"),
+           shards=(16, 32, 32))
+    shard = root / "a.zarr" / "c" / "0" / "0" / "0"
+    raw = shard.read_bytes()
+    if how == "truncated shard":  # the index at its end is cut off
+        shard.write_bytes(raw[:len(raw) - 20])
+        return None
+    # "corrupt inner chunk": the first inner chunk's blosc block table pointing past its end
+    shard.write_bytes(raw[:16] + (len(raw) + 100).to_bytes(4, "little") + raw[20:])
+    return "c/0/0/0"
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-reads", "python-reads"])
+@pytest.mark.parametrize("how", ["fifo", "directory", "oversized", "truncated shard", "corrupt inner chunk"])
+def test_damaged_files_fail_with_the_cpu_path_s_typed_error(tmp_path, monkeypatch, compiled, how):
+    from stoker.engine.gpu import native_reads
+
+    if compiled and not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    key = _damage(tmp_path, how)
+    samples = [stoker.Sample(str(tmp_path / "a.zarr"), [(0, 16), (0, 32), (0, 32)])]
+    errors = []
+    for factory in (None, executors.make_executor):
+        with pytest.MonkeyPatch.context() as mp:
+            if factory is not None:
+                mp.setattr(pipelines, "make_executor", factory)
+                if not compiled:
+                    mp.setattr(native_reads, "available", lambda: False)
+            cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=2, host_buffer_bytes=64 << 20,
+                                device_buffer_bytes=64 << 20)
+            with stoker.Pipeline(cfg) as p:
+                p.push(samples)
+                with pytest.raises(stoker.errors.StokerError) as e:
+                    p.pop()
+                errors.append(e.value)
+    cpu, gpu = errors
+    assert type(gpu) is type(cpu), (gpu, cpu)
+    assert getattr(gpu, "key", None) == getattr(cpu, "key", None)
+    if key is not None:  # the chunk, by its key (an inner chunk: its shard's key and index) or its file's path
+        assert key in str(gpu) or os.path.join(*key.split("/")) in str(gpu), gpu
+    assert str(tmp_path / "a.zarr") in str(gpu)

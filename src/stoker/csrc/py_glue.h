@@ -22,6 +22,7 @@ extern PyMethodDef codec_methods[];  /* py_codecs.c: set_codecs, set_zstd_stream
 extern PyMethodDef table_methods[];  /* py_tables.c: plan_grid, plan_crops, shard_positions, gather_entries,
                                       * chunk_rows, copy_rows */
 extern PyMethodDef engine_functions[]; /* py_engine.c: local_file_system, read_files */
+extern PyMethodDef staging_methods[]; /* py_staging.c: stage_read, blosc_streams (the GPU decode's reads) */
 
 /* py_engine.c: Engine (and its BatchJob type) into module m; 0, or -1 with an exception set */
 int add_engine_types(PyObject *m);

@@ -201,3 +201,10 @@ read_files = None
 if Engine is not None:
     from ..._native import (chunk_rows, copy_rows, gather_entries, local_file_system,  # noqa: F401 (native.*)
                            plan_crops, plan_grid, read_files, shard_positions)
+#: ``stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads)`` and
+#: ``blosc_streams(buf, chunks, fault) -> (streams, blocks)`` (csrc/staging.c): the GPU decode's reads of a wave
+#: into its staging on threads of their own, the GIL released once, and its blosc1 frames parsed
+#: (engine/gpu/native_reads.py wraps them), or None without the engine
+stage_read = blosc_streams = None
+if Engine is not None:
+    from ..._native import blosc_streams, stage_read  # noqa: F401 (native.*)

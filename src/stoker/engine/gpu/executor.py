@@ -11,8 +11,9 @@ decode takes the chunks of several lookahead batches, each batch's part parsed, 
    and order the chunks the device decodes for reading (:func:`.staging.plan_reads`: numpy, once);
 2. read the stored bytes of the group's chunks end to end into a pinned staging buffer
    (:class:`.staging.Stager`: one positional read per coalesced run of a shard's inner chunks, one per
-   chunk file, one ``get_many`` per store), and parse them into one :class:`~stoker.engine.gpu.frames.Layout`
-   (:mod:`.layout`: blosc1 frames and plain zstd chunks, a fixed number of numpy steps per group);
+   chunk file, all of a batch's part in one call into ``csrc/staging.c`` where the engine is built; one
+   ``get_many`` per store), and parse them into one :class:`~stoker.engine.gpu.frames.Layout`
+   (:mod:`.layout`: blosc1 frames, walked in C, and plain zstd chunks, a fixed number of steps per group);
 3. the stream decoder (:class:`~stoker.engine.gpu.nvcomp.DeviceDecoder`) copies the staging to the device in one
    transfer and decodes every stream into the device scratch;
 4. the copies of each batch's chunks are gathered from the scratch, cast and scattered into its slot: by

@@ -1,6 +1,7 @@
 """A staged group as one :class:`~stoker.engine.gpu.frames.Layout` for the stream decoder: blosc1 frames, plain
 zstd chunks and raw streams (chunks decoded on the CPU), each chunk's output at its offset in the scratch,
-parsed with a fixed number of numpy steps per group. Frames the parser refuses, or with a stream the
+parsed with a fixed number of steps per group (blosc frames walked in C where the compiled engine is built:
+:mod:`.native_reads`; else numpy). Frames the parser refuses, or with a stream the
 device does not decompress (another compressor inside blosc, or over the decoder's ``max_stream_bytes``),
 are left out and returned for the CPU."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import frames
+from . import frames, native_reads
 from .sources import BLOSC, CPU, ZSTD
 
 
@@ -25,7 +26,7 @@ def layout_of(buf: np.ndarray, how: np.ndarray, at: np.ndarray, size: np.ndarray
     scratch), the rows it holds, and the rows left for the CPU (sorted)."""
     cpu: list[np.ndarray] = []
     parts, held = [], []
-    for kind, parse in ((BLOSC, frames.parse_blosc_batch), (ZSTD, frames.parse_zstd_batch)):
+    for kind, parse in ((BLOSC, native_reads.parse_blosc_batch), (ZSTD, frames.parse_zstd_batch)):
         ids = np.flatnonzero(how == kind)
         if not len(ids):
             continue

@@ -31,9 +31,9 @@ from ...reader.array import ChunkLocation, fetch_stored
 from ...runtime import gil
 from ...runtime.workers import DaemonPool
 from ...storage import FileChanged
-from . import fallback as gpu_fallback
+from . import fallback as gpu_fallback, native_reads
 from .sources import CPU, Source
-from ..planning.tables import F_SOURCE, TablePlan, file_ident
+from ..planning.tables import F_HAS_IDENT, F_IDENT, F_SOURCE, TablePlan, file_ident
 
 #: inner chunks of one shard file at most this far apart are read together, the gap included
 MAX_GAP = 64 << 10
@@ -174,10 +174,14 @@ class Stager:
         again: list[Pending] = []
         kind = reads.kind[i:e]
         lo, hi = i + int(np.searchsorted(kind, _WHOLE)), i + int(np.searchsorted(kind, _STORE))
-        if lo > i:
-            again += self._ranged(plan, sources, reads, i, lo, buf, group, files, counts)
-        if hi > lo:
-            fills += self._whole(plan, sources, reads.order[lo:hi], buf, group, files, counts)
+        if hi > i and native_reads.available():  # local files: one call into the compiled reads
+            missing, again = self._native(plan, sources, reads, i, lo, hi, buf, group, files, counts)
+            fills += missing
+        else:
+            if lo > i:
+                again += self._ranged(plan, sources, reads, i, lo, buf, group, files, counts)
+            if hi > lo:
+                fills += self._whole(plan, sources, reads.order[lo:hi], buf, group, files, counts)
         if e > hi:
             fills += self._stores(plan, sources, reads.order[hi:e], buf, group, files, counts)
         return fills, again
@@ -185,23 +189,9 @@ class Stager:
     def _ranged(self, plan, sources, reads: ReadPlan, i: int, e: int, buf, group: Group, files, counts):
         """Inner chunks of local shards: one positional read per run of joined chunks."""
         cids = reads.order[i:e]
-        offset, length = plan.chunk_offset[cids], plan.chunk_length[cids]
-        first = ~reads.joined[i:e]
-        first[0] = True
-        heads = np.flatnonzero(first)
-        read_of = np.cumsum(first) - 1
-        start = offset[heads]
-        stop = np.maximum.reduceat(offset + length, heads)
-        span = stop - start
-        read_at = group.pos + np.cumsum(span) - span
-        at = read_at[read_of] + offset - start[read_of]
-        how = np.array([s.how for s in sources], np.int64)[plan.chunk_source[cids]]
-        dec = np.diff(reads.dec[i:e + 1])
-        out = group.end + np.cumsum(dec) - dec
-        keep = np.ones(len(cids), bool)
-        again: list[Pending] = []
+        runs = _runs(plan, reads, i, e, group)
+        heads, read_of, start, span, read_at = runs
         t0 = time.perf_counter()
-        got_total = 0
         view = memoryview(buf)
         run_file = plan.chunk_file[cids[heads]]
         cuts = np.flatnonzero(np.diff(run_file)) + 1  # the runs of one file are adjacent (read order)
@@ -212,23 +202,119 @@ class Stager:
         got_of: list = []  # bytes read per run; None for the runs of a shard that changed
         for lo, hi, got in zip(bounds[:-1], bounds[1:], self.pool.map(self._read_file, per_file)):
             got_of += got if got is not None else [None] * (hi - lo)
-        for r, (h, n, got) in enumerate(zip(heads.tolist(), span.tolist(), got_of)):
-            cid = int(cids[h])
-            if got is None:  # the shard changed: read again through the reader, which reads its new index
-                mine = read_of == r
-                keep &= ~mine
-                again += self._again(plan, sources, cids[mine], files, counts)
-                continue
-            if got != n:
-                reader = plan.sources[int(plan.chunk_source[cid])]
-                raise DecodeError(f"{reader.uri}: the shard holding inner chunk {plan.key(cid)!r} changed or "
-                                  "vanished while it was read", uri=reader.uri, key=plan.key(cid))
-            got_total += n
+        got = np.array([-1 if g is None else g for g in got_of], np.int64)
+        again, got_total = self._runs_read(plan, sources, reads, i, e, group, files, counts, got, runs)
         self._counted(t0, got_total, counts)
+        return again
+
+    def _runs_read(self, plan, sources, reads: ReadPlan, i: int, e: int, group: Group, files, counts,
+                   got: np.ndarray, runs) -> tuple[list[Pending], int]:
+        """The runs of chunks ``reads.order[i:e]`` read (``got``: bytes per run, -1 where the shard changed)
+        added to ``group``; returns the chunks fetched again and the bytes read."""
+        cids = reads.order[i:e]
+        heads, read_of, start, span, read_at = runs
+        offset, length = plan.chunk_offset[cids], plan.chunk_length[cids]
+        at = read_at[read_of] + offset - start[read_of]
+        how = np.array([s.how for s in sources], np.int64)[plan.chunk_source[cids]]
+        dec = np.diff(reads.dec[i:e + 1])
+        out = group.end + np.cumsum(dec) - dec
+        # a fixed number of steps whatever the runs: Python only for the runs of a shard that changed
+        changed = got < 0
+        short = np.flatnonzero(~changed & (got != span))
+        if len(short):
+            cid = int(cids[heads[short[0]]])
+            reader = plan.sources[int(plan.chunk_source[cid])]
+            raise DecodeError(f"{reader.uri}: the shard holding inner chunk {plan.key(cid)!r} changed or "
+                              "vanished while it was read", uri=reader.uri, key=plan.key(cid))
+        keep = ~changed[read_of]
+        again: list[Pending] = []
+        for r in np.flatnonzero(changed).tolist():  # the shard changed: read again through the reader
+            again += self._again(plan, sources, cids[read_of == r], files, counts)
+        got_total = int(span[~changed].sum())
         group.add(cids[keep], how[keep], at[keep], length[keep], out[keep])
         group.pos += int(span.sum())
         group.end += int(dec.sum())
-        return again
+        return again, got_total
+
+    def _native(self, plan, sources, reads: ReadPlan, i: int, lo: int, hi: int, buf, group: Group, files, counts):
+        """:meth:`_ranged` and :meth:`_whole` in one call into the compiled reads (:mod:`.native_reads`): the
+        runs of shards' inner chunks, then the whole chunk files, read on the call's threads without the GIL.
+        A file whose read fails in a way that has a typed error of its own (missing, short, not regular, an OS
+        error) is read again the Python way, which raises that error (or, the file back to health, reads it)."""
+        cids = reads.order[i:lo]
+        runs = _runs(plan, reads, i, lo, group)
+        heads, read_of, start, span, read_at = runs
+        whole = reads.order[lo:hi]
+        # the table: one row per run of a shard, one per whole chunk file; its files numbered in order of use
+        file_rows = np.concatenate([plan.chunk_file[cids[heads]], plan.chunk_file[whole]])
+        used, local = np.unique(file_rows, return_inverse=True)
+        paths = [self.file(plan, int(f), files)[0] for f in used.tolist()]
+        idents = np.zeros((len(used), 6), np.int64)
+        idents[:, 0] = plan.files[used, F_HAS_IDENT]
+        idents[:, 1:] = plan.files[used][:, F_IDENT]
+        bound = np.array([s.stored for s in sources], np.int64)[plan.chunk_source[whole]]
+        table = np.zeros((len(file_rows), 4), np.int64)
+        table[:, 0] = local
+        table[:len(heads), 1], table[:len(heads), 2], table[:len(heads), 3] = start, span, read_at
+        table[len(heads):, 1], table[len(heads):, 2] = -1, bound
+        t0 = time.perf_counter()
+        out, _, _ = native_reads.read(buf, paths, idents, table, group.pos + int(span.sum()), self.pool.threads)
+        again, got = self._native_ranged(plan, sources, reads, i, lo, buf, group, files, counts, out[:len(heads)],
+                                         runs, paths, local)
+        fills, got_whole = self._native_whole(plan, sources, whole, buf, group, out[len(heads):],
+                                              [paths[k] for k in local[len(heads):].tolist()])
+        self._counted(t0, got + got_whole, counts)
+        return fills, again
+
+    def _native_ranged(self, plan, sources, reads: ReadPlan, i: int, e: int, buf, group: Group, files, counts, out,
+                       runs, paths, local) -> tuple[list[Pending], int]:
+        heads, read_of, start, span, read_at = runs
+        cids = reads.order[i:e]
+        if not len(cids):
+            return [], 0
+        got = out[:, native_reads.NREAD].copy()
+        status = out[:, native_reads.STATUS]
+        for r in np.flatnonzero((status != native_reads.ST_OK) & (status != native_reads.ST_CHANGED)).tolist():
+            # (a run of a file the compiled read failed on: read again as the Python path reads it)
+            path = paths[int(local[r])]
+            ident = file_ident(plan.files[int(plan.chunk_file[cids[heads[r]]])])
+            again = self._read_file((path, ident, [int(start[r])], [memoryview(buf)[read_at[r]:read_at[r] + span[r]]]))
+            got[r] = -1 if again is None else again[0]
+        got[status == native_reads.ST_CHANGED] = -1
+        return self._runs_read(plan, sources, reads, i, e, group, files, counts, got, runs)
+
+    def _native_whole(self, plan, sources, cids, buf, group: Group, out, paths) -> tuple[list[int], int]:
+        """The whole chunk files the compiled call read added to ``group`` (a fixed number of steps; Python
+        per chunk only for those that failed); returns the missing ones (filled) and the bytes read."""
+        status, size, at, got = (out[:, j] for j in range(4))
+        bad = np.flatnonzero((status != native_reads.ST_OK) & (status != native_reads.ST_MISSING))
+        for k in bad[:1].tolist():  # the first failure raises, as the Python path would
+            cid = int(cids[k])
+            reader = plan.sources[int(plan.chunk_source[cid])]
+            if status[k] == native_reads.ST_TOO_BIG:  # past its codec's bound, or past the staging
+                reader.metadata.codec.check_stored_size(int(size[k]), plan.key(cid))
+                placed = (at + got)[:k][status[:k] == native_reads.ST_OK]  # the files placed before it
+                _fit(reader, plan, cid, int(size[k]), len(buf) - int(placed.max(initial=group.pos)))
+            elif status[k] != native_reads.ST_CHANGED and status[k] != native_reads.ST_SHORT:
+                looked = self._size(paths[k])  # the store's own error (not regular, an OS error), if any
+                if isinstance(looked, BaseException):
+                    raise looked
+            raise DecodeError(f"{reader.uri}: chunk {plan.key(cid)!r} changed while it was read",
+                              uri=reader.uri, key=plan.key(cid))
+        ok = status == native_reads.ST_OK
+        if np.any(ok & (got != size)):  # (a read cut short reports ST_SHORT: never here)
+            k = int(np.flatnonzero(ok & (got != size))[0])
+            reader = plan.sources[int(plan.chunk_source[int(cids[k])])]
+            raise DecodeError(f"{reader.uri}: chunk {plan.key(int(cids[k]))!r} changed while it was read",
+                              uri=reader.uri, key=plan.key(int(cids[k])))
+        src = plan.chunk_source[cids[ok]]
+        nbytes = np.array([s.nbytes for s in sources], np.int64)[src]
+        how = np.array([s.how for s in sources], np.int64)[src]
+        group.add(cids[ok], how, at[ok], got[ok], group.end + np.cumsum(nbytes) - nbytes)
+        if np.any(ok):
+            group.pos = int(at[ok][-1] + got[ok][-1])
+        group.end += int(nbytes.sum())
+        return cids[status == native_reads.ST_MISSING].tolist(), int(got[ok].sum())
 
     def _again(self, plan, sources, cids, files, counts) -> list[Pending]:
         items = []
@@ -420,6 +506,24 @@ class ReadPool:
         self.closing = True
         if self._pool is not None:
             self._pool.shutdown()
+
+
+def _runs(plan: TablePlan, reads: ReadPlan, i: int, e: int, group: Group) -> tuple[np.ndarray, ...]:
+    """The positional reads of shard chunks ``reads.order[i:e]``, one per run of joined chunks: ``(heads, read_of,
+    start, span, read_at)`` (each run's first chunk, each chunk's run, where a run starts in its file and how
+    long it is, where it goes in the staging from ``group.pos`` on)."""
+    cids = reads.order[i:e]
+    offset, length = plan.chunk_offset[cids], plan.chunk_length[cids]
+    first = ~reads.joined[i:e]
+    if len(first):
+        first[0] = True
+    heads = np.flatnonzero(first)
+    read_of = np.cumsum(first) - 1
+    start = offset[heads]
+    stop = np.maximum.reduceat(offset + length, heads) if len(heads) else start
+    span = stop - start
+    read_at = group.pos + np.cumsum(span) - span
+    return heads, read_of, start, span, read_at
 
 
 def _fit(reader, plan: TablePlan, cid: int, size: int, room: int) -> None:

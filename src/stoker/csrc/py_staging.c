@@ -1,0 +1,169 @@
+/* staging.c as Python functions: stage_read (a wave's reads into a staging buffer, the GIL released once for
+ * them all) and blosc_streams (a batch of blosc1 frames parsed, the GIL released). */
+#include "py_glue.h"
+#include "staging.h"
+
+#include <stdlib.h>
+
+/* an int64 buffer of whole ``cols``-value rows (C-contiguous, aligned); *rows its rows. 0, or -1 with an exception */
+static int int64_rows(PyObject *obj, Py_buffer *b, long long cols, long long *rows, int writable, const char *what) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, b, flags) != 0)
+        return -1;
+    if (!native_words(b) || (uintptr_t)b->buf % _Alignof(int64_t) || (b->len / 8) % cols != 0) {
+        PyBuffer_Release(b);
+        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous rows of %lld int64", what, cols);
+        return -1;
+    }
+    *rows = (long long)(b->len / 8 / cols);
+    return 0;
+}
+
+/* stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads) */
+static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *buf_obj, *paths_obj, *files_obj, *reads_obj, *out_obj;
+    long long whole_base;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOOLi", &buf_obj, &paths_obj, &files_obj, &reads_obj, &out_obj, &whole_base,
+                          &threads))
+        return NULL;
+    PyObject *paths = tuple_of(paths_obj, "paths");
+    if (paths == NULL)
+        return NULL;
+    Py_ssize_t n_paths = PyTuple_GET_SIZE(paths);
+    PyObject *result = NULL;
+    PyObject **names = calloc((size_t)n_paths + 1, sizeof(PyObject *));
+    const char **cpaths = calloc((size_t)n_paths + 1, sizeof(char *));
+    Py_buffer buf, files, reads, out;
+    int have = 0; /* buffers taken so far */
+    if (names == NULL || cpaths == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n_paths; i++) {
+        if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(paths, i), &names[i]))
+            goto done;
+        cpaths[i] = PyBytes_AS_STRING(names[i]);
+    }
+    stage_plan p = {0};
+    long long n_out;
+    if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
+        goto done;
+    have = 1;
+    if (int64_rows(files_obj, &files, STAGE_FILE_COLS, &p.n_files, 0, "files") < 0)
+        goto done;
+    have = 2;
+    if (int64_rows(reads_obj, &reads, STAGE_READ_COLS, &p.n_reads, 0, "reads") < 0)
+        goto done;
+    have = 3;
+    if (int64_rows(out_obj, &out, STAGE_OUT_COLS, &n_out, 1, "out") < 0)
+        goto done;
+    have = 4;
+    if (p.n_files != n_paths || n_out != p.n_reads) {
+        PyErr_SetString(PyExc_ValueError, "stage_read: one files row per path, one out row per read");
+        goto done;
+    }
+    p.paths = cpaths;
+    p.files = files.buf;
+    p.reads = reads.buf;
+    p.buf = buf.buf;
+    p.buf_len = (long long)buf.len;
+    p.whole_base = whole_base;
+    p.out = out.buf;
+    const char *error = NULL;
+    if (stage_check(&p, &error) < 0) {
+        PyErr_SetString(PyExc_ValueError, error);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    stage_read(&p, threads);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(LL)", p.opens, p.preads);
+done:
+    if (have >= 4)
+        PyBuffer_Release(&out);
+    if (have >= 3)
+        PyBuffer_Release(&reads);
+    if (have >= 2)
+        PyBuffer_Release(&files);
+    if (have >= 1)
+        PyBuffer_Release(&buf);
+    for (Py_ssize_t i = 0; names != NULL && i < n_paths; i++)
+        Py_XDECREF(names[i]);
+    free(names);
+    free(cpaths);
+    Py_DECREF(paths);
+    return result;
+}
+
+/* blosc_streams(buf, chunks, fault) -> (streams bytes, blocks bytes); chunks: rows of (in, in_len, nbytes, out),
+ * fault: one writable int64 per chunk */
+static PyObject *blosc_streams_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *buf_obj, *chunks_obj, *fault_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &buf_obj, &chunks_obj, &fault_obj))
+        return NULL;
+    Py_buffer buf, chunks, fault;
+    long long k, n_fault;
+    if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_C_CONTIGUOUS) != 0)
+        return NULL;
+    if (int64_rows(chunks_obj, &chunks, 4, &k, 0, "chunks") < 0) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    if (int64_rows(fault_obj, &fault, 1, &n_fault, 1, "fault") < 0) {
+        PyBuffer_Release(&chunks);
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int64_t *cols = NULL, *streams = NULL, *blocks = NULL;
+    long long ns = 0, nb = 0;
+    const char *error = NULL;
+    int rc = -1;
+    if (n_fault != k) {
+        PyErr_SetString(PyExc_ValueError, "blosc_streams: one fault entry per chunk");
+        goto done;
+    }
+    cols = malloc(sizeof(int64_t) * 4 * (size_t)(k + 1));
+    if (cols == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *rows = chunks.buf;
+    for (long long c = 0; c < k; c++)
+        for (int j = 0; j < 4; j++)
+            cols[j * k + c] = rows[c * 4 + j];
+    Py_BEGIN_ALLOW_THREADS
+    rc = blosc_streams(buf.buf, (long long)buf.len, k, cols, cols + k, cols + 2 * k, cols + 3 * k, &streams, &ns,
+                       &blocks, &nb, fault.buf, &error);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_SetString(error_type(error), error);
+        goto done;
+    }
+    result = Py_BuildValue("(y#y#)", (const char *)streams, (Py_ssize_t)(ns * BLOSC_STREAM_COLS * 8),
+                           (const char *)blocks, (Py_ssize_t)(nb * BLOSC_BLOCK_COLS * 8));
+done:
+    free(cols);
+    free(streams);
+    free(blocks);
+    PyBuffer_Release(&fault);
+    PyBuffer_Release(&chunks);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+PyMethodDef staging_methods[] = {
+    {"stage_read", stage_read_py, METH_VARARGS,
+     "stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads): the rows of ``reads`` "
+     "(file, offset or -1 for a whole file, length or the most bytes it may take, where in buf) read into the "
+     "writable buffer ``buf`` on up to ``threads`` threads, the GIL released once; ``files`` one identity row "
+     "per path (has_ident, dev, ino, size, mtime_ns, ctime_ns); ``out`` (status, detail, at, bytes read) per "
+     "read. Whole files go end to end from whole_base."},
+    {"blosc_streams", blosc_streams_py, METH_VARARGS,
+     "blosc_streams(buf, chunks, fault) -> (streams, blocks): the blosc1 frames at rows (in, in_len, nbytes, "
+     "out) of ``chunks`` parsed, the GIL released: their streams (src, csize, dst, dsize, codec, chunk) and "
+     "blocks to unshuffle (dst, size, typesize, shuffle) as int64 bytes; ``fault`` each chunk's first fault "
+     "(0: none), which leaves it out."},
+    {NULL, NULL, 0, NULL},
+};

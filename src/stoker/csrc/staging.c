@@ -1,0 +1,354 @@
+/* The GPU decode's reads (engine/gpu/staging.py): a wave's stored chunks read into one staging buffer by one call,
+ * on threads of the call's own (POSIX threads, every signal blocked, as the engine's workers), the caller's
+ * among them; and blosc1 frame headers parsed into streams (blosc_streams). See staging.h.
+ *
+ * Files are opened as the engine opens them (io.c: regular files only, non-blocking first, a shard's identity
+ * checked at open and after its reads), so a shard rewritten since its index was read is ST_CHANGED here as
+ * there. Every read lands inside the buffer: stage_check refuses a plan with a read past it before any byte is
+ * read, and a whole file is read only where its size (stat'ed, then checked again at open) was placed.
+ */
+#include "staging.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define MAX_STAGE_THREADS 64
+
+int stage_check(const stage_plan *p, const char **error) {
+    if (p->n_files < 0 || p->n_reads < 0 || p->buf_len < 0 || p->whole_base < 0 || p->whole_base > p->buf_len) {
+        *error = "stage_read: negative sizes, or whole_base outside the buffer";
+        return -1;
+    }
+    for (long long i = 0; i < p->n_reads; i++) {
+        const int64_t *r = p->reads + i * STAGE_READ_COLS;
+        if (r[SR_FILE] < 0 || r[SR_FILE] >= p->n_files || r[SR_LENGTH] < 0 || r[SR_OFFSET] < -1) {
+            *error = "stage_read: a read names no file of the table, or has a negative length or offset";
+            return -1;
+        }
+        if (r[SR_OFFSET] >= 0 && (r[SR_AT] < 0 || r[SR_AT] > p->buf_len || r[SR_LENGTH] > p->buf_len - r[SR_AT] ||
+                                  r[SR_OFFSET] > INT64_MAX - r[SR_LENGTH])) {
+            *error = "stage_read: a read lies outside the staging buffer";
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void file_job(const stage_plan *p, long long f, chunk_io *job) {
+    memset(job, 0, sizeof(*job));
+    const int64_t *row = p->files + f * STAGE_FILE_COLS;
+    job->path = p->paths[f];
+    job->has_ident = row[SF_HAS_IDENT] != 0;
+    job->dev = (unsigned long long)row[SF_DEV];
+    job->ino = (unsigned long long)row[SF_INO];
+    job->size = row[SF_SIZE];
+    job->mtime_ns = row[SF_MTIME];
+    job->ctime_ns = row[SF_CTIME];
+    job->fd = -1;
+}
+
+static void set_out(stage_plan *p, long long i, long long status, long long detail) {
+    int64_t *o = p->out + i * STAGE_OUT_COLS;
+    o[SO_STATUS] = status;
+    o[SO_DETAIL] = detail;
+}
+
+/* ranged reads [first, last) of one file: one open, each read, the identity checked after them all */
+static void read_runs(stage_plan *p, long long first, long long last) {
+    chunk_io job;
+    file_job(p, p->reads[first * STAGE_READ_COLS + SR_FILE], &job);
+    size_t size;
+    job.offset = 0;
+    __atomic_fetch_add(&p->opens, 1, __ATOMIC_RELAXED);
+    int fd = open_chunk(&job, (size_t)-1, &size);
+    long long bad = fd < 0 ? job.status : ST_OK, detail = job.detail;
+    for (long long i = first; i < last && fd >= 0; i++) {
+        const int64_t *r = p->reads + i * STAGE_READ_COLS;
+        job.offset = r[SR_OFFSET];
+        job.nread = 0;
+        job.status = ST_OK;
+        int failed = read_range(&job, fd, p->buf + r[SR_AT], 0, (size_t)r[SR_LENGTH]);
+        __atomic_fetch_add(&p->preads, 1, __ATOMIC_RELAXED);
+        p->out[i * STAGE_OUT_COLS + SO_NREAD] = job.nread;
+        if (failed)
+            set_out(p, i, job.status, job.detail);
+    }
+    if (fd >= 0 && close_checked(&job, fd))
+        bad = ST_CHANGED, detail = 0;
+    for (long long i = first; i < last; i++) {
+        p->out[i * STAGE_OUT_COLS + SO_AT] = p->reads[i * STAGE_READ_COLS + SR_AT];
+        if (bad != ST_OK)
+            set_out(p, i, bad, detail);
+    }
+}
+
+/* a whole file's size by stat (no descriptor held between the two rounds: a wave may name thousands of files) */
+static void stat_whole(stage_plan *p, long long i) {
+    const int64_t *r = p->reads + i * STAGE_READ_COLS;
+    struct stat st;
+    if (stat(p->paths[r[SR_FILE]], &st) != 0) {
+        set_out(p, i, (errno == ENOENT || errno == ENOTDIR) ? ST_MISSING : ST_OS_ERROR, errno);
+        return;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        set_out(p, i, ST_NOT_REGULAR, (long long)(st.st_mode & S_IFMT));
+        return;
+    }
+    p->out[i * STAGE_OUT_COLS + SO_DETAIL] = (long long)st.st_size;
+    if ((long long)st.st_size > r[SR_LENGTH])
+        set_out(p, i, ST_TOO_BIG, (long long)st.st_size);
+}
+
+/* a whole file into the room placed for the size its stat gave: ST_CHANGED when it has another size now */
+static void read_whole(stage_plan *p, long long i) {
+    int64_t *o = p->out + i * STAGE_OUT_COLS;
+    chunk_io job;
+    file_job(p, p->reads[i * STAGE_READ_COLS + SR_FILE], &job);
+    job.has_ident = 0;
+    job.offset = -1;
+    size_t size;
+    __atomic_fetch_add(&p->opens, 1, __ATOMIC_RELAXED);
+    int fd = open_chunk(&job, (size_t)-1, &size);
+    if (fd < 0) {
+        set_out(p, i, job.status == ST_MISSING ? ST_CHANGED : job.status, job.detail);
+        return;
+    }
+    if ((long long)size != o[SO_DETAIL]) {
+        close_checked(&job, fd);
+        set_out(p, i, ST_CHANGED, (long long)size);
+        return;
+    }
+    int failed = read_range(&job, fd, p->buf + o[SO_AT], 0, size);
+    __atomic_fetch_add(&p->preads, 1, __ATOMIC_RELAXED);
+    close_checked(&job, fd);
+    o[SO_NREAD] = job.nread;
+    if (failed)
+        set_out(p, i, job.status, job.detail);
+}
+
+/* a round of tasks: each thread takes the next task until none is left */
+typedef struct {
+    stage_plan *p;
+    const int64_t *tasks; /* (first, last) pairs: a run of ranged reads of one file, or one whole file */
+    long long n, next;
+    int round;
+} round_of;
+
+static void *run_round(void *arg) {
+    round_of *r = arg;
+    for (;;) {
+        long long t = __atomic_fetch_add(&r->next, 1, __ATOMIC_RELAXED);
+        if (t >= r->n)
+            return NULL;
+        long long first = r->tasks[2 * t], last = r->tasks[2 * t + 1];
+        int whole = r->p->reads[first * STAGE_READ_COLS + SR_OFFSET] < 0;
+        if (!whole && r->round == 0)
+            read_runs(r->p, first, last);
+        else if (whole && r->round == 0)
+            stat_whole(r->p, first);
+        else if (whole && r->p->out[first * STAGE_OUT_COLS + SO_STATUS] == ST_OK)
+            read_whole(r->p, first);
+    }
+}
+
+static void run_parallel(round_of *r, int threads) {
+    pthread_t ids[MAX_STAGE_THREADS];
+    int k = threads < 1 ? 1 : threads > MAX_STAGE_THREADS ? MAX_STAGE_THREADS : threads, started = 0;
+    if (k > r->n)
+        k = (int)(r->n > 0 ? r->n : 1);
+    sigset_t all, before;
+    sigfillset(&all);
+    int masked = k > 1 && pthread_sigmask(SIG_SETMASK, &all, &before) == 0;
+    for (int j = 0; j + 1 < k; j++)
+        if (pthread_create(&ids[started], NULL, run_round, r) == 0)
+            started++; /* (none started: the caller reads them all) */
+    if (masked)
+        pthread_sigmask(SIG_SETMASK, &before, NULL);
+    run_round(r);
+    for (int j = 0; j < started; j++)
+        pthread_join(ids[j], NULL);
+}
+
+void stage_read(stage_plan *p, int threads) {
+    for (long long i = 0; i < p->n_reads; i++) {
+        int64_t *o = p->out + i * STAGE_OUT_COLS;
+        o[SO_STATUS] = ST_OK, o[SO_DETAIL] = 0, o[SO_AT] = -1, o[SO_NREAD] = 0;
+    }
+    int64_t *tasks = malloc(sizeof(int64_t) * 2 * (size_t)(p->n_reads + 1));
+    if (tasks == NULL) {
+        for (long long i = 0; i < p->n_reads; i++)
+            set_out(p, i, ST_NO_MEMORY, 0);
+        return;
+    }
+    long long n = 0;
+    for (long long i = 0; i < p->n_reads;) {
+        const int64_t *r = p->reads + i * STAGE_READ_COLS;
+        long long j = i + 1;
+        if (r[SR_OFFSET] >= 0) /* the ranged reads of one file that follow it: one task */
+            while (j < p->n_reads && p->reads[j * STAGE_READ_COLS + SR_OFFSET] >= 0 &&
+                   p->reads[j * STAGE_READ_COLS + SR_FILE] == r[SR_FILE])
+                j++;
+        tasks[2 * n] = i, tasks[2 * n + 1] = j, n++;
+        i = j;
+    }
+    round_of r = {p, tasks, n, 0, 0};
+    run_parallel(&r, threads);
+    /* whole files end to end, in order, by their sizes; one past the buffer is ST_TOO_BIG (unread) */
+    long long at = p->whole_base;
+    int any = 0;
+    for (long long i = 0; i < p->n_reads; i++) {
+        int64_t *o = p->out + i * STAGE_OUT_COLS;
+        if (p->reads[i * STAGE_READ_COLS + SR_OFFSET] >= 0 || o[SO_STATUS] != ST_OK)
+            continue;
+        if (o[SO_DETAIL] > p->buf_len - at) {
+            set_out(p, i, ST_TOO_BIG, o[SO_DETAIL]);
+            continue;
+        }
+        o[SO_AT] = at;
+        at += o[SO_DETAIL];
+        any = 1;
+    }
+    if (any) {
+        round_of w = {p, tasks, n, 0, 1};
+        run_parallel(&w, threads);
+    }
+    free(tasks);
+}
+
+/* ---- blosc1 frames ---- */
+
+#define BLOSC_HEADER 16
+#define BLOSC_VERSION_FORMAT 2
+#define BLOSC_MAX_SPLITS 16
+#define BLOSC_MIN_BUFFERSIZE 128
+#define BLOSC_MAX_BLOCKSIZE ((2147483647LL - 255 * 4) / 3)
+enum { F_DOSHUFFLE = 0x1, F_MEMCPYED = 0x2, F_DOBITSHUFFLE = 0x4, F_RESERVED = 0x8, F_DONT_SPLIT = 0x10 };
+/* frames.py's stream codecs (UNSUPPORTED 0, LZ4 1, ZSTD 2) by the frame's compressor format (flags >> 5) */
+static const int64_t format_codec[8] = {0, 1, 0, 0, 2, 0, 0, 0};
+
+static int64_t le32(const unsigned char *b, int is_signed) {
+    uint32_t v = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+    return is_signed ? (int64_t)(int32_t)v : (int64_t)v;
+}
+
+/* One frame: its first fault (BF_*), or BF_OK with its streams and blocks written from the rows *ns / *nb on
+ * (counted only where streams / blocks are NULL). Every read lies in [0, size) of the frame ``f``. */
+static int parse_frame(const unsigned char *f, long long size, long long ins, long long nbytes, long long out,
+                       long long chunk, int64_t *streams, long long *ns, int64_t *blocks, long long *nb) {
+    if (size < BLOSC_HEADER)
+        return BF_SHORT;
+    int64_t version = f[0], versionlz = f[1], flags = f[2], typesize = f[3];
+    int64_t n = le32(f + 4, 1), blocksize = le32(f + 8, 1), cbytes = le32(f + 12, 1);
+    if (version != BLOSC_VERSION_FORMAT)
+        return BF_VERSION;
+    if (flags & F_RESERVED)
+        return BF_RESERVED;
+    if (cbytes != size)
+        return BF_CBYTES;
+    if (n != nbytes)
+        return BF_NBYTES;
+    if (n <= 0)
+        return BF_OK; /* (n == nbytes >= 0: an empty chunk, nothing to decode) */
+    if (typesize == 0)
+        return BF_TYPESIZE;
+    int64_t top = n < BLOSC_MAX_BLOCKSIZE ? n : BLOSC_MAX_BLOCKSIZE;
+    if (blocksize < 1 || blocksize > top)
+        return BF_BLOCKSIZE;
+    int64_t fmt = flags >> 5, codec = format_codec[fmt & 7];
+    if (flags & F_MEMCPYED) {
+        if (cbytes != n + BLOSC_HEADER)
+            return BF_MEMCPYED;
+        if (streams != NULL) {
+            int64_t *s = streams + *ns * BLOSC_STREAM_COLS;
+            s[BS_SRC] = ins + BLOSC_HEADER, s[BS_CSIZE] = n, s[BS_DST] = out, s[BS_DSIZE] = n;
+            s[BS_CODEC] = codec, s[BS_CHUNK] = chunk;
+        }
+        (*ns)++;
+        return BF_OK;
+    }
+    if (fmt >= 5)
+        return BF_FORMAT;
+    if (versionlz != 1)
+        return BF_VERSIONLZ;
+    int64_t bs = blocksize, nfull = n / bs, leftover = n % bs, nblocks = nfull + (leftover > 0);
+    int64_t table_end = BLOSC_HEADER + 4 * nblocks;
+    if (table_end > size)
+        return BF_TABLE;
+    int split = !(flags & F_DONT_SPLIT) && typesize <= BLOSC_MAX_SPLITS && bs / typesize >= BLOSC_MIN_BUFFERSIZE;
+    int64_t nsplits = split ? typesize : 1;
+    if (nfull > 0 && bs % nsplits != 0)
+        return BF_SPLIT;
+    for (int64_t b = 0; b < nblocks; b++) { /* every block's start first, as frames.py checks them */
+        int64_t start = le32(f + BLOSC_HEADER + 4 * b, 1);
+        if (start < table_end || start > size - 4)
+            return BF_BSTART;
+    }
+    long long ns0 = *ns, nb0 = *nb;
+    for (int64_t b = 0; b < nblocks; b++) {
+        int partial = b == nfull && leftover > 0;
+        int64_t b_size = partial ? leftover : bs, splits = partial ? 1 : nsplits, ne = b_size / splits;
+        int64_t pos = le32(f + BLOSC_HEADER + 4 * b, 1);
+        for (int64_t j = 0; j < splits; j++) {
+            if (pos > size - 4)
+                return *ns = ns0, *nb = nb0, BF_SIZE_FIELD;
+            int64_t cs = le32(f + pos, 0);
+            if (cs < 1 || cs > ne)
+                return *ns = ns0, *nb = nb0, BF_STREAM_SIZE;
+            if (pos + 4 + cs > size)
+                return *ns = ns0, *nb = nb0, BF_STREAM_END;
+            if (streams != NULL) {
+                int64_t *s = streams + *ns * BLOSC_STREAM_COLS;
+                s[BS_SRC] = ins + pos + 4, s[BS_CSIZE] = cs, s[BS_DST] = out + b * bs + j * ne, s[BS_DSIZE] = ne;
+                s[BS_CODEC] = codec, s[BS_CHUNK] = chunk;
+            }
+            (*ns)++;
+            pos += 4 + cs;
+        }
+        /* c-blosc's unshuffle: bytes when typesize > 1, else bits when the block holds a multiple of 8 items */
+        int64_t items = b_size / typesize, kind = 0;
+        if ((flags & F_DOSHUFFLE) && typesize > 1)
+            kind = items > 0 ? 1 : 0;
+        else if ((flags & F_DOBITSHUFFLE) && items > 0 && items % 8 == 0)
+            kind = 2;
+        if (kind) {
+            if (blocks != NULL) {
+                int64_t *r = blocks + *nb * BLOSC_BLOCK_COLS;
+                r[BB_DST] = out + b * bs, r[BB_SIZE] = b_size, r[BB_TYPESIZE] = typesize, r[BB_SHUFFLE] = kind;
+            }
+            (*nb)++;
+        }
+    }
+    return BF_OK;
+}
+
+int blosc_streams(const unsigned char *buf, long long buf_len, long long k, const int64_t *in, const int64_t *in_len,
+                  const int64_t *nbytes, const int64_t *out, int64_t **streams, long long *n_streams,
+                  int64_t **blocks, long long *n_blocks, int64_t *fault, const char **error) {
+    *streams = *blocks = NULL;
+    *n_streams = *n_blocks = 0;
+    for (long long c = 0; c < k; c++)
+        if (in[c] < 0 || in_len[c] < 0 || in[c] > buf_len || in_len[c] > buf_len - in[c] || nbytes[c] < 0 ||
+            out[c] < 0) {
+            *error = "blosc_streams: the chunks' stored bytes must lie inside the input, sizes >= 0";
+            return -1;
+        }
+    long long ns = 0, nb = 0; /* counted first, then written: a row count no frame can inflate unseen */
+    for (long long c = 0; c < k; c++)
+        fault[c] = parse_frame(buf + in[c], in_len[c], in[c], nbytes[c], out[c], c, NULL, &ns, NULL, &nb);
+    *streams = malloc(sizeof(int64_t) * BLOSC_STREAM_COLS * (size_t)(ns + 1));
+    *blocks = malloc(sizeof(int64_t) * BLOSC_BLOCK_COLS * (size_t)(nb + 1));
+    if (*streams == NULL || *blocks == NULL) {
+        free(*streams), free(*blocks);
+        *streams = *blocks = NULL;
+        *error = "out of memory";
+        return -1;
+    }
+    for (long long c = 0; c < k; c++)
+        if (fault[c] == BF_OK)
+            parse_frame(buf + in[c], in_len[c], in[c], nbytes[c], out[c], c, *streams, n_streams, *blocks, n_blocks);
+    return 0;
+}

@@ -1,0 +1,59 @@
+/* staging.c: a wave's stored chunks read into one staging buffer (the GPU decode's reads, engine/gpu/staging.py),
+ * on threads of the call's own, without the GIL; and blosc1 frame headers parsed into the streams a batched
+ * decoder takes (blosc_streams). Statuses are stoker_native.h's ST_*.
+ */
+#ifndef STOKER_STAGING_H
+#define STOKER_STAGING_H
+
+#include "stoker_native.h"
+
+/* a file to read from: its identity (has_ident 1: read only from a file that is this one, as a shard whose
+ * index was read from it; dev and ino as uint64 bits) */
+enum { SF_HAS_IDENT = 0, SF_DEV, SF_INO, SF_SIZE, SF_MTIME, SF_CTIME, STAGE_FILE_COLS };
+/* a read: its file, its offset there (-1: the whole file), its length (of a whole file: the most bytes it may
+ * take), where its bytes go in the staging (a whole file: ignored, see stage_read) */
+enum { SR_FILE = 0, SR_OFFSET, SR_LENGTH, SR_AT, STAGE_READ_COLS };
+/* what became of a read: ST_*, its detail (errno, a size), where its bytes are in the staging, the bytes read */
+enum { SO_STATUS = 0, SO_DETAIL, SO_AT, SO_NREAD, STAGE_OUT_COLS };
+
+typedef struct {
+    long long n_files;
+    const char *const *paths;
+    const int64_t *files; /* n_files x STAGE_FILE_COLS */
+    long long n_reads;
+    const int64_t *reads; /* n_reads x STAGE_READ_COLS */
+    char *buf;
+    long long buf_len;
+    long long whole_base; /* whole files are placed end to end from here, in order, as their sizes are learnt */
+    int64_t *out;         /* n_reads x STAGE_OUT_COLS */
+    long long opens, preads; /* (totals, for the store's counters) */
+} stage_plan;
+
+/* Reads every read of ``p`` on up to ``threads`` threads (the caller's among them). Ranged reads of one file
+ * that follow each other in the table are one open: identity checked at open and after the last read (a change:
+ * ST_CHANGED on each). Whole files are stat'ed first (missing: ST_MISSING, no room taken; larger than their
+ * length: ST_TOO_BIG, detail the size), placed end to end from whole_base, then each opened, checked to have
+ * that size still (else ST_CHANGED) and read. 0, or -1 with *error set when the plan is unsound (a read outside
+ * the buffer, a file row out of range): checked before any byte is read. Call without the GIL. */
+int stage_check(const stage_plan *p, const char **error);
+void stage_read(stage_plan *p, int threads);
+
+/* blosc1 frames (engine/gpu/frames.py's rules, c-blosc's blosc_d): chunk k's frame at in[k] of buf (in_len[k]
+ * bytes) decodes to nbytes[k] bytes at out[k] of the output. Returns in *streams (BS_* columns, *n_streams rows)
+ * and *blocks (BB_* columns: the blocks to unshuffle) the streams and blocks of the chunks it takes, in chunk
+ * order (malloc'd: the caller frees them), and in fault[k] 0 or the BF_* code of chunk k's first fault (the
+ * chunk is then left out). Every offset is checked against its frame before it is read: a hostile frame is a
+ * fault, never a read outside [in[k], in[k] + in_len[k]). 0, or -1 with *error set (a chunk outside buf, or no
+ * memory). Holds no lock and no GIL. */
+enum { BS_SRC = 0, BS_CSIZE, BS_DST, BS_DSIZE, BS_CODEC, BS_CHUNK, BLOSC_STREAM_COLS };
+enum { BB_DST = 0, BB_SIZE, BB_TYPESIZE, BB_SHUFFLE, BLOSC_BLOCK_COLS };
+enum {
+    BF_OK = 0, BF_SHORT, BF_VERSION, BF_RESERVED, BF_CBYTES, BF_NBYTES, BF_TYPESIZE, BF_BLOCKSIZE, BF_MEMCPYED,
+    BF_FORMAT, BF_VERSIONLZ, BF_TABLE, BF_SPLIT, BF_BSTART, BF_SIZE_FIELD, BF_STREAM_SIZE, BF_STREAM_END,
+    N_BLOSC_FAULTS
+};
+int blosc_streams(const unsigned char *buf, long long buf_len, long long k, const int64_t *in, const int64_t *in_len,
+                  const int64_t *nbytes, const int64_t *out, int64_t **streams, long long *n_streams,
+                  int64_t **blocks, long long *n_blocks, int64_t *fault, const char **error);
+
+#endif

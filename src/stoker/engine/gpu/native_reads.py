@@ -1,0 +1,82 @@
+"""The staging's compiled side (``csrc/staging.c``): a wave's reads of local files in one call, and blosc1 frames
+parsed in C, each with the GIL released once; ``None`` / numpy where the compiled engine is absent.
+
+:func:`read` takes a table of reads (a coalesced run of a shard's inner chunks: file, offset, length, where in
+the staging; a whole chunk file: file, -1, the most bytes it may take) and reads them all on up to ``threads``
+threads of the call's own: no Python step and no GIL per read. :func:`parse_blosc_batch` is
+:func:`.frames.parse_blosc_batch` with the frames walked in C: the same :class:`~.frames.Layout` (held to it by
+``tests/gpu/test_gpu_native_reads.py``), and for a refused frame the numpy parser's words (it parses only the
+refused ones again).
+
+>>> import numpy as np
+>>> out = read(bytearray(4), ["/no/such/file"], np.zeros((1, 6), np.int64), np.array([[0, -1, 4, 0]]), 0, 1)
+>>> int(out[0][0, 0]) == ST_MISSING  # (with the compiled engine)
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...runtime import gil
+from ..cpu import native
+from . import frames
+
+#: statuses of a read (csrc/stoker_native.h)
+ST_OK, ST_MISSING, ST_TOO_BIG, ST_CHANGED = native.ST_OK, native.ST_MISSING, native.ST_TOO_BIG, native.ST_CHANGED
+ST_SHORT, ST_NOT_REGULAR = native.ST_SHORT, native.ST_NOT_REGULAR
+#: columns of a read's result: status, detail (errno, a size), where its bytes are in the staging, bytes read
+STATUS, DETAIL, AT, NREAD = 0, 1, 2, 3
+
+
+def available() -> bool:
+    """Whether the compiled reads and parser are built (not where ``STOKER_NATIVE=0``)."""
+    return native.stage_read is not None
+
+
+def read(buf: Any, paths: list[str], files: np.ndarray, reads: np.ndarray, whole_base: int,
+         threads: int) -> tuple[np.ndarray, int, int]:
+    """``(out, opens, preads)``: the rows of ``reads`` (file, offset or -1, length or bound, at) read into
+    ``buf``; ``files`` one identity row per path (has_ident, dev, ino, size, mtime_ns, ctime_ns); ``out`` one
+    row per read (:data:`STATUS`, :data:`DETAIL`, :data:`AT`, :data:`NREAD`). Whole files go end to end from
+    ``whole_base``. A read outside ``buf`` is a ``ValueError``, before any byte is read."""
+    reads = np.ascontiguousarray(reads, np.int64).reshape(-1, 4)
+    out = np.zeros((len(reads), 4), np.int64)
+    opens, preads = gil.released(native.stage_read, buf, paths, np.ascontiguousarray(files, np.int64).reshape(-1, 6),
+                                 reads, out, int(whole_base), int(threads))
+    return out, opens, preads
+
+
+def parse_blosc_batch(buf: Any, chunk_in: Any, chunk_in_nbytes: Any, chunk_nbytes: Any,
+                      chunk_out: Any = None) -> tuple[frames.Layout, dict[int, str]]:
+    """:func:`.frames.parse_blosc_batch`, the frames walked in C (numpy's parser where the engine is absent)."""
+    if not available():
+        return frames.parse_blosc_batch(buf, chunk_in, chunk_in_nbytes, chunk_nbytes, chunk_out)
+    data = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
+    ins, sizes, nbytes = (np.asarray(a, np.int64).reshape(-1) for a in (chunk_in, chunk_in_nbytes, chunk_nbytes))
+    outs = np.cumsum(nbytes) - nbytes if chunk_out is None else np.asarray(chunk_out, np.int64).reshape(-1)
+    if not len(ins) == len(sizes) == len(nbytes) == len(outs):
+        raise ValueError("chunk_in, chunk_in_nbytes, chunk_nbytes and chunk_out must have one entry per chunk")
+    if len(ins) > 1 and chunk_out is not None:
+        order = np.argsort(outs, kind="stable")
+        if np.any((outs[order] + nbytes[order])[:-1] > outs[order][1:]):
+            raise ValueError("the chunks' outputs overlap: the unshuffle writes each chunk's blocks in place")
+    fault = np.zeros(len(ins), np.int64)
+    streams, blocks = gil.released(native.blosc_streams, data, np.stack([ins, sizes, nbytes, outs], 1), fault)
+    s = np.frombuffer(streams, np.int64).reshape(-1, 6)
+    b = np.frombuffer(blocks, np.int64).reshape(-1, 4)
+    order = np.argsort(s[:, 2], kind="stable")  # by where each decodes to, as the numpy parser orders them
+    src, csize, dst, dsize, codec, chunk = (s[order, j] for j in range(6))
+    bad = np.flatnonzero(fault)
+    why: dict[int, str] = {}
+    if len(bad):  # the numpy parser's words for the frames refused (few: damaged chunks)
+        _, words = frames.parse_blosc_batch(data, ins[bad], sizes[bad], nbytes[bad], outs[bad])
+        why = {int(bad[j]): text for j, text in words.items()}
+        for j in bad.tolist():
+            why.setdefault(int(j), f"blosc frame refused by the compiled parser (fault {int(fault[j])})")
+    layout = frames.Layout(src, csize, dst, dsize, csize == dsize, codec.astype(np.int8), chunk,
+                           b[:, 0].copy(), b[:, 1].copy(), b[:, 2].copy(), b[:, 3].astype(np.int8),
+                           ins, sizes, outs, nbytes, len(data), int((outs + nbytes).max()) if len(ins) else 0)
+    return layout, why

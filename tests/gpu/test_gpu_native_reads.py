@@ -1,0 +1,290 @@
+"""The GPU decode's compiled reads and blosc parser (csrc/staging.c through engine/gpu/native_reads.py).
+
+``stage_read``: a table of reads (coalesced runs of a shard's inner chunks, whole chunk files) read into one
+buffer on the call's threads, held to Python's reads of the same bytes; missing files, shards changed since
+their index was read, files past their bound, FIFOs and reads outside the buffer each end in their status or a
+``ValueError`` before any byte is read. ``blosc_streams``: the same Layout and the same refused chunks (with
+the numpy parser's words) as ``frames.parse_blosc_batch``, on valid, damaged and random frames.
+
+The fuzz tests write around guard bytes and ``.ci/asan`` runs this file against a build with AddressSanitizer,
+where a read or write outside a buffer is a fault. ``STOKER_FUZZ_EXAMPLES=N`` runs N examples each from a
+random seed (as tests/engine/test_native_fuzz.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stoker.engine.gpu import frames, native_reads
+from stoker.storage.local import LocalStore, identity
+
+from test_gpu_host import _frame, _mutate, damage, frame_specs
+
+_LONG = os.environ.get("STOKER_FUZZ_EXAMPLES", "").strip()
+
+pytestmark = [
+    pytest.mark.fuzz,
+    pytest.mark.timeout(600 if _LONG else 120),
+    pytest.mark.skipif(not native_reads.available(), reason="stoker._native is not built"),
+]
+GUARD = 64  # bytes either side of the staging a test hands in, which must stay as they were
+
+
+def fuzz(examples: int):
+    return settings(max_examples=int(_LONG) if _LONG else examples, derandomize=not _LONG, database=None,
+                    deadline=None, print_blob=True, suppress_health_check=list(HealthCheck))
+
+
+def _ident_row(path) -> list[int]:
+    dev, ino, size, mtime, ctime = identity(os.stat(path))
+    return [1, dev & (2**63 - 1) if dev < 2**63 else dev - 2**64, ino if ino < 2**63 else ino - 2**64, size, mtime,
+            ctime]
+
+
+def _guarded(n: int) -> tuple[np.ndarray, np.ndarray]:
+    whole = np.full(n + 2 * GUARD, 0xA5, np.uint8)
+    return whole, whole[GUARD:GUARD + n]
+
+
+def _guards_intact(whole: np.ndarray) -> bool:
+    return bool((whole[:GUARD] == 0xA5).all() and (whole[-GUARD:] == 0xA5).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# stage_read
+
+def test_runs_of_a_shard_and_whole_files_land_where_planned(tmp_path):
+    shard = tmp_path / "shard"
+    shard.write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "a").write_bytes(b"A" * 10)
+    (tmp_path / "b").write_bytes(b"BB" * 7)
+    paths = [str(shard), str(tmp_path / "a"), str(tmp_path / "missing"), str(tmp_path / "b")]
+    files = np.array([_ident_row(shard), [0] * 6, [0] * 6, [0] * 6], np.int64)
+    # two runs of the shard, then three whole files (one missing) placed end to end from 40
+    reads = np.array([[0, 3, 5, 0], [0, 1000, 20, 5], [1, -1, 100, 0], [2, -1, 100, 0], [3, -1, 100, 0]])
+    whole, buf = _guarded(80)
+    out, opens, preads = native_reads.read(buf, paths, files, reads, 40, 3)
+    assert out[:, native_reads.STATUS].tolist() == [0, 0, 0, native_reads.ST_MISSING, 0]
+    assert out[:, native_reads.AT].tolist()[:3] == [0, 5, 40] and out[4, native_reads.AT] == 50
+    assert out[:, native_reads.NREAD].tolist() == [5, 20, 10, 0, 14]
+    data = shard.read_bytes()
+    assert buf[:5].tobytes() == data[3:8] and buf[5:25].tobytes() == data[1000:1020]
+    assert buf[40:50].tobytes() == b"A" * 10 and buf[50:64].tobytes() == b"BB" * 7
+    assert (buf[25:40] == 0xA5).all() and (buf[64:] == 0xA5).all() and _guards_intact(whole)
+    assert opens == 3 and preads == 4  # one open for the shard's two runs; the missing file is never opened
+
+
+def test_a_shard_rewritten_since_its_index_was_read_is_changed_on_every_run(tmp_path):
+    shard = tmp_path / "shard"
+    shard.write_bytes(b"x" * 100)
+    row = _ident_row(shard)
+    shard.write_bytes(b"y" * 100)  # the same size, a later modification
+    os.utime(shard, ns=(row[4] + 10**9, row[4] + 10**9))
+    out, _, _ = native_reads.read(bytearray(100), [str(shard)], np.array([row]), np.array([[0, 0, 10, 0],
+                                                                                           [0, 50, 10, 10]]), 0, 2)
+    assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_CHANGED] * 2
+
+
+def test_whole_files_past_their_bound_or_the_staging_are_too_big_and_unread(tmp_path):
+    for name, n in (("a", 30), ("b", 10), ("c", 50)):
+        (tmp_path / name).write_bytes(bytes([ord(name)]) * n)
+    paths = [str(tmp_path / n) for n in "abc"]
+    reads = np.array([[0, -1, 20, 0], [1, -1, 20, 0], [2, -1, 64, 0]])  # a: past its bound; c: past the staging
+    whole, buf = _guarded(40)
+    out, _, _ = native_reads.read(buf, paths, np.zeros((3, 6), np.int64), reads, 0, 2)
+    assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_TOO_BIG, 0, native_reads.ST_TOO_BIG]
+    assert out[:, native_reads.DETAIL].tolist() == [30, 10, 50]
+    assert buf[:10].tobytes() == b"b" * 10 and (buf[10:] == 0xA5).all() and _guards_intact(whole)
+
+
+def test_a_fifo_or_directory_is_not_regular_and_never_blocks(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    paths = [str(tmp_path / "fifo"), str(tmp_path / "dir")]
+    reads = np.array([[0, -1, 10, 0], [1, -1, 10, 0], [0, 0, 4, 0]])  # and a ranged read of the FIFO
+    out, _, _ = native_reads.read(bytearray(16), paths, np.zeros((2, 6), np.int64), reads, 4, 2)
+    assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_NOT_REGULAR] * 3
+
+
+def test_whole_files_hold_a_descriptor_per_thread_at_most(tmp_path):
+    # a wave may name thousands of chunk files: each is opened, read and closed by one task, never held
+    # between the two rounds (sizes by stat, then reads)
+    import threading
+
+    paths = []
+    for k in range(600):
+        (tmp_path / f"c{k}").write_bytes(bytes([k % 256]) * (k % 50 + 1))
+        paths.append(str(tmp_path / f"c{k}"))
+    base, peak, done = len(os.listdir("/proc/self/fd")), [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], len(os.listdir("/proc/self/fd")) - base)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for _ in range(5):
+            buf = bytearray(sum(k % 50 + 1 for k in range(600)))
+            reads = np.array([[k, -1, 64, 0] for k in range(600)])
+            out, opens, _ = native_reads.read(buf, paths, np.zeros((600, 6), np.int64), reads, 0, 4)
+            assert (out[:, native_reads.STATUS] == 0).all() and opens == 600
+    finally:
+        done.set()
+        watcher.join(10.0)
+    assert peak[0] <= 4 + 1, peak  # (the watcher's own listing takes one)
+    assert buf == b"".join(bytes([k % 256]) * (k % 50 + 1) for k in range(600))
+
+
+def test_a_plan_outside_the_staging_is_refused_before_any_read(tmp_path):
+    (tmp_path / "f").write_bytes(b"z" * 100)
+    buf = bytearray(16)
+    for reads in ([[0, 0, 17, 0]], [[0, 0, 8, 9]], [[0, 0, 4, -1]], [[1, 0, 4, 0]], [[0, -2, 4, 0]],
+                  [[0, 2**63 - 2, 4, 0]]):
+        with pytest.raises(ValueError):
+            native_reads.read(buf, [str(tmp_path / "f")], np.zeros((1, 6), np.int64), np.array(reads), 0, 1)
+    with pytest.raises(ValueError):  # whole files placed from past the end
+        native_reads.read(buf, [str(tmp_path / "f")], np.zeros((1, 6), np.int64), np.array([[0, -1, 4, 0]]), 17, 1)
+    assert buf == bytearray(16)
+
+
+@fuzz(60)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=4), st.lists(
+    st.tuples(st.integers(0, 4), st.integers(-1, 3500), st.integers(0, 600)), min_size=0, max_size=24),
+    st.integers(0, 2000), st.integers(1, 5), st.integers(0, 2**32 - 1))
+def test_fuzz_reads_are_python_s_reads_and_never_leave_the_staging(tmp_path_factory, sizes, specs, room, threads,
+                                                                  seed):
+    """Random files and reads (past the end, empty, whole files larger than their bound, missing files, files
+    named twice): every byte the call says it read is the file's, nothing is written outside the reads'
+    places, and no status is left unset."""
+    root = tmp_path_factory.mktemp("reads")
+    rng = np.random.default_rng(seed)
+    paths = []
+    for k, n in enumerate(sizes):
+        path = root / f"f{k}"
+        path.write_bytes(rng.integers(0, 256, n, np.uint8).tobytes())
+        paths.append(str(path))
+    paths.append(str(root / "missing"))
+    files = np.array([_ident_row(p) for p in paths[:-1]] + [[0] * 6], np.int64)
+    ranged, whole_reads, at = [], [], 0
+    for f, offset, length in specs:
+        f = f % len(paths)
+        if offset < 0:
+            whole_reads.append([f, -1, length, 0])
+        elif at + length <= room:
+            ranged.append([f, offset, length, at])
+            at += length
+    reads = np.array(sorted(ranged, key=lambda r: r[0]) + whole_reads, np.int64).reshape(-1, 4)
+    whole, buf = _guarded(room)
+    out, _, _ = native_reads.read(buf, paths, files, reads, at, threads)
+    store = LocalStore()
+    written = np.zeros(room, bool)
+    for row, (st_, detail, where, got) in zip(reads.tolist(), out.tolist()):
+        f, offset, length, _ = row
+        data = store.read(paths[f])
+        if data is None:
+            assert st_ == native_reads.ST_MISSING and got == 0
+            continue
+        if offset < 0:
+            if len(data) > length or st_ == native_reads.ST_TOO_BIG:
+                assert st_ == native_reads.ST_TOO_BIG and detail == len(data) and got == 0
+                continue
+            want = data
+        else:
+            want = data[offset:offset + length]
+        assert st_ in (native_reads.ST_OK, native_reads.ST_SHORT), (row, st_)
+        assert got == len(want) and buf[where:where + got].tobytes() == want
+        assert (st_ == native_reads.ST_OK) == (got == (length if offset >= 0 else len(data)))
+        written[where:where + got] = True
+    assert (buf[~written] == 0xA5).all() and _guards_intact(whole)
+
+
+# ---------------------------------------------------------------------------------------------
+# blosc_streams: the numpy parser's Layout, from C
+
+def _same_layout(a: frames.Layout, b: frames.Layout) -> None:
+    for name in frames.Layout.__dataclass_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype.kind == y.dtype.kind and np.array_equal(x, y), name
+        else:
+            assert x == y, name
+
+
+@fuzz(80)
+@given(st.lists(st.tuples(frame_specs, damage), min_size=1, max_size=6), st.integers(0, 2**16), st.booleans())
+def test_fuzz_the_compiled_parser_gives_the_numpy_parser_s_layout(chunks, seed, scattered):
+    """Valid and damaged frames (bit flips, header and table edits, truncation, extension) staged with gaps:
+    the same streams, blocks and refused chunks with the same words; the guard bytes around the staging hold."""
+    made = []
+    for spec, (edits, how, cut) in chunks:
+        spec = {**spec, "size": "tiny" if spec["size"] == "tiny" else "small"}
+        frame, nbytes = _frame(spec)
+        made.append((_mutate(frame, edits, how, cut), nbytes))
+    rng = np.random.default_rng(seed)
+    sizes = np.array([len(f) for f, _ in made])
+    ins = np.cumsum(sizes + rng.integers(0, 9, len(made))) - sizes
+    whole, buf = _guarded(int(ins[-1] + sizes[-1]))
+    for (frame, _), at in zip(made, ins):
+        buf[at:at + len(frame)] = np.frombuffer(frame, np.uint8)
+    nbytes = np.array([n for _, n in made])
+    outs = None
+    if scattered:  # outputs in another order, with gaps
+        order = rng.permutation(len(made))
+        outs = np.zeros(len(made), np.int64)
+        outs[order] = np.cumsum(nbytes[order] + 64) - nbytes[order]
+    want, want_why = frames.parse_blosc_batch(buf, ins, sizes, nbytes, outs)
+    got, got_why = native_reads.parse_blosc_batch(buf, ins, sizes, nbytes, outs)
+    _same_layout(got, want)
+    assert got_why == want_why
+    assert _guards_intact(whole)
+
+
+@fuzz(300)
+@given(st.binary(min_size=0, max_size=400), st.integers(0, 1 << 20), st.integers(0, 2**32 - 1))
+def test_fuzz_random_bytes_and_hostile_headers(data, nbytes, seed):
+    """Random bytes, and a valid header over random bytes (a block table and stream sizes pointing anywhere):
+    refused or parsed as numpy parses them, never a read past the frame."""
+    rng = np.random.default_rng(seed)
+    head = np.array([2, 1, rng.integers(0, 256), rng.integers(1, 20)], np.uint8).tobytes()
+    blocksize = int(rng.integers(1, max(2, nbytes + 1)))
+    forged = head + np.array([nbytes, blocksize, 16 + len(data)], "<i4").tobytes() + data
+    for frame in (data, forged):
+        whole, buf = _guarded(len(frame))
+        buf[:] = np.frombuffer(frame, np.uint8)
+        want, want_why = frames.parse_blosc_batch(buf, [0], [len(frame)], [nbytes])
+        got, got_why = native_reads.parse_blosc_batch(buf, [0], [len(frame)], [nbytes])
+        _same_layout(got, want)
+        assert got_why == want_why and _guards_intact(whole)
+        # the frame alone in an allocation of its size: under .ci/asan a read past its end is a fault
+        exact = np.frombuffer(frame, np.uint8).copy()
+        got, got_why = native_reads.parse_blosc_batch(exact, [0], [len(frame)], [nbytes])
+        _same_layout(got, want)
+
+
+@pytest.mark.parametrize("tail", [0, 1, 2, 3])
+def test_a_stream_size_field_cut_by_the_frame_s_end_is_refused_unread(tail):
+    """A split block (2 streams) whose second stream's size field would start ``tail`` bytes before the end:
+    refused without reading past the frame, which sits alone in an allocation of its size (under
+    .ci/asan, a read of the missing bytes is a fault)."""
+    header = bytes([2, 1, 0x21, 2]) + np.array([256, 256, 0], "<i4").tobytes()  # lz4, byte shuffle, typesize 2
+    body = np.array([20, 10], "<i4").tobytes() + bytes(range(10)) + bytes(tail)  # block 0 at 20; stream 0: 10 B
+    frame = bytearray(header + body)
+    frame[12:16] = np.array([len(frame)], "<i4").tobytes()
+    exact = np.frombuffer(bytes(frame), np.uint8).copy()
+    want, want_why = frames.parse_blosc_batch(exact, [0], [len(frame)], [256])
+    got, got_why = native_reads.parse_blosc_batch(exact, [0], [len(frame)], [256])
+    assert list(got_why) == [0] and got_why == want_why and "stream 1's size field" in got_why[0]
+    _same_layout(got, want)
+
+
+def test_a_chunk_outside_the_input_is_a_value_error():
+    buf = np.zeros(32, np.uint8)
+    for ins, sizes in (([0], [33]), ([-1], [4]), ([30], [4])):
+        with pytest.raises(ValueError):
+            native_reads.parse_blosc_batch(buf, ins, sizes, [16])
