@@ -363,6 +363,34 @@ class CachingStore:
         if not marked:
             self.cache.put(self._marker(key), b"")
 
+    # -- hits read by the compiled engine ---------------------------------------------------------
+
+    def entry_files(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> list:
+        """For the whole values of ``keys``, then the ranges ``requests``: the entry to read from disk
+        (:meth:`DiskCache.entry_file <stoker.storage.diskcache.DiskCache.entry_file>`, ``(path, ident)``) where
+        its object's generation is known now, else None (read through :meth:`start_get_many`, which
+        revalidates). No request and no disk access: the compiled engine reads and checks the entries, and
+        what it cannot use (missing, corrupt) is fetched again through :meth:`start_get_many`."""
+        now = time.monotonic()
+        gens: dict[str, Any] = {}
+        with self._lock:
+            for key in {*keys, *(r.key for r in requests)}:
+                known = self._known.get(key)
+                if known is not None and known[0] is not _UNCACHED and now - known[1] < self.staleness_s:
+                    gens[key] = known[0]
+        uri, entry = self.uri, self.cache.entry_file
+        out: list = [None if gens.get(k) is None else entry(_ident(uri, k, None, None, gens[k])) for k in keys]
+        out += [None if gens.get(r.key) is None else entry(_ident(uri, r.key, r.start, r.length, gens[r.key]))
+                for r in requests]
+        return out
+
+    def served_from_disk(self, n: int, nbytes: int) -> None:
+        """Count ``n`` values or ranges of ``nbytes`` that the compiled engine read from :meth:`entry_files`."""
+        with self._lock:
+            self.counters.hits += n
+            self.counters.hit_bytes += nbytes
+        self.cache.count_hits(n, nbytes)
+
     # -- the rest, passed through ----------------------------------------------------------------
 
     def size(self, key: str) -> int:
