@@ -861,7 +861,8 @@ class NativeDecoder:
             path = plan.path(cid)
             return StorageError(f"cannot read {path}: {os.strerror(detail)}", path=path), None
         if status in (native.ST_TOO_BIG, native.ST_NO_MEMORY, native.ST_FRAME, native.ST_MISSING,
-                      native.ST_PENDING) or native_codec(codec) != native.CODEC_ZSTD or not whole:
+                      native.ST_PENDING, native.ST_ENTRY) or native_codec(codec) != native.CODEC_ZSTD or not whole:
+            # (ST_ENTRY: only chunks read from disk-cache entries get it, and _finish_from_disk fetches those)
             # larger than any stored chunk of this codec (the Python path refuses it unread); blosc, lz4, zlib
             # and gzip: any chunk the engine declined or could not decode; any failure of an inner chunk of a
             # shard. The Python path reads it again and decides (and words the error) as it always does.
