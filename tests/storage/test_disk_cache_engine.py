@@ -161,3 +161,55 @@ def test_an_unsound_entry_read_by_the_engine_is_fetched_again(remote, data, tmp_
         hits = cache.hits
         _batch(p, uri, data, path)  # the entries written anew are sound: served from disk again
         assert cache.hits > hits
+
+
+def test_an_entry_queued_for_writing_is_not_handed_to_the_engine(tmp_path):
+    # put queues the write; while the writer waits (another holder of the folder's lock), the entry is not
+    # on disk, so entry_file says None and the chunk is fetched as before, not read by the engine as missing
+    # and then fetched (and queued) once more
+    cache = DiskCache(str(tmp_path / "c"), 64 << 20)
+    assert cache.write("first", b"a" * 100)  # the folder and its lock file made
+    import fcntl
+
+    lock = os.open(tmp_path / "c" / "v1" / ".index", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        cache.put("second", b"b" * 5000)
+        assert cache.entry_file("second") is None
+        assert cache.entry_file("first") == (os.fsencode(cache.path("first")), b"first")
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        os.close(lock)
+    assert cache.flush(30)
+    assert cache.entry_file("second") == (os.fsencode(cache.path("second")), b"second")
+
+
+def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(data, tmp_path):
+    # a value prefetched (its bytes read from disk into the buffer, or its request in flight) is served from
+    # the buffer: entry_files says None for it, so the engine does not read its entry a second time
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.objectstore import ObjectStore
+    from stoker.storage.prefetch import PrefetchBuffer, PrefetchStore
+    from stoker.storage.store import ByteRange
+
+    server = RangeServer(data)
+    try:
+        cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
+        store = ObjectStore(server.url, **FAST)
+        kv = CachingStore(store, cache)
+        keys = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[:3]
+        ranges = [ByteRange("sharded/c/0/0", 0, 16)]
+        kv.get_many(keys, ranges)  # fetched: generations known, entries written
+        assert cache.flush(30)
+        assert all(e is not None for e in kv.entry_files(keys, ranges))
+        buffer = PrefetchBuffer(64 << 20, 16)
+        pkv = PrefetchStore(kv, buffer)
+        assert pkv.ask(keys[:1], [1 << 20], ranges, seq=1).started == 2
+        found = pkv.entry_files(keys, ranges)
+        assert found[0] is None and found[3] is None  # held by the buffer
+        assert found[1:3] == kv.entry_files(keys[1:3], [])  # the rest: read from disk by the engine
+        assert PrefetchStore(store, buffer).entry_files is None  # no disk cache: nothing to read from disk
+        buffer.close()
+        store.close()
+    finally:
+        server.stop()
