@@ -13,6 +13,9 @@ batch reports whichever failed first.
 Chunks of arrays in stores (object stores, zip archives) are fetched first (:meth:`PythonDecoder.fetch`,
 planned here with numpy), and each finished fetch goes to the engine in one call, which reads them from the
 fetched buffers with the same checks as files; what it declines the Python path decodes from those bytes.
+Those a store's disk cache holds at a generation known now are not fetched: the engine reads their entries
+itself, as local files, checks and decodes them (:meth:`NativeDecoder._from_disk`); an entry it finds
+missing or unsound sends its chunk to the fetch after all.
 
 A batch the engine makes whole (every chunk its own, no completion hook) is settled by the thread that
 waits for it, the consumer's at ``pop``: its wait is the engine's, in C with the GIL released, and the
