@@ -213,3 +213,28 @@ def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(data, tmp_pa
         store.close()
     finally:
         server.stop()
+
+
+def test_a_range_of_a_whole_value_read_in_the_same_call_is_cut_from_it(data, tmp_path, monkeypatch):
+    # one call asking an object's whole value and a range of it (kept whole only): the value is read from
+    # disk once, and the range cut from it, equal to the object's bytes
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.objectstore import ObjectStore
+    from stoker.storage.store import ByteRange
+
+    server = RangeServer(data)
+    try:
+        cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
+        store = ObjectStore(server.url, **FAST)
+        kv = CachingStore(store, cache)
+        key = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[0]
+        kv.get_many([key], [])
+        assert cache.flush(30)
+        reads = _Reads(monkeypatch)
+        values, parts = kv.get_many([key], [ByteRange(key, 3, 10)])
+        whole = read_tree(data)[key]
+        assert bytes(values[0]) == whole and bytes(parts[0]) == whole[3:13]
+        assert reads.python == 2  # the range's own entry (none), then the whole value once
+        store.close()
+    finally:
+        server.stop()
