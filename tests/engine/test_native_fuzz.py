@@ -23,6 +23,7 @@ import mmap
 import os
 from array import array
 
+import crc32c
 import numcodecs
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from hypothesis import strategies as st
 
 from stoker.engine.cpu import native
 import native_testing
+from stoker.storage.diskcache import HEADER, MAGIC
 from stoker.zarr.codecs.blosc import PARTIAL_MAX_SHARE
 
 _LONG = os.environ.get("STOKER_FUZZ_EXAMPLES", "").strip()
@@ -1459,3 +1461,165 @@ def test_copy_rows_arguments(data):
     event("made")
     assert want is not None
     assert np.frombuffer(got, np.int64).reshape(-1, native.COPY_COLS(ndim)).tolist() == want
+
+
+# ---------------------------------------------------------------------------------------------
+# Disk-cache entries (csrc/entries.c): entry files in storage/diskcache.py's layout, sound or damaged, which
+# the engine reads whole into its scratch and checks before it decodes a byte of them
+
+_ENTRY_ENGINE = None
+
+
+def entry_bytes(ident: bytes, payload: bytes) -> bytes:
+    """An entry as DiskCache.write lays it out."""
+    crc = crc32c.crc32c(payload, crc32c.crc32c(ident))
+    return HEADER.pack(MAGIC, 0, crc, len(ident), len(payload)) + ident + payload
+
+
+def sound(raw: bytes, ident: bytes, max_stored: int) -> bool:
+    """The oracle: DiskCache's checks of an entry read whole (its header, length, checksum and ident), and the
+    chunk's bound on what it stores."""
+    if len(raw) < HEADER.size:
+        return False
+    magic, _, crc, ident_len, length = HEADER.unpack_from(raw)
+    body = raw[HEADER.size:]
+    return (magic == MAGIC and ident_len == len(ident) and len(body) == ident_len + length and length <= max_stored
+            and crc32c.crc32c(body) == crc and body[:ident_len] == ident)
+
+
+def entry_job(path: bytes, ident: bytes, nbytes: int, max_stored: int, span: tuple[int, int],
+              rows: np.ndarray | None = None, blob: bytes | None = None, buffers=None, offset: int = -1):
+    """One zstd chunk of ``nbytes`` read from the entry file ``path`` (expected ``ident``) into a guarded
+    batch of its span; returns (status, detail, batch)."""
+    global _ENTRY_ENGINE
+    if _ENTRY_ENGINE is None:
+        _ENTRY_ENGINE = native.Engine(2, 1 << 26)
+    a, b = span
+    chunks = np.zeros((1, native.N_CHUNK_COLS), np.int64)
+    chunks[0, native.C_FILE] = -1
+    chunks[0, native.C_OFFSET], chunks[0, native.C_LENGTH] = (offset, 0 if offset < 0 else 4)
+    chunks[0, native.C_SPAN_START], chunks[0, native.C_SPAN_STOP] = a, b
+    chunks[0, native.C_CODEC], chunks[0, native.C_NBYTES] = native.CODEC_ZSTD, nbytes
+    chunks[0, native.C_MAX_STORED], chunks[0, native.C_NCOPIES] = max_stored, 1
+    sources = np.array([[native.SOURCE_KINDS[np.dtype("uint8")], 0, 0, 1, ord("."), 0, 1]], np.int64)
+    if rows is None:
+        rows = np.array([[0, len(path), len(path), len(ident)]], np.int64)
+        blob = path + ident
+    batch = Guarded(b - a, fill=0x11)
+    job = _ENTRY_ENGINE.submit(chunks, np.array([[a, 0, b - a]], np.int64), sources,
+                               np.zeros((0, native.F_COORDS + 1), np.int64), b"x", batch.view, native.KIND_SAME, False,
+                               np.array([1], np.int64), [None] if buffers is None else buffers, rows, blob)
+    assert job.wait(20)
+    status, detail, _ = job.results()
+    assert batch.intact(), "a write outside the batch"
+    return int(np.frombuffer(status, np.int32)[0]), int(np.frombuffer(detail, np.int64)[0]), batch
+
+
+@fuzz(300)
+@given(data=st.data())
+def test_disk_cache_entries(work, data):
+    """Sound entries decode to numcodecs' bytes and are touched; every damaged one (a bit flipped anywhere, cut
+    short, extended, a header field rewritten, another ident, random bytes, a link, a FIFO, a folder, none) is
+    ST_ENTRY, never decoded, never a read past what the file and the bounds allow."""
+    content = data.draw(contents(max_size=20_000))
+    if not content:
+        content = b"\0"
+    payload = numcodecs.Zstd(level=1).encode(content)
+    ident = data.draw(st.binary(max_size=300))
+    raw = entry_bytes(ident, payload)
+    max_stored = max(0, len(payload) + data.draw(st.sampled_from([0, 0, 64, 4096, -1, -len(payload)])))
+    damage = data.draw(st.sampled_from(["none", "flip", "cut", "extend", "field", "ident", "random", "link", "fifo",
+                                        "folder", "missing"]))
+    event(damage)
+    expected = ident
+    if damage == "flip":
+        at = data.draw(st.integers(0, len(raw) - 1))
+        raw = raw[:at] + bytes([raw[at] ^ (1 << data.draw(st.integers(0, 7)))]) + raw[at + 1:]
+    elif damage == "cut":
+        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+    elif damage == "extend":
+        raw = raw + data.draw(st.binary(min_size=1, max_size=100))
+    elif damage == "field":  # the crc, the ident's length or the payload's, as any value
+        at, size = data.draw(st.sampled_from([(8, 4), (12, 4), (16, 8)]))
+        value = data.draw(st.sampled_from([0, 1, len(ident) + 1, len(payload) - 1, (1 << 8 * size) - 1,
+                                           1 << (8 * size - 1)]))
+        raw = raw[:at] + value.to_bytes(size, "little") + raw[at + size:]
+    elif damage == "ident":
+        expected = data.draw(st.binary(max_size=300).filter(lambda b: b != ident))
+    elif damage == "random":
+        raw = data.draw(st.binary(max_size=400))
+    name = f"entry-{damage}"
+    path = work / name
+    for old in (path, work / "target"):  # what an earlier example left there (a file, a link, a FIFO, a folder)
+        if old.is_dir() and not old.is_symlink():
+            old.rmdir()
+        elif os.path.lexists(old):
+            old.unlink()
+    if damage == "link":
+        (work / "target").write_bytes(raw)
+        os.symlink(work / "target", path)
+    elif damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "folder":
+        path.mkdir()
+    elif damage != "missing":
+        path.write_bytes(raw)
+        os.utime(path, (1_000_000, 1_000_000))
+    a, b = data.draw(spans(len(content)))
+    if b <= a:
+        a, b = 0, len(content)
+    status, detail, batch = entry_job(os.fsencode(path), expected, len(content), max_stored, (a, b))
+    good = damage not in ("link", "fifo", "folder", "missing") and sound(raw, expected, max_stored)
+    if good:
+        assert status == native.ST_OK, (status, detail)
+        assert detail == len(payload)  # the payload bytes it served
+        assert batch.view.tobytes() == content[a:b]
+        assert os.stat(path).st_mtime > 1_000_000 + 1e8  # touched: the cache's LRU clock
+    else:
+        assert status == native.ST_ENTRY, (status, detail)
+        assert detail in (native.ENTRY_GONE, native.ENTRY_UNREADABLE, native.ENTRY_SIZE, native.ENTRY_LAYOUT,
+                          native.ENTRY_OTHER_IDENT, native.ENTRY_CHECKSUM)
+        assert (batch.view == 0x11).all()  # nothing of it placed
+
+
+@pytest.mark.parametrize("case", ["path past the blob", "negative path start", "no path", "path with NUL",
+                                  "ident past the blob", "ident too long", "huge lengths", "a buffer too",
+                                  "a byte range", "rows for other buffers", "rows without a blob"])
+def test_disk_cache_entry_tables_are_checked(work, case):
+    """Entry rows that name bytes outside the entry blob, a path the engine cannot open as given, an ident past
+    the cap, an entry that also has a buffer or a byte range: refused before any thread reads them."""
+    path, ident = os.fsencode(work / "never-read"), b"ident"
+    rows = np.array([[0, len(path), len(path), len(ident)]], np.int64)
+    blob, buffers, offset = path + ident, None, -1
+    if case == "path past the blob":
+        rows[0, native.E_PATH_LEN] = len(blob) + 1
+    elif case == "negative path start":
+        rows[0, native.E_PATH_START] = -1
+    elif case == "no path":
+        rows[0, native.E_PATH_LEN] = 0
+    elif case == "path with NUL":
+        blob = path[:-1] + b"\0" + ident
+    elif case == "ident past the blob":
+        rows[0, native.E_IDENT_LEN] = len(ident) + 1
+    elif case == "ident too long":
+        blob = path + b"i" * (native.ENTRY_IDENT_CAP + 1)
+        rows[0, native.E_IDENT_LEN] = native.ENTRY_IDENT_CAP + 1
+    elif case == "huge lengths":
+        rows[0, native.E_IDENT_START] = rows[0, native.E_IDENT_LEN] = (1 << 63) - 1
+    elif case == "a buffer too":
+        buffers = [b"stored bytes"]
+    elif case == "a byte range":
+        offset = 0
+    elif case == "rows for other buffers":
+        rows = np.concatenate([rows, rows])
+    elif case == "rows without a blob":
+        blob = None
+    with pytest.raises(ValueError):
+        entry_job(path, ident, 100, 200, (0, 100), rows, blob, buffers, offset)
+
+
+def test_the_engines_crc32c_is_the_crc32c_packages():
+    for n in (0, 1, 7, 8, 9, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 13, 100_003):
+        block = os.urandom(n)
+        for seed in (0, 1, 0xFFFFFFFF):
+            assert native.crc32c(block, seed) == crc32c.crc32c(block, seed), (n, seed)

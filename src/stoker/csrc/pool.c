@@ -69,6 +69,8 @@ struct job {
     char *blob;
     const char **buf_base; /* the buffers' addresses and lengths (plan_tables), owned copies */
     long long *buf_len;
+    int64_t *entries; /* plan_tables.entries and entry_blob, owned copies (NULL: none) */
+    char *entry_blob;
     size_t need; /* scratch per thread: the most any chunk needs (decoded, rounded up to ALIGN, then stored
                   * for a file) */
     int32_t *status;
@@ -215,6 +217,8 @@ static void job_free(job *j) {
     free(j->blob);
     free(j->buf_base);
     free(j->buf_len);
+    free(j->entries);
+    free(j->entry_blob);
     free(j->status);
     free(j->detail);
     free(j);
@@ -267,6 +271,14 @@ static void job_unref_unlocking(engine *e, job *j) {
  * chunk's decoded span and inside the batch (check_copies), and no more elements written than the batch holds. */
 static size_t aligned(long long n) { return ((size_t)n + ALIGN - 1) / ALIGN * ALIGN; }
 
+/* buffer ``b``'s entries row when it is a disk-cache entry, else NULL */
+static const int64_t *entry_of(const plan_tables *t, long long b) {
+    if (t->entries == NULL)
+        return NULL;
+    const int64_t *r = t->entries + b * N_ENTRY_COLS;
+    return r[E_PATH_LEN] == 0 && r[E_IDENT_LEN] == 0 ? NULL : r;
+}
+
 static int check_tables(const plan_tables *t, size_t *need, const char **error) {
     int ndim = t->ndim;
     if (ndim < 1 || ndim > MAX_NDIM)
@@ -277,6 +289,26 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
     for (long long b = 0; b < t->n_buffers; b++)
         if (t->buffer_lens[b] < 0 || (t->buffers[b] == NULL && t->buffer_lens[b] != 0))
             FAIL("a buffer's length is negative");
+    if (t->entries != NULL) {
+        if (t->entry_blob_len < 0 || (t->entry_blob == NULL && t->entry_blob_len != 0))
+            FAIL("the entry blob's length is negative");
+        for (long long b = 0; b < t->n_buffers; b++) {
+            const int64_t *r = t->entries + b * N_ENTRY_COLS;
+            long long end;
+            if (r[E_PATH_LEN] == 0 && r[E_IDENT_LEN] == 0)
+                continue; /* a buffer in memory */
+            if (t->buffers[b] != NULL)
+                FAIL("a disk-cache entry's buffer is not None");
+            if (r[E_PATH_START] < 0 || r[E_PATH_LEN] < 1 || r[E_PATH_LEN] >= PATH_CAP ||
+                !add_ok(r[E_PATH_START], r[E_PATH_LEN], &end) || end > t->entry_blob_len)
+                FAIL("a disk-cache entry's path is outside the entry blob, or too long");
+            if (memchr(t->entry_blob + r[E_PATH_START], 0, (size_t)r[E_PATH_LEN]) != NULL)
+                FAIL("a disk-cache entry's path holds a NUL byte");
+            if (r[E_IDENT_START] < 0 || r[E_IDENT_LEN] < 0 || r[E_IDENT_LEN] > ENTRY_IDENT_CAP ||
+                !add_ok(r[E_IDENT_START], r[E_IDENT_LEN], &end) || end > t->entry_blob_len)
+                FAIL("a disk-cache entry's ident is outside the entry blob, or too long");
+        }
+    }
     if (t->dst.base == NULL || t->dst.nbytes < 0 || t->dst.kind < 0 || t->dst.kind >= N_DST_KINDS)
         FAIL("the batch target is not (a buffer, a kind of batch)");
     if (t->dst_strides[ndim - 1] != 1)
@@ -347,7 +379,11 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
         if (c[C_OFFSET] < -1 || c[C_LENGTH] < 0 || !add_ok(c[C_OFFSET], c[C_LENGTH], &last) ||
             (c[C_OFFSET] == -1 && c[C_LENGTH] != 0))
             FAIL("a chunk's byte range is not (-1, 0) nor (offset, length)");
-        if (buf >= 0) { /* in memory: the whole buffer (a missing value when NULL), or a range inside it */
+        const int64_t *entry = buf >= 0 ? entry_of(t, buf) : NULL;
+        if (entry != NULL) { /* a disk-cache entry: its whole payload (the entry says how long, read_entry checks) */
+            if (c[C_FILE] != -1 || c[C_OFFSET] != -1)
+                FAIL("a chunk in a disk-cache entry names a file or a byte range");
+        } else if (buf >= 0) { /* in memory: the whole buffer (a missing value when NULL), or a range inside it */
             if (c[C_FILE] != -1)
                 FAIL("a chunk in a buffer names a file");
             if (c[C_OFFSET] >= 0 && (t->buffers[buf] == NULL || last > t->buffer_lens[buf]))
@@ -370,8 +406,11 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
         if (check_copies(kind, ndim, src + S_STRIDES, t->dst_strides, copies, c[C_NCOPIES], cw, c[C_NBYTES],
                          c[C_SPAN_START], c[C_SPAN_STOP], NULL, &t->dst, 1))
             FAIL("a chunk's copies leave its decoded span or the batch");
-        /* a chunk in a buffer is decoded from it: its stored bytes take no scratch */
-        size_t chunk_need = aligned(c[C_NBYTES]) + (buf >= 0 ? 0 : (size_t)c[C_MAX_STORED]);
+        /* a chunk in a buffer is decoded from it: its stored bytes take no scratch; a disk-cache entry is read
+         * whole (header, ident, payload) after the decoded bytes */
+        size_t chunk_need = aligned(c[C_NBYTES]) + (entry != NULL ? ENTRY_HEADER_BYTES + (size_t)entry[E_IDENT_LEN] +
+                                                                       (size_t)c[C_MAX_STORED]
+                                                    : buf >= 0 ? 0 : (size_t)c[C_MAX_STORED]);
         if (chunk_need > *need)
             *need = chunk_need;
     }
@@ -397,6 +436,12 @@ job *job_new(engine *e, const plan_tables *t, const char **error) {
     long long nb = t->n_buffers > 0 ? t->n_buffers : 1;
     j->buf_base = nb <= LLONG_MAX / 8 ? malloc(sizeof(char *) * (size_t)nb) : NULL;
     j->buf_len = nb <= LLONG_MAX / 8 ? malloc(sizeof(long long) * (size_t)nb) : NULL;
+    if (t->entries != NULL) {
+        j->entries = nb <= LLONG_MAX / 64 ? malloc(sizeof(int64_t) * N_ENTRY_COLS * (size_t)nb) : NULL;
+        j->entry_blob = t->entry_blob_len >= 0 ? malloc((size_t)(t->entry_blob_len ? t->entry_blob_len : 1)) : NULL;
+        if (j->entries == NULL || j->entry_blob == NULL)
+            goto oom;
+    }
     if (j->owned == NULL || j->blob == NULL || j->status == NULL || j->detail == NULL || j->buf_base == NULL ||
         j->buf_len == NULL)
         goto oom;
@@ -420,6 +465,14 @@ job *job_new(engine *e, const plan_tables *t, const char **error) {
     }
     j->t.buffers = j->buf_base;
     j->t.buffer_lens = j->buf_len;
+    if (t->entries != NULL) {
+        if (t->n_buffers > 0)
+            memcpy(j->entries, t->entries, sizeof(int64_t) * N_ENTRY_COLS * (size_t)t->n_buffers);
+        if (t->entry_blob_len > 0)
+            memcpy(j->entry_blob, t->entry_blob, (size_t)t->entry_blob_len);
+        j->t.entries = j->entries;
+        j->t.entry_blob = j->entry_blob;
+    }
     if (check_tables(&j->t, &j->need, error))
         goto bad;
     if ((long long)j->need > e->budget) {
@@ -449,6 +502,8 @@ bad:
         free(j->detail);
         free(j->buf_base);
         free(j->buf_len);
+        free(j->entries);
+        free(j->entry_blob);
         free(j);
     }
     return NULL;
@@ -628,6 +683,7 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
     } else {
         char path[PATH_CAP];
         chunk_io io = {0};
+        long long entry_payload = 0;
         char *place = direct_place(j, src, c);
         io.out = place != NULL ? place : scratch;
         if (place != NULL) {
@@ -661,9 +717,27 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
             io.mem = t->buffers[c[C_BUFFER]];
             io.mem_len = t->buffer_lens[c[C_BUFFER]];
         }
+        const int64_t *entry = c[C_BUFFER] >= 0 ? entry_of(t, c[C_BUFFER]) : NULL;
         /* the decoded chunk, then a file's stored bytes: the thread's scratch holds both (job->need); a chunk
-         * in a buffer is decoded from the buffer */
-        if (io.in_memory) {
+         * in a buffer is decoded from the buffer; a disk-cache entry is read into the scratch, checked, and
+         * decoded from there as a chunk in memory (its own bytes: no mem lock) */
+        if (entry != NULL) {
+            char path[PATH_CAP];
+            memcpy(path, t->entry_blob + entry[E_PATH_START], (size_t)entry[E_PATH_LEN]);
+            path[entry[E_PATH_LEN]] = 0;
+            const char *payload = NULL;
+            size_t payload_len = 0;
+            if (read_entry(&io, path, t->entry_blob + entry[E_IDENT_START], (size_t)entry[E_IDENT_LEN],
+                           scratch + aligned(c[C_NBYTES]), (size_t)c[C_MAX_STORED], &payload, &payload_len) == 0) {
+                io.mem = payload;
+                io.mem_len = (long long)payload_len;
+                long long read_ns = io.read_ns;
+                read_decode(&io, (int)c[C_CODEC], NULL, (size_t)c[C_MAX_STORED], (size_t)c[C_NBYTES], ctx);
+                io.read_ns = read_ns;
+                io.nread = (long long)(ENTRY_HEADER_BYTES + entry[E_IDENT_LEN]) + (long long)payload_len;
+                entry_payload = (long long)payload_len;
+            }
+        } else if (io.in_memory) {
             long long t = now_ns();
             pthread_rwlock_rdlock(&j->mem_lock);
             tm->lock += now_ns() - t;
@@ -692,6 +766,7 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
             if (status == ST_OK) {
                 mine->bytes_decoded += io.detail;
                 mine->chunks_decoded++;
+                detail = entry_payload; /* a disk-cache entry's: the bytes it served (the cache's hit bytes) */
             }
         } else {
             status = io.status;

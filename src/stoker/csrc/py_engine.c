@@ -119,10 +119,10 @@ static int hold_buffers(BatchJobObject *result, PyObject *obj, plan_tables *t, c
 
 static PyObject *engine_submit_py(EngineObject *self, PyObject *args) {
     PyObject *chunks_obj, *copies_obj, *sources_obj, *files_obj, *blob_obj, *dst_obj, *strides_obj;
-    PyObject *buffers_obj = Py_None;
+    PyObject *buffers_obj = Py_None, *entries_obj = Py_None, *entry_blob_obj = Py_None;
     int kind, stream;
-    if (!PyArg_ParseTuple(args, "OOOOOOipO|O", &chunks_obj, &copies_obj, &sources_obj, &files_obj, &blob_obj,
-                          &dst_obj, &kind, &stream, &strides_obj, &buffers_obj))
+    if (!PyArg_ParseTuple(args, "OOOOOOipO|OOO", &chunks_obj, &copies_obj, &sources_obj, &files_obj, &blob_obj,
+                          &dst_obj, &kind, &stream, &strides_obj, &buffers_obj, &entries_obj, &entry_blob_obj))
         return NULL;
     const char **bases = NULL;
     long long *lens = NULL;
@@ -130,7 +130,7 @@ static PyObject *engine_submit_py(EngineObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "the engine is closed");
         return NULL;
     }
-    Py_buffer b[6] = {{0}};
+    Py_buffer b[8] = {{0}};
     int held = 0;
     BatchJobObject *result = NULL;
     plan_tables t = {0};
@@ -161,6 +161,20 @@ static PyObject *engine_submit_py(EngineObject *self, PyObject *args) {
     held++;
     t.chunks = b[1].buf, t.copies = b[2].buf, t.sources = b[3].buf, t.files = b[4].buf;
     t.blob = b[5].buf, t.blob_len = b[5].len;
+    if ((entries_obj == Py_None) != (entry_blob_obj == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "entries and entry_blob come together");
+        goto done;
+    }
+    long long n_entries = 0;
+    if (entries_obj != Py_None) { /* disk-cache entries: a row per buffer (checked against n_buffers below) */
+        if (table_buffer(entries_obj, &b[6], N_ENTRY_COLS, &n_entries, "entries"))
+            goto done;
+        held++;
+        if (PyObject_GetBuffer(entry_blob_obj, &b[7], PyBUF_C_CONTIGUOUS) != 0)
+            goto done;
+        held++;
+        t.entries = b[6].buf, t.entry_blob = b[7].buf, t.entry_blob_len = b[7].len;
+    }
     result = PyObject_New(BatchJobObject, &BatchJobType);
     if (result == NULL)
         goto done;
@@ -168,6 +182,11 @@ static PyObject *engine_submit_py(EngineObject *self, PyObject *args) {
     Py_INCREF(self);
     result->owner = self;
     if (buffers_obj != Py_None && hold_buffers(result, buffers_obj, &t, &bases, &lens)) {
+        Py_CLEAR(result);
+        goto done;
+    }
+    if (t.entries != NULL && n_entries != t.n_buffers) {
+        PyErr_SetString(PyExc_ValueError, "entries must hold a row per buffer");
         Py_CLEAR(result);
         goto done;
     }
@@ -262,6 +281,20 @@ static PyObject *local_file_system_py(PyObject *Py_UNUSED(self), PyObject *args)
     }
     Py_DECREF(path);
     return PyBool_FromLong(local);
+}
+
+/* crc32c(data, value=0) -> int: the crc32c of data continuing value, as the crc32c package's (entries.c) */
+static PyObject *crc32c_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer view;
+    unsigned int value = 0;
+    if (!PyArg_ParseTuple(args, "y*|I", &view, &value))
+        return NULL;
+    uint32_t crc;
+    Py_BEGIN_ALLOW_THREADS
+    crc = crc32c_of(value, view.buf, (size_t)view.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(crc);
 }
 
 /* read_files(paths, max_bytes) -> list: a read-only memoryview of each regular file's whole bytes (None: missing,
@@ -375,11 +408,13 @@ fail:
 
 static PyMethodDef engine_methods[] = {
     {"submit", (PyCFunction)engine_submit_py, METH_VARARGS,
-     "submit(chunks, copies, sources, files, blob, dst, kind, stream, dst_strides[, buffers]) -> BatchJob: make a "
-     "batch from its plan tables (int64; see csrc/stoker_native.h) into dst (a writable buffer), on the engine's "
-     "threads. buffers: the buffers (or None: a missing value) that chunks with a C_BUFFER are read from, held "
-     "by the BatchJob and read until it is done or cancelled. The tables are copied and checked first: "
-     "ValueError when they are not a sound plan."},
+     "submit(chunks, copies, sources, files, blob, dst, kind, stream, dst_strides[, buffers[, entries, entry_blob]]) "
+     "-> BatchJob: make a batch from its plan tables (int64; see csrc/stoker_native.h) into dst (a writable "
+     "buffer), on the engine's threads. buffers: the buffers (or None: a missing value) that chunks with a "
+     "C_BUFFER are read from, held by the BatchJob and read until it is done or cancelled. entries (a row of "
+     "E_* columns per buffer) and entry_blob: buffers (None) that are disk-cache entry files the threads read "
+     "and check themselves (ST_ENTRY when one is not sound; an OK chunk's detail: its payload bytes). The "
+     "tables are copied and checked first: ValueError when they are not a sound plan."},
     {"close", (PyCFunction)(void (*)(void))engine_close_py, METH_VARARGS | METH_KEYWORDS,
      "close(timeout=1.0) -> bool: cancel every job and stop the threads; True when all left within timeout "
      "(a thread stuck in a system call is left behind, and writes into no batch)."},
@@ -512,6 +547,9 @@ static PyTypeObject BatchJobType = {
 };
 
 PyMethodDef engine_functions[] = {
+    {"crc32c", crc32c_py, METH_VARARGS,
+     "crc32c(data, value=0) -> int: the crc32c (Castagnoli) of data continuing value, as the crc32c package's: "
+     "how the engine checks disk-cache entries."},
     {"read_files", read_files_py, METH_VARARGS,
      "read_files(paths, max_bytes) -> list: a read-only memoryview of each regular file's whole bytes, or None "
      "(missing, not a regular file, a symbolic link, larger than max_bytes, or unreadable); each file read is "

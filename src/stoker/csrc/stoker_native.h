@@ -56,6 +56,9 @@ enum {
     ST_RANGE,        /* a value the copies read does not fit the integer batch (KIND_I32, KIND_I64); the batch
                       * holds zero in its place, and the Python side raises DtypeMismatch naming the chunk */
     ST_PENDING,      /* not finished yet */
+    ST_ENTRY,        /* a disk-cache entry (buffer with an entries row) that is missing, unreadable, of another size,
+                      * ident or layout, or fails its checksum (detail: ENTRY_*): never decoded, the Python side
+                      * fetches the chunk from its store again */
     N_STATUSES
 };
 
@@ -116,6 +119,24 @@ int read_timed(chunk_io *job, int fd, char *buf, size_t lo, size_t hi);
 int close_checked(chunk_io *job, int fd);
 /* 1 when the open file is on a local file system (only there are shard files kept open between chunks) */
 int on_local_fs(int fd);
+
+/* ---- entries.c: disk-cache entries (storage/diskcache.py's layout), read as local files ---- */
+/* An entry file: ENTRY_HEADER_BYTES of header (6 bytes of magic "STKC1\n", 2 of padding, then little-endian the
+ * crc32c of ident + payload (4 bytes), the ident's length (4) and the payload's (8)), the ident, the payload. */
+#define ENTRY_HEADER_BYTES 24
+/* the longest ident an entry chunk may name (longer: the Python side reads the entry itself) */
+#define ENTRY_IDENT_CAP 4096
+/* ST_ENTRY details: why an entry was not used */
+enum { ENTRY_GONE = 1, ENTRY_UNREADABLE, ENTRY_SIZE, ENTRY_LAYOUT, ENTRY_OTHER_IDENT, ENTRY_CHECKSUM };
+/* crc32c (Castagnoli) of n bytes continuing ``crc`` (0 to start), as the crc32c package's crc32c(data, crc) */
+uint32_t crc32c_of(uint32_t crc, const void *data, size_t n);
+/* Read the entry file ``path`` whole into ``buf`` (room for ENTRY_HEADER_BYTES + ident_len + max_stored bytes)
+ * and check it: a regular file (not followed if a link), its header, its ident equal to ``ident``, its payload
+ * at most ``max_stored`` bytes and its checksum; touch it (its modification time now: the cache's LRU clock,
+ * where allowed). 0 with *payload, *payload_len set; else -1 with the job's status ST_ENTRY (detail: ENTRY_*).
+ * An entry unlinked while open is read whole (its inode lives until closed). */
+int read_entry(chunk_io *job, const char *path, const char *ident, size_t ident_len, char *buf, size_t max_stored,
+               const char **payload, size_t *payload_len);
 
 /* ---- codecs.c ---- */
 /* What one thread keeps between chunks: zstd's context, made at the first zstd chunk (NULL: one-shot decodes). */
@@ -246,6 +267,8 @@ enum { /* a chunk: one stored chunk (or a fill), and its copies */
     C_BUFFER,      /* -1: read from its file; else the buffer holding it (C_FILE -1, C_OFFSET/C_LENGTH: in it) */
     N_CHUNK_COLS
 };
+/* a buffer's entries row (plan_tables.entries): where its entry file's path and its ident are in the entry blob */
+enum { E_PATH_START = 0, E_PATH_LEN, E_IDENT_START, E_IDENT_LEN, N_ENTRY_COLS };
 /* a copy: its first element in the chunk (decoded layout) and in the batch, then its extent (D values) */
 #define CP_SRC_OFFSET 0
 #define CP_DST_OFFSET 1
@@ -278,6 +301,11 @@ typedef struct {
     long long n_buffers;
     const char *const *buffers;
     const long long *buffer_lens;
+    /* NULL, or n_buffers rows (E_* columns): a row with E_PATH_LEN > 0 makes its buffer (then NULL, length 0) a
+     * disk-cache entry the workers read themselves (read_entry): its path and ident in ``entry_blob`` */
+    const int64_t *entries;
+    const char *entry_blob;
+    long long entry_blob_len;
     batch_dst dst;
     int64_t dst_strides[MAX_NDIM];
 } plan_tables;

@@ -518,8 +518,10 @@ class CachingStore:
             else:
                 values[i], value_versions[i] = data, gen
                 hits, hit_bytes = hits + 1, hit_bytes + data.nbytes
+        # whole values this call read already are cut from, not read again
+        read = {keys[i]: got[(False, i)][0] for i in range(len(keys)) if got.get((False, i), (None,))[0] is not None}
         whole = self._from_whole_values(requests, gens, [j for j in range(len(requests))
-                                                          if got.get((True, j), (None,))[0] is None])
+                                                          if got.get((True, j), (None,))[0] is None], read)
         for j in range(len(requests)):
             data, gen = got.get((True, j), (None, None))
             if data is None and j in whole:
@@ -534,16 +536,22 @@ class CachingStore:
             self.counters.hit_bytes += hit_bytes
         return (values, parts, value_versions, part_versions), miss_keys, miss_parts
 
-    def _from_whole_values(self, requests: Sequence[ByteRange], gens: dict[str, Any], missed: list[int]) -> dict:
+    def _from_whole_values(self, requests: Sequence[ByteRange], gens: dict[str, Any], missed: list[int],
+                           read: dict | None = None) -> dict:
         """The ranges ``missed`` (numbers in ``requests``) cut from their objects' whole values where those are
         kept at the generation known now (a copy each, so a range does not hold its whole value's buffer):
         a blosc chunk read whole in one epoch is asked again as the blocks a crop needs in the next, and
-        those spans depend on what the pipeline learnt first."""
-        keys = sorted({requests[j].key for j in missed if gens.get(requests[j].key) is not None})
-        if not keys:
+        those spans depend on what the pipeline learnt first. ``read``: whole values the caller read already
+        at those generations, by key (not read again)."""
+        read = read or {}
+        wanted = {requests[j].key for j in missed if gens.get(requests[j].key) is not None}
+        keys = sorted(wanted - read.keys())
+        values = {k: read[k] for k in wanted & read.keys()}
+        if not keys and not values:
             return {}
-        values = dict(zip(keys, self.cache.get_many([_ident(self.uri, k, None, None, gens[k]) for k in keys],
-                                                    self.read_files)))
+        if keys:
+            values.update(zip(keys, self.cache.get_many([_ident(self.uri, k, None, None, gens[k]) for k in keys],
+                                                        self.read_files)))
         out = {}
         for j in missed:
             r, value = requests[j], values.get(requests[j].key)
@@ -599,6 +607,34 @@ class CachingStore:
             if key[:end] in self._opened:
                 return key[:end] + "/"
         return None
+
+    # -- hits read by the compiled engine ---------------------------------------------------------
+
+    def entry_files(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> list:
+        """For the whole values of ``keys``, then the ranges ``requests``: the entry to read from disk
+        (:meth:`DiskCache.entry_file <stoker.storage.diskcache.DiskCache.entry_file>`, ``(path, ident)``) where
+        its object's generation is known now, else None (read through :meth:`start_get_many`, which
+        revalidates). No request and no disk access: the compiled engine reads and checks the entries, and
+        what it cannot use (missing, corrupt) is fetched again through :meth:`start_get_many`."""
+        now = time.monotonic()
+        gens: dict[str, Any] = {}
+        with self._lock:
+            for key in {*keys, *(r.key for r in requests)}:
+                known = self._known.get(key)
+                if known is not None and known[0] is not _UNCACHED and now - known[1] < self.staleness_s:
+                    gens[key] = known[0]
+        uri, entry = self.uri, self.cache.entry_file
+        out: list = [None if gens.get(k) is None else entry(_ident(uri, k, None, None, gens[k])) for k in keys]
+        out += [None if gens.get(r.key) is None else entry(_ident(uri, r.key, r.start, r.length, gens[r.key]))
+                for r in requests]
+        return out
+
+    def served_from_disk(self, n: int, nbytes: int) -> None:
+        """Count ``n`` values or ranges of ``nbytes`` that the compiled engine read from :meth:`entry_files`."""
+        with self._lock:
+            self.counters.hits += n
+            self.counters.hit_bytes += nbytes
+        self.cache.count_hits(n, nbytes)
 
     # -- the rest, passed through ----------------------------------------------------------------
 

@@ -19,7 +19,8 @@ is never served) and the bytes. Rules that make one folder safe for many process
 - **Eviction never breaks a read**: it unlinks; a reader that opened the file keeps reading it, one that
   comes after finds no entry (a miss).
 - **Corruption is a miss**: a short file, a bad header or a checksum mismatch is removed and reported as
-  absent; the caller fetches again.
+  absent; the caller fetches again. The compiled engine reads hits itself (:meth:`DiskCache.entry_file`,
+  csrc/entries.c) with the same checks; what it finds unsound is fetched again through :meth:`get_many`.
 - **Failure is a miss**: a folder that cannot be created or written (read-only, full disk), or an entry
   larger than ``cache_bytes``, makes writes stop (one ``RuntimeWarning``); reads go on uncached.
 
@@ -116,6 +117,7 @@ class DiskCache:
         self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
         self._queue: deque[tuple[str, Any]] = deque()
         self._queued = 0
+        self._pending: dict[str, int] = {}  # idents queued or being written: their puts not yet on disk
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._busy = False
         self._warned: set[str] = set()
@@ -141,6 +143,23 @@ class DiskCache:
             return False
         except OSError:  # a read-only folder: only look
             return os.path.lexists(path)
+
+    def entry_file(self, ident: str) -> tuple[bytes, bytes] | None:
+        """``(path, ident)`` of the entry stored under ``ident``, both encoded: what the compiled engine reads
+        and checks itself (csrc/entries.c: the header, the ident, the crc32c, the payload bounded by the
+        chunk's codec), a hit costing what a local file's read costs. Nothing is read here; the engine
+        reports a missing or unsound entry, and its chunk is fetched again (:meth:`get_many`'s rules then).
+        None while this process has the entry queued for writing: not on disk yet, so the caller fetches
+        rather than have the engine miss it and fetch it again (and queue it once more)."""
+        if self._pending and ident in self._pending:
+            return None
+        return os.fsencode(self._path(ident)), ident.encode("utf-8", "surrogatepass")
+
+    def count_hits(self, n: int, nbytes: int) -> None:
+        """Count ``n`` hits of ``nbytes`` payload bytes read by someone else (the compiled engine)."""
+        with self._cond:
+            self.hits += n
+            self.hit_bytes += nbytes
 
     def get(self, ident: str) -> memoryview | None:
         """The bytes stored under ``ident``, or None (never written, evicted, or corrupt: then removed)."""
@@ -212,6 +231,7 @@ class DiskCache:
                 return
             self._queue.append((ident, data))
             self._queued += n
+            self._pending[ident] = self._pending.get(ident, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drain, name="stoker-diskcache", daemon=True)
                 self._thread.start()
@@ -242,6 +262,9 @@ class DiskCache:
             finally:
                 with self._cond:
                     self._queued -= memoryview(data).nbytes
+                    left = self._pending.pop(ident, 1) - 1
+                    if left:
+                        self._pending[ident] = left
                     self._busy = False
                     self._cond.notify_all()
 

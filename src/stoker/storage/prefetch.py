@@ -297,6 +297,30 @@ class PrefetchBuffer:
                     self.counters.held_bytes -= entry.nbytes
         return values, parts
 
+    def held(self, store: Any, keys: Sequence[str], requests: Sequence[ByteRange]) -> tuple[set, set]:
+        """The numbers of ``keys`` (whole values) and of ``requests`` that :meth:`claim` would serve now
+        (arrived or in flight), claiming nothing."""
+        sid = id(store)
+        values: set[int] = set()
+        parts: set[int] = set()
+        with self._lock:
+            if self._closed or not self._entries:
+                return values, parts
+            fresh = self._fresh
+
+            def holds(ident: tuple) -> bool:
+                entry = self._entries.get(ident)
+                return entry is not None and entry.mark >= fresh and _usable(entry, True)
+
+            for i, key in enumerate(keys):
+                if (sid, key) not in self._changed and holds((sid, key, None, None)):
+                    values.add(i)
+            for j, r in enumerate(requests):
+                if (sid, r.key) not in self._changed and (holds((sid, r.key, r.start, r.length))
+                                                          or holds((sid, r.key, None, None))):
+                    parts.add(j)
+        return values, parts
+
     def fresh_from(self, pushed: int) -> None:
         """A batch of the first ``pushed`` pushes is being submitted: from now on no entry asked before those
         pushes is served (any batch fetching may be of them, and must see what was stored when they were
@@ -414,6 +438,24 @@ class PrefetchStore:
         for key in keys:
             check_key(key)
         return self.buffer.ask(self.store, keys, estimates, requests, seq, pushed, mark)
+
+    @property
+    def entry_files(self) -> Callable | None:
+        """The store's ``entry_files`` (a disk cache's entries the compiled engine reads itself; None where the
+        store has no disk cache), but None for what the buffer holds or is fetching: that is read from here."""
+        inner = getattr(self.store, "entry_files", None)
+        if inner is None:
+            return None
+
+        def entry_files(keys: Sequence[str], requests: Sequence[ByteRange]) -> list:
+            found = inner(keys, requests)
+            if any(e is not None for e in found):
+                values, parts = self.buffer.held(self.store, keys, requests)
+                for n in [*values, *(len(keys) + j for j in parts)]:
+                    found[n] = None
+            return found
+
+        return entry_files
 
     def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
                        lenient: Collection[int] = ()) -> concurrent.futures.Future:

@@ -13,6 +13,9 @@ batch reports whichever failed first.
 Chunks of arrays in stores (object stores, zip archives) are fetched first (:meth:`PythonDecoder.fetch`,
 planned here with numpy), and each finished fetch goes to the engine in one call, which reads them from the
 fetched buffers with the same checks as files; what it declines the Python path decodes from those bytes.
+Those a store's disk cache holds at a generation known now are not fetched: the engine reads their entries
+itself, as local files, checks and decodes them (:meth:`NativeDecoder._from_disk`); an entry it finds
+missing or unsound sends its chunk to the fetch after all.
 
 A batch the engine makes whole (every chunk its own, no completion hook) is settled by the thread that
 waits for it, the consumer's at ``pop``: its wait is the engine's, in C with the GIL released, and the
@@ -263,6 +266,20 @@ def _start_engine(n_threads: int, budget_bytes: int):
         raise no_thread(f"the compiled engine's {n_threads} threads", "n_compute_threads", exc) from exc
 
 
+#: A disk-cache entry's bytes before its payload, at most (header and ident: csrc/entries.c), in a thread's scratch.
+ENTRY_ROOM = native.ENTRY_HEADER_BYTES + native.ENTRY_IDENT_CAP
+
+
+class _FromDisk:
+    """An engine job's chunks read from disk-cache entries: each one's store (``stores[k]``: its counters,
+    and where it is fetched from should its entry fail), the batch kind and the arrays (to fetch again)."""
+
+    __slots__ = ("stores", "kind", "sources")
+
+    def __init__(self, stores: list, kind: int, sources: "_SourceSet") -> None:
+        self.stores, self.kind, self.sources = stores, kind, sources
+
+
 #: the engine's clock columns (csrc/stoker_native.h) in :data:`~stoker.engine.stats.WORKER_TIMES` order
 _WORKER_COLUMNS = (native.W_READ, native.W_DECODE, native.W_PLACE, native.W_FILL, native.W_LOCK, native.W_IDLE,
                    native.W_BUDGET, native.W_OTHER)
@@ -322,7 +339,7 @@ class NativeDecoder:
         with self._cond:  # what the finisher left: its batches fail, their fetches' reservations go back
             left, self._pending = self._pending, []
         for job, _, eids, fetched, claim in left:
-            if fetched:
+            if fetched and not isinstance(fetched, _FromDisk):
                 fetched[1].done()
             if claim is None or job.take_over(claim):  # (else its waiter settles it again, as closed)
                 job.finish(len(eids), pipeline_closed())
@@ -414,11 +431,17 @@ class NativeDecoder:
 
     # -- chunks of arrays in stores: fetched, then decoded by the engine ---------------------------------
 
-    def _fetch(self, job: Job, ids: np.ndarray, kind: int, sources: "_SourceSet") -> None:
+    def _fetch(self, job: Job, ids: np.ndarray, kind: int, sources: "_SourceSet", disk: bool = True) -> None:
         """Fetch the stored chunks ``ids`` (of arrays in stores) through the Python path's fetches: per store,
         in groups of at most a quarter of its budget (a group at least one chunk), in chunk order; over a
         network, whole values in groups of at most FETCH_MAX_BYTES, before the ranges. Each finished fetch
-        goes to the engine in one call (:meth:`_fetched`). A step per store and per group."""
+        goes to the engine in one call (:meth:`_fetched`). A step per store and per group. With ``disk``,
+        those a disk cache holds at a known generation are first handed to the engine to read from there
+        (:meth:`_from_disk`)."""
+        if disk:
+            ids = self._from_disk(job, ids, kind, sources)
+            if not len(ids):
+                return
         plan = job.plan
         quarter = max(1, self._python.budget.capacity // 4)
         src = plan.chunk_source[ids]
@@ -447,6 +470,96 @@ class NativeDecoder:
                     for fetch in fetches_within(group_ids[start:stop], fetch_of, limit):
                         self._python.fetch(job, fetch, then)
                     start = stop
+
+    # -- chunks a disk cache holds: read by the engine from its entry files ------------------------------------
+
+    def _from_disk(self, job: Job, ids: np.ndarray, kind: int, sources: "_SourceSet") -> np.ndarray:
+        """Of the stored chunks ``ids`` (of arrays in stores), hand those whose store's disk cache holds them at a
+        generation known now (``entry_files``: no request) to the engine in one call, which reads each entry as a
+        local file, checks it (csrc/entries.c) and decodes it, with no Python per chunk; returns the rest, to
+        fetch. A chunk whose entry turns out missing or unsound is fetched then (:meth:`_finish_from_disk`).
+        A step per store."""
+        plan = job.plan
+        src = plan.chunk_source[ids]
+        # an entry is read whole into a thread's scratch: the array's chunks must fit the engine's budget so
+        room = np.array([getattr(s.kv, "entry_files", None) is not None
+                         and s.nbytes + _ALIGN + s.stored + ENTRY_ROOM <= self.budget_bytes for s in sources], bool)
+        if not room[src].any():
+            return ids
+        take, paths, idents, stores = [], [], [], []
+        for s in np.unique(src[room[src]]).tolist():
+            kv = sources[s].kv
+            mine = ids[src == s]
+            whole, ranged = mine[plan.chunk_offset[mine] < 0], mine[plan.chunk_offset[mine] >= 0]
+            keys = self._keys(plan, plan.chunk_file[whole], sources)
+            shards = self._keys(plan, plan.chunk_file[ranged], sources)
+            requests = list(map(ByteRange, shards, plan.chunk_offset[ranged].tolist(),
+                                plan.chunk_length[ranged].tolist()))
+            for cid, entry in zip(np.concatenate([whole, ranged]).tolist(), kv.entry_files(keys, requests)):
+                if entry is not None and len(entry[1]) <= native.ENTRY_IDENT_CAP:
+                    take.append(cid)
+                    paths.append(entry[0])
+                    idents.append(entry[1])
+                    stores.append(kv)
+        if not take:
+            return ids
+        eids = np.array(take, np.int64)
+        order = np.argsort(eids, kind="stable")  # chunk order, as every engine call takes them
+        eids = eids[order]
+        paths = [paths[k] for k in order.tolist()]
+        idents = [idents[k] for k in order.tolist()]
+        stores = [stores[k] for k in order.tolist()]
+        lens = np.array([[len(p), len(i)] for p, i in zip(paths, idents)], np.int64).reshape(-1, 2)
+        ends = np.cumsum(lens.reshape(-1))
+        rows = np.zeros((len(eids), native.N_ENTRY_COLS), np.int64)
+        rows[:, native.E_PATH_START] = (ends - lens.reshape(-1))[0::2]
+        rows[:, native.E_PATH_LEN] = lens[:, 0]
+        rows[:, native.E_IDENT_START] = (ends - lens.reshape(-1))[1::2]
+        rows[:, native.E_IDENT_LEN] = lens[:, 1]
+        blob = b"".join(b for pair in zip(paths, idents) for b in pair)
+        try:
+            if self._closing:
+                raise pipeline_closed()
+            bjob = gil.released(self.engine.submit, *self._tables(plan, job.out, kind, sources, eids, fetched=True),
+                                [None] * len(eids), rows, blob)
+        except BaseException as exc:  # noqa: BLE001 - closed meanwhile, or the engine refused the tables (a bug)
+            job.finish(len(eids), pipeline_closed() if self._closing else exc)
+            return np.setdiff1d(ids, eids)
+        job.on_cancel(bjob.cancel)
+        with self._cond:
+            if not self._closing:
+                self._pending.append((job, bjob, eids, _FromDisk(stores, kind, sources), None))
+                self._cond.notify_all()
+                return np.setdiff1d(ids, eids)
+        bjob.cancel()  # closed between the submission and here: nobody else would end it
+        job.finish(len(eids), pipeline_closed())
+        return np.setdiff1d(ids, eids)
+
+    def _finish_from_disk(self, job: Job, bjob, eids: np.ndarray, disk: "_FromDisk") -> None:
+        """A finished engine job of chunks read from disk-cache entries (:meth:`_from_disk`): those placed are
+        counted as the caches' hits; those whose entry was missing or unsound (ST_ENTRY), or that the engine
+        could not decode from it, are fetched from their stores (the entry read, checked and replaced there:
+        a corrupt one is never served); a cancelled or out-of-range one fails as any chunk does."""
+        status, detail, c = bjob.results()
+        self._account(c, fetched=False)
+        status = np.frombuffer(status, np.int32)
+        detail = np.frombuffer(detail, np.int64)
+        ok = status == native.ST_OK
+        served: dict[int, list] = {}
+        for k in np.flatnonzero(ok).tolist():
+            kv = disk.stores[k]
+            got = served.setdefault(id(kv), [kv, 0, 0])
+            got[1] += 1
+            got[2] += int(detail[k])
+        for kv, n, nbytes in served.values():
+            kv.served_from_disk(n, nbytes)
+        final = (status == native.ST_CANCELLED) | (status == native.ST_RANGE)
+        again = eids[~ok & ~final]
+        if len(again):  # fetched as if never cached (a counted miss there, and a new entry written)
+            self._fetch(job, again, disk.kind, disk.sources, disk=False)
+        for cid, st, d in zip(eids[final].tolist(), status[final].tolist(), detail[final].tolist()):
+            job.finish(1, self._outcome(job, cid, st, d, True)[0])
+        self._finish_placed(job, int(ok.sum()), c, fetched=False)
 
     def _fetch_of(self, plan: TablePlan, kv, ids: np.ndarray, sources: "_SourceSet", stored: np.ndarray) -> Fetch:
         """One fetch of ``ids``: their whole values, then their ranges (inner chunks), then the blocks some
@@ -616,7 +729,11 @@ class NativeDecoder:
                 continue
             all_placed = False
             try:
-                all_placed = self._finish(job, bjob, eids, fetched and fetched[0])
+                if isinstance(fetched, _FromDisk):
+                    self._finish_from_disk(job, bjob, eids, fetched)
+                    fetched = None
+                else:
+                    all_placed = self._finish(job, bjob, eids, fetched and fetched[0])
             except BaseException as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
                 job.finish(0, exc)
             finally:
@@ -747,7 +864,8 @@ class NativeDecoder:
             path = plan.path(cid)
             return StorageError(f"cannot read {path}: {os.strerror(detail)}", path=path), None
         if status in (native.ST_TOO_BIG, native.ST_NO_MEMORY, native.ST_FRAME, native.ST_MISSING,
-                      native.ST_PENDING) or native_codec(codec) != native.CODEC_ZSTD or not whole:
+                      native.ST_PENDING, native.ST_ENTRY) or native_codec(codec) != native.CODEC_ZSTD or not whole:
+            # (ST_ENTRY: only chunks read from disk-cache entries get it, and _finish_from_disk fetches those)
             # larger than any stored chunk of this codec (the Python path refuses it unread); blosc, lz4, zlib
             # and gzip: any chunk the engine declined or could not decode; any failure of an inner chunk of a
             # shard. The Python path reads it again and decides (and words the error) as it always does.

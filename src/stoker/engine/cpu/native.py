@@ -198,9 +198,12 @@ local_file_system = None
 #: twice per 64 files rather than per system call, each file read touched (the disk cache's hits; see
 #: storage/diskcache.py), or None without the engine
 read_files = None
+#: ``crc32c(data, value=0) -> int`` (csrc/entries.c): the checksum with which the engine checks disk-cache entries
+#: it reads itself (the crc32c package's), or None without the engine
+crc32c = None
 if Engine is not None:
-    from ..._native import (chunk_rows, copy_rows, gather_entries, local_file_system,  # noqa: F401 (native.*)
-                           plan_crops, plan_grid, read_files, shard_positions)
+    from ..._native import (chunk_rows, copy_rows, crc32c, gather_entries,  # noqa: F401 (native.*)
+                           local_file_system, plan_crops, plan_grid, read_files, shard_positions)
 #: ``stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads)`` and
 #: ``blosc_streams(buf, chunks, fault) -> (streams, blocks)`` (csrc/staging.c): the GPU decode's reads of a wave
 #: into its staging on threads of their own, the GIL released once, and its blosc1 frames parsed

@@ -141,6 +141,7 @@ def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> 
             nbytes += length
     n = 0
     for kv, keys, ranges in asks.values():
+        nbytes -= _on_disk(kv, keys, ranges)
         asked = kv.ask(list(keys), list(keys.values()), [ByteRange(*r) for r in ranges], seq, pushed, mark)
         n += len(keys) + len(ranges) - asked.shared
         nbytes -= asked.shared_bytes
@@ -193,6 +194,27 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
             except Exception:  # noqa: BLE001 - the store closed: the batches' own reads say so
                 pass
     return n
+
+
+
+
+def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> int:
+    """Drop from ``keys`` and ``ranges`` what ``kv``'s disk cache holds at a generation known now (its
+    ``entry_files``): a local read, with no latency to hide, which the compiled engine makes itself
+    (engine/cpu/decode_native.py); returns their bytes."""
+    entry_files = getattr(kv, "entry_files", None)
+    if entry_files is None or not (keys or ranges):
+        return 0
+    found = entry_files(list(keys), [ByteRange(*r) for r in ranges])
+    dropped = 0
+    for key, entry in zip(list(keys), found):
+        if entry is not None:
+            dropped += keys.pop(key)
+    for r, entry in zip(list(ranges), found[len(found) - len(ranges):]):
+        if entry is not None:
+            del ranges[r]
+            dropped += r[2]
+    return dropped
 
 
 __all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "prefetch_plan", "revalidate_ahead"]

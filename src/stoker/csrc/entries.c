@@ -1,0 +1,201 @@
+/* Disk-cache entries read by the workers as local files: a cache hit costs an open, an fstat, one pread into the
+ * thread's scratch, a checksum and a close, then the chunk decodes from the scratch as a fetched one does from
+ * its buffer. The layout is storage/diskcache.py's (ENTRY_HEADER_BYTES in the header); every field is checked
+ * against the file's size and the caller's bounds before it is used, and the payload against its crc32c, so a
+ * short, truncated, rewritten or corrupt entry is never decoded: ST_ENTRY, and the Python side fetches the
+ * chunk from its store again (as it does for an entry its own reads find bad).
+ *
+ * crc32c: SSE4.2's crc32 instruction where the CPU has it (three streams at once: the instruction's latency is
+ * three cycles, one at a time reads a third as fast), else a table a byte at a time. Both give what the crc32c
+ * package gives, which wrote the entry's checksum.
+ */
+#include "stoker_native.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define POLY 0x82F63B78u /* crc32c, reflected */
+
+static uint32_t table[256];
+static pthread_once_t table_once = PTHREAD_ONCE_INIT;
+
+static void make_table(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? (c >> 1) ^ POLY : c >> 1;
+        table[n] = c;
+    }
+}
+
+static uint32_t crc_soft(uint32_t crc, const unsigned char *p, size_t n) {
+    while (n--)
+        crc = table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
+    return crc;
+}
+
+/* a(x) * b(x) modulo the polynomial (both reflected), for joining the streams' checksums */
+static uint32_t multmodp(uint32_t a, uint32_t b) {
+    uint32_t m = 1u << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0)
+                break;
+        }
+        m >>= 1;
+        b = b & 1 ? (b >> 1) ^ POLY : b >> 1;
+    }
+    return p;
+}
+
+/* x^(8 n) modulo the polynomial: what appending n zero bytes multiplies a crc by */
+static uint32_t zeros_op(size_t n) {
+    uint32_t p = 1u << 31, x = 1u << 30; /* p: x^0; x: x^1, squared on */
+    unsigned long long bits = (unsigned long long)n * 8;
+    while (bits) {
+        if (bits & 1)
+            p = multmodp(x, p);
+        x = multmodp(x, x);
+        bits >>= 1;
+    }
+    return p;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <nmmintrin.h>
+#define HAVE_HW 1
+/* the three streams' length: long enough that joining them (a multiplication each) costs nothing */
+#define STREAM 8192
+
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
+    static uint32_t shift; /* zeros_op(STREAM), set once (the same value by any thread that races to set it) */
+    uint32_t op = __atomic_load_n(&shift, __ATOMIC_RELAXED);
+    if (op == 0) {
+        op = zeros_op(STREAM);
+        __atomic_store_n(&shift, op, __ATOMIC_RELAXED);
+    }
+    while (n >= 3 * STREAM) {
+        uint64_t c0 = crc, c1 = 0, c2 = 0;
+        for (size_t k = 0; k < STREAM; k += 8) {
+            uint64_t v0, v1, v2;
+            memcpy(&v0, p + k, 8);
+            memcpy(&v1, p + STREAM + k, 8);
+            memcpy(&v2, p + 2 * STREAM + k, 8);
+            c0 = _mm_crc32_u64(c0, v0);
+            c1 = _mm_crc32_u64(c1, v1);
+            c2 = _mm_crc32_u64(c2, v2);
+        }
+        /* crc of A.B = shift(crc of A) ^ crc of B started at 0 (raw register values, no final inversion) */
+        crc = multmodp(op, multmodp(op, (uint32_t)c0) ^ (uint32_t)c1) ^ (uint32_t)c2;
+        p += 3 * STREAM;
+        n -= 3 * STREAM;
+    }
+    uint64_t c = crc;
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = _mm_crc32_u64(c, v);
+        p += 8;
+        n -= 8;
+    }
+    crc = (uint32_t)c;
+    while (n--)
+        crc = _mm_crc32_u8(crc, *p++);
+    return crc;
+}
+#endif
+
+uint32_t crc32c_of(uint32_t crc, const void *data, size_t n) {
+    uint32_t c = ~crc;
+#ifdef HAVE_HW
+    static int hw = -1;
+    int has = __atomic_load_n(&hw, __ATOMIC_RELAXED);
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+        __atomic_store_n(&hw, has, __ATOMIC_RELAXED);
+    }
+    if (has)
+        return ~crc_hw(c, data, n);
+#endif
+    pthread_once(&table_once, make_table);
+    return ~crc_soft(c, data, n);
+}
+
+static unsigned long long le(const unsigned char *p, int n) {
+    unsigned long long v = 0;
+    for (int k = n - 1; k >= 0; k--)
+        v = v << 8 | p[k];
+    return v;
+}
+
+static int entry_fails(chunk_io *job, int why) {
+    job->status = ST_ENTRY;
+    job->detail = why;
+    return -1;
+}
+
+int read_entry(chunk_io *job, const char *path, const char *ident, size_t ident_len, char *buf, size_t max_stored,
+               const char **payload, size_t *payload_len) {
+    long long t0 = now_ns();
+    int bad = -1;
+    /* O_NONBLOCK: a FIFO planted at an entry's name must not hang the open (it is no regular file) */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+        bad = entry_fails(job, errno == ENOENT || errno == ENOTDIR ? ENTRY_GONE : ENTRY_UNREADABLE);
+        goto out;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        bad = entry_fails(job, ENTRY_UNREADABLE);
+        goto out;
+    }
+    size_t head = ENTRY_HEADER_BYTES + ident_len;
+    /* the file's size bounds every read: at least the header and ident, at most they and max_stored more */
+    if (st.st_size < 0 || (unsigned long long)st.st_size < head ||
+        (unsigned long long)st.st_size - head > max_stored) {
+        bad = entry_fails(job, ENTRY_SIZE);
+        goto out;
+    }
+    size_t size = (size_t)st.st_size, done = 0;
+    while (done < size) {
+        ssize_t got = pread(fd, buf + done, size - done, (off_t)done);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            break;
+        done += (size_t)got;
+    }
+    job->nread += (long long)done;
+    if (done != size) { /* shorter than fstat said: truncated meanwhile */
+        bad = entry_fails(job, ENTRY_SIZE);
+        goto out;
+    }
+    const unsigned char *h = (const unsigned char *)buf;
+    if (memcmp(h, "STKC1\n", 6) != 0 || le(h + 12, 4) != ident_len || le(h + 16, 8) != size - head) {
+        bad = entry_fails(job, ENTRY_LAYOUT);
+        goto out;
+    }
+    if (ident_len && memcmp(buf + ENTRY_HEADER_BYTES, ident, ident_len) != 0) { /* a hash collision's entry */
+        bad = entry_fails(job, ENTRY_OTHER_IDENT);
+        goto out;
+    }
+    if (crc32c_of(0, buf + ENTRY_HEADER_BYTES, size - ENTRY_HEADER_BYTES) != (uint32_t)le(h + 8, 4)) {
+        bad = entry_fails(job, ENTRY_CHECKSUM);
+        goto out;
+    }
+    (void)futimens(fd, NULL); /* the LRU clock: a hit is a use (a read-only folder: still a hit) */
+    *payload = buf + head;
+    *payload_len = size - head;
+    bad = 0;
+out:
+    if (fd >= 0)
+        close(fd);
+    job->read_ns += now_ns() - t0;
+    return bad;
+}

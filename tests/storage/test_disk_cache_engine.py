@@ -1,0 +1,240 @@
+"""A pipeline's disk-cache hits read by the compiled engine (csrc/entries.c), as local files are: against moto's
+S3 server and the loopback HTTP server, once a pipeline knows an object's generation its cached chunks (whole
+values, and ranges of shards) are read, checked and decoded on the engine's threads, never in Python; an entry
+with a flipped payload bit, a truncated one and one evicted (unlinked) between planning and reading are never
+served: each is fetched again, and every read equals zarr-python's."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.codecs import ZstdCodec
+
+import stoker
+from stoker.engine.cpu import native
+from stoker.storage.diskcache import DiskCache, disk_cache
+
+from range_server import RangeServer
+from store_fixtures import BUCKET, empty_s3_fixture, read_tree, written_tree_fixture, zarr_values
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(native.Engine is None or not native.zstd, reason="no compiled engine")]
+
+SHAPE = (64, 48)
+FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+#: one array read as whole chunk values, one as ranges of shards
+ARRAYS = {"plain": dict(chunks=(16, 16), dtype="int32", compressors=ZstdCodec(level=1)),
+          "sharded": dict(chunks=(8, 8), shards=(32, 24), dtype="uint16", compressors=ZstdCodec(level=1))}
+BOXES = [[(0, 20), (0, 20)], [(3, 23), (5, 25)], [(40, 60), (20, 40)], [(30, 50), (28, 48)], [(44, 64), (0, 20)]]
+
+
+def _write(root: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for path, spec in ARRAYS.items():
+        arr = zarr.create_array(os.path.join(root, path), shape=SHAPE, overwrite=True, **spec)
+        arr[...] = rng.integers(0, 5000, size=SHAPE).astype(spec["dtype"])
+
+
+s3 = empty_s3_fixture()
+data = written_tree_fixture(_write)
+
+
+@pytest.fixture(params=["s3", "http"])
+def remote(request, s3, data):
+    """``(uri of the root, storage_options of the Config, the HTTP server or None)``."""
+    if request.param == "s3":
+        prefix = f"engine-{uuid.uuid4().hex[:8]}"
+        s3.upload(read_tree(data), prefix)
+        yield f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}, None
+        return
+    server = RangeServer(data)
+    yield server.url, {server.url + "/": dict(FAST)}, server
+    server.stop()
+
+
+class _Reads:
+    """Counts the entries read in Python (DiskCache.get_many, the real one, still called) and the entries handed
+    to the engine (DiskCache.entry_file)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.python = self.engine = 0
+        get_many, entry_file = DiskCache.get_many, DiskCache.entry_file
+
+        def counted_get_many(cache, idents, read_files=None):
+            self.python += sum(1 for i in idents if not i.endswith("\nkept"))
+            return get_many(cache, idents, read_files)
+
+        def counted_entry_file(cache, ident):
+            self.engine += 1
+            return entry_file(cache, ident)
+
+        monkeypatch.setattr(DiskCache, "get_many", counted_get_many)
+        monkeypatch.setattr(DiskCache, "entry_file", counted_entry_file)
+
+
+def _config(options: dict, folder) -> stoker.Config:
+    # no prefetch: each batch is planned after the one before it is made, so what it knows is what they learnt
+    return stoker.Config(batch_size=len(BOXES), dtype="native", n_compute_threads=2, pop_timeout_s=60,
+                         storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0)
+
+
+def _batch(p, uri: str, data: str, path: str) -> None:
+    """Push the crops of ``path``, pop them, and check each against zarr-python's values."""
+    p.push([stoker.Sample(f"{uri}/{path}", box) for box in BOXES])
+    with p.pop() as b:
+        got = [t.numpy().copy() for t in torch.from_dlpack(b)]
+    want = zarr_values(data, path)
+    for crop, box in zip(got, BOXES):
+        np.testing.assert_array_equal(crop, want[tuple(slice(*s) for s in box)])
+
+
+def _entries(folder) -> list[str]:
+    """The cache's entry files (markers included: they hold no payload)."""
+    return [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names if n != ".index"]
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_hits_of_known_generations_are_read_by_the_engine(remote, data, tmp_path, monkeypatch, path):
+    uri, options, server = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)  # the process's one for the folder: the pipelines' too
+    with stoker.Pipeline(_config(options, folder)) as p:  # epoch 1: fetched, kept
+        _batch(p, uri, data, path)
+    assert cache.flush(30)
+    reads = _Reads(monkeypatch)
+    with stoker.Pipeline(_config(options, folder)) as p:  # epoch 2, a new pipeline
+        _batch(p, uri, data, path)  # its first batch revalidates (HEAD) and reads the hits in Python
+        first = reads.python
+        assert first > 0
+        hits, hit_bytes = cache.hits, cache.hit_bytes
+        asked = server.requests if server else None
+        _batch(p, uri, data, path)  # generations known now: the engine reads every entry itself
+        assert reads.python == first, "a hit of a known generation was read in Python"
+        assert reads.engine > 0
+        assert cache.hits > hits and cache.hit_bytes > hit_bytes  # counted as the cache's hits
+        if server is not None:
+            assert server.requests == asked  # no request at all: no refetch, no revalidation
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "unlink"])
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_an_unsound_entry_read_by_the_engine_is_fetched_again(remote, data, tmp_path, monkeypatch, damage, path):
+    # the pipeline learns every generation from its first batch's answers; the entries are then damaged (or
+    # evicted) before the second batch is planned and read: the engine reads none of them as sound, and
+    # each chunk is fetched again (a corrupt entry removed and written anew), with zarr-python's values
+    uri, options, server = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    reads = _Reads(monkeypatch)
+    with stoker.Pipeline(_config(options, folder)) as p:
+        _batch(p, uri, data, path)
+        assert cache.flush(30)
+        entries = [e for e in _entries(folder) if os.path.getsize(e) > 200]  # not the empty markers
+        assert entries
+        for entry in entries:
+            if damage == "unlink":
+                os.unlink(entry)
+                continue
+            with open(entry, "r+b") as f:
+                if damage == "truncate":
+                    f.truncate(os.path.getsize(entry) - 3)
+                else:  # one bit of the payload's last byte
+                    f.seek(-1, os.SEEK_END)
+                    last = f.read(1)
+                    f.seek(-1, os.SEEK_END)
+                    f.write(bytes([last[0] ^ 0x10]))
+        engine, corrupt, misses = reads.engine, cache.corrupt, cache.misses
+        asked = server.requests if server else None
+        _batch(p, uri, data, path)
+        assert reads.engine > engine  # handed to the engine, which found them unsound
+        assert cache.misses > misses  # then fetched from the store
+        if damage != "unlink":
+            assert cache.corrupt > corrupt  # found corrupt again in Python, removed, and written anew
+        if server is not None:
+            assert server.requests > asked
+        assert cache.flush(30)
+        hits = cache.hits
+        _batch(p, uri, data, path)  # the entries written anew are sound: served from disk again
+        assert cache.hits > hits
+
+
+def test_an_entry_queued_for_writing_is_not_handed_to_the_engine(tmp_path):
+    # put queues the write; while the writer waits (another holder of the folder's lock), the entry is not
+    # on disk, so entry_file says None and the chunk is fetched as before, not read by the engine as missing
+    # and then fetched (and queued) once more
+    cache = DiskCache(str(tmp_path / "c"), 64 << 20)
+    assert cache.write("first", b"a" * 100)  # the folder and its lock file made
+    import fcntl
+
+    lock = os.open(tmp_path / "c" / "v1" / ".index", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        cache.put("second", b"b" * 5000)
+        assert cache.entry_file("second") is None
+        assert cache.entry_file("first") == (os.fsencode(cache.path("first")), b"first")
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        os.close(lock)
+    assert cache.flush(30)
+    assert cache.entry_file("second") == (os.fsencode(cache.path("second")), b"second")
+
+
+def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(data, tmp_path):
+    # a value prefetched (its bytes read from disk into the buffer, or its request in flight) is served from
+    # the buffer: entry_files says None for it, so the engine does not read its entry a second time
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.objectstore import ObjectStore
+    from stoker.storage.prefetch import PrefetchBuffer, PrefetchStore
+    from stoker.storage.store import ByteRange
+
+    server = RangeServer(data)
+    try:
+        cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
+        store = ObjectStore(server.url, **FAST)
+        kv = CachingStore(store, cache)
+        keys = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[:3]
+        ranges = [ByteRange("sharded/c/0/0", 0, 16)]
+        kv.get_many(keys, ranges)  # fetched: generations known, entries written
+        assert cache.flush(30)
+        assert all(e is not None for e in kv.entry_files(keys, ranges))
+        buffer = PrefetchBuffer(64 << 20, 16)
+        pkv = PrefetchStore(kv, buffer)
+        assert pkv.ask(keys[:1], [1 << 20], ranges, seq=1).started == 2
+        found = pkv.entry_files(keys, ranges)
+        assert found[0] is None and found[3] is None  # held by the buffer
+        assert found[1:3] == kv.entry_files(keys[1:3], [])  # the rest: read from disk by the engine
+        assert PrefetchStore(store, buffer).entry_files is None  # no disk cache: nothing to read from disk
+        buffer.close()
+        store.close()
+    finally:
+        server.stop()
+
+
+def test_a_range_of_a_whole_value_read_in_the_same_call_is_cut_from_it(data, tmp_path, monkeypatch):
+    # one call asking an object's whole value and a range of it (kept whole only): the value is read from
+    # disk once, and the range cut from it, equal to the object's bytes
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.objectstore import ObjectStore
+    from stoker.storage.store import ByteRange
+
+    server = RangeServer(data)
+    try:
+        cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
+        store = ObjectStore(server.url, **FAST)
+        kv = CachingStore(store, cache)
+        key = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[0]
+        kv.get_many([key], [])
+        assert cache.flush(30)
+        reads = _Reads(monkeypatch)
+        values, parts = kv.get_many([key], [ByteRange(key, 3, 10)])
+        whole = read_tree(data)[key]
+        assert bytes(values[0]) == whole and bytes(parts[0]) == whole[3:13]
+        assert reads.python == 2  # the range's own entry (none), then the whole value once
+        store.close()
+    finally:
+        server.stop()
