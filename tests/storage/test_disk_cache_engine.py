@@ -108,9 +108,14 @@ def test_hits_of_known_generations_are_read_by_the_engine(remote, data, tmp_path
     assert cache.flush(30)
     reads = _Reads(monkeypatch)
     with stoker.Pipeline(_config(options, folder)) as p:  # epoch 2, a new pipeline
-        _batch(p, uri, data, path)  # its first batch revalidates (HEAD) and reads the hits in Python
+        _batch(p, uri, data, path)
         first = reads.python
-        assert first > 0
+        if server is None:  # S3 lists the array's prefix when it opens: the first batch's chunks (not the
+            assert reads.engine > 0  # shard indexes, which planning reads in Python) go to the engine already
+            if path == "plain":
+                assert first == 0
+        else:  # HTTP: the first batch revalidates (HEAD) and reads the hits in Python
+            assert first > 0
         hits, hit_bytes = cache.hits, cache.hit_bytes
         asked = server.requests if server else None
         _batch(p, uri, data, path)  # generations known now: the engine reads every entry itself
