@@ -14,11 +14,13 @@ from stoker.cli.args import byte_size
 from stoker.storage.diskcache import HEADER, disk_cache
 
 # stoker e1: cache folder peak 947.5 KiB <= cache_bytes 1.0 MiB + largest entry 96.3 KiB; 582 entries evicted;
-# running total read 130 times in 0.41 s (peak 947.5 KiB), 71 full scans (peak 947.5 KiB; 4 left out: ...
+# running total read 130 times in 0.41 s (peak 947.5 KiB), 71 full scans (peak 947.5 KiB; 4 left out: ...);
+# sampler CPU 38 ms, left out of the peer's; in allocated blocks (as du counts) peak 1.9 MiB OVER ...
 SIZE = r"(\d+\.\d) (KiB|MiB|GiB|TiB)"
 PEAK = (rf"^(EXCEEDED: )?stoker e(\d): cache folder peak {SIZE} (<=|>) cache_bytes {SIZE} \+ largest entry {SIZE}; "
         rf"(\d+) entries evicted; running total read (\d+) times in \d+\.\d\d s \(peak {SIZE}\), (\d+) full scans "
-        rf"\(peak {SIZE}; \d+ left out: an eviction ran during them\); sampler CPU \d+ ms, left out of the peer's$")
+        rf"\(peak {SIZE}; \d+ left out: an eviction ran during them\); sampler CPU \d+ ms, left out of the peer's; "
+        rf"in allocated blocks \(as du counts\) peak {SIZE}( OVER cache_bytes \+ largest entry \(.*\))?$")
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
@@ -102,12 +104,13 @@ def test_bench_epochs_under_a_small_cache_stay_within_the_bound(tmp_path, capsys
     lines = re.findall(PEAK, out, re.M)
     assert [found[1] for found in lines] == ["1", "2"], out
     for (exceeded, _, peak, peak_unit, sign, bound, bound_unit, largest, largest_unit, evicted, reads, total,
-         total_unit, scans, scan, scan_unit) in lines:
+         total_unit, scans, scan, scan_unit, blocks, blocks_unit, _over) in lines:
         cache_bytes = nbytes(bound, bound_unit)
         assert cache_bytes == 1 << 20 and not exceeded and sign == "<=", out
         assert 0.5 * cache_bytes < nbytes(peak, peak_unit) <= cache_bytes + nbytes(largest, largest_unit), out
         assert nbytes(largest, largest_unit) > 0 and int(evicted) > 0, out  # under eviction pressure
         assert int(reads) > 0 and int(scans) > 0 and nbytes(scan, scan_unit) > 0, out
+        assert nbytes(blocks, blocks_unit) >= nbytes(scan, scan_unit), out  # whole blocks, and the folders'
     # the rows give the hit rate under that pressure
     rates = re.findall(r"^stoker e\d .*disk cache: \d+\.\d\d MB/batch, hit rate (\d+\.\d)%$", out, re.M)
     assert len(rates) == 2 and all(float(r) < 100 for r in rates), out
@@ -121,3 +124,17 @@ def test_bench_epochs_default_cache_bound_is_reported(tmp_path, capsys):
     out = capsys.readouterr().out
     (found,) = re.findall(PEAK, out, re.M)
     assert found[5:7] == ("1.0", "TiB") and found[9] == "0" and nbytes(found[2], found[3]) > 1 << 20, out
+
+
+@pytest.mark.xfail(strict=True, reason="cache_bytes bounds the entries' bytes (DiskCache.size_on_disk), not the "
+                   "disk the folder takes: up to 256 subfolders of a block each, and every entry in whole blocks "
+                   "(an empty marker entry of ~100 bytes takes 4 KiB); storage/diskcache.py, not the bench's to fix")
+def test_cache_folder_in_allocated_blocks_stays_within_cache_bytes_plus_an_entry(tmp_path):
+    # many small entries, as CachingStore's markers (one per key with entries) are: their bytes fit the bound,
+    # the blocks they and their subfolders take do not
+    cache = disk_cache(str(tmp_path / "c"), 256 << 10)
+    with CachePeak(cache) as peak:
+        for i in range(1500):
+            cache.write(f"marker {i}", b"m" * 100)
+    assert peak.within  # the bound as the cache counts it holds
+    assert peak.blocks_within, (peak.blocks_peak, peak.scan_peak, peak.cache_bytes, peak.largest_bytes)

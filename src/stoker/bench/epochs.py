@@ -53,7 +53,9 @@ class CachePeak:
     the peak of the folder's running total (read every :data:`TOTAL_EVERY_S`: one ``pread`` of 8 bytes), and
     of the bytes of every file under the folder but that total's (full scans, as often as :data:`SCAN_SHARE` of a core allows,
     and one after the block: the truth the total is checked against), the largest file seen, the entries
-    evicted meanwhile, and the sampler's own CPU seconds (``cpu_s``, to leave out of the peer's).
+    evicted meanwhile, and the sampler's own CPU seconds (``cpu_s``, to leave out of the peer's). The scans also
+give the peak of the blocks the folder holds (``blocks_peak``: files and folders in whole blocks, as ``du``
+counts), which the bound (the entries' bytes, as ``DiskCache.size_on_disk`` counts them) does not cover.
 
     A scan is not atomic: one that an eviction overlapped may count an evicted entry beside a later one, bytes
     never on disk together, so a scan during which this process's cache evicted (``DiskCache.evicted``
@@ -68,7 +70,7 @@ class CachePeak:
     def __init__(self, cache: DiskCache, every_s: float = TOTAL_EVERY_S, scan_share: float = SCAN_SHARE) -> None:
         self.cache, self.every_s, self.scan_share = cache, every_s, scan_share
         self.cache_bytes = cache.cache_bytes
-        self.total_peak = self.scan_peak = self.largest_bytes = 0
+        self.total_peak = self.scan_peak = self.largest_bytes = self.blocks_peak = 0
         self.reads = self.scans = self.scans_dropped = 0
         self.cpu_s = self.wall_s = 0.0
         self._evicted0 = cache.evicted
@@ -84,6 +86,11 @@ class CachePeak:
     def evicted(self) -> int:
         """Entries this process's cache evicted while sampled."""
         return self.cache.evicted - self._evicted0
+
+    @property
+    def blocks_within(self) -> bool:
+        """Whether the folder's allocated blocks stayed within ``cache_bytes`` plus the largest entry."""
+        return self.blocks_peak <= self.cache_bytes + self.largest_bytes
 
     @property
     def within(self) -> bool:
@@ -130,7 +137,7 @@ class CachePeak:
 
     def _scan(self) -> None:
         evicted = self.cache.evicted
-        total = largest = 0
+        total = largest = blocks = 0
         stack = [str(self.cache.folder)]
         while stack:
             try:
@@ -140,12 +147,15 @@ class CachePeak:
             with listing:
                 for entry in listing:
                     try:
+                        st = entry.stat(follow_symlinks=False)
                         if entry.is_dir(follow_symlinks=False):
                             stack.append(entry.path)
+                            blocks += st.st_blocks * 512
                             continue
-                        size = entry.stat(follow_symlinks=False).st_size
+                        size = st.st_size
                     except OSError:  # evicted, or a temporary file renamed, since listed
                         continue
+                    blocks += st.st_blocks * 512  # what the disk gives it: whole blocks (4 KiB for a marker)
                     if entry.name != TOTAL_FILE:  # the accounting, not cached bytes (as DiskCache.size_on_disk)
                         total += size
                         largest = max(largest, size)
@@ -155,6 +165,7 @@ class CachePeak:
             return
         self.scans += 1
         self.scan_peak = max(self.scan_peak, total)
+        self.blocks_peak = max(self.blocks_peak, blocks)
 
 
 def kept_epochs(peer: str, epochs: int, fresh: Callable[[Any], Any], run: Callable[[Callable, Any, int], Any]
@@ -248,7 +259,11 @@ def cache_peak_line(peer: str, extra: dict) -> str | None:
             f"{_size(worst.largest_bytes)}{rounds}; {worst.evicted} entries evicted; running total read "
             f"{worst.reads} times in {worst.wall_s:.2f} s (peak {_size(worst.total_peak)}), {worst.scans} full scans "
             f"(peak {_size(worst.scan_peak)}; {worst.scans_dropped} left out: an eviction ran during them); "
-            f"sampler CPU {worst.cpu_s * 1e3:.0f} ms, left out of the peer's")
+            f"sampler CPU {worst.cpu_s * 1e3:.0f} ms, left out of the peer's; in allocated blocks (as du counts) "
+            f"peak {_size(max(p.blocks_peak for p in peaks))}"
+            + ("" if all(p.blocks_within for p in peaks) else
+               " OVER cache_bytes + largest entry (cache_bytes counts the entries' bytes: not the folders' blocks, "
+               "nor the rest of each small entry's last block)"))
 
 
 def hit_rate(extra: dict) -> float | None:
