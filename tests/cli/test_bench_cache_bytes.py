@@ -4,6 +4,7 @@ measured while each epoch runs against the bound (cache_bytes plus the largest e
 import argparse
 import os
 import re
+import tempfile
 import threading
 
 import pytest
@@ -93,9 +94,11 @@ def test_cache_peak_says_exceeded_for_bytes_past_the_bound(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_bench_epochs_under_a_small_cache_stay_within_the_bound(tmp_path, capsys):
+def test_bench_epochs_under_a_small_cache_stay_within_the_bound(tmp_path, capsys, monkeypatch):
     # a 1 MiB cache against ~17 MB an epoch of the tiny sharded scenario: every epoch evicts, and the folder's
     # peak, sampled while it runs, stays within cache_bytes plus the largest entry
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the bench makes its cache folders
+    (tmp_path / "tmp").mkdir()
     assert main(["bench", "--tiny", "--store", "http", "--latency-ms", "2", "--scenarios", "2", "--batches", "3",
                  "--slow-batches", "1", "--peers", "stoker", "--epochs", "2", "--cache-bytes", "1M",
                  "--data", str(tmp_path)]) == 0
@@ -114,6 +117,7 @@ def test_bench_epochs_under_a_small_cache_stay_within_the_bound(tmp_path, capsys
     # the rows give the hit rate under that pressure
     rates = re.findall(r"^stoker e\d .*disk cache: \d+\.\d\d MB/batch, hit rate (\d+\.\d)%$", out, re.M)
     assert len(rates) == 2 and all(float(r) < 100 for r in rates), out
+    assert os.listdir(tmp_path / "tmp") == [], out  # each round's cache folder removed after its last epoch
 
 
 @pytest.mark.timeout(300)

@@ -215,6 +215,8 @@ def epoch_peers(epochs: int, run: Callable, cache_bytes: int = CACHE_BYTES) -> d
             result.extra["cpu_s"] -= marks[-1][1] - marks[0][1]
         peaks[k].append(peak)
         result.extra["cache_peak"] = peaks[k]
+        if k == epochs:  # the round's last epoch: nothing reads the folder again (the next round makes its own)
+            shutil.rmtree(folder, ignore_errors=True)
         return result
 
     return kept_epochs("stoker", epochs, fresh, epoch)
