@@ -13,17 +13,24 @@
   epoch reads everything again, through the same obstore store.
 - ``stoker local`` reads the same crops from the local files the server serves: what a second epoch from
   the cache is measured against (:func:`second_epoch_line`).
+- Every stoker epoch runs with a :class:`CachePeak` sampling the cache folder's size (``--cache-bytes``
+  bounds it; the default :data:`CACHE_BYTES` holds any scenario's epoch): :func:`cache_peak_line` says
+  whether its peak stayed within ``cache_bytes`` plus the largest entry, and how many entries were evicted.
 
 >>> peers = epoch_peers(2, run)   # {"stoker e1": fn(mark), "stoker e2": fn(mark)}
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import struct
 import tempfile
+import threading
+import time
 from typing import Any, Callable
 
-from ..storage.diskcache import disk_cache
+from ..storage.diskcache import DiskCache, disk_cache
 
 #: The bound of the bench's cache: larger than any scenario reads, so an epoch fits.
 CACHE_BYTES = 1 << 40
@@ -31,6 +38,134 @@ CACHE_BYTES = 1 << 40
 TS_CACHE_POOL_BYTES = 8 << 30
 #: The peer whose epochs a second epoch from the cache is compared with.
 LOCAL = "stoker local"
+#: How often :class:`CachePeak` reads the folder's running total (seconds).
+TOTAL_EVERY_S = 0.002
+#: The share of one core :class:`CachePeak`'s full scans of the folder may take (a scan of a few thousand
+#: entries costs 10-20 ms of CPU on the 2-core machine: every few ms would take a core from the peers).
+SCAN_SHARE = 0.1
+#: The file in ``DiskCache.root`` holding the folder's running total (8 bytes, little-endian), which every
+#: write updates under the folder's lock before its entry appears (storage/diskcache.py's docstring).
+TOTAL_FILE = ".index"
+
+
+class CachePeak:
+    """A thread of the bench sampling a :class:`~stoker.storage.diskcache.DiskCache` folder while a block runs:
+    the peak of the folder's running total (read every :data:`TOTAL_EVERY_S`: one ``pread`` of 8 bytes), and
+    of the bytes of every file under the folder but that total's (full scans, as often as :data:`SCAN_SHARE` of a core allows,
+    and one after the block: the truth the total is checked against), the largest file seen, the entries
+    evicted meanwhile, and the sampler's own CPU seconds (``cpu_s``, to leave out of the peer's). The scans also
+give the peak of the blocks the folder holds (``blocks_peak``: files and folders in whole blocks, as ``du``
+counts), which the bound (the entries' bytes, as ``DiskCache.size_on_disk`` counts them) does not cover.
+
+    A scan is not atomic: one that an eviction overlapped may count an evicted entry beside a later one, bytes
+    never on disk together, so a scan during which this process's cache evicted (``DiskCache.evicted``
+    changed) is left out (``scans_dropped``); the bench's writes are all this process's.
+
+    >>> with CachePeak(disk_cache(folder, 64 << 20)) as peak:
+    ...     run_epoch()
+    >>> peak.peak_bytes <= peak.cache_bytes + peak.largest_bytes
+    True
+    """
+
+    def __init__(self, cache: DiskCache, every_s: float = TOTAL_EVERY_S, scan_share: float = SCAN_SHARE) -> None:
+        self.cache, self.every_s, self.scan_share = cache, every_s, scan_share
+        self.cache_bytes = cache.cache_bytes
+        self.total_peak = self.scan_peak = self.largest_bytes = self.blocks_peak = 0
+        self.reads = self.scans = self.scans_dropped = 0
+        self.cpu_s = self.wall_s = 0.0
+        self._evicted0 = cache.evicted
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stoker-bench-cachepeak", daemon=True)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The higher of the two peaks: what the folder held at most, as far as the samples saw."""
+        return max(self.total_peak, self.scan_peak)
+
+    @property
+    def evicted(self) -> int:
+        """Entries this process's cache evicted while sampled."""
+        return self.cache.evicted - self._evicted0
+
+    @property
+    def blocks_within(self) -> bool:
+        """Whether the folder's allocated blocks stayed within ``cache_bytes`` plus the largest entry."""
+        return self.blocks_peak <= self.cache_bytes + self.largest_bytes
+
+    @property
+    def within(self) -> bool:
+        """Whether the peak stayed within ``cache_bytes`` plus the largest entry (the issue's bound)."""
+        return self.peak_bytes <= self.cache_bytes + self.largest_bytes
+
+    def __enter__(self) -> "CachePeak":
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)  # a scan takes milliseconds; bounded all the same
+        self.wall_s = time.monotonic() - self._t0
+        self._read_total()  # the folder as the block left it (after the caller's flush: every entry written)
+        self._scan()
+
+    def _run(self) -> None:
+        next_scan = 0.0
+        while not self._stop.is_set():
+            c0 = time.thread_time()
+            self._read_total()
+            if time.monotonic() >= next_scan:
+                s0 = time.thread_time()
+                self._scan()
+                # the next scan after enough idle time that scans take at most scan_share of a core
+                next_scan = time.monotonic() + (time.thread_time() - s0) / self.scan_share
+            self.cpu_s += time.thread_time() - c0
+            self._stop.wait(self.every_s)
+
+    def _read_total(self) -> None:
+        try:  # absent until the folder's first write
+            fd = os.open(self.cache.root / TOTAL_FILE, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
+        try:
+            raw = os.pread(fd, 8, 0)
+        finally:
+            os.close(fd)
+        self.reads += 1
+        if len(raw) == 8:
+            self.total_peak = max(self.total_peak, struct.unpack("<Q", raw)[0])
+
+    def _scan(self) -> None:
+        evicted = self.cache.evicted
+        total = largest = blocks = 0
+        stack = [str(self.cache.folder)]
+        while stack:
+            try:
+                listing = os.scandir(stack.pop())
+            except OSError:
+                continue
+            with listing:
+                for entry in listing:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+                            blocks += st.st_blocks * 512
+                            continue
+                        size = st.st_size
+                    except OSError:  # evicted, or a temporary file renamed, since listed
+                        continue
+                    blocks += st.st_blocks * 512  # what the disk gives it: whole blocks (4 KiB for a marker)
+                    if entry.name != TOTAL_FILE:  # the accounting, not cached bytes (as DiskCache.size_on_disk)
+                        total += size
+                        largest = max(largest, size)
+        self.largest_bytes = max(self.largest_bytes, largest)
+        if self.cache.evicted != evicted:
+            self.scans_dropped += 1
+            return
+        self.scans += 1
+        self.scan_peak = max(self.scan_peak, total)
+        self.blocks_peak = max(self.blocks_peak, blocks)
 
 
 def kept_epochs(peer: str, epochs: int, fresh: Callable[[Any], Any], run: Callable[[Callable, Any, int], Any]
@@ -49,27 +184,39 @@ def kept_epochs(peer: str, epochs: int, fresh: Callable[[Any], Any], run: Callab
     return {f"{peer} e{k}": (lambda mark, k=k: epoch(k, mark)) for k in range(1, epochs + 1)}
 
 
-def epoch_peers(epochs: int, run: Callable) -> dict[str, Callable]:
+def epoch_peers(epochs: int, run: Callable, cache_bytes: int = CACHE_BYTES) -> dict[str, Callable]:
     """stoker's epochs through a disk cache: ``run(mark, cache_dir)`` runs the stoker peer with the cache at
-    ``cache_dir``. The first epoch makes a new empty folder (removing the previous round's)."""
+    ``cache_dir`` (bounded by ``cache_bytes``). The first epoch makes a new empty folder (removing the previous
+    round's). Each epoch's result gets ``extra["cache_peak"]``: the :class:`CachePeak` of every round's same
+    epoch (a list shared by them, so the median round's row tells of the worst)."""
 
     def fresh(folder: str | None) -> str:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
         return tempfile.mkdtemp(prefix="stoker-bench-cache-")
 
+    peaks: dict[int, list[CachePeak]] = {k: [] for k in range(1, epochs + 1)}
+
     def epoch(mark: Callable, folder: str, k: int):
-        cache = disk_cache(folder, CACHE_BYTES)
+        cache = disk_cache(folder, cache_bytes)  # the pipeline's own (one per folder, bound and process)
         cache.flush(600)  # the previous epoch's entries written before this one starts
-        marks: list[int] = []
+        marks: list[tuple[int, float]] = []
 
         def marked() -> None:  # the clock starts or stops: the disk's bytes so far, then the server's
-            marks.append(cache.hit_bytes)
+            marks.append((cache.hit_bytes, peak.cpu_s))
             mark()
 
-        result = run(marked, folder)
+        with CachePeak(cache) as peak:
+            result = run(marked, folder)
+            cache.flush(600)  # this epoch's entries on disk while sampled
         batches = max(1, result.extra["batches"])  # timed batches (not samples)
-        result.extra["disk_bytes_per_batch"] = (marks[-1] - marks[0]) / batches if marks else 0.0
+        result.extra["disk_bytes_per_batch"] = (marks[-1][0] - marks[0][0]) / batches if marks else 0.0
+        if marks and "cpu_s" in result.extra:  # the sampler's CPU is the bench's, not the pipeline's
+            result.extra["cpu_s"] -= marks[-1][1] - marks[0][1]
+        peaks[k].append(peak)
+        result.extra["cache_peak"] = peaks[k]
+        if k == epochs:  # the round's last epoch: nothing reads the folder again (the next round makes its own)
+            shutil.rmtree(folder, ignore_errors=True)
         return result
 
     return kept_epochs("stoker", epochs, fresh, epoch)
@@ -90,6 +237,35 @@ def tensorstore_epoch_peers(epochs: int, run: Callable) -> dict[str, Callable]:
 def zarr_epoch_peers(epochs: int, run: Callable) -> dict[str, Callable]:
     """zarr-python's epochs: ``run(mark)`` each time (nothing is kept between them)."""
     return kept_epochs("zarr", epochs, lambda _previous: None, lambda mark, _kept, k: run(mark))
+
+
+def _size(n: float) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
+
+
+def cache_peak_line(peer: str, extra: dict) -> str | None:
+    """A stoker epoch's cache folder against its bound (the worst of its rounds), or None without one:
+    ``stoker e2: cache folder peak 63.8 MiB <= cache_bytes 64.0 MiB + largest entry 2.1 MiB ...``, or a line
+    starting ``EXCEEDED``."""
+    peaks = extra.get("cache_peak")
+    if not peaks:
+        return None
+    worst = max(peaks, key=lambda p: p.peak_bytes - p.cache_bytes - p.largest_bytes)
+    within = all(p.within for p in peaks)
+    rounds = f" (worst of {len(peaks)} rounds)" if len(peaks) > 1 else ""
+    return (f"{'' if within else 'EXCEEDED: '}{peer}: cache folder peak {_size(worst.peak_bytes)} "
+            f"{'<=' if within else '>'} cache_bytes {_size(worst.cache_bytes)} + largest entry "
+            f"{_size(worst.largest_bytes)}{rounds}; {worst.evicted} entries evicted; running total read "
+            f"{worst.reads} times in {worst.wall_s:.2f} s (peak {_size(worst.total_peak)}), {worst.scans} full scans "
+            f"(peak {_size(worst.scan_peak)}; {worst.scans_dropped} left out: an eviction ran during them); "
+            f"sampler CPU {worst.cpu_s * 1e3:.0f} ms, left out of the peer's; in allocated blocks (as du counts) "
+            f"peak {_size(max(p.blocks_peak for p in peaks))}"
+            + ("" if all(p.blocks_within for p in peaks) else
+               " OVER cache_bytes + largest entry (cache_bytes counts the entries' bytes: not the folders' blocks, "
+               "nor the rest of each small entry's last block)"))
 
 
 def hit_rate(extra: dict) -> float | None:

@@ -42,7 +42,7 @@ from ..engine.pipeline.facade import Pipeline
 from ..sampling.sample import Sample
 from ..zarr.grid import chunk_intersections
 from .datasets import VolumeSpec, compression_ratio, ensure, warm_page_cache
-from .epochs import (CACHE_BYTES, LOCAL, epoch_peers, epochs_note, hit_rate, second_epoch_line,
+from .epochs import (CACHE_BYTES, LOCAL, cache_peak_line, epoch_peers, epochs_note, hit_rate, second_epoch_line,
                      tensorstore_epoch_peers, zarr_epoch_peers)
 from .remote import Remote, ZarrOpener
 from ..dist.telemetry import host_rss_bytes as rss_bytes
@@ -259,13 +259,14 @@ def time_pipeline(p: Pipeline, samples: list[Sample], batch_size: int, consume=l
 
 def stoker_config(batch_size: int, host_buffer_bytes: int, dtype: str = "f32", device: str = "cpu",
                   threads: int | None = None, storage_options: dict | None = None,
-                  cache_dir: str | None = None) -> Config:
+                  cache_dir: str | None = None, cache_bytes: int = CACHE_BYTES) -> Config:
     """The pipeline every stoker peer runs (``device="cpu"`` also on a GPU machine unless asked); compute
-    threads: the default (this rank's share of the CPUs) unless ``threads`` says."""
+    threads: the default (this rank's share of the CPUs) unless ``threads`` says; a disk cache at
+    ``cache_dir`` (None: none) bounded by ``cache_bytes``."""
     return Config(batch_size=batch_size, dtype=dtype, host_buffer_bytes=host_buffer_bytes, device_buffer_bytes=2 << 30,
                   n_io_threads=2, lookahead_batches=LOOKAHEAD, device=device, n_compute_threads=threads,
                   storage_options=storage_options, cache_dir=cache_dir,
-                  cache_bytes=None if cache_dir is None else CACHE_BYTES)
+                  cache_bytes=None if cache_dir is None else cache_bytes)
 
 
 class PipelineCollections:
@@ -294,7 +295,7 @@ class PipelineCollections:
 
 def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int,
                threads: int | None = None, step_s: float = 0.0, storage_options: dict | None = None,
-               mark=lambda: None, cache_dir: str | None = None) -> Result:
+               mark=lambda: None, cache_dir: str | None = None, cache_bytes: int = CACHE_BYTES) -> Result:
     """The stoker peer; ``threads`` compute threads (a peer of a thread sweep, named ``stoker t=N``) or the
     default. ``cpu_s``: the process's CPU time while timed, less the consumer's steps; ``gc_s``: the
     pipeline threads' garbage collections while timed. ``mark`` runs as the clock starts and stops."""
@@ -306,7 +307,7 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
 
     consume = Consumer(step_s)
     config = stoker_config(batch_size, host_buffer_bytes, threads=threads, storage_options=storage_options,
-                           cache_dir=cache_dir)
+                           cache_dir=cache_dir, cache_bytes=cache_bytes)
     with RssSampler() as rss, PipelineCollections() as collections, Pipeline(config) as p:
         n, seconds, first = time_pipeline(p, samples, batch_size, consume=consume, sync=sync)
         stats = p.stats()
@@ -662,7 +663,8 @@ def auto_step(samples: list[Sample], batch_size: int, itemsize: int, rounds: int
 def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host_buffer_bytes: int,
                  slow_batches: int, peers: set[str], growth: bool = False, rounds: int = 1,
                  threads: tuple[int, ...] = (), step_ms: float | str | None = None,
-                 remote: Remote | None = None, counters=None, epochs: int = 0) -> tuple[list[Result], Step | None]:
+                 remote: Remote | None = None, counters=None, epochs: int = 0,
+                 cache_bytes: int = CACHE_BYTES) -> tuple[list[Result], Step | None]:
     """Every peer in ``peers`` on the scenario's crops, in interleaved rounds; ``threads``: a stoker peer
     per compute-thread count besides the default one (a thread sweep, for machines of many cores).
     ``step_ms``: a busy consumer (milliseconds of Python after each batch, or ``"auto"``); the decode
@@ -671,7 +673,7 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
     ``remote``: every peer reads the arrays through the bench server (``--store``), and ``counters()``
     (the server's ``(requests, bytes)``) gives each peer's requests and bytes per timed batch; the
     decode bound and stoker's fresh-process memory runs are left out. ``epochs``: with ``remote``, also
-    stoker through a local disk cache, a peer per epoch (:mod:`stoker.bench.epochs`)."""
+    stoker through a local disk cache bounded by ``cache_bytes``, a peer per epoch (:mod:`stoker.bench.epochs`)."""
     paths = ensure(root, sc.volume)
     warm_page_cache(paths)
     in_flight, dl_timed = dataloader_batches(slow_batches)
@@ -713,7 +715,7 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
                                                        step_s=step_s, mark=m), LOCAL)
             every.update(epoch_peers(epochs, lambda m, folder: run_stoker(
                 samples, batch_size, itemsize, host_buffer_bytes, step_s=step_s, storage_options=options, mark=m,
-                cache_dir=folder)))
+                cache_dir=folder, cache_bytes=cache_bytes), cache_bytes))
         if "tensorstore" in peers:
             every.update(tensorstore_epoch_peers(epochs, lambda m, context: run_tensorstore(
                 samples, batch_size, itemsize, step_s, kvstore, m, context)))
@@ -787,6 +789,7 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
     second = second_epoch_line(by)
     if second:
         lines.append(second)
+    lines += [line for line in (cache_peak_line(r.peer, r.extra) for r in results) if line]
     if st:
         stats = st.extra["stats"]
         bound = by.get("decode bound")

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any, Callable
+
+#: The suffixes :func:`byte_size` takes: powers of 1024.
+SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def at_least_one(what: str) -> Callable[[str], int]:
@@ -23,6 +27,21 @@ def at_least_one(what: str) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def byte_size(text: str) -> int:
+    """An argparse ``type`` taking a size in bytes of at least 1: a whole number, optionally followed by K, M,
+    G or T (powers of 1024; ``KiB``... read the same; ``MB`` is refused: 10**6 or 2**20 would be a guess).
+
+    >>> byte_size("64M")
+    67108864
+    """
+    found = re.fullmatch(r"(\d+)(?:([KMGT])(?:iB)?)?", text.strip(), re.IGNORECASE)
+    value = int(found[1]) * SIZE_SUFFIXES[(found[2] or "").upper()] if found else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a size in bytes of at least 1: a whole number, optionally followed "
+                                         f"by K, M, G or T (powers of 1024), e.g. 64M; got {text!r}")
+    return value
 
 
 def storage_option(text: str) -> tuple[str, str]:

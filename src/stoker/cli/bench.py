@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..demo.volume import cache_dir
 from ..errors import InvalidArgument
-from .args import at_least_one
+from .args import at_least_one, byte_size
 
 PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
 REMOTE_PEERS = ("stoker", "tensorstore", "dataloader")  # --store's default: the decode bound makes no reads
@@ -29,6 +29,9 @@ def run(args: argparse.Namespace) -> int:
     if args.epochs is not None and args.store is None:
         raise InvalidArgument("--epochs reads a served store through a local disk cache: give --store http or "
                               "--store s3")
+    if args.cache_bytes is not None and args.epochs is None:
+        raise InvalidArgument("--cache-bytes bounds the disk cache that --epochs reads through: give --store http "
+                              "or --store s3 and --epochs N")
     if args.store is not None and (args.suite == "records" or args.device == "cuda"):
         raise InvalidArgument(f"--store runs the crops suite on the CPU; run it without "
                               f"{'the records suite' if args.suite == 'records' else '--device cuda'}")
@@ -180,7 +183,7 @@ def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: P
     from ..bench import report
     from ..bench.datasets import ensure
     from ..bench.remote import Remote
-    from ..bench.runner import BATCH_SIZE, dataset_ratio, format_results, host_budget, run_scenario
+    from ..bench.runner import BATCH_SIZE, CACHE_BYTES, dataset_ratio, format_results, host_budget, run_scenario
     from ..bench.serve import Served
 
     for sc in chosen:  # written before the server starts serving them
@@ -198,7 +201,8 @@ def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: P
                 n_batches = args.batches or sc.timed_batches
                 results, step = run_scenario(sc, root, n_batches, batch_size, budget, args.slow_batches, peers,
                                              rounds=rounds, threads=threads, step_ms=args.step_ms, remote=remote,
-                                             counters=server.counters, epochs=args.epochs or 0)
+                                             counters=server.counters, epochs=args.epochs or 0,
+                                             cache_bytes=args.cache_bytes or CACHE_BYTES)
                 ratio = dataset_ratio(root, sc)
                 print(format_results(sc, results, n_batches, batch_size, step, ratio), flush=True)
                 records.append(report.scenario_record(sc, results, n_batches, batch_size,
@@ -267,7 +271,12 @@ def add_parser(sub) -> None:
     p.add_argument("--epochs", type=_positive_int, default=None,
                    help="with --store: also stoker through a local disk cache, one peer per epoch (stoker e1 "
                         "from an empty cache, e2... a new pipeline each over the same crops), with the bytes "
-                        "served from disk per batch and the hit rate")
+                        "served from disk per batch and the hit rate, and the cache folder's peak size against "
+                        "--cache-bytes")
+    p.add_argument("--cache-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="with --epochs: the disk cache's bound (cache_bytes), e.g. 64M (K, M, G, T: powers of "
+                        "1024); default 1T, more than any scenario reads, so an epoch fits; smaller puts the "
+                        "cache under eviction pressure")
     p.add_argument("--tiny", action="store_true", help="small datasets: a smoke run in seconds")
     p.add_argument("--mesh", action="store_true",
                    help="with records: crash-simulation meshes ((T, N, 3) trajectories, edge lists) batched by "
