@@ -1261,13 +1261,13 @@ def _wide(root, n: int, kind: int, rows: int, like: Tables | None = None) -> tup
 
 
 def _busy(root, engine):
-    """A job that keeps a one-thread engine busy for a while (20,000 small chunks of one file): jobs submitted
-    after it are all in flight when the thread reaches them. Cancel it to let them run."""
-    t = Tables(root, 20000)
+    """A job that keeps a one-thread engine busy for a while (50,000 small chunks of one file): jobs submitted
+    right after it (their tables made before) are all in flight when the thread reaches them. Cancel it to
+    let them run."""
+    t = Tables(root, 50000)
     t.write(0)
     t.chunks[:, native.C_FILE] = 0
-    job = engine.submit(*t.args())
-    return job
+    return engine.submit(*t.args())
 
 
 def test_a_chunk_two_jobs_in_flight_need_is_read_and_decoded_once(tmp_path):
@@ -1276,10 +1276,10 @@ def test_a_chunk_two_jobs_in_flight_need_is_read_and_decoded_once(tmp_path):
     taken it yet, each with its own copies and cast, decoded as far as the farthest of them reads (the first
     job reads 3 rows of 8: alone, its decode would stop there). A chunk that fails, fails in each."""
     engine = native.Engine(1, 16 << 20)
-    busy = _busy(tmp_path / "busy", engine)
     n = 6
     first, first_args = _wide(tmp_path / "wide", n, native.KIND_F32, rows=3)
     second, second_args = _wide(tmp_path / "wide", n, native.KIND_SAME, rows=8, like=first)
+    busy = _busy(tmp_path / "busy", engine)
     a = engine.submit(*first_args)
     b = engine.submit(*second_args)
     assert not busy.done  # both are in flight before the thread reaches the first
@@ -1303,10 +1303,10 @@ def test_a_job_cancelled_or_dropped_is_never_written_by_a_sharing_thread(tmp_pat
     that reads them still gets every chunk."""
     engine = native.Engine(1, 16 << 20)
     for drop in (False, True):
-        busy = _busy(tmp_path / f"busy{drop}", engine)
         n = 6
         first, first_args = _wide(tmp_path / f"wide{drop}", n, native.KIND_F32, rows=8)
         second, second_args = _wide(tmp_path / f"wide{drop}", n, native.KIND_SAME, rows=8, like=first)
+        busy = _busy(tmp_path / f"busy{drop}", engine)
         a = engine.submit(*first_args)
         b = engine.submit(*second_args)
         assert not busy.done
@@ -1326,4 +1326,30 @@ def test_a_job_cancelled_or_dropped_is_never_written_by_a_sharing_thread(tmp_pat
             sb, _, cb = _results(b)
             assert (sb == native.ST_CANCELLED).all() and cb["chunks_shared"] == 0
             assert (second.batch == 7).all()
+    assert engine.close(5)
+
+
+def test_a_chunk_file_two_jobs_in_flight_need_is_read_once_and_a_missing_one_filled_in_each(tmp_path):
+    """Whole chunk files are shared by their path (a step a chunk, as xarray writes forecasting data): one
+    read and decode for the jobs in flight, each batch with its own cast; an absent chunk file is each
+    job's own fill value."""
+    engine = native.Engine(1, 16 << 20)
+    n = 5
+    first, second = Tables(tmp_path / "files", n), Tables(tmp_path / "files", n, kind=native.KIND_SAME)
+    for i in range(n - 1):
+        first.write(i)  # chunk n - 1 has no file
+    busy = _busy(tmp_path / "busy", engine)
+    a = engine.submit(*first.args())
+    b = engine.submit(*second.args())
+    assert not busy.done
+    busy.cancel()
+    assert a.wait(20) and b.wait(20)
+    (sa, _, ca), (sb, _, cb) = _results(a), _results(b)
+    assert (sa == native.ST_OK).all() and (sb == native.ST_OK).all()
+    for i in range(n - 1):
+        np.testing.assert_array_equal(first.batch[i], first.expected(i))
+        np.testing.assert_array_equal(second.batch[i], second.expected(i))
+    assert (first.batch[n - 1] == -1).all() and (second.batch[n - 1] == 65535).all()
+    assert (ca["chunks_decoded"], cb["chunks_decoded"], cb["chunks_shared"], cb["chunks_filled"]) == (n - 1, 0, n - 1, 1)
+    assert cb["bytes_read"] == 0 and cb["files_opened"] == 0
     assert engine.close(5)

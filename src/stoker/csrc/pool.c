@@ -34,12 +34,12 @@
  * decode only (its reads come first). A failed one may leave part of its bytes there: its status fails the
  * batch, or the Python path reads the chunk again and places all of it.
  *
- * Shared: a stored chunk that jobs in flight both need (batches drawn near each other read the same inner chunks
- * of a shard) is read and decoded once. A worker about to decode a shareable chunk (an inner chunk of a shard
- * file of known identity, read from the file) looks it up in the engine's other live jobs (each job's
- * shared_at table, by file identity and byte range), takes the ones no thread took yet (claimed: one atomic
- * exchange, which every other taker - a job's own workers, job_cancel - does too, so a chunk is finished
- * exactly once), decodes into its scratch as far as the farthest of their spans and places the chunk into
+ * Shared: a stored chunk that jobs in flight both need (batches drawn near each other read the same chunks) is
+ * read and decoded once. A worker about to decode a shareable chunk (read from a file, not a buffer: an inner
+ * chunk of a shard file of known identity, or a whole chunk file) looks it up in the engine's other live jobs
+ * (each job's shared_at table, by file identity and byte range, or by path), takes the ones no thread took
+ * yet (claimed: one atomic exchange, which every other taker - a job's own workers, job_cancel - does too,
+ * so a chunk is finished exactly once), decodes into its scratch as far as the farthest of their spans and places the chunk into
  * every job that takes it, each with its own copies, checks and lock, then finishes it there. Nothing is kept
  * once the chunk is placed: only jobs submitted before its decode share it. Counted in the job that shares
  * it as chunks_shared (not decoded, not read there).
@@ -397,36 +397,64 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
 
 #define MAX_SHARERS 8 /* the most other jobs one decode is placed into */
 
-/* whether chunk ``c`` (checked) may be shared: an inner chunk of a shard file of known identity, read from the
- * file (a fetched buffer belongs to its job) */
-static int shareable(const plan_tables *t, const int64_t *c) {
-    if (c[C_CODEC] == CODEC_FILL || c[C_BUFFER] >= 0 || c[C_OFFSET] < 0 || c[C_FILE] < 0)
-        return 0;
-    return t->files[c[C_FILE] * (F_COORDS + t->ndim) + F_HAS_IDENT] == 1;
-}
-
 static const int64_t *file_row(const plan_tables *t, const int64_t *c) {
     return t->files + c[C_FILE] * (F_COORDS + t->ndim);
 }
 
+/* whether chunk ``c`` (checked) may be shared: read from a file (a fetched buffer belongs to its job), an
+ * inner chunk of a shard file of known identity or a whole chunk file (named by its path) */
+static int shareable(const plan_tables *t, const int64_t *c) {
+    if (c[C_CODEC] == CODEC_FILL || c[C_BUFFER] >= 0 || c[C_FILE] < 0)
+        return 0;
+    return (c[C_OFFSET] >= 0) == (file_row(t, c)[F_HAS_IDENT] == 1);
+}
+
+static unsigned long long mix(unsigned long long h, unsigned long long v) {
+    h ^= v + 0x9E3779B97F4A7C15ULL + (h << 6) + (h >> 2);
+    return h * 0xBF58476D1CE4E5B9ULL;
+}
+
+/* a shard's inner chunk by its file's identity and offset; a chunk file by its path: the source's prefix
+ * and the file's grid coordinates */
 static unsigned long long share_hash(const plan_tables *t, const int64_t *c) {
     const int64_t *f = file_row(t, c);
-    unsigned long long h = (unsigned long long)f[F_INO] * 0x9E3779B97F4A7C15ULL;
-    h ^= (unsigned long long)c[C_OFFSET] + 0x632BE59BD9B4E019ULL + (h << 6) + (h >> 2);
-    h ^= (unsigned long long)f[F_DEV];
-    h *= 0xBF58476D1CE4E5B9ULL;
+    unsigned long long h = 0;
+    if (c[C_OFFSET] >= 0) {
+        h = mix(mix(mix(h, (unsigned long long)f[F_DEV]), (unsigned long long)f[F_INO]),
+                (unsigned long long)c[C_OFFSET]);
+    } else {
+        const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
+        const unsigned char *p = (const unsigned char *)t->blob + src[S_PATH_START];
+        for (long long k = 0; k < src[S_PATH_LEN]; k++)
+            h = (h ^ p[k]) * 0x100000001B3ULL; /* FNV-1a */
+        for (int k = 0; k < t->ndim; k++)
+            h = mix(h, (unsigned long long)f[F_COORDS + k]);
+    }
     return h ^ (h >> 31);
 }
 
 /* whether shareable chunks ``a`` of ``ta`` and ``b`` of ``tb`` are the same stored bytes, decoded alike: the
- * same file (its whole identity), byte range, codec and decoded size */
+ * same byte range, codec and decoded size of the same file (a shard's whole identity; a chunk file's path) */
 static int same_stored(const plan_tables *ta, const int64_t *a, const plan_tables *tb, const int64_t *b) {
     if (a[C_OFFSET] != b[C_OFFSET] || a[C_LENGTH] != b[C_LENGTH] || a[C_CODEC] != b[C_CODEC] ||
-        a[C_NBYTES] != b[C_NBYTES] || a[C_MAX_STORED] != b[C_MAX_STORED])
+        a[C_NBYTES] != b[C_NBYTES] || a[C_MAX_STORED] != b[C_MAX_STORED] || ta->ndim != tb->ndim)
         return 0;
     const int64_t *fa = file_row(ta, a), *fb = file_row(tb, b);
-    for (int k = F_DEV; k <= F_CTIME; k++)
-        if (fa[k] != fb[k])
+    if (fa[F_HAS_IDENT] != fb[F_HAS_IDENT])
+        return 0;
+    if (a[C_OFFSET] >= 0) {
+        for (int k = F_DEV; k <= F_CTIME; k++)
+            if (fa[k] != fb[k])
+                return 0;
+        return 1;
+    }
+    const int64_t *sa = ta->sources + a[C_SOURCE] * (S_STRIDES + ta->ndim);
+    const int64_t *sb = tb->sources + b[C_SOURCE] * (S_STRIDES + tb->ndim);
+    if (sa[S_PATH_LEN] != sb[S_PATH_LEN] || sa[S_SEP] != sb[S_SEP] ||
+        memcmp(ta->blob + sa[S_PATH_START], tb->blob + sb[S_PATH_START], (size_t)sa[S_PATH_LEN]) != 0)
+        return 0;
+    for (int k = 0; k < ta->ndim; k++)
+        if (fa[F_COORDS + k] != fb[F_COORDS + k])
             return 0;
     return 1;
 }
@@ -735,7 +763,12 @@ static void share_out(engine *e, worker_slot *w, job *k, long long i, const chun
     job_counters mine = {0};
     int32_t status = io->status;
     int64_t detail = io->detail;
-    if (status == ST_OK) {
+    if (status == ST_MISSING && c[C_OFFSET] < 0) { /* an absent chunk file: k's fill value */
+        status = place_chunk(k, src, c, NULL, 1, &mine, tm);
+        detail = 0;
+        if (status == ST_OK)
+            mine.chunks_filled++;
+    } else if (status == ST_OK) {
         status = place_chunk(k, src, c, scratch, 0, &mine, tm);
         detail = 0;
         if (status == ST_OK)
@@ -747,6 +780,9 @@ static void share_out(engine *e, worker_slot *w, job *k, long long i, const chun
             __atomic_add_fetch(&to[f], from[f], __ATOMIC_RELAXED);
     __atomic_store_n(&k->detail[i], detail, __ATOMIC_RELAXED);
     __atomic_store_n(&k->status[i], status, __ATOMIC_RELEASE);
+    clock_open(w); /* a chunk this thread finished (its times go to the chunk it was read for) */
+    clock_add(w, W_CHUNKS, 1);
+    clock_close(w);
     finish_chunks(e, k, 1, w);
     lock_timed(w, &e->mu);
     job_unref_unlocking(e, k);
