@@ -1220,3 +1220,132 @@ def test_each_array_is_described_to_the_engine_once_per_pipeline(tmp_path, monke
                 for row, k in enumerate(pair):
                     np.testing.assert_array_equal(got[row], data[k][2:6, 1:7])
     assert sorted(described) == sorted(uris), described
+
+
+# -- chunks shared by the jobs in flight -----------------------------------------------------------------------
+
+WIDE = 1 << 15  # a chunk of 8 rows of 32768 uint16: 512 KiB decoded, several zstd blocks (so a decode can stop early)
+
+
+def _wide_chunk(i: int) -> np.ndarray:
+    return ((np.arange(8 * WIDE, dtype=np.uint32) * 7 + 1000 * i) % 65521).astype(np.uint16).reshape(8, WIDE)
+
+
+def _wide(root, n: int, kind: int, rows: int, like: Tables | None = None) -> tuple[Tables, list]:
+    """Tables of ``n`` wide chunks, inner chunks of two shards (written here, or ``like``'s: the same files and
+    identities), the first ``rows`` rows of chunk i copied into row i of an (n, 8, WIDE) batch; its
+    ``Engine.submit`` arguments."""
+    t = Tables(root, n, kind=kind)
+    t.sources[0, native.S_STRIDES:] = (WIDE, 1)
+    t.chunks[:, native.C_NBYTES] = 8 * WIDE * 2
+    t.chunks[:, native.C_SPAN_STOP] = rows * WIDE * 2
+    t.chunks[:, native.C_MAX_STORED] = 4 << 20
+    t.copies[:, native.CP_DST_OFFSET] = np.arange(n) * 8 * WIDE
+    t.copies[:, native.CP_EXTENT:] = (rows, WIDE)
+    t.batch = np.zeros((n, 8, WIDE), t.batch.dtype)
+    if like is None:
+        frames = [numcodecs.Zstd(level=1).encode(_wide_chunk(i).tobytes()) for i in range(n)]
+        frames[n - 1] = frames[n - 1][:-3] + b"\xff\xff\xff"  # damaged: fails wherever it is placed
+        _shards(t, frames, [i % 2 for i in range(n)])
+    else:
+        t.files[...] = like.files
+        t.chunks[:, [native.C_FILE, native.C_OFFSET, native.C_LENGTH]] = like.chunks[
+            :, [native.C_FILE, native.C_OFFSET, native.C_LENGTH]]
+    args = list(t.args())
+    args[-1] = np.array([WIDE, 1], np.int64)
+    return t, args
+
+
+def _busy(root, engine):
+    """A job that keeps a one-thread engine busy for a while (50,000 small chunks of one file): jobs submitted
+    right after it (their tables made before) are all in flight when the thread reaches them. Cancel it to
+    let them run."""
+    t = Tables(root, 50000)
+    t.write(0)
+    t.chunks[:, native.C_FILE] = 0
+    return engine.submit(*t.args())
+
+
+def test_a_chunk_two_jobs_in_flight_need_is_read_and_decoded_once(tmp_path):
+    """Batches in flight that need the same stored chunk (an inner chunk of a shard file) get it from one read
+    and one decode: the thread that takes it first in one job places it into every other job that has not
+    taken it yet, each with its own copies and cast, decoded as far as the farthest of them reads (the first
+    job reads 3 rows of 8: alone, its decode would stop there). A chunk that fails, fails in each."""
+    engine = native.Engine(1, 16 << 20)
+    n = 6
+    first, first_args = _wide(tmp_path / "wide", n, native.KIND_F32, rows=3)
+    second, second_args = _wide(tmp_path / "wide", n, native.KIND_SAME, rows=8, like=first)
+    busy = _busy(tmp_path / "busy", engine)
+    a = engine.submit(*first_args)
+    b = engine.submit(*second_args)
+    assert not busy.done  # both are in flight before the thread reaches the first
+    busy.cancel()
+    assert a.wait(20) and b.wait(20)
+    (sa, _, ca), (sb, _, cb) = _results(a), _results(b)
+    assert sa.tolist() == sb.tolist() == [native.ST_OK] * (n - 1) + [native.ST_CODEC_ERROR]
+    for i in range(n - 1):
+        np.testing.assert_array_equal(first.batch[i, :3], _wide_chunk(i)[:3].astype(np.float32))
+        np.testing.assert_array_equal(second.batch[i], _wide_chunk(i))
+    assert not first.batch[:, 3:].any()
+    assert (ca["chunks_decoded"], ca["chunks_shared"], cb["chunks_decoded"], cb["chunks_shared"]) == (n - 1, 0, 0, n - 1)
+    assert cb["bytes_read"] == 0 and cb["files_opened"] == 0
+    assert engine.close(5)
+
+
+def test_a_job_cancelled_or_dropped_is_never_written_by_a_sharing_thread(tmp_path):
+    """A job cancelled while its chunks wait in another job's thread is not written once cancel() returns:
+    its chunks end CANCELLED (those another thread took, too), and it is done; a job dropped so is freed only
+    once the sharing thread let it go (AddressSanitizer would see a write into freed memory). The job
+    that reads them still gets every chunk."""
+    engine = native.Engine(1, 16 << 20)
+    for drop in (False, True):
+        n = 6
+        first, first_args = _wide(tmp_path / f"wide{drop}", n, native.KIND_F32, rows=8)
+        second, second_args = _wide(tmp_path / f"wide{drop}", n, native.KIND_SAME, rows=8, like=first)
+        busy = _busy(tmp_path / f"busy{drop}", engine)
+        a = engine.submit(*first_args)
+        b = engine.submit(*second_args)
+        assert not busy.done
+        if drop:
+            del b, second, second_args
+        else:
+            b.cancel()
+            second.batch[...] = 7
+        busy.cancel()
+        assert a.wait(20)
+        sa, _, _ = _results(a)
+        assert sa.tolist() == [native.ST_OK] * (n - 1) + [native.ST_CODEC_ERROR]
+        for i in range(n - 1):
+            np.testing.assert_array_equal(first.batch[i], _wide_chunk(i).astype(np.float32))
+        if not drop:
+            assert b.wait(20)
+            sb, _, cb = _results(b)
+            assert (sb == native.ST_CANCELLED).all() and cb["chunks_shared"] == 0
+            assert (second.batch == 7).all()
+    assert engine.close(5)
+
+
+def test_a_chunk_file_two_jobs_in_flight_need_is_read_once_and_a_missing_one_filled_in_each(tmp_path):
+    """Whole chunk files are shared by their path (a step a chunk, as xarray writes forecasting data): one
+    read and decode for the jobs in flight, each batch with its own cast; an absent chunk file is each
+    job's own fill value."""
+    engine = native.Engine(1, 16 << 20)
+    n = 5
+    first, second = Tables(tmp_path / "files", n), Tables(tmp_path / "files", n, kind=native.KIND_SAME)
+    for i in range(n - 1):
+        first.write(i)  # chunk n - 1 has no file
+    busy = _busy(tmp_path / "busy", engine)
+    a = engine.submit(*first.args())
+    b = engine.submit(*second.args())
+    assert not busy.done
+    busy.cancel()
+    assert a.wait(20) and b.wait(20)
+    (sa, _, ca), (sb, _, cb) = _results(a), _results(b)
+    assert (sa == native.ST_OK).all() and (sb == native.ST_OK).all()
+    for i in range(n - 1):
+        np.testing.assert_array_equal(first.batch[i], first.expected(i))
+        np.testing.assert_array_equal(second.batch[i], second.expected(i))
+    assert (first.batch[n - 1] == -1).all() and (second.batch[n - 1] == 65535).all()
+    assert (ca["chunks_decoded"], cb["chunks_decoded"], cb["chunks_shared"], cb["chunks_filled"]) == (n - 1, 0, n - 1, 1)
+    assert cb["bytes_read"] == 0 and cb["files_opened"] == 0
+    assert engine.close(5)

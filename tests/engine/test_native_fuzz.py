@@ -1007,6 +1007,10 @@ def test_engine_tables(work, data):
         chunks[i, native.C_OFFSET] = 4 if which == 0 else 4 + len(frame)
         chunks[i, native.C_LENGTH] = len(frame) if which == 0 else len(shard) - 8 - len(frame)
         chunks[i, native.C_CODEC] = native.CODEC_ZSTD if which == 0 else native.CODEC_BLOSC
+        if data.draw(st.booleans()):  # a shard of known identity: its inner chunks may be shared between jobs
+            st_ = os.stat(root / "c" / f"0.{i}")
+            files[i, native.F_HAS_IDENT:native.F_COORDS] = [1, st_.st_dev, st_.st_ino, st_.st_size,
+                                                            st_.st_mtime_ns, st_.st_ctime_ns]
     # chunks in memory (fetched from a store): buffer i holds what file i holds, exactly sized (ASan guards
     # its ends), or nothing (None: a missing value)
     buffers = [None if data.draw(st.integers(0, 5)) == 0 else np.frombuffer(frame if i % 2 == 0 else shard,
@@ -1035,18 +1039,21 @@ def test_engine_tables(work, data):
         blob = data.draw(st.sampled_from([blob[:-1], blob[:3] + b"\0" + blob[4:], b""]))
     nbytes = n * 64 * d_item - data.draw(st.sampled_from([0] * 8 + [1, d_item, 64]))
     batch = Guarded(max(0, nbytes), fill=0x11)
+    twin = Guarded(max(0, nbytes), fill=0x11)  # a second job of the same tables in flight: chunks it may share
     note(f"tables {tables}, blob {blob!r}, kind {kind}, batch {nbytes} bytes, buffers {[b is None for b in buffers]}")
     try:
-        job = _engine().submit(chunks, copies, sources, files, blob, batch.view, kind, False, strides, buffers)
+        jobs = [_engine().submit(chunks, copies, sources, files, blob, b.view, kind, False, strides, buffers)
+                for b in (batch, twin)]
     except ValueError as exc:
         event("refused")
         assert "plan" in str(exc)
     else:
         event("run")
-        assert job.wait(20)
-        status = np.frombuffer(job.results()[0], np.int32)
-        assert set(status.tolist()) <= set(range(native.ST_PENDING))
-    assert batch.intact(), "a write outside the batch"
+        for job in jobs:
+            assert job.wait(20)
+            status = np.frombuffer(job.results()[0], np.int32)
+            assert set(status.tolist()) <= set(range(native.ST_PENDING))
+    assert batch.intact() and twin.intact(), "a write outside the batch"
 
 
 # ---------------------------------------------------------------------------------------------

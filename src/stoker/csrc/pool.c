@@ -34,6 +34,16 @@
  * decode only (its reads come first). A failed one may leave part of its bytes there: its status fails the
  * batch, or the Python path reads the chunk again and places all of it.
  *
+ * Shared: a stored chunk that jobs in flight both need (batches drawn near each other read the same chunks) is
+ * read and decoded once. A worker about to decode a shareable chunk (read from a file, not a buffer: an inner
+ * chunk of a shard file of known identity, or a whole chunk file) looks it up in the engine's other live jobs
+ * (each job's shared_at table, by file identity and byte range, or by path), takes the ones no thread took
+ * yet (claimed: one atomic exchange, which every other taker - a job's own workers, job_cancel - does too,
+ * so a chunk is finished exactly once), decodes into its scratch as far as the farthest of their spans and places the chunk into
+ * every job that takes it, each with its own copies, checks and lock, then finishes it there. Nothing is kept
+ * once the chunk is placed: only jobs submitted before its decode share it. Counted in the job that shares
+ * it as chunks_shared (not decoded, not read there).
+ *
  * Sources: a chunk is read from its file (path built from the source's prefix and the file's grid coordinates)
  * or from a buffer the caller holds (C_BUFFER: a chunk fetched from a store), through the same codec code and
  * checks (io.c), straight from the buffer (nothing is copied, nothing written to it). Buffers are read only holding the job's mem lock shared, after checking that the job is not
@@ -75,6 +85,9 @@ struct job {
                   * for a file) */
     int32_t *status;
     int64_t *detail;
+    unsigned char *claimed; /* atomic, per chunk: 1 once a thread took it (its job's worker, a sharer, job_cancel) */
+    long long *shared_at;   /* the shareable chunks (see "Shared"): open addressing, chunk index + 1, 0 empty */
+    long long shared_cap;   /* its slots: a power of two, at least twice the shareable chunks; 0: none */
     pthread_rwlock_t place_lock; /* shared: a worker writing into the batch; exclusive: job_cancel */
     pthread_rwlock_t mem_lock;   /* shared: a worker reading one of the buffers; exclusive: job_cancel */
     int cancelled;               /* set under place_lock held exclusively; read under it, or atomically */
@@ -221,6 +234,8 @@ static void job_free(job *j) {
     free(j->entry_blob);
     free(j->status);
     free(j->detail);
+    free(j->claimed);
+    free(j->shared_at);
     free(j);
 }
 
@@ -417,6 +432,98 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
     return 0;
 }
 
+/* ---- shared chunks (see "Shared") ---- */
+
+#define MAX_SHARERS 8 /* the most other jobs one decode is placed into */
+
+static const int64_t *file_row(const plan_tables *t, const int64_t *c) {
+    return t->files + c[C_FILE] * (F_COORDS + t->ndim);
+}
+
+/* whether chunk ``c`` (checked) may be shared: read from a file (a fetched buffer belongs to its job), an
+ * inner chunk of a shard file of known identity or a whole chunk file (named by its path) */
+static int shareable(const plan_tables *t, const int64_t *c) {
+    if (c[C_CODEC] == CODEC_FILL || c[C_BUFFER] >= 0 || c[C_FILE] < 0)
+        return 0;
+    return (c[C_OFFSET] >= 0) == (file_row(t, c)[F_HAS_IDENT] == 1);
+}
+
+static unsigned long long mix(unsigned long long h, unsigned long long v) {
+    h ^= v + 0x9E3779B97F4A7C15ULL + (h << 6) + (h >> 2);
+    return h * 0xBF58476D1CE4E5B9ULL;
+}
+
+/* a shard's inner chunk by its file's identity and offset; a chunk file by its path: the source's prefix
+ * and the file's grid coordinates */
+static unsigned long long share_hash(const plan_tables *t, const int64_t *c) {
+    const int64_t *f = file_row(t, c);
+    unsigned long long h = 0;
+    if (c[C_OFFSET] >= 0) {
+        h = mix(mix(mix(h, (unsigned long long)f[F_DEV]), (unsigned long long)f[F_INO]),
+                (unsigned long long)c[C_OFFSET]);
+    } else {
+        const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
+        const unsigned char *p = (const unsigned char *)t->blob + src[S_PATH_START];
+        for (long long k = 0; k < src[S_PATH_LEN]; k++)
+            h = (h ^ p[k]) * 0x100000001B3ULL; /* FNV-1a */
+        for (int k = 0; k < t->ndim; k++)
+            h = mix(h, (unsigned long long)f[F_COORDS + k]);
+    }
+    return h ^ (h >> 31);
+}
+
+/* whether shareable chunks ``a`` of ``ta`` and ``b`` of ``tb`` are the same stored bytes, decoded alike: the
+ * same byte range, codec and decoded size of the same file (a shard's whole identity; a chunk file's path) */
+static int same_stored(const plan_tables *ta, const int64_t *a, const plan_tables *tb, const int64_t *b) {
+    if (a[C_OFFSET] != b[C_OFFSET] || a[C_LENGTH] != b[C_LENGTH] || a[C_CODEC] != b[C_CODEC] ||
+        a[C_NBYTES] != b[C_NBYTES] || a[C_MAX_STORED] != b[C_MAX_STORED] || ta->ndim != tb->ndim)
+        return 0;
+    const int64_t *fa = file_row(ta, a), *fb = file_row(tb, b);
+    if (fa[F_HAS_IDENT] != fb[F_HAS_IDENT])
+        return 0;
+    if (a[C_OFFSET] >= 0) {
+        for (int k = F_DEV; k <= F_CTIME; k++)
+            if (fa[k] != fb[k])
+                return 0;
+        return 1;
+    }
+    const int64_t *sa = ta->sources + a[C_SOURCE] * (S_STRIDES + ta->ndim);
+    const int64_t *sb = tb->sources + b[C_SOURCE] * (S_STRIDES + tb->ndim);
+    if (sa[S_PATH_LEN] != sb[S_PATH_LEN] || sa[S_SEP] != sb[S_SEP] ||
+        memcmp(ta->blob + sa[S_PATH_START], tb->blob + sb[S_PATH_START], (size_t)sa[S_PATH_LEN]) != 0)
+        return 0;
+    for (int k = 0; k < ta->ndim; k++)
+        if (fa[F_COORDS + k] != fb[F_COORDS + k])
+            return 0;
+    return 1;
+}
+
+/* the job's table of shareable chunks (after check_tables): -1 when out of memory */
+static int build_shared(job *j) {
+    const plan_tables *t = &j->t;
+    long long n = 0, cap = 1;
+    for (long long i = 0; i < t->n_chunks; i++)
+        n += shareable(t, t->chunks + i * N_CHUNK_COLS);
+    if (n == 0)
+        return 0;
+    while (cap < 2 * n) /* n <= n_chunks, bounded by the tables' memory: no overflow */
+        cap <<= 1;
+    j->shared_at = calloc((size_t)cap, sizeof(long long));
+    if (j->shared_at == NULL)
+        return -1;
+    j->shared_cap = cap;
+    for (long long i = 0; i < t->n_chunks; i++) {
+        const int64_t *c = t->chunks + i * N_CHUNK_COLS;
+        if (!shareable(t, c))
+            continue;
+        long long s = (long long)(share_hash(t, c) & (unsigned long long)(cap - 1));
+        while (j->shared_at[s])
+            s = (s + 1) & (cap - 1);
+        j->shared_at[s] = i + 1;
+    }
+    return 0;
+}
+
 /* the job's own copy: the caller's buffers may change once job_new returns (they were checked here) */
 static void copy_table(int64_t *to, const int64_t *from, long long n) {
     if (n)
@@ -433,6 +540,7 @@ job *job_new(engine *e, const plan_tables *t, const char **error) {
     j->blob = malloc((size_t)(t->blob_len ? t->blob_len : 1));
     j->status = malloc(sizeof(int32_t) * (size_t)(t->n_chunks ? t->n_chunks : 1));
     j->detail = calloc((size_t)(t->n_chunks ? t->n_chunks : 1), sizeof(int64_t));
+    j->claimed = calloc((size_t)(t->n_chunks ? t->n_chunks : 1), 1);
     long long nb = t->n_buffers > 0 ? t->n_buffers : 1;
     j->buf_base = nb <= LLONG_MAX / 8 ? malloc(sizeof(char *) * (size_t)nb) : NULL;
     j->buf_len = nb <= LLONG_MAX / 8 ? malloc(sizeof(long long) * (size_t)nb) : NULL;
@@ -442,8 +550,8 @@ job *job_new(engine *e, const plan_tables *t, const char **error) {
         if (j->entries == NULL || j->entry_blob == NULL)
             goto oom;
     }
-    if (j->owned == NULL || j->blob == NULL || j->status == NULL || j->detail == NULL || j->buf_base == NULL ||
-        j->buf_len == NULL)
+    if (j->owned == NULL || j->blob == NULL || j->status == NULL || j->detail == NULL || j->claimed == NULL ||
+        j->buf_base == NULL || j->buf_len == NULL)
         goto oom;
     /* copied first, then checked: what the workers read is what was checked, whatever the caller's buffers do */
     j->t = *t;
@@ -479,6 +587,8 @@ job *job_new(engine *e, const plan_tables *t, const char **error) {
         *error = "the batch's largest chunk needs more scratch per thread than the engine's budget";
         goto bad;
     }
+    if (build_shared(j))
+        goto oom;
     for (long long i = 0; i < t->n_chunks; i++)
         j->status[i] = ST_PENDING;
     pthread_rwlockattr_t attr;
@@ -500,6 +610,8 @@ bad:
         free(j->blob);
         free(j->status);
         free(j->detail);
+        free(j->claimed);
+        free(j->shared_at);
         free(j->buf_base);
         free(j->buf_len);
         free(j->entries);
@@ -669,8 +781,71 @@ static void close_kept(kept_files *k) {
         close(k->fd[--k->n]);
 }
 
-static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_files *kept, job_counters *mine,
+static void finish_chunks(engine *e, job *j, long long n, worker_slot *w);
+
+/* Take the chunks of the engine's other live jobs that are chunk ``c`` of ``j`` (see "Shared") and that no
+ * thread took yet: each in ``jobs``/``idx``, with a reference held. Returns how many. */
+static int take_sharers(engine *e, worker_slot *w, job *j, const int64_t *c, job **jobs, long long *idx) {
+    int n = 0;
+    unsigned long long h = share_hash(&j->t, c);
+    lock_timed(w, &e->mu);
+    for (job *k = e->live; k != NULL && n < MAX_SHARERS; k = k->next_live) {
+        if (k == j || k->shared_cap == 0 || __atomic_load_n(&k->cancelled, __ATOMIC_ACQUIRE))
+            continue;
+        long long mask = k->shared_cap - 1;
+        /* the table is at most half full: the probe meets an empty slot */
+        for (long long s = (long long)(h & (unsigned long long)mask); k->shared_at[s]; s = (s + 1) & mask) {
+            long long i = k->shared_at[s] - 1;
+            if (!same_stored(&j->t, c, &k->t, k->t.chunks + i * N_CHUNK_COLS))
+                continue;
+            if (__atomic_exchange_n(&k->claimed[i], 1, __ATOMIC_ACQ_REL) == 0) {
+                k->refs++;
+                jobs[n] = k, idx[n] = i, n++;
+            }
+            break;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
+/* Chunk ``i`` of ``k``, taken by take_sharers, from the chunk another job's thread read and decoded (``io``,
+ * into ``scratch``): placed with k's own copies (or its failure reported as k's), finished, k let go. */
+static void share_out(engine *e, worker_slot *w, job *k, long long i, const chunk_io *io, const char *scratch,
                       chunk_times *tm) {
+    const int64_t *c = k->t.chunks + i * N_CHUNK_COLS;
+    const int64_t *src = k->t.sources + c[C_SOURCE] * (S_STRIDES + k->t.ndim);
+    job_counters mine = {0};
+    int32_t status = io->status;
+    int64_t detail = io->detail;
+    if (status == ST_MISSING && c[C_OFFSET] < 0) { /* an absent chunk file: k's fill value */
+        status = place_chunk(k, src, c, NULL, 1, &mine, tm);
+        detail = 0;
+        if (status == ST_OK)
+            mine.chunks_filled++;
+    } else if (status == ST_OK) {
+        status = place_chunk(k, src, c, scratch, 0, &mine, tm);
+        detail = 0;
+        if (status == ST_OK)
+            mine.chunks_shared++;
+    }
+    long long *from = (long long *)&mine, *to = (long long *)&k->counters;
+    for (size_t f = 0; f < sizeof(job_counters) / sizeof(long long); f++)
+        if (from[f])
+            __atomic_add_fetch(&to[f], from[f], __ATOMIC_RELAXED);
+    __atomic_store_n(&k->detail[i], detail, __ATOMIC_RELAXED);
+    __atomic_store_n(&k->status[i], status, __ATOMIC_RELEASE);
+    clock_open(w); /* a chunk this thread finished (its times go to the chunk it was read for) */
+    clock_add(w, W_CHUNKS, 1);
+    clock_close(w);
+    finish_chunks(e, k, 1, w);
+    lock_timed(w, &e->mu);
+    job_unref_unlocking(e, k);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scratch, codec_ctx *ctx,
+                      kept_files *kept, job_counters *mine, chunk_times *tm) {
     const plan_tables *t = &j->t;
     const int64_t *c = t->chunks + i * N_CHUNK_COLS;
     const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
@@ -684,7 +859,10 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
         char path[PATH_CAP];
         chunk_io io = {0};
         long long entry_payload = 0;
-        char *place = direct_place(j, src, c);
+        job *sharers[MAX_SHARERS];
+        long long shared[MAX_SHARERS];
+        int n_sharers = shareable(t, c) ? take_sharers(e, w, j, c, sharers, shared) : 0;
+        char *place = n_sharers ? NULL : direct_place(j, src, c); /* shared: decoded into the scratch */
         io.out = place != NULL ? place : scratch;
         if (place != NULL) {
             io.claim_out = claim_batch;
@@ -695,6 +873,11 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
         io.length = c[C_LENGTH];
         io.span_start = c[C_SPAN_START];
         io.span_stop = c[C_SPAN_STOP];
+        for (int k = 0; k < n_sharers; k++) { /* decoded as far as every job that takes it reads */
+            const int64_t *ck = sharers[k]->t.chunks + shared[k] * N_CHUNK_COLS;
+            io.span_start = ck[C_SPAN_START] < io.span_start ? ck[C_SPAN_START] : io.span_start;
+            io.span_stop = ck[C_SPAN_STOP] > io.span_stop ? ck[C_SPAN_STOP] : io.span_stop;
+        }
         if (c[C_BUFFER] < 0) {
             const int64_t *f = t->files + c[C_FILE] * (F_COORDS + t->ndim);
             build_path(path, j, src, f + F_COORDS);
@@ -772,6 +955,8 @@ static void run_chunk(job *j, long long i, char *scratch, codec_ctx *ctx, kept_f
             status = io.status;
             detail = io.detail;
         }
+        for (int k = 0; k < n_sharers; k++)
+            share_out(e, w, sharers[k], shared[k], &io, scratch, tm);
     }
     __atomic_store_n(&j->detail[i], detail, __ATOMIC_RELAXED);
     __atomic_store_n(&j->status[i], status, __ATOMIC_RELEASE);
@@ -822,11 +1007,13 @@ static void run_job(engine *e, job *j, char *scratch, codec_ctx *ctx, worker_slo
         long long i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (i >= j->t.n_chunks)
             break;
+        if (__atomic_exchange_n(&j->claimed[i], 1, __ATOMIC_ACQ_REL))
+            continue; /* another job's thread took it (see "Shared"): it finishes it */
         chunk_times tm = {0};
         if (__atomic_load_n(&j->cancelled, __ATOMIC_ACQUIRE))
             __atomic_store_n(&j->status[i], ST_CANCELLED, __ATOMIC_RELEASE);
         else
-            run_chunk(j, i, scratch, ctx, &kept, &mine, &tm);
+            run_chunk(e, w, j, i, scratch, ctx, &kept, &mine, &tm);
         clock_chunk(w, &tm);
         finished++;
     }
@@ -890,7 +1077,7 @@ static void *worker(void *arg) {
                 e->used -= (long long)want;
                 pthread_cond_broadcast(&e->work_cv);
                 long long i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-                if (i < j->t.n_chunks) {
+                if (i < j->t.n_chunks && __atomic_exchange_n(&j->claimed[i], 1, __ATOMIC_ACQ_REL) == 0) {
                     pthread_mutex_unlock(&e->mu);
                     __atomic_store_n(&j->status[i], ST_NO_MEMORY, __ATOMIC_RELEASE);
                     finish_chunks(e, j, 1, w);
@@ -1055,12 +1242,15 @@ void job_cancel(engine *e, job *j) {
     pthread_rwlock_wrlock(&j->mem_lock);
     pthread_rwlock_unlock(&j->mem_lock);
     /* the chunks nobody took are finished here, so the job is done once the workers inside it are */
-    long long first = __atomic_exchange_n(&j->next, j->t.n_chunks, __ATOMIC_ACQ_REL);
-    if (first < j->t.n_chunks) {
-        for (long long i = first; i < j->t.n_chunks; i++)
-            __atomic_store_n(&j->status[i], ST_CANCELLED, __ATOMIC_RELEASE);
-        finish_chunks(e, j, j->t.n_chunks - first, NULL);
+    long long first = __atomic_exchange_n(&j->next, j->t.n_chunks, __ATOMIC_ACQ_REL), taken = 0;
+    for (long long i = first; i < j->t.n_chunks; i++) {
+        if (__atomic_exchange_n(&j->claimed[i], 1, __ATOMIC_ACQ_REL))
+            continue; /* another job's thread took it (see "Shared"): it finishes it */
+        __atomic_store_n(&j->status[i], ST_CANCELLED, __ATOMIC_RELEASE);
+        taken++;
     }
+    if (taken)
+        finish_chunks(e, j, taken, NULL);
     pthread_mutex_lock(&e->mu);
     unlink_live_locked(e, j); /* the caller holds a reference: never the last */
     pthread_mutex_unlock(&e->mu);

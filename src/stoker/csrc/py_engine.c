@@ -504,11 +504,11 @@ static PyObject *batch_job_results(BatchJobObject *self, PyObject *Py_UNUSED(ign
     long long not_placed = 0; /* counted here: a batch whose chunks were all placed needs no look at them */
     for (long long i = 0; i < n; i++)
         not_placed += ((const int32_t *)PyBytes_AS_STRING(status))[i] != ST_OK;
-    return Py_BuildValue("(NN{sLsLsLsLsLsLsLsLsLsLsL})", status, detail, "bytes_read", c.bytes_read,
+    return Py_BuildValue("(NN{sLsLsLsLsLsLsLsLsLsLsLsL})", status, detail, "bytes_read", c.bytes_read,
                          "bytes_decoded", c.bytes_decoded, "chunks_decoded", c.chunks_decoded, "chunks_filled",
                          c.chunks_filled, "read_ns", c.read_ns, "decode_ns", c.decode_ns, "place_ns", c.place_ns,
                          "fill_ns", c.fill_ns, "max_threads", c.max_threads, "files_opened", c.files_opened,
-                         "not_placed", not_placed);
+                         "chunks_shared", c.chunks_shared, "not_placed", not_placed);
 }
 
 static PyObject *batch_job_done(BatchJobObject *self, void *Py_UNUSED(closure)) {

@@ -334,6 +334,7 @@ typedef struct {
     long long read_ns, decode_ns, place_ns, fill_ns;
     long long max_threads; /* the most threads that worked on it at once */
     long long files_opened; /* opens of files tried (a shard's may stay open for a thread's next chunks of it) */
+    long long chunks_shared; /* placed from another live job's read and decode of the same stored chunk */
 } job_counters;
 
 typedef struct engine engine;
