@@ -352,11 +352,17 @@ class DiskCache:
                     return False
             _store_total(lock, total + reserve)  # counted before the file exists: a crash can only over-count
             try:
-                # subfolders are made only here, under the lock, so that eviction may remove an empty one
-                before = _allocated(parent) + _allocated(self._root) + _allocated(lock)
-                os.makedirs(parent, exist_ok=True)
+                # few system calls (each gives the GIL up, and a busy pipeline makes the writer wait to get it
+                # back): the subfolder's size says whether it is there; the root grows only when one is made
+                # (.index has its block from the first scan's count on). Subfolders are made only here, under
+                # the lock, so that eviction may remove an empty one.
+                before = _allocated(parent)
+                made = not before
+                if made:
+                    before = _allocated(self._root)
+                    os.makedirs(parent, exist_ok=True)
                 make(final)
-                grown = _allocated(final) + _allocated(parent) + _allocated(self._root) + _allocated(lock) - before
+                grown = _allocated(final) + _allocated(parent) + (_allocated(self._root) if made else 0) - before
             except OSError as exc:
                 _store_total(lock, total)
                 self._disable(exc)
