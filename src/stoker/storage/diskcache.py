@@ -234,9 +234,12 @@ class DiskCache:
         n = memoryview(data).nbytes
         if not self.writable:
             return
-        if HEADER.size + len(ident) * 4 + n > self.cache_bytes:
-            self._warn("big", f"stoker's disk cache {self.folder}: an entry of {n:,} bytes is larger than "
-                              f"cache_bytes={self.cache_bytes:,}; such values are read uncached (raise cache_bytes)")
+        block = self._block or 4096
+        if -(-(HEADER.size + len(ident) * 4 + n) // block) * block + DIR_SLACK_BLOCKS * block > self.cache_bytes:
+            self._warn("big", f"stoker's disk cache {self.folder}: an entry of {n:,} bytes takes more disk than "
+                              f"cache_bytes={self.cache_bytes:,} (in whole blocks of {block:,} bytes, and "
+                              f"{DIR_SLACK_BLOCKS} for its subfolder); such values are read uncached (raise "
+                              "cache_bytes)")
             return
         self._enqueue(ident, data, n)
 
