@@ -70,7 +70,8 @@ def test_cache_peak_samples_a_folder_being_filled_and_evicted(tmp_path):
         writer.join(60)
     assert not writer.is_alive()
     assert peak.evicted > 0 and peak.scans >= 1 and peak.reads >= 1
-    assert 0.7 * (256 << 10) < peak.scan_peak <= peak.peak_bytes <= 256 << 10
+    # the bound holds the entries in whole blocks and their subfolders (a block each): their bytes fill less
+    assert 0.5 * (256 << 10) < peak.scan_peak <= peak.blocks_peak <= 256 << 10 and peak.peak_bytes <= 256 << 10
     assert peak.largest_bytes == HEADER.size + len("key 59") + 27_700  # the last entry: its header and ident, the bytes
     assert peak.within and cache_peak_line("stoker e1", {"cache_peak": [peak]}).startswith("stoker e1: cache folder "
                                                                                              "peak ")
@@ -130,12 +131,9 @@ def test_bench_epochs_default_cache_bound_is_reported(tmp_path, capsys):
     assert found[5:7] == ("1.0", "TiB") and found[9] == "0" and nbytes(found[2], found[3]) > 1 << 20, out
 
 
-@pytest.mark.xfail(strict=True, reason="cache_bytes bounds the entries' bytes (DiskCache.size_on_disk), not the "
-                   "disk the folder takes: up to 256 subfolders of a block each, and every entry in whole blocks "
-                   "(an empty marker entry of ~100 bytes takes 4 KiB); storage/diskcache.py, not the bench's to fix")
 def test_cache_folder_in_allocated_blocks_stays_within_cache_bytes_plus_an_entry(tmp_path):
-    # many small entries, as CachingStore's markers (one per key with entries) are: their bytes fit the bound,
-    # the blocks they and their subfolders take do not
+    # many small entries, as chunks of a few hundred bytes are: their bytes fit the bound, and so must the
+    # blocks they and their subfolders take (the cache counts what the disk gives, storage/diskcache.py)
     cache = disk_cache(str(tmp_path / "c"), 256 << 10)
     with CachePeak(cache) as peak:
         for i in range(1500):

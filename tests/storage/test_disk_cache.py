@@ -178,7 +178,7 @@ def test_a_pipeline_reads_new_data_after_the_staleness_bound(s3, data, tmp_path,
 
 def _reader(args) -> tuple[int, int, int, int]:
     """One of the processes sharing a cache: reads every box of every array ``passes`` times, each checked
-    against ``want``; returns (hit bytes, miss bytes, the most the folder held, entries it evicted)."""
+    against ``want``; returns (hit bytes, miss bytes, the most disk the folder took, entries it evicted)."""
     uri, options, want, passes, seed = args
     rng = np.random.default_rng(seed)
     cache = disk_cache(os.path.abspath(options["cache_dir"]), options["cache_bytes"])
@@ -192,9 +192,9 @@ def _reader(args) -> tuple[int, int, int, int]:
                 if not np.array_equal(got, want[path][BOXES[b]]):
                     raise AssertionError(f"{path} {BOXES[b]} differs from zarr-python's read")
             kv = arr.kv
-            most = max(most, cache.size_on_disk())
+            most = max(most, cache.allocated())
     cache.flush(30)
-    most = max(most, cache.size_on_disk())
+    most = max(most, cache.allocated())
     return kv.counters.hit_bytes, kv.counters.miss_bytes, most, cache.evicted
 
 
@@ -202,11 +202,16 @@ def test_four_processes_share_one_folder_under_eviction_pressure(s3, data, tmp_p
     prefix = f"cache-{uuid.uuid4().hex[:8]}"
     values = read_tree(data)
     s3.upload(values, prefix)
-    chunk_bytes = sum(len(v) for k, v in values.items() if "/c/" in k)
-    biggest = max(len(v) for k, v in values.items() if "/c/" in k) + 512  # an entry: a value and its header
-    bound = chunk_bytes // 3  # far less than one pass reads: entries are evicted all the time
-    options = {**s3.options, **FAST, "cache_dir": str(tmp_path / "shared"), "cache_bytes": bound}
     want = {path: zarr_values(data, path) for path in ARRAYS}
+    block = os.statvfs(tmp_path).f_frsize
+    # an entry: a value and its header, in whole blocks
+    biggest = -(-(max(len(v) for k, v in values.items() if "/c/" in k) + 512) // block) * block
+    # the disk one pass's entries take (whole blocks, their subfolders'), measured; a third of it as the
+    # bound: far less than one pass reads, so entries are evicted all the time
+    one = {**s3.options, **FAST, "cache_dir": str(tmp_path / "one"), "cache_bytes": 1 << 30}
+    _reader((f"s3://{BUCKET}/{prefix}", one, want, 1, 0))
+    bound = DiskCache(one["cache_dir"], 1 << 30).allocated() // 3
+    options = {**s3.options, **FAST, "cache_dir": str(tmp_path / "shared"), "cache_bytes": bound}
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(4) as pool:
         results = pool.map(_reader, [(f"s3://{BUCKET}/{prefix}", options, want, 4, seed) for seed in range(4)],
@@ -214,8 +219,12 @@ def test_four_processes_share_one_folder_under_eviction_pressure(s3, data, tmp_p
     hits = sum(r[0] for r in results)
     assert hits > 0, results  # some reads were served from the shared folder
     assert sum(r[3] for r in results) > 0, results  # and entries were evicted under the bound
-    assert max(r[2] for r in results) <= bound + biggest, (results, bound)
-    assert DiskCache(options["cache_dir"], bound).size_on_disk() <= bound + biggest
+    assert max(r[2] for r in results) <= bound + biggest, (results, bound)  # as the disk counts it
+    shared = DiskCache(options["cache_dir"], bound)
+    assert shared.allocated() <= bound + biggest
+    # the running total all four kept under the lock never counts less than the disk holds
+    total = int.from_bytes((shared.root / ".index").read_bytes(), "little")
+    assert shared.allocated() <= total <= bound, (shared.allocated(), total, bound)
 
 
 _KILLED_WRITER = textwrap.dedent("""
@@ -303,6 +312,7 @@ def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage, reader
     _check(_read_all(uri, options, stores), data)
     assert cache.flush(30)
     entries = [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names if n != ".index"]
+    entries = [path for path in entries if os.path.getsize(path)]  # not the markers: empty files, never read
     assert entries
     for path in entries:
         with open(path, "r+b") as f:
@@ -317,6 +327,34 @@ def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage, reader
     corrupt = cache.corrupt
     _check(_read_all(uri, options, fresh), data)
     assert cache.corrupt > corrupt
+
+
+def test_markers_are_empty_files_and_still_say_which_keys_need_a_head(data, tmp_path):
+    # a key read once gets an empty marker file (no block on disk, where a full entry took 4 KiB for ~80
+    # bytes): a later wrapper HEADs exactly the keys with entries and serves them from disk, while a cold
+    # folder makes no HEAD at all
+    server = RangeServer(data)
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        arr = stoker.open_array(f"{server.url}/plain", options, stores=Stores())
+        want = zarr_values(data, "plain")
+        for box in BOXES:
+            np.testing.assert_array_equal(arr.read(box), want[box])
+        assert arr.kv.counters.revalidations == 0  # cold: nothing kept, nothing to revalidate
+        assert arr.kv.cache.flush(30)
+        files = [os.path.join(d, n) for d, _, names in os.walk(tmp_path / "cache") for n in names if n != ".index"]
+        markers = [f for f in files if os.path.getsize(f) == 0]
+        chunks = (SHAPE[0] // 16) * (SHAPE[1] // 16)
+        assert len(markers) >= chunks and len(files) - len(markers) == chunks  # a marker each, and the folder's
+        assert all(os.lstat(f).st_blocks == 0 for f in markers)
+        again = stoker.open_array(f"{server.url}/plain", options, stores=Stores())
+        asked = server.requests
+        for box in BOXES:
+            np.testing.assert_array_equal(again.read(box), want[box])
+        assert again.kv.counters.revalidations == chunks == server.requests - asked  # a HEAD a kept key
+        assert again.kv.counters.miss_bytes == 0 and again.kv.counters.hit_bytes > 0
+    finally:
+        server.stop()
 
 
 def test_revalidations_of_many_prefetches_are_in_flight_together(data, tmp_path):

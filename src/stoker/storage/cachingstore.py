@@ -21,7 +21,8 @@ has another generation, so its old entries are never served (they age out). :met
 learnt, so the next read of every key revalidates (``open_array`` outside a pipeline does it at each open;
 a pipeline has its own wrapper, so it revalidates when it starts). A key whose generation the store cannot
 state (no ETag, no Last-Modified) is never cached. A key of which nothing was ever kept needs no HEAD (an
-empty *marker* entry says which keys have entries), so a cold cache costs the requests an uncached read does.
+empty *marker* file, :meth:`DiskCache.mark <stoker.storage.diskcache.DiskCache.mark>`, says which keys have
+entries: a name, no block on disk), so a cold cache costs the requests an uncached read does.
 """
 
 from __future__ import annotations
@@ -374,7 +375,7 @@ class CachingStore:
         return out, head, pages
 
     def _marker(self, key: str) -> str:
-        """The ident of the empty entry that says entries of ``key`` may be kept."""
+        """The ident of the empty marker file that says entries of ``key`` may be kept."""
         return f"{self.uri}\n{key}\nkept"
 
     def _learn(self, key: str, generation: Any, when: float) -> Any:
@@ -592,10 +593,10 @@ class CachingStore:
                 folder = None
             if folder is not None:
                 self._marked.add(folder)
-        if not marked:
-            self.cache.put(self._marker(key), b"")
+        if not marked:  # an empty file: no block on disk (DiskCache.mark)
+            self.cache.mark(self._marker(key))
         if folder is not None:  # entries of its array kept: its next open lists it (see opened)
-            self.cache.put(self._marker(folder), b"")
+            self.cache.mark(self._marker(folder))
 
     def _opened_of(self, key: str) -> str | None:
         """Under the lock: the opened prefix ``key`` is under, with its "/" (None: none)."""

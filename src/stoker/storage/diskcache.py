@@ -10,12 +10,21 @@ is never served) and the bytes. Rules that make one folder safe for many process
 - **Written once, never seen partial**: written to a temporary sibling, flushed and renamed
   (:func:`~stoker.storage.fsutil.replace_atomically`); readers open the final name only. Not fsynced: an
   entry a crash left short or stale fails its checksum (below) and is fetched again.
-- **Bounded**: every write takes the folder's lock (``fcntl.flock`` on ``v1/.index``, bounded wait), makes
-  room, writes and adds its size to the total kept in that file, so the entries and the one being written
-  never exceed ``cache_bytes``. Making room scans the folder and unlinks the least recently used entries
-  (by mtime, which a hit refreshes) down to 90% of the bound, so scans are rare. Each process scans once
-  before its first write, so a total left wrong by a crash is corrected (and dead writers' temporary files
-  removed).
+- **Bounded, as the disk counts**: every write takes the folder's lock (``fcntl.flock`` on ``v1/.index``,
+  bounded wait), makes room, writes and adds what it took to the total kept in that file, so the folder
+  never takes more than ``cache_bytes`` of disk. The total counts *allocated* space (``st_blocks``, as ``du``
+  and a full disk see it): every entry in whole blocks (a 100-byte entry takes 4 KiB), the subfolders, the
+  ``.index`` file. A write reserves its entry's size rounded up to the block plus :data:`DIR_SLACK_BLOCKS`
+  blocks (its subfolder made or grown) before it writes, then counts what the files and folders it touched
+  grew by. Making room scans the folder and unlinks the least recently used entries (by mtime, which a hit
+  refreshes) down to 90% of the bound, so scans are rare; a subfolder it empties is removed (its block
+  freed; subfolders are made only under the lock). Each process scans once before its first write, so a
+  total left wrong by a crash (or by an older stoker, which counted bytes) is corrected, and dead writers'
+  temporary files removed.
+- **Markers are empty files** (:meth:`DiskCache.mark`): a name that only says "something was kept" (what
+  :class:`~stoker.storage.cachingstore.CachingStore` asks before a HEAD) takes no block, only a name in its
+  subfolder (counted as the subfolder grows). :meth:`DiskCache.has` looks at either kind; a marker of an
+  older stoker (a full entry with no payload) is still one.
 - **Eviction never breaks a read**: it unlinks; a reader that opened the file keeps reading it, one that
   comes after finds no entry (a miss).
 - **Corruption is a miss**: a short file, a bad header or a checksum mismatch is removed and reported as
@@ -50,7 +59,7 @@ import crc32c
 from .. import checks
 from ..errors import InvalidArgument, ShutdownError, ThreadStartError
 from ..runtime.workers import DaemonPool
-from .fsutil import is_temp_path, remove_dead_temp_files, replace_atomically, writer_gone
+from .fsutil import remove_dead_temp_files, replace_atomically
 
 #: The entry header: magic, crc32c of ident + payload, ident length, payload length.
 HEADER = struct.Struct("<6sHIIQ")
@@ -61,6 +70,9 @@ QUEUE_BYTES = 256 << 20
 LOCK_WAIT_S = 10.0
 #: Making room evicts down to this share of ``cache_bytes``, so a scan serves many writes.
 LOW_WATER = 0.9
+#: Blocks a write reserves beyond its entry's: a subfolder made (one) and grown (ext4 turns a directory past one
+#: block into an indexed one of three), so what it adds never passes what it made room for.
+DIR_SLACK_BLOCKS = 3
 _ENTRY = re.compile(r"[0-9a-f]{32}")
 _LAYOUT = "v1"
 #: Threads per folder and process that read hits for CachingStore.start_get_many (its HEADs are not waited for
@@ -123,6 +135,7 @@ class DiskCache:
         self._warned: set[str] = set()
         self._thread: threading.Thread | None = None
         self._readers: DaemonPool | None = None
+        self._block = 0  # the file system's allocation unit (statvfs f_frsize), learnt at the first write
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -221,10 +234,27 @@ class DiskCache:
         n = memoryview(data).nbytes
         if not self.writable:
             return
-        if HEADER.size + len(ident) * 4 + n > self.cache_bytes:
-            self._warn("big", f"stoker's disk cache {self.folder}: an entry of {n:,} bytes is larger than "
-                              f"cache_bytes={self.cache_bytes:,}; such values are read uncached (raise cache_bytes)")
+        block = self._block or 4096
+        if -(-(HEADER.size + len(ident) * 4 + n) // block) * block + DIR_SLACK_BLOCKS * block > self.cache_bytes:
+            self._warn("big", f"stoker's disk cache {self.folder}: an entry of {n:,} bytes takes more disk than "
+                              f"cache_bytes={self.cache_bytes:,} (in whole blocks of {block:,} bytes, and "
+                              f"{DIR_SLACK_BLOCKS} for its subfolder); such values are read uncached (raise "
+                              "cache_bytes)")
             return
+        self._enqueue(ident, data, n)
+
+    def mark(self, ident: str) -> None:
+        """Queue an empty *marker* file to be made under ``ident``: no bytes, so no block on disk, only its
+        name; :meth:`has` finds it (and ``get`` never serves it). What a caller keeps to remember that some
+        entries of a thing may be stored, where their idents cannot be known in advance.
+
+        >>> cache.mark("s3://bkt\nc/0/1\nkept"); cache.flush(); cache.has("s3://bkt\nc/0/1\nkept")
+        True
+        """
+        if self.writable:
+            self._enqueue(ident, None, len(ident))  # its queue cost: the ident it holds
+
+    def _enqueue(self, ident: str, data, n: int) -> None:
         with self._cond:
             if self._queued + n > QUEUE_BYTES:
                 self.dropped += 1
@@ -256,12 +286,15 @@ class DiskCache:
                 ident, data = self._queue.popleft()
                 self._busy = True
             try:
-                self.write(ident, data)
+                if data is None:
+                    self.write_marker(ident)
+                else:
+                    self.write(ident, data)
             except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
                 self._disable(exc)
             finally:
                 with self._cond:
-                    self._queued -= memoryview(data).nbytes
+                    self._queued -= len(ident) if data is None else memoryview(data).nbytes
                     left = self._pending.pop(ident, 1) - 1
                     if left:
                         self._pending[ident] = left
@@ -277,9 +310,29 @@ class DiskCache:
         size = HEADER.size + len(name) + payload.nbytes
         if size > self.cache_bytes:
             return False
-        final = self.path(ident)
+        crc = crc32c.crc32c(payload, crc32c.crc32c(name))
+        header = HEADER.pack(MAGIC, 0, crc, len(name), payload.nbytes)
+        # no fsync (two a write held the writer to a few entries a second on a busy disk, and a first epoch's
+        # entries past QUEUE_BYTES were dropped): an entry a crash left short or stale fails its checksum at
+        # its next read, is removed and fetched again
+        return self._place(ident, size, lambda final: replace_atomically(
+            Path(final), lambda f: (f.write(header), f.write(name), f.write(payload)), durable=False))
+
+    def write_marker(self, ident: str) -> bool:
+        """Make the empty marker file of ``ident`` now (see :meth:`mark`); True when made."""
+        if not self.writable:
+            return False
+        return self._place(ident, 0, _create_empty)
+
+    def _place(self, ident: str, size: int, make: Callable[[str], object]) -> bool:
+        """Under the folder's lock: make room for a file of ``size`` bytes in whole blocks and the growth of
+        its subfolder, ``make(path)`` it at ``ident``'s name, and count what the disk gave it."""
+        final = self._path(ident)
+        parent = os.path.dirname(final)
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
+            os.makedirs(self._root, exist_ok=True)
+            if not self._block:
+                self._block = max(512, os.statvfs(self._root).f_frsize or 4096)
             lock = os.open(self.root / ".index", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
         except OSError as exc:
             self._disable(exc)
@@ -287,25 +340,38 @@ class DiskCache:
         try:
             if not _lock(lock, LOCK_WAIT_S):
                 return False  # a process holds it that long (a hung disk?): this entry stays unwritten
-            if os.path.exists(final):
+            if os.path.lexists(final):
                 return False  # another process wrote it meanwhile
+            block = self._block
+            reserve = -(-size // block) * block + DIR_SLACK_BLOCKS * block
+            if reserve > self.cache_bytes:
+                return False
             total = self._total(lock)
-            if not self._scanned or total + size > self.cache_bytes:
-                total = self._evict(size)
+            if not self._scanned or total + reserve > self.cache_bytes:
+                total = self._evict(reserve)
                 self._scanned = True
-            crc = crc32c.crc32c(payload, crc32c.crc32c(name))
-            header = HEADER.pack(MAGIC, 0, crc, len(name), payload.nbytes)
-            _store_total(lock, total + size)  # counted before the file exists: a crash can only over-count
+                if total + reserve > self.cache_bytes:  # what cannot be evicted (the folders) leaves no room
+                    _store_total(lock, total)
+                    return False
+            _store_total(lock, total + reserve)  # counted before the file exists: a crash can only over-count
             try:
-                # no fsync (two a write held the writer to a few entries a second on a busy disk, and a
-                # first epoch's entries past QUEUE_BYTES were dropped): an entry a crash left short or stale
-                # fails its checksum at its next read, is removed and fetched again
-                replace_atomically(final, lambda f: (f.write(header), f.write(name), f.write(payload)),
-                                   durable=False)
+                # few system calls (each gives the GIL up, and a busy pipeline makes the writer wait to get it
+                # back): the subfolder's size says whether it is there; the root grows only when one is made
+                # (.index has its block from the first scan's count on). Subfolders are made only here, under
+                # the lock, so that eviction may remove an empty one.
+                before = _allocated(parent)
+                made = not before
+                if made:
+                    before = _allocated(self._root)
+                    os.makedirs(parent, exist_ok=True)
+                make(final)
+                grown = _allocated(final) + _allocated(parent) + (_allocated(self._root) if made else 0) - before
             except OSError as exc:
                 _store_total(lock, total)
                 self._disable(exc)
                 return False
+            # what the disk gave, measured: at most the reservation on ext4 and xfs, the truth elsewhere too
+            _store_total(lock, total + max(0, grown))
             self.written += 1
             return True
         finally:
@@ -317,33 +383,47 @@ class DiskCache:
 
     def _evict(self, incoming: int) -> int:
         """Scan the folder (under the lock); unlink least recently used entries until ``incoming`` more bytes fit
-        under the low water mark; remove dead writers' temporary files. Returns the bytes left."""
-        entries: list[tuple[float, int, str]] = []
-        total = 0
+        under the low water mark; remove the subfolders that leaves empty and dead writers' temporary files.
+        Returns the space the folder takes then, allocated (entries, temporary files, folders, ``.index``)."""
+        entries: list[tuple[float, int, str, str]] = []
+        total = _allocated(self._root)
+        folders: dict[str, list[int]] = {}  # subfolder -> [its own allocation, names in it]
         try:
-            folders = [e.path for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+            listing = list(os.scandir(self.root))
         except OSError:
-            folders = []
-        for folder in folders:
-            remove_dead_temp_files(folder)
+            listing = []
+        for e in listing:
             try:
-                listing = list(os.scandir(folder))
+                if e.is_dir(follow_symlinks=False):
+                    folders[e.path] = [0, 0]
+                elif e.name == ".index":  # its block, even before its first write gives it one
+                    total += max(_allocated_of(e.stat(follow_symlinks=False)), self._block)
+                else:
+                    total += _allocated_of(e.stat(follow_symlinks=False))  # anything else kept here
             except OSError:
                 continue
-            for e in listing:
+        for folder, counts in folders.items():
+            remove_dead_temp_files(folder)
+            try:
+                names = list(os.scandir(folder))
+                counts[0] = _allocated(folder)
+            except OSError:
+                continue
+            total += counts[0]
+            for e in names:
                 try:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
+                counts[1] += 1
+                held = _allocated_of(st)
+                total += held  # entries, markers (none), live writers' temporary files, anything else
                 if _ENTRY.fullmatch(e.name):
-                    entries.append((st.st_mtime, st.st_size, e.path))
-                    total += st.st_size
-                elif is_temp_path(e.path) and not writer_gone(e.path):
-                    total += st.st_size  # a live writer's (another machine's, on a shared folder)
+                    entries.append((st.st_mtime, held, e.path, folder))
         target = min(int(self.cache_bytes * LOW_WATER), self.cache_bytes - incoming)
         if total + incoming > self.cache_bytes:
             entries.sort()
-            for _, size, path in entries:
+            for _, held, path, folder in entries:
                 if total + incoming <= target:
                     break
                 try:
@@ -352,8 +432,16 @@ class DiskCache:
                     pass
                 except OSError:
                     continue
-                total -= size
+                total -= held
                 self.evicted += 1
+                counts = folders[folder]
+                counts[1] -= 1
+                if counts[1] == 0:
+                    try:
+                        os.rmdir(folder)  # emptied: its block freed (a write makes it again, under the lock)
+                        total -= counts[0]
+                    except OSError:
+                        pass  # something came into it: it stays, and stays counted
         return total
 
     def _disable(self, exc: BaseException) -> None:
@@ -368,8 +456,14 @@ class DiskCache:
             self._warned.add(kind)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
+    def allocated(self) -> int:
+        """The disk the folder's ``v1`` takes now in allocated blocks, folders included (a scan, as ``du``):
+        what ``cache_bytes`` bounds."""
+        return allocated_on_disk(self._root)
+
     def size_on_disk(self) -> int:
-        """The bytes of every entry and temporary file in the folder now (a scan; for checks and tests)."""
+        """The bytes of every entry and temporary file in the folder now (a scan; for checks and tests; the
+        bound is on :meth:`allocated`, which is more)."""
         total = 0
         for folder, _, names in os.walk(self.root):
             for name in names:
@@ -379,6 +473,42 @@ class DiskCache:
                     except OSError:
                         pass
         return total
+
+
+def allocated_on_disk(root: str | os.PathLike) -> int:
+    """The disk ``root`` and everything under it takes, in allocated blocks as ``du`` counts them (for checks
+    and tests; what :class:`DiskCache` keeps within ``cache_bytes`` for its ``root``)."""
+    total = _allocated(os.fspath(root))
+    for folder, dirs, names in os.walk(root):
+        for name in (*dirs, *names):
+            try:
+                total += _allocated_of(os.lstat(os.path.join(folder, name)))
+            except OSError:
+                pass
+    return total
+
+
+def _allocated_of(st: os.stat_result) -> int:
+    """What a file or folder takes on disk: its blocks, or its size where a file system reports fewer blocks
+    than bytes (some FUSE and network ones report none), so a bound in blocks is never one in nothing."""
+    return max(st.st_blocks * 512, st.st_size if not stat.S_ISDIR(st.st_mode) else 0)
+
+
+def _allocated(path: str | int) -> int:
+    """:func:`_allocated_of` a path (or an open descriptor); 0 when it is not there."""
+    try:
+        return _allocated_of(os.fstat(path) if isinstance(path, int) else os.lstat(path))
+    except OSError:
+        return 0
+
+
+def _create_empty(path: str) -> None:
+    """Make the empty file ``path`` (exclusive, not through a link): one step, so never seen partial."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                         0o666))
+    except FileExistsError:
+        pass  # made meanwhile (by a writer not taking the lock): the same marker
 
 
 def read_file(path: str, max_bytes: int) -> bytes | None:

@@ -1,0 +1,113 @@
+"""The disk cache's bound as the disk counts it (allocated blocks, as ``du`` and a full disk see them): every
+entry in whole blocks, its subfolders and ``.index`` included; markers are empty files that take no block;
+eviction removes the subfolders it empties; a folder an older stoker left (byte totals, full-entry markers)
+is brought within the bound by the first write."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import crc32c
+import pytest
+
+from stoker.storage.diskcache import HEADER, MAGIC, DiskCache
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def du(root) -> int:
+    """What ``root`` and everything under it takes on disk, as ``du`` counts (measured here, not by the cache)."""
+    total = os.lstat(root).st_blocks * 512
+    for folder, dirs, names in os.walk(root):
+        total += sum(os.lstat(os.path.join(folder, n)).st_blocks * 512 for n in (*dirs, *names))
+    return total
+
+
+def _total(cache: DiskCache) -> int:
+    return struct.unpack("<Q", (cache.root / ".index").read_bytes())[0]
+
+
+def test_every_write_keeps_the_folder_within_cache_bytes_in_blocks(tmp_path):
+    # small entries (as chunks of a few hundred bytes are) and larger ones, well past the bound: after every write the folder, as the disk counts it, is within cache_bytes, not even one entry over,
+    # and the running total every process reads never counts less than the disk holds
+    bound = 256 << 10
+    cache = DiskCache(str(tmp_path / "c"), bound)
+    for i in range(600):
+        assert cache.write(f"entry {i}", os.urandom(100 if i % 2 else 5_000))
+        on_disk = du(cache.root)
+        assert on_disk <= _total(cache) <= bound, (i, on_disk, _total(cache))
+    assert cache.evicted > 300  # under pressure all along
+    assert du(cache.root) > 0.5 * bound
+    assert du(cache.root) == cache.allocated()
+
+
+def test_markers_count_as_the_disk_counts_them(tmp_path):
+    # markers among small entries: the bound holds with them, and they add no blocks of their own
+    bound = 128 << 10
+    cache = DiskCache(str(tmp_path / "c"), bound)
+    for i in range(300):
+        assert cache.write_marker(f"marker {i}") if i % 2 else cache.write(f"entry {i}", b"e" * 100)
+        assert du(cache.root) <= _total(cache) <= bound, i
+    files = [os.path.join(f, n) for f, _, names in os.walk(cache.root) for n in names if n != ".index"]
+    assert any(os.path.getsize(f) == 0 for f in files) and any(os.path.getsize(f) > 0 for f in files)
+    assert all(os.lstat(f).st_blocks == 0 for f in files if os.path.getsize(f) == 0)
+
+
+def test_markers_are_empty_files_that_take_no_block(tmp_path):
+    cache = DiskCache(str(tmp_path / "c"), 1 << 20)
+    cache.mark("s3://bkt\nc/0/1\nkept")
+    assert cache.flush(10)
+    path = cache.path("s3://bkt\nc/0/1\nkept")
+    st = os.lstat(path)
+    assert st.st_size == 0 and st.st_blocks == 0
+    assert cache.has("s3://bkt\nc/0/1\nkept") and not cache.has("s3://bkt\nc/0/2\nkept")
+    assert cache.written == 1
+    cache.mark("s3://bkt\nc/0/1\nkept")  # again: already there, nothing written
+    assert cache.flush(10) and cache.written == 1
+
+
+def test_eviction_removes_the_subfolders_it_empties(tmp_path):
+    # 256 possible subfolders of a block each would alone pass a 64 KiB bound; those eviction empties go
+    block = os.statvfs(tmp_path).f_frsize
+    cache = DiskCache(str(tmp_path / "c"), 64 << 10)
+    for i in range(200):
+        cache.write(f"entry {i}", b"e" * 200)
+        assert du(cache.root) <= 64 << 10
+    subfolders = [e for e in os.scandir(cache.root) if e.is_dir()]
+    entries = [n for f in subfolders for n in os.listdir(f.path)]
+    assert 0 < len(subfolders) <= len(entries) <= (64 << 10) // block
+    assert all(os.listdir(f.path) for f in subfolders)  # none left empty
+    assert cache.get("entry 199") is not None
+
+
+def _old_entry(path: str, ident: str, payload: bytes) -> None:
+    name = ident.encode()
+    crc = crc32c.crc32c(payload, crc32c.crc32c(name))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(HEADER.pack(MAGIC, 0, crc, len(name), len(payload)) + name + payload)
+
+
+def test_a_folder_an_older_stoker_left_is_brought_within_the_bound(tmp_path):
+    # an older stoker counted bytes: its folder holds entries and full-entry markers (a header and ident, no
+    # payload) in 4 KiB blocks each, far past the bound in blocks, and a byte total in .index that says it fits
+    bound = 128 << 10
+    old = DiskCache(str(tmp_path / "c"), bound)
+    written = 0
+    for i in range(80):
+        ident = f"old {i}" if i % 2 else f"s3://bkt\nk{i}\nkept"
+        payload = b"o" * 300 if i % 2 else b""
+        _old_entry(str(old.path(ident)), ident, payload)
+        written += HEADER.size + len(ident) + len(payload)
+    (old.root / ".index").write_bytes(struct.pack("<Q", written))
+    assert written < bound < du(old.root)
+    cache = DiskCache(str(tmp_path / "c"), bound)  # a process of this version: its first write scans
+    assert cache.write("new", b"n" * 1000)
+    assert du(cache.root) <= _total(cache) <= bound
+    assert bytes(cache.get("new")) == b"n" * 1000
+    # what eviction left of the old folder is still served: entries read, old markers found
+    kept = [i for i in range(1, 80, 2) if cache.path(f"old {i}").exists()]
+    assert kept and all(bytes(cache.get(f"old {i}")) == b"o" * 300 for i in kept)
+    markers = [i for i in range(0, 80, 2) if cache.path(f"s3://bkt\nk{i}\nkept").exists()]
+    assert all(cache.has(f"s3://bkt\nk{i}\nkept") for i in markers)
