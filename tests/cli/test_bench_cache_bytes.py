@@ -21,7 +21,7 @@ SIZE = r"(\d+\.\d) (KiB|MiB|GiB|TiB)"
 PEAK = (rf"^(EXCEEDED: )?stoker e(\d): cache folder peak {SIZE} (<=|>) cache_bytes {SIZE} \+ largest entry {SIZE}; "
         rf"(\d+) entries evicted; running total read (\d+) times in \d+\.\d\d s \(peak {SIZE}\), (\d+) full scans "
         rf"\(peak {SIZE}; \d+ left out: an eviction ran during them\); sampler CPU \d+ ms, left out of the peer's; "
-        rf"in allocated blocks \(as du counts\) peak {SIZE}( OVER cache_bytes \+ largest entry \(.*\))?$")
+        rf"in allocated blocks \(as du counts\) peak {SIZE}( OVER cache_bytes \+ largest entry)?$")
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 

@@ -55,7 +55,7 @@ class CachePeak:
     and one after the block: the truth the total is checked against), the largest file seen, the entries
     evicted meanwhile, and the sampler's own CPU seconds (``cpu_s``, to leave out of the peer's). The scans also
 give the peak of the blocks the folder holds (``blocks_peak``: files and folders in whole blocks, as ``du``
-counts), which the bound (the entries' bytes, as ``DiskCache.size_on_disk`` counts them) does not cover.
+counts), which is what the cache bounds: its running total counts allocated blocks, folders included.
 
     A scan is not atomic: one that an eviction overlapped may count an evicted entry beside a later one, bytes
     never on disk together, so a scan during which this process's cache evicted (``DiskCache.evicted``
@@ -155,7 +155,7 @@ counts), which the bound (the entries' bytes, as ``DiskCache.size_on_disk`` coun
                         size = st.st_size
                     except OSError:  # evicted, or a temporary file renamed, since listed
                         continue
-                    blocks += st.st_blocks * 512  # what the disk gives it: whole blocks (4 KiB for a marker)
+                    blocks += st.st_blocks * 512  # what the disk gives it: whole blocks (none for an empty marker)
                     if entry.name != TOTAL_FILE:  # the accounting, not cached bytes (as DiskCache.size_on_disk)
                         total += size
                         largest = max(largest, size)
@@ -264,8 +264,7 @@ def cache_peak_line(peer: str, extra: dict) -> str | None:
             f"sampler CPU {worst.cpu_s * 1e3:.0f} ms, left out of the peer's; in allocated blocks (as du counts) "
             f"peak {_size(max(p.blocks_peak for p in peaks))}"
             + ("" if all(p.blocks_within for p in peaks) else
-               " OVER cache_bytes + largest entry (cache_bytes counts the entries' bytes: not the folders' blocks, "
-               "nor the rest of each small entry's last block)"))
+               " OVER cache_bytes + largest entry"))
 
 
 def hit_rate(extra: dict) -> float | None:
