@@ -844,3 +844,95 @@ def test_damaged_files_fail_with_the_cpu_path_s_typed_error(tmp_path, monkeypatc
     if key is not None:  # the chunk, by its key (an inner chunk: its shard's key and index) or its file's path
         assert key in str(gpu) or os.path.join(*key.split("/")) in str(gpu), gpu
     assert str(tmp_path / "a.zarr") in str(gpu)
+
+
+_OUT_OF_DESCRIPTORS = r"""
+import os, resource, sys
+import numpy as np, torch, zarr
+import stoker
+from stoker.engine.gpu import native_reads
+from stoker.engine.gpu.executor import GpuDecodeExecutor
+from stoker.engine.pipeline import facade as pipelines
+
+uri, executor, when = sys.argv[1:]
+if executor == "gpu":
+    pipelines.make_executor = lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store)
+held = []
+
+def exhaust():  # every descriptor the limit leaves taken: the next open is EMFILE, a stat still works
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8,
+                                                resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+
+def release():
+    while held:
+        os.close(held.pop())
+
+if when == "transient":  # descriptors freed once the compiled reads failed (their other user closed them)
+    compiled = native_reads.read
+    def read(*args):
+        try:
+            return compiled(*args)
+        finally:
+            release()
+    native_reads.read = read
+cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=2, host_buffer_bytes=64 << 20,
+                    device_buffer_bytes=64 << 20, pop_timeout_s=20)
+with stoker.Pipeline(cfg) as p:
+    p.push([stoker.Sample(uri, [(0, 8), (0, 32), (0, 32)])])
+    with p.pop():  # the array opened, its metadata read: only chunk files are opened from here on
+        pass
+    exhaust()  # (before the push: its batch is read as soon as it is pushed)
+    p.push([stoker.Sample(uri, [(8, 16), (0, 32), (0, 32)])])
+    try:
+        with p.pop() as b:
+            release()
+            same = np.array_equal(torch.from_dlpack(b).numpy()[0], zarr.open_array(uri, mode="r")[8:16])
+            print("batch", same)
+    except stoker.StokerError as exc:
+        release()
+        print(type(exc).__name__, isinstance(exc, OSError), getattr(exc, "path", None))
+        print(exc)
+"""
+
+
+def _out_of_descriptors(uri: str, executor: str, when: str) -> list[str]:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _OUT_OF_DESCRIPTORS, uri, executor, when], capture_output=True,
+                         text=True, timeout=100, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+@pytest.mark.timeout(240)
+def test_a_chunk_file_the_system_will_not_open_is_the_cpu_path_s_storage_error(tmp_path):
+    # EMFILE (as EACCES, EIO) on open while stat works: the compiled read's OS error is read again the Python
+    # way, which raises the store's StorageError naming the file and the system's words, as the CPU path does
+    from stoker.engine.gpu import native_reads
+
+    if not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    _write(tmp_path / "a.zarr", (16, 32, 32), (8, 16, 16), "uint16", ZstdCodec(level=3))
+    uri = str(tmp_path / "a.zarr")
+    cpu, gpu = (_out_of_descriptors(uri, executor, "exhausted") for executor in ("cpu", "gpu"))
+    assert cpu[0].split()[:2] == gpu[0].split()[:2] == ["StorageError", "True"], (cpu, gpu)
+    chunk_files = {os.path.join(uri, "c", "1", "0", k) for k in ("0", "1")}
+    assert gpu[0].split()[2] in chunk_files and gpu[0].split()[2] in gpu[1], gpu
+    assert os.strerror(24) in gpu[1], gpu  # EMFILE: "Too many open files"
+
+
+@pytest.mark.timeout(240)
+def test_a_chunk_file_the_system_opens_again_once_it_can_is_read(tmp_path):
+    # descriptors run out for the compiled reads only: the Python read that follows them reads the chunk
+    from stoker.engine.gpu import native_reads
+
+    if not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    _write(tmp_path / "a.zarr", (16, 32, 32), (8, 16, 16), "uint16", ZstdCodec(level=3))
+    assert _out_of_descriptors(str(tmp_path / "a.zarr"), "gpu", "transient") == ["batch True"]

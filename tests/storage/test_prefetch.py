@@ -499,3 +499,54 @@ def test_prefetched_ranges_a_gap_apart_are_not_merged(http, data):
         assert kv.buffer.counters.used == 4
     finally:
         store.close()
+
+
+class _BreaksOnce:
+    """A user's sample iterator that raises at its 17th ``next()`` (a KeyError: a broken sampler), and would
+    give more samples if asked again; counts the calls made after it raised."""
+
+    def __init__(self, uri: str, boxes: list) -> None:
+        self.uri, self.boxes, self.calls, self.after = uri, boxes, 0, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.calls += 1
+        if self.calls == 17:
+            raise KeyError("source broke")
+        if self.calls > 17:
+            self.after += 1
+        if self.calls > len(self.boxes):
+            raise StopIteration
+        return stoker.Sample(self.uri, self.boxes[self.calls - 1])
+
+
+def test_nothing_is_pulled_from_any_source_once_one_raised(http):
+    # Batches of remote arrays are pulled several at a time: the one that meets the source's error ends the
+    # pulling, as one batch at a time does. The broken source is not asked again, a source pushed behind it
+    # (the next epoch's sampler) is dropped unread, and the consumer gets the batches before it, then the error.
+    http.latency_s = 0.02
+    boxes = _boxes(40)
+    broken = _BreaksOnce(f"{http.url}/plain", boxes)
+    behind = []
+
+    def next_epoch():
+        for box in boxes:
+            behind.append(box)
+            yield stoker.Sample(f"{http.url}/plain", box)
+
+    want = zarr_values(http.root, "plain")
+    with stoker.Pipeline(_config({http.url + "/": FAST})) as p:
+        p.push(broken)
+        p.push(next_epoch())
+        for k in range(4):
+            got = _pop(p)
+            for j in range(4):
+                assert np.array_equal(got[j], _crop(want, boxes[4 * k + j]))
+        with pytest.raises(stoker.InvalidArgument, match="source broke") as raised:
+            p.pop()
+        assert isinstance(raised.value.__cause__, KeyError), raised.value.__cause__
+        time.sleep(0.5)  # (the coordinator's rounds after the error: none may pull)
+    assert broken.calls == 17 and broken.after == 0, broken.calls
+    assert behind == []

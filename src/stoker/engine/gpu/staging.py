@@ -261,10 +261,10 @@ class Stager:
         out, _, _ = native_reads.read(buf, paths, idents, table, group.pos + int(span.sum()), self.pool.threads)
         again, got = self._native_ranged(plan, sources, reads, i, lo, buf, group, files, counts, out[:len(heads)],
                                          runs, paths, local)
-        fills, got_whole = self._native_whole(plan, sources, whole, buf, group, out[len(heads):],
-                                              [paths[k] for k in local[len(heads):].tolist()])
+        fills, got_whole, again_whole = self._native_whole(plan, sources, whole, buf, group, out[len(heads):],
+                                                           [paths[k] for k in local[len(heads):].tolist()], counts)
         self._counted(t0, got + got_whole, counts)
-        return fills, again
+        return fills, again + again_whole
 
     def _native_ranged(self, plan, sources, reads: ReadPlan, i: int, e: int, buf, group: Group, files, counts, out,
                        runs, paths, local) -> tuple[list[Pending], int]:
@@ -283,11 +283,15 @@ class Stager:
         got[status == native_reads.ST_CHANGED] = -1
         return self._runs_read(plan, sources, reads, i, e, group, files, counts, got, runs)
 
-    def _native_whole(self, plan, sources, cids, buf, group: Group, out, paths) -> tuple[list[int], int]:
+    def _native_whole(self, plan, sources, cids, buf, group: Group, out, paths,
+                      counts) -> tuple[list[int], int, list[Pending]]:
         """The whole chunk files the compiled call read added to ``group`` (a fixed number of steps; Python
-        per chunk only for those that failed); returns the missing ones (filled) and the bytes read."""
+        per chunk only for those that failed); returns the missing ones (filled), the bytes read and those read
+        again the Python way (to stage): the files the compiled read failed on with an error of the store's own
+        (an OS error, not a regular file), which that read raises, or reads once the file is back to health."""
         status, size, at, got = (out[:, j] for j in range(4))
-        bad = np.flatnonzero((status != native_reads.ST_OK) & (status != native_reads.ST_MISSING))
+        hard = (native_reads.ST_TOO_BIG, native_reads.ST_CHANGED, native_reads.ST_SHORT)
+        bad = np.flatnonzero(np.isin(status, hard))
         for k in bad[:1].tolist():  # the first failure raises, as the Python path would
             cid = int(cids[k])
             reader = plan.sources[int(plan.chunk_source[cid])]
@@ -295,12 +299,17 @@ class Stager:
                 reader.metadata.codec.check_stored_size(int(size[k]), plan.key(cid))
                 placed = (at + got)[:k][status[:k] == native_reads.ST_OK]  # the files placed before it
                 _fit(reader, plan, cid, int(size[k]), len(buf) - int(placed.max(initial=group.pos)))
-            elif status[k] != native_reads.ST_CHANGED and status[k] != native_reads.ST_SHORT:
-                looked = self._size(paths[k])  # the store's own error (not regular, an OS error), if any
-                if isinstance(looked, BaseException):
-                    raise looked
             raise DecodeError(f"{reader.uri}: chunk {plan.key(cid)!r} changed while it was read",
                               uri=reader.uri, key=plan.key(cid))
+        missing = cids[status == native_reads.ST_MISSING].tolist()
+        again: list[Pending] = []
+        retry = np.flatnonzero((status != native_reads.ST_OK) & (status != native_reads.ST_MISSING))
+        for k in retry.tolist():  # (the detail, an errno or a file type, is the Python read's to word)
+            item = self._whole_again(plan, sources, int(cids[k]), paths[k], counts)
+            if item is None:
+                missing.append(int(cids[k]))  # gone since: nothing stored there now
+            else:
+                again.append(item)
         ok = status == native_reads.ST_OK
         if np.any(ok & (got != size)):  # (a read cut short reports ST_SHORT: never here)
             k = int(np.flatnonzero(ok & (got != size))[0])
@@ -314,7 +323,25 @@ class Stager:
         if np.any(ok):
             group.pos = int(at[ok][-1] + got[ok][-1])
         group.end += int(nbytes.sum())
-        return cids[status == native_reads.ST_MISSING].tolist(), int(got[ok].sum())
+        return missing, int(got[ok].sum()), again
+
+    def _whole_again(self, plan, sources, cid: int, path: str, counts) -> Pending | None:
+        """The chunk file at ``path`` read the Python way (the store's own error for what cannot be read);
+        ``None`` when there is no file now."""
+        t0 = time.perf_counter()
+        f = self.store.open_file(path)
+        if f is None:
+            return None
+        reader = plan.sources[int(plan.chunk_source[cid])]
+        with f:
+            reader.metadata.codec.check_stored_size(f.size, plan.key(cid))
+            data = np.empty(f.size, np.uint8)
+            if f.read_into(memoryview(data), 0) != f.size:
+                raise DecodeError(f"{reader.uri}: chunk {plan.key(cid)!r} changed while it was read",
+                                  uri=reader.uri, key=plan.key(cid))
+        self._counted(t0, len(data), counts)
+        src = sources[int(plan.chunk_source[cid])]
+        return Pending(cid, src.how, data, src.nbytes)
 
     def _again(self, plan, sources, cids, files, counts) -> list[Pending]:
         items = []

@@ -280,9 +280,8 @@ class Coordinator:
             staged, error = self._next_pull()
             if staged:
                 self._launch(staged)
-            if error is not None:
+            if error is not None:  # (the sources were dropped when it was pulled: _next_pull)
                 self.ahead.failed(Entry(next(self._batch_ids), 0, error=error))
-                self.intake.drop_sources()
         with self.cond:
             self.intake.launched(still_waiting=bool(self.ahead.queue) or bool(self._pulled))
             self.cond.notify_all()
@@ -294,8 +293,10 @@ class Coordinator:
         when the sources run dry) and their remote arrays not open yet opened together, so a stream of
         batches over arrays seen for the first time pays one metadata round trip per few batches, not per
         batch. An array that failed to open is left to its batch's launch, which opens it again and raises
-        the error in its place."""
-        if len(self._pulled) <= _PULL_AHEAD // 2:
+        the error in its place. Once a source raised, nothing more is pulled from any source pushed before
+        (they are dropped then), nor anything at all until the batches pulled before the error are launched
+        and the error is handed on."""
+        if len(self._pulled) <= _PULL_AHEAD // 2 and all(error is None for _, error in self._pulled):
             # refilled while one is left (not only when none is), so that the objects of the batches after
             # the next are revalidated while the next is made
             n = _PULL_AHEAD if self.ahead.remote else 1
@@ -309,6 +310,8 @@ class Coordinator:
                 if staged or error is not None:
                     self._pulled.append((staged, error))
                     more.append(staged)
+                if error is not None:  # the source raised: it and every source queued behind it are dropped
+                    self.intake.drop_sources()
                 if error is not None or not staged:
                     break
             if len(self._pulled) > 1:
