@@ -6,10 +6,12 @@ again, and a failed HEAD is not asked again by the read it served. Every value i
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 
@@ -240,3 +242,167 @@ def test_a_failed_head_is_not_asked_again_by_its_read(data, tmp_path):
         assert [m for _, m, _ in server.log[-(server.requests - asked):]] == ["HEAD", "GET"]
     finally:
         server.stop()
+
+
+# -- listings and HEADs racing reads, re-opens and forget --------------------------------------------------
+
+
+def _caching(a) -> cachingstore.CachingStore:
+    kv = a.kv
+    while not isinstance(kv, cachingstore.CachingStore):
+        kv = kv.store
+    return kv
+
+
+def _warm(s3, data, tmp_path, path: str = "plain", **more):
+    """The array ``path`` uploaded and read whole once through a disk cache: ``(prefix, uri, options, kv)``."""
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/{path}"
+    options = {**s3.options, **FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20, **more}
+    a = stoker.open_array(uri, options, stores=Stores())
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, path))
+    kv = _caching(a)
+    assert kv.cache.flush(30)
+    return prefix, uri, options, kv
+
+
+class _HeldPages:
+    """The store's listing pages held back: each asked at once, its answer given to the cache only when the
+    test says (``release(n)``), so that a read can be made to look while a page is in flight."""
+
+    def __init__(self, kv: cachingstore.CachingStore, monkeypatch) -> None:
+        self.asked: list[tuple[concurrent.futures.Future, concurrent.futures.Future]] = []
+        real = kv.store.start_list_versions
+
+        def held(*args):
+            shown: concurrent.futures.Future = concurrent.futures.Future()
+            self.asked.append((real(*args), shown))
+            return shown
+
+        monkeypatch.setattr(kv.store, "start_list_versions", held)
+
+    def release(self, n: int) -> None:
+        real, shown = self.asked[n]
+        shown.set_result(real.result(timeout=10))
+
+
+def test_a_read_between_two_listing_pages_waits_for_the_next(s3, data, tmp_path, monkeypatch):
+    # pages of 5 keys; page 1's answer came, page 2 is being asked (held up on the thread that learnt page 1):
+    # a read of a key past page 1 in that gap once found page 1's finished future, looked again at once,
+    # without end (RecursionError, swallowed by the future): the read was never settled
+    monkeypatch.setattr(cachingstore, "LIST_PAGE", 5)
+    prefix, uri, options, kv = _warm(s3, data, tmp_path)
+    real = kv.store.start_list_versions
+    asking, go = threading.Event(), threading.Event()
+
+    def slow_after_first(path, offset=None, max_keys=1000):
+        if offset is not None:  # page 2 on: the gap held open until the read below was made
+            asking.set()
+            go.wait(10)
+        return real(path, offset, max_keys)
+
+    monkeypatch.setattr(kv.store, "start_list_versions", slow_after_first)
+    kv.forget()
+    kv.opened(f"{prefix}/plain")
+    assert asking.wait(10)
+    key = f"{prefix}/plain/c/1/2"  # on page 2
+    out = kv.start_get_many([key], [])
+    go.set()
+    assert bytes(out.result(timeout=15)[0][0]) == read_tree(data)["plain/c/1/2"]
+
+
+@pytest.mark.parametrize("written", [lambda e: e.strip('"'), lambda e: "W/" + e], ids=["unquoted", "weak"])
+def test_a_listing_confirms_entries_however_it_writes_their_etags(s3, data, tmp_path, monkeypatch, written):
+    # Azure lists ETags unquoted (HEAD and GET quote them), a server may mark them weak in one answer: the
+    # same object has one generation, so a listing still confirms what a read kept
+    import obstore
+
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/plain"
+    cfg = _config(tmp_path, {f"s3://{BUCKET}/": {**s3.options, **FAST}})
+    _epoch(cfg, uri, data, "plain")
+    real = obstore.list
+
+    def listed(*args, **kwargs):
+        async def pages():
+            async for chunk in real(*args, **kwargs):
+                yield [{**m, "e_tag": written(m["e_tag"])} for m in chunk]
+        return pages()
+
+    monkeypatch.setattr(obstore, "list", listed)
+    with moto_log() as log:
+        _epoch(cfg, uri, data, "plain")
+    assert _counted(log, prefix, "plain") == {"list": 1, "head": 0, "get": 0}
+
+
+def test_a_listing_asked_before_a_forget_is_not_learnt(s3, data, tmp_path, monkeypatch):
+    prefix, uri, options, kv = _warm(s3, data, tmp_path)
+    pages = _HeldPages(kv, monkeypatch)
+    kv.forget()
+    kv.opened(f"{prefix}/plain")  # listing 1: the old ETags, its answer held back
+    _write(data, 5)
+    s3.upload(read_tree(data), prefix)  # rewritten
+    kv.forget()
+    kv.opened(f"{prefix}/plain")  # listing 2, asked after the rewrite, held back too
+    pages.asked[0][0].result(timeout=10)
+    pages.release(0)  # listing 1's answer comes now: it predates the forget, so nothing of it is learnt
+    key = f"{prefix}/plain/c/0/0"
+    out = kv.start_get_many([key], [])
+    pages.release(1)
+    assert bytes(out.result(timeout=15)[0][0]) == read_tree(data)["plain/c/0/0"]  # the new bytes
+
+
+def test_a_head_in_flight_at_a_forget_is_not_shared_by_later_reads(data, tmp_path):
+    server = RangeServer(data)
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        kv = _caching(stoker.open_array(f"{server.url}/plain", options, stores=Stores()))
+        key = "plain/c/0/0"
+        want = bytes(kv.get_many([key], [])[0][0])
+        assert kv.cache.flush(30)
+        kv.forget()
+        server.latency_s = 0.3
+        first = kv.start_get_many([key], [])  # its HEAD in flight
+        time.sleep(0.05)
+        kv.forget()  # the object may have been rewritten since that HEAD was asked
+        second = kv.start_get_many([key], [])
+        assert bytes(first.result(timeout=15)[0][0]) == bytes(second.result(timeout=15)[0][0]) == want
+        heads = [path for _, method, path in server.log if method == "HEAD" and path.endswith("/c/0/0")]
+        assert len(heads) == 2  # the second read asked again, not the first's answer
+    finally:
+        server.stop()
+
+
+def test_a_read_waits_for_one_listing_page_at_most(s3, data, tmp_path, monkeypatch):
+    # pages of 2 keys: c/3/3 is on page 8. Its read waits for the page in flight, then asks a HEAD, not
+    # the seven pages before its own one after the other
+    monkeypatch.setattr(cachingstore, "LIST_PAGE", 2)
+    prefix, uri, options, kv = _warm(s3, data, tmp_path)
+    pages = _HeldPages(kv, monkeypatch)
+    kv.forget()
+    kv.opened(f"{prefix}/plain")
+    key = f"{prefix}/plain/c/3/3"
+    with moto_log() as log:
+        out = kv.start_get_many([key], [])
+        pages.release(0)  # page 1 comes, page 2 is asked (and held back)
+        assert bytes(out.result(timeout=15)[0][0]) == read_tree(data)["plain/c/3/3"]
+    assert len(pages.asked) == 2  # page 1, and page 2 still held back when the read was settled
+    counted = _counted(log, prefix, "plain")
+    assert (counted["head"], counted["get"]) == (1, 0), counted  # c/3/3's HEAD; from disk
+
+
+def test_open_array_again_soon_after_lists_the_array_once(s3, data, tmp_path):
+    # a program that opens the array for each item (a Dataset's __getitem__) lists it once per half of
+    # cache_staleness_s, not at each open (each later open revalidates what it reads by HEAD); once that
+    # has passed, an open lists it again
+    prefix, uri, options, kv = _warm(s3, data, tmp_path, cache_staleness_s=2.0)
+    want = zarr_values(data, "plain")
+    with moto_log() as log:
+        for _ in range(5):  # the process's stores, which open_array revalidates at an open
+            a = stoker.open_array(uri, options)
+            np.testing.assert_array_equal(a.read((slice(0, 16), slice(0, 16))), want[:16, :16])
+        assert _counted(log, prefix, "plain") == {"list": 1, "head": 4, "get": 0}  # c/0/0 at opens 2 to 5
+        time.sleep(1.1)
+        a = stoker.open_array(uri, options)
+        np.testing.assert_array_equal(a.read((slice(0, 16), slice(0, 16))), want[:16, :16])
+    assert _counted(log, prefix, "plain") == {"list": 2, "head": 4, "get": 0}

@@ -18,11 +18,20 @@ for keys past those, by a HEAD request (no body; the store's ``start_versions``)
 through this wrapper or asked ahead (:meth:`CachingStore.revalidate`), one in flight per key whatever asks;
 again once older than ``staleness_s`` (as tensorstore's staleness bound); every fetched answer also states it. An object rewritten
 has another generation, so its old entries are never served (they age out). :meth:`forget` drops what was
-learnt, so the next read of every key revalidates (``open_array`` outside a pipeline does it at each open;
-a pipeline has its own wrapper, so it revalidates when it starts). A key whose generation the store cannot
-state (no ETag, no Last-Modified) is never cached. A key of which nothing was ever kept needs no HEAD (an
-empty *marker* file, :meth:`DiskCache.mark <stoker.storage.diskcache.DiskCache.mark>`, says which keys have
-entries: a name, no block on disk), so a cold cache costs the requests an uncached read does.
+learnt, so the next read of every key revalidates; what was asked before it (a listing page, a HEAD) and
+answered after is not learnt, as it may predate a rewrite. A read waits for one listing page at most: a
+key whose page is further is asked by HEAD, not after every page before its own (the listing goes on).
+A key whose generation the store cannot state (no ETag, no Last-Modified) is never cached. A key of which
+nothing was ever kept needs no HEAD (an empty *marker* file, :meth:`DiskCache.mark
+<stoker.storage.diskcache.DiskCache.mark>`, says which keys have entries: a name, no block on disk), so a
+cold cache costs the requests an uncached read does.
+
+Opens (issue 47: revalidated when a pipeline or reader opens its array, and at most every ``staleness_s``
+after). A pipeline has its own wrapper, so it revalidates when it starts. ``open_array`` outside a pipeline
+revalidates at each open (``forget(prefix)``, then :meth:`opened`): every read after an open uses a
+generation learnt after it. Only how differs: an array is listed at most once in half of ``staleness_s``;
+opened again sooner (a Dataset that opens the array for each item), its objects are revalidated by a HEAD
+each as they are first read after that open, not by listing up to ten pages again at each open.
 """
 
 from __future__ import annotations
@@ -83,6 +92,7 @@ class CachingStore:
         self._opened: set[str] = set()  # prefixes of the arrays opened (see opened)
         self._listings: dict[str, _Listing] = {}  # prefix -> its newest listing
         self._heads: dict[str, concurrent.futures.Future] = {}  # key -> the flight of its HEAD in flight
+        self._listed_at: dict[str, float] = {}  # prefix -> when opened() last listed it (see opened)
         self._local = threading.local()  # gens: the generations _start resolved for the _serve it calls
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
@@ -95,11 +105,28 @@ class CachingStore:
         return _rebuild, (self.store, str(self.cache.folder), self.cache.cache_bytes, self.staleness_s,
                           self.read_files)
 
-    def forget(self) -> None:
-        """Drop every generation learnt and every listing: the next read of each key revalidates it."""
+    def forget(self, prefix: str | None = None) -> None:
+        """Drop every generation learnt and every listing: the next read of each key revalidates it. With
+        ``prefix`` (the array at ``prefix`` is opened again: what ``open_array`` calls), only what was learnt
+        under it. Listings and HEADs in flight are not learnt when they answer (they may predate a rewrite).
+
+        >>> kv.forget("g.zarr/a")   # keys under g.zarr/a/ revalidated by their next read (or the next opened)
+        """
+        if prefix is not None:
+            prefix = check_prefix(prefix)
+            under = prefix + "/" if prefix else ""
+            with self._lock:
+                for names in (self._known, self._heads):  # HEADs in flight: their answers are not learnt
+                    for key in [k for k in names if k.startswith(under)]:
+                        del names[key]
+                for folder in [p for p in self._listings if p == prefix or p.startswith(under)]:
+                    del self._listings[folder]  # its pages in flight are not learnt (see _listed)
+            return
         with self._lock:
+            self._listed_at.clear()
             self._known.clear()
-            self._listings.clear()
+            self._listings.clear()  # pages of a listing no longer here are not learnt (see _listed)
+            self._heads.clear()  # nor HEADs started before now (see _headed): asked again by the next read
 
     # -- generations -----------------------------------------------------------------------------
 
@@ -119,9 +146,16 @@ class CachingStore:
             self._opened.add(prefix)
         if not self.store.supports_list or not hasattr(self.store, "start_list_versions"):
             return
+        now = time.monotonic()
+        with self._lock:
+            listed = self._listed_at.get(prefix)
+        if listed is not None and now - listed < self.staleness_s / 2:
+            return  # opened again soon after it was listed: its objects revalidated by a HEAD each as read
         if not self.cache.has(self._marker(prefix + "/")):
             return
-        self._relist(prefix, time.monotonic())
+        with self._lock:
+            self._listed_at[prefix] = now
+        self._relist(prefix, now)
 
     def revalidate(self, keys: Collection[str]) -> None:
         """Start revalidating the generations of ``keys`` that are stale, without waiting (a listing or HEAD
@@ -129,51 +163,67 @@ class CachingStore:
         calls for the objects of batches planned ahead, so that their reads find the generations known."""
         for key in keys:
             check_key(key)
-        self._resolve(set(keys), lambda gens: None)
+        self._resolve(set(keys), lambda gens: None, patient=True)
 
     def _relist(self, prefix: str, now: float) -> "_Listing":
         """A new listing of ``prefix`` (its first page started), in place of the one before."""
         listing = _Listing(prefix, now)
+        page: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._listings[prefix] = listing
-        self._next_page(listing, None)
+            listing.future = page
+        self._next_page(listing, None, page)
         return listing
 
-    def _next_page(self, listing: "_Listing", offset: str | None) -> None:
+    def _next_page(self, listing: "_Listing", offset: str | None, page: concurrent.futures.Future) -> None:
+        """Ask the page after ``offset``; ``page`` (``listing.future`` already, set under the lock by the caller,
+        so that a reader never finds a finished page there while the next is being asked) is settled once it
+        came and what it holds is learnt."""
         try:
             future = self.store.start_list_versions(listing.prefix, offset, LIST_PAGE)
         except Exception:  # noqa: BLE001 - closed, or the store refused: keys under it are revalidated by HEAD
             with self._lock:
-                listing.future = None
+                if listing.future is page:
+                    listing.future = None
+            _settle(page)
             return
         with self._lock:
-            listing.future = future
             self.counters.listings += 1
-        future.add_done_callback(lambda f: self._listed(listing, f))
+        future.add_done_callback(lambda f: self._listed(listing, f, page))
 
-    def _listed(self, listing: "_Listing", future: concurrent.futures.Future) -> None:
+    def _listed(self, listing: "_Listing", future: concurrent.futures.Future, page: concurrent.futures.Future) -> None:
         """A page of ``listing`` came (on the store's event loop): its keys' generations learnt as of when the
         listing started (conservative: a key changed since is revalidated no later than the bound), and the
-        next page started while it may hold keys within :data:`LIST_KEYS`."""
+        next page started while it may hold keys within :data:`LIST_KEYS`. A listing no longer the newest of
+        its prefix (another started since, or :meth:`forget`) learns nothing: it may predate a rewrite that
+        the newer one was started to see. ``page`` is settled last, after the next page's is in its place."""
         try:
             pairs, more = self.store.result_of(future)
         except BaseException:  # noqa: BLE001 - a failed listing: its keys are revalidated by HEAD each
             pairs, more = None, False
-        with self._lock:
-            if pairs is not None:
-                for key, version in pairs:
-                    known = self._known.get(key)
-                    if known is None or known[1] <= listing.started:  # a newer read's answer stays
-                        self._known[key] = (_UNCACHED if version is None else version, listing.started)
-                listing.listed += len(pairs)
-                if pairs:
-                    listing.upto = pairs[-1][0]
-                listing.complete = not more
-            go_on = pairs is not None and more and listing.listed < LIST_KEYS
-            if not go_on:
-                listing.future = None
-        if go_on:
-            self._next_page(listing, listing.upto)
+        following = None
+        try:
+            with self._lock:
+                self._learn_page(listing, pairs, more)
+                go_on = self._listings.get(listing.prefix) is listing and pairs is not None and more and \
+                    listing.listed < LIST_KEYS
+                listing.future = following = concurrent.futures.Future() if go_on else None
+        finally:
+            _settle(page)  # its waiters look again: the keys learnt, or the next page in flight
+        if following is not None:
+            self._next_page(listing, listing.upto, following)
+
+    def _learn_page(self, listing: "_Listing", pairs: list | None, more: bool) -> None:
+        """Under the lock: what a page of ``listing`` states, learnt (nothing if another listing replaced it)."""
+        if pairs is not None and self._listings.get(listing.prefix) is listing:
+            for key, version in pairs:
+                known = self._known.get(key)
+                if known is None or known[1] <= listing.started:  # a newer read's answer stays
+                    self._known[key] = (_UNCACHED if version is None else version, listing.started)
+            listing.listed += len(pairs)
+            if pairs:
+                listing.upto = pairs[-1][0]
+            listing.complete = not more
 
     def _listing_of(self, key: str) -> "_Listing | None":
         """Under the lock: the listing of the nearest folder above ``key`` that was listed, if any."""
@@ -194,7 +244,7 @@ class CachingStore:
         if given is not None:
             return given
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._resolve(set(keys), done.set_result)
+        self._resolve(set(keys), lambda found: _settle(done, found))
         try:
             found = done.result(timeout=self._wait_s())
         except concurrent.futures.TimeoutError:  # the store stalled: read through, the read says what is wrong
@@ -211,20 +261,24 @@ class CachingStore:
                                                            "connect_timeout_s"))
         return 2 * one + 10
 
-    def _resolve(self, names: set[str], then: Callable[[Any], None], checked: bool = False) -> None:
+    def _resolve(self, names: set[str], then: Callable[[Any], None], checked: bool = False,
+                 patient: bool = False, waited: bool = False) -> None:
         """Call ``then(generations)`` once the generation of each of ``names`` is known now (None: read it
         uncached), waiting for nothing: listing pages in flight are awaited by callback, stale keys' HEADs
         started (one in flight per key, shared by every read that needs it), side by side. ``then`` runs on
-        this thread or on the store's event loop, and gets a ShutdownError in place of the dict when the
-        store is closed. ``checked``: see :meth:`_known_now`."""
-        got, head, waits = self._known_now(names, time.monotonic(), checked)
+        this thread or on the store's event loop, and gets a ShutdownError (or whatever error the
+        revalidation met) in place of the dict, always once. A read waits for one listing page at most: a
+        key not on the page that came (``waited``) is asked by HEAD, not after the pages before its own, one
+        after the other (``patient``: :meth:`revalidate`, which no read waits for, waits for its page).
+        ``checked``: see :meth:`_known_now`."""
+        got, head, waits = self._known_now(names, time.monotonic(), checked, patient or not waited)
         if not waits and not head:
             then(got)
             return
         join = _Join(int(bool(waits)) + int(bool(head)), got, then)
         if waits:  # then again for the keys the pages may hold (which have entries: checked)
             rest = names - got.keys() - set(head)
-            _when_all(waits, lambda: self._resolve(rest, join.add, True))
+            _when_all(waits, lambda: self._resolve(rest, join.add, True, patient, True), join.add)
         if head:
             self._head(head, join.add)
 
@@ -247,7 +301,7 @@ class CachingStore:
                     out[key] = known[0] if fresh else None  # failed, missing or no generation: read through
             then(out)
 
-        _when_all(flights, headed)
+        _when_all(flights, headed, then)
 
     def _heads_for(self, keys: list[str]) -> set[concurrent.futures.Future]:
         """The flights of the HEAD requests of ``keys``: those in flight already for another read, and one
@@ -295,26 +349,28 @@ class CachingStore:
             failed = future is None
         except BaseException:  # noqa: BLE001 - every key's revalidation failed: learnt nothing, read through
             found, failed = [None] * len(keys), True
-        for key, version in zip(keys, found):
-            if isinstance(version, NotFound) or (version is None and not failed):
-                # missing, or no generation stated: read through (one request a read, as without a
-                # cache), not asked again until stale
-                self._learn(key, _UNCACHED, now)
-            elif version is not None and not isinstance(version, BaseException):
-                self._learn(key, version, now)
-            # an error of this key's: learnt nothing; its reads go through, and say what is wrong
         with self._lock:
-            for key in keys:
-                if self._heads.get(key) is flight:
-                    del self._heads[key]
+            for key, version in zip(keys, found):
+                if self._heads.get(key) is not flight:
+                    continue  # forgotten while in flight (see forget): it may predate a rewrite
+                del self._heads[key]
+                if isinstance(version, NotFound) or (version is None and not failed):
+                    # missing, or no generation stated: read through (one request a read, as without a
+                    # cache), not asked again until stale
+                    self._known[key] = (_UNCACHED, now)
+                elif version is not None and not isinstance(version, BaseException):
+                    self._known[key] = (version, now)
+                # an error of this key's: learnt nothing; its reads go through, and say what is wrong
         flight.set_result(None)
 
-    def _known_now(self, keys: Collection[str], now: float, checked: bool = False) -> tuple[dict[str, Any], list[str], set]:
+    def _known_now(self, keys: Collection[str], now: float, checked: bool = False,
+                   wait_pages: bool = True) -> tuple[dict[str, Any], list[str], set]:
         """``(generations, stale, pages)``: the generation of each of ``keys`` known now (None: read uncached),
         the keys to revalidate by HEAD before their entries may be served, and the listing pages in flight
         that may hold the rest (all of ``keys`` are in one of the three). A listing older than half the
         staleness bound is started again here, so that a steady reader never waits for one. ``checked``: every
-        one of ``keys`` is known to have entries (no disk look-up, which the store's event loop must not do)."""
+        one of ``keys`` is known to have entries (no disk look-up, which the store's event loop must not do).
+        ``wait_pages`` False: a key whose page has not come is asked by HEAD (see :meth:`_resolve`)."""
         out: dict[str, Any] = {}
         stale = []
         refresh: dict[str, _Listing] = {}
@@ -356,8 +412,8 @@ class CachingStore:
                     expired.setdefault(listing.prefix, []).append(key)
                 elif listing.covers(key):  # listed nowhere: missing (or written since): read through
                     self._known[key] = (_UNCACHED, listing.started)
-                elif listing.future is not None:  # its page is still to come
-                    pages.add(listing.future)
+                elif wait_pages and listing.future is not None and not listing.future.done():  # its page to come
+                    pages.add(listing.future)  # (a finished page is never there: see _next_page)
                     pending.append(key)
                 else:  # beyond the keys a listing takes, or the listing failed
                     head.append(key)
@@ -365,7 +421,7 @@ class CachingStore:
             listing = self._relist(prefix, now)
             with self._lock:
                 future = listing.future
-            if future is not None:
+            if future is not None and wait_pages:
                 pages.add(future)
                 pending.extend(ks)
             else:
@@ -422,8 +478,11 @@ class CachingStore:
         def resolved(gens: Any) -> None:
             if isinstance(gens, BaseException):
                 _settle(out, error=gens)
-            else:
+                return
+            try:
                 self._submit(keys, requests, versions, lenient, out, gens)
+            except BaseException as exc:  # noqa: BLE001 - never a read left unsettled
+                _settle(out, error=exc)
 
         self._resolve({*keys, *(r.key for r in requests)}, resolved)
         return out
@@ -698,6 +757,8 @@ class _Join:
 
     def add(self, part: Any) -> None:
         with self.lock:
+            if self.n <= 0:
+                return  # an error reported after its part came (see _when_all): settled already
             if isinstance(part, BaseException):
                 self.error = self.error or part
             else:
@@ -708,19 +769,31 @@ class _Join:
             self.then(self.error if self.error is not None else self.merged)
 
 
-def _when_all(futures: Collection[concurrent.futures.Future], then: Callable[[], None]) -> None:
-    """``then()`` once every one of ``futures`` is done (on the thread that finished the last)."""
-    left = [len(futures)]
+def _when_all(futures: Collection[concurrent.futures.Future], then: Callable[[], None],
+              failed: Callable[[BaseException], None]) -> None:
+    """``then()`` once every one of ``futures`` is done (on the thread that finished the last, or here if all
+    are), or ``failed(error)`` if ``then`` raises: a future swallows its callbacks' errors, and the read
+    waiting for ``then`` would never be settled."""
+    pending = [future for future in futures if not future.done()]
+    left = [len(pending)]
     lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            then()
+        except BaseException as exc:  # noqa: BLE001 - RecursionError, a bug: the waiting read gets it
+            failed(exc)
 
     def one(_f: concurrent.futures.Future) -> None:
         with lock:
             left[0] -= 1
             last = left[0] == 0
         if last:
-            then()
+            run()
 
-    for future in futures:
+    if not pending:
+        run()
+    for future in pending:
         future.add_done_callback(one)
 
 

@@ -213,7 +213,7 @@ class Stores:
                     del self._stores[ident]
             held = None
         if held is not None and self._revalidate and hasattr(held[0], "forget"):
-            held[0].forget()  # a disk cache revalidates each object's generation at each open
+            held[0].forget(loc.prefix)  # a disk cache revalidates the array's objects as it is opened
         if held is None:
             store: Any
             if loc.archive:

@@ -25,7 +25,8 @@ connection, a short body) is tried again after an exponential backoff with jitte
 attempts it made or which status ended them, so this module retries itself.
 
 Versions. Every answer names the version of the object it came from (:data:`Version`: its size and ETag,
-or its Last-Modified time where the server sends no ETag); ``get_many`` and ``get_each`` report them with
+or its Last-Modified time where the server sends no ETag; an ETag written one way, quoted and not weak,
+whichever answer stated it); ``get_many`` and ``get_each`` report them with
 ``versions=True``, which is how a reader tells a shard rewritten since its index was read (see
 :mod:`stoker.storage.store`, "Generations"). They are compared after the read, not sent as ``If-Match``:
 the version an answer names is that of the object whose bytes it carries.
@@ -714,7 +715,7 @@ def _version(meta: dict) -> Version | None:
     read."""
     e_tag = meta.get("e_tag")
     if e_tag:
-        return int(meta["size"]), str(e_tag)
+        return int(meta["size"]), _etag(str(e_tag))
     modified = meta.get("last_modified")
     if modified is None or getattr(modified, "timestamp", lambda: 0)() == 0:
         return None
@@ -723,6 +724,18 @@ def _version(meta: dict) -> Version | None:
 
 #: what starts the second field of a :data:`Version` made of a Last-Modified time, not an ETag
 _MODIFIED = "last-modified:"
+
+
+def _etag(e_tag: str) -> str:
+    """``e_tag`` written one way whatever answer stated it: quoted, without a weak ``W/`` prefix. Azure lists
+    ETags unquoted (``<Etag>0x8D..</Etag>``) while its HEAD and GET headers quote them, and a server may
+    mark one weak in one answer and not in another: the same object must have one generation, or a listing
+    would never confirm what a read kept. Quoted, as S3 states them, so that entries kept before stay keyed
+    the same."""
+    bare = e_tag.strip()
+    if bare[:2] in ("W/", "w/"):
+        bare = bare[2:]
+    return f'"{bare.strip(chr(34))}"'
 
 
 def etag_version(version: Any) -> Version | None:
