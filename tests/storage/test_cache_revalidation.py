@@ -373,6 +373,29 @@ def test_a_head_in_flight_at_a_forget_is_not_shared_by_later_reads(data, tmp_pat
         server.stop()
 
 
+def test_a_get_in_flight_at_a_forget_does_not_teach_its_generation(data, tmp_path):
+    # a read of a cold key asked before a forget and answered after it: its answer is kept on disk under
+    # the generation it states, but that generation is not taken as the key's now (the object may have
+    # been rewritten after it was read): the next read revalidates it by a HEAD
+    server = RangeServer(data)
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        kv = _caching(stoker.open_array(f"{server.url}/plain", options, stores=Stores()))
+        key = "plain/c/0/1"
+        server.latency_s = 0.3
+        first = kv.start_get_many([key], [])  # cold: a GET, no HEAD
+        time.sleep(0.05)
+        kv.forget()
+        server.latency_s = 0.0
+        want = bytes(first.result(timeout=15)[0][0])
+        assert kv.cache.flush(30)
+        assert bytes(kv.get_many([key], [])[0][0]) == want
+        heads = [path for _, method, path in server.log if method == "HEAD" and path.endswith("/c/0/1")]
+        assert len(heads) == 1  # revalidated: the GET's answer came after the forget
+    finally:
+        server.stop()
+
+
 def test_a_read_waits_for_one_listing_page_at_most(s3, data, tmp_path, monkeypatch):
     # pages of 2 keys: c/3/3 is on page 8. Its read waits for the page in flight, then asks a HEAD, not
     # the seven pages before its own one after the other

@@ -93,6 +93,7 @@ class CachingStore:
         self._listings: dict[str, _Listing] = {}  # prefix -> its newest listing
         self._heads: dict[str, concurrent.futures.Future] = {}  # key -> the flight of its HEAD in flight
         self._listed_at: dict[str, float] = {}  # prefix -> when opened() last listed it (see opened)
+        self._forgot: dict[str, float] = {}  # prefix ("" for all) -> when forget() dropped what was under it
         self._local = threading.local()  # gens: the generations _start resolved for the _serve it calls
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
@@ -116,6 +117,7 @@ class CachingStore:
             prefix = check_prefix(prefix)
             under = prefix + "/" if prefix else ""
             with self._lock:
+                self._forgot[prefix] = time.monotonic()  # answers to reads started before now: not learnt
                 for names in (self._known, self._heads):  # HEADs in flight: their answers are not learnt
                     for key in [k for k in names if k.startswith(under)]:
                         del names[key]
@@ -123,6 +125,7 @@ class CachingStore:
                     del self._listings[folder]  # its pages in flight are not learnt (see _listed)
             return
         with self._lock:
+            self._forgot = {"": time.monotonic()}
             self._listed_at.clear()
             self._known.clear()
             self._listings.clear()  # pages of a listing no longer here are not learnt (see _listed)
@@ -435,11 +438,20 @@ class CachingStore:
         return f"{self.uri}\n{key}\nkept"
 
     def _learn(self, key: str, generation: Any, when: float) -> Any:
-        """Keep ``generation`` as ``key``'s now (None: nothing learnt); returns it."""
+        """Keep ``generation`` as ``key``'s now (None: nothing learnt), unless a :meth:`forget` of the key came
+        after ``when`` (the read that stated it was asked before: it may predate a rewrite); returns it."""
         if generation is not None:
             with self._lock:
-                self._known[key] = (generation, when)
+                if not self._forgot_since(key, when):
+                    self._known[key] = (generation, when)
         return generation
+
+    def _forgot_since(self, key: str, when: float) -> bool:
+        """Under the lock: whether ``key`` was forgotten (itself or a folder above it) after ``when``."""
+        if not self._forgot:
+            return False
+        parts = key.split("/")
+        return any(self._forgot.get("/".join(parts[:n]), -1.0) > when for n in range(len(parts) + 1))
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -456,9 +468,10 @@ class CachingStore:
         misses in one call to the store."""
         served, miss_keys, miss_parts = self._serve(keys, requests)
         if miss_keys or miss_parts:
+            asked = time.monotonic()
             got = self.store.get_many([keys[i] for i in miss_keys], [requests[j] for j in miss_parts], versions=True,
                                       lenient=_lenient(miss_parts, lenient))
-            self._merge(served, keys, requests, miss_keys, miss_parts, got)
+            self._merge(served, keys, requests, miss_keys, miss_parts, got, asked)
         return served if versions else served[:2]
 
     def start_get_many(self, keys: Sequence[str], requests: Sequence[ByteRange], versions: bool = False,
@@ -509,6 +522,7 @@ class CachingStore:
             if not miss_keys and not miss_parts:
                 _settle(out, served if versions else served[:2])
                 return
+            asked = time.monotonic()
             inner = self.store.start_get_many([keys[i] for i in miss_keys], [requests[j] for j in miss_parts],
                                               versions=True, lenient=_lenient(miss_parts, lenient))
         except BaseException as exc:  # noqa: BLE001 - the caller's result_of raises it
@@ -518,7 +532,7 @@ class CachingStore:
         def done(f: concurrent.futures.Future) -> None:
             try:
                 got = self.store.result_of(f)
-                self._merge(served, keys, requests, miss_keys, miss_parts, got)
+                self._merge(served, keys, requests, miss_keys, miss_parts, got, asked)
             except BaseException as exc:  # noqa: BLE001 - the caller's result_of raises it
                 _settle(out, error=exc)
             else:
@@ -537,8 +551,8 @@ class CachingStore:
         served, _, miss = self._serve([], requests)
         outcomes, gens = list(served[1]), list(served[3])
         if miss:
+            now = time.monotonic()  # when asked: a forget after it is not undone by the answer (see _learn)
             got, got_gens = self.store.get_each([requests[j] for j in miss], versions=True)
-            now = time.monotonic()
             for j, data, gen in zip(miss, got, got_gens):
                 outcomes[j], gens[j] = data, gen
                 if not isinstance(data, Exception):
@@ -622,10 +636,11 @@ class CachingStore:
         return out
 
     def _merge(self, served: tuple, keys: Sequence[str], requests: Sequence[ByteRange], miss_keys: list[int],
-               miss_parts: list[int], got: tuple) -> None:
-        """Put the store's answer for the misses in place, and queue each to be kept on disk."""
+               miss_parts: list[int], got: tuple, asked: float) -> None:
+        """Put the store's answer for the misses in place, and queue each to be kept on disk; ``asked``: when
+        the store was asked (the generations it states are learnt as of then, unless forgotten since)."""
         values, parts, value_versions, part_versions = served
-        now = time.monotonic()
+        now = asked
         for i, data, gen in zip(miss_keys, got[0], got[2]):
             values[i], value_versions[i] = data, gen
             if data is not None:
