@@ -1161,14 +1161,16 @@ def test_each_thread_clocks_sum_to_its_wall_time(tmp_path):
 
 def test_a_thread_waiting_for_the_budget_counts_it(tmp_path):
     """A budget that holds one thread's scratch: one thread works, the others wait for the budget, and their
-    clocks say so (not idle: there was work)."""
-    t = Tables(tmp_path, 64)
-    for i in range(64):
-        t.write(i)
+    clocks say so (not idle: there was work). Each job reads files of its own: chunks that jobs in flight
+    share are decoded once, by whichever thread takes them first, which would leave the others no work."""
+    tables = [Tables(tmp_path / f"t{k}", 64) for k in range(10)]
+    for t in tables:
+        for i in range(64):
+            t.write(i)
     engine = native.Engine(3, 128 + 4096)
     try:
-        batches = [np.zeros_like(t.batch) for _ in range(10)]
-        jobs = [engine.submit(*t.args(b)) for b in batches]  # work enough for the others to wake meanwhile
+        batches = [np.zeros_like(t.batch) for t in tables]
+        jobs = [engine.submit(*t.args(b)) for t, b in zip(tables, batches)]  # work enough for the others to wake
         assert all(job.wait(10) for job in jobs)
         rows = _clocks(engine)
         working = rows[:, native.W_CHUNKS] > 0
