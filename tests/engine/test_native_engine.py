@@ -1292,6 +1292,28 @@ def test_a_chunk_two_jobs_in_flight_need_is_read_and_decoded_once(tmp_path):
     assert engine.close(5)
 
 
+def test_each_thread_clocks_sum_to_its_wall_time_with_shared_chunks(tmp_path):
+    """A chunk placed into the jobs that share it is still one stretch of the thread's time: the locks taken
+    to hand it out are the chunk's lock time, not stretches of their own that its read and decode also
+    fill (which counted those twice: the clocks summed to more than the wall time)."""
+    engine = native.Engine(1, 16 << 20)
+    n = 6
+    first, first_args = _wide(tmp_path / "wide", n, native.KIND_F32, rows=8)
+    second, second_args = _wide(tmp_path / "wide", n, native.KIND_SAME, rows=8, like=first)
+    busy = _busy(tmp_path / "busy", engine)
+    a = engine.submit(*first_args)
+    b = engine.submit(*second_args)
+    assert not busy.done  # both are in flight before the thread reaches the first
+    busy.cancel()
+    assert a.wait(20) and b.wait(20)
+    assert _results(b)[2]["chunks_shared"] == n - 1
+    (r,) = _clocks(engine)
+    total = int(r[_TIMES].sum())
+    assert abs(total - int(r[native.W_WALL])) <= max(100_000, r[native.W_WALL] // 1000), r
+    assert (r[_TIMES] >= 0).all()
+    assert engine.close(5)
+
+
 def test_a_job_cancelled_or_dropped_is_never_written_by_a_sharing_thread(tmp_path):
     """A job cancelled while its chunks wait in another job's thread is not written once cancel() returns:
     its chunks end CANCELLED (those another thread took, too), and it is done; a job dropped so is freed only

@@ -838,8 +838,13 @@ static void share_out(engine *e, worker_slot *w, job *k, long long i, const chun
     clock_open(w); /* a chunk this thread finished (its times go to the chunk it was read for) */
     clock_add(w, W_CHUNKS, 1);
     clock_close(w);
-    finish_chunks(e, k, 1, w);
-    lock_timed(w, &e->mu);
+    /* mid-chunk: the worker's clock stretch is the chunk's (clock_chunk closes it), so the locks here are not
+     * clock_switch'ed (lock_timed) but timed into the chunk's tm->lock; finish_chunks' rare lock falls in the
+     * chunk's W_OTHER rest */
+    finish_chunks(e, k, 1, NULL);
+    long long t0 = now_ns();
+    pthread_mutex_lock(&e->mu);
+    tm->lock += now_ns() - t0;
     job_unref_unlocking(e, k);
     pthread_mutex_unlock(&e->mu);
 }
