@@ -90,7 +90,11 @@ static void read_runs(stage_plan *p, long long first, long long last) {
 static void stat_whole(stage_plan *p, long long i) {
     const int64_t *r = p->reads + i * STAGE_READ_COLS;
     struct stat st;
-    if (stat(p->paths[r[SR_FILE]], &st) != 0) {
+    int rc;
+    do /* a signal may cut it short on a thread that does not block them (the caller's) */
+        rc = stat(p->paths[r[SR_FILE]], &st);
+    while (rc != 0 && errno == EINTR);
+    if (rc != 0) {
         set_out(p, i, (errno == ENOENT || errno == ENOTDIR) ? ST_MISSING : ST_OS_ERROR, errno);
         return;
     }
