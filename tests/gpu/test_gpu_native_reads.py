@@ -319,3 +319,44 @@ def test_the_writing_pass_never_writes_past_the_rows_counted():
     assert module.blosc_rows(data, chunks, ns - 1, nb) == ((0, BF_CHANGED), *first)
     assert module.blosc_rows(data, chunks, ns, nb - 1) == ((0, BF_CHANGED), *first)
     assert module.blosc_rows(data, chunks, 0, 0) == ((BF_CHANGED, BF_CHANGED), b"", b"")
+
+
+def test_frames_rewritten_while_parsed_never_overflow_the_rows():
+    """A thread flips every frame's flags between memcpyed (one stream) and compressed (256 streams, each valid)
+    while blosc_streams parses them, its GIL released: each chunk comes back with the rows of one of the two
+    readings, or faulted; never rows past those counted (under .ci/asan, a heap overflow)."""
+    import struct
+    import threading
+    import time
+
+    n, bs, cs = 4096, 16, 8
+    starts = 16 + 4 * (n // bs) + np.arange(n // bs) * (4 + cs)
+    frame = struct.pack("<BBBBiii", 2, 1, 0x02, 1, n, bs, n + 16) + starts.astype("<i4").tobytes()
+    frame += (struct.pack("<I", cs) + bytes(cs)) * (n // bs)
+    assert len(frame) == n + 16
+    k = 200
+    data = np.frombuffer(frame * k, np.uint8).copy()
+    flags = np.arange(k) * len(frame) + 2
+    chunks = np.stack([np.arange(k) * len(frame), np.full(k, len(frame)), np.full(k, n), np.arange(k) * n],
+                      1).astype(np.int64)
+    stop = threading.Event()
+
+    def flip():
+        while not stop.is_set():
+            data[flags] = 0x00
+            data[flags] = 0x02
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            fault = np.zeros(k, np.int64)
+            streams, _ = native_reads.native.blosc_streams(data, chunks, fault)
+            per = np.bincount(np.frombuffer(streams, np.int64).reshape(-1, 6)[:, 5], minlength=k)
+            assert len(per) == k
+            assert set(per[fault == 0].tolist()) <= {1, n // bs} and not per[fault != 0].any()
+            assert set(fault.tolist()) <= {0, BF_CHANGED}
+    finally:
+        stop.set()
+        flipper.join(10)
