@@ -1272,7 +1272,9 @@ def test_a_chunk_two_jobs_in_flight_need_is_read_and_decoded_once(tmp_path):
     """Batches in flight that need the same stored chunk (an inner chunk of a shard file) get it from one read
     and one decode: the thread that takes it first in one job places it into every other job that has not
     taken it yet, each with its own copies and cast, decoded as far as the farthest of them reads (the first
-    job reads 3 rows of 8: alone, its decode would stop there). A chunk that fails, fails in each."""
+    job reads 3 rows of 8: alone, its decode would stop there). A chunk fails in a job only where its own span
+    alone fails, whichever jobs are in flight: the last chunk, damaged past the first job's 3 rows, fails the
+    second job only (the union's decode failed, so each decoded its own span alone), as with no sharing."""
     engine = native.Engine(1, 16 << 20)
     n = 6
     first, first_args = _wide(tmp_path / "wide", n, native.KIND_F32, rows=3)
@@ -1284,13 +1286,61 @@ def test_a_chunk_two_jobs_in_flight_need_is_read_and_decoded_once(tmp_path):
     busy.cancel()
     assert a.wait(20) and b.wait(20)
     (sa, _, ca), (sb, _, cb) = _results(a), _results(b)
-    assert sa.tolist() == sb.tolist() == [native.ST_OK] * (n - 1) + [native.ST_CODEC_ERROR]
-    for i in range(n - 1):
+    assert sa.tolist() == [native.ST_OK] * n
+    assert sb.tolist() == [native.ST_OK] * (n - 1) + [native.ST_CODEC_ERROR]
+    for i in range(n):
         np.testing.assert_array_equal(first.batch[i, :3], _wide_chunk(i)[:3].astype(np.float32))
-        np.testing.assert_array_equal(second.batch[i], _wide_chunk(i))
+        if i < n - 1:
+            np.testing.assert_array_equal(second.batch[i], _wide_chunk(i))
     assert not first.batch[:, 3:].any()
-    assert (ca["chunks_decoded"], ca["chunks_shared"], cb["chunks_decoded"], cb["chunks_shared"]) == (n - 1, 0, 0, n - 1)
+    assert (ca["chunks_decoded"], ca["chunks_shared"], cb["chunks_decoded"], cb["chunks_shared"]) == (n, 0, 0, n - 1)
     assert cb["bytes_read"] == 0 and cb["files_opened"] == 0
+    for args, statuses in ((first_args, sa), (second_args, sb)):  # the same as each alone
+        alone = engine.submit(*args)
+        assert alone.wait(20) and _results(alone)[0].tolist() == statuses.tolist()
+    assert engine.close(5)
+
+
+def test_a_shared_chunk_fails_only_the_jobs_whose_own_span_fails(tmp_path):
+    """As above with the job that reads all 8 rows first: its decode (the union of the spans) fails on the
+    damaged last chunk, which the thread then decodes alone as far as the first job's 3 rows for it."""
+    engine = native.Engine(1, 16 << 20)
+    n = 6
+    second, second_args = _wide(tmp_path / "wide", n, native.KIND_SAME, rows=8)
+    first, first_args = _wide(tmp_path / "wide", n, native.KIND_F32, rows=3, like=second)
+    busy = _busy(tmp_path / "busy", engine)
+    b = engine.submit(*second_args)
+    a = engine.submit(*first_args)
+    assert not busy.done
+    busy.cancel()
+    assert a.wait(20) and b.wait(20)
+    (sa, _, ca), (sb, _, cb) = _results(a), _results(b)
+    assert sa.tolist() == [native.ST_OK] * n
+    assert sb.tolist() == [native.ST_OK] * (n - 1) + [native.ST_CODEC_ERROR]
+    np.testing.assert_array_equal(first.batch[:, :3], np.stack([_wide_chunk(i)[:3] for i in range(n)]))
+    assert (cb["chunks_decoded"], ca["chunks_shared"]) == (n - 1, n)
+    assert engine.close(5)
+
+
+def test_each_thread_clocks_sum_to_its_wall_time_with_shared_chunks(tmp_path):
+    """A chunk placed into the jobs that share it is still one stretch of the thread's time: the locks taken
+    to hand it out are the chunk's lock time, not stretches of their own that its read and decode also
+    fill (which counted those twice: the clocks summed to more than the wall time)."""
+    engine = native.Engine(1, 16 << 20)
+    n = 6
+    first, first_args = _wide(tmp_path / "wide", n, native.KIND_F32, rows=8)
+    second, second_args = _wide(tmp_path / "wide", n, native.KIND_SAME, rows=8, like=first)
+    busy = _busy(tmp_path / "busy", engine)
+    a = engine.submit(*first_args)
+    b = engine.submit(*second_args)
+    assert not busy.done  # both are in flight before the thread reaches the first
+    busy.cancel()
+    assert a.wait(20) and b.wait(20)
+    assert _results(b)[2]["chunks_shared"] == n - 1
+    (r,) = _clocks(engine)
+    total = int(r[_TIMES].sum())
+    assert abs(total - int(r[native.W_WALL])) <= max(100_000, r[native.W_WALL] // 1000), r
+    assert (r[_TIMES] >= 0).all()
     assert engine.close(5)
 
 

@@ -243,3 +243,21 @@ def test_a_range_of_a_whole_value_read_in_the_same_call_is_cut_from_it(data, tmp
         store.close()
     finally:
         server.stop()
+
+
+@pytest.mark.filterwarnings("ignore:stoker's disk cache:RuntimeWarning")  # it stops caching: can write no entry
+def test_entry_paths_too_long_for_the_engine_are_fetched(remote, data, tmp_path):
+    # a cache folder so deep that its entries' paths reach the engine's PATH_CAP (4096 bytes, as Linux's
+    # PATH_MAX: no entry can be written there either): the hits it would hand the engine are fetched instead,
+    # and the batch is whole, rather than the engine refusing the whole batch's tables
+    uri, options, _ = remote
+    folder = str(tmp_path)
+    while len(folder) < native.PATH_CAP - 26 - 200:
+        folder += "/" + "d" * 200
+    folder += "/" + "c" * (native.PATH_CAP - 26 - len(folder) - 1)  # an entry: folder/v1/ab/ + 32 hex digits
+    os.makedirs(folder)
+    assert len(folder) + 36 >= native.PATH_CAP > len(folder) + 3
+    for path in ARRAYS:
+        with stoker.Pipeline(_config(options, folder)) as p:
+            for _ in range(3):
+                _batch(p, uri, data, path)

@@ -155,6 +155,8 @@ int read_entry(chunk_io *job, const char *path, const char *ident, size_t ident_
         bad = entry_fails(job, ENTRY_UNREADABLE);
         goto out;
     }
+    /* blocking again, as io.c's open_file: some FUSE and network file systems honour O_NONBLOCK (EAGAIN) */
+    fcntl(fd, F_SETFL, 0);
     size_t head = ENTRY_HEADER_BYTES + ident_len;
     /* the file's size bounds every read: at least the header and ident, at most they and max_stored more */
     if (st.st_size < 0 || (unsigned long long)st.st_size < head ||
@@ -163,17 +165,20 @@ int read_entry(chunk_io *job, const char *path, const char *ident, size_t ident_
         goto out;
     }
     size_t size = (size_t)st.st_size, done = 0;
+    int read_error = 0;
     while (done < size) {
         ssize_t got = pread(fd, buf + done, size - done, (off_t)done);
         if (got < 0 && errno == EINTR)
             continue;
-        if (got <= 0)
+        if (got <= 0) {
+            read_error = got < 0;
             break;
+        }
         done += (size_t)got;
     }
     job->nread += (long long)done;
-    if (done != size) { /* shorter than fstat said: truncated meanwhile */
-        bad = entry_fails(job, ENTRY_SIZE);
+    if (done != size) { /* a read error (EIO, ...), or shorter than fstat said: truncated meanwhile */
+        bad = entry_fails(job, read_error ? ENTRY_UNREADABLE : ENTRY_SIZE);
         goto out;
     }
     const unsigned char *h = (const unsigned char *)buf;

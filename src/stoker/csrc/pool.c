@@ -40,9 +40,12 @@
  * (each job's shared_at table, by file identity and byte range, or by path), takes the ones no thread took
  * yet (claimed: one atomic exchange, which every other taker - a job's own workers, job_cancel - does too,
  * so a chunk is finished exactly once), decodes into its scratch as far as the farthest of their spans and places the chunk into
- * every job that takes it, each with its own copies, checks and lock, then finishes it there. Nothing is kept
+ * every job that takes it, each with its own copies, checks and lock, then finishes it there. A decode of
+ * the union that fails is done again, alone, for each job whose own span is narrower (span_failure), so a
+ * job's chunk fails only as its own decode would, whichever jobs are in flight. Nothing is kept
  * once the chunk is placed: only jobs submitted before its decode share it. Counted in the job that shares
- * it as chunks_shared (not decoded, not read there).
+ * it as chunks_shared (not decoded, not read there; a decode done again alone for it is read and timed in the
+ * job whose thread did it).
  *
  * Sources: a chunk is read from its file (path built from the source's prefix and the file's grid coordinates)
  * or from a buffer the caller holds (C_BUFFER: a chunk fetched from a store), through the same codec code and
@@ -838,10 +841,64 @@ static void share_out(engine *e, worker_slot *w, job *k, long long i, const chun
     clock_open(w); /* a chunk this thread finished (its times go to the chunk it was read for) */
     clock_add(w, W_CHUNKS, 1);
     clock_close(w);
-    finish_chunks(e, k, 1, w);
-    lock_timed(w, &e->mu);
+    /* mid-chunk: the worker's clock stretch is the chunk's (clock_chunk closes it), so the locks here are not
+     * clock_switch'ed (lock_timed) but timed into the chunk's tm->lock; finish_chunks' rare lock falls in the
+     * chunk's W_OTHER rest */
+    finish_chunks(e, k, 1, NULL);
+    long long t0 = now_ns();
+    pthread_mutex_lock(&e->mu);
+    tm->lock += now_ns() - t0;
     job_unref_unlocking(e, k);
     pthread_mutex_unlock(&e->mu);
+}
+
+/* a chunk file's (or a shard's inner chunk's) path and identity into ``io``; a shard's file may stay open */
+static void file_io(const job *j, const int64_t *src, const int64_t *c, char *path, chunk_io *io, kept_files *kept,
+                    job_counters *mine) {
+    const plan_tables *t = &j->t;
+    const int64_t *f = t->files + c[C_FILE] * (F_COORDS + t->ndim);
+    build_path(path, j, src, f + F_COORDS);
+    io->path = path;
+    io->has_ident = (int)f[F_HAS_IDENT];
+    io->dev = (unsigned long long)f[F_DEV];
+    io->ino = (unsigned long long)f[F_INO];
+    io->size = f[F_SIZE];
+    io->mtime_ns = f[F_MTIME];
+    io->ctime_ns = f[F_CTIME];
+    if (io->has_ident && io->offset >= 0) { /* an inner chunk of a shard: its file may stay open */
+        io->keep = 1;
+        io->fd = take_kept(kept, c[C_FILE]);
+        io->reuse = io->fd >= 0;
+    }
+    if (!io->reuse)
+        mine->files_opened++;
+}
+
+/* statuses a decode as far as another span may not have had: a codec's error or size, a file read short */
+static int span_failure(int32_t status) {
+    return status == ST_CODEC_ERROR || status == ST_SIZE || status == ST_SHORT || status == ST_FRAME;
+}
+
+/* a shareable chunk ``c`` of ``j`` (from a file) read and decoded into the scratch as far as [start, stop) alone */
+static void decode_alone(const job *j, const int64_t *src, const int64_t *c, long long start, long long stop,
+                         char *path, chunk_io *io, char *scratch, codec_ctx *ctx, kept_files *kept,
+                         job_counters *mine, chunk_times *tm) {
+    memset(io, 0, sizeof(*io));
+    io->out = scratch;
+    io->offset = c[C_OFFSET];
+    io->length = c[C_LENGTH];
+    io->span_start = start;
+    io->span_stop = stop;
+    file_io(j, src, c, path, io, kept, mine);
+    read_decode(io, (int)c[C_CODEC], scratch + aligned(c[C_NBYTES]), (size_t)c[C_MAX_STORED], (size_t)c[C_NBYTES],
+                ctx);
+    if (io->kept)
+        keep_file(kept, c[C_FILE], io->fd);
+    mine->bytes_read += io->nread;
+    mine->read_ns += io->read_ns;
+    mine->decode_ns += io->decode_ns;
+    tm->read += io->read_ns;
+    tm->decode += io->decode_ns;
 }
 
 static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scratch, codec_ctx *ctx,
@@ -879,22 +936,7 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
             io.span_stop = ck[C_SPAN_STOP] > io.span_stop ? ck[C_SPAN_STOP] : io.span_stop;
         }
         if (c[C_BUFFER] < 0) {
-            const int64_t *f = t->files + c[C_FILE] * (F_COORDS + t->ndim);
-            build_path(path, j, src, f + F_COORDS);
-            io.path = path;
-            io.has_ident = (int)f[F_HAS_IDENT];
-            io.dev = (unsigned long long)f[F_DEV];
-            io.ino = (unsigned long long)f[F_INO];
-            io.size = f[F_SIZE];
-            io.mtime_ns = f[F_MTIME];
-            io.ctime_ns = f[F_CTIME];
-            if (io.has_ident && io.offset >= 0) { /* an inner chunk of a shard: its file may stay open */
-                io.keep = 1;
-                io.fd = take_kept(kept, c[C_FILE]);
-                io.reuse = io.fd >= 0;
-            }
-            if (!io.reuse)
-                mine->files_opened++;
+            file_io(j, src, c, path, &io, kept, mine);
         } else {
             io.in_memory = 1;
             io.mem = t->buffers[c[C_BUFFER]];
@@ -940,6 +982,24 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
         mine->decode_ns += io.decode_ns;
         tm->read += io.read_ns;
         tm->decode += io.decode_ns;
+        if (n_sharers && span_failure(io.status)) {
+            /* the union of the spans failed to decode: each job gets what its own span alone gives (damage
+             * past it fails only the jobs that read that far, whichever others are in flight) */
+            for (int k = 0; k < n_sharers; k++) {
+                const int64_t *ck = sharers[k]->t.chunks + shared[k] * N_CHUNK_COLS;
+                if (ck[C_SPAN_START] == io.span_start && ck[C_SPAN_STOP] == io.span_stop) {
+                    share_out(e, w, sharers[k], shared[k], &io, scratch, tm);
+                } else {
+                    chunk_io alone;
+                    decode_alone(j, src, c, ck[C_SPAN_START], ck[C_SPAN_STOP], path, &alone, scratch, ctx, kept,
+                                 mine, tm);
+                    share_out(e, w, sharers[k], shared[k], &alone, scratch, tm);
+                }
+            }
+            n_sharers = 0;
+            if (c[C_SPAN_START] != io.span_start || c[C_SPAN_STOP] != io.span_stop)
+                decode_alone(j, src, c, c[C_SPAN_START], c[C_SPAN_STOP], path, &io, scratch, ctx, kept, mine, tm);
+        }
         if (io.status == ST_MISSING && io.offset < 0) { /* an absent chunk file is the fill value */
             status = place_chunk(j, src, c, NULL, 1, mine, tm);
             if (status == ST_OK)

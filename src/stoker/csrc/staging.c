@@ -90,7 +90,11 @@ static void read_runs(stage_plan *p, long long first, long long last) {
 static void stat_whole(stage_plan *p, long long i) {
     const int64_t *r = p->reads + i * STAGE_READ_COLS;
     struct stat st;
-    if (stat(p->paths[r[SR_FILE]], &st) != 0) {
+    int rc;
+    do /* a signal may cut it short on a thread that does not block them (the caller's) */
+        rc = stat(p->paths[r[SR_FILE]], &st);
+    while (rc != 0 && errno == EINTR);
+    if (rc != 0) {
         set_out(p, i, (errno == ENOENT || errno == ENOTDIR) ? ST_MISSING : ST_OS_ERROR, errno);
         return;
     }
@@ -236,9 +240,12 @@ static int64_t le32(const unsigned char *b, int is_signed) {
 }
 
 /* One frame: its first fault (BF_*), or BF_OK with its streams and blocks written from the rows *ns / *nb on
- * (counted only where streams / blocks are NULL). Every read lies in [0, size) of the frame ``f``. */
+ * (counted only where streams / blocks are NULL). Every read lies in [0, size) of the frame ``f``. Rows are
+ * written below cap_s / cap_b only: a frame that needs more than the count made room for (its bytes changed
+ * since) is BF_CHANGED, its rows taken back. */
 static int parse_frame(const unsigned char *f, long long size, long long ins, long long nbytes, long long out,
-                       long long chunk, int64_t *streams, long long *ns, int64_t *blocks, long long *nb) {
+                       long long chunk, int64_t *streams, long long *ns, long long cap_s, int64_t *blocks,
+                       long long *nb, long long cap_b) {
     if (size < BLOSC_HEADER)
         return BF_SHORT;
     int64_t version = f[0], versionlz = f[1], flags = f[2], typesize = f[3];
@@ -263,6 +270,8 @@ static int parse_frame(const unsigned char *f, long long size, long long ins, lo
         if (cbytes != n + BLOSC_HEADER)
             return BF_MEMCPYED;
         if (streams != NULL) {
+            if (*ns >= cap_s)
+                return BF_CHANGED;
             int64_t *s = streams + *ns * BLOSC_STREAM_COLS;
             s[BS_SRC] = ins + BLOSC_HEADER, s[BS_CSIZE] = n, s[BS_DST] = out, s[BS_DSIZE] = n;
             s[BS_CODEC] = codec, s[BS_CHUNK] = chunk;
@@ -301,6 +310,8 @@ static int parse_frame(const unsigned char *f, long long size, long long ins, lo
             if (pos + 4 + cs > size)
                 return *ns = ns0, *nb = nb0, BF_STREAM_END;
             if (streams != NULL) {
+                if (*ns >= cap_s)
+                    return *ns = ns0, *nb = nb0, BF_CHANGED;
                 int64_t *s = streams + *ns * BLOSC_STREAM_COLS;
                 s[BS_SRC] = ins + pos + 4, s[BS_CSIZE] = cs, s[BS_DST] = out + b * bs + j * ne, s[BS_DSIZE] = ne;
                 s[BS_CODEC] = codec, s[BS_CHUNK] = chunk;
@@ -316,6 +327,8 @@ static int parse_frame(const unsigned char *f, long long size, long long ins, lo
             kind = 2;
         if (kind) {
             if (blocks != NULL) {
+                if (*nb >= cap_b)
+                    return *ns = ns0, *nb = nb0, BF_CHANGED;
                 int64_t *r = blocks + *nb * BLOSC_BLOCK_COLS;
                 r[BB_DST] = out + b * bs, r[BB_SIZE] = b_size, r[BB_TYPESIZE] = typesize, r[BB_SHUFFLE] = kind;
             }
@@ -336,9 +349,9 @@ int blosc_streams(const unsigned char *buf, long long buf_len, long long k, cons
             *error = "blosc_streams: the chunks' stored bytes must lie inside the input, sizes >= 0";
             return -1;
         }
-    long long ns = 0, nb = 0; /* counted first, then written: a row count no frame can inflate unseen */
+    long long ns = 0, nb = 0; /* counted first, then written into exactly that room (blosc_rows) */
     for (long long c = 0; c < k; c++)
-        fault[c] = parse_frame(buf + in[c], in_len[c], in[c], nbytes[c], out[c], c, NULL, &ns, NULL, &nb);
+        fault[c] = parse_frame(buf + in[c], in_len[c], in[c], nbytes[c], out[c], c, NULL, &ns, 0, NULL, &nb, 0);
     *streams = malloc(sizeof(int64_t) * BLOSC_STREAM_COLS * (size_t)(ns + 1));
     *blocks = malloc(sizeof(int64_t) * BLOSC_BLOCK_COLS * (size_t)(nb + 1));
     if (*streams == NULL || *blocks == NULL) {
@@ -347,8 +360,17 @@ int blosc_streams(const unsigned char *buf, long long buf_len, long long k, cons
         *error = "out of memory";
         return -1;
     }
+    blosc_rows(buf, k, in, in_len, nbytes, out, *streams, ns, n_streams, *blocks, nb, n_blocks, fault);
+    return 0;
+}
+
+void blosc_rows(const unsigned char *buf, long long k, const int64_t *in, const int64_t *in_len,
+                const int64_t *nbytes, const int64_t *out, int64_t *streams, long long cap_s, long long *n_streams,
+                int64_t *blocks, long long cap_b, long long *n_blocks, int64_t *fault) {
+    /* The bytes are read again, unlocked: a frame written since it was counted may parse to other rows, or to
+     * a fault; either is its fault now, and no row goes past the room made */
     for (long long c = 0; c < k; c++)
         if (fault[c] == BF_OK)
-            parse_frame(buf + in[c], in_len[c], in[c], nbytes[c], out[c], c, *streams, n_streams, *blocks, n_blocks);
-    return 0;
+            fault[c] = parse_frame(buf + in[c], in_len[c], in[c], nbytes[c], out[c], c, streams, n_streams, cap_s,
+                                   blocks, n_blocks, cap_b);
 }

@@ -50,10 +50,17 @@ enum { BB_DST = 0, BB_SIZE, BB_TYPESIZE, BB_SHUFFLE, BLOSC_BLOCK_COLS };
 enum {
     BF_OK = 0, BF_SHORT, BF_VERSION, BF_RESERVED, BF_CBYTES, BF_NBYTES, BF_TYPESIZE, BF_BLOCKSIZE, BF_MEMCPYED,
     BF_FORMAT, BF_VERSIONLZ, BF_TABLE, BF_SPLIT, BF_BSTART, BF_SIZE_FIELD, BF_STREAM_SIZE, BF_STREAM_END,
+    BF_CHANGED, /* the frame's bytes changed between the count of its rows and their writing */
     N_BLOSC_FAULTS
 };
 int blosc_streams(const unsigned char *buf, long long buf_len, long long k, const int64_t *in, const int64_t *in_len,
                   const int64_t *nbytes, const int64_t *out, int64_t **streams, long long *n_streams,
                   int64_t **blocks, long long *n_blocks, int64_t *fault, const char **error);
+/* blosc_streams' second pass: the rows of the chunks with fault[k] == 0 written from *n_streams / *n_blocks on,
+ * never at or past cap_s / cap_b rows (a chunk that would is BF_CHANGED, its rows taken back); its in / in_len
+ * already checked against buf */
+void blosc_rows(const unsigned char *buf, long long k, const int64_t *in, const int64_t *in_len,
+                const int64_t *nbytes, const int64_t *out, int64_t *streams, long long cap_s, long long *n_streams,
+                int64_t *blocks, long long cap_b, long long *n_blocks, int64_t *fault);
 
 #endif

@@ -32,6 +32,7 @@
  * a value did not fit the integer batch: zero written in its place).
  */
 #include "py_glue.h"
+#include "staging.h"
 
 #include <limits.h>
 #include <stdint.h>
@@ -255,7 +256,55 @@ done:
     return result;
 }
 
+/* blosc_rows(buf, chunks, cap_streams, cap_blocks) -> (faults, streams, blocks): blosc_streams' second pass
+ * (staging.c) alone into rooms of exactly the capacities given, as if its count had found that many rows */
+static PyObject *blosc_rows_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer buf;
+    PyObject *chunks_obj, *result = NULL;
+    long long cap_s, cap_b;
+    if (!PyArg_ParseTuple(args, "y*OLL", &buf, &chunks_obj, &cap_s, &cap_b))
+        return NULL;
+    PyObject *chunks = PySequence_Tuple(chunks_obj);
+    Py_ssize_t k = chunks == NULL ? 0 : PyTuple_GET_SIZE(chunks);
+    int64_t *cols = PyMem_Calloc((size_t)(5 * k + 1), sizeof(int64_t)), *fault = cols + 4 * k;
+    int64_t *streams = PyMem_Malloc(sizeof(int64_t) * BLOSC_STREAM_COLS * (size_t)(cap_s > 0 ? cap_s : 1));
+    int64_t *blocks = PyMem_Malloc(sizeof(int64_t) * BLOSC_BLOCK_COLS * (size_t)(cap_b > 0 ? cap_b : 1));
+    if (chunks == NULL || cols == NULL || streams == NULL || blocks == NULL || cap_s < 0 || cap_b < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "blosc_rows: capacities >= 0, or no memory");
+        goto done;
+    }
+    for (Py_ssize_t c = 0; c < k; c++)
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(chunks, c), "LLLL", &cols[c], &cols[k + c], &cols[2 * k + c],
+                              &cols[3 * k + c]))
+            goto done;
+    for (Py_ssize_t c = 0; c < k; c++)
+        if (cols[c] < 0 || cols[k + c] < 0 || cols[c] > buf.len || cols[k + c] > buf.len - cols[c]) {
+            PyErr_SetString(PyExc_ValueError, "blosc_rows: a chunk lies outside buf");
+            goto done;
+        }
+    long long ns = 0, nb = 0;
+    blosc_rows(buf.buf, k, cols, cols + k, cols + 2 * k, cols + 3 * k, streams, cap_s, &ns, blocks, cap_b, &nb,
+               fault);
+    PyObject *faults = PyTuple_New(k);
+    for (Py_ssize_t c = 0; faults != NULL && c < k; c++)
+        PyTuple_SET_ITEM(faults, c, PyLong_FromLongLong(fault[c]));
+    if (faults != NULL)
+        result = Py_BuildValue("(Ny#y#)", faults, (const char *)streams, (Py_ssize_t)(ns * BLOSC_STREAM_COLS * 8),
+                               (const char *)blocks, (Py_ssize_t)(nb * BLOSC_BLOCK_COLS * 8));
+done:
+    PyMem_Free(cols);
+    PyMem_Free(streams);
+    PyMem_Free(blocks);
+    Py_XDECREF(chunks);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
 static PyMethodDef testing_methods[] = {
+    {"blosc_rows", blosc_rows_py, METH_VARARGS,
+     "blosc_rows(buf, chunks, cap_streams, cap_blocks) -> (faults, streams, blocks): blosc_streams' writing "
+     "pass alone into rooms of the given rows; chunks: (in, in_len, nbytes, out) per chunk."},
     {"decode_files", decode_files, METH_VARARGS,
      "decode_files(codec, paths, regions, scratch, outs, nbytes, places, dst) -> "
      "[(status, nread, decoded, read_ns, decode_ns, place_ns, placed)]: read, decompress and place chunk "

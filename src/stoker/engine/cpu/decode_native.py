@@ -496,7 +496,8 @@ class NativeDecoder:
             requests = list(map(ByteRange, shards, plan.chunk_offset[ranged].tolist(),
                                 plan.chunk_length[ranged].tolist()))
             for cid, entry in zip(np.concatenate([whole, ranged]).tolist(), kv.entry_files(keys, requests)):
-                if entry is not None and len(entry[1]) <= native.ENTRY_IDENT_CAP:
+                # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
+                if entry is not None and len(entry[1]) <= native.ENTRY_IDENT_CAP and len(entry[0]) < native.PATH_CAP:
                     take.append(cid)
                     paths.append(entry[0])
                     idents.append(entry[1])
