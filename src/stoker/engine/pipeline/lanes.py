@@ -125,6 +125,14 @@ class Lanes:
             lane_cfg = dataclasses.replace(cfg, dtype=cfg.field_dtype(name), transform=None, sample_shape=None,
                                            **budgets)
             lanes[name] = Lane(name, self.make(lane_cfg), lane_cfg, shapes[name], dtypes[name])
+        # one compiled engine for every lane that has one (the CPU's and CUDA's executors): a chunk the fields'
+        # jobs in flight both need (input and target steps that overlap) is decoded once, and the pipeline
+        # runs n_compute_threads engine threads in all
+        shared = None
+        for lane in lanes.values():
+            share = getattr(lane.executor, "share_engine", None)
+            if share is not None:
+                shared = share(shared)
         self.lanes = lanes
         self.names = tuple(shapes)
 
