@@ -292,16 +292,20 @@ class SharedEngine:
         self._watched: set[int] = set()  # ids of the StatsRecorders that watch its threads
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
-    def join(self, decoder: "NativeDecoder", budget_bytes: int, stats: StatsRecorder) -> None:
+    def join(self, decoder: "NativeDecoder", budget_bytes: int) -> None:
         """Have ``decoder`` submit here, adding ``budget_bytes`` of scratch (unless already started)."""
         with self._lock:
             if self._engine is None:
                 self.budget_bytes += budget_bytes
             self._decoders.append(decoder)
-            watch = id(stats) not in self._watched
+
+    def watch(self, stats: StatsRecorder) -> None:
+        """Have ``stats`` report its threads (:attr:`~stoker.Stats.workers`), once however many decoders ask."""
+        with self._lock:
+            if id(stats) in self._watched:
+                return
             self._watched.add(id(stats))
-        if watch:
-            stats.watch_workers(self.worker_clocks)
+        stats.watch_workers(self.worker_clocks)
 
     def leave(self, decoder: "NativeDecoder") -> None:
         """Forget ``decoder`` (its finisher did not start), and its budget unless the engine has started."""
@@ -324,6 +328,11 @@ class SharedEngine:
     def engine(self):
         engine = self._engine  # once closed, its submit says so (RuntimeError), as a decoder's own engine did
         return engine if engine is not None else self.start()
+
+    @engine.setter
+    def engine(self, engine) -> None:
+        with self._lock:
+            self._engine = engine
 
     def worker_clocks(self) -> list[tuple]:
         """Each engine thread's clocks, as :class:`~stoker.engine.stats.StatsRecorder.watch_workers` takes
@@ -397,7 +406,7 @@ class NativeDecoder:
         self._pending: list[tuple[Job, object, np.ndarray, tuple | None, int | None]] = []
         self._closing = False
         self._thread = threading.Thread(target=self._finisher, name="stoker-engine-finisher", daemon=True)
-        self._shared.join(self, budget_bytes, stats)
+        self._shared.join(self, budget_bytes)
         if shared is None:
             self._shared.start()
         try:
@@ -408,11 +417,16 @@ class NativeDecoder:
             else:
                 self._shared.leave(self)  # the other lanes' decoders keep it
             raise
+        self._shared.watch(stats)
 
     @property
     def engine(self):
         """The ``native.Engine`` its jobs go to (a shared one is started here, at its first use)."""
         return self._shared.engine
+
+    @engine.setter
+    def engine(self, engine) -> None:  # a stand-in that wraps it (tests count or interrupt its calls)
+        self._shared.engine = engine
 
     def worker_clocks(self) -> list[tuple]:
         """Each thread's clocks of the engine it submits to (see :meth:`SharedEngine.worker_clocks`)."""
