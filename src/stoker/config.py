@@ -91,7 +91,8 @@ class Config:
     - ``n_io_threads`` (>= 1): threads for reads that must wait for buffer memory; local reads
       otherwise run on the compute threads (a page-cache copy costs less than a thread hop).
     - ``n_compute_threads``: decode and assembly threads (>= 1); ``None`` means this rank's share of the
-      CPUs the process may run on (see :func:`default_compute_threads`).
+      CPUs the process may run on (see :func:`default_compute_threads`). A pipeline of samples of named
+      fields runs one compiled engine of this many threads for all its fields.
     - ``device``: ``None | int | "cpu" | "cuda" | "cuda:N"``, or a ``torch.device`` of those (stored as
       the string, so a rank's ``ctx.device`` can be passed as is). ``None`` takes torch's current CUDA
       device when CUDA is available, else the CPU; a GPU must be torch's current device

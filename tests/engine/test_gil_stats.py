@@ -343,20 +343,20 @@ def test_engine_threads_and_the_coordinator_show_in_stats(tmp_path, monkeypatch)
 
 
 def test_the_engine_threads_reported_do_not_grow_with_batches_or_pipelines(tmp_path):
-    """Stats.workers has a row per thread of each engine the pipeline started (one per executor: the batches of
-    one box, each field's lane), however many batches it made, in each of several pipelines one after the
-    other: each engine is watched once, by its own pipeline's recorder."""
+    """Stats.workers has a row per thread of the engine the pipeline started (one for the batches of one box;
+    one shared by every field's lane), however many batches it made, in each of several pipelines one after
+    the other: each engine is watched once, by its own pipeline's recorder."""
     if native.Engine is None:
         pytest.skip("the compiled reader is not built")
     uri = _volume(tmp_path, shape=(16, 64, 64), chunks=(2, 32, 32))
     crops = [[(z0, z0 + 2), (0, 32), (0, 32)] for z0 in range(15)] * 4
     for _ in range(3):
         for samples, engines in (([stoker.Sample(uri, c) for c in crops], 1),
-                                 ([stoker.Sample({"a": (uri, c), "b": (uri, c)}) for c in crops], 2)):
+                                 ([stoker.Sample({"a": (uri, c), "b": (uri, c)}) for c in crops], 1)):
             with stoker.Pipeline(_cfg(batch_size=2)) as p:
                 p.push(samples)
                 assert sum(1 for _ in p) == 30
-                assert len(p.stats().workers) == 2 * engines  # n_compute_threads=2 each
+                assert len(p.stats().workers) == 2 * engines  # n_compute_threads=2
 
 
 def test_the_python_path_reports_no_engine_threads(tmp_path, monkeypatch):

@@ -266,6 +266,107 @@ def _start_engine(n_threads: int, budget_bytes: int):
         raise no_thread(f"the compiled engine's {n_threads} threads", "n_compute_threads", exc) from exc
 
 
+class SharedEngine:
+    """One compiled engine for several :class:`NativeDecoder` (a pipeline's lanes: one per field of its samples),
+    so a chunk that jobs of two fields need while both are in flight is read and decoded once (the engine's
+    chunks shared by live jobs, csrc/pool.c). ``n_threads`` threads (``Config.n_compute_threads``) for all of
+    them; its scratch budget is the sum of what each decoder joined with (each carved it from its own share of
+    ``host_buffer_bytes``). Started at the first job (every lane has joined by then: they are prepared before
+    any submits), or by :meth:`start`; closed once, by the first decoder's shutdown, which stops every decoder
+    of it first (a pipeline shuts all its lanes down together). Its threads' clocks are watched once, and its
+    peak reported by its first decoder only.
+
+    >>> shared = SharedEngine(4)
+    >>> a = NativeDecoder(4, 64 << 20, python_a, stats, shared)
+    >>> b = NativeDecoder(4, 32 << 20, python_b, stats, shared)
+    >>> a.engine is b.engine        # one engine of 4 threads and 96 MiB of scratch
+    True
+    """
+
+    def __init__(self, n_threads: int) -> None:
+        self.n_threads = n_threads
+        self.budget_bytes = 0
+        self._engine = None
+        self._closed = False
+        self._decoders: list[NativeDecoder] = []
+        self._watched: set[int] = set()  # ids of the StatsRecorders that watch its threads
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+
+    def join(self, decoder: "NativeDecoder", budget_bytes: int) -> None:
+        """Have ``decoder`` submit here, adding ``budget_bytes`` of scratch (unless already started)."""
+        with self._lock:
+            if self._engine is None:
+                self.budget_bytes += budget_bytes
+            self._decoders.append(decoder)
+
+    def watch(self, stats: StatsRecorder) -> None:
+        """Have ``stats`` report its threads (:attr:`~stoker.Stats.workers`), once however many decoders ask."""
+        with self._lock:
+            if id(stats) in self._watched:
+                return
+            self._watched.add(id(stats))
+        stats.watch_workers(self.worker_clocks)
+
+    def leave(self, decoder: "NativeDecoder") -> None:
+        """Forget ``decoder`` (its finisher did not start), and its budget unless the engine has started."""
+        with self._lock:
+            if decoder in self._decoders:
+                self._decoders.remove(decoder)
+                if self._engine is None:
+                    self.budget_bytes -= decoder.budget_bytes
+
+    def start(self):
+        """The engine, started now if it is not (ShutdownError once closed)."""
+        with self._lock:
+            if self._closed:
+                raise pipeline_closed()
+            if self._engine is None:
+                self._engine = _start_engine(self.n_threads, self.budget_bytes)
+            return self._engine
+
+    @property
+    def engine(self):
+        engine = self._engine  # once closed, its submit says so (RuntimeError), as a decoder's own engine did
+        return engine if engine is not None else self.start()
+
+    @engine.setter
+    def engine(self, engine) -> None:
+        with self._lock:
+            self._engine = engine
+
+    def worker_clocks(self) -> list[tuple]:
+        """Each engine thread's clocks, as :class:`~stoker.engine.stats.StatsRecorder.watch_workers` takes
+        them: its times in seconds (``WORKER_TIMES`` order), wall seconds, chunks, and the OS's run times
+        (none before it starts)."""
+        if self._engine is None:
+            return []
+        rows = np.frombuffer(self._engine.worker_clocks(), np.int64).reshape(-1, native.N_WORKER_COLS)
+        out = []
+        for r in rows.tolist():
+            ran = run_times(r[native.W_TID]) or (None, None)
+            out.append((*(r[c] * 1e-9 for c in _WORKER_COLUMNS), r[native.W_WALL] * 1e-9, r[native.W_CHUNKS], *ran))
+        return out
+
+    def peak_bytes(self, decoder: "NativeDecoder") -> int:
+        """The engine's peak scratch for its first decoder, 0 for the others (a pipeline sums its lanes')."""
+        if self._engine is None or not self._decoders or self._decoders[0] is not decoder:
+            return 0
+        return int(self._engine.info()["peak"])
+
+    def close(self) -> None:
+        """Stop every decoder of it, then cancel every job and stop the threads (a quarter of a second at most:
+        see :meth:`NativeDecoder.shutdown`); once this returns the engine writes into no batch. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            decoders, engine = list(self._decoders), self._engine
+        for decoder in decoders:  # none submits again (each checks its flag), nor finishes a job as placed
+            decoder.stop()
+        if engine is not None:
+            engine.close(0.25)
+
+
 #: A disk-cache entry's bytes before its payload, at most (header and ident: csrc/entries.c), in a thread's scratch.
 ENTRY_ROOM = native.ENTRY_HEADER_BYTES + native.ENTRY_IDENT_CAP
 
@@ -288,8 +389,10 @@ _WORKER_COLUMNS = (native.W_READ, native.W_DECODE, native.W_PLACE, native.W_FILL
 class NativeDecoder:
     """Whole batches on the engine's threads; what it cannot do goes to the Python path."""
 
-    def __init__(self, n_threads: int, budget_bytes: int, python: PythonDecoder, stats: StatsRecorder) -> None:
-        self.engine = _start_engine(n_threads, budget_bytes)
+    def __init__(self, n_threads: int, budget_bytes: int, python: PythonDecoder, stats: StatsRecorder,
+                 shared: "SharedEngine | None" = None) -> None:
+        # the engine it submits to: its own, started now; or a pipeline's lanes' one (started at its first job)
+        self._shared = SharedEngine(n_threads) if shared is None else shared
         self.budget_bytes = budget_bytes
         self._python = python
         self._stats = stats
@@ -303,25 +406,41 @@ class NativeDecoder:
         self._pending: list[tuple[Job, object, np.ndarray, tuple | None, int | None]] = []
         self._closing = False
         self._thread = threading.Thread(target=self._finisher, name="stoker-engine-finisher", daemon=True)
+        self._shared.join(self, budget_bytes)
+        if shared is None:
+            self._shared.start()
         try:
             start_thread(self._thread, "n_compute_threads")
         except BaseException:
-            self.engine.close(0.25)  # its threads run: they end with the error
+            if shared is None:
+                self._shared.close()  # its threads run: they end with the error
+            else:
+                self._shared.leave(self)  # the other lanes' decoders keep it
             raise
-        stats.watch_workers(self.worker_clocks)
+        self._shared.watch(stats)
+
+    @property
+    def engine(self):
+        """The ``native.Engine`` its jobs go to (a shared one is started here, at its first use)."""
+        return self._shared.engine
+
+    @engine.setter
+    def engine(self, engine) -> None:  # a stand-in that wraps it (tests count or interrupt its calls)
+        self._shared.engine = engine
 
     def worker_clocks(self) -> list[tuple]:
-        """Each engine thread's clocks, as :class:`~stoker.engine.stats.StatsRecorder.watch_workers` takes
-        them: its times in seconds (``WORKER_TIMES`` order), wall seconds, chunks, and the OS's run times."""
-        rows = np.frombuffer(self.engine.worker_clocks(), np.int64).reshape(-1, native.N_WORKER_COLS)
-        out = []
-        for r in rows.tolist():
-            ran = run_times(r[native.W_TID]) or (None, None)
-            out.append((*(r[c] * 1e-9 for c in _WORKER_COLUMNS), r[native.W_WALL] * 1e-9, r[native.W_CHUNKS], *ran))
-        return out
+        """Each thread's clocks of the engine it submits to (see :meth:`SharedEngine.worker_clocks`)."""
+        return self._shared.worker_clocks()
 
     def peak_bytes(self) -> int:
-        return int(self.engine.info()["peak"])
+        """The engine's peak scratch, reported by the first decoder of a shared engine only (once)."""
+        return self._shared.peak_bytes(self)
+
+    def stop(self) -> None:
+        """Take no more work (finished jobs are failed as closed; see :meth:`shutdown`)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
 
     def threads(self) -> list[threading.Thread]:
         """The finisher thread (the engine's own threads never run Python)."""
@@ -330,10 +449,7 @@ class NativeDecoder:
     def shutdown(self) -> None:
         """Cancel every job (once this returns the engine writes into no batch) and stop the threads,
         waiting a quarter of a second at most for them (one stuck in a system call is left behind)."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self.engine.close(0.25)
+        self._shared.close()  # every decoder of the engine stops (this one too), then its jobs are cancelled
         if self._thread is not threading.current_thread():
             self._thread.join(0.25)  # it leaves as soon as the engine's jobs are cancelled
         with self._cond:  # what the finisher left: its batches fail, their fetches' reservations go back

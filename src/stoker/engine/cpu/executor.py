@@ -34,7 +34,7 @@ from ...storage import LocalStore
 from ...transforms import apply as apply_transform
 from ..buffers import Slot, SlotRing, TransientBudget, size_class
 from .cf import RowDecode, plan_decoder
-from .decode_native import NativeDecoder, native_codec, scratch_need
+from .decode_native import NativeDecoder, SharedEngine, native_codec, scratch_need
 from .decode_python import PythonDecoder
 from ..executor import Delivery, Job, SlotsDelivery, Target
 from ..planning.padding import fill_padding
@@ -56,10 +56,12 @@ class Decoders:
     """Plans batches and fills tensors in CPU memory: the compiled engine, or the Python path."""
 
     def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
-                 store: LocalStore, engine_budget: int = 0, group_limit: int = 8 << 20) -> None:
+                 store: LocalStore, engine_budget: int = 0, group_limit: int = 8 << 20,
+                 shared: SharedEngine | None = None) -> None:
         self.budget = budget
         self.python = PythonDecoder(n_io, n_compute, budget, stats, store, max_group=group_limit)
-        self.native = (NativeDecoder(n_compute, engine_budget, self.python, stats)
+        # ``shared``: the engine of a pipeline's lanes (see CpuExecutor.share_engine), else one of its own
+        self.native = (NativeDecoder(n_compute, engine_budget, self.python, stats, shared)
                        if engine_available() and engine_budget > 0 else None)
 
     @staticmethod
@@ -156,6 +158,15 @@ class CpuExecutor(SlotsDelivery):
         # one read group (a shard's coalesced inner chunks plus their decode scratch) reserves at most this
         self.group_limit = min(8 << 20, cfg.host_buffer_bytes // 16)
         self.cf_work = False  # the first batch reads arrays with CF attributes: decoded in float32 work slots
+        self.engine_share: SharedEngine | None = None  # a lane's: the compiled engine of its pipeline's lanes
+
+    def share_engine(self, shared: SharedEngine | None) -> SharedEngine:
+        """Submit to ``shared`` (None: a new one, returned for the next lane), the one compiled engine of a
+        pipeline's lanes (:class:`~.decode_native.SharedEngine`): a chunk two fields' jobs in flight need is
+        decoded once, and the pipeline runs ``n_compute_threads`` engine threads, not that many per field.
+        Before :meth:`prepare`."""
+        self.engine_share = shared if shared is not None else SharedEngine(self.cfg.compute_threads)
+        return self.engine_share
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -220,7 +231,8 @@ class CpuExecutor(SlotsDelivery):
         engine = engine_budget(left, transient, self.cfg.compute_threads, readers) if engine_available() else 0
         self.budget = TransientBudget(left - engine)
         self.decoders = Decoders(self.cfg.n_io_threads, self.cfg.compute_threads, self.budget, self.stats,
-                                 self.store, engine_budget=engine, group_limit=self.group_limit)
+                                 self.store, engine_budget=engine, group_limit=self.group_limit,
+                                 shared=self.engine_share)
 
     def _make_slots(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.slots = self.host_slots = SlotRing(self.n_slots, batch_shape, dtype)

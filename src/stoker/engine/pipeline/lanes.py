@@ -4,7 +4,9 @@ Each field of a sample is a plain sample (one box of one array or several); a fi
 So the engine makes it as it makes any batch: a *lane* is one field's executor (:func:`~.choose.make_executor`
 with a Config of its own: that field's output dtype, no transform, and a share of ``host_buffer_bytes`` (and on a CUDA
 device of ``device_buffer_bytes``): 1 MiB, and of the rest a part proportional to its batch bytes), its slots and its
-threads. The coordinator plans and
+Python threads. The lanes' executors share one compiled engine (``share_engine``, where they have one): a chunk
+two fields' jobs in flight both need is decoded once, and the pipeline runs ``n_compute_threads`` engine threads
+in all. The coordinator plans and
 submits each field's batch in its lane; a batch in flight is one :class:`Part` (job and target) per field,
 ready when all are, failed when one is (the others are stopped and every slot given back). The transform of
 a pipeline of fields runs on the dict of the fields' batches, on the consumer's thread at ``pop``
@@ -125,6 +127,14 @@ class Lanes:
             lane_cfg = dataclasses.replace(cfg, dtype=cfg.field_dtype(name), transform=None, sample_shape=None,
                                            **budgets)
             lanes[name] = Lane(name, self.make(lane_cfg), lane_cfg, shapes[name], dtypes[name])
+        # one compiled engine for every lane that has one (the CPU's and CUDA's executors): a chunk the fields'
+        # jobs in flight both need (input and target steps that overlap) is decoded once, and the pipeline
+        # runs n_compute_threads engine threads in all
+        shared = None
+        for lane in lanes.values():
+            share = getattr(lane.executor, "share_engine", None)
+            if share is not None:
+                shared = share(shared)
         self.lanes = lanes
         self.names = tuple(shapes)
 
