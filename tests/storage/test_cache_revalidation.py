@@ -177,7 +177,7 @@ def test_a_new_pipeline_opens_a_cached_s3_array_with_its_listing_alone(s3, data,
 
 def test_a_listing_goes_page_by_page_up_to_its_bound_then_heads(s3, data, tmp_path, monkeypatch):
     # pages of 5 keys, at most 10 listed: of the 16 objects (and zarr.json), the first 10 in key order come by
-    # two listing requests, the 6 after them by a HEAD each
+    # two listing requests, the 6 after them and zarr.json (kept on disk, read from there) by a HEAD each
     monkeypatch.setattr(cachingstore, "LIST_PAGE", 5)
     monkeypatch.setattr(cachingstore, "LIST_KEYS", 10)
     prefix = _upload(s3, data)
@@ -186,9 +186,10 @@ def test_a_listing_goes_page_by_page_up_to_its_bound_then_heads(s3, data, tmp_pa
     _epoch(cfg, uri, data, "plain")
     with moto_log() as log:
         _epoch(cfg, uri, data, "plain")
-    assert _counted(log, prefix, "plain") == {"list": 2, "head": 6, "get": 0}
+    assert _counted(log, prefix, "plain") == {"list": 2, "head": 7, "get": 0}
     heads = sorted(q.rsplit("/plain/", 1)[1] for m, q in log if m == "HEAD")
-    assert heads == ["c/2/2", "c/2/3", "c/3/0", "c/3/1", "c/3/2", "c/3/3"]
+    assert heads == ["c/2/2", "c/2/3", "c/3/0", "c/3/1", "c/3/2", "c/3/3", "zarr.json"]
+    assert not [q for m, q in log if m == "GET" and q.endswith("/plain/zarr.json")]
 
 
 def test_a_listing_past_the_staleness_bound_is_made_again(s3, data, tmp_path):
