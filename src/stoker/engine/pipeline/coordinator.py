@@ -180,7 +180,7 @@ class Coordinator:
         return out
 
     def _start_opens(self, uris: list[str]) -> list[tuple[str, concurrent.futures.Future]]:
-        """The opens of the remote arrays ``uris`` started on the opener threads (at most ``_OPEN_AT_ONCE``,
+        """The opens of the remote arrays among ``uris`` started on the opener threads (at most ``_OPEN_AT_ONCE``,
         kept: a thread started per open costs more than an open from the disk cache), each ``(uri, future)``;
         an open in flight already is shared. A future's result is the open's error, or None. Where more wait
         than there are threads, their disk cache listings (which revalidate their zarr.json too) are all
@@ -188,8 +188,8 @@ class Coordinator:
         flights, new = [], []
         with self._opening_lock:
             for u in uris:
-                if u in self._readers:
-                    continue
+                if "://" not in u or u.split("://", 1)[0].lower() not in REMOTE_SCHEMES or u in self._readers:
+                    continue  # local files: opened by the batch that reads them (no round trip to overlap)
                 f = self._opening.get(u)
                 if f is None:
                     f = self._opening[u] = concurrent.futures.Future()
