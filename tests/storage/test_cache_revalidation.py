@@ -137,9 +137,47 @@ def test_a_new_pipeline_over_a_cached_s3_array_lists_it_once_and_gets_nothing(s3
     assert replaced["list"] == 1 and replaced["head"] == 0 and replaced["get"] > 0, replaced
 
 
+def _all_of(log: list[tuple[str, str]], prefix: str, path: str) -> list[tuple[str, str]]:
+    """Every request of ``log`` about the array (its documents included): listings of it, HEADs and GETs."""
+    where, listed = f"/{BUCKET}/{prefix}/{path}/", f"prefix={prefix}/{path}/"
+    return [(m, q) for m, q in log if q.startswith(where) or ("list-type=2" in q and listed in q.replace("%2F", "/"))]
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_a_new_pipeline_opens_a_cached_s3_array_with_its_listing_alone(s3, data, tmp_path, path):
+    # the listing that revalidates the array's chunks states its zarr.json's ETag too: the document is served
+    # from disk, so the second pipeline's one request about the array is that LIST (no GET of zarr.json)
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/{path}"
+    cfg = _config(tmp_path, {f"s3://{BUCKET}/": {**s3.options, **FAST}})
+    _epoch(cfg, uri, data, path)
+    with moto_log() as log:
+        _epoch(cfg, uri, data, path)
+    asked = _all_of(log, prefix, path)
+    assert len(asked) == 1 and "list-type=2" in asked[0][1], asked
+    # rewritten between pipelines with another dtype and shape: its zarr.json has a new ETag, so the next
+    # pipeline reads it anew (the kept one is never served) and the values are the new array's
+    spec = {**ARRAYS[path], "dtype": "float64", "fill_value": 0.5}
+    arr = zarr.create_array(os.path.join(data, path), shape=(80, 72), overwrite=True, **spec)
+    arr[...] = np.random.default_rng(3).random((80, 72))
+    s3.upload(read_tree(data), prefix)
+    with moto_log() as log:
+        _epoch(cfg, uri, data, path)
+    assert ("GET", f"/{BUCKET}/{prefix}/{path}/zarr.json") in log
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, ((70, 80), (60, 72))), stoker.Sample(uri, ((0, 10), (0, 12)))])
+        b = p.pop()
+        got = torch.from_dlpack(b).numpy()
+        assert got.dtype == np.float64
+        want = zarr_values(data, path)
+        np.testing.assert_array_equal(got[0], want[70:80, 60:72])
+        np.testing.assert_array_equal(got[1], want[0:10, 0:12])
+        b.release()
+
+
 def test_a_listing_goes_page_by_page_up_to_its_bound_then_heads(s3, data, tmp_path, monkeypatch):
     # pages of 5 keys, at most 10 listed: of the 16 objects (and zarr.json), the first 10 in key order come by
-    # two listing requests, the 6 after them by a HEAD each
+    # two listing requests, the 6 after them and zarr.json (kept on disk, read from there) by a HEAD each
     monkeypatch.setattr(cachingstore, "LIST_PAGE", 5)
     monkeypatch.setattr(cachingstore, "LIST_KEYS", 10)
     prefix = _upload(s3, data)
@@ -148,9 +186,10 @@ def test_a_listing_goes_page_by_page_up_to_its_bound_then_heads(s3, data, tmp_pa
     _epoch(cfg, uri, data, "plain")
     with moto_log() as log:
         _epoch(cfg, uri, data, "plain")
-    assert _counted(log, prefix, "plain") == {"list": 2, "head": 6, "get": 0}
+    assert _counted(log, prefix, "plain") == {"list": 2, "head": 7, "get": 0}
     heads = sorted(q.rsplit("/plain/", 1)[1] for m, q in log if m == "HEAD")
-    assert heads == ["c/2/2", "c/2/3", "c/3/0", "c/3/1", "c/3/2", "c/3/3"]
+    assert heads == ["c/2/2", "c/2/3", "c/3/0", "c/3/1", "c/3/2", "c/3/3", "zarr.json"]
+    assert not [q for m, q in log if m == "GET" and q.endswith("/plain/zarr.json")]
 
 
 def test_a_listing_past_the_staleness_bound_is_made_again(s3, data, tmp_path):
@@ -424,8 +463,10 @@ def test_open_array_again_soon_after_lists_the_array_once(s3, data, tmp_path):
         for _ in range(5):  # the process's stores, which open_array revalidates at an open
             a = stoker.open_array(uri, options)
             np.testing.assert_array_equal(a.read((slice(0, 16), slice(0, 16))), want[:16, :16])
-        assert _counted(log, prefix, "plain") == {"list": 1, "head": 4, "get": 0}  # c/0/0 at opens 2 to 5
+        # c/0/0 and zarr.json at opens 2 to 5 (a HEAD each, no body; zarr.json served from disk, no GET)
+        assert _counted(log, prefix, "plain") == {"list": 1, "head": 8, "get": 0}
+        assert not [q for m, q in log if m == "GET" and q.endswith("plain/zarr.json")]
         time.sleep(1.1)
         a = stoker.open_array(uri, options)
         np.testing.assert_array_equal(a.read((slice(0, 16), slice(0, 16))), want[:16, :16])
-    assert _counted(log, prefix, "plain") == {"list": 2, "head": 4, "get": 0}
+    assert _counted(log, prefix, "plain") == {"list": 2, "head": 8, "get": 0}

@@ -9,7 +9,10 @@ where a cache is configured (:class:`~stoker.storage.locate.Stores`), nothing el
 
 What is cached: whole values and ranges read by ``get_many``/``start_get_many``, ``get_each`` and
 ``get_ranges`` (chunks, inner chunks, shard indexes), each under (store URI, key, range, generation) in a
-:class:`~stoker.storage.diskcache.DiskCache`. ``get`` (metadata documents) is never cached.
+:class:`~stoker.storage.diskcache.DiskCache`; and, read by ``get``, the metadata documents of the arrays opened
+(:data:`DOCUMENTS`), revalidated as their chunks are: an array's listing states its ``zarr.json``'s ETag too,
+so opening an array cached before costs one LIST and no GET. Other ``get`` reads (groups' documents) go
+to the store.
 
 Generations. A hit needs the object's generation now. Where the store lists (S3, GCS, Azure), they are learnt
 in bulk when an array is opened (:meth:`CachingStore.opened`: a listing of its prefix, 1,000 keys with their
@@ -44,7 +47,7 @@ from typing import Any, Callable, Collection, Sequence
 
 from ..errors import NotFound, ShutdownError
 from .diskcache import DiskCache, disk_cache
-from .store import ByteRange, Store, by_key, check_key, check_prefix
+from .store import ByteRange, Store, by_key, check_key, check_prefix, not_found
 
 
 @dataclass
@@ -456,8 +459,20 @@ class CachingStore:
     # -- reads -----------------------------------------------------------------------------------
 
     def get(self, key: str):
-        """The whole value, from the store (metadata documents are read fresh, never cached)."""
-        return self.store.get(key)
+        """The whole value of ``key``. A document of an opened array (its ``zarr.json``, ``.zarray``, ``.zattrs``:
+        :data:`DOCUMENTS`) is read as a chunk is, from disk at the generation its array's listing states (so
+        opening an array cached before costs that one LIST, not a GET more), else from the store and kept;
+        a rewritten document has another generation and is read anew. Anything else (a group's documents,
+        a key outside the arrays opened) is read from the store, as without the cache."""
+        check_key(key)
+        with self._lock:
+            under = key.rsplit("/", 1)[-1] in DOCUMENTS and self._opened_of(key) is not None
+        if not under:
+            return self.store.get(key)
+        value = self.get_many([key], [])[0][0]
+        if value is None:
+            raise not_found(self.uri, key)
+        return value
 
     def get_ranges(self, requests: Sequence[ByteRange]) -> list:
         return list(self.get_many([], requests)[1])
@@ -737,6 +752,8 @@ class CachingStore:
         return f"CachingStore({self.store!r}, {str(self.cache.folder)!r})"
 
 
+#: The documents of an array that :meth:`CachingStore.get` keeps on disk, revalidated by its array's listing.
+DOCUMENTS = frozenset({"zarr.json", ".zarray", ".zattrs"})
 #: Keys one page of a listing names (S3's most).
 LIST_PAGE = 1000
 #: Keys a listing of an opened array learns at most (ten pages, fetched one after the other as they come); an

@@ -249,6 +249,28 @@ class Stores:
                 self._stores.popitem(last=False)
         return (held[0], Hierarchy(held[0])) if self._revalidate else held
 
+    def opening(self, uri: str, storage_options: dict | None = None) -> None:
+        """The remote array at ``uri`` is about to be opened: where its store has a disk cache, the listing
+        that revalidates its objects (and its ``zarr.json``: :meth:`CachingStore.opened
+        <stoker.storage.cachingstore.CachingStore.opened>`) is started now, without waiting, so that arrays
+        opened a few at a time find their listings answered together, not one round trip a few. Not with
+        ``revalidate`` (its :meth:`get` forgets at each open, which would drop that listing). Never raises:
+        the open itself says what is wrong.
+
+        >>> stores.opening("s3://bkt/g.zarr/a", options)   # then open_array(..., stores=stores)
+        """
+        if self._revalidate:
+            return
+        try:
+            loc = locate(uri)
+            if loc.is_local or loc.archive:
+                return
+            opened = getattr(self.get(loc, storage_options)[0], "opened", None)
+            if opened is not None:
+                opened(loc.prefix)
+        except Exception:  # noqa: BLE001 - a bad URI or option, a closed store: raised by the open
+            pass
+
     def _cache_of(self, given: dict) -> CacheSettings:
         """This store's disk cache settings: the Stores' (or ``$STOKER_CACHE_DIR``'s), with ``given``
         (``storage_options`` keys) over them."""

@@ -14,6 +14,7 @@ The thread holds the coordinator, never the pipeline, so a pipeline nobody close
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import threading
 import time
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from ...runtime import gil
-from ...runtime.workers import start_thread
+from ...runtime.workers import DaemonPool, start_thread
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
 from ...reader.coords import coding
 from ...storage.cache import SizedLRU
@@ -129,6 +130,9 @@ class Coordinator:
         # remote stores of this pipeline's arrays, closed with it; their requests capped together
         self.stores = Stores(cfg.requests_in_flight, cache=cfg.cache, prefetch=self.ahead.buffer,
                              read_files=native.read_files)
+        self._openers: DaemonPool | None = None  # the threads remote arrays are opened on (see _start_opens)
+        self._opening: dict[str, concurrent.futures.Future] = {}  # uri -> its open in flight there
+        self._opening_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     def _wake(self) -> None:
         """Requests of the prefetch buffer ended (on the stores' event loop): a coordinator waiting for room
@@ -156,23 +160,18 @@ class Coordinator:
         return reader
 
     def _open_all(self, uris: list[str]) -> list[ArrayReader]:
-        """The arrays at ``uris``. Those in remote stores not open yet are opened at once, each on a thread
-        of its own (at most ``_OPEN_AT_ONCE``): their metadata requests overlap instead of adding up, one
-        round trip each, as a batch of arrays seen for the first time would. A failed open is not tried
+        """The arrays at ``uris``. Those in remote stores not open yet are opened at once, on the pipeline's
+        opener threads (:meth:`_start_opens`): their metadata requests overlap instead of adding up, one
+        round trip each, as a batch of arrays seen for the first time would; an open in flight already (the
+        batches pulled ahead: :meth:`_next_pull`) is waited for, not made again. A failed open is not tried
         again (that would wait out its retries twice): the first failure, in ``uris`` order, is raised."""
         missing = [u for u in uris if "://" in u and u.split("://", 1)[0].lower() in REMOTE_SCHEMES
                    and u not in self._readers]
-        errors: dict[str, BaseException] = {}
-        for i in range(0, len(missing) if len(missing) > 1 else 0, _OPEN_AT_ONCE):
-            threads = [threading.Thread(target=self._try_open, args=(u, errors), name="stoker-open", daemon=True)
-                       for u in missing[i:i + _OPEN_AT_ONCE]]
-            try:
-                for t in threads:
-                    start_thread(t, "n_io_threads")
-            finally:
-                for t in threads:
-                    if t.ident is not None:  # started: joined before an error goes on
-                        t.join()  # bounded: every store request has its own time limit
+        with self._opening_lock:
+            alone = len(missing) == 1 and missing[0] not in self._opening  # opened on this thread, below
+        flights = [] if alone or not missing else self._start_opens(missing)
+        self._wait_opens([f for _, f in flights])
+        errors = {u: f.result() for u, f in flights if f.result() is not None}
         out = []
         for u in uris:
             if u in errors:
@@ -180,11 +179,57 @@ class Coordinator:
             out.append(self.open(u))
         return out
 
-    def _try_open(self, uri: str, errors: dict[str, BaseException]) -> None:
+    def _start_opens(self, uris: list[str]) -> list[tuple[str, concurrent.futures.Future]]:
+        """The opens of the remote arrays among ``uris`` started on the opener threads (at most ``_OPEN_AT_ONCE``,
+        kept: a thread started per open costs more than an open from the disk cache), each ``(uri, future)``;
+        an open in flight already is shared. A future's result is the open's error, or None. Where more wait
+        than there are threads, their disk cache listings (which revalidate their zarr.json too) are all
+        asked first (:meth:`Stores.opening <stoker.storage.locate.Stores.opening>`), so the opens overlap."""
+        flights, new = [], []
+        with self._opening_lock:
+            for u in uris:
+                if "://" not in u or u.split("://", 1)[0].lower() not in REMOTE_SCHEMES or u in self._readers:
+                    continue  # local files: opened by the batch that reads them (no round trip to overlap)
+                f = self._opening.get(u)
+                if f is None:
+                    f = self._opening[u] = concurrent.futures.Future()
+                    new.append((u, f))
+                flights.append((u, f))
+        if len(new) > _OPEN_AT_ONCE:
+            for u, _ in new:
+                self.stores.opening(u, options_for(self.cfg.storage_options, u))
+        for u, f in new:
+            try:
+                if self._openers is None:
+                    self._openers = DaemonPool(_OPEN_AT_ONCE, "stoker-open", knob="n_io_threads")
+                self._openers.submit(self._try_open, u, f)
+            except BaseException as exc:  # noqa: BLE001 - no thread given, or closed: the open's error
+                self._opened(u, f, exc)
+        return flights
+
+    def _try_open(self, uri: str, done: concurrent.futures.Future) -> None:
+        error = None
         try:
             self.open(uri)
         except BaseException as exc:  # noqa: BLE001 - raised, in order, by _open_all
-            errors[uri] = exc
+            error = exc
+        finally:
+            self._opened(uri, done, error)
+
+    def _opened(self, uri: str, done: concurrent.futures.Future, error: BaseException | None) -> None:
+        with self._opening_lock:
+            if self._opening.get(uri) is done:
+                del self._opening[uri]  # a failed open is made again by the next batch that needs it
+        done.set_result(error)
+
+    def _wait_opens(self, futures: list[concurrent.futures.Future]) -> None:
+        """Wait for the opens ``futures`` (each bounded: every store request has its own time limit); a
+        pipeline closed meanwhile raises ShutdownError (its opener threads are stopped)."""
+        pending = set(futures)
+        while pending:
+            pending = concurrent.futures.wait(pending, timeout=_SLOT_POLL_S * 10)[1]
+            if pending and self.closed:
+                raise ShutdownError("the pipeline was closed while its arrays were being opened")
 
     def head(self) -> Entry | None:
         """Under the condition: the first batch in flight (the next to pop), or None."""
@@ -221,6 +266,8 @@ class Coordinator:
         self.closed = True
         self.cond.notify_all()
         self.stores.close()  # cancels requests in flight: their batches fail with ShutdownError
+        if self._openers is not None:
+            self._openers.shutdown(drain=True)  # opens queued run (and fail at once): their waiters see it
         if self.ahead.buffer is not None:
             self.ahead.buffer.close()  # what was prefetched and not used is dropped
 
@@ -315,15 +362,14 @@ class Coordinator:
                 if error is not None or not staged:
                     break
             if len(self._pulled) > 1:
-                try:
-                    self._open_all(list({u: None for staged, _ in self._pulled for s, _, _ in staged
-                                         for u in s.uris}))
-                except Exception:  # noqa: BLE001 - raised at the launch of the batch that reads it
-                    pass
-                # the objects of the batches just pulled: their generations asked now, batch by batch, so
-                # that their reads wait for no revalidation
-                for staged in more:
-                    revalidate_ahead([s for s, _, _ in staged], self._readers.get)
+                # their arrays not open yet opened on the opener threads, not waited for here (the coordinator
+                # goes on making the batches before); an error is raised at the launch of the batch that
+                # reads it. Then the objects of the batches just pulled: their generations asked, batch by
+                # batch, so that their reads wait for no revalidation
+                flights = self._start_opens(list({u: None for staged, _ in self._pulled for s, _, _ in staged
+                                                  for u in s.uris}))
+                pulled = [[s for s, _, _ in staged] for staged in more]
+                _when_done([f for _, f in flights], lambda: [revalidate_ahead(p, self._readers.get) for p in pulled])
         return self._pulled.popleft() if self._pulled else ([], None)
 
     def _launch(self, staged: list[Staged]) -> None:
@@ -485,3 +531,29 @@ class Coordinator:
                 "'i32') for integer ids, which keeps them exact, 'f32' for floats and 8- or 16-bit integers"
             )
         return dtypes.pop()
+
+
+def _when_done(futures: list[concurrent.futures.Future], then) -> None:
+    """``then()`` once every one of ``futures`` is done (on the thread that finished the last, or here if all
+    are); an error of ``then`` is dropped (what it started ahead, the batches' own reads do again)."""
+    pending = [f for f in futures if not f.done()]
+    left = [len(pending)]
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            then()
+        except Exception:  # noqa: BLE001 - a closed store: the batches' reads say what is wrong
+            pass
+
+    def one(_f: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            run()
+
+    if not pending:
+        run()
+    for f in pending:
+        f.add_done_callback(one)
