@@ -22,10 +22,11 @@ thread would, and the thread goes on with the next task.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from . import gil
 from ..errors import ShutdownError, ThreadStartError
@@ -151,3 +152,34 @@ def _work(state: _State) -> None:
             threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__,
                                                            threading.current_thread())))
         del fn, args  # hold nothing of a finished task while idle
+
+
+def when_all_done(futures: Collection[concurrent.futures.Future], then: Callable[[], None],
+                  failed: Callable[[BaseException], None]) -> None:
+    """``then()`` once every one of ``futures`` is done (on the thread that finished the last, or here if all
+    are), or ``failed(error)`` if ``then`` raises: a future swallows its callbacks' errors, so whatever waits for
+    ``then`` must hear of one. Never waits.
+
+    >>> when_all_done([fetch, listing], lambda: print("both in"), lambda exc: print("then failed:", exc))
+    """
+    pending = [future for future in futures if not future.done()]
+    left = [len(pending)]
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            then()
+        except BaseException as exc:  # noqa: BLE001 - handed to failed (RecursionError, a bug, a closed store)
+            failed(exc)
+
+    def one(_f: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            run()
+
+    if not pending:
+        run()
+    for future in pending:
+        future.add_done_callback(one)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Sequence
 
 from ..errors import NotFound, ShutdownError
+from ..runtime.workers import when_all_done
 from .diskcache import DiskCache, disk_cache
 from .store import ByteRange, Store, by_key, check_key, check_prefix, not_found
 
@@ -284,7 +285,7 @@ class CachingStore:
         join = _Join(int(bool(waits)) + int(bool(head)), got, then)
         if waits:  # then again for the keys the pages may hold (which have entries: checked)
             rest = names - got.keys() - set(head)
-            _when_all(waits, lambda: self._resolve(rest, join.add, True, patient, True), join.add)
+            when_all_done(waits, lambda: self._resolve(rest, join.add, True, patient, True), join.add)
         if head:
             self._head(head, join.add)
 
@@ -307,7 +308,7 @@ class CachingStore:
                     out[key] = known[0] if fresh else None  # failed, missing or no generation: read through
             then(out)
 
-        _when_all(flights, headed, then)
+        when_all_done(flights, headed, then)
 
     def _heads_for(self, keys: list[str]) -> set[concurrent.futures.Future]:
         """The flights of the HEAD requests of ``keys``: those in flight already for another read, and one
@@ -790,7 +791,7 @@ class _Join:
     def add(self, part: Any) -> None:
         with self.lock:
             if self.n <= 0:
-                return  # an error reported after its part came (see _when_all): settled already
+                return  # an error reported after its part came (see when_all_done): settled already
             if isinstance(part, BaseException):
                 self.error = self.error or part
             else:
@@ -799,34 +800,6 @@ class _Join:
             last = self.n == 0
         if last:
             self.then(self.error if self.error is not None else self.merged)
-
-
-def _when_all(futures: Collection[concurrent.futures.Future], then: Callable[[], None],
-              failed: Callable[[BaseException], None]) -> None:
-    """``then()`` once every one of ``futures`` is done (on the thread that finished the last, or here if all
-    are), or ``failed(error)`` if ``then`` raises: a future swallows its callbacks' errors, and the read
-    waiting for ``then`` would never be settled."""
-    pending = [future for future in futures if not future.done()]
-    left = [len(pending)]
-    lock = threading.Lock()
-
-    def run() -> None:
-        try:
-            then()
-        except BaseException as exc:  # noqa: BLE001 - RecursionError, a bug: the waiting read gets it
-            failed(exc)
-
-    def one(_f: concurrent.futures.Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            run()
-
-    if not pending:
-        run()
-    for future in pending:
-        future.add_done_callback(one)
 
 
 def _settle(out: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ...runtime import gil
-from ...runtime.workers import DaemonPool, start_thread
+from ...runtime.workers import DaemonPool, start_thread, when_all_done
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
 from ...reader.coords import coding
 from ...storage.cache import SizedLRU
@@ -369,7 +369,8 @@ class Coordinator:
                 flights = self._start_opens(list({u: None for staged, _ in self._pulled for s, _, _ in staged
                                                   for u in s.uris}))
                 pulled = [[s for s, _, _ in staged] for staged in more]
-                _when_done([f for _, f in flights], lambda: [revalidate_ahead(p, self._readers.get) for p in pulled])
+                when_all_done([f for _, f in flights], lambda: [revalidate_ahead(p, self._readers.get) for p in pulled],
+                              _dropped)
         return self._pulled.popleft() if self._pulled else ([], None)
 
     def _launch(self, staged: list[Staged]) -> None:
@@ -533,27 +534,7 @@ class Coordinator:
         return dtypes.pop()
 
 
-def _when_done(futures: list[concurrent.futures.Future], then) -> None:
-    """``then()`` once every one of ``futures`` is done (on the thread that finished the last, or here if all
-    are); an error of ``then`` is dropped (what it started ahead, the batches' own reads do again)."""
-    pending = [f for f in futures if not f.done()]
-    left = [len(pending)]
-    lock = threading.Lock()
-
-    def run() -> None:
-        try:
-            then()
-        except Exception:  # noqa: BLE001 - a closed store: the batches' reads say what is wrong
-            pass
-
-    def one(_f: concurrent.futures.Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            run()
-
-    if not pending:
-        run()
-    for f in pending:
-        f.add_done_callback(one)
+def _dropped(exc: BaseException) -> None:
+    """What revalidating ahead raised: dropped (a closed store: the batches' own reads say what is wrong)."""
+    if not isinstance(exc, Exception):
+        raise exc
