@@ -94,6 +94,24 @@ def zarr_values(root: str, path: str):
     return zarr.open_array(os.path.join(root, path), mode="r")[...]
 
 
+#: storage options of a loopback remote store in tests: short timeouts, a few quick retries
+FAST_REMOTE = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+
+
+def random_int_arrays(arrays: dict, shape: tuple):
+    """``write(root, seed)``: writes each of ``arrays`` (path under ``root`` -> keywords of
+    ``zarr.create_array``) at ``shape`` with random integers below 5,000 drawn from ``seed``, in order.
+    In a test module: ``_write = random_int_arrays(ARRAYS, SHAPE)``."""
+
+    def write(root: str, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for path, spec in arrays.items():
+            arr = zarr.create_array(os.path.join(root, path), shape=shape, overwrite=True, **spec)
+            arr[...] = rng.integers(0, 5000, size=shape).astype(spec["dtype"])
+
+    return write
+
+
 def written_tree_fixture(write):
     """A fixture: a folder "data" of the test's tmp_path holding what ``write(root, 1)`` writes (generation 1 of
     the module's arrays), its path. In a test module: ``data = written_tree_fixture(_write)``."""

@@ -733,6 +733,15 @@ def test_close_returns_while_a_read_thread_is_blocked_in_a_chunk_file(tmp_path, 
 
     monkeypatch.setattr(Stager, "_read_whole", stuck)
     monkeypatch.setattr(native_reads, "available", lambda: False)  # the Python reads, on the read pool's threads
+    ex = _closed_while_a_read_is_stuck(tmp_path, monkeypatch, entered, unblock)
+    for thread in (ex._reader, ex._thread, *ex._stager.pool._pool.threads):
+        thread.join(10.0)
+        assert not thread.is_alive(), thread.name
+
+
+def _closed_while_a_read_is_stuck(tmp_path, monkeypatch, entered, unblock):
+    """Push one sample of ``w.zarr`` to a GPU-decode pipeline (host stand-in), wait until a read is stuck
+    (``entered``), check ``close()`` returns within 3 s without it, then let it go (``unblock``); the executor."""
     made = []
     _with_decoder(monkeypatch, HostDecoder, made)
     cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=4, host_buffer_bytes=64 << 20,
@@ -748,9 +757,7 @@ def test_close_returns_while_a_read_thread_is_blocked_in_a_chunk_file(tmp_path, 
         unblock.set()
         p.close()
     ex = made[0]
-    for thread in (ex._reader, ex._thread, *ex._stager.pool._pool.threads):
-        thread.join(10.0)
-        assert not thread.is_alive(), thread.name
+    return ex
 
 
 def test_close_returns_while_the_reader_is_in_a_compiled_read(tmp_path, monkeypatch):
@@ -770,21 +777,7 @@ def test_close_returns_while_the_reader_is_in_a_compiled_read(tmp_path, monkeypa
         return read(*args)
 
     monkeypatch.setattr(native_reads, "read", stuck)
-    made = []
-    _with_decoder(monkeypatch, HostDecoder, made)
-    cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=4, host_buffer_bytes=64 << 20,
-                        device_buffer_bytes=64 << 20)
-    p = stoker.Pipeline(cfg)
-    try:
-        p.push([stoker.Sample(str(tmp_path / "w.zarr"), [(0, 16), (0, 64), (0, 64)])])
-        assert entered.wait(10.0)
-        t0 = time.monotonic()
-        p.close()
-        assert time.monotonic() - t0 < 3.0 and not unblock.is_set()
-    finally:
-        unblock.set()
-        p.close()
-    ex = made[0]
+    ex = _closed_while_a_read_is_stuck(tmp_path, monkeypatch, entered, unblock)
     for thread in (ex._reader, ex._thread):
         thread.join(10.0)
         assert not thread.is_alive(), thread.name

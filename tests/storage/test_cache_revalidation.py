@@ -27,11 +27,12 @@ from stoker.storage.diskcache import disk_cache
 from stoker.storage.locate import Stores
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, empty_s3_fixture, read_tree, written_tree_fixture, zarr_values
+from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, read_tree, written_tree_fixture,
+                            zarr_values)
 
 pytestmark = pytest.mark.timeout(180)
 
-FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+FAST = FAST_REMOTE
 SHAPE = (64, 64)
 #: one sharded (shard index and inner chunks as ranges), one plain (whole chunk values), 16 objects each
 ARRAYS = {"sharded": dict(chunks=(4, 4), shards=(16, 16), dtype="uint16", compressors=ZstdCodec(level=1)),
@@ -41,11 +42,7 @@ BATCHES = [[((16 * i, 16 * i + 8), (16 * j, 16 * j + 8)) for j in (0, 2)] for i 
           [[((16 * i + 8, 16 * i + 16), (16 * j + 8, 16 * j + 16)) for j in (1, 3)] for i in range(4)]
 
 
-def _write(root: str, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for path, spec in ARRAYS.items():
-        arr = zarr.create_array(os.path.join(root, path), shape=SHAPE, overwrite=True, **spec)
-        arr[...] = rng.integers(0, 5000, size=SHAPE).astype(spec["dtype"])
+_write = random_int_arrays(ARRAYS, SHAPE)
 
 
 s3 = empty_s3_fixture()

@@ -32,23 +32,20 @@ from stoker.storage.locate import Stores, locate
 from stoker.storage.store import ByteRange
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, empty_s3_fixture, read_tree, written_tree_fixture, zarr_values
+from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, read_tree, written_tree_fixture,
+                            zarr_values)
 
 pytestmark = pytest.mark.timeout(180)
 
 SHAPE = (64, 48)
-FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+FAST = FAST_REMOTE
 #: path -> how zarr-python writes it: one sharded (ranges of shards), one plain (whole chunk values)
 ARRAYS = {"sharded": dict(chunks=(8, 8), shards=(32, 24), dtype="uint16", compressors=ZstdCodec(level=1)),
           "plain": dict(chunks=(16, 16), dtype="int32", compressors=ZstdCodec(level=1))}
 BOXES = [(slice(0, 64), slice(0, 48)), (slice(3, 29), slice(5, 33)), (slice(40, 64), slice(20, 48))]
 
 
-def _write(root: str, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for path, spec in ARRAYS.items():
-        arr = zarr.create_array(os.path.join(root, path), shape=SHAPE, overwrite=True, **spec)
-        arr[...] = rng.integers(0, 5000, size=SHAPE).astype(spec["dtype"])
+_write = random_int_arrays(ARRAYS, SHAPE)
 
 
 s3 = empty_s3_fixture()

@@ -12,7 +12,6 @@ import uuid
 import numpy as np
 import pytest
 import torch
-import zarr
 from zarr.codecs import ZstdCodec
 
 import stoker
@@ -21,24 +20,21 @@ from stoker.storage import cachingstore
 from stoker.storage.diskcache import DiskCache, disk_cache
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, empty_s3_fixture, read_tree, written_tree_fixture, zarr_values
+from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, read_tree, written_tree_fixture,
+                            zarr_values)
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(native.Engine is None or not native.zstd, reason="no compiled engine")]
 
 SHAPE = (64, 48)
-FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+FAST = FAST_REMOTE
 #: one array read as whole chunk values, one as ranges of shards
 ARRAYS = {"plain": dict(chunks=(16, 16), dtype="int32", compressors=ZstdCodec(level=1)),
           "sharded": dict(chunks=(8, 8), shards=(32, 24), dtype="uint16", compressors=ZstdCodec(level=1))}
 BOXES = [[(0, 20), (0, 20)], [(3, 23), (5, 25)], [(40, 60), (20, 40)], [(30, 50), (28, 48)], [(44, 64), (0, 20)]]
 
 
-def _write(root: str, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for path, spec in ARRAYS.items():
-        arr = zarr.create_array(os.path.join(root, path), shape=SHAPE, overwrite=True, **spec)
-        arr[...] = rng.integers(0, 5000, size=SHAPE).astype(spec["dtype"])
+_write = random_int_arrays(ARRAYS, SHAPE)
 
 
 s3 = empty_s3_fixture()
