@@ -1271,6 +1271,17 @@ def _busy(root, engine):
     return engine.submit(*t.args())
 
 
+def _in_flight_together(tmp_path, engine, *job_args):
+    """Submit a job of each of ``job_args`` while the engine's one thread is held busy, so that all are in
+    flight before it reaches the first; the finished jobs, in order."""
+    busy = _busy(tmp_path / "busy", engine)
+    jobs = [engine.submit(*args) for args in job_args]
+    assert not busy.done  # all are in flight before the thread reaches the first
+    busy.cancel()
+    assert all(job.wait(20) for job in jobs)
+    return jobs
+
+
 def test_a_chunk_two_jobs_in_flight_need_is_read_and_decoded_once(tmp_path):
     """Batches in flight that need the same stored chunk (an inner chunk of a shard file) get it from one read
     and one decode: the thread that takes it first in one job places it into every other job that has not
@@ -1282,12 +1293,7 @@ def test_a_chunk_two_jobs_in_flight_need_is_read_and_decoded_once(tmp_path):
     n = 6
     first, first_args = _wide(tmp_path / "wide", n, native.KIND_F32, rows=3)
     second, second_args = _wide(tmp_path / "wide", n, native.KIND_SAME, rows=8, like=first)
-    busy = _busy(tmp_path / "busy", engine)
-    a = engine.submit(*first_args)
-    b = engine.submit(*second_args)
-    assert not busy.done  # both are in flight before the thread reaches the first
-    busy.cancel()
-    assert a.wait(20) and b.wait(20)
+    a, b = _in_flight_together(tmp_path, engine, first_args, second_args)
     (sa, _, ca), (sb, _, cb) = _results(a), _results(b)
     assert sa.tolist() == [native.ST_OK] * n
     assert sb.tolist() == [native.ST_OK] * (n - 1) + [native.ST_CODEC_ERROR]
@@ -1311,12 +1317,7 @@ def test_a_shared_chunk_fails_only_the_jobs_whose_own_span_fails(tmp_path):
     n = 6
     second, second_args = _wide(tmp_path / "wide", n, native.KIND_SAME, rows=8)
     first, first_args = _wide(tmp_path / "wide", n, native.KIND_F32, rows=3, like=second)
-    busy = _busy(tmp_path / "busy", engine)
-    b = engine.submit(*second_args)
-    a = engine.submit(*first_args)
-    assert not busy.done
-    busy.cancel()
-    assert a.wait(20) and b.wait(20)
+    b, a = _in_flight_together(tmp_path, engine, second_args, first_args)
     (sa, _, ca), (sb, _, cb) = _results(a), _results(b)
     assert sa.tolist() == [native.ST_OK] * n
     assert sb.tolist() == [native.ST_OK] * (n - 1) + [native.ST_CODEC_ERROR]
@@ -1333,12 +1334,7 @@ def test_each_thread_clocks_sum_to_its_wall_time_with_shared_chunks(tmp_path):
     n = 6
     first, first_args = _wide(tmp_path / "wide", n, native.KIND_F32, rows=8)
     second, second_args = _wide(tmp_path / "wide", n, native.KIND_SAME, rows=8, like=first)
-    busy = _busy(tmp_path / "busy", engine)
-    a = engine.submit(*first_args)
-    b = engine.submit(*second_args)
-    assert not busy.done  # both are in flight before the thread reaches the first
-    busy.cancel()
-    assert a.wait(20) and b.wait(20)
+    a, b = _in_flight_together(tmp_path, engine, first_args, second_args)
     assert _results(b)[2]["chunks_shared"] == n - 1
     (r,) = _clocks(engine)
     total = int(r[_TIMES].sum())
