@@ -22,6 +22,7 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 import stoker
+from stoker.engine.pipeline.prefetch import listed_whole, revalidate_ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import disk_cache
 from stoker.storage.locate import Stores
@@ -467,3 +468,76 @@ def test_open_array_again_soon_after_lists_the_array_once(s3, data, tmp_path):
         a = stoker.open_array(uri, options)
         np.testing.assert_array_equal(a.read((slice(0, 16), slice(0, 16))), want[:16, :16])
     assert _counted(log, prefix, "plain") == {"list": 2, "head": 8, "get": 0}
+
+
+# -- revalidation ahead of the pulled batches (engine/pipeline/prefetch.revalidate_ahead) -------------------
+
+
+def _every_object(uri: str) -> list[stoker.Sample]:
+    """Boxes touching each of the 16 objects of an array of ARRAYS once."""
+    return [stoker.Sample(uri, box) for boxes in BATCHES for box in boxes]
+
+
+def _heads_until(count, n: int, timeout: float = 15.0) -> int:
+    """``count()`` once it reached ``n`` (or the timeout passed): HEADs asked ahead arrive on their own."""
+    deadline = time.monotonic() + timeout
+    while count() < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # none more after them
+    return count()
+
+
+def test_revalidate_ahead_asks_nothing_of_an_s3_array_its_listing_took(s3, data, tmp_path):
+    # the open lists all 16 objects (and zarr.json): no key is built for them, no HEAD sent
+    prefix, uri, options, _ = _warm(s3, data, tmp_path)
+    with moto_log() as log:
+        a = stoker.open_array(uri, options, stores=Stores())
+        assert listed_whole(a)
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 0
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _counted(log, prefix, "plain") == {"list": 1, "head": 0, "get": 0}
+
+
+def test_revalidate_ahead_heads_the_objects_past_what_a_listing_takes(s3, data, tmp_path, monkeypatch):
+    # pages of 5 keys, at most 10 listed: the 6 chunks past them are asked ahead by a HEAD each, so the
+    # read after finds every generation known and asks nothing more
+    monkeypatch.setattr(cachingstore, "LIST_PAGE", 5)
+    monkeypatch.setattr(cachingstore, "LIST_KEYS", 10)
+    prefix, uri, options, _ = _warm(s3, data, tmp_path)
+    with moto_log() as log:
+        a = stoker.open_array(uri, options, stores=Stores())
+        assert not listed_whole(a)
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+        chunks = f"/{BUCKET}/{prefix}/plain/c/"
+
+        def heads() -> list[str]:
+            return sorted(q[len(chunks):] for m, q in log if m == "HEAD" and q.startswith(chunks))
+
+        assert _heads_until(lambda: len(heads()), 6) == 6
+        assert heads() == ["2/2", "2/3", "3/0", "3/1", "3/2", "3/3"]
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    # the open's listing (two pages) and its zarr.json's HEAD (past the listing); nothing more for the read
+    assert _counted(log, prefix, "plain") == {"list": 2, "head": 7, "get": 0}
+
+
+def test_revalidate_ahead_heads_every_object_over_http(data, tmp_path):
+    server = RangeServer(data)
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        uri = f"{server.url}/plain"
+        a = stoker.open_array(uri, options, stores=Stores())
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+        assert _caching(a).cache.flush(30)
+        a = stoker.open_array(uri, options, stores=Stores())  # a new wrapper: nothing known
+        assert not listed_whole(a)
+        start = len(server.log)
+
+        def heads() -> int:
+            return sum(method == "HEAD" and "/plain/c/" in path for _, method, path in server.log[start:])
+
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+        assert _heads_until(heads, 16) == 16
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+        assert heads() == 16 and not [p for _, m, p in server.log[start:] if m == "GET" and "/plain/c/" in p]
+    finally:
+        server.stop()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from ...config import Config
 from typing import Callable
 
+from ...storage import cachingstore
 from ...storage.prefetch import PrefetchBuffer, PrefetchStore
 from ...storage.store import ByteRange
 from ..planning.tables import TablePlan
@@ -159,11 +161,13 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
     and not yet planned: their reads then find what the disk holds known to be current, instead of waiting a
     round trip for it. ``reader_of(uri)``: the open array, or None (not open: skipped). Returns the objects
     asked about (at most :data:`MAX_REVALIDATE`); never waits. An array whose store lists was revalidated in
-    bulk when opened, so this asks for nothing there.
+    bulk when opened, so this builds no key for it (:func:`listed_whole`); only those of larger arrays,
+    past what a listing takes, are asked (by HEAD).
 
     >>> revalidate_ahead(pulled_samples, lambda uri: readers.get(uri))
     """
     asks: dict[int, tuple[Any, dict]] = {}
+    skip: dict[int, bool] = {}  # per reader: listed whole at its open, so nothing to ask
     n = 0
     for sample in samples:
         for part in (sample.fields.values() if sample.fields else (sample,)):
@@ -173,6 +177,11 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
                 reader = reader_of(uri)
                 revalidate = None if reader is None else getattr(reader.kv, "revalidate", None)
                 if revalidate is None:
+                    continue
+                listed = skip.get(id(reader))
+                if listed is None:
+                    listed = skip[id(reader)] = listed_whole(reader)
+                if listed:
                     continue
                 meta = reader.metadata
                 spans = []
@@ -196,6 +205,17 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
     return n
 
 
+def listed_whole(reader: Any) -> bool:
+    """Whether opening ``reader`` (an open array) revalidated every object it may have in its disk cache: its
+    store lists (S3, GCS, Azure: ``CachingStore.opened`` lists the array's prefix) and its objects, one per
+    grid cell and its documents, fit in what one listing takes (``cachingstore.LIST_KEYS``). The objects of
+    a larger array past those are revalidated by a HEAD each, which :func:`revalidate_ahead` starts ahead."""
+    kv = reader.kv
+    if not getattr(kv, "supports_list", False) or not hasattr(kv, "start_list_versions"):
+        return False
+    meta = reader.metadata
+    objects = math.prod(-(-size // chunk) for size, chunk in zip(meta.shape, meta.chunk_shape))
+    return objects + len(cachingstore.DOCUMENTS) <= cachingstore.LIST_KEYS
 
 
 def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> int:
@@ -217,4 +237,4 @@ def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> int:
     return dropped
 
 
-__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "prefetch_plan", "revalidate_ahead"]
+__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "listed_whole", "prefetch_plan", "revalidate_ahead"]
