@@ -6,7 +6,9 @@ served: each is fetched again, and every read equals zarr-python's."""
 
 from __future__ import annotations
 
+import collections
 import os
+import time
 import uuid
 
 import numpy as np
@@ -16,6 +18,7 @@ from zarr.codecs import ZstdCodec
 
 import stoker
 from stoker.engine.cpu import native
+from stoker.engine.pipeline import prefetch as ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import DiskCache, disk_cache
 
@@ -259,3 +262,81 @@ def test_entry_paths_too_long_for_the_engine_are_fetched(remote, data, tmp_path)
         with stoker.Pipeline(_config(options, folder)) as p:
             for _ in range(3):
                 _batch(p, uri, data, path)
+
+
+class _Asked:
+    """Counts each key and range the pipeline asks ``CachingStore.entry_files`` about (the real one answers),
+    and the batches prefetched (``prefetch_plan``, the real one) with the entries they found on disk."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.asked: collections.Counter = collections.Counter()
+        self.planned: list[int] = []  # per batch planned ahead: its chunks found on disk
+        real, plan = cachingstore.CachingStore.entry_files, ahead.prefetch_plan
+
+        def counted(kv, keys, requests):
+            self.asked.update(keys)
+            self.asked.update((r.key, r.start, r.length) for r in requests)
+            return real(kv, keys, requests)
+
+        def prefetched(table, *args):
+            out = plan(table, *args)
+            self.planned.append(len(getattr(table, "disk_entries", None) or ()))
+            return out
+
+        monkeypatch.setattr(cachingstore.CachingStore, "entry_files", counted)
+        monkeypatch.setattr(ahead, "prefetch_plan", prefetched)
+
+
+#: 8 x 8 crops in 12 different chunks of "plain" (16 x 16) and 12 different inner chunks of "sharded" (8 x 8)
+ONE_EACH = [[(16 * i, 16 * i + 8), (16 * j, 16 * j + 8)] for i in range(4) for j in range(3)]
+
+
+def _six_batches(p, asked: _Asked, uri: str, want) -> None:
+    """The crops of ONE_EACH in six batches of two, pushed at once; popped (each checked) once batches 3 to 6
+    were planned ahead of their slots (two slots, not released meanwhile)."""
+    planned = len(asked.planned)
+    for k in range(0, len(ONE_EACH), 2):
+        p.push([stoker.Sample(uri, box) for box in ONE_EACH[k:k + 2]])
+    deadline = time.monotonic() + 20
+    while len(asked.planned) < planned + 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for k in range(0, len(ONE_EACH), 2):
+        with p.pop() as b:
+            for got, box in zip(torch.from_dlpack(b), ONE_EACH[k:k + 2]):
+                np.testing.assert_array_equal(got.numpy(), want[tuple(slice(*s) for s in box)])
+    assert len(asked.planned) == planned + 4, asked.planned
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_each_chunk_of_a_batch_is_asked_of_the_disk_cache_once(remote, data, tmp_path, monkeypatch, path):
+    # batches planned ahead of their slots are prefetched: their chunks on disk were asked of the cache's
+    # entry_files by the prefetch, and the decoder reads them from disk without asking again; those it
+    # prefetched are not asked again either. A chunk asked twice in a batch was the prefetch's and the
+    # decoder's look-up each
+    uri, options, server = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    want = zarr_values(data, path)
+    cfg = stoker.Config(batch_size=2, dtype="native", n_compute_threads=2, pop_timeout_s=60, lookahead_batches=1,
+                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20)
+
+    def chunks(asked: _Asked) -> list[int]:
+        """How often each chunk (not a document) was asked."""
+        return sorted(n for what, n in asked.asked.items() if "/c/" in (what if isinstance(what, str) else what[0]))
+
+    # a cold pipeline (fetched, prefetched), then a new one over what it kept (hits, or prefetched while
+    # their generations are being asked), which reads them all again once it knows every generation
+    for epoch in (1, 2):
+        asked, reads = _Asked(monkeypatch), _Reads(monkeypatch)
+        with stoker.Pipeline(cfg) as p:
+            _six_batches(p, asked, f"{uri}/{path}", want)
+            assert cache.flush(30)
+            assert chunks(asked) == [1] * 12, (epoch, chunks(asked))
+            if epoch == 2:
+                asked.asked.clear()
+                found, engine = sum(asked.planned), reads.engine
+                _six_batches(p, asked, f"{uri}/{path}", want)
+                assert chunks(asked) == [1] * 12, chunks(asked)
+                # batches 3 to 6 found their 8 chunks on disk when planned: read by the engine from there
+                assert sum(asked.planned) - found == 8 and reads.engine - engine == 12, (asked.planned, reads.engine)
+        monkeypatch.undo()

@@ -434,17 +434,23 @@ class PrefetchStore:
     @property
     def entry_files(self) -> Callable | None:
         """The store's ``entry_files`` (a disk cache's entries the compiled engine reads itself; None where the
-        store has no disk cache), but None for what the buffer holds or is fetching: that is read from here."""
+        store has no disk cache), but None for what the buffer holds or is fetching: that is read from here,
+        and not asked of the store."""
         inner = getattr(self.store, "entry_files", None)
         if inner is None:
             return None
 
         def entry_files(keys: Sequence[str], requests: Sequence[ByteRange]) -> list:
-            found = inner(keys, requests)
-            if any(e is not None for e in found):
-                values, parts = self.buffer.held(self.store, keys, requests)
-                for n in [*values, *(len(keys) + j for j in parts)]:
-                    found[n] = None
+            values, parts = self.buffer.held(self.store, keys, requests)
+            if not values and not parts:
+                return inner(keys, requests)
+            # only the rest asked of the store (a batch's prefetched chunks are asked again when it is made)
+            rest_k = [i for i in range(len(keys)) if i not in values]
+            rest_p = [j for j in range(len(requests)) if j not in parts]
+            found: list = [None] * (len(keys) + len(requests))
+            for n, entry in zip([*rest_k, *(len(keys) + j for j in rest_p)],
+                                inner([keys[i] for i in rest_k], [requests[j] for j in rest_p])):
+                found[n] = entry
             return found
 
         return entry_files
