@@ -22,9 +22,8 @@ from stoker.engine.pipeline import prefetch as ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import DiskCache, disk_cache
 
-from range_server import RangeServer
-from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, read_tree, written_tree_fixture,
-                            zarr_values)
+from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, range_server_fixture, read_tree,
+                            written_tree_fixture, zarr_values)
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(native.Engine is None or not native.zstd, reason="no compiled engine")]
@@ -42,6 +41,7 @@ _write = random_int_arrays(ARRAYS, SHAPE)
 
 s3 = empty_s3_fixture()
 data = written_tree_fixture(_write)
+http = range_server_fixture()
 
 
 @pytest.fixture(params=["s3", "http"])
@@ -52,9 +52,8 @@ def remote(request, s3, data):
         s3.upload(read_tree(data), prefix)
         yield f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}, None
         return
-    server = RangeServer(data)
+    server = request.getfixturevalue("http")
     yield server.url, {server.url + "/": dict(FAST)}, server
-    server.stop()
 
 
 class _Reads:
@@ -190,7 +189,7 @@ def test_an_entry_queued_for_writing_is_not_handed_to_the_engine(tmp_path):
     assert cache.entry_file("second") == (os.fsencode(cache.path("second")), b"second")
 
 
-def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(data, tmp_path):
+def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(http, data, tmp_path):
     # a value prefetched (its bytes read from disk into the buffer, or its request in flight) is served from
     # the buffer: entry_files says None for it, so the engine does not read its entry a second time
     from stoker.storage.cachingstore import CachingStore
@@ -198,52 +197,44 @@ def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(data, tmp_pa
     from stoker.storage.prefetch import PrefetchBuffer, PrefetchStore
     from stoker.storage.store import ByteRange
 
-    server = RangeServer(data)
-    try:
-        cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
-        store = ObjectStore(server.url, **FAST)
-        kv = CachingStore(store, cache)
-        keys = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[:3]
-        ranges = [ByteRange("sharded/c/0/0", 0, 16)]
-        kv.get_many(keys, ranges)  # fetched: generations known, entries written
-        assert cache.flush(30)
-        assert all(e is not None for e in kv.entry_files(keys, ranges))
-        buffer = PrefetchBuffer(64 << 20, 16)
-        pkv = PrefetchStore(kv, buffer)
-        assert pkv.ask(keys[:1], [1 << 20], ranges, seq=1).started == 2
-        found = pkv.entry_files(keys, ranges)
-        assert found[0] is None and found[3] is None  # held by the buffer
-        assert found[1:3] == kv.entry_files(keys[1:3], [])  # the rest: read from disk by the engine
-        assert PrefetchStore(store, buffer).entry_files is None  # no disk cache: nothing to read from disk
-        buffer.close()
-        store.close()
-    finally:
-        server.stop()
+    cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
+    store = ObjectStore(http.url, **FAST)
+    kv = CachingStore(store, cache)
+    keys = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[:3]
+    ranges = [ByteRange("sharded/c/0/0", 0, 16)]
+    kv.get_many(keys, ranges)  # fetched: generations known, entries written
+    assert cache.flush(30)
+    assert all(e is not None for e in kv.entry_files(keys, ranges))
+    buffer = PrefetchBuffer(64 << 20, 16)
+    pkv = PrefetchStore(kv, buffer)
+    assert pkv.ask(keys[:1], [1 << 20], ranges, seq=1).started == 2
+    found = pkv.entry_files(keys, ranges)
+    assert found[0] is None and found[3] is None  # held by the buffer
+    assert found[1:3] == kv.entry_files(keys[1:3], [])  # the rest: read from disk by the engine
+    assert PrefetchStore(store, buffer).entry_files is None  # no disk cache: nothing to read from disk
+    buffer.close()
+    store.close()
 
 
-def test_a_range_of_a_whole_value_read_in_the_same_call_is_cut_from_it(data, tmp_path, monkeypatch):
+def test_a_range_of_a_whole_value_read_in_the_same_call_is_cut_from_it(http, data, tmp_path, monkeypatch):
     # one call asking an object's whole value and a range of it (kept whole only): the value is read from
     # disk once, and the range cut from it, equal to the object's bytes
     from stoker.storage.cachingstore import CachingStore
     from stoker.storage.objectstore import ObjectStore
     from stoker.storage.store import ByteRange
 
-    server = RangeServer(data)
-    try:
-        cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
-        store = ObjectStore(server.url, **FAST)
-        kv = CachingStore(store, cache)
-        key = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[0]
-        kv.get_many([key], [])
-        assert cache.flush(30)
-        reads = _Reads(monkeypatch)
-        values, parts = kv.get_many([key], [ByteRange(key, 3, 10)])
-        whole = read_tree(data)[key]
-        assert bytes(values[0]) == whole and bytes(parts[0]) == whole[3:13]
-        assert reads.python == 2  # the range's own entry (none), then the whole value once
-        store.close()
-    finally:
-        server.stop()
+    cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
+    store = ObjectStore(http.url, **FAST)
+    kv = CachingStore(store, cache)
+    key = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[0]
+    kv.get_many([key], [])
+    assert cache.flush(30)
+    reads = _Reads(monkeypatch)
+    values, parts = kv.get_many([key], [ByteRange(key, 3, 10)])
+    whole = read_tree(data)[key]
+    assert bytes(values[0]) == whole and bytes(parts[0]) == whole[3:13]
+    assert reads.python == 2  # the range's own entry (none), then the whole value once
+    store.close()
 
 
 @pytest.mark.filterwarnings("ignore:stoker's disk cache:RuntimeWarning")  # it stops caching: can write no entry
