@@ -136,3 +136,20 @@ def empty_s3_fixture():
         server.stop()
 
     return s3
+
+
+def range_server_fixture(server_class=None):
+    """A fixture: the loopback HTTP server (tests/range_server.py's ``RangeServer``, or ``server_class``, one
+    of its subclasses) serving the module's ``data`` folder, stopped after the test (its latency set back to
+    none first, so answers still pending end at once). In a test module: ``http = range_server_fixture()``."""
+
+    @pytest.fixture
+    def http(data):
+        from range_server import RangeServer
+
+        server = (server_class or RangeServer)(data)
+        yield server
+        server.latency_s = 0
+        server.stop()
+
+    return http

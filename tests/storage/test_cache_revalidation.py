@@ -22,13 +22,14 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 import stoker
+from stoker.engine.pipeline.prefetch import listed_whole, revalidate_ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import disk_cache
 from stoker.storage.locate import Stores
 
 from range_server import RangeServer
-from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, read_tree, written_tree_fixture,
-                            zarr_values)
+from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, range_server_fixture, read_tree,
+                            written_tree_fixture, zarr_values)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,8 +46,14 @@ BATCHES = [[((16 * i, 16 * i + 8), (16 * j, 16 * j + 8)) for j in (0, 2)] for i 
 _write = random_int_arrays(ARRAYS, SHAPE)
 
 
+class _BusyServer(RangeServer):
+    request_queue_size = 64  # a burst of connections accepted at once, as a real server would (default 5)
+
+
 s3 = empty_s3_fixture()
 data = written_tree_fixture(_write)
+http = range_server_fixture()
+busy_http = range_server_fixture(_BusyServer)
 
 
 @contextlib.contextmanager
@@ -78,6 +85,16 @@ def _config(tmp_path, storage_options: dict | None = None, **more) -> stoker.Con
     return stoker.Config(batch_size=2, dtype="native", n_compute_threads=1, pop_timeout_s=60,
                          storage_options=storage_options, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20,
                          **more)
+
+
+def _on_s3(s3) -> dict:
+    """The Config's storage_options of moto's server."""
+    return {f"s3://{BUCKET}/": {**s3.options, **FAST}}
+
+
+def _cached(tmp_path, options: dict | None = None, **more) -> dict:
+    """storage_options of ``open_array`` (the server's ``options``, for S3) with the test's disk cache."""
+    return {**(options or {}), **FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20, **more}
 
 
 def _epoch(cfg: stoker.Config, uri: str, root: str, path: str, batches=BATCHES, p=None) -> None:
@@ -116,7 +133,7 @@ def _counted(log: list[tuple[str, str]], prefix: str, path: str) -> dict[str, in
 def test_a_new_pipeline_over_a_cached_s3_array_lists_it_once_and_gets_nothing(s3, data, tmp_path, path):
     prefix = _upload(s3, data)
     uri = f"s3://{BUCKET}/{prefix}/{path}"
-    cfg = _config(tmp_path, {f"s3://{BUCKET}/": {**s3.options, **FAST}})
+    cfg = _config(tmp_path, _on_s3(s3))
     with moto_log() as log:
         _epoch(cfg, uri, data, path)
     cold = _counted(log, prefix, path)
@@ -146,7 +163,7 @@ def test_a_new_pipeline_opens_a_cached_s3_array_with_its_listing_alone(s3, data,
     # from disk, so the second pipeline's one request about the array is that LIST (no GET of zarr.json)
     prefix = _upload(s3, data)
     uri = f"s3://{BUCKET}/{prefix}/{path}"
-    cfg = _config(tmp_path, {f"s3://{BUCKET}/": {**s3.options, **FAST}})
+    cfg = _config(tmp_path, _on_s3(s3))
     _epoch(cfg, uri, data, path)
     with moto_log() as log:
         _epoch(cfg, uri, data, path)
@@ -179,7 +196,7 @@ def test_a_listing_goes_page_by_page_up_to_its_bound_then_heads(s3, data, tmp_pa
     monkeypatch.setattr(cachingstore, "LIST_KEYS", 10)
     prefix = _upload(s3, data)
     uri = f"s3://{BUCKET}/{prefix}/plain"
-    cfg = _config(tmp_path, {f"s3://{BUCKET}/": {**s3.options, **FAST}})
+    cfg = _config(tmp_path, _on_s3(s3))
     _epoch(cfg, uri, data, "plain")
     with moto_log() as log:
         _epoch(cfg, uri, data, "plain")
@@ -192,7 +209,7 @@ def test_a_listing_goes_page_by_page_up_to_its_bound_then_heads(s3, data, tmp_pa
 def test_a_listing_past_the_staleness_bound_is_made_again(s3, data, tmp_path):
     prefix = _upload(s3, data)
     uri = f"s3://{BUCKET}/{prefix}/plain"
-    cfg = _config(tmp_path, {f"s3://{BUCKET}/": {**s3.options, **FAST}}, cache_staleness_s=1.0)
+    cfg = _config(tmp_path, _on_s3(s3), cache_staleness_s=1.0)
     _epoch(cfg, uri, data, "plain")
     with stoker.Pipeline(cfg) as p, moto_log() as log:
         _epoch(cfg, uri, data, "plain", p=p)
@@ -211,7 +228,7 @@ def test_keys_missing_from_the_listing_are_read_through_as_missing(s3, tmp_path)
                             compressors=ZstdCodec(level=1))
     arr[:16] = np.arange(16 * 32, dtype="int32").reshape(16, 32)  # the chunks of rows 16.. are never written
     prefix = _upload(s3, root)
-    options = {**s3.options, **FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+    options = _cached(tmp_path, s3.options)
     uri = f"s3://{BUCKET}/{prefix}/a"
     want = zarr_values(root, "a")
     a = stoker.open_array(uri, options, stores=Stores())
@@ -224,60 +241,48 @@ def test_keys_missing_from_the_listing_are_read_through_as_missing(s3, tmp_path)
     assert _counted(log, prefix, "a") == {"list": 1, "head": 0, "get": 2}
 
 
-class _BusyServer(RangeServer):
-    request_queue_size = 64  # a burst of connections accepted at once, as a real server would (default 5)
+def test_http_revalidations_of_later_batches_go_out_before_the_first_is_popped(busy_http, data, tmp_path):
+    uri = f"{busy_http.url}/plain"
+    # a prefetch buffer of one chunk: batches are not planned ahead for their bytes (the prefetch's
+    # HEADs would go out early anyway), only pulled
+    cfg = _config(tmp_path, {busy_http.url + "/": dict(FAST)}, lookahead_batches=1, prefetch_bytes=2048)
+    _epoch(cfg, uri, data, "plain")
+    busy_http.latency_s = 0.1
+    start = len(busy_http.log)
+    want = zarr_values(data, "plain")
+    with stoker.Pipeline(cfg) as p:
+        for boxes in BATCHES:
+            p.push([stoker.Sample(uri, b) for b in boxes])
+        popped = []
+        for boxes in BATCHES:
+            b = p.pop()
+            popped.append(time.monotonic())
+            for got, box in zip(torch.from_dlpack(b), boxes):
+                np.testing.assert_array_equal(got.numpy(), want[tuple(slice(*s) for s in box)])
+            b.release()
+    heads = {path: t for t, method, path in busy_http.log[start:] if method == "HEAD"}
+    gets = [path for _, method, path in busy_http.log[start:] if method == "GET" and "/c/" in path]
+    assert not gets  # all from disk
+    for k, boxes in enumerate(BATCHES[1:], 1):
+        for box in boxes:
+            key = f"/plain/c/{box[0][0] // 16}/{box[1][0] // 16}"
+            # batch k's object revalidated before batch 0 was popped (the pulled batches' HEADs)
+            assert heads[key] < popped[0], (k, key, heads[key] - popped[0])
 
 
-def test_http_revalidations_of_later_batches_go_out_before_the_first_is_popped(data, tmp_path):
-    server = _BusyServer(data)
-    try:
-        uri = f"{server.url}/plain"
-        # a prefetch buffer of one chunk: batches are not planned ahead for their bytes (the prefetch's
-        # HEADs would go out early anyway), only pulled
-        cfg = _config(tmp_path, {server.url + "/": dict(FAST)}, lookahead_batches=1, prefetch_bytes=2048)
-        _epoch(cfg, uri, data, "plain")
-        server.latency_s = 0.1
-        start = len(server.log)
-        want = zarr_values(data, "plain")
-        with stoker.Pipeline(cfg) as p:
-            for boxes in BATCHES:
-                p.push([stoker.Sample(uri, b) for b in boxes])
-            popped = []
-            for boxes in BATCHES:
-                b = p.pop()
-                popped.append(time.monotonic())
-                for got, box in zip(torch.from_dlpack(b), boxes):
-                    np.testing.assert_array_equal(got.numpy(), want[tuple(slice(*s) for s in box)])
-                b.release()
-        heads = {path: t for t, method, path in server.log[start:] if method == "HEAD"}
-        gets = [path for _, method, path in server.log[start:] if method == "GET" and "/c/" in path]
-        assert not gets  # all from disk
-        for k, boxes in enumerate(BATCHES[1:], 1):
-            for box in boxes:
-                key = f"/plain/c/{box[0][0] // 16}/{box[1][0] // 16}"
-                # batch k's object revalidated before batch 0 was popped (the pulled batches' HEADs)
-                assert heads[key] < popped[0], (k, key, heads[key] - popped[0])
-    finally:
-        server.stop()
-
-
-def test_a_failed_head_is_not_asked_again_by_its_read(data, tmp_path):
-    server = RangeServer(data)
-    try:
-        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
-        a = stoker.open_array(f"{server.url}/plain", options, stores=Stores())
-        key = "plain/c/0/0"
-        value = bytes(a.kv.get_many([key], [])[0][0])
-        assert a.kv.cache.flush(30)
-        a.kv.forget()
-        asked = server.requests
-        server.fail(1, status=400)  # the HEAD fails for good (not a status that may pass)
-        got = a.kv.result_of(a.kv.start_get_many([key], []))
-        assert bytes(got[0][0]) == value == read_tree(data)[key]
-        # the failed HEAD, then the value read through: no second HEAD on the way
-        assert [m for _, m, _ in server.log[-(server.requests - asked):]] == ["HEAD", "GET"]
-    finally:
-        server.stop()
+def test_a_failed_head_is_not_asked_again_by_its_read(http, data, tmp_path):
+    options = _cached(tmp_path)
+    a = stoker.open_array(f"{http.url}/plain", options, stores=Stores())
+    key = "plain/c/0/0"
+    value = bytes(a.kv.get_many([key], [])[0][0])
+    assert a.kv.cache.flush(30)
+    a.kv.forget()
+    asked = http.requests
+    http.fail(1, status=400)  # the HEAD fails for good (not a status that may pass)
+    got = a.kv.result_of(a.kv.start_get_many([key], []))
+    assert bytes(got[0][0]) == value == read_tree(data)[key]
+    # the failed HEAD, then the value read through: no second HEAD on the way
+    assert [m for _, m, _ in http.log[-(http.requests - asked):]] == ["HEAD", "GET"]
 
 
 # -- listings and HEADs racing reads, re-opens and forget --------------------------------------------------
@@ -294,7 +299,7 @@ def _warm(s3, data, tmp_path, path: str = "plain", **more):
     """The array ``path`` uploaded and read whole once through a disk cache: ``(prefix, uri, options, kv)``."""
     prefix = _upload(s3, data)
     uri = f"s3://{BUCKET}/{prefix}/{path}"
-    options = {**s3.options, **FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20, **more}
+    options = _cached(tmp_path, s3.options, **more)
     a = stoker.open_array(uri, options, stores=Stores())
     np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, path))
     kv = _caching(a)
@@ -355,7 +360,7 @@ def test_a_listing_confirms_entries_however_it_writes_their_etags(s3, data, tmp_
 
     prefix = _upload(s3, data)
     uri = f"s3://{BUCKET}/{prefix}/plain"
-    cfg = _config(tmp_path, {f"s3://{BUCKET}/": {**s3.options, **FAST}})
+    cfg = _config(tmp_path, _on_s3(s3))
     _epoch(cfg, uri, data, "plain")
     real = obstore.list
 
@@ -388,48 +393,40 @@ def test_a_listing_asked_before_a_forget_is_not_learnt(s3, data, tmp_path, monke
     assert bytes(out.result(timeout=15)[0][0]) == read_tree(data)["plain/c/0/0"]  # the new bytes
 
 
-def test_a_head_in_flight_at_a_forget_is_not_shared_by_later_reads(data, tmp_path):
-    server = RangeServer(data)
-    try:
-        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
-        kv = _caching(stoker.open_array(f"{server.url}/plain", options, stores=Stores()))
-        key = "plain/c/0/0"
-        want = bytes(kv.get_many([key], [])[0][0])
-        assert kv.cache.flush(30)
-        kv.forget()
-        server.latency_s = 0.3
-        first = kv.start_get_many([key], [])  # its HEAD in flight
-        time.sleep(0.05)
-        kv.forget()  # the object may have been rewritten since that HEAD was asked
-        second = kv.start_get_many([key], [])
-        assert bytes(first.result(timeout=15)[0][0]) == bytes(second.result(timeout=15)[0][0]) == want
-        heads = [path for _, method, path in server.log if method == "HEAD" and path.endswith("/c/0/0")]
-        assert len(heads) == 2  # the second read asked again, not the first's answer
-    finally:
-        server.stop()
+def test_a_head_in_flight_at_a_forget_is_not_shared_by_later_reads(http, data, tmp_path):
+    options = _cached(tmp_path)
+    kv = _caching(stoker.open_array(f"{http.url}/plain", options, stores=Stores()))
+    key = "plain/c/0/0"
+    want = bytes(kv.get_many([key], [])[0][0])
+    assert kv.cache.flush(30)
+    kv.forget()
+    http.latency_s = 0.3
+    first = kv.start_get_many([key], [])  # its HEAD in flight
+    time.sleep(0.05)
+    kv.forget()  # the object may have been rewritten since that HEAD was asked
+    second = kv.start_get_many([key], [])
+    assert bytes(first.result(timeout=15)[0][0]) == bytes(second.result(timeout=15)[0][0]) == want
+    heads = [path for _, method, path in http.log if method == "HEAD" and path.endswith("/c/0/0")]
+    assert len(heads) == 2  # the second read asked again, not the first's answer
 
 
-def test_a_get_in_flight_at_a_forget_does_not_teach_its_generation(data, tmp_path):
+def test_a_get_in_flight_at_a_forget_does_not_teach_its_generation(http, data, tmp_path):
     # a read of a cold key asked before a forget and answered after it: its answer is kept on disk under
     # the generation it states, but that generation is not taken as the key's now (the object may have
     # been rewritten after it was read): the next read revalidates it by a HEAD
-    server = RangeServer(data)
-    try:
-        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
-        kv = _caching(stoker.open_array(f"{server.url}/plain", options, stores=Stores()))
-        key = "plain/c/0/1"
-        server.latency_s = 0.3
-        first = kv.start_get_many([key], [])  # cold: a GET, no HEAD
-        time.sleep(0.05)
-        kv.forget()
-        server.latency_s = 0.0
-        want = bytes(first.result(timeout=15)[0][0])
-        assert kv.cache.flush(30)
-        assert bytes(kv.get_many([key], [])[0][0]) == want
-        heads = [path for _, method, path in server.log if method == "HEAD" and path.endswith("/c/0/1")]
-        assert len(heads) == 1  # revalidated: the GET's answer came after the forget
-    finally:
-        server.stop()
+    options = _cached(tmp_path)
+    kv = _caching(stoker.open_array(f"{http.url}/plain", options, stores=Stores()))
+    key = "plain/c/0/1"
+    http.latency_s = 0.3
+    first = kv.start_get_many([key], [])  # cold: a GET, no HEAD
+    time.sleep(0.05)
+    kv.forget()
+    http.latency_s = 0.0
+    want = bytes(first.result(timeout=15)[0][0])
+    assert kv.cache.flush(30)
+    assert bytes(kv.get_many([key], [])[0][0]) == want
+    heads = [path for _, method, path in http.log if method == "HEAD" and path.endswith("/c/0/1")]
+    assert len(heads) == 1  # revalidated: the GET's answer came after the forget
 
 
 def test_a_read_waits_for_one_listing_page_at_most(s3, data, tmp_path, monkeypatch):
@@ -467,3 +464,72 @@ def test_open_array_again_soon_after_lists_the_array_once(s3, data, tmp_path):
         a = stoker.open_array(uri, options)
         np.testing.assert_array_equal(a.read((slice(0, 16), slice(0, 16))), want[:16, :16])
     assert _counted(log, prefix, "plain") == {"list": 2, "head": 8, "get": 0}
+
+
+# -- revalidation ahead of the pulled batches (engine/pipeline/prefetch.revalidate_ahead) -------------------
+
+
+def _every_object(uri: str) -> list[stoker.Sample]:
+    """Boxes touching each of the 16 objects of an array of ARRAYS once."""
+    return [stoker.Sample(uri, box) for boxes in BATCHES for box in boxes]
+
+
+def _heads_until(count, n: int, timeout: float = 15.0) -> int:
+    """``count()`` once it reached ``n`` (or the timeout passed): HEADs asked ahead arrive on their own."""
+    deadline = time.monotonic() + timeout
+    while count() < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # none more after them
+    return count()
+
+
+def test_revalidate_ahead_asks_nothing_of_an_s3_array_its_listing_took(s3, data, tmp_path):
+    # the open lists all 16 objects (and zarr.json): no key is built for them, no HEAD sent
+    prefix, uri, options, _ = _warm(s3, data, tmp_path)
+    with moto_log() as log:
+        a = stoker.open_array(uri, options, stores=Stores())
+        assert listed_whole(a)
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 0
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _counted(log, prefix, "plain") == {"list": 1, "head": 0, "get": 0}
+
+
+def test_revalidate_ahead_heads_the_objects_past_what_a_listing_takes(s3, data, tmp_path, monkeypatch):
+    # pages of 5 keys, at most 10 listed: the 6 chunks past them are asked ahead by a HEAD each, so the
+    # read after finds every generation known and asks nothing more
+    monkeypatch.setattr(cachingstore, "LIST_PAGE", 5)
+    monkeypatch.setattr(cachingstore, "LIST_KEYS", 10)
+    prefix, uri, options, _ = _warm(s3, data, tmp_path)
+    with moto_log() as log:
+        a = stoker.open_array(uri, options, stores=Stores())
+        assert not listed_whole(a)
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+        chunks = f"/{BUCKET}/{prefix}/plain/c/"
+
+        def heads() -> list[str]:
+            return sorted(q[len(chunks):] for m, q in log if m == "HEAD" and q.startswith(chunks))
+
+        assert _heads_until(lambda: len(heads()), 6) == 6
+        assert heads() == ["2/2", "2/3", "3/0", "3/1", "3/2", "3/3"]
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    # the open's listing (two pages) and its zarr.json's HEAD (past the listing); nothing more for the read
+    assert _counted(log, prefix, "plain") == {"list": 2, "head": 7, "get": 0}
+
+
+def test_revalidate_ahead_heads_every_object_over_http(http, data, tmp_path):
+    options = _cached(tmp_path)
+    uri = f"{http.url}/plain"
+    a = stoker.open_array(uri, options, stores=Stores())
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _caching(a).cache.flush(30)
+    a = stoker.open_array(uri, options, stores=Stores())  # a new wrapper: nothing known
+    assert not listed_whole(a)
+    start = len(http.log)
+
+    def heads() -> int:
+        return sum(method == "HEAD" and "/plain/c/" in path for _, method, path in http.log[start:])
+
+    assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+    assert _heads_until(heads, 16) == 16
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert heads() == 16 and not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]

@@ -11,7 +11,7 @@ import struct
 import crc32c
 import pytest
 
-from stoker.storage.diskcache import HEADER, MAGIC, DiskCache
+from stoker.storage.diskcache import HEADER, MAGIC, DiskCache, FolderUsage, folder_usage, running_total
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,6 +40,27 @@ def test_every_write_keeps_the_folder_within_cache_bytes_in_blocks(tmp_path):
     assert cache.evicted > 300  # under pressure all along
     assert du(cache.root) > 0.5 * bound
     assert du(cache.root) == cache.allocated()
+
+
+def test_folder_usage_and_running_total_read_what_the_writes_left(tmp_path):
+    # the two public reads of a folder (what the bench's CachePeak samples): one scan gives du's blocks, the
+    # entries' bytes (markers and all, .index apart) and the largest entry; the running total is the writes'
+    cache = DiskCache(str(tmp_path / "c"), 256 << 10)
+    assert running_total(cache.root) is None and folder_usage(cache.root) == FolderUsage(0, 0, 0)  # nothing written yet
+    sizes = []
+    for i in range(120):
+        if i % 3:
+            assert cache.write(f"entry {i}", os.urandom(50 * i))
+            sizes.append(HEADER.size + len(f"entry {i}") + 50 * i)
+        else:
+            assert cache.write_marker(f"marker {i}")
+    assert cache.evicted > 0  # past the bound: entries evicted, subfolders emptied and removed
+    usage = folder_usage(cache.root)
+    files = [os.path.join(f, n) for f, _, names in os.walk(cache.root) for n in names if n != ".index"]
+    assert usage.allocated == du(cache.root) == cache.allocated()
+    assert usage.nbytes == cache.size_on_disk() == sum(os.path.getsize(f) for f in files)
+    assert usage.largest == max(os.path.getsize(f) for f in files) and usage.largest in sizes
+    assert running_total(cache.root) == _total(cache) and du(cache.root) <= running_total(cache.root) <= 256 << 10
 
 
 def test_markers_count_as_the_disk_counts_them(tmp_path):

@@ -6,7 +6,9 @@ served: each is fetched again, and every read equals zarr-python's."""
 
 from __future__ import annotations
 
+import collections
 import os
+import time
 import uuid
 
 import numpy as np
@@ -16,12 +18,12 @@ from zarr.codecs import ZstdCodec
 
 import stoker
 from stoker.engine.cpu import native
+from stoker.engine.pipeline import prefetch as ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import DiskCache, disk_cache
 
-from range_server import RangeServer
-from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, read_tree, written_tree_fixture,
-                            zarr_values)
+from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, range_server_fixture, read_tree,
+                            written_tree_fixture, zarr_values)
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(native.Engine is None or not native.zstd, reason="no compiled engine")]
@@ -39,6 +41,7 @@ _write = random_int_arrays(ARRAYS, SHAPE)
 
 s3 = empty_s3_fixture()
 data = written_tree_fixture(_write)
+http = range_server_fixture()
 
 
 @pytest.fixture(params=["s3", "http"])
@@ -49,9 +52,8 @@ def remote(request, s3, data):
         s3.upload(read_tree(data), prefix)
         yield f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}, None
         return
-    server = RangeServer(data)
+    server = request.getfixturevalue("http")
     yield server.url, {server.url + "/": dict(FAST)}, server
-    server.stop()
 
 
 class _Reads:
@@ -187,7 +189,7 @@ def test_an_entry_queued_for_writing_is_not_handed_to_the_engine(tmp_path):
     assert cache.entry_file("second") == (os.fsencode(cache.path("second")), b"second")
 
 
-def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(data, tmp_path):
+def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(http, data, tmp_path):
     # a value prefetched (its bytes read from disk into the buffer, or its request in flight) is served from
     # the buffer: entry_files says None for it, so the engine does not read its entry a second time
     from stoker.storage.cachingstore import CachingStore
@@ -195,52 +197,44 @@ def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(data, tmp_pa
     from stoker.storage.prefetch import PrefetchBuffer, PrefetchStore
     from stoker.storage.store import ByteRange
 
-    server = RangeServer(data)
-    try:
-        cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
-        store = ObjectStore(server.url, **FAST)
-        kv = CachingStore(store, cache)
-        keys = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[:3]
-        ranges = [ByteRange("sharded/c/0/0", 0, 16)]
-        kv.get_many(keys, ranges)  # fetched: generations known, entries written
-        assert cache.flush(30)
-        assert all(e is not None for e in kv.entry_files(keys, ranges))
-        buffer = PrefetchBuffer(64 << 20, 16)
-        pkv = PrefetchStore(kv, buffer)
-        assert pkv.ask(keys[:1], [1 << 20], ranges, seq=1).started == 2
-        found = pkv.entry_files(keys, ranges)
-        assert found[0] is None and found[3] is None  # held by the buffer
-        assert found[1:3] == kv.entry_files(keys[1:3], [])  # the rest: read from disk by the engine
-        assert PrefetchStore(store, buffer).entry_files is None  # no disk cache: nothing to read from disk
-        buffer.close()
-        store.close()
-    finally:
-        server.stop()
+    cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
+    store = ObjectStore(http.url, **FAST)
+    kv = CachingStore(store, cache)
+    keys = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[:3]
+    ranges = [ByteRange("sharded/c/0/0", 0, 16)]
+    kv.get_many(keys, ranges)  # fetched: generations known, entries written
+    assert cache.flush(30)
+    assert all(e is not None for e in kv.entry_files(keys, ranges))
+    buffer = PrefetchBuffer(64 << 20, 16)
+    pkv = PrefetchStore(kv, buffer)
+    assert pkv.ask(keys[:1], [1 << 20], ranges, seq=1).started == 2
+    found = pkv.entry_files(keys, ranges)
+    assert found[0] is None and found[3] is None  # held by the buffer
+    assert found[1:3] == kv.entry_files(keys[1:3], [])  # the rest: read from disk by the engine
+    assert PrefetchStore(store, buffer).entry_files is None  # no disk cache: nothing to read from disk
+    buffer.close()
+    store.close()
 
 
-def test_a_range_of_a_whole_value_read_in_the_same_call_is_cut_from_it(data, tmp_path, monkeypatch):
+def test_a_range_of_a_whole_value_read_in_the_same_call_is_cut_from_it(http, data, tmp_path, monkeypatch):
     # one call asking an object's whole value and a range of it (kept whole only): the value is read from
     # disk once, and the range cut from it, equal to the object's bytes
     from stoker.storage.cachingstore import CachingStore
     from stoker.storage.objectstore import ObjectStore
     from stoker.storage.store import ByteRange
 
-    server = RangeServer(data)
-    try:
-        cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
-        store = ObjectStore(server.url, **FAST)
-        kv = CachingStore(store, cache)
-        key = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[0]
-        kv.get_many([key], [])
-        assert cache.flush(30)
-        reads = _Reads(monkeypatch)
-        values, parts = kv.get_many([key], [ByteRange(key, 3, 10)])
-        whole = read_tree(data)[key]
-        assert bytes(values[0]) == whole and bytes(parts[0]) == whole[3:13]
-        assert reads.python == 2  # the range's own entry (none), then the whole value once
-        store.close()
-    finally:
-        server.stop()
+    cache = disk_cache(str(tmp_path / "cache"), 64 << 20)
+    store = ObjectStore(http.url, **FAST)
+    kv = CachingStore(store, cache)
+    key = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[0]
+    kv.get_many([key], [])
+    assert cache.flush(30)
+    reads = _Reads(monkeypatch)
+    values, parts = kv.get_many([key], [ByteRange(key, 3, 10)])
+    whole = read_tree(data)[key]
+    assert bytes(values[0]) == whole and bytes(parts[0]) == whole[3:13]
+    assert reads.python == 2  # the range's own entry (none), then the whole value once
+    store.close()
 
 
 @pytest.mark.filterwarnings("ignore:stoker's disk cache:RuntimeWarning")  # it stops caching: can write no entry
@@ -259,3 +253,81 @@ def test_entry_paths_too_long_for_the_engine_are_fetched(remote, data, tmp_path)
         with stoker.Pipeline(_config(options, folder)) as p:
             for _ in range(3):
                 _batch(p, uri, data, path)
+
+
+class _Asked:
+    """Counts each key and range the pipeline asks ``CachingStore.entry_files`` about (the real one answers),
+    and the batches prefetched (``prefetch_plan``, the real one) with the entries they found on disk."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.asked: collections.Counter = collections.Counter()
+        self.planned: list[int] = []  # per batch planned ahead: its chunks found on disk
+        real, plan = cachingstore.CachingStore.entry_files, ahead.prefetch_plan
+
+        def counted(kv, keys, requests):
+            self.asked.update(keys)
+            self.asked.update((r.key, r.start, r.length) for r in requests)
+            return real(kv, keys, requests)
+
+        def prefetched(table, *args):
+            out = plan(table, *args)
+            self.planned.append(len(getattr(table, "disk_entries", None) or ()))
+            return out
+
+        monkeypatch.setattr(cachingstore.CachingStore, "entry_files", counted)
+        monkeypatch.setattr(ahead, "prefetch_plan", prefetched)
+
+
+#: 8 x 8 crops in 12 different chunks of "plain" (16 x 16) and 12 different inner chunks of "sharded" (8 x 8)
+ONE_EACH = [[(16 * i, 16 * i + 8), (16 * j, 16 * j + 8)] for i in range(4) for j in range(3)]
+
+
+def _six_batches(p, asked: _Asked, uri: str, want) -> None:
+    """The crops of ONE_EACH in six batches of two, pushed at once; popped (each checked) once batches 3 to 6
+    were planned ahead of their slots (two slots, not released meanwhile)."""
+    planned = len(asked.planned)
+    for k in range(0, len(ONE_EACH), 2):
+        p.push([stoker.Sample(uri, box) for box in ONE_EACH[k:k + 2]])
+    deadline = time.monotonic() + 20
+    while len(asked.planned) < planned + 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for k in range(0, len(ONE_EACH), 2):
+        with p.pop() as b:
+            for got, box in zip(torch.from_dlpack(b), ONE_EACH[k:k + 2]):
+                np.testing.assert_array_equal(got.numpy(), want[tuple(slice(*s) for s in box)])
+    assert len(asked.planned) == planned + 4, asked.planned
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_each_chunk_of_a_batch_is_asked_of_the_disk_cache_once(remote, data, tmp_path, monkeypatch, path):
+    # batches planned ahead of their slots are prefetched: their chunks on disk were asked of the cache's
+    # entry_files by the prefetch, and the decoder reads them from disk without asking again; those it
+    # prefetched are not asked again either. A chunk asked twice in a batch was the prefetch's and the
+    # decoder's look-up each
+    uri, options, server = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    want = zarr_values(data, path)
+    cfg = stoker.Config(batch_size=2, dtype="native", n_compute_threads=2, pop_timeout_s=60, lookahead_batches=1,
+                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20)
+
+    def chunks(asked: _Asked) -> list[int]:
+        """How often each chunk (not a document) was asked."""
+        return sorted(n for what, n in asked.asked.items() if "/c/" in (what if isinstance(what, str) else what[0]))
+
+    # a cold pipeline (fetched, prefetched), then a new one over what it kept (hits, or prefetched while
+    # their generations are being asked), which reads them all again once it knows every generation
+    for epoch in (1, 2):
+        asked, reads = _Asked(monkeypatch), _Reads(monkeypatch)
+        with stoker.Pipeline(cfg) as p:
+            _six_batches(p, asked, f"{uri}/{path}", want)
+            assert cache.flush(30)
+            assert chunks(asked) == [1] * 12, (epoch, chunks(asked))
+            if epoch == 2:
+                asked.asked.clear()
+                found, engine = sum(asked.planned), reads.engine
+                _six_batches(p, asked, f"{uri}/{path}", want)
+                assert chunks(asked) == [1] * 12, chunks(asked)
+                # batches 3 to 6 found their 8 chunks on disk when planned: read by the engine from there
+                assert sum(asked.planned) - found == 8 and reads.engine - engine == 12, (asked.planned, reads.engine)
+        monkeypatch.undo()

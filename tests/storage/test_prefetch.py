@@ -23,12 +23,13 @@ from stoker.storage import ByteRange, ObjectStore
 from stoker.storage.prefetch import PrefetchBuffer, PrefetchStore
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, empty_s3_fixture, read_tree, written_tree_fixture, zarr_values
+from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, range_server_fixture, read_tree, written_tree_fixture,
+                            zarr_values)
 
 pytestmark = pytest.mark.timeout(180)
 
 SHAPE = (64, 256)
-FAST = {"timeout_s": 10.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+FAST = {**FAST_REMOTE, "timeout_s": 10.0}
 #: path -> how zarr-python writes it: whole chunk values, blosc frames (cut into spans), ranges of shards
 ARRAYS = {"plain": dict(chunks=(16, 16), dtype="int32", compressors=ZstdCodec(level=1)),
           "blosc": dict(chunks=(16, 32), dtype="uint16", compressors=BloscCodec(cname="lz4", clevel=1)),
@@ -92,12 +93,7 @@ s3 = empty_s3_fixture()
 data = written_tree_fixture(_write)
 
 
-@pytest.fixture
-def http(data):
-    server = RangeServer(data)
-    yield server
-    server.latency_s = 0
-    server.stop()
+http = range_server_fixture()
 
 
 def _on_s3(s3, root: str) -> tuple[str, dict, callable]:

@@ -28,13 +28,13 @@ from stoker.errors import InvalidArgument, NotFound, ShutdownError, StorageError
 from stoker.storage.locate import Location, Stores, locate
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, MotoS3, read_tree, write_zip
+from store_fixtures import BUCKET, FAST_REMOTE, MotoS3, read_tree, write_zip
 
 PREFIX = "remote-arrays"  # in the bucket the store tests share (one moto backend per process)
 RECORDS = "remote-records"
 
 SHAPE = (40, 36)
-FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+FAST = FAST_REMOTE
 KINDS = ["s3", "http", "zip"]
 
 #: path -> how it is written (zarr-python is the oracle); every array has SHAPE

@@ -24,10 +24,10 @@ from stoker.storage.objectstore import ObjectStore
 from stoker.zarr.codecs import blosc
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, MotoS3, read_tree
+from store_fixtures import BUCKET, FAST_REMOTE, MotoS3, read_tree
 
 PREFIX = "blosc-spans"  # in the bucket the store tests share (one moto backend per process)
-FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+FAST = FAST_REMOTE
 # uint16: 256 KiB chunks, which blosc (lz4, level 1) cuts into four blocks of 64 KiB (32 rows each)
 SHAPE, CHUNKS = (384, 1024), (128, 1024)
 # crops of 10 rows: one of a chunk's four blocks, or two across a block boundary

@@ -24,12 +24,12 @@ from stoker.errors import DecodeError
 from stoker.storage import ObjectStore, ZipStore
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, empty_s3_fixture, read_tree, write_zip
+from store_fixtures import BUCKET, FAST_REMOTE, empty_s3_fixture, read_tree, write_zip
 
 pytestmark = pytest.mark.timeout(120)
 
 SHAPE, SHARD, INNER = (32, 32), (16, 16), (4, 4)  # 2 x 2 shards of 4 x 4 inner chunks
-FAST = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+FAST = FAST_REMOTE
 BOXES = [[(0, 13), (0, 13)], [(3, 16), (10, 23)], [(19, 32), (2, 15)], [(10, 23), (17, 30)], [(16, 29), (16, 29)],
          [(0, 13), (19, 32)]]  # every shard, whole inner chunks and parts of them
 

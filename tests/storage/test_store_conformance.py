@@ -16,10 +16,10 @@ from stoker.storage import ByteRange, CountingStore, FileStore, MemoryStore, Obj
 from stoker.storage.uri import REMOTE_SCHEMES, resolve_local_path
 
 from range_server import RangeServer
-from store_fixtures import BUCKET, DEFLATED, PREFIX, MotoS3, write_tree, write_zip
+from store_fixtures import BUCKET, DEFLATED, FAST_REMOTE, PREFIX, MotoS3, write_tree, write_zip
 
 KINDS = ["memory", "file", "zip", "s3", "http"]
-FAST = {"timeout_s": 10.0, "retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05}
+FAST = {**FAST_REMOTE, "timeout_s": 10.0, "connect_timeout_s": 5.0}  # ObjectStore's own connect bound
 
 
 @pytest.fixture(scope="module")

@@ -22,15 +22,13 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import struct
 import tempfile
 import threading
 import time
 from typing import Any, Callable
 
-from ..storage.diskcache import DiskCache, disk_cache
+from ..storage.diskcache import DiskCache, disk_cache, folder_usage, running_total
 
 #: The bound of the bench's cache: larger than any scenario reads, so an epoch fits.
 CACHE_BYTES = 1 << 40
@@ -43,19 +41,17 @@ TOTAL_EVERY_S = 0.002
 #: The share of one core :class:`CachePeak`'s full scans of the folder may take (a scan of a few thousand
 #: entries costs 10-20 ms of CPU on the 2-core machine: every few ms would take a core from the peers).
 SCAN_SHARE = 0.1
-#: The file in ``DiskCache.root`` holding the folder's running total (8 bytes, little-endian), which every
-#: write updates under the folder's lock before its entry appears (storage/diskcache.py's docstring).
-TOTAL_FILE = ".index"
 
 
 class CachePeak:
     """A thread of the bench sampling a :class:`~stoker.storage.diskcache.DiskCache` folder while a block runs:
-    the peak of the folder's running total (read every :data:`TOTAL_EVERY_S`: one ``pread`` of 8 bytes), and
-    of the bytes of every file under the folder but that total's (full scans, as often as :data:`SCAN_SHARE` of a core allows,
-    and one after the block: the truth the total is checked against), the largest file seen, the entries
-    evicted meanwhile, and the sampler's own CPU seconds (``cpu_s``, to leave out of the peer's). The scans also
-give the peak of the blocks the folder holds (``blocks_peak``: files and folders in whole blocks, as ``du``
-counts), which is what the cache bounds: its running total counts allocated blocks, folders included.
+    the peak of the folder's running total (read every :data:`TOTAL_EVERY_S`: one ``pread`` of 8 bytes,
+    ``diskcache.running_total``), and of the bytes of every file in the folder but that total's (full scans,
+    ``diskcache.folder_usage``, as often as :data:`SCAN_SHARE` of a core allows, and one after the block: the
+    truth the total is checked against), the largest file seen, the entries evicted meanwhile, and the
+    sampler's own CPU seconds (``cpu_s``, to leave out of the peer's). The scans also give the peak of the
+    blocks the folder holds (``blocks_peak``: files and folders in whole blocks, as ``du`` counts), which is
+    what the cache bounds: its running total counts allocated blocks, folders included.
 
     A scan is not atomic: one that an eviction overlapped may count an evicted entry beside a later one, bytes
     never on disk together, so a scan during which this process's cache evicted (``DiskCache.evicted``
@@ -123,49 +119,21 @@ counts), which is what the cache bounds: its running total counts allocated bloc
             self._stop.wait(self.every_s)
 
     def _read_total(self) -> None:
-        try:  # absent until the folder's first write
-            fd = os.open(self.cache.root / TOTAL_FILE, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return
-        try:
-            raw = os.pread(fd, 8, 0)
-        finally:
-            os.close(fd)
-        self.reads += 1
-        if len(raw) == 8:
-            self.total_peak = max(self.total_peak, struct.unpack("<Q", raw)[0])
+        total = running_total(self.cache.root)  # None until the folder's first write
+        if total is not None:
+            self.reads += 1
+            self.total_peak = max(self.total_peak, total)
 
     def _scan(self) -> None:
         evicted = self.cache.evicted
-        total = largest = blocks = 0
-        stack = [str(self.cache.folder)]
-        while stack:
-            try:
-                listing = os.scandir(stack.pop())
-            except OSError:
-                continue
-            with listing:
-                for entry in listing:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(entry.path)
-                            blocks += st.st_blocks * 512
-                            continue
-                        size = st.st_size
-                    except OSError:  # evicted, or a temporary file renamed, since listed
-                        continue
-                    blocks += st.st_blocks * 512  # what the disk gives it: whole blocks (none for an empty marker)
-                    if entry.name != TOTAL_FILE:  # the accounting, not cached bytes (as DiskCache.size_on_disk)
-                        total += size
-                        largest = max(largest, size)
-        self.largest_bytes = max(self.largest_bytes, largest)
+        usage = folder_usage(self.cache.root)
+        self.largest_bytes = max(self.largest_bytes, usage.largest)
         if self.cache.evicted != evicted:
             self.scans_dropped += 1
             return
         self.scans += 1
-        self.scan_peak = max(self.scan_peak, total)
-        self.blocks_peak = max(self.blocks_peak, blocks)
+        self.scan_peak = max(self.scan_peak, usage.nbytes)
+        self.blocks_peak = max(self.blocks_peak, usage.allocated)
 
 
 def kept_epochs(peer: str, epochs: int, fresh: Callable[[Any], Any], run: Callable[[Callable, Any, int], Any]

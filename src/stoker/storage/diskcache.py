@@ -488,6 +488,70 @@ def allocated_on_disk(root: str | os.PathLike) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class FolderUsage:
+    """A cache folder's ``root`` as one scan found it (:func:`folder_usage`): ``allocated``, the disk it takes in
+    whole blocks, folders included (as :func:`allocated_on_disk`); ``nbytes``, the bytes of its files but
+    ``.index`` (entries, markers, temporary files: as :meth:`DiskCache.size_on_disk`); ``largest``, the
+    largest of those files."""
+
+    allocated: int
+    nbytes: int
+    largest: int
+
+
+def folder_usage(root: str | os.PathLike) -> FolderUsage:
+    """The :class:`FolderUsage` of ``root`` (a :class:`DiskCache`'s ``root``) now, in one scan; what a sampler
+    of a folder being written calls (bench/epochs.py's CachePeak). Not atomic: files evicted or renamed while
+    it runs are counted or not.
+
+    >>> usage = folder_usage(cache.root); usage.allocated <= cache.cache_bytes
+    True
+    """
+    top = os.fspath(root)
+    allocated, nbytes, largest = _allocated(top), 0, 0
+    stack = [top]
+    while stack:
+        try:
+            listing = os.scandir(stack.pop())
+        except OSError:  # not made yet, or removed (an emptied subfolder) since listed
+            continue
+        with listing:
+            for entry in listing:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:  # evicted, or a temporary file renamed, since listed
+                    continue
+                allocated += _allocated_of(st)
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(entry.path)
+                elif entry.name != ".index":  # the accounting, not cached bytes
+                    nbytes += st.st_size
+                    largest = max(largest, st.st_size)
+    return FolderUsage(allocated, nbytes, largest)
+
+
+def running_total(root: str | os.PathLike) -> int | None:
+    """The total a cache folder's writers keep in ``<root>/.index``: the disk they counted, which every write
+    adds to under the folder's lock before its entry appears (one 8-byte read, no lock); None before the
+    folder's first write.
+
+    >>> running_total(cache.root) <= cache.cache_bytes
+    True
+    """
+    try:
+        fd = os.open(os.path.join(os.fspath(root), ".index"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, 8, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return struct.unpack("<Q", raw)[0] if len(raw) == 8 else None
+
+
 def _allocated_of(st: os.stat_result) -> int:
     """What a file or folder takes on disk: its blocks, or its size where a file system reports fewer blocks
     than bytes (some FUSE and network ones report none), so a bound in blocks is never one in nothing."""

@@ -265,30 +265,8 @@ class PrefetchBuffer:
         ``({key number: entry}, {request number: (entry, cut)})``, ``cut`` taking the entry's data to the
         request's bytes (a range of a whole value prefetched is cut from it). ``wait``: entries still in
         flight too (their futures say when they arrive), else only those arrived."""
-        sid = id(store)
-        values: dict[int, _Entry] = {}
-        parts: dict[int, tuple[_Entry, Callable]] = {}
         with self._lock:
-            if self._closed or not self._entries:
-                return values, parts
-            fresh = self._fresh
-            taken: dict[tuple, _Entry] = {}  # one use each per call, however many of its ranges it serves
-            for i, key in enumerate(keys):
-                ident = (sid, key, None, None)
-                if ident[:2] in self._changed:
-                    continue
-                entry = taken.get(ident) or self._entries.get(ident)
-                if entry is not None and entry.mark >= fresh and _usable(entry, wait):
-                    values[i] = taken[ident] = entry
-            for j, r in enumerate(requests):
-                if (sid, r.key) in self._changed:
-                    continue
-                for ident, cut in (((sid, r.key, r.start, r.length), _whole), ((sid, r.key, None, None), _cutter(r))):
-                    entry = taken.get(ident) or self._entries.get(ident)
-                    if entry is not None and entry.mark >= fresh and _usable(entry, wait):
-                        parts[j] = (entry, cut)
-                        taken[ident] = entry
-                        break
+            values, parts, taken = self._servable(id(store), keys, requests, wait)
             for ident, entry in taken.items():
                 entry.uses -= 1
                 if entry.uses <= 0:  # read by every batch that asked: its bytes are the readers' now
@@ -300,26 +278,40 @@ class PrefetchBuffer:
     def held(self, store: Any, keys: Sequence[str], requests: Sequence[ByteRange]) -> tuple[set, set]:
         """The numbers of ``keys`` (whole values) and of ``requests`` that :meth:`claim` would serve now
         (arrived or in flight), claiming nothing."""
-        sid = id(store)
-        values: set[int] = set()
-        parts: set[int] = set()
         with self._lock:
-            if self._closed or not self._entries:
-                return values, parts
-            fresh = self._fresh
+            values, parts, _ = self._servable(id(store), keys, requests, True)
+        return set(values), set(parts)
 
-            def holds(ident: tuple) -> bool:
-                entry = self._entries.get(ident)
-                return entry is not None and entry.mark >= fresh and _usable(entry, True)
+    def _servable(self, sid: int, keys: Sequence[str], requests: Sequence[ByteRange],
+                  wait: bool) -> tuple[dict, dict, dict]:
+        """Under the lock: the entries that may serve ``keys`` and ``requests`` read through store ``sid`` now
+        (arrived, or in flight too with ``wait``; asked after the fresh mark; their key not rewritten):
+        ``({key number: entry}, {request number: (entry, cut)}, {ident: entry})``, a range served by its own
+        entry or cut from its object's whole value. What :meth:`claim` takes and :meth:`held` reports."""
+        values: dict[int, _Entry] = {}
+        parts: dict[int, tuple[_Entry, Callable]] = {}
+        found: dict[tuple, _Entry] = {}  # each entry once, however many of the call's ranges it serves
+        if self._closed or not self._entries:
+            return values, parts, found
+        fresh = self._fresh
 
-            for i, key in enumerate(keys):
-                if (sid, key) not in self._changed and holds((sid, key, None, None)):
-                    values.add(i)
-            for j, r in enumerate(requests):
-                if (sid, r.key) not in self._changed and (holds((sid, r.key, r.start, r.length))
-                                                          or holds((sid, r.key, None, None))):
-                    parts.add(j)
-        return values, parts
+        def serving(ident: tuple) -> _Entry | None:
+            entry = self._entries.get(ident)
+            return entry if entry is not None and entry.mark >= fresh and _usable(entry, wait) else None
+
+        for i, key in enumerate(keys):
+            ident = (sid, key, None, None)
+            if ident[:2] not in self._changed and (entry := serving(ident)) is not None:
+                values[i] = found[ident] = entry
+        for j, r in enumerate(requests):
+            if (sid, r.key) in self._changed:
+                continue
+            for ident, cut in (((sid, r.key, r.start, r.length), _whole), ((sid, r.key, None, None), _cutter(r))):
+                if (entry := serving(ident)) is not None:
+                    parts[j] = (entry, cut)
+                    found[ident] = entry
+                    break
+        return values, parts, found
 
     def fresh_from(self, pushed: int) -> None:
         """A batch of the first ``pushed`` pushes is being submitted: from now on no entry asked before those
@@ -442,17 +434,23 @@ class PrefetchStore:
     @property
     def entry_files(self) -> Callable | None:
         """The store's ``entry_files`` (a disk cache's entries the compiled engine reads itself; None where the
-        store has no disk cache), but None for what the buffer holds or is fetching: that is read from here."""
+        store has no disk cache), but None for what the buffer holds or is fetching: that is read from here,
+        and not asked of the store."""
         inner = getattr(self.store, "entry_files", None)
         if inner is None:
             return None
 
         def entry_files(keys: Sequence[str], requests: Sequence[ByteRange]) -> list:
-            found = inner(keys, requests)
-            if any(e is not None for e in found):
-                values, parts = self.buffer.held(self.store, keys, requests)
-                for n in [*values, *(len(keys) + j for j in parts)]:
-                    found[n] = None
+            values, parts = self.buffer.held(self.store, keys, requests)
+            if not values and not parts:
+                return inner(keys, requests)
+            # only the rest asked of the store (a batch's prefetched chunks are asked again when it is made)
+            rest_k = [i for i in range(len(keys)) if i not in values]
+            rest_p = [j for j in range(len(requests)) if j not in parts]
+            found: list = [None] * (len(keys) + len(requests))
+            for n, entry in zip([*rest_k, *(len(keys) + j for j in rest_p)],
+                                inner([keys[i] for i in rest_k], [requests[j] for j in rest_p])):
+                found[n] = entry
             return found
 
         return entry_files

@@ -226,7 +226,7 @@ class _SourceSet:
     their ``info`` rows (I_* columns), the sources table and path blob of ``Engine.submit``, and whether the
     engine makes every chunk of them (files it reads, no store, every element kind it fills)."""
 
-    __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine")
+    __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "disk_room")
 
     def __init__(self, readers: list, sources: list[_Source]) -> None:
         # rows packed by each _Source, joined here: a batch of arrays new to the pipeline (many small arrays,
@@ -245,6 +245,7 @@ class _SourceSet:
             start += len(s.prefix)
         self.table = table
         self.blob = b"".join([s.prefix for s in sources])
+        self.disk_room: np.ndarray | None = None  # per array: its chunks may be read from disk entries (_from_disk)
 
     def __getitem__(self, i: int) -> _Source:
         return self.sources[i]
@@ -597,21 +598,32 @@ class NativeDecoder:
         A step per store."""
         plan = job.plan
         src = plan.chunk_source[ids]
-        # an entry is read whole into a thread's scratch: the array's chunks must fit the engine's budget so
-        room = np.array([getattr(s.kv, "entry_files", None) is not None
-                         and s.nbytes + _ALIGN + s.stored + ENTRY_ROOM <= self.budget_bytes for s in sources], bool)
+        room = sources.disk_room
+        if room is None:  # once per set of arrays (kept while they come again), not per batch
+            # an entry is read whole into a thread's scratch: the array's chunks must fit the engine's budget so
+            room = sources.disk_room = np.array(
+                [getattr(s.kv, "entry_files", None) is not None
+                 and s.nbytes + _ALIGN + s.stored + ENTRY_ROOM <= self.budget_bytes for s in sources], bool)
         if not room[src].any():
             return ids
+        # what the batch's prefetch found on disk when it was planned ahead: not asked of the cache again (the
+        # entry's generation as known then, after the batch's samples were pushed, as prefetched bytes are)
+        known = plan.disk_entries or {}
         take, paths, idents, stores = [], [], [], []
         for s in np.unique(src[room[src]]).tolist():
             kv = sources[s].kv
             mine = ids[src == s]
-            whole, ranged = mine[plan.chunk_offset[mine] < 0], mine[plan.chunk_offset[mine] >= 0]
-            keys = self._keys(plan, plan.chunk_file[whole], sources)
-            shards = self._keys(plan, plan.chunk_file[ranged], sources)
-            requests = list(map(ByteRange, shards, plan.chunk_offset[ranged].tolist(),
-                                plan.chunk_length[ranged].tolist()))
-            for cid, entry in zip(np.concatenate([whole, ranged]).tolist(), kv.entry_files(keys, requests)):
+            found = [(cid, known[cid]) for cid in mine.tolist() if cid in known] if known else []
+            if found:
+                mine = np.setdiff1d(mine, [cid for cid, _ in found])
+            if len(mine):  # the rest: asked now (an entry written, or a generation learnt, since it was planned)
+                whole, ranged = mine[plan.chunk_offset[mine] < 0], mine[plan.chunk_offset[mine] >= 0]
+                keys = self._keys(plan, plan.chunk_file[whole], sources)
+                shards = self._keys(plan, plan.chunk_file[ranged], sources)
+                requests = list(map(ByteRange, shards, plan.chunk_offset[ranged].tolist(),
+                                    plan.chunk_length[ranged].tolist()))
+                found += zip(np.concatenate([whole, ranged]).tolist(), kv.entry_files(keys, requests))
+            for cid, entry in found:
                 # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
                 if entry is not None and len(entry[1]) <= native.ENTRY_IDENT_CAP and len(entry[0]) < native.PATH_CAP:
                     take.append(cid)

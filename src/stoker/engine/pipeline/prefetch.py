@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from ...config import Config
 from typing import Callable
 
+from ...storage import cachingstore
 from ...storage.prefetch import PrefetchBuffer, PrefetchStore
 from ...storage.store import ByteRange
 from ..planning.tables import TablePlan
@@ -117,34 +119,45 @@ def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> 
     stores that prefetch), for batch ``seq`` (``pushed``, ``mark``: see :meth:`PrefetchBuffer.ask`);
     ``(bytes, values and ranges, any)``: what it needs asked anew (all but those shared with an earlier
     batch's requests; those past the bounds included: they are not asked), and whether it needs any remote
-    chunk at all. A step per chunk of such an array."""
+    chunk at all. Chunks a disk cache holds at a generation known now are not asked (:func:`_on_disk`):
+    their entries are kept in ``plan.disk_entries`` for the decoder, which reads them from disk without
+    asking the cache again. A step per chunk of such an array."""
     stored = np.nonzero(plan.chunk_file >= 0)[0]
     remote = [isinstance(r.kv, PrefetchStore) for r in plan.sources]
     if not len(stored) or not any(remote):
         return 0, 0, False
-    asks: dict[int, tuple[PrefetchStore, dict, dict]] = {}  # per store: {key: estimate}, {(key, off, len): None}
+    # per store: {key: estimate}, {(key, off, len): None}, [(chunk, key or (key, off, len))]
+    asks: dict[int, tuple[PrefetchStore, dict, dict, list]] = {}
     nbytes = 0
     files, offsets, lengths = plan.chunk_file[stored], plan.chunk_offset[stored], plan.chunk_length[stored]
-    for s, f, offset, length in zip(plan.chunk_source[stored].tolist(), files.tolist(), offsets.tolist(),
-                                    lengths.tolist()):
+    for c, s, f, offset, length in zip(stored.tolist(), plan.chunk_source[stored].tolist(), files.tolist(),
+                                       offsets.tolist(), lengths.tolist()):
         if not remote[s]:
             continue
         reader = plan.sources[s]
-        kv, keys, ranges = asks.setdefault(id(reader.kv), (reader.kv, {}, {}))
+        kv, keys, ranges, chunks = asks.setdefault(id(reader.kv), (reader.kv, {}, {}, []))
         key = reader.key_of(plan.file_path(f))
         if offset < 0:  # a whole value: at most what its codec stores
+            chunks.append((c, key))
             if key not in keys:
                 keys[key] = reader.metadata.codec.max_stored_nbytes
                 nbytes += keys[key]
-        elif (key, offset, length) not in ranges:
-            ranges[(key, offset, length)] = None
-            nbytes += length
+        else:
+            chunks.append((c, (key, offset, length)))
+            if (key, offset, length) not in ranges:
+                ranges[(key, offset, length)] = None
+                nbytes += length
     n = 0
-    for kv, keys, ranges in asks.values():
-        nbytes -= _on_disk(kv, keys, ranges)
+    entries: dict[int, tuple[bytes, bytes]] = {}
+    for kv, keys, ranges, chunks in asks.values():
+        dropped, found = _on_disk(kv, keys, ranges)
+        nbytes -= dropped
+        if found:
+            entries.update((c, found[what]) for c, what in chunks if what in found)
         asked = kv.ask(list(keys), list(keys.values()), [ByteRange(*r) for r in ranges], seq, pushed, mark)
         n += len(keys) + len(ranges) - asked.shared
         nbytes -= asked.shared_bytes
+    plan.disk_entries = entries
     return nbytes, n, bool(asks)
 
 
@@ -159,11 +172,13 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
     and not yet planned: their reads then find what the disk holds known to be current, instead of waiting a
     round trip for it. ``reader_of(uri)``: the open array, or None (not open: skipped). Returns the objects
     asked about (at most :data:`MAX_REVALIDATE`); never waits. An array whose store lists was revalidated in
-    bulk when opened, so this asks for nothing there.
+    bulk when opened, so this builds no key for it (:func:`listed_whole`); only those of larger arrays,
+    past what a listing takes, are asked (by HEAD).
 
     >>> revalidate_ahead(pulled_samples, lambda uri: readers.get(uri))
     """
     asks: dict[int, tuple[Any, dict]] = {}
+    skip: dict[int, bool] = {}  # per reader: listed whole at its open, so nothing to ask
     n = 0
     for sample in samples:
         for part in (sample.fields.values() if sample.fields else (sample,)):
@@ -173,6 +188,11 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
                 reader = reader_of(uri)
                 revalidate = None if reader is None else getattr(reader.kv, "revalidate", None)
                 if revalidate is None:
+                    continue
+                listed = skip.get(id(reader))
+                if listed is None:
+                    listed = skip[id(reader)] = listed_whole(reader)
+                if listed:
                     continue
                 meta = reader.metadata
                 spans = []
@@ -196,25 +216,39 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
     return n
 
 
+def listed_whole(reader: Any) -> bool:
+    """Whether opening ``reader`` (an open array) revalidated every object it may have in its disk cache: its
+    store lists (S3, GCS, Azure: ``CachingStore.opened`` lists the array's prefix) and its objects, one per
+    grid cell and its documents, fit in what one listing takes (``cachingstore.LIST_KEYS``). The objects of
+    a larger array past those are revalidated by a HEAD each, which :func:`revalidate_ahead` starts ahead."""
+    kv = reader.kv
+    if not getattr(kv, "supports_list", False) or not hasattr(kv, "start_list_versions"):
+        return False
+    meta = reader.metadata
+    objects = math.prod(-(-size // chunk) for size, chunk in zip(meta.shape, meta.chunk_shape))
+    return objects + len(cachingstore.DOCUMENTS) <= cachingstore.LIST_KEYS
 
 
-def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> int:
+def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> tuple[int, dict]:
     """Drop from ``keys`` and ``ranges`` what ``kv``'s disk cache holds at a generation known now (its
     ``entry_files``): a local read, with no latency to hide, which the compiled engine makes itself
-    (engine/cpu/decode_native.py); returns their bytes."""
+    (engine/cpu/decode_native.py); returns their bytes, and their entries by key or ``(key, off, len)``."""
     entry_files = getattr(kv, "entry_files", None)
     if entry_files is None or not (keys or ranges):
-        return 0
+        return 0, {}
     found = entry_files(list(keys), [ByteRange(*r) for r in ranges])
     dropped = 0
+    kept: dict = {}
     for key, entry in zip(list(keys), found):
         if entry is not None:
             dropped += keys.pop(key)
+            kept[key] = entry
     for r, entry in zip(list(ranges), found[len(found) - len(ranges):]):
         if entry is not None:
             del ranges[r]
             dropped += r[2]
-    return dropped
+            kept[r] = entry
+    return dropped, kept
 
 
-__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "prefetch_plan", "revalidate_ahead"]
+__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "listed_whole", "prefetch_plan", "revalidate_ahead"]

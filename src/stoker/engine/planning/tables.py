@@ -113,6 +113,10 @@ class TablePlan:
     keys: np.ndarray | None = None
     # the crops that reach past their arrays (Sample.pad), filled after the chunks are placed (padding.py)
     pads: tuple[PadCrop, ...] = ()
+    # chunk -> (path, ident) of the disk-cache entry its store's entry_files gave when the batch's prefetch
+    # asked (engine/pipeline/prefetch.prefetch_plan), so the decoder does not ask again; None: not asked. Not
+    # an init field: a plan made from this one (hybrid's subset, chunks renumbered) starts without it
+    disk_entries: dict[int, tuple[bytes, bytes]] | None = field(init=False, repr=False, default=None)
     chunks: _Tasks = field(init=False, repr=False)
     # per file row, made as asked: its key, its path, its identity
     _keys: dict[int, str] = field(init=False, repr=False, default_factory=dict)
