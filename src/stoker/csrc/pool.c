@@ -501,7 +501,10 @@ static int same_stored(const plan_tables *ta, const int64_t *a, const plan_table
     return 1;
 }
 
-/* the job's table of shareable chunks (after check_tables): -1 when out of memory */
+/* the job's table of shareable chunks (after check_tables): -1 when out of memory. One entry per distinct stored
+ * chunk, its first row: take_sharers stops at the first match, so a later row of the same bytes (a shard whose
+ * index names one range for many inner chunks) is never found, and entered it would lengthen every probe
+ * through its slot (many such rows: a build quadratic in them). Linear in the rows, expected. */
 static int build_shared(job *j) {
     const plan_tables *t = &j->t;
     long long n = 0, cap = 1;
@@ -520,9 +523,10 @@ static int build_shared(job *j) {
         if (!shareable(t, c))
             continue;
         long long s = (long long)(share_hash(t, c) & (unsigned long long)(cap - 1));
-        while (j->shared_at[s])
-            s = (s + 1) & (cap - 1);
-        j->shared_at[s] = i + 1;
+        while (j->shared_at[s] && !same_stored(t, t->chunks + (j->shared_at[s] - 1) * N_CHUNK_COLS, t, c))
+            s = (s + 1) & (cap - 1); /* at most half full: an empty slot ends the probe */
+        if (!j->shared_at[s])
+            j->shared_at[s] = i + 1;
     }
     return 0;
 }
