@@ -399,23 +399,25 @@ def test_inner_chunks_of_a_shard_are_read_in_few_reads(tmp_path, gpu_decode, mon
         pytest.skip("stoker._native is not built")
     z, data = _many_inner_chunks(tmp_path)
     samples = _two_crops(str(tmp_path / "one.zarr"))
+    from stoker.engine.cpu import native
+
     reads = []
-    preadv, read = os.preadv, native_reads.read
+    preadv, read = os.preadv, native.stage_read
 
     def counted(fd, buffers, offset, *args):
         if os.readlink(f"/proc/self/fd/{fd}").endswith(os.path.join("c", "0", "0", "0")):  # the shard
             reads.append(offset)
         return preadv(fd, buffers, offset, *args)
 
-    def counted_native(buf, paths, files, table, whole_base, threads):
-        out, opens, preads = read(buf, paths, files, table, whole_base, threads)
+    def counted_native(buf, paths, files, table, out, whole_base, threads):
+        opens, preads = read(buf, paths, files, table, out, whole_base, threads)
         shard = [k for k, p in enumerate(paths) if p.endswith(os.path.join("c", "0", "0", "0"))]
         reads.extend(int(row[1]) for row in table if row[0] in shard)  # (one row: one pread, unless cut short)
         assert preads == len(table) and opens == len(paths)
-        return out, opens, preads
+        return opens, preads
 
     monkeypatch.setattr(os, "preadv", counted)
-    monkeypatch.setattr(native_reads, "read", counted_native)
+    monkeypatch.setattr(native, "stage_read", counted_native)
     if not compiled:
         monkeypatch.setattr(native_reads, "available", lambda: False)
     got, stats = _run(samples)

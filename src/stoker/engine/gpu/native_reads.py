@@ -10,7 +10,7 @@ refused ones again).
 
 >>> import numpy as np
 >>> out = read(bytearray(4), ["/no/such/file"], np.zeros((1, 6), np.int64), np.array([[0, -1, 4, 0]]), 0, 1)
->>> int(out[0][0, 0]) == ST_MISSING  # (with the compiled engine)
+>>> int(out[0, STATUS]) == ST_MISSING  # (with the compiled engine)
 True
 """
 
@@ -37,16 +37,17 @@ def available() -> bool:
 
 
 def read(buf: Any, paths: list[str], files: np.ndarray, reads: np.ndarray, whole_base: int,
-         threads: int) -> tuple[np.ndarray, int, int]:
-    """``(out, opens, preads)``: the rows of ``reads`` (file, offset or -1, length or bound, at) read into
-    ``buf``; ``files`` one identity row per path (has_ident, dev, ino, size, mtime_ns, ctime_ns); ``out`` one
-    row per read (:data:`STATUS`, :data:`DETAIL`, :data:`AT`, :data:`NREAD`). Whole files go end to end from
-    ``whole_base``. A read outside ``buf`` is a ``ValueError``, before any byte is read."""
+         threads: int) -> np.ndarray:
+    """The rows of ``reads`` (file, offset or -1, length or bound, at) read into ``buf``: one row per read
+    (:data:`STATUS`, :data:`DETAIL`, :data:`AT`, :data:`NREAD`); ``files`` one identity row per path
+    (has_ident, dev, ino, size, mtime_ns, ctime_ns). Whole files go end to end from ``whole_base``. A read
+    outside ``buf`` is a ``ValueError``, before any byte is read. (``native.stage_read`` also returns its
+    opens and reads, which tests count.)"""
     reads = np.ascontiguousarray(reads, np.int64).reshape(-1, 4)
     out = np.zeros((len(reads), 4), np.int64)
-    opens, preads = gil.released(native.stage_read, buf, paths, np.ascontiguousarray(files, np.int64).reshape(-1, 6),
-                                 reads, out, int(whole_base), int(threads))
-    return out, opens, preads
+    gil.released(native.stage_read, buf, paths, np.ascontiguousarray(files, np.int64).reshape(-1, 6), reads, out,
+                 int(whole_base), int(threads))
+    return out
 
 
 def parse_blosc_batch(buf: Any, chunk_in: Any, chunk_in_nbytes: Any, chunk_nbytes: Any,
