@@ -378,3 +378,62 @@ def test_frames_rewritten_while_parsed_never_overflow_the_rows():
     finally:
         stop.set()
         flipper.join(10)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunk_paths
+
+
+def test_chunk_paths_are_the_readers_paths_bit_for_bit(tmp_path):
+    """The paths the compiled reads build for a plan's files (chunk files and shards) are the ones the reader
+    names, for every key encoding zarr-python writes, coordinates of several digits and a folder name outside
+    ASCII; a plan of zero-dimensional arrays keeps Python's (its one key has no coordinate)."""
+    import zarr
+    from zarr.codecs import ZstdCodec
+
+    import stoker
+    from stoker.engine.gpu.staging import path_prefixes
+    from stoker.engine.planning.tables import F_COORDS, F_SOURCE, plan_tables
+
+    if not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    root = tmp_path / "dätä"
+    shape, chunks = (24, 130, 5), (2, 10, 5)  # coordinates up to 12
+    specs = {
+        "v3.zarr": dict(zarr_format=3),
+        "v3-dots.zarr": dict(zarr_format=3, chunk_key_encoding={"name": "v2", "separator": "."}),
+        "v3-sharded.zarr": dict(zarr_format=3, shards=(4, 20, 5)),
+        "v2.zarr": dict(zarr_format=2),
+        "v2-nested.zarr": dict(zarr_format=2, chunk_key_encoding={"name": "v2", "separator": "/"}),
+    }
+    uris = []
+    for name, kw in specs.items():
+        z = zarr.create_array(str(root / name), shape=shape, chunks=chunks, dtype="uint16", compressors=ZstdCodec(level=1)
+                              if kw["zarr_format"] == 3 else None, **kw)
+        z[:] = 1
+        uris.append(str(root / name))
+    readers = {u: stoker.open_array(u) for u in uris}
+    box = [(0, 24), (0, 130), (0, 5)]
+    plan = plan_tables(0, [stoker.Sample(u, box) for u in uris], readers.__getitem__)
+    names = plan.files[:, [F_SOURCE, *range(F_COORDS, plan.files.shape[1])]]
+    got = native_reads.chunk_paths(*path_prefixes(plan), names).split(b"\0")
+    assert got[-1] == b"" and len(got) == len(plan.files) + 1
+    assert got[:-1] == [os.fsencode(plan.file_path(f)) for f in range(len(plan.files))]
+    assert len({os.path.dirname(p) for p in got[:-1]}) > len(uris)  # nested keys among them
+    zero = zarr.create_array(str(root / "zero.zarr"), shape=(), dtype="uint16", compressors=ZstdCodec(level=1))
+    zero[()] = 5
+    plan0 = plan_tables(0, [stoker.Sample(str(root / "zero.zarr"), [])], lambda u: stoker.open_array(u))
+    assert path_prefixes(plan0) is None
+
+
+def test_chunk_paths_refuse_rows_outside_their_tables():
+    if not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    blob, prefixes = b"/a/", np.array([[0, 3, ord("/")]])
+    assert native_reads.chunk_paths(blob, prefixes, np.zeros((0, 2), np.int64)) == b""
+    for bad_prefixes, names in (([[0, 4, 47]], [[0, 1]]), ([[-1, 1, 47]], [[0, 1]]), ([[0, 3, 300]], [[0, 1]]),
+                                ([[0, 3, 47]], [[1, 1]]), ([[0, 3, 47]], [[0, -1]])):
+        with pytest.raises(ValueError, match="chunk_paths"):
+            native_reads.chunk_paths(blob, np.array(bad_prefixes), np.array(names))
+    with pytest.raises(ValueError, match="NUL-terminated"):  # fewer paths than files rows
+        native_reads.read(bytearray(4), b"/a\0", np.zeros((2, 6), np.int64), np.array([[0, -1, 4, 0]]), 0, 1)

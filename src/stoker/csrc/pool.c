@@ -61,6 +61,7 @@
  * parent's pages, copy-on-write).
  */
 #include "stoker_native.h"
+#include "staging.h" /* chunk_path */
 
 #include <errno.h>
 #include <limits.h>
@@ -636,22 +637,7 @@ static void count(long long *field, long long value) { __atomic_add_fetch(field,
 
 /* dir/prefix (the source's path prefix) then the grid coordinates joined by the separator */
 static void build_path(char *out, const job *j, const int64_t *src, const int64_t *coords) {
-    size_t n = (size_t)src[S_PATH_LEN];
-    memcpy(out, j->t.blob + src[S_PATH_START], n);
-    for (int k = 0; k < j->t.ndim; k++) {
-        if (k)
-            out[n++] = (char)src[S_SEP];
-        char digits[24];
-        int d = 0;
-        unsigned long long v = (unsigned long long)coords[k];
-        do {
-            digits[d++] = (char)('0' + v % 10);
-            v /= 10;
-        } while (v);
-        while (d)
-            out[n++] = digits[--d];
-    }
-    out[n] = 0;
+    chunk_path(out, j->t.blob + src[S_PATH_START], (size_t)src[S_PATH_LEN], (char)src[S_SEP], coords, j->t.ndim);
 }
 
 /* A chunk's times (ns) as its worker's clocks take them (see "Accounting"); ``end``: when it was placed (0: not

@@ -34,7 +34,7 @@ from ...runtime.workers import DaemonPool
 from ...storage import FileChanged
 from . import fallback as gpu_fallback, native_reads
 from .sources import CPU, Source
-from ..planning.tables import F_HAS_IDENT, F_IDENT, F_SOURCE, TablePlan, file_ident
+from ..planning.tables import F_COORDS, F_HAS_IDENT, F_IDENT, F_SOURCE, TablePlan, file_ident
 
 #: inner chunks of one shard file at most this far apart are read together, the gap included
 MAX_GAP = 64 << 10
@@ -102,6 +102,9 @@ class ReadPlan:
     # one row per file of the plan: whether its identity is checked, then that identity (dev, ino, size, mtime_ns,
     # ctime_ns), as the compiled reads take them: made once per batch, each group's reads pick their rows
     idents: np.ndarray = field(default_factory=lambda: np.zeros((0, 6), np.int64))
+    # each array's path prefix (folder, key prefix and separator) as native_reads.chunk_paths takes them: the blob
+    # and a (start, length, separator) row per source; None where paths are built in Python (see path_prefixes)
+    prefixes: tuple[bytes, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.order)
@@ -141,7 +144,25 @@ def plan_reads(plan: TablePlan, sources: list[Source]) -> ReadPlan:
     enc = np.concatenate([[0], np.cumsum(size + gap)])
     dec = np.concatenate([[0], np.cumsum(np.array([s.nbytes for s in sources], np.int64)[src])])
     idents = np.ascontiguousarray(plan.files[:, [F_HAS_IDENT, *F_IDENT]], np.int64)
-    return ReadPlan(ids, kind, joined, enc, gap, dec, idents)
+    return ReadPlan(ids, kind, joined, enc, gap, dec, idents, path_prefixes(plan))
+
+
+def path_prefixes(plan: TablePlan) -> tuple[bytes, np.ndarray] | None:
+    """Each array's path prefix, ``reader.file_path`` of its key prefix and separator, as
+    :func:`.native_reads.chunk_paths` takes them (a file's path: that prefix, then its grid coordinates joined by
+    the separator, as ``ChunkKeyEncoding.key`` joins them); None without the compiled reads, or for a plan of
+    zero-dimensional arrays (their one key has no coordinate: ``c`` or ``0``)."""
+    if not native_reads.available() or plan.files.shape[1] <= F_COORDS:
+        return None
+    prefixes = []
+    for reader in plan.sources:
+        enc = reader.metadata.key_encoding
+        prefixes.append(os.fsencode(reader.file_path(enc.prefix + enc.separator if enc.prefix else "")))
+    rows = np.zeros((len(prefixes), 3), np.int64)
+    rows[:, 1] = [len(p) for p in prefixes]
+    rows[:, 0] = np.cumsum(rows[:, 1]) - rows[:, 1]
+    rows[:, 2] = [ord(r.metadata.key_encoding.separator) for r in plan.sources]
+    return b"".join(prefixes), rows
 
 
 class Stager:
@@ -253,7 +274,11 @@ class Stager:
         # the table: one row per run of a shard, one per whole chunk file; its files numbered in order of use
         file_rows = np.concatenate([plan.chunk_file[cids[heads]], plan.chunk_file[whole]])
         used, local = np.unique(file_rows, return_inverse=True)
-        paths = [self.file(plan, int(f), files)[0] for f in used.tolist()]
+        if reads.prefixes is not None:  # built in C (the CPU engine's paths), not per file in Python
+            names = plan.files[used][:, [F_SOURCE, *range(F_COORDS, plan.files.shape[1])]]
+            paths: bytes | list[str] = native_reads.chunk_paths(*reads.prefixes, names)
+        else:
+            paths = [self.file(plan, int(f), files)[0] for f in used.tolist()]
         bound = np.array([s.stored for s in sources], np.int64)[plan.chunk_source[whole]]
         table = np.zeros((len(file_rows), 4), np.int64)
         table[:, 0] = local
