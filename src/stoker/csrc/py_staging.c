@@ -20,6 +20,25 @@ static int int64_rows(PyObject *obj, Py_buffer *b, long long cols, long long *ro
     return 0;
 }
 
+/* a C-contiguous buffer ``obj`` and two int64 row tables ``a`` and ``b`` (``b`` writable when asked), all taken,
+ * or none and -1 with an exception */
+static int buffer_and_rows(PyObject *obj, Py_buffer *buf, PyObject *a_obj, Py_buffer *a, long long a_cols,
+                           long long *a_rows, const char *a_what, PyObject *b_obj, Py_buffer *b, long long b_cols,
+                           long long *b_rows, int b_writable, const char *b_what) {
+    if (PyObject_GetBuffer(obj, buf, PyBUF_C_CONTIGUOUS) != 0)
+        return -1;
+    if (int64_rows(a_obj, a, a_cols, a_rows, 0, a_what) < 0) {
+        PyBuffer_Release(buf);
+        return -1;
+    }
+    if (int64_rows(b_obj, b, b_cols, b_rows, b_writable, b_what) < 0) {
+        PyBuffer_Release(a);
+        PyBuffer_Release(buf);
+        return -1;
+    }
+    return 0;
+}
+
 /* chunk_paths(blob, prefixes, names, ndim) -> bytes: each file's path (chunk_path), NUL-terminated, back to back */
 static PyObject *chunk_paths_py(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *blob_obj, *prefixes_obj, *names_obj;
@@ -32,17 +51,9 @@ static PyObject *chunk_paths_py(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     Py_buffer blob, prefixes, names;
     long long n_sources, n_files;
-    if (PyObject_GetBuffer(blob_obj, &blob, PyBUF_C_CONTIGUOUS) != 0)
+    if (buffer_and_rows(blob_obj, &blob, prefixes_obj, &prefixes, 3, &n_sources, "prefixes", names_obj, &names,
+                        1 + ndim, &n_files, 0, "names") < 0)
         return NULL;
-    if (int64_rows(prefixes_obj, &prefixes, 3, &n_sources, 0, "prefixes") < 0) {
-        PyBuffer_Release(&blob);
-        return NULL;
-    }
-    if (int64_rows(names_obj, &names, 1 + ndim, &n_files, 0, "names") < 0) {
-        PyBuffer_Release(&prefixes);
-        PyBuffer_Release(&blob);
-        return NULL;
-    }
     PyObject *result = NULL;
     char *out = NULL;
     const int64_t *pre = prefixes.buf, *rows = names.buf;
@@ -206,17 +217,9 @@ static PyObject *blosc_streams_py(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     Py_buffer buf, chunks, fault;
     long long k, n_fault;
-    if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_C_CONTIGUOUS) != 0)
+    if (buffer_and_rows(buf_obj, &buf, chunks_obj, &chunks, 4, &k, "chunks", fault_obj, &fault, 1, &n_fault, 1,
+                        "fault") < 0)
         return NULL;
-    if (int64_rows(chunks_obj, &chunks, 4, &k, 0, "chunks") < 0) {
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
-    if (int64_rows(fault_obj, &fault, 1, &n_fault, 1, "fault") < 0) {
-        PyBuffer_Release(&chunks);
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
     PyObject *result = NULL;
     int64_t *cols = NULL, *streams = NULL, *blocks = NULL;
     long long ns = 0, nb = 0;
