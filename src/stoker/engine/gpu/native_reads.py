@@ -57,7 +57,7 @@ def chunk_paths(blob: bytes, prefixes: np.ndarray, names: np.ndarray) -> bytes:
     separator)`` of ``prefixes`` says where its source's prefix (folder, key prefix and separator) is in ``blob``.
 
     >>> chunk_paths(b"/d/a.zarr/c/", np.array([[0, 12, ord("/")]]), np.array([[0, 1, 2]]))
-    b'/d/a.zarr/c/1/2\x00'
+    b'/d/a.zarr/c/1/2\\x00'
     """
     names = np.ascontiguousarray(names, np.int64)
     return native.chunk_paths(blob, np.ascontiguousarray(prefixes, np.int64).reshape(-1, 3), names,
