@@ -241,6 +241,7 @@ class CpuExecutor(SlotsDelivery):
         # one (not once per lane); the rest of the lane's share stays its Python path's
         held = self.engine_share.budget_bytes if self.engine_share is not None else 0
         engine = engine_budget(left, transient, threads, readers, held) if native else 0
+        native = native and engine + held > 0  # no room for an engine at all: the Python path reads every chunk
         self.budget = TransientBudget(left - engine)
         self.decoders = Decoders(self.cfg.n_io_threads, threads, self.budget, self.stats, self.store,
                                  engine_budget=engine, group_limit=self.group_limit, shared=self.engine_share,
