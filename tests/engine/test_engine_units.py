@@ -629,3 +629,32 @@ def test_a_batch_cut_off_by_close_has_one_error_written_once():
     copies = [p.relative_to(src).as_posix() for p in src.rglob("*.py") if "pipeline was closed while this" in
               p.read_text() or 'ShutdownError("the pipeline was closed")' in p.read_text()]
     assert copies == ["errors.py"]
+
+
+def test_a_budget_with_no_room_for_the_engine_reads_on_the_python_path(tmp_path):
+    """host_buffer_bytes that holds the slots and the Python path's least room, and nothing more: no compiled
+    engine is started (it would have no scratch: every job refused), the Python path reads every chunk, and the
+    batches are zarr's."""
+    from stoker.engine.cpu import executor as cpu
+    from zarr.codecs import ZstdCodec
+
+    if not engine_available():
+        pytest.skip("stoker._native is not built")
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(16, 64, 72), chunks=(8, 32, 32), dtype="uint16", compressors=ZstdCodec(level=1))
+    data = (np.arange(16 * 64 * 72) % 60000).astype(np.uint16).reshape(z.shape)
+    z[:] = data
+    samples = [stoker.Sample(uri, [(0, 16), (0, 64), (i, i + 64)]) for i in range(8)]
+    slots = 3 * 4 * 16 * 64 * 64 * 4  # lookahead_batches + 1 slots of 4 float32 samples
+    least = 2 * size_class(8 * 32 * 32 * 2) + size_class(1)  # one chunk's read and decode
+    budget = next(b for b in range(slots, 2 * slots) if b - slots == max(min(8 << 20, b // 16), least))
+    cfg = stoker.Config(batch_size=4, dtype="f32", host_buffer_bytes=budget, n_io_threads=1, n_compute_threads=2,
+                        pop_timeout_s=20.0, device="cpu")
+    assert cfg.lookahead_batches == 2
+    with stoker.Pipeline(cfg) as p:
+        p.push(samples)
+        got = [torch.from_dlpack(b).clone() for b in p]
+        executor = p._executors()[0]
+        assert isinstance(executor, cpu.CpuExecutor) and executor.decoders.native is None
+    want = [torch.from_numpy(data[:, :, s.aabb[2][0]:s.aabb[2][1]].astype(np.float32)) for s in samples]
+    assert all(torch.equal(batch[k], want[4 * j + k]) for j, batch in enumerate(got) for k in range(4))

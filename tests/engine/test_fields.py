@@ -286,6 +286,34 @@ def test_a_lane_s_budget_error_names_the_field_and_the_pipeline_s_knob(arrays, t
             _check(arrays, batch, dtype)
 
 
+def test_the_lanes_engine_is_sized_once_and_their_buffers_stay_within_the_budget(arrays):
+    """The fields' lanes share one compiled engine of n_compute_threads threads: its scratch is what one engine
+    of them wants for the fields' arrays (each lane once gave it a whole engine's worth of its own share, so
+    three fields gave three, taken from their Python paths), and the lanes' slots, Python budgets and that
+    engine together hold at most host_buffer_bytes."""
+    from stoker.engine.cpu.executor import engine_available, engine_wants
+
+    if not engine_available():
+        pytest.skip("stoker._native is not built")
+    samples = _samples(arrays, 8, channels=False)
+    dtype = {"raw": "f32", "labels": "native", "mask": "native"}
+    cfg = _cfg(host_buffer_bytes=256 << 20, dtype=dtype)
+    with stoker.Pipeline(cfg) as p:
+        p.push(samples)
+        for batch in p:
+            _check(arrays, batch, dtype)
+        lanes = list(p._coordinator.lanes)
+        decoders = [lane.executor.decoders for lane in lanes]
+        engines = {id(d.native.engine) for d in decoders}
+        assert len(engines) == 1  # every lane submits to the one engine
+        engine = decoders[0].native.engine.info()["budget"]
+        readers = [stoker.open_array(arrays[name][0]) for name in ("raw", "labels", "mask")]
+        assert engine == engine_wants(cfg.compute_threads, readers)
+        held = sum(lane.executor.host_nbytes() + d.budget.capacity for lane, d in zip(lanes, decoders)) + engine
+        assert held <= cfg.host_buffer_bytes
+        assert p.stats().peak_host_bytes <= cfg.host_buffer_bytes
+
+
 # -- failures and slots ---------------------------------------------------------------------------------------
 
 

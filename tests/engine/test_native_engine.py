@@ -412,6 +412,30 @@ def test_no_file_stays_open_once_a_job_is_done(tmp_path):
     assert _open_descriptors() == before
 
 
+def test_many_inner_chunks_of_one_stored_range_are_entered_in_linear_time(tmp_path):
+    """A shard whose index names one byte range for many inner chunks (a writer that stores equal chunks once):
+    the job's table of shareable chunks keeps that range once, so building it is linear in the rows (entered
+    each time, the probe through them grew with each: 60,000 rows took seconds), and every row is still read
+    and placed as its own chunk."""
+    n = 60_000
+    t = Tables(tmp_path, n)
+    [shard] = _shards(t, [numcodecs.Zstd(level=1).encode(_chunk(0).tobytes())], [0])
+    t.chunks[:, native.C_FILE] = 0
+    t.chunks[:, native.C_OFFSET], t.chunks[:, native.C_LENGTH] = t.chunks[0, native.C_OFFSET], t.chunks[0, native.C_LENGTH]
+    engine = native.Engine(2, 1 << 20)
+    try:
+        t0 = time.thread_time()
+        job = engine.submit(*t.args())
+        spent = time.thread_time() - t0  # the caller's CPU time: the tables checked, copied and entered
+        assert job.wait(50)
+        status, _, counters = _results(job)
+        assert (status == native.ST_OK).all() and counters["chunks_decoded"] == n
+        assert (t.batch == t.expected(0)).all()
+        assert spent < 1.0, f"submitting {n:,} rows of one stored range took {spent:.2f} s of CPU"
+    finally:
+        assert engine.close(5)
+
+
 def test_a_shard_rewritten_in_place_while_kept_open_is_not_read_again(tmp_path):
     """A thread that keeps a shard open still checks its identity after each inner chunk's reads: a shard
     rewritten in place (same inode) while the thread decodes its first chunk gives CHANGED for the chunks

@@ -399,23 +399,26 @@ def test_inner_chunks_of_a_shard_are_read_in_few_reads(tmp_path, gpu_decode, mon
         pytest.skip("stoker._native is not built")
     z, data = _many_inner_chunks(tmp_path)
     samples = _two_crops(str(tmp_path / "one.zarr"))
+    from stoker.engine.cpu import native
+
     reads = []
-    preadv, read = os.preadv, native_reads.read
+    preadv, read = os.preadv, native.stage_read
 
     def counted(fd, buffers, offset, *args):
         if os.readlink(f"/proc/self/fd/{fd}").endswith(os.path.join("c", "0", "0", "0")):  # the shard
             reads.append(offset)
         return preadv(fd, buffers, offset, *args)
 
-    def counted_native(buf, paths, files, table, whole_base, threads):
-        out, opens, preads = read(buf, paths, files, table, whole_base, threads)
+    def counted_native(buf, paths, files, table, out, whole_base, threads):
+        opens, preads = read(buf, paths, files, table, out, whole_base, threads)
+        paths = [os.fsdecode(p) for p in paths.split(b"\0")[:-1]] if isinstance(paths, bytes) else paths
         shard = [k for k, p in enumerate(paths) if p.endswith(os.path.join("c", "0", "0", "0"))]
         reads.extend(int(row[1]) for row in table if row[0] in shard)  # (one row: one pread, unless cut short)
         assert preads == len(table) and opens == len(paths)
-        return out, opens, preads
+        return opens, preads
 
     monkeypatch.setattr(os, "preadv", counted)
-    monkeypatch.setattr(native_reads, "read", counted_native)
+    monkeypatch.setattr(native, "stage_read", counted_native)
     if not compiled:
         monkeypatch.setattr(native_reads, "available", lambda: False)
     got, stats = _run(samples)
@@ -423,6 +426,30 @@ def test_inner_chunks_of_a_shard_are_read_in_few_reads(tmp_path, gpu_decode, mon
     # 44 stored inner chunks, close together in their shard: one read (the chunks between them read too)
     assert stats.chunks_decoded == 44 and len(reads) == 1, reads
     assert stats.bytes_to_device == stats.bytes_read
+    _check_against_cpu_and_zarr(got, samples, data)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["chunk-files", "sharded"])
+def test_the_compiled_reads_build_the_files_paths_with_no_python_per_file(tmp_path, gpu_decode, monkeypatch,
+                                                                          sharded):
+    """A wave's files (chunk files, or shards) are named by paths built in C from each array's prefix and the
+    files' coordinates, as the CPU engine builds them: no key or path made in Python per file (once one each),
+    and the batches are the CPU path's and zarr's, bit for bit."""
+    from stoker.engine.gpu import native_reads
+    from stoker.engine.planning.tables import TablePlan
+
+    if not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    z, data = _write(tmp_path / "a.zarr", (16, 40, 36), (4, 8, 12), "uint16", ZstdCodec(level=1), fill_value=3,
+                     skip=4, shards=(8, 16, 12) if sharded else None)
+    uri = str(tmp_path / "a.zarr")
+    samples = [stoker.Sample(uri, [(0, 12), (4, 36), (0, 36)]), stoker.Sample(uri, [(4, 16), (2, 34), (0, 36)])]
+    keys = []
+    file_key = TablePlan.file_key
+    monkeypatch.setattr(TablePlan, "file_key", lambda self, f: (keys.append(f), file_key(self, f))[1])
+    got, stats = _run(samples)
+    monkeypatch.undo()
+    assert stats.chunks_decoded > 0 and keys == []
     _check_against_cpu_and_zarr(got, samples, data)
 
 

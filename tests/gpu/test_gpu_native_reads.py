@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stoker.engine.cpu import native
 from stoker.engine.gpu import frames, native_reads
 from stoker.storage.local import LocalStore, identity
 
@@ -58,6 +59,23 @@ def _guards_intact(whole: np.ndarray) -> bool:
 # ---------------------------------------------------------------------------------------------
 # stage_read
 
+
+def _read_counted(buf, paths, files, reads, whole_base, threads):
+    """:func:`native_reads.read`, and the opens and reads the compiled call counted (its own return)."""
+    counts = []
+    real = native.stage_read
+
+    def counted(*args):
+        counts.append(real(*args))
+        return counts[-1]
+
+    native.stage_read = counted
+    try:
+        out = native_reads.read(buf, paths, files, reads, whole_base, threads)
+    finally:
+        native.stage_read = real
+    return (out, *counts[0])
+
 def test_runs_of_a_shard_and_whole_files_land_where_planned(tmp_path):
     shard = tmp_path / "shard"
     shard.write_bytes(bytes(range(256)) * 8)
@@ -68,7 +86,7 @@ def test_runs_of_a_shard_and_whole_files_land_where_planned(tmp_path):
     # two runs of the shard, then three whole files (one missing) placed end to end from 40
     reads = np.array([[0, 3, 5, 0], [0, 1000, 20, 5], [1, -1, 100, 0], [2, -1, 100, 0], [3, -1, 100, 0]])
     whole, buf = _guarded(80)
-    out, opens, preads = native_reads.read(buf, paths, files, reads, 40, 3)
+    out, opens, preads = _read_counted(buf, paths, files, reads, 40, 3)
     assert out[:, native_reads.STATUS].tolist() == [0, 0, 0, native_reads.ST_MISSING, 0]
     assert out[:, native_reads.AT].tolist()[:3] == [0, 5, 40] and out[4, native_reads.AT] == 50
     assert out[:, native_reads.NREAD].tolist() == [5, 20, 10, 0, 14]
@@ -85,7 +103,7 @@ def test_a_shard_rewritten_since_its_index_was_read_is_changed_on_every_run(tmp_
     row = _ident_row(shard)
     shard.write_bytes(b"y" * 100)  # the same size, a later modification
     os.utime(shard, ns=(row[4] + 10**9, row[4] + 10**9))
-    out, _, _ = native_reads.read(bytearray(100), [str(shard)], np.array([row]), np.array([[0, 0, 10, 0],
+    out = native_reads.read(bytearray(100), [str(shard)], np.array([row]), np.array([[0, 0, 10, 0],
                                                                                            [0, 50, 10, 10]]), 0, 2)
     assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_CHANGED] * 2
 
@@ -96,7 +114,7 @@ def test_whole_files_past_their_bound_or_the_staging_are_too_big_and_unread(tmp_
     paths = [str(tmp_path / n) for n in "abc"]
     reads = np.array([[0, -1, 20, 0], [1, -1, 20, 0], [2, -1, 64, 0]])  # a: past its bound; c: past the staging
     whole, buf = _guarded(40)
-    out, _, _ = native_reads.read(buf, paths, np.zeros((3, 6), np.int64), reads, 0, 2)
+    out = native_reads.read(buf, paths, np.zeros((3, 6), np.int64), reads, 0, 2)
     assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_TOO_BIG, 0, native_reads.ST_TOO_BIG]
     assert out[:, native_reads.DETAIL].tolist() == [30, 10, 50]
     assert buf[:10].tobytes() == b"b" * 10 and (buf[10:] == 0xA5).all() and _guards_intact(whole)
@@ -107,7 +125,7 @@ def test_a_fifo_or_directory_is_not_regular_and_never_blocks(tmp_path):
     (tmp_path / "dir").mkdir()
     paths = [str(tmp_path / "fifo"), str(tmp_path / "dir")]
     reads = np.array([[0, -1, 10, 0], [1, -1, 10, 0], [0, 0, 4, 0]])  # and a ranged read of the FIFO
-    out, _, _ = native_reads.read(bytearray(16), paths, np.zeros((2, 6), np.int64), reads, 4, 2)
+    out = native_reads.read(bytearray(16), paths, np.zeros((2, 6), np.int64), reads, 4, 2)
     assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_NOT_REGULAR] * 3
 
 
@@ -132,7 +150,7 @@ def test_whole_files_hold_a_descriptor_per_thread_at_most(tmp_path):
         for _ in range(5):
             buf = bytearray(sum(k % 50 + 1 for k in range(600)))
             reads = np.array([[k, -1, 64, 0] for k in range(600)])
-            out, opens, _ = native_reads.read(buf, paths, np.zeros((600, 6), np.int64), reads, 0, 4)
+            out, opens, _ = _read_counted(buf, paths, np.zeros((600, 6), np.int64), reads, 0, 4)
             assert (out[:, native_reads.STATUS] == 0).all() and opens == 600
     finally:
         done.set()
@@ -181,7 +199,7 @@ def test_fuzz_reads_are_python_s_reads_and_never_leave_the_staging(tmp_path_fact
             at += length
     reads = np.array(sorted(ranged, key=lambda r: r[0]) + whole_reads, np.int64).reshape(-1, 4)
     whole, buf = _guarded(room)
-    out, _, _ = native_reads.read(buf, paths, files, reads, at, threads)
+    out = native_reads.read(buf, paths, files, reads, at, threads)
     store = LocalStore()
     written = np.zeros(room, bool)
     for row, (st_, detail, where, got) in zip(reads.tolist(), out.tolist()):
@@ -360,3 +378,62 @@ def test_frames_rewritten_while_parsed_never_overflow_the_rows():
     finally:
         stop.set()
         flipper.join(10)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunk_paths
+
+
+def test_chunk_paths_are_the_readers_paths_bit_for_bit(tmp_path):
+    """The paths the compiled reads build for a plan's files (chunk files and shards) are the ones the reader
+    names, for every key encoding zarr-python writes, coordinates of several digits and a folder name outside
+    ASCII; a plan of zero-dimensional arrays keeps Python's (its one key has no coordinate)."""
+    import zarr
+    from zarr.codecs import ZstdCodec
+
+    import stoker
+    from stoker.engine.gpu.staging import path_prefixes
+    from stoker.engine.planning.tables import F_COORDS, F_SOURCE, plan_tables
+
+    if not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    root = tmp_path / "dätä"
+    shape, chunks = (24, 130, 5), (2, 10, 5)  # coordinates up to 12
+    specs = {
+        "v3.zarr": dict(zarr_format=3),
+        "v3-dots.zarr": dict(zarr_format=3, chunk_key_encoding={"name": "v2", "separator": "."}),
+        "v3-sharded.zarr": dict(zarr_format=3, shards=(4, 20, 5)),
+        "v2.zarr": dict(zarr_format=2),
+        "v2-nested.zarr": dict(zarr_format=2, chunk_key_encoding={"name": "v2", "separator": "/"}),
+    }
+    uris = []
+    for name, kw in specs.items():
+        z = zarr.create_array(str(root / name), shape=shape, chunks=chunks, dtype="uint16", compressors=ZstdCodec(level=1)
+                              if kw["zarr_format"] == 3 else None, **kw)
+        z[:] = 1
+        uris.append(str(root / name))
+    readers = {u: stoker.open_array(u) for u in uris}
+    box = [(0, 24), (0, 130), (0, 5)]
+    plan = plan_tables(0, [stoker.Sample(u, box) for u in uris], readers.__getitem__)
+    names = plan.files[:, [F_SOURCE, *range(F_COORDS, plan.files.shape[1])]]
+    got = native_reads.chunk_paths(*path_prefixes(plan), names).split(b"\0")
+    assert got[-1] == b"" and len(got) == len(plan.files) + 1
+    assert got[:-1] == [os.fsencode(plan.file_path(f)) for f in range(len(plan.files))]
+    assert len({os.path.dirname(p) for p in got[:-1]}) > len(uris)  # nested keys among them
+    zero = zarr.create_array(str(root / "zero.zarr"), shape=(), dtype="uint16", compressors=ZstdCodec(level=1))
+    zero[()] = 5
+    plan0 = plan_tables(0, [stoker.Sample(str(root / "zero.zarr"), [])], lambda u: stoker.open_array(u))
+    assert path_prefixes(plan0) is None
+
+
+def test_chunk_paths_refuse_rows_outside_their_tables():
+    if not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    blob, prefixes = b"/a/", np.array([[0, 3, ord("/")]])
+    assert native_reads.chunk_paths(blob, prefixes, np.zeros((0, 2), np.int64)) == b""
+    for bad_prefixes, names in (([[0, 4, 47]], [[0, 1]]), ([[-1, 1, 47]], [[0, 1]]), ([[0, 3, 300]], [[0, 1]]),
+                                ([[0, 3, 47]], [[1, 1]]), ([[0, 3, 47]], [[0, -1]])):
+        with pytest.raises(ValueError, match="chunk_paths"):
+            native_reads.chunk_paths(blob, np.array(bad_prefixes), np.array(names))
+    with pytest.raises(ValueError, match="NUL-terminated"):  # fewer paths than files rows
+        native_reads.read(bytearray(4), b"/a\0", np.zeros((2, 6), np.int64), np.array([[0, -1, 4, 0]]), 0, 1)

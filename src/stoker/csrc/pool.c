@@ -61,6 +61,7 @@
  * parent's pages, copy-on-write).
  */
 #include "stoker_native.h"
+#include "staging.h" /* chunk_path */
 
 #include <errno.h>
 #include <limits.h>
@@ -501,7 +502,10 @@ static int same_stored(const plan_tables *ta, const int64_t *a, const plan_table
     return 1;
 }
 
-/* the job's table of shareable chunks (after check_tables): -1 when out of memory */
+/* the job's table of shareable chunks (after check_tables): -1 when out of memory. One entry per distinct stored
+ * chunk, its first row: take_sharers stops at the first match, so a later row of the same bytes (a shard whose
+ * index names one range for many inner chunks) is never found, and entered it would lengthen every probe
+ * through its slot (many such rows: a build quadratic in them). Linear in the rows, expected. */
 static int build_shared(job *j) {
     const plan_tables *t = &j->t;
     long long n = 0, cap = 1;
@@ -520,9 +524,10 @@ static int build_shared(job *j) {
         if (!shareable(t, c))
             continue;
         long long s = (long long)(share_hash(t, c) & (unsigned long long)(cap - 1));
-        while (j->shared_at[s])
-            s = (s + 1) & (cap - 1);
-        j->shared_at[s] = i + 1;
+        while (j->shared_at[s] && !same_stored(t, t->chunks + (j->shared_at[s] - 1) * N_CHUNK_COLS, t, c))
+            s = (s + 1) & (cap - 1); /* at most half full: an empty slot ends the probe */
+        if (!j->shared_at[s])
+            j->shared_at[s] = i + 1;
     }
     return 0;
 }
@@ -632,22 +637,7 @@ static void count(long long *field, long long value) { __atomic_add_fetch(field,
 
 /* dir/prefix (the source's path prefix) then the grid coordinates joined by the separator */
 static void build_path(char *out, const job *j, const int64_t *src, const int64_t *coords) {
-    size_t n = (size_t)src[S_PATH_LEN];
-    memcpy(out, j->t.blob + src[S_PATH_START], n);
-    for (int k = 0; k < j->t.ndim; k++) {
-        if (k)
-            out[n++] = (char)src[S_SEP];
-        char digits[24];
-        int d = 0;
-        unsigned long long v = (unsigned long long)coords[k];
-        do {
-            digits[d++] = (char)('0' + v % 10);
-            v /= 10;
-        } while (v);
-        while (d)
-            out[n++] = digits[--d];
-    }
-    out[n] = 0;
+    chunk_path(out, j->t.blob + src[S_PATH_START], (size_t)src[S_PATH_LEN], (char)src[S_SEP], coords, j->t.ndim);
 }
 
 /* A chunk's times (ns) as its worker's clocks take them (see "Accounting"); ``end``: when it was placed (0: not

@@ -4,6 +4,7 @@
 #include "staging.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 /* an int64 buffer of whole ``cols``-value rows (C-contiguous, aligned); *rows its rows. 0, or -1 with an exception */
 static int int64_rows(PyObject *obj, Py_buffer *b, long long cols, long long *rows, int writable, const char *what) {
@@ -19,6 +20,128 @@ static int int64_rows(PyObject *obj, Py_buffer *b, long long cols, long long *ro
     return 0;
 }
 
+/* a C-contiguous buffer ``obj`` and two int64 row tables ``a`` and ``b`` (``b`` writable when asked), all taken,
+ * or none and -1 with an exception */
+static int buffer_and_rows(PyObject *obj, Py_buffer *buf, PyObject *a_obj, Py_buffer *a, long long a_cols,
+                           long long *a_rows, const char *a_what, PyObject *b_obj, Py_buffer *b, long long b_cols,
+                           long long *b_rows, int b_writable, const char *b_what) {
+    if (PyObject_GetBuffer(obj, buf, PyBUF_C_CONTIGUOUS) != 0)
+        return -1;
+    if (int64_rows(a_obj, a, a_cols, a_rows, 0, a_what) < 0) {
+        PyBuffer_Release(buf);
+        return -1;
+    }
+    if (int64_rows(b_obj, b, b_cols, b_rows, b_writable, b_what) < 0) {
+        PyBuffer_Release(a);
+        PyBuffer_Release(buf);
+        return -1;
+    }
+    return 0;
+}
+
+/* chunk_paths(blob, prefixes, names, ndim) -> bytes: each file's path (chunk_path), NUL-terminated, back to back */
+static PyObject *chunk_paths_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *blob_obj, *prefixes_obj, *names_obj;
+    int ndim;
+    if (!PyArg_ParseTuple(args, "OOOi", &blob_obj, &prefixes_obj, &names_obj, &ndim))
+        return NULL;
+    if (ndim < 0 || ndim > MAX_NDIM) {
+        PyErr_SetString(PyExc_ValueError, "chunk_paths: ndim out of range");
+        return NULL;
+    }
+    Py_buffer blob, prefixes, names;
+    long long n_sources, n_files;
+    if (buffer_and_rows(blob_obj, &blob, prefixes_obj, &prefixes, 3, &n_sources, "prefixes", names_obj, &names,
+                        1 + ndim, &n_files, 0, "names") < 0)
+        return NULL;
+    PyObject *result = NULL;
+    char *out = NULL;
+    const int64_t *pre = prefixes.buf, *rows = names.buf;
+    long long total = 0, end;
+    for (long long s = 0; s < n_sources; s++) { /* each prefix inside the blob, each separator one byte */
+        const int64_t *r = pre + s * 3;
+        if (r[0] < 0 || r[1] < 0 || __builtin_add_overflow(r[0], r[1], &end) || end > (long long)blob.len ||
+            r[2] < 0 || r[2] > 255) {
+            PyErr_SetString(PyExc_ValueError, "chunk_paths: a prefix lies outside the blob, or a separator is not a byte");
+            goto done;
+        }
+    }
+    for (long long f = 0; f < n_files; f++) { /* each file's source in range, its coordinates not negative */
+        const int64_t *r = rows + f * (1 + ndim);
+        int bad = r[0] < 0 || r[0] >= n_sources;
+        for (int k = 0; k < ndim && !bad; k++)
+            bad = r[1 + k] < 0;
+        if (bad || __builtin_add_overflow(total, pre[r[0] * 3 + 1] + 21LL * ndim + 1, &total)) {
+            PyErr_SetString(PyExc_ValueError, "chunk_paths: a file names no source, or a negative coordinate");
+            goto done;
+        }
+    }
+    out = malloc((size_t)(total ? total : 1));
+    if (out == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    size_t at = 0;
+    for (long long f = 0; f < n_files; f++) {
+        const int64_t *r = rows + f * (1 + ndim), *pr = pre + r[0] * 3;
+        at += chunk_path(out + at, (const char *)blob.buf + pr[0], (size_t)pr[1], (char)pr[2], r + 1, ndim) + 1;
+    }
+    result = PyBytes_FromStringAndSize(out, (Py_ssize_t)at);
+done:
+    free(out);
+    PyBuffer_Release(&names);
+    PyBuffer_Release(&prefixes);
+    PyBuffer_Release(&blob);
+    return result;
+}
+
+/* ``paths`` as n C strings: a sequence of str (each through the file system's encoding, held in ``names``) or
+ * bytes of n NUL-terminated paths back to back (chunk_paths'; ``names`` then holds that object). 0, or -1 with an
+ * exception; the caller frees *cpaths and releases *names' entries. */
+static int path_list(PyObject *paths_obj, Py_ssize_t n, const char ***cpaths, PyObject ***names) {
+    *cpaths = calloc((size_t)n + 1, sizeof(char *));
+    *names = calloc((size_t)n + 1, sizeof(PyObject *));
+    if (*cpaths == NULL || *names == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (PyBytes_Check(paths_obj)) {
+        const char *p = PyBytes_AS_STRING(paths_obj), *stop = p + PyBytes_GET_SIZE(paths_obj);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const char *nul = memchr(p, 0, (size_t)(stop - p));
+            if (nul == NULL) {
+                PyErr_SetString(PyExc_ValueError, "stage_read: fewer NUL-terminated paths than files rows");
+                return -1;
+            }
+            (*cpaths)[i] = p;
+            p = nul + 1;
+        }
+        if (p != stop) {
+            PyErr_SetString(PyExc_ValueError, "stage_read: more NUL-terminated paths than files rows");
+            return -1;
+        }
+        Py_INCREF(paths_obj);
+        (*names)[0] = paths_obj;
+        return 0;
+    }
+    PyObject *paths = tuple_of(paths_obj, "paths");
+    if (paths == NULL)
+        return -1;
+    int rc = 0;
+    if (PyTuple_GET_SIZE(paths) != n) {
+        PyErr_SetString(PyExc_ValueError, "stage_read: one files row per path, one out row per read");
+        rc = -1;
+    }
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+        if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(paths, i), &(*names)[i]))
+            rc = -1;
+        else
+            (*cpaths)[i] = PyBytes_AS_STRING((*names)[i]);
+    }
+    Py_DECREF(paths);
+    return rc;
+}
+
 /* stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads) */
 static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *buf_obj, *paths_obj, *files_obj, *reads_obj, *out_obj;
@@ -27,24 +150,12 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOLi", &buf_obj, &paths_obj, &files_obj, &reads_obj, &out_obj, &whole_base,
                           &threads))
         return NULL;
-    PyObject *paths = tuple_of(paths_obj, "paths");
-    if (paths == NULL)
-        return NULL;
-    Py_ssize_t n_paths = PyTuple_GET_SIZE(paths);
     PyObject *result = NULL;
-    PyObject **names = calloc((size_t)n_paths + 1, sizeof(PyObject *));
-    const char **cpaths = calloc((size_t)n_paths + 1, sizeof(char *));
+    PyObject **names = NULL;
+    const char **cpaths = NULL;
+    Py_ssize_t n_paths = 0;
     Py_buffer buf, files, reads, out;
     int have = 0; /* buffers taken so far */
-    if (names == NULL || cpaths == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n_paths; i++) {
-        if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(paths, i), &names[i]))
-            goto done;
-        cpaths[i] = PyBytes_AS_STRING(names[i]);
-    }
     stage_plan p = {0};
     long long n_out;
     if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
@@ -59,7 +170,10 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
     if (int64_rows(out_obj, &out, STAGE_OUT_COLS, &n_out, 1, "out") < 0)
         goto done;
     have = 4;
-    if (p.n_files != n_paths || n_out != p.n_reads) {
+    n_paths = (Py_ssize_t)p.n_files;
+    if (path_list(paths_obj, n_paths, &cpaths, &names) < 0)
+        goto done;
+    if (n_out != p.n_reads) {
         PyErr_SetString(PyExc_ValueError, "stage_read: one files row per path, one out row per read");
         goto done;
     }
@@ -88,11 +202,10 @@ done:
         PyBuffer_Release(&files);
     if (have >= 1)
         PyBuffer_Release(&buf);
-    for (Py_ssize_t i = 0; names != NULL && i < n_paths; i++)
+    for (Py_ssize_t i = 0; names != NULL && i <= n_paths; i++) /* (n + 1 entries: chunk_paths' bytes in [0]) */
         Py_XDECREF(names[i]);
     free(names);
     free(cpaths);
-    Py_DECREF(paths);
     return result;
 }
 
@@ -104,17 +217,9 @@ static PyObject *blosc_streams_py(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     Py_buffer buf, chunks, fault;
     long long k, n_fault;
-    if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_C_CONTIGUOUS) != 0)
+    if (buffer_and_rows(buf_obj, &buf, chunks_obj, &chunks, 4, &k, "chunks", fault_obj, &fault, 1, &n_fault, 1,
+                        "fault") < 0)
         return NULL;
-    if (int64_rows(chunks_obj, &chunks, 4, &k, 0, "chunks") < 0) {
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
-    if (int64_rows(fault_obj, &fault, 1, &n_fault, 1, "fault") < 0) {
-        PyBuffer_Release(&chunks);
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
     PyObject *result = NULL;
     int64_t *cols = NULL, *streams = NULL, *blocks = NULL;
     long long ns = 0, nb = 0;
@@ -157,9 +262,14 @@ PyMethodDef staging_methods[] = {
     {"stage_read", stage_read_py, METH_VARARGS,
      "stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads): the rows of ``reads`` "
      "(file, offset or -1 for a whole file, length or the most bytes it may take, where in buf) read into the "
-     "writable buffer ``buf`` on up to ``threads`` threads, the GIL released once; ``files`` one identity row "
-     "per path (has_ident, dev, ino, size, mtime_ns, ctime_ns); ``out`` (status, detail, at, bytes read) per "
+     "writable buffer ``buf`` on up to ``threads`` threads, the GIL released once; ``paths`` a sequence of str "
+     "or chunk_paths' bytes; ``files`` one identity row per path (has_ident, dev, ino, size, mtime_ns, ctime_ns); ``out`` (status, detail, at, bytes read) per "
      "read. Whole files go end to end from whole_base."},
+    {"chunk_paths", chunk_paths_py, METH_VARARGS,
+     "chunk_paths(blob, prefixes, names, ndim) -> bytes: the path of each file row of ``names`` (source, then "
+     "``ndim`` grid coordinates), NUL-terminated, back to back: its source's prefix (row (start, length, "
+     "separator) of ``prefixes``: bytes of ``blob``), then its coordinates joined by the separator, as the "
+     "engine builds them. stage_read takes them as its ``paths``."},
     {"blosc_streams", blosc_streams_py, METH_VARARGS,
      "blosc_streams(buf, chunks, fault) -> (streams, blocks): the blosc1 frames at rows (in, in_len, nbytes, "
      "out) of ``chunks`` parsed, the GIL released: their streams (src, csize, dst, dsize, codec, chunk) and "

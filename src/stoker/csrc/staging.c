@@ -38,6 +38,25 @@ int stage_check(const stage_plan *p, const char **error) {
     return 0;
 }
 
+size_t chunk_path(char *out, const char *prefix, size_t n, char sep, const int64_t *coords, int ndim) {
+    memcpy(out, prefix, n);
+    for (int k = 0; k < ndim; k++) {
+        if (k)
+            out[n++] = sep;
+        char digits[24];
+        int d = 0;
+        unsigned long long v = (unsigned long long)coords[k];
+        do {
+            digits[d++] = (char)('0' + v % 10);
+            v /= 10;
+        } while (v);
+        while (d)
+            out[n++] = digits[--d];
+    }
+    out[n] = 0;
+    return n;
+}
+
 static void file_job(const stage_plan *p, long long f, chunk_io *job) {
     memset(job, 0, sizeof(*job));
     const int64_t *row = p->files + f * STAGE_FILE_COLS;

@@ -36,6 +36,10 @@ typedef struct {
  * that size still (else ST_CHANGED) and read. 0, or -1 with *error set when the plan is unsound (a read outside
  * the buffer, a file row out of range): checked before any byte is read. Call without the GIL. */
 int stage_check(const stage_plan *p, const char **error);
+/* A chunk file's (or a shard's) path: ``prefix`` (n bytes: the array's folder, its key prefix and separator), then
+ * the ``ndim`` grid coordinates joined by ``sep``, NUL-terminated, into ``out`` (room for n + 21 * ndim + 1 bytes:
+ * a coordinate takes 20 digits at most). Returns its length. The engine's paths (pool.c) and the staging's. */
+size_t chunk_path(char *out, const char *prefix, size_t n, char sep, const int64_t *coords, int ndim);
 void stage_read(stage_plan *p, int threads);
 
 /* blosc1 frames (engine/gpu/frames.py's rules, c-blosc's blosc_d): chunk k's frame at in[k] of buf (in_len[k]

@@ -272,7 +272,8 @@ class SharedEngine:
     so a chunk that jobs of two fields need while both are in flight is read and decoded once (the engine's
     chunks shared by live jobs, csrc/pool.c). ``n_threads`` threads (``Config.n_compute_threads``) for all of
     them; its scratch budget is the sum of what each decoder joined with (each carved it from its own share of
-    ``host_buffer_bytes``). Started at the first job (every lane has joined by then: they are prepared before
+    ``host_buffer_bytes``, only what the engine still lacked for its arrays: ``engine_budget``'s ``held``; a
+    decoder may join with none). Started at the first job (every lane has joined by then: they are prepared before
     any submits), or by :meth:`start`; closed once, by the first decoder's shutdown, which stops every decoder
     of it first (a pipeline shuts all its lanes down together). Its threads' clocks are watched once, and its
     peak reported by its first decoder only.

@@ -57,12 +57,14 @@ class Decoders:
 
     def __init__(self, n_io: int, n_compute: int, budget: TransientBudget, stats: StatsRecorder,
                  store: LocalStore, engine_budget: int = 0, group_limit: int = 8 << 20,
-                 shared: SharedEngine | None = None) -> None:
+                 shared: SharedEngine | None = None, native: bool | None = None) -> None:
         self.budget = budget
         self.python = PythonDecoder(n_io, n_compute, budget, stats, store, max_group=group_limit)
-        # ``shared``: the engine of a pipeline's lanes (see CpuExecutor.share_engine), else one of its own
+        # ``shared``: the engine of a pipeline's lanes (see CpuExecutor.share_engine), else one of its own;
+        # ``native``: submit to it even with no scratch of its own (the lanes' engine holds enough already)
+        native = engine_budget > 0 if native is None else native
         self.native = (NativeDecoder(n_compute, engine_budget, self.python, stats, shared)
-                       if engine_available() and engine_budget > 0 else None)
+                       if engine_available() and native else None)
 
     @staticmethod
     def plan(batch_id: int, samples: Sequence[Sample], open_reader: Callable[[str], ArrayReader]) -> TablePlan:
@@ -117,16 +119,21 @@ def _padded_then(plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None]
 _ENGINE_MIN_BYTES = 64 << 20
 
 
-def engine_budget(left: int, python_need: int, threads: int, readers: list) -> int:
-    """The share of ``left`` (host_buffer_bytes minus the batch slots) the compiled engine's threads take
-    for their scratch; the Python path keeps the rest, at least ``python_need`` (one file's chunks). Arrays
-    whose codec the engine does not decode size nothing: when the first batch has none it can decode, the
-    engine gets nothing and the Python path, which reads them all, keeps everything."""
+def engine_wants(threads: int, readers: list) -> int:
+    """The scratch an engine of ``threads`` threads wants for ``readers``' chunks (see ``_ENGINE_MIN_BYTES``);
+    0 when the engine decodes none of them. Arrays whose codec the engine does not decode size nothing."""
     needs = [scratch_need(r.metadata.codec, not r.kv.is_local) for r in readers
              if native_codec(r.metadata.codec) is not None]
-    if not needs:
-        return 0
-    return max(0, min(left - python_need, max(_ENGINE_MIN_BYTES, 2 * threads * max(needs))))
+    return max(_ENGINE_MIN_BYTES, 2 * threads * max(needs)) if needs else 0
+
+
+def engine_budget(left: int, python_need: int, threads: int, readers: list, held: int = 0) -> int:
+    """The share of ``left`` (host_buffer_bytes minus the batch slots) the compiled engine's threads take
+    for their scratch; the Python path keeps the rest, at least ``python_need`` (one file's chunks). ``held``:
+    what an engine shared with other lanes holds already (their shares), which this share only tops up to
+    :func:`engine_wants`. When the first batch has no array the engine decodes, the engine gets nothing and
+    the Python path, which reads them all, keeps everything."""
+    return max(0, min(left - python_need, engine_wants(threads, readers) - held))
 
 
 def take_slot(ring: SlotRing, closed: Callable[[], bool]) -> Slot:
@@ -228,11 +235,17 @@ class CpuExecutor(SlotsDelivery):
         self.check_budget(sample_shape, dtype, transient)
         self._make_slots((self.cfg.batch_size, *sample_shape), dtype)
         left = self.cfg.host_buffer_bytes - self.host_nbytes()
-        engine = engine_budget(left, transient, self.cfg.compute_threads, readers) if engine_available() else 0
+        threads = self.cfg.compute_threads
+        native = engine_available() and engine_wants(threads, readers) > 0
+        # a lane of a shared engine gives it only what it lacks: one engine of n_compute_threads threads, sized as
+        # one (not once per lane); the rest of the lane's share stays its Python path's
+        held = self.engine_share.budget_bytes if self.engine_share is not None else 0
+        engine = engine_budget(left, transient, threads, readers, held) if native else 0
+        native = native and engine + held > 0  # no room for an engine at all: the Python path reads every chunk
         self.budget = TransientBudget(left - engine)
-        self.decoders = Decoders(self.cfg.n_io_threads, self.cfg.compute_threads, self.budget, self.stats,
-                                 self.store, engine_budget=engine, group_limit=self.group_limit,
-                                 shared=self.engine_share)
+        self.decoders = Decoders(self.cfg.n_io_threads, threads, self.budget, self.stats, self.store,
+                                 engine_budget=engine, group_limit=self.group_limit, shared=self.engine_share,
+                                 native=native)
 
     def _make_slots(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.slots = self.host_slots = SlotRing(self.n_slots, batch_shape, dtype)

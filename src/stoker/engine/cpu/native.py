@@ -205,9 +205,10 @@ if Engine is not None:
     from ..._native import (chunk_rows, copy_rows, crc32c, gather_entries,  # noqa: F401 (native.*)
                            local_file_system, plan_crops, plan_grid, read_files, shard_positions)
 #: ``stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads)`` and
-#: ``blosc_streams(buf, chunks, fault) -> (streams, blocks)`` (csrc/staging.c): the GPU decode's reads of a wave
-#: into its staging on threads of their own, the GIL released once, and its blosc1 frames parsed
+#: ``blosc_streams(buf, chunks, fault) -> (streams, blocks)`` and ``chunk_paths(blob, prefixes, names, ndim) ->
+#: bytes`` (csrc/staging.c): the GPU decode's reads of a wave into its staging on threads of their own, the GIL
+#: released once, its blosc1 frames parsed and its files' paths built as the engine builds them
 #: (engine/gpu/native_reads.py wraps them), or None without the engine
-stage_read = blosc_streams = None
+stage_read = blosc_streams = chunk_paths = None
 if Engine is not None:
-    from ..._native import blosc_streams, stage_read  # noqa: F401 (native.*)
+    from ..._native import blosc_streams, chunk_paths, stage_read  # noqa: F401 (native.*)

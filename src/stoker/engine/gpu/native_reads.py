@@ -3,14 +3,15 @@ parsed in C, each with the GIL released once; ``None`` / numpy where the compile
 
 :func:`read` takes a table of reads (a coalesced run of a shard's inner chunks: file, offset, length, where in
 the staging; a whole chunk file: file, -1, the most bytes it may take) and reads them all on up to ``threads``
-threads of the call's own: no Python step and no GIL per read. :func:`parse_blosc_batch` is
+threads of the call's own: no Python step and no GIL per read; :func:`chunk_paths` builds the files' paths
+(no Python step per file). :func:`parse_blosc_batch` is
 :func:`.frames.parse_blosc_batch` with the frames walked in C: the same :class:`~.frames.Layout` (held to it by
 ``tests/gpu/test_gpu_native_reads.py``), and for a refused frame the numpy parser's words (it parses only the
 refused ones again).
 
 >>> import numpy as np
 >>> out = read(bytearray(4), ["/no/such/file"], np.zeros((1, 6), np.int64), np.array([[0, -1, 4, 0]]), 0, 1)
->>> int(out[0][0, 0]) == ST_MISSING  # (with the compiled engine)
+>>> int(out[0, STATUS]) == ST_MISSING  # (with the compiled engine)
 True
 """
 
@@ -36,17 +37,31 @@ def available() -> bool:
     return native.stage_read is not None
 
 
-def read(buf: Any, paths: list[str], files: np.ndarray, reads: np.ndarray, whole_base: int,
-         threads: int) -> tuple[np.ndarray, int, int]:
-    """``(out, opens, preads)``: the rows of ``reads`` (file, offset or -1, length or bound, at) read into
-    ``buf``; ``files`` one identity row per path (has_ident, dev, ino, size, mtime_ns, ctime_ns); ``out`` one
-    row per read (:data:`STATUS`, :data:`DETAIL`, :data:`AT`, :data:`NREAD`). Whole files go end to end from
-    ``whole_base``. A read outside ``buf`` is a ``ValueError``, before any byte is read."""
+def read(buf: Any, paths: list[str] | bytes, files: np.ndarray, reads: np.ndarray, whole_base: int,
+         threads: int) -> np.ndarray:
+    """The rows of ``reads`` (file, offset or -1, length or bound, at) read into ``buf``: one row per read
+    (:data:`STATUS`, :data:`DETAIL`, :data:`AT`, :data:`NREAD`); ``files`` one identity row per path
+    (has_ident, dev, ino, size, mtime_ns, ctime_ns), ``paths`` one per row (or :func:`chunk_paths`'). Whole files go end to end from ``whole_base``. A read
+    outside ``buf`` is a ``ValueError``, before any byte is read. (``native.stage_read`` also returns its
+    opens and reads, which tests count.)"""
     reads = np.ascontiguousarray(reads, np.int64).reshape(-1, 4)
     out = np.zeros((len(reads), 4), np.int64)
-    opens, preads = gil.released(native.stage_read, buf, paths, np.ascontiguousarray(files, np.int64).reshape(-1, 6),
-                                 reads, out, int(whole_base), int(threads))
-    return out, opens, preads
+    gil.released(native.stage_read, buf, paths, np.ascontiguousarray(files, np.int64).reshape(-1, 6), reads, out,
+                 int(whole_base), int(threads))
+    return out
+
+
+def chunk_paths(blob: bytes, prefixes: np.ndarray, names: np.ndarray) -> bytes:
+    """The paths of the file rows ``names`` (a source, then its grid coordinates), built in C as the engine builds
+    them, NUL-terminated and back to back (:func:`read` takes them as its ``paths``): row ``(start, length,
+    separator)`` of ``prefixes`` says where its source's prefix (folder, key prefix and separator) is in ``blob``.
+
+    >>> chunk_paths(b"/d/a.zarr/c/", np.array([[0, 12, ord("/")]]), np.array([[0, 1, 2]]))
+    b'/d/a.zarr/c/1/2\\x00'
+    """
+    names = np.ascontiguousarray(names, np.int64)
+    return native.chunk_paths(blob, np.ascontiguousarray(prefixes, np.int64).reshape(-1, 3), names,
+                              names.shape[1] - 1)
 
 
 def parse_blosc_batch(buf: Any, chunk_in: Any, chunk_in_nbytes: Any, chunk_nbytes: Any,

@@ -11,8 +11,9 @@ bound) and decoded bytes.
 released, the file's identity checked as the index was read), one open and read per whole chunk file,
 and one :func:`~stoker.storage.store.get_many` per store (whole values and inner chunks' ranges, which the
 store coalesces), copied into the staging in one ``np.concatenate``. Chunks of a shard rewritten since
-its index was read are fetched again through their reader (:func:`.fallback.fetch`) and staged like
-the CPU's chunks.
+its index was read, and reads the compiled side leaves to the store to word, are read again the Python way,
+a group's together on the read threads (:meth:`Stager._again`: :func:`.fallback.fetch`, the one way a chunk
+is fetched again; those with nothing stored now are filled) and staged like the CPU's chunks.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ...runtime.workers import DaemonPool
 from ...storage import FileChanged
 from . import fallback as gpu_fallback, native_reads
 from .sources import CPU, Source
-from ..planning.tables import F_HAS_IDENT, F_IDENT, F_SOURCE, TablePlan, file_ident
+from ..planning.tables import F_COORDS, F_HAS_IDENT, F_IDENT, F_SOURCE, TablePlan, file_ident
 
 #: inner chunks of one shard file at most this far apart are read together, the gap included
 MAX_GAP = 64 << 10
@@ -98,6 +99,12 @@ class ReadPlan:
     enc: np.ndarray  # running sums (n + 1) of staging bytes (gaps of joined chunks included)
     gap: np.ndarray  # the gap before a joined chunk
     dec: np.ndarray  # running sums (n + 1) of scratch bytes
+    # one row per file of the plan: whether its identity is checked, then that identity (dev, ino, size, mtime_ns,
+    # ctime_ns), as the compiled reads take them: made once per batch, each group's reads pick their rows
+    idents: np.ndarray = field(default_factory=lambda: np.zeros((0, 6), np.int64))
+    # each array's path prefix (folder, key prefix and separator) as native_reads.chunk_paths takes them: the blob
+    # and a (start, length, separator) row per source; None where paths are built in Python (see path_prefixes)
+    prefixes: tuple[bytes, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.order)
@@ -136,7 +143,26 @@ def plan_reads(plan: TablePlan, sources: list[Source]) -> ReadPlan:
     gap = np.where(joined, gap, 0)
     enc = np.concatenate([[0], np.cumsum(size + gap)])
     dec = np.concatenate([[0], np.cumsum(np.array([s.nbytes for s in sources], np.int64)[src])])
-    return ReadPlan(ids, kind, joined, enc, gap, dec)
+    idents = np.ascontiguousarray(plan.files[:, [F_HAS_IDENT, *F_IDENT]], np.int64)
+    return ReadPlan(ids, kind, joined, enc, gap, dec, idents, path_prefixes(plan))
+
+
+def path_prefixes(plan: TablePlan) -> tuple[bytes, np.ndarray] | None:
+    """Each array's path prefix, ``reader.file_path`` of its key prefix and separator, as
+    :func:`.native_reads.chunk_paths` takes them (a file's path: that prefix, then its grid coordinates joined by
+    the separator, as ``ChunkKeyEncoding.key`` joins them); None without the compiled reads, or for a plan of
+    zero-dimensional arrays (their one key has no coordinate: ``c`` or ``0``)."""
+    if not native_reads.available() or plan.files.shape[1] <= F_COORDS:
+        return None
+    prefixes = []
+    for reader in plan.sources:
+        enc = reader.metadata.key_encoding
+        prefixes.append(os.fsencode(reader.file_path(enc.prefix + enc.separator if enc.prefix else "")))
+    rows = np.zeros((len(prefixes), 3), np.int64)
+    rows[:, 1] = [len(p) for p in prefixes]
+    rows[:, 0] = np.cumsum(rows[:, 1]) - rows[:, 1]
+    rows[:, 2] = [ord(r.metadata.key_encoding.separator) for r in plan.sources]
+    return b"".join(prefixes), rows
 
 
 class Stager:
@@ -179,7 +205,8 @@ class Stager:
             fills += missing
         else:
             if lo > i:
-                again += self._ranged(plan, sources, reads, i, lo, buf, group, files, counts)
+                missing, again = self._ranged(plan, sources, reads, i, lo, buf, group, files, counts)
+                fills += missing
             if hi > lo:
                 fills += self._whole(plan, sources, reads.order[lo:hi], buf, group, files, counts)
         if e > hi:
@@ -203,14 +230,15 @@ class Stager:
         for lo, hi, got in zip(bounds[:-1], bounds[1:], self.pool.map(self._read_file, per_file)):
             got_of += got if got is not None else [None] * (hi - lo)
         got = np.array([-1 if g is None else g for g in got_of], np.int64)
-        again, got_total = self._runs_read(plan, sources, reads, i, e, group, files, counts, got, runs)
+        fills, again, got_total = self._runs_read(plan, sources, reads, i, e, group, files, counts, got, runs)
         self._counted(t0, got_total, counts)
-        return again
+        return fills, again
 
     def _runs_read(self, plan, sources, reads: ReadPlan, i: int, e: int, group: Group, files, counts,
-                   got: np.ndarray, runs) -> tuple[list[Pending], int]:
+                   got: np.ndarray, runs) -> tuple[list[int], list[Pending], int]:
         """The runs of chunks ``reads.order[i:e]`` read (``got``: bytes per run, -1 where the shard changed)
-        added to ``group``; returns the chunks fetched again and the bytes read."""
+        added to ``group``; returns the chunks of changed shards with nothing stored now (filled) and those
+        fetched again (:meth:`_again`), and the bytes read."""
         cids = reads.order[i:e]
         heads, read_of, start, span, read_at = runs
         offset, length = plan.chunk_offset[cids], plan.chunk_length[cids]
@@ -227,14 +255,12 @@ class Stager:
             raise DecodeError(f"{reader.uri}: the shard holding inner chunk {plan.key(cid)!r} changed or "
                               "vanished while it was read", uri=reader.uri, key=plan.key(cid))
         keep = ~changed[read_of]
-        again: list[Pending] = []
-        for r in np.flatnonzero(changed).tolist():  # the shard changed: read again through the reader
-            again += self._again(plan, sources, cids[read_of == r], files, counts)
+        fills, again = self._again(plan, sources, cids[~keep], files, counts)  # their shards changed
         got_total = int(span[~changed].sum())
         group.add(cids[keep], how[keep], at[keep], length[keep], out[keep])
         group.pos += int(span.sum())
         group.end += int(dec.sum())
-        return again, got_total
+        return fills, again, got_total
 
     def _native(self, plan, sources, reads: ReadPlan, i: int, lo: int, hi: int, buf, group: Group, files, counts):
         """:meth:`_ranged` and :meth:`_whole` in one call into the compiled reads (:mod:`.native_reads`): the
@@ -248,42 +274,46 @@ class Stager:
         # the table: one row per run of a shard, one per whole chunk file; its files numbered in order of use
         file_rows = np.concatenate([plan.chunk_file[cids[heads]], plan.chunk_file[whole]])
         used, local = np.unique(file_rows, return_inverse=True)
-        paths = [self.file(plan, int(f), files)[0] for f in used.tolist()]
-        idents = np.zeros((len(used), 6), np.int64)
-        idents[:, 0] = plan.files[used, F_HAS_IDENT]
-        idents[:, 1:] = plan.files[used][:, F_IDENT]
+        if reads.prefixes is not None:  # built in C (the CPU engine's paths), not per file in Python
+            names = plan.files[used][:, [F_SOURCE, *range(F_COORDS, plan.files.shape[1])]]
+            paths: bytes | list[str] = native_reads.chunk_paths(*reads.prefixes, names)
+        else:
+            paths = [self.file(plan, int(f), files)[0] for f in used.tolist()]
         bound = np.array([s.stored for s in sources], np.int64)[plan.chunk_source[whole]]
         table = np.zeros((len(file_rows), 4), np.int64)
         table[:, 0] = local
         table[:len(heads), 1], table[:len(heads), 2], table[:len(heads), 3] = start, span, read_at
         table[len(heads):, 1], table[len(heads):, 2] = -1, bound
         t0 = time.perf_counter()
-        out, _, _ = native_reads.read(buf, paths, idents, table, group.pos + int(span.sum()), self.pool.threads)
-        again, got = self._native_ranged(plan, sources, reads, i, lo, buf, group, files, counts, out[:len(heads)],
-                                         runs, paths, local)
-        fills, got_whole, again_whole = self._native_whole(plan, sources, whole, buf, group, out[len(heads):],
-                                                           [paths[k] for k in local[len(heads):].tolist()], counts)
+        out = native_reads.read(buf, paths, reads.idents[used], table, group.pos + int(span.sum()), self.pool.threads)
+        fills, again, got = self._native_ranged(plan, sources, reads, i, lo, buf, group, files, counts,
+                                                out[:len(heads)], runs)
+        missing, got_whole, again_whole = self._native_whole(plan, sources, whole, buf, group, out[len(heads):],
+                                                             files, counts)
         self._counted(t0, got + got_whole, counts)
-        return fills, again + again_whole
+        return fills + missing, again + again_whole
 
     def _native_ranged(self, plan, sources, reads: ReadPlan, i: int, e: int, buf, group: Group, files, counts, out,
-                       runs, paths, local) -> tuple[list[Pending], int]:
+                       runs) -> tuple[list[int], list[Pending], int]:
         heads, read_of, start, span, read_at = runs
         cids = reads.order[i:e]
         if not len(cids):
-            return [], 0
+            return [], [], 0
         got = out[:, native_reads.NREAD].copy()
         status = out[:, native_reads.STATUS]
-        for r in np.flatnonzero((status != native_reads.ST_OK) & (status != native_reads.ST_CHANGED)).tolist():
-            # (a run of a file the compiled read failed on: read again as the Python path reads it)
-            path = paths[int(local[r])]
-            ident = file_ident(plan.files[int(plan.chunk_file[cids[heads[r]]])])
-            again = self._read_file((path, ident, [int(start[r])], [memoryview(buf)[read_at[r]:read_at[r] + span[r]]]))
+        failed = np.flatnonzero((status != native_reads.ST_OK) & (status != native_reads.ST_CHANGED)).tolist()
+        view = memoryview(buf)
+        # the runs the compiled read failed on, read again together as the Python path reads them (on the read
+        # threads), which raises the store's own error for what still fails
+        retried = self.pool.map(self._read_file, [
+            (*self.file(plan, int(plan.chunk_file[cids[heads[r]]]), files), [int(start[r])],
+             [view[read_at[r]:read_at[r] + span[r]]]) for r in failed])
+        for r, again in zip(failed, retried):
             got[r] = -1 if again is None else again[0]
         got[status == native_reads.ST_CHANGED] = -1
         return self._runs_read(plan, sources, reads, i, e, group, files, counts, got, runs)
 
-    def _native_whole(self, plan, sources, cids, buf, group: Group, out, paths,
+    def _native_whole(self, plan, sources, cids, buf, group: Group, out, files,
                       counts) -> tuple[list[int], int, list[Pending]]:
         """The whole chunk files the compiled call read added to ``group`` (a fixed number of steps; Python
         per chunk only for those that failed); returns the missing ones (filled), the bytes read and those read
@@ -302,14 +332,10 @@ class Stager:
             raise DecodeError(f"{reader.uri}: chunk {plan.key(cid)!r} changed while it was read",
                               uri=reader.uri, key=plan.key(cid))
         missing = cids[status == native_reads.ST_MISSING].tolist()
-        again: list[Pending] = []
-        retry = np.flatnonzero((status != native_reads.ST_OK) & (status != native_reads.ST_MISSING))
-        for k in retry.tolist():  # (the detail, an errno or a file type, is the Python read's to word)
-            item = self._whole_again(plan, sources, int(cids[k]), paths[k], counts)
-            if item is None:
-                missing.append(int(cids[k]))  # gone since: nothing stored there now
-            else:
-                again.append(item)
+        # (the detail, an errno or a file type, is the Python read's to word; gone since: nothing stored now)
+        gone, again = self._again(plan, sources, cids[(status != native_reads.ST_OK) &
+                                                      (status != native_reads.ST_MISSING)], files, counts)
+        missing += gone
         ok = status == native_reads.ST_OK
         if np.any(ok & (got != size)):  # (a read cut short reports ST_SHORT: never here)
             k = int(np.flatnonzero(ok & (got != size))[0])
@@ -325,35 +351,25 @@ class Stager:
         group.end += int(nbytes.sum())
         return missing, int(got[ok].sum()), again
 
-    def _whole_again(self, plan, sources, cid: int, path: str, counts) -> Pending | None:
-        """The chunk file at ``path`` read the Python way (the store's own error for what cannot be read);
-        ``None`` when there is no file now."""
+    def _again(self, plan, sources, cids, files, counts) -> tuple[list[int], list[Pending]]:
+        """Chunks ``cids`` read again the Python way, through their readers (:func:`.fallback.fetch`: a shard's
+        index read anew, the store's own error for a file that cannot be read), together on the read threads
+        (the first failure in order raises); returns those with nothing stored now (filled) and the others,
+        to stage."""
+        cids = np.asarray(cids, np.int64).reshape(-1)
+        if not len(cids):
+            return [], []
         t0 = time.perf_counter()
-        f = self.store.open_file(path)
-        if f is None:
-            return None
-        reader = plan.sources[int(plan.chunk_source[cid])]
-        with f:
-            reader.metadata.codec.check_stored_size(f.size, plan.key(cid))
-            data = np.empty(f.size, np.uint8)
-            if f.read_into(memoryview(data), 0) != f.size:
-                raise DecodeError(f"{reader.uri}: chunk {plan.key(cid)!r} changed while it was read",
-                                  uri=reader.uri, key=plan.key(cid))
-        self._counted(t0, len(data), counts)
-        src = sources[int(plan.chunk_source[cid])]
-        return Pending(cid, src.how, data, src.nbytes)
-
-    def _again(self, plan, sources, cids, files, counts) -> list[Pending]:
-        items = []
-        for cid in cids.tolist():
-            t0 = time.perf_counter()
-            data = gpu_fallback.fetch(plan, cid, self.path(plan, cid, files))
+        got = self.pool.map(lambda c: gpu_fallback.fetch(plan, c, self.path(plan, c, files)), cids.tolist())
+        fills, items = [], []
+        for cid, data in zip(cids.tolist(), got):
             if data is None:
-                continue  # (its fill is left to the chunk's new index: nothing stored there now)
-            self._counted(t0, len(data), counts)
+                fills.append(cid)
+                continue
             src = sources[int(plan.chunk_source[cid])]
             items.append(Pending(cid, src.how, np.frombuffer(memoryview(data).cast("B"), np.uint8), src.nbytes))
-        return items
+        self._counted(t0, sum(len(p.data) for p in items), counts)
+        return fills, items
 
     def _read_file(self, read: tuple) -> list[int] | None:
         """The runs of one shard file, each one positional read (None: the shard is not the one its index was
