@@ -40,6 +40,9 @@ def test_bench_store_http_smoke(tmp_path, capsys):
     assert re.search(r"^stoker bench --store http: .* served at http://127\.0\.0\.1:\d+ .* with 5 ms added to "
                      r"every request", out, re.M), out
     check_table(out, 2)
+    # what the loopback server's own process spent a batch, beside each peer's row
+    assert len(re.findall(r"^bench server CPU per batch \(its own process, not the peer's\): stoker \d+\.\d\d ms, "
+                          r"tensorstore \d+\.\d\d ms", out, re.M)) == 2, out
 
 
 @pytest.mark.timeout(300)

@@ -533,3 +533,32 @@ def test_revalidate_ahead_heads_every_object_over_http(http, data, tmp_path):
     assert _heads_until(heads, 16) == 16
     np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
     assert heads() == 16 and not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
+
+
+def test_a_key_revalidated_ahead_then_read_looks_up_its_marker_once(data, tmp_path, monkeypatch):
+    # a pipeline revalidates the objects of the batches pulled ahead, then reads them: each object's marker
+    # (whether anything of it is kept) is looked up on disk once, not once per ask; the reads still HEAD
+    # each object once and come from disk, equal to zarr-python's
+    server = RangeServer(data)
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        kv = _caching(stoker.open_array(f"{server.url}/plain", options, stores=Stores()))
+        keys = [f"plain/c/{i}/{j}" for i in range(4) for j in range(4)]
+        want = [bytes(v) for v in kv.get_many(keys, [])[0]]
+        assert want == [read_tree(data)[k] for k in keys]
+        assert kv.cache.flush(30)
+        kv = cachingstore.CachingStore(kv.store, kv.cache)  # a new pipeline's: every generation revalidated
+        looked: list[str] = []
+        real = kv.cache.has
+        monkeypatch.setattr(kv.cache, "has", lambda ident: looked.append(ident) or real(ident))
+        server.latency_s = 0.1
+        kv.revalidate(keys)  # the HEADs in flight
+        again = kv.result_of(kv.start_get_many(keys, []))
+        assert [bytes(v) for v in again[0]] == want
+        assert [bytes(v) for v in kv.get_many(keys, [])[0]] == want
+        assert len(looked) == len(keys), len(looked)  # one look-up a key (before: one per ask)
+        heads = [path for _, method, path in server.log if method == "HEAD"]
+        assert sorted(heads) == sorted(f"/{k}" for k in keys)
+        assert not [path for _, method, path in server.log[-len(keys):] if method == "GET"]
+    finally:
+        server.stop()

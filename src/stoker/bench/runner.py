@@ -639,15 +639,18 @@ class Step:
 
 def _counted(fn, counters, batch_size: int):
     """``fn(mark)`` run with the server's counters read as its clock starts and stops: its result gets the
-    requests and bytes served per timed batch."""
+    requests and bytes served per timed batch, and the server's CPU seconds per batch where ``counters()``
+    gives them (a third value)."""
 
     def run() -> Result:
         marks: list[tuple[int, int]] = []
         result = fn(lambda: marks.append(counters()))
         batches = result.samples / batch_size
-        (q0, b0), (q1, b1) = marks[0], marks[-1]
+        (q0, b0, *c0), (q1, b1, *c1) = marks[0], marks[-1]
         result.extra["requests_per_batch"] = (q1 - q0) / batches
         result.extra["bytes_per_batch"] = (b1 - b0) / batches
+        if c0 and c1:  # the server's own CPU seconds (Served.counters(cpu=True)): what the loopback server cost
+            result.extra["server_cpu_s_per_batch"] = (c1[0] - c0[0]) / batches
         return result
 
     return run
@@ -786,6 +789,10 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
         if hit_rate(r.extra) is not None:
             line += f"  disk cache: {r.extra['disk_bytes_per_batch'] / 1e6:.2f} MB/batch, hit rate {hit_rate(r.extra):.1%}"
         lines.append(line)
+    server_cpu = [f"{r.peer} {r.extra['server_cpu_s_per_batch'] * 1e3:.2f} ms" for r in results
+                  if "server_cpu_s_per_batch" in r.extra]
+    if server_cpu:  # on this machine's cores beside the peers; a remote server's would not be
+        lines.append("bench server CPU per batch (its own process, not the peer's): " + ", ".join(server_cpu))
     second = second_epoch_line(by)
     if second:
         lines.append(second)

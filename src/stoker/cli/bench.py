@@ -201,7 +201,7 @@ def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: P
                 n_batches = args.batches or sc.timed_batches
                 results, step = run_scenario(sc, root, n_batches, batch_size, budget, args.slow_batches, peers,
                                              rounds=rounds, threads=threads, step_ms=args.step_ms, remote=remote,
-                                             counters=server.counters, epochs=args.epochs or 0,
+                                             counters=lambda: server.counters(cpu=True), epochs=args.epochs or 0,
                                              cache_bytes=args.cache_bytes or CACHE_BYTES)
                 ratio = dataset_ratio(root, sc)
                 print(format_results(sc, results, n_batches, batch_size, step, ratio), flush=True)

@@ -93,6 +93,7 @@ class CachingStore:
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
         self._marked: set[str] = set()  # keys (and opened prefixes, with their "/") whose marker this wrapper wrote
+        # or found (see _has_marker)
         self._opened: set[str] = set()  # prefixes of the arrays opened (see opened)
         self._listings: dict[str, _Listing] = {}  # prefix -> its newest listing
         self._heads: dict[str, concurrent.futures.Future] = {}  # key -> the flight of its HEAD in flight
@@ -399,7 +400,7 @@ class CachingStore:
             return out, [], set()
         # a key of which nothing was ever kept (no marker) needs no HEAD: its read goes to the store anyway
         # and states the generation; so a cold cache costs the requests an uncached read does
-        kept = stale if checked else [key for key in stale if key in self._marked or self.cache.has(self._marker(key))]
+        kept = stale if checked else [key for key in stale if self._has_marker(key)]
         for key in stale:
             out[key] = None
         head: list[str] = []
@@ -436,6 +437,19 @@ class CachingStore:
         for key in (*head, *pending):
             del out[key]
         return out, head, pages
+
+    def _has_marker(self, key: str) -> bool:
+        """Whether entries of ``key`` may be kept (its marker is on disk). A marker found is remembered, and a
+        key whose HEAD is in flight had one: a key revalidated ahead and then read (or read by several
+        batches) costs the caller one look-up on disk (a hash and a syscall, on the coordinator's thread for
+        a pipeline), not one per ask."""
+        if key in self._marked or key in self._heads:
+            return True
+        if not self.cache.has(self._marker(key)):
+            return False
+        with self._lock:
+            self._marked.add(key)
+        return True
 
     def _marker(self, key: str) -> str:
         """The ident of the empty marker file that says entries of ``key`` may be kept."""

@@ -8,7 +8,8 @@ read by obstore, and from ``storage_options`` (obstore's configuration keys, e.g
 ``allow_http`` or ``proxy_url`` go to the client). Options override the environment.
 
 Requests run on one event loop thread shared by every ObjectStore of the process, many at once
-(``max_in_flight`` per call; ``gate``, a semaphore several stores share, caps them together: a
+(``max_in_flight`` per call, run as that many lanes, each a task taking the call's next request, so that a
+request costs that thread little more than its own await; ``gate``, a semaphore several stores share, caps them together: a
 pipeline's ``Config.requests_in_flight``). Waiting for a free request slot is bounded too: by the
 call's own bound (below), or sooner by ``queue_timeout_s``; then a StorageError names the key and says
 it waited for a slot. Ranges of one object are merged by
@@ -35,6 +36,7 @@ the version an answer names is that of the object whose bytes it carries.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextvars
 import os
@@ -289,7 +291,7 @@ class ObjectStore(Store):
         it a little longer."""
         _deadline.set(asyncio.get_running_loop().time() + bound)
         try:
-            return await asyncio.wait_for(coro, bound + _SLACK_S)
+            return await _within(lambda: coro, bound + _SLACK_S)  # no task of its own (see _within)
         except asyncio.TimeoutError:
             raise StorageError(f"{self.uri}: no answer in {bound + _SLACK_S:.0f} s", uri=self.uri, key=None,
                                status=None, attempts=None) from None
@@ -307,16 +309,66 @@ class ObjectStore(Store):
         deadline = _deadline.get()
         limits = [t for t in (None if deadline is None else deadline - started, self.queue_timeout_s)
                   if t is not None]
-        try:
-            await asyncio.wait_for(gate.acquire(), max(0.0, min(limits)) if limits else None)
+        try:  # asyncio.timeout where there is one: wait_for would make a task of each queued request
+            await _within(gate.acquire, max(0.0, min(limits)) if limits else None)
         except asyncio.TimeoutError:
-            waited = loop.time() - started
-            raise StorageError(
-                f"{self.uri}: {what} of key {key!r} waited {waited:.1f} s for a free request slot ({whose}) and "
-                "gave up: the requests ahead of it did not finish (a saturated or stalled store or server). "
-                "Allow more requests at once (requests_in_flight, max_in_flight), lower the load, or raise "
-                "queue_timeout_s / timeout_s", uri=self.uri, key=key, status=None, attempts=tried,
-                waited_s=waited) from None
+            raise self._slot_error(key, what, whose, tried, loop.time() - started) from None
+
+    def _slot_error(self, key: str, what: str, whose: str, tried: int, waited: float) -> StorageError:
+        return StorageError(
+            f"{self.uri}: {what} of key {key!r} waited {waited:.1f} s for a free request slot ({whose}) and "
+            "gave up: the requests ahead of it did not finish (a saturated or stalled store or server). "
+            "Allow more requests at once (requests_in_flight, max_in_flight), lower the load, or raise "
+            "queue_timeout_s / timeout_s", uri=self.uri, key=key, status=None, attempts=tried, waited_s=waited)
+
+    async def _lanes(self, jobs: list, in_place: Callable[[Any, StorageError], None] | None = None) -> None:
+        """Run every job (``(key, what, fn)``: ``await fn()``), at most ``max_in_flight`` at once: that many
+        lanes, each a task that takes the next job once its last is done. Not a task per request queued on a
+        semaphore: every request of every store runs on the one event loop thread, and a task, a semaphore
+        waiter and a timer each per request cost that thread more than the request's own await. A job not
+        started by the call's deadline or ``queue_timeout_s`` (one timer for the call) gets the slot error
+        naming its key: ``in_place(job, error)``, or without ``in_place`` the call fails with it. One lane's
+        error stops the others (see :meth:`_gather`)."""
+        if not jobs:
+            return
+        loop = asyncio.get_running_loop()
+        todo = collections.deque(jobs)
+
+        async def lane() -> None:
+            while todo:
+                await todo.popleft()[2]()
+
+        tasks = [asyncio.ensure_future(lane()) for _ in range(min(self.max_in_flight, len(jobs)))]
+        timer, failed = None, []
+        if todo and len(tasks) < len(jobs):
+            started = loop.time()
+            deadline = _deadline.get()
+            limits = [t for t in (None if deadline is None else deadline - started, self.queue_timeout_s)
+                      if t is not None]
+
+            def give_up() -> None:  # on the loop: the jobs still queued never start
+                waited = loop.time() - started
+                errors = [(job, self._slot_error(job[0], job[1], self._call_slots(), 0, waited)) for job in todo]
+                todo.clear()
+                if in_place is not None:
+                    for job, error in errors:
+                        in_place(job, error)
+                elif errors:
+                    failed.append(errors[0][1])
+                    for task in tasks:
+                        task.cancel()
+
+            if limits:
+                timer = loop.call_at(started + max(0.0, min(limits)), give_up)
+        try:
+            await self._gather(tasks)
+        except asyncio.CancelledError:
+            if failed:
+                raise failed[0] from None
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _call_slots(self) -> str:
         return f"one of this call's max_in_flight={self.max_in_flight}"
@@ -433,21 +485,19 @@ class ObjectStore(Store):
         return reads
 
     async def _get_ranges(self, n: int, reads: list) -> list[memoryview]:
-        out, _, tasks = await self._start_ranges(n, reads, asyncio.Semaphore(self.max_in_flight))
-        await self._gather(tasks)
+        out, _, jobs = self._range_jobs(n, reads)
+        await self._lanes(jobs)
         return out
 
-    async def _start_ranges(self, n: int, reads: list, gate: asyncio.Semaphore,
-                            lenient: frozenset = frozenset()) -> tuple[list, list, list]:
+    def _range_jobs(self, n: int, reads: list, lenient: frozenset = frozenset()) -> tuple[list, list, list]:
+        """``(out, versions, jobs)``: the lists the jobs (see :meth:`_lanes`) of ``reads`` fill in."""
         out: list = [None] * n
         versions: list = [None] * n
 
         async def one(r: ByteRange, start: int, length: int, serve: list[tuple[int, slice]]) -> None:
             try:
-                async with self._slot(gate, r.key, "ranged read", self._call_slots()):
-                    data, version = await self._attempts(r.key, "ranged read",
-                                                         lambda: self._get_range(r, start, length),
-                                                         short=lambda k: _unsatisfiable(self.uri, r, k))
+                data, version = await self._attempts(r.key, "ranged read", lambda: self._get_range(r, start, length),
+                                                     short=lambda k: _unsatisfiable(self.uri, r, k))
             except (NotFound, StorageError) as exc:
                 if not gone_or_shorter(exc) or any(i not in lenient for i, _ in serve):
                     raise
@@ -461,7 +511,7 @@ class ObjectStore(Store):
                 out[i] = data[part]
                 versions[i] = version
 
-        return out, versions, [asyncio.ensure_future(one(*read)) for read in reads]
+        return out, versions, [(read[0].key, "ranged read", lambda read=read: one(*read)) for read in reads]
 
     @staticmethod
     async def _gather(tasks: list) -> None:
@@ -507,18 +557,16 @@ class ObjectStore(Store):
                         lenient: frozenset = frozenset()) -> tuple:
         values: list = [None] * len(keys)
         value_versions: list = [None] * len(keys)
-        gate = asyncio.Semaphore(self.max_in_flight)
 
         async def whole(i: int, key: str) -> None:
-            async with self._slot(gate, key, "read", self._call_slots()):
-                try:
-                    values[i], value_versions[i] = await self._attempts(key, "read", lambda: self._get_whole(key))
-                except NotFound:
-                    values[i] = None
+            try:
+                values[i], value_versions[i] = await self._attempts(key, "read", lambda: self._get_whole(key))
+            except NotFound:
+                values[i] = None
 
-        out, part_versions, tasks = await self._start_ranges(n, reads, gate, lenient)
-        tasks += [asyncio.ensure_future(whole(i, key)) for i, key in enumerate(keys)]
-        await self._gather(tasks)
+        out, part_versions, jobs = self._range_jobs(n, reads, lenient)
+        jobs += [(key, "read", lambda i=i, key=key: whole(i, key)) for i, key in enumerate(keys)]
+        await self._lanes(jobs)
         return (values, out, value_versions, part_versions) if versions else (values, out)
 
     def get_each(self, requests: Sequence[ByteRange], versions: bool = False) -> Any:
@@ -533,17 +581,21 @@ class ObjectStore(Store):
         return (out, [None if isinstance(g, Exception) else g[1] for g in got]) if versions else out
 
     async def _get_each(self, requests: list[ByteRange]) -> list:
-        gate = asyncio.Semaphore(self.max_in_flight)
+        out: list = [None] * len(requests)
 
-        async def one(r: ByteRange):
+        async def one(j: int, r: ByteRange) -> None:
             try:
-                async with self._slot(gate, r.key, "ranged read", self._call_slots()):
-                    return await self._attempts(r.key, "ranged read", lambda: self._get_range(r, r.start, r.length),
-                                                short=lambda k: _unsatisfiable(self.uri, r, k))
-            except Exception as exc:  # noqa: BLE001 - this range's own error (no free slot too), in its place
-                return as_value(exc)
+                out[j] = await self._attempts(r.key, "ranged read", lambda: self._get_range(r, r.start, r.length),
+                                              short=lambda k: _unsatisfiable(self.uri, r, k))
+            except Exception as exc:  # noqa: BLE001 - this range's own error, in its place
+                out[j] = as_value(exc)
 
-        return list(await asyncio.gather(*(one(r) for r in requests)))
+        def in_place(job: tuple, error: StorageError) -> None:  # no free slot in time: its error in its place
+            out[job[3]] = as_value(error)
+
+        await self._lanes([(r.key, "ranged read", lambda j=j, r=r: one(j, r), j) for j, r in enumerate(requests)],
+                          in_place)
+        return out
 
     def versions(self, keys: Sequence[str]) -> list:
         """The :data:`Version` of each object now (None where the server states none), or the error that key
@@ -562,16 +614,21 @@ class ObjectStore(Store):
         return self._start(self._versions(list(keys)), rounds=max(1, -(-len(keys) // self.max_in_flight)))
 
     async def _versions(self, keys: list[str]) -> list:
-        gate = asyncio.Semaphore(self.max_in_flight)
+        out: list = [None] * len(keys)
 
-        async def one(key: str):
+        async def one(i: int, key: str) -> None:
             try:
-                async with self._slot(gate, key, "revalidation", self._call_slots()):
-                    return _version(await self._attempts(key, "revalidation", lambda: self._head(key)))
+                out[i] = _version(await self._attempts(key, "revalidation", lambda: self._head(key)))
             except Exception as exc:  # noqa: BLE001 - this key's own error, in its place
-                return as_value(exc)
+                out[i] = as_value(exc)
 
-        return list(await asyncio.gather(*(one(k) for k in keys)))
+        def in_place(job: tuple, error: StorageError) -> None:  # no free slot in time: its error in its place
+            out[job[3]] = as_value(error)
+
+        # one lane per slot (not a task per key): a batch's HEADs cost the shared loop thread little past
+        # their own awaits
+        await self._lanes([(k, "revalidation", lambda i=i, k=k: one(i, k), i) for i, k in enumerate(keys)], in_place)
+        return out
 
     async def _head(self, key: str) -> dict:
         import obstore

@@ -1,0 +1,93 @@
+"""The bench server's S3 listing (ListObjectsV2): a page costs what it holds, not the whole tree, and what
+obstore's S3 client lists through it (pages, start-after; raw pages under a prefix that ends mid-name too)
+is every key in S3's order with the size and ETag a HEAD states."""
+
+from __future__ import annotations
+
+import os
+import threading
+import urllib.request
+
+import pytest
+
+from stoker.bench.serve import BUCKET, BenchServer
+from stoker.storage import ObjectStore
+
+N_ARRAYS = 120
+N_CHUNKS = 10
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    for i in range(N_ARRAYS):
+        folder = root / "g" / f"a{i:03d}"
+        (folder / "c").mkdir(parents=True)
+        (folder / "zarr.json").write_bytes(b"{}" * (i + 1))
+        for j in range(N_CHUNKS):
+            (folder / "c" / str(j)).write_bytes(bytes([j]) * (j + 1))
+    (root / "g" / "a005.x").write_bytes(b"x")  # sorts before g/a005/... in S3's order ('.' < '/')
+    (root / "g" / "a005-y").write_bytes(b"y")
+    keys = sorted(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
+                  for d, _, files in os.walk(root) for f in files)
+    server = BenchServer(str(root), 0.0, s3=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, keys, server
+    finally:
+        server.shutdown()
+        thread.join(10)
+        server.server_close()
+
+
+def _page(server, **query) -> bytes:
+    url = f"http://127.0.0.1:{server.server_address[1]}/{BUCKET}?list-type=2&" + "&".join(
+        f"{k}={v}" for k, v in query.items())
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        return answer.read()
+
+
+def test_a_list_page_reads_the_folders_on_its_path_not_the_tree(tree, monkeypatch):
+    root, keys, server = tree
+    scanned: list[str] = []
+    real = os.scandir
+
+    def scandir(path):
+        scanned.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    doc = _page(server, prefix="g/a100", **{"max-keys": 5})
+    assert doc.count(b"<Key>") == 5 and b"<Key>g/a100/c/0</Key>" in doc and b"<IsTruncated>true" in doc
+    # the root, g, g/a100, g/a100/c: not the 120 arrays' 240 folders
+    assert len(scanned) <= 4, scanned
+    scanned.clear()
+    doc = _page(server, prefix="g/", **{"start-after": "g/a060/c/5", "max-keys": 3})
+    assert [k for k in keys if k.startswith("g/") and k > "g/a060/c/5"][:3] == \
+        [part.split(b"</Key>")[0].decode() for part in doc.split(b"<Key>")[1:]]
+    assert len(scanned) <= 4, scanned  # at most the folders on the page's path (some kept from before)
+    # a prefix that ends mid-name: the keys that start with it, whichever folder they are in
+    doc = _page(server, prefix="g/a005", **{"max-keys": 4})
+    assert [part.split(b"</Key>")[0].decode() for part in doc.split(b"<Key>")[1:]] == \
+        [k for k in keys if k.startswith("g/a005")][:4] == ["g/a005-y", "g/a005.x", "g/a005/c/0", "g/a005/c/1"]
+
+
+def test_obstore_lists_every_key_in_order_with_its_heads_version(tree):
+    root, keys, server = tree
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    store = ObjectStore(f"s3://{BUCKET}", {"endpoint": url, "region": "us-east-1", "skip_signature": True,
+                                           "allow_http": True})
+    try:
+        listed = store.list_versions("g")  # more than one page of 1,000 keys
+        assert [k for k, _ in listed] == [k for k in keys if k.startswith("g/")]
+        heads = store.versions([k for k, _ in listed[::97]])
+        assert [v for _, v in listed[::97]] == heads
+        # a page at a time, after an offset (obstore lists a prefix as a folder: "g/a011" asks "g/a011/")
+        pairs, more = store.result_of(store.start_list_versions("g", "g/a005.x", 4))
+        assert [k for k, _ in pairs] == [k for k in keys if k.startswith("g/") and k > "g/a005.x"][:4] and more
+        pairs, more = store.result_of(store.start_list_versions("g/a011", None, 1000))
+        assert [k for k, _ in pairs] == [k for k in keys if k.startswith("g/a011/")] and not more
+        assert store.list_versions("g/nothing") == [] and store.list_versions("g/a00") == []
+    finally:
+        store.close()

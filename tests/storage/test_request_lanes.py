@@ -1,0 +1,104 @@
+"""What a call's requests cost the event loop thread every ObjectStore shares: a call of many requests runs
+them in at most ``max_in_flight`` lanes (tasks), not a task per request queued on a semaphore, and keeps
+its bounds (``max_in_flight`` at once, ``queue_timeout_s`` naming the key that never started). Against the
+loopback HTTP server of the store tests (tests/range_server.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+
+from stoker.errors import StorageError
+from stoker.storage import ByteRange, ObjectStore
+from stoker.storage.objectstore import _Loop
+
+from range_server import RangeServer
+
+N_KEYS = 48
+LANES = 6
+
+
+@pytest.fixture
+def server(tmp_path):
+    os.makedirs(tmp_path / "c")
+    for i in range(N_KEYS):
+        with open(tmp_path / "c" / str(i), "wb") as f:
+            f.write(bytes([i]) * (100 + i))
+    srv = RangeServer(str(tmp_path))
+    yield srv
+    srv.stop()
+
+
+class _TaskCount:
+    """Tasks created on the shared event loop while the block runs (its task factory, swapped in and back)."""
+
+    def __enter__(self) -> "_TaskCount":
+        self.loop = _Loop.get().loop
+        self.n = 0
+
+        def factory(loop, coro, **kw):
+            self.n += 1
+            return asyncio.Task(coro, loop=loop, **kw)
+
+        self._set(factory)
+        return self
+
+    def _set(self, factory) -> None:
+        done = threading.Event()
+        self.loop.call_soon_threadsafe(lambda: (self.loop.set_task_factory(factory), done.set()))
+        assert done.wait(10)
+
+    def __exit__(self, *exc) -> None:
+        self._set(None)
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_of_heads_takes_a_task_per_lane_not_per_key(server):
+    s = ObjectStore(server.url, max_in_flight=LANES)
+    keys = [f"c/{i}" for i in range(N_KEYS)]
+    s.versions(keys[:2])  # the loop and connections up
+    server.latency_s = 0.02
+    with _TaskCount() as tasks:
+        got = s.versions(keys)
+    assert [v[0] for v in got] == [100 + i for i in range(N_KEYS)]  # each key's own size, in its place
+    assert server.peak_in_flight <= LANES
+    # the call's own task (run_coroutine_threadsafe) and one per lane; before: one per key and, for each key
+    # that waited for a slot, one more (asyncio.wait_for)
+    assert tasks.n <= LANES + 1, tasks.n
+    s.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_get_many_of_values_and_ranges_takes_a_task_per_lane(server):
+    s = ObjectStore(server.url, max_in_flight=LANES, max_gap=0)
+    keys = [f"c/{i}" for i in range(N_KEYS // 2)]
+    ranges = [ByteRange(f"c/{i}", 10, 20) for i in range(N_KEYS // 2, N_KEYS)]
+    s.get_many(keys[:1], [])
+    server.latency_s = 0.02
+    with _TaskCount() as tasks:
+        values, parts = s.get_many(keys, ranges)
+    assert [bytes(v) for v in values] == [bytes([i]) * (100 + i) for i in range(N_KEYS // 2)]
+    assert [bytes(p) for p in parts] == [bytes([i]) * 20 for i in range(N_KEYS // 2, N_KEYS)]
+    assert server.peak_in_flight <= LANES and tasks.n <= LANES + 1, tasks.n
+    with _TaskCount() as tasks:
+        got = s.get_each(ranges)
+    assert [bytes(p) for p in got] == [bytes([i]) * 20 for i in range(N_KEYS // 2, N_KEYS)]
+    assert tasks.n <= LANES + 1, tasks.n
+    s.close()
+
+
+@pytest.mark.timeout(60)
+def test_heads_that_never_got_a_slot_name_their_key_in_place(server):
+    s = ObjectStore(server.url, max_in_flight=1, timeout_s=20.0, queue_timeout_s=0.2, retries=0)
+    server.latency_s = 1.0  # the first HEAD holds the call's only slot past queue_timeout_s
+    got = s.versions(["c/0", "c/1", "c/2"])
+    assert got[0] == s.versions(["c/0"])[0] and got[0][0] == 100
+    for key, outcome in zip(["c/1", "c/2"], got[1:]):
+        assert isinstance(outcome, StorageError) and outcome.key == key, outcome
+        assert "free request slot" in str(outcome) and "max_in_flight=1" in str(outcome)
+        assert outcome.attempts == 0 and outcome.waited_s >= 0.2
+    assert server.requests == 2  # c/1 and c/2 never went out (and c/0 was asked again)
+    s.close()
