@@ -360,6 +360,41 @@ def test_stores_kept_outside_a_pipeline_are_bounded(tmp_path):
     assert held <= 2 * DEFAULT_MAX_STORES + 8  # a kept archive: its descriptor and zipfile's
 
 
+
+def test_threads_opening_arrays_of_one_root_at_once_build_one_store(tree, monkeypatch):
+    """A pipeline's opener threads open arrays of one root together: one ObjectStore is built (10-20 ms of
+    CPU each), not one per thread with all but one thrown away; every thread gets that one."""
+    from stoker.storage import objectstore
+
+    built: list[int] = []
+    real = objectstore.ObjectStore.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(1)
+        time.sleep(0.05)  # a slow build: the other threads arrive while it runs
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(objectstore.ObjectStore, "__init__", counted)
+    stores = Stores()
+    go = threading.Barrier(8)
+    got: list = []
+
+    def open_one(i: int) -> None:
+        go.wait(timeout=10)
+        got.append(stores.get(locate(f"{tree['http'].url}/{SAMPLE_ARRAYS[i % len(SAMPLE_ARRAYS)]}"), FAST)[0])
+
+    threads = [threading.Thread(target=open_one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    try:
+        assert len(got) == 8 and len({id(s) for s in got}) == 1
+        assert len(built) == 1, len(built)
+    finally:
+        stores.close()
+
+
 # -- pipelines ------------------------------------------------------------------------------------
 
 CROP = (9, 20)

@@ -155,6 +155,10 @@ def check_options_by_prefix(value: Any, what: str) -> dict[str, dict] | None:
     return out
 
 
+#: The longest an open waits for another thread's build of the same store before building its own.
+BUILD_WAIT_S = 60.0
+
+
 class Stores:
     """The stores opened for array URIs, one per root and options, shared by the arrays under them, with
     each store's consolidated metadata (:class:`~stoker.storage.hierarchy.Hierarchy`). A pipeline owns
@@ -187,6 +191,7 @@ class Stores:
         self._cache = cache
         self._prefetch = prefetch
         self._read_files = read_files
+        self._building: dict[tuple, threading.Lock] = {}  # ident -> held while its store is being built
 
     def get(self, loc: Location, storage_options: dict | None = None) -> tuple[Store, Any]:
         """``(store, hierarchy)`` for ``loc`` (not a local directory)."""
@@ -215,6 +220,32 @@ class Stores:
         if held is not None and self._revalidate and hasattr(held[0], "forget"):
             held[0].forget(loc.prefix)  # a disk cache revalidates the array's objects as it is opened
         if held is None:
+            held = self._build(loc, ident, options, settings, cache)
+        with self._lock:
+            if ident in self._stores:
+                self._stores.move_to_end(ident)
+            while self._max_stores is not None and len(self._stores) > self._max_stores:
+                # Dropped, not closed: arrays opened from a store still read through it; a zip archive's
+                # descriptor is closed when the last of them is gone (ZipStore's finalizer).
+                self._stores.popitem(last=False)
+        return (held[0], Hierarchy(held[0])) if self._revalidate else held
+
+    def _build(self, loc: Location, ident: tuple, options: dict, settings: dict, cache: Any) -> tuple[Store, Any]:
+        """The store of ``ident`` made and kept (or the one another thread made meanwhile). Threads opening
+        arrays of one root at once (a pipeline's opener threads) wait for the first one's build rather than
+        each building a store (10-20 ms of CPU for an object store) that :meth:`get` then throws away."""
+        from .hierarchy import Hierarchy
+
+        with self._lock:
+            building = self._building.setdefault(ident, threading.Lock())
+        # bounded: a build that hangs (a stuck credential provider) does not hang every other open with it
+        waited = building.acquire(timeout=BUILD_WAIT_S)
+        try:
+            with self._lock:
+                self._check_open(loc)
+                held = self._stores.get(ident)
+            if held is not None:  # another thread built it while this one waited
+                return held
             store: Any
             if loc.archive:
                 from .zipstore import ZipStore
@@ -240,14 +271,14 @@ class Stores:
                 store.close()
             if held is None:  # closed while the store was being opened: no one else would close it
                 self._check_open(loc)
-        with self._lock:
-            if ident in self._stores:
-                self._stores.move_to_end(ident)
-            while self._max_stores is not None and len(self._stores) > self._max_stores:
-                # Dropped, not closed: arrays opened from a store still read through it; a zip archive's
-                # descriptor is closed when the last of them is gone (ZipStore's finalizer).
-                self._stores.popitem(last=False)
-        return (held[0], Hierarchy(held[0])) if self._revalidate else held
+            assert held is not None
+            return held
+        finally:
+            if waited:
+                building.release()
+            with self._lock:
+                if self._building.get(ident) is building and not building.locked():
+                    del self._building[ident]
 
     def opening(self, uri: str, storage_options: dict | None = None) -> None:
         """The remote array at ``uri`` is about to be opened: where its store has a disk cache, the listing
