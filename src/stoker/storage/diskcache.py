@@ -7,9 +7,10 @@ An entry is a file named by a hash of its *ident* (the caller's string: store, k
 ``<folder>/v1/<2 hex>/<32 hex>``. It holds a header (magic, crc32c, lengths), the ident (so a hash collision
 is never served) and the bytes. Rules that make one folder safe for many processes without a daemon:
 
-- **Written once, never seen partial**: written to a temporary sibling, flushed and renamed
-  (:func:`~stoker.storage.fsutil.replace_atomically`); readers open the final name only. Not fsynced: an
-  entry a crash left short or stale fails its checksum (below) and is fetched again.
+- **Written once, never seen partial**: written to a temporary sibling named as
+  :func:`~stoker.storage.fsutil.replace_atomically` names them (created exclusively, never through a link)
+  and renamed; readers open the final name only. Not fsynced: an entry a crash left short or stale fails its
+  checksum (below) and is fetched again.
 - **Bounded, as the disk counts**: every write takes the folder's lock (``fcntl.flock`` on ``v1/.index``,
   bounded wait), makes room, writes and adds what it took to the total kept in that file, so the folder
   never takes more than ``cache_bytes`` of disk. The total counts *allocated* space (``st_blocks``, as ``du``
@@ -33,8 +34,15 @@ is never served) and the bytes. Rules that make one folder safe for many process
 - **Failure is a miss**: a folder that cannot be created or written (read-only, full disk), or an entry
   larger than ``cache_bytes``, makes writes stop (one ``RuntimeWarning``); reads go on uncached.
 
-Writes are queued to one daemon thread per folder (bounded in bytes: past :data:`QUEUE_BYTES` an entry is
-dropped, cached on a later read), so a fetch never waits for a disk write.
+Writes are queued to one daemon thread per folder, so a fetch never waits for a disk write. It writes what is
+queued in batches (:data:`BATCH_ENTRIES`, :data:`BATCH_BYTES`): one hold of the lock, one reservation and one
+count for them all, and their files made by the compiled engine's ``write_entries`` (csrc/entries.c) with the
+GIL released once for the batch (:func:`use_entry_writer`; :func:`write_entries`, its Python twin, without the
+engine). Every system call gives the GIL up and, on a busy pipeline, waits to get it back: written one at a
+time in Python (a dozen calls an entry), the writer fell behind a first epoch's fetches. The queue stays
+bounded (past :data:`QUEUE_BYTES` an entry is dropped, ``dropped`` counts it, and it is cached on a later read):
+its bytes are memory, and a fetch must not wait for a disk that is slow or stalled; a writer that keeps up
+drops none.
 """
 
 from __future__ import annotations
@@ -553,8 +561,8 @@ def write_entries(items: Sequence[tuple[bytes, bytes, Any]], tag: str, seed: int
     each 1 written, 0 there already (left as it is) or not tried, -errno failed; the disk each file took; what
     the disk gave the batch (the files, their subfolders' growth, the root's where subfolders were made).
 
-    >>> write_entries([(b"/c/v1/ab/ab12", b"ident", b"bytes")], "host-12", 7)
-    ([1], [4096], 4096)
+    >>> write_entries([(b"/c/v1/ab/ab12", b"ident", b"bytes")], "host-12", 7)  # the subfolder made too
+    ([1], [4096], 8192)
     """
     draw = random.Random(seed)
     results, allocated = [0] * len(items), [0] * len(items)
