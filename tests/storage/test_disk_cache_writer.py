@@ -377,3 +377,30 @@ def test_fuzz_batches_against_the_python_twin(tmp_path):
         assert not any(".tmp-" in name for name in states[0])  # no temporary file left behind
 
     check()
+
+
+def test_an_entry_queued_for_writing_is_served_from_the_queue_and_queued_once(tmp_path, monkeypatch):
+    # Not on disk yet (the writer waits for the lock another process holds, or is behind): a read of it was a
+    # miss, so the chunk was fetched again and queued again, a second copy of its bytes in the queue, which
+    # then dropped newer entries (a first epoch of scenario 1 queued a third of its entries twice)
+    monkeypatch.setattr(diskcache, "QUEUE_BYTES", 15_000)  # one entry of 10,000 bytes, not two
+    cache = DiskCache(str(tmp_path / "c"), 64 << 20)
+    assert cache.write("first", b"a" * 100)  # the folder and its lock file made
+    lock = os.open(tmp_path / "c" / "v1" / ".index", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        value = os.urandom(10_000)
+        cache.put("queued", value)
+        hits = cache.hits
+        assert cache.entry_file("queued") is None  # not on disk: not for the engine
+        got = cache.get_many(["queued", "first", "absent"])
+        assert bytes(got[0]) == value and bytes(got[1]) == b"a" * 100 and got[2] is None
+        assert cache.hits == hits + 2
+        cache.put("queued", value)  # fetched again meanwhile (by a caller that did not ask first)
+        assert cache.dropped == 0
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        os.close(lock)
+    assert cache.flush(30)
+    assert cache.written == 2 and bytes(cache.get("queued")) == value
+    assert cache.entry_file("queued") is not None

@@ -142,7 +142,8 @@ class DiskCache:
         self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
         self._queue: deque[tuple[str, Any]] = deque()
         self._queued = 0
-        self._pending: dict[str, int] = {}  # idents queued or being written: their puts not yet on disk
+        # idents queued or being written -> their data (None: a marker): not on disk yet, served from here
+        self._pending: dict[str, Any] = {}
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._busy = False
         self._warned: set[str] = set()
@@ -175,8 +176,8 @@ class DiskCache:
         and checks itself (csrc/entries.c: the header, the ident, the crc32c, the payload bounded by the
         chunk's codec), a hit costing what a local file's read costs. Nothing is read here; the engine
         reports a missing or unsound entry, and its chunk is fetched again (:meth:`get_many`'s rules then).
-        None while this process has the entry queued for writing: not on disk yet, so the caller fetches
-        rather than have the engine miss it and fetch it again (and queue it once more)."""
+        None while this process has the entry queued for writing: not on disk yet, so the caller reads it
+        through :meth:`get_many`, which serves it from the queue, rather than have the engine miss it."""
         if self._pending and ident in self._pending:
             return None
         return os.fsencode(self._path(ident)), ident.encode("utf-8", "surrogatepass")
@@ -192,14 +193,25 @@ class DiskCache:
         return self.get_many([ident])[0]
 
     def get_many(self, idents: Sequence[str], read_files: Callable | None = None) -> list[memoryview | None]:
-        """:meth:`get` of each of ``idents``. ``read_files(paths, max_bytes)``: reads the entries' files whole and
-        touches them (the compiled engine's, which releases the GIL once for many files rather than for every
-        system call, as a batch's hits are many); None: :func:`read_file`, one at a time."""
-        paths = [self._path(ident) for ident in idents]
-        raws = read_files(paths, self.cache_bytes) if read_files is not None else \
-            [read_file(path, self.cache_bytes) for path in paths]
+        """:meth:`get` of each of ``idents``; one this process has queued for writing is served from the queue
+        (not on disk yet: fetched again, it was queued again, a second copy of its bytes in memory).
+        ``read_files(paths, max_bytes)``: reads the entries' files whole and touches them (the compiled
+        engine's, which releases the GIL once for many files rather than for every system call, as a batch's
+        hits are many); None: :func:`read_file`, one at a time."""
+        with self._cond:  # queued for writing: served from memory (not on disk yet, and not fetched again)
+            queued = [self._pending.get(ident) if self._pending else None for ident in idents]
+        paths = [self._path(ident) for ident, data in zip(idents, queued) if data is None]
+        raws = iter(read_files(paths, self.cache_bytes) if read_files is not None else
+                    [read_file(path, self.cache_bytes) for path in paths])
         out: list[memoryview | None] = []
-        for ident, path, raw in zip(idents, paths, raws):
+        for ident, data in zip(idents, queued):
+            if data is not None:
+                payload = memoryview(data).cast("B")
+                self.hits += 1
+                self.hit_bytes += payload.nbytes
+                out.append(payload)
+                continue
+            path, raw = self._path(ident), next(raws)
             payload = None if raw is None else self._check(raw, ident)
             if payload is None:
                 self.misses += 1
@@ -243,7 +255,8 @@ class DiskCache:
     # -- writing ---------------------------------------------------------------------------------
 
     def put(self, ident: str, data) -> None:
-        """Queue ``data`` to be stored under ``ident`` (written by the folder's writer thread)."""
+        """Queue ``data`` to be stored under ``ident`` (written by the folder's writer thread); nothing when
+        ``ident`` is queued already (the same bytes: an ident names its object's generation)."""
         n = memoryview(data).nbytes
         if not self.writable:
             return
@@ -269,12 +282,14 @@ class DiskCache:
 
     def _enqueue(self, ident: str, data, n: int) -> None:
         with self._cond:
+            if ident in self._pending:
+                return  # queued already: the same bytes (the ident names the object's generation)
             if self._queued + n > QUEUE_BYTES:
                 self.dropped += 1
                 return
             self._queue.append((ident, data))
             self._queued += n
-            self._pending[ident] = self._pending.get(ident, 0) + 1
+            self._pending[ident] = data
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drain, name="stoker-diskcache", daemon=True)
                 self._thread.start()
@@ -306,9 +321,7 @@ class DiskCache:
                 with self._cond:
                     for ident, data in batch:
                         self._queued -= len(ident) if data is None else memoryview(data).nbytes
-                        left = self._pending.pop(ident, 1) - 1
-                        if left:
-                            self._pending[ident] = left
+                        self._pending.pop(ident, None)
                     self._busy = False
                     self._cond.notify_all()
 
