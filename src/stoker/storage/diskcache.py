@@ -206,7 +206,7 @@ class DiskCache:
         out: list[memoryview | None] = []
         for ident, data in zip(idents, queued):
             if data is not None:
-                payload = memoryview(data).cast("B")
+                payload = _byte_view(data)
                 self.hits += 1
                 self.hit_bytes += payload.nbytes
                 out.append(payload)
@@ -370,7 +370,7 @@ class DiskCache:
                 payload = None
                 size = 0
                 if data is not None:
-                    payload = memoryview(data).cast("B") if memoryview(data).c_contiguous else bytes(data)
+                    payload = _byte_view(data)
                     size = HEADER.size + len(name) + len(payload)
                 reserve = -(-size // block) * block + DIR_SLACK_BLOCKS * block
                 if reserve <= self.cache_bytes:
@@ -547,6 +547,12 @@ def _allocated(path: str | int) -> int:
         return _allocated_of(os.fstat(path) if isinstance(path, int) else os.lstat(path))
     except OSError:
         return 0
+
+
+def _byte_view(data) -> memoryview:
+    """``data`` (any buffer) as a flat view of its bytes (a copy where it is not contiguous)."""
+    view = memoryview(data)
+    return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
 
 
 def use_entry_writer(write: Callable | None) -> Callable | None:
