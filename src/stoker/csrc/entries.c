@@ -13,9 +13,13 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #define POLY 0x82F63B78u /* crc32c, reflected */
@@ -202,5 +206,217 @@ out:
     if (fd >= 0)
         close(fd);
     job->read_ns += now_ns() - t0;
+    return bad;
+}
+
+/* ---- writing: a batch of entries with no Python between their system calls ----
+ *
+ * storage/diskcache.py holds the folder's lock (flock on v1/.index) and has reserved the batch's room in the
+ * running total; this makes the files. Each entry goes to a fresh hidden sibling named as fsutil.py's
+ * replace_atomically names them (".<name>.tmp-<host>-<pid>-<8 hex>", so a dead writer's is found and removed
+ * by the next scan), created O_EXCL | O_NOFOLLOW (nothing planted there is written through: another name is
+ * drawn), written whole (header, ident, payload in one writev loop), closed and renamed onto its name: a reader
+ * sees no entry or a whole one. No fsync, as the Python writer: an entry a crash left short fails its checksum.
+ */
+
+/* what a file or folder takes on disk: its blocks, or its size where the file system reports fewer */
+static long long allocated_of(const struct stat *st) {
+    long long blocks = (long long)st->st_blocks * 512;
+    long long size = S_ISDIR(st->st_mode) ? 0 : (long long)st->st_size;
+    return blocks > size ? blocks : size;
+}
+
+static uint64_t next_random(uint64_t *state) { /* xorshift64*: names drawn from the caller's random seed */
+    uint64_t x = *state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    return x * 0x2545F4914F6CDD1DULL;
+}
+
+static int write_all(int fd, struct iovec *iov, int n) {
+    while (n > 0) {
+        ssize_t w = writev(fd, iov, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w < 0)
+            return -errno;
+        if (w == 0)
+            return -EIO;
+        size_t left = (size_t)w;
+        while (n > 0 && left >= iov->iov_len) {
+            left -= iov->iov_len;
+            iov++;
+            n--;
+        }
+        if (n > 0) {
+            iov->iov_base = (char *)iov->iov_base + left;
+            iov->iov_len -= left;
+        }
+    }
+    return 0;
+}
+
+/* one entry's file at its final name (the folder exists): 1 written, or -errno (its temporary file removed) */
+static int write_one(entry_write *e, const char *tag, uint64_t *state, char *tmp, size_t dir_len) {
+    const char *base = e->path + dir_len + 1;
+    int fd = -1;
+    if (e->payload == NULL) { /* a marker: an empty file made at its name in one step */
+        fd = open(e->path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+        if (fd < 0)
+            return errno == EEXIST ? 0 : -errno; /* made meanwhile: the same marker */
+    } else {
+        for (int attempt = 0; fd < 0; attempt++) {
+            if (attempt == 100) /* as fsutil's _fresh: never reuse what sits at a name */
+                return -EEXIST;
+            int len = snprintf(tmp, PATH_MAX, "%.*s/.%s.tmp-%s-%08x", (int)dir_len, e->path, base, tag,
+                               (unsigned)(next_random(state) >> 32));
+            if (len < 0 || len >= PATH_MAX)
+                return -ENAMETOOLONG;
+            fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+            if (fd < 0 && errno != EEXIST)
+                return -errno;
+        }
+        unsigned char head[ENTRY_HEADER_BYTES] = {'S', 'T', 'K', 'C', '1', '\n', 0, 0};
+        uint32_t crc = crc32c_of(crc32c_of(0, e->ident, e->ident_len), e->payload, e->payload_len);
+        unsigned long long lens[2] = {e->ident_len, e->payload_len};
+        for (int k = 0; k < 4; k++)
+            head[8 + k] = (unsigned char)(crc >> (8 * k));
+        for (int k = 0; k < 4; k++)
+            head[12 + k] = (unsigned char)(lens[0] >> (8 * k));
+        for (int k = 0; k < 8; k++)
+            head[16 + k] = (unsigned char)(lens[1] >> (8 * k));
+        struct iovec iov[3] = {{head, sizeof head},
+                               {(void *)e->ident, e->ident_len},
+                               {(void *)e->payload, e->payload_len}};
+        int bad = write_all(fd, iov, 3);
+        struct stat st;
+        if (bad == 0 && fstat(fd, &st) != 0)
+            bad = -errno;
+        if (close(fd) != 0 && bad == 0) /* a network file system may report a failed write only here */
+            bad = -errno;
+        if (bad == 0 && rename(tmp, e->path) != 0)
+            bad = -errno;
+        if (bad != 0) {
+            (void)unlink(tmp);
+            return bad;
+        }
+        e->allocated = allocated_of(&st);
+        return 1;
+    }
+    struct stat st;
+    int bad = fstat(fd, &st) != 0 ? -errno : 0;
+    if (close(fd) != 0 && bad == 0)
+        bad = -errno;
+    if (bad != 0) {
+        (void)unlink(e->path);
+        return bad;
+    }
+    e->allocated = allocated_of(&st);
+    return 1;
+}
+
+/* the disk the folder ``path`` (its first ``len`` bytes) takes now; 0 when it is not there */
+static long long folder_allocated(const char *path, size_t len, char *buf) {
+    struct stat st;
+    memcpy(buf, path, len);
+    buf[len] = '\0';
+    return lstat(buf, &st) == 0 ? allocated_of(&st) : 0;
+}
+
+int write_entries(entry_write *items, size_t n, const char *tag, uint64_t seed, long long *grown) {
+    /* each subfolder the batch touches: the entry that first named it, and what it took before */
+    struct folder {
+        size_t first, len;
+        long long before;
+    } *folders = malloc((n ? n : 1) * sizeof *folders);
+    char *tmp = malloc(2 * PATH_MAX); /* a temporary name; a folder's name */
+    uint64_t state = seed ? seed : 0x9E3779B97F4A7C15ULL;
+    size_t n_folders = 0, root_len = 0, root_of = 0;
+    long long root_before = 0, total = 0;
+    int bad = 0;
+    *grown = 0;
+    for (size_t i = 0; i < n; i++) {
+        items[i].result = 0;
+        items[i].allocated = 0;
+    }
+    if (tmp == NULL || folders == NULL) {
+        free(tmp);
+        free(folders);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < n; i++) {
+        entry_write *e = &items[i];
+        size_t path_len = strlen(e->path);
+        const char *slash = strrchr(e->path, '/');
+        size_t dir_len = slash == NULL ? 0 : (size_t)(slash - e->path);
+        const char *up = NULL; /* the slash before the subfolder's name */
+        for (size_t k = dir_len; k-- > 0 && up == NULL;)
+            if (e->path[k] == '/')
+                up = e->path + k;
+        /* <root>/<subfolder>/<name>, each part not empty, short enough for a temporary sibling's name too */
+        if (slash == NULL || slash[1] == '\0' || up == NULL || up == e->path || up + 1 == slash ||
+            path_len + 64 >= PATH_MAX) {
+            bad = e->result = -EINVAL;
+            break;
+        }
+        size_t f = 0;
+        while (f < n_folders && !(folders[f].len == dir_len && memcmp(items[folders[f].first].path, e->path,
+                                                                      dir_len) == 0))
+            f++;
+        if (f == n_folders) { /* first seen in this batch: there (a real folder), or made now */
+            struct stat st;
+            memcpy(tmp, e->path, dir_len);
+            tmp[dir_len] = '\0';
+            long long before = 0;
+            if (lstat(tmp, &st) == 0) {
+                if (!S_ISDIR(st.st_mode)) { /* a link or a file planted there: never written through */
+                    bad = e->result = -ENOTDIR;
+                    break;
+                }
+                before = allocated_of(&st);
+            } else if (errno == ENOENT) {
+                if (root_len == 0) { /* the root grows by the subfolders made: measured before the first */
+                    root_of = i;
+                    root_len = (size_t)(up - e->path);
+                    root_before = folder_allocated(e->path, root_len, tmp + PATH_MAX);
+                }
+                /* only here, under the folder's lock, are subfolders made: eviction may remove an empty one */
+                if (mkdir(tmp, 0777) != 0 && errno != EEXIST) {
+                    bad = e->result = -errno;
+                    break;
+                }
+            } else {
+                bad = e->result = -errno;
+                break;
+            }
+            folders[f].first = i;
+            folders[f].len = dir_len;
+            folders[f].before = before;
+            n_folders++;
+        }
+        struct stat st;
+        if (lstat(e->path, &st) == 0)
+            continue; /* another process wrote it meanwhile (or it came twice in this batch) */
+        if (errno != ENOENT) {
+            bad = e->result = -errno;
+            break;
+        }
+        e->result = write_one(e, tag, &state, tmp, dir_len);
+        if (e->result < 0) {
+            bad = e->result;
+            break;
+        }
+        total += e->allocated;
+    }
+    /* what the disk gave: the files written, their subfolders' growth, the root's where subfolders were made */
+    for (size_t f = 0; f < n_folders; f++)
+        total += folder_allocated(items[folders[f].first].path, folders[f].len, tmp) - folders[f].before;
+    if (root_len)
+        total += folder_allocated(items[root_of].path, root_len, tmp) - root_before;
+    *grown = total;
+    free(tmp);
+    free(folders);
     return bad;
 }

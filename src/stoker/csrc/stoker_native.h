@@ -137,6 +137,23 @@ uint32_t crc32c_of(uint32_t crc, const void *data, size_t n);
  * An entry unlinked while open is read whole (its inode lives until closed). */
 int read_entry(chunk_io *job, const char *path, const char *ident, size_t ident_len, char *buf, size_t max_stored,
                const char **payload, size_t *payload_len);
+/* One entry for write_entries: its final name ``path`` (<root>/<subfolder>/<name>), its ident and payload (NULL: a
+ * marker, an empty file made at its name); out: ``result`` 1 written, 0 something was there already (left as
+ * it is), -errno failed; ``allocated`` the disk the file took (its blocks, or its size where more). */
+typedef struct {
+    const char *path;
+    const char *ident;
+    size_t ident_len;
+    const void *payload;
+    size_t payload_len;
+    int result;
+    long long allocated;
+} entry_write;
+/* Write the entries in order, each in the layout above through a temporary sibling
+ * ``.<name>.tmp-<tag>-<8 hex>`` (hex from ``seed``) renamed onto its name, subfolders made where missing (the
+ * caller holds the folder's lock). Stops at the first failure: 0, or its -errno. ``*grown``: what the disk gave
+ * the files written, their subfolders and the root (subfolders made), as storage/diskcache.py counts it. */
+int write_entries(entry_write *items, size_t n, const char *tag, uint64_t seed, long long *grown);
 
 /* ---- codecs.c ---- */
 /* What one thread keeps between chunks: zstd's context, made at the first zstd chunk (NULL: one-shot decodes). */

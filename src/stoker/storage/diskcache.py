@@ -7,9 +7,10 @@ An entry is a file named by a hash of its *ident* (the caller's string: store, k
 ``<folder>/v1/<2 hex>/<32 hex>``. It holds a header (magic, crc32c, lengths), the ident (so a hash collision
 is never served) and the bytes. Rules that make one folder safe for many processes without a daemon:
 
-- **Written once, never seen partial**: written to a temporary sibling, flushed and renamed
-  (:func:`~stoker.storage.fsutil.replace_atomically`); readers open the final name only. Not fsynced: an
-  entry a crash left short or stale fails its checksum (below) and is fetched again.
+- **Written once, never seen partial**: written to a temporary sibling named as
+  :func:`~stoker.storage.fsutil.replace_atomically` names them (created exclusively, never through a link)
+  and renamed; readers open the final name only. Not fsynced: an entry a crash left short or stale fails its
+  checksum (below) and is fetched again.
 - **Bounded, as the disk counts**: every write takes the folder's lock (``fcntl.flock`` on ``v1/.index``,
   bounded wait), makes room, writes and adds what it took to the total kept in that file, so the folder
   never takes more than ``cache_bytes`` of disk. The total counts *allocated* space (``st_blocks``, as ``du``
@@ -33,8 +34,15 @@ is never served) and the bytes. Rules that make one folder safe for many process
 - **Failure is a miss**: a folder that cannot be created or written (read-only, full disk), or an entry
   larger than ``cache_bytes``, makes writes stop (one ``RuntimeWarning``); reads go on uncached.
 
-Writes are queued to one daemon thread per folder (bounded in bytes: past :data:`QUEUE_BYTES` an entry is
-dropped, cached on a later read), so a fetch never waits for a disk write.
+Writes are queued to one daemon thread per folder, so a fetch never waits for a disk write. It writes what is
+queued in batches (:data:`BATCH_ENTRIES`, :data:`BATCH_BYTES`): one hold of the lock, one reservation and one
+count for them all, and their files made by the compiled engine's ``write_entries`` (csrc/entries.c) with the
+GIL released once for the batch (:func:`use_entry_writer`; :func:`write_entries`, its Python twin, without the
+engine). Every system call gives the GIL up and, on a busy pipeline, waits to get it back: written one at a
+time in Python (a dozen calls an entry), the writer fell behind a first epoch's fetches. The queue stays
+bounded (past :data:`QUEUE_BYTES` an entry is dropped, ``dropped`` counts it, and it is cached on a later read):
+its bytes are memory, and a fetch must not wait for a disk that is slow or stalled; a writer that keeps up
+drops none.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import random
 import re
 import stat
 import struct
@@ -59,13 +68,17 @@ import crc32c
 from .. import checks
 from ..errors import InvalidArgument, ShutdownError, ThreadStartError
 from ..runtime.workers import DaemonPool
-from .fsutil import remove_dead_temp_files, replace_atomically
+from .fsutil import HOST, remove_dead_temp_files
 
 #: The entry header: magic, crc32c of ident + payload, ident length, payload length.
 HEADER = struct.Struct("<6sHIIQ")
 MAGIC = b"STKC1\n"
 #: Bytes of entries queued for writing, at most, per folder (more are dropped: cached on a later read).
 QUEUE_BYTES = 256 << 20
+#: Entries written per hold of the folder's lock, at most (one reservation and one count for them all), and
+#: their bytes: a batch of the largest takes some 100 ms, which another process's write may wait.
+BATCH_ENTRIES = 256
+BATCH_BYTES = 64 << 20
 #: The most a write waits for the folder's lock (another process evicting); then that entry is not written.
 LOCK_WAIT_S = 10.0
 #: Making room evicts down to this share of ``cache_bytes``, so a scan serves many writes.
@@ -129,7 +142,8 @@ class DiskCache:
         self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
         self._queue: deque[tuple[str, Any]] = deque()
         self._queued = 0
-        self._pending: dict[str, int] = {}  # idents queued or being written: their puts not yet on disk
+        # idents queued or being written -> their data (None: a marker): not on disk yet, served from here
+        self._pending: dict[str, Any] = {}
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._busy = False
         self._warned: set[str] = set()
@@ -162,8 +176,8 @@ class DiskCache:
         and checks itself (csrc/entries.c: the header, the ident, the crc32c, the payload bounded by the
         chunk's codec), a hit costing what a local file's read costs. Nothing is read here; the engine
         reports a missing or unsound entry, and its chunk is fetched again (:meth:`get_many`'s rules then).
-        None while this process has the entry queued for writing: not on disk yet, so the caller fetches
-        rather than have the engine miss it and fetch it again (and queue it once more)."""
+        None while this process has the entry queued for writing: not on disk yet, so the caller reads it
+        through :meth:`get_many`, which serves it from the queue, rather than have the engine miss it."""
         if self._pending and ident in self._pending:
             return None
         return os.fsencode(self._path(ident)), ident.encode("utf-8", "surrogatepass")
@@ -179,14 +193,25 @@ class DiskCache:
         return self.get_many([ident])[0]
 
     def get_many(self, idents: Sequence[str], read_files: Callable | None = None) -> list[memoryview | None]:
-        """:meth:`get` of each of ``idents``. ``read_files(paths, max_bytes)``: reads the entries' files whole and
-        touches them (the compiled engine's, which releases the GIL once for many files rather than for every
-        system call, as a batch's hits are many); None: :func:`read_file`, one at a time."""
-        paths = [self._path(ident) for ident in idents]
-        raws = read_files(paths, self.cache_bytes) if read_files is not None else \
-            [read_file(path, self.cache_bytes) for path in paths]
+        """:meth:`get` of each of ``idents``; one this process has queued for writing is served from the queue
+        (not on disk yet: fetched again, it was queued again, a second copy of its bytes in memory).
+        ``read_files(paths, max_bytes)``: reads the entries' files whole and touches them (the compiled
+        engine's, which releases the GIL once for many files rather than for every system call, as a batch's
+        hits are many); None: :func:`read_file`, one at a time."""
+        with self._cond:  # queued for writing: served from memory (not on disk yet, and not fetched again)
+            queued = [self._pending.get(ident) if self._pending else None for ident in idents]
+        paths = [self._path(ident) for ident, data in zip(idents, queued) if data is None]
+        raws = iter(read_files(paths, self.cache_bytes) if read_files is not None else
+                    [read_file(path, self.cache_bytes) for path in paths])
         out: list[memoryview | None] = []
-        for ident, path, raw in zip(idents, paths, raws):
+        for ident, data in zip(idents, queued):
+            if data is not None:
+                payload = _byte_view(data)
+                self.hits += 1
+                self.hit_bytes += payload.nbytes
+                out.append(payload)
+                continue
+            path, raw = self._path(ident), next(raws)
             payload = None if raw is None else self._check(raw, ident)
             if payload is None:
                 self.misses += 1
@@ -230,7 +255,8 @@ class DiskCache:
     # -- writing ---------------------------------------------------------------------------------
 
     def put(self, ident: str, data) -> None:
-        """Queue ``data`` to be stored under ``ident`` (written by the folder's writer thread)."""
+        """Queue ``data`` to be stored under ``ident`` (written by the folder's writer thread); nothing when
+        ``ident`` is queued already (the same bytes: an ident names its object's generation)."""
         n = memoryview(data).nbytes
         if not self.writable:
             return
@@ -256,12 +282,14 @@ class DiskCache:
 
     def _enqueue(self, ident: str, data, n: int) -> None:
         with self._cond:
+            if ident in self._pending:
+                return  # queued already: the same bytes (the ident names the object's generation)
             if self._queued + n > QUEUE_BYTES:
                 self.dropped += 1
                 return
             self._queue.append((ident, data))
             self._queued += n
-            self._pending[ident] = self._pending.get(ident, 0) + 1
+            self._pending[ident] = data
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drain, name="stoker-diskcache", daemon=True)
                 self._thread.start()
@@ -283,99 +311,118 @@ class DiskCache:
             with self._cond:
                 while not self._queue:
                     self._cond.wait(1.0)
-                ident, data = self._queue.popleft()
+                batch = self._take()
                 self._busy = True
             try:
-                if data is None:
-                    self.write_marker(ident)
-                else:
-                    self.write(ident, data)
+                self._write_batch(batch)
             except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
                 self._disable(exc)
             finally:
                 with self._cond:
-                    self._queued -= len(ident) if data is None else memoryview(data).nbytes
-                    left = self._pending.pop(ident, 1) - 1
-                    if left:
-                        self._pending[ident] = left
+                    for ident, data in batch:
+                        self._queued -= len(ident) if data is None else memoryview(data).nbytes
+                        self._pending.pop(ident, None)
                     self._busy = False
                     self._cond.notify_all()
 
+    def _take(self) -> list[tuple[str, Any]]:
+        """The queue's first entries, as many as one hold of the lock writes (holding ``_cond``): at most
+        :data:`BATCH_ENTRIES` and :data:`BATCH_BYTES`, and (the first excepted) a tenth of ``cache_bytes``, so
+        that making room for them evicts no more than making room for one did."""
+        batch = [self._queue.popleft()]
+        room = min(BATCH_BYTES, self.cache_bytes // 10)
+        held = 0 if batch[0][1] is None else memoryview(batch[0][1]).nbytes
+        while self._queue and len(batch) < BATCH_ENTRIES:
+            data = self._queue[0][1]
+            n = 0 if data is None else memoryview(data).nbytes
+            if held + n > room:
+                break
+            batch.append(self._queue.popleft())
+            held += n
+        return batch
+
     def write(self, ident: str, data) -> bool:
         """Store ``data`` under ``ident`` now (see the module docstring); True when written."""
-        if not self.writable:
-            return False
-        payload = memoryview(data).cast("B")
-        name = ident.encode("utf-8", "surrogatepass")
-        size = HEADER.size + len(name) + payload.nbytes
-        if size > self.cache_bytes:
-            return False
-        crc = crc32c.crc32c(payload, crc32c.crc32c(name))
-        header = HEADER.pack(MAGIC, 0, crc, len(name), payload.nbytes)
-        # no fsync (two a write held the writer to a few entries a second on a busy disk, and a first epoch's
-        # entries past QUEUE_BYTES were dropped): an entry a crash left short or stale fails its checksum at
-        # its next read, is removed and fetched again
-        return self._place(ident, size, lambda final: replace_atomically(
-            Path(final), lambda f: (f.write(header), f.write(name), f.write(payload)), durable=False))
+        return self._write_batch([(ident, data)])[0]
 
     def write_marker(self, ident: str) -> bool:
         """Make the empty marker file of ``ident`` now (see :meth:`mark`); True when made."""
-        if not self.writable:
-            return False
-        return self._place(ident, 0, _create_empty)
+        return self._write_batch([(ident, None)])[0]
 
-    def _place(self, ident: str, size: int, make: Callable[[str], object]) -> bool:
-        """Under the folder's lock: make room for a file of ``size`` bytes in whole blocks and the growth of
-        its subfolder, ``make(path)`` it at ``ident``'s name, and count what the disk gave it."""
-        final = self._path(ident)
-        parent = os.path.dirname(final)
-        try:
-            os.makedirs(self._root, exist_ok=True)
-            if not self._block:
-                self._block = max(512, os.statvfs(self._root).f_frsize or 4096)
-            lock = os.open(self.root / ".index", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
-        except OSError as exc:
-            self._disable(exc)
-            return False
+    def _write_batch(self, batch: Sequence[tuple[str, Any]]) -> list[bool]:
+        """Under one hold of the folder's lock: make room for the entries (``(ident, data)``; data None: a
+        marker) in whole blocks and the growth of their subfolders, write them all (the compiled engine's
+        writer, the GIL released once, where loaded: :func:`use_entry_writer`), and count what the disk gave
+        them. Which were written."""
+        done = [False] * len(batch)
+        if not self.writable:
+            return done
+        lock = self._open_lock()
+        if lock is None:
+            return done
         try:
             if not _lock(lock, LOCK_WAIT_S):
-                return False  # a process holds it that long (a hung disk?): this entry stays unwritten
-            if os.path.lexists(final):
-                return False  # another process wrote it meanwhile
+                return done  # a process holds it that long (a hung disk?): these entries stay unwritten
             block = self._block
-            reserve = -(-size // block) * block + DIR_SLACK_BLOCKS * block
-            if reserve > self.cache_bytes:
-                return False
+            todo = []  # (index in batch, path, ident, payload or None, what it reserves)
+            for i, (ident, data) in enumerate(batch):
+                name = ident.encode("utf-8", "surrogatepass")
+                payload = None
+                size = 0
+                if data is not None:
+                    payload = _byte_view(data)
+                    size = HEADER.size + len(name) + len(payload)
+                reserve = -(-size // block) * block + DIR_SLACK_BLOCKS * block
+                if reserve <= self.cache_bytes:
+                    todo.append((i, os.fsencode(self._path(ident)), name, payload, reserve))
+            need = sum(item[4] for item in todo)
+            if not todo:
+                return done
             total = self._total(lock)
-            if not self._scanned or total + reserve > self.cache_bytes:
-                total = self._evict(reserve)
+            if not self._scanned or total + need > self.cache_bytes:
+                total = self._evict(need)
                 self._scanned = True
-                if total + reserve > self.cache_bytes:  # what cannot be evicted (the folders) leaves no room
+                while todo and total + need > self.cache_bytes:  # what cannot be evicted (the folders) leaves
+                    need -= todo.pop()[4]  # no room for them all: the last wait for a later read to queue them
+                if not todo:
                     _store_total(lock, total)
-                    return False
-            _store_total(lock, total + reserve)  # counted before the file exists: a crash can only over-count
-            try:
-                # few system calls (each gives the GIL up, and a busy pipeline makes the writer wait to get it
-                # back): the subfolder's size says whether it is there; the root grows only when one is made
-                # (.index has its block from the first scan's count on). Subfolders are made only here, under
-                # the lock, so that eviction may remove an empty one.
-                before = _allocated(parent)
-                made = not before
-                if made:
-                    before = _allocated(self._root)
-                    os.makedirs(parent, exist_ok=True)
-                make(final)
-                grown = _allocated(final) + _allocated(parent) + (_allocated(self._root) if made else 0) - before
-            except OSError as exc:
-                _store_total(lock, total)
-                self._disable(exc)
-                return False
+                    return done
+            _store_total(lock, total + need)  # counted before the files exist: a crash can only over-count
+            writer = _entry_writer[0] or write_entries
+            results, _, grown = writer([(path, name, payload) for _, path, name, payload, _ in todo],
+                                      f"{HOST}-{os.getpid()}", int.from_bytes(os.urandom(8), "little"))
             # what the disk gave, measured: at most the reservation on ext4 and xfs, the truth elsewhere too
             _store_total(lock, total + max(0, grown))
-            self.written += 1
-            return True
+            for (i, path, *_), result in zip(todo, results):
+                if result == 1:
+                    done[i] = True
+                    self.written += 1
+                elif result < 0:  # the rest of the batch was not tried
+                    self._disable(OSError(-result, os.strerror(-result), os.fsdecode(path)))
+            return done
         finally:
             os.close(lock)  # releases the flock
+
+    def _open_lock(self) -> int | None:
+        """The folder's lock file (``v1/.index``, holding the total) opened, the folder made where it is not
+        (only then: not at every write); None when that fails (then writes stop, one warning)."""
+        path = f"{self._root}/.index"
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        try:
+            try:
+                lock = os.open(path, flags, 0o666)
+            except FileNotFoundError:
+                os.makedirs(self._root, exist_ok=True)
+                lock = os.open(path, flags, 0o666)
+        except OSError as exc:
+            self._disable(exc)
+            return None
+        if not self._block:
+            try:
+                self._block = max(512, os.statvfs(self._root).f_frsize or 4096)
+            except OSError:
+                self._block = 4096
+        return lock
 
     def _total(self, lock: int) -> int:
         raw = os.pread(lock, 8, 0)
@@ -566,13 +613,125 @@ def _allocated(path: str | int) -> int:
         return 0
 
 
-def _create_empty(path: str) -> None:
-    """Make the empty file ``path`` (exclusive, not through a link): one step, so never seen partial."""
+def _byte_view(data) -> memoryview:
+    """``data`` (any buffer) as a flat view of its bytes (a copy where it is not contiguous)."""
+    view = memoryview(data)
+    return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
+
+
+def use_entry_writer(write: Callable | None) -> Callable | None:
+    """Have every :class:`DiskCache` of this process write its entries with ``write`` (None: Python's,
+    :func:`write_entries`); returns the one used before. ``stoker.engine.cpu.native`` hands over the compiled
+    engine's (csrc/entries.c), which releases the GIL once for a batch rather than at each of its system calls.
+
+    >>> previous = use_entry_writer(None)   # the Python writer, e.g. to compare the two
+    """
+    previous = _entry_writer[0]
+    _entry_writer[0] = write
+    return previous
+
+
+#: The writer :func:`use_entry_writer` set (one slot: read by each batch, so the latest setting holds).
+_entry_writer: list[Callable | None] = [None]
+
+
+def write_entries(items: Sequence[tuple[bytes, bytes, Any]], tag: str, seed: int) -> tuple[list[int], list[int], int]:
+    """Python's twin of the compiled engine's ``write_entries`` (csrc/entries.c; the same files, the same
+    answers): make each ``(path, ident, payload)`` (payload None: a marker, an empty file) at ``path``, a
+    ``<root>/<subfolder>/<name>``, through a temporary sibling ``.<name>.tmp-<tag>-<8 hex>`` (drawn from
+    ``seed``) created exclusively and never through a link, and renamed onto it; a missing subfolder is made.
+    The caller holds the folder's lock. Stops at the first failure. Returns ``(results, allocated, grown)``:
+    each 1 written, 0 there already (left as it is) or not tried, -errno failed; the disk each file took; what
+    the disk gave the batch (the files, their subfolders' growth, the root's where subfolders were made).
+
+    >>> write_entries([(b"/c/v1/ab/ab12", b"ident", b"bytes")], "host-12", 7)  # the subfolder made too
+    ([1], [4096], 8192)
+    """
+    draw = random.Random(seed)
+    results, allocated = [0] * len(items), [0] * len(items)
+    folders: dict[bytes, int] = {}  # each subfolder touched -> what it took before
+    root, root_before, grown = None, 0, 0
+    for i, (path, ident, payload) in enumerate(items):
+        parent, _, name = path.rpartition(b"/")
+        up, slash, sub = parent.rpartition(b"/")
+        if not (name and up and slash and sub):
+            results[i] = -errno.EINVAL
+            break
+        try:
+            if parent not in folders:
+                try:
+                    st = os.lstat(parent)
+                except FileNotFoundError:
+                    if root is None:  # the root grows by the subfolders made: measured before the first
+                        root, root_before = up, _allocated(up)
+                    try:
+                        os.mkdir(parent)  # only under the folder's lock: eviction may remove an empty one
+                    except FileExistsError:
+                        pass
+                    folders[parent] = 0
+                else:
+                    if not stat.S_ISDIR(st.st_mode):  # a link or a file planted there: never written through
+                        results[i] = -errno.ENOTDIR
+                        break
+                    folders[parent] = _allocated_of(st)
+            if os.path.lexists(path):
+                continue  # another process wrote it meanwhile (or it came twice in this batch)
+            made = _write_one(path, parent, name, ident, payload, tag, draw)
+        except OSError as exc:
+            results[i] = -(exc.errno or errno.EIO)
+            break
+        if made is not None:
+            results[i], allocated[i] = 1, made
+            grown += made
+    grown += sum(_allocated(folder) - before for folder, before in folders.items())
+    if root is not None:
+        grown += _allocated(root) - root_before
+    return results, allocated, grown
+
+
+def _write_one(path: bytes, parent: bytes, name: bytes, ident: bytes, payload: Any, tag: str,
+               draw: random.Random) -> int | None:
+    """One file of :func:`write_entries`: the disk it took, or None (a marker made meanwhile)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    if payload is None:  # a marker: an empty file made at its name in one step
+        try:
+            fd = os.open(path, flags, 0o666)
+        except FileExistsError:
+            return None  # made meanwhile: the same marker
+        try:
+            return _allocated_of(os.fstat(fd))
+        finally:
+            os.close(fd)
+    for _ in range(100):  # as fsutil's replace_atomically: never reuse what sits at a name
+        tmp = b"%s/.%s.tmp-%s-%08x" % (parent, name, tag.encode(), draw.getrandbits(32))
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temporary name after 100 tries", os.fsdecode(path))
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                         0o666))
-    except FileExistsError:
-        pass  # made meanwhile (by a writer not taking the lock): the same marker
+        try:
+            header = HEADER.pack(MAGIC, 0, crc32c.crc32c(payload, crc32c.crc32c(ident)), len(ident), len(payload))
+            parts = [memoryview(header), memoryview(ident), memoryview(payload)]
+            while parts:
+                wrote = os.writev(fd, parts)
+                while parts and wrote >= parts[0].nbytes:
+                    wrote -= parts.pop(0).nbytes
+                if parts:
+                    parts[0] = parts[0][wrote:]
+            made = _allocated_of(os.fstat(fd))
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return made
 
 
 def read_file(path: str, max_bytes: int) -> bytes | None:

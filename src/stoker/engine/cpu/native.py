@@ -212,3 +212,12 @@ if Engine is not None:
 stage_read = blosc_streams = chunk_paths = None
 if Engine is not None:
     from ..._native import blosc_streams, chunk_paths, stage_read  # noqa: F401 (native.*)
+#: ``write_entries(items, tag, seed) -> (results, allocated, grown)`` (csrc/entries.c): the disk cache's entry
+#: files made with the GIL released once per batch (storage/diskcache.py's writer thread uses it once this module
+#: is loaded: ``use_entry_writer``), or None without the engine
+write_entries = None
+if Engine is not None:
+    from ..._native import write_entries  # noqa: F811 (native.*)
+    from ...storage.diskcache import use_entry_writer
+
+    use_entry_writer(write_entries)

@@ -1,0 +1,406 @@
+"""The disk cache's writer keeps up with a busy pipeline: a batch of queued entries is written per hold of the
+folder's lock, the compiled engine's ``write_entries`` (csrc/entries.c) making their files with the GIL released
+once. Against the loopback HTTP server (a process of its own, as an object store is), a first epoch read while
+the interpreter is busy leaves every entry on disk, so the second epoch fetches no chunk at all; the compiled
+writer and its Python twin make the same files; bad input and failures mid-entry leave nothing served."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.codecs import ZstdCodec
+
+import stoker
+from stoker.engine.cpu import native
+from stoker.storage import diskcache
+from stoker.storage.diskcache import DiskCache, disk_cache
+
+from store_fixtures import FAST_REMOTE
+
+pytestmark = pytest.mark.timeout(240)
+
+compiled = pytest.mark.skipif(native.write_entries is None, reason="stoker._native is not built")
+
+
+class _BusyInterpreter:
+    """Python threads that hold the GIL as a busy pipeline's do (numpy, torch and other C code that keeps it
+    while it works): each call holds it about ``hold_s`` before it is given up, so a thread that gave the GIL up
+    for a system call waits up to that long to get it back, each time."""
+
+    def __init__(self, threads: int = 2, hold_s: float = 0.005) -> None:
+        self.threads = threads
+        t0 = time.thread_time()
+        sum(range(100_000))  # C all through: the GIL is not given up until it returns
+        self.n = max(10_000, int(100_000 * hold_s / max(time.thread_time() - t0, 1e-4)))
+        self._stop = threading.Event()
+
+    def _spin(self) -> None:
+        while not self._stop.is_set():
+            sum(range(self.n))
+
+    def __enter__(self) -> "_BusyInterpreter":
+        self._spinners = [threading.Thread(target=self._spin, daemon=True) for _ in range(self.threads)]
+        for t in self._spinners:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._spinners:
+            t.join(10)
+
+
+#: Modules whose functions make system calls, giving the GIL up and waiting to get it back (os's, the engine's).
+_SYSTEM_CALLS = {"posix", "stoker._native"}
+_NO_WAIT = {"fspath", "getpid"}  # of those, the ones that keep the GIL
+
+
+@compiled
+def test_the_writer_waits_for_the_gil_once_a_batch_not_at_each_system_call(tmp_path):
+    # Every call that makes a system call gives the GIL up, and on a busy pipeline waits to get it back: written
+    # one at a time in Python, each entry made a dozen such calls, and the writer fell behind a first epoch's
+    # fetches (its queue full, the newest entries dropped). Queued while another process holds the folder's
+    # lock, 100 entries are written in one batch: a few calls for them all.
+    cache = DiskCache(str(tmp_path / "cache"), 1 << 30)
+    assert cache.write("first", b"f")  # the folder made and scanned, as after a process's first entry
+    calls: list[str] = []
+
+    def profile(frame, event, arg) -> None:  # the writer thread's calls of builtins (it starts at the first put)
+        if event == "c_call" and getattr(arg, "__module__", None) in _SYSTEM_CALLS and arg.__name__ not in _NO_WAIT:
+            calls.append(arg.__name__)
+
+    threading.setprofile(profile)
+    try:
+        lock = os.open(cache.root / ".index", os.O_RDWR)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            payloads = [os.urandom(50_000) for _ in range(4)]
+            for i in range(100):
+                cache.put(f"entry {i}", payloads[i % 4])
+            time.sleep(0.2)  # the writer took what was queued and waits for the lock
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            os.close(lock)
+        assert cache.flush(30)
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert cache.written == 101 and cache.dropped == 0
+    assert all(bytes(cache.get(f"entry {i}")) == payloads[i % 4] for i in range(100))
+    assert calls.count("write_entries") <= 2  # the first entry (alone in the queue when the writer woke), the rest
+    assert len(calls) <= 30, sorted(calls)  # one at a time: some 800
+
+
+_SERVER = textwrap.dedent("""
+    import sys
+    from range_server import RangeServer
+    server = RangeServer(sys.argv[1])
+    print(server.url, flush=True)
+    for line in sys.stdin:  # "gets": the GET requests of chunks so far
+        gets = sum(1 for _, method, path in list(server.log) if method == "GET" and "/c/" in path)
+        print(gets, flush=True)
+    server.stop()
+""")
+
+CHUNK = (100, 2000)  # 200 KB of random bytes: zstd keeps them about that size
+ROWS = 48
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``(url, ask)``: a 19 MB array of 96 chunks served over HTTP by another process, which ``ask()`` asks how
+    many chunk GETs it has answered."""
+    root = tmp_path_factory.mktemp("served")
+    values = np.random.default_rng(7).integers(0, 256, (ROWS * CHUNK[0], CHUNK[1]), dtype=np.uint8)
+    zarr.create_array(str(root / "a"), shape=values.shape, chunks=CHUNK, dtype="uint8",
+                      compressors=ZstdCodec(level=1))[...] = values
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, str(root)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])})
+    url = server.stdout.readline().strip()
+    assert url.startswith("http://"), url
+
+    def ask() -> int:
+        server.stdin.write("gets\n")
+        server.stdin.flush()
+        return int(server.stdout.readline())
+
+    yield url, ask, values
+    server.stdin.close()
+    server.wait(30)
+
+
+def _epoch(url: str, folder, values: np.ndarray) -> None:
+    """Every chunk of the array once, a whole chunk a crop, 8 a batch, checked against the values written."""
+    cfg = stoker.Config(batch_size=8, dtype="native", n_compute_threads=2, pop_timeout_s=120,
+                        storage_options={url + "/": dict(FAST_REMOTE)}, cache_dir=str(folder), cache_bytes=1 << 30)
+    boxes = [((r * CHUNK[0], (r + 1) * CHUNK[0]), (0, CHUNK[1])) for r in range(ROWS)]
+    with stoker.Pipeline(cfg) as p:
+        for start in range(0, ROWS, 8):
+            p.push([stoker.Sample(f"{url}/a", box) for box in boxes[start:start + 8]])
+        for start in range(0, ROWS, 8):
+            with p.pop() as b:
+                got = [t.numpy().copy() for t in torch.from_dlpack(b)]
+            for crop, box in zip(got, boxes[start:start + 8]):
+                np.testing.assert_array_equal(crop, values[tuple(slice(*s) for s in box)])
+
+
+@compiled
+def test_a_first_epoch_with_a_busy_interpreter_leaves_every_entry_on_disk(served, tmp_path):
+    url, ask, values = served
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 1 << 30)  # the pipelines' (one per folder, bound and process)
+    with _BusyInterpreter():
+        _epoch(url, folder, values)
+        assert cache.flush(60)
+    assert cache.dropped == 0, f"{cache.dropped} of {ROWS} entries dropped: the writer fell behind"
+    fetched, hit_bytes = ask(), cache.hit_bytes
+    _epoch(url, folder, values)  # a new pipeline: generations revalidated (HEAD), every chunk from disk
+    assert ask() == fetched, "the second epoch fetched chunks: the first left them off the disk"
+    assert cache.hit_bytes - hit_bytes >= values.nbytes * 0.9  # (zstd keeps random bytes about as they are)
+
+
+# -- the compiled writer against its Python twin, and bad input ------------------------------------------------
+
+
+def _tree(root) -> dict[str, bytes]:
+    """Every file under ``root`` but the lock file: relative path -> bytes."""
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name != ".index":
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
+@compiled
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_writer_makes_the_files_its_python_twin_makes(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    idents = ["plain", "ünï\udcff", "x" * 3000, "", "dup", "dup", "marker"] + [f"k{i}" for i in range(20)]
+    items = []
+    for ident in idents:
+        payload = None if ident == "marker" else rng.integers(0, 256, int(rng.integers(0, 300_000)),
+                                                              dtype=np.uint8).tobytes()
+        items.append((ident, payload))
+    caches = {}
+    for name, writer in (("compiled", native.write_entries), ("python", diskcache.write_entries)):
+        previous = diskcache.use_entry_writer(writer)
+        try:
+            cache = caches[name] = DiskCache(str(tmp_path / name), 1 << 30)
+            done = cache._write_batch(items)
+        finally:
+            diskcache.use_entry_writer(previous)
+        assert done == [ident != "dup" or i == idents.index("dup") for i, ident in enumerate(idents)]
+        total = int.from_bytes((cache.root / ".index").read_bytes(), "little")
+        assert total == cache.allocated(), (name, total, cache.allocated())  # counted as the disk holds it
+    trees = {name: _tree(cache.root) for name, cache in caches.items()}
+    assert trees["compiled"] == trees["python"]
+    cache = caches["compiled"]
+    kept: dict = {}
+    for ident, payload in items:
+        kept.setdefault(ident, payload)  # the first of two with one ident is the one kept
+    for ident, payload in kept.items():
+        if payload is not None:
+            got = cache.get(ident)
+            assert got is not None and bytes(got) == payload  # sound: the header, ident and crc32c check out
+        else:
+            assert cache.has(ident)
+
+
+@compiled
+def test_bad_items_are_refused_before_anything_is_written(tmp_path):
+    path = os.fsencode(tmp_path / "v1" / "ab" / "abc")
+    for items, error in [([("p", b"i", b"x")], ValueError), ([(path, b"i")], ValueError),
+                         ([(path, b"i", b"x"), (b"a/b\0/c", b"i", b"x")], ValueError),
+                         ([(path, b"i", 12)], TypeError), (12, TypeError)]:
+        with pytest.raises(error):
+            native.write_entries(items, "host-1", 1)
+    with pytest.raises(ValueError):
+        native.write_entries([], "a/b", 1)  # the tag is part of a file's name
+    assert not (tmp_path / "v1").exists()
+
+
+@pytest.mark.parametrize("writer", ["compiled", "python"])
+def test_planted_links_and_names_without_a_subfolder_are_never_written_through(tmp_path, writer):
+    write = native.write_entries if writer == "compiled" else diskcache.write_entries
+    if write is None:
+        pytest.skip("stoker._native is not built")
+    root = tmp_path / "v1"
+    elsewhere = tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    os.symlink(elsewhere, root / "ab")  # a subfolder that is a link
+    os.symlink(elsewhere / "target", root / "cd-final")  # a final name that is a link
+    (root / "cd").mkdir()
+    os.symlink(elsewhere / "target", root / "cd" / "cdef")
+    results, _, _ = write([(os.fsencode(root / "cd" / "cdef"), b"i", b"x" * 10)], "host-1", 3)
+    assert results == [0]  # something is there: left as it is, its target never made
+    results, _, _ = write([(os.fsencode(root / "ab" / "abcd"), b"i", b"x" * 10),
+                           (os.fsencode(root / "cd" / "cd12"), b"i", b"x")], "host-1", 3)
+    assert results == [-errno.ENOTDIR, 0]  # stopped there: the next not tried
+    for bad in (b"name", b"/name", b"//name", os.fsencode(root) + b"//name", os.fsencode(root / "cd") + b"/"):
+        results, _, grown = write([(bad, b"i", b"x")], "host-1", 3)
+        assert results == [-errno.EINVAL] and grown == 0, bad
+    assert os.listdir(elsewhere) == [] and os.listdir(root / "cd") == ["cdef"]
+
+
+_TOO_BIG = textwrap.dedent("""
+    import os, resource, sys
+    from stoker.engine.cpu import native
+    from stoker.storage import diskcache
+    write = native.write_entries if sys.argv[2] == "compiled" else diskcache.write_entries
+    root = sys.argv[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, resource.RLIM_INFINITY))  # past it: EFBIG (Python ignores SIGXFSZ)
+    results, allocated, grown = write([(os.fsencode(root + "/ab/ab1"), b"small", b"s" * 1000),
+                                       (os.fsencode(root + "/ab/ab2"), b"big", b"b" * 100_000),
+                                       (os.fsencode(root + "/ab/ab3"), b"after", b"a" * 10)], "host-1", 5)
+    print(results, allocated[0] > 0, grown >= allocated[0])
+""")
+
+
+@pytest.mark.parametrize("writer", ["compiled", "python"])
+def test_a_write_failing_mid_entry_leaves_no_file_and_stops_the_batch(tmp_path, writer):
+    if writer == "compiled" and native.write_entries is None:
+        pytest.skip("stoker._native is not built")
+    root = tmp_path / "v1"
+    root.mkdir()
+    out = subprocess.run([sys.executable, "-c", _TOO_BIG, str(root), writer], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, check=True)
+    assert out.stdout.split("\n")[0] == f"[1, {-errno.EFBIG}, 0] True True", out
+    assert sorted(os.listdir(root / "ab")) == ["ab1"]  # the failed one's temporary file removed, the last untried
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY  # (the child's limit only)
+
+
+# -- fuzzing: any batch, any folder state; the compiled writer answers and writes as its Python twin does -------
+
+_LONG = os.environ.get("STOKER_FUZZ_EXAMPLES", "").strip()
+_PLANTS = ["nothing", "file", "folder", "link", "fifo", "empty entry"]
+
+
+def _plant(path: str, what: str) -> None:
+    if what == "file":
+        with open(path, "wb") as f:
+            f.write(b"planted")
+    elif what == "folder":
+        os.mkdir(path)
+    elif what == "link":
+        os.symlink("/nonexistent/target", path)
+    elif what == "fifo":
+        os.mkfifo(path)
+    elif what == "empty entry":
+        open(path, "wb").close()
+
+
+def _sound(raw: bytes | None, ident: bytes, payload: bytes) -> None:
+    """``raw`` is an entry of ``ident`` holding ``payload``: magic, lengths, crc32c (the crc32c package's)."""
+    assert raw is not None
+    magic, pad, crc, ident_len, length = diskcache.HEADER.unpack_from(raw)
+    body = raw[diskcache.HEADER.size:]
+    assert (magic, pad, ident_len, length) == (diskcache.MAGIC, 0, len(ident), len(payload))
+    assert body == ident + payload and crc == crc32c.crc32c(body)
+
+
+def _state(root: str) -> dict[str, tuple[str, bytes]]:
+    """Every name under ``root``: its kind and, for a regular file, its bytes."""
+    out = {}
+    for folder, dirs, names in os.walk(root):
+        for name in (*dirs, *names):
+            path = os.path.join(folder, name)
+            mode = os.lstat(path).st_mode
+            kind = "link" if os.path.islink(path) else "dir" if os.path.isdir(path) else \
+                "file" if os.path.isfile(path) else "other"
+            data = b""
+            if kind == "file":
+                with open(path, "rb") as f:
+                    data = f.read()
+            out[os.path.relpath(path, root)] = (kind, data, mode & 0o7777 if kind != "link" else 0)
+    return out
+
+
+@compiled
+@pytest.mark.fuzz
+@pytest.mark.timeout(600 if _LONG else 120)
+def test_fuzz_batches_against_the_python_twin(tmp_path):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    names = st.sampled_from(["ab", "cd", "ef"])
+    item = st.tuples(
+        st.one_of(st.tuples(names, st.sampled_from(["ab01", "ab02", "cd01", "x"])).map(lambda p: f"{p[0]}/{p[1]}"),
+                  st.sampled_from(["", "name", "/", "ab/", "ab//x", "../ab/x", "ab/../cd/x", "ab/./y"])),
+        st.binary(max_size=300),
+        st.one_of(st.none(), st.binary(max_size=2000), st.integers(0, 70_000).map(lambda n: os.urandom(n))))
+    plant = st.tuples(st.sampled_from(["ab", "cd", "ab/ab01", "ab/ab02", "cd/cd01", "ef/x"]),
+                      st.sampled_from(_PLANTS))
+    runs = iter(range(10**9))
+
+    @settings(max_examples=int(_LONG) if _LONG else 150, derandomize=not _LONG, database=None, deadline=None,
+              print_blob=True, suppress_health_check=list(HealthCheck))
+    @given(items=st.lists(item, max_size=8), plants=st.lists(plant, max_size=4), seed=st.integers(0, 2**64 - 1))
+    def check(items, plants, seed):
+        run = next(runs)
+        answers, states = [], []
+        for name, write in (("c", native.write_entries), ("py", diskcache.write_entries)):
+            root = str(tmp_path / f"{run}-{name}" / "v1")
+            os.makedirs(root)
+            for where, what in plants:
+                path = os.path.join(root, where)
+                if not os.path.lexists(path) and os.path.isdir(os.path.dirname(path)) \
+                        and not os.path.islink(os.path.dirname(path)):
+                    _plant(path, what)
+            batch = [(os.fsencode(f"{root}/{p}"), ident, payload) for p, ident, payload in items]
+            results, allocated, grown = write(batch, "host-1", seed)
+            answers.append(results)
+            states.append(_state(root))
+            assert all(a >= 0 for a in allocated)
+            for (path, ident, payload), result in zip(batch, results):
+                if result == 1 and payload is not None:  # written: sound, as the readers check it
+                    _sound(diskcache.read_file(os.fsdecode(path), 1 << 30), ident, payload)
+        assert answers[0] == answers[1]
+        assert states[0] == states[1]
+        assert not any(".tmp-" in name for name in states[0])  # no temporary file left behind
+
+    check()
+
+
+def test_an_entry_queued_for_writing_is_served_from_the_queue_and_queued_once(tmp_path, monkeypatch):
+    # Not on disk yet (the writer waits for the lock another process holds, or is behind): a read of it was a
+    # miss, so the chunk was fetched again and queued again, a second copy of its bytes in the queue, which
+    # then dropped newer entries (a first epoch of scenario 1 queued a third of its entries twice)
+    monkeypatch.setattr(diskcache, "QUEUE_BYTES", 15_000)  # one entry of 10,000 bytes, not two
+    cache = DiskCache(str(tmp_path / "c"), 64 << 20)
+    assert cache.write("first", b"a" * 100)  # the folder and its lock file made
+    lock = os.open(tmp_path / "c" / "v1" / ".index", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        value = os.urandom(10_000)
+        cache.put("queued", value)
+        hits = cache.hits
+        assert cache.entry_file("queued") is None  # not on disk: not for the engine
+        got = cache.get_many(["queued", "first", "absent"])
+        assert bytes(got[0]) == value and bytes(got[1]) == b"a" * 100 and got[2] is None
+        assert cache.hits == hits + 2
+        cache.put("queued", value)  # fetched again meanwhile (by a caller that did not ask first)
+        assert cache.dropped == 0
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        os.close(lock)
+    assert cache.flush(30)
+    assert cache.written == 2 and bytes(cache.get("queued")) == value
+    assert cache.entry_file("queued") is not None
