@@ -436,6 +436,31 @@ def test_many_inner_chunks_of_one_stored_range_are_entered_in_linear_time(tmp_pa
         assert engine.close(5)
 
 
+
+def test_an_index_naming_one_offset_with_many_lengths_is_entered_in_linear_time(tmp_path):
+    """A crafted shard index may put every inner chunk at one offset with a different length each (rows that are
+    never the same stored bytes): they must not all land on one probe chain of the table of shareable chunks
+    (40,000 such rows took 1.6 s to submit, quadratic). Each row still fails or reads as its own chunk."""
+    n = 40_000
+    t = Tables(tmp_path, n)
+    frame = numcodecs.Zstd(level=1).encode(_chunk(0).tobytes())
+    [shard] = _shards(t, [frame + bytes(n + 16)], [0])
+    t.chunks[:, native.C_FILE] = 0
+    t.chunks[:, native.C_OFFSET] = t.chunks[0, native.C_OFFSET]
+    t.chunks[:, native.C_LENGTH] = np.arange(1, n + 1)
+    t.chunks[len(frame) - 1, native.C_LENGTH] = len(frame)  # one row names the true frame
+    engine = native.Engine(1, 1 << 20)
+    try:
+        t0 = time.thread_time()
+        job = engine.submit(*t.args())
+        spent = time.thread_time() - t0
+        job.cancel()
+        assert job.wait(50)
+        assert spent < 0.5, f"submitting {n:,} rows of one offset took {spent:.2f} s of CPU"
+    finally:
+        assert engine.close(5)
+
+
 def test_a_shard_rewritten_in_place_while_kept_open_is_not_read_again(tmp_path):
     """A thread that keeps a shard open still checks its identity after each inner chunk's reads: a shard
     rewritten in place (same inode) while the thread decodes its first chunk gives CHANGED for the chunks

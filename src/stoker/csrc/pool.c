@@ -463,8 +463,10 @@ static unsigned long long share_hash(const plan_tables *t, const int64_t *c) {
     const int64_t *f = file_row(t, c);
     unsigned long long h = 0;
     if (c[C_OFFSET] >= 0) {
-        h = mix(mix(mix(h, (unsigned long long)f[F_DEV]), (unsigned long long)f[F_INO]),
-                (unsigned long long)c[C_OFFSET]);
+        /* the length too: an index may name one offset with many lengths (never equal, see same_stored),
+         * which would otherwise make one probe chain of them all (quadratic) */
+        h = mix(mix(mix(mix(h, (unsigned long long)f[F_DEV]), (unsigned long long)f[F_INO]),
+                    (unsigned long long)c[C_OFFSET]), (unsigned long long)c[C_LENGTH]);
     } else {
         const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
         const unsigned char *p = (const unsigned char *)t->blob + src[S_PATH_START];

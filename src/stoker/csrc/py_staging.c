@@ -61,8 +61,12 @@ static PyObject *chunk_paths_py(PyObject *Py_UNUSED(self), PyObject *args) {
     for (long long s = 0; s < n_sources; s++) { /* each prefix inside the blob, each separator one byte */
         const int64_t *r = pre + s * 3;
         if (r[0] < 0 || r[1] < 0 || __builtin_add_overflow(r[0], r[1], &end) || end > (long long)blob.len ||
-            r[2] < 0 || r[2] > 255) {
-            PyErr_SetString(PyExc_ValueError, "chunk_paths: a prefix lies outside the blob, or a separator is not a byte");
+            (r[2] != '/' && r[2] != '.')) {
+            PyErr_SetString(PyExc_ValueError, "chunk_paths: a prefix lies outside the blob, or a separator is not '/' or '.'");
+            goto done;
+        }
+        if (r[1] > 0 && memchr((const char *)blob.buf + r[0], 0, (size_t)r[1]) != NULL) { /* as the engine refuses */
+            PyErr_SetString(PyExc_ValueError, "chunk_paths: a prefix holds a NUL byte");
             goto done;
         }
     }
