@@ -51,7 +51,7 @@ from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
 from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
-from .buffers import BufferPool
+from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
 from .record import CompletionRecord
 from .target import array_store, writing
@@ -178,9 +178,16 @@ class TileWriter:
                                   f"{self.shape} and {np.dtype(dtype)}; write to another URI or remove it",
                                   uri=self.uri)
         self.array = arr
-        self._chunks = ChunkWriter(arr)  # whole chunks encoded on the write threads where the layout allows
         self.dtype = arr.dtype
         self.unit_full = tuple(arr.shards or arr.chunks)  # the write unit: one shard, or one chunk
+        # the buffers of written regions, for the next ones: those of one region per write thread, and one
+        # more (its float64 sums, a float64 scratch, its output and its encoded chunks; see .buffers), and
+        # from a closed writer's (buffers.SPARE)
+        unit_voxels = int(np.prod(self.unit_full))
+        self._pool = BufferPool((int(write_threads) + 1) * unit_voxels * (3 * 8 + 2 * self.dtype.itemsize),
+                                spare=SPARE)
+        # whole chunks encoded on the write threads where the layout allows, into recycled buffers
+        self._chunks = ChunkWriter(arr, self._pool)
         self.record = CompletionRecord(self.uri, storage_options)
         if self.rank == 0:
             self.record.check_settings({"shape": list(self.shape), "unit": list(self.unit_full),
@@ -196,10 +203,6 @@ class TileWriter:
         self.written = 0  # regions this rank wrote
         self._count_lock = threading.Lock()
         self._closed = False
-        # the buffers of written regions, for the next ones: those of one region per write thread, and one
-        # more (its float64 sums, a float64 scratch and its output; see .buffers)
-        unit_voxels = int(np.prod(self.unit_full))
-        self._pool = BufferPool((int(write_threads) + 1) * unit_voxels * (3 * 8 + self.dtype.itemsize))
         self._background = None if int(write_threads) == 0 else \
             BackgroundWriter(self.uri, int(write_threads), int(write_bytes), float(write_timeout_s))
         if self._background is not None:  # a writer dropped without close(): its threads end with it
@@ -407,6 +410,7 @@ class TileWriter:
         finally:
             if self._background is not None:
                 self._background.close()  # waits for the queued writes, raises the first failure
+        self._pool.release()  # for the next writer of this process (buffers.SPARE)
         self.record.sync()
         barrier(self.group)
 
