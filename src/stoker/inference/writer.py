@@ -50,7 +50,7 @@ from ..errors import InvalidArgument
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
-from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
+from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, subtract, weights
 from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
 from .record import CompletionRecord
@@ -320,17 +320,14 @@ class TileWriter:
             where = local(box, region.box)
             if self.blend == "none":
                 # the tile whose output box starts first wins, whatever the order: this part loses the
-                # voxels of the boxes placed before it that start no later
-                win: Any = True
-                for other, other_start in region.placed:
-                    common = intersect(box, other)
-                    if other_start <= start and all(a < b for a, b in common):
-                        if win is True:
-                            win = np.ones(tuple(b - a for a, b in box), dtype=bool)
-                        win[local(common, box)] = False
+                # voxels of the boxes placed before it that start no later, and is copied as the boxes
+                # that remain (plain strided copies; a mask made the copy element by element)
+                lost = [other for other, other_start in region.placed if other_start <= start]
                 region.placed.append((box, start))
                 assert region.values is not None
-                np.copyto(region.values[(Ellipsis,) + where], values, where=win, casting="unsafe")  # as astype
+                for piece in subtract(box, lost) if lost else [box]:
+                    np.copyto(region.values[(Ellipsis,) + local(piece, region.box)],
+                              values[(Ellipsis,) + local(piece, box)], casting="unsafe")  # as astype
             else:
                 region.add_weighted(where, self._weights_of(key)[local(box, key)], values, self._pool,
                                     self._scratch_of)
