@@ -158,3 +158,30 @@ def test_the_next_writer_takes_a_closed_writers_buffers(volume, tmp_path, monkey
         np.testing.assert_allclose(zarr.open_array(out, mode="r")[:], reference(data, blend, 2), rtol=2e-7, atol=0)
         assert 0 < spare.held_bytes <= spare.max_bytes  # the writer's buffers, kept for the next
     assert hits[0] == 0 and hits[1] > 0
+
+
+def test_weighted_parts_are_copied_into_recycled_buffers(volume, tmp_path):
+    """A kept part is a copy of the caller's batch in a buffer from the pool, handed back once summed, so
+    the parts of later regions reuse those of earlier ones instead of new memory."""
+    uri, data = volume
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    writer = _writer(str(tmp_path / "out.zarr"), "hann", 0, 2, grid=grid, write_threads=0)
+    take, seen = writer._pool.take, []
+
+    def counting(shape, dtype, zero=True):
+        buf = take(shape, dtype, zero)
+        if np.dtype(dtype) == np.float32 and not zero:
+            seen.append(id(buf))
+        return buf
+
+    writer._pool.take = counting
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
+    parts = []
+    for samples, x in stoker.CropDataset(grid, cfg, with_samples=True):
+        writer.write(samples, model(x, 0))
+        parts += [id(values) for r in writer._open.values() for _, _, values in r.parts]
+    writer.close()
+    assert parts and set(parts) <= set(seen)  # every part kept is a buffer from the pool
+    assert len(set(seen)) < len(seen)  # and they came back and served again
+    np.testing.assert_allclose(zarr.open_array(str(tmp_path / "out.zarr"), mode="r")[:], reference(data, "hann", 0),
+                               rtol=2e-7, atol=0)

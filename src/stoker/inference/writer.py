@@ -67,7 +67,8 @@ class _Region:
     """What one owned region has received so far.
 
     ``none``: the values placed, in the output's dtype. ``linear``/``hann``: the weighted parts themselves
-    (copies: the batch goes back to the pipeline), summed only when the region is finished, on a write
+    (copies, into recycled buffers handed back once summed: the batch goes back to the pipeline), summed
+    only when the region is finished, on a write
     thread into float64 sums taken from the pool; a region's parts are folded into sums of its own as soon
     as they would hold more memory than the sums (tiles overlapping many times), and later parts are added
     to the sums as they come. So the caller's thread copies each part once, and most float64 sums are
@@ -99,9 +100,13 @@ class _Region:
                      scratch: Scratch) -> None:
         """Take one weighted part: kept for later, or added to the sums once the region has them."""
         if self.wsum is None and self.parts_bytes + values.nbytes <= self.sums_bytes:
-            # a view of the caller's batch is copied (the pipeline reuses it); a part from another rank
-            # arrives as an array of its own
-            self.parts.append((where, w, values if values.base is None else np.array(values, copy=True)))
+            # a view of the caller's batch is copied (the pipeline reuses it), into a recycled buffer; a
+            # part from another rank arrives as an array of its own
+            if values.base is not None:
+                kept = pool.take(values.shape, values.dtype, zero=False)
+                np.copyto(kept, values)
+                values = kept
+            self.parts.append((where, w, values))
             self.parts_bytes += values.nbytes
             return
         if self.wsum is None:
@@ -113,6 +118,7 @@ class _Region:
         self.values, self.wsum = pool.take(self.full, np.float64), pool.take(self.shape, np.float64)
         for where, w, values in self.parts:  # in the order they came, as if summed on arrival
             self._accumulate(where, w, values, scratch)
+            pool.give(values)  # summed: the next parts' copies
         self.parts, self.parts_bytes = [], 0
 
     def _accumulate(self, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray, scratch: Scratch) -> None:
