@@ -152,3 +152,29 @@ def test_a_store_that_keeps_buffers_gets_copies(tmp_path):
         cw.write(box, np.ascontiguousarray(data[box]))
     assert cw.direct_chunks > 0
     np.testing.assert_array_equal(ours[:], data)
+
+
+def test_local_chunk_files_are_written_without_zarrs_event_loop(tmp_path, monkeypatch):
+    """A LocalStore's chunks are files written on the calling thread (as LocalStore writes them), not
+    handed to ``store.set`` (zarr's event loop, then its worker thread, per chunk)."""
+    data = _data("f4", 0.0)
+    ours = zarr.create_array(str(tmp_path / "ours.zarr"), shape=SHAPE, chunks=CHUNKS, dtype="f4")
+    theirs = zarr.create_array(str(tmp_path / "theirs.zarr"), shape=SHAPE, chunks=CHUNKS, dtype="f4")
+    theirs[:] = data
+    cw = ChunkWriter(ours, BufferPool(1 << 20))
+
+    async def refused(self, key, value):
+        raise AssertionError(f"store.set({key!r}) for a chunk ChunkWriter writes itself")
+
+    stored = []
+    monkeypatch.setattr(zarr.storage.LocalStore, "set", refused)
+    for box in _boxes(SHAPE, (2, 4, 8, 8)):
+        if cw._not_empty(np.ascontiguousarray(data[box])):  # a region of fill values goes to zarr-python
+            cw.write(box, np.ascontiguousarray(data[box]))
+            stored.append(box)
+    assert cw.direct_chunks > 0
+    monkeypatch.undo()
+    mine, want = _files(str(tmp_path / "ours.zarr")), _files(str(tmp_path / "theirs.zarr"))
+    assert mine and all(mine[k] == want[k] for k in mine) and not [k for k in mine if "partial" in k]
+    for box in stored:
+        np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "ours.zarr"), mode="r")[box], data[box])

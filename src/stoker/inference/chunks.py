@@ -5,7 +5,10 @@ to a worker thread for the codec, and a full pass over the chunk to see whether 
 value (``write_empty_chunks=False``), on top of the encoding itself. A TileWriter's write threads already
 run beside the caller, and numcodecs releases the GIL while it compresses, so :class:`ChunkWriter` encodes
 the chunks of a region on the thread that writes it and hands the bytes to ``store.set`` (one event-loop
-round trip per region), with zarr-python still owning the metadata, the chunk keys and the store.
+round trip per region; a LocalStore's files are written right there, as LocalStore writes them: a
+temporary file renamed over the chunk), with zarr-python still owning the metadata and the chunk keys.
+zstd goes through :class:`~.zstdframes.ZstdFrames` (the same frames, one context per thread) into a
+buffer from the writer's pool.
 
 It writes directly only layouts whose bytes it encodes exactly as zarr-python does (``tests/inference/
 test_chunks.py`` compares the stored bytes): no shards, native little-endian numeric data, and
@@ -27,7 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import sys
+import uuid
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -95,7 +101,14 @@ class ChunkWriter:
         self._nan_fill = bool(self.dtype.kind == "f" and np.isnan(fill))
         self._keep_empty = bool(array.config.write_empty_chunks)
         self.direct_chunks = 0  # chunks stored here (the rest went through zarr-python)
-        self._reuse = _keeps_nothing(array.store_path.store)
+        from zarr.storage import LocalStore
+
+        store = array.store_path.store
+        self._reuse = _keeps_nothing(store)
+        # a LocalStore's chunk files are written on the calling thread as LocalStore writes them, not through
+        # store.set: that goes to zarr's event loop and from there to a worker thread, two thread hops a
+        # chunk for a write of a file
+        self._local_root = Path(store.root) if type(store) is LocalStore and not store.read_only else None
 
     def write(self, box: tuple[slice, ...], values: np.ndarray) -> None:
         """``array[box] = values``, each whole chunk of ``box`` encoded here where :attr:`direct`."""
@@ -136,7 +149,12 @@ class ChunkWriter:
             else:
                 blob = self._encode(np.ascontiguousarray(part))  # type: ignore[operator]  # not ZstdFrames here
             key = meta.encode_chunk_key(index)
-            puts.append(store.set(f"{root}/{key}" if root else key, proto.buffer.from_bytes(blob)))
+            key = f"{root}/{key}" if root else key
+            if self._local_root is not None:  # a file, written here (no hop to zarr's loop and its thread)
+                _put_file(self._local_root / key, blob)
+                self.direct_chunks += 1
+            else:
+                puts.append(store.set(key, proto.buffer.from_bytes(blob)))
         try:
             if puts:
                 sync(_all(puts))  # one round trip to zarr's event loop for the region
@@ -153,6 +171,20 @@ class ChunkWriter:
             return bool(first == first) or bool(np.any(part == part))  # a value that is not NaN
         # compared as values: a voxel that differs in value differs in bits (zarr compares 0.0 by its bits)
         return bool(first != self._fill) or bool(np.any(part != self._fill))
+
+
+def _put_file(path: Path, blob: Any) -> None:
+    """Write ``blob`` at ``path`` as zarr's LocalStore does: parents made, a temporary file renamed over
+    it (a reader sees the old chunk or the new one, never part of one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _keeps_nothing(store: Any) -> bool:
