@@ -19,7 +19,8 @@ How the work is split (see docs/inference.md):
   earliest tile covering each voxel (``none``: the tile whose output box starts first, so the result is
   independent of order), or the parts themselves (``linear``, ``hann``: copies, blended into float64 sums
   on a write thread when the region is finished; folded into the sums on arrival instead once they would
-  outgrow them). Written regions' buffers serve the next ones (:mod:`.buffers`).
+  outgrow them). Written regions' buffers serve the next ones, and a closed writer's the next writer's
+  (:mod:`.buffers`, at most ``SPARE_BYTES`` kept by the process).
   With ``grid=`` the writer knows how many tiles touch each region and writes a region as soon as all
   of them arrived; memory is then the regions in flight. Without it every region waits for ``close()``.
 - A tile seen twice (a short rank of a grid's split repeats tiles from the start) counts once.
