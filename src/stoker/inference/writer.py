@@ -83,9 +83,10 @@ class _Region:
         self.values: np.ndarray | None = None
         self.wsum: np.ndarray | None = None
         if blend == "none":
-            self.values = pool.take(self.full, dtype)
+            # not zeroed: every voxel is written, by a part or (no part reached it) at the region's finish
+            self.values = pool.take(self.full, dtype, zero=False)
             # the boxes placed so far and their tiles' starts: which tile wins a voxel is decided from
-            # these (a mask only where boxes overlap), not from a per-voxel array of starts
+            # these (box arithmetic where boxes overlap), not from a per-voxel array of starts
             self.placed: list[tuple[Box, int]] = []
         # the weighted parts not yet summed: where in the region, their weights (a view of the tile's), values
         self.parts: list[tuple[tuple[slice, ...], np.ndarray, np.ndarray]] = []
@@ -367,11 +368,10 @@ class TileWriter:
         if self.blend == "none":
             assert region.values is not None
             out = region.values
-            reached = np.zeros(out.shape[len(self.channels):], dtype=bool)
-            for box, _ in region.placed:
-                reached[local(box, region.box)] = True
-            if self.array.fill_value is not None and not reached.all():  # voxels no tile reached keep it
-                np.copyto(out, np.asarray(self.array.fill_value, dtype=out.dtype), where=~reached)
+            # voxels no tile reached keep the fill value (zero without one): the region less the boxes placed
+            fill = np.asarray(self.array.fill_value if self.array.fill_value is not None else 0, dtype=out.dtype)
+            for piece in subtract(region.box, [box for box, _ in region.placed]):
+                out[(Ellipsis,) + local(piece, region.box)] = fill
             spent = [out]
         else:
             spent = []
