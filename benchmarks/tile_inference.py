@@ -3,6 +3,7 @@
     python benchmarks/tile_inference.py --shape 128 256 256 --tile 96 96 96 --crop 20 --rounds 5
     python benchmarks/tile_inference.py --extra-path /tmp/torchio_site   # torchio installed with --target
     python benchmarks/tile_inference.py --threads 1 --components          # and CPU by part: read, encode, store, blend
+    python benchmarks/tile_inference.py --codec none                       # outputs without a compressor
 
 Each peer reads a uint16 Zarr array, runs an identity model over tiles of ``--tile`` whose valid centres are
 the tile less ``--crop`` on each side (stride ``tile - 2 * crop``), blends the overlaps and writes a float32
@@ -18,6 +19,12 @@ Zarr array of the volume's shape (``--chunks``) with zarr-python:
   zarr-python write;
 - ``torchio``: a zarr-python read, ``GridSampler`` (``patch_overlap = 2 * crop``) through a DataLoader,
   ``GridAggregator`` (``overlap_mode`` "crop" for "none", "hann" for "hann"), a zarr-python write.
+
+The output is zarr-python's default for a v3 float32 array (``bytes`` + ``zstd`` level 0, what
+``zarr.create_array`` makes when a user names no codec, and what ``TileWriter`` makes); its encoding is
+most of every peer's CPU. ``--codec none`` is a second, labelled row: every peer's output without a
+compressor (stoker's array made first, then opened by the writer), which leaves the tiling, the blend and
+the storing.
 
 Rounds are interleaved (every round runs every peer and blend, the peers' order rotating), so a machine
 shared with other work slows all peers alike; the report is each peer's median and best time and the
@@ -56,8 +63,17 @@ def make_volume(path: Path, shape: tuple[int, ...], chunks: tuple[int, ...]) -> 
     return str(path)
 
 
+def _create(out: str, a: argparse.Namespace) -> zarr.Array:
+    """The output array: zarr-python's defaults (``--codec zstd``: bytes + zstd level 0 for a v3 float32
+    array), or no compressor (``--codec none``)."""
+    kw: dict = {} if a.codec == "zstd" else {"compressors": None}
+    return zarr.create_array(out, shape=tuple(a.shape), chunks=tuple(a.chunks), dtype="float32", **kw)
+
+
 def run_stoker(src: str, out: str, a: argparse.Namespace, blend: str, write_threads: int | None = None) -> None:
     tile = tuple(a.tile)
+    if a.codec != "zstd":
+        _create(out, a)  # a codec of the user's choosing: the array made first, the writer opens it
     grid = stoker.TileGrid([src], tile, stride=tuple(t - 2 * a.crop for t in tile))
     writer = stoker.TileWriter(out, tuple(a.shape), tuple(a.chunks), "float32", blend=blend, crop=a.crop, grid=grid,
                                write_threads=a.write_threads if write_threads is None else write_threads)
@@ -74,8 +90,7 @@ def _read(src: str) -> torch.Tensor:
 
 
 def _write(out: str, a: argparse.Namespace, values: torch.Tensor) -> None:
-    z = zarr.create_array(out, shape=tuple(a.shape), chunks=tuple(a.chunks), dtype="float32")
-    z[:] = values.numpy()
+    _create(out, a)[:] = values.numpy()
 
 
 def run_monai(src: str, out: str, a: argparse.Namespace, blend: str) -> None:
@@ -168,16 +183,17 @@ def components(src: str, root: Path, a: argparse.Namespace) -> dict[str, float]:
 
     def zarr_write() -> None:
         _remove(out)
-        zarr.create_array(out, shape=tuple(a.shape), chunks=step, dtype="float32")[:] = vol
+        _create(out, a)[:] = vol
 
     def direct_write() -> None:
         _remove(out)
-        cw = ChunkWriter(zarr.create_array(out, shape=tuple(a.shape), chunks=step, dtype="float32"))
+        cw = ChunkWriter(_create(out, a))
         for b, c in zip(boxes, chunks):
             cw.write(b, c)
 
     got = {"read: zarr-python whole + astype": least(lambda: zarr.open_array(src, mode="r")[:].astype(np.float32)),
-           "encode: zstd of the output chunks": least(lambda: [zstd.encode(c) for c in chunks]),
+           "encode: zstd of the output chunks" if a.codec == "zstd" else "encode: none (--codec none)":
+               least(lambda: [zstd.encode(c) for c in chunks] if a.codec == "zstd" else None),
            "store: zarr-python write (create + write)": least(zarr_write),
            "store: ChunkWriter (create + write)": least(direct_write)}
     tile = tuple(a.tile)
@@ -191,6 +207,8 @@ def components(src: str, root: Path, a: argparse.Namespace) -> dict[str, float]:
     for blend in a.blends:
         def stoker_blend() -> None:
             _remove(out)
+            if a.codec != "zstd":
+                _create(out, a)
             w = stoker.TileWriter(out, tuple(a.shape), step, "float32", blend=blend, crop=a.crop, grid=grid,
                                   write_threads=0)
             for s, xb in batches:
@@ -240,6 +258,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--write-threads", type=int, default=2, help="TileWriter(write_threads=) of stoker")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--codec", choices=("zstd", "none"), default="zstd",
+                   help="the output's compressor, the same for every peer: zstd (zarr-python's default for a v3 "
+                        "float32 array: bytes + zstd level 0) or none (no compressor: what is left is the tiling, "
+                        "blending and storing)")
     p.add_argument("--blends", nargs="+", choices=BLENDS, default=list(BLENDS))
     p.add_argument("--peers", nargs="+", choices=list(PEERS), default=["stoker", "monai", "torchio"])
     p.add_argument("--extra-path", action="append", default=[],
@@ -280,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
             shutil.rmtree(root, ignore_errors=True)
     voxels = int(np.prod(a.shape))
     result: dict = {"shape": a.shape, "tile": a.tile, "crop": a.crop, "chunks": a.chunks, "dtype": "uint16",
+                    "codec": a.codec,
                     "batch_size": a.batch_size, "threads": a.threads, "write_threads": a.write_threads, "rounds": a.rounds, "cpus": os.cpu_count(),
                     "load_1min": [round(x, 2) for x in load], "missing": missing, "blends": {},
                     "components_cpu_s": parts}
@@ -295,7 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
                         if peer != "stoker" and "stoker" in med},
             "cpu_ratio": {f"stoker_vs_{peer}": round(v / med_cpu["stoker"], 2) for peer, v in med_cpu.items()
                           if peer != "stoker" and "stoker" in med_cpu}}
-    print(f"{a.shape} uint16, tiles {a.tile}, crop {a.crop}, chunks {a.chunks}, {a.rounds} interleaved rounds, "
+    print(f"{a.shape} uint16, tiles {a.tile}, crop {a.crop}, chunks {a.chunks}, codec {a.codec}, "
+          f"{a.rounds} interleaved rounds, "
           f"{os.cpu_count()} CPUs, 1-min load {result['load_1min']}" + (f"; missing: {missing}" if missing else ""))
     for blend, r in result["blends"].items():
         print(f"blend={blend}: median s {r['median_s']}, best s {r['best_s']}; stoker / peer: {r['speedup']}; "

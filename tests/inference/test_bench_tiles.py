@@ -55,3 +55,22 @@ def test_the_components_are_measured_apart(bench, tmp_path):
                 "blend hann: stoker TileWriter (+ encode + store)"):
         assert parts[key] >= 0, key
     assert not [p for p in tmp_path.iterdir() if p.name != "in.zarr"]
+
+
+def test_codec_none_writes_every_peers_output_without_a_compressor(bench, tmp_path):
+    """The second codec row (``--codec none``): every peer's output array has no compressor, the default one
+    zarr-python's bytes + zstd."""
+    import argparse
+
+    src = bench.make_volume(tmp_path / "in.zarr", (20, 36, 30), (8, 16, 16))
+    a = argparse.Namespace(shape=(20, 36, 30), tile=(16, 16, 16), crop=4, chunks=(8, 16, 16), batch_size=3,
+                           threads=1, write_threads=1)
+    peers = ["stoker", "monai"] if importlib.util.find_spec("monai") else ["stoker"]
+    for codec in ("zstd", "none"):
+        a.codec = codec
+        for peer in peers:
+            out = str(tmp_path / f"{peer}-{codec}.zarr")
+            bench.PEERS[peer](src, out, a, "none")
+            bench.check(src, out, peer, "none")
+            names = [type(c).__name__ for c in zarr.open_array(out, mode="r").compressors]
+            assert names == (["ZstdCodec"] if codec == "zstd" else []), (peer, codec, names)

@@ -103,9 +103,85 @@ def test_a_writer_recycles_its_buffers_within_its_bound(volume, tmp_path):
     cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
     for samples, x in stoker.CropDataset(grid, cfg, with_samples=True):
         writer.write(samples, model(x, 2))
-    writer.close()
     pool = writer._pool
-    assert 0 < pool.held_bytes <= pool.max_bytes
-    # one region per write thread and one more: sums, scratch and output of a 2 x 4 x 8 x 8 region
-    assert pool.max_bytes == 2 * (2 * 4 * 8 * 8) * (3 * 8 + 4)
+    close = pool.release
+    held = []
+    pool.release = lambda: (held.append(pool.held_bytes), close())  # what it held when the writer closed
+    writer.close()
+    assert 0 < held[0] <= pool.max_bytes and pool.held_bytes == 0  # handed over to buffers.SPARE
+    # one region per write thread and one more: sums, scratch, output and frames of a 2 x 4 x 8 x 8 region
+    assert pool.max_bytes == 2 * (2 * 4 * 8 * 8) * (3 * 8 + 2 * 4)
     np.testing.assert_allclose(zarr.open_array(out, mode="r")[:], reference(data, "hann", 2), rtol=2e-7, atol=0)
+
+
+def test_a_released_pool_feeds_the_next_within_the_spare_bound():
+    spare = BufferPool(max_bytes=3 * MIB)
+    first, second = BufferPool(8 * MIB, spare=spare), BufferPool(8 * MIB, spare=spare)
+    bufs = [first.take((MIB,), np.uint8) for _ in range(4)]
+    for b in bufs:
+        b[:] = 3
+        first.give(b)
+    first.release()
+    assert first.held_bytes == 0 and spare.held_bytes == 3 * MIB  # the fourth did not fit the spare
+    taken = second.take((MIB,), np.uint8)
+    assert any(taken is b for b in bufs) and not taken.any() and spare.held_bytes == 2 * MIB
+
+
+@pytest.mark.parametrize("blend", ["none", "hann"])
+def test_the_next_writer_takes_a_closed_writers_buffers(volume, tmp_path, monkeypatch, blend):
+    """Volume after volume in one process: the second writer's regions are the first's buffers, not new
+    memory (which faults in page by page), and its array is still the reference's."""
+    import stoker.inference.writer as writer_module
+
+    class Counting(BufferPool):
+        hits = 0
+
+        def _pop(self, key):
+            buf = super()._pop(key)
+            self.hits += buf is not None
+            return buf
+
+    spare = Counting(max_bytes=64 * MIB)
+    monkeypatch.setattr(writer_module, "SPARE", spare)
+    uri, data = volume
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
+    batches = [(s, x.clone()) for s, x in stoker.CropDataset(grid, cfg, with_samples=True)]
+    hits = []
+    for i in range(2):
+        out = str(tmp_path / f"out{i}.zarr")
+        writer = _writer(out, blend, 2, 2, grid=grid, write_threads=1)
+        for samples, x in batches:
+            writer.write(samples, model(x, 2))
+        writer.close()
+        hits.append(spare.hits)
+        np.testing.assert_allclose(zarr.open_array(out, mode="r")[:], reference(data, blend, 2), rtol=2e-7, atol=0)
+        assert 0 < spare.held_bytes <= spare.max_bytes  # the writer's buffers, kept for the next
+    assert hits[0] == 0 and hits[1] > 0
+
+
+def test_weighted_parts_are_copied_into_recycled_buffers(volume, tmp_path):
+    """A kept part is a copy of the caller's batch in a buffer from the pool, handed back once summed, so
+    the parts of later regions reuse those of earlier ones instead of new memory."""
+    uri, data = volume
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    writer = _writer(str(tmp_path / "out.zarr"), "hann", 0, 2, grid=grid, write_threads=0)
+    take, seen = writer._pool.take, []
+
+    def counting(shape, dtype, zero=True):
+        buf = take(shape, dtype, zero)
+        if np.dtype(dtype) == np.float32 and not zero:
+            seen.append(id(buf))
+        return buf
+
+    writer._pool.take = counting
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
+    parts = []
+    for samples, x in stoker.CropDataset(grid, cfg, with_samples=True):
+        writer.write(samples, model(x, 0))
+        parts += [id(values) for r in writer._open.values() for _, _, values in r.parts]
+    writer.close()
+    assert parts and set(parts) <= set(seen)  # every part kept is a buffer from the pool
+    assert len(set(seen)) < len(seen)  # and they came back and served again
+    np.testing.assert_allclose(zarr.open_array(str(tmp_path / "out.zarr"), mode="r")[:], reference(data, "hann", 0),
+                               rtol=2e-7, atol=0)

@@ -11,6 +11,8 @@ import pytest
 import zarr
 from zarr.codecs import BytesCodec, GzipCodec, ZstdCodec
 
+from stoker.inference import zstdframes
+from stoker.inference.buffers import BufferPool
 from stoker.inference.chunks import ChunkWriter
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,19 +55,23 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["fresh", "pooled"])
 @pytest.mark.parametrize("dtype,fill", [("f4", 0.0), ("f4", 7.0), ("u1", 0), ("i2", 3)])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_direct_chunks_are_zarrs_bytes(tmp_path, layout, dtype, fill):
+def test_direct_chunks_are_zarrs_bytes(tmp_path, layout, dtype, fill, pooled):
     data = _data(dtype, fill)
     kw = dict(shape=SHAPE, chunks=CHUNKS, dtype=dtype, fill_value=fill, **LAYOUTS[layout])
     ours = zarr.create_array(str(tmp_path / "ours.zarr"), **kw)
     theirs = zarr.create_array(str(tmp_path / "theirs.zarr"), **kw)
-    cw = ChunkWriter(ours)
+    pool = BufferPool(1 << 20) if pooled else None
+    cw = ChunkWriter(ours, pool)
     assert cw.direct
     for box in _boxes(SHAPE, (2, 4, 8, 8)):
         cw.write(box, np.ascontiguousarray(data[box]))
         theirs[box] = data[box]
     assert cw.direct_chunks > 0
+    if pooled and "zstd" in layout:
+        assert pool.held_bytes > 0  # the frames' buffer came back, for the next region
     assert _files(str(tmp_path / "ours.zarr")) == _files(str(tmp_path / "theirs.zarr"))
     np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "ours.zarr"), mode="r")[:], data)
 
@@ -114,3 +120,61 @@ def test_a_box_off_the_chunks_goes_through_zarr(tmp_path):
     cw.write(box, np.ascontiguousarray(data[box]))
     assert cw.direct_chunks == 0
     np.testing.assert_array_equal(ours[box], data[box])
+
+
+@pytest.mark.parametrize("level,checksum", [(0, False), (1, True), (3, False), (-1, False), (9, True)])
+def test_zstd_frames_are_numcodecs_bytes(level, checksum):
+    """The same library, calls and parameters as numcodecs' Zstd.encode: the same frames, from one context
+    reused for every chunk of a thread."""
+    assert zstdframes.available()
+    frames = zstdframes.ZstdFrames(level, checksum)
+    rng = np.random.default_rng(3)
+    out = np.zeros(frames.bound(64 * 64 * 4), dtype=np.uint8)
+    for chunk in (rng.random((64, 64), dtype=np.float32), np.zeros((64, 64), np.float32),
+                  rng.integers(0, 4096, (64, 64)).astype(np.float32), rng.integers(0, 9, (7, 5)).astype("u1")):
+        n = frames.encode(chunk, out)
+        assert out[:n].tobytes() == numcodecs.Zstd(level=level, checksum=checksum).encode(chunk)
+    ctx = frames._local.ctx
+    frames.encode(chunk, out)
+    assert frames._local.ctx is ctx
+    with pytest.raises(ValueError):
+        frames.encode(chunk, out[:4])
+
+
+def test_a_store_that_keeps_buffers_gets_copies(tmp_path):
+    """A MemoryStore keeps what it is given: the recycled frames' buffer is not handed to it, so the next
+    region's frames do not overwrite the chunks stored before."""
+    data = _data("f4", 0.0)
+    ours = zarr.create_array(zarr.storage.MemoryStore(), shape=SHAPE, chunks=CHUNKS, dtype="f4")
+    cw = ChunkWriter(ours, BufferPool(1 << 20))
+    assert cw.direct
+    for box in _boxes(SHAPE, (2, 4, 8, 8)):
+        cw.write(box, np.ascontiguousarray(data[box]))
+    assert cw.direct_chunks > 0
+    np.testing.assert_array_equal(ours[:], data)
+
+
+def test_local_chunk_files_are_written_without_zarrs_event_loop(tmp_path, monkeypatch):
+    """A LocalStore's chunks are files written on the calling thread (as LocalStore writes them), not
+    handed to ``store.set`` (zarr's event loop, then its worker thread, per chunk)."""
+    data = _data("f4", 0.0)
+    ours = zarr.create_array(str(tmp_path / "ours.zarr"), shape=SHAPE, chunks=CHUNKS, dtype="f4")
+    theirs = zarr.create_array(str(tmp_path / "theirs.zarr"), shape=SHAPE, chunks=CHUNKS, dtype="f4")
+    theirs[:] = data
+    cw = ChunkWriter(ours, BufferPool(1 << 20))
+
+    async def refused(self, key, value):
+        raise AssertionError(f"store.set({key!r}) for a chunk ChunkWriter writes itself")
+
+    stored = []
+    monkeypatch.setattr(zarr.storage.LocalStore, "set", refused)
+    for box in _boxes(SHAPE, (2, 4, 8, 8)):
+        if cw._not_empty(np.ascontiguousarray(data[box])):  # a region of fill values goes to zarr-python
+            cw.write(box, np.ascontiguousarray(data[box]))
+            stored.append(box)
+    assert cw.direct_chunks > 0
+    monkeypatch.undo()
+    mine, want = _files(str(tmp_path / "ours.zarr")), _files(str(tmp_path / "theirs.zarr"))
+    assert mine and all(mine[k] == want[k] for k in mine) and not [k for k in mine if "partial" in k]
+    for box in stored:
+        np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "ours.zarr"), mode="r")[box], data[box])

@@ -314,3 +314,24 @@ def test_pending_orders_tiles_so_regions_are_written_from_the_first_batches(tmp_
     half = len(written) // 2
     assert written[0] > 0 and written[half - 1] >= len(writer.owned_regions()) // 3, written
     np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "out.zarr"), mode="r")[:], data)
+
+
+def test_subtract_leaves_disjoint_boxes_covering_the_rest():
+    """``blend="none"`` copies a part as its box less the boxes that win over it: the pieces are disjoint and
+    cover exactly the voxels no other box covers."""
+    from stoker.inference.blend import subtract
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        def box():
+            return tuple(tuple(sorted(rng.choice(13, 2, replace=False).tolist())) for _ in range(3))
+        b, others = box(), [box() for _ in range(int(rng.integers(0, 4)))]
+        want = np.zeros((13, 13, 13), dtype=int)
+        want[tuple(slice(x, y) for x, y in b)] = 1
+        for o in others:
+            want[tuple(slice(x, y) for x, y in o)] = 0
+        got = np.zeros_like(want)
+        for p in subtract(b, others):
+            assert all(x < y for x, y in p)
+            got[tuple(slice(x, y) for x, y in p)] += 1
+        np.testing.assert_array_equal(got, want)

@@ -69,6 +69,30 @@ def intersect(a: Box, b: Box) -> Box:
     return tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
 
 
+def subtract(box: Box, others: Sequence[Box]) -> list[Box]:
+    """``box`` less every box of ``others``, as disjoint boxes (none empty).
+
+    >>> subtract(((0, 4), (0, 4)), [((2, 6), (0, 4))])
+    [((0, 2), (0, 4))]
+    """
+    pieces = [box]
+    for o in others:
+        left = []
+        for p in pieces:
+            if any(max(a, c) >= min(b, d) for (a, b), (c, d) in zip(p, o)):
+                left.append(p)  # apart
+                continue
+            rest = list(p)
+            for k, ((a, b), (c, d)) in enumerate(zip(p, o)):  # the slabs below and above o on each axis
+                if a < c:
+                    left.append(tuple(rest[:k]) + ((a, c),) + tuple(rest[k + 1:]))
+                if d < b:
+                    left.append(tuple(rest[:k]) + ((d, b),) + tuple(rest[k + 1:]))
+                rest[k] = (max(a, c), min(b, d))
+        pieces = left
+    return pieces
+
+
 def local(box: Box, origin: Box) -> tuple[slice, ...]:
     """``box`` as slices relative to ``origin``'s start."""
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))

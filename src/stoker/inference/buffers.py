@@ -8,6 +8,11 @@ and about a third of the ``hann`` blend's time. A buffer taken back from a writt
 on top of the regions in flight is bounded; it is shared between the caller's thread (``take``) and the
 background writers (``give``), hence the lock.
 
+A writer's buffers would be new memory again for the next writer (a volume after another, in one
+process), so a closed writer's pool hands what it holds to :data:`SPARE` (:meth:`BufferPool.release`),
+a process-wide pool of at most ``SPARE_BYTES``, from which the next writers' pools take before they
+allocate.
+
 >>> pool = BufferPool(max_bytes=8 << 20)
 >>> a = pool.take((64, 64, 64), np.float64)   # zeros
 >>> pool.give(a)                              # after the region is written
@@ -26,19 +31,26 @@ import numpy as np
 class BufferPool:
     """Arrays handed back by :meth:`give` and handed out again by :meth:`take` (see the module docstring)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, spare: "BufferPool | None" = None) -> None:
         self.max_bytes = int(max_bytes)
+        self.spare = spare  # taken from when this pool has no buffer of the shape; released to
         self._lock = threading.Lock()
         self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
         self._held = 0
 
-    def take(self, shape: tuple[int, ...], dtype: Any, zero: bool = True) -> np.ndarray:
-        """An array of ``shape`` and ``dtype``: zeros, or (``zero=False``) whatever it held."""
-        key = (tuple(int(s) for s in shape), np.dtype(dtype).str)
+    def _pop(self, key: tuple[tuple[int, ...], str]) -> np.ndarray | None:
         with self._lock:
             free = self._free.get(key)
             buf = free.pop() if free else None
             self._held -= 0 if buf is None else buf.nbytes
+        if buf is None and self.spare is not None:
+            buf = self.spare._pop(key)
+        return buf
+
+    def take(self, shape: tuple[int, ...], dtype: Any, zero: bool = True) -> np.ndarray:
+        """An array of ``shape`` and ``dtype``: zeros, or (``zero=False``) whatever it held."""
+        key = (tuple(int(s) for s in shape), np.dtype(dtype).str)
+        buf = self._pop(key)
         if buf is None:
             return np.zeros(key[0], dtype=dtype) if zero else np.empty(key[0], dtype=dtype)
         if zero:
@@ -56,6 +68,15 @@ class BufferPool:
                 self._free.setdefault(key, []).append(buf)
                 self._held += buf.nbytes
 
+    def release(self) -> None:
+        """Hand every buffer held to :attr:`spare` (which keeps what fits its bound), or drop them."""
+        with self._lock:
+            bufs = [b for free in self._free.values() for b in free]
+            self._free, self._held = {}, 0
+        if self.spare is not None:
+            for buf in bufs:
+                self.spare.give(buf)
+
     @property
     def held_bytes(self) -> int:
         """The bytes of the buffers waiting in the pool."""
@@ -63,4 +84,8 @@ class BufferPool:
             return self._held
 
 
-__all__ = ["BufferPool"]
+#: the most a process keeps of closed writers' buffers for the next ones (see the module docstring)
+SPARE_BYTES = 64 << 20
+SPARE = BufferPool(SPARE_BYTES)
+
+__all__ = ["SPARE", "SPARE_BYTES", "BufferPool"]

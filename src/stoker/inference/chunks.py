@@ -5,7 +5,10 @@ to a worker thread for the codec, and a full pass over the chunk to see whether 
 value (``write_empty_chunks=False``), on top of the encoding itself. A TileWriter's write threads already
 run beside the caller, and numcodecs releases the GIL while it compresses, so :class:`ChunkWriter` encodes
 the chunks of a region on the thread that writes it and hands the bytes to ``store.set`` (one event-loop
-round trip per region), with zarr-python still owning the metadata, the chunk keys and the store.
+round trip per region; a LocalStore's files are written right there, as LocalStore writes them: a
+temporary file renamed over the chunk), with zarr-python still owning the metadata and the chunk keys.
+zstd goes through :class:`~.zstdframes.ZstdFrames` (the same frames, one context per thread) into a
+buffer from the writer's pool.
 
 It writes directly only layouts whose bytes it encodes exactly as zarr-python does (``tests/inference/
 test_chunks.py`` compares the stored bytes): no shards, native little-endian numeric data, and
@@ -27,15 +30,22 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import sys
+import uuid
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from . import zstdframes
+from .buffers import BufferPool
 
-def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | None:
-    """What turns a whole chunk (C-contiguous) into its stored bytes exactly as zarr-python does, or None
-    when this layout is left to zarr-python."""
+
+def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | zstdframes.ZstdFrames | None:
+    """What turns a whole chunk (C-contiguous) into its stored bytes exactly as zarr-python does (zstd:
+    :class:`~.zstdframes.ZstdFrames`, written into the calling thread's arena), or None when this layout is
+    left to zarr-python."""
     import numcodecs
     from zarr.codecs import BytesCodec, ZstdCodec
 
@@ -53,6 +63,8 @@ def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | None:
         compressor = meta.compressor
         if compressor is None:
             return lambda chunk: chunk.tobytes()
+        if type(compressor) is numcodecs.Zstd and zstdframes.available():
+            return zstdframes.ZstdFrames(compressor.level, getattr(compressor, "checksum", False))
         return lambda chunk: bytes(compressor.encode(chunk))  # an ndarray, as zarr passes it (Blosc's typesize)
     codecs = list(meta.codecs)
     if not codecs or not isinstance(codecs[0], BytesCodec):
@@ -62,6 +74,8 @@ def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | None:
     if len(codecs) == 1:
         return lambda chunk: chunk.tobytes()
     if len(codecs) == 2 and isinstance(codecs[1], ZstdCodec):
+        if zstdframes.available():  # the same frames, without a fresh context and output per chunk
+            return zstdframes.ZstdFrames(codecs[1].level, codecs[1].checksum)
         zstd = numcodecs.Zstd(level=codecs[1].level, checksum=codecs[1].checksum)
         return lambda chunk: bytes(zstd.encode(chunk))
     return None
@@ -71,8 +85,12 @@ class ChunkWriter:
     """Writes chunk-aligned boxes of ``array`` (a zarr-python array open for writing; see the module
     docstring). ``direct``: whether its chunks are encoded and stored here, not by zarr-python."""
 
-    def __init__(self, array: Any) -> None:
+    def __init__(self, array: Any, pool: BufferPool | None = None) -> None:
         self.array = array
+        # where the encoded frames go: a TileWriter's recycled buffers (fresh memory faults in page by page)
+        self._take: Callable[..., np.ndarray] = pool.take if pool is not None else \
+            (lambda shape, dtype, zero: np.empty(shape, dtype))
+        self._give: Callable[[np.ndarray], None] = pool.give if pool is not None else (lambda buf: None)
         self._encode = _encoder(array)
         self.direct = self._encode is not None
         self.chunks = tuple(int(c) for c in array.chunks)
@@ -83,6 +101,14 @@ class ChunkWriter:
         self._nan_fill = bool(self.dtype.kind == "f" and np.isnan(fill))
         self._keep_empty = bool(array.config.write_empty_chunks)
         self.direct_chunks = 0  # chunks stored here (the rest went through zarr-python)
+        from zarr.storage import LocalStore
+
+        store = array.store_path.store
+        self._reuse = _keeps_nothing(store)
+        # a LocalStore's chunk files are written on the calling thread as LocalStore writes them, not through
+        # store.set: that goes to zarr's event loop and from there to a worker thread, two thread hops a
+        # chunk for a write of a file
+        self._local_root = Path(store.root) if type(store) is LocalStore and not store.read_only else None
 
     def write(self, box: tuple[slice, ...], values: np.ndarray) -> None:
         """``array[box] = values``, each whole chunk of ``box`` encoded here where :attr:`direct`."""
@@ -100,6 +126,10 @@ class ChunkWriter:
         meta, proto = self.array.metadata, default_buffer_prototype()
         puts = []
         ranges = [range(s.start // c, -(-s.stop // c)) for s, c in zip(sel, self.chunks)]
+        frames = self._encode if isinstance(self._encode, zstdframes.ZstdFrames) else None
+        if frames is not None:  # the region's frames side by side in one buffer, recycled once they are stored
+            bound = frames.bound(int(np.prod(self.chunks)) * self.dtype.itemsize)
+            arena, at = self._take((bound * int(np.prod([len(r) for r in ranges])),), np.uint8, False), 0
         for index in itertools.product(*ranges):
             where = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, self.chunks, self.shape))
             part = values[tuple(slice(w.start - s.start, w.stop - s.start) for w, s in zip(where, sel))]
@@ -110,12 +140,28 @@ class ChunkWriter:
                 whole = np.full(self.chunks, self._fill, dtype=self.dtype)
                 whole[tuple(slice(0, n) for n in part.shape)] = part
                 part = whole
-            blob = self._encode(np.ascontiguousarray(part))
+            if frames is not None:
+                n = frames.encode(np.ascontiguousarray(part), arena[at:at + bound])
+                # a view of the buffer, reused once the region's puts are done: only for stores that keep
+                # no reference to what they were given (files, object stores); others get a copy
+                blob: Any = arena[at:at + n] if self._reuse else arena[at:at + n].tobytes()
+                at += bound
+            else:
+                blob = self._encode(np.ascontiguousarray(part))  # type: ignore[operator]  # not ZstdFrames here
             key = meta.encode_chunk_key(index)
-            puts.append(store.set(f"{root}/{key}" if root else key, proto.buffer.from_bytes(blob)))
-        if puts:
-            sync(_all(puts))  # one round trip to zarr's event loop for the region
-            self.direct_chunks += len(puts)
+            key = f"{root}/{key}" if root else key
+            if self._local_root is not None:  # a file, written here (no hop to zarr's loop and its thread)
+                _put_file(self._local_root / key, blob)
+                self.direct_chunks += 1
+            else:
+                puts.append(store.set(key, proto.buffer.from_bytes(blob)))
+        try:
+            if puts:
+                sync(_all(puts))  # one round trip to zarr's event loop for the region
+                self.direct_chunks += len(puts)
+        finally:
+            if frames is not None and (self._reuse or not puts):
+                self._give(arena)  # the store is done with it (or it holds copies)
 
     def _not_empty(self, part: np.ndarray) -> bool:
         """Whether ``part`` surely holds a value other than the fill value (zarr-python then stores it); a
@@ -125,6 +171,28 @@ class ChunkWriter:
             return bool(first == first) or bool(np.any(part == part))  # a value that is not NaN
         # compared as values: a voxel that differs in value differs in bits (zarr compares 0.0 by its bits)
         return bool(first != self._fill) or bool(np.any(part != self._fill))
+
+
+def _put_file(path: Path, blob: Any) -> None:
+    """Write ``blob`` at ``path`` as zarr's LocalStore does: parents made, a temporary file renamed over
+    it (a reader sees the old chunk or the new one, never part of one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _keeps_nothing(store: Any) -> bool:
+    """Whether ``store.set`` is done with the buffer it was given once it returns (it writes a file, or
+    uploads): then an encoder's buffer can be reused for the next region. A MemoryStore keeps it."""
+    from zarr.storage import LocalStore, ObjectStore
+
+    return type(store) in (LocalStore, ObjectStore)
 
 
 async def _all(puts: list) -> None:

@@ -19,7 +19,8 @@ How the work is split (see docs/inference.md):
   earliest tile covering each voxel (``none``: the tile whose output box starts first, so the result is
   independent of order), or the parts themselves (``linear``, ``hann``: copies, blended into float64 sums
   on a write thread when the region is finished; folded into the sums on arrival instead once they would
-  outgrow them). Written regions' buffers serve the next ones (:mod:`.buffers`).
+  outgrow them). Written regions' buffers serve the next ones, and a closed writer's the next writer's
+  (:mod:`.buffers`, at most ``SPARE_BYTES`` kept by the process).
   With ``grid=`` the writer knows how many tiles touch each region and writes a region as soon as all
   of them arrived; memory is then the regions in flight. Without it every region waits for ``close()``.
 - A tile seen twice (a short rank of a grid's split repeats tiles from the start) counts once.
@@ -50,8 +51,8 @@ from ..errors import InvalidArgument
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
-from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, weights
-from .buffers import BufferPool
+from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, subtract, weights
+from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
 from .record import CompletionRecord
 from .target import array_store, writing
@@ -67,7 +68,8 @@ class _Region:
     """What one owned region has received so far.
 
     ``none``: the values placed, in the output's dtype. ``linear``/``hann``: the weighted parts themselves
-    (copies: the batch goes back to the pipeline), summed only when the region is finished, on a write
+    (copies, into recycled buffers handed back once summed: the batch goes back to the pipeline), summed
+    only when the region is finished, on a write
     thread into float64 sums taken from the pool; a region's parts are folded into sums of its own as soon
     as they would hold more memory than the sums (tiles overlapping many times), and later parts are added
     to the sums as they come. So the caller's thread copies each part once, and most float64 sums are
@@ -81,9 +83,10 @@ class _Region:
         self.values: np.ndarray | None = None
         self.wsum: np.ndarray | None = None
         if blend == "none":
-            self.values = pool.take(self.full, dtype)
+            # not zeroed: every voxel is written, by a part or (no part reached it) at the region's finish
+            self.values = pool.take(self.full, dtype, zero=False)
             # the boxes placed so far and their tiles' starts: which tile wins a voxel is decided from
-            # these (a mask only where boxes overlap), not from a per-voxel array of starts
+            # these (box arithmetic where boxes overlap), not from a per-voxel array of starts
             self.placed: list[tuple[Box, int]] = []
         # the weighted parts not yet summed: where in the region, their weights (a view of the tile's), values
         self.parts: list[tuple[tuple[slice, ...], np.ndarray, np.ndarray]] = []
@@ -99,9 +102,13 @@ class _Region:
                      scratch: Scratch) -> None:
         """Take one weighted part: kept for later, or added to the sums once the region has them."""
         if self.wsum is None and self.parts_bytes + values.nbytes <= self.sums_bytes:
-            # a view of the caller's batch is copied (the pipeline reuses it); a part from another rank
-            # arrives as an array of its own
-            self.parts.append((where, w, values if values.base is None else np.array(values, copy=True)))
+            # a view of the caller's batch is copied (the pipeline reuses it), into a recycled buffer; a
+            # part from another rank arrives as an array of its own
+            if values.base is not None:
+                kept = pool.take(values.shape, values.dtype, zero=False)
+                np.copyto(kept, values)
+                values = kept
+            self.parts.append((where, w, values))
             self.parts_bytes += values.nbytes
             return
         if self.wsum is None:
@@ -113,6 +120,7 @@ class _Region:
         self.values, self.wsum = pool.take(self.full, np.float64), pool.take(self.shape, np.float64)
         for where, w, values in self.parts:  # in the order they came, as if summed on arrival
             self._accumulate(where, w, values, scratch)
+            pool.give(values)  # summed: the next parts' copies
         self.parts, self.parts_bytes = [], 0
 
     def _accumulate(self, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray, scratch: Scratch) -> None:
@@ -178,9 +186,16 @@ class TileWriter:
                                   f"{self.shape} and {np.dtype(dtype)}; write to another URI or remove it",
                                   uri=self.uri)
         self.array = arr
-        self._chunks = ChunkWriter(arr)  # whole chunks encoded on the write threads where the layout allows
         self.dtype = arr.dtype
         self.unit_full = tuple(arr.shards or arr.chunks)  # the write unit: one shard, or one chunk
+        # the buffers of written regions, for the next ones: those of one region per write thread, and one
+        # more (its float64 sums, a float64 scratch, its output and its encoded chunks; see .buffers), and
+        # from a closed writer's (buffers.SPARE)
+        unit_voxels = int(np.prod(self.unit_full))
+        self._pool = BufferPool((int(write_threads) + 1) * unit_voxels * (3 * 8 + 2 * self.dtype.itemsize),
+                                spare=SPARE)
+        # whole chunks encoded on the write threads where the layout allows, into recycled buffers
+        self._chunks = ChunkWriter(arr, self._pool)
         self.record = CompletionRecord(self.uri, storage_options)
         if self.rank == 0:
             self.record.check_settings({"shape": list(self.shape), "unit": list(self.unit_full),
@@ -196,10 +211,6 @@ class TileWriter:
         self.written = 0  # regions this rank wrote
         self._count_lock = threading.Lock()
         self._closed = False
-        # the buffers of written regions, for the next ones: those of one region per write thread, and one
-        # more (its float64 sums, a float64 scratch and its output; see .buffers)
-        unit_voxels = int(np.prod(self.unit_full))
-        self._pool = BufferPool((int(write_threads) + 1) * unit_voxels * (3 * 8 + self.dtype.itemsize))
         self._background = None if int(write_threads) == 0 else \
             BackgroundWriter(self.uri, int(write_threads), int(write_bytes), float(write_timeout_s))
         if self._background is not None:  # a writer dropped without close(): its threads end with it
@@ -317,17 +328,14 @@ class TileWriter:
             where = local(box, region.box)
             if self.blend == "none":
                 # the tile whose output box starts first wins, whatever the order: this part loses the
-                # voxels of the boxes placed before it that start no later
-                win: Any = True
-                for other, other_start in region.placed:
-                    common = intersect(box, other)
-                    if other_start <= start and all(a < b for a, b in common):
-                        if win is True:
-                            win = np.ones(tuple(b - a for a, b in box), dtype=bool)
-                        win[local(common, box)] = False
+                # voxels of the boxes placed before it that start no later, and is copied as the boxes
+                # that remain (plain strided copies; a mask made the copy element by element)
+                lost = [other for other, other_start in region.placed if other_start <= start]
                 region.placed.append((box, start))
                 assert region.values is not None
-                np.copyto(region.values[(Ellipsis,) + where], values, where=win, casting="unsafe")  # as astype
+                for piece in subtract(box, lost) if lost else [box]:
+                    np.copyto(region.values[(Ellipsis,) + local(piece, region.box)],
+                              values[(Ellipsis,) + local(piece, box)], casting="unsafe")  # as astype
             else:
                 region.add_weighted(where, self._weights_of(key)[local(box, key)], values, self._pool,
                                     self._scratch_of)
@@ -360,11 +368,10 @@ class TileWriter:
         if self.blend == "none":
             assert region.values is not None
             out = region.values
-            reached = np.zeros(out.shape[len(self.channels):], dtype=bool)
-            for box, _ in region.placed:
-                reached[local(box, region.box)] = True
-            if self.array.fill_value is not None and not reached.all():  # voxels no tile reached keep it
-                np.copyto(out, np.asarray(self.array.fill_value, dtype=out.dtype), where=~reached)
+            # voxels no tile reached keep the fill value (zero without one): the region less the boxes placed
+            fill = np.asarray(self.array.fill_value if self.array.fill_value is not None else 0, dtype=out.dtype)
+            for piece in subtract(region.box, [box for box, _ in region.placed]):
+                out[(Ellipsis,) + local(piece, region.box)] = fill
             spent = [out]
         else:
             spent = []
@@ -407,6 +414,7 @@ class TileWriter:
         finally:
             if self._background is not None:
                 self._background.close()  # waits for the queued writes, raises the first failure
+        self._pool.release()  # for the next writer of this process (buffers.SPARE)
         self.record.sync()
         barrier(self.group)
 
