@@ -25,6 +25,7 @@ from stoker.engine.cpu.executor import engine_available
 from stoker.engine.pipeline import facade as pipelines
 
 from interrupts import pop_through_interrupts
+from store_fixtures import FAST_REMOTE, random_int_arrays, range_server_fixture, written_tree_fixture, zarr_values
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -312,6 +313,86 @@ def test_the_lanes_engine_is_sized_once_and_their_buffers_stay_within_the_budget
         held = sum(lane.executor.host_nbytes() + d.budget.capacity for lane, d in zip(lanes, decoders)) + engine
         assert held <= cfg.host_buffer_bytes
         assert p.stats().peak_host_bytes <= cfg.host_buffer_bytes
+
+
+def test_every_field_s_chunks_are_decoded_by_the_lanes_shared_engine(arrays, monkeypatch):
+    """With room for the whole engine in the first lane's share (256 MiB), the later lanes join it with no
+    scratch of their own; their arrays' chunks are still the engine's to read and decode (sized against the
+    engine's scratch, not the lane's 0): no chunk of any field goes to the Python path."""
+    from stoker.engine.cpu.decode_python import PythonDecoder
+
+    if not engine_available():
+        pytest.skip("stoker._native is not built")
+    python: list[str] = []  # the arrays of the chunks the Python path decoded
+    decode = PythonDecoder._decode
+    monkeypatch.setattr(PythonDecoder, "_decode", lambda self, job, task, *a, **k:
+                        python.append(job.plan.sources[task.source].uri) or decode(self, job, task, *a, **k))
+    samples = _samples(arrays, 8, channels=False)
+    dtype = {"raw": "f32", "labels": "native", "mask": "native"}
+    with stoker.Pipeline(_cfg(host_buffer_bytes=256 << 20, dtype=dtype)) as p:
+        p.push(samples)
+        for batch in p:
+            _check(arrays, batch, dtype)
+        stats = p.stats()
+        budgets = [lane.executor.decoders.native.budget_bytes for lane in p._coordinator.lanes]
+    assert budgets[0] > 0 and 0 in budgets[1:]  # the case: a lane that gave the engine nothing
+    assert all(stats.fields[name].chunks_decoded > 0 for name in dtype)
+    assert python == []
+
+
+#: two arrays a loopback HTTP server serves (each field one), in whole zstd chunk values
+REMOTE_SHAPE = (64, 48)
+REMOTE_ARRAYS = {name: dict(chunks=(16, 16), dtype="int32", compressors=ZstdCodec(level=1)) for name in ("one", "two")}
+REMOTE_BOXES = [[(0, 20), (0, 20)], [(3, 23), (5, 25)], [(40, 60), (20, 40)], [(44, 64), (0, 20)]]
+data = written_tree_fixture(random_int_arrays(REMOTE_ARRAYS, REMOTE_SHAPE))
+http = range_server_fixture()
+
+
+def test_every_field_s_disk_cache_hits_are_read_by_the_lanes_shared_engine(http, data, tmp_path, monkeypatch):
+    """The disk cache's hits of a known generation are read by the compiled engine from their entry files
+    (csrc/entries.c), for every field: a lane that joined the shared engine with no scratch of its own
+    (256 MiB: the first lane's share sizes it) has its arrays' entries sized against the engine's scratch too,
+    so none of its hits is read in Python."""
+    from stoker.storage.diskcache import DiskCache, disk_cache
+
+    if not engine_available() or not native.zstd:
+        pytest.skip("stoker._native is not built with zstd")
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)  # the process's one for the folder: the pipelines' too
+    cfg = _cfg(batch_size=len(REMOTE_BOXES), dtype="native", host_buffer_bytes=256 << 20, cache_dir=str(folder),
+               cache_bytes=64 << 20, prefetch_bytes=0, storage_options={http.url + "/": dict(FAST_REMOTE)})
+    samples = [stoker.Sample({"a": (f"{http.url}/one", box), "b": (f"{http.url}/two", box)}) for box in REMOTE_BOXES]
+    want = {"a": zarr_values(data, "one"), "b": zarr_values(data, "two")}
+
+    def batch(p) -> None:
+        p.push(samples)
+        with p.pop() as b:
+            for name, values in want.items():
+                got = torch.from_dlpack(b[name]).numpy()
+                for row, box in enumerate(REMOTE_BOXES):
+                    np.testing.assert_array_equal(got[row], values[tuple(slice(*s) for s in box)])
+
+    with stoker.Pipeline(cfg) as p:  # epoch 1: fetched, kept
+        batch(p)
+    assert cache.flush(30)
+    read: dict[str, list[str]] = {"python": [], "engine": []}  # the chunk keys of the entries each read
+    get_many, entry_file = DiskCache.get_many, DiskCache.entry_file
+    chunk = lambda ident: ident.split("\n")[1]  # noqa: E731 - its key (an array's zarr.json is no chunk)
+    monkeypatch.setattr(DiskCache, "get_many", lambda cache, idents, read_files=None: read["python"].extend(
+        chunk(i) for i in idents if "/c/" in chunk(i)) or get_many(cache, idents, read_files))
+    monkeypatch.setattr(DiskCache, "entry_file", lambda cache, ident: read["engine"].append(chunk(ident))
+                        or entry_file(cache, ident))
+    with stoker.Pipeline(cfg) as p:  # epoch 2, a new pipeline
+        batch(p)  # HTTP: the first batch revalidates (HEAD) and reads the hits in Python
+        budgets = [lane.executor.decoders.native.budget_bytes for lane in p._coordinator.lanes]
+        read["python"].clear()
+        read["engine"].clear()
+        asked = http.requests
+        batch(p)  # generations known now: the engine reads every field's entries itself
+        assert http.requests == asked  # no request: every chunk a hit
+    assert budgets[0] > 0 and budgets[1] == 0  # the case: a lane that gave the engine nothing
+    assert read["python"] == [], "a hit of a known generation was read in Python"
+    assert {key.split("/")[0] for key in read["engine"]} == {"one", "two"}
 
 
 # -- failures and slots ---------------------------------------------------------------------------------------
@@ -731,20 +812,26 @@ def test_a_fields_pipeline_runs_one_engine_of_n_compute_threads(tmp_path):
     assert _native_threads() == before
 
 
-def test_a_chunk_two_fields_in_flight_need_is_decoded_once(tmp_path):
+@pytest.mark.parametrize("host_buffer_bytes", [64 << 20, 256 << 20], ids=["topped-up", "sized-by-one-lane"])
+def test_a_chunk_two_fields_in_flight_need_is_decoded_once(tmp_path, host_buffer_bytes):
     """Input and target steps that overlap (input t=3..4, target t=4: a step one sample reads as input and
     another as target) are one chunk file: with both fields' jobs in flight together (the engine's thread held
     busy until both are submitted, as test_native_engine does), it is read and decoded once, placed into both
-    fields (values as zarr-python reads them), and counted decoded in one field only."""
+    fields (values as zarr-python reads them), and counted decoded in one field only. At 64 MiB the first lane's
+    share holds less than the engine wants and the second tops it up; at 256 MiB the first lane's share sizes the
+    whole engine and the second joins with no scratch of its own, its chunks still the engine's."""
     if not engine_available():
         pytest.skip("the compiled engine is not built")
     from test_native_engine import Tables
 
     uri = _steps(tmp_path)
     data = zarr.open_array(uri, mode="r")[:]
-    with stoker.Pipeline(_cfg(batch_size=1, n_compute_threads=1, lookahead_batches=1)) as p:
+    with stoker.Pipeline(_cfg(batch_size=1, n_compute_threads=1, lookahead_batches=1,
+                              host_buffer_bytes=host_buffer_bytes)) as p:
         p.push(stoker.Sample({"input": (uri, [(0, 2), (0, 24), (0, 36)]), "target": (uri, [(6, 7), (0, 24), (0, 36)])}))
         p.pop().release()  # the lanes and their engines exist now
+        budgets = [lane.executor.decoders.native.budget_bytes for lane in p._coordinator.lanes]
+        assert (budgets[1] == 0) == (host_buffer_bytes == 256 << 20), budgets  # the two cases, as named
         # a second or so of the one thread's work: 500,000 tiny chunks decoded from one buffer (none shareable)
         t = Tables(tmp_path / "busy", 500000)
         value = Path(t.write(0)).read_bytes()

@@ -422,6 +422,13 @@ class NativeDecoder:
         self._shared.watch(stats)
 
     @property
+    def scratch_bytes(self) -> int:
+        """The scratch of the engine it submits to, which a chunk it hands that engine must fit: a shared
+        engine's is its lanes' together (a lane may join with none of its own, ``budget_bytes`` 0, and still
+        has its chunks decoded there); final once every lane has joined, before any submits."""
+        return self._shared.budget_bytes
+
+    @property
     def engine(self):
         """The ``native.Engine`` its jobs go to (a shared one is started here, at its first use)."""
         return self._shared.engine
@@ -470,8 +477,8 @@ class NativeDecoder:
         # a local array: described once per process; an array in a store: the store is this pipeline's, and so
         # is its _Source
         return _kept(self._sources, (id(reader), dtype, kind), reader,
-                     lambda: shared_source(reader, dtype, kind, self.budget_bytes) if reader.kv.is_local
-                     else _Source(reader, dtype, kind, self.budget_bytes))
+                     lambda: shared_source(reader, dtype, kind, self.scratch_bytes) if reader.kv.is_local
+                     else _Source(reader, dtype, kind, self.scratch_bytes))
 
     def _source_set(self, readers: list, dtype: torch.dtype, kind: int | None) -> "_SourceSet":
         """The engine's view of a batch's arrays, kept while the same arrays come again (a training run over
@@ -604,7 +611,7 @@ class NativeDecoder:
             # an entry is read whole into a thread's scratch: the array's chunks must fit the engine's budget so
             room = sources.disk_room = np.array(
                 [getattr(s.kv, "entry_files", None) is not None
-                 and s.nbytes + _ALIGN + s.stored + ENTRY_ROOM <= self.budget_bytes for s in sources], bool)
+                 and s.nbytes + _ALIGN + s.stored + ENTRY_ROOM <= self.scratch_bytes for s in sources], bool)
         if not room[src].any():
             return ids
         # what the batch's prefetch found on disk when it was planned ahead: not asked of the cache again (the
