@@ -110,18 +110,19 @@ async def _wait_closed_as_in_312(self):
 
 @pytest.fixture
 def server_of(tmp_path, monkeypatch):
-    """``server_of(files)``: a BenchServer of a folder of ``files`` (name -> bytes) serving on a thread, and
-    the thread. Its ``asyncio.Server.wait_closed`` is 3.12.1's on every interpreter (emulated before 3.12.1,
+    """``server_of(files, s3=False)``: a BenchServer of a folder of ``files`` (path -> bytes) serving on a
+    thread, and the thread. Its ``asyncio.Server.wait_closed`` is 3.12.1's on every interpreter (emulated before 3.12.1,
     the version that made it wait for the connections): a shutdown that leaves a connection open then hangs
     here as it would there."""
     if sys.version_info < (3, 12, 1):
         monkeypatch.setattr(asyncio.base_events.Server, "wait_closed", _wait_closed_as_in_312)
     started = []
 
-    def start(files: dict[str, bytes]):
+    def start(files: dict[str, bytes], s3: bool = False):
         for name, data in files.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / name).write_bytes(data)
-        server = BenchServer(str(tmp_path))
+        server = BenchServer(str(tmp_path), s3=s3)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         started.append((server, thread))
@@ -168,3 +169,35 @@ def test_shutdown_ends_a_connection_whose_client_stopped_reading(server_of):
             time.sleep(0.01)
         assert server.counters()["bytes"] == 100 * (200 << 10)
         assert _shutdown_time(server, thread) < 2
+
+
+def test_a_folder_changed_within_its_mtimes_tick_is_listed_anew(server_of, tmp_path, monkeypatch):
+    server, _ = server_of({"g/a": b"a", "old/a": b"a"}, s3=True)
+
+    def keys(prefix: str) -> list[str]:
+        doc = _page(server, prefix=prefix)
+        return [part.split(b"</Key>")[0].decode() for part in doc.split(b"<Key>")[1:]]
+
+    folder = tmp_path / "g"
+    st = os.stat(folder)
+    assert keys("g/") == ["g/a"]
+    # a name added in the same tick of a coarse clock (1 s on ext3, 2 s on FAT) leaves the folder's mtime as it
+    # was: emulated here by setting it back
+    (folder / "b").write_bytes(b"b")
+    os.utime(folder, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert keys("g/") == ["g/a", "g/b"]
+    # a folder whose mtime is older than a tick is listed once while it stays, and anew once it changes
+    old = time.time_ns() - 60 * 10**9
+    os.utime(tmp_path / "old", ns=(old, old))
+    assert keys("old/") == ["old/a"]
+    scanned: list[str] = []
+    real = os.scandir
+
+    def scandir(path):
+        scanned.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert keys("old/") == ["old/a"] and str(tmp_path / "old") not in scanned
+    (tmp_path / "old" / "b").write_bytes(b"b")
+    assert keys("old/") == ["old/a", "old/b"] and str(tmp_path / "old") in scanned

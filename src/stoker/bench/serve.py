@@ -49,6 +49,10 @@ BUCKET = "bench"
 SMALL_BODY = 256 << 10
 #: Folders whose sorted listing the S3 mode keeps (revalidated by the folder's mtime), at most.
 MAX_FOLDERS = 8192
+#: A folder's listing is kept only once its mtime is this old: where timestamps are coarse (1 s on ext3 and
+#: HFS+, 2 s on FAT) a name added in the tick the folder was listed leaves its mtime as it was, and a listing
+#: kept then would miss that name for as long as it is kept.
+SETTLED_NS = 2_000_000_000
 #: How long stopping waits for the connections it ended to be gone (they go at once: they are aborted).
 CLOSE_S = 5.0
 _REASONS = {200: "OK", 206: "Partial Content", 304: "Not Modified", 400: "Bad Request", 404: "Not Found",
@@ -296,7 +300,8 @@ class BenchServer:
                 yield key
 
     def _names(self, folder: str) -> list[str]:
-        """The names in ``folder``, sorted, a folder's with a "/" after it; kept while its mtime stays."""
+        """The names in ``folder``, sorted, a folder's with a "/" after it; kept while its mtime stays, once
+        that is :data:`SETTLED_NS` old (a folder changed in the last tick of a coarse clock is listed anew)."""
         try:
             mtime = os.stat(folder).st_mtime_ns
         except OSError:
@@ -315,6 +320,8 @@ class BenchServer:
         except OSError:
             return []
         names.sort()
+        if time.time_ns() - mtime < SETTLED_NS:  # (a mtime ahead of this clock too: not kept)
+            return names
         if len(self._folders) >= MAX_FOLDERS:
             self._folders.clear()
         self._folders[folder] = (mtime, names)
