@@ -53,16 +53,22 @@ def _page(server, **query) -> bytes:
         return answer.read()
 
 
-def test_a_list_page_reads_the_folders_on_its_path_not_the_tree(tree, monkeypatch):
-    root, keys, server = tree
-    scanned: list[str] = []
+@pytest.fixture
+def scanned(monkeypatch) -> list[str]:
+    """The folders os.scandir lists from now on, in order."""
+    folders: list[str] = []
     real = os.scandir
 
     def scandir(path):
-        scanned.append(str(path))
+        folders.append(str(path))
         return real(path)
 
     monkeypatch.setattr(os, "scandir", scandir)
+    return folders
+
+
+def test_a_list_page_reads_the_folders_on_its_path_not_the_tree(tree, scanned):
+    root, keys, server = tree
     doc = _page(server, prefix="g/a100", **{"max-keys": 5})
     assert doc.count(b"<Key>") == 5 and b"<Key>g/a100/c/0</Key>" in doc and b"<IsTruncated>true" in doc
     # the root, g, g/a100, g/a100/c: not the 120 arrays' 240 folders
@@ -171,7 +177,7 @@ def test_shutdown_ends_a_connection_whose_client_stopped_reading(server_of):
         assert _shutdown_time(server, thread) < 2
 
 
-def test_a_folder_changed_within_its_mtimes_tick_is_listed_anew(server_of, tmp_path, monkeypatch):
+def test_a_folder_changed_within_its_mtimes_tick_is_listed_anew(server_of, tmp_path, scanned):
     server, _ = server_of({"g/a": b"a", "old/a": b"a"}, s3=True)
 
     def keys(prefix: str) -> list[str]:
@@ -190,14 +196,7 @@ def test_a_folder_changed_within_its_mtimes_tick_is_listed_anew(server_of, tmp_p
     old = time.time_ns() - 60 * 10**9
     os.utime(tmp_path / "old", ns=(old, old))
     assert keys("old/") == ["old/a"]
-    scanned: list[str] = []
-    real = os.scandir
-
-    def scandir(path):
-        scanned.append(str(path))
-        return real(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)
+    scanned.clear()
     assert keys("old/") == ["old/a"] and str(tmp_path / "old") not in scanned
     (tmp_path / "old" / "b").write_bytes(b"b")
     assert keys("old/") == ["old/a", "old/b"] and str(tmp_path / "old") in scanned
