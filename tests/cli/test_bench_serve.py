@@ -158,8 +158,24 @@ def test_shutdown_ends_an_idle_keep_alive_connection(server_of):
         conn.request("GET", "/k")
         assert conn.getresponse().read() == b"x"  # the connection stays open, idle, as a client's pool keeps it
         assert _shutdown_time(server, thread) < 2
+        try:  # and the server ended it
+            assert conn.sock.recv(1) == b""
+        except ConnectionResetError:
+            pass
     finally:
         conn.close()
+
+
+def test_shutdown_before_serving_starts_ends_serve_forever_at_once(server_of, tmp_path):
+    server = BenchServer(str(tmp_path))  # (server_of: with 3.12.1's wait_closed here too)
+    try:
+        server.shutdown()  # serve_forever not running yet: returns at once, and serve_forever will too
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        thread.join(2)
+        assert not thread.is_alive()
+    finally:
+        server.server_close()
 
 
 @pytest.mark.timeout(60)
