@@ -4,8 +4,13 @@ is every key in S3's order with the size and ETag a HEAD states."""
 
 from __future__ import annotations
 
+import asyncio.base_events
+import http.client
 import os
+import socket
+import sys
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -48,16 +53,22 @@ def _page(server, **query) -> bytes:
         return answer.read()
 
 
-def test_a_list_page_reads_the_folders_on_its_path_not_the_tree(tree, monkeypatch):
-    root, keys, server = tree
-    scanned: list[str] = []
+@pytest.fixture
+def scanned(monkeypatch) -> list[str]:
+    """The folders os.scandir lists from now on, in order."""
+    folders: list[str] = []
     real = os.scandir
 
     def scandir(path):
-        scanned.append(str(path))
+        folders.append(str(path))
         return real(path)
 
     monkeypatch.setattr(os, "scandir", scandir)
+    return folders
+
+
+def test_a_list_page_reads_the_folders_on_its_path_not_the_tree(tree, scanned):
+    root, keys, server = tree
     doc = _page(server, prefix="g/a100", **{"max-keys": 5})
     assert doc.count(b"<Key>") == 5 and b"<Key>g/a100/c/0</Key>" in doc and b"<IsTruncated>true" in doc
     # the root, g, g/a100, g/a100/c: not the 120 arrays' 240 folders
@@ -91,3 +102,117 @@ def test_obstore_lists_every_key_in_order_with_its_heads_version(tree):
         assert store.list_versions("g/nothing") == [] and store.list_versions("g/a00") == []
     finally:
         store.close()
+
+
+async def _wait_closed_as_in_312(self):
+    """Python 3.12.1's ``asyncio.Server.wait_closed`` (cpython gh-79033): it waits until every connection
+    has ended, not only until the server was closed (3.10 and 3.11 return once it is closed)."""
+    if self._waiters is None:
+        return
+    waiter = self._loop.create_future()
+    self._waiters.append(waiter)
+    await waiter
+
+
+@pytest.fixture
+def server_of(tmp_path, monkeypatch):
+    """``server_of(files, s3=False)``: a BenchServer of a folder of ``files`` (path -> bytes) serving on a
+    thread, and the thread. Its ``asyncio.Server.wait_closed`` is 3.12.1's on every interpreter (emulated before 3.12.1,
+    the version that made it wait for the connections): a shutdown that leaves a connection open then hangs
+    here as it would there."""
+    if sys.version_info < (3, 12, 1):
+        monkeypatch.setattr(asyncio.base_events.Server, "wait_closed", _wait_closed_as_in_312)
+    started = []
+
+    def start(files: dict[str, bytes], s3: bool = False):
+        for name, data in files.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_bytes(data)
+        server = BenchServer(str(tmp_path), s3=s3)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        started.append((server, thread))
+        return server, thread
+
+    yield start
+    for server, thread in started:
+        server.shutdown()
+        thread.join(10)
+        server.server_close()
+
+
+def _shutdown_time(server, thread) -> float:
+    t0 = time.monotonic()
+    server.shutdown()
+    took = time.monotonic() - t0
+    thread.join(2)
+    assert not thread.is_alive(), "serve_forever did not return: its thread and event loop stay behind"
+    return took
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_ends_an_idle_keep_alive_connection(server_of):
+    server, thread = server_of({"k": b"x"})
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    try:
+        conn.request("GET", "/k")
+        assert conn.getresponse().read() == b"x"  # the connection stays open, idle, as a client's pool keeps it
+        assert _shutdown_time(server, thread) < 2
+        try:  # and the server ended it
+            assert conn.sock.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    finally:
+        conn.close()
+
+
+def test_shutdown_before_serving_starts_ends_serve_forever_at_once(server_of, tmp_path):
+    server = BenchServer(str(tmp_path))  # (server_of: with 3.12.1's wait_closed here too)
+    try:
+        server.shutdown()  # serve_forever not running yet: returns at once, and serve_forever will too
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        thread.join(2)
+        assert not thread.is_alive()
+    finally:
+        server.server_close()
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_ends_a_connection_whose_client_stopped_reading(server_of):
+    server, thread = server_of({"k": os.urandom(200 << 10)})
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=30) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        # 20 MB of answers asked and none read: what the socket buffers do not hold waits in the server's
+        # transport, which a graceful close would flush first (for ever)
+        sock.sendall(b"GET /k HTTP/1.1\r\nHost: x\r\n\r\n" * 100)
+        deadline = time.monotonic() + 10
+        while server.counters()["bytes"] < 100 * (200 << 10) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.counters()["bytes"] == 100 * (200 << 10)
+        assert _shutdown_time(server, thread) < 2
+
+
+def test_a_folder_changed_within_its_mtimes_tick_is_listed_anew(server_of, tmp_path, scanned):
+    server, _ = server_of({"g/a": b"a", "old/a": b"a"}, s3=True)
+
+    def keys(prefix: str) -> list[str]:
+        doc = _page(server, prefix=prefix)
+        return [part.split(b"</Key>")[0].decode() for part in doc.split(b"<Key>")[1:]]
+
+    folder = tmp_path / "g"
+    st = os.stat(folder)
+    assert keys("g/") == ["g/a"]
+    # a name added in the same tick of a coarse clock (1 s on ext3, 2 s on FAT) leaves the folder's mtime as it
+    # was: emulated here by setting it back
+    (folder / "b").write_bytes(b"b")
+    os.utime(folder, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert keys("g/") == ["g/a", "g/b"]
+    # a folder whose mtime is older than a tick is listed once while it stays, and anew once it changes
+    old = time.time_ns() - 60 * 10**9
+    os.utime(tmp_path / "old", ns=(old, old))
+    assert keys("old/") == ["old/a"]
+    scanned.clear()
+    assert keys("old/") == ["old/a"] and str(tmp_path / "old") not in scanned
+    (tmp_path / "old" / "b").write_bytes(b"b")
+    assert keys("old/") == ["old/a", "old/b"] and str(tmp_path / "old") in scanned

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import email.utils
 import itertools
 import json
@@ -48,6 +49,12 @@ BUCKET = "bench"
 SMALL_BODY = 256 << 10
 #: Folders whose sorted listing the S3 mode keeps (revalidated by the folder's mtime), at most.
 MAX_FOLDERS = 8192
+#: A folder's listing is kept only once its mtime is this old: where timestamps are coarse (1 s on ext3 and
+#: HFS+, 2 s on FAT) a name added in the tick the folder was listed leaves its mtime as it was, and a listing
+#: kept then would miss that name for as long as it is kept.
+SETTLED_NS = 2_000_000_000
+#: How long stopping waits for the connections it ended to be gone (they go at once: they are aborted).
+CLOSE_S = 5.0
 _REASONS = {200: "OK", 206: "Partial Content", 304: "Not Modified", 400: "Bad Request", 404: "Not Found",
             416: "Requested Range Not Satisfiable", 501: "Not Implemented"}
 
@@ -63,10 +70,11 @@ class BenchServer:
         self._folders: dict[str, tuple[int, list[str]]] = {}  # folder -> (its mtime_ns, its names: see _names)
         self._sock = socket.create_server(("127.0.0.1", port), backlog=256)  # many peers' connections at once
         self.server_address = self._sock.getsockname()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._stopped = threading.Event()
-        self._asked_to_stop = False
+        # shutdown() asked: done from any thread, before or while serve_forever runs (its loop awaits it)
+        self._stop: concurrent.futures.Future = concurrent.futures.Future()
+        self._idle = threading.Event()  # serve_forever is not running
+        self._idle.set()
+        self._connections: set[asyncio.Task] = set()  # each open connection's task (on the loop thread)
         self._date = (0, "")
 
     # -- counters ---------------------------------------------------------------------------------
@@ -82,33 +90,40 @@ class BenchServer:
 
     # -- running ----------------------------------------------------------------------------------
 
-    def serve_forever(self, poll_interval: float = 0.5) -> None:
-        """Answer requests until :meth:`shutdown` (``poll_interval``: accepted for socketserver's signature)."""
-        self._stopped.clear()
+    def serve_forever(self) -> None:
+        """Answer requests until :meth:`shutdown` (from another thread)."""
+        self._idle.clear()
         try:
             asyncio.run(self._serve())
         finally:
-            self._stopped.set()
+            self._idle.set()
 
     async def _serve(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        if self._asked_to_stop:  # shut down before the loop was there to be told
-            return
         server = await asyncio.start_server(self._connection, sock=self._sock)
-        async with server:
-            await self._stop.wait()
-            server.close()
+        try:
+            await asyncio.wrap_future(self._stop)
+        finally:
+            server.close()  # no new connections
+            # Since Python 3.12.1 Server.wait_closed (and so ``async with server``) waits for every connection
+            # to end (cpython gh-79033), and an idle keep-alive one waits in readuntil for ever: end each here.
+            # One way on every version (3.13's Server.close_clients would do the same from 3.13 on).
+            tasks = list(self._connections)
+            for task in tasks:
+                task.cancel()
+            try:
+                if tasks:
+                    await asyncio.wait(tasks, timeout=CLOSE_S)
+                await asyncio.wait_for(server.wait_closed(), CLOSE_S)
+            except asyncio.TimeoutError:  # not expected (every connection was ended): asyncio.run cancels the rest
+                pass
 
     def shutdown(self) -> None:
         """Stop :meth:`serve_forever` and wait (at most 10 s) until it has returned."""
-        self._asked_to_stop = True
-        loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(stop.set)
-            except RuntimeError:  # the loop closed meanwhile
-                pass
-            self._stopped.wait(10)
+        try:
+            self._stop.set_result(None)
+        except concurrent.futures.InvalidStateError:  # asked before
+            pass
+        self._idle.wait(10)
 
     def server_close(self) -> None:
         self._sock.close()
@@ -116,11 +131,16 @@ class BenchServer:
     # -- one connection ---------------------------------------------------------------------------
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._stop.done():  # accepted as the server stops, after _serve ended the connections it knew
+            writer.transport.abort()
+            return
         sock = writer.get_extra_info("socket")
         if sock is not None:
             # headers and body go out in separate sends: with Nagle's algorithm the body would wait for the
             # client's delayed ACK of the headers (40 ms on Linux), a delay no real server adds
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        task = asyncio.current_task()
+        self._connections.add(task)  # type: ignore[arg-type]
         try:
             while True:  # keep-alive (HTTP/1.1), as real servers
                 try:
@@ -149,7 +169,11 @@ class BenchServer:
         except asyncio.CancelledError:  # the server stopping with the connection open: it ends here (a task
             return  # left cancelled makes asyncio's stream callback log an error)
         finally:
-            writer.close()
+            self._connections.discard(task)  # type: ignore[arg-type]
+            if self._stop.done():
+                writer.transport.abort()  # at once: close() would wait for a client that stopped reading
+            else:
+                writer.close()
 
     async def _send(self, writer: asyncio.StreamWriter, status: int, headers: dict, body: bytes = b"") -> None:
         now = int(time.time())
@@ -276,7 +300,8 @@ class BenchServer:
                 yield key
 
     def _names(self, folder: str) -> list[str]:
-        """The names in ``folder``, sorted, a folder's with a "/" after it; kept while its mtime stays."""
+        """The names in ``folder``, sorted, a folder's with a "/" after it; kept while its mtime stays, once
+        that is :data:`SETTLED_NS` old (a folder changed in the last tick of a coarse clock is listed anew)."""
         try:
             mtime = os.stat(folder).st_mtime_ns
         except OSError:
@@ -295,6 +320,8 @@ class BenchServer:
         except OSError:
             return []
         names.sort()
+        if time.time_ns() - mtime < SETTLED_NS:  # (a mtime ahead of this clock too: not kept)
+            return names
         if len(self._folders) >= MAX_FOLDERS:
             self._folders.clear()
         self._folders[folder] = (mtime, names)

@@ -39,13 +39,14 @@ import asyncio
 import collections
 import concurrent.futures
 import contextvars
+import functools
 import os
 import random
 import re
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, NamedTuple, Sequence
 from urllib.parse import urlparse
 
 from .. import checks
@@ -296,23 +297,28 @@ class ObjectStore(Store):
             raise StorageError(f"{self.uri}: no answer in {bound + _SLACK_S:.0f} s", uri=self.uri, key=None,
                                status=None, attempts=None) from None
 
-    def _slot(self, gate: asyncio.Semaphore | None, key: str, what: str, whose: str, tried: int = 0) -> "_Slot":
-        """``async with``: hold a request slot of ``gate`` (None: no cap), waiting at most until the call's
-        deadline or ``queue_timeout_s``, whichever comes first; then a StorageError naming ``key`` (a saturated
-        store or server otherwise keeps a request queued for as long as the requests ahead of it take).
-        ``tried``: the key's tries so far (the error's ``attempts``)."""
-        return _Slot(self, gate, key, what, whose, tried)
+    def _slot(self, key: str, what: str, tried: int = 0) -> "_Slot":
+        """``async with``: hold a request slot of the shared ``gate`` (None: no cap), waiting at most until the
+        call's deadline or ``queue_timeout_s``, whichever comes first; then a StorageError naming ``key`` (a
+        saturated store or server otherwise keeps a request queued for as long as the requests ahead of it
+        take). ``tried``: the key's tries so far (the error's ``attempts``)."""
+        return _Slot(self, key, what, tried)
 
-    async def _queue(self, gate: asyncio.Semaphore, key: str, what: str, whose: str, tried: int) -> None:
+    async def _queue(self, gate: asyncio.Semaphore, key: str, what: str, tried: int) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
+        try:  # asyncio.timeout where there is one: wait_for would make a task of each queued request
+            await _within(gate.acquire, self._slot_wait(started))
+        except asyncio.TimeoutError:
+            raise self._slot_error(key, what, _GATE_SLOTS, tried, loop.time() - started) from None
+
+    def _slot_wait(self, started: float) -> float | None:
+        """How long a request queued at ``started`` (the loop's clock) may wait for a slot: until the call's
+        deadline or for ``queue_timeout_s``, whichever comes first (None: no bound)."""
         deadline = _deadline.get()
         limits = [t for t in (None if deadline is None else deadline - started, self.queue_timeout_s)
                   if t is not None]
-        try:  # asyncio.timeout where there is one: wait_for would make a task of each queued request
-            await _within(gate.acquire, max(0.0, min(limits)) if limits else None)
-        except asyncio.TimeoutError:
-            raise self._slot_error(key, what, whose, tried, loop.time() - started) from None
+        return max(0.0, min(limits)) if limits else None
 
     def _slot_error(self, key: str, what: str, whose: str, tried: int, waited: float) -> StorageError:
         return StorageError(
@@ -321,8 +327,8 @@ class ObjectStore(Store):
             "Allow more requests at once (requests_in_flight, max_in_flight), lower the load, or raise "
             "queue_timeout_s / timeout_s", uri=self.uri, key=key, status=None, attempts=tried, waited_s=waited)
 
-    async def _lanes(self, jobs: list, in_place: Callable[[Any, StorageError], None] | None = None) -> None:
-        """Run every job (``(key, what, fn)``: ``await fn()``), at most ``max_in_flight`` at once: that many
+    async def _lanes(self, jobs: list[_Job], in_place: Callable[[_Job, StorageError], None] | None = None) -> None:
+        """Run every job (``await job.run()``), at most ``max_in_flight`` at once: that many
         lanes, each a task that takes the next job once its last is done. Not a task per request queued on a
         semaphore: every request of every store runs on the one event loop thread, and a task, a semaphore
         waiter and a timer each per request cost that thread more than the request's own await. A job not
@@ -336,19 +342,17 @@ class ObjectStore(Store):
 
         async def lane() -> None:
             while todo:
-                await todo.popleft()[2]()
+                await todo.popleft().run()
 
         tasks = [asyncio.ensure_future(lane()) for _ in range(min(self.max_in_flight, len(jobs)))]
         timer, failed = None, []
         if todo and len(tasks) < len(jobs):
             started = loop.time()
-            deadline = _deadline.get()
-            limits = [t for t in (None if deadline is None else deadline - started, self.queue_timeout_s)
-                      if t is not None]
+            wait = self._slot_wait(started)
 
             def give_up() -> None:  # on the loop: the jobs still queued never start
                 waited = loop.time() - started
-                errors = [(job, self._slot_error(job[0], job[1], self._call_slots(), 0, waited)) for job in todo]
+                errors = [(job, self._slot_error(job.key, job.what, self._call_slots(), 0, waited)) for job in todo]
                 todo.clear()
                 if in_place is not None:
                     for job, error in errors:
@@ -358,8 +362,8 @@ class ObjectStore(Store):
                     for task in tasks:
                         task.cancel()
 
-            if limits:
-                timer = loop.call_at(started + max(0.0, min(limits)), give_up)
+            if wait is not None:
+                timer = loop.call_at(started + wait, give_up)
         try:
             await self._gather(tasks)
         except asyncio.CancelledError:
@@ -392,8 +396,7 @@ class ObjectStore(Store):
         while True:
             attempt += 1
             # a slot of the shared gate per try, not held through the backoff; waiting for one is no try
-            async with self._slot(self._gate, key, what, "requests_in_flight, shared with other stores",
-                                  tried=attempt - 1):
+            async with self._slot(key, what, tried=attempt - 1):
                 try:
                     return await _within(op, per_attempt)
                 except FileNotFoundError:
@@ -511,7 +514,7 @@ class ObjectStore(Store):
                 out[i] = data[part]
                 versions[i] = version
 
-        return out, versions, [(read[0].key, "ranged read", lambda read=read: one(*read)) for read in reads]
+        return out, versions, [_Job(read[0].key, "ranged read", functools.partial(one, *read)) for read in reads]
 
     @staticmethod
     async def _gather(tasks: list) -> None:
@@ -565,7 +568,7 @@ class ObjectStore(Store):
                 values[i] = None
 
         out, part_versions, jobs = self._range_jobs(n, reads, lenient)
-        jobs += [(key, "read", lambda i=i, key=key: whole(i, key)) for i, key in enumerate(keys)]
+        jobs += [_Job(key, "read", functools.partial(whole, i, key)) for i, key in enumerate(keys)]
         await self._lanes(jobs)
         return (values, out, value_versions, part_versions) if versions else (values, out)
 
@@ -581,20 +584,31 @@ class ObjectStore(Store):
         return (out, [None if isinstance(g, Exception) else g[1] for g in got]) if versions else out
 
     async def _get_each(self, requests: list[ByteRange]) -> list:
-        out: list = [None] * len(requests)
+        def one(j: int) -> Awaitable:
+            r = requests[j]
+            return self._attempts(r.key, "ranged read", lambda: self._get_range(r, r.start, r.length),
+                                  short=lambda k: _unsatisfiable(self.uri, r, k))
 
-        async def one(j: int, r: ByteRange) -> None:
+        return await self._each([r.key for r in requests], "ranged read", one)
+
+    async def _each(self, keys: list[str], what: str, one: Callable[[int], Awaitable]) -> list:
+        """``await one(i)`` for each of ``keys`` (the ``what`` of ``keys[i]``), at most ``max_in_flight`` at
+        once (see :meth:`_lanes`): what each gave, or the error it alone met, in its place (as a value, see
+        :func:`~stoker.errors.as_value`); one failure does not stop the others."""
+        out: list = [None] * len(keys)
+
+        async def run(i: int) -> None:
             try:
-                out[j] = await self._attempts(r.key, "ranged read", lambda: self._get_range(r, r.start, r.length),
-                                              short=lambda k: _unsatisfiable(self.uri, r, k))
-            except Exception as exc:  # noqa: BLE001 - this range's own error, in its place
-                out[j] = as_value(exc)
+                out[i] = await one(i)
+            except Exception as exc:  # noqa: BLE001 - this key's own error, in its place
+                out[i] = as_value(exc)
 
-        def in_place(job: tuple, error: StorageError) -> None:  # no free slot in time: its error in its place
-            out[job[3]] = as_value(error)
+        def in_place(job: _Job, error: StorageError) -> None:  # no free slot in time: its error in its place
+            out[job.at] = as_value(error)
 
-        await self._lanes([(r.key, "ranged read", lambda j=j, r=r: one(j, r), j) for j, r in enumerate(requests)],
-                          in_place)
+        # one lane per slot (not a task per key): a batch's requests cost the shared loop thread little past
+        # their own awaits
+        await self._lanes([_Job(key, what, functools.partial(run, i), i) for i, key in enumerate(keys)], in_place)
         return out
 
     def versions(self, keys: Sequence[str]) -> list:
@@ -614,21 +628,10 @@ class ObjectStore(Store):
         return self._start(self._versions(list(keys)), rounds=max(1, -(-len(keys) // self.max_in_flight)))
 
     async def _versions(self, keys: list[str]) -> list:
-        out: list = [None] * len(keys)
+        async def one(i: int) -> Version | None:
+            return _version(await self._attempts(keys[i], "revalidation", lambda: self._head(keys[i])))
 
-        async def one(i: int, key: str) -> None:
-            try:
-                out[i] = _version(await self._attempts(key, "revalidation", lambda: self._head(key)))
-            except Exception as exc:  # noqa: BLE001 - this key's own error, in its place
-                out[i] = as_value(exc)
-
-        def in_place(job: tuple, error: StorageError) -> None:  # no free slot in time: its error in its place
-            out[job[3]] = as_value(error)
-
-        # one lane per slot (not a task per key): a batch's HEADs cost the shared loop thread little past
-        # their own awaits
-        await self._lanes([(k, "revalidation", lambda i=i, k=k: one(i, k), i) for i, k in enumerate(keys)], in_place)
-        return out
+        return await self._each(keys, "revalidation", one)
 
     async def _head(self, key: str) -> dict:
         import obstore
@@ -734,23 +737,36 @@ class ObjectStore(Store):
         return f"ObjectStore({self.uri!r})"
 
 
+class _Job(NamedTuple):
+    """One request of a call, run by :meth:`ObjectStore._lanes` (``await run()``): its slot error names ``key``
+    and ``what``; ``at``: its place in the call's answer (what ``in_place`` fills)."""
+
+    key: str
+    what: str
+    run: Callable[[], Awaitable[None]]
+    at: int = -1
+
+
+#: whose request slots a request of a store with a ``gate`` waits for (named in its slot error)
+_GATE_SLOTS = "requests_in_flight, shared with other stores"
+
+
 class _Slot:
     """:meth:`ObjectStore._slot`'s context. A class rather than ``contextlib.asynccontextmanager``: every
-    request enters two, on the event loop thread every store shares, and a generator-based one costs that
+    request enters one, on the event loop thread every store shares, and a generator-based one costs that
     thread several more steps each."""
 
-    __slots__ = ("store", "gate", "key", "what", "whose", "tried")
+    __slots__ = ("store", "gate", "key", "what", "tried")
 
-    def __init__(self, store: ObjectStore, gate: asyncio.Semaphore | None, key: str, what: str, whose: str,
-                 tried: int) -> None:
-        self.store, self.gate, self.key, self.what, self.whose, self.tried = store, gate, key, what, whose, tried
+    def __init__(self, store: ObjectStore, key: str, what: str, tried: int) -> None:
+        self.store, self.gate, self.key, self.what, self.tried = store, store._gate, key, what, tried
 
     async def __aenter__(self) -> None:
         gate = self.gate
-        if gate is None:
+        if gate is None:  # a store of its own, no gate shared with others: no cap but its calls' max_in_flight
             return
         if gate.locked():
-            await self.store._queue(gate, self.key, self.what, self.whose, self.tried)
+            await self.store._queue(gate, self.key, self.what, self.tried)
         else:
             await gate.acquire()  # a free slot: taken at once, no timer
 
