@@ -25,7 +25,7 @@ import stoker
 from stoker.engine.pipeline.prefetch import listed_whole, revalidate_ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import disk_cache
-from stoker.storage.locate import Stores
+from stoker.storage.locate import Stores, locate
 
 from range_server import RangeServer
 from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, range_server_fixture, read_tree,
@@ -560,5 +560,65 @@ def test_a_key_revalidated_ahead_then_read_looks_up_its_marker_once(data, tmp_pa
         heads = [path for _, method, path in server.log if method == "HEAD"]
         assert sorted(heads) == sorted(f"/{k}" for k in keys)
         assert not [path for _, method, path in server.log[-len(keys):] if method == "GET"]
+    finally:
+        server.stop()
+
+
+def test_a_key_whose_marker_was_found_on_disk_still_marks_its_array_when_kept(s3, data, tmp_path):
+    # chunks kept by a wrapper that never opened their array (no folder marker written), then rewritten: the
+    # next wrapper finds their markers on disk, HEADs them, reads the new values and keeps them, and marks
+    # the array it opened, so the open after lists it (before: a marker found on disk counted as written
+    # by the wrapper, so the array's folder marker was never written and the next open listed nothing)
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/plain"
+    base = Stores().get(locate(uri), _cached(tmp_path, s3.options))[0]  # not opened: nothing read nor marked
+    assert isinstance(base, cachingstore.CachingStore)
+    keys = [f"{prefix}/plain/c/{i}/{j}" for i in range(4) for j in range(4)]
+    first = cachingstore.CachingStore(base.store, base.cache)
+    first.get_many(keys, [])
+    assert first.cache.flush(30)
+    _write(data, 2)
+    s3.upload(read_tree(data), prefix)
+    want = [read_tree(data)[k.split("/", 1)[1]] for k in keys]
+    second = cachingstore.CachingStore(base.store, base.cache)
+    second.opened(f"{prefix}/plain")
+    assert [bytes(v) for v in second.get_many(keys, [])[0]] == want
+    assert second.counters.listings == 0 and second.counters.revalidations == 16 and second.counters.misses == 16
+    assert second.cache.flush(30)
+    third = cachingstore.CachingStore(base.store, base.cache)
+    third.opened(f"{prefix}/plain")
+    assert [bytes(v) for v in third.get_many(keys, [])[0]] == want
+    assert third.counters.listings == 1, third.counters
+    assert third.counters.revalidations == 0 and third.counters.hits == 16, third.counters
+
+
+@pytest.mark.parametrize("bound", [4, None])
+def test_markers_found_on_disk_are_remembered_up_to_a_bound(data, tmp_path, monkeypatch, bound):
+    # a warm cache read again once every generation is stale: the markers found the first time are not looked
+    # up again, but the wrapper remembers MARKERS_FOUND of them at most (before: every key ever read from a
+    # warm cache stayed remembered, without bound)
+    if bound is not None:
+        monkeypatch.setattr(cachingstore, "MARKERS_FOUND", bound, raising=False)  # before: no bound
+    server = RangeServer(data)
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        kv = _caching(stoker.open_array(f"{server.url}/plain", options, stores=Stores()))
+        keys = [f"plain/c/{i}/{j}" for i in range(4) for j in range(4)]
+        want = [read_tree(data)[k] for k in keys]
+        assert [bytes(v) for v in kv.get_many(keys, [])[0]] == want
+        assert kv.cache.flush(30)
+        kv = cachingstore.CachingStore(kv.store, kv.cache, staleness_s=0.5)
+        looked: list[str] = []
+        real = kv.cache.has
+        monkeypatch.setattr(kv.cache, "has", lambda ident: looked.append(ident) or real(ident))
+        assert [bytes(v) for v in kv.get_many(keys, [])[0]] == want
+        assert len(looked) == 16
+        time.sleep(0.6)  # every generation stale: each key revalidated again, its marker asked again
+        assert [bytes(v) for v in kv.get_many(keys, [])[0]] == want
+        assert kv.counters.revalidations == 32 and kv.counters.hits == 32, kv.counters
+        if bound is None:
+            assert len(looked) == 16  # all remembered
+        else:
+            assert len(looked) >= 16 + 16 - bound, len(looked)  # those past the bound looked up again
     finally:
         server.stop()
