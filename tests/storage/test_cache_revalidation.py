@@ -564,6 +564,71 @@ def test_a_key_revalidated_ahead_then_read_looks_up_its_marker_once(data, tmp_pa
         server.stop()
 
 
+def test_stale_objects_of_an_array_whose_open_listed_nothing_are_revalidated_ahead(s3, data, tmp_path):
+    # a first run on a cold cache: the open lists nothing (nothing kept yet), the reads learn the generations
+    # by GET; once those are past the staleness bound, no listing refreshes them, so revalidate_ahead asks
+    # each object ahead by a HEAD (before: skipped as "listed whole", the later reads waited for the HEADs)
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/plain"
+    options = _cached(tmp_path, s3.options, cache_staleness_s=1.0)
+    with moto_log() as log:
+        a = stoker.open_array(uri, options, stores=Stores())
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+        assert _caching(a).cache.flush(30)
+    assert _counted(log, prefix, "plain")["list"] == 0
+    time.sleep(1.2)
+    assert not listed_whole(a)
+    chunks = f"/{BUCKET}/{prefix}/plain/c/"
+    with moto_log() as log:
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+        assert _heads_until(lambda: sum(m == "HEAD" and q.startswith(chunks) for m, q in log), 16) == 16
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _counted(log, prefix, "plain") == {"list": 0, "head": 16, "get": 0}
+
+
+def test_revalidate_ahead_heads_the_objects_of_an_array_whose_listing_failed(s3, data, tmp_path, monkeypatch):
+    # the open's listing of a cached array fails: its objects are known by nothing, so each is asked ahead
+    # by a HEAD (before: the array was small enough for one listing, so it was skipped)
+    prefix, uri, options, _ = _warm(s3, data, tmp_path)
+    a = stoker.open_array(uri, options, stores=Stores())
+    kv = _caching(a)
+    assert listed_whole(a)
+
+    def refused(*args, **kwargs):
+        failed: concurrent.futures.Future = concurrent.futures.Future()
+        failed.set_exception(OSError("ListObjectsV2 refused"))
+        return failed
+
+    monkeypatch.setattr(kv.store, "start_list_versions", refused)
+    kv.forget()
+    kv.opened(f"{prefix}/plain")
+    assert not listed_whole(a)
+    chunks = f"/{BUCKET}/{prefix}/plain/c/"
+    with moto_log() as log:
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+        assert _heads_until(lambda: sum(m == "HEAD" and q.startswith(chunks) for m, q in log), 16) == 16
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _counted(log, prefix, "plain") == {"list": 0, "head": 16, "get": 0}
+
+
+def test_revalidate_ahead_lists_again_an_array_whose_listing_is_half_stale(s3, data, tmp_path):
+    # the open's listing is older than half the staleness bound: revalidate_ahead no longer skips the array,
+    # and asking about its objects starts the next listing ahead (no HEAD), so the reads after it find
+    # every generation known and wait for nothing
+    prefix, uri, options, _ = _warm(s3, data, tmp_path, cache_staleness_s=2.0)
+    with moto_log() as log:
+        a = stoker.open_array(uri, options, stores=Stores())
+        assert _heads_until(lambda: _counted(log, prefix, "plain")["list"], 1, timeout=5) == 1
+        assert listed_whole(a)
+        time.sleep(1.1)
+        assert not listed_whole(a)
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+        assert _heads_until(lambda: _counted(log, prefix, "plain")["list"], 2, timeout=5) == 2
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+        assert listed_whole(a)
+    assert _counted(log, prefix, "plain") == {"list": 2, "head": 0, "get": 0}
+
+
 def test_a_key_whose_marker_was_found_on_disk_still_marks_its_array_when_kept(s3, data, tmp_path):
     # chunks kept by a wrapper that never opened their array (no folder marker written), then rewritten: the
     # next wrapper finds their markers on disk, HEADs them, reads the new values and keeps them, and marks

@@ -166,6 +166,22 @@ class CachingStore:
             self._listed_at[prefix] = now
         self._relist(prefix, now)
 
+    def listed(self, prefix: str) -> bool:
+        """Whether a listing holds the generation of every object under ``prefix`` now: one of ``prefix`` (or a
+        folder above) that came whole (every page, none failed, within :data:`LIST_KEYS` keys) less than half
+        of ``staleness_s`` ago. Then nothing under it needs asking ahead; after that half, the next read or
+        :meth:`revalidate` of a key under it starts the next listing (so asking then keeps reads from waiting).
+        False where nothing was listed: a store that cannot list, an open that found nothing kept (a cold
+        cache), an array opened again soon after its listing (then forgotten), a listing still coming.
+
+        >>> kv.opened("g.zarr/a"); kv.listed("g.zarr/a")   # False until its last page came
+        """
+        prefix = check_prefix(prefix)
+        now = time.monotonic()
+        with self._lock:
+            listing = self._listing_of(prefix + "/")
+            return listing is not None and listing.complete and now - listing.started < self.staleness_s / 2
+
     def revalidate(self, keys: Collection[str]) -> None:
         """Start revalidating the generations of ``keys`` that are stale, without waiting (a listing or HEAD
         requests on the store's event loop, one per key at most however many reads ask): what a pipeline
