@@ -25,7 +25,7 @@ import stoker
 from stoker.engine.pipeline.prefetch import listed_whole, revalidate_ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import disk_cache
-from stoker.storage.locate import Stores
+from stoker.storage.locate import Stores, locate
 
 from range_server import RangeServer
 from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, range_server_fixture, read_tree,
@@ -560,5 +560,130 @@ def test_a_key_revalidated_ahead_then_read_looks_up_its_marker_once(data, tmp_pa
         heads = [path for _, method, path in server.log if method == "HEAD"]
         assert sorted(heads) == sorted(f"/{k}" for k in keys)
         assert not [path for _, method, path in server.log[-len(keys):] if method == "GET"]
+    finally:
+        server.stop()
+
+
+def test_stale_objects_of_an_array_whose_open_listed_nothing_are_revalidated_ahead(s3, data, tmp_path):
+    # a first run on a cold cache: the open lists nothing (nothing kept yet), the reads learn the generations
+    # by GET; once those are past the staleness bound, no listing refreshes them, so revalidate_ahead asks
+    # each object ahead by a HEAD (before: skipped as "listed whole", the later reads waited for the HEADs)
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/plain"
+    options = _cached(tmp_path, s3.options, cache_staleness_s=2.0)
+    with moto_log() as log:
+        a = stoker.open_array(uri, options, stores=Stores())
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+        assert _caching(a).cache.flush(30)
+    assert _counted(log, prefix, "plain")["list"] == 0
+    time.sleep(2.2)
+    assert not listed_whole(a)
+    chunks = f"/{BUCKET}/{prefix}/plain/c/"
+    with moto_log() as log:
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+        assert _heads_until(lambda: sum(m == "HEAD" and q.startswith(chunks) for m, q in log), 16) == 16
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _counted(log, prefix, "plain") == {"list": 0, "head": 16, "get": 0}
+
+
+def test_revalidate_ahead_heads_the_objects_of_an_array_whose_listing_failed(s3, data, tmp_path, monkeypatch):
+    # the open's listing of a cached array fails: its objects are known by nothing, so each is asked ahead
+    # by a HEAD (before: the array was small enough for one listing, so it was skipped)
+    prefix, uri, options, _ = _warm(s3, data, tmp_path)
+    a = stoker.open_array(uri, options, stores=Stores())
+    kv = _caching(a)
+    assert listed_whole(a)
+
+    def refused(*args, **kwargs):
+        failed: concurrent.futures.Future = concurrent.futures.Future()
+        failed.set_exception(OSError("ListObjectsV2 refused"))
+        return failed
+
+    monkeypatch.setattr(kv.store, "start_list_versions", refused)
+    kv.forget()
+    kv.opened(f"{prefix}/plain")
+    assert not listed_whole(a)
+    chunks = f"/{BUCKET}/{prefix}/plain/c/"
+    with moto_log() as log:
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+        assert _heads_until(lambda: sum(m == "HEAD" and q.startswith(chunks) for m, q in log), 16) == 16
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _counted(log, prefix, "plain") == {"list": 0, "head": 16, "get": 0}
+
+
+def test_revalidate_ahead_lists_again_an_array_whose_listing_is_half_stale(s3, data, tmp_path):
+    # the open's listing is older than half the staleness bound: revalidate_ahead no longer skips the array,
+    # and asking about its objects starts the next listing ahead (no HEAD), so the reads after it find
+    # every generation known and wait for nothing
+    prefix, uri, options, _ = _warm(s3, data, tmp_path, cache_staleness_s=4.0)
+    with moto_log() as log:
+        a = stoker.open_array(uri, options, stores=Stores())
+        assert _heads_until(lambda: _counted(log, prefix, "plain")["list"], 1, timeout=5) == 1
+        assert listed_whole(a)
+        time.sleep(2.1)
+        assert not listed_whole(a)
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+        assert _heads_until(lambda: _counted(log, prefix, "plain")["list"], 2, timeout=5) == 2
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+        assert _heads_until(lambda: int(listed_whole(a)), 1, timeout=5) == 1  # the new listing, once learnt
+    assert _counted(log, prefix, "plain") == {"list": 2, "head": 0, "get": 0}
+
+
+def test_a_key_whose_marker_was_found_on_disk_still_marks_its_array_when_kept(s3, data, tmp_path):
+    # chunks kept by a wrapper that never opened their array (no folder marker written), then rewritten: the
+    # next wrapper finds their markers on disk, HEADs them, reads the new values and keeps them, and marks
+    # the array it opened, so the open after lists it (before: a marker found on disk counted as written
+    # by the wrapper, so the array's folder marker was never written and the next open listed nothing)
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/plain"
+    base = Stores().get(locate(uri), _cached(tmp_path, s3.options))[0]  # not opened: nothing read nor marked
+    assert isinstance(base, cachingstore.CachingStore)
+    keys = [f"{prefix}/plain/c/{i}/{j}" for i in range(4) for j in range(4)]
+    first = cachingstore.CachingStore(base.store, base.cache)
+    first.get_many(keys, [])
+    assert first.cache.flush(30)
+    _write(data, 2)
+    s3.upload(read_tree(data), prefix)
+    want = [read_tree(data)[k.split("/", 1)[1]] for k in keys]
+    second = cachingstore.CachingStore(base.store, base.cache)
+    second.opened(f"{prefix}/plain")
+    assert [bytes(v) for v in second.get_many(keys, [])[0]] == want
+    assert second.counters.listings == 0 and second.counters.revalidations == 16 and second.counters.misses == 16
+    assert second.cache.flush(30)
+    third = cachingstore.CachingStore(base.store, base.cache)
+    third.opened(f"{prefix}/plain")
+    assert [bytes(v) for v in third.get_many(keys, [])[0]] == want
+    assert third.counters.listings == 1, third.counters
+    assert third.counters.revalidations == 0 and third.counters.hits == 16, third.counters
+
+
+@pytest.mark.parametrize("bound", [4, None])
+def test_markers_found_on_disk_are_remembered_up_to_a_bound(data, tmp_path, monkeypatch, bound):
+    # a warm cache read again once every generation is stale: the markers found the first time are not looked
+    # up again, but the wrapper remembers MARKERS_FOUND of them at most (before: every key ever read from a
+    # warm cache stayed remembered, without bound)
+    if bound is not None:
+        monkeypatch.setattr(cachingstore, "MARKERS_FOUND", bound, raising=False)  # before: no bound
+    server = RangeServer(data)
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        kv = _caching(stoker.open_array(f"{server.url}/plain", options, stores=Stores()))
+        keys = [f"plain/c/{i}/{j}" for i in range(4) for j in range(4)]
+        want = [read_tree(data)[k] for k in keys]
+        assert [bytes(v) for v in kv.get_many(keys, [])[0]] == want
+        assert kv.cache.flush(30)
+        kv = cachingstore.CachingStore(kv.store, kv.cache, staleness_s=0.5)
+        looked: list[str] = []
+        real = kv.cache.has
+        monkeypatch.setattr(kv.cache, "has", lambda ident: looked.append(ident) or real(ident))
+        assert [bytes(v) for v in kv.get_many(keys, [])[0]] == want
+        assert len(looked) == 16
+        time.sleep(0.6)  # every generation stale: each key revalidated again, its marker asked again
+        assert [bytes(v) for v in kv.get_many(keys, [])[0]] == want
+        assert kv.counters.revalidations == 32 and kv.counters.hits == 32, kv.counters
+        if bound is None:
+            assert len(looked) == 16  # all remembered
+        else:
+            assert len(looked) >= 16 + 16 - bound, len(looked)  # those past the bound looked up again
     finally:
         server.stop()

@@ -395,6 +395,49 @@ def test_threads_opening_arrays_of_one_root_at_once_build_one_store(tree, monkey
         stores.close()
 
 
+def test_a_failed_first_build_leaves_one_store_built_for_the_threads_after_it(tree, monkeypatch):
+    """The first thread's build fails (its open raises it) while a second waits for it: the second builds in
+    its place, and a third arriving during that build waits for it and takes its store (before: the second
+    held an orphaned lock, so the third built a store of its own, and one of the two was thrown away)."""
+    from stoker.storage import objectstore
+
+    built: list[str] = []
+    real = objectstore.ObjectStore.__init__
+    lock = threading.Lock()
+
+    def slow_then_fail_first(self, *args, **kwargs):
+        with lock:
+            first = not built
+            built.append("failed" if first else "built")
+        time.sleep(0.4)  # a slow build: the other threads arrive while it runs
+        if first:
+            raise OSError("credential provider refused")
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(objectstore.ObjectStore, "__init__", slow_then_fail_first)
+    stores = Stores()
+    got: dict[int, object] = {}
+
+    def open_one(i: int) -> None:
+        try:
+            got[i] = stores.get(locate(f"{tree['http'].url}/{SAMPLE_ARRAYS[i]}"), FAST)[0]
+        except OSError as exc:
+            got[i] = exc
+
+    threads = [threading.Thread(target=open_one, args=(i,)) for i in range(3)]
+    try:
+        for i, t in enumerate(threads):
+            t.start()
+            time.sleep([0.1, 0.45, 0][i])  # 2nd waits for the failing build; 3rd arrives while the 2nd builds
+        for t in threads:
+            t.join(timeout=30)
+        assert isinstance(got[0], OSError)  # the first open says what its build met
+        assert got[1] is got[2] and not isinstance(got[1], Exception)
+        assert built == ["failed", "built"], built
+    finally:
+        stores.close()
+
+
 # -- pipelines ------------------------------------------------------------------------------------
 
 CROP = (9, 20)

@@ -93,7 +93,7 @@ class CachingStore:
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
         self._marked: set[str] = set()  # keys (and opened prefixes, with their "/") whose marker this wrapper wrote
-        # or found (see _has_marker)
+        self._found: set[str] = set()  # keys whose marker was found on disk (see _has_marker; MARKERS_FOUND at most)
         self._opened: set[str] = set()  # prefixes of the arrays opened (see opened)
         self._listings: dict[str, _Listing] = {}  # prefix -> its newest listing
         self._heads: dict[str, concurrent.futures.Future] = {}  # key -> the flight of its HEAD in flight
@@ -132,6 +132,7 @@ class CachingStore:
         with self._lock:
             self._forgot = {"": time.monotonic()}
             self._listed_at.clear()
+            self._found.clear()
             self._known.clear()
             self._listings.clear()  # pages of a listing no longer here are not learnt (see _listed)
             self._heads.clear()  # nor HEADs started before now (see _headed): asked again by the next read
@@ -164,6 +165,22 @@ class CachingStore:
         with self._lock:
             self._listed_at[prefix] = now
         self._relist(prefix, now)
+
+    def listed(self, prefix: str) -> bool:
+        """Whether a listing holds the generation of every object under ``prefix`` now: one of ``prefix`` (or a
+        folder above) that came whole (every page, none failed, within :data:`LIST_KEYS` keys) less than half
+        of ``staleness_s`` ago. Then nothing under it needs asking ahead; after that half, the next read or
+        :meth:`revalidate` of a key under it starts the next listing (so asking then keeps reads from waiting).
+        False where nothing was listed: a store that cannot list, an open that found nothing kept (a cold
+        cache), an array opened again soon after its listing (then forgotten), a listing still coming.
+
+        >>> kv.opened("g.zarr/a"); kv.listed("g.zarr/a")   # False until its last page came
+        """
+        prefix = check_prefix(prefix)
+        now = time.monotonic()
+        with self._lock:
+            listing = self._listing_of(prefix + "/")
+            return listing is not None and listing.complete and now - listing.started < self.staleness_s / 2
 
     def revalidate(self, keys: Collection[str]) -> None:
         """Start revalidating the generations of ``keys`` that are stale, without waiting (a listing or HEAD
@@ -439,16 +456,19 @@ class CachingStore:
         return out, head, pages
 
     def _has_marker(self, key: str) -> bool:
-        """Whether entries of ``key`` may be kept (its marker is on disk). A marker found is remembered, and a
-        key whose HEAD is in flight had one: a key revalidated ahead and then read (or read by several
-        batches) costs the caller one look-up on disk (a hash and a syscall, on the coordinator's thread for
-        a pipeline), not one per ask."""
-        if key in self._marked or key in self._heads:
+        """Whether entries of ``key`` may be kept (its marker is on disk). A marker found is remembered (apart
+        from those this wrapper wrote: :meth:`_keep` still marks the key's array when it keeps the key; at
+        most :data:`MARKERS_FOUND`, then forgotten all at once), and a key whose HEAD is in flight had one:
+        a key revalidated ahead and then read (or read by several batches) costs the caller one look-up on
+        disk (a hash and a syscall, on the coordinator's thread for a pipeline), not one per ask."""
+        if key in self._marked or key in self._found or key in self._heads:
             return True
         if not self.cache.has(self._marker(key)):
             return False
         with self._lock:
-            self._marked.add(key)
+            if len(self._found) >= MARKERS_FOUND:
+                self._found.clear()
+            self._found.add(key)
         return True
 
     def _marker(self, key: str) -> str:
@@ -692,7 +712,7 @@ class CachingStore:
         with self._lock:
             marked = key in self._marked
             self._marked.add(key)
-            folder = None if marked else self._opened_of(key)
+            folder = self._opened_of(key)  # whether or not the key was marked (before its array was opened)
             if folder is not None and folder in self._marked:
                 folder = None
             if folder is not None:
@@ -769,6 +789,8 @@ class CachingStore:
 
 #: The documents of an array that :meth:`CachingStore.get` keeps on disk, revalidated by its array's listing.
 DOCUMENTS = frozenset({"zarr.json", ".zarray", ".zattrs"})
+#: Keys whose marker a :class:`CachingStore` remembers finding on disk (one look-up a key); past it, forgotten.
+MARKERS_FOUND = 1 << 16
 #: Keys one page of a listing names (S3's most).
 LIST_PAGE = 1000
 #: Keys a listing of an opened array learns at most (ten pages, fetched one after the other as they come); an

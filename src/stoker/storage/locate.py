@@ -18,10 +18,12 @@ first existing ``.zip`` file along the path, as for a plain path).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -191,7 +193,7 @@ class Stores:
         self._cache = cache
         self._prefetch = prefetch
         self._read_files = read_files
-        self._building: dict[tuple, threading.Lock] = {}  # ident -> held while its store is being built
+        self._building: dict[tuple, concurrent.futures.Future] = {}  # ident -> its build in flight (see _build)
 
     def get(self, loc: Location, storage_options: dict | None = None) -> tuple[Store, Any]:
         """``(store, hierarchy)`` for ``loc`` (not a local directory)."""
@@ -233,52 +235,77 @@ class Stores:
     def _build(self, loc: Location, ident: tuple, options: dict, settings: dict, cache: Any) -> tuple[Store, Any]:
         """The store of ``ident`` made and kept (or the one another thread made meanwhile). Threads opening
         arrays of one root at once (a pipeline's opener threads) wait for the first one's build rather than
-        each building a store (10-20 ms of CPU for an object store) that :meth:`get` then throws away."""
-        from .hierarchy import Hierarchy
-
-        with self._lock:
-            building = self._building.setdefault(ident, threading.Lock())
-        # bounded: a build that hangs (a stuck credential provider) does not hang every other open with it
-        waited = building.acquire(timeout=BUILD_WAIT_S)
-        try:
+        each building a store (10-20 ms of CPU for an object store) that :meth:`get` then throws away: the
+        first to come puts its build in flight, the others wait for it (bounded by :data:`BUILD_WAIT_S`, so
+        a build that hangs, a stuck credential provider, does not hang every other open with it) and take
+        its store; if it failed, one of them builds next and the rest wait for that one."""
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
             with self._lock:
                 self._check_open(loc)
                 held = self._stores.get(ident)
-            if held is not None:  # another thread built it while this one waited
-                return held
-            store: Any
-            if loc.archive:
-                from .zipstore import ZipStore
-
-                store = ZipStore(loc.root)
-            else:
-                from .objectstore import ObjectStore
-
-                store = ObjectStore(loc.root, options, gate=self._gate, **settings)
-                if cache is not None and cache.enabled:
-                    from .cachingstore import CachingStore
-                    from .diskcache import disk_cache
-
-                    store = CachingStore(store, disk_cache(str(cache.folder), cache.cache_bytes), cache.staleness_s,
-                                         read_files=self._read_files)
-                if self._prefetch is not None:
-                    from .prefetch import PrefetchStore
-
-                    store = PrefetchStore(store, self._prefetch)
+                if held is not None:  # another thread built it meanwhile
+                    return held
+                flight = self._building.get(ident)
+                if flight is None:  # this thread builds; the others wait for it
+                    flight = self._building[ident] = concurrent.futures.Future()
+                    break
+            try:
+                held = flight.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                if not flight.done():  # it hangs: this one builds its own
+                    return self._make(loc, ident, options, settings, cache)
+                continue  # it failed (its thread raises why): built by one of the waiters now
+            except BaseException:
+                if not flight.done():  # this thread was interrupted
+                    raise
+                continue
             with self._lock:
-                held = None if self._closed else self._stores.setdefault(ident, (store, Hierarchy(store)))
-            if held is None or held[0] is not store:
-                store.close()
-            if held is None:  # closed while the store was being opened: no one else would close it
                 self._check_open(loc)
-            assert held is not None
             return held
-        finally:
-            if waited:
-                building.release()
+        try:
+            held = self._make(loc, ident, options, settings, cache)
+        except BaseException as exc:
             with self._lock:
-                if self._building.get(ident) is building and not building.locked():
-                    del self._building[ident]
+                del self._building[ident]  # first, so that a waiter woken by the failure builds next
+            flight.set_exception(exc)
+            raise
+        with self._lock:
+            del self._building[ident]
+        flight.set_result(held)
+        return held
+
+    def _make(self, loc: Location, ident: tuple, options: dict, settings: dict, cache: Any) -> tuple[Store, Any]:
+        """The store of ``ident`` built and kept, unless another thread kept one first (then that one)."""
+        from .hierarchy import Hierarchy
+
+        store: Any
+        if loc.archive:
+            from .zipstore import ZipStore
+
+            store = ZipStore(loc.root)
+        else:
+            from .objectstore import ObjectStore
+
+            store = ObjectStore(loc.root, options, gate=self._gate, **settings)
+            if cache is not None and cache.enabled:
+                from .cachingstore import CachingStore
+                from .diskcache import disk_cache
+
+                store = CachingStore(store, disk_cache(str(cache.folder), cache.cache_bytes), cache.staleness_s,
+                                     read_files=self._read_files)
+            if self._prefetch is not None:
+                from .prefetch import PrefetchStore
+
+                store = PrefetchStore(store, self._prefetch)
+        with self._lock:
+            held = None if self._closed else self._stores.setdefault(ident, (store, Hierarchy(store)))
+        if held is None or held[0] is not store:
+            store.close()
+        if held is None:  # closed while the store was being opened: no one else would close it
+            self._check_open(loc)
+        assert held is not None
+        return held
 
     def opening(self, uri: str, storage_options: dict | None = None) -> None:
         """The remote array at ``uri`` is about to be opened: where its store has a disk cache, the listing

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -30,7 +29,6 @@ import numpy as np
 from ...config import Config
 from typing import Callable
 
-from ...storage import cachingstore
 from ...storage.prefetch import PrefetchBuffer, PrefetchStore
 from ...storage.store import ByteRange
 from ..planning.tables import TablePlan
@@ -171,14 +169,14 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
     event loop, within ``requests_in_flight``, each shared with any read of its object), for batches pulled
     and not yet planned: their reads then find what the disk holds known to be current, instead of waiting a
     round trip for it. ``reader_of(uri)``: the open array, or None (not open: skipped). Returns the objects
-    asked about (at most :data:`MAX_REVALIDATE`); never waits. An array whose store lists was revalidated in
-    bulk when opened, so this builds no key for it (:func:`listed_whole`); only those of larger arrays,
-    past what a listing takes, are asked (by HEAD).
+    asked about (at most :data:`MAX_REVALIDATE`); never waits. An array whose store holds a current,
+    complete listing of it builds no key (:func:`listed_whole`); any other has its objects asked (a key
+    still in a listing page in flight is not HEADed, one whose listing is half stale starts the next).
 
     >>> revalidate_ahead(pulled_samples, lambda uri: readers.get(uri))
     """
     asks: dict[int, tuple[Any, dict]] = {}
-    skip: dict[int, bool] = {}  # per reader: listed whole at its open, so nothing to ask
+    skip: dict[int, bool] = {}  # per reader: a current, complete listing holds it, so nothing to ask
     n = 0
     for sample in samples:
         for part in (sample.fields.values() if sample.fields else (sample,)):
@@ -217,16 +215,14 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
 
 
 def listed_whole(reader: Any) -> bool:
-    """Whether opening ``reader`` (an open array) revalidated every object it may have in its disk cache: its
-    store lists (S3, GCS, Azure: ``CachingStore.opened`` lists the array's prefix) and its objects, one per
-    grid cell and its documents, fit in what one listing takes (``cachingstore.LIST_KEYS``). The objects of
-    a larger array past those are revalidated by a HEAD each, which :func:`revalidate_ahead` starts ahead."""
-    kv = reader.kv
-    if not getattr(kv, "supports_list", False) or not hasattr(kv, "start_list_versions"):
-        return False
-    meta = reader.metadata
-    objects = math.prod(-(-size // chunk) for size, chunk in zip(meta.shape, meta.chunk_shape))
-    return objects + len(cachingstore.DOCUMENTS) <= cachingstore.LIST_KEYS
+    """Whether every object ``reader`` (an open array) may have in its disk cache has its generation known now
+    from a listing (its store's ``listed``: :meth:`CachingStore.listed
+    <stoker.storage.cachingstore.CachingStore.listed>`, complete, not failed, younger than half the
+    staleness bound): then :func:`revalidate_ahead` asks nothing of it. Not where the store cannot list
+    (HTTP), the open listed nothing (a cold cache), the listing failed or stopped at ``LIST_KEYS`` (a larger
+    array: the objects past it are revalidated by a HEAD each), or is half stale (asking starts the next)."""
+    listed = getattr(reader.kv, "listed", None)
+    return listed is not None and bool(listed(reader.path))
 
 
 def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> tuple[int, dict]:
