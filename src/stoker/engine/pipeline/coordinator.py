@@ -221,6 +221,16 @@ class Coordinator:
             if self._opening.get(uri) is done:
                 del self._opening[uri]  # a failed open is made again by the next batch that needs it
         done.set_result(error)
+        self._wake()  # a coordinator waiting for a slot or this open (see _cycle) may plan now
+
+    def _opens_pending(self) -> bool:
+        """Whether the next batch pulled reads a remote array whose open is in flight on the opener threads
+        (its launch would wait for it: :meth:`_open_all`)."""
+        if not self._pulled:
+            return False
+        uris = {u for s, _, _ in self._pulled[0][0] for u in s.uris}
+        with self._opening_lock:
+            return any(not f.done() for f in (self._opening.get(u) for u in uris) if f is not None)
 
     def _wait_opens(self, futures: list[concurrent.futures.Future]) -> None:
         """Wait for the opens ``futures`` (each bounded: every store request has its own time limit); a
@@ -311,6 +321,15 @@ class Coordinator:
             # else submit the oldest (waiting for its slot)
             work = self.intake.has_work() or bool(self._pulled)
             submit = bool(self.ahead.queue) and not (work and self.ahead.more())
+            if not submit and self.ahead.queue and self._opens_pending():
+                # the next batch to plan would wait for its arrays' opens (a round trip each, on the opener
+                # threads): the oldest batch planned takes a slot meanwhile, rather than wait behind them
+                # for a slot the consumer gave back; with none free, wait for a slot or an open, whichever
+                # comes first (an open's end wakes us: _opened, a slot's release is polled)
+                if not self._slot_free():
+                    gil.wait(self.cond, _SLOT_POLL_S)
+                    return not self.closed
+                submit = True
             if submit and work and self.ahead.blocked() and not self._slot_free():
                 # planning ahead waits for room in the buffer, the oldest batch for a slot: wait for
                 # whichever comes first (a request's end wakes us, a slot's release is polled), rather
