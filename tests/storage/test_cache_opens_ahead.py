@@ -49,7 +49,7 @@ def served(tmp_path):
         arr = zarr.create_array(str(root / f"a{i}"), shape=(8, 16), chunks=(8, 8), dtype="uint16")
         arr[...] = rng.integers(0, 60000, size=(8, 16)).astype("uint16")
     server = _SlowLists(str(root), LATENCY_S, s3=True)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         yield str(root), f"http://127.0.0.1:{server.server_address[1]}"
