@@ -404,3 +404,40 @@ def test_an_entry_queued_for_writing_is_served_from_the_queue_and_queued_once(tm
     assert cache.flush(30)
     assert cache.written == 2 and bytes(cache.get("queued")) == value
     assert cache.entry_file("queued") is not None
+
+
+# -- what the review found: batches that over-evicted, queued buffers shared, a list read without the GIL --------
+
+
+@compiled
+def test_a_list_of_items_changed_by_another_thread_meanwhile_is_written_as_it_was_given(tmp_path):
+    # write_entries read the paths and idents from the list's tuples with the GIL released: another thread
+    # clearing the list freed them under the writer (heap-use-after-free under .ci/asan; here their memory
+    # reused, the writer read other names). The list is taken whole before the GIL is let go.
+    root = tmp_path / "v1"
+    root.mkdir()
+    payload = os.urandom(64 << 10)
+
+    def path(i: int) -> bytes:
+        return os.fsencode(root / f"{i % 16:02x}" / f"{i:032x}")
+
+    items = [(path(i), f"ident {i}".encode() * 3, payload) for i in range(300)]
+    first = os.fsdecode(path(0))
+    junk = []
+
+    def clear() -> None:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(first) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        items[:] = []  # the list held the only references to the tuples and their bytes
+        junk.extend(b"x" * len(path(0)) for _ in range(20_000))  # what was freed taken again, other bytes in it
+
+    thread = threading.Thread(target=clear)
+    thread.start()
+    results, _, _ = native.write_entries(items, "host-1", 7)
+    thread.join(60)
+    assert results == [1] * 300
+    assert sorted(os.path.join(f, n) for f, _, names in os.walk(root) for n in names) == \
+        sorted(os.fsdecode(path(i)) for i in range(300))
+    for i in range(300):
+        _sound(diskcache.read_file(os.fsdecode(path(i)), 1 << 30), f"ident {i}".encode() * 3, payload)
