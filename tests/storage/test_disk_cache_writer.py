@@ -409,6 +409,50 @@ def test_an_entry_queued_for_writing_is_served_from_the_queue_and_queued_once(tm
 # -- what the review found: batches that over-evicted, queued buffers shared, a list read without the GIL --------
 
 
+class _Held:
+    """The folder's lock held as another process holds it: what is put meanwhile waits in the queue, and the
+    writer takes it in batches once the lock is let go."""
+
+    def __init__(self, cache: DiskCache) -> None:
+        os.makedirs(cache.root, exist_ok=True)
+        self.fd = os.open(cache.root / ".index", os.O_RDWR | os.O_CREAT)
+
+    def __enter__(self) -> "_Held":
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def test_a_queued_buffer_changed_after_put_is_served_and_written_as_it_was_put(tmp_path, monkeypatch):
+    # A bytearray (as a store's read returns) was queued by reference: the producer reusing it changed what
+    # later reads were served and what was written (with a checksum of the changed bytes), a reader writing
+    # into what it was served changed it for the next, and a buffer shrunk after put left its size counted in
+    # the queue for good (later puts dropped)
+    monkeypatch.setattr(diskcache, "QUEUE_BYTES", 3 << 19)  # one MiB entry at a time, not two
+    cache = DiskCache(str(tmp_path / "c"), 64 << 20)
+    with _Held(cache):
+        data = bytearray(b"A" * 16)
+        shrunk = bytearray(b"B" * (1 << 20))
+        array = np.full(1000, 7, dtype=np.uint16)[::2]  # not contiguous: served as its bytes in C order
+        cache.put("changed", data)
+        cache.put("shrunk", shrunk)
+        cache.put("array", array)
+        data[:4] = b"ZZZZ"
+        del shrunk[:]
+        array[:] = 9
+        served = cache.get("changed")
+        assert bytes(served) == b"A" * 16 and served.readonly
+        assert bytes(cache.get("shrunk")) == b"B" * (1 << 20)
+        assert bytes(cache.get("array")) == np.full(500, 7, dtype=np.uint16).tobytes()
+    assert cache.flush(30) and cache.written == 3
+    assert bytes(cache.get("changed")) == b"A" * 16 and bytes(cache.get("shrunk")) == b"B" * (1 << 20)
+    cache.put("after", bytearray(1 << 20))  # the queue is empty again: taken, not dropped
+    assert cache.flush(30) and cache.dropped == 0 and cache.written == 4
+
+
 @compiled
 def test_a_list_of_items_changed_by_another_thread_meanwhile_is_written_as_it_was_given(tmp_path):
     # write_entries read the paths and idents from the list's tuples with the GIL released: another thread

@@ -140,10 +140,10 @@ class DiskCache:
         self.writable = True
         self.hits = self.misses = self.corrupt = self.written = self.dropped = self.evicted = self.hit_bytes = 0
         self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
-        self._queue: deque[tuple[str, Any]] = deque()
+        self._queue: deque[tuple[str, bytes | None, int]] = deque()  # (ident, data, what it counts in _queued)
         self._queued = 0
         # idents queued or being written -> their data (None: a marker): not on disk yet, served from here
-        self._pending: dict[str, Any] = {}
+        self._pending: dict[str, bytes | None] = {}
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._busy = False
         self._warned: set[str] = set()
@@ -256,7 +256,9 @@ class DiskCache:
 
     def put(self, ident: str, data) -> None:
         """Queue ``data`` to be stored under ``ident`` (written by the folder's writer thread); nothing when
-        ``ident`` is queued already (the same bytes: an ident names its object's generation)."""
+        ``ident`` is queued already (the same bytes: an ident names its object's generation). ``bytes`` are
+        queued as they are; any other buffer (a bytearray, an array) is copied, so that the caller may reuse it
+        at once and what is served from the queue and written is what was put."""
         n = memoryview(data).nbytes
         if not self.writable:
             return
@@ -267,6 +269,8 @@ class DiskCache:
                               f"{DIR_SLACK_BLOCKS} for its subfolder); such values are read uncached (raise "
                               "cache_bytes)")
             return
+        if not isinstance(data, bytes):
+            data = _byte_view(data).tobytes()  # immutable: not changed by its producer, nor by a reader served it
         self._enqueue(ident, data, n)
 
     def mark(self, ident: str) -> None:
@@ -280,14 +284,14 @@ class DiskCache:
         if self.writable:
             self._enqueue(ident, None, len(ident))  # its queue cost: the ident it holds
 
-    def _enqueue(self, ident: str, data, n: int) -> None:
+    def _enqueue(self, ident: str, data: bytes | None, n: int) -> None:
         with self._cond:
             if ident in self._pending:
                 return  # queued already: the same bytes (the ident names the object's generation)
             if self._queued + n > QUEUE_BYTES:
                 self.dropped += 1
                 return
-            self._queue.append((ident, data))
+            self._queue.append((ident, data, n))
             self._queued += n
             self._pending[ident] = data
             if self._thread is None:
@@ -314,18 +318,18 @@ class DiskCache:
                 batch = self._take()
                 self._busy = True
             try:
-                self._write_batch(batch)
+                self._write_batch([(ident, data) for ident, data, _ in batch])
             except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
                 self._disable(exc)
             finally:
                 with self._cond:
-                    for ident, data in batch:
-                        self._queued -= len(ident) if data is None else memoryview(data).nbytes
+                    for ident, _, n in batch:
+                        self._queued -= n  # what _enqueue added
                         self._pending.pop(ident, None)
                     self._busy = False
                     self._cond.notify_all()
 
-    def _take(self) -> list[tuple[str, Any]]:
+    def _take(self) -> list[tuple[str, bytes | None, int]]:
         """The queue's first entries, as many as one hold of the lock writes (holding ``_cond``): at most
         :data:`BATCH_ENTRIES` and :data:`BATCH_BYTES`, and (the first excepted) a tenth of ``cache_bytes``, so
         that making room for them evicts no more than making room for one did."""
