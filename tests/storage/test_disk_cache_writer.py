@@ -426,6 +426,46 @@ class _Held:
         os.close(self.fd)
 
 
+def _du(root) -> int:
+    """What ``root`` and everything under it takes on disk, as ``du`` counts (measured here, not by the cache)."""
+    total = os.lstat(root).st_blocks * 512
+    for folder, dirs, names in os.walk(root):
+        total += sum(os.lstat(os.path.join(folder, n)).st_blocks * 512 for n in (*dirs, *names))
+    return total
+
+
+def _small_entries(cache: DiskCache, rounds: int, batched: bool) -> None:
+    """``rounds`` of 250 entries of 100 bytes (a marker every tenth): queued behind the held lock and written in
+    batches, or written one at a time; after each round the folder is within the bound as the disk counts it."""
+    for r in range(rounds):
+        if batched:
+            with _Held(cache):
+                for i in range(250):
+                    cache.mark(f"round {r} {i}") if i % 10 == 9 else cache.put(f"round {r} {i}", b"v" * 100)
+            assert cache.flush(60)
+        else:
+            for i in range(250):
+                assert cache.write_marker(f"round {r} {i}") if i % 10 == 9 else cache.write(f"round {r} {i}",
+                                                                                            b"v" * 100)
+        assert _du(cache.root) <= diskcache.running_total(cache.root) <= cache.cache_bytes, r
+
+
+@pytest.mark.parametrize("mib", [8, 3])
+def test_a_batch_of_small_entries_evicts_no_more_than_writing_them_one_at_a_time(tmp_path, mib):
+    # Each entry reserved its blocks and 3 more for its subfolder, so 250 entries of 100 bytes asked ~4 MiB of
+    # an 8 MiB cache, and making room for that went down to cache - 2 * 4 MiB: half the cache evicted for a
+    # MiB of entries (977 evicted, against 411 one at a time); in 3 MiB every entry evicted and a batch's tail
+    # dropped though it would have fit
+    one, batched = (DiskCache(str(tmp_path / name), mib << 20) for name in ("one", "batched"))
+    _small_entries(one, 8, batched=False)
+    _small_entries(batched, 8, batched=True)
+    assert one.written == batched.written == 2000 and batched.dropped == 0
+    # the same entries kept, give or take one sweep of eviction (a tenth of the bound, in 4 KiB entries)
+    slack = (mib << 20) // 10 // 4096
+    assert batched.evicted <= one.evicted + slack, (batched.evicted, one.evicted)
+    assert _du(batched.root) >= 0.8 * (mib << 20)
+
+
 def test_a_queued_buffer_changed_after_put_is_served_and_written_as_it_was_put(tmp_path, monkeypatch):
     # A bytearray (as a store's read returns) was queued by reference: the producer reusing it changed what
     # later reads were served and what was written (with a checksum of the changed bytes), a reader writing

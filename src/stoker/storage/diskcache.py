@@ -16,8 +16,8 @@ is never served) and the bytes. Rules that make one folder safe for many process
   never takes more than ``cache_bytes`` of disk. The total counts *allocated* space (``st_blocks``, as ``du``
   and a full disk see it): every entry in whole blocks (a 100-byte entry takes 4 KiB), the subfolders, the
   ``.index`` file. A write reserves its entry's size rounded up to the block plus :data:`DIR_SLACK_BLOCKS`
-  blocks (its subfolder made or grown) before it writes, then counts what the files and folders it touched
-  grew by. Making room scans the folder and unlinks the least recently used entries (by mtime, which a hit
+  blocks (its subfolder made or grown; a batch reserves those per subfolder it writes into, and a block more
+  for each further entry there) before it writes, then counts what the files and folders it touched grew by. Making room scans the folder and unlinks the least recently used entries (by mtime, which a hit
   refreshes) down to 90% of the bound, so scans are rare; a subfolder it empties is removed (its block
   freed; subfolders are made only under the lock). Each process scans once before its first write, so a
   total left wrong by a crash (or by an older stoker, which counted bytes) is corrected, and dead writers'
@@ -35,9 +35,9 @@ is never served) and the bytes. Rules that make one folder safe for many process
   larger than ``cache_bytes``, makes writes stop (one ``RuntimeWarning``); reads go on uncached.
 
 Writes are queued to one daemon thread per folder, so a fetch never waits for a disk write. It writes what is
-queued in batches (:data:`BATCH_ENTRIES`, :data:`BATCH_BYTES`): one hold of the lock, one reservation and one
-count for them all, and their files made by the compiled engine's ``write_entries`` (csrc/entries.c) with the
-GIL released once for the batch (:func:`use_entry_writer`; :func:`write_entries`, its Python twin, without the
+queued in batches (:data:`BATCH_ENTRIES`; :data:`BATCH_BYTES` and a tenth of ``cache_bytes`` reserved): one
+hold of the lock, one reservation and one count for them all, and their files made by the compiled engine's
+``write_entries`` (csrc/entries.c) with the GIL released once for the batch (:func:`use_entry_writer`; :func:`write_entries`, its Python twin, without the
 engine). Every system call gives the GIL up and, on a busy pipeline, waits to get it back: written one at a
 time in Python (a dozen calls an entry), the writer fell behind a first epoch's fetches. The queue stays
 bounded (past :data:`QUEUE_BYTES` an entry is dropped, ``dropped`` counts it, and it is cached on a later read):
@@ -84,7 +84,8 @@ LOCK_WAIT_S = 10.0
 #: Making room evicts down to this share of ``cache_bytes``, so a scan serves many writes.
 LOW_WATER = 0.9
 #: Blocks a write reserves beyond its entry's: a subfolder made (one) and grown (ext4 turns a directory past one
-#: block into an indexed one of three), so what it adds never passes what it made room for.
+#: block into an indexed one of three), so what it adds never passes what it made room for. A batch reserves
+#: them once per subfolder, and one block for each further entry in it (:func:`_reserve`).
 DIR_SLACK_BLOCKS = 3
 _ENTRY = re.compile(r"[0-9a-f]{32}")
 _LAYOUT = "v1"
@@ -331,18 +332,20 @@ class DiskCache:
 
     def _take(self) -> list[tuple[str, bytes | None, int]]:
         """The queue's first entries, as many as one hold of the lock writes (holding ``_cond``): at most
-        :data:`BATCH_ENTRIES` and :data:`BATCH_BYTES`, and (the first excepted) a tenth of ``cache_bytes``, so
-        that making room for them evicts no more than making room for one did."""
-        batch = [self._queue.popleft()]
+        :data:`BATCH_ENTRIES`, and (the first excepted) what :meth:`_write_batch` reserves for them at most
+        :data:`BATCH_BYTES` and a tenth of ``cache_bytes``. Making room for a batch then evicts down to the low
+        water mark, as making room for one entry does, and no lower (:meth:`_evict`)."""
+        block = self._block or 4096
         room = min(BATCH_BYTES, self.cache_bytes // 10)
-        held = 0 if batch[0][1] is None else memoryview(batch[0][1]).nbytes
+        batch: list[tuple[str, bytes | None, int]] = []
+        seen: set[str] = set()
+        need = 0
         while self._queue and len(batch) < BATCH_ENTRIES:
-            data = self._queue[0][1]
-            n = 0 if data is None else memoryview(data).nbytes
-            if held + n > room:
+            ident, data, _ = self._queue[0]
+            need += _reserve(_entry_bytes(ident, data), self._path(ident), seen, block)
+            if batch and need > room:
                 break
             batch.append(self._queue.popleft())
-            held += n
         return batch
 
     def write(self, ident: str, data) -> bool:
@@ -369,16 +372,13 @@ class DiskCache:
                 return done  # a process holds it that long (a hung disk?): these entries stay unwritten
             block = self._block
             todo = []  # (index in batch, path, ident, payload or None, what it reserves)
+            seen: set[str] = set()  # the subfolders of the entries in todo
             for i, (ident, data) in enumerate(batch):
-                name = ident.encode("utf-8", "surrogatepass")
-                payload = None
-                size = 0
-                if data is not None:
-                    payload = _byte_view(data)
-                    size = HEADER.size + len(name) + len(payload)
-                reserve = -(-size // block) * block + DIR_SLACK_BLOCKS * block
-                if reserve <= self.cache_bytes:
-                    todo.append((i, os.fsencode(self._path(ident)), name, payload, reserve))
+                payload = None if data is None else _byte_view(data)
+                size, path = _entry_bytes(ident, payload), self._path(ident)
+                if _reserve(size, path, set(), block) <= self.cache_bytes:  # alone, as the first of a batch
+                    todo.append((i, os.fsencode(path), ident.encode("utf-8", "surrogatepass"), payload,
+                                 _reserve(size, path, seen, block)))
             need = sum(item[4] for item in todo)
             if not todo:
                 return done
@@ -387,7 +387,9 @@ class DiskCache:
                 total = self._evict(need)
                 self._scanned = True
                 while todo and total + need > self.cache_bytes:  # what cannot be evicted (the folders) leaves
-                    need -= todo.pop()[4]  # no room for them all: the last wait for a later read to queue them
+                    # no room for them all: the last wait for a later read to queue them (popped from the end,
+                    # so each subfolder's slack leaves with the first of its entries, the last to go)
+                    need -= todo.pop()[4]
                 if not todo:
                     _store_total(lock, total)
                     return done
@@ -433,9 +435,10 @@ class DiskCache:
         return struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
 
     def _evict(self, incoming: int) -> int:
-        """Scan the folder (under the lock); unlink least recently used entries until ``incoming`` more bytes fit
-        under the low water mark; remove the subfolders that leaves empty and dead writers' temporary files.
-        Returns the space the folder takes then, allocated (entries, temporary files, folders, ``.index``)."""
+        """Scan the folder (under the lock); where ``incoming`` more bytes do not fit, unlink least recently used
+        entries down to the low water mark (or lower, as far as ``incoming`` needs, where it is more than the
+        rest of the bound); remove the subfolders that leaves empty and dead writers' temporary files. Returns
+        the space the folder takes then, allocated (entries, temporary files, folders, ``.index``)."""
         entries: list[tuple[float, int, str, str]] = []
         total = _allocated(self._root)
         folders: dict[str, list[int]] = {}  # subfolder -> [its own allocation, names in it]
@@ -471,11 +474,13 @@ class DiskCache:
                 total += held  # entries, markers (none), live writers' temporary files, anything else
                 if _ENTRY.fullmatch(e.name):
                     entries.append((st.st_mtime, held, e.path, folder))
+        # the folder's own target, not that less incoming: a batch's need taken off it too evicted twice its
+        # room (or everything) where one entry's took a block or two off
         target = min(int(self.cache_bytes * LOW_WATER), self.cache_bytes - incoming)
         if total + incoming > self.cache_bytes:
             entries.sort()
             for _, held, path, folder in entries:
-                if total + incoming <= target:
+                if total <= target:
                     break
                 try:
                     os.unlink(path)  # a reader that opened it reads on; later ones miss
@@ -615,6 +620,23 @@ def _allocated(path: str | int) -> int:
         return _allocated_of(os.fstat(path) if isinstance(path, int) else os.lstat(path))
     except OSError:
         return 0
+
+
+def _entry_bytes(ident: str, data) -> int:
+    """The bytes of the entry file of ``ident`` holding ``data`` (None: a marker, an empty file)."""
+    return 0 if data is None else HEADER.size + len(ident.encode("utf-8", "surrogatepass")) + memoryview(data).nbytes
+
+
+def _reserve(size: int, path: str, seen: set[str], block: int) -> int:
+    """What a batch reserves for one more entry file of ``size`` bytes at ``path`` before it is written, in
+    blocks of ``block`` bytes: its file's whole blocks; for its subfolder, :data:`DIR_SLACK_BLOCKS` where it is
+    the batch's first entry there (the folder made, or grown into an indexed one) and one more block for each
+    later one (its name can split a full block of names). ``seen``: the subfolders of the batch's entries so
+    far, which gains this one's."""
+    folder = path.rpartition("/")[0]
+    slack = 1 if folder in seen else DIR_SLACK_BLOCKS
+    seen.add(folder)
+    return -(-size // block) * block + slack * block
 
 
 def _byte_view(data) -> memoryview:
