@@ -617,7 +617,7 @@ def _allocated_of(st: os.stat_result) -> int:
 def _allocated(path: str | int) -> int:
     """:func:`_allocated_of` a path (or an open descriptor); 0 when it is not there."""
     try:
-        return _allocated_of(os.fstat(path) if isinstance(path, int) else os.lstat(path))
+        return _allocated_of(os.fstat(path) if isinstance(path, int) else _again(os.lstat, path))
     except OSError:
         return 0
 
@@ -686,12 +686,12 @@ def write_entries(items: Sequence[tuple[bytes, bytes, Any]], tag: str, seed: int
         try:
             if parent not in folders:
                 try:
-                    st = os.lstat(parent)
+                    st = _again(os.lstat, parent)
                 except FileNotFoundError:
                     if root is None:  # the root grows by the subfolders made: measured before the first
                         root, root_before = up, _allocated(up)
                     try:
-                        os.mkdir(parent)  # only under the folder's lock: eviction may remove an empty one
+                        _again(os.mkdir, parent)  # only under the folder's lock: eviction may remove an empty one
                     except FileExistsError:
                         pass
                     folders[parent] = 0
@@ -700,7 +700,7 @@ def write_entries(items: Sequence[tuple[bytes, bytes, Any]], tag: str, seed: int
                         results[i] = -errno.ENOTDIR
                         break
                     folders[parent] = _allocated_of(st)
-            if os.path.lexists(path):
+            if _lexists(path):
                 continue  # another process wrote it meanwhile (or it came twice in this batch)
             made = _write_one(path, parent, name, ident, payload, tag, draw)
         except OSError as exc:
@@ -727,7 +727,7 @@ def _write_one(path: bytes, parent: bytes, name: bytes, ident: bytes, payload: A
         try:
             return _allocated_of(os.fstat(fd))
         finally:
-            os.close(fd)
+            _close(fd)
     for _ in range(100):  # as fsutil's replace_atomically: never reuse what sits at a name
         tmp = b"%s/.%s.tmp-%s-%08x" % (parent, name, tag.encode(), draw.getrandbits(32))
         try:
@@ -749,15 +749,44 @@ def _write_one(path: bytes, parent: bytes, name: bytes, ident: bytes, payload: A
                     parts[0] = parts[0][wrote:]
             made = _allocated_of(os.fstat(fd))
         finally:
-            os.close(fd)
-        os.rename(tmp, path)
+            _close(fd)
+        _again(os.rename, tmp, path)
     except BaseException:
         try:
-            os.unlink(tmp)
+            _again(os.unlink, tmp)
         except OSError:
             pass
         raise
     return made
+
+
+def _again(call: Callable, *args: Any) -> Any:
+    """``call(*args)``, made again while a signal interrupts it (EINTR), as the compiled writer's calls are: Python
+    does so itself for ``os.open``, ``os.fstat`` and ``os.writev`` (PEP 475), not for lstat, mkdir, rename and
+    unlink, which a signal interrupts on a FUSE or network file system."""
+    while True:
+        try:
+            return call(*args)
+        except InterruptedError:
+            continue
+
+
+def _lexists(path: bytes) -> bool:
+    """``os.path.lexists`` whose lstat a signal does not make a False."""
+    try:
+        _again(os.lstat, path)
+    except OSError:
+        return False
+    return True
+
+
+def _close(fd: int) -> None:
+    """``os.close``, never made again: Linux releases the descriptor even when a signal interrupts it (EINTR), and
+    another thread may have been given the number since; EINTR counts as closed (as in csrc/entries.c)."""
+    try:
+        os.close(fd)
+    except InterruptedError:
+        pass
 
 
 def read_file(path: str, max_bytes: int) -> bytes | None:
