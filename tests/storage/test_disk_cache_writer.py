@@ -490,8 +490,16 @@ def test_a_queued_buffer_changed_after_put_is_served_and_written_as_it_was_put(t
         assert bytes(cache.get("array")) == np.full(500, 7, dtype=np.uint16).tobytes()
     assert cache.flush(30) and cache.written == 3
     assert bytes(cache.get("changed")) == b"A" * 16 and bytes(cache.get("shrunk")) == b"B" * (1 << 20)
+    import obstore  # what the object stores return, immutable as bytes are: queued and served without a copy
+
+    kept = [b"bytes" * 100, obstore.Bytes(b"obstore" * 100)]
+    with _Held(cache):
+        for i, value in enumerate(kept):
+            cache.put(f"kept {i}", memoryview(value)[1:])
+        assert all(cache.get(f"kept {i}").obj is value for i, value in enumerate(kept))
+    assert cache.flush(30) and cache.written == 5
     cache.put("after", bytearray(1 << 20))  # the queue is empty again: taken, not dropped
-    assert cache.flush(30) and cache.dropped == 0 and cache.written == 4
+    assert cache.flush(30) and cache.dropped == 0 and cache.written == 6
 
 
 @compiled

@@ -17,7 +17,8 @@ is never served) and the bytes. Rules that make one folder safe for many process
   and a full disk see it): every entry in whole blocks (a 100-byte entry takes 4 KiB), the subfolders, the
   ``.index`` file. A write reserves its entry's size rounded up to the block plus :data:`DIR_SLACK_BLOCKS`
   blocks (its subfolder made or grown; a batch reserves those per subfolder it writes into, and a block more
-  for each further entry there) before it writes, then counts what the files and folders it touched grew by. Making room scans the folder and unlinks the least recently used entries (by mtime, which a hit
+  for each further entry there) before it writes, then counts what the files and folders it touched grew by.
+  Making room scans the folder and unlinks the least recently used entries (by mtime, which a hit
   refreshes) down to 90% of the bound, so scans are rare; a subfolder it empties is removed (its block
   freed; subfolders are made only under the lock). Each process scans once before its first write, so a
   total left wrong by a crash (or by an older stoker, which counted bytes) is corrected, and dead writers'
@@ -37,12 +38,12 @@ is never served) and the bytes. Rules that make one folder safe for many process
 Writes are queued to one daemon thread per folder, so a fetch never waits for a disk write. It writes what is
 queued in batches (:data:`BATCH_ENTRIES`; :data:`BATCH_BYTES` and a tenth of ``cache_bytes`` reserved): one
 hold of the lock, one reservation and one count for them all, and their files made by the compiled engine's
-``write_entries`` (csrc/entries.c) with the GIL released once for the batch (:func:`use_entry_writer`; :func:`write_entries`, its Python twin, without the
-engine). Every system call gives the GIL up and, on a busy pipeline, waits to get it back: written one at a
-time in Python (a dozen calls an entry), the writer fell behind a first epoch's fetches. The queue stays
-bounded (past :data:`QUEUE_BYTES` an entry is dropped, ``dropped`` counts it, and it is cached on a later read):
-its bytes are memory, and a fetch must not wait for a disk that is slow or stalled; a writer that keeps up
-drops none.
+``write_entries`` (csrc/entries.c) with the GIL released once for the batch (:func:`use_entry_writer`;
+:func:`write_entries`, its Python twin, without the engine). Every system call gives the GIL up and, on a busy
+pipeline, waits to get it back: written one at a time in Python (a dozen calls an entry), the writer fell behind
+a first epoch's fetches. The queue stays bounded (past :data:`QUEUE_BYTES` an entry is dropped, ``dropped``
+counts it, and it is cached on a later read): its bytes are memory, and a fetch must not wait for a disk that
+is slow or stalled; a writer that keeps up drops none.
 """
 
 from __future__ import annotations
@@ -258,8 +259,9 @@ class DiskCache:
     def put(self, ident: str, data) -> None:
         """Queue ``data`` to be stored under ``ident`` (written by the folder's writer thread); nothing when
         ``ident`` is queued already (the same bytes: an ident names its object's generation). ``bytes`` are
-        queued as they are; any other buffer (a bytearray, an array) is copied, so that the caller may reuse it
-        at once and what is served from the queue and written is what was put."""
+        queued as they are, as are views of them or of obstore's ``Bytes`` (what the object stores return); any
+        other buffer (a bytearray, an array) is copied, so that the caller may reuse it at once and what is
+        served from the queue and written is what was put."""
         n = memoryview(data).nbytes
         if not self.writable:
             return
@@ -270,7 +272,7 @@ class DiskCache:
                               f"{DIR_SLACK_BLOCKS} for its subfolder); such values are read uncached (raise "
                               "cache_bytes)")
             return
-        if not isinstance(data, bytes):
+        if not _immutable(data):
             data = _byte_view(data).tobytes()  # immutable: not changed by its producer, nor by a reader served it
         self._enqueue(ident, data, n)
 
@@ -637,6 +639,19 @@ def _reserve(size: int, path: str, seen: set[str], block: int) -> int:
     slack = 1 if folder in seen else DIR_SLACK_BLOCKS
     seen.add(folder)
     return -(-size // block) * block + slack * block
+
+
+#: The types whose buffers never change (module, name): Python's bytes, obstore's (Rust's ``bytes::Bytes``).
+_IMMUTABLE = {("builtins", "bytes"), ("obstore", "Bytes")}
+
+
+def _immutable(data) -> bool:
+    """Whether the bytes of the buffer ``data`` can never change: a bytes or obstore ``Bytes``, or a view of one
+    (which the view's ``obj`` names)."""
+    if isinstance(data, bytes):
+        return True
+    owner = memoryview(data).obj
+    return isinstance(owner, bytes) or (type(owner).__module__, type(owner).__qualname__) in _IMMUTABLE
 
 
 def _byte_view(data) -> memoryview:
