@@ -15,10 +15,16 @@ static PyObject *write_entries_py(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "write_entries: tag is a temporary name's part: at most 64 bytes, no '/'");
         return NULL;
     }
-    PyObject *items = PySequence_Fast(seq, "write_entries takes a sequence of (path, ident, payload or None)");
+    /* a tuple of our own, not PySequence_Fast (which hands a list back as it is): the paths and idents are
+     * borrowed from its items while the GIL is released, and another thread may clear or change a list then */
+    if (!PySequence_Check(seq)) {
+        PyErr_SetString(PyExc_TypeError, "write_entries takes a sequence of (path, ident, payload or None)");
+        return NULL;
+    }
+    PyObject *items = PySequence_Tuple(seq);
     if (items == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
     entry_write *e = PyMem_Calloc((size_t)(n ? n : 1), sizeof *e);
     Py_buffer *views = PyMem_Calloc((size_t)(n ? n : 1), sizeof *views);
     PyObject *out = NULL;
@@ -28,7 +34,7 @@ static PyObject *write_entries_py(PyObject *Py_UNUSED(self), PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++, held++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(items, i), *payload;
+        PyObject *item = PyTuple_GET_ITEM(items, i), *payload;
         Py_ssize_t path_len, ident_len;
         char *path, *ident;
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3 || !PyBytes_Check(PyTuple_GET_ITEM(item, 0)) ||
@@ -43,7 +49,7 @@ static PyObject *write_entries_py(PyObject *Py_UNUSED(self), PyObject *args) {
         }
         PyBytes_AsStringAndSize(PyTuple_GET_ITEM(item, 1), &ident, &ident_len);
         payload = PyTuple_GET_ITEM(item, 2);
-        e[i].path = path; /* the tuples are held by items until the end: their bytes stay */
+        e[i].path = path; /* items holds the tuples, they their bytes, until the end */
         e[i].ident = ident;
         e[i].ident_len = (size_t)ident_len;
         if (payload != Py_None) {

@@ -16,8 +16,9 @@ is never served) and the bytes. Rules that make one folder safe for many process
   never takes more than ``cache_bytes`` of disk. The total counts *allocated* space (``st_blocks``, as ``du``
   and a full disk see it): every entry in whole blocks (a 100-byte entry takes 4 KiB), the subfolders, the
   ``.index`` file. A write reserves its entry's size rounded up to the block plus :data:`DIR_SLACK_BLOCKS`
-  blocks (its subfolder made or grown) before it writes, then counts what the files and folders it touched
-  grew by. Making room scans the folder and unlinks the least recently used entries (by mtime, which a hit
+  blocks (its subfolder made or grown; a batch reserves those per subfolder it writes into, and a block more
+  for each further entry there) before it writes, then counts what the files and folders it touched grew by.
+  Making room scans the folder and unlinks the least recently used entries (by mtime, which a hit
   refreshes) down to 90% of the bound, so scans are rare; a subfolder it empties is removed (its block
   freed; subfolders are made only under the lock). Each process scans once before its first write, so a
   total left wrong by a crash (or by an older stoker, which counted bytes) is corrected, and dead writers'
@@ -35,14 +36,14 @@ is never served) and the bytes. Rules that make one folder safe for many process
   larger than ``cache_bytes``, makes writes stop (one ``RuntimeWarning``); reads go on uncached.
 
 Writes are queued to one daemon thread per folder, so a fetch never waits for a disk write. It writes what is
-queued in batches (:data:`BATCH_ENTRIES`, :data:`BATCH_BYTES`): one hold of the lock, one reservation and one
-count for them all, and their files made by the compiled engine's ``write_entries`` (csrc/entries.c) with the
-GIL released once for the batch (:func:`use_entry_writer`; :func:`write_entries`, its Python twin, without the
-engine). Every system call gives the GIL up and, on a busy pipeline, waits to get it back: written one at a
-time in Python (a dozen calls an entry), the writer fell behind a first epoch's fetches. The queue stays
-bounded (past :data:`QUEUE_BYTES` an entry is dropped, ``dropped`` counts it, and it is cached on a later read):
-its bytes are memory, and a fetch must not wait for a disk that is slow or stalled; a writer that keeps up
-drops none.
+queued in batches (:data:`BATCH_ENTRIES`; :data:`BATCH_BYTES` and a tenth of ``cache_bytes`` reserved): one
+hold of the lock, one reservation and one count for them all, and their files made by the compiled engine's
+``write_entries`` (csrc/entries.c) with the GIL released once for the batch (:func:`use_entry_writer`;
+:func:`write_entries`, its Python twin, without the engine). Every system call gives the GIL up and, on a busy
+pipeline, waits to get it back: written one at a time in Python (a dozen calls an entry), the writer fell behind
+a first epoch's fetches. The queue stays bounded (past :data:`QUEUE_BYTES` an entry is dropped, ``dropped``
+counts it, and it is cached on a later read): its bytes are memory, and a fetch must not wait for a disk that
+is slow or stalled; a writer that keeps up drops none.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ LOCK_WAIT_S = 10.0
 #: Making room evicts down to this share of ``cache_bytes``, so a scan serves many writes.
 LOW_WATER = 0.9
 #: Blocks a write reserves beyond its entry's: a subfolder made (one) and grown (ext4 turns a directory past one
-#: block into an indexed one of three), so what it adds never passes what it made room for.
+#: block into an indexed one of three), so what it adds never passes what it made room for. A batch reserves
+#: them once per subfolder, and one block for each further entry in it (:func:`_reserve`).
 DIR_SLACK_BLOCKS = 3
 _ENTRY = re.compile(r"[0-9a-f]{32}")
 _LAYOUT = "v1"
@@ -140,10 +142,10 @@ class DiskCache:
         self.writable = True
         self.hits = self.misses = self.corrupt = self.written = self.dropped = self.evicted = self.hit_bytes = 0
         self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
-        self._queue: deque[tuple[str, Any]] = deque()
+        self._queue: deque[tuple[str, bytes | None, int]] = deque()  # (ident, data, what it counts in _queued)
         self._queued = 0
         # idents queued or being written -> their data (None: a marker): not on disk yet, served from here
-        self._pending: dict[str, Any] = {}
+        self._pending: dict[str, bytes | None] = {}
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._busy = False
         self._warned: set[str] = set()
@@ -256,7 +258,10 @@ class DiskCache:
 
     def put(self, ident: str, data) -> None:
         """Queue ``data`` to be stored under ``ident`` (written by the folder's writer thread); nothing when
-        ``ident`` is queued already (the same bytes: an ident names its object's generation)."""
+        ``ident`` is queued already (the same bytes: an ident names its object's generation). ``bytes`` are
+        queued as they are, as are views of them or of obstore's ``Bytes`` (what the object stores return); any
+        other buffer (a bytearray, an array) is copied, so that the caller may reuse it at once and what is
+        served from the queue and written is what was put."""
         n = memoryview(data).nbytes
         if not self.writable:
             return
@@ -267,6 +272,8 @@ class DiskCache:
                               f"{DIR_SLACK_BLOCKS} for its subfolder); such values are read uncached (raise "
                               "cache_bytes)")
             return
+        if not _immutable(data):
+            data = _byte_view(data).tobytes()  # immutable: not changed by its producer, nor by a reader served it
         self._enqueue(ident, data, n)
 
     def mark(self, ident: str) -> None:
@@ -280,14 +287,14 @@ class DiskCache:
         if self.writable:
             self._enqueue(ident, None, len(ident))  # its queue cost: the ident it holds
 
-    def _enqueue(self, ident: str, data, n: int) -> None:
+    def _enqueue(self, ident: str, data: bytes | None, n: int) -> None:
         with self._cond:
             if ident in self._pending:
                 return  # queued already: the same bytes (the ident names the object's generation)
             if self._queued + n > QUEUE_BYTES:
                 self.dropped += 1
                 return
-            self._queue.append((ident, data))
+            self._queue.append((ident, data, n))
             self._queued += n
             self._pending[ident] = data
             if self._thread is None:
@@ -314,31 +321,33 @@ class DiskCache:
                 batch = self._take()
                 self._busy = True
             try:
-                self._write_batch(batch)
+                self._write_batch([(ident, data) for ident, data, _ in batch])
             except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
                 self._disable(exc)
             finally:
                 with self._cond:
-                    for ident, data in batch:
-                        self._queued -= len(ident) if data is None else memoryview(data).nbytes
+                    for ident, _, n in batch:
+                        self._queued -= n  # what _enqueue added
                         self._pending.pop(ident, None)
                     self._busy = False
                     self._cond.notify_all()
 
-    def _take(self) -> list[tuple[str, Any]]:
+    def _take(self) -> list[tuple[str, bytes | None, int]]:
         """The queue's first entries, as many as one hold of the lock writes (holding ``_cond``): at most
-        :data:`BATCH_ENTRIES` and :data:`BATCH_BYTES`, and (the first excepted) a tenth of ``cache_bytes``, so
-        that making room for them evicts no more than making room for one did."""
-        batch = [self._queue.popleft()]
+        :data:`BATCH_ENTRIES`, and (the first excepted) what :meth:`_write_batch` reserves for them at most
+        :data:`BATCH_BYTES` and a tenth of ``cache_bytes``. Making room for a batch then evicts down to the low
+        water mark, as making room for one entry does, and no lower (:meth:`_evict`)."""
+        block = self._block or 4096
         room = min(BATCH_BYTES, self.cache_bytes // 10)
-        held = 0 if batch[0][1] is None else memoryview(batch[0][1]).nbytes
+        batch: list[tuple[str, bytes | None, int]] = []
+        seen: set[str] = set()
+        need = 0
         while self._queue and len(batch) < BATCH_ENTRIES:
-            data = self._queue[0][1]
-            n = 0 if data is None else memoryview(data).nbytes
-            if held + n > room:
+            ident, data, _ = self._queue[0]
+            need += _reserve(_entry_bytes(ident, data), self._path(ident), seen, block)
+            if batch and need > room:
                 break
             batch.append(self._queue.popleft())
-            held += n
         return batch
 
     def write(self, ident: str, data) -> bool:
@@ -365,16 +374,13 @@ class DiskCache:
                 return done  # a process holds it that long (a hung disk?): these entries stay unwritten
             block = self._block
             todo = []  # (index in batch, path, ident, payload or None, what it reserves)
+            seen: set[str] = set()  # the subfolders of the entries in todo
             for i, (ident, data) in enumerate(batch):
-                name = ident.encode("utf-8", "surrogatepass")
-                payload = None
-                size = 0
-                if data is not None:
-                    payload = _byte_view(data)
-                    size = HEADER.size + len(name) + len(payload)
-                reserve = -(-size // block) * block + DIR_SLACK_BLOCKS * block
-                if reserve <= self.cache_bytes:
-                    todo.append((i, os.fsencode(self._path(ident)), name, payload, reserve))
+                payload = None if data is None else _byte_view(data)
+                size, path = _entry_bytes(ident, payload), self._path(ident)
+                if _reserve(size, path, set(), block) <= self.cache_bytes:  # alone, as the first of a batch
+                    todo.append((i, os.fsencode(path), ident.encode("utf-8", "surrogatepass"), payload,
+                                 _reserve(size, path, seen, block)))
             need = sum(item[4] for item in todo)
             if not todo:
                 return done
@@ -383,7 +389,9 @@ class DiskCache:
                 total = self._evict(need)
                 self._scanned = True
                 while todo and total + need > self.cache_bytes:  # what cannot be evicted (the folders) leaves
-                    need -= todo.pop()[4]  # no room for them all: the last wait for a later read to queue them
+                    # no room for them all: the last wait for a later read to queue them (popped from the end,
+                    # so each subfolder's slack leaves with the first of its entries, the last to go)
+                    need -= todo.pop()[4]
                 if not todo:
                     _store_total(lock, total)
                     return done
@@ -429,9 +437,10 @@ class DiskCache:
         return struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
 
     def _evict(self, incoming: int) -> int:
-        """Scan the folder (under the lock); unlink least recently used entries until ``incoming`` more bytes fit
-        under the low water mark; remove the subfolders that leaves empty and dead writers' temporary files.
-        Returns the space the folder takes then, allocated (entries, temporary files, folders, ``.index``)."""
+        """Scan the folder (under the lock); where ``incoming`` more bytes do not fit, unlink least recently used
+        entries down to the low water mark (or lower, as far as ``incoming`` needs, where it is more than the
+        rest of the bound); remove the subfolders that leaves empty and dead writers' temporary files. Returns
+        the space the folder takes then, allocated (entries, temporary files, folders, ``.index``)."""
         entries: list[tuple[float, int, str, str]] = []
         total = _allocated(self._root)
         folders: dict[str, list[int]] = {}  # subfolder -> [its own allocation, names in it]
@@ -467,11 +476,13 @@ class DiskCache:
                 total += held  # entries, markers (none), live writers' temporary files, anything else
                 if _ENTRY.fullmatch(e.name):
                     entries.append((st.st_mtime, held, e.path, folder))
+        # the folder's own target, not that less incoming: a batch's need taken off it too evicted twice its
+        # room (or everything) where one entry's took a block or two off
         target = min(int(self.cache_bytes * LOW_WATER), self.cache_bytes - incoming)
         if total + incoming > self.cache_bytes:
             entries.sort()
             for _, held, path, folder in entries:
-                if total + incoming <= target:
+                if total <= target:
                     break
                 try:
                     os.unlink(path)  # a reader that opened it reads on; later ones miss
@@ -608,9 +619,39 @@ def _allocated_of(st: os.stat_result) -> int:
 def _allocated(path: str | int) -> int:
     """:func:`_allocated_of` a path (or an open descriptor); 0 when it is not there."""
     try:
-        return _allocated_of(os.fstat(path) if isinstance(path, int) else os.lstat(path))
+        return _allocated_of(os.fstat(path) if isinstance(path, int) else _again(os.lstat, path))
     except OSError:
         return 0
+
+
+def _entry_bytes(ident: str, data) -> int:
+    """The bytes of the entry file of ``ident`` holding ``data`` (None: a marker, an empty file)."""
+    return 0 if data is None else HEADER.size + len(ident.encode("utf-8", "surrogatepass")) + memoryview(data).nbytes
+
+
+def _reserve(size: int, path: str, seen: set[str], block: int) -> int:
+    """What a batch reserves for one more entry file of ``size`` bytes at ``path`` before it is written, in
+    blocks of ``block`` bytes: its file's whole blocks; for its subfolder, :data:`DIR_SLACK_BLOCKS` where it is
+    the batch's first entry there (the folder made, or grown into an indexed one) and one more block for each
+    later one (its name can split a full block of names). ``seen``: the subfolders of the batch's entries so
+    far, which gains this one's."""
+    folder = path.rpartition("/")[0]
+    slack = 1 if folder in seen else DIR_SLACK_BLOCKS
+    seen.add(folder)
+    return -(-size // block) * block + slack * block
+
+
+#: The types whose buffers never change (module, name): Python's bytes, obstore's (Rust's ``bytes::Bytes``).
+_IMMUTABLE = {("builtins", "bytes"), ("obstore", "Bytes")}
+
+
+def _immutable(data) -> bool:
+    """Whether the bytes of the buffer ``data`` can never change: a bytes or obstore ``Bytes``, or a view of one
+    (which the view's ``obj`` names)."""
+    if isinstance(data, bytes):
+        return True
+    owner = memoryview(data).obj
+    return isinstance(owner, bytes) or (type(owner).__module__, type(owner).__qualname__) in _IMMUTABLE
 
 
 def _byte_view(data) -> memoryview:
@@ -660,12 +701,12 @@ def write_entries(items: Sequence[tuple[bytes, bytes, Any]], tag: str, seed: int
         try:
             if parent not in folders:
                 try:
-                    st = os.lstat(parent)
+                    st = _again(os.lstat, parent)
                 except FileNotFoundError:
                     if root is None:  # the root grows by the subfolders made: measured before the first
                         root, root_before = up, _allocated(up)
                     try:
-                        os.mkdir(parent)  # only under the folder's lock: eviction may remove an empty one
+                        _again(os.mkdir, parent)  # only under the folder's lock: eviction may remove an empty one
                     except FileExistsError:
                         pass
                     folders[parent] = 0
@@ -674,7 +715,7 @@ def write_entries(items: Sequence[tuple[bytes, bytes, Any]], tag: str, seed: int
                         results[i] = -errno.ENOTDIR
                         break
                     folders[parent] = _allocated_of(st)
-            if os.path.lexists(path):
+            if _lexists(path):
                 continue  # another process wrote it meanwhile (or it came twice in this batch)
             made = _write_one(path, parent, name, ident, payload, tag, draw)
         except OSError as exc:
@@ -701,7 +742,7 @@ def _write_one(path: bytes, parent: bytes, name: bytes, ident: bytes, payload: A
         try:
             return _allocated_of(os.fstat(fd))
         finally:
-            os.close(fd)
+            _close(fd)
     for _ in range(100):  # as fsutil's replace_atomically: never reuse what sits at a name
         tmp = b"%s/.%s.tmp-%s-%08x" % (parent, name, tag.encode(), draw.getrandbits(32))
         try:
@@ -723,15 +764,44 @@ def _write_one(path: bytes, parent: bytes, name: bytes, ident: bytes, payload: A
                     parts[0] = parts[0][wrote:]
             made = _allocated_of(os.fstat(fd))
         finally:
-            os.close(fd)
-        os.rename(tmp, path)
+            _close(fd)
+        _again(os.rename, tmp, path)
     except BaseException:
         try:
-            os.unlink(tmp)
+            _again(os.unlink, tmp)
         except OSError:
             pass
         raise
     return made
+
+
+def _again(call: Callable, *args: Any) -> Any:
+    """``call(*args)``, made again while a signal interrupts it (EINTR), as the compiled writer's calls are: Python
+    does so itself for ``os.open``, ``os.fstat`` and ``os.writev`` (PEP 475), not for lstat, mkdir, rename and
+    unlink, which a signal interrupts on a FUSE or network file system."""
+    while True:
+        try:
+            return call(*args)
+        except InterruptedError:
+            continue
+
+
+def _lexists(path: bytes) -> bool:
+    """``os.path.lexists`` whose lstat a signal does not make a False."""
+    try:
+        _again(os.lstat, path)
+    except OSError:
+        return False
+    return True
+
+
+def _close(fd: int) -> None:
+    """``os.close``, never made again: Linux releases the descriptor even when a signal interrupts it (EINTR), and
+    another thread may have been given the number since; EINTR counts as closed (as in csrc/entries.c)."""
+    try:
+        os.close(fd)
+    except InterruptedError:
+        pass
 
 
 def read_file(path: str, max_bytes: int) -> bytes | None:
