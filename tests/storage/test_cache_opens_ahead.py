@@ -59,12 +59,20 @@ def served(tmp_path):
         server.server_close()
 
 
-def _epoch(cfg: stoker.Config, root: str, wait_s: float = 0.0) -> list[float]:
+def _epoch(cfg: stoker.Config, root: str, wait_s: float = 0.0, split_s: float | None = None) -> list[float]:
     """Every batch of ORDER popped (the first ``wait_s`` after the push), each equal to zarr-python's; when
-    each pop returned (monotonic)."""
+    each pop returned (monotonic). ``split_s``: array 0's batches pushed first, the others that long after
+    (within ``wait_s``)."""
     popped = []
     with stoker.Pipeline(cfg) as p:
-        p.push([stoker.Sample(f"s3://{BUCKET}/a{i}", ((0, 8), (4, 12))) for i in ORDER])
+        samples = [stoker.Sample(f"s3://{BUCKET}/a{i}", ((0, 8), (4, 12))) for i in ORDER]
+        if split_s is None:
+            p.push(samples)
+        else:
+            p.push(samples[:ORDER.count(0)])
+            time.sleep(split_s)
+            p.push(samples[ORDER.count(0):])
+            wait_s -= split_s
         time.sleep(wait_s)
         for i in ORDER:
             with p.pop() as b:
@@ -75,7 +83,10 @@ def _epoch(cfg: stoker.Config, root: str, wait_s: float = 0.0) -> list[float]:
     return popped
 
 
-def test_planned_batches_take_free_slots_while_later_arrays_open(served, tmp_path):
+@pytest.mark.parametrize("split_s", [None, 0.3], ids=["one-push", "later-push"])
+def test_planned_batches_take_free_slots_while_later_arrays_open(served, tmp_path, split_s):
+    # later-push: the batches over arrays 1..4 come in a second push, once the first ran dry, so the
+    # coordinator pulls the first of them in the round that would launch it (nothing pulled ahead)
     root, url = served
     options = {f"s3://{BUCKET}/": {"endpoint": url, "region": "us-east-1", "skip_signature": True,
                                    "allow_http": True, "timeout_s": 30.0}}
@@ -84,7 +95,7 @@ def test_planned_batches_take_free_slots_while_later_arrays_open(served, tmp_pat
     _epoch(cfg, root)
     # the second epoch: array 0 is open after a few round trips, batches 0 and 1 are made in the two slots,
     # 2..4 planned behind them, and arrays 1..4 are still being listed when the consumer starts
-    popped = _epoch(cfg, root, wait_s=SLOW_LIST_S / 3)
+    popped = _epoch(cfg, root, wait_s=SLOW_LIST_S / 3, split_s=split_s)
     # once the consumer gives slots back, batches 2..4 come as fast as they are made (before: they waited
     # for the coordinator's wait for array 1's open to end, the rest of its slow listing)
     late = popped[4] - popped[0]

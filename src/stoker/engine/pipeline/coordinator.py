@@ -232,6 +232,12 @@ class Coordinator:
         with self._opening_lock:
             return any(not f.done() for f in (self._opening.get(u) for u in uris) if f is not None)
 
+    def _opens_started(self, staged: list[Staged]) -> bool:
+        """Whether a remote array of ``staged`` is being opened on the opener threads, its open started here
+        if it was not yet."""
+        flights = self._start_opens(list({u: None for s, _, _ in staged for u in s.uris}))
+        return any(not f.done() for _, f in flights)
+
     def _wait_opens(self, futures: list[concurrent.futures.Future]) -> None:
         """Wait for the opens ``futures`` (each bounded: every store request has its own time limit); a
         pipeline closed meanwhile raises ShutdownError (its opener threads are stopped)."""
@@ -344,10 +350,16 @@ class Coordinator:
             self._submit(*self.ahead.queue.popleft())
         else:
             staged, error = self._next_pull()
-            if staged:
-                self._launch(staged)
-            if error is not None:  # (the sources were dropped when it was pulled: _next_pull)
-                self.ahead.failed(Entry(next(self._batch_ids), 0, error=error))
+            if staged and error is None and self.ahead.queue and self._opens_started(staged):
+                # pulled just now (nothing was pulled ahead: a push of a batch at a time) and its arrays are
+                # being opened: put back, so the batches planned before it take the slots the consumer gives
+                # back meanwhile (see above) rather than wait behind its opens in _launch
+                self._pulled.appendleft((staged, error))
+            else:
+                if staged:
+                    self._launch(staged)
+                if error is not None:  # (the sources were dropped when it was pulled: _next_pull)
+                    self.ahead.failed(Entry(next(self._batch_ids), 0, error=error))
         with self.cond:
             self.intake.launched(still_waiting=bool(self.ahead.queue) or bool(self._pulled))
             self.cond.notify_all()
