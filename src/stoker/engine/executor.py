@@ -175,8 +175,9 @@ class Job:
         self._claims = 0  # how many waiters claimed it (RUNNING -> SETTLING): names each claim's hand-off
         # read/decode counters of this batch, added to Stats when it is popped, so every counter
         # describes the same delivered batches (work done ahead is not lost to stats_reset())
-        self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0, "bytes_to_device": 0,
-                       "bytes_to_device_host": 0}
+        # (chunk_dedup_hits here: chunks another batch in flight decoded for this one too, csrc/pool.c)
+        self.counts = {"bytes_read": 0, "bytes_decoded": 0, "chunks_decoded": 0, "chunk_dedup_hits": 0,
+                       "bytes_to_device": 0, "bytes_to_device_host": 0}
         if n_chunks == 0:
             self._state = COMPLETING
             self._complete()

@@ -142,7 +142,9 @@ class Stats(Amplification):
     samples: int = 0
     chunks_needed: int = 0  # chunk touches summed over samples
     chunks_decoded: int = 0  # chunks actually decoded (after per-batch de-duplication)
-    chunk_dedup_hits: int = 0  # touches served by a chunk another sample of the batch needed too
+    # touches served by a chunk decoded once for several: another sample of the batch needed it too, or
+    # another batch in flight (the compiled engine decodes a chunk jobs in flight share once)
+    chunk_dedup_hits: int = 0
     bytes_read: int = 0  # encoded bytes read from storage
     bytes_decoded: int = 0  # decoded bytes produced (partial decodes count the blocks decoded)
     bytes_delivered: int = 0  # bytes of popped batches, in the output dtype

@@ -943,7 +943,7 @@ class NativeDecoder:
         """Finish the ``n`` chunks of ``job`` the engine placed, with its ``counts`` (``fetched``: see
         :meth:`_account`; the fetch counted their bytes as read)."""
         job.finish(n, bytes_read=0 if fetched else counts["bytes_read"], bytes_decoded=counts["bytes_decoded"],
-                   chunks_decoded=counts["chunks_decoded"])
+                   chunks_decoded=counts["chunks_decoded"], chunk_dedup_hits=counts["chunks_shared"])
 
     def _failed(self, job: Job, cids: np.ndarray, statuses: np.ndarray, details: np.ndarray,
                 data: list | None = None) -> None:

@@ -255,9 +255,9 @@ class Pipeline:
         batch = Batch(view, plan.samples, head.batch_id, _once_handed(release, handed), ready_event=event,
                       ready_stream=stream, keys=plan.keys)
         counts = dict(batches_emitted=1, samples=rows, chunks_needed=plan.chunks_needed,
-                      chunk_dedup_hits=plan.chunks_needed - plan.n_chunks,
                       bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
                       **head.job.counts)
+        counts["chunk_dedup_hits"] += plan.chunks_needed - plan.n_chunks  # and those shared by batches in flight
         del view, release
         self._popped(head, t0, rows, counts)
         return batch, handed
@@ -279,9 +279,9 @@ class Pipeline:
                                        ready_event=event if ready_event is None else ready_event,
                                        ready_stream=stream if ready_stream is None else ready_stream,
                                        keys=plan.keys)
-            own = dict(chunks_needed=plan.chunks_needed, chunk_dedup_hits=plan.chunks_needed - plan.n_chunks,
-                       bytes_delivered=view.numel() * view.element_size(), bytes_needed=plan.bytes_needed,
-                       **part.job.counts)
+            own = dict(chunks_needed=plan.chunks_needed, bytes_delivered=view.numel() * view.element_size(),
+                       bytes_needed=plan.bytes_needed, **part.job.counts)
+            own["chunk_dedup_hits"] += plan.chunks_needed - plan.n_chunks
             for name, value in own.items():
                 counts[name] = counts.get(name, 0) + value
             fields[part.name] = {k: own[k] for k in FIELD_COUNTERS}
