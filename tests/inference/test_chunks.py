@@ -141,11 +141,19 @@ def test_zstd_frames_are_numcodecs_bytes(level, checksum):
         frames.encode(chunk, out[:4])
 
 
-def test_a_store_that_keeps_buffers_gets_copies(tmp_path):
-    """A MemoryStore keeps what it is given: the recycled frames' buffer is not handed to it, so the next
-    region's frames do not overwrite the chunks stored before."""
+def _obstore_memory():
+    import obstore.store
+
+    return zarr.storage.ObjectStore(obstore.store.MemoryStore(), read_only=False)
+
+
+@pytest.mark.parametrize("make", [zarr.storage.MemoryStore, _obstore_memory], ids=["zarr-memory", "obstore-memory"])
+def test_a_store_that_keeps_buffers_gets_copies(tmp_path, make):
+    """A MemoryStore keeps what it is given (zarr's, or obstore's behind zarr's ObjectStore): the recycled
+    frames' buffer is not handed to it, so the next region's frames do not overwrite the chunks stored
+    before."""
     data = _data("f4", 0.0)
-    ours = zarr.create_array(zarr.storage.MemoryStore(), shape=SHAPE, chunks=CHUNKS, dtype="f4")
+    ours = zarr.create_array(make(), shape=SHAPE, chunks=CHUNKS, dtype="f4")
     cw = ChunkWriter(ours, BufferPool(1 << 20))
     assert cw.direct
     for box in _boxes(SHAPE, (2, 4, 8, 8)):
@@ -178,3 +186,32 @@ def test_local_chunk_files_are_written_without_zarrs_event_loop(tmp_path, monkey
     assert mine and all(mine[k] == want[k] for k in mine) and not [k for k in mine if "partial" in k]
     for box in stored:
         np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "ours.zarr"), mode="r")[box], data[box])
+
+
+def test_a_failed_put_returns_the_buffer_only_once_every_put_of_the_region_ended(tmp_path, monkeypatch):
+    """On an object store each chunk's put reads a view of the region's recycled buffer: when one put fails,
+    the others are still uploading, so the buffer goes back to the pool (where the next region encodes into
+    it) only once they all ended; the write then raises the failure."""
+    import asyncio
+    import time
+
+    import obstore.store
+
+    (tmp_path / "o").mkdir()
+    store = zarr.storage.ObjectStore(obstore.store.LocalStore(str(tmp_path / "o")), read_only=False)
+    arr = zarr.create_array(store, shape=(64, 64), chunks=(32, 32), dtype="f4")
+    pool = BufferPool(1 << 24)
+    cw = ChunkWriter(arr, pool)
+    ended: list[float] = []
+
+    async def put(self, key, value):
+        if key.endswith("c/0/0"):
+            raise OSError("503 from the object store")
+        await asyncio.sleep(0.3)  # still reading its view of the buffer
+        ended.append(time.monotonic())
+
+    monkeypatch.setattr(zarr.storage.ObjectStore, "set", put)
+    with pytest.raises(OSError, match="503"):
+        cw.write((slice(0, 64), slice(0, 64)), np.random.default_rng(0).random((64, 64)).astype("f4"))
+    raised = time.monotonic()
+    assert len(ended) == 3 and max(ended) <= raised  # every other put ended before the buffer was given back

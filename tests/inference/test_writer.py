@@ -335,3 +335,16 @@ def test_subtract_leaves_disjoint_boxes_covering_the_rest():
             assert all(x < y for x, y in p)
             got[tuple(slice(x, y) for x, y in p)] += 1
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("blend", ["linear", "hann"])
+def test_a_negative_zero_fill_is_kept_where_no_tile_reached(tmp_path, blend):
+    """-0.0 is falsy: the weighted blends' unreached voxels of a written chunk keep the fill's sign bit."""
+    data = np.random.default_rng(0).random((8, 8, 8)).astype("f4")
+    zarr.create_array(str(tmp_path / "in.zarr"), shape=(8, 8, 8), chunks=(8, 8, 8), dtype="f4")[:] = data
+    w = stoker.TileWriter(str(tmp_path / "o.zarr"), (8, 8, 8), (4, 8, 8), "f4", blend=blend, fill_value=-0.0,
+                          write_threads=0)
+    w.write([stoker.Sample(str(tmp_path / "in.zarr"), [(0, 4), (0, 8), (0, 4)])], data[None, :4, :, :4] + 1)
+    w.close()
+    got = zarr.open_array(str(tmp_path / "o.zarr"))[:4, :, 4:]  # in a written chunk, reached by no tile
+    assert np.signbit(got).all(), np.unique(got.view("u4"))

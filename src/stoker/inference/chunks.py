@@ -189,14 +189,28 @@ def _put_file(path: Path, blob: Any) -> None:
 
 def _keeps_nothing(store: Any) -> bool:
     """Whether ``store.set`` is done with the buffer it was given once it returns (it writes a file, or
-    uploads): then an encoder's buffer can be reused for the next region. A MemoryStore keeps it."""
+    uploads): then an encoder's buffer can be reused for the next region. A MemoryStore keeps it, zarr's
+    or obstore's (behind zarr's ObjectStore): only files and the uploading object stores qualify."""
     from zarr.storage import LocalStore, ObjectStore
 
-    return type(store) in (LocalStore, ObjectStore)
+    if type(store) is LocalStore:
+        return True
+    if type(store) is not ObjectStore:
+        return False
+    import obstore.store as backends
+
+    uploaders = tuple(getattr(backends, name) for name in ("S3Store", "GCSStore", "AzureStore", "HTTPStore",
+                                                           "LocalStore") if hasattr(backends, name))
+    return isinstance(getattr(store, "store", None), uploaders)
 
 
 async def _all(puts: list) -> None:
-    await asyncio.gather(*puts)
+    """Every put finished (failed or not) before the first error is raised: a put still running reads its
+    view of the region's buffer, which goes back to the pool once this returns."""
+    results = await asyncio.gather(*puts, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
 
 
 __all__ = ["ChunkWriter"]

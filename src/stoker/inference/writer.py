@@ -390,7 +390,7 @@ class TileWriter:
                     np.divide(region.values, region.wsum, out=out, casting="same_kind")
             reached = region.wsum > 0
             if not reached.all():  # voxels no tile reached keep the fill value
-                np.copyto(out, np.asarray(self.array.fill_value or 0, dtype=np.float64), where=~reached,
+                np.copyto(out, np.asarray(0 if self.array.fill_value is None else self.array.fill_value, dtype=np.float64), where=~reached,
                           casting="unsafe")
             spent += [region.values, region.wsum, out]
         with writing(self.uri, f"region {r} (voxels {region.box})"):
