@@ -74,6 +74,7 @@ class BenchServer:
         self._stop: concurrent.futures.Future = concurrent.futures.Future()
         self._idle = threading.Event()  # serve_forever is not running
         self._idle.set()
+        self._starting = threading.Lock()  # serve_forever's check of _stop and its clear of _idle, as one
         self._connections: set[asyncio.Task] = set()  # each open connection's task (on the loop thread)
         self._date = (0, "")
 
@@ -91,8 +92,11 @@ class BenchServer:
     # -- running ----------------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
-        """Answer requests until :meth:`shutdown` (from another thread)."""
-        self._idle.clear()
+        """Answer requests until :meth:`shutdown` (from another thread); at once if it was asked before."""
+        with self._starting:
+            if self._stop.done():
+                return
+            self._idle.clear()
         try:
             asyncio.run(self._serve())
         finally:
@@ -122,6 +126,8 @@ class BenchServer:
         try:
             self._stop.set_result(None)
         except concurrent.futures.InvalidStateError:  # asked before
+            pass
+        with self._starting:  # a serve_forever starting now has either seen the stop or cleared _idle
             pass
         self._idle.wait(10)
 
