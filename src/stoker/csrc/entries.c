@@ -237,51 +237,16 @@ static uint64_t next_random(uint64_t *state) { /* xorshift64*: names drawn from 
 
 /* The writer's system calls, made again while a signal interrupts them (EINTR: a signal that comes during a call
  * on a FUSE or network file system), as writev below: failed, the entry, the rest of its batch and every later
- * write of the process (the cache turned off) were lost to a signal. */
-static int retry_open(const char *path, int flags) {
-    int fd;
-    do
-        fd = open(path, flags, 0666);
-    while (fd < 0 && errno == EINTR);
-    return fd;
-}
-
-static int retry_lstat(const char *path, struct stat *st) {
-    int rc;
-    do
-        rc = lstat(path, st);
-    while (rc != 0 && errno == EINTR);
-    return rc;
-}
-
-static int retry_fstat(int fd, struct stat *st) {
-    int rc;
-    do
-        rc = fstat(fd, st);
-    while (rc != 0 && errno == EINTR);
-    return rc;
-}
-
-static int retry_mkdir(const char *path) {
-    int rc;
-    do
-        rc = mkdir(path, 0777);
-    while (rc != 0 && errno == EINTR);
-    return rc;
-}
-
-static int retry_rename(const char *from, const char *to) {
-    int rc;
-    do
-        rc = rename(from, to);
-    while (rc != 0 && errno == EINTR);
-    return rc;
-}
-
-static void retry_unlink(const char *path) {
-    while (unlink(path) != 0 && errno == EINTR) {
-    }
-}
+ * write of the process (the cache turned off) were lost to a signal. AGAIN(call): the call made again while it
+ * fails with EINTR; its result. */
+#define AGAIN(call)                                                                                            \
+    __extension__({                                                                                            \
+        int again_rc_;                                                                                         \
+        do                                                                                                     \
+            again_rc_ = (call);                                                                                \
+        while (again_rc_ < 0 && errno == EINTR);                                                               \
+        again_rc_;                                                                                             \
+    })
 
 /* close is never made again: Linux releases the descriptor even when a signal interrupts it (POSIX leaves its
  * state unspecified), and another thread may have been given that number since. EINTR counts as closed (what
@@ -319,7 +284,7 @@ static int write_one(entry_write *e, const char *tag, uint64_t *state, char *tmp
     const char *base = e->path + dir_len + 1;
     int fd = -1;
     if (e->payload == NULL) { /* a marker: an empty file made at its name in one step */
-        fd = retry_open(e->path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC);
+        fd = AGAIN(open(e->path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
         if (fd < 0)
             return errno == EEXIST ? 0 : -errno; /* made meanwhile: the same marker */
     } else {
@@ -330,7 +295,7 @@ static int write_one(entry_write *e, const char *tag, uint64_t *state, char *tmp
                                (unsigned)(next_random(state) >> 32));
             if (len < 0 || len >= PATH_MAX)
                 return -ENAMETOOLONG;
-            fd = retry_open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC);
+            fd = AGAIN(open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
             if (fd < 0 && errno != EEXIST)
                 return -errno;
         }
@@ -348,27 +313,27 @@ static int write_one(entry_write *e, const char *tag, uint64_t *state, char *tmp
                                {(void *)e->payload, e->payload_len}};
         int bad = write_all(fd, iov, 3);
         struct stat st;
-        if (bad == 0 && retry_fstat(fd, &st) != 0)
+        if (bad == 0 && AGAIN(fstat(fd, &st)) != 0)
             bad = -errno;
         int closed = close_once(fd); /* a network file system may report a failed write only here */
         if (bad == 0)
             bad = closed;
-        if (bad == 0 && retry_rename(tmp, e->path) != 0)
+        if (bad == 0 && AGAIN(rename(tmp, e->path)) != 0)
             bad = -errno;
         if (bad != 0) {
-            retry_unlink(tmp);
+            (void)AGAIN(unlink(tmp));
             return bad;
         }
         e->allocated = allocated_of(&st);
         return 1;
     }
     struct stat st;
-    int bad = retry_fstat(fd, &st) != 0 ? -errno : 0;
+    int bad = AGAIN(fstat(fd, &st)) != 0 ? -errno : 0;
     int closed = close_once(fd);
     if (bad == 0)
         bad = closed;
     if (bad != 0) {
-        retry_unlink(e->path);
+        (void)AGAIN(unlink(e->path));
         return bad;
     }
     e->allocated = allocated_of(&st);
@@ -380,7 +345,7 @@ static long long folder_allocated(const char *path, size_t len, char *buf) {
     struct stat st;
     memcpy(buf, path, len);
     buf[len] = '\0';
-    return retry_lstat(buf, &st) == 0 ? allocated_of(&st) : 0;
+    return AGAIN(lstat(buf, &st)) == 0 ? allocated_of(&st) : 0;
 }
 
 int write_entries(entry_write *items, size_t n, const char *tag, uint64_t seed, long long *grown) {
@@ -428,7 +393,7 @@ int write_entries(entry_write *items, size_t n, const char *tag, uint64_t seed, 
             memcpy(tmp, e->path, dir_len);
             tmp[dir_len] = '\0';
             long long before = 0;
-            if (retry_lstat(tmp, &st) == 0) {
+            if (AGAIN(lstat(tmp, &st)) == 0) {
                 if (!S_ISDIR(st.st_mode)) { /* a link or a file planted there: never written through */
                     bad = e->result = -ENOTDIR;
                     break;
@@ -441,7 +406,7 @@ int write_entries(entry_write *items, size_t n, const char *tag, uint64_t seed, 
                     root_before = folder_allocated(e->path, root_len, tmp + PATH_MAX);
                 }
                 /* only here, under the folder's lock, are subfolders made: eviction may remove an empty one */
-                if (retry_mkdir(tmp) != 0 && errno != EEXIST) {
+                if (AGAIN(mkdir(tmp, 0777)) != 0 && errno != EEXIST) {
                     bad = e->result = -errno;
                     break;
                 }
@@ -455,7 +420,7 @@ int write_entries(entry_write *items, size_t n, const char *tag, uint64_t seed, 
             n_folders++;
         }
         struct stat st;
-        if (retry_lstat(e->path, &st) == 0)
+        if (AGAIN(lstat(e->path, &st)) == 0)
             continue; /* another process wrote it meanwhile (or it came twice in this batch) */
         if (errno != ENOENT) {
             bad = e->result = -errno;
