@@ -327,21 +327,17 @@ class Coordinator:
             # else submit the oldest (waiting for its slot)
             work = self.intake.has_work() or bool(self._pulled)
             submit = bool(self.ahead.queue) and not (work and self.ahead.more())
-            if not submit and self.ahead.queue and self._opens_pending():
-                # the next batch to plan would wait for its arrays' opens (a round trip each, on the opener
-                # threads): the oldest batch planned takes a slot meanwhile, rather than wait behind them
-                # for a slot the consumer gave back; with none free, wait for a slot or an open, whichever
-                # comes first (an open's end wakes us: _opened, a slot's release is polled)
-                if not self._slot_free():
-                    gil.wait(self.cond, _SLOT_POLL_S)
-                    return not self.closed
-                submit = True
-            if submit and work and self.ahead.blocked() and not self._slot_free():
-                # planning ahead waits for room in the buffer, the oldest batch for a slot: wait for
-                # whichever comes first (a request's end wakes us, a slot's release is polled), rather
-                # than in acquire, where planning could not go on when room comes first
+            # the next batch to plan would wait for its arrays' opens (a round trip each, on the opener
+            # threads): the oldest batch planned takes a slot meanwhile, rather than wait behind them for a
+            # slot the consumer gave back
+            held = not submit and bool(self.ahead.queue) and self._opens_pending()
+            if (held or (submit and work and self.ahead.blocked())) and not self._slot_free():
+                # planning waits for room in the prefetch buffer or for an open, the oldest batch for a slot:
+                # wait for whichever comes first (a request's or an open's end wakes us, a slot's release is
+                # polled), rather than in acquire, where planning could not go on when the other came first
                 gil.wait(self.cond, _SLOT_POLL_S)
                 return not self.closed
+            submit = submit or held
             if not submit and (not work or
                                (not self.ahead.queue and len(self.inflight) > self.cfg.lookahead_batches + 1)):
                 gil.wait(self.cond, 0.1)
