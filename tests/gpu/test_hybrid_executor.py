@@ -7,6 +7,7 @@ thing on a GPU with nvCOMP (skipped here).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -449,3 +450,62 @@ def test_a_slow_host_part_does_not_hold_back_the_batches_before_it(arrays, hybri
     assert all(_same(a, b) for a, b in zip(out, ref)) and len(out) == len(ref) == 3
     order = [e for e in events if e in (("done", 0), ("host", 1), ("host", 2))]
     assert order.index(("done", 0)) < order.index(("host", 2)), events
+
+
+# -- fields -----------------------------------------------------------------------------------------------------
+
+
+def _native_threads() -> int:
+    """OS threads of this process that are no Python thread (the compiled engines')."""
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+
+def _settled(floor: int) -> int:
+    """The native threads once a closed pipeline's have ended (five seconds at most for them to reach ``floor``)."""
+    deadline = time.monotonic() + 5
+    while _native_threads() > floor and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _native_threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_fields_pipeline_on_both_runs_one_engine_of_n_compute_threads(arrays, hybrid):
+    """Each field's lane is a hybrid executor of its own; their CPU parts submit to one compiled engine (the
+    lanes' shared one, as on the CPU path): n_compute_threads engine threads in all, not that many per field,
+    each reported once; the batches are the CPU path's; closed, none is left."""
+    from stoker.engine.cpu.executor import engine_available
+
+    if not engine_available():
+        pytest.skip("the compiled engine is not built")
+    (z, data), (z2, _) = arrays["v3-sharded-zstd-u16"], arrays["v3-zstd-u16-missing"]
+    boxes = [s.aabb for s in _samples(_uri(z), data.shape, (6, 12, 10), 8, seed=12)]
+    samples = [stoker.Sample({"raw": (_uri(z), b), "labels": (_uri(z2), b)}) for b in boxes]
+    hybrid.fraction = 0.5  # both parts of every lane take chunks
+    kw = dict(dtype={"raw": "bf16", "labels": "native"}, n_compute_threads=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no OpenMP team for the host stand-in's copies (one per calling thread)
+    try:
+        before = _native_threads()
+        got = _fields_run(samples, kw, before)
+        assert _settled(before) == before  # closed: none is left
+    finally:
+        torch.set_num_threads(threads)
+    want, _ = _on_cpu(samples, **kw)
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys() and all(_same(g[k], w[k]) for k in g)
+
+
+def _fields_run(samples, kw, before: int) -> list:
+    """The batches of a hybrid pipeline of ``samples`` (fields), its native threads counted once they are made."""
+    got = []
+    with stoker.Pipeline(_cfg(**kw)) as p:
+        p.push(samples)
+        for b in p:
+            got.append({k: torch.from_dlpack(v).clone() for k, v in b.items()})
+        engines = {id(lane.executor.cpu.decoders.native.engine) for lane in p._coordinator.lanes}
+        # every batch made: no wave's read is in flight (its threads, staging.c's, live for one call)
+        assert _native_threads() - before == 3
+        assert len(engines) == 1 and len(p._coordinator.lanes.lanes) == 2
+        assert len(p.stats().workers) == 3
+    return got
