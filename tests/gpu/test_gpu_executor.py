@@ -206,6 +206,45 @@ def test_chunks_the_device_does_not_decode_are_decoded_on_the_cpu_with_one_notic
     assert stats.bytes_to_device > stats.bytes_read
 
 
+
+def test_chunks_the_cpu_decodes_are_fetched_and_counted_as_every_chunk_read_again(tmp_path, gpu_decode, monkeypatch):
+    """One way a chunk is fetched through its reader (staging.Stager.fetch): the chunks of an array the device
+    does not decode (gzip, some missing, some inner chunks of shards) go through it, once each, as the chunks
+    the staging reads again do; their bytes are counted read and in the io stage once (bytes_read, all of it
+    read by the io stage: the staging's reads and these fetches), and the batches are the CPU path's."""
+    zg, dg = _write(tmp_path / "g.zarr", (16, 32, 32), (4, 8, 8), "uint16", GzipCodec(level=1), fill_value=3,
+                    skip=4)
+    zs, ds = _write(tmp_path / "s.zarr", (16, 32, 32), (4, 8, 8), "uint16", GzipCodec(level=1), fill_value=5,
+                    skip=4, shards=(8, 16, 16))
+    zz, dz = _write(tmp_path / "z.zarr", (16, 32, 32), (4, 8, 8), "uint16", ZstdCodec(level=1), seed=2)
+    samples = [stoker.Sample(str(tmp_path / f"{name}.zarr"), [(2, 10), (4, 28), (0, 32)]) for name in "gsz"]
+    fetched: list = []
+    fetch = gpu_staging.Stager.fetch
+
+    def counted(self, plan, sources, cids, files, counts):
+        fetched.extend((plan.sources[int(plan.chunk_source[c])].uri, plan.key(int(c))) for c in cids)
+        return fetch(self, plan, sources, cids, files, counts)
+    monkeypatch.setattr(gpu_staging.Stager, "fetch", counted)
+    with pytest.warns(RuntimeWarning, match="decoded on the CPU: codecs gzip"):
+        got, stats = _run(samples)
+    monkeypatch.undo()
+    uris = {stoker.open_array(str(tmp_path / f"{name}.zarr")).uri: name for name in "gsz"}
+    assert {uris[u] for u, _ in fetched} == {"g", "s"} and len(set(fetched)) == len(fetched)
+    # the crop needs 3 x 4 x 4 chunks of each: g's all fetched (those of rows 0..4, never written, found missing
+    # there), s's only those its shards' indexes hold (rows 4..12: 2 x 4 x 4)
+    assert sum(uris[u] == "g" for u, _ in fetched) == 48 and sum(uris[u] == "s" for u, _ in fetched) == 32
+    assert stats.stages["io"].bytes_out == stats.bytes_read > 0
+    want, _ = _on_cpu_path(samples)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    for row, s, data in zip(torch.cat(got), samples, (dg, ds, dz)):
+        assert torch.equal(row, _expected(data, s, "f32"))
+
+
+def _on_cpu_path(samples, **kw):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipelines, "make_executor", executors.make_executor)
+        return _run(samples, **kw)
+
 def test_streams_over_the_device_s_limit_are_decoded_on_the_cpu(arrays, gpu_decode):
     made, limit = gpu_decode
     limit[0] = 1000  # every zstd chunk (4 KiB) is over it; blosc blocks of 1 KiB / 2-byte items are not
