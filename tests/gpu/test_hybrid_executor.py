@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import warnings
+from typing import Callable
 
 import numcodecs
 import numpy as np
@@ -255,15 +256,37 @@ def test_shares_follow_the_measured_rates():
 
 
 class _SlowDecoder(HostDecoder):
-    """The GPU part's stream decoder made slower (a test-only delay per group)."""
+    """The GPU part's stream decoder made slower (a test-only delay per group: ``delay()`` seconds)."""
 
-    def __init__(self, delay: float) -> None:
+    def __init__(self, delay: Callable[[], float]) -> None:
         super().__init__(1 << 24)
         self.delay = delay
 
     def decode_staged(self, *args, **kwargs):
-        time.sleep(self.delay)
+        time.sleep(self.delay())
         return super().decode_staged(*args, **kwargs)
+
+
+class _Slower:
+    """Delays that keep one side ``FACTOR`` times slower than the other side's last batch took (as the executor
+    measured it, :meth:`Shares.record`), whatever the load: a fixed delay is not, where the other side's own
+    time grows with the load past it (the GPU part's first batches take 0.3-1.3 s on a busy machine: torch's
+    first index operations in the host stand-in's placement)."""
+
+    FACTOR, FLOOR, CAP = 4.0, 0.05, 2.0
+
+    def __init__(self, monkeypatch) -> None:
+        self.last: dict[str, float] = {}
+        record = Shares.record
+
+        def watched(shares, side, nbytes, seconds):
+            self.last[side] = seconds
+            record(shares, side, nbytes, seconds)
+        monkeypatch.setattr(Shares, "record", watched)
+
+    def than(self, other: str) -> float:
+        """Seconds to add to a batch of the side made slower than ``other``."""
+        return min(self.CAP, max(self.FLOOR, self.FACTOR * self.last.get(other, self.FLOOR)))
 
 
 def _fraction_after(samples, **kw) -> float:
@@ -275,15 +298,23 @@ def _fraction_after(samples, **kw) -> float:
 
 
 def test_shares_adapt_when_one_side_is_made_slower(arrays, hybrid, monkeypatch):
+    """Each side in turn made FACTOR times slower than the other (by a delay inside what the executor times of
+    it): the GPU part's share goes down, then up. The delay follows the other side's measured time, so the
+    outcome does not hang on the machine's load (a fixed 0.15 s did: under load the GPU part's own batches
+    took longer than that, and the shares, which drift towards the side whose batches take less time, went
+    the other way); it fails where the executor measures a side wrongly (the GPU part's wait for the host part
+    counted as its own work, the sides' bytes or times swapped)."""
     z, data = arrays["v3-sharded-zstd-u16"]
     samples = _samples(_uri(z), data.shape, (12, 30, 20), 40, seed=6)
-    hybrid.decoder = lambda stream: _SlowDecoder(0.15)
+    slower = _Slower(monkeypatch)
+    hybrid.decoder = lambda stream: _SlowDecoder(lambda: slower.than("cpu"))
     slow_gpu = _fraction_after(samples, dtype="bf16")
     hybrid.decoder = None
+    slower.last.clear()
     real = hybrids.HybridExecutor._cpu_done
 
-    def slow_cpu(self, parts):  # the CPU part's batch is complete 0.15 s later
-        time.sleep(0.15)
+    def slow_cpu(self, parts):  # the CPU part's batch is complete later
+        time.sleep(slower.than("gpu"))
         real(self, parts)
     monkeypatch.setattr(hybrids.HybridExecutor, "_cpu_done", slow_cpu)
     slow_host = _fraction_after(samples, dtype="bf16")
