@@ -468,6 +468,45 @@ def test_inner_chunks_of_a_shard_are_read_in_few_reads(tmp_path, gpu_decode, mon
     _check_against_cpu_and_zarr(got, samples, data)
 
 
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["chunk-files", "sharded"])
+def test_a_group_s_reads_take_the_same_python_steps_for_16_or_256_files(tmp_path, gpu_decode, monkeypatch, sharded):
+    """A group's local reads are one call into csrc/staging.c, read on its own threads without the GIL: the
+    Python calls (functions and builtins, counted by a profiler on the reader thread) that stage a group are
+    as many for 256 chunk files (or inner chunks of one shard) as for 16; the batches are the CPU path's."""
+    import sys
+    from stoker.engine.gpu import native_reads
+
+    if not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    calls: dict[int, list[int]] = {}
+    read = gpu_staging.Stager.read
+
+    def profiled(self, plan, *args, **kwargs):
+        counted = [0]
+
+        def count(frame, event, arg):
+            if event in ("call", "c_call"):
+                counted[0] += 1
+        sys.setprofile(count)  # (this thread's only: the reader's)
+        try:
+            return read(self, plan, *args, **kwargs)
+        finally:
+            sys.setprofile(None)
+            calls.setdefault(plan.n_chunks, []).append(counted[0])
+    monkeypatch.setattr(gpu_staging.Stager, "read", profiled)
+    for n in (16, 256):
+        uri = str(tmp_path / f"{n}.zarr")
+        z, data = _write(uri, (8, 8 * n, 8), (8, 8, 8), "uint16", ZstdCodec(level=1),
+                         shards=(8, 8 * n, 8) if sharded else None)
+        samples = [stoker.Sample(uri, [(0, 8), (0, 8 * n), (0, 8)])]
+        got, stats = _run(samples, batch_size=1, n_compute_threads=4)
+        assert stats.chunks_decoded == n and calls[n] and len(calls[n]) == 1  # one group
+        with monkeypatch.context() as mp:
+            mp.setattr(gpu_staging.Stager, "read", read)
+            _check_against_cpu_and_zarr(got, samples, data)
+    assert calls[16] == calls[256], calls
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["chunk-files", "sharded"])
 def test_the_compiled_reads_build_the_files_paths_with_no_python_per_file(tmp_path, gpu_decode, monkeypatch,
                                                                           sharded):
