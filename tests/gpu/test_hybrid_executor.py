@@ -499,6 +499,18 @@ def _settled(floor: int) -> int:
     return _native_threads()
 
 
+def _steady() -> int:
+    """The native threads once their count has not changed for 0.3 s (five seconds at most)."""
+    deadline = time.monotonic() + 5
+    count, since = _native_threads(), time.monotonic()
+    while time.monotonic() - since < 0.3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = _native_threads()
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_a_fields_pipeline_on_both_runs_one_engine_of_n_compute_threads(arrays, hybrid):
     """Each field's lane is a hybrid executor of its own; their CPU parts submit to one compiled engine (the
@@ -516,7 +528,7 @@ def test_a_fields_pipeline_on_both_runs_one_engine_of_n_compute_threads(arrays, 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # no OpenMP team for the host stand-in's copies (one per calling thread)
     try:
-        before = _native_threads()
+        before = _steady()  # (the threads of pipelines closed before, ending, have ended)
         got = _fields_run(samples, kw, before)
         assert _settled(before) == before  # closed: none is left
     finally:
