@@ -206,6 +206,45 @@ def test_chunks_the_device_does_not_decode_are_decoded_on_the_cpu_with_one_notic
     assert stats.bytes_to_device > stats.bytes_read
 
 
+
+def test_chunks_the_cpu_decodes_are_fetched_and_counted_as_every_chunk_read_again(tmp_path, gpu_decode, monkeypatch):
+    """One way a chunk is fetched through its reader (staging.Stager.fetch): the chunks of an array the device
+    does not decode (gzip, some missing, some inner chunks of shards) go through it, once each, as the chunks
+    the staging reads again do; their bytes are counted read and in the io stage once (bytes_read, all of it
+    read by the io stage: the staging's reads and these fetches), and the batches are the CPU path's."""
+    zg, dg = _write(tmp_path / "g.zarr", (16, 32, 32), (4, 8, 8), "uint16", GzipCodec(level=1), fill_value=3,
+                    skip=4)
+    zs, ds = _write(tmp_path / "s.zarr", (16, 32, 32), (4, 8, 8), "uint16", GzipCodec(level=1), fill_value=5,
+                    skip=4, shards=(8, 16, 16))
+    zz, dz = _write(tmp_path / "z.zarr", (16, 32, 32), (4, 8, 8), "uint16", ZstdCodec(level=1), seed=2)
+    samples = [stoker.Sample(str(tmp_path / f"{name}.zarr"), [(2, 10), (4, 28), (0, 32)]) for name in "gsz"]
+    fetched: list = []
+    fetch = gpu_staging.Stager.fetch
+
+    def counted(self, plan, sources, cids, files, counts):
+        fetched.extend((plan.sources[int(plan.chunk_source[c])].uri, plan.key(int(c))) for c in cids)
+        return fetch(self, plan, sources, cids, files, counts)
+    monkeypatch.setattr(gpu_staging.Stager, "fetch", counted)
+    with pytest.warns(RuntimeWarning, match="decoded on the CPU: codecs gzip"):
+        got, stats = _run(samples)
+    monkeypatch.undo()
+    uris = {stoker.open_array(str(tmp_path / f"{name}.zarr")).uri: name for name in "gsz"}
+    assert {uris[u] for u, _ in fetched} == {"g", "s"} and len(set(fetched)) == len(fetched)
+    # the crop needs 3 x 4 x 4 chunks of each: g's all fetched (those of rows 0..4, never written, found missing
+    # there), s's only those its shards' indexes hold (rows 4..12: 2 x 4 x 4)
+    assert sum(uris[u] == "g" for u, _ in fetched) == 48 and sum(uris[u] == "s" for u, _ in fetched) == 32
+    assert stats.stages["io"].bytes_out == stats.bytes_read > 0
+    want, _ = _on_cpu_path(samples)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    for row, s, data in zip(torch.cat(got), samples, (dg, ds, dz)):
+        assert torch.equal(row, _expected(data, s, "f32"))
+
+
+def _on_cpu_path(samples, **kw):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipelines, "make_executor", executors.make_executor)
+        return _run(samples, **kw)
+
 def test_streams_over_the_device_s_limit_are_decoded_on_the_cpu(arrays, gpu_decode):
     made, limit = gpu_decode
     limit[0] = 1000  # every zstd chunk (4 KiB) is over it; blosc blocks of 1 KiB / 2-byte items are not
@@ -428,6 +467,45 @@ def test_inner_chunks_of_a_shard_are_read_in_few_reads(tmp_path, gpu_decode, mon
     assert stats.bytes_to_device == stats.bytes_read
     _check_against_cpu_and_zarr(got, samples, data)
 
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["chunk-files", "sharded"])
+def test_a_group_s_reads_take_the_same_python_steps_for_16_or_256_files(tmp_path, gpu_decode, monkeypatch, sharded):
+    """A group's local reads are one call into csrc/staging.c, read on its own threads without the GIL: the
+    Python calls (functions and builtins, counted by a profiler on the reader thread) that stage a group are
+    as many for 256 chunk files (or inner chunks of one shard) as for 16; the batches are the CPU path's."""
+    import sys
+    from stoker.engine.gpu import native_reads
+
+    if not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    calls: dict[int, list[int]] = {}
+    read = gpu_staging.Stager.read
+
+    def profiled(self, plan, *args, **kwargs):
+        counted = [0]
+
+        def count(frame, event, arg):
+            if event in ("call", "c_call"):
+                counted[0] += 1
+        sys.setprofile(count)  # (this thread's only: the reader's)
+        try:
+            return read(self, plan, *args, **kwargs)
+        finally:
+            sys.setprofile(None)
+            calls.setdefault(plan.n_chunks, []).append(counted[0])
+    monkeypatch.setattr(gpu_staging.Stager, "read", profiled)
+    for n in (16, 256):
+        uri = str(tmp_path / f"{n}.zarr")
+        z, data = _write(uri, (8, 8 * n, 8), (8, 8, 8), "uint16", ZstdCodec(level=1),
+                         shards=(8, 8 * n, 8) if sharded else None)
+        samples = [stoker.Sample(uri, [(0, 8), (0, 8 * n), (0, 8)])]
+        got, stats = _run(samples, batch_size=1, n_compute_threads=4)
+        assert stats.chunks_decoded == n and calls[n] and len(calls[n]) == 1  # one group
+        with monkeypatch.context() as mp:
+            mp.setattr(gpu_staging.Stager, "read", read)
+            _check_against_cpu_and_zarr(got, samples, data)
+    assert calls[16] == calls[256], calls
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["chunk-files", "sharded"])
 def test_the_compiled_reads_build_the_files_paths_with_no_python_per_file(tmp_path, gpu_decode, monkeypatch,

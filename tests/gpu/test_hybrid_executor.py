@@ -7,9 +7,11 @@ thing on a GPU with nvCOMP (skipped here).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
+from typing import Callable
 
 import numcodecs
 import numpy as np
@@ -254,15 +256,37 @@ def test_shares_follow_the_measured_rates():
 
 
 class _SlowDecoder(HostDecoder):
-    """The GPU part's stream decoder made slower (a test-only delay per group)."""
+    """The GPU part's stream decoder made slower (a test-only delay per group: ``delay()`` seconds)."""
 
-    def __init__(self, delay: float) -> None:
+    def __init__(self, delay: Callable[[], float]) -> None:
         super().__init__(1 << 24)
         self.delay = delay
 
     def decode_staged(self, *args, **kwargs):
-        time.sleep(self.delay)
+        time.sleep(self.delay())
         return super().decode_staged(*args, **kwargs)
+
+
+class _Slower:
+    """Delays that keep one side ``FACTOR`` times slower than the other side's last batch took (as the executor
+    measured it, :meth:`Shares.record`), whatever the load: a fixed delay is not, where the other side's own
+    time grows with the load past it (the GPU part's first batches take 0.3-1.3 s on a busy machine: torch's
+    first index operations in the host stand-in's placement)."""
+
+    FACTOR, FLOOR, CAP = 4.0, 0.05, 2.0
+
+    def __init__(self, monkeypatch) -> None:
+        self.last: dict[str, float] = {}
+        record = Shares.record
+
+        def watched(shares, side, nbytes, seconds):
+            self.last[side] = seconds
+            record(shares, side, nbytes, seconds)
+        monkeypatch.setattr(Shares, "record", watched)
+
+    def than(self, other: str) -> float:
+        """Seconds to add to a batch of the side made slower than ``other``."""
+        return min(self.CAP, max(self.FLOOR, self.FACTOR * self.last.get(other, self.FLOOR)))
 
 
 def _fraction_after(samples, **kw) -> float:
@@ -274,15 +298,23 @@ def _fraction_after(samples, **kw) -> float:
 
 
 def test_shares_adapt_when_one_side_is_made_slower(arrays, hybrid, monkeypatch):
+    """Each side in turn made FACTOR times slower than the other (by a delay inside what the executor times of
+    it): the GPU part's share goes down, then up. The delay follows the other side's measured time, so the
+    outcome does not hang on the machine's load (a fixed 0.15 s did: under load the GPU part's own batches
+    took longer than that, and the shares, which drift towards the side whose batches take less time, went
+    the other way); it fails where the executor measures a side wrongly (the GPU part's wait for the host part
+    counted as its own work, the sides' bytes or times swapped)."""
     z, data = arrays["v3-sharded-zstd-u16"]
     samples = _samples(_uri(z), data.shape, (12, 30, 20), 40, seed=6)
-    hybrid.decoder = lambda stream: _SlowDecoder(0.15)
+    slower = _Slower(monkeypatch)
+    hybrid.decoder = lambda stream: _SlowDecoder(lambda: slower.than("cpu"))
     slow_gpu = _fraction_after(samples, dtype="bf16")
     hybrid.decoder = None
+    slower.last.clear()
     real = hybrids.HybridExecutor._cpu_done
 
-    def slow_cpu(self, parts):  # the CPU part's batch is complete 0.15 s later
-        time.sleep(0.15)
+    def slow_cpu(self, parts):  # the CPU part's batch is complete later
+        time.sleep(slower.than("gpu"))
         real(self, parts)
     monkeypatch.setattr(hybrids.HybridExecutor, "_cpu_done", slow_cpu)
     slow_host = _fraction_after(samples, dtype="bf16")
@@ -449,3 +481,74 @@ def test_a_slow_host_part_does_not_hold_back_the_batches_before_it(arrays, hybri
     assert all(_same(a, b) for a, b in zip(out, ref)) and len(out) == len(ref) == 3
     order = [e for e in events if e in (("done", 0), ("host", 1), ("host", 2))]
     assert order.index(("done", 0)) < order.index(("host", 2)), events
+
+
+# -- fields -----------------------------------------------------------------------------------------------------
+
+
+def _native_threads() -> int:
+    """OS threads of this process that are no Python thread (the compiled engines')."""
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+
+def _settled(floor: int) -> int:
+    """The native threads once a closed pipeline's have ended (five seconds at most for them to reach ``floor``)."""
+    deadline = time.monotonic() + 5
+    while _native_threads() > floor and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _native_threads()
+
+
+def _steady() -> int:
+    """The native threads once their count has not changed for 0.3 s (five seconds at most)."""
+    deadline = time.monotonic() + 5
+    count, since = _native_threads(), time.monotonic()
+    while time.monotonic() - since < 0.3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = _native_threads()
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_fields_pipeline_on_both_runs_one_engine_of_n_compute_threads(arrays, hybrid):
+    """Each field's lane is a hybrid executor of its own; their CPU parts submit to one compiled engine (the
+    lanes' shared one, as on the CPU path): n_compute_threads engine threads in all, not that many per field,
+    each reported once; the batches are the CPU path's; closed, none is left."""
+    from stoker.engine.cpu.executor import engine_available
+
+    if not engine_available():
+        pytest.skip("the compiled engine is not built")
+    (z, data), (z2, _) = arrays["v3-sharded-zstd-u16"], arrays["v3-zstd-u16-missing"]
+    boxes = [s.aabb for s in _samples(_uri(z), data.shape, (6, 12, 10), 8, seed=12)]
+    samples = [stoker.Sample({"raw": (_uri(z), b), "labels": (_uri(z2), b)}) for b in boxes]
+    hybrid.fraction = 0.5  # both parts of every lane take chunks
+    kw = dict(dtype={"raw": "bf16", "labels": "native"}, n_compute_threads=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no OpenMP team for the host stand-in's copies (one per calling thread)
+    try:
+        before = _steady()  # (the threads of pipelines closed before, ending, have ended)
+        got = _fields_run(samples, kw, before)
+        assert _settled(before) == before  # closed: none is left
+    finally:
+        torch.set_num_threads(threads)
+    want, _ = _on_cpu(samples, **kw)
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys() and all(_same(g[k], w[k]) for k in g)
+
+
+def _fields_run(samples, kw, before: int) -> list:
+    """The batches of a hybrid pipeline of ``samples`` (fields), its native threads counted once they are made."""
+    got = []
+    with stoker.Pipeline(_cfg(**kw)) as p:
+        p.push(samples)
+        for b in p:
+            got.append({k: torch.from_dlpack(v).clone() for k, v in b.items()})
+        engines = {id(lane.executor.cpu.decoders.native.engine) for lane in p._coordinator.lanes}
+        # every batch made: no wave's read is in flight (its threads, staging.c's, live for one call)
+        assert _native_threads() - before == 3
+        assert len(engines) == 1 and len(p._coordinator.lanes.lanes) == 2
+        assert len(p.stats().workers) == 3
+    return got

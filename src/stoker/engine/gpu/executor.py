@@ -477,7 +477,7 @@ class GpuDecodeExecutor(SlotsDelivery):
                 while True:  # what waits first; then CPU chunks, each decoded once there is room for the last
                     if not pending and cpu:
                         c = cpu.popleft()
-                        item = self._cpu_chunk(plan, c, dtype, files, counts)
+                        item = self._cpu_chunk(plan, sources, c, dtype, files, counts)
                         if item is None:
                             fills.append(np.array([c], np.int64))
                             continue
@@ -687,16 +687,15 @@ class GpuDecodeExecutor(SlotsDelivery):
             slot = self.host_slots.acquire(lambda: self._closing, timeout=0.1)
         return slot
 
-    def _cpu_chunk(self, plan: TablePlan, cid: int, dtype: torch.dtype, files: dict, counts: dict) -> Pending | None:
-        """Chunk ``cid`` of an array the device does not decode, read and decoded on the CPU (None: nothing
-        stored, the fill value)."""
-        t0 = time.perf_counter()
-        data = gpu_fallback.fetch(plan, cid, self._stager.path(plan, cid, files))
-        if data is None:
+    def _cpu_chunk(self, plan: TablePlan, sources: list[Source], cid: int, dtype: torch.dtype, files: dict,
+                   counts: dict) -> Pending | None:
+        """Chunk ``cid`` of an array the device does not decode, fetched as every chunk the staging cannot read
+        is (:meth:`.staging.Stager.fetch`, which counts it) and decoded on the CPU (None: nothing stored, the
+        fill value)."""
+        _, fetched = self._stager.fetch(plan, sources, [cid], files, counts)
+        if not fetched:
             return None
-        self.stats.stage("io", time.perf_counter() - t0, bytes_out=len(data))
-        counts["bytes_read"] += len(data)
-        raw = gpu_fallback.cpu_decode(plan, cid, data, dtype, self.stats, counts)
+        raw = gpu_fallback.cpu_decode(plan, cid, fetched[0].data, dtype, self.stats, counts)
         return Pending(cid, CPU, raw, aligned(len(raw)))
 
     def _flush(self, wave: "_Wave") -> None:

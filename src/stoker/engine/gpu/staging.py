@@ -12,8 +12,9 @@ released, the file's identity checked as the index was read), one open and read 
 and one :func:`~stoker.storage.store.get_many` per store (whole values and inner chunks' ranges, which the
 store coalesces), copied into the staging in one ``np.concatenate``. Chunks of a shard rewritten since
 its index was read, and reads the compiled side leaves to the store to word, are read again the Python way,
-a group's together on the read threads (:meth:`Stager._again`: :func:`.fallback.fetch`, the one way a chunk
-is fetched again; those with nothing stored now are filled) and staged like the CPU's chunks.
+a group's together on the read threads (:meth:`Stager.fetch`: :func:`.fallback.fetch`, the one way a chunk
+is fetched through its reader, which the chunks the CPU decodes take too; those with nothing stored now are
+filled) and staged like the CPU's chunks.
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ class Stager:
                    got: np.ndarray, runs) -> tuple[list[int], list[Pending], int]:
         """The runs of chunks ``reads.order[i:e]`` read (``got``: bytes per run, -1 where the shard changed)
         added to ``group``; returns the chunks of changed shards with nothing stored now (filled) and those
-        fetched again (:meth:`_again`), and the bytes read."""
+        fetched again (:meth:`fetch`), and the bytes read."""
         cids = reads.order[i:e]
         heads, read_of, start, span, read_at = runs
         offset, length = plan.chunk_offset[cids], plan.chunk_length[cids]
@@ -255,7 +256,7 @@ class Stager:
             raise DecodeError(f"{reader.uri}: the shard holding inner chunk {plan.key(cid)!r} changed or "
                               "vanished while it was read", uri=reader.uri, key=plan.key(cid))
         keep = ~changed[read_of]
-        fills, again = self._again(plan, sources, cids[~keep], files, counts)  # their shards changed
+        fills, again = self.fetch(plan, sources, cids[~keep], files, counts)  # their shards changed
         got_total = int(span[~changed].sum())
         group.add(cids[keep], how[keep], at[keep], length[keep], out[keep])
         group.pos += int(span.sum())
@@ -333,7 +334,7 @@ class Stager:
                               uri=reader.uri, key=plan.key(cid))
         missing = cids[status == native_reads.ST_MISSING].tolist()
         # (the detail, an errno or a file type, is the Python read's to word; gone since: nothing stored now)
-        gone, again = self._again(plan, sources, cids[(status != native_reads.ST_OK) &
+        gone, again = self.fetch(plan, sources, cids[(status != native_reads.ST_OK) &
                                                       (status != native_reads.ST_MISSING)], files, counts)
         missing += gone
         ok = status == native_reads.ST_OK
@@ -351,11 +352,14 @@ class Stager:
         group.end += int(nbytes.sum())
         return missing, int(got[ok].sum()), again
 
-    def _again(self, plan, sources, cids, files, counts) -> tuple[list[int], list[Pending]]:
-        """Chunks ``cids`` read again the Python way, through their readers (:func:`.fallback.fetch`: a shard's
-        index read anew, the store's own error for a file that cannot be read), together on the read threads
-        (the first failure in order raises); returns those with nothing stored now (filled) and the others,
-        to stage."""
+    def fetch(self, plan: TablePlan, sources: list[Source], cids, files: dict,
+              counts: dict) -> tuple[list[int], list[Pending]]:
+        """Chunks ``cids`` read the Python way, through their readers (:func:`.fallback.fetch`: a shard's index
+        read anew, the store's own error for a file that cannot be read), together on the read threads (the
+        first failure in order raises), their bytes counted read; returns those with nothing stored now
+        (filled) and the others, encoded (``Pending.out``: their decoded bytes). The one way a chunk is fetched
+        through its reader: chunks the compiled or positional reads could not take, and those the CPU decodes
+        (the executor's ``_cpu_chunk``)."""
         cids = np.asarray(cids, np.int64).reshape(-1)
         if not len(cids):
             return [], []

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from ...sampling.sample import Sample
     from ...storage import LocalStore
     from ..buffers import Slot, SlotRing
+    from ..cpu.decode_native import SharedEngine
     from ..stats import StatsRecorder
 
 __all__ = ["GPU_HOST_SHARE", "HybridExecutor"]
@@ -154,6 +155,13 @@ class HybridExecutor:
         make = decoder or (lambda stream: HostDecoder(max_stream_bytes))
         gpu = GpuDecodeExecutor(_gpu_part_config(cfg), device, stats, store, decoder=make)
         return cls(cfg, device, stats, store, gpu=gpu, shares=shares)
+
+    def share_engine(self, shared: SharedEngine | None) -> SharedEngine:
+        """The CPU part submits to ``shared`` (None: a new one, returned for the next lane), the one compiled
+        engine of a pipeline's lanes (:meth:`~stoker.engine.cpu.executor.CpuExecutor.share_engine`): a pipeline
+        of fields decoding on both runs ``n_compute_threads`` engine threads, not that many per field. Before
+        :meth:`prepare`."""
+        return self.cpu.share_engine(shared)
 
     # -- memory -----------------------------------------------------------------------------------
 
