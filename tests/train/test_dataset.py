@@ -243,3 +243,35 @@ def test_a_source_of_ones_own_feeds_a_dataset(group):
     rest = list(DataLoader(again, batch_size=None))
     want = _oracle(data, [Rows(uris, 8).sample(0, i) for i in range(8)])
     assert np.array_equal(torch.cat([first] + rest).numpy(), want)
+
+
+def test_a_dataset_iterated_again_reuses_the_batch_slots(tmp_path, decode_path, monkeypatch):
+    """Each iteration of a CropDataset runs a new pipeline; its host batch slots are the last one's memory
+    (buffers.SPARE_SLOTS), not new pages the kernel faults in and zeroes, and every batch still equals the
+    zarr-python read of its tiles. A batch the consumer keeps past its iteration is never handed on: the next
+    iteration does not write into it."""
+    from stoker.engine import buffers
+
+    spare = buffers.SpareSlots(64 << 20)
+    monkeypatch.setattr(buffers, "SPARE_SLOTS", spare)
+    z = zarr.create_array(str(tmp_path / "v.zarr"), shape=(36, 40, 40), chunks=(8, 16, 16), dtype="uint16")
+    z[:] = np.random.default_rng(2).integers(0, 4096, z.shape, dtype=np.uint16)
+    data = z[:]
+    grid = stoker.TileGrid([str(tmp_path / "v.zarr")], (12, 24, 24), stride=(8, 16, 16))
+    ds = stoker.CropDataset(grid, stoker.Config(**CFG, sample_shape=(12, 24, 24)), with_samples=True)
+    want = [data[tuple(slice(*ax) for ax in grid.sample(0, i).aabb)].astype("f4") for i in range(len(grid))]
+    kept, memory = None, []
+    for run in range(3):
+        got, ptrs = [], set()
+        for samples, x in ds:
+            got += [(s, t.clone()) for s, t in zip(samples, x)]
+            ptrs.add(x.untyped_storage().data_ptr())
+            if run == 0:
+                kept = (x, x.clone())  # the last batch of the first run, held on
+        assert len(got) == len(grid) and all(np.array_equal(t.numpy(), w) for (_, t), w in zip(got, want))
+        memory.append(ptrs)
+    assert torch.equal(kept[0], kept[1])  # never overwritten by the runs after it
+    # 3 slots a run; the slot of each run's last batch is still viewed (x) when its pipeline closes
+    assert spare.taken == 4
+    assert len(memory[1] & memory[0]) == 2 and len(memory[2] & (memory[0] | memory[1])) == 2
+    assert kept[0].untyped_storage().data_ptr() not in memory[1] | memory[2]
