@@ -331,7 +331,7 @@ def test_a_grid_is_read_ahead_so_its_chunks_are_decoded_about_once(tiles_volume,
 
 def test_read_ahead_stays_within_its_share_of_host_memory():
     """How far a grid's epoch is read ahead: its batches less one, at most the slots a quarter of
-    host_buffer_bytes holds (each sample's elements at the batch's element size, 8 bytes when the source
+    host_buffer_bytes (and the spare slots' 256 MiB) holds (each sample's elements at the batch's element size, 8 bytes when the source
     decides it, 4 more for a 16-bit float's work slot), never fewer than the config's, CPU pipelines only."""
     from stoker.train.dataset import read_ahead
 
@@ -346,4 +346,8 @@ def test_read_ahead_stays_within_its_share_of_host_memory():
     assert read_ahead(stoker.Config(**base, dtype="bf16", host_buffer_bytes=48 * mib),
                       src).lookahead_batches == 3  # 2 + 4 bytes: 4 slots
     assert read_ahead(stoker.Config(**base, dtype="f32", lookahead_batches=12), src).lookahead_batches == 12
+    big = stoker.SampleList([stoker.Sample("/v.zarr", [(0, 32), (0, 256), (i, i + 256)]) for i in range(40)],
+                            complete=True).for_rank(0, 1)  # 5 batches of 8, 64 MiB slots: 4 fit in 256 MiB
+    assert read_ahead(stoker.Config(**{**base, "batch_size": 8, "sample_shape": (32, 256, 256)}, dtype="f32",
+                                    host_buffer_bytes=4 << 30), big).lookahead_batches == 3
     assert read_ahead(stoker.Config(**{**base, "device": "cuda"}, dtype="f32"), src).lookahead_batches == 2

@@ -20,6 +20,7 @@ import torch
 
 from ..config import Config
 from ..engine.batch import to_tensors
+from ..engine.buffers import SPARE_SLOT_BYTES
 from ..engine.pipeline.facade import Pipeline
 from ..errors import InvalidArgument, ShutdownError
 from ..sampling.sample import Sample
@@ -60,7 +61,7 @@ class CropDataset(torch.utils.data.IterableDataset):
 
     A grid's epoch (a source with ``complete_epochs``, on the CPU) is also read further ahead than
     ``cfg.lookahead_batches``: up to the whole epoch, as many batch slots as fit in a quarter of
-    ``cfg.host_buffer_bytes`` (:func:`read_ahead`). Neighbouring tiles share chunks, and the compiled engine
+    ``cfg.host_buffer_bytes`` and 256 MiB (:func:`read_ahead`). Neighbouring tiles share chunks, and the compiled engine
     decodes a chunk once for every batch in flight that needs it: a 128x256x256 volume's 32 chunks took
     about 100 decodes for its 32 tiles of 96^3 (batches of 4) at 2 batches ahead, 33-36 with all 8 in flight.
 
@@ -209,8 +210,9 @@ READ_AHEAD_SHARE = 4
 
 def read_ahead(cfg: Config, source: RankShare) -> Config:
     """``cfg`` with ``lookahead_batches`` raised for an epoch of tiles: up to the batches of ``source``'s epoch
-    left (less the one the consumer holds), as many slots as fit in ``host_buffer_bytes // READ_AHEAD_SHARE``,
-    never fewer than ``cfg``'s. Only CPU pipelines: a GPU's slots are in its memory.
+    left (less the one the consumer holds), as many slots as fit in ``host_buffer_bytes // READ_AHEAD_SHARE``
+    and in the spare slots' bound (``SPARE_SLOT_BYTES``), never fewer than ``cfg``'s. Only CPU pipelines: a
+    GPU's slots are in its memory.
 
     >>> read_ahead(stoker.Config(batch_size=4, dtype="f32"), grid.for_rank()).lookahead_batches   # 32 tiles of 96^3
     7
@@ -220,7 +222,8 @@ def read_ahead(cfg: Config, source: RankShare) -> Config:
     if not on_cpu or batches - 1 <= cfg.lookahead_batches:
         return cfg
     slot = cfg.batch_size * _sample_bytes(source.source.sample(source.epoch, 0), cfg)
-    fit = cfg.host_buffer_bytes // READ_AHEAD_SHARE // max(slot, 1)
+    # within what a closed pipeline's spare slots keep, too: the next volume's slots are then these, not new pages
+    fit = min(cfg.host_buffer_bytes // READ_AHEAD_SHARE, SPARE_SLOT_BYTES) // max(slot, 1)
     ahead = min(batches - 1, fit - 1)
     return dataclasses.replace(cfg, lookahead_batches=ahead) if ahead > cfg.lookahead_batches else cfg
 
