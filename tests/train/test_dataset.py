@@ -5,6 +5,7 @@ processes."""
 from __future__ import annotations
 
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -243,3 +244,110 @@ def test_a_source_of_ones_own_feeds_a_dataset(group):
     rest = list(DataLoader(again, batch_size=None))
     want = _oracle(data, [Rows(uris, 8).sample(0, i) for i in range(8)])
     assert np.array_equal(torch.cat([first] + rest).numpy(), want)
+
+
+def test_a_dataset_iterated_again_reuses_the_batch_slots(tmp_path, decode_path, monkeypatch):
+    """Each iteration of a CropDataset runs a new pipeline; its host batch slots are the last one's memory
+    (buffers.SPARE_SLOTS), not new pages the kernel faults in and zeroes, and every batch still equals the
+    zarr-python read of its tiles. A batch the consumer keeps past its iteration is never handed on: the next
+    iteration does not write into it."""
+    from stoker.engine import buffers
+    from stoker.train.dataset import read_ahead
+
+    spare = buffers.SpareSlots(64 << 20)
+    monkeypatch.setattr(buffers, "SPARE_SLOTS", spare)
+    z = zarr.create_array(str(tmp_path / "v.zarr"), shape=(36, 40, 40), chunks=(8, 16, 16), dtype="uint16")
+    z[:] = np.random.default_rng(2).integers(0, 4096, z.shape, dtype=np.uint16)
+    data = z[:]
+    grid = stoker.TileGrid([str(tmp_path / "v.zarr")], (12, 24, 24), stride=(8, 16, 16))
+    ds = stoker.CropDataset(grid, stoker.Config(**CFG, sample_shape=(12, 24, 24)), with_samples=True)
+    want = [data[tuple(slice(*ax) for ax in grid.sample(0, i).aabb)].astype("f4") for i in range(len(grid))]
+    kept, memory = None, []
+    for run in range(3):
+        got, ptrs = [], set()
+        for samples, x in ds:
+            got += [(s, t.clone()) for s, t in zip(samples, x)]
+            ptrs.add(x.untyped_storage().data_ptr())
+            if run == 0:
+                kept = (x, x.clone())  # the last batch of the first run, held on
+        assert len(got) == len(grid) and all(np.array_equal(t.numpy(), w) for (_, t), w in zip(got, want))
+        memory.append(ptrs)
+    assert torch.equal(kept[0], kept[1])  # never overwritten by the runs after it
+    # n slots a run (4 batches read ahead: all in flight); all but the one of the run's last batch, still viewed
+    # (x) when its pipeline closes, go to the next run
+    n = read_ahead(ds.cfg, grid.for_rank(0, 1)).lookahead_batches + 1
+    assert n == 4 and spare.taken == 2 * (n - 1)
+    assert kept[0].untyped_storage().data_ptr() not in memory[1] | memory[2]
+
+
+@pytest.fixture(scope="module")
+def tiles_volume(tmp_path_factory):
+    """A uint16 volume of 16 chunks of 64^3 (zstd, zarr-python's default) and its 16 tiles of 96^3 at stride
+    56: every tile touches 8-12 chunks, every chunk 4-16 tiles (of 2-4 batches of 4)."""
+    uri = str(tmp_path_factory.mktemp("tiles") / "v.zarr")
+    z = zarr.create_array(uri, shape=(128, 128, 256), chunks=(64, 64, 64), dtype="uint16")
+    z[:] = np.random.default_rng(4).integers(0, 4096, z.shape, dtype=np.uint16)
+    return uri, z[:]
+
+
+def test_a_grid_is_read_ahead_so_its_chunks_are_decoded_about_once(tiles_volume, monkeypatch):
+    """A grid's epoch is read up to whole ahead (within a quarter of host_buffer_bytes), so the engine's
+    batches in flight share the chunks their tiles have in common: about one decode per chunk, where 2
+    batches ahead (the default) decoded them 2-2.5 times over behind a consumer slower than the reads. The
+    batches are the zarr-python reads of their tiles, in the grid's order."""
+    from stoker.engine.cpu.executor import engine_available
+    from stoker.train import dataset as module
+
+    if not engine_available():
+        pytest.skip("the compiled engine is not built (the Python path shares no chunk between batches)")
+    uri, data = tiles_volume
+    decoded = []
+
+    class Counted(module.Pipeline):
+        def close(self):
+            if not self._closed:
+                decoded.append(self.stats().chunks_decoded)
+            super().close()
+
+    monkeypatch.setattr(module, "Pipeline", Counted)
+    grid = stoker.TileGrid([uri], (96, 96, 96), stride=(56, 56, 56))
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=2, sample_shape=(96, 96, 96),
+                        pop_timeout_s=20.0)
+    assert module.read_ahead(cfg, grid.for_rank(0, 1)).lookahead_batches == 3  # 4 batches: every one in flight
+    ds = stoker.CropDataset(grid, cfg, with_samples=True)
+    for _ in range(3):
+        got = 0
+        for samples, x in ds:
+            for s, t in zip(samples, x):
+                assert s == grid.sample(0, got)
+                assert np.array_equal(t.numpy(), data[tuple(slice(*ax) for ax in s.aabb)].astype("f4"))
+                got += 1
+            time.sleep(0.01)  # a model's step: slower than the reads
+        assert got == 16
+    # 16 chunks: 16-22 decodes a run where the coordinator submits the batches before the engine's threads
+    # are through the first one's chunks, 30 seen on a machine loaded 5 times over; at 2 batches ahead 32-41
+    assert sum(decoded) <= 3 * (16 + 8), decoded
+
+
+def test_read_ahead_stays_within_its_share_of_host_memory():
+    """How far a grid's epoch is read ahead: its batches less one, at most the slots a quarter of
+    host_buffer_bytes (and the spare slots' 256 MiB) holds (each sample's elements at the batch's element size, 8 bytes when the source
+    decides it, 4 more for a 16-bit float's work slot), never fewer than the config's, CPU pipelines only."""
+    from stoker.train.dataset import read_ahead
+
+    src = stoker.SampleList([stoker.Sample("/v.zarr", [(0, 32), (0, 64), (i, i + 64)]) for i in range(40)],
+                            complete=True).for_rank(0, 1)
+    base = dict(batch_size=4, device="cpu", sample_shape=(32, 64, 64))
+    assert read_ahead(stoker.Config(**base, dtype="f32"), src).lookahead_batches == 9  # 10 batches
+    mib = 1 << 20  # an f32 slot: 4 x 32 x 64 x 64 x 4 B = 2 MiB; a quarter of 48 MiB holds 6
+    assert read_ahead(stoker.Config(**base, dtype="f32", host_buffer_bytes=48 * mib), src).lookahead_batches == 5
+    assert read_ahead(stoker.Config(**base, dtype="native", host_buffer_bytes=48 * mib),
+                      src).lookahead_batches == 2  # 8 + 4 bytes an element: 2 slots fit, the config's 2 stay
+    assert read_ahead(stoker.Config(**base, dtype="bf16", host_buffer_bytes=48 * mib),
+                      src).lookahead_batches == 3  # 2 + 4 bytes: 4 slots
+    assert read_ahead(stoker.Config(**base, dtype="f32", lookahead_batches=12), src).lookahead_batches == 12
+    big = stoker.SampleList([stoker.Sample("/v.zarr", [(0, 32), (0, 256), (i, i + 256)]) for i in range(40)],
+                            complete=True).for_rank(0, 1)  # 5 batches of 8, 64 MiB slots: 4 fit in 256 MiB
+    assert read_ahead(stoker.Config(**{**base, "batch_size": 8, "sample_shape": (32, 256, 256)}, dtype="f32",
+                                    host_buffer_bytes=4 << 30), big).lookahead_batches == 3
+    assert read_ahead(stoker.Config(**{**base, "device": "cuda"}, dtype="f32"), src).lookahead_batches == 2

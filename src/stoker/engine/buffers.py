@@ -10,6 +10,13 @@ Two parts share the cap:
   A task reserves everything it will need in one step, and never waits while it
   holds a reservation, so reservations cannot deadlock. Freed scratch buffers are
   kept for reuse (fresh pages cost a page fault each) and count against the cap.
+
+A pipeline's slots would be new memory again for the next pipeline (a :class:`~stoker.CropDataset`
+iterated again makes one per epoch; a volume after another in inference): each slot's pages fault in and
+are zeroed by the kernel at the first batch, which was a quarter of the CPU of reading a 128x256x256
+volume's tiles. So a closed ring hands its plain host slots that no tensor views any more to
+:data:`SPARE_SLOTS` (:meth:`SlotRing.close`), a process-wide pool of at most :data:`SPARE_SLOT_BYTES`
+keyed by size, from which the next rings take before they allocate.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import math
 import threading
 import time
 import warnings
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Callable
 
 import numpy as np
@@ -236,11 +243,90 @@ def pinned_footprint(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
+class SpareSlots:
+    """Freed host batch slots waiting for the next :class:`SlotRing` (see the module docstring): flat
+    ``uint8`` tensors keyed by their size in bytes, at most ``max_bytes`` of them, the oldest dropped first to
+    make room for the newest (the next pipeline is most likely the one just closed, again).
+
+    >>> spare = SpareSlots(max_bytes=64 << 20)
+    >>> spare.give(torch.empty(16 << 20, dtype=torch.uint8))
+    >>> spare.take(16 << 20) is not None, spare.take(16 << 20)
+    (True, None)
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = int(max_bytes)
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+        self._free: OrderedDict[int, torch.Tensor] = OrderedDict()  # id -> buffer, oldest first
+        self._held = 0
+        self.taken = 0  # buffers handed out again (what spared a fresh allocation)
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer of exactly ``nbytes`` bytes that was given back, or None."""
+        with self._lock:
+            for key, buf in reversed(self._free.items()):  # the newest: its pages are the likeliest in cache
+                if buf.numel() == nbytes:
+                    del self._free[key]
+                    self._held -= nbytes
+                    self.taken += 1
+                    return buf
+        return None
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Keep ``buf`` (a flat uint8 CPU tensor nothing else uses) for a later :meth:`take`; the oldest
+        buffers are dropped until it fits, and a buffer larger than ``max_bytes`` is not kept."""
+        nbytes = buf.numel()
+        if nbytes > self.max_bytes:
+            return
+        with self._lock:
+            while self._held + nbytes > self.max_bytes:
+                _, old = self._free.popitem(last=False)
+                self._held -= old.numel()
+            self._free[id(buf)] = buf
+            self._held += nbytes
+
+    def clear(self) -> None:
+        """Drop every buffer held (their memory goes back to the system)."""
+        with self._lock:
+            self._free.clear()
+            self._held = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of the buffers waiting in the pool."""
+        with self._lock:
+            return self._held
+
+
+#: the most a process keeps of closed pipelines' host batch slots for the next ones (see the module docstring)
+SPARE_SLOT_BYTES = 256 << 20
+SPARE_SLOTS = SpareSlots(SPARE_SLOT_BYTES)
+
+
+def _host_slot(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """A plain host slot of ``shape``: a spare one of its size (:data:`SPARE_SLOTS`), else new memory asked
+    for huge pages. A spare's storage is set into a new tensor, not viewed (a view keeps its base alive), and
+    the pool lets it go on return: the slot's tensor is its only holder, as a new tensor is."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    spare = SPARE_SLOTS.take(nbytes)
+    if spare is not None:
+        return _over(spare, dtype, shape)
+    tensor = allocate(shape, dtype, "cpu", False, what=what)
+    advise_huge_pages(tensor)  # before the first write: rewritten every batch, faulted once
+    return tensor
+
+
+def _over(tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over ``tensor``'s whole storage (no view: nothing else holds it)."""
+    return torch.empty(0, dtype=dtype).set_(tensor.untyped_storage(), 0, shape)
+
+
 class SlotRing:
     """``n`` batch slots; :meth:`acquire` returns one no consumer can still see.
 
     ``pin`` allocates page-locked host memory (the staging of the CUDA path);
-    ``device`` puts the slots on a GPU.
+    ``device`` puts the slots on a GPU. Plain host slots come from :data:`SPARE_SLOTS` when it holds some
+    of their size, and go back to it at :meth:`close`.
     """
 
     def __init__(self, n: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -253,17 +339,40 @@ class SlotRing:
             )
         self.dtype = dtype
         self.pinned = pin
-        self.slots = [Slot(i, allocate(shape, dtype, device, pin, what=f"batch slot {i + 1} of {n}")) for i in range(n)]
-        if not pin:  # page-locked memory is torch's to manage
-            for slot in self.slots:
-                advise_huge_pages(slot.tensor)  # before the first write: rewritten every batch, faulted once
+        # plain host memory: pooled between rings (page-locked memory is torch's to manage, a GPU's too)
+        self.spared = not pin and torch.device(device).type == "cpu"
+        if self.spared:
+            self.slots = [Slot(i, _host_slot(shape, dtype, f"batch slot {i + 1} of {n}")) for i in range(n)]
+        else:
+            self.slots = [Slot(i, allocate(shape, dtype, device, pin, what=f"batch slot {i + 1} of {n}"))
+                          for i in range(n)]
+        sizes = (s.tensor.numel() * s.tensor.element_size() for s in self.slots)
+        self._nbytes = sum(pinned_footprint(n) if self.pinned else n for n in sizes)
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     @property
     def nbytes(self) -> int:
         """Memory the slots hold (pinned slots: what torch's host allocator really locked)."""
-        sizes = (s.tensor.numel() * s.tensor.element_size() for s in self.slots)
-        return sum(pinned_footprint(n) if self.pinned else n for n in sizes)
+        return self._nbytes
+
+    def close(self) -> None:
+        """Hand the plain host slots no batch uses any more to :data:`SPARE_SLOTS` (once the work is stopped:
+        nothing writes into a slot after this). A slot still taken, or viewed by a tensor (a batch the
+        consumer keeps, a decode task not yet gone), is left to be freed with its last view; the ring holds
+        no slot afterwards, so none is acquired again."""
+        if not self.spared:
+            return
+        with self._cond:
+            slots, self.slots = self.slots, []
+            self._cond.notify_all()
+        for slot in slots:
+            refs = slot.refs()
+            if slot.busy or refs is None or refs > slot.baseline:
+                continue
+            flat = _over(slot.tensor, torch.uint8, (slot.tensor.numel() * slot.tensor.element_size(),))
+            slot.tensor = None  # type: ignore[assignment]  # the slot's hold on the memory ends here
+            if _use_count(slot._storage) <= slot.baseline:  # flat alone holds it now
+                SPARE_SLOTS.give(flat)
 
     def _free_locked(self) -> Slot | None:
         for slot in self.slots:

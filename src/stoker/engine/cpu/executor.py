@@ -320,7 +320,10 @@ class CpuExecutor(SlotsDelivery):
             self.decoders.shutdown()
 
     def close(self) -> None:
-        """Free what outlives the work (nothing on the CPU)."""
+        """After :meth:`shutdown`: the slots go back to the process's spare slots (``SlotRing.close``), for
+        the next pipeline to take instead of new memory."""
+        for ring in {id(r): r for r in (self.slots, self.host_slots) if r is not None}.values():
+            ring.close()
 
     def threads(self) -> list[threading.Thread]:
         """The decode threads started so far."""
