@@ -14,6 +14,7 @@ from stoker.bench.remote import Remote
 from stoker.bench.runner import host_budget, make_samples, run_stoker, scenarios
 from stoker.bench.serve import Served
 from stoker.cli import main
+from stoker.storage import diskcache
 
 # a row: peer, samples/s, MB/s, [stoker x], peak RSS MB, requests/batch, MB/batch[, disk cache: ..., hit rate]
 ROW = (r"^{}\s+\d+\.\d\s+\d+\.\d\s+(?:\d+\.\d\dx)?\s+\d+\s+(\d+\.\d)\s+(\d+\.\d\d)"
@@ -43,13 +44,14 @@ def test_a_second_epoch_in_the_same_pipeline_asks_the_server_nothing_within_the_
     # a line for each kind of second epoch, saying which it is, against the local read measured the same way
     new, same = (re.findall(rf"^second epoch from the disk cache: {re.escape(name)} \d+\.\d samples/s = \d+\.\d\dx "
                             rf"{re.escape(local)} \(\d+\.\d\) \[(.*?)\]; (\d+\.\d) requests and (\d+\.\d\d) MB a "
-                            rf"batch from the server, hit rate (\d+\.\d)%; CPU per batch \d+\.\d\d ms \(e2\) "
-                            rf"against \d+\.\d\d ms \(local\)$", out, re.M)
+                            rf"batch from the server, hit rate (\d+\.\d)% \(the epoch before: (\d+) entries dropped "
+                            rf"from the cache's full write queue, read from the server again\); CPU per batch "
+                            rf"\d+\.\d\d ms \(e2\) against \d+\.\d\d ms \(local\)$", out, re.M)
                  for name, local in (("stoker e2", "stoker on local files"), (SAME, LOCAL_SAME)))
     assert len(new) == len(same) == 1, out
     assert new[0][0].startswith("a new pipeline") and "every object revalidated" in new[0][0], out
     assert same[0][0].startswith("in the same pipeline") and "cache_staleness_s 60 s (the default)" in same[0][0], out
-    assert same[0][1:] == (requests, mb, rate), out
+    assert same[0][1:] == (requests, mb, rate, "0") and new[0][4] == "0", out  # every entry written
     assert f"{SAME}: one pipeline reads the crops twice" in out and "then only once older than cache_staleness_s " \
                                                                     "60 s (the default)" in out, out
     assert f"{SAME}: cache folder peak " in out and f"{LOCAL_SAME} per batch: " in out, out
@@ -63,6 +65,20 @@ def test_cache_staleness_s_reaches_the_stoker_epochs(tmp_path, capsys):
     requests, _mb, _disk, _rate = row(out, SAME)
     assert float(requests) > 0, out
     assert "cache_staleness_s 0.001 s (--cache-staleness-s)" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_entries_the_write_queue_dropped_are_the_second_epochs_misses(tmp_path, capsys, monkeypatch):
+    # the cache's write queue made too small to hold the first epoch's entries: it drops some (counted), and
+    # those the same pipeline's second epoch reads again from the server, within the staleness bound
+    monkeypatch.setattr(diskcache, "QUEUE_BYTES", 64 << 10)
+    assert main([*BENCH, "--store", "http", "--data", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    (line,) = re.findall(rf"^second epoch from the disk cache: {re.escape(SAME)} .*$", out, re.M)
+    found = re.search(r"; (\d+\.\d) requests and (\d+\.\d\d) MB a batch from the server, hit rate (\d+\.\d)% \(the "
+                      r"epoch before: (\d+) entries dropped", line)
+    assert found and int(found[4]) > 0 and float(found[1]) > 0 and float(found[2]) > 0, line
+    assert float(found[3]) < 100, line
 
 
 @pytest.mark.timeout(120)

@@ -180,11 +180,15 @@ def epoch_peers(epochs: int, run: Callable, cache_bytes: int = CACHE_BYTES, stal
         return tempfile.mkdtemp(prefix="stoker-bench-cache-")
 
     peaks: dict[int, list[CachePeak]] = {k: [] for k in range(1, epochs + 1)}
+    dropped = {"previous": 0}  # the round's epoch before: entries its write queue dropped
 
     def epoch(mark: Callable, folder: str, k: int):
         disk_cache(folder, cache_bytes).flush(600)  # the previous epoch's entries written before this one starts
         result = _through_cache(lambda marked, _cache: run(marked, folder), folder, cache_bytes, peaks[k], mark,
                                 staleness_s)
+        if k > 1:
+            result.extra["previous_epoch_dropped"] = dropped["previous"]
+        dropped["previous"] = result.extra["dropped"]
         if k == epochs:  # the round's last epoch: nothing reads the folder again (the next round makes its own)
             shutil.rmtree(folder, ignore_errors=True)
         return result
@@ -196,9 +200,11 @@ def _through_cache(run: Callable, folder: str, cache_bytes: int, peaks: list[Cac
                    staleness_s: float | None):
     """``run(marked, cache)`` (a stoker peer reading through the cache at ``folder``) sampled by a
     :class:`CachePeak` (appended to ``peaks``, which the result's ``extra["cache_peak"]`` gets), its
-    ``extra`` given the bytes served from disk per timed batch, its CPU less the sampler's, and
-    ``cache_staleness_s`` (``staleness_s``, or the default's value)."""
+    ``extra`` given the bytes served from disk per timed batch, its CPU less the sampler's, the entries the
+    cache's write queue dropped meanwhile (``dropped``: full, so not cached; a later read fetches them again)
+    and ``cache_staleness_s`` (``staleness_s``, or the default's value)."""
     cache = disk_cache(folder, cache_bytes)  # the pipeline's own (one per folder, bound and process)
+    dropped = cache.dropped
     marks: list[tuple[int, float]] = []
 
     def marked() -> None:  # the clock starts or stops: the disk's bytes so far, then the server's
@@ -214,6 +220,7 @@ def _through_cache(run: Callable, folder: str, cache_bytes: int, peaks: list[Cac
         result.extra["cpu_s"] -= marks[-1][1] - marks[0][1]
     peaks.append(peak)
     result.extra["cache_peak"] = peaks
+    result.extra["dropped"] = cache.dropped - dropped
     result.extra["cache_staleness_s"] = DEFAULT_STALENESS_S if staleness_s is None else staleness_s
     return result
 
@@ -232,12 +239,22 @@ def same_pipeline_peers(run: Callable, run_local: Callable, cache_bytes: int = C
 
     def same(mark: Callable):
         folder = tempfile.mkdtemp(prefix="stoker-bench-cache-")
+        dropped: list[int] = []  # the write queue's drops as the first epoch starts, and once it is written
+
+        def two_epochs(marked: Callable, cache: DiskCache):
+            def between() -> None:
+                cache.flush(600)
+                dropped.append(cache.dropped)
+
+            dropped.append(cache.dropped)
+            return run(marked, folder, between)
+
         try:
-            result = _through_cache(lambda marked, cache: run(marked, folder, lambda: cache.flush(600)), folder,
-                                    cache_bytes, peaks, mark, staleness_s)
+            result = _through_cache(two_epochs, folder, cache_bytes, peaks, mark, staleness_s)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         result.peer = SAME
+        result.extra["previous_epoch_dropped"] = dropped[1] - dropped[0]
         return result
 
     def local(mark: Callable):
@@ -336,15 +353,18 @@ def _served(r) -> str:
     if "requests_per_batch" not in r.extra:
         return ""
     rate = hit_rate(r.extra)
+    dropped = r.extra.get("previous_epoch_dropped")
     return (f"; {r.extra['requests_per_batch']:.1f} requests and {r.extra['bytes_per_batch'] / 1e6:.2f} MB a batch "
-            f"from the server" + ("" if rate is None else f", hit rate {rate:.1%}"))
+            f"from the server" + ("" if rate is None else f", hit rate {rate:.1%}")
+            + ("" if dropped is None else f" (the epoch before: {dropped} entries dropped from the cache's full "
+                                          f"write queue, read from the server again)"))
 
 
 def second_epoch_lines(by: dict) -> list[str]:
     """Each kind of second epoch from the disk cache against the local read measured the same way: ``stoker
     e2`` (a new pipeline) against ``stoker local``, and ``stoker e2 (same pipeline)`` against ``stoker local
-    (same pipeline)`` (samples/s, requests and MB a batch, hit rate, CPU per batch); a line for each pair
-    present.
+    (same pipeline)`` (samples/s, requests and MB a batch, hit rate, the entries the epoch before could not
+    cache, CPU per batch); a line for each pair present.
 
     >>> second_epoch_lines(by)[1]
     'second epoch from the disk cache, in the same pipeline ...: stoker e2 (same pipeline) 401.0 samples/s = 0.97x ...'
