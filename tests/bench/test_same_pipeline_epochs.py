@@ -44,8 +44,8 @@ def test_a_second_epoch_in_the_same_pipeline_asks_the_server_nothing_within_the_
     # a line for each kind of second epoch, saying which it is, against the local read measured the same way
     new, same = (re.findall(rf"^second epoch from the disk cache: {re.escape(name)} \d+\.\d samples/s = \d+\.\d\dx "
                             rf"{re.escape(local)} \(\d+\.\d\) \[(.*?)\]; (\d+\.\d) requests and (\d+\.\d\d) MB a "
-                            rf"batch from the server, hit rate (\d+\.\d)% \(the epoch before: (\d+) entries dropped "
-                            rf"from the cache's full write queue, read from the server again\); CPU per batch "
+                            rf"batch from the server, hit rate (\d+\.\d)% \(write queue full in the epoch "
+                            rf"before: (\d+) entries not cached\); CPU per batch "
                             rf"\d+\.\d\d ms \(e2\) against \d+\.\d\d ms \(local\)$", out, re.M)
                  for name, local in (("stoker e2", "stoker on local files"), (SAME, LOCAL_SAME)))
     assert len(new) == len(same) == 1, out
@@ -75,8 +75,8 @@ def test_entries_the_write_queue_dropped_are_the_second_epochs_misses(tmp_path, 
     assert main([*BENCH, "--store", "http", "--data", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     (line,) = re.findall(rf"^second epoch from the disk cache: {re.escape(SAME)} .*$", out, re.M)
-    found = re.search(r"; (\d+\.\d) requests and (\d+\.\d\d) MB a batch from the server, hit rate (\d+\.\d)% \(the "
-                      r"epoch before: (\d+) entries dropped", line)
+    found = re.search(r"; (\d+\.\d) requests and (\d+\.\d\d) MB a batch from the server, hit rate (\d+\.\d)% \(write "
+                      r"queue full in the epoch before: (\d+) entries not cached\)", line)
     assert found and int(found[4]) > 0 and float(found[1]) > 0 and float(found[2]) > 0, line
     assert float(found[3]) < 100, line
 

@@ -356,8 +356,7 @@ def _served(r) -> str:
     dropped = r.extra.get("previous_epoch_dropped")
     return (f"; {r.extra['requests_per_batch']:.1f} requests and {r.extra['bytes_per_batch'] / 1e6:.2f} MB a batch "
             f"from the server" + ("" if rate is None else f", hit rate {rate:.1%}")
-            + ("" if dropped is None else f" (the epoch before: {dropped} entries dropped from the cache's full "
-                                          f"write queue, read from the server again)"))
+            + ("" if dropped is None else f" (write queue full in the epoch before: {dropped} entries not cached)"))
 
 
 def second_epoch_lines(by: dict) -> list[str]:
