@@ -51,6 +51,7 @@ def test_a_second_epoch_in_the_same_pipeline_asks_the_server_nothing_within_the_
     assert len(new) == len(same) == 1, out
     assert new[0][0].startswith("a new pipeline") and "every object revalidated" in new[0][0], out
     assert same[0][0].startswith("in the same pipeline") and "cache_staleness_s 60 s (the default)" in same[0][0], out
+    assert re.search(r"; its epoch 1 and the cache's flush took \d+\.\d\d s before it$", same[0][0]), out
     assert same[0][1:] == (requests, mb, rate, "0") and new[0][4] == "0", out  # every entry written
     assert f"{SAME}: one pipeline reads the crops twice" in out and "then only once older than cache_staleness_s " \
                                                                     "60 s (the default)" in out, out
@@ -119,6 +120,7 @@ def test_past_the_staleness_bound_the_same_pipeline_revalidates_in_the_backgroun
     assert requests > 0, past[:2]
     disk = result.extra["disk_bytes_per_batch"] * result.extra["batches"]
     assert result.extra["cache_staleness_s"] == stale_s and disk > 0
+    assert result.extra["first_epoch_s"] > stale_s  # the pause: what made the second epoch's objects stale
     # every byte from disk: the server sent no chunk again (over S3, only the listing's few KB)
     assert nbytes < 0.05 * disk, (requests, nbytes, disk)
 

@@ -378,6 +378,8 @@ def second_epoch_lines(by: dict) -> list[str]:
         if e2 is None or local is None or not local.samples_per_s:
             continue
         against = "stoker on local files" if local_name == LOCAL else local_name
+        if "first_epoch_s" in e2.extra:  # what the staleness bound is measured against
+            kind += f"; its epoch 1 and the cache's flush took {e2.extra['first_epoch_s']:.2f} s before it"
         lines.append(f"second epoch from the disk cache: {e2_name} {e2.samples_per_s:.1f} samples/s = "
                      f"{e2.samples_per_s / local.samples_per_s:.2f}x {against} ({local.samples_per_s:.1f}) [{kind}]{_served(e2)}; CPU per batch {_cpu(e2)} (e2) "
                      f"against {_cpu(local)} (local)")

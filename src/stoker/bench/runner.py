@@ -308,7 +308,8 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
     ``between``: two epochs of ``samples`` in one pipeline, as a training loop's ``set_epoch`` and ``push``
     make them (bench/epochs.py, the ``(same pipeline)`` peers): the first untimed and without the consumer's
     steps, then ``between()``, then the second, timed as a lone epoch is (its first batch and the slots' warm-up
-    over the same crops again, then the clock)."""
+    over the same crops again, then the clock); ``extra["first_epoch_s"]``: the first epoch's wall time and
+    ``between``'s (how old what the first epoch learnt is as the second starts)."""
     marks: list[tuple[float, float]] = []  # (process CPU time, collections) as the clock starts and stops
 
     def sync() -> None:
@@ -320,15 +321,20 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
                            cache_dir=cache_dir, cache_bytes=cache_bytes, cache_staleness_s=cache_staleness_s)
     with RssSampler() as rss, PipelineCollections() as collections, Pipeline(config) as p:
         if between is not None:  # the first epoch, untimed: its marks and steps would be the second's
+            t_first = time.perf_counter()
             time_pipeline(p, samples, batch_size)
             between()
+            first_epoch_s = time.perf_counter() - t_first
         n, seconds, first = time_pipeline(p, samples, batch_size, consume=consume, sync=sync)
         stats = p.stats()
     crop = int(np.prod(samples[0].shape))
     name = "stoker" if threads is None else f"stoker t={threads}"
-    return Result(name, seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
-                  {"stats": stats, "first_batch_s": first, "batches": n,
-                   "cpu_s": marks[-1][0] - marks[0][0] - consume.step_cpu_s, "gc_s": marks[-1][1] - marks[0][1]})
+    result = Result(name, seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
+                    {"stats": stats, "first_batch_s": first, "batches": n,
+                     "cpu_s": marks[-1][0] - marks[0][0] - consume.step_cpu_s, "gc_s": marks[-1][1] - marks[0][1]})
+    if between is not None:
+        result.extra["first_epoch_s"] = first_epoch_s
+    return result
 
 
 def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0, remote: bool = False) -> str:
