@@ -13,11 +13,20 @@
   epoch reads everything again, through the same obstore store.
 - ``stoker local`` reads the same crops from the local files the server serves: what a second epoch from
   the cache is measured against (:func:`second_epoch_line`).
+- ``stoker e2 (same pipeline)`` (with ``--epochs`` 2 or more) is the second epoch as a training loop makes it
+  (``set_epoch`` then ``push``, or ``forever()``): one pipeline reads the crops twice, from an empty cache
+  folder of its own, the clock only around the second time (:func:`same_pipeline_peers`). Its objects were
+  revalidated when epoch 1 opened their arrays, and are again only once older than ``cache_staleness_s``
+  (``--cache-staleness-s``; the library's 60 s by default), then in the background as batches are pulled
+  (``revalidate_ahead``): within the bound its second epoch asks the server nothing. ``stoker local (same
+  pipeline)`` reads the local files the same way (two epochs in one pipeline, the second timed), so both
+  sides pay the same pipeline start and keep the same in-pipeline state: what it is measured against.
 - Every stoker epoch runs with a :class:`CachePeak` sampling the cache folder's size (``--cache-bytes``
   bounds it; the default :data:`CACHE_BYTES` holds any scenario's epoch): :func:`cache_peak_line` says
   whether its peak stayed within ``cache_bytes`` plus the largest entry, and how many entries were evicted.
 
 >>> peers = epoch_peers(2, run)   # {"stoker e1": fn(mark), "stoker e2": fn(mark)}
+>>> peers.update(same_pipeline_peers(run2, local2))   # {"stoker local (same pipeline)": ..., SAME: ...}
 """
 
 from __future__ import annotations
@@ -36,6 +45,11 @@ CACHE_BYTES = 1 << 40
 TS_CACHE_POOL_BYTES = 8 << 30
 #: The peer whose epochs a second epoch from the cache is compared with.
 LOCAL = "stoker local"
+#: The second epoch of one pipeline that read the same crops before, through a disk cache, and from local files.
+SAME = "stoker e2 (same pipeline)"
+LOCAL_SAME = "stoker local (same pipeline)"
+#: The library's ``cache_staleness_s`` when ``--cache-staleness-s`` is not given (``Config``'s None), for the notes.
+DEFAULT_STALENESS_S = 60.0
 #: How often :class:`CachePeak` reads the folder's running total (seconds).
 TOTAL_EVERY_S = 0.002
 #: The share of one core :class:`CachePeak`'s full scans of the folder may take (a scan of a few thousand
@@ -152,9 +166,11 @@ def kept_epochs(peer: str, epochs: int, fresh: Callable[[Any], Any], run: Callab
     return {f"{peer} e{k}": (lambda mark, k=k: epoch(k, mark)) for k in range(1, epochs + 1)}
 
 
-def epoch_peers(epochs: int, run: Callable, cache_bytes: int = CACHE_BYTES) -> dict[str, Callable]:
+def epoch_peers(epochs: int, run: Callable, cache_bytes: int = CACHE_BYTES, staleness_s: float | None = None
+                ) -> dict[str, Callable]:
     """stoker's epochs through a disk cache: ``run(mark, cache_dir)`` runs the stoker peer with the cache at
-    ``cache_dir`` (bounded by ``cache_bytes``). The first epoch makes a new empty folder (removing the previous
+    ``cache_dir`` (bounded by ``cache_bytes``; ``staleness_s``: the ``cache_staleness_s`` it runs with, None the
+    default, noted in each result's ``extra["cache_staleness_s"]``). The first epoch makes a new empty folder (removing the previous
     round's). Each epoch's result gets ``extra["cache_peak"]``: the :class:`CachePeak` of every round's same
     epoch (a list shared by them, so the median round's row tells of the worst)."""
 
@@ -164,30 +180,89 @@ def epoch_peers(epochs: int, run: Callable, cache_bytes: int = CACHE_BYTES) -> d
         return tempfile.mkdtemp(prefix="stoker-bench-cache-")
 
     peaks: dict[int, list[CachePeak]] = {k: [] for k in range(1, epochs + 1)}
+    dropped = {"previous": 0}  # the round's epoch before: entries its write queue dropped
 
     def epoch(mark: Callable, folder: str, k: int):
-        cache = disk_cache(folder, cache_bytes)  # the pipeline's own (one per folder, bound and process)
-        cache.flush(600)  # the previous epoch's entries written before this one starts
-        marks: list[tuple[int, float]] = []
-
-        def marked() -> None:  # the clock starts or stops: the disk's bytes so far, then the server's
-            marks.append((cache.hit_bytes, peak.cpu_s))
-            mark()
-
-        with CachePeak(cache) as peak:
-            result = run(marked, folder)
-            cache.flush(600)  # this epoch's entries on disk while sampled
-        batches = max(1, result.extra["batches"])  # timed batches (not samples)
-        result.extra["disk_bytes_per_batch"] = (marks[-1][0] - marks[0][0]) / batches if marks else 0.0
-        if marks and "cpu_s" in result.extra:  # the sampler's CPU is the bench's, not the pipeline's
-            result.extra["cpu_s"] -= marks[-1][1] - marks[0][1]
-        peaks[k].append(peak)
-        result.extra["cache_peak"] = peaks[k]
+        disk_cache(folder, cache_bytes).flush(600)  # the previous epoch's entries written before this one starts
+        result = _through_cache(lambda marked, _cache: run(marked, folder), folder, cache_bytes, peaks[k], mark,
+                                staleness_s)
+        if k > 1:
+            result.extra["previous_epoch_dropped"] = dropped["previous"]
+        dropped["previous"] = result.extra["dropped"]
         if k == epochs:  # the round's last epoch: nothing reads the folder again (the next round makes its own)
             shutil.rmtree(folder, ignore_errors=True)
         return result
 
     return kept_epochs("stoker", epochs, fresh, epoch)
+
+
+def _through_cache(run: Callable, folder: str, cache_bytes: int, peaks: list[CachePeak], mark: Callable,
+                   staleness_s: float | None):
+    """``run(marked, cache)`` (a stoker peer reading through the cache at ``folder``) sampled by a
+    :class:`CachePeak` (appended to ``peaks``, which the result's ``extra["cache_peak"]`` gets), its
+    ``extra`` given the bytes served from disk per timed batch, its CPU less the sampler's, the entries the
+    cache's write queue dropped meanwhile (``dropped``: full, so not cached; a later read fetches them again)
+    and ``cache_staleness_s`` (``staleness_s``, or the default's value)."""
+    cache = disk_cache(folder, cache_bytes)  # the pipeline's own (one per folder, bound and process)
+    dropped = cache.dropped
+    marks: list[tuple[int, float]] = []
+
+    def marked() -> None:  # the clock starts or stops: the disk's bytes so far, then the server's
+        marks.append((cache.hit_bytes, peak.cpu_s))
+        mark()
+
+    with CachePeak(cache) as peak:
+        result = run(marked, cache)
+        cache.flush(600)  # this epoch's entries on disk while sampled
+    batches = max(1, result.extra["batches"])  # timed batches (not samples)
+    result.extra["disk_bytes_per_batch"] = (marks[-1][0] - marks[0][0]) / batches if marks else 0.0
+    if marks and "cpu_s" in result.extra:  # the sampler's CPU is the bench's, not the pipeline's
+        result.extra["cpu_s"] -= marks[-1][1] - marks[0][1]
+    peaks.append(peak)
+    result.extra["cache_peak"] = peaks
+    result.extra["dropped"] = cache.dropped - dropped
+    result.extra["cache_staleness_s"] = DEFAULT_STALENESS_S if staleness_s is None else staleness_s
+    return result
+
+
+def same_pipeline_peers(run: Callable, run_local: Callable, cache_bytes: int = CACHE_BYTES,
+                        staleness_s: float | None = None) -> dict[str, Callable]:
+    """The second epoch in the pipeline that read the first: ``{LOCAL_SAME: fn(mark), SAME: fn(mark)}``.
+
+    ``run(mark, folder, between)`` runs the stoker peer over two epochs of the crops in one pipeline, with
+    the cache at ``folder`` (a new empty one each round, removed after), calling ``between()`` after the first:
+    here the cache's flush, so the second starts with the first's entries on disk as ``stoker e2`` does. The
+    clock (``mark``) runs around the second epoch only; the folder is sampled by a :class:`CachePeak` all
+    along; ``staleness_s`` as for :func:`epoch_peers`. ``run_local(mark, between)`` does the same from the
+    local files (``between`` does nothing)."""
+    peaks: list[CachePeak] = []
+
+    def same(mark: Callable):
+        folder = tempfile.mkdtemp(prefix="stoker-bench-cache-")
+        dropped: list[int] = []  # the write queue's drops as the first epoch starts, and once it is written
+
+        def two_epochs(marked: Callable, cache: DiskCache):
+            def between() -> None:
+                cache.flush(600)
+                dropped.append(cache.dropped)
+
+            dropped.append(cache.dropped)
+            return run(marked, folder, between)
+
+        try:
+            result = _through_cache(two_epochs, folder, cache_bytes, peaks, mark, staleness_s)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        result.peer = SAME
+        result.extra["previous_epoch_dropped"] = dropped[1] - dropped[0]
+        return result
+
+    def local(mark: Callable):
+        result = run_local(mark, lambda: None)
+        result.peer = LOCAL_SAME
+        return result
+
+    return {LOCAL_SAME: local, SAME: same}
 
 
 def tensorstore_epoch_peers(epochs: int, run: Callable) -> dict[str, Callable]:
@@ -244,25 +319,68 @@ def hit_rate(extra: dict) -> float | None:
     return disk / total if total else 0.0
 
 
-def epochs_note() -> str:
-    """The table header's words on the epoch peers."""
+def _staleness(by: dict) -> str:
+    """The ``cache_staleness_s`` the stoker epochs ran with, in words."""
+    stale = next((r.extra["cache_staleness_s"] for r in by.values() if "cache_staleness_s" in r.extra), None)
+    if stale is None or stale == DEFAULT_STALENESS_S:
+        return f"cache_staleness_s {DEFAULT_STALENESS_S:g} s (the default)"
+    return f"cache_staleness_s {stale:g} s (--cache-staleness-s)"
+
+
+def epochs_note(by: dict | None = None) -> str:
+    """The table header's words on the epoch peers (``by``: the results by peer, for the same-pipeline rows
+    and the staleness bound they ran with)."""
+    by = by or {}
+    same = (f"; {SAME}: one pipeline reads the crops twice (set_epoch, forever()), from an empty folder, "
+            f"timed the second time: objects revalidated when epoch 1 opened their arrays, then only once older "
+            f"than {_staleness(by)}, in the background; {LOCAL_SAME}: the same from the local files"
+            if SAME in by else "")
     return (f"epochs: stoker eN through a local disk cache (e1 from an empty folder; each epoch a new pipeline, "
-            f"objects revalidated by a listing of each array over S3, by HEAD over HTTP); tensorstore eN: no disk cache, one context's in-memory cache_pool "
+            f"as a restarted job's: objects revalidated by a listing of each array over S3, by HEAD over HTTP)"
+            f"{same}; tensorstore eN: no disk cache, one context's in-memory cache_pool "
             f"({TS_CACHE_POOL_BYTES >> 30} GiB) kept between epochs, arrays reopened each epoch with "
             f"recheck_cached_data='open' (conditional GETs, 304 without body); zarr eN: zarr-python over obstore "
             f"keeps nothing between epochs; {LOCAL}: the same crops from the local files")
 
 
-def second_epoch_line(by: dict) -> str | None:
-    """``stoker e2`` against ``stoker local`` (samples/s and CPU per batch), or None when either is missing."""
-    e2, local = by.get("stoker e2"), by.get(LOCAL)
-    if e2 is None or local is None or not local.samples_per_s:
-        return None
+def _cpu(r) -> str:
+    n = r.extra.get("batches") or 0
+    return f"{r.extra['cpu_s'] / n * 1e3:.2f} ms" if n and "cpu_s" in r.extra else "n/a"
 
-    def cpu(r) -> str:
-        n = r.extra.get("batches") or 0
-        return f"{r.extra['cpu_s'] / n * 1e3:.2f} ms" if n and "cpu_s" in r.extra else "n/a"
 
-    return (f"second epoch from the disk cache: stoker e2 {e2.samples_per_s:.1f} samples/s = "
-            f"{e2.samples_per_s / local.samples_per_s:.2f}x stoker on local files ({local.samples_per_s:.1f}); "
-            f"CPU per batch {cpu(e2)} (e2) against {cpu(local)} (local)")
+def _served(r) -> str:
+    """A cached peer's requests and MB from the server per batch, and its hit rate."""
+    if "requests_per_batch" not in r.extra:
+        return ""
+    rate = hit_rate(r.extra)
+    dropped = r.extra.get("previous_epoch_dropped")
+    return (f"; {r.extra['requests_per_batch']:.1f} requests and {r.extra['bytes_per_batch'] / 1e6:.2f} MB a batch "
+            f"from the server" + ("" if rate is None else f", hit rate {rate:.1%}")
+            + ("" if dropped is None else f" (write queue full in the epoch before: {dropped} entries not cached)"))
+
+
+def second_epoch_lines(by: dict) -> list[str]:
+    """Each kind of second epoch from the disk cache against the local read measured the same way: ``stoker
+    e2`` (a new pipeline) against ``stoker local``, and ``stoker e2 (same pipeline)`` against ``stoker local
+    (same pipeline)`` (samples/s, requests and MB a batch, hit rate, the entries the epoch before could not
+    cache, CPU per batch); a line for each pair present.
+
+    >>> second_epoch_lines(by)[1]
+    'second epoch from the disk cache, in the same pipeline ...: stoker e2 (same pipeline) 401.0 samples/s = 0.97x ...'
+    """
+    lines = []
+    for e2_name, local_name, kind in (
+            ("stoker e2", LOCAL, "a new pipeline, as a restarted job or a new process opens: every object "
+                                 "revalidated"),
+            (SAME, LOCAL_SAME, f"in the same pipeline, as set_epoch or forever() reads it: revalidated only past "
+                               f"{_staleness(by)}")):
+        e2, local = by.get(e2_name), by.get(local_name)
+        if e2 is None or local is None or not local.samples_per_s:
+            continue
+        against = "stoker on local files" if local_name == LOCAL else local_name
+        if "first_epoch_s" in e2.extra:  # what the staleness bound is measured against
+            kind += f"; its epoch 1 and the cache's flush took {e2.extra['first_epoch_s']:.2f} s before it"
+        lines.append(f"second epoch from the disk cache: {e2_name} {e2.samples_per_s:.1f} samples/s = "
+                     f"{e2.samples_per_s / local.samples_per_s:.2f}x {against} ({local.samples_per_s:.1f}) [{kind}]{_served(e2)}; CPU per batch {_cpu(e2)} (e2) "
+                     f"against {_cpu(local)} (local)")
+    return lines

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -42,8 +43,8 @@ from ..engine.pipeline.facade import Pipeline
 from ..sampling.sample import Sample
 from ..zarr.grid import chunk_intersections
 from .datasets import VolumeSpec, compression_ratio, ensure, warm_page_cache
-from .epochs import (CACHE_BYTES, LOCAL, cache_peak_line, epoch_peers, epochs_note, hit_rate, second_epoch_line,
-                     tensorstore_epoch_peers, zarr_epoch_peers)
+from .epochs import (CACHE_BYTES, LOCAL, LOCAL_SAME, SAME, cache_peak_line, epoch_peers, epochs_note, hit_rate,
+                     same_pipeline_peers, second_epoch_lines, tensorstore_epoch_peers, zarr_epoch_peers)
 from .remote import Remote, ZarrOpener
 from ..dist.telemetry import host_rss_bytes as rss_bytes
 
@@ -259,14 +260,17 @@ def time_pipeline(p: Pipeline, samples: list[Sample], batch_size: int, consume=l
 
 def stoker_config(batch_size: int, host_buffer_bytes: int, dtype: str = "f32", device: str = "cpu",
                   threads: int | None = None, storage_options: dict | None = None,
-                  cache_dir: str | None = None, cache_bytes: int = CACHE_BYTES) -> Config:
+                  cache_dir: str | None = None, cache_bytes: int = CACHE_BYTES,
+                  cache_staleness_s: float | None = None) -> Config:
     """The pipeline every stoker peer runs (``device="cpu"`` also on a GPU machine unless asked); compute
     threads: the default (this rank's share of the CPUs) unless ``threads`` says; a disk cache at
-    ``cache_dir`` (None: none) bounded by ``cache_bytes``."""
+    ``cache_dir`` (None: none) bounded by ``cache_bytes``, its generations trusted for ``cache_staleness_s``
+    (None: the library's default)."""
     return Config(batch_size=batch_size, dtype=dtype, host_buffer_bytes=host_buffer_bytes, device_buffer_bytes=2 << 30,
                   n_io_threads=2, lookahead_batches=LOOKAHEAD, device=device, n_compute_threads=threads,
                   storage_options=storage_options, cache_dir=cache_dir,
-                  cache_bytes=None if cache_dir is None else cache_bytes)
+                  cache_bytes=None if cache_dir is None else cache_bytes,
+                  cache_staleness_s=None if cache_dir is None else cache_staleness_s)
 
 
 class PipelineCollections:
@@ -295,10 +299,17 @@ class PipelineCollections:
 
 def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffer_bytes: int,
                threads: int | None = None, step_s: float = 0.0, storage_options: dict | None = None,
-               mark=lambda: None, cache_dir: str | None = None, cache_bytes: int = CACHE_BYTES) -> Result:
+               mark=lambda: None, cache_dir: str | None = None, cache_bytes: int = CACHE_BYTES,
+               cache_staleness_s: float | None = None, between: Callable[[], None] | None = None) -> Result:
     """The stoker peer; ``threads`` compute threads (a peer of a thread sweep, named ``stoker t=N``) or the
     default. ``cpu_s``: the process's CPU time while timed, less the consumer's steps; ``gc_s``: the
-    pipeline threads' garbage collections while timed. ``mark`` runs as the clock starts and stops."""
+    pipeline threads' garbage collections while timed. ``mark`` runs as the clock starts and stops.
+
+    ``between``: two epochs of ``samples`` in one pipeline, as a training loop's ``set_epoch`` and ``push``
+    make them (bench/epochs.py, the ``(same pipeline)`` peers): the first untimed and without the consumer's
+    steps, then ``between()``, then the second, timed as a lone epoch is (its first batch and the slots' warm-up
+    over the same crops again, then the clock); ``extra["first_epoch_s"]``: the first epoch's wall time and
+    ``between``'s (how old what the first epoch learnt is as the second starts)."""
     marks: list[tuple[float, float]] = []  # (process CPU time, collections) as the clock starts and stops
 
     def sync() -> None:
@@ -307,15 +318,23 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
 
     consume = Consumer(step_s)
     config = stoker_config(batch_size, host_buffer_bytes, threads=threads, storage_options=storage_options,
-                           cache_dir=cache_dir, cache_bytes=cache_bytes)
+                           cache_dir=cache_dir, cache_bytes=cache_bytes, cache_staleness_s=cache_staleness_s)
     with RssSampler() as rss, PipelineCollections() as collections, Pipeline(config) as p:
+        if between is not None:  # the first epoch, untimed: its marks and steps would be the second's
+            t_first = time.perf_counter()
+            time_pipeline(p, samples, batch_size)
+            between()
+            first_epoch_s = time.perf_counter() - t_first
         n, seconds, first = time_pipeline(p, samples, batch_size, consume=consume, sync=sync)
         stats = p.stats()
     crop = int(np.prod(samples[0].shape))
     name = "stoker" if threads is None else f"stoker t={threads}"
-    return Result(name, seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
-                  {"stats": stats, "first_batch_s": first, "batches": n,
-                   "cpu_s": marks[-1][0] - marks[0][0] - consume.step_cpu_s, "gc_s": marks[-1][1] - marks[0][1]})
+    result = Result(name, seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
+                    {"stats": stats, "first_batch_s": first, "batches": n,
+                     "cpu_s": marks[-1][0] - marks[0][0] - consume.step_cpu_s, "gc_s": marks[-1][1] - marks[0][1]})
+    if between is not None:
+        result.extra["first_epoch_s"] = first_epoch_s
+    return result
 
 
 def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0, remote: bool = False) -> str:
@@ -667,7 +686,8 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
                  slow_batches: int, peers: set[str], growth: bool = False, rounds: int = 1,
                  threads: tuple[int, ...] = (), step_ms: float | str | None = None,
                  remote: Remote | None = None, counters=None, epochs: int = 0,
-                 cache_bytes: int = CACHE_BYTES) -> tuple[list[Result], Step | None]:
+                 cache_bytes: int = CACHE_BYTES, cache_staleness_s: float | None = None
+                 ) -> tuple[list[Result], Step | None]:
     """Every peer in ``peers`` on the scenario's crops, in interleaved rounds; ``threads``: a stoker peer
     per compute-thread count besides the default one (a thread sweep, for machines of many cores).
     ``step_ms``: a busy consumer (milliseconds of Python after each batch, or ``"auto"``); the decode
@@ -676,7 +696,9 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
     ``remote``: every peer reads the arrays through the bench server (``--store``), and ``counters()``
     (the server's ``(requests, bytes)``) gives each peer's requests and bytes per timed batch; the
     decode bound and stoker's fresh-process memory runs are left out. ``epochs``: with ``remote``, also
-    stoker through a local disk cache bounded by ``cache_bytes``, a peer per epoch (:mod:`stoker.bench.epochs`)."""
+    stoker through a local disk cache bounded by ``cache_bytes`` (its generations trusted for
+    ``cache_staleness_s``; None: the library's default), a peer per epoch, each a new pipeline, and with 2 or
+    more the second epoch of one pipeline, beside the same from local files (:mod:`stoker.bench.epochs`)."""
     paths = ensure(root, sc.volume)
     warm_page_cache(paths)
     in_flight, dl_timed = dataloader_batches(slow_batches)
@@ -718,14 +740,24 @@ def run_scenario(sc: Scenario, root: Path, n_batches: int, batch_size: int, host
                                                        step_s=step_s, mark=m), LOCAL)
             every.update(epoch_peers(epochs, lambda m, folder: run_stoker(
                 samples, batch_size, itemsize, host_buffer_bytes, step_s=step_s, storage_options=options, mark=m,
-                cache_dir=folder, cache_bytes=cache_bytes), cache_bytes))
+                cache_dir=folder, cache_bytes=cache_bytes, cache_staleness_s=cache_staleness_s), cache_bytes,
+                cache_staleness_s))
+            if epochs >= 2:  # the second epoch as a training loop reads it: in the pipeline that read the first
+                every.update(same_pipeline_peers(
+                    lambda m, folder, between: run_stoker(
+                        samples, batch_size, itemsize, host_buffer_bytes, step_s=step_s, storage_options=options,
+                        mark=m, cache_dir=folder, cache_bytes=cache_bytes, cache_staleness_s=cache_staleness_s,
+                        between=between),
+                    lambda m, between: run_stoker(on_disk, batch_size, itemsize, host_buffer_bytes, step_s=step_s,
+                                                  mark=m, between=between),
+                    cache_bytes, cache_staleness_s))
         if "tensorstore" in peers:
             every.update(tensorstore_epoch_peers(epochs, lambda m, context: run_tensorstore(
                 samples, batch_size, itemsize, step_s, kvstore, m, context)))
         if "zarr" in peers:
             every.update(zarr_epoch_peers(epochs, lambda m: run_zarr(samples, batch_size, itemsize, slow_batches,
                                                                       step_s, opener, m)))
-        peers |= {name for name in every if name == LOCAL or name.rsplit(" e", 1)[-1].isdigit()}
+        peers |= {name for name in every if name in (LOCAL, LOCAL_SAME, SAME) or name.rsplit(" e", 1)[-1].isdigit()}
     if step is not None or remote is not None:
         del every["bound"]  # no consumer to be busy, or no reads to make: its number would not compare
     if counters is not None:
@@ -778,12 +810,13 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
                      "out (it has no consumer)")
     served = any("requests_per_batch" in r.extra for r in results)  # --store: what the server was asked
     if any(r.peer.endswith(" e1") for r in results):
-        lines.append(epochs_note())
-    lines.append(f"{'peer':<18}{'samples/s':>11}{'MB/s':>9}{'stoker x':>10}{'peak RSS MB':>13}"
+        lines.append(epochs_note(by))
+    width = max([18] + [len(r.peer) + 2 for r in results])  # the epochs' "(same pipeline)" rows are longer
+    lines.append(f"{'peer':<{width}}{'samples/s':>11}{'MB/s':>9}{'stoker x':>10}{'peak RSS MB':>13}"
                  + (f"{'requests/batch':>16}{'MB/batch':>10}" if served else ""))
     for r in results:
         ratio = f"{st.samples_per_s / r.samples_per_s:>9.2f}x" if st and r is not st and r.samples_per_s else f"{'':>10}"
-        line = f"{r.peer:<18}{r.samples_per_s:>11.1f}{r.mb_per_s:>9.1f}{ratio}{r.peak_rss / 1e6:>13.0f}"
+        line = f"{r.peer:<{width}}{r.samples_per_s:>11.1f}{r.mb_per_s:>9.1f}{ratio}{r.peak_rss / 1e6:>13.0f}"
         if "requests_per_batch" in r.extra:
             line += f"{r.extra['requests_per_batch']:>16.1f}{r.extra['bytes_per_batch'] / 1e6:>10.2f}"
         if hit_rate(r.extra) is not None:
@@ -793,9 +826,7 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
                   if "server_cpu_s_per_batch" in r.extra]
     if server_cpu:  # on this machine's cores beside the peers; a remote server's would not be
         lines.append("bench server CPU per batch (its own process, not the peer's): " + ", ".join(server_cpu))
-    second = second_epoch_line(by)
-    if second:
-        lines.append(second)
+    lines += second_epoch_lines(by)
     lines += [line for line in (cache_peak_line(r.peer, r.extra) for r in results) if line]
     if st:
         stats = st.extra["stats"]
@@ -810,7 +841,7 @@ def format_results(sc: Scenario, results: list[Result], timed_batches: int, batc
     for r in results:  # the default stoker, then each peer of a thread sweep
         if "cpu_s" in r.extra:
             line = cpu_breakdown(r.extra["stats"], r.extra["cpu_s"], r.extra["batches"], r.seconds,
-                                 r.extra.get("gc_s", 0.0), remote=served and r.peer != LOCAL)
+                                 r.extra.get("gc_s", 0.0), remote=served and r.peer not in (LOCAL, LOCAL_SAME))
             lines.append(line if r is st else line.replace("stoker per batch", f"{r.peer} per batch", 1))
     if any(r.peer.startswith("stoker t=") for r in results):  # a thread sweep: where each count's time went
         lines += worker_table(results)

@@ -32,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
     if args.cache_bytes is not None and args.epochs is None:
         raise InvalidArgument("--cache-bytes bounds the disk cache that --epochs reads through: give --store http "
                               "or --store s3 and --epochs N")
+    if args.cache_staleness_s is not None and args.epochs is None:
+        raise InvalidArgument("--cache-staleness-s is the staleness bound of the disk cache that --epochs reads "
+                              "through: give --store http or --store s3 and --epochs N")
     if args.store is not None and (args.suite == "records" or args.device == "cuda"):
         raise InvalidArgument(f"--store runs the crops suite on the CPU; run it without "
                               f"{'the records suite' if args.suite == 'records' else '--device cuda'}")
@@ -202,7 +205,8 @@ def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: P
                 results, step = run_scenario(sc, root, n_batches, batch_size, budget, args.slow_batches, peers,
                                              rounds=rounds, threads=threads, step_ms=args.step_ms, remote=remote,
                                              counters=lambda: server.counters(cpu=True), epochs=args.epochs or 0,
-                                             cache_bytes=args.cache_bytes or CACHE_BYTES)
+                                             cache_bytes=args.cache_bytes or CACHE_BYTES,
+                                             cache_staleness_s=args.cache_staleness_s)
                 ratio = dataset_ratio(root, sc)
                 print(format_results(sc, results, n_batches, batch_size, step, ratio), flush=True)
                 records.append(report.scenario_record(sc, results, n_batches, batch_size,
@@ -272,11 +276,16 @@ def add_parser(sub) -> None:
                    help="with --store: also stoker through a local disk cache, one peer per epoch (stoker e1 "
                         "from an empty cache, e2... a new pipeline each over the same crops), with the bytes "
                         "served from disk per batch and the hit rate, and the cache folder's peak size against "
-                        "--cache-bytes")
+                        "--cache-bytes; with 2 or more, also the second epoch of the pipeline that read the first "
+                        "(stoker e2 (same pipeline)) against the same from local files")
     p.add_argument("--cache-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="with --epochs: the disk cache's bound (cache_bytes), e.g. 64M (K, M, G, T: powers of "
                         "1024); default 1T, more than any scenario reads, so an epoch fits; smaller puts the "
                         "cache under eviction pressure")
+    p.add_argument("--cache-staleness-s", type=_seconds, default=None, metavar="S",
+                   help="with --epochs: the disk cache's staleness bound (cache_staleness_s) for every stoker "
+                        "epoch, default the library's 60 s; shorter than an epoch, the same pipeline's second "
+                        "epoch revalidates its objects again (in the background) and shows what that costs")
     p.add_argument("--tiny", action="store_true", help="small datasets: a smoke run in seconds")
     p.add_argument("--mesh", action="store_true",
                    help="with records: crash-simulation meshes ((T, N, 3) trajectories, edge lists) batched by "
@@ -327,6 +336,17 @@ def _latency_ms(text: str) -> tuple[float, ...]:
                                              f"list of them), got {text!r}")
         values.append(value)
     return tuple(values)
+
+
+def _seconds(text: str) -> float:
+    """``--cache-staleness-s``: seconds, more than 0 and finite."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"takes seconds (a number above 0), got {text!r}")
+    return value
 
 
 def _step_ms(text: str) -> float | str:
