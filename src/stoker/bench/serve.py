@@ -3,11 +3,13 @@ with a fixed delay added to every request (``python -m stoker.bench.serve``, or 
 
 It runs in a process of its own, so it never competes with the peers for the benchmark process's GIL;
 it still shares the machine's cores with them, so it is cheap per request: one asyncio event loop thread,
-no thread per connection, a body sent with its headers in one send (large ones with ``sendfile``), and its CPU time is reported with its counters
-(what the loopback server costs each batch; a real server's is not the client's). Flow control: an answer
-that leaves more than the transport's high-water mark unsent waits for the client to read it before the
-connection's next request is read (``sendfile`` waits so itself), so a client that stops reading holds the
-socket buffers and one answer, not all it asked; one that reads nothing for :data:`STALL_S` is dropped. GET and HEAD;
+no thread per connection, a body sent with its headers in one send (large ones with ``sendfile``, straight to
+the socket as far as it takes them), and its CPU time is reported with its counters (what the loopback server
+costs each batch; a real server's is not the client's). Flow control: an answer that leaves more than the
+transport's high-water mark unsent waits for the client to read it before the connection's next request is read
+(a ``sendfile`` waits so itself), so a client that stops reading holds the socket buffers and one answer, not
+all it asked; one that reads nothing for :data:`STALL_S` is dropped (no timer is pending unless one waits: a
+timer pending makes every wait of the loop's a timed one, which costs CPU at every request). GET and HEAD;
 ``Range: bytes=a-b``, ``a-`` and ``-n`` are answered with 206 and ``Content-Range``; a conditional request
 (``If-None-Match``, ``If-Modified-Since``) of an unchanged object gets 304 without a body, as a cache
 revalidating expects. S3 mode serves path-style requests (``/<bucket>/<key>``), the only S3 calls the peers
@@ -48,7 +50,8 @@ COUNTERS = "/_stoker/counters"
 BUCKET = "bench"
 #: Bodies up to this many bytes are read and sent with their headers in one send (sendfile's set-up on the
 #: event loop costs more than copying them: a 72 KB chunk 95-135 us of the server's CPU against 165-210 us by
-#: sendfile); larger ones with sendfile (a 737 KB chunk: 250-310 us against 375-405 us read and sent).
+#: sendfile); larger ones with sendfile (a 737 KB chunk: 250-310 us against 375-405 us read and sent). Measured
+#: with the loop's sendfile; with os.sendfile straight to the socket (now) a 72 KB chunk costs the same either way.
 SMALL_BODY = 256 << 10
 #: Folders whose sorted listing the S3 mode keeps (revalidated by the folder's mtime), at most.
 MAX_FOLDERS = 8192
@@ -268,8 +271,29 @@ class BenchServer:
                 await self._send(writer, status, out, os.pread(f.fileno(), end - start, start))
             else:
                 await self._send(writer, status, out)
-                await _within(asyncio.get_running_loop().sendfile(writer.transport, f, start, end - start))
+                await self._sendfile(writer, f, start, end - start)
         self.count(end - start, request=False)
+
+    async def _sendfile(self, writer: asyncio.StreamWriter, f, start: int, count: int) -> None:
+        """``count`` bytes of ``f`` from ``start`` sent: as far as the socket takes them now, by ``os.sendfile``
+        straight to it (the headers sent before it, so nothing of the transport's goes out after it); the rest,
+        once the client reads, by the loop's ``sendfile`` within :data:`STALL_S`. The loop's for all of it cost
+        more and needed a timer for every answer: a timer pending arms every wait of the loop's (epoll) with a
+        timeout, which cost 30-60 us of the server's CPU per answer here."""
+        sock = writer.get_extra_info("socket")
+        if sock is not None and writer.transport.get_write_buffer_size() == 0 and hasattr(os, "sendfile"):
+            fd, source = sock.fileno(), f.fileno()
+            while count:
+                try:
+                    sent = os.sendfile(fd, source, start, count)
+                except (BlockingIOError, InterruptedError):  # the socket's buffer is full: waited for below
+                    break
+                if sent == 0:  # the file is shorter than it was: the answer cannot be whole
+                    raise ConnectionAbortedError("a file being served shrank")
+                start += sent
+                count -= sent
+        if count:
+            await _within(asyncio.get_running_loop().sendfile(writer.transport, f, start, count))
 
     async def _list(self, path: str, query: dict, body: bool, writer: asyncio.StreamWriter) -> None:
         """S3's ListObjectsV2 of the bucket (what a disk cache revalidates an array's objects with): the keys
