@@ -40,7 +40,7 @@ typedef struct {
 } entry;
 
 typedef struct {
-    char name[NAME_MAX + 1];
+    char name[sizeof(((struct dirent *)0)->d_name)]; /* as readdir gives it */
     long long allocated; /* the subfolder's own blocks */
     long long names;     /* the names in it, while it is scanned then as entries go */
     int temp;            /* holds a file named like a temporary one */
@@ -118,7 +118,7 @@ static int list_root(int root_fd, long long block, folder **folders, size_t *n_f
         if (dots(d->d_name) || AGAIN(fstatat(root_fd, d->d_name, &st, AT_SYMLINK_NOFOLLOW)) != 0)
             continue; /* removed since listed */
         if (S_ISDIR(st.st_mode)) {
-            if (strlen(d->d_name) > NAME_MAX || (bad = room_for((void **)folders, &cap, *n_folders, sizeof **folders)))
+            if ((bad = room_for((void **)folders, &cap, *n_folders, sizeof **folders)))
                 break;
             folder *f = &(*folders)[(*n_folders)++];
             memset(f, 0, sizeof *f);
@@ -179,12 +179,12 @@ static int list_folder(int root_fd, folder *f, int index, entry **entries, size_
 int evict_entries(const char *root, long long bound, long long target, long long incoming, long long block,
                   int hold_if_temp, evict_result *out) {
     memset(out, 0, sizeof *out);
-    int root_fd = AGAIN(open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     struct stat st;
-    if (root_fd < 0) /* not made yet: what lstat finds there, if anything */
-        return AGAIN(lstat(root, &st)) == 0 ? (out->total = allocated_of(&st), 0) : 0;
-    if (AGAIN(fstat(root_fd, &st)) == 0)
+    if (AGAIN(lstat(root, &st)) == 0) /* the root's own (the Python twin's _allocated): not made yet, 0 */
         out->total = allocated_of(&st);
+    int root_fd = AGAIN(open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (root_fd < 0)
+        return 0;
     folder *folders = NULL;
     entry *entries = NULL;
     size_t n_folders = 0, n_entries = 0, cap = 0;
@@ -209,12 +209,10 @@ int evict_entries(const char *root, long long bound, long long target, long long
             }
     if (bad == 0 && !(hold_if_temp && out->n_temp) && out->total + incoming > bound) {
         qsort(entries, n_entries, sizeof *entries, older);
-        char path[NAME_MAX + 1 + ENTRY_NAME + 1];
+        char path[sizeof folders->name + 1 + ENTRY_NAME + 1];
         for (size_t i = 0; i < n_entries && out->total > target; i++) {
             entry *e = &entries[i];
             folder *f = &folders[e->folder];
-            if (strlen(f->name) + 1 + ENTRY_NAME + 1 > sizeof path)
-                continue;
             strcpy(path, f->name);
             strcat(path, "/");
             strcat(path, e->name);
