@@ -178,19 +178,159 @@ def test_shutdown_before_serving_starts_ends_serve_forever_at_once(server_of, tm
         server.server_close()
 
 
+def _stuck(server, wait_s: float = 0.5, limit_s: float = 20.0) -> int:
+    """The bytes the server has sent once they stop growing for ``wait_s`` (its client reads nothing)."""
+    deadline = time.monotonic() + limit_s
+    last = -1
+    while time.monotonic() < deadline:
+        now = server.counters()["bytes"]
+        if now == last:
+            return now
+        last = now
+        time.sleep(wait_s)
+    raise AssertionError(f"the server kept sending for {limit_s} s to a client that reads nothing")
+
+
+def _read_all(sock, limit_s: float = 10.0) -> int:
+    """The bytes ``sock`` reads until the server ends the connection (EOF or reset)."""
+    sock.settimeout(limit_s)
+    n = 0
+    try:
+        while chunk := sock.recv(1 << 20):
+            n += len(chunk)
+    except ConnectionResetError:
+        pass
+    except socket.timeout:
+        raise AssertionError(f"the server kept the connection {limit_s} s after the last byte it sent") from None
+    return n
+
+
 @pytest.mark.timeout(60)
 def test_shutdown_ends_a_connection_whose_client_stopped_reading(server_of):
     server, thread = server_of({"k": os.urandom(200 << 10)})
     with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=30) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-        # 20 MB of answers asked and none read: what the socket buffers do not hold waits in the server's
-        # transport, which a graceful close would flush first (for ever)
+        # 20 MB of answers asked and none read: the server waits with what the socket buffers do not hold, which
+        # a graceful close would flush first (for ever)
         sock.sendall(b"GET /k HTTP/1.1\r\nHost: x\r\n\r\n" * 100)
-        deadline = time.monotonic() + 10
-        while server.counters()["bytes"] < 100 * (200 << 10) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert server.counters()["bytes"] == 100 * (200 << 10)
+        assert 0 < _stuck(server) < 100 * (200 << 10)
         assert _shutdown_time(server, thread) < 2
+
+
+def _backlog_bound(rcvbuf: int, body: int) -> int:
+    """What a server may have sent a client that reads nothing: the socket buffers both ends (the kernel's
+    largest send buffer; the receive buffer asked, which Linux doubles), the transport's high-water mark
+    (asyncio's default 64 KiB) and one answer over it."""
+    with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+        wmem = int(f.read().split()[2])
+    return wmem + 2 * rcvbuf + (64 << 10) + body + (256 << 10)
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_stops_reading_holds_the_socket_buffers_not_every_answer(server_of):
+    body = os.urandom(200 << 10)  # sent with its headers in one write (not sendfile, which waits itself)
+    server, _ = server_of({"k": body})
+    n = 200  # 40 MB of answers
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=30) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        asked = threading.Thread(target=sock.sendall, args=(b"GET /k HTTP/1.1\r\nHost: x\r\n\r\n" * n,))
+        asked.start()  # (the server stops reading requests too: these may wait in the socket)
+        sent = _stuck(server)
+        assert sent <= _backlog_bound(64 << 10, len(body)) < n * len(body), sent
+        # and once the client reads, every answer comes, whole
+        asked.join(30)
+        got = _read_answers(sock, n, len(body))
+        assert got == n
+        assert server.counters()["bytes"] == n * len(body)
+
+
+def _read_answers(sock, n: int, size: int) -> int:
+    """Read ``n`` answers of a ``size``-byte body each from ``sock``; how many came whole."""
+    sock.settimeout(30)
+    f = sock.makefile("rb")
+    whole = 0
+    for _ in range(n):
+        line = f.readline()
+        if not line.startswith(b"HTTP/1.1 200"):
+            break
+        length = None
+        while (line := f.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if length != size or len(f.read(length)) != size:
+            break
+        whole += 1
+    return whole
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [200 << 10, 1 << 20], ids=["with-headers", "sendfile"])
+def test_a_client_that_reads_nothing_for_stall_s_is_dropped(server_of, monkeypatch, size):
+    from stoker.bench import serve
+
+    monkeypatch.setattr(serve, "STALL_S", 0.5, raising=False)
+    server, thread = server_of({"k": os.urandom(size)})
+    n = 100
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=30) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        asked = threading.Thread(target=_send_quietly, args=(sock, b"GET /k HTTP/1.1\r\nHost: x\r\n\r\n" * n))
+        asked.start()
+        _stuck(server)
+        time.sleep(1.5)  # past STALL_S with nothing read: dropped
+        got = _read_all(sock)
+        asked.join(30)
+    assert got < n * size  # what the buffers held, then the end: not every answer
+    # and the server goes on serving others
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    try:
+        conn.request("GET", "/k")
+        assert len(conn.getresponse().read()) == size
+    finally:
+        conn.close()
+    assert _shutdown_time(server, thread) < 2
+
+
+def _send_quietly(sock, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:  # the server ended the connection before it took them all
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_on_the_servers_own_thread_returns_at_once_and_stops_it(server_of, tmp_path):
+    from stoker.bench.serve import BenchServer
+
+    took: list[float] = []
+
+    class Stopping(BenchServer):
+        async def _request(self, method, target, headers, writer):
+            if target == "/stop":  # the request's handling, on the server's event loop thread, stops it
+                t0 = time.monotonic()
+                self.shutdown()
+                took.append(time.monotonic() - t0)
+            await super()._request(method, target, headers, writer)
+
+    (tmp_path / "k").write_bytes(b"x")
+    server = Stopping(str(tmp_path))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+        try:
+            conn.request("GET", "/stop")
+            conn.getresponse().read()
+        except (http.client.HTTPException, OSError):  # the answer may be cut by the stop
+            pass
+        finally:
+            conn.close()
+        thread.join(5)
+        assert took and took[0] < 1, took  # not the 10 s shutdown waits for serve_forever to return
+        assert not thread.is_alive()
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_folder_changed_within_its_mtimes_tick_is_listed_anew(server_of, tmp_path, scanned):

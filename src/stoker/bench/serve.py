@@ -3,8 +3,13 @@ with a fixed delay added to every request (``python -m stoker.bench.serve``, or 
 
 It runs in a process of its own, so it never competes with the peers for the benchmark process's GIL;
 it still shares the machine's cores with them, so it is cheap per request: one asyncio event loop thread,
-no thread per connection, a body sent with its headers in one send (large ones with ``sendfile``), and its CPU time is reported with its counters
-(what the loopback server costs each batch; a real server's is not the client's). GET and HEAD;
+no thread per connection, a body sent with its headers in one send (large ones with ``sendfile``, straight to
+the socket as far as it takes them), and its CPU time is reported with its counters (what the loopback server
+costs each batch; a real server's is not the client's). Flow control: an answer that leaves more than the
+transport's high-water mark unsent waits for the client to read it before the connection's next request is read
+(a ``sendfile`` waits so itself), so a client that stops reading holds the socket buffers and one answer, not
+all it asked; one that reads nothing for :data:`STALL_S` is dropped (no timer is pending unless one waits: a
+timer pending makes every wait of the loop's a timed one, which costs CPU at every request). GET and HEAD;
 ``Range: bytes=a-b``, ``a-`` and ``-n`` are answered with 206 and ``Content-Range``; a conditional request
 (``If-None-Match``, ``If-Modified-Since``) of an unchanged object gets 304 without a body, as a cache
 revalidating expects. S3 mode serves path-style requests (``/<bucket>/<key>``), the only S3 calls the peers
@@ -45,7 +50,8 @@ COUNTERS = "/_stoker/counters"
 BUCKET = "bench"
 #: Bodies up to this many bytes are read and sent with their headers in one send (sendfile's set-up on the
 #: event loop costs more than copying them: a 72 KB chunk 95-135 us of the server's CPU against 165-210 us by
-#: sendfile); larger ones with sendfile (a 737 KB chunk: 250-310 us against 375-405 us read and sent).
+#: sendfile); larger ones with sendfile (a 737 KB chunk: 250-310 us against 375-405 us read and sent). Measured
+#: with the loop's sendfile; with os.sendfile straight to the socket (now) a 72 KB chunk costs the same either way.
 SMALL_BODY = 256 << 10
 #: Folders whose sorted listing the S3 mode keeps (revalidated by the folder's mtime), at most.
 MAX_FOLDERS = 8192
@@ -55,6 +61,10 @@ MAX_FOLDERS = 8192
 SETTLED_NS = 2_000_000_000
 #: How long stopping waits for the connections it ended to be gone (they go at once: they are aborted).
 CLOSE_S = 5.0
+#: The longest an answer waits for its client to read (its unsent bytes to fall below the transport's low-water
+#: mark, a ``sendfile`` to end): a client that stopped reading for that long is dropped (its connection aborted,
+#: what was buffered for it freed), so it cannot hold the server's memory and a connection for ever.
+STALL_S = 30.0
 _REASONS = {200: "OK", 206: "Partial Content", 304: "Not Modified", 400: "Bad Request", 404: "Not Found",
             416: "Requested Range Not Satisfiable", 501: "Not Implemented"}
 
@@ -76,6 +86,7 @@ class BenchServer:
         self._idle.set()
         self._starting = threading.Lock()  # serve_forever's check of _stop and its clear of _idle, as one
         self._connections: set[asyncio.Task] = set()  # each open connection's task (on the loop thread)
+        self._serving: int | None = None  # serve_forever's thread (its event loop's), while it runs
         self._date = (0, "")
 
     # -- counters ---------------------------------------------------------------------------------
@@ -97,9 +108,11 @@ class BenchServer:
             if self._stop.done():
                 return
             self._idle.clear()
+            self._serving = threading.get_ident()
         try:
             asyncio.run(self._serve())
         finally:
+            self._serving = None
             self._idle.set()
 
     async def _serve(self) -> None:
@@ -122,11 +135,15 @@ class BenchServer:
                 pass
 
     def shutdown(self) -> None:
-        """Stop :meth:`serve_forever` and wait (at most 10 s) until it has returned."""
+        """Stop :meth:`serve_forever` and wait (at most 10 s) until it has returned. Called on serve_forever's
+        own thread (in a request's handling, on its event loop), it asks the stop and returns at once: the loop
+        stops once control is back with it, which waiting here would block (for the whole 10 s)."""
         try:
             self._stop.set_result(None)
         except concurrent.futures.InvalidStateError:  # asked before
             pass
+        if self._serving == threading.get_ident():
+            return
         with self._starting:  # a serve_forever starting now has either seen the stop or cleared _idle
             pass
         self._idle.wait(10)
@@ -147,6 +164,7 @@ class BenchServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         task = asyncio.current_task()
         self._connections.add(task)  # type: ignore[arg-type]
+        stalled = False
         try:
             while True:  # keep-alive (HTTP/1.1), as real servers
                 try:
@@ -170,13 +188,16 @@ class BenchServer:
                 await self._request(method, target, headers, writer)
                 if headers.get("connection", "").lower() == "close":
                     return
+        except _Stalled:  # a client that stopped reading
+            stalled = True
+            return
         except (ConnectionError, OSError, asyncio.IncompleteReadError):  # a client that hung up
             return
         except asyncio.CancelledError:  # the server stopping with the connection open: it ends here (a task
             return  # left cancelled makes asyncio's stream callback log an error)
         finally:
             self._connections.discard(task)  # type: ignore[arg-type]
-            if self._stop.done():
+            if stalled or self._stop.done():
                 writer.transport.abort()  # at once: close() would wait for a client that stopped reading
             else:
                 writer.close()
@@ -189,6 +210,12 @@ class BenchServer:
         out += [f"{k}: {v}\r\n" for k, v in headers.items()]
         out.append("\r\n")
         writer.write("".join(out).encode("latin-1") + body)
+        transport = writer.transport
+        if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
+            # the client reads slower than it asks (or not at all): this waits for it, so the connection's
+            # next request is not read, nor its answer buffered, before it does (checked first: drain's own
+            # check costs a coroutine, and on loopback an answer mostly goes out whole at once)
+            await _within(writer.drain())
 
     async def _request(self, method: str, target: str, headers: dict, writer: asyncio.StreamWriter) -> None:
         if method == "GET" and target == COUNTERS:
@@ -244,8 +271,29 @@ class BenchServer:
                 await self._send(writer, status, out, os.pread(f.fileno(), end - start, start))
             else:
                 await self._send(writer, status, out)
-                await asyncio.get_running_loop().sendfile(writer.transport, f, start, end - start)
+                await self._sendfile(writer, f, start, end - start)
         self.count(end - start, request=False)
+
+    async def _sendfile(self, writer: asyncio.StreamWriter, f, start: int, count: int) -> None:
+        """``count`` bytes of ``f`` from ``start`` sent: as far as the socket takes them now, by ``os.sendfile``
+        straight to it (the headers sent before it, so nothing of the transport's goes out after it); the rest,
+        once the client reads, by the loop's ``sendfile`` within :data:`STALL_S`. The loop's for all of it cost
+        more and needed a timer for every answer: a timer pending arms every wait of the loop's (epoll) with a
+        timeout, which cost 30-60 us of the server's CPU per answer here."""
+        sock = writer.get_extra_info("socket")
+        if sock is not None and writer.transport.get_write_buffer_size() == 0 and hasattr(os, "sendfile"):
+            fd, source = sock.fileno(), f.fileno()
+            while count:
+                try:
+                    sent = os.sendfile(fd, source, start, count)
+                except (BlockingIOError, InterruptedError):  # the socket's buffer is full: waited for below
+                    break
+                if sent == 0:  # the file is shorter than it was: the answer cannot be whole
+                    raise ConnectionAbortedError("a file being served shrank")
+                start += sent
+                count -= sent
+        if count:
+            await _within(asyncio.get_running_loop().sendfile(writer.transport, f, start, count))
 
     async def _list(self, path: str, query: dict, body: bool, writer: asyncio.StreamWriter) -> None:
         """S3's ListObjectsV2 of the bucket (what a disk cache revalidates an array's objects with): the keys
@@ -343,6 +391,35 @@ class BenchServer:
         if not parts or any(p in (".", "..") for p in parts):
             return None
         return os.path.join(self.root, *parts)
+
+
+class _Stalled(ConnectionError):
+    """A client read nothing of an answer for :data:`STALL_S`: its connection is dropped."""
+
+
+async def _within(step) -> None:
+    """Await ``step`` (a drain, a sendfile: the client reading an answer), at most :data:`STALL_S`; then
+    :class:`_Stalled`. A timer that cancels the task, not ``asyncio.wait_for``: no task made per answer (and
+    ``asyncio.timeout`` is 3.11's); cancelling, not aborting the transport: a ``sendfile`` in progress waits on
+    the socket itself, and would wait for ever on a socket the abort closed under it."""
+    task = asyncio.current_task()
+    stalled: list[bool] = []
+
+    def stall() -> None:
+        stalled.append(True)
+        task.cancel()  # type: ignore[union-attr]
+
+    timer = asyncio.get_running_loop().call_later(STALL_S, stall)
+    try:
+        await step
+    except asyncio.CancelledError:
+        if stalled:
+            if hasattr(task, "uncancel"):  # 3.11+: the cancel was this timer's, handled here
+                task.uncancel()  # type: ignore[union-attr]
+            raise _Stalled(f"the client read nothing for {STALL_S:g} s") from None
+        raise
+    finally:
+        timer.cancel()
 
 
 def _etag(st: os.stat_result) -> str:

@@ -19,8 +19,9 @@ is never served) and the bytes. Rules that make one folder safe for many process
   blocks (its subfolder made or grown; a batch reserves those per subfolder it writes into, and a block more
   for each further entry there) before it writes, then counts what the files and folders it touched grew by.
   Making room scans the folder and unlinks the least recently used entries (by mtime, which a hit
-  refreshes) down to 90% of the bound, so scans are rare; a subfolder it empties is removed (its block
-  freed; subfolders are made only under the lock). Each process scans once before its first write, so a
+  refreshes) down to 90% of the bound, so scans are rare (the compiled engine's scan, csrc/evict.c, with the
+  GIL released once: :func:`use_entry_evictor`; :func:`evict_entries`, its Python twin, without it); a
+  subfolder it empties is removed (its block freed; subfolders are made only under the lock). Each process scans once before its first write, so a
   total left wrong by a crash (or by an older stoker, which counted bytes) is corrected, and dead writers'
   temporary files removed.
 - **Markers are empty files** (:meth:`DiskCache.mark`): a name that only says "something was kept" (what
@@ -433,73 +434,26 @@ class DiskCache:
         return lock
 
     def _total(self, lock: int) -> int:
-        raw = os.pread(lock, 8, 0)
-        return struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+        return _read_total(lock) or 0
 
     def _evict(self, incoming: int) -> int:
         """Scan the folder (under the lock); where ``incoming`` more bytes do not fit, unlink least recently used
         entries down to the low water mark (or lower, as far as ``incoming`` needs, where it is more than the
         rest of the bound); remove the subfolders that leaves empty and dead writers' temporary files. Returns
-        the space the folder takes then, allocated (entries, temporary files, folders, ``.index``)."""
-        entries: list[tuple[float, int, str, str]] = []
-        total = _allocated(self._root)
-        folders: dict[str, list[int]] = {}  # subfolder -> [its own allocation, names in it]
-        try:
-            listing = list(os.scandir(self.root))
-        except OSError:
-            listing = []
-        for e in listing:
-            try:
-                if e.is_dir(follow_symlinks=False):
-                    folders[e.path] = [0, 0]
-                elif e.name == ".index":  # its block, even before its first write gives it one
-                    total += max(_allocated_of(e.stat(follow_symlinks=False)), self._block)
-                else:
-                    total += _allocated_of(e.stat(follow_symlinks=False))  # anything else kept here
-            except OSError:
-                continue
-        for folder, counts in folders.items():
-            remove_dead_temp_files(folder)
-            try:
-                names = list(os.scandir(folder))
-                counts[0] = _allocated(folder)
-            except OSError:
-                continue
-            total += counts[0]
-            for e in names:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                counts[1] += 1
-                held = _allocated_of(st)
-                total += held  # entries, markers (none), live writers' temporary files, anything else
-                if _ENTRY.fullmatch(e.name):
-                    entries.append((st.st_mtime, held, e.path, folder))
+        the space the folder takes then, allocated (entries, temporary files, folders, ``.index``). The scan is
+        the compiled engine's where loaded (:func:`use_entry_evictor`: the GIL released once for it), else
+        :func:`evict_entries`."""
         # the folder's own target, not that less incoming: a batch's need taken off it too evicted twice its
         # room (or everything) where one entry's took a block or two off
         target = min(int(self.cache_bytes * LOW_WATER), self.cache_bytes - incoming)
-        if total + incoming > self.cache_bytes:
-            entries.sort()
-            for _, held, path, folder in entries:
-                if total <= target:
-                    break
-                try:
-                    os.unlink(path)  # a reader that opened it reads on; later ones miss
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    continue
-                total -= held
-                self.evicted += 1
-                counts = folders[folder]
-                counts[1] -= 1
-                if counts[1] == 0:
-                    try:
-                        os.rmdir(folder)  # emptied: its block freed (a write makes it again, under the lock)
-                        total -= counts[0]
-                    except OSError:
-                        pass  # something came into it: it stays, and stays counted
+        scan = _entry_evictor[0] or evict_entries
+        total, evicted, temp = scan(self._root, self.cache_bytes, target, incoming, self._block, True)
+        if temp:  # subfolders holding temporary files: dead writers' removed, then scanned again to evict
+            for name in temp:
+                remove_dead_temp_files(os.path.join(self._root, os.fsdecode(name)))
+            total, more, _ = scan(self._root, self.cache_bytes, target, incoming, self._block, False)
+            evicted += more
+        self.evicted += evicted
         return total
 
     def _disable(self, exc: BaseException) -> None:
@@ -602,11 +556,16 @@ def running_total(root: str | os.PathLike) -> int | None:
     except OSError:
         return None
     try:
-        raw = os.pread(fd, 8, 0)
+        return _read_total(fd)
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _read_total(fd: int) -> int | None:
+    """The total ``.index`` (open as ``fd``) holds: 8 bytes, little-endian; None before the folder's first write."""
+    raw = os.pread(fd, 8, 0)
     return struct.unpack("<Q", raw)[0] if len(raw) == 8 else None
 
 
@@ -674,6 +633,101 @@ def use_entry_writer(write: Callable | None) -> Callable | None:
 
 #: The writer :func:`use_entry_writer` set (one slot: read by each batch, so the latest setting holds).
 _entry_writer: list[Callable | None] = [None]
+
+
+def use_entry_evictor(evict: Callable | None) -> Callable | None:
+    """Have every :class:`DiskCache` of this process scan its folder for eviction with ``evict`` (None: Python's,
+    :func:`evict_entries`); returns the one used before. ``stoker.engine.cpu.native`` hands over the compiled
+    engine's (csrc/evict.c), which releases the GIL once for the scan rather than at each of its system calls.
+
+    >>> previous = use_entry_evictor(None)   # the Python scan, e.g. to compare the two
+    """
+    previous = _entry_evictor[0]
+    _entry_evictor[0] = evict
+    return previous
+
+
+#: The eviction scan :func:`use_entry_evictor` set (one slot: read at each scan, so the latest setting holds).
+_entry_evictor: list[Callable | None] = [None]
+
+
+def evict_entries(root: str, bound: int, target: int, incoming: int, block: int,
+                  hold_if_temp: bool) -> tuple[int, int, list[bytes]]:
+    """Python's twin of the compiled engine's ``evict_entries`` (csrc/evict.c; the same answers): list the
+    subfolders of the cache folder ``root`` and measure every file in them (allocated blocks; ``.index`` at least
+    ``block``); where ``total + incoming > bound``, unlink the entries (names of 32 lowercase hex digits) least
+    recently used first (by mtime, which a hit refreshes) until the total is at most ``target``, removing each
+    subfolder that leaves empty. The caller holds the folder's lock. Returns ``(total, evicted, temp)``: the
+    disk the folder takes after, the entries unlinked, the names of the subfolders holding a file named like a
+    temporary one (with ``hold_if_temp`` and any such, nothing is unlinked: the caller removes the dead writers'
+    ones first).
+
+    >>> total, evicted, temp = evict_entries("/scratch/cache/v1", 50 << 30, 45 << 30, 1 << 20, 4096, False)
+    """
+    entries: list[tuple[int, int, str, str]] = []
+    total = _allocated(root)
+    folders: dict[str, list[int]] = {}  # subfolder -> [its own allocation, names in it]
+    try:
+        listing = list(os.scandir(root))
+    except OSError:
+        listing = []
+    for e in listing:
+        try:
+            if e.is_dir(follow_symlinks=False):
+                folders[e.name] = [0, 0]
+            elif e.name == ".index":  # its block, even before its first write gives it one
+                total += max(_allocated_of(e.stat(follow_symlinks=False)), block)
+            else:
+                total += _allocated_of(e.stat(follow_symlinks=False))  # anything else kept here
+        except OSError:
+            continue
+    temp: list[bytes] = []
+    for name, counts in folders.items():
+        folder = os.path.join(root, name)
+        try:
+            names = list(os.scandir(folder))
+            counts[0] = _allocated(folder)
+        except OSError:
+            continue
+        total += counts[0]
+        held_temp = False
+        for e in names:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            counts[1] += 1
+            held = _allocated_of(st)
+            total += held  # entries, markers (none), live writers' temporary files, anything else
+            if e.name.startswith(".") and ".tmp-" in e.name:
+                held_temp = True
+            if _ENTRY.fullmatch(e.name):
+                entries.append((st.st_mtime_ns, held, name, e.name))  # sorted as csrc/evict.c sorts
+        if held_temp:
+            temp.append(os.fsencode(name))
+    evicted = 0
+    if total + incoming > bound and not (hold_if_temp and temp):
+        entries.sort()
+        for _, held, name, entry in entries:
+            if total <= target:
+                break
+            try:
+                os.unlink(os.path.join(root, name, entry))  # a reader that opened it reads on; later ones miss
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            total -= held
+            evicted += 1
+            counts = folders[name]
+            counts[1] -= 1
+            if counts[1] == 0:
+                try:
+                    os.rmdir(os.path.join(root, name))  # emptied: its block freed (a write makes it again)
+                    total -= counts[0]
+                except OSError:
+                    pass  # something came into it: it stays, and stays counted
+    return total, evicted, temp
 
 
 def write_entries(items: Sequence[tuple[bytes, bytes, Any]], tag: str, seed: int) -> tuple[list[int], list[int], int]:

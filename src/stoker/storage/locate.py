@@ -240,40 +240,51 @@ class Stores:
         a build that hangs, a stuck credential provider, does not hang every other open with it) and take
         its store; if it failed, one of them builds next and the rest wait for that one."""
         deadline = time.monotonic() + BUILD_WAIT_S
-        while True:
-            with self._lock:
-                self._check_open(loc)
-                held = self._stores.get(ident)
-                if held is not None:  # another thread built it meanwhile
-                    return held
-                flight = self._building.get(ident)
-                if flight is None:  # this thread builds; the others wait for it
-                    flight = self._building[ident] = concurrent.futures.Future()
-                    break
-            try:
-                held = flight.result(timeout=max(0.0, deadline - time.monotonic()))
-            except concurrent.futures.TimeoutError:
-                if not flight.done():  # it hangs: this one builds its own
-                    return self._make(loc, ident, options, settings, cache)
-                continue  # it failed (its thread raises why): built by one of the waiters now
-            except BaseException:
-                if not flight.done():  # this thread was interrupted
-                    raise
-                continue
-            with self._lock:
-                self._check_open(loc)
-            return held
-        try:
+        mine: concurrent.futures.Future | None = None  # this thread's build, once put in flight
+        held: tuple[Store, Any] | None = None
+        error: BaseException | None = None
+        try:  # from before the build is put in flight: whatever ends it (an interrupt too) settles it below
+            while True:
+                with self._lock:
+                    self._check_open(loc)
+                    held = self._stores.get(ident)
+                    if held is not None:  # another thread built it meanwhile
+                        return held
+                    flight = self._building.get(ident)
+                    if flight is None or flight.done():  # this thread builds; the others wait for it (a
+                        # settled one left here by an interrupted clean-up is no build in flight)
+                        mine = flight = self._building[ident] = concurrent.futures.Future()
+                        break
+                try:
+                    held = flight.result(timeout=max(0.0, deadline - time.monotonic()))
+                except concurrent.futures.TimeoutError:
+                    if not flight.done():  # it hangs: this one builds its own
+                        return self._make(loc, ident, options, settings, cache)
+                    continue  # it failed (its thread raises why): built by one of the waiters now
+                except BaseException:
+                    if not flight.done():  # this thread was interrupted
+                        raise
+                    continue
+                with self._lock:
+                    self._check_open(loc)
+                return held
             held = self._make(loc, ident, options, settings, cache)
+            return held
         except BaseException as exc:
-            with self._lock:
-                del self._building[ident]  # first, so that a waiter woken by the failure builds next
-            flight.set_exception(exc)
+            error = exc
             raise
-        with self._lock:
-            del self._building[ident]
-        flight.set_result(held)
-        return held
+        finally:
+            if mine is not None:
+                # Settled first, with no call of stoker's before it: an interrupt (KeyboardInterrupt lands
+                # where Python checks for signals, at calls) must not leave the waiters waiting BUILD_WAIT_S
+                # for a build that ended. A failure wakes them to build in its place.
+                if error is None:
+                    mine.set_result(held)
+                else:
+                    mine.set_exception(error)
+                with self._lock:
+                    if self._building.get(ident) is mine:  # (if cut short: a settled build, replaced by the next)
+                        del self._building[ident]
 
     def _make(self, loc: Location, ident: tuple, options: dict, settings: dict, cache: Any) -> tuple[Store, Any]:
         """The store of ``ident`` built and kept, unless another thread kept one first (then that one)."""

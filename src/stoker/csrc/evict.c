@@ -1,0 +1,237 @@
+/* The disk cache's eviction scan (storage/diskcache.py: DiskCache._evict; evict_entries there is its Python twin,
+ * the same answers): every subfolder of the cache folder listed and every file in it measured (fstatat), then,
+ * where the folder is over its bound, the least recently used entries unlinked, all with no Python between the
+ * system calls. In Python each of them gave the GIL up and waited to get it back: 5,000 entries took 0.06 s on an
+ * idle process and 0.46 s beside a thread busy in Python, the folder's lock held all along.
+ *
+ * Rules kept from the Python scan: an entry is a regular name of 32 lowercase hex digits in a subfolder; it is
+ * unlinked only (a reader that opened it reads on); nothing is followed through a link (a link is counted as
+ * what it is, a subfolder only if it is a real one); a subfolder left empty is removed (its block freed).
+ */
+#define _GNU_SOURCE
+#include "evict.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* a system call made again while a signal interrupts it (EINTR), as entries.c's writer does */
+#define AGAIN(call)                                                                                            \
+    __extension__({                                                                                            \
+        int again_rc_;                                                                                         \
+        do                                                                                                     \
+            again_rc_ = (call);                                                                                \
+        while (again_rc_ < 0 && errno == EINTR);                                                               \
+        again_rc_;                                                                                             \
+    })
+
+#define ENTRY_NAME 32 /* hex digits of an entry's name */
+
+typedef struct {
+    long long mtime_ns, held;
+    int folder;                  /* index in the folders */
+    char name[ENTRY_NAME + 1];
+} entry;
+
+typedef struct {
+    char name[sizeof(((struct dirent *)0)->d_name)]; /* as readdir gives it */
+    long long allocated; /* the subfolder's own blocks */
+    long long names;     /* the names in it, while it is scanned then as entries go */
+    int temp;            /* holds a file named like a temporary one */
+} folder;
+
+/* what a file or folder takes on disk: its blocks, or its size where the file system reports fewer (as
+ * diskcache.py's _allocated_of) */
+static long long allocated_of(const struct stat *st) {
+    long long blocks = (long long)st->st_blocks * 512;
+    long long size = S_ISDIR(st->st_mode) ? 0 : (long long)st->st_size;
+    return blocks > size ? blocks : size;
+}
+
+static int is_entry_name(const char *name) {
+    for (int i = 0; i < ENTRY_NAME; i++)
+        if (!((name[i] >= '0' && name[i] <= '9') || (name[i] >= 'a' && name[i] <= 'f')))
+            return 0;
+    return name[ENTRY_NAME] == '\0';
+}
+
+static int is_temp_name(const char *name) { /* fsutil.is_temp_path's names, and some more (Python decides) */
+    return name[0] == '.' && strstr(name, ".tmp-") != NULL;
+}
+
+static int dots(const char *name) {
+    return name[0] == '.' && (name[1] == '\0' || (name[1] == '.' && name[2] == '\0'));
+}
+
+/* grow *items (of *cap, each size bytes) to hold n + 1; 0 or -ENOMEM */
+static int room_for(void **items, size_t *cap, size_t n, size_t size) {
+    if (n < *cap)
+        return 0;
+    size_t want = *cap ? *cap * 2 : 256;
+    if (want > SIZE_MAX / size)
+        return -ENOMEM;
+    void *grown = realloc(*items, want * size);
+    if (grown == NULL)
+        return -ENOMEM;
+    *items = grown;
+    *cap = want;
+    return 0;
+}
+
+/* least recently used first, then by size and path (as the Python twin: the folders are sorted by name) */
+static int older(const void *a, const void *b) {
+    const entry *x = a, *y = b;
+    if (x->mtime_ns != y->mtime_ns)
+        return x->mtime_ns < y->mtime_ns ? -1 : 1;
+    if (x->held != y->held)
+        return x->held < y->held ? -1 : 1;
+    if (x->folder != y->folder)
+        return x->folder < y->folder ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+static int by_name(const void *a, const void *b) {
+    return strcmp(((const folder *)a)->name, ((const folder *)b)->name);
+}
+
+/* the subfolders of the root (open as root_fd): each real directory among its names; the other files counted */
+static int list_root(int root_fd, long long block, folder **folders, size_t *n_folders, long long *total) {
+    int fd = AGAIN(openat(root_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (fd < 0)
+        return 0;
+    DIR *dir = fdopendir(fd);
+    if (dir == NULL) {
+        close(fd);
+        return 0;
+    }
+    size_t cap = 0;
+    int bad = 0;
+    struct dirent *d;
+    while ((d = readdir(dir)) != NULL) {
+        struct stat st;
+        if (dots(d->d_name) || AGAIN(fstatat(root_fd, d->d_name, &st, AT_SYMLINK_NOFOLLOW)) != 0)
+            continue; /* removed since listed */
+        if (S_ISDIR(st.st_mode)) {
+            if ((bad = room_for((void **)folders, &cap, *n_folders, sizeof **folders)))
+                break;
+            folder *f = &(*folders)[(*n_folders)++];
+            memset(f, 0, sizeof *f);
+            strcpy(f->name, d->d_name);
+        } else if (strcmp(d->d_name, ".index") == 0) { /* its block, even before its first write gives it one */
+            long long held = allocated_of(&st);
+            *total += held > block ? held : block;
+        } else {
+            *total += allocated_of(&st); /* anything else kept here */
+        }
+    }
+    closedir(dir);
+    return bad;
+}
+
+/* one subfolder's names measured: its entries appended, the rest counted */
+static int list_folder(int root_fd, folder *f, int index, entry **entries, size_t *n_entries, size_t *cap,
+                       long long *total) {
+    int fd = AGAIN(openat(root_fd, f->name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (fd < 0)
+        return 0; /* removed (or replaced) since listed: not counted, as the Python scan */
+    struct stat st;
+    if (AGAIN(fstat(fd, &st)) != 0) {
+        close(fd);
+        return 0;
+    }
+    DIR *dir = fdopendir(fd);
+    if (dir == NULL) {
+        close(fd);
+        return 0;
+    }
+    f->allocated = allocated_of(&st);
+    *total += f->allocated;
+    int bad = 0;
+    struct dirent *d;
+    while ((d = readdir(dir)) != NULL) {
+        if (dots(d->d_name) || AGAIN(fstatat(fd, d->d_name, &st, AT_SYMLINK_NOFOLLOW)) != 0)
+            continue;
+        f->names++;
+        long long held = allocated_of(&st);
+        *total += held; /* entries, markers (none), live writers' temporary files, anything else */
+        if (is_temp_name(d->d_name))
+            f->temp = 1;
+        if (is_entry_name(d->d_name)) {
+            if ((bad = room_for((void **)entries, cap, *n_entries, sizeof **entries)))
+                break;
+            entry *e = &(*entries)[(*n_entries)++];
+            e->mtime_ns = (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+            e->held = held;
+            e->folder = index;
+            memcpy(e->name, d->d_name, ENTRY_NAME + 1);
+        }
+    }
+    closedir(dir);
+    return bad;
+}
+
+int evict_entries(const char *root, long long bound, long long target, long long incoming, long long block,
+                  int hold_if_temp, evict_result *out) {
+    memset(out, 0, sizeof *out);
+    struct stat st;
+    if (AGAIN(lstat(root, &st)) == 0) /* the root's own (the Python twin's _allocated): not made yet, 0 */
+        out->total = allocated_of(&st);
+    int root_fd = AGAIN(open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (root_fd < 0)
+        return 0;
+    folder *folders = NULL;
+    entry *entries = NULL;
+    size_t n_folders = 0, n_entries = 0, cap = 0;
+    int bad = list_root(root_fd, block, &folders, &n_folders, &out->total);
+    if (n_folders > 1)
+        qsort(folders, n_folders, sizeof *folders, by_name);
+    for (size_t i = 0; bad == 0 && i < n_folders; i++)
+        bad = list_folder(root_fd, &folders[i], (int)i, &entries, &n_entries, &cap, &out->total);
+    if (bad == 0)
+        for (size_t i = 0; i < n_folders; i++)
+            if (folders[i].temp) {
+                size_t len = strlen(folders[i].name) + 1;
+                char *grown = realloc(out->temp, out->temp_len + len);
+                if (grown == NULL) {
+                    bad = -ENOMEM;
+                    break;
+                }
+                memcpy(grown + out->temp_len, folders[i].name, len);
+                out->temp = grown;
+                out->temp_len += len;
+                out->n_temp++;
+            }
+    if (bad == 0 && !(hold_if_temp && out->n_temp) && out->total + incoming > bound) {
+        qsort(entries, n_entries, sizeof *entries, older);
+        char path[sizeof folders->name + 1 + ENTRY_NAME + 1];
+        for (size_t i = 0; i < n_entries && out->total > target; i++) {
+            entry *e = &entries[i];
+            folder *f = &folders[e->folder];
+            strcpy(path, f->name);
+            strcat(path, "/");
+            strcat(path, e->name);
+            if (AGAIN(unlinkat(root_fd, path, 0)) != 0 && errno != ENOENT)
+                continue; /* a reader that opened it reads on; later ones miss */
+            out->total -= e->held;
+            out->evicted++;
+            if (--f->names == 0 && AGAIN(unlinkat(root_fd, f->name, AT_REMOVEDIR)) == 0)
+                out->total -= f->allocated; /* emptied: its block freed (a write makes it again, under the lock) */
+        }
+    }
+    free(entries);
+    free(folders);
+    close(root_fd);
+    if (bad != 0) {
+        free(out->temp);
+        out->temp = NULL;
+        out->temp_len = 0;
+        out->n_temp = 0;
+    }
+    return bad;
+}
