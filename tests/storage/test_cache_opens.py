@@ -1,7 +1,8 @@
 """Many arrays cached before, opened at once over S3 with latency: their listings go out together.
 
-A pipeline that opens more arrays at once than it has opener threads asks every one's disk cache listing
-first (``Stores.opening``), so the opens overlap in one round trip instead of one round trip per sixteen.
+A pipeline that opens more arrays at once than it has opener threads asks the disk cache listings of those
+that wait first (``Stores.opening``, on an opener thread), so the opens overlap in one round trip instead of
+one round trip per sixteen.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import zarr
 import stoker
 from stoker.bench.serve import BUCKET, BenchServer
 from stoker.storage.diskcache import disk_cache
+from stoker.storage.locate import Stores
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -84,3 +86,25 @@ def test_cached_arrays_opened_together_are_listed_in_one_round_trip(served, tmp_
     assert N_ARRAYS <= len(arrivals) <= N_ARRAYS + 3, len(arrivals)
     together = sum(t - arrivals[0] < LATENCY_S / 2 for t in arrivals)
     assert together >= N_ARRAYS, [round(t - arrivals[0], 3) for t in arrivals]
+
+
+def test_the_coordinator_asks_no_listing_of_a_burst_of_opens_itself(served, tmp_path, monkeypatch):
+    # the listings of the arrays that wait for an opener thread are asked on an opener thread, not on the
+    # coordinator before any open is handed out (before: forty Stores.opening calls, each a store look-up,
+    # a disk look-up and a request started, held up the coordinator's planning and the first opens); they
+    # still go out together, and every value equals zarr-python's
+    root, url, server = served
+    options = {f"s3://{BUCKET}/": {"endpoint": url, "region": "us-east-1", "skip_signature": True,
+                                   "allow_http": True, "timeout_s": 30.0}}
+    cfg = stoker.Config(batch_size=N_ARRAYS, dtype="native", n_compute_threads=1, pop_timeout_s=60,
+                        storage_options=options, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20)
+    _epoch(cfg, root)
+    callers: list[str] = []
+    real = Stores.opening
+    monkeypatch.setattr(Stores, "opening", lambda self, *a, **kw: callers.append(
+        threading.current_thread().name) or real(self, *a, **kw))
+    server.arrivals.clear()
+    _epoch(cfg, root)
+    assert callers and not [name for name in callers if name == "stoker-coordinator"], callers
+    arrivals = sorted(server.arrivals)
+    assert sum(t - arrivals[0] < LATENCY_S / 2 for t in arrivals) >= N_ARRAYS

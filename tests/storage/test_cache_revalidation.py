@@ -688,3 +688,47 @@ def test_markers_found_on_disk_are_remembered_up_to_a_bound(data, tmp_path, monk
             assert len(looked) >= 16 + 16 - bound, len(looked)  # those past the bound looked up again
     finally:
         server.stop()
+
+
+def test_a_forgotten_folder_inside_a_listed_array_is_not_taught_by_its_listing(s3, data, tmp_path, monkeypatch):
+    # the array's listing is asked (its answer held back: the old ETags), a chunk rewritten, then the folder
+    # of that chunk forgotten (forget of a prefix below the listed array): the listing's answer, which
+    # predates the forget, must not teach that chunk's old generation (before: only listings at or below
+    # the forgotten prefix were dropped, so the array's listing taught it and the old bytes were served
+    # from disk), and the array no longer counts as listed whole
+    prefix, uri, options, kv = _warm(s3, data, tmp_path)
+    pages = _HeldPages(kv, monkeypatch)
+    kv.forget()
+    kv.opened(f"{prefix}/plain")  # the listing: the old ETags, its answer held back
+    _write(data, 7)
+    s3.upload(read_tree(data), prefix)  # rewritten
+    kv.forget(f"{prefix}/plain/c/0")
+    assert not kv.listed(f"{prefix}/plain")
+    pages.asked[0][0].result(timeout=10)
+    pages.release(0)  # the listing's answer comes now
+    keys = [f"{prefix}/plain/c/0/{j}" for j in range(4)]
+    got = kv.get_many(keys, [])[0]
+    assert [bytes(v) for v in got] == [read_tree(data)[k.split("/", 1)[1]] for k in keys]  # the new bytes
+    assert kv.counters.revalidations == 4, kv.counters  # each asked by a HEAD
+
+
+def test_the_keys_a_wrapper_marked_are_remembered_up_to_a_bound(data, tmp_path, monkeypatch):
+    # a wrapper remembers the keys whose marker it wrote (so a key kept again is not marked again), but at
+    # most MARKERS_FOUND of them (before: every key ever written stayed remembered, without bound); every
+    # key is still marked, so a new wrapper revalidates each by a HEAD and serves it from disk
+    monkeypatch.setattr(cachingstore, "MARKERS_FOUND", 4)
+    server = RangeServer(data)
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        kv = _caching(stoker.open_array(f"{server.url}/plain", options, stores=Stores()))
+        keys = [f"plain/c/{i}/{j}" for i in range(4) for j in range(4)]
+        want = [read_tree(data)[k] for k in keys]
+        for key in keys:
+            assert bytes(kv.get_many([key], [])[0][0]) == read_tree(data)[key]
+        assert len(kv._marked) <= 4, len(kv._marked)
+        assert kv.cache.flush(30)
+        again = cachingstore.CachingStore(kv.store, kv.cache)
+        assert [bytes(v) for v in again.get_many(keys, [])[0]] == want
+        assert again.counters.revalidations == 16 and again.counters.hits == 16, again.counters
+    finally:
+        server.stop()

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 
 import crc32c
 import pytest
 
+from stoker.storage import diskcache
 from stoker.storage.diskcache import HEADER, MAGIC, DiskCache, FolderUsage, folder_usage, running_total
 
 pytestmark = pytest.mark.timeout(120)
@@ -132,3 +134,26 @@ def test_a_folder_an_older_stoker_left_is_brought_within_the_bound(tmp_path):
     assert kept and all(bytes(cache.get(f"old {i}")) == b"o" * 300 for i in kept)
     markers = [i for i in range(0, 80, 2) if cache.path(f"s3://bkt\nk{i}\nkept").exists()]
     assert all(cache.has(f"s3://bkt\nk{i}\nkept") for i in markers)
+
+
+def test_a_marker_found_is_not_looked_up_again_for_a_while(tmp_path, monkeypatch):
+    # a pipeline opening hundreds of arrays asks for their markers: one found (or queued) a moment ago is taken
+    # as there without a system call (before: each ask touched the file, which gave the GIL up on the opener
+    # threads and waited for it back); it is looked at, and touched for the LRU, again once SEEN_S passed
+    ident = "s3://bkt\nc/0/1\nkept"
+    cache = DiskCache(str(tmp_path / "c"), 1 << 20)
+    cache.mark(ident)
+    assert cache.has(ident)  # queued: found before the writer made it
+    assert cache.flush(10)
+    other = DiskCache(str(tmp_path / "c"), 1 << 20)  # another process's view: nothing remembered
+    path = other.path(ident)
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    assert other.has(ident) and os.lstat(path).st_mtime > old + 3000  # looked at, touched
+    os.utime(path, (old, old))
+    assert other.has(ident) and os.lstat(path).st_mtime == old  # remembered: not looked at again
+    assert not other.has("s3://bkt\nc/0/2\nkept")
+    monkeypatch.setattr(diskcache, "SEEN_S", 0.0)
+    assert other.has(ident) and os.lstat(path).st_mtime > old + 3000  # SEEN_S passed: touched again
+    os.unlink(path)
+    assert not other.has(ident)  # evicted meanwhile: looked at, gone

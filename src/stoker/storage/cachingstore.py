@@ -92,7 +92,8 @@ class CachingStore:
         self.read_files = read_files  # how hits are read (see DiskCache.get_many; None: in Python)
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
-        self._marked: set[str] = set()  # keys (and opened prefixes, with their "/") whose marker this wrapper wrote
+        # keys (and opened prefixes, with their "/") whose marker this wrapper wrote (MARKERS_FOUND at most)
+        self._marked: set[str] = set()
         self._found: set[str] = set()  # keys whose marker was found on disk (see _has_marker; MARKERS_FOUND at most)
         self._opened: set[str] = set()  # prefixes of the arrays opened (see opened)
         self._listings: dict[str, _Listing] = {}  # prefix -> its newest listing
@@ -114,7 +115,9 @@ class CachingStore:
     def forget(self, prefix: str | None = None) -> None:
         """Drop every generation learnt and every listing: the next read of each key revalidates it. With
         ``prefix`` (the array at ``prefix`` is opened again: what ``open_array`` calls), only what was learnt
-        under it. Listings and HEADs in flight are not learnt when they answer (they may predate a rewrite).
+        under it, and the listings of the folders above it (so a folder inside a listed array is revalidated
+        by HEAD, not by what that array's listing says or has yet to say). Listings and HEADs in flight are
+        not learnt when they answer (they may predate a rewrite).
 
         >>> kv.forget("g.zarr/a")   # keys under g.zarr/a/ revalidated by their next read (or the next opened)
         """
@@ -128,6 +131,11 @@ class CachingStore:
                         del names[key]
                 for folder in [p for p in self._listings if p == prefix or p.startswith(under)]:
                     del self._listings[folder]  # its pages in flight are not learnt (see _listed)
+                # listings of folders above (an array's, ``prefix`` a folder in it): their pages to come would
+                # teach keys under ``prefix`` as of before now, and a key under it they do not name would
+                # count as missing; dropped, so those keys are revalidated by HEAD (what they taught stays)
+                while under and (above := self._listing_of(under)) is not None:
+                    del self._listings[above.prefix]
             return
         with self._lock:
             self._forgot = {"": time.monotonic()}
@@ -711,6 +719,8 @@ class CachingStore:
         self.cache.put(_ident(self.uri, key, start, length, gen), data)
         with self._lock:
             marked = key in self._marked
+            if not marked and len(self._marked) >= MARKERS_FOUND:
+                self._marked.clear()  # bounded as _found is: a key marked again costs a look-up in memory
             self._marked.add(key)
             folder = self._opened_of(key)  # whether or not the key was marked (before its array was opened)
             if folder is not None and folder in self._marked:
@@ -789,7 +799,8 @@ class CachingStore:
 
 #: The documents of an array that :meth:`CachingStore.get` keeps on disk, revalidated by its array's listing.
 DOCUMENTS = frozenset({"zarr.json", ".zarray", ".zattrs"})
-#: Keys whose marker a :class:`CachingStore` remembers finding on disk (one look-up a key); past it, forgotten.
+#: Keys whose marker a :class:`CachingStore` remembers finding on disk (one look-up a key), and those it
+#: remembers marking (one marker written a key); past it, forgotten.
 MARKERS_FOUND = 1 << 16
 #: Keys one page of a listing names (S3's most).
 LIST_PAGE = 1000

@@ -27,7 +27,8 @@ is never served) and the bytes. Rules that make one folder safe for many process
 - **Markers are empty files** (:meth:`DiskCache.mark`): a name that only says "something was kept" (what
   :class:`~stoker.storage.cachingstore.CachingStore` asks before a HEAD) takes no block, only a name in its
   subfolder (counted as the subfolder grows). :meth:`DiskCache.has` looks at either kind; a marker of an
-  older stoker (a full entry with no payload) is still one.
+  older stoker (a full entry with no payload) is still one. What ``has`` found or ``mark`` queued is
+  remembered for :data:`SEEN_S` (no look on disk, no mark queued again; its mtime refreshed that often).
 - **Eviction never breaks a read**: it unlinks; a reader that opened the file keeps reading it, one that
   comes after finds no entry (a miss).
 - **Corruption is a miss**: a short file, a bad header or a checksum mismatch is removed and reported as
@@ -98,6 +99,11 @@ READ_THREADS = 4
 CACHE_DIR_ENV = "STOKER_CACHE_DIR"
 #: The bound of a cache whose folder is given without ``cache_bytes``.
 DEFAULT_CACHE_BYTES = 10 << 30
+#: How long what :meth:`DiskCache.has` found (or :meth:`DiskCache.mark` queued) is taken as still there without
+#: a look on disk, and so how stale its mtime (the LRU's clock) may grow.
+SEEN_S = 60.0
+#: Idents a :class:`DiskCache` remembers so, at most; past it, forgotten all at once.
+SEEN_IDENTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,7 @@ class DiskCache:
         self._thread: threading.Thread | None = None
         self._readers: DaemonPool | None = None
         self._block = 0  # the file system's allocation unit (statvfs f_frsize), learnt at the first write
+        self._seen: dict[str, float] = {}  # ident -> when has() found it or mark() queued it (monotonic; see has)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -164,15 +171,32 @@ class DiskCache:
         return f"{self._root}/{name[:2]}/{name}"
 
     def has(self, ident: str) -> bool:
-        """Whether an entry is stored under ``ident`` (its bytes unread and unchecked); a use for the LRU."""
-        path = self.path(ident)
+        """Whether an entry is stored under ``ident`` (its bytes unread and unchecked); a use for the LRU. One
+        found (or queued by :meth:`mark`) less than :data:`SEEN_S` ago is taken as still there without a look
+        on disk: a pipeline opening hundreds of arrays asks for their markers on its opener threads, where a
+        system call gives the GIL up and waits for it back. So its mtime, the LRU's clock, is refreshed at most
+        every :data:`SEEN_S` (and one evicted meanwhile costs its key a revalidation request, no wrong read)."""
+        now = time.monotonic()
+        seen = self._seen.get(ident)
+        if seen is not None and now - seen < SEEN_S:
+            return True
+        path = self._path(ident)
         try:
             os.utime(path, follow_symlinks=False)
-            return True
         except FileNotFoundError:
             return False
         except OSError:  # a read-only folder: only look
-            return os.path.lexists(path)
+            if not os.path.lexists(path):
+                return False
+        self._saw(ident, now)
+        return True
+
+    def _saw(self, ident: str, now: float) -> None:
+        """Remember ``ident`` as on disk (or queued) as of ``now`` (:data:`SEEN_IDENTS` at most, then all forgotten)."""
+        seen = self._seen
+        if len(seen) >= SEEN_IDENTS and ident not in seen:
+            seen.clear()
+        seen[ident] = now
 
     def entry_file(self, ident: str) -> tuple[bytes, bytes] | None:
         """``(path, ident)`` of the entry stored under ``ident``, both encoded: what the compiled engine reads
@@ -285,8 +309,14 @@ class DiskCache:
         >>> cache.mark("s3://bkt\nc/0/1\nkept"); cache.flush(); cache.has("s3://bkt\nc/0/1\nkept")
         True
         """
-        if self.writable:
-            self._enqueue(ident, None, len(ident))  # its queue cost: the ident it holds
+        if not self.writable:
+            return
+        now = time.monotonic()
+        seen = self._seen.get(ident)
+        if seen is not None and now - seen < SEEN_S:
+            return  # there, or queued, a moment ago: not queued again (every pipeline marks what it keeps)
+        self._enqueue(ident, None, len(ident))  # its queue cost: the ident it holds
+        self._saw(ident, now)  # has() finds it while queued, before the writer made it
 
     def _enqueue(self, ident: str, data: bytes | None, n: int) -> None:
         with self._cond:

@@ -183,8 +183,9 @@ class Coordinator:
         """The opens of the remote arrays among ``uris`` started on the opener threads (at most ``_OPEN_AT_ONCE``,
         kept: a thread started per open costs more than an open from the disk cache), each ``(uri, future)``;
         an open in flight already is shared. A future's result is the open's error, or None. Where more wait
-        than there are threads, their disk cache listings (which revalidate their zarr.json too) are all
-        asked first (:meth:`Stores.opening <stoker.storage.locate.Stores.opening>`), so the opens overlap."""
+        than there are threads, the disk cache listings (which revalidate their zarr.json too) of those that
+        wait are asked first, on an opener thread (:meth:`_list_ahead`), so the opens overlap; the
+        coordinator, which goes on planning, asks none itself, nor do the first opens wait for them."""
         flights, new = [], []
         with self._opening_lock:
             for u in uris:
@@ -195,17 +196,24 @@ class Coordinator:
                     f = self._opening[u] = concurrent.futures.Future()
                     new.append((u, f))
                 flights.append((u, f))
-        if len(new) > _OPEN_AT_ONCE:
-            for u, _ in new:
-                self.stores.opening(u, options_for(self.cfg.storage_options, u))
-        for u, f in new:
+        waiting = [u for u, _ in new[_OPEN_AT_ONCE - 1:]]  # past the threads left once one lists them
+        jobs = ([(self._list_ahead, waiting)] if len(new) > _OPEN_AT_ONCE else []) + \
+            [(self._try_open, u, f) for u, f in new]
+        for fn, *args in jobs:
             try:
                 if self._openers is None:
                     self._openers = DaemonPool(_OPEN_AT_ONCE, "stoker-open", knob="n_io_threads")
-                self._openers.submit(self._try_open, u, f)
+                self._openers.submit(fn, *args)
             except BaseException as exc:  # noqa: BLE001 - no thread given, or closed: the open's error
-                self._opened(u, f, exc)
+                if fn == self._try_open:
+                    self._opened(*args, exc)
         return flights
+
+    def _list_ahead(self, uris: list[str]) -> None:
+        """The disk cache listings of ``uris`` asked, without waiting (:meth:`Stores.opening
+        <stoker.storage.locate.Stores.opening>`): arrays whose opens wait for an opener thread."""
+        for u in uris:
+            self.stores.opening(u, options_for(self.cfg.storage_options, u))
 
     def _try_open(self, uri: str, done: concurrent.futures.Future) -> None:
         error = None
