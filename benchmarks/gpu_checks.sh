@@ -124,7 +124,7 @@ fi
 # -- issue 48: the CPU path from 2 to 16 threads ----------------------------------------------------------
 if wanted threads; then
     step bench-threads 170 "$PY" -m stoker bench --scenarios 1,6,8 --threads 2,4,8,16 --peers stoker --rounds 2 \
-        --data "$DATA" --json "$OUT_DIR/bench-threads.json"
+        --thread-cpu --data "$DATA" --json "$OUT_DIR/bench-threads.json"
 fi
 
 echo "== summary ($((SECONDS - START))s in all; logs in $OUT_DIR)"

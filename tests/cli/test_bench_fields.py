@@ -36,7 +36,7 @@ def test_bench_tiny_fields_scenarios(tmp_path, capsys):
     assert len(re.findall(r"^stoker per batch: \d+\.\d+ ms CPU", out, re.M)) == 2, out
 
 
-@pytest.mark.parametrize("argv", [["--store", "http"], ["--device", "cuda"], ["--threads", "2"]])
+@pytest.mark.parametrize("argv", [["--store", "http"], ["--device", "cuda"], ["--threads", "2"], ["--thread-cpu"]])
 def test_bench_fields_refuses_options_they_do_not_take(tmp_path, capsys, argv):
     assert main(["bench", "--tiny", "--scenarios", "11", *argv, "--data", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -92,7 +92,8 @@ def peer_record(r: Any) -> dict[str, Any]:
                                            r.extra.get("gc_s", 0.0))
     if stats is not None and r.extra.get("batches") and hasattr(stats, "workers"):
         out["workers"] = worker_breakdown(stats, r.extra["batches"], r.seconds)
-    for key in ("first_batch_s", "host_buffer_bytes", "pinned_bytes", "requests_per_batch", "bytes_per_batch"):
+    for key in ("first_batch_s", "host_buffer_bytes", "pinned_bytes", "requests_per_batch", "bytes_per_batch",
+                "thread_cpu"):
         if key in r.extra:
             out[key] = r.extra[key]
     alone = r.extra.get("alone")

@@ -46,6 +46,7 @@ from .datasets import VolumeSpec, compression_ratio, ensure, warm_page_cache
 from .epochs import (CACHE_BYTES, LOCAL, LOCAL_SAME, SAME, cache_peak_line, epoch_peers, epochs_note, hit_rate,
                      same_pipeline_peers, second_epoch_lines, tensorstore_epoch_peers, zarr_epoch_peers)
 from .remote import Remote, ZarrOpener
+from .threadcpu import ThreadCPU
 from ..dist.telemetry import host_rss_bytes as rss_bytes
 
 
@@ -311,10 +312,12 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
     over the same crops again, then the clock); ``extra["first_epoch_s"]``: the first epoch's wall time and
     ``between``'s (how old what the first epoch learnt is as the second starts)."""
     marks: list[tuple[float, float]] = []  # (process CPU time, collections) as the clock starts and stops
+    thread_cpu = ThreadCPU()  # each thread's CPU in the window, by role (--thread-cpu)
 
     def sync() -> None:
         mark()
         marks.append((time.process_time(), collections.seconds))
+        thread_cpu.mark()
 
     consume = Consumer(step_s)
     config = stoker_config(batch_size, host_buffer_bytes, threads=threads, storage_options=storage_options,
@@ -329,9 +332,14 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
         stats = p.stats()
     crop = int(np.prod(samples[0].shape))
     name = "stoker" if threads is None else f"stoker t={threads}"
+    on_cpu = [w.on_cpu for w in stats.workers]  # the compiled engine's threads (none without it)
+    if between is not None:
+        on_cpu = [None]  # the engine's counts span both epochs: not this window's
     result = Result(name, seconds, n * batch_size, n * batch_size * crop * itemsize, rss.peak,
                     {"stats": stats, "first_batch_s": first, "batches": n,
-                     "cpu_s": marks[-1][0] - marks[0][0] - consume.step_cpu_s, "gc_s": marks[-1][1] - marks[0][1]})
+                     "cpu_s": marks[-1][0] - marks[0][0] - consume.step_cpu_s, "gc_s": marks[-1][1] - marks[0][1],
+                     "thread_cpu": thread_cpu.per_batch(n, None if None in on_cpu else sum(on_cpu),
+                                                        consume.step_cpu_s)})
     if between is not None:
         result.extra["first_epoch_s"] = first_epoch_s
     return result

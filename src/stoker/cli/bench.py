@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         if threads:
             raise InvalidArgument("--threads sweeps the CPU pipeline; run it without --device cuda")
+        if args.thread_cpu:
+            raise InvalidArgument("--thread-cpu measures the CPU pipeline's threads; run it without --device cuda")
         if args.step_ms is not None:
             raise InvalidArgument("--step-ms runs with the CPU pipeline; run it without --device cuda")
         from ..bench.device import cuda_or_exit, format_device_results, run_device_scenario
@@ -134,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
                                      growth=sc.number == 6, rounds=rounds, threads=threads, step_ms=args.step_ms)
         ratio = dataset_ratio(root, sc)
         print(format_results(sc, results, n_batches, batch_size, step, ratio), flush=True)
+        _print_thread_cpu(args, results)
         records.append(report.scenario_record(sc, results, n_batches, batch_size, step.seconds if step else None,
                                               ratio))
         _keep(args, records, "cpu", f"stoker bench on {os.cpu_count()} cores")
@@ -145,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
 def _fields_refused(args: argparse.Namespace) -> list[str]:
     """The options given that scenarios 11 and 12 do not take."""
     return [flag for flag, value in (("--store", args.store), ("--device cuda", args.device == "cuda"),
-                                     ("--threads", args.threads), ("--step-ms", args.step_ms),
+                                     ("--threads", args.threads), ("--thread-cpu", args.thread_cpu),
+                                     ("--step-ms", args.step_ms),
                                      ("--batch-size", args.batch_size),
                                      ("--host-buffer-bytes", args.host_buffer_bytes)) if value]
 
@@ -209,6 +213,7 @@ def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: P
                                              cache_staleness_s=args.cache_staleness_s)
                 ratio = dataset_ratio(root, sc)
                 print(format_results(sc, results, n_batches, batch_size, step, ratio), flush=True)
+                _print_thread_cpu(args, results)
                 records.append(report.scenario_record(sc, results, n_batches, batch_size,
                                                       step.seconds if step else None, ratio))
                 records[-1]["latency_ms"] = latency
@@ -216,6 +221,14 @@ def _run_remote(args: argparse.Namespace, chosen: list, peers: set[str], root: P
                                             f"{','.join(f'{t:g}' for t in args.latency_ms or (0.0,))} on "
                                             f"{os.cpu_count()} cores")
     return 0
+
+
+def _print_thread_cpu(args: argparse.Namespace, results: list) -> None:
+    """With --thread-cpu: each stoker peer's CPU per batch by thread (:mod:`stoker.bench.threadcpu`)."""
+    if args.thread_cpu:
+        from ..bench.threadcpu import thread_cpu_table
+
+        print("\n".join(thread_cpu_table(results)), flush=True)
 
 
 def _keep(args: argparse.Namespace, records: list[dict], device: str, title: str) -> None:
@@ -256,6 +269,10 @@ def add_parser(sub) -> None:
                         "(default 3; 1 with --tiny)")
     p.add_argument("--threads", type=_positive_ints, help="comma-separated compute thread counts: a stoker peer "
                                                           "for each, beside the default one (a thread sweep)")
+    p.add_argument("--thread-cpu", action="store_true",
+                   help="also print each stoker peer's CPU per batch by thread: coordinator, finisher, consumer, "
+                        "Python pools, the compiled engine's threads, the rest; and the serial part (the Python "
+                        "threads, which share the GIL) with the samples/s it allows (CPU pipeline)")
     p.add_argument("--batch-size", type=_positive_int, default=None,
                    help="samples per batch in every scenario (default: per scenario, 8 unless it says)")
     p.add_argument("--step-ms", type=_step_ms, default=None,

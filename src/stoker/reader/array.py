@@ -133,7 +133,10 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
         if shared is not None:  # another array's document holds the same bytes
             meta = renamed(shared[1], uri)
         else:
-            meta = _v3(parse_json(got[0], uri, "zarr.json"), uri)
+            # the document kept with its parse: its attributes and dimension names are read from it
+            # (stoker.reader.coords; a pipeline asks for them at each open), not from the file again
+            parsed = parse_json(got[0], uri, "zarr.json")
+            meta = with_document(_v3(parsed, uri), parsed)
             metacache.share_parse("zarr.json", got[0], None, meta)
         metacache.keep(doc_path, uri, before, got[1], meta, len(got[0]))
         return meta

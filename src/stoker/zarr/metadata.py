@@ -43,8 +43,8 @@ class ArrayMetadata:
     key_encoding: ChunkKeyEncoding
     codec: ChunkCodec  # decodes one read chunk
     sharding: ShardingSpec | None = None
-    #: the v3 ``zarr.json`` it was parsed from, where a store's read kept it (its attributes and dimension
-    #: names are then read from it, not requested again: stoker.reader.coords); read-only, never compared
+    #: the v3 ``zarr.json`` it was parsed from, kept by the read (of a local file or a store's: its attributes
+    #: and dimension names are then read from it, not again: stoker.reader.coords); read-only, never compared
     document: dict | None = field(default=None, compare=False, repr=False)
 
     @property

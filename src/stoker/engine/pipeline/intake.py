@@ -35,8 +35,8 @@ Staged = tuple[Sample, int, tuple[int, int]]
 
 
 class Received(NamedTuple):
-    """What the consumer has popped: batches, samples, and samples per source id (a dict never changed after
-    it is made: a new record replaces the whole)."""
+    """What the consumer has popped: batches, samples, and samples per resumable source's id (a dict never
+    changed after it is made: a new record replaces the whole)."""
 
     batches: int = 0
     samples: int = 0
@@ -222,9 +222,15 @@ class Intake:
         """Under the condition: the consumer got a batch of these samples. One store changes what was
         received: an interrupt lands before it (nothing counted) or after it (all of it)."""
         r = self.received
-        per_source = dict(r.per_source)
-        for sid, n in collections.Counter(source_ids).items():
-            per_source[sid] = per_source.get(sid, 0) + n
+        per_source = r.per_source
+        resumable = self._resumable
+        # only resumable sources' counts are kept (state_dict reports their positions): a pipeline fed a push
+        # per step would otherwise copy a record of every push it ever had at every pop, and keep it
+        for sid in source_ids:
+            if sid in resumable:
+                if per_source is r.per_source:
+                    per_source = dict(per_source)
+                per_source[sid] = per_source.get(sid, 0) + 1
         self.received = Received(r.batches + 1, r.samples + rows, per_source)
 
     def received_now(self) -> Received:
