@@ -22,7 +22,10 @@ Zarr array of the volume's shape (``--chunks``) with zarr-python:
 
 The output is zarr-python's default for a v3 float32 array (``bytes`` + ``zstd`` level 0, what
 ``zarr.create_array`` makes when a user names no codec, and what ``TileWriter`` makes); its encoding is
-most of every peer's CPU. ``--codec none`` is a second, labelled row: every peer's output without a
+most of every peer's CPU. The input (``--data``) is uniform 12-bit noise by default, the worst case for
+the compressor; ``--data smooth`` is a labelled row of a seeded microscopy-like volume (blobs on a smooth
+background, with shot noise), whose output compresses as real predictions do, far better than noise.
+``--codec none`` is a second, labelled row: every peer's output without a
 compressor (stoker's array made first, then opened by the writer), which leaves the tiling, the blend and
 the storing.
 
@@ -57,9 +60,31 @@ import stoker
 BLENDS = ("none", "hann")
 
 
-def make_volume(path: Path, shape: tuple[int, ...], chunks: tuple[int, ...]) -> str:
+DATA = ("noise", "smooth")
+
+
+def volume_data(kind: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The input volume, seeded: ``noise``, uniform 12-bit noise (the first rows' data: the worst case for
+    a compressor); ``smooth``, microscopy-like, what a real prediction's smoothness is closer to: bright
+    blobs (sparse seeds blurred, sigma 3 voxels) on a slowly varying background (coarse noise blurred and
+    interpolated 8x), with shot noise on top (normal, half the square root of the signal), 12-bit."""
+    rng = np.random.default_rng(0)
+    if kind == "noise":
+        return rng.integers(0, 4096, shape, dtype=np.uint16)
+    from scipy.ndimage import gaussian_filter, zoom
+
+    blobs = gaussian_filter((rng.random(shape) < 2e-4).astype(np.float32), sigma=3, truncate=3)
+    coarse = gaussian_filter(rng.random(tuple(-(-n // 8) + 1 for n in shape), dtype=np.float32), sigma=2)
+    background = zoom(coarse, 8, order=1)[tuple(slice(0, n) for n in shape)]  # smooth over ~16 voxels
+    background -= background.min()
+    signal = 100 + 400 * background / max(float(background.max()), 1e-12) + 3000 * blobs / max(float(blobs.max()), 1e-12)
+    noisy = signal + rng.normal(0, 1, shape).astype(np.float32) * np.sqrt(signal) / 2  # 4 photons a grey level
+    return np.clip(np.rint(noisy), 0, 4095).astype(np.uint16)
+
+
+def make_volume(path: Path, shape: tuple[int, ...], chunks: tuple[int, ...], kind: str = "noise") -> str:
     z = zarr.create_array(str(path), shape=shape, chunks=chunks, dtype="uint16")
-    z[:] = np.random.default_rng(0).integers(0, 4096, shape, dtype=np.uint16)
+    z[:] = volume_data(kind, shape)
     return str(path)
 
 
@@ -262,6 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the output's compressor, the same for every peer: zstd (zarr-python's default for a v3 "
                         "float32 array: bytes + zstd level 0) or none (no compressor: what is left is the tiling, "
                         "blending and storing)")
+    p.add_argument("--data", choices=DATA, default="noise",
+                   help="the input volume, the same for every peer: noise (uniform 12-bit) or smooth "
+                        "(microscopy-like blobs and background with shot noise; see volume_data)")
     p.add_argument("--blends", nargs="+", choices=BLENDS, default=list(BLENDS))
     p.add_argument("--peers", nargs="+", choices=list(PEERS), default=["stoker", "monai", "torchio"])
     p.add_argument("--extra-path", action="append", default=[],
@@ -275,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(a.threads)
     peers, missing = available(a.peers)
     root = Path(a.dir or tempfile.mkdtemp(prefix="stoker-tiles-"))
-    src = make_volume(root / "in.zarr", tuple(a.shape), tuple(a.chunks))
+    src = make_volume(root / "in.zarr", tuple(a.shape), tuple(a.chunks), a.data)
     times: dict[str, dict[str, list[float]]] = {b: {peer: [] for peer in peers} for b in a.blends}
     cpu: dict[str, dict[str, list[float]]] = {b: {peer: [] for peer in peers} for b in a.blends}
     load = [os.getloadavg()[0]]
@@ -302,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
             shutil.rmtree(root, ignore_errors=True)
     voxels = int(np.prod(a.shape))
     result: dict = {"shape": a.shape, "tile": a.tile, "crop": a.crop, "chunks": a.chunks, "dtype": "uint16",
-                    "codec": a.codec,
+                    "data": a.data, "codec": a.codec,
                     "batch_size": a.batch_size, "threads": a.threads, "write_threads": a.write_threads, "rounds": a.rounds, "cpus": os.cpu_count(),
                     "load_1min": [round(x, 2) for x in load], "missing": missing, "blends": {},
                     "components_cpu_s": parts}
@@ -318,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
                         if peer != "stoker" and "stoker" in med},
             "cpu_ratio": {f"stoker_vs_{peer}": round(v / med_cpu["stoker"], 2) for peer, v in med_cpu.items()
                           if peer != "stoker" and "stoker" in med_cpu}}
-    print(f"{a.shape} uint16, tiles {a.tile}, crop {a.crop}, chunks {a.chunks}, codec {a.codec}, "
+    print(f"{a.shape} uint16 {a.data}, tiles {a.tile}, crop {a.crop}, chunks {a.chunks}, codec {a.codec}, "
           f"{a.rounds} interleaved rounds, "
           f"{os.cpu_count()} CPUs, 1-min load {result['load_1min']}" + (f"; missing: {missing}" if missing else ""))
     for blend, r in result["blends"].items():

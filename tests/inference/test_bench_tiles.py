@@ -74,3 +74,28 @@ def test_codec_none_writes_every_peers_output_without_a_compressor(bench, tmp_pa
             bench.check(src, out, peer, "none")
             names = [type(c).__name__ for c in zarr.open_array(out, mode="r").compressors]
             assert names == (["ZstdCodec"] if codec == "zstd" else []), (peer, codec, names)
+
+
+def test_smooth_data_is_a_seeded_microscopy_like_volume_every_peer_gets(bench, tmp_path):
+    """``--data smooth``: the same volume every time (seeded), 12-bit, far smoother than the noise row's
+    and so far more compressible (as real predictions are); the run checks every peer's output on it and
+    names the data in its result."""
+    import numcodecs
+    import numpy as np
+
+    shape = (24, 40, 36)
+    smooth, again, noise = (bench.volume_data("smooth", shape), bench.volume_data("smooth", shape),
+                            bench.volume_data("noise", shape))
+    np.testing.assert_array_equal(smooth, again)
+    assert smooth.dtype == np.uint16 and smooth.max() <= 4095 and smooth.std() > 20  # structure, not a constant
+    step = [np.abs(np.diff(v.astype(float), axis=2)).mean() for v in (smooth, noise)]
+    assert step[0] < step[1] / 10
+    size = [len(numcodecs.Zstd(level=0).encode(np.ascontiguousarray(v.astype(np.float32)))) for v in (smooth, noise)]
+    assert size[0] < size[1] * 0.8
+    peers = ["stoker", "monai"] if importlib.util.find_spec("monai") else ["stoker"]
+    result = bench.main(["--shape", "20", "36", "30", "--tile", "16", "16", "16", "--crop", "4", "--chunks", "8",
+                         "16", "16", "--rounds", "1", "--batch-size", "3", "--threads", "1", "--data", "smooth",
+                         "--peers", *peers, "--dir", str(tmp_path)])
+    assert result["data"] == "smooth" and set(result["blends"]["hann"]["median_s"]) == set(peers)
+    written = zarr.open_array(str(tmp_path / "in.zarr"), mode="r")[:]
+    np.testing.assert_array_equal(written, bench.volume_data("smooth", (20, 36, 30)))

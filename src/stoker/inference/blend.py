@@ -93,6 +93,25 @@ def subtract(box: Box, others: Sequence[Box]) -> list[Box]:
     return pieces
 
 
+def coverage(boxes: Sequence[Box]) -> tuple[list[tuple[int, Box]], list[Box]]:
+    """The union of ``boxes`` as disjoint pieces: those covered by one box only (with that box's index),
+    and those covered by two or more.
+
+    A weighted blend of one prediction is that prediction, so only the second kind needs weights:
+
+    >>> coverage([((0, 4), (0, 4)), ((2, 6), (0, 4))])
+    ([(0, ((0, 2), (0, 4))), (1, ((4, 6), (0, 4)))], [((2, 4), (0, 4))])
+    """
+    once = [(i, piece) for i, b in enumerate(boxes)
+            for piece in subtract(b, [o for j, o in enumerate(boxes) if j != i])]
+    several: list[Box] = []
+    for i, j in itertools.combinations(range(len(boxes)), 2):
+        both = intersect(boxes[i], boxes[j])
+        if all(a < b for a, b in both):
+            several += subtract(both, several)
+    return once, several
+
+
 def local(box: Box, origin: Box) -> tuple[slice, ...]:
     """``box`` as slices relative to ``origin``'s start."""
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))

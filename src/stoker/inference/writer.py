@@ -17,9 +17,10 @@ How the work is split (see docs/inference.md):
   and one ``all_gather_object`` hands every rank the parts of the regions it owns.
 - A rank keeps what each region it owns has received until the region is finished: the value of the
   earliest tile covering each voxel (``none``: the tile whose output box starts first, so the result is
-  independent of order), or the parts themselves (``linear``, ``hann``: copies, blended into float64 sums
-  on a write thread when the region is finished; folded into the sums on arrival instead once they would
-  outgrow them). Written regions' buffers serve the next ones, and a closed writer's the next writer's
+  independent of order), or the parts themselves (``linear``, ``hann``: copies, blended on a write thread
+  when the region is finished: a voxel one part covers is that part's value, and only where parts overlap
+  are weights multiplied and summed, in float64; folded into float64 sums of the whole region on arrival
+  instead once they would outgrow them). Written regions' buffers serve the next ones, and a closed writer's the next writer's
   (:mod:`.buffers`, at most ``SPARE_BYTES`` kept by the process).
   With ``grid=`` the writer knows how many tiles touch each region and writes a region as soon as all
   of them arrived; memory is then the regions in flight. Without it every region waits for ``close()``.
@@ -31,7 +32,8 @@ How the work is split (see docs/inference.md):
   most ``write_bytes``, each counted as what it holds when handed over (its values, or its parts or
   float64 sums; one region is always let through, whatever its size; ``write()`` blocks for room). On top
   of that, each write thread takes for the region it writes its output in ``dtype`` and, for a weighted
-  region that kept its parts, float64 sums and a float64 scratch (from the recycled buffers). A failed
+  region whose parts overlap, float64 sums, products and sums of weights of the overlaps (each at most the
+  region's size, from the recycled buffers). A failed
   write is raised at the next ``write()`` or at ``close()``, and ``close()`` waits for the writes
   (``write_timeout_s`` bounds every wait). ``write_threads=0`` writes on the caller's thread. Whole chunks
   are encoded on the write threads and stored through zarr-python's store API where the layout allows
@@ -51,7 +53,7 @@ from ..errors import InvalidArgument
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
-from .blend import BLENDS, Box, intersect, local, output_box, region_box, regions_of, subtract, weights
+from .blend import BLENDS, Box, coverage, intersect, local, output_box, region_box, regions_of, subtract, weights
 from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
 from .record import CompletionRecord
@@ -68,12 +70,12 @@ class _Region:
     """What one owned region has received so far.
 
     ``none``: the values placed, in the output's dtype. ``linear``/``hann``: the weighted parts themselves
-    (copies, into recycled buffers handed back once summed: the batch goes back to the pipeline), summed
-    only when the region is finished, on a write
-    thread into float64 sums taken from the pool; a region's parts are folded into sums of its own as soon
-    as they would hold more memory than the sums (tiles overlapping many times), and later parts are added
-    to the sums as they come. So the caller's thread copies each part once, and most float64 sums are
-    recycled memory (a fresh region-sized array faults in page by page: see :mod:`.buffers`)."""
+    (copies, into recycled buffers handed back once blended: the batch goes back to the pipeline), blended
+    only when the region is finished, on a write thread (:meth:`blend_parts`: copied where one part covers,
+    weighted float64 sums where parts overlap); a region's parts are folded into float64 sums of its own
+    as soon as they would hold more memory than the sums (tiles overlapping many times), and later parts
+    are added to the sums as they come. So the caller's thread copies each part once, and the float64
+    buffers are recycled memory (a fresh region-sized array faults in page by page: see :mod:`.buffers`)."""
 
     def __init__(self, box: Box, channels: tuple[int, ...], blend: str, dtype: np.dtype, pool: BufferPool) -> None:
         self.box = box
@@ -122,6 +124,55 @@ class _Region:
             self._accumulate(where, w, values, scratch)
             pool.give(values)  # summed: the next parts' copies
         self.parts, self.parts_bytes = [], 0
+
+    def blend_parts(self, out: np.ndarray, fill: np.ndarray, pool: BufferPool) -> list[np.ndarray]:
+        """Blend the parts kept into ``out`` (the region in the output's dtype) and hand the parts back to
+        ``pool``; return the float64 buffers taken from ``pool`` (the caller gives them back).
+
+        The weighted mean of one prediction is that prediction: a voxel that one part covers only is that
+        part's value, cast as astype (rounded to the nearest for an integer output), as float64 sums would give
+        it within float32 rounding; weights are multiplied and summed, in float64, only where parts overlap
+        (a crop's tiles overlap at the far borders only). Voxels no part covers get ``fill``."""
+        boxes = [tuple((s.start, s.stop) for s in where) for where, _, _ in self.parts]
+        once, several = coverage(boxes)
+        rint = np.issubdtype(out.dtype, np.integer)
+        for i, piece in once:
+            src = self.parts[i][2][(Ellipsis,) + local(piece, boxes[i])]
+            if rint and np.issubdtype(src.dtype, np.floating):
+                np.rint(src, out=src)  # in place: the part is the region's own copy, and these voxels only its
+            np.copyto(out[(Ellipsis,) + _slices(piece)], src, casting="unsafe")
+        spent: list[np.ndarray] = []
+        if several:
+            # the sums, the products and the sums of weights of each overlap, over buffers of the region's size
+            sums, prods, wsums = (pool.take(self.full, np.float64, zero=False),
+                                  pool.take(self.full, np.float64, zero=False),
+                                  pool.take(self.shape, np.float64, zero=False))
+            spent = [sums, prods, wsums]
+            lead = self.full[:len(self.full) - len(self.shape)]
+            for m in several:
+                acc, wsum = _carve(sums, lead + _extent(m)), _carve(wsums, _extent(m))
+                acc.fill(0)
+                wsum.fill(0)
+                for (_, w, values), b in zip(self.parts, boxes):  # in the order they came, as sums on arrival
+                    x = intersect(m, b)
+                    if any(hi <= lo for lo, hi in x):
+                        continue
+                    at, dst = local(x, b), local(x, m)
+                    acc[(Ellipsis,) + dst] += np.multiply(w[at], values[(Ellipsis,) + at],
+                                                          out=_carve(prods, lead + _extent(x)), dtype=np.float64)
+                    wsum[dst] += w[at]
+                target = out[(Ellipsis,) + _slices(m)]
+                if rint:
+                    np.rint(np.divide(acc, wsum, out=acc), out=acc)
+                    np.copyto(target, acc, casting="unsafe")  # as astype
+                else:  # the float64 quotient rounded once to dtype, as astype would
+                    np.divide(acc, wsum, out=target, casting="same_kind")
+        for piece in subtract(tuple((0, n) for n in self.shape), boxes):  # voxels no tile reached
+            out[(Ellipsis,) + _slices(piece)] = fill
+        for _, _, values in self.parts:
+            pool.give(values)  # blended: the next parts' copies
+        self.parts, self.parts_bytes = [], 0
+        return spent
 
     def _accumulate(self, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray, scratch: Scratch) -> None:
         assert self.values is not None and self.wsum is not None
@@ -373,12 +424,12 @@ class TileWriter:
             for piece in subtract(region.box, [box for box, _ in region.placed]):
                 out[(Ellipsis,) + local(piece, region.box)] = fill
             spent = [out]
-        else:
+        elif region.wsum is None:  # its parts kept: blended now, on this thread
+            out = self._pool.take(region.full, self.dtype, zero=False)
+            fill = np.asarray(self.array.fill_value if self.array.fill_value is not None else 0, dtype=out.dtype)
+            spent = region.blend_parts(out, fill, self._pool) + [out]
+        else:  # folded into float64 sums as the parts came (tiles overlapping many times)
             spent = []
-            if region.wsum is None:  # its parts kept: summed now, through a scratch of this thread's
-                scratch = self._pool.take(region.full, np.float64, zero=False)
-                region.fold(self._pool, lambda shape: scratch.reshape(-1)[:int(np.prod(shape))].reshape(shape))
-                spent.append(scratch)
             assert region.values is not None and region.wsum is not None
             out = self._pool.take(region.full, self.dtype, zero=False)
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -430,6 +481,19 @@ class TileWriter:
                 self._background.close()
             except Exception:
                 pass  # the caller's exception is the one raised
+
+
+def _extent(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def _carve(buf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A C-contiguous array of ``shape`` over the start of ``buf``'s memory (at least as large)."""
+    return buf.reshape(-1)[:int(np.prod(shape))].reshape(shape)
 
 
 def _numpy(x: Any) -> np.ndarray:
