@@ -7,6 +7,7 @@ served: each is fetched again, and every read equals zarr-python's."""
 from __future__ import annotations
 
 import collections
+import threading
 import os
 import time
 import uuid
@@ -377,3 +378,44 @@ def test_entries_asked_again_at_their_generation_are_not_made_again(s3, data, tm
         made = reads.made
         _batch(p, uri, rewritten, path)  # the new generations' entries: made anew, read by the engine
         assert reads.made > made
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_a_batch_read_whole_from_disk_is_settled_by_its_waiter(s3, data, tmp_path, monkeypatch, path):
+    # as a batch of local files: the thread that pops it finishes it, no finisher thread woken for it; a batch
+    # with an unsound entry still goes to the finisher, which fetches that chunk again
+    from stoker.engine.cpu.decode_native import NativeDecoder
+
+    prefix = f"settle-{uuid.uuid4().hex[:8]}"
+    s3.upload(read_tree(data), prefix)
+    uri, options = f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    cfg = _config(options, folder)
+    with stoker.Pipeline(cfg) as p:  # epoch 1: fetched, kept
+        _batch(p, uri, data, path)
+    assert cache.flush(30)
+    finished = collections.Counter()
+    finish = NativeDecoder._finish_from_disk
+
+    def counted(self, job, bjob, eids, disk):
+        finished[threading.current_thread().name] += 1
+        return finish(self, job, bjob, eids, disk)
+
+    monkeypatch.setattr(NativeDecoder, "_finish_from_disk", counted)
+    with stoker.Pipeline(cfg) as p:  # epoch 2: the listing at the open states every generation
+        for _ in range(3):
+            hits = cache.hits
+            _batch(p, uri, data, path)
+            assert cache.hits > hits  # read from disk by the engine
+        assert not finished, finished
+        for entry in [e for e in _entries(folder) if os.path.getsize(e) > 200]:
+            with open(entry, "r+b") as f:  # one bit of the payload's last byte
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0x10]))
+        corrupt = cache.corrupt
+        _batch(p, uri, data, path)  # zarr-python's values: every chunk fetched again
+        assert cache.corrupt > corrupt
+        assert set(finished) == {"stoker-engine-finisher"}, finished
