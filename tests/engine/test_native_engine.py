@@ -1449,3 +1449,63 @@ def test_a_chunk_file_two_jobs_in_flight_need_is_read_once_and_a_missing_one_fil
     assert (ca["chunks_decoded"], cb["chunks_decoded"], cb["chunks_shared"], cb["chunks_filled"]) == (n - 1, 0, n - 1, 1)
     assert cb["bytes_read"] == 0 and cb["files_opened"] == 0
     assert engine.close(5)
+
+
+def _entry_args(cache, idents: list[str], nbytes: int):
+    """``Engine.submit`` arguments of one zstd chunk read from each of ``idents``' disk-cache entries (written
+    in ``cache``), chunk i into row i of an (n, nbytes) uint8 batch; the batch."""
+    n = len(idents)
+    chunks = np.zeros((n, native.N_CHUNK_COLS), np.int64)
+    chunks[:, native.C_FILE] = -1
+    chunks[:, native.C_OFFSET] = -1
+    chunks[:, native.C_BUFFER] = np.arange(n)
+    chunks[:, native.C_SPAN_STOP] = nbytes
+    chunks[:, native.C_CODEC], chunks[:, native.C_NBYTES] = native.CODEC_ZSTD, nbytes
+    chunks[:, native.C_MAX_STORED], chunks[:, native.C_NCOPIES] = nbytes + 64, 1
+    chunks[:, native.C_FIRST_COPY] = np.arange(n)
+    copies = np.zeros((n, native.CP_EXTENT + 1), np.int64)
+    copies[:, native.CP_DST_OFFSET] = np.arange(n) * nbytes
+    copies[:, native.CP_EXTENT] = nbytes
+    sources = np.array([[native.SOURCE_KINDS[np.dtype("uint8")], 0, 0, 1, ord("."), 0, 1]], np.int64)
+    pairs = [b for i in idents for b in (os.fsencode(cache.path(i)), i.encode())]
+    lens = np.array([len(b) for b in pairs], np.int64)
+    starts = np.cumsum(lens) - lens
+    rows = np.stack([starts[0::2], lens[0::2], starts[1::2], lens[1::2]], axis=1)
+    batch = np.zeros((n, nbytes), np.uint8)
+    return ((chunks, copies, sources, np.zeros((0, native.F_COORDS + 1), np.int64), b"x", batch, native.KIND_SAME,
+             False, np.array([1], np.int64), [None] * n, rows, b"".join(pairs)), batch)
+
+
+def test_a_disk_cache_entry_two_jobs_in_flight_need_is_read_and_decoded_once(tmp_path):
+    """Batches in flight that read the same disk-cache entry (a second epoch's, drawn near each other) get it
+    from one read, one check and one decode, as a chunk file's: each job's chunk placed and counted as the
+    cache's hit (its payload bytes); an entry found corrupt fails in every job that took it (each fetches it
+    again), whichever job's thread read it."""
+    from stoker.storage.diskcache import DiskCache
+
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    n, nbytes = 4, 4096
+    values = [np.random.default_rng(i).integers(0, 4, nbytes).astype(np.uint8) for i in range(n)]
+    idents = [f"s3://bkt\narray/c/{i}\nall\n'etag{i}'" for i in range(n)]
+    payloads = [numcodecs.Zstd(level=1).encode(v.tobytes()) for v in values]
+    for ident, payload in zip(idents, payloads):
+        assert cache.write(ident, payload)
+    engine = native.Engine(1, 16 << 20)
+    (first_args, first), (second_args, second) = _entry_args(cache, idents, nbytes), _entry_args(cache, idents, nbytes)
+    a, b = _in_flight_together(tmp_path, engine, first_args, second_args)
+    (sa, da, ca), (sb, db, cb) = _results(a), _results(b)
+    assert sa.tolist() == sb.tolist() == [native.ST_OK] * n
+    assert da.tolist() == db.tolist() == list(map(len, payloads))  # each counts the payload it was served
+    for batch in (first, second):
+        np.testing.assert_array_equal(batch, np.stack(values))
+    assert (ca["chunks_decoded"], ca["chunks_shared"], cb["chunks_decoded"], cb["chunks_shared"]) == (n, 0, 0, n)
+    assert cb["bytes_read"] == 0
+    path = cache.path(idents[1])
+    raw = bytearray(open(path, "rb").read())
+    raw[-1] ^= 0x10  # one payload bit
+    open(path, "wb").write(bytes(raw))
+    (first_args, _), (second_args, _) = _entry_args(cache, idents, nbytes), _entry_args(cache, idents, nbytes)
+    a, b = _in_flight_together(tmp_path, engine, first_args, second_args)
+    for status in (_results(a)[0], _results(b)[0]):
+        assert status.tolist() == [native.ST_OK, native.ST_ENTRY] + [native.ST_OK] * (n - 2)
+    assert engine.close(5)

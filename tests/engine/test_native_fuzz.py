@@ -1625,8 +1625,37 @@ def test_disk_cache_entry_tables_are_checked(work, case):
         entry_job(path, ident, 100, 200, (0, 100), rows, blob, buffers, offset)
 
 
-def test_the_engines_crc32c_is_the_crc32c_packages():
-    for n in (0, 1, 7, 8, 9, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 13, 100_003):
+#: lengths about every path's edges: the byte tail, 8-byte steps, the three 8 KiB streams, the folding's least
+#: (512), its 256-byte loop, its 64- and 16-byte steps and tail, a disk-cache entry's size
+CRC_LENGTHS = (0, 1, 7, 8, 9, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 13, 100_003, *range(496, 530), 575, 576, 577,
+               767, 768, 769, 831, 832, 847, 848, 1023, 1024, 1025, 4096 + 15, 721_731)
+
+
+def _crc_mismatches() -> list:
+    out = []
+    for n in CRC_LENGTHS:
         block = os.urandom(n)
         for seed in (0, 1, 0xFFFFFFFF):
-            assert native.crc32c(block, seed) == crc32c.crc32c(block, seed), (n, seed)
+            if native.crc32c(block, seed) != crc32c.crc32c(block, seed):
+                out.append((n, seed))
+    return out
+
+
+def test_the_engines_crc32c_is_the_crc32c_packages():
+    assert _crc_mismatches() == []
+
+
+def test_the_crc32c_without_folding_is_the_crc32c_packages():
+    """The crc32 instruction's three streams alone, as a CPU without VPCLMULQDQ runs them (STOKER_NO_CRC_FOLD,
+    read once a process: in a child), give the package's values too, as the folding does (this process)."""
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = "import json\nfrom test_native_fuzz import _crc_mismatches\nprint(json.dumps(_crc_mismatches()))\n"
+    env = dict(os.environ, STOKER_NO_CRC_FOLD="1",
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -7,6 +7,7 @@ served: each is fetched again, and every read equals zarr-python's."""
 from __future__ import annotations
 
 import collections
+import threading
 import os
 import time
 import uuid
@@ -58,11 +59,13 @@ def remote(request, s3, data):
 
 class _Reads:
     """Counts the chunk entries read in Python (DiskCache.get_many, the real one, still called; an array's
-    zarr.json, which its open reads from disk, apart) and the entries handed to the engine (DiskCache.entry_file)."""
+    zarr.json, which its open reads from disk, apart), the entries handed to the engine (those
+    CachingStore.entry_files gives) and the entry files made (DiskCache.entry_file)."""
 
     def __init__(self, monkeypatch) -> None:
-        self.python = self.engine = 0
+        self.python = self.engine = self.made = 0
         get_many, entry_file = DiskCache.get_many, DiskCache.entry_file
+        entry_files = cachingstore.CachingStore.entry_files
 
         def counted_get_many(cache, idents, read_files=None):
             self.python += sum(1 for i in idents if not i.endswith("\nkept")
@@ -70,11 +73,17 @@ class _Reads:
             return get_many(cache, idents, read_files)
 
         def counted_entry_file(cache, ident):
-            self.engine += 1
+            self.made += 1
             return entry_file(cache, ident)
+
+        def counted_entry_files(kv, keys, requests):
+            found = entry_files(kv, keys, requests)
+            self.engine += sum(1 for entry in found if entry is not None)
+            return found
 
         monkeypatch.setattr(DiskCache, "get_many", counted_get_many)
         monkeypatch.setattr(DiskCache, "entry_file", counted_entry_file)
+        monkeypatch.setattr(cachingstore.CachingStore, "entry_files", counted_entry_files)
 
 
 def _config(options: dict, folder) -> stoker.Config:
@@ -331,3 +340,82 @@ def test_each_chunk_of_a_batch_is_asked_of_the_disk_cache_once(remote, data, tmp
                 # batches 3 to 6 found their 8 chunks on disk when planned: read by the engine from there
                 assert sum(asked.planned) - found == 8 and reads.engine - engine == 12, (asked.planned, reads.engine)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_entries_asked_again_at_their_generation_are_not_made_again(s3, data, tmp_path, monkeypatch, path):
+    # a second epoch asks the cache for the entry of every chunk of every batch: one asked before at the same
+    # generation is not made again (no ident, hash or path per chunk), yet the engine still reads and checks
+    # it; an object rewritten (a new ETag, learnt once its generation is stale) gets its new entry, never the
+    # kept one, and its new values
+    prefix = f"kept-{uuid.uuid4().hex[:8]}"
+    s3.upload(read_tree(data), prefix)
+    uri, options = f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    cfg = stoker.Config(batch_size=len(BOXES), dtype="native", n_compute_threads=2, pop_timeout_s=60,
+                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0,
+                        cache_staleness_s=2.0)
+    with stoker.Pipeline(cfg) as p:  # epoch 1: fetched, kept
+        _batch(p, uri, data, path)
+    assert cache.flush(30)
+    reads = _Reads(monkeypatch)
+    with stoker.Pipeline(cfg) as p:  # epoch 2: the listing at the open states every generation
+        _batch(p, uri, data, path)
+        assert reads.engine > 0 and reads.made == reads.engine  # each entry made once
+        engine, hits, python = reads.engine, cache.hits, reads.python
+        for _ in range(2):
+            _batch(p, uri, data, path)
+        assert reads.engine == 3 * engine and reads.made == engine, (reads.engine, reads.made)
+        # read from disk by the engine, none in Python (a shard's index, read by planning, is kept in memory)
+        assert cache.hits > hits and reads.python == python
+        rewritten = str(tmp_path / "rewritten")
+        _write(rewritten, 2)
+        s3.upload(read_tree(rewritten), prefix)  # new values, new ETags
+        time.sleep(2.2)  # every generation stale: the next batch revalidates
+        _batch(p, uri, rewritten, path)
+        assert cache.flush(30)
+        made = reads.made
+        _batch(p, uri, rewritten, path)  # the new generations' entries: made anew, read by the engine
+        assert reads.made > made
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_a_batch_read_whole_from_disk_is_settled_by_its_waiter(s3, data, tmp_path, monkeypatch, path):
+    # as a batch of local files: the thread that pops it finishes it, no finisher thread woken for it; a batch
+    # with an unsound entry still goes to the finisher, which fetches that chunk again
+    from stoker.engine.cpu.decode_native import NativeDecoder
+
+    prefix = f"settle-{uuid.uuid4().hex[:8]}"
+    s3.upload(read_tree(data), prefix)
+    uri, options = f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    cfg = _config(options, folder)
+    with stoker.Pipeline(cfg) as p:  # epoch 1: fetched, kept
+        _batch(p, uri, data, path)
+    assert cache.flush(30)
+    finished = collections.Counter()
+    finish = NativeDecoder._finish_from_disk
+
+    def counted(self, job, bjob, eids, disk):
+        finished[threading.current_thread().name] += 1
+        return finish(self, job, bjob, eids, disk)
+
+    monkeypatch.setattr(NativeDecoder, "_finish_from_disk", counted)
+    with stoker.Pipeline(cfg) as p:  # epoch 2: the listing at the open states every generation
+        for _ in range(3):
+            hits = cache.hits
+            _batch(p, uri, data, path)
+            assert cache.hits > hits  # read from disk by the engine
+        assert not finished, finished
+        for entry in [e for e in _entries(folder) if os.path.getsize(e) > 200]:
+            with open(entry, "r+b") as f:  # one bit of the payload's last byte
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0x10]))
+        corrupt = cache.corrupt
+        _batch(p, uri, data, path)  # zarr-python's values: every chunk fetched again
+        assert cache.corrupt > corrupt
+        assert set(finished) == {"stoker-engine-finisher"}, finished

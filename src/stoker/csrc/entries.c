@@ -5,9 +5,12 @@
  * short, truncated, rewritten or corrupt entry is never decoded: ST_ENTRY, and the Python side fetches the
  * chunk from its store again (as it does for an entry its own reads find bad).
  *
- * crc32c: SSE4.2's crc32 instruction where the CPU has it (three streams at once: the instruction's latency is
- * three cycles, one at a time reads a third as fast), else a table a byte at a time. Both give what the crc32c
- * package gives, which wrote the entry's checksum.
+ * crc32c: where the CPU has AVX-512 and VPCLMULQDQ, carry-less multiplication folds 256 bytes a step (four
+ * 512-bit registers, each 128-bit lane folded 2048 bits on: twice to four times the crc32 instruction's 8 bytes
+ * a cycle, which a second epoch read from the cache spent a tenth of its CPU on), the last 16 bytes and the
+ * tail by the crc32 instruction; else SSE4.2's crc32 instruction (three streams at once: the instruction's
+ * latency is three cycles, one at a time reads a third as fast); else a table a byte at a time. All give what
+ * the crc32c package gives, which wrote the entry's checksum.
  */
 #include "stoker_native.h"
 
@@ -53,6 +56,18 @@ static uint32_t multmodp(uint32_t a, uint32_t b) {
         }
         m >>= 1;
         b = b & 1 ? (b >> 1) ^ POLY : b >> 1;
+    }
+    return p;
+}
+
+/* x^bits modulo the polynomial (reflected) */
+static uint32_t xpow(unsigned long long bits) {
+    uint32_t p = 1u << 31, x = 1u << 30; /* p: x^0; x: x^1, squared on */
+    while (bits) {
+        if (bits & 1)
+            p = multmodp(x, p);
+        x = multmodp(x, x);
+        bits >>= 1;
     }
     return p;
 }
@@ -114,16 +129,100 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uns
 }
 #endif
 
+#ifdef HAVE_HW
+#include <immintrin.h>
+#define FOLD_TARGET __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
+/* shorter than this, the crc32 instruction alone (the folding's set-up and reduction cost more than they save) */
+#define FOLD_MIN 512
+
+/* The folding constants for a distance of d bits: a 128-bit lane (its low 64 bits the earlier bytes, higher
+ * powers) times x^d is congruent to lo * x^(d+32) + hi * x^(d-32) in the reflected, shifted-by-one form that
+ * PCLMULQDQ's product of reflected operands needs: {x^(d+32) mod P, x^(d-32) mod P}, each reflected and << 1. */
+static void fold_consts(unsigned d, uint64_t k[2]) {
+    k[0] = (uint64_t)xpow(d + 32) << 1;
+    k[1] = (uint64_t)xpow(d - 32) << 1;
+}
+
+/* k[0]: 2048 bits (the loop), k[1..3]: 1536, 1024, 512 (four registers into one; also the 64-byte steps),
+ * k[4..6]: 384, 256, 128 (a register's four lanes into one; 128 also the 16-byte steps). Set once. */
+static uint64_t fold_k[7][2];
+static pthread_once_t fold_once = PTHREAD_ONCE_INIT;
+
+static void make_fold_k(void) {
+    static const unsigned d[7] = {2048, 1536, 1024, 512, 384, 256, 128};
+    for (int i = 0; i < 7; i++)
+        fold_consts(d[i], fold_k[i]);
+}
+
+FOLD_TARGET static inline __m512i fold512(__m512i x, __m512i k, __m512i next) {
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11),
+                                     next, 0x96);
+}
+
+FOLD_TARGET static inline __m128i fold128(__m128i x, const uint64_t k[2], __m128i next) {
+    __m128i kk = _mm_set_epi64x((long long)k[1], (long long)k[0]);
+    return _mm_ternarylogic_epi64(_mm_clmulepi64_si128(x, kk, 0x00), _mm_clmulepi64_si128(x, kk, 0x11), next,
+                                  0x96);
+}
+
+/* crc (raw register, not inverted) continued over n >= FOLD_MIN bytes at p: the CRC of the message is kept as
+ * the CRC of the folded registers followed by the bytes not read yet (the crc XORed into the first 4 bytes) */
+FOLD_TARGET static uint32_t crc_fold(uint32_t crc, const unsigned char *p, size_t n) {
+    pthread_once(&fold_once, make_fold_k);
+#define K512(i) _mm512_broadcast_i32x4(_mm_set_epi64x((long long)fold_k[i][1], (long long)fold_k[i][0]))
+    __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_castsi128_si512(_mm_cvtsi32_si128((int)crc)));
+    __m512i a1 = _mm512_loadu_si512(p + 64), a2 = _mm512_loadu_si512(p + 128), a3 = _mm512_loadu_si512(p + 192);
+    p += 256;
+    n -= 256;
+    __m512i k = K512(0);
+    while (n >= 256) {
+        a0 = fold512(a0, k, _mm512_loadu_si512(p));
+        a1 = fold512(a1, k, _mm512_loadu_si512(p + 64));
+        a2 = fold512(a2, k, _mm512_loadu_si512(p + 128));
+        a3 = fold512(a3, k, _mm512_loadu_si512(p + 192));
+        p += 256;
+        n -= 256;
+    }
+    /* a0..a2 moved on to a3's place (192, 128 and 64 bytes on) */
+    __m512i x = fold512(a0, K512(1), fold512(a1, K512(2), fold512(a2, K512(3), a3)));
+    k = K512(3);
+    while (n >= 64) {
+        x = fold512(x, k, _mm512_loadu_si512(p));
+        p += 64;
+        n -= 64;
+    }
+#undef K512
+    /* the four lanes into the last one (48, 32 and 16 bytes on) */
+    __m128i y = fold128(_mm512_extracti32x4_epi32(x, 0), fold_k[4],
+                        fold128(_mm512_extracti32x4_epi32(x, 1), fold_k[5],
+                                fold128(_mm512_extracti32x4_epi32(x, 2), fold_k[6], _mm512_extracti32x4_epi32(x, 3))));
+    while (n >= 16) {
+        y = fold128(y, fold_k[6], _mm_loadu_si128((const __m128i *)p));
+        p += 16;
+        n -= 16;
+    }
+    /* the CRC of the folded 16 bytes from 0, then the tail */
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(y));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(y, 1));
+    return n ? crc_hw((uint32_t)c, p, n) : (uint32_t)c;
+}
+#endif
+
 uint32_t crc32c_of(uint32_t crc, const void *data, size_t n) {
     uint32_t c = ~crc;
 #ifdef HAVE_HW
-    static int hw = -1;
+    static int hw = -1; /* 0: none; 1: the crc32 instruction; 2: and the folding */
     int has = __atomic_load_n(&hw, __ATOMIC_RELAXED);
     if (has < 0) {
         __builtin_cpu_init();
         has = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+        if (has && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+            __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul") && !getenv("STOKER_NO_CRC_FOLD"))
+            has = 2;
         __atomic_store_n(&hw, has, __ATOMIC_RELAXED);
     }
+    if (has == 2 && n >= FOLD_MIN)
+        return ~crc_fold(c, data, n);
     if (has)
         return ~crc_hw(c, data, n);
 #endif

@@ -35,9 +35,10 @@
  * batch, or the Python path reads the chunk again and places all of it.
  *
  * Shared: a stored chunk that jobs in flight both need (batches drawn near each other read the same chunks) is
- * read and decoded once. A worker about to decode a shareable chunk (read from a file, not a buffer: an inner
- * chunk of a shard file of known identity, or a whole chunk file) looks it up in the engine's other live jobs
- * (each job's shared_at table, by file identity and byte range, or by path), takes the ones no thread took
+ * read and decoded once. A worker about to decode a shareable chunk (read from a file, not a fetched buffer: an
+ * inner chunk of a shard file of known identity, a whole chunk file, or a disk-cache entry, whose ident names
+ * the store, key, range and generation of its bytes) looks it up in the engine's other live jobs (each job's
+ * shared_at table, by file identity and byte range, by path, or by the entry's ident and path), takes the ones no thread took
  * yet (claimed: one atomic exchange, which every other taker - a job's own workers, job_cancel - does too,
  * so a chunk is finished exactly once), decodes into its scratch as far as the farthest of their spans and places the chunk into
  * every job that takes it, each with its own copies, checks and lock, then finishes it there. A decode of
@@ -444,10 +445,23 @@ static const int64_t *file_row(const plan_tables *t, const int64_t *c) {
     return t->files + c[C_FILE] * (F_COORDS + t->ndim);
 }
 
+/* chunk ``c``'s disk-cache entry row when it is read from one (by a non-empty ident), else NULL */
+static const int64_t *shared_entry(const plan_tables *t, const int64_t *c) {
+    if (c[C_CODEC] == CODEC_FILL || c[C_BUFFER] < 0)
+        return NULL;
+    const int64_t *r = entry_of(t, c[C_BUFFER]);
+    return r != NULL && r[E_IDENT_LEN] > 0 ? r : NULL;
+}
+
 /* whether chunk ``c`` (checked) may be shared: read from a file (a fetched buffer belongs to its job), an
- * inner chunk of a shard file of known identity or a whole chunk file (named by its path) */
+ * inner chunk of a shard file of known identity or a whole chunk file (named by its path), or a disk-cache
+ * entry (named by its ident: the store, key, range and generation of the bytes it holds) */
 static int shareable(const plan_tables *t, const int64_t *c) {
-    if (c[C_CODEC] == CODEC_FILL || c[C_BUFFER] >= 0 || c[C_FILE] < 0)
+    if (c[C_CODEC] == CODEC_FILL)
+        return 0;
+    if (c[C_BUFFER] >= 0)
+        return shared_entry(t, c) != NULL;
+    if (c[C_FILE] < 0)
         return 0;
     return (c[C_OFFSET] >= 0) == (file_row(t, c)[F_HAS_IDENT] == 1);
 }
@@ -460,8 +474,15 @@ static unsigned long long mix(unsigned long long h, unsigned long long v) {
 /* a shard's inner chunk by its file's identity and offset; a chunk file by its path: the source's prefix
  * and the file's grid coordinates */
 static unsigned long long share_hash(const plan_tables *t, const int64_t *c) {
-    const int64_t *f = file_row(t, c);
     unsigned long long h = 0;
+    const int64_t *e = shared_entry(t, c);
+    if (e != NULL) { /* an entry by its ident */
+        const unsigned char *p = (const unsigned char *)t->entry_blob + e[E_IDENT_START];
+        for (long long k = 0; k < e[E_IDENT_LEN]; k++)
+            h = (h ^ p[k]) * 0x100000001B3ULL; /* FNV-1a */
+        return h ^ (h >> 31);
+    }
+    const int64_t *f = file_row(t, c);
     if (c[C_OFFSET] >= 0) {
         /* the length too: an index may name one offset with many lengths (never equal, see same_stored),
          * which would otherwise make one probe chain of them all (quadratic) */
@@ -484,6 +505,13 @@ static int same_stored(const plan_tables *ta, const int64_t *a, const plan_table
     if (a[C_OFFSET] != b[C_OFFSET] || a[C_LENGTH] != b[C_LENGTH] || a[C_CODEC] != b[C_CODEC] ||
         a[C_NBYTES] != b[C_NBYTES] || a[C_MAX_STORED] != b[C_MAX_STORED] || ta->ndim != tb->ndim)
         return 0;
+    const int64_t *ea = shared_entry(ta, a), *eb = shared_entry(tb, b);
+    if (ea != NULL || eb != NULL) /* entries: the same ident and path (an entry and a file: never the same) */
+        return ea != NULL && eb != NULL && ea[E_IDENT_LEN] == eb[E_IDENT_LEN] && ea[E_PATH_LEN] == eb[E_PATH_LEN] &&
+               memcmp(ta->entry_blob + ea[E_IDENT_START], tb->entry_blob + eb[E_IDENT_START],
+                      (size_t)ea[E_IDENT_LEN]) == 0 &&
+               memcmp(ta->entry_blob + ea[E_PATH_START], tb->entry_blob + eb[E_PATH_START],
+                      (size_t)ea[E_PATH_LEN]) == 0;
     const int64_t *fa = file_row(ta, a), *fb = file_row(tb, b);
     if (fa[F_HAS_IDENT] != fb[F_HAS_IDENT])
         return 0;
@@ -805,9 +833,10 @@ static int take_sharers(engine *e, worker_slot *w, job *j, const int64_t *c, job
 }
 
 /* Chunk ``i`` of ``k``, taken by take_sharers, from the chunk another job's thread read and decoded (``io``,
- * into ``scratch``): placed with k's own copies (or its failure reported as k's), finished, k let go. */
+ * into ``scratch``): placed with k's own copies (or its failure reported as k's), finished, k let go.
+ * ``served``: a disk-cache entry's payload bytes, its detail once placed (the cache's hit bytes; 0 else). */
 static void share_out(engine *e, worker_slot *w, job *k, long long i, const chunk_io *io, const char *scratch,
-                      chunk_times *tm) {
+                      chunk_times *tm, long long served) {
     const int64_t *c = k->t.chunks + i * N_CHUNK_COLS;
     const int64_t *src = k->t.sources + c[C_SOURCE] * (S_STRIDES + k->t.ndim);
     job_counters mine = {0};
@@ -820,7 +849,7 @@ static void share_out(engine *e, worker_slot *w, job *k, long long i, const chun
             mine.chunks_filled++;
     } else if (status == ST_OK) {
         status = place_chunk(k, src, c, scratch, 0, &mine, tm);
-        detail = 0;
+        detail = status == ST_OK ? served : 0;
         if (status == ST_OK)
             mine.chunks_shared++;
     }
@@ -974,18 +1003,19 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
         mine->decode_ns += io.decode_ns;
         tm->read += io.read_ns;
         tm->decode += io.decode_ns;
-        if (n_sharers && span_failure(io.status)) {
+        /* (an entry whose decode failed: every job that took it fetches it again, the Python path decides) */
+        if (n_sharers && span_failure(io.status) && entry == NULL) {
             /* the union of the spans failed to decode: each job gets what its own span alone gives (damage
              * past it fails only the jobs that read that far, whichever others are in flight) */
             for (int k = 0; k < n_sharers; k++) {
                 const int64_t *ck = sharers[k]->t.chunks + shared[k] * N_CHUNK_COLS;
                 if (ck[C_SPAN_START] == io.span_start && ck[C_SPAN_STOP] == io.span_stop) {
-                    share_out(e, w, sharers[k], shared[k], &io, scratch, tm);
+                    share_out(e, w, sharers[k], shared[k], &io, scratch, tm, 0);
                 } else {
                     chunk_io alone;
                     decode_alone(j, src, c, ck[C_SPAN_START], ck[C_SPAN_STOP], path, &alone, scratch, ctx, kept,
                                  mine, tm);
-                    share_out(e, w, sharers[k], shared[k], &alone, scratch, tm);
+                    share_out(e, w, sharers[k], shared[k], &alone, scratch, tm, 0);
                 }
             }
             n_sharers = 0;
@@ -1008,7 +1038,7 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
             detail = io.detail;
         }
         for (int k = 0; k < n_sharers; k++)
-            share_out(e, w, sharers[k], shared[k], &io, scratch, tm);
+            share_out(e, w, sharers[k], shared[k], &io, scratch, tm, entry_payload);
     }
     __atomic_store_n(&j->detail[i], detail, __ATOMIC_RELAXED);
     __atomic_store_n(&j->status[i], status, __ATOMIC_RELEASE);

@@ -92,6 +92,8 @@ class CachingStore:
         self.read_files = read_files  # how hits are read (see DiskCache.get_many; None: in Python)
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
+        # (key, start, length) -> (generation, ident, entry): what entry_files made for that generation
+        self._entry_files: dict[tuple, tuple[Any, str, tuple[bytes, bytes]]] = {}
         # keys (and opened prefixes, with their "/") whose marker this wrapper wrote (MARKERS_FOUND at most)
         self._marked: set[str] = set()
         self._found: set[str] = set()  # keys whose marker was found on disk (see _has_marker; MARKERS_FOUND at most)
@@ -750,18 +752,33 @@ class CachingStore:
         (:meth:`DiskCache.entry_file <stoker.storage.diskcache.DiskCache.entry_file>`, ``(path, ident)``) where
         its object's generation is known now, else None (read through :meth:`start_get_many`, which
         revalidates). No request and no disk access: the compiled engine reads and checks the entries, and
-        what it cannot use (missing, corrupt) is fetched again through :meth:`start_get_many`."""
+        what it cannot use (missing, corrupt) is fetched again through :meth:`start_get_many`.
+
+        Asked for every chunk of every batch a second epoch reads from disk, so a value or range's entry is
+        kept with the generation it was made for (:data:`ENTRY_FILES_KEPT` at most): asked again at that
+        generation, only whether the entry is queued for writing (not on disk yet: None) is asked anew."""
         now = time.monotonic()
-        gens: dict[str, Any] = {}
+        staleness = self.staleness_s
+        made, queued, uri = self._entry_files, self.cache.queued, self.uri
+        wanted = [(k, None, None) for k in keys] + [(r.key, r.start, r.length) for r in requests]
         with self._lock:
-            for key in {*keys, *(r.key for r in requests)}:
-                known = self._known.get(key)
-                if known is not None and known[0] is not _UNCACHED and now - known[1] < self.staleness_s:
-                    gens[key] = known[0]
-        uri, entry = self.uri, self.cache.entry_file
-        out: list = [None if gens.get(k) is None else entry(_ident(uri, k, None, None, gens[k])) for k in keys]
-        out += [None if gens.get(r.key) is None else entry(_ident(uri, r.key, r.start, r.length, gens[r.key]))
-                for r in requests]
+            known = [self._known.get(key) for key, _, _ in wanted]
+        out: list = []
+        for (key, start, length), got in zip(wanted, known):
+            if got is None or got[0] is _UNCACHED or now - got[1] >= staleness:
+                out.append(None)
+                continue
+            kept = made.get((key, start, length))
+            if kept is not None and kept[0] == got[0]:  # made for this generation: only the queue asked
+                out.append(None if queued(kept[1]) else kept[2])
+                continue
+            ident = _ident(uri, key, start, length, got[0])
+            entry = self.cache.entry_file(ident)
+            if entry is not None:
+                if len(made) >= ENTRY_FILES_KEPT:
+                    made.clear()
+                made[(key, start, length)] = (got[0], ident, entry)
+            out.append(entry)
         return out
 
     def served_from_disk(self, n: int, nbytes: int) -> None:
@@ -799,6 +816,8 @@ class CachingStore:
 
 #: The documents of an array that :meth:`CachingStore.get` keeps on disk, revalidated by its array's listing.
 DOCUMENTS = frozenset({"zarr.json", ".zarray", ".zattrs"})
+#: Values and ranges whose entry (path and ident) :meth:`CachingStore.entry_files` keeps; past it, all forgotten.
+ENTRY_FILES_KEPT = 1 << 14
 #: Keys whose marker a :class:`CachingStore` remembers finding on disk (one look-up a key), and those it
 #: remembers marking (one marker written a key); past it, forgotten.
 MARKERS_FOUND = 1 << 16

@@ -209,6 +209,10 @@ class DiskCache:
             return None
         return os.fsencode(self._path(ident)), ident.encode("utf-8", "surrogatepass")
 
+    def queued(self, ident: str) -> bool:
+        """Whether this process has ``ident`` queued for writing (not on disk yet: :meth:`entry_file` says None)."""
+        return bool(self._pending) and ident in self._pending
+
     def count_hits(self, n: int, nbytes: int) -> None:
         """Count ``n`` hits of ``nbytes`` payload bytes read by someone else (the compiled engine)."""
         with self._cond:

@@ -17,8 +17,8 @@ Those a store's disk cache holds at a generation known now are not fetched: the 
 itself, as local files, checks and decodes them (:meth:`NativeDecoder._from_disk`); an entry it finds
 missing or unsound sends its chunk to the fetch after all.
 
-A batch the engine makes whole (every chunk its own, no completion hook) is settled by the thread that
-waits for it, the consumer's at ``pop``: its wait is the engine's, in C with the GIL released, and the
+A batch the engine makes whole (every chunk its own, or every chunk read from disk-cache entries; no
+completion hook) is settled by the thread that waits for it, the consumer's at ``pop``: its wait is the engine's, in C with the GIL released, and the
 first waiter to see the job done maps its statuses, once (:meth:`~.executor.Job.settled_by`). Waking a
 thread of ours to do that and then waking the consumer cost more GIL than the mapping itself (scenario 5:
 about 0.19 ms a batch against 0.08). The rest (batches with chunks the engine did not place, fetched
@@ -374,13 +374,25 @@ ENTRY_ROOM = native.ENTRY_HEADER_BYTES + native.ENTRY_IDENT_CAP
 
 
 class _FromDisk:
-    """An engine job's chunks read from disk-cache entries: each one's store (``stores[k]``: its counters,
-    and where it is fetched from should its entry fail), the batch kind and the arrays (to fetch again)."""
+    """An engine job's chunks read from disk-cache entries: the stores they were read through (``stores``:
+    their counters, and where a chunk is fetched from should its entry fail), chunk k's in
+    ``stores[owner[k]]``, the batch kind and the arrays (to fetch again)."""
 
-    __slots__ = ("stores", "kind", "sources")
+    __slots__ = ("stores", "owner", "kind", "sources")
 
-    def __init__(self, stores: list, kind: int, sources: "_SourceSet") -> None:
-        self.stores, self.kind, self.sources = stores, kind, sources
+    def __init__(self, stores: list, owner: np.ndarray, kind: int, sources: "_SourceSet") -> None:
+        self.stores, self.owner, self.kind, self.sources = stores, owner, kind, sources
+
+
+def _keys_of(source: "_Source", coords: np.ndarray) -> list[str]:
+    """The store keys of one array's files at grid ``coords`` (a row each): its key prefix, then the coordinates
+    joined by its separator. A format string per array, one call per file (numpy's string ops took a step per
+    axis, each dearer than the whole of this for a batch's few dozen files)."""
+    if coords.shape[1] == 0:
+        raise IndexError("a file of no grid coordinates")
+    form = source.key_prefix.replace("{", "{{").replace("}", "}}") + \
+        source.sep.replace("{", "{{").replace("}", "}}").join(["{}"] * coords.shape[1])
+    return [form.format(*row) for row in coords.tolist()]
 
 
 #: the engine's clock columns (csrc/stoker_native.h) in :data:`~stoker.engine.stats.WORKER_TIMES` order
@@ -617,43 +629,52 @@ class NativeDecoder:
         # what the batch's prefetch found on disk when it was planned ahead: not asked of the cache again (the
         # entry's generation as known then, after the batch's samples were pushed, as prefetched bytes are)
         known = plan.disk_entries or {}
-        take, paths, idents, stores = [], [], [], []
+        # a few steps per store, and per chunk only the list appends its entry needs: a second epoch read from
+        # the cache runs this for every chunk of every batch
+        take: list[int] = []
+        pairs: list[bytes] = []  # each entry's path, then its ident (the blob, in order)
+        stores: list = []  # the stores asked, in order
+        owner: list[int] = []  # per chunk taken, its store's number there
+        ident_cap, path_cap = native.ENTRY_IDENT_CAP, native.PATH_CAP
         for s in np.unique(src[room[src]]).tolist():
             kv = sources[s].kv
             mine = ids[src == s]
             found = [(cid, known[cid]) for cid in mine.tolist() if cid in known] if known else []
             if found:
-                mine = np.setdiff1d(mine, [cid for cid, _ in found])
+                mine = mine[~np.isin(mine, [cid for cid, _ in found])]
             if len(mine):  # the rest: asked now (an entry written, or a generation learnt, since it was planned)
-                whole, ranged = mine[plan.chunk_offset[mine] < 0], mine[plan.chunk_offset[mine] >= 0]
+                is_whole = plan.chunk_offset[mine] < 0
+                whole, ranged = mine[is_whole], mine[~is_whole]
                 keys = self._keys(plan, plan.chunk_file[whole], sources)
-                shards = self._keys(plan, plan.chunk_file[ranged], sources)
-                requests = list(map(ByteRange, shards, plan.chunk_offset[ranged].tolist(),
-                                    plan.chunk_length[ranged].tolist()))
-                found += zip(np.concatenate([whole, ranged]).tolist(), kv.entry_files(keys, requests))
+                requests = list(map(ByteRange, self._keys(plan, plan.chunk_file[ranged], sources),
+                                    plan.chunk_offset[ranged].tolist(), plan.chunk_length[ranged].tolist())) \
+                    if len(ranged) else []
+                found += zip(whole.tolist() + ranged.tolist(), kv.entry_files(keys, requests))
+            before = len(take)
             for cid, entry in found:
                 # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
-                if entry is not None and len(entry[1]) <= native.ENTRY_IDENT_CAP and len(entry[0]) < native.PATH_CAP:
+                if entry is not None and len(entry[1]) <= ident_cap and len(entry[0]) < path_cap:
                     take.append(cid)
-                    paths.append(entry[0])
-                    idents.append(entry[1])
-                    stores.append(kv)
+                    pairs += entry
+            owner += [len(stores)] * (len(take) - before)
+            stores.append(kv)
         if not take:
             return ids
         eids = np.array(take, np.int64)
-        order = np.argsort(eids, kind="stable")  # chunk order, as every engine call takes them
-        eids = eids[order]
-        paths = [paths[k] for k in order.tolist()]
-        idents = [idents[k] for k in order.tolist()]
-        stores = [stores[k] for k in order.tolist()]
-        lens = np.array([[len(p), len(i)] for p, i in zip(paths, idents)], np.int64).reshape(-1, 2)
-        ends = np.cumsum(lens.reshape(-1))
-        rows = np.zeros((len(eids), native.N_ENTRY_COLS), np.int64)
-        rows[:, native.E_PATH_START] = (ends - lens.reshape(-1))[0::2]
-        rows[:, native.E_PATH_LEN] = lens[:, 0]
-        rows[:, native.E_IDENT_START] = (ends - lens.reshape(-1))[1::2]
-        rows[:, native.E_IDENT_LEN] = lens[:, 1]
-        blob = b"".join(b for pair in zip(paths, idents) for b in pair)
+        if len(eids) > 1 and (eids[1:] < eids[:-1]).any():  # chunk order, as every engine call takes them
+            order = np.argsort(eids, kind="stable")
+            eids = eids[order]
+            pairs = [b for k in order.tolist() for b in (pairs[2 * k], pairs[2 * k + 1])]
+            owner = [owner[k] for k in order.tolist()]
+        lens = np.fromiter(map(len, pairs), np.int64, len(pairs))
+        starts = np.cumsum(lens) - lens
+        rows = np.empty((len(eids), native.N_ENTRY_COLS), np.int64)
+        rows[:, native.E_PATH_START] = starts[0::2]
+        rows[:, native.E_PATH_LEN] = lens[0::2]
+        rows[:, native.E_IDENT_START] = starts[1::2]
+        rows[:, native.E_IDENT_LEN] = lens[1::2]
+        blob = b"".join(pairs)
+        rest = ids[~np.isin(ids, eids)]
         try:
             if self._closing:
                 raise pipeline_closed()
@@ -661,16 +682,64 @@ class NativeDecoder:
                                 [None] * len(eids), rows, blob)
         except BaseException as exc:  # noqa: BLE001 - closed meanwhile, or the engine refused the tables (a bug)
             job.finish(len(eids), pipeline_closed() if self._closing else exc)
-            return np.setdiff1d(ids, eids)
+            return rest
         job.on_cancel(bjob.cancel)
+        disk = _FromDisk(stores, np.array(owner, np.intp), kind, sources)
+        if len(eids) == plan.n_chunks and not job.has_hook:
+            # the whole batch from disk (a second epoch's): settled by the thread that waits for it, as a batch
+            # of local files is, rather than by waking the finisher for it (see _settle_from_disk)
+            job.settled_by(bjob, functools.partial(self._settle_from_disk, disk=disk))
+            return rest
         with self._cond:
             if not self._closing:
-                self._pending.append((job, bjob, eids, _FromDisk(stores, kind, sources), None))
+                self._pending.append((job, bjob, eids, disk, None))
                 self._cond.notify_all()
-                return np.setdiff1d(ids, eids)
+                return rest
         bjob.cancel()  # closed between the submission and here: nobody else would end it
         job.finish(len(eids), pipeline_closed())
-        return np.setdiff1d(ids, eids)
+        return rest
+
+    def _settle_from_disk(self, job: Job, bjob, disk: "_FromDisk") -> None:
+        """Finish ``job``, every chunk of which the engine (done) read from disk-cache entries, on the thread that
+        waited for it, as :meth:`_settle` does a batch of local files: each store's hits counted, the chunks
+        placed. One the engine did not place (a missing, short or corrupt entry: fetched again) goes to the
+        finisher thread, which finishes it as :meth:`_finish_from_disk` does (the Python path's reads never
+        run inside ``pop``)."""
+        enrolled = gil.enrolled()
+        before = gil.held_since_last() if enrolled else 0
+        t0 = time.thread_time_ns()
+        try:
+            if self._closing:  # cancelled by shutdown: nothing of it is fetched now
+                job.finish(job.plan.n_chunks, pipeline_closed())
+                return
+            _, detail, counts = bjob.results()
+            if counts["not_placed"]:
+                # the finisher takes it over: an interrupt before that puts it back (see Job.take_over)
+                with self._cond:
+                    self._pending.append((job, bjob, np.arange(job.plan.n_chunks), disk, job.claim))
+                    self._cond.notify_all()
+                return
+            self._account(counts, fetched=False)
+            self._served(disk, np.ones(len(disk.owner), bool), np.frombuffer(detail, np.int64))
+            self._finish_placed(job, job.plan.n_chunks, counts, fetched=False)
+        except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
+            job.finish(0, exc)
+        finally:
+            if enrolled:
+                self._stats.gil(gil.held_since_last() * 1e-9)
+                gil.carry(before)
+            else:
+                self._stats.gil((time.thread_time_ns() - t0) * 1e-9)
+
+    @staticmethod
+    def _served(disk: "_FromDisk", ok: np.ndarray, detail: np.ndarray) -> None:
+        """Count the chunks ``ok`` of a job read from disk-cache entries as their stores' hits, with their
+        payload bytes (``detail``): a step per store, none per chunk."""
+        counts = np.bincount(disk.owner[ok], minlength=len(disk.stores)).tolist()
+        sizes = np.bincount(disk.owner[ok], weights=detail[ok], minlength=len(disk.stores)).tolist()
+        for kv, n, nbytes in zip(disk.stores, counts, sizes):
+            if n:
+                kv.served_from_disk(n, int(nbytes))
 
     def _finish_from_disk(self, job: Job, bjob, eids: np.ndarray, disk: "_FromDisk") -> None:
         """A finished engine job of chunks read from disk-cache entries (:meth:`_from_disk`): those placed are
@@ -682,14 +751,7 @@ class NativeDecoder:
         status = np.frombuffer(status, np.int32)
         detail = np.frombuffer(detail, np.int64)
         ok = status == native.ST_OK
-        served: dict[int, list] = {}
-        for k in np.flatnonzero(ok).tolist():
-            kv = disk.stores[k]
-            got = served.setdefault(id(kv), [kv, 0, 0])
-            got[1] += 1
-            got[2] += int(detail[k])
-        for kv, n, nbytes in served.values():
-            kv.served_from_disk(n, nbytes)
+        self._served(disk, ok, detail)
         final = (status == native.ST_CANCELLED) | (status == native.ST_RANGE)
         again = eids[~ok & ~final]
         if len(again):  # fetched as if never cached (a counted miss there, and a new entry written)
@@ -795,14 +857,14 @@ class NativeDecoder:
         if not len(rows):
             return []
         table = plan.files[rows]
+        sources_of = table[:, native.F_SOURCE]
+        first = int(sources_of[0])
+        if (sources_of == first).all():  # one array (the usual batch): its keys in one comprehension
+            return _keys_of(sources[first], table[:, native.F_COORDS:])
         keys = np.empty(len(rows), object)
-        for s in np.unique(table[:, native.F_SOURCE]).tolist():
-            mine = table[:, native.F_SOURCE] == s
-            coords = table[mine, native.F_COORDS:]
-            names = coords[:, 0].astype(str)
-            for k in range(1, coords.shape[1]):
-                names = np.char.add(np.char.add(names, sources[s].sep), coords[:, k].astype(str))
-            keys[mine] = np.char.add(sources[s].key_prefix, names)
+        for s in np.unique(sources_of).tolist():
+            mine = sources_of == s
+            keys[mine] = _keys_of(sources[s], table[mine, native.F_COORDS:])
         return keys.tolist()
 
     def _fetched(self, job: Job, fetch: Fetch, values: list, parts: list, res, kind: int,
