@@ -36,10 +36,11 @@ def _parts(region: int, tile: int, stride: int, blend: str = "hann", seed: int =
     return out
 
 
-def _region(parts: list, region: int, pool: BufferPool, blend: str = "hann") -> _Region:
-    r = _Region(((0, region),) * 3, (), blend, np.dtype("f4"), pool)
+def _region(parts: list, region: int, pool: BufferPool, blend: str = "hann", channels: int = 0) -> _Region:
+    r = _Region(((0, region),) * 3, (channels,) if channels else (), blend, np.dtype("f4"), pool)
     for where, w, v in parts:
-        r.parts.append((where, w, v.copy()))
+        v = np.stack([v + k for k in range(channels)]) if channels else v.copy()
+        r.parts.append((where, w, v))
         r.parts_bytes += v.nbytes
     assert r.parts_bytes <= r.sums_bytes  # kept, not folded: the blend_parts path
     return r
@@ -68,9 +69,10 @@ def test_blend_parts_costs_about_what_summing_cost():
         f"{len(parts)} parts: blend_parts {min(new):.2f} s CPU against {min(old):.2f} s summed"
 
 
+@pytest.mark.parametrize("channels", [0, 2])
 @pytest.mark.parametrize("dtype", ["f4", "f2", "u1"])
 @pytest.mark.parametrize("blend", ["linear", "hann"])
-def test_many_parts_blend_as_the_pieces_do_bit_for_bit(monkeypatch, blend, dtype):
+def test_many_parts_blend_as_the_pieces_do_bit_for_bit(monkeypatch, blend, dtype, channels):
     """Past PIECEWISE_PARTS the parts are summed over the region and copied where one covers: the output is
     the piecewise blend's, every bit (overlaps: float64 sums in arrival order; once covered: the value)."""
     region = 40
@@ -80,8 +82,8 @@ def test_many_parts_blend_as_the_pieces_do_bit_for_bit(monkeypatch, blend, dtype
     for name, limit in (("summed", writer_module.PIECEWISE_PARTS), ("pieces", 10 ** 6)):
         monkeypatch.setattr(writer_module, "PIECEWISE_PARTS", limit)
         pool = BufferPool(1 << 30)
-        out = np.empty((region,) * 3, dtype)
-        _region(parts, region, pool, blend).blend_parts(out, np.asarray(7, dtype), pool)
+        out = np.empty(((channels,) if channels else ()) + (region,) * 3, dtype)
+        _region(parts, region, pool, blend, channels).blend_parts(out, np.asarray(7, dtype), pool)
         got[name] = out
     assert (got["pieces"] == 7).any()
     np.testing.assert_array_equal(got["summed"].view(np.uint8), got["pieces"].view(np.uint8))
