@@ -107,3 +107,43 @@ def test_bench_thread_cpu_prints_each_peers_cpu_per_batch_by_thread(tmp_path, ca
     assert kept["stoker"]["coordinator"] == pytest.approx(float(rows["stoker"][0]), abs=0.001)
     # a CUDA run measures other threads: refused, in one line
     assert main(["bench", "--tiny", "--device", "cuda", "--thread-cpu", "--data", str(tmp_path / "bench")]) == 2
+
+
+def test_the_benchs_cache_sampler_is_not_a_pipeline_pool(tmp_path):
+    """CachePeak's thread is the bench's: its CPU, left out of cpu_s, is not counted as stoker's pools."""
+    from stoker.bench.epochs import CachePeak
+    from stoker.storage.diskcache import disk_cache
+
+    clock = ThreadCPU()
+    with CachePeak(disk_cache(str(tmp_path / "c"), 1 << 30), every_s=0.0) as peak:
+        time.sleep(0.05)
+        clock.mark()
+        time.sleep(0.5)  # no pipeline runs: only the bench's sampler works
+        clock.mark()
+    got = clock.per_batch(batches=1)
+    assert peak.cpu_s > 0.05
+    assert got["pools"] < 5.0, f"pools {got['pools']:.1f} ms: the bench's CachePeak counted as stoker's pools"
+
+
+def test_the_cache_samplers_cpu_s_is_all_of_its_threads_cpu(tmp_path):
+    """cpu_s (what the bench subtracts from its cpu_s) is the sampler thread's whole time on a core, its
+    waits between samples included, as the OS counts it."""
+    from stoker.bench.epochs import CachePeak
+    from stoker.storage.diskcache import disk_cache
+
+    with CachePeak(disk_cache(str(tmp_path / "c"), 1 << 30), every_s=0.0) as peak:
+        tid = None
+        for _ in range(100):  # the sampler's thread, by its name
+            tid = next((t.native_id for t in threading.enumerate() if t.name.endswith("cachepeak")), None)
+            if tid is not None:
+                break
+            time.sleep(0.01)
+        assert tid is not None
+        time.sleep(0.05)
+        before, cpu0 = run_times(tid), peak.cpu_s
+        time.sleep(0.5)
+        after, cpu1 = run_times(tid), peak.cpu_s
+    assert before is not None and after is not None
+    os_s = after[0] - before[0]
+    assert os_s > 0.05
+    assert cpu1 - cpu0 >= 0.85 * os_s - 0.01, f"cpu_s grew {cpu1 - cpu0:.3f} s, the thread ran {os_s:.3f} s"

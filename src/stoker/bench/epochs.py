@@ -85,7 +85,7 @@ class CachePeak:
         self.cpu_s = self.wall_s = 0.0
         self._evicted0 = cache.evicted
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stoker-bench-cachepeak", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="bench-cachepeak", daemon=True)
 
     @property
     def peak_bytes(self) -> int:
@@ -121,16 +121,16 @@ class CachePeak:
 
     def _run(self) -> None:
         next_scan = 0.0
+        c0 = time.thread_time()  # the whole loop, its waits between samples included: all of it the bench's
         while not self._stop.is_set():
-            c0 = time.thread_time()
             self._read_total()
             if time.monotonic() >= next_scan:
                 s0 = time.thread_time()
                 self._scan()
                 # the next scan after enough idle time that scans take at most scan_share of a core
                 next_scan = time.monotonic() + (time.thread_time() - s0) / self.scan_share
-            self.cpu_s += time.thread_time() - c0
             self._stop.wait(self.every_s)
+            self.cpu_s = time.thread_time() - c0
 
     def _read_total(self) -> None:
         total = running_total(self.cache.root)  # None until the folder's first write

@@ -20,7 +20,8 @@ How the work is split (see docs/inference.md):
   independent of order), or the parts themselves (``linear``, ``hann``: copies, blended on a write thread
   when the region is finished: a voxel one part covers is that part's value, and only where parts overlap
   are weights multiplied and summed, in float64; folded into float64 sums of the whole region on arrival
-  instead once they would outgrow them). Written regions' buffers serve the next ones, and a closed writer's the next writer's
+  instead once they would outgrow them, with a count of the parts per voxel so a voxel one covers is still
+  its value). Written regions' buffers serve the next ones, and a closed writer's the next writer's
   (:mod:`.buffers`, at most ``SPARE_BYTES`` kept by the process).
   With ``grid=`` the writer knows how many tiles touch each region and writes a region as soon as all
   of them arrived; memory is then the regions in flight. Without it every region waits for ``close()``.
@@ -65,6 +66,11 @@ Part = tuple[tuple[int, ...], Box, Box, np.ndarray, int]
 
 Scratch = Callable[[tuple[int, ...]], np.ndarray]  # a float64 array of a shape, over reused memory
 
+# a region's kept parts up to this many are blended piece by piece (box arithmetic: copies where one part
+# covers, sums over the overlaps only); more, and the pieces' count grows faster than the parts', so they are
+# summed over the whole region and copied where a per-voxel count says one part covers (linear in the parts)
+PIECEWISE_PARTS = 16
+
 
 class _Region:
     """What one owned region has received so far.
@@ -84,6 +90,10 @@ class _Region:
         self.seen: set[Box] = set()
         self.values: np.ndarray | None = None
         self.wsum: np.ndarray | None = None
+        # once folded: how many parts cover each voxel (0, 1, or 2 for more) and the parts' dtype, so a voxel one
+        # part covers is that part's value (the float64 quotient rounded back to it), not w * v / w
+        self.count: np.ndarray | None = None
+        self.vdtype: np.dtype | None = None
         if blend == "none":
             # not zeroed: every voxel is written, by a part or (no part reached it) at the region's finish
             self.values = pool.take(self.full, dtype, zero=False)
@@ -93,12 +103,13 @@ class _Region:
         # the weighted parts not yet summed: where in the region, their weights (a view of the tile's), values
         self.parts: list[tuple[tuple[slice, ...], np.ndarray, np.ndarray]] = []
         self.parts_bytes = 0
-        self.sums_bytes = (int(np.prod(self.full)) + int(np.prod(self.shape))) * 8
+        # what folding takes: the float64 sums and sums of weights, and the uint8 count of parts per voxel
+        self.sums_bytes = (int(np.prod(self.full)) + int(np.prod(self.shape))) * 8 + int(np.prod(self.shape))
 
     @property
     def nbytes(self) -> int:
         """The memory the region holds until it is written."""
-        return sum(a.nbytes for a in (self.values, self.wsum) if a is not None) + self.parts_bytes
+        return sum(a.nbytes for a in (self.values, self.wsum, self.count) if a is not None) + self.parts_bytes
 
     def add_weighted(self, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray, pool: BufferPool,
                      scratch: Scratch) -> None:
@@ -120,6 +131,7 @@ class _Region:
     def fold(self, pool: BufferPool, scratch: Scratch) -> None:
         """Sum the parts kept into float64 sums (made here, from ``pool``)."""
         self.values, self.wsum = pool.take(self.full, np.float64), pool.take(self.shape, np.float64)
+        self.count = pool.take(self.shape, np.uint8)
         for where, w, values in self.parts:  # in the order they came, as if summed on arrival
             self._accumulate(where, w, values, scratch)
             pool.give(values)  # summed: the next parts' copies
@@ -132,7 +144,10 @@ class _Region:
         The weighted mean of one prediction is that prediction: a voxel that one part covers only is that
         part's value, cast as astype (rounded to the nearest for an integer output), as float64 sums would give
         it within float32 rounding; weights are multiplied and summed, in float64, only where parts overlap
-        (a crop's tiles overlap at the far borders only). Voxels no part covers get ``fill``."""
+        (a crop's tiles overlap at the far borders only). Voxels no part covers get ``fill``. Past
+        ``PIECEWISE_PARTS`` parts (whose pieces grow faster than they do): :meth:`_blend_summed`, same result."""
+        if len(self.parts) > PIECEWISE_PARTS:
+            return self._blend_summed(out, fill, pool)
         boxes = [tuple((s.start, s.stop) for s in where) for where, _, _ in self.parts]
         once, several = coverage(boxes)
         rint = np.issubdtype(out.dtype, np.integer)
@@ -174,11 +189,79 @@ class _Region:
         self.parts, self.parts_bytes = [], 0
         return spent
 
+    def _blend_summed(self, out: np.ndarray, fill: np.ndarray, pool: BufferPool) -> list[np.ndarray]:
+        """:meth:`blend_parts` for many parts, in time linear in them: every part summed over the whole region
+        in float64 (the order they came, so overlaps get the sums the pieces would), the quotient taken, then
+        each part copied (rounded as astype) where the count says it alone covers."""
+        count = pool.take(self.shape, np.uint8)
+        sums, wsums = pool.take(self.full, np.float64), pool.take(self.shape, np.float64)
+        prods = pool.take(self.full, np.float64, zero=False)
+        for where, w, values in self.parts:
+            _cover(count, where)
+            _add(sums, wsums, where, w, values, lambda shape: _carve(prods, shape))
+        _quotient(out, sums, wsums, count, fill)
+        rint = np.issubdtype(out.dtype, np.integer)
+        for where, _, values in self.parts:
+            if rint and np.issubdtype(values.dtype, np.floating):
+                np.rint(values, out=values)  # in place: the part is the region's own copy, summed already
+            np.copyto(out[(Ellipsis,) + where], values, casting="unsafe", where=count[where] == 1)
+            pool.give(values)  # blended: the next parts' copies
+        self.parts, self.parts_bytes = [], 0
+        return [count, sums, wsums, prods]
+
+    def finish_folded(self, out: np.ndarray, fill: np.ndarray) -> None:
+        """The float64 sums (folded) blended into ``out``: the weighted mean, rounded as astype; a voxel one
+        part covers is the quotient rounded back to the parts' dtype first (that part's value exactly for
+        float32 or narrower and integer parts; float64 parts within an ulp). Uses up the sums."""
+        assert self.values is not None and self.wsum is not None and self.count is not None
+        once = self.count == 1
+        alone = None
+        if once.any():
+            with np.errstate(invalid="ignore", divide="ignore"):
+                q = np.divide(self.values[(Ellipsis, once)], self.wsum[once])
+            if self.vdtype is not None and not np.issubdtype(self.vdtype, np.floating):
+                np.rint(q, out=q)  # integer parts: w * v / w is v within an ulp
+            alone = q.astype(self.vdtype or np.float64)
+            if np.issubdtype(out.dtype, np.integer) and np.issubdtype(alone.dtype, np.floating):
+                np.rint(alone, out=alone)
+        _quotient(out, self.values, self.wsum, self.count, fill)
+        if alone is not None:
+            out[(Ellipsis, once)] = alone  # cast as astype
+
     def _accumulate(self, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray, scratch: Scratch) -> None:
-        assert self.values is not None and self.wsum is not None
-        acc = self.values[(Ellipsis,) + where]
-        acc += np.multiply(w, values, out=scratch(values.shape), dtype=np.float64)
-        self.wsum[where] += w
+        assert self.values is not None and self.wsum is not None and self.count is not None
+        self.vdtype = values.dtype if self.vdtype is None else np.result_type(self.vdtype, values.dtype)
+        _cover(self.count, where)
+        _add(self.values, self.wsum, where, w, values, scratch)
+
+
+def _cover(count: np.ndarray, where: tuple[slice, ...]) -> None:
+    """One more part over ``where``: the count saturates at 2 (covered once or more is all that is asked)."""
+    c = count[where]
+    np.add(c, c < 2, out=c)
+
+
+def _add(sums: np.ndarray, wsum: np.ndarray, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray,
+         scratch: Scratch) -> None:
+    """``w * values`` added to the sums at ``where``, in float64, and ``w`` to the sums of weights."""
+    acc = sums[(Ellipsis,) + where]
+    acc += np.multiply(w, values, out=scratch(values.shape), dtype=np.float64)
+    wsum[where] += w
+
+
+def _quotient(out: np.ndarray, sums: np.ndarray, wsum: np.ndarray, count: np.ndarray, fill: np.ndarray) -> None:
+    """``sums / wsum`` into ``out`` (rounded half to even for an integer output, then cast as astype; for a
+    float output the float64 quotient rounded once), ``fill`` where no part reached. Uses up ``sums``."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if np.issubdtype(out.dtype, np.integer):
+            mean = np.divide(sums, wsum, out=sums)  # in place: the region is done
+            np.rint(mean, out=mean)
+            np.copyto(out, mean, casting="unsafe")  # as astype
+        else:  # the float64 quotient rounded once to dtype, as astype would
+            np.divide(sums, wsum, out=out, casting="same_kind")
+    reached = count > 0
+    if not reached.all():  # voxels no tile reached keep the fill value
+        np.copyto(out, fill, where=~reached, casting="unsafe")
 
 
 class TileWriter:
@@ -429,21 +512,11 @@ class TileWriter:
             fill = np.asarray(self.array.fill_value if self.array.fill_value is not None else 0, dtype=out.dtype)
             spent = region.blend_parts(out, fill, self._pool) + [out]
         else:  # folded into float64 sums as the parts came (tiles overlapping many times)
-            spent = []
-            assert region.values is not None and region.wsum is not None
+            assert region.values is not None and region.wsum is not None and region.count is not None
             out = self._pool.take(region.full, self.dtype, zero=False)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                if np.issubdtype(self.dtype, np.integer):
-                    mean = np.divide(region.values, region.wsum, out=region.values)  # in place: the region is done
-                    np.rint(mean, out=mean)
-                    np.copyto(out, mean, casting="unsafe")  # as astype
-                else:  # the float64 quotient rounded once to dtype, as astype would
-                    np.divide(region.values, region.wsum, out=out, casting="same_kind")
-            reached = region.wsum > 0
-            if not reached.all():  # voxels no tile reached keep the fill value
-                np.copyto(out, np.asarray(0 if self.array.fill_value is None else self.array.fill_value, dtype=np.float64), where=~reached,
-                          casting="unsafe")
-            spent += [region.values, region.wsum, out]
+            fill = np.asarray(self.array.fill_value if self.array.fill_value is not None else 0, dtype=out.dtype)
+            region.finish_folded(out, fill)
+            spent = [region.values, region.wsum, region.count, out]
         with writing(self.uri, f"region {r} (voxels {region.box})"):
             self._chunks.write((slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box), out)
         for buf in spent:  # zarr-python is done with them: the next regions' accumulators
