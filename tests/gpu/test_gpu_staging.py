@@ -210,7 +210,6 @@ def test_runs_the_compiled_read_failed_on_are_read_again_together(tmp_path, monk
 def test_a_fetch_of_absent_chunks_only_records_no_read(tmp_path):
     """Stager.fetch of chunks none of which is stored (every one the fill value) reads nothing: it counts no
     io event and no bytes, as the CPU path counts none for an absent chunk file; a fetch that reads counts one."""
-    import numpy as np
     import torch
     import zarr
 

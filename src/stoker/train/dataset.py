@@ -61,7 +61,8 @@ class CropDataset(torch.utils.data.IterableDataset):
 
     A grid's epoch (a source with ``complete_epochs``, on the CPU) is also read further ahead than
     ``cfg.lookahead_batches``: up to the whole epoch, as many batch slots as fit in a quarter of
-    ``cfg.host_buffer_bytes`` and 256 MiB (:func:`read_ahead`). Neighbouring tiles share chunks, and the compiled engine
+    ``cfg.host_buffer_bytes`` and 256 MiB (:func:`read_ahead`), and next to the pipeline's room for reading and
+    decoding one file's chunks (never fewer than ``lookahead_batches``). Neighbouring tiles share chunks, and the compiled engine
     decodes a chunk once for every batch in flight that needs it: a 128x256x256 volume's 32 chunks took
     about 100 decodes for its 32 tiles of 96^3 (batches of 4) at 2 batches ahead, 33-36 with all 8 in flight.
 
