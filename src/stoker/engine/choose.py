@@ -55,12 +55,10 @@ def decode_on(requested: str, device: torch.device, nvcomp_available: Callable[[
     return requested
 
 
-def make_executor(cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,
-                  read_ahead: int = 0) -> Executor:
+def make_executor(cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore) -> Executor:
     """The executor for batches on ``device``: the hybrid one (``decode_on="hybrid"``: chunks shared between
     the CPU engine and the GPU decode), the GPU-decode one (``decode_on="gpu"``: chunks decoded on the
-    device), CUDA's (pinned staging, copy and cast on the GPU) or the CPU's. ``read_ahead``: batches the
-    CPU's may make ahead where host memory allows (:meth:`~.cpu.executor.CpuExecutor.prepare`)."""
+    device), CUDA's (pinned staging, copy and cast on the GPU) or the CPU's."""
     from .gpu import nvcomp
 
     where = decode_on(cfg.decode_on, device, nvcomp.available, cfg.compute_threads)
@@ -78,4 +76,4 @@ def make_executor(cfg: Config, device: torch.device, stats: StatsRecorder, store
         return CudaExecutor(cfg, device, stats, store)
     from .cpu.executor import CpuExecutor
 
-    return CpuExecutor(cfg, stats, store, read_ahead)
+    return CpuExecutor(cfg, stats, store)

@@ -153,13 +153,14 @@ class CpuExecutor(SlotsDelivery):
     staging = "batch slots (lookahead_batches + 1)"  # what the host slots are, in budget messages
     applies_cf = True  # decodes arrays' CF attributes (Config.cf): engine/cpu/cf.py, in the completion hook
 
-    def __init__(self, cfg: Config, stats: StatsRecorder, store: LocalStore, read_ahead: int = 0) -> None:
+    def __init__(self, cfg: Config, stats: StatsRecorder, store: LocalStore) -> None:
         self.cfg = cfg
         self.stats = stats
         self.store = store
-        # batches made ahead: cfg's, raised at prepare towards ``read_ahead`` (a wish: see _read_further)
+        # batches made ahead: cfg's, raised at prepare towards ``read_ahead`` (a wish the pipeline sets before
+        # the first batch for a grid's epoch, Pipeline(read_ahead=...): see _read_further)
         self.lookahead = cfg.lookahead_batches
-        self.read_ahead = read_ahead
+        self.read_ahead = 0
         self.n_slots = cfg.lookahead_batches + 1  # slots the consumer sees
         self.slots: SlotRing | None = None  # what batches are delivered from
         self.host_slots: SlotRing | None = None  # where they are assembled (the same ring here)

@@ -55,7 +55,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...reader.array import ArrayReader
 from ...config import Config
@@ -71,6 +71,22 @@ from ..choose import make_executor
 from .intake import Intake
 from .lanes import Lanes, transform_fields
 from ..stats import FIELD_COUNTERS, Stats, StatsRecorder
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..executor import Executor
+
+
+def _made(cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,
+          read_ahead: int = 0) -> Executor:
+    """The executor of ``cfg`` (``make_executor``), told how far a grid's epoch may be read ahead: an executor
+    that reads further (the CPU's ``read_ahead``, granted at its prepare within host_buffer_bytes) takes it,
+    another makes ``lookahead_batches`` ahead."""
+    executor = make_executor(cfg, device, stats, store)  # looked up now: tests swap it
+    if read_ahead > cfg.lookahead_batches and hasattr(executor, "read_ahead"):
+        executor.read_ahead = read_ahead  # type: ignore[attr-defined]  # the CPU executor's alone
+    return executor
 
 
 class Pipeline:
@@ -90,7 +106,7 @@ class Pipeline:
         self._store = LocalStore()
         # the slots and the work on them: in host memory, or staged for a GPU (no thread starts before the
         # first batch)
-        self._executor = make_executor(cfg, self.device, self._stats, self._store, read_ahead)
+        self._executor = _made(cfg, self.device, self._stats, self._store, read_ahead)
         if cfg.sample_shape is not None and cfg.output_dtype is not None:
             self._executor.check_budget(cfg.sample_shape, cfg.output_dtype, transient=0)
         # lock rank 2 (see the module docstring): guards the intake, the batches in flight and the flags below
@@ -98,7 +114,7 @@ class Pipeline:
         self._intake = Intake(cfg, self._cond)
         # samples of named fields: one executor per field (made at the first such batch; see .lanes), made as
         # this one is (a partial, not a closure over self: the coordinator's thread must not keep the pipeline)
-        lanes = Lanes(cfg, functools.partial(make_executor, device=self.device, stats=self._stats, store=self._store,
+        lanes = Lanes(cfg, functools.partial(_made, device=self.device, stats=self._stats, store=self._store,
                                              read_ahead=read_ahead),
                       on_device=self.device.type == "cuda")
         self._coordinator = Coordinator(cfg, self._intake, self._executor, self._stats, self._store, lanes)
