@@ -26,13 +26,15 @@ def test_spare_slots_hand_back_by_size_within_their_bound():
     spare = SpareSlots(max_bytes=3 << 20)
     a, b, c = (torch.empty(1 << 20, dtype=torch.uint8) for _ in range(3))
     for buf in (a, b, c):
-        spare.give(buf)
+        spare.give([buf])
     assert spare.held_bytes == 3 << 20 and spare.take(2 << 20) is None
     d = torch.empty(2 << 20, dtype=torch.uint8)
-    spare.give(d)  # a and b make room
+    held = [d]
+    spare.give(held)  # a and b make room; the caller's list is emptied (the pool owns the buffer)
+    assert held == []
     assert spare.held_bytes == 3 << 20
     assert spare.take(1 << 20) is c and spare.take(1 << 20) is None and spare.take(2 << 20) is d
-    spare.give(torch.empty(4 << 20, dtype=torch.uint8))
+    spare.give([torch.empty(4 << 20, dtype=torch.uint8)])
     assert spare.held_bytes == 0 and spare.taken == 2
 
 
@@ -66,3 +68,140 @@ def test_a_closed_ring_hands_its_free_slots_to_the_next(monkeypatch):
     meta = buffers.SlotRing(1, (4, 1000), torch.float32, device="meta")
     meta.close()
     assert len(meta.slots) == 1 and spare.held_bytes == 0
+
+
+def _kept_view_is_not_overwritten(ring) -> None:
+    """A consumer keeps a view of a released batch: its slot must not be acquired (and overwritten) again."""
+    slot = ring.acquire(lambda: False, timeout=1)
+    assert slot is not None
+    view = slot.batch(slot.rows)
+    view.fill_(7)
+    ring.release(slot)
+    again = ring.acquire(lambda: False, timeout=0)
+    if again is not None:
+        again.tensor.fill_(1)  # the next batch written into the slot
+    assert again is None, "slot handed out while a view of it is alive"
+    assert bool((view == 7).all()), "the kept batch was overwritten"
+
+
+def test_a_ring_made_while_another_closes_counts_its_slots_views(monkeypatch):
+    """Deterministic: the closing thread stops right after SPARE_SLOTS.give (a GIL switch point there) while
+    a ring is made on this thread from the slot it gave: the new ring's slot must not count the closer's
+    leftover reference as its own (a baseline of 2, where one live view of a batch then reads as none)."""
+    import threading
+
+    import torch
+
+    from stoker.engine import buffers
+
+    go, made = threading.Event(), threading.Event()
+
+    class Preempted(buffers.SpareSlots):
+        def give(self, held):
+            super().give(held)
+            go.set()
+            made.wait(5)  # the other thread runs here
+
+    monkeypatch.setattr(buffers, "SPARE_SLOTS", Preempted(64 << 20))
+    first = buffers.SlotRing(1, (4, 4096), torch.float32)
+    closer = threading.Thread(target=first.close)
+    closer.start()
+    assert go.wait(5)
+    ring = buffers.SlotRing(1, (4, 4096), torch.float32)
+    made.set()
+    closer.join(5)
+    assert buffers.SPARE_SLOTS.taken == 1  # the ring's slot is the closed one's memory
+    assert ring.slots[0].baseline == buffers.Slot(0, torch.empty(4, 4096)).refs()  # a fresh tensor's count
+    _kept_view_is_not_overwritten(ring)
+
+
+def test_rings_made_and_closed_on_two_threads_keep_a_fresh_slots_baseline(monkeypatch):
+    """Not forced: one thread closes rings while another makes them (two pipelines: a CropDataset per rank
+    thread, an inference pipeline closing while a training one starts); every slot made has a fresh slot's
+    baseline, and a kept batch is never overwritten."""
+    import threading
+    import time
+
+    import torch
+
+    from stoker.engine import buffers
+
+    monkeypatch.setattr(buffers, "SPARE_SLOTS", buffers.SpareSlots(64 << 20))
+    normal = buffers.Slot(0, torch.empty(4, 4096)).refs()  # a slot of fresh memory: its tensor alone
+    stop = time.monotonic() + 3
+    bad: list = []
+
+    def closer():
+        while time.monotonic() < stop and not bad:
+            buffers.SlotRing(4, (4, 4096), torch.float32).close()
+
+    t = threading.Thread(target=closer)
+    t.start()
+    made = 0
+    try:
+        while time.monotonic() < stop and not bad:
+            r = buffers.SlotRing(1, (4, 4096), torch.float32)
+            made += 1
+            if r.slots[0].baseline != normal:
+                bad.append(r.slots[0].baseline)
+            slot = r.acquire(lambda: False, timeout=1)
+            view = slot.batch(slot.rows)  # a batch the consumer keeps past its release
+            r.release(slot)
+            if r.acquire(lambda: False, timeout=0) is not None:  # handed out again: it would be overwritten
+                bad.append("reused while viewed")
+            del view
+            r.close()
+    finally:
+        t.join(30)
+    assert not bad, f"{bad[:3]} (a fresh slot's baseline {normal})"
+    assert buffers.SPARE_SLOTS.taken > 0 and made > 0  # the rings did hand slots over
+    _kept_view_is_not_overwritten(buffers.SlotRing(1, (4, 4096), torch.float32))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_child_forked_while_the_pool_is_locked_can_make_a_ring():
+    """A process forked while another thread is inside SPARE_SLOTS (a pipeline closing or preparing on its
+    coordinator thread) must not inherit the pool's lock held: its first SlotRing would wait for ever."""
+    import os
+    import threading
+    import time
+    import warnings
+
+    import torch
+
+    from stoker.engine import buffers
+
+    buffers.SPARE_SLOTS.give([torch.empty(4 * 1024 * 4, dtype=torch.uint8)])  # something for the child to take
+    inside, leave = threading.Event(), threading.Event()
+
+    def holder():  # another thread inside SpareSlots.give/take at the moment of the fork
+        with buffers.SPARE_SLOTS._lock:
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert inside.wait(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded process (Python 3.12+)
+        pid = os.fork()
+    if pid == 0:  # the child: a pipeline made here asks the pool for its slots
+        try:
+            buffers.SlotRing(2, (4, 1024), torch.float32)
+            os._exit(0 if buffers.SPARE_SLOTS.taken == 0 else 3)  # the parent's buffers are not the child's
+        except BaseException:
+            os._exit(2)
+    leave.set()
+    t.join(5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung making a SlotRing (SPARE_SLOTS._lock inherited held)")
+    assert os.WEXITSTATUS(status) == 0
+    buffers.SPARE_SLOTS.clear()

@@ -205,3 +205,39 @@ def test_runs_the_compiled_read_failed_on_are_read_again_together(tmp_path, monk
     for c, a, n in zip(cid.tolist(), at.tolist(), size.tolist()):
         want = reader.encoded_chunk(tuple(int(v) for v in plan.chunk_index[c]))[1]
         assert bytes(buf[a:a + n]) == bytes(want)
+
+
+def test_a_fetch_of_absent_chunks_only_records_no_read(tmp_path):
+    """Stager.fetch of chunks none of which is stored (every one the fill value) reads nothing: it counts no
+    io event and no bytes, as the CPU path counts none for an absent chunk file; a fetch that reads counts one."""
+    import torch
+    import zarr
+
+    import stoker
+    from stoker.engine.gpu.sources import describe
+    from stoker.engine.gpu.staging import Stager
+    from stoker.engine.planning.tables import plan_tables
+    from stoker.engine.stats import StatsRecorder
+
+    uri = str(tmp_path / "a.zarr")
+    z = zarr.create_array(uri, shape=(8, 16), chunks=(4, 8), dtype="uint16", fill_value=5)
+    z[4:8, 8:16] = 9  # one chunk stored, three absent
+    reader = stoker.open_array(uri)
+    plan = plan_tables(0, [stoker.Sample(uri, [(0, 8), (0, 16)])], lambda u: reader)
+    sources = [describe(r, torch.float32) for r in plan.sources]
+    stored = [c for c in range(plan.n_chunks) if tuple(plan.chunk_index[c].tolist()) == (1, 1)]
+    absent = [c for c in range(plan.n_chunks) if c not in stored]
+    stats = StatsRecorder()
+    stager = Stager(LocalStore(), stats, 2)
+    try:
+        counts = {"bytes_read": 0}
+        fills, items = stager.fetch(plan, sources, absent, {}, counts)
+        assert sorted(fills) == sorted(absent) and items == []
+        io = stats.snapshot().stages["io"]
+        assert (io.count, io.bytes_out, counts["bytes_read"]) == (0, 0, 0)
+        fills, items = stager.fetch(plan, sources, stored, {}, counts)
+        assert fills == [] and [p.cid for p in items] == stored
+        io = stats.snapshot().stages["io"]
+        assert io.count == 1 and io.bytes_out == counts["bytes_read"] == len(items[0].data) > 0
+    finally:
+        stager.close()

@@ -275,7 +275,7 @@ def test_a_dataset_iterated_again_reuses_the_batch_slots(tmp_path, decode_path, 
     assert torch.equal(kept[0], kept[1])  # never overwritten by the runs after it
     # n slots a run (4 batches read ahead: all in flight); all but the one of the run's last batch, still viewed
     # (x) when its pipeline closes, go to the next run
-    n = read_ahead(ds.cfg, grid.for_rank(0, 1)).lookahead_batches + 1
+    n = read_ahead(ds.cfg, grid.for_rank(0, 1)) + 1
     assert n == 4 and spare.taken == 2 * (n - 1)
     assert kept[0].untyped_storage().data_ptr() not in memory[1] | memory[2]
 
@@ -313,7 +313,7 @@ def test_a_grid_is_read_ahead_so_its_chunks_are_decoded_about_once(tiles_volume,
     grid = stoker.TileGrid([uri], (96, 96, 96), stride=(56, 56, 56))
     cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=2, sample_shape=(96, 96, 96),
                         pop_timeout_s=20.0)
-    assert module.read_ahead(cfg, grid.for_rank(0, 1)).lookahead_batches == 3  # 4 batches: every one in flight
+    assert module.read_ahead(cfg, grid.for_rank(0, 1)) == 3  # 4 batches: every one in flight
     ds = stoker.CropDataset(grid, cfg, with_samples=True)
     for _ in range(3):
         got = 0
@@ -338,16 +338,75 @@ def test_read_ahead_stays_within_its_share_of_host_memory():
     src = stoker.SampleList([stoker.Sample("/v.zarr", [(0, 32), (0, 64), (i, i + 64)]) for i in range(40)],
                             complete=True).for_rank(0, 1)
     base = dict(batch_size=4, device="cpu", sample_shape=(32, 64, 64))
-    assert read_ahead(stoker.Config(**base, dtype="f32"), src).lookahead_batches == 9  # 10 batches
+    assert read_ahead(stoker.Config(**base, dtype="f32"), src) == 9  # 10 batches
     mib = 1 << 20  # an f32 slot: 4 x 32 x 64 x 64 x 4 B = 2 MiB; a quarter of 48 MiB holds 6
-    assert read_ahead(stoker.Config(**base, dtype="f32", host_buffer_bytes=48 * mib), src).lookahead_batches == 5
+    assert read_ahead(stoker.Config(**base, dtype="f32", host_buffer_bytes=48 * mib), src) == 5
     assert read_ahead(stoker.Config(**base, dtype="native", host_buffer_bytes=48 * mib),
-                      src).lookahead_batches == 2  # 8 + 4 bytes an element: 2 slots fit, the config's 2 stay
+                      src) == 2  # 8 + 4 bytes an element: 2 slots fit, the config's 2 stay
     assert read_ahead(stoker.Config(**base, dtype="bf16", host_buffer_bytes=48 * mib),
-                      src).lookahead_batches == 3  # 2 + 4 bytes: 4 slots
-    assert read_ahead(stoker.Config(**base, dtype="f32", lookahead_batches=12), src).lookahead_batches == 12
+                      src) == 3  # 2 + 4 bytes: 4 slots
+    assert read_ahead(stoker.Config(**base, dtype="f32", lookahead_batches=12), src) == 12
     big = stoker.SampleList([stoker.Sample("/v.zarr", [(0, 32), (0, 256), (i, i + 256)]) for i in range(40)],
                             complete=True).for_rank(0, 1)  # 5 batches of 8, 64 MiB slots: 4 fit in 256 MiB
     assert read_ahead(stoker.Config(**{**base, "batch_size": 8, "sample_shape": (32, 256, 256)}, dtype="f32",
-                                    host_buffer_bytes=4 << 30), big).lookahead_batches == 3
-    assert read_ahead(stoker.Config(**{**base, "device": "cuda"}, dtype="f32"), src).lookahead_batches == 2
+                                    host_buffer_bytes=4 << 30), big) == 3
+    assert read_ahead(stoker.Config(**{**base, "device": "cuda"}, dtype="f32"), src) == 2
+
+
+def test_a_grid_that_fits_its_budget_still_fits_when_read_ahead(tmp_path):
+    """Read-ahead is a wish the executor grants within host_buffer_bytes: a volume of one 6.5 MiB chunk, tiles
+    of 8x32x32, host_buffer_bytes=16 MiB holds the config's 3 batch slots and one chunk's read and decode
+    (~13 MiB). read_ahead asks for a quarter of the budget (32 slots, 4 MiB): the pipeline takes what fits
+    next to the chunk's room, not a BudgetExceeded telling the user to lower lookahead_batches, and never
+    fewer slots than the config's."""
+    uri = str(tmp_path / "v.zarr")
+    z = zarr.create_array(uri, shape=(104, 256, 256), chunks=(104, 256, 256), dtype="uint8")
+    z[:] = np.random.default_rng(0).integers(0, 255, z.shape, dtype=np.uint8)
+    data = z[:]
+    grid = stoker.TileGrid([uri], (8, 32, 32))
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=2,
+                        host_buffer_bytes=16 << 20, sample_shape=(8, 32, 32), pop_timeout_s=30.0)
+    with stoker.Pipeline(cfg) as p:  # the grid's samples, at the config's own lookahead: fits
+        p.push(grid.for_rank(0, 1))
+        with p.pop() as b:
+            assert tuple(torch.from_dlpack(b).shape) == (4, 8, 32, 32)
+    from stoker.train.dataset import read_ahead
+
+    wished = read_ahead(cfg, grid.for_rank(0, 1))
+    assert wished > cfg.lookahead_batches  # asked for more than fits next to the chunk
+    ds = stoker.CropDataset(grid, cfg, with_samples=True)
+    it = iter(ds)
+    samples, x = next(it)  # BudgetExceeded before read-ahead was a wish
+    assert tuple(x.shape) == (4, 8, 32, 32)
+    for s, t in zip(samples, x):
+        assert np.array_equal(t.numpy(), data[tuple(slice(*ax) for ax in s.aabb)].astype("f4"))
+    executor = ds._live._executors()[0]
+    slot = 4 * 8 * 32 * 32 * 4
+    assert cfg.lookahead_batches < executor.lookahead < wished  # some more: what fits, not all it asked
+    assert executor.host_nbytes() == (executor.lookahead + 1) * slot <= 16 << 20
+    assert executor.host_nbytes() + executor.budget.capacity <= 16 << 20
+    del x
+    it.close()
+
+
+def test_a_grid_is_read_as_far_ahead_as_it_asks_when_it_fits(tmp_path):
+    """With room in host_buffer_bytes the executor grants all of read_ahead's wish: the pipeline's slots are
+    the wished batches ahead plus one."""
+    uri = str(tmp_path / "v.zarr")
+    z = zarr.create_array(uri, shape=(16, 64, 64), chunks=(8, 32, 32), dtype="uint8")
+    z[:] = np.random.default_rng(1).integers(0, 255, z.shape, dtype=np.uint8)
+    grid = stoker.TileGrid([uri], (8, 16, 16))  # 32 tiles, 8 batches of 4
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=2,
+                        sample_shape=(8, 16, 16), pop_timeout_s=30.0)
+    from stoker.train.dataset import read_ahead
+
+    wished = read_ahead(cfg, grid.for_rank(0, 1))
+    assert wished == 7
+    ds = stoker.CropDataset(grid, cfg)
+    it = iter(ds)
+    n = 1
+    next(it)
+    executor = ds._live._executors()[0]
+    assert executor.lookahead == wished and executor.n_slots == wished + 1
+    n += sum(1 for _ in it)
+    assert n == 8

@@ -22,6 +22,7 @@ keyed by size, from which the next rings take before they allocate.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import warnings
@@ -37,6 +38,22 @@ from .allocate import advise_huge_pages, allocate, host_bytes
 
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _alone() -> int | None:
+    """What :meth:`Slot.refs` reads for a tensor over memory nothing else holds, measured as it measures (the
+    storage's handle first, its Python object gone): a fresh tensor's count, the baseline of every slot."""
+    if _use_count is None:
+        return None
+    tensor = torch.empty(1)
+    storage = tensor.untyped_storage()._cdata
+    return int(_use_count(storage))
+
+
+#: the baseline of a slot over pooled memory (SPARE_SLOTS): a constant, not measured on the slot, where a
+#: holder left over from the memory's last owner (a closing ring's local, see SpareSlots.give) would raise it
+#: and make one live view of a batch read as none; such a holder only makes the slot look taken a moment longer
+_ALONE = _alone()
 
 
 class Cancelled(Exception):
@@ -206,14 +223,15 @@ class Reservation:
 class Slot:
     __slots__ = ("index", "tensor", "rows", "busy", "baseline", "ready_after", "stream_waits", "_storage")
 
-    def __init__(self, index: int, tensor: torch.Tensor) -> None:
+    def __init__(self, index: int, tensor: torch.Tensor, pooled: bool = False) -> None:
         self.index = index
         self.tensor = tensor
         self.rows = tensor.shape[0] if tensor.dim() else 0
         self.busy = False
         # the storage's handle, asked for once: the slot's tensor keeps it (and never swaps it) for its life
         self._storage = tensor.untyped_storage()._cdata if _use_count is not None else None
-        self.baseline = self.refs()
+        # fresh memory: its own count (nothing else can hold it yet); pooled memory: a fresh tensor's (_ALONE)
+        self.baseline = _ALONE if pooled else self.refs()
         self.ready_after = None  # CUDA event the host waits for before reuse (a copy still reading the slot)
         self.stream_waits: list = []  # CUDA events/streams the next writer's stream must wait for
 
@@ -249,7 +267,7 @@ class SpareSlots:
     make room for the newest (the next pipeline is most likely the one just closed, again).
 
     >>> spare = SpareSlots(max_bytes=64 << 20)
-    >>> spare.give(torch.empty(16 << 20, dtype=torch.uint8))
+    >>> spare.give([torch.empty(16 << 20, dtype=torch.uint8)])
     >>> spare.take(16 << 20) is not None, spare.take(16 << 20)
     (True, None)
     """
@@ -272,13 +290,16 @@ class SpareSlots:
                     return buf
         return None
 
-    def give(self, buf: torch.Tensor) -> None:
-        """Keep ``buf`` (a flat uint8 CPU tensor nothing else uses) for a later :meth:`take`; the oldest
-        buffers are dropped until it fits, and a buffer larger than ``max_bytes`` is not kept."""
-        nbytes = buf.numel()
-        if nbytes > self.max_bytes:
-            return
+    def give(self, held: list[torch.Tensor]) -> None:
+        """Keep the one buffer in ``held`` (a flat uint8 CPU tensor nothing else uses) for a later
+        :meth:`take`, emptying the list under the pool's lock: the caller's reference is gone before another
+        thread can take the buffer. The oldest buffers are dropped until it fits, and a buffer larger than
+        ``max_bytes`` is not kept."""
         with self._lock:
+            buf = held.pop()
+            nbytes = buf.numel()
+            if nbytes > self.max_bytes:
+                return
             while self._held + nbytes > self.max_bytes:
                 _, old = self._free.popitem(last=False)
                 self._held -= old.numel()
@@ -297,10 +318,25 @@ class SpareSlots:
         with self._lock:
             return self._held
 
+    def after_fork(self) -> None:
+        """In a forked child: a new lock (the parent's may have been held by another thread at the fork, and
+        stays held in the child for ever) and no buffers (the parent's threads' memory, copied on write)."""
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+        self._free = OrderedDict()
+        self._held = 0
+
 
 #: the most a process keeps of closed pipelines' host batch slots for the next ones (see the module docstring)
 SPARE_SLOT_BYTES = 256 << 20
 SPARE_SLOTS = SpareSlots(SPARE_SLOT_BYTES)
+
+
+def _after_fork_in_child() -> None:
+    SPARE_SLOTS.after_fork()  # the pool of the moment (tests swap it)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _host_slot(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -342,7 +378,8 @@ class SlotRing:
         # plain host memory: pooled between rings (page-locked memory is torch's to manage, a GPU's too)
         self.spared = not pin and torch.device(device).type == "cpu"
         if self.spared:
-            self.slots = [Slot(i, _host_slot(shape, dtype, f"batch slot {i + 1} of {n}")) for i in range(n)]
+            self.slots = [Slot(i, _host_slot(shape, dtype, f"batch slot {i + 1} of {n}"), pooled=True)
+                          for i in range(n)]
         else:
             self.slots = [Slot(i, allocate(shape, dtype, device, pin, what=f"batch slot {i + 1} of {n}"))
                           for i in range(n)]
@@ -369,7 +406,9 @@ class SlotRing:
             refs = slot.refs()
             if slot.busy or refs is None or refs > slot.baseline:
                 continue
-            flat = _over(slot.tensor, torch.uint8, (slot.tensor.numel() * slot.tensor.element_size(),))
+            # in a list the pool empties under its lock (SpareSlots.give): no reference of ours outlives the
+            # hand-over, so a ring made meanwhile on another thread sees the memory held by its slot alone
+            flat = [_over(slot.tensor, torch.uint8, (slot.tensor.numel() * slot.tensor.element_size(),))]
             slot.tensor = None  # type: ignore[assignment]  # the slot's hold on the memory ends here
             if _use_count(slot._storage) <= slot.baseline:  # flat alone holds it now
                 SPARE_SLOTS.give(flat)

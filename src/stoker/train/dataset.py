@@ -61,7 +61,8 @@ class CropDataset(torch.utils.data.IterableDataset):
 
     A grid's epoch (a source with ``complete_epochs``, on the CPU) is also read further ahead than
     ``cfg.lookahead_batches``: up to the whole epoch, as many batch slots as fit in a quarter of
-    ``cfg.host_buffer_bytes`` and 256 MiB (:func:`read_ahead`). Neighbouring tiles share chunks, and the compiled engine
+    ``cfg.host_buffer_bytes`` and 256 MiB (:func:`read_ahead`), and next to the pipeline's room for reading and
+    decoding one file's chunks (never fewer than ``lookahead_batches``). Neighbouring tiles share chunks, and the compiled engine
     decodes a chunk once for every batch in flight that needs it: a 128x256x256 volume's 32 chunks took
     about 100 decodes for its 32 tiles of 96^3 (batches of 4) at 2 batches ahead, 33-36 with all 8 in flight.
 
@@ -168,8 +169,8 @@ class CropDataset(torch.utils.data.IterableDataset):
         self._stop()
         run = self._run
         source = self._positioned()
-        cfg = read_ahead(self.cfg, source) if self._complete else self.cfg
-        with Pipeline(cfg) as pipeline:
+        ahead = read_ahead(self.cfg, source) if self._complete else 0
+        with Pipeline(self.cfg, read_ahead=ahead) as pipeline:
             self._live = pipeline
             pipeline.push(source)
             try:
@@ -208,24 +209,26 @@ class CropDataset(torch.utils.data.IterableDataset):
 READ_AHEAD_SHARE = 4
 
 
-def read_ahead(cfg: Config, source: RankShare) -> Config:
-    """``cfg`` with ``lookahead_batches`` raised for an epoch of tiles: up to the batches of ``source``'s epoch
-    left (less the one the consumer holds), as many slots as fit in ``host_buffer_bytes // READ_AHEAD_SHARE``
-    and in the spare slots' bound (``SPARE_SLOT_BYTES``), never fewer than ``cfg``'s. Only CPU pipelines: a
-    GPU's slots are in its memory.
+def read_ahead(cfg: Config, source: RankShare) -> int:
+    """The batches to make ahead over an epoch of tiles (``Pipeline(cfg, read_ahead=...)``): up to the batches
+    of ``source``'s epoch left (less the one the consumer holds), as many slots as fit in
+    ``host_buffer_bytes // READ_AHEAD_SHARE`` and in the spare slots' bound (``SPARE_SLOT_BYTES``), never fewer
+    than ``cfg.lookahead_batches``. A wish: the executor grants what host_buffer_bytes holds next to its room
+    for reading and decoding one file's chunks (CpuExecutor.prepare). Only CPU pipelines: a GPU's slots are in
+    its memory.
 
-    >>> read_ahead(stoker.Config(batch_size=4, dtype="f32"), grid.for_rank()).lookahead_batches   # 32 tiles of 96^3
+    >>> read_ahead(stoker.Config(batch_size=4, dtype="f32"), grid.for_rank())   # 32 tiles of 96^3
     7
     """
     on_cpu = cfg.device == "cpu" or (cfg.device is None and not torch.cuda.is_available())
     batches = -(-len(source) // cfg.batch_size)
     if not on_cpu or batches - 1 <= cfg.lookahead_batches:
-        return cfg
+        return cfg.lookahead_batches
     slot = cfg.batch_size * _sample_bytes(source.source.sample(source.epoch, 0), cfg)
     # within what a closed pipeline's spare slots keep, too: the next volume's slots are then these, not new pages
     fit = min(cfg.host_buffer_bytes // READ_AHEAD_SHARE, SPARE_SLOT_BYTES) // max(slot, 1)
     ahead = min(batches - 1, fit - 1)
-    return dataclasses.replace(cfg, lookahead_batches=ahead) if ahead > cfg.lookahead_batches else cfg
+    return max(ahead, cfg.lookahead_batches)
 
 
 def _sample_bytes(sample: Sample, cfg: Config) -> int:

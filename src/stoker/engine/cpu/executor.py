@@ -157,6 +157,10 @@ class CpuExecutor(SlotsDelivery):
         self.cfg = cfg
         self.stats = stats
         self.store = store
+        # batches made ahead: cfg's, raised at prepare towards ``read_ahead`` (a wish the pipeline sets before
+        # the first batch for a grid's epoch, Pipeline(read_ahead=...): see _read_further)
+        self.lookahead = cfg.lookahead_batches
+        self.read_ahead = 0
         self.n_slots = cfg.lookahead_batches + 1  # slots the consumer sees
         self.slots: SlotRing | None = None  # what batches are delivered from
         self.host_slots: SlotRing | None = None  # where they are assembled (the same ring here)
@@ -193,7 +197,7 @@ class CpuExecutor(SlotsDelivery):
         if work == dtype:
             return [(self.n_slots, dtype, self.staging)]
         return [(self.n_slots, dtype, self.staging),
-                (self.cfg.lookahead_batches, work, "float32 work slots for the transform (lookahead_batches)")]
+                (self.lookahead, work, "float32 work slots for the transform (lookahead_batches)")]
 
     def host_slot_bytes(self, slot_bytes: int) -> int:
         """Host memory one slot of ``slot_bytes`` takes."""
@@ -203,7 +207,7 @@ class CpuExecutor(SlotsDelivery):
         """BudgetExceeded unless the host slots plus ``transient`` fit host_buffer_bytes, with a breakdown."""
         cfg = self.cfg
         parts, held = [], 0
-        for n, ring_dtype, what in self.host_rings(dtype):
+        for n, ring_dtype, what in self.host_rings(dtype):  # at cfg's lookahead: read-ahead comes after
             slot_bytes = cfg.batch_size * math.prod(shape) * ring_dtype.itemsize
             host_slot = self.host_slot_bytes(slot_bytes)
             pinned = (f", each pinned as {host_slot:,} B (torch rounds pinned memory up to a power of two)"
@@ -233,6 +237,7 @@ class CpuExecutor(SlotsDelivery):
         chunk = max(size_class(r.metadata.codec.nbytes) for r in readers)
         transient = max(self.group_limit, 2 * chunk + size_class(1))
         self.check_budget(sample_shape, dtype, transient)
+        self._read_further(sample_shape, dtype, transient)
         self._make_slots((self.cfg.batch_size, *sample_shape), dtype)
         left = self.cfg.host_buffer_bytes - self.host_nbytes()
         threads = self.cfg.compute_threads
@@ -247,11 +252,27 @@ class CpuExecutor(SlotsDelivery):
                                  engine_budget=engine, group_limit=self.group_limit, shared=self.engine_share,
                                  native=native)
 
+    def _read_further(self, shape: tuple[int, ...], dtype: torch.dtype, transient: int) -> None:
+        """Raise :attr:`lookahead` towards ``read_ahead`` (a :class:`~stoker.CropDataset` over a grid asks for
+        it) by as many batches as host_buffer_bytes holds next to the slots at cfg's lookahead (which
+        check_budget found to fit) and ``transient``, the room one file's chunks need to be read and decoded:
+        never below cfg's, so a config that fits without read-ahead fits with it."""
+        if self.read_ahead <= self.lookahead:
+            return
+        held = step = 0
+        for n, ring_dtype, _ in self.host_rings(dtype):
+            slot = self.host_slot_bytes(self.cfg.batch_size * math.prod(shape) * ring_dtype.itemsize)
+            held, step = held + n * slot, step + slot  # each ring has one slot more per batch ahead
+        room = self.cfg.host_buffer_bytes - transient - held
+        more = min(self.read_ahead - self.lookahead, max(0, room) // max(step, 1))
+        self.lookahead += more
+        self.n_slots += more
+
     def _make_slots(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.slots = self.host_slots = SlotRing(self.n_slots, batch_shape, dtype)
         work = self.work_dtype(dtype)
         if work != dtype:
-            self.host_slots = SlotRing(self.cfg.lookahead_batches, batch_shape, work)
+            self.host_slots = SlotRing(self.lookahead, batch_shape, work)
 
     def host_nbytes(self) -> int:
         """Host memory the slot rings hold."""

@@ -372,7 +372,8 @@ class Stager:
                 continue
             src = sources[int(plan.chunk_source[cid])]
             items.append(Pending(cid, src.how, np.frombuffer(memoryview(data).cast("B"), np.uint8), src.nbytes))
-        self._counted(t0, sum(len(p.data) for p in items), counts)
+        if items:  # every chunk absent (the fill value): nothing read, no io event (as the CPU path's)
+            self._counted(t0, sum(len(p.data) for p in items), counts)
         return fills, items
 
     def _read_file(self, read: tuple) -> list[int] | None:

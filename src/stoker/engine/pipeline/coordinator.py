@@ -144,6 +144,12 @@ class Coordinator:
             finally:
                 self.cond.release()
 
+    def _lookahead(self) -> int:
+        """Batches made ahead: cfg's, or more where an executor reads further (CpuExecutor.lookahead, raised
+        at its prepare for a grid's epoch; the most of a pipeline's lanes)."""
+        executors = [self.executor, *self.lanes.executors()]
+        return max(getattr(e, "lookahead", self.cfg.lookahead_batches) for e in executors)
+
     def _slot_free(self) -> bool:
         """Whether a batch slot is free now (none is while every one is in flight or held by the consumer)."""
         return self.executor.held() < self.executor.n_slots
@@ -347,7 +353,7 @@ class Coordinator:
                 return not self.closed
             submit = submit or held
             if not submit and (not work or
-                               (not self.ahead.queue and len(self.inflight) > self.cfg.lookahead_batches + 1)):
+                               (not self.ahead.queue and len(self.inflight) > self._lookahead() + 1)):
                 gil.wait(self.cond, 0.1)
                 return not self.closed
         if submit:

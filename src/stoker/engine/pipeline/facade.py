@@ -55,7 +55,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...reader.array import ArrayReader
 from ...config import Config
@@ -72,11 +72,31 @@ from .intake import Intake
 from .lanes import Lanes, transform_fields
 from ..stats import FIELD_COUNTERS, Stats, StatsRecorder
 
+if TYPE_CHECKING:
+    import torch
+
+    from ..executor import Executor
+
+
+def _made(cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,
+          read_ahead: int = 0) -> Executor:
+    """The executor of ``cfg`` (``make_executor``), told how far a grid's epoch may be read ahead: an executor
+    that reads further (the CPU's ``read_ahead``, granted at its prepare within host_buffer_bytes) takes it,
+    another makes ``lookahead_batches`` ahead."""
+    executor = make_executor(cfg, device, stats, store)  # looked up now: tests swap it
+    if read_ahead > cfg.lookahead_batches and hasattr(executor, "read_ahead"):
+        executor.read_ahead = read_ahead  # type: ignore[attr-defined]  # the CPU executor's alone
+    return executor
+
 
 class Pipeline:
-    """Turns a stream of :class:`~stoker.Sample` into batches. One per rank; see the module docstring."""
+    """Turns a stream of :class:`~stoker.Sample` into batches. One per rank; see the module docstring.
 
-    def __init__(self, cfg: Config) -> None:
+    ``read_ahead`` (keyword): batches to make ahead beyond ``cfg.lookahead_batches`` where host memory allows
+    (on the CPU; :class:`~stoker.CropDataset` asks for it over a grid's epoch), never fewer than cfg's.
+    """
+
+    def __init__(self, cfg: Config, *, read_ahead: int = 0) -> None:
         self._pid = os.getpid()  # the process whose threads serve it (see _check_process)
         if not isinstance(cfg, Config):
             raise InvalidArgument(f"Pipeline needs a stoker.Config, got {type(cfg).__name__}")
@@ -86,7 +106,7 @@ class Pipeline:
         self._store = LocalStore()
         # the slots and the work on them: in host memory, or staged for a GPU (no thread starts before the
         # first batch)
-        self._executor = make_executor(cfg, self.device, self._stats, self._store)
+        self._executor = _made(cfg, self.device, self._stats, self._store, read_ahead)
         if cfg.sample_shape is not None and cfg.output_dtype is not None:
             self._executor.check_budget(cfg.sample_shape, cfg.output_dtype, transient=0)
         # lock rank 2 (see the module docstring): guards the intake, the batches in flight and the flags below
@@ -94,7 +114,8 @@ class Pipeline:
         self._intake = Intake(cfg, self._cond)
         # samples of named fields: one executor per field (made at the first such batch; see .lanes), made as
         # this one is (a partial, not a closure over self: the coordinator's thread must not keep the pipeline)
-        lanes = Lanes(cfg, functools.partial(make_executor, device=self.device, stats=self._stats, store=self._store),
+        lanes = Lanes(cfg, functools.partial(_made, device=self.device, stats=self._stats, store=self._store,
+                                             read_ahead=read_ahead),
                       on_device=self.device.type == "cuda")
         self._coordinator = Coordinator(cfg, self._intake, self._executor, self._stats, self._store, lanes)
         self._error: BaseException | None = None
