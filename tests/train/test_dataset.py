@@ -325,8 +325,9 @@ def test_a_grid_is_read_ahead_so_its_chunks_are_decoded_about_once(tiles_volume,
             time.sleep(0.01)  # a model's step: slower than the reads
         assert got == 16
     # 16 chunks: 16-22 decodes a run where the coordinator submits the batches before the engine's threads
-    # are through the first one's chunks, 30 seen on a machine loaded 5 times over; at 2 batches ahead 32-41
-    assert sum(decoded) <= 3 * (16 + 8), decoded
+    # are through the first one's chunks (a race: 30 seen in a run on a machine loaded 5 times over, so the
+    # best of three runs is asked); at 2 batches ahead 32-41 in every run
+    assert min(decoded) <= 16 + 8, decoded
 
 
 def test_read_ahead_stays_within_its_share_of_host_memory():
