@@ -320,3 +320,72 @@ def test_an_incoming_write_near_2_to_63_bytes_still_evicts(tmp_path, scan):
     (tmp_path / "aa" / E).write_bytes(b"x" * 100)  # total + incoming passes 2^63: once it wrapped, under the bound
     _, evicted, _ = scan(str(tmp_path), 1 << 40, 0, (1 << 63) - 1, BLOCK, False)
     assert evicted == 1 and not (tmp_path / "aa").exists()
+
+
+def _churn(root: str, target: str, stop, seed: int) -> None:  # another process: entries, folders, links, files
+    import random
+
+    draw = random.Random(seed)
+    while not stop.is_set():
+        k = draw.randrange(8)
+        sub = os.path.join(root, "%02x" % draw.randrange(8))
+        try:
+            if k == 0:
+                os.makedirs(sub, exist_ok=True)
+                with open(os.path.join(sub, "%032x" % draw.getrandbits(128)), "wb") as f:
+                    f.write(b"x" * draw.randrange(1, 9000))
+            elif k == 1:
+                shutil.rmtree(sub, ignore_errors=True)
+            elif k == 2:
+                os.rename(sub, sub + ".x")
+                shutil.rmtree(sub + ".x", ignore_errors=True)
+            elif k == 3:  # a folder replaced by a file
+                shutil.rmtree(sub, ignore_errors=True)
+                open(sub, "wb").close()
+            elif k == 4:  # by a link to a folder outside the cache holding entry-named files
+                shutil.rmtree(sub, ignore_errors=True)
+                os.symlink(target, sub)
+            elif k == 5:
+                os.unlink(sub)
+            elif k == 6:  # odd names: not UTF-8, the longest a file system takes
+                os.makedirs(sub, exist_ok=True)
+                open(os.path.join(os.fsencode(sub), b"\xff\xfe" + b"n" * 200), "wb").close()
+                os.makedirs(os.path.join(os.fsencode(root), b"\xfe" + b"d" * 254), exist_ok=True)
+            elif k == 7:
+                os.makedirs(sub, exist_ok=True)
+                open(os.path.join(sub, ".%032x.tmp-1" % draw.getrandbits(128)), "wb").close()
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_scans_beside_processes_changing_the_folder_keep_to_it(tmp_path, scan):
+    """Folders made, removed, renamed, replaced by files and by links to outside while the scan runs: it
+    answers sane totals, and never unlinks outside the cache."""
+    import multiprocessing
+    import random
+
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    kept = [outside / ("%032x" % i) for i in range(16)]
+    for p in kept:
+        p.write_bytes(b"precious")
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    stop = ctx.Event()
+    workers = [ctx.Process(target=_churn, args=(str(root), str(outside), stop, seed)) for seed in (1, 2)]
+    for w in workers:
+        w.start()
+    draw, scans, t0 = random.Random(0), 0, time.monotonic()
+    try:
+        while time.monotonic() - t0 < 3:
+            bound = draw.randrange(0, 200_000)
+            total, evicted, temp = scan(str(root), bound, bound // 2, draw.randrange(0, 5000), BLOCK,
+                                        draw.random() < 0.5)
+            assert total >= 0 and evicted >= 0 and all(isinstance(t, bytes) for t in temp)
+            scans += 1
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=30)
+    assert scans > 0 and all(p.read_bytes() == b"precious" for p in kept)
