@@ -21,6 +21,7 @@ import ctypes
 import itertools
 import mmap
 import os
+import sys
 from array import array
 
 import crc32c
@@ -1645,6 +1646,45 @@ def test_the_engines_crc32c_is_the_crc32c_packages():
     assert _crc_mismatches() == []
 
 
+def _crc_path_for_this_cpu(no_fold: bool) -> str:
+    """The way the engine's crc32c must go on this CPU, from /proc/cpuinfo's flags (as entries.c decides)."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    if "sse4_2" not in flags:
+        return "table"
+    if not no_fold and {"avx512f", "avx512vl", "vpclmulqdq", "pclmulqdq"} <= flags:
+        return "fold"
+    return "sse42"
+
+
+def _crc_path_in_child(value: str | None) -> str:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "STOKER_NO_CRC_FOLD"}
+    if value is not None:
+        env["STOKER_NO_CRC_FOLD"] = value
+    code = "from stoker import _native; print(_native.crc32c_path())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and os.uname().machine == "x86_64"),
+                    reason="the CPU's flags read from /proc/cpuinfo (x86-64 Linux)")
+def test_the_crc32c_goes_the_way_the_cpu_and_stoker_no_crc_fold_say():
+    """So the test below compares the folding with the crc32 instruction, not a way with itself: the folding
+    where the CPU has it, refused by STOKER_NO_CRC_FOLD=1/true/yes only (0, no, empty: the CPU's way)."""
+    from stoker import _native
+
+    assert _native.crc32c_path() == _crc_path_for_this_cpu(os.environ.get("STOKER_NO_CRC_FOLD", "").lower()
+                                                           in ("1", "true", "yes"))
+    for value in ("1", "true", "YES"):
+        assert _crc_path_in_child(value) == _crc_path_for_this_cpu(True), value
+    for value in (None, "0", "no", "false", ""):
+        assert _crc_path_in_child(value) == _crc_path_for_this_cpu(False), value
+
+
 def test_the_crc32c_without_folding_is_the_crc32c_packages():
     """The crc32 instruction's three streams alone, as a CPU without VPCLMULQDQ runs them (STOKER_NO_CRC_FOLD,
     read once a process: in a child), give the package's values too, as the folding does (this process)."""
@@ -1653,7 +1693,8 @@ def test_the_crc32c_without_folding_is_the_crc32c_packages():
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    code = "import json\nfrom test_native_fuzz import _crc_mismatches\nprint(json.dumps(_crc_mismatches()))\n"
+    code = ("import json\nfrom stoker import _native\nassert _native.crc32c_path() != 'fold', 'still folding'\n"
+            "from test_native_fuzz import _crc_mismatches\nprint(json.dumps(_crc_mismatches()))\n")
     env = dict(os.environ, STOKER_NO_CRC_FOLD="1",
                PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

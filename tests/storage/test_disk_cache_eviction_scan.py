@@ -12,6 +12,7 @@ import shutil
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -156,3 +157,235 @@ def test_a_folder_not_made_yet_or_a_bad_path_is_answered_alike(tmp_path):
         assert scan(str(tmp_path / "none"), 1, 0, 10, BLOCK, False) == (0, 0, [])
     with pytest.raises(ValueError):
         native.evict_entries(str(tmp_path) + "\0x", 1, 0, 10, BLOCK, False)
+
+
+E = "0123456789abcdef0123456789abcdef"
+SCANS = [pytest.param(diskcache.evict_entries, id="twin"), pytest.param(lambda *a: native.evict_entries(*a), id="C")]
+
+
+def _race_folders(tmp_path):
+    """A cache folder with one entry in ``aa``, and outside it a file of the same name another process may point
+    a link at."""
+    root, victim = tmp_path / "cache", tmp_path / "victim"
+    (root / "aa").mkdir(parents=True)
+    victim.mkdir()
+    (root / "aa" / E).write_bytes(b"x" * 10_000)
+    (victim / E).write_bytes(b"precious")
+    return root, victim
+
+
+def _swap(root, victim) -> None:  # another process: the subfolder moved away and a link to outside put at its name
+    os.rename(root / "aa", root / "aa.moved")
+    os.symlink(victim, root / "aa")
+
+
+def test_the_twin_never_unlinks_through_a_subfolder_swapped_for_a_link(tmp_path, monkeypatch):
+    root, victim = _race_folders(tmp_path)
+    real_open, real_unlink, swapped = os.open, os.unlink, []
+
+    def swap_first():
+        if not swapped:
+            swapped.append(1)
+            _swap(root, victim)
+
+    def open_(path, flags, *args, **kwargs):  # the swap lands between the listing and the eviction's first call
+        if kwargs.get("dir_fd") is not None and path == "aa":
+            swap_first()
+        return real_open(path, flags, *args, **kwargs)
+
+    def unlink(path, *args, **kwargs):
+        swap_first()
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "unlink", unlink)
+    total, evicted, _ = diskcache.evict_entries(str(root), 0, 0, 1, BLOCK, False)
+    monkeypatch.undo()
+    assert swapped, "the eviction never reached the folder"
+    assert (victim / E).read_bytes() == b"precious"
+    assert evicted == 0 and (root / "aa.moved" / E).exists()  # not this scan's folder any more: left alone
+
+
+# stands in for another process acting between the scan's listing and its eviction: on the scan's first unlinkat,
+# or its second open of "aa" (the first lists it), $ROOT/aa is moved away and a link to $VICTIM put at its name
+_SWAP_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+static int done, opens;
+static void swap(void) {
+    if (done || !getenv("VICTIM") || !getenv("ROOT")) return;
+    done = 1;
+    char sub[4096], moved[4200];
+    snprintf(sub, sizeof sub, "%s/aa", getenv("ROOT"));
+    snprintf(moved, sizeof moved, "%s.moved", sub);
+    rename(sub, moved);
+    symlink(getenv("VICTIM"), sub);
+}
+int unlinkat(int fd, const char *path, int flags) {
+    static int (*real)(int, const char *, int);
+    if (!real) real = (int (*)(int, const char *, int))dlsym(RTLD_NEXT, "unlinkat");
+    swap();
+    return real(fd, path, flags);
+}
+#define OPENAT(NAME)                                                                                       \
+    int NAME(int fd, const char *path, int flags, ...) {                                                   \
+        static int (*real)(int, const char *, int, ...);                                                   \
+        if (!real) real = (int (*)(int, const char *, int, ...))dlsym(RTLD_NEXT, #NAME);                   \
+        va_list ap; va_start(ap, flags); int mode = va_arg(ap, int); va_end(ap);                           \
+        if (strcmp(path, "aa") == 0 && ++opens == 2) swap();                                               \
+        return real(fd, path, flags, mode);                                                                \
+    }
+OPENAT(openat)
+OPENAT(openat64)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("gcc") is None,
+                    reason="the race is staged with an LD_PRELOAD library built by gcc (Linux)")
+def test_the_compiled_scan_never_unlinks_through_a_subfolder_swapped_for_a_link(tmp_path):
+    import subprocess
+
+    (tmp_path / "swap.c").write_text(_SWAP_C)
+    lib = tmp_path / "swap.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "swap.c"), "-ldl"], check=True,
+                   timeout=60)
+    root, victim = _race_folders(tmp_path)
+    preload = " ".join(p for p in (os.environ.get("LD_PRELOAD", ""), str(lib)) if p)  # a sanitizer's stays first
+    env = {**os.environ, "LD_PRELOAD": preload, "ROOT": str(root), "VICTIM": str(victim),
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    code = (f"from stoker import _native; print(_native.evict_entries({str(root)!r}, 0, 0, 1, {BLOCK}, False)[1])")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert (root / "aa.moved").is_dir(), "the race was not staged"
+    assert (victim / E).read_bytes() == b"precious"
+    assert run.stdout.split() == ["0"] and (root / "aa.moved" / E).exists()
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_a_folder_over_its_bound_with_no_entry_is_scanned_whole(tmp_path, scan):
+    (tmp_path / "aa").mkdir()  # no entry listed: nothing to sort (qsort of none was undefined under UBSan)
+    assert scan(str(tmp_path), 0, 0, 1, BLOCK, False) == diskcache.evict_entries(str(tmp_path), 0, 0, 1, BLOCK,
+                                                                                    False)
+    assert (tmp_path / "aa").is_dir()
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_an_mtime_past_2262_is_still_the_newest(tmp_path, scan):
+    d = tmp_path / "aa"
+    d.mkdir()
+    for name, mtime in (("a" * 32, 10**10 * 10**9), ("b" * 32, 10**9 * 10**9)):  # 2286 (its ns overflow), 2001
+        (d / name).write_bytes(b"x" * 100)
+        os.utime(d / name, ns=(mtime, mtime))
+    total = diskcache.evict_entries(str(tmp_path), 1 << 40, 0, 0, BLOCK, False)[0]
+    _, evicted, _ = scan(str(tmp_path), 0, total - 1, 1, BLOCK, False)  # one entry out: the least recent
+    assert evicted == 1 and os.listdir(d) == ["a" * 32]
+
+
+def _sparse(d, names, size) -> None:
+    d.mkdir(exist_ok=True)
+    for name in names:
+        fd = os.open(d / name, os.O_CREAT | os.O_WRONLY)
+        try:
+            os.ftruncate(fd, size)
+        except OSError as e:
+            pytest.skip(f"this file system holds no sparse file of {size} bytes: {e}")
+        finally:
+            os.close(fd)
+
+
+def test_sparse_files_claiming_past_2_to_63_bytes_are_still_evicted(tmp_path):
+    # two sparse entries of 1.5 * 2^62 bytes each: their sum passes 2^63, and a total that wrapped read as a
+    # folder under its bound (nothing evicted)
+    import tempfile
+
+    size = (1 << 62) + (1 << 61)
+    # tmpfs holds such a file where ext4 (EFBIG) does not
+    root = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else str(tmp_path)
+    try:
+        _sparse(Path(root) / "aa", ("a" * 32, "b" * 32), size)
+        total, evicted, _ = native.evict_entries(root, 1 << 62, 1 << 61, 0, BLOCK, False)
+        assert evicted >= 1 and 0 <= total <= 1 << 61
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_an_incoming_write_near_2_to_63_bytes_still_evicts(tmp_path, scan):
+    (tmp_path / "aa").mkdir()
+    (tmp_path / "aa" / E).write_bytes(b"x" * 100)  # total + incoming passes 2^63: once it wrapped, under the bound
+    _, evicted, _ = scan(str(tmp_path), 1 << 40, 0, (1 << 63) - 1, BLOCK, False)
+    assert evicted == 1 and not (tmp_path / "aa").exists()
+
+
+def _churn(root: str, target: str, stop, seed: int) -> None:  # another process: entries, folders, links, files
+    import random
+
+    draw = random.Random(seed)
+    while not stop.is_set():
+        k = draw.randrange(8)
+        sub = os.path.join(root, "%02x" % draw.randrange(8))
+        try:
+            if k == 0:
+                os.makedirs(sub, exist_ok=True)
+                with open(os.path.join(sub, "%032x" % draw.getrandbits(128)), "wb") as f:
+                    f.write(b"x" * draw.randrange(1, 9000))
+            elif k == 1:
+                shutil.rmtree(sub, ignore_errors=True)
+            elif k == 2:
+                os.rename(sub, sub + ".x")
+                shutil.rmtree(sub + ".x", ignore_errors=True)
+            elif k == 3:  # a folder replaced by a file
+                shutil.rmtree(sub, ignore_errors=True)
+                open(sub, "wb").close()
+            elif k == 4:  # by a link to a folder outside the cache holding entry-named files
+                shutil.rmtree(sub, ignore_errors=True)
+                os.symlink(target, sub)
+            elif k == 5:
+                os.unlink(sub)
+            elif k == 6:  # odd names: not UTF-8, the longest a file system takes
+                os.makedirs(sub, exist_ok=True)
+                open(os.path.join(os.fsencode(sub), b"\xff\xfe" + b"n" * 200), "wb").close()
+                os.makedirs(os.path.join(os.fsencode(root), b"\xfe" + b"d" * 254), exist_ok=True)
+            elif k == 7:
+                os.makedirs(sub, exist_ok=True)
+                open(os.path.join(sub, ".%032x.tmp-1" % draw.getrandbits(128)), "wb").close()
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_scans_beside_processes_changing_the_folder_keep_to_it(tmp_path, scan):
+    """Folders made, removed, renamed, replaced by files and by links to outside while the scan runs: it
+    answers sane totals, and never unlinks outside the cache."""
+    import multiprocessing
+    import random
+
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    kept = [outside / ("%032x" % i) for i in range(16)]
+    for p in kept:
+        p.write_bytes(b"precious")
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    stop = ctx.Event()
+    workers = [ctx.Process(target=_churn, args=(str(root), str(outside), stop, seed)) for seed in (1, 2)]
+    for w in workers:
+        w.start()
+    draw, scans, t0 = random.Random(0), 0, time.monotonic()
+    try:
+        while time.monotonic() - t0 < 3:
+            bound = draw.randrange(0, 200_000)
+            total, evicted, temp = scan(str(root), bound, bound // 2, draw.randrange(0, 5000), BLOCK,
+                                        draw.random() < 0.5)
+            assert total >= 0 and evicted >= 0 and all(isinstance(t, bytes) for t in temp)
+            scans += 1
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=30)
+    assert scans > 0 and all(p.read_bytes() == b"precious" for p in kept)

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -28,7 +29,6 @@
 #define POLY 0x82F63B78u /* crc32c, reflected */
 
 static uint32_t table[256];
-static pthread_once_t table_once = PTHREAD_ONCE_INIT;
 
 static void make_table(void) {
     for (uint32_t n = 0; n < 256; n++) {
@@ -208,25 +208,49 @@ FOLD_TARGET static uint32_t crc_fold(uint32_t crc, const unsigned char *p, size_
 }
 #endif
 
+/* the way crc32c_of goes, chosen once a process: 0 the table, 1 the crc32 instruction (SSE4.2), 2 and the folding */
+static int crc_path = -1;
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+/* STOKER_NO_CRC_FOLD=1 (or true, yes: any case) keeps to the crc32 instruction; unset, 0, false, no do not */
+static int fold_refused(void) {
+    const char *v = getenv("STOKER_NO_CRC_FOLD");
+    return v != NULL && (strcmp(v, "1") == 0 || strcasecmp(v, "true") == 0 || strcasecmp(v, "yes") == 0);
+}
+
+static void choose_crc_path(void) {
+    int path = 0;
+#ifdef HAVE_HW
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("sse4.2"))
+        path = 1;
+    if (path && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul") && !fold_refused())
+        path = 2;
+#endif
+    if (path == 0)
+        make_table();
+    crc_path = path;
+}
+
+/* The module's init calls this with the GIL held, so the environment is read there, once, and never on the
+ * engine's worker threads (getenv beside a setenv is a data race); later calls only return. */
+void crc32c_init(void) { pthread_once(&crc_once, choose_crc_path); }
+
+const char *crc32c_path(void) {
+    crc32c_init();
+    return crc_path == 2 ? "fold" : crc_path == 1 ? "sse42" : "table";
+}
+
 uint32_t crc32c_of(uint32_t crc, const void *data, size_t n) {
     uint32_t c = ~crc;
+    crc32c_init(); /* done at module init: here, a load */
 #ifdef HAVE_HW
-    static int hw = -1; /* 0: none; 1: the crc32 instruction; 2: and the folding */
-    int has = __atomic_load_n(&hw, __ATOMIC_RELAXED);
-    if (has < 0) {
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("sse4.2") ? 1 : 0;
-        if (has && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-            __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul") && !getenv("STOKER_NO_CRC_FOLD"))
-            has = 2;
-        __atomic_store_n(&hw, has, __ATOMIC_RELAXED);
-    }
-    if (has == 2 && n >= FOLD_MIN)
+    if (crc_path == 2 && n >= FOLD_MIN)
         return ~crc_fold(c, data, n);
-    if (has)
+    if (crc_path)
         return ~crc_hw(c, data, n);
 #endif
-    pthread_once(&table_once, make_table);
     return ~crc_soft(c, data, n);
 }
 

@@ -33,14 +33,31 @@
 
 #define ENTRY_NAME 32 /* hex digits of an entry's name */
 
+#if defined(__APPLE__) /* the same times under another name (as io.c) */
+#define MTIME(st) ((st)->st_mtimespec)
+#else
+#define MTIME(st) ((st)->st_mtim)
+#endif
+
+/* a + b, held at LLONG_MAX / LLONG_MIN: a file's size is the file system's to say (a sparse one may claim
+ * almost 2^63 bytes), and a total that wrapped would read as an empty folder (nothing evicted) */
+static long long add_sat(long long a, long long b) {
+    long long s;
+    if (__builtin_add_overflow(a, b, &s))
+        return b > 0 ? LLONG_MAX : LLONG_MIN;
+    return s;
+}
+
 typedef struct {
-    long long mtime_ns, held;
-    int folder;                  /* index in the folders */
+    long long mtime_s, mtime_ns, held; /* the mtime as (seconds, ns): seconds * 10^9 overflows past 2262 */
+    size_t folder;               /* index in the folders */
     char name[ENTRY_NAME + 1];
 } entry;
 
 typedef struct {
-    char name[sizeof(((struct dirent *)0)->d_name)]; /* as readdir gives it */
+    char name[NAME_MAX + 1]; /* as readdir gives it (a longer name, where d_name allows one, is skipped) */
+    dev_t dev; /* the subfolder scanned: an unlink goes through it only while it is still this one */
+    ino_t ino;
     long long allocated; /* the subfolder's own blocks */
     long long names;     /* the names in it, while it is scanned then as entries go */
     int temp;            /* holds a file named like a temporary one */
@@ -87,6 +104,8 @@ static int room_for(void **items, size_t *cap, size_t n, size_t size) {
 /* least recently used first, then by size and path (as the Python twin: the folders are sorted by name) */
 static int older(const void *a, const void *b) {
     const entry *x = a, *y = b;
+    if (x->mtime_s != y->mtime_s)
+        return x->mtime_s < y->mtime_s ? -1 : 1;
     if (x->mtime_ns != y->mtime_ns)
         return x->mtime_ns < y->mtime_ns ? -1 : 1;
     if (x->held != y->held)
@@ -112,10 +131,12 @@ static int list_root(int root_fd, long long block, folder **folders, size_t *n_f
     }
     size_t cap = 0;
     int bad = 0;
+    long long total0 = *total;
     struct dirent *d;
-    while ((d = readdir(dir)) != NULL) {
+    while ((errno = 0, d = readdir(dir)) != NULL) {
         struct stat st;
-        if (dots(d->d_name) || AGAIN(fstatat(root_fd, d->d_name, &st, AT_SYMLINK_NOFOLLOW)) != 0)
+        if (dots(d->d_name) || strlen(d->d_name) > NAME_MAX ||
+            AGAIN(fstatat(root_fd, d->d_name, &st, AT_SYMLINK_NOFOLLOW)) != 0)
             continue; /* removed since listed */
         if (S_ISDIR(st.st_mode)) {
             if ((bad = room_for((void **)folders, &cap, *n_folders, sizeof **folders)))
@@ -125,17 +146,21 @@ static int list_root(int root_fd, long long block, folder **folders, size_t *n_f
             strcpy(f->name, d->d_name);
         } else if (strcmp(d->d_name, ".index") == 0) { /* its block, even before its first write gives it one */
             long long held = allocated_of(&st);
-            *total += held > block ? held : block;
+            *total = add_sat(*total, held > block ? held : block);
         } else {
-            *total += allocated_of(&st); /* anything else kept here */
+            *total = add_sat(*total, allocated_of(&st)); /* anything else kept here */
         }
+    }
+    if (bad == 0 && d == NULL && errno != 0) { /* the listing failed part way: none of it, as the Python twin */
+        *n_folders = 0;
+        *total = total0;
     }
     closedir(dir);
     return bad;
 }
 
 /* one subfolder's names measured: its entries appended, the rest counted */
-static int list_folder(int root_fd, folder *f, int index, entry **entries, size_t *n_entries, size_t *cap,
+static int list_folder(int root_fd, folder *f, size_t index, entry **entries, size_t *n_entries, size_t *cap,
                        long long *total) {
     int fd = AGAIN(openat(root_fd, f->name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     if (fd < 0)
@@ -150,27 +175,39 @@ static int list_folder(int root_fd, folder *f, int index, entry **entries, size_
         close(fd);
         return 0;
     }
+    long long total0 = *total;
     f->allocated = allocated_of(&st);
-    *total += f->allocated;
+    f->dev = st.st_dev;
+    f->ino = st.st_ino;
+    *total = add_sat(*total, f->allocated);
     int bad = 0;
+    size_t n0 = *n_entries;
     struct dirent *d;
-    while ((d = readdir(dir)) != NULL) {
+    while ((errno = 0, d = readdir(dir)) != NULL) {
         if (dots(d->d_name) || AGAIN(fstatat(fd, d->d_name, &st, AT_SYMLINK_NOFOLLOW)) != 0)
             continue;
         f->names++;
         long long held = allocated_of(&st);
-        *total += held; /* entries, markers (none), live writers' temporary files, anything else */
+        *total = add_sat(*total, held); /* entries, markers (none), live writers' temporary files, anything else */
         if (is_temp_name(d->d_name))
             f->temp = 1;
         if (is_entry_name(d->d_name)) {
             if ((bad = room_for((void **)entries, cap, *n_entries, sizeof **entries)))
                 break;
             entry *e = &(*entries)[(*n_entries)++];
-            e->mtime_ns = (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+            e->mtime_s = (long long)MTIME(&st).tv_sec;
+            e->mtime_ns = (long long)MTIME(&st).tv_nsec;
             e->held = held;
             e->folder = index;
             memcpy(e->name, d->d_name, ENTRY_NAME + 1);
         }
+    }
+    if (bad == 0 && d == NULL && errno != 0) { /* the listing failed part way: the folder skipped, as the twin */
+        *total = total0;
+        *n_entries = n0;
+        f->names = 0;
+        f->temp = 0;
+        f->allocated = 0;
     }
     closedir(dir);
     return bad;
@@ -192,7 +229,7 @@ int evict_entries(const char *root, long long bound, long long target, long long
     if (n_folders > 1)
         qsort(folders, n_folders, sizeof *folders, by_name);
     for (size_t i = 0; bad == 0 && i < n_folders; i++)
-        bad = list_folder(root_fd, &folders[i], (int)i, &entries, &n_entries, &cap, &out->total);
+        bad = list_folder(root_fd, &folders[i], i, &entries, &n_entries, &cap, &out->total);
     if (bad == 0)
         for (size_t i = 0; i < n_folders; i++)
             if (folders[i].temp) {
@@ -207,22 +244,41 @@ int evict_entries(const char *root, long long bound, long long target, long long
                 out->temp_len += len;
                 out->n_temp++;
             }
-    if (bad == 0 && !(hold_if_temp && out->n_temp) && out->total + incoming > bound) {
-        qsort(entries, n_entries, sizeof *entries, older);
-        char path[sizeof folders->name + 1 + ENTRY_NAME + 1];
+    long long need;
+    int over = __builtin_add_overflow(out->total, incoming, &need) ? incoming > 0 : need > bound;
+    if (bad == 0 && !(hold_if_temp && out->n_temp) && over) {
+        if (n_entries > 1) /* (qsort's base is declared non-null: none listed leaves entries NULL) */
+            qsort(entries, n_entries, sizeof *entries, older);
+        int dir_fd = -1, dir_gone = 0;
+        size_t dir_of = SIZE_MAX; /* the subfolder last unlinked in, open (or gone) */
         for (size_t i = 0; i < n_entries && out->total > target; i++) {
             entry *e = &entries[i];
             folder *f = &folders[e->folder];
-            strcpy(path, f->name);
-            strcat(path, "/");
-            strcat(path, e->name);
-            if (AGAIN(unlinkat(root_fd, path, 0)) != 0 && errno != ENOENT)
+            /* through the subfolder scanned, never a link put at its name since (which would unlink a file of
+             * an entry's name outside the cache): opened not following one, and still the folder listed */
+            if (dir_of != e->folder) {
+                if (dir_fd >= 0)
+                    close(dir_fd);
+                struct stat ds;
+                dir_of = e->folder;
+                dir_fd = AGAIN(openat(root_fd, f->name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+                dir_gone = dir_fd < 0 && errno == ENOENT; /* its entries gone with it, as an unlink's ENOENT */
+                if (dir_fd >= 0 && (AGAIN(fstat(dir_fd, &ds)) != 0 || ds.st_dev != f->dev || ds.st_ino != f->ino)) {
+                    close(dir_fd);
+                    dir_fd = -1;
+                }
+            }
+            if (dir_fd < 0 && !dir_gone)
+                continue; /* replaced since listed (a link, another folder): its names are not this scan's */
+            if (dir_fd >= 0 && AGAIN(unlinkat(dir_fd, e->name, 0)) != 0 && errno != ENOENT)
                 continue; /* a reader that opened it reads on; later ones miss */
             out->total -= e->held;
             out->evicted++;
             if (--f->names == 0 && AGAIN(unlinkat(root_fd, f->name, AT_REMOVEDIR)) == 0)
                 out->total -= f->allocated; /* emptied: its block freed (a write makes it again, under the lock) */
         }
+        if (dir_fd >= 0)
+            close(dir_fd);
     }
     free(entries);
     free(folders);

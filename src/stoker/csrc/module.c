@@ -38,6 +38,7 @@ int add_interface(PyObject *m) {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, NULL, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__native(void) {
+    crc32c_init(); /* STOKER_NO_CRC_FOLD read here, the GIL held, not on a worker thread (entries.c) */
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;

@@ -297,6 +297,11 @@ static PyObject *crc32c_py(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyLong_FromUnsignedLong(crc);
 }
 
+/* crc32c_path() -> str: the way crc32c goes in this process (a debug hook for the tests) */
+static PyObject *crc32c_path_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return PyUnicode_FromString(crc32c_path());
+}
+
 /* read_files(paths, max_bytes) -> list: a read-only memoryview of each regular file's whole bytes (None: missing,
  * not a regular file, a link, larger than max_bytes, or a read error), its modification time set to now where
  * allowed (the disk cache's LRU clock: a hit is a use). Per READ_GROUP files the GIL is released twice, not per
@@ -550,6 +555,9 @@ PyMethodDef engine_functions[] = {
     {"crc32c", crc32c_py, METH_VARARGS,
      "crc32c(data, value=0) -> int: the crc32c (Castagnoli) of data continuing value, as the crc32c package's: "
      "how the engine checks disk-cache entries."},
+    {"crc32c_path", crc32c_path_py, METH_NOARGS,
+     "crc32c_path() -> str: the way crc32c goes in this process: 'fold' (AVX-512 VPCLMULQDQ), 'sse42' (the crc32 "
+     "instruction; also where STOKER_NO_CRC_FOLD=1, true or yes at import) or 'table'."},
     {"read_files", read_files_py, METH_VARARGS,
      "read_files(paths, max_bytes) -> list: a read-only memoryview of each regular file's whole bytes, or None "
      "(missing, not a regular file, a symbolic link, larger than max_bytes, or unreadable); each file read is "

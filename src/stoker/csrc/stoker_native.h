@@ -130,6 +130,10 @@ int on_local_fs(int fd);
 enum { ENTRY_GONE = 1, ENTRY_UNREADABLE, ENTRY_SIZE, ENTRY_LAYOUT, ENTRY_OTHER_IDENT, ENTRY_CHECKSUM };
 /* crc32c (Castagnoli) of n bytes continuing ``crc`` (0 to start), as the crc32c package's crc32c(data, crc) */
 uint32_t crc32c_of(uint32_t crc, const void *data, size_t n);
+/* choose crc32c_of's way once (the CPU's features, STOKER_NO_CRC_FOLD): the module's init calls it, GIL held */
+void crc32c_init(void);
+/* the way chosen: "fold" (AVX-512 VPCLMULQDQ), "sse42" (the crc32 instruction) or "table" */
+const char *crc32c_path(void);
 /* Read the entry file ``path`` whole into ``buf`` (room for ENTRY_HEADER_BYTES + ident_len + max_stored bytes)
  * and check it: a regular file (not followed if a link), its header, its ident equal to ``ident``, its payload
  * at most ``max_stored`` bytes and its checksum; touch it (its modification time now: the cache's LRU clock,

@@ -700,7 +700,7 @@ def evict_entries(root: str, bound: int, target: int, incoming: int, block: int,
     """
     entries: list[tuple[int, int, str, str]] = []
     total = _allocated(root)
-    folders: dict[str, list[int]] = {}  # subfolder -> [its own allocation, names in it]
+    folders: dict[str, list[int]] = {}  # subfolder -> [its own allocation, names in it, st_dev, st_ino]
     try:
         listing = list(os.scandir(root))
     except OSError:
@@ -708,7 +708,7 @@ def evict_entries(root: str, bound: int, target: int, incoming: int, block: int,
     for e in listing:
         try:
             if e.is_dir(follow_symlinks=False):
-                folders[e.name] = [0, 0]
+                folders[e.name] = [0, 0, -1, -1]
             elif e.name == ".index":  # its block, even before its first write gives it one
                 total += max(_allocated_of(e.stat(follow_symlinks=False)), block)
             else:
@@ -719,10 +719,11 @@ def evict_entries(root: str, bound: int, target: int, incoming: int, block: int,
     for name, counts in folders.items():
         folder = os.path.join(root, name)
         try:
+            st = os.lstat(folder)
             names = list(os.scandir(folder))
-            counts[0] = _allocated(folder)
         except OSError:
             continue
+        counts[0], counts[2], counts[3] = _allocated_of(st), st.st_dev, st.st_ino
         total += counts[0]
         held_temp = False
         for e in names:
@@ -742,25 +743,56 @@ def evict_entries(root: str, bound: int, target: int, incoming: int, block: int,
     evicted = 0
     if total + incoming > bound and not (hold_if_temp and temp):
         entries.sort()
-        for _, held, name, entry in entries:
-            if total <= target:
-                break
-            try:
-                os.unlink(os.path.join(root, name, entry))  # a reader that opened it reads on; later ones miss
-            except FileNotFoundError:
-                pass
-            except OSError:
-                continue
-            total -= held
-            evicted += 1
-            counts = folders[name]
-            counts[1] -= 1
-            if counts[1] == 0:
-                try:
-                    os.rmdir(os.path.join(root, name))  # emptied: its block freed (a write makes it again)
-                    total -= counts[0]
-                except OSError:
-                    pass  # something came into it: it stays, and stays counted
+        try:
+            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return total, evicted, temp
+        dir_fd, dir_of, dir_gone = -1, "", False  # the subfolder last unlinked in, open (or gone)
+        try:
+            for _, held, name, entry in entries:
+                if total <= target:
+                    break
+                counts = folders[name]
+                if dir_of != name:
+                    # through the subfolder listed, never a link put at its name since (which would unlink a
+                    # file of an entry's name outside the cache): opened not following one, still the same
+                    if dir_fd >= 0:
+                        os.close(dir_fd)
+                    dir_fd, dir_of, dir_gone = -1, name, False
+                    try:
+                        dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+                        ds = os.fstat(dir_fd)
+                        if (ds.st_dev, ds.st_ino) != (counts[2], counts[3]):
+                            os.close(dir_fd)
+                            dir_fd = -1
+                    except FileNotFoundError:
+                        dir_gone = True  # its entries gone with it, as an unlink's ENOENT
+                    except OSError:
+                        if dir_fd >= 0:
+                            os.close(dir_fd)
+                        dir_fd = -1
+                if dir_fd < 0 and not dir_gone:
+                    continue  # replaced since listed (a link, another folder): its names are not this scan's
+                if dir_fd >= 0:
+                    try:
+                        os.unlink(entry, dir_fd=dir_fd)  # a reader that opened it reads on; later ones miss
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        continue
+                total -= held
+                evicted += 1
+                counts[1] -= 1
+                if counts[1] == 0:
+                    try:
+                        os.rmdir(name, dir_fd=root_fd)  # emptied: its block freed (a write makes it again)
+                        total -= counts[0]
+                    except OSError:
+                        pass  # something came into it: it stays, and stays counted
+        finally:
+            if dir_fd >= 0:
+                os.close(dir_fd)
+            os.close(root_fd)
     return total, evicted, temp
 
 
