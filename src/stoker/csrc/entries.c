@@ -13,6 +13,7 @@
  * the crc32c package gives, which wrote the entry's checksum.
  */
 #include "stoker_native.h"
+#include "again.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -73,17 +74,7 @@ static uint32_t xpow(unsigned long long bits) {
 }
 
 /* x^(8 n) modulo the polynomial: what appending n zero bytes multiplies a crc by */
-static uint32_t zeros_op(size_t n) {
-    uint32_t p = 1u << 31, x = 1u << 30; /* p: x^0; x: x^1, squared on */
-    unsigned long long bits = (unsigned long long)n * 8;
-    while (bits) {
-        if (bits & 1)
-            p = multmodp(x, p);
-        x = multmodp(x, x);
-        bits >>= 1;
-    }
-    return p;
-}
+static uint32_t zeros_op(size_t n) { return xpow((unsigned long long)n * 8); }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <nmmintrin.h>
@@ -358,18 +349,8 @@ static uint64_t next_random(uint64_t *state) { /* xorshift64*: names drawn from 
     return x * 0x2545F4914F6CDD1DULL;
 }
 
-/* The writer's system calls, made again while a signal interrupts them (EINTR: a signal that comes during a call
- * on a FUSE or network file system), as writev below: failed, the entry, the rest of its batch and every later
- * write of the process (the cache turned off) were lost to a signal. AGAIN(call): the call made again while it
- * fails with EINTR; its result. */
-#define AGAIN(call)                                                                                            \
-    __extension__({                                                                                            \
-        int again_rc_;                                                                                         \
-        do                                                                                                     \
-            again_rc_ = (call);                                                                                \
-        while (again_rc_ < 0 && errno == EINTR);                                                               \
-        again_rc_;                                                                                             \
-    })
+/* The writer's system calls are made again while a signal interrupts them (again.h): failed, the entry, the rest
+ * of its batch and every later write of the process (the cache turned off) were lost to a signal. */
 
 /* close is never made again: Linux releases the descriptor even when a signal interrupts it (POSIX leaves its
  * state unspecified), and another thread may have been given that number since. EINTR counts as closed (what

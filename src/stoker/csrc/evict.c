@@ -10,6 +10,7 @@
  */
 #define _GNU_SOURCE
 #include "evict.h"
+#include "again.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -21,15 +22,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* a system call made again while a signal interrupts it (EINTR), as entries.c's writer does */
-#define AGAIN(call)                                                                                            \
-    __extension__({                                                                                            \
-        int again_rc_;                                                                                         \
-        do                                                                                                     \
-            again_rc_ = (call);                                                                                \
-        while (again_rc_ < 0 && errno == EINTR);                                                               \
-        again_rc_;                                                                                             \
-    })
 
 #define ENTRY_NAME 32 /* hex digits of an entry's name */
 
