@@ -29,6 +29,7 @@ path's reads.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -705,31 +706,23 @@ class NativeDecoder:
         placed. One the engine did not place (a missing, short or corrupt entry: fetched again) goes to the
         finisher thread, which finishes it as :meth:`_finish_from_disk` does (the Python path's reads never
         run inside ``pop``)."""
-        enrolled = gil.enrolled()
-        before = gil.held_since_last() if enrolled else 0
-        t0 = time.thread_time_ns()
-        try:
-            if self._closing:  # cancelled by shutdown: nothing of it is fetched now
-                job.finish(job.plan.n_chunks, pipeline_closed())
-                return
-            _, detail, counts = bjob.results()
-            if counts["not_placed"]:
-                # the finisher takes it over: an interrupt before that puts it back (see Job.take_over)
-                with self._cond:
-                    self._pending.append((job, bjob, np.arange(job.plan.n_chunks), disk, job.claim))
-                    self._cond.notify_all()
-                return
-            self._account(counts, fetched=False)
-            self._served(disk, np.ones(len(disk.owner), bool), np.frombuffer(detail, np.int64))
-            self._finish_placed(job, job.plan.n_chunks, counts, fetched=False)
-        except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
-            job.finish(0, exc)
-        finally:
-            if enrolled:
-                self._stats.gil(gil.held_since_last() * 1e-9)
-                gil.carry(before)
-            else:
-                self._stats.gil((time.thread_time_ns() - t0) * 1e-9)
+        with self._gil_charged():
+            try:
+                if self._closing:  # cancelled by shutdown: nothing of it is fetched now
+                    job.finish(job.plan.n_chunks, pipeline_closed())
+                    return
+                _, detail, counts = bjob.results()
+                if counts["not_placed"]:
+                    # the finisher takes it over: an interrupt before that puts it back (see Job.take_over)
+                    with self._cond:
+                        self._pending.append((job, bjob, np.arange(job.plan.n_chunks), disk, job.claim))
+                        self._cond.notify_all()
+                    return
+                self._account(counts, fetched=False)
+                self._served(disk, np.ones(len(disk.owner), bool), np.frombuffer(detail, np.int64))
+                self._finish_placed(job, job.plan.n_chunks, counts, fetched=False)
+            except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
+                job.finish(0, exc)
 
     @staticmethod
     def _served(disk: "_FromDisk", ok: np.ndarray, detail: np.ndarray) -> None:
@@ -943,34 +936,43 @@ class NativeDecoder:
             self._stats.charge_thread()
             del job, bjob, eids, fetched  # hold nothing of a finished batch while idle
 
-    def _settle(self, job: Job, bjob) -> None:
-        """Finish ``job``, every chunk of which the engine (done) was given, on the thread that waited for it
-        (see Job.settled_by): the consumer's, whose GIL time is otherwise never the pipeline's, so what this
-        holds is charged here, and only this (on a thread stoker started, what it held before, a training
-        step or another pipeline's work, is left for its next report). A batch with chunks the engine did not
-        place goes to the finisher thread: the Python path's reads never run inside ``pop``."""
+    @contextlib.contextmanager
+    def _gil_charged(self):
+        """What the calling thread holds of the GIL inside the block charged to this pipeline's stats: on a
+        thread stoker started (enrolled), what it held since its last report less what it held before; on
+        another (the consumer's), its CPU time in the block."""
         enrolled = gil.enrolled()
         before = gil.held_since_last() if enrolled else 0
         t0 = time.thread_time_ns()
         try:
-            if self._closing:  # cancelled by shutdown: nothing of it goes to the Python path now
-                job.finish(job.plan.n_chunks, pipeline_closed())
-                return
-            counts = bjob.results()[2]
-            if counts["not_placed"]:
-                # the finisher takes it over: an interrupt before that puts it back (see Job.take_over)
-                self._to_finisher(job, bjob, None, job.claim)
-                return
-            self._account(counts, fetched=False)
-            self._finish_placed(job, job.plan.n_chunks, counts, fetched=False)
-        except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
-            job.finish(0, exc)
+            yield
         finally:
             if enrolled:
                 self._stats.gil(gil.held_since_last() * 1e-9)
                 gil.carry(before)
             else:
                 self._stats.gil((time.thread_time_ns() - t0) * 1e-9)
+
+    def _settle(self, job: Job, bjob) -> None:
+        """Finish ``job``, every chunk of which the engine (done) was given, on the thread that waited for it
+        (see Job.settled_by): the consumer's, whose GIL time is otherwise never the pipeline's, so what this
+        holds is charged here, and only this (on a thread stoker started, what it held before, a training
+        step or another pipeline's work, is left for its next report). A batch with chunks the engine did not
+        place goes to the finisher thread: the Python path's reads never run inside ``pop``."""
+        with self._gil_charged():
+            try:
+                if self._closing:  # cancelled by shutdown: nothing of it goes to the Python path now
+                    job.finish(job.plan.n_chunks, pipeline_closed())
+                    return
+                counts = bjob.results()[2]
+                if counts["not_placed"]:
+                    # the finisher takes it over: an interrupt before that puts it back (see Job.take_over)
+                    self._to_finisher(job, bjob, None, job.claim)
+                    return
+                self._account(counts, fetched=False)
+                self._finish_placed(job, job.plan.n_chunks, counts, fetched=False)
+            except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
+                job.finish(0, exc)
 
     def _finish(self, job: Job, bjob, eids: np.ndarray, buffers: list | None = None) -> bool:
         """Account for a finished engine job of the chunks ``eids`` of its plan (``buffers``: those its chunks
