@@ -355,28 +355,27 @@ def _latency_ms(text: str) -> tuple[float, ...]:
     return tuple(values)
 
 
-def _seconds(text: str) -> float:
-    """``--cache-staleness-s``: seconds, more than 0 and finite."""
+def _positive(text: str, takes: str) -> float:
+    """``text`` as a number above 0 and finite, else an argparse error saying what the option ``takes``."""
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"takes seconds (a number above 0), got {text!r}")
+        raise argparse.ArgumentTypeError(f"takes {takes}, got {text!r}")
     return value
+
+
+def _seconds(text: str) -> float:
+    """``--cache-staleness-s``: seconds, more than 0 and finite."""
+    return _positive(text, "seconds (a number above 0)")
 
 
 def _step_ms(text: str) -> float | str:
     """``--step-ms``: milliseconds (more than 0, finite) or ``auto``."""
     if text.strip().lower() == "auto":
         return "auto"
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"takes milliseconds (a number above 0) or 'auto', got {text!r}")
-    return value
+    return _positive(text, "milliseconds (a number above 0) or 'auto'")
 
 
 def run_h2d(args: argparse.Namespace) -> int:
