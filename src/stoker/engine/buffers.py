@@ -322,8 +322,7 @@ class SpareSlots:
         """In a forked child: a new lock (the parent's may have been held by another thread at the fork, and
         stays held in the child for ever) and no buffers (the parent's threads' memory, copied on write)."""
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
-        self._free = OrderedDict()
-        self._held = 0
+        self.clear()
 
 
 #: the most a process keeps of closed pipelines' host batch slots for the next ones (see the module docstring)
