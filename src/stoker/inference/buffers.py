@@ -22,6 +22,7 @@ True
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -87,5 +88,16 @@ class BufferPool:
 #: the most a process keeps of closed writers' buffers for the next ones (see the module docstring)
 SPARE_BYTES = 64 << 20
 SPARE = BufferPool(SPARE_BYTES)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child's spare pool: a new lock (a writer's thread may have held the parent's at the fork: the
+    child's first take would wait for ever) and nothing held (the parent's buffers, copied on write)."""
+    SPARE._lock = threading.Lock()
+    SPARE._free, SPARE._held = {}, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 __all__ = ["SPARE", "SPARE_BYTES", "BufferPool"]
