@@ -68,6 +68,7 @@ from ..batch import Batch
 from ..batch import FieldBatch
 from .coordinator import Coordinator
 from ..choose import make_executor
+from ..cpu.executor import CpuExecutor
 from .intake import Intake
 from .lanes import Lanes, transform_fields
 from ..stats import FIELD_COUNTERS, Stats, StatsRecorder
@@ -84,8 +85,10 @@ def _made(cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalS
     that reads further (the CPU's ``read_ahead``, granted at its prepare within host_buffer_bytes) takes it,
     another makes ``lookahead_batches`` ahead."""
     executor = make_executor(cfg, device, stats, store)  # looked up now: tests swap it
-    if read_ahead > cfg.lookahead_batches and hasattr(executor, "read_ahead"):
-        executor.read_ahead = read_ahead  # type: ignore[attr-defined]  # the CPU executor's alone
+    # the plain CPU executor's alone: its subclasses' slot counts are other memory (the CUDA path's are device
+    # slots, bounded by device_buffer_bytes; the hybrid host part's are pinned), which its grant does not check
+    if read_ahead > cfg.lookahead_batches and type(executor) is CpuExecutor and device.type == "cpu":
+        executor.read_ahead = read_ahead  # type: ignore[attr-defined]
     return executor
 
 
