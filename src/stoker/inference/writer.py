@@ -216,7 +216,8 @@ class _Region:
         assert self.values is not None and self.wsum is not None and self.count is not None
         once = self.count == 1
         alone = None
-        if once.any():
+        # parts of the output's dtype: the quotient rounded to it (below) is already that part's value
+        if self.vdtype != out.dtype and once.any():
             with np.errstate(invalid="ignore", divide="ignore"):
                 q = np.divide(self.values[(Ellipsis, once)], self.wsum[once])
             if self.vdtype is not None and not np.issubdtype(self.vdtype, np.floating):
