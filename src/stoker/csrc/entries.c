@@ -136,8 +136,7 @@ static void fold_consts(unsigned d, uint64_t k[2]) {
 
 /* k[0]: 2048 bits (the loop), k[1..3]: 1536, 1024, 512 (four registers into one; also the 64-byte steps),
  * k[4..6]: 384, 256, 128 (a register's four lanes into one; 128 also the 16-byte steps). Set once. */
-static uint64_t fold_k[7][2];
-static pthread_once_t fold_once = PTHREAD_ONCE_INIT;
+static uint64_t fold_k[7][2]; /* made by choose_crc_path, once, when it chooses the folding */
 
 static void make_fold_k(void) {
     static const unsigned d[7] = {2048, 1536, 1024, 512, 384, 256, 128};
@@ -159,7 +158,6 @@ FOLD_TARGET static inline __m128i fold128(__m128i x, const uint64_t k[2], __m128
 /* crc (raw register, not inverted) continued over n >= FOLD_MIN bytes at p: the CRC of the message is kept as
  * the CRC of the folded registers followed by the bytes not read yet (the crc XORed into the first 4 bytes) */
 FOLD_TARGET static uint32_t crc_fold(uint32_t crc, const unsigned char *p, size_t n) {
-    pthread_once(&fold_once, make_fold_k);
 #define K512(i) _mm512_broadcast_i32x4(_mm_set_epi64x((long long)fold_k[i][1], (long long)fold_k[i][0]))
     __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_castsi128_si512(_mm_cvtsi32_si128((int)crc)));
     __m512i a1 = _mm512_loadu_si512(p + 64), a2 = _mm512_loadu_si512(p + 128), a3 = _mm512_loadu_si512(p + 192);
@@ -218,6 +216,8 @@ static void choose_crc_path(void) {
     if (path && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul") && !fold_refused())
         path = 2;
+    if (path == 2)
+        make_fold_k();
 #endif
     if (path == 0)
         make_table();

@@ -471,6 +471,13 @@ static unsigned long long mix(unsigned long long h, unsigned long long v) {
     return h * 0xBF58476D1CE4E5B9ULL;
 }
 
+/* h continued over n bytes at p: FNV-1a */
+static unsigned long long fnv1a(unsigned long long h, const unsigned char *p, long long n) {
+    for (long long k = 0; k < n; k++)
+        h = (h ^ p[k]) * 0x100000001B3ULL;
+    return h;
+}
+
 /* a shard's inner chunk by its file's identity and offset; a chunk file by its path: the source's prefix
  * and the file's grid coordinates */
 static unsigned long long share_hash(const plan_tables *t, const int64_t *c) {
@@ -478,8 +485,7 @@ static unsigned long long share_hash(const plan_tables *t, const int64_t *c) {
     const int64_t *e = shared_entry(t, c);
     if (e != NULL) { /* an entry by its ident */
         const unsigned char *p = (const unsigned char *)t->entry_blob + e[E_IDENT_START];
-        for (long long k = 0; k < e[E_IDENT_LEN]; k++)
-            h = (h ^ p[k]) * 0x100000001B3ULL; /* FNV-1a */
+        h = fnv1a(h, p, e[E_IDENT_LEN]);
         return h ^ (h >> 31);
     }
     const int64_t *f = file_row(t, c);
@@ -491,8 +497,7 @@ static unsigned long long share_hash(const plan_tables *t, const int64_t *c) {
     } else {
         const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
         const unsigned char *p = (const unsigned char *)t->blob + src[S_PATH_START];
-        for (long long k = 0; k < src[S_PATH_LEN]; k++)
-            h = (h ^ p[k]) * 0x100000001B3ULL; /* FNV-1a */
+        h = fnv1a(h, p, src[S_PATH_LEN]);
         for (int k = 0; k < t->ndim; k++)
             h = mix(h, (unsigned long long)f[F_COORDS + k]);
     }

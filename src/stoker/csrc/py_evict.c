@@ -13,12 +13,7 @@ static PyObject *evict_entries_py(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!PyArg_ParseTuple(args, "O&LLLLp", PyUnicode_FSConverter, &root_obj, &bound, &target, &incoming, &block,
                           &hold_if_temp))
         return NULL;
-    const char *root = PyBytes_AS_STRING(root_obj);
-    if ((Py_ssize_t)strlen(root) != PyBytes_GET_SIZE(root_obj)) {
-        Py_DECREF(root_obj);
-        PyErr_SetString(PyExc_ValueError, "evict_entries: the folder's path holds a NUL byte");
-        return NULL;
-    }
+    const char *root = PyBytes_AS_STRING(root_obj); /* no NUL inside: PyUnicode_FSConverter refuses one */
     evict_result r;
     int bad;
     Py_BEGIN_ALLOW_THREADS

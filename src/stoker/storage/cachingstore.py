@@ -170,7 +170,7 @@ class CachingStore:
             listed = self._listed_at.get(prefix)
         if listed is not None and now - listed < self.staleness_s / 2:
             return  # opened again soon after it was listed: its objects revalidated by a HEAD each as read
-        if not self.cache.has(self._marker(prefix + "/")):
+        if not self._has_marker(prefix + "/"):
             return
         with self._lock:
             self._listed_at[prefix] = now

@@ -205,7 +205,7 @@ class DiskCache:
         reports a missing or unsound entry, and its chunk is fetched again (:meth:`get_many`'s rules then).
         None while this process has the entry queued for writing: not on disk yet, so the caller reads it
         through :meth:`get_many`, which serves it from the queue, rather than have the engine miss it."""
-        if self._pending and ident in self._pending:
+        if self.queued(ident):
             return None
         return os.fsencode(self._path(ident)), ident.encode("utf-8", "surrogatepass")
 
