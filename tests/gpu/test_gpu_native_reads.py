@@ -199,7 +199,11 @@ def test_fuzz_reads_are_python_s_reads_and_never_leave_the_staging(tmp_path_fact
             at += length
     reads = np.array(sorted(ranged, key=lambda r: r[0]) + whole_reads, np.int64).reshape(-1, 4)
     whole, buf = _guarded(room)
-    out = native_reads.read(buf, paths, files, reads, at, threads)
+    pooled = native_reads.Readers(threads) if seed % 2 else None  # the persistent readers, or the call's own
+    try:
+        out = native_reads.read(buf, paths, files, reads, at, pooled or threads)
+    finally:
+        assert pooled is None or pooled.close(10.0)
     store = LocalStore()
     written = np.zeros(room, bool)
     for row, (st_, detail, where, got) in zip(reads.tolist(), out.tolist()):
@@ -220,6 +224,187 @@ def test_fuzz_reads_are_python_s_reads_and_never_leave_the_staging(tmp_path_fact
         assert (st_ == native_reads.ST_OK) == (got == (length if offset >= 0 else len(data)))
         written[where:where + got] = True
     assert (buf[~written] == 0xA5).all() and _guards_intact(whole)
+
+
+# ---------------------------------------------------------------------------------------------
+# persistent readers (native_reads.Readers: csrc/staging.c's stage_pool)
+
+
+def _files(root, n: int, size=lambda k: 3000 + 17 * k) -> tuple[list[str], np.ndarray, list[bytes]]:
+    rng = np.random.default_rng(n)
+    paths, datas = [], []
+    for k in range(n):
+        datas.append(rng.integers(0, 256, size(k), np.uint8).tobytes())
+        (root / f"f{k}").write_bytes(datas[-1])
+        paths.append(str(root / f"f{k}"))
+    return paths, np.array([_ident_row(p) for p in paths], np.int64), datas
+
+
+def _wave(paths, files, datas, threads):
+    """Each file's second half as a ranged read, then each file whole: the bytes staged, the out table."""
+    halves = [len(d) // 2 for d in datas]
+    at = np.cumsum([0] + [len(d) - h for d, h in zip(datas, halves)])
+    reads = [[k, h, len(d) - h, int(at[k])] for k, (d, h) in enumerate(zip(datas, halves))]
+    reads += [[k, -1, len(d), 0] for k, d in enumerate(datas)]
+    buf = bytearray(int(at[-1]) + sum(map(len, datas)))
+    out = native_reads.read(buf, paths, files, np.array(reads, np.int64), int(at[-1]), threads)
+    return bytes(buf), out
+
+
+def test_persistent_readers_start_their_threads_once_for_many_calls(tmp_path):
+    """A wave read on :class:`Readers` starts no thread per call: 3 helpers for 40 calls (the threads of the
+    call's own: one round of 3 per round, 80 rounds), and every call stages the bytes Python reads, bit for bit."""
+    paths, files, datas = _files(tmp_path, 12)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    before = native_reads.threads_started()
+    for _ in range(40):
+        got, out = _wave(paths, files, datas, 4)
+        assert got == want and (out[:, native_reads.STATUS] == native_reads.ST_OK).all()
+    per_call = native_reads.threads_started() - before
+    readers = native_reads.Readers(4)
+    try:
+        before = native_reads.threads_started()
+        assert readers.info() == (3, 0, 0, False)  # none before the first read
+        for _ in range(40):
+            got, out = _wave(paths, files, datas, readers)
+            assert got == want and (out[:, native_reads.STATUS] == native_reads.ST_OK).all()
+        assert native_reads.threads_started() - before == 3 and readers.info() == (3, 3, 3, False)
+    finally:
+        assert readers.close(5.0)
+    assert per_call == 40 * 2 * 3  # (each call: the stat round and the read round, 3 threads each)
+    assert readers.info() == (3, 3, 0, True)
+
+
+def test_a_wave_of_one_task_wakes_no_helper(tmp_path):
+    paths, files, datas = _files(tmp_path, 1)
+    readers = native_reads.Readers(4)
+    try:
+        out = native_reads.read(bytearray(len(datas[0])), paths, files, np.array([[0, 0, len(datas[0]), 0]]), 0,
+                                readers)
+        assert out[0, native_reads.STATUS] == native_reads.ST_OK and readers.info()[1] == 0
+    finally:
+        assert readers.close(5.0)
+
+
+def test_close_stops_the_helpers_promptly_even_beside_a_reading_thread(tmp_path):
+    """close() while another thread reads on the same readers: the helpers end within the timeout (each after
+    the file it holds), every read still stages the right bytes (the caller takes what they leave), and reads
+    after close run on the caller's thread, starting no thread."""
+    import threading
+    import time
+
+    paths, files, datas = _files(tmp_path, 64, lambda k: 20000 + k)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    readers = native_reads.Readers(4)
+    _wave(paths, files, datas, readers)
+    bad, stop = [], threading.Event()
+
+    def reading():
+        while not stop.is_set():
+            got, out = _wave(paths, files, datas, readers)
+            if got != want or (out[:, native_reads.STATUS] != native_reads.ST_OK).any():
+                bad.append(out)
+
+    thread = threading.Thread(target=reading)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        assert readers.close(5.0)
+        took = time.monotonic() - t0
+        assert readers.info()[2] == 0
+        time.sleep(0.1)
+    finally:
+        stop.set()
+        thread.join(30.0)
+    assert not thread.is_alive() and not bad and took < 2.0, took
+    before = native_reads.threads_started()
+    assert _wave(paths, files, datas, readers)[0] == want and native_reads.threads_started() == before
+
+
+def test_two_threads_on_one_pool_each_read_their_own_wave(tmp_path):
+    """A pool serves one round at a time: a second caller reads alone meanwhile; both right, bit for bit."""
+    import threading
+
+    paths, files, datas = _files(tmp_path, 24)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    readers = native_reads.Readers(3)
+    bad = []
+
+    def reading():
+        for _ in range(30):
+            if _wave(paths, files, datas, readers)[0] != want:
+                bad.append(1)
+
+    threads = [threading.Thread(target=reading) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60.0)
+    try:
+        assert not any(t.is_alive() for t in threads) and not bad
+        assert readers.info()[:3] == (2, 2, 2)
+    finally:
+        assert readers.close(5.0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
+    """The parent's helpers do not exist in a forked child: there the readers start helpers of their own at the
+    first read (and the child's bytes are right); the parent's pool goes on reading, its threads untouched."""
+    import time
+
+    paths, files, datas = _files(tmp_path, 12)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    readers = native_reads.Readers(4)
+    try:
+        assert _wave(paths, files, datas, readers)[0] == want and readers.info() == (3, 3, 3, False)
+        pid = os.fork()
+        if pid == 0:  # (the child: nothing raised out of here, its verdict is its exit status)
+            code = 1
+            try:
+                fresh = readers.info() == (3, 0, 0, False)  # the parent's threads are not here
+                before = native_reads.threads_started()
+                right = all(_wave(paths, files, datas, readers)[0] == want for _ in range(5))
+                started = native_reads.threads_started() - before == 3 and readers.info() == (3, 3, 3, False)
+                code = 0 if fresh and right and started and readers.close(5.0) else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, done
+        assert _wave(paths, files, datas, readers)[0] == want and readers.info() == (3, 3, 3, False)
+    finally:
+        assert readers.close(5.0)
+
+
+def test_readers_left_open_end_with_the_interpreter(tmp_path):
+    """Readers never closed (helpers waiting for work) do not hold the interpreter at exit: closed by its
+    atexit hook, the process ends at once."""
+    import subprocess
+    import sys
+    import time
+
+    paths, _, _ = _files(tmp_path, 6)
+    code = (
+        "import atexit, numpy as np, sys\n"
+        "atexit.register(lambda: print('alive', r.info()[2], flush=True))\n"  # (runs after the readers' hook)
+        "from stoker.engine.gpu import native_reads as nr\n"
+        "paths = sys.argv[1:]\n"
+        "r = nr.Readers(4)\n"
+        "out = nr.read(bytearray(1 << 16), paths, np.zeros((len(paths), 6), np.int64),\n"
+        "              np.array([[k, -1, 8192, 0] for k in range(len(paths))]), 0, r)\n"
+        "assert (out[:, 0] == 0).all() and r.info()[2] == 3, (out, r.info())\n"
+    )
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["alive", "0"] and time.monotonic() - t0 < 30
 
 
 # ---------------------------------------------------------------------------------------------

@@ -146,14 +146,84 @@ static int path_list(PyObject *paths_obj, Py_ssize_t n, const char ***cpaths, Py
     return rc;
 }
 
-/* stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads) */
-static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *buf_obj, *paths_obj, *files_obj, *reads_obj, *out_obj;
-    long long whole_base;
+/* ---- persistent readers: a stage_pool in a capsule ---- */
+
+#define POOL_CAPSULE "stoker.stage_pool"
+
+static void pool_capsule_free(PyObject *capsule) {
+    stage_pool *q = PyCapsule_GetPointer(capsule, POOL_CAPSULE);
+    if (q != NULL) /* its helpers told to end (not waited for: they hold their own references) */
+        stage_pool_release(q);
+}
+
+/* the pool in a capsule, or NULL with an exception (a ValueError when it is another capsule) */
+static stage_pool *pool_of(PyObject *obj) { return PyCapsule_GetPointer(obj, POOL_CAPSULE); }
+
+/* stage_pool(threads) -> capsule */
+static PyObject *stage_pool_py(PyObject *Py_UNUSED(self), PyObject *args) {
     int threads;
-    if (!PyArg_ParseTuple(args, "OOOOOLi", &buf_obj, &paths_obj, &files_obj, &reads_obj, &out_obj, &whole_base,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "i", &threads))
         return NULL;
+    stage_pool *q = stage_pool_new(threads);
+    if (q == NULL)
+        return PyErr_NoMemory();
+    PyObject *capsule = PyCapsule_New(q, POOL_CAPSULE, pool_capsule_free);
+    if (capsule == NULL)
+        stage_pool_release(q);
+    return capsule;
+}
+
+/* stage_pool_close(pool, timeout_s) -> bool: every helper ended within the timeout */
+static PyObject *stage_pool_close_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *obj;
+    double timeout_s;
+    if (!PyArg_ParseTuple(args, "Od", &obj, &timeout_s))
+        return NULL;
+    stage_pool *q = pool_of(obj);
+    if (q == NULL)
+        return NULL;
+    int all;
+    Py_BEGIN_ALLOW_THREADS
+    all = stage_pool_close(q, timeout_s);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(all);
+}
+
+/* stage_pool_info(pool) -> (wanted, started, alive, closing) */
+static PyObject *stage_pool_info_py(PyObject *Py_UNUSED(self), PyObject *obj) {
+    stage_pool *q = pool_of(obj);
+    if (q == NULL)
+        return NULL;
+    long long out[4];
+    Py_BEGIN_ALLOW_THREADS
+    stage_pool_info(q, out);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(LLLL)", out[0], out[1], out[2], out[3]);
+}
+
+static PyObject *stage_threads_started_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return PyLong_FromLongLong(stage_threads_started());
+}
+
+/* stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads); threads: a count, or a
+ * stage_pool capsule */
+static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *buf_obj, *paths_obj, *files_obj, *reads_obj, *out_obj, *threads_obj;
+    long long whole_base;
+    int threads = 1;
+    stage_pool *pool = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOLO", &buf_obj, &paths_obj, &files_obj, &reads_obj, &out_obj, &whole_base,
+                          &threads_obj))
+        return NULL;
+    if (PyCapsule_CheckExact(threads_obj)) {
+        if ((pool = pool_of(threads_obj)) == NULL)
+            return NULL;
+    } else {
+        long v = PyLong_AsLong(threads_obj);
+        if (v == -1 && PyErr_Occurred())
+            return NULL;
+        threads = v < 1 ? 1 : v > 64 ? 64 : (int)v;
+    }
     PyObject *result = NULL;
     PyObject **names = NULL;
     const char **cpaths = NULL;
@@ -194,7 +264,7 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    stage_read(&p, threads);
+    stage_read_on(&p, threads, pool); /* (the capsule, held by args, outlives the call) */
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(LL)", p.opens, p.preads);
 done:
@@ -268,7 +338,18 @@ PyMethodDef staging_methods[] = {
      "(file, offset or -1 for a whole file, length or the most bytes it may take, where in buf) read into the "
      "writable buffer ``buf`` on up to ``threads`` threads, the GIL released once; ``paths`` a sequence of str "
      "or chunk_paths' bytes; ``files`` one identity row per path (has_ident, dev, ino, size, mtime_ns, ctime_ns); ``out`` (status, detail, at, bytes read) per "
-     "read. Whole files go end to end from whole_base."},
+     "read. Whole files go end to end from whole_base. ``threads``: a count (threads of the call's own), or a "
+     "stage_pool (its persistent threads)."},
+    {"stage_pool", stage_pool_py, METH_VARARGS,
+     "stage_pool(threads) -> pool: persistent readers for stage_read (the caller and threads - 1 helpers, "
+     "started at its first round with work for them and kept until stage_pool_close or the pool's end)."},
+    {"stage_pool_close", stage_pool_close_py, METH_VARARGS,
+     "stage_pool_close(pool, timeout_s) -> bool: the pool's helpers stopped (those in a round after the read "
+     "they hold), waited for at most timeout_s with the GIL released; True when none is left."},
+    {"stage_pool_info", stage_pool_info_py, METH_O,
+     "stage_pool_info(pool) -> (wanted, started, alive, closing): the pool's helper threads."},
+    {"stage_threads_started", stage_threads_started_py, METH_NOARGS,
+     "stage_threads_started() -> int: reader threads stage_read started in this process, pooled or not."},
     {"chunk_paths", chunk_paths_py, METH_VARARGS,
      "chunk_paths(blob, prefixes, names, ndim) -> bytes: the path of each file row of ``names`` (source, then "
      "``ndim`` grid coordinates), NUL-terminated, back to back: its source's prefix (row (start, length, "

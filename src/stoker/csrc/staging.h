@@ -1,6 +1,6 @@
 /* staging.c: a wave's stored chunks read into one staging buffer (the GPU decode's reads, engine/gpu/staging.py),
- * on threads of the call's own, without the GIL; and blosc1 frame headers parsed into the streams a batched
- * decoder takes (blosc_streams). Statuses are stoker_native.h's ST_*.
+ * on the caller's thread and persistent helpers (stage_pool) or threads of the call's own, without the GIL;
+ * and blosc1 frame headers parsed into the streams a batched decoder takes (blosc_streams). Statuses are stoker_native.h's ST_*.
  */
 #ifndef STOKER_STAGING_H
 #define STOKER_STAGING_H
@@ -41,6 +41,23 @@ int stage_check(const stage_plan *p, const char **error);
  * a coordinate takes 20 digits at most). Returns its length. The engine's paths (pool.c) and the staging's. */
 size_t chunk_path(char *out, const char *prefix, size_t n, char sep, const int64_t *coords, int ndim);
 void stage_read(stage_plan *p, int threads);
+
+/* Persistent readers: stage_read_on(p, 0, pool) reads as stage_read does, on the caller's thread and the pool's
+ * threads - 1 helpers, started at the pool's first round with two tasks or more and kept (a thread start costs
+ * more CPU than a round of a few reads: ~150 us a call with threads of the call's own). A pool serves one round at
+ * a time: a caller that finds it busy, closing, or made before a fork (its threads are the parent's: none runs in
+ * a child, see pool.c "Fork") reads alone. The caller waits for the helpers in its round to finish the task each
+ * holds (one file's reads) before returning: its buffer is never written after. stage_pool_close stops the helpers
+ * (those in a round after their task) and waits for them at most timeout_s: 1 when none is left;
+ * stage_pool_release drops the owner's reference (the last of the pool and its threads frees it).
+ * stage_threads_started counts the reader threads this process started, pooled or not. */
+typedef struct stage_pool stage_pool;
+stage_pool *stage_pool_new(int threads);
+void stage_read_on(stage_plan *p, int threads, stage_pool *pool);
+int stage_pool_close(stage_pool *pool, double timeout_s);
+void stage_pool_info(stage_pool *pool, long long out[4]); /* helpers wanted, started, alive; closing */
+void stage_pool_release(stage_pool *pool);
+long long stage_threads_started(void);
 
 /* blosc1 frames (engine/gpu/frames.py's rules, c-blosc's blosc_d): chunk k's frame at in[k] of buf (in_len[k]
  * bytes) decodes to nbytes[k] bytes at out[k] of the output. Returns in *streams (BS_* columns, *n_streams rows)

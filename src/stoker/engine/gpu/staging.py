@@ -286,7 +286,8 @@ class Stager:
         table[:len(heads), 1], table[:len(heads), 2], table[:len(heads), 3] = start, span, read_at
         table[len(heads):, 1], table[len(heads):, 2] = -1, bound
         t0 = time.perf_counter()
-        out = native_reads.read(buf, paths, reads.idents[used], table, group.pos + int(span.sum()), self.pool.threads)
+        out = native_reads.read(buf, paths, reads.idents[used], table, group.pos + int(span.sum()),
+                                self.pool.readers())
         fills, again, got = self._native_ranged(plan, sources, reads, i, lo, buf, group, files, counts,
                                                 out[:len(heads)], runs)
         missing, got_whole, again_whole = self._native_whole(plan, sources, whole, buf, group, out[len(heads):],
@@ -512,7 +513,13 @@ class ReadPool:
     def __init__(self, threads: int) -> None:
         self.threads = max(1, threads)
         self._pool = DaemonPool(self.threads - 1, "stoker-gpu-read", knob="n_compute_threads") if self.threads > 1 else None
+        # the compiled reads' persistent threads (as many, the caller's among them; started at the first read)
+        self._readers = native_reads.Readers(self.threads)
         self.closing = False
+
+    def readers(self) -> native_reads.Readers:
+        """The compiled reads' threads: none is started per read call (:class:`.native_reads.Readers`)."""
+        return self._readers
 
     def started(self) -> list:
         """The pool's threads started so far (the callers' are not its own)."""
@@ -554,6 +561,7 @@ class ReadPool:
         self.closing = True
         if self._pool is not None:
             self._pool.shutdown()
+        self._readers.close()
 
 
 def _runs(plan: TablePlan, reads: ReadPlan, i: int, e: int, group: Group) -> tuple[np.ndarray, ...]:
