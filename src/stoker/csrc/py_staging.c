@@ -205,16 +205,21 @@ static PyObject *stage_threads_started_py(PyObject *Py_UNUSED(self), PyObject *P
     return PyLong_FromLongLong(stage_threads_started());
 }
 
-/* stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads); threads: a count, or a
- * stage_pool capsule */
+/* stage_read(buf, paths, files, reads, out, whole_base, threads[, ident_blob, idents]) -> (opens, reads);
+ * threads: a count, or a stage_pool capsule; idents: (start, length) in ident_blob per read (its entries') */
 static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *buf_obj, *paths_obj, *files_obj, *reads_obj, *out_obj, *threads_obj;
+    PyObject *buf_obj, *paths_obj, *files_obj, *reads_obj, *out_obj, *threads_obj, *blob_obj = NULL,
+             *idents_obj = NULL;
     long long whole_base;
     int threads = 1;
     stage_pool *pool = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOLO", &buf_obj, &paths_obj, &files_obj, &reads_obj, &out_obj, &whole_base,
-                          &threads_obj))
+    if (!PyArg_ParseTuple(args, "OOOOOLO|OO", &buf_obj, &paths_obj, &files_obj, &reads_obj, &out_obj, &whole_base,
+                          &threads_obj, &blob_obj, &idents_obj))
         return NULL;
+    if ((blob_obj == NULL) != (idents_obj == NULL) || (blob_obj != NULL && !PyBytes_Check(blob_obj))) {
+        PyErr_SetString(PyExc_TypeError, "stage_read: the entries' idents as bytes and an int64 table, or neither");
+        return NULL;
+    }
     if (PyCapsule_CheckExact(threads_obj)) {
         if ((pool = pool_of(threads_obj)) == NULL)
             return NULL;
@@ -228,10 +233,10 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject **names = NULL;
     const char **cpaths = NULL;
     Py_ssize_t n_paths = 0;
-    Py_buffer buf, files, reads, out;
-    int have = 0; /* buffers taken so far */
+    Py_buffer buf, files, reads, out, idents;
+    int have = 0, have_idents = 0; /* buffers taken so far */
     stage_plan p = {0};
-    long long n_out;
+    long long n_out, n_idents = 0;
     if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
         goto done;
     have = 1;
@@ -251,6 +256,18 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "stage_read: one files row per path, one out row per read");
         goto done;
     }
+    if (idents_obj != NULL) {
+        if (int64_rows(idents_obj, &idents, 2, &n_idents, 0, "idents") < 0)
+            goto done;
+        have_idents = 1;
+        if (n_idents != p.n_reads) {
+            PyErr_SetString(PyExc_ValueError, "stage_read: one idents row per read");
+            goto done;
+        }
+        p.idents = idents.buf;
+        p.ident_blob = PyBytes_AS_STRING(blob_obj); /* (immutable, held by args for the call) */
+        p.ident_blob_len = (long long)PyBytes_GET_SIZE(blob_obj);
+    }
     p.paths = cpaths;
     p.files = files.buf;
     p.reads = reads.buf;
@@ -268,6 +285,8 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(LL)", p.opens, p.preads);
 done:
+    if (have_idents)
+        PyBuffer_Release(&idents);
     if (have >= 4)
         PyBuffer_Release(&out);
     if (have >= 3)
@@ -339,7 +358,9 @@ PyMethodDef staging_methods[] = {
      "writable buffer ``buf`` on up to ``threads`` threads, the GIL released once; ``paths`` a sequence of str "
      "or chunk_paths' bytes; ``files`` one identity row per path (has_ident, dev, ino, size, mtime_ns, ctime_ns); ``out`` (status, detail, at, bytes read) per "
      "read. Whole files go end to end from whole_base. ``threads``: a count (threads of the call's own), or a "
-     "stage_pool (its persistent threads)."},
+     "stage_pool (its persistent threads). Offset -2: a disk-cache entry file, whose payload alone is placed "
+     "(with the whole files), read and checked; its ident is row (start, length) of ``idents`` in the bytes "
+     "``ident_blob`` (both given, or neither)."},
     {"stage_pool", stage_pool_py, METH_VARARGS,
      "stage_pool(threads) -> pool: persistent readers for stage_read (the caller and threads - 1 helpers, "
      "started at its first round with work for them and kept until stage_pool_close or the pool's end)."},

@@ -11,12 +11,14 @@
 #include "staging.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #define MAX_STAGE_THREADS 64
 
@@ -29,9 +31,17 @@ int stage_check(const stage_plan *p, const char **error) {
     }
     for (long long i = 0; i < p->n_reads; i++) {
         const int64_t *r = p->reads + i * STAGE_READ_COLS;
-        if (r[SR_FILE] < 0 || r[SR_FILE] >= p->n_files || r[SR_LENGTH] < 0 || r[SR_OFFSET] < -1) {
+        if (r[SR_FILE] < 0 || r[SR_FILE] >= p->n_files || r[SR_LENGTH] < 0 || r[SR_OFFSET] < SR_ENTRY) {
             *error = "stage_read: a read names no file of the table, or has a negative length or offset";
             return -1;
+        }
+        if (r[SR_OFFSET] == SR_ENTRY) {
+            const int64_t *id = p->idents == NULL ? NULL : p->idents + 2 * i;
+            if (id == NULL || id[0] < 0 || id[1] < 0 || id[1] > ENTRY_IDENT_CAP || id[0] > p->ident_blob_len ||
+                id[1] > p->ident_blob_len - id[0] || r[SR_LENGTH] > INT64_MAX - ENTRY_HEADER_BYTES - id[1]) {
+                *error = "stage_read: an entry read's ident lies outside the idents blob, or is too long";
+                return -1;
+            }
         }
         if (r[SR_OFFSET] >= 0 && (r[SR_AT] < 0 || r[SR_AT] > p->buf_len || r[SR_LENGTH] > p->buf_len - r[SR_AT] ||
                                   r[SR_OFFSET] > INT64_MAX - r[SR_LENGTH])) {
@@ -109,25 +119,104 @@ static void read_runs(stage_plan *p, long long first, long long last) {
     }
 }
 
-/* a whole file's size by stat (no descriptor held between the two rounds: a wave may name thousands of files) */
+/* an entry read's header bytes (header and ident) */
+static long long entry_head(const stage_plan *p, long long i) { return ENTRY_HEADER_BYTES + p->idents[2 * i + 1]; }
+
+/* a whole file's size by stat (no descriptor held between the two rounds: a wave may name thousands of files);
+ * an entry's payload size */
 static void stat_whole(stage_plan *p, long long i) {
     const int64_t *r = p->reads + i * STAGE_READ_COLS;
+    int entry = r[SR_OFFSET] == SR_ENTRY;
     struct stat st;
     int rc;
     do /* a signal may cut it short on a thread that does not block them (the caller's) */
-        rc = stat(p->paths[r[SR_FILE]], &st);
+        rc = entry ? lstat(p->paths[r[SR_FILE]], &st) : stat(p->paths[r[SR_FILE]], &st);
     while (rc != 0 && errno == EINTR);
+    int gone = rc != 0 && (errno == ENOENT || errno == ENOTDIR);
+    if (entry && (rc != 0 || !S_ISREG(st.st_mode))) { /* (never followed: read_entry's O_NOFOLLOW) */
+        set_out(p, i, ST_ENTRY, gone ? ENTRY_GONE : ENTRY_UNREADABLE);
+        return;
+    }
     if (rc != 0) {
-        set_out(p, i, (errno == ENOENT || errno == ENOTDIR) ? ST_MISSING : ST_OS_ERROR, errno);
+        set_out(p, i, gone ? ST_MISSING : ST_OS_ERROR, errno);
         return;
     }
     if (!S_ISREG(st.st_mode)) {
         set_out(p, i, ST_NOT_REGULAR, (long long)(st.st_mode & S_IFMT));
         return;
     }
-    p->out[i * STAGE_OUT_COLS + SO_DETAIL] = (long long)st.st_size;
-    if ((long long)st.st_size > r[SR_LENGTH])
-        set_out(p, i, ST_TOO_BIG, (long long)st.st_size);
+    long long size = (long long)st.st_size;
+    if (entry) {
+        size -= entry_head(p, i);
+        if (size < 0 || size > r[SR_LENGTH]) { /* no room taken: fetched through the store */
+            set_out(p, i, ST_ENTRY, ENTRY_SIZE);
+            return;
+        }
+    }
+    p->out[i * STAGE_OUT_COLS + SO_DETAIL] = size;
+    if (size > r[SR_LENGTH])
+        set_out(p, i, ST_TOO_BIG, size);
+}
+
+static unsigned long long le_bytes(const unsigned char *b, int n) {
+    unsigned long long v = 0;
+    for (int k = n - 1; k >= 0; k--)
+        v = v << 8 | b[k];
+    return v;
+}
+
+/* an entry's payload read into the room placed for the size its stat gave, with entries.c's checks (read_entry
+ * reads an entry whole into one buffer; here its header and ident go to the stack and its payload alone to the
+ * staging, so the room placed is the payload's and what crosses to the device is chunk bytes only) */
+static void read_entry_payload(stage_plan *p, long long i) {
+    int64_t *o = p->out + i * STAGE_OUT_COLS;
+    const char *ident = p->ident_blob + p->idents[2 * i];
+    size_t ident_len = (size_t)p->idents[2 * i + 1], head = (size_t)entry_head(p, i), size = (size_t)o[SO_DETAIL];
+    unsigned char header[ENTRY_HEADER_BYTES + ENTRY_IDENT_CAP];
+    chunk_io job;
+    memset(&job, 0, sizeof(job));
+    __atomic_fetch_add(&p->opens, 1, __ATOMIC_RELAXED);
+    /* O_NONBLOCK: a FIFO planted at an entry's name must not hang the open (it is no regular file) */
+    int fd, why = 0;
+    do
+        fd = open(p->paths[p->reads[i * STAGE_READ_COLS + SR_FILE]], O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    while (fd < 0 && errno == EINTR);
+    struct stat st;
+    if (fd < 0)
+        why = errno == ENOENT || errno == ENOTDIR ? ENTRY_GONE : ENTRY_UNREADABLE;
+    else if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+        why = ENTRY_UNREADABLE;
+    else if ((unsigned long long)st.st_size != head + size) /* replaced since its stat: its room is another's */
+        why = ENTRY_SIZE;
+    if (!why) {
+        fcntl(fd, F_SETFL, 0); /* blocking again, as io.c's open_file (FUSE and network file systems) */
+        job.offset = 0;
+        if (read_range(&job, fd, (char *)header, 0, head) != 0)
+            why = job.status == ST_SHORT ? ENTRY_SIZE : ENTRY_UNREADABLE;
+    }
+    if (!why && (memcmp(header, "STKC1\n", 6) != 0 || le_bytes(header + 12, 4) != ident_len ||
+                 le_bytes(header + 16, 8) != size))
+        why = ENTRY_LAYOUT;
+    if (!why && ident_len && memcmp(header + ENTRY_HEADER_BYTES, ident, ident_len) != 0)
+        why = ENTRY_OTHER_IDENT; /* a hash collision's entry */
+    if (!why) {
+        job.offset = (long long)head;
+        if (read_range(&job, fd, p->buf + o[SO_AT], 0, size) != 0)
+            why = job.status == ST_SHORT ? ENTRY_SIZE : ENTRY_UNREADABLE;
+        __atomic_fetch_add(&p->preads, 1, __ATOMIC_RELAXED);
+    }
+    if (!why) {
+        uint32_t crc = crc32c_of(0, header + ENTRY_HEADER_BYTES, ident_len);
+        if (crc32c_of(crc, p->buf + o[SO_AT], size) != (uint32_t)le_bytes(header + 8, 4))
+            why = ENTRY_CHECKSUM;
+    }
+    if (!why)
+        (void)futimens(fd, NULL); /* the LRU clock: a hit is a use (a read-only folder: still a hit) */
+    if (fd >= 0)
+        close(fd);
+    o[SO_NREAD] = why ? 0 : (long long)size;
+    if (why)
+        set_out(p, i, ST_ENTRY, why);
 }
 
 /* a whole file into the room placed for the size its stat gave: ST_CHANGED when it has another size now */
@@ -172,8 +261,12 @@ static void run_task(round_of *r, long long t) {
         read_runs(r->p, first, last);
     else if (whole && r->round == 0)
         stat_whole(r->p, first);
-    else if (whole && r->p->out[first * STAGE_OUT_COLS + SO_STATUS] == ST_OK)
-        read_whole(r->p, first);
+    else if (whole && r->p->out[first * STAGE_OUT_COLS + SO_STATUS] == ST_OK) {
+        if (r->p->reads[first * STAGE_READ_COLS + SR_OFFSET] == SR_ENTRY)
+            read_entry_payload(r->p, first);
+        else
+            read_whole(r->p, first);
+    }
 }
 
 static void *run_round(void *arg) {

@@ -10,9 +10,12 @@
 /* a file to read from: its identity (has_ident 1: read only from a file that is this one, as a shard whose
  * index was read from it; dev and ino as uint64 bits) */
 enum { SF_HAS_IDENT = 0, SF_DEV, SF_INO, SF_SIZE, SF_MTIME, SF_CTIME, STAGE_FILE_COLS };
-/* a read: its file, its offset there (-1: the whole file), its length (of a whole file: the most bytes it may
- * take), where its bytes go in the staging (a whole file: ignored, see stage_read) */
+/* a read: its file, its offset there (-1: the whole file; SR_ENTRY: the payload of a disk-cache entry file),
+ * its length (of a whole file or an entry's payload: the most bytes it may take), where its bytes go in the
+ * staging (a whole file or entry: ignored, see stage_read) */
 enum { SR_FILE = 0, SR_OFFSET, SR_LENGTH, SR_AT, STAGE_READ_COLS };
+#define SR_WHOLE (-1)
+#define SR_ENTRY (-2)
 /* what became of a read: ST_*, its detail (errno, a size), where its bytes are in the staging, the bytes read */
 enum { SO_STATUS = 0, SO_DETAIL, SO_AT, SO_NREAD, STAGE_OUT_COLS };
 
@@ -26,6 +29,11 @@ typedef struct {
     long long buf_len;
     long long whole_base; /* whole files are placed end to end from here, in order, as their sizes are learnt */
     int64_t *out;         /* n_reads x STAGE_OUT_COLS */
+    /* an SR_ENTRY read's ident (the entry's own must equal it): row i (start, length) of ``idents`` (n_reads x
+     * 2) in ``ident_blob``; NULL where the plan has no entry read */
+    const char *ident_blob;
+    long long ident_blob_len;
+    const int64_t *idents;
     long long opens, preads; /* (totals, for the store's counters) */
 } stage_plan;
 
@@ -33,8 +41,15 @@ typedef struct {
  * that follow each other in the table are one open: identity checked at open and after the last read (a change:
  * ST_CHANGED on each). Whole files are stat'ed first (missing: ST_MISSING, no room taken; larger than their
  * length: ST_TOO_BIG, detail the size), placed end to end from whole_base, then each opened, checked to have
- * that size still (else ST_CHANGED) and read. 0, or -1 with *error set when the plan is unsound (a read outside
- * the buffer, a file row out of range): checked before any byte is read. Call without the GIL. */
+ * that size still (else ST_CHANGED) and read. Disk-cache entries (SR_ENTRY; storage/diskcache.py's layout, as
+ * entries.c reads them) are whole files whose payload alone is placed and read: stat'ed (missing: ST_ENTRY,
+ * detail ENTRY_GONE; a payload past its length: ENTRY_SIZE; no room taken), placed end to end with the whole
+ * files, then opened (not followed if a link), checked to have that size still, their header and ident read
+ * and checked, their payload read into its place and checked against the header's crc32c (ident + payload),
+ * and touched (the cache's LRU clock); any failure is ST_ENTRY with its ENTRY_* detail (its place is then not
+ * the payload's). SO_DETAIL of an entry: its payload's size. 0, or -1 with *error set when the plan is unsound
+ * (a read outside the buffer, a file row out of range, an entry read with no ident in the blob): checked
+ * before any byte is read. Call without the GIL. */
 int stage_check(const stage_plan *p, const char **error);
 /* A chunk file's (or a shard's) path: ``prefix`` (n bytes: the array's folder, its key prefix and separator), then
  * the ``ndim`` grid coordinates joined by ``sep``, NUL-terminated, into ``out`` (room for n + 21 * ndim + 1 bytes:

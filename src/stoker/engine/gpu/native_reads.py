@@ -32,7 +32,9 @@ from . import frames
 
 #: statuses of a read (csrc/stoker_native.h)
 ST_OK, ST_MISSING, ST_TOO_BIG, ST_CHANGED = native.ST_OK, native.ST_MISSING, native.ST_TOO_BIG, native.ST_CHANGED
-ST_SHORT, ST_NOT_REGULAR = native.ST_SHORT, native.ST_NOT_REGULAR
+ST_SHORT, ST_NOT_REGULAR, ST_ENTRY = native.ST_SHORT, native.ST_NOT_REGULAR, native.ST_ENTRY
+#: a read's offset that makes it a disk-cache entry file's payload (csrc/staging.h SR_ENTRY)
+ENTRY = -2
 #: columns of a read's result: status, detail (errno, a size), where its bytes are in the staging, bytes read
 STATUS, DETAIL, AT, NREAD = 0, 1, 2, 3
 
@@ -108,17 +110,21 @@ def threads_started() -> int:
 
 
 def read(buf: Any, paths: list[str] | bytes, files: np.ndarray, reads: np.ndarray, whole_base: int,
-         threads: int | Readers) -> np.ndarray:
+         threads: int | Readers, idents: tuple[bytes, np.ndarray] | None = None) -> np.ndarray:
     """The rows of ``reads`` (file, offset or -1, length or bound, at) read into ``buf``: one row per read
     (:data:`STATUS`, :data:`DETAIL`, :data:`AT`, :data:`NREAD`); ``files`` one identity row per path
     (has_ident, dev, ino, size, mtime_ns, ctime_ns), ``paths`` one per row (or :func:`chunk_paths`'). Whole files go end to end from ``whole_base``. A read
     outside ``buf`` is a ``ValueError``, before any byte is read. ``threads``: :class:`Readers` (their
-    persistent threads), or a count of threads started for this call. (``native.stage_read`` also returns its
-    opens and reads, which tests count.)"""
+    persistent threads), or a count of threads started for this call. A read of offset :data:`ENTRY` is a
+    disk-cache entry file's (its payload placed with the whole files, checked as the CPU engine checks entries:
+    ``ST_ENTRY`` and an ``ENTRY_*`` detail where it cannot be used), its ident row ``(start, length)`` of
+    ``idents[1]`` in the bytes ``idents[0]``. (``native.stage_read`` also returns its opens and reads, which
+    tests count.)"""
     reads = np.ascontiguousarray(reads, np.int64).reshape(-1, 4)
     out = np.zeros((len(reads), 4), np.int64)
+    extra = () if idents is None else (idents[0], np.ascontiguousarray(idents[1], np.int64).reshape(-1, 2))
     gil.released(native.stage_read, buf, paths, np.ascontiguousarray(files, np.int64).reshape(-1, 6), reads, out,
-                 int(whole_base), threads.handle() if isinstance(threads, Readers) else int(threads))
+                 int(whole_base), threads.handle() if isinstance(threads, Readers) else int(threads), *extra)
     return out
 
 
