@@ -25,6 +25,8 @@
 #            --peers stoker --rounds 2 (each thread count a peer beside the default one)
 # Logs and the bench's JSON records land in $OUT (the device tool's; ./gpu-checks-out elsewhere), the bench
 # datasets in $GPU_CHECKS_DATA (default /tmp/stoker-bench: written on a fresh machine, about a minute in all).
+# A rehearsal on a machine without a GPU: GPU_CHECKS_TINY=1 (the bench's --tiny datasets) runs every step that
+# can run there (the cuda tests all skip; bench-cuda is skipped and says so; the thread sweep runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,6 +46,8 @@ STEPS=("$@")
 OUT_DIR=${OUT:-gpu-checks-out}
 DATA=${GPU_CHECKS_DATA:-/tmp/stoker-bench}
 BUDGET=${GPU_CHECKS_BUDGET_S:-560}
+TINY=()
+[[ -n ${GPU_CHECKS_TINY:-} ]] && TINY=(--tiny)
 SUMMARY=$OUT_DIR/summary.txt
 mkdir -p "$OUT_DIR" "$DATA"
 : >"$SUMMARY"
@@ -117,14 +121,18 @@ if wanted bench; then
     decode=()
     "$PY" -c "from stoker.engine.gpu import nvcomp; raise SystemExit(not nvcomp.available())" 2>/dev/null \
         && decode=(--decode-on hybrid)
-    step bench-cuda 200 "$PY" -m stoker bench --device cuda ${decode[@]+"${decode[@]}"} --scenarios 1,9,10 --rounds 2 \
-        --data "$DATA" --json "$OUT_DIR/bench-cuda.json"
+    if "$PY" -c "import torch; raise SystemExit(not torch.cuda.is_available())" 2>/dev/null; then
+        step bench-cuda 200 "$PY" -m stoker bench --device cuda ${decode[@]+"${decode[@]}"} --scenarios 1,9,10 \
+            --rounds 2 ${TINY[@]+"${TINY[@]}"} --data "$DATA" --json "$OUT_DIR/bench-cuda.json"
+    else
+        echo "bench-cuda: SKIPPED, no CUDA device visible to torch" | tee -a "$SUMMARY"
+    fi
 fi
 
 # -- issue 48: the CPU path from 2 to 16 threads ----------------------------------------------------------
 if wanted threads; then
     step bench-threads 170 "$PY" -m stoker bench --scenarios 1,6,8 --threads 2,4,8,16 --peers stoker --rounds 2 \
-        --thread-cpu --data "$DATA" --json "$OUT_DIR/bench-threads.json"
+        --thread-cpu ${TINY[@]+"${TINY[@]}"} --data "$DATA" --json "$OUT_DIR/bench-threads.json"
 fi
 
 echo "== summary ($((SECONDS - START))s in all; logs in $OUT_DIR)"

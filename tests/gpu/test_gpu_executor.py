@@ -508,6 +508,38 @@ def test_a_group_s_reads_take_the_same_python_steps_for_16_or_256_files(tmp_path
     assert calls[16] == calls[256], calls
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["chunk-files", "sharded"])
+def test_the_compiled_reads_start_their_threads_once_per_pipeline(tmp_path, gpu_decode, sharded):
+    """The reader's compiled reads run on persistent threads (native_reads.Readers): 3 started for a pipeline of
+    4 compute threads whatever its batches (16 here; threads of each call's own started 3 per round before),
+    none left running once it is closed, and the batches are the CPU path's and zarr's, bit for bit."""
+    import time
+
+    from stoker.engine.gpu import native_reads
+
+    if not native_reads.available():
+        pytest.skip("stoker._native is not built")
+    z, data = _write(tmp_path / "a.zarr", (16, 64, 36), (4, 8, 12), "uint16", ZstdCodec(level=1), fill_value=3,
+                     skip=4, shards=(8, 16, 12) if sharded else None)
+    uri = str(tmp_path / "a.zarr")
+    samples = [stoker.Sample(uri, [(k % 4, k % 4 + 12), (2 * k, 2 * k + 30), (0, 36)]) for k in range(16)]
+    before = native_reads.threads_started()
+    got, stats = _run(samples, batch_size=1, n_compute_threads=4, lookahead_batches=1)
+    assert len(got) == 16 and stats.chunks_decoded > 16
+    assert native_reads.threads_started() - before == 3
+    readers = gpu_decode[0][0]._stager.pool.readers()
+    deadline = time.monotonic() + 5
+    while readers.info()[2] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert readers.info()[1:] == (3, 0, True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipelines, "make_executor", executors.make_executor)
+        want, _ = _run(samples, batch_size=1, n_compute_threads=4, lookahead_batches=1)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for row, s in zip(torch.cat(got), samples):
+        assert torch.equal(row, _expected(data, s, "f32"))
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["chunk-files", "sharded"])
 def test_the_compiled_reads_build_the_files_paths_with_no_python_per_file(tmp_path, gpu_decode, monkeypatch,
                                                                           sharded):
     """A wave's files (chunk files, or shards) are named by paths built in C from each array's prefix and the

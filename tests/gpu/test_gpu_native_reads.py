@@ -199,7 +199,11 @@ def test_fuzz_reads_are_python_s_reads_and_never_leave_the_staging(tmp_path_fact
             at += length
     reads = np.array(sorted(ranged, key=lambda r: r[0]) + whole_reads, np.int64).reshape(-1, 4)
     whole, buf = _guarded(room)
-    out = native_reads.read(buf, paths, files, reads, at, threads)
+    pooled = native_reads.Readers(threads) if seed % 2 else None  # the persistent readers, or the call's own
+    try:
+        out = native_reads.read(buf, paths, files, reads, at, pooled or threads)
+    finally:
+        assert pooled is None or pooled.close(10.0)
     store = LocalStore()
     written = np.zeros(room, bool)
     for row, (st_, detail, where, got) in zip(reads.tolist(), out.tolist()):
@@ -220,6 +224,355 @@ def test_fuzz_reads_are_python_s_reads_and_never_leave_the_staging(tmp_path_fact
         assert (st_ == native_reads.ST_OK) == (got == (length if offset >= 0 else len(data)))
         written[where:where + got] = True
     assert (buf[~written] == 0xA5).all() and _guards_intact(whole)
+
+
+# ---------------------------------------------------------------------------------------------
+# disk-cache entries (offset ENTRY): payloads read into the staging, checked as csrc/entries.c checks them
+
+
+def _cache_entries(root, payloads: list[bytes]):
+    """Entries written by the disk cache itself (storage/diskcache.py): their (path, ident) as entry_file gives."""
+    from stoker.storage.diskcache import DiskCache
+
+    cache = DiskCache(str(root / "cache"), 64 << 20)
+    made = []
+    for k, data in enumerate(payloads):
+        ident = f"s3://bucket/a.zarr\nc/{k}/0\n{len(data)}"
+        assert cache.write(ident, data)
+        made.append(cache.entry_file(ident))
+    return made
+
+
+def _read_entries(buf, made, bounds, whole_base, threads, ident_of=None):
+    """The entries ``made`` read with one row each (offset ENTRY, their payload's bound)."""
+    idents = [ident_of(k, e[1]) if ident_of else e[1] for k, e in enumerate(made)]
+    lens = np.array([len(i) for i in idents], np.int64)
+    table = np.array([[k, native_reads.ENTRY, b, 0] for k, b in enumerate(bounds)], np.int64).reshape(-1, 4)
+    return native_reads.read(buf, b"".join(e[0] + b"\0" for e in made), np.zeros((len(made), 6), np.int64), table,
+                             whole_base, threads, (b"".join(idents), np.stack([np.cumsum(lens) - lens, lens], 1)))
+
+
+def test_entries_payloads_land_end_to_end_checked_and_touched(tmp_path):
+    rng = np.random.default_rng(5)
+    payloads = [rng.integers(0, 256, n, np.uint8).tobytes() for n in (1000, 0, 70000, 333)]
+    made = _cache_entries(tmp_path, payloads)
+    for path, _ in made:
+        os.utime(path, ns=(10**18, 10**18))  # (2001): the read's touch moves it to now
+    whole, buf = _guarded(100 + sum(map(len, payloads)))
+    out = _read_entries(buf, made, [len(p) for p in payloads], 100, 3)
+    assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_OK] * 4
+    assert out[:, native_reads.DETAIL].tolist() == out[:, native_reads.NREAD].tolist() == list(map(len, payloads))
+    at = out[:, native_reads.AT].tolist()
+    assert at == (100 + np.cumsum([0] + list(map(len, payloads)))[:-1]).tolist()
+    assert all(buf[a:a + len(p)].tobytes() == p for a, p in zip(at, payloads))
+    assert (buf[:100] == 0xA5).all() and _guards_intact(whole)
+    assert all(os.stat(path).st_mtime_ns > 10**18 for path, _ in made)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "grow", "other-ident", "unlink", "symlink", "fifo",
+                                    "past-bound"])
+def test_an_unsound_entry_is_st_entry_and_never_written_past_its_room(tmp_path, damage):
+    """Each damage ends in ST_ENTRY with its detail; the sound entries beside it are read; nothing lands outside
+    the rooms placed (one placed and then found unsound keeps its room, its bytes not the payload's)."""
+    from stoker.engine.cpu import interface as names
+
+    payloads = [b"a" * 500, b"b" * 800, b"c" * 300]
+    made = _cache_entries(tmp_path, payloads)
+    victim = made[1][0]
+    bounds = [1000] * 3
+    ident_of = None
+    if damage in ("flip", "truncate", "grow"):
+        with open(victim, "r+b") as f:
+            if damage == "flip":
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 1]))
+            elif damage == "truncate":
+                f.truncate(os.path.getsize(victim) - 3)
+            else:
+                f.seek(0, os.SEEK_END)
+                f.write(b"more")
+    elif damage == "other-ident":
+        ident_of = lambda k, i: i + b"x" if k == 1 else i  # noqa: E731 - one byte longer: the header's differs
+    elif damage == "unlink":
+        os.unlink(victim)
+    elif damage == "symlink":
+        os.rename(victim, victim + b".real")
+        os.symlink(victim + b".real", victim)
+    elif damage == "fifo":
+        os.unlink(victim)
+        os.mkfifo(victim)
+    elif damage == "past-bound":
+        bounds[1] = 799
+    whole, buf = _guarded(sum(bounds) + 64)
+    out = _read_entries(buf, made, bounds, 0, 2, ident_of)
+    status, detail = out[:, native_reads.STATUS].tolist(), out[:, native_reads.DETAIL].tolist()
+    want = {"flip": names.ENTRY_CHECKSUM, "truncate": names.ENTRY_LAYOUT, "grow": names.ENTRY_LAYOUT,
+            "other-ident": names.ENTRY_LAYOUT, "unlink": names.ENTRY_GONE, "symlink": names.ENTRY_UNREADABLE,
+            "fifo": names.ENTRY_UNREADABLE, "past-bound": names.ENTRY_SIZE}[damage]
+    assert status[1] == native_reads.ST_ENTRY and detail[1] == want, (status, detail)
+    assert status[0] == status[2] == native_reads.ST_OK
+    at = out[:, native_reads.AT]
+    assert buf[at[0]:at[0] + 500].tobytes() == payloads[0] and buf[at[2]:at[2] + 300].tobytes() == payloads[2]
+    end = int(max(a + n for a, n in zip(at.tolist(), [500, 800, 300]) if a >= 0))
+    assert (buf[end:] == 0xA5).all() and _guards_intact(whole)
+
+
+def test_an_entry_of_the_right_size_but_another_ident_is_refused(tmp_path):
+    made = _cache_entries(tmp_path, [b"q" * 64, b"r" * 64])
+    swapped = [made[0], (made[1][0], made[0][1][:-1] + b"9")]  # same length, another ident
+    out = _read_entries(bytearray(128), swapped, [64, 64], 0, 1)
+    from stoker.engine.cpu import interface as names
+
+    assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_OK, native_reads.ST_ENTRY]
+    assert out[1, native_reads.DETAIL] == names.ENTRY_OTHER_IDENT
+
+
+def test_entry_reads_without_their_idents_are_refused_before_any_read(tmp_path):
+    made = _cache_entries(tmp_path, [b"z" * 10])
+    buf = bytearray(16)
+    table = np.array([[0, native_reads.ENTRY, 10, 0]], np.int64)
+    with pytest.raises(ValueError):
+        native_reads.read(buf, [os.fsdecode(made[0][0])], np.zeros((1, 6), np.int64), table, 0, 1)
+    for rows in ([[0, 999]], [[-1, 5]], [[3, 8]], [[0, 5000]]):
+        with pytest.raises(ValueError):
+            native_reads.read(buf, [os.fsdecode(made[0][0])], np.zeros((1, 6), np.int64), table, 0, 1,
+                              (b"abcdefgh", np.array(rows, np.int64)))
+    with pytest.raises(ValueError):  # an offset below ENTRY
+        native_reads.read(buf, [os.fsdecode(made[0][0])], np.zeros((1, 6), np.int64),
+                          np.array([[0, -3, 10, 0]], np.int64), 0, 1)
+    assert buf == bytearray(16)
+
+
+@fuzz(40)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.sampled_from(["ok", "flip", "cut", "pad", "gone", "bound"])),
+                min_size=1, max_size=12), st.integers(0, 30000), st.integers(1, 4), st.booleans())
+def test_fuzz_entries_read_only_sound_payloads_within_their_rooms(tmp_path_factory, specs, room, threads, pooled):
+    """Random entries, sound or damaged, bounds and staging sizes: an OK row's bytes are its payload, every
+    damaged one read is ST_ENTRY (ST_TOO_BIG past the staging: unread), nothing lands outside the rooms placed."""
+    root = tmp_path_factory.mktemp("entries")
+    rng = np.random.default_rng(len(specs) * 7919 + room)
+    payloads = [rng.integers(0, 256, n, np.uint8).tobytes() for n, _ in specs]
+    made = _cache_entries(root, payloads)
+    bounds = []
+    for (path, _), (n, how), data in zip(made, specs, payloads):
+        bounds.append(max(0, n - 1) if how == "bound" else n + 16)
+        if how == "gone":
+            os.unlink(path)
+        elif how in ("flip", "cut", "pad") and (n or how != "flip"):
+            with open(path, "r+b") as f:
+                if how == "flip":
+                    f.seek(-1 - int(rng.integers(0, n)), os.SEEK_END)
+                    b = f.read(1)
+                    f.seek(-1, os.SEEK_CUR)
+                    f.write(bytes([b[0] ^ 0x80]))
+                elif how == "cut":
+                    f.truncate(max(0, os.path.getsize(path) - 1 - int(rng.integers(0, n + 30))))
+                else:
+                    f.seek(0, os.SEEK_END)
+                    f.write(b"\0" * int(rng.integers(1, 20)))
+    whole, buf = _guarded(room)
+    readers = native_reads.Readers(threads) if pooled else None
+    try:
+        out = _read_entries(buf, made, bounds, 0, readers or threads)
+    finally:
+        assert readers is None or readers.close(10.0)
+    written = np.zeros(room, bool)
+    for (n, how), data, (status, detail, at, got), bound in zip(specs, payloads, out.tolist(), bounds):
+        sound = how == "ok" or (how == "flip" and n == 0) or (how == "bound" and n == 0)
+        if status == native_reads.ST_OK:
+            assert sound and got == n and buf[at:at + n].tobytes() == data
+            written[at:at + n] = True
+        elif status == native_reads.ST_TOO_BIG:  # past the staging: unread (sound or not, unknown)
+            assert at == -1 and got == 0
+        else:
+            assert status == native_reads.ST_ENTRY and got == 0, (how, status, detail)
+            if at >= 0:  # placed, then found unsound: only its room (at most its bound) may hold bytes
+                written[at:at + bound] = True
+    assert (buf[~written] == 0xA5).all() and _guards_intact(whole)
+
+
+# ---------------------------------------------------------------------------------------------
+# persistent readers (native_reads.Readers: csrc/staging.c's stage_pool)
+
+
+def _files(root, n: int, size=lambda k: 3000 + 17 * k) -> tuple[list[str], np.ndarray, list[bytes]]:
+    rng = np.random.default_rng(n)
+    paths, datas = [], []
+    for k in range(n):
+        datas.append(rng.integers(0, 256, size(k), np.uint8).tobytes())
+        (root / f"f{k}").write_bytes(datas[-1])
+        paths.append(str(root / f"f{k}"))
+    return paths, np.array([_ident_row(p) for p in paths], np.int64), datas
+
+
+def _wave(paths, files, datas, threads):
+    """Each file's second half as a ranged read, then each file whole: the bytes staged, the out table."""
+    halves = [len(d) // 2 for d in datas]
+    at = np.cumsum([0] + [len(d) - h for d, h in zip(datas, halves)])
+    reads = [[k, h, len(d) - h, int(at[k])] for k, (d, h) in enumerate(zip(datas, halves))]
+    reads += [[k, -1, len(d), 0] for k, d in enumerate(datas)]
+    buf = bytearray(int(at[-1]) + sum(map(len, datas)))
+    out = native_reads.read(buf, paths, files, np.array(reads, np.int64), int(at[-1]), threads)
+    return bytes(buf), out
+
+
+def test_persistent_readers_start_their_threads_once_for_many_calls(tmp_path):
+    """A wave read on :class:`Readers` starts no thread per call: 3 helpers for 40 calls (the threads of the
+    call's own: one round of 3 per round, 80 rounds), and every call stages the bytes Python reads, bit for bit."""
+    paths, files, datas = _files(tmp_path, 12)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    before = native_reads.threads_started()
+    for _ in range(40):
+        got, out = _wave(paths, files, datas, 4)
+        assert got == want and (out[:, native_reads.STATUS] == native_reads.ST_OK).all()
+    per_call = native_reads.threads_started() - before
+    readers = native_reads.Readers(4)
+    try:
+        before = native_reads.threads_started()
+        assert readers.info() == (3, 0, 0, False)  # none before the first read
+        for _ in range(40):
+            got, out = _wave(paths, files, datas, readers)
+            assert got == want and (out[:, native_reads.STATUS] == native_reads.ST_OK).all()
+        assert native_reads.threads_started() - before == 3 and readers.info() == (3, 3, 3, False)
+    finally:
+        assert readers.close(5.0)
+    assert per_call == 40 * 2 * 3  # (each call: the stat round and the read round, 3 threads each)
+    assert readers.info() == (3, 3, 0, True)
+
+
+def test_a_wave_of_one_task_wakes_no_helper(tmp_path):
+    paths, files, datas = _files(tmp_path, 1)
+    readers = native_reads.Readers(4)
+    try:
+        out = native_reads.read(bytearray(len(datas[0])), paths, files, np.array([[0, 0, len(datas[0]), 0]]), 0,
+                                readers)
+        assert out[0, native_reads.STATUS] == native_reads.ST_OK and readers.info()[1] == 0
+    finally:
+        assert readers.close(5.0)
+
+
+def test_close_stops_the_helpers_promptly_even_beside_a_reading_thread(tmp_path):
+    """close() while another thread reads on the same readers: the helpers end within the timeout (each after
+    the file it holds), every read still stages the right bytes (the caller takes what they leave), and reads
+    after close run on the caller's thread, starting no thread."""
+    import threading
+    import time
+
+    paths, files, datas = _files(tmp_path, 64, lambda k: 20000 + k)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    readers = native_reads.Readers(4)
+    _wave(paths, files, datas, readers)
+    bad, stop = [], threading.Event()
+
+    def reading():
+        while not stop.is_set():
+            got, out = _wave(paths, files, datas, readers)
+            if got != want or (out[:, native_reads.STATUS] != native_reads.ST_OK).any():
+                bad.append(out)
+
+    thread = threading.Thread(target=reading)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        assert readers.close(5.0)
+        took = time.monotonic() - t0
+        assert readers.info()[2] == 0
+        time.sleep(0.1)
+    finally:
+        stop.set()
+        thread.join(30.0)
+    assert not thread.is_alive() and not bad and took < 2.0, took
+    before = native_reads.threads_started()
+    assert _wave(paths, files, datas, readers)[0] == want and native_reads.threads_started() == before
+
+
+def test_two_threads_on_one_pool_each_read_their_own_wave(tmp_path):
+    """A pool serves one round at a time: a second caller reads alone meanwhile; both right, bit for bit."""
+    import threading
+
+    paths, files, datas = _files(tmp_path, 24)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    readers = native_reads.Readers(3)
+    bad = []
+
+    def reading():
+        for _ in range(30):
+            if _wave(paths, files, datas, readers)[0] != want:
+                bad.append(1)
+
+    threads = [threading.Thread(target=reading) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60.0)
+    try:
+        assert not any(t.is_alive() for t in threads) and not bad
+        assert readers.info()[:3] == (2, 2, 2)
+    finally:
+        assert readers.close(5.0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
+    """The parent's helpers do not exist in a forked child: there the readers start helpers of their own at the
+    first read (and the child's bytes are right); the parent's pool goes on reading, its threads untouched."""
+    import time
+
+    paths, files, datas = _files(tmp_path, 12)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    readers = native_reads.Readers(4)
+    try:
+        assert _wave(paths, files, datas, readers)[0] == want and readers.info() == (3, 3, 3, False)
+        pid = os.fork()
+        if pid == 0:  # (the child: nothing raised out of here, its verdict is its exit status)
+            code = 1
+            try:
+                fresh = readers.info() == (3, 0, 0, False)  # the parent's threads are not here
+                before = native_reads.threads_started()
+                right = all(_wave(paths, files, datas, readers)[0] == want for _ in range(5))
+                started = native_reads.threads_started() - before == 3 and readers.info() == (3, 3, 3, False)
+                code = 0 if fresh and right and started and readers.close(5.0) else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, done
+        assert _wave(paths, files, datas, readers)[0] == want and readers.info() == (3, 3, 3, False)
+    finally:
+        assert readers.close(5.0)
+
+
+def test_readers_left_open_end_with_the_interpreter(tmp_path):
+    """Readers never closed (helpers waiting for work) are closed by an atexit hook at interpreter exit, their
+    helpers ended within it, promptly."""
+    import subprocess
+    import sys
+
+    paths, _, _ = _files(tmp_path, 6)
+    code = (
+        "import atexit, time, numpy as np, sys\n"
+        "mark = []\n"  # (hooks run last registered first: this one after the readers' hook, the next before)
+        "atexit.register(lambda: print('alive', r.info()[2], 'took', time.monotonic() - mark[0], flush=True))\n"
+        "from stoker.engine.gpu import native_reads as nr\n"
+        "atexit.register(lambda: mark.append(time.monotonic()))\n"
+        "paths = sys.argv[1:]\n"
+        "r = nr.Readers(4)\n"
+        "out = nr.read(bytearray(1 << 16), paths, np.zeros((len(paths), 6), np.int64),\n"
+        "              np.array([[k, -1, 8192, 0] for k in range(len(paths))]), 0, r)\n"
+        "assert (out[:, 0] == 0).all() and r.info()[2] == 3, (out, r.info())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    words = done.stdout.split()
+    assert words[:2] == ["alive", "0"] and float(words[3]) < 2.0, done.stdout
 
 
 # ---------------------------------------------------------------------------------------------

@@ -146,22 +146,97 @@ static int path_list(PyObject *paths_obj, Py_ssize_t n, const char ***cpaths, Py
     return rc;
 }
 
-/* stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads) */
-static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *buf_obj, *paths_obj, *files_obj, *reads_obj, *out_obj;
-    long long whole_base;
+/* ---- persistent readers: a stage_pool in a capsule ---- */
+
+#define POOL_CAPSULE "stoker.stage_pool"
+
+static void pool_capsule_free(PyObject *capsule) {
+    stage_pool *q = PyCapsule_GetPointer(capsule, POOL_CAPSULE);
+    if (q != NULL) /* its helpers told to end (not waited for: they hold their own references) */
+        stage_pool_release(q);
+}
+
+/* the pool in a capsule, or NULL with an exception (a ValueError when it is another capsule) */
+static stage_pool *pool_of(PyObject *obj) { return PyCapsule_GetPointer(obj, POOL_CAPSULE); }
+
+/* stage_pool(threads) -> capsule */
+static PyObject *stage_pool_py(PyObject *Py_UNUSED(self), PyObject *args) {
     int threads;
-    if (!PyArg_ParseTuple(args, "OOOOOLi", &buf_obj, &paths_obj, &files_obj, &reads_obj, &out_obj, &whole_base,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "i", &threads))
         return NULL;
+    stage_pool *q = stage_pool_new(threads);
+    if (q == NULL)
+        return PyErr_NoMemory();
+    PyObject *capsule = PyCapsule_New(q, POOL_CAPSULE, pool_capsule_free);
+    if (capsule == NULL)
+        stage_pool_release(q);
+    return capsule;
+}
+
+/* stage_pool_close(pool, timeout_s) -> bool: every helper ended within the timeout */
+static PyObject *stage_pool_close_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *obj;
+    double timeout_s;
+    if (!PyArg_ParseTuple(args, "Od", &obj, &timeout_s))
+        return NULL;
+    stage_pool *q = pool_of(obj);
+    if (q == NULL)
+        return NULL;
+    int all;
+    Py_BEGIN_ALLOW_THREADS
+    all = stage_pool_close(q, timeout_s);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(all);
+}
+
+/* stage_pool_info(pool) -> (wanted, started, alive, closing) */
+static PyObject *stage_pool_info_py(PyObject *Py_UNUSED(self), PyObject *obj) {
+    stage_pool *q = pool_of(obj);
+    if (q == NULL)
+        return NULL;
+    long long out[4];
+    Py_BEGIN_ALLOW_THREADS
+    stage_pool_info(q, out);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(LLLL)", out[0], out[1], out[2], out[3]);
+}
+
+static PyObject *stage_threads_started_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return PyLong_FromLongLong(stage_threads_started());
+}
+
+/* stage_read(buf, paths, files, reads, out, whole_base, threads[, ident_blob, idents]) -> (opens, reads);
+ * threads: a count, or a stage_pool capsule; idents: (start, length) in ident_blob per read (its entries') */
+static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *buf_obj, *paths_obj, *files_obj, *reads_obj, *out_obj, *threads_obj, *blob_obj = NULL,
+             *idents_obj = NULL;
+    long long whole_base;
+    int threads = 1;
+    stage_pool *pool = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOLO|OO", &buf_obj, &paths_obj, &files_obj, &reads_obj, &out_obj, &whole_base,
+                          &threads_obj, &blob_obj, &idents_obj))
+        return NULL;
+    if ((blob_obj == NULL) != (idents_obj == NULL) || (blob_obj != NULL && !PyBytes_Check(blob_obj))) {
+        PyErr_SetString(PyExc_TypeError, "stage_read: the entries' idents as bytes and an int64 table, or neither");
+        return NULL;
+    }
+    if (PyCapsule_CheckExact(threads_obj)) {
+        if ((pool = pool_of(threads_obj)) == NULL)
+            return NULL;
+    } else {
+        long v = PyLong_AsLong(threads_obj);
+        if (v == -1 && PyErr_Occurred())
+            return NULL;
+        threads = v < 1 ? 1 : v > 64 ? 64 : (int)v;
+    }
     PyObject *result = NULL;
     PyObject **names = NULL;
     const char **cpaths = NULL;
     Py_ssize_t n_paths = 0;
-    Py_buffer buf, files, reads, out;
-    int have = 0; /* buffers taken so far */
+    Py_buffer buf, files, reads, out, idents;
+    int have = 0, have_idents = 0; /* buffers taken so far */
     stage_plan p = {0};
-    long long n_out;
+    long long n_out, n_idents = 0;
     if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
         goto done;
     have = 1;
@@ -181,6 +256,18 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "stage_read: one files row per path, one out row per read");
         goto done;
     }
+    if (idents_obj != NULL) {
+        if (int64_rows(idents_obj, &idents, 2, &n_idents, 0, "idents") < 0)
+            goto done;
+        have_idents = 1;
+        if (n_idents != p.n_reads) {
+            PyErr_SetString(PyExc_ValueError, "stage_read: one idents row per read");
+            goto done;
+        }
+        p.idents = idents.buf;
+        p.ident_blob = PyBytes_AS_STRING(blob_obj); /* (immutable, held by args for the call) */
+        p.ident_blob_len = (long long)PyBytes_GET_SIZE(blob_obj);
+    }
     p.paths = cpaths;
     p.files = files.buf;
     p.reads = reads.buf;
@@ -194,10 +281,12 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    stage_read(&p, threads);
+    stage_read_on(&p, threads, pool); /* (the capsule, held by args, outlives the call) */
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(LL)", p.opens, p.preads);
 done:
+    if (have_idents)
+        PyBuffer_Release(&idents);
     if (have >= 4)
         PyBuffer_Release(&out);
     if (have >= 3)
@@ -268,7 +357,20 @@ PyMethodDef staging_methods[] = {
      "(file, offset or -1 for a whole file, length or the most bytes it may take, where in buf) read into the "
      "writable buffer ``buf`` on up to ``threads`` threads, the GIL released once; ``paths`` a sequence of str "
      "or chunk_paths' bytes; ``files`` one identity row per path (has_ident, dev, ino, size, mtime_ns, ctime_ns); ``out`` (status, detail, at, bytes read) per "
-     "read. Whole files go end to end from whole_base."},
+     "read. Whole files go end to end from whole_base. ``threads``: a count (threads of the call's own), or a "
+     "stage_pool (its persistent threads). Offset -2: a disk-cache entry file, whose payload alone is placed "
+     "(with the whole files), read and checked; its ident is row (start, length) of ``idents`` in the bytes "
+     "``ident_blob`` (both given, or neither)."},
+    {"stage_pool", stage_pool_py, METH_VARARGS,
+     "stage_pool(threads) -> pool: persistent readers for stage_read (the caller and threads - 1 helpers, "
+     "started at its first round with work for them and kept until stage_pool_close or the pool's end)."},
+    {"stage_pool_close", stage_pool_close_py, METH_VARARGS,
+     "stage_pool_close(pool, timeout_s) -> bool: the pool's helpers stopped (those in a round after the read "
+     "they hold), waited for at most timeout_s with the GIL released; True when none is left."},
+    {"stage_pool_info", stage_pool_info_py, METH_O,
+     "stage_pool_info(pool) -> (wanted, started, alive, closing): the pool's helper threads."},
+    {"stage_threads_started", stage_threads_started_py, METH_NOARGS,
+     "stage_threads_started() -> int: reader threads stage_read started in this process, pooled or not."},
     {"chunk_paths", chunk_paths_py, METH_VARARGS,
      "chunk_paths(blob, prefixes, names, ndim) -> bytes: the path of each file row of ``names`` (source, then "
      "``ndim`` grid coordinates), NUL-terminated, back to back: its source's prefix (row (start, length, "

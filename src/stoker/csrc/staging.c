@@ -1,6 +1,7 @@
 /* The GPU decode's reads (engine/gpu/staging.py): a wave's stored chunks read into one staging buffer by one call,
- * on threads of the call's own (POSIX threads, every signal blocked, as the engine's workers), the caller's
- * among them; and blosc1 frame headers parsed into streams (blosc_streams). See staging.h.
+ * on the caller's thread and the helpers of a stage_pool (POSIX threads started once, at the pool's first round
+ * with work for them, every signal blocked, as the engine's workers; without a pool, threads of the call's own);
+ * and blosc1 frame headers parsed into streams (blosc_streams). See staging.h.
  *
  * Files are opened as the engine opens them (io.c: regular files only, non-blocking first, a shard's identity
  * checked at open and after its reads), so a shard rewritten since its index was read is ST_CHANGED here as
@@ -10,13 +11,18 @@
 #include "staging.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
 
 #define MAX_STAGE_THREADS 64
+
+static long long threads_started; /* reader threads started in this process (stage_threads_started) */
 
 int stage_check(const stage_plan *p, const char **error) {
     if (p->n_files < 0 || p->n_reads < 0 || p->buf_len < 0 || p->whole_base < 0 || p->whole_base > p->buf_len) {
@@ -25,9 +31,17 @@ int stage_check(const stage_plan *p, const char **error) {
     }
     for (long long i = 0; i < p->n_reads; i++) {
         const int64_t *r = p->reads + i * STAGE_READ_COLS;
-        if (r[SR_FILE] < 0 || r[SR_FILE] >= p->n_files || r[SR_LENGTH] < 0 || r[SR_OFFSET] < -1) {
+        if (r[SR_FILE] < 0 || r[SR_FILE] >= p->n_files || r[SR_LENGTH] < 0 || r[SR_OFFSET] < SR_ENTRY) {
             *error = "stage_read: a read names no file of the table, or has a negative length or offset";
             return -1;
+        }
+        if (r[SR_OFFSET] == SR_ENTRY) {
+            const int64_t *id = p->idents == NULL ? NULL : p->idents + 2 * i;
+            if (id == NULL || id[0] < 0 || id[1] < 0 || id[1] > ENTRY_IDENT_CAP || id[0] > p->ident_blob_len ||
+                id[1] > p->ident_blob_len - id[0] || r[SR_LENGTH] > INT64_MAX - ENTRY_HEADER_BYTES - id[1]) {
+                *error = "stage_read: an entry read's ident lies outside the idents blob, or is too long";
+                return -1;
+            }
         }
         if (r[SR_OFFSET] >= 0 && (r[SR_AT] < 0 || r[SR_AT] > p->buf_len || r[SR_LENGTH] > p->buf_len - r[SR_AT] ||
                                   r[SR_OFFSET] > INT64_MAX - r[SR_LENGTH])) {
@@ -105,25 +119,104 @@ static void read_runs(stage_plan *p, long long first, long long last) {
     }
 }
 
-/* a whole file's size by stat (no descriptor held between the two rounds: a wave may name thousands of files) */
+/* an entry read's header bytes (header and ident) */
+static long long entry_head(const stage_plan *p, long long i) { return ENTRY_HEADER_BYTES + p->idents[2 * i + 1]; }
+
+/* a whole file's size by stat (no descriptor held between the two rounds: a wave may name thousands of files);
+ * an entry's payload size */
 static void stat_whole(stage_plan *p, long long i) {
     const int64_t *r = p->reads + i * STAGE_READ_COLS;
+    int entry = r[SR_OFFSET] == SR_ENTRY;
     struct stat st;
     int rc;
     do /* a signal may cut it short on a thread that does not block them (the caller's) */
-        rc = stat(p->paths[r[SR_FILE]], &st);
+        rc = entry ? lstat(p->paths[r[SR_FILE]], &st) : stat(p->paths[r[SR_FILE]], &st);
     while (rc != 0 && errno == EINTR);
+    int gone = rc != 0 && (errno == ENOENT || errno == ENOTDIR);
+    if (entry && (rc != 0 || !S_ISREG(st.st_mode))) { /* (never followed: read_entry's O_NOFOLLOW) */
+        set_out(p, i, ST_ENTRY, gone ? ENTRY_GONE : ENTRY_UNREADABLE);
+        return;
+    }
     if (rc != 0) {
-        set_out(p, i, (errno == ENOENT || errno == ENOTDIR) ? ST_MISSING : ST_OS_ERROR, errno);
+        set_out(p, i, gone ? ST_MISSING : ST_OS_ERROR, errno);
         return;
     }
     if (!S_ISREG(st.st_mode)) {
         set_out(p, i, ST_NOT_REGULAR, (long long)(st.st_mode & S_IFMT));
         return;
     }
-    p->out[i * STAGE_OUT_COLS + SO_DETAIL] = (long long)st.st_size;
-    if ((long long)st.st_size > r[SR_LENGTH])
-        set_out(p, i, ST_TOO_BIG, (long long)st.st_size);
+    long long size = (long long)st.st_size;
+    if (entry) {
+        size -= entry_head(p, i);
+        if (size < 0 || size > r[SR_LENGTH]) { /* no room taken: fetched through the store */
+            set_out(p, i, ST_ENTRY, ENTRY_SIZE);
+            return;
+        }
+    }
+    p->out[i * STAGE_OUT_COLS + SO_DETAIL] = size;
+    if (size > r[SR_LENGTH])
+        set_out(p, i, ST_TOO_BIG, size);
+}
+
+static unsigned long long le_bytes(const unsigned char *b, int n) {
+    unsigned long long v = 0;
+    for (int k = n - 1; k >= 0; k--)
+        v = v << 8 | b[k];
+    return v;
+}
+
+/* an entry's payload read into the room placed for the size its stat gave, with entries.c's checks (read_entry
+ * reads an entry whole into one buffer; here its header and ident go to the stack and its payload alone to the
+ * staging, so the room placed is the payload's and what crosses to the device is chunk bytes only) */
+static void read_entry_payload(stage_plan *p, long long i) {
+    int64_t *o = p->out + i * STAGE_OUT_COLS;
+    const char *ident = p->ident_blob + p->idents[2 * i];
+    size_t ident_len = (size_t)p->idents[2 * i + 1], head = (size_t)entry_head(p, i), size = (size_t)o[SO_DETAIL];
+    unsigned char header[ENTRY_HEADER_BYTES + ENTRY_IDENT_CAP];
+    chunk_io job;
+    memset(&job, 0, sizeof(job));
+    __atomic_fetch_add(&p->opens, 1, __ATOMIC_RELAXED);
+    /* O_NONBLOCK: a FIFO planted at an entry's name must not hang the open (it is no regular file) */
+    int fd, why = 0;
+    do
+        fd = open(p->paths[p->reads[i * STAGE_READ_COLS + SR_FILE]], O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    while (fd < 0 && errno == EINTR);
+    struct stat st;
+    if (fd < 0)
+        why = errno == ENOENT || errno == ENOTDIR ? ENTRY_GONE : ENTRY_UNREADABLE;
+    else if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+        why = ENTRY_UNREADABLE;
+    else if ((unsigned long long)st.st_size != head + size) /* replaced since its stat: its room is another's */
+        why = ENTRY_SIZE;
+    if (!why) {
+        fcntl(fd, F_SETFL, 0); /* blocking again, as io.c's open_file (FUSE and network file systems) */
+        job.offset = 0;
+        if (read_range(&job, fd, (char *)header, 0, head) != 0)
+            why = job.status == ST_SHORT ? ENTRY_SIZE : ENTRY_UNREADABLE;
+    }
+    if (!why && (memcmp(header, "STKC1\n", 6) != 0 || le_bytes(header + 12, 4) != ident_len ||
+                 le_bytes(header + 16, 8) != size))
+        why = ENTRY_LAYOUT;
+    if (!why && ident_len && memcmp(header + ENTRY_HEADER_BYTES, ident, ident_len) != 0)
+        why = ENTRY_OTHER_IDENT; /* a hash collision's entry */
+    if (!why) {
+        job.offset = (long long)head;
+        if (read_range(&job, fd, p->buf + o[SO_AT], 0, size) != 0)
+            why = job.status == ST_SHORT ? ENTRY_SIZE : ENTRY_UNREADABLE;
+        __atomic_fetch_add(&p->preads, 1, __ATOMIC_RELAXED);
+    }
+    if (!why) {
+        uint32_t crc = crc32c_of(0, header + ENTRY_HEADER_BYTES, ident_len);
+        if (crc32c_of(crc, p->buf + o[SO_AT], size) != (uint32_t)le_bytes(header + 8, 4))
+            why = ENTRY_CHECKSUM;
+    }
+    if (!why)
+        (void)futimens(fd, NULL); /* the LRU clock: a hit is a use (a read-only folder: still a hit) */
+    if (fd >= 0)
+        close(fd);
+    o[SO_NREAD] = why ? 0 : (long long)size;
+    if (why)
+        set_out(p, i, ST_ENTRY, why);
 }
 
 /* a whole file into the room placed for the size its stat gave: ST_CHANGED when it has another size now */
@@ -161,20 +254,28 @@ typedef struct {
     int round;
 } round_of;
 
+static void run_task(round_of *r, long long t) {
+    long long first = r->tasks[2 * t], last = r->tasks[2 * t + 1];
+    int whole = r->p->reads[first * STAGE_READ_COLS + SR_OFFSET] < 0;
+    if (!whole && r->round == 0)
+        read_runs(r->p, first, last);
+    else if (whole && r->round == 0)
+        stat_whole(r->p, first);
+    else if (whole && r->p->out[first * STAGE_OUT_COLS + SO_STATUS] == ST_OK) {
+        if (r->p->reads[first * STAGE_READ_COLS + SR_OFFSET] == SR_ENTRY)
+            read_entry_payload(r->p, first);
+        else
+            read_whole(r->p, first);
+    }
+}
+
 static void *run_round(void *arg) {
     round_of *r = arg;
     for (;;) {
         long long t = __atomic_fetch_add(&r->next, 1, __ATOMIC_RELAXED);
         if (t >= r->n)
             return NULL;
-        long long first = r->tasks[2 * t], last = r->tasks[2 * t + 1];
-        int whole = r->p->reads[first * STAGE_READ_COLS + SR_OFFSET] < 0;
-        if (!whole && r->round == 0)
-            read_runs(r->p, first, last);
-        else if (whole && r->round == 0)
-            stat_whole(r->p, first);
-        else if (whole && r->p->out[first * STAGE_OUT_COLS + SO_STATUS] == ST_OK)
-            read_whole(r->p, first);
+        run_task(r, t);
     }
 }
 
@@ -191,12 +292,226 @@ static void run_parallel(round_of *r, int threads) {
             started++; /* (none started: the caller reads them all) */
     if (masked)
         pthread_sigmask(SIG_SETMASK, &before, NULL);
+    __atomic_add_fetch(&threads_started, started, __ATOMIC_RELAXED);
     run_round(r);
     for (int j = 0; j < started; j++)
         pthread_join(ids[j], NULL);
 }
 
-void stage_read(stage_plan *p, int threads) {
+/* ---- the persistent readers (see staging.h) ---- */
+
+struct stage_pool {
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv; /* helpers wait here: a round published, closing */
+    pthread_cond_t done_cv; /* the caller waits here for the helpers in its round; close for their ends */
+    int wanted, started, alive, refs, closing, busy, in_round;
+    round_of *round;         /* the round helpers may join (NULL: none) */
+    unsigned long long seq;  /* bumped per round published: a helper joins each at most once */
+    unsigned generation;     /* the fork generation it was made in */
+};
+
+static unsigned stage_fork_generation; /* bumped in a child (one thread runs there) */
+static pthread_once_t stage_atfork_once = PTHREAD_ONCE_INIT;
+static void stage_forked_child(void) { __atomic_add_fetch(&stage_fork_generation, 1, __ATOMIC_RELAXED); }
+static void stage_watch_forks(void) { pthread_atfork(NULL, NULL, stage_forked_child); }
+/* made in the parent of this process: its threads do not exist here, its lock may be held by one of them */
+static int pool_foreign(const stage_pool *q) {
+    return q->generation != __atomic_load_n(&stage_fork_generation, __ATOMIC_RELAXED);
+}
+
+/* wait on cv at most ``seconds`` (monotonic clock: the pool's condition variables are made with it) */
+static void wait_for(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds) {
+#if defined(__APPLE__)
+    struct timespec rel = {0, 10 * 1000 * 1000}; /* no monotonic condition variables: short slices */
+    (void)seconds;
+    pthread_cond_timedwait_relative_np(cv, mu, &rel);
+#else
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    long long ns = ts.tv_nsec + (long long)(seconds * 1e9);
+    ts.tv_sec += (time_t)(ns / 1000000000LL);
+    ts.tv_nsec = ns % 1000000000LL;
+    pthread_cond_timedwait(cv, mu, &ts);
+#endif
+}
+
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void pool_free(stage_pool *q) {
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->work_cv);
+    pthread_cond_destroy(&q->done_cv);
+    free(q);
+}
+
+/* a helper's share of a round: tasks until none is left or the pool closes (the caller takes what remains) */
+static void help_round(round_of *r, const stage_pool *q) {
+    while (!__atomic_load_n(&q->closing, __ATOMIC_RELAXED)) {
+        long long t = __atomic_fetch_add(&r->next, 1, __ATOMIC_RELAXED);
+        if (t >= r->n)
+            return;
+        run_task(r, t);
+    }
+}
+
+static void *helper(void *arg) {
+    stage_pool *q = arg;
+    unsigned long long seen = 0;
+    pthread_mutex_lock(&q->mu);
+    while (!q->closing) {
+        if (q->round != NULL && q->seq != seen) {
+            seen = q->seq;
+            round_of *r = q->round;
+            q->in_round++;
+            pthread_mutex_unlock(&q->mu);
+            help_round(r, q);
+            pthread_mutex_lock(&q->mu);
+            if (--q->in_round == 0)
+                pthread_cond_broadcast(&q->done_cv);
+            continue;
+        }
+        wait_for(&q->work_cv, &q->mu, 1.0); /* woken by a round or close; the second only bounds the wait */
+    }
+    q->alive--;
+    int last = --q->refs == 0;
+    pthread_cond_broadcast(&q->done_cv);
+    pthread_mutex_unlock(&q->mu);
+    if (last)
+        pool_free(q);
+    return NULL;
+}
+
+stage_pool *stage_pool_new(int threads) {
+    stage_pool *q = calloc(1, sizeof(stage_pool));
+    if (q == NULL)
+        return NULL;
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+#if !defined(__APPLE__)
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* waits are not moved by changes of the wall clock */
+#endif
+    pthread_cond_init(&q->work_cv, &attr);
+    pthread_cond_init(&q->done_cv, &attr);
+    pthread_condattr_destroy(&attr);
+    q->wanted = threads < 1 ? 0 : threads - 1 > MAX_STAGE_THREADS - 1 ? MAX_STAGE_THREADS - 1 : threads - 1;
+    q->refs = 1;
+    pthread_once(&stage_atfork_once, stage_watch_forks);
+    q->generation = __atomic_load_n(&stage_fork_generation, __ATOMIC_RELAXED);
+    return q;
+}
+
+/* the helpers not started yet, started (at the first round that has work for them; with the lock held). Every
+ * signal blocked in them, as in the engine's workers: a signal for the process goes to a Python thread. */
+static void start_helpers(stage_pool *q) {
+    if (q->started >= q->wanted)
+        return;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED); /* waited for by close, never joined */
+    sigset_t all, before;
+    sigfillset(&all);
+    int masked = pthread_sigmask(SIG_SETMASK, &all, &before) == 0;
+    int made = 0;
+    while (q->started < q->wanted) {
+        pthread_t id;
+        q->refs++, q->alive++;
+        if (pthread_create(&id, &attr, helper, q) != 0) {
+            q->refs--, q->alive--;
+            q->wanted = q->started; /* (fewer threads: the caller reads what they do not) */
+            break;
+        }
+        q->started++, made++;
+    }
+    if (masked)
+        pthread_sigmask(SIG_SETMASK, &before, NULL);
+    pthread_attr_destroy(&attr);
+    __atomic_add_fetch(&threads_started, made, __ATOMIC_RELAXED);
+}
+
+/* a round on the pool's helpers and the caller; the caller alone where the pool is another process's (forked),
+ * closing, busy with another caller's round, or the round has one task. Returns once no helper is in it (the
+ * helpers finish the task they hold: one file's reads; then the buffer is the caller's again). */
+static void run_pooled(round_of *r, stage_pool *q) {
+    if (r->n < 2 || q->wanted < 1 || pool_foreign(q)) {
+        run_round(r);
+        return;
+    }
+    pthread_mutex_lock(&q->mu);
+    if (q->closing || q->busy) {
+        pthread_mutex_unlock(&q->mu);
+        run_round(r);
+        return;
+    }
+    q->busy = 1;
+    start_helpers(q);
+    q->round = r;
+    q->seq++;
+    pthread_cond_broadcast(&q->work_cv);
+    pthread_mutex_unlock(&q->mu);
+    run_round(r);
+    pthread_mutex_lock(&q->mu);
+    q->round = NULL; /* no helper joins it now */
+    while (q->in_round > 0)
+        wait_for(&q->done_cv, &q->mu, 0.1);
+    q->busy = 0;
+    pthread_mutex_unlock(&q->mu);
+}
+
+int stage_pool_close(stage_pool *q, double timeout_s) {
+    if (pool_foreign(q)) { /* its threads are the parent's: none runs here */
+        q->closing = 1;
+        return 1;
+    }
+    double until = mono_s() + (timeout_s > 0 ? timeout_s : 0);
+    pthread_mutex_lock(&q->mu);
+    __atomic_store_n(&q->closing, 1, __ATOMIC_RELAXED); /* (helpers in a round read it unlocked) */
+    pthread_cond_broadcast(&q->work_cv);
+    for (double left; q->alive > 0 && (left = until - mono_s()) > 0;)
+        wait_for(&q->done_cv, &q->mu, left < 0.1 ? left : 0.1);
+    int all = q->alive == 0;
+    pthread_mutex_unlock(&q->mu);
+    return all;
+}
+
+void stage_pool_info(stage_pool *q, long long out[4]) {
+    if (pool_foreign(q)) { /* read without its lock, which a thread of the parent may hold */
+        out[0] = q->wanted, out[1] = q->started, out[2] = 0, out[3] = 1;
+        return;
+    }
+    pthread_mutex_lock(&q->mu);
+    out[0] = q->wanted, out[1] = q->started, out[2] = q->alive, out[3] = q->closing;
+    pthread_mutex_unlock(&q->mu);
+}
+
+void stage_pool_release(stage_pool *q) {
+    if (pool_foreign(q)) /* left to the process's end (the parent's pages, copy-on-write) */
+        return;
+    pthread_mutex_lock(&q->mu);
+    __atomic_store_n(&q->closing, 1, __ATOMIC_RELAXED);
+    pthread_cond_broadcast(&q->work_cv);
+    int last = --q->refs == 0;
+    pthread_mutex_unlock(&q->mu);
+    if (last)
+        pool_free(q);
+}
+
+long long stage_threads_started(void) { return __atomic_load_n(&threads_started, __ATOMIC_RELAXED); }
+
+static void run_on(round_of *r, int threads, stage_pool *q) {
+    if (q != NULL)
+        run_pooled(r, q);
+    else
+        run_parallel(r, threads);
+}
+
+void stage_read(stage_plan *p, int threads) { stage_read_on(p, threads, NULL); }
+
+void stage_read_on(stage_plan *p, int threads, stage_pool *q) {
     for (long long i = 0; i < p->n_reads; i++) {
         int64_t *o = p->out + i * STAGE_OUT_COLS;
         o[SO_STATUS] = ST_OK, o[SO_DETAIL] = 0, o[SO_AT] = -1, o[SO_NREAD] = 0;
@@ -219,7 +534,7 @@ void stage_read(stage_plan *p, int threads) {
         i = j;
     }
     round_of r = {p, tasks, n, 0, 0};
-    run_parallel(&r, threads);
+    run_on(&r, threads, q);
     /* whole files end to end, in order, by their sizes; one past the buffer is ST_TOO_BIG (unread) */
     long long at = p->whole_base;
     int any = 0;
@@ -237,7 +552,7 @@ void stage_read(stage_plan *p, int threads) {
     }
     if (any) {
         round_of w = {p, tasks, n, 0, 1};
-        run_parallel(&w, threads);
+        run_on(&w, threads, q);
     }
     free(tasks);
 }

@@ -1,6 +1,6 @@
 /* staging.c: a wave's stored chunks read into one staging buffer (the GPU decode's reads, engine/gpu/staging.py),
- * on threads of the call's own, without the GIL; and blosc1 frame headers parsed into the streams a batched
- * decoder takes (blosc_streams). Statuses are stoker_native.h's ST_*.
+ * on the caller's thread and persistent helpers (stage_pool) or threads of the call's own, without the GIL;
+ * and blosc1 frame headers parsed into the streams a batched decoder takes (blosc_streams). Statuses are stoker_native.h's ST_*.
  */
 #ifndef STOKER_STAGING_H
 #define STOKER_STAGING_H
@@ -10,9 +10,12 @@
 /* a file to read from: its identity (has_ident 1: read only from a file that is this one, as a shard whose
  * index was read from it; dev and ino as uint64 bits) */
 enum { SF_HAS_IDENT = 0, SF_DEV, SF_INO, SF_SIZE, SF_MTIME, SF_CTIME, STAGE_FILE_COLS };
-/* a read: its file, its offset there (-1: the whole file), its length (of a whole file: the most bytes it may
- * take), where its bytes go in the staging (a whole file: ignored, see stage_read) */
+/* a read: its file, its offset there (-1: the whole file; SR_ENTRY: the payload of a disk-cache entry file),
+ * its length (of a whole file or an entry's payload: the most bytes it may take), where its bytes go in the
+ * staging (a whole file or entry: ignored, see stage_read) */
 enum { SR_FILE = 0, SR_OFFSET, SR_LENGTH, SR_AT, STAGE_READ_COLS };
+#define SR_WHOLE (-1)
+#define SR_ENTRY (-2)
 /* what became of a read: ST_*, its detail (errno, a size), where its bytes are in the staging, the bytes read */
 enum { SO_STATUS = 0, SO_DETAIL, SO_AT, SO_NREAD, STAGE_OUT_COLS };
 
@@ -26,6 +29,11 @@ typedef struct {
     long long buf_len;
     long long whole_base; /* whole files are placed end to end from here, in order, as their sizes are learnt */
     int64_t *out;         /* n_reads x STAGE_OUT_COLS */
+    /* an SR_ENTRY read's ident (the entry's own must equal it): row i (start, length) of ``idents`` (n_reads x
+     * 2) in ``ident_blob``; NULL where the plan has no entry read */
+    const char *ident_blob;
+    long long ident_blob_len;
+    const int64_t *idents;
     long long opens, preads; /* (totals, for the store's counters) */
 } stage_plan;
 
@@ -33,14 +41,38 @@ typedef struct {
  * that follow each other in the table are one open: identity checked at open and after the last read (a change:
  * ST_CHANGED on each). Whole files are stat'ed first (missing: ST_MISSING, no room taken; larger than their
  * length: ST_TOO_BIG, detail the size), placed end to end from whole_base, then each opened, checked to have
- * that size still (else ST_CHANGED) and read. 0, or -1 with *error set when the plan is unsound (a read outside
- * the buffer, a file row out of range): checked before any byte is read. Call without the GIL. */
+ * that size still (else ST_CHANGED) and read. Disk-cache entries (SR_ENTRY; storage/diskcache.py's layout, as
+ * entries.c reads them) are whole files whose payload alone is placed and read: stat'ed (missing: ST_ENTRY,
+ * detail ENTRY_GONE; a payload past its length: ENTRY_SIZE; no room taken), placed end to end with the whole
+ * files, then opened (not followed if a link), checked to have that size still, their header and ident read
+ * and checked, their payload read into its place and checked against the header's crc32c (ident + payload),
+ * and touched (the cache's LRU clock); any failure is ST_ENTRY with its ENTRY_* detail (its place is then not
+ * the payload's). SO_DETAIL of an entry: its payload's size. 0, or -1 with *error set when the plan is unsound
+ * (a read outside the buffer, a file row out of range, an entry read with no ident in the blob): checked
+ * before any byte is read. Call without the GIL. */
 int stage_check(const stage_plan *p, const char **error);
 /* A chunk file's (or a shard's) path: ``prefix`` (n bytes: the array's folder, its key prefix and separator), then
  * the ``ndim`` grid coordinates joined by ``sep``, NUL-terminated, into ``out`` (room for n + 21 * ndim + 1 bytes:
  * a coordinate takes 20 digits at most). Returns its length. The engine's paths (pool.c) and the staging's. */
 size_t chunk_path(char *out, const char *prefix, size_t n, char sep, const int64_t *coords, int ndim);
 void stage_read(stage_plan *p, int threads);
+
+/* Persistent readers: stage_read_on(p, 0, pool) reads as stage_read does, on the caller's thread and the pool's
+ * threads - 1 helpers, started at the pool's first round with two tasks or more and kept (a thread start costs
+ * more CPU than a round of a few reads: ~150 us a call with threads of the call's own). A pool serves one round at
+ * a time: a caller that finds it busy, closing, or made before a fork (its threads are the parent's: none runs in
+ * a child, see pool.c "Fork") reads alone. The caller waits for the helpers in its round to finish the task each
+ * holds (one file's reads) before returning: its buffer is never written after. stage_pool_close stops the helpers
+ * (those in a round after their task) and waits for them at most timeout_s: 1 when none is left;
+ * stage_pool_release drops the owner's reference (the last of the pool and its threads frees it).
+ * stage_threads_started counts the reader threads this process started, pooled or not. */
+typedef struct stage_pool stage_pool;
+stage_pool *stage_pool_new(int threads);
+void stage_read_on(stage_plan *p, int threads, stage_pool *pool);
+int stage_pool_close(stage_pool *pool, double timeout_s);
+void stage_pool_info(stage_pool *pool, long long out[4]); /* helpers wanted, started, alive; closing */
+void stage_pool_release(stage_pool *pool);
+long long stage_threads_started(void);
 
 /* blosc1 frames (engine/gpu/frames.py's rules, c-blosc's blosc_d): chunk k's frame at in[k] of buf (in_len[k]
  * bytes) decodes to nbytes[k] bytes at out[k] of the output. Returns in *streams (BS_* columns, *n_streams rows)

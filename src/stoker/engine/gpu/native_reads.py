@@ -2,8 +2,9 @@
 parsed in C, each with the GIL released once; ``None`` / numpy where the compiled engine is absent.
 
 :func:`read` takes a table of reads (a coalesced run of a shard's inner chunks: file, offset, length, where in
-the staging; a whole chunk file: file, -1, the most bytes it may take) and reads them all on up to ``threads``
-threads of the call's own: no Python step and no GIL per read; :func:`chunk_paths` builds the files' paths
+the staging; a whole chunk file: file, -1, the most bytes it may take) and reads them all on the caller's
+thread and the persistent threads of a :class:`Readers` (or up to ``threads`` threads of the call's own): no
+Python step and no GIL per read, no thread started per call; :func:`chunk_paths` builds the files' paths
 (no Python step per file). :func:`parse_blosc_batch` is
 :func:`.frames.parse_blosc_batch` with the frames walked in C: the same :class:`~.frames.Layout` (held to it by
 ``tests/gpu/test_gpu_native_reads.py``), and for a refused frame the numpy parser's words (it parses only the
@@ -17,6 +18,10 @@ True
 
 from __future__ import annotations
 
+import atexit
+import os
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -27,7 +32,9 @@ from . import frames
 
 #: statuses of a read (csrc/stoker_native.h)
 ST_OK, ST_MISSING, ST_TOO_BIG, ST_CHANGED = native.ST_OK, native.ST_MISSING, native.ST_TOO_BIG, native.ST_CHANGED
-ST_SHORT, ST_NOT_REGULAR = native.ST_SHORT, native.ST_NOT_REGULAR
+ST_SHORT, ST_NOT_REGULAR, ST_ENTRY = native.ST_SHORT, native.ST_NOT_REGULAR, native.ST_ENTRY
+#: a read's offset that makes it a disk-cache entry file's payload (csrc/staging.h SR_ENTRY)
+ENTRY = -2
 #: columns of a read's result: status, detail (errno, a size), where its bytes are in the staging, bytes read
 STATUS, DETAIL, AT, NREAD = 0, 1, 2, 3
 
@@ -37,17 +44,87 @@ def available() -> bool:
     return native.stage_read is not None
 
 
+class Readers:
+    """Persistent reader threads for :func:`read` (``csrc/staging.c``'s ``stage_pool``): the caller and
+    ``threads - 1`` helpers, started at the first read with work for them and kept until :meth:`close`. A
+    forked child gets threads of its own at its first read (the parent's are not there), and the pools still
+    open at interpreter exit are closed then (a second at most each).
+
+    >>> readers = Readers(4)
+    >>> out = read(bytearray(4), ["/no/such/file"], np.zeros((1, 6), np.int64), np.array([[0, -1, 4, 0]]), 0, readers)
+    >>> readers.close()
+    True
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, int(threads))
+        self.closed = False
+        self._pool: Any = None
+        self._pid = 0
+        self._lock = threading.Lock()
+        _open.add(self)
+
+    def handle(self) -> Any:
+        """What :func:`read` reads on: the pool, made at first use and again in a forked child; after
+        :meth:`close`, 1 (the caller's thread alone)."""
+        with self._lock:
+            if self.closed:
+                return 1
+            if self._pool is None or self._pid != os.getpid():
+                # (in a child the parent's pool is dropped: its threads are not here, it frees nothing)
+                self._pool, self._pid = native.stage_pool(self.threads), os.getpid()
+            return self._pool
+
+    def info(self) -> tuple[int, int, int, bool]:
+        """``(wanted, started, alive, closing)``: the helper threads this process's pool wants, started and
+        has running (zeros before the first read)."""
+        with self._lock:
+            pool = self._pool if self._pid == os.getpid() else None
+        if pool is None:
+            return self.threads - 1, 0, 0, self.closed
+        wanted, started, alive, closing = native.stage_pool_info(pool)
+        return int(wanted), int(started), int(alive), bool(closing)
+
+    def close(self, timeout: float = 1.0) -> bool:
+        """Stop the helpers (one in a read finishes the file it holds) and wait for them at most ``timeout``
+        seconds, the GIL released: True when none is left. Reads after it run on the caller's thread."""
+        with self._lock:
+            self.closed = True
+            pool = self._pool if self._pid == os.getpid() else None
+        _open.discard(self)
+        return True if pool is None else bool(native.stage_pool_close(pool, timeout))
+
+
+_open: weakref.WeakSet[Readers] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_readers() -> None:
+    for readers in list(_open):
+        readers.close(1.0)
+
+
+def threads_started() -> int:
+    """The reader threads the compiled reads started in this process so far (pooled or per call)."""
+    return int(native.stage_threads_started())
+
+
 def read(buf: Any, paths: list[str] | bytes, files: np.ndarray, reads: np.ndarray, whole_base: int,
-         threads: int) -> np.ndarray:
+         threads: int | Readers, idents: tuple[bytes, np.ndarray] | None = None) -> np.ndarray:
     """The rows of ``reads`` (file, offset or -1, length or bound, at) read into ``buf``: one row per read
     (:data:`STATUS`, :data:`DETAIL`, :data:`AT`, :data:`NREAD`); ``files`` one identity row per path
     (has_ident, dev, ino, size, mtime_ns, ctime_ns), ``paths`` one per row (or :func:`chunk_paths`'). Whole files go end to end from ``whole_base``. A read
-    outside ``buf`` is a ``ValueError``, before any byte is read. (``native.stage_read`` also returns its
-    opens and reads, which tests count.)"""
+    outside ``buf`` is a ``ValueError``, before any byte is read. ``threads``: :class:`Readers` (their
+    persistent threads), or a count of threads started for this call. A read of offset :data:`ENTRY` is a
+    disk-cache entry file's (its payload placed with the whole files, checked as the CPU engine checks entries:
+    ``ST_ENTRY`` and an ``ENTRY_*`` detail where it cannot be used), its ident row ``(start, length)`` of
+    ``idents[1]`` in the bytes ``idents[0]``. (``native.stage_read`` also returns its opens and reads, which
+    tests count.)"""
     reads = np.ascontiguousarray(reads, np.int64).reshape(-1, 4)
     out = np.zeros((len(reads), 4), np.int64)
+    extra = () if idents is None else (idents[0], np.ascontiguousarray(idents[1], np.int64).reshape(-1, 2))
     gil.released(native.stage_read, buf, paths, np.ascontiguousarray(files, np.int64).reshape(-1, 6), reads, out,
-                 int(whole_base), int(threads))
+                 int(whole_base), threads.handle() if isinstance(threads, Readers) else int(threads), *extra)
     return out
 
 

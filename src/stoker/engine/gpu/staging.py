@@ -9,8 +9,10 @@ bound) and decoded bytes.
 
 :meth:`Stager.read` then reads the group: one ``os.preadv`` per coalesced read of a local shard (the GIL
 released, the file's identity checked as the index was read), one open and read per whole chunk file,
-and one :func:`~stoker.storage.store.get_many` per store (whole values and inner chunks' ranges, which the
-store coalesces), copied into the staging in one ``np.concatenate``. Chunks of a shard rewritten since
+and, for chunks of arrays in stores, their disk cache's entries where it holds them at a generation known now
+(read by the compiled reads, each payload checked, no ``get_many`` and no Python per chunk's bytes:
+:meth:`Stager._entries`), then one :func:`~stoker.storage.store.get_many` per store for the rest (whole values
+and inner chunks' ranges, which the store coalesces), copied into the staging in one ``np.concatenate``. Chunks of a shard rewritten since
 its index was read, and reads the compiled side leaves to the store to word, are read again the Python way,
 a group's together on the read threads (:meth:`Stager.fetch`: :func:`.fallback.fetch`, the one way a chunk
 is fetched through its reader, which the chunks the CPU decodes take too; those with nothing stored now are
@@ -32,7 +34,8 @@ from ...errors import BudgetExceeded, DecodeError, ShutdownError
 from ...reader.array import ChunkLocation, fetch_stored
 from ...runtime import gil
 from ...runtime.workers import DaemonPool
-from ...storage import FileChanged
+from ...storage import ByteRange, FileChanged
+from ..cpu import native
 from . import fallback as gpu_fallback, native_reads
 from .sources import CPU, Source
 from ..planning.tables import F_COORDS, F_HAS_IDENT, F_IDENT, F_SOURCE, TablePlan, file_ident
@@ -286,7 +289,8 @@ class Stager:
         table[:len(heads), 1], table[:len(heads), 2], table[:len(heads), 3] = start, span, read_at
         table[len(heads):, 1], table[len(heads):, 2] = -1, bound
         t0 = time.perf_counter()
-        out = native_reads.read(buf, paths, reads.idents[used], table, group.pos + int(span.sum()), self.pool.threads)
+        out = native_reads.read(buf, paths, reads.idents[used], table, group.pos + int(span.sum()),
+                                self.pool.readers())
         fills, again, got = self._native_ranged(plan, sources, reads, i, lo, buf, group, files, counts,
                                                 out[:len(heads)], runs)
         missing, got_whole, again_whole = self._native_whole(plan, sources, whole, buf, group, out[len(heads):],
@@ -455,11 +459,16 @@ class Stager:
         return fills
 
     def _stores(self, plan, sources, cids, buf, group: Group, files, counts) -> list[int]:
-        """Chunks of arrays in stores: one get_many per store (whole values, then ranges)."""
+        """Chunks of arrays in stores: those a disk cache holds at a generation known now read from its entry
+        files by the compiled reads (:meth:`_entries`), the rest one get_many per store (whole values, then
+        ranges)."""
         fills: list[int] = []
         kvs = [plan.sources[int(s)].kv for s in plan.chunk_source[cids]]
         for kv in {id(k): k for k in kvs}.values():
             mine = cids[np.array([k is kv for k in kvs])]
+            mine = self._entries(plan, sources, kv, mine, buf, group, files, counts)
+            if not len(mine):
+                continue
             whole = mine[plan.chunk_offset[mine] < 0]
             ranged = mine[plan.chunk_offset[mine] >= 0]
             t0 = time.perf_counter()
@@ -495,6 +504,56 @@ class Stager:
             self._counted(t0, total, counts)
         return fills
 
+    def _entries(self, plan, sources, kv, cids, buf, group: Group, files, counts) -> np.ndarray:
+        """Of chunks ``cids`` of arrays in the store ``kv``, read those its disk cache holds at a generation known
+        now (the batch's prefetch found them: ``plan.disk_entries``; else ``kv.entry_files``, no request) from
+        their entry files in one call into the compiled reads (:func:`.native_reads.read`, offset
+        :data:`~.native_reads.ENTRY`: each payload checked as the CPU engine checks entries, and placed into
+        the staging with no Python per chunk and no get_many), counted as the cache's hits; returns the rest,
+        to fetch through the store (among them those whose entry turned out missing or unsound: read, checked
+        and replaced there, as the CPU path's)."""
+        entry_files = getattr(kv, "entry_files", None)
+        if entry_files is None or not native_reads.available() or not len(cids):
+            return cids
+        known = plan.disk_entries or {}
+        found = [(cid, known[cid]) for cid in cids.tolist() if cid in known] if known else []
+        rest = cids[~np.isin(cids, [cid for cid, _ in found])] if found else cids
+        if len(rest):  # the rest: asked now (an entry written, or a generation learnt, since it was planned)
+            whole, ranged = rest[plan.chunk_offset[rest] < 0], rest[plan.chunk_offset[rest] >= 0]
+            keys = [plan.sources[int(plan.chunk_source[c])].key_of(self.path(plan, c, files)) for c in whole.tolist()]
+            requests = [ByteRange(plan.sources[int(plan.chunk_source[c])].key_of(self.path(plan, c, files)), o, n)
+                        for c, o, n in zip(ranged.tolist(), plan.chunk_offset[ranged].tolist(),
+                                           plan.chunk_length[ranged].tolist())]
+            found += zip(whole.tolist() + ranged.tolist(), entry_files(keys, requests))
+        found = [(cid, e) for cid, e in found if e is not None and len(e[1]) <= native.ENTRY_IDENT_CAP]
+        if not found:
+            return cids
+        t0 = time.perf_counter()
+        eids = np.array([cid for cid, _ in found], np.int64)
+        paths = b"".join(e[0] + b"\0" for _, e in found)
+        idents = [e[1] for _, e in found]
+        lens = np.fromiter(map(len, idents), np.int64, len(idents))
+        table = np.zeros((len(eids), 4), np.int64)
+        table[:, 0] = np.arange(len(eids))
+        table[:, 1] = native_reads.ENTRY
+        src = plan.chunk_source[eids]
+        ranged = plan.chunk_offset[eids] >= 0  # a range's payload is its length; a value's, at most its bound
+        table[:, 2] = np.where(ranged, plan.chunk_length[eids], np.array([s.stored for s in sources], np.int64)[src])
+        out = native_reads.read(buf, paths, np.zeros((len(eids), 6), np.int64), table, group.pos,
+                                self.pool.readers(), (b"".join(idents), np.stack([np.cumsum(lens) - lens, lens], 1)))
+        status, at, got = out[:, native_reads.STATUS], out[:, native_reads.AT], out[:, native_reads.NREAD]
+        ok = status == native_reads.ST_OK
+        if np.any(ok):  # (the room of one placed and found unsound is taken by what is fetched for it)
+            group.pos = int((at + got)[ok].max())
+        nbytes = np.array([s.nbytes for s in sources], np.int64)[src[ok]]
+        how = np.array([s.how for s in sources], np.int64)[src[ok]]
+        group.add(eids[ok], how, at[ok], got[ok], group.end + np.cumsum(nbytes) - nbytes)
+        group.end += int(nbytes.sum())
+        if np.any(ok):
+            kv.served_from_disk(int(ok.sum()), int(got[ok].sum()))
+            self._counted(t0, int(got[ok].sum()), counts)
+        return cids[~np.isin(cids, eids[ok])]
+
     def _counted(self, t0: float, nbytes: int, counts: dict) -> None:
         self.stats.stage("io", time.perf_counter() - t0, bytes_out=nbytes)
         counts["bytes_read"] += nbytes
@@ -512,7 +571,13 @@ class ReadPool:
     def __init__(self, threads: int) -> None:
         self.threads = max(1, threads)
         self._pool = DaemonPool(self.threads - 1, "stoker-gpu-read", knob="n_compute_threads") if self.threads > 1 else None
+        # the compiled reads' persistent threads (as many, the caller's among them; started at the first read)
+        self._readers = native_reads.Readers(self.threads)
         self.closing = False
+
+    def readers(self) -> native_reads.Readers:
+        """The compiled reads' threads: none is started per read call (:class:`.native_reads.Readers`)."""
+        return self._readers
 
     def started(self) -> list:
         """The pool's threads started so far (the callers' are not its own)."""
@@ -554,6 +619,7 @@ class ReadPool:
         self.closing = True
         if self._pool is not None:
             self._pool.shutdown()
+        self._readers.close()
 
 
 def _runs(plan: TablePlan, reads: ReadPlan, i: int, e: int, group: Group) -> tuple[np.ndarray, ...]:

@@ -1,0 +1,168 @@
+"""The GPU decode's chunks of arrays in stores, served from the disk cache by the compiled reads (issue 48):
+against moto's S3 server and the loopback HTTP server, the GPU-decode executor (on the host stand-in) reads the
+chunks whose generation its pipeline knows from their entry files in one ``stage_read`` call per store and
+group (csrc/staging.c: each payload checked as the CPU engine checks entries, placed into the staging), with
+no Python ``get_many`` and no entry read in Python; an entry flipped, truncated or evicted is fetched again
+through the store; every batch equals zarr-python's values, and the CPU path's.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from zarr.codecs import ZstdCodec
+
+import stoker
+from stoker.engine.cpu import native
+from stoker.engine.gpu import native_reads
+from stoker.engine.gpu import staging as gpu_staging
+from stoker.engine.gpu.executor import GpuDecodeExecutor
+from stoker.engine.pipeline import facade as pipelines
+from stoker.storage.diskcache import DiskCache, disk_cache
+
+from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, range_server_fixture, read_tree,
+                            written_tree_fixture, zarr_values)
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(not native_reads.available() or not native.zstd, reason="no compiled engine")]
+
+SHAPE = (64, 48)
+ARRAYS = {"plain": dict(chunks=(16, 16), dtype="int32", compressors=ZstdCodec(level=1)),
+          "sharded": dict(chunks=(8, 8), shards=(32, 24), dtype="uint16", compressors=ZstdCodec(level=1))}
+BOXES = [[(0, 20), (0, 20)], [(3, 23), (5, 25)], [(40, 60), (20, 40)], [(30, 50), (28, 48)], [(44, 64), (0, 20)]]
+
+_write = random_int_arrays(ARRAYS, SHAPE)
+s3 = empty_s3_fixture()
+data = written_tree_fixture(_write)
+http = range_server_fixture()
+
+
+@pytest.fixture(params=["s3", "http"])
+def remote(request, s3, data):
+    """``(uri of the root, storage_options of the Config, the HTTP server or None)``."""
+    if request.param == "s3":
+        prefix = f"gpu-entries-{uuid.uuid4().hex[:8]}"
+        s3.upload(read_tree(data), prefix)
+        yield f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST_REMOTE}}, None
+        return
+    server = request.getfixturevalue("http")
+    yield server.url, {server.url + "/": dict(FAST_REMOTE)}, server
+
+
+@pytest.fixture
+def gpu_decode(monkeypatch):
+    """Pipelines built in the test decode with the GPU-decode executor on the host."""
+    monkeypatch.setattr(pipelines, "make_executor",
+                        lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store))
+
+
+class _Calls:
+    """Counts, on every thread: the staging's store reads through Python (``fetch_stored``: one ``get_many``, a
+    remote request or a disk-cache hit read in Python), the chunk entries read in Python (DiskCache.get_many;
+    an array's zarr.json apart), and the compiled reads' calls with their entry rows."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.get_many = self.python_entries = self.stage_calls = self.entry_rows = 0
+        fetch_stored, cache_get_many, read = gpu_staging.fetch_stored, DiskCache.get_many, native.stage_read
+
+        def counted_fetch(*args, **kwargs):
+            self.get_many += 1
+            return fetch_stored(*args, **kwargs)
+
+        def counted_cache(cache, idents, read_files=None):
+            self.python_entries += sum(1 for i in idents if not i.endswith("\nkept") and not
+                                       i.split("\n")[1].rsplit("/", 1)[-1].startswith("zarr.json"))
+            return cache_get_many(cache, idents, read_files)
+
+        def counted_read(buf, paths, files, table, *rest):
+            self.stage_calls += 1
+            self.entry_rows += int((table[:, 1] == native_reads.ENTRY).sum())
+            return read(buf, paths, files, table, *rest)
+
+        monkeypatch.setattr(gpu_staging, "fetch_stored", counted_fetch)
+        monkeypatch.setattr(DiskCache, "get_many", counted_cache)
+        monkeypatch.setattr(native, "stage_read", counted_read)
+
+
+def _config(options: dict, folder) -> stoker.Config:
+    return stoker.Config(batch_size=len(BOXES), dtype="native", n_compute_threads=2, pop_timeout_s=60,
+                         storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0,
+                         device="cpu", host_buffer_bytes=16 << 20, device_buffer_bytes=16 << 20)
+
+
+def _batch(p, uri: str, data: str, path: str) -> None:
+    """Push the crops of ``path``, pop them, and check each against zarr-python's values."""
+    p.push([stoker.Sample(f"{uri}/{path}", box) for box in BOXES])
+    with p.pop() as b:
+        got = [t.numpy().copy() for t in torch.from_dlpack(b)]
+    want = zarr_values(data, path)
+    for crop, box in zip(got, BOXES):
+        np.testing.assert_array_equal(crop, want[tuple(slice(*s) for s in box)])
+
+
+def _entries(folder) -> list[str]:
+    return [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names if n != ".index"]
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_hits_of_known_generations_are_read_by_the_compiled_reads(remote, data, tmp_path, monkeypatch, gpu_decode,
+                                                                   path):
+    uri, options, server = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    with stoker.Pipeline(_config(options, folder)) as p:  # epoch 1: fetched, kept
+        _batch(p, uri, data, path)
+    assert cache.flush(30)
+    with stoker.Pipeline(_config(options, folder)) as p:  # epoch 2, a new pipeline
+        _batch(p, uri, data, path)  # (its first batch learns the generations: S3 by a LIST, HTTP by HEADs)
+        calls = _Calls(monkeypatch)
+        hits, hit_bytes = cache.hits, cache.hit_bytes
+        asked = server.requests if server else None
+        _batch(p, uri, data, path)
+        # every chunk from its entry file, in one compiled call per group: no get_many, no entry read in Python
+        assert calls.get_many == 0 and calls.python_entries == 0, vars(calls)
+        assert calls.entry_rows > 0 and calls.stage_calls == 1, vars(calls)
+        assert cache.hits - hits == calls.entry_rows and cache.hit_bytes > hit_bytes  # counted as hits
+        if server is not None:
+            assert server.requests == asked  # no request at all
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "unlink"])
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_an_unsound_entry_is_fetched_again(remote, data, tmp_path, monkeypatch, gpu_decode, damage, path):
+    uri, options, server = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    with stoker.Pipeline(_config(options, folder)) as p:
+        _batch(p, uri, data, path)
+        assert cache.flush(30)
+        entries = [e for e in _entries(folder) if os.path.getsize(e) > 200]  # not the empty markers
+        assert entries
+        for entry in entries:
+            if damage == "unlink":
+                os.unlink(entry)
+                continue
+            with open(entry, "r+b") as f:
+                if damage == "truncate":
+                    f.truncate(os.path.getsize(entry) - 3)
+                else:  # one bit of the payload's last byte
+                    f.seek(-1, os.SEEK_END)
+                    last = f.read(1)
+                    f.seek(-1, os.SEEK_END)
+                    f.write(bytes([last[0] ^ 0x10]))
+        calls = _Calls(monkeypatch)
+        misses = cache.misses
+        _batch(p, uri, data, path)  # zarr's values: no unsound payload decoded
+        assert calls.get_many > 0 and cache.misses > misses, vars(calls)  # fetched from the store
+        if damage != "unlink":
+            assert calls.entry_rows > 0  # handed to the compiled reads, which found them unsound
+        monkeypatch.undo()
+        assert cache.flush(30)
+        hits = cache.hits
+        _batch(p, uri, data, path)  # the entries written anew are sound: served from disk again
+        assert cache.hits > hits
