@@ -585,27 +585,28 @@ def test_stale_objects_of_an_array_whose_open_listed_nothing_are_relisted_ahead(
     assert _counted(log, prefix, "plain") == {"list": 1, "head": 0, "get": 0}
 
 
-def test_a_pipeline_past_the_staleness_bound_relists_an_array_its_open_did_not_list(s3, data, tmp_path):
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_a_pipeline_past_the_staleness_bound_relists_an_array_its_open_did_not_list(s3, data, tmp_path, path):
     # one pipeline from a cold cache (its open lists nothing): past the bound, its next epoch revalidates the
-    # array's objects by one listing, not a HEAD each (before: 16 HEADs an epoch, no LIST), and an object
-    # rewritten meanwhile (new ETag) is read new, never from disk
+    # array's objects by one listing, not a HEAD each (before: a HEAD per object an epoch, no LIST), and an
+    # object rewritten meanwhile (new ETag) is read new, never from disk
     prefix = _upload(s3, data)
-    uri = f"s3://{BUCKET}/{prefix}/plain"
+    uri = f"s3://{BUCKET}/{prefix}/{path}"
     cfg = _config(tmp_path, _on_s3(s3), cache_staleness_s=2.0)
     with stoker.Pipeline(cfg) as p:
         with moto_log() as log:
-            _epoch(cfg, uri, data, "plain", p=p)
-        assert _counted(log, prefix, "plain")["list"] == 0
+            _epoch(cfg, uri, data, path, p=p)
+        assert _counted(log, prefix, path)["list"] == 0
         time.sleep(2.1)
         with moto_log() as log:
-            _epoch(cfg, uri, data, "plain", p=p)
-        assert _counted(log, prefix, "plain") == {"list": 1, "head": 0, "get": 0}
-        _write(data, 3)  # rewritten between epochs: every chunk has a new ETag
+            _epoch(cfg, uri, data, path, p=p)
+        assert _counted(log, prefix, path) == {"list": 1, "head": 0, "get": 0}
+        _write(data, 3)  # rewritten between epochs: every object has a new ETag
         s3.upload(read_tree(data), prefix)
         time.sleep(2.1)
         with moto_log() as log:
-            _epoch(cfg, uri, data, "plain", p=p)  # checked against zarr-python's values of the new array
-        counted = _counted(log, prefix, "plain")
+            _epoch(cfg, uri, data, path, p=p)  # checked against zarr-python's values of the new array
+        counted = _counted(log, prefix, path)
     assert counted["list"] == 1 and counted["head"] == 0 and counted["get"] > 0, counted
 
 
