@@ -564,10 +564,10 @@ def test_a_key_revalidated_ahead_then_read_looks_up_its_marker_once(data, tmp_pa
         server.stop()
 
 
-def test_stale_objects_of_an_array_whose_open_listed_nothing_are_revalidated_ahead(s3, data, tmp_path):
+def test_stale_objects_of_an_array_whose_open_listed_nothing_are_relisted_ahead(s3, data, tmp_path):
     # a first run on a cold cache: the open lists nothing (nothing kept yet), the reads learn the generations
-    # by GET; once those are past the staleness bound, no listing refreshes them, so revalidate_ahead asks
-    # each object ahead by a HEAD (before: skipped as "listed whole", the later reads waited for the HEADs)
+    # by GET; once those are past the staleness bound, revalidate_ahead lists the array once (1,000 keys a
+    # request) rather than asking each of its 16 objects by a HEAD (before: 16 HEADs, no LIST)
     prefix = _upload(s3, data)
     uri = f"s3://{BUCKET}/{prefix}/plain"
     options = _cached(tmp_path, s3.options, cache_staleness_s=2.0)
@@ -578,7 +578,36 @@ def test_stale_objects_of_an_array_whose_open_listed_nothing_are_revalidated_ahe
     assert _counted(log, prefix, "plain")["list"] == 0
     time.sleep(2.2)
     assert not listed_whole(a)
-    _each_object_headed_ahead_then_read(a, uri, prefix, data)
+    with moto_log() as log:
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+        _heads_until(lambda: _counted(log, prefix, "plain")["list"], 1)
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _counted(log, prefix, "plain") == {"list": 1, "head": 0, "get": 0}
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_a_pipeline_past_the_staleness_bound_relists_an_array_its_open_did_not_list(s3, data, tmp_path, path):
+    # one pipeline from a cold cache (its open lists nothing): past the bound, its next epoch revalidates the
+    # array's objects by one listing, not a HEAD each (before: a HEAD per object an epoch, no LIST), and an
+    # object rewritten meanwhile (new ETag) is read new, never from disk
+    prefix = _upload(s3, data)
+    uri = f"s3://{BUCKET}/{prefix}/{path}"
+    cfg = _config(tmp_path, _on_s3(s3), cache_staleness_s=2.0)
+    with stoker.Pipeline(cfg) as p:
+        with moto_log() as log:
+            _epoch(cfg, uri, data, path, p=p)
+        assert _counted(log, prefix, path)["list"] == 0
+        time.sleep(2.1)
+        with moto_log() as log:
+            _epoch(cfg, uri, data, path, p=p)
+        assert _counted(log, prefix, path) == {"list": 1, "head": 0, "get": 0}
+        _write(data, 3)  # rewritten between epochs: every object has a new ETag
+        s3.upload(read_tree(data), prefix)
+        time.sleep(2.1)
+        with moto_log() as log:
+            _epoch(cfg, uri, data, path, p=p)  # checked against zarr-python's values of the new array
+        counted = _counted(log, prefix, path)
+    assert counted["list"] == 1 and counted["head"] == 0 and counted["get"] > 0, counted
 
 
 def _each_object_headed_ahead_then_read(a, uri: str, prefix: str, data) -> None:
@@ -632,7 +661,7 @@ def test_revalidate_ahead_lists_again_an_array_whose_listing_is_half_stale(s3, d
 
 def test_a_key_whose_marker_was_found_on_disk_still_marks_its_array_when_kept(s3, data, tmp_path):
     # chunks kept by a wrapper that never opened their array (no folder marker written), then rewritten: the
-    # next wrapper finds their markers on disk, HEADs them, reads the new values and keeps them, and marks
+    # next wrapper finds their markers on disk, lists the array, reads the new values and keeps them, and marks
     # the array it opened, so the open after lists it (before: a marker found on disk counted as written
     # by the wrapper, so the array's folder marker was never written and the next open listed nothing)
     prefix = _upload(s3, data)
@@ -648,11 +677,14 @@ def test_a_key_whose_marker_was_found_on_disk_still_marks_its_array_when_kept(s3
     want = [read_tree(data)[k.split("/", 1)[1]] for k in keys]
     second = cachingstore.CachingStore(base.store, base.cache)
     second.opened(f"{prefix}/plain")
+    assert second.counters.listings == 0  # no folder marker: the open lists nothing
     assert [bytes(v) for v in second.get_many(keys, [])[0]] == want
-    assert second.counters.listings == 0 and second.counters.revalidations == 16 and second.counters.misses == 16
+    # the stale kept keys of the opened array: revalidated by one listing of it, not a HEAD each
+    assert second.counters.listings == 1 and second.counters.revalidations == 0 and second.counters.misses == 16
     assert second.cache.flush(30)
     third = cachingstore.CachingStore(base.store, base.cache)
     third.opened(f"{prefix}/plain")
+    assert third.counters.listings == 1  # asked by the open itself: the folder marker was written
     assert [bytes(v) for v in third.get_many(keys, [])[0]] == want
     assert third.counters.listings == 1, third.counters
     assert third.counters.revalidations == 0 and third.counters.hits == 16, third.counters

@@ -19,7 +19,9 @@ in bulk when an array is opened (:meth:`CachingStore.opened`: a listing of its p
 ETags a request, up to :data:`LIST_KEYS`; made again once older than half of ``staleness_s``); otherwise, and
 for keys past those, by a HEAD request (no body; the store's ``start_versions``) the first time a key is read
 through this wrapper or asked ahead (:meth:`CachingStore.revalidate`), one in flight per key whatever asks;
-again once older than ``staleness_s`` (as tensorstore's staleness bound); every fetched answer also states it. An object rewritten
+again once older than ``staleness_s`` (as tensorstore's staleness bound: where the store lists, by listing
+the key's opened array again, also one its open did not list, as on a cold cache); every fetched answer also
+states it. An object rewritten
 has another generation, so its old entries are never served (they age out). :meth:`forget` drops what was
 learnt, so the next read of every key revalidates; what was asked before it (a listing page, a HEAD) and
 answered after is not learnt, as it may predate a rewrite. A read waits for one listing page at most: a
@@ -104,6 +106,8 @@ class CachingStore:
         self._forgot: dict[str, float] = {}  # prefix ("" for all) -> when forget() dropped what was under it
         self._local = threading.local()  # gens: the generations _start resolved for the _serve it calls
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+        # whether the store lists with generations (S3, GCS, Azure; not an HTTP server): see opened
+        self._lists = bool(getattr(store, "supports_list", False)) and hasattr(store, "start_list_versions")
 
     uri = property(lambda self: self.store.uri)
     supports_ranges = property(lambda self: self.store.supports_ranges)
@@ -163,7 +167,7 @@ class CachingStore:
         prefix = check_prefix(prefix)
         with self._lock:
             self._opened.add(prefix)
-        if not self.store.supports_list or not hasattr(self.store, "start_list_versions"):
+        if not self._lists:
             return
         now = time.monotonic()
         with self._lock:
@@ -202,13 +206,39 @@ class CachingStore:
 
     def _relist(self, prefix: str, now: float) -> "_Listing":
         """A new listing of ``prefix`` (its first page started), in place of the one before."""
-        listing = _Listing(prefix, now)
-        page: concurrent.futures.Future = concurrent.futures.Future()
+        begin: list[_Listing] = []
         with self._lock:
-            self._listings[prefix] = listing
-            listing.future = page
-        self._next_page(listing, None, page)
+            listing = self._registered(prefix, now, begin)
+        self._next_page(listing, None, listing.future)
         return listing
+
+    def _registered(self, prefix: str, now: float, begin: list) -> "_Listing":
+        """Under the lock: a new listing of ``prefix`` in place of the one before, its first page to come
+        (``future``), appended to ``begin``: the caller starts that page (:meth:`_next_page`) after the lock.
+        Registered first, so that a read looking meanwhile waits for its page rather than asking again."""
+        listing = _Listing(prefix, now)
+        listing.future = concurrent.futures.Future()
+        self._listings[prefix] = listing
+        begin.append(listing)
+        return listing
+
+    def _list_unlisted(self, key: str, now: float, begin: list) -> "_Listing | None":
+        """Under the lock: for a stale ``key`` that no listing covers, a listing of the opened array it is under
+        (registered: see :meth:`_registered`), where the store lists and that array was not listed in the last
+        half of ``staleness_s`` (see :meth:`opened`); else None (the key is asked by HEAD). An array opened on
+        a cold cache was not listed (nothing kept then); once its objects are past the bound, one listing of
+        1,000 keys a request revalidates them, not a HEAD each."""
+        if not self._lists:
+            return None
+        folder = self._opened_of(key)
+        if folder is None or folder == "/":  # not under an opened array, or the whole bucket: not listed
+            return None
+        prefix = folder[:-1]
+        listed = self._listed_at.get(prefix)
+        if listed is not None and now - listed < self.staleness_s / 2:
+            return None  # listed (or opened again) lately: a HEAD each, as opened() decides
+        self._listed_at[prefix] = now
+        return self._registered(prefix, now, begin)
 
     def _next_page(self, listing: "_Listing", offset: str | None, page: concurrent.futures.Future) -> None:
         """Ask the page after ``offset``; ``page`` (``listing.future`` already, set under the lock by the caller,
@@ -433,7 +463,7 @@ class CachingStore:
         head: list[str] = []
         pending: list[str] = []
         pages: set = set()
-        expired: dict[str, list[str]] = {}
+        begin: list[_Listing] = []  # listings registered here, their first pages started after the lock
         with self._lock:
             for key in kept:
                 known = self._known.get(key)
@@ -441,10 +471,12 @@ class CachingStore:
                     out[key] = None if known[0] is _UNCACHED else known[0]
                     continue
                 listing = self._listing_of(key)
+                if listing is None:  # its array opened without a listing (a cold cache), or forgotten
+                    listing = self._list_unlisted(key, now, begin)
+                elif now - listing.started >= self.staleness_s:  # listed too long ago: listed again
+                    listing = self._registered(listing.prefix, now, begin)
                 if listing is None:
                     head.append(key)
-                elif now - listing.started >= self.staleness_s:  # listed too long ago: listed again
-                    expired.setdefault(listing.prefix, []).append(key)
                 elif listing.covers(key):  # listed nowhere: missing (or written since): read through
                     self._known[key] = (_UNCACHED, listing.started)
                 elif wait_pages and listing.future is not None and not listing.future.done():  # its page to come
@@ -452,15 +484,8 @@ class CachingStore:
                     pending.append(key)
                 else:  # beyond the keys a listing takes, or the listing failed
                     head.append(key)
-        for prefix, ks in expired.items():
-            listing = self._relist(prefix, now)
-            with self._lock:
-                future = listing.future
-            if future is not None and wait_pages:
-                pages.add(future)
-                pending.extend(ks)
-            else:
-                head.extend(ks)
+        for listing in begin:
+            self._next_page(listing, None, listing.future)
         for key in (*head, *pending):
             del out[key]
         return out, head, pages
