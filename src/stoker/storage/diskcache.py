@@ -70,6 +70,7 @@ import crc32c
 
 from .. import checks
 from ..errors import InvalidArgument, ShutdownError, ThreadStartError
+from ..runtime.memo import remember
 from ..runtime.workers import DaemonPool
 from .fsutil import HOST, removing_dead_temp_files
 
@@ -188,15 +189,8 @@ class DiskCache:
         except OSError:  # a read-only folder: only look
             if not os.path.lexists(path):
                 return False
-        self._saw(ident, now)
+        remember(self._seen, ident, now, SEEN_IDENTS)
         return True
-
-    def _saw(self, ident: str, now: float) -> None:
-        """Remember ``ident`` as on disk (or queued) as of ``now`` (:data:`SEEN_IDENTS` at most, then all forgotten)."""
-        seen = self._seen
-        if len(seen) >= SEEN_IDENTS and ident not in seen:
-            seen.clear()
-        seen[ident] = now
 
     def entry_file(self, ident: str) -> tuple[bytes, bytes] | None:
         """``(path, ident)`` of the entry stored under ``ident``, both encoded: what the compiled engine reads
@@ -320,7 +314,7 @@ class DiskCache:
         if seen is not None and now - seen < SEEN_S:
             return  # there, or queued, a moment ago: not queued again (every pipeline marks what it keeps)
         self._enqueue(ident, None, len(ident))  # its queue cost: the ident it holds
-        self._saw(ident, now)  # has() finds it while queued, before the writer made it
+        remember(self._seen, ident, now, SEEN_IDENTS)  # has() finds it while queued, before the writer made it
 
     def _enqueue(self, ident: str, data: bytes | None, n: int) -> None:
         with self._cond:

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ...runtime import gil
+from ...runtime.memo import remember
 from ...runtime.schedstat import run_times
 from ...runtime.workers import no_thread, start_thread
 from . import native
@@ -120,9 +121,7 @@ def _fill_word(fill_value: np.ndarray, dtype: torch.dtype) -> int:
     if word is None:
         fill = fill_value_as(fill_value, dtype).reshape(1).view(torch.uint8).numpy().tobytes()
         word = int(np.frombuffer(fill.ljust(8, b"\0"), np.int64)[0])
-        if len(_FILL_WORDS) > 1024:
-            _FILL_WORDS.clear()
-        _FILL_WORDS[key] = word
+        remember(_FILL_WORDS, key, word, 1024)
     return word
 
 
@@ -216,9 +215,7 @@ def _kept(table: dict, key: tuple, holder: object, make: Callable[[], _Source]) 
     is emptied (arrays come and go: a long-running pipeline meets new ones)."""
     held = table.get(key)
     if held is None or held[0] is not holder:
-        if len(table) >= SHARED_SOURCES:
-            table.clear()
-        held = table[key] = (holder, make())
+        held = remember(table, key, (holder, make()), SHARED_SOURCES)
     return held[1]
 
 
@@ -498,10 +495,8 @@ class NativeDecoder:
         one volume plans every batch from the same array): the per-array rows, their table and path blob."""
         key = (tuple(map(id, readers)), dtype, kind)  # a kept set holds its readers: their ids stay theirs
         held = self._sets.get(key)
-        if held is None:
-            if len(self._sets) > 256:  # many arrays (batches of random ones) rarely repeat a set: keep a few
-                self._sets.clear()
-            held = self._sets[key] = _SourceSet(readers, [self._source(r, dtype, kind) for r in readers])
+        if held is None:  # many arrays (batches of random ones) rarely repeat a set: a few kept
+            held = remember(self._sets, key, _SourceSet(readers, [self._source(r, dtype, kind) for r in readers]), 256)
         return held
 
     def submit(self, job: Job) -> None:
