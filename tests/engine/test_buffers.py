@@ -82,6 +82,10 @@ def _kept_view_is_not_overwritten(ring) -> None:
         again.tensor.fill_(1)  # the next batch written into the slot
     assert again is None, "slot handed out while a view of it is alive"
     assert bool((view == 7).all()), "the kept batch was overwritten"
+    assert ring.held() == 1  # counted as the consumer's
+    del view
+    assert ring.held() == 0 and ring.acquire(lambda: False, timeout=1) is slot, "a slot no view holds is never free"
+    ring.release(slot)
 
 
 def test_a_ring_made_while_another_closes_counts_its_slots_views(monkeypatch):
@@ -108,11 +112,11 @@ def test_a_ring_made_while_another_closes_counts_its_slots_views(monkeypatch):
     closer.start()
     assert go.wait(5)
     ring = buffers.SlotRing(1, (4, 4096), torch.float32)
+    assert buffers.SPARE_SLOTS.taken == 1  # the ring's slot is the closed one's memory
+    _kept_view_is_not_overwritten(ring)  # while the closer is still inside the hand-over
     made.set()
     closer.join(5)
-    assert buffers.SPARE_SLOTS.taken == 1  # the ring's slot is the closed one's memory
-    assert ring.slots[0].baseline == buffers.Slot(0, torch.empty(4, 4096)).refs()  # a fresh tensor's count
-    _kept_view_is_not_overwritten(ring)
+    _kept_view_is_not_overwritten(ring)  # and after it
 
 
 def test_rings_made_and_closed_on_two_threads_keep_a_fresh_slots_baseline(monkeypatch):
@@ -127,7 +131,6 @@ def test_rings_made_and_closed_on_two_threads_keep_a_fresh_slots_baseline(monkey
     from stoker.engine import buffers
 
     monkeypatch.setattr(buffers, "SPARE_SLOTS", buffers.SpareSlots(64 << 20))
-    normal = buffers.Slot(0, torch.empty(4, 4096)).refs()  # a slot of fresh memory: its tensor alone
     stop = time.monotonic() + 3
     bad: list = []
 
@@ -142,18 +145,20 @@ def test_rings_made_and_closed_on_two_threads_keep_a_fresh_slots_baseline(monkey
         while time.monotonic() < stop and not bad:
             r = buffers.SlotRing(1, (4, 4096), torch.float32)
             made += 1
-            if r.slots[0].baseline != normal:
-                bad.append(r.slots[0].baseline)
             slot = r.acquire(lambda: False, timeout=1)
             view = slot.batch(slot.rows)  # a batch the consumer keeps past its release
             r.release(slot)
             if r.acquire(lambda: False, timeout=0) is not None:  # handed out again: it would be overwritten
                 bad.append("reused while viewed")
             del view
+            if r.acquire(lambda: False, timeout=1) is not slot:  # its view gone: free again
+                bad.append("never free again")
+            else:
+                r.release(slot)
             r.close()
     finally:
         t.join(30)
-    assert not bad, f"{bad[:3]} (a fresh slot's baseline {normal})"
+    assert not bad, bad[:3]
     assert buffers.SPARE_SLOTS.taken > 0 and made > 0  # the rings did hand slots over
     _kept_view_is_not_overwritten(buffers.SlotRing(1, (4, 4096), torch.float32))
 

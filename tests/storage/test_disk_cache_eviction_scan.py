@@ -65,8 +65,7 @@ def _tree(root) -> set[str]:
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("hold_if_temp", [False, True])
-def test_the_compiled_scan_evicts_what_its_python_twin_evicts(tmp_path, seed, hold_if_temp):
+def test_the_compiled_scan_evicts_what_its_python_twin_evicts(tmp_path, seed):
     base = tmp_path / "base"
     mtimes = _folder(base, 300, seed)
     size = allocated_on_disk(base)
@@ -75,12 +74,9 @@ def test_the_compiled_scan_evicts_what_its_python_twin_evicts(tmp_path, seed, ho
         root = tmp_path / name
         shutil.copytree(base, root, symlinks=True)  # (copy2: the mtimes kept)
         target = size // (seed + 2)
-        got[name] = scan(str(root), size - 1, target, 0, BLOCK, hold_if_temp), _tree(root)
+        got[name] = scan(str(root), size - 1, target, 0, BLOCK), _tree(root)
         total, evicted, temp = got[name][0]
         assert temp == [sorted(p for p in os.listdir(base) if len(p) == 2)[0].encode()]
-        if hold_if_temp:  # a temporary file found: nothing unlinked
-            assert evicted == 0 and got[name][1] == _tree(base)
-            continue
         assert total == allocated_on_disk(root) and total <= target  # counted as the disk holds it
         gone = {p for p in mtimes if p not in got[name][1]}
         assert len(gone) == evicted > 0
@@ -154,9 +150,9 @@ def test_a_scan_beside_a_busy_interpreter_waits_for_the_gil_once_not_per_file(tm
 
 def test_a_folder_not_made_yet_or_a_bad_path_is_answered_alike(tmp_path):
     for scan in (native.evict_entries, diskcache.evict_entries):
-        assert scan(str(tmp_path / "none"), 1, 0, 10, BLOCK, False) == (0, 0, [])
+        assert scan(str(tmp_path / "none"), 1, 0, 10, BLOCK) == (0, 0, [])
     with pytest.raises(ValueError):
-        native.evict_entries(str(tmp_path) + "\0x", 1, 0, 10, BLOCK, False)
+        native.evict_entries(str(tmp_path) + "\0x", 1, 0, 10, BLOCK)
 
 
 E = "0123456789abcdef0123456789abcdef"
@@ -199,7 +195,7 @@ def test_the_twin_never_unlinks_through_a_subfolder_swapped_for_a_link(tmp_path,
 
     monkeypatch.setattr(os, "open", open_)
     monkeypatch.setattr(os, "unlink", unlink)
-    total, evicted, _ = diskcache.evict_entries(str(root), 0, 0, 1, BLOCK, False)
+    total, evicted, _ = diskcache.evict_entries(str(root), 0, 0, 1, BLOCK)
     monkeypatch.undo()
     assert swapped, "the eviction never reached the folder"
     assert (victim / E).read_bytes() == b"precious"
@@ -258,7 +254,7 @@ def test_the_compiled_scan_never_unlinks_through_a_subfolder_swapped_for_a_link(
     preload = " ".join(p for p in (os.environ.get("LD_PRELOAD", ""), str(lib)) if p)  # a sanitizer's stays first
     env = {**os.environ, "LD_PRELOAD": preload, "ROOT": str(root), "VICTIM": str(victim),
            "PYTHONPATH": os.pathsep.join(sys.path)}
-    code = (f"from stoker import _native; print(_native.evict_entries({str(root)!r}, 0, 0, 1, {BLOCK}, False)[1])")
+    code = (f"from stoker import _native; print(_native.evict_entries({str(root)!r}, 0, 0, 1, {BLOCK})[1])")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert (root / "aa.moved").is_dir(), "the race was not staged"
@@ -269,8 +265,7 @@ def test_the_compiled_scan_never_unlinks_through_a_subfolder_swapped_for_a_link(
 @pytest.mark.parametrize("scan", SCANS)
 def test_a_folder_over_its_bound_with_no_entry_is_scanned_whole(tmp_path, scan):
     (tmp_path / "aa").mkdir()  # no entry listed: nothing to sort (qsort of none was undefined under UBSan)
-    assert scan(str(tmp_path), 0, 0, 1, BLOCK, False) == diskcache.evict_entries(str(tmp_path), 0, 0, 1, BLOCK,
-                                                                                    False)
+    assert scan(str(tmp_path), 0, 0, 1, BLOCK) == diskcache.evict_entries(str(tmp_path), 0, 0, 1, BLOCK)
     assert (tmp_path / "aa").is_dir()
 
 
@@ -281,8 +276,8 @@ def test_an_mtime_past_2262_is_still_the_newest(tmp_path, scan):
     for name, mtime in (("a" * 32, 10**10 * 10**9), ("b" * 32, 10**9 * 10**9)):  # 2286 (its ns overflow), 2001
         (d / name).write_bytes(b"x" * 100)
         os.utime(d / name, ns=(mtime, mtime))
-    total = diskcache.evict_entries(str(tmp_path), 1 << 40, 0, 0, BLOCK, False)[0]
-    _, evicted, _ = scan(str(tmp_path), 0, total - 1, 1, BLOCK, False)  # one entry out: the least recent
+    total = diskcache.evict_entries(str(tmp_path), 1 << 40, 0, 0, BLOCK)[0]
+    _, evicted, _ = scan(str(tmp_path), 0, total - 1, 1, BLOCK)  # one entry out: the least recent
     assert evicted == 1 and os.listdir(d) == ["a" * 32]
 
 
@@ -308,7 +303,7 @@ def test_sparse_files_claiming_past_2_to_63_bytes_are_still_evicted(tmp_path):
     root = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else str(tmp_path)
     try:
         _sparse(Path(root) / "aa", ("a" * 32, "b" * 32), size)
-        total, evicted, _ = native.evict_entries(root, 1 << 62, 1 << 61, 0, BLOCK, False)
+        total, evicted, _ = native.evict_entries(root, 1 << 62, 1 << 61, 0, BLOCK)
         assert evicted >= 1 and 0 <= total <= 1 << 61
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -318,7 +313,7 @@ def test_sparse_files_claiming_past_2_to_63_bytes_are_still_evicted(tmp_path):
 def test_an_incoming_write_near_2_to_63_bytes_still_evicts(tmp_path, scan):
     (tmp_path / "aa").mkdir()
     (tmp_path / "aa" / E).write_bytes(b"x" * 100)  # total + incoming passes 2^63: once it wrapped, under the bound
-    _, evicted, _ = scan(str(tmp_path), 1 << 40, 0, (1 << 63) - 1, BLOCK, False)
+    _, evicted, _ = scan(str(tmp_path), 1 << 40, 0, (1 << 63) - 1, BLOCK)
     assert evicted == 1 and not (tmp_path / "aa").exists()
 
 
@@ -380,8 +375,7 @@ def test_scans_beside_processes_changing_the_folder_keep_to_it(tmp_path, scan):
     try:
         while time.monotonic() - t0 < 3:
             bound = draw.randrange(0, 200_000)
-            total, evicted, temp = scan(str(root), bound, bound // 2, draw.randrange(0, 5000), BLOCK,
-                                        draw.random() < 0.5)
+            total, evicted, temp = scan(str(root), bound, bound // 2, draw.randrange(0, 5000), BLOCK)
             assert total >= 0 and evicted >= 0 and all(isinstance(t, bytes) for t in temp)
             scans += 1
     finally:
@@ -389,3 +383,36 @@ def test_scans_beside_processes_changing_the_folder_keep_to_it(tmp_path, scan):
         for w in workers:
             w.join(timeout=30)
     assert scans > 0 and all(p.read_bytes() == b"precious" for p in kept)
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_an_eviction_beside_temporary_files_scans_the_folder_once(tmp_path, monkeypatch, scan):
+    """Another machine's writer's temporary file (kept STALE_AFTER_S) and a dead writer's of this host: each
+    eviction scans the folder once (before: a scan that held off evicting, the dead file removed, then a scan
+    again, at every eviction while the other machine's file stayed), the dead file removed and what it took
+    off the total (which equals the disk the folder takes), the other machine's kept."""
+    cache = DiskCache(str(tmp_path), 256 << 10)
+    for i in range(30):
+        assert cache.write(f"k{i}", b"x" * 3000)
+    sub = cache.path("k0").parent
+    foreign = sub / f".{_name(1)}.tmp-otherhost-12345-0000abcd"
+    foreign.write_bytes(b"f" * 5000)
+    dead = sub / f".{_name(2)}.tmp-{HOST}-999999999-00000001"
+    dead.write_bytes(b"d" * 10_000)
+    scans, evictions = [], []
+    monkeypatch.setattr(diskcache, "_entry_evictor", [lambda *a: (scans.append(a), scan(*a))[1]])
+    evict = DiskCache._evict
+
+    def counted(self, incoming):
+        total = evict(self, incoming)
+        evictions.append((total, allocated_on_disk(self.root)))
+        return total
+
+    monkeypatch.setattr(DiskCache, "_evict", counted)
+    for i in range(30, 150):
+        assert cache.write(f"k{i}", b"x" * 3000)
+    assert cache.evicted > 0 and len(evictions) > 1
+    assert len(scans) == len(evictions)
+    assert all(total == du for total, du in evictions)  # the dead file's disk taken off at the first
+    assert not dead.exists() and foreign.read_bytes() == b"f" * 5000
+    assert allocated_on_disk(cache.root) <= cache.cache_bytes

@@ -26,7 +26,7 @@ __all__ = ["document", "peer_record", "scenario_record", "stage_breakdown", "wor
 
 def stage_breakdown(stats: Any, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0) -> dict[str, Any]:
     """stoker's CPU time per timed batch (ms) and its split by stage: decode, read, cast, plan, and other
-    (the rest: Python bookkeeping, the consumer, the RSS sampler); GIL-held time and the garbage
+    (the rest: Python bookkeeping, the consumer); GIL-held time and the garbage
     collections in it. Stage times are thread time, waits for a core included."""
     stages = {"decode": stats.stages["decode"].seconds, "read": stats.stages["io"].seconds,
               "cast": stats.stages["assemble"].seconds, "plan": stats.stages["plan"].seconds}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,8 +45,8 @@ from .datasets import VolumeSpec, compression_ratio, ensure, warm_page_cache
 from .epochs import (CACHE_BYTES, LOCAL, LOCAL_SAME, SAME, cache_peak_line, epoch_peers, epochs_note, hit_rate,
                      same_pipeline_peers, second_epoch_lines, tensorstore_epoch_peers, zarr_epoch_peers)
 from .remote import Remote, ZarrOpener
+from .rss import RssSampler, rss_bytes  # noqa: F401 - rss_bytes: also read from here (memory.py, tests)
 from .threadcpu import ThreadCPU
-from ..dist.telemetry import host_rss_bytes as rss_bytes
 
 
 LOOKAHEAD = 3  # stoker's lookahead_batches in the benchmark
@@ -144,26 +143,6 @@ def make_samples(paths: list[str], shape: tuple[int, ...], crop: tuple[int, ...]
 
 
 # -- measurement helpers ----------------------------------------------------------------------------
-
-
-class RssSampler:
-    """Peak resident memory of this process while the block runs (sampled every 2 ms)."""
-
-    def __enter__(self) -> "RssSampler":
-        self.peak = rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, rss_bytes())
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
 
 
 @dataclass
@@ -348,7 +327,7 @@ def run_stoker(samples: list[Sample], batch_size: int, itemsize: int, host_buffe
 def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0, remote: bool = False) -> str:
     """One line: stoker's CPU time per timed batch (the process's, so every thread, less a busy consumer's
     steps) and its stage times per batch with their shares of it. Stage times are thread time, waits for
-    a core included; "other" is the rest: Python bookkeeping, the consumer, the RSS sampler. The decode
+    a core included; "other" is the rest: Python bookkeeping, the consumer. The decode
     bound times the decode stage alone, so read, cast, plan and other are what stoker pays on top of it.
     Last, the CPU time the pipeline's threads held the GIL (``Stats.gil_seconds``; it overlaps the
     stages), and the part of it that garbage collections took (``gc_s``, see :class:`PipelineCollections`).

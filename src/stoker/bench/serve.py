@@ -45,6 +45,8 @@ from typing import Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
 from xml.sax.saxutils import escape
 
+from ..runtime.memo import remember
+
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 COUNTERS = "/_stoker/counters"
 BUCKET = "bench"
@@ -376,9 +378,7 @@ class BenchServer:
         names.sort()
         if time.time_ns() - mtime < SETTLED_NS:  # (a mtime ahead of this clock too: not kept)
             return names
-        if len(self._folders) >= MAX_FOLDERS:
-            self._folders.clear()
-        self._folders[folder] = (mtime, names)
+        remember(self._folders, folder, (mtime, names), MAX_FOLDERS)
         return names
 
     def _file(self, path: str) -> str | None:

@@ -206,7 +206,7 @@ static int list_folder(int root_fd, folder *f, size_t index, entry **entries, si
 }
 
 int evict_entries(const char *root, long long bound, long long target, long long incoming, long long block,
-                  int hold_if_temp, evict_result *out) {
+                  evict_result *out) {
     memset(out, 0, sizeof *out);
     struct stat st;
     if (AGAIN(lstat(root, &st)) == 0) /* the root's own (the Python twin's _allocated): not made yet, 0 */
@@ -238,7 +238,7 @@ int evict_entries(const char *root, long long bound, long long target, long long
             }
     long long need;
     int over = __builtin_add_overflow(out->total, incoming, &need) ? incoming > 0 : need > bound;
-    if (bad == 0 && !(hold_if_temp && out->n_temp) && over) {
+    if (bad == 0 && over) {
         if (n_entries > 1) /* (qsort's base is declared non-null: none listed leaves entries NULL) */
             qsort(entries, n_entries, sizeof *entries, older);
         int dir_fd = -1, dir_gone = 0;

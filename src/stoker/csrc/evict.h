@@ -18,10 +18,10 @@ typedef struct {
 
 /* Scan the cache folder ``root`` (<root>/<subfolder>/<32 hex entry names>) and, where ``incoming`` more bytes do
  * not fit in ``bound``, unlink the least recently used entries (oldest mtime first) until the total is at most
- * ``target``, removing each subfolder that leaves empty. With ``hold_if_temp`` and a temporary file found,
- * nothing is unlinked (the caller removes the dead writers' ones, then scans again). The caller holds the
- * folder's lock. 0, or -errno (ENOMEM: the listing did not fit in memory; nothing unlinked then). */
+ * ``target``, removing each subfolder that leaves empty. Temporary files count as any file (the caller removes
+ * the dead writers' ones afterwards, in the subfolders ``temp`` names). The caller holds the folder's lock. 0,
+ * or -errno (ENOMEM: the listing did not fit in memory; nothing unlinked then). */
 int evict_entries(const char *root, long long bound, long long target, long long incoming, long long block,
-                  int hold_if_temp, evict_result *out);
+                  evict_result *out);
 
 #endif

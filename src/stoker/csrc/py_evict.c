@@ -5,19 +5,17 @@
 
 #include "evict.h"
 
-/* evict_entries(root, bound, target, incoming, block, hold_if_temp) -> (total, evicted, temp): see below */
+/* evict_entries(root, bound, target, incoming, block) -> (total, evicted, temp): see below */
 static PyObject *evict_entries_py(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *root_obj;
     long long bound, target, incoming, block;
-    int hold_if_temp;
-    if (!PyArg_ParseTuple(args, "O&LLLLp", PyUnicode_FSConverter, &root_obj, &bound, &target, &incoming, &block,
-                          &hold_if_temp))
+    if (!PyArg_ParseTuple(args, "O&LLLL", PyUnicode_FSConverter, &root_obj, &bound, &target, &incoming, &block))
         return NULL;
     const char *root = PyBytes_AS_STRING(root_obj); /* no NUL inside: PyUnicode_FSConverter refuses one */
     evict_result r;
     int bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = evict_entries(root, bound, target, incoming, block, hold_if_temp, &r);
+    bad = evict_entries(root, bound, target, incoming, block, &r);
     Py_END_ALLOW_THREADS
     Py_DECREF(root_obj);
     if (bad != 0) {
@@ -40,12 +38,12 @@ static PyObject *evict_entries_py(PyObject *Py_UNUSED(self), PyObject *args) {
 
 PyMethodDef evict_methods[] = {
     {"evict_entries", evict_entries_py, METH_VARARGS,
-     "evict_entries(root, bound, target, incoming, block, hold_if_temp) -> (total, evicted, temp): the disk "
+     "evict_entries(root, bound, target, incoming, block) -> (total, evicted, temp): the disk "
      "cache's eviction scan, the GIL released once for all. Lists the subfolders of root and measures every file "
      "in them (allocated blocks; .index at least block); where total + incoming > bound, unlinks the entries "
      "(32 lowercase hex names) least recently used first (mtime) until total <= target, and removes the "
      "subfolders that leaves empty. temp: the names (bytes) of the subfolders holding a file named like a "
-     "temporary one; with hold_if_temp and any such, nothing is unlinked. total: the folder's disk after. The "
-     "caller holds the folder's lock."},
+     "temporary one (counted as any file: the caller removes the dead writers' ones). total: the folder's disk "
+     "after. The caller holds the folder's lock."},
     {NULL, NULL, 0, NULL},
 };

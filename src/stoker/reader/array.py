@@ -23,6 +23,7 @@ import numpy as np
 
 from ..zarr.box import Box, box_shape, parse_box
 from ..storage.cache import SizedLRU
+from ..runtime.memo import remember
 from ..errors import (DecodeError, InvalidArgument, MetadataError, NotFound, OutOfBounds, StorageError, UnsupportedFormat,
                       as_value)
 from ..storage import ByteRange, FileChanged, FileStore, Identity, LocalStore, Store, default_store
@@ -516,10 +517,9 @@ class ArrayReader:
         if None in keys:
             grid, key = self.shard_grid, self.metadata.chunk_key
             for at, n in enumerate(numbers):
-                if keys[at] is None:
-                    if len(made) >= _MAX_KEPT_KEYS:  # bounded for the process: start afresh
-                        made.clear()
-                    keys[at] = made[(token, n)] = key(tuple(int(v) for v in np.unravel_index(n, grid)))
+                if keys[at] is None:  # bounded for the process: past it, start afresh
+                    keys[at] = remember(made, (token, n), key(tuple(int(v) for v in np.unravel_index(n, grid))),
+                                        _MAX_KEPT_KEYS)
         return keys
 
     @property

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Sequence
 
 from ..errors import NotFound, ShutdownError
+from ..runtime.memo import remember
 from ..runtime.workers import when_all_done
 from .diskcache import DiskCache, disk_cache
 from .store import ByteRange, Store, by_key, check_key, check_prefix, not_found
@@ -97,8 +98,8 @@ class CachingStore:
         # (key, start, length) -> (generation, ident, entry): what entry_files made for that generation
         self._entry_files: dict[tuple, tuple[Any, str, tuple[bytes, bytes]]] = {}
         # keys (and opened prefixes, with their "/") whose marker this wrapper wrote (MARKERS_FOUND at most)
-        self._marked: set[str] = set()
-        self._found: set[str] = set()  # keys whose marker was found on disk (see _has_marker; MARKERS_FOUND at most)
+        self._marked: dict[str, None] = {}
+        self._found: dict[str, None] = {}  # keys whose marker was found on disk (see _has_marker; MARKERS_FOUND at most)
         self._opened: set[str] = set()  # prefixes of the arrays opened (see opened)
         self._listings: dict[str, _Listing] = {}  # prefix -> its newest listing
         self._heads: dict[str, concurrent.futures.Future] = {}  # key -> the flight of its HEAD in flight
@@ -501,9 +502,7 @@ class CachingStore:
         if not self.cache.has(self._marker(key)):
             return False
         with self._lock:
-            if len(self._found) >= MARKERS_FOUND:
-                self._found.clear()
-            self._found.add(key)
+            remember(self._found, key, None, MARKERS_FOUND)
         return True
 
     def _marker(self, key: str) -> str:
@@ -746,14 +745,12 @@ class CachingStore:
         self.cache.put(_ident(self.uri, key, start, length, gen), data)
         with self._lock:
             marked = key in self._marked
-            if not marked and len(self._marked) >= MARKERS_FOUND:
-                self._marked.clear()  # bounded as _found is: a key marked again costs a look-up in memory
-            self._marked.add(key)
+            remember(self._marked, key, None, MARKERS_FOUND)  # as _found: a key marked again costs a look-up
             folder = self._opened_of(key)  # whether or not the key was marked (before its array was opened)
             if folder is not None and folder in self._marked:
                 folder = None
             if folder is not None:
-                self._marked.add(folder)
+                remember(self._marked, folder, None, MARKERS_FOUND)
         if not marked:  # an empty file: no block on disk (DiskCache.mark)
             self.cache.mark(self._marker(key))
         if folder is not None:  # entries of its array kept: its next open lists it (see opened)
@@ -800,9 +797,7 @@ class CachingStore:
             ident = _ident(uri, key, start, length, got[0])
             entry = self.cache.entry_file(ident)
             if entry is not None:
-                if len(made) >= ENTRY_FILES_KEPT:
-                    made.clear()
-                made[(key, start, length)] = (got[0], ident, entry)
+                remember(made, (key, start, length), (got[0], ident, entry), ENTRY_FILES_KEPT)
             out.append(entry)
         return out
 

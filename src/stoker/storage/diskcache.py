@@ -70,8 +70,9 @@ import crc32c
 
 from .. import checks
 from ..errors import InvalidArgument, ShutdownError, ThreadStartError
+from ..runtime.memo import remember
 from ..runtime.workers import DaemonPool
-from .fsutil import HOST, remove_dead_temp_files
+from .fsutil import HOST, removing_dead_temp_files
 
 #: The entry header: magic, crc32c of ident + payload, ident length, payload length.
 HEADER = struct.Struct("<6sHIIQ")
@@ -188,15 +189,8 @@ class DiskCache:
         except OSError:  # a read-only folder: only look
             if not os.path.lexists(path):
                 return False
-        self._saw(ident, now)
+        remember(self._seen, ident, now, SEEN_IDENTS)
         return True
-
-    def _saw(self, ident: str, now: float) -> None:
-        """Remember ``ident`` as on disk (or queued) as of ``now`` (:data:`SEEN_IDENTS` at most, then all forgotten)."""
-        seen = self._seen
-        if len(seen) >= SEEN_IDENTS and ident not in seen:
-            seen.clear()
-        seen[ident] = now
 
     def entry_file(self, ident: str) -> tuple[bytes, bytes] | None:
         """``(path, ident)`` of the entry stored under ``ident``, both encoded: what the compiled engine reads
@@ -320,7 +314,7 @@ class DiskCache:
         if seen is not None and now - seen < SEEN_S:
             return  # there, or queued, a moment ago: not queued again (every pipeline marks what it keeps)
         self._enqueue(ident, None, len(ident))  # its queue cost: the ident it holds
-        self._saw(ident, now)  # has() finds it while queued, before the writer made it
+        remember(self._seen, ident, now, SEEN_IDENTS)  # has() finds it while queued, before the writer made it
 
     def _enqueue(self, ident: str, data: bytes | None, n: int) -> None:
         with self._cond:
@@ -476,19 +470,29 @@ class DiskCache:
         rest of the bound); remove the subfolders that leaves empty and dead writers' temporary files. Returns
         the space the folder takes then, allocated (entries, temporary files, folders, ``.index``). The scan is
         the compiled engine's where loaded (:func:`use_entry_evictor`: the GIL released once for it), else
-        :func:`evict_entries`."""
+        :func:`evict_entries`. One scan: temporary files count as the disk they take while it evicts, and the
+        dead writers' ones among them are removed after it, in the subfolders it names, what they took taken off
+        its total (so a crash's leftovers may make one eviction unlink that much more; a live writer's file,
+        or another machine's kept :data:`~stoker.storage.fsutil.STALE_AFTER_S`, costs nothing more)."""
         # the folder's own target, not that less incoming: a batch's need taken off it too evicted twice its
         # room (or everything) where one entry's took a block or two off
         target = min(int(self.cache_bytes * LOW_WATER), self.cache_bytes - incoming)
         scan = _entry_evictor[0] or evict_entries
-        total, evicted, temp = scan(self._root, self.cache_bytes, target, incoming, self._block, True)
-        if temp:  # subfolders holding temporary files: dead writers' removed, then scanned again to evict
-            for name in temp:
-                remove_dead_temp_files(os.path.join(self._root, os.fsdecode(name)))
-            total, more, _ = scan(self._root, self.cache_bytes, target, incoming, self._block, False)
-            evicted += more
+        total, evicted, temp = scan(self._root, self.cache_bytes, target, incoming, self._block)
+        for name in temp:
+            for _, st in removing_dead_temp_files(os.path.join(self._root, os.fsdecode(name))):
+                total -= _allocated_of(st)
+        if evicted:
+            self._unsee()
         self.evicted += evicted
         return total
+
+    def _unsee(self) -> None:
+        """Forget what :meth:`has` found (after this process's eviction, which may have unlinked any of it), but
+        the markers still queued (not on disk yet: a marker is written after the eviction that made room)."""
+        with self._cond:
+            pending = self._pending
+            self._seen = {ident: when for ident, when in list(self._seen.items()) if ident in pending}
 
     def _disable(self, exc: BaseException) -> None:
         self.writable = False
@@ -685,18 +689,16 @@ def use_entry_evictor(evict: Callable | None) -> Callable | None:
 _entry_evictor: list[Callable | None] = [None]
 
 
-def evict_entries(root: str, bound: int, target: int, incoming: int, block: int,
-                  hold_if_temp: bool) -> tuple[int, int, list[bytes]]:
+def evict_entries(root: str, bound: int, target: int, incoming: int, block: int) -> tuple[int, int, list[bytes]]:
     """Python's twin of the compiled engine's ``evict_entries`` (csrc/evict.c; the same answers): list the
     subfolders of the cache folder ``root`` and measure every file in them (allocated blocks; ``.index`` at least
     ``block``); where ``total + incoming > bound``, unlink the entries (names of 32 lowercase hex digits) least
     recently used first (by mtime, which a hit refreshes) until the total is at most ``target``, removing each
     subfolder that leaves empty. The caller holds the folder's lock. Returns ``(total, evicted, temp)``: the
     disk the folder takes after, the entries unlinked, the names of the subfolders holding a file named like a
-    temporary one (with ``hold_if_temp`` and any such, nothing is unlinked: the caller removes the dead writers'
-    ones first).
+    temporary one (counted as any file; the caller removes the dead writers' ones and takes them off).
 
-    >>> total, evicted, temp = evict_entries("/scratch/cache/v1", 50 << 30, 45 << 30, 1 << 20, 4096, False)
+    >>> total, evicted, temp = evict_entries("/scratch/cache/v1", 50 << 30, 45 << 30, 1 << 20, 4096)
     """
     entries: list[tuple[int, int, str, str]] = []
     total = _allocated(root)
@@ -741,7 +743,7 @@ def evict_entries(root: str, bound: int, target: int, incoming: int, block: int,
         if held_temp:
             temp.append(os.fsencode(name))
     evicted = 0
-    if total + incoming > bound and not (hold_if_temp and temp):
+    if total + incoming > bound:
         entries.sort()
         try:
             root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)

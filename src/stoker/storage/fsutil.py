@@ -44,15 +44,15 @@ import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, TypeVar
+from typing import BinaryIO, Callable, Iterator, TypeVar
 
 from ..checks import seconds
 from ..errors import ClaimTimeout, InvalidArgument, StorageError
 
 __all__ = ["CLAIM_STALE_S", "HOST", "STALE_AFTER_S", "WAIT_S", "Claim", "Claimant", "claim", "claim_path",
            "fsync_dir", "fsync_tree", "is_temp_path", "make_owned_dir", "make_sibling_dir", "place_dir",
-           "remove_dead_owned_dirs", "remove_dead_siblings", "remove_dead_temp_files", "replace_atomically",
-           "sibling_path", "try_claim", "write_file_once", "write_once", "writer_gone"]
+           "remove_dead_owned_dirs", "remove_dead_siblings", "remove_dead_temp_files", "removing_dead_temp_files",
+           "replace_atomically", "sibling_path", "try_claim", "write_file_once", "write_once", "writer_gone"]
 
 
 def _host_tag(name: str) -> str:
@@ -186,26 +186,30 @@ def remove_dead_temp_files(directory: str | os.PathLike) -> list[Path]:
     symlink (nor what it points to), never a live writer's file. Files named the old way
     (``.<name>.tmp-<pid>``) come from older stoker versions and are removed whatever their pid.
     """
+    return [entry for entry, _ in removing_dead_temp_files(directory)]
+
+
+def removing_dead_temp_files(directory: str | os.PathLike) -> Iterator[tuple[Path, os.stat_result]]:
+    """:func:`remove_dead_temp_files`, each file removed given as it goes with its ``lstat`` from just before,
+    so a caller keeping count of the disk a folder takes (the disk cache) knows what each freed."""
     try:
         entries = list(Path(directory).iterdir())
     except OSError:
-        return []
-    removed = []
+        return
     for entry in entries:
         if not is_temp_path(entry):
             continue
         m = _SIBLING.fullmatch(entry.name)
         try:
-            regular = stat.S_ISREG(os.lstat(entry).st_mode)
+            st = os.lstat(entry)
         except OSError:
             continue
-        if regular and (m is None or writer_gone(entry)):
+        if stat.S_ISREG(st.st_mode) and (m is None or writer_gone(entry)):
             try:
                 entry.unlink()
             except FileNotFoundError:
                 continue
-            removed.append(entry)
-    return removed
+            yield entry, st
 
 
 def remove_dead_owned_dirs(parent: str | os.PathLike, prefix: str) -> list[Path]:

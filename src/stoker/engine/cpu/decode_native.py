@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ...runtime import gil
+from ...runtime.memo import remember
 from ...runtime.schedstat import run_times
 from ...runtime.workers import no_thread, start_thread
 from . import native
@@ -120,9 +121,7 @@ def _fill_word(fill_value: np.ndarray, dtype: torch.dtype) -> int:
     if word is None:
         fill = fill_value_as(fill_value, dtype).reshape(1).view(torch.uint8).numpy().tobytes()
         word = int(np.frombuffer(fill.ljust(8, b"\0"), np.int64)[0])
-        if len(_FILL_WORDS) > 1024:
-            _FILL_WORDS.clear()
-        _FILL_WORDS[key] = word
+        remember(_FILL_WORDS, key, word, 1024)
     return word
 
 
@@ -216,9 +215,7 @@ def _kept(table: dict, key: tuple, holder: object, make: Callable[[], _Source]) 
     is emptied (arrays come and go: a long-running pipeline meets new ones)."""
     held = table.get(key)
     if held is None or held[0] is not holder:
-        if len(table) >= SHARED_SOURCES:
-            table.clear()
-        held = table[key] = (holder, make())
+        held = remember(table, key, (holder, make()), SHARED_SOURCES)
     return held[1]
 
 
@@ -498,10 +495,8 @@ class NativeDecoder:
         one volume plans every batch from the same array): the per-array rows, their table and path blob."""
         key = (tuple(map(id, readers)), dtype, kind)  # a kept set holds its readers: their ids stay theirs
         held = self._sets.get(key)
-        if held is None:
-            if len(self._sets) > 256:  # many arrays (batches of random ones) rarely repeat a set: keep a few
-                self._sets.clear()
-            held = self._sets[key] = _SourceSet(readers, [self._source(r, dtype, kind) for r in readers])
+        if held is None:  # many arrays (batches of random ones) rarely repeat a set: a few kept
+            held = remember(self._sets, key, _SourceSet(readers, [self._source(r, dtype, kind) for r in readers]), 256)
         return held
 
     def submit(self, job: Job) -> None:
@@ -540,11 +535,13 @@ class NativeDecoder:
             return
         self._to_finisher(job, bjob, eids)
 
-    def _to_finisher(self, job: Job, bjob, eids: np.ndarray | None, claim: int | None = None) -> None:
+    def _to_finisher(self, job: Job, bjob, eids: np.ndarray | None, claim: int | None = None,
+                     disk: "_FromDisk | None" = None) -> None:
         """Have the finisher thread finish ``job`` once the engine's ``bjob`` (the chunks ``eids`` of its plan;
-        None: every chunk) is done; ``claim``: the settle's that hands it on (see Job.take_over)."""
+        None: every chunk; ``disk``: read from disk-cache entries) is done; ``claim``: the settle's that hands it
+        on (see Job.take_over)."""
         with self._cond:
-            self._pending.append((job, bjob, np.arange(job.plan.n_chunks) if eids is None else eids, None, claim))
+            self._pending.append((job, bjob, np.arange(job.plan.n_chunks) if eids is None else eids, disk, claim))
             self._cond.notify_all()
 
     def _tables(self, plan: TablePlan, out: torch.Tensor, kind: int, sources: "_SourceSet",
@@ -688,8 +685,8 @@ class NativeDecoder:
         disk = _FromDisk(stores, np.array(owner, np.intp), kind, sources)
         if len(eids) == plan.n_chunks and not job.has_hook:
             # the whole batch from disk (a second epoch's): settled by the thread that waits for it, as a batch
-            # of local files is, rather than by waking the finisher for it (see _settle_from_disk)
-            job.settled_by(bjob, functools.partial(self._settle_from_disk, disk=disk))
+            # of local files is, rather than by waking the finisher for it (see _settle)
+            job.settled_by(bjob, functools.partial(self._settle, disk=disk))
             return rest
         with self._cond:
             if not self._closing:
@@ -699,30 +696,6 @@ class NativeDecoder:
         bjob.cancel()  # closed between the submission and here: nobody else would end it
         job.finish(len(eids), pipeline_closed())
         return rest
-
-    def _settle_from_disk(self, job: Job, bjob, disk: "_FromDisk") -> None:
-        """Finish ``job``, every chunk of which the engine (done) read from disk-cache entries, on the thread that
-        waited for it, as :meth:`_settle` does a batch of local files: each store's hits counted, the chunks
-        placed. One the engine did not place (a missing, short or corrupt entry: fetched again) goes to the
-        finisher thread, which finishes it as :meth:`_finish_from_disk` does (the Python path's reads never
-        run inside ``pop``)."""
-        with self._gil_charged():
-            try:
-                if self._closing:  # cancelled by shutdown: nothing of it is fetched now
-                    job.finish(job.plan.n_chunks, pipeline_closed())
-                    return
-                _, detail, counts = bjob.results()
-                if counts["not_placed"]:
-                    # the finisher takes it over: an interrupt before that puts it back (see Job.take_over)
-                    with self._cond:
-                        self._pending.append((job, bjob, np.arange(job.plan.n_chunks), disk, job.claim))
-                        self._cond.notify_all()
-                    return
-                self._account(counts, fetched=False)
-                self._served(disk, np.ones(len(disk.owner), bool), np.frombuffer(detail, np.int64))
-                self._finish_placed(job, job.plan.n_chunks, counts, fetched=False)
-            except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
-                job.finish(0, exc)
 
     @staticmethod
     def _served(disk: "_FromDisk", ok: np.ndarray, detail: np.ndarray) -> None:
@@ -953,23 +926,27 @@ class NativeDecoder:
             else:
                 self._stats.gil((time.thread_time_ns() - t0) * 1e-9)
 
-    def _settle(self, job: Job, bjob) -> None:
-        """Finish ``job``, every chunk of which the engine (done) was given, on the thread that waited for it
-        (see Job.settled_by): the consumer's, whose GIL time is otherwise never the pipeline's, so what this
-        holds is charged here, and only this (on a thread stoker started, what it held before, a training
-        step or another pipeline's work, is left for its next report). A batch with chunks the engine did not
-        place goes to the finisher thread: the Python path's reads never run inside ``pop``."""
+    def _settle(self, job: Job, bjob, disk: "_FromDisk | None" = None) -> None:
+        """Finish ``job``, every chunk of which the engine (done) was given (``disk``: read from disk-cache
+        entries, then each store's hits counted), on the thread that waited for it (see Job.settled_by): the
+        consumer's, whose GIL time is otherwise never the pipeline's, so what this holds is charged here, and
+        only this (on a thread stoker started, what it held before, a training step or another pipeline's
+        work, is left for its next report). A batch with chunks the engine did not place (or, from disk, a
+        missing, short or corrupt entry: fetched again, as :meth:`_finish_from_disk` does) goes to the
+        finisher thread: the Python path's reads never run inside ``pop``."""
         with self._gil_charged():
             try:
                 if self._closing:  # cancelled by shutdown: nothing of it goes to the Python path now
                     job.finish(job.plan.n_chunks, pipeline_closed())
                     return
-                counts = bjob.results()[2]
+                _, detail, counts = bjob.results()
                 if counts["not_placed"]:
                     # the finisher takes it over: an interrupt before that puts it back (see Job.take_over)
-                    self._to_finisher(job, bjob, None, job.claim)
+                    self._to_finisher(job, bjob, None, job.claim, disk)
                     return
                 self._account(counts, fetched=False)
+                if disk is not None:
+                    self._served(disk, np.ones(len(disk.owner), bool), np.frombuffer(detail, np.int64))
                 self._finish_placed(job, job.plan.n_chunks, counts, fetched=False)
             except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
                 job.finish(0, exc)

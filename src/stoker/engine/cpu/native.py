@@ -224,7 +224,7 @@ if Engine is not None:
     from ...storage.diskcache import use_entry_writer
 
     use_entry_writer(write_entries)
-#: ``evict_entries(root, bound, target, incoming, block, hold_if_temp) -> (total, evicted, temp)`` (csrc/evict.c):
+#: ``evict_entries(root, bound, target, incoming, block) -> (total, evicted, temp)`` (csrc/evict.c):
 #: the disk cache's eviction scan with the GIL released once (storage/diskcache.py uses it once this module is
 #: loaded: ``use_entry_evictor``), or None without the engine
 evict_entries = None

@@ -1,0 +1,56 @@
+"""The bench's peak RSS (``bench.rss.RssSampler``) comes from the kernel's high-water mark, set back at the
+block's start: an allocation that lives a moment is caught, a peak from before the block is not, samplers
+nest, and no thread wakes (nor takes the GIL from the peer measured) while the block runs. Before, a thread
+read /proc/self/statm every 2 ms: most of ``--thread-cpu``'s "other" CPU."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from stoker.bench import rss
+from stoker.bench.runner import RssSampler
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's mark: Linux /proc")]
+
+MB = 1 << 20
+
+
+def _touch(nbytes: int) -> None:
+    """Make ``nbytes`` resident a moment (every page written), then free them (munmap: malloc maps them)."""
+    block = np.ones(nbytes, np.uint8)
+    del block
+
+
+def test_a_moments_allocation_is_the_peak_and_an_earlier_one_is_not():
+    _touch(300 * MB)  # before the block: not its peak
+    with RssSampler() as sampler:
+        base = rss.rss_bytes()
+        _touch(120 * MB)
+    assert base + 110 * MB <= sampler.peak < base + 250 * MB
+
+
+def test_samplers_nest():
+    with RssSampler() as outer:
+        base = rss.rss_bytes()
+        _touch(150 * MB)  # before the inner one set the mark back: still the outer's peak
+        with RssSampler() as inner:
+            _touch(60 * MB)
+        _touch(20 * MB)
+    assert base + 140 * MB <= outer.peak and base + 50 * MB <= inner.peak < base + 140 * MB
+
+
+def test_no_thread_wakes_while_the_block_runs():
+    threads = threading.active_count()
+    cpu = time.process_time()
+    with RssSampler():
+        inside = threading.active_count()
+        time.sleep(0.5)  # before: 250 wake-ups of a thread reading statm, each taking the GIL
+    cpu = time.process_time() - cpu
+    assert inside == threads
+    assert cpu < 0.003, f"{cpu * 1e3:.1f} ms of CPU while the block slept"
