@@ -359,6 +359,53 @@ def test_each_chunk_of_a_batch_is_asked_of_the_disk_cache_once(remote, data, tmp
         monkeypatch.undo()
 
 
+def _planned_while_held(p, asked: _Asked, uri: str, boxes: list, want, expect: int) -> int:
+    """Push a batch of one crop per box of ``boxes``; with the two slots taken and not released, the batches
+    planned ahead of them (``prefetch_plan`` calls) once ``expect`` were (or 20 s passed) and half a second
+    more; then pop each (checked). Returns that count."""
+    planned = len(asked.planned)
+    for box in boxes:
+        p.push([stoker.Sample(uri, box)])
+    deadline = time.monotonic() + 20
+    while len(asked.planned) < planned + expect and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # any more planned ahead meanwhile is counted
+    seen = len(asked.planned) - planned
+    for box in boxes:
+        with p.pop() as b:
+            np.testing.assert_array_equal(torch.from_dlpack(b)[0].numpy(), want[tuple(slice(*s) for s in box)])
+    print("planned", uri, asked.planned[planned:], flush=True)
+    return seen
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_a_second_epoch_from_disk_stops_planning_ahead(remote, data, tmp_path, monkeypatch, path):
+    # batches whose every chunk is on disk have no latency to hide: after QUIET_AFTER such batches in a row
+    # the coordinator plans no more ahead of their slots (it planned up to MAX_AHEAD, looking up each chunk's
+    # entry early); a batch that needs a fetch again (another array, not cached) plans ahead again
+    uri, options, server = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    want = zarr_values(data, path)
+    other = next(a for a in ARRAYS if a != path)
+    # i64: the two arrays' dtypes (int32, uint16) in one pipeline, exact
+    cfg = stoker.Config(batch_size=1, dtype="i64", n_compute_threads=2, pop_timeout_s=60, lookahead_batches=1,
+                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20)
+    asked = _Asked(monkeypatch)
+    assert len(ONE_EACH) - 2 > ahead.QUIET_AFTER  # two batches take the slots, the rest could be planned ahead
+    with stoker.Pipeline(cfg) as p:
+        # epoch 1, cold: every batch past the slots fetches, and is planned ahead
+        cold = len(ONE_EACH) - 2
+        assert _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold) == cold
+        assert cache.flush(30)
+        # epoch 2 in the same pipeline, every chunk on disk at a generation known: QUIET_AFTER planned ahead
+        assert _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, ahead.QUIET_AFTER) == ahead.QUIET_AFTER
+        assert all(n == 1 for n in asked.planned[-ahead.QUIET_AFTER:]), asked.planned  # each found on disk
+        # crops of an array not read yet: fetched, so planned ahead again
+        want = zarr_values(data, other)
+        assert _planned_while_held(p, asked, f"{uri}/{other}", ONE_EACH, want, cold) == cold
+
+
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_entries_asked_again_at_their_generation_are_not_made_again(s3, data, tmp_path, monkeypatch, path):
     # a second epoch asks the cache for the entry of every chunk of every batch: one asked before at the same
