@@ -152,6 +152,35 @@ def test_what_was_never_kept_is_not_handed_to_the_engine(remote, data, tmp_path,
         assert reads.engine > 0
 
 
+def test_a_batch_of_many_arrays_asks_its_store_once(remote, data, tmp_path, monkeypatch):
+    # the decoder asks a store's disk cache for the entries of a batch's chunks in one call, however many of
+    # the store's arrays the batch reads (it asked once per array: a batch of crops of 8 arrays, 8 calls)
+    uri, options, _ = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    calls: list[int] = []
+    real = cachingstore.CachingStore.entry_files
+
+    def counted(kv, keys, requests):
+        calls.append(len(keys) + len(requests))
+        return real(kv, keys, requests)
+
+    monkeypatch.setattr(cachingstore.CachingStore, "entry_files", counted)
+    cfg = stoker.Config(batch_size=2 * len(ARRAYS), dtype="i64", n_compute_threads=2, pop_timeout_s=60,
+                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0)
+    samples = [stoker.Sample(f"{uri}/{path}", box) for path in ARRAYS for box in BOXES[:2]]
+    with stoker.Pipeline(cfg) as p:
+        for epoch in range(2):
+            del calls[:]
+            p.push(samples)
+            with p.pop() as b:
+                for got, s in zip(torch.from_dlpack(b), samples):
+                    want = zarr_values(data, s.uri.rsplit("/", 1)[1])
+                    np.testing.assert_array_equal(got.numpy(), want[tuple(slice(*a) for a in s.aabb)])
+            assert cache.flush(30)
+        assert len(calls) == 1 and calls[0] > 0, calls  # the second batch: every chunk asked, of both arrays
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "unlink"])
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_an_unsound_entry_read_by_the_engine_is_fetched_again(remote, data, tmp_path, monkeypatch, damage, path):
