@@ -3,7 +3,8 @@
 The coordinator plans a batch, then waits for a free slot to submit it; only then would its chunks be
 fetched. :class:`Ahead` holds the batches planned and not yet submitted, in order: while the prefetch buffer
 (:class:`~stoker.storage.prefetch.PrefetchBuffer`, ``Config.prefetch_bytes`` and ``prefetch_requests``)
-has room for another batch like the last, the coordinator plans one more (its shard indexes read by the
+has room for another batch like the last (and fewer than :data:`QUIET_AFTER` batches in a row found all
+their remote chunks on disk: a cached epoch has no latency to hide), the coordinator plans one more (its shard indexes read by the
 planning) and starts the fetch of its remote chunks and ranges into the buffer (:func:`prefetch_plan`);
 a chunk or range an earlier queued batch asked for after this batch's samples were pushed is shared (one
 request, served to each in turn). Otherwise it submits the oldest, waiting for its slot; while no slot is
