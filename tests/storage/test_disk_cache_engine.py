@@ -181,6 +181,37 @@ def test_a_batch_of_many_arrays_asks_its_store_once(remote, data, tmp_path, monk
         assert len(calls) == 1 and calls[0] > 0, calls  # the second batch: every chunk asked, of both arrays
 
 
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_a_hit_touches_its_entry_at_most_once_a_minute(remote, data, tmp_path, path):
+    # the LRU clock: a hit on an entry last used (or written) a minute ago or more sets its mtime to now; one
+    # used within the minute is not touched again (as relatime: no futimens, no dirty inode per hit)
+    uri, options, _ = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+
+    def dated(age_s: float) -> dict[str, float]:
+        """Every entry with a payload (not the markers) dated ``age_s`` ago: {path: that mtime}."""
+        when = time.time() - age_s
+        entries = [e for e in _entries(folder) if os.path.getsize(e) > 200]
+        for e in entries:
+            os.utime(e, (when, when))
+        return {e: os.stat(e).st_mtime for e in entries}
+
+    with stoker.Pipeline(_config(options, folder)) as p:
+        _batch(p, uri, data, path)
+        assert cache.flush(30)
+        old = dated(3600)
+        hits = cache.hits
+        _batch(p, uri, data, path)
+        assert cache.hits > hits
+        touched = [e for e, t in old.items() if os.stat(e).st_mtime > t + 3000]
+        assert touched  # the entries read: used now
+        recent = dated(5)
+        _batch(p, uri, data, path)
+        again = [e for e, t in recent.items() if os.stat(e).st_mtime != t]
+        assert not again, again  # read again within the minute: not touched
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "unlink"])
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_an_unsound_entry_read_by_the_engine_is_fetched_again(remote, data, tmp_path, monkeypatch, damage, path):
