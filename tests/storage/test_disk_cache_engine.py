@@ -434,7 +434,6 @@ def _planned_while_held(p, asked: _Asked, uri: str, boxes: list, want, expect: i
     for box in boxes:
         with p.pop() as b:
             np.testing.assert_array_equal(torch.from_dlpack(b)[0].numpy(), want[tuple(slice(*s) for s in box)])
-    print("planned", uri, asked.planned[planned:], flush=True)
     return seen
 
 
