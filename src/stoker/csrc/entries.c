@@ -25,9 +25,32 @@
 #include <strings.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define POLY 0x82F63B78u /* crc32c, reflected */
+
+/* A hit touches its entry (the LRU clock) only when the entry's mtime is at least this old, as relatime does for
+ * atime: a hit within a minute of the entry's last use or write writes nothing (a futimens per entry of every
+ * batch, each making the inode dirty); eviction then sees the uses of one minute as one. storage/diskcache.py's
+ * SEEN_S, for markers, is the same minute. */
+#define TOUCH_AFTER_S 60
+
+#if defined(__APPLE__) /* the same time under another name */
+#define ENTRY_MTIME(st) ((st)->st_mtimespec)
+#else
+#define ENTRY_MTIME(st) ((st)->st_mtim)
+#endif
+
+/* Whether an entry last changed at ``st``'s mtime is to be touched now (see TOUCH_AFTER_S); one dated in the
+ * future (another host's clock) is touched, so it does not outlive the rest. */
+static int to_touch(const struct stat *st) {
+    struct timespec now;
+    if (clock_gettime(CLOCK_REALTIME, &now) != 0)
+        return 1;
+    long long age = (long long)now.tv_sec - (long long)ENTRY_MTIME(st).tv_sec;
+    return age >= TOUCH_AFTER_S || age < 0;
+}
 
 static uint32_t table[256];
 
@@ -312,7 +335,8 @@ int read_entry(chunk_io *job, const char *path, const char *ident, size_t ident_
         bad = entry_fails(job, ENTRY_CHECKSUM);
         goto out;
     }
-    (void)futimens(fd, NULL); /* the LRU clock: a hit is a use (a read-only folder: still a hit) */
+    if (to_touch(&st))
+        (void)futimens(fd, NULL); /* the LRU clock: a hit is a use (a read-only folder: still a hit) */
     *payload = buf + head;
     *payload_len = size - head;
     bad = 0;

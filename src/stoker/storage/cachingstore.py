@@ -42,6 +42,7 @@ each as they are first read after that open, not by listing up to ten pages agai
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -742,7 +743,12 @@ class CachingStore:
         if gen is None:
             return  # no generation: a later read could not tell it from a rewritten object's
         self._learn(key, gen, now)  # an answer states the object's generation as a HEAD would
-        self.cache.put(_ident(self.uri, key, start, length, gen), data)
+        ident = _ident(self.uri, key, start, length, gen)
+        self.cache.put(ident, data)
+        if self.cache.queued(ident):  # to be written (not refused: too big, a read-only folder, a full queue)
+            # its entry once written: what entry_files gives for it (the next epoch's look-up, without a stat)
+            self._made(key, start, length, gen, ident, (os.fsencode(self.cache.path(ident)),
+                                                        ident.encode("utf-8", "surrogatepass")))
         with self._lock:
             marked = key in self._marked
             remember(self._marked, key, None, MARKERS_FOUND)  # as _found: a key marked again costs a look-up
@@ -772,13 +778,18 @@ class CachingStore:
     def entry_files(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> list:
         """For the whole values of ``keys``, then the ranges ``requests``: the entry to read from disk
         (:meth:`DiskCache.entry_file <stoker.storage.diskcache.DiskCache.entry_file>`, ``(path, ident)``) where
-        its object's generation is known now, else None (read through :meth:`start_get_many`, which
-        revalidates). No request and no disk access: the compiled engine reads and checks the entries, and
-        what it cannot use (missing, corrupt) is fetched again through :meth:`start_get_many`.
+        its object's generation is known now and the entry is on disk, else None (read through
+        :meth:`start_get_many`, which revalidates; and what a prefetch asks for). No request and nothing read:
+        the compiled engine reads and checks the entries, and what it cannot use (evicted since, corrupt) is
+        fetched again through :meth:`start_get_many`.
 
-        Asked for every chunk of every batch a second epoch reads from disk, so a value or range's entry is
-        kept with the generation it was made for (:data:`ENTRY_FILES_KEPT` at most): asked again at that
-        generation, only whether the entry is queued for writing (not on disk yet: None) is asked anew."""
+        A generation known says nothing of which of the object's values and ranges were kept (a shard whose
+        index was read, an array listed whole that an earlier epoch read in part): an entry not known here is
+        looked for on disk (a ``stat``), so that what was never kept is fetched (prefetched, when planned
+        ahead) rather than handed to the engine to find missing. Asked for every chunk of every batch a
+        second epoch reads from disk, so an entry found, or written here (:meth:`_keep`), is kept with its
+        generation (:data:`ENTRY_FILES_KEPT` at most): asked again at that generation, only whether it is
+        queued for writing (not on disk yet: None) is asked anew."""
         now = time.monotonic()
         staleness = self.staleness_s
         made, queued, uri = self._entry_files, self.cache.queued, self.uri
@@ -796,10 +807,18 @@ class CachingStore:
                 continue
             ident = _ident(uri, key, start, length, got[0])
             entry = self.cache.entry_file(ident)
+            if entry is not None and not os.path.exists(entry[0]):  # never kept (or evicted): to fetch
+                entry = None
             if entry is not None:
-                remember(made, (key, start, length), (got[0], ident, entry), ENTRY_FILES_KEPT)
+                self._made(key, start, length, got[0], ident, entry)
             out.append(entry)
         return out
+
+    def _made(self, key: str, start: int | None, length: int | None, gen: Any, ident: str,
+              entry: tuple[bytes, bytes]) -> None:
+        """Keep ``entry`` (on disk, or queued for writing) as the one of ``key``'s value or range at ``gen``
+        (see :meth:`entry_files`)."""
+        remember(self._entry_files, (key, start, length), (gen, ident, entry), ENTRY_FILES_KEPT)
 
     def served_from_disk(self, n: int, nbytes: int) -> None:
         """Count ``n`` values or ranges of ``nbytes`` that the compiled engine read from :meth:`entry_files`."""

@@ -224,7 +224,8 @@ class _SourceSet:
     their ``info`` rows (I_* columns), the sources table and path blob of ``Engine.submit``, and whether the
     engine makes every chunk of them (files it reads, no store, every element kind it fills)."""
 
-    __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "disk_room")
+    __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "disk_room", "disk_store",
+                 "disk_stores")
 
     def __init__(self, readers: list, sources: list[_Source]) -> None:
         # rows packed by each _Source, joined here: a batch of arrays new to the pipeline (many small arrays,
@@ -244,6 +245,8 @@ class _SourceSet:
         self.table = table
         self.blob = b"".join([s.prefix for s in sources])
         self.disk_room: np.ndarray | None = None  # per array: its chunks may be read from disk entries (_from_disk)
+        self.disk_store: np.ndarray | None = None  # per array: the number of its store in disk_stores
+        self.disk_stores: list = []  # the arrays' stores, each once, in order of first use
 
     def __getitem__(self, i: int) -> _Source:
         return self.sources[i]
@@ -613,49 +616,58 @@ class NativeDecoder:
         generation known now (``entry_files``: no request) to the engine in one call, which reads each entry as a
         local file, checks it (csrc/entries.c) and decodes it, with no Python per chunk; returns the rest, to
         fetch. A chunk whose entry turns out missing or unsound is fetched then (:meth:`_finish_from_disk`).
-        A step per store."""
+        A step per store, and per chunk a look-up of what its prefetch found."""
         plan = job.plan
         src = plan.chunk_source[ids]
-        room = sources.disk_room
+        room, store_of, stores = sources.disk_room, sources.disk_store, sources.disk_stores
         if room is None:  # once per set of arrays (kept while they come again), not per batch
             # an entry is read whole into a thread's scratch: the array's chunks must fit the engine's budget so
             room = sources.disk_room = np.array(
                 [getattr(s.kv, "entry_files", None) is not None
                  and s.nbytes + _ALIGN + s.stored + ENTRY_ROOM <= self.scratch_bytes for s in sources], bool)
-        if not room[src].any():
+            # each array's store, numbered (many arrays of a batch share one): asked, and counted, per store
+            numbers: dict[int, int] = {}
+            store_of = sources.disk_store = np.array([numbers.setdefault(id(s.kv), len(numbers)) for s in sources],
+                                                     np.intp)
+            stores = sources.disk_stores = list({id(s.kv): s.kv for s in sources}.values())
+        mine = room[src]
+        if not mine.any():
             return ids
         # what the batch's prefetch found on disk when it was planned ahead: not asked of the cache again (the
         # entry's generation as known then, after the batch's samples were pushed, as prefetched bytes are)
         known = plan.disk_entries or {}
-        # a few steps per store, and per chunk only the list appends its entry needs: a second epoch read from
-        # the cache runs this for every chunk of every batch
-        take: list[int] = []
-        pairs: list[bytes] = []  # each entry's path, then its ident (the blob, in order)
-        stores: list = []  # the stores asked, in order
-        owner: list[int] = []  # per chunk taken, its store's number there
-        ident_cap, path_cap = native.ENTRY_IDENT_CAP, native.PATH_CAP
-        for s in np.unique(src[room[src]]).tolist():
-            kv = sources[s].kv
-            mine = ids[src == s]
-            found = [(cid, known[cid]) for cid in mine.tolist() if cid in known] if known else []
-            if found:
-                mine = mine[~np.isin(mine, [cid for cid, _ in found])]
-            if len(mine):  # the rest: asked now (an entry written, or a generation learnt, since it was planned)
-                is_whole = plan.chunk_offset[mine] < 0
-                whole, ranged = mine[is_whole], mine[~is_whole]
+        # a step per chunk (a dict look-up and list appends), a few per store of those not known: a second
+        # epoch read from the cache runs this for every chunk of every batch
+        found: list = []
+        asked = ids[mine]
+        if known:
+            rest_of: list[int] = []
+            for cid in asked.tolist():
+                entry = known.get(cid)
+                if entry is None:
+                    rest_of.append(cid)
+                else:
+                    found.append((cid, entry))
+            asked = np.array(rest_of, np.int64)
+        if len(asked):  # asked now (an entry written, or a generation learnt, since it was planned)
+            by_store = store_of[plan.chunk_source[asked]]
+            for k in np.unique(by_store).tolist():
+                them = asked[by_store == k]
+                is_whole = plan.chunk_offset[them] < 0
+                whole, ranged = them[is_whole], them[~is_whole]
                 keys = self._keys(plan, plan.chunk_file[whole], sources)
                 requests = list(map(ByteRange, self._keys(plan, plan.chunk_file[ranged], sources),
                                     plan.chunk_offset[ranged].tolist(), plan.chunk_length[ranged].tolist())) \
                     if len(ranged) else []
-                found += zip(whole.tolist() + ranged.tolist(), kv.entry_files(keys, requests))
-            before = len(take)
-            for cid, entry in found:
-                # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
-                if entry is not None and len(entry[1]) <= ident_cap and len(entry[0]) < path_cap:
-                    take.append(cid)
-                    pairs += entry
-            owner += [len(stores)] * (len(take) - before)
-            stores.append(kv)
+                found += zip(whole.tolist() + ranged.tolist(), stores[k].entry_files(keys, requests))
+        take: list[int] = []
+        pairs: list[bytes] = []  # each entry's path, then its ident (the blob, in order)
+        ident_cap, path_cap = native.ENTRY_IDENT_CAP, native.PATH_CAP
+        for cid, entry in found:
+            # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
+            if entry is not None and len(entry[1]) <= ident_cap and len(entry[0]) < path_cap:
+                take.append(cid)
+                pairs += entry
         if not take:
             return ids
         eids = np.array(take, np.int64)
@@ -663,7 +675,7 @@ class NativeDecoder:
             order = np.argsort(eids, kind="stable")
             eids = eids[order]
             pairs = [b for k in order.tolist() for b in (pairs[2 * k], pairs[2 * k + 1])]
-            owner = [owner[k] for k in order.tolist()]
+        owner = store_of[plan.chunk_source[eids]]
         lens = np.fromiter(map(len, pairs), np.int64, len(pairs))
         starts = np.cumsum(lens) - lens
         rows = np.empty((len(eids), native.N_ENTRY_COLS), np.int64)
@@ -682,7 +694,7 @@ class NativeDecoder:
             job.finish(len(eids), pipeline_closed() if self._closing else exc)
             return rest
         job.on_cancel(bjob.cancel)
-        disk = _FromDisk(stores, np.array(owner, np.intp), kind, sources)
+        disk = _FromDisk(stores, owner, kind, sources)
         if len(eids) == plan.n_chunks and not job.has_hook:
             # the whole batch from disk (a second epoch's): settled by the thread that waits for it, as a batch
             # of local files is, rather than by waking the finisher for it (see _settle)

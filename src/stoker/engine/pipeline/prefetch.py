@@ -3,7 +3,8 @@
 The coordinator plans a batch, then waits for a free slot to submit it; only then would its chunks be
 fetched. :class:`Ahead` holds the batches planned and not yet submitted, in order: while the prefetch buffer
 (:class:`~stoker.storage.prefetch.PrefetchBuffer`, ``Config.prefetch_bytes`` and ``prefetch_requests``)
-has room for another batch like the last, the coordinator plans one more (its shard indexes read by the
+has room for another batch like the last (and fewer than :data:`QUIET_AFTER` batches in a row found all
+their remote chunks on disk: a cached epoch has no latency to hide), the coordinator plans one more (its shard indexes read by the
 planning) and starts the fetch of its remote chunks and ranges into the buffer (:func:`prefetch_plan`);
 a chunk or range an earlier queued batch asked for after this batch's samples were pushed is shared (one
 request, served to each in turn). Otherwise it submits the oldest, waiting for its slot; while no slot is
@@ -35,6 +36,11 @@ from ..planning.tables import TablePlan
 
 #: Most batches planned ahead of their slots (each holds its plan: a few arrays per chunk).
 MAX_AHEAD = 32
+#: Batches planned in a row that found every remote chunk on disk (nothing to fetch, see :meth:`Ahead.planned`)
+#: after which no more are planned ahead of their slots, until one needs a fetch again: a second epoch read
+#: from the disk cache has no latency to hide. Not after one: in a cold epoch of sharded arrays, a batch whose
+#: inner chunks came with earlier batches' shards is found whole on disk, and the batches after it need fetches.
+QUIET_AFTER = 8
 
 
 class Ahead:
@@ -55,6 +61,8 @@ class Ahead:
         # what the newest batch planned needs started anew (bytes, values and ranges: those it shared with an
         # earlier batch's requests left out), and whether it prefetched anything
         self._last = (0, 0, False)
+        # batches planned ahead in a row whose remote chunks were all on disk (see QUIET_AFTER)
+        self.quiet = 0
         self.remote = False  # the newest batch planned reads arrays in stores that prefetch
 
     def planned(self, plan: TablePlan, entry: Any, waits: bool, pushed: int = 0, mark: int = 0) -> None:
@@ -63,8 +71,11 @@ class Ahead:
         them, start now anyway). ``pushed``: the pushes its samples came in; ``mark``: the pushes so far
         (see :meth:`PrefetchBuffer.ask`)."""
         self._seq += 1
-        self._last = prefetch_plan(plan, self._seq, pushed, mark) if self.buffer is not None and waits \
-            else (0, 0, False)
+        nbytes, n, remote, fetches = prefetch_plan(plan, self._seq, pushed, mark) \
+            if self.buffer is not None and waits else (0, 0, False, 0)
+        self._last = (nbytes, n, remote)
+        if remote:  # it reads remote chunks: all found on disk, or some to fetch
+            self.quiet = 0 if fetches else self.quiet + 1
         self.queue.append((plan, entry, self._seq))
         self.remote = self.buffer is not None and any(isinstance(r.kv, PrefetchStore) for r in plan.sources)
 
@@ -75,7 +86,7 @@ class Ahead:
 
     def _may_plan(self) -> bool:
         return self.buffer is not None and bool(self.queue) and len(self.queue) < MAX_AHEAD and self._last[2] \
-            and self.queue[-1][0] is not None
+            and self.quiet < QUIET_AFTER and self.queue[-1][0] is not None
 
     def _room(self) -> bool:
         nbytes, n, _ = self._last
@@ -85,8 +96,9 @@ class Ahead:
         return buffer.room(min(max(nbytes, 1), buffer.max_bytes), min(max(n, 1), buffer.max_requests))
 
     def more(self) -> bool:
-        """Whether to plan another batch before submitting the oldest: the newest one prefetched something,
-        and the buffer has room for as much again as it asked anew (or for as much as its bounds allow)."""
+        """Whether to plan another batch before submitting the oldest: the newest one reads remote chunks, fewer
+        than :data:`QUIET_AFTER` batches in a row found all theirs on disk, and the buffer has room for as much
+        again as the newest asked anew (or for as much as its bounds allow)."""
         return self._may_plan() and self._room()
 
     def blocked(self) -> bool:
@@ -112,18 +124,18 @@ class Ahead:
             self.buffer.close()
 
 
-def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> tuple[int, int, bool]:
+def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> tuple[int, int, bool, int]:
     """Start fetching the remote chunks of ``plan`` (whole values and inner chunks' ranges of its arrays in
     stores that prefetch), for batch ``seq`` (``pushed``, ``mark``: see :meth:`PrefetchBuffer.ask`);
-    ``(bytes, values and ranges, any)``: what it needs asked anew (all but those shared with an earlier
-    batch's requests; those past the bounds included: they are not asked), and whether it needs any remote
-    chunk at all. Chunks a disk cache holds at a generation known now are not asked (:func:`_on_disk`):
+    ``(bytes, values and ranges, any, fetches)``: what it needs asked anew (all but those shared with an
+    earlier batch's requests; those past the bounds included: they are not asked), whether it needs any
+    remote chunk at all, and the values and ranges it fetches (shared ones included; 0: all on disk). Chunks a disk cache holds at a generation known now are not asked (:func:`_on_disk`):
     their entries are kept in ``plan.disk_entries`` for the decoder, which reads them from disk without
     asking the cache again. A step per chunk of such an array."""
     stored = np.nonzero(plan.chunk_file >= 0)[0]
     remote = [isinstance(r.kv, PrefetchStore) for r in plan.sources]
     if not len(stored) or not any(remote):
-        return 0, 0, False
+        return 0, 0, False, 0
     # per store: {key: estimate}, {(key, off, len): None}, [(chunk, key or (key, off, len))]
     asks: dict[int, tuple[PrefetchStore, dict, dict, list]] = {}
     nbytes = 0
@@ -145,18 +157,21 @@ def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> 
             if (key, offset, length) not in ranges:
                 ranges[(key, offset, length)] = None
                 nbytes += length
-    n = 0
+    n = fetches = 0
     entries: dict[int, tuple[bytes, bytes]] = {}
     for kv, keys, ranges, chunks in asks.values():
         dropped, found = _on_disk(kv, keys, ranges)
         nbytes -= dropped
         if found:
             entries.update((c, found[what]) for c, what in chunks if what in found)
+        fetches += len(keys) + len(ranges)
+        if not (keys or ranges):  # every one on disk: nothing to ask
+            continue
         asked = kv.ask(list(keys), list(keys.values()), [ByteRange(*r) for r in ranges], seq, pushed, mark)
         n += len(keys) + len(ranges) - asked.shared
         nbytes -= asked.shared_bytes
     plan.disk_entries = entries
-    return nbytes, n, bool(asks)
+    return nbytes, n, bool(asks), fetches
 
 
 #: Most objects one call of :func:`revalidate_ahead` asks about (a huge box is revalidated by its own reads).
@@ -247,4 +262,4 @@ def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> tuple[int, dict]:
     return dropped, kept
 
 
-__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "listed_whole", "prefetch_plan", "revalidate_ahead"]
+__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER", "listed_whole", "prefetch_plan", "revalidate_ahead"]
