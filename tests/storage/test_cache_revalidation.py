@@ -535,6 +535,44 @@ def test_revalidate_ahead_heads_every_object_over_http(http, data, tmp_path):
     assert heads() == 16 and not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
 
 
+def test_a_pulled_batch_is_revalidated_once_its_own_arrays_are_open(http, data, tmp_path):
+    # two batches pulled together, over two arrays: the first's objects are HEADed as soon as its array is
+    # open, not once the second's open (held here) is done too; the second's once its own is
+    import concurrent.futures
+
+    from stoker.engine.pipeline.coordinator import revalidate_when_open
+
+    options = _cached(tmp_path)
+    uris = {path: f"{http.url}/{path}" for path in ("plain", "sharded")}
+    for path, uri in uris.items():
+        a = stoker.open_array(uri, options, stores=Stores())
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, path))
+        assert _caching(a).cache.flush(30)
+    stores = Stores()  # the new pipeline's: nothing known
+    readers = {"plain": stoker.open_array(uris["plain"], options, stores=stores)}
+    start = len(http.log)
+
+    def heads(path: str) -> int:
+        return sum(method == "HEAD" and f"/{path}/c/" in p for _, method, p in http.log[start:])
+
+    opened, opening = concurrent.futures.Future(), concurrent.futures.Future()
+    opened.set_result(None)
+    reader_of = {uris[path]: path for path in uris}
+    revalidate_when_open([(uris["plain"], opened), (uris["sharded"], opening)],
+                         [_every_object(uris["plain"]), _every_object(uris["sharded"])],
+                         lambda u: readers.get(reader_of[u]))
+    assert _heads_until(lambda: heads("plain"), 16) == 16  # before: none until the other open was done
+    assert heads("sharded") == 0
+    readers["sharded"] = stoker.open_array(uris["sharded"], options, stores=stores)
+    opening.set_result(None)
+    assert _heads_until(lambda: heads("sharded"), 16) == 16  # its 16 shards
+    for path, a in readers.items():  # read from the disk: every generation known, no GET
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, path))
+    assert not [p for _, m, p in http.log[start:] if m == "GET" and "/c/" in p]
+    assert heads("plain") == 16 and heads("sharded") == 16
+    stores.close()
+
+
 def test_a_key_revalidated_ahead_then_read_looks_up_its_marker_once(data, tmp_path, monkeypatch):
     # a pipeline revalidates the objects of the batches pulled ahead, then reads them: each object's marker
     # (whether anything of it is kept) is looked up on disk once, not once per ask; the reads still HEAD
