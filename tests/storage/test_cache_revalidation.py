@@ -270,6 +270,27 @@ def test_http_revalidations_of_later_batches_go_out_before_the_first_is_popped(b
             assert heads[key] < popped[0], (k, key, heads[key] - popped[0])
 
 
+def test_values_the_disk_cache_keeps_are_revalidated_ahead_not_prefetched(http, data, tmp_path):
+    # A new pipeline over a warm cache: a batch planned ahead asks its chunks' generations (a HEAD each, no
+    # body), not their bytes into the prefetch buffer (which the cache's threads read from disk in Python);
+    # its read then has the engine read the entry files. In the cold epoch the same chunks are prefetched.
+    uri = f"{http.url}/plain"
+    cfg = _config(tmp_path, {http.url + "/": dict(FAST)}, lookahead_batches=1)
+    with stoker.Pipeline(cfg) as p:
+        _epoch(cfg, uri, data, "plain", p=p)
+        cold = p._coordinator.ahead.buffer.counters.started
+    assert cold > 0  # nothing on disk yet: fetched ahead
+    http.latency_s = 0.05
+    start = len(http.log)
+    with stoker.Pipeline(cfg) as p:
+        _epoch(cfg, uri, data, "plain", p=p)
+        warm = p._coordinator.ahead.buffer.counters
+        assert warm.started == 0, warm  # before: every chunk of the batches planned ahead
+    heads = [path for _, method, path in http.log[start:] if method == "HEAD" and "/c/" in path]
+    gets = [path for _, method, path in http.log[start:] if method == "GET" and "/c/" in path]
+    assert not gets and sorted(heads) == sorted(set(heads)) and len(heads) == 16  # one HEAD an object
+
+
 def test_a_failed_head_is_not_asked_again_by_its_read(http, data, tmp_path):
     options = _cached(tmp_path)
     a = stoker.open_array(f"{http.url}/plain", options, stores=Stores())

@@ -430,17 +430,35 @@ class PrefetchStore:
 
     def prefetch(self, keys: Sequence[str], estimates: Sequence[int], requests: Sequence[ByteRange],
                  seq: int, pushed: int = 0, mark: int = 0) -> int:
-        """Start fetching these ahead for the batch numbered ``seq`` (see :meth:`PrefetchBuffer.start`)."""
-        for key in keys:
-            check_key(key)
-        return self.buffer.start(self.store, keys, estimates, requests, seq, pushed, mark)
+        """Start fetching these ahead for the batch numbered ``seq`` (see :meth:`PrefetchBuffer.start` and
+        :meth:`ask`)."""
+        return self.ask(keys, estimates, requests, seq, pushed, mark).started
 
     def ask(self, keys: Sequence[str], estimates: Sequence[int], requests: Sequence[ByteRange], seq: int,
             pushed: int = 0, mark: int = 0) -> Asked:
-        """As :meth:`prefetch`, saying what was started and what shared (:meth:`PrefetchBuffer.ask`)."""
+        """As :meth:`prefetch`, saying what was started and what shared (:meth:`PrefetchBuffer.ask`). Whole
+        values the store's disk cache keeps (:meth:`_local`) are revalidated, not fetched ahead."""
         for key in keys:
             check_key(key)
+        keys, estimates = self._local(keys, estimates)
         return self.buffer.ask(self.store, keys, estimates, requests, seq, pushed, mark)
+
+    def _local(self, keys: Sequence[str], estimates: Sequence[int]) -> tuple[Sequence[str], Sequence[int]]:
+        """``keys`` (and their ``estimates``) less the whole values the store's disk cache keeps
+        (``kept_on_disk``), whose generations are asked now (``revalidate``: a HEAD each over HTTP, shared
+        with any read). Their bytes are local: fetched ahead they were read from disk in Python into the
+        buffer (the cache's reader threads, a batch's every chunk), where the batch's own read, once the
+        generation is known, has the compiled engine read the entry file (``entry_files``). A range is
+        asked as before: a kept object need not hold the range's entry (another range of a shard was kept)."""
+        kept_on_disk = getattr(self.store, "kept_on_disk", None)
+        if kept_on_disk is None or not keys:
+            return keys, estimates
+        kept = kept_on_disk(keys)
+        if not any(kept):
+            return keys, estimates
+        self.store.revalidate([k for k, on_disk in zip(keys, kept) if on_disk])
+        rest = [i for i, on_disk in enumerate(kept) if not on_disk]
+        return [keys[i] for i in rest], [estimates[i] for i in rest]
 
     @property
     def entry_files(self) -> Callable | None:
