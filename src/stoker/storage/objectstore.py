@@ -884,7 +884,11 @@ class _Heads:
         else:
             exc = request.exception()
         if exc is None:
-            self._settle(i, _version(request.result()))
+            try:
+                version = _version(request.result())
+            except Exception as bad:  # noqa: BLE001 - an answer we cannot read: this key's error, in its place
+                version = as_value(bad)
+            self._settle(i, version)
             return
         if isinstance(exc, asyncio.CancelledError):  # cancelled from outside (obstore's runtime going away)
             exc = StorageError(f"{self.store.uri}: revalidation of key {self.keys[i]!r} was cancelled",
