@@ -270,6 +270,27 @@ def test_http_revalidations_of_later_batches_go_out_before_the_first_is_popped(b
             assert heads[key] < popped[0], (k, key, heads[key] - popped[0])
 
 
+def test_values_the_disk_cache_keeps_are_revalidated_ahead_not_prefetched(http, data, tmp_path):
+    # A new pipeline over a warm cache: a batch planned ahead asks its chunks' generations (a HEAD each, no
+    # body), not their bytes into the prefetch buffer (which the cache's threads read from disk in Python);
+    # its read then has the engine read the entry files. In the cold epoch the same chunks are prefetched.
+    uri = f"{http.url}/plain"
+    cfg = _config(tmp_path, {http.url + "/": dict(FAST)}, lookahead_batches=1)
+    with stoker.Pipeline(cfg) as p:
+        _epoch(cfg, uri, data, "plain", p=p)
+        cold = p._coordinator.ahead.buffer.counters.started
+    assert cold > 0  # nothing on disk yet: fetched ahead
+    http.latency_s = 0.05
+    start = len(http.log)
+    with stoker.Pipeline(cfg) as p:
+        _epoch(cfg, uri, data, "plain", p=p)
+        warm = p._coordinator.ahead.buffer.counters
+        assert warm.started == 0, warm  # before: every chunk of the batches planned ahead
+    heads = [path for _, method, path in http.log[start:] if method == "HEAD" and "/c/" in path]
+    gets = [path for _, method, path in http.log[start:] if method == "GET" and "/c/" in path]
+    assert not gets and sorted(heads) == sorted(set(heads)) and len(heads) == 16  # one HEAD an object
+
+
 def test_a_failed_head_is_not_asked_again_by_its_read(http, data, tmp_path):
     options = _cached(tmp_path)
     a = stoker.open_array(f"{http.url}/plain", options, stores=Stores())
@@ -533,6 +554,44 @@ def test_revalidate_ahead_heads_every_object_over_http(http, data, tmp_path):
     assert _heads_until(heads, 16) == 16
     np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
     assert heads() == 16 and not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
+
+
+def test_a_pulled_batch_is_revalidated_once_its_own_arrays_are_open(http, data, tmp_path):
+    # two batches pulled together, over two arrays: the first's objects are HEADed as soon as its array is
+    # open, not once the second's open (held here) is done too; the second's once its own is
+    import concurrent.futures
+
+    from stoker.engine.pipeline.coordinator import revalidate_when_open
+
+    options = _cached(tmp_path)
+    uris = {path: f"{http.url}/{path}" for path in ("plain", "sharded")}
+    for path, uri in uris.items():
+        a = stoker.open_array(uri, options, stores=Stores())
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, path))
+        assert _caching(a).cache.flush(30)
+    stores = Stores()  # the new pipeline's: nothing known
+    readers = {"plain": stoker.open_array(uris["plain"], options, stores=stores)}
+    start = len(http.log)
+
+    def heads(path: str) -> int:
+        return sum(method == "HEAD" and f"/{path}/c/" in p for _, method, p in http.log[start:])
+
+    opened, opening = concurrent.futures.Future(), concurrent.futures.Future()
+    opened.set_result(None)
+    reader_of = {uris[path]: path for path in uris}
+    revalidate_when_open([(uris["plain"], opened), (uris["sharded"], opening)],
+                         [_every_object(uris["plain"]), _every_object(uris["sharded"])],
+                         lambda u: readers.get(reader_of[u]))
+    assert _heads_until(lambda: heads("plain"), 16) == 16  # before: none until the other open was done
+    assert heads("sharded") == 0
+    readers["sharded"] = stoker.open_array(uris["sharded"], options, stores=stores)
+    opening.set_result(None)
+    assert _heads_until(lambda: heads("sharded"), 16) == 16  # its 16 shards
+    for path, a in readers.items():  # read from the disk: every generation known, no GET
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, path))
+    assert not [p for _, m, p in http.log[start:] if m == "GET" and "/c/" in p]
+    assert heads("plain") == 16 and heads("sharded") == 16
+    stores.close()
 
 
 def test_a_key_revalidated_ahead_then_read_looks_up_its_marker_once(data, tmp_path, monkeypatch):

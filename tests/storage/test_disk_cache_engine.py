@@ -293,10 +293,12 @@ def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(http, data, 
     assert all(e is not None for e in kv.entry_files(keys, ranges))
     buffer = PrefetchBuffer(64 << 20, 16)
     pkv = PrefetchStore(kv, buffer)
-    assert pkv.ask(keys[:1], [1 << 20], ranges, seq=1).started == 2
+    # a whole value the cache keeps is not fetched ahead (its generation is asked; the engine reads its entry),
+    # a range is (a kept object need not hold that range's entry)
+    assert pkv.ask(keys[:1], [1 << 20], ranges, seq=1).started == 1
     found = pkv.entry_files(keys, ranges)
-    assert found[0] is None and found[3] is None  # held by the buffer
-    assert found[1:3] == kv.entry_files(keys[1:3], [])  # the rest: read from disk by the engine
+    assert found[3] is None  # held by the buffer
+    assert found[:3] == kv.entry_files(keys, [])  # the rest: read from disk by the engine
     assert PrefetchStore(store, buffer).entry_files is None  # no disk cache: nothing to read from disk
     buffer.close()
     store.close()
@@ -401,14 +403,19 @@ def test_each_chunk_of_a_batch_is_asked_of_the_disk_cache_once(remote, data, tmp
         """How often each chunk (not a document) was asked."""
         return sorted(n for what, n in asked.asked.items() if "/c/" in (what if isinstance(what, str) else what[0]))
 
-    # a cold pipeline (fetched, prefetched), then a new one over what it kept (hits, or prefetched while
-    # their generations are being asked), which reads them all again once it knows every generation
+    # a cold pipeline (fetched, prefetched), then a new one over what it kept (hits, or, planned ahead while
+    # their generations are being asked, whole values asked again by the decoder: kept ones are not fetched
+    # ahead, so their entries are read by the engine, not read in Python into the buffer), which reads them
+    # all again once it knows every generation
     for epoch in (1, 2):
         asked, reads = _Asked(monkeypatch), _Reads(monkeypatch)
         with stoker.Pipeline(cfg) as p:
             _six_batches(p, asked, f"{uri}/{path}", want)
             assert cache.flush(30)
-            assert chunks(asked) == [1] * 12, (epoch, chunks(asked))
+            if epoch == 2 and path == "plain":
+                assert chunks(asked) in ([1] * 4 + [2] * 8, [1] * 12), chunks(asked)  # 8: batches 3 to 6's
+            else:
+                assert chunks(asked) == [1] * 12, (epoch, chunks(asked))
             if epoch == 2:
                 asked.asked.clear()
                 found, engine = sum(asked.planned), reads.engine

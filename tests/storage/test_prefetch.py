@@ -407,6 +407,39 @@ def test_a_batch_prefetch_is_asked_in_calls_of_max_in_flight(http):
         store.close()
 
 
+def test_a_batch_prefetch_makes_a_future_per_call_not_per_chunk(http, monkeypatch):
+    # The coordinator asks tens of chunks a batch: a Future (a lock and a condition each) per chunk asked was
+    # most of what asking cost it. The entries of one call share its future; what each serves is its own.
+    import concurrent.futures
+    import threading
+
+    store = ObjectStore(http.url, **FAST, max_in_flight=4)
+    try:
+        keys = [_chunk_path(n).lstrip("/") for n in range(16)]
+        made = {"n": 0}
+        init = concurrent.futures.Future.__init__
+        me = threading.get_ident()
+
+        def counted(self):
+            if threading.get_ident() == me:  # the asking thread's (the coordinator's), not the loop's
+                made["n"] += 1
+            init(self)
+
+        kv = PrefetchStore(store, PrefetchBuffer(64 << 20, 64))
+        monkeypatch.setattr(concurrent.futures.Future, "__init__", counted)
+        assert kv.prefetch(keys, [1 << 16] * 16, [], seq=1) == 16
+        monkeypatch.setattr(concurrent.futures.Future, "__init__", init)
+        # four calls of max_in_flight=4: a future each, and the store's own for each call (before: 16 + 4)
+        assert made["n"] <= 8, made
+        assert _until(lambda: kv.buffer.counters.requests_in_flight == 0)
+        values, _ = kv.get_many(keys, [])
+        assert kv.buffer.counters.used == 16
+        assert all(bytes(v) == open(os.path.join(http.root, k), "rb").read() for k, v in zip(keys, values))
+        assert sum(1 for p in http.paths if p.lstrip("/") in keys) == 16  # each chunk asked once
+    finally:
+        store.close()
+
+
 def test_the_arrays_of_batches_pulled_ahead_are_opened_together(tmp_path):
     # Every sample reads an array not opened yet (two a batch). Batches of remote arrays are pulled a few at
     # a time and their arrays opened together: the metadata of batches 1-6 is asked in a few round trips,

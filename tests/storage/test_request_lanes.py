@@ -6,12 +6,14 @@ loopback HTTP server of the store tests (tests/range_server.py)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
+import time
 
 import pytest
 
-from stoker.errors import StorageError
+from stoker.errors import NotFound, ShutdownError, StorageError
 from stoker.storage import ByteRange, ObjectStore
 from stoker.storage.objectstore import _Loop
 
@@ -102,3 +104,106 @@ def test_heads_that_never_got_a_slot_name_their_key_in_place(server):
         assert outcome.attempts == 0 and outcome.waited_s >= 0.2
     assert server.requests == 2  # c/1 and c/2 never went out (and c/0 was asked again)
     s.close()
+
+
+class _LoopCalls:
+    """Python function calls made on the shared event loop thread while the block runs (``sys.setprofile``
+    there; a coroutine's resumption counts as a call too)."""
+
+    def __enter__(self) -> "_LoopCalls":
+        self.loop = _Loop.get().loop
+        self.n = 0
+
+        def profile(frame, event, arg):
+            if event == "call":
+                self.n += 1
+
+        self._set(profile)
+        return self
+
+    def _set(self, profile) -> None:
+        import sys
+
+        done = threading.Event()
+        self.loop.call_soon_threadsafe(lambda: (sys.setprofile(profile), done.set()))
+        assert done.wait(10)
+
+    def __exit__(self, *exc) -> None:
+        self._set(None)
+
+
+@pytest.mark.timeout(60)
+def test_a_burst_of_heads_costs_the_loop_one_task_and_few_python_calls_each(server):
+    # a revalidation burst is tens of HEADs a batch: as lanes each took a task step, five coroutines, a slot
+    # object and a per-try timer (about 95 Python calls on the loop a HEAD, and a task per lane); now the
+    # call's own task takes the answers as they land
+    s = ObjectStore(server.url, max_in_flight=LANES)
+    keys = [f"c/{i}" for i in range(N_KEYS)]
+    s.versions(keys[:2])
+    server.latency_s = 0.02
+    with _TaskCount() as tasks, _LoopCalls() as calls:
+        got = s.versions(keys)
+    assert [v[0] for v in got] == [100 + i for i in range(N_KEYS)]
+    assert server.peak_in_flight <= LANES
+    assert tasks.n == 1, tasks.n  # the call's own (run_coroutine_threadsafe), none per lane or key
+    assert calls.n / N_KEYS <= 50, calls.n / N_KEYS
+    s.close()
+
+
+@pytest.mark.timeout(60)
+def test_heads_retry_what_may_pass_and_name_what_does_not(server):
+    s = ObjectStore(server.url, max_in_flight=LANES, backoff_s=0.01, max_backoff_s=0.05)
+    keys = [f"c/{i}" for i in range(12)]
+    want = s.versions(keys)
+    before = server.requests
+    server.fail(3, 503)
+    assert s.versions(keys) == want  # three answers failed and were asked again
+    assert server.requests - before == len(keys) + 3
+    once = ObjectStore(server.url, max_in_flight=1, retries=0)
+    server.fail(1, 503)
+    got = once.versions(["c/0", "c/1", "nothing/here"])
+    assert isinstance(got[0], StorageError) and got[0].key == "c/0" and got[0].status == 503
+    assert got[0].attempts == 1 and "revalidation of key 'c/0'" in str(got[0])
+    assert got[1] == want[1]
+    assert isinstance(got[2], NotFound) and got[2].key == "nothing/here"
+    s.close()
+    once.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_head_past_its_try_limit_is_cancelled_and_tried_again(server):
+    import obstore
+
+    from stoker.storage.objectstore import _Heads
+
+    s = ObjectStore(server.url, max_in_flight=2, timeout_s=0.1, connect_timeout_s=0.1, backoff_s=0.01)
+    hung: list = []
+
+    def head(store, key):  # each key's first try never answers (a request obstore's own limit missed)
+        if not any(k == key for k, _ in hung):
+            hung.append((key, asyncio.get_running_loop().create_future()))
+            return hung[-1][1]
+        return obstore.head_async(store, key)
+
+    keys = ["c/0", "c/1", "c/2"]
+    got = s._run(_Heads(s, keys, head).run())
+    assert [v[0] for v in got] == [100, 101, 102]
+    assert [k for k, _ in hung] == keys and all(f.cancelled() for _, f in hung)
+    s.close()
+
+
+@pytest.mark.timeout(60)
+def test_heads_cut_short_by_a_close_give_their_shared_slots_back(server):
+    gate = asyncio.Semaphore(3)
+    a = ObjectStore(server.url, max_in_flight=4, gate=gate)
+    b = ObjectStore(server.url, max_in_flight=4, gate=gate, queue_timeout_s=5.0)
+    server.latency_s = 1.0
+    flight = a.start_versions([f"c/{i}" for i in range(8)])
+    time.sleep(0.3)
+    a.close()
+    with pytest.raises(ShutdownError):
+        a.result_of(concurrent.futures.wait([flight], 10) and flight)
+    server.latency_s = 0.0
+    got = b.versions([f"c/{i}" for i in range(6)])  # the gate's three slots all came back
+    assert [v[0] for v in got] == [100 + i for i in range(6)]
+    b.close()

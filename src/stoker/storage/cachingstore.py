@@ -492,6 +492,12 @@ class CachingStore:
             del out[key]
         return out, head, pages
 
+    def kept_on_disk(self, keys: Sequence[str]) -> list[bool]:
+        """Whether entries of each of ``keys`` may be on disk (its marker: :meth:`_has_marker`; a look-up on disk
+        at most per key, remembered). What a prefetch asks before fetching a whole value ahead: one kept here
+        is local, its read needs only its generation (:meth:`revalidate`), not its bytes fetched ahead."""
+        return [self._has_marker(key) for key in keys]
+
     def _has_marker(self, key: str) -> bool:
         """Whether entries of ``key`` may be kept (its marker is on disk). A marker found is remembered (apart
         from those this wrapper wrote: :meth:`_keep` still marks the key's array when it keeps the key; at

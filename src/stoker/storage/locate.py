@@ -157,6 +157,38 @@ def check_options_by_prefix(value: Any, what: str) -> dict[str, dict] | None:
     return out
 
 
+#: Options dicts whose spelling :func:`_spelled` keeps (a pipeline's few; bounded for a caller that varies them).
+SPELLINGS_KEPT = 256
+_spellings: OrderedDict[tuple, str] = OrderedDict()
+_spellings_lock = threading.Lock()
+
+
+def _spelled(options: dict, default: Any = None) -> str:
+    """``json.dumps(options, sort_keys=True, default=default)``, what a store's identity is keyed on, kept for
+    options seen before: :meth:`Stores.get` runs for every array a pipeline opens (several times an open), and
+    spelling the same options anew each time was most of its cost. Keyed on each value's type and value, so
+    that options the JSON spells differently (1 and 1.0, True and 1) stay different stores; options with an
+    unhashable value (a dict of headers) are spelled each time."""
+    if not options:
+        return "{}"
+    try:
+        key = (default is None, *sorted((k, type(v), v) for k, v in options.items()))
+        hash(key)
+    except TypeError:  # an unhashable value, or keys that do not sort: spelled each time
+        return json.dumps(options, sort_keys=True, default=default)
+    with _spellings_lock:
+        spelled = _spellings.get(key)
+        if spelled is not None:
+            _spellings.move_to_end(key)
+            return spelled
+    spelled = json.dumps(options, sort_keys=True, default=default)
+    with _spellings_lock:
+        _spellings[key] = spelled
+        if len(_spellings) > SPELLINGS_KEPT:
+            _spellings.popitem(last=False)
+    return spelled
+
+
 #: The longest an open waits for another thread's build of the same store before building its own.
 BUILD_WAIT_S = 60.0
 
@@ -208,8 +240,7 @@ class Stores:
             raise InvalidArgument(f"{loc.uri}: storage_options apply to remote stores only, not to zip archives",
                                   uri=loc.uri)
         cache = None if loc.archive else self._cache_of(caching)
-        ident = (loc.root, json.dumps(options, sort_keys=True, default=repr), json.dumps(settings, sort_keys=True),
-                 cache)
+        ident = (loc.root, _spelled(options, repr), _spelled(settings), cache)
         with self._lock:
             self._check_open(loc)
             held = self._stores.get(ident)

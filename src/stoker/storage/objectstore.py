@@ -399,27 +399,37 @@ class ObjectStore(Store):
             async with self._slot(key, what, tried=attempt - 1):
                 try:
                     return await _within(op, per_attempt)
-                except FileNotFoundError:
-                    raise not_found(self.uri, key) from None
-                except StorageError as exc:  # permanent, raised by op (a range past the end of the value)
-                    exc.attempts = exc.context["attempts"] = attempt
-                    raise
                 except Exception as exc:
-                    status, transient, text = _classify(exc)
-            if not transient or attempt > self.retries or time.monotonic() - started >= self.retry_timeout_s:
-                if short is not None and status == 416:
-                    raise short(attempt) from None
-                gave_up = f"after {attempt} attempt" + ("s" if attempt > 1 else "")
-                hint = ("the server kept failing: check it, or raise retries= / timeout_s=" if transient else
-                        "check the URL, credentials (environment or storage_options) and permissions")
-                if status == 403:
-                    hint += ("; a 403 may also be a missing key: S3 answers 403, not 404, for a key that does not "
-                             "exist when the credentials lack s3:ListBucket permission on the bucket")
-                raise StorageError(
-                    f"{self.uri}: {what} of key {key!r} failed {gave_up}"
-                    + (f" (HTTP status {status})" if status else "") + f": {text}; {hint}",
-                    uri=self.uri, key=key, status=status, attempts=attempt) from None
+                    error = self._failed(key, what, exc, attempt, started, short)
+            if error is not None:
+                raise error from None
             await asyncio.sleep(self._backoff(attempt))
+
+    def _failed(self, key: str, what: str, exc: BaseException, attempt: int, started: float,
+                short: Callable[[int], StorageError] | None = None) -> BaseException | None:
+        """What the ``attempt``-th try of ``what`` of ``key`` (the first made at ``started``, monotonic) failing
+        with ``exc`` means: None to try again after a backoff (it may pass, and tries and time are left), else
+        the error to raise (NotFound for a missing key; a StorageError naming the key, status and tries)."""
+        if isinstance(exc, FileNotFoundError):
+            return not_found(self.uri, key)
+        if isinstance(exc, StorageError):  # permanent, raised by op (a range past the end of the value)
+            exc.attempts = exc.context["attempts"] = attempt
+            return exc
+        status, transient, text = _classify(exc)
+        if transient and attempt <= self.retries and time.monotonic() - started < self.retry_timeout_s:
+            return None
+        if short is not None and status == 416:
+            return short(attempt)
+        gave_up = f"after {attempt} attempt" + ("s" if attempt > 1 else "")
+        hint = ("the server kept failing: check it, or raise retries= / timeout_s=" if transient else
+                "check the URL, credentials (environment or storage_options) and permissions")
+        if status == 403:
+            hint += ("; a 403 may also be a missing key: S3 answers 403, not 404, for a key that does not "
+                     "exist when the credentials lack s3:ListBucket permission on the bucket")
+        return StorageError(
+            f"{self.uri}: {what} of key {key!r} failed {gave_up}"
+            + (f" (HTTP status {status})" if status else "") + f": {text}; {hint}",
+            uri=self.uri, key=key, status=status, attempts=attempt)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -628,10 +638,9 @@ class ObjectStore(Store):
         return self._start(self._versions(list(keys)), rounds=max(1, -(-len(keys) // self.max_in_flight)))
 
     async def _versions(self, keys: list[str]) -> list:
-        async def one(i: int) -> Version | None:
-            return _version(await self._attempts(keys[i], "revalidation", lambda: self._head(keys[i])))
+        import obstore
 
-        return await self._each(keys, "revalidation", one)
+        return await _Heads(self, keys, obstore.head_async).run()
 
     async def _head(self, key: str) -> dict:
         import obstore
@@ -774,6 +783,158 @@ class _Slot:
         if self.gate is not None:
             self.gate.release()
         return False
+
+
+class _Heads:
+    """The HEAD requests of one :meth:`ObjectStore.versions` call, run by the call's own task: no task, coroutine
+    chain or timer per request. A revalidation burst is tens of HEADs a batch, each answered in a fraction of
+    a millisecond of the server's time, and every one of them costs the event loop thread every store shares:
+    as lanes (:meth:`ObjectStore._lanes`) a HEAD took a task step, five coroutines, a slot object and a
+    per-try timer, about 110 Python calls. Here a request is obstore's future with one done callback that
+    releases its slot and queues it; the task wakes once for every answer that came in the same turn of the
+    loop, takes them all, and starts what may start. What lanes keep is kept: at most ``max_in_flight`` of
+    the call at once and one ``gate`` slot each (released as the answer lands); a try bounded by
+    :meth:`ObjectStore._per_attempt` (one timer for the call, set at the oldest try's limit); failures that
+    may pass tried again after the backoff (:meth:`ObjectStore._failed` decides, as for every request); a
+    key never started by the call's deadline or ``queue_timeout_s`` gets the slot error naming it, in its
+    place; each key's outcome (its :data:`Version`, or its own error as a value) in its place. Cancelled
+    (the call's bound, :meth:`ObjectStore.close`): the requests in flight are cancelled."""
+
+    __slots__ = ("store", "keys", "head", "out", "left", "todo", "tries", "first", "flying", "landed", "expired",
+                 "waiter", "timer")
+
+    def __init__(self, store: ObjectStore, keys: list[str], head: Callable) -> None:
+        self.store, self.keys, self.head = store, keys, head
+        self.out: list = [None] * len(keys)
+        self.left = len(keys)  # keys without an outcome yet
+        self.todo = collections.deque(range(len(keys)))  # to start: never started, or due again after a backoff
+        self.tries = [0] * len(keys)
+        self.first = [0.0] * len(keys)  # each key's first try (monotonic): retry_timeout_s counts from it
+        self.flying: dict[Any, tuple[int, float]] = {}  # request -> (key number, its try's limit on the loop clock)
+        self.landed: collections.deque = collections.deque()  # requests answered, not yet taken
+        self.expired: set = set()  # requests cancelled at their try's limit
+        self.waiter: asyncio.Future | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    async def run(self) -> list:
+        store, loop = self.store, asyncio.get_running_loop()
+        gate, limit, per_attempt = store._gate, store.max_in_flight, store._per_attempt()
+        obs = store._obstore()
+        queued = None  # the timer that gives up on keys never started (only when some must queue)
+        if len(self.keys) > limit:
+            started = loop.time()
+            wait = store._slot_wait(started)
+            if wait is not None:
+                queued = loop.call_at(started + wait, self._give_up, started)
+        try:
+            while self.left:
+                while self.landed:
+                    self._take(self.landed.popleft(), loop)
+                while self.todo and len(self.flying) < limit:
+                    i = self.todo.popleft()
+                    if self.tries[i] == 0:
+                        self.first[i] = time.monotonic()
+                    if gate is not None:
+                        try:
+                            if gate.locked():
+                                await store._queue(gate, self.keys[i], "revalidation", self.tries[i])
+                            else:
+                                await gate.acquire()  # a free slot: taken at once, no timer
+                        except StorageError as exc:  # no slot in time: this key's error, in its place
+                            self._settle(i, as_value(exc))
+                            continue
+                    self.tries[i] += 1
+                    try:
+                        request = self.head(obs, self.keys[i])
+                    except Exception as exc:  # noqa: BLE001 - refused at once: a failed try, as any other
+                        request = loop.create_future()
+                        request.set_exception(exc)
+                    self.flying[request] = (i, loop.time() + per_attempt)
+                    request.add_done_callback(self._landed)
+                if self.timer is None and self.flying:
+                    self.timer = loop.call_at(next(iter(self.flying.values()))[1], self._expire, loop)
+                if self.left and not self.landed:
+                    self.waiter = loop.create_future()
+                    await self.waiter
+            return self.out
+        finally:
+            for handle in (queued, self.timer):
+                if handle is not None:
+                    handle.cancel()
+            for request in self.flying:  # cut short (the call's bound, a close): their slots come back as they end
+                request.cancel()
+
+    def _landed(self, request) -> None:
+        """A request's done callback: its slot given back at once (a queued request may take it), the answer
+        queued for the task, which is woken (once for every answer of this turn of the loop)."""
+        if self.store._gate is not None:
+            self.store._gate.release()
+        self.landed.append(request)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _take(self, request, loop) -> None:
+        i, _ = self.flying.pop(request)
+        if request in self.expired:
+            self.expired.discard(request)
+            exc: BaseException | None = asyncio.TimeoutError()
+        elif request.cancelled():
+            exc = asyncio.CancelledError()
+        else:
+            exc = request.exception()
+        if exc is None:
+            try:
+                version = _version(request.result())
+            except Exception as bad:  # noqa: BLE001 - an answer we cannot read: this key's error, in its place
+                version = as_value(bad)
+            self._settle(i, version)
+            return
+        if isinstance(exc, asyncio.CancelledError):  # cancelled from outside (obstore's runtime going away)
+            exc = StorageError(f"{self.store.uri}: revalidation of key {self.keys[i]!r} was cancelled",
+                               uri=self.store.uri, key=self.keys[i], status=None, attempts=self.tries[i])
+        error = self.store._failed(self.keys[i], "revalidation", exc, self.tries[i], self.first[i])
+        if error is not None:
+            self._settle(i, as_value(error))
+        else:
+            loop.call_later(self.store._backoff(self.tries[i]), self._again, i)
+
+    def _settle(self, i: int, outcome: Any) -> None:
+        self.out[i] = outcome
+        self.left -= 1
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _again(self, i: int) -> None:
+        """A key's backoff is over: queued to be tried again."""
+        self.todo.append(i)
+        self._wake()
+
+    def _expire(self, loop) -> None:
+        """The oldest tries' limit came: those past it cancelled (each a try that timed out); the timer is set
+        again, for the oldest left, by the task."""
+        self.timer = None
+        now = loop.time()
+        for request, (_, limit) in self.flying.items():
+            if limit > now:
+                break
+            if not request.done():
+                self.expired.add(request)
+                request.cancel()
+        self._wake()
+
+    def _give_up(self, started: float) -> None:
+        """The call's deadline or ``queue_timeout_s`` came: keys never started get the slot error naming them."""
+        store = self.store
+        waited = asyncio.get_running_loop().time() - started
+        never = [i for i in self.todo if self.tries[i] == 0]
+        for i in never:
+            self._settle(i, as_value(store._slot_error(self.keys[i], "revalidation", store._call_slots(), 0, waited)))
+        self.todo = collections.deque(i for i in self.todo if self.tries[i] > 0)
+        self._wake()
 
 
 #: What identifies one version of an object: its size and ETag (a rewritten object gets a new ETag), or where

@@ -80,18 +80,21 @@ class Asked:
 class _Entry:
     """One value or range asked ahead: its bytes counted (``nbytes``), the newest batch that wants it
     (``seq``), the reads it may still serve (``uses``: one per batch that asked), the pushes made before it
-    was asked (``mark``: it serves only batches of those), and its outcome (``future``: ``(data,
-    generation)``, or None when it failed)."""
+    was asked (``mark``: it serves only batches of those), and its outcome (``got``: ``(data, generation)``,
+    or None when it failed), set before ``future`` is done. ``future`` is its request's: the entries asked in
+    one call of the store share one (a coordinator asks tens a batch, and a Future, with its lock and
+    condition, per entry was most of what asking cost it)."""
 
-    __slots__ = ("nbytes", "seq", "uses", "mark", "future", "read")
+    __slots__ = ("nbytes", "seq", "uses", "mark", "future", "read", "got")
 
     def __init__(self, nbytes: int, seq: int, mark: int) -> None:
         self.nbytes, self.seq, self.uses, self.mark = nbytes, seq, 1, mark
         self.read = False  # taken by its last reader while in flight: delivered to it, no longer held here
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.future: Any = None  # its call's: set under the buffer's lock before any reader can see it (ask)
+        self.got: tuple[Any, Any] | None = None
 
     def outcome(self) -> tuple[Any, Any] | None:
-        return self.future.result() if self.future.done() else None
+        return self.got if self.future.done() else None
 
 
 class PrefetchBuffer:
@@ -177,12 +180,17 @@ class PrefetchBuffer:
             c.held_bytes, c.requests_in_flight = held, n
             c.peak_bytes, c.peak_requests = max(c.peak_bytes, held), max(c.peak_requests, n)
             c.started += len(asked)
-        for group in _calls(asked, getattr(store, "max_in_flight", len(asked))):
+            groups = _calls(asked, getattr(store, "max_in_flight", len(asked)))
+            for group in groups:  # one future a call, shared by its entries, there before a reader sees them
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                for _, _, entry in group:
+                    entry.future = future
+        for group in groups:
             self._call(store, group)
         return Asked(len(asked), shared, shared_bytes)
 
     def _call(self, store: Any, asked: list) -> None:
-        """One ``start_get_many`` for ``asked`` (entries counted in flight already)."""
+        """One ``start_get_many`` for ``asked`` (entries counted in flight already, sharing one future)."""
         whole = [a for a in asked if a[0][2] is None]
         ranged = [a for a in asked if a[0][2] is not None]
         try:
@@ -225,7 +233,9 @@ class PrefetchBuffer:
                     entry.nbytes = size
                     results.append((entry, (data, outcome[1])))
         for entry, result in results:
-            entry.future.set_result(result)
+            entry.got = result
+        for future in {id(entry.future): entry.future for entry, _ in results}.values():
+            future.set_result(None)  # after every entry's outcome is set: a reader woken finds them all
         if on_room is not None:
             on_room()
 
@@ -379,7 +389,8 @@ def _usable(entry: _Entry, wait: bool) -> bool:
     ``wait`` for it."""
     if not entry.future.done():
         return wait
-    return entry.future.result() is not None
+    return entry.got is not None
+
 
 
 def _whole(data):
@@ -419,17 +430,35 @@ class PrefetchStore:
 
     def prefetch(self, keys: Sequence[str], estimates: Sequence[int], requests: Sequence[ByteRange],
                  seq: int, pushed: int = 0, mark: int = 0) -> int:
-        """Start fetching these ahead for the batch numbered ``seq`` (see :meth:`PrefetchBuffer.start`)."""
-        for key in keys:
-            check_key(key)
-        return self.buffer.start(self.store, keys, estimates, requests, seq, pushed, mark)
+        """Start fetching these ahead for the batch numbered ``seq`` (see :meth:`PrefetchBuffer.start` and
+        :meth:`ask`)."""
+        return self.ask(keys, estimates, requests, seq, pushed, mark).started
 
     def ask(self, keys: Sequence[str], estimates: Sequence[int], requests: Sequence[ByteRange], seq: int,
             pushed: int = 0, mark: int = 0) -> Asked:
-        """As :meth:`prefetch`, saying what was started and what shared (:meth:`PrefetchBuffer.ask`)."""
+        """As :meth:`prefetch`, saying what was started and what shared (:meth:`PrefetchBuffer.ask`). Whole
+        values the store's disk cache keeps (:meth:`_local`) are revalidated, not fetched ahead."""
         for key in keys:
             check_key(key)
+        keys, estimates = self._local(keys, estimates)
         return self.buffer.ask(self.store, keys, estimates, requests, seq, pushed, mark)
+
+    def _local(self, keys: Sequence[str], estimates: Sequence[int]) -> tuple[Sequence[str], Sequence[int]]:
+        """``keys`` (and their ``estimates``) less the whole values the store's disk cache keeps
+        (``kept_on_disk``), whose generations are asked now (``revalidate``: a HEAD each over HTTP, shared
+        with any read). Their bytes are local: fetched ahead they were read from disk in Python into the
+        buffer (the cache's reader threads, a batch's every chunk), where the batch's own read, once the
+        generation is known, has the compiled engine read the entry file (``entry_files``). A range is
+        asked as before: a kept object need not hold the range's entry (another range of a shard was kept)."""
+        kept_on_disk = getattr(self.store, "kept_on_disk", None)
+        if kept_on_disk is None or not keys:
+            return keys, estimates
+        kept = kept_on_disk(keys)
+        if not any(kept):
+            return keys, estimates
+        self.store.revalidate([k for k, on_disk in zip(keys, kept) if on_disk])
+        rest = [i for i, on_disk in enumerate(kept) if not on_disk]
+        return [keys[i] for i in rest], [estimates[i] for i in rest]
 
     @property
     def entry_files(self) -> Callable | None:
@@ -544,12 +573,14 @@ class _Combined:
         self.future: concurrent.futures.Future | None = future
         miss_k = [i for i in range(len(keys)) if i not in values]
         miss_p = [j for j in range(len(requests)) if j not in parts]
-        entries = {id(e): e for e in values.values()} | {id(e): e for e, _ in parts.values()}
-        self._left = len(entries) + 1
+        # each request's future once, however many of its entries this read takes
+        flights = {id(e.future): e.future for e in values.values()} | \
+            {id(e.future): e.future for e, _ in parts.values()}
+        self._left = len(flights) + 1
         self._lock = threading.Lock()
         inner = self._fetch(miss_k, miss_p)  # may raise (store closed): the caller's error, as without prefetch
-        for entry in entries.values():
-            entry.future.add_done_callback(self._one_done)
+        for flight in flights.values():
+            flight.add_done_callback(self._one_done)
         if inner is None:
             self._one_done(None)
         else:

@@ -409,9 +409,7 @@ class Coordinator:
                 # batch, so that their reads wait for no revalidation
                 flights = self._start_opens(list({u: None for staged, _ in self._pulled for s, _, _ in staged
                                                   for u in s.uris}))
-                pulled = [[s for s, _, _ in staged] for staged in more]
-                when_all_done([f for _, f in flights], lambda: [revalidate_ahead(p, self._readers.get) for p in pulled],
-                              _dropped)
+                revalidate_when_open(flights, [[s for s, _, _ in staged] for staged in more], self._readers.get)
         return self._pulled.popleft() if self._pulled else ([], None)
 
     def _launch(self, staged: list[Staged]) -> None:
@@ -573,6 +571,19 @@ class Coordinator:
                 "'i32') for integer ids, which keeps them exact, 'f32' for floats and 8- or 16-bit integers"
             )
         return dtypes.pop()
+
+
+def revalidate_when_open(flights: list[tuple[str, concurrent.futures.Future]], pulled: list[list[Sample]],
+                         reader_of) -> None:
+    """Each batch of ``pulled`` (its samples) revalidated ahead (:func:`revalidate_ahead`) once the opens among
+    ``flights`` (``(uri, future)``) of its own arrays are done, never waiting. Not once every open of every
+    batch pulled is: eight batches pulled together open tens of arrays, a few at a time, and the first
+    batches' HEADs then waited for the last open, while their reads came first and asked them themselves,
+    one call a batch's read. ``reader_of(uri)``: the open array, or None."""
+    by_uri = dict(flights)
+    for samples in pulled:
+        opens = {id(f): f for f in (by_uri.get(u) for s in samples for u in s.uris) if f is not None}
+        when_all_done(list(opens.values()), lambda samples=samples: revalidate_ahead(samples, reader_of), _dropped)
 
 
 def _dropped(exc: BaseException) -> None:
