@@ -262,6 +262,12 @@ def test_a_grid_read_ahead_decodes_each_chunk_once(volume):
                         lookahead_batches=1, pop_timeout_s=20)
     with stoker.Pipeline(cfg, read_ahead=2) as p:
         got, decoded = _read(p, tiles)
+        # the chunks kept count in the pipeline's buffers, within host_buffer_bytes (taken from the Python path's room)
+        executor = p._executor
+        kept = executor.decoders.native.reuse_info()
+        assert 0 < executor.reuse_bytes and kept["peak"] <= executor.reuse_bytes == kept["max_bytes"]
+        assert executor.peak_bytes() >= executor.host_nbytes() + kept["peak"]
+        assert executor.budget.capacity + executor.reuse_bytes + executor.host_nbytes() <= cfg.host_buffer_bytes
     assert np.array_equal(got, want)
     assert decoded == 32
     with stoker.Pipeline(cfg) as p:

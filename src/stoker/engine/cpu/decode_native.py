@@ -375,10 +375,11 @@ class SharedEngine:
         return out
 
     def peak_bytes(self, decoder: "NativeDecoder") -> int:
-        """The engine's peak scratch for its first decoder, 0 for the others (a pipeline sums its lanes')."""
+        """The engine's peak scratch, and the most its kept chunks held (:meth:`reuse`), for its first decoder,
+        0 for the others (a pipeline sums its lanes')."""
         if self._engine is None or not self._decoders or self._decoders[0] is not decoder:
             return 0
-        return int(self._engine.info()["peak"])
+        return int(self._engine.info()["peak"]) + int(self._engine.reuse_info()["peak"])
 
     def close(self) -> None:
         """Stop every decoder of it, then cancel every job and stop the threads (a quarter of a second at most:
