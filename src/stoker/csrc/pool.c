@@ -1107,16 +1107,26 @@ static void reuse_let_go(engine *e, reuse_entry *x, chunk_times *tm) {
         reuse_entry_free(x);
 }
 
-/* keep ``nbytes`` decoded at ``decoded`` under key ``k`` for ``j``'s generation, if it is still the engine's and
- * the bound holds it (evicting older entries); the copy is made outside the lock */
-static void reuse_keep(engine *e, const job *j, const reuse_key *k, const char *decoded, long long nbytes,
-                       chunk_times *tm) {
-    reuse_table *r = &e->reuse;
-    if (nbytes <= 0 || nbytes > __atomic_load_n(&r->max_bytes, __ATOMIC_RELAXED))
-        return;
-    reuse_entry *x = calloc(1, sizeof(reuse_entry));
+/* memory a chunk of ``nbytes`` to be kept is decoded into (freed, or owned by its entry, by reuse_keep), or NULL
+ * (none: decoded into the scratch and copied) */
+static char *reuse_buffer(const reuse_table *r, long long nbytes) {
     void *data = NULL;
-    if (x == NULL || posix_memalign(&data, ALIGN, (size_t)nbytes) != 0 || (x->key = malloc(k->len)) == NULL) {
+    if (nbytes <= 0 || nbytes > __atomic_load_n(&r->max_bytes, __ATOMIC_RELAXED) ||
+        posix_memalign(&data, ALIGN, (size_t)nbytes) != 0)
+        return NULL;
+    return data;
+}
+
+/* keep ``nbytes`` decoded at ``decoded`` under key ``k`` for ``j``'s generation, if it is still the engine's and
+ * the bound holds it (evicting older entries): ``decoded`` itself when it is ``owned`` (from reuse_buffer: kept,
+ * or freed here), else a copy made outside the lock */
+static void reuse_keep(engine *e, const job *j, const reuse_key *k, const char *decoded, char *owned,
+                       long long nbytes, chunk_times *tm) {
+    reuse_table *r = &e->reuse;
+    reuse_entry *x = calloc(1, sizeof(reuse_entry));
+    void *data = owned;
+    if (x == NULL || (data == NULL && (data = reuse_buffer(r, nbytes)) == NULL) ||
+        (x->key = malloc(k->len)) == NULL) {
         free(data);
         if (x != NULL)
             free(x->key);
@@ -1124,7 +1134,8 @@ static void reuse_keep(engine *e, const job *j, const reuse_key *k, const char *
         return; /* kept or not, the batch is right: no memory is no error here */
     }
     x->data = data;
-    memcpy(x->data, decoded, (size_t)nbytes);
+    if (data != decoded)
+        memcpy(x->data, decoded, (size_t)nbytes);
     memcpy(x->key, k->bytes, k->len);
     x->key_len = k->len;
     x->hash = k->hash;
@@ -1238,10 +1249,13 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
         job *sharers[MAX_SHARERS];
         long long shared[MAX_SHARERS];
         int keep = j->reuse && kept_key.len > 0; /* kept once decoded, whole (see "Reused") */
+        /* kept: decoded into the memory its entry will own (no copy), else into the scratch */
+        char *fresh = keep ? reuse_buffer(&e->reuse, c[C_NBYTES]) : NULL;
+        char *decoded = fresh != NULL ? fresh : scratch;
         int n_sharers = shareable(t, c) ? take_sharers(e, w, j, c, sharers, shared) : 0;
-        /* shared or kept: decoded into the scratch */
+        /* shared or kept: decoded into the scratch (or the entry's memory) */
         char *place = n_sharers || keep ? NULL : direct_place(j, src, c);
-        io.out = place != NULL ? place : scratch;
+        io.out = place != NULL ? place : decoded;
         if (place != NULL) {
             io.claim_out = claim_batch;
             io.release_out = release_batch;
@@ -1308,6 +1322,7 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
         /* (an entry whose decode failed: every job that took it fetches it again, the Python path decides) */
         int widened = io.span_start != c[C_SPAN_START] || io.span_stop != c[C_SPAN_STOP];
         if ((n_sharers || widened) && span_failure(io.status) && entry == NULL) {
+            decoded = scratch; /* what is decoded again below goes to the scratch */
             /* the union of the spans failed to decode: each job gets what its own span alone gives (damage
              * past it fails only the jobs that read that far, whichever others are in flight) */
             for (int k = 0; k < n_sharers; k++) {
@@ -1330,7 +1345,7 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
             if (status == ST_OK)
                 mine->chunks_filled++;
         } else if (io.status == ST_OK) {
-            status = place != NULL ? ST_OK : place_chunk(j, src, c, scratch, 0, mine, tm);
+            status = place != NULL ? ST_OK : place_chunk(j, src, c, decoded, 0, mine, tm);
             if (status == ST_OK) {
                 mine->bytes_decoded += io.detail;
                 mine->chunks_decoded++;
@@ -1341,10 +1356,13 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
             detail = io.detail;
         }
         for (int k = 0; k < n_sharers; k++)
-            share_out(e, w, sharers[k], shared[k], &io, scratch, tm, entry_payload);
-        /* decoded whole and sound (a failed union decoded again alone covers only its span) */
-        if (keep && io.status == ST_OK && io.span_start == 0 && io.span_stop == c[C_NBYTES])
-            reuse_keep(e, j, &kept_key, scratch, c[C_NBYTES], tm);
+            share_out(e, w, sharers[k], shared[k], &io, decoded, tm, entry_payload);
+        /* decoded whole and sound (a failed union decoded again alone covers only its span, in the scratch) */
+        int whole = keep && io.status == ST_OK && io.span_start == 0 && io.span_stop == c[C_NBYTES];
+        if (whole) /* the entry takes ``fresh`` when the chunk is there, else a copy */
+            reuse_keep(e, j, &kept_key, decoded, decoded == fresh ? fresh : NULL, c[C_NBYTES], tm);
+        if (fresh != NULL && !(whole && decoded == fresh))
+            free(fresh);
     }
     __atomic_store_n(&j->detail[i], detail, __ATOMIC_RELAXED);
     __atomic_store_n(&j->status[i], status, __ATOMIC_RELEASE);
