@@ -170,7 +170,9 @@ class CpuExecutor(SlotsDelivery):
         # bytes granted at prepare, and the pushes so far (a push's batches are served only its own decodes)
         self.reuse_bytes = 0
         self._pushes = 0
-        self._reuse_lock = threading.Lock()  # a leaf: orders the engine's generation updates
+        # orders the engine's generation updates (prepare's and push's); held only around SharedEngine.reuse,
+        # whose lock (rank 4) is a leaf
+        self._reuse_lock = threading.Lock()
         self.n_slots = cfg.lookahead_batches + 1  # slots the consumer sees
         self.slots: SlotRing | None = None  # what batches are delivered from
         self.host_slots: SlotRing | None = None  # where they are assembled (the same ring here)
