@@ -216,9 +216,17 @@ def components(src: str, root: Path, a: argparse.Namespace) -> dict[str, float]:
         for b, c in zip(boxes, chunks):
             cw.write(b, c)
 
+    from stoker.inference import zstdframes
+
+    frames = zstdframes.ZstdFrames(level=0, checksum=False) if zstdframes.available() else None
+    into = np.empty(frames.bound(max(c.nbytes for c in chunks)) if frames is not None else 1, dtype=np.uint8)
     got = {"read: zarr-python whole + astype": least(lambda: zarr.open_array(src, mode="r")[:].astype(np.float32)),
            "encode: zstd of the output chunks" if a.codec == "zstd" else "encode: none (--codec none)":
-               least(lambda: [zstd.encode(c) for c in chunks] if a.codec == "zstd" else None),
+               least(lambda: [zstd.encode(c) for c in chunks] if a.codec == "zstd" else None)}
+    if a.codec == "zstd" and frames is not None:  # what TileWriter's write threads encode with: the same frames
+        got["encode: the same frames, one reused context (ZstdFrames)"] = least(
+            lambda: [frames.encode(c, into) for c in chunks])
+    got |= {
            "store: zarr-python write (create + write)": least(zarr_write),
            "store: ChunkWriter (create + write)": least(direct_write)}
     tile = tuple(a.tile)
@@ -241,6 +249,17 @@ def components(src: str, root: Path, a: argparse.Namespace) -> dict[str, float]:
             w.close()
         # the writer fed batches held in memory, on one thread: its blend, then the same encode and store
         got[f"blend {blend}: stoker TileWriter (+ encode + store)"] = least(stoker_blend)
+        if a.codec == "zstd":
+            def stoker_blend_raw() -> None:
+                _remove(out)
+                zarr.create_array(out, shape=tuple(a.shape), chunks=step, dtype="float32", compressors=None)
+                w = stoker.TileWriter(out, tuple(a.shape), step, "float32", blend=blend, crop=a.crop, grid=grid,
+                                      write_threads=0)
+                for s, xb in batches:
+                    w.write(s, xb)
+                w.close()
+            # the same without a compressor: the blend and the store, no encode
+            got[f"blend {blend}: stoker TileWriter, no codec (+ store)"] = least(stoker_blend_raw)
         if _imports("monai"):
             from monai.inferers import sliding_window_inference
 

@@ -48,6 +48,18 @@
  * it as chunks_shared (not decoded, not read there; a decode done again alone for it is read and timed in the
  * job whose thread did it).
  *
+ * Reused: a pipeline reading a tile grid ahead (engine_reuse: a byte bound and a generation) has its jobs keep the
+ * chunks they decode from files (whole chunks, decoded in full for it, not straight into a batch), so a batch
+ * submitted after the decode of a chunk it shares with an earlier one is placed from the kept copy instead of
+ * racing to be in flight at the same time (see "Shared"). An entry is keyed by the same stored identity as a
+ * shared chunk (a shard's identity and byte range, a chunk file's path and grid coordinates; a disk-cache entry or
+ * a fetched buffer is never kept) and by the generation in force when its job was submitted (engine_submit copies
+ * it): only jobs of that generation are served it, so the caller's new generation (a new push) reads every file
+ * again, and changing the generation drops every entry. Entries are least recently used first out, their bytes
+ * bounded by the byte bound (an entry taken by a placing thread is pinned: unlisted when evicted, freed by the
+ * last one out, and counted until then); everything under the engine's lock but the copies in and out. Counted
+ * per job as chunks_reused (not read, not decoded there) and per engine by engine_reuse_info.
+ *
  * Sources: a chunk is read from its file (path built from the source's prefix and the file's grid coordinates)
  * or from a buffer the caller holds (C_BUFFER: a chunk fetched from a store), through the same codec code and
  * checks (io.c), straight from the buffer (nothing is copied, nothing written to it). Buffers are read only holding the job's mem lock shared, after checking that the job is not
@@ -93,6 +105,8 @@ struct job {
     unsigned char *claimed; /* atomic, per chunk: 1 once a thread took it (its job's worker, a sharer, job_cancel) */
     long long *shared_at;   /* the shareable chunks (see "Shared"): open addressing, chunk index + 1, 0 empty */
     long long shared_cap;   /* its slots: a power of two, at least twice the shareable chunks; 0: none */
+    int reuse;              /* its decoded chunks kept and looked up (see "Reused"); set at submit, under mu */
+    long long reuse_gen;    /* the generation they are kept for */
     pthread_rwlock_t place_lock; /* shared: a worker writing into the batch; exclusive: job_cancel */
     pthread_rwlock_t mem_lock;   /* shared: a worker reading one of the buffers; exclusive: job_cancel */
     int cancelled;               /* set under place_lock held exclusively; read under it, or atomically */
@@ -118,6 +132,27 @@ typedef struct {
     long long v[N_WORKER_COLS]; /* W_WALL is computed when read */
 } __attribute__((aligned(ALIGN))) worker_slot;
 
+/* A decoded chunk kept (see "Reused"): its key (stored identity) and its decoded bytes. */
+typedef struct reuse_entry {
+    struct reuse_entry *chain;         /* the bucket's next (unlisted: the next to free) */
+    struct reuse_entry *newer, *older; /* the list, most recently used first */
+    unsigned long long hash;
+    long long generation, nbytes, refs; /* refs: threads placing from it now */
+    int listed;                         /* in the table and the list; 0: evicted, freed by its last user */
+    size_t key_len;
+    unsigned char *key;
+    char *data; /* nbytes, ALIGN-aligned (placed with typed loads as from a thread's scratch) */
+} reuse_entry;
+
+#define REUSE_BUCKETS 256 /* entries are chunks within a byte bound: a few hundred at most in practice */
+
+typedef struct {
+    long long max_bytes, held, peak, generation; /* held: entries listed or still pinned */
+    long long entries, hits, inserted, evicted;
+    reuse_entry *newest, *oldest;
+    reuse_entry *bucket[REUSE_BUCKETS];
+} reuse_table;
+
 struct engine {
     pthread_mutex_t mu;
     pthread_cond_t work_cv; /* workers wait here: new jobs, budget given back, closing */
@@ -130,6 +165,7 @@ struct engine {
     job *live; /* jobs not done nor cancelled, in submission order */
     unsigned generation; /* the fork generation it was made in (see "Fork" above) */
     worker_slot *workers; /* a row per thread asked for; rows [0, n_threads) are started threads' */
+    reuse_table reuse;    /* decoded chunks kept (see "Reused"), under mu */
 };
 
 /* ---- fork ---- */
@@ -220,7 +256,10 @@ static void wait_timed(worker_slot *w, engine *e, int col) {
     clock_switch(w, now_ns(), W_OTHER);
 }
 
+static void reuse_free_all(reuse_table *r);
+
 static void engine_free(engine *e) {
+    reuse_free_all(&e->reuse);
     free(e->workers);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->work_cv);
@@ -927,6 +966,267 @@ static void decode_alone(const job *j, const int64_t *src, const int64_t *c, lon
     tm->decode += io->decode_ns;
 }
 
+/* ---- decoded chunks kept (see "Reused") ---- */
+
+#define REUSE_KEY_CAP 4096 /* a key longer than this (a very long path) is not kept */
+
+typedef struct {
+    unsigned char bytes[REUSE_KEY_CAP];
+    size_t len; /* 0: the chunk is not kept */
+    unsigned long long hash;
+} reuse_key;
+
+static size_t key_put(unsigned char *out, size_t at, const void *p, size_t n) {
+    if (at + n <= REUSE_KEY_CAP)
+        memcpy(out + at, p, n);
+    return at + n;
+}
+
+/* chunk ``c``'s key into ``k`` when its job keeps chunks and it is a file's (k->len 0 otherwise): what same_stored
+ * compares, as bytes (a shard's identity and range; a chunk file's path, separator and grid coordinates) */
+static void reuse_key_of(const job *j, const int64_t *c, reuse_key *k) {
+    const plan_tables *t = &j->t;
+    k->len = 0;
+    if (!j->reuse || c[C_BUFFER] >= 0 || !shareable(t, c))
+        return;
+    int64_t head[6] = {c[C_CODEC], c[C_NBYTES], c[C_MAX_STORED], c[C_OFFSET], c[C_LENGTH], t->ndim};
+    size_t at = key_put(k->bytes, 0, head, sizeof(head));
+    const int64_t *f = file_row(t, c);
+    if (c[C_OFFSET] >= 0) { /* an inner chunk of a shard of known identity (shareable) */
+        at = key_put(k->bytes, at, f + F_DEV, sizeof(int64_t) * (size_t)(F_CTIME - F_DEV + 1));
+    } else {
+        const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
+        int64_t path[2] = {src[S_SEP], src[S_PATH_LEN]};
+        at = key_put(k->bytes, at, path, sizeof(path));
+        at = key_put(k->bytes, at, t->blob + src[S_PATH_START], (size_t)src[S_PATH_LEN]);
+        at = key_put(k->bytes, at, f + F_COORDS, sizeof(int64_t) * (size_t)t->ndim);
+    }
+    if (at > REUSE_KEY_CAP)
+        return;
+    k->len = at;
+    unsigned long long h = fnv1a(0xCBF29CE484222325ULL, k->bytes, (long long)at);
+    k->hash = h ^ (h >> 31);
+}
+
+static void lock_in_chunk(engine *e, chunk_times *tm) { /* mid-chunk: timed into the chunk (see share_out) */
+    long long t0 = now_ns();
+    pthread_mutex_lock(&e->mu);
+    tm->lock += now_ns() - t0;
+}
+
+static void reuse_unlink_list(reuse_table *r, reuse_entry *x) {
+    if (x->newer != NULL)
+        x->newer->older = x->older;
+    else
+        r->newest = x->older;
+    if (x->older != NULL)
+        x->older->newer = x->newer;
+    else
+        r->oldest = x->newer;
+    x->newer = x->older = NULL;
+}
+
+static void reuse_push_newest(reuse_table *r, reuse_entry *x) {
+    x->older = r->newest;
+    x->newer = NULL;
+    if (r->newest != NULL)
+        r->newest->newer = x;
+    r->newest = x;
+    if (r->oldest == NULL)
+        r->oldest = x;
+}
+
+/* under mu: ``x`` out of the table and the list; returned to be freed (after mu) when nobody places from it,
+ * else its last user frees it. Its bytes stay counted until freed. */
+static reuse_entry *reuse_unlist_locked(reuse_table *r, reuse_entry *x) {
+    reuse_entry **at = &r->bucket[x->hash % REUSE_BUCKETS];
+    while (*at != x)
+        at = &(*at)->chain;
+    *at = x->chain;
+    x->chain = NULL;
+    reuse_unlink_list(r, x);
+    x->listed = 0;
+    r->entries--;
+    r->evicted++;
+    if (x->refs > 0)
+        return NULL;
+    r->held -= x->nbytes;
+    return x;
+}
+
+static void reuse_entry_free(reuse_entry *x) {
+    free(x->data);
+    free(x->key);
+    free(x);
+}
+
+/* the entries in a chain of ``chain`` links (unlisted, unpinned), freed */
+static void reuse_free_chain(reuse_entry *x) {
+    while (x != NULL) {
+        reuse_entry *next = x->chain;
+        reuse_entry_free(x);
+        x = next;
+    }
+}
+
+/* under mu: evict least recently used entries until ``room`` more bytes fit; the evicted ones to free after mu
+ * are chained onto ``*spent`` */
+static void reuse_make_room_locked(reuse_table *r, long long room, reuse_entry **spent) {
+    while (r->oldest != NULL && r->held + room > r->max_bytes) {
+        reuse_entry *x = reuse_unlist_locked(r, r->oldest);
+        if (x != NULL)
+            x->chain = *spent, *spent = x;
+    }
+}
+
+/* the kept chunk of key ``k`` for ``j``'s generation, pinned (reuse_let_go), or NULL */
+static reuse_entry *reuse_take(engine *e, const job *j, const reuse_key *k, chunk_times *tm) {
+    reuse_table *r = &e->reuse;
+    lock_in_chunk(e, tm);
+    reuse_entry *x = r->bucket[k->hash % REUSE_BUCKETS];
+    while (x != NULL && !(x->hash == k->hash && x->generation == j->reuse_gen && x->key_len == k->len &&
+                          memcmp(x->key, k->bytes, k->len) == 0))
+        x = x->chain;
+    if (x != NULL) {
+        x->refs++;
+        r->hits++;
+        reuse_unlink_list(r, x);
+        reuse_push_newest(r, x);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return x;
+}
+
+static void reuse_let_go(engine *e, reuse_entry *x, chunk_times *tm) {
+    lock_in_chunk(e, tm);
+    int last = --x->refs == 0 && !x->listed;
+    if (last)
+        e->reuse.held -= x->nbytes;
+    pthread_mutex_unlock(&e->mu);
+    if (last)
+        reuse_entry_free(x);
+}
+
+/* memory a chunk of ``nbytes`` to be kept is decoded into (freed, or owned by its entry, by reuse_keep), or NULL
+ * (none: decoded into the scratch and copied) */
+static char *reuse_buffer(const reuse_table *r, long long nbytes) {
+    void *data = NULL;
+    if (nbytes <= 0 || nbytes > __atomic_load_n(&r->max_bytes, __ATOMIC_RELAXED) ||
+        posix_memalign(&data, ALIGN, (size_t)nbytes) != 0)
+        return NULL;
+    return data;
+}
+
+/* keep ``nbytes`` decoded at ``decoded`` under key ``k`` for ``j``'s generation, if it is still the engine's and
+ * the bound holds it (evicting older entries): ``decoded`` itself when it is ``owned`` (from reuse_buffer: kept,
+ * or freed here), else a copy made outside the lock */
+static void reuse_keep(engine *e, const job *j, const reuse_key *k, const char *decoded, char *owned,
+                       long long nbytes, chunk_times *tm) {
+    reuse_table *r = &e->reuse;
+    reuse_entry *x = calloc(1, sizeof(reuse_entry));
+    void *data = owned;
+    if (x == NULL || (data == NULL && (data = reuse_buffer(r, nbytes)) == NULL) ||
+        (x->key = malloc(k->len)) == NULL) {
+        free(data);
+        if (x != NULL)
+            free(x->key);
+        free(x);
+        return; /* kept or not, the batch is right: no memory is no error here */
+    }
+    x->data = data;
+    if (data != decoded)
+        memcpy(x->data, decoded, (size_t)nbytes);
+    memcpy(x->key, k->bytes, k->len);
+    x->key_len = k->len;
+    x->hash = k->hash;
+    x->generation = j->reuse_gen;
+    x->nbytes = nbytes;
+    reuse_entry *spent = NULL;
+    lock_in_chunk(e, tm);
+    reuse_entry *y = r->bucket[k->hash % REUSE_BUCKETS];
+    while (y != NULL && !(y->hash == k->hash && y->generation == x->generation && y->key_len == k->len &&
+                          memcmp(y->key, k->bytes, k->len) == 0))
+        y = y->chain;
+    int keep = y == NULL && x->generation == r->generation; /* another thread kept it meanwhile; an old push */
+    if (keep) {
+        reuse_make_room_locked(r, nbytes, &spent);
+        keep = r->held + nbytes <= r->max_bytes; /* pinned entries may still hold the room */
+    }
+    if (keep) {
+        x->listed = 1;
+        x->chain = r->bucket[k->hash % REUSE_BUCKETS];
+        r->bucket[k->hash % REUSE_BUCKETS] = x;
+        reuse_push_newest(r, x);
+        r->held += nbytes;
+        r->peak = r->held > r->peak ? r->held : r->peak;
+        r->entries++;
+        r->inserted++;
+    }
+    pthread_mutex_unlock(&e->mu);
+    reuse_free_chain(spent);
+    if (!keep)
+        reuse_entry_free(x);
+}
+
+/* at the engine's end: nothing uses an entry any more */
+static void reuse_free_all(reuse_table *r) {
+    for (reuse_entry *x = r->newest; x != NULL;) {
+        reuse_entry *older = x->older;
+        reuse_entry_free(x);
+        x = older;
+    }
+    r->newest = r->oldest = NULL;
+}
+
+void engine_reuse(engine *e, long long max_bytes, long long generation) {
+    if (foreign(e)) /* no thread here reads for it (see "Fork") */
+        return;
+    reuse_entry *spent = NULL;
+    pthread_mutex_lock(&e->mu);
+    reuse_table *r = &e->reuse;
+    if (generation != r->generation)
+        while (r->oldest != NULL) { /* a new generation: nothing kept is served again */
+            reuse_entry *x = reuse_unlist_locked(r, r->oldest);
+            if (x != NULL)
+                x->chain = spent, spent = x;
+        }
+    __atomic_store_n(&r->max_bytes, max_bytes > 0 ? max_bytes : 0, __ATOMIC_RELAXED);
+    r->generation = generation;
+    reuse_make_room_locked(r, 0, &spent);
+    pthread_mutex_unlock(&e->mu);
+    reuse_free_chain(spent);
+}
+
+void engine_reuse_info(engine *e, long long out[8]) {
+    int mine = !foreign(e);
+    if (mine)
+        pthread_mutex_lock(&e->mu);
+    const reuse_table *r = &e->reuse;
+    out[0] = r->max_bytes, out[1] = r->held, out[2] = r->peak, out[3] = r->entries;
+    out[4] = r->hits, out[5] = r->inserted, out[6] = r->evicted, out[7] = r->generation;
+    if (mine)
+        pthread_mutex_unlock(&e->mu);
+}
+
+/* chunk ``i`` of ``j`` placed from a kept decode of it when there is one (see "Reused"): 1 when it was (its status
+ * set), 0 when the chunk is to be read; its key into ``k`` (len 0: not kept) */
+static int run_kept(engine *e, job *j, long long i, reuse_key *k, job_counters *mine, chunk_times *tm) {
+    const plan_tables *t = &j->t;
+    const int64_t *c = t->chunks + i * N_CHUNK_COLS;
+    reuse_key_of(j, c, k);
+    reuse_entry *x = k->len > 0 ? reuse_take(e, j, k, tm) : NULL;
+    if (x == NULL)
+        return 0;
+    const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
+    int32_t status = place_chunk(j, src, c, x->data, 0, mine, tm);
+    if (status == ST_OK)
+        mine->chunks_reused++;
+    reuse_let_go(e, x, tm);
+    __atomic_store_n(&j->detail[i], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&j->status[i], status, __ATOMIC_RELEASE);
+    return 1;
+}
+
 static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scratch, codec_ctx *ctx,
                       kept_files *kept, job_counters *mine, chunk_times *tm) {
     const plan_tables *t = &j->t;
@@ -934,19 +1234,28 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
     const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
     int32_t status = ST_OK;
     int64_t detail = 0;
+    reuse_key kept_key; /* set by run_kept */
+    kept_key.len = 0;
     if (c[C_CODEC] == CODEC_FILL) {
         status = place_chunk(j, src, c, NULL, 1, mine, tm);
         if (status == ST_OK)
             mine->chunks_filled++;
+    } else if (j->reuse && run_kept(e, j, i, &kept_key, mine, tm)) { /* placed from a kept chunk ("Reused") */
+        return;
     } else {
         char path[PATH_CAP];
         chunk_io io = {0};
         long long entry_payload = 0;
         job *sharers[MAX_SHARERS];
         long long shared[MAX_SHARERS];
+        int keep = j->reuse && kept_key.len > 0; /* kept once decoded, whole (see "Reused") */
+        /* kept: decoded into the memory its entry will own (no copy), else into the scratch */
+        char *fresh = keep ? reuse_buffer(&e->reuse, c[C_NBYTES]) : NULL;
+        char *decoded = fresh != NULL ? fresh : scratch;
         int n_sharers = shareable(t, c) ? take_sharers(e, w, j, c, sharers, shared) : 0;
-        char *place = n_sharers ? NULL : direct_place(j, src, c); /* shared: decoded into the scratch */
-        io.out = place != NULL ? place : scratch;
+        /* shared or kept: decoded into the scratch (or the entry's memory) */
+        char *place = n_sharers || keep ? NULL : direct_place(j, src, c);
+        io.out = place != NULL ? place : decoded;
         if (place != NULL) {
             io.claim_out = claim_batch;
             io.release_out = release_batch;
@@ -961,6 +1270,8 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
             io.span_start = ck[C_SPAN_START] < io.span_start ? ck[C_SPAN_START] : io.span_start;
             io.span_stop = ck[C_SPAN_STOP] > io.span_stop ? ck[C_SPAN_STOP] : io.span_stop;
         }
+        if (keep) /* all of it, for the batches after this one */
+            io.span_start = 0, io.span_stop = c[C_NBYTES];
         if (c[C_BUFFER] < 0) {
             file_io(j, src, c, path, &io, kept, mine);
         } else {
@@ -1009,7 +1320,9 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
         tm->read += io.read_ns;
         tm->decode += io.decode_ns;
         /* (an entry whose decode failed: every job that took it fetches it again, the Python path decides) */
-        if (n_sharers && span_failure(io.status) && entry == NULL) {
+        int widened = io.span_start != c[C_SPAN_START] || io.span_stop != c[C_SPAN_STOP];
+        if ((n_sharers || widened) && span_failure(io.status) && entry == NULL) {
+            decoded = scratch; /* what is decoded again below goes to the scratch */
             /* the union of the spans failed to decode: each job gets what its own span alone gives (damage
              * past it fails only the jobs that read that far, whichever others are in flight) */
             for (int k = 0; k < n_sharers; k++) {
@@ -1032,7 +1345,7 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
             if (status == ST_OK)
                 mine->chunks_filled++;
         } else if (io.status == ST_OK) {
-            status = place != NULL ? ST_OK : place_chunk(j, src, c, scratch, 0, mine, tm);
+            status = place != NULL ? ST_OK : place_chunk(j, src, c, decoded, 0, mine, tm);
             if (status == ST_OK) {
                 mine->bytes_decoded += io.detail;
                 mine->chunks_decoded++;
@@ -1043,7 +1356,13 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
             detail = io.detail;
         }
         for (int k = 0; k < n_sharers; k++)
-            share_out(e, w, sharers[k], shared[k], &io, scratch, tm, entry_payload);
+            share_out(e, w, sharers[k], shared[k], &io, decoded, tm, entry_payload);
+        /* decoded whole and sound (a failed union decoded again alone covers only its span, in the scratch) */
+        int whole = keep && io.status == ST_OK && io.span_start == 0 && io.span_stop == c[C_NBYTES];
+        if (whole) /* the entry takes ``fresh`` when the chunk is there, else a copy */
+            reuse_keep(e, j, &kept_key, decoded, decoded == fresh ? fresh : NULL, c[C_NBYTES], tm);
+        if (fresh != NULL && !(whole && decoded == fresh))
+            free(fresh);
     }
     __atomic_store_n(&j->detail[i], detail, __ATOMIC_RELAXED);
     __atomic_store_n(&j->status[i], status, __ATOMIC_RELEASE);
@@ -1276,6 +1595,8 @@ void engine_submit(engine *e, job *j) {
     } else {
         j->refs++; /* the list's */
         j->live = 1;
+        j->reuse = e->reuse.max_bytes > 0; /* see "Reused": the generation of its submission */
+        j->reuse_gen = e->reuse.generation;
         job **at = &e->live;
         job *prev = NULL;
         while (*at != NULL)

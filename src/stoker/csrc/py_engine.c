@@ -246,6 +246,30 @@ static PyObject *engine_info_py(EngineObject *self, PyObject *Py_UNUSED(ignored)
                          v[4], "closing", v[5] ? Py_True : Py_False);
 }
 
+static PyObject *engine_reuse_py(EngineObject *self, PyObject *args) {
+    long long max_bytes, generation;
+    if (!PyArg_ParseTuple(args, "LL", &max_bytes, &generation))
+        return NULL;
+    if (max_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "reuse(max_bytes, generation): max_bytes must be >= 0");
+        return NULL;
+    }
+    if (self->e != NULL) {
+        Py_BEGIN_ALLOW_THREADS /* may free entries, and waits for the engine's lock */
+        engine_reuse(self->e, max_bytes, generation);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *engine_reuse_info_py(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
+    long long v[8] = {0};
+    if (self->e != NULL)
+        engine_reuse_info(self->e, v);
+    return Py_BuildValue("{sLsLsLsLsLsLsLsL}", "max_bytes", v[0], "held", v[1], "peak", v[2], "entries", v[3],
+                         "hits", v[4], "inserted", v[5], "evicted", v[6], "generation", v[7]);
+}
+
 static PyObject *engine_worker_clocks_py(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
     long long v[6] = {0};
     if (self->e == NULL)
@@ -426,6 +450,13 @@ static PyMethodDef engine_methods[] = {
     {"info", (PyCFunction)engine_info_py, METH_NOARGS,
      "info() -> {threads, alive, budget, used, peak, closing}: threads started and alive, the scratch budget, "
      "the bytes of it reserved now, and the most allocated at once."},
+    {"reuse", (PyCFunction)engine_reuse_py, METH_VARARGS,
+     "reuse(max_bytes, generation): the jobs submitted from now on keep the chunks they decode from files, at most "
+     "max_bytes of them (0: none, the default), least recently used first out, and are placed from those kept "
+     "for the same generation; a new generation drops every chunk kept (csrc/pool.c, \"Reused\")."},
+    {"reuse_info", (PyCFunction)engine_reuse_info_py, METH_NOARGS,
+     "reuse_info() -> {max_bytes, held, peak, entries, hits, inserted, evicted, generation}: the chunks kept "
+     "(see reuse): bytes held now and at most, entries now, chunks placed from them, kept, and evicted."},
     {"worker_clocks", (PyCFunction)engine_worker_clocks_py, METH_NOARGS,
      "worker_clocks() -> bytes: per started thread a row of N_WORKER_COLS int64 values (W_* in "
      "csrc/stoker_native.h): nanoseconds reading, decoding, placing, filling, waiting for a lock, for work, "
@@ -509,11 +540,11 @@ static PyObject *batch_job_results(BatchJobObject *self, PyObject *Py_UNUSED(ign
     long long not_placed = 0; /* counted here: a batch whose chunks were all placed needs no look at them */
     for (long long i = 0; i < n; i++)
         not_placed += ((const int32_t *)PyBytes_AS_STRING(status))[i] != ST_OK;
-    return Py_BuildValue("(NN{sLsLsLsLsLsLsLsLsLsLsLsL})", status, detail, "bytes_read", c.bytes_read,
+    return Py_BuildValue("(NN{sLsLsLsLsLsLsLsLsLsLsLsLsL})", status, detail, "bytes_read", c.bytes_read,
                          "bytes_decoded", c.bytes_decoded, "chunks_decoded", c.chunks_decoded, "chunks_filled",
                          c.chunks_filled, "read_ns", c.read_ns, "decode_ns", c.decode_ns, "place_ns", c.place_ns,
                          "fill_ns", c.fill_ns, "max_threads", c.max_threads, "files_opened", c.files_opened,
-                         "chunks_shared", c.chunks_shared, "not_placed", not_placed);
+                         "chunks_shared", c.chunks_shared, "chunks_reused", c.chunks_reused, "not_placed", not_placed);
 }
 
 static PyObject *batch_job_done(BatchJobObject *self, void *Py_UNUSED(closure)) {

@@ -356,6 +356,7 @@ typedef struct {
     long long max_threads; /* the most threads that worked on it at once */
     long long files_opened; /* opens of files tried (a shard's may stay open for a thread's next chunks of it) */
     long long chunks_shared; /* placed from another live job's read and decode of the same stored chunk */
+    long long chunks_reused; /* placed from a chunk decoded earlier and kept (engine_reuse: pool.c "Reused") */
 } job_counters;
 
 typedef struct engine engine;
@@ -380,5 +381,10 @@ void engine_info(engine *e, long long out[6]);
  * written. A forked child's copy of an engine has no threads: no rows. */
 int engine_worker_clocks(engine *e, int64_t *out, int rows);
 void engine_release(engine *e);
+/* keep decoded chunks of jobs submitted from now on, at most ``max_bytes`` (0: none), for the jobs of
+ * ``generation``: an entry of another generation is never served (changing it drops every entry) */
+void engine_reuse(engine *e, long long max_bytes, long long generation);
+/* {max_bytes, held, peak, entries, hits, inserted, evicted, generation} */
+void engine_reuse_info(engine *e, long long out[8]);
 
 #endif

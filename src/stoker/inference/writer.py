@@ -21,7 +21,11 @@ How the work is split (see docs/inference.md):
   when the region is finished: a voxel one part covers is that part's value, and only where parts overlap
   are weights multiplied and summed, in float64; folded into float64 sums of the whole region on arrival
   instead once they would outgrow them, with a count of the parts per voxel so a voxel one covers is still
-  its value). Written regions' buffers serve the next ones, and a closed writer's the next writer's
+  its value). With ``grid=`` (the boxes of every region's parts known beforehand) the voxels a part alone
+  covers are copied into the region's output as the part comes and only its pieces of the overlaps are
+  kept (one copy of each voxel instead of two; the same result bit for bit), where the output and those
+  pieces hold no more than float64 sums would. Written regions' buffers serve the next ones, and a closed
+  writer's the next writer's
   (:mod:`.buffers`, at most ``SPARE_BYTES`` kept by the process).
   With ``grid=`` the writer knows how many tiles touch each region and writes a region as soon as all
   of them arrived; memory is then the regions in flight. Without it every region waits for ``close()``.
@@ -72,6 +76,31 @@ Scratch = Callable[[tuple[int, ...]], np.ndarray]  # a float64 array of a shape,
 PIECEWISE_PARTS = 16
 
 
+class _Plan:
+    """Where the parts of one region of a grid's lie: ``boxes`` (in the array), the output boxes of the grid's
+    tiles cut to the region. Each box's pieces that it alone covers, and the overlaps (``several``: pieces
+    covered by two or more boxes) it touches, as :func:`~.blend.coverage` finds them."""
+
+    def __init__(self, boxes: list[Box]) -> None:
+        once, self.several = coverage(boxes)
+        self._pieces: dict[Box, tuple[list[Box], list[int]]] = {
+            b: ([], [m for m, piece in enumerate(self.several)
+                     if all(max(a, c) < min(x, y) for (a, x), (c, y) in zip(piece, b))]) for b in boxes}
+        for i, piece in once:
+            self._pieces[boxes[i]][0].append(piece)
+        # the voxels of the overlaps' pieces the parts bring, all told: what the region keeps until its finish
+        self.kept_voxels = sum(int(np.prod(_extent(intersect(self.several[m], b)))) for b in boxes
+                               for m in self._pieces[b][1])
+
+    def pieces(self, box: Box) -> tuple[list[Box], list[int]]:
+        """``box``'s pieces it alone covers, and the indices of the overlaps it touches."""
+        found = self._pieces.get(box)
+        if found is None:
+            raise InvalidArgument(f"TileWriter(grid=...): a prediction for the output box {box}, which no tile of "
+                                  "the grid has: write the grid's tiles (writer.pending(grid)), or leave grid= out")
+        return found
+
+
 class _Region:
     """What one owned region has received so far.
 
@@ -83,7 +112,8 @@ class _Region:
     are added to the sums as they come. So the caller's thread copies each part once, and the float64
     buffers are recycled memory (a fresh region-sized array faults in page by page: see :mod:`.buffers`)."""
 
-    def __init__(self, box: Box, channels: tuple[int, ...], blend: str, dtype: np.dtype, pool: BufferPool) -> None:
+    def __init__(self, box: Box, channels: tuple[int, ...], blend: str, dtype: np.dtype, pool: BufferPool,
+                 plan: "_Plan | None" = None) -> None:
         self.box = box
         self.shape = tuple(b - a for a, b in box)
         self.full = channels + self.shape
@@ -105,6 +135,14 @@ class _Region:
         self.parts_bytes = 0
         # what folding takes: the float64 sums and sums of weights, and the uint8 count of parts per voxel
         self.sums_bytes = (int(np.prod(self.full)) + int(np.prod(self.shape))) * 8 + int(np.prod(self.shape))
+        # a weighted region of a grid's (its parts' boxes known, at most PIECEWISE_PARTS): each part's voxels that
+        # it alone covers are copied into the output as they come, and only its pieces of the overlaps kept
+        # (see add_planned); the voxels its parts covered so far, for the fill at the finish
+        self.plan = plan
+        self.arrived: list[Box] = []
+        self.overlaps: list[tuple[int, Box, np.ndarray, np.ndarray]] = []  # (piece, box, weights, values)
+        if plan is not None:
+            self.values = pool.take(self.full, dtype, zero=False)  # the output: every voxel set by the finish
 
     @property
     def nbytes(self) -> int:
@@ -127,6 +165,67 @@ class _Region:
         if self.wsum is None:
             self.fold(pool, scratch)
         self._accumulate(where, w, values, scratch)
+
+    def add_planned(self, box: Box, w: np.ndarray, values: np.ndarray, pool: BufferPool) -> None:
+        """Take one weighted part of a planned region (``box``: where it lies, in the array; ``w``, ``values``:
+        over it): the voxels it alone covers copied into the output (cast as astype, rounded to the nearest for
+        an integer output), its pieces of the overlaps kept (copies: the batch goes back to the pipeline)."""
+        assert self.plan is not None and self.values is not None
+        once, touched = self.plan.pieces(box)
+        rint = np.issubdtype(self.values.dtype, np.integer) and np.issubdtype(values.dtype, np.floating)
+        for piece in once:
+            src = values[(Ellipsis,) + local(piece, box)]
+            np.copyto(self.values[(Ellipsis,) + local(piece, self.box)], np.rint(src) if rint else src,
+                      casting="unsafe")
+        for m in touched:
+            x = intersect(self.plan.several[m], box)
+            at = local(x, box)
+            kept = pool.take(values[(Ellipsis,) + at].shape, values.dtype, zero=False)
+            np.copyto(kept, values[(Ellipsis,) + at])
+            self.overlaps.append((m, x, w[at], kept))
+            self.parts_bytes += kept.nbytes
+        self.arrived.append(box)
+
+    def finish_planned(self, fill: np.ndarray, pool: BufferPool) -> list[np.ndarray]:
+        """The overlaps of a planned region blended into its output, as :meth:`blend_parts` blends them (each
+        overlap's parts in the order they came, weighted and summed in float64, the quotient rounded once);
+        ``fill`` where no part arrived. Returns the buffers taken from ``pool`` (the output last)."""
+        assert self.plan is not None and self.values is not None
+        out = self.values
+        spent: list[np.ndarray] = []
+        if self.overlaps:
+            sums, prods, wsums = (pool.take(self.full, np.float64, zero=False),
+                                  pool.take(self.full, np.float64, zero=False),
+                                  pool.take(self.shape, np.float64, zero=False))
+            spent = [sums, prods, wsums]
+            lead = self.full[:len(self.full) - len(self.shape)]
+            rint = np.issubdtype(out.dtype, np.integer)
+            by_piece: dict[int, list[tuple[Box, np.ndarray, np.ndarray]]] = {}
+            for m, x, w, values in self.overlaps:  # in the order they came
+                by_piece.setdefault(m, []).append((x, w, values))
+            for m, kept in by_piece.items():
+                box = self.plan.several[m]
+                acc, wsum = _carve(sums, lead + _extent(box)), _carve(wsums, _extent(box))
+                acc.fill(0)
+                wsum.fill(0)
+                for x, w, values in kept:
+                    dst = local(x, box)
+                    acc[(Ellipsis,) + dst] += np.multiply(w, values, out=_carve(prods, lead + _extent(x)),
+                                                          dtype=np.float64)
+                    wsum[dst] += w
+                target = out[(Ellipsis,) + local(box, self.box)]
+                with np.errstate(invalid="ignore", divide="ignore"):  # voxels of parts that never came: filled below
+                    if rint:
+                        np.rint(np.divide(acc, wsum, out=acc), out=acc)
+                        np.copyto(target, acc, casting="unsafe")  # as astype
+                    else:  # the float64 quotient rounded once to dtype, as astype would
+                        np.divide(acc, wsum, out=target, casting="same_kind")
+            for _, _, _, values in self.overlaps:
+                pool.give(values)
+        for piece in subtract(self.box, self.arrived):  # voxels no part reached (a region finished at close())
+            out[(Ellipsis,) + local(piece, self.box)] = fill
+        self.overlaps, self.parts_bytes = [], 0
+        return spent + [out]
 
     def fold(self, pool: BufferPool, scratch: Scratch) -> None:
         """Sum the parts kept into float64 sums (made here, from ``pool``)."""
@@ -322,6 +421,8 @@ class TileWriter:
                                   uri=self.uri)
         self.array = arr
         self.dtype = arr.dtype
+        # voxels no tile reached keep the fill value (zero without one)
+        self._fill = np.asarray(arr.fill_value if arr.fill_value is not None else 0, dtype=self.dtype)
         self.unit_full = tuple(arr.shards or arr.chunks)  # the write unit: one shard, or one chunk
         # the buffers of written regions, for the next ones: those of one region per write thread, and one
         # more (its float64 sums, a float64 scratch, its output and its encoded chunks; see .buffers), and
@@ -341,6 +442,7 @@ class TileWriter:
         self._handed = set(self.done)  # those, and the regions handed to be written: no part opens them again
         self._open: dict[tuple[int, ...], _Region] = {}
         self._expected: dict[tuple[int, ...], int] | None = None
+        self._boxes: dict[tuple[int, ...], list[Box]] = {}  # with grid=: each owned region's parts' boxes
         self._weights: dict[tuple[int, ...], np.ndarray] = {}
         self._scratch = np.empty(0, dtype=np.float64)  # the blend's products, reused (the caller's thread only)
         self.written = 0  # regions this rank wrote
@@ -373,9 +475,25 @@ class TileWriter:
         if self.grid is not None:
             self._expected = {}
             for tile in {box_of(self.grid.sample(0, i)) for i in range(len(self.grid))}:
-                for r in regions_of(self._out(tile, self.grid.pad is not None), self.unit):
+                out = self._out(tile, self.grid.pad is not None)
+                for r in regions_of(out, self.unit):
                     if self._owner(r) == self.rank:
                         self._expected[r] = self._expected.get(r, 0) + 1
+                        self._boxes.setdefault(r, []).append(intersect(out, region_box(r, self.unit, self.spatial)))
+
+    def _plan(self, r: tuple[int, ...], parts: np.dtype) -> _Plan | None:
+        """Where region ``r``'s parts (of dtype ``parts``) lie, for a weighted blend over a grid (see
+        :class:`_Region`); None without a grid, past PIECEWISE_PARTS parts, or where the output and the overlaps'
+        pieces would hold more than float64 sums (tiles overlapping many times: summed or folded instead)."""
+        boxes = self._boxes.get(r)
+        if self.blend == "none" or boxes is None or len(boxes) > PIECEWISE_PARTS:
+            return None
+        plan = _Plan(sorted(boxes))
+        shape = tuple(b - a for a, b in region_box(r, self.unit, self.spatial))
+        lanes = int(np.prod(self.channels))
+        sums = (lanes * int(np.prod(shape)) + int(np.prod(shape))) * 8 + int(np.prod(shape))  # _Region.sums_bytes
+        held = lanes * (int(np.prod(shape)) * self.dtype.itemsize + plan.kept_voxels * np.dtype(parts).itemsize)
+        return plan if held <= sums else None
 
     def _out(self, aabb: Sequence[Sequence[int]], padded: bool) -> Box:
         return output_box(aabb, self.crop, self.spatial, padded)
@@ -456,7 +574,7 @@ class TileWriter:
             region = self._open.get(r)
             if region is None:
                 region = self._open[r] = _Region(region_box(r, self.unit, self.spatial), self.channels, self.blend,
-                                                 self.dtype, self._pool)
+                                                 self.dtype, self._pool, self._plan(r, values.dtype))
             if key in region.seen:
                 continue  # a repeated tile (a short rank's wrap-around) counts once
             region.seen.add(key)
@@ -471,6 +589,8 @@ class TileWriter:
                 for piece in subtract(box, lost) if lost else [box]:
                     np.copyto(region.values[(Ellipsis,) + local(piece, region.box)],
                               values[(Ellipsis,) + local(piece, box)], casting="unsafe")  # as astype
+            elif region.plan is not None:
+                region.add_planned(box, self._weights_of(key)[local(box, key)], values, self._pool)
             else:
                 region.add_weighted(where, self._weights_of(key)[local(box, key)], values, self._pool,
                                     self._scratch_of)
@@ -500,22 +620,23 @@ class TileWriter:
             self._background.submit(f"region {r}", region.nbytes, lambda: self._finish(r, region))
 
     def _finish(self, r: tuple[int, ...], region: _Region) -> None:
+        fill = self._fill
         if self.blend == "none":
             assert region.values is not None
             out = region.values
-            # voxels no tile reached keep the fill value (zero without one): the region less the boxes placed
-            fill = np.asarray(self.array.fill_value if self.array.fill_value is not None else 0, dtype=out.dtype)
+            # voxels no tile reached keep the fill value: the region less the boxes placed
             for piece in subtract(region.box, [box for box, _ in region.placed]):
                 out[(Ellipsis,) + local(piece, region.box)] = fill
             spent = [out]
+        elif region.plan is not None:  # a grid's: the voxels one part covers are in place, the overlaps kept
+            spent = region.finish_planned(fill, self._pool)
+            out = spent[-1]
         elif region.wsum is None:  # its parts kept: blended now, on this thread
             out = self._pool.take(region.full, self.dtype, zero=False)
-            fill = np.asarray(self.array.fill_value if self.array.fill_value is not None else 0, dtype=out.dtype)
             spent = region.blend_parts(out, fill, self._pool) + [out]
         else:  # folded into float64 sums as the parts came (tiles overlapping many times)
             assert region.values is not None and region.wsum is not None and region.count is not None
             out = self._pool.take(region.full, self.dtype, zero=False)
-            fill = np.asarray(self.array.fill_value if self.array.fill_value is not None else 0, dtype=out.dtype)
             region.finish_folded(out, fill)
             spent = [region.values, region.wsum, region.count, out]
         with writing(self.uri, f"region {r} (voxels {region.box})"):

@@ -294,6 +294,9 @@ class SharedEngine:
         self._decoders: list[NativeDecoder] = []
         self._watched: set[int] = set()  # ids of the StatsRecorders that watch its threads
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+        # decoded chunks kept (csrc/pool.c "Reused"): each decoder's grant in bytes, and the generation
+        self._reuse: dict[int, int] = {}
+        self._generation = 0
 
     def join(self, decoder: "NativeDecoder", budget_bytes: int) -> None:
         """Have ``decoder`` submit here, adding ``budget_bytes`` of scratch (unless already started)."""
@@ -325,7 +328,28 @@ class SharedEngine:
                 raise pipeline_closed()
             if self._engine is None:
                 self._engine = _start_engine(self.n_threads, self.budget_bytes)
+                if self._reuse:
+                    self._engine.reuse(sum(self._reuse.values()), self._generation)
             return self._engine
+
+    def reuse(self, decoder: "NativeDecoder", max_bytes: int, generation: int) -> None:
+        """Have the engine keep up to ``max_bytes`` of decoded chunks for ``decoder`` (on top of its other
+        decoders' grants), served to the jobs submitted in ``generation`` (csrc/pool.c "Reused": a batch
+        placed from a chunk an earlier batch decoded; a new generation, a new push, reads the files again)."""
+        with self._lock:
+            self._reuse[id(decoder)] = int(max_bytes)
+            self._generation = int(generation)
+            if self._engine is not None and not self._closed:
+                self._engine.reuse(sum(self._reuse.values()), self._generation)  # lock rank: the engine's is C's
+
+    def reuse_info(self) -> dict:
+        """The engine's kept chunks: ``Engine.reuse_info()`` (bytes held and at most, hits, kept, evicted), or
+        zeros before it starts."""
+        engine = self._engine
+        if engine is None:
+            return {"max_bytes": sum(self._reuse.values()), "held": 0, "peak": 0, "entries": 0, "hits": 0,
+                    "inserted": 0, "evicted": 0, "generation": self._generation}
+        return engine.reuse_info()
 
     @property
     def engine(self):
@@ -351,10 +375,11 @@ class SharedEngine:
         return out
 
     def peak_bytes(self, decoder: "NativeDecoder") -> int:
-        """The engine's peak scratch for its first decoder, 0 for the others (a pipeline sums its lanes')."""
+        """The engine's peak scratch, and the most its kept chunks held (:meth:`reuse`), for its first decoder,
+        0 for the others (a pipeline sums its lanes')."""
         if self._engine is None or not self._decoders or self._decoders[0] is not decoder:
             return 0
-        return int(self._engine.info()["peak"])
+        return int(self._engine.info()["peak"]) + int(self._engine.reuse_info()["peak"])
 
     def close(self) -> None:
         """Stop every decoder of it, then cancel every job and stop the threads (a quarter of a second at most:
@@ -457,6 +482,15 @@ class NativeDecoder:
     def peak_bytes(self) -> int:
         """The engine's peak scratch, reported by the first decoder of a shared engine only (once)."""
         return self._shared.peak_bytes(self)
+
+    def reuse(self, max_bytes: int, generation: int) -> None:
+        """Keep up to ``max_bytes`` of the chunks this decoder's jobs decode, for the jobs of ``generation``
+        (:meth:`SharedEngine.reuse`)."""
+        self._shared.reuse(self, max_bytes, generation)
+
+    def reuse_info(self) -> dict:
+        """The engine's kept chunks (:meth:`SharedEngine.reuse_info`)."""
+        return self._shared.reuse_info()
 
     def stop(self) -> None:
         """Take no more work (finished jobs are failed as closed; see :meth:`shutdown`)."""
@@ -995,8 +1029,10 @@ class NativeDecoder:
     def _finish_placed(job: Job, n: int, counts: dict, fetched: bool) -> None:
         """Finish the ``n`` chunks of ``job`` the engine placed, with its ``counts`` (``fetched``: see
         :meth:`_account`; the fetch counted their bytes as read)."""
+        # dedup hits: chunks another batch in flight decoded for this one, or one before it (kept: "Reused")
         job.finish(n, bytes_read=0 if fetched else counts["bytes_read"], bytes_decoded=counts["bytes_decoded"],
-                   chunks_decoded=counts["chunks_decoded"], chunk_dedup_hits=counts["chunks_shared"])
+                   chunks_decoded=counts["chunks_decoded"],
+                   chunk_dedup_hits=counts["chunks_shared"] + counts["chunks_reused"])
 
     def _failed(self, job: Job, cids: np.ndarray, statuses: np.ndarray, details: np.ndarray,
                 data: list | None = None) -> None:

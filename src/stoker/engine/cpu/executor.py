@@ -119,6 +119,11 @@ def _padded_then(plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None]
 _ENGINE_MIN_BYTES = 64 << 20
 
 
+#: The most decoded chunks the engine keeps for a grid's epoch read ahead (CpuExecutor.reuse_bytes): a 3-d
+#: grid's tiles share chunks with their neighbours only, so a few planes of chunks are reused at once.
+REUSE_MAX_BYTES = 64 << 20
+
+
 def engine_wants(threads: int, readers: list) -> int:
     """The scratch an engine of ``threads`` threads wants for ``readers``' chunks (see ``_ENGINE_MIN_BYTES``);
     0 when the engine decodes none of them. Arrays whose codec the engine does not decode size nothing."""
@@ -161,6 +166,13 @@ class CpuExecutor(SlotsDelivery):
         # the first batch for a grid's epoch, Pipeline(read_ahead=...): see _read_further)
         self.lookahead = cfg.lookahead_batches
         self.read_ahead = 0
+        # with read_ahead, the engine keeps decoded chunks for the next batches (csrc/pool.c "Reused"): the
+        # bytes granted at prepare, and the pushes so far (a push's batches are served only its own decodes)
+        self.reuse_bytes = 0
+        self._pushes = 0
+        # orders the engine's generation updates (prepare's and push's); held only around SharedEngine.reuse,
+        # whose lock (rank 4) is a leaf
+        self._reuse_lock = threading.Lock()
         self.n_slots = cfg.lookahead_batches + 1  # slots the consumer sees
         self.slots: SlotRing | None = None  # what batches are delivered from
         self.host_slots: SlotRing | None = None  # where they are assembled (the same ring here)
@@ -247,10 +259,28 @@ class CpuExecutor(SlotsDelivery):
         held = self.engine_share.budget_bytes if self.engine_share is not None else 0
         engine = engine_budget(left, transient, threads, readers, held) if native else 0
         native = native and engine + held > 0  # no room for an engine at all: the Python path reads every chunk
-        self.budget = TransientBudget(left - engine)
+        # a grid's epoch read ahead: its batches share chunks (tiles overlap), kept decoded by the engine for the
+        # batches after the first that needs each, from what the Python path's room leaves (half of it past one
+        # file's reads and decodes, at most REUSE_MAX_BYTES)
+        self.reuse_bytes = min(REUSE_MAX_BYTES, max(0, left - engine - transient) // 2) \
+            if native and self.read_ahead > 0 else 0
+        self.budget = TransientBudget(left - engine - self.reuse_bytes)
         self.decoders = Decoders(self.cfg.n_io_threads, threads, self.budget, self.stats, self.store,
                                  engine_budget=engine, group_limit=self.group_limit, shared=self.engine_share,
                                  native=native)
+        self._apply_reuse()
+
+    def pushed(self) -> None:
+        """A new push (before its samples are queued): its batches are placed only from chunks decoded after
+        it (a file rewritten between two pushes is read again), and what the engine keeps is dropped."""
+        self._pushes += 1
+        self._apply_reuse()
+
+    def _apply_reuse(self) -> None:
+        with self._reuse_lock:
+            native = self.decoders.native if self.decoders is not None else None
+            if native is not None and self.reuse_bytes:
+                native.reuse(self.reuse_bytes, self._pushes)
 
     def _read_further(self, shape: tuple[int, ...], dtype: torch.dtype, transient: int) -> None:
         """Raise :attr:`lookahead` towards ``read_ahead`` (a :class:`~stoker.CropDataset` over a grid asks for

@@ -159,6 +159,9 @@ class Pipeline:
         self._check_process()
         with self._cond:
             self._raise_if_unusable()
+        for executor in self._executors():  # a new push reads its files again (csrc/pool.c "Reused")
+            if isinstance(executor, CpuExecutor):
+                executor.pushed()
         self._intake.push(samples)
         self._coordinator.start()
 

@@ -171,7 +171,8 @@ class Lanes:
     # -- what the pipeline asks of all its executors ------------------------------------------------
 
     def executors(self) -> list[Executor]:
-        return [lane.executor for lane in self.lanes.values()]
+        # a snapshot taken in one step: push() asks from the caller's thread while the coordinator may add a lane
+        return [lane.executor for lane in list(self.lanes.values())]
 
 
 def transform_fields(transform: Callable, parts: list[Part], rows: int, keys: Any = None) -> tuple[Any, Any]:

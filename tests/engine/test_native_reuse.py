@@ -1,0 +1,291 @@
+"""Decoded chunks kept by the compiled engine for the batches after the one that decoded them (csrc/pool.c,
+"Reused"; ``Engine.reuse``), and the CPU pipeline that turns it on for a grid's epoch read ahead.
+
+Direct calls with hand-made tables count decodes (one thread, jobs one after another: deterministic), check
+that a new generation reads files again, that the bytes held stay within the bound, and that a kept chunk
+decoded whole never fails a job whose own span decodes. Pipeline runs compare with zarr-python bit for bit.
+``.ci/asan`` runs this file under AddressSanitizer.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numcodecs
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import stoker
+from stoker.engine.cpu import native
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(native.Engine is None, reason="stoker._native is not available")]
+
+U16 = native.SOURCE_KINDS[np.dtype("uint16")]
+ROWS, COLS = 8, 256  # a chunk: 8 x 256 uint16, 4 KiB decoded
+WIDE = 1 << 15  # 8 x 32768 uint16: 512 KiB, several zstd blocks (so a decode can stop early)
+
+
+def _values(i: int, version: int = 0, cols: int = COLS) -> np.ndarray:
+    return ((np.arange(ROWS * cols, dtype=np.uint32) * 7 + 1000 * i + 31 * version) % 65521).astype(
+        np.uint16).reshape(ROWS, cols)
+
+
+class Chunks:
+    """``n`` zstd chunk files ``root/c/0.<i>`` of 8 x ``cols``, chunk i's first ``rows`` rows copied into row i
+    of an (n, 8, cols) batch (cast to float32, or as stored with ``same``): the arguments of ``Engine.submit``."""
+
+    def __init__(self, root, n: int, rows: int = ROWS, same: bool = False, cols: int = COLS) -> None:
+        self.cols = cols
+        self.root = str(root) + "/"
+        os.makedirs(self.root + "c", exist_ok=True)
+        self.n, self.rows = n, rows
+        self.blob = os.fsencode(self.root + "c/")
+        self.sources = np.zeros((1, native.S_STRIDES + 2), np.int64)
+        s = self.sources[0]
+        s[native.S_KIND], s[native.S_PATH_LEN], s[native.S_SEP] = U16, len(self.blob), ord(".")
+        s[native.S_STRIDES:] = (cols, 1)
+        self.files = np.zeros((n, native.F_COORDS + 2), np.int64)
+        self.files[:, native.F_COORDS + 1] = np.arange(n)
+        c = self.chunks = np.zeros((n, native.N_CHUNK_COLS), np.int64)
+        c[:, native.C_FILE] = np.arange(n)
+        c[:, native.C_OFFSET] = c[:, native.C_BUFFER] = -1
+        c[:, native.C_NBYTES] = ROWS * cols * 2
+        c[:, native.C_SPAN_STOP] = rows * cols * 2  # a crop of the first rows: alone, its decode stops there
+        c[:, native.C_CODEC] = native.CODEC_ZSTD
+        c[:, native.C_MAX_STORED] = 1 << 20
+        c[:, native.C_FIRST_COPY] = np.arange(n)
+        c[:, native.C_NCOPIES] = 1
+        self.copies = np.zeros((n, native.COPY_COLS(2)), np.int64)
+        self.copies[:, native.CP_DST_OFFSET] = np.arange(n) * ROWS * cols
+        self.copies[:, native.CP_EXTENT:] = (rows, cols)
+        self.kind = native.KIND_SAME if same else native.KIND_F32
+        self.batch = np.zeros((n, ROWS, cols), np.uint16 if same else np.float32)
+
+    def write(self, version: int = 0, damaged: int | None = None) -> None:
+        """Each chunk file, its values of ``version``; chunk ``damaged`` cut short in its last bytes."""
+        for i in range(self.n):
+            frame = numcodecs.Zstd(level=1).encode(_values(i, version, self.cols).tobytes())
+            if i == damaged:
+                frame = frame[:-3] + b"\xff\xff\xff"
+            with open(self.root + f"c/0.{i}", "wb") as f:
+                f.write(frame)
+
+    def run(self, engine, order: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+        """One job of every chunk (taken in ``order``: the chunk rows permuted), into a zeroed batch: its
+        statuses (in that order) and counters once done."""
+        self.batch[...] = 0
+        chunks = self.chunks if order is None else self.chunks[order]
+        job = engine.submit(chunks, self.copies, self.sources, self.files, self.blob,
+                            self.batch.reshape(-1).view(np.uint8), self.kind, False, np.array([self.cols, 1], np.int64))
+        assert job.wait(20)
+        status, _, counters = job.results()
+        return np.frombuffer(status, np.int32), counters
+
+    def check(self, version: int = 0, upto: int | None = None) -> None:
+        """The batch holds chunks [0, upto) of ``version``, as zarr-python would decode them (the rows read)."""
+        for i in range(self.n if upto is None else upto):
+            np.testing.assert_array_equal(self.batch[i, :self.rows], _values(i, version, self.cols)[:self.rows])
+            assert not self.batch[i, self.rows:].any()
+
+
+def test_a_chunk_kept_is_placed_into_the_later_jobs_without_a_read(tmp_path):
+    """Jobs one after another (never in flight together): with reuse, each chunk is read and decoded by the
+    first job only, and the next ones, with other copies and another cast, are placed from what it kept; with
+    none (the default), every job reads every chunk."""
+    n = 12
+    first, second = Chunks(tmp_path, n), Chunks(tmp_path, n, same=True)
+    first.write()
+    engine = native.Engine(1, 16 << 20)
+    for _ in range(2):  # no reuse asked: each job decodes its chunks
+        status, c = second.run(engine)
+        assert (status == native.ST_OK).all() and (c["chunks_decoded"], c["chunks_reused"]) == (n, 0)
+    engine.reuse(1 << 20, 1)
+    status, c = first.run(engine)
+    assert (status == native.ST_OK).all() and (c["chunks_decoded"], c["chunks_reused"]) == (n, 0)
+    first.check()
+    for _ in range(3):
+        status, c = second.run(engine)
+        assert (status == native.ST_OK).all()
+        assert (c["chunks_decoded"], c["chunks_reused"], c["bytes_read"], c["files_opened"]) == (0, n, 0, 0)
+        second.check()
+    info = engine.reuse_info()
+    assert (info["inserted"], info["hits"], info["entries"], info["evicted"]) == (n, 3 * n, n, 0)
+    assert info["held"] == info["peak"] == n * ROWS * COLS * 2
+    assert engine.close(5)
+
+
+def test_a_crop_s_chunk_is_kept_whole_for_the_jobs_that_read_further(tmp_path):
+    """The first job reads 3 rows of each chunk (alone, its decode would stop there): kept, a chunk is decoded
+    whole, so a job reading all 8 rows is placed from it. A chunk damaged past those 3 rows fails only the job
+    that reads that far, as with no reuse: the first job's own span is decoded again alone (and not kept), and
+    the second job reads and fails it itself."""
+    n = 6
+    crop, whole = Chunks(tmp_path, n, rows=3, cols=WIDE), Chunks(tmp_path, n, same=True, cols=WIDE)
+    crop.write(damaged=n - 1)
+    engine = native.Engine(1, 16 << 20)
+    engine.reuse(16 << 20, 7)
+    status, c = crop.run(engine)
+    assert status.tolist() == [native.ST_OK] * n
+    crop.check()
+    assert c["chunks_decoded"] == n
+    status, c = whole.run(engine)
+    assert status.tolist() == [native.ST_OK] * (n - 1) + [native.ST_CODEC_ERROR]
+    whole.check(upto=n - 1)
+    assert (c["chunks_reused"], engine.reuse_info()["inserted"]) == (n - 1, n - 1)
+    assert engine.close(5)
+
+
+def test_a_new_generation_reads_every_file_again(tmp_path):
+    """A chunk kept for one generation is never served to a job submitted in another: files rewritten between
+    two generations (two pushes) are read again, with their new values, and the old entries are dropped."""
+    n = 5
+    t = Chunks(tmp_path, n)
+    t.write(version=0)
+    engine = native.Engine(1, 16 << 20)
+    engine.reuse(1 << 20, 1)
+    t.run(engine)
+    t.check(version=0)
+    t.write(version=1)  # same paths, same sizes: the key (path and grid coordinates) is the same
+    status, c = t.run(engine)
+    assert (c["chunks_reused"], c["chunks_decoded"]) == (n, 0)  # the same generation: kept values, as designed
+    t.check(version=0)
+    engine.reuse(1 << 20, 2)
+    assert engine.reuse_info()["held"] == 0
+    status, c = t.run(engine)
+    assert (status == native.ST_OK).all() and (c["chunks_reused"], c["chunks_decoded"]) == (0, n)
+    t.check(version=1)
+    assert engine.close(5)
+
+
+def test_the_chunks_kept_stay_within_their_bound(tmp_path):
+    """At most ``max_bytes`` are held, least recently used out first: room for 3 chunks of 8 keeps the last
+    3 decoded; a job over all 8 then reuses what is still there when it reaches it and decodes the rest. Lowering
+    the bound evicts down to it; 0 keeps nothing."""
+    n, size = 8, ROWS * COLS * 2
+    t = Chunks(tmp_path, n)
+    t.write()
+    engine = native.Engine(1, 16 << 20)
+    engine.reuse(3 * size, 1)
+    t.run(engine)
+    info = engine.reuse_info()
+    assert (info["entries"], info["held"], info["peak"], info["evicted"]) == (3, 3 * size, 3 * size, n - 3)
+    for _ in range(3):
+        status, c = t.run(engine)
+        assert (status == native.ST_OK).all() and c["chunks_decoded"] + c["chunks_reused"] == n
+        t.check()
+        assert engine.reuse_info()["peak"] <= 3 * size
+    engine.reuse(size, 1)
+    assert engine.reuse_info()["held"] == size
+    engine.reuse(0, 1)
+    assert engine.reuse_info()["held"] == 0
+    status, c = t.run(engine)
+    assert c["chunks_reused"] == 0 and c["chunks_decoded"] == n
+    assert engine.close(5)
+
+
+def test_jobs_of_many_threads_with_a_small_bound_place_every_value(tmp_path):
+    """Two threads, jobs submitted from three Python threads, each taking the chunks in an order of its own, while
+    the bound (8 chunks of 16) evicts entries that other threads are placing from (pinned: freed by the last one
+    out): every batch is right, the bound holds, and every chunk is decoded, shared or reused. Under
+    ``.ci/asan`` this is the race check of the entries' lifetime."""
+    n, size = 16, ROWS * COLS * 2
+    Chunks(tmp_path, n).write()
+    engine = native.Engine(2, 16 << 20)
+    engine.reuse(8 * size, 1)
+    errors = []
+
+    def run(same: bool, seed: int) -> None:
+        try:
+            t = Chunks(tmp_path, n, same=same)
+            rng = np.random.default_rng(seed)
+            for _ in range(20):
+                status, c = t.run(engine, rng.permutation(n))
+                assert (status == native.ST_OK).all() and c["chunks_decoded"] + c["chunks_reused"] + \
+                    c["chunks_shared"] == n
+                t.check()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k == 1, k)) for k in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(100)
+    assert not errors, errors[0]
+    info = engine.reuse_info()
+    assert info["peak"] <= 8 * size and info["hits"] > 0
+    assert engine.close(5)
+
+
+# -- the pipeline -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def volume(tmp_path):
+    """A zarr-python array (zstd, its default) of 2 x 4 x 4 chunks of 32^3 and the 2 x 3 x 3 tiles of 48^3 at
+    stride 32 over it: neighbouring tiles share chunks."""
+    uri = str(tmp_path / "v.zarr")
+    z = zarr.create_array(uri, shape=(64, 128, 128), chunks=(32, 32, 32), dtype="uint16")
+    z[:] = np.random.default_rng(5).integers(0, 4096, z.shape, dtype=np.uint16)
+    return uri, z
+
+
+def _tiles(uri: str) -> list[stoker.Sample]:
+    grid = stoker.TileGrid([uri], (48, 48, 48), stride=(32, 32, 32))
+    return [grid.sample(0, i) for i in range(len(grid))]
+
+
+def _read(pipeline, samples) -> tuple[np.ndarray, int]:
+    """Push ``samples``, pop them all: the batches' rows in order, and the chunks decoded for them."""
+    before = pipeline.stats().chunks_decoded
+    pipeline.push(samples)
+    rows = []
+    while len(rows) < len(samples):
+        with pipeline.pop(timeout=20) as batch:
+            rows.extend(torch.from_dlpack(batch).numpy().copy())
+    return np.stack(rows), pipeline.stats().chunks_decoded - before
+
+
+def test_a_grid_read_ahead_decodes_each_chunk_once(volume):
+    """A pipeline reading a grid ahead (``read_ahead``, as CropDataset asks for a grid's epoch) keeps the chunks
+    its batches decode: with one engine thread each of the 32 chunks is decoded exactly once, whatever the
+    batches in flight (batches of 2 tiles, at most 2 made ahead: each chunk is needed by batches far apart), and
+    every tile is zarr-python's values. Without read_ahead, the same grid decodes chunks several times."""
+    uri, z = volume
+    tiles = _tiles(uri)
+    want = np.stack([z[tuple(slice(*ax) for ax in s.aabb)] for s in tiles]).astype(np.float32)
+    cfg = stoker.Config(batch_size=2, dtype="f32", device="cpu", n_compute_threads=1, sample_shape=(48, 48, 48),
+                        lookahead_batches=1, pop_timeout_s=20)
+    with stoker.Pipeline(cfg, read_ahead=2) as p:
+        got, decoded = _read(p, tiles)
+        # the chunks kept count in the pipeline's buffers, within host_buffer_bytes (taken from the Python path's room)
+        executor = p._executor
+        kept = executor.decoders.native.reuse_info()
+        assert 0 < executor.reuse_bytes and kept["peak"] <= executor.reuse_bytes == kept["max_bytes"]
+        assert executor.peak_bytes() >= executor.host_nbytes() + kept["peak"]
+        assert executor.budget.capacity + executor.reuse_bytes + executor.host_nbytes() <= cfg.host_buffer_bytes
+    assert np.array_equal(got, want)
+    assert decoded == 32
+    with stoker.Pipeline(cfg) as p:
+        got, decoded = _read(p, tiles)
+    assert np.array_equal(got, want)
+    assert decoded > 32
+
+
+def test_a_new_push_reads_an_array_rewritten_since_the_last(volume):
+    """Chunks kept for one push are not served to the next: an array rewritten by zarr-python between two pushes
+    of the same tiles into one pipeline gives the new values (the chunk files' paths and sizes unchanged)."""
+    uri, z = volume
+    tiles = _tiles(uri)
+    cfg = stoker.Config(batch_size=2, dtype="f32", device="cpu", n_compute_threads=1, sample_shape=(48, 48, 48),
+                        lookahead_batches=1, pop_timeout_s=20)
+    with stoker.Pipeline(cfg, read_ahead=2) as p:
+        _read(p, tiles)
+        z[:] = np.asarray(z[:]) ^ np.uint16(0x0F0F)
+        got, decoded = _read(p, tiles)
+    assert np.array_equal(got, np.stack([z[tuple(slice(*ax) for ax in s.aabb)] for s in tiles]).astype(np.float32))
+    assert decoded == 32
