@@ -645,6 +645,57 @@ def test_a_readers_lock_that_never_comes_free_is_waited_for_a_bounded_time(tmp_p
     assert 0.2 * 5 <= took < 5.0, took  # five waits of LOCK_WAIT_S: handle twice, info twice, close
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_reading_on_the_parent_s_pool_reads_alone_and_never_waits_for_its_threads(tmp_path):
+    """The parent's pool itself used in a forked child (``csrc/staging.c``'s ``pool_foreign``, by the fork
+    generation its ``pthread_atfork`` handler bumps) while a thread of the parent reads on it: its helpers and
+    its lock's holder are not in the child, so there the caller reads alone (never publishing a round no helper
+    takes, nor taking the lock), info says no helper is alive and close returns at once."""
+    import threading
+    import time
+
+    paths, files, datas = _files(tmp_path, 32, lambda k: 20000 + k)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    readers = native_reads.Readers(4)
+    assert _wave(paths, files, datas, readers)[0] == want
+    parent_pool = readers.handle()
+    stop, bad = threading.Event(), []
+
+    def reading():  # the parent's pool in a round (its lock taken, its helpers busy) most of the time
+        while not stop.is_set():
+            if _wave(paths, files, datas, readers)[0] != want:
+                bad.append(1)
+
+    def child() -> bool:
+        before = native_reads.threads_started()
+        halves = [len(d) // 2 for d in datas]
+        at = np.cumsum([0] + [len(d) - h for d, h in zip(datas, halves)])
+        reads = [[k, h, len(d) - h, int(at[k])] for k, (d, h) in enumerate(zip(datas, halves))]
+        reads = np.array(reads + [[k, -1, len(d), 0] for k, d in enumerate(datas)], np.int64)
+        buf, out = bytearray(int(at[-1]) + sum(map(len, datas))), np.zeros((len(reads), 4), np.int64)
+        native.stage_read(buf, paths, files, reads, out, int(at[-1]), parent_pool)
+        right = bytes(buf) == want and (out[:, native_reads.STATUS] == native_reads.ST_OK).all()
+        alone = native_reads.threads_started() == before  # (no helper started for the parent's pool here)
+        t0 = time.monotonic()
+        info = native.stage_pool_info(parent_pool)
+        closed = native.stage_pool_close(parent_pool, 5.0)
+        return bool(right and alone and tuple(info)[2:] == (0, 1) and closed and time.monotonic() - t0 < 0.5)
+
+    thread = threading.Thread(target=reading)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        verdicts = _child_verdicts(10, child, wait_s=10.0)
+    finally:
+        stop.set()
+        thread.join(30.0)
+    try:
+        assert not thread.is_alive() and not bad and verdicts == ["exit 0"] * 10, verdicts
+        assert _wave(paths, files, datas, readers)[0] == want and readers.info() == (3, 3, 3, False)
+    finally:
+        assert readers.close(5.0)
+
+
 def test_readers_left_open_end_with_the_interpreter(tmp_path):
     """Readers never closed (helpers waiting for work) are closed by an atexit hook at interpreter exit, their
     helpers ended within it, promptly."""
