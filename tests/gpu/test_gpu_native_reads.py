@@ -549,6 +549,153 @@ def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
         assert readers.close(5.0)
 
 
+def _child_verdicts(forks: int, child, wait_s: float = 20.0) -> list[str]:
+    """``forks`` children forked one after another, each running ``child()`` (True: sound) and exiting with its
+    verdict; the parent waits ``wait_s`` at most for each (then kills it: "hung"). The verdicts, first bad on."""
+    import time
+
+    verdicts = []
+    for _ in range(forks):
+        pid = os.fork()
+        if pid == 0:  # (the child: nothing raised out of here, its verdict is its exit status)
+            code = 3
+            try:
+                code = 0 if child() else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + wait_s
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        verdicts.append("hung" if done[0] == 0 else f"exit {os.waitstatus_to_exitcode(done[1])}")
+        if verdicts[-1] != "exit 0":
+            break
+    return verdicts
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_thread_holds_the_readers_lock_is_not_stuck(tmp_path):
+    """A thread of the parent inside :meth:`Readers.handle` (its lock held) at the fork: the child's readers
+    still hand out a pool of their own, read the right bytes, report and close at once (the lock is made anew
+    in the child: the held one never comes free there; the atexit hook's close is the same call)."""
+    import sys
+    import threading
+
+    paths, files, datas = _files(tmp_path, 12)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    readers = native_reads.Readers(4)
+    stop = threading.Event()
+
+    def spin():  # the lock held most of the time, the GIL switched as often as it can be
+        while not stop.is_set():
+            readers.handle()
+
+    def child() -> bool:
+        fresh = readers.info() == (3, 0, 0, False)
+        right = _wave(paths, files, datas, readers)[0] == want and readers.info()[:3] == (3, 3, 3)
+        return fresh and right and readers.close(5.0)
+
+    switch = sys.getswitchinterval()
+    thread = threading.Thread(target=spin, daemon=True)
+    try:
+        readers.handle()
+        sys.setswitchinterval(1e-6)
+        thread.start()
+        verdicts = _child_verdicts(20, child, wait_s=5.0)  # (a stuck child waits LOCK_WAIT_S > 5 s, or for ever)
+    finally:
+        stop.set()
+        sys.setswitchinterval(switch)
+        thread.join(10.0)
+        assert readers.close(5.0)
+    assert verdicts == ["exit 0"] * 20, verdicts
+
+
+def test_a_readers_lock_that_never_comes_free_is_waited_for_a_bounded_time(tmp_path, monkeypatch):
+    """A lock held for ever (as a ``fork()`` of a C library, which runs no Python fork handler, leaves one held
+    by a thread of the parent): each call waits :data:`LOCK_WAIT_S` at most, then reads on the caller's thread
+    alone (the right bytes), reports and closes without it."""
+    import threading
+    import time
+
+    monkeypatch.setattr(native_reads, "LOCK_WAIT_S", 0.2)
+    paths, files, datas = _files(tmp_path, 12)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    readers = native_reads.Readers(4)
+    assert _wave(paths, files, datas, readers)[0] == want and readers.info() == (3, 3, 3, False)
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with readers._lock:
+            held.set()
+            release.wait(30.0)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(10.0)
+        t0 = time.monotonic()
+        assert readers.handle() == 1 and _wave(paths, files, datas, readers)[0] == want
+        assert readers.info() == (3, 3, 3, False) and readers.close(5.0) and readers.info()[2:] == (0, True)
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+        thread.join(10.0)
+    assert 0.2 * 5 <= took < 5.0, took  # five waits of LOCK_WAIT_S: handle twice, info twice, close
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_reading_on_the_parent_s_pool_reads_alone_and_never_waits_for_its_threads(tmp_path):
+    """The parent's pool itself used in a forked child (``csrc/staging.c``'s ``pool_foreign``, by the fork
+    generation its ``pthread_atfork`` handler bumps) while a thread of the parent reads on it: its helpers and
+    its lock's holder are not in the child, so there the caller reads alone (never publishing a round no helper
+    takes, nor taking the lock), info says no helper is alive and close returns at once."""
+    import threading
+    import time
+
+    paths, files, datas = _files(tmp_path, 32, lambda k: 20000 + k)
+    want = b"".join(d[len(d) // 2:] for d in datas) + b"".join(datas)
+    readers = native_reads.Readers(4)
+    assert _wave(paths, files, datas, readers)[0] == want
+    parent_pool = readers.handle()
+    stop, bad = threading.Event(), []
+
+    def reading():  # the parent's pool in a round (its lock taken, its helpers busy) most of the time
+        while not stop.is_set():
+            if _wave(paths, files, datas, readers)[0] != want:
+                bad.append(1)
+
+    def child() -> bool:
+        before = native_reads.threads_started()
+        halves = [len(d) // 2 for d in datas]
+        at = np.cumsum([0] + [len(d) - h for d, h in zip(datas, halves)])
+        reads = [[k, h, len(d) - h, int(at[k])] for k, (d, h) in enumerate(zip(datas, halves))]
+        reads = np.array(reads + [[k, -1, len(d), 0] for k, d in enumerate(datas)], np.int64)
+        buf, out = bytearray(int(at[-1]) + sum(map(len, datas))), np.zeros((len(reads), 4), np.int64)
+        native.stage_read(buf, paths, files, reads, out, int(at[-1]), parent_pool)
+        right = bytes(buf) == want and (out[:, native_reads.STATUS] == native_reads.ST_OK).all()
+        alone = native_reads.threads_started() == before  # (no helper started for the parent's pool here)
+        t0 = time.monotonic()
+        info = native.stage_pool_info(parent_pool)
+        closed = native.stage_pool_close(parent_pool, 5.0)
+        return bool(right and alone and tuple(info)[2:] == (0, 1) and closed and time.monotonic() - t0 < 0.5)
+
+    thread = threading.Thread(target=reading)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        verdicts = _child_verdicts(10, child, wait_s=10.0)
+    finally:
+        stop.set()
+        thread.join(30.0)
+    try:
+        assert not thread.is_alive() and not bad and verdicts == ["exit 0"] * 10, verdicts
+        assert _wave(paths, files, datas, readers)[0] == want and readers.info() == (3, 3, 3, False)
+    finally:
+        assert readers.close(5.0)
+
+
 def test_readers_left_open_end_with_the_interpreter(tmp_path):
     """Readers never closed (helpers waiting for work) are closed by an atexit hook at interpreter exit, their
     helpers ended within it, promptly."""

@@ -166,3 +166,73 @@ def test_an_unsound_entry_is_fetched_again(remote, data, tmp_path, monkeypatch, 
         hits = cache.hits
         _batch(p, uri, data, path)  # the entries written anew are sound: served from disk again
         assert cache.hits > hits
+
+
+def test_an_unsound_entry_before_a_sound_one_in_a_full_group_is_fetched_again(remote, s3, data, tmp_path,
+                                                                                 monkeypatch, gpu_decode):
+    """Every other inner chunk's entry of a sharded array damaged, each group's staging reserved to the byte
+    (its ranges' lengths, as ReadPlan.take reserves them where the staging is what cuts the group: here each
+    group's buffer is cut to that, a view of the real staging): an unsound entry placed before a sound one
+    leaves no hole (the sound payloads are moved end to end), so the store's refetch of it fits the group's
+    room, and the batch is zarr-python's (before: BudgetExceeded)."""
+    import struct
+
+    import zarr
+
+    uri, options, server = remote
+    shape = (256, 256)
+    arr = zarr.create_array(os.path.join(data, "tight"), shape=shape, chunks=(32, 32), shards=(128, 128),
+                            dtype="uint8", compressors=ZstdCodec(level=1))
+    arr[...] = np.random.default_rng(7).integers(0, 256, shape, dtype=np.uint8)
+    if server is None:  # (the HTTP server serves the folder as it is; S3 holds what was uploaded)
+        s3.upload(read_tree(os.path.join(data, "tight")), uri.removeprefix(f"s3://{BUCKET}/") + "/tight")
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    cfg = stoker.Config(batch_size=1, dtype="native", n_compute_threads=2, pop_timeout_s=60, storage_options=options,
+                        cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0, device="cpu",
+                        host_buffer_bytes=1 << 20, device_buffer_bytes=16 << 20)
+    want = zarr_values(data, "tight")
+    read, groups = gpu_staging.Stager.read, []
+
+    def exact(stager, plan, sources, reads, i, e, buf, group, *rest):
+        room = int(reads.enc[e] - reads.enc[i] - reads.gap[i])  # what take() reserved for chunks i..e
+        groups.append(room)
+        return read(stager, plan, sources, reads, i, e, buf[:group.pos + room], group, *rest)
+
+    def batch(p):
+        p.push([stoker.Sample(f"{uri}/tight", [(0, 256), (0, 256)])])
+        with p.pop() as b:
+            np.testing.assert_array_equal(torch.from_dlpack(b)[0].numpy(), want)
+
+    with stoker.Pipeline(cfg) as p:
+        batch(p)
+        assert cache.flush(30)
+        batch(p)  # (generations known from here on)
+        damaged, lengths = 0, set()
+        for entry in _entries(folder):
+            with open(entry, "rb") as f:
+                raw = f.read()
+            if len(raw) < 200:  # (not the empty markers)
+                continue
+            ident = raw[24:24 + struct.unpack_from("<I", raw, 12)[0]].decode().split("\n")  # uri, key, range, ...
+            if "/tight/c/" not in "/" + ident[1] or ":" not in ident[2]:  # (S3: its key under the prefix)
+                continue
+            offset, length = map(int, ident[2].split(":"))
+            if length == 16 * 16 + 4:  # a shard's index (an offset and a length per inner chunk, its crc32c)
+                continue
+            lengths.add(length)
+            if (offset // length) % 2:  # every other inner chunk of each shard (their lengths are equal)
+                continue
+            with open(entry, "r+b") as f:  # one bit of the payload's last byte
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0x10]))
+            damaged += 1
+        assert damaged == 32 and len(lengths) == 1  # (incompressible: every inner chunk as long)
+        calls = _Calls(monkeypatch)
+        monkeypatch.setattr(gpu_staging.Stager, "read", exact)
+        hits = cache.hits
+        batch(p)  # zarr's values: the unsound ones fetched again into the room their sound neighbours left
+        assert calls.entry_rows == 64 and calls.get_many > 0 and cache.hits - hits == 32, vars(calls)
+        assert len(groups) > 1 and sum(groups) == 64 * lengths.pop(), groups

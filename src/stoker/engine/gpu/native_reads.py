@@ -19,10 +19,11 @@ True
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -47,8 +48,9 @@ def available() -> bool:
 class Readers:
     """Persistent reader threads for :func:`read` (``csrc/staging.c``'s ``stage_pool``): the caller and
     ``threads - 1`` helpers, started at the first read with work for them and kept until :meth:`close`. A
-    forked child gets threads of its own at its first read (the parent's are not there), and the pools still
-    open at interpreter exit are closed then (a second at most each).
+    forked child gets threads of its own at its first read (the parent's are not there; its lock is made anew
+    there, as another thread may have held it at the fork), and the pools still open at interpreter exit are
+    closed then (a second at most each).
 
     >>> readers = Readers(4)
     >>> out = read(bytearray(4), ["/no/such/file"], np.zeros((1, 6), np.int64), np.array([[0, -1, 4, 0]]), 0, readers)
@@ -61,14 +63,32 @@ class Readers:
         self.closed = False
         self._pool: Any = None
         self._pid = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py); new in a forked child
         _open.add(self)
+        _every.add(self)
+
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[bool]:
+        """The lock, taken within :data:`LOCK_WAIT_S` (True), or not (False: it never came free, which only a
+        fork that ran no ``register_at_fork`` handler leaves behind: a C library's ``fork()``); never a hang."""
+        lock = self._lock
+        held = lock.acquire(timeout=LOCK_WAIT_S)
+        try:
+            yield held
+        finally:
+            if held:
+                lock.release()
+
+    def after_fork(self) -> None:
+        """In a forked child: a new lock (another thread of the parent may have held it at the fork, and it
+        stays held in the child for ever). Its pool stays the parent's, which :meth:`handle` replaces."""
+        self._lock = threading.Lock()
 
     def handle(self) -> Any:
         """What :func:`read` reads on: the pool, made at first use and again in a forked child; after
         :meth:`close`, 1 (the caller's thread alone)."""
-        with self._lock:
-            if self.closed:
+        with self._guarded() as held:
+            if self.closed or not held:  # (not held: the caller's thread alone, no pool made unlocked)
                 return 1
             if self._pool is None or self._pid != os.getpid():
                 # (in a child the parent's pool is dropped: its threads are not here, it frees nothing)
@@ -78,7 +98,7 @@ class Readers:
     def info(self) -> tuple[int, int, int, bool]:
         """``(wanted, started, alive, closing)``: the helper threads this process's pool wants, started and
         has running (zeros before the first read)."""
-        with self._lock:
+        with self._guarded():  # (not held: read unlocked, as no thread that holds it runs here)
             pool = self._pool if self._pid == os.getpid() else None
         if pool is None:
             return self.threads - 1, 0, 0, self.closed
@@ -88,20 +108,32 @@ class Readers:
     def close(self, timeout: float = 1.0) -> bool:
         """Stop the helpers (one in a read finishes the file it holds) and wait for them at most ``timeout``
         seconds, the GIL released: True when none is left. Reads after it run on the caller's thread."""
-        with self._lock:
+        with self._guarded():  # (not held: closed unlocked, as no thread that holds it runs here)
             self.closed = True
             pool = self._pool if self._pid == os.getpid() else None
         _open.discard(self)
         return True if pool is None else bool(native.stage_pool_close(pool, timeout))
 
 
-_open: weakref.WeakSet[Readers] = weakref.WeakSet()
+#: the longest :class:`Readers` waits for its lock (held for microseconds: a longer wait is a bug, not load)
+LOCK_WAIT_S = 10.0
+_open: weakref.WeakSet[Readers] = weakref.WeakSet()  # not closed yet: the atexit hook closes them
+_every: weakref.WeakSet[Readers] = weakref.WeakSet()  # closed or not: their locks are made anew in a child
 
 
 @atexit.register
 def _close_open_readers() -> None:
     for readers in list(_open):
         readers.close(1.0)
+
+
+def _after_fork_in_child() -> None:
+    for readers in list(_every):
+        readers.after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def threads_started() -> int:

@@ -543,8 +543,8 @@ class Stager:
                                 self.pool.readers(), (b"".join(idents), np.stack([np.cumsum(lens) - lens, lens], 1)))
         status, at, got = out[:, native_reads.STATUS], out[:, native_reads.AT], out[:, native_reads.NREAD]
         ok = status == native_reads.ST_OK
-        if np.any(ok):  # (the room of one placed and found unsound is taken by what is fetched for it)
-            group.pos = int((at + got)[ok].max())
+        at = _packed(buf, at, got, ok, group.pos)
+        group.pos += int(got[ok].sum())
         nbytes = np.array([s.nbytes for s in sources], np.int64)[src[ok]]
         how = np.array([s.how for s in sources], np.int64)[src[ok]]
         group.add(eids[ok], how, at[ok], got[ok], group.end + np.cumsum(nbytes) - nbytes)
@@ -638,6 +638,23 @@ def _runs(plan: TablePlan, reads: ReadPlan, i: int, e: int, group: Group) -> tup
     span = stop - start
     read_at = group.pos + np.cumsum(span) - span
     return heads, read_of, start, span, read_at
+
+
+def _packed(buf: np.ndarray, at: np.ndarray, got: np.ndarray, ok: np.ndarray, base: int) -> np.ndarray:
+    """Where the sound payloads ``ok`` (read at ``at``, ``got`` bytes each) are once moved end to end from
+    ``base``, in place order: an entry placed and found unsound before a sound one leaves no hole, whose room
+    the group's reservation (to the byte for ranges: ReadPlan.take) lacks for the chunk's refetch."""
+    sound = np.flatnonzero(ok)[np.argsort(at[ok], kind="stable")]
+    to = base + np.cumsum(got[sound]) - got[sound]
+    moved = to != at[sound]
+    if not moved.any():  # (every sound one where it was read: no Python step per entry)
+        return at
+    at = at.copy()
+    for k, dst in zip(sound[moved].tolist(), to[moved].tolist()):  # (after an unsound one's room only: rare)
+        src, n = int(at[k]), int(got[k])
+        buf[dst:dst + n] = buf[src:src + n]  # (to lower addresses, in order; numpy copies overlapping views safely)
+        at[k] = dst
+    return at
 
 
 def _fit(reader, plan: TablePlan, cid: int, size: int, room: int) -> None:
