@@ -103,6 +103,7 @@ class CachingStore:
         # keys (and opened prefixes, with their "/") whose marker this wrapper wrote (MARKERS_FOUND at most)
         self._marked: dict[str, None] = {}
         self._found: dict[str, None] = {}  # keys whose marker was found on disk (see _has_marker; MARKERS_FOUND at most)
+        self._evicted = cache.evicted  # the cache's count of entries this process evicted, when those two were right
         self._opened: set[str] = set()  # prefixes of the arrays opened (see opened)
         self._listings: dict[str, _Listing] = {}  # prefix -> its newest listing
         self._heads: dict[str, concurrent.futures.Future] = {}  # key -> the flight of its HEAD in flight
@@ -533,6 +534,7 @@ class CachingStore:
         most :data:`MARKERS_FOUND`, then forgotten all at once), and a key whose HEAD is in flight had one:
         a key revalidated ahead and then read (or read by several batches) costs the caller one look-up on
         disk (a hash and a syscall, on the coordinator's thread for a pipeline), not one per ask."""
+        self._after_eviction()
         if key in self._marked or key in self._found or key in self._heads:
             return True
         if not self.cache.has(self._marker(key)):
@@ -540,6 +542,18 @@ class CachingStore:
         with self._lock:
             remember(self._found, key, None, MARKERS_FOUND)
         return True
+
+    def _after_eviction(self) -> None:
+        """Forget the markers this wrapper wrote or found once this process evicted entries (markers among them,
+        as :meth:`DiskCache.has <stoker.storage.diskcache.DiskCache.has>` forgets them): a key kept again is
+        marked again, so another wrapper of the folder (another pipeline, rank or ``open_array``) finds its
+        entries, not a key it reads uncached. One int compared a call."""
+        evicted = self.cache.evicted
+        if evicted != self._evicted:
+            with self._lock:
+                self._evicted = evicted
+                self._marked.clear()
+                self._found.clear()
 
     def _marker(self, key: str) -> str:
         """The ident of the empty marker file that says entries of ``key`` may be kept."""
@@ -784,6 +798,7 @@ class CachingStore:
             # its entry once written: what entry_files gives for it (the next epoch's look-up, without a stat)
             self._made(key, start, length, gen, ident, (os.fsencode(self.cache.path(ident)),
                                                         ident.encode("utf-8", "surrogatepass")))
+        self._after_eviction()
         with self._lock:
             marked = key in self._marked
             remember(self._marked, key, None, MARKERS_FOUND)  # as _found: a key marked again costs a look-up
