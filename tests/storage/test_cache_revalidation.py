@@ -823,3 +823,108 @@ def test_the_keys_a_wrapper_marked_are_remembered_up_to_a_bound(data, tmp_path, 
         assert again.counters.revalidations == 16 and again.counters.hits == 16, again.counters
     finally:
         server.stop()
+
+
+# -- a staleness bound shorter than a request's round trip ------------------------------------------------
+
+TINY = 0.001  #: cache_staleness_s far shorter than one LIST or HEAD round trip to the test's servers
+
+
+def _kept_unlisted(s3, data, tmp_path, listed_at_open: bool):
+    """The plain array uploaded and read whole once through a wrapper of the default bound (``listed_at_open``:
+    opened first, so its entries mark the array and a new wrapper's open lists it), then a new wrapper of
+    the bound :data:`TINY` over the same folder: ``(prefix, keys, want, kv)``."""
+    prefix = _upload(s3, data)
+    base = Stores().get(locate(f"s3://{BUCKET}/{prefix}/plain"), _cached(tmp_path, s3.options))[0]
+    keys = [f"{prefix}/plain/c/{i}/{j}" for i in range(4) for j in range(4)]
+    want = [read_tree(data)[k.split("/", 1)[1]] for k in keys]
+    first = cachingstore.CachingStore(base.store, base.cache)
+    if listed_at_open:
+        first.opened(f"{prefix}/plain")
+    assert [bytes(v) for v in first.get_many(keys, [])[0]] == want
+    assert first.cache.flush(30)
+    return prefix, keys, want, cachingstore.CachingStore(base.store, base.cache, staleness_s=TINY)
+
+
+@pytest.mark.parametrize("listed_at_open", [False, True])
+def test_a_bound_shorter_than_a_listing_page_lists_the_array_once_a_call(s3, data, tmp_path, listed_at_open):
+    # a listing asked after a call began is fresh enough for it (tensorstore's bound: data no older than it
+    # at the time of the request). Before: the keys of each page, dated from the listing's start, were stale
+    # as the page came, so revalidate() listed the array again, and again, a chain of LIST requests that
+    # only close ended (from an open that listed the array, and from one on a cold cache that did not); a
+    # read's listing then served nothing (16 GETs)
+    prefix, keys, want, kv = _kept_unlisted(s3, data, tmp_path, listed_at_open)
+    opened = int(listed_at_open)
+    with moto_log() as log:
+        kv.opened(f"{prefix}/plain")
+        assert _heads_until(lambda: _counted(log, prefix, "plain")["list"], opened, timeout=5) == opened
+        kv.revalidate(keys)  # one call, which nothing waits for
+        time.sleep(1.0)
+        assert _counted(log, prefix, "plain") == {"list": opened + 1, "head": 0, "get": 0}
+        assert [bytes(v) for v in kv.get_many(keys, [])[0]] == want  # its own listing, then from disk
+        time.sleep(0.5)
+        counted = _counted(log, prefix, "plain")
+    assert counted == {"list": opened + 2, "head": 0, "get": 0}, counted
+    assert kv.counters.hits == 16 and kv.counters.misses == 0, kv.counters
+
+
+def test_revalidations_ahead_under_a_short_bound_share_the_listing_in_flight(s3, data, tmp_path, monkeypatch):
+    # a pipeline asks ahead for each batch it plans; with the bound shorter than a page's round trip, each
+    # ask found the listing in flight too old and replaced it before its page came, so no listing was ever
+    # learnt and every ask cost a LIST. A call that serves no read waits for the one in flight instead, and
+    # starts none after it came
+    prefix, keys, want, kv = _kept_unlisted(s3, data, tmp_path, True)
+    pages = _HeldPages(kv, monkeypatch)
+    kv.opened(f"{prefix}/plain")  # its listing asked, its answer held back
+    for _ in range(5):
+        time.sleep(0.01)  # past the bound: the listing in flight is older than it
+        kv.revalidate(keys)
+    assert len(pages.asked) == 1, len(pages.asked)
+    pages.release(0)
+    time.sleep(0.5)
+    assert len(pages.asked) == 1, len(pages.asked)  # nothing listed again once it came
+    assert kv._known[keys[0]][1] == kv._listings[f"{prefix}/plain"].started  # learnt from it
+    out = kv.start_get_many(keys, [])  # a read lists again (the bound passed), and is served from disk
+    _heads_until(lambda: len(pages.asked), 2, timeout=5)
+    pages.release(1)
+    assert [bytes(v) for v in kv.result_of(out)[0]] == want
+    assert len(pages.asked) == 2 and kv.counters.hits == 16 and kv.counters.misses == 0, kv.counters
+
+
+def test_under_a_short_bound_reads_come_from_disk_and_a_rewritten_array_is_read_new(s3, data, tmp_path):
+    # open_array under a bound shorter than a LIST's round trip: each read revalidates (a listing it waits
+    # for) and is served from disk at the generations it states (before: stale by the time they came, so
+    # every read went to the store as without a cache); an array rewritten between two reads is read new
+    prefix, uri, options, _ = _warm(s3, data, tmp_path, cache_staleness_s=TINY)
+    everything = (slice(0, 64), slice(0, 64))
+    with moto_log() as log:
+        a = stoker.open_array(uri, options, stores=Stores())
+        kv = _caching(a)
+        np.testing.assert_array_equal(a.read(everything), zarr_values(data, "plain"))
+        assert kv.counters.hits == 17 and kv.counters.misses == 0, kv.counters  # zarr.json and 16 chunks
+        _write(data, 3)
+        s3.upload(read_tree(data), prefix)
+        np.testing.assert_array_equal(a.read(everything), zarr_values(data, "plain"))  # the new values
+        assert kv.counters.hits == 17 and kv.counters.misses == 16, kv.counters
+        listed = _counted(log, prefix, "plain")["list"]
+        time.sleep(0.5)
+        counted = _counted(log, prefix, "plain")
+    assert counted["list"] == listed and counted["head"] == 0 and counted["get"] == 16, counted  # no chain
+
+
+def test_under_a_short_bound_a_head_a_read_waited_for_serves_it_from_disk(http, data, tmp_path):
+    # over HTTP (no listing) a read's HEAD answers in more than the bound: before, that answer was stale
+    # once it came, and the read went to the server (a HEAD and a GET per object); now from disk
+    options = _cached(tmp_path, cache_staleness_s=TINY)
+    uri = f"{http.url}/plain"
+    a = stoker.open_array(uri, options, stores=Stores())
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _caching(a).cache.flush(30)
+    a = stoker.open_array(uri, options, stores=Stores())
+    kv = _caching(a)
+    http.latency_s = 0.01
+    start = len(http.log)
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    asked = [method for _, method, path in http.log[start:] if "/plain/c/" in path]
+    assert asked == ["HEAD"] * 16, asked
+    assert kv.counters.hits == 17 and kv.counters.misses == 0, kv.counters  # zarr.json and 16 chunks

@@ -109,3 +109,35 @@ def test_entries_this_process_evicted_are_fetched_with_no_head(http, data, tmp_p
     # as the cold read asked: no HEAD for keys whose markers this process evicted (before: one a key, the
     # markers still remembered as found)
     assert http.requests - asked == cold
+
+
+def test_a_long_lived_wrapper_marks_its_keys_again_after_this_process_evicted_them(http, data, tmp_path):
+    # one wrapper reads on through this process's own eviction of its entries and markers: what it keeps
+    # afresh is marked again, so another wrapper of the folder (another pipeline, rank, open_array) finds
+    # it on disk. Before: the wrapper still remembered writing those markers and never wrote them again,
+    # so the other read every key from the server
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.locate import Stores
+
+    options = {**FAST_REMOTE, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 4 << 20}
+    a = stoker.open_array(f"{http.url}/plain", options, stores=Stores())
+    kv = a.kv
+    while not isinstance(kv, CachingStore):
+        kv = kv.store
+    everything = (slice(0, SHAPE[0]), slice(0, SHAPE[1]))
+    want = zarr_values(data, "plain")
+    np.testing.assert_array_equal(a.read(everything), want)  # kept, markers written
+    assert kv.cache.flush(30)
+    kept = [os.path.join(d, n) for d, _, names in os.walk(kv.cache.root) for n in names if n != ".index"]
+    for p in kept:
+        os.utime(p, (T0, T0))
+    assert kv.cache.write("filler", b"f" * ((4 << 20) - (24 << 10)))  # this process evicts them all
+    assert kv.cache.evicted > 0 and not any(os.path.lexists(p) for p in kept)
+    kv.forget()  # the same wrapper reads on (the next epoch, past the bound): fetched, kept again
+    np.testing.assert_array_equal(a.read(everything), want)
+    assert kv.cache.flush(30)
+    other = stoker.open_array(f"{http.url}/plain", options, stores=Stores())  # a new wrapper of the folder
+    asked = len(http.log)
+    np.testing.assert_array_equal(other.read(everything), want)
+    gets = [path for _, method, path in http.log[asked:] if method == "GET" and "/plain/c/" in path]
+    assert gets == [], gets  # every chunk from disk (its HEAD only)

@@ -31,13 +31,26 @@
 #define MTIME(st) ((st)->st_mtim)
 #endif
 
-/* a + b, held at LLONG_MAX / LLONG_MIN: a file's size is the file system's to say (a sparse one may claim
- * almost 2^63 bytes), and a total that wrapped would read as an empty folder (nothing evicted) */
-static long long add_sat(long long a, long long b) {
+/* a + b (b >= 0: what a file or folder takes), exact (see evict_total): a total held at LLONG_MAX, less the
+ * entries it evicts, then less the dead temporary files the caller removes, read as less than nothing (and the
+ * Python twin, whose sum is exact, said otherwise) */
+static evict_total add_total(evict_total a, long long b) {
+#if defined(__SIZEOF_INT128__)
+    return a + b;
+#else
     long long s;
-    if (__builtin_add_overflow(a, b, &s))
-        return b > 0 ? LLONG_MAX : LLONG_MIN;
-    return s;
+    return __builtin_add_overflow(a, b, &s) ? LLONG_MAX : s;
+#endif
+}
+
+/* whether total + incoming passes bound (a total that wrapped would read as an empty folder: nothing evicted) */
+static int over_bound(evict_total total, long long incoming, long long bound) {
+#if defined(__SIZEOF_INT128__)
+    return total + incoming > bound;
+#else
+    long long need;
+    return __builtin_add_overflow(total, incoming, &need) ? incoming > 0 : need > bound;
+#endif
 }
 
 typedef struct {
@@ -112,7 +125,7 @@ static int by_name(const void *a, const void *b) {
 }
 
 /* the subfolders of the root (open as root_fd): each real directory among its names; the other files counted */
-static int list_root(int root_fd, long long block, folder **folders, size_t *n_folders, long long *total) {
+static int list_root(int root_fd, long long block, folder **folders, size_t *n_folders, evict_total *total) {
     int fd = AGAIN(openat(root_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (fd < 0)
         return 0;
@@ -123,7 +136,7 @@ static int list_root(int root_fd, long long block, folder **folders, size_t *n_f
     }
     size_t cap = 0;
     int bad = 0;
-    long long total0 = *total;
+    evict_total total0 = *total;
     struct dirent *d;
     while ((errno = 0, d = readdir(dir)) != NULL) {
         struct stat st;
@@ -138,9 +151,9 @@ static int list_root(int root_fd, long long block, folder **folders, size_t *n_f
             strcpy(f->name, d->d_name);
         } else if (strcmp(d->d_name, ".index") == 0) { /* its block, even before its first write gives it one */
             long long held = allocated_of(&st);
-            *total = add_sat(*total, held > block ? held : block);
+            *total = add_total(*total, held > block ? held : block);
         } else {
-            *total = add_sat(*total, allocated_of(&st)); /* anything else kept here */
+            *total = add_total(*total, allocated_of(&st)); /* anything else kept here */
         }
     }
     if (bad == 0 && d == NULL && errno != 0) { /* the listing failed part way: none of it, as the Python twin */
@@ -153,7 +166,7 @@ static int list_root(int root_fd, long long block, folder **folders, size_t *n_f
 
 /* one subfolder's names measured: its entries appended, the rest counted */
 static int list_folder(int root_fd, folder *f, size_t index, entry **entries, size_t *n_entries, size_t *cap,
-                       long long *total) {
+                       evict_total *total) {
     int fd = AGAIN(openat(root_fd, f->name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     if (fd < 0)
         return 0; /* removed (or replaced) since listed: not counted, as the Python scan */
@@ -167,11 +180,11 @@ static int list_folder(int root_fd, folder *f, size_t index, entry **entries, si
         close(fd);
         return 0;
     }
-    long long total0 = *total;
+    evict_total total0 = *total;
     f->allocated = allocated_of(&st);
     f->dev = st.st_dev;
     f->ino = st.st_ino;
-    *total = add_sat(*total, f->allocated);
+    *total = add_total(*total, f->allocated);
     int bad = 0;
     size_t n0 = *n_entries;
     struct dirent *d;
@@ -180,7 +193,7 @@ static int list_folder(int root_fd, folder *f, size_t index, entry **entries, si
             continue;
         f->names++;
         long long held = allocated_of(&st);
-        *total = add_sat(*total, held); /* entries, markers (none), live writers' temporary files, anything else */
+        *total = add_total(*total, held); /* entries, markers (none), live writers' temporary files, anything else */
         if (is_temp_name(d->d_name))
             f->temp = 1;
         if (is_entry_name(d->d_name)) {
@@ -236,9 +249,7 @@ int evict_entries(const char *root, long long bound, long long target, long long
                 out->temp_len += len;
                 out->n_temp++;
             }
-    long long need;
-    int over = __builtin_add_overflow(out->total, incoming, &need) ? incoming > 0 : need > bound;
-    if (bad == 0 && over) {
+    if (bad == 0 && over_bound(out->total, incoming, bound)) {
         if (n_entries > 1) /* (qsort's base is declared non-null: none listed leaves entries NULL) */
             qsort(entries, n_entries, sizeof *entries, older);
         int dir_fd = -1, dir_gone = 0;

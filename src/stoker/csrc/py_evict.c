@@ -5,6 +5,25 @@
 
 #include "evict.h"
 
+/* a total as a Python int (past 2^63 where sparse files claim that much: see evict_total) */
+static PyObject *total_of(evict_total total) {
+    if (total >= LLONG_MIN && total <= LLONG_MAX)
+        return PyLong_FromLongLong((long long)total);
+#if defined(__SIZEOF_INT128__)
+    PyObject *high = PyLong_FromLongLong((long long)(total >> 64)), *shift = PyLong_FromLong(64), *low = NULL;
+    PyObject *up = high && shift ? PyNumber_Lshift(high, shift) : NULL, *out = NULL;
+    if (up != NULL && (low = PyLong_FromUnsignedLongLong((unsigned long long)total)) != NULL)
+        out = PyNumber_Add(up, low);
+    Py_XDECREF(high);
+    Py_XDECREF(shift);
+    Py_XDECREF(up);
+    Py_XDECREF(low);
+    return out;
+#else
+    return NULL; /* not reached: a long long total fits */
+#endif
+}
+
 /* evict_entries(root, bound, target, incoming, block) -> (total, evicted, temp): see below */
 static PyObject *evict_entries_py(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *root_obj;
@@ -33,7 +52,12 @@ static PyObject *evict_entries_py(PyObject *Py_UNUSED(self), PyObject *args) {
         at += strlen(r.temp + at) + 1;
     }
     free(r.temp);
-    return temp == NULL ? NULL : Py_BuildValue("(LLN)", r.total, r.evicted, temp);
+    PyObject *total = temp == NULL ? NULL : total_of(r.total);
+    if (total == NULL) {
+        Py_XDECREF(temp);
+        return NULL;
+    }
+    return Py_BuildValue("(NLN)", total, r.evicted, temp);
 }
 
 PyMethodDef evict_methods[] = {

@@ -21,7 +21,9 @@ for keys past those, by a HEAD request (no body; the store's ``start_versions``)
 through this wrapper or asked ahead (:meth:`CachingStore.revalidate`), one in flight per key whatever asks;
 again once older than ``staleness_s`` (as tensorstore's staleness bound: where the store lists, by listing
 the key's opened array again, also one its open did not list, as on a cold cache); every fetched answer also
-states it. An object rewritten
+states it. Stale is judged as of when a read (or :meth:`~CachingStore.revalidate`) began: the listing or HEAD
+it waits for serves it, so a call lists an array once at most, however short the bound (a call that serves
+no read waits for a listing in flight rather than start another). An object rewritten
 has another generation, so its old entries are never served (they age out). :meth:`forget` drops what was
 learnt, so the next read of every key revalidates; what was asked before it (a listing page, a HEAD) and
 answered after is not learnt, as it may predate a rewrite. A read waits for one listing page at most: a
@@ -101,6 +103,7 @@ class CachingStore:
         # keys (and opened prefixes, with their "/") whose marker this wrapper wrote (MARKERS_FOUND at most)
         self._marked: dict[str, None] = {}
         self._found: dict[str, None] = {}  # keys whose marker was found on disk (see _has_marker; MARKERS_FOUND at most)
+        self._evicted = cache.evicted  # the cache's count of entries this process evicted, when those two were right
         self._opened: set[str] = set()  # prefixes of the arrays opened (see opened)
         self._listings: dict[str, _Listing] = {}  # prefix -> its newest listing
         self._heads: dict[str, concurrent.futures.Future] = {}  # key -> the flight of its HEAD in flight
@@ -224,12 +227,13 @@ class CachingStore:
         begin.append(listing)
         return listing
 
-    def _list_unlisted(self, key: str, now: float, begin: list) -> "_Listing | None":
+    def _list_unlisted(self, key: str, now: float, begin: list, since: float) -> "_Listing | None":
         """Under the lock: for a stale ``key`` that no listing covers, a listing of the opened array it is under
         (registered: see :meth:`_registered`), where the store lists and that array was not listed in the last
         half of ``staleness_s`` (see :meth:`opened`); else None (the key is asked by HEAD). An array opened on
         a cold cache was not listed (nothing kept then); once its objects are past the bound, one listing of
-        1,000 keys a request revalidates them, not a HEAD each."""
+        1,000 keys a request revalidates them, not a HEAD each. Not again for a call (begun at ``since``) that
+        listed it already (its listing forgotten since): a HEAD then."""
         if not self._lists:
             return None
         folder = self._opened_of(key)
@@ -237,7 +241,7 @@ class CachingStore:
             return None
         prefix = folder[:-1]
         listed = self._listed_at.get(prefix)
-        if listed is not None and now - listed < self.staleness_s / 2:
+        if listed is not None and (now - listed < self.staleness_s / 2 or listed >= since):
             return None  # listed (or opened again) lately: a HEAD each, as opened() decides
         self._listed_at[prefix] = now
         return self._registered(prefix, now, begin)
@@ -329,7 +333,7 @@ class CachingStore:
         return 2 * one + 10
 
     def _resolve(self, names: set[str], then: Callable[[Any], None], checked: bool = False,
-                 patient: bool = False, waited: bool = False) -> None:
+                 patient: bool = False, waited: bool = False, since: float | None = None) -> None:
         """Call ``then(generations)`` once the generation of each of ``names`` is known now (None: read it
         uncached), waiting for nothing: listing pages in flight are awaited by callback, stale keys' HEADs
         started (one in flight per key, shared by every read that needs it), side by side. ``then`` runs on
@@ -337,21 +341,35 @@ class CachingStore:
         revalidation met) in place of the dict, always once. A read waits for one listing page at most: a
         key not on the page that came (``waited``) is asked by HEAD, not after the pages before its own, one
         after the other (``patient``: :meth:`revalidate`, which no read waits for, waits for its page).
-        ``checked``: see :meth:`_known_now`."""
-        got, head, waits = self._known_now(names, time.monotonic(), checked, patient or not waited)
+        ``checked``: see :meth:`_known_now`. ``since``: when the call began (None: now), kept as it looks again
+        after each page, so that what is fresh for it is judged as of then (see :meth:`_fresh`): a call starts
+        one listing of an array at most, whatever the bound."""
+        now = time.monotonic()
+        since = now if since is None else since
+        got, head, waits, since = self._known_now(names, now, checked, patient or not waited, since, patient,
+                                                  refresh=not waited)
         if not waits and not head:
             then(got)
             return
         join = _Join(int(bool(waits)) + int(bool(head)), got, then)
         if waits:  # then again for the keys the pages may hold (which have entries: checked)
             rest = names - got.keys() - set(head)
-            when_all_done(waits, lambda: self._resolve(rest, join.add, True, patient, True), join.add)
+            when_all_done(waits, lambda: self._resolve(rest, join.add, True, patient, True, since), join.add)
         if head:
-            self._head(head, join.add)
+            self._head(head, join.add, since)
 
-    def _head(self, keys: list[str], then: Callable[[Any], None]) -> None:
+    def _fresh(self, learnt: float, since: float) -> bool:
+        """Whether a generation learnt at ``learnt`` (when the listing or HEAD that stated it was asked) may
+        serve a call that began at ``since``: learnt less than ``staleness_s`` before the call began, as
+        tensorstore's staleness bound (data no older than the bound at the time of the request), so a listing
+        or HEAD the call waited for serves it, whatever the bound. Judged as of now, a bound shorter than a
+        listing page's round trip found each page's keys stale as they came (dated from the listing's start),
+        and the call listed the array again, a chain of LIST requests that only close ended."""
+        return since - learnt < self.staleness_s
+
+    def _head(self, keys: list[str], then: Callable[[Any], None], since: float) -> None:
         """``then({key: generation or None})`` once the HEADs of ``keys`` (started here, or in flight already
-        for another read) have answered and what they found is learnt."""
+        for another read) have answered and what they found is learnt; ``since``: when the call began."""
         try:
             flights = self._heads_for(keys)
         except ShutdownError as exc:
@@ -359,12 +377,11 @@ class CachingStore:
             return
 
         def headed() -> None:  # after _headed (called back first, in the order callbacks were added)
-            now = time.monotonic()
             out = {}
             with self._lock:
                 for key in keys:
                     known = self._known.get(key)
-                    fresh = known is not None and known[0] is not _UNCACHED and now - known[1] < self.staleness_s
+                    fresh = known is not None and known[0] is not _UNCACHED and self._fresh(known[1], since)
                     out[key] = known[0] if fresh else None  # failed, missing or no generation: read through
             then(out)
 
@@ -431,32 +448,42 @@ class CachingStore:
         flight.set_result(None)
 
     def _known_now(self, keys: Collection[str], now: float, checked: bool = False,
-                   wait_pages: bool = True) -> tuple[dict[str, Any], list[str], set]:
-        """``(generations, stale, pages)``: the generation of each of ``keys`` known now (None: read uncached),
-        the keys to revalidate by HEAD before their entries may be served, and the listing pages in flight
-        that may hold the rest (all of ``keys`` are in one of the three). A listing older than half the
+                   wait_pages: bool = True, since: float | None = None,
+                   ahead: bool = False, refresh: bool = True) -> tuple[dict[str, Any], list[str], set, float]:
+        """``(generations, stale, pages, since)``: the generation of each of ``keys`` known now (None: read
+        uncached), the keys to revalidate by HEAD before their entries may be served, the listing pages in
+        flight that may hold the rest (all of ``keys`` are in one of the three), and ``since`` for the call's
+        next look (see ``ahead``). A listing older than half the
         staleness bound is started again here, so that a steady reader never waits for one. ``checked``: every
         one of ``keys`` is known to have entries (no disk look-up, which the store's event loop must not do).
-        ``wait_pages`` False: a key whose page has not come is asked by HEAD (see :meth:`_resolve`)."""
+        ``wait_pages`` False: a key whose page has not come is asked by HEAD (see :meth:`_resolve`). ``since``:
+        when the call began (None: ``now``): what was learnt less than the bound before it is fresh for the call
+        (:meth:`_fresh`), so a listing it started or waited for is never started again for it.
+        ``ahead``: the call serves no read (:meth:`revalidate`), so a listing in flight that has yet to reach a
+        key does for it, however old (``since`` given back as that listing's start): a pipeline asks ahead for
+        each batch it plans, and under a bound shorter than a page's round trip each ask replaced the listing
+        before its first page came, so none was ever learnt. ``refresh`` False (a call looking again after the
+        page it waited for): no listing started ahead, the one it waited for is as new as it needs."""
+        since = now if since is None else since
         out: dict[str, Any] = {}
         stale = []
-        refresh: dict[str, _Listing] = {}
+        again: dict[str, _Listing] = {}
         with self._lock:
             for key in keys:
                 known = self._known.get(key)
-                if known is not None and now - known[1] < self.staleness_s:
+                if known is not None and self._fresh(known[1], since):
                     out[key] = None if known[0] is _UNCACHED else known[0]
-                    if self._listings and now - known[1] >= self.staleness_s / 2:
+                    if refresh and self._listings and now - known[1] >= self.staleness_s / 2:
                         listing = self._listing_of(key)
-                        if listing is not None and listing.future is None and \
+                        if listing is not None and listing.future is None and listing.started < since and \
                                 now - listing.started >= self.staleness_s / 2:
-                            refresh[listing.prefix] = listing
+                            again[listing.prefix] = listing
                 else:
                     stale.append(key)
-        for prefix in refresh:
+        for prefix in again:
             self._relist(prefix, now)
         if not stale:
-            return out, [], set()
+            return out, [], set(), since
         # a key of which nothing was ever kept (no marker) needs no HEAD: its read goes to the store anyway
         # and states the generation; so a cold cache costs the requests an uncached read does
         kept = stale if checked else [key for key in stale if self._has_marker(key)]
@@ -469,14 +496,17 @@ class CachingStore:
         with self._lock:
             for key in kept:
                 known = self._known.get(key)
-                if known is not None and now - known[1] < self.staleness_s:  # learnt meanwhile
+                if known is not None and self._fresh(known[1], since):  # learnt meanwhile
                     out[key] = None if known[0] is _UNCACHED else known[0]
                     continue
                 listing = self._listing_of(key)
                 if listing is None:  # its array opened without a listing (a cold cache), or forgotten
-                    listing = self._list_unlisted(key, now, begin)
-                elif now - listing.started >= self.staleness_s:  # listed too long ago: listed again
-                    listing = self._registered(listing.prefix, now, begin)
+                    listing = self._list_unlisted(key, now, begin, since)
+                elif not self._fresh(listing.started, since):  # listed too long before the call began
+                    if ahead and listing.future is not None and not listing.covers(key):
+                        since = listing.started  # its page to come does for a call that serves no read
+                    else:
+                        listing = self._registered(listing.prefix, now, begin)  # listed again
                 if listing is None:
                     head.append(key)
                 elif listing.covers(key):  # listed nowhere: missing (or written since): read through
@@ -490,7 +520,7 @@ class CachingStore:
             self._next_page(listing, None, listing.future)
         for key in (*head, *pending):
             del out[key]
-        return out, head, pages
+        return out, head, pages, since
 
     def kept_on_disk(self, keys: Sequence[str]) -> list[bool]:
         """Whether entries of each of ``keys`` may be on disk (its marker: :meth:`_has_marker`; a look-up on disk
@@ -504,6 +534,7 @@ class CachingStore:
         most :data:`MARKERS_FOUND`, then forgotten all at once), and a key whose HEAD is in flight had one:
         a key revalidated ahead and then read (or read by several batches) costs the caller one look-up on
         disk (a hash and a syscall, on the coordinator's thread for a pipeline), not one per ask."""
+        self._after_eviction()
         if key in self._marked or key in self._found or key in self._heads:
             return True
         if not self.cache.has(self._marker(key)):
@@ -511,6 +542,18 @@ class CachingStore:
         with self._lock:
             remember(self._found, key, None, MARKERS_FOUND)
         return True
+
+    def _after_eviction(self) -> None:
+        """Forget the markers this wrapper wrote or found once this process evicted entries (markers among them,
+        as :meth:`DiskCache.has <stoker.storage.diskcache.DiskCache.has>` forgets them): a key kept again is
+        marked again, so another wrapper of the folder (another pipeline, rank or ``open_array``) finds its
+        entries, not a key it reads uncached. One int compared a call."""
+        evicted = self.cache.evicted
+        if evicted != self._evicted:
+            with self._lock:
+                self._evicted = evicted
+                self._marked.clear()
+                self._found.clear()
 
     def _marker(self, key: str) -> str:
         """The ident of the empty marker file that says entries of ``key`` may be kept."""
@@ -755,6 +798,7 @@ class CachingStore:
             # its entry once written: what entry_files gives for it (the next epoch's look-up, without a stat)
             self._made(key, start, length, gen, ident, (os.fsencode(self.cache.path(ident)),
                                                         ident.encode("utf-8", "surrogatepass")))
+        self._after_eviction()
         with self._lock:
             marked = key in self._marked
             remember(self._marked, key, None, MARKERS_FOUND)  # as _found: a key marked again costs a look-up

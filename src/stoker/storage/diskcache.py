@@ -473,7 +473,9 @@ class DiskCache:
         :func:`evict_entries`. One scan: temporary files count as the disk they take while it evicts, and the
         dead writers' ones among them are removed after it, in the subfolders it names, what they took taken off
         its total (so a crash's leftovers may make one eviction unlink that much more; a live writer's file,
-        or another machine's kept :data:`~stoker.storage.fsutil.STALE_AFTER_S`, costs nothing more)."""
+        or another machine's kept :data:`~stoker.storage.fsutil.STALE_AFTER_S`, costs nothing more). Both scans
+        sum exactly (the compiled one in 128 bits), so a sparse file claiming near 2^63 bytes, taken off after
+        the scan, leaves the disk the folder takes, never less than nothing."""
         # the folder's own target, not that less incoming: a batch's need taken off it too evicted twice its
         # room (or everything) where one entry's took a block or two off
         target = min(int(self.cache_bytes * LOW_WATER), self.cache_bytes - incoming)
@@ -968,7 +970,8 @@ def _lock(fd: int, wait_s: float) -> bool:
 
 
 def _store_total(fd: int, total: int) -> None:
-    os.pwrite(fd, struct.pack("<Q", max(0, total)), 0)
+    """Store ``total`` in ``.index`` (held within 8 bytes: sparse files may claim past 2^64 between them)."""
+    os.pwrite(fd, struct.pack("<Q", min(max(0, total), (1 << 64) - 1)), 0)
 
 
 _caches: dict[tuple[str, int, int], DiskCache] = {}
