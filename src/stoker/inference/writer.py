@@ -220,6 +220,15 @@ class _Region:
                         np.copyto(target, acc, casting="unsafe")  # as astype
                     else:  # the float64 quotient rounded once to dtype, as astype would
                         np.divide(acc, wsum, out=target, casting="same_kind")
+                # a region closed without all its tiles: the voxels of the overlap that one part that came covers
+                # alone are that part's value (cast as astype), as blend_parts' pieces over the parts that came
+                # give them, not (w * v) / w (an ulp off in float64, and an integer's .5 rounded the other way)
+                for i, (x, _, values) in enumerate(kept):
+                    for piece in subtract(x, [o for j, (o, _, _) in enumerate(kept) if j != i]):
+                        src = values[(Ellipsis,) + local(piece, x)]
+                        np.copyto(out[(Ellipsis,) + local(piece, self.box)],
+                                  np.rint(src) if rint and np.issubdtype(src.dtype, np.floating) else src,
+                                  casting="unsafe")
             for _, _, _, values in self.overlaps:
                 pool.give(values)
         for piece in subtract(self.box, self.arrived):  # voxels no part reached (a region finished at close())
