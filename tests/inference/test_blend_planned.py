@@ -5,6 +5,8 @@ bit, and the NumPy reference within float32 rounding (tests/inference/test_write
 
 from __future__ import annotations
 
+import datetime
+
 import numpy as np
 import pytest
 import torch
@@ -126,6 +128,66 @@ def test_planned_equals_whole_bit_for_bit_with_tiles_missing(source, tmp_path, c
     planned, _ = _write(str(tmp_path / "p.zarr"), batches, "hann", dtype, 0, grid=grid, keep=keep, predict=predict)
     whole, _ = _write(str(tmp_path / "w.zarr"), batches, "hann", dtype, 0, keep=keep, predict=predict)
     np.testing.assert_array_equal(planned, whole)
+
+
+def _shifted(x: torch.Tensor, samples) -> torch.Tensor:
+    """Each tile's prediction differs from its neighbours' (its start added): a tile dropped shows."""
+    return x + torch.tensor([float(sum(a for a, _ in s.aabb)) for s in samples]).view(-1, 1, 1, 1)
+
+
+def _refusing(out: str, grid, batches, bad, world: int = 1, rank: int = 0) -> np.ndarray:
+    writer = stoker.TileWriter(out, SHAPE, CHUNKS, "f4", blend="hann", crop=CROP, grid=grid, write_threads=0,
+                               rank=rank, world_size=world)
+    if bad is not None:
+        with pytest.raises(InvalidArgument, match="no tile of the grid"):
+            writer.write([batches[0][0][0], bad] if rank == world - 1 else [batches[0][0][0]],
+                         batches[0][1][:2] if rank == world - 1 else batches[0][1][:1])
+    for i, (samples, x) in enumerate(batches):
+        if i % world == rank:
+            writer.write(samples, _shifted(x, samples))
+        elif world > 1:
+            writer.write([], x[:0])  # write() is collective: every rank calls it once per batch
+    writer.close()
+    return zarr.open_array(out, mode="r")[:]
+
+
+def test_a_refused_batch_changes_nothing(source, tmp_path):
+    """A batch with a prediction for a box the grid has not is refused whole before any of it is taken: a
+    caller that goes on gets the array of a clean run (counted, the refused tile finished a region a tile
+    early, and its last tile was then dropped as written already)."""
+    uri, _ = source
+    grid, batches = _batches(uri)
+    clean = _refusing(str(tmp_path / "clean.zarr"), grid, batches, None)
+    bad = stoker.Sample(uri, [(18, 42), (0, 24), (0, 24)])  # in the first regions, no tile of the grid
+    np.testing.assert_array_equal(_refusing(str(tmp_path / "after.zarr"), grid, batches, bad), clean)
+
+
+def _rank_refusing(rank, world, init, uri, out, result):
+    import torch.distributed as dist
+
+    grid, batches = _batches(uri)  # every tile on each rank (a dataset in a process group takes its rank's share)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        bad = stoker.Sample(uri, [(18, 42), (0, 24), (0, 24)])
+        _refusing(out, grid, batches, bad, world=world, rank=rank)
+        with open(f"{result}-{rank}", "w") as f:
+            f.write("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_batch_one_rank_refuses_is_refused_on_every_rank(source, tmp_path):
+    """Rank 1's batch holds a foreign tile: both ranks raise for that write() (rank 0 too, though its own
+    batch was good: no rank is left waiting on a collective the other skipped), and both go on to write the
+    array of a clean run."""
+    uri, _ = source
+    grid, batches = _batches(uri)
+    clean = _refusing(str(tmp_path / "clean.zarr"), grid, batches, None)
+    torch.multiprocessing.spawn(_rank_refusing, args=(2, str(tmp_path / "init"), uri, str(tmp_path / "two.zarr"),
+                                                      str(tmp_path / "r")), nprocs=2, join=True)
+    assert all((tmp_path / f"r-{r}").read_text() == "ok" for r in range(2))
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "two.zarr"), mode="r")[:], clean)
 
 
 def test_a_prediction_for_a_tile_of_another_grid_is_refused(source, tmp_path):
