@@ -187,6 +187,25 @@ def test_the_chunks_kept_stay_within_their_bound(tmp_path):
     assert engine.close(5)
 
 
+def test_the_memory_a_chunk_is_decoded_into_to_be_kept_is_within_the_bound(tmp_path):
+    """A chunk to be kept is decoded into memory its entry will own: that memory is taken within the bound
+    (older entries evicted first) and counted in ``held`` and ``peak`` while the decode runs, not only once the
+    entry is listed (else each thread held a chunk more than the bound, unseen). One thread, chunk 1 damaged:
+    with room for one chunk, decoding 1 evicts the kept 0 first and its failure leaves nothing kept; with room
+    for two, the peak counts 1's memory beside 0's, and the failed decode gives it back."""
+    n, size = 2, ROWS * COLS * 2
+    t = Chunks(tmp_path, n)
+    t.write(damaged=1)
+    for room, after in [(1, (0, 0, 1, size)), (2, (1, size, 0, 2 * size))]:
+        engine = native.Engine(1, 16 << 20)
+        engine.reuse(room * size, 1)
+        status, _ = t.run(engine)
+        assert status.tolist() == [native.ST_OK, native.ST_CODEC_ERROR]
+        info = engine.reuse_info()
+        assert (info["entries"], info["held"], info["evicted"], info["peak"]) == after
+        assert engine.close(5)
+
+
 def test_jobs_of_many_threads_with_a_small_bound_place_every_value(tmp_path):
     """Two threads, jobs submitted from three Python threads, each taking the chunks in an order of its own, while
     the bound (8 chunks of 16) evicts entries that other threads are placing from (pinned: freed by the last one

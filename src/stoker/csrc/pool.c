@@ -57,8 +57,9 @@
  * it): only jobs of that generation are served it, so the caller's new generation (a new push) reads every file
  * again, and changing the generation drops every entry. Entries are least recently used first out, their bytes
  * bounded by the byte bound (an entry taken by a placing thread is pinned: unlisted when evicted, freed by the
- * last one out, and counted until then); everything under the engine's lock but the copies in and out. Counted
- * per job as chunks_reused (not read, not decoded there) and per engine by engine_reuse_info.
+ * last one out, and counted until then; the memory a chunk is decoded into to be kept is counted from before the
+ * decode, room made for it first: reuse_buffer); everything under the engine's lock but the copies in and out.
+ * Counted per job as chunks_reused (not read, not decoded there) and per engine by engine_reuse_info.
  *
  * Sources: a chunk is read from its file (path built from the source's prefix and the file's grid coordinates)
  * or from a buffer the caller holds (C_BUFFER: a chunk fetched from a store), through the same codec code and
@@ -147,7 +148,8 @@ typedef struct reuse_entry {
 #define REUSE_BUCKETS 256 /* entries are chunks within a byte bound: a few hundred at most in practice */
 
 typedef struct {
-    long long max_bytes, held, peak, generation; /* held: entries listed or still pinned */
+    /* held: entries listed or still pinned, and the memory of decodes in flight to be kept (reuse_buffer) */
+    long long max_bytes, held, peak, generation;
     long long entries, hits, inserted, evicted;
     reuse_entry *newest, *oldest;
     reuse_entry *bucket[REUSE_BUCKETS];
@@ -1107,27 +1109,55 @@ static void reuse_let_go(engine *e, reuse_entry *x, chunk_times *tm) {
         reuse_entry_free(x);
 }
 
-/* memory a chunk of ``nbytes`` to be kept is decoded into (freed, or owned by its entry, by reuse_keep), or NULL
- * (none: decoded into the scratch and copied) */
-static char *reuse_buffer(const reuse_table *r, long long nbytes) {
-    void *data = NULL;
-    if (nbytes <= 0 || nbytes > __atomic_load_n(&r->max_bytes, __ATOMIC_RELAXED) ||
-        posix_memalign(&data, ALIGN, (size_t)nbytes) != 0)
+/* memory a chunk of ``nbytes`` to be kept is decoded (or copied) into, counted in ``held`` from here on, within the
+ * bound (older entries evicted to make room first, so the bytes of decodes in flight are bounded too and in
+ * ``peak``); handed to reuse_keep (kept, or freed there) or to reuse_unbuffer. NULL when the bound has no room for
+ * it (entries pinned, other decodes in flight) or no memory: decoded into the scratch, a copy tried at keep. */
+static char *reuse_buffer(engine *e, long long nbytes, chunk_times *tm) {
+    reuse_table *r = &e->reuse;
+    if (nbytes <= 0 || nbytes > __atomic_load_n(&r->max_bytes, __ATOMIC_RELAXED))
         return NULL;
+    reuse_entry *spent = NULL;
+    lock_in_chunk(e, tm);
+    reuse_make_room_locked(r, nbytes, &spent);
+    int room = r->held + nbytes <= r->max_bytes;
+    if (room) {
+        r->held += nbytes;
+        r->peak = r->held > r->peak ? r->held : r->peak;
+    }
+    pthread_mutex_unlock(&e->mu);
+    reuse_free_chain(spent);
+    void *data = NULL;
+    if (room && posix_memalign(&data, ALIGN, (size_t)nbytes) != 0) {
+        data = NULL;
+        lock_in_chunk(e, tm);
+        r->held -= nbytes;
+        pthread_mutex_unlock(&e->mu);
+    }
     return data;
 }
 
+/* a buffer from reuse_buffer not kept: freed, its bytes no longer counted */
+static void reuse_unbuffer(engine *e, char *data, long long nbytes, chunk_times *tm) {
+    lock_in_chunk(e, tm);
+    e->reuse.held -= nbytes;
+    pthread_mutex_unlock(&e->mu);
+    free(data);
+}
+
 /* keep ``nbytes`` decoded at ``decoded`` under key ``k`` for ``j``'s generation, if it is still the engine's and
- * the bound holds it (evicting older entries): ``decoded`` itself when it is ``owned`` (from reuse_buffer: kept,
- * or freed here), else a copy made outside the lock */
+ * no other thread kept it meanwhile: ``decoded`` itself when it is ``owned`` (from reuse_buffer, its room taken
+ * already: kept, or freed here), else a copy into a buffer from reuse_buffer (made outside the lock, when the
+ * bound has room for it) */
 static void reuse_keep(engine *e, const job *j, const reuse_key *k, const char *decoded, char *owned,
                        long long nbytes, chunk_times *tm) {
     reuse_table *r = &e->reuse;
     reuse_entry *x = calloc(1, sizeof(reuse_entry));
     void *data = owned;
-    if (x == NULL || (data == NULL && (data = reuse_buffer(r, nbytes)) == NULL) ||
+    if (x == NULL || (data == NULL && (data = reuse_buffer(e, nbytes, tm)) == NULL) ||
         (x->key = malloc(k->len)) == NULL) {
-        free(data);
+        if (data != NULL)
+            reuse_unbuffer(e, data, nbytes, tm);
         if (x != NULL)
             free(x->key);
         free(x);
@@ -1141,29 +1171,23 @@ static void reuse_keep(engine *e, const job *j, const reuse_key *k, const char *
     x->hash = k->hash;
     x->generation = j->reuse_gen;
     x->nbytes = nbytes;
-    reuse_entry *spent = NULL;
     lock_in_chunk(e, tm);
     reuse_entry *y = r->bucket[k->hash % REUSE_BUCKETS];
     while (y != NULL && !(y->hash == k->hash && y->generation == x->generation && y->key_len == k->len &&
                           memcmp(y->key, k->bytes, k->len) == 0))
         y = y->chain;
     int keep = y == NULL && x->generation == r->generation; /* another thread kept it meanwhile; an old push */
-    if (keep) {
-        reuse_make_room_locked(r, nbytes, &spent);
-        keep = r->held + nbytes <= r->max_bytes; /* pinned entries may still hold the room */
-    }
-    if (keep) {
+    if (keep) { /* its bytes are in ``held`` since reuse_buffer: the entry takes them over */
         x->listed = 1;
         x->chain = r->bucket[k->hash % REUSE_BUCKETS];
         r->bucket[k->hash % REUSE_BUCKETS] = x;
         reuse_push_newest(r, x);
-        r->held += nbytes;
-        r->peak = r->held > r->peak ? r->held : r->peak;
         r->entries++;
         r->inserted++;
+    } else {
+        r->held -= nbytes; /* freed below, with the entry */
     }
     pthread_mutex_unlock(&e->mu);
-    reuse_free_chain(spent);
     if (!keep)
         reuse_entry_free(x);
 }
@@ -1250,7 +1274,7 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
         long long shared[MAX_SHARERS];
         int keep = j->reuse && kept_key.len > 0; /* kept once decoded, whole (see "Reused") */
         /* kept: decoded into the memory its entry will own (no copy), else into the scratch */
-        char *fresh = keep ? reuse_buffer(&e->reuse, c[C_NBYTES]) : NULL;
+        char *fresh = keep ? reuse_buffer(e, c[C_NBYTES], tm) : NULL;
         char *decoded = fresh != NULL ? fresh : scratch;
         int n_sharers = shareable(t, c) ? take_sharers(e, w, j, c, sharers, shared) : 0;
         /* shared or kept: decoded into the scratch (or the entry's memory) */
@@ -1362,7 +1386,7 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
         if (whole) /* the entry takes ``fresh`` when the chunk is there, else a copy */
             reuse_keep(e, j, &kept_key, decoded, decoded == fresh ? fresh : NULL, c[C_NBYTES], tm);
         if (fresh != NULL && !(whole && decoded == fresh))
-            free(fresh);
+            reuse_unbuffer(e, fresh, c[C_NBYTES], tm);
     }
     __atomic_store_n(&j->detail[i], detail, __ATOMIC_RELAXED);
     __atomic_store_n(&j->status[i], status, __ATOMIC_RELEASE);

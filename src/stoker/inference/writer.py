@@ -29,7 +29,10 @@ How the work is split (see docs/inference.md):
   (:mod:`.buffers`, at most ``SPARE_BYTES`` kept by the process).
   With ``grid=`` the writer knows how many tiles touch each region and writes a region as soon as all
   of them arrived; memory is then the regions in flight. Without it every region waits for ``close()``.
-- A tile seen twice (a short rank of a grid's split repeats tiles from the start) counts once.
+- A tile seen twice (a short rank of a grid's split repeats tiles from the start) counts once. With
+  ``grid=``, a batch holding a tile not the grid's is refused whole (InvalidArgument) before any of it is
+  taken, on every rank for that call (the refusing rank sends its reason instead of parts), so the ranks
+  stay in step and the writer stays usable.
 - After its chunks are written a region is marked in a completion record beside the array; a restarted
   writer skips marked regions, and :meth:`TileWriter.pending` lists the tiles still needed.
 - A finished region is blended down and written by ``write_threads`` background threads
@@ -220,6 +223,15 @@ class _Region:
                         np.copyto(target, acc, casting="unsafe")  # as astype
                     else:  # the float64 quotient rounded once to dtype, as astype would
                         np.divide(acc, wsum, out=target, casting="same_kind")
+                # a region closed without all its tiles: the voxels of the overlap that one part that came covers
+                # alone are that part's value (cast as astype), as blend_parts' pieces over the parts that came
+                # give them, not (w * v) / w (an ulp off in float64, and an integer's .5 rounded the other way)
+                for i, (x, _, values) in enumerate(kept):
+                    for piece in subtract(x, [o for j, (o, _, _) in enumerate(kept) if j != i]):
+                        src = values[(Ellipsis,) + local(piece, x)]
+                        np.copyto(out[(Ellipsis,) + local(piece, self.box)],
+                                  np.rint(src) if rint and np.issubdtype(src.dtype, np.floating) else src,
+                                  casting="unsafe")
             for _, _, _, values in self.overlaps:
                 pool.give(values)
         for piece in subtract(self.box, self.arrived):  # voxels no part reached (a region finished at close())
@@ -443,6 +455,7 @@ class TileWriter:
         self._open: dict[tuple[int, ...], _Region] = {}
         self._expected: dict[tuple[int, ...], int] | None = None
         self._boxes: dict[tuple[int, ...], list[Box]] = {}  # with grid=: each owned region's parts' boxes
+        self._tiles: set[Box] | None = None  # with grid=: the boxes of its tiles
         self._weights: dict[tuple[int, ...], np.ndarray] = {}
         self._scratch = np.empty(0, dtype=np.float64)  # the blend's products, reused (the caller's thread only)
         self.written = 0  # regions this rank wrote
@@ -474,7 +487,9 @@ class TileWriter:
                                   knob="crop")
         if self.grid is not None:
             self._expected = {}
-            for tile in {box_of(self.grid.sample(0, i)) for i in range(len(self.grid))}:
+            # the grid's tiles: a prediction for another box is refused before it changes anything (write())
+            self._tiles = {box_of(self.grid.sample(0, i)) for i in range(len(self.grid))}
+            for tile in self._tiles:
                 out = self._out(tile, self.grid.pad is not None)
                 for r in regions_of(out, self.unit):
                     if self._owner(r) == self.rank:
@@ -535,9 +550,18 @@ class TileWriter:
         if self._background is not None:
             self._background.check()  # a background write failed: say so before more work
         p = _numpy(predictions)
+        parts: list[list[Part]] = [[] for _ in range(self.world_size)]
+        try:  # the whole batch is checked before any of it is taken: a refused batch changes nothing
+            self._cut(samples, p, parts)
+        except InvalidArgument as e:
+            self._exchange(parts, e)  # every rank refuses the batch (none waits on a collective the others skip)
+            raise
+        self._receive(self._exchange(parts, None))
+
+    def _cut(self, samples: Sequence[Sample], p: np.ndarray, parts: list[list[Part]]) -> None:
+        """Cut each prediction into the parts each region needs, into ``parts`` (by the owner's rank)."""
         if len(samples) != len(p):
             raise InvalidArgument(f"TileWriter.write: {len(samples)} samples but {len(p)} predictions")
-        parts: list[list[Part]] = [[] for _ in range(self.world_size)]
         for s, pred in zip(samples, p):
             aabb = box_of(s)
             if self._ndim is None:
@@ -547,10 +571,15 @@ class TileWriter:
                 raise InvalidArgument(
                     f"TileWriter.write: a prediction of shape {pred.shape} for a tile of {tile}; expected "
                     f"{self.channels + tile} (the array {self.uri} has shape {self.shape})", uri=self.uri)
+            key = tuple(aabb)
+            if self._tiles is not None and key not in self._tiles:
+                # counted, it would finish a region before its last tile (then dropped as written already)
+                raise InvalidArgument(f"TileWriter(grid=...): a prediction for the tile {key}, which is no tile of "
+                                      "the grid: write its tiles (writer.pending(grid)), or leave grid= out",
+                                      uri=self.uri)
             out = self._out(aabb, s.pad is not None)
             if any(b <= a for a, b in out):
                 continue  # cropped away whole
-            key = tuple(aabb)
             start = int(np.ravel_multi_index(tuple(a for a, _ in out), self.spatial))
             for r in regions_of(out, self.unit):
                 if r in self._handed:
@@ -558,14 +587,22 @@ class TileWriter:
                 box = intersect(out, region_box(r, self.unit, self.spatial))
                 values = pred[(Ellipsis,) + local(box, key)]
                 parts[self._owner(r)].append((r, key, box, values, start))
-        self._receive(self._exchange(parts))
 
-    def _exchange(self, parts: list[list[Part]]) -> list[Part]:
+    def _exchange(self, parts: list[list[Part]], refused: InvalidArgument | None) -> list[Part]:
+        """The parts of this rank's regions, from every rank; ``refused``: this rank's batch was refused (it
+        sends the reason instead of parts, and the caller raises). A batch another rank refused is refused here
+        too (InvalidArgument, nothing taken), so the ranks stay in step."""
         dist = active_group(self.group)
         if dist is None or self.world_size == 1:
-            return parts[0] if self.world_size == 1 else parts[self.rank]
-        everyone = all_gather_object(parts, self.group)
-        return [part for sent in everyone for part in sent[self.rank]]
+            return [] if refused is not None else parts[0] if self.world_size == 1 else parts[self.rank]
+        everyone = all_gather_object(str(refused) if refused is not None else parts, self.group)
+        if refused is None:
+            for rank, sent in enumerate(everyone):
+                if isinstance(sent, str):
+                    raise InvalidArgument(f"TileWriter({self.uri}).write: rank {rank} refused its batch, so this "
+                                          f"batch is refused on every rank (nothing of it taken): {sent}",
+                                          uri=self.uri)
+        return [] if refused is not None else [part for sent in everyone for part in sent[self.rank]]
 
     def _receive(self, parts: list[Part]) -> None:
         for r, key, box, values, start in sorted(parts, key=lambda p: (p[0], p[1])):
