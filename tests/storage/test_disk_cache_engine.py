@@ -413,7 +413,11 @@ def test_each_chunk_of_a_batch_is_asked_of_the_disk_cache_once(remote, data, tmp
             _six_batches(p, asked, f"{uri}/{path}", want)
             assert cache.flush(30)
             if epoch == 2 and path == "plain":
-                assert chunks(asked) in ([1] * 4 + [2] * 8, [1] * 12), chunks(asked)  # 8: batches 3 to 6's
+                # 8: batches 3 to 6's, planned before their generations were known (no stat then), looked up
+                # again once known to prefetch what is not on disk (a stat, on a cache reader thread, remembered:
+                # a marker outlives evicted entries), then by the decoder (remembered: no stat)
+                found = chunks(asked)
+                assert found[:4] == [1] * 4 and set(found[4:]) <= {1, 2, 3}, found
             else:
                 assert chunks(asked) == [1] * 12, (epoch, chunks(asked))
             if epoch == 2:

@@ -207,3 +207,31 @@ def test_heads_cut_short_by_a_close_give_their_shared_slots_back(server):
     got = b.versions([f"c/{i}" for i in range(6)])  # the gate's three slots all came back
     assert [v[0] for v in got] == [100 + i for i in range(6)]
     b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_head_times_out_while_the_call_waits_for_a_gate_slot(server, monkeypatch):
+    # one shared gate slot, c/0's first try never answers (obstore's own limit missed: what the per-try timer
+    # is for). The call waits for a slot to start c/1 while c/0 holds it: c/0's try must time out meanwhile,
+    # give the slot to c/1, and be tried again; both answer well inside queue_timeout_s.
+    import obstore
+
+    gate = asyncio.Semaphore(1)
+    s = ObjectStore(server.url, max_in_flight=2, timeout_s=0.1, connect_timeout_s=0.1, backoff_s=0.01,
+                    queue_timeout_s=4.0, gate=gate)
+    real = obstore.head_async
+    hung: list = []
+
+    def head(store, key):
+        if key == "c/0" and not hung:
+            hung.append(asyncio.get_running_loop().create_future())
+            return hung[0]
+        return real(store, key)
+
+    monkeypatch.setattr(obstore, "head_async", head)
+    t0 = time.monotonic()
+    got = s.versions(["c/0", "c/1"])
+    took = time.monotonic() - t0
+    s.close()
+    assert [v[0] for v in got] == [100, 101], got
+    assert hung[0].cancelled() and took < 3.5

@@ -62,3 +62,16 @@ def test_the_same_options_are_spelled_once_not_at_every_open(http, monkeypatch):
         assert stores.get(loc, headers)[0] is stores.get(loc, {"default_headers": {"x-a": "1"}})[0]
     finally:
         stores.close()
+
+
+@pytest.mark.parametrize("a, b", [({"x": (1, 2)}, {"x": (True, 2)}), ({"x": (1, 2)}, {"x": (1.0, 2.0)}),
+                                  ({"x": ((0,),)}, {"x": ((False,),)}), ({"x": frozenset([1])}, {"x": frozenset([True])}),
+                                  ({"x": 1}, {"x": True}), ({"x": 1}, {"x": 1.0})])
+def test_options_spelled_apart_by_json_are_never_spelled_alike(a, b):
+    # equal (and equally hashing) nested values whose items' types differ: the memo keyed (1, 2) and
+    # (True, 2) alike, so the second was given the first's spelling (and store)
+    from stoker.storage.locate import _spelled
+
+    for first, second in ((a, b), (b, a)):
+        assert _spelled(first, repr) == json.dumps(first, sort_keys=True, default=repr)
+        assert _spelled(second, repr) == json.dumps(second, sort_keys=True, default=repr)

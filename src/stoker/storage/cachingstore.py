@@ -100,6 +100,7 @@ class CachingStore:
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
         # (key, start, length) -> (generation, ident, entry): what entry_files made for that generation
         self._entry_files: dict[tuple, tuple[Any, str, tuple[bytes, bytes]]] = {}
+        self._losses = 0  # the cache's losses when _entry_files was last checked against them (see _unmade)
         # keys (and opened prefixes, with their "/") whose marker this wrapper wrote (MARKERS_FOUND at most)
         self._marked: dict[str, None] = {}
         self._found: dict[str, None] = {}  # keys whose marker was found on disk (see _has_marker; MARKERS_FOUND at most)
@@ -528,6 +529,46 @@ class CachingStore:
         is local, its read needs only its generation (:meth:`revalidate`), not its bytes fetched ahead."""
         return [self._has_marker(key) for key in keys]
 
+    def kept_entries(self, keys: Sequence[str]) -> list[bool | None]:
+        """Whether the whole value of each of ``keys`` is on disk now: True where its entry is on disk (or queued
+        for writing) at the generation known now (:meth:`entry_files`), False where that generation is known
+        (or the key is read uncached) and no entry is there (evicted, never written), None where no
+        generation is known now (:meth:`revalidate` first). What a prefetch asks of a key whose marker
+        (:meth:`kept_on_disk`) says entries may be kept: a marker outlives the entries it speaks for."""
+        now, staleness = time.monotonic(), self.staleness_s
+        with self._lock:
+            known = [self._known.get(key) for key in keys]
+        fresh = [i for i, got in enumerate(known) if got is not None and now - got[1] < staleness]
+        found: list = [None] * len(keys)
+        for i, entry in zip(fresh, self.entry_files([keys[i] for i in fresh], []) if fresh else ()):
+            found[i] = entry
+        out: list[bool | None] = []
+        for key, entry, got in zip(keys, found, known):
+            if entry is not None:
+                out.append(True)
+            elif got is None or now - got[1] >= staleness:
+                out.append(None)
+            elif got[0] is _UNCACHED:
+                out.append(False)
+            else:  # queued (entry_files says None for it): local, served from the queue
+                out.append(self.cache.queued(_ident(self.uri, key, None, None, got[0])))
+        return out
+
+    def when_revalidated(self, keys: Collection[str], then: Callable[[], None]) -> None:
+        """As :meth:`revalidate`, and ``then()`` on one of the disk cache's reader threads once the generations
+        of ``keys`` are known (or their revalidation failed): never on the store's event loop, which must
+        not look on disk. Nothing when no thread can take it (closing)."""
+        for key in keys:
+            check_key(key)
+
+        def resolved(_generations: Any) -> None:
+            try:
+                self.cache.serve(then)
+            except ShutdownError:
+                pass
+
+        self._resolve(set(keys), resolved, patient=True)
+
     def _has_marker(self, key: str) -> bool:
         """Whether entries of ``key`` may be kept (its marker is on disk). A marker found is remembered (apart
         from those this wrapper wrote: :meth:`_keep` still marks the key's array when it keeps the key; at
@@ -793,11 +834,13 @@ class CachingStore:
             return  # no generation: a later read could not tell it from a rewritten object's
         self._learn(key, gen, now)  # an answer states the object's generation as a HEAD would
         ident = _ident(self.uri, key, start, length, gen)
+        losses = self.cache.losses  # before the write is queued: a loss after it may be this entry's
         self.cache.put(ident, data)
         if self.cache.queued(ident):  # to be written (not refused: too big, a read-only folder, a full queue)
             # its entry once written: what entry_files gives for it (the next epoch's look-up, without a stat)
             self._made(key, start, length, gen, ident, (os.fsencode(self.cache.path(ident)),
                                                         ident.encode("utf-8", "surrogatepass")))
+            self._unmade_if_lost(key, start, length, losses)
         self._after_eviction()
         with self._lock:
             marked = key in self._marked
@@ -842,6 +885,8 @@ class CachingStore:
         queued for writing (not on disk yet: None) is asked anew."""
         now = time.monotonic()
         staleness = self.staleness_s
+        if self.cache.losses != self._losses:  # entries may be gone since they were remembered
+            self._unmade()
         made, queued, uri = self._entry_files, self.cache.queued, self.uri
         wanted = [(k, None, None) for k in keys] + [(r.key, r.start, r.length) for r in requests]
         with self._lock:
@@ -869,6 +914,36 @@ class CachingStore:
         """Keep ``entry`` (on disk, or queued for writing) as the one of ``key``'s value or range at ``gen``
         (see :meth:`entry_files`)."""
         remember(self._entry_files, (key, start, length), (gen, ident, entry), ENTRY_FILES_KEPT)
+
+    def _unmade(self) -> None:
+        """The disk cache lost entries (:meth:`DiskCache.lost <stoker.storage.diskcache.DiskCache.lost>`: an
+        eviction, a write not made, an entry a reader found missing): every entry :meth:`entry_files`
+        remembered is looked for on disk again (a ``stat`` each, once), so what is gone is fetched, and
+        prefetched when planned ahead, rather than handed to the engine to find missing."""
+        with self._lock:
+            self._losses = self.cache.losses
+            self._entry_files = {}
+
+    def _unmade_if_lost(self, key: str, start: int | None, length: int | None, losses: int) -> None:
+        """:meth:`_keep` remembered an entry queued when the cache's losses were ``losses``: forgotten again if
+        the cache lost any since (its write may be the one not made; :meth:`entry_files` may have checked
+        the losses between, and would not look again)."""
+        if self.cache.losses != losses:
+            with self._lock:
+                self._entry_files.pop((key, start, length), None)
+
+    @property
+    def losses(self) -> int:
+        """How often the disk cache lost entries this process counted on (:meth:`_unmade`): what a planner
+        compares to learn that batches found whole on disk may need fetches again."""
+        return self.cache.losses
+
+    def entries_missed(self, n: int) -> None:
+        """The compiled engine found ``n`` entries :meth:`entry_files` gave missing or unsound (evicted by
+        another process sharing the folder, or corrupt): a loss (:meth:`_unmade`), so the next look-ups look
+        on disk and what else is gone is fetched (and prefetched) rather than handed to the engine."""
+        if n:
+            self.cache.lost()
 
     def served_from_disk(self, n: int, nbytes: int) -> None:
         """Count ``n`` values or ranges of ``nbytes`` that the compiled engine read from :meth:`entry_files`."""

@@ -161,6 +161,8 @@ class DiskCache:
         self._readers: DaemonPool | None = None
         self._block = 0  # the file system's allocation unit (statvfs f_frsize), learnt at the first write
         self._seen: dict[str, float] = {}  # ident -> when has() found it or mark() queued it (monotonic; see has)
+        # grows whenever entries this process counted on may be gone (see lost): what a memo of entries checks
+        self.losses = 0
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -350,8 +352,10 @@ class DiskCache:
                 batch = self._take()
                 self._busy = True
             try:
-                self._write_batch([(ident, data) for ident, data, _ in batch])
+                if not all(self._write_batch([(ident, data) for ident, data, _ in batch])):
+                    self.lost()  # queued entries not written (no room, the lock not had, a failed write)
             except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
+                self.lost()
                 self._disable(exc)
             finally:
                 with self._cond:
@@ -486,8 +490,17 @@ class DiskCache:
                 total -= _allocated_of(st)
         if evicted:
             self._unsee()
+            self.lost()
         self.evicted += evicted
         return total
+
+    def lost(self) -> None:
+        """Entries this process counted on may be gone: it evicted some, a queued write was not made, or a
+        reader found one missing or unsound (another process evicted it): :attr:`losses` grows, so a memo of
+        entries on disk (:meth:`CachingStore.entry_files <stoker.storage.cachingstore.CachingStore.entry_files>`)
+        compares one int a call to know it must look on disk again."""
+        with self._cond:
+            self.losses += 1
 
     def _unsee(self) -> None:
         """Forget what :meth:`has` found (after this process's eviction, which may have unlinked any of it), but

@@ -161,20 +161,25 @@ def check_options_by_prefix(value: Any, what: str) -> dict[str, dict] | None:
 SPELLINGS_KEPT = 256
 _spellings: OrderedDict[tuple, str] = OrderedDict()
 _spellings_lock = threading.Lock()
+#: The value types whose options :func:`_spelled` keeps (hashable, and the type alone says the JSON spelling).
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 def _spelled(options: dict, default: Any = None) -> str:
     """``json.dumps(options, sort_keys=True, default=default)``, what a store's identity is keyed on, kept for
     options seen before: :meth:`Stores.get` runs for every array a pipeline opens (several times an open), and
     spelling the same options anew each time was most of its cost. Keyed on each value's type and value, so
-    that options the JSON spells differently (1 and 1.0, True and 1) stay different stores; options with an
-    unhashable value (a dict of headers) are spelled each time."""
+    that options the JSON spells differently (1 and 1.0, True and 1) stay different stores. Only options of
+    scalar values (str, int, float, bool, None) are kept: a nested value (a tuple, a frozenset, a dict of
+    headers) is spelled each time, as its items' types are not in the key ((1, 2) == (True, 2), yet the JSON
+    spells them apart), and neither is ``default``, which scalars never reach."""
     if not options:
         return "{}"
     try:
-        key = (default is None, *sorted((k, type(v), v) for k, v in options.items()))
-        hash(key)
-    except TypeError:  # an unhashable value, or keys that do not sort: spelled each time
+        key = tuple(sorted((k, type(v), v) for k, v in options.items()))
+    except TypeError:  # keys that do not sort: spelled each time
+        return json.dumps(options, sort_keys=True, default=default)
+    if not all(type(v) in _SCALARS for _, v in options.items()):  # nested: spelled each time
         return json.dumps(options, sort_keys=True, default=default)
     with _spellings_lock:
         spelled = _spellings.get(key)

@@ -851,8 +851,10 @@ class _Heads:
                         request.set_exception(exc)
                     self.flying[request] = (i, loop.time() + per_attempt)
                     request.add_done_callback(self._landed)
-                if self.timer is None and self.flying:
-                    self.timer = loop.call_at(next(iter(self.flying.values()))[1], self._expire, loop)
+                    if self.timer is None:  # armed as the request starts, not after the loop: the next key may
+                        # wait for a shared gate slot, and a try that never answers must time out meanwhile
+                        # (its slot is what that key waits for)
+                        self.timer = loop.call_at(self.flying[request][1], self._expire, loop)
                 if self.left and not self.landed:
                     self.waiter = loop.create_future()
                     await self.waiter
@@ -915,11 +917,12 @@ class _Heads:
 
     def _expire(self, loop) -> None:
         """The oldest tries' limit came: those past it cancelled (each a try that timed out); the timer is set
-        again, for the oldest left, by the task."""
+        again here, at the oldest limit left (the task may be waiting for a gate slot, not looking)."""
         self.timer = None
         now = loop.time()
-        for request, (_, limit) in self.flying.items():
+        for request, (_, limit) in self.flying.items():  # in start order: limits ascend
             if limit > now:
+                self.timer = loop.call_at(limit, self._expire, loop)
                 break
             if not request.done():
                 self.expired.add(request)

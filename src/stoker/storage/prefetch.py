@@ -126,6 +126,7 @@ class PrefetchBuffer:
         # any batch fetching now may be of those pushes
         self._fresh = 0
         self.on_room: Callable[[], None] | None = None  # told when requests end (the coordinator may plan)
+        self._begun = 0  # the newest batch that took its slot (see begun)
 
     def room(self, nbytes: int = 1, requests: int = 1) -> bool:
         """Whether ``nbytes`` and ``requests`` more would fit now."""
@@ -323,6 +324,18 @@ class PrefetchBuffer:
                     break
         return values, parts, found
 
+    def begun(self, seq: int) -> None:
+        """Batch ``seq`` took its slot: its fetches start now, so nothing is asked for it or earlier batches
+        later (:meth:`awaited`)."""
+        with self._lock:
+            self._begun = max(self._begun, seq)
+
+    def awaited(self, seq: int) -> bool:
+        """Whether batch ``seq`` has yet to take its slot (see :meth:`begun`): what is asked for it now may still
+        serve it rather than be fetched twice."""
+        with self._lock:
+            return not self._closed and seq > self._begun
+
     def fresh_from(self, pushed: int) -> None:
         """A batch of the first ``pushed`` pushes is being submitted: from now on no entry asked before those
         pushes is served (any batch fetching may be of them, and must see what was stored when they were
@@ -440,13 +453,15 @@ class PrefetchStore:
         values the store's disk cache keeps (:meth:`_local`) are revalidated, not fetched ahead."""
         for key in keys:
             check_key(key)
-        keys, estimates = self._local(keys, estimates)
+        keys, estimates = self._local(keys, estimates, seq, pushed, mark)
         return self.buffer.ask(self.store, keys, estimates, requests, seq, pushed, mark)
 
-    def _local(self, keys: Sequence[str], estimates: Sequence[int]) -> tuple[Sequence[str], Sequence[int]]:
-        """``keys`` (and their ``estimates``) less the whole values the store's disk cache keeps
-        (``kept_on_disk``), whose generations are asked now (``revalidate``: a HEAD each over HTTP, shared
-        with any read). Their bytes are local: fetched ahead they were read from disk in Python into the
+    def _local(self, keys: Sequence[str], estimates: Sequence[int], seq: int = 0, pushed: int = 0,
+               mark: int = 0) -> tuple[Sequence[str], Sequence[int]]:
+        """``keys`` (and their ``estimates``) less the whole values whose entries the store's disk cache holds at
+        the generation known now (``kept_on_disk``, then ``kept_entries``); those kept whose generation is not
+        known are asked now (``when_revalidated``: a HEAD each over HTTP, shared with any read) and fetched
+        ahead then if their entry is gone (:meth:`_later`). Their bytes are local: fetched ahead they were read from disk in Python into the
         buffer (the cache's reader threads, a batch's every chunk), where the batch's own read, once the
         generation is known, has the compiled engine read the entry file (``entry_files``). A range is
         asked as before: a kept object need not hold the range's entry (another range of a shard was kept)."""
@@ -456,9 +471,34 @@ class PrefetchStore:
         kept = kept_on_disk(keys)
         if not any(kept):
             return keys, estimates
-        self.store.revalidate([k for k, on_disk in zip(keys, kept) if on_disk])
-        rest = [i for i, on_disk in enumerate(kept) if not on_disk]
+        # a marker outlives the entries it speaks for (evicted, or another generation's): skipped only where
+        # the entry itself is on disk at the generation known now; where none is known yet, looked at again
+        # once it is (_later), and what is not on disk then is fetched ahead
+        marked = [i for i, on_disk in enumerate(kept) if on_disk]
+        where = dict(zip(marked, self.store.kept_entries([keys[i] for i in marked])))
+        unknown = [i for i in marked if where[i] is None]
+        if unknown:
+            self._later([keys[i] for i in unknown], [estimates[i] for i in unknown], seq, pushed, mark)
+        rest = [i for i in range(len(keys)) if not kept[i] or where[i] is False]
         return [keys[i] for i in rest], [estimates[i] for i in rest]
+
+    def _later(self, keys: list[str], estimates: list[int], seq: int, pushed: int, mark: int) -> None:
+        """Revalidate ``keys`` (kept, generations not known now); once known, fetch ahead those whose entry is
+        not on disk (:meth:`_local`), unless batch ``seq`` took its slot meanwhile (it fetches them itself:
+        :meth:`PrefetchBuffer.awaited`). On a disk cache reader thread (a ``stat`` a key at most)."""
+        def check() -> None:
+            try:
+                if not self.buffer.awaited(seq):
+                    return
+                where = self.store.kept_entries(keys)
+                rest = [i for i, on_disk in enumerate(where) if on_disk is False]
+                if rest:
+                    self.buffer.ask(self.store, [keys[i] for i in rest], [estimates[i] for i in rest], [], seq,
+                                    pushed, mark)
+            except Exception:  # noqa: BLE001 - a prefetch failing must not fail anything: the batch fetches
+                pass
+
+        self.store.when_revalidated(keys, check)
 
     @property
     def entry_files(self) -> Callable | None:

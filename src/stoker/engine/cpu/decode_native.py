@@ -753,6 +753,18 @@ class NativeDecoder:
             if n:
                 kv.served_from_disk(n, int(nbytes))
 
+    @staticmethod
+    def _missed(disk: "_FromDisk", missed: np.ndarray) -> None:
+        """Tell the stores of the chunks ``missed`` (entries gone or unsound: evicted by another process sharing
+        the folder, or corrupt) how many their caches lost (``entries_missed``), so that their next look-ups
+        look on disk, and batches planned ahead fetch what is gone rather than hand it to the engine again."""
+        if not missed.any():
+            return
+        for kv, n in zip(disk.stores, np.bincount(disk.owner[missed], minlength=len(disk.stores)).tolist()):
+            report = getattr(kv, "entries_missed", None)
+            if n and report is not None:
+                report(n)
+
     def _finish_from_disk(self, job: Job, bjob, eids: np.ndarray, disk: "_FromDisk") -> None:
         """A finished engine job of chunks read from disk-cache entries (:meth:`_from_disk`): those placed are
         counted as the caches' hits; those whose entry was missing or unsound (ST_ENTRY), or that the engine
@@ -764,6 +776,7 @@ class NativeDecoder:
         detail = np.frombuffer(detail, np.int64)
         ok = status == native.ST_OK
         self._served(disk, ok, detail)
+        self._missed(disk, status == native.ST_ENTRY)
         final = (status == native.ST_CANCELLED) | (status == native.ST_RANGE)
         again = eids[~ok & ~final]
         if len(again):  # fetched as if never cached (a counted miss there, and a new entry written)

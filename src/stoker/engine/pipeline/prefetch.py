@@ -64,6 +64,7 @@ class Ahead:
         # batches planned ahead in a row whose remote chunks were all on disk (see QUIET_AFTER)
         self.quiet = 0
         self.remote = False  # the newest batch planned reads arrays in stores that prefetch
+        self._losses = 0  # the disk caches' losses when the newest batch was planned (see _lost)
 
     def planned(self, plan: TablePlan, entry: Any, waits: bool, pushed: int = 0, mark: int = 0) -> None:
         """Queue a planned batch, and start its prefetch when it ``waits`` for a slot (every slot is taken or
@@ -71,6 +72,8 @@ class Ahead:
         them, start now anyway). ``pushed``: the pushes its samples came in; ``mark``: the pushes so far
         (see :meth:`PrefetchBuffer.ask`)."""
         self._seq += 1
+        if self.buffer is not None and self._lost(plan):  # entries found on disk before may be gone: look again
+            self.quiet = 0
         nbytes, n, remote, fetches = prefetch_plan(plan, self._seq, pushed, mark) \
             if self.buffer is not None and waits else (0, 0, False, 0)
         self._last = (nbytes, n, remote)
@@ -78,6 +81,16 @@ class Ahead:
             self.quiet = 0 if fetches else self.quiet + 1
         self.queue.append((plan, entry, self._seq))
         self.remote = self.buffer is not None and any(isinstance(r.kv, PrefetchStore) for r in plan.sources)
+
+    def _lost(self, plan: TablePlan) -> bool:
+        """Whether the disk caches of ``plan``'s remote stores lost entries since the last batch planned (their
+        ``losses``: evictions, writes not made, entries the engine found missing): batches found whole on disk
+        (:data:`QUIET_AFTER`) may need fetches again, so planning ahead resumes. A step per store."""
+        losses = sum(getattr(r.kv, "losses", 0) for r in plan.sources if isinstance(r.kv, PrefetchStore))
+        if losses == self._losses:
+            return False
+        self._losses = losses
+        return True
 
     def failed(self, entry: Any) -> None:
         """Queue an error in a batch's place (no slot, nothing to fetch); no batch is planned past it."""
@@ -116,6 +129,7 @@ class Ahead:
         """Batch ``seq`` took a slot: the batch that last held it, ``n_slots`` before, is made, so what only
         it and earlier ones wanted leaves the buffer."""
         if self.buffer is not None and seq > 0:
+            self.buffer.begun(seq)
             self.buffer.retire(seq - n_slots)
 
     def close(self) -> None:
