@@ -122,3 +122,30 @@ def test_entries_another_process_evicts_are_reported_by_the_engine(remote, data,
         after = asked.planned[before:]
         assert after and after[-1] == 0, after  # planned once the engine missed: nothing handed as on disk
         assert cache.losses > losses
+
+
+def test_planning_counts_each_disk_cache_once(tmp_path):
+    """A store several arrays of a batch share is one disk cache: its losses count once however many arrays
+    a batch reads (summed per array, batches reading two arrays and one differed although nothing was lost
+    between them, and each such plan reset ``quiet``, so batches found whole on disk never quieted planning)."""
+    from types import SimpleNamespace
+
+    from stoker.engine.pipeline.prefetch import Ahead
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.prefetch import PrefetchStore
+    from stoker.storage.uri import open_store
+
+    ahead = Ahead(stoker.Config(prefetch_bytes=1 << 20))
+    assert ahead.buffer is not None
+    cache = disk_cache(str(tmp_path / "cache"), CACHE_BYTES)
+    kv = PrefetchStore(CachingStore(open_store(str(tmp_path / "data")), cache), ahead.buffer)
+    two, one = (SimpleNamespace(sources=[SimpleNamespace(kv=kv)] * n) for n in (2, 1))
+    cache.lost()  # a loss long ago (an eviction in the first epoch)
+    ahead.planned(two, None, False)  # the loss seen
+    ahead.quiet = 3  # batches found whole on disk since
+    for plan in (one, two, one, two):  # nothing lost between these plans
+        ahead.planned(plan, None, False)
+        assert ahead.quiet == 3
+    cache.lost()  # a loss now: planning ahead resumes
+    ahead.planned(one, None, False)
+    assert ahead.quiet == 0

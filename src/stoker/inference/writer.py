@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..dist.collectives import active_group, all_gather_object, barrier, resolve_rank
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, RankFailed, StorageError
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
@@ -547,14 +547,18 @@ class TileWriter:
         is the prediction of ``samples[i]``. Collective over the ranks when several take part."""
         if self._closed:
             raise InvalidArgument(f"TileWriter({self.uri}) is closed")
-        if self._background is not None:
-            self._background.check()  # a background write failed: say so before more work
-        p = _numpy(predictions)
         parts: list[list[Part]] = [[] for _ in range(self.world_size)]
+        fresh = self._ndim is None  # the tiles' ndim is learnt from this batch: forgotten again if it is refused
         try:  # the whole batch is checked before any of it is taken: a refused batch changes nothing
-            self._cut(samples, p, parts)
-        except InvalidArgument as e:
-            self._exchange(parts, e)  # every rank refuses the batch (none waits on a collective the others skip)
+            if self._background is not None:
+                self._background.check()  # a background write failed: say so before more work
+            self._cut(samples, _numpy(predictions), parts)
+        except Exception as e:
+            if fresh:
+                self._ndim = None
+            # every rank raises for this batch, whatever this rank raised: none waits on a collective the
+            # others skip (this rank raises its own error; the others say which rank failed, and why)
+            self._exchange(parts, e)
             raise
         self._receive(self._exchange(parts, None))
 
@@ -578,6 +582,11 @@ class TileWriter:
                                       "the grid: write its tiles (writer.pending(grid)), or leave grid= out",
                                       uri=self.uri)
             out = self._out(aabb, s.pad is not None)
+            if any(a < 0 or b > n for (a, b), n in zip(out, self.spatial)):
+                # only a padded sample's box is clipped to the array: past it, there is no region to write
+                raise InvalidArgument(f"TileWriter.write: the sample {s!r} reaches past the array {self.uri} "
+                                      f"(spatial shape {self.spatial}; its kept box is {out}): give it pad= "
+                                      "(as TileGrid(pad=...) does), or keep its box inside the array", uri=self.uri)
             if any(b <= a for a, b in out):
                 continue  # cropped away whole
             start = int(np.ravel_multi_index(tuple(a for a, _ in out), self.spatial))
@@ -588,21 +597,17 @@ class TileWriter:
                 values = pred[(Ellipsis,) + local(box, key)]
                 parts[self._owner(r)].append((r, key, box, values, start))
 
-    def _exchange(self, parts: list[list[Part]], refused: InvalidArgument | None) -> list[Part]:
-        """The parts of this rank's regions, from every rank; ``refused``: this rank's batch was refused (it
-        sends the reason instead of parts, and the caller raises). A batch another rank refused is refused here
-        too (InvalidArgument, nothing taken), so the ranks stay in step."""
+    def _exchange(self, parts: list[list[Part]], failed: BaseException | None) -> list[Part]:
+        """The parts of this rank's regions, from every rank; ``failed``: this rank's batch failed (refused, or
+        a background write failed: it sends the reason instead of parts, and the caller raises). A batch
+        another rank failed fails here too (nothing of it taken), so the ranks stay in step."""
         dist = active_group(self.group)
         if dist is None or self.world_size == 1:
-            return [] if refused is not None else parts[0] if self.world_size == 1 else parts[self.rank]
-        everyone = all_gather_object(str(refused) if refused is not None else parts, self.group)
-        if refused is None:
-            for rank, sent in enumerate(everyone):
-                if isinstance(sent, str):
-                    raise InvalidArgument(f"TileWriter({self.uri}).write: rank {rank} refused its batch, so this "
-                                          f"batch is refused on every rank (nothing of it taken): {sent}",
-                                          uri=self.uri)
-        return [] if refused is not None else [part for sent in everyone for part in sent[self.rank]]
+            return [] if failed is not None else parts[0] if self.world_size == 1 else parts[self.rank]
+        everyone = all_gather_object(_reason(failed) if failed is not None else parts, self.group)
+        if failed is None:
+            _raise_for_others(self.uri, "write", everyone)
+        return [] if failed is not None else [part for sent in everyone for part in sent[self.rank]]
 
     def _receive(self, parts: list[Part]) -> None:
         for r, key, box, values, start in sorted(parts, key=lambda p: (p[0], p[1])):
@@ -691,15 +696,26 @@ class TileWriter:
         if self._closed:
             return
         self._closed = True
+        failed: BaseException | None = None
         try:
-            for r in sorted(self._open):
-                self._flush(r)
-        finally:
-            if self._background is not None:
-                self._background.close()  # waits for the queued writes, raises the first failure
+            try:
+                for r in sorted(self._open):
+                    self._flush(r)
+            finally:
+                if self._background is not None:
+                    self._background.close()  # waits for the queued writes, raises the first failure
+            self.record.sync()
+        except Exception as e:
+            failed = e
         self._pool.release()  # for the next writer of this process (buffers.SPARE)
-        self.record.sync()
-        barrier(self.group)
+        if active_group(self.group) is not None and self.world_size > 1:
+            # in place of a barrier: a rank whose writes failed tells the others (which raise too) rather than
+            # leaving them in the barrier until the group's timeout
+            everyone = all_gather_object(_reason(failed) if failed is not None else None, self.group)
+            if failed is None:
+                _raise_for_others(self.uri, "close", everyone)
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> "TileWriter":
         return self
@@ -713,6 +729,29 @@ class TileWriter:
                 self._background.close()
             except Exception:
                 pass  # the caller's exception is the one raised
+
+
+def _reason(failed: BaseException) -> tuple[str, str]:
+    """What a rank sends the others in place of its parts when its call failed: the kind, and the error."""
+    kind = "refused" if isinstance(failed, InvalidArgument) else \
+        "failed" if isinstance(failed, StorageError) else "raised"
+    return (kind, f"{type(failed).__name__}: {failed}")
+
+
+def _raise_for_others(uri: str, call: str, everyone: list[Any]) -> None:
+    """Raise, on a rank whose own call went well, the first failure another rank sent (see :func:`_reason`):
+    a refusal as InvalidArgument, a failed write as StorageError, anything else as RankFailed."""
+    for rank, sent in enumerate(everyone):
+        if isinstance(sent, tuple):
+            kind, why = sent
+            what = f"TileWriter({uri}).{call}: rank {rank} {kind} ({why}), so this call fails on every rank"
+            if call == "write":
+                what += " (nothing of the batch taken)"
+            if kind == "refused":
+                raise InvalidArgument(what, uri=uri)
+            if kind == "failed":
+                raise StorageError(what, uri=uri, key=None)
+            raise RankFailed(what, rank=rank, traceback=why)
 
 
 def _extent(box: Box) -> tuple[int, ...]:

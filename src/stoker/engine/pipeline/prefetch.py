@@ -64,7 +64,8 @@ class Ahead:
         # batches planned ahead in a row whose remote chunks were all on disk (see QUIET_AFTER)
         self.quiet = 0
         self.remote = False  # the newest batch planned reads arrays in stores that prefetch
-        self._losses = 0  # the disk caches' losses when the newest batch was planned (see _lost)
+        # each disk cache's losses when the newest batch reading it was planned, by id (see _lost)
+        self._losses: dict[int, tuple[Any, int]] = {}
 
     def planned(self, plan: TablePlan, entry: Any, waits: bool, pushed: int = 0, mark: int = 0) -> None:
         """Queue a planned batch, and start its prefetch when it ``waits`` for a slot (every slot is taken or
@@ -86,11 +87,19 @@ class Ahead:
         """Whether the disk caches of ``plan``'s remote stores lost entries since the last batch planned (their
         ``losses``: evictions, writes not made, entries the engine found missing): batches found whole on disk
         (:data:`QUIET_AFTER`) may need fetches again, so planning ahead resumes. A step per store."""
-        losses = sum(getattr(r.kv, "losses", 0) for r in plan.sources if isinstance(r.kv, PrefetchStore))
-        if losses == self._losses:
-            return False
-        self._losses = losses
-        return True
+        lost = False
+        for r in plan.sources:
+            if not isinstance(r.kv, PrefetchStore):
+                continue
+            # one count per disk cache, however many of the plan's arrays (or stores) share it: a sum over the
+            # arrays differed between batches reading different numbers of them, with nothing lost between
+            cache = getattr(r.kv, "cache", r.kv)
+            losses = getattr(r.kv, "losses", 0)
+            seen = self._losses.get(id(cache))
+            if seen is None or seen[1] != losses:
+                self._losses[id(cache)] = (cache, losses)  # the cache held, so its id is not another's
+                lost = lost or losses != (0 if seen is None else seen[1])
+        return lost
 
     def failed(self, entry: Any) -> None:
         """Queue an error in a batch's place (no slot, nothing to fetch); no batch is planned past it."""
