@@ -308,3 +308,31 @@ def test_a_new_push_reads_an_array_rewritten_since_the_last(volume):
         got, decoded = _read(p, tiles)
     assert np.array_equal(got, np.stack([z[tuple(slice(*ax) for ax in s.aabb)] for s in tiles]).astype(np.float32))
     assert decoded == 32
+
+
+def test_a_new_push_of_any_decoder_moves_the_shared_engine_to_a_new_generation():
+    """Decoders sharing one engine count their pushes apart: one's push 2 after another kept chunks at its own 2
+    must still drop them (a file rewritten before that push is read again); a decoder that leaves takes its
+    grant with it."""
+    from stoker.engine.cpu.decode_native import SharedEngine
+
+    shared = SharedEngine(2)
+    shared.start()
+    try:
+        lane_a, lane_b = object(), object()
+        shared.reuse(lane_a, 1 << 20, 1)
+        shared.reuse(lane_b, 1 << 20, 1)
+        shared.reuse(lane_b, 1 << 20, 2)
+        before = shared.reuse_info()["generation"]
+        shared.reuse(lane_a, 1 << 20, 2)
+        assert shared.reuse_info()["generation"] != before
+        same = shared.reuse_info()["generation"]
+        shared.reuse(lane_a, 1 << 20, 2)  # the same push told again: nothing dropped
+        assert shared.reuse_info()["generation"] == same
+        assert shared.reuse_info()["max_bytes"] == 2 << 20
+        shared.leave(lane_a)
+        assert shared.reuse_info()["max_bytes"] == 1 << 20
+        shared.reuse(lane_b, 0, 2)
+        assert shared.reuse_info()["max_bytes"] == 0
+    finally:
+        shared.close()

@@ -1,7 +1,11 @@
 """A process's memos (what it keeps to skip a look-up again) bounded in entries: past the bound, forgotten all
 at once.
 
->>> remember(seen, ident, time.monotonic(), SEEN_IDENTS)   # seen[ident] = now, seen emptied first when full
+>>> seen = {"a": 1, "b": 2}
+>>> remember(seen, "c", 3, bound=2)   # full: emptied first, then seen["c"] = 3
+3
+>>> seen
+{'c': 3}
 
 Forgetting costs only the look-up again (a marker looked for on disk, a shard key formatted, an array
 described to the engine), so a bound in entries keeps a long-running process's memory flat, and forgetting

@@ -294,8 +294,10 @@ class SharedEngine:
         self._decoders: list[NativeDecoder] = []
         self._watched: set[int] = set()  # ids of the StatsRecorders that watch its threads
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
-        # decoded chunks kept (csrc/pool.c "Reused"): each decoder's grant in bytes, and the generation
+        # decoded chunks kept (csrc/pool.c "Reused"): each decoder's grant in bytes, the push count each decoder
+        # last reported, and the engine's generation: its own count, moved on at every decoder's new push
         self._reuse: dict[int, int] = {}
+        self._pushes: dict[int, int] = {}
         self._generation = 0
 
     def join(self, decoder: "NativeDecoder", budget_bytes: int) -> None:
@@ -320,6 +322,9 @@ class SharedEngine:
                 self._decoders.remove(decoder)
                 if self._engine is None:
                     self.budget_bytes -= decoder.budget_bytes
+            self._pushes.pop(id(decoder), None)
+            if self._reuse.pop(id(decoder), None) is not None and self._engine is not None and not self._closed:
+                self._engine.reuse(sum(self._reuse.values()), self._generation)  # its grant goes with it
 
     def start(self):
         """The engine, started now if it is not (ShutdownError once closed)."""
@@ -334,11 +339,19 @@ class SharedEngine:
 
     def reuse(self, decoder: "NativeDecoder", max_bytes: int, generation: int) -> None:
         """Have the engine keep up to ``max_bytes`` of decoded chunks for ``decoder`` (on top of its other
-        decoders' grants), served to the jobs submitted in ``generation`` (csrc/pool.c "Reused": a batch
-        placed from a chunk an earlier batch decoded; a new generation, a new push, reads the files again)."""
+        decoders' grants; 0 takes its grant back), ``generation`` being its count of pushes (csrc/pool.c
+        "Reused": a batch placed from a chunk an earlier batch decoded; a new push of any decoder moves the engine
+        to a new generation, whose batches read the files again)."""
         with self._lock:
-            self._reuse[id(decoder)] = int(max_bytes)
-            self._generation = int(generation)
+            if max_bytes > 0:
+                self._reuse[id(decoder)] = int(max_bytes)
+            else:
+                self._reuse.pop(id(decoder), None)
+            # decoders count their pushes apart, so their numbers can meet (a lane's push 2 after another lane kept
+            # chunks at its own 2, before a rewrite): the engine's generation is moved on at any decoder's new push
+            if self._pushes.get(id(decoder)) != generation:
+                self._pushes[id(decoder)] = int(generation)
+                self._generation += 1
             if self._engine is not None and not self._closed:
                 self._engine.reuse(sum(self._reuse.values()), self._generation)  # lock rank: the engine's is C's
 

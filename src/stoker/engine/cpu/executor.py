@@ -173,6 +173,7 @@ class CpuExecutor(SlotsDelivery):
         # orders the engine's generation updates (prepare's and push's); held only around SharedEngine.reuse,
         # whose lock (rank 4) is a leaf
         self._reuse_lock = threading.Lock()
+        self._reuse_asked = False  # the engine holds a grant of this executor's decoders
         self.n_slots = cfg.lookahead_batches + 1  # slots the consumer sees
         self.slots: SlotRing | None = None  # what batches are delivered from
         self.host_slots: SlotRing | None = None  # where they are assembled (the same ring here)
@@ -279,8 +280,9 @@ class CpuExecutor(SlotsDelivery):
     def _apply_reuse(self) -> None:
         with self._reuse_lock:
             native = self.decoders.native if self.decoders is not None else None
-            if native is not None and self.reuse_bytes:
-                native.reuse(self.reuse_bytes, self._pushes)
+            if native is not None and (self.reuse_bytes or self._reuse_asked):
+                native.reuse(self.reuse_bytes, self._pushes)  # 0 after a grant: the engine's grant taken back
+                self._reuse_asked = self.reuse_bytes > 0
 
     def _read_further(self, shape: tuple[int, ...], dtype: torch.dtype, transient: int) -> None:
         """Raise :attr:`lookahead` towards ``read_ahead`` (a :class:`~stoker.CropDataset` over a grid asks for
