@@ -104,6 +104,13 @@ class _Plan:
         return found
 
 
+
+def sums_bytes(lanes: int, shape: tuple[int, ...]) -> int:
+    """What folding a region of ``shape`` (``lanes`` channels) holds: the float64 sums of every lane and the
+    sums of weights, and the uint8 count of parts per voxel."""
+    voxels = int(np.prod(shape))
+    return (lanes * voxels + voxels) * 8 + voxels
+
 class _Region:
     """What one owned region has received so far.
 
@@ -137,7 +144,7 @@ class _Region:
         self.parts: list[tuple[tuple[slice, ...], np.ndarray, np.ndarray]] = []
         self.parts_bytes = 0
         # what folding takes: the float64 sums and sums of weights, and the uint8 count of parts per voxel
-        self.sums_bytes = (int(np.prod(self.full)) + int(np.prod(self.shape))) * 8 + int(np.prod(self.shape))
+        self.sums_bytes = sums_bytes(int(np.prod(channels)), self.shape)
         # a weighted region of a grid's (its parts' boxes known, at most PIECEWISE_PARTS): each part's voxels that
         # it alone covers are copied into the output as they come, and only its pieces of the overlaps kept
         # (see add_planned); the voxels its parts covered so far, for the fill at the finish
@@ -506,7 +513,7 @@ class TileWriter:
         plan = _Plan(sorted(boxes))
         shape = tuple(b - a for a, b in region_box(r, self.unit, self.spatial))
         lanes = int(np.prod(self.channels))
-        sums = (lanes * int(np.prod(shape)) + int(np.prod(shape))) * 8 + int(np.prod(shape))  # _Region.sums_bytes
+        sums = sums_bytes(lanes, shape)
         held = lanes * (int(np.prod(shape)) * self.dtype.itemsize + plan.kept_voxels * np.dtype(parts).itemsize)
         return plan if held <= sums else None
 
