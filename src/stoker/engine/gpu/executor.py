@@ -1,9 +1,10 @@
 """The GPU-decode executor (``Config.decode_on="gpu"``): chunks cross PCIe encoded, the device decodes,
 casts and places them.
 
-In waves that fit the staging (all device work on the pipeline's CUDA stream), on two threads: a reader does
-steps 1-2 and hands each staged wave on (at most two wait: there are two staging buffers), a submitter does
-steps 3-4 in order, so wave N+1 is read while the device decodes and places wave N. A wave is not cut at a
+In waves that fit the staging, on two threads: a reader does steps 1-2 and hands each staged wave on (at most
+two wait: there are two staging buffers), a submitter queues steps 3-4 in order on three CUDA streams
+(:mod:`.streams`: copy, decode, place, ordered by events), so wave N+1 is read while the device copies it,
+decodes wave N and places wave N-1. A wave is not cut at a
 batch's end: it goes on with the chunks of the next batch submitted already (never waiting for one), so one
 decode takes the chunks of several lookahead batches, each batch's part parsed, placed and failed on its own:
 
@@ -14,17 +15,21 @@ decode takes the chunks of several lookahead batches, each batch's part parsed, 
    chunk file, all of a batch's part in one call into ``csrc/staging.c`` where the engine is built; one
    ``get_many`` per store), and parse them into one :class:`~stoker.engine.gpu.frames.Layout`
    (:mod:`.layout`: blosc1 frames, walked in C, and plain zstd chunks, a fixed number of steps per group);
-3. the stream decoder (:class:`~stoker.engine.gpu.nvcomp.DeviceDecoder`) copies the staging to the device in one
-   transfer and decodes every stream into the device scratch;
-4. the copies of each batch's chunks are gathered from the scratch, cast and scattered into its slot: by
+3. the copy stream copies the staging to the device in one transfer, and the stream decoder
+   (:class:`~stoker.engine.gpu.nvcomp.DeviceDecoder`, on the decode stream) decodes every stream into the
+   device scratch;
+4. on the place stream, the copies of each batch's chunks are gathered from the scratch, cast and scattered
+   into its slot: by
    :mod:`.fused`'s Triton kernels where triton runs (a CUDA device), else by :mod:`.place`'s torch index
    operations (:attr:`GpuDecodeExecutor.placement`).
 
 The decoded sizes of a wave (reading them waits for its decode) are checked once the next wave's decode
 and placement are queued, or once nothing waits to be queued, always before a batch it holds is finished (a
-damaged stream fails only the batch holding it); a staging buffer is
-read into again only once the stream is past its copy and decode (their event). ``close()`` waits a second
-at most: the threads end at their next step.
+damaged stream fails only the batch holding it): that wait is the only one the host makes for the device
+in steady state. A staging buffer is read into again only once the copy stream is past its copy (its event),
+a device copy written again only once the decode that read it is done, a scratch once the placement that
+read it is (:class:`.streams.WaveStreams`). ``close()`` waits a second at most: the threads end at their next
+step.
 
 Chunks the device does not decode are decoded on the CPU (:mod:`.fallback`), cast there into the batch
 dtype and staged as raw streams of a group, so they cross to the device and are placed by the same
@@ -43,16 +48,19 @@ first batch reads such an array (:attr:`GpuDecodeExecutor.cf_work`).
 
 Memory: ``host_buffer_bytes`` holds two pinned staging buffers (one is read into while the device decodes
 the other) and the CPU decode of one chunk; ``device_buffer_bytes`` holds the batch slots (and the float32
-work buffer of a transformed or CF-decoded 16-bit batch) plus the device copy of one staging buffer and twice the decoded
-bytes of a group (the decoded scratch, and the gathered values of the placement, done in pieces that fit).
+work buffer of a transformed or CF-decoded 16-bit batch) plus, per wave on the device at once (two, so the
+decode of one overlaps the copy of the next and the placement of the one before; one where two would more
+than halve the group), the device copy of one staging buffer and the decoded scratch of a group, and once
+more a group's decoded bytes (the gathered values of the placement, done in pieces that fit).
 Groups hold up to 64 MiB of decoded chunks, fewer where the budgets are short; :meth:`prepare` refuses
 budgets that cannot hold one chunk of the first batch's arrays (:class:`~stoker.errors.BudgetExceeded`,
 naming the knob).
 
 The stream decoder is pluggable (anything with :class:`~stoker.engine.gpu.nvcomp.DeviceDecoder`'s ``stream``,
-``max_stream_bytes`` and ``decode_staged``): on CUDA it is nvCOMP's; :meth:`GpuDecodeExecutor.on_host`
-builds the same executor on CPU tensors with :class:`~stoker.engine.gpu.reference.HostDecoder`, which is how it
-is tested without a GPU.
+``max_stream_bytes`` and ``decode_staged``, made for the decode stream): on CUDA it is nvCOMP's;
+:meth:`GpuDecodeExecutor.on_host` builds the same executor on CPU tensors with
+:class:`~stoker.engine.gpu.reference.HostDecoder`, which is how it is tested without a GPU; so are the streams
+(``streams``: :class:`.streams.HostStreams` there, or a recorder of the waits and records in the tests).
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ from ..planning.padding import fill_padding
 from ..cpu.cf import RowDecode, plan_decoder
 from .sources import CPU, Described, Source, aligned, device_casts
 from .staging import Group, Pending, Stager, plan_reads
+from .streams import CudaStreams, HostStreams, WaveStreams
 from ..planning.tables import TablePlan, plan_tables
 from ..cuda.transfer import EVENT_TYPES
 
@@ -103,21 +112,19 @@ _HALF = (torch.bfloat16, torch.float16)
 _COUNTS = ("bytes_read", "bytes_decoded", "chunks_decoded", "bytes_to_device")
 
 
-def _stream_of(device: torch.device):
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
-
-
 class GpuDecodeExecutor(SlotsDelivery):
     """Batches decoded on the device (see the module docstring and :class:`~.executor.Executor`).
 
-    ``decoder(stream)`` makes the stream decoder; ``None``: nvCOMP's on ``device`` (a CUDA device).
+    ``decoder(stream)`` makes the stream decoder for the decode stream; ``None``: nvCOMP's on ``device`` (a CUDA
+    device). ``streams``: the streams' backend (:mod:`.streams`; ``None``: CUDA's, or none on CPU tensors).
     """
 
     staging = "pinned staging buffers for the encoded chunks (2)"
     applies_cf = True  # decodes arrays' CF attributes (Config.cf) on the stream, in _end
 
     def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,
-                 decoder: Callable[[Any], Any] | None = None, placement: str | None = None) -> None:
+                 decoder: Callable[[Any], Any] | None = None, placement: str | None = None,
+                 streams: HostStreams | None = None) -> None:
         self.cfg = cfg
         self.placement = _placement(placement, device)
         self._placer = _placer(self.placement)
@@ -132,10 +139,10 @@ class GpuDecodeExecutor(SlotsDelivery):
         self.cf_work = False  # the first batch reads arrays with CF attributes: decoded in the float32 work buffer
         self._decoder = None
         self._on_gpu = device.type == "cuda"
-        self.stream = None
+        self.stream = None  # the place stream: batches are written there and delivered from there
+        self._backend = streams if streams is not None else CudaStreams(device) if self._on_gpu else HostStreams()
+        self._lanes: WaveStreams | None = None
         self._work: torch.Tensor | None = None
-        self._data: torch.Tensor | None = None
-        self._scratch: torch.Tensor | None = None
         self._temp: torch.Tensor | None = None
         self._enc_cap = self._dec_cap = self._transient = 0
         self._sources = Described(on_new=self._described)
@@ -159,13 +166,14 @@ class GpuDecodeExecutor(SlotsDelivery):
 
     @classmethod
     def on_host(cls, cfg, stats, store, max_stream_bytes: int = 1 << 24,
-                placement: str | None = None) -> "GpuDecodeExecutor":
+                placement: str | None = None, streams: HostStreams | None = None) -> "GpuDecodeExecutor":
         """The same executor on CPU tensors, decoding with :class:`~stoker.engine.gpu.reference.HostDecoder` (its
-        tests); ``placement="fused"`` places with the Triton kernels (under ``TRITON_INTERPRET=1``)."""
+        tests); ``placement="fused"`` places with the Triton kernels (under ``TRITON_INTERPRET=1``);
+        ``streams``: a backend of :mod:`.streams` (the tests' recorder of waits and records)."""
         from .reference import HostDecoder
 
         return cls(cfg, torch.device("cpu"), stats, store, decoder=lambda stream: HostDecoder(max_stream_bytes),
-                   placement=placement)
+                   placement=placement, streams=streams)
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -235,8 +243,9 @@ class GpuDecodeExecutor(SlotsDelivery):
             def make(stream):
                 return DeviceDecoder(self.device, stream)
         with self._on_device():
-            self.stream = _stream_of(self.device)
-        self._decoder = make(self.stream)
+            lanes = self._lanes = WaveStreams(self._backend)
+        self.stream = lanes.place_stream
+        self._decoder = make(lanes.decode_stream)
 
         # nvCOMP's scratch for a group of k chunks of the arrays the device decodes, as streams of at most the
         # decoder's largest (a group whose streams need more is decoded in parts that fit: DeviceDecoder).
@@ -249,21 +258,41 @@ class GpuDecodeExecutor(SlotsDelivery):
 
         self._check(sample_shape, dtype, enc, dec, transient, temp(1))  # one chunk per group at least
         _, slots = self._device_need(sample_shape, dtype)
-        k = max(1, GROUP_BYTES // max(dec, 1))
-        while k > 1 and (slots + k * (enc + 2 * dec) + temp(k) > self.cfg.device_buffer_bytes
-                         or self._host_need(k * enc) + transient > self.cfg.host_buffer_bytes):
-            k = max(1, k * 3 // 4)
+
+        def fits(k: int, depth: int) -> bool:  # depth waves' device copies and scratches, the placement's values
+            return (slots + k * (depth * (enc + dec) + dec) + temp(k) <= self.cfg.device_buffer_bytes
+                    and self._host_need(k * enc) + transient <= self.cfg.host_buffer_bytes)
+
+        def group(depth: int) -> int:
+            k = max(1, GROUP_BYTES // max(dec, 1))
+            while k > 1 and not fits(k, depth):
+                k = max(1, k * 3 // 4)
+            return k
+
+        # two waves on the device (a decode overlaps the next copy and the placement before) unless that
+        # more than halves the group (short budgets: fewer, larger nvCOMP calls do more)
+        k, depth = group(1), 1
+        if fits(group(2), 2) and 2 * group(2) >= k:
+            k, depth = group(2), 2
         self._enc_cap, self._dec_cap, self._transient = k * enc, k * dec, transient
         self._group_chunks = k
         batch_shape = (self.cfg.batch_size, *sample_shape)
+        on = self._backend.on
         with self._on_device():
-            with self._on_stream():  # allocated on the stream that writes them: reused in its order
+            # each allocated on the stream that writes it (reused in its order), marked used by the one that
+            # reads it (WaveStreams.buffers)
+            with self._on_stream():
                 self.slots = SlotRing(self.n_slots, batch_shape, dtype, device=self.device)
                 self._work = (allocate(batch_shape, work, self.device, what="the work buffer of the transform")
                               if work != dtype else None)
-                self._data = allocate(self._enc_cap, torch.uint8, self.device, what="the encoded chunks of a group")
-                self._scratch = allocate(self._dec_cap, torch.uint8, self.device, what="the decoded chunks of a group")
+            with on(lanes.copy_stream):
+                data = [allocate(self._enc_cap, torch.uint8, self.device, what="the encoded chunks of a group")
+                        for _ in range(depth)]
+            with on(lanes.decode_stream):
+                scratch = [allocate(self._dec_cap, torch.uint8, self.device, what="the decoded chunks of a group")
+                           for _ in range(depth)]
                 self._temp = allocate(temp(k), torch.uint8, self.device, what="nvCOMP's scratch")
+            lanes.buffers(data, scratch)
             self.host_slots = SlotRing(2, (self._enc_cap,), torch.uint8, pin=self._on_gpu)
         self._reader = threading.Thread(target=self._read_loop, name="stoker-gpu-read", daemon=True)
         self._thread = threading.Thread(target=self._run, name="stoker-gpu-decode", daemon=True)
@@ -287,7 +316,7 @@ class GpuDecodeExecutor(SlotsDelivery):
             k = max(1, k * 3 // 4)
         need = self._temp_bytes(k, stream)
         if 0 < need <= room:
-            with self._on_device(), self._on_stream():
+            with self._on_device(), self._backend.on(self._lanes.decode_stream):  # nvCOMP's: the decode's
                 self._temp = allocate(need, torch.uint8, self.device, what="nvCOMP's scratch")
 
     def _on_device(self):
@@ -297,24 +326,27 @@ class GpuDecodeExecutor(SlotsDelivery):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _event(self):
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
+        """An event on the place stream (None without streams)."""
+        return self._backend.record(self.stream)
 
     def device_nbytes(self) -> int:
-        """Device memory held: batch slots, the work buffer, the staging's copy and the decode scratch."""
-        if self.slots is None:
+        """Device memory held: batch slots, the work buffer, the staging's copies and the decode scratches."""
+        if self.slots is None or self._lanes is None:
             return 0
-        return self.slots.nbytes + sum(t.numel() * t.element_size()
-                                       for t in (self._work, self._data, self._scratch, self._temp) if t is not None)
+        held = [self._work, self._temp, *self._lanes.data, *self._lanes.scratch]
+        return self.slots.nbytes + sum(t.numel() * t.element_size() for t in held if t is not None)
 
     @property
     def wave_bytes(self) -> tuple[int, int]:
         """The most staged (encoded) and decoded bytes one wave holds, as :meth:`prepare` sized them within the
         budgets (0 before it)."""
         return self._enc_cap, self._dec_cap
+
+    @property
+    def wave_depth(self) -> int:
+        """Waves on the device at once (each its device copy and scratch; :mod:`.streams`): 2, or 1 where two
+        would more than halve the group; 0 before :meth:`prepare`."""
+        return self._lanes.depth if self._lanes is not None else 0
 
     def peak_bytes(self) -> int:
         """Host memory: the staging buffers and the CPU decode of one chunk."""
@@ -373,8 +405,9 @@ class GpuDecodeExecutor(SlotsDelivery):
         for thread in (self._reader, self._thread):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
-        if self.stream is not None:
-            self.stream.synchronize()
+        if self._lanes is not None:
+            with self._on_device():
+                self._lanes.synchronize()
 
     # -- the reader: batches staged group by group ------------------------------------------------
 
@@ -683,8 +716,9 @@ class GpuDecodeExecutor(SlotsDelivery):
 
     def _acquire_staging(self):
         slot = None
-        while slot is None:
+        while slot is None:  # (free once the copy that last read it is done: the ring polls its event)
             slot = self.host_slots.acquire(lambda: self._closing, timeout=0.1)
+        self._lanes.staged(slot.index)
         return slot
 
     def _cpu_chunk(self, plan: TablePlan, sources: list[Source], cid: int, dtype: torch.dtype, files: dict,
@@ -699,18 +733,25 @@ class GpuDecodeExecutor(SlotsDelivery):
         return Pending(cid, CPU, raw, aligned(len(raw)))
 
     def _flush(self, wave: "_Wave") -> None:
-        """Decode a wave in one call and place each batch's chunks on the stream; the checks of the wave before
-        run once this one is queued (the wait for them no longer holds the device's next work back). A wave
+        """Copy a wave to the device, decode it in one call and place each batch's chunks, each on its stream
+        (:class:`.streams.WaveStreams`: nothing here waits for the device); the checks of the wave before run
+        once this one is queued (the wait for them no longer holds the device's next work back). A wave
         the decode refuses outright fails each of its batches: with the CPU path's error for its damaged chunk,
         else DeviceError (nothing was decoded)."""
-        members, staging = wave.members, wave.staging
+        members, staging, lanes = wave.members, wave.staging, self._lanes
         t0 = time.perf_counter()
         checks: list = []
         layout = (members[0].layout if len(members) == 1 else
                   frames.batch([m.layout for m in members], [0] * len(members), [0] * len(members)))
+        k, copied = lanes.next(), None
+
+        def decode(data: torch.Tensor, out: torch.Tensor) -> None:
+            self._decoder.decode_staged(staging.tensor, layout, data=data, out=out, deferred=checks, temp=self._temp,
+                                        copied=True)
+
         try:
-            self._decoder.decode_staged(staging.tensor, layout, data=self._data, out=self._scratch, deferred=checks,
-                                        temp=self._temp)
+            copied = lanes.copy(k, staging.tensor, layout.in_nbytes, staging.index)
+            lanes.decode(k, decode)
         except (frames.FrameError, frames.UnsupportedFrame) as exc:
             for m in members:
                 if m.b.error is None:
@@ -725,20 +766,27 @@ class GpuDecodeExecutor(SlotsDelivery):
                 if m.b.error is None:
                     m.b.error = exc
             return
-        finally:  # read into again once the stream is past its copy (the decode reads the device's copy)
-            self.host_slots.release(staging, ready_after=self._event())
+        finally:  # read into again once the copy stream is past its copy (the decode reads the device's copy)
+            self.host_slots.release(staging, ready_after=copied)
         t1 = time.perf_counter()
+
+        def place(scratch: torch.Tensor) -> None:
+            for m in members:
+                b = m.b
+                if b.error is None:
+                    elements = [b.dest.dtype if h == CPU else b.sources[int(s)].element
+                                for h, s in zip(m.how[m.held].tolist(),
+                                                b.plan.chunk_source[m.cid[m.held]].tolist())]
+                    try:
+                        self._placer.place(b.plan, b.sources, b.dest, scratch, m.cid[m.held], m.out[m.held],
+                                           elements)
+                    except BaseException as exc:  # noqa: BLE001 - this batch's error, delivered at pop
+                        b.error = exc
+
+        lanes.place(k, place)
         decoded = chunks = stored = 0
         for m in members:
             b = m.b
-            if b.error is None:
-                elements = [b.dest.dtype if h == CPU else b.sources[int(s)].element
-                            for h, s in zip(m.how[m.held].tolist(), b.plan.chunk_source[m.cid[m.held]].tolist())]
-                try:
-                    self._placer.place(b.plan, b.sources, b.dest, self._scratch, m.cid[m.held], m.out[m.held],
-                                       elements)
-                except BaseException as exc:  # noqa: BLE001 - this batch's error, delivered at pop
-                    b.error = exc
             on_device = m.held[m.how[m.held] != CPU]
             n = int(m.nbytes[on_device].sum())
             decoded, chunks, stored = decoded + n, chunks + len(on_device), stored + int(m.size[on_device].sum())

@@ -102,7 +102,7 @@ class DeviceDecoder:
 
     def decode_staged(self, staged: torch.Tensor, layout: Layout, data: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, deferred: list | None = None,
-                      temp: torch.Tensor | None = None) -> torch.Tensor:
+                      temp: torch.Tensor | None = None, copied: bool = False) -> torch.Tensor:
         """As :meth:`decode`, for chunks already in ``staged`` (pinned, uint8) where ``layout`` has them
         (:func:`~stoker.engine.gpu.frames.parse_blosc_batch` parses them there). ``staged`` must not be
         written again before :attr:`stream` has run past this call (its copy to the device is
@@ -112,7 +112,8 @@ class DeviceDecoder:
         when not given (a ``temp`` too small for all streams at once decodes them in parts that fit);
         the result is ``out``'s first ``layout.out_nbytes`` bytes. With ``deferred`` (a list), the
         checks of the decoded sizes and statuses (each waits for its decode) are appended there
-        instead of run."""
+        instead of run. With ``copied``, ``data`` holds the staged bytes already (copied by the caller on
+        another stream, which it made :attr:`stream` wait for): ``staged`` is not read here."""
         if not can_decode(layout):
             raise UnsupportedFrame(f"chunks {layout.unsupported_chunks().tolist()} hold streams that are neither lz4 "
                                    f"nor zstd, or streams over {MAX_STREAM_BYTES} bytes")
@@ -121,10 +122,13 @@ class DeviceDecoder:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             # allocated on this stream, so the caching allocator reuses them only after its work
             if data is None:
+                if copied:
+                    raise ValueError("decode_staged(copied=True) needs the device copy (data)")
                 data = torch.empty(layout.in_nbytes, dtype=torch.uint8, device=self.device)
             ops.check_flat(data, layout.in_nbytes, "decode_staged")
             data = data[:layout.in_nbytes]
-            data.copy_(staged[:layout.in_nbytes], non_blocking=True)
+            if not copied:
+                data.copy_(staged[:layout.in_nbytes], non_blocking=True)
             if out is None:
                 out = torch.empty(layout.out_nbytes, dtype=torch.uint8, device=self.device)
             ops.check_flat(out, layout.out_nbytes, "decode_staged")

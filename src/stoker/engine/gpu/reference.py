@@ -117,8 +117,9 @@ class HostDecoder:
 
     def decode_staged(self, staged: torch.Tensor, layout: Layout, data: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, deferred: list | None = None,
-                      temp: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoded bytes of the chunks in ``staged`` (``data`` is not needed: the input is read where it is).
+                      temp: torch.Tensor | None = None, copied: bool = False) -> torch.Tensor:
+        """The decoded bytes of the chunks in ``staged`` (``data`` is not needed: the input is read where it is),
+        or with ``copied`` in ``data`` (the executor's copy of the staging, which it may write again meanwhile).
         With ``deferred`` (a list), a stream that fails is reported by a check appended there, as the device
         reports the decoded sizes (the worst case: a whole group's failure found late)."""
         if np.any(~layout.raw & (layout.dsize > self.max_stream_bytes)):
@@ -126,7 +127,8 @@ class HostDecoder:
         if out is None:
             out = torch.empty(layout.out_nbytes, dtype=torch.uint8)
         try:
-            decode_streams(staged[:layout.in_nbytes].numpy(), layout, out.numpy())
+            source = data if copied and data is not None else staged
+            decode_streams(source[:layout.in_nbytes].numpy(), layout, out.numpy())
         except FrameError as exc:
             if deferred is None:
                 raise

@@ -1,0 +1,180 @@
+"""The GPU-decode executor's three streams and the events that order its waves on them.
+
+Each wave is copied, decoded and placed on its own stream, so while the device decodes wave k it copies wave
+k + 1 and places wave k - 1:
+
+- **copy**: the wave's pinned staging into its device copy (``data[k % depth]``);
+- **decode**: nvCOMP (the stream decoder's stream) from that copy into the decoded scratch
+  (``scratch[k % depth]``);
+- **place**: the fused gather / cast / scatter into the batch slots, then fills, padding, CF decoding, the
+  transform and each batch's event (the executor's :attr:`~.executor.GpuDecodeExecutor.stream`: the one the
+  pipeline and the hybrid's host part see).
+
+:class:`WaveStreams` holds the order, by events only (no host wait): copy k waits for the decode that last read
+its device copy (wave k - depth); decode k waits for copy k and for the placement that last read its scratch
+(wave k - depth); place k waits for decode k. The staging of wave k is given back with copy k's event (the
+reader writes it again once the copy has read it, :class:`~stoker.engine.buffers.SlotRing` polls the event);
+the device buffers are marked used by the streams that read them (``record_stream``), so torch's caching
+allocator frees them only after those streams' work.
+
+The streams and events come from a backend: :class:`CudaStreams` (torch's), :class:`HostStreams` (CPU tensors:
+no streams, each step runs when called, the executor's host stand-in). The tests pass a recorder of the
+waits and records, and hold the graph it gives to every buffer's accesses (``access``: which step reads and
+writes what).
+
+>>> lanes = WaveStreams(CudaStreams(torch.device("cuda", 0)))   # doctest: +SKIP
+>>> lanes.buffers(data, scratch); k = lanes.next()               # doctest: +SKIP
+>>> copied = lanes.copy(k, staging, nbytes)                      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["CudaStreams", "HostStreams", "WaveStreams"]
+
+
+class HostStreams:
+    """No streams: CPU tensors, every step done when it is called (so nothing to wait for)."""
+
+    def stream(self, role: str) -> Any:
+        return None
+
+    def on(self, stream: Any):
+        return contextlib.nullcontext()
+
+    def record(self, stream: Any) -> Any:
+        return None
+
+    def wait(self, stream: Any, event: Any) -> None:
+        pass
+
+    def used_by(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass
+
+    def access(self, stream: Any, reads: Sequence = (), writes: Sequence = ()) -> None:
+        pass
+
+    def synchronize(self, stream: Any) -> None:
+        pass
+
+
+class CudaStreams(HostStreams):
+    """torch's CUDA streams and events on ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def stream(self, role: str) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def on(self, stream: Any):
+        return torch.cuda.stream(stream)
+
+    def record(self, stream: Any) -> Any:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream: Any, event: Any) -> None:
+        if event is not None:
+            stream.wait_event(event)
+
+    def used_by(self, tensor: torch.Tensor, stream: Any) -> None:
+        # the caching allocator reuses a block once its own stream is past it: a stream that also reads it
+        # must be past it too
+        tensor.record_stream(stream)
+
+    def synchronize(self, stream: Any) -> None:
+        stream.synchronize()
+
+
+class WaveStreams:
+    """The copy, decode and place streams of one executor and the order of its waves on them (see the module
+    docstring). Waves go through :meth:`copy`, :meth:`decode` and :meth:`place` in that order, one wave at a
+    time, from one thread (the executor's submitter)."""
+
+    def __init__(self, backend: HostStreams) -> None:
+        self.backend = backend
+        self.copy_stream = backend.stream("copy")
+        self.decode_stream = backend.stream("decode")
+        self.place_stream = backend.stream("place")
+        self.data: list[torch.Tensor] = []
+        self.scratch: list[torch.Tensor] = []
+        self._decoded: list[Any] = []  # per device copy: the event of the last decode that read it
+        self._placed: list[Any] = []  # per scratch: the event of the last placement that read it
+        self._step: Any = None  # the wave in flight: the event of its last step (its copy's, then its decode's)
+        self._n = 0
+
+    @property
+    def depth(self) -> int:
+        """Waves that may be on the device at once (device copies and scratches: one each per wave)."""
+        return len(self.data)
+
+    def buffers(self, data: list[torch.Tensor], scratch: list[torch.Tensor]) -> None:
+        """The device copies (written by the copy stream) and scratches (written by the decode stream), as many
+        of each; marked used by the stream that reads them."""
+        if len(data) != len(scratch) or not data:
+            raise ValueError(f"WaveStreams.buffers: as many device copies as scratches, got {len(data)} and "
+                             f"{len(scratch)}")
+        self.data, self.scratch = list(data), list(scratch)
+        self._decoded, self._placed = [None] * len(data), [None] * len(data)
+        for tensor in data:
+            self.backend.used_by(tensor, self.decode_stream)
+        for tensor in scratch:
+            self.backend.used_by(tensor, self.place_stream)
+
+    def next(self) -> int:
+        """The next wave's buffers (an index into :attr:`data` and :attr:`scratch`)."""
+        k, self._n = self._n % self.depth, self._n + 1
+        return k
+
+    def copy(self, k: int, staging: torch.Tensor, nbytes: int, staging_id: Any = None) -> Any:
+        """Queue the copy of ``staging[:nbytes]`` into ``data[k]`` once the decode that last read it is done;
+        returns the copy's event (after which ``staging`` may be written again)."""
+        b, s = self.backend, self.copy_stream
+        with b.on(s):
+            b.wait(s, self._decoded[k])
+            b.access(s, reads=[("staging", staging_id)], writes=[("data", k)])
+            self.data[k][:nbytes].copy_(staging[:nbytes], non_blocking=True)
+            self._step = b.record(s)
+        return self._step
+
+    def decode(self, k: int, run: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+        """``run(data[k], scratch[k])`` on the decode stream, once the copy is done and the placement that last
+        read ``scratch[k]`` is; the decode's event is recorded even when ``run`` raises (it may have queued
+        work that reads the copy)."""
+        b, s = self.backend, self.decode_stream
+        with b.on(s):
+            b.wait(s, self._step)
+            b.wait(s, self._placed[k])
+            b.access(s, reads=[("data", k)], writes=[("scratch", k)])
+            try:
+                return run(self.data[k], self.scratch[k])
+            finally:
+                self._step = self._decoded[k] = b.record(s)
+
+    def place(self, k: int, run: Callable[[torch.Tensor], Any]) -> Any:
+        """``run(scratch[k])`` on the place stream once the decode is done; the placement's event is what the
+        next decode into ``scratch[k]`` waits for (recorded even when ``run`` raises)."""
+        b, s = self.backend, self.place_stream
+        with b.on(s):
+            b.wait(s, self._step)
+            b.access(s, reads=[("scratch", k)])
+            try:
+                return run(self.scratch[k])
+            finally:
+                self._placed[k] = b.record(s)
+
+    def staged(self, staging_id: Any) -> None:
+        """The reader (the host) writes staging buffer ``staging_id``: for the backend's record of accesses (it
+        acquired the buffer once the copy that last read it was done)."""
+        self.backend.access(None, writes=[("staging", staging_id)])
+
+    def synchronize(self) -> None:
+        """Wait for all three streams (closing: no buffer is freed under their work)."""
+        for s in (self.copy_stream, self.decode_stream, self.place_stream):
+            self.backend.synchronize(s)

@@ -1,0 +1,409 @@
+"""The GPU-decode executor's copy, decode and place streams (engine/gpu/streams.py), without a GPU: a recorder
+backend takes every wait, record and access the executor makes and works out what happens before what (each
+stream in order, waits on events, the host once it has seen an event done, a stream after what the host did
+before queueing on it). Every access to a buffer (the pinned staging, the device copies, the scratches) must
+come after the accesses before it that it conflicts with; the executor run end to end on CPU tensors over
+several waves makes none that does not, and delivers the CPU path's batches. The recorder is itself held to
+find the race each missing wait would leave."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.codecs import ZstdCodec
+
+import stoker
+from stoker.engine.gpu.executor import GpuDecodeExecutor
+from stoker.engine.gpu.reference import HostDecoder
+from stoker.engine.gpu.streams import CudaStreams, HostStreams, WaveStreams
+from stoker.engine.pipeline import facade as pipelines
+from batch_oracle import random_crops
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPE, CHUNKS = (32, 64, 64), (8, 16, 16)  # 64 chunks of 2,048 uint16
+
+
+class Event:
+    """A recorded event: what had happened on its stream (and before, through waits) when it was recorded."""
+
+    def __init__(self, recorder: "Recorder", id: int, before: frozenset) -> None:
+        self.recorder, self.id, self.before = recorder, id, before
+
+    def query(self) -> bool:  # the host has seen it done (SlotRing polls a staging buffer's event)
+        self.recorder.host_saw(self)
+        return True
+
+    def synchronize(self) -> None:
+        self.recorder.host_saw(self)
+
+
+class Recorder(HostStreams):
+    """The streams' backend on CPU tensors (each step runs when called) that records the order it was asked
+    for: ``log`` holds ``("wait", stream, event id)``, ``("record", stream, event id)`` and ``("op", stream,
+    op id)``; ``races`` every access not ordered after an earlier conflicting one (a write after any access, a
+    read after a write) of the same buffer."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.log: list[tuple] = []
+        self.races: list[str] = []
+        self.known: dict[str, set] = {"host": set()}  # per lane: the ops that happened before its next one
+        self.accesses: dict[tuple, list] = {}  # buffer -> [(op id, wrote, what)]
+        self.ids = itertools.count(1)
+
+    def stream(self, role: str) -> str:
+        self.known[role] = set()
+        return role
+
+    def _sync_host(self, stream: str) -> None:  # what the host did before queueing on a stream comes first
+        self.known[stream] |= self.known["host"]
+
+    def record(self, stream):
+        with self.lock:
+            self._sync_host(stream)
+            event = Event(self, next(self.ids), frozenset(self.known[stream]))
+            self.log.append(("record", stream, event.id))
+            return event
+
+    def wait(self, stream, event) -> None:
+        if event is None:
+            return
+        with self.lock:
+            self.log.append(("wait", stream, event.id))
+            self.known[stream] |= event.before
+
+    def host_saw(self, event: Event) -> None:
+        with self.lock:
+            self.known["host"] |= event.before
+
+    def access(self, stream, reads=(), writes=()) -> None:
+        lane = stream or "host"
+        with self.lock:
+            if lane != "host":
+                self._sync_host(lane)
+            op = next(self.ids)
+            before = self.known[lane]
+            what = f"op {op} on {lane}"
+            for buf, wrote in [(r, False) for r in reads] + [(w, True) for w in writes]:
+                for prev, prev_wrote, prev_what in self.accesses.get(buf, []):
+                    if (wrote or prev_wrote) and prev not in before:
+                        self.races.append(f"{buf}: {what} ({'write' if wrote else 'read'}) not after "
+                                          f"{prev_what} ({'write' if prev_wrote else 'read'})")
+                self.accesses.setdefault(buf, []).append((op, wrote, what))
+            before.add(op)
+            self.log.append(("op", lane, op, tuple(reads), tuple(writes)))
+
+    def steps(self, stream: str) -> list[tuple[list[int], tuple, int | None]]:
+        """Each op on ``stream``: (the events it waited for since the op before, the op, the event recorded
+        next on the stream)."""
+        out, waits = [], []
+        for entry in self.log:
+            if entry[1] != stream:
+                continue
+            if entry[0] == "wait":
+                waits.append(entry[2])
+            elif entry[0] == "op":
+                out.append([waits, entry, None])
+                waits = []
+            elif out and out[-1][2] is None:
+                out[-1][2] = entry[2]
+        return [tuple(step) for step in out]
+
+
+# -- the ordering itself, driven step by step --------------------------------------------------------------
+
+class Dropping(Recorder):
+    """A recorder that loses the waits of one stream (what removing a wait from WaveStreams would do)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__()
+        self.dropped = stream
+
+    def wait(self, stream, event) -> None:
+        if stream != self.dropped:
+            super().wait(stream, event)
+
+
+def _drive(backend: Recorder, waves: int = 5, host_waits: bool = True) -> None:
+    """Five waves through WaveStreams as the executor sends them: two staging buffers, each written by the host
+    once the copy that last read it is seen done (unless ``host_waits`` is False)."""
+    lanes = WaveStreams(backend)
+    lanes.buffers([torch.zeros(64, dtype=torch.uint8) for _ in range(2)],
+                  [torch.zeros(64, dtype=torch.uint8) for _ in range(2)])
+    staging = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
+    ready: list = [None, None]
+    for n in range(waves):
+        s = n % 2
+        if host_waits and ready[s] is not None:
+            ready[s].query()
+        lanes.staged(s)
+        staging[s].fill_(n)
+        k = lanes.next()
+        ready[s] = lanes.copy(k, staging[s], 64, s)
+        lanes.decode(k, lambda data, out: out.copy_(data))
+        lanes.place(k, lambda scratch: None)
+
+
+def test_each_step_waits_for_the_steps_that_last_used_its_buffers():
+    rec = Recorder()
+    _drive(rec)
+    assert not rec.races, rec.races
+    copies, decodes, places = rec.steps("copy"), rec.steps("decode"), rec.steps("place")
+    assert len(copies) == len(decodes) == len(places) == 5
+    for n in range(5):
+        copied, decoded, placed = copies[n][2], decodes[n][2], places[n][2]
+        # the copy waits for the decode that last read its device copy (two waves back), nothing else
+        assert copies[n][0] == ([decodes[n - 2][2]] if n >= 2 else [])
+        # the decode for its copy and the placement that last read its scratch
+        assert decodes[n][0] == [copied] + ([places[n - 2][2]] if n >= 2 else [])
+        assert places[n][0] == [decoded]
+        assert None not in (copied, decoded, placed)
+    # wave n + 1's copy waits for nothing of wave n: it overlaps wave n's decode and wave n - 1's placement
+    assert decodes[0][2] not in copies[1][0] and places[0][2] not in copies[1][0]
+
+
+@pytest.mark.parametrize("stream, buffer", [("copy", ("data", 0)), ("decode", ("data", 0)),
+                                            ("decode", ("scratch", 0)), ("place", ("scratch", 0))])
+def test_the_recorder_finds_the_race_a_missing_wait_leaves(stream, buffer):
+    rec = Dropping(stream)
+    _drive(rec)
+    assert any(r.startswith(f"{buffer}:") for r in rec.races), rec.races
+
+
+def test_the_recorder_finds_a_staging_buffer_written_before_its_copy_is_seen_done():
+    rec = Recorder()
+    _drive(rec, host_waits=False)
+    assert any(r.startswith("('staging', 0): op") and "on host (write)" in r for r in rec.races), rec.races
+
+
+# -- the executor, end to end on CPU tensors ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streams")
+    uri = str(root / "a.zarr")
+    z = zarr.create_array(uri, shape=SHAPE, chunks=CHUNKS, dtype="uint16", fill_value=0,
+                          compressors=ZstdCodec(level=3))
+    rng = np.random.default_rng(1)
+    z[:] = ((np.add.outer(np.arange(SHAPE[0]), np.arange(SHAPE[1]))[..., None] + np.arange(SHAPE[2])) % 3000
+            + rng.integers(0, 50, size=SHAPE)).astype("uint16")
+    return uri
+
+
+def _cfg(**kw):
+    # a device budget of a few dozen chunks a wave beside the slots: each batch spans waves
+    base = dict(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1, n_io_threads=1, lookahead_batches=3,
+                host_buffer_bytes=1 << 20, device_buffer_bytes=1 << 20, pop_timeout_s=30.0)
+    return stoker.Config(**{**base, **kw})
+
+
+def _batches(cfg, samples):
+    with stoker.Pipeline(cfg) as p:
+        p.push(samples)
+        return [torch.from_dlpack(b).clone() for b in p]
+
+
+def test_the_executor_s_waves_on_three_streams_touch_no_buffer_out_of_order(volume, monkeypatch):
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
+    want = _batches(_cfg(), samples)  # the CPU executor (Config(device="cpu") picks it)
+    rec, made = Recorder(), []
+
+    def factory(cfg, device, stats, store):
+        made.append(GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda s: HostDecoder(),
+                                      streams=rec))
+        return made[-1]
+
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+    got = _batches(_cfg(), samples)
+    assert len(got) == len(want) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
+    ex = made[0]
+    assert ex.wave_depth == 2 and len(ex.waves) >= 6, (ex.wave_depth, list(ex.waves))
+    assert not rec.races, rec.races[:5]
+    copies, decodes, places = rec.steps("copy"), rec.steps("decode"), rec.steps("place")
+    assert len(copies) == len(decodes) == len(places) == len(ex.waves)
+    for n in range(2, len(copies)):  # the same graph as WaveStreams' own: the executor adds no wait of its own
+        assert copies[n][0] == [decodes[n - 2][2]]
+        assert decodes[n][0] == [copies[n][2], places[n - 2][2]]
+        assert places[n][0] == [decodes[n][2]]
+    # every staging buffer the reader wrote again, it wrote after seeing the copy that last read it done
+    staged = [e for e in rec.log if e[0] == "op" and e[1] == "host"]
+    assert len(staged) >= len(ex.waves) and len({e[4] for e in staged}) == 2
+
+
+def test_a_device_budget_for_one_wave_on_the_device_orders_each_step_after_the_wave_before(tmp_path, monkeypatch):
+    """Chunks of 256 KiB that do not compress: 1 MiB of device budget holds one wave's device copy and scratch,
+    not two, so one wave is on the device at a time (wave_depth 1) and each copy waits for the decode before,
+    each decode for the placement before; the batches are still the CPU path's."""
+    uri = str(tmp_path / "r.zarr")
+    shape, chunks = (64, 64, 64), (32, 64, 64)
+    zarr.create_array(uri, shape=shape, chunks=chunks, dtype="uint16", fill_value=0,
+                      compressors=ZstdCodec(level=1))[:] = np.random.default_rng(3).integers(0, 65535, size=shape,
+                                                                                             dtype="uint16")
+    samples = random_crops(uri, shape, (8, 8, 8), 6, 3) + [stoker.Sample(uri, [(28, 36), (0, 8), (0, 8)])]
+    cfg = _cfg(batch_size=1, lookahead_batches=1, host_buffer_bytes=4 << 20, device_buffer_bytes=1 << 20)
+    want = _batches(cfg, samples)
+    rec, made = Recorder(), []
+
+    def factory(cfg, device, stats, store):
+        made.append(GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda s: HostDecoder(),
+                                      streams=rec))
+        return made[-1]
+
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+    got = _batches(cfg, samples)
+    assert len(got) == len(want) == 7 and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert made[0].wave_depth == 1 and not rec.races, (made[0].wave_depth, rec.races[:5])
+    copies, decodes, places = rec.steps("copy"), rec.steps("decode"), rec.steps("place")
+    assert len(copies) == len(made[0].waves) >= 7
+    for n in range(1, len(copies)):
+        assert copies[n][0] == [decodes[n - 1][2]]
+        assert decodes[n][0] == [copies[n][2], places[n - 1][2]]
+
+
+# -- on a GPU (marked cuda: run by benchmarks/gpu_checks.sh on a lent one) ----------------------------------
+
+GPU_SHAPE, GPU_CHUNKS, GPU_CROP = (64, 256, 256), (16, 64, 64), (24, 96, 96)  # chunks of 128 KiB decoded
+
+
+@pytest.fixture(scope="module")
+def big_volume(tmp_path_factory):
+    """Compressible uint16 (a gradient and noise, zstd) and blosc lz4 with shuffle: 256 chunks each."""
+    from zarr.codecs import BloscCodec
+
+    root = tmp_path_factory.mktemp("streams-gpu")
+    rng = np.random.default_rng(2)
+    data = ((np.add.outer(np.arange(GPU_SHAPE[0]), np.arange(GPU_SHAPE[1]))[..., None] + np.arange(GPU_SHAPE[2]))
+            % 4000 + rng.integers(0, 40, size=GPU_SHAPE)).astype("uint16")
+    uris = []
+    for name, comp in (("zstd", ZstdCodec(level=3)), ("lz4", BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"))):
+        uri = str(root / f"{name}.zarr")
+        zarr.create_array(uri, shape=GPU_SHAPE, chunks=GPU_CHUNKS, dtype="uint16", fill_value=0,
+                          compressors=comp)[:] = data
+        uris.append(uri)
+    return uris
+
+
+def _gpu_samples(uris, n=12):
+    return [s for i, u in enumerate(uris) for s in random_crops(u, GPU_SHAPE, GPU_CROP, n, 11 + i)]
+
+
+def _gpu_cfg(where, dtype):
+    # 24 MiB: the slots and waves of about a dozen chunks, so the 6 batches take many waves
+    return stoker.Config(batch_size=4, dtype=dtype, device=torch.cuda.current_device(), decode_on=where,
+                         host_buffer_bytes=64 << 20, device_buffer_bytes=24 << 20, lookahead_batches=3)
+
+
+def _on_gpu(samples, where, dtype, factory=None, monkeypatch=None):
+    if factory is not None:
+        monkeypatch.setattr(pipelines, "make_executor", factory)
+    try:
+        with stoker.Pipeline(_gpu_cfg(where, dtype)) as p:
+            p.push(samples)
+            return [torch.from_dlpack(b).cpu() for b in p]
+    finally:
+        if factory is not None:
+            monkeypatch.undo()
+
+
+def _needs_nvcomp():
+    pytest.importorskip("nvidia.libnvcomp", reason="nvCOMP is not installed (pip install 'stoker[gpu]')")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_on_a_gpu_waves_on_three_streams_give_the_cpu_path_s_batches(big_volume, dtype, monkeypatch):
+    """Many waves, two on the device at once, copy, decode and place each on its own CUDA stream: bit for bit
+    the CPU decode's batches."""
+    _needs_nvcomp()
+    from test_gpu_executor import _same
+
+    samples = _gpu_samples(big_volume)
+    made, streams = [], []
+
+    def factory(cfg, device, stats, store):
+        streams.append(_Streams(device))
+        made.append(GpuDecodeExecutor(cfg, device, stats, store, streams=streams[-1]))
+        return made[-1]
+
+    want = _on_gpu(samples, "cpu", dtype)
+    got = _on_gpu(samples, "gpu", dtype, factory, monkeypatch)
+    ex, lanes = made[0], streams[0].made
+    assert ex.wave_depth == 2 and len(ex.waves) >= 6, (ex.wave_depth, list(ex.waves))
+    assert len({s.cuda_stream for s in lanes.values()}) == 3 and ex.stream is lanes["place"]
+    assert len(got) == len(want) == 6 and all(_same(g, w) for g, w in zip(got, want))
+
+
+class _Streams(CudaStreams):
+    """torch's CUDA streams, kept by role (the test's view of what the executor made)."""
+
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        self.made: dict[str, torch.cuda.Stream] = {}
+
+    def stream(self, role):
+        self.made[role] = super().stream(role)
+        return self.made[role]
+
+
+class _Polled:
+    """A copy's event whose host polls are counted (``pending``: those that found the copy not done)."""
+
+    def __init__(self, event, backend: "_SlowCopies") -> None:
+        self.event, self.backend = event, backend
+
+    def query(self) -> bool:
+        done = self.event.query()
+        self.backend.pending += not done
+        return done
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def wait(self, stream) -> None:  # (Stream.wait_event(e) calls e.wait(stream): the decode waits for the copy)
+        self.event.wait(stream)
+
+
+class _SlowCopies(_Streams):
+    """CUDA streams whose copy stream sleeps on the device before each copy (``torch.cuda._sleep``, about 10 ms
+    on an H200), so the reader wants a staging buffer again long before the copy that reads it has run."""
+
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        self.copies = self.pending = 0
+
+    def access(self, stream, reads=(), writes=()):
+        if stream is not None and stream is self.made["copy"]:  # (called on the copy stream, before the copy)
+            torch.cuda._sleep(20_000_000)
+            self.copies += 1
+
+    def record(self, stream):
+        event = super().record(stream)
+        return _Polled(event, self) if stream is self.made["copy"] else event
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_staging_buffer_is_not_written_before_its_slow_copy_has_read_it(big_volume, monkeypatch):
+    """Each copy held back ~10 ms on the device: the reader finds its next staging buffer's copy pending (it
+    waits for the copy's event, polled), and every batch is still the CPU path's: no wave was read into a
+    staging buffer the device had not copied yet."""
+    _needs_nvcomp()
+    from test_gpu_executor import _same
+
+    samples = _gpu_samples(big_volume)
+    made = []
+
+    def factory(cfg, device, stats, store):
+        made.append(_SlowCopies(device))
+        return GpuDecodeExecutor(cfg, device, stats, store, streams=made[-1])
+
+    want = _on_gpu(samples, "cpu", "bf16")
+    got = _on_gpu(samples, "gpu", "bf16", factory, monkeypatch)
+    backend = made[0]
+    assert backend.copies >= 6 and backend.pending > 0, (backend.copies, backend.pending)
+    assert len(got) == len(want) == 6 and all(_same(g, w) for g, w in zip(got, want))
