@@ -515,6 +515,34 @@ def test_two_threads_on_one_pool_each_read_their_own_wave(tmp_path):
         assert readers.close(5.0)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread signal masks from /proc")
+def test_reader_threads_block_signals(tmp_path):
+    """A signal for the process (Ctrl-C, a launcher's SIGTERM) is never delivered to a pooled reader thread,
+    where it would cut a read short: they block every signal, started by csrc/threads.c's thread_start as the
+    engine's workers are; the caller's mask is as it was."""
+    import signal
+    import threading
+
+    def blocked(tid):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            return int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+
+    paths, files, datas = _files(tmp_path, 12)
+    before = set(os.listdir("/proc/self/task"))
+    readers = native_reads.Readers(4)
+    try:
+        _wave(paths, files, datas, readers)
+        new = set(os.listdir("/proc/self/task")) - before
+        assert readers.info()[:3] == (3, 3, 3) and len(new) >= 3, (readers.info(), new)
+        for tid in new:
+            mask = blocked(tid)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGCHLD):
+                assert mask >> (sig - 1) & 1, (tid, hex(mask), sig)
+        assert not blocked(threading.get_native_id()) >> (signal.SIGINT - 1) & 1
+    finally:
+        assert readers.close(5.0)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
     """The parent's helpers do not exist in a forked child: there the readers start helpers of their own at the
