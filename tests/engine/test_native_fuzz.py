@@ -22,6 +22,7 @@ import itertools
 import mmap
 import os
 import sys
+import time
 from array import array
 
 import crc32c
@@ -1624,6 +1625,87 @@ def test_disk_cache_entry_tables_are_checked(work, case):
         blob = None
     with pytest.raises(ValueError):
         entry_job(path, ident, 100, 200, (0, 100), rows, blob, buffers, offset)
+
+
+def staged_entry(path: bytes, ident: bytes, bound: int) -> tuple[int, int, bytes]:
+    """The same entry read by the GPU decode's staging (csrc/staging.c: stage_read, an ENTRY row of that bound
+    read on the calling thread): (status, detail, the bytes placed)."""
+    from stoker.engine.gpu import native_reads
+
+    buf = bytearray(bound + 64)
+    table = np.array([[0, native_reads.ENTRY, bound, 0]], np.int64)
+    out = native_reads.read(buf, path + b"\0", np.zeros((1, 6), np.int64), table, 0, 1,
+                            (ident, np.array([[0, len(ident)]], np.int64)))
+    status, detail, at = (int(v) for v in out[0, [native_reads.STATUS, native_reads.DETAIL, native_reads.AT]])
+    return status, detail, bytes(buf[at:at + detail]) if status == native.ST_OK else b""
+
+
+@fuzz(150)
+@given(data=st.data())
+def test_engine_and_staging_judge_and_touch_an_entry_alike(work, data):
+    """One entry (sound, or damaged as the disk cache may find one), last used long ago, within the minute or in
+    the future (another host's clock), read by the CPU engine (read_entry) and by the GPU decode's staging
+    (stage_read): the same status and ENTRY_* detail, the same payload, and both touch it (the LRU clock) or
+    neither; a sound one is touched unless it was used within the minute (relatime). The staging touched every
+    hit and checked entries with code of its own."""
+    content = data.draw(st.binary(min_size=1, max_size=5000))
+    payload = numcodecs.Zstd(level=1).encode(content)
+    ident = data.draw(st.binary(max_size=200))
+    raw = entry_bytes(ident, payload)
+    bound = max(1, len(payload) + data.draw(st.sampled_from([0, 0, 64, -1])))
+    damage = data.draw(st.sampled_from(["none", "none", "flip", "cut", "extend", "field", "ident", "link", "fifo",
+                                        "folder", "missing"]))
+    age = data.draw(st.sampled_from(["long ago", "within the minute", "future"]))
+    event(f"{damage}, {age}")
+    expected = ident
+    if damage == "flip":
+        at = data.draw(st.integers(0, len(raw) - 1))
+        raw = raw[:at] + bytes([raw[at] ^ (1 << data.draw(st.integers(0, 7)))]) + raw[at + 1:]
+    elif damage == "cut":
+        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+    elif damage == "extend":
+        raw = raw + data.draw(st.binary(min_size=1, max_size=100))
+    elif damage == "field":
+        at, size = data.draw(st.sampled_from([(8, 4), (12, 4), (16, 8)]))
+        raw = raw[:at] + data.draw(st.integers(0, (1 << 8 * size) - 1)).to_bytes(size, "little") + raw[at + size:]
+    elif damage == "ident":
+        expected = data.draw(st.binary(max_size=200).filter(lambda b: b != ident))
+    path = work / f"alike-{damage}"
+    for old in (path, work / "alike-target"):
+        if old.is_dir() and not old.is_symlink():
+            old.rmdir()
+        elif os.path.lexists(old):
+            old.unlink()
+    if damage == "link":
+        (work / "alike-target").write_bytes(raw)
+        os.symlink(work / "alike-target", path)
+    elif damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "folder":
+        path.mkdir()
+    elif damage != "missing":
+        path.write_bytes(raw)
+    when = {"long ago": 10**15, "within the minute": time.time_ns() - 30 * 10**9,
+            "future": time.time_ns() + 3600 * 10**9}[age]
+
+    def read(how):
+        if damage not in ("link", "fifo", "folder", "missing"):
+            os.utime(path, ns=(when, when))
+        if how == "engine":
+            status, detail, batch = entry_job(os.fsencode(path), expected, len(content), bound, (0, len(content)))
+            got = payload if status == native.ST_OK and batch.view.tobytes() == content else b""
+        else:
+            status, detail, got = staged_entry(os.fsencode(path), expected, bound)
+        touched = damage not in ("link", "fifo", "folder", "missing") and os.stat(path).st_mtime_ns != when
+        return status, detail, got, touched
+
+    engine_side, staged = read("engine"), read("staging")
+    good = damage not in ("link", "fifo", "folder", "missing") and sound(raw, expected, bound)
+    assert staged[0] == (native.ST_OK if good else native.ST_ENTRY), staged
+    assert staged[3] == (good and age != "within the minute"), (staged, age)
+    if good:
+        assert staged[2] == payload
+    assert engine_side == staged
 
 
 #: lengths about every path's edges: the byte tail, 8-byte steps, the three 8 KiB streams, the folding's least

@@ -12,12 +12,10 @@
 #include "threads.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #define MAX_STAGE_THREADS 64
@@ -158,63 +156,22 @@ static void stat_whole(stage_plan *p, long long i) {
         set_out(p, i, ST_TOO_BIG, size);
 }
 
-static unsigned long long le_bytes(const unsigned char *b, int n) {
-    unsigned long long v = 0;
-    for (int k = n - 1; k >= 0; k--)
-        v = v << 8 | b[k];
-    return v;
-}
-
-/* an entry's payload read into the room placed for the size its stat gave, with entries.c's checks (read_entry
- * reads an entry whole into one buffer; here its header and ident go to the stack and its payload alone to the
- * staging, so the room placed is the payload's and what crosses to the device is chunk bytes only) */
+/* an entry's payload read into the room placed for the size its stat gave, judged and touched by entries.c's
+ * entry_read as the CPU engine's reads are (read_entry reads an entry whole into one buffer; here its header
+ * and ident go to the stack and its payload alone to the staging, so the room placed is the payload's and what
+ * crosses to the device is chunk bytes only); replaced since its stat (another size): ENTRY_SIZE, its room
+ * another's */
 static void read_entry_payload(stage_plan *p, long long i) {
     int64_t *o = p->out + i * STAGE_OUT_COLS;
-    const char *ident = p->ident_blob + p->idents[2 * i];
-    size_t ident_len = (size_t)p->idents[2 * i + 1], head = (size_t)entry_head(p, i), size = (size_t)o[SO_DETAIL];
+    const int64_t *row = p->reads + i * STAGE_READ_COLS;
     unsigned char header[ENTRY_HEADER_BYTES + ENTRY_IDENT_CAP];
-    chunk_io job;
-    memset(&job, 0, sizeof(job));
+    entry_reading r = {p->ident_blob + p->idents[2 * i], (size_t)p->idents[2 * i + 1], (size_t)row[SR_LENGTH],
+                       o[SO_DETAIL], header, p->buf + o[SO_AT], 0, 0, 0};
     __atomic_fetch_add(&p->opens, 1, __ATOMIC_RELAXED);
-    /* O_NONBLOCK: a FIFO planted at an entry's name must not hang the open (it is no regular file) */
-    int fd, why = 0;
-    do
-        fd = open(p->paths[p->reads[i * STAGE_READ_COLS + SR_FILE]], O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-    while (fd < 0 && errno == EINTR);
-    struct stat st;
-    if (fd < 0)
-        why = errno == ENOENT || errno == ENOTDIR ? ENTRY_GONE : ENTRY_UNREADABLE;
-    else if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
-        why = ENTRY_UNREADABLE;
-    else if ((unsigned long long)st.st_size != head + size) /* replaced since its stat: its room is another's */
-        why = ENTRY_SIZE;
-    if (!why) {
-        fcntl(fd, F_SETFL, 0); /* blocking again, as io.c's open_file (FUSE and network file systems) */
-        job.offset = 0;
-        if (read_range(&job, fd, (char *)header, 0, head) != 0)
-            why = job.status == ST_SHORT ? ENTRY_SIZE : ENTRY_UNREADABLE;
-    }
-    if (!why && (memcmp(header, "STKC1\n", 6) != 0 || le_bytes(header + 12, 4) != ident_len ||
-                 le_bytes(header + 16, 8) != size))
-        why = ENTRY_LAYOUT;
-    if (!why && ident_len && memcmp(header + ENTRY_HEADER_BYTES, ident, ident_len) != 0)
-        why = ENTRY_OTHER_IDENT; /* a hash collision's entry */
-    if (!why) {
-        job.offset = (long long)head;
-        if (read_range(&job, fd, p->buf + o[SO_AT], 0, size) != 0)
-            why = job.status == ST_SHORT ? ENTRY_SIZE : ENTRY_UNREADABLE;
+    int why = entry_read(p->paths[row[SR_FILE]], &r);
+    if (r.preads > 1) /* (the header's read not counted: the payload's is the read of the plan) */
         __atomic_fetch_add(&p->preads, 1, __ATOMIC_RELAXED);
-    }
-    if (!why) {
-        uint32_t crc = crc32c_of(0, header + ENTRY_HEADER_BYTES, ident_len);
-        if (crc32c_of(crc, p->buf + o[SO_AT], size) != (uint32_t)le_bytes(header + 8, 4))
-            why = ENTRY_CHECKSUM;
-    }
-    if (!why)
-        (void)futimens(fd, NULL); /* the LRU clock: a hit is a use (a read-only folder: still a hit) */
-    if (fd >= 0)
-        close(fd);
-    o[SO_NREAD] = why ? 0 : (long long)size;
+    o[SO_NREAD] = why ? 0 : (long long)r.payload_len;
     if (why)
         set_out(p, i, ST_ENTRY, why);
 }
