@@ -294,13 +294,21 @@ static void touch(int fd, const struct stat *st) {
 }
 
 /* n bytes at ``at`` of the entry into buf: 0, ENTRY_SIZE (the file ends early: truncated meanwhile) or
- * ENTRY_UNREADABLE (a read error: EIO, ...) */
-static int read_at(int fd, char *buf, size_t n, size_t at, long long *nread) {
+ * ENTRY_UNREADABLE (a read error: EIO, ...). The file was opened O_NONBLOCK (a FIFO must not hang the open),
+ * which changes nothing for a regular file on a local file system; a file system that honours it (some FUSE
+ * and network ones) answers EAGAIN: then, once, the descriptor is made blocking and the read made again. Not
+ * made blocking up front: an fcntl per entry read, for file systems that seldom need it. */
+static int read_at(int fd, char *buf, size_t n, size_t at, int *blocking, long long *nread) {
     size_t done = 0;
     while (done < n) {
         ssize_t got = pread(fd, buf + done, n - done, (off_t)(at + done));
         if (got < 0 && errno == EINTR)
             continue;
+        if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && !*blocking) {
+            *blocking = 1;
+            if (fcntl(fd, F_SETFL, 0) == 0) /* (only O_NONBLOCK was set: no F_GETFL first) */
+                continue;
+        }
         if (got <= 0) {
             *nread += (long long)done;
             return got < 0 ? ENTRY_UNREADABLE : ENTRY_SIZE;
@@ -313,7 +321,7 @@ static int read_at(int fd, char *buf, size_t n, size_t at, long long *nread) {
 
 int entry_read(const char *path, entry_reading *r) {
     size_t head = ENTRY_HEADER_BYTES + r->ident_len;
-    int why = 0, checked = 0;
+    int why = 0, blocking = 0, checked = 0;
     r->payload_len = 0;
     r->nread = 0;
     r->preads = 0;
@@ -334,20 +342,18 @@ int entry_read(const char *path, entry_reading *r) {
         why = ENTRY_SIZE;
         goto out;
     }
-    /* blocking again, as io.c's open_file: some FUSE and network file systems honour O_NONBLOCK (EAGAIN) */
-    fcntl(fd, F_SETFL, 0);
     size_t n = (size_t)st.st_size - head;
     r->preads++;
     if (r->payload == (char *)r->head + head) { /* one read of the whole file */
-        why = read_at(fd, (char *)r->head, head + n, 0, &r->nread);
+        why = read_at(fd, (char *)r->head, head + n, 0, &blocking, &r->nread);
     } else { /* the header first, checked before the payload is read to its own place */
-        why = read_at(fd, (char *)r->head, head, 0, &r->nread);
+        why = read_at(fd, (char *)r->head, head, 0, &blocking, &r->nread);
         if (!why)
             why = check_header(r->head, r->ident, r->ident_len, n);
         checked = 1;
         if (!why) {
             r->preads++;
-            why = read_at(fd, r->payload, n, head, &r->nread);
+            why = read_at(fd, r->payload, n, head, &blocking, &r->nread);
         }
     }
     if (!why && !checked)
