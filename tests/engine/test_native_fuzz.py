@@ -21,7 +21,11 @@ import ctypes
 import itertools
 import mmap
 import os
+import shutil
+import subprocess
 import sys
+import textwrap
+import time
 from array import array
 
 import crc32c
@@ -1624,6 +1628,182 @@ def test_disk_cache_entry_tables_are_checked(work, case):
         blob = None
     with pytest.raises(ValueError):
         entry_job(path, ident, 100, 200, (0, 100), rows, blob, buffers, offset)
+
+
+def staged_entry(path: bytes, ident: bytes, bound: int) -> tuple[int, int, bytes]:
+    """The same entry read by the GPU decode's staging (csrc/staging.c: stage_read, an ENTRY row of that bound
+    read on the calling thread): (status, detail, the bytes placed)."""
+    from stoker.engine.gpu import native_reads
+
+    buf = bytearray(bound + 64)
+    table = np.array([[0, native_reads.ENTRY, bound, 0]], np.int64)
+    out = native_reads.read(buf, path + b"\0", np.zeros((1, 6), np.int64), table, 0, 1,
+                            (ident, np.array([[0, len(ident)]], np.int64)))
+    status, detail, at = (int(v) for v in out[0, [native_reads.STATUS, native_reads.DETAIL, native_reads.AT]])
+    return status, detail, bytes(buf[at:at + detail]) if status == native.ST_OK else b""
+
+
+@fuzz(150)
+@given(data=st.data())
+def test_engine_and_staging_judge_and_touch_an_entry_alike(work, data):
+    """One entry (sound, or damaged as the disk cache may find one), last used long ago, within the minute or in
+    the future (another host's clock), read by the CPU engine (read_entry) and by the GPU decode's staging
+    (stage_read): the same status and ENTRY_* detail, the same payload, and both touch it (the LRU clock) or
+    neither; a sound one is touched unless it was used within the minute (relatime). The staging touched every
+    hit and checked entries with code of its own."""
+    content = data.draw(st.binary(min_size=1, max_size=5000))
+    payload = numcodecs.Zstd(level=1).encode(content)
+    ident = data.draw(st.binary(max_size=200))
+    raw = entry_bytes(ident, payload)
+    bound = max(1, len(payload) + data.draw(st.sampled_from([0, 0, 64, -1])))
+    damage = data.draw(st.sampled_from(["none", "none", "flip", "cut", "extend", "field", "ident", "link", "fifo",
+                                        "folder", "missing"]))
+    age = data.draw(st.sampled_from(["long ago", "within the minute", "future"]))
+    event(f"{damage}, {age}")
+    expected = ident
+    if damage == "flip":
+        at = data.draw(st.integers(0, len(raw) - 1))
+        raw = raw[:at] + bytes([raw[at] ^ (1 << data.draw(st.integers(0, 7)))]) + raw[at + 1:]
+    elif damage == "cut":
+        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+    elif damage == "extend":
+        raw = raw + data.draw(st.binary(min_size=1, max_size=100))
+    elif damage == "field":
+        at, size = data.draw(st.sampled_from([(8, 4), (12, 4), (16, 8)]))
+        raw = raw[:at] + data.draw(st.integers(0, (1 << 8 * size) - 1)).to_bytes(size, "little") + raw[at + size:]
+    elif damage == "ident":
+        expected = data.draw(st.binary(max_size=200).filter(lambda b: b != ident))
+    path = work / f"alike-{damage}"
+    for old in (path, work / "alike-target"):
+        if old.is_dir() and not old.is_symlink():
+            old.rmdir()
+        elif os.path.lexists(old):
+            old.unlink()
+    if damage == "link":
+        (work / "alike-target").write_bytes(raw)
+        os.symlink(work / "alike-target", path)
+    elif damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "folder":
+        path.mkdir()
+    elif damage != "missing":
+        path.write_bytes(raw)
+    when = {"long ago": 10**15, "within the minute": time.time_ns() - 30 * 10**9,
+            "future": time.time_ns() + 3600 * 10**9}[age]
+
+    def read(how):
+        if damage not in ("link", "fifo", "folder", "missing"):
+            os.utime(path, ns=(when, when))
+        if how == "engine":
+            status, detail, batch = entry_job(os.fsencode(path), expected, len(content), bound, (0, len(content)))
+            got = payload if status == native.ST_OK and batch.view.tobytes() == content else b""
+        else:
+            status, detail, got = staged_entry(os.fsencode(path), expected, bound)
+        touched = damage not in ("link", "fifo", "folder", "missing") and os.stat(path).st_mtime_ns != when
+        return status, detail, got, touched
+
+    engine_side, staged = read("engine"), read("staging")
+    good = damage not in ("link", "fifo", "folder", "missing") and sound(raw, expected, bound)
+    assert staged[0] == (native.ST_OK if good else native.ST_ENTRY), staged
+    assert staged[3] == (good and age != "within the minute"), (staged, age)
+    if good:
+        assert staged[2] == payload
+    assert engine_side == staged
+
+
+# A C library put before libc (LD_PRELOAD) that answers EAGAIN to every pread of a descriptor opened under an
+# armed folder while that descriptor is non-blocking: a file system that honours O_NONBLOCK for regular files
+# (some FUSE and network ones do). Entries are opened non-blocking (a FIFO planted at an entry's name must not
+# hang the open) and made blocking only when a read says EAGAIN, not with an fcntl per entry read.
+_NONBLOCK_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <string.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+static char prefix[4096];
+static size_t prefix_len;
+static char opened[65536];
+static long refused;
+
+void nonblock_arm(const char *p) { strncpy(prefix, p, sizeof prefix - 1); prefix_len = strlen(prefix); }
+long nonblock_refused(void) { return __atomic_load_n(&refused, __ATOMIC_RELAXED); }
+
+static int under(const char *path) { return prefix_len && path && strncmp(path, prefix, prefix_len) == 0; }
+static int honoured(int fd) {
+    return fd >= 0 && fd < (int)sizeof opened && __atomic_load_n(&opened[fd], __ATOMIC_RELAXED) &&
+           (fcntl(fd, F_GETFL) & O_NONBLOCK);
+}
+static int opened_at(const char *name, const char *path, int flags, mode_t mode) {
+    typedef int (*fn)(const char *, int, ...);
+    static fn real_open, real_open64;
+    fn *real = strcmp(name, "open") == 0 ? &real_open : &real_open64;
+    if (!*real) *real = (fn)dlsym(RTLD_NEXT, name);
+    int fd = (*real)(path, flags, mode);
+    if (fd >= 0 && fd < (int)sizeof opened) __atomic_store_n(&opened[fd], (char)under(path), __ATOMIC_RELAXED);
+    return fd;
+}
+int open(const char *path, int flags, ...) {
+    va_list ap; va_start(ap, flags); mode_t mode = (flags & O_CREAT) ? va_arg(ap, mode_t) : 0; va_end(ap);
+    return opened_at("open", path, flags, mode);
+}
+int open64(const char *path, int flags, ...) {
+    va_list ap; va_start(ap, flags); mode_t mode = (flags & O_CREAT) ? va_arg(ap, mode_t) : 0; va_end(ap);
+    return opened_at("open64", path, flags, mode);
+}
+#define REFUSE(fd) if (honoured(fd)) { __atomic_add_fetch(&refused, 1, __ATOMIC_RELAXED); errno = EAGAIN; return -1; }
+ssize_t pread(int fd, void *buf, size_t n, off_t at) {
+    static __typeof__(&pread) real; if (!real) real = (__typeof__(&pread))dlsym(RTLD_NEXT, "pread");
+    REFUSE(fd)
+    return real(fd, buf, n, at);
+}
+ssize_t pread64(int fd, void *buf, size_t n, off64_t at) {
+    static __typeof__(&pread64) real; if (!real) real = (__typeof__(&pread64))dlsym(RTLD_NEXT, "pread64");
+    REFUSE(fd)
+    return real(fd, buf, n, at);
+}
+"""
+
+_NONBLOCK_READS = textwrap.dedent("""
+    import ctypes, os, sys
+    import test_native_fuzz as t
+    path, ident, content = os.fsencode(sys.argv[1]), sys.argv[2].encode(), bytes.fromhex(sys.argv[3])
+    payload_len = os.path.getsize(path) - 24 - len(ident)
+    shim = ctypes.CDLL(None)
+    shim.nonblock_arm(os.fsencode(os.path.dirname(sys.argv[1])))
+    engine = t.entry_job(path, ident, len(content), payload_len, (0, len(content)))
+    staged = t.staged_entry(path, ident, payload_len)
+    print(engine[:2], engine[2].view.tobytes() == content, staged[:2], shim.nonblock_refused())
+""")
+
+
+def test_an_entry_on_a_file_system_that_honours_o_nonblock_is_read(tmp_path):
+    # Each entry read made the descriptor blocking with an fcntl (a system call per entry) before its pread. Now
+    # only a read that says EAGAIN does: the entry is read all the same, by the engine and by the staging.
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the library that honours O_NONBLOCK")
+    (tmp_path / "shim.c").write_text(_NONBLOCK_SHIM)
+    shim = tmp_path / "shim.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", str(tmp_path / "shim.c"), "-o", str(shim), "-ldl"], check=True,
+                   capture_output=True, timeout=120)
+    content = bytes(range(256)) * 20
+    ident = b"s3://bucket/a.zarr\nc/0/0\n5120"
+    (tmp_path / "entries").mkdir()
+    path = tmp_path / "entries" / "ab0123"
+    path.write_bytes(entry_bytes(ident, numcodecs.Zstd(level=1).encode(content)))
+    preload = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(shim)]))  # after ASan's runtime, if any
+    out = subprocess.run([sys.executable, "-c", _NONBLOCK_READS, str(path), ident.decode(), content.hex()],
+                         capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "LD_PRELOAD": preload, "PYTHONPATH": os.pathsep.join(sys.path)})
+    payload_len = path.stat().st_size - HEADER.size - len(ident)
+    # both read OK (the engine decoding the content), after one EAGAIN each made the descriptor blocking
+    assert out.stdout.split() == [f"({native.ST_OK},", f"{payload_len})", "True", f"({native.ST_OK},",
+                                  f"{payload_len})", "2"], (out.stdout, out.stderr)
 
 
 #: lengths about every path's edges: the byte tail, 8-byte steps, the three 8 KiB streams, the folding's least

@@ -269,6 +269,22 @@ def test_entries_payloads_land_end_to_end_checked_and_touched(tmp_path):
     assert all(os.stat(path).st_mtime_ns > 10**18 for path, _ in made)
 
 
+def test_an_entry_used_within_the_minute_is_not_touched_again(tmp_path):
+    """The LRU clock as the CPU engine keeps it (csrc/entries.c's entry_read, which both paths call): a hit on
+    an entry last used or written less than a minute ago writes nothing (relatime), one used a minute ago or
+    more is touched. The staging touched every hit: a futimens per entry of every wave."""
+    import time
+
+    made = _cache_entries(tmp_path, [b"r" * 100, b"s" * 100])
+    recent, old = time.time_ns() - 30 * 10**9, time.time_ns() - 61 * 10**9
+    for (path, _), when in zip(made, (recent, old)):
+        os.utime(path, ns=(when, when))
+    out = _read_entries(bytearray(200), made, [100, 100], 0, 1)
+    assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_OK] * 2
+    assert os.stat(made[0][0]).st_mtime_ns == recent  # used within the minute: as it was
+    assert os.stat(made[1][0]).st_mtime_ns > old + 60 * 10**9  # a minute or more: now
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "grow", "other-ident", "unlink", "symlink", "fifo",
                                     "past-bound"])
 def test_an_unsound_entry_is_st_entry_and_never_written_past_its_room(tmp_path, damage):
@@ -511,6 +527,34 @@ def test_two_threads_on_one_pool_each_read_their_own_wave(tmp_path):
     try:
         assert not any(t.is_alive() for t in threads) and not bad
         assert readers.info()[:3] == (2, 2, 2)
+    finally:
+        assert readers.close(5.0)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread signal masks from /proc")
+def test_reader_threads_block_signals(tmp_path):
+    """A signal for the process (Ctrl-C, a launcher's SIGTERM) is never delivered to a pooled reader thread,
+    where it would cut a read short: they block every signal, started by csrc/threads.c's thread_start as the
+    engine's workers are; the caller's mask is as it was."""
+    import signal
+    import threading
+
+    def blocked(tid):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            return int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+
+    paths, files, datas = _files(tmp_path, 12)
+    before = set(os.listdir("/proc/self/task"))
+    readers = native_reads.Readers(4)
+    try:
+        _wave(paths, files, datas, readers)
+        new = set(os.listdir("/proc/self/task")) - before
+        assert readers.info()[:3] == (3, 3, 3) and len(new) >= 3, (readers.info(), new)
+        for tid in new:
+            mask = blocked(tid)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGCHLD):
+                assert mask >> (sig - 1) & 1, (tid, hex(mask), sig)
+        assert not blocked(threading.get_native_id()) >> (signal.SIGINT - 1) & 1
     finally:
         assert readers.close(5.0)
 

@@ -3,7 +3,8 @@
  * its buffer. The layout is storage/diskcache.py's (ENTRY_HEADER_BYTES in the header); every field is checked
  * against the file's size and the caller's bounds before it is used, and the payload against its crc32c, so a
  * short, truncated, rewritten or corrupt entry is never decoded: ST_ENTRY, and the Python side fetches the
- * chunk from its store again (as it does for an entry its own reads find bad).
+ * chunk from its store again (as it does for an entry its own reads find bad). The GPU decode's staged reads
+ * (staging.c) judge and touch an entry through the same entry_read, so both paths agree on every entry.
  *
  * crc32c: where the CPU has AVX-512 and VPCLMULQDQ, carry-less multiplication folds 256 bytes a step (four
  * 512-bit registers, each 128-bit lane folded 2048 bits on: twice to four times the crc32 instruction's 8 bytes
@@ -275,76 +276,118 @@ static unsigned long long le(const unsigned char *p, int n) {
     return v;
 }
 
-static int entry_fails(chunk_io *job, int why) {
-    job->status = ST_ENTRY;
-    job->detail = why;
-    return -1;
+/* the header (ENTRY_HEADER_BYTES, then the ident as the file holds it) of an entry whose payload is
+ * ``payload_len`` bytes (by its file's size): 0, ENTRY_LAYOUT (magic, the ident's or payload's length), or
+ * ENTRY_OTHER_IDENT (the ident of the right length but another: a hash collision's entry) */
+static int check_header(const unsigned char *h, const char *ident, size_t ident_len, size_t payload_len) {
+    if (memcmp(h, "STKC1\n", 6) != 0 || le(h + 12, 4) != ident_len || le(h + 16, 8) != payload_len)
+        return ENTRY_LAYOUT;
+    if (ident_len && memcmp(h + ENTRY_HEADER_BYTES, ident, ident_len) != 0)
+        return ENTRY_OTHER_IDENT;
+    return 0;
+}
+
+/* the LRU clock: a hit is a use, at most once a minute (see TOUCH_AFTER_S; a read-only folder: still a hit) */
+static void touch(int fd, const struct stat *st) {
+    if (to_touch(st))
+        (void)futimens(fd, NULL);
+}
+
+/* n bytes at ``at`` of the entry into buf: 0, ENTRY_SIZE (the file ends early: truncated meanwhile) or
+ * ENTRY_UNREADABLE (a read error: EIO, ...). The file was opened O_NONBLOCK (a FIFO must not hang the open),
+ * which changes nothing for a regular file on a local file system; a file system that honours it (some FUSE
+ * and network ones) answers EAGAIN: then, once, the descriptor is made blocking and the read made again. Not
+ * made blocking up front: an fcntl per entry read, for file systems that seldom need it. */
+static int read_at(int fd, char *buf, size_t n, size_t at, int *blocking, long long *nread) {
+    size_t done = 0;
+    while (done < n) {
+        ssize_t got = pread(fd, buf + done, n - done, (off_t)(at + done));
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && !*blocking) {
+            *blocking = 1;
+            if (fcntl(fd, F_SETFL, 0) == 0) /* (only O_NONBLOCK was set: no F_GETFL first) */
+                continue;
+        }
+        if (got <= 0) {
+            *nread += (long long)done;
+            return got < 0 ? ENTRY_UNREADABLE : ENTRY_SIZE;
+        }
+        done += (size_t)got;
+    }
+    *nread += (long long)done;
+    return 0;
+}
+
+int entry_read(const char *path, entry_reading *r) {
+    size_t head = ENTRY_HEADER_BYTES + r->ident_len;
+    int why = 0, blocking = 0, checked = 0;
+    r->payload_len = 0;
+    r->nread = 0;
+    r->preads = 0;
+    /* O_NONBLOCK: a FIFO planted at an entry's name must not hang the open (it is no regular file) */
+    int fd = AGAIN(open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
+    if (fd < 0)
+        return errno == ENOENT || errno == ENOTDIR ? ENTRY_GONE : ENTRY_UNREADABLE;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        why = ENTRY_UNREADABLE;
+        goto out;
+    }
+    /* the file's size bounds every read: at least the header and ident, at most they and the bound more (and
+     * exactly the payload expected, where one is: the room placed for it) */
+    if (st.st_size < 0 || (unsigned long long)st.st_size < head ||
+        (unsigned long long)st.st_size - head > r->max_payload ||
+        (r->expect_payload >= 0 && (unsigned long long)st.st_size - head != (unsigned long long)r->expect_payload)) {
+        why = ENTRY_SIZE;
+        goto out;
+    }
+    size_t n = (size_t)st.st_size - head;
+    r->preads++;
+    if (r->payload == (char *)r->head + head) { /* one read of the whole file */
+        why = read_at(fd, (char *)r->head, head + n, 0, &blocking, &r->nread);
+    } else { /* the header first, checked before the payload is read to its own place */
+        why = read_at(fd, (char *)r->head, head, 0, &blocking, &r->nread);
+        if (!why)
+            why = check_header(r->head, r->ident, r->ident_len, n);
+        checked = 1;
+        if (!why) {
+            r->preads++;
+            why = read_at(fd, r->payload, n, head, &blocking, &r->nread);
+        }
+    }
+    if (!why && !checked)
+        why = check_header(r->head, r->ident, r->ident_len, n);
+    if (!why) {
+        uint32_t crc = crc32c_of(0, r->head + ENTRY_HEADER_BYTES, r->ident_len);
+        if (crc32c_of(crc, r->payload, n) != (uint32_t)le(r->head + 8, 4))
+            why = ENTRY_CHECKSUM;
+    }
+    if (!why) {
+        touch(fd, &st);
+        r->payload_len = n;
+    }
+out:
+    close(fd);
+    return why;
 }
 
 int read_entry(chunk_io *job, const char *path, const char *ident, size_t ident_len, char *buf, size_t max_stored,
                const char **payload, size_t *payload_len) {
     long long t0 = now_ns();
-    int bad = -1;
-    /* O_NONBLOCK: a FIFO planted at an entry's name must not hang the open (it is no regular file) */
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-    if (fd < 0) {
-        bad = entry_fails(job, errno == ENOENT || errno == ENOTDIR ? ENTRY_GONE : ENTRY_UNREADABLE);
-        goto out;
-    }
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        bad = entry_fails(job, ENTRY_UNREADABLE);
-        goto out;
-    }
-    /* blocking again, as io.c's open_file: some FUSE and network file systems honour O_NONBLOCK (EAGAIN) */
-    fcntl(fd, F_SETFL, 0);
     size_t head = ENTRY_HEADER_BYTES + ident_len;
-    /* the file's size bounds every read: at least the header and ident, at most they and max_stored more */
-    if (st.st_size < 0 || (unsigned long long)st.st_size < head ||
-        (unsigned long long)st.st_size - head > max_stored) {
-        bad = entry_fails(job, ENTRY_SIZE);
-        goto out;
+    entry_reading r = {ident, ident_len, max_stored, -1, (unsigned char *)buf, buf + head, 0, 0, 0};
+    int why = entry_read(path, &r);
+    job->nread += r.nread;
+    if (why) {
+        job->status = ST_ENTRY;
+        job->detail = why;
+    } else {
+        *payload = r.payload;
+        *payload_len = r.payload_len;
     }
-    size_t size = (size_t)st.st_size, done = 0;
-    int read_error = 0;
-    while (done < size) {
-        ssize_t got = pread(fd, buf + done, size - done, (off_t)done);
-        if (got < 0 && errno == EINTR)
-            continue;
-        if (got <= 0) {
-            read_error = got < 0;
-            break;
-        }
-        done += (size_t)got;
-    }
-    job->nread += (long long)done;
-    if (done != size) { /* a read error (EIO, ...), or shorter than fstat said: truncated meanwhile */
-        bad = entry_fails(job, read_error ? ENTRY_UNREADABLE : ENTRY_SIZE);
-        goto out;
-    }
-    const unsigned char *h = (const unsigned char *)buf;
-    if (memcmp(h, "STKC1\n", 6) != 0 || le(h + 12, 4) != ident_len || le(h + 16, 8) != size - head) {
-        bad = entry_fails(job, ENTRY_LAYOUT);
-        goto out;
-    }
-    if (ident_len && memcmp(buf + ENTRY_HEADER_BYTES, ident, ident_len) != 0) { /* a hash collision's entry */
-        bad = entry_fails(job, ENTRY_OTHER_IDENT);
-        goto out;
-    }
-    if (crc32c_of(0, buf + ENTRY_HEADER_BYTES, size - ENTRY_HEADER_BYTES) != (uint32_t)le(h + 8, 4)) {
-        bad = entry_fails(job, ENTRY_CHECKSUM);
-        goto out;
-    }
-    if (to_touch(&st))
-        (void)futimens(fd, NULL); /* the LRU clock: a hit is a use (a read-only folder: still a hit) */
-    *payload = buf + head;
-    *payload_len = size - head;
-    bad = 0;
-out:
-    if (fd >= 0)
-        close(fd);
     job->read_ns += now_ns() - t0;
-    return bad;
+    return why ? -1 : 0;
 }
 
 /* ---- writing: a batch of entries with no Python between their system calls ----

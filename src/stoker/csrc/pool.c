@@ -76,11 +76,11 @@
  */
 #include "stoker_native.h"
 #include "staging.h" /* chunk_path */
+#include "threads.h"
 
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -172,55 +172,12 @@ struct engine {
 
 /* ---- fork ---- */
 
-static unsigned fork_generation; /* bumped in a child by the atfork handler (one thread runs there) */
-static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-
-static void forked_child(void) { __atomic_add_fetch(&fork_generation, 1, __ATOMIC_RELAXED); }
-
-static void watch_forks(void) { pthread_atfork(NULL, NULL, forked_child); }
-
 /* whether e was made in another process (a parent of this one): its threads and locks are not ours to touch */
-static int foreign(const engine *e) { return e->generation != __atomic_load_n(&fork_generation, __ATOMIC_RELAXED); }
+static int foreign(const engine *e) { return e->generation != fork_generation(); }
 
 /* ---- small helpers ---- */
 
 static int add_ok(long long a, long long b, long long *out) { return !__builtin_add_overflow(a, b, out); }
-
-static void deadline_after(struct timespec *ts, double seconds) {
-    if (seconds > 1e9) /* about 30 years: as good as forever, and no overflow */
-        seconds = 1e9;
-    clock_gettime(CLOCK_MONOTONIC, ts);
-    long long ns = ts->tv_nsec + (long long)((seconds - (double)(long long)seconds) * 1e9);
-    ts->tv_sec += (time_t)seconds + ns / 1000000000LL;
-    ts->tv_nsec = ns % 1000000000LL;
-}
-
-static void cond_init(pthread_cond_t *cv) {
-    pthread_condattr_t attr;
-    pthread_condattr_init(&attr);
-#if !defined(__APPLE__)
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* waits are not moved by changes of the wall clock */
-#endif
-    pthread_cond_init(cv, &attr);
-    pthread_condattr_destroy(&attr);
-}
-
-/* wait on cv until the monotonic deadline; macOS has no monotonic condition variables: wait in short slices */
-static void cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, const struct timespec *deadline) {
-#if defined(__APPLE__)
-    (void)deadline;
-    struct timespec rel = {0, 10 * 1000 * 1000};
-    pthread_cond_timedwait_relative_np(cv, mu, &rel);
-#else
-    pthread_cond_timedwait(cv, mu, deadline);
-#endif
-}
-
-static int past(const struct timespec *deadline) {
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return now.tv_sec > deadline->tv_sec || (now.tv_sec == deadline->tv_sec && now.tv_nsec >= deadline->tv_nsec);
-}
 
 /* ---- a worker's clocks (see "Accounting"); only its own thread writes a row ---- */
 
@@ -1570,22 +1527,13 @@ engine *engine_new(int n_threads, long long budget, int *started) {
     cond_init(&e->done_cv);
     e->budget = budget;
     e->refs = 1;
-    pthread_once(&atfork_once, watch_forks);
-    e->generation = __atomic_load_n(&fork_generation, __ATOMIC_RELAXED);
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED); /* waited for by engine_close, never joined */
-    /* Workers block every signal (they inherit the mask they are created with): a signal for the process
-     * (Ctrl-C, a launcher's SIGTERM) goes to a Python thread, whose handler runs there, and never cuts a
-     * worker's open or read short with EINTR. */
-    sigset_t all, before;
-    sigfillset(&all);
-    int masked = pthread_sigmask(SIG_SETMASK, &all, &before) == 0;
+    e->generation = fork_watch();
     pthread_mutex_lock(&e->mu);
     for (int i = 0; i < n_threads; i++) {
         pthread_t thread;
         e->refs++, e->alive++;
-        if (pthread_create(&thread, &attr, worker, &e->workers[i]) != 0) {
+        /* detached: waited for by engine_close, never joined; every signal blocked (threads.h) */
+        if (thread_start(&thread, 1, worker, &e->workers[i]) != 0) {
             e->refs--, e->alive--;
             break;
         }
@@ -1593,9 +1541,6 @@ engine *engine_new(int n_threads, long long budget, int *started) {
     }
     *started = e->n_threads;
     pthread_mutex_unlock(&e->mu);
-    if (masked)
-        pthread_sigmask(SIG_SETMASK, &before, NULL);
-    pthread_attr_destroy(&attr);
     return e;
 }
 
@@ -1652,7 +1597,7 @@ int job_wait(engine *e, job *j, double timeout_s) {
         if (timeout_s < 0) {
             pthread_cond_wait(&e->done_cv, &e->mu);
         } else {
-            if (past(&deadline))
+            if (deadline_past(&deadline))
                 break;
             cond_wait_until(&e->done_cv, &e->mu, &deadline);
         }
@@ -1744,7 +1689,7 @@ int engine_close(engine *e, double timeout_s) {
     pthread_cond_broadcast(&e->work_cv);
     struct timespec deadline;
     deadline_after(&deadline, timeout_s > 0 ? timeout_s : 0);
-    while (e->alive > 0 && !past(&deadline))
+    while (e->alive > 0 && !deadline_past(&deadline))
         cond_wait_until(&e->done_cv, &e->mu, &deadline);
     int all = e->alive == 0;
     pthread_mutex_unlock(&e->mu);

@@ -9,15 +9,13 @@
  * read, and a whole file is read only where its size (stat'ed, then checked again at open) was placed.
  */
 #include "staging.h"
+#include "threads.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #define MAX_STAGE_THREADS 64
@@ -158,63 +156,22 @@ static void stat_whole(stage_plan *p, long long i) {
         set_out(p, i, ST_TOO_BIG, size);
 }
 
-static unsigned long long le_bytes(const unsigned char *b, int n) {
-    unsigned long long v = 0;
-    for (int k = n - 1; k >= 0; k--)
-        v = v << 8 | b[k];
-    return v;
-}
-
-/* an entry's payload read into the room placed for the size its stat gave, with entries.c's checks (read_entry
- * reads an entry whole into one buffer; here its header and ident go to the stack and its payload alone to the
- * staging, so the room placed is the payload's and what crosses to the device is chunk bytes only) */
+/* an entry's payload read into the room placed for the size its stat gave, judged and touched by entries.c's
+ * entry_read as the CPU engine's reads are (read_entry reads an entry whole into one buffer; here its header
+ * and ident go to the stack and its payload alone to the staging, so the room placed is the payload's and what
+ * crosses to the device is chunk bytes only); replaced since its stat (another size): ENTRY_SIZE, its room
+ * another's */
 static void read_entry_payload(stage_plan *p, long long i) {
     int64_t *o = p->out + i * STAGE_OUT_COLS;
-    const char *ident = p->ident_blob + p->idents[2 * i];
-    size_t ident_len = (size_t)p->idents[2 * i + 1], head = (size_t)entry_head(p, i), size = (size_t)o[SO_DETAIL];
+    const int64_t *row = p->reads + i * STAGE_READ_COLS;
     unsigned char header[ENTRY_HEADER_BYTES + ENTRY_IDENT_CAP];
-    chunk_io job;
-    memset(&job, 0, sizeof(job));
+    entry_reading r = {p->ident_blob + p->idents[2 * i], (size_t)p->idents[2 * i + 1], (size_t)row[SR_LENGTH],
+                       o[SO_DETAIL], header, p->buf + o[SO_AT], 0, 0, 0};
     __atomic_fetch_add(&p->opens, 1, __ATOMIC_RELAXED);
-    /* O_NONBLOCK: a FIFO planted at an entry's name must not hang the open (it is no regular file) */
-    int fd, why = 0;
-    do
-        fd = open(p->paths[p->reads[i * STAGE_READ_COLS + SR_FILE]], O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-    while (fd < 0 && errno == EINTR);
-    struct stat st;
-    if (fd < 0)
-        why = errno == ENOENT || errno == ENOTDIR ? ENTRY_GONE : ENTRY_UNREADABLE;
-    else if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
-        why = ENTRY_UNREADABLE;
-    else if ((unsigned long long)st.st_size != head + size) /* replaced since its stat: its room is another's */
-        why = ENTRY_SIZE;
-    if (!why) {
-        fcntl(fd, F_SETFL, 0); /* blocking again, as io.c's open_file (FUSE and network file systems) */
-        job.offset = 0;
-        if (read_range(&job, fd, (char *)header, 0, head) != 0)
-            why = job.status == ST_SHORT ? ENTRY_SIZE : ENTRY_UNREADABLE;
-    }
-    if (!why && (memcmp(header, "STKC1\n", 6) != 0 || le_bytes(header + 12, 4) != ident_len ||
-                 le_bytes(header + 16, 8) != size))
-        why = ENTRY_LAYOUT;
-    if (!why && ident_len && memcmp(header + ENTRY_HEADER_BYTES, ident, ident_len) != 0)
-        why = ENTRY_OTHER_IDENT; /* a hash collision's entry */
-    if (!why) {
-        job.offset = (long long)head;
-        if (read_range(&job, fd, p->buf + o[SO_AT], 0, size) != 0)
-            why = job.status == ST_SHORT ? ENTRY_SIZE : ENTRY_UNREADABLE;
+    int why = entry_read(p->paths[row[SR_FILE]], &r);
+    if (r.preads > 1) /* (the header's read not counted: the payload's is the read of the plan) */
         __atomic_fetch_add(&p->preads, 1, __ATOMIC_RELAXED);
-    }
-    if (!why) {
-        uint32_t crc = crc32c_of(0, header + ENTRY_HEADER_BYTES, ident_len);
-        if (crc32c_of(crc, p->buf + o[SO_AT], size) != (uint32_t)le_bytes(header + 8, 4))
-            why = ENTRY_CHECKSUM;
-    }
-    if (!why)
-        (void)futimens(fd, NULL); /* the LRU clock: a hit is a use (a read-only folder: still a hit) */
-    if (fd >= 0)
-        close(fd);
-    o[SO_NREAD] = why ? 0 : (long long)size;
+    o[SO_NREAD] = why ? 0 : (long long)r.payload_len;
     if (why)
         set_out(p, i, ST_ENTRY, why);
 }
@@ -284,14 +241,9 @@ static void run_parallel(round_of *r, int threads) {
     int k = threads < 1 ? 1 : threads > MAX_STAGE_THREADS ? MAX_STAGE_THREADS : threads, started = 0;
     if (k > r->n)
         k = (int)(r->n > 0 ? r->n : 1);
-    sigset_t all, before;
-    sigfillset(&all);
-    int masked = k > 1 && pthread_sigmask(SIG_SETMASK, &all, &before) == 0;
     for (int j = 0; j + 1 < k; j++)
-        if (pthread_create(&ids[started], NULL, run_round, r) == 0)
+        if (thread_start(&ids[started], 0, run_round, r) == 0)
             started++; /* (none started: the caller reads them all) */
-    if (masked)
-        pthread_sigmask(SIG_SETMASK, &before, NULL);
     __atomic_add_fetch(&threads_started, started, __ATOMIC_RELAXED);
     run_round(r);
     for (int j = 0; j < started; j++)
@@ -310,36 +262,8 @@ struct stage_pool {
     unsigned generation;     /* the fork generation it was made in */
 };
 
-static unsigned stage_fork_generation; /* bumped in a child (one thread runs there) */
-static pthread_once_t stage_atfork_once = PTHREAD_ONCE_INIT;
-static void stage_forked_child(void) { __atomic_add_fetch(&stage_fork_generation, 1, __ATOMIC_RELAXED); }
-static void stage_watch_forks(void) { pthread_atfork(NULL, NULL, stage_forked_child); }
 /* made in the parent of this process: its threads do not exist here, its lock may be held by one of them */
-static int pool_foreign(const stage_pool *q) {
-    return q->generation != __atomic_load_n(&stage_fork_generation, __ATOMIC_RELAXED);
-}
-
-/* wait on cv at most ``seconds`` (monotonic clock: the pool's condition variables are made with it) */
-static void wait_for(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds) {
-#if defined(__APPLE__)
-    struct timespec rel = {0, 10 * 1000 * 1000}; /* no monotonic condition variables: short slices */
-    (void)seconds;
-    pthread_cond_timedwait_relative_np(cv, mu, &rel);
-#else
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    long long ns = ts.tv_nsec + (long long)(seconds * 1e9);
-    ts.tv_sec += (time_t)(ns / 1000000000LL);
-    ts.tv_nsec = ns % 1000000000LL;
-    pthread_cond_timedwait(cv, mu, &ts);
-#endif
-}
-
-static double mono_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
+static int pool_foreign(const stage_pool *q) { return q->generation != fork_generation(); }
 
 static void pool_free(stage_pool *q) {
     pthread_mutex_destroy(&q->mu);
@@ -374,7 +298,7 @@ static void *helper(void *arg) {
                 pthread_cond_broadcast(&q->done_cv);
             continue;
         }
-        wait_for(&q->work_cv, &q->mu, 1.0); /* woken by a round or close; the second only bounds the wait */
+        cond_wait_for(&q->work_cv, &q->mu, 1.0); /* woken by a round or close; the second only bounds the wait */
     }
     q->alive--;
     int last = --q->refs == 0;
@@ -390,46 +314,28 @@ stage_pool *stage_pool_new(int threads) {
     if (q == NULL)
         return NULL;
     pthread_mutex_init(&q->mu, NULL);
-    pthread_condattr_t attr;
-    pthread_condattr_init(&attr);
-#if !defined(__APPLE__)
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* waits are not moved by changes of the wall clock */
-#endif
-    pthread_cond_init(&q->work_cv, &attr);
-    pthread_cond_init(&q->done_cv, &attr);
-    pthread_condattr_destroy(&attr);
+    cond_init(&q->work_cv);
+    cond_init(&q->done_cv);
     q->wanted = threads < 1 ? 0 : threads - 1 > MAX_STAGE_THREADS - 1 ? MAX_STAGE_THREADS - 1 : threads - 1;
     q->refs = 1;
-    pthread_once(&stage_atfork_once, stage_watch_forks);
-    q->generation = __atomic_load_n(&stage_fork_generation, __ATOMIC_RELAXED);
+    q->generation = fork_watch();
     return q;
 }
 
-/* the helpers not started yet, started (at the first round that has work for them; with the lock held). Every
- * signal blocked in them, as in the engine's workers: a signal for the process goes to a Python thread. */
+/* the helpers not started yet, started (at the first round that has work for them; with the lock held).
+ * Detached (waited for by close, never joined), every signal blocked, as the engine's workers (threads.h). */
 static void start_helpers(stage_pool *q) {
-    if (q->started >= q->wanted)
-        return;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED); /* waited for by close, never joined */
-    sigset_t all, before;
-    sigfillset(&all);
-    int masked = pthread_sigmask(SIG_SETMASK, &all, &before) == 0;
     int made = 0;
     while (q->started < q->wanted) {
         pthread_t id;
         q->refs++, q->alive++;
-        if (pthread_create(&id, &attr, helper, q) != 0) {
+        if (thread_start(&id, 1, helper, q) != 0) {
             q->refs--, q->alive--;
             q->wanted = q->started; /* (fewer threads: the caller reads what they do not) */
             break;
         }
         q->started++, made++;
     }
-    if (masked)
-        pthread_sigmask(SIG_SETMASK, &before, NULL);
-    pthread_attr_destroy(&attr);
     __atomic_add_fetch(&threads_started, made, __ATOMIC_RELAXED);
 }
 
@@ -457,7 +363,7 @@ static void run_pooled(round_of *r, stage_pool *q) {
     pthread_mutex_lock(&q->mu);
     q->round = NULL; /* no helper joins it now */
     while (q->in_round > 0)
-        wait_for(&q->done_cv, &q->mu, 0.1);
+        cond_wait_for(&q->done_cv, &q->mu, 0.1);
     q->busy = 0;
     pthread_mutex_unlock(&q->mu);
 }
@@ -472,7 +378,7 @@ int stage_pool_close(stage_pool *q, double timeout_s) {
     __atomic_store_n(&q->closing, 1, __ATOMIC_RELAXED); /* (helpers in a round read it unlocked) */
     pthread_cond_broadcast(&q->work_cv);
     for (double left; q->alive > 0 && (left = until - mono_s()) > 0;)
-        wait_for(&q->done_cv, &q->mu, left < 0.1 ? left : 0.1);
+        cond_wait_for(&q->done_cv, &q->mu, left < 0.1 ? left : 0.1);
     int all = q->alive == 0;
     pthread_mutex_unlock(&q->mu);
     return all;

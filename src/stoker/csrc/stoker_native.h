@@ -141,6 +141,25 @@ const char *crc32c_path(void);
  * An entry unlinked while open is read whole (its inode lives until closed). */
 int read_entry(chunk_io *job, const char *path, const char *ident, size_t ident_len, char *buf, size_t max_stored,
                const char **payload, size_t *payload_len);
+/* One entry read, as read_entry and the GPU decode's staged reads (staging.c) both make it, so both judge an
+ * entry alike: open (not followed if a link; a regular file), its size against the bounds, its header and
+ * ident, its crc32c; touched (the LRU clock) at most once a minute, as relatime. In: the ident expected, the
+ * payload's bound, the payload's exact size expected (-1: any within the bound), ``head`` (room for
+ * ENTRY_HEADER_BYTES + ident_len bytes) and ``payload`` (room for the payload: head + ENTRY_HEADER_BYTES +
+ * ident_len reads the whole file in one pread; elsewhere the header is read and checked first). Out: the
+ * payload's length, the bytes read, the reads made. 0, or the ENTRY_* why it is not used. */
+typedef struct {
+    const char *ident;
+    size_t ident_len;
+    size_t max_payload;
+    long long expect_payload;
+    unsigned char *head;
+    char *payload;
+    size_t payload_len;
+    long long nread;
+    int preads;
+} entry_reading;
+int entry_read(const char *path, entry_reading *r);
 /* One entry for write_entries: its final name ``path`` (<root>/<subfolder>/<name>), its ident and payload (NULL: a
  * marker, an empty file made at its name); out: ``result`` 1 written, 0 something was there already (left as
  * it is), -errno failed; ``allocated`` the disk the file took (its blocks, or its size where more). */
