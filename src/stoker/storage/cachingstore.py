@@ -427,8 +427,9 @@ class CachingStore:
 
     def _headed(self, keys: list[str], future: concurrent.futures.Future | None, now: float,
                 flight: concurrent.futures.Future) -> None:
-        """What the HEADs of ``keys`` started at ``now`` found (``future``; None: they never started), learnt;
-        then ``flight`` settled, no longer in flight."""
+        """What the HEADs of ``keys`` started at ``now`` found (``future``; None: they never started), learnt
+        where no newer answer is known (a listing started after them may have seen a rewrite they predate, as
+        :meth:`_learn_page` keeps a newer read's answer); then ``flight`` settled, no longer in flight."""
         try:
             found = [None] * len(keys) if future is None else self.store.result_of(future)
             failed = future is None
@@ -439,6 +440,9 @@ class CachingStore:
                 if self._heads.get(key) is not flight:
                     continue  # forgotten while in flight (see forget): it may predate a rewrite
                 del self._heads[key]
+                known = self._known.get(key)
+                if known is not None and known[1] > now:
+                    continue  # a newer answer stays (a listing asked after these HEADs)
                 if isinstance(version, NotFound) or (version is None and not failed):
                     # missing, or no generation stated: read through (one request a read, as without a
                     # cache), not asked again until stale
