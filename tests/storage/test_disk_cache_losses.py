@@ -149,3 +149,37 @@ def test_planning_counts_each_disk_cache_once(tmp_path):
     cache.lost()  # a loss now: planning ahead resumes
     ahead.planned(one, None, False)
     assert ahead.quiet == 0
+
+
+def test_a_wrapper_marks_its_keys_again_after_the_engine_found_them_evicted(http, data, tmp_path):  # noqa: F811
+    # another process evicts a pipeline's entries and markers; the engine finds the entries gone (reported:
+    # entries_missed) and they are fetched and kept again. Their markers are written again too, so another
+    # process's wrapper of the folder finds them kept. Before: the markers memo followed only this process's
+    # own evictions (DiskCache.evicted), not the one loss count, and they were never written again
+    from stoker.storage import ObjectStore
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.diskcache import DiskCache
+
+    from test_disk_cache_engine import BOXES, FAST, _batch, _config
+
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    with stoker.Pipeline(_config({http.url + "/": dict(FAST)}, folder)) as p:
+        _batch(p, http.url, data, "plain")  # cold: fetched, kept, marked
+        assert cache.flush(30)
+        for entry in _entries(folder):  # another process's eviction: entries and markers
+            os.unlink(entry)
+        losses, asked = cache.losses, len(http.log)
+        _batch(p, http.url, data, "plain")  # the engine misses them: fetched, kept again (values checked)
+        assert cache.losses > losses and cache.flush(30)
+    keys = sorted({path.lstrip("/") for _, method, path in http.log[asked:] if method == "GET" and "/c/" in path})
+    assert len(keys) >= len(BOXES)
+    other = CachingStore(ObjectStore(http.url, **FAST), DiskCache(str(folder), 64 << 20))  # another process's view
+    try:
+        assert other.kept_on_disk(keys) == [True] * len(keys)
+        asked = len(http.log)
+        values = other.get_many(keys, [])[0]
+        assert all(bytes(v) == open(os.path.join(data, k), "rb").read() for k, v in zip(keys, values))
+        assert not [path for _, method, path in http.log[asked:] if method == "GET"]  # from disk, a HEAD each
+    finally:
+        other.close()

@@ -475,6 +475,12 @@ class PrefetchStore:
     max_gap = property(lambda self: self.store.max_gap)
     root = property(lambda self: getattr(self.store, "root", None))
 
+    @property
+    def losses(self) -> int:
+        """The store's disk cache's losses (:attr:`CachingStore.losses
+        <stoker.storage.cachingstore.CachingStore.losses>`; 0 where it has none): what ``Ahead`` compares."""
+        return getattr(self.store, "losses", 0)
+
     def __reduce__(self):  # to worker processes: the store alone (a buffer is one pipeline's, in memory)
         return _unwrapped, (self.store,)
 
