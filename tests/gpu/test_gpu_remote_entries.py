@@ -132,6 +132,28 @@ def test_hits_of_known_generations_are_read_by_the_compiled_reads(remote, data, 
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_entries_another_process_evicts_are_reported_by_the_compiled_reads(remote, data, tmp_path, monkeypatch,
+                                                                           gpu_decode, path):
+    # entries unlinked by another process, handed to the compiled reads, which find them gone (ST_ENTRY): the
+    # store's cache is told (entries_missed), as the CPU engine tells it, so its next look-ups look on disk.
+    # Before: nothing told it, and they kept being handed out until a CPU read missed them
+    uri, options, server = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    with stoker.Pipeline(_config(options, folder)) as p:
+        _batch(p, uri, data, path)
+        assert cache.flush(30)
+        for entry in [e for e in _entries(folder) if os.path.getsize(e) > 200]:  # not the empty markers
+            os.unlink(entry)
+        calls = _Calls(monkeypatch)
+        losses = cache.losses
+        _batch(p, uri, data, path)  # zarr's values: fetched again through the store
+        assert calls.entry_rows > 0 and calls.get_many > 0, vars(calls)  # handed out, found gone
+        assert cache.losses > losses  # reported
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "unlink"])
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_an_unsound_entry_is_fetched_again(remote, data, tmp_path, monkeypatch, gpu_decode, damage, path):
