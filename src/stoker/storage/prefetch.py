@@ -541,8 +541,8 @@ class PrefetchStore:
             except ShutdownError:  # closing: nothing more to ask
                 pass
             except Exception as exc:  # noqa: BLE001 - must not fail anything (the batch fetches), but is a bug
-                self.buffer.report_error(self.store, f"looking up the disk cache's entries of {len(keys)} kept values "
-                                               "once revalidated", exc)
+                self.buffer.report_error(self.store, f"looking up the disk cache's entries of {len(keys)} kept "
+                                                     "values once revalidated", exc)
 
         self.store.when_revalidated(keys, check)
 
