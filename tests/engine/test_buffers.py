@@ -167,47 +167,21 @@ def test_rings_made_and_closed_on_two_threads_keep_a_fresh_slots_baseline(monkey
 def test_a_child_forked_while_the_pool_is_locked_can_make_a_ring():
     """A process forked while another thread is inside SPARE_SLOTS (a pipeline closing or preparing on its
     coordinator thread) must not inherit the pool's lock held: its first SlotRing would wait for ever."""
-    import os
-    import threading
-    import time
-    import warnings
-
     import torch
 
     from stoker.engine import buffers
 
+    from forking import fork_child, held_by_another_thread, verdict
+
     buffers.SPARE_SLOTS.give([torch.empty(4 * 1024 * 4, dtype=torch.uint8)])  # something for the child to take
-    inside, leave = threading.Event(), threading.Event()
 
-    def holder():  # another thread inside SpareSlots.give/take at the moment of the fork
-        with buffers.SPARE_SLOTS._lock:
-            inside.set()
-            leave.wait(10)
+    def child() -> bool:  # a pipeline made here asks the pool for its slots
+        taken = buffers.SPARE_SLOTS.taken  # counted in the parent before the fork (earlier pipelines)
+        buffers.SlotRing(2, (4, 1024), torch.float32)
+        return buffers.SPARE_SLOTS.taken == taken  # the parent's buffers are not the child's
 
-    t = threading.Thread(target=holder)
-    t.start()
-    assert inside.wait(5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded process (Python 3.12+)
-        pid = os.fork()
-    if pid == 0:  # the child: a pipeline made here asks the pool for its slots
-        try:
-            taken = buffers.SPARE_SLOTS.taken  # counted in the parent before the fork (earlier pipelines)
-            buffers.SlotRing(2, (4, 1024), torch.float32)
-            os._exit(0 if buffers.SPARE_SLOTS.taken == taken else 3)  # the parent's buffers are not the child's
-        except BaseException:
-            os._exit(2)
-    leave.set()
-    t.join(5)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung making a SlotRing (SPARE_SLOTS._lock inherited held)")
-    assert os.WEXITSTATUS(status) == 0
+    with held_by_another_thread(buffers.SPARE_SLOTS._lock):  # a thread inside SpareSlots.give/take at the fork
+        pid = fork_child(child)
+    # "hung": the child waited on SPARE_SLOTS._lock, inherited held, making its SlotRing
+    assert verdict(pid) == "exit 0"
     buffers.SPARE_SLOTS.clear()

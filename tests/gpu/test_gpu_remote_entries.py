@@ -9,7 +9,6 @@ through the store; every batch equals zarr-python's values, and the CPU path's.
 from __future__ import annotations
 
 import os
-import uuid
 
 import numpy as np
 import pytest
@@ -24,33 +23,17 @@ from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.pipeline import facade as pipelines
 from stoker.storage.diskcache import DiskCache, disk_cache
 
-from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, range_server_fixture, read_tree,
-                            written_tree_fixture, zarr_values)
+from cached_arrays import ARRAYS, BOXES, damage_entries, remote_fixture
+from cached_arrays import check_batch as _batch, entries as _entries, write as _write
+from store_fixtures import BUCKET, empty_s3_fixture, range_server_fixture, read_tree, written_tree_fixture, zarr_values
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not native_reads.available() or not native.zstd, reason="no compiled engine")]
 
-SHAPE = (64, 48)
-ARRAYS = {"plain": dict(chunks=(16, 16), dtype="int32", compressors=ZstdCodec(level=1)),
-          "sharded": dict(chunks=(8, 8), shards=(32, 24), dtype="uint16", compressors=ZstdCodec(level=1))}
-BOXES = [[(0, 20), (0, 20)], [(3, 23), (5, 25)], [(40, 60), (20, 40)], [(30, 50), (28, 48)], [(44, 64), (0, 20)]]
-
-_write = random_int_arrays(ARRAYS, SHAPE)
 s3 = empty_s3_fixture()
 data = written_tree_fixture(_write)
 http = range_server_fixture()
-
-
-@pytest.fixture(params=["s3", "http"])
-def remote(request, s3, data):
-    """``(uri of the root, storage_options of the Config, the HTTP server or None)``."""
-    if request.param == "s3":
-        prefix = f"gpu-entries-{uuid.uuid4().hex[:8]}"
-        s3.upload(read_tree(data), prefix)
-        yield f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST_REMOTE}}, None
-        return
-    server = request.getfixturevalue("http")
-    yield server.url, {server.url + "/": dict(FAST_REMOTE)}, server
+remote = remote_fixture("gpu-entries")
 
 
 @pytest.fixture
@@ -94,20 +77,6 @@ def _config(options: dict, folder) -> stoker.Config:
                          device="cpu", host_buffer_bytes=16 << 20, device_buffer_bytes=16 << 20)
 
 
-def _batch(p, uri: str, data: str, path: str) -> None:
-    """Push the crops of ``path``, pop them, and check each against zarr-python's values."""
-    p.push([stoker.Sample(f"{uri}/{path}", box) for box in BOXES])
-    with p.pop() as b:
-        got = [t.numpy().copy() for t in torch.from_dlpack(b)]
-    want = zarr_values(data, path)
-    for crop, box in zip(got, BOXES):
-        np.testing.assert_array_equal(crop, want[tuple(slice(*s) for s in box)])
-
-
-def _entries(folder) -> list[str]:
-    return [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names if n != ".index"]
-
-
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_hits_of_known_generations_are_read_by_the_compiled_reads(remote, data, tmp_path, monkeypatch, gpu_decode,
                                                                    path):
@@ -132,6 +101,27 @@ def test_hits_of_known_generations_are_read_by_the_compiled_reads(remote, data, 
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_entries_another_process_evicts_are_reported_by_the_compiled_reads(remote, data, tmp_path, monkeypatch,
+                                                                           gpu_decode, path):
+    # entries unlinked by another process, handed to the compiled reads, which find them gone (ST_ENTRY): the
+    # store's cache is told (entries_missed), as the CPU engine tells it, so its next look-ups look on disk.
+    # Before: nothing told it, and they kept being handed out until a CPU read missed them
+    uri, options, server = remote
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    with stoker.Pipeline(_config(options, folder)) as p:
+        _batch(p, uri, data, path)
+        assert cache.flush(30)
+        damage_entries(folder, "unlink")  # another process's eviction (the empty markers kept)
+        calls = _Calls(monkeypatch)
+        losses = cache.losses
+        _batch(p, uri, data, path)  # zarr's values: fetched again through the store
+        assert calls.entry_rows > 0 and calls.get_many > 0, vars(calls)  # handed out, found gone
+        assert cache.losses > losses  # reported
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "unlink"])
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_an_unsound_entry_is_fetched_again(remote, data, tmp_path, monkeypatch, gpu_decode, damage, path):
@@ -141,20 +131,7 @@ def test_an_unsound_entry_is_fetched_again(remote, data, tmp_path, monkeypatch, 
     with stoker.Pipeline(_config(options, folder)) as p:
         _batch(p, uri, data, path)
         assert cache.flush(30)
-        entries = [e for e in _entries(folder) if os.path.getsize(e) > 200]  # not the empty markers
-        assert entries
-        for entry in entries:
-            if damage == "unlink":
-                os.unlink(entry)
-                continue
-            with open(entry, "r+b") as f:
-                if damage == "truncate":
-                    f.truncate(os.path.getsize(entry) - 3)
-                else:  # one bit of the payload's last byte
-                    f.seek(-1, os.SEEK_END)
-                    last = f.read(1)
-                    f.seek(-1, os.SEEK_END)
-                    f.write(bytes([last[0] ^ 0x10]))
+        damage_entries(folder, damage)  # the entries with a payload (not the empty markers)
         calls = _Calls(monkeypatch)
         misses = cache.misses
         _batch(p, uri, data, path)  # zarr's values: no unsound payload decoded

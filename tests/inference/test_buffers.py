@@ -191,43 +191,11 @@ def test_weighted_parts_are_copied_into_recycled_buffers(volume, tmp_path):
 def test_a_child_forked_while_the_spare_pool_is_locked_takes_from_it_at_once():
     """A process forked while a write thread is inside SPARE (a writer closing: release, give) must not
     inherit its lock held (the child's first take would wait for ever), nor the parent's buffers."""
-    import os
-    import threading
-    import time
-    import warnings
-
     from stoker.inference import buffers
 
+    from forking import fork_child, held_by_another_thread, verdict
+
     buffers.SPARE.give(np.empty((8, 8), np.float64))  # something the child must not get
-    inside, leave = threading.Event(), threading.Event()
-
-    def holder():
-        with buffers.SPARE._lock:
-            inside.set()
-            leave.wait(10)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    assert inside.wait(5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded process (Python 3.12+)
-        pid = os.fork()
-    if pid == 0:
-        try:
-            os._exit(0 if buffers.SPARE.held_bytes == 0 and buffers.SPARE.take((8, 8), np.float64) is not None
-                     else 3)
-        except BaseException:
-            os._exit(2)
-    leave.set()
-    t.join(5)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung on SPARE's lock, inherited held")
-    assert os.WEXITSTATUS(status) == 0
+    with held_by_another_thread(buffers.SPARE._lock):
+        pid = fork_child(lambda: buffers.SPARE.held_bytes == 0 and buffers.SPARE.take((8, 8), np.float64) is not None)
+    assert verdict(pid) == "exit 0"  # "hung": on SPARE's lock, inherited held

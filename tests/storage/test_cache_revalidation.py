@@ -431,6 +431,41 @@ def test_a_head_in_flight_at_a_forget_is_not_shared_by_later_reads(http, data, t
     assert len(heads) == 2  # the second read asked again, not the first's answer
 
 
+def test_a_head_answered_after_a_newer_listing_does_not_replace_what_the_listing_learnt(s3, data, tmp_path,
+                                                                                         monkeypatch):
+    # a HEAD asked before the object was rewritten, its answer (the old ETag) held back; a listing asked after
+    # the rewrite comes first and learns the new ETag; then the HEAD's answer comes. Before: it replaced the
+    # listing's newer answer, and the next read within the bound was served the old bytes from disk
+    prefix, uri, options, kv = _warm(s3, data, tmp_path)
+    key = f"{prefix}/plain/c/1/1"
+    old = read_tree(data)["plain/c/1/1"]
+    fresh = cachingstore.CachingStore(kv.store, kv.cache)  # a new wrapper of the folder: nothing known, nothing opened
+    asked: list[tuple[concurrent.futures.Future, concurrent.futures.Future]] = []
+    real = kv.store.start_versions
+
+    def held(keys):
+        shown: concurrent.futures.Future = concurrent.futures.Future()
+        asked.append((real(keys), shown))
+        return shown
+
+    monkeypatch.setattr(kv.store, "start_versions", held)
+    fresh.revalidate([key])  # not under an opened array: a HEAD
+    assert len(asked) == 1
+    head = asked[0][0].result(timeout=10)  # answered by the server before the rewrite: the old ETag
+    _write(data, 7)
+    s3.upload(read_tree(data), prefix)
+    new = read_tree(data)["plain/c/1/1"]
+    assert new != old
+    fresh.opened(f"{prefix}/plain")  # its marker is on disk: listed, after the rewrite
+    deadline = time.monotonic() + 15
+    while not fresh.listed(f"{prefix}/plain") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fresh.listed(f"{prefix}/plain")
+    asked[0][1].set_result(head)  # the HEAD's answer comes now, older than the listing's
+    got = fresh.result_of(fresh.start_get_many([key], []))
+    assert bytes(got[0][0]) == new
+
+
 def test_a_get_in_flight_at_a_forget_does_not_teach_its_generation(http, data, tmp_path):
     # a read of a cold key asked before a forget and answered after it: its answer is kept on disk under
     # the generation it states, but that generation is not taken as the key's now (the object may have

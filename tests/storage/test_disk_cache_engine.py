@@ -15,7 +15,6 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from zarr.codecs import ZstdCodec
 
 import stoker
 from stoker.engine.cpu import native
@@ -23,38 +22,20 @@ from stoker.engine.pipeline import prefetch as ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import DiskCache, disk_cache
 
-from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, random_int_arrays, range_server_fixture, read_tree,
-                            written_tree_fixture, zarr_values)
+from cached_arrays import ARRAYS, BOXES, damage_entries, payloads, remote_fixture
+from cached_arrays import check_batch as _batch, write as _write
+from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, range_server_fixture, read_tree, written_tree_fixture,
+                            zarr_values)
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(native.Engine is None or not native.zstd, reason="no compiled engine")]
 
-SHAPE = (64, 48)
 FAST = FAST_REMOTE
-#: one array read as whole chunk values, one as ranges of shards
-ARRAYS = {"plain": dict(chunks=(16, 16), dtype="int32", compressors=ZstdCodec(level=1)),
-          "sharded": dict(chunks=(8, 8), shards=(32, 24), dtype="uint16", compressors=ZstdCodec(level=1))}
-BOXES = [[(0, 20), (0, 20)], [(3, 23), (5, 25)], [(40, 60), (20, 40)], [(30, 50), (28, 48)], [(44, 64), (0, 20)]]
-
-
-_write = random_int_arrays(ARRAYS, SHAPE)
-
 
 s3 = empty_s3_fixture()
 data = written_tree_fixture(_write)
 http = range_server_fixture()
-
-
-@pytest.fixture(params=["s3", "http"])
-def remote(request, s3, data):
-    """``(uri of the root, storage_options of the Config, the HTTP server or None)``."""
-    if request.param == "s3":
-        prefix = f"engine-{uuid.uuid4().hex[:8]}"
-        s3.upload(read_tree(data), prefix)
-        yield f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}, None
-        return
-    server = request.getfixturevalue("http")
-    yield server.url, {server.url + "/": dict(FAST)}, server
+remote = remote_fixture("engine")
 
 
 class _Reads:
@@ -90,21 +71,6 @@ def _config(options: dict, folder) -> stoker.Config:
     # no prefetch: each batch is planned after the one before it is made, so what it knows is what they learnt
     return stoker.Config(batch_size=len(BOXES), dtype="native", n_compute_threads=2, pop_timeout_s=60,
                          storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0)
-
-
-def _batch(p, uri: str, data: str, path: str) -> None:
-    """Push the crops of ``path``, pop them, and check each against zarr-python's values."""
-    p.push([stoker.Sample(f"{uri}/{path}", box) for box in BOXES])
-    with p.pop() as b:
-        got = [t.numpy().copy() for t in torch.from_dlpack(b)]
-    want = zarr_values(data, path)
-    for crop, box in zip(got, BOXES):
-        np.testing.assert_array_equal(crop, want[tuple(slice(*s) for s in box)])
-
-
-def _entries(folder) -> list[str]:
-    """The cache's entry files (markers included: they hold no payload)."""
-    return [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names if n != ".index"]
 
 
 @pytest.mark.parametrize("path", list(ARRAYS))
@@ -192,7 +158,7 @@ def test_a_hit_touches_its_entry_at_most_once_a_minute(remote, data, tmp_path, p
     def dated(age_s: float) -> dict[str, float]:
         """Every entry with a payload (not the markers) dated ``age_s`` ago: {path: that mtime}."""
         when = time.time() - age_s
-        entries = [e for e in _entries(folder) if os.path.getsize(e) > 200]
+        entries = payloads(folder)
         for e in entries:
             os.utime(e, (when, when))
         return {e: os.stat(e).st_mtime for e in entries}
@@ -225,20 +191,7 @@ def test_an_unsound_entry_read_by_the_engine_is_fetched_again(remote, data, tmp_
     with stoker.Pipeline(_config(options, folder)) as p:
         _batch(p, uri, data, path)
         assert cache.flush(30)
-        entries = [e for e in _entries(folder) if os.path.getsize(e) > 200]  # not the empty markers
-        assert entries
-        for entry in entries:
-            if damage == "unlink":
-                os.unlink(entry)
-                continue
-            with open(entry, "r+b") as f:
-                if damage == "truncate":
-                    f.truncate(os.path.getsize(entry) - 3)
-                else:  # one bit of the payload's last byte
-                    f.seek(-1, os.SEEK_END)
-                    last = f.read(1)
-                    f.seek(-1, os.SEEK_END)
-                    f.write(bytes([last[0] ^ 0x10]))
+        damage_entries(folder, damage)  # the entries with a payload (not the empty markers)
         engine, corrupt, misses = reads.engine, cache.corrupt, cache.misses
         asked = server.requests if server else None
         _batch(p, uri, data, path)
@@ -544,7 +497,7 @@ def test_a_batch_read_whole_from_disk_is_settled_by_its_waiter(s3, data, tmp_pat
             _batch(p, uri, data, path)
             assert cache.hits > hits  # read from disk by the engine
         assert not finished, finished
-        for entry in [e for e in _entries(folder) if os.path.getsize(e) > 200]:
+        for entry in payloads(folder):
             with open(entry, "r+b") as f:  # one bit of the payload's last byte
                 f.seek(-1, os.SEEK_END)
                 last = f.read(1)

@@ -13,8 +13,9 @@ import stoker
 from stoker.storage import prefetch as sprefetch
 from stoker.storage.diskcache import disk_cache
 
+from cached_arrays import ARRAYS, BOXES, check_batch, entries, payloads
 from test_disk_cache_engine import (  # noqa: F401 - fixtures
-    ARRAYS, ONE_EACH, _Asked, _entries, _planned_while_held, data, http, remote, s3, zarr_values)
+    FAST, ONE_EACH, _Asked, _config, _planned_while_held, data, http, remote, s3, zarr_values)
 
 CACHE_BYTES = 64 << 20
 
@@ -39,14 +40,9 @@ def _cfg(options, folder) -> stoker.Config:
                          storage_options=options, cache_dir=str(folder), cache_bytes=CACHE_BYTES)
 
 
-def _payloads(folder) -> list[str]:
-    """The entries that hold a payload (markers hold none)."""
-    return [e for e in _entries(folder) if os.path.getsize(e) > 200]
-
-
 def _unlink_payloads(folder) -> int:
     """Remove every entry with a payload, markers kept: what another process's eviction does."""
-    gone = _payloads(folder)
+    gone = payloads(folder)
     for e in gone:
         os.unlink(e)
     return len(gone)
@@ -68,7 +64,7 @@ def test_entries_this_process_evicts_are_prefetched_again(remote, data, tmp_path
     with stoker.Pipeline(_cfg(options, folder)) as p:
         assert _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold) == cold
         first = started.n
-        assert first >= cold and cache.flush(30) and _payloads(folder)
+        assert first >= cold and cache.flush(30) and payloads(folder)
         evicted = cache.evicted
         for i in range(2 * CACHE_BYTES // (8 << 20)):  # the LRU's oldest (the epoch's entries) go first
             cache.put(f"filler\n{i}", os.urandom(8 << 20))
@@ -149,3 +145,35 @@ def test_planning_counts_each_disk_cache_once(tmp_path):
     cache.lost()  # a loss now: planning ahead resumes
     ahead.planned(one, None, False)
     assert ahead.quiet == 0
+
+
+def test_a_wrapper_marks_its_keys_again_after_the_engine_found_them_evicted(http, data, tmp_path):  # noqa: F811
+    # another process evicts a pipeline's entries and markers; the engine finds the entries gone (reported:
+    # entries_missed) and they are fetched and kept again. Their markers are written again too, so another
+    # process's wrapper of the folder finds them kept. Before: the markers memo followed only this process's
+    # own evictions (DiskCache.evicted), not the one loss count, and they were never written again
+    from stoker.storage import ObjectStore
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.diskcache import DiskCache
+
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    with stoker.Pipeline(_config({http.url + "/": dict(FAST)}, folder)) as p:
+        check_batch(p, http.url, data, "plain")  # cold: fetched, kept, marked
+        assert cache.flush(30)
+        for entry in entries(folder):  # another process's eviction: entries and markers
+            os.unlink(entry)
+        losses, asked = cache.losses, len(http.log)
+        check_batch(p, http.url, data, "plain")  # the engine misses them: fetched, kept again (values checked)
+        assert cache.losses > losses and cache.flush(30)
+    keys = sorted({path.lstrip("/") for _, method, path in http.log[asked:] if method == "GET" and "/c/" in path})
+    assert len(keys) >= len(BOXES)
+    other = CachingStore(ObjectStore(http.url, **FAST), DiskCache(str(folder), 64 << 20))  # another process's view
+    try:
+        assert other.kept_on_disk(keys) == [True] * len(keys)
+        asked = len(http.log)
+        values = other.get_many(keys, [])[0]
+        assert all(bytes(v) == open(os.path.join(data, k), "rb").read() for k, v in zip(keys, values))
+        assert not [path for _, method, path in http.log[asked:] if method == "GET"]  # from disk, a HEAD each
+    finally:
+        other.close()

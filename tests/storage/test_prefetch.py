@@ -579,3 +579,70 @@ def test_nothing_is_pulled_from_any_source_once_one_raised(http):
         time.sleep(0.5)  # (the coordinator's rounds after the error: none may pull)
     assert broken.calls == 17 and broken.after == 0, broken.calls
     assert behind == []
+
+
+def test_a_prefetch_whose_keeping_raises_still_settles_its_readers(http, monkeypatch):
+    # Keeping what a call brought raised for one of its chunks (a bug): its call's future was never settled,
+    # and a read waiting on it hung until its own bound. Now every entry's future is settled (the entry that
+    # raised served nothing: its read fetches it), and the error is counted and warned of once.
+    store = ObjectStore(http.url, **FAST, max_in_flight=4)
+    try:
+        keys = [_chunk_path(n).lstrip("/") for n in range(8)]
+        kv = PrefetchStore(store, PrefetchBuffer(64 << 20, 64))
+        real = kv.buffer._observe
+        raised = []
+
+        def observe_once(sid, key, generation):
+            if not raised:
+                raised.append(key)
+                raise RuntimeError("a broken observe")
+            return real(sid, key, generation)
+
+        monkeypatch.setattr(kv.buffer, "_observe", observe_once)
+        http.latency_s = 0.2
+        with pytest.warns(RuntimeWarning, match="a broken observe") as warned:
+            assert kv.prefetch(keys, [1 << 16] * 8, [], seq=1) == 8
+            out = kv.start_get_many(keys, [])  # waits on the calls in flight
+            out.result(timeout=15)  # before: never settled (a TimeoutError here)
+            values = kv.result_of(out)[0]
+            assert _until(lambda: kv.buffer.counters.requests_in_flight == 0)
+        assert all(bytes(v) == open(os.path.join(http.root, k), "rb").read() for k, v in zip(keys, values))
+        assert raised and kv.buffer.counters.errors == 1
+        assert kv.buffer.counters.used == 7  # the chunk whose keeping raised was fetched by the read
+        assert len([w for w in warned if "prefetch" in str(w.message)]) == 1
+    finally:
+        store.close()
+
+
+def test_a_failing_late_look_up_of_kept_entries_is_counted_and_warned_of(http, tmp_path, monkeypatch):
+    # Values a disk cache keeps, their generations unknown, are looked up again once revalidated (_later, on
+    # a cache reader thread). That look-up raising (a bug) was dropped silently, and the late prefetch quietly
+    # stopped. Now it is counted and warned of once, and the reads still get every value right.
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.locate import Stores
+
+    options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+    a = stoker.open_array(f"{http.url}/plain", options, stores=Stores())
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 256))), zarr_values(http.root, "plain"))
+    kept = a.kv
+    while not isinstance(kept, CachingStore):
+        kept = kept.store
+    assert kept.cache.flush(30)
+    fresh = CachingStore(kept.store, kept.cache)  # nothing known: every kept key looked up once revalidated
+    kv = PrefetchStore(fresh, PrefetchBuffer(64 << 20, 64))
+    keys = [_chunk_path(n).lstrip("/") for n in range(8)]
+    real, calls = fresh.kept_entries, []
+
+    def broken_after_first(names):
+        calls.append(list(names))
+        if len(calls) > 1:
+            raise RuntimeError("a broken kept_entries")
+        return real(names)
+
+    monkeypatch.setattr(fresh, "kept_entries", broken_after_first)
+    with pytest.warns(RuntimeWarning, match="a broken kept_entries"):
+        assert kv.prefetch(keys, [1 << 16] * 8, [], seq=1) == 0  # kept: revalidated, not fetched
+        assert _until(lambda: kv.buffer.counters.errors == 1)  # before: no count, nothing said
+    assert len(calls) == 2 and sorted(calls[1]) == sorted(keys)
+    values = kv.get_many(keys, [])[0]
+    assert all(bytes(v) == open(os.path.join(http.root, k), "rb").read() for k, v in zip(keys, values))

@@ -100,11 +100,11 @@ class CachingStore:
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
         # (key, start, length) -> (generation, ident, entry): what entry_files made for that generation
         self._entry_files: dict[tuple, tuple[Any, str, tuple[bytes, bytes]]] = {}
-        self._losses = 0  # the cache's losses when _entry_files was last checked against them (see _unmade)
+        # the cache's losses when _entry_files, _marked and _found were last checked against them (see _unmade)
+        self._losses = cache.losses
         # keys (and opened prefixes, with their "/") whose marker this wrapper wrote (MARKERS_FOUND at most)
         self._marked: dict[str, None] = {}
         self._found: dict[str, None] = {}  # keys whose marker was found on disk (see _has_marker; MARKERS_FOUND at most)
-        self._evicted = cache.evicted  # the cache's count of entries this process evicted, when those two were right
         self._opened: set[str] = set()  # prefixes of the arrays opened (see opened)
         self._listings: dict[str, _Listing] = {}  # prefix -> its newest listing
         self._heads: dict[str, concurrent.futures.Future] = {}  # key -> the flight of its HEAD in flight
@@ -427,8 +427,9 @@ class CachingStore:
 
     def _headed(self, keys: list[str], future: concurrent.futures.Future | None, now: float,
                 flight: concurrent.futures.Future) -> None:
-        """What the HEADs of ``keys`` started at ``now`` found (``future``; None: they never started), learnt;
-        then ``flight`` settled, no longer in flight."""
+        """What the HEADs of ``keys`` started at ``now`` found (``future``; None: they never started), learnt
+        where no newer answer is known (a listing started after them may have seen a rewrite they predate, as
+        :meth:`_learn_page` keeps a newer read's answer); then ``flight`` settled, no longer in flight."""
         try:
             found = [None] * len(keys) if future is None else self.store.result_of(future)
             failed = future is None
@@ -439,6 +440,9 @@ class CachingStore:
                 if self._heads.get(key) is not flight:
                     continue  # forgotten while in flight (see forget): it may predate a rewrite
                 del self._heads[key]
+                known = self._known.get(key)
+                if known is not None and known[1] > now:
+                    continue  # a newer answer stays (a listing asked after these HEADs)
                 if isinstance(version, NotFound) or (version is None and not failed):
                     # missing, or no generation stated: read through (one request a read, as without a
                     # cache), not asked again until stale
@@ -575,7 +579,7 @@ class CachingStore:
         most :data:`MARKERS_FOUND`, then forgotten all at once), and a key whose HEAD is in flight had one:
         a key revalidated ahead and then read (or read by several batches) costs the caller one look-up on
         disk (a hash and a syscall, on the coordinator's thread for a pipeline), not one per ask."""
-        self._after_eviction()
+        self._after_losses()
         if key in self._marked or key in self._found or key in self._heads:
             return True
         if not self.cache.has(self._marker(key)):
@@ -584,17 +588,13 @@ class CachingStore:
             remember(self._found, key, None, MARKERS_FOUND)
         return True
 
-    def _after_eviction(self) -> None:
-        """Forget the markers this wrapper wrote or found once this process evicted entries (markers among them,
-        as :meth:`DiskCache.has <stoker.storage.diskcache.DiskCache.has>` forgets them): a key kept again is
-        marked again, so another wrapper of the folder (another pipeline, rank or ``open_array``) finds its
-        entries, not a key it reads uncached. One int compared a call."""
-        evicted = self.cache.evicted
-        if evicted != self._evicted:
-            with self._lock:
-                self._evicted = evicted
-                self._marked.clear()
-                self._found.clear()
+    def _after_losses(self) -> None:
+        """Forget the markers this wrapper wrote or found once the disk cache lost entries (:meth:`_unmade`:
+        markers may be among them, as :meth:`DiskCache.has <stoker.storage.diskcache.DiskCache.has>` forgets
+        them): a key kept again is marked again, so another wrapper of the folder (another pipeline, rank or
+        ``open_array``) finds its entries, not a key it reads uncached. One int compared a call."""
+        if self.cache.losses != self._losses:
+            self._unmade()
 
     def _marker(self, key: str) -> str:
         """The ident of the empty marker file that says entries of ``key`` may be kept."""
@@ -841,7 +841,7 @@ class CachingStore:
             self._made(key, start, length, gen, ident, (os.fsencode(self.cache.path(ident)),
                                                         ident.encode("utf-8", "surrogatepass")))
             self._unmade_if_lost(key, start, length, losses)
-        self._after_eviction()
+        self._after_losses()
         with self._lock:
             marked = key in self._marked
             remember(self._marked, key, None, MARKERS_FOUND)  # as _found: a key marked again costs a look-up
@@ -919,10 +919,13 @@ class CachingStore:
         """The disk cache lost entries (:meth:`DiskCache.lost <stoker.storage.diskcache.DiskCache.lost>`: an
         eviction, a write not made, an entry a reader found missing): every entry :meth:`entry_files`
         remembered is looked for on disk again (a ``stat`` each, once), so what is gone is fetched, and
-        prefetched when planned ahead, rather than handed to the engine to find missing."""
+        prefetched when planned ahead, rather than handed to the engine to find missing; and the markers
+        written or found are forgotten (see :meth:`_after_losses`). Both memos follow the one count."""
         with self._lock:
             self._losses = self.cache.losses
             self._entry_files = {}
+            self._marked.clear()
+            self._found.clear()
 
     def _unmade_if_lost(self, key: str, start: int | None, length: int | None, losses: int) -> None:
         """:meth:`_keep` remembered an entry queued when the cache's losses were ``losses``: forgotten again if

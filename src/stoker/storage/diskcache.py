@@ -148,6 +148,8 @@ class DiskCache:
         self.root = self.folder / _LAYOUT
         self._root = str(self.root)
         self.writable = True
+        # what this process did (statistics: ``evicted`` counts the entries its evictions unlinked); what a memo
+        # of entries compares is ``losses`` alone (see lost)
         self.hits = self.misses = self.corrupt = self.written = self.dropped = self.evicted = self.hit_bytes = 0
         self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
         self._queue: deque[tuple[str, bytes | None, int]] = deque()  # (ident, data, what it counts in _queued)
@@ -351,17 +353,19 @@ class DiskCache:
                     self._cond.wait(1.0)
                 batch = self._take()
                 self._busy = True
+            unwritten = True
             try:
-                if not all(self._write_batch([(ident, data) for ident, data, _ in batch])):
-                    self.lost()  # queued entries not written (no room, the lock not had, a failed write)
+                # False: queued entries not written (no room, the lock not had, a failed write)
+                unwritten = not all(self._write_batch([(ident, data) for ident, data, _ in batch]))
             except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
-                self.lost()
                 self._disable(exc)
             finally:
                 with self._cond:
                     for ident, _, n in batch:
                         self._queued -= n  # what _enqueue added
                         self._pending.pop(ident, None)
+                    if unwritten:  # once no longer pending: their markers are not taken as seen (see lost)
+                        self.lost()
                     self._busy = False
                     self._cond.notify_all()
 
@@ -488,19 +492,21 @@ class DiskCache:
         for name in temp:
             for _, st in removing_dead_temp_files(os.path.join(self._root, os.fsdecode(name))):
                 total -= _allocated_of(st)
-        if evicted:
-            self._unsee()
-            self.lost()
         self.evicted += evicted
+        if evicted:
+            self.lost()
         return total
 
     def lost(self) -> None:
         """Entries this process counted on may be gone: it evicted some, a queued write was not made, or a
         reader found one missing or unsound (another process evicted it): :attr:`losses` grows, so a memo of
-        entries on disk (:meth:`CachingStore.entry_files <stoker.storage.cachingstore.CachingStore.entry_files>`)
-        compares one int a call to know it must look on disk again."""
+        entries or markers on disk (:meth:`CachingStore.entry_files
+        <stoker.storage.cachingstore.CachingStore.entry_files>`, the markers a wrapper wrote or found) compares
+        one int a call to know it must look on disk again; and what :meth:`has` found is forgotten (markers may
+        be among what is gone)."""
         with self._cond:
             self.losses += 1
+        self._unsee()
 
     def _unsee(self) -> None:
         """Forget what :meth:`has` found (after this process's eviction, which may have unlinked any of it), but

@@ -36,10 +36,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Sequence
 
-from ..errors import InvalidArgument, StorageError
+from ..errors import InvalidArgument, ShutdownError, StorageError
 from .store import ByteRange, check_key
 
 #: keys whose generations a PrefetchBuffer remembers (and as many rewritten keys): bounded memory over epochs
@@ -54,7 +55,9 @@ class PrefetchCounters:
     """What a :class:`PrefetchBuffer` holds and did: bytes held (asked or arrived, never above its
     ``max_bytes``) and their peak, requests in flight and their peak, values and ranges started, served to a
     batch (``used``, once per batch that read one), asked again by a later batch and shared with it
-    (``shared``), failed, and not started (``skipped``: no room, or asked before the batch's push)."""
+    (``shared``), failed, and not started (``skipped``: no room, or asked before the batch's push); and
+    ``errors``: the prefetch's own steps that raised (keeping what arrived, the late look-up of kept entries),
+    each a bug, warned of once a buffer; the batches concerned fetch what they need themselves."""
 
     held_bytes: int = 0
     peak_bytes: int = 0
@@ -65,6 +68,7 @@ class PrefetchCounters:
     shared: int = 0
     failed: int = 0
     skipped: int = 0
+    errors: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ class PrefetchBuffer:
         self._fresh = 0
         self.on_room: Callable[[], None] | None = None  # told when requests end (the coordinator may plan)
         self._begun = 0  # the newest batch that took its slot (see begun)
+        self._warned = False  # an error of the prefetch's own was warned of (see report_error)
 
     def room(self, nbytes: int = 1, requests: int = 1) -> bool:
         """Whether ``nbytes`` and ``requests`` more would fit now."""
@@ -204,7 +209,8 @@ class PrefetchBuffer:
 
     def _arrived(self, store: Any, asked: list, future: Any) -> None:
         """Keep what a prefetch brought (each with its generation); drop what failed or would not fit. Every
-        entry's future is settled, kept or not, so a batch waiting on one goes on (fetching it itself)."""
+        entry's future is settled, kept or not, whatever raised here, so a batch waiting on one goes on
+        (fetching it itself); an error of this step's own is counted and warned of (:meth:`report_error`)."""
         got: list = [None] * len(asked)
         if future is not None:
             try:
@@ -213,32 +219,63 @@ class PrefetchBuffer:
             except BaseException:  # noqa: BLE001 - a failed prefetch: its batch fetches itself, and sees why
                 pass
         results = []
-        with self._lock:
-            c = self.counters
-            c.requests_in_flight -= len(asked)
-            on_room = None if self._closed else self.on_room
-            for (ident, _, entry), outcome in zip(asked, got):
-                data = None if outcome is None else outcome[0]
-                ok = data is not None and not isinstance(data, BaseException)
-                size = memoryview(data).nbytes if ok else 0
-                settled = ok and self._observe(ident[0], ident[1], outcome[1])
-                if self._entries.get(ident) is not entry:  # taken, retired or closed: bytes given back then
-                    results.append((entry, (data, outcome[1]) if ok and entry.read else None))
-                elif not settled or size > entry.nbytes:  # failed, changed, or larger than its estimate
-                    del self._entries[ident]
-                    c.held_bytes -= entry.nbytes
-                    c.failed += 1
-                    results.append((entry, None))
-                else:
-                    c.held_bytes -= entry.nbytes - size
-                    entry.nbytes = size
-                    results.append((entry, (data, outcome[1])))
-        for entry, result in results:
-            entry.got = result
-        for future in {id(entry.future): entry.future for entry, _ in results}.values():
-            future.set_result(None)  # after every entry's outcome is set: a reader woken finds them all
+        on_room, error = None, None
+        try:
+            with self._lock:
+                c = self.counters
+                c.requests_in_flight -= len(asked)
+                on_room = None if self._closed else self.on_room
+                for (ident, _, entry), outcome in zip(asked, got):
+                    try:
+                        results.append((entry, self._kept(ident, entry, outcome)))
+                    except Exception as exc:  # noqa: BLE001 - dropped as failed, the rest kept; warned below
+                        error = error or exc
+                        if self._entries.get(ident) is entry:
+                            del self._entries[ident]
+                            c.held_bytes -= entry.nbytes
+                            c.failed += 1
+            for entry, result in results:
+                entry.got = result
+        finally:  # after every entry's outcome is set (None where none was): a reader woken finds them all
+            for flight in {id(a[2].future): a[2].future for a in asked}.values():
+                if not flight.done():
+                    flight.set_result(None)
+        if error is not None:
+            self.report_error(store, f"keeping the {len(asked)} values and ranges a prefetch brought", error)
         if on_room is not None:
             on_room()
+
+    def _kept(self, ident: tuple, entry: _Entry, outcome: tuple | None) -> tuple | None:
+        """Under the lock: what ``entry`` (``ident``) serves of what its request brought (``outcome``:
+        ``(data, generation)``, None if it failed), its bytes counted; None where it serves nothing."""
+        c = self.counters
+        data = None if outcome is None else outcome[0]
+        ok = data is not None and not isinstance(data, BaseException)
+        size = memoryview(data).nbytes if ok else 0
+        settled = ok and self._observe(ident[0], ident[1], outcome[1])
+        if self._entries.get(ident) is not entry:  # taken, retired or closed: bytes given back then
+            return (data, outcome[1]) if ok and entry.read else None
+        if not settled or size > entry.nbytes:  # failed, changed, or larger than its estimate
+            del self._entries[ident]
+            c.held_bytes -= entry.nbytes
+            c.failed += 1
+            return None
+        c.held_bytes -= entry.nbytes - size
+        entry.nbytes = size
+        return data, outcome[1]
+
+    def report_error(self, store: Any, what: str, exc: BaseException) -> None:
+        """A step of the prefetch's own (``what``) raised ``exc``: counted (``counters.errors``) and warned of
+        once a buffer, naming the store and the error. Nothing fails: the batches concerned fetch what they
+        need themselves, as without prefetch."""
+        with self._lock:
+            self.counters.errors += 1
+            warn, self._warned = not self._warned, True
+        if warn:
+            warnings.warn(f"stoker's prefetch from {getattr(store, 'uri', store)}: {what} failed "
+                          f"({type(exc).__name__}: {exc}); those batches fetch their values themselves, not "
+                          "ahead (PrefetchCounters.errors counts each time). A bug in stoker: please report it "
+                          "with this message", RuntimeWarning, stacklevel=2)
 
     def seen(self, store: Any, keys: Sequence[str], generations: Sequence[Any]) -> None:
         """Note the generations a read through ``store`` stated for ``keys`` (see :meth:`_observe`)."""
@@ -438,6 +475,12 @@ class PrefetchStore:
     max_gap = property(lambda self: self.store.max_gap)
     root = property(lambda self: getattr(self.store, "root", None))
 
+    @property
+    def losses(self) -> int:
+        """The store's disk cache's losses (:attr:`CachingStore.losses
+        <stoker.storage.cachingstore.CachingStore.losses>`; 0 where it has none): what ``Ahead`` compares."""
+        return getattr(self.store, "losses", 0)
+
     def __reduce__(self):  # to worker processes: the store alone (a buffer is one pipeline's, in memory)
         return _unwrapped, (self.store,)
 
@@ -495,8 +538,11 @@ class PrefetchStore:
                 if rest:
                     self.buffer.ask(self.store, [keys[i] for i in rest], [estimates[i] for i in rest], [], seq,
                                     pushed, mark)
-            except Exception:  # noqa: BLE001 - a prefetch failing must not fail anything: the batch fetches
+            except ShutdownError:  # closing: nothing more to ask
                 pass
+            except Exception as exc:  # noqa: BLE001 - must not fail anything (the batch fetches), but is a bug
+                self.buffer.report_error(self.store, f"looking up the disk cache's entries of {len(keys)} kept "
+                                                     "values once revalidated", exc)
 
         self.store.when_revalidated(keys, check)
 

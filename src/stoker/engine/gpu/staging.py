@@ -552,11 +552,22 @@ class Stager:
         if np.any(ok):
             kv.served_from_disk(int(ok.sum()), int(got[ok].sum()))
             self._counted(t0, int(got[ok].sum()), counts)
+        _report_missed(kv, int(np.count_nonzero(status == native_reads.ST_ENTRY)))
         return cids[~np.isin(cids, eids[ok])]
 
     def _counted(self, t0: float, nbytes: int, counts: dict) -> None:
         self.stats.stage("io", time.perf_counter() - t0, bytes_out=nbytes)
         counts["bytes_read"] += nbytes
+
+
+def _report_missed(kv: Any, n: int) -> None:
+    """Tell ``kv`` that ``n`` entries it gave were missing or unsound (``ST_ENTRY``: evicted by another process
+    sharing the folder, or corrupt), as the CPU path does (``NativeDecoder._missed``): its disk cache counts a
+    loss, so its next look-ups look on disk and batches planned ahead fetch what is gone rather than have
+    its entries handed out again."""
+    report = getattr(kv, "entries_missed", None)
+    if n and report is not None:
+        report(n)
 
 
 class ReadPool:
