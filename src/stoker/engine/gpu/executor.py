@@ -323,7 +323,7 @@ class GpuDecodeExecutor(SlotsDelivery):
         return torch.cuda.device(self.device) if self._on_gpu else contextlib.nullcontext()
 
     def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        return self._backend.on(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _event(self):
         """An event on the place stream (None without streams)."""
@@ -632,11 +632,11 @@ class GpuDecodeExecutor(SlotsDelivery):
     def _begin(self, b: "_Batch") -> None:
         """The stream waits for what the slot's previous batch asked its next writer to wait for."""
         slot = b.target.slot
-        for wait in slot.stream_waits:
+        for wait in slot.stream_waits:  # (through the backend: the tests' recorder sees the consumer's waits)
             if isinstance(wait, EVENT_TYPES):
-                self.stream.wait_event(wait)
+                self._backend.wait(self.stream, wait)
             else:
-                self.stream.wait_stream(wait)
+                self._backend.wait_stream(self.stream, wait)
         slot.stream_waits = []
         if b.target.before is not None:  # (the hybrid's host part: lands on the stream before any chunk)
             b.target.before(b.batch)
@@ -648,6 +648,7 @@ class GpuDecodeExecutor(SlotsDelivery):
         if self._closing:
             raise pipeline_closed()
         t0 = time.perf_counter()
+        self._backend.access(self.stream, writes=b.writes)  # (the tests' recorder: the batch written here)
         self._placer.fill(b.plan, b.sources, b.dest, fills)
         if b.plan.pads:  # boxes past their arrays: on the stream, after every chunk is placed
             fill_padding(b.plan.pads, b.plan.sources, b.dest, upload)
@@ -744,14 +745,13 @@ class GpuDecodeExecutor(SlotsDelivery):
         layout = (members[0].layout if len(members) == 1 else
                   frames.batch([m.layout for m in members], [0] * len(members), [0] * len(members)))
         k, copied = lanes.next(), None
-
         def decode(data: torch.Tensor, out: torch.Tensor) -> None:
             self._decoder.decode_staged(staging.tensor, layout, data=data, out=out, deferred=checks, temp=self._temp,
                                         copied=True)
 
         try:
             copied = lanes.copy(k, staging.tensor, layout.in_nbytes, staging.index)
-            lanes.decode(k, decode)
+            done = lanes.decode(k, copied, decode)
         except (frames.FrameError, frames.UnsupportedFrame) as exc:
             for m in members:
                 if m.b.error is None:
@@ -774,6 +774,7 @@ class GpuDecodeExecutor(SlotsDelivery):
             for m in members:
                 b = m.b
                 if b.error is None:
+                    self._backend.access(self.stream, writes=b.writes)  # (the tests' recorder: its slot written)
                     elements = [b.dest.dtype if h == CPU else b.sources[int(s)].element
                                 for h, s in zip(m.how[m.held].tolist(),
                                                 b.plan.chunk_source[m.cid[m.held]].tolist())]
@@ -783,7 +784,7 @@ class GpuDecodeExecutor(SlotsDelivery):
                     except BaseException as exc:  # noqa: BLE001 - this batch's error, delivered at pop
                         b.error = exc
 
-        lanes.place(k, place)
+        lanes.place(k, done, place)
         decoded = chunks = stored = 0
         for m in members:
             b = m.b
@@ -846,6 +847,8 @@ class _Batch:
         self.end_error: BaseException | None = None  # an error of its fills, CF decoding or transform
         self.reader_error: BaseException | None = None  # the reader's (a read, the plan's sources...)
         self.counts = dict.fromkeys(_COUNTS, 0)
+        #: the buffers written to make it, as the streams' backend names them: its slot (and the work buffer)
+        self.writes = [("slot", target.slot.index)] + ([("work", None)] if ex._work is not None else [])
 
 
 class _Wave:
