@@ -298,17 +298,18 @@ def _consumed(rec: Recorder, ex: GpuDecodeExecutor) -> None:
     ex.deliver = delivered
 
 
-def _recorded(cfg, samples, monkeypatch, rec: Recorder, fraction: float | None = None):
+def _recorded(cfg, samples, monkeypatch, rec: Recorder, fraction: float | None = None, decoder=HostDecoder):
     """The batches the GPU-decode executor (or with ``fraction``, the hybrid one) makes on ``rec``'s streams,
     its consumer modelled (:func:`_consumed`), and the GPU-decode executor."""
     made = []
 
     def factory(cfg, device, stats, store):
         if fraction is None:
-            ex = gpu = GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda s: HostDecoder(),
+            ex = gpu = GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda s: decoder(),
                                          streams=rec)
         else:
-            ex = HybridExecutor.on_host(cfg, stats, store, shares=Shares(fraction), streams=rec)
+            ex = HybridExecutor.on_host(cfg, stats, store, decoder=lambda s: decoder(), shares=Shares(fraction),
+                                        streams=rec)
             gpu = ex.gpu
         _consumed(rec, gpu)
         made.append(gpu)
@@ -406,6 +407,38 @@ def test_the_hybrid_s_host_part_lands_on_the_place_stream_after_the_slot_s_consu
     assert len(landed) == 6 and set(landed) == {"place"}, landed
     _hold_to_the_graph(rec, ex, 6)
     assert (len(ex.waves) > 0) == (fraction > 0), list(ex.waves)
+
+
+class _Legacy(HostDecoder):
+    """A stream decoder written to the interface before the copy stream: ``decode_staged`` takes no ``copied``
+    and reads the staging itself."""
+
+    def decode_staged(self, staged, layout, data=None, out=None, deferred=None, temp=None):
+        return super().decode_staged(staged, layout, data=data, out=out, deferred=deferred, temp=temp)
+
+
+def test_a_decoder_without_copied_reads_the_staging_held_until_its_decode(volume, monkeypatch):
+    """No copy is made for it: its decode reads the staging buffer, which the reader writes again only once
+    it has seen that decode done; the batches are the CPU path's."""
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
+    want = _batches(_cfg(), samples)
+    rec = Recorder()
+    got, ex = _recorded(_cfg(), samples, monkeypatch, rec, decoder=_Legacy)
+    assert len(got) == len(want) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert not rec.races, rec.races[:5]
+    decodes = rec.steps("decode")
+    assert rec.steps("copy") == [] and len(decodes) == len(ex.waves) >= 6
+    assert all(step[1][3][0][0] == "staging" for step in decodes)
+
+
+def test_the_recorder_finds_the_staging_written_before_a_decoder_without_copied_read_it(volume, monkeypatch):
+    """Given back after the copy's event (none: no copy was made), as before the fix, the staging is written
+    again before the decode that reads it is seen done: the recorder says so."""
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
+    monkeypatch.setattr(WaveStreams, "decoded", lambda self, k: None)
+    rec = Recorder()
+    _recorded(_cfg(), samples, monkeypatch, rec, decoder=_Legacy)
+    assert any(r.startswith("('staging',") and "on host (write)" in r for r in rec.races), rec.races
 
 
 # -- on a GPU (marked cuda: run by benchmarks/gpu_checks.sh on a lent one) ----------------------------------

@@ -14,7 +14,8 @@ k + 1 and places wave k - 1:
 its device copy (wave k - depth); decode k waits for copy k and for the placement that last read its scratch
 (wave k - depth); place k waits for decode k. Each step returns its event and the next takes it. The staging
 of wave k is given back with copy k's event (the reader writes it again once the copy has read it,
-:class:`~stoker.engine.buffers.SlotRing` polls the event);
+:class:`~stoker.engine.buffers.SlotRing` polls the event; with a stream decoder that reads the staging
+itself, no copy is made and it is given back with decode k's);
 the device buffers are marked used by the streams that read them (``record_stream``), so torch's caching
 allocator frees them only after those streams' work.
 
@@ -150,19 +151,29 @@ class WaveStreams:
             self.data[k][:nbytes].copy_(staging[:nbytes], non_blocking=True)
             return b.record(s)
 
-    def decode(self, k: int, copied: Any, run: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+    def decode(self, k: int, copied: Any, run: Callable[[torch.Tensor, torch.Tensor], Any],
+               staging_id: Any = None) -> Any:
         """``run(data[k], scratch[k])`` on the decode stream, once the copy (its event ``copied``) is done and
         the placement that last read ``scratch[k]`` is; returns the decode's event, which is recorded even when
-        ``run`` raises (it may have queued work that reads the copy)."""
+        ``run`` raises (it may have queued work that reads the copy). With ``staging_id`` and no copy, ``run``
+        reads staging buffer ``staging_id`` itself (a decoder that copies it into ``data[k]``): the buffer is
+        written again only after the decode's event."""
         b, s = self.backend, self.decode_stream
         with b.on(s):
             b.wait(s, copied)
             b.wait(s, self._placed[k])
-            b.access(s, reads=[("data", k)], writes=[("scratch", k)])
+            if staging_id is None:
+                b.access(s, reads=[("data", k)], writes=[("scratch", k)])
+            else:
+                b.access(s, reads=[("staging", staging_id)], writes=[("data", k), ("scratch", k)])
             try:
                 run(self.data[k], self.scratch[k])
             finally:
                 self._decoded[k] = b.record(s)
+        return self._decoded[k]
+
+    def decoded(self, k: int) -> Any:
+        """The event of the last decode that read ``data[k]`` (recorded even when it raised)."""
         return self._decoded[k]
 
     def place(self, k: int, decoded: Any, run: Callable[[torch.Tensor], Any]) -> Any:
