@@ -4,12 +4,19 @@ stream in order, waits on events, the host once it has seen an event done, a str
 before queueing on it). Every access to a buffer (the pinned staging, the device copies, the scratches) must
 come after the accesses before it that it conflicts with; the executor run end to end on CPU tensors over
 several waves makes none that does not, and delivers the CPU path's batches. The recorder is itself held to
-find the race each missing wait would leave."""
+find the race each missing wait would leave.
+
+The recorder is :class:`CudaStreams` with torch's CUDA calls replaced by records (streams are named lanes,
+``record_stream`` is logged), so what the executor asks of the CUDA backend is what the tests see: the batch
+slots' writes (placement, fills, the hybrid's landing) and the batch's event, the consumer's stream (it waits
+for that event, reads the slot, and the slot's next writer waits for it), and each buffer's ``record_stream``."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -20,7 +27,9 @@ from zarr.codecs import ZstdCodec
 import stoker
 from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.gpu.reference import HostDecoder
-from stoker.engine.gpu.streams import CudaStreams, HostStreams, WaveStreams
+from stoker.engine.gpu.streams import CudaStreams, WaveStreams
+from stoker.engine.hybrid.executor import HybridExecutor
+from stoker.engine.hybrid.split import Shares
 from stoker.engine.pipeline import facade as pipelines
 from batch_oracle import random_crops
 
@@ -43,23 +52,67 @@ class Event:
         self.recorder.host_saw(self)
 
 
-class Recorder(HostStreams):
-    """The streams' backend on CPU tensors (each step runs when called) that records the order it was asked
-    for: ``log`` holds ``("wait", stream, event id)``, ``("record", stream, event id)`` and ``("op", stream,
-    op id)``; ``races`` every access not ordered after an earlier conflicting one (a write after any access, a
-    read after a write) of the same buffer."""
+class Lane(str):
+    """A recorder's stream: its role (``"copy"``...), and the recorder (for ``record_stream``)."""
+
+    recorder: "Recorder"
+
+
+@pytest.fixture(autouse=True)
+def _record_stream_logged(monkeypatch):
+    """``Tensor.record_stream(lane)`` is logged by the lane's recorder (torch's own for real streams)."""
+    real = torch.Tensor.record_stream
+
+    def record_stream(tensor, stream):
+        if isinstance(stream, Lane):
+            stream.recorder.used.append((tensor.data_ptr(), tensor.numel() * tensor.element_size(), str(stream)))
+        else:
+            real(tensor, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+
+
+class Recorder(CudaStreams):
+    """The CUDA streams' backend on CPU tensors (each step runs when called) that records the order it was asked
+    for: ``log`` holds ``("wait", stream, event id)`` (a stream's wait for another stream's work too),
+    ``("record", stream, event id)`` and ``("op", stream, op id, reads, writes)``; ``races`` every access not
+    ordered after an earlier conflicting one (a write after any access, a read after a write) of the same
+    buffer, and every access declared on a stream other than the one its thread is on; ``used`` each
+    ``record_stream`` that :meth:`CudaStreams.used_by` made: ``(data_ptr, nbytes, stream)``."""
 
     def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
         self.lock = threading.Lock()
         self.log: list[tuple] = []
         self.races: list[str] = []
         self.known: dict[str, set] = {"host": set()}  # per lane: the ops that happened before its next one
         self.accesses: dict[tuple, list] = {}  # buffer -> [(op id, wrote, what)]
         self.ids = itertools.count(1)
+        self.used: list[tuple] = []
+        self.local = threading.local()  # each thread's streams entered (on), innermost last
 
-    def stream(self, role: str) -> str:
-        self.known[role] = set()
-        return role
+    def stream(self, role: str) -> Lane:
+        lane = Lane(role)
+        lane.recorder = self
+        self.known[lane] = set()
+        return lane
+
+    @contextlib.contextmanager
+    def on(self, stream):
+        entered = self.local.__dict__.setdefault("entered", [])
+        entered.append(stream)
+        try:
+            yield
+        finally:
+            entered.pop()
+
+    def current(self) -> str:
+        """The stream this thread queues on (what torch.cuda.current_stream would be): ``"host"`` outside any."""
+        entered = self.local.__dict__.get("entered")
+        return entered[-1] if entered else "host"
+
+    def synchronize(self, stream) -> None:
+        pass
 
     def _sync_host(self, stream: str) -> None:  # what the host did before queueing on a stream comes first
         self.known[stream] |= self.known["host"]
@@ -78,6 +131,11 @@ class Recorder(HostStreams):
             self.log.append(("wait", stream, event.id))
             self.known[stream] |= event.before
 
+    def wait_stream(self, stream, other) -> None:
+        with self.lock:
+            self.log.append(("wait_stream", stream, other))
+            self.known[stream] |= self.known[other]
+
     def host_saw(self, event: Event) -> None:
         with self.lock:
             self.known["host"] |= event.before
@@ -90,6 +148,8 @@ class Recorder(HostStreams):
             op = next(self.ids)
             before = self.known[lane]
             what = f"op {op} on {lane}"
+            if lane != "host" and self.current() != lane:
+                self.races.append(f"{what}: queued while on {self.current()}")
             for buf, wrote in [(r, False) for r in reads] + [(w, True) for w in writes]:
                 for prev, prev_wrote, prev_what in self.accesses.get(buf, []):
                     if (wrote or prev_wrote) and prev not in before:
@@ -99,9 +159,9 @@ class Recorder(HostStreams):
             before.add(op)
             self.log.append(("op", lane, op, tuple(reads), tuple(writes)))
 
-    def steps(self, stream: str) -> list[tuple[list[int], tuple, int | None]]:
-        """Each op on ``stream``: (the events it waited for since the op before, the op, the event recorded
-        next on the stream)."""
+    def steps(self, stream: str, touching: str | None = None) -> list[tuple[list[int], tuple, int | None]]:
+        """Each op on ``stream`` (that accesses a buffer named ``touching``, if given): (the events it waited for
+        since the op before, the op, the event recorded next on the stream)."""
         out, waits = [], []
         for entry in self.log:
             if entry[1] != stream:
@@ -109,8 +169,9 @@ class Recorder(HostStreams):
             if entry[0] == "wait":
                 waits.append(entry[2])
             elif entry[0] == "op":
-                out.append([waits, entry, None])
-                waits = []
+                if touching is None or any(buf[0] == touching for buf in entry[3] + entry[4]):
+                    out.append([waits, entry, None])
+                    waits = []
             elif out and out[-1][2] is None:
                 out[-1][2] = entry[2]
         return [tuple(step) for step in out]
@@ -146,8 +207,8 @@ def _drive(backend: Recorder, waves: int = 5, host_waits: bool = True) -> None:
         staging[s].fill_(n)
         k = lanes.next()
         ready[s] = lanes.copy(k, staging[s], 64, s)
-        lanes.decode(k, lambda data, out: out.copy_(data))
-        lanes.place(k, lambda scratch: None)
+        decoded = lanes.decode(k, ready[s], lambda data, out: out.copy_(data))
+        lanes.place(k, decoded, lambda scratch: None)
 
 
 def test_each_step_waits_for_the_steps_that_last_used_its_buffers():
@@ -209,23 +270,85 @@ def _batches(cfg, samples):
         return [torch.from_dlpack(b).clone() for b in p]
 
 
-def test_the_executor_s_waves_on_three_streams_touch_no_buffer_out_of_order(volume, monkeypatch):
-    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
-    want = _batches(_cfg(), samples)  # the CPU executor (Config(device="cpu") picks it)
-    rec, made = Recorder(), []
+@pytest.fixture(params=["no GPU", "a GPU seen"])
+def torch_sees(request, monkeypatch):
+    """Whether torch sees a CUDA device. Faked (as StreamContext finds one: a current device index and its
+    stream) for "a GPU seen": the executor must queue on the recorder's streams through the backend only, as
+    it does on a GPU box, where torch.cuda.stream of a recorder's lane fails."""
+    if request.param == "a GPU seen":
+        monkeypatch.setattr(torch.cuda, "_get_device_index", lambda *args, **kw: 0)
+        monkeypatch.setattr(torch.cuda, "current_stream",
+                            lambda device=None: types.SimpleNamespace(device=torch.device("cuda", 0)))
+    return request.param
+
+
+def _consumed(rec: Recorder, ex: GpuDecodeExecutor) -> None:
+    """The consumer as a stream of ``rec``: it waits for each delivered batch's event, reads its slot, and
+    gives the slot back asking its next writer to wait for the consumer's stream (as a CUDA consumer's
+    release does)."""
+    consumer, deliver = rec.stream("consumer"), ex.deliver
+
+    def delivered(target, rows):
+        view, release, event, stream = deliver(target, rows)
+        with rec.on(consumer):
+            rec.wait(consumer, event)
+            rec.access(consumer, reads=[("slot", target.slot.index)])
+        return view, lambda waits: release([consumer, *(waits or [])]), event, stream
+
+    ex.deliver = delivered
+
+
+def _recorded(cfg, samples, monkeypatch, rec: Recorder, fraction: float | None = None, decoder=HostDecoder):
+    """The batches the GPU-decode executor (or with ``fraction``, the hybrid one) makes on ``rec``'s streams,
+    its consumer modelled (:func:`_consumed`), and the GPU-decode executor."""
+    made = []
 
     def factory(cfg, device, stats, store):
-        made.append(GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda s: HostDecoder(),
-                                      streams=rec))
-        return made[-1]
+        if fraction is None:
+            ex = gpu = GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda s: decoder(),
+                                         streams=rec)
+        else:
+            ex = HybridExecutor.on_host(cfg, stats, store, decoder=lambda s: decoder(), shares=Shares(fraction),
+                                        streams=rec)
+            gpu = ex.gpu
+        _consumed(rec, gpu)
+        made.append(gpu)
+        return ex
 
     monkeypatch.setattr(pipelines, "make_executor", factory)
-    got = _batches(_cfg(), samples)
-    assert len(got) == len(want) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
-    ex = made[0]
-    assert ex.wave_depth == 2 and len(ex.waves) >= 6, (ex.wave_depth, list(ex.waves))
+    return _batches(cfg, samples), made[0]
+
+
+def _hold_to_the_graph(rec: Recorder, ex: GpuDecodeExecutor, batches: int) -> None:
+    """What every recorded run must show, beyond ``rec.races`` being empty: each device copy marked used by the
+    decode stream and each scratch by the place stream (``record_stream``); every write of a batch slot on
+    the place stream; the consumer waiting for each batch on an event of the place stream; and each slot's
+    next writer waiting for the consumer."""
     assert not rec.races, rec.races[:5]
-    copies, decodes, places = rec.steps("copy"), rec.steps("decode"), rec.steps("place")
+    enc, dec = ex.wave_bytes
+    depth = ex.wave_depth
+    assert sorted((n, s) for _, n, s in rec.used) == sorted([(enc, "decode")] * depth + [(dec, "place")] * depth)
+    assert len({ptr for ptr, _, _ in rec.used}) == 2 * depth
+    ops = [e for e in rec.log if e[0] == "op"]
+    slot_writes = [e[1] for e in ops if any(w[0] == "slot" for w in e[4])]
+    assert slot_writes and set(slot_writes) == {"place"}, set(slot_writes)
+    recorded_on = {e[2]: e[1] for e in rec.log if e[0] == "record"}
+    ready = [recorded_on[e[2]] for e in rec.log if e[0] == "wait" and e[1] == "consumer"]
+    assert len(ready) == batches and set(ready) == {"place"}, ready
+    assert len([e for e in ops if e[1] == "consumer"]) == batches
+    waited = [e for e in rec.log if e[0] == "wait_stream" and e[1] == "place" and e[2] == "consumer"]
+    assert len(waited) >= batches - ex.n_slots > 0
+
+
+def test_the_executor_s_waves_on_three_streams_touch_no_buffer_out_of_order(volume, monkeypatch, torch_sees):
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
+    want = _batches(_cfg(), samples)  # the CPU executor (Config(device="cpu") picks it)
+    rec = Recorder()
+    got, ex = _recorded(_cfg(), samples, monkeypatch, rec)
+    assert len(got) == len(want) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert ex.wave_depth == 2 and len(ex.waves) >= 6, (ex.wave_depth, list(ex.waves))
+    _hold_to_the_graph(rec, ex, 6)
+    copies, decodes, places = rec.steps("copy"), rec.steps("decode"), rec.steps("place", "scratch")
     assert len(copies) == len(decodes) == len(places) == len(ex.waves)
     for n in range(2, len(copies)):  # the same graph as WaveStreams' own: the executor adds no wait of its own
         assert copies[n][0] == [decodes[n - 2][2]]
@@ -236,7 +359,8 @@ def test_the_executor_s_waves_on_three_streams_touch_no_buffer_out_of_order(volu
     assert len(staged) >= len(ex.waves) and len({e[4] for e in staged}) == 2
 
 
-def test_a_device_budget_for_one_wave_on_the_device_orders_each_step_after_the_wave_before(tmp_path, monkeypatch):
+def test_a_device_budget_for_one_wave_on_the_device_orders_each_step_after_the_wave_before(tmp_path, monkeypatch,
+                                                                                           torch_sees):
     """Chunks of 256 KiB that do not compress: 1 MiB of device budget holds one wave's device copy and scratch,
     not two, so one wave is on the device at a time (wave_depth 1) and each copy waits for the decode before,
     each decode for the placement before; the batches are still the CPU path's."""
@@ -248,22 +372,73 @@ def test_a_device_budget_for_one_wave_on_the_device_orders_each_step_after_the_w
     samples = random_crops(uri, shape, (8, 8, 8), 6, 3) + [stoker.Sample(uri, [(28, 36), (0, 8), (0, 8)])]
     cfg = _cfg(batch_size=1, lookahead_batches=1, host_buffer_bytes=4 << 20, device_buffer_bytes=1 << 20)
     want = _batches(cfg, samples)
-    rec, made = Recorder(), []
-
-    def factory(cfg, device, stats, store):
-        made.append(GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda s: HostDecoder(),
-                                      streams=rec))
-        return made[-1]
-
-    monkeypatch.setattr(pipelines, "make_executor", factory)
-    got = _batches(cfg, samples)
+    rec = Recorder()
+    got, ex = _recorded(cfg, samples, monkeypatch, rec)
     assert len(got) == len(want) == 7 and all(torch.equal(g, w) for g, w in zip(got, want))
-    assert made[0].wave_depth == 1 and not rec.races, (made[0].wave_depth, rec.races[:5])
-    copies, decodes, places = rec.steps("copy"), rec.steps("decode"), rec.steps("place")
-    assert len(copies) == len(made[0].waves) >= 7
+    assert ex.wave_depth == 1, ex.wave_depth
+    _hold_to_the_graph(rec, ex, 7)
+    copies, decodes, places = rec.steps("copy"), rec.steps("decode"), rec.steps("place", "scratch")
+    assert len(copies) == len(ex.waves) >= 7
     for n in range(1, len(copies)):
         assert copies[n][0] == [decodes[n - 1][2]]
         assert decodes[n][0] == [copies[n][2], places[n - 1][2]]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_the_hybrid_s_host_part_lands_on_the_place_stream_after_the_slot_s_consumer(volume, monkeypatch, fraction):
+    """The hybrid's GPU part on the recorder: its ``before`` hook (the host part's copy into the batch, which
+    torch queues on the current stream) writes the slot on the place stream, after the consumer of the slot's
+    last batch and before the batch's event; with no chunk on the GPU (0.0) too."""
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
+    want = _batches(_cfg(), samples)
+    rec, landed = Recorder(), []
+    land = HybridExecutor._land
+
+    def landing(self, parts, batch):  # the host part's copy, queued where the hook runs (torch's current stream)
+        land(self, parts, batch)
+        if parts.cpu_job is not None:
+            slot = next(s.index for s in self.gpu.slots.slots if s.tensor.data_ptr() == batch.data_ptr())
+            rec.access(rec.current(), writes=[("slot", slot)])
+            landed.append(rec.current())
+
+    monkeypatch.setattr(HybridExecutor, "_land", landing)
+    got, ex = _recorded(_cfg(lookahead_batches=1, n_compute_threads=2), samples, monkeypatch, rec, fraction)
+    assert len(got) == len(want) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert len(landed) == 6 and set(landed) == {"place"}, landed
+    _hold_to_the_graph(rec, ex, 6)
+    assert (len(ex.waves) > 0) == (fraction > 0), list(ex.waves)
+
+
+class _Legacy(HostDecoder):
+    """A stream decoder written to the interface before the copy stream: ``decode_staged`` takes no ``copied``
+    and reads the staging itself."""
+
+    def decode_staged(self, staged, layout, data=None, out=None, deferred=None, temp=None):
+        return super().decode_staged(staged, layout, data=data, out=out, deferred=deferred, temp=temp)
+
+
+def test_a_decoder_without_copied_reads_the_staging_held_until_its_decode(volume, monkeypatch):
+    """No copy is made for it: its decode reads the staging buffer, which the reader writes again only once
+    it has seen that decode done; the batches are the CPU path's."""
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
+    want = _batches(_cfg(), samples)
+    rec = Recorder()
+    got, ex = _recorded(_cfg(), samples, monkeypatch, rec, decoder=_Legacy)
+    assert len(got) == len(want) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert not rec.races, rec.races[:5]
+    decodes = rec.steps("decode")
+    assert rec.steps("copy") == [] and len(decodes) == len(ex.waves) >= 6
+    assert all(step[1][3][0][0] == "staging" for step in decodes)
+
+
+def test_the_recorder_finds_the_staging_written_before_a_decoder_without_copied_read_it(volume, monkeypatch):
+    """Given back after the copy's event (none: no copy was made), as before the fix, the staging is written
+    again before the decode that reads it is seen done: the recorder says so."""
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
+    monkeypatch.setattr(WaveStreams, "decoded", lambda self, k: None)
+    rec = Recorder()
+    _recorded(_cfg(), samples, monkeypatch, rec, decoder=_Legacy)
+    assert any(r.startswith("('staging',") and "on host (write)" in r for r in rec.races), rec.races
 
 
 # -- on a GPU (marked cuda: run by benchmarks/gpu_checks.sh on a lent one) ----------------------------------
@@ -354,7 +529,7 @@ class _Streams(CudaStreams):
 class _Polled:
     """A copy's event whose host polls are counted (``pending``: those that found the copy not done)."""
 
-    def __init__(self, event, backend: "_SlowCopies") -> None:
+    def __init__(self, event, backend: "_Slowed") -> None:
         self.event, self.backend = event, backend
 
     def query(self) -> bool:
@@ -369,18 +544,22 @@ class _Polled:
         self.event.wait(stream)
 
 
-class _SlowCopies(_Streams):
-    """CUDA streams whose copy stream sleeps on the device before each copy (``torch.cuda._sleep``, about 10 ms
-    on an H200), so the reader wants a staging buffer again long before the copy that reads it has run."""
+class _Slowed(_Streams):
+    """CUDA streams one of which (``role``) sleeps on the device before each wave's step there
+    (``torch.cuda._sleep``, about 10 ms on an H200): a slow copy has the reader want a staging buffer again long
+    before the copy that reads it has run; a slow decode or placement leaves the steps after it, and the
+    consumer, only their events to keep them from reading what it has not written yet."""
 
-    def __init__(self, device) -> None:
+    def __init__(self, device, role: str = "copy") -> None:
         super().__init__(device)
-        self.copies = self.pending = 0
+        self.role = role
+        self.slowed = self.pending = 0
 
     def access(self, stream, reads=(), writes=()):
-        if stream is not None and stream is self.made["copy"]:  # (called on the copy stream, before the copy)
+        # (called on the stream, before the step: the wave's step reads a buffer, the batch's slot writes do not)
+        if stream is not None and stream is self.made[self.role] and reads:
             torch.cuda._sleep(20_000_000)
-            self.copies += 1
+            self.slowed += 1
 
     def record(self, stream):
         event = super().record(stream)
@@ -399,11 +578,57 @@ def test_on_a_gpu_a_staging_buffer_is_not_written_before_its_slow_copy_has_read_
     made = []
 
     def factory(cfg, device, stats, store):
-        made.append(_SlowCopies(device))
+        made.append(_Slowed(device, "copy"))
         return GpuDecodeExecutor(cfg, device, stats, store, streams=made[-1])
 
     want = _on_gpu(samples, "cpu", "bf16")
     got = _on_gpu(samples, "gpu", "bf16", factory, monkeypatch)
     backend = made[0]
-    assert backend.copies >= 6 and backend.pending > 0, (backend.copies, backend.pending)
+    assert backend.slowed >= 6 and backend.pending > 0, (backend.slowed, backend.pending)
+    assert len(got) == len(want) == 6 and all(_same(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("role", ["decode", "place"])
+def test_on_a_gpu_a_slow_decode_or_placement_is_waited_for_by_events_alone(big_volume, monkeypatch, role):
+    """Each decode (or each placement) held back ~10 ms on the device: the placement reads a scratch only
+    after its decode, the next copy into a device copy (decode into a scratch) waits for the decode
+    (placement) that read it, and the consumer reads a batch only after its event, recorded on the place
+    stream after its last write; every batch is the CPU path's."""
+    _needs_nvcomp()
+    from test_gpu_executor import _same
+
+    samples = _gpu_samples(big_volume)
+    made = []
+
+    def factory(cfg, device, stats, store):
+        made.append(_Slowed(device, role))
+        return GpuDecodeExecutor(cfg, device, stats, store, streams=made[-1])
+
+    want = _on_gpu(samples, "cpu", "bf16")
+    got = _on_gpu(samples, "gpu", "bf16", factory, monkeypatch)
+    assert made[0].slowed >= 6, made[0].slowed
+    assert len(got) == len(want) == 6 and all(_same(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_hybrid_batches_land_on_the_place_stream_under_a_slow_placement(big_volume, monkeypatch):
+    """The hybrid with its GPU part's placements held back ~10 ms each: the host part's copy into the batch
+    (queued by the ``before`` hook on the place stream) neither overwrites a slot its consumer still reads nor
+    lands under the chunks placed after it; every batch is the CPU path's."""
+    _needs_nvcomp()
+    from stoker.engine.hybrid import executor as hybrids
+    from test_gpu_executor import _same
+
+    samples = _gpu_samples(big_volume)
+    made = []
+
+    def gpu_part(cfg, device, stats, store, **kw):  # the hybrid's GPU part, on slowed streams
+        made.append(_Slowed(device, "place"))
+        return GpuDecodeExecutor(cfg, device, stats, store, streams=made[-1], **kw)
+
+    want = _on_gpu(samples, "cpu", "bf16")
+    monkeypatch.setattr(hybrids, "GpuDecodeExecutor", gpu_part)
+    got = _on_gpu(samples, "hybrid", "bf16")
+    assert made and made[0].slowed > 0, made
     assert len(got) == len(want) == 6 and all(_same(g, w) for g, w in zip(got, want))

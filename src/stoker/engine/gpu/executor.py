@@ -57,7 +57,11 @@ budgets that cannot hold one chunk of the first batch's arrays (:class:`~stoker.
 naming the knob).
 
 The stream decoder is pluggable (anything with :class:`~stoker.engine.gpu.nvcomp.DeviceDecoder`'s ``stream``,
-``max_stream_bytes`` and ``decode_staged``, made for the decode stream): on CUDA it is nvCOMP's;
+``max_stream_bytes``, ``temp_bytes`` and ``decode_staged(staged, layout, data=, out=, deferred=, temp=,
+copied=)``, made for the decode stream): ``copied=True`` says ``data`` holds the staged bytes already (the copy
+stream's copy), so ``staged`` is not read. A decoder whose ``decode_staged`` takes no ``copied`` (the interface
+before the copy stream) is called without it and reads ``staged`` itself on the decode stream: no copy is
+made for it, and each staging buffer is held until its decode is done. On CUDA the decoder is nvCOMP's;
 :meth:`GpuDecodeExecutor.on_host` builds the same executor on CPU tensors with
 :class:`~stoker.engine.gpu.reference.HostDecoder`, which is how it is tested without a GPU; so are the streams
 (``streams``: :class:`.streams.HostStreams` there, or a recorder of the waits and records in the tests).
@@ -66,6 +70,7 @@ The stream decoder is pluggable (anything with :class:`~stoker.engine.gpu.nvcomp
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import queue
 import threading
@@ -138,6 +143,7 @@ class GpuDecodeExecutor(SlotsDelivery):
         self._make_decoder = decoder
         self.cf_work = False  # the first batch reads arrays with CF attributes: decoded in the float32 work buffer
         self._decoder = None
+        self._takes_copied = True  # the stream decoder reads the device copy made on the copy stream (prepare)
         self._on_gpu = device.type == "cuda"
         self.stream = None  # the place stream: batches are written there and delivered from there
         self._backend = streams if streams is not None else CudaStreams(device) if self._on_gpu else HostStreams()
@@ -246,6 +252,7 @@ class GpuDecodeExecutor(SlotsDelivery):
             lanes = self._lanes = WaveStreams(self._backend)
         self.stream = lanes.place_stream
         self._decoder = make(lanes.decode_stream)
+        self._takes_copied = _takes_copied(self._decoder)
 
         # nvCOMP's scratch for a group of k chunks of the arrays the device decodes, as streams of at most the
         # decoder's largest (a group whose streams need more is decoded in parts that fit: DeviceDecoder).
@@ -323,7 +330,7 @@ class GpuDecodeExecutor(SlotsDelivery):
         return torch.cuda.device(self.device) if self._on_gpu else contextlib.nullcontext()
 
     def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        return self._backend.on(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _event(self):
         """An event on the place stream (None without streams)."""
@@ -632,11 +639,11 @@ class GpuDecodeExecutor(SlotsDelivery):
     def _begin(self, b: "_Batch") -> None:
         """The stream waits for what the slot's previous batch asked its next writer to wait for."""
         slot = b.target.slot
-        for wait in slot.stream_waits:
+        for wait in slot.stream_waits:  # (through the backend: the tests' recorder sees the consumer's waits)
             if isinstance(wait, EVENT_TYPES):
-                self.stream.wait_event(wait)
+                self._backend.wait(self.stream, wait)
             else:
-                self.stream.wait_stream(wait)
+                self._backend.wait_stream(self.stream, wait)
         slot.stream_waits = []
         if b.target.before is not None:  # (the hybrid's host part: lands on the stream before any chunk)
             b.target.before(b.batch)
@@ -648,6 +655,7 @@ class GpuDecodeExecutor(SlotsDelivery):
         if self._closing:
             raise pipeline_closed()
         t0 = time.perf_counter()
+        self._backend.access(self.stream, writes=b.writes)  # (the tests' recorder: the batch written here)
         self._placer.fill(b.plan, b.sources, b.dest, fills)
         if b.plan.pads:  # boxes past their arrays: on the stream, after every chunk is placed
             fill_padding(b.plan.pads, b.plan.sources, b.dest, upload)
@@ -744,14 +752,19 @@ class GpuDecodeExecutor(SlotsDelivery):
         layout = (members[0].layout if len(members) == 1 else
                   frames.batch([m.layout for m in members], [0] * len(members), [0] * len(members)))
         k, copied = lanes.next(), None
+        # a decoder without ``copied`` (the interface before the copy stream) copies the staging itself
+        copy = {"copied": True} if self._takes_copied else {}
 
         def decode(data: torch.Tensor, out: torch.Tensor) -> None:
             self._decoder.decode_staged(staging.tensor, layout, data=data, out=out, deferred=checks, temp=self._temp,
-                                        copied=True)
+                                        **copy)
 
         try:
-            copied = lanes.copy(k, staging.tensor, layout.in_nbytes, staging.index)
-            lanes.decode(k, decode)
+            if copy:
+                copied = lanes.copy(k, staging.tensor, layout.in_nbytes, staging.index)
+                done = lanes.decode(k, copied, decode)
+            else:
+                done = lanes.decode(k, None, decode, staging.index)
         except (frames.FrameError, frames.UnsupportedFrame) as exc:
             for m in members:
                 if m.b.error is None:
@@ -766,14 +779,16 @@ class GpuDecodeExecutor(SlotsDelivery):
                 if m.b.error is None:
                     m.b.error = exc
             return
-        finally:  # read into again once the copy stream is past its copy (the decode reads the device's copy)
-            self.host_slots.release(staging, ready_after=copied)
+        finally:  # read into again once the copy stream is past its copy (the decode reads the device's copy),
+            # or, where the decoder reads the staging itself, once the decode stream is past it (raised or not)
+            self.host_slots.release(staging, ready_after=copied if copy else lanes.decoded(k))
         t1 = time.perf_counter()
 
         def place(scratch: torch.Tensor) -> None:
             for m in members:
                 b = m.b
                 if b.error is None:
+                    self._backend.access(self.stream, writes=b.writes)  # (the tests' recorder: its slot written)
                     elements = [b.dest.dtype if h == CPU else b.sources[int(s)].element
                                 for h, s in zip(m.how[m.held].tolist(),
                                                 b.plan.chunk_source[m.cid[m.held]].tolist())]
@@ -783,7 +798,7 @@ class GpuDecodeExecutor(SlotsDelivery):
                     except BaseException as exc:  # noqa: BLE001 - this batch's error, delivered at pop
                         b.error = exc
 
-        lanes.place(k, place)
+        lanes.place(k, done, place)
         decoded = chunks = stored = 0
         for m in members:
             b = m.b
@@ -825,6 +840,16 @@ def _placer(placement: str):
     return gpu_place
 
 
+def _takes_copied(decoder: Any) -> bool:
+    """Whether ``decoder.decode_staged`` takes ``copied`` (it decodes the device copy the copy stream made); a
+    decoder written before the copy stream does not, and reads the staging itself."""
+    try:
+        params = inspect.signature(decoder.decode_staged).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): the safe way, which needs none
+        return False
+    return any(p.name == "copied" or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _units(plan: TablePlan, target: Target) -> int:
     """What a batch's job counts down: its chunks, or one for a batch of padded crops that reads none (the
     padding is still to be filled on the stream) or with a ``before`` hook (the hybrid's host part lands)."""
@@ -846,6 +871,8 @@ class _Batch:
         self.end_error: BaseException | None = None  # an error of its fills, CF decoding or transform
         self.reader_error: BaseException | None = None  # the reader's (a read, the plan's sources...)
         self.counts = dict.fromkeys(_COUNTS, 0)
+        #: the buffers written to make it, as the streams' backend names them: its slot (and the work buffer)
+        self.writes = [("slot", target.slot.index)] + ([("work", None)] if ex._work is not None else [])
 
 
 class _Wave:

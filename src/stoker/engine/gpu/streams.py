@@ -12,8 +12,10 @@ k + 1 and places wave k - 1:
 
 :class:`WaveStreams` holds the order, by events only (no host wait): copy k waits for the decode that last read
 its device copy (wave k - depth); decode k waits for copy k and for the placement that last read its scratch
-(wave k - depth); place k waits for decode k. The staging of wave k is given back with copy k's event (the
-reader writes it again once the copy has read it, :class:`~stoker.engine.buffers.SlotRing` polls the event);
+(wave k - depth); place k waits for decode k. Each step returns its event and the next takes it. The staging
+of wave k is given back with copy k's event (the reader writes it again once the copy has read it,
+:class:`~stoker.engine.buffers.SlotRing` polls the event; with a stream decoder that reads the staging
+itself, no copy is made and it is given back with decode k's);
 the device buffers are marked used by the streams that read them (``record_stream``), so torch's caching
 allocator frees them only after those streams' work.
 
@@ -25,6 +27,8 @@ writes what).
 >>> lanes = WaveStreams(CudaStreams(torch.device("cuda", 0)))   # doctest: +SKIP
 >>> lanes.buffers(data, scratch); k = lanes.next()               # doctest: +SKIP
 >>> copied = lanes.copy(k, staging, nbytes)                      # doctest: +SKIP
+>>> decoded = lanes.decode(k, copied, run_decode)                # doctest: +SKIP
+>>> placed = lanes.place(k, decoded, run_place)                  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ class HostStreams:
         return None
 
     def wait(self, stream: Any, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
         pass
 
     def used_by(self, tensor: torch.Tensor, stream: Any) -> None:
@@ -83,6 +90,9 @@ class CudaStreams(HostStreams):
         if event is not None:
             stream.wait_event(event)
 
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        stream.wait_stream(other)
+
     def used_by(self, tensor: torch.Tensor, stream: Any) -> None:
         # the caching allocator reuses a block once its own stream is past it: a stream that also reads it
         # must be past it too
@@ -106,7 +116,6 @@ class WaveStreams:
         self.scratch: list[torch.Tensor] = []
         self._decoded: list[Any] = []  # per device copy: the event of the last decode that read it
         self._placed: list[Any] = []  # per scratch: the event of the last placement that read it
-        self._step: Any = None  # the wave in flight: the event of its last step (its copy's, then its decode's)
         self._n = 0
 
     @property
@@ -140,34 +149,46 @@ class WaveStreams:
             b.wait(s, self._decoded[k])
             b.access(s, reads=[("staging", staging_id)], writes=[("data", k)])
             self.data[k][:nbytes].copy_(staging[:nbytes], non_blocking=True)
-            self._step = b.record(s)
-        return self._step
+            return b.record(s)
 
-    def decode(self, k: int, run: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
-        """``run(data[k], scratch[k])`` on the decode stream, once the copy is done and the placement that last
-        read ``scratch[k]`` is; the decode's event is recorded even when ``run`` raises (it may have queued
-        work that reads the copy)."""
+    def decode(self, k: int, copied: Any, run: Callable[[torch.Tensor, torch.Tensor], Any],
+               staging_id: Any = None) -> Any:
+        """``run(data[k], scratch[k])`` on the decode stream, once the copy (its event ``copied``) is done and
+        the placement that last read ``scratch[k]`` is; returns the decode's event, which is recorded even when
+        ``run`` raises (it may have queued work that reads the copy). With ``staging_id`` and no copy, ``run``
+        reads staging buffer ``staging_id`` itself (a decoder that copies it into ``data[k]``): the buffer is
+        written again only after the decode's event."""
         b, s = self.backend, self.decode_stream
         with b.on(s):
-            b.wait(s, self._step)
+            b.wait(s, copied)
             b.wait(s, self._placed[k])
-            b.access(s, reads=[("data", k)], writes=[("scratch", k)])
+            if staging_id is None:
+                b.access(s, reads=[("data", k)], writes=[("scratch", k)])
+            else:
+                b.access(s, reads=[("staging", staging_id)], writes=[("data", k), ("scratch", k)])
             try:
-                return run(self.data[k], self.scratch[k])
+                run(self.data[k], self.scratch[k])
             finally:
-                self._step = self._decoded[k] = b.record(s)
+                self._decoded[k] = b.record(s)
+        return self._decoded[k]
 
-    def place(self, k: int, run: Callable[[torch.Tensor], Any]) -> Any:
-        """``run(scratch[k])`` on the place stream once the decode is done; the placement's event is what the
-        next decode into ``scratch[k]`` waits for (recorded even when ``run`` raises)."""
+    def decoded(self, k: int) -> Any:
+        """The event of the last decode that read ``data[k]`` (recorded even when it raised)."""
+        return self._decoded[k]
+
+    def place(self, k: int, decoded: Any, run: Callable[[torch.Tensor], Any]) -> Any:
+        """``run(scratch[k])`` on the place stream once the decode (its event ``decoded``) is done; returns the
+        placement's event, which the next decode into ``scratch[k]`` waits for (recorded even when ``run``
+        raises)."""
         b, s = self.backend, self.place_stream
         with b.on(s):
-            b.wait(s, self._step)
+            b.wait(s, decoded)
             b.access(s, reads=[("scratch", k)])
             try:
-                return run(self.scratch[k])
+                run(self.scratch[k])
             finally:
                 self._placed[k] = b.record(s)
+        return self._placed[k]
 
     def staged(self, staging_id: Any) -> None:
         """The reader (the host) writes staging buffer ``staging_id``: for the backend's record of accesses (it

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from ...storage import LocalStore
     from ..buffers import Slot, SlotRing
     from ..cpu.decode_native import SharedEngine
+    from ..gpu.streams import HostStreams
     from ..stats import StatsRecorder
 
 __all__ = ["GPU_HOST_SHARE", "HybridExecutor"]
@@ -145,15 +146,17 @@ class HybridExecutor:
 
     @classmethod
     def on_host(cls, cfg: Config, stats: StatsRecorder, store: LocalStore, max_stream_bytes: int = 1 << 24,
-                decoder: Callable[[Any], Any] | None = None, shares: Shares | None = None) -> "HybridExecutor":
+                decoder: Callable[[Any], Any] | None = None, shares: Shares | None = None,
+                streams: HostStreams | None = None) -> "HybridExecutor":
         """The same executor on CPU tensors: the GPU part decodes with
-        :class:`~stoker.engine.gpu.reference.HostDecoder` (or ``decoder(stream)``), the host part is copied
-        into the batch on the CPU (its tests)."""
+        :class:`~stoker.engine.gpu.reference.HostDecoder` (or ``decoder(stream)``), on ``streams`` (a backend
+        of :mod:`~stoker.engine.gpu.streams`: the tests' recorder), the host part is copied into the batch on
+        the CPU (its tests)."""
         from ..gpu.reference import HostDecoder
 
         device = torch.device("cpu")
         make = decoder or (lambda stream: HostDecoder(max_stream_bytes))
-        gpu = GpuDecodeExecutor(_gpu_part_config(cfg), device, stats, store, decoder=make)
+        gpu = GpuDecodeExecutor(_gpu_part_config(cfg), device, stats, store, decoder=make, streams=streams)
         return cls(cfg, device, stats, store, gpu=gpu, shares=shares)
 
     def share_engine(self, shared: SharedEngine | None) -> SharedEngine:
