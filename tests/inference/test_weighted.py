@@ -17,8 +17,8 @@ from stoker.inference import weighted
 from stoker.inference import writer as writer_module
 from stoker.inference.blend import window
 
-pytestmark = [pytest.mark.timeout(180),
-              pytest.mark.skipif(weighted.native_mean is None, reason="needs the compiled engine")]
+pytestmark = pytest.mark.timeout(180)
+compiled = pytest.mark.skipif(weighted.native_mean is None, reason="needs the compiled engine")
 
 
 def _reference(out: np.ndarray, parts) -> np.ndarray:
@@ -63,6 +63,7 @@ def _layout(rng, ndim: int, lanes: int, out_dtype, part_dtypes, n_parts: int, st
     return out, parts
 
 
+@compiled
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 @pytest.mark.parametrize("out_dtype, part_dtypes", [("f4", ["f4"]), ("f4", ["f8"]), ("f8", ["f4", "f8"]),
                                                     ("f8", ["f8"])])
@@ -78,6 +79,7 @@ def test_the_compiled_mean_is_numpy_s_bit_for_bit(ndim, out_dtype, part_dtypes, 
         assert out.tobytes() == want.tobytes(), f"trial {trial}: {np.argwhere(out != want)[:3].tolist()}"
 
 
+@compiled
 def test_what_it_leaves_to_numpy_and_what_it_refuses():
     out = np.zeros((1, 4, 4), np.float32)
     win = (np.ones(4), np.ones(4))
@@ -126,6 +128,7 @@ def _write(out, grid, batches, blend, dtype, channels, predict, keep, with_grid=
     return zarr.open_array(out, mode="r")[:], len(sums)
 
 
+@compiled
 @pytest.mark.parametrize("blend", ["linear", "hann"])
 @pytest.mark.parametrize("dtype", ["f4", "f8"])
 @pytest.mark.parametrize("channels", [0, 2])
@@ -178,6 +181,7 @@ def test_a_grid_s_regions_share_the_plans_of_their_layout(tmp_path, tile, stride
         assert len(planned) > 2 * len({id(p) for p in planned})  # regions of one layout share a plan
 
 
+@compiled
 def test_layouts_of_many_parts_blend_in_one_pass_as_the_pieces_do(tmp_path, monkeypatch):
     """A region of more than PIECEWISE_PARTS parts (kept whole, not planned) goes through the same pass."""
     rng = np.random.default_rng(9)
