@@ -104,7 +104,8 @@ class _Plan:
         found = self._pieces.get(box)
         if found is None:
             raise InvalidArgument(f"TileWriter(grid=...): a prediction for the output box {box} (from its region's "
-                                  "first voxel), which no tile of the grid has: write the grid's tiles (writer.pending(grid)), or leave grid= out")
+                                  "first voxel), which no tile of the grid has: write the grid's tiles "
+                                  "(writer.pending(grid)), or leave grid= out")
         return found
 
 
@@ -167,7 +168,8 @@ class _Region:
         # (see add_planned); the voxels its parts covered so far, for the fill at the finish
         self.plan = plan
         self.arrived: list[Box] = []
-        self.overlaps: list[tuple[int, Box, np.ndarray, Windows, np.ndarray]] = []  # (piece, box, weights, windows, values)
+        # (piece, box, weights, windows, values)
+        self.overlaps: list[tuple[int, Box, np.ndarray, Windows, np.ndarray]] = []
         if plan is not None:
             self.values = pool.take(self.full, dtype, zero=False)  # the output: every voxel set by the finish
 
@@ -290,8 +292,14 @@ class _Region:
         boxes = [tuple((s.start, s.stop) for s in where) for where, _, _, _ in self.parts]
         if mean_into(out, [(values, [s.start for s in where], win) for where, _, values, win in self.parts],
                      len(self.full) - len(self.shape)):
-            for piece in subtract(tuple((0, n) for n in self.shape), boxes):  # voxels no tile reached
-                out[(Ellipsis,) + _slices(piece)] = fill
+            if len(self.parts) <= PIECEWISE_PARTS:
+                for piece in subtract(tuple((0, n) for n in self.shape), boxes):  # voxels no tile reached
+                    out[(Ellipsis,) + _slices(piece)] = fill
+            else:  # many boxes: their pieces grow faster than they do, a mask does not
+                reached = np.zeros(self.shape, bool)
+                for where, _, _, _ in self.parts:
+                    reached[where] = True
+                out[(Ellipsis,) + (~reached,)] = fill
             for _, _, values, _ in self.parts:
                 pool.give(values)  # blended: the next parts' copies
             self.parts, self.parts_bytes = [], 0
