@@ -13,8 +13,9 @@ import pytest
 import zarr
 
 import stoker
+from stoker.inference import weighted
 from stoker.inference import writer as writer_module
-from stoker.inference.blend import weights
+from stoker.inference.blend import weights, window
 from stoker.inference.buffers import BufferPool
 from stoker.inference.writer import _Region
 
@@ -23,8 +24,8 @@ pytestmark = pytest.mark.timeout(300)
 
 def _parts(region: int, tile: int, stride: int, blend: str = "hann", seed: int = 0) -> list:
     """The parts of a region of ``region``^3 that tiles of ``tile``^3 every ``stride`` leave, with their
-    weights and float32 values k + 0.5 (ties for an integer output)."""
-    w = weights(blend, (tile,) * 3)
+    weights, float32 values k + 0.5 (ties for an integer output) and windows."""
+    w, win = weights(blend, (tile,) * 3), window(blend, tile)
     rng = np.random.default_rng(seed)
     out = []
     for c in itertools.product(range(-tile + stride, region, stride), repeat=3):
@@ -32,15 +33,15 @@ def _parts(region: int, tile: int, stride: int, blend: str = "hann", seed: int =
         if all(p < q for p, q in b):
             at = tuple(slice(p - a, q - a) for (p, q), a in zip(b, c))
             values = (rng.integers(0, 200, tuple(q - p for p, q in b)) + 0.5).astype(np.float32)
-            out.append((tuple(slice(p, q) for p, q in b), w[at], values))
+            out.append((tuple(slice(p, q) for p, q in b), w[at], values, tuple(win[a] for a in at)))
     return out
 
 
 def _region(parts: list, region: int, pool: BufferPool, blend: str = "hann", channels: int = 0) -> _Region:
     r = _Region(((0, region),) * 3, (channels,) if channels else (), blend, np.dtype("f4"), pool)
-    for where, w, v in parts:
+    for where, w, v, win in parts:
         v = np.stack([v + k for k in range(channels)]) if channels else v.copy()
-        r.parts.append((where, w, v))
+        r.parts.append((where, w, v, win))
         r.parts_bytes += v.nbytes
     assert r.parts_bytes <= r.sums_bytes  # kept, not folded: the blend_parts path
     return r
@@ -74,19 +75,24 @@ def test_blend_parts_costs_about_what_summing_cost():
 @pytest.mark.parametrize("blend", ["linear", "hann"])
 def test_many_parts_blend_as_the_pieces_do_bit_for_bit(monkeypatch, blend, dtype, channels):
     """Past PIECEWISE_PARTS the parts are summed over the region and copied where one covers: the output is
-    the piecewise blend's, every bit (overlaps: float64 sums in arrival order; once covered: the value)."""
+    the piecewise blend's, every bit (overlaps: float64 sums in arrival order; once covered: the value); and
+    so is the compiled pass's (weighted.mean_into: float outputs), which does all of it at once."""
     region = 40
     parts = _parts(region, 12, 9, blend, seed=3)[:-5]  # the last few left out: some voxels no part reaches
     assert len(parts) > writer_module.PIECEWISE_PARTS
     got = {}
-    for name, limit in (("summed", writer_module.PIECEWISE_PARTS), ("pieces", 10 ** 6)):
+    compiled = weighted.native_mean
+    for name, limit, native in (("summed", writer_module.PIECEWISE_PARTS, None), ("pieces", 10 ** 6, None),
+                                ("compiled", writer_module.PIECEWISE_PARTS, compiled)):
         monkeypatch.setattr(writer_module, "PIECEWISE_PARTS", limit)
+        monkeypatch.setattr(weighted, "native_mean", native)
         pool = BufferPool(1 << 30)
         out = np.empty(((channels,) if channels else ()) + (region,) * 3, dtype)
         _region(parts, region, pool, blend, channels).blend_parts(out, np.asarray(7, dtype), pool)
         got[name] = out
     assert (got["pieces"] == 7).any()
     np.testing.assert_array_equal(got["summed"].view(np.uint8), got["pieces"].view(np.uint8))
+    np.testing.assert_array_equal(got["compiled"].view(np.uint8), got["pieces"].view(np.uint8))
 
 
 @pytest.mark.parametrize("blend", ["linear", "hann"])

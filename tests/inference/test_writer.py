@@ -16,6 +16,7 @@ import torch
 import zarr
 
 import stoker
+from stoker.inference.record import CompletionRecord
 from stoker.sampling.sample import box_of
 
 pytestmark = pytest.mark.timeout(180)
@@ -202,7 +203,7 @@ def test_a_killed_job_restarts_to_the_same_array(volume, tmp_path):
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(_KILLED.format(tests=tests, uri=uri, out=out))],
                        env=env, timeout=120)
     assert p.returncode == 3
-    done = [n for n in os.listdir(out + ".tiles-done") if n != "writer.json" and n.endswith(".json")]
+    done = CompletionRecord(out).done()
     assert 0 < len(done) < 48  # killed mid-way: some regions written, some not
     writer, todo = run(uri, out, "hann", 0)
     grid = stoker.TileGrid([uri], TILE, stride=STRIDE)

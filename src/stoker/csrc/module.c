@@ -45,7 +45,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyModule_AddFunctions(m, codec_methods) < 0 || PyModule_AddFunctions(m, table_methods) < 0 ||
         PyModule_AddFunctions(m, engine_functions) < 0 ||
         PyModule_AddFunctions(m, staging_methods) < 0 || PyModule_AddFunctions(m, entry_methods) < 0 ||
-        PyModule_AddFunctions(m, evict_methods) < 0 || add_engine_types(m) < 0 || add_interface(m) < 0) {
+        PyModule_AddFunctions(m, evict_methods) < 0 || PyModule_AddFunctions(m, blend_methods) < 0 ||
+        add_engine_types(m) < 0 || add_interface(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -25,6 +25,7 @@ extern PyMethodDef engine_functions[]; /* py_engine.c: local_file_system, read_f
 extern PyMethodDef staging_methods[]; /* py_staging.c: stage_read, blosc_streams (the GPU decode's reads) */
 extern PyMethodDef entry_methods[];   /* py_entries.c: write_entries (the disk cache's writer) */
 extern PyMethodDef evict_methods[];   /* py_evict.c: evict_entries (the disk cache's eviction scan) */
+extern PyMethodDef blend_methods[];   /* blend.c: blend_mean (a TileWriter's weighted mean of overlaps) */
 
 /* py_engine.c: Engine (and its BatchJob type) into module m; 0, or -1 with an exception set */
 int add_engine_types(PyObject *m);

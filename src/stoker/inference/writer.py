@@ -50,6 +50,7 @@ How the work is split (see docs/inference.md):
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -61,17 +62,20 @@ from ..errors import InvalidArgument, RankFailed, StorageError
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
-from .blend import BLENDS, Box, coverage, intersect, local, output_box, region_box, regions_of, subtract, weights
+from .blend import (BLENDS, Box, coverage, intersect, local, output_box, region_box, regions_of, subtract, weights,
+                    window)
 from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
 from .record import CompletionRecord
 from .target import array_store, writing
+from .weighted import mean_into
 
 # region, tile key (its box), part's box, values, the flat index of the tile's output box's first voxel
 Part = tuple[tuple[int, ...], Box, Box, np.ndarray, int]
 
 
 Scratch = Callable[[tuple[int, ...]], np.ndarray]  # a float64 array of a shape, over reused memory
+Windows = tuple[np.ndarray, ...]  # a part's window on each spatial axis: its weights are their outer product
 
 # a region's kept parts up to this many are blended piece by piece (box arithmetic: copies where one part
 # covers, sums over the overlaps only); more, and the pieces' count grows faster than the parts', so they are
@@ -80,8 +84,8 @@ PIECEWISE_PARTS = 16
 
 
 class _Plan:
-    """Where the parts of one region of a grid's lie: ``boxes`` (in the array), the output boxes of the grid's
-    tiles cut to the region. Each box's pieces that it alone covers, and the overlaps (``several``: pieces
+    """Where the parts of one region of a grid's lie: ``boxes`` (from the region's first voxel), the output boxes
+    of the grid's tiles cut to the region. Each box's pieces that it alone covers, and the overlaps (``several``: pieces
     covered by two or more boxes) it touches, as :func:`~.blend.coverage` finds them."""
 
     def __init__(self, boxes: list[Box]) -> None:
@@ -99,10 +103,23 @@ class _Plan:
         """``box``'s pieces it alone covers, and the indices of the overlaps it touches."""
         found = self._pieces.get(box)
         if found is None:
-            raise InvalidArgument(f"TileWriter(grid=...): a prediction for the output box {box}, which no tile of "
-                                  "the grid has: write the grid's tiles (writer.pending(grid)), or leave grid= out")
+            raise InvalidArgument(f"TileWriter(grid=...): a prediction for the output box {box} (from its region's "
+                                  "first voxel), which no tile of the grid has: write the grid's tiles "
+                                  "(writer.pending(grid)), or leave grid= out")
         return found
 
+
+@functools.lru_cache(maxsize=1024)
+def _plan_of(boxes: tuple[Box, ...]) -> _Plan:
+    """The plan of a region whose parts lie at ``boxes`` (sorted, from the region's first voxel). A regular
+    grid's regions repeat a few layouts (the interior ones all alike), so each layout's box arithmetic is done
+    once, for every region and every writer of the process that has it; a plan is never changed."""
+    return _Plan(list(boxes))
+
+
+def _shift(box: Box, origin: Box) -> Box:
+    """``box`` from ``origin``'s first voxel."""
+    return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin))
 
 
 def sums_bytes(lanes: int, shape: tuple[int, ...]) -> int:
@@ -140,8 +157,9 @@ class _Region:
             # the boxes placed so far and their tiles' starts: which tile wins a voxel is decided from
             # these (box arithmetic where boxes overlap), not from a per-voxel array of starts
             self.placed: list[tuple[Box, int]] = []
-        # the weighted parts not yet summed: where in the region, their weights (a view of the tile's), values
-        self.parts: list[tuple[tuple[slice, ...], np.ndarray, np.ndarray]] = []
+        # the weighted parts not yet summed: where in the region, their weights (a view of the tile's), values,
+        # and the windows whose outer product the weights are (for weighted.mean_into)
+        self.parts: list[tuple[tuple[slice, ...], np.ndarray, np.ndarray, Windows]] = []
         self.parts_bytes = 0
         # what folding takes: the float64 sums and sums of weights, and the uint8 count of parts per voxel
         self.sums_bytes = sums_bytes(int(np.prod(channels)), self.shape)
@@ -150,7 +168,8 @@ class _Region:
         # (see add_planned); the voxels its parts covered so far, for the fill at the finish
         self.plan = plan
         self.arrived: list[Box] = []
-        self.overlaps: list[tuple[int, Box, np.ndarray, np.ndarray]] = []  # (piece, box, weights, values)
+        # (piece, box, weights, windows, values)
+        self.overlaps: list[tuple[int, Box, np.ndarray, Windows, np.ndarray]] = []
         if plan is not None:
             self.values = pool.take(self.full, dtype, zero=False)  # the output: every voxel set by the finish
 
@@ -160,7 +179,7 @@ class _Region:
         return sum(a.nbytes for a in (self.values, self.wsum, self.count) if a is not None) + self.parts_bytes
 
     def add_weighted(self, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray, pool: BufferPool,
-                     scratch: Scratch) -> None:
+                     scratch: Scratch, win: Windows) -> None:
         """Take one weighted part: kept for later, or added to the sums once the region has them."""
         if self.wsum is None and self.parts_bytes + values.nbytes <= self.sums_bytes:
             # a view of the caller's batch is copied (the pipeline reuses it), into a recycled buffer; a
@@ -169,30 +188,31 @@ class _Region:
                 kept = pool.take(values.shape, values.dtype, zero=False)
                 np.copyto(kept, values)
                 values = kept
-            self.parts.append((where, w, values))
+            self.parts.append((where, w, values, win))
             self.parts_bytes += values.nbytes
             return
         if self.wsum is None:
             self.fold(pool, scratch)
         self._accumulate(where, w, values, scratch)
 
-    def add_planned(self, box: Box, w: np.ndarray, values: np.ndarray, pool: BufferPool) -> None:
-        """Take one weighted part of a planned region (``box``: where it lies, in the array; ``w``, ``values``:
-        over it): the voxels it alone covers copied into the output (cast as astype, rounded to the nearest for
+    def add_planned(self, box: Box, w: np.ndarray, values: np.ndarray, pool: BufferPool, win: Windows) -> None:
+        """Take one weighted part of a planned region (``box``: where it lies, in the array; ``w``, ``values``,
+        ``win``: over it): the voxels it alone covers copied into the output (cast as astype, rounded to the nearest for
         an integer output), its pieces of the overlaps kept (copies: the batch goes back to the pipeline)."""
         assert self.plan is not None and self.values is not None
+        box = _shift(box, self.box)  # the plan's boxes are the region's own (see _plan_of)
         once, touched = self.plan.pieces(box)
         rint = np.issubdtype(self.values.dtype, np.integer) and np.issubdtype(values.dtype, np.floating)
         for piece in once:
             src = values[(Ellipsis,) + local(piece, box)]
-            np.copyto(self.values[(Ellipsis,) + local(piece, self.box)], np.rint(src) if rint else src,
+            np.copyto(self.values[(Ellipsis,) + _slices(piece)], np.rint(src) if rint else src,
                       casting="unsafe")
         for m in touched:
             x = intersect(self.plan.several[m], box)
             at = local(x, box)
             kept = pool.take(values[(Ellipsis,) + at].shape, values.dtype, zero=False)
             np.copyto(kept, values[(Ellipsis,) + at])
-            self.overlaps.append((m, x, w[at], kept))
+            self.overlaps.append((m, x, w[at], tuple(v[a] for v, a in zip(win, at)), kept))
             self.parts_bytes += kept.nbytes
         self.arrived.append(box)
 
@@ -204,26 +224,29 @@ class _Region:
         out = self.values
         spent: list[np.ndarray] = []
         if self.overlaps:
-            sums, prods, wsums = (pool.take(self.full, np.float64, zero=False),
-                                  pool.take(self.full, np.float64, zero=False),
-                                  pool.take(self.shape, np.float64, zero=False))
-            spent = [sums, prods, wsums]
             lead = self.full[:len(self.full) - len(self.shape)]
             rint = np.issubdtype(out.dtype, np.integer)
-            by_piece: dict[int, list[tuple[Box, np.ndarray, np.ndarray]]] = {}
-            for m, x, w, values in self.overlaps:  # in the order they came
-                by_piece.setdefault(m, []).append((x, w, values))
+            by_piece: dict[int, list[tuple[Box, np.ndarray, Windows, np.ndarray]]] = {}
+            for m, x, w, win, values in self.overlaps:  # in the order they came
+                by_piece.setdefault(m, []).append((x, w, win, values))
             for m, kept in by_piece.items():
                 box = self.plan.several[m]
+                target = out[(Ellipsis,) + _slices(box)]
+                if mean_into(target, [(values, [a - o for (a, _), (o, _) in zip(x, box)], win)
+                                      for x, _, win, values in kept], len(lead)):
+                    continue  # one compiled pass: the same sums and quotient, a lone part's voxels its value
+                if not spent:  # numpy's sums, products and sums of weights, over buffers of the region's size
+                    spent = [pool.take(self.full, np.float64, zero=False), pool.take(self.full, np.float64, zero=False),
+                             pool.take(self.shape, np.float64, zero=False)]
+                sums, prods, wsums = spent
                 acc, wsum = _carve(sums, lead + _extent(box)), _carve(wsums, _extent(box))
                 acc.fill(0)
                 wsum.fill(0)
-                for x, w, values in kept:
+                for x, w, _, values in kept:
                     dst = local(x, box)
                     acc[(Ellipsis,) + dst] += np.multiply(w, values, out=_carve(prods, lead + _extent(x)),
                                                           dtype=np.float64)
                     wsum[dst] += w
-                target = out[(Ellipsis,) + local(box, self.box)]
                 with np.errstate(invalid="ignore", divide="ignore"):  # voxels of parts that never came: filled below
                     if rint:
                         np.rint(np.divide(acc, wsum, out=acc), out=acc)
@@ -233,16 +256,17 @@ class _Region:
                 # a region closed without all its tiles: the voxels of the overlap that one part that came covers
                 # alone are that part's value (cast as astype), as blend_parts' pieces over the parts that came
                 # give them, not (w * v) / w (an ulp off in float64, and an integer's .5 rounded the other way)
-                for i, (x, _, values) in enumerate(kept):
-                    for piece in subtract(x, [o for j, (o, _, _) in enumerate(kept) if j != i]):
+                for i, (x, _, _, values) in enumerate(kept):
+                    for piece in subtract(x, [o for j, (o, _, _, _) in enumerate(kept) if j != i]):
                         src = values[(Ellipsis,) + local(piece, x)]
-                        np.copyto(out[(Ellipsis,) + local(piece, self.box)],
+                        np.copyto(out[(Ellipsis,) + _slices(piece)],
                                   np.rint(src) if rint and np.issubdtype(src.dtype, np.floating) else src,
                                   casting="unsafe")
-            for _, _, _, values in self.overlaps:
+            for _, _, _, _, values in self.overlaps:
                 pool.give(values)
-        for piece in subtract(self.box, self.arrived):  # voxels no part reached (a region finished at close())
-            out[(Ellipsis,) + local(piece, self.box)] = fill
+        # voxels no part reached (a region finished at close())
+        for piece in subtract(tuple((0, n) for n in self.shape), self.arrived):
+            out[(Ellipsis,) + _slices(piece)] = fill
         self.overlaps, self.parts_bytes = [], 0
         return spent + [out]
 
@@ -250,7 +274,7 @@ class _Region:
         """Sum the parts kept into float64 sums (made here, from ``pool``)."""
         self.values, self.wsum = pool.take(self.full, np.float64), pool.take(self.shape, np.float64)
         self.count = pool.take(self.shape, np.uint8)
-        for where, w, values in self.parts:  # in the order they came, as if summed on arrival
+        for where, w, values, _ in self.parts:  # in the order they came, as if summed on arrival
             self._accumulate(where, w, values, scratch)
             pool.give(values)  # summed: the next parts' copies
         self.parts, self.parts_bytes = [], 0
@@ -263,10 +287,25 @@ class _Region:
         part's value, cast as astype (rounded to the nearest for an integer output), as float64 sums would give
         it within float32 rounding; weights are multiplied and summed, in float64, only where parts overlap
         (a crop's tiles overlap at the far borders only). Voxels no part covers get ``fill``. Past
-        ``PIECEWISE_PARTS`` parts (whose pieces grow faster than they do): :meth:`_blend_summed`, same result."""
+        ``PIECEWISE_PARTS`` parts (whose pieces grow faster than they do): :meth:`_blend_summed`, same result.
+        A float output of float parts: all of it in one compiled pass (:func:`~.weighted.mean_into`), same result."""
+        boxes = [tuple((s.start, s.stop) for s in where) for where, _, _, _ in self.parts]
+        if mean_into(out, [(values, [s.start for s in where], win) for where, _, values, win in self.parts],
+                     len(self.full) - len(self.shape)):
+            if len(self.parts) <= PIECEWISE_PARTS:
+                for piece in subtract(tuple((0, n) for n in self.shape), boxes):  # voxels no tile reached
+                    out[(Ellipsis,) + _slices(piece)] = fill
+            else:  # many boxes: their pieces grow faster than they do, a mask does not
+                reached = np.zeros(self.shape, bool)
+                for where, _, _, _ in self.parts:
+                    reached[where] = True
+                out[(Ellipsis,) + (~reached,)] = fill
+            for _, _, values, _ in self.parts:
+                pool.give(values)  # blended: the next parts' copies
+            self.parts, self.parts_bytes = [], 0
+            return []
         if len(self.parts) > PIECEWISE_PARTS:
             return self._blend_summed(out, fill, pool)
-        boxes = [tuple((s.start, s.stop) for s in where) for where, _, _ in self.parts]
         once, several = coverage(boxes)
         rint = np.issubdtype(out.dtype, np.integer)
         for i, piece in once:
@@ -286,7 +325,7 @@ class _Region:
                 acc, wsum = _carve(sums, lead + _extent(m)), _carve(wsums, _extent(m))
                 acc.fill(0)
                 wsum.fill(0)
-                for (_, w, values), b in zip(self.parts, boxes):  # in the order they came, as sums on arrival
+                for (_, w, values, _), b in zip(self.parts, boxes):  # in the order they came, as sums on arrival
                     x = intersect(m, b)
                     if any(hi <= lo for lo, hi in x):
                         continue
@@ -302,7 +341,7 @@ class _Region:
                     np.divide(acc, wsum, out=target, casting="same_kind")
         for piece in subtract(tuple((0, n) for n in self.shape), boxes):  # voxels no tile reached
             out[(Ellipsis,) + _slices(piece)] = fill
-        for _, _, values in self.parts:
+        for _, _, values, _ in self.parts:
             pool.give(values)  # blended: the next parts' copies
         self.parts, self.parts_bytes = [], 0
         return spent
@@ -314,12 +353,12 @@ class _Region:
         count = pool.take(self.shape, np.uint8)
         sums, wsums = pool.take(self.full, np.float64), pool.take(self.shape, np.float64)
         prods = pool.take(self.full, np.float64, zero=False)
-        for where, w, values in self.parts:
+        for where, w, values, _ in self.parts:
             _cover(count, where)
             _add(sums, wsums, where, w, values, lambda shape: _carve(prods, shape))
         _quotient(out, sums, wsums, count, fill)
         rint = np.issubdtype(out.dtype, np.integer)
-        for where, _, values in self.parts:
+        for where, _, values, _ in self.parts:
             if rint and np.issubdtype(values.dtype, np.floating):
                 np.rint(values, out=values)  # in place: the part is the region's own copy, summed already
             np.copyto(out[(Ellipsis,) + where], values, casting="unsafe", where=count[where] == 1)
@@ -464,6 +503,7 @@ class TileWriter:
         self._boxes: dict[tuple[int, ...], list[Box]] = {}  # with grid=: each owned region's parts' boxes
         self._tiles: set[Box] | None = None  # with grid=: the boxes of its tiles
         self._weights: dict[tuple[int, ...], np.ndarray] = {}
+        self._windows: dict[int, np.ndarray] = {}  # a tile axis's length -> its window (blend.window)
         self._scratch = np.empty(0, dtype=np.float64)  # the blend's products, reused (the caller's thread only)
         self.written = 0  # regions this rank wrote
         self._count_lock = threading.Lock()
@@ -510,8 +550,9 @@ class TileWriter:
         boxes = self._boxes.get(r)
         if self.blend == "none" or boxes is None or len(boxes) > PIECEWISE_PARTS:
             return None
-        plan = _Plan(sorted(boxes))
-        shape = tuple(b - a for a, b in region_box(r, self.unit, self.spatial))
+        origin = region_box(r, self.unit, self.spatial)
+        plan = _plan_of(tuple(sorted(_shift(b, origin) for b in boxes)))
+        shape = tuple(b - a for a, b in origin)
         lanes = int(np.prod(self.channels))
         sums = sums_bytes(lanes, shape)
         held = lanes * (int(np.prod(shape)) * self.dtype.itemsize + plan.kept_voxels * np.dtype(parts).itemsize)
@@ -639,10 +680,11 @@ class TileWriter:
                     np.copyto(region.values[(Ellipsis,) + local(piece, region.box)],
                               values[(Ellipsis,) + local(piece, box)], casting="unsafe")  # as astype
             elif region.plan is not None:
-                region.add_planned(box, self._weights_of(key)[local(box, key)], values, self._pool)
+                region.add_planned(box, self._weights_of(key)[local(box, key)], values, self._pool,
+                                   self._windows_of(key, box))
             else:
                 region.add_weighted(where, self._weights_of(key)[local(box, key)], values, self._pool,
-                                    self._scratch_of)
+                                    self._scratch_of, self._windows_of(key, box))
             if self._expected is not None and len(region.seen) >= self._expected.get(r, 0):
                 self._flush(r)
 
@@ -651,6 +693,17 @@ class TileWriter:
         if tile not in self._weights:
             self._weights[tile] = weights(self.blend, tile)
         return self._weights[tile]
+
+    def _windows_of(self, aabb: Box, box: Box) -> Windows:
+        """The window of each axis of the tile ``aabb`` over ``box`` (in it): the outer product of these is
+        ``_weights_of(aabb)[local(box, aabb)]``."""
+        found = []
+        for (a, b), (t0, t1) in zip(box, aabb):
+            win = self._windows.get(t1 - t0)
+            if win is None:
+                win = self._windows[t1 - t0] = window(self.blend, t1 - t0)
+            found.append(win[a - t0:b - t0])
+        return tuple(found)
 
     def _scratch_of(self, shape: tuple[int, ...]) -> np.ndarray:
         """A float64 array of ``shape`` over the caller's thread's scratch memory (a fresh temporary per

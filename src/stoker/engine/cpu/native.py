@@ -233,3 +233,8 @@ if Engine is not None:
     from ...storage.diskcache import use_entry_evictor
 
     use_entry_evictor(evict_entries)
+#: ``blend_mean(out, parts)`` (csrc/blend.c): a TileWriter's weighted mean where predictions overlap, one pass over
+#: the voxels with the GIL released (stoker/inference/weighted.py wraps it), or None without the engine
+blend_mean = None
+if Engine is not None:
+    from ..._native import blend_mean  # noqa: F401, F811 (native.*)

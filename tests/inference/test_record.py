@@ -1,0 +1,51 @@
+"""The completion record on a local disk: a writer's marks are lines appended to one log (a file made and
+renamed per region cost ~150-700 µs of kernel CPU each), read back whole, a line cut short is no mark, and
+the per-region files of earlier records still count."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from stoker.inference.record import LOG_PREFIX, CompletionRecord
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_marks_are_lines_of_one_log_not_a_file_each(tmp_path):
+    rec = CompletionRecord(str(tmp_path / "a.zarr"))
+    marks = {(i, j, k) for i in range(4) for j in range(4) for k in range(3)}
+    threads = [threading.Thread(target=lambda part=part: [rec.mark(m) for m in part])
+               for part in (sorted(marks)[::2], sorted(marks)[1::2])]  # two write threads, as a TileWriter's
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert rec.done() == marks  # readable as they are made (a job killed now resumes after them)
+    rec.sync()
+    names = os.listdir(rec.path)
+    assert len(names) == 1 and names[0].startswith(LOG_PREFIX), names
+    rec.mark((9, 9, 9))  # after sync: another log
+    assert CompletionRecord(str(tmp_path / "a.zarr")).done() == marks | {(9, 9, 9)}
+
+
+def test_a_mark_cut_short_is_no_mark_and_old_files_count(tmp_path):
+    rec = CompletionRecord(str(tmp_path / "a.zarr"))
+    rec.mark((1, 2, 3))
+    rec.sync()
+    (tmp_path / "a.zarr.tiles-done" / f"{LOG_PREFIX}crashed.log").write_bytes(b"4_5_6\n7_8")  # killed mid-line
+    (tmp_path / "a.zarr.tiles-done" / "0_0_1.json").write_text('{"region": [0, 0, 1]}')  # an earlier version's mark
+    (tmp_path / "a.zarr.tiles-done" / f"{LOG_PREFIX}junk.log").write_bytes(b"x_1\n\n-1_2_3\n1_\xff\n")
+    assert CompletionRecord(str(tmp_path / "a.zarr")).done() == {(1, 2, 3), (4, 5, 6), (0, 0, 1)}
+
+
+def test_a_record_dropped_without_sync_closes_its_log(tmp_path):
+    rec = CompletionRecord(str(tmp_path / "a.zarr"))
+    rec.mark((0, 0, 0))
+    fd = rec._log[0]
+    assert fd is not None
+    del rec
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by the finalizer (and only that descriptor: it was the record's own)

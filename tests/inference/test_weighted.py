@@ -1,0 +1,215 @@
+"""The weighted mean of overlapping predictions in one compiled pass (``weighted.mean_into``, csrc/blend.c): numpy's
+arithmetic bit for bit, whatever the layout (parts covering the output in part, none, one or many; strided views;
+float32 and float64 both sides); a grid's weighted blend through it takes no float64 sums; the plans of a grid's
+regions are made once per layout."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import stoker
+from stoker.inference import weighted
+from stoker.inference import writer as writer_module
+from stoker.inference.blend import window
+
+pytestmark = pytest.mark.timeout(180)
+compiled = pytest.mark.skipif(weighted.native_mean is None, reason="needs the compiled engine")
+
+
+def _reference(out: np.ndarray, parts) -> np.ndarray:
+    """numpy's blend: float64 sums of w * v and of w from 0.0 in the parts' order (w the outer product of the
+    windows, as blend.weights makes it), the quotient cast; one part, its value cast; none, ``out`` as it was."""
+    got = out.copy()
+    acc = np.zeros(out.shape)
+    wsum = np.zeros(out.shape[1:])
+    count = np.zeros(out.shape[1:], int)
+    last = np.zeros(out.shape)
+    for values, offsets, windows in parts:
+        w = np.ones(())
+        for win in windows:
+            w = np.multiply.outer(w, win)
+        at = tuple(slice(o, o + n) for o, n in zip(offsets, values.shape[1:]))
+        acc[(slice(None),) + at] += np.multiply(w, values, dtype=np.float64)
+        wsum[at] += w
+        count[at] += 1
+        last[(slice(None),) + at] = values
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = (acc / wsum).astype(out.dtype)
+    got[:, count >= 2] = mean[:, count >= 2]
+    got[:, count == 1] = last[:, count == 1].astype(out.dtype)
+    return got
+
+
+def _layout(rng, ndim: int, lanes: int, out_dtype, part_dtypes, n_parts: int, strided: bool):
+    shape = tuple(int(n) for n in rng.integers(3, 20, ndim))
+    base = np.full((lanes,) + tuple(2 * n for n in shape), -7.0, out_dtype)
+    out = base[(slice(None),) + tuple(slice(1, 1 + 2 * n, 2) if strided else slice(0, n) for n in shape)]
+    parts = []
+    for i in range(n_parts):
+        lo = [int(rng.integers(0, n)) for n in shape]
+        hi = [int(rng.integers(a + 1, n + 1)) for a, n in zip(lo, shape)]
+        ext = [b - a for a, b in zip(lo, hi)]
+        big = (rng.normal(size=(lanes,) + tuple(2 * e + 1 for e in ext)) * 100).astype(part_dtypes[i % len(part_dtypes)])
+        values = big[(slice(None),) + tuple(slice(1, 1 + 2 * e, 2) if strided else slice(0, e) for e in ext)]
+        tile = [e + int(rng.integers(0, 9)) for e in ext]  # the part: a piece of a larger tile's windows
+        starts = [int(rng.integers(0, t - e + 1)) for t, e in zip(tile, ext)]
+        windows = tuple(window(rng.choice(["hann", "linear"]), t)[s:s + e] for t, s, e in zip(tile, starts, ext))
+        parts.append((values, tuple(lo), windows))
+    return out, parts
+
+
+@compiled
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("out_dtype, part_dtypes", [("f4", ["f4"]), ("f4", ["f8"]), ("f8", ["f4", "f8"]),
+                                                    ("f8", ["f8"])])
+@pytest.mark.parametrize("strided", [False, True])
+def test_the_compiled_mean_is_numpy_s_bit_for_bit(ndim, out_dtype, part_dtypes, strided):
+    rng = np.random.default_rng(hash((ndim, out_dtype, tuple(part_dtypes), strided)) % 2 ** 32)
+    for trial in range(25):
+        lanes = int(rng.integers(1, 3))
+        out, parts = _layout(rng, ndim, lanes, np.dtype(out_dtype), [np.dtype(d) for d in part_dtypes],
+                             int(rng.integers(0, 6)), strided)
+        want = _reference(out, parts)
+        assert weighted.mean_into(out, parts)  # lanes first (lead=1)
+        assert out.tobytes() == want.tobytes(), f"trial {trial}: {np.argwhere(out != want)[:3].tolist()}"
+
+
+@compiled
+def test_what_it_leaves_to_numpy_and_what_it_refuses():
+    out = np.zeros((1, 4, 4), np.float32)
+    win = (np.ones(4), np.ones(4))
+    assert not weighted.mean_into(np.zeros((1, 4, 4), np.uint8), [(np.ones((1, 4, 4), np.float32), (0, 0), win)])
+    assert not weighted.mean_into(out, [(np.ones((1, 4, 4), np.float16), (0, 0), win)])
+    with pytest.raises(ValueError, match="outside"):
+        weighted.mean_into(out, [(np.ones((1, 4, 4), np.float32), (1, 0), win)])
+    with pytest.raises(ValueError, match="window"):
+        weighted.mean_into(out, [(np.ones((1, 4, 4), np.float32), (0, 0), (np.ones(3), np.ones(4)))])
+    with pytest.raises(ValueError, match="lanes"):
+        weighted.mean_into(out, [(np.ones((2, 4, 4), np.float32), (0, 0), win)])
+    with pytest.raises(ValueError, match="writable|read-only"):
+        ro = np.zeros((1, 4, 4), np.float32)
+        ro.flags.writeable = False
+        weighted.mean_into(ro, [(np.ones((1, 4, 4), np.float32), (0, 0), win)])
+
+
+# the benchmark's layout, small: the last tiles shifted back, so the planned regions' output boxes overlap
+SHAPE, TILE, STRIDE, CROP, CHUNKS = (44, 60, 58), (24, 24, 24), (16, 16, 16), 4, (16, 16, 16)
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory):
+    data = np.random.default_rng(5).random(SHAPE).astype("f4") * 200
+    uri = str(tmp_path_factory.mktemp("weighted") / "in.zarr")
+    zarr.create_array(uri, shape=SHAPE, chunks=CHUNKS, dtype="f4")[:] = data
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
+    return grid, [(s, x.clone()) for s, x in stoker.CropDataset(grid, cfg, with_samples=True)]
+
+
+def _write(out, grid, batches, blend, dtype, channels, predict, keep, with_grid=True):
+    shape = ((channels,) if channels else ()) + SHAPE
+    chunks = ((channels,) if channels else ()) + CHUNKS
+    writer = stoker.TileWriter(out, shape, chunks, dtype, blend=blend, crop=CROP, grid=grid if with_grid else None,
+                               write_threads=0)
+    take, sums = writer._pool.take, []
+    writer._pool.take = lambda shape, dt, zero=True: (
+        sums.append(shape) if np.dtype(dt) == np.float64 else None, take(shape, dt, zero))[1]
+    for samples, x in batches:
+        rows = [i for i, s in enumerate(samples) if keep(s)]
+        if rows:
+            x = predict(x[rows])
+            writer.write([samples[i] for i in rows], x if not channels else torch.stack([x, 2 * x - 1], 1))
+    writer.close()
+    return zarr.open_array(out, mode="r")[:], len(sums)
+
+
+@compiled
+@pytest.mark.parametrize("blend", ["linear", "hann"])
+@pytest.mark.parametrize("dtype", ["f4", "f8"])
+@pytest.mark.parametrize("channels", [0, 2])
+@pytest.mark.parametrize("complete", [True, False])
+@pytest.mark.parametrize("predict", ["f4", "f8"])
+def test_a_grid_s_blend_is_numpy_s_and_takes_no_float64_sums(batches, tmp_path, monkeypatch, blend, dtype, channels,
+                                                             complete, predict):
+    """Planned regions and whole-kept ones (no grid), all tiles or some left out (a voxel one part that came
+    covers is its value): the compiled pass writes numpy's array bit for bit, and takes no float64 buffers."""
+    grid, bs = batches
+
+    def keep(s):
+        return complete or (s.aabb[2][0] != 16 and s.aabb[1][0] != 32)
+
+    def cast(x):
+        return x.double() / 3.0 if predict == "f8" else x
+
+    for with_grid in (True, False):
+        compiled, sums = _write(str(tmp_path / f"c{with_grid}.zarr"), grid, bs, blend, dtype, channels, cast, keep,
+                                with_grid)
+        with monkeypatch.context() as m:
+            m.setattr(weighted, "native_mean", None)
+            numpy_, numpy_sums = _write(str(tmp_path / f"n{with_grid}.zarr"), grid, bs, blend, dtype, channels, cast,
+                                        keep, with_grid)
+        # fewer float64 buffers (the layout has overlaps to blend); none for float32 parts and output, one lane: a
+        # float64 output's regions are float64, and a region whose parts outgrow float64 sums is folded into them
+        assert sums < numpy_sums
+        if (dtype, predict, channels) == ("f4", "f4", 0):
+            assert sums == 0
+        assert compiled.tobytes() == numpy_.tobytes()
+
+
+@pytest.mark.parametrize("tile, stride, crop, alike", [(96, 56, 20, False), (80, 64, 4, True)])
+def test_a_grid_s_regions_share_the_plans_of_their_layout(tmp_path, tile, stride, crop, alike):
+    """The box arithmetic of a region's plan is done once per layout: the next writer of the process (the next
+    volume) takes every plan as it is, and where the stride is the chunk's, the interior regions of one volume
+    share theirs."""
+    shape = (64, 320, 320)
+    zarr.create_array(str(tmp_path / "in.zarr"), shape=shape, chunks=(64, 64, 64), dtype="u2")
+    grid = stoker.TileGrid([str(tmp_path / "in.zarr")], (tile,) * 3, stride=(stride,) * 3, pad="zero")
+    plans = []
+    for i in range(2):
+        writer = stoker.TileWriter(str(tmp_path / f"o{i}.zarr"), shape, (64, 64, 64), "f4", blend="hann", crop=crop,
+                                   grid=grid, write_threads=0)
+        plans.append([writer._plan(r, np.dtype("f4")) for r in sorted(writer._boxes)])
+    planned = [p for p in plans[0] if p is not None]
+    assert len(planned) >= 20
+    assert all(a is b for a, b in zip(*plans))  # the next writer takes them as they are
+    if alike:
+        assert len(planned) > 2 * len({id(p) for p in planned})  # regions of one layout share a plan
+
+
+@compiled
+def test_layouts_of_many_parts_blend_in_one_pass_as_the_pieces_do(tmp_path, monkeypatch):
+    """A region of more than PIECEWISE_PARTS parts (kept whole, not planned) goes through the same pass."""
+    rng = np.random.default_rng(9)
+    data = rng.random((20, 20, 20)).astype("f4")
+    zarr.create_array(str(tmp_path / "in.zarr"), shape=data.shape, chunks=(10, 10, 10), dtype="f4")[:] = data
+    grid = stoker.TileGrid([str(tmp_path / "in.zarr")], (6, 6, 6), stride=(4, 4, 4))
+    cfg = stoker.Config(batch_size=8, dtype="f32", device="cpu", n_compute_threads=1)
+    bs = [(s, x.clone()) for s, x in stoker.CropDataset(grid, cfg, with_samples=True)]
+    got = {}
+    for name, native in (("compiled", weighted.native_mean), ("numpy", None)):
+        monkeypatch.setattr(weighted, "native_mean", native)
+        w = stoker.TileWriter(str(tmp_path / f"{name}.zarr"), data.shape, (10, 10, 10), "f4", blend="hann",
+                              write_threads=0)
+        for s, x in bs:
+            w.write(s, x / 7.0)  # float32 parts: kept, not folded into float64 sums
+        assert max(len(r.parts) for r in w._open.values()) > writer_module.PIECEWISE_PARTS
+        w.close()
+        got[name] = zarr.open_array(str(tmp_path / f"{name}.zarr"))[:]
+    assert got["compiled"].tobytes() == got["numpy"].tobytes()
+    np.testing.assert_allclose(got["compiled"], data / 7.0, rtol=1e-6)
+
+
+def test_every_combination_of_lanes_and_axes_is_read_in_place():
+    """Parts of views with lanes first, as the writer hands them (a channel axis or none): no copy made."""
+    out = np.zeros((3, 5, 6), np.float32)
+    assert weighted.lanes(out, 1) is out
+    assert weighted.lanes(out[0], 0).base is out
+    assert weighted.lanes(out[None], 2) is None
+    for lead, shape in itertools.product([0, 1], [(4,), (4, 5)]):
+        x = np.zeros((2,) * lead + shape, np.float32)
+        assert np.shares_memory(weighted.lanes(x, lead), x)
