@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -30,6 +31,7 @@ import numpy as np
 from ...config import Config
 from typing import Callable
 
+from ...runtime.memo import remember
 from ...storage.prefetch import PrefetchBuffer, PrefetchStore
 from ...storage.store import ByteRange
 from ..planning.tables import TablePlan
@@ -66,6 +68,8 @@ class Ahead:
         self.remote = False  # the newest batch planned reads arrays in stores that prefetch
         # each disk cache's losses when the newest batch reading it was planned, by id (see _lost)
         self._losses: dict[int, tuple[Any, int]] = {}
+        # the chunks of the pipeline's arrays known fresh when revalidated ahead (see revalidate_ahead)
+        self.revalidated = Revalidated()
 
     def planned(self, plan: TablePlan, entry: Any, waits: bool, pushed: int = 0, mark: int = 0) -> None:
         """Queue a planned batch, and start its prefetch when it ``waits`` for a slot (every slot is taken or
@@ -201,7 +205,8 @@ def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> 
 MAX_REVALIDATE = 4096
 
 
-def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) -> int:
+def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
+                     asked: "Revalidated | None" = None) -> int:
     """Start revalidating the generations of the objects (chunks, or shards) that the boxes of ``samples``
     touch, in the disk cache of each remote array's store (its ``revalidate``: HEAD requests on the store's
     event loop, within ``requests_in_flight``, each shared with any read of its object), for batches pulled
@@ -209,13 +214,17 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
     round trip for it. ``reader_of(uri)``: the open array, or None (not open: skipped). Returns the objects
     asked about (at most :data:`MAX_REVALIDATE`); never waits. An array whose store holds a current,
     complete listing of it builds no key (:func:`listed_whole`); any other has its objects asked (a key
-    still in a listing page in flight is not HEADed, one whose listing is half stale starts the next).
+    still in a listing page in flight is not HEADed, one whose listing is half stale starts the next), but
+    those its store said lately were known and younger than half the staleness bound (``asked``, a
+    pipeline's :class:`Revalidated`): until then asking does nothing, so their keys are not even built (a
+    second epoch read within the bound asks about none: a look-up per chunk, not a key built and checked).
 
-    >>> revalidate_ahead(pulled_samples, lambda uri: readers.get(uri))
+    >>> revalidate_ahead(pulled_samples, lambda uri: readers.get(uri), ahead.revalidated)
     """
     asks: dict[int, tuple[Any, dict]] = {}
     skip: dict[int, bool] = {}  # per reader: a current, complete listing holds it, so nothing to ask
     n = 0
+    now = time.monotonic()
     for sample in samples:
         for part in (sample.fields.values() if sample.fields else (sample,)):
             if part.aabb is None:
@@ -235,21 +244,70 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
                 for (lo, hi), size, chunk in zip(part.aabb, meta.shape, meta.chunk_shape):
                     lo, hi = max(0, lo), min(size, hi)  # a padded box may reach past the array
                     spans.append(range(lo // chunk, (hi - 1) // chunk + 1) if hi > lo else range(0))
+                chunks = asked.of(reader) if asked is not None else None
                 keys = asks.setdefault(id(reader.kv), (revalidate, {}))[1]
                 for index in itertools.product(*spans):
+                    held = chunks.get(index) if chunks is not None else None
+                    if held is not None and held[1] > now:
+                        continue  # known and younger than half the bound when asked last: nothing to do
                     if n >= MAX_REVALIDATE:
                         break
-                    key = reader.key_of(reader.file_path(meta.chunk_key(index)))
+                    if held is None:
+                        key = reader.key_of(reader.file_path(meta.chunk_key(index)))
+                        if chunks is not None:
+                            held = remember(chunks, index, [key, 0.0], REVALIDATED_CHUNKS)
+                    else:
+                        key = held[0]
                     if key not in keys:
-                        keys[key] = None
+                        keys[key] = held
                         n += 1
     for revalidate, keys in asks.values():
         if keys:
             try:
-                revalidate(list(keys))
+                fresh = revalidate(list(keys))
             except Exception:  # noqa: BLE001 - the store closed: the batches' own reads say so
-                pass
+                continue
+            if asked is not None and fresh:
+                asked.learnt(keys, fresh)
     return n
+
+
+class Revalidated:
+    """Per open array (an ``ArrayReader``), its chunks (grid indices) asked about: ``[key, until]``, the key of
+    the chunk's object (built once) and until when (``time.monotonic()``; 0: not known when last asked) its
+    store said it is known and younger than half the staleness bound: what :func:`revalidate_ahead` skips.
+    A pipeline's (:attr:`Ahead.revalidated`); at most :data:`REVALIDATED_ARRAYS` arrays and
+    :data:`REVALIDATED_CHUNKS` chunks an array, past which forgotten (built and asked again). Read and
+    written by whichever thread revalidates a batch (single dict and list steps). Only ever skips asking
+    ahead: a read still judges its objects' generations itself (an object the store forgot since, or lost
+    from the disk, is revalidated, or fetched, by its read).
+
+    >>> ahead.revalidated.of(reader)    # {(0, 1, 2): ["a.zarr/c/0/1/2", 1234.5], ...}
+    """
+
+    def __init__(self) -> None:
+        self._arrays: dict[int, tuple[Any, dict]] = {}
+
+    def of(self, reader: Any) -> dict:
+        """The chunks of ``reader`` known fresh (made on first use; kept with the reader, so its id stays its)."""
+        held = self._arrays.get(id(reader))
+        if held is None or held[0] is not reader:
+            held = remember(self._arrays, id(reader), (reader, {}), REVALIDATED_ARRAYS)
+        return held[1]
+
+    @staticmethod
+    def learnt(keys: dict, fresh: dict) -> None:
+        """What a store's ``revalidate`` said (``fresh``: key -> until) of ``keys`` (key -> its chunk's
+        ``[key, until]`` here, or None), kept."""
+        for key, until in fresh.items():
+            held = keys[key]
+            if held is not None:
+                held[1] = until
+
+
+#: Arrays and chunks an array :class:`Revalidated` keeps at most.
+REVALIDATED_ARRAYS = 1024
+REVALIDATED_CHUNKS = 1 << 14
 
 
 def listed_whole(reader: Any) -> bool:
@@ -285,4 +343,5 @@ def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> tuple[int, dict]:
     return dropped, kept
 
 
-__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER", "listed_whole", "prefetch_plan", "revalidate_ahead"]
+__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER", "REVALIDATED_ARRAYS", "REVALIDATED_CHUNKS",
+           "Revalidated", "listed_whole", "prefetch_plan", "revalidate_ahead"]
