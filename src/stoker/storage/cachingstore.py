@@ -955,6 +955,13 @@ class CachingStore:
         compares to learn that batches found whole on disk may need fetches again."""
         return self.cache.losses
 
+    @property
+    def fetched(self) -> int:
+        """How many values and ranges this wrapper fetched from the store (not found on disk: its counters'
+        ``misses``): what a planner that stopped looking up batches ahead (each found whole on disk) compares
+        to learn that batches need fetches again."""
+        return self.counters.misses
+
     def entries_missed(self, n: int) -> None:
         """The compiled engine found ``n`` entries :meth:`entry_files` gave missing or unsound (evicted by
         another process sharing the folder, or corrupt): a loss (:meth:`_unmade`), so the next look-ups look

@@ -731,7 +731,8 @@ class NativeDecoder:
         rows[:, native.E_IDENT_START] = starts[1::2]
         rows[:, native.E_IDENT_LEN] = lens[1::2]
         blob = b"".join(pairs)
-        rest = ids[~np.isin(ids, eids)]
+        # the rest, to fetch (none where every chunk was taken: eids are distinct chunks of ids)
+        rest = ids[:0] if len(eids) == len(ids) else ids[~np.isin(ids, eids)]
         try:
             if self._closing:
                 raise pipeline_closed()

@@ -68,6 +68,8 @@ class Ahead:
         self.remote = False  # the newest batch planned reads arrays in stores that prefetch
         # each disk cache's losses when the newest batch reading it was planned, by id (see _lost)
         self._losses: dict[int, tuple[Any, int]] = {}
+        # each store's values and ranges fetched when the newest batch reading it was planned, by id (see _lost)
+        self._fetched: dict[int, tuple[Any, int]] = {}
         # the chunks of the pipeline's arrays known fresh when revalidated ahead (see revalidate_ahead)
         self.revalidated = Revalidated()
 
@@ -79,8 +81,10 @@ class Ahead:
         self._seq += 1
         if self.buffer is not None and self._lost(plan):  # entries found on disk before may be gone: look again
             self.quiet = 0
+        # quiet (batches found whole on disk): not looked up ahead (the decoder looks up its entries itself, once)
+        # until a store fetches again (_lost), so a cached epoch runs no per-chunk loop here
         nbytes, n, remote, fetches = prefetch_plan(plan, self._seq, pushed, mark) \
-            if self.buffer is not None and waits else (0, 0, False, 0)
+            if self.buffer is not None and waits and self.quiet < QUIET_AFTER else (0, 0, False, 0)
         self._last = (nbytes, n, remote)
         if remote:  # it reads remote chunks: all found on disk, or some to fetch
             self.quiet = 0 if fetches else self.quiet + 1
@@ -89,12 +93,20 @@ class Ahead:
 
     def _lost(self, plan: TablePlan) -> bool:
         """Whether the disk caches of ``plan``'s remote stores lost entries since the last batch planned (their
-        ``losses``: evictions, writes not made, entries the engine found missing): batches found whole on disk
-        (:data:`QUIET_AFTER`) may need fetches again, so planning ahead resumes. A step per store."""
+        ``losses``: evictions, writes not made, entries the engine found missing), or those stores fetched
+        values or ranges since (their ``fetched``: a batch read chunks not on disk): batches found whole on
+        disk (:data:`QUIET_AFTER`) may need fetches again, so looking up and planning ahead resume. A step
+        per store."""
         lost = False
         for r in plan.sources:
             if not isinstance(r.kv, PrefetchStore):
                 continue
+            fetched = getattr(r.kv, "fetched", None)
+            if fetched is not None:  # one count per store (a CachingStore's; not one per array reading it)
+                seen = self._fetched.get(id(r.kv))
+                if seen is None or seen[1] != fetched:
+                    self._fetched[id(r.kv)] = (r.kv, fetched)  # the store held, so its id is not another's
+                    lost = lost or fetched != (0 if seen is None else seen[1])
             # one count per disk cache, however many of the plan's arrays (or stores) share it: a sum over the
             # arrays differed between batches reading different numbers of them, with nothing lost between
             cache = getattr(r.kv, "cache", r.kv)
