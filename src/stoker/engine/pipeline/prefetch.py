@@ -76,7 +76,7 @@ class Ahead:
     def planned(self, plan: TablePlan, entry: Any, waits: bool, pushed: int = 0, mark: int = 0) -> None:
         """Queue a planned batch, and start its prefetch when it ``waits`` for a slot (every slot is taken or
         spoken for: otherwise it is submitted at once and its own fetches, grouped as the decoder groups
-        them, start now anyway). ``pushed``: the pushes its samples came in; ``mark``: the pushes so far
+        them, start now anyway) and batches are not quiet (:data:`QUIET_AFTER`; see :meth:`_lost`). ``pushed``: the pushes its samples came in; ``mark``: the pushes so far
         (see :meth:`PrefetchBuffer.ask`)."""
         self._seq += 1
         if self.buffer is not None and self._lost(plan):  # entries found on disk before may be gone: look again
