@@ -591,6 +591,39 @@ def test_revalidate_ahead_heads_every_object_over_http(http, data, tmp_path):
     assert heads() == 16 and not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
 
 
+def test_revalidate_ahead_skips_objects_its_store_knows_fresh_until_half_the_bound(http, data, tmp_path):
+    # a pipeline asks about every pulled batch's objects: those its store said are known and younger than half
+    # the staleness bound are not asked again (no key built, nothing asked: before, every chunk's key was built
+    # and asked of the store each batch) until that half; past it they are asked, and past the bound HEADed,
+    # and the read after is served from disk, equal to zarr-python's
+    from stoker.engine.pipeline.prefetch import Revalidated
+
+    options = _cached(tmp_path, cache_staleness_s=2.0)
+    uri = f"{http.url}/plain"
+    a = stoker.open_array(uri, options, stores=Stores())
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _caching(a).cache.flush(30)  # every generation learnt by its GET
+    start = len(http.log)
+
+    def heads() -> int:
+        return sum(method == "HEAD" and "/plain/c/" in path for _, method, path in http.log[start:])
+
+    asked = Revalidated()
+    assert revalidate_ahead(_every_object(uri), lambda u: a, asked) == 16  # known: each told fresh, kept
+    assert revalidate_ahead(_every_object(uri), lambda u: a, asked) == 0
+    assert revalidate_ahead(_every_object(uri), lambda u: a) == 16  # without the pipeline's record: asked
+    time.sleep(1.1)  # past half the bound: asked again (still fresh: no HEAD)
+    assert revalidate_ahead(_every_object(uri), lambda u: a, asked) == 16
+    assert heads() == 0
+    time.sleep(1.0)  # past the bound: asked, and revalidated by a HEAD each
+    assert revalidate_ahead(_every_object(uri), lambda u: a, asked) == 16
+    assert _heads_until(heads, 16) == 16
+    assert revalidate_ahead(_every_object(uri), lambda u: a, asked) == 16  # the HEADs' answers: told fresh
+    assert revalidate_ahead(_every_object(uri), lambda u: a, asked) == 0
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert heads() == 16 and not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
+
+
 def test_a_pulled_batch_is_revalidated_once_its_own_arrays_are_open(http, data, tmp_path):
     # two batches pulled together, over two arrays: the first's objects are HEADed as soon as its array is
     # open, not once the second's open (held here) is done too; the second's once its own is

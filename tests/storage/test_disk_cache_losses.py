@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 
+import numpy as np
 import pytest
 
 import stoker
@@ -177,3 +178,41 @@ def test_a_wrapper_marks_its_keys_again_after_the_engine_found_them_evicted(http
         assert not [path for _, method, path in http.log[asked:] if method == "GET"]  # from disk, a HEAD each
     finally:
         other.close()
+
+
+def test_a_quiet_planner_looks_up_again_once_a_store_fetches(tmp_path, monkeypatch):
+    """Batches found whole on disk (QUIET_AFTER in a row) are no longer looked up ahead (prefetch_plan not
+    run); once a store of a batch fetched something (a chunk not on disk), the next batch planned is looked
+    up and prefetched again (before, every batch waiting for a slot was looked up, quiet or not)."""
+    from types import SimpleNamespace
+
+    from stoker.engine.pipeline import prefetch
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.prefetch import PrefetchStore
+    from stoker.storage.uri import open_store
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "k").write_bytes(b"0123456789")
+    looked: list = []
+    real = prefetch.prefetch_plan
+
+    def counted(plan, *args):  # what the real one says of a plan of no chunk: nothing to fetch
+        looked.append(plan)
+        return real(plan, *args)
+
+    monkeypatch.setattr(prefetch, "prefetch_plan", counted)
+    ahead = prefetch.Ahead(stoker.Config(prefetch_bytes=1 << 20))
+    cache = disk_cache(str(tmp_path / "cache"), CACHE_BYTES)
+    caching = CachingStore(open_store(str(tmp_path / "data")), cache)
+    kv = PrefetchStore(caching, ahead.buffer)
+    plan = SimpleNamespace(sources=[SimpleNamespace(kv=kv)], chunk_file=np.zeros(0, np.int64), disk_entries=None)
+    ahead.planned(plan, None, True)  # seen first: looked up
+    assert len(looked) == 1
+    ahead.quiet = prefetch.QUIET_AFTER  # batches found whole on disk since
+    for _ in range(3):
+        ahead.planned(plan, None, True)
+    assert len(looked) == 1 and ahead.quiet == prefetch.QUIET_AFTER
+    assert [bytes(v) for v in caching.get_many(["k"], [])[0]] == [b"0123456789"]  # fetched: not on disk
+    assert caching.fetched == 1
+    ahead.planned(plan, None, True)
+    assert len(looked) == 2 and ahead.quiet == 0

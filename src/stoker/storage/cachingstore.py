@@ -202,13 +202,30 @@ class CachingStore:
             listing = self._listing_of(prefix + "/")
             return listing is not None and listing.complete and now - listing.started < self.staleness_s / 2
 
-    def revalidate(self, keys: Collection[str]) -> None:
+    def revalidate(self, keys: Collection[str]) -> dict[str, float]:
         """Start revalidating the generations of ``keys`` that are stale, without waiting (a listing or HEAD
         requests on the store's event loop, one per key at most however many reads ask): what a pipeline
-        calls for the objects of batches planned ahead, so that their reads find the generations known."""
+        calls for the objects of batches planned ahead, so that their reads find the generations known.
+        Returns, for the keys whose generation is known now and younger than half of ``staleness_s`` (asking
+        about them does nothing: no HEAD, and no listing, which starts again only past that half), until when
+        (``time.monotonic()``) that holds: a caller asking often (a batch at a time) skips them until then.
+
+        >>> until = kv.revalidate(["g.zarr/a/c/0/0"])   # {} on the first ask; then {key: learnt + bound / 2}
+        """
         for key in keys:
             check_key(key)
-        self._resolve(set(keys), lambda gens: None, patient=True)
+        now = time.monotonic()
+        half = self.staleness_s / 2
+        fresh: dict[str, float] = {}
+        with self._lock:
+            for key in keys:
+                known = self._known.get(key)
+                if known is not None and now - known[1] < half:
+                    fresh[key] = known[1] + half
+        rest = set(keys).difference(fresh) if fresh else set(keys)
+        if rest:
+            self._resolve(rest, lambda gens: None, patient=True)
+        return fresh
 
     def _relist(self, prefix: str, now: float) -> "_Listing":
         """A new listing of ``prefix`` (its first page started), in place of the one before."""
@@ -940,6 +957,13 @@ class CachingStore:
         """How often the disk cache lost entries this process counted on (:meth:`_unmade`): what a planner
         compares to learn that batches found whole on disk may need fetches again."""
         return self.cache.losses
+
+    @property
+    def fetched(self) -> int:
+        """How many values and ranges this wrapper fetched from the store (not found on disk: its counters'
+        ``misses``): what a planner that stopped looking up batches ahead (each found whole on disk) compares
+        to learn that batches need fetches again."""
+        return self.counters.misses
 
     def entries_missed(self, n: int) -> None:
         """The compiled engine found ``n`` entries :meth:`entry_files` gave missing or unsound (evicted by

@@ -161,7 +161,8 @@ def check_key(key: str) -> str:
     backslash or NUL; :class:`InvalidArgument` otherwise (keys never leave the store's root)."""
     if not isinstance(key, str):
         raise InvalidArgument(f"a store key must be a string, got {type(key).__name__}")
-    if not key or "\\" in key or "\0" in key or any(part in ("", ".", "..") for part in key.split("/")):
+    parts = key.split("/")  # tested as a list (no generator per part: a batch checks every chunk's key)
+    if not key or "\\" in key or "\0" in key or "" in parts or "." in parts or ".." in parts:
         raise InvalidArgument(
             f"store key {key!r} is not a relative key ('/'-separated names, no empty, '.' or '..' part, "
             "no backslash): keys are relative to the store's root", key=key)

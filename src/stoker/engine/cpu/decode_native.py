@@ -427,11 +427,24 @@ def _keys_of(source: "_Source", coords: np.ndarray) -> list[str]:
     """The store keys of one array's files at grid ``coords`` (a row each): its key prefix, then the coordinates
     joined by its separator. A format string per array, one call per file (numpy's string ops took a step per
     axis, each dearer than the whole of this for a batch's few dozen files)."""
-    if coords.shape[1] == 0:
-        raise IndexError("a file of no grid coordinates")
-    form = source.key_prefix.replace("{", "{{").replace("}", "}}") + \
-        source.sep.replace("{", "{{").replace("}", "}}").join(["{}"] * coords.shape[1])
+    form = _key_form(source, coords.shape[1])
     return [form.format(*row) for row in coords.tolist()]
+
+
+def _key_form(source: "_Source", rank: int) -> str:
+    """The format string of the keys of ``source``'s files of ``rank`` grid coordinates, kept per prefix,
+    separator and rank: a batch of samples from many arrays asks for one per array."""
+    if rank == 0:
+        raise IndexError("a file of no grid coordinates")
+    what = (source.key_prefix, source.sep, rank)
+    form = _KEY_FORMS.get(what)
+    if form is None:
+        form = remember(_KEY_FORMS, what, source.key_prefix.replace("{", "{{").replace("}", "}}") +
+                        source.sep.replace("{", "{{").replace("}", "}}").join(["{}"] * rank), 4096)
+    return form
+
+
+_KEY_FORMS: dict[tuple, str] = {}  # (key prefix, separator, rank) -> the format string of its files' keys
 
 
 #: the engine's clock columns (csrc/stoker_native.h) in :data:`~stoker.engine.stats.WORKER_TIMES` order
@@ -731,7 +744,8 @@ class NativeDecoder:
         rows[:, native.E_IDENT_START] = starts[1::2]
         rows[:, native.E_IDENT_LEN] = lens[1::2]
         blob = b"".join(pairs)
-        rest = ids[~np.isin(ids, eids)]
+        # the rest, to fetch (none where every chunk was taken: eids are distinct chunks of ids)
+        rest = ids[:0] if len(eids) == len(ids) else ids[~np.isin(ids, eids)]
         try:
             if self._closing:
                 raise pipeline_closed()
@@ -899,11 +913,12 @@ class NativeDecoder:
         first = int(sources_of[0])
         if (sources_of == first).all():  # one array (the usual batch): its keys in one comprehension
             return _keys_of(sources[first], table[:, native.F_COORDS:])
-        keys = np.empty(len(rows), object)
-        for s in np.unique(sources_of).tolist():
-            mine = sources_of == s
-            keys[mine] = _keys_of(sources[s], table[mine, native.F_COORDS:])
-        return keys.tolist()
+        # many arrays (a sample from each): a form per array, then one comprehension (a mask and a gather per
+        # array cost more than the keys)
+        coords = table[:, native.F_COORDS:]
+        of = sources_of.tolist()
+        forms = {s: _key_form(sources[s], coords.shape[1]) for s in set(of)}
+        return [forms[s].format(*row) for s, row in zip(of, coords.tolist())]
 
     def _fetched(self, job: Job, fetch: Fetch, values: list, parts: list, res, kind: int,
                  sources: "_SourceSet") -> None:

@@ -41,7 +41,7 @@ from ..cpu.cf import check_output
 from ..executor import Executor, Job, Target
 from .intake import Intake, Staged
 from .lanes import Lanes, Part, in_field
-from .prefetch import Ahead, revalidate_ahead
+from .prefetch import Ahead, Revalidated, revalidate_ahead
 from ..stats import StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
@@ -409,7 +409,8 @@ class Coordinator:
                 # batch, so that their reads wait for no revalidation
                 flights = self._start_opens(list({u: None for staged, _ in self._pulled for s, _, _ in staged
                                                   for u in s.uris}))
-                revalidate_when_open(flights, [[s for s, _, _ in staged] for staged in more], self._readers.get)
+                revalidate_when_open(flights, [[s for s, _, _ in staged] for staged in more], self._readers.get,
+                                     self.ahead.revalidated)
         return self._pulled.popleft() if self._pulled else ([], None)
 
     def _launch(self, staged: list[Staged]) -> None:
@@ -574,16 +575,18 @@ class Coordinator:
 
 
 def revalidate_when_open(flights: list[tuple[str, concurrent.futures.Future]], pulled: list[list[Sample]],
-                         reader_of) -> None:
+                         reader_of, asked: Revalidated | None = None) -> None:
     """Each batch of ``pulled`` (its samples) revalidated ahead (:func:`revalidate_ahead`) once the opens among
     ``flights`` (``(uri, future)``) of its own arrays are done, never waiting. Not once every open of every
     batch pulled is: eight batches pulled together open tens of arrays, a few at a time, and the first
     batches' HEADs then waited for the last open, while their reads came first and asked them themselves,
-    one call a batch's read. ``reader_of(uri)``: the open array, or None."""
+    one call a batch's read. ``reader_of(uri)``: the open array, or None; ``asked``: what to skip (see
+    :class:`.prefetch.Revalidated`)."""
     by_uri = dict(flights)
     for samples in pulled:
         opens = {id(f): f for f in (by_uri.get(u) for s in samples for u in s.uris) if f is not None}
-        when_all_done(list(opens.values()), lambda samples=samples: revalidate_ahead(samples, reader_of), _dropped)
+        when_all_done(list(opens.values()), lambda samples=samples: revalidate_ahead(samples, reader_of, asked),
+                      _dropped)
 
 
 def _dropped(exc: BaseException) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -30,6 +31,7 @@ import numpy as np
 from ...config import Config
 from typing import Callable
 
+from ...runtime.memo import remember
 from ...storage.prefetch import PrefetchBuffer, PrefetchStore
 from ...storage.store import ByteRange
 from ..planning.tables import TablePlan
@@ -66,17 +68,23 @@ class Ahead:
         self.remote = False  # the newest batch planned reads arrays in stores that prefetch
         # each disk cache's losses when the newest batch reading it was planned, by id (see _lost)
         self._losses: dict[int, tuple[Any, int]] = {}
+        # each store's values and ranges fetched when the newest batch reading it was planned, by id (see _lost)
+        self._fetched: dict[int, tuple[Any, int]] = {}
+        # the chunks of the pipeline's arrays known fresh when revalidated ahead (see revalidate_ahead)
+        self.revalidated = Revalidated()
 
     def planned(self, plan: TablePlan, entry: Any, waits: bool, pushed: int = 0, mark: int = 0) -> None:
         """Queue a planned batch, and start its prefetch when it ``waits`` for a slot (every slot is taken or
         spoken for: otherwise it is submitted at once and its own fetches, grouped as the decoder groups
-        them, start now anyway). ``pushed``: the pushes its samples came in; ``mark``: the pushes so far
+        them, start now anyway) and batches are not quiet (:data:`QUIET_AFTER`; see :meth:`_lost`). ``pushed``: the pushes its samples came in; ``mark``: the pushes so far
         (see :meth:`PrefetchBuffer.ask`)."""
         self._seq += 1
         if self.buffer is not None and self._lost(plan):  # entries found on disk before may be gone: look again
             self.quiet = 0
+        # quiet (batches found whole on disk): not looked up ahead (the decoder looks up its entries itself, once)
+        # until a store fetches again (_lost), so a cached epoch runs no per-chunk loop here
         nbytes, n, remote, fetches = prefetch_plan(plan, self._seq, pushed, mark) \
-            if self.buffer is not None and waits else (0, 0, False, 0)
+            if self.buffer is not None and waits and self.quiet < QUIET_AFTER else (0, 0, False, 0)
         self._last = (nbytes, n, remote)
         if remote:  # it reads remote chunks: all found on disk, or some to fetch
             self.quiet = 0 if fetches else self.quiet + 1
@@ -85,12 +93,20 @@ class Ahead:
 
     def _lost(self, plan: TablePlan) -> bool:
         """Whether the disk caches of ``plan``'s remote stores lost entries since the last batch planned (their
-        ``losses``: evictions, writes not made, entries the engine found missing): batches found whole on disk
-        (:data:`QUIET_AFTER`) may need fetches again, so planning ahead resumes. A step per store."""
+        ``losses``: evictions, writes not made, entries the engine found missing), or those stores fetched
+        values or ranges since (their ``fetched``: a batch read chunks not on disk): batches found whole on
+        disk (:data:`QUIET_AFTER`) may need fetches again, so looking up and planning ahead resume. A step
+        per store."""
         lost = False
         for r in plan.sources:
             if not isinstance(r.kv, PrefetchStore):
                 continue
+            fetched = getattr(r.kv, "fetched", None)
+            if fetched is not None:  # one count per store (a CachingStore's; not one per array reading it)
+                seen = self._fetched.get(id(r.kv))
+                if seen is None or seen[1] != fetched:
+                    self._fetched[id(r.kv)] = (r.kv, fetched)  # the store held, so its id is not another's
+                    lost = lost or fetched != (0 if seen is None else seen[1])
             # one count per disk cache, however many of the plan's arrays (or stores) share it: a sum over the
             # arrays differed between batches reading different numbers of them, with nothing lost between
             cache = getattr(r.kv, "cache", r.kv)
@@ -201,7 +217,8 @@ def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> 
 MAX_REVALIDATE = 4096
 
 
-def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) -> int:
+def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
+                     asked: "Revalidated | None" = None) -> int:
     """Start revalidating the generations of the objects (chunks, or shards) that the boxes of ``samples``
     touch, in the disk cache of each remote array's store (its ``revalidate``: HEAD requests on the store's
     event loop, within ``requests_in_flight``, each shared with any read of its object), for batches pulled
@@ -209,13 +226,17 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
     round trip for it. ``reader_of(uri)``: the open array, or None (not open: skipped). Returns the objects
     asked about (at most :data:`MAX_REVALIDATE`); never waits. An array whose store holds a current,
     complete listing of it builds no key (:func:`listed_whole`); any other has its objects asked (a key
-    still in a listing page in flight is not HEADed, one whose listing is half stale starts the next).
+    still in a listing page in flight is not HEADed, one whose listing is half stale starts the next), but
+    those its store said lately were known and younger than half the staleness bound (``asked``, a
+    pipeline's :class:`Revalidated`): until then asking does nothing, so their keys are not even built (a
+    second epoch read within the bound asks about none: a look-up per chunk, not a key built and checked).
 
-    >>> revalidate_ahead(pulled_samples, lambda uri: readers.get(uri))
+    >>> revalidate_ahead(pulled_samples, lambda uri: readers.get(uri), ahead.revalidated)
     """
     asks: dict[int, tuple[Any, dict]] = {}
     skip: dict[int, bool] = {}  # per reader: a current, complete listing holds it, so nothing to ask
     n = 0
+    now = time.monotonic()
     for sample in samples:
         for part in (sample.fields.values() if sample.fields else (sample,)):
             if part.aabb is None:
@@ -235,21 +256,70 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any]) ->
                 for (lo, hi), size, chunk in zip(part.aabb, meta.shape, meta.chunk_shape):
                     lo, hi = max(0, lo), min(size, hi)  # a padded box may reach past the array
                     spans.append(range(lo // chunk, (hi - 1) // chunk + 1) if hi > lo else range(0))
+                chunks = asked.of(reader) if asked is not None else None
                 keys = asks.setdefault(id(reader.kv), (revalidate, {}))[1]
                 for index in itertools.product(*spans):
+                    held = chunks.get(index) if chunks is not None else None
+                    if held is not None and held[1] > now:
+                        continue  # known and younger than half the bound when asked last: nothing to do
                     if n >= MAX_REVALIDATE:
                         break
-                    key = reader.key_of(reader.file_path(meta.chunk_key(index)))
+                    if held is None:
+                        key = reader.key_of(reader.file_path(meta.chunk_key(index)))
+                        if chunks is not None:
+                            held = remember(chunks, index, [key, 0.0], REVALIDATED_CHUNKS)
+                    else:
+                        key = held[0]
                     if key not in keys:
-                        keys[key] = None
+                        keys[key] = held
                         n += 1
     for revalidate, keys in asks.values():
         if keys:
             try:
-                revalidate(list(keys))
+                fresh = revalidate(list(keys))
             except Exception:  # noqa: BLE001 - the store closed: the batches' own reads say so
-                pass
+                continue
+            if asked is not None and fresh:
+                asked.learnt(keys, fresh)
     return n
+
+
+class Revalidated:
+    """Per open array (an ``ArrayReader``), its chunks (grid indices) asked about: ``[key, until]``, the key of
+    the chunk's object (built once) and until when (``time.monotonic()``; 0: not known when last asked) its
+    store said it is known and younger than half the staleness bound: what :func:`revalidate_ahead` skips.
+    A pipeline's (:attr:`Ahead.revalidated`); at most :data:`REVALIDATED_ARRAYS` arrays and
+    :data:`REVALIDATED_CHUNKS` chunks an array, past which forgotten (built and asked again). Read and
+    written by whichever thread revalidates a batch (single dict and list steps). Only ever skips asking
+    ahead: a read still judges its objects' generations itself (an object the store forgot since, or lost
+    from the disk, is revalidated, or fetched, by its read).
+
+    >>> ahead.revalidated.of(reader)    # {(0, 1, 2): ["a.zarr/c/0/1/2", 1234.5], ...}
+    """
+
+    def __init__(self) -> None:
+        self._arrays: dict[int, tuple[Any, dict]] = {}
+
+    def of(self, reader: Any) -> dict:
+        """The chunks of ``reader`` known fresh (made on first use; kept with the reader, so its id stays its)."""
+        held = self._arrays.get(id(reader))
+        if held is None or held[0] is not reader:
+            held = remember(self._arrays, id(reader), (reader, {}), REVALIDATED_ARRAYS)
+        return held[1]
+
+    @staticmethod
+    def learnt(keys: dict, fresh: dict) -> None:
+        """What a store's ``revalidate`` said (``fresh``: key -> until) of ``keys`` (key -> its chunk's
+        ``[key, until]`` here, or None), kept."""
+        for key, until in fresh.items():
+            held = keys[key]
+            if held is not None:
+                held[1] = until
+
+
+#: Arrays and chunks an array :class:`Revalidated` keeps at most.
+REVALIDATED_ARRAYS = 1024
+REVALIDATED_CHUNKS = 1 << 14
 
 
 def listed_whole(reader: Any) -> bool:
@@ -285,4 +355,5 @@ def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> tuple[int, dict]:
     return dropped, kept
 
 
-__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER", "listed_whole", "prefetch_plan", "revalidate_ahead"]
+__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER", "REVALIDATED_ARRAYS", "REVALIDATED_CHUNKS",
+           "Revalidated", "listed_whole", "prefetch_plan", "revalidate_ahead"]
