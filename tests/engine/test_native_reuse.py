@@ -335,6 +335,37 @@ def test_a_chunk_being_decoded_to_be_kept_is_placed_into_a_job_submitted_meanwhi
     assert engine.close(5)
 
 
+def test_a_job_cancelled_or_dropped_while_it_waits_on_a_decode_in_flight_is_never_written(tmp_path):
+    """A job whose chunk joined another job's decode in flight (its own thread gone on) and is then cancelled is
+    not written once cancel() returns: its chunk ends CANCELLED and it is done once the decoding thread is through;
+    a job dropped so is freed only once that thread let it go (AddressSanitizer would see a write into freed
+    memory). The job that decodes the chunk still gets it, and keeps it."""
+    first = _slow(tmp_path)
+    first.write(values=_noise)
+    engine = native.Engine(2, 64 << 20)
+    for r, drop in enumerate((False, True) * 3):
+        engine.reuse(32 << 20, r + 1)
+        second = _slow(tmp_path, same=True)
+        a = first.submit(engine)
+        time.sleep(0.002)  # a's thread is decoding the chunk
+        b = second.submit(engine)
+        time.sleep(0.001)  # b's thread has joined that decode, most rounds
+        if drop:
+            del b, second
+        else:
+            b.cancel()
+            second.batch[...] = 7
+        sa, ca = _done(a)
+        assert sa.tolist() == [native.ST_OK] and ca["chunks_decoded"] == 1
+        first.check(values=_noise)
+        if not drop:
+            sb, cb = _done(b)
+            assert sb.tolist() == [native.ST_CANCELLED] and cb["chunks_shared"] == cb["chunks_decoded"] == 0
+            assert (second.batch == 7).all()
+    assert engine.reuse_info()["inserted"] == 6
+    assert engine.close(5)
+
+
 # -- the pipeline -------------------------------------------------------------------------------------------
 
 
