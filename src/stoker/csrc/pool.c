@@ -1135,7 +1135,8 @@ static int reuse_reserve_locked(reuse_table *r, long long nbytes, reuse_entry **
     return 1;
 }
 
-/* the memory for ``nbytes`` reserved (reuse_reserve_locked), or NULL when there is none: the reservation given back */
+/* the memory for ``nbytes`` reserved (reuse_reserve_locked), or NULL when there is none (the reservation given
+ * back) */
 static char *reuse_alloc(engine *e, long long nbytes, chunk_times *tm) {
     void *data = NULL;
     if (posix_memalign(&data, ALIGN, (size_t)nbytes) == 0)
