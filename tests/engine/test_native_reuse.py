@@ -263,7 +263,7 @@ def _slow(root, same: bool = False, cols: int = SLOW) -> Chunks:
     return t
 
 
-def _busy(root, engine, n: int = 20000):
+def _busy(root, engine, n: int = 50000):
     """A job that keeps the engine's threads busy a while (``n`` small chunks of one file, read as a byte range of
     a file of no known identity: never shared nor kept, so each is read and decoded): jobs submitted right after
     it are in flight together before a thread reaches them. Cancel it to let them run."""
@@ -292,17 +292,23 @@ def test_a_chunk_two_jobs_need_at_once_is_decoded_once(tmp_path, reuse):
     first.write(values=_noise)
     engine = native.Engine(2, 64 << 20)
     busy_root = tmp_path / "busy"
+    together = 0
     for r in range(40):
         if reuse:
             engine.reuse(32 << 20, r + 1)  # a new generation: nothing kept from the last round
         busy = _busy(busy_root, engine)
         a, b = first.submit(engine), second.submit(engine)
+        early = busy.done  # the threads were through it before b was in flight (a stall): not this case
         busy.cancel()
         (sa, ca), (sb, cb) = _done(a), _done(b)
         assert sa.tolist() == sb.tolist() == [native.ST_OK]
         first.check(values=_noise)
         second.check(values=_noise)
-        assert (ca["chunks_decoded"] + cb["chunks_decoded"], ca["chunks_shared"] + cb["chunks_shared"]) == (1, 1), r
+        if not early:
+            together += 1
+            decoded, shared = ca["chunks_decoded"] + cb["chunks_decoded"], ca["chunks_shared"] + cb["chunks_shared"]
+            assert (decoded, shared) == (1, 1), r
+    assert together >= 20
     assert engine.close(5)
 
 
@@ -337,15 +343,17 @@ def test_a_chunk_being_decoded_to_be_kept_is_placed_into_a_job_submitted_meanwhi
 
 def test_a_job_cancelled_or_dropped_while_it_waits_on_a_decode_in_flight_is_never_written(tmp_path):
     """A job whose chunk joined another job's decode in flight (its own thread gone on) and is then cancelled is
-    not written once cancel() returns: its chunk ends CANCELLED and it is done once the decoding thread is through;
-    a job dropped so is freed only once that thread let it go (AddressSanitizer would see a write into freed
-    memory). The job that decodes the chunk still gets it, and keeps it."""
-    first = _slow(tmp_path)
+    not written once cancel() returns: its chunk ends CANCELLED (or OK when it was placed before the cancel, in
+    a round where the decode was through by then) and it is done once the decoding thread is; a job dropped so is
+    freed only once that thread let it go (AddressSanitizer would see a write into freed memory). The job that
+    decodes the chunk still gets it, and keeps it."""
+    cancelled = 0
+    first = _slow(tmp_path, cols=2 * SLOW)  # a decode of about 12 ms here, alone: 9 past the cancel
     first.write(values=_noise)
-    engine = native.Engine(2, 64 << 20)
+    engine = native.Engine(2, 128 << 20)
     for r, drop in enumerate((False, True) * 3):
-        engine.reuse(32 << 20, r + 1)
-        second = _slow(tmp_path, same=True)
+        engine.reuse(64 << 20, r + 1)
+        second = _slow(tmp_path, same=True, cols=2 * SLOW)
         a = first.submit(engine)
         time.sleep(0.002)  # a's thread is decoding the chunk
         b = second.submit(engine)
@@ -360,9 +368,15 @@ def test_a_job_cancelled_or_dropped_while_it_waits_on_a_decode_in_flight_is_neve
         first.check(values=_noise)
         if not drop:
             sb, cb = _done(b)
-            assert sb.tolist() == [native.ST_CANCELLED] and cb["chunks_shared"] == cb["chunks_decoded"] == 0
-            assert (second.batch == 7).all()
+            assert cb["chunks_decoded"] == 0
+            if sb.tolist() == [native.ST_CANCELLED]:
+                assert cb["chunks_shared"] == cb["chunks_reused"] == 0
+                cancelled += 1
+            else:  # placed (from the decode it joined, or the kept entry) before the cancel
+                assert sb.tolist() == [native.ST_OK] and cb["chunks_shared"] + cb["chunks_reused"] == 1
+            assert (second.batch == 7).all()  # nothing written after cancel() returned
     assert engine.reuse_info()["inserted"] == 6
+    assert cancelled > 0
     assert engine.close(5)
 
 
