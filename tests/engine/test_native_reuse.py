@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numcodecs
 import numpy as np
@@ -65,31 +66,39 @@ class Chunks:
         self.kind = native.KIND_SAME if same else native.KIND_F32
         self.batch = np.zeros((n, ROWS, cols), np.uint16 if same else np.float32)
 
-    def write(self, version: int = 0, damaged: int | None = None) -> None:
-        """Each chunk file, its values of ``version``; chunk ``damaged`` cut short in its last bytes."""
+    def write(self, version: int = 0, damaged: int | None = None, values=_values) -> None:
+        """Each chunk file, its ``values`` of ``version``; chunk ``damaged`` cut short in its last bytes."""
         for i in range(self.n):
-            frame = numcodecs.Zstd(level=1).encode(_values(i, version, self.cols).tobytes())
+            frame = numcodecs.Zstd(level=1).encode(values(i, version, self.cols).tobytes())
             if i == damaged:
                 frame = frame[:-3] + b"\xff\xff\xff"
             with open(self.root + f"c/0.{i}", "wb") as f:
                 f.write(frame)
 
-    def run(self, engine, order: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
-        """One job of every chunk (taken in ``order``: the chunk rows permuted), into a zeroed batch: its
-        statuses (in that order) and counters once done."""
+    def submit(self, engine, order: np.ndarray | None = None):
+        """One job of every chunk (taken in ``order``: the chunk rows permuted), into a zeroed batch, submitted."""
         self.batch[...] = 0
         chunks = self.chunks if order is None else self.chunks[order]
-        job = engine.submit(chunks, self.copies, self.sources, self.files, self.blob,
-                            self.batch.reshape(-1).view(np.uint8), self.kind, False, np.array([self.cols, 1], np.int64))
-        assert job.wait(20)
-        status, _, counters = job.results()
-        return np.frombuffer(status, np.int32), counters
+        return engine.submit(chunks, self.copies, self.sources, self.files, self.blob,
+                             self.batch.reshape(-1).view(np.uint8), self.kind, False,
+                             np.array([self.cols, 1], np.int64))
 
-    def check(self, version: int = 0, upto: int | None = None) -> None:
+    def run(self, engine, order: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+        """:meth:`submit`, then the job's statuses (in that order) and counters once done."""
+        return _done(self.submit(engine, order))
+
+    def check(self, version: int = 0, upto: int | None = None, values=_values) -> None:
         """The batch holds chunks [0, upto) of ``version``, as zarr-python would decode them (the rows read)."""
         for i in range(self.n if upto is None else upto):
-            np.testing.assert_array_equal(self.batch[i, :self.rows], _values(i, version, self.cols)[:self.rows])
+            np.testing.assert_array_equal(self.batch[i, :self.rows], values(i, version, self.cols)[:self.rows])
             assert not self.batch[i, self.rows:].any()
+
+
+def _done(job) -> tuple[np.ndarray, dict]:
+    """A job's statuses and counters once it is done."""
+    assert job.wait(20)
+    status, _, counters = job.results()
+    return np.frombuffer(status, np.int32), counters
 
 
 def test_a_chunk_kept_is_placed_into_the_later_jobs_without_a_read(tmp_path):
@@ -237,6 +246,137 @@ def test_jobs_of_many_threads_with_a_small_bound_place_every_value(tmp_path):
     assert not errors, errors[0]
     info = engine.reuse_info()
     assert info["peak"] <= 8 * size and info["hits"] > 0
+    assert engine.close(5)
+
+
+SLOW = 1 << 19  # 8 x 2^19 uint16: 8 MiB decoded from noise, a decode of several milliseconds
+
+
+def _noise(i: int, version: int = 0, cols: int = COLS) -> np.ndarray:
+    """Values zstd decodes slowly (entropy-coded literals, few matches), so a decode is long enough to overlap."""
+    return np.random.default_rng(1000 * i + version).integers(0, 64, (ROWS, cols)).astype(np.uint16)
+
+
+def _slow(root, same: bool = False, cols: int = SLOW) -> Chunks:
+    t = Chunks(root, 1, same=same, cols=cols)
+    t.chunks[:, native.C_MAX_STORED] = 2 * ROWS * cols * 2  # noise: stored near its decoded size
+    return t
+
+
+def _busy(root, engine, n: int = 50000):
+    """A job that keeps the engine's threads busy a while (``n`` small chunks of one file, read as a byte range of
+    a file of no known identity: never shared nor kept, so each is read and decoded): jobs submitted right after
+    it are in flight together before a thread reaches them. Cancel it to let them run."""
+    t = Chunks(root, 1, cols=8)
+    t.write()
+    t.chunks[:, native.C_OFFSET] = 0
+    t.chunks[:, native.C_LENGTH] = os.path.getsize(t.root + "c/0.0")
+    t.chunks = np.repeat(t.chunks, n, axis=0)
+    t.chunks[:, native.C_FIRST_COPY] = np.arange(n)
+    t.copies = np.repeat(t.copies, n, axis=0)
+    t.copies[:, native.CP_DST_OFFSET] = np.arange(n) * ROWS * 8
+    t.batch = np.zeros((n, ROWS, 8), np.float32)
+    return t.submit(engine)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_chunk_two_jobs_need_at_once_is_decoded_once(tmp_path, reuse):
+    """Two threads, two jobs in flight that need one chunk file (with reuse or not): one thread takes it in the
+    first job while the other, finding the first job's only chunk handed out, takes it in the second. Claiming it,
+    looking for the other jobs' copies of it and starting the decode are one section of the engine's lock, so the
+    second of the two finds the chunk taken by the first (which places it into both) and never decodes it as well:
+    once a round, every round. (Before, each claimed its own job's copy first, unlocked, then could find the other's
+    copy claimed and both decode it, or with reuse find it kept only once the other was through: with reuse,
+    some of the 40 rounds did so in most runs on 2 cores; without, rarely, as the window was narrower.)"""
+    first, second = _slow(tmp_path, cols=1 << 16), _slow(tmp_path, same=True, cols=1 << 16)
+    first.write(values=_noise)
+    engine = native.Engine(2, 64 << 20)
+    busy_root = tmp_path / "busy"
+    together = 0
+    for r in range(40):
+        if reuse:
+            engine.reuse(32 << 20, r + 1)  # a new generation: nothing kept from the last round
+        busy = _busy(busy_root, engine)
+        a, b = first.submit(engine), second.submit(engine)
+        early = busy.done  # the threads were through it before b was in flight (a stall): not this case
+        busy.cancel()
+        (sa, ca), (sb, cb) = _done(a), _done(b)
+        assert sa.tolist() == sb.tolist() == [native.ST_OK]
+        first.check(values=_noise)
+        second.check(values=_noise)
+        if not early:
+            together += 1
+            decoded, shared = ca["chunks_decoded"] + cb["chunks_decoded"], ca["chunks_shared"] + cb["chunks_shared"]
+            assert (decoded, shared) == (1, 1), r
+    assert together >= 20
+    assert engine.close(5)
+
+
+def test_a_chunk_being_decoded_to_be_kept_is_placed_into_a_job_submitted_meanwhile(tmp_path):
+    """With reuse, a job submitted while another job's thread decodes a chunk it needs (same generation) joins
+    that decode in flight: its own thread goes on, and the decoding thread places the chunk into it once
+    decoded and kept. One decode a round, whether the second job's thread gets there during the decode (joined:
+    counted shared), after it (reused) or before it starts (taken with it: shared). (Before, a job submitted
+    during the decode missed the entry, not kept yet, and decoded the chunk again.) A new generation each round:
+    nothing kept from the last is served."""
+    first, second = _slow(tmp_path), _slow(tmp_path, same=True)
+    first.write(values=_noise)
+    engine = native.Engine(2, 64 << 20)
+    joined = 0
+    for r in range(6):
+        engine.reuse(32 << 20, r + 1)
+        a = first.submit(engine)
+        time.sleep(0.002)  # the first job's thread is decoding (several ms), most rounds
+        b = second.submit(engine)
+        (sa, ca), (sb, cb) = _done(a), _done(b)
+        assert sa.tolist() == sb.tolist() == [native.ST_OK]
+        first.check(values=_noise)
+        second.check(values=_noise)
+        assert ca["chunks_decoded"] + cb["chunks_decoded"] == 1, r
+        assert ca["chunks_shared"] + cb["chunks_shared"] + cb["chunks_reused"] == 1, r
+        joined += cb["chunks_shared"]
+    info = engine.reuse_info()
+    assert info["inserted"] == 6 and info["held"] == ROWS * SLOW * 2  # the last generation's entry only
+    assert joined > 0  # the join itself was exercised (the machine would have to stall 2 ms every round else)
+    assert engine.close(5)
+
+
+def test_a_job_cancelled_or_dropped_while_it_waits_on_a_decode_in_flight_is_never_written(tmp_path):
+    """A job whose chunk joined another job's decode in flight (its own thread gone on) and is then cancelled is
+    not written once cancel() returns: its chunk ends CANCELLED (or OK when it was placed before the cancel, in
+    a round where the decode was through by then) and it is done once the decoding thread is; a job dropped so is
+    freed only once that thread let it go (AddressSanitizer would see a write into freed memory). The job that
+    decodes the chunk still gets it, and keeps it."""
+    cancelled = 0
+    first = _slow(tmp_path, cols=2 * SLOW)  # a decode of about 12 ms here, alone: 9 past the cancel
+    first.write(values=_noise)
+    engine = native.Engine(2, 128 << 20)
+    for r, drop in enumerate((False, True) * 3):
+        engine.reuse(64 << 20, r + 1)
+        second = _slow(tmp_path, same=True, cols=2 * SLOW)
+        a = first.submit(engine)
+        time.sleep(0.002)  # a's thread is decoding the chunk
+        b = second.submit(engine)
+        time.sleep(0.001)  # b's thread has joined that decode, most rounds
+        if drop:
+            del b, second
+        else:
+            b.cancel()
+            second.batch[...] = 7
+        sa, ca = _done(a)
+        assert sa.tolist() == [native.ST_OK] and ca["chunks_decoded"] == 1
+        first.check(values=_noise)
+        if not drop:
+            sb, cb = _done(b)
+            assert cb["chunks_decoded"] == 0
+            if sb.tolist() == [native.ST_CANCELLED]:
+                assert cb["chunks_shared"] == cb["chunks_reused"] == 0
+                cancelled += 1
+            else:  # placed (from the decode it joined, or the kept entry) before the cancel
+                assert sb.tolist() == [native.ST_OK] and cb["chunks_shared"] + cb["chunks_reused"] == 1
+            assert (second.batch == 7).all()  # nothing written after cancel() returned
+    assert engine.reuse_info()["inserted"] == 6
+    assert cancelled > 0
     assert engine.close(5)
 
 

@@ -46,7 +46,12 @@
  * job's chunk fails only as its own decode would, whichever jobs are in flight. Nothing is kept
  * once the chunk is placed: only jobs submitted before its decode share it. Counted in the job that shares
  * it as chunks_shared (not decoded, not read there; a decode done again alone for it is read and timed in the
- * job whose thread did it).
+ * job whose thread did it). The claim of the thread's own copy, the lookups (kept entries and flights, see
+ * "Reused", then the other jobs) and the listing of its flight are one section of the engine's lock
+ * (start_shared): of two threads that need one stored chunk at once, the second finds the first's claim, so
+ * it is decoded once (claimed first and looked up after, both could find the other's copy claimed and decode
+ * it). A job alone in the engine that keeps nothing claims its chunks with no lock: no other job can want them
+ * (one submitted after that look shares none of its decodes).
  *
  * Reused: a pipeline reading a tile grid ahead (engine_reuse: a byte bound and a generation) has its jobs keep the
  * chunks they decode from files (whole chunks, decoded in full for it, not straight into a batch), so a batch
@@ -58,8 +63,13 @@
  * again, and changing the generation drops every entry. Entries are least recently used first out, their bytes
  * bounded by the byte bound (an entry taken by a placing thread is pinned: unlisted when evicted, freed by the
  * last one out, and counted until then; the memory a chunk is decoded into to be kept is counted from before the
- * decode, room made for it first: reuse_buffer); everything under the engine's lock but the copies in and out.
- * Counted per job as chunks_reused (not read, not decoded there) and per engine by engine_reuse_info.
+ * decode, room made for it first: reuse_reserve_locked); everything under the engine's lock but the copies in
+ * and out. A chunk being decoded to be kept is a flight, listed from the section that starts it (start_shared)
+ * to the one that lists its entry (reuse_land), so a taker finds one or the other: a job of its generation
+ * submitted meanwhile joins it (its own thread goes on) and is placed from that decode as a sharer is, where it
+ * would have missed the entry not kept yet and decoded the chunk again. Counted per job as chunks_reused (not
+ * read, not decoded there; a job that joined a flight counts it as chunks_shared) and per engine by
+ * engine_reuse_info.
  *
  * Sources: a chunk is read from its file (path built from the source's prefix and the file's grid coordinates)
  * or from a buffer the caller holds (C_BUFFER: a chunk fetched from a store), through the same codec code and
@@ -168,6 +178,8 @@ struct engine {
     unsigned generation; /* the fork generation it was made in (see "Fork" above) */
     worker_slot *workers; /* a row per thread asked for; rows [0, n_threads) are started threads' */
     reuse_table reuse;    /* decoded chunks kept (see "Reused"), under mu */
+    struct flight *flights; /* decodes in flight of chunks to be kept (see "Reused"), under mu */
+    long long n_live;       /* jobs in ``live``: written under mu, read atomically (see "Shared") */
 };
 
 /* ---- fork ---- */
@@ -253,6 +265,7 @@ static void unlink_live_locked(engine *e, job *j) {
         j->next_live->prev = j->prev;
     j->prev = j->next_live = NULL;
     j->live = 0;
+    __atomic_store_n(&e->n_live, e->n_live - 1, __ATOMIC_RELAXED);
     j->refs--; /* the list's reference */
 }
 
@@ -536,8 +549,8 @@ static int same_stored(const plan_tables *ta, const int64_t *a, const plan_table
 }
 
 /* the job's table of shareable chunks (after check_tables): -1 when out of memory. One entry per distinct stored
- * chunk, its first row: take_sharers stops at the first match, so a later row of the same bytes (a shard whose
- * index names one range for many inner chunks) is never found, and entered it would lengthen every probe
+ * chunk, its first row: take_sharers_locked stops at the first match, so a later row of the same bytes (a shard
+ * whose index names one range for many inner chunks) is never found, and entered it would lengthen every probe
  * through its slot (many such rows: a build quadratic in them). Linear in the rows, expected. */
 static int build_shared(job *j) {
     const plan_tables *t = &j->t;
@@ -809,12 +822,11 @@ static void close_kept(kept_files *k) {
 
 static void finish_chunks(engine *e, job *j, long long n, worker_slot *w);
 
-/* Take the chunks of the engine's other live jobs that are chunk ``c`` of ``j`` (see "Shared") and that no
- * thread took yet: each in ``jobs``/``idx``, with a reference held. Returns how many. */
-static int take_sharers(engine *e, worker_slot *w, job *j, const int64_t *c, job **jobs, long long *idx) {
+/* Under mu: take the chunks of the engine's other live jobs that are chunk ``c`` of ``j`` (hash ``h``, see
+ * "Shared") and that no thread took yet: each in ``jobs``/``idx``, with a reference held. Returns how many. */
+static int take_sharers_locked(engine *e, job *j, const int64_t *c, unsigned long long h, job **jobs,
+                               long long *idx) {
     int n = 0;
-    unsigned long long h = share_hash(&j->t, c);
-    lock_timed(w, &e->mu);
     for (job *k = e->live; k != NULL && n < MAX_SHARERS; k = k->next_live) {
         if (k == j || k->shared_cap == 0 || __atomic_load_n(&k->cancelled, __ATOMIC_ACQUIRE))
             continue;
@@ -831,12 +843,12 @@ static int take_sharers(engine *e, worker_slot *w, job *j, const int64_t *c, job
             break;
         }
     }
-    pthread_mutex_unlock(&e->mu);
     return n;
 }
 
-/* Chunk ``i`` of ``k``, taken by take_sharers, from the chunk another job's thread read and decoded (``io``,
- * into ``scratch``): placed with k's own copies (or its failure reported as k's), finished, k let go.
+/* Chunk ``i`` of ``k``, taken by take_sharers_locked (or joined to a flight), from the chunk another job's thread
+ * read and decoded (``io``, into ``scratch``): placed with k's own copies (or its failure reported as k's),
+ * finished, k let go.
  * ``served``: a disk-cache entry's payload bytes, its detail once placed (the cache's hit bytes; 0 else). */
 static void share_out(engine *e, worker_slot *w, job *k, long long i, const chunk_io *io, const char *scratch,
                       chunk_times *tm, long long served) {
@@ -1038,10 +1050,10 @@ static void reuse_make_room_locked(reuse_table *r, long long room, reuse_entry *
     }
 }
 
-/* the kept chunk of key ``k`` for ``j``'s generation, pinned (reuse_let_go), or NULL */
-static reuse_entry *reuse_take(engine *e, const job *j, const reuse_key *k, chunk_times *tm) {
-    reuse_table *r = &e->reuse;
-    lock_in_chunk(e, tm);
+/* under mu: the kept chunk of key ``k`` for ``j``'s generation, pinned (reuse_let_go), or NULL */
+static reuse_entry *reuse_find_locked(reuse_table *r, const job *j, const reuse_key *k) {
+    if (r->entries == 0) /* nothing kept (a new generation, the first batches): no bucket to walk */
+        return NULL;
     reuse_entry *x = r->bucket[k->hash % REUSE_BUCKETS];
     while (x != NULL && !(x->hash == k->hash && x->generation == j->reuse_gen && x->key_len == k->len &&
                           memcmp(x->key, k->bytes, k->len) == 0))
@@ -1052,7 +1064,6 @@ static reuse_entry *reuse_take(engine *e, const job *j, const reuse_key *k, chun
         reuse_unlink_list(r, x);
         reuse_push_newest(r, x);
     }
-    pthread_mutex_unlock(&e->mu);
     return x;
 }
 
@@ -1066,35 +1077,46 @@ static void reuse_let_go(engine *e, reuse_entry *x, chunk_times *tm) {
         reuse_entry_free(x);
 }
 
-/* memory a chunk of ``nbytes`` to be kept is decoded (or copied) into, counted in ``held`` from here on, within the
- * bound (older entries evicted to make room first, so the bytes of decodes in flight are bounded too and in
- * ``peak``); handed to reuse_keep (kept, or freed there) or to reuse_unbuffer. NULL when the bound has no room for
- * it (entries pinned, other decodes in flight) or no memory: decoded into the scratch, a copy tried at keep. */
-static char *reuse_buffer(engine *e, long long nbytes, chunk_times *tm) {
-    reuse_table *r = &e->reuse;
-    if (nbytes <= 0 || nbytes > __atomic_load_n(&r->max_bytes, __ATOMIC_RELAXED))
-        return NULL;
-    reuse_entry *spent = NULL;
-    lock_in_chunk(e, tm);
-    reuse_make_room_locked(r, nbytes, &spent);
-    int room = r->held + nbytes <= r->max_bytes;
-    if (room) {
-        r->held += nbytes;
-        r->peak = r->held > r->peak ? r->held : r->peak;
-    }
-    pthread_mutex_unlock(&e->mu);
-    reuse_free_chain(spent);
-    void *data = NULL;
-    if (room && posix_memalign(&data, ALIGN, (size_t)nbytes) != 0) {
-        data = NULL;
-        lock_in_chunk(e, tm);
-        r->held -= nbytes;
-        pthread_mutex_unlock(&e->mu);
-    }
-    return data;
+/* under mu: room for ``nbytes`` a chunk to be kept is decoded (or copied) into, counted in ``held`` from here on,
+ * within the bound (older entries evicted first, chained onto ``*spent`` to free after mu, so the bytes of decodes
+ * in flight are bounded too and in ``peak``): 1 when taken, 0 when the bound has no room for it (entries pinned,
+ * other decodes in flight) */
+static int reuse_reserve_locked(reuse_table *r, long long nbytes, reuse_entry **spent) {
+    if (nbytes <= 0 || nbytes > r->max_bytes)
+        return 0;
+    reuse_make_room_locked(r, nbytes, spent);
+    if (r->held + nbytes > r->max_bytes)
+        return 0;
+    r->held += nbytes;
+    r->peak = r->held > r->peak ? r->held : r->peak;
+    return 1;
 }
 
-/* a buffer from reuse_buffer not kept: freed, its bytes no longer counted */
+/* the memory for ``nbytes`` reserved (reuse_reserve_locked), or NULL when there is none (the reservation given
+ * back) */
+static char *reuse_alloc(engine *e, long long nbytes, chunk_times *tm) {
+    void *data = NULL;
+    if (posix_memalign(&data, ALIGN, (size_t)nbytes) == 0)
+        return data;
+    lock_in_chunk(e, tm);
+    e->reuse.held -= nbytes;
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+/* memory a chunk of ``nbytes`` to be kept is copied into (reuse_reserve_locked, then reuse_alloc): handed to
+ * reuse_land or to reuse_unbuffer; NULL when the bound has no room for it or no memory */
+static char *reuse_buffer(engine *e, long long nbytes, chunk_times *tm) {
+    reuse_table *r = &e->reuse;
+    reuse_entry *spent = NULL;
+    lock_in_chunk(e, tm);
+    int room = reuse_reserve_locked(r, nbytes, &spent);
+    pthread_mutex_unlock(&e->mu);
+    reuse_free_chain(spent);
+    return room ? reuse_alloc(e, nbytes, tm) : NULL;
+}
+
+/* a buffer from reuse_buffer (or a reservation's, reuse_alloc) not kept: freed, its bytes no longer counted */
 static void reuse_unbuffer(engine *e, char *data, long long nbytes, chunk_times *tm) {
     lock_in_chunk(e, tm);
     e->reuse.held -= nbytes;
@@ -1102,51 +1124,115 @@ static void reuse_unbuffer(engine *e, char *data, long long nbytes, chunk_times 
     free(data);
 }
 
-/* keep ``nbytes`` decoded at ``decoded`` under key ``k`` for ``j``'s generation, if it is still the engine's and
- * no other thread kept it meanwhile: ``decoded`` itself when it is ``owned`` (from reuse_buffer, its room taken
- * already: kept, or freed here), else a copy into a buffer from reuse_buffer (made outside the lock, when the
- * bound has room for it) */
-static void reuse_keep(engine *e, const job *j, const reuse_key *k, const char *decoded, char *owned,
-                       long long nbytes, chunk_times *tm) {
+/* A decode in flight of a chunk to be kept (see "Reused"), on its thread's stack, listed in e->flights from the
+ * section that starts it (start_shared) to the one that keeps it (reuse_land) or lets it go (flight_land), both
+ * under mu: a job of its generation that needs the same stored chunk meanwhile joins it (flight_join_locked; its
+ * thread goes on to other chunks) and is placed from this decode, as a sharer is. At most one per thread. */
+typedef struct flight {
+    struct flight *next;
+    const job *j; /* the job it is read for (its thread holds a reference), its chunk row and share_hash */
+    const int64_t *c;
+    unsigned long long hash;
+    long long generation; /* j's reuse_gen: only jobs of it join */
+    int room, n;          /* joiners it may take (MAX_SHARERS less the sharers taken with it), and has */
+    job *jobs[MAX_SHARERS];
+    long long idx[MAX_SHARERS];
+} flight;
+
+/* under mu: chunk ``i`` of ``j`` (``c``, share_hash ``h``) handed to a decode in flight of its generation of the
+ * same stored chunk (whole: any span is inside it), a reference of j held for it: 1, or 0 when none has room */
+static int flight_join_locked(engine *e, job *j, long long i, const int64_t *c, unsigned long long h) {
+    for (flight *f = e->flights; f != NULL; f = f->next) {
+        if (f->hash != h || f->j == j || f->generation != j->reuse_gen || f->n >= f->room ||
+            !same_stored(&f->j->t, f->c, &j->t, c))
+            continue;
+        j->refs++;
+        f->jobs[f->n] = j, f->idx[f->n] = i;
+        f->n++;
+        return 1;
+    }
+    return 0;
+}
+
+/* under mu: ``f`` out of the engine's list, its joiners into ``jobs``/``idx`` (room for f->room); how many */
+static int flight_unlist_locked(engine *e, flight *f, job **jobs, long long *idx) {
+    flight **at = &e->flights;
+    while (*at != f)
+        at = &(*at)->next;
+    *at = f->next;
+    for (int k = 0; k < f->n; k++)
+        jobs[k] = f->jobs[k], idx[k] = f->idx[k];
+    return f->n;
+}
+
+/* the end of a flight whose chunk is not kept (its decode failed): flight_unlist_locked under a lock of its own */
+static int flight_land(engine *e, flight *f, job **jobs, long long *idx, chunk_times *tm) {
+    lock_in_chunk(e, tm);
+    int n = flight_unlist_locked(e, f, jobs, idx);
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
+/* The end of flight ``f``, its chunk decoded whole and sound at ``decoded`` (see "Reused"): kept under key ``k``
+ * for ``j``'s generation, unless another thread kept it meanwhile or the generation moved on, and unlisted in the
+ * same section (a thread that misses the flight finds the entry); its joiners into ``jobs``/``idx`` (returned:
+ * how many). The entry takes ``fresh`` when the chunk was decoded there (memory from a reservation: *took set; not
+ * kept, it stays the caller's), else holds a copy (reuse_buffer, when the bound has room). ``sharers``: jobs taken
+ * with the decode are still to be placed from ``decoded``: an entry that took ``fresh`` is then pinned for them
+ * and their joiners (``*pin``, let go by the caller), as eviction may free it once listed. */
+static int reuse_land(engine *e, const job *j, const reuse_key *k, flight *f, const char *decoded, char *fresh,
+                      long long nbytes, int sharers, job **jobs, long long *idx, reuse_entry **pin, int *took,
+                      chunk_times *tm) {
     reuse_table *r = &e->reuse;
     reuse_entry *x = calloc(1, sizeof(reuse_entry));
-    void *data = owned;
-    if (x == NULL || (data == NULL && (data = reuse_buffer(e, nbytes, tm)) == NULL) ||
-        (x->key = malloc(k->len)) == NULL) {
-        if (data != NULL)
-            reuse_unbuffer(e, data, nbytes, tm);
-        if (x != NULL)
-            free(x->key);
-        free(x);
-        return; /* kept or not, the batch is right: no memory is no error here */
+    char *data = fresh;
+    if (x != NULL && (x->key = malloc(k->len)) != NULL && data == NULL)
+        data = reuse_buffer(e, nbytes, tm);
+    int ready = x != NULL && x->key != NULL && data != NULL; /* else not kept: no memory is no error here */
+    if (ready) {
+        x->data = data;
+        if (data != decoded)
+            memcpy(x->data, decoded, (size_t)nbytes);
+        memcpy(x->key, k->bytes, k->len);
+        x->key_len = k->len;
+        x->hash = k->hash;
+        x->generation = j->reuse_gen;
+        x->nbytes = nbytes;
     }
-    x->data = data;
-    if (data != decoded)
-        memcpy(x->data, decoded, (size_t)nbytes);
-    memcpy(x->key, k->bytes, k->len);
-    x->key_len = k->len;
-    x->hash = k->hash;
-    x->generation = j->reuse_gen;
-    x->nbytes = nbytes;
     lock_in_chunk(e, tm);
-    reuse_entry *y = r->bucket[k->hash % REUSE_BUCKETS];
-    while (y != NULL && !(y->hash == k->hash && y->generation == x->generation && y->key_len == k->len &&
-                          memcmp(y->key, k->bytes, k->len) == 0))
-        y = y->chain;
-    int keep = y == NULL && x->generation == r->generation; /* another thread kept it meanwhile; an old push */
-    if (keep) { /* its bytes are in ``held`` since reuse_buffer: the entry takes them over */
+    int keep = ready && x->generation == r->generation; /* not for an old push */
+    if (keep) {
+        reuse_entry *y = r->bucket[k->hash % REUSE_BUCKETS];
+        while (y != NULL && !(y->hash == k->hash && y->generation == x->generation && y->key_len == k->len &&
+                              memcmp(y->key, k->bytes, k->len) == 0))
+            y = y->chain;
+        keep = y == NULL; /* another thread kept it meanwhile (one whose flight began before this one's) */
+    }
+    if (keep) { /* its bytes are in ``held`` since their reservation: the entry takes them over */
         x->listed = 1;
         x->chain = r->bucket[k->hash % REUSE_BUCKETS];
         r->bucket[k->hash % REUSE_BUCKETS] = x;
         reuse_push_newest(r, x);
         r->entries++;
         r->inserted++;
-    } else {
-        r->held -= nbytes; /* freed below, with the entry */
+    } else if (data != NULL && data != fresh) {
+        r->held -= nbytes; /* the copy's, freed below */
+    }
+    int n = flight_unlist_locked(e, f, jobs, idx);
+    *pin = NULL;
+    if (keep && data == fresh && (sharers || n)) {
+        x->refs++;
+        *pin = x;
     }
     pthread_mutex_unlock(&e->mu);
-    if (!keep)
-        reuse_entry_free(x);
+    *took = keep && data == fresh;
+    if (!keep && x != NULL) {
+        if (data != fresh)
+            free(data);
+        free(x->key);
+        free(x);
+    }
+    return n;
 }
 
 /* at the engine's end: nothing uses an entry any more */
@@ -1189,51 +1275,88 @@ void engine_reuse_info(engine *e, long long out[8]) {
         pthread_mutex_unlock(&e->mu);
 }
 
-/* chunk ``i`` of ``j`` placed from a kept decode of it when there is one (see "Reused"): 1 when it was (its status
- * set), 0 when the chunk is to be read; its key into ``k`` (len 0: not kept) */
-static int run_kept(engine *e, job *j, long long i, reuse_key *k, job_counters *mine, chunk_times *tm) {
-    const plan_tables *t = &j->t;
-    const int64_t *c = t->chunks + i * N_CHUNK_COLS;
-    reuse_key_of(j, c, k);
-    reuse_entry *x = k->len > 0 ? reuse_take(e, j, k, tm) : NULL;
-    if (x == NULL)
-        return 0;
-    const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
-    int32_t status = place_chunk(j, src, c, x->data, 0, mine, tm);
-    if (status == ST_OK)
-        mine->chunks_reused++;
-    reuse_let_go(e, x, tm);
-    __atomic_store_n(&j->detail[i], 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&j->status[i], status, __ATOMIC_RELEASE);
-    return 1;
+enum { GO_DECODE, GO_KEPT, GO_ELSEWHERE, GO_CANCELLED };
+
+/* The one section a shareable chunk ``i`` of ``j`` takes when another job may need it (run_job says when; see
+ * "Shared" and "Reused"): under mu it is claimed here (GO_ELSEWHERE when another job's thread took it already),
+ * then placed from a kept decode (GO_KEPT, *x pinned), or handed to a flight of it (GO_ELSEWHERE: that thread
+ * finishes it), or read and decoded here (GO_DECODE), with the other live jobs' copies of it that no thread took
+ * yet (``jobs``/``idx``, *n) and, when it is to be kept (k->len > 0), its flight ``f`` listed and the memory it
+ * is decoded into reserved (*room; entries evicted for it onto *spent, to free after). Claim, lookups and listing
+ * in one section: of two threads that need one stored chunk at once, the second finds the first's claim, entry or
+ * flight, so they never both miss it and both decode it. */
+static int start_shared(engine *e, worker_slot *w, job *j, long long i, const reuse_key *k, flight *f,
+                        job **jobs, long long *idx, int *n, reuse_entry **x, int *room, reuse_entry **spent) {
+    const int64_t *c = j->t.chunks + i * N_CHUNK_COLS;
+    unsigned long long h = share_hash(&j->t, c);
+    int go = GO_DECODE;
+    *n = 0, *x = NULL, *room = 0;
+    lock_timed(w, &e->mu);
+    if (__atomic_exchange_n(&j->claimed[i], 1, __ATOMIC_ACQ_REL))
+        go = GO_ELSEWHERE; /* taken by another job's thread (take_sharers_locked): it finishes it */
+    else if (__atomic_load_n(&j->cancelled, __ATOMIC_ACQUIRE))
+        go = GO_CANCELLED;
+    else if (k->len > 0 && (*x = reuse_find_locked(&e->reuse, j, k)) != NULL)
+        go = GO_KEPT;
+    else if (k->len > 0 && flight_join_locked(e, j, i, c, h))
+        go = GO_ELSEWHERE;
+    if (go == GO_DECODE) {
+        *n = take_sharers_locked(e, j, c, h, jobs, idx);
+        if (k->len > 0) {
+            f->j = j, f->c = c, f->hash = h, f->generation = j->reuse_gen;
+            f->room = MAX_SHARERS - *n, f->n = 0;
+            f->next = e->flights;
+            e->flights = f;
+            *room = reuse_reserve_locked(&e->reuse, c[C_NBYTES], spent);
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return go;
 }
 
-static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scratch, codec_ctx *ctx,
-                      kept_files *kept, job_counters *mine, chunk_times *tm) {
+/* Chunk ``i`` of ``j``, claimed by run_job or, with ``section``, in start_shared: 1 when this thread finished it
+ * (its status set), 0 when another thread does (taken by a sharer, or handed to a flight). */
+static int run_chunk(engine *e, worker_slot *w, job *j, long long i, int section, char *scratch, codec_ctx *ctx,
+                     kept_files *kept, job_counters *mine, chunk_times *tm) {
     const plan_tables *t = &j->t;
     const int64_t *c = t->chunks + i * N_CHUNK_COLS;
     const int64_t *src = t->sources + c[C_SOURCE] * (S_STRIDES + t->ndim);
     int32_t status = ST_OK;
     int64_t detail = 0;
-    reuse_key kept_key; /* set by run_kept */
+    reuse_key kept_key; /* len 0: not kept (see "Reused") */
     kept_key.len = 0;
+    job *sharers[MAX_SHARERS];
+    long long shared[MAX_SHARERS];
+    int n_sharers = 0, room = 0, go = GO_DECODE;
+    flight f; /* listed by start_shared when the chunk is to be kept; unlisted before this returns */
+    reuse_entry *x = NULL;
+    if (section) {
+        reuse_entry *spent = NULL;
+        reuse_key_of(j, c, &kept_key);
+        go = start_shared(e, w, j, i, &kept_key, &f, sharers, shared, &n_sharers, &x, &room, &spent);
+        reuse_free_chain(spent);
+    }
+    if (go == GO_ELSEWHERE)
+        return 0;
     if (c[C_CODEC] == CODEC_FILL) {
         status = place_chunk(j, src, c, NULL, 1, mine, tm);
         if (status == ST_OK)
             mine->chunks_filled++;
-    } else if (j->reuse && run_kept(e, j, i, &kept_key, mine, tm)) { /* placed from a kept chunk ("Reused") */
-        return;
+    } else if (go == GO_CANCELLED) {
+        status = ST_CANCELLED;
+    } else if (go == GO_KEPT) { /* placed from a kept chunk ("Reused") */
+        status = place_chunk(j, src, c, x->data, 0, mine, tm);
+        if (status == ST_OK)
+            mine->chunks_reused++;
+        reuse_let_go(e, x, tm);
     } else {
         char path[PATH_CAP];
         chunk_io io = {0};
         long long entry_payload = 0;
-        job *sharers[MAX_SHARERS];
-        long long shared[MAX_SHARERS];
-        int keep = j->reuse && kept_key.len > 0; /* kept once decoded, whole (see "Reused") */
+        int keep = kept_key.len > 0; /* kept once decoded, whole (see "Reused") */
         /* kept: decoded into the memory its entry will own (no copy), else into the scratch */
-        char *fresh = keep ? reuse_buffer(e, c[C_NBYTES], tm) : NULL;
+        char *fresh = room ? reuse_alloc(e, c[C_NBYTES], tm) : NULL;
         char *decoded = fresh != NULL ? fresh : scratch;
-        int n_sharers = shareable(t, c) ? take_sharers(e, w, j, c, sharers, shared) : 0;
         /* shared or kept: decoded into the scratch (or the entry's memory) */
         char *place = n_sharers || keep ? NULL : direct_place(j, src, c);
         io.out = place != NULL ? place : decoded;
@@ -1300,6 +1423,18 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
         mine->decode_ns += io.decode_ns;
         tm->read += io.read_ns;
         tm->decode += io.decode_ns;
+        /* the flight's end (see "Reused"): decoded whole and sound, the chunk is placed here first, then kept and
+         * its flight unlisted in one section; else its flight is unlisted. Its joiners are placed as sharers. */
+        int whole = keep && io.status == ST_OK && io.span_start == 0 && io.span_stop == c[C_NBYTES];
+        int took = 0; /* the entry took ``fresh`` */
+        reuse_entry *pin = NULL;
+        if (whole) {
+            status = place_chunk(j, src, c, decoded, 0, mine, tm);
+            n_sharers += reuse_land(e, j, &kept_key, &f, decoded, fresh, c[C_NBYTES], n_sharers > 0,
+                                    sharers + n_sharers, shared + n_sharers, &pin, &took, tm);
+        } else if (keep) {
+            n_sharers += flight_land(e, &f, sharers + n_sharers, shared + n_sharers, tm);
+        }
         /* (an entry whose decode failed: every job that took it fetches it again, the Python path decides) */
         int widened = io.span_start != c[C_SPAN_START] || io.span_stop != c[C_SPAN_STOP];
         if ((n_sharers || widened) && span_failure(io.status) && entry == NULL) {
@@ -1326,7 +1461,8 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
             if (status == ST_OK)
                 mine->chunks_filled++;
         } else if (io.status == ST_OK) {
-            status = place != NULL ? ST_OK : place_chunk(j, src, c, decoded, 0, mine, tm);
+            if (!whole) /* (placed before it was kept) */
+                status = place != NULL ? ST_OK : place_chunk(j, src, c, decoded, 0, mine, tm);
             if (status == ST_OK) {
                 mine->bytes_decoded += io.detail;
                 mine->chunks_decoded++;
@@ -1338,15 +1474,14 @@ static void run_chunk(engine *e, worker_slot *w, job *j, long long i, char *scra
         }
         for (int k = 0; k < n_sharers; k++)
             share_out(e, w, sharers[k], shared[k], &io, decoded, tm, entry_payload);
-        /* decoded whole and sound (a failed union decoded again alone covers only its span, in the scratch) */
-        int whole = keep && io.status == ST_OK && io.span_start == 0 && io.span_stop == c[C_NBYTES];
-        if (whole) /* the entry takes ``fresh`` when the chunk is there, else a copy */
-            reuse_keep(e, j, &kept_key, decoded, decoded == fresh ? fresh : NULL, c[C_NBYTES], tm);
-        if (fresh != NULL && !(whole && decoded == fresh))
+        if (pin != NULL) /* the sharers are placed: the entry may go */
+            reuse_let_go(e, pin, tm);
+        if (fresh != NULL && !took)
             reuse_unbuffer(e, fresh, c[C_NBYTES], tm);
     }
     __atomic_store_n(&j->detail[i], detail, __ATOMIC_RELAXED);
     __atomic_store_n(&j->status[i], status, __ATOMIC_RELEASE);
+    return 1;
 }
 
 /* ``w``: the worker's clocks, or NULL (job_cancel's caller) */
@@ -1365,7 +1500,7 @@ static void finish_chunks(engine *e, job *j, long long n, worker_slot *w) {
 
 /* a chunk's times into the worker's clocks: its reads, decode, lock waits and copies, and the rest of the
  * stretch since the last one closed (taking the chunk, its path, kept files) as W_OTHER */
-static void clock_chunk(worker_slot *w, const chunk_times *tm) {
+static void clock_chunk(worker_slot *w, const chunk_times *tm, int chunks) {
     long long end = tm->end ? tm->end : now_ns();
     long long split = tm->read + tm->decode + tm->lock + tm->place + tm->fill;
     clock_open(w);
@@ -1375,7 +1510,7 @@ static void clock_chunk(worker_slot *w, const chunk_times *tm) {
     clock_add(w, W_PLACE, tm->place);
     clock_add(w, W_FILL, tm->fill);
     clock_add(w, W_OTHER, end - w->mark - split);
-    clock_add(w, W_CHUNKS, 1);
+    clock_add(w, W_CHUNKS, chunks);
     __atomic_store_n(&w->mark, end, __ATOMIC_RELAXED);
     clock_close(w);
 }
@@ -1394,15 +1529,22 @@ static void run_job(engine *e, job *j, char *scratch, codec_ctx *ctx, worker_slo
         long long i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (i >= j->t.n_chunks)
             break;
-        if (__atomic_exchange_n(&j->claimed[i], 1, __ATOMIC_ACQ_REL))
+        /* a chunk another job may need (one is live beside this one, or this job keeps chunks for later ones)
+         * is claimed in run_chunk's one section (start_shared); else no other thread can want it: claimed here,
+         * with no lock (a job submitted after this look does not share this decode) */
+        const int64_t *c = j->t.chunks + i * N_CHUNK_COLS;
+        int section = c[C_CODEC] != CODEC_FILL && shareable(&j->t, c) &&
+                      (j->reuse || __atomic_load_n(&e->n_live, __ATOMIC_RELAXED) > 1);
+        if (!section && __atomic_exchange_n(&j->claimed[i], 1, __ATOMIC_ACQ_REL))
             continue; /* another job's thread took it (see "Shared"): it finishes it */
         chunk_times tm = {0};
-        if (__atomic_load_n(&j->cancelled, __ATOMIC_ACQUIRE))
+        int done = 1;
+        if (!section && __atomic_load_n(&j->cancelled, __ATOMIC_ACQUIRE))
             __atomic_store_n(&j->status[i], ST_CANCELLED, __ATOMIC_RELEASE);
         else
-            run_chunk(e, w, j, i, scratch, ctx, &kept, &mine, &tm);
-        clock_chunk(w, &tm);
-        finished++;
+            done = run_chunk(e, w, j, i, section, scratch, ctx, &kept, &mine, &tm);
+        clock_chunk(w, &tm, done);
+        finished += done;
     }
     close_kept(&kept);
     long long *from = (long long *)&mine, *to = (long long *)&j->counters;
@@ -1564,6 +1706,7 @@ void engine_submit(engine *e, job *j) {
     } else {
         j->refs++; /* the list's */
         j->live = 1;
+        __atomic_store_n(&e->n_live, e->n_live + 1, __ATOMIC_RELAXED);
         j->reuse = e->reuse.max_bytes > 0; /* see "Reused": the generation of its submission */
         j->reuse_gen = e->reuse.generation;
         job **at = &e->live;
