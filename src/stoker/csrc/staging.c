@@ -165,8 +165,13 @@ static void read_entry_payload(stage_plan *p, long long i) {
     int64_t *o = p->out + i * STAGE_OUT_COLS;
     const int64_t *row = p->reads + i * STAGE_READ_COLS;
     unsigned char header[ENTRY_HEADER_BYTES + ENTRY_IDENT_CAP];
-    entry_reading r = {p->ident_blob + p->idents[2 * i], (size_t)p->idents[2 * i + 1], (size_t)row[SR_LENGTH],
-                       o[SO_DETAIL], header, p->buf + o[SO_AT], 0, 0, 0};
+    entry_reading r = {.ident = p->ident_blob + p->idents[2 * i],
+                       .ident_len = (size_t)p->idents[2 * i + 1],
+                       .max_payload = (size_t)row[SR_LENGTH],
+                       .expect_payload = o[SO_DETAIL],
+                       .head = header,
+                       .payload = p->buf + o[SO_AT],
+                       .whole = 0};
     __atomic_fetch_add(&p->opens, 1, __ATOMIC_RELAXED);
     int why = entry_read(p->paths[row[SR_FILE]], &r);
     if (r.preads > 1) /* (the header's read not counted: the payload's is the read of the plan) */
