@@ -8,6 +8,9 @@
  * there. Every read lands inside the buffer: stage_check refuses a plan with a read past it before any byte is
  * read, and a whole file is read only where its size (stat'ed, then checked again at open) was placed.
  */
+#if defined(__linux__)
+#define _GNU_SOURCE /* pthread_setname_np */
+#endif
 #include "staging.h"
 #include "threads.h"
 
@@ -19,6 +22,8 @@
 #include <unistd.h>
 
 #define MAX_STAGE_THREADS 64
+/* the name of a stage_pool's helper threads (at most 15 bytes on Linux) */
+#define STAGE_THREAD_NAME "stoker-stage"
 
 static long long threads_started; /* reader threads started in this process (stage_threads_started) */
 
@@ -290,6 +295,9 @@ static void help_round(round_of *r, const stage_pool *q) {
 static void *helper(void *arg) {
     stage_pool *q = arg;
     unsigned long long seen = 0;
+#if defined(__linux__)
+    (void)pthread_setname_np(pthread_self(), STAGE_THREAD_NAME); /* what top, py-spy and gdb show */
+#endif
     pthread_mutex_lock(&q->mu);
     while (!q->closing) {
         if (q->round != NULL && q->seq != seen) {
