@@ -36,11 +36,13 @@ class BuildExt(build_ext):
 
 # -O3: the copy-cast loops of place.c are only vectorised at -O3 by GCC
 # -pthread: the engine's worker threads (pool.c) are POSIX threads
-flags = [] if os.name == "nt" else ["-O3", "-pthread"]
+# -fvisibility=hidden: only PyInit_* (PyMODINIT_FUNC marks it default) is exported; the C files' shared
+# functions stay inside their module (no clash with another library's names, calls not made through the PLT)
+flags = [] if os.name == "nt" else ["-O3", "-pthread", "-fvisibility=hidden"]
 setup(
     cmdclass={"build_ext": BuildExt},
     ext_modules=[Extension(name, sources=sources, depends=HEADERS, extra_compile_args=flags,
-                           extra_link_args=flags[1:], optional=True)
+                           extra_link_args=flags[1:2], optional=True)
                  for name, sources in (("stoker._native", [s for s in SOURCES if s != TESTING]),
                                        ("stoker._testing", SOURCES))],
 )

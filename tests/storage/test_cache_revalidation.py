@@ -466,6 +466,44 @@ def test_a_head_answered_after_a_newer_listing_does_not_replace_what_the_listing
     assert bytes(got[0][0]) == new
 
 
+def test_a_get_answered_after_a_newer_listing_does_not_replace_what_the_listing_learnt(s3, data, tmp_path,
+                                                                                        monkeypatch):
+    # a GET of a cold key (no HEAD first) asked before the object was rewritten, its answer (the old bytes
+    # and ETag) held back; a listing asked after the rewrite comes first and learns the new ETag; then the
+    # GET's answer comes. Before: it replaced the listing's newer answer (as a HEAD's did), and the next read
+    # within the bound was served the old bytes from disk
+    prefix, uri, options, kv = _warm(s3, data, tmp_path)
+    key = f"{prefix}/plain/extra"
+    s3.upload({"plain/extra": b"old" * 100}, prefix)
+    fresh = cachingstore.CachingStore(kv.store, kv.cache)  # a new wrapper of the folder: nothing known, nothing opened
+    asked: list[tuple[concurrent.futures.Future, concurrent.futures.Future]] = []
+    real = kv.store.start_get_many
+
+    def held(keys, requests, **kw):
+        shown: concurrent.futures.Future = concurrent.futures.Future()
+        asked.append((real(keys, requests, **kw), shown))
+        return shown
+
+    monkeypatch.setattr(kv.store, "start_get_many", held)
+    first = fresh.start_get_many([key], [])  # never kept: read through, a GET
+    deadline = time.monotonic() + 15
+    while not asked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(asked) == 1
+    answer = asked[0][0].result(timeout=10)  # answered by the server before the rewrite: the old ETag
+    s3.upload({"plain/extra": b"new" * 100}, prefix)
+    fresh.opened(f"{prefix}/plain")  # its marker is on disk: listed, after the rewrite
+    while not fresh.listed(f"{prefix}/plain") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fresh.listed(f"{prefix}/plain")
+    asked[0][1].set_result(answer)  # the GET's answer comes now, older than the listing's
+    assert bytes(fresh.result_of(first)[0][0]) == b"old" * 100  # what it read, as it read it
+    monkeypatch.setattr(kv.store, "start_get_many", real)
+    assert kv.cache.flush(30)
+    got = fresh.result_of(fresh.start_get_many([key], []))
+    assert bytes(got[0][0]) == b"new" * 100
+
+
 def test_a_get_in_flight_at_a_forget_does_not_teach_its_generation(http, data, tmp_path):
     # a read of a cold key asked before a forget and answered after it: its answer is kept on disk under
     # the generation it states, but that generation is not taken as the key's now (the object may have

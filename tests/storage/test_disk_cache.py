@@ -27,6 +27,7 @@ import stoker
 from stoker.errors import InvalidArgument, StorageError
 from stoker.engine.cpu import native
 from stoker.storage.cachingstore import CachingStore
+from stoker.storage import diskcache
 from stoker.storage.diskcache import DiskCache, disk_cache
 from stoker.storage.locate import Stores, locate
 from stoker.storage.store import ByteRange
@@ -411,6 +412,39 @@ def test_the_engines_file_reads_serve_entries_whole_or_not_at_all(tmp_path):
         else:
             assert view is None, name
     assert os.stat(tmp_path / "entry").st_mtime > 1_000_000 + 1e8
+
+
+@pytest.mark.parametrize("reader", ["python", "engine"])
+def test_a_hit_touches_its_entry_at_most_once_a_minute(tmp_path, reader):
+    # as the engine's own entry reads (csrc/entries.c): a hit within a minute of the entry's last use writes
+    # nothing (a futimens per hit made every hit's inode dirty); an older one, or one dated in the future
+    # (another host's clock), is touched: the LRU clock
+    read_files = native.read_files if reader == "engine" else None
+    if reader == "engine" and read_files is None:
+        pytest.skip("no compiled engine")
+    cache = DiskCache(str(tmp_path / "cache"), 1 << 20)
+    for name in ("recent", "old", "future"):
+        assert cache.write(name, name.encode() * 100)
+    now = time.time()
+    for name, when in (("recent", now - 30), ("old", now - 120), ("future", now + 3600)):
+        os.utime(cache.path(name), (when, when))
+    got = cache.get_many(["recent", "old", "future"], read_files)
+    assert [bytes(v) for v in got] == [b"recent" * 100, b"old" * 100, b"future" * 100]
+    assert os.stat(cache.path("recent")).st_mtime == pytest.approx(now - 30, abs=1e-3)
+    assert abs(os.stat(cache.path("old")).st_mtime - now) < 60
+    assert abs(os.stat(cache.path("future")).st_mtime - now) < 60
+
+
+def test_pythons_file_read_touches_an_entry_only_once_it_is_found_good(tmp_path):
+    # read_file touches after the caller's checks (DiskCache._check's header, ident and checksum): a corrupt
+    # entry or another ident's is no use of the entry
+    path = tmp_path / "entry"
+    path.write_bytes(b"x" * 5000)
+    os.utime(path, (1_000_000, 1_000_000))
+    assert diskcache.read_file(str(path), 1 << 20, lambda raw: False) == b"x" * 5000
+    assert os.stat(path).st_mtime == 1_000_000
+    assert diskcache.read_file(str(path), 1 << 20, lambda raw: True) == b"x" * 5000
+    assert os.stat(path).st_mtime > 1_000_000 + 1e8
 
 
 def test_a_prefetch_through_the_cache_never_waits_on_the_callers_thread(data, tmp_path):

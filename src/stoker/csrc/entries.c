@@ -287,18 +287,17 @@ static int check_header(const unsigned char *h, const char *ident, size_t ident_
     return 0;
 }
 
-/* the LRU clock: a hit is a use, at most once a minute (see TOUCH_AFTER_S; a read-only folder: still a hit) */
-static void touch(int fd, const struct stat *st) {
+/* the LRU clock (stoker_native.h): a hit is a use, at most once a minute (see TOUCH_AFTER_S) */
+void entry_touch(int fd, const struct stat *st) {
     if (to_touch(st))
         (void)futimens(fd, NULL);
 }
 
-/* n bytes at ``at`` of the entry into buf: 0, ENTRY_SIZE (the file ends early: truncated meanwhile) or
- * ENTRY_UNREADABLE (a read error: EIO, ...). The file was opened O_NONBLOCK (a FIFO must not hang the open),
- * which changes nothing for a regular file on a local file system; a file system that honours it (some FUSE
- * and network ones) answers EAGAIN: then, once, the descriptor is made blocking and the read made again. Not
- * made blocking up front: an fcntl per entry read, for file systems that seldom need it. */
-static int read_at(int fd, char *buf, size_t n, size_t at, int *blocking, long long *nread) {
+/* n bytes at ``at`` of the entry into buf (stoker_native.h). O_NONBLOCK changes nothing for a regular file on a
+ * local file system; a file system that honours it answers EAGAIN: then, once, the descriptor is made blocking
+ * and the read made again. Not made blocking up front: an fcntl per entry read, for file systems that seldom
+ * need it. */
+int entry_pread(int fd, char *buf, size_t n, size_t at, int *blocking, long long *nread) {
     size_t done = 0;
     while (done < n) {
         ssize_t got = pread(fd, buf + done, n - done, (off_t)(at + done));
@@ -344,16 +343,16 @@ int entry_read(const char *path, entry_reading *r) {
     }
     size_t n = (size_t)st.st_size - head;
     r->preads++;
-    if (r->payload == (char *)r->head + head) { /* one read of the whole file */
-        why = read_at(fd, (char *)r->head, head + n, 0, &blocking, &r->nread);
+    if (r->whole) { /* one read of the whole file (the payload's room follows the header's) */
+        why = entry_pread(fd, (char *)r->head, head + n, 0, &blocking, &r->nread);
     } else { /* the header first, checked before the payload is read to its own place */
-        why = read_at(fd, (char *)r->head, head, 0, &blocking, &r->nread);
+        why = entry_pread(fd, (char *)r->head, head, 0, &blocking, &r->nread);
         if (!why)
             why = check_header(r->head, r->ident, r->ident_len, n);
         checked = 1;
         if (!why) {
             r->preads++;
-            why = read_at(fd, r->payload, n, head, &blocking, &r->nread);
+            why = entry_pread(fd, r->payload, n, head, &blocking, &r->nread);
         }
     }
     if (!why && !checked)
@@ -364,7 +363,7 @@ int entry_read(const char *path, entry_reading *r) {
             why = ENTRY_CHECKSUM;
     }
     if (!why) {
-        touch(fd, &st);
+        entry_touch(fd, &st);
         r->payload_len = n;
     }
 out:
@@ -376,7 +375,8 @@ int read_entry(chunk_io *job, const char *path, const char *ident, size_t ident_
                const char **payload, size_t *payload_len) {
     long long t0 = now_ns();
     size_t head = ENTRY_HEADER_BYTES + ident_len;
-    entry_reading r = {ident, ident_len, max_stored, -1, (unsigned char *)buf, buf + head, 0, 0, 0};
+    entry_reading r = {.ident = ident, .ident_len = ident_len, .max_payload = max_stored, .expect_payload = -1,
+                       .head = (unsigned char *)buf, .payload = buf + head, .whole = 1};
     int why = entry_read(path, &r);
     job->nread += r.nread;
     if (why) {

@@ -1,7 +1,8 @@
 /* Reading stored chunks: open regular files only, check a shard's identity before and after, pread loops.
  *
  * Files are opened non-blocking and refused unless regular: opening a FIFO without O_NONBLOCK waits for
- * a writer forever (the thread could never be stopped), and O_NONBLOCK changes nothing for regular files.
+ * a writer forever (the thread could never be stopped), and O_NONBLOCK changes nothing for regular files on
+ * local file systems (where one honours it, a read that says EAGAIN makes the descriptor blocking: read_range).
  *
  * A chunk already in memory (job->in_memory: fetched from a store) goes through the same calls, so every
  * codec reads it exactly as it reads a file of the buffer's size: "opening" checks its size against the
@@ -64,11 +65,21 @@ int read_range(chunk_io *job, int fd, char *buf, size_t lo, size_t hi) {
         return read_memory(job, lo, hi);
     off_t base = job->offset < 0 ? 0 : (off_t)job->offset;
     size_t done = lo;
+    int blocking = 0;
     while (done < hi) {
         ssize_t got = pread(fd, buf + done, hi - done, base + (off_t)done);
         if (got < 0) {
             if (errno == EINTR)
                 continue;
+            /* a file system that honours O_NONBLOCK for regular files (some FUSE and network ones): made blocking
+             * once and read again (as entries.c's entry_pread), not by an fcntl at every open. F_SETFL changes
+             * only the status flags, and the open set none but O_NONBLOCK: no F_GETFL first. */
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && !blocking) {
+                blocking = 1;
+                if (fcntl(fd, F_SETFL, 0) == 0)
+                    continue;
+                errno = EAGAIN;
+            }
             job->status = ST_OS_ERROR;
             job->detail = errno;
             return -1;
@@ -175,8 +186,9 @@ int close_checked(chunk_io *job, int fd) {
 /* Open the chunk's file and learn the stored chunk's size; -1 with the job's status set when it
  * cannot be read, is not a regular file, is not the shard file the job expects, or is larger than
  * ``max_stored`` (ST_TOO_BIG, detail: its size; a file's scratch holds that many bytes). */
-/* Open the chunk's file and check it (regular, blocking again, the identity expected; kept only on a local file
- * system): its descriptor with job->file_size set, or -1 with the job's status set. */
+/* Open the chunk's file and check it (regular, the identity expected; kept only on a local file system; left
+ * non-blocking: read_range makes it blocking where a read says EAGAIN): its descriptor with job->file_size set,
+ * or -1 with the job's status set. */
 static int open_file(chunk_io *job) {
     int fd;
     do /* a signal may cut it short on a thread that does not block them (decode_files' caller) */
@@ -200,10 +212,6 @@ static int open_file(chunk_io *job) {
         close(fd);
         return -1;
     }
-    /* blocking again: a no-op for local regular files, but some FUSE and network file systems honour it.
-     * F_SETFL changes only the status flags (O_APPEND, O_NONBLOCK, O_NOATIME, O_DIRECT, O_ASYNC), and the
-     * open above set none of them but O_NONBLOCK: no F_GETFL first (a system call per chunk file). */
-    fcntl(fd, F_SETFL, 0);
     if (job->has_ident && !same_file(job, &st)) {
         job->status = ST_CHANGED;
         close(fd);

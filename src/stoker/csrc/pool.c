@@ -1733,7 +1733,7 @@ int job_wait(engine *e, job *j, double timeout_s) {
     if (foreign(e)) /* no thread here will finish it: waiting could only last for ever */
         return __atomic_load_n(&j->done, __ATOMIC_ACQUIRE);
     struct timespec deadline;
-    if (timeout_s >= 0)
+    if (!(timeout_s < 0)) /* (NaN too: a wait with a deadline, deadline_after makes it 0) */
         deadline_after(&deadline, timeout_s);
     pthread_mutex_lock(&e->mu);
     while (!j->done) {

@@ -327,9 +327,9 @@ static PyObject *crc32c_path_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(a
 }
 
 /* read_files(paths, max_bytes) -> list: a read-only memoryview of each regular file's whole bytes (None: missing,
- * not a regular file, a link, larger than max_bytes, or a read error), its modification time set to now where
- * allowed (the disk cache's LRU clock: a hit is a use). Per READ_GROUP files the GIL is released twice, not per
- * system call (open and fstat; then read, touch and close), and their bytes share one allocation: forty
+ * not a regular file, a link, larger than max_bytes, or a read error), read and touched as entries.c's
+ * entry_pread and entry_touch do (blocking once on EAGAIN; the disk cache's LRU clock, at most once a minute).
+ * Per READ_GROUP files the GIL is released twice, not per system call (open and fstat; then read, touch and close), and their bytes share one allocation: forty
  * separate 100 KB ones cost a page fault per page each time (the allocator returns such memory at once), one
  * of 4 MB is reused. A view keeps its group's bytes alive. */
 #define READ_GROUP 64
@@ -353,6 +353,7 @@ static PyObject *read_files_py(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *names[READ_GROUP];
     int fds[READ_GROUP];
     long long sizes[READ_GROUP], starts[READ_GROUP];
+    struct stat sts[READ_GROUP];
     for (Py_ssize_t base = 0; base < n; base += READ_GROUP) {
         int k = (int)(n - base < READ_GROUP ? n - base : READ_GROUP);
         for (int i = 0; i < k; i++) {
@@ -367,12 +368,12 @@ static PyObject *read_files_py(PyObject *Py_UNUSED(self), PyObject *args) {
         for (int i = 0; i < k; i++) {
             /* O_NONBLOCK: a FIFO planted at an entry's name must not hang the open (it is no regular file) */
             fds[i] = open(PyBytes_AS_STRING(names[i]), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-            struct stat st;
-            if (fds[i] >= 0 && (fstat(fds[i], &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > max_bytes)) {
+            struct stat *st = &sts[i];
+            if (fds[i] >= 0 && (fstat(fds[i], st) != 0 || !S_ISREG(st->st_mode) || st->st_size > max_bytes)) {
                 close(fds[i]);
                 fds[i] = -1;
             }
-            sizes[i] = fds[i] >= 0 ? (long long)st.st_size : 0;
+            sizes[i] = fds[i] >= 0 ? (long long)st->st_size : 0;
             starts[i] = total;
             total += sizes[i];
         }
@@ -386,19 +387,14 @@ static PyObject *read_files_py(PyObject *Py_UNUSED(self), PyObject *args) {
         for (int i = 0; i < k; i++) {
             if (fds[i] < 0)
                 continue;
+            /* as entries.c reads and touches entries: made blocking once on EAGAIN (O_NONBLOCK honoured), touched
+             * at most once a minute */
+            int blocking = 0;
             long long got = 0;
-            while (p != NULL && got < sizes[i]) {
-                ssize_t r = pread(fds[i], p + starts[i] + got, (size_t)(sizes[i] - got), (off_t)got);
-                if (r < 0 && errno == EINTR)
-                    continue;
-                if (r <= 0)
-                    break;
-                got += r;
-            }
-            if (p != NULL && got == sizes[i])
-                (void)futimens(fds[i], NULL); /* a read-only folder: still read */
+            if (p != NULL && entry_pread(fds[i], p + starts[i], (size_t)sizes[i], 0, &blocking, &got) == 0)
+                entry_touch(fds[i], &sts[i]);
             else
-                sizes[i] = -1; /* shorter than its size said: none */
+                sizes[i] = -1; /* shorter than its size said, or unreadable: none */
             close(fds[i]);
         }
         Py_END_ALLOW_THREADS

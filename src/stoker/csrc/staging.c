@@ -8,6 +8,9 @@
  * there. Every read lands inside the buffer: stage_check refuses a plan with a read past it before any byte is
  * read, and a whole file is read only where its size (stat'ed, then checked again at open) was placed.
  */
+#if defined(__linux__)
+#define _GNU_SOURCE /* pthread_setname_np */
+#endif
 #include "staging.h"
 #include "threads.h"
 
@@ -19,6 +22,8 @@
 #include <unistd.h>
 
 #define MAX_STAGE_THREADS 64
+/* the name of a stage_pool's helper threads (at most 15 bytes on Linux) */
+#define STAGE_THREAD_NAME "stoker-stage"
 
 static long long threads_started; /* reader threads started in this process (stage_threads_started) */
 
@@ -165,8 +170,13 @@ static void read_entry_payload(stage_plan *p, long long i) {
     int64_t *o = p->out + i * STAGE_OUT_COLS;
     const int64_t *row = p->reads + i * STAGE_READ_COLS;
     unsigned char header[ENTRY_HEADER_BYTES + ENTRY_IDENT_CAP];
-    entry_reading r = {p->ident_blob + p->idents[2 * i], (size_t)p->idents[2 * i + 1], (size_t)row[SR_LENGTH],
-                       o[SO_DETAIL], header, p->buf + o[SO_AT], 0, 0, 0};
+    entry_reading r = {.ident = p->ident_blob + p->idents[2 * i],
+                       .ident_len = (size_t)p->idents[2 * i + 1],
+                       .max_payload = (size_t)row[SR_LENGTH],
+                       .expect_payload = o[SO_DETAIL],
+                       .head = header,
+                       .payload = p->buf + o[SO_AT],
+                       .whole = 0};
     __atomic_fetch_add(&p->opens, 1, __ATOMIC_RELAXED);
     int why = entry_read(p->paths[row[SR_FILE]], &r);
     if (r.preads > 1) /* (the header's read not counted: the payload's is the read of the plan) */
@@ -285,6 +295,9 @@ static void help_round(round_of *r, const stage_pool *q) {
 static void *helper(void *arg) {
     stage_pool *q = arg;
     unsigned long long seen = 0;
+#if defined(__linux__)
+    (void)pthread_setname_np(pthread_self(), STAGE_THREAD_NAME); /* what top, py-spy and gdb show */
+#endif
     pthread_mutex_lock(&q->mu);
     while (!q->closing) {
         if (q->round != NULL && q->seq != seen) {

@@ -47,7 +47,8 @@ typedef struct {
  * files, then opened (not followed if a link), checked to have that size still, their header and ident read
  * and checked, their payload read into its place and checked against the header's crc32c (ident + payload),
  * and touched (the cache's LRU clock, at most once a minute): all by entries.c's entry_read, as the CPU
- * engine's reads; any failure is ST_ENTRY with its ENTRY_* detail (its place is then not the payload's). SO_DETAIL of an entry: its payload's size. 0, or -1 with *error set when the plan is unsound
+ * engine's reads; any failure is ST_ENTRY with its ENTRY_* detail (its place is then not the payload's).
+ * SO_DETAIL of an entry: its payload's size. 0, or -1 with *error set when the plan is unsound
  * (a read outside the buffer, a file row out of range, an entry read with no ident in the blob): checked
  * before any byte is read. Call without the GIL. */
 int stage_check(const stage_plan *p, const char **error);

@@ -145,9 +145,10 @@ int read_entry(chunk_io *job, const char *path, const char *ident, size_t ident_
  * entry alike: open (not followed if a link; a regular file), its size against the bounds, its header and
  * ident, its crc32c; touched (the LRU clock) at most once a minute, as relatime. In: the ident expected, the
  * payload's bound, the payload's exact size expected (-1: any within the bound), ``head`` (room for
- * ENTRY_HEADER_BYTES + ident_len bytes) and ``payload`` (room for the payload: head + ENTRY_HEADER_BYTES +
- * ident_len reads the whole file in one pread; elsewhere the header is read and checked first). Out: the
- * payload's length, the bytes read, the reads made. 0, or the ENTRY_* why it is not used. */
+ * ENTRY_HEADER_BYTES + ident_len bytes) and ``payload`` (room for the payload); ``whole``: 1 when ``payload`` is
+ * head + ENTRY_HEADER_BYTES + ident_len (the whole file read in one pread), 0 where the header is read and
+ * checked first. Out: the payload's length, the bytes read, the reads made. 0, or the ENTRY_* why it is not
+ * used. */
 typedef struct {
     const char *ident;
     size_t ident_len;
@@ -155,11 +156,22 @@ typedef struct {
     long long expect_payload;
     unsigned char *head;
     char *payload;
+    int whole;
     size_t payload_len;
     long long nread;
     int preads;
 } entry_reading;
 int entry_read(const char *path, entry_reading *r);
+/* How every reader of cache entries (entry_read, py_engine.c's read_files) reads and touches one, opened
+ * O_NONBLOCK (a FIFO at an entry's name must not hang the open). entry_pread: n bytes at ``at`` into buf, made
+ * again on EINTR; on EAGAIN (a file system that honours O_NONBLOCK: some FUSE and network ones) the descriptor
+ * is made blocking once (*blocking, 0 at the open, set) and the read made again. 0, ENTRY_SIZE (the file ends
+ * early) or ENTRY_UNREADABLE (a read error); the bytes read are added to *nread. entry_touch: the LRU clock, the
+ * entry's mtime set to now when it is a minute old or more (or dated in the future); a read-only folder: a hit
+ * all the same. */
+int entry_pread(int fd, char *buf, size_t n, size_t at, int *blocking, long long *nread);
+struct stat;
+void entry_touch(int fd, const struct stat *st);
 /* One entry for write_entries: its final name ``path`` (<root>/<subfolder>/<name>), its ident and payload (NULL: a
  * marker, an empty file made at its name); out: ``result`` 1 written, 0 something was there already (left as
  * it is), -errno failed; ``allocated`` the disk the file took (its blocks, or its size where more). */

@@ -70,8 +70,9 @@ double mono_s(void) {
 
 int thread_start(pthread_t *id, int detached, void *(*fn)(void *), void *arg) {
     pthread_attr_t attr;
-    if (pthread_attr_init(&attr) != 0)
-        return -1;
+    int made = pthread_attr_init(&attr);
+    if (made != 0)
+        return made;
     if (detached)
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     sigset_t all, before;

@@ -34,7 +34,8 @@ double mono_s(void);
 /* Starts fn(arg) on a new thread (detached: never joined; else joinable) with every signal blocked: it
  * inherits the mask it is created with, so a signal for the process (Ctrl-C, a launcher's SIGTERM) goes to a
  * Python thread, whose handler runs there, and never cuts a worker's open or read short with EINTR. The
- * caller's mask is as it was after. pthread_create's result: 0 started. */
+ * caller's mask is as it was after. 0 started, else an error number (pthread_attr_init's or pthread_create's:
+ * EAGAIN, the system gives no thread). */
 int thread_start(pthread_t *id, int detached, void *(*fn)(void *), void *arg);
 
 #endif

@@ -619,10 +619,13 @@ class CachingStore:
 
     def _learn(self, key: str, generation: Any, when: float) -> Any:
         """Keep ``generation`` as ``key``'s now (None: nothing learnt), unless a :meth:`forget` of the key came
-        after ``when`` (the read that stated it was asked before: it may predate a rewrite); returns it."""
+        after ``when`` (the read that stated it was asked before: it may predate a rewrite) or an answer asked
+        after ``when`` is known (a listing or HEAD that may have seen a rewrite this read predates, as
+        :meth:`_headed` and :meth:`_learn_page` keep a newer answer); returns it."""
         if generation is not None:
             with self._lock:
-                if not self._forgot_since(key, when):
+                known = self._known.get(key)
+                if not self._forgot_since(key, when) and (known is None or known[1] <= when):
                     self._known[key] = (generation, when)
         return generation
 

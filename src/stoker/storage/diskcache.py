@@ -103,6 +103,8 @@ DEFAULT_CACHE_BYTES = 10 << 30
 #: How long what :meth:`DiskCache.has` found (or :meth:`DiskCache.mark` queued) is taken as still there without
 #: a look on disk, and so how stale its mtime (the LRU's clock) may grow.
 SEEN_S = 60.0
+#: a hit touches its entry (the LRU clock) only when its mtime is this old, as csrc/entries.c's TOUCH_AFTER_S
+TOUCH_AFTER_S = 60
 #: Idents a :class:`DiskCache` remembers so, at most; past it, forgotten all at once.
 SEEN_IDENTS = 1 << 16
 
@@ -229,9 +231,12 @@ class DiskCache:
         hits are many); None: :func:`read_file`, one at a time."""
         with self._cond:  # queued for writing: served from memory (not on disk yet, and not fetched again)
             queued = [self._pending.get(ident) if self._pending else None for ident in idents]
-        paths = [self._path(ident) for ident, data in zip(idents, queued) if data is None]
-        raws = iter(read_files(paths, self.cache_bytes) if read_files is not None else
-                    [read_file(path, self.cache_bytes) for path in paths])
+        on_disk = [ident for ident, data in zip(idents, queued) if data is None]
+        if read_files is not None:
+            raws = read_files([self._path(ident) for ident in on_disk], self.cache_bytes)
+            judged = iter([(raw, None if raw is None else self._check(raw, ident)) for raw, ident in zip(raws, on_disk)])
+        else:  # judged as read: only a good entry is touched
+            judged = iter([self._read_one(ident) for ident in on_disk])
         out: list[memoryview | None] = []
         for ident, data in zip(idents, queued):
             if data is not None:
@@ -240,8 +245,7 @@ class DiskCache:
                 self.hit_bytes += payload.nbytes
                 out.append(payload)
                 continue
-            path, raw = self._path(ident), next(raws)
-            payload = None if raw is None else self._check(raw, ident)
+            path, (raw, payload) = self._path(ident), next(judged)
             if payload is None:
                 self.misses += 1
                 if raw is not None:  # corrupt: a later write puts a good one there (the total: at the next scan)
@@ -255,6 +259,17 @@ class DiskCache:
                 self.hit_bytes += payload.nbytes
             out.append(payload)
         return out
+
+    def _read_one(self, ident: str) -> tuple[bytes | None, memoryview | None]:
+        """``ident``'s entry file read (None: none) and its payload (None: none, or not a good entry)."""
+        payload: list[memoryview | None] = [None]
+
+        def check(raw: bytes) -> bool:
+            payload[0] = self._check(raw, ident)
+            return payload[0] is not None
+
+        raw = read_file(self._path(ident), self.cache_bytes, check)
+        return raw, payload[0] if raw is not None else None
 
     @staticmethod
     def _check(raw: bytes, ident: str) -> memoryview | None:
@@ -947,9 +962,12 @@ def _close(fd: int) -> None:
         pass
 
 
-def read_file(path: str, max_bytes: int) -> bytes | None:
+def read_file(path: str, max_bytes: int, check: Callable[[bytes], bool] | None = None) -> bytes | None:
     """The whole of the regular file ``path`` (None: missing, a link, not a regular file, larger than
-    ``max_bytes``, or unreadable), touched (its mtime now: the LRU clock) where allowed."""
+    ``max_bytes``, or unreadable), read and touched as the compiled engine reads entries (csrc/entries.c): made
+    blocking once if a read says EAGAIN, and touched (its mtime now: the LRU clock) where allowed, only when
+    ``check(bytes)`` says it is a good entry (None: any whole file), and only when its mtime is
+    :data:`TOUCH_AFTER_S` old or more."""
     # O_NONBLOCK: a FIFO planted at an entry's name must not hang the open (it is no regular file)
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -960,18 +978,30 @@ def read_file(path: str, max_bytes: int) -> bytes | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
             return None
-        raw = os.pread(fd, st.st_size, 0)
+        try:
+            raw = os.pread(fd, st.st_size, 0)
+        except BlockingIOError:  # a file system that honours O_NONBLOCK (some FUSE and network ones): once
+            os.set_blocking(fd, True)
+            raw = os.pread(fd, st.st_size, 0)
         if len(raw) != st.st_size:
             return None
-        try:
-            os.utime(fd)  # the LRU clock: a hit is a use
-        except OSError:
-            pass  # a read-only folder: still a hit
+        if (check is None or check(raw)) and _to_touch(st):
+            try:
+                os.utime(fd)  # the LRU clock: a hit is a use
+            except OSError:
+                pass  # a read-only folder: still a hit
         return raw
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _to_touch(st: os.stat_result) -> bool:
+    """Whether an entry last changed at ``st``'s mtime is to be touched now, as csrc/entries.c's to_touch: a
+    minute old or more, or dated in the future (another host's clock)."""
+    age = time.time() - st.st_mtime
+    return age >= TOUCH_AFTER_S or age < 0
 
 
 def _lock(fd: int, wait_s: float) -> bool:
