@@ -95,3 +95,18 @@ def test_a_marker_whose_batch_fails_while_mark_runs_is_not_taken_as_there(tmp_pa
     finally:
         fcntl.flock(held, fcntl.LOCK_UN)
         os.close(held)
+
+
+@pytest.mark.timeout(60)
+def test_a_write_that_finds_its_entry_there_is_no_loss(tmp_path):
+    # Before: the writer's 0 ("there already") counted as a write not made: lost(), so every wrapper forgot the
+    # entries it knew on disk and the next epoch looked each up again (a stat an entry).
+    one, other = DiskCache(str(tmp_path), 64 << 20), DiskCache(str(tmp_path), 64 << 20)  # two processes
+    one.put("mem://bkt|a/c/0|0:-1|e1", b"v" * 1000)
+    assert one.flush(30) and one.written == 1
+    other.put("mem://bkt|a/c/0|0:-1|e1", b"v" * 1000)  # fetched by both at once: written by one
+    assert other.flush(30) and other.written == 0 and other.losses == 0
+    one.put("mem://bkt|a/c/0|0:-1|e1", b"v" * 1000)  # queued again after its write (a later batch's fetch)
+    assert one.flush(30) and one.written == 1 and one.losses == 0
+    assert bytes(other.get("mem://bkt|a/c/0|0:-1|e1")) == b"v" * 1000
+    assert one.write("mem://bkt|a/c/0|0:-1|e1", b"v" * 1000)  # stored: there already

@@ -376,7 +376,8 @@ class DiskCache:
                 self._busy = True
             unwritten = True
             try:
-                # False: queued entries not written (no room, the lock not had, a failed write)
+                # False: queued entries not stored (no room, the lock not had, a failed write); one found there
+                # already (written by another process, or queued again after this one's write) is stored
                 unwritten = not all(self._write_batch([(ident, data) for ident, data, _ in batch]))
             except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
                 self._disable(exc)
@@ -409,18 +410,20 @@ class DiskCache:
         return batch
 
     def write(self, ident: str, data) -> bool:
-        """Store ``data`` under ``ident`` now (see the module docstring); True when written."""
+        """Store ``data`` under ``ident`` now (see the module docstring); True when stored (written now, or
+        found there already)."""
         return self._write_batch([(ident, data)])[0]
 
     def write_marker(self, ident: str) -> bool:
-        """Make the empty marker file of ``ident`` now (see :meth:`mark`); True when made."""
+        """Make the empty marker file of ``ident`` now (see :meth:`mark`); True when made (or there already)."""
         return self._write_batch([(ident, None)])[0]
 
     def _write_batch(self, batch: Sequence[tuple[str, Any]]) -> list[bool]:
         """Under one hold of the folder's lock: make room for the entries (``(ident, data)``; data None: a
         marker) in whole blocks and the growth of their subfolders, write them all (the compiled engine's
         writer, the GIL released once, where loaded: :func:`use_entry_writer`), and count what the disk gave
-        them. Which were written."""
+        them. Which are stored: written now, or there already (the writer's 0 before any failure: another
+        process wrote it, or it was queued again after this process wrote it; not a loss)."""
         done = [False] * len(batch)
         if not self.writable:
             return done
@@ -460,11 +463,11 @@ class DiskCache:
             # what the disk gave, measured: at most the reservation on ext4 and xfs, the truth elsewhere too
             _store_total(lock, total + max(0, grown))
             for (i, path, *_), result in zip(todo, results):
-                if result == 1:
-                    done[i] = True
-                    self.written += 1
-                elif result < 0:  # the rest of the batch was not tried
+                if result < 0:  # the rest of the batch was not tried (their 0: not there already)
                     self._disable(OSError(-result, os.strerror(-result), os.fsdecode(path)))
+                    break
+                done[i] = True  # 1 written, 0 there already
+                self.written += result
             return done
         finally:
             os.close(lock)  # releases the flock
