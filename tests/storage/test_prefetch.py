@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import warnings
 
 import numpy as np
 import pytest
@@ -640,9 +641,52 @@ def test_a_failing_late_look_up_of_kept_entries_is_counted_and_warned_of(http, t
         return real(names)
 
     monkeypatch.setattr(fresh, "kept_entries", broken_after_first)
-    with pytest.warns(RuntimeWarning, match="a broken kept_entries"):
+    with pytest.warns(RuntimeWarning, match="a broken kept_entries") as warned:
         assert kv.prefetch(keys, [1 << 16] * 8, [], seq=1) == 0  # kept: revalidated, not fetched
+        # the warning itself waited for (it comes from a cache reader thread), then the count
+        assert _until(lambda: any("a broken kept_entries" in str(w.message) for w in warned))
         assert _until(lambda: kv.buffer.counters.errors == 1)  # before: no count, nothing said
     assert len(calls) == 2 and sorted(calls[1]) == sorted(keys)
     values = kv.get_many(keys, [])[0]
     assert all(bytes(v) == open(os.path.join(http.root, k), "rb").read() for k, v in zip(keys, values))
+
+
+def test_errors_of_a_prefetch_are_each_counted_and_warned_of_once(http):
+    buf = PrefetchBuffer(64 << 20, 64)
+    store = ObjectStore(http.url, **FAST)
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            buf.report_error(store, "keeping 2 values", RuntimeError("first"))
+            buf.report_error(store, "keeping 3 values", RuntimeError("second"))
+        assert buf.counters.errors == 2
+        assert [str(w.message).count("first") for w in warned] == [1]  # one warning, of the first
+    finally:
+        store.close()
+
+
+def test_a_prefetch_error_warned_of_as_an_error_still_wakes_the_coordinator(http, monkeypatch):
+    # Under warnings-as-errors (pytest -W error, a project's filterwarnings = error) report_error's warning
+    # raised in _arrived before on_room, the coordinator's wake, which was skipped: it planned no more until
+    # its own timeout. Now on_room runs whatever the report raised, and the error is counted.
+    store = ObjectStore(http.url, **FAST, max_in_flight=4)
+    try:
+        keys = [_chunk_path(n).lstrip("/") for n in range(4)]
+        kv = PrefetchStore(store, PrefetchBuffer(64 << 20, 64))
+        woken: list[int] = []
+        kv.buffer.on_room = lambda: woken.append(1)
+
+        def observe(sid, key, generation):
+            raise RuntimeError("a broken observe")
+
+        monkeypatch.setattr(kv.buffer, "_observe", observe)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                kv.prefetch(keys, [1 << 16] * 4, [], seq=1)
+            except RuntimeWarning:  # its call came back at once: the warning raised to the asker
+                pass
+            assert _until(lambda: kv.buffer.counters.requests_in_flight == 0 and kv.buffer.counters.errors == 1)
+            assert _until(lambda: woken)  # before: never woken
+    finally:
+        store.close()

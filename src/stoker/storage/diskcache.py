@@ -165,6 +165,8 @@ class DiskCache:
         self._readers: DaemonPool | None = None
         self._block = 0  # the file system's allocation unit (statvfs f_frsize), learnt at the first write
         self._seen: dict[str, float] = {}  # ident -> when has() found it or mark() queued it (monotonic; see has)
+        # when this process last lost entries (see lost): what _seen holds from before is looked for on disk again
+        self._floor = float("-inf")
         # grows whenever entries this process counted on may be gone (see lost): what a memo of entries checks
         self.losses = 0
 
@@ -184,18 +186,31 @@ class DiskCache:
         system call gives the GIL up and waits for it back. So its mtime, the LRU's clock, is refreshed at most
         every :data:`SEEN_S` (and one evicted meanwhile costs its key a revalidation request, no wrong read)."""
         now = time.monotonic()
-        seen = self._seen.get(ident)
-        if seen is not None and now - seen < SEEN_S:
+        if self._trusted(ident, now):
             return True
+        if not self._touch(ident):
+            return False
+        remember(self._seen, ident, now, SEEN_IDENTS)
+        return True
+
+    def _trusted(self, ident: str, now: float) -> bool:
+        """Whether what :meth:`has` found or :meth:`mark` queued of ``ident`` is taken as there without a look on
+        disk: seen less than :data:`SEEN_S` ago and since the last loss (:meth:`lost`), or queued now (written
+        after any eviction that made room for it)."""
+        seen = self._seen.get(ident)
+        if seen is None or now - seen >= SEEN_S:
+            return False
+        return seen >= self._floor or self.queued(ident)
+
+    def _touch(self, ident: str) -> bool:
+        """Refresh the mtime (the LRU's clock) of the entry or marker stored under ``ident``; whether it is there."""
         path = self._path(ident)
         try:
             os.utime(path, follow_symlinks=False)
         except FileNotFoundError:
             return False
         except OSError:  # a read-only folder: only look
-            if not os.path.lexists(path):
-                return False
-        remember(self._seen, ident, now, SEEN_IDENTS)
+            return os.path.lexists(path)
         return True
 
     def entry_file(self, ident: str) -> tuple[bytes, bytes] | None:
@@ -329,13 +344,17 @@ class DiskCache:
         if not self.writable:
             return
         now = time.monotonic()
-        seen = self._seen.get(ident)
-        if seen is not None and now - seen < SEEN_S:
+        if self._trusted(ident, now):
             return  # there, or queued, a moment ago: not queued again (every pipeline marks what it keeps)
-        self._enqueue(ident, None, len(ident))  # its queue cost: the ident it holds
-        remember(self._seen, ident, now, SEEN_IDENTS)  # has() finds it while queued, before the writer made it
+        if ident in self._seen and self._touch(ident):
+            # seen before a loss (or SEEN_S ago) and still there: its mtime refreshed, not written again
+            remember(self._seen, ident, now, SEEN_IDENTS)
+            return
+        self._enqueue(ident, None, len(ident), now)  # its queue cost: the ident it holds
 
-    def _enqueue(self, ident: str, data: bytes | None, n: int) -> None:
+    def _enqueue(self, ident: str, data: bytes | None, n: int, seen: float | None = None) -> None:
+        """Queue ``ident`` for writing (``data`` None: a marker); ``seen``: when :meth:`mark` queued it, recorded in
+        ``_seen`` here, under the lock, so a loss after (a batch not written: :meth:`lost`) comes after it too."""
         with self._cond:
             if ident in self._pending:
                 return  # queued already: the same bytes (the ident names the object's generation)
@@ -345,6 +364,8 @@ class DiskCache:
             self._queue.append((ident, data, n))
             self._queued += n
             self._pending[ident] = data
+            if seen is not None:  # has() finds it while queued, before the writer made it
+                remember(self._seen, ident, seen, SEEN_IDENTS)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drain, name="stoker-diskcache", daemon=True)
                 self._thread.start()
@@ -370,7 +391,8 @@ class DiskCache:
                 self._busy = True
             unwritten = True
             try:
-                # False: queued entries not written (no room, the lock not had, a failed write)
+                # False: queued entries not stored (no room, the lock not had, a failed write); one found there
+                # already (written by another process, or queued again after this one's write) is stored
                 unwritten = not all(self._write_batch([(ident, data) for ident, data, _ in batch]))
             except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
                 self._disable(exc)
@@ -403,18 +425,20 @@ class DiskCache:
         return batch
 
     def write(self, ident: str, data) -> bool:
-        """Store ``data`` under ``ident`` now (see the module docstring); True when written."""
+        """Store ``data`` under ``ident`` now (see the module docstring); True when stored (written now, or
+        found there already)."""
         return self._write_batch([(ident, data)])[0]
 
     def write_marker(self, ident: str) -> bool:
-        """Make the empty marker file of ``ident`` now (see :meth:`mark`); True when made."""
+        """Make the empty marker file of ``ident`` now (see :meth:`mark`); True when made (or there already)."""
         return self._write_batch([(ident, None)])[0]
 
     def _write_batch(self, batch: Sequence[tuple[str, Any]]) -> list[bool]:
         """Under one hold of the folder's lock: make room for the entries (``(ident, data)``; data None: a
         marker) in whole blocks and the growth of their subfolders, write them all (the compiled engine's
         writer, the GIL released once, where loaded: :func:`use_entry_writer`), and count what the disk gave
-        them. Which were written."""
+        them. Which are stored: written now, or there already (the writer's 0 before any failure: another
+        process wrote it, or it was queued again after this process wrote it; not a loss)."""
         done = [False] * len(batch)
         if not self.writable:
             return done
@@ -454,11 +478,11 @@ class DiskCache:
             # what the disk gave, measured: at most the reservation on ext4 and xfs, the truth elsewhere too
             _store_total(lock, total + max(0, grown))
             for (i, path, *_), result in zip(todo, results):
-                if result == 1:
-                    done[i] = True
-                    self.written += 1
-                elif result < 0:  # the rest of the batch was not tried
+                if result < 0:  # the rest of the batch was not tried (their 0: not there already)
                     self._disable(OSError(-result, os.strerror(-result), os.fsdecode(path)))
+                    break
+                done[i] = True  # 1 written, 0 there already
+                self.written += result
             return done
         finally:
             os.close(lock)  # releases the flock
@@ -517,18 +541,13 @@ class DiskCache:
         reader found one missing or unsound (another process evicted it): :attr:`losses` grows, so a memo of
         entries or markers on disk (:meth:`CachingStore.entry_files
         <stoker.storage.cachingstore.CachingStore.entry_files>`, the markers a wrapper wrote or found) compares
-        one int a call to know it must look on disk again; and what :meth:`has` found is forgotten (markers may
-        be among what is gone)."""
+        one int a call to know it must look on disk again; and what :meth:`has` found or :meth:`mark` queued
+        before now is looked for on disk again (markers may be among what is gone), but the markers still queued
+        (not on disk yet: a marker is written after the eviction that made room). O(1): a floor time, not a
+        sweep of what was seen (up to :data:`SEEN_IDENTS`, under the lock every reader and writer takes)."""
         with self._cond:
             self.losses += 1
-        self._unsee()
-
-    def _unsee(self) -> None:
-        """Forget what :meth:`has` found (after this process's eviction, which may have unlinked any of it), but
-        the markers still queued (not on disk yet: a marker is written after the eviction that made room)."""
-        with self._cond:
-            pending = self._pending
-            self._seen = {ident: when for ident, when in list(self._seen.items()) if ident in pending}
+            self._floor = time.monotonic()
 
     def _disable(self, exc: BaseException) -> None:
         self.writable = False

@@ -240,10 +240,12 @@ class PrefetchBuffer:
             for flight in {id(a[2].future): a[2].future for a in asked}.values():
                 if not flight.done():
                     flight.set_result(None)
-        if error is not None:
-            self.report_error(store, f"keeping the {len(asked)} values and ranges a prefetch brought", error)
-        if on_room is not None:
-            on_room()
+        try:
+            if error is not None:  # its warning raises where warnings are errors: the coordinator is woken still
+                self.report_error(store, f"keeping the {len(asked)} values and ranges a prefetch brought", error)
+        finally:
+            if on_room is not None:
+                on_room()
 
     def _kept(self, ident: tuple, entry: _Entry, outcome: tuple | None) -> tuple | None:
         """Under the lock: what ``entry`` (``ident``) serves of what its request brought (``outcome``:
@@ -267,15 +269,19 @@ class PrefetchBuffer:
     def report_error(self, store: Any, what: str, exc: BaseException) -> None:
         """A step of the prefetch's own (``what``) raised ``exc``: counted (``counters.errors``) and warned of
         once a buffer, naming the store and the error. Nothing fails: the batches concerned fetch what they
-        need themselves, as without prefetch."""
+        need themselves, as without prefetch. Warned before counted, so whoever sees the count has the warning;
+        counted even where warnings are errors (the warning then raises, after the count)."""
         with self._lock:
-            self.counters.errors += 1
             warn, self._warned = not self._warned, True
-        if warn:
-            warnings.warn(f"stoker's prefetch from {getattr(store, 'uri', store)}: {what} failed "
-                          f"({type(exc).__name__}: {exc}); those batches fetch their values themselves, not "
-                          "ahead (PrefetchCounters.errors counts each time). A bug in stoker: please report it "
-                          "with this message", RuntimeWarning, stacklevel=2)
+        try:
+            if warn:
+                warnings.warn(f"stoker's prefetch from {getattr(store, 'uri', store)}: {what} failed "
+                              f"({type(exc).__name__}: {exc}); those batches fetch their values themselves, not "
+                              "ahead (PrefetchCounters.errors counts each time). A bug in stoker: please report it "
+                              "with this message", RuntimeWarning, stacklevel=2)
+        finally:
+            with self._lock:
+                self.counters.errors += 1
 
     def seen(self, store: Any, keys: Sequence[str], generations: Sequence[Any]) -> None:
         """Note the generations a read through ``store`` stated for ``keys`` (see :meth:`_observe`)."""
