@@ -341,6 +341,27 @@ def test_a_chunk_being_decoded_to_be_kept_is_placed_into_a_job_submitted_meanwhi
     assert engine.close(5)
 
 
+def test_a_bound_lowered_while_a_chunk_decodes_to_be_kept_holds_it_to_the_bound(tmp_path):
+    """The bound taken back to 0 (``reuse(0, same generation)``, as ``SharedEngine.leave`` does) while a thread
+    decodes a 16 MiB chunk to be kept: the keep applies the bound as it is then, so nothing is held past it once
+    the job is done. (Before, the keep checked only the generation: the entry was listed and held stayed 16 MiB
+    over a bound of 0 until the next ``reuse``, every round on 2 cores.)"""
+    chunk = _slow(tmp_path, cols=1 << 20)  # 16 MiB of noise: a decode of 10 ms or more
+    chunk.write(values=_noise)
+    engine = native.Engine(1, 128 << 20)
+    for r in range(5):
+        engine.reuse(64 << 20, r + 1)
+        job = chunk.submit(engine)
+        time.sleep(0.003)  # its thread is decoding into memory reserved within 64 MiB
+        engine.reuse(0, r + 1)
+        status, _ = _done(job)
+        assert status.tolist() == [native.ST_OK]
+        chunk.check(values=_noise)
+        info = engine.reuse_info()
+        assert (info["max_bytes"], info["held"], info["entries"]) == (0, 0, 0), r
+    assert engine.close(5)
+
+
 def test_a_job_cancelled_or_dropped_while_it_waits_on_a_decode_in_flight_is_never_written(tmp_path):
     """A job whose chunk joined another job's decode in flight (its own thread gone on) and is then cancelled is
     not written once cancel() returns: its chunk ends CANCELLED (or OK when it was placed before the cancel, in
