@@ -170,7 +170,7 @@ struct engine {
     pthread_cond_t work_cv; /* workers wait here: new jobs, budget given back, closing */
     pthread_cond_t done_cv; /* job_wait and engine_close wait here */
     int refs;               /* the Python object, each live thread, each job */
-    int closing;            /* written under mu, read atomically by workers between chunks */
+    int closing;            /* written under mu, atomically: workers read it unlocked between chunks */
     int n_threads, alive;
     long long budget, used; /* the scratch budget, and how much of it threads have reserved */
     long long held, peak;   /* scratch allocated now, and at most (never more than reserved) */
@@ -1816,11 +1816,11 @@ void job_release(engine *e, job *j) {
 
 int engine_close(engine *e, double timeout_s) {
     if (foreign(e)) { /* its threads are the parent's: none runs here */
-        e->closing = 1;
+        __atomic_store_n(&e->closing, 1, __ATOMIC_RELEASE);
         return 1;
     }
     pthread_mutex_lock(&e->mu);
-    e->closing = 1;
+    __atomic_store_n(&e->closing, 1, __ATOMIC_RELEASE); /* (read unlocked by workers between chunks) */
     job *j = e->live;
     while (j != NULL) { /* cancel each live job: hold it while the lock is let go */
         j->refs++;
