@@ -341,6 +341,53 @@ def test_a_chunk_being_decoded_to_be_kept_is_placed_into_a_job_submitted_meanwhi
     assert engine.close(5)
 
 
+def test_a_bound_lowered_while_a_chunk_decodes_to_be_kept_holds_it_to_the_bound(tmp_path):
+    """The bound taken back to 0 (``reuse(0, same generation)``, as ``SharedEngine.leave`` does) while a thread
+    decodes a 16 MiB chunk to be kept: the keep applies the bound as it is then, so nothing is held past it once
+    the job is done. (Before, the keep checked only the generation: the entry was listed and held stayed 16 MiB
+    over a bound of 0 until the next ``reuse``, every round on 2 cores.)"""
+    chunk = _slow(tmp_path, cols=1 << 20)  # 16 MiB of noise: a decode of 10 ms or more
+    chunk.write(values=_noise)
+    engine = native.Engine(1, 128 << 20)
+    for r in range(5):
+        engine.reuse(64 << 20, r + 1)
+        job = chunk.submit(engine)
+        time.sleep(0.003)  # its thread is decoding into memory reserved within 64 MiB
+        engine.reuse(0, r + 1)
+        status, _ = _done(job)
+        assert status.tolist() == [native.ST_OK]
+        chunk.check(values=_noise)
+        info = engine.reuse_info()
+        assert (info["max_bytes"], info["held"], info["entries"]) == (0, 0, 0), r
+    assert engine.close(5)
+
+
+def test_a_job_of_a_newer_push_never_joins_an_older_push_s_decode_in_flight(tmp_path):
+    """A job submitted after a new push (a new generation) while a thread decodes, to be kept, a chunk an older
+    push's job needs, its file rewritten between the two pushes: the newer job never joins that decode (a flight
+    of the old generation) and reads the new values. (It decodes the chunk itself, or, when the first job's
+    thread starts only after it was submitted, that thread reads the new file and takes it along: the values are
+    the new ones either way.)"""
+    first, second = _slow(tmp_path, cols=1 << 20), _slow(tmp_path, same=True, cols=1 << 20)
+    path = first.root + "c/0.0"
+    for r in range(8):
+        first.write(values=_noise, version=2 * r)
+        engine = native.Engine(2, 256 << 20)
+        with open(path + ".tmp", "wb") as f:  # the new file, ready to replace the old whole in one step
+            f.write(numcodecs.Zstd(level=1).encode(_noise(0, 2 * r + 1, 1 << 20).tobytes()))
+        engine.reuse(64 << 20, 1)
+        a = first.submit(engine)
+        time.sleep(0.003)  # the first job's thread is decoding: a flight of generation 1
+        os.replace(path + ".tmp", path)  # (the first job's open file keeps the old bytes)
+        engine.reuse(64 << 20, 2)  # the new push
+        b = second.submit(engine)
+        (sa, _), (sb, cb) = _done(a), _done(b)
+        assert sa.tolist() == sb.tolist() == [native.ST_OK]
+        second.check(values=_noise, version=2 * r + 1)  # the new values: never placed from the old flight
+        assert cb["chunks_decoded"] + cb["chunks_shared"] == 1 and cb["chunks_reused"] == 0, (r, cb)
+        assert engine.close(5)
+
+
 def test_a_job_cancelled_or_dropped_while_it_waits_on_a_decode_in_flight_is_never_written(tmp_path):
     """A job whose chunk joined another job's decode in flight (its own thread gone on) and is then cancelled is
     not written once cancel() returns: its chunk ends CANCELLED (or OK when it was placed before the cancel, in

@@ -170,7 +170,7 @@ struct engine {
     pthread_cond_t work_cv; /* workers wait here: new jobs, budget given back, closing */
     pthread_cond_t done_cv; /* job_wait and engine_close wait here */
     int refs;               /* the Python object, each live thread, each job */
-    int closing;            /* written under mu, read atomically by workers between chunks */
+    int closing;            /* written under mu, atomically: workers read it unlocked between chunks */
     int n_threads, alive;
     long long budget, used; /* the scratch budget, and how much of it threads have reserved */
     long long held, peak;   /* scratch allocated now, and at most (never more than reserved) */
@@ -1174,9 +1174,10 @@ static int flight_land(engine *e, flight *f, job **jobs, long long *idx, chunk_t
 }
 
 /* The end of flight ``f``, its chunk decoded whole and sound at ``decoded`` (see "Reused"): kept under key ``k``
- * for ``j``'s generation, unless another thread kept it meanwhile or the generation moved on, and unlisted in the
- * same section (a thread that misses the flight finds the entry); its joiners into ``jobs``/``idx`` (returned:
- * how many). The entry takes ``fresh`` when the chunk was decoded there (memory from a reservation: *took set; not
+ * for ``j``'s generation (older entries evicted to fit the bound as it is now), unless another thread kept it
+ * meanwhile, the generation moved on or the bound, lowered meanwhile, is below it; and unlisted in the same
+ * section (a thread that misses the flight finds the entry); its joiners into ``jobs``/``idx`` (returned: how
+ * many). The entry takes ``fresh`` when the chunk was decoded there (memory from a reservation: *took set; not
  * kept, it stays the caller's), else holds a copy (reuse_buffer, when the bound has room). ``sharers``: jobs taken
  * with the decode are still to be placed from ``decoded``: an entry that took ``fresh`` is then pinned for them
  * and their joiners (``*pin``, let go by the caller), as eviction may free it once listed. */
@@ -1199,8 +1200,11 @@ static int reuse_land(engine *e, const job *j, const reuse_key *k, flight *f, co
         x->generation = j->reuse_gen;
         x->nbytes = nbytes;
     }
+    reuse_entry *spent = NULL;
     lock_in_chunk(e, tm);
-    int keep = ready && x->generation == r->generation; /* not for an old push */
+    /* not for an old push, nor past the bound as it is now: engine_reuse may have lowered it (a grant taken
+     * back, to 0 at most) since this chunk's room was reserved */
+    int keep = ready && x->generation == r->generation && nbytes <= r->max_bytes;
     if (keep) {
         reuse_entry *y = r->bucket[k->hash % REUSE_BUCKETS];
         while (y != NULL && !(y->hash == k->hash && y->generation == x->generation && y->key_len == k->len &&
@@ -1224,7 +1228,11 @@ static int reuse_land(engine *e, const job *j, const reuse_key *k, flight *f, co
         x->refs++;
         *pin = x;
     }
+    if (keep) /* within the bound as lowered: older entries go first (x too if they are pinned; once pinned
+               * here it stays for the placing, its last user frees it) */
+        reuse_make_room_locked(r, 0, &spent);
     pthread_mutex_unlock(&e->mu);
+    reuse_free_chain(spent);
     *took = keep && data == fresh;
     if (!keep && x != NULL) {
         if (data != fresh)
@@ -1808,11 +1816,11 @@ void job_release(engine *e, job *j) {
 
 int engine_close(engine *e, double timeout_s) {
     if (foreign(e)) { /* its threads are the parent's: none runs here */
-        e->closing = 1;
+        __atomic_store_n(&e->closing, 1, __ATOMIC_RELEASE);
         return 1;
     }
     pthread_mutex_lock(&e->mu);
-    e->closing = 1;
+    __atomic_store_n(&e->closing, 1, __ATOMIC_RELEASE); /* (read unlocked by workers between chunks) */
     job *j = e->live;
     while (j != NULL) { /* cancel each live job: hold it while the lock is let go */
         j->refs++;
