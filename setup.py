@@ -38,7 +38,9 @@ class BuildExt(build_ext):
 # -pthread: the engine's worker threads (pool.c) are POSIX threads
 # -fvisibility=hidden: only PyInit_* (PyMODINIT_FUNC marks it default) is exported; the C files' shared
 # functions stay inside their module (no clash with another library's names, calls not made through the PLT)
-flags = [] if os.name == "nt" else ["-O3", "-pthread", "-fvisibility=hidden"]
+# -ffp-contract=off: no fused multiply-adds, so blend.c's sums round as numpy's do, bit for bit (its pragmas are
+# ignored by clang under -ffp-contract=fast, and GCC contracts by default where the target has FMA, as aarch64)
+flags = [] if os.name == "nt" else ["-O3", "-pthread", "-fvisibility=hidden", "-ffp-contract=off"]
 setup(
     cmdclass={"build_ext": BuildExt},
     ext_modules=[Extension(name, sources=sources, depends=HEADERS, extra_compile_args=flags,

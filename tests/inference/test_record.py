@@ -49,3 +49,46 @@ def test_a_record_dropped_without_sync_closes_its_log(tmp_path):
     del rec
     with pytest.raises(OSError):
         os.fstat(fd)  # closed by the finalizer (and only that descriptor: it was the record's own)
+
+
+_SHORT_WRITE = r"""
+import os, resource, signal, sys
+from stoker.inference.record import CompletionRecord
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: a short write / EFBIG, not a killed process
+rec = CompletionRecord(sys.argv[1])
+rec.mark((0, 0, 0))                                       # "0_0_0\n": 6 bytes
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (7, hard))      # room for one more byte: the kernel writes "1"
+try:
+    rec.mark((1, 0, 2))
+    print("no error")
+except OSError as e:
+    print("cut short:", e)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))   # space again
+rec.mark((5, 6, 7))                                       # the next region's mark
+rec.sync()
+"""
+
+
+def test_a_mark_cut_short_by_the_kernel_leaves_no_torn_line_for_the_next(tmp_path):
+    # a real short write (RLIMIT_FSIZE, as a full disk at a block boundary): the torn "1" must not become the
+    # first byte of the next mark ("15_6_7"), which a restart would skip unwritten
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SHORT_WRITE, str(tmp_path / "a.zarr")], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert "cut short" in out.stdout, out.stdout
+    assert CompletionRecord(str(tmp_path / "a.zarr")).done() == {(0, 0, 0), (5, 6, 7)}
+    logs = [(tmp_path / "a.zarr.tiles-done" / n).read_bytes() for n in os.listdir(tmp_path / "a.zarr.tiles-done")]
+    assert sorted(logs) == [b"0_0_0\n", b"5_6_7\n"]  # the torn byte cut off, the next mark in a new log
+
+
+def test_done_takes_only_indices_of_the_region_grid(tmp_path):
+    rec = CompletionRecord(str(tmp_path / "a.zarr"))
+    rec.check_settings({"shape": [2, 10, 20, 30], "unit": [2, 5, 10, 10], "dtype": "float32", "blend": "none",
+                        "crop": None})  # regions: 2 x 2 x 3 (with the channel axis: 1 x 2 x 2 x 3)
+    for m in [(1, 1, 2), (0, 0, 0, 0), (2, 0, 0), (0, 2, 0), (1, 1, 3), (1, 1), (0, 0, 0, 0, 0), (15, 1, 2)]:
+        rec.mark(m)
+    assert rec.done() == {(1, 1, 2), (0, 0, 0, 0)}

@@ -85,6 +85,14 @@ def test_what_it_leaves_to_numpy_and_what_it_refuses():
     win = (np.ones(4), np.ones(4))
     assert not weighted.mean_into(np.zeros((1, 4, 4), np.uint8), [(np.ones((1, 4, 4), np.float32), (0, 0), win)])
     assert not weighted.mean_into(out, [(np.ones((1, 4, 4), np.float16), (0, 0), win)])
+    # 8 spatial axes (9 with the lanes): more than blend.c takes, numpy's (a TileWriter over 8-D tiles blends)
+    wide = (2,) * 8
+    assert not weighted.mean_into(np.zeros(wide, np.float32), [(np.ones(wide, np.float32), (0,) * 8, (np.ones(2),) * 8)],
+                                  lead=0)
+    # 7 spatial axes: the compiled pass takes them
+    seven = np.zeros((1,) + (2,) * 7, np.float32)
+    assert weighted.mean_into(seven, [(np.ones(seven.shape, np.float32), (0,) * 7, (np.ones(2),) * 7)])
+    assert (seven == 1).all()
     with pytest.raises(ValueError, match="outside"):
         weighted.mean_into(out, [(np.ones((1, 4, 4), np.float32), (1, 0), win)])
     with pytest.raises(ValueError, match="window"):
@@ -213,3 +221,17 @@ def test_every_combination_of_lanes_and_axes_is_read_in_place():
     for lead, shape in itertools.product([0, 1], [(4,), (4, 5)]):
         x = np.zeros((2,) * lead + shape, np.float32)
         assert np.shares_memory(weighted.lanes(x, lead), x)
+
+
+def test_a_writer_over_8_d_tiles_blends_with_numpy(tmp_path):
+    # more spatial axes than the compiled pass takes: numpy's blend, not blend_mean's ValueError at close()
+    shape = (3,) + (2,) * 7
+    data = np.random.default_rng(0).random(shape, dtype="f4")
+    zarr.create_array(str(tmp_path / "in.zarr"), shape=shape, chunks=shape, dtype="f4")[:] = data
+    grid = stoker.TileGrid([str(tmp_path / "in.zarr")], (2,) * 8, stride=(1,) + (2,) * 7)
+    w = stoker.TileWriter(str(tmp_path / "out.zarr"), shape, shape, "f4", blend="hann", write_threads=0)
+    for i in range(len(grid)):
+        s = grid.sample(0, i)
+        w.write([s], torch.from_numpy(data[tuple(slice(a, b) for a, b in s.aabb)][None].copy()))
+    w.close()
+    np.testing.assert_allclose(zarr.open_array(str(tmp_path / "out.zarr"))[:], data, rtol=1e-6)

@@ -45,7 +45,7 @@ static int float_kind(const Py_buffer *b) {
         return 0;
     if (*f == '@' || *f == '=' || *f == order)
         f++;
-    if (f[1] != '\0')
+    if (f[0] == '\0' || f[1] != '\0') /* a byte-order character alone: no type (and f[1] past its end) */
         return 0;
     return f[0] == 'f' && b->itemsize == 4 ? 1 : f[0] == 'd' && b->itemsize == 8 ? 2 : 0;
 }

@@ -122,8 +122,17 @@ class CompletionRecord:
                 name = f"{LOG_PREFIX}{HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}{LOG_SUFFIX}"
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
                 fd = self._log[0] = os.open(os.path.join(self.path, name), flags, 0o644)
-            if os.write(fd, line) != len(line):
-                raise OSError(f"{self.path}: a mark of region {index} was cut short (disk full?)")
+            size = os.fstat(fd).st_size  # this record's own log: only this lock's holder appends to it
+            try:
+                written = os.write(fd, line)
+            except BaseException:
+                _drop_torn_log(self._log, size)
+                raise
+            if written != len(line):
+                _drop_torn_log(self._log, size)
+                raise OSError(f"{self.path}: a mark of region {index} was cut short ({written} of {len(line)} "
+                              "bytes; disk full or file size limit?); it was removed, and the region is written "
+                              "again by a restarted job")
 
     def done(self) -> set[tuple[int, ...]]:
         """The regions recorded as written."""
@@ -131,27 +140,63 @@ class CompletionRecord:
             names = self._store.list()  # an empty folder lists no keys (object stores have no folders)
         else:
             names = os.listdir(self.path)
-        out = set()
+        grid = self._grid()
+        out: set[tuple[int, ...]] = set()
         for name in names:
             stem, ext = os.path.splitext(name)
-            if ext == ".json" and stem != "writer" and _index(stem) is not None:
-                out.add(_index(stem))  # type: ignore[arg-type]  # not None: just checked
+            if ext == ".json" and stem != "writer":
+                if (index := _index(stem, grid)) is not None:
+                    out.add(index)
             elif not self.remote and name.startswith(LOG_PREFIX) and ext == LOG_SUFFIX:
                 try:
                     text = (Path(self.path) / name).read_bytes().decode("ascii", errors="replace")
                 except FileNotFoundError:
                     continue
                 for line in text.split("\n")[:-1]:  # the part after the last newline: a mark cut short
-                    index = _index(line)
+                    index = _index(line, grid)
                     if index is not None:
                         out.add(index)
         return out
 
 
-def _index(stem: str) -> tuple[int, ...] | None:
-    """``"1_0_2"`` as ``(1, 0, 2)``; None for anything else."""
+    def _grid(self) -> tuple[int, ...] | None:
+        """The regions per axis of the array (``writer.json``'s shape over its write unit); None before the
+        record is started."""
+        blob = self._read("writer.json")
+        if blob is None:
+            return None
+        saved = json.loads(blob)
+        return tuple(-(-int(s) // int(u)) for s, u in zip(saved["shape"], saved["unit"]))
+
+
+def _index(stem: str, grid: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
+    """``"1_0_2"`` as ``(1, 0, 2)``; None for anything else, and for an index that is not a region of ``grid``
+    (regions per axis; a region index names the spatial axes: all, or all but a channel axis first)."""
     parts = stem.split("_")
-    return tuple(int(p) for p in parts) if all(p.isdigit() and p.isascii() for p in parts) else None
+    if not all(p.isdigit() and p.isascii() for p in parts):
+        return None
+    index = tuple(int(p) for p in parts)
+    if grid is not None:
+        if len(index) not in (len(grid), len(grid) - 1) or len(index) == 0:
+            return None
+        if any(i >= n for i, n in zip(index, grid[len(grid) - len(index):])):
+            return None
+    return index
+
+
+def _drop_torn_log(log: list[int | None], size: int) -> None:
+    """After a mark cut short or failed: cut the log back to ``size`` (the marks before it), and close it, so
+    the next mark starts another log instead of being appended to the torn bytes (``"1"`` + ``"5_6_7\\n"``
+    would read as region ``15_6_7``). The caller holds the log's lock."""
+    fd, log[0] = log[0], None
+    if fd is None:
+        return
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        pass  # the torn line has no newline yet: it stays no mark as long as nothing is appended to it
+    finally:
+        os.close(fd)
 
 
 def _close_log(log: list[int | None], lock: threading.Lock) -> None:

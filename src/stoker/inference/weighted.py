@@ -24,6 +24,9 @@ native_mean = native.blend_mean
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
+#: the most axes ``blend_mean`` takes, the lanes axis included (``csrc/blend.c``'s ``BLEND_MAXD``): 7 spatial axes
+MAX_AXES = 8
+
 # a part: its values (lanes first, as the output), its start in the output on each spatial axis, and the window
 # of each spatial axis over its extent (float64; its weights are their outer product)
 Part = tuple[np.ndarray, Sequence[int], Sequence[np.ndarray]]
@@ -41,10 +44,10 @@ def mean_into(out: np.ndarray, parts: Sequence[Part], lead: int = 1) -> bool:
     """Blend ``parts`` (in the order they are to be summed) into ``out`` (``lead`` channel axes first, 0 or 1,
     the parts' as well): a voxel several parts cover gets ``sum(w * v) / sum(w)`` in float64, rounded once to
     ``out``'s dtype; one part, its value cast as ``astype``; none, untouched. False (``out`` untouched) where
-    this is left to numpy: no compiled engine, more channel axes, or an output or a part that is not float32
-    or float64."""
+    this is left to numpy: no compiled engine, more channel axes, more than ``MAX_AXES - 1`` spatial axes, or
+    an output or a part that is not float32 or float64."""
     view = lanes(out, lead)
-    if native_mean is None or view is None or out.dtype not in FLOATS or any(v.dtype not in FLOATS
+    if native_mean is None or view is None or view.ndim > MAX_AXES or out.dtype not in FLOATS or any(v.dtype not in FLOATS
                                                                              for v, _, _ in parts):
         return False
     native_mean(view, [(lanes(v, lead), tuple(int(o) for o in offsets), tuple(windows))
@@ -52,4 +55,4 @@ def mean_into(out: np.ndarray, parts: Sequence[Part], lead: int = 1) -> bool:
     return True
 
 
-__all__ = ["FLOATS", "Part", "lanes", "mean_into", "native_mean"]
+__all__ = ["FLOATS", "MAX_AXES", "Part", "lanes", "mean_into", "native_mean"]

@@ -160,6 +160,10 @@ class _Region:
         # the weighted parts not yet summed: where in the region, their weights (a view of the tile's), values,
         # and the windows whose outer product the weights are (for weighted.mean_into)
         self.parts: list[tuple[tuple[slice, ...], np.ndarray, np.ndarray, Windows]] = []
+        # each part's tile (its output box in the array): the order parts and overlaps are summed in, so the
+        # float64 sums do not depend on the order they came (batches, ranks, a restart)
+        self.part_tiles: list[Box] = []
+        self.overlap_tiles: list[Box] = []
         self.parts_bytes = 0
         # what folding takes: the float64 sums and sums of weights, and the uint8 count of parts per voxel
         self.sums_bytes = sums_bytes(int(np.prod(channels)), self.shape)
@@ -179,7 +183,7 @@ class _Region:
         return sum(a.nbytes for a in (self.values, self.wsum, self.count) if a is not None) + self.parts_bytes
 
     def add_weighted(self, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray, pool: BufferPool,
-                     scratch: Scratch, win: Windows) -> None:
+                     scratch: Scratch, win: Windows, tile: Box) -> None:
         """Take one weighted part: kept for later, or added to the sums once the region has them."""
         if self.wsum is None and self.parts_bytes + values.nbytes <= self.sums_bytes:
             # a view of the caller's batch is copied (the pipeline reuses it), into a recycled buffer; a
@@ -189,13 +193,15 @@ class _Region:
                 np.copyto(kept, values)
                 values = kept
             self.parts.append((where, w, values, win))
+            self.part_tiles.append(tile)
             self.parts_bytes += values.nbytes
             return
         if self.wsum is None:
             self.fold(pool, scratch)
         self._accumulate(where, w, values, scratch)
 
-    def add_planned(self, box: Box, w: np.ndarray, values: np.ndarray, pool: BufferPool, win: Windows) -> None:
+    def add_planned(self, box: Box, w: np.ndarray, values: np.ndarray, pool: BufferPool, win: Windows,
+                    tile: Box) -> None:
         """Take one weighted part of a planned region (``box``: where it lies, in the array; ``w``, ``values``,
         ``win``: over it): the voxels it alone covers copied into the output (cast as astype, rounded to the nearest for
         an integer output), its pieces of the overlaps kept (copies: the batch goes back to the pipeline)."""
@@ -213,12 +219,13 @@ class _Region:
             kept = pool.take(values[(Ellipsis,) + at].shape, values.dtype, zero=False)
             np.copyto(kept, values[(Ellipsis,) + at])
             self.overlaps.append((m, x, w[at], tuple(v[a] for v, a in zip(win, at)), kept))
+            self.overlap_tiles.append(tile)
             self.parts_bytes += kept.nbytes
         self.arrived.append(box)
 
     def finish_planned(self, fill: np.ndarray, pool: BufferPool) -> list[np.ndarray]:
         """The overlaps of a planned region blended into its output, as :meth:`blend_parts` blends them (each
-        overlap's parts in the order they came, weighted and summed in float64, the quotient rounded once);
+        overlap's parts in the order of their boxes, weighted and summed in float64, the quotient rounded once);
         ``fill`` where no part arrived. Returns the buffers taken from ``pool`` (the output last)."""
         assert self.plan is not None and self.values is not None
         out = self.values
@@ -227,7 +234,9 @@ class _Region:
             lead = self.full[:len(self.full) - len(self.shape)]
             rint = np.issubdtype(out.dtype, np.integer)
             by_piece: dict[int, list[tuple[Box, np.ndarray, Windows, np.ndarray]]] = {}
-            for m, x, w, win, values in self.overlaps:  # in the order they came
+            # summed in the order of their tiles' boxes, not of arrival (batches, ranks)
+            for i in sorted(range(len(self.overlaps)), key=lambda i: self.overlap_tiles[i]):
+                m, x, w, win, values = self.overlaps[i]
                 by_piece.setdefault(m, []).append((x, w, win, values))
             for m, kept in by_piece.items():
                 box = self.plan.several[m]
@@ -267,17 +276,27 @@ class _Region:
         # voxels no part reached (a region finished at close())
         for piece in subtract(tuple((0, n) for n in self.shape), self.arrived):
             out[(Ellipsis,) + _slices(piece)] = fill
-        self.overlaps, self.parts_bytes = [], 0
+        self.overlaps, self.overlap_tiles, self.parts_bytes = [], [], 0
         return spent + [out]
 
     def fold(self, pool: BufferPool, scratch: Scratch) -> None:
         """Sum the parts kept into float64 sums (made here, from ``pool``)."""
         self.values, self.wsum = pool.take(self.full, np.float64), pool.take(self.shape, np.float64)
         self.count = pool.take(self.shape, np.uint8)
-        for where, w, values, _ in self.parts:  # in the order they came, as if summed on arrival
+        # the parts kept in the order of their boxes (as blend_parts sums them); those that come after are added
+        # as they come: a folded region's sums (one whose parts outgrew its float64 sums) depend on the order
+        # parts arrive, within float64 rounding, and are not bit-identical between rank splits
+        self._sort_parts()
+        for where, w, values, _ in self.parts:
             self._accumulate(where, w, values, scratch)
             pool.give(values)  # summed: the next parts' copies
-        self.parts, self.parts_bytes = [], 0
+        self.parts, self.part_tiles, self.parts_bytes = [], [], 0
+
+    def _sort_parts(self) -> None:
+        """The parts kept in the order of their tiles' boxes (ties: as they came, the same tile's repeat)."""
+        order = sorted(range(len(self.parts)), key=lambda i: self.part_tiles[i])
+        self.parts = [self.parts[i] for i in order]
+        self.part_tiles = [self.part_tiles[i] for i in order]
 
     def blend_parts(self, out: np.ndarray, fill: np.ndarray, pool: BufferPool) -> list[np.ndarray]:
         """Blend the parts kept into ``out`` (the region in the output's dtype) and hand the parts back to
@@ -288,7 +307,12 @@ class _Region:
         it within float32 rounding; weights are multiplied and summed, in float64, only where parts overlap
         (a crop's tiles overlap at the far borders only). Voxels no part covers get ``fill``. Past
         ``PIECEWISE_PARTS`` parts (whose pieces grow faster than they do): :meth:`_blend_summed`, same result.
-        A float output of float parts: all of it in one compiled pass (:func:`~.weighted.mean_into`), same result."""
+        A float output of float parts: all of it in one compiled pass (:func:`~.weighted.mean_into`), same result.
+
+        The parts are summed in the order of their boxes, not the order they came, so the rounding of the float64
+        sums does not depend on how tiles were batched or split between ranks (one rank, two ranks and a restart
+        give the same bits)."""
+        self._sort_parts()
         boxes = [tuple((s.start, s.stop) for s in where) for where, _, _, _ in self.parts]
         if mean_into(out, [(values, [s.start for s in where], win) for where, _, values, win in self.parts],
                      len(self.full) - len(self.shape)):
@@ -302,7 +326,7 @@ class _Region:
                 out[(Ellipsis,) + (~reached,)] = fill
             for _, _, values, _ in self.parts:
                 pool.give(values)  # blended: the next parts' copies
-            self.parts, self.parts_bytes = [], 0
+            self.parts, self.part_tiles, self.parts_bytes = [], [], 0
             return []
         if len(self.parts) > PIECEWISE_PARTS:
             return self._blend_summed(out, fill, pool)
@@ -325,7 +349,7 @@ class _Region:
                 acc, wsum = _carve(sums, lead + _extent(m)), _carve(wsums, _extent(m))
                 acc.fill(0)
                 wsum.fill(0)
-                for (_, w, values, _), b in zip(self.parts, boxes):  # in the order they came, as sums on arrival
+                for (_, w, values, _), b in zip(self.parts, boxes):  # in the order of their boxes
                     x = intersect(m, b)
                     if any(hi <= lo for lo, hi in x):
                         continue
@@ -343,17 +367,17 @@ class _Region:
             out[(Ellipsis,) + _slices(piece)] = fill
         for _, _, values, _ in self.parts:
             pool.give(values)  # blended: the next parts' copies
-        self.parts, self.parts_bytes = [], 0
+        self.parts, self.part_tiles, self.parts_bytes = [], [], 0
         return spent
 
     def _blend_summed(self, out: np.ndarray, fill: np.ndarray, pool: BufferPool) -> list[np.ndarray]:
         """:meth:`blend_parts` for many parts, in time linear in them: every part summed over the whole region
-        in float64 (the order they came, so overlaps get the sums the pieces would), the quotient taken, then
+        in float64 (in the order of their boxes, so overlaps get the sums the pieces would), the quotient taken, then
         each part copied (rounded as astype) where the count says it alone covers."""
         count = pool.take(self.shape, np.uint8)
         sums, wsums = pool.take(self.full, np.float64), pool.take(self.shape, np.float64)
         prods = pool.take(self.full, np.float64, zero=False)
-        for where, w, values, _ in self.parts:
+        for where, w, values, _ in self.parts:  # in the order of their boxes (blend_parts sorted them)
             _cover(count, where)
             _add(sums, wsums, where, w, values, lambda shape: _carve(prods, shape))
         _quotient(out, sums, wsums, count, fill)
@@ -363,7 +387,7 @@ class _Region:
                 np.rint(values, out=values)  # in place: the part is the region's own copy, summed already
             np.copyto(out[(Ellipsis,) + where], values, casting="unsafe", where=count[where] == 1)
             pool.give(values)  # blended: the next parts' copies
-        self.parts, self.parts_bytes = [], 0
+        self.parts, self.part_tiles, self.parts_bytes = [], [], 0
         return [count, sums, wsums, prods]
 
     def finish_folded(self, out: np.ndarray, fill: np.ndarray) -> None:
@@ -681,10 +705,10 @@ class TileWriter:
                               values[(Ellipsis,) + local(piece, box)], casting="unsafe")  # as astype
             elif region.plan is not None:
                 region.add_planned(box, self._weights_of(key)[local(box, key)], values, self._pool,
-                                   self._windows_of(key, box))
+                                   self._windows_of(key, box), key)
             else:
                 region.add_weighted(where, self._weights_of(key)[local(box, key)], values, self._pool,
-                                    self._scratch_of, self._windows_of(key, box))
+                                    self._scratch_of, self._windows_of(key, box), key)
             if self._expected is not None and len(region.seen) >= self._expected.get(r, 0):
                 self._flush(r)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -267,7 +268,7 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                     if held is None:
                         key = reader.key_of(reader.file_path(meta.chunk_key(index)))
                         if chunks is not None:
-                            held = remember(chunks, index, [key, 0.0], REVALIDATED_CHUNKS)
+                            held = asked.keep(chunks, index, [key, 0.0])  # type: ignore[union-attr]
                     else:
                         key = held[0]
                     if key not in keys:
@@ -288,24 +289,52 @@ class Revalidated:
     """Per open array (an ``ArrayReader``), its chunks (grid indices) asked about: ``[key, until]``, the key of
     the chunk's object (built once) and until when (``time.monotonic()``; 0: not known when last asked) its
     store said it is known and younger than half the staleness bound: what :func:`revalidate_ahead` skips.
-    A pipeline's (:attr:`Ahead.revalidated`); at most :data:`REVALIDATED_ARRAYS` arrays and
-    :data:`REVALIDATED_CHUNKS` chunks an array, past which forgotten (built and asked again). Read and
-    written by whichever thread revalidates a batch (single dict and list steps). Only ever skips asking
-    ahead: a read still judges its objects' generations itself (an object the store forgot since, or lost
-    from the disk, is revalidated, or fetched, by its read).
+    A pipeline's (:attr:`Ahead.revalidated`); at most :data:`REVALIDATED_ENTRIES` chunks in all (about 280
+    bytes each: ~18 MiB), :data:`REVALIDATED_CHUNKS` an array and :data:`REVALIDATED_ARRAYS` arrays, past
+    which forgotten (built and asked again). Readers are held weakly: an array the pipeline closed or evicted
+    is dropped with its chunks, not kept alive here. Read and written by whichever thread revalidates a batch
+    (single dict and list steps). Only ever skips asking ahead: a read still judges its objects' generations
+    itself (an object the store forgot since, or lost from the disk, is revalidated, or fetched, by its read).
 
     >>> ahead.revalidated.of(reader)    # {(0, 1, 2): ["a.zarr/c/0/1/2", 1234.5], ...}
     """
 
     def __init__(self) -> None:
-        self._arrays: dict[int, tuple[Any, dict]] = {}
+        # id(reader) -> (a weak reference to it, its chunks); the reference's callback drops the entry
+        self._arrays: dict[int, tuple[weakref.ref, dict]] = {}
+        self._entries = 0  # chunks kept in all, counted as kept (recounted exactly before forgetting)
 
     def of(self, reader: Any) -> dict:
-        """The chunks of ``reader`` known fresh (made on first use; kept with the reader, so its id stays its)."""
+        """The chunks of ``reader`` known fresh (made on first use; dropped when the reader is)."""
         held = self._arrays.get(id(reader))
-        if held is None or held[0] is not reader:
-            held = remember(self._arrays, id(reader), (reader, {}), REVALIDATED_ARRAYS)
+        if held is None or held[0]() is not reader:
+            key = id(reader)
+            arrays = self._arrays
+
+            def dropped(ref: weakref.ref, key: int = key) -> None:  # the reader is gone: its chunks with it
+                entry = arrays.get(key)
+                if entry is not None and entry[0] is ref:
+                    del arrays[key]
+
+            held = remember(self._arrays, key, (weakref.ref(reader, dropped), {}), REVALIDATED_ARRAYS)
         return held[1]
+
+    def keep(self, chunks: dict, index: tuple[int, ...], value: list) -> list:
+        """``chunks[index] = value`` (``chunks``: one of :meth:`of`), within the bounds: past
+        :data:`REVALIDATED_ENTRIES` chunks in all, everything is forgotten first; returns ``value``."""
+        if index not in chunks:
+            self._entries += 1
+            if self._entries > REVALIDATED_ENTRIES:
+                self._entries = sum(len(c) for _, c in list(self._arrays.values())) + 1  # the readers dropped
+                if self._entries > REVALIDATED_ENTRIES:
+                    for _, c in list(self._arrays.values()):
+                        c.clear()
+                    self._entries = 1
+        return remember(chunks, index, value, REVALIDATED_CHUNKS)
+
+    def __len__(self) -> int:
+        """The chunks kept, in all arrays."""
+        return sum(len(c) for _, c in list(self._arrays.values()))
 
     @staticmethod
     def learnt(keys: dict, fresh: dict) -> None:
@@ -317,9 +346,11 @@ class Revalidated:
                 held[1] = until
 
 
-#: Arrays and chunks an array :class:`Revalidated` keeps at most.
+#: Arrays, chunks an array, and chunks in all that :class:`Revalidated` keeps at most (an entry: a key string,
+#: its list and index, about 280 bytes: 65,536 of them ~18 MiB, against 1024 x 16,384 ~4.4 GiB before).
 REVALIDATED_ARRAYS = 1024
 REVALIDATED_CHUNKS = 1 << 14
+REVALIDATED_ENTRIES = 1 << 16
 
 
 def listed_whole(reader: Any) -> bool:
@@ -356,4 +387,5 @@ def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> tuple[int, dict]:
 
 
 __all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER", "REVALIDATED_ARRAYS", "REVALIDATED_CHUNKS",
+           "REVALIDATED_ENTRIES",
            "Revalidated", "listed_whole", "prefetch_plan", "revalidate_ahead"]
