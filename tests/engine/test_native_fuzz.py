@@ -1500,6 +1500,28 @@ def sound(raw: bytes, ident: bytes, max_stored: int) -> bool:
             and crc32c.crc32c(body) == crc and body[:ident_len] == ident)
 
 
+def plant_entry(path, target, damage: str, raw: bytes) -> bool:
+    """Put at ``path`` what a fuzz example's ``damage`` asks (a link to ``target`` holding ``raw``, a FIFO, a
+    folder, nothing, or ``raw`` itself), after clearing what an earlier example left there; True when ``path``
+    is a regular file of ``raw``."""
+    for old in (path, target):
+        if old.is_dir() and not old.is_symlink():
+            old.rmdir()
+        elif os.path.lexists(old):
+            old.unlink()
+    if damage == "link":
+        target.write_bytes(raw)
+        os.symlink(target, path)
+    elif damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "folder":
+        path.mkdir()
+    elif damage != "missing":
+        path.write_bytes(raw)
+        return True
+    return False
+
+
 def entry_job(path: bytes, ident: bytes, nbytes: int, max_stored: int, span: tuple[int, int],
               rows: np.ndarray | None = None, blob: bytes | None = None, buffers=None, offset: int = -1):
     """One zstd chunk of ``nbytes`` read from the entry file ``path`` (expected ``ident``) into a guarded
@@ -1563,20 +1585,7 @@ def test_disk_cache_entries(work, data):
         raw = data.draw(st.binary(max_size=400))
     name = f"entry-{damage}"
     path = work / name
-    for old in (path, work / "target"):  # what an earlier example left there (a file, a link, a FIFO, a folder)
-        if old.is_dir() and not old.is_symlink():
-            old.rmdir()
-        elif os.path.lexists(old):
-            old.unlink()
-    if damage == "link":
-        (work / "target").write_bytes(raw)
-        os.symlink(work / "target", path)
-    elif damage == "fifo":
-        os.mkfifo(path)
-    elif damage == "folder":
-        path.mkdir()
-    elif damage != "missing":
-        path.write_bytes(raw)
+    if plant_entry(path, work / "target", damage, raw):
         os.utime(path, (1_000_000, 1_000_000))
     a, b = data.draw(spans(len(content)))
     if b <= a:
@@ -1675,20 +1684,7 @@ def test_engine_and_staging_judge_and_touch_an_entry_alike(work, data):
     elif damage == "ident":
         expected = data.draw(st.binary(max_size=200).filter(lambda b: b != ident))
     path = work / f"alike-{damage}"
-    for old in (path, work / "alike-target"):
-        if old.is_dir() and not old.is_symlink():
-            old.rmdir()
-        elif os.path.lexists(old):
-            old.unlink()
-    if damage == "link":
-        (work / "alike-target").write_bytes(raw)
-        os.symlink(work / "alike-target", path)
-    elif damage == "fifo":
-        os.mkfifo(path)
-    elif damage == "folder":
-        path.mkdir()
-    elif damage != "missing":
-        path.write_bytes(raw)
+    plant_entry(path, work / "alike-target", damage, raw)
     when = {"long ago": 10**15, "within the minute": time.time_ns() - 30 * 10**9,
             "future": time.time_ns() + 3600 * 10**9}[age]
 
