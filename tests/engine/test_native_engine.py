@@ -1219,17 +1219,22 @@ def test_a_thread_waiting_for_the_budget_counts_it(tmp_path):
     for t in tables:
         for i in range(64):
             t.write(i)
-    engine = native.Engine(3, 128 + 4096)
-    try:
-        batches = [np.zeros_like(t.batch) for t in tables]
-        jobs = [engine.submit(*t.args(b)) for t, b in zip(tables, batches)]  # work enough for the others to wake
-        assert all(job.wait(10) for job in jobs)
-        rows = _clocks(engine)
-        working = rows[:, native.W_CHUNKS] > 0
-        assert working.sum() == 1 and rows[working, native.W_CHUNKS].sum() == 10 * 64
-        assert rows[~working, native.W_BUDGET].max() > 0, rows
-    finally:
-        assert engine.close(5)
+    waited = 0
+    for _ in range(5):  # a loaded machine may not run the other threads before the one has done it all: again
+        engine = native.Engine(3, 128 + 4096)
+        try:
+            batches = [np.zeros_like(t.batch) for t in tables]
+            jobs = [engine.submit(*t.args(b)) for t, b in zip(tables, batches)]  # work enough for the others
+            assert all(job.wait(10) for job in jobs)
+            rows = _clocks(engine)
+            working = rows[:, native.W_CHUNKS] > 0
+            assert working.sum() == 1 and rows[working, native.W_CHUNKS].sum() == 10 * 64
+            waited = rows[~working, native.W_BUDGET].max()
+        finally:
+            assert engine.close(5)
+        if waited > 0:
+            break
+    assert waited > 0, rows
 
 
 def test_a_forked_child_reads_no_thread_clocks(tmp_path):
