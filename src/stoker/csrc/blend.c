@@ -35,19 +35,8 @@ typedef struct {
 
 /* The float kind of a buffer's format: 1 float32, 2 float64, 0 another (native byte order only). */
 static int float_kind(const Py_buffer *b) {
-#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    const char order = '<';
-#else
-    const char order = '>';
-#endif
-    const char *f = b->format;
-    if (f == NULL)
-        return 0;
-    if (*f == '@' || *f == '=' || *f == order)
-        f++;
-    if (f[0] == '\0' || f[1] != '\0') /* a byte-order character alone: no type (and f[1] past its end) */
-        return 0;
-    return f[0] == 'f' && b->itemsize == 4 ? 1 : f[0] == 'd' && b->itemsize == 8 ? 2 : 0;
+    const char t = native_type(b);
+    return t == 'f' && b->itemsize == 4 ? 1 : t == 'd' && b->itemsize == 8 ? 2 : 0;
 }
 
 static void release_parts(blend_part *parts, Py_ssize_t n) {

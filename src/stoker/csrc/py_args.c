@@ -23,20 +23,27 @@ PyObject *error_type(const char *error) {
     return error && strcmp(error, "out of memory") == 0 ? PyExc_MemoryError : PyExc_ValueError;
 }
 
-/* Whether b holds 8-byte integers in native byte order (numpy's int64 and uint64, array('q')): the functions
- * below read their buffers as such, so bytes or an int32 array of the right length are refused, not read. */
-int native_words(const Py_buffer *b) {
+/* The type character of a buffer of single items in native byte order ('f', 'd', 'q', ...), or 0 when it has no
+ * format, another byte order or more than one character (a struct, a repeat count). */
+char native_type(const Py_buffer *b) {
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     const char order = '<';
 #else
     const char order = '>';
 #endif
     const char *f = b->format;
-    if (f == NULL || b->itemsize != 8)
+    if (f == NULL)
         return 0;
     if (*f == '@' || *f == '=' || *f == order)
         f++;
-    return (f[0] == 'q' || f[0] == 'Q' || f[0] == 'l' || f[0] == 'L') && f[1] == '\0';
+    return f[0] != '\0' && f[1] == '\0' ? f[0] : 0; /* f[1] read only past a character that is not the end */
+}
+
+/* Whether b holds 8-byte integers in native byte order (numpy's int64 and uint64, array('q')): the functions
+ * below read their buffers as such, so bytes or an int32 array of the right length are refused, not read. */
+int native_words(const Py_buffer *b) {
+    const char t = native_type(b);
+    return b->itemsize == 8 && (t == 'q' || t == 'Q' || t == 'l' || t == 'L');
 }
 
 /* Take aligned buffers of 8-byte integers of objs[0..n): 0, or -1 with an exception set and none held. */
