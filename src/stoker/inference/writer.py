@@ -288,7 +288,12 @@ class _Region:
         self.count = pool.take(self.shape, np.uint8)
         # the parts kept in the order of their boxes (as blend_parts sums them); those that come after are added
         # as they come: a folded region's sums (one whose parts outgrew its float64 sums) depend on the order
-        # parts arrive, within float64 rounding, and are not bit-identical between rank splits.
+        # parts arrive, within float64 rounding, and are not bit-identical between rank splits. Not fixable within
+        # the memory bound: a fold in box order keeps each part that comes before an earlier one of its region,
+        # and arrival orders (pending()'s, a rank split's, a restart's, the caller's) put the earliest box last as
+        # readily as first, keeping every other part: the bytes whose size made the region fold. Exact, order-free
+        # sums would take a wide accumulator per voxel (float64 products span float64's exponents). See
+        # docs/inference.md, Restarting
         self._sort_parts()
         for where, w, values, _ in self.parts:
             self._accumulate(where, w, values, scratch)
