@@ -152,8 +152,8 @@ def test_a_writer_dropped_without_close_does_not_leave_its_threads(tmp_path):
     deadline = time.monotonic() + 10  # no closure over w: it is dropped below
     while w.written < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
-    threads = list(w._background._pool.threads)
-    assert threads and all(t.is_alive() for t in threads)
+    threads = list(w._background._pool.threads) + w._marks.threads  # the write threads and the sync thread
+    assert len(w._marks.threads) == 1 and all(t.is_alive() for t in threads)
     del w
     gc.collect()
     for t in threads:

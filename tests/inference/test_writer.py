@@ -91,9 +91,11 @@ def run(uri_in, out, blend, channels, world=1, rank=0, stop_after=None, crop=CRO
         done += 1
         if stop_after is not None and done == stop_after:
             # killed mid-way, once the regions finished so far are written and recorded (the background
-            # threads write behind); nothing more is flushed
+            # threads write behind, and the sync thread marks them once their chunks are on the disk); nothing
+            # more is flushed
             if writer._background is not None:
                 writer._background.drain()
+            writer._marks.drain()
             assert writer.record.done() == writer.done
             os._exit(3)
     writer.close()

@@ -109,6 +109,30 @@ class ChunkWriter:
         # store.set: that goes to zarr's event loop and from there to a worker thread, two thread hops a
         # chunk for a write of a file
         self._local_root = Path(store.root) if type(store) is LocalStore and not store.read_only else None
+        # the array's folder on a local disk, whose files a region's mark waits for (see files()); None elsewhere
+        prefix = self.array.store_path.path
+        self.folder = None if not isinstance(store, LocalStore) else \
+            Path(store.root) / prefix if prefix else Path(store.root)
+        self._unit = tuple(int(c) for c in (array.shards or array.chunks))  # what one file holds
+
+    def files(self, box: tuple[slice, ...]) -> list[Path]:
+        """The files on a local disk that hold ``box`` (its chunks, or its shards; those of chunks holding only
+        the fill value may not exist); none on other stores. Where a region's write went, for
+        :mod:`.durable`."""
+        if self.folder is None:
+            return []
+        meta = self.array.metadata
+        ranges = [range((0 if s.start is None else s.start) // u, -(-(n if s.stop is None else s.stop) // u))
+                  for s, u, n in zip(box, self._unit, self.shape)]
+        return [self.folder / meta.encode_chunk_key(index) for index in itertools.product(*ranges)]
+
+    def metadata_files(self) -> list[Path]:
+        """The array's metadata files on a local disk (zarr.json; .zarray and .zattrs), to be durable before
+        the first mark; none on other stores."""
+        if self.folder is None:
+            return []
+        names = ["zarr.json"] if self.array.metadata.zarr_format == 3 else [".zarray", ".zattrs"]
+        return [self.folder / name for name in names]
 
     def write(self, box: tuple[slice, ...], values: np.ndarray) -> None:
         """``array[box] = values``, each whole chunk of ``box`` encoded here where :attr:`direct`."""

@@ -10,9 +10,10 @@ regions that were written whole. In ``<array>.tiles-done/``:
 - on an object store, one object ``<i>_<j>_<k>.json`` a region (one PUT: no appends there), and a local
   record's per-region files of earlier versions are read the same way.
 
-The marks are not fsynced one by one (an fsync per region cost more than the region's write, and
-zarr-python does not fsync the chunks they vouch for); :meth:`CompletionRecord.sync` flushes the log and the
-folder once, at the writer's close. ``writer.json`` there holds the settings the record is valid for.
+A TileWriter marks a region only once its chunk files are on the disk, and makes the marks durable a group
+at a time (:mod:`.durable`: its chunks fsynced, then the marks appended, then :meth:`CompletionRecord.flush`,
+one fsync of the log for the group); :meth:`CompletionRecord.sync` flushes the log and the folder once more
+and closes the log, at the writer's close. ``writer.json`` there holds the settings the record is valid for.
 
 >>> rec = CompletionRecord("/out/pred.zarr")
 >>> rec.mark((0, 1, 2))
@@ -51,6 +52,7 @@ class CompletionRecord:
         # without sync()) shares, so it closes the descriptor only while it is this record's
         self._log: list[int | None] = [None]
         self._log_lock = threading.Lock()
+        self._log_new = False  # the log was made since the last flush: the folder's entry for it is not durable
         weakref.finalize(self, _close_log, self._log, self._log_lock)
         if self.remote:  # the record's folder as a store of its own: keys are the marks' names
             self._store = remote_store(self.path, storage_options)
@@ -73,6 +75,18 @@ class CompletionRecord:
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
+
+    def flush(self) -> None:
+        """Make the marks written so far durable (the log fsynced, and the record's folder when the log is new),
+        keeping the log open for the next marks."""
+        if self.remote:
+            return
+        with self._log_lock:  # a mark's append and sync() do not run meanwhile
+            fd, new, self._log_new = self._log[0], self._log_new, False
+            if fd is not None:
+                os.fsync(fd)
+        if new:
+            fsync_dir(self.path)
 
     def sync(self) -> None:
         """Make the marks written so far durable (the log and the record's folder fsynced once); the log is
@@ -122,6 +136,7 @@ class CompletionRecord:
                 name = f"{LOG_PREFIX}{HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}{LOG_SUFFIX}"
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
                 fd = self._log[0] = os.open(os.path.join(self.path, name), flags, 0o644)
+                self._log_new = True
             size = os.fstat(fd).st_size  # this record's own log: only this lock's holder appends to it
             try:
                 written = os.write(fd, line)

@@ -33,8 +33,10 @@ How the work is split (see docs/inference.md):
   ``grid=``, a batch holding a tile not the grid's is refused whole (InvalidArgument) before any of it is
   taken, on every rank for that call (the refusing rank sends its reason instead of parts), so the ranks
   stay in step and the writer stays usable.
-- After its chunks are written a region is marked in a completion record beside the array; a restarted
-  writer skips marked regions, and :meth:`TileWriter.pending` lists the tiles still needed.
+- After its chunks are written a region is marked in a completion record beside the array (on a local
+  disk only once its chunk files are fsynced, a group of regions at a time on a sync thread: see
+  :mod:`.durable`); a restarted writer skips marked regions, and :meth:`TileWriter.pending` lists the
+  tiles still needed.
 - A finished region is blended down and written by ``write_threads`` background threads
   (:mod:`.background`) while reading and the model go on; the regions queued or being written hold at
   most ``write_bytes``, each counted as what it holds when handed over (its values, or its parts or
@@ -66,6 +68,7 @@ from .blend import (BLENDS, Box, coverage, intersect, local, output_box, region_
                     window)
 from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
+from .durable import DurableMarks
 from .record import CompletionRecord
 from .target import array_store, writing
 from .weighted import mean_into
@@ -285,7 +288,12 @@ class _Region:
         self.count = pool.take(self.shape, np.uint8)
         # the parts kept in the order of their boxes (as blend_parts sums them); those that come after are added
         # as they come: a folded region's sums (one whose parts outgrew its float64 sums) depend on the order
-        # parts arrive, within float64 rounding, and are not bit-identical between rank splits
+        # parts arrive, within float64 rounding, and are not bit-identical between rank splits. Not fixable within
+        # the memory bound: a fold in box order keeps each part that comes before an earlier one of its region,
+        # and arrival orders (pending()'s, a rank split's, a restart's, the caller's) put the earliest box last as
+        # readily as first, keeping every other part: the bytes whose size made the region fold. Exact, order-free
+        # sums would take a wide accumulator per voxel (float64 products span float64's exponents). See
+        # docs/inference.md, Restarting
         self._sort_parts()
         for where, w, values, _ in self.parts:
             self._accumulate(where, w, values, scratch)
@@ -536,6 +544,11 @@ class TileWriter:
             BackgroundWriter(self.uri, int(write_threads), int(write_bytes), float(write_timeout_s))
         if self._background is not None:  # a writer dropped without close(): its threads end with it
             weakref.finalize(self, self._background.stop)
+        # a written region is marked once its chunk files are on the disk (local disks), a group of regions at a
+        # time on a sync thread of its own (none without write threads)
+        self._marks = DurableMarks(self.record, self._chunks.folder, self._marked, self._background is not None,
+                                   float(write_timeout_s), metadata=self._chunks.metadata_files())
+        weakref.finalize(self, self._marks.stop)
         if self._ndim is not None:
             self._setup(self._ndim)
 
@@ -624,6 +637,7 @@ class TileWriter:
         try:  # the whole batch is checked before any of it is taken: a refused batch changes nothing
             if self._background is not None:
                 self._background.check()  # a background write failed: say so before more work
+            self._marks.check()  # so did flushing written regions to the disk, or their marks
             self._cut(samples, _numpy(predictions), parts)
         except Exception as e:
             if fresh:
@@ -765,11 +779,15 @@ class TileWriter:
             out = self._pool.take(region.full, self.dtype, zero=False)
             region.finish_folded(out, fill)
             spent = [region.values, region.wsum, region.count, out]
+        where = (slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box)
         with writing(self.uri, f"region {r} (voxels {region.box})"):
-            self._chunks.write((slice(None),) * len(self.channels) + tuple(slice(a, b) for a, b in region.box), out)
+            self._chunks.write(where, out)
         for buf in spent:  # zarr-python is done with them: the next regions' accumulators
             self._pool.give(buf)
-        self.record.mark(r)
+        self._marks.add(r, self._chunks.files(where))  # marked once its files are on the disk
+
+    def _marked(self, r: tuple[int, ...]) -> None:
+        """Region ``r`` is written and marked, its chunks and its mark on the disk (the sync thread)."""
         with self._count_lock:
             self.written += 1
             self.done.add(r)
@@ -786,8 +804,14 @@ class TileWriter:
                 for r in sorted(self._open):
                     self._flush(r)
             finally:
-                if self._background is not None:
-                    self._background.close()  # waits for the queued writes, raises the first failure
+                try:
+                    if self._background is not None:
+                        self._background.close()  # waits for the queued writes, raises the first failure
+                finally:
+                    try:
+                        self._marks.drain()  # the regions written are on the disk, and marked
+                    finally:
+                        self._marks.stop()
             self.record.sync()
         except Exception as e:
             failed = e
@@ -807,12 +831,19 @@ class TileWriter:
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
             self.close()
-        elif self._background is not None:  # the regions already queued are written; the error is the caller's
+        else:  # the regions already queued are written and marked; the error is the caller's
             self._closed = True
             try:
-                self._background.close()
+                if self._background is not None:
+                    self._background.close()
             except Exception:
                 pass  # the caller's exception is the one raised
+            try:
+                self._marks.drain()
+            except Exception:
+                pass
+            finally:
+                self._marks.stop()
 
 
 def _reason(failed: BaseException) -> tuple[str, str]:

@@ -1,0 +1,212 @@
+"""Marks that never outrun the data: a region is marked done only once its chunk files are on the disk.
+
+A TileWriter's completion record tells a restarted job which regions to skip. If a mark reached the disk
+before the chunk files it vouches for (a power loss, a kernel crash: the page cache is lost, and the kernel
+writes dirty pages back in no particular order), the restart would skip a region whose data is not there:
+silently wrong output. So on a local disk :class:`DurableMarks` makes each written region's files durable
+before its mark is written: every chunk (or shard) file the region covers is fsynced, and so is each
+folder that took a new name (the chunk renamed into it, a folder made for it: each folder's entry in its
+parent once, the first time it is seen), then the marks are appended to the record's log and the log is
+fsynced (the record's folder too, when the log is new).
+
+Done one region at a time on the write threads this cost more than the writes (an fsync waits for the
+disk: ~2 ms for a 1 MiB chunk here, and the log's fsync is a journal commit of its own), so it is batched
+and kept off them: the write threads hand each written region's files over and go on to the next region;
+one sync thread takes everything handed over since its last pass, fsyncs those files and folders, appends
+the marks and fsyncs the log once for the whole group (group commit: the more regions finish while a pass
+waits for the disk, the fewer passes). ``threaded=False`` (a writer with ``write_threads=0``) does the
+pass on the caller's thread, one region at a time.
+
+An object store needs none of it: a PUT that succeeded is durable, and the mark is a PUT after the chunks'.
+Nothing on the disk is fsynced there (``files`` is empty), and the marks are written as they come.
+
+A pass that fails (an fsync or a mark raising) marks none of its regions; the error is raised, as a
+:class:`~stoker.errors.StorageError`, by :meth:`check` and :meth:`drain`, and nothing is marked after it.
+
+>>> marks = DurableMarks(record, Path("/out/pred.zarr"), on_marked=print, threaded=True, timeout_s=600)
+>>> marks.add((0, 0, 0), [Path("/out/pred.zarr/c/0/0/0")])   # after the region's chunks were written
+>>> marks.drain()    # every region handed over is marked, its chunks and the mark on the disk
+(0, 0, 0)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..errors import StorageError
+from ..runtime.workers import DaemonPool
+from .record import CompletionRecord
+
+_POLL_S = 0.5  # how often a wait looks at the clock again
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class DurableMarks:
+    """Marks regions in ``record`` once their files (under ``root``, the array's folder; None on an object
+    store) are fsynced; ``on_marked(region)`` after each mark. See the module docstring."""
+
+    def __init__(self, record: CompletionRecord, root: Path | None, on_marked: Callable[[tuple[int, ...]], None],
+                 threaded: bool, timeout_s: float, metadata: Sequence[Path] = ()) -> None:
+        self.record, self.root, self.timeout_s = record, root, float(timeout_s)
+        # weakly, when a method: a writer dropped unclosed is not kept alive by its sync thread's pass
+        self._on_marked: Callable[[], Callable[[tuple[int, ...]], None] | None] = \
+            weakref.WeakMethod(on_marked) if hasattr(on_marked, "__self__") else lambda: on_marked  # type: ignore
+        self._cv = threading.Condition()
+        self._queued: list[tuple[tuple[int, ...], list[Path]]] = []
+        self._busy = False  # a pass is queued or running on the sync thread
+        self._error: BaseException | None = None
+        # folders whose own entry in their parent is on the disk (fsynced after they were made); the array's
+        # metadata files, fsynced with the first pass (a mark vouches for an array that exists)
+        self._known: set[Path] = set()
+        self._metadata = list(metadata)
+        self.passes = 0  # passes that marked something (for tests and the benchmark)
+        self._pool = DaemonPool(1, "stoker-tilewriter-sync", knob="write_threads", owner="TileWriter") \
+            if threaded else None
+
+    def add(self, region: tuple[int, ...], files: list[Path]) -> None:
+        """``region`` is written, in ``files`` (its chunk or shard files; none on an object store): mark it
+        once they are durable. Raises the error of an earlier pass."""
+        if self._pool is None:
+            self.check()
+            self._sync_and_mark([(region, files)])
+            return
+        with self._cv:
+            self._raise_error()
+            self._queued.append((region, files))
+            if self._busy:
+                return  # the pass running takes it with the others handed over meanwhile
+            self._busy = True
+        try:
+            self._pool.submit(self._passes)
+        except BaseException:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+            raise
+
+    def _passes(self) -> None:
+        """The sync thread: passes over what was handed over, until nothing is left."""
+        while True:
+            with self._cv:
+                group, self._queued = self._queued, []
+                if not group or self._error is not None:
+                    self._queued = []  # after a failure nothing more is marked
+                    self._busy = False
+                    self._cv.notify_all()
+                    return
+            try:
+                self._sync_and_mark(group)
+            except BaseException as exc:  # kept for the caller's thread, which raises it
+                with self._cv:
+                    if self._error is None:
+                        self._error = exc
+            with self._cv:
+                self._cv.notify_all()
+
+    def _sync_and_mark(self, group: list[tuple[tuple[int, ...], list[Path]]]) -> None:
+        regions = ", ".join(str(r) for r, _ in group[:4]) + (f" and {len(group) - 4} more" if len(group) > 4 else "")
+        if self.root is not None:
+            try:
+                self._fsync_files([f for _, files in group for f in files])
+            except OSError as exc:
+                raise StorageError(f"{self.root}: flushing the chunks of region(s) {regions} to the disk failed "
+                                   f"({type(exc).__name__}: {exc}); they are not marked written, so a restarted "
+                                   "job writes them again. Check the disk", uri=str(self.root), key=None,
+                                   status=None, attempts=None) from exc
+        try:
+            for r, _ in group:
+                self.record.mark(r)
+            self.record.flush()
+        except OSError as exc:
+            raise StorageError(f"{self.record.path}: recording region(s) {regions} as written failed "
+                               f"({type(exc).__name__}: {exc}); a restarted job writes them again. Check the disk",
+                               uri=self.record.uri, key=None, status=None, attempts=None) from exc
+        self.passes += 1
+        on_marked = self._on_marked()
+        try:
+            for r, _ in group:
+                if on_marked is not None:
+                    on_marked(r)
+        finally:
+            del on_marked  # the writer is not held past its last region's bookkeeping
+
+    def _fsync_files(self, files: list[Path]) -> None:
+        """Every file of ``files`` that exists (a chunk holding only the fill value may have been deleted
+        instead) and the folders whose entries changed, each once."""
+        assert self.root is not None
+        if self._metadata:
+            files = self._metadata + files
+        folders: set[Path] = set()
+        fresh: list[Path] = []  # folders whose entries in their parents become durable with this pass
+        for f in dict.fromkeys(files):
+            _fsync(f, missing_ok=True)
+            d = f.parent
+            folders.add(d)  # the chunk's name (renamed in, or removed) in its folder
+            while d not in self._known and d != self.root.parent and d.parent != d:
+                folders.add(d.parent)  # a folder seen for the first time: its own name in its parent
+                fresh.append(d)
+                d = d.parent
+        for d in sorted(folders, key=lambda p: -len(p.parts)):  # deepest first
+            _fsync(d, missing_ok=True, folder=True)
+        self._known.update(fresh)
+        self._metadata = []
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def check(self) -> None:
+        """Raise the error of a pass that failed, if one did."""
+        with self._cv:
+            self._raise_error()
+
+    def drain(self) -> None:
+        """Wait (at most ``timeout_s``) until every region handed over is marked; raise the first error."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            while self._busy and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StorageError(f"{self.record.uri}: flushing the written regions to the disk did not finish "
+                                       f"within write_timeout_s={self.timeout_s:g} s ({len(self._queued)} regions "
+                                       "waiting); check the disk, or raise write_timeout_s", uri=self.record.uri,
+                                       key=None, status=None, attempts=None)
+                self._cv.wait(min(left, _POLL_S))
+            self._raise_error()
+
+    def stop(self) -> None:
+        """Let the sync thread end once its pass ran, without waiting for it."""
+        if self._pool is not None:
+            self._pool.shutdown(drain=True)
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The sync thread, once started."""
+        return [] if self._pool is None else self._pool.threads
+
+
+def _fsync(path: Path, missing_ok: bool = False, folder: bool = False) -> None:
+    """fsync ``path`` (a folder with ``folder``): ``missing_ok``, nothing when it is not there; a filesystem
+    that cannot fsync a folder (EINVAL) is let be (its renames are still atomic)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _CLOEXEC | (getattr(os, "O_DIRECTORY", 0) if folder else 0))
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if not (folder and exc.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(fd)
+
+
+__all__ = ["DurableMarks"]
