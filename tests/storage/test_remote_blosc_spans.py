@@ -371,7 +371,7 @@ def test_frame_buffers_are_used_again_and_kept_within_their_bound():
     c = pool.take(70_000)  # none free: a new one
     assert not np.shares_memory(b, c)
     pool.give([b, c])  # 4 x ROUND would pass the bound: one is dropped
-    assert sum(len(x) for x in pool._free) <= pool.max_bytes
+    assert sum(len(x) for x, _ in pool._free) <= pool.max_bytes
     frame = numcodecs.Blosc("lz4", 1, numcodecs.Blosc.SHUFFLE).encode(np.arange(1 << 17, dtype="<u2") % 300)
     tables = FrameTables()
     tables.learn("s", "k", frame, 1 << 18, version=(len(frame), '"a"'))
@@ -382,3 +382,36 @@ def test_frame_buffers_are_used_again_and_kept_within_their_bound():
     assert len(out) == len(frame) and out[:hi].tobytes() == (frame[:len(table.head)] + bytes(lo - len(table.head))
                                                              + frame[lo:hi])
     assert not out[hi:].any()
+
+
+def test_a_pooled_frame_is_byte_for_byte_the_frame_assemble_lays_out_whatever_its_buffer_held():
+    # frames of two sizes, each with spans at its start, middle and end, laid out in turn in the pool's
+    # buffers: each must equal the frame assemble() lays out in a new buffer (zeros wherever no block is),
+    # whatever an earlier frame (or a buffer taken and written by anyone) left in the same memory
+    rng = np.random.default_rng(3)
+    frames = [numcodecs.Blosc("lz4", 1, numcodecs.Blosc.SHUFFLE).encode(
+        (np.arange(n, dtype="<u2") // 8 % 250 + rng.integers(0, 2, n)).astype("<u2")) for n in (1 << 17, 1 << 16)]
+    tables = FrameTables()
+    for i, frame in enumerate(frames):
+        tables.learn("s", f"k{i}", frame, (1 << 17 >> i) * 2, version=(len(frame), '"a"'))
+    pool = FrameBuffers(max_bytes=FrameBuffers.ROUND * 8)
+    used = pool.take(len(frames[0]))
+    used[:] = 0xAB  # a buffer taken and written by anyone: every byte of it may hold something
+    pool.give([used])
+    laid = 0
+    for i, start, stop in [(0, 0, 1000), (0, 200_000, 201_000), (1, 50_000, 50_100), (0, 262_000, 262_144),
+                           (1, 0, 10), (0, 0, 1000), (1, 131_000, 131_072)]:
+        frame, nbytes = frames[i], (1 << 17 >> i) * 2
+        lo, hi, table = tables.span("s", f"k{i}", nbytes, start, stop)
+        out = pool.assemble(table, lo, memoryview(frame)[lo:hi])
+        expected = assemble(table, lo, memoryview(frame)[lo:hi])
+        assert out.tobytes() == expected.tobytes()
+        assert out.tobytes() == frame[:len(table.head)] + bytes(lo - len(table.head)) + frame[lo:hi] + \
+            bytes(len(frame) - hi)
+        decoded = np.zeros(nbytes, np.uint8)
+        blosc.decode_range(out, start, stop, decoded)
+        whole = np.frombuffer(numcodecs.Blosc().decode(frame), np.uint8)
+        assert decoded[start:stop].tobytes() == whole[start:stop].tobytes()
+        laid += np.shares_memory(out, used)
+        pool.give([out])
+    assert laid >= 2  # the dirtied buffer was laid out in, more than once

@@ -73,10 +73,11 @@ def allocate(shape: tuple[int, ...] | int, dtype: torch.dtype, device: torch.dev
             from exc
 
 
-def host_bytes(nbytes: int, what: str = "a read or decode buffer") -> np.ndarray:
-    """``np.empty(nbytes, np.uint8)``; OutOfMemory naming ``host_buffer_bytes`` when refused."""
+def host_bytes(nbytes: int, what: str = "a read or decode buffer", zeroed: bool = False) -> np.ndarray:
+    """``np.empty(nbytes, np.uint8)`` (``np.zeros`` when ``zeroed``); OutOfMemory naming ``host_buffer_bytes``
+    when refused."""
     try:
-        return np.empty(nbytes, dtype=np.uint8)
+        return (np.zeros if zeroed else np.empty)(nbytes, dtype=np.uint8)
     except MemoryError as exc:
         raise refused(nbytes, "host", "host_buffer_bytes", what, exc) from exc
 

@@ -53,7 +53,7 @@ from ...storage import ByteRange
 from ...storage.objectstore import etag_version
 from .decode_python import Fetch, PythonDecoder, fetches_within, span_bytes
 from ..executor import Job
-from .frame_spans import FrameBuffers, FrameTables, assemble
+from .frame_spans import FrameBuffers, FrameTables
 from ..stats import StatsRecorder
 from ..planning.tables import TablePlan
 
@@ -863,7 +863,7 @@ class NativeDecoder:
     def _frames_from(self, fetch: Fetch, values: list, parts: list, sources: "_SourceSet",
                      plan: TablePlan, pooled: list) -> tuple[list, np.ndarray]:
         """Learn the frame tables of the blosc chunks ``fetch`` got whole, and lay out each span's blocks in a
-        frame buffer (:func:`~.frame_spans.assemble`, into buffers of the pool, listed in ``pooled``). Returns
+        frame buffer (:meth:`~.frame_spans.FrameBuffers.assemble`, into buffers of the pool, listed in ``pooled``). Returns
         the parts as the engine reads them and the parts that came from another version of their object than
         their table (to fetch whole again)."""
         value_versions, part_versions = fetch.got_versions or ([None] * len(values), [None] * len(parts))
@@ -882,7 +882,7 @@ class NativeDecoder:
                 elif not self._frames.fits(store, key, table, part_versions[j]):  # another version: forgotten
                     stale.append(j)
                 else:
-                    parts[j] = assemble(table, lo, parts[j], self._frame_buffers.take(table.cbytes))
+                    parts[j] = self._frame_buffers.assemble(table, lo, parts[j])
                     pooled.append(parts[j])
         return parts, np.array(stale, np.int64)
 
