@@ -400,8 +400,10 @@ class GpuDecodeExecutor(SlotsDelivery):
         return [t for t in (self._reader, self._thread) if t is not None] + self._stager.pool.started()
 
     def shutdown(self) -> None:
+        """Stop: the reader's round of compiled reads ends at its next read (the batch it stages fails with
+        pipeline_closed, nothing placed from its unread staging), the threads at their next step."""
         self._closing = True
-        self._stager.pool.closing = True
+        self._stager.cancel()
         self._queue.put(None)
 
     def close(self) -> None:
