@@ -1,5 +1,5 @@
 """A closing pipeline's staging round stops between reads (csrc/staging.c's cancel flag, engine/gpu/native_reads.py
-``Readers.cancel``, the GPU-decode executor's ``shutdown``).
+``Readers.cancel``, the GPU-decode executor's ``shutdown``), and the staging's threads of a call's own are named.
 
 The compiled reads run without the GIL and call no Python between two reads, so they are held in a C library put
 before libc (LD_PRELOAD, a child process): it counts each ``pread`` of a file under an armed folder and holds
@@ -158,7 +158,7 @@ def until(what, timeout=60.0):
 """
 
 # a wave of ranged reads of one file (one task: the caller's thread) and one of whole files (every reader)
-# cancelled while a read is held
+# cancelled while a read is held; then a round of whole files on threads of the call's own, held, their names
 _READS = _PRELUDE + r"""
 from stoker.engine.gpu import native_reads
 root = sys.argv[1]
@@ -197,6 +197,22 @@ one = [[0, 64 * k, 32, 32 * k] for k in range(40)]  # runs of one file: one task
 result["runs"] = cancelled_while_held(np.array(one, np.int64), 3)
 whole = [[k, -1, sizes[k], 0] for k in range(len(paths))]
 result["whole"] = cancelled_while_held(np.array(whole, np.int64), 6)
+
+# threads of the call's own (a count, not Readers): named as the pool's helpers, seen while their reads are held
+gate.gate_arm(os.fsencode(os.path.join(root, "files")), 0)
+buf = bytearray(sum(sizes))
+thread = threading.Thread(target=lambda: native_reads.read(buf, paths, files, np.array(whole, np.int64), 0, 4))
+thread.start()
+until(lambda: gate.gate_waiting() >= 4)
+names = []
+for tid in os.listdir("/proc/self/task"):
+    try:
+        names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+    except OSError:
+        pass
+gate.gate_release()
+thread.join(60.0)
+result["named"] = names.count("stoker-stage")
 print(json.dumps(result))
 """
 
@@ -273,7 +289,7 @@ def _child(gate, script: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_cancelled_round_stops_between_reads(gate, tmp_path):
+def test_a_cancelled_round_stops_between_reads_and_per_call_threads_are_named(gate, tmp_path):
     (tmp_path / "files").mkdir()
     rng = np.random.default_rng(0)
     for k in range(48):
@@ -286,6 +302,7 @@ def test_a_cancelled_round_stops_between_reads(gate, tmp_path):
     # whole files on the caller and 3 helpers: 6 done, the reads under way end (4 at most), the rest not run
     assert whole["ok"] == whole["done"] and 6 < whole["done"] <= 10 and whole["ok"] + whole["cancelled"] == 48, whole
     assert not whole["alive"] and whole["closed"] and whole["right"] and whole["unplaced"], whole
+    assert got["named"] == 3, got  # the call's own 3 threads (the caller is the test's)
 
 
 @pytest.fixture(scope="module")

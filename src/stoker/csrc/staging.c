@@ -270,13 +270,21 @@ static void *run_round(void *arg) {
     }
 }
 
+/* run_round on a thread of the call's own, named as the pool's helpers are (what top, py-spy and gdb show) */
+static void *call_reader(void *arg) {
+#if defined(__linux__)
+    (void)pthread_setname_np(pthread_self(), STAGE_THREAD_NAME);
+#endif
+    return run_round(arg);
+}
+
 static void run_parallel(round_of *r, int threads) {
     pthread_t ids[MAX_STAGE_THREADS];
     int k = threads < 1 ? 1 : threads > MAX_STAGE_THREADS ? MAX_STAGE_THREADS : threads, started = 0;
     if (k > r->n)
         k = (int)(r->n > 0 ? r->n : 1);
     for (int j = 0; j + 1 < k; j++)
-        if (thread_start(&ids[started], 0, run_round, r) == 0)
+        if (thread_start(&ids[started], 0, call_reader, r) == 0)
             started++; /* (none started: the caller reads them all) */
     __atomic_add_fetch(&threads_started, started, __ATOMIC_RELAXED);
     run_round(r);
