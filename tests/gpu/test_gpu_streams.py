@@ -27,7 +27,8 @@ from zarr.codecs import ZstdCodec
 import stoker
 from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.gpu.reference import HostDecoder
-from stoker.engine.gpu.streams import CudaStreams, WaveStreams
+from stoker.engine.gpu import streams as gpu_streams
+from stoker.engine.gpu.streams import CudaStreams, HostStreams, WaveStreams
 from stoker.engine.hybrid.executor import HybridExecutor
 from stoker.engine.hybrid.split import Shares
 from stoker.engine.pipeline import facade as pipelines
@@ -110,9 +111,6 @@ class Recorder(CudaStreams):
         """The stream this thread queues on (what torch.cuda.current_stream would be): ``"host"`` outside any."""
         entered = self.local.__dict__.get("entered")
         return entered[-1] if entered else "host"
-
-    def synchronize(self, stream) -> None:
-        pass
 
     def _sync_host(self, stream: str) -> None:  # what the host did before queueing on a stream comes first
         self.known[stream] |= self.known["host"]
@@ -441,6 +439,88 @@ def test_the_recorder_finds_the_staging_written_before_a_decoder_without_copied_
     assert any(r.startswith("('staging',") and "on host (write)" in r for r in rec.races), rec.races
 
 
+# -- a device that never finishes: close() waits a bounded time and keeps what the streams may write -------
+
+class Hung(HostStreams):
+    """The host stand-in with events: each done once recorded, until :meth:`hang`; from then on none is ever
+    done (a hung device). A wait without a limit (``synchronize``) would never return: it fails instead."""
+
+    def __init__(self) -> None:
+        self.hung = False
+
+    def hang(self) -> None:
+        self.hung = True
+
+    def record(self, stream):
+        return _HostEvent(self)
+
+
+class _HostEvent:
+    def __init__(self, owner: Hung) -> None:
+        self.owner = owner
+
+    def query(self) -> bool:
+        return not self.owner.hung
+
+    def synchronize(self) -> None:
+        raise AssertionError("a wait for the device without a limit")
+
+
+def test_wave_streams_wait_a_bounded_time_and_name_the_streams_not_done():
+    backend = Hung()
+    lanes = WaveStreams(backend)
+    assert lanes.synchronize(0.05) == []
+    backend.hang()
+    assert lanes.synchronize(0.05) == ["copy", "decode", "place"]
+
+
+@pytest.mark.parametrize("where", ["gpu", "hybrid"])
+def test_close_on_a_hung_device_warns_once_and_keeps_what_its_streams_may_write(volume, monkeypatch, where):
+    """Every batch made, then the device hangs (no event is ever done): close() stops waiting for the streams
+    after CLOSE_WAIT_S, warns once naming them, ends the threads, and keeps every buffer a stream may still
+    write or read (slots, device copies, scratches, the decoder, the pinned staging; the hybrid's host slots)
+    referenced rather than freed; a second close warns no more."""
+    import warnings
+
+    monkeypatch.setattr(gpu_streams, "CLOSE_WAIT_S", 0.2)
+    backend, made = Hung(), []
+
+    def factory(cfg, device, stats, store):
+        if where == "gpu":
+            made.append(GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda s: HostDecoder(),
+                                          streams=backend))
+        else:
+            made.append(HybridExecutor.on_host(cfg, stats, store, shares=Shares(0.5), streams=backend))
+        return made[-1]
+
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 8, 7)
+    p = stoker.Pipeline(_cfg())
+    p.push(samples)
+    got = [torch.from_dlpack(b).clone() for b in p]
+    assert len(got) == 2
+    before = len(gpu_streams.kept())
+    backend.hang()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p.close()
+        p.close()
+        made[0].close()
+    stuck = [w for w in caught if issubclass(w.category, RuntimeWarning) and "did not finish" in str(w.message)]
+    assert len(stuck) == 1, [str(w.message) for w in caught]
+    assert "copy, decode, place stream(s)" in str(stuck[0].message) and "kept" in str(stuck[0].message)
+    ex = made[0].gpu if where == "hybrid" else made[0]
+    assert ex.stuck == ["copy", "decode", "place"]
+    kept = {id(x) for x in gpu_streams.kept()[before:]}
+    must = [*ex._lanes.data, *ex._lanes.scratch, ex.slots, ex.host_slots, ex._decoder]
+    if where == "hybrid":
+        must.append(made[0].cpu.host_slots)
+    assert all(id(x) in kept for x in must)
+    for thread in ex.threads():
+        thread.join(10.0)
+        assert not thread.is_alive()
+
+
 # -- on a GPU (marked cuda: run by benchmarks/gpu_checks.sh on a lent one) ----------------------------------
 
 GPU_SHAPE, GPU_CHUNKS, GPU_CROP = (64, 256, 256), (16, 64, 64), (24, 96, 96)  # chunks of 128 KiB decoded
@@ -632,3 +712,39 @@ def test_on_a_gpu_hybrid_batches_land_on_the_place_stream_under_a_slow_placement
     got = _on_gpu(samples, "hybrid", "bf16")
     assert made and made[0].slowed > 0, made
     assert len(got) == len(want) == 6 and all(_same(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_close_while_a_stream_is_busy_waits_a_bounded_time_and_keeps_its_buffers(big_volume, monkeypatch):
+    """The place stream kept busy for about 2 s (``torch.cuda._sleep``) after the last batch: close() stops
+    waiting after CLOSE_WAIT_S (0.2 s), warns once naming the place stream, and keeps the executor's device
+    buffers referenced rather than free them under that work; the device finishes afterwards."""
+    _needs_nvcomp()
+    import warnings
+
+    monkeypatch.setattr(gpu_streams, "CLOSE_WAIT_S", 0.2)
+    made = []
+
+    def factory(cfg, device, stats, store):
+        made.append(GpuDecodeExecutor(cfg, device, stats, store))
+        return made[-1]
+
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+    before = len(gpu_streams.kept())
+    p = stoker.Pipeline(_gpu_cfg("gpu", "bf16"))
+    try:
+        p.push(_gpu_samples(big_volume, 2))
+        assert len([torch.from_dlpack(b).cpu() for b in p]) == 1
+        ex = made[0]
+        with torch.cuda.device(ex.device), torch.cuda.stream(ex.stream):
+            torch.cuda._sleep(4_000_000_000)  # (about 2 s on an H200)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            p.close()
+        stuck = [w for w in caught if "did not finish" in str(w.message)]
+        assert len(stuck) == 1 and ex.stuck == ["place"], [str(w.message) for w in caught]
+        kept = {id(x) for x in gpu_streams.kept()[before:]}
+        assert all(id(x) in kept for x in [*ex._lanes.data, *ex._lanes.scratch, ex.slots, ex.host_slots])
+    finally:
+        p.close()
+        torch.cuda.synchronize()

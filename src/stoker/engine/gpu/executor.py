@@ -75,6 +75,7 @@ import math
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -96,6 +97,7 @@ from ..planning.padding import fill_padding
 from ..cpu.cf import RowDecode, plan_decoder
 from .sources import CPU, Described, Source, aligned, device_casts
 from .staging import Group, Pending, Stager, plan_reads
+from . import streams as streams_mod
 from .streams import CudaStreams, HostStreams, WaveStreams
 from ..planning.tables import TablePlan, plan_tables
 from ..cuda.transfer import EVENT_TYPES
@@ -167,6 +169,10 @@ class GpuDecodeExecutor(SlotsDelivery):
         # and the slots the batches (a bound here would hold the reader back behind two ends, not a wave ahead)
         self._staged: queue.Queue = queue.Queue()
         self._closing = False
+        #: the streams that had not finished their work when close() stopped waiting (their buffers kept)
+        self.stuck: list[str] = []
+        #: slot rings of others that these streams read (the hybrid's host part): kept with ours (_keep)
+        self.keep_with: list[SlotRing] = []
         self._reader: threading.Thread | None = None
         self._thread: threading.Thread | None = None
 
@@ -407,16 +413,38 @@ class GpuDecodeExecutor(SlotsDelivery):
         self._queue.put(None)
 
     def close(self) -> None:
-        """Wait (a second at most, for both threads) for the worker, then for the work queued on the stream,
-        so no buffer is freed under it."""
+        """Wait (a second at most, for both threads) for the worker, then (:data:`.streams.CLOSE_WAIT_S` at
+        most) for the work queued on the streams, so no buffer is freed under it: a stream still busy then
+        (a hung device) is warned of once, and the buffers it may write are kept (:meth:`_keep`)."""
         deadline = time.monotonic() + 1.0
         self._stager.close()
         for thread in (self._reader, self._thread):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
-        if self._lanes is not None:
+        if self._lanes is not None and not self.stuck:
             with self._on_device():
-                self._lanes.synchronize()
+                self.stuck = self._lanes.synchronize(streams_mod.CLOSE_WAIT_S)
+            if self.stuck:
+                self._keep()
+
+    def _keep(self) -> None:
+        """A stream did not finish by the close: every buffer one of them may still write or read (batch slots,
+        the work buffer, device copies, scratches, nvCOMP's scratch and the decoder's statuses, the pinned
+        staging) is kept referenced for the process's life rather than freed under that work; one warning
+        says which streams and how much."""
+        lanes = self._lanes
+        assert lanes is not None
+        device = [t for t in (self._work, self._temp, *lanes.data, *lanes.scratch) if t is not None]
+        rings = [r for r in (self.slots, self.host_slots, *self.keep_with) if r is not None]
+        streams_mod.keep([*device, *rings, self._decoder])
+        on_device = sum(t.numel() * t.element_size() for t in device) + (self.slots.nbytes if self.slots else 0)
+        pinned = sum(r.nbytes for r in rings if r is not self.slots)
+        warnings.warn(
+            f"GpuDecodeExecutor.close(): the {', '.join(self.stuck)} stream(s) on {self.device} did not finish "
+            f"their work within {streams_mod.CLOSE_WAIT_S} s (a hung kernel or copy?). Their buffers are kept "
+            f"referenced for the rest of the process rather than freed under work that may still write them: "
+            f"{on_device:,} B of device memory (batch slots, device copies, decode scratches) and {pinned:,} B of "
+            "pinned staging (a leak, on purpose).", RuntimeWarning, stacklevel=3)
 
     # -- the reader: batches staged group by group ------------------------------------------------
 

@@ -19,6 +19,10 @@ itself, no copy is made and it is given back with decode k's);
 the device buffers are marked used by the streams that read them (``record_stream``), so torch's caching
 allocator frees them only after those streams' work.
 
+Closing waits for the streams a bounded time (:meth:`WaveStreams.synchronize`: an event recorded on each,
+polled until :data:`CLOSE_WAIT_S`), never for ever: a stream still busy past it (a hung kernel or copy) is
+named, and its owner keeps the buffers it may still write referenced (:func:`keep`) rather than free them.
+
 The streams and events come from a backend: :class:`CudaStreams` (torch's), :class:`HostStreams` (CPU tensors:
 no streams, each step runs when called, the executor's host stand-in). The tests pass a recorder of the
 waits and records, and hold the graph it gives to every buffer's accesses (``access``: which step reads and
@@ -34,11 +38,34 @@ writes what).
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["CudaStreams", "HostStreams", "WaveStreams"]
+__all__ = ["CLOSE_WAIT_S", "CudaStreams", "HostStreams", "WaveStreams", "keep", "kept"]
+
+#: the longest :meth:`WaveStreams.synchronize` waits at a close for the streams' work (a wave's copy, decode
+#: and placement take milliseconds: past this the device is hung, and the host stops waiting)
+CLOSE_WAIT_S = 2.0
+
+_kept: list[Any] = []  # buffers a stream may still write, never freed in this process (keep)
+_kept_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+
+
+def keep(things: Sequence[Any]) -> None:
+    """Hold ``things`` (tensors, slot rings, a stream decoder) referenced for the rest of the process: memory a
+    stream that did not finish by a close may still write is leaked rather than freed (torch would hand it to
+    the next allocation, under that stream's work)."""
+    with _kept_lock:
+        _kept.extend(things)
+
+
+def kept() -> list[Any]:
+    """What :func:`keep` holds (a copy of the list)."""
+    with _kept_lock:
+        return list(_kept)
 
 
 class HostStreams:
@@ -65,8 +92,9 @@ class HostStreams:
     def access(self, stream: Any, reads: Sequence = (), writes: Sequence = ()) -> None:
         pass
 
-    def synchronize(self, stream: Any) -> None:
-        pass
+    def done(self, event: Any) -> bool:
+        """Whether the work before ``event`` is done, without waiting (None: nothing to wait for)."""
+        return event is None or bool(event.query())
 
 
 class CudaStreams(HostStreams):
@@ -97,9 +125,6 @@ class CudaStreams(HostStreams):
         # the caching allocator reuses a block once its own stream is past it: a stream that also reads it
         # must be past it too
         tensor.record_stream(stream)
-
-    def synchronize(self, stream: Any) -> None:
-        stream.synchronize()
 
 
 class WaveStreams:
@@ -195,7 +220,19 @@ class WaveStreams:
         acquired the buffer once the copy that last read it was done)."""
         self.backend.access(None, writes=[("staging", staging_id)])
 
-    def synchronize(self) -> None:
-        """Wait for all three streams (closing: no buffer is freed under their work)."""
-        for s in (self.copy_stream, self.decode_stream, self.place_stream):
-            self.backend.synchronize(s)
+    def synchronize(self, timeout: float = CLOSE_WAIT_S) -> list[str]:
+        """Wait for the work queued so far on all three streams (closing: no buffer is freed under it),
+        ``timeout`` seconds at most: an event recorded on each, polled (no wait without a limit: a hung device
+        never holds the close). Returns the roles of the streams not done by then (``"copy"``, ``"decode"``,
+        ``"place"``), whose buffers their work may still write."""
+        b = self.backend
+        marks = [(role, b.record(s)) for role, s in
+                 (("copy", self.copy_stream), ("decode", self.decode_stream), ("place", self.place_stream))]
+        deadline, pause = time.monotonic() + timeout, 0.0005
+        while True:
+            marks = [(role, event) for role, event in marks if not b.done(event)]
+            left = deadline - time.monotonic()
+            if not marks or left <= 0:
+                return [role for role, _ in marks]
+            time.sleep(min(pause, left))  # (a few ms at most between looks: a close returns soon after the work)
+            pause = min(2 * pause, 0.01)

@@ -218,6 +218,8 @@ class HybridExecutor:
             return
         self._budgets(lambda: self.gpu.prepare(sample_shape, readers, dtype))
         self._budgets(lambda: self.cpu.prepare(sample_shape, readers, self.gpu.work_dtype(dtype)))
+        if self.cpu.host_slots is not None:  # read by the landing copies on the GPU part's place stream
+            self.gpu.keep_with.append(self.cpu.host_slots)
 
     def held(self) -> int:
         return self.gpu.held()
