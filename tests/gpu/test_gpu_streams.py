@@ -137,6 +137,7 @@ class Recorder(CudaStreams):
     def host_saw(self, event: Event) -> None:
         with self.lock:
             self.known["host"] |= event.before
+            self.log.append(("saw", None, event.id))
 
     def access(self, stream, reads=(), writes=()) -> None:
         lane = stream or "host"
@@ -382,29 +383,79 @@ def test_a_device_budget_for_one_wave_on_the_device_orders_each_step_after_the_w
         assert decodes[n][0] == [copies[n][2], places[n - 1][2]]
 
 
+def _landings(rec: Recorder) -> list[tuple]:
+    """The hybrid's landings (ops reading a host slot): (stream, op id, host slot, buffers written, the event
+    recorded next on that stream: the landing's)."""
+    out = []
+    for n, e in enumerate(rec.log):
+        if e[0] == "op" and any(r[0] == "host" for r in e[3]):
+            event = next((x[2] for x in rec.log[n + 1:] if x[0] == "record" and x[1] == e[1]), None)
+            out.append((e[1], e[2], next(r[1] for r in e[3] if r[0] == "host"), e[4], event))
+    return out
+
+
+def _hybrid_cfg():
+    # one host slot (lookahead_batches): each batch's host part reuses the slot the last one landed from
+    return _cfg(lookahead_batches=1, n_compute_threads=2)
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
 def test_the_hybrid_s_host_part_lands_on_the_place_stream_after_the_slot_s_consumer(volume, monkeypatch, fraction):
-    """The hybrid's GPU part on the recorder: its ``before`` hook (the host part's copy into the batch, which
-    torch queues on the current stream) writes the slot on the place stream, after the consumer of the slot's
-    last batch and before the batch's event; with no chunk on the GPU (0.0) too."""
+    """The hybrid's GPU part on the recorder: its ``before`` hook queues the host part's copy into the batch
+    through the streams' backend (WaveStreams.land), on the place stream, after the consumer of the slot's last
+    batch and before every chunk the GPU part places there and the batch's event (the recorder finds no write
+    of the slot out of that order); the CPU engine writes the host slot again only once the host has seen the
+    landing's event; with no chunk on the GPU (0.0) too."""
     samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
     want = _batches(_cfg(), samples)
-    rec, landed = Recorder(), []
-    land = HybridExecutor._land
-
-    def landing(self, parts, batch):  # the host part's copy, queued where the hook runs (torch's current stream)
-        land(self, parts, batch)
-        if parts.cpu_job is not None:
-            slot = next(s.index for s in self.gpu.slots.slots if s.tensor.data_ptr() == batch.data_ptr())
-            rec.access(rec.current(), writes=[("slot", slot)])
-            landed.append(rec.current())
-
-    monkeypatch.setattr(HybridExecutor, "_land", landing)
-    got, ex = _recorded(_cfg(lookahead_batches=1, n_compute_threads=2), samples, monkeypatch, rec, fraction)
+    rec = Recorder()
+    got, ex = _recorded(_hybrid_cfg(), samples, monkeypatch, rec, fraction)
     assert len(got) == len(want) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
-    assert len(landed) == 6 and set(landed) == {"place"}, landed
-    _hold_to_the_graph(rec, ex, 6)
+    landings = _landings(rec)
+    assert len(landings) == 6 and {lane for lane, *_ in landings} == {"place"}, landings
+    assert all(writes and all(w[0] == "slot" for w in writes) for *_, writes, _ in landings), landings
+    _hold_to_the_graph(rec, ex, 6)  # (no race: each slot write of a batch after its landing, on the place stream)
+    for _, op, _, writes, _ in landings:  # the batch's chunks placed and its end queued after its landing
+        after = [e for e in rec.log if e[0] == "op" and e[1] == "place" and e[2] > op and
+                 any(w in e[4] for w in writes)]
+        assert after, (op, writes)
+    host_writes = [e for e in rec.log if e[0] == "op" and e[1] == "host" and any(w[0] == "host" for w in e[4])]
+    assert len(host_writes) == 6
+    saw = {e[2] for e in rec.log if e[0] == "saw"}
+    assert sum(event in saw for *_, event in landings) >= 5  # the one host slot written again after each landing
     assert (len(ex.waves) > 0) == (fraction > 0), list(ex.waves)
+
+
+def test_the_recorder_finds_a_host_slot_written_before_its_landing_is_seen_done(volume, monkeypatch):
+    """The host slot given back with no event (as if the landing's were lost): the CPU engine writes it again
+    before the host has seen the copy that reads it done, and the recorder says so."""
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
+    release = HybridExecutor._release_host
+    monkeypatch.setattr(HybridExecutor, "_release_host", lambda self, slot, ready=None: release(self, slot))
+    rec = Recorder()
+    _recorded(_hybrid_cfg(), samples, monkeypatch, rec, 0.0)
+    assert any(r.startswith("('host', 0): op") and "on host (write) not after" in r and "on place (read)" in r
+               for r in rec.races), rec.races
+
+
+def test_the_recorder_finds_a_batch_finished_before_a_landing_on_another_stream(volume, monkeypatch):
+    """The landing queued on the copy stream, which the place stream does not wait for: the batch's end (its
+    fills and event, on the place stream) is not after the landing's write of the slot, and the recorder says
+    so: the place stream's wait for the landing is the stream order the recorder checks."""
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
+
+    def elsewhere(self, batch, host, host_id, writes):
+        b, s = self.backend, self.copy_stream
+        with b.on(s):
+            b.access(s, reads=[("host", host_id)], writes=writes)
+            batch.copy_(host)
+            return b.record(s)
+
+    monkeypatch.setattr(WaveStreams, "land", elsewhere)
+    rec = Recorder()
+    _recorded(_hybrid_cfg(), samples, monkeypatch, rec, 0.0)
+    assert any(r.startswith("('slot',") and "on place (write) not after" in r and "on copy (write)" in r
+               for r in rec.races), rec.races
 
 
 class _Legacy(HostDecoder):

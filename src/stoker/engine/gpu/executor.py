@@ -173,6 +173,7 @@ class GpuDecodeExecutor(SlotsDelivery):
         self.stuck: list[str] = []
         #: slot rings of others that these streams read (the hybrid's host part): kept with ours (_keep)
         self.keep_with: list[SlotRing] = []
+        self._landing: list | None = None  # the submitter's: the buffers of the batch a before hook lands in
         self._reader: threading.Thread | None = None
         self._thread: threading.Thread | None = None
 
@@ -341,6 +342,19 @@ class GpuDecodeExecutor(SlotsDelivery):
     def _event(self):
         """An event on the place stream (None without streams)."""
         return self._backend.record(self.stream)
+
+    @property
+    def backend(self) -> HostStreams:
+        """The streams' backend (:mod:`.streams`: CUDA's, the host stand-in's, or the tests' recorder)."""
+        return self._backend
+
+    def land(self, batch: torch.Tensor, host: torch.Tensor, host_id: Any) -> Any:
+        """From a ``before`` hook (this executor's thread): queue the copy of the host buffer ``host`` (named
+        ``host_id`` to the streams' backend) into ``batch`` on the place stream (:meth:`.streams.WaveStreams.land`),
+        where the batch's chunks are then placed over it; returns the event after which ``host`` may be written
+        again (None on CPU tensors)."""
+        assert self._lanes is not None and self._landing is not None, "land() is for a before hook"
+        return self._lanes.land(batch, host, host_id, self._landing)
 
     def device_nbytes(self) -> int:
         """Device memory held: batch slots, the work buffer, the staging's copies and the decode scratches."""
@@ -676,7 +690,11 @@ class GpuDecodeExecutor(SlotsDelivery):
                 self._backend.wait_stream(self.stream, wait)
         slot.stream_waits = []
         if b.target.before is not None:  # (the hybrid's host part: lands on the stream before any chunk)
-            b.target.before(b.batch)
+            self._landing = b.writes  # (what land() writes)
+            try:
+                b.target.before(b.batch)
+            finally:
+                self._landing = None
 
     def _end(self, b: "_Batch", fills: np.ndarray) -> None:
         """Fills, padding, CF decoding, transform, the 16-bit rounding and the event queued. The batch's job is

@@ -8,7 +8,8 @@ k + 1 and places wave k - 1:
   (``scratch[k % depth]``);
 - **place**: the fused gather / cast / scatter into the batch slots, then fills, padding, CF decoding, the
   transform and each batch's event (the executor's :attr:`~.executor.GpuDecodeExecutor.stream`: the one the
-  pipeline and the hybrid's host part see).
+  pipeline sees); before a hybrid batch's chunks, its host part copied into the batch (:meth:`WaveStreams.land`:
+  the chunks then land over it, in the stream's order, and the host buffer is written again after its event).
 
 :class:`WaveStreams` holds the order, by events only (no host wait): copy k waits for the decode that last read
 its device copy (wave k - depth); decode k waits for copy k and for the placement that last read its scratch
@@ -214,6 +215,16 @@ class WaveStreams:
             finally:
                 self._placed[k] = b.record(s)
         return self._placed[k]
+
+    def land(self, batch: torch.Tensor, host: torch.Tensor, host_id: Any, writes: Sequence) -> Any:
+        """Queue the copy of the host buffer ``host`` (named ``host_id``: the hybrid's host part) into ``batch``
+        (the buffers ``writes``) on the place stream, before the batch's chunks are placed there (they land over
+        it, in the stream's order); returns the copy's event, after which ``host`` may be written again."""
+        b, s = self.backend, self.place_stream
+        with b.on(s):
+            b.access(s, reads=[("host", host_id)], writes=writes)
+            batch.copy_(host, non_blocking=True)
+            return b.record(s)
 
     def staged(self, staging_id: Any) -> None:
         """The reader (the host) writes staging buffer ``staging_id``: for the backend's record of accesses (it
