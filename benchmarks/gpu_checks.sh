@@ -17,7 +17,8 @@
 #            fields, padding, integer casts, CF decoding, keyed transforms on the device, the hybrid decode:
 #            tests/gpu/test_hybrid_executor.py; the copy, decode and place streams over many waves, and a
 #            staging buffer held until its slowed copy has read it, slowed decodes and placements (the hybrid's
-#            too) waited for by events: tests/gpu/test_gpu_streams.py); a test module whose
+#            too) waited for by events, close() with the place stream busy ~2 s bounded and its buffers kept:
+#            tests/gpu/test_gpu_streams.py); a test module whose
 #            imports are missing there is reported as a collection error, not a stop
 #   bench    stoker bench --device cuda --decode-on hybrid --scenarios 1,9,10 --rounds 2: the plain
 #            --device cuda run's peers (stoker cpu, stoker cuda, tensorstore+pin) plus the GPU decode, the

@@ -448,8 +448,8 @@ def test_inner_chunks_of_a_shard_are_read_in_few_reads(tmp_path, gpu_decode, mon
             reads.append(offset)
         return preadv(fd, buffers, offset, *args)
 
-    def counted_native(buf, paths, files, table, out, whole_base, threads):
-        opens, preads = read(buf, paths, files, table, out, whole_base, threads)
+    def counted_native(buf, paths, files, table, out, whole_base, threads, **kw):
+        opens, preads = read(buf, paths, files, table, out, whole_base, threads, **kw)
         paths = [os.fsdecode(p) for p in paths.split(b"\0")[:-1]] if isinstance(paths, bytes) else paths
         shard = [k for k, p in enumerate(paths) if p.endswith(os.path.join("c", "0", "0", "0"))]
         reads.extend(int(row[1]) for row in table if row[0] in shard)  # (one row: one pread, unless cut short)

@@ -65,8 +65,8 @@ def _read_counted(buf, paths, files, reads, whole_base, threads):
     counts = []
     real = native.stage_read
 
-    def counted(*args):
-        counts.append(real(*args))
+    def counted(*args, **kw):
+        counts.append(real(*args, **kw))
         return counts[-1]
 
     native.stage_read = counted
@@ -456,6 +456,44 @@ def test_persistent_readers_start_their_threads_once_for_many_calls(tmp_path):
         assert readers.close(5.0)
     assert per_call == 40 * 2 * 3  # (each call: the stat round and the read round, 3 threads each)
     assert readers.info() == (3, 3, 0, True)
+
+
+@pytest.mark.parametrize("threads", ["readers", 3])
+def test_readers_cancelled_read_nothing_and_say_so(tmp_path, threads):
+    """A round on cancelled readers (their pipeline closing) reads no byte: every read, ranged, whole or a
+    disk-cache entry's, is ST_CANCELLED (not run: at -1, nothing read), the staging and its guards untouched,
+    no file opened. A set flag handed to a call on threads of its own does the same. (A round cancelled
+    while it reads: tests/gpu/test_gpu_cancel.py.)"""
+    paths, files, datas = _files(tmp_path, 6)
+    reads = np.array([[0, 10, 100, 0], [0, 500, 100, 100], [1, -1, len(datas[1]), 0], [2, -1, len(datas[2]), 0],
+                      [3, native_reads.ENTRY, 4000, 0]], np.int64)
+    whole, buf = _guarded(40000)
+    idents = (b"x", np.array([[0, 1]] * len(reads), np.int64))
+    counted = []
+    if threads == "readers":
+        readers = native_reads.Readers(4)
+        readers.cancel()
+        real = native.stage_read
+
+        def counting(*args, **kw):
+            counted.append(real(*args, **kw))
+            return counted[-1]
+
+        native.stage_read = counting
+        try:
+            out = native_reads.read(buf, paths, files, reads, 300, readers, idents)
+        finally:
+            native.stage_read = real
+            assert readers.close(5.0)
+    else:
+        flag = native.stage_cancel_flag()
+        native.stage_cancel(flag)
+        out = np.zeros((len(reads), 4), np.int64)
+        counted.append(native.stage_read(buf, paths, files, reads, out, 300, threads, *idents, cancel=flag))
+    assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_CANCELLED] * len(reads)
+    assert (out[:, native_reads.AT] == -1).all() and (out[:, native_reads.NREAD] == 0).all()
+    assert native_reads.cancelled(out) and counted[0] == (0, 0)  # (opens, preads)
+    assert (whole == 0xA5).all()
 
 
 def test_a_wave_of_one_task_wakes_no_helper(tmp_path):

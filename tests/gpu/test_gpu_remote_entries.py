@@ -61,10 +61,10 @@ class _Calls:
                                        i.split("\n")[1].rsplit("/", 1)[-1].startswith("zarr.json"))
             return cache_get_many(cache, idents, read_files)
 
-        def counted_read(buf, paths, files, table, *rest):
+        def counted_read(buf, paths, files, table, *rest, **kw):
             self.stage_calls += 1
             self.entry_rows += int((table[:, 1] == native_reads.ENTRY).sum())
-            return read(buf, paths, files, table, *rest)
+            return read(buf, paths, files, table, *rest, **kw)
 
         monkeypatch.setattr(gpu_staging, "fetch_stored", counted_fetch)
         monkeypatch.setattr(DiskCache, "get_many", counted_cache)

@@ -181,8 +181,8 @@ def test_runs_the_compiled_read_failed_on_are_read_again_together(tmp_path, monk
     reads = plan_reads(plan, sources)
     real = native.stage_read
 
-    def failing(buf, paths, files, table, out, whole_base, threads):
-        counted = real(buf, paths, files, table, out, whole_base, threads)
+    def failing(buf, paths, files, table, out, whole_base, threads, **kw):
+        counted = real(buf, paths, files, table, out, whole_base, threads, **kw)
         out[:, native_reads.STATUS] = native.ST_OS_ERROR  # (the bytes it read are read again over them)
         out[:, native_reads.DETAIL] = 24  # EMFILE
         return counted

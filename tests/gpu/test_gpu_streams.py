@@ -27,7 +27,8 @@ from zarr.codecs import ZstdCodec
 import stoker
 from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.gpu.reference import HostDecoder
-from stoker.engine.gpu.streams import CudaStreams, WaveStreams
+from stoker.engine.gpu import streams as gpu_streams
+from stoker.engine.gpu.streams import CudaStreams, HostStreams, WaveStreams
 from stoker.engine.hybrid.executor import HybridExecutor
 from stoker.engine.hybrid.split import Shares
 from stoker.engine.pipeline import facade as pipelines
@@ -111,9 +112,6 @@ class Recorder(CudaStreams):
         entered = self.local.__dict__.get("entered")
         return entered[-1] if entered else "host"
 
-    def synchronize(self, stream) -> None:
-        pass
-
     def _sync_host(self, stream: str) -> None:  # what the host did before queueing on a stream comes first
         self.known[stream] |= self.known["host"]
 
@@ -139,6 +137,7 @@ class Recorder(CudaStreams):
     def host_saw(self, event: Event) -> None:
         with self.lock:
             self.known["host"] |= event.before
+            self.log.append(("saw", None, event.id))
 
     def access(self, stream, reads=(), writes=()) -> None:
         lane = stream or "host"
@@ -384,29 +383,79 @@ def test_a_device_budget_for_one_wave_on_the_device_orders_each_step_after_the_w
         assert decodes[n][0] == [copies[n][2], places[n - 1][2]]
 
 
+def _landings(rec: Recorder) -> list[tuple]:
+    """The hybrid's landings (ops reading a host slot): (stream, op id, host slot, buffers written, the event
+    recorded next on that stream: the landing's)."""
+    out = []
+    for n, e in enumerate(rec.log):
+        if e[0] == "op" and any(r[0] == "host" for r in e[3]):
+            event = next((x[2] for x in rec.log[n + 1:] if x[0] == "record" and x[1] == e[1]), None)
+            out.append((e[1], e[2], next(r[1] for r in e[3] if r[0] == "host"), e[4], event))
+    return out
+
+
+def _hybrid_cfg():
+    # one host slot (lookahead_batches): each batch's host part reuses the slot the last one landed from
+    return _cfg(lookahead_batches=1, n_compute_threads=2)
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
 def test_the_hybrid_s_host_part_lands_on_the_place_stream_after_the_slot_s_consumer(volume, monkeypatch, fraction):
-    """The hybrid's GPU part on the recorder: its ``before`` hook (the host part's copy into the batch, which
-    torch queues on the current stream) writes the slot on the place stream, after the consumer of the slot's
-    last batch and before the batch's event; with no chunk on the GPU (0.0) too."""
+    """The hybrid's GPU part on the recorder: its ``before`` hook queues the host part's copy into the batch
+    through the streams' backend (WaveStreams.land), on the place stream, after the consumer of the slot's last
+    batch and before every chunk the GPU part places there and the batch's event (the recorder finds no write
+    of the slot out of that order); the CPU engine writes the host slot again only once the host has seen the
+    landing's event; with no chunk on the GPU (0.0) too."""
     samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
     want = _batches(_cfg(), samples)
-    rec, landed = Recorder(), []
-    land = HybridExecutor._land
-
-    def landing(self, parts, batch):  # the host part's copy, queued where the hook runs (torch's current stream)
-        land(self, parts, batch)
-        if parts.cpu_job is not None:
-            slot = next(s.index for s in self.gpu.slots.slots if s.tensor.data_ptr() == batch.data_ptr())
-            rec.access(rec.current(), writes=[("slot", slot)])
-            landed.append(rec.current())
-
-    monkeypatch.setattr(HybridExecutor, "_land", landing)
-    got, ex = _recorded(_cfg(lookahead_batches=1, n_compute_threads=2), samples, monkeypatch, rec, fraction)
+    rec = Recorder()
+    got, ex = _recorded(_hybrid_cfg(), samples, monkeypatch, rec, fraction)
     assert len(got) == len(want) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
-    assert len(landed) == 6 and set(landed) == {"place"}, landed
-    _hold_to_the_graph(rec, ex, 6)
+    landings = _landings(rec)
+    assert len(landings) == 6 and {lane for lane, *_ in landings} == {"place"}, landings
+    assert all(writes and all(w[0] == "slot" for w in writes) for *_, writes, _ in landings), landings
+    _hold_to_the_graph(rec, ex, 6)  # (no race: each slot write of a batch after its landing, on the place stream)
+    for _, op, _, writes, _ in landings:  # the batch's chunks placed and its end queued after its landing
+        after = [e for e in rec.log if e[0] == "op" and e[1] == "place" and e[2] > op and
+                 any(w in e[4] for w in writes)]
+        assert after, (op, writes)
+    host_writes = [e for e in rec.log if e[0] == "op" and e[1] == "host" and any(w[0] == "host" for w in e[4])]
+    assert len(host_writes) == 6
+    saw = {e[2] for e in rec.log if e[0] == "saw"}
+    assert sum(event in saw for *_, event in landings) >= 5  # the one host slot written again after each landing
     assert (len(ex.waves) > 0) == (fraction > 0), list(ex.waves)
+
+
+def test_the_recorder_finds_a_host_slot_written_before_its_landing_is_seen_done(volume, monkeypatch):
+    """The host slot given back with no event (as if the landing's were lost): the CPU engine writes it again
+    before the host has seen the copy that reads it done, and the recorder says so."""
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
+    release = HybridExecutor._release_host
+    monkeypatch.setattr(HybridExecutor, "_release_host", lambda self, slot, ready=None: release(self, slot))
+    rec = Recorder()
+    _recorded(_hybrid_cfg(), samples, monkeypatch, rec, 0.0)
+    assert any(r.startswith("('host', 0): op") and "on host (write) not after" in r and "on place (read)" in r
+               for r in rec.races), rec.races
+
+
+def test_the_recorder_finds_a_batch_finished_before_a_landing_on_another_stream(volume, monkeypatch):
+    """The landing queued on the copy stream, which the place stream does not wait for: the batch's end (its
+    fills and event, on the place stream) is not after the landing's write of the slot, and the recorder says
+    so: the place stream's wait for the landing is the stream order the recorder checks."""
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 24, 7)
+
+    def elsewhere(self, batch, host, host_id, writes):
+        b, s = self.backend, self.copy_stream
+        with b.on(s):
+            b.access(s, reads=[("host", host_id)], writes=writes)
+            batch.copy_(host)
+            return b.record(s)
+
+    monkeypatch.setattr(WaveStreams, "land", elsewhere)
+    rec = Recorder()
+    _recorded(_hybrid_cfg(), samples, monkeypatch, rec, 0.0)
+    assert any(r.startswith("('slot',") and "on place (write) not after" in r and "on copy (write)" in r
+               for r in rec.races), rec.races
 
 
 class _Legacy(HostDecoder):
@@ -439,6 +488,88 @@ def test_the_recorder_finds_the_staging_written_before_a_decoder_without_copied_
     rec = Recorder()
     _recorded(_cfg(), samples, monkeypatch, rec, decoder=_Legacy)
     assert any(r.startswith("('staging',") and "on host (write)" in r for r in rec.races), rec.races
+
+
+# -- a device that never finishes: close() waits a bounded time and keeps what the streams may write -------
+
+class Hung(HostStreams):
+    """The host stand-in with events: each done once recorded, until :meth:`hang`; from then on none is ever
+    done (a hung device). A wait without a limit (``synchronize``) would never return: it fails instead."""
+
+    def __init__(self) -> None:
+        self.hung = False
+
+    def hang(self) -> None:
+        self.hung = True
+
+    def record(self, stream):
+        return _HostEvent(self)
+
+
+class _HostEvent:
+    def __init__(self, owner: Hung) -> None:
+        self.owner = owner
+
+    def query(self) -> bool:
+        return not self.owner.hung
+
+    def synchronize(self) -> None:
+        raise AssertionError("a wait for the device without a limit")
+
+
+def test_wave_streams_wait_a_bounded_time_and_name_the_streams_not_done():
+    backend = Hung()
+    lanes = WaveStreams(backend)
+    assert lanes.synchronize(0.05) == []
+    backend.hang()
+    assert lanes.synchronize(0.05) == ["copy", "decode", "place"]
+
+
+@pytest.mark.parametrize("where", ["gpu", "hybrid"])
+def test_close_on_a_hung_device_warns_once_and_keeps_what_its_streams_may_write(volume, monkeypatch, where):
+    """Every batch made, then the device hangs (no event is ever done): close() stops waiting for the streams
+    after CLOSE_WAIT_S, warns once naming them, ends the threads, and keeps every buffer a stream may still
+    write or read (slots, device copies, scratches, the decoder, the pinned staging; the hybrid's host slots)
+    referenced rather than freed; a second close warns no more."""
+    import warnings
+
+    monkeypatch.setattr(gpu_streams, "CLOSE_WAIT_S", 0.2)
+    backend, made = Hung(), []
+
+    def factory(cfg, device, stats, store):
+        if where == "gpu":
+            made.append(GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda s: HostDecoder(),
+                                          streams=backend))
+        else:
+            made.append(HybridExecutor.on_host(cfg, stats, store, shares=Shares(0.5), streams=backend))
+        return made[-1]
+
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+    samples = random_crops(volume, SHAPE, (12, 24, 24), 8, 7)
+    p = stoker.Pipeline(_cfg())
+    p.push(samples)
+    got = [torch.from_dlpack(b).clone() for b in p]
+    assert len(got) == 2
+    before = len(gpu_streams.kept())
+    backend.hang()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p.close()
+        p.close()
+        made[0].close()
+    stuck = [w for w in caught if issubclass(w.category, RuntimeWarning) and "did not finish" in str(w.message)]
+    assert len(stuck) == 1, [str(w.message) for w in caught]
+    assert "copy, decode, place stream(s)" in str(stuck[0].message) and "kept" in str(stuck[0].message)
+    ex = made[0].gpu if where == "hybrid" else made[0]
+    assert ex.stuck == ["copy", "decode", "place"]
+    kept = {id(x) for x in gpu_streams.kept()[before:]}
+    must = [*ex._lanes.data, *ex._lanes.scratch, ex.slots, ex.host_slots, ex._decoder]
+    if where == "hybrid":
+        must.append(made[0].cpu.host_slots)
+    assert all(id(x) in kept for x in must)
+    for thread in ex.threads():
+        thread.join(10.0)
+        assert not thread.is_alive()
 
 
 # -- on a GPU (marked cuda: run by benchmarks/gpu_checks.sh on a lent one) ----------------------------------
@@ -632,3 +763,39 @@ def test_on_a_gpu_hybrid_batches_land_on_the_place_stream_under_a_slow_placement
     got = _on_gpu(samples, "hybrid", "bf16")
     assert made and made[0].slowed > 0, made
     assert len(got) == len(want) == 6 and all(_same(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_close_while_a_stream_is_busy_waits_a_bounded_time_and_keeps_its_buffers(big_volume, monkeypatch):
+    """The place stream kept busy for about 2 s (``torch.cuda._sleep``) after the last batch: close() stops
+    waiting after CLOSE_WAIT_S (0.2 s), warns once naming the place stream, and keeps the executor's device
+    buffers referenced rather than free them under that work; the device finishes afterwards."""
+    _needs_nvcomp()
+    import warnings
+
+    monkeypatch.setattr(gpu_streams, "CLOSE_WAIT_S", 0.2)
+    made = []
+
+    def factory(cfg, device, stats, store):
+        made.append(GpuDecodeExecutor(cfg, device, stats, store))
+        return made[-1]
+
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+    before = len(gpu_streams.kept())
+    p = stoker.Pipeline(_gpu_cfg("gpu", "bf16"))
+    try:
+        p.push(_gpu_samples(big_volume, 2))
+        assert len([torch.from_dlpack(b).cpu() for b in p]) == 1
+        ex = made[0]
+        with torch.cuda.device(ex.device), torch.cuda.stream(ex.stream):
+            torch.cuda._sleep(4_000_000_000)  # (about 2 s on an H200)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            p.close()
+        stuck = [w for w in caught if "did not finish" in str(w.message)]
+        assert len(stuck) == 1 and ex.stuck == ["place"], [str(w.message) for w in caught]
+        kept = {id(x) for x in gpu_streams.kept()[before:]}
+        assert all(id(x) in kept for x in [*ex._lanes.data, *ex._lanes.scratch, ex.slots, ex.host_slots])
+    finally:
+        p.close()
+        torch.cuda.synchronize()

@@ -201,20 +201,53 @@ static PyObject *stage_pool_info_py(PyObject *Py_UNUSED(self), PyObject *obj) {
     return Py_BuildValue("(LLLL)", out[0], out[1], out[2], out[3]);
 }
 
+/* ---- a round's cancel flag: an int in a capsule ---- */
+
+#define CANCEL_CAPSULE "stoker.stage_cancel"
+
+static void cancel_capsule_free(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, CANCEL_CAPSULE)); }
+
+/* stage_cancel_flag() -> capsule: a cancel flag, not set */
+static PyObject *stage_cancel_flag_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    int *flag = calloc(1, sizeof(int));
+    if (flag == NULL)
+        return PyErr_NoMemory();
+    PyObject *capsule = PyCapsule_New(flag, CANCEL_CAPSULE, cancel_capsule_free);
+    if (capsule == NULL)
+        free(flag);
+    return capsule;
+}
+
+/* stage_cancel(flag): set it (the rounds reading with it stop at their next read; later ones read nothing) */
+static PyObject *stage_cancel_py(PyObject *Py_UNUSED(self), PyObject *obj) {
+    int *flag = PyCapsule_GetPointer(obj, CANCEL_CAPSULE);
+    if (flag == NULL)
+        return NULL;
+    stage_cancel(flag);
+    Py_RETURN_NONE;
+}
+
 static PyObject *stage_threads_started_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     return PyLong_FromLongLong(stage_threads_started());
 }
 
-/* stage_read(buf, paths, files, reads, out, whole_base, threads[, ident_blob, idents]) -> (opens, reads);
- * threads: a count, or a stage_pool capsule; idents: (start, length) in ident_blob per read (its entries') */
-static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
+/* stage_read(buf, paths, files, reads, out, whole_base, threads[, ident_blob, idents], cancel=None) -> (opens,
+ * reads); threads: a count, or a stage_pool capsule; idents: (start, length) in ident_blob per read (its
+ * entries'); cancel: a stage_cancel_flag capsule (held by the call's arguments while the round reads it) */
+static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"buf", "paths", "files", "reads", "out", "whole_base", "threads", "ident_blob",
+                             "idents", "cancel", NULL};
     PyObject *buf_obj, *paths_obj, *files_obj, *reads_obj, *out_obj, *threads_obj, *blob_obj = NULL,
-             *idents_obj = NULL;
+             *idents_obj = NULL, *cancel_obj = Py_None;
     long long whole_base;
     int threads = 1;
     stage_pool *pool = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOLO|OO", &buf_obj, &paths_obj, &files_obj, &reads_obj, &out_obj, &whole_base,
-                          &threads_obj, &blob_obj, &idents_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOLO|OO$O", kwlist, &buf_obj, &paths_obj, &files_obj,
+                                     &reads_obj, &out_obj, &whole_base, &threads_obj, &blob_obj, &idents_obj,
+                                     &cancel_obj))
+        return NULL;
+    const int *cancel = NULL;
+    if (cancel_obj != Py_None && (cancel = PyCapsule_GetPointer(cancel_obj, CANCEL_CAPSULE)) == NULL)
         return NULL;
     if ((blob_obj == NULL) != (idents_obj == NULL) || (blob_obj != NULL && !PyBytes_Check(blob_obj))) {
         PyErr_SetString(PyExc_TypeError, "stage_read: the entries' idents as bytes and an int64 table, or neither");
@@ -275,6 +308,7 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
     p.buf_len = (long long)buf.len;
     p.whole_base = whole_base;
     p.out = out.buf;
+    p.cancel = cancel;
     const char *error = NULL;
     if (stage_check(&p, &error) < 0) {
         PyErr_SetString(PyExc_ValueError, error);
@@ -352,15 +386,22 @@ done:
 }
 
 PyMethodDef staging_methods[] = {
-    {"stage_read", stage_read_py, METH_VARARGS,
-     "stage_read(buf, paths, files, reads, out, whole_base, threads) -> (opens, reads): the rows of ``reads`` "
+    {"stage_read", (PyCFunction)(void (*)(void))stage_read_py, METH_VARARGS | METH_KEYWORDS,
+     "stage_read(buf, paths, files, reads, out, whole_base, threads[, ident_blob, idents], cancel=None) -> "
+     "(opens, reads): the rows of ``reads`` "
      "(file, offset or -1 for a whole file, length or the most bytes it may take, where in buf) read into the "
      "writable buffer ``buf`` on up to ``threads`` threads, the GIL released once; ``paths`` a sequence of str "
      "or chunk_paths' bytes; ``files`` one identity row per path (has_ident, dev, ino, size, mtime_ns, ctime_ns); ``out`` (status, detail, at, bytes read) per "
      "read. Whole files go end to end from whole_base. ``threads``: a count (threads of the call's own), or a "
      "stage_pool (its persistent threads). Offset -2: a disk-cache entry file, whose payload alone is placed "
      "(with the whole files), read and checked; its ident is row (start, length) of ``idents`` in the bytes "
-     "``ident_blob`` (both given, or neither)."},
+     "``ident_blob`` (both given, or neither). ``cancel``: a stage_cancel_flag; once it is set no read starts "
+     "and those not run are status ST_CANCELLED (at -1, nothing read)."},
+    {"stage_cancel_flag", stage_cancel_flag_py, METH_NOARGS,
+     "stage_cancel_flag() -> flag: a cancel flag for stage_read, not set."},
+    {"stage_cancel", stage_cancel_py, METH_O,
+     "stage_cancel(flag): set the flag; the stage_read calls reading with it stop before their next read (those "
+     "under way end first), and later ones read nothing."},
     {"stage_pool", stage_pool_py, METH_VARARGS,
      "stage_pool(threads) -> pool: persistent readers for stage_read (the caller and threads - 1 helpers, "
      "started at its first round with work for them and kept until stage_pool_close or the pool's end)."},

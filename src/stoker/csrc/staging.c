@@ -93,7 +93,21 @@ static void set_out(stage_plan *p, long long i, long long status, long long deta
     o[SO_DETAIL] = detail;
 }
 
-/* ranged reads [first, last) of one file: one open, each read, the identity checked after them all */
+void stage_cancel(int *flag) { __atomic_store_n(flag, 1, __ATOMIC_RELEASE); }
+
+/* the round's cancel flag set (loaded between reads: a closing pipeline's round stops at the next one) */
+static int cancelled(const stage_plan *p) { return p->cancel != NULL && __atomic_load_n(p->cancel, __ATOMIC_ACQUIRE); }
+
+/* reads [first, last) not run: ST_CANCELLED, nothing of theirs in the staging */
+static void not_run(stage_plan *p, long long first, long long last) {
+    for (long long i = first; i < last; i++) {
+        int64_t *o = p->out + i * STAGE_OUT_COLS;
+        o[SO_STATUS] = ST_CANCELLED, o[SO_DETAIL] = 0, o[SO_AT] = -1, o[SO_NREAD] = 0;
+    }
+}
+
+/* ranged reads [first, last) of one file: one open, each read, the identity checked after them all; cancelled
+ * between two reads, the rest are not run */
 static void read_runs(stage_plan *p, long long first, long long last) {
     chunk_io job;
     file_job(p, p->reads[first * STAGE_READ_COLS + SR_FILE], &job);
@@ -101,8 +115,12 @@ static void read_runs(stage_plan *p, long long first, long long last) {
     job.offset = 0;
     __atomic_fetch_add(&p->opens, 1, __ATOMIC_RELAXED);
     int fd = open_chunk(&job, (size_t)-1, &size);
-    long long bad = fd < 0 ? job.status : ST_OK, detail = job.detail;
+    long long bad = fd < 0 ? job.status : ST_OK, detail = job.detail, stop = last;
     for (long long i = first; i < last && fd >= 0; i++) {
+        if (i > first && cancelled(p)) {
+            stop = i;
+            break;
+        }
         const int64_t *r = p->reads + i * STAGE_READ_COLS;
         job.offset = r[SR_OFFSET];
         job.nread = 0;
@@ -115,11 +133,12 @@ static void read_runs(stage_plan *p, long long first, long long last) {
     }
     if (fd >= 0 && close_checked(&job, fd))
         bad = ST_CHANGED, detail = 0;
-    for (long long i = first; i < last; i++) {
+    for (long long i = first; i < stop; i++) {
         p->out[i * STAGE_OUT_COLS + SO_AT] = p->reads[i * STAGE_READ_COLS + SR_AT];
         if (bad != ST_OK)
             set_out(p, i, bad, detail);
     }
+    not_run(p, stop, last);
 }
 
 /* an entry read's header bytes (header and ident) */
@@ -224,6 +243,11 @@ typedef struct {
 static void run_task(round_of *r, long long t) {
     long long first = r->tasks[2 * t], last = r->tasks[2 * t + 1];
     int whole = r->p->reads[first * STAGE_READ_COLS + SR_OFFSET] < 0;
+    if (cancelled(r->p)) { /* (each task is still taken, by one thread: every read gets its status) */
+        if (r->round == 0 || (whole && r->p->out[first * STAGE_OUT_COLS + SO_STATUS] == ST_OK))
+            not_run(r->p, first, last); /* (the second round: a whole file placed and not read yet) */
+        return;
+    }
     if (!whole && r->round == 0)
         read_runs(r->p, first, last);
     else if (whole && r->round == 0)
@@ -246,13 +270,21 @@ static void *run_round(void *arg) {
     }
 }
 
+/* run_round on a thread of the call's own, named as the pool's helpers are (what top, py-spy and gdb show) */
+static void *call_reader(void *arg) {
+#if defined(__linux__)
+    (void)pthread_setname_np(pthread_self(), STAGE_THREAD_NAME);
+#endif
+    return run_round(arg);
+}
+
 static void run_parallel(round_of *r, int threads) {
     pthread_t ids[MAX_STAGE_THREADS];
     int k = threads < 1 ? 1 : threads > MAX_STAGE_THREADS ? MAX_STAGE_THREADS : threads, started = 0;
     if (k > r->n)
         k = (int)(r->n > 0 ? r->n : 1);
     for (int j = 0; j + 1 < k; j++)
-        if (thread_start(&ids[started], 0, run_round, r) == 0)
+        if (thread_start(&ids[started], 0, call_reader, r) == 0)
             started++; /* (none started: the caller reads them all) */
     __atomic_add_fetch(&threads_started, started, __ATOMIC_RELAXED);
     run_round(r);
@@ -454,13 +486,18 @@ void stage_read_on(stage_plan *p, int threads, stage_pool *q) {
     }
     round_of r = {p, tasks, n, 0, 0};
     run_on(&r, threads, q);
-    /* whole files end to end, in order, by their sizes; one past the buffer is ST_TOO_BIG (unread) */
+    /* whole files end to end, in order, by their sizes; one past the buffer is ST_TOO_BIG (unread); cancelled
+     * by now, none is placed */
     long long at = p->whole_base;
-    int any = 0;
+    int any = 0, stop = cancelled(p);
     for (long long i = 0; i < p->n_reads; i++) {
         int64_t *o = p->out + i * STAGE_OUT_COLS;
         if (p->reads[i * STAGE_READ_COLS + SR_OFFSET] >= 0 || o[SO_STATUS] != ST_OK)
             continue;
+        if (stop) {
+            not_run(p, i, i + 1);
+            continue;
+        }
         if (o[SO_DETAIL] > p->buf_len - at) {
             set_out(p, i, ST_TOO_BIG, o[SO_DETAIL]);
             continue;

@@ -51,7 +51,8 @@ enum {
     ST_FRAME,        /* a frame this reader leaves to the Python path (it decides and words the error) */
     ST_NOT_REGULAR,  /* detail: st_mode & S_IFMT */
     ST_CHANGED,      /* the shard file is not the one its index was read from */
-    ST_CANCELLED,    /* the job was cancelled before this chunk was placed */
+    ST_CANCELLED,    /* the job was cancelled before this chunk was placed; a staging read not run (staging.h: its
+                      * round's cancel flag was set before it started) */
     ST_NO_MEMORY,    /* the thread's scratch could not be allocated */
     ST_RANGE,        /* a value the copies read does not fit the integer batch (KIND_I32, KIND_I64); the batch
                       * holds zero in its place, and the Python side raises DtypeMismatch naming the chunk */

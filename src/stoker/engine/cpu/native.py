@@ -208,13 +208,14 @@ if Engine is not None:
 #: ``blosc_streams(buf, chunks, fault) -> (streams, blocks)`` and ``chunk_paths(blob, prefixes, names, ndim) ->
 #: bytes`` (csrc/staging.c): the GPU decode's reads of a wave into its staging on the threads of a
 #: ``stage_pool(threads)`` (persistent: ``stage_pool_close``, ``stage_pool_info``, ``stage_threads_started``) or
-#: threads of their own, the GIL released once, its blosc1 frames parsed and its files' paths built as the engine
-#: builds them (engine/gpu/native_reads.py wraps them), or None without the engine
+#: threads of their own, the GIL released once, stopped between reads by a ``stage_cancel_flag()`` once
+#: ``stage_cancel`` sets it, its blosc1 frames parsed and its files' paths built as the engine builds them
+#: (engine/gpu/native_reads.py wraps them), or None without the engine
 stage_read = blosc_streams = chunk_paths = stage_pool = stage_pool_close = stage_pool_info = None
-stage_threads_started = None
+stage_threads_started = stage_cancel_flag = stage_cancel = None
 if Engine is not None:
-    from ..._native import (blosc_streams, chunk_paths, stage_pool, stage_pool_close,  # noqa: F401 (native.*)
-                           stage_pool_info, stage_read, stage_threads_started)
+    from ..._native import (blosc_streams, chunk_paths, stage_cancel, stage_cancel_flag,  # noqa: F401 (native.*)
+                           stage_pool, stage_pool_close, stage_pool_info, stage_read, stage_threads_started)
 #: ``write_entries(items, tag, seed) -> (results, allocated, grown)`` (csrc/entries.c): the disk cache's entry
 #: files made with the GIL released once per batch (storage/diskcache.py's writer thread uses it once this module
 #: is loaded: ``use_entry_writer``), or None without the engine

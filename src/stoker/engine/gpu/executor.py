@@ -28,8 +28,10 @@ and placement are queued, or once nothing waits to be queued, always before a ba
 damaged stream fails only the batch holding it): that wait is the only one the host makes for the device
 in steady state. A staging buffer is read into again only once the copy stream is past its copy (its event),
 a device copy written again only once the decode that read it is done, a scratch once the placement that
-read it is (:class:`.streams.WaveStreams`). ``close()`` waits a second at most: the threads end at their next
-step.
+read it is (:class:`.streams.WaveStreams`). ``close()`` waits a second at most for the threads, which end at
+their next step (the reader's compiled reads at their next read: ``shutdown`` cancels the round), then
+:data:`.streams.CLOSE_WAIT_S` at most for the streams (a stream still busy then is warned of, and the buffers
+it may write are kept, never freed under it).
 
 Chunks the device does not decode are decoded on the CPU (:mod:`.fallback`), cast there into the batch
 dtype and staged as raw streams of a group, so they cross to the device and are placed by the same
@@ -75,6 +77,7 @@ import math
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -96,6 +99,7 @@ from ..planning.padding import fill_padding
 from ..cpu.cf import RowDecode, plan_decoder
 from .sources import CPU, Described, Source, aligned, device_casts
 from .staging import Group, Pending, Stager, plan_reads
+from . import streams as streams_mod
 from .streams import CudaStreams, HostStreams, WaveStreams
 from ..planning.tables import TablePlan, plan_tables
 from ..cuda.transfer import EVENT_TYPES
@@ -167,6 +171,11 @@ class GpuDecodeExecutor(SlotsDelivery):
         # and the slots the batches (a bound here would hold the reader back behind two ends, not a wave ahead)
         self._staged: queue.Queue = queue.Queue()
         self._closing = False
+        #: the streams that had not finished their work when close() stopped waiting (their buffers kept)
+        self.stuck: list[str] = []
+        #: slot rings of others that these streams read (the hybrid's host part): kept with ours (_keep)
+        self.keep_with: list[SlotRing] = []
+        self._landing: list | None = None  # the submitter's: the buffers of the batch a before hook lands in
         self._reader: threading.Thread | None = None
         self._thread: threading.Thread | None = None
 
@@ -336,6 +345,19 @@ class GpuDecodeExecutor(SlotsDelivery):
         """An event on the place stream (None without streams)."""
         return self._backend.record(self.stream)
 
+    @property
+    def backend(self) -> HostStreams:
+        """The streams' backend (:mod:`.streams`: CUDA's, the host stand-in's, or the tests' recorder)."""
+        return self._backend
+
+    def land(self, batch: torch.Tensor, host: torch.Tensor, host_id: Any) -> Any:
+        """From a ``before`` hook (this executor's thread): queue the copy of the host buffer ``host`` (named
+        ``host_id`` to the streams' backend) into ``batch`` on the place stream (:meth:`.streams.WaveStreams.land`),
+        where the batch's chunks are then placed over it; returns the event after which ``host`` may be written
+        again (None on CPU tensors)."""
+        assert self._lanes is not None and self._landing is not None, "land() is for a before hook"
+        return self._lanes.land(batch, host, host_id, self._landing)
+
     def device_nbytes(self) -> int:
         """Device memory held: batch slots, the work buffer, the staging's copies and the decode scratches."""
         if self.slots is None or self._lanes is None:
@@ -400,21 +422,45 @@ class GpuDecodeExecutor(SlotsDelivery):
         return [t for t in (self._reader, self._thread) if t is not None] + self._stager.pool.started()
 
     def shutdown(self) -> None:
+        """Stop: the reader's round of compiled reads ends at its next read (the batch it stages fails with
+        pipeline_closed, nothing placed from its unread staging), the threads at their next step."""
         self._closing = True
-        self._stager.pool.closing = True
+        self._stager.cancel()
         self._queue.put(None)
 
     def close(self) -> None:
-        """Wait (a second at most, for both threads) for the worker, then for the work queued on the stream,
-        so no buffer is freed under it."""
+        """Wait (a second at most, for both threads) for the worker, then (:data:`.streams.CLOSE_WAIT_S` at
+        most) for the work queued on the streams, so no buffer is freed under it: a stream still busy then
+        (a hung device) is warned of once, and the buffers it may write are kept (:meth:`_keep`)."""
         deadline = time.monotonic() + 1.0
         self._stager.close()
         for thread in (self._reader, self._thread):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
-        if self._lanes is not None:
+        if self._lanes is not None and not self.stuck:
             with self._on_device():
-                self._lanes.synchronize()
+                self.stuck = self._lanes.synchronize(streams_mod.CLOSE_WAIT_S)
+            if self.stuck:
+                self._keep()
+
+    def _keep(self) -> None:
+        """A stream did not finish by the close: every buffer one of them may still write or read (batch slots,
+        the work buffer, device copies, scratches, nvCOMP's scratch and the decoder's statuses, the pinned
+        staging) is kept referenced for the process's life rather than freed under that work; one warning
+        says which streams and how much."""
+        lanes = self._lanes
+        assert lanes is not None
+        device = [t for t in (self._work, self._temp, *lanes.data, *lanes.scratch) if t is not None]
+        rings = [r for r in (self.slots, self.host_slots, *self.keep_with) if r is not None]
+        streams_mod.keep([*device, *rings, self._decoder])
+        on_device = sum(t.numel() * t.element_size() for t in device) + (self.slots.nbytes if self.slots else 0)
+        pinned = sum(r.nbytes for r in rings if r is not self.slots)
+        warnings.warn(
+            f"GpuDecodeExecutor.close(): the {', '.join(self.stuck)} stream(s) on {self.device} did not finish "
+            f"their work within {streams_mod.CLOSE_WAIT_S} s (a hung kernel or copy?). Their buffers are kept "
+            f"referenced for the rest of the process rather than freed under work that may still write them: "
+            f"{on_device:,} B of device memory (batch slots, device copies, decode scratches) and {pinned:,} B of "
+            "pinned staging (a leak, on purpose).", RuntimeWarning, stacklevel=3)
 
     # -- the reader: batches staged group by group ------------------------------------------------
 
@@ -646,7 +692,11 @@ class GpuDecodeExecutor(SlotsDelivery):
                 self._backend.wait_stream(self.stream, wait)
         slot.stream_waits = []
         if b.target.before is not None:  # (the hybrid's host part: lands on the stream before any chunk)
-            b.target.before(b.batch)
+            self._landing = b.writes  # (what land() writes)
+            try:
+                b.target.before(b.batch)
+            finally:
+                self._landing = None
 
     def _end(self, b: "_Batch", fills: np.ndarray) -> None:
         """Fills, padding, CF decoding, transform, the 16-bit rounding and the event queued. The batch's job is

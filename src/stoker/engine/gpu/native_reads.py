@@ -34,6 +34,8 @@ from . import frames
 #: statuses of a read (csrc/stoker_native.h)
 ST_OK, ST_MISSING, ST_TOO_BIG, ST_CHANGED = native.ST_OK, native.ST_MISSING, native.ST_TOO_BIG, native.ST_CHANGED
 ST_SHORT, ST_NOT_REGULAR, ST_ENTRY = native.ST_SHORT, native.ST_NOT_REGULAR, native.ST_ENTRY
+#: a read not run: its round was cancelled (:meth:`Readers.cancel`) before it started; nothing of it is staged
+ST_CANCELLED = native.ST_CANCELLED
 #: a read's offset that makes it a disk-cache entry file's payload (csrc/staging.h SR_ENTRY)
 ENTRY = -2
 #: columns of a read's result: status, detail (errno, a size), where its bytes are in the staging, bytes read
@@ -50,7 +52,8 @@ class Readers:
     ``threads - 1`` helpers, started at the first read with work for them and kept until :meth:`close`. A
     forked child gets threads of its own at its first read (the parent's are not there; its lock is made anew
     there, as another thread may have held it at the fork), and the pools still open at interpreter exit are
-    closed then (a second at most each).
+    closed then (a second at most each). :meth:`cancel` stops the round under way between two reads (its
+    pipeline is closing) and every later one before its first.
 
     >>> readers = Readers(4)
     >>> out = read(bytearray(4), ["/no/such/file"], np.zeros((1, 6), np.int64), np.array([[0, -1, 4, 0]]), 0, readers)
@@ -64,6 +67,9 @@ class Readers:
         self._pool: Any = None
         self._pid = 0
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py); new in a forked child
+        # the rounds' cancel flag (csrc/staging.c reads it between reads, without a lock); None without the engine
+        self._cancel: Any = native.stage_cancel_flag() if available() else None
+        self.cancelled = False
         _open.add(self)
         _every.add(self)
 
@@ -104,6 +110,19 @@ class Readers:
             return self.threads - 1, 0, 0, self.closed
         wanted, started, alive, closing = native.stage_pool_info(pool)
         return int(wanted), int(started), int(alive), bool(closing)
+
+    def cancel(self) -> None:
+        """Stop the round reading on these readers (from any thread, its caller's reads too): no read starts
+        after this, those under way end (one ``pread`` each at most), the rest are :data:`ST_CANCELLED` (not
+        run, nothing staged), and so is every read of a later round. For a pipeline that is closing: its
+        reader then returns at once rather than after the wave's last read."""
+        self.cancelled = True
+        if self._cancel is not None:
+            native.stage_cancel(self._cancel)
+
+    def flag(self) -> Any:
+        """The cancel flag :func:`read` hands to the compiled reads."""
+        return self._cancel
 
     def close(self, timeout: float = 1.0) -> bool:
         """Stop the helpers (one in a read finishes the file it holds) and wait for them at most ``timeout``
@@ -150,14 +169,22 @@ def read(buf: Any, paths: list[str] | bytes, files: np.ndarray, reads: np.ndarra
     persistent threads), or a count of threads started for this call. A read of offset :data:`ENTRY` is a
     disk-cache entry file's (its payload placed with the whole files, checked as the CPU engine checks entries:
     ``ST_ENTRY`` and an ``ENTRY_*`` detail where it cannot be used), its ident row ``(start, length)`` of
-    ``idents[1]`` in the bytes ``idents[0]``. (``native.stage_read`` also returns its opens and reads, which
-    tests count.)"""
+    ``idents[1]`` in the bytes ``idents[0]``. On :class:`Readers` cancelled (:meth:`Readers.cancel`, before
+    or during the call) the reads not run are :data:`ST_CANCELLED` (:func:`cancelled`): the caller drops the
+    round. (``native.stage_read`` also returns its opens and reads, which tests count.)"""
     reads = np.ascontiguousarray(reads, np.int64).reshape(-1, 4)
     out = np.zeros((len(reads), 4), np.int64)
     extra = () if idents is None else (idents[0], np.ascontiguousarray(idents[1], np.int64).reshape(-1, 2))
+    pooled = isinstance(threads, Readers)
     gil.released(native.stage_read, buf, paths, np.ascontiguousarray(files, np.int64).reshape(-1, 6), reads, out,
-                 int(whole_base), threads.handle() if isinstance(threads, Readers) else int(threads), *extra)
+                 int(whole_base), threads.handle() if pooled else int(threads), *extra,
+                 cancel=threads.flag() if pooled else None)
     return out
+
+
+def cancelled(out: np.ndarray) -> bool:
+    """Whether :func:`read`'s result holds reads its round's cancel left unrun (:data:`ST_CANCELLED`)."""
+    return bool(np.any(out[:, STATUS] == ST_CANCELLED))
 
 
 def chunk_paths(blob: bytes, prefixes: np.ndarray, names: np.ndarray) -> bytes:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...errors import BudgetExceeded, DecodeError, ShutdownError
+from ...errors import BudgetExceeded, DecodeError, ShutdownError, pipeline_closed
 from ...reader.array import ChunkLocation, fetch_stored
 from ...runtime import gil
 from ...runtime.workers import DaemonPool
@@ -180,8 +180,22 @@ class Stager:
         self.stats = stats
         self.pool = ReadPool(threads)
 
+    def cancel(self) -> None:
+        """The pipeline is closing: the compiled round under way stops at its next read, and :meth:`read`
+        raises :func:`~stoker.errors.pipeline_closed` rather than stage what it left unread (or read it again
+        the Python way); waits of the read threads end too."""
+        self.pool.cancel()
+
     def close(self) -> None:
         self.pool.close()
+
+    def _compiled(self, *args, **kw) -> np.ndarray:
+        """:func:`.native_reads.read` on the pool's readers; a round cancelled under way (:meth:`cancel`) raises
+        :func:`~stoker.errors.pipeline_closed`: nothing is placed from the staging it left unread."""
+        out = native_reads.read(*args, self.pool.readers(), **kw)
+        if native_reads.cancelled(out):
+            raise pipeline_closed()
+        return out
 
     def file(self, plan: TablePlan, f: int, files: dict) -> tuple[str, tuple | None]:
         """``(path, identity or None)`` of file row ``f`` (its store key for an array in a store), once per
@@ -289,8 +303,7 @@ class Stager:
         table[:len(heads), 1], table[:len(heads), 2], table[:len(heads), 3] = start, span, read_at
         table[len(heads):, 1], table[len(heads):, 2] = -1, bound
         t0 = time.perf_counter()
-        out = native_reads.read(buf, paths, reads.idents[used], table, group.pos + int(span.sum()),
-                                self.pool.readers())
+        out = self._compiled(buf, paths, reads.idents[used], table, group.pos + int(span.sum()))
         fills, again, got = self._native_ranged(plan, sources, reads, i, lo, buf, group, files, counts,
                                                 out[:len(heads)], runs)
         missing, got_whole, again_whole = self._native_whole(plan, sources, whole, buf, group, out[len(heads):],
@@ -539,8 +552,8 @@ class Stager:
         src = plan.chunk_source[eids]
         ranged = plan.chunk_offset[eids] >= 0  # a range's payload is its length; a value's, at most its bound
         table[:, 2] = np.where(ranged, plan.chunk_length[eids], np.array([s.stored for s in sources], np.int64)[src])
-        out = native_reads.read(buf, paths, np.zeros((len(eids), 6), np.int64), table, group.pos,
-                                self.pool.readers(), (b"".join(idents), np.stack([np.cumsum(lens) - lens, lens], 1)))
+        out = self._compiled(buf, paths, np.zeros((len(eids), 6), np.int64), table, group.pos,
+                             idents=(b"".join(idents), np.stack([np.cumsum(lens) - lens, lens], 1)))
         status, at, got = out[:, native_reads.STATUS], out[:, native_reads.AT], out[:, native_reads.NREAD]
         ok = status == native_reads.ST_OK
         at = _packed(buf, at, got, ok, group.pos)
@@ -626,8 +639,14 @@ class ReadPool:
                 raise exc
         return [r for part in results for r in part]
 
-    def close(self) -> None:
+    def cancel(self) -> None:
+        """Closing: waits for the read threads raise ShutdownError, and the compiled reads stop between two
+        reads (:meth:`.native_reads.Readers.cancel`)."""
         self.closing = True
+        self._readers.cancel()
+
+    def close(self) -> None:
+        self.cancel()
         if self._pool is not None:
             self._pool.shutdown()
         self._readers.close()

@@ -8,7 +8,8 @@ k + 1 and places wave k - 1:
   (``scratch[k % depth]``);
 - **place**: the fused gather / cast / scatter into the batch slots, then fills, padding, CF decoding, the
   transform and each batch's event (the executor's :attr:`~.executor.GpuDecodeExecutor.stream`: the one the
-  pipeline and the hybrid's host part see).
+  pipeline sees); before a hybrid batch's chunks, its host part copied into the batch (:meth:`WaveStreams.land`:
+  the chunks then land over it, in the stream's order, and the host buffer is written again after its event).
 
 :class:`WaveStreams` holds the order, by events only (no host wait): copy k waits for the decode that last read
 its device copy (wave k - depth); decode k waits for copy k and for the placement that last read its scratch
@@ -18,6 +19,10 @@ of wave k is given back with copy k's event (the reader writes it again once the
 itself, no copy is made and it is given back with decode k's);
 the device buffers are marked used by the streams that read them (``record_stream``), so torch's caching
 allocator frees them only after those streams' work.
+
+Closing waits for the streams a bounded time (:meth:`WaveStreams.synchronize`: an event recorded on each,
+polled until :data:`CLOSE_WAIT_S`), never for ever: a stream still busy past it (a hung kernel or copy) is
+named, and its owner keeps the buffers it may still write referenced (:func:`keep`) rather than free them.
 
 The streams and events come from a backend: :class:`CudaStreams` (torch's), :class:`HostStreams` (CPU tensors:
 no streams, each step runs when called, the executor's host stand-in). The tests pass a recorder of the
@@ -34,11 +39,34 @@ writes what).
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["CudaStreams", "HostStreams", "WaveStreams"]
+__all__ = ["CLOSE_WAIT_S", "CudaStreams", "HostStreams", "WaveStreams", "keep", "kept"]
+
+#: the longest :meth:`WaveStreams.synchronize` waits at a close for the streams' work (a wave's copy, decode
+#: and placement take milliseconds: past this the device is hung, and the host stops waiting)
+CLOSE_WAIT_S = 2.0
+
+_kept: list[Any] = []  # buffers a stream may still write, never freed in this process (keep)
+_kept_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+
+
+def keep(things: Sequence[Any]) -> None:
+    """Hold ``things`` (tensors, slot rings, a stream decoder) referenced for the rest of the process: memory a
+    stream that did not finish by a close may still write is leaked rather than freed (torch would hand it to
+    the next allocation, under that stream's work)."""
+    with _kept_lock:
+        _kept.extend(things)
+
+
+def kept() -> list[Any]:
+    """What :func:`keep` holds (a copy of the list)."""
+    with _kept_lock:
+        return list(_kept)
 
 
 class HostStreams:
@@ -65,8 +93,9 @@ class HostStreams:
     def access(self, stream: Any, reads: Sequence = (), writes: Sequence = ()) -> None:
         pass
 
-    def synchronize(self, stream: Any) -> None:
-        pass
+    def done(self, event: Any) -> bool:
+        """Whether the work before ``event`` is done, without waiting (None: nothing to wait for)."""
+        return event is None or bool(event.query())
 
 
 class CudaStreams(HostStreams):
@@ -97,9 +126,6 @@ class CudaStreams(HostStreams):
         # the caching allocator reuses a block once its own stream is past it: a stream that also reads it
         # must be past it too
         tensor.record_stream(stream)
-
-    def synchronize(self, stream: Any) -> None:
-        stream.synchronize()
 
 
 class WaveStreams:
@@ -190,12 +216,34 @@ class WaveStreams:
                 self._placed[k] = b.record(s)
         return self._placed[k]
 
+    def land(self, batch: torch.Tensor, host: torch.Tensor, host_id: Any, writes: Sequence) -> Any:
+        """Queue the copy of the host buffer ``host`` (named ``host_id``: the hybrid's host part) into ``batch``
+        (the buffers ``writes``) on the place stream, before the batch's chunks are placed there (they land over
+        it, in the stream's order); returns the copy's event, after which ``host`` may be written again."""
+        b, s = self.backend, self.place_stream
+        with b.on(s):
+            b.access(s, reads=[("host", host_id)], writes=writes)
+            batch.copy_(host, non_blocking=True)
+            return b.record(s)
+
     def staged(self, staging_id: Any) -> None:
         """The reader (the host) writes staging buffer ``staging_id``: for the backend's record of accesses (it
         acquired the buffer once the copy that last read it was done)."""
         self.backend.access(None, writes=[("staging", staging_id)])
 
-    def synchronize(self) -> None:
-        """Wait for all three streams (closing: no buffer is freed under their work)."""
-        for s in (self.copy_stream, self.decode_stream, self.place_stream):
-            self.backend.synchronize(s)
+    def synchronize(self, timeout: float = CLOSE_WAIT_S) -> list[str]:
+        """Wait for the work queued so far on all three streams (closing: no buffer is freed under it),
+        ``timeout`` seconds at most: an event recorded on each, polled (no wait without a limit: a hung device
+        never holds the close). Returns the roles of the streams not done by then (``"copy"``, ``"decode"``,
+        ``"place"``), whose buffers their work may still write."""
+        b = self.backend
+        marks = [(role, b.record(s)) for role, s in
+                 (("copy", self.copy_stream), ("decode", self.decode_stream), ("place", self.place_stream))]
+        deadline, pause = time.monotonic() + timeout, 0.0005
+        while True:
+            marks = [(role, event) for role, event in marks if not b.done(event)]
+            left = deadline - time.monotonic()
+            if not marks or left <= 0:
+                return [role for role, _ in marks]
+            time.sleep(min(pause, left))  # (a few ms at most between looks: a close returns soon after the work)
+            pause = min(2 * pause, 0.01)

@@ -218,6 +218,8 @@ class HybridExecutor:
             return
         self._budgets(lambda: self.gpu.prepare(sample_shape, readers, dtype))
         self._budgets(lambda: self.cpu.prepare(sample_shape, readers, self.gpu.work_dtype(dtype)))
+        if self.cpu.host_slots is not None:  # read by the landing copies on the GPU part's place stream
+            self.gpu.keep_with.append(self.cpu.host_slots)
 
     def held(self) -> int:
         return self.gpu.held()
@@ -269,6 +271,8 @@ class HybridExecutor:
         if len(cpu_ids):
             host = target.host
             assert self.cpu.decoders is not None and host.out is not None
+            if host.slot is not None:  # the host (the CPU engine's threads) writes the host slot from now on
+                self.gpu.backend.access(None, writes=[("host", host.slot.index)])
             cpu_job = parts.cpu_job = self.cpu.decoders.submit(
                 subset(plan, cpu_ids), host.out, then=lambda _job: self._cpu_done(parts))
             cpu_job.on_cancel(lambda: _fail_with(parts.job, cpu_job))
@@ -314,11 +318,9 @@ class HybridExecutor:
             raise pipeline_closed()
         host = slot.view(batch.dtype, tuple(batch.shape))
         t1 = time.perf_counter()
-        batch.copy_(host, non_blocking=True)
-        ready = None
-        if batch.is_cuda:  # the slot is read by the copy until the stream is past it
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(batch.device))
+        # on the GPU part's place stream, through its streams' backend (the tests' recorder sees it): the slot is
+        # read by the copy until the stream is past its event, and written again only after that
+        ready = self.gpu.land(batch, host, slot.index)
         del host
         self._release_host(slot, ready)
         nbytes = batch.numel() * batch.element_size()
