@@ -60,7 +60,9 @@ from .store import ByteRange, Store, by_key, check_key, check_prefix, not_found
 @dataclass
 class CacheCounters:
     """What a :class:`CachingStore` served: bytes from disk (``hit_bytes``) and from the store
-    (``miss_bytes``), values and ranges each way, and HEAD requests made to revalidate (``revalidations``, one a key) and listing pages asked (``listings``)."""
+    (``miss_bytes``), values and ranges each way, those the store was asked for and did not have (``absent``:
+    a chunk never written, read as its fill value; a request each read, nothing kept), and HEAD requests made
+    to revalidate (``revalidations``, one a key) and listing pages asked (``listings``)."""
 
     hits: int = 0
     misses: int = 0
@@ -68,6 +70,7 @@ class CacheCounters:
     miss_bytes: int = 0
     revalidations: int = 0
     listings: int = 0
+    absent: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -748,10 +751,14 @@ class CachingStore:
         if miss:
             now = time.monotonic()  # when asked: a forget after it is not undone by the answer (see _learn)
             got, got_gens = self.store.get_each([requests[j] for j in miss], versions=True)
+            absent = 0
             for j, data, gen in zip(miss, got, got_gens):
                 outcomes[j], gens[j] = data, gen
                 if not isinstance(data, Exception):
                     self._keep(requests[j].key, requests[j].start, requests[j].length, data, gen, now)
+                elif isinstance(data, NotFound):
+                    absent += 1
+            self._absent(absent)
         return (outcomes, gens) if versions else outcomes
 
     def _serve(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> tuple[tuple, list[int], list[int]]:
@@ -836,14 +843,27 @@ class CachingStore:
         the store was asked (the generations it states are learnt as of then, unless forgotten since)."""
         values, parts, value_versions, part_versions = served
         now = asked
+        absent = 0
         for i, data, gen in zip(miss_keys, got[0], got[2]):
             values[i], value_versions[i] = data, gen
             if data is not None:
                 self._keep(keys[i], None, None, data, gen, now)
+            else:
+                absent += 1
         for j, data, gen in zip(miss_parts, got[1], got[3]):
             parts[j], part_versions[j] = data, gen
             if not isinstance(data, Exception):
                 self._keep(requests[j].key, requests[j].start, requests[j].length, data, gen, now)
+            elif isinstance(data, NotFound):
+                absent += 1
+        self._absent(absent)
+
+    def _absent(self, n: int) -> None:
+        """``n`` values or ranges were asked of the store (a round trip each) and were not there: counted as
+        fetched all the same (see :attr:`fetched`)."""
+        if n:
+            with self._lock:
+                self.counters.absent += n
 
     def _keep(self, key: str, start: int | None, length: int | None, data, gen: Any, now: float) -> None:
         n = memoryview(data).nbytes
@@ -963,10 +983,11 @@ class CachingStore:
 
     @property
     def fetched(self) -> int:
-        """How many values and ranges this wrapper fetched from the store (not found on disk: its counters'
-        ``misses``): what a planner that stopped looking up batches ahead (each found whole on disk) compares
-        to learn that batches need fetches again."""
-        return self.counters.misses
+        """How many values and ranges this wrapper asked the store for (not found on disk: its counters'
+        ``misses``, and ``absent``: chunks never written, which cost a request each read and are never kept):
+        what a planner that stopped looking up batches ahead (each found whole on disk) compares to learn
+        that batches need fetches again, so a batch reading an absent chunk is prefetched, not waited for."""
+        return self.counters.misses + self.counters.absent
 
     def entries_missed(self, n: int) -> None:
         """The compiled engine found ``n`` entries :meth:`entry_files` gave missing or unsound (evicted by
