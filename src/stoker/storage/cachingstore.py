@@ -101,6 +101,9 @@ class CachingStore:
         self.read_files = read_files  # how hits are read (see DiskCache.get_many; None: in Python)
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
+        # how often a generation known was replaced by another, or forgotten: what a memo of entries made at
+        # the generations known (the decoder's, engine/cpu/decode_native.py) compares to learn it is stale
+        self.changes = 0
         # (key, start, length) -> (generation, ident, entry): what entry_files made for that generation
         self._entry_files: dict[tuple, tuple[Any, str, tuple[bytes, bytes]]] = {}
         # the cache's losses when _entry_files, _marked and _found were last checked against them (see _unmade)
@@ -140,6 +143,7 @@ class CachingStore:
             prefix = check_prefix(prefix)
             under = prefix + "/" if prefix else ""
             with self._lock:
+                self.changes += 1  # generations forgotten: memos of entries made at them are stale
                 self._forgot[prefix] = time.monotonic()  # answers to reads started before now: not learnt
                 for names in (self._known, self._heads):  # HEADs in flight: their answers are not learnt
                     for key in [k for k in names if k.startswith(under)]:
@@ -153,6 +157,7 @@ class CachingStore:
                     del self._listings[above.prefix]
             return
         with self._lock:
+            self.changes += 1
             self._forgot = {"": time.monotonic()}
             self._listed_at.clear()
             self._found.clear()
@@ -311,7 +316,7 @@ class CachingStore:
             for key, version in pairs:
                 known = self._known.get(key)
                 if known is None or known[1] <= listing.started:  # a newer read's answer stays
-                    self._known[key] = (_UNCACHED if version is None else version, listing.started)
+                    self._set_known(key, known, _UNCACHED if version is None else version, listing.started)
             listing.listed += len(pairs)
             if pairs:
                 listing.upto = pairs[-1][0]
@@ -466,9 +471,9 @@ class CachingStore:
                 if isinstance(version, NotFound) or (version is None and not failed):
                     # missing, or no generation stated: read through (one request a read, as without a
                     # cache), not asked again until stale
-                    self._known[key] = (_UNCACHED, now)
+                    self._set_known(key, known, _UNCACHED, now)
                 elif version is not None and not isinstance(version, BaseException):
-                    self._known[key] = (version, now)
+                    self._set_known(key, known, version, now)
                 # an error of this key's: learnt nothing; its reads go through, and say what is wrong
         flight.set_result(None)
 
@@ -535,7 +540,7 @@ class CachingStore:
                 if listing is None:
                     head.append(key)
                 elif listing.covers(key):  # listed nowhere: missing (or written since): read through
-                    self._known[key] = (_UNCACHED, listing.started)
+                    self._set_known(key, self._known.get(key), _UNCACHED, listing.started)
                 elif wait_pages and listing.future is not None and not listing.future.done():  # its page to come
                     pages.add(listing.future)  # (a finished page is never there: see _next_page)
                     pending.append(key)
@@ -629,8 +634,25 @@ class CachingStore:
             with self._lock:
                 known = self._known.get(key)
                 if not self._forgot_since(key, when) and (known is None or known[1] <= when):
-                    self._known[key] = (generation, when)
+                    self._set_known(key, known, generation, when)
         return generation
+
+    def _set_known(self, key: str, known: tuple | None, generation: Any, when: float) -> None:
+        """Under the lock: ``key``'s generation is ``generation`` as of ``when`` (``known``: what was known
+        before); another generation than the one known counts a change (see :attr:`changes`)."""
+        if known is not None and known[0] is not generation and known[0] != generation:
+            self.changes += 1
+        self._known[key] = (generation, when)
+
+    def known_until(self, keys: Sequence[str]) -> list[float]:
+        """For each of ``keys``, until when (``time.monotonic()``) the generation known now stays within the
+        staleness bound, as :meth:`entry_files` judges it (0.0: none known, or one read through). What a memo
+        of the entries :meth:`entry_files` gave may trust them for, while :attr:`changes` and :attr:`losses`
+        stay as they were."""
+        staleness = self.staleness_s
+        with self._lock:
+            known = [self._known.get(key) for key in keys]
+        return [0.0 if got is None or got[0] is _UNCACHED else got[1] + staleness for got in known]
 
     def _forgot_since(self, key: str, when: float) -> bool:
         """Under the lock: whether ``key`` was forgotten (itself or a folder above it) after ``when``."""
