@@ -361,7 +361,7 @@ def test_each_chunk_of_a_batch_is_asked_of_the_disk_cache_once(remote, data, tmp
     # ahead, so their entries are read by the engine, not read in Python into the buffer), which reads them
     # all again once it knows every generation
     for epoch in (1, 2):
-        asked, reads = _Asked(monkeypatch), _Reads(monkeypatch)
+        asked = _Asked(monkeypatch)
         with stoker.Pipeline(cfg) as p:
             _six_batches(p, asked, f"{uri}/{path}", want)
             assert cache.flush(30)
