@@ -100,19 +100,20 @@ class Ahead:
         disk (:data:`QUIET_AFTER`) may need fetches again, so looking up and planning ahead resume. A step
         per store."""
         lost = False
-        for r in plan.sources:
-            if not isinstance(r.kv, PrefetchStore):
+        stores = {id(r.kv): r.kv for r in plan.sources}  # each store once (a batch of many arrays of one bucket)
+        for kv in stores.values():
+            if not isinstance(kv, PrefetchStore):
                 continue
-            fetched = getattr(r.kv, "fetched", None)
+            fetched = getattr(kv, "fetched", None)
             if fetched is not None:  # one count per store (a CachingStore's; not one per array reading it)
-                seen = self._fetched.get(id(r.kv))
+                seen = self._fetched.get(id(kv))
                 if seen is None or seen[1] != fetched:
-                    self._fetched[id(r.kv)] = (r.kv, fetched)  # the store held, so its id is not another's
+                    self._fetched[id(kv)] = (kv, fetched)  # the store held, so its id is not another's
                     lost = lost or fetched != (0 if seen is None else seen[1])
             # one count per disk cache, however many of the plan's arrays (or stores) share it: a sum over the
             # arrays differed between batches reading different numbers of them, with nothing lost between
-            cache = getattr(r.kv, "cache", r.kv)
-            losses = getattr(r.kv, "losses", 0)
+            cache = getattr(kv, "cache", kv)
+            losses = getattr(kv, "losses", 0)
             seen = self._losses.get(id(cache))
             if seen is None or seen[1] != losses:
                 self._losses[id(cache)] = (cache, losses)  # the cache held, so its id is not another's
