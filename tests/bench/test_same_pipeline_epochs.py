@@ -136,3 +136,23 @@ def test_cache_staleness_s_mistakes(tmp_path, capsys):
                   "--data", str(tmp_path)])
         assert exited.value.code == 2
         assert "--cache-staleness-s: takes seconds (a number above 0)" in capsys.readouterr().err
+
+
+def test_the_second_epoch_line_gives_each_rounds_ratio_and_their_median():
+    """With interleaved rounds the e2/local ratio of each round (its two peers run back to back) and their
+    median are on the second epoch's line; with one round, nothing more than before."""
+    from types import SimpleNamespace
+
+    from stoker.bench.epochs import LOCAL_SAME, SAME, second_epoch_lines
+
+    def peer(rounds, cpu_ms):
+        return SimpleNamespace(samples_per_s=sorted(rounds)[(len(rounds) - 1) // 2],
+                               extra={"rounds": rounds, "rounds_cpu_ms": cpu_ms, "batches": 10,
+                                      "cpu_s": cpu_ms[0] / 100})
+
+    line = second_epoch_lines({SAME: peer([450.0, 380.0, 500.0], [20.0, 22.0, 20.0]),
+                               LOCAL_SAME: peer([500.0, 400.0, 500.0], [19.0, 20.0, 21.0])})[0]
+    assert line.endswith("; per round: samples/s e2/local 0.90 0.95 1.00 (median 0.95); "
+                         "CPU per batch local/e2 0.95 0.91 1.05 (median 0.95)"), line
+    one = second_epoch_lines({SAME: peer([450.0], [20.0]), LOCAL_SAME: peer([500.0], [19.0])})[0]
+    assert "per round" not in one

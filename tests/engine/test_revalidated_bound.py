@@ -59,3 +59,24 @@ def test_a_reader_dropped_is_not_kept_alive_and_its_chunks_go_with_it(tmp_path):
     gc.collect()
     assert ref() is None  # the pipeline evicted it: not held here
     assert len(asked) == 100 and len(asked.of(other)) == 100
+
+
+def test_past_the_bound_the_arrays_asked_about_first_are_forgotten_first(tmp_path):
+    """Past REVALIDATED_ENTRIES chunks in all, whole arrays are forgotten, those first asked about first, until a
+    quarter of the bound is free: the array being asked about keeps every chunk it was told of, and so do the
+    latest others (before, every array's chunks were forgotten at once, and all asked about again)."""
+    per = REVALIDATED_CHUNKS
+    readers = _readers(tmp_path, REVALIDATED_ENTRIES // per + 3)
+    asked = Revalidated()
+    for a, reader in enumerate(readers):
+        chunks = asked.of(reader)
+        for i in range(per):
+            asked.keep(chunks, (i, a), [f"k{a}/{i}", 0.0])
+            assert len(chunks) == i + 1  # the array being asked about loses nothing
+            assert len(asked) <= REVALIDATED_ENTRIES
+        if a:
+            assert len(asked.of(readers[a - 1])) == per  # nor the one asked about just before
+    kept = [len(asked.of(r)) for r in readers]
+    assert sum(kept) > REVALIDATED_ENTRIES // 2  # forgotten gradually, not all at once
+    first_kept = next(a for a, n in enumerate(kept) if n)
+    assert all(n == 0 for n in kept[:first_kept]) and all(n == per for n in kept[first_kept:])

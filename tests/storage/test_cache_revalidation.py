@@ -662,6 +662,38 @@ def test_revalidate_ahead_skips_objects_its_store_knows_fresh_until_half_the_bou
     assert heads() == 16 and not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
 
 
+def test_revalidate_ahead_skips_a_box_whose_chunks_were_all_fresh_in_one_look_up(http, data, tmp_path):
+    # a second epoch asks about the same boxes again: once every chunk of a box was found fresh, the box is
+    # kept with the earliest of their "until"s and skipped whole (one look-up, not one a chunk) till then
+    from stoker.engine.pipeline.prefetch import Revalidated
+
+    options = _cached(tmp_path)
+    uri = f"{http.url}/plain"
+    a = stoker.open_array(uri, options, stores=Stores())
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _caching(a).cache.flush(30)
+    samples = _every_object(uri)
+    asked = Revalidated()
+    assert revalidate_ahead(samples, lambda u: a, asked) == 16  # known: each told fresh, kept
+    assert revalidate_ahead(samples, lambda u: a, asked) == 0  # each chunk fresh: the boxes kept
+    held = asked.of(a)
+    boxes = {k: v for k, v in held.items() if isinstance(k[0], tuple)}
+    chunks = {k: v for k, v in held.items() if not isinstance(k[0], tuple)}
+    assert len(chunks) == 16 and boxes
+    for box, (key, until) in boxes.items():
+        inside = [v[1] for k, v in chunks.items() if all(lo <= i < hi for i, (lo, hi) in zip(k, box))]
+        assert key is None and inside and until == min(inside)
+    for value in chunks.values():  # the chunks' own record no longer fresh: the boxes alone skip them
+        value[1] = 0.0
+    assert revalidate_ahead(samples, lambda u: a, asked) == 0
+    for value in boxes.values():  # nor the boxes': every chunk asked again
+        value[1] = 0.0
+    assert revalidate_ahead(samples, lambda u: a, asked) == 16
+    start = len(http.log)
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
+
+
 def test_a_pulled_batch_is_revalidated_once_its_own_arrays_are_open(http, data, tmp_path):
     # two batches pulled together, over two arrays: the first's objects are HEADed as soon as its array is
     # open, not once the second's open (held here) is done too; the second's once its own is

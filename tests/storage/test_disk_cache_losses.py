@@ -216,3 +216,48 @@ def test_a_quiet_planner_looks_up_again_once_a_store_fetches(tmp_path, monkeypat
     assert caching.fetched == 1
     ahead.planned(plan, None, True)
     assert len(looked) == 2 and ahead.quiet == 0
+
+
+def test_a_quiet_planner_looks_up_again_once_a_store_asked_for_an_absent_chunk(tmp_path, monkeypatch):
+    """A chunk never written (read as its fill value) is asked of the store at every read (a round trip, a
+    404) and never kept: a batch reading one is not whole on disk. Once quiet (QUIET_AFTER batches whole on
+    disk), a store's request for an absent chunk ends it as a fetch does, so the batches after are looked up
+    and their absent chunks prefetched; before, a 404 counted as nothing fetched, and a quiet planner stayed
+    quiet for good, each such batch waiting a round trip for its absent chunks."""
+    from types import SimpleNamespace
+
+    from stoker.engine.pipeline import prefetch
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.prefetch import PrefetchStore
+    from stoker.errors import NotFound
+    from stoker.storage.store import ByteRange
+    from stoker.storage.uri import open_store
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "k").write_bytes(b"0123456789")
+    looked: list = []
+    real = prefetch.prefetch_plan
+
+    def counted(plan, *args):
+        looked.append(plan)
+        return real(plan, *args)
+
+    monkeypatch.setattr(prefetch, "prefetch_plan", counted)
+    ahead = prefetch.Ahead(stoker.Config(prefetch_bytes=1 << 20))
+    cache = disk_cache(str(tmp_path / "cache"), CACHE_BYTES)
+    caching = CachingStore(open_store(str(tmp_path / "data")), cache)
+    kv = PrefetchStore(caching, ahead.buffer)
+    plan = SimpleNamespace(sources=[SimpleNamespace(kv=kv)], chunk_file=np.zeros(0, np.int64), disk_entries=None)
+    ahead.planned(plan, None, True)
+    ahead.quiet = prefetch.QUIET_AFTER  # batches found whole on disk since
+    ahead.planned(plan, None, True)
+    assert len(looked) == 1 and caching.fetched == 0
+    assert caching.get_many(["absent"], [])[0] == [None]  # never written: the store has nothing, nothing kept
+    assert caching.fetched == 1 and caching.counters.absent == 1 and caching.counters.misses == 0
+    ahead.planned(plan, None, True)
+    assert len(looked) == 2 and ahead.quiet == 0
+    ahead.quiet = prefetch.QUIET_AFTER
+    parts = caching.get_each([ByteRange("absent", 0, 4)])  # a range of it, each failure its own: the same
+    assert isinstance(parts[0], NotFound) and caching.fetched == 2
+    ahead.planned(plan, None, True)
+    assert len(looked) == 3 and ahead.quiet == 0

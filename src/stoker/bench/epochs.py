@@ -382,5 +382,32 @@ def second_epoch_lines(by: dict) -> list[str]:
             kind += f"; its epoch 1 and the cache's flush took {e2.extra['first_epoch_s']:.2f} s before it"
         lines.append(f"second epoch from the disk cache: {e2_name} {e2.samples_per_s:.1f} samples/s = "
                      f"{e2.samples_per_s / local.samples_per_s:.2f}x {against} ({local.samples_per_s:.1f}) [{kind}]{_served(e2)}; CPU per batch {_cpu(e2)} (e2) "
-                     f"against {_cpu(local)} (local)")
+                     f"against {_cpu(local)} (local){per_round_ratios(e2.extra, local.extra)}")
     return lines
+
+
+def per_round_ratios(e2: dict, local: dict) -> str:
+    """With 2 or more rounds (interleaved: each round runs the local peer and the e2 peer close in time), the
+    e2/local ratio of each round's samples/s and of its CPU per batch (local/e2: above 1, e2 cheaper), and
+    their medians: a slow spell of the shared machine moves one round's pair together, so these ratios are
+    steadier than the ratio of the two peers' medians (each from another round), which is on the line above.
+
+    >>> per_round_ratios({"rounds": [90, 100, 80]}, {"rounds": [100, 100, 100]})
+    '; per round: samples/s e2/local 0.90 1.00 0.80 (median 0.90)'
+    """
+    a, b = e2.get("rounds") or [], local.get("rounds") or []
+    if len(a) < 2 or len(a) != len(b):
+        return ""
+    out = [_ratios("samples/s e2/local", [x / y if y else None for x, y in zip(a, b)])]
+    ca, cb = e2.get("rounds_cpu_ms") or [], local.get("rounds_cpu_ms") or []
+    if len(ca) == len(a) and len(cb) == len(b):
+        out.append(_ratios("CPU per batch local/e2", [y / x if x and y else None for x, y in zip(ca, cb)]))
+    return "; per round: " + "; ".join(r for r in out if r)
+
+
+def _ratios(what: str, ratios: list) -> str:
+    known = sorted(r for r in ratios if r is not None)
+    if not known:
+        return ""
+    return (f"{what} " + " ".join("n/a" if r is None else f"{r:.2f}" for r in ratios)
+            + f" (median {known[(len(known) - 1) // 2]:.2f})")

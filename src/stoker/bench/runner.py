@@ -631,6 +631,9 @@ def _median(rounds: list[Result]) -> Result:
     mid = ranked[(len(ranked) - 1) // 2]
     mid.peak_rss = max(r.peak_rss for r in rounds)
     mid.extra["rounds"] = [r.samples_per_s for r in rounds]
+    # each round's CPU per batch (ms), in round order: what a ratio of two peers per round is taken from
+    mid.extra["rounds_cpu_ms"] = [r.extra["cpu_s"] / r.extra["batches"] * 1e3
+                                  if r.extra.get("batches") and "cpu_s" in r.extra else None for r in rounds]
     return mid
 
 

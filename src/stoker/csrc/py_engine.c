@@ -583,7 +583,7 @@ PyMethodDef engine_functions[] = {
      "crc32c(data, value=0) -> int: the crc32c (Castagnoli) of data continuing value, as the crc32c package's: "
      "how the engine checks disk-cache entries."},
     {"crc32c_path", crc32c_path_py, METH_NOARGS,
-     "crc32c_path() -> str: the way crc32c goes in this process: 'fold' (AVX-512 VPCLMULQDQ), 'sse42' (the crc32 "
+     "crc32c_path() -> str: the way crc32c goes in this process: 'fold' (AVX-512 VPCLMULQDQ), 'fold256' (AVX2 VPCLMULQDQ), 'sse42' (the crc32 "
      "instruction; also where STOKER_NO_CRC_FOLD=1, true or yes at import) or 'table'."},
     {"read_files", read_files_py, METH_VARARGS,
      "read_files(paths, max_bytes) -> list: a read-only memoryview of each regular file's whole bytes, or None "

@@ -60,7 +60,9 @@ from .store import ByteRange, Store, by_key, check_key, check_prefix, not_found
 @dataclass
 class CacheCounters:
     """What a :class:`CachingStore` served: bytes from disk (``hit_bytes``) and from the store
-    (``miss_bytes``), values and ranges each way, and HEAD requests made to revalidate (``revalidations``, one a key) and listing pages asked (``listings``)."""
+    (``miss_bytes``), values and ranges each way, those the store was asked for and did not have (``absent``:
+    a chunk never written, read as its fill value; a request each read, nothing kept), and HEAD requests made
+    to revalidate (``revalidations``, one a key) and listing pages asked (``listings``)."""
 
     hits: int = 0
     misses: int = 0
@@ -68,6 +70,7 @@ class CacheCounters:
     miss_bytes: int = 0
     revalidations: int = 0
     listings: int = 0
+    absent: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -98,6 +101,9 @@ class CachingStore:
         self.read_files = read_files  # how hits are read (see DiskCache.get_many; None: in Python)
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
+        # how often a generation known was replaced by another, or forgotten: what a memo of entries made at
+        # the generations known (the decoder's, engine/cpu/decode_native.py) compares to learn it is stale
+        self.changes = 0
         # (key, start, length) -> (generation, ident, entry): what entry_files made for that generation
         self._entry_files: dict[tuple, tuple[Any, str, tuple[bytes, bytes]]] = {}
         # the cache's losses when _entry_files, _marked and _found were last checked against them (see _unmade)
@@ -137,6 +143,7 @@ class CachingStore:
             prefix = check_prefix(prefix)
             under = prefix + "/" if prefix else ""
             with self._lock:
+                self.changes += 1  # generations forgotten: memos of entries made at them are stale
                 self._forgot[prefix] = time.monotonic()  # answers to reads started before now: not learnt
                 for names in (self._known, self._heads):  # HEADs in flight: their answers are not learnt
                     for key in [k for k in names if k.startswith(under)]:
@@ -150,6 +157,7 @@ class CachingStore:
                     del self._listings[above.prefix]
             return
         with self._lock:
+            self.changes += 1
             self._forgot = {"": time.monotonic()}
             self._listed_at.clear()
             self._found.clear()
@@ -308,7 +316,7 @@ class CachingStore:
             for key, version in pairs:
                 known = self._known.get(key)
                 if known is None or known[1] <= listing.started:  # a newer read's answer stays
-                    self._known[key] = (_UNCACHED if version is None else version, listing.started)
+                    self._set_known(key, known, _UNCACHED if version is None else version, listing.started)
             listing.listed += len(pairs)
             if pairs:
                 listing.upto = pairs[-1][0]
@@ -463,9 +471,9 @@ class CachingStore:
                 if isinstance(version, NotFound) or (version is None and not failed):
                     # missing, or no generation stated: read through (one request a read, as without a
                     # cache), not asked again until stale
-                    self._known[key] = (_UNCACHED, now)
+                    self._set_known(key, known, _UNCACHED, now)
                 elif version is not None and not isinstance(version, BaseException):
-                    self._known[key] = (version, now)
+                    self._set_known(key, known, version, now)
                 # an error of this key's: learnt nothing; its reads go through, and say what is wrong
         flight.set_result(None)
 
@@ -532,7 +540,7 @@ class CachingStore:
                 if listing is None:
                     head.append(key)
                 elif listing.covers(key):  # listed nowhere: missing (or written since): read through
-                    self._known[key] = (_UNCACHED, listing.started)
+                    self._set_known(key, self._known.get(key), _UNCACHED, listing.started)
                 elif wait_pages and listing.future is not None and not listing.future.done():  # its page to come
                     pages.add(listing.future)  # (a finished page is never there: see _next_page)
                     pending.append(key)
@@ -626,8 +634,25 @@ class CachingStore:
             with self._lock:
                 known = self._known.get(key)
                 if not self._forgot_since(key, when) and (known is None or known[1] <= when):
-                    self._known[key] = (generation, when)
+                    self._set_known(key, known, generation, when)
         return generation
+
+    def _set_known(self, key: str, known: tuple | None, generation: Any, when: float) -> None:
+        """Under the lock: ``key``'s generation is ``generation`` as of ``when`` (``known``: what was known
+        before); another generation than the one known counts a change (see :attr:`changes`)."""
+        if known is not None and known[0] is not generation and known[0] != generation:
+            self.changes += 1
+        self._known[key] = (generation, when)
+
+    def known_until(self, keys: Sequence[str]) -> list[float]:
+        """For each of ``keys``, until when (``time.monotonic()``) the generation known now stays within the
+        staleness bound, as :meth:`entry_files` judges it (0.0: none known, or one read through). What a memo
+        of the entries :meth:`entry_files` gave may trust them for, while :attr:`changes` and :attr:`losses`
+        stay as they were."""
+        staleness = self.staleness_s
+        with self._lock:
+            known = [self._known.get(key) for key in keys]
+        return [0.0 if got is None or got[0] is _UNCACHED else got[1] + staleness for got in known]
 
     def _forgot_since(self, key: str, when: float) -> bool:
         """Under the lock: whether ``key`` was forgotten (itself or a folder above it) after ``when``."""
@@ -748,10 +773,14 @@ class CachingStore:
         if miss:
             now = time.monotonic()  # when asked: a forget after it is not undone by the answer (see _learn)
             got, got_gens = self.store.get_each([requests[j] for j in miss], versions=True)
+            absent = 0
             for j, data, gen in zip(miss, got, got_gens):
                 outcomes[j], gens[j] = data, gen
                 if not isinstance(data, Exception):
                     self._keep(requests[j].key, requests[j].start, requests[j].length, data, gen, now)
+                elif isinstance(data, NotFound):
+                    absent += 1
+            self._absent(absent)
         return (outcomes, gens) if versions else outcomes
 
     def _serve(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> tuple[tuple, list[int], list[int]]:
@@ -836,14 +865,27 @@ class CachingStore:
         the store was asked (the generations it states are learnt as of then, unless forgotten since)."""
         values, parts, value_versions, part_versions = served
         now = asked
+        absent = 0
         for i, data, gen in zip(miss_keys, got[0], got[2]):
             values[i], value_versions[i] = data, gen
             if data is not None:
                 self._keep(keys[i], None, None, data, gen, now)
+            else:
+                absent += 1
         for j, data, gen in zip(miss_parts, got[1], got[3]):
             parts[j], part_versions[j] = data, gen
             if not isinstance(data, Exception):
                 self._keep(requests[j].key, requests[j].start, requests[j].length, data, gen, now)
+            elif isinstance(data, NotFound):
+                absent += 1
+        self._absent(absent)
+
+    def _absent(self, n: int) -> None:
+        """``n`` values or ranges were asked of the store (a round trip each) and were not there: counted as
+        fetched all the same (see :attr:`fetched`)."""
+        if n:
+            with self._lock:
+                self.counters.absent += n
 
     def _keep(self, key: str, start: int | None, length: int | None, data, gen: Any, now: float) -> None:
         n = memoryview(data).nbytes
@@ -963,10 +1005,11 @@ class CachingStore:
 
     @property
     def fetched(self) -> int:
-        """How many values and ranges this wrapper fetched from the store (not found on disk: its counters'
-        ``misses``): what a planner that stopped looking up batches ahead (each found whole on disk) compares
-        to learn that batches need fetches again."""
-        return self.counters.misses
+        """How many values and ranges this wrapper asked the store for (not found on disk: its counters'
+        ``misses``, and ``absent``: chunks never written, which cost a request each read and are never kept):
+        what a planner that stopped looking up batches ahead (each found whole on disk) compares to learn
+        that batches need fetches again, so a batch reading an absent chunk is prefetched, not waited for."""
+        return self.counters.misses + self.counters.absent
 
     def entries_missed(self, n: int) -> None:
         """The compiled engine found ``n`` entries :meth:`entry_files` gave missing or unsound (evicted by

@@ -129,7 +129,7 @@ class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
     __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep",
-                 "info_row", "engine_only", "spans")
+                 "info_row", "engine_only", "spans", "entries", "entries_stamp")
 
     def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
         meta = reader.metadata
@@ -180,6 +180,10 @@ class _Source:
         info[native.I_NBYTES], info[native.I_STORED] = self.nbytes, self.stored
         self.info_row = array("q", info).tobytes()
         self.engine_only = self.reads and self.fills  # the engine reads and fills every chunk of it
+        # the disk-cache entries its store gave for its files (see NativeDecoder._from_memo): (grid coords...,
+        # offset, length) -> ((path, ident), until), kept while its store's stamp (changes, losses) holds
+        self.entries: dict[tuple, tuple] = {}
+        self.entries_stamp: tuple | None = None
 
 
 #: Most :class:`_Source` of local arrays kept for the process (see :func:`shared_source`); past it they are
@@ -407,6 +411,9 @@ class SharedEngine:
         if engine is not None:
             engine.close(0.25)
 
+
+#: Most entries :meth:`NativeDecoder._memorize` keeps an array (past it, that array's forgotten together).
+ENTRY_MEMO = 1 << 16
 
 #: A disk-cache entry's bytes before its payload, at most (header and ident: csrc/entries.c), in a thread's scratch.
 ENTRY_ROOM = native.ENTRY_HEADER_BYTES + native.ENTRY_IDENT_CAP
@@ -709,6 +716,8 @@ class NativeDecoder:
                 else:
                     found.append((cid, entry))
             asked = np.array(rest_of, np.int64)
+        if len(asked):  # what the arrays' memos hold (an entry given before, its generation still known)
+            asked = self._from_memo(plan, asked, sources, found)
         if len(asked):  # asked now (an entry written, or a generation learnt, since it was planned)
             by_store = store_of[plan.chunk_source[asked]]
             for k in np.unique(by_store).tolist():
@@ -719,7 +728,12 @@ class NativeDecoder:
                 requests = list(map(ByteRange, self._keys(plan, plan.chunk_file[ranged], sources),
                                     plan.chunk_offset[ranged].tolist(), plan.chunk_length[ranged].tolist())) \
                     if len(ranged) else []
-                found += zip(whole.tolist() + ranged.tolist(), stores[k].entry_files(keys, requests))
+                stamp = self._stamp(stores[k])  # before the look-up: a change after it is a new stamp
+                entries = stores[k].entry_files(keys, requests)
+                cids = whole.tolist() + ranged.tolist()
+                found += zip(cids, entries)
+                if stamp is not None:
+                    self._memorize(plan, cids, entries, keys + [r.key for r in requests], stores[k], stamp, sources)
         take: list[int] = []
         pairs: list[bytes] = []  # each entry's path, then its ident (the blob, in order)
         ident_cap, path_cap = native.ENTRY_IDENT_CAP, native.PATH_CAP
@@ -769,6 +783,67 @@ class NativeDecoder:
         bjob.cancel()  # closed between the submission and here: nobody else would end it
         job.finish(len(eids), pipeline_closed())
         return rest
+
+    @staticmethod
+    def _stamp(kv) -> tuple | None:
+        """``kv``'s ``(changes, losses)`` now, or None where it keeps no such count (no memo of its entries)."""
+        changes = getattr(kv, "changes", None)
+        return None if changes is None else (changes, kv.losses)
+
+    def _memo_of(self, source: "_Source") -> dict | None:
+        """``source``'s memo of entries (see :meth:`_from_memo`), emptied when its store's stamp moved on: a
+        generation it knew replaced or forgotten (``changes``), or entries lost (``losses``: evicted, a write
+        not made, entries the engine found missing). None where its store keeps no such count."""
+        stamp = self._stamp(source.kv)
+        if stamp is None:
+            return None
+        if source.entries_stamp != stamp:
+            source.entries = {}
+            source.entries_stamp = stamp
+        return source.entries
+
+    def _from_memo(self, plan: TablePlan, asked: np.ndarray, sources: "_SourceSet", found: list) -> np.ndarray:
+        """Of the chunks ``asked``, those whose array's memo holds their entry, at a generation its store still
+        knows within the staleness bound (the memo's ``until``), appended to ``found`` as ``(chunk, entry)``;
+        returns the rest, to ask the store about. Per chunk a tuple and a dict look-up: no key string built, no
+        lock taken (a second epoch in the same pipeline asks its stores about no chunk)."""
+        src = plan.chunk_source[asked]
+        coords = plan.files[plan.chunk_file[asked], native.F_COORDS:].tolist()
+        memos: dict[int, dict | None] = {}
+        now = time.monotonic()
+        rest: list[int] = []
+        for cid, s, xy, offset, length in zip(asked.tolist(), src.tolist(), coords,
+                                              plan.chunk_offset[asked].tolist(), plan.chunk_length[asked].tolist()):
+            memo = memos.get(s, False)
+            if memo is False:
+                memo = memos[s] = self._memo_of(sources[s])
+            held = memo.get((*xy, offset, length)) if memo is not None else None
+            if held is not None and held[1] > now:
+                found.append((cid, held[0]))
+            else:
+                rest.append(cid)
+        return np.array(rest, np.int64) if len(rest) != len(asked) else asked
+
+    def _memorize(self, plan: TablePlan, cids: list[int], entries: list, keys: list[str], kv, stamp: tuple,
+                  sources: "_SourceSet") -> None:
+        """Keep in their arrays' memos the entries ``kv.entry_files`` gave for the chunks ``cids`` (of the
+        objects ``keys``) when ``kv``'s stamp was ``stamp`` (read before it was asked), each until its
+        generation is no longer known within the staleness bound (``kv.known_until``); at most
+        :data:`ENTRY_MEMO` an array. Nothing where the stamp moved on meanwhile."""
+        known_until = getattr(kv, "known_until", None)
+        if known_until is None or not any(e is not None for e in entries):
+            return
+        untils = known_until(keys)
+        for cid, entry, until in zip(cids, entries, untils):
+            if entry is None or not until:
+                continue
+            source = sources[int(plan.chunk_source[cid])]
+            memo = self._memo_of(source)
+            if memo is None or source.entries_stamp != stamp:
+                continue  # the store's stamp moved on since the entries were given: not kept
+            key = (*plan.files[plan.chunk_file[cid], native.F_COORDS:].tolist(), int(plan.chunk_offset[cid]),
+                   int(plan.chunk_length[cid]))
+            remember(memo, key, (entry, until), ENTRY_MEMO)
 
     @staticmethod
     def _served(disk: "_FromDisk", ok: np.ndarray, detail: np.ndarray) -> None:

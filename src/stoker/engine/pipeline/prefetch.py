@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import time
 import weakref
 from typing import Any, Sequence
@@ -99,19 +100,20 @@ class Ahead:
         disk (:data:`QUIET_AFTER`) may need fetches again, so looking up and planning ahead resume. A step
         per store."""
         lost = False
-        for r in plan.sources:
-            if not isinstance(r.kv, PrefetchStore):
+        stores = {id(r.kv): r.kv for r in plan.sources}  # each store once (a batch of many arrays of one bucket)
+        for kv in stores.values():
+            if not isinstance(kv, PrefetchStore):
                 continue
-            fetched = getattr(r.kv, "fetched", None)
+            fetched = getattr(kv, "fetched", None)
             if fetched is not None:  # one count per store (a CachingStore's; not one per array reading it)
-                seen = self._fetched.get(id(r.kv))
+                seen = self._fetched.get(id(kv))
                 if seen is None or seen[1] != fetched:
-                    self._fetched[id(r.kv)] = (r.kv, fetched)  # the store held, so its id is not another's
+                    self._fetched[id(kv)] = (kv, fetched)  # the store held, so its id is not another's
                     lost = lost or fetched != (0 if seen is None else seen[1])
             # one count per disk cache, however many of the plan's arrays (or stores) share it: a sum over the
             # arrays differed between batches reading different numbers of them, with nothing lost between
-            cache = getattr(r.kv, "cache", r.kv)
-            losses = getattr(r.kv, "losses", 0)
+            cache = getattr(kv, "cache", kv)
+            losses = getattr(kv, "losses", 0)
             seen = self._losses.get(id(cache))
             if seen is None or seen[1] != losses:
                 self._losses[id(cache)] = (cache, losses)  # the cache held, so its id is not another's
@@ -230,7 +232,8 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
     still in a listing page in flight is not HEADed, one whose listing is half stale starts the next), but
     those its store said lately were known and younger than half the staleness bound (``asked``, a
     pipeline's :class:`Revalidated`): until then asking does nothing, so their keys are not even built (a
-    second epoch read within the bound asks about none: a look-up per chunk, not a key built and checked).
+    second epoch read within the bound asks about none: a look-up per box whose chunks were all found so
+    before, else per chunk, not a key built and checked).
 
     >>> revalidate_ahead(pulled_samples, lambda uri: readers.get(uri), ahead.revalidated)
     """
@@ -258,11 +261,22 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                     lo, hi = max(0, lo), min(size, hi)  # a padded box may reach past the array
                     spans.append(range(lo // chunk, (hi - 1) // chunk + 1) if hi > lo else range(0))
                 chunks = asked.of(reader) if asked is not None else None
+                box = None
+                if chunks is not None:
+                    # the box's chunks all known fresh until then, when last looked at: one look-up, not one a
+                    # chunk (a second epoch's crops, many to an array, cover few distinct runs of chunks)
+                    box = tuple((r.start, r.stop) for r in spans)
+                    held = chunks.get(box)
+                    if held is not None and held[1] > now:
+                        continue
                 keys = asks.setdefault(id(reader.kv), (revalidate, {}))[1]
+                soonest, whole = math.inf, True  # the box's chunks' earliest "until", and whether all are fresh
                 for index in itertools.product(*spans):
                     held = chunks.get(index) if chunks is not None else None
                     if held is not None and held[1] > now:
+                        soonest = min(soonest, held[1])
                         continue  # known and younger than half the bound when asked last: nothing to do
+                    whole = False
                     if n >= MAX_REVALIDATE:
                         break
                     if held is None:
@@ -274,6 +288,8 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                     if key not in keys:
                         keys[key] = held
                         n += 1
+                if whole and box is not None and soonest != math.inf:
+                    asked.keep(chunks, box, [None, soonest])  # type: ignore[union-attr]
     for revalidate, keys in asks.values():
         if keys:
             try:
@@ -288,10 +304,13 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
 class Revalidated:
     """Per open array (an ``ArrayReader``), its chunks (grid indices) asked about: ``[key, until]``, the key of
     the chunk's object (built once) and until when (``time.monotonic()``; 0: not known when last asked) its
-    store said it is known and younger than half the staleness bound: what :func:`revalidate_ahead` skips.
+    store said it is known and younger than half the staleness bound: what :func:`revalidate_ahead` skips;
+    and boxes (a ``(start, stop)`` run of chunks an axis) whose chunks were all so: ``[None, the earliest
+    until]``, the box skipped whole till then.
     A pipeline's (:attr:`Ahead.revalidated`); at most :data:`REVALIDATED_ENTRIES` chunks in all (about 280
     bytes each: ~18 MiB), :data:`REVALIDATED_CHUNKS` an array and :data:`REVALIDATED_ARRAYS` arrays, past
-    which forgotten (built and asked again). Readers are held weakly: an array the pipeline closed or evicted
+    which forgotten (built and asked again): past the bound in all, whole arrays', those first asked about
+    first, until a quarter of it is free. Readers are held weakly: an array the pipeline closed or evicted
     is dropped with its chunks, not kept alive here. Read and written by whichever thread revalidates a batch
     (single dict and list steps). Only ever skips asking ahead: a read still judges its objects' generations
     itself (an object the store forgot since, or lost from the disk, is revalidated, or fetched, by its read).
@@ -321,16 +340,28 @@ class Revalidated:
 
     def keep(self, chunks: dict, index: tuple[int, ...], value: list) -> list:
         """``chunks[index] = value`` (``chunks``: one of :meth:`of`), within the bounds: past
-        :data:`REVALIDATED_ENTRIES` chunks in all, everything is forgotten first; returns ``value``."""
+        :data:`REVALIDATED_ENTRIES` chunks in all, other arrays' chunks are forgotten first, those first asked
+        about first, until a quarter of the bound is free (:meth:`_forget_some`); returns ``value``."""
         if index not in chunks:
             self._entries += 1
             if self._entries > REVALIDATED_ENTRIES:
                 self._entries = sum(len(c) for _, c in list(self._arrays.values())) + 1  # the readers dropped
                 if self._entries > REVALIDATED_ENTRIES:
-                    for _, c in list(self._arrays.values()):
-                        c.clear()
-                    self._entries = 1
+                    self._forget_some(chunks)
         return remember(chunks, index, value, REVALIDATED_CHUNKS)
+
+    def _forget_some(self, keeping: dict) -> None:
+        """Forget whole arrays' chunks, the arrays first asked about first, until at most three quarters of
+        :data:`REVALIDATED_ENTRIES` are kept (with the one about to be kept): the arrays a pipeline reads now
+        keep theirs, rather than every array asking about every chunk again at once. ``keeping`` (the array
+        being kept into) goes last, should the others not free enough."""
+        target = REVALIDATED_ENTRIES * 3 // 4
+        held = [c for _, c in list(self._arrays.values()) if c is not keeping] + [keeping]
+        for c in held:
+            if self._entries <= target:
+                break
+            self._entries -= len(c)
+            c.clear()
 
     def __len__(self) -> int:
         """The chunks kept, in all arrays."""
