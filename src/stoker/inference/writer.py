@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -540,6 +541,7 @@ class TileWriter:
         self.written = 0  # regions this rank wrote
         self._count_lock = threading.Lock()
         self._closed = False
+        self._timeout_s = float(write_timeout_s)
         self._background = None if int(write_threads) == 0 else \
             BackgroundWriter(self.uri, int(write_threads), int(write_bytes), float(write_timeout_s))
         if self._background is not None:  # a writer dropped without close(): its threads end with it
@@ -804,12 +806,14 @@ class TileWriter:
                 for r in sorted(self._open):
                     self._flush(r)
             finally:
+                # one write_timeout_s for both waits: the writes queued, then the marks of what they wrote
+                deadline = time.monotonic() + self._timeout_s
                 try:
                     if self._background is not None:
-                        self._background.close()  # waits for the queued writes, raises the first failure
+                        self._background.close(deadline)  # waits for the queued writes, raises the first failure
                 finally:
                     try:
-                        self._marks.drain()  # the regions written are on the disk, and marked
+                        self._marks.drain(deadline)  # the regions written are on the disk, and marked
                     finally:
                         self._marks.stop()
             self.record.sync()
@@ -833,13 +837,14 @@ class TileWriter:
             self.close()
         else:  # the regions already queued are written and marked; the error is the caller's
             self._closed = True
+            deadline = time.monotonic() + self._timeout_s
             try:
                 if self._background is not None:
-                    self._background.close()
+                    self._background.close(deadline)
             except Exception:
                 pass  # the caller's exception is the one raised
             try:
-                self._marks.drain()
+                self._marks.drain(deadline)
             except Exception:
                 pass
             finally:
