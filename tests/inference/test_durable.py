@@ -194,6 +194,42 @@ def test_nothing_is_marked_after_a_failed_flush_without_write_threads(tmp_path, 
     assert writer.record.done() == set() and writer.done == set()
 
 
+def test_a_file_uri_is_written_as_local_files_fsynced_before_their_marks(tmp_path, monkeypatch):
+    """``file://`` names the local path: zarr-python writes it through a LocalStore (not fsspec), whose chunk
+    files are fsynced before the marks, as for the plain path."""
+    shape = (16, 16, 16)
+    data = np.random.default_rng(0).random(shape).astype("f4") + 1
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=shape, chunks=(8, 8, 8), dtype="f4")[:] = data
+    grid = stoker.TileGrid([src], (8, 8, 8), stride=(8, 8, 8))
+    calls = Calls(monkeypatch)
+    out = tmp_path / "out.zarr"
+    writer = stoker.TileWriter(f"file://{out}", shape, (8, 8, 8), "f4", grid=grid, write_threads=2)
+    tiles = [grid.sample(0, i) for i in range(len(grid))]
+    writer.write(tiles, np.stack([data[tuple(slice(a, b) for a, b in s.aabb)] for s in tiles]))
+    writer.close()
+    np.testing.assert_array_equal(zarr.open_array(str(out), mode="r")[:], data)
+    assert writer.record.path == f"{out}.tiles-done" and len(writer.record.done()) == 8
+    marks = [i for i, (k, p, _) in enumerate(calls.events) if k == "write" and os.path.basename(p).startswith(LOG_PREFIX)]
+    chunks = [str(f.resolve()) for f in writer._chunks.files((slice(None),) * 3)]
+    assert len(marks) == 8 and len(chunks) == 8
+    assert all(calls.last("fsync", f) < max(marks) for f in chunks)
+
+
+def test_an_output_whose_files_cannot_be_fsynced_is_refused_while_the_record_is_local(tmp_path):
+    """A store other than a LocalStore (here fsspec's, as zarr-python opens ``memory://``) behind a local
+    completion record: its marks would vouch for chunks nothing made durable, so the writer is refused."""
+    from stoker.inference.chunks import ChunkWriter
+
+    arr = zarr.create_array(zarr.storage.MemoryStore(), shape=(8, 8), chunks=(4, 4), dtype="f4")
+    with pytest.raises(stoker.InvalidArgument, match="cannot fsync.*local path"):
+        ChunkWriter(arr, durable=True, uri="memory-out")
+    assert ChunkWriter(arr).folder is None  # not for a TileWriter's record: as before
+    pytest.importorskip("fsspec")
+    with pytest.raises(stoker.InvalidArgument, match="FsspecStore, whose files stoker cannot fsync"):
+        stoker.TileWriter("memory://stoker-durable/out.zarr", (8, 8, 8), (8, 8, 8), "f4")
+
+
 def test_close_waits_one_write_timeout_for_the_writes_and_the_marks_together(tmp_path, monkeypatch):
     """close() waits for the queued writes and then for the marks of what they wrote, both within one
     write_timeout_s: when the writes used it all, the marks' drain does not wait again."""

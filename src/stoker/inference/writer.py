@@ -71,7 +71,7 @@ from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
 from .durable import DurableMarks
 from .record import CompletionRecord
-from .target import array_store, writing
+from .target import array_store, is_remote, writing
 from .weighted import mean_into
 
 # region, tile key (its box), part's box, values, the flat index of the tile's output box's first voxel
@@ -522,7 +522,8 @@ class TileWriter:
         self._pool = BufferPool((int(write_threads) + 1) * unit_voxels * (3 * 8 + 2 * self.dtype.itemsize),
                                 spare=SPARE)
         # whole chunks encoded on the write threads where the layout allows, into recycled buffers
-        self._chunks = ChunkWriter(arr, self._pool)
+        # a local record's marks wait for fsynced chunk files: a store whose files cannot be fsynced is refused
+        self._chunks = ChunkWriter(arr, self._pool, durable=not is_remote(self.uri), uri=self.uri)
         self.record = CompletionRecord(self.uri, storage_options)
         if self.rank == 0:
             self.record.check_settings({"shape": list(self.shape), "unit": list(self.unit_full),
