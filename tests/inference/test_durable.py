@@ -127,3 +127,151 @@ def test_a_chunk_that_cannot_be_flushed_leaves_its_region_unmarked(tmp_path, mon
     again = stoker.TileWriter(str(out), data.shape, (8, 8, 8), "f4")
     assert (0, 0, 0) not in again.done
     again.close()
+
+
+def _one_region_a_write(writer, grid, data) -> list[BaseException]:
+    """Each tile of ``grid`` written alone (one region a pass); the errors raised."""
+    errors = []
+    for i in range(len(grid)):
+        s = grid.sample(0, i)
+        try:
+            writer.write([s], data[tuple(slice(a, b) for a, b in s.aabb)][None])
+        except stoker.StorageError as e:
+            errors.append(e)
+    return errors
+
+
+def test_a_folder_made_after_a_fill_value_region_is_fsynced_in_its_parent_before_the_mark(tmp_path, monkeypatch):
+    """Region (0, 1, 0) holds only the fill value: zarr stores no chunk and makes no folder c/0/1. Region
+    (0, 1, 1), written after it, makes c/0/1: its entry in c/0 is fsynced before (0, 1, 1)'s mark (a folder
+    that was not there is not taken as durable)."""
+    calls = Calls(monkeypatch)
+    shape = (8, 16, 16)
+    data = np.random.default_rng(1).random(shape).astype("f4") + 1
+    data[0:8, 8:16, 0:8] = 0
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=shape, chunks=(8, 8, 8), dtype="f4")[:] = data
+    grid = stoker.TileGrid([src], (8, 8, 8), stride=(8, 8, 8))
+    out = tmp_path / "out.zarr"
+    writer = stoker.TileWriter(str(out), shape, (8, 8, 8), "f4", grid=grid, write_threads=0)
+    assert _one_region_a_write(writer, grid, data) == []  # (0,0,0), (0,0,1), (0,1,0), (0,1,1) in turn
+    writer.close()
+    np.testing.assert_array_equal(zarr.open_array(str(out), mode="r")[:], data)
+    root = str(out.resolve())
+    assert os.path.exists(root + "/c/0/1/1") and not os.path.exists(root + "/c/0/1/0")
+    at = next(i for i, (k, p, d) in enumerate(calls.events) if k == "write"
+              and os.path.basename(p).startswith(LOG_PREFIX) and d.strip() == b"0_1_1")
+    made = calls.last("replace", root + "/c/0/1/1")  # c/0/1 was made just before
+    assert any(k == "fsync" and p == root + "/c/0" for k, p, _ in calls.events[made:at])
+
+
+def test_nothing_is_marked_after_a_failed_flush_without_write_threads(tmp_path, monkeypatch):
+    """write_threads=0: the fsync of c/0/0 fails once (EIO; the next fsync of it would succeed with the
+    data lost). The error is raised by that write, by every later write and by close(), and no region is
+    marked, not even those written after it into the same folder."""
+    real = os.fsync
+    failed = []
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith("/out.zarr/c/0/0") and not failed:
+            failed.append(path)
+            raise OSError(errno.EIO, "Input/output error (injected)", path)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    shape = (8, 8, 32)
+    data = np.random.default_rng(2).random(shape).astype("f4") + 1
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=shape, chunks=(8, 8, 8), dtype="f4")[:] = data
+    grid = stoker.TileGrid([src], (8, 8, 8), stride=(8, 8, 8))
+    writer = stoker.TileWriter(str(tmp_path / "out.zarr"), shape, (8, 8, 8), "f4", grid=grid, write_threads=0)
+    errors = _one_region_a_write(writer, grid, data)
+    assert failed and len(errors) == len(grid) == 4
+    assert all("flushing the chunks of region(s) (0, 0, 0)" in str(e) for e in errors)
+    with pytest.raises(stoker.StorageError, match=r"flushing the chunks of region\(s\) \(0, 0, 0\)"):
+        writer.close()
+    assert writer.record.done() == set() and writer.done == set()
+
+
+def test_a_file_uri_is_written_as_local_files_fsynced_before_their_marks(tmp_path, monkeypatch):
+    """``file://`` names the local path: zarr-python writes it through a LocalStore (not fsspec), whose chunk
+    files are fsynced before the marks, as for the plain path."""
+    shape = (16, 16, 16)
+    data = np.random.default_rng(0).random(shape).astype("f4") + 1
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=shape, chunks=(8, 8, 8), dtype="f4")[:] = data
+    grid = stoker.TileGrid([src], (8, 8, 8), stride=(8, 8, 8))
+    calls = Calls(monkeypatch)
+    out = tmp_path / "out.zarr"
+    writer = stoker.TileWriter(f"file://{out}", shape, (8, 8, 8), "f4", grid=grid, write_threads=2)
+    tiles = [grid.sample(0, i) for i in range(len(grid))]
+    writer.write(tiles, np.stack([data[tuple(slice(a, b) for a, b in s.aabb)] for s in tiles]))
+    writer.close()
+    np.testing.assert_array_equal(zarr.open_array(str(out), mode="r")[:], data)
+    assert writer.record.path == f"{out}.tiles-done" and len(writer.record.done()) == 8
+    marks = [i for i, (k, p, _) in enumerate(calls.events) if k == "write" and os.path.basename(p).startswith(LOG_PREFIX)]
+    chunks = [str(f.resolve()) for f in writer._chunks.files((slice(None),) * 3)]
+    assert len(marks) == 8 and len(chunks) == 8
+    assert all(calls.last("fsync", f) < max(marks) for f in chunks)
+
+
+def test_an_output_whose_files_cannot_be_fsynced_is_refused_while_the_record_is_local(tmp_path):
+    """A store other than a LocalStore (here fsspec's, as zarr-python opens ``memory://``) behind a local
+    completion record: its marks would vouch for chunks nothing made durable, so the writer is refused."""
+    from stoker.inference.chunks import ChunkWriter
+
+    arr = zarr.create_array(zarr.storage.MemoryStore(), shape=(8, 8), chunks=(4, 4), dtype="f4")
+    with pytest.raises(stoker.InvalidArgument, match="cannot fsync.*local path"):
+        ChunkWriter(arr, durable=True, uri="memory-out")
+    assert ChunkWriter(arr).folder is None  # not for a TileWriter's record: as before
+    pytest.importorskip("fsspec")
+    with pytest.raises(stoker.InvalidArgument, match="FsspecStore, whose files stoker cannot fsync"):
+        stoker.TileWriter("memory://stoker-durable/out.zarr", (8, 8, 8), (8, 8, 8), "f4")
+
+
+def test_close_waits_one_write_timeout_for_the_writes_and_the_marks_together(tmp_path, monkeypatch):
+    """close() waits for the queued writes and then for the marks of what they wrote, both within one
+    write_timeout_s: when the writes used it all, the marks' drain does not wait again."""
+    release = threading.Event()
+    real = os.fsync
+
+    def fsync(fd):  # the sync thread's first pass hangs on the disk
+        if threading.current_thread().name.startswith("stoker-tilewriter-sync"):
+            release.wait(60)
+        real(fd)
+
+    shape = (8, 8, 16)
+    data = np.random.default_rng(3).random(shape).astype("f4") + 1
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=shape, chunks=(8, 8, 8), dtype="f4")[:] = data
+    grid = stoker.TileGrid([src], (8, 8, 8), stride=(8, 8, 8))
+    writer = stoker.TileWriter(str(tmp_path / "out.zarr"), shape, (8, 8, 8), "f4", grid=grid, write_threads=1,
+                               write_timeout_s=0.5)
+    monkeypatch.setattr(os, "fsync", fsync)
+    waits = []
+
+    class Counted(type(writer._marks._cv)):  # type: ignore[misc]
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return super().wait(timeout)
+
+    writer._marks._cv = Counted(threading.Lock())
+    real_write = writer._chunks.write
+    started = threading.Event()
+
+    def write(box, values):  # the second region's write hangs (in the write thread) until released
+        if box[-1].start == 8:
+            started.set()
+            release.wait(60)
+        real_write(box, values)
+
+    monkeypatch.setattr(writer._chunks, "write", write)
+    try:
+        assert _one_region_a_write(writer, grid, data) == []
+        assert started.wait(30)
+        with pytest.raises(stoker.StorageError, match="write_timeout_s=0.5"):
+            writer.close()
+        assert waits == []  # the deadline had passed: the marks' drain raised without waiting
+    finally:
+        release.set()

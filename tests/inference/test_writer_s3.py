@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -143,3 +144,24 @@ def test_a_failed_write_is_a_storage_error_naming_the_array(s3):
     with pytest.raises(stoker.StorageError, match=r"s3://no-such-bucket/out.zarr: writing the array's metadata"):
         stoker.TileWriter("s3://no-such-bucket/out.zarr", SHAPE, (4, 8, 8), "f4",
                           storage_options={**s3.options, "retries": 0})
+
+
+def test_marks_on_an_object_store_are_put_by_the_write_threads(volume, s3, monkeypatch):
+    """No sync thread on an object store: each region's mark is a PUT sent by the write thread that wrote its
+    chunks, right after them (one sync thread would send the marks one at a time behind each other)."""
+    from stoker.inference.record import CompletionRecord
+
+    threads = []
+    real = CompletionRecord.mark
+
+    def mark(self, region):
+        threads.append(threading.current_thread().name)
+        real(self, region)
+
+    monkeypatch.setattr(CompletionRecord, "mark", mark)
+    uri, data = volume
+    out = _uri("marks-inline.zarr")
+    writer, _ = run(uri, out, "hann", 0, storage_options=s3.options, write_threads=3)
+    assert len(_marks(s3, out)) == REGIONS and len(threads) == REGIONS
+    assert writer._marks.threads == []
+    assert all(name.startswith("stoker-tilewriter_") for name in threads), set(threads)

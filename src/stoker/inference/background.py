@@ -57,8 +57,9 @@ class BackgroundWriter:
         with self._cv:
             self._raise_error()
 
-    def _wait(self, ready: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
+    def _wait(self, ready: Callable[[], bool], what: str, deadline: float | None = None) -> None:
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
         while not ready():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -103,29 +104,34 @@ class BackgroundWriter:
                 self._running -= 1
                 self._cv.notify_all()
 
-    def drain(self) -> None:
-        """Wait (at most ``timeout_s``) for every queued task; raise the first error."""
+    def drain(self, deadline: float | None = None) -> None:
+        """Wait (until ``deadline``, a ``time.monotonic()``; by default ``timeout_s`` from now) for every queued
+        task; raise the first error."""
         with self._cv:
-            self._wait(lambda: self._running == 0, "the writes of the regions queued")
+            self._wait(lambda: self._running == 0, "the writes of the regions queued", deadline)
             self._raise_error()
 
-    def close(self) -> None:
-        """:meth:`drain`, then stop the threads (also when the drain raised)."""
+    def close(self, deadline: float | None = None) -> None:
+        """:meth:`drain`, then stop the threads (also when the drain raised); every wait ends by ``deadline``
+        (by default ``timeout_s`` from now)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
         try:
-            self.drain()
+            self.drain(deadline)
         finally:
-            self._shutdown()
+            self._shutdown(deadline)
 
     def stop(self) -> None:
         """Let the threads end once the queued tasks ran, without waiting for them (a writer dropped
         without ``close()``: its threads do not outlive it)."""
         self._pool.shutdown(drain=True)
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, deadline: float) -> None:
         self.stop()
         with self._cv:
             stuck = self._running > 0  # a drain timed out: a write hangs
-        deadline = time.monotonic() + (0.0 if stuck else self.timeout_s)
+        if stuck:
+            deadline = time.monotonic()
         for t in self._pool.threads:  # a thread stuck in a write is a daemon: it cannot keep the process alive
             t.join(max(0.0, deadline - time.monotonic()))
 

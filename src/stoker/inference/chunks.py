@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..errors import InvalidArgument
 from . import zstdframes
 from .buffers import BufferPool
 
@@ -83,9 +84,11 @@ def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | zstdframes.ZstdFrame
 
 class ChunkWriter:
     """Writes chunk-aligned boxes of ``array`` (a zarr-python array open for writing; see the module
-    docstring). ``direct``: whether its chunks are encoded and stored here, not by zarr-python."""
+    docstring). ``direct``: whether its chunks are encoded and stored here, not by zarr-python. ``durable``:
+    the chunks must be files it can fsync (a TileWriter's local completion record vouches for them): any other
+    store is refused (InvalidArgument, naming ``uri``)."""
 
-    def __init__(self, array: Any, pool: BufferPool | None = None) -> None:
+    def __init__(self, array: Any, pool: BufferPool | None = None, durable: bool = False, uri: str = "") -> None:
         self.array = array
         # where the encoded frames go: a TileWriter's recycled buffers (fresh memory faults in page by page)
         self._take: Callable[..., np.ndarray] = pool.take if pool is not None else \
@@ -114,6 +117,11 @@ class ChunkWriter:
         self.folder = None if not isinstance(store, LocalStore) else \
             Path(store.root) / prefix if prefix else Path(store.root)
         self._unit = tuple(int(c) for c in (array.shards or array.chunks))  # what one file holds
+        if durable and self.folder is None:  # marks on the disk would vouch for chunks nothing made durable
+            raise InvalidArgument(f"{uri or store}: zarr-python opened this output as {type(store).__name__}, whose "
+                                  "files stoker cannot fsync, while its completion record is on a local disk: give "
+                                  "a local path (or file:///path) or an object store URI (s3://, gs://, az://)",
+                                  uri=uri or None)
 
     def files(self, box: tuple[slice, ...]) -> list[Path]:
         """The files on a local disk that hold ``box`` (its chunks, or its shards; those of chunks holding only

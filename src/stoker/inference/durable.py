@@ -18,10 +18,13 @@ waits for the disk, the fewer passes). ``threaded=False`` (a writer with ``write
 pass on the caller's thread, one region at a time.
 
 An object store needs none of it: a PUT that succeeded is durable, and the mark is a PUT after the chunks'.
-Nothing on the disk is fsynced there (``files`` is empty), and the marks are written as they come.
+Nothing on the disk is fsynced there (``files`` is empty), and each mark is written as it comes, on the
+write thread that wrote the region (no sync thread: one would send the marks' PUTs one at a time, behind
+each other, however many write threads send the chunks').
 
-A pass that fails (an fsync or a mark raising) marks none of its regions; the error is raised, as a
-:class:`~stoker.errors.StorageError`, by :meth:`check` and :meth:`drain`, and nothing is marked after it.
+A pass that fails (an fsync or a mark raising) marks none of its regions; the error is kept and raised, as a
+:class:`~stoker.errors.StorageError`, by :meth:`add`, :meth:`check` and :meth:`drain` from then on, and
+nothing is marked after it (an fsync that failed may succeed the next time with the data lost).
 
 >>> marks = DurableMarks(record, Path("/out/pred.zarr"), on_marked=print, threaded=True, timeout_s=600)
 >>> marks.add((0, 0, 0), [Path("/out/pred.zarr/c/0/0/0")])   # after the region's chunks were written
@@ -60,21 +63,27 @@ class DurableMarks:
         self._cv = threading.Condition()
         self._queued: list[tuple[tuple[int, ...], list[Path]]] = []
         self._busy = False  # a pass is queued or running on the sync thread
+        self._in_pass = 0  # regions in the pass running (for the drain's message)
         self._error: BaseException | None = None
         # folders whose own entry in their parent is on the disk (fsynced after they were made); the array's
         # metadata files, fsynced with the first pass (a mark vouches for an array that exists)
         self._known: set[Path] = set()
         self._metadata = list(metadata)
         self.passes = 0  # passes that marked something (for tests and the benchmark)
+        # a sync thread where there is a disk to wait for; an object store's marks are PUTs on the write threads
         self._pool = DaemonPool(1, "stoker-tilewriter-sync", knob="write_threads", owner="TileWriter") \
-            if threaded else None
+            if threaded and root is not None else None
 
     def add(self, region: tuple[int, ...], files: list[Path]) -> None:
         """``region`` is written, in ``files`` (its chunk or shard files; none on an object store): mark it
         once they are durable. Raises the error of an earlier pass."""
-        if self._pool is None:
+        if self._pool is None:  # on the calling thread (no write threads, or an object store)
             self.check()
-            self._sync_and_mark([(region, files)])
+            try:
+                self._sync_and_mark([(region, files)])
+            except BaseException as exc:  # kept: nothing is marked after a failed pass, here too
+                self._keep(exc)
+                raise
             return
         with self._cv:
             self._raise_error()
@@ -95,19 +104,26 @@ class DurableMarks:
         while True:
             with self._cv:
                 group, self._queued = self._queued, []
+                self._in_pass = len(group)
                 if not group or self._error is not None:
                     self._queued = []  # after a failure nothing more is marked
                     self._busy = False
+                    self._in_pass = 0
                     self._cv.notify_all()
                     return
             try:
                 self._sync_and_mark(group)
             except BaseException as exc:  # kept for the caller's thread, which raises it
-                with self._cv:
-                    if self._error is None:
-                        self._error = exc
+                self._keep(exc)
             with self._cv:
+                self._in_pass = 0
                 self._cv.notify_all()
+
+    def _keep(self, exc: BaseException) -> None:
+        """The first error of a pass, raised from then on."""
+        with self._cv:
+            if self._error is None:
+                self._error = exc
 
     def _sync_and_mark(self, group: list[tuple[tuple[int, ...], list[Path]]]) -> None:
         regions = ", ".join(str(r) for r, _ in group[:4]) + (f" and {len(group) - 4} more" if len(group) > 4 else "")
@@ -127,7 +143,8 @@ class DurableMarks:
             raise StorageError(f"{self.record.path}: recording region(s) {regions} as written failed "
                                f"({type(exc).__name__}: {exc}); a restarted job writes them again. Check the disk",
                                uri=self.record.uri, key=None, status=None, attempts=None) from exc
-        self.passes += 1
+        with self._cv:
+            self.passes += 1
         on_marked = self._on_marked()
         try:
             for r, _ in group:
@@ -150,7 +167,10 @@ class DurableMarks:
             folders.add(d)  # the chunk's name (renamed in, or removed) in its folder
             while d not in self._known and d != self.root.parent and d.parent != d:
                 folders.add(d.parent)  # a folder seen for the first time: its own name in its parent
-                fresh.append(d)
+                # known only if it is there now (its parent's fsync below comes after): one that is not (a
+                # fill-value chunk's folder zarr never made) needs its parent fsynced when a later region makes it
+                if d.is_dir():
+                    fresh.append(d)
                 d = d.parent
         for d in sorted(folders, key=lambda p: -len(p.parts)):  # deepest first
             _fsync(d, missing_ok=True, folder=True)
@@ -166,17 +186,19 @@ class DurableMarks:
         with self._cv:
             self._raise_error()
 
-    def drain(self) -> None:
-        """Wait (at most ``timeout_s``) until every region handed over is marked; raise the first error."""
-        deadline = time.monotonic() + self.timeout_s
+    def drain(self, deadline: float | None = None) -> None:
+        """Wait (until ``deadline``, a ``time.monotonic()``; by default ``timeout_s`` from now) until every region
+        handed over is marked; raise the first error."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
         with self._cv:
             while self._busy and self._error is None:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0:  # only with a sync thread: a local disk's fsyncs (object stores mark inline)
                     raise StorageError(f"{self.record.uri}: flushing the written regions to the disk did not finish "
-                                       f"within write_timeout_s={self.timeout_s:g} s ({len(self._queued)} regions "
-                                       "waiting); check the disk, or raise write_timeout_s", uri=self.record.uri,
-                                       key=None, status=None, attempts=None)
+                                       f"within write_timeout_s={self.timeout_s:g} s ({self._in_pass + len(self._queued)}"
+                                       " regions not yet marked); check the disk, or raise write_timeout_s",
+                                       uri=self.record.uri, key=None, status=None, attempts=None)
                 self._cv.wait(min(left, _POLL_S))
             self._raise_error()
 

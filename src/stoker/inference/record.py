@@ -33,7 +33,7 @@ from typing import Any
 
 from ..errors import InvalidArgument
 from ..storage.fsutil import HOST, fsync_dir, replace_atomically, sibling_path
-from .target import is_remote, remote_store
+from .target import is_remote, local_path, remote_store
 
 SUFFIX = ".tiles-done"
 LOG_PREFIX, LOG_SUFFIX = "marks-", ".log"  # a record object's log of marks (local disks)
@@ -45,7 +45,7 @@ class CompletionRecord:
     def __init__(self, uri: str, storage_options: dict | None = None) -> None:
         self.uri = uri.rstrip("/")
         self.remote = is_remote(self.uri)
-        path = self.uri[len("file://"):] if self.uri.startswith("file://") else self.uri
+        path = local_path(self.uri) if not self.remote else self.uri  # beside the array zarr-python opens
         self.path = path + SUFFIX
         self._store: Any = None
         # the log's descriptor, opened at the first mark (local disks): in a list the finalizer (a record dropped

@@ -1,7 +1,8 @@
 """Where a TileWriter writes: its array through zarr-python, and its completion record, on a local disk or an
 object store.
 
-A local path (or ``file://``) goes to zarr-python as it is. An ``s3://``, ``gs://`` or ``az://`` URI is opened
+A local path goes to zarr-python as it is, and a ``file://`` URI as the path it names (zarr-python would open
+``file://`` through fsspec, whose files a TileWriter cannot fsync before marking them written). An ``s3://``, ``gs://`` or ``az://`` URI is opened
 through obstore with the ``storage_options`` stoker reads with (obstore's keys: ``endpoint``, ``region``,
 credentials...; stoker's request settings ``timeout_s``, ``retries``...; the disk cache's keys are for
 reads and left out here): zarr-python writes through ``zarr.storage.ObjectStore``, obstore retrying what
@@ -21,6 +22,7 @@ from ..errors import InvalidArgument, StokerError, StorageError
 from ..storage.locate import CACHE_KEYS, SETTING_KEYS
 from ..storage.objectstore import ObjectStore
 from ..storage.uri import REMOTE_SCHEMES
+from ..storage.urls import resolve_local_path
 
 
 def is_remote(uri: str) -> bool:
@@ -43,15 +45,23 @@ def remote_store(uri: str, storage_options: dict | None) -> ObjectStore:
     return store
 
 
+def local_path(uri: str) -> str:
+    """The path a local ``uri`` names: ``file://`` resolved (:func:`~stoker.storage.urls.resolve_local_path`),
+    a plain path as it is."""
+    if "://" in uri and urlparse(uri).scheme.lower() == "file":
+        return resolve_local_path(uri)
+    return uri
+
+
 def array_store(uri: str, storage_options: dict | None) -> Any:
-    """What zarr-python opens for the array at ``uri``: the path itself, or a writable
-    ``zarr.storage.ObjectStore`` rooted at it."""
+    """What zarr-python opens for the array at ``uri``: its local path (:func:`local_path`: a LocalStore, whose
+    files a TileWriter fsyncs), or a writable ``zarr.storage.ObjectStore`` rooted at it."""
     if not is_remote(uri):
         if storage_options:
             raise InvalidArgument(f"{uri}: storage_options ({', '.join(sorted(storage_options))}) apply to object "
                                   "stores only (s3://, gs://, az://); drop them for a local path", uri=uri,
                                   knob="storage_options")
-        return uri
+        return local_path(uri)
     import zarr.storage
 
     store = remote_store(uri, storage_options)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -70,7 +71,7 @@ from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
 from .durable import DurableMarks
 from .record import CompletionRecord
-from .target import array_store, writing
+from .target import array_store, is_remote, writing
 from .weighted import mean_into
 
 # region, tile key (its box), part's box, values, the flat index of the tile's output box's first voxel
@@ -521,7 +522,8 @@ class TileWriter:
         self._pool = BufferPool((int(write_threads) + 1) * unit_voxels * (3 * 8 + 2 * self.dtype.itemsize),
                                 spare=SPARE)
         # whole chunks encoded on the write threads where the layout allows, into recycled buffers
-        self._chunks = ChunkWriter(arr, self._pool)
+        # a local record's marks wait for fsynced chunk files: a store whose files cannot be fsynced is refused
+        self._chunks = ChunkWriter(arr, self._pool, durable=not is_remote(self.uri), uri=self.uri)
         self.record = CompletionRecord(self.uri, storage_options)
         if self.rank == 0:
             self.record.check_settings({"shape": list(self.shape), "unit": list(self.unit_full),
@@ -540,6 +542,7 @@ class TileWriter:
         self.written = 0  # regions this rank wrote
         self._count_lock = threading.Lock()
         self._closed = False
+        self._timeout_s = float(write_timeout_s)
         self._background = None if int(write_threads) == 0 else \
             BackgroundWriter(self.uri, int(write_threads), int(write_bytes), float(write_timeout_s))
         if self._background is not None:  # a writer dropped without close(): its threads end with it
@@ -804,12 +807,14 @@ class TileWriter:
                 for r in sorted(self._open):
                     self._flush(r)
             finally:
+                # one write_timeout_s for both waits: the writes queued, then the marks of what they wrote
+                deadline = time.monotonic() + self._timeout_s
                 try:
                     if self._background is not None:
-                        self._background.close()  # waits for the queued writes, raises the first failure
+                        self._background.close(deadline)  # waits for the queued writes, raises the first failure
                 finally:
                     try:
-                        self._marks.drain()  # the regions written are on the disk, and marked
+                        self._marks.drain(deadline)  # the regions written are on the disk, and marked
                     finally:
                         self._marks.stop()
             self.record.sync()
@@ -833,13 +838,14 @@ class TileWriter:
             self.close()
         else:  # the regions already queued are written and marked; the error is the caller's
             self._closed = True
+            deadline = time.monotonic() + self._timeout_s
             try:
                 if self._background is not None:
-                    self._background.close()
+                    self._background.close(deadline)
             except Exception:
                 pass  # the caller's exception is the one raised
             try:
-                self._marks.drain()
+                self._marks.drain(deadline)
             except Exception:
                 pass
             finally:
