@@ -479,7 +479,8 @@ class DiskCache:
             _store_total(lock, total + max(0, grown))
             for (i, path, *_), result in zip(todo, results):
                 if result < 0:  # the rest of the batch was not tried (their 0: not there already)
-                    self._disable(OSError(-result, os.strerror(-result), os.fsdecode(path)))
+                    why = _NOT_REGULAR if result == -errno.EEXIST else os.strerror(-result)
+                    self._disable(OSError(-result, why, os.fsdecode(path)))
                     break
                 done[i] = True  # 1 written, 0 there already
                 self.written += result
@@ -892,7 +893,7 @@ def write_entries(items: Sequence[tuple[bytes, bytes, Any]], tag: str, seed: int
                         results[i] = -errno.ENOTDIR
                         break
                     folders[parent] = _allocated_of(st)
-            if _lexists(path):
+            if _there_already(path):
                 continue  # another process wrote it meanwhile (or it came twice in this batch)
             made = _write_one(path, parent, name, ident, payload, tag, draw)
         except OSError as exc:
@@ -915,7 +916,9 @@ def _write_one(path: bytes, parent: bytes, name: bytes, ident: bytes, payload: A
         try:
             fd = os.open(path, flags, 0o666)
         except FileExistsError:
-            return None  # made meanwhile: the same marker
+            if _there_already(path):
+                return None  # made meanwhile: the same marker
+            raise
         try:
             return _allocated_of(os.fstat(fd))
         finally:
@@ -963,12 +966,22 @@ def _again(call: Callable, *args: Any) -> Any:
             continue
 
 
-def _lexists(path: bytes) -> bool:
-    """``os.path.lexists`` whose lstat a signal does not make a False."""
+#: What a writer's -EEXIST means: something not a regular file sits at an entry's name (see _there_already).
+_NOT_REGULAR = "not a regular file (something else was put at an entry's name)"
+
+
+def _there_already(path: bytes) -> bool:
+    """Whether an entry (or marker) is at ``path``: a regular file, False where nothing is. Anything else there (a
+    folder, a link, a FIFO planted at its name) is no entry a reader takes (they open regular files only, never
+    through a link) and nothing to remove or write through: ``FileExistsError``, a failed write (one warning, the
+    cache off in this process), never "there already", which left its key fetched at every read unsaid. Other
+    lstat failures raise too; a signal is no failure (:func:`_again`)."""
     try:
-        _again(os.lstat, path)
-    except OSError:
+        st = _again(os.lstat, path)
+    except FileNotFoundError:
         return False
+    if not stat.S_ISREG(st.st_mode):
+        raise FileExistsError(errno.EEXIST, _NOT_REGULAR, os.fsdecode(path))
     return True
 
 
