@@ -287,6 +287,15 @@ static int check_header(const unsigned char *h, const char *ident, size_t ident_
     return 0;
 }
 
+int entry_judge(const unsigned char *raw, size_t len, const char *ident, size_t ident_len) {
+    if (len < ENTRY_HEADER_BYTES || len - ENTRY_HEADER_BYTES < ident_len)
+        return ENTRY_SIZE;
+    size_t head = ENTRY_HEADER_BYTES + ident_len, n = len - head;
+    int why = check_header(raw, ident, ident_len, n);
+    uint32_t crc = why ? 0 : crc32c_of(crc32c_of(0, raw + ENTRY_HEADER_BYTES, ident_len), raw + head, n);
+    return why ? why : crc != (uint32_t)le(raw + 8, 4) ? ENTRY_CHECKSUM : 0;
+}
+
 /* the LRU clock (stoker_native.h): a hit is a use, at most once a minute (see TOUCH_AFTER_S) */
 void entry_touch(int fd, const struct stat *st) {
     if (to_touch(st))

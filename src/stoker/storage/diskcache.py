@@ -241,15 +241,17 @@ class DiskCache:
     def get_many(self, idents: Sequence[str], read_files: Callable | None = None) -> list[memoryview | None]:
         """:meth:`get` of each of ``idents``; one this process has queued for writing is served from the queue
         (not on disk yet: fetched again, it was queued again, a second copy of its bytes in memory).
-        ``read_files(paths, max_bytes)``: reads the entries' files whole and touches them (the compiled
-        engine's, which releases the GIL once for many files rather than for every system call, as a batch's
-        hits are many); None: :func:`read_file`, one at a time."""
+        ``read_files(paths, max_bytes, idents)``: reads the entries' files whole, judges each as its ident's
+        entry and touches the sound ones (the compiled engine's, which releases the GIL once for many files
+        rather than for every system call, as a batch's hits are many): a payload, False (unsound) or None
+        each; None: :func:`read_file`, one at a time."""
         with self._cond:  # queued for writing: served from memory (not on disk yet, and not fetched again)
             queued = [self._pending.get(ident) if self._pending else None for ident in idents]
         on_disk = [ident for ident, data in zip(idents, queued) if data is None]
-        if read_files is not None:
-            raws = read_files([self._path(ident) for ident in on_disk], self.cache_bytes)
-            judged = iter([(raw, None if raw is None else self._check(raw, ident)) for raw, ident in zip(raws, on_disk)])
+        if read_files is not None:  # judged there (an entry's payload, False: unsound), only a good one touched
+            raws = read_files([self._path(ident) for ident in on_disk], self.cache_bytes,
+                              [ident.encode("utf-8", "surrogatepass") for ident in on_disk])
+            judged = iter([(raw, None if raw is None or raw is False else raw) for raw in raws])  # b"": an entry
         else:  # judged as read: only a good entry is touched
             judged = iter([self._read_one(ident) for ident in on_disk])
         out: list[memoryview | None] = []
