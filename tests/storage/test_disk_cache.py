@@ -525,6 +525,22 @@ def test_a_too_small_bound_reads_uncached_with_one_warning(remote, data, tmp_pat
     assert len(mine) == 1 and "cache_bytes" in mine[0], mine
 
 
+@pytest.mark.parametrize("cache_bytes", [16 << 10, 20 << 10])
+def test_a_bound_the_folders_own_blocks_fill_reads_uncached_with_one_warning(tmp_path, cache_bytes):
+    # Before: an entry that fit cache_bytes alone (put's check) but not beside the folder's own blocks (its
+    # folder, .index, a subfolder) was refused at every batch, a loss each, and nothing said why
+    cache = DiskCache(str(tmp_path / "cache"), cache_bytes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(20):
+            cache.put(f"mem://bkt|a/c/{i}|0:-1|e1", b"x" * 100)
+            cache.mark(f"mem://bkt\na/c/{i}\nkept")
+            assert cache.flush(30)
+    mine = [str(w.message) for w in caught if "disk cache" in str(w.message)]
+    assert len(mine) == 1 and "cache_bytes" in mine[0], mine
+    assert cache.get("mem://bkt|a/c/0|0:-1|e1") is None and cache.allocated() <= cache_bytes
+
+
 def test_an_unwritable_folder_reads_uncached_with_one_warning(remote, data, tmp_path):
     uri, options, _ = remote
     blocker = tmp_path / "a-file"

@@ -488,7 +488,11 @@ class DiskCache:
                     # no room for them all: the last wait for a later read to queue them (popped from the end,
                     # so each subfolder's slack leaves with the first of its entries, the last to go)
                     need -= todo.pop()[4]
-                if not todo:
+                if not todo:  # not even the first: a bound the folder's own blocks fill (or nearly)
+                    self._warn("big", f"stoker's disk cache {self.folder}: cache_bytes={self.cache_bytes:,} leaves "
+                                      f"no room for an entry beside what the folder takes ({total:,} bytes in "
+                                      "whole blocks: its folders, its total's file, writes in progress); values "
+                                      "are read uncached (raise cache_bytes)")
                     _store_total(lock, total)
                     return done
             _store_total(lock, total + need)  # counted before the files exist: a crash can only over-count
@@ -578,6 +582,8 @@ class DiskCache:
                           "go on uncached. Free space or pick a writable folder (cache_dir, $STOKER_CACHE_DIR)")
 
     def _warn(self, kind: str, message: str) -> None:
+        """Warn once a process per ``kind``: "big" (``cache_bytes`` too small for an entry, or for any beside the
+        folder's own blocks), "off" (writes stopped: a failure)."""
         if kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
