@@ -154,7 +154,7 @@ def test_has_after_a_loss_looks_on_the_caller_and_refreshes_on_the_writer_thread
     cache.lost()
     utimes = _utimes_by_thread(monkeypatch)
     assert all(cache.has(ident) for ident in idents)  # looked for on disk again after the loss: there
-    assert utimes == []  # no utime on the caller's thread
+    assert threading.current_thread().name not in utimes  # no utime on the caller's thread
     assert cache.flush(30)
     assert utimes == ["stoker-diskcache"] * 5  # only the old ones, as an entry's hit touches (at most once a minute)
     assert all(os.stat(cache.path(ident)).st_mtime > 1 for ident in idents)
