@@ -294,6 +294,21 @@ def test_something_not_a_file_at_an_entry_name_is_a_failed_write_with_one_warnin
     assert {"folder": stat.S_ISDIR, "link": stat.S_ISLNK, "fifo": stat.S_ISFIFO}[what](mode)  # left as it was
 
 
+def test_a_link_planted_at_the_folders_total_is_never_written_through(tmp_path):
+    # Before: the folder's lock and total (v1/.index) was opened following links: one planted there had the
+    # total's 8 bytes written into its target. Now a failed write: one warning, reads uncached.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the victim's own bytes")
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    cache.root.mkdir(parents=True)
+    os.symlink(victim, cache.root / ".index")
+    with pytest.warns(RuntimeWarning, match="stops caching") as warned:
+        assert not cache.write("mem://bkt|a/c/0|0:-1|e1", b"v" * 1000)
+        assert not cache.write("mem://bkt|a/c/1|0:-1|e1", b"v" * 1000)
+    assert len(warned) == 1 and cache.get("mem://bkt|a/c/0|0:-1|e1") is None
+    assert victim.read_bytes() == b"the victim's own bytes" and os.path.islink(cache.root / ".index")
+
+
 _TOO_BIG = textwrap.dedent("""
     import os, resource, sys
     from stoker.engine.cpu import native

@@ -516,7 +516,8 @@ class DiskCache:
         """The folder's lock file (``v1/.index``, holding the total) opened, the folder made where it is not
         (only then: not at every write); None when that fails (then writes stop, one warning)."""
         path = f"{self._root}/.index"
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        # never through a link planted at its name: the total's 8 bytes were written into the link's target
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
             try:
                 lock = os.open(path, flags, 0o666)
