@@ -139,7 +139,8 @@ def test_a_folder_an_older_stoker_left_is_brought_within_the_bound(tmp_path):
 def test_a_marker_found_is_not_looked_up_again_for_a_while(tmp_path, monkeypatch):
     # a pipeline opening hundreds of arrays asks for their markers: one found (or queued) a moment ago is taken
     # as there without a system call (before: each ask touched the file, which gave the GIL up on the opener
-    # threads and waited for it back); it is looked at, and touched for the LRU, again once SEEN_S passed
+    # threads and waited for it back); it is looked at, and touched for the LRU (by the folder's writer thread:
+    # flush), again once SEEN_S passed
     ident = "s3://bkt\nc/0/1\nkept"
     cache = DiskCache(str(tmp_path / "c"), 1 << 20)
     cache.mark(ident)
@@ -149,11 +150,11 @@ def test_a_marker_found_is_not_looked_up_again_for_a_while(tmp_path, monkeypatch
     path = other.path(ident)
     old = time.time() - 3600
     os.utime(path, (old, old))
-    assert other.has(ident) and os.lstat(path).st_mtime > old + 3000  # looked at, touched
+    assert other.has(ident) and other.flush(10) and os.lstat(path).st_mtime > old + 3000  # looked at, touched
     os.utime(path, (old, old))
-    assert other.has(ident) and os.lstat(path).st_mtime == old  # remembered: not looked at again
+    assert other.has(ident) and other.flush(10) and os.lstat(path).st_mtime == old  # remembered: not looked at
     assert not other.has("s3://bkt\nc/0/2\nkept")
     monkeypatch.setattr(diskcache, "SEEN_S", 0.0)
-    assert other.has(ident) and os.lstat(path).st_mtime > old + 3000  # SEEN_S passed: touched again
+    assert other.has(ident) and other.flush(10) and os.lstat(path).st_mtime > old + 3000  # SEEN_S passed: again
     os.unlink(path)
     assert not other.has(ident)  # evicted meanwhile: looked at, gone

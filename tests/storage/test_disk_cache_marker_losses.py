@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import time
 
 import pytest
@@ -110,3 +111,72 @@ def test_a_write_that_finds_its_entry_there_is_no_loss(tmp_path):
     assert one.flush(30) and one.written == 1 and one.losses == 0
     assert bytes(other.get("mem://bkt|a/c/0|0:-1|e1")) == b"v" * 1000
     assert one.write("mem://bkt|a/c/0|0:-1|e1", b"v" * 1000)  # stored: there already
+
+
+def _utimes_by_thread(monkeypatch) -> list[str]:
+    """The names of the threads that call ``os.utime`` from now on (the LRU clock's refreshes)."""
+    names: list[str] = []
+    real = os.utime
+
+    def utime(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, "utime", utime)
+    return names
+
+
+@pytest.mark.timeout(60)
+def test_markers_kept_again_after_a_loss_are_refreshed_on_the_writer_thread(tmp_path, monkeypatch):
+    # Before: mark() of a marker seen before a loss refreshed its mtime with a utime on the caller's thread (a
+    # fetch's, or a pipeline's coordinator): on a network file system a round trip each, on a hot path. Now the
+    # folder's writer thread makes it; the caller only queues.
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    idents = _markers(cache, 20)
+    for ident in idents:
+        os.utime(cache.path(ident), (1, 1))  # long unused
+    cache.lost()
+    utimes = _utimes_by_thread(monkeypatch)
+    for ident in idents:
+        cache.mark(ident)
+    assert threading.current_thread().name not in utimes
+    assert cache.flush(30)
+    assert utimes == ["stoker-diskcache"] * 20 and cache.written == 20  # refreshed there, none written again
+    assert all(os.stat(cache.path(ident)).st_mtime > 1 for ident in idents)
+
+
+@pytest.mark.timeout(60)
+def test_has_after_a_loss_looks_on_the_caller_and_refreshes_on_the_writer_thread(tmp_path, monkeypatch):
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    idents = _markers(cache, 10)
+    for ident in idents[:5]:
+        os.utime(cache.path(ident), (1, 1))  # long unused; the rest used a moment ago (made now)
+    cache.lost()
+    utimes = _utimes_by_thread(monkeypatch)
+    assert all(cache.has(ident) for ident in idents)  # looked for on disk again after the loss: there
+    assert threading.current_thread().name not in utimes  # no utime on the caller's thread
+    assert cache.flush(30)
+    assert utimes == ["stoker-diskcache"] * 5  # only the old ones, as an entry's hit touches (at most once a minute)
+    assert all(os.stat(cache.path(ident)).st_mtime > 1 for ident in idents)
+    assert cache.written == 10 and not cache.has(idents[0] + "x")
+
+
+@pytest.mark.timeout(60)
+def test_a_marker_gone_before_the_writer_refreshes_it_is_a_loss_not_made_again(tmp_path, monkeypatch):
+    # has() found it (an lstat), another process evicted it before the writer's utime: a loss (what this process
+    # counted on is gone), and has() never makes a marker (only mark(), for a key kept)
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    ident = _markers(cache, 1)[0]
+    os.utime(cache.path(ident), (1, 1))
+    cache.lost()
+    losses, real = cache.losses, cache._enqueue
+
+    def enqueue(*args, **kwargs):
+        os.unlink(cache.path(ident))  # evicted between the look and the refresh
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(cache, "_enqueue", enqueue)
+    assert cache.has(ident)
+    assert cache.flush(30)
+    assert cache.losses == losses + 1 and not os.path.exists(cache.path(ident)) and cache.written == 1
+    assert not cache.has(ident)  # looked for again after the loss

@@ -11,6 +11,7 @@ import fcntl
 import os
 import resource
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -252,7 +253,7 @@ def test_planted_links_and_names_without_a_subfolder_are_never_written_through(t
     (root / "cd").mkdir()
     os.symlink(elsewhere / "target", root / "cd" / "cdef")
     results, _, _ = write([(os.fsencode(root / "cd" / "cdef"), b"i", b"x" * 10)], "host-1", 3)
-    assert results == [0]  # something is there: left as it is, its target never made
+    assert results == [-errno.EEXIST]  # no entry there (a link): left as it is, its target never made
     results, _, _ = write([(os.fsencode(root / "ab" / "abcd"), b"i", b"x" * 10),
                            (os.fsencode(root / "cd" / "cd12"), b"i", b"x")], "host-1", 3)
     assert results == [-errno.ENOTDIR, 0]  # stopped there: the next not tried
@@ -260,6 +261,52 @@ def test_planted_links_and_names_without_a_subfolder_are_never_written_through(t
         results, _, grown = write([(bad, b"i", b"x")], "host-1", 3)
         assert results == [-errno.EINVAL] and grown == 0, bad
     assert os.listdir(elsewhere) == [] and os.listdir(root / "cd") == ["cdef"]
+
+
+@pytest.mark.parametrize("writer", ["compiled", "python"])
+@pytest.mark.parametrize("what", ["folder", "link", "fifo"])
+@pytest.mark.parametrize("kind", ["entry", "marker"])
+def test_something_not_a_file_at_an_entry_name_is_a_failed_write_with_one_warning(tmp_path, monkeypatch, writer,
+                                                                                 what, kind):
+    # Before: the writers took anything at an entry's name as "there already" (another writer won the race), so
+    # a folder, link or FIFO planted there counted as stored: its key was fetched again at every read (readers
+    # open regular files only, never through a link) and nothing said why. Now a failed write: the cache goes
+    # off in this process with one warning, reads go on uncached, and what was planted is left as it was.
+    write = native.write_entries if writer == "compiled" else diskcache.write_entries
+    if write is None:
+        pytest.skip("stoker._native is not built")
+    monkeypatch.setattr(diskcache, "_entry_writer", [write])
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    ident = "mem://bkt|a/c/0|0:-1|e1"
+    assert cache.write("mem://bkt|a/c/1|0:-1|e1", b"w" * 100)  # the folder made, its first scan done
+    path = cache.path(ident)
+    path.parent.mkdir(exist_ok=True)
+    _plant(str(path), what)
+    with pytest.warns(RuntimeWarning, match="not a regular file") as warned:
+        stored = cache.write(ident, b"v" * 1000) if kind == "entry" else cache.write_marker(ident)
+        assert not stored and not cache.writable
+        cache.put("mem://bkt|a/c/2|0:-1|e1", b"x" * 10)  # off: nothing more queued, nor warned
+        assert not cache.queued("mem://bkt|a/c/2|0:-1|e1")
+    assert len(warned) == 1
+    assert cache.get(ident) is None  # a miss: fetched from the store
+    assert bytes(cache.get("mem://bkt|a/c/1|0:-1|e1")) == b"w" * 100  # what was stored is still served
+    mode = os.lstat(path).st_mode
+    assert {"folder": stat.S_ISDIR, "link": stat.S_ISLNK, "fifo": stat.S_ISFIFO}[what](mode)  # left as it was
+
+
+def test_a_link_planted_at_the_folders_total_is_never_written_through(tmp_path):
+    # Before: the folder's lock and total (v1/.index) was opened following links: one planted there had the
+    # total's 8 bytes written into its target. Now a failed write: one warning, reads uncached.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the victim's own bytes")
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    cache.root.mkdir(parents=True)
+    os.symlink(victim, cache.root / ".index")
+    with pytest.warns(RuntimeWarning, match="stops caching") as warned:
+        assert not cache.write("mem://bkt|a/c/0|0:-1|e1", b"v" * 1000)
+        assert not cache.write("mem://bkt|a/c/1|0:-1|e1", b"v" * 1000)
+    assert len(warned) == 1 and cache.get("mem://bkt|a/c/0|0:-1|e1") is None
+    assert victim.read_bytes() == b"the victim's own bytes" and os.path.islink(cache.root / ".index")
 
 
 _TOO_BIG = textwrap.dedent("""

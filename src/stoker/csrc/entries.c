@@ -361,6 +361,15 @@ static int check_header(const unsigned char *h, const char *ident, size_t ident_
     return 0;
 }
 
+int entry_judge(const unsigned char *raw, size_t len, const char *ident, size_t ident_len) {
+    if (len < ENTRY_HEADER_BYTES || len - ENTRY_HEADER_BYTES < ident_len)
+        return ENTRY_SIZE;
+    size_t head = ENTRY_HEADER_BYTES + ident_len, n = len - head;
+    int why = check_header(raw, ident, ident_len, n);
+    uint32_t crc = why ? 0 : crc32c_of(crc32c_of(0, raw + ENTRY_HEADER_BYTES, ident_len), raw + head, n);
+    return why ? why : crc != (uint32_t)le(raw + 8, 4) ? ENTRY_CHECKSUM : 0;
+}
+
 /* the LRU clock (stoker_native.h): a hit is a use, at most once a minute (see TOUCH_AFTER_S) */
 void entry_touch(int fd, const struct stat *st) {
     if (to_touch(st))
@@ -530,8 +539,14 @@ static int write_one(entry_write *e, const char *tag, uint64_t *state, char *tmp
     int fd = -1;
     if (e->payload == NULL) { /* a marker: an empty file made at its name in one step */
         fd = AGAIN(open(e->path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
-        if (fd < 0)
-            return errno == EEXIST ? 0 : -errno; /* made meanwhile: the same marker */
+        if (fd < 0 && errno != EEXIST)
+            return -errno;
+        if (fd < 0) { /* made meanwhile: the same marker, where a regular file (see write_entries) */
+            struct stat st;
+            if (AGAIN(lstat(e->path, &st)) != 0)
+                return errno == ENOENT ? -EEXIST : -errno;
+            return S_ISREG(st.st_mode) ? 0 : -EEXIST;
+        }
     } else {
         for (int attempt = 0; fd < 0; attempt++) {
             if (attempt == 100) /* as fsutil's _fresh: never reuse what sits at a name */
@@ -665,8 +680,16 @@ int write_entries(entry_write *items, size_t n, const char *tag, uint64_t seed, 
             n_folders++;
         }
         struct stat st;
-        if (AGAIN(lstat(e->path, &st)) == 0)
-            continue; /* another process wrote it meanwhile (or it came twice in this batch) */
+        if (AGAIN(lstat(e->path, &st)) == 0) {
+            if (S_ISREG(st.st_mode))
+                continue; /* another process wrote it meanwhile (or it came twice in this batch) */
+            /* a folder, a link or a FIFO planted at the entry's name: no entry (readers open a regular file
+             * only, never through a link), and nothing to remove or write through. Not "there already", which
+             * left its key fetched at every read with no word said: a failure (the caller's one warning, the
+             * cache off in this process, reads uncached) */
+            bad = e->result = -EEXIST;
+            break;
+        }
         if (errno != ENOENT) {
             bad = e->result = -errno;
             break;

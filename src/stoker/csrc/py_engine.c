@@ -326,25 +326,52 @@ static PyObject *crc32c_path_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(a
     return PyUnicode_FromString(crc32c_path());
 }
 
-/* read_files(paths, max_bytes) -> list: a read-only memoryview of each regular file's whole bytes (None: missing,
- * not a regular file, a link, larger than max_bytes, or a read error), read and touched as entries.c's
- * entry_pread and entry_touch do (blocking once on EAGAIN; the disk cache's LRU clock, at most once a minute).
- * Per READ_GROUP files the GIL is released twice, not per system call (open and fstat; then read, touch and close), and their bytes share one allocation: forty
- * separate 100 KB ones cost a page fault per page each time (the allocator returns such memory at once), one
- * of 4 MB is reused. A view keeps its group's bytes alive. */
+/* read_files(paths, max_bytes[, idents]) -> list: a read-only memoryview of each regular file's whole bytes (None:
+ * missing, not a regular file, a link, larger than max_bytes, or a read error), read as entries.c's entry_pread
+ * reads (blocking once on EAGAIN). With idents (bytes, one a path): each file judged as the entry of its ident
+ * (entry_judge: header, ident, crc32c), a view of a sound one's payload, False for one that is not (a file there,
+ * unsound: the caller removes it), and only a sound one touched (entry_touch: the disk cache's LRU clock, at most
+ * once a minute): a corrupt or collided entry judged after its touch had its mtime refreshed, a use it was not.
+ * Without idents nothing is touched. Per READ_GROUP files the GIL is released twice, not per system call (open
+ * and fstat; then read, judge, touch and close), and their bytes share one allocation: forty separate 100 KB
+ * ones cost a page fault per page each time (the allocator returns such memory at once), one of 4 MB is reused.
+ * A view keeps its group's bytes alive. */
 #define READ_GROUP 64
 
 static PyObject *read_files_py(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *seq;
+    PyObject *seq, *idents_obj = Py_None;
     long long max_bytes;
-    if (!PyArg_ParseTuple(args, "OL", &seq, &max_bytes))
+    if (!PyArg_ParseTuple(args, "OL|O", &seq, &max_bytes, &idents_obj))
         return NULL;
-    PyObject *items = PySequence_Fast(seq, "read_files takes a sequence of paths");
+    /* tuples of our own (not PySequence_Fast, which hands a list back as it is): the GIL is released between
+     * groups, and another thread may shorten a list meanwhile; the idents' bytes are read without it */
+    if (!PySequence_Check(seq)) {
+        PyErr_SetString(PyExc_TypeError, "read_files takes a sequence of paths");
+        return NULL;
+    }
+    PyObject *items = PySequence_Tuple(seq);
     if (items == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    PyObject *idents = idents_obj == Py_None ? NULL : PySequence_Tuple(idents_obj);
+    if (idents_obj != Py_None && idents == NULL) {
+        Py_DECREF(items);
+        return NULL;
+    }
+    if (idents != NULL) {
+        int fit = PyTuple_GET_SIZE(idents) == n;
+        for (Py_ssize_t i = 0; fit && i < n; i++)
+            fit = PyBytes_Check(PyTuple_GET_ITEM(idents, i));
+        if (!fit) {
+            PyErr_SetString(PyExc_ValueError, "read_files: idents are bytes, one a path");
+            Py_DECREF(idents);
+            Py_DECREF(items);
+            return NULL;
+        }
+    }
     PyObject *out = PyList_New(n);
     if (out == NULL) {
+        Py_XDECREF(idents);
         Py_DECREF(items);
         return NULL;
     }
@@ -352,12 +379,12 @@ static PyObject *read_files_py(PyObject *Py_UNUSED(self), PyObject *args) {
         PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
     PyObject *names[READ_GROUP];
     int fds[READ_GROUP];
-    long long sizes[READ_GROUP], starts[READ_GROUP];
+    long long sizes[READ_GROUP], starts[READ_GROUP], skip[READ_GROUP]; /* skip: the payload's offset, judged */
     struct stat sts[READ_GROUP];
     for (Py_ssize_t base = 0; base < n; base += READ_GROUP) {
         int k = (int)(n - base < READ_GROUP ? n - base : READ_GROUP);
         for (int i = 0; i < k; i++) {
-            if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(items, base + i), &names[i])) {
+            if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(items, base + i), &names[i])) {
                 for (int j = 0; j < i; j++)
                     Py_DECREF(names[j]);
                 goto fail;
@@ -385,16 +412,26 @@ static PyObject *read_files_py(PyObject *Py_UNUSED(self), PyObject *args) {
         char *p = arena != NULL ? PyBytes_AS_STRING(arena) : NULL;
         Py_BEGIN_ALLOW_THREADS
         for (int i = 0; i < k; i++) {
+            skip[i] = 0;
             if (fds[i] < 0)
                 continue;
-            /* as entries.c reads and touches entries: made blocking once on EAGAIN (O_NONBLOCK honoured), touched
-             * at most once a minute */
+            /* as entries.c reads, judges and touches entries: made blocking once on EAGAIN (O_NONBLOCK honoured);
+             * touched, at most once a minute, only once judged sound */
             int blocking = 0;
             long long got = 0;
-            if (p != NULL && entry_pread(fds[i], p + starts[i], (size_t)sizes[i], 0, &blocking, &got) == 0)
-                entry_touch(fds[i], &sts[i]);
-            else
+            if (p == NULL || entry_pread(fds[i], p + starts[i], (size_t)sizes[i], 0, &blocking, &got) != 0) {
                 sizes[i] = -1; /* shorter than its size said, or unreadable: none */
+            } else if (idents != NULL) {
+                PyObject *id = PyTuple_GET_ITEM(idents, base + i); /* bytes, immutable: read without the GIL */
+                size_t id_len = (size_t)PyBytes_GET_SIZE(id);
+                if (entry_judge((const unsigned char *)p + starts[i], (size_t)sizes[i], PyBytes_AS_STRING(id),
+                                id_len) == 0) {
+                    entry_touch(fds[i], &sts[i]);
+                    skip[i] = (long long)(ENTRY_HEADER_BYTES + id_len);
+                } else {
+                    skip[i] = -1; /* there, not sound: False, untouched */
+                }
+            }
             close(fds[i]);
         }
         Py_END_ALLOW_THREADS
@@ -407,7 +444,13 @@ static PyObject *read_files_py(PyObject *Py_UNUSED(self), PyObject *args) {
         for (int i = 0; i < k; i++) {
             if (fds[i] < 0 || sizes[i] < 0)
                 continue;
-            PyObject *lo = PyLong_FromLongLong(starts[i]), *hi = PyLong_FromLongLong(starts[i] + sizes[i]);
+            if (skip[i] < 0) {
+                PyObject *old = PyList_GET_ITEM(out, base + i);
+                PyList_SET_ITEM(out, base + i, Py_NewRef(Py_False));
+                Py_DECREF(old);
+                continue;
+            }
+            PyObject *lo = PyLong_FromLongLong(starts[i] + skip[i]), *hi = PyLong_FromLongLong(starts[i] + sizes[i]);
             PyObject *slice = lo != NULL && hi != NULL ? PySlice_New(lo, hi, NULL) : NULL;
             Py_XDECREF(lo);
             Py_XDECREF(hi);
@@ -423,9 +466,11 @@ static PyObject *read_files_py(PyObject *Py_UNUSED(self), PyObject *args) {
         }
         Py_DECREF(whole);
     }
+    Py_XDECREF(idents);
     Py_DECREF(items);
     return out;
 fail:
+    Py_XDECREF(idents);
     Py_DECREF(items);
     Py_DECREF(out);
     return NULL;
@@ -586,10 +631,12 @@ PyMethodDef engine_functions[] = {
      "crc32c_path() -> str: the way crc32c goes in this process: 'fold' (AVX-512 VPCLMULQDQ), 'fold256' (AVX2 VPCLMULQDQ), 'sse42' (the crc32 "
      "instruction; also where STOKER_NO_CRC_FOLD=1, true or yes at import) or 'table'."},
     {"read_files", read_files_py, METH_VARARGS,
-     "read_files(paths, max_bytes) -> list: a read-only memoryview of each regular file's whole bytes, or None "
-     "(missing, not a regular file, a symbolic link, larger than max_bytes, or unreadable); each file read is "
-     "touched (mtime now) where allowed. The GIL is released twice per 64 files, not per system call; the "
-     "views of 64 files share one bytes object."},
+     "read_files(paths, max_bytes[, idents]) -> list: a read-only memoryview of each regular file's whole bytes, "
+     "or None (missing, not a regular file, a symbolic link, larger than max_bytes, or unreadable). idents (bytes, "
+     "one a path): each file judged as a disk-cache entry of its ident (header, ident, crc32c): a view of a sound "
+     "one's payload, touched (mtime now, at most once a minute) where allowed, or False (there, not sound; not "
+     "touched); without idents nothing is touched. The GIL is released twice per 64 files, not per system call; "
+     "the views of 64 files share one bytes object."},
     {"local_file_system", local_file_system_py, METH_VARARGS,
      "local_file_system(path) -> bool: whether the file is on a file system the engine keeps shard files open "
      "on between inner chunks (a local one: ext4, xfs, btrfs, tmpfs, overlayfs, zfs, f2fs; apfs and hfs on "

@@ -171,6 +171,10 @@ int entry_read(const char *path, entry_reading *r);
  * entry's mtime set to now when it is a minute old or more (or dated in the future); a read-only folder: a hit
  * all the same. */
 int entry_pread(int fd, char *buf, size_t n, size_t at, int *blocking, long long *nread);
+/* A whole entry file's ``len`` bytes at ``raw`` judged as entry_read judges one of ``ident``: 0 (sound: its
+ * payload the bytes after ENTRY_HEADER_BYTES + ident_len), or the ENTRY_* why not (read_files judges so before
+ * it touches: only a sound entry is a use for the LRU). */
+int entry_judge(const unsigned char *raw, size_t len, const char *ident, size_t ident_len);
 struct stat;
 void entry_touch(int fd, const struct stat *st);
 /* One entry for write_entries: its final name ``path`` (<root>/<subfolder>/<name>), its ident and payload (NULL: a

@@ -28,7 +28,8 @@ is never served) and the bytes. Rules that make one folder safe for many process
   :class:`~stoker.storage.cachingstore.CachingStore` asks before a HEAD) takes no block, only a name in its
   subfolder (counted as the subfolder grows). :meth:`DiskCache.has` looks at either kind; a marker of an
   older stoker (a full entry with no payload) is still one. What ``has`` found or ``mark`` queued is
-  remembered for :data:`SEEN_S` (no look on disk, no mark queued again; its mtime refreshed that often).
+  remembered for :data:`SEEN_S` (no look on disk, no mark queued again; its mtime refreshed that often, by the
+  folder's writer thread: a utime is a round trip on a network file system, kept off the readers' threads).
 - **Eviction never breaks a read**: it unlinks; a reader that opened the file keeps reading it, one that
   comes after finds no entry (a miss).
 - **Corruption is a miss**: a short file, a bad header or a checksum mismatch is removed and reported as
@@ -107,6 +108,9 @@ SEEN_S = 60.0
 TOUCH_AFTER_S = 60
 #: Idents a :class:`DiskCache` remembers so, at most; past it, forgotten all at once.
 SEEN_IDENTS = 1 << 16
+#: What the writer thread does with a queued ident: write it; refresh a marker's mtime, or make it where it is
+#: gone (:meth:`DiskCache.mark` of one seen before); only refresh it (:meth:`DiskCache.has`; gone: a loss).
+_WRITE, _REFRESH, _TOUCH = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,8 @@ class DiskCache:
         # of entries compares is ``losses`` alone (see lost)
         self.hits = self.misses = self.corrupt = self.written = self.dropped = self.evicted = self.hit_bytes = 0
         self._scanned = False  # this process has scanned before writing (fixes a total a crash left wrong)
-        self._queue: deque[tuple[str, bytes | None, int]] = deque()  # (ident, data, what it counts in _queued)
+        # (ident, data, what it counts in _queued, how: _WRITE, _REFRESH or _TOUCH)
+        self._queue: deque[tuple[str, bytes | None, int, int]] = deque()
         self._queued = 0
         # idents queued or being written -> their data (None: a marker): not on disk yet, served from here
         self._pending: dict[str, bytes | None] = {}
@@ -184,13 +189,19 @@ class DiskCache:
         found (or queued by :meth:`mark`) less than :data:`SEEN_S` ago is taken as still there without a look
         on disk: a pipeline opening hundreds of arrays asks for their markers on its opener threads, where a
         system call gives the GIL up and waits for it back. So its mtime, the LRU's clock, is refreshed at most
-        every :data:`SEEN_S` (and one evicted meanwhile costs its key a revalidation request, no wrong read)."""
+        every :data:`SEEN_S` (and one evicted meanwhile costs its key a revalidation request, no wrong read). The
+        look is an lstat; the refresh, where the mtime is :data:`TOUCH_AFTER_S` old, a utime on the folder's
+        writer thread (on a network file system each is a round trip to the server: not two on the caller's)."""
         now = time.monotonic()
         if self._trusted(ident, now):
             return True
-        if not self._touch(ident):
+        try:
+            st = os.lstat(self._path(ident))
+        except OSError:
             return False
         remember(self._seen, ident, now, SEEN_IDENTS)
+        if self.writable and _to_touch(st):
+            self._enqueue(ident, None, len(ident), how=_TOUCH)
         return True
 
     def _trusted(self, ident: str, now: float) -> bool:
@@ -203,7 +214,8 @@ class DiskCache:
         return seen >= self._floor or self.queued(ident)
 
     def _touch(self, ident: str) -> bool:
-        """Refresh the mtime (the LRU's clock) of the entry or marker stored under ``ident``; whether it is there."""
+        """Refresh the mtime (the LRU's clock) of the entry or marker stored under ``ident``; whether it is there.
+        On the writer thread (:meth:`_drain`), never a reader's."""
         path = self._path(ident)
         try:
             os.utime(path, follow_symlinks=False)
@@ -241,15 +253,17 @@ class DiskCache:
     def get_many(self, idents: Sequence[str], read_files: Callable | None = None) -> list[memoryview | None]:
         """:meth:`get` of each of ``idents``; one this process has queued for writing is served from the queue
         (not on disk yet: fetched again, it was queued again, a second copy of its bytes in memory).
-        ``read_files(paths, max_bytes)``: reads the entries' files whole and touches them (the compiled
-        engine's, which releases the GIL once for many files rather than for every system call, as a batch's
-        hits are many); None: :func:`read_file`, one at a time."""
+        ``read_files(paths, max_bytes, idents)``: reads the entries' files whole, judges each as its ident's
+        entry and touches the sound ones (the compiled engine's, which releases the GIL once for many files
+        rather than for every system call, as a batch's hits are many): a payload, False (unsound) or None
+        each; None: :func:`read_file`, one at a time."""
         with self._cond:  # queued for writing: served from memory (not on disk yet, and not fetched again)
             queued = [self._pending.get(ident) if self._pending else None for ident in idents]
         on_disk = [ident for ident, data in zip(idents, queued) if data is None]
-        if read_files is not None:
-            raws = read_files([self._path(ident) for ident in on_disk], self.cache_bytes)
-            judged = iter([(raw, None if raw is None else self._check(raw, ident)) for raw, ident in zip(raws, on_disk)])
+        if read_files is not None:  # judged there (an entry's payload, False: unsound), only a good one touched
+            raws = read_files([self._path(ident) for ident in on_disk], self.cache_bytes,
+                              [ident.encode("utf-8", "surrogatepass") for ident in on_disk])
+            judged = iter([(raw, None if raw is None or raw is False else raw) for raw in raws])  # b"": an entry
         else:  # judged as read: only a good entry is touched
             judged = iter([self._read_one(ident) for ident in on_disk])
         out: list[memoryview | None] = []
@@ -346,22 +360,23 @@ class DiskCache:
         now = time.monotonic()
         if self._trusted(ident, now):
             return  # there, or queued, a moment ago: not queued again (every pipeline marks what it keeps)
-        if ident in self._seen and self._touch(ident):
-            # seen before a loss (or SEEN_S ago) and still there: its mtime refreshed, not written again
-            remember(self._seen, ident, now, SEEN_IDENTS)
-            return
-        self._enqueue(ident, None, len(ident), now)  # its queue cost: the ident it holds
+        # seen before a loss (or SEEN_S ago): the writer thread refreshes its mtime where it is still there (a
+        # utime there, not on the caller's thread: on a network file system a round trip), makes it where not
+        how = _REFRESH if ident in self._seen else _WRITE
+        self._enqueue(ident, None, len(ident), now, how)  # its queue cost: the ident it holds
 
-    def _enqueue(self, ident: str, data: bytes | None, n: int, seen: float | None = None) -> None:
+    def _enqueue(self, ident: str, data: bytes | None, n: int, seen: float | None = None, how: int = 0) -> None:
         """Queue ``ident`` for writing (``data`` None: a marker); ``seen``: when :meth:`mark` queued it, recorded in
-        ``_seen`` here, under the lock, so a loss after (a batch not written: :meth:`lost`) comes after it too."""
+        ``_seen`` here, under the lock, so a loss after (a batch not written: :meth:`lost`) comes after it too.
+        ``how``: :data:`_WRITE`, or a marker's refresh (:data:`_REFRESH`, made where gone; :data:`_TOUCH`, only
+        refreshed: its loss where gone), which a full queue drops uncounted (a refresh later, or none)."""
         with self._cond:
             if ident in self._pending:
                 return  # queued already: the same bytes (the ident names the object's generation)
             if self._queued + n > QUEUE_BYTES:
-                self.dropped += 1
+                self.dropped += how == _WRITE
                 return
-            self._queue.append((ident, data, n))
+            self._queue.append((ident, data, n, how))
             self._queued += n
             self._pending[ident] = data
             if seen is not None:  # has() finds it while queued, before the writer made it
@@ -391,14 +406,19 @@ class DiskCache:
                 self._busy = True
             unwritten = True
             try:
+                # markers' refreshes first, here (never on a reader's thread), and without the folder's lock: one
+                # still there is refreshed (its mtime now), one gone made again (_REFRESH) or lost (_TOUCH)
+                there = {ident for ident, _, _, how in batch if how != _WRITE and self._touch(ident)}
+                gone = any(how == _TOUCH and ident not in there for ident, _, _, how in batch)
+                todo = [(ident, data) for ident, data, _, how in batch if how != _TOUCH and ident not in there]
                 # False: queued entries not stored (no room, the lock not had, a failed write); one found there
                 # already (written by another process, or queued again after this one's write) is stored
-                unwritten = not all(self._write_batch([(ident, data) for ident, data, _ in batch]))
+                unwritten = gone or not all(self._write_batch(todo) if todo else [])
             except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
                 self._disable(exc)
             finally:
                 with self._cond:
-                    for ident, _, n in batch:
+                    for ident, _, n, _ in batch:
                         self._queued -= n  # what _enqueue added
                         self._pending.pop(ident, None)
                     if unwritten:  # once no longer pending: their markers are not taken as seen (see lost)
@@ -406,18 +426,18 @@ class DiskCache:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _take(self) -> list[tuple[str, bytes | None, int]]:
+    def _take(self) -> list[tuple[str, bytes | None, int, int]]:
         """The queue's first entries, as many as one hold of the lock writes (holding ``_cond``): at most
         :data:`BATCH_ENTRIES`, and (the first excepted) what :meth:`_write_batch` reserves for them at most
         :data:`BATCH_BYTES` and a tenth of ``cache_bytes``. Making room for a batch then evicts down to the low
         water mark, as making room for one entry does, and no lower (:meth:`_evict`)."""
         block = self._block or 4096
         room = min(BATCH_BYTES, self.cache_bytes // 10)
-        batch: list[tuple[str, bytes | None, int]] = []
+        batch: list[tuple[str, bytes | None, int, int]] = []
         seen: set[str] = set()
         need = 0
         while self._queue and len(batch) < BATCH_ENTRIES:
-            ident, data, _ = self._queue[0]
+            ident, data, _, _ = self._queue[0]
             need += _reserve(_entry_bytes(ident, data), self._path(ident), seen, block)
             if batch and need > room:
                 break
@@ -468,7 +488,11 @@ class DiskCache:
                     # no room for them all: the last wait for a later read to queue them (popped from the end,
                     # so each subfolder's slack leaves with the first of its entries, the last to go)
                     need -= todo.pop()[4]
-                if not todo:
+                if not todo:  # not even the first: a bound the folder's own blocks fill (or nearly)
+                    self._warn("big", f"stoker's disk cache {self.folder}: cache_bytes={self.cache_bytes:,} leaves "
+                                      f"no room for an entry beside what the folder takes ({total:,} bytes in "
+                                      "whole blocks: its folders, its total's file, writes in progress); values "
+                                      "are read uncached (raise cache_bytes)")
                     _store_total(lock, total)
                     return done
             _store_total(lock, total + need)  # counted before the files exist: a crash can only over-count
@@ -479,7 +503,8 @@ class DiskCache:
             _store_total(lock, total + max(0, grown))
             for (i, path, *_), result in zip(todo, results):
                 if result < 0:  # the rest of the batch was not tried (their 0: not there already)
-                    self._disable(OSError(-result, os.strerror(-result), os.fsdecode(path)))
+                    why = _NOT_REGULAR if result == -errno.EEXIST else os.strerror(-result)
+                    self._disable(OSError(-result, why, os.fsdecode(path)))
                     break
                 done[i] = True  # 1 written, 0 there already
                 self.written += result
@@ -491,7 +516,8 @@ class DiskCache:
         """The folder's lock file (``v1/.index``, holding the total) opened, the folder made where it is not
         (only then: not at every write); None when that fails (then writes stop, one warning)."""
         path = f"{self._root}/.index"
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        # never through a link planted at its name: the total's 8 bytes were written into the link's target
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
             try:
                 lock = os.open(path, flags, 0o666)
@@ -557,6 +583,8 @@ class DiskCache:
                           "go on uncached. Free space or pick a writable folder (cache_dir, $STOKER_CACHE_DIR)")
 
     def _warn(self, kind: str, message: str) -> None:
+        """Warn once a process per ``kind``: "big" (``cache_bytes`` too small for an entry, or for any beside the
+        folder's own blocks), "off" (writes stopped: a failure)."""
         if kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
@@ -892,7 +920,7 @@ def write_entries(items: Sequence[tuple[bytes, bytes, Any]], tag: str, seed: int
                         results[i] = -errno.ENOTDIR
                         break
                     folders[parent] = _allocated_of(st)
-            if _lexists(path):
+            if _there_already(path):
                 continue  # another process wrote it meanwhile (or it came twice in this batch)
             made = _write_one(path, parent, name, ident, payload, tag, draw)
         except OSError as exc:
@@ -915,7 +943,9 @@ def _write_one(path: bytes, parent: bytes, name: bytes, ident: bytes, payload: A
         try:
             fd = os.open(path, flags, 0o666)
         except FileExistsError:
-            return None  # made meanwhile: the same marker
+            if _there_already(path):
+                return None  # made meanwhile: the same marker
+            raise
         try:
             return _allocated_of(os.fstat(fd))
         finally:
@@ -963,12 +993,22 @@ def _again(call: Callable, *args: Any) -> Any:
             continue
 
 
-def _lexists(path: bytes) -> bool:
-    """``os.path.lexists`` whose lstat a signal does not make a False."""
+#: What a writer's -EEXIST means: something not a regular file sits at an entry's name (see _there_already).
+_NOT_REGULAR = "not a regular file (something else was put at an entry's name)"
+
+
+def _there_already(path: bytes) -> bool:
+    """Whether an entry (or marker) is at ``path``: a regular file, False where nothing is. Anything else there (a
+    folder, a link, a FIFO planted at its name) is no entry a reader takes (they open regular files only, never
+    through a link) and nothing to remove or write through: ``FileExistsError``, a failed write (one warning, the
+    cache off in this process), never "there already", which left its key fetched at every read unsaid. Other
+    lstat failures raise too; a signal is no failure (:func:`_again`)."""
     try:
-        _again(os.lstat, path)
-    except OSError:
+        st = _again(os.lstat, path)
+    except FileNotFoundError:
         return False
+    if not stat.S_ISREG(st.st_mode):
+        raise FileExistsError(errno.EEXIST, _NOT_REGULAR, os.fsdecode(path))
     return True
 
 

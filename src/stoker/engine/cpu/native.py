@@ -194,8 +194,9 @@ chunk_rows = copy_rows = None
 #: chunks a thread reads (a local file system; a network one is only checked against its server at open), or
 #: None without the engine
 local_file_system = None
-#: ``read_files(paths, max_bytes) -> [bytes | None]`` (csrc/py_engine.c): whole files in one call, the GIL released
-#: twice per 64 files rather than per system call, each file read touched (the disk cache's hits; see
+#: ``read_files(paths, max_bytes[, idents]) -> [memoryview | False | None]`` (csrc/py_engine.c): whole files in one
+#: call, the GIL released twice per 64 files rather than per system call; with idents each judged as that ident's
+#: disk-cache entry (its payload, or False), only a sound one touched (the disk cache's hits; see
 #: storage/diskcache.py), or None without the engine
 read_files = None
 #: ``crc32c(data, value=0) -> int`` (csrc/entries.c): the checksum with which the engine checks disk-cache entries
