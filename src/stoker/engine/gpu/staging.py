@@ -186,8 +186,9 @@ class Stager:
         the Python way); waits of the read threads end too."""
         self.pool.cancel()
 
-    def close(self) -> None:
-        self.pool.close()
+    def close(self, timeout: float = 1.0) -> None:
+        """:meth:`cancel`, then wait ``timeout`` seconds at most for the compiled reads' threads."""
+        self.pool.close(timeout)
 
     def _compiled(self, *args, **kw) -> np.ndarray:
         """:func:`.native_reads.read` on the pool's readers; a round cancelled under way (:meth:`cancel`) raises
@@ -645,11 +646,13 @@ class ReadPool:
         self.closing = True
         self._readers.cancel()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 1.0) -> None:
+        """:meth:`cancel` and stop the threads; the compiled reads' are waited for ``timeout`` seconds at most
+        (those of :meth:`map` end after their slice, unwaited for)."""
         self.cancel()
         if self._pool is not None:
             self._pool.shutdown()
-        self._readers.close()
+        self._readers.close(timeout)
 
 
 def _runs(plan: TablePlan, reads: ReadPlan, i: int, e: int, group: Group) -> tuple[np.ndarray, ...]:
