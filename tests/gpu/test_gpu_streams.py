@@ -29,6 +29,7 @@ from zarr.codecs import ZstdCodec
 import stoker
 from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.gpu.reference import HostDecoder
+from stoker.engine import buffers
 from stoker.engine.gpu import streams as gpu_streams
 from stoker.engine.gpu.streams import CudaStreams, HostStreams, WaveStreams
 from stoker.engine.hybrid.executor import HybridExecutor
@@ -532,10 +533,13 @@ def test_close_on_a_hung_device_warns_once_and_keeps_what_its_streams_may_write(
     """Every batch made, then the device hangs (no event is ever done): close() stops waiting for the streams
     after CLOSE_WAIT_S, warns once naming them, ends the threads, and keeps every buffer a stream may still
     write or read (slots, device copies, scratches, the decoder, the pinned staging; the hybrid's host slots)
-    referenced rather than freed; a second close warns no more."""
+    referenced rather than freed, each ring holding its slots (none handed to the spare slots, though the
+    hybrid's host slots are plain memory here); a second close warns no more."""
     import warnings
 
     monkeypatch.setattr(gpu_streams, "CLOSE_WAIT_S", 0.2)
+    spare = buffers.SpareSlots(buffers.SPARE_SLOT_BYTES)  # (the closed rings' slots go here, or not at all)
+    monkeypatch.setattr(buffers, "SPARE_SLOTS", spare)
     backend, made = Hung(), []
 
     def factory(cfg, device, stats, store):
@@ -569,6 +573,11 @@ def test_close_on_a_hung_device_warns_once_and_keeps_what_its_streams_may_write(
     if where == "hybrid":
         must.append(made[0].cpu.host_slots)
     assert all(id(x) in kept for x in must)
+    # the slots themselves stay in their rings (the hybrid's host slots are plain memory here: its CPU part's
+    # close would hand them to the spare slots, for the next ring to take under the landing's copy)
+    for ring in {id(r): r for r in must if isinstance(r, buffers.SlotRing)}.values():
+        assert ring.slots and all(slot.tensor is not None for slot in ring.slots)
+    assert spare.held_bytes == 0
     for thread in ex.threads():
         thread.join(10.0)
         assert not thread.is_alive()

@@ -455,11 +455,14 @@ class GpuDecodeExecutor(SlotsDelivery):
         """A stream did not finish by the close: every buffer one of them may still write or read (batch slots,
         the work buffer, device copies, scratches, nvCOMP's scratch and the decoder's statuses, the pinned
         staging, the rings of :attr:`keep_with`) is kept referenced for the process's life rather than freed
-        under that work; ``wait`` is told which streams and how much."""
+        under that work, and no slot of those rings is handed to another ring (:meth:`.SlotRing.keep`); ``wait``
+        is told which streams and how much."""
         lanes = self._lanes
         assert lanes is not None
         device = [t for t in (self._work, self._temp, *lanes.data, *lanes.scratch) if t is not None]
         rings = [r for r in (self.slots, self.host_slots, *self.keep_with) if r is not None]
+        for ring in rings:
+            ring.keep()
         streams_mod.keep([*device, *rings, self._decoder])
         on_device = sum(t.numel() * t.element_size() for t in device) + (self.slots.nbytes if self.slots else 0)
         pinned = sum(r.nbytes for r in rings if r is not self.slots)

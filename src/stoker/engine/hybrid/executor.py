@@ -381,6 +381,8 @@ class HybridExecutor:
         self.gpu.shutdown()
 
     def close(self, wait: CloseWait | None = None) -> None:
-        """Close the GPU part (against ``wait``: :meth:`GpuDecodeExecutor.close`), then the CPU part."""
+        """Close the GPU part (against ``wait``: :meth:`GpuDecodeExecutor.close`), then the CPU part, whose host
+        slots of plain memory (the host stand-in's) go to the process's spare slots unless the GPU part's
+        streams did not finish: a landing may still read them, so its close kept them (:meth:`.SlotRing.keep`)."""
         self.gpu.close(wait)
         self.cpu.close()
