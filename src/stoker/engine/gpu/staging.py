@@ -183,7 +183,10 @@ class Stager:
     def cancel(self) -> None:
         """The pipeline is closing: the compiled round under way stops at its next read, and :meth:`read`
         raises :func:`~stoker.errors.pipeline_closed` rather than stage what it left unread (or read it again
-        the Python way); waits of the read threads end too."""
+        the Python way). On the Python path only the caller's wait for the read threads ends
+        (:meth:`ReadPool.map` raises :class:`~stoker.errors.ShutdownError`): a read thread goes on with the
+        reads of its slice into the staging, which the views it holds keep alive, and nothing is placed from
+        them (the batch being staged fails)."""
         self.pool.cancel()
 
     def close(self, timeout: float = 1.0) -> None:
