@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from zarr.codecs import ZstdCodec
 import stoker
 from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.gpu.reference import HostDecoder
+from stoker.engine import buffers
 from stoker.engine.gpu import streams as gpu_streams
 from stoker.engine.gpu.streams import CudaStreams, HostStreams, WaveStreams
 from stoker.engine.hybrid.executor import HybridExecutor
@@ -520,9 +523,9 @@ class _HostEvent:
 def test_wave_streams_wait_a_bounded_time_and_name_the_streams_not_done():
     backend = Hung()
     lanes = WaveStreams(backend)
-    assert lanes.synchronize(0.05) == []
+    assert lanes.synchronize(time.monotonic() + 0.05) == []
     backend.hang()
-    assert lanes.synchronize(0.05) == ["copy", "decode", "place"]
+    assert lanes.synchronize(time.monotonic() + 0.05) == ["copy", "decode", "place"]
 
 
 @pytest.mark.parametrize("where", ["gpu", "hybrid"])
@@ -530,10 +533,13 @@ def test_close_on_a_hung_device_warns_once_and_keeps_what_its_streams_may_write(
     """Every batch made, then the device hangs (no event is ever done): close() stops waiting for the streams
     after CLOSE_WAIT_S, warns once naming them, ends the threads, and keeps every buffer a stream may still
     write or read (slots, device copies, scratches, the decoder, the pinned staging; the hybrid's host slots)
-    referenced rather than freed; a second close warns no more."""
+    referenced rather than freed, each ring holding its slots (none handed to the spare slots, though the
+    hybrid's host slots are plain memory here); a second close warns no more."""
     import warnings
 
     monkeypatch.setattr(gpu_streams, "CLOSE_WAIT_S", 0.2)
+    spare = buffers.SpareSlots(buffers.SPARE_SLOT_BYTES)  # (the closed rings' slots go here, or not at all)
+    monkeypatch.setattr(buffers, "SPARE_SLOTS", spare)
     backend, made = Hung(), []
 
     def factory(cfg, device, stats, store):
@@ -567,9 +573,59 @@ def test_close_on_a_hung_device_warns_once_and_keeps_what_its_streams_may_write(
     if where == "hybrid":
         must.append(made[0].cpu.host_slots)
     assert all(id(x) in kept for x in must)
+    # the slots themselves stay in their rings (the hybrid's host slots are plain memory here: its CPU part's
+    # close would hand them to the spare slots, for the next ring to take under the landing's copy)
+    for ring in {id(r): r for r in must if isinstance(r, buffers.SlotRing)}.values():
+        assert ring.slots and all(slot.tensor is not None for slot in ring.slots)
+    assert spare.held_bytes == 0
     for thread in ex.threads():
         thread.join(10.0)
         assert not thread.is_alive()
+
+
+def test_a_hung_device_holds_a_pipeline_of_fields_close_one_wait_for_all_its_executors(volume, monkeypatch):
+    """Samples of 4 fields (an executor each, beside the pipeline's own), the device hung after the batches:
+    Pipeline.close() waits for the streams of all of them until one deadline, CLOSE_WAIT_S after the first
+    began (not CLOSE_WAIT_S each, one after another), and gives one warning naming every field's streams. The
+    time the waits asked to sleep, all executors together, is at most one CLOSE_WAIT_S."""
+    monkeypatch.setattr(gpu_streams, "CLOSE_WAIT_S", 0.2)
+    backend, made, deadlines, slept = Hung(), [], [], []
+
+    def factory(cfg, device, stats, store):
+        made.append(GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda s: HostDecoder(),
+                                      streams=backend))
+        return made[-1]
+
+    real_sync = WaveStreams.synchronize
+
+    def synchronize(self, deadline=None):
+        deadlines.append(deadline)
+        return real_sync(self, deadline)
+
+    def sleep(seconds):
+        slept.append(seconds)
+        time.sleep(seconds)
+
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+    monkeypatch.setattr(WaveStreams, "synchronize", synchronize)
+    monkeypatch.setattr(gpu_streams, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
+    fields = [f"f{k}" for k in range(4)]
+    p = stoker.Pipeline(_cfg(batch_size=1, host_buffer_bytes=32 << 20, device_buffer_bytes=32 << 20))
+    p.push([stoker.Sample({name: (volume, [(0, 8), (0, 16), (0, 16)]) for name in fields})])
+    batch = p.pop()
+    assert sorted(batch.keys()) == fields
+    backend.hang()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p.close()
+    lanes = made[1:]  # (made[0]: the pipeline's own, which made no batch: no streams to wait for)
+    assert len(lanes) == 4 and all(ex.stuck == ["copy", "decode", "place"] for ex in lanes)
+    assert len(deadlines) == 4 and None not in deadlines and len(set(deadlines)) == 1, deadlines
+    assert 0 < sum(slept) <= 0.2, (len(slept), sum(slept))
+    stuck = [w for w in caught if issubclass(w.category, RuntimeWarning) and "did not finish" in str(w.message)]
+    assert len(stuck) == 1, [str(w.message) for w in caught]
+    assert all(f"copy, decode, place stream(s) of GpuDecodeExecutor on cpu (field '{name}')" in str(stuck[0].message)
+               for name in fields), str(stuck[0].message)
 
 
 # -- on a GPU (marked cuda: run by benchmarks/gpu_checks.sh on a lent one) ----------------------------------

@@ -376,6 +376,7 @@ class SlotRing:
         self.pinned = pin
         # plain host memory: pooled between rings (page-locked memory is torch's to manage, a GPU's too)
         self.spared = not pin and torch.device(device).type == "cpu"
+        self.kept = False  # a device stream may still use the slots: close() hands none back (keep)
         if self.spared:
             self.slots = [Slot(i, _host_slot(shape, dtype, f"batch slot {i + 1} of {n}"), pooled=True)
                           for i in range(n)]
@@ -391,12 +392,18 @@ class SlotRing:
         """Memory the slots hold (pinned slots: what torch's host allocator really locked)."""
         return self._nbytes
 
+    def keep(self) -> None:
+        """A device stream that a close stopped waiting for may still read or write the slots (a hung device,
+        :mod:`stoker.engine.gpu.streams`): :meth:`close` leaves them in the ring, handing none to
+        :data:`SPARE_SLOTS`, where another ring would take the memory under that work."""
+        self.kept = True
+
     def close(self) -> None:
         """Hand the plain host slots no batch uses any more to :data:`SPARE_SLOTS` (once the work is stopped:
         nothing writes into a slot after this). A slot still taken, or viewed by a tensor (a batch the
         consumer keeps, a decode task not yet gone), is left to be freed with its last view; the ring holds
-        no slot afterwards, so none is acquired again."""
-        if not self.spared:
+        no slot afterwards, so none is acquired again. A ring told to :meth:`keep` its slots keeps them all."""
+        if not self.spared or self.kept:
             return
         with self._cond:
             slots, self.slots = self.slots, []

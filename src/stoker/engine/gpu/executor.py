@@ -31,7 +31,8 @@ a device copy written again only once the decode that read it is done, a scratch
 read it is (:class:`.streams.WaveStreams`). ``close()`` waits a second at most for the threads, which end at
 their next step (the reader's compiled reads at their next read: ``shutdown`` cancels the round), then
 :data:`.streams.CLOSE_WAIT_S` at most for the streams (a stream still busy then is warned of, and the buffers
-it may write are kept, never freed under it).
+it may write are kept, never freed under it); a pipeline's executors share these waits
+(:class:`.streams.CloseWait`: one deadline and one warning for all its fields).
 
 Chunks the device does not decode are decoded on the CPU (:mod:`.fallback`), cast there into the batch
 dtype and staged as raw streams of a group, so they cross to the device and are placed by the same
@@ -77,7 +78,6 @@ import math
 import queue
 import threading
 import time
-import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -130,6 +130,7 @@ class GpuDecodeExecutor(SlotsDelivery):
 
     staging = "pinned staging buffers for the encoded chunks (2)"
     applies_cf = True  # decodes arrays' CF attributes (Config.cf) on the stream, in _end
+    shares_close_wait = True  # close(wait): the pipeline's one wait for all its executors (Pipeline.close)
 
     def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,
                  decoder: Callable[[Any], Any] | None = None, placement: str | None = None,
@@ -175,6 +176,8 @@ class GpuDecodeExecutor(SlotsDelivery):
         self.stuck: list[str] = []
         #: slot rings of others that these streams read (the hybrid's host part): kept with ours (_keep)
         self.keep_with: list[SlotRing] = []
+        #: a weak reference to the executor this one is a part of (the hybrid), named for it in close's warning
+        self.part_of: Callable[[], Any] | None = None
         self._landing: list | None = None  # the submitter's: the buffers of the batch a before hook lands in
         self._reader: threading.Thread | None = None
         self._thread: threading.Thread | None = None
@@ -428,39 +431,43 @@ class GpuDecodeExecutor(SlotsDelivery):
         self._stager.cancel()
         self._queue.put(None)
 
-    def close(self) -> None:
-        """Wait (a second at most, for both threads) for the worker, then (:data:`.streams.CLOSE_WAIT_S` at
-        most) for the work queued on the streams, so no buffer is freed under it: a stream still busy then
-        (a hung device) is warned of once, and the buffers it may write are kept (:meth:`_keep`)."""
-        deadline = time.monotonic() + 1.0
-        self._stager.close()
+    def close(self, wait: streams_mod.CloseWait | None = None) -> None:
+        """Wait for the worker threads, then for the work queued on the streams, so no buffer is freed under
+        it, both bounded by ``wait`` (:class:`.streams.CloseWait`: a pipeline's one for all its executors; None:
+        this close's own, :data:`.streams.THREADS_WAIT_S` for the threads, :data:`.streams.CLOSE_WAIT_S` for the
+        streams). A stream still busy then (a hung device) is named in ``wait``'s one warning (given here
+        without a ``wait``), and the buffers it may write are kept (:meth:`_keep`)."""
+        own = wait is None
+        wait = streams_mod.CloseWait() if wait is None else wait
+        self._stager.close(wait.threads_left())
         for thread in (self._reader, self._thread):
             if thread is not None and thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+                thread.join(wait.threads_left())
         if self._lanes is not None and not self.stuck:
             with self._on_device():
-                self.stuck = self._lanes.synchronize(streams_mod.CLOSE_WAIT_S)
+                self.stuck = self._lanes.synchronize(wait.deadline)
             if self.stuck:
-                self._keep()
+                self._keep(wait)
+        if own:
+            wait.warn(stacklevel=2)
 
-    def _keep(self) -> None:
+    def _keep(self, wait: streams_mod.CloseWait) -> None:
         """A stream did not finish by the close: every buffer one of them may still write or read (batch slots,
         the work buffer, device copies, scratches, nvCOMP's scratch and the decoder's statuses, the pinned
-        staging) is kept referenced for the process's life rather than freed under that work; one warning
-        says which streams and how much."""
+        staging, the rings of :attr:`keep_with`) is kept referenced for the process's life rather than freed
+        under that work, and no slot of those rings is handed to another ring (:meth:`.SlotRing.keep`); ``wait``
+        is told which streams and how much."""
         lanes = self._lanes
         assert lanes is not None
         device = [t for t in (self._work, self._temp, *lanes.data, *lanes.scratch) if t is not None]
         rings = [r for r in (self.slots, self.host_slots, *self.keep_with) if r is not None]
+        for ring in rings:
+            ring.keep()
         streams_mod.keep([*device, *rings, self._decoder])
         on_device = sum(t.numel() * t.element_size() for t in device) + (self.slots.nbytes if self.slots else 0)
         pinned = sum(r.nbytes for r in rings if r is not self.slots)
-        warnings.warn(
-            f"GpuDecodeExecutor.close(): the {', '.join(self.stuck)} stream(s) on {self.device} did not finish "
-            f"their work within {streams_mod.CLOSE_WAIT_S} s (a hung kernel or copy?). Their buffers are kept "
-            f"referenced for the rest of the process rather than freed under work that may still write them: "
-            f"{on_device:,} B of device memory (batch slots, device copies, decode scratches) and {pinned:,} B of "
-            "pinned staging (a leak, on purpose).", RuntimeWarning, stacklevel=3)
+        whole = self.part_of() if self.part_of is not None else None
+        wait.stuck(whole or self, self.stuck, on_device, pinned)
 
     # -- the reader: batches staged group by group ------------------------------------------------
 

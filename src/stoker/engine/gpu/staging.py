@@ -183,11 +183,15 @@ class Stager:
     def cancel(self) -> None:
         """The pipeline is closing: the compiled round under way stops at its next read, and :meth:`read`
         raises :func:`~stoker.errors.pipeline_closed` rather than stage what it left unread (or read it again
-        the Python way); waits of the read threads end too."""
+        the Python way). On the Python path only the caller's wait for the read threads ends
+        (:meth:`ReadPool.map` raises :class:`~stoker.errors.ShutdownError`): a read thread goes on with the
+        reads of its slice into the staging, which the views it holds keep alive, and nothing is placed from
+        them (the batch being staged fails)."""
         self.pool.cancel()
 
-    def close(self) -> None:
-        self.pool.close()
+    def close(self, timeout: float = 1.0) -> None:
+        """:meth:`cancel`, then wait ``timeout`` seconds at most for the compiled reads' threads."""
+        self.pool.close(timeout)
 
     def _compiled(self, *args, **kw) -> np.ndarray:
         """:func:`.native_reads.read` on the pool's readers; a round cancelled under way (:meth:`cancel`) raises
@@ -645,11 +649,13 @@ class ReadPool:
         self.closing = True
         self._readers.cancel()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 1.0) -> None:
+        """:meth:`cancel` and stop the threads; the compiled reads' are waited for ``timeout`` seconds at most
+        (those of :meth:`map` end after their slice, unwaited for)."""
         self.cancel()
         if self._pool is not None:
             self._pool.shutdown()
-        self._readers.close()
+        self._readers.close(timeout)
 
 
 def _runs(plan: TablePlan, reads: ReadPlan, i: int, e: int, group: Group) -> tuple[np.ndarray, ...]:

@@ -21,8 +21,11 @@ the device buffers are marked used by the streams that read them (``record_strea
 allocator frees them only after those streams' work.
 
 Closing waits for the streams a bounded time (:meth:`WaveStreams.synchronize`: an event recorded on each,
-polled until :data:`CLOSE_WAIT_S`), never for ever: a stream still busy past it (a hung kernel or copy) is
-named, and its owner keeps the buffers it may still write referenced (:func:`keep`) rather than free them.
+polled until a deadline), never for ever: a stream still busy past it (a hung kernel or copy) is named, and
+its owner keeps the buffers it may still write referenced (:func:`keep`) rather than free them. A pipeline
+closes all its executors against one :class:`CloseWait`: one deadline, :data:`CLOSE_WAIT_S` after the first
+of them began waiting for its streams (a hung device holds the close that long once, not once per field),
+and one warning naming every stream still busy.
 
 The streams and events come from a backend: :class:`CudaStreams` (torch's), :class:`HostStreams` (CPU tensors:
 no streams, each step runs when called, the executor's host stand-in). The tests pass a recorder of the
@@ -41,15 +44,19 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["CLOSE_WAIT_S", "CudaStreams", "HostStreams", "WaveStreams", "keep", "kept"]
+__all__ = ["CLOSE_WAIT_S", "THREADS_WAIT_S", "CloseWait", "CudaStreams", "HostStreams", "WaveStreams", "keep", "kept"]
 
 #: the longest :meth:`WaveStreams.synchronize` waits at a close for the streams' work (a wave's copy, decode
 #: and placement take milliseconds: past this the device is hung, and the host stops waiting)
 CLOSE_WAIT_S = 2.0
+#: the longest a close waits for the threads of all of a pipeline's GPU executors (together), which end at
+#: their next step
+THREADS_WAIT_S = 1.0
 
 _kept: list[Any] = []  # buffers a stream may still write, never freed in this process (keep)
 _kept_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
@@ -67,6 +74,65 @@ def kept() -> list[Any]:
     """What :func:`keep` holds (a copy of the list)."""
     with _kept_lock:
         return list(_kept)
+
+
+class CloseWait:
+    """One bounded wait at a close for the threads and device streams of all of a pipeline's executors (they
+    close one after another against the same deadlines, not a wait each), and the streams still busy by then,
+    warned of once (:meth:`warn`).
+
+    The threads are waited for :data:`THREADS_WAIT_S` from when it is made; the streams until
+    :data:`CLOSE_WAIT_S` after the first executor began waiting for its own (:attr:`deadline`: it starts
+    after the threads, which queue the streams' work, have ended). ``names``: an executor's ``id`` to what it
+    makes (``"field 'raw'"``), for the warning.
+
+    >>> wait = CloseWait()
+    >>> for executor in executors:
+    ...     executor.close(wait)          # doctest: +SKIP
+    >>> wait.warn()                       # one RuntimeWarning if a stream did not finish
+    """
+
+    def __init__(self, names: dict[int, str] | None = None) -> None:
+        self.threads_deadline = time.monotonic() + THREADS_WAIT_S
+        self.timeout = CLOSE_WAIT_S  # (read now: the tests set it smaller)
+        self._deadline: float | None = None
+        self._names = names or {}
+        self._stuck: list[str] = []  # each executor's streams not done: "copy, decode of <what>"
+        self._device = self._pinned = 0  # bytes kept for them
+        self._warned = False
+
+    def threads_left(self) -> float:
+        """Seconds left to wait for the threads (0 once past)."""
+        return max(0.0, self.threads_deadline - time.monotonic())
+
+    @property
+    def deadline(self) -> float:
+        """When the wait for the streams ends (``time.monotonic()``): fixed at the first executor's use."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.timeout
+        return self._deadline
+
+    def stuck(self, executor: Any, roles: Sequence[str], device_bytes: int, pinned_bytes: int) -> None:
+        """``executor``'s streams ``roles`` were not done by the deadline; its buffers (``device_bytes`` on the
+        device, ``pinned_bytes`` pinned) are kept."""
+        what = f"{type(executor).__name__} on {getattr(executor, 'device', '?')}"
+        name = self._names.get(id(executor))
+        self._stuck.append(f"the {', '.join(roles)} stream(s) of {what}" + (f" ({name})" if name else ""))
+        self._device += device_bytes
+        self._pinned += pinned_bytes
+
+    def warn(self, stacklevel: int = 2) -> None:
+        """One RuntimeWarning naming every stream not done by the deadline and what is kept for them (none if
+        every stream finished; once)."""
+        if not self._stuck or self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"close(): {'; '.join(self._stuck)} did not finish their work within {self.timeout} s (a hung "
+            f"kernel or copy?). Their buffers are kept referenced for the rest of the process rather than freed "
+            f"under work that may still write them: {self._device:,} B of device memory (batch slots, device "
+            f"copies, decode scratches) and {self._pinned:,} B of pinned staging (a leak, on purpose).",
+            RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 class HostStreams:
@@ -231,15 +297,18 @@ class WaveStreams:
         acquired the buffer once the copy that last read it was done)."""
         self.backend.access(None, writes=[("staging", staging_id)])
 
-    def synchronize(self, timeout: float = CLOSE_WAIT_S) -> list[str]:
-        """Wait for the work queued so far on all three streams (closing: no buffer is freed under it),
-        ``timeout`` seconds at most: an event recorded on each, polled (no wait without a limit: a hung device
-        never holds the close). Returns the roles of the streams not done by then (``"copy"``, ``"decode"``,
-        ``"place"``), whose buffers their work may still write."""
+    def synchronize(self, deadline: float | None = None) -> list[str]:
+        """Wait for the work queued so far on all three streams (closing: no buffer is freed under it), until
+        ``deadline`` (``time.monotonic()``; None: :data:`CLOSE_WAIT_S` from now) at most: an event recorded on
+        each, polled (no wait without a limit: a hung device never holds the close). Returns the roles of the
+        streams not done by then (``"copy"``, ``"decode"``, ``"place"``), whose buffers their work may still
+        write."""
         b = self.backend
         marks = [(role, b.record(s)) for role, s in
                  (("copy", self.copy_stream), ("decode", self.decode_stream), ("place", self.place_stream))]
-        deadline, pause = time.monotonic() + timeout, 0.0005
+        if deadline is None:
+            deadline = time.monotonic() + CLOSE_WAIT_S
+        pause = 0.0005
         while True:
             marks = [(role, event) for role, event in marks if not b.done(event)]
             left = deadline - time.monotonic()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
     from ...storage import LocalStore
     from ..buffers import Slot, SlotRing
     from ..cpu.decode_native import SharedEngine
-    from ..gpu.streams import HostStreams
+    from ..gpu.streams import CloseWait, HostStreams
     from ..stats import StatsRecorder
 
 __all__ = ["GPU_HOST_SHARE", "HybridExecutor"]
@@ -126,6 +127,7 @@ class HybridExecutor:
     tests); ``shares`` their split."""
 
     applies_cf = True  # the GPU part decodes CF attributes on the whole batch
+    shares_close_wait = True  # close(wait): the pipeline's one wait for all its executors (Pipeline.close)
 
     def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,
                  gpu: GpuDecodeExecutor | None = None, cpu: HostPart | None = None,
@@ -136,6 +138,7 @@ class HybridExecutor:
         gpu_cfg = _gpu_part_config(cfg)
         self._split = (gpu_cfg.host_buffer_bytes, cfg.host_buffer_bytes - gpu_cfg.host_buffer_bytes)
         self.gpu = gpu or GpuDecodeExecutor(gpu_cfg, device, stats, store)
+        self.gpu.part_of = weakref.ref(self)  # (named as the hybrid in close's warning; no cycle)
         self.cpu = cpu or HostPart(dataclasses.replace(cfg, host_buffer_bytes=max(1 << 20, self._split[1])),
                                    device, stats, store)
         self.shares = shares or Shares()
@@ -377,6 +380,9 @@ class HybridExecutor:
         self.cpu.shutdown()
         self.gpu.shutdown()
 
-    def close(self) -> None:
-        self.gpu.close()
+    def close(self, wait: CloseWait | None = None) -> None:
+        """Close the GPU part (against ``wait``: :meth:`GpuDecodeExecutor.close`), then the CPU part, whose host
+        slots of plain memory (the host stand-in's) go to the process's spare slots unless the GPU part's
+        streams did not finish: a landing may still read them, so its close kept them (:meth:`.SlotRing.keep`)."""
+        self.gpu.close(wait)
         self.cpu.close()

@@ -69,6 +69,7 @@ from ..batch import FieldBatch
 from .coordinator import Coordinator
 from ..choose import make_executor
 from ..cpu.executor import CpuExecutor
+from ..gpu.streams import CloseWait
 from .intake import Intake
 from .lanes import Lanes, transform_fields
 from ..stats import FIELD_COUNTERS, Stats, StatsRecorder
@@ -436,7 +437,16 @@ class Pipeline:
         self._stats.reset()
 
     def close(self) -> None:
-        """Cancel in-flight work and stop threads; returns within about a second. Idempotent.
+        """Cancel in-flight work and stop threads. Idempotent.
+
+        Returns in milliseconds when the threads end at their next step and the device keeps up. The waits
+        are bounded: a second for the coordinator's thread; then, for all the executors together (one
+        :class:`~stoker.engine.gpu.streams.CloseWait`, whatever the number of fields), a second for the GPU
+        decode's threads and, once the first executor waits for its device streams,
+        :data:`~stoker.engine.gpu.streams.CLOSE_WAIT_S` (2 s) for the streams of all of them: about 4 s at
+        most on a hung device, which one warning names (the buffers its streams may use are kept, not
+        freed). The CPU engine's threads are waited for a quarter of a second at its shutdown; the CUDA copies
+        of a pipeline decoding on the CPU (``decode_on="cpu"`` on a GPU) are waited for until done.
 
         In a process forked from the one that made the pipeline it only drops it (see :meth:`_forget`)."""
         if os.getpid() != self._pid:
@@ -451,11 +461,18 @@ class Pipeline:
         for executor in stopped:
             executor.shutdown()
         self._coordinator.join(1.0)
+        # one wait for the threads and device streams of every executor, and one warning for those not done:
+        # a hung device holds the close CLOSE_WAIT_S once, not once per field
+        wait = CloseWait({id(lane.executor): f"field {lane.name!r}" for lane in self._coordinator.lanes})
         for executor in self._executors():
             if executor not in stopped:  # a field's lane made by a launch under way at the close
                 executor.shutdown()
-            executor.close()
+            if getattr(executor, "shares_close_wait", False):  # the GPU decode's and the hybrid's
+                executor.close(wait)
+            else:
+                executor.close()
         self._store.close()
+        wait.warn()
 
     def _forget(self) -> None:
         """Close in a process forked from the pipeline's: its threads are the parent's and do not run here,
