@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import stoker
-from stoker.engine.cpu import native
+from stoker.engine.cpu import decode_native, native
 from stoker.engine.pipeline import prefetch as ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import DiskCache, disk_cache
@@ -509,6 +509,54 @@ def test_the_decoders_memo_of_entries_never_serves_a_generation_no_longer_known(
         assert cache.flush(30)
         _batch(p, uri, rewritten, path)  # the new generations' entries, read from disk
         assert cache.hits > hits + given
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_chunks_past_the_memos_bound_keep_hits_and_cost_no_more(s3, data, tmp_path, monkeypatch, path):
+    # more cached chunks than the decoder's memos hold (ENTRY_MEMOS, 4 here: ONE_EACH's 12, in two batches),
+    # read in the same order each epoch: the memo keeps the first 4 it was given, which are hits every epoch
+    # (emptied whenever full, the memo held the other batch's chunks each time: no hit at all), and the
+    # chunks it cannot keep are not asked about (known_until) again, so a miss costs what it did without it
+    monkeypatch.setattr(decode_native, "ENTRY_MEMOS", 4)
+    prefix = f"full-{uuid.uuid4().hex[:8]}"
+    s3.upload(read_tree(data), prefix)
+    uri, options = f"s3://{BUCKET}/{prefix}/{path}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    cfg = stoker.Config(batch_size=6, dtype="native", n_compute_threads=2, pop_timeout_s=60,
+                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0,
+                        cache_staleness_s=600.0)
+    want = zarr_values(data, path)
+    asked_until: list[int] = []  # keys asked about per known_until call
+    known_until = cachingstore.CachingStore.known_until
+
+    def counted(kv, keys):
+        asked_until.append(len(keys))
+        return known_until(kv, keys)
+
+    def epoch(p) -> None:
+        for k in (0, 6):  # ONE_EACH's crops: 12 chunks, each once
+            p.push([stoker.Sample(uri, box) for box in ONE_EACH[k:k + 6]])
+            with p.pop() as b:
+                for got, box in zip(torch.from_dlpack(b), ONE_EACH[k:k + 6]):
+                    np.testing.assert_array_equal(got.numpy(), want[tuple(slice(*s) for s in box)])
+
+    with stoker.Pipeline(cfg) as p:
+        epoch(p)  # fetched, kept
+        assert cache.flush(30)
+        reads = _Reads(monkeypatch)
+        monkeypatch.setattr(cachingstore.CachingStore, "known_until", counted)
+        hits = cache.hits
+        epoch(p)  # every entry given by the store, and read from disk; the first batch's first 4 memorized
+        assert reads.engine == 12 and cache.hits - hits == 12, (reads.engine, cache.hits - hits)
+        assert sum(asked_until) == 6, asked_until  # the first batch's; none of the second (the memo full)
+        for _ in range(2):
+            given, hits = reads.engine, cache.hits
+            asked_until.clear()
+            epoch(p)
+            assert reads.engine - given == 12 - 4  # 4 from the memo: a third of the chunks, each epoch
+            assert cache.hits - hits == 12  # all read from disk by the engine
+            assert sum(asked_until) == 0, asked_until  # the misses asked the store for their entries only
 
 
 def _caching_of(p, uri: str) -> cachingstore.CachingStore:

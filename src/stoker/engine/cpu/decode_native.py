@@ -129,7 +129,7 @@ class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
     __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep",
-                 "info_row", "engine_only", "spans", "entries", "entries_stamp")
+                 "info_row", "engine_only", "spans", "entries", "entries_stamp", "entries_full")
 
     def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
         meta = reader.metadata
@@ -181,9 +181,11 @@ class _Source:
         self.info_row = array("q", info).tobytes()
         self.engine_only = self.reads and self.fills  # the engine reads and fills every chunk of it
         # the disk-cache entries its store gave for its files (see NativeDecoder._from_memo): (grid coords...,
-        # offset, length) -> ((path, ident), until), kept while its store's stamp (changes, losses) holds
+        # offset, length) -> ((path, ident), until), kept while its store's stamp (changes, losses) holds;
+        # full: it holds the decoder's bound (_EntryMemos) alone, and takes no new chunk until it has room
         self.entries: dict[tuple, tuple] = {}
         self.entries_stamp: tuple | None = None
+        self.entries_full = False
 
 
 #: Most :class:`_Source` of local arrays kept for the process (see :func:`shared_source`); past it they are
@@ -412,8 +414,70 @@ class SharedEngine:
             engine.close(0.25)
 
 
-#: Most entries :meth:`NativeDecoder._memorize` keeps an array (past it, that array's forgotten together).
-ENTRY_MEMO = 1 << 16
+#: Most entries a :class:`NativeDecoder` keeps in all its arrays' memos (:class:`_EntryMemos`): a key tuple and
+#: an ``((path, ident), until)`` each, about 540 bytes where the store no longer keeps the same entry (its own
+#: table, ``cachingstore.ENTRY_FILES_KEPT``): ~34 MiB at most a decoder, however many arrays it reads.
+ENTRY_MEMOS = 1 << 16
+
+
+class _EntryMemos:
+    """A decoder's memos of the disk-cache entries its stores gave (one per array, ``_Source.entries``),
+    bounded in entries in all: :data:`ENTRY_MEMOS`. Past the bound the arrays whose memo was started first
+    are forgotten first, whole, until a quarter of the bound is free (the arrays a pipeline reads now keep
+    theirs); never the array being kept into. An array that holds the bound alone (more cached chunks than
+    the bound, read by one pipeline) keeps what it holds and takes no new chunk (``entries_full``) until it
+    has room again (an entry past its staleness bound dropped, its memo emptied): read in the same order each
+    epoch, the chunks it holds are hits every epoch, and the others cost no more than without a memo (its
+    chunks are left out of ``known_until``), where emptying it whenever full gave no hit at all.
+
+    >>> memos = _EntryMemos()
+    >>> memos.keep(source, (0, 0, -1, -1), (entry, until))   # False where the array is full
+    True
+    """
+
+    __slots__ = ("arrays", "count")
+
+    def __init__(self) -> None:
+        # the arrays whose memo was started (emptied since, some): id -> _Source (held, so the id stays its
+        # own), the first started first
+        self.arrays: dict[int, _Source] = {}
+        self.count = 0  # entries kept in all, at least as many as the memos hold (counted again at the bound)
+
+    def keep(self, source: "_Source", key: tuple, value: tuple) -> bool:
+        """``source.entries[key] = value`` where the bound allows it (see the class); whether it was kept."""
+        memo = source.entries
+        if key in memo:  # a generation learnt anew: kept in its place
+            memo[key] = value
+            return True
+        if source.entries_full:
+            return False
+        if self.count >= ENTRY_MEMOS:
+            self.count = sum(len(s.entries) for s in self.arrays.values())  # memos emptied, entries dropped
+            if self.count >= ENTRY_MEMOS:
+                self._forget_some(source)
+            if self.count >= ENTRY_MEMOS:  # this array holds the bound alone: what it holds stays
+                source.entries_full = True
+                return False
+        if not memo:  # started (again): the newest
+            self.arrays.pop(id(source), None)
+            self.arrays[id(source)] = source
+        memo[key] = value
+        self.count += 1
+        return True
+
+    def _forget_some(self, keeping: "_Source") -> None:
+        """Forget other arrays' memos, the first started first, until at most three quarters of the bound are
+        kept; those emptied meanwhile are let go. ``keeping``'s memo is never forgotten here."""
+        target = ENTRY_MEMOS * 3 // 4
+        for ident, s in list(self.arrays.items()):
+            if s is keeping:
+                continue
+            if self.count <= target and s.entries:
+                break
+            self.count -= len(s.entries)
+            s.entries = {}
+            s.entries_full = False
+            del self.arrays[ident]
 
 #: A disk-cache entry's bytes before its payload, at most (header and ident: csrc/entries.c), in a thread's scratch.
 ENTRY_ROOM = native.ENTRY_HEADER_BYTES + native.ENTRY_IDENT_CAP
@@ -471,6 +535,7 @@ class NativeDecoder:
         self._stats = stats
         self._sources: dict[tuple, tuple[object, _Source]] = {}
         self._sets: dict[tuple, _SourceSet] = {}  # the arrays of recent batches, as the engine's tables say them
+        self._memos = _EntryMemos()  # the entries its stores gave, per array, bounded in all (_from_memo)
         self._frames = FrameTables()  # blosc frames of arrays in stores: fetch only the blocks crops need
         self._frame_buffers = FrameBuffers()  # where their fetched blocks are laid out as frames
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
@@ -800,13 +865,19 @@ class NativeDecoder:
         if source.entries_stamp != stamp:
             source.entries = {}
             source.entries_stamp = stamp
+            source.entries_full = False
         return source.entries
 
     def _from_memo(self, plan: TablePlan, asked: np.ndarray, sources: "_SourceSet", found: list) -> np.ndarray:
         """Of the chunks ``asked``, those whose array's memo holds their entry, at a generation its store still
         knows within the staleness bound (the memo's ``until``), appended to ``found`` as ``(chunk, entry)``;
         returns the rest, to ask the store about. Per chunk a tuple and a dict look-up: no key string built, no
-        lock taken (a second epoch in the same pipeline asks its stores about no chunk)."""
+        lock taken (a second epoch in the same pipeline asks its stores about no chunk).
+
+        The memo skips ``PrefetchStore.entry_files``, which leaves out (None) the chunks its prefetch buffer
+        holds: a chunk whose entry vanished (evicted by another process) while the buffer holds its bytes may
+        be handed to the engine from here first, found missing (``entries_missed`` counts the loss, which
+        empties its store's memos), then fetched, from the buffer: correct, one engine attempt wasted."""
         src = plan.chunk_source[asked]
         coords = plan.files[plan.chunk_file[asked], native.F_COORDS:].tolist()
         memos: dict[int, dict | None] = {}
@@ -817,11 +888,15 @@ class NativeDecoder:
             memo = memos.get(s, False)
             if memo is False:
                 memo = memos[s] = self._memo_of(sources[s])
-            held = memo.get((*xy, offset, length)) if memo is not None else None
+            key = (*xy, offset, length)
+            held = memo.get(key) if memo is not None else None
             if held is not None and held[1] > now:
                 found.append((cid, held[0]))
-            else:
-                rest.append(cid)
+                continue
+            if held is not None:  # past its staleness bound: dropped, so a full memo takes it (or another) again
+                del memo[key]
+                sources[s].entries_full = False
+            rest.append(cid)
         return np.array(rest, np.int64) if len(rest) != len(asked) else asked
 
     def _memorize(self, plan: TablePlan, cids: list[int], entries: list, keys: list[str], kv, stamp: tuple,
@@ -829,21 +904,28 @@ class NativeDecoder:
         """Keep in their arrays' memos the entries ``kv.entry_files`` gave for the chunks ``cids`` (of the
         objects ``keys``) when ``kv``'s stamp was ``stamp`` (read before it was asked), each until its
         generation is no longer known within the staleness bound (``kv.known_until``); at most
-        :data:`ENTRY_MEMO` an array. Nothing where the stamp moved on meanwhile."""
+        :data:`ENTRY_MEMOS` in all arrays (:class:`_EntryMemos`). Nothing where the stamp moved on meanwhile;
+        nothing asked of chunks whose array's memo is full (no more than they cost without a memo)."""
         known_until = getattr(kv, "known_until", None)
-        if known_until is None or not any(e is not None for e in entries):
+        if known_until is None:
             return
-        untils = known_until(keys)
-        for cid, entry, until in zip(cids, entries, untils):
-            if entry is None or not until:
+        chunk_source = plan.chunk_source
+        wanted = [k for k, (cid, entry) in enumerate(zip(cids, entries))
+                  if entry is not None and not sources[int(chunk_source[cid])].entries_full]
+        if not wanted:
+            return
+        untils = known_until([keys[k] for k in wanted])
+        for k, until in zip(wanted, untils):
+            if not until:
                 continue
-            source = sources[int(plan.chunk_source[cid])]
+            cid = cids[k]
+            source = sources[int(chunk_source[cid])]
             memo = self._memo_of(source)
             if memo is None or source.entries_stamp != stamp:
                 continue  # the store's stamp moved on since the entries were given: not kept
             key = (*plan.files[plan.chunk_file[cid], native.F_COORDS:].tolist(), int(plan.chunk_offset[cid]),
                    int(plan.chunk_length[cid]))
-            remember(memo, key, (entry, until), ENTRY_MEMO)
+            self._memos.keep(source, key, (entries[k], until))
 
     @staticmethod
     def _served(disk: "_FromDisk", ok: np.ndarray, detail: np.ndarray) -> None:
