@@ -413,7 +413,9 @@ class DiskCache:
                 todo = [(ident, data) for ident, data, _, how in batch if how != _TOUCH and ident not in there]
                 # False: queued entries not stored (no room, the lock not had, a failed write); one found there
                 # already (written by another process, or queued again after this one's write) is stored
-                unwritten = gone or not all(self._write_batch(todo) if todo else [])
+                # the batch is written even where a marker was lost (no short circuit: its puts stay pending)
+                wrote = self._write_batch(todo) if todo else []
+                unwritten = gone or not all(wrote)
             except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
                 self._disable(exc)
             finally:
