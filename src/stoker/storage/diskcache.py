@@ -503,7 +503,9 @@ class DiskCache:
                                       f"{HOST}-{os.getpid()}", int.from_bytes(os.urandom(8), "little"))
             # what the disk gave, measured: at most the reservation on ext4 and xfs, the truth elsewhere too
             _store_total(lock, total + max(0, grown))
-            for (i, path, *_), result in zip(todo, results):
+            for (i, path, _, payload, _), result in zip(todo, results):
+                if result == -errno.ENOENT and payload is None:
+                    break  # a marker removed as fast as made (MARKER_TRIES): not made, a loss, no failure
                 if result < 0:  # the rest of the batch was not tried (their 0: not there already)
                     why = _NOT_REGULAR if result == -errno.EEXIST else os.strerror(-result)
                     self._disable(OSError(-result, why, os.fsdecode(path)))
@@ -942,12 +944,16 @@ def _write_one(path: bytes, parent: bytes, name: bytes, ident: bytes, payload: A
     """One file of :func:`write_entries`: the disk it took, or None (a marker made meanwhile)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     if payload is None:  # a marker: an empty file made at its name in one step
-        try:
-            fd = os.open(path, flags, 0o666)
-        except FileExistsError:
-            if _there_already(path):
-                return None  # made meanwhile: the same marker
-            raise
+        for _ in range(MARKER_TRIES):
+            try:
+                fd = os.open(path, flags, 0o666)
+                break
+            except FileExistsError:
+                if _there_already(path):
+                    return None  # made meanwhile: the same marker
+                # gone again before the lstat (an outside cleaner): tried again, never "not a regular file"
+        else:
+            raise FileNotFoundError(errno.ENOENT, _MARKER_GONE, os.fsdecode(path))
         try:
             return _allocated_of(os.fstat(fd))
         finally:
@@ -994,6 +1000,11 @@ def _again(call: Callable, *args: Any) -> Any:
         except InterruptedError:
             continue
 
+
+#: How often a marker's O_EXCL open is tried where it failed EEXIST and the lstat then found nothing; after that a
+#: writer's -ENOENT: the marker not made, a loss, not a failure (as entries.c's MARKER_TRIES).
+MARKER_TRIES = 3
+_MARKER_GONE = "a marker removed each time it was made elsewhere (an outside cleaner): not made"
 
 #: What a writer's -EEXIST means: something not a regular file sits at an entry's name (see _there_already).
 _NOT_REGULAR = "not a regular file (something else was put at an entry's name)"
