@@ -62,6 +62,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +175,7 @@ class DiskCache:
         self._floor = float("-inf")
         # grows whenever entries this process counted on may be gone (see lost): what a memo of entries checks
         self.losses = 0
+        _CACHES.add(self)  # a forked child starts its own writer (see _after_fork)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -427,6 +429,19 @@ class DiskCache:
                         self.lost()
                     self._busy = False
                     self._cond.notify_all()
+
+    def _after_fork(self) -> None:
+        """In a forked child, where none of the parent's threads runs: a new lock (one of them may have held the
+        parent's at the fork, for ever here), no writer nor reader threads (started again as work comes), and the
+        queue as it was (written here too: one there already is stored). A batch the parent's writer had taken
+        is the parent's to write: its idents are no longer pending here (else queued() said so for ever)."""
+        self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+        self._thread = None
+        self._readers = None
+        self._busy = False
+        queued = {ident for ident, *_ in self._queue}
+        self._pending = {ident: data for ident, data in self._pending.items() if ident in queued}
+        self._queued = sum(n for _, _, n, _ in self._queue)
 
     def _take(self) -> list[tuple[str, bytes | None, int, int]]:
         """The queue's first entries, as many as one hold of the lock writes (holding ``_cond``): at most
@@ -1005,6 +1020,19 @@ def _again(call: Callable, *args: Any) -> Any:
 #: writer's -ENOENT: the marker not made, a loss, not a failure (as entries.c's MARKER_TRIES).
 MARKER_TRIES = 3
 _MARKER_GONE = "a marker removed each time it was made elsewhere (an outside cleaner): not made"
+
+#: Every DiskCache of this process (weakly): a forked child gives each a writer of its own (_after_fork_in_child).
+_CACHES: weakref.WeakSet[DiskCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_CACHES):
+        cache._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 #: What a writer's -EEXIST means: something not a regular file sits at an entry's name (see _there_already).
 _NOT_REGULAR = "not a regular file (something else was put at an entry's name)"
