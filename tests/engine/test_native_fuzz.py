@@ -1906,6 +1906,8 @@ def test_the_crc32c_without_folding_is_the_crc32c_packages():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif("ASAN_OPTIONS" in os.environ,  # .ci/asan: its allocator logs each refused allocation, a report
+                    reason="AddressSanitizer logs the allocations this test has refused")
 def test_read_files_of_sparse_files_past_one_allocation_is_none_not_an_overflow(tmp_path):
     # Before: up to 64 sizes, each at most max_bytes (any long long), were summed into a long long unchecked (sparse
     # files claiming 2**62 bytes each wrapped the group's total: a small allocation, writes past its end), and a
