@@ -1903,3 +1903,33 @@ def test_the_crc32c_without_folding_is_the_crc32c_packages():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif("ASAN_OPTIONS" in os.environ,  # .ci/asan: its allocator logs each refused allocation, a report
+                    reason="AddressSanitizer logs the allocations this test has refused")
+def test_read_files_of_sparse_files_past_one_allocation_is_none_not_an_overflow(tmp_path):
+    # Before: up to 64 sizes, each at most max_bytes (any long long), were summed into a long long unchecked (sparse
+    # files claiming 2**62 bytes each wrapped the group's total: a small allocation, writes past its end), and a
+    # group whose files' claims no allocation could hold failed the whole call (a MemoryError on a cache's reads)
+    # files claim sizes past the memory to hold them (the allocation fails, no crash), two of them past a long
+    # long's range together where the file system allows that (the sum checked); sparse: no block taken
+    huge = [tmp_path / f"huge{i}" for i in range(3)]
+    size = 1 << 62
+    for path in huge:
+        path.write_bytes(b"")
+        while True:
+            try:
+                os.truncate(path, size)
+                break
+            except OSError as exc:  # EFBIG, EINVAL: beyond this file system's largest file
+                if size <= 1 << 40:
+                    pytest.skip(f"no sparse file of 1 TiB here ({exc})")
+                size >>= 1
+    small = tmp_path / "small"
+    small.write_bytes(b"stoker" * 100)
+    paths = [str(small)] + [str(p) for p in huge] + [str(small)]
+    got = native.read_files(paths, (1 << 63) - 1)
+    # the small ones read whole; no huge one (none fits one allocation beside another's claim, nor alone in memory)
+    assert bytes(got[0]) == bytes(got[-1]) == b"stoker" * 100
+    assert len(got) == 5 and all(g is None for g in got[1:4])

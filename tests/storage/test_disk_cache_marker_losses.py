@@ -180,3 +180,48 @@ def test_a_marker_gone_before_the_writer_refreshes_it_is_a_loss_not_made_again(t
     assert cache.flush(30)
     assert cache.losses == losses + 1 and not os.path.exists(cache.path(ident)) and cache.written == 1
     assert not cache.has(ident)  # looked for again after the loss
+
+
+@pytest.mark.timeout(60)
+def test_puts_in_the_batch_of_a_refresh_whose_marker_is_gone_are_still_written(tmp_path):
+    # Before: `gone or not all(write_batch(...))` short-circuited, so a refresh finding its marker evicted
+    # dropped every entry of its batch unwritten and uncounted
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    ident = _markers(cache, 1)[0]
+    os.utime(cache.path(ident), (1, 1))  # long unused: has() queues a refresh
+    cache.lost()  # seen before a loss: has() looks on disk
+    keys = [f"mem://bkt|a/c/{i}|0:-1|e1" for i in range(5)]
+    losses = cache.losses
+    with cache._cond:  # all queued before the writer takes a batch: one batch
+        assert cache.has(ident)
+        os.unlink(cache.path(ident))  # another process evicts the marker before the writer's utime
+        for i, key in enumerate(keys):
+            cache.put(key, bytes([i]) * 1000)
+    assert cache.flush(30)
+    assert [cache.get(key) for key in keys] == [bytes([i]) * 1000 for i in range(5)]
+    assert all(os.path.isfile(cache.path(key)) for key in keys)
+    assert cache.written == 1 + 5 and cache.losses == losses + 1  # the marker lost, the puts stored
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_refreshes_and_writes_on_a_writer_of_its_own(tmp_path):
+    # Before: the child inherited the parent's writer thread, which does not run there: has() queued a refresh
+    # never made, queued() stayed True, flush() timed out and a put was never written
+    from forking import fork_child, held_by_another_thread, verdict
+
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    ident = _markers(cache, 1)[0]  # the writer thread runs in the parent
+    os.utime(cache.path(ident), (1, 1))
+    cache.lost()
+    key = "mem://bkt|a/c/9|0:-1|e1"
+
+    def child() -> bool:
+        refreshed = cache.has(ident) and cache.flush(10) and not cache.queued(ident)
+        cache.put(key, b"v" * 1000)
+        written = cache.flush(10) and cache.get(key) == b"v" * 1000 and os.path.isfile(cache.path(key))
+        return refreshed and os.stat(cache.path(ident)).st_mtime > 1 and written
+
+    with held_by_another_thread(cache._cond):  # held by a thread of the parent's at the fork, for ever there
+        pid = fork_child(child)
+    assert verdict(pid, 30) == "exit 0"
+    assert os.stat(cache.path(ident)).st_mtime > 1 and cache.get(key) == b"v" * 1000

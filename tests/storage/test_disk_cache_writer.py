@@ -723,3 +723,88 @@ def test_calls_a_signal_interrupts_are_made_again(tmp_path, writer):
             assert os.path.getsize(path) == 0  # a marker
         else:
             _sound(diskcache.read_file(path, 1 << 30), b"ident %d" % i, bytes([i]) * 1000 * i)
+
+
+# A C library put before libc (LD_PRELOAD): the first `times` O_EXCL opens of the armed path find a marker that
+# another process made and an outside cleaner removed before this process's lstat (EEXIST, then nothing there).
+_VANISHING_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <string.h>
+#include <unistd.h>
+
+static char armed[4096];
+static int left;
+void vanish_arm(const char *p, int times) { strncpy(armed, p, sizeof armed - 1); left = times; }
+
+static int opened(const char *name, const char *path, int flags, mode_t mode) {
+    typedef int (*fn)(const char *, int, ...);
+    static fn real_open, real_open64;
+    fn *real = strcmp(name, "open") == 0 ? &real_open : &real_open64;
+    if (!*real) *real = (fn)dlsym(RTLD_NEXT, name);
+    if (left > 0 && (flags & O_EXCL) && strcmp(path, armed) == 0) {
+        left--;
+        int fd = (*real)(path, flags, mode);  /* made by another process */
+        if (fd >= 0) { close(fd); unlink(path); }  /* removed by a cleaner */
+        errno = EEXIST;
+        return -1;
+    }
+    return (*real)(path, flags, mode);
+}
+int open(const char *path, int flags, ...) {
+    va_list ap; va_start(ap, flags); mode_t mode = (flags & O_CREAT) ? va_arg(ap, mode_t) : 0; va_end(ap);
+    return opened("open", path, flags, mode);
+}
+int open64(const char *path, int flags, ...) {
+    va_list ap; va_start(ap, flags); mode_t mode = (flags & O_CREAT) ? va_arg(ap, mode_t) : 0; va_end(ap);
+    return opened("open64", path, flags, mode);
+}
+"""
+
+_VANISHING = textwrap.dedent("""
+    import ctypes, os, sys, warnings
+    from stoker.storage import diskcache
+    from stoker.storage.diskcache import DiskCache
+    from stoker.engine.cpu import native  # hands over the compiled writer
+    if sys.argv[3] == "python":
+        diskcache.use_entry_writer(None)
+    assert (diskcache._entry_writer[0] is not None) == (sys.argv[3] == "compiled")
+    cache = DiskCache(sys.argv[1], 64 << 20)
+    ident = "mem://bkt\\na/c/0\\nkept"
+    ctypes.CDLL(None).vanish_arm(os.fsencode(cache.path(ident)), int(sys.argv[2]))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        made = cache.write_marker(ident)
+        after = cache.write_marker(ident + "x")  # the cache still on: a later marker is made
+    print(made, after, cache.writable, os.path.isfile(cache.path(ident)), len(seen))
+""")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("writer", ["compiled", "python"])
+def test_a_marker_removed_between_its_open_and_its_lstat_is_tried_again_never_a_failure(tmp_path, writer):
+    # Before: O_EXCL said EEXIST, the lstat then ENOENT (an outside cleaner removed it meanwhile): the writer said
+    # "not a regular file" (-EEXIST) and the cache was turned off in the process, one warning with a wrong reason
+    if writer == "compiled" and native.write_entries is None:
+        pytest.skip("stoker._native is not built")
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the vanishing library")
+    (tmp_path / "shim.c").write_text(_VANISHING_SHIM)
+    shim = tmp_path / "shim.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", str(tmp_path / "shim.c"), "-o", str(shim), "-ldl"], check=True,
+                   capture_output=True, timeout=120)
+    preload = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(shim)]))  # after ASan's runtime, if any
+    env = {**os.environ, "LD_PRELOAD": preload, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def run(times: int) -> str:
+        folder = tmp_path / f"cache{times}"
+        out = subprocess.run([sys.executable, "-c", _VANISHING, str(folder), str(times), writer],
+                             capture_output=True, text=True, timeout=120, check=True, env=env)
+        return out.stdout.strip()
+
+    assert run(1) == "True True True True 0"  # made at the next try
+    assert run(diskcache.MARKER_TRIES) == "False True True False 0"  # not made (a loss), the cache still on

@@ -533,19 +533,30 @@ static int write_all(int fd, struct iovec *iov, int n) {
     return 0;
 }
 
+/* how often a marker's O_EXCL open is tried where it failed EEXIST and the lstat then found nothing */
+#define MARKER_TRIES 3
+
 /* one entry's file at its final name (the folder exists): 1 written, or -errno (its temporary file removed) */
 static int write_one(entry_write *e, const char *tag, uint64_t *state, char *tmp, size_t dir_len) {
     const char *base = e->path + dir_len + 1;
     int fd = -1;
     if (e->payload == NULL) { /* a marker: an empty file made at its name in one step */
-        fd = AGAIN(open(e->path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
-        if (fd < 0 && errno != EEXIST)
-            return -errno;
-        if (fd < 0) { /* made meanwhile: the same marker, where a regular file (see write_entries) */
-            struct stat st;
-            if (AGAIN(lstat(e->path, &st)) != 0)
-                return errno == ENOENT ? -EEXIST : -errno;
-            return S_ISREG(st.st_mode) ? 0 : -EEXIST;
+        /* made meanwhile: the same marker, where a regular file (see write_entries); gone again before the
+         * lstat (an outside cleaner removed it): tried again, a few times, then -ENOENT, a marker not made (the
+         * caller's loss), never -EEXIST (the cache off in the process for something not there) */
+        for (int attempt = 0; fd < 0; attempt++) {
+            if (attempt == MARKER_TRIES)
+                return -ENOENT;
+            fd = AGAIN(open(e->path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
+            if (fd < 0 && errno != EEXIST)
+                return -errno;
+            if (fd < 0) {
+                struct stat st;
+                if (AGAIN(lstat(e->path, &st)) == 0)
+                    return S_ISREG(st.st_mode) ? 0 : -EEXIST;
+                if (errno != ENOENT)
+                    return -errno;
+            }
         }
     } else {
         for (int attempt = 0; fd < 0; attempt++) {

@@ -327,7 +327,8 @@ static PyObject *crc32c_path_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(a
 }
 
 /* read_files(paths, max_bytes[, idents]) -> list: a read-only memoryview of each regular file's whole bytes (None:
- * missing, not a regular file, a link, larger than max_bytes, or a read error), read as entries.c's entry_pread
+ * missing, not a regular file, a link, larger than max_bytes or than the memory one allocation gets beside the
+ * others of its group, or a read error), read as entries.c's entry_pread
  * reads (blocking once on EAGAIN). With idents (bytes, one a path): each file judged as the entry of its ident
  * (entry_judge: header, ident, crc32c), a view of a sound one's payload, False for one that is not (a file there,
  * unsound: the caller removes it), and only a sound one touched (entry_touch: the disk cache's LRU clock, at most
@@ -396,7 +397,11 @@ static PyObject *read_files_py(PyObject *Py_UNUSED(self), PyObject *args) {
             /* O_NONBLOCK: a FIFO planted at an entry's name must not hang the open (it is no regular file) */
             fds[i] = open(PyBytes_AS_STRING(names[i]), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
             struct stat *st = &sts[i];
-            if (fds[i] >= 0 && (fstat(fds[i], st) != 0 || !S_ISREG(st->st_mode) || st->st_size > max_bytes)) {
+            /* each size is at most max_bytes, which a caller may set as high as it likes: one that would take the
+             * group's sum past what one allocation can hold (it overflowed a long long: sparse files claim any size)
+             * is left unread, None, as one larger than max_bytes is, never a wrapped total */
+            if (fds[i] >= 0 && (fstat(fds[i], st) != 0 || !S_ISREG(st->st_mode) || st->st_size > max_bytes ||
+                                (long long)st->st_size > (long long)PY_SSIZE_T_MAX - total)) {
                 close(fds[i]);
                 fds[i] = -1;
             }
@@ -409,6 +414,25 @@ static PyObject *read_files_py(PyObject *Py_UNUSED(self), PyObject *args) {
             Py_DECREF(names[i]);
         /* the bytes are this call's alone until it returns: filled without the GIL */
         PyObject *arena = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+        /* no memory for them all (sparse files claim any size up to max_bytes): the largest left unread, None, as
+         * one larger than max_bytes is, until the rest fit (none left: an empty allocation) */
+        while (arena == NULL && total > 0 &&
+               (PyErr_ExceptionMatches(PyExc_MemoryError) || PyErr_ExceptionMatches(PyExc_OverflowError))) {
+            PyErr_Clear();
+            int largest = -1;
+            for (int i = 0; i < k; i++)
+                if (fds[i] >= 0 && (largest < 0 || sizes[i] > sizes[largest]))
+                    largest = i;
+            close(fds[largest]);
+            fds[largest] = -1;
+            sizes[largest] = 0;
+            total = 0;
+            for (int i = 0; i < k; i++) {
+                starts[i] = total;
+                total += sizes[i];
+            }
+            arena = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+        }
         char *p = arena != NULL ? PyBytes_AS_STRING(arena) : NULL;
         Py_BEGIN_ALLOW_THREADS
         for (int i = 0; i < k; i++) {

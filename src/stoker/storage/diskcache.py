@@ -62,6 +62,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +175,7 @@ class DiskCache:
         self._floor = float("-inf")
         # grows whenever entries this process counted on may be gone (see lost): what a memo of entries checks
         self.losses = 0
+        _CACHES.add(self)  # a forked child starts its own writer (see _after_fork)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -413,7 +415,9 @@ class DiskCache:
                 todo = [(ident, data) for ident, data, _, how in batch if how != _TOUCH and ident not in there]
                 # False: queued entries not stored (no room, the lock not had, a failed write); one found there
                 # already (written by another process, or queued again after this one's write) is stored
-                unwritten = gone or not all(self._write_batch(todo) if todo else [])
+                # the batch is written even where a marker was lost (no short circuit: its puts stay pending)
+                wrote = self._write_batch(todo) if todo else []
+                unwritten = gone or not all(wrote)
             except Exception as exc:  # noqa: BLE001 - a cache write failing must never fail a read
                 self._disable(exc)
             finally:
@@ -425,6 +429,19 @@ class DiskCache:
                         self.lost()
                     self._busy = False
                     self._cond.notify_all()
+
+    def _after_fork(self) -> None:
+        """In a forked child, where none of the parent's threads runs: a new lock (one of them may have held the
+        parent's at the fork, for ever here), no writer nor reader threads (started again as work comes), and the
+        queue as it was (written here too: one there already is stored). A batch the parent's writer had taken
+        is the parent's to write: its idents are no longer pending here (else queued() said so for ever)."""
+        self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+        self._thread = None
+        self._readers = None
+        self._busy = False
+        queued = {ident for ident, *_ in self._queue}
+        self._pending = {ident: data for ident, data in self._pending.items() if ident in queued}
+        self._queued = sum(n for _, _, n, _ in self._queue)
 
     def _take(self) -> list[tuple[str, bytes | None, int, int]]:
         """The queue's first entries, as many as one hold of the lock writes (holding ``_cond``): at most
@@ -501,7 +518,9 @@ class DiskCache:
                                       f"{HOST}-{os.getpid()}", int.from_bytes(os.urandom(8), "little"))
             # what the disk gave, measured: at most the reservation on ext4 and xfs, the truth elsewhere too
             _store_total(lock, total + max(0, grown))
-            for (i, path, *_), result in zip(todo, results):
+            for (i, path, _, payload, _), result in zip(todo, results):
+                if result == -errno.ENOENT and payload is None:
+                    break  # a marker removed as fast as made (MARKER_TRIES): not made, a loss, no failure
                 if result < 0:  # the rest of the batch was not tried (their 0: not there already)
                     why = _NOT_REGULAR if result == -errno.EEXIST else os.strerror(-result)
                     self._disable(OSError(-result, why, os.fsdecode(path)))
@@ -940,12 +959,16 @@ def _write_one(path: bytes, parent: bytes, name: bytes, ident: bytes, payload: A
     """One file of :func:`write_entries`: the disk it took, or None (a marker made meanwhile)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     if payload is None:  # a marker: an empty file made at its name in one step
-        try:
-            fd = os.open(path, flags, 0o666)
-        except FileExistsError:
-            if _there_already(path):
-                return None  # made meanwhile: the same marker
-            raise
+        for _ in range(MARKER_TRIES):
+            try:
+                fd = os.open(path, flags, 0o666)
+                break
+            except FileExistsError:
+                if _there_already(path):
+                    return None  # made meanwhile: the same marker
+                # gone again before the lstat (an outside cleaner): tried again, never "not a regular file"
+        else:
+            raise FileNotFoundError(errno.ENOENT, _MARKER_GONE, os.fsdecode(path))
         try:
             return _allocated_of(os.fstat(fd))
         finally:
@@ -991,6 +1014,24 @@ def _again(call: Callable, *args: Any) -> Any:
             return call(*args)
         except InterruptedError:
             continue
+
+
+#: How often a marker's O_EXCL open is tried where it failed EEXIST and the lstat then found nothing; after that a
+#: writer's -ENOENT: the marker not made, a loss, not a failure (as entries.c's MARKER_TRIES).
+MARKER_TRIES = 3
+_MARKER_GONE = "a marker removed each time it was made elsewhere (an outside cleaner): not made"
+
+#: Every DiskCache of this process (weakly): a forked child gives each a writer of its own (_after_fork_in_child).
+_CACHES: weakref.WeakSet[DiskCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_CACHES):
+        cache._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 #: What a writer's -EEXIST means: something not a regular file sits at an entry's name (see _there_already).
