@@ -225,3 +225,29 @@ def test_a_forked_child_refreshes_and_writes_on_a_writer_of_its_own(tmp_path):
         pid = fork_child(child)
     assert verdict(pid, 30) == "exit 0"
     assert os.stat(cache.path(ident)).st_mtime > 1 and cache.get(key) == b"v" * 1000
+
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["folder", "link"])
+def test_a_folder_or_link_at_a_marker_name_is_no_marker(tmp_path, what):
+    # Before: has() took any lstat as a marker there, and the writer's refresh (a utime not following links)
+    # counted one as there: a mark never wrote it, and its key's entries were never found. Now only a regular
+    # file is there (as the writers say): has() says False, and a mark's refresh is a failed write, one warning.
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    ident, other = _markers(cache, 2)
+    assert cache.has(ident)  # seen: the mark below is a refresh
+    path = str(cache.path(ident))
+    os.unlink(path)
+    if what == "folder":
+        os.mkdir(path)
+    else:
+        os.symlink(cache.path(other), path)  # to a marker: a regular file if followed
+    cache.lost()
+    assert not cache.has(ident)
+    with pytest.warns(RuntimeWarning, match="not a regular file") as warned:
+        cache.mark(ident)  # refreshed on the writer thread: not there, so written, which fails
+        assert cache.flush(30)
+    assert len(warned) == 1 and not cache.writable and cache.written == 2
+    assert (os.path.isdir if what == "folder" else os.path.islink)(path)  # left as it was
+    assert not cache.has(ident) and cache.has(other)

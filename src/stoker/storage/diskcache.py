@@ -26,10 +26,11 @@ is never served) and the bytes. Rules that make one folder safe for many process
   temporary files removed.
 - **Markers are empty files** (:meth:`DiskCache.mark`): a name that only says "something was kept" (what
   :class:`~stoker.storage.cachingstore.CachingStore` asks before a HEAD) takes no block, only a name in its
-  subfolder (counted as the subfolder grows). :meth:`DiskCache.has` looks at either kind; a marker of an
-  older stoker (a full entry with no payload) is still one. What ``has`` found or ``mark`` queued is
-  remembered for :data:`SEEN_S` (no look on disk, no mark queued again; its mtime refreshed that often, by the
-  folder's writer thread: a utime is a round trip on a network file system, kept off the readers' threads).
+  subfolder (counted as the subfolder grows). :meth:`DiskCache.has` looks at either kind (a regular file: a
+  folder or link put at its name is neither); a marker of an older stoker (a full entry with no payload) is
+  still one. What ``has`` found or ``mark`` queued is remembered for :data:`SEEN_S` (no look on disk, no mark
+  queued again; its mtime refreshed that often, by the folder's writer thread: a utime is a round trip on a
+  network file system, kept off the readers' threads).
 - **Eviction never breaks a read**: it unlinks; a reader that opened the file keeps reading it, one that
   comes after finds no entry (a miss).
 - **Corruption is a miss**: a short file, a bad header or a checksum mismatch is removed and reported as
@@ -201,6 +202,8 @@ class DiskCache:
             st = os.lstat(self._path(ident))
         except OSError:
             return False
+        if not stat.S_ISREG(st.st_mode):
+            return False  # a folder or link planted at its name: no entry (see _there_already)
         remember(self._seen, ident, now, SEEN_IDENTS)
         if self.writable and _to_touch(st):
             self._enqueue(ident, None, len(ident), how=_TOUCH)
@@ -216,15 +219,23 @@ class DiskCache:
         return seen >= self._floor or self.queued(ident)
 
     def _touch(self, ident: str) -> bool:
-        """Refresh the mtime (the LRU's clock) of the entry or marker stored under ``ident``; whether it is there.
-        On the writer thread (:meth:`_drain`), never a reader's."""
+        """Refresh the mtime (the LRU's clock) of the entry or marker stored under ``ident``; whether it is there:
+        a regular file, as :func:`_there_already` says (a folder or link planted at its name is not: a mark's
+        refresh then writes it, which fails with one warning). On the writer thread (:meth:`_drain`), never a
+        reader's."""
         path = self._path(ident)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            return False
         try:
             os.utime(path, follow_symlinks=False)
         except FileNotFoundError:
             return False
-        except OSError:  # a read-only folder: only look
-            return os.path.lexists(path)
+        except OSError:  # a read-only folder: there, only not refreshed
+            pass
         return True
 
     def entry_file(self, ident: str) -> tuple[bytes, bytes] | None:
