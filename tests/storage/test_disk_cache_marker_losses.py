@@ -227,6 +227,42 @@ def test_a_forked_child_refreshes_and_writes_on_a_writer_of_its_own(tmp_path):
     assert os.stat(cache.path(ident)).st_mtime > 1 and cache.get(key) == b"v" * 1000
 
 
+@pytest.mark.timeout(60)
+def test_a_refresh_has_queued_is_not_taken_as_there_after_a_loss_and_mark_makes_it(tmp_path):
+    # Before: has() queued its refresh (a touch) among the pending writes, and _trusted took anything pending as
+    # there: after a loss, has() said True for a marker gone, and mark() returned at once, not making it again
+    # (made a round later). Now a touch is kept apart: looked for on disk, and a mark's refresh is queued too.
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    ident = _markers(cache, 1)[0]
+    os.utime(cache.path(ident), (1, 1))  # long unused: has() queues a refresh
+    cache.lost()  # seen before a loss: has() looks on disk
+    with cache._cond:  # the writer takes nothing meanwhile: the refresh stays queued
+        assert cache.has(ident)  # there: a touch queued
+        os.unlink(cache.path(ident))  # another process evicts it
+        cache.lost()  # and this one counts a loss (its own eviction, a write not made, an entry found missing)
+        assert not cache.has(ident)  # looked for on disk: gone
+        cache.mark(ident)  # its key kept again: queued to be made where gone
+        assert cache.queued(ident) and cache.has(ident)  # made after the loss: trusted
+    assert cache.flush(30)
+    assert os.path.isfile(cache.path(ident)) and cache.written == 2
+    cache.lost()
+    assert cache.has(ident)  # on disk
+
+
+@pytest.mark.timeout(60)
+def test_a_refresh_queued_while_its_marker_is_trusted_is_not_queued_twice(tmp_path, monkeypatch):
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    ident = _markers(cache, 1)[0]
+    os.utime(cache.path(ident), (1, 1))
+    cache.lost()
+    utimes = _utimes_by_thread(monkeypatch)
+    with cache._cond:
+        assert cache.has(ident)  # a touch queued
+        cache.mark(ident)  # seen since the last loss: nothing queued
+        cache._seen.clear()  # as after SEEN_S: has() looks again, and queues no second touch
+        assert cache.has(ident) and len(cache._queue) == 1
+    assert cache.flush(30) and utimes == ["stoker-diskcache"] and cache.written == 1
+
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("what", ["folder", "link"])

@@ -165,6 +165,9 @@ class DiskCache:
         self._queued = 0
         # idents queued or being written -> their data (None: a marker): not on disk yet, served from here
         self._pending: dict[str, bytes | None] = {}
+        # markers queued only to be refreshed (has(): _TOUCH), apart from _pending: one may be gone, so being
+        # queued so says nothing of its being there (see _trusted)
+        self._touching: set[str] = set()
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._busy = False
         self._warned: set[str] = set()
@@ -211,8 +214,9 @@ class DiskCache:
 
     def _trusted(self, ident: str, now: float) -> bool:
         """Whether what :meth:`has` found or :meth:`mark` queued of ``ident`` is taken as there without a look on
-        disk: seen less than :data:`SEEN_S` ago and since the last loss (:meth:`lost`), or queued now (written
-        after any eviction that made room for it)."""
+        disk: seen less than :data:`SEEN_S` ago and since the last loss (:meth:`lost`), or queued now by
+        :meth:`mark` (made after any eviction that made room for it, or where found gone). A refresh :meth:`has`
+        queued is no such thing (it only touches what may be gone since): kept apart, in ``_touching``."""
         seen = self._seen.get(ident)
         if seen is None or now - seen >= SEEN_S:
             return False
@@ -382,16 +386,20 @@ class DiskCache:
         """Queue ``ident`` for writing (``data`` None: a marker); ``seen``: when :meth:`mark` queued it, recorded in
         ``_seen`` here, under the lock, so a loss after (a batch not written: :meth:`lost`) comes after it too.
         ``how``: :data:`_WRITE`, or a marker's refresh (:data:`_REFRESH`, made where gone; :data:`_TOUCH`, only
-        refreshed: its loss where gone), which a full queue drops uncounted (a refresh later, or none)."""
+        refreshed: its loss where gone), which a full queue drops uncounted (a refresh later, or none). A touch is
+        kept in ``_touching``, not ``_pending``: a mark's refresh of one queued so is queued too (made where gone)."""
         with self._cond:
-            if ident in self._pending:
+            if ident in self._pending or (how == _TOUCH and ident in self._touching):
                 return  # queued already: the same bytes (the ident names the object's generation)
             if self._queued + n > QUEUE_BYTES:
                 self.dropped += how == _WRITE
                 return
             self._queue.append((ident, data, n, how))
             self._queued += n
-            self._pending[ident] = data
+            if how == _TOUCH:
+                self._touching.add(ident)
+            else:
+                self._pending[ident] = data
             if seen is not None:  # has() finds it while queued, before the writer made it
                 remember(self._seen, ident, seen, SEEN_IDENTS)
             if self._thread is None:
@@ -433,9 +441,12 @@ class DiskCache:
                 self._disable(exc)
             finally:
                 with self._cond:
-                    for ident, _, n, _ in batch:
+                    for ident, _, n, how in batch:
                         self._queued -= n  # what _enqueue added
-                        self._pending.pop(ident, None)
+                        if how == _TOUCH:
+                            self._touching.discard(ident)
+                        else:
+                            self._pending.pop(ident, None)
                     if unwritten:  # once no longer pending: their markers are not taken as seen (see lost)
                         self.lost()
                     self._busy = False
@@ -450,8 +461,9 @@ class DiskCache:
         self._thread = None
         self._readers = None
         self._busy = False
-        queued = {ident for ident, *_ in self._queue}
+        queued = {ident for ident, _, _, how in self._queue if how != _TOUCH}
         self._pending = {ident: data for ident, data in self._pending.items() if ident in queued}
+        self._touching = {ident for ident, _, _, how in self._queue if how == _TOUCH}
         self._queued = sum(n for _, _, n, _ in self._queue)
 
     def _take(self) -> list[tuple[str, bytes | None, int, int]]:
