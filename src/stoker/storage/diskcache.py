@@ -33,9 +33,10 @@ is never served) and the bytes. Rules that make one folder safe for many process
   network file system, kept off the readers' threads).
 - **Eviction never breaks a read**: it unlinks; a reader that opened the file keeps reading it, one that
   comes after finds no entry (a miss).
-- **Corruption is a miss**: a short file, a bad header or a checksum mismatch is removed and reported as
-  absent; the caller fetches again. The compiled engine reads hits itself (:meth:`DiskCache.entry_file`,
-  csrc/entries.c) with the same checks; what it finds unsound is fetched again through :meth:`get_many`.
+- **Corruption is a miss**: a short file, a bad header or a checksum mismatch is removed (a loss, as an
+  eviction: :meth:`DiskCache.lost`) and reported as absent; the caller fetches again. The compiled engine
+  reads hits itself (:meth:`DiskCache.entry_file`, csrc/entries.c) with the same checks; what it finds
+  unsound is fetched again through :meth:`get_many`.
 - **Failure is a miss**: a folder that cannot be created or written (read-only, full disk), or an entry
   larger than ``cache_bytes``, makes writes stop (one ``RuntimeWarning``); reads go on uncached.
 
@@ -273,17 +274,20 @@ class DiskCache:
         ``read_files(paths, max_bytes, idents)``: reads the entries' files whole, judges each as its ident's
         entry and touches the sound ones (the compiled engine's, which releases the GIL once for many files
         rather than for every system call, as a batch's hits are many): a payload, False (unsound) or None
-        each; None: :func:`read_file`, one at a time."""
+        each; None: :func:`read_file`, one at a time. An unsound entry is removed, a loss (:meth:`lost`)."""
         with self._cond:  # queued for writing: served from memory (not on disk yet, and not fetched again)
             queued = [self._pending.get(ident) if self._pending else None for ident in idents]
         on_disk = [ident for ident, data in zip(idents, queued) if data is None]
         if read_files is not None:  # judged there (an entry's payload, False: unsound), only a good one touched
             raws = read_files([self._path(ident) for ident in on_disk], self.cache_bytes,
                               [ident.encode("utf-8", "surrogatepass") for ident in on_disk])
-            judged = iter([(raw, None if raw is None or raw is False else raw) for raw in raws])  # b"": an entry
+            # (what was read, its payload): None, no file; False, an unsound one, no payload; else the payload,
+            # an empty view too (an entry of no bytes): compared with False by identity, never by truth
+            judged = iter([(raw, None if raw is False else raw) for raw in raws])
         else:  # judged as read: only a good entry is touched
             judged = iter([self._read_one(ident) for ident in on_disk])
         out: list[memoryview | None] = []
+        unsound = 0
         for ident, data in zip(idents, queued):
             if data is not None:
                 payload = _byte_view(data)
@@ -296,6 +300,7 @@ class DiskCache:
                 self.misses += 1
                 if raw is not None:  # corrupt: a later write puts a good one there (the total: at the next scan)
                     self.corrupt += 1
+                    unsound += 1
                     try:
                         os.unlink(path)
                     except OSError:
@@ -304,6 +309,8 @@ class DiskCache:
                 self.hits += 1
                 self.hit_bytes += payload.nbytes
             out.append(payload)
+        if unsound:  # removed: a loss (a memo of entries on disk, as the engine's, may hold their paths)
+            self.lost()
         return out
 
     def _read_one(self, ident: str) -> tuple[bytes | None, memoryview | None]:
