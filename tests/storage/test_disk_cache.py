@@ -645,3 +645,24 @@ def test_the_cache_survives_a_restart(data, tmp_path):
             assert kv.counters.hit_bytes > 0 and kv.counters.miss_bytes == 0, kv.counters
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("reader", ["python", "engine"])
+def test_a_corrupt_entry_read_through_get_many_is_a_loss(tmp_path, reader):
+    # Before: an entry judged unsound was removed without a loss, so memos of entries on disk (the decoder's,
+    # emptied when `losses` moves) kept its path until the engine missed it. Now removing it is a loss.
+    read_files = native.read_files if reader == "engine" else None
+    if reader == "engine" and read_files is None:
+        pytest.skip("no compiled engine")
+    cache = DiskCache(str(tmp_path / "cache"), 1 << 20)
+    assert cache.write("bad", b"z" * 4000) and cache.write("good", b"g" * 10) and cache.write("empty", b"")
+    with open(cache.path("bad"), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"y")
+    losses = cache.losses
+    got = cache.get_many(["good", "empty", "missing"], read_files)
+    assert [None if v is None else bytes(v) for v in got] == [b"g" * 10, b"", None]  # an empty payload is a hit
+    assert cache.losses == losses and cache.hits == 2 and cache.misses == 1  # nothing removed: no loss
+    got = cache.get_many(["bad", "good"], read_files)
+    assert got[0] is None and bytes(got[1]) == b"g" * 10 and not cache.path("bad").exists()
+    assert cache.corrupt == 1 and cache.losses == losses + 1

@@ -225,3 +225,65 @@ def test_a_forked_child_refreshes_and_writes_on_a_writer_of_its_own(tmp_path):
         pid = fork_child(child)
     assert verdict(pid, 30) == "exit 0"
     assert os.stat(cache.path(ident)).st_mtime > 1 and cache.get(key) == b"v" * 1000
+
+
+@pytest.mark.timeout(60)
+def test_a_refresh_has_queued_is_not_taken_as_there_after_a_loss_and_mark_makes_it(tmp_path):
+    # Before: has() queued its refresh (a touch) among the pending writes, and _trusted took anything pending as
+    # there: after a loss, has() said True for a marker gone, and mark() returned at once, not making it again
+    # (made a round later). Now a touch is kept apart: looked for on disk, and a mark's refresh is queued too.
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    ident = _markers(cache, 1)[0]
+    os.utime(cache.path(ident), (1, 1))  # long unused: has() queues a refresh
+    cache.lost()  # seen before a loss: has() looks on disk
+    with cache._cond:  # the writer takes nothing meanwhile: the refresh stays queued
+        assert cache.has(ident)  # there: a touch queued
+        os.unlink(cache.path(ident))  # another process evicts it
+        cache.lost()  # and this one counts a loss (its own eviction, a write not made, an entry found missing)
+        assert not cache.has(ident)  # looked for on disk: gone
+        cache.mark(ident)  # its key kept again: queued to be made where gone
+        assert cache.queued(ident) and cache.has(ident)  # made after the loss: trusted
+    assert cache.flush(30)
+    assert os.path.isfile(cache.path(ident)) and cache.written == 2
+    cache.lost()
+    assert cache.has(ident)  # on disk
+
+
+@pytest.mark.timeout(60)
+def test_a_refresh_queued_while_its_marker_is_trusted_is_not_queued_twice(tmp_path, monkeypatch):
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    ident = _markers(cache, 1)[0]
+    os.utime(cache.path(ident), (1, 1))
+    cache.lost()
+    utimes = _utimes_by_thread(monkeypatch)
+    with cache._cond:
+        assert cache.has(ident)  # a touch queued
+        cache.mark(ident)  # seen since the last loss: nothing queued
+        cache._seen.clear()  # as after SEEN_S: has() looks again, and queues no second touch
+        assert cache.has(ident) and len(cache._queue) == 1
+    assert cache.flush(30) and utimes == ["stoker-diskcache"] and cache.written == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["folder", "link"])
+def test_a_folder_or_link_at_a_marker_name_is_no_marker(tmp_path, what):
+    # Before: has() took any lstat as a marker there, and the writer's refresh (a utime not following links)
+    # counted one as there: a mark never wrote it, and its key's entries were never found. Now only a regular
+    # file is there (as the writers say): has() says False, and a mark's refresh is a failed write, one warning.
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    ident, other = _markers(cache, 2)
+    assert cache.has(ident)  # seen: the mark below is a refresh
+    path = str(cache.path(ident))
+    os.unlink(path)
+    if what == "folder":
+        os.mkdir(path)
+    else:
+        os.symlink(cache.path(other), path)  # to a marker: a regular file if followed
+    cache.lost()
+    assert not cache.has(ident)
+    with pytest.warns(RuntimeWarning, match="not a regular file") as warned:
+        cache.mark(ident)  # refreshed on the writer thread: not there, so written, which fails
+        assert cache.flush(30)
+    assert len(warned) == 1 and not cache.writable and cache.written == 2
+    assert (os.path.isdir if what == "folder" else os.path.islink)(path)  # left as it was
+    assert not cache.has(ident) and cache.has(other)

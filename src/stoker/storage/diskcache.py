@@ -26,15 +26,17 @@ is never served) and the bytes. Rules that make one folder safe for many process
   temporary files removed.
 - **Markers are empty files** (:meth:`DiskCache.mark`): a name that only says "something was kept" (what
   :class:`~stoker.storage.cachingstore.CachingStore` asks before a HEAD) takes no block, only a name in its
-  subfolder (counted as the subfolder grows). :meth:`DiskCache.has` looks at either kind; a marker of an
-  older stoker (a full entry with no payload) is still one. What ``has`` found or ``mark`` queued is
-  remembered for :data:`SEEN_S` (no look on disk, no mark queued again; its mtime refreshed that often, by the
-  folder's writer thread: a utime is a round trip on a network file system, kept off the readers' threads).
+  subfolder (counted as the subfolder grows). :meth:`DiskCache.has` looks at either kind (a regular file: a
+  folder or link put at its name is neither); a marker of an older stoker (a full entry with no payload) is
+  still one. What ``has`` found or ``mark`` queued is remembered for :data:`SEEN_S` (no look on disk, no mark
+  queued again; its mtime refreshed that often, by the folder's writer thread: a utime is a round trip on a
+  network file system, kept off the readers' threads).
 - **Eviction never breaks a read**: it unlinks; a reader that opened the file keeps reading it, one that
   comes after finds no entry (a miss).
-- **Corruption is a miss**: a short file, a bad header or a checksum mismatch is removed and reported as
-  absent; the caller fetches again. The compiled engine reads hits itself (:meth:`DiskCache.entry_file`,
-  csrc/entries.c) with the same checks; what it finds unsound is fetched again through :meth:`get_many`.
+- **Corruption is a miss**: a short file, a bad header or a checksum mismatch is removed (a loss, as an
+  eviction: :meth:`DiskCache.lost`) and reported as absent; the caller fetches again. The compiled engine
+  reads hits itself (:meth:`DiskCache.entry_file`, csrc/entries.c) with the same checks; what it finds
+  unsound is fetched again through :meth:`get_many`.
 - **Failure is a miss**: a folder that cannot be created or written (read-only, full disk), or an entry
   larger than ``cache_bytes``, makes writes stop (one ``RuntimeWarning``); reads go on uncached.
 
@@ -164,6 +166,9 @@ class DiskCache:
         self._queued = 0
         # idents queued or being written -> their data (None: a marker): not on disk yet, served from here
         self._pending: dict[str, bytes | None] = {}
+        # markers queued only to be refreshed (has(): _TOUCH), apart from _pending: one may be gone, so being
+        # queued so says nothing of its being there (see _trusted)
+        self._touching: set[str] = set()
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._busy = False
         self._warned: set[str] = set()
@@ -201,6 +206,8 @@ class DiskCache:
             st = os.lstat(self._path(ident))
         except OSError:
             return False
+        if not stat.S_ISREG(st.st_mode):
+            return False  # a folder or link planted at its name: no entry (see _there_already)
         remember(self._seen, ident, now, SEEN_IDENTS)
         if self.writable and _to_touch(st):
             self._enqueue(ident, None, len(ident), how=_TOUCH)
@@ -208,23 +215,32 @@ class DiskCache:
 
     def _trusted(self, ident: str, now: float) -> bool:
         """Whether what :meth:`has` found or :meth:`mark` queued of ``ident`` is taken as there without a look on
-        disk: seen less than :data:`SEEN_S` ago and since the last loss (:meth:`lost`), or queued now (written
-        after any eviction that made room for it)."""
+        disk: seen less than :data:`SEEN_S` ago and since the last loss (:meth:`lost`), or queued now by
+        :meth:`mark` (made after any eviction that made room for it, or where found gone). A refresh :meth:`has`
+        queued is no such thing (it only touches what may be gone since): kept apart, in ``_touching``."""
         seen = self._seen.get(ident)
         if seen is None or now - seen >= SEEN_S:
             return False
         return seen >= self._floor or self.queued(ident)
 
     def _touch(self, ident: str) -> bool:
-        """Refresh the mtime (the LRU's clock) of the entry or marker stored under ``ident``; whether it is there.
-        On the writer thread (:meth:`_drain`), never a reader's."""
+        """Refresh the mtime (the LRU's clock) of the entry or marker stored under ``ident``; whether it is there:
+        a regular file, as :func:`_there_already` says (a folder or link planted at its name is not: a mark's
+        refresh then writes it, which fails with one warning). On the writer thread (:meth:`_drain`), never a
+        reader's."""
         path = self._path(ident)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            return False
         try:
             os.utime(path, follow_symlinks=False)
         except FileNotFoundError:
             return False
-        except OSError:  # a read-only folder: only look
-            return os.path.lexists(path)
+        except OSError:  # a read-only folder: there, only not refreshed
+            pass
         return True
 
     def entry_file(self, ident: str) -> tuple[bytes, bytes] | None:
@@ -258,17 +274,20 @@ class DiskCache:
         ``read_files(paths, max_bytes, idents)``: reads the entries' files whole, judges each as its ident's
         entry and touches the sound ones (the compiled engine's, which releases the GIL once for many files
         rather than for every system call, as a batch's hits are many): a payload, False (unsound) or None
-        each; None: :func:`read_file`, one at a time."""
+        each; None: :func:`read_file`, one at a time. An unsound entry is removed, a loss (:meth:`lost`)."""
         with self._cond:  # queued for writing: served from memory (not on disk yet, and not fetched again)
             queued = [self._pending.get(ident) if self._pending else None for ident in idents]
         on_disk = [ident for ident, data in zip(idents, queued) if data is None]
         if read_files is not None:  # judged there (an entry's payload, False: unsound), only a good one touched
             raws = read_files([self._path(ident) for ident in on_disk], self.cache_bytes,
                               [ident.encode("utf-8", "surrogatepass") for ident in on_disk])
-            judged = iter([(raw, None if raw is None or raw is False else raw) for raw in raws])  # b"": an entry
+            # (what was read, its payload): None, no file; False, an unsound one, no payload; else the payload,
+            # an empty view too (an entry of no bytes): compared with False by identity, never by truth
+            judged = iter([(raw, None if raw is False else raw) for raw in raws])
         else:  # judged as read: only a good entry is touched
             judged = iter([self._read_one(ident) for ident in on_disk])
         out: list[memoryview | None] = []
+        unsound = 0
         for ident, data in zip(idents, queued):
             if data is not None:
                 payload = _byte_view(data)
@@ -281,6 +300,7 @@ class DiskCache:
                 self.misses += 1
                 if raw is not None:  # corrupt: a later write puts a good one there (the total: at the next scan)
                     self.corrupt += 1
+                    unsound += 1
                     try:
                         os.unlink(path)
                     except OSError:
@@ -289,6 +309,8 @@ class DiskCache:
                 self.hits += 1
                 self.hit_bytes += payload.nbytes
             out.append(payload)
+        if unsound:  # removed: a loss (a memo of entries on disk, as the engine's, may hold their paths)
+            self.lost()
         return out
 
     def _read_one(self, ident: str) -> tuple[bytes | None, memoryview | None]:
@@ -371,16 +393,20 @@ class DiskCache:
         """Queue ``ident`` for writing (``data`` None: a marker); ``seen``: when :meth:`mark` queued it, recorded in
         ``_seen`` here, under the lock, so a loss after (a batch not written: :meth:`lost`) comes after it too.
         ``how``: :data:`_WRITE`, or a marker's refresh (:data:`_REFRESH`, made where gone; :data:`_TOUCH`, only
-        refreshed: its loss where gone), which a full queue drops uncounted (a refresh later, or none)."""
+        refreshed: its loss where gone), which a full queue drops uncounted (a refresh later, or none). A touch is
+        kept in ``_touching``, not ``_pending``: a mark's refresh of one queued so is queued too (made where gone)."""
         with self._cond:
-            if ident in self._pending:
+            if ident in self._pending or (how == _TOUCH and ident in self._touching):
                 return  # queued already: the same bytes (the ident names the object's generation)
             if self._queued + n > QUEUE_BYTES:
                 self.dropped += how == _WRITE
                 return
             self._queue.append((ident, data, n, how))
             self._queued += n
-            self._pending[ident] = data
+            if how == _TOUCH:
+                self._touching.add(ident)
+            else:
+                self._pending[ident] = data
             if seen is not None:  # has() finds it while queued, before the writer made it
                 remember(self._seen, ident, seen, SEEN_IDENTS)
             if self._thread is None:
@@ -422,9 +448,12 @@ class DiskCache:
                 self._disable(exc)
             finally:
                 with self._cond:
-                    for ident, _, n, _ in batch:
+                    for ident, _, n, how in batch:
                         self._queued -= n  # what _enqueue added
-                        self._pending.pop(ident, None)
+                        if how == _TOUCH:
+                            self._touching.discard(ident)
+                        else:
+                            self._pending.pop(ident, None)
                     if unwritten:  # once no longer pending: their markers are not taken as seen (see lost)
                         self.lost()
                     self._busy = False
@@ -439,8 +468,9 @@ class DiskCache:
         self._thread = None
         self._readers = None
         self._busy = False
-        queued = {ident for ident, *_ in self._queue}
+        queued = {ident for ident, _, _, how in self._queue if how != _TOUCH}
         self._pending = {ident: data for ident, data in self._pending.items() if ident in queued}
+        self._touching = {ident for ident, _, _, how in self._queue if how == _TOUCH}
         self._queued = sum(n for _, _, n, _ in self._queue)
 
     def _take(self) -> list[tuple[str, bytes | None, int, int]]:
