@@ -131,7 +131,8 @@ class CloseWait:
             f"close(): {'; '.join(self._stuck)} did not finish their work within {self.timeout} s (a hung "
             f"kernel or copy?). Their buffers are kept referenced for the rest of the process rather than freed "
             f"under work that may still write them: {self._device:,} B of device memory (batch slots, device "
-            f"copies, decode scratches) and {self._pinned:,} B of pinned staging (a leak, on purpose).",
+            f"copies, decode scratches) and {self._pinned:,} B of pinned staging (a leak, on purpose): restart the "
+            "process to free them; check the device (nvidia-smi; dmesg for Xid errors).",
             RuntimeWarning, stacklevel=stacklevel + 1)
 
 
