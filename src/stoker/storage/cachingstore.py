@@ -652,7 +652,11 @@ class CachingStore:
         """For each of ``keys``, until when (``time.monotonic()``) the generation known now stays within the
         staleness bound, as :meth:`entry_files` judges it (0.0: none known, or one read through). What a memo
         of the entries :meth:`entry_files` gave may trust them for, while :attr:`changes` and :attr:`losses`
-        stay as they were."""
+        stay as they were.
+
+        >>> kv.known_until(["g.zarr/a/c/0/0", "g.zarr/a/c/9/9"])   # doctest: +SKIP
+        [4711.5, 0.0]
+        """
         staleness = self.staleness_s
         with self._lock:
             known = [self._known.get(key) for key in keys]
