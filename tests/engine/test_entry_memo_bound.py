@@ -112,3 +112,25 @@ def test_an_array_past_the_bound_keeps_what_it_holds(tmp_path, monkeypatch):
     # another array kept into: the full one, started first, is forgotten (it takes new chunks again)
     assert memos.keep(other, *_entry(1, 0))
     assert len(source.entries) == 0 and not source.entries_full and len(other.entries) == 1
+
+
+class _Memoed:
+    """The three fields of a ``_Source`` that ``_EntryMemos`` touches (a real one opens an array: 100,000 here)."""
+
+    def __init__(self) -> None:
+        self.entries: dict = {}
+        self.entries_full = False
+
+
+def test_arrays_whose_memo_was_emptied_are_let_go(tmp_path):
+    memos = _EntryMemos()
+    for a in range(100_000):
+        source = _Memoed()
+        assert memos.keep(source, *_entry(a % 8, 0))
+        source.entries = {}  # what NativeDecoder._memo_of does when the store's stamp moves on
+        assert len(memos.arrays) <= 128  # held, each would keep its array and store alive (100,000 before)
+    kept = [_Memoed() for _ in range(200)]  # arrays whose memos hold entries stay, however many
+    for a, source in enumerate(kept):
+        assert memos.keep(source, *_entry(a % 8, 0))
+    assert all(memos.arrays.get(id(s)) is s for s in kept)
+    assert len(memos.arrays) <= 2 * len(kept)

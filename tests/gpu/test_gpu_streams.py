@@ -566,6 +566,7 @@ def test_close_on_a_hung_device_warns_once_and_keeps_what_its_streams_may_write(
     stuck = [w for w in caught if issubclass(w.category, RuntimeWarning) and "did not finish" in str(w.message)]
     assert len(stuck) == 1, [str(w.message) for w in caught]
     assert "copy, decode, place stream(s)" in str(stuck[0].message) and "kept" in str(stuck[0].message)
+    assert "restart the process to free them" in str(stuck[0].message)  # what to do about it
     ex = made[0].gpu if where == "hybrid" else made[0]
     assert ex.stuck == ["copy", "decode", "place"]
     kept = {id(x) for x in gpu_streams.kept()[before:]}

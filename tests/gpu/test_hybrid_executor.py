@@ -554,3 +554,22 @@ def _fields_run(samples, kw, before: int) -> list:
         assert len(engines) == 1 and len(p._coordinator.lanes.lanes) == 2
         assert len(p.stats().workers) == 3
     return got
+
+
+def test_a_prepare_tried_again_keeps_the_host_ring_with_the_gpu_part_once(arrays, hybrid, monkeypatch):
+    z, data = arrays["v3-zstd-u16-missing"]
+    samples = _samples(_uri(z), data.shape, (6, 20, 13), 4, seed=2)
+    with stoker.Pipeline(_cfg(dtype="f32")) as p:
+        p.push(samples)
+        with p.pop():
+            pass
+        ex = hybrid.executors[0]
+        ring = ex.cpu.host_slots
+        assert ring is not None and [r for r in ex.gpu.keep_with if r is ring] == [ring]
+        # a CPU part not prepared in full (its prepare failed past its ring, say): the next prepare passes the
+        # guard again, with the same ring (before, kept with the GPU part once more each time)
+        for _ in range(3):
+            monkeypatch.setattr(ex.cpu, "slots", None)
+            monkeypatch.setattr(ex.cpu, "prepare", lambda *a: setattr(ex.cpu, "slots", ring))
+            ex.prepare((6, 20, 13), [], torch.float32)
+        assert [r for r in ex.gpu.keep_with if r is ring] == [ring]

@@ -511,6 +511,39 @@ def test_the_decoders_memo_of_entries_never_serves_a_generation_no_longer_known(
         assert cache.hits > hits + given
 
 
+def test_opening_another_array_on_the_store_keeps_the_memos_of_entries(s3, data, tmp_path, monkeypatch):
+    # each open of an array through revalidating stores forgets what its store learnt under the array's prefix:
+    # an array not read since taught nothing there, so the other arrays' memos stay good (every memo of the store was emptied before,
+    # and each open of a new array on it cost their chunks a look-up again); forgetting what was learnt does
+    # empty them
+    prefix = f"open-{uuid.uuid4().hex[:8]}"
+    s3.upload(read_tree(data), prefix)
+    uri, options = f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}
+    folder = tmp_path / "cache"
+    cache = disk_cache(str(folder), 64 << 20)
+    cfg = stoker.Config(batch_size=len(BOXES), dtype="native", n_compute_threads=2, pop_timeout_s=60,
+                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0,
+                        cache_staleness_s=600.0)
+    with stoker.Pipeline(cfg) as p:
+        _batch(p, uri, data, "plain")  # fetched, kept
+        assert cache.flush(30)
+        reads = _Reads(monkeypatch)
+        _batch(p, uri, data, "plain")  # from disk: the entries given, and memorized
+        assert reads.engine > 0
+        kv = _caching_of(p, f"{uri}/plain")
+        changes = kv.changes
+        kv.forget(f"{prefix}/sharded")  # what opening another array through open_array's Stores calls
+        assert kv.changes == changes
+        given, hits = reads.engine, cache.hits
+        _batch(p, uri, data, "plain")  # from the memo: nothing asked, all read from disk
+        assert reads.engine == given and cache.hits > hits
+        kv.forget(f"{prefix}/plain")  # what was learnt under it forgotten: the memos made at it are stale
+        assert kv.changes > changes
+        _batch(p, uri, data, "plain")  # the memo emptied: its generations learnt again
+        _batch(p, uri, data, "plain")  # and their entries asked for again
+        assert reads.engine > given
+
+
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_chunks_past_the_memos_bound_keep_hits_and_cost_no_more(s3, data, tmp_path, monkeypatch, path):
     # more cached chunks than the decoder's memos hold (ENTRY_MEMOS, 4 here: ONE_EACH's 12, in two batches),

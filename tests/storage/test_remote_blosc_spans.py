@@ -5,6 +5,7 @@ no version gets no spans. Also: a batch larger than a fetch holds goes to the st
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import warnings
@@ -415,3 +416,21 @@ def test_a_pooled_frame_is_byte_for_byte_the_frame_assemble_lays_out_whatever_it
         laid += np.shares_memory(out, used)
         pool.give([out])
     assert laid >= 2  # the dirtied buffer was laid out in, more than once
+
+
+def test_a_taken_buffer_that_dies_lent_leaves_no_record_a_later_buffer_could_pick_up():
+    # what assemble wrote is kept by the buffer's id: a buffer first made by take(), given back, lent by
+    # assemble and dropped lent (a failed batch) must take that record with it, or a later buffer at the same id
+    # would be given back with it (zeros skipped over bytes an earlier frame left: wrong frames)
+    frame = numcodecs.Blosc("lz4", 1, numcodecs.Blosc.SHUFFLE).encode(np.arange(1 << 17, dtype="<u2") % 300)
+    tables = FrameTables()
+    tables.learn("s", "k", frame, 1 << 18, version=(len(frame), '"a"'))
+    lo, hi, table = tables.span("s", "k", 1 << 18, 0, 1000)
+    pool = FrameBuffers(max_bytes=FrameBuffers.ROUND * 8)
+    taken = pool.take(len(frame))
+    pool.give([taken])
+    out = pool.assemble(table, lo, memoryview(frame)[lo:hi])
+    assert np.shares_memory(out, taken) and len(pool._written) == 1
+    del taken, out  # dies lent
+    gc.collect()
+    assert pool._written == {}

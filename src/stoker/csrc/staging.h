@@ -37,7 +37,7 @@ typedef struct {
     long long opens, preads; /* (totals, for the store's counters) */
     /* the round's cancel flag (NULL: none): once it is set (stage_cancel, from another thread) no read starts,
      * those not run are ST_CANCELLED (nothing of theirs in the staging), and stage_read returns after the reads
-     * already under way (one pread each at most) */
+     * already under way end (a whole file: its read_range) */
     const int *cancel;
 } stage_plan;
 
@@ -63,11 +63,12 @@ int stage_check(const stage_plan *p, const char **error);
  * the ``ndim`` grid coordinates joined by ``sep``, NUL-terminated, into ``out`` (room for n + 21 * ndim + 1 bytes:
  * a coordinate takes 20 digits at most). Returns its length. The engine's paths (pool.c) and the staging's. */
 size_t chunk_path(char *out, const char *prefix, size_t n, char sep, const int64_t *coords, int ndim);
+/* Reads the plan (see stage_check). Cancelled (p->cancel set before or during the call): every read not run yet
+ * is ST_CANCELLED with SO_AT -1 and SO_NREAD 0 ("not run": nothing of it in the staging), checked before each
+ * file's reads, between a shard's runs and before the whole files are placed (none is placed then); a read under
+ * way when it is set ends first, and a shard's runs that ran keep their statuses (its identity still checked
+ * after them). */
 void stage_read(stage_plan *p, int threads);
-/* Cancelled (p->cancel set before or during the call): every read not run yet is ST_CANCELLED with SO_AT -1 and
- * SO_NREAD 0 ("not run": nothing of it in the staging), checked before each file's reads, between a shard's runs
- * and before the whole files are placed (none is placed then); a read under way when it is set ends first, and
- * a shard's runs that ran keep their statuses (its identity still checked after them). */
 
 /* Persistent readers: stage_read_on(p, 0, pool) reads as stage_read does, on the caller's thread and the pool's
  * threads - 1 helpers, started at the pool's first round with two tasks or more and kept (a thread start costs

@@ -395,7 +395,10 @@ class SlotRing:
     def keep(self) -> None:
         """A device stream that a close stopped waiting for may still read or write the slots (a hung device,
         :mod:`stoker.engine.gpu.streams`): :meth:`close` leaves them in the ring, handing none to
-        :data:`SPARE_SLOTS`, where another ring would take the memory under that work."""
+        :data:`SPARE_SLOTS`, where another ring would take the memory under that work.
+
+        >>> ring.keep(); ring.close()   # doctest: +SKIP
+        """
         self.kept = True
 
     def close(self) -> None:

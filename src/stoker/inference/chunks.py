@@ -126,7 +126,11 @@ class ChunkWriter:
     def files(self, box: tuple[slice, ...]) -> list[Path]:
         """The files on a local disk that hold ``box`` (its chunks, or its shards; those of chunks holding only
         the fill value may not exist); none on other stores. Where a region's write went, for
-        :mod:`.durable`."""
+        :mod:`.durable`.
+
+        >>> writer.files((slice(0, 64), slice(0, 64)))   # doctest: +SKIP
+        [PosixPath('/out/pred.zarr/c/0/0')]
+        """
         if self.folder is None:
             return []
         meta = self.array.metadata
@@ -136,7 +140,11 @@ class ChunkWriter:
 
     def metadata_files(self) -> list[Path]:
         """The array's metadata files on a local disk (zarr.json; .zarray and .zattrs), to be durable before
-        the first mark; none on other stores."""
+        the first mark; none on other stores.
+
+        >>> writer.metadata_files()   # doctest: +SKIP
+        [PosixPath('/out/pred.zarr/zarr.json')]
+        """
         if self.folder is None:
             return []
         names = ["zarr.json"] if self.array.metadata.zarr_format == 3 else [".zarray", ".zattrs"]

@@ -22,9 +22,10 @@ Nothing on the disk is fsynced there (``files`` is empty), and each mark is writ
 write thread that wrote the region (no sync thread: one would send the marks' PUTs one at a time, behind
 each other, however many write threads send the chunks').
 
-A pass that fails (an fsync or a mark raising) marks none of its regions; the error is kept and raised, as a
-:class:`~stoker.errors.StorageError`, by :meth:`add`, :meth:`check` and :meth:`drain` from then on, and
-nothing is marked after it (an fsync that failed may succeed the next time with the data lost).
+A pass that fails (an fsync or a mark raising) counts none of its regions as marked (where the log's fsync
+failed their lines may survive, their chunks fsynced before them: already on the disk); the error is kept and
+raised, as a :class:`~stoker.errors.StorageError`, by :meth:`add`, :meth:`check` and :meth:`drain` from then
+on, and nothing is marked after it (an fsync that failed may succeed the next time with the data lost).
 
 >>> marks = DurableMarks(record, Path("/out/pred.zarr"), on_marked=print, threaded=True, timeout_s=600)
 >>> marks.add((0, 0, 0), [Path("/out/pred.zarr/c/0/0/0")])   # after the region's chunks were written

@@ -78,7 +78,10 @@ class CompletionRecord:
 
     def flush(self) -> None:
         """Make the marks written so far durable (the log fsynced, and the record's folder when the log is new),
-        keeping the log open for the next marks."""
+        keeping the log open for the next marks.
+
+        >>> record.mark((0, 0, 0)); record.flush()   # doctest: +SKIP
+        """
         if self.remote:
             return
         with self._log_lock:  # a mark's append and sync() do not run meanwhile

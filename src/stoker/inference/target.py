@@ -47,7 +47,11 @@ def remote_store(uri: str, storage_options: dict | None) -> ObjectStore:
 
 def local_path(uri: str) -> str:
     """The path a local ``uri`` names: ``file://`` resolved (:func:`~stoker.storage.urls.resolve_local_path`),
-    a plain path as it is."""
+    a plain path as it is.
+
+    >>> local_path("file:///out/a%20b.zarr")
+    '/out/a b.zarr'
+    """
     if "://" in uri and urlparse(uri).scheme.lower() == "file":
         return resolve_local_path(uri)
     return uri

@@ -143,11 +143,15 @@ class CachingStore:
             prefix = check_prefix(prefix)
             under = prefix + "/" if prefix else ""
             with self._lock:
-                self.changes += 1  # generations forgotten: memos of entries made at them are stale
                 self._forgot[prefix] = time.monotonic()  # answers to reads started before now: not learnt
-                for names in (self._known, self._heads):  # HEADs in flight: their answers are not learnt
-                    for key in [k for k in names if k.startswith(under)]:
-                        del names[key]
+                gone = [k for k in self._known if k.startswith(under)]
+                # generations forgotten: memos of entries made at them are stale (none learnt under prefix, as
+                # when a new array is opened on a held store: the other arrays' memos stay good)
+                self.changes += bool(gone)
+                for key in gone:
+                    del self._known[key]
+                for key in [k for k in self._heads if k.startswith(under)]:  # in flight: answers not learnt
+                    del self._heads[key]
                 for folder in [p for p in self._listings if p == prefix or p.startswith(under)]:
                     del self._listings[folder]  # its pages in flight are not learnt (see _listed)
                 # listings of folders above (an array's, ``prefix`` a folder in it): their pages to come would
@@ -648,7 +652,11 @@ class CachingStore:
         """For each of ``keys``, until when (``time.monotonic()``) the generation known now stays within the
         staleness bound, as :meth:`entry_files` judges it (0.0: none known, or one read through). What a memo
         of the entries :meth:`entry_files` gave may trust them for, while :attr:`changes` and :attr:`losses`
-        stay as they were."""
+        stay as they were.
+
+        >>> kv.known_until(["g.zarr/a/c/0/0", "g.zarr/a/c/9/9"])   # doctest: +SKIP
+        [4711.5, 0.0]
+        """
         staleness = self.staleness_s
         with self._lock:
             known = [self._known.get(key) for key in keys]

@@ -435,13 +435,16 @@ class _EntryMemos:
     True
     """
 
-    __slots__ = ("arrays", "count")
+    __slots__ = ("arrays", "count", "prune_at")
 
     def __init__(self) -> None:
-        # the arrays whose memo was started (emptied since, some): id -> _Source (held, so the id stays its
-        # own), the first started first
+        # the arrays whose memo was started (emptied since, some: let go at the next recount): id -> _Source
+        # (held, so the id stays its own), the first started first
         self.arrays: dict[int, _Source] = {}
         self.count = 0  # entries kept in all, at least as many as the memos hold (counted again at the bound)
+        # recounted when this many arrays are held: twice those left after the last recount, so arrays whose
+        # memo a stamp change emptied are let go long before the bound (each recount costs a step an array)
+        self.prune_at = 64
 
     def keep(self, source: "_Source", key: tuple, value: tuple) -> bool:
         """``source.entries[key] = value`` where the bound allows it (see the class); whether it was kept."""
@@ -452,18 +455,28 @@ class _EntryMemos:
         if source.entries_full:
             return False
         if self.count >= ENTRY_MEMOS:
-            self.count = sum(len(s.entries) for s in self.arrays.values())  # memos emptied, entries dropped
+            self._recount()  # memos emptied, entries dropped
             if self.count >= ENTRY_MEMOS:
                 self._forget_some(source)
             if self.count >= ENTRY_MEMOS:  # this array holds the bound alone: what it holds stays
                 source.entries_full = True
                 return False
         if not memo:  # started (again): the newest
+            if len(self.arrays) >= self.prune_at:
+                self._recount()
             self.arrays.pop(id(source), None)
             self.arrays[id(source)] = source
         memo[key] = value
         self.count += 1
         return True
+
+    def _recount(self) -> None:
+        """Count the entries kept again, and let go of the arrays whose memo is empty (emptied by their store's
+        stamp moving on, or their entries dropped): held, each would keep its ``_Source`` (its array, its
+        store) alive past the decoder's ``SHARED_SOURCES``."""
+        self.arrays = {i: s for i, s in self.arrays.items() if s.entries}
+        self.count = sum(len(s.entries) for s in self.arrays.values())
+        self.prune_at = max(64, 2 * len(self.arrays))
 
     def _forget_some(self, keeping: "_Source") -> None:
         """Forget other arrays' memos, the first started first, until at most three quarters of the bound are

@@ -152,12 +152,12 @@ class FrameBuffers:
                 self._free_bytes -= len(base)
                 return base, written
         size = -(-nbytes // self.ROUND) * self.ROUND
-        if not zeroed:
-            return host_bytes(size, "a blosc frame's fetched blocks"), None
-        base = host_bytes(size, "a blosc frame's fetched blocks", zeroed=True)
-        # its record of what was written goes with it, should it die lent (dropped by a failed batch)
+        base = host_bytes(size, "a blosc frame's fetched blocks", zeroed=zeroed)
+        # its record of what was written goes with it, should it die lent (dropped by a failed batch): every
+        # new buffer, as one from take() may be given back, then lent by assemble (a record left at its id
+        # would be picked up by a later buffer at the same id: zeros not written where they are needed)
         weakref.finalize(base, self._written.pop, id(base), None)
-        return base, ()
+        return base, (() if zeroed else None)
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of ``nbytes`` (its contents whatever they were: :func:`assemble` writes every byte)."""

@@ -357,7 +357,10 @@ class GpuDecodeExecutor(SlotsDelivery):
         """From a ``before`` hook (this executor's thread): queue the copy of the host buffer ``host`` (named
         ``host_id`` to the streams' backend) into ``batch`` on the place stream (:meth:`.streams.WaveStreams.land`),
         where the batch's chunks are then placed over it; returns the event after which ``host`` may be written
-        again (None on CPU tensors)."""
+        again (None on CPU tensors).
+
+        >>> done = executor.land(batch, host_slot, ("host", 0))   # doctest: +SKIP
+        """
         assert self._lanes is not None and self._landing is not None, "land() is for a before hook"
         return self._lanes.land(batch, host, host_id, self._landing)
 

@@ -69,7 +69,6 @@ class Readers:
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py); new in a forked child
         # the rounds' cancel flag (csrc/staging.c reads it between reads, without a lock); None without the engine
         self._cancel: Any = native.stage_cancel_flag() if available() else None
-        self.cancelled = False
         _open.add(self)
         _every.add(self)
 
@@ -113,14 +112,16 @@ class Readers:
 
     def cancel(self) -> None:
         """Stop the round reading on these readers (from any thread, its caller's reads too): no read starts
-        after this, those under way end (one ``pread`` each at most), the rest are :data:`ST_CANCELLED` (not
-        run, nothing staged), and so is every read of a later round. For a pipeline that is closing: its
-        reader then returns at once rather than after the wave's last read."""
-        self.cancelled = True
+        after this, each under way ends (a whole file: its ``read_range``), the rest are :data:`ST_CANCELLED`
+        (not run, nothing staged), and so is every read of a later round. For a pipeline that is closing: its
+        reader then returns at once rather than after the wave's last read.
+
+        >>> readers.cancel()   # doctest: +SKIP
+        """
         if self._cancel is not None:
             native.stage_cancel(self._cancel)
 
-    def flag(self) -> Any:
+    def cancel_flag(self) -> Any:
         """The cancel flag :func:`read` hands to the compiled reads."""
         return self._cancel
 
@@ -178,7 +179,7 @@ def read(buf: Any, paths: list[str] | bytes, files: np.ndarray, reads: np.ndarra
     pooled = isinstance(threads, Readers)
     gil.released(native.stage_read, buf, paths, np.ascontiguousarray(files, np.int64).reshape(-1, 6), reads, out,
                  int(whole_base), threads.handle() if pooled else int(threads), *extra,
-                 cancel=threads.flag() if pooled else None)
+                 cancel=threads.cancel_flag() if pooled else None)
     return out
 
 

@@ -186,7 +186,10 @@ class Stager:
         the Python way). On the Python path only the caller's wait for the read threads ends
         (:meth:`ReadPool.map` raises :class:`~stoker.errors.ShutdownError`): a read thread goes on with the
         reads of its slice into the staging, which the views it holds keep alive, and nothing is placed from
-        them (the batch being staged fails)."""
+        them (the batch being staged fails).
+
+        >>> stager.cancel()   # doctest: +SKIP
+        """
         self.pool.cancel()
 
     def close(self, timeout: float = 1.0) -> None:

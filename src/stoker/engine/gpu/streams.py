@@ -65,13 +65,20 @@ _kept_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 def keep(things: Sequence[Any]) -> None:
     """Hold ``things`` (tensors, slot rings, a stream decoder) referenced for the rest of the process: memory a
     stream that did not finish by a close may still write is leaked rather than freed (torch would hand it to
-    the next allocation, under that stream's work)."""
+    the next allocation, under that stream's work).
+
+    >>> keep([slots, staging])   # doctest: +SKIP
+    """
     with _kept_lock:
         _kept.extend(things)
 
 
 def kept() -> list[Any]:
-    """What :func:`keep` holds (a copy of the list)."""
+    """What :func:`keep` holds (a copy of the list).
+
+    >>> any(x is slots for x in kept())   # doctest: +SKIP
+    True
+    """
     with _kept_lock:
         return list(_kept)
 
@@ -131,7 +138,8 @@ class CloseWait:
             f"close(): {'; '.join(self._stuck)} did not finish their work within {self.timeout} s (a hung "
             f"kernel or copy?). Their buffers are kept referenced for the rest of the process rather than freed "
             f"under work that may still write them: {self._device:,} B of device memory (batch slots, device "
-            f"copies, decode scratches) and {self._pinned:,} B of pinned staging (a leak, on purpose).",
+            f"copies, decode scratches) and {self._pinned:,} B of pinned staging (a leak, on purpose): restart the "
+            "process to free them; check the device (nvidia-smi; dmesg for Xid errors).",
             RuntimeWarning, stacklevel=stacklevel + 1)
 
 

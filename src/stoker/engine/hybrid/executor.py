@@ -221,8 +221,10 @@ class HybridExecutor:
             return
         self._budgets(lambda: self.gpu.prepare(sample_shape, readers, dtype))
         self._budgets(lambda: self.cpu.prepare(sample_shape, readers, self.gpu.work_dtype(dtype)))
-        if self.cpu.host_slots is not None:  # read by the landing copies on the GPU part's place stream
-            self.gpu.keep_with.append(self.cpu.host_slots)
+        ring = self.cpu.host_slots
+        # read by the landing copies on the GPU part's place stream (once: a prepare tried again passes here too)
+        if ring is not None and not any(r is ring for r in self.gpu.keep_with):
+            self.gpu.keep_with.append(ring)
 
     def held(self) -> int:
         return self.gpu.held()
