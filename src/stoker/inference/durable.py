@@ -35,8 +35,6 @@ on, and nothing is marked after it (an fsync that failed may succeed the next ti
 
 from __future__ import annotations
 
-import errno
-import os
 import threading
 import time
 import weakref
@@ -45,10 +43,10 @@ from typing import Callable, Sequence
 
 from ..errors import StorageError
 from ..runtime.workers import DaemonPool
+from ..storage.fsutil import fsync_path as _fsync
 from .record import CompletionRecord
 
 _POLL_S = 0.5  # how often a wait looks at the clock again
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class DurableMarks:
@@ -212,24 +210,6 @@ class DurableMarks:
     def threads(self) -> list[threading.Thread]:
         """The sync thread, once started."""
         return [] if self._pool is None else self._pool.threads
-
-
-def _fsync(path: Path, missing_ok: bool = False, folder: bool = False) -> None:
-    """fsync ``path`` (a folder with ``folder``): ``missing_ok``, nothing when it is not there; a filesystem
-    that cannot fsync a folder (EINVAL) is let be (its renames are still atomic)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _CLOEXEC | (getattr(os, "O_DIRECTORY", 0) if folder else 0))
-    except FileNotFoundError:
-        if missing_ok:
-            return
-        raise
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if not (folder and exc.errno in (errno.EINVAL, errno.ENOTSUP)):
-            raise
-    finally:
-        os.close(fd)
 
 
 __all__ = ["DurableMarks"]

@@ -50,7 +50,7 @@ from ..checks import seconds
 from ..errors import ClaimTimeout, InvalidArgument, StorageError
 
 __all__ = ["CLAIM_STALE_S", "HOST", "STALE_AFTER_S", "WAIT_S", "Claim", "Claimant", "claim", "claim_path",
-           "fsync_dir", "fsync_tree", "is_temp_path", "make_owned_dir", "make_sibling_dir", "place_dir",
+           "fsync_dir", "fsync_path", "fsync_tree", "is_temp_path", "make_owned_dir", "make_sibling_dir", "place_dir",
            "remove_dead_owned_dirs", "remove_dead_siblings", "remove_dead_temp_files", "removing_dead_temp_files",
            "replace_atomically", "sibling_path", "try_claim", "write_file_once", "write_once", "writer_gone"]
 
@@ -283,6 +283,28 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     except OSError:
         pass  # e.g. EINVAL on filesystems without directory fsync
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: str | os.PathLike, missing_ok: bool = False, folder: bool = False) -> None:
+    """fsync ``path`` (a folder with ``folder``), raising its errors, unlike :func:`fsync_dir` (what vouches for
+    data on the disk must not pass over an EIO): ``missing_ok``, nothing when it is not there; a filesystem that
+    cannot fsync a folder (EINVAL, ENOTSUP) is let be (its renames are still atomic).
+
+    >>> fsync_path("out.zarr/c/0/0", missing_ok=True)   # doctest: +SKIP
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (getattr(os, "O_DIRECTORY", 0) if folder else 0))
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if not (folder and exc.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
     finally:
         os.close(fd)
 
