@@ -1,11 +1,13 @@
 """Every wait for the device has a limit (engine/gpu/streams.py ``poll``), without a GPU: a device that never
 finishes its work (events whose ``query()`` never turns true, and whose ``synchronize()``, a wait without a
-limit, fails the test) does not hold the CUDA transfer's close.
+limit, fails the test) holds neither the CUDA transfer's close nor the nvCOMP decode's check.
 
 - the CUDA transfer executor (``decode_on="cpu"`` on a GPU) runs here on CPU tensors with a host stand-in of
   its stream: its close stops waiting at the pipeline's one close deadline, warns once naming the transfer
   stream, and keeps every buffer its copies may use (device slots, staging and work buffers, pinned host
   slots), none handed back;
+- the nvCOMP decode's check (a fake nvCOMP call whose event never completes) raises DeviceError at its
+  shortened limit, keeps what the decode may still write, and the checks queued behind it fail at once.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import time
 import warnings
 
+import numcodecs
 import numpy as np
 import pytest
 import torch
@@ -22,7 +25,9 @@ from zarr.codecs import ZstdCodec
 import stoker
 from stoker.engine import buffers
 from stoker.engine.cuda.transfer import CudaExecutor
-from stoker.engine.gpu import streams as gpu_streams
+from stoker.engine.gpu import nvcomp, streams as gpu_streams
+from stoker.engine.gpu.capi import Queued
+from stoker.engine.gpu.frames import ZSTD, parse_zstd
 from stoker.engine.gpu.streams import HostStreams, poll
 from stoker.engine.pipeline import facade as pipelines
 from batch_oracle import random_crops
@@ -174,3 +179,62 @@ def test_a_transfer_that_finishes_in_time_keeps_nothing(volume, monkeypatch):
     assert not [w for w in caught if "did not finish" in str(w.message)]
     assert not made[0].transfer.stuck and len(gpu_streams.kept()) == before
     assert not made[0].host_slots.kept and spare.held_bytes > 0
+
+
+# -- the nvCOMP decode's check ------------------------------------------------------------------------------
+
+class _NeverDone:
+    """nvCOMP's batched call, faked (nothing real runs without a GPU): it queues nothing, and the event of its
+    decode never completes."""
+
+    def __init__(self, backend: Hung) -> None:
+        self.backend = backend
+        self.queued: list[Queued] = []
+
+    def temp_bytes(self, n, max_bytes, total_bytes):
+        return 64
+
+    def decompress(self, src, csize, dst, dsize, temp, stream):
+        n = len(src)
+        self.queued.append(Queued(torch.from_numpy(np.array(dsize, np.int64)), torch.zeros(n, dtype=torch.int32),
+                                  self.backend.record(stream)))  # (what a good decode reports)
+        return self.queued[-1]
+
+
+def _host_decoder(backend: Hung):
+    """nvCOMP's DeviceDecoder without its CUDA set-up (its constructor needs a device): on CPU tensors, its
+    batched calls the fake above."""
+    decoder = object.__new__(nvcomp.DeviceDecoder)
+    decoder.device, decoder.stream = torch.device("cpu"), None
+    decoder._codecs = {ZSTD: _NeverDone(backend)}
+    return decoder
+
+
+def test_a_decode_check_on_a_hung_device_raises_device_error_at_its_limit(monkeypatch):
+    monkeypatch.setattr(nvcomp, "CHECK_WAIT_S", 0.1)
+    backend = Hung()
+    decoder = _host_decoder(backend)
+    data = np.arange(5000, dtype=np.uint16).tobytes()
+    layout = parse_zstd(numcodecs.Zstd(level=3).encode(data), len(data))
+    staged, out = torch.zeros(layout.in_nbytes, dtype=torch.uint8), torch.zeros(layout.out_nbytes, dtype=torch.uint8)
+    rows = np.flatnonzero(~layout.raw)
+    temp = torch.zeros(64, dtype=torch.uint8)
+
+    check = decoder._decompress(ZSTD, staged, out, layout, rows, temp)
+    check()  # the device keeps up: the check passes
+    before = len(gpu_streams.kept())
+    backend.hang()
+    first = decoder._decompress(ZSTD, staged, out, layout, rows, temp)
+    behind = decoder._decompress(ZSTD, staged, out, layout, rows, temp)
+    with pytest.raises(stoker.DeviceError, match=r"zstd streams of chunks \[0\] on cpu did not finish within 0.1 s"
+                                                 r".*Config\(decode_on='cpu'\)"):
+        first()
+    event = decoder._codecs[ZSTD].queued[1].event
+    assert event.queries >= 2  # polled until the limit, never synchronized
+    kept = {id(x) for x in gpu_streams.kept()[before:]}
+    assert all(id(x) in kept for x in (decoder._codecs[ZSTD].queued[1], staged, out, temp))
+    monkeypatch.setattr(nvcomp, "CHECK_WAIT_S", 1000.0)  # (the one behind it fails at once: no second limit)
+    with pytest.raises(stoker.DeviceError, match="queued behind one that has not finished"):
+        behind()
+    backend.hung = False  # the device finishes after all: the checks pass again
+    decoder._decompress(ZSTD, staged, out, layout, rows, temp)()

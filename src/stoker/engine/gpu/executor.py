@@ -784,7 +784,11 @@ class GpuDecodeExecutor(SlotsDelivery):
 
     def _acquire_staging(self):
         slot = None
-        while slot is None:  # (free once the copy that last read it is done: the ring polls its event)
+        # free once the copy that last read it is done: the ring polls its event. The only wait for the device
+        # without a deadline of its own: it ends at close (the ring checks _closing every 0.1 s); on a hung
+        # device the consumer's pop ends first, with the DeviceError of a wave's check (nvcomp.CHECK_WAIT_S)
+        # or at pop_timeout_s
+        while slot is None:
             slot = self.host_slots.acquire(lambda: self._closing, timeout=0.1)
         self._lanes.staged(slot.index)
         return slot
