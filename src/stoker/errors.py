@@ -131,9 +131,9 @@ class DecodeError(StokerError):
 
 
 class DeviceError(StokerError, RuntimeError):
-    """The GPU failed at work stoker queued on it: nvCOMP refused a decode, or reported damage in chunks
-    that decode on the CPU. The message names the call or the chunks; ``Config(decode_on="cpu")`` reads
-    them without the GPU decode."""
+    """The GPU failed at work stoker queued on it: nvCOMP refused a decode, reported damage in chunks
+    that decode on the CPU, or did not finish a decode within a minute (a hung device). The message names
+    the call or the chunks; ``Config(decode_on="cpu")`` reads them without the GPU decode."""
 
 
 class MetadataError(DecodeError):

@@ -18,6 +18,16 @@ is refilled only after the copy has read it (also when the transform then fails)
 staging buffer and one work buffer suffice: every copy, cast and transform runs on the one
 stream, in order.
 
+Closing refuses new copies and waits for the queued ones (milliseconds) a bounded time, as the GPU decode
+does (:mod:`stoker.engine.gpu.streams`): an event recorded on the stream, polled until the pipeline's one
+close deadline (:class:`~stoker.engine.gpu.streams.CloseWait`). A stream still busy then (a hung device) is
+named in the close's one warning, and every buffer its copies may still read or write (the device slots,
+the staging and work buffers, the pinned host slots) is kept referenced rather than freed.
+
+The stream and its events come from a backend of :mod:`stoker.engine.gpu.streams` (``streams``: CUDA's on a
+GPU, :class:`~stoker.engine.gpu.streams.HostStreams` on CPU tensors, which is how the executor is tested
+without one).
+
 :class:`CudaExecutor` is the pipeline's executor on a GPU (the contract of
 :mod:`.executor`): the CPU executor's decoders fill ``lookahead_batches`` pinned byte slots,
 and its delivery slots are ``lookahead_batches + 1`` device slots.
@@ -25,6 +35,7 @@ and its delivery slots are ``lookahead_batches + 1`` device slots.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -40,6 +51,8 @@ from ..buffers import Slot, SlotRing, pinned_footprint
 from ..cpu.cf import plan_decoder
 from ..cpu.executor import CpuExecutor, take_slot
 from ..executor import Delivery, Job, Target
+from ..gpu import streams as streams_mod
+from ..gpu.streams import CudaStreams, HostStreams
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -55,23 +68,31 @@ _STREAMS = tuple(c for c in (torch.cuda.Stream, getattr(torch, "Stream", None)) 
 
 
 class CudaTransfer:
-    """Side stream, device batch slots and the device staging buffer of one pipeline."""
+    """Side stream, device batch slots and the device staging buffer of one pipeline. ``streams``: the stream's
+    backend (None: CUDA's on a CUDA ``device``, none on CPU tensors)."""
 
     def __init__(self, device: torch.device, n_slots: int, batch_shape: tuple[int, ...], dtype: torch.dtype,
-                 stage_bytes: int, work: torch.dtype | None = None) -> None:
+                 stage_bytes: int, work: torch.dtype | None = None, streams: HostStreams | None = None) -> None:
         self.device = device
-        # lock rank 3 (engine/pipeline/facade.py): issue() against close(): no copy is queued after close synchronised
+        # lock rank 3 (engine/pipeline/facade.py): issue() against close(): no copy is queued after close's event
         self._lock = threading.Lock()
         self._closed = False
-        with torch.cuda.device(device):
-            self.stream = torch.cuda.Stream(device)
+        #: True once a close stopped waiting for the stream's work (a hung device): its buffers are kept
+        self.stuck = False
+        self._backend = streams if streams is not None else (
+            CudaStreams(device) if device.type == "cuda" else HostStreams())
+        with self._on_device():
+            self.stream = self._backend.stream("transfer")
             # Allocated on the side stream, which writes them: freed memory is then reused in its order.
-            with torch.cuda.stream(self.stream):
+            with self._backend.on(self.stream):
                 self.slots = SlotRing(n_slots, batch_shape, dtype, device=device)
                 self._stage = (allocate(stage_bytes, torch.uint8, device, what="the device staging of the cast")
                                if stage_bytes else None)
                 self._work = (allocate(batch_shape, work, device, what="the device work buffer of the transform")
                               if work is not None and work != dtype else None)
+
+    def _on_device(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     @property
     def nbytes(self) -> int:
@@ -91,14 +112,15 @@ class CudaTransfer:
         out = slot.tensor[:rows]
         dest = self._work[:rows] if self._work is not None else out
         transform_s = 0.0
-        with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        b = self._backend
+        with self._lock, self._on_device(), b.on(self.stream):
             if self._closed:
                 raise pipeline_closed()
             for wait in slot.stream_waits:
                 if isinstance(wait, EVENT_TYPES):
-                    self.stream.wait_event(wait)
+                    b.wait(self.stream, wait)
                 else:  # a consumer stream: wait for all it has queued so far, the work on this slot included
-                    self.stream.wait_stream(wait)
+                    b.wait_stream(self.stream, wait)
             slot.stream_waits = []
             if host.dtype == dest.dtype:
                 dest.copy_(host, non_blocking=True)
@@ -111,24 +133,37 @@ class CudaTransfer:
                 stage.copy_(host, non_blocking=True)
                 dest.copy_(stage)  # the cast, on the device
             if copied is not None:
-                read = torch.cuda.Event()
-                read.record(self.stream)
-                copied(read)
+                copied(b.record(self.stream))
             if transform is not None:
                 t0 = time.perf_counter()
                 apply_transform(transform, dest, keys)
                 transform_s = time.perf_counter() - t0
             if dest is not out:
                 out.copy_(dest)  # the one rounding to the 16-bit output, after the transform
-            event = torch.cuda.Event()
-            event.record(self.stream)
+            event = b.record(self.stream)
         return event, transform_s
 
-    def close(self) -> None:
-        """Refuse new copies and wait for queued ones (milliseconds), so no buffer is freed under a copy."""
+    def close(self, deadline: float | None = None) -> bool:
+        """Refuse new copies and wait for the queued ones (milliseconds), so no buffer is freed under a copy,
+        until ``deadline`` (``time.monotonic()``; None: :data:`~stoker.engine.gpu.streams.CLOSE_WAIT_S` from
+        now) at most. Returns True once the stream is past them; False when it was not by the deadline (a hung
+        device, also at every later close): then the device slots, staging and work buffers are kept
+        referenced for the process's life (:func:`~stoker.engine.gpu.streams.keep`), never freed under the
+        copies, and the caller keeps the host buffers they read."""
         with self._lock:
             self._closed = True
-        self.stream.synchronize()
+            if self.stuck:
+                return False
+            with self._on_device():
+                done = self._backend.record(self.stream)  # (under the lock: no copy is queued after it)
+        if deadline is None:
+            deadline = time.monotonic() + streams_mod.CLOSE_WAIT_S
+        with self._on_device():
+            self.stuck = bool(streams_mod.poll([done], self._backend.done, deadline))
+        if self.stuck:
+            self.slots.keep()
+            streams_mod.keep([t for t in (self.slots, self._stage, self._work) if t is not None])
+        return not self.stuck
 
 
 def consumer_stream(stream: int | None, device: torch.device):
@@ -180,14 +215,20 @@ class CudaExecutor(CpuExecutor):
     """Batches on a GPU: the CPU executor's decoders fill pinned host *byte* slots, each batch viewed in its
     staging dtype (:func:`~.cast.staging_dtype`: the source dtype when it is a narrower integer type, else
     the output dtype); the job's completion hook (on the thread that finished the batch) hands it to
-    :class:`CudaTransfer`, and the device slot is what the consumer gets, ready after its event."""
+    :class:`CudaTransfer`, and the device slot is what the consumer gets, ready after its event.
+
+    ``streams``: the transfer stream's backend (:mod:`stoker.engine.gpu.streams`; None: CUDA's). On a CPU
+    ``device`` (its tests) the slots are plain memory and there is no stream."""
 
     staging = "pinned staging slots (lookahead_batches)"
+    shares_close_wait = True  # close(wait): the pipeline's one wait for all its executors (Pipeline.close)
 
-    def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore) -> None:
+    def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,
+                 streams: HostStreams | None = None) -> None:
         super().__init__(cfg, stats, store)
         self.device = device
         self.transfer: CudaTransfer | None = None
+        self._streams = streams
 
     @property
     def n_host_slots(self) -> int:
@@ -199,7 +240,7 @@ class CudaExecutor(CpuExecutor):
         return [(self.n_host_slots, self.work_dtype(dtype), self.staging)]
 
     def host_slot_bytes(self, slot_bytes: int) -> int:
-        return pinned_footprint(slot_bytes)
+        return pinned_footprint(slot_bytes) if self.device.type == "cuda" else slot_bytes
 
     def check_budget(self, shape: tuple[int, ...], dtype: torch.dtype, transient: int) -> None:
         """The host part (pinned staging plus ``transient``), then the device slots plus staging (and the
@@ -227,10 +268,13 @@ class CudaExecutor(CpuExecutor):
         work = self.work_dtype(dtype)
         work_bytes = math.prod(batch_shape) * work.itemsize
         # byte slots: each batch is assembled in its own staging dtype (see cast.staging_dtype)
-        with torch.cuda.device(self.device):  # pinning needs a CUDA context: this GPU's, not GPU 0's
-            self.host_slots = SlotRing(self.n_host_slots, (work_bytes,), torch.uint8, pin=True)
+        on_gpu = self.device.type == "cuda"
+        # pinning needs a CUDA context: this GPU's, not GPU 0's
+        with torch.cuda.device(self.device) if on_gpu else contextlib.nullcontext():
+            self.host_slots = SlotRing(self.n_host_slots, (work_bytes,), torch.uint8, pin=on_gpu)
         self.transfer = CudaTransfer(self.device, self.n_slots, batch_shape, dtype,
-                                     stage_bytes(work_bytes, self._cast_dtype(dtype)), work=work)
+                                     stage_bytes(work_bytes, self._cast_dtype(dtype)), work=work,
+                                     streams=self._streams)
         self.slots = self.transfer.slots
 
     def acquire(self, plan: TablePlan, closed: Callable[[], bool]) -> Target:
@@ -268,7 +312,21 @@ class CudaExecutor(CpuExecutor):
         view, release, _, _ = super().deliver(target, rows)
         return view, release, target.event, self.transfer.stream
 
-    def close(self) -> None:
-        """Refuse new copies and wait for queued ones, so no buffer is freed under a copy."""
-        if self.transfer is not None:
-            self.transfer.close()
+    def close(self, wait: streams_mod.CloseWait | None = None) -> None:
+        """Refuse new copies and wait for the queued ones, so no buffer is freed under a copy, until ``wait``'s
+        deadline (:class:`~stoker.engine.gpu.streams.CloseWait`: a pipeline's one for all its executors; None:
+        this close's own, :data:`~stoker.engine.gpu.streams.CLOSE_WAIT_S`). A stream still busy then (a hung
+        device) is named in ``wait``'s one warning (given here without a ``wait``), and every buffer its copies
+        may use is kept: the transfer's (:meth:`CudaTransfer.close`) and the pinned host slots they read."""
+        own = wait is None
+        wait = streams_mod.CloseWait() if wait is None else wait
+        transfer = self.transfer
+        if transfer is not None and not transfer.stuck:
+            if not transfer.close(wait.deadline):
+                assert self.host_slots is not None
+                self.host_slots.keep()
+                streams_mod.keep([self.host_slots])
+                wait.stuck(self, ["transfer"], transfer.nbytes, self.host_slots.nbytes)
+        super().close()  # (plain host slots to the spare ones, unless kept: the host stand-in's)
+        if own:
+            wait.warn(stacklevel=2)

@@ -150,9 +150,9 @@ class Batched:
             statuses_host = torch.empty(n, dtype=torch.int32, pin_memory=True)
             sizes_host.copy_(on_device[4], non_blocking=True)
             statuses_host.copy_(statuses, non_blocking=True)
-            # blocking: the host waits for this event (the decode's check) while the device decodes, for
-            # milliseconds a group. A default event spins there (CUDA spins a waiting thread while a process
-            # has fewer contexts than cores), which kept a whole core busy doing nothing; a blocking one sleeps.
+            # the decode's check polls this event (streams.poll: nvcomp.CHECK_WAIT_S at most, sleeping between
+            # looks) while the device decodes, for milliseconds a group; blocking: a synchronize() on it (none
+            # in the engine: it takes no limit) sleeps rather than spin a core, as a default event would.
             event = torch.cuda.Event(blocking=True)
             event.record(stream)
         return Queued(sizes_host, statuses_host, event)

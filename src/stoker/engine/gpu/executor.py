@@ -26,13 +26,15 @@ decode takes the chunks of several lookahead batches, each batch's part parsed, 
 The decoded sizes of a wave (reading them waits for its decode) are checked once the next wave's decode
 and placement are queued, or once nothing waits to be queued, always before a batch it holds is finished (a
 damaged stream fails only the batch holding it): that wait is the only one the host makes for the device
-in steady state. A staging buffer is read into again only once the copy stream is past its copy (its event),
-a device copy written again only once the decode that read it is done, a scratch once the placement that
-read it is (:class:`.streams.WaveStreams`). ``close()`` waits a second at most for the threads, which end at
-their next step (the reader's compiled reads at their next read: ``shutdown`` cancels the round), then
-:data:`.streams.CLOSE_WAIT_S` at most for the streams (a stream still busy then is warned of, and the buffers
-it may write are kept, never freed under it); a pipeline's executors share these waits
-(:class:`.streams.CloseWait`: one deadline and one warning for all its fields).
+in steady state, and it has a limit (nvCOMP's check polls the decode's event for
+:data:`.nvcomp.CHECK_WAIT_S`, then fails the wave's batches with DeviceError). A staging buffer is read into
+again only once the copy stream is past its copy (its event), a device copy written again only once the
+decode that read it is done, a scratch once the placement that read it is (:class:`.streams.WaveStreams`).
+``close()`` waits a second at most for the threads, which end at their next step (the reader's compiled
+reads at their next read: ``shutdown`` cancels the round), then :data:`.streams.CLOSE_WAIT_S` at most for
+the streams (a stream still busy then is warned of, and the buffers it may write are kept, never freed under
+it); a pipeline's executors share these waits (:class:`.streams.CloseWait`: one deadline and one warning for
+all its fields).
 
 Chunks the device does not decode are decoded on the CPU (:mod:`.fallback`), cast there into the batch
 dtype and staged as raw streams of a group, so they cross to the device and are placed by the same
@@ -784,7 +786,11 @@ class GpuDecodeExecutor(SlotsDelivery):
 
     def _acquire_staging(self):
         slot = None
-        while slot is None:  # (free once the copy that last read it is done: the ring polls its event)
+        # free once the copy that last read it is done: the ring polls its event. The only wait for the device
+        # without a deadline of its own: it ends at close (the ring checks _closing every 0.1 s); on a hung
+        # device the consumer's pop ends first, with the DeviceError of a wave's check (nvcomp.CHECK_WAIT_S)
+        # or at pop_timeout_s
+        while slot is None:
             slot = self.host_slots.acquire(lambda: self._closing, timeout=0.1)
         self._lanes.staged(slot.index)
         return slot

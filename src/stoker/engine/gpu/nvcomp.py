@@ -11,7 +11,9 @@ For the chunks of a :class:`~stoker.engine.gpu.frames.Layout` (:func:`~stoker.en
    bytes straight to its offset in the output; nvCOMP's LZ4 and zstd decoders need no alignment
    of their input or output (1 byte), so the streams are decoded where the frames put them. Each
    decode writes every stream's status and decoded size on the device; their host copies are
-   checked later (``deferred``), so nothing here waits for the device;
+   checked later (``deferred``), so nothing here waits for the device (the check does, by polling its
+   event for :data:`CHECK_WAIT_S` at most: a decode not done by then raises DeviceError, and what it may
+   still write is kept referenced, never freed);
 3. raw streams copied and blocks unshuffled by :mod:`stoker.engine.gpu.ops`, the code the CPU reference
    (:mod:`stoker.engine.gpu.reference`) runs and the tests hold to numcodecs.
 
@@ -28,13 +30,14 @@ checks it against numcodecs on one.
 from __future__ import annotations
 
 import importlib.util
+import time
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from ...errors import DeviceError, InvalidArgument
-from . import ops
+from . import ops, streams
 from .capi import STATUS_NAMES, Batched, NvcompError
 from .frames import CODEC_NAMES, LZ4, ZSTD, FrameError, Layout, UnsupportedFrame, stage
 
@@ -42,6 +45,12 @@ from .frames import CODEC_NAMES, LZ4, ZSTD, FrameError, Layout, UnsupportedFrame
 #: (larger streams, e.g. plain zstd chunks over 16 MiB, are decoded on the CPU)
 MAX_STREAM_BYTES = 1 << 24
 _ALGORITHMS = {LZ4: "LZ4", ZSTD: "Zstd"}
+#: the longest a decode's check waits for the decode (a wave decodes in milliseconds; past this the device
+#: is hung, and the check raises DeviceError rather than hold the executor for ever); read at each check
+CHECK_WAIT_S = 60.0
+#: the longest pause between two looks at a decode's event: the check returns at most this long after the
+#: decode is done (it runs while the device works on the next wave, so this delays no device work)
+CHECK_PAUSE_S = 0.001
 
 
 def available() -> bool:
@@ -74,6 +83,10 @@ class DeviceDecoder:
 
     #: streams that decode to more than this go to the CPU (:func:`can_decode`)
     max_stream_bytes = MAX_STREAM_BYTES
+    # a check's decode past CHECK_WAIT_S (its error and event): the later checks fail as soon as they see it
+    # still not done (their decodes are queued behind it on the stream)
+    _late: DeviceError | None = None
+    _late_event: Any = None
 
     def __init__(self, device: torch.device | int | str, stream: torch.cuda.Stream | None = None) -> None:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -181,7 +194,8 @@ class DeviceDecoder:
         stream_chunks = layout.chunk[rows]
 
         def check() -> None:
-            queued.event.synchronize()
+            self._wait(queued, (queued, data, out, temp),
+                       f"{len(rows)} {name} streams of chunks {np.unique(stream_chunks).tolist()}")
             statuses = queued.statuses.numpy()
             bad = np.flatnonzero(statuses != 0)
             if len(bad):
@@ -195,6 +209,33 @@ class DeviceDecoder:
                                  f"{int(got[bad[0]])} bytes, {int(expected[bad[0]])} expected")
 
         return check
+
+    def _wait(self, queued: Any, writes: Sequence[Any], what: str) -> None:
+        """Wait for a queued decode (of ``what``) until :data:`CHECK_WAIT_S` from now at most (no time at all
+        while an earlier decode is still past its own limit: this one is queued behind it). Not done by then:
+        ``writes`` (the buffers it may still write: device output, scratch, statuses) are kept referenced for
+        the process's life rather than freed under it, and DeviceError says what to change."""
+        late = self._late_event
+        if late is not None and streams.poll([late], _done, time.monotonic()):
+            assert self._late is not None
+            streams.keep(writes)
+            raise DeviceError(f"nvCOMP's decode of {what} on {self.device} is queued behind one that has not "
+                              f"finished ({self._late})") from None
+        self._late = self._late_event = None
+        limit = CHECK_WAIT_S
+        if not streams.poll([queued.event], _done, time.monotonic() + limit, max_pause=CHECK_PAUSE_S):
+            return
+        streams.keep(writes)
+        self._late, self._late_event = DeviceError(
+            f"nvCOMP's decode of {what} on {self.device} did not finish within {limit} s (a hung kernel? "
+            "check the device: nvidia-smi; dmesg for Xid errors). The buffers it may still write are kept, not "
+            "freed (restart the process to free them); Config(decode_on='cpu') decodes on the CPU, without the "
+            "GPU decode"), queued.event
+        raise self._late
+
+
+def _done(event: Any) -> bool:
+    return bool(event.query())
 
 
 def _batched() -> dict[int, Batched]:

@@ -27,6 +27,10 @@ closes all its executors against one :class:`CloseWait`: one deadline, :data:`CL
 of them began waiting for its streams (a hung device holds the close that long once, not once per field),
 and one warning naming every stream still busy.
 
+Every wait of the engine for the device goes through :func:`poll` (an event polled until a deadline): these
+closes, the CUDA transfer's (:class:`~stoker.engine.cuda.transfer.CudaTransfer`, against the same
+:class:`CloseWait`) and the nvCOMP decode's checks (:data:`~stoker.engine.gpu.nvcomp.CHECK_WAIT_S`).
+
 The streams and events come from a backend: :class:`CudaStreams` (torch's), :class:`HostStreams` (CPU tensors:
 no streams, each step runs when called, the executor's host stand-in). The tests pass a recorder of the
 waits and records, and hold the graph it gives to every buffer's accesses (``access``: which step reads and
@@ -45,11 +49,12 @@ import contextlib
 import threading
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-__all__ = ["CLOSE_WAIT_S", "THREADS_WAIT_S", "CloseWait", "CudaStreams", "HostStreams", "WaveStreams", "keep", "kept"]
+__all__ = ["CLOSE_WAIT_S", "THREADS_WAIT_S", "CloseWait", "CudaStreams", "HostStreams", "WaveStreams", "keep", "kept",
+           "poll"]
 
 #: the longest :meth:`WaveStreams.synchronize` waits at a close for the streams' work (a wave's copy, decode
 #: and placement take milliseconds: past this the device is hung, and the host stops waiting)
@@ -57,6 +62,8 @@ CLOSE_WAIT_S = 2.0
 #: the longest a close waits for the threads of all of a pipeline's GPU executors (together), which end at
 #: their next step
 THREADS_WAIT_S = 1.0
+
+T = TypeVar("T")
 
 _kept: list[Any] = []  # buffers a stream may still write, never freed in this process (keep)
 _kept_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
@@ -81,6 +88,28 @@ def kept() -> list[Any]:
     """
     with _kept_lock:
         return list(_kept)
+
+
+def poll(pending: Sequence[T], done: Callable[[T], bool], deadline: float, max_pause: float = 0.01) -> list[T]:
+    """Wait until ``done(x)`` for every ``x`` of ``pending`` (each an event, or what holds one), or until
+    ``deadline`` (``time.monotonic()``), whichever comes first; returns those not done by then (none: all
+    done). Every wait for the device goes through here (closing, the decode's checks): CUDA's own waits
+    (``Event.synchronize``, ``Stream.synchronize``) take no limit, so a hung kernel or copy would hold their
+    caller for ever. The pauses between looks (the GIL released) start at half a millisecond and double up to
+    ``max_pause``, so the caller goes on at most that long after the work is done.
+
+    >>> poll([event], lambda e: e.query(), time.monotonic() + 2.0)   # doctest: +SKIP
+    []
+    """
+    left = list(pending)
+    pause = min(0.0005, max_pause)
+    while True:
+        left = [x for x in left if not done(x)]
+        wait = deadline - time.monotonic()
+        if not left or wait <= 0:
+            return left
+        time.sleep(min(pause, wait))
+        pause = min(2 * pause, max_pause)
 
 
 class CloseWait:
@@ -316,11 +345,4 @@ class WaveStreams:
                  (("copy", self.copy_stream), ("decode", self.decode_stream), ("place", self.place_stream))]
         if deadline is None:
             deadline = time.monotonic() + CLOSE_WAIT_S
-        pause = 0.0005
-        while True:
-            marks = [(role, event) for role, event in marks if not b.done(event)]
-            left = deadline - time.monotonic()
-            if not marks or left <= 0:
-                return [role for role, _ in marks]
-            time.sleep(min(pause, left))  # (a few ms at most between looks: a close returns soon after the work)
-            pause = min(2 * pause, 0.01)
+        return [role for role, _ in poll(marks, lambda mark: b.done(mark[1]), deadline)]

@@ -445,8 +445,9 @@ class Pipeline:
         decode's threads and, once the first executor waits for its device streams,
         :data:`~stoker.engine.gpu.streams.CLOSE_WAIT_S` (2 s) for the streams of all of them: about 4 s at
         most on a hung device, which one warning names (the buffers its streams may use are kept, not
-        freed). The CPU engine's threads are waited for a quarter of a second at its shutdown; the CUDA copies
-        of a pipeline decoding on the CPU (``decode_on="cpu"`` on a GPU) are waited for until done.
+        freed); the CUDA copies of a pipeline decoding on the CPU (``decode_on="cpu"`` on a GPU) are waited
+        for until the same deadline. The CPU engine's threads are waited for a quarter of a second at its
+        shutdown.
 
         In a process forked from the one that made the pipeline it only drops it (see :meth:`_forget`)."""
         if os.getpid() != self._pid:
