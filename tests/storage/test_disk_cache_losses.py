@@ -14,7 +14,7 @@ import stoker
 from stoker.storage import prefetch as sprefetch
 from stoker.storage.diskcache import disk_cache
 
-from cached_arrays import ARRAYS, BOXES, check_batch, entries, payloads
+from cached_arrays import ARRAYS, BOXES, cache_folder, check_batch, entries, payloads
 from test_disk_cache_engine import (  # noqa: F401 - fixtures
     FAST, ONE_EACH, _Asked, _config, _planned_while_held, data, http, remote, s3, zarr_values)
 
@@ -57,8 +57,7 @@ def test_entries_this_process_evicts_are_prefetched_again(remote, data, tmp_path
     # Before: entry_files gave the entries remembered from the first epoch, found nothing to fetch, and
     # batches waited for the network (prefetched 0).
     uri, options, _ = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), CACHE_BYTES)
+    folder, cache = cache_folder(tmp_path, CACHE_BYTES)
     want = zarr_values(data, path)
     asked, started = _Asked(monkeypatch), _Started(monkeypatch)
     cold = len(ONE_EACH) - 2  # two batches take the slots; the rest are planned ahead of them
@@ -83,8 +82,7 @@ def test_a_new_pipeline_prefetches_what_was_evicted_though_marked(remote, data, 
     # a restart over a folder whose entries another process evicted, their keys' markers left: every chunk is
     # fetched, and prefetched. Before: a marked whole value was only revalidated, never fetched ahead.
     uri, options, _ = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), CACHE_BYTES)
+    folder, cache = cache_folder(tmp_path, CACHE_BYTES)
     want = zarr_values(data, path)
     asked, started = _Asked(monkeypatch), _Started(monkeypatch)
     cold = len(ONE_EACH) - 2
@@ -105,8 +103,7 @@ def test_entries_another_process_evicts_are_reported_by_the_engine(remote, data,
     # (entries_missed), so the batches planned after look on disk and fetch. Before: every later plan was
     # handed the remembered entries too.
     uri, options, _ = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), CACHE_BYTES)
+    folder, cache = cache_folder(tmp_path, CACHE_BYTES)
     want = zarr_values(data, path)
     asked = _Asked(monkeypatch)
     cold = len(ONE_EACH) - 2
@@ -157,8 +154,7 @@ def test_a_wrapper_marks_its_keys_again_after_the_engine_found_them_evicted(http
     from stoker.storage.cachingstore import CachingStore
     from stoker.storage.diskcache import DiskCache
 
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
+    folder, cache = cache_folder(tmp_path)
     with stoker.Pipeline(_config({http.url + "/": dict(FAST)}, folder)) as p:
         check_batch(p, http.url, data, "plain")  # cold: fetched, kept, marked
         assert cache.flush(30)
