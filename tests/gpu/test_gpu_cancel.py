@@ -103,34 +103,19 @@ static void after(int counted) {
         pthread_mutex_unlock(&mu);
     }
 }
-ssize_t pread(int fd, void *buf, size_t n, off_t at) {
-    REAL(pread);
-    int c = before(fd);
-    ssize_t r = real(fd, buf, n, at);
-    after(c);
-    return r;
-}
-ssize_t pread64(int fd, void *buf, size_t n, off_t at) {
-    REAL(pread64);
-    int c = before(fd);
-    ssize_t r = real(fd, buf, n, at);
-    after(c);
-    return r;
-}
-ssize_t preadv(int fd, const struct iovec *iov, int k, off_t at) {
-    REAL(preadv);
-    int c = before(fd);
-    ssize_t r = real(fd, iov, k, at);
-    after(c);
-    return r;
-}
-ssize_t preadv64(int fd, const struct iovec *iov, int k, off_t at) {
-    REAL(preadv64);
-    int c = before(fd);
-    ssize_t r = real(fd, iov, k, at);
-    after(c);
-    return r;
-}
+/* each read call counted, and held from the armed ticket on, around libc's */
+#define HELD(name, T, U)                                                                                    \
+    ssize_t name(int fd, T a, U b, off_t at) {                                                              \
+        REAL(name);                                                                                         \
+        int c = before(fd);                                                                                 \
+        ssize_t r = real(fd, a, b, at);                                                                     \
+        after(c);                                                                                           \
+        return r;                                                                                           \
+    }
+HELD(pread, void *, size_t)
+HELD(pread64, void *, size_t)
+HELD(preadv, const struct iovec *, int)
+HELD(preadv64, const struct iovec *, int)
 """
 
 # the child's common part: the gate (exit 77 where it was not preloaded) and a bounded wait for its counts
