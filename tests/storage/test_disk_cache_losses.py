@@ -19,6 +19,7 @@ from test_disk_cache_engine import (  # noqa: F401 - fixtures
     FAST, ONE_EACH, _Asked, _config, _planned_while_held, data, http, remote, s3, zarr_values)
 
 CACHE_BYTES = 64 << 20
+COLD = len(ONE_EACH) - 2  # a cold epoch's batches planned ahead: all but the two that take the slots
 
 
 class _Started:
@@ -41,6 +42,12 @@ def _cfg(options, folder) -> stoker.Config:
                          storage_options=options, cache_dir=str(folder), cache_bytes=CACHE_BYTES)
 
 
+def _epoch(p, asked: _Asked, uri: str, path: str, want) -> int:
+    """An epoch of ONE_EACH's crops of ``path`` (checked against ``want``), its first two batches held while
+    COLD are planned: how many were planned ahead (``_planned_while_held``)."""
+    return _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, COLD)
+
+
 def _unlink_payloads(folder) -> int:
     """Remove every entry with a payload, markers kept: what another process's eviction does."""
     gone = payloads(folder)
@@ -60,19 +67,18 @@ def test_entries_this_process_evicts_are_prefetched_again(remote, data, tmp_path
     folder, cache = cache_folder(tmp_path, CACHE_BYTES)
     want = zarr_values(data, path)
     asked, started = _Asked(monkeypatch), _Started(monkeypatch)
-    cold = len(ONE_EACH) - 2  # two batches take the slots; the rest are planned ahead of them
     with stoker.Pipeline(_cfg(options, folder)) as p:
-        assert _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold) == cold
+        assert _epoch(p, asked, uri, path, want) == COLD
         first = started.n
-        assert first >= cold and cache.flush(30) and payloads(folder)
+        assert first >= COLD and cache.flush(30) and payloads(folder)
         evicted = cache.evicted
         for i in range(2 * CACHE_BYTES // (8 << 20)):  # the LRU's oldest (the epoch's entries) go first
             cache.put(f"filler\n{i}", os.urandom(8 << 20))
         assert cache.flush(30) and cache.evicted > evicted
         gc.collect()  # the first epoch's batches still viewed in a reference cycle hold their slots until then
         before = len(asked.planned)
-        assert _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold) == cold  # values checked
-        assert asked.planned[before:before + cold] == [0] * cold  # nothing handed as on disk
+        assert _epoch(p, asked, uri, path, want) == COLD  # values checked
+        assert asked.planned[before:before + COLD] == [0] * COLD  # nothing handed as on disk
         assert started.n - first >= first, (first, started.n - first)
 
 
@@ -85,13 +91,12 @@ def test_a_new_pipeline_prefetches_what_was_evicted_though_marked(remote, data, 
     folder, cache = cache_folder(tmp_path, CACHE_BYTES)
     want = zarr_values(data, path)
     asked, started = _Asked(monkeypatch), _Started(monkeypatch)
-    cold = len(ONE_EACH) - 2
     with stoker.Pipeline(_cfg(options, folder)) as p:
-        _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold)
+        _epoch(p, asked, uri, path, want)
         first = started.n
     assert cache.flush(30) and _unlink_payloads(folder)
     with stoker.Pipeline(_cfg(options, folder)) as p:
-        _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold)
+        _epoch(p, asked, uri, path, want)
         assert started.n - first >= first, (first, started.n - first)
 
 
@@ -106,13 +111,12 @@ def test_entries_another_process_evicts_are_reported_by_the_engine(remote, data,
     folder, cache = cache_folder(tmp_path, CACHE_BYTES)
     want = zarr_values(data, path)
     asked = _Asked(monkeypatch)
-    cold = len(ONE_EACH) - 2
     with stoker.Pipeline(_cfg(options, folder)) as p:
-        _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold)
+        _epoch(p, asked, uri, path, want)
         assert cache.flush(30) and _unlink_payloads(folder)
         gc.collect()  # (as above)
         losses, before = getattr(cache, "losses", 0), len(asked.planned)
-        _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold)
+        _epoch(p, asked, uri, path, want)
         after = asked.planned[before:]
         assert after and after[-1] == 0, after  # planned once the engine missed: nothing handed as on disk
         assert cache.losses > losses
