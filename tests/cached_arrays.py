@@ -1,13 +1,15 @@
 """What the tests of disk-cache hits read by the engines share (tests/storage/test_disk_cache_engine.py and
 test_disk_cache_losses.py, the CPU engine's; tests/gpu/test_gpu_remote_entries.py, the GPU staging's): two small
 arrays written by zarr-python (one read as whole chunk values, one as ranges of shards), the crops of a batch,
-the ``remote`` fixture serving them from moto's S3 server and the loopback HTTP server, a batch checked
-against zarr-python's values, and the files of a cache folder."""
+the ``remote`` fixture serving them from moto's S3 server and the loopback HTTP server (``upload``: under a
+prefix of a test's own), a cache folder in a test's ``tmp_path``, a batch checked against zarr-python's values,
+and the files of a cache folder."""
 
 from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ import torch
 from zarr.codecs import ZstdCodec
 
 import stoker
+from stoker.storage.diskcache import DiskCache, disk_cache
 
 from store_fixtures import BUCKET, FAST_REMOTE, random_int_arrays, read_tree, zarr_values
 
@@ -29,6 +32,21 @@ BOXES = [[(0, 20), (0, 20)], [(3, 23), (5, 25)], [(40, 60), (20, 40)], [(30, 50)
 write = random_int_arrays(ARRAYS, SHAPE)
 
 
+def upload(s3, data: str, tag: str) -> tuple[str, dict, str]:
+    """The arrays under ``data`` uploaded to moto's S3 server ``s3`` under a new prefix ``<tag>-<8 hex digits>``:
+    (the uri of their root, the Config's ``storage_options`` for it, the prefix)."""
+    prefix = f"{tag}-{uuid.uuid4().hex[:8]}"
+    s3.upload(read_tree(data), prefix)
+    return f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST_REMOTE}}, prefix
+
+
+def cache_folder(tmp_path: Path, nbytes: int = 64 << 20) -> tuple[Path, DiskCache]:
+    """``tmp_path/cache`` and the process's disk cache of it, bound to ``nbytes`` (the one every pipeline and
+    store of the process given that folder uses)."""
+    folder = tmp_path / "cache"
+    return folder, disk_cache(str(folder), nbytes)
+
+
 def remote_fixture(tag: str):
     """A fixture: ``(uri of the root, storage_options of the Config, the HTTP server or None)``, once over moto's
     S3 server (the arrays uploaded under a new prefix starting with ``tag``) and once over the loopback HTTP
@@ -38,9 +56,7 @@ def remote_fixture(tag: str):
     @pytest.fixture(params=["s3", "http"])
     def remote(request, s3, data):
         if request.param == "s3":
-            prefix = f"{tag}-{uuid.uuid4().hex[:8]}"
-            s3.upload(read_tree(data), prefix)
-            yield f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST_REMOTE}}, None
+            yield *upload(s3, data, tag)[:2], None
             return
         server = request.getfixturevalue("http")
         yield server.url, {server.url + "/": dict(FAST_REMOTE)}, server

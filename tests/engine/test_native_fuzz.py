@@ -22,8 +22,6 @@ import itertools
 import mmap
 import os
 import platform
-import shutil
-import subprocess
 import sys
 import textwrap
 import time
@@ -39,6 +37,7 @@ from hypothesis import strategies as st
 
 from stoker.engine.cpu import native
 import native_testing
+import preload_shim
 from stoker.storage.diskcache import HEADER, MAGIC
 from stoker.zarr.codecs.blosc import PARTIAL_MAX_SHARE
 
@@ -1712,19 +1711,10 @@ def test_engine_and_staging_judge_and_touch_an_entry_alike(work, data):
 # armed folder while that descriptor is non-blocking: a file system that honours O_NONBLOCK for regular files
 # (some FUSE and network ones do). Entries are opened non-blocking (a FIFO planted at an entry's name must not
 # hang the open) and made blocking only when a read says EAGAIN, not with an fcntl per entry read.
-_NONBLOCK_SHIM = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <errno.h>
-#include <fcntl.h>
-#include <stdarg.h>
-#include <string.h>
-#include <sys/types.h>
-#include <unistd.h>
-
+_NONBLOCK_SHIM = preload_shim.OPENS + r"""
 static char prefix[4096];
 static size_t prefix_len;
-static char opened[65536];
+static char opened_under[65536];
 static long refused;
 
 void nonblock_arm(const char *p) { strncpy(prefix, p, sizeof prefix - 1); prefix_len = strlen(prefix); }
@@ -1732,34 +1722,23 @@ long nonblock_refused(void) { return __atomic_load_n(&refused, __ATOMIC_RELAXED)
 
 static int under(const char *path) { return prefix_len && path && strncmp(path, prefix, prefix_len) == 0; }
 static int honoured(int fd) {
-    return fd >= 0 && fd < (int)sizeof opened && __atomic_load_n(&opened[fd], __ATOMIC_RELAXED) &&
+    return fd >= 0 && fd < (int)sizeof opened_under && __atomic_load_n(&opened_under[fd], __ATOMIC_RELAXED) &&
            (fcntl(fd, F_GETFL) & O_NONBLOCK);
 }
-static int opened_at(const char *name, const char *path, int flags, mode_t mode) {
-    typedef int (*fn)(const char *, int, ...);
-    static fn real_open, real_open64;
-    fn *real = strcmp(name, "open") == 0 ? &real_open : &real_open64;
-    if (!*real) *real = (fn)dlsym(RTLD_NEXT, name);
-    int fd = (*real)(path, flags, mode);
-    if (fd >= 0 && fd < (int)sizeof opened) __atomic_store_n(&opened[fd], (char)under(path), __ATOMIC_RELAXED);
+static int opened(open_fn real, const char *path, int flags, mode_t mode) {
+    int fd = real(path, flags, mode);
+    if (fd >= 0 && fd < (int)sizeof opened_under)
+        __atomic_store_n(&opened_under[fd], (char)under(path), __ATOMIC_RELAXED);
     return fd;
-}
-int open(const char *path, int flags, ...) {
-    va_list ap; va_start(ap, flags); mode_t mode = (flags & O_CREAT) ? va_arg(ap, mode_t) : 0; va_end(ap);
-    return opened_at("open", path, flags, mode);
-}
-int open64(const char *path, int flags, ...) {
-    va_list ap; va_start(ap, flags); mode_t mode = (flags & O_CREAT) ? va_arg(ap, mode_t) : 0; va_end(ap);
-    return opened_at("open64", path, flags, mode);
 }
 #define REFUSE(fd) if (honoured(fd)) { __atomic_add_fetch(&refused, 1, __ATOMIC_RELAXED); errno = EAGAIN; return -1; }
 ssize_t pread(int fd, void *buf, size_t n, off_t at) {
-    static __typeof__(&pread) real; if (!real) real = (__typeof__(&pread))dlsym(RTLD_NEXT, "pread");
+    REAL(pread);
     REFUSE(fd)
     return real(fd, buf, n, at);
 }
 ssize_t pread64(int fd, void *buf, size_t n, off64_t at) {
-    static __typeof__(&pread64) real; if (!real) real = (__typeof__(&pread64))dlsym(RTLD_NEXT, "pread64");
+    REAL(pread64);
     REFUSE(fd)
     return real(fd, buf, n, at);
 }
@@ -1776,7 +1755,7 @@ _NONBLOCK_READS = textwrap.dedent("""
     payload_len = os.path.getsize(path) - 24 - len(ident)
     shim = ctypes.CDLL(None)
     if not hasattr(shim, "nonblock_arm"):
-        sys.exit(77)  # the library was not preloaded
+        sys.exit(77)  # the library was not preloaded (preload_shim.NOT_PRELOADED)
     shim.nonblock_arm(os.fsencode(os.path.dirname(sys.argv[1])))
     engine = t.entry_job(path, ident, len(content), payload_len, (0, len(content)))
     staged = t.staged_entry(path, ident, payload_len)
@@ -1793,18 +1772,12 @@ _NONBLOCK_READS = textwrap.dedent("""
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                     reason="the file system that honours O_NONBLOCK is an LD_PRELOAD library (Linux, glibc)")
-def test_an_entry_on_a_file_system_that_honours_o_nonblock_is_read(tmp_path):
+def test_an_entry_on_a_file_system_that_honours_o_nonblock_is_read(tmp_path, tmp_path_factory):
     # Each entry read made the descriptor blocking with an fcntl (a system call per entry) before its pread. Now
     # only a read that says EAGAIN does: the entry is read all the same, by the engine, by the staging, by the
     # engine's read_files and the Python read_file (the disk cache's hits), and a chunk file by the engine's
     # reader (io.c), each after one EAGAIN.
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler for the library that honours O_NONBLOCK")
-    (tmp_path / "shim.c").write_text(_NONBLOCK_SHIM)
-    shim = tmp_path / "shim.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", str(tmp_path / "shim.c"), "-o", str(shim), "-ldl"], check=True,
-                   capture_output=True, timeout=120)
+    shim = preload_shim.build(tmp_path_factory, _NONBLOCK_SHIM)
     content = bytes(range(256)) * 20
     ident = b"s3://bucket/a.zarr\nc/0/0\n5120"
     (tmp_path / "entries").mkdir()
@@ -1812,12 +1785,7 @@ def test_an_entry_on_a_file_system_that_honours_o_nonblock_is_read(tmp_path):
     path.write_bytes(entry_bytes(ident, numcodecs.Zstd(level=1).encode(content)))
     chunk = tmp_path / "entries" / "c0"
     chunk.write_bytes(numcodecs.Zstd(level=1).encode(content))
-    preload = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(shim)]))  # after ASan's runtime, if any
-    out = subprocess.run([sys.executable, "-c", _NONBLOCK_READS, str(path), ident.decode(), content.hex(),
-                          str(chunk)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "LD_PRELOAD": preload, "PYTHONPATH": os.pathsep.join(sys.path)})
-    if out.returncode == 77:
-        pytest.skip(f"the library that honours O_NONBLOCK could not be preloaded: {out.stderr[-300:]}")
+    out = preload_shim.run(shim, _NONBLOCK_READS, str(path), ident.decode(), content.hex(), str(chunk))
     assert out.returncode == 0, out.stderr
     payload_len = path.stat().st_size - HEADER.size - len(ident)
     # all read OK (the engine decoding the content), after one EAGAIN each made the descriptor blocking

@@ -11,10 +11,7 @@ reads every one once released.
 from __future__ import annotations
 
 import json
-import os
 import platform
-import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -23,6 +20,8 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from stoker.engine.gpu import native_reads
+
+import preload_shim
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -34,16 +33,10 @@ pytestmark = [
 # gate_arm(prefix, from): the preads of files under ``prefix`` from the ``from``-th on wait (60 s at most) until
 # gate_release(); gate_done() counts those finished, gate_waiting() those waiting now.
 _GATE = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
-#include <string.h>
-#include <sys/types.h>
 #include <sys/uio.h>
 #include <time.h>
-#include <unistd.h>
 
 static char prefix[4096];
 static size_t prefix_len;
@@ -110,35 +103,19 @@ static void after(int counted) {
         pthread_mutex_unlock(&mu);
     }
 }
-#define REAL(name) static __typeof__(name) *real; if (!real) real = (__typeof__(name) *)dlsym(RTLD_NEXT, #name)
-ssize_t pread(int fd, void *buf, size_t n, off_t at) {
-    REAL(pread);
-    int c = before(fd);
-    ssize_t r = real(fd, buf, n, at);
-    after(c);
-    return r;
-}
-ssize_t pread64(int fd, void *buf, size_t n, off_t at) {
-    REAL(pread64);
-    int c = before(fd);
-    ssize_t r = real(fd, buf, n, at);
-    after(c);
-    return r;
-}
-ssize_t preadv(int fd, const struct iovec *iov, int k, off_t at) {
-    REAL(preadv);
-    int c = before(fd);
-    ssize_t r = real(fd, iov, k, at);
-    after(c);
-    return r;
-}
-ssize_t preadv64(int fd, const struct iovec *iov, int k, off_t at) {
-    REAL(preadv64);
-    int c = before(fd);
-    ssize_t r = real(fd, iov, k, at);
-    after(c);
-    return r;
-}
+/* each read call counted, and held from the armed ticket on, around libc's */
+#define HELD(name, T, U)                                                                                    \
+    ssize_t name(int fd, T a, U b, off_t at) {                                                              \
+        REAL(name);                                                                                         \
+        int c = before(fd);                                                                                 \
+        ssize_t r = real(fd, a, b, at);                                                                     \
+        after(c);                                                                                           \
+        return r;                                                                                           \
+    }
+HELD(pread, void *, size_t)
+HELD(pread64, void *, size_t)
+HELD(preadv, const struct iovec *, int)
+HELD(preadv64, const struct iovec *, int)
 """
 
 # the child's common part: the gate (exit 77 where it was not preloaded) and a bounded wait for its counts
@@ -147,7 +124,7 @@ import ctypes, json, os, sys, threading, time
 import numpy as np
 gate = ctypes.CDLL(None)
 if not hasattr(gate, "gate_arm"):
-    sys.exit(77)
+    sys.exit(77)  # not preloaded (preload_shim.NOT_PRELOADED)
 
 def until(what, timeout=60.0):
     deadline = time.monotonic() + timeout
@@ -268,23 +245,11 @@ print(json.dumps({"done": int(gate.gate_done()), "alive_after_close": alive,
 
 @pytest.fixture(scope="module")
 def gate(tmp_path_factory):
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler for the library that holds reads")
-    root = tmp_path_factory.mktemp("gate")
-    (root / "gate.c").write_text(_GATE)
-    lib = root / "gate.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", str(root / "gate.c"), "-o", str(lib), "-ldl", "-pthread"],
-                   check=True, capture_output=True, timeout=120)
-    return lib
+    return preload_shim.build(tmp_path_factory, _GATE, pthread=True)
 
 
 def _child(gate, script: str, *args: str) -> dict:
-    preload = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(gate)]))  # after ASan's runtime, if any
-    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "LD_PRELOAD": preload, "PYTHONPATH": os.pathsep.join(sys.path)})
-    if out.returncode == 77:
-        pytest.skip(f"the library that holds reads could not be preloaded: {out.stderr[-300:]}")
+    out = preload_shim.run(gate, script, *args, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -55,6 +55,15 @@ s3 = empty_s3_fixture()
 data = written_tree_fixture(_write)
 
 
+@pytest.fixture(params=["python", "engine"])
+def read_files(request):
+    """How a test's hits are read: in Python (None), or by the compiled engine's ``read_files`` (a pipeline's;
+    skipped where it is not built)."""
+    if request.param == "engine" and native.read_files is None:
+        pytest.skip("no compiled engine")
+    return native.read_files if request.param == "engine" else None
+
+
 @pytest.fixture(params=["s3", "http"])
 def remote(request, s3, data):
     """``(uri of the root, storage options, upload())``: the fixture's arrays on moto's S3 or over HTTP;
@@ -301,16 +310,12 @@ def test_entries_are_written_without_fsync_and_a_stale_one_is_refetched(tmp_path
     assert cache.write("entry", b"z" * 4000) and bytes(cache.get("entry")) == b"z" * 4000
 
 
-@pytest.mark.parametrize("reader", ["python", "engine"])
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage, reader):
+def test_a_corrupt_entry_is_fetched_again(remote, data, tmp_path, damage, read_files):
     # hits read in Python (open_array outside a pipeline) or by the engine's read_files (a pipeline's)
     uri, options, _ = remote
     folder = tmp_path / "cache"
     cache = disk_cache(str(folder), 64 << 20)  # the process's one for the folder: the stores below use it
-    read_files = native.read_files if reader == "engine" else None
-    if reader == "engine" and read_files is None:
-        pytest.skip("no compiled engine")
     stores = Stores(cache=stoker.Config(cache_dir=str(folder), cache_bytes=64 << 20).cache, read_files=read_files)
     _check(_read_all(uri, options, stores), data)
     assert cache.flush(30)
@@ -449,14 +454,10 @@ def test_the_engines_file_reads_touch_only_entries_judged_sound(tmp_path):
         native.read_files([str(tmp_path / "sound")], 1 << 20, ["not bytes"])
 
 
-@pytest.mark.parametrize("reader", ["python", "engine"])
-def test_a_hit_touches_its_entry_at_most_once_a_minute(tmp_path, reader):
+def test_a_hit_touches_its_entry_at_most_once_a_minute(tmp_path, read_files):
     # as the engine's own entry reads (csrc/entries.c): a hit within a minute of the entry's last use writes
     # nothing (a futimens per hit made every hit's inode dirty); an older one, or one dated in the future
     # (another host's clock), is touched: the LRU clock
-    read_files = native.read_files if reader == "engine" else None
-    if reader == "engine" and read_files is None:
-        pytest.skip("no compiled engine")
     cache = DiskCache(str(tmp_path / "cache"), 1 << 20)
     for name in ("recent", "old", "future"):
         assert cache.write(name, name.encode() * 100)
@@ -647,13 +648,9 @@ def test_the_cache_survives_a_restart(data, tmp_path):
         server.stop()
 
 
-@pytest.mark.parametrize("reader", ["python", "engine"])
-def test_a_corrupt_entry_read_through_get_many_is_a_loss(tmp_path, reader):
+def test_a_corrupt_entry_read_through_get_many_is_a_loss(tmp_path, read_files):
     # Before: an entry judged unsound was removed without a loss, so memos of entries on disk (the decoder's,
     # emptied when `losses` moves) kept its path until the engine missed it. Now removing it is a loss.
-    read_files = native.read_files if reader == "engine" else None
-    if reader == "engine" and read_files is None:
-        pytest.skip("no compiled engine")
     cache = DiskCache(str(tmp_path / "cache"), 1 << 20)
     assert cache.write("bad", b"z" * 4000) and cache.write("good", b"g" * 10) and cache.write("empty", b"")
     with open(cache.path("bad"), "r+b") as f:

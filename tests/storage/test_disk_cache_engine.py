@@ -10,7 +10,6 @@ import collections
 import threading
 import os
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -22,9 +21,9 @@ from stoker.engine.pipeline import prefetch as ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import DiskCache, disk_cache
 
-from cached_arrays import ARRAYS, BOXES, damage_entries, payloads, remote_fixture
+from cached_arrays import ARRAYS, BOXES, cache_folder, damage_entries, payloads, remote_fixture, upload
 from cached_arrays import check_batch as _batch, write as _write
-from store_fixtures import (BUCKET, FAST_REMOTE, empty_s3_fixture, range_server_fixture, read_tree, written_tree_fixture,
+from store_fixtures import (FAST_REMOTE, empty_s3_fixture, range_server_fixture, read_tree, written_tree_fixture,
                             zarr_values)
 
 pytestmark = [pytest.mark.timeout(180),
@@ -67,20 +66,25 @@ class _Reads:
         monkeypatch.setattr(cachingstore.CachingStore, "entry_files", counted_entry_files)
 
 
-def _config(options: dict, folder) -> stoker.Config:
+def _config(options: dict, folder, **knobs) -> stoker.Config:
     # no prefetch: each batch is planned after the one before it is made, so what it knows is what they learnt
-    return stoker.Config(batch_size=len(BOXES), dtype="native", n_compute_threads=2, pop_timeout_s=60,
-                         storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0)
+    knobs = {"batch_size": len(BOXES), "dtype": "native", "n_compute_threads": 2, "pop_timeout_s": 60,
+             "prefetch_bytes": 0, **knobs}
+    return stoker.Config(storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, **knobs)
+
+
+def _first_epoch(cfg: stoker.Config, cache: DiskCache, uri: str, data: str, path: str) -> None:
+    """An epoch in a pipeline of its own: the batch of ``path``'s crops fetched, checked and kept on disk."""
+    with stoker.Pipeline(cfg) as p:
+        _batch(p, uri, data, path)
+    assert cache.flush(30)
 
 
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_hits_of_known_generations_are_read_by_the_engine(remote, data, tmp_path, monkeypatch, path):
     uri, options, server = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)  # the process's one for the folder: the pipelines' too
-    with stoker.Pipeline(_config(options, folder)) as p:  # epoch 1: fetched, kept
-        _batch(p, uri, data, path)
-    assert cache.flush(30)
+    folder, cache = cache_folder(tmp_path)
+    _first_epoch(_config(options, folder), cache, uri, data, path)
     reads = _Reads(monkeypatch)
     with stoker.Pipeline(_config(options, folder)) as p:  # epoch 2, a new pipeline
         _batch(p, uri, data, path)
@@ -107,8 +111,7 @@ def test_what_was_never_kept_is_not_handed_to_the_engine(remote, data, tmp_path,
     # chunks' ranges is on disk; those are fetched (or prefetched), not handed to the engine to find missing
     # and then fetched while the batch waits. Once kept, they are
     uri, options, _ = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
+    folder, cache = cache_folder(tmp_path)
     reads = _Reads(monkeypatch)
     with stoker.Pipeline(_config(options, folder)) as p:
         _batch(p, uri, data, path)
@@ -122,8 +125,7 @@ def test_a_batch_of_many_arrays_asks_its_store_once(remote, data, tmp_path, monk
     # the decoder asks a store's disk cache for the entries of a batch's chunks in one call, however many of
     # the store's arrays the batch reads (it asked once per array: a batch of crops of 8 arrays, 8 calls)
     uri, options, _ = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
+    folder, cache = cache_folder(tmp_path)
     calls: list[int] = []
     real = cachingstore.CachingStore.entry_files
 
@@ -132,8 +134,7 @@ def test_a_batch_of_many_arrays_asks_its_store_once(remote, data, tmp_path, monk
         return real(kv, keys, requests)
 
     monkeypatch.setattr(cachingstore.CachingStore, "entry_files", counted)
-    cfg = stoker.Config(batch_size=2 * len(ARRAYS), dtype="i64", n_compute_threads=2, pop_timeout_s=60,
-                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0)
+    cfg = _config(options, folder, batch_size=2 * len(ARRAYS), dtype="i64")
     samples = [stoker.Sample(f"{uri}/{path}", box) for path in ARRAYS for box in BOXES[:2]]
     with stoker.Pipeline(cfg) as p:
         for epoch in range(2):
@@ -152,8 +153,7 @@ def test_a_hit_touches_its_entry_at_most_once_a_minute(remote, data, tmp_path, p
     # the LRU clock: a hit on an entry last used (or written) a minute ago or more sets its mtime to now; one
     # used within the minute is not touched again (as relatime: no futimens, no dirty inode per hit)
     uri, options, _ = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
+    folder, cache = cache_folder(tmp_path)
 
     def dated(age_s: float) -> dict[str, float]:
         """Every entry with a payload (not the markers) dated ``age_s`` ago: {path: that mtime}."""
@@ -185,8 +185,7 @@ def test_an_unsound_entry_read_by_the_engine_is_fetched_again(remote, data, tmp_
     # evicted) before the second batch is planned and read: the engine reads none of them as sound, and
     # each chunk is fetched again (a corrupt entry removed and written anew), with zarr-python's values
     uri, options, server = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
+    folder, cache = cache_folder(tmp_path)
     reads = _Reads(monkeypatch)
     with stoker.Pipeline(_config(options, folder)) as p:
         _batch(p, uri, data, path)
@@ -346,8 +345,7 @@ def test_each_chunk_of_a_batch_is_asked_of_the_disk_cache_once(remote, data, tmp
     # prefetched are not asked again either. A chunk asked twice in a batch was the prefetch's and the
     # decoder's look-up each
     uri, options, server = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
+    folder, cache = cache_folder(tmp_path)
     want = zarr_values(data, path)
     cfg = stoker.Config(batch_size=2, dtype="native", n_compute_threads=2, pop_timeout_s=60, lookahead_batches=1,
                         storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20)
@@ -410,8 +408,7 @@ def test_a_second_epoch_from_disk_stops_planning_ahead(remote, data, tmp_path, m
     # the coordinator plans no more ahead of their slots (it planned up to MAX_AHEAD, looking up each chunk's
     # entry early); a batch that needs a fetch again (another array, not cached) plans ahead again
     uri, options, server = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
+    folder, cache = cache_folder(tmp_path)
     want = zarr_values(data, path)
     other = next(a for a in ARRAYS if a != path)
     # i64: the two arrays' dtypes (int32, uint16) in one pipeline, exact
@@ -438,17 +435,10 @@ def test_entries_asked_again_at_their_generation_are_not_made_again(s3, data, tm
     # generation is not made again (no ident, hash or path per chunk), yet the engine still reads and checks
     # it; an object rewritten (a new ETag, learnt once its generation is stale) gets its new entry, never the
     # kept one, and its new values
-    prefix = f"kept-{uuid.uuid4().hex[:8]}"
-    s3.upload(read_tree(data), prefix)
-    uri, options = f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
-    cfg = stoker.Config(batch_size=len(BOXES), dtype="native", n_compute_threads=2, pop_timeout_s=60,
-                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0,
-                        cache_staleness_s=2.0)
-    with stoker.Pipeline(cfg) as p:  # epoch 1: fetched, kept
-        _batch(p, uri, data, path)
-    assert cache.flush(30)
+    uri, options, prefix = upload(s3, data, "kept")
+    folder, cache = cache_folder(tmp_path)
+    cfg = _config(options, folder, cache_staleness_s=2.0)
+    _first_epoch(cfg, cache, uri, data, path)
     reads = _Reads(monkeypatch)
     with stoker.Pipeline(cfg) as p:  # epoch 2: the listing at the open states every generation
         _batch(p, uri, data, path)
@@ -481,14 +471,9 @@ def test_the_decoders_memo_of_entries_never_serves_a_generation_no_longer_known(
     # their generations stay known within the staleness bound: generations forgotten (as a reopen forgets them)
     # of objects rewritten meanwhile are learnt anew by the next batch, which reads the new values; the memo
     # made at the old ones is never used for them (before the store counted changes, it would have been)
-    prefix = f"memo-{uuid.uuid4().hex[:8]}"
-    s3.upload(read_tree(data), prefix)
-    uri, options = f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
-    cfg = stoker.Config(batch_size=len(BOXES), dtype="native", n_compute_threads=2, pop_timeout_s=60,
-                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0,
-                        cache_staleness_s=600.0)
+    uri, options, prefix = upload(s3, data, "memo")
+    folder, cache = cache_folder(tmp_path)
+    cfg = _config(options, folder, cache_staleness_s=600.0)
     with stoker.Pipeline(cfg) as p:
         _batch(p, uri, data, path)  # fetched, kept
         assert cache.flush(30)
@@ -516,14 +501,9 @@ def test_opening_another_array_on_the_store_keeps_the_memos_of_entries(s3, data,
     # an array not read since taught nothing there, so the other arrays' memos stay good (every memo of the store was emptied before,
     # and each open of a new array on it cost their chunks a look-up again); forgetting what was learnt does
     # empty them
-    prefix = f"open-{uuid.uuid4().hex[:8]}"
-    s3.upload(read_tree(data), prefix)
-    uri, options = f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
-    cfg = stoker.Config(batch_size=len(BOXES), dtype="native", n_compute_threads=2, pop_timeout_s=60,
-                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0,
-                        cache_staleness_s=600.0)
+    uri, options, prefix = upload(s3, data, "open")
+    folder, cache = cache_folder(tmp_path)
+    cfg = _config(options, folder, cache_staleness_s=600.0)
     with stoker.Pipeline(cfg) as p:
         _batch(p, uri, data, "plain")  # fetched, kept
         assert cache.flush(30)
@@ -551,14 +531,10 @@ def test_chunks_past_the_memos_bound_keep_hits_and_cost_no_more(s3, data, tmp_pa
     # (emptied whenever full, the memo held the other batch's chunks each time: no hit at all), and the
     # chunks it cannot keep are not asked about (known_until) again, so a miss costs what it did without it
     monkeypatch.setattr(decode_native, "ENTRY_MEMOS", 4)
-    prefix = f"full-{uuid.uuid4().hex[:8]}"
-    s3.upload(read_tree(data), prefix)
-    uri, options = f"s3://{BUCKET}/{prefix}/{path}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
-    cfg = stoker.Config(batch_size=6, dtype="native", n_compute_threads=2, pop_timeout_s=60,
-                        storage_options=options, cache_dir=str(folder), cache_bytes=64 << 20, prefetch_bytes=0,
-                        cache_staleness_s=600.0)
+    root, options, _ = upload(s3, data, "full")
+    uri = f"{root}/{path}"
+    folder, cache = cache_folder(tmp_path)
+    cfg = _config(options, folder, batch_size=6, cache_staleness_s=600.0)
     want = zarr_values(data, path)
     asked_until: list[int] = []  # keys asked about per known_until call
     known_until = cachingstore.CachingStore.known_until
@@ -606,15 +582,10 @@ def test_a_batch_read_whole_from_disk_is_settled_by_its_waiter(s3, data, tmp_pat
     # with an unsound entry still goes to the finisher, which fetches that chunk again
     from stoker.engine.cpu.decode_native import NativeDecoder
 
-    prefix = f"settle-{uuid.uuid4().hex[:8]}"
-    s3.upload(read_tree(data), prefix)
-    uri, options = f"s3://{BUCKET}/{prefix}", {f"s3://{BUCKET}/": {**s3.options, **FAST}}
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
+    uri, options, prefix = upload(s3, data, "settle")
+    folder, cache = cache_folder(tmp_path)
     cfg = _config(options, folder)
-    with stoker.Pipeline(cfg) as p:  # epoch 1: fetched, kept
-        _batch(p, uri, data, path)
-    assert cache.flush(30)
+    _first_epoch(cfg, cache, uri, data, path)
     finished = collections.Counter()
     finish = NativeDecoder._finish_from_disk
 
@@ -629,12 +600,7 @@ def test_a_batch_read_whole_from_disk_is_settled_by_its_waiter(s3, data, tmp_pat
             _batch(p, uri, data, path)
             assert cache.hits > hits  # read from disk by the engine
         assert not finished, finished
-        for entry in payloads(folder):
-            with open(entry, "r+b") as f:  # one bit of the payload's last byte
-                f.seek(-1, os.SEEK_END)
-                last = f.read(1)
-                f.seek(-1, os.SEEK_END)
-                f.write(bytes([last[0] ^ 0x10]))
+        damage_entries(folder, "flip")
         corrupt = cache.corrupt
         _batch(p, uri, data, path)  # zarr-python's values: every chunk fetched again
         assert cache.corrupt > corrupt

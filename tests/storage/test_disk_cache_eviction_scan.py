@@ -21,6 +21,8 @@ from stoker.storage import diskcache
 from stoker.storage.diskcache import DiskCache, allocated_on_disk
 from stoker.storage.fsutil import HOST
 
+import preload_shim
+
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(native.evict_entries is None, reason="stoker._native is not built")]
 
@@ -205,13 +207,8 @@ def test_the_twin_never_unlinks_through_a_subfolder_swapped_for_a_link(tmp_path,
 # stands in for another process acting between the scan's listing and its eviction: on the scan's first unlinkat,
 # or its second open of "aa" (the first lists it), $ROOT/aa is moved away and a link to $VICTIM put at its name
 _SWAP_C = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
 static int done, opens;
 static void swap(void) {
     if (done || !getenv("VICTIM") || !getenv("ROOT")) return;
@@ -223,15 +220,13 @@ static void swap(void) {
     symlink(getenv("VICTIM"), sub);
 }
 int unlinkat(int fd, const char *path, int flags) {
-    static int (*real)(int, const char *, int);
-    if (!real) real = (int (*)(int, const char *, int))dlsym(RTLD_NEXT, "unlinkat");
+    REAL(unlinkat);
     swap();
     return real(fd, path, flags);
 }
 #define OPENAT(NAME)                                                                                       \
     int NAME(int fd, const char *path, int flags, ...) {                                                   \
-        static int (*real)(int, const char *, int, ...);                                                   \
-        if (!real) real = (int (*)(int, const char *, int, ...))dlsym(RTLD_NEXT, #NAME);                   \
+        REAL(NAME);                                                                                        \
         va_list ap; va_start(ap, flags); int mode = va_arg(ap, int); va_end(ap);                           \
         if (strcmp(path, "aa") == 0 && ++opens == 2) swap();                                               \
         return real(fd, path, flags, mode);                                                                \
@@ -241,21 +236,12 @@ OPENAT(openat64)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("gcc") is None,
-                    reason="the race is staged with an LD_PRELOAD library built by gcc (Linux)")
-def test_the_compiled_scan_never_unlinks_through_a_subfolder_swapped_for_a_link(tmp_path):
-    import subprocess
-
-    (tmp_path / "swap.c").write_text(_SWAP_C)
-    lib = tmp_path / "swap.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "swap.c"), "-ldl"], check=True,
-                   timeout=60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the race is staged with an LD_PRELOAD library")
+def test_the_compiled_scan_never_unlinks_through_a_subfolder_swapped_for_a_link(tmp_path, tmp_path_factory):
+    lib = preload_shim.build(tmp_path_factory, _SWAP_C)
     root, victim = _race_folders(tmp_path)
-    preload = " ".join(p for p in (os.environ.get("LD_PRELOAD", ""), str(lib)) if p)  # a sanitizer's stays first
-    env = {**os.environ, "LD_PRELOAD": preload, "ROOT": str(root), "VICTIM": str(victim),
-           "PYTHONPATH": os.pathsep.join(sys.path)}
     code = (f"from stoker import _native; print(_native.evict_entries({str(root)!r}, 0, 0, 1, {BLOCK})[1])")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    run = preload_shim.run(lib, code, timeout=60, ROOT=str(root), VICTIM=str(victim))
     assert run.returncode == 0, run.stderr
     assert (root / "aa.moved").is_dir(), "the race was not staged"
     assert (victim / E).read_bytes() == b"precious"

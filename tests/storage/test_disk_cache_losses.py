@@ -14,11 +14,12 @@ import stoker
 from stoker.storage import prefetch as sprefetch
 from stoker.storage.diskcache import disk_cache
 
-from cached_arrays import ARRAYS, BOXES, check_batch, entries, payloads
+from cached_arrays import ARRAYS, BOXES, cache_folder, check_batch, entries, payloads
 from test_disk_cache_engine import (  # noqa: F401 - fixtures
     FAST, ONE_EACH, _Asked, _config, _planned_while_held, data, http, remote, s3, zarr_values)
 
 CACHE_BYTES = 64 << 20
+COLD = len(ONE_EACH) - 2  # a cold epoch's batches planned ahead: all but the two that take the slots
 
 
 class _Started:
@@ -41,6 +42,12 @@ def _cfg(options, folder) -> stoker.Config:
                          storage_options=options, cache_dir=str(folder), cache_bytes=CACHE_BYTES)
 
 
+def _epoch(p, asked: _Asked, uri: str, path: str, want) -> int:
+    """An epoch of ONE_EACH's crops of ``path`` (checked against ``want``), its first two batches held while
+    COLD are planned: how many were planned ahead (``_planned_while_held``)."""
+    return _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, COLD)
+
+
 def _unlink_payloads(folder) -> int:
     """Remove every entry with a payload, markers kept: what another process's eviction does."""
     gone = payloads(folder)
@@ -57,23 +64,21 @@ def test_entries_this_process_evicts_are_prefetched_again(remote, data, tmp_path
     # Before: entry_files gave the entries remembered from the first epoch, found nothing to fetch, and
     # batches waited for the network (prefetched 0).
     uri, options, _ = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), CACHE_BYTES)
+    folder, cache = cache_folder(tmp_path, CACHE_BYTES)
     want = zarr_values(data, path)
     asked, started = _Asked(monkeypatch), _Started(monkeypatch)
-    cold = len(ONE_EACH) - 2  # two batches take the slots; the rest are planned ahead of them
     with stoker.Pipeline(_cfg(options, folder)) as p:
-        assert _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold) == cold
+        assert _epoch(p, asked, uri, path, want) == COLD
         first = started.n
-        assert first >= cold and cache.flush(30) and payloads(folder)
+        assert first >= COLD and cache.flush(30) and payloads(folder)
         evicted = cache.evicted
         for i in range(2 * CACHE_BYTES // (8 << 20)):  # the LRU's oldest (the epoch's entries) go first
             cache.put(f"filler\n{i}", os.urandom(8 << 20))
         assert cache.flush(30) and cache.evicted > evicted
         gc.collect()  # the first epoch's batches still viewed in a reference cycle hold their slots until then
         before = len(asked.planned)
-        assert _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold) == cold  # values checked
-        assert asked.planned[before:before + cold] == [0] * cold  # nothing handed as on disk
+        assert _epoch(p, asked, uri, path, want) == COLD  # values checked
+        assert asked.planned[before:before + COLD] == [0] * COLD  # nothing handed as on disk
         assert started.n - first >= first, (first, started.n - first)
 
 
@@ -83,17 +88,15 @@ def test_a_new_pipeline_prefetches_what_was_evicted_though_marked(remote, data, 
     # a restart over a folder whose entries another process evicted, their keys' markers left: every chunk is
     # fetched, and prefetched. Before: a marked whole value was only revalidated, never fetched ahead.
     uri, options, _ = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), CACHE_BYTES)
+    folder, cache = cache_folder(tmp_path, CACHE_BYTES)
     want = zarr_values(data, path)
     asked, started = _Asked(monkeypatch), _Started(monkeypatch)
-    cold = len(ONE_EACH) - 2
     with stoker.Pipeline(_cfg(options, folder)) as p:
-        _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold)
+        _epoch(p, asked, uri, path, want)
         first = started.n
     assert cache.flush(30) and _unlink_payloads(folder)
     with stoker.Pipeline(_cfg(options, folder)) as p:
-        _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold)
+        _epoch(p, asked, uri, path, want)
         assert started.n - first >= first, (first, started.n - first)
 
 
@@ -105,17 +108,15 @@ def test_entries_another_process_evicts_are_reported_by_the_engine(remote, data,
     # (entries_missed), so the batches planned after look on disk and fetch. Before: every later plan was
     # handed the remembered entries too.
     uri, options, _ = remote
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), CACHE_BYTES)
+    folder, cache = cache_folder(tmp_path, CACHE_BYTES)
     want = zarr_values(data, path)
     asked = _Asked(monkeypatch)
-    cold = len(ONE_EACH) - 2
     with stoker.Pipeline(_cfg(options, folder)) as p:
-        _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold)
+        _epoch(p, asked, uri, path, want)
         assert cache.flush(30) and _unlink_payloads(folder)
         gc.collect()  # (as above)
         losses, before = getattr(cache, "losses", 0), len(asked.planned)
-        _planned_while_held(p, asked, f"{uri}/{path}", ONE_EACH, want, cold)
+        _epoch(p, asked, uri, path, want)
         after = asked.planned[before:]
         assert after and after[-1] == 0, after  # planned once the engine missed: nothing handed as on disk
         assert cache.losses > losses
@@ -157,8 +158,7 @@ def test_a_wrapper_marks_its_keys_again_after_the_engine_found_them_evicted(http
     from stoker.storage.cachingstore import CachingStore
     from stoker.storage.diskcache import DiskCache
 
-    folder = tmp_path / "cache"
-    cache = disk_cache(str(folder), 64 << 20)
+    folder, cache = cache_folder(tmp_path)
     with stoker.Pipeline(_config({http.url + "/": dict(FAST)}, folder)) as p:
         check_batch(p, http.url, data, "plain")  # cold: fetched, kept, marked
         assert cache.flush(30)

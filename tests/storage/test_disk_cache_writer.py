@@ -10,7 +10,6 @@ import errno
 import fcntl
 import os
 import resource
-import shutil
 import stat
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from stoker.engine.cpu import native
 from stoker.storage import diskcache
 from stoker.storage.diskcache import DiskCache, disk_cache
 
+import preload_shim
 from store_fixtures import FAST_REMOTE
 
 pytestmark = pytest.mark.timeout(240)
@@ -587,20 +587,13 @@ def test_a_list_of_items_changed_by_another_thread_meanwhile_is_written_as_it_wa
 # A C library put before libc (LD_PRELOAD) that has every call the writer makes on a path under an armed folder
 # (and on the descriptors opened there) interrupted by a signal once (EINTR), as a FUSE or network file system
 # does when a signal comes: the call made again succeeds. close releases the descriptor and says EINTR, as Linux.
-_EINTR_SHIM = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <errno.h>
-#include <fcntl.h>
-#include <stdarg.h>
-#include <string.h>
+_EINTR_SHIM = preload_shim.OPENS + r"""
 #include <sys/stat.h>
-#include <unistd.h>
 
 enum { OPEN, LSTAT, FSTAT, MKDIR, RENAME, UNLINK, CLOSE, KINDS };
 static char prefix[4096];
 static size_t prefix_len;
-static char opened[65536];
+static char opened_under[65536];
 static int pending[KINDS];
 static long interrupted[KINDS];
 
@@ -616,26 +609,13 @@ static int interrupt(int kind, int armed) {  /* every other call of a kind: EINT
     return 1;
 }
 static int under(const char *path) { return prefix_len && path && strncmp(path, prefix, prefix_len) == 0; }
-static int marked(int fd) { return prefix_len && fd >= 0 && fd < (int)sizeof opened && opened[fd]; }
+static int marked(int fd) { return prefix_len && fd >= 0 && fd < (int)sizeof opened_under && opened_under[fd]; }
 
-#define REAL(name) static __typeof__(&name) real; if (!real) real = (__typeof__(&name))dlsym(RTLD_NEXT, #name)
-static int opened_at(const char *name, const char *path, int flags, mode_t mode) {
-    typedef int (*fn)(const char *, int, ...);
-    static fn real_open, real_open64;
-    fn *real = strcmp(name, "open") == 0 ? &real_open : &real_open64;
-    if (!*real) *real = (fn)dlsym(RTLD_NEXT, name);
+static int opened(open_fn real, const char *path, int flags, mode_t mode) {
     if (interrupt(OPEN, under(path))) return -1;
-    int fd = (*real)(path, flags, mode);
-    if (fd >= 0 && fd < (int)sizeof opened) opened[fd] = (char)under(path);
+    int fd = real(path, flags, mode);
+    if (fd >= 0 && fd < (int)sizeof opened_under) opened_under[fd] = (char)under(path);
     return fd;
-}
-int open(const char *path, int flags, ...) {
-    va_list ap; va_start(ap, flags); mode_t mode = (flags & O_CREAT) ? va_arg(ap, mode_t) : 0; va_end(ap);
-    return opened_at("open", path, flags, mode);
-}
-int open64(const char *path, int flags, ...) {
-    va_list ap; va_start(ap, flags); mode_t mode = (flags & O_CREAT) ? va_arg(ap, mode_t) : 0; va_end(ap);
-    return opened_at("open64", path, flags, mode);
 }
 int lstat(const char *path, struct stat *st) {
     REAL(lstat);
@@ -664,7 +644,7 @@ int unlink(const char *path) {
 int close(int fd) {
     REAL(close);
     int armed = marked(fd);
-    if (fd >= 0 && fd < (int)sizeof opened) opened[fd] = 0;
+    if (fd >= 0 && fd < (int)sizeof opened_under) opened_under[fd] = 0;
     int rc = real(fd);
     if (rc == 0 && armed) { interrupted[CLOSE]++; errno = EINTR; return -1; }  /* closed all the same */
     return rc;
@@ -689,7 +669,7 @@ _INTERRUPTED = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("writer", ["compiled", "python"])
-def test_calls_a_signal_interrupts_are_made_again(tmp_path, writer):
+def test_calls_a_signal_interrupts_are_made_again(tmp_path, tmp_path_factory, writer):
     # A signal that comes during a call on a FUSE or network file system interrupts it (EINTR). The compiled
     # writer made only writev again, Python only open, fstat and writev (PEP 475): an interrupted lstat, mkdir or
     # rename (and the compiled writer's open and fstat) failed the entry, the rest of its batch, and every later
@@ -697,19 +677,11 @@ def test_calls_a_signal_interrupts_are_made_again(tmp_path, writer):
     # not made again) failed it too.
     if writer == "compiled" and native.write_entries is None:
         pytest.skip("stoker._native is not built")
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler for the interrupting library")
-    (tmp_path / "shim.c").write_text(_EINTR_SHIM)
-    shim = tmp_path / "shim.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", str(tmp_path / "shim.c"), "-o", str(shim), "-ldl"], check=True,
-                   capture_output=True, timeout=120)
+    shim = preload_shim.build(tmp_path_factory, _EINTR_SHIM)
     root = tmp_path / "v1"
     root.mkdir()
-    preload = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(shim)]))  # after ASan's runtime, if any
-    out = subprocess.run([sys.executable, "-c", _INTERRUPTED, str(root), writer], capture_output=True, text=True,
-                         timeout=120, check=True,
-                         env={**os.environ, "LD_PRELOAD": preload, "PYTHONPATH": os.pathsep.join(sys.path)})
+    out = preload_shim.run(shim, _INTERRUPTED, str(root), writer)
+    assert out.returncode == 0, out.stderr
     results, counts = out.stdout.strip().split("] [")
     assert results == "[1, 1, 1, 1, 1, 1", out
     opens, lstats, fstats, mkdirs, renames, _, closes = map(int, counts.rstrip("]").split(", "))
@@ -727,40 +699,20 @@ def test_calls_a_signal_interrupts_are_made_again(tmp_path, writer):
 
 # A C library put before libc (LD_PRELOAD): the first `times` O_EXCL opens of the armed path find a marker that
 # another process made and an outside cleaner removed before this process's lstat (EEXIST, then nothing there).
-_VANISHING_SHIM = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <errno.h>
-#include <fcntl.h>
-#include <stdarg.h>
-#include <string.h>
-#include <unistd.h>
-
+_VANISHING_SHIM = preload_shim.OPENS + r"""
 static char armed[4096];
 static int left;
 void vanish_arm(const char *p, int times) { strncpy(armed, p, sizeof armed - 1); left = times; }
 
-static int opened(const char *name, const char *path, int flags, mode_t mode) {
-    typedef int (*fn)(const char *, int, ...);
-    static fn real_open, real_open64;
-    fn *real = strcmp(name, "open") == 0 ? &real_open : &real_open64;
-    if (!*real) *real = (fn)dlsym(RTLD_NEXT, name);
+static int opened(open_fn real, const char *path, int flags, mode_t mode) {
     if (left > 0 && (flags & O_EXCL) && strcmp(path, armed) == 0) {
         left--;
-        int fd = (*real)(path, flags, mode);  /* made by another process */
+        int fd = real(path, flags, mode);  /* made by another process */
         if (fd >= 0) { close(fd); unlink(path); }  /* removed by a cleaner */
         errno = EEXIST;
         return -1;
     }
-    return (*real)(path, flags, mode);
-}
-int open(const char *path, int flags, ...) {
-    va_list ap; va_start(ap, flags); mode_t mode = (flags & O_CREAT) ? va_arg(ap, mode_t) : 0; va_end(ap);
-    return opened("open", path, flags, mode);
-}
-int open64(const char *path, int flags, ...) {
-    va_list ap; va_start(ap, flags); mode_t mode = (flags & O_CREAT) ? va_arg(ap, mode_t) : 0; va_end(ap);
-    return opened("open64", path, flags, mode);
+    return real(path, flags, mode);
 }
 """
 
@@ -785,25 +737,18 @@ _VANISHING = textwrap.dedent("""
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("writer", ["compiled", "python"])
-def test_a_marker_removed_between_its_open_and_its_lstat_is_tried_again_never_a_failure(tmp_path, writer):
+def test_a_marker_removed_between_its_open_and_its_lstat_is_tried_again_never_a_failure(tmp_path, tmp_path_factory,
+                                                                                        writer):
     # Before: O_EXCL said EEXIST, the lstat then ENOENT (an outside cleaner removed it meanwhile): the writer said
     # "not a regular file" (-EEXIST) and the cache was turned off in the process, one warning with a wrong reason
     if writer == "compiled" and native.write_entries is None:
         pytest.skip("stoker._native is not built")
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler for the vanishing library")
-    (tmp_path / "shim.c").write_text(_VANISHING_SHIM)
-    shim = tmp_path / "shim.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", str(tmp_path / "shim.c"), "-o", str(shim), "-ldl"], check=True,
-                   capture_output=True, timeout=120)
-    preload = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(shim)]))  # after ASan's runtime, if any
-    env = {**os.environ, "LD_PRELOAD": preload, "PYTHONPATH": os.pathsep.join(sys.path)}
+    shim = preload_shim.build(tmp_path_factory, _VANISHING_SHIM)
 
     def run(times: int) -> str:
         folder = tmp_path / f"cache{times}"
-        out = subprocess.run([sys.executable, "-c", _VANISHING, str(folder), str(times), writer],
-                             capture_output=True, text=True, timeout=120, check=True, env=env)
+        out = preload_shim.run(shim, _VANISHING, str(folder), str(times), writer)
+        assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
     assert run(1) == "True True True True 0"  # made at the next try

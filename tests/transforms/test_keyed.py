@@ -162,6 +162,8 @@ def test_keyed_transform_errors(rng):
         RandomTranspose(axes=(-2, -1))({"raw": torch.zeros(4, 6, 6), "labels": torch.zeros(4, 6, 5)}, _keys(4))
     with pytest.raises(stoker.InvalidArgument, match="too few axes"):
         RandomTranspose(axes=(-3, -2, -1))(torch.zeros(4, 6, 6), _keys(4))
+    with pytest.raises(stoker.InvalidArgument, match=r"RandomFlip\(axes=\(-3,\)\): field 'raw' .* too few axes"):
+        RandomFlip(axes=(-3,))({"raw": torch.zeros(4, 6, 6)}, _keys(4))
     with pytest.raises(stoker.InvalidArgument, match="needs the batch's per-sample keys"):
         RandomFlip()(torch.zeros(4, 2, 2, 2))
     with pytest.raises(stoker.InvalidArgument, match="3 keys for a batch of 4 samples"):

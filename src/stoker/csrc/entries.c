@@ -173,10 +173,26 @@ FOLD_TARGET static inline __m512i fold512(__m512i x, __m512i k, __m512i next) {
                                      next, 0x96);
 }
 
-FOLD_TARGET static inline __m128i fold128(__m128i x, const uint64_t k[2], __m128i next) {
+/* Both foldings' 128-bit steps and their end, in PCLMULQDQ alone (inlined into either folding; where it has
+ * AVX-512, the compiler makes fold128's two XORs one ternary-logic step, as fold512 spells it) */
+#define FOLD128_TARGET __attribute__((target("pclmul,sse4.2")))
+
+FOLD128_TARGET static inline __m128i fold128(__m128i x, const uint64_t k[2], __m128i next) {
     __m128i kk = _mm_set_epi64x((long long)k[1], (long long)k[0]);
-    return _mm_ternarylogic_epi64(_mm_clmulepi64_si128(x, kk, 0x00), _mm_clmulepi64_si128(x, kk, 0x11), next,
-                                  0x96);
+    return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, kk, 0x00), _mm_clmulepi64_si128(x, kk, 0x11)), next);
+}
+
+/* y (the registers folded into 16 bytes) folded on over the 16-byte steps left (k: 128 bits' constants), the
+ * CRC of the folded 16 bytes from 0, then the crc32 instruction over the tail (under 16 bytes) */
+FOLD128_TARGET static inline uint32_t fold_end(__m128i y, const uint64_t k[2], const unsigned char *p, size_t n) {
+    while (n >= 16) {
+        y = fold128(y, k, _mm_loadu_si128((const __m128i *)p));
+        p += 16;
+        n -= 16;
+    }
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(y));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(y, 1));
+    return n ? crc_hw((uint32_t)c, p, n) : (uint32_t)c;
 }
 
 /* crc (raw register, not inverted) continued over n >= FOLD_MIN bytes at p: the CRC of the message is kept as
@@ -209,15 +225,7 @@ FOLD_TARGET static uint32_t crc_fold(uint32_t crc, const unsigned char *p, size_
     __m128i y = fold128(_mm512_extracti32x4_epi32(x, 0), fold_k[4],
                         fold128(_mm512_extracti32x4_epi32(x, 1), fold_k[5],
                                 fold128(_mm512_extracti32x4_epi32(x, 2), fold_k[6], _mm512_extracti32x4_epi32(x, 3))));
-    while (n >= 16) {
-        y = fold128(y, fold_k[6], _mm_loadu_si128((const __m128i *)p));
-        p += 16;
-        n -= 16;
-    }
-    /* the CRC of the folded 16 bytes from 0, then the tail */
-    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(y));
-    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(y, 1));
-    return n ? crc_hw((uint32_t)c, p, n) : (uint32_t)c;
+    return fold_end(y, fold_k[6], p, n);
 }
 
 /* The same folding in 256-bit registers, where the CPU has VPCLMULQDQ but not AVX-512 (AMD's Zen 3, Intel's
@@ -239,11 +247,6 @@ static void make_fold256_k(void) {
 FOLD256_TARGET static inline __m256i fold256(__m256i x, __m256i k, __m256i next) {
     return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(x, k, 0x00),
                                              _mm256_clmulepi64_epi128(x, k, 0x11)), next);
-}
-
-FOLD256_TARGET static inline __m128i fold128_avx2(__m128i x, const uint64_t k[2], __m128i next) {
-    __m128i kk = _mm_set_epi64x((long long)k[1], (long long)k[0]);
-    return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, kk, 0x00), _mm_clmulepi64_si128(x, kk, 0x11)), next);
 }
 
 /* crc_fold's way in 256-bit registers: crc (raw register) continued over n >= FOLD_MIN bytes at p */
@@ -275,15 +278,8 @@ FOLD256_TARGET static uint32_t crc_fold256(uint32_t crc, const unsigned char *p,
 #undef LOAD256
 #undef K256
     /* the two lanes into the last one (16 bytes on) */
-    __m128i y = fold128_avx2(_mm256_castsi256_si128(x), fold256_k[4], _mm256_extracti128_si256(x, 1));
-    while (n >= 16) {
-        y = fold128_avx2(y, fold256_k[4], _mm_loadu_si128((const __m128i *)p));
-        p += 16;
-        n -= 16;
-    }
-    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(y));
-    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(y, 1));
-    return n ? crc_hw((uint32_t)c, p, n) : (uint32_t)c;
+    return fold_end(fold128(_mm256_castsi256_si128(x), fold256_k[4], _mm256_extracti128_si256(x, 1)), fold256_k[4], p,
+                    n);
 }
 #endif
 

@@ -25,9 +25,8 @@ import time
 from typing import Callable
 
 from ..errors import StorageError
+from ..runtime.waits import wait_until
 from ..runtime.workers import DaemonPool
-
-_POLL_S = 0.5  # how often a wait looks at the clock again
 
 
 class BackgroundWriter:
@@ -58,16 +57,13 @@ class BackgroundWriter:
             self._raise_error()
 
     def _wait(self, ready: Callable[[], bool], what: str, deadline: float | None = None) -> None:
-        if deadline is None:
-            deadline = time.monotonic() + self.timeout_s
-        while not ready():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StorageError(f"{self.uri}: {what} did not finish within write_timeout_s={self.timeout_s:g} s "
-                                   f"({self._running} regions, {self._in_flight} bytes still being written); "
-                                   "check the storage, or raise write_timeout_s", uri=self.uri, key=None,
-                                   status=None, attempts=None)
-            self._cv.wait(min(left, _POLL_S))
+        def timed_out() -> StorageError:
+            return StorageError(f"{self.uri}: {what} did not finish within write_timeout_s={self.timeout_s:g} s "
+                                f"({self._running} regions, {self._in_flight} bytes still being written); "
+                                "check the storage, or raise write_timeout_s", uri=self.uri, key=None,
+                                status=None, attempts=None)
+
+        wait_until(self._cv, ready, time.monotonic() + self.timeout_s if deadline is None else deadline, timed_out)
 
     def submit(self, what: str, nbytes: int, task: Callable[[], None]) -> None:
         """Queue ``task`` (the write of ``what``, holding ``nbytes``), after waiting for room; raises the

@@ -42,11 +42,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import StorageError
+from ..runtime.waits import wait_until
 from ..runtime.workers import DaemonPool
 from ..storage.fsutil import fsync_path as _fsync
 from .record import CompletionRecord
-
-_POLL_S = 0.5  # how often a wait looks at the clock again
 
 
 class DurableMarks:
@@ -188,17 +187,15 @@ class DurableMarks:
     def drain(self, deadline: float | None = None) -> None:
         """Wait (until ``deadline``, a ``time.monotonic()``; by default ``timeout_s`` from now) until every region
         handed over is marked; raise the first error."""
-        if deadline is None:
-            deadline = time.monotonic() + self.timeout_s
+        def timed_out() -> StorageError:  # only with a sync thread: a local disk's fsyncs (object stores mark inline)
+            return StorageError(f"{self.record.uri}: flushing the written regions to the disk did not finish within "
+                                f"write_timeout_s={self.timeout_s:g} s ({self._in_pass + len(self._queued)} regions "
+                                "not yet marked); check the disk, or raise write_timeout_s",
+                                uri=self.record.uri, key=None, status=None, attempts=None)
+
         with self._cv:
-            while self._busy and self._error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:  # only with a sync thread: a local disk's fsyncs (object stores mark inline)
-                    raise StorageError(f"{self.record.uri}: flushing the written regions to the disk did not finish "
-                                       f"within write_timeout_s={self.timeout_s:g} s ({self._in_pass + len(self._queued)}"
-                                       " regions not yet marked); check the disk, or raise write_timeout_s",
-                                       uri=self.record.uri, key=None, status=None, attempts=None)
-                self._cv.wait(min(left, _POLL_S))
+            wait_until(self._cv, lambda: not self._busy or self._error is not None,
+                       time.monotonic() + self.timeout_s if deadline is None else deadline, timed_out)
             self._raise_error()
 
     def stop(self) -> None:

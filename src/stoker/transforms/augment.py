@@ -49,8 +49,9 @@ def _seed(who: str, seed: Any) -> int:
     return int(seed)
 
 
-def _tensors(who: str, batch: Any) -> list[tuple[str, torch.Tensor]]:
-    """The batch's tensors with their names (``""`` for a plain tensor batch), all of one batch size."""
+def _tensors(who: str, batch: Any, axes: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
+    """The batch's tensors with their names (``""`` for a plain tensor batch), all of one batch size, each with
+    the trailing ``axes`` after its axis 0."""
     if isinstance(batch, torch.Tensor):
         items = [("", batch)]
     elif isinstance(batch, Mapping) and all(isinstance(v, torch.Tensor) for v in batch.values()) and batch:
@@ -62,6 +63,10 @@ def _tensors(who: str, batch: Any) -> list[tuple[str, torch.Tensor]]:
     if len(sizes) != 1 or None in sizes:
         raise InvalidArgument(f"{who}: every field must have the batch's axis 0, got shapes "
                               f"{ {n: tuple(t.shape) for n, t in items} }", knob="transform")
+    for name, t in items:
+        if t.dim() < 1 + max(-a for a in axes):
+            raise InvalidArgument(f"{who}(axes={axes}): {_where(name)} of shape {tuple(t.shape)} has too few axes "
+                                  "(axis 0 is the batch's)", knob="axes")
     return items
 
 
@@ -123,12 +128,8 @@ class RandomFlip(Keyed):
         return uniform(keys, self.seed, len(self.axes), _FLIP_SALT) < self.p
 
     def __call__(self, batch: Any, keys: Any = None) -> Any:
-        items = _tensors("RandomFlip", batch)
+        items = _tensors("RandomFlip", batch, self.axes)
         flips = self.draws(check_keys(keys, items[0][1].shape[0], "RandomFlip"))
-        for name, t in items:
-            if t.dim() < 1 + max(-a for a in self.axes):
-                raise InvalidArgument(f"RandomFlip(axes={self.axes}): {_where(name)} of shape {tuple(t.shape)} has "
-                                      "too few axes (axis 0 is the batch's)", knob="axes")
         codes = flips.astype(np.int64) @ (1 << np.arange(len(self.axes), dtype=np.int64))
         for code, rows in _groups(codes):
             dims = [a for j, a in enumerate(self.axes) if code >> j & 1]
@@ -161,12 +162,9 @@ class RandomTranspose(Keyed):
         return np.minimum((u * math.factorial(len(self.axes))).astype(np.int64), len(self.orders) - 1)
 
     def __call__(self, batch: Any, keys: Any = None) -> Any:
-        items = _tensors("RandomTranspose", batch)
+        items = _tensors("RandomTranspose", batch, self.axes)
         codes = self.draws(check_keys(keys, items[0][1].shape[0], "RandomTranspose"))
         for name, t in items:
-            if t.dim() < 1 + max(-a for a in self.axes):
-                raise InvalidArgument(f"RandomTranspose(axes={self.axes}): {_where(name)} of shape "
-                                      f"{tuple(t.shape)} has too few axes (axis 0 is the batch's)", knob="axes")
             sizes = {t.shape[a] for a in self.axes}
             if len(sizes) > 1:
                 raise InvalidArgument(
