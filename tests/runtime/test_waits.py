@@ -50,3 +50,16 @@ def test_a_deadline_passed_raises_the_callers_error_read_under_the_lock():
     with cv:
         queued.clear()
         wait_until(cv, ready, time.monotonic() - 1.0, lambda: TimeoutError("ready, so never raised"))
+
+
+def test_a_wait_without_a_notify_raises_once_its_deadline_passed_and_not_before():
+    cv, made = threading.Condition(), []
+
+    def timed_out() -> TimeoutError:
+        made.append(time.monotonic())
+        return TimeoutError("nothing came")
+
+    start = time.monotonic()
+    with cv, pytest.raises(TimeoutError, match="nothing came"):
+        wait_until(cv, lambda: False, start + 0.3, timed_out)
+    assert len(made) == 1 and made[0] >= start + 0.3  # never before the deadline (no upper bound: a loaded machine)

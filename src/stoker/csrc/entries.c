@@ -199,7 +199,7 @@ FOLD128_TARGET static inline uint32_t fold_end(__m128i y, const uint64_t k[2], c
  * the CRC of the folded registers followed by the bytes not read yet (the crc XORed into the first 4 bytes) */
 FOLD_TARGET static uint32_t crc_fold(uint32_t crc, const unsigned char *p, size_t n) {
 #define K512(i) _mm512_broadcast_i32x4(_mm_set_epi64x((long long)fold_k[i][1], (long long)fold_k[i][0]))
-    __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_castsi128_si512(_mm_cvtsi32_si128((int)crc)));
+    __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)crc)));
     __m512i a1 = _mm512_loadu_si512(p + 64), a2 = _mm512_loadu_si512(p + 128), a3 = _mm512_loadu_si512(p + 192);
     p += 256;
     n -= 256;

@@ -193,9 +193,10 @@ class DurableMarks:
                                 "not yet marked); check the disk, or raise write_timeout_s",
                                 uri=self.record.uri, key=None, status=None, attempts=None)
 
+        if deadline is None:  # (taken before the lock: the wait for the lock counts against it)
+            deadline = time.monotonic() + self.timeout_s
         with self._cv:
-            wait_until(self._cv, lambda: not self._busy or self._error is not None,
-                       time.monotonic() + self.timeout_s if deadline is None else deadline, timed_out)
+            wait_until(self._cv, lambda: not self._busy or self._error is not None, deadline, timed_out)
             self._raise_error()
 
     def stop(self) -> None:
