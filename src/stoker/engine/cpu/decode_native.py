@@ -1222,8 +1222,10 @@ class NativeDecoder:
         ok = status == native.ST_OK
         bad = np.flatnonzero(~ok)
         data = None if buffers is None else [buffers[k] for k in bad.tolist()]
-        self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
+        # the placed chunks first: the Python path may finish every other chunk (the batch) before _failed
+        # returns, and a count after that, even of none, would be taken for a chunk reported twice
         self._finish_placed(job, int(ok.sum()), c, fetched)
+        self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
         return False
 
     def _account(self, counts: dict, fetched: bool) -> None:
