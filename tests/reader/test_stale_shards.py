@@ -252,3 +252,31 @@ def test_a_shard_rewritten_in_place_during_a_read_is_not_read_at_old_offsets(tmp
     time.sleep(0.05)  # the rewrite lands on another tick of the file system's clock
     store.armed = True
     np.testing.assert_array_equal(arr.read([(0, 4)]), [10, 11, 12, 13])  # the new data, read anew
+
+
+def test_a_batch_the_python_path_reads_whole_completes_once(tmp_path, monkeypatch):
+    """A batch none of whose chunks the compiled engine placed (every shard changed since its index was cached)
+    goes whole to the Python path. Its reads ran on the compute pool while the finisher thread went on to count
+    the engine's placed chunks (none); where they all finished first (a loaded machine), the batch was
+    complete, that count of none was taken for a chunk reported twice, and the finisher thread died: every
+    later batch timed out (PoolStarved). Here the retries run before the finisher goes on, every time."""
+    if native.Engine is None:
+        pytest.skip("stoker._native is not available")
+    from stoker.engine.cpu.decode_python import PythonDecoder
+
+    ran = []
+
+    def run_now(self, fn, job, *args):  # the compute pool, infinitely fast next to the finisher thread
+        ran.append(job.plan.n_chunks)
+        fn(job, *args)
+
+    monkeypatch.setattr(PythonDecoder, "run", run_now)
+    uri, old, new, do_rewrite = _array(tmp_path, "zstd", False, "in_place")
+    crops = _shard_crops(uri)[:16]  # two batches, 16 shards: every inner chunk of the second push ST_CHANGED
+    with stoker.Pipeline(_cfg(pop_timeout_s=10.0)) as p:
+        p.push(crops)
+        assert _drain(p, old, new) == ["old"] * 16
+        do_rewrite()
+        p.push(crops)
+        assert _drain(p, old, new) == ["new"] * 16
+    assert ran == [32, 32]  # each batch of the second push handed whole (8 shards of 4 chunks) to the Python path

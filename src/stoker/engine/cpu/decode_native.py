@@ -976,11 +976,13 @@ class NativeDecoder:
         self._missed(disk, status == native.ST_ENTRY)
         final = (status == native.ST_CANCELLED) | (status == native.ST_RANGE)
         again = eids[~ok & ~final]
-        if len(again):  # fetched as if never cached (a counted miss there, and a new entry written)
-            self._fetch(job, again, disk.kind, disk.sources, disk=False)
+        # the placed and failed chunks first, the fetch last: it may finish every chunk it was given (the
+        # batch) before it returns, and a count after that would be taken for a chunk reported twice
+        self._finish_placed(job, int(ok.sum()), c, fetched=False)
         for cid, st, d in zip(eids[final].tolist(), status[final].tolist(), detail[final].tolist()):
             job.finish(1, self._outcome(job, cid, st, d, True)[0])
-        self._finish_placed(job, int(ok.sum()), c, fetched=False)
+        if len(again):  # fetched as if never cached (a counted miss there, and a new entry written)
+            self._fetch(job, again, disk.kind, disk.sources, disk=False)
 
     def _fetch_of(self, plan: TablePlan, kv, ids: np.ndarray, sources: "_SourceSet", stored: np.ndarray) -> Fetch:
         """One fetch of ``ids``: their whole values, then their ranges (inner chunks), then the blocks some
@@ -1222,8 +1224,10 @@ class NativeDecoder:
         ok = status == native.ST_OK
         bad = np.flatnonzero(~ok)
         data = None if buffers is None else [buffers[k] for k in bad.tolist()]
-        self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
+        # the placed chunks first: the Python path may finish every other chunk (the batch) before _failed
+        # returns, and a count after that, even of none, would be taken for a chunk reported twice
         self._finish_placed(job, int(ok.sum()), c, fetched)
+        self._failed(job, eids[bad], status[bad], np.frombuffer(detail, np.int64)[bad], data)
         return False
 
     def _account(self, counts: dict, fetched: bool) -> None:
