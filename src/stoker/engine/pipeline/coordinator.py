@@ -419,7 +419,7 @@ class Coordinator:
         keys = np.array([key for _, _, key in staged], dtype=np.int64).reshape(len(staged), 2)
         keys.setflags(write=False)  # shared by the transform and Batch.keys
         batch_id = next(self._batch_ids)
-        t0 = time.perf_counter()
+        t0 = (time.perf_counter(), time.thread_time())
         if self.closed:
             return
         if samples[0].fields is not None:
@@ -445,7 +445,7 @@ class Coordinator:
             self.ahead.failed(Entry(batch_id, len(samples), error=exc))
             return
         plan.keys = keys  # where the transform runs (the executor's completion hook) and Batch.keys find them
-        self.stats.stage("plan", time.perf_counter() - t0)
+        self._planned(t0)
         entry = Entry(batch_id, plan.rows)
         entry.source_ids = source_ids
         # its samples' pushes, and the pushes so far: the freshness marks of what it prefetches and shares
@@ -466,7 +466,15 @@ class Coordinator:
         # this one must not keep the batch's target, a view of its slot, alive once the batch is popped
         del entry
 
-    def _launch_fields(self, batch_id: int, samples: list[Sample], source_ids: list[int], t0: float,
+    def _planned(self, t0: tuple[float, float]) -> None:
+        """Report a batch planned since ``t0`` (``(perf_counter, thread_time)``): ``plan``, the coordinator's
+        CPU time planning it; ``plan_wait``, the rest of that wall time: waits for its arrays' opens and shard
+        indexes from their stores (round trips, at 100 ms a request the most of it), for a core and the GIL."""
+        cpu = time.thread_time() - t0[1]
+        self.stats.stage("plan", cpu)
+        self.stats.stage("plan_wait", max(0.0, time.perf_counter() - t0[0] - cpu))
+
+    def _launch_fields(self, batch_id: int, samples: list[Sample], source_ids: list[int], t0: tuple[float, float],
                        keys: np.ndarray) -> None:
         """Launch a batch of samples of named fields: each field's plain samples planned, given a slot and
         submitted in that field's lane (made at the first such batch); an error names its field."""
@@ -513,7 +521,7 @@ class Coordinator:
                 self.inflight.append(Entry(batch_id, len(samples), error=exc))
                 self.cond.notify_all()
             return
-        self.stats.stage("plan", time.perf_counter() - t0)
+        self._planned(t0)
         entry = Entry(batch_id, plans[0].rows)
         entry.source_ids, entry.samples = source_ids, tuple(samples)
         held: list[Part] = []
