@@ -41,7 +41,7 @@ from ..cpu.cf import check_output
 from ..executor import Executor, Job, Target
 from .intake import Intake, Staged
 from .lanes import Lanes, Part, in_field
-from .prefetch import Ahead, Revalidated, revalidate_ahead
+from .prefetch import Ahead, Revalidated, indexes_ahead, revalidate_ahead
 from ..stats import StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
@@ -207,13 +207,25 @@ class Coordinator:
             [(self._try_open, u, f) for u, f in new]
         for fn, *args in jobs:
             try:
-                if self._openers is None:
-                    self._openers = DaemonPool(_OPEN_AT_ONCE, "stoker-open", knob="n_io_threads")
-                self._openers.submit(fn, *args)
+                self._opener_pool().submit(fn, *args)
             except BaseException as exc:  # noqa: BLE001 - no thread given, or closed: the open's error
                 if fn == self._try_open:
                     self._opened(*args, exc)
         return flights
+
+    def _opener_pool(self) -> DaemonPool:
+        """The opener threads' pool, made at first use (by the coordinator, or an opener thread: see
+        :meth:`_aside`); ShutdownError once the pipeline is closed."""
+        with self._opening_lock:
+            if self.closed:
+                raise ShutdownError("the pipeline is closed")
+            if self._openers is None:
+                self._openers = DaemonPool(_OPEN_AT_ONCE, "stoker-open", knob="n_io_threads")
+            return self._openers
+
+    def _aside(self, fn) -> None:
+        """Run ``fn()`` on an opener thread (a read ahead of shard indexes); ShutdownError once closed."""
+        self._opener_pool().submit(fn)
 
     def _list_ahead(self, uris: list[str]) -> None:
         """The disk cache listings of ``uris`` asked, without waiting (:meth:`Stores.opening
@@ -409,8 +421,11 @@ class Coordinator:
                 # batch, so that their reads wait for no revalidation
                 flights = self._start_opens(list({u: None for staged, _ in self._pulled for s, _, _ in staged
                                                   for u in s.uris}))
-                revalidate_when_open(flights, [[s for s, _, _ in staged] for staged in more], self._readers.get,
-                                     self.ahead.revalidated)
+                pulled = [[s for s, _, _ in staged] for staged in more]
+                revalidate_when_open(flights, pulled, self._readers.get, self.ahead.revalidated)
+                # and their shard indexes read, batch by batch, on the opener threads: a batch's planning then
+                # waits for no round trip of its own after the batches before it were planned
+                indexes_when_open(flights, pulled, self._readers.get, self._aside)
         return self._pulled.popleft() if self._pulled else ([], None)
 
     def _launch(self, staged: list[Staged]) -> None:
@@ -595,6 +610,16 @@ def revalidate_when_open(flights: list[tuple[str, concurrent.futures.Future]], p
         opens = {id(f): f for f in (by_uri.get(u) for s in samples for u in s.uris) if f is not None}
         when_all_done(list(opens.values()), lambda samples=samples: revalidate_ahead(samples, reader_of, asked),
                       _dropped)
+
+
+def indexes_when_open(flights: list[tuple[str, concurrent.futures.Future]], pulled: list[list[Sample]],
+                      reader_of, run) -> None:
+    """Each batch of ``pulled`` (its samples) has its shard indexes read ahead (:func:`indexes_ahead`, on the
+    thread ``run(fn)`` gives) once the opens among ``flights`` of its own arrays are done, never waiting."""
+    by_uri = dict(flights)
+    for samples in pulled:
+        opens = {id(f): f for f in (by_uri.get(u) for s in samples for u in s.uris) if f is not None}
+        when_all_done(list(opens.values()), lambda samples=samples: indexes_ahead(samples, reader_of, run), _dropped)
 
 
 def _dropped(exc: BaseException) -> None:
