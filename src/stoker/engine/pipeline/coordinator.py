@@ -626,6 +626,7 @@ def indexes_when_open(flights: list[tuple[str, concurrent.futures.Future]], pull
 
 
 def _dropped(exc: BaseException) -> None:
-    """What revalidating ahead raised: dropped (a closed store: the batches' own reads say what is wrong)."""
+    """What revalidating, or reading shard indexes, ahead raised: dropped (a closed store: the batches' own
+    reads say what is wrong)."""
     if not isinstance(exc, Exception):
         raise exc

@@ -461,6 +461,6 @@ def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> tuple[int, dict]:
     return dropped, kept
 
 
-__all__ = ["Ahead", "MAX_AHEAD", "MAX_INDEXES_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER", "REVALIDATED_ARRAYS", "REVALIDATED_CHUNKS",
-           "REVALIDATED_ENTRIES",
+__all__ = ["Ahead", "MAX_AHEAD", "MAX_INDEXES_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER", "REVALIDATED_ARRAYS",
+           "REVALIDATED_CHUNKS", "REVALIDATED_ENTRIES",
            "Revalidated", "indexes_ahead", "listed_whole", "prefetch_plan", "revalidate_ahead"]
