@@ -2,7 +2,7 @@
 
 A pipeline that opens more arrays at once than it has opener threads asks the disk cache listings of those
 that wait first (``Stores.opening``, on an opener thread), so the opens overlap in one round trip instead of
-one round trip per sixteen.
+one round trip per sixty-four (the opener threads).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from stoker.storage.locate import Stores
 
 pytestmark = pytest.mark.timeout(180)
 
-N_ARRAYS = 40
+N_ARRAYS = 72  # more than the coordinator's 64 opener threads
 LATENCY_S = 0.3
 
 
@@ -80,7 +80,7 @@ def test_cached_arrays_opened_together_are_listed_in_one_round_trip(served, tmp_
     server.arrivals.clear()
     _epoch(cfg, root)
     # from the disk cache: a listing per array (its zarr.json and chunk revalidated by it) and the group
-    # documents above them; every listing asked before any open waits (before: sixteen opens at a time,
+    # documents above them; every listing asked before any open waits (before: sixty-four opens at a time,
     # each round a round trip after the one before)
     arrivals = sorted(server.arrivals)
     assert N_ARRAYS <= len(arrivals) <= N_ARRAYS + 3, len(arrivals)
@@ -90,7 +90,7 @@ def test_cached_arrays_opened_together_are_listed_in_one_round_trip(served, tmp_
 
 def test_the_coordinator_asks_no_listing_of_a_burst_of_opens_itself(served, tmp_path, monkeypatch):
     # the listings of the arrays that wait for an opener thread are asked on an opener thread, not on the
-    # coordinator before any open is handed out (before: forty Stores.opening calls, each a store look-up,
+    # coordinator before any open is handed out (before: a Stores.opening call an array, each a store look-up,
     # a disk look-up and a request started, held up the coordinator's planning and the first opens); they
     # still go out together, and every value equals zarr-python's
     root, url, server = served

@@ -25,16 +25,19 @@ __all__ = ["document", "peer_record", "scenario_record", "stage_breakdown", "wor
 
 
 def stage_breakdown(stats: Any, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0) -> dict[str, Any]:
-    """stoker's CPU time per timed batch (ms) and its split by stage: decode, read, cast, plan, and other
-    (the rest: Python bookkeeping, the consumer); GIL-held time and the garbage
-    collections in it. Stage times are thread time, waits for a core included."""
+    """stoker's CPU time per timed batch (ms) and its split by stage: decode, read, cast, plan (the
+    coordinator's CPU planning), and other (the rest: Python bookkeeping, the consumer); GIL-held time and the
+    garbage collections in it. Stage times are thread time, waits for a core included. Apart from the CPU,
+    ``plan_wait_ms_per_batch``: the coordinator's wall time planning that was no CPU (waits for arrays' opens
+    and shard indexes from a store, for a core, the GIL)."""
     stages = {"decode": stats.stages["decode"].seconds, "read": stats.stages["io"].seconds,
               "cast": stats.stages["assemble"].seconds, "plan": stats.stages["plan"].seconds}
     stages["other"] = cpu_s - sum(stages.values())
     per = 1e3 / batches if batches > 0 else 0.0
     return {"cpu_ms_per_batch": cpu_s * per, "cores_busy": cpu_s / wall_s if wall_s > 0 else 0.0,
             "cpu_s": cpu_s, "stages_ms_per_batch": {k: v * per for k, v in stages.items()},
-            "gil_ms_per_batch": stats.gil_seconds * per, "gc_ms_per_batch": gc_s * per}
+            "gil_ms_per_batch": stats.gil_seconds * per, "gc_ms_per_batch": gc_s * per,
+            "plan_wait_ms_per_batch": (stats.stages["plan_wait"].seconds if "plan_wait" in stats.stages else 0.0) * per}
 
 
 def worker_breakdown(stats: Any, batches: int, wall_s: float) -> dict[str, Any]:

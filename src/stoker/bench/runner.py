@@ -331,6 +331,8 @@ def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float 
     bound times the decode stage alone, so read, cast, plan and other are what stoker pays on top of it.
     Last, the CPU time the pipeline's threads held the GIL (``Stats.gil_seconds``; it overlaps the
     stages), and the part of it that garbage collections took (``gc_s``, see :class:`PipelineCollections`).
+    With ``remote``, what are waits for the network, not CPU: the fetches from the store, and the planning's
+    waits for arrays' opens and shard indexes (the ``plan_wait`` stage; ``plan`` is the planning's CPU).
 
     >>> cpu_breakdown(stats, cpu_s=1.58, batches=120, wall_s=0.82)
     'stoker per batch: 13.20 ms CPU (1.9 cores busy); decode 9.83 (75%), ...; GIL held 1.10 (8%; garbage ...)'
@@ -344,7 +346,8 @@ def cpu_breakdown(stats, cpu_s: float, batches: int, wall_s: float, gc_s: float 
     if remote:  # reads from a store are waits for the network (summed over the fetches in flight), not CPU
         wait = b["stages_ms_per_batch"].pop("read")
         b["stages_ms_per_batch"]["other"] += wait
-        fetch = f"; fetches from the store {wait:.2f} ms (wall time, summed over the fetches in flight)"
+        fetch = (f"; fetches from the store {wait:.2f} ms (wall time, summed over the fetches in flight); planning "
+                 f"waited {b['plan_wait_ms_per_batch']:.2f} ms (wall time: arrays' opens, shard indexes)")
     shares = ", ".join(f"{name} {ms:.2f} ({ms / b['cpu_ms_per_batch']:.0%})"
                        for name, ms in b["stages_ms_per_batch"].items())
     held = (f"GIL held {b['gil_ms_per_batch']:.2f} ({b['gil_ms_per_batch'] / b['cpu_ms_per_batch']:.0%}; "

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from ..runtime import gil
 from ..runtime.schedstat import run_times
 
-STAGES = ("plan", "io", "decode", "assemble", "transfer", "transform", "pop_wait")
+STAGES = ("plan", "plan_wait", "io", "decode", "assemble", "transfer", "transform", "pop_wait")
 COUNTERS = (
     "batches_emitted", "samples", "chunks_needed", "chunks_decoded", "chunk_dedup_hits",
     "bytes_read", "bytes_decoded", "bytes_delivered", "bytes_needed", "bytes_to_device", "bytes_to_device_host",

@@ -13,11 +13,12 @@ uses the same pieces (metadata, grid, shard index, codec) with its own planning 
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import math
 import os
 import threading
-from typing import Any, Iterable, NamedTuple, NoReturn, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, NoReturn, Sequence
 
 import numpy as np
 
@@ -276,6 +277,9 @@ class ArrayReader:
             index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._index_cache = index_cache
         self._token = next(_reader_tokens)
+        # shard indexes being read ahead (start_shard_entries): key -> done, for a planner's read to wait for
+        self._index_flights: dict[str, concurrent.futures.Future] = {}
+        self._flights_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         if metadata.sharding is not None:
             check_index_fits(metadata.sharding, self._index_cache.max_bytes, metadata.uri)
 
@@ -684,6 +688,60 @@ _UNREAD = object()
 STORE_READ_BYTES = 64 << 20
 
 
+#: The longest a read of shard indexes waits for the same indexes read by another thread (read ahead:
+#: :func:`start_shard_entries`) before reading them itself: that read is bounded by its store's limits.
+FLIGHT_WAIT_S = 60.0
+
+_Flight = tuple["ArrayReader", str, concurrent.futures.Future]
+
+
+def start_shard_entries(wanted: Sequence[tuple[ArrayReader, str]], run: Callable[[Callable[[], None]], None]) -> int:
+    """Start reading the indexes of the ``wanted`` shards (``(reader, shard key)``) of arrays in stores that
+    are neither cached nor being read already, as :func:`shard_entries` reads them (one round trip per store),
+    on the thread ``run(fn)`` gives ``fn``; never waits. A :func:`shard_entries` asking for one of them
+    meanwhile waits for this read instead of asking the store again. Returns how many were started. What
+    this read met (an error, a corrupt index) is not kept: the batch that needs the shard reads it again and
+    raises it then. A ``run`` that refuses (a closed pool) starts nothing.
+
+    >>> start_shard_entries([(reader, "c/0/1/1")], pool.submit)   # its batch's planning waits for it, once
+    1
+    """
+    started: list[_Flight] = []
+    for reader, shard_key in wanted:
+        if not reader.kv.is_local and not reader._is_cached(shard_key):
+            with reader._flights_lock:
+                if shard_key in reader._index_flights:
+                    continue
+                done = reader._index_flights[shard_key] = concurrent.futures.Future()
+            started.append((reader, shard_key, done))
+    if not started:
+        return 0
+
+    def read() -> None:
+        try:
+            _read_indexes([(reader, shard_key) for reader, shard_key, _ in started])
+        except Exception:  # noqa: BLE001 - (a shard's error comes back in its place) read again by its batch
+            pass
+        finally:
+            _landed(started)
+
+    try:
+        run(read)
+    except BaseException:  # noqa: BLE001 - no thread: nothing read ahead, each batch reads its own
+        _landed(started)
+        return 0
+    return len(started)
+
+
+def _landed(flights: list[_Flight]) -> None:
+    """The reads of ``flights`` are over (their indexes cached, or not: a failure): their waiters wake."""
+    for reader, shard_key, done in flights:
+        with reader._flights_lock:
+            if reader._index_flights.get(shard_key) is done:
+                del reader._index_flights[shard_key]
+        done.set_result(None)
+
+
 def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex | None | Exception]:
     """:meth:`ArrayReader.shard_entry` of every ``(reader, shard key)``, with the error reading one met in its
     place (raised by the caller for the first chunk it concerns, as the serial reads would have).
@@ -693,7 +751,47 @@ def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex 
     are read at once, a thread each), so a cold batch touching N shards waits one round trip, not N. Each is
     decoded and checked as :meth:`~ArrayReader.shard_entry` does, and cached (a missing shard as None).
     Arrays in a local store (files, read by positional reads, no round trip to wait) read their indexes one
-    after the other, through the cache."""
+    after the other, through the cache. An index another thread is reading (ahead: :func:`start_shard_entries`,
+    or a planner's) is waited for (at most :data:`FLIGHT_WAIT_S`), not asked again; one that read did not
+    bring is read here, and every index read here is marked as being read meanwhile."""
+    out: list = [_UNREAD] * len(wanted)
+    mine: dict[tuple[int, str], _Flight] = {}
+    waits: list[tuple[int, concurrent.futures.Future]] = []  # (position, another thread's read of it)
+    read: list[int] = []
+    for i, (reader, shard_key) in enumerate(wanted):
+        if reader.kv.is_local or reader._is_cached(shard_key) or (id(reader), shard_key) in mine:
+            read.append(i)
+            continue
+        with reader._flights_lock:
+            flight = reader._index_flights.get(shard_key)
+            if flight is None:
+                flight = reader._index_flights[shard_key] = concurrent.futures.Future()
+                mine[(id(reader), shard_key)] = (reader, shard_key, flight)
+                read.append(i)
+            else:
+                waits.append((i, flight))
+    try:
+        for i, entry in zip(read, _read_indexes([wanted[i] for i in read]) if read else ()):
+            out[i] = entry
+    finally:
+        _landed(list(mine.values()))
+    if waits:
+        concurrent.futures.wait([flight for _, flight in waits], timeout=FLIGHT_WAIT_S)
+        again = []
+        for i, _ in waits:
+            reader, shard_key = wanted[i]
+            entry = reader.cached_shard_entries([shard_key])[0]
+            if entry is NOT_CACHED:  # that read failed, or is late: read here (its error raised here)
+                again.append(i)
+            else:
+                out[i] = entry
+        for i, entry in zip(again, _read_indexes([wanted[i] for i in again]) if again else ()):
+            out[i] = entry
+    return out
+
+
+def _read_indexes(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex | None | Exception]:
+    """:func:`shard_entries`' reads, whatever other threads read meanwhile."""
     out: list = [_UNREAD] * len(wanted)
     by_store: dict[int, tuple[Store, list[int]]] = {}
     for i, (reader, shard_key) in enumerate(wanted):
@@ -739,7 +837,7 @@ def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex 
     groups = list(by_store.values())
     if len(groups) == 1:
         load(*groups[0])
-    else:
+    elif groups:
         threads = [threading.Thread(target=guarded, args=group, name="stoker-indexes", daemon=True)
                    for group in groups]
         for t in threads:

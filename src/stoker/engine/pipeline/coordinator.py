@@ -41,11 +41,14 @@ from ..cpu.cf import check_output
 from ..executor import Executor, Job, Target
 from .intake import Intake, Staged
 from .lanes import Lanes, Part, in_field
-from .prefetch import Ahead, Revalidated, revalidate_ahead
+from .prefetch import Ahead, Revalidated, indexes_ahead, revalidate_ahead
 from ..stats import StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
-_OPEN_AT_ONCE = 16  # remote arrays of one batch opened together (threads waiting on their metadata)
+# remote arrays opened together (threads waiting on their metadata): the batches pulled at once, eight of eight
+# samples each of an array of its own, in one round trip (sixteen made a stream of new arrays at 100 ms a request
+# wait 24 ms a batch for its opens: scenario 6, 94-106 samples/s against 120-135 with 64)
+_OPEN_AT_ONCE = 64
 _CONFIG = object()  # _batch_dtype's default: the Config's output dtype
 _PULL_AHEAD = 8  # batches of remote arrays pulled at once: their arrays not open yet are opened together
 _SLOT_POLL_S = 0.01  # how often a coordinator waiting for prefetch room or a slot looks for a free slot
@@ -207,13 +210,25 @@ class Coordinator:
             [(self._try_open, u, f) for u, f in new]
         for fn, *args in jobs:
             try:
-                if self._openers is None:
-                    self._openers = DaemonPool(_OPEN_AT_ONCE, "stoker-open", knob="n_io_threads")
-                self._openers.submit(fn, *args)
+                self._opener_pool().submit(fn, *args)
             except BaseException as exc:  # noqa: BLE001 - no thread given, or closed: the open's error
                 if fn == self._try_open:
                     self._opened(*args, exc)
         return flights
+
+    def _opener_pool(self) -> DaemonPool:
+        """The opener threads' pool, made at first use (by the coordinator, or an opener thread: see
+        :meth:`_aside`); ShutdownError once the pipeline is closed."""
+        with self._opening_lock:
+            if self.closed:
+                raise ShutdownError("the pipeline is closed")
+            if self._openers is None:
+                self._openers = DaemonPool(_OPEN_AT_ONCE, "stoker-open", knob="n_io_threads")
+            return self._openers
+
+    def _aside(self, fn) -> None:
+        """Run ``fn()`` on an opener thread (a read ahead of shard indexes); ShutdownError once closed."""
+        self._opener_pool().submit(fn)
 
     def _list_ahead(self, uris: list[str]) -> None:
         """The disk cache listings of ``uris`` asked, without waiting (:meth:`Stores.opening
@@ -409,8 +424,11 @@ class Coordinator:
                 # batch, so that their reads wait for no revalidation
                 flights = self._start_opens(list({u: None for staged, _ in self._pulled for s, _, _ in staged
                                                   for u in s.uris}))
-                revalidate_when_open(flights, [[s for s, _, _ in staged] for staged in more], self._readers.get,
-                                     self.ahead.revalidated)
+                pulled = [[s for s, _, _ in staged] for staged in more]
+                revalidate_when_open(flights, pulled, self._readers.get, self.ahead.revalidated)
+                # and their shard indexes read, batch by batch, on the opener threads: a batch's planning then
+                # waits for no round trip of its own after the batches before it were planned
+                indexes_when_open(flights, pulled, self._readers.get, self._aside)
         return self._pulled.popleft() if self._pulled else ([], None)
 
     def _launch(self, staged: list[Staged]) -> None:
@@ -419,7 +437,7 @@ class Coordinator:
         keys = np.array([key for _, _, key in staged], dtype=np.int64).reshape(len(staged), 2)
         keys.setflags(write=False)  # shared by the transform and Batch.keys
         batch_id = next(self._batch_ids)
-        t0 = time.perf_counter()
+        t0 = (time.perf_counter(), time.thread_time())
         if self.closed:
             return
         if samples[0].fields is not None:
@@ -445,7 +463,7 @@ class Coordinator:
             self.ahead.failed(Entry(batch_id, len(samples), error=exc))
             return
         plan.keys = keys  # where the transform runs (the executor's completion hook) and Batch.keys find them
-        self.stats.stage("plan", time.perf_counter() - t0)
+        self._planned(t0)
         entry = Entry(batch_id, plan.rows)
         entry.source_ids = source_ids
         # its samples' pushes, and the pushes so far: the freshness marks of what it prefetches and shares
@@ -466,7 +484,15 @@ class Coordinator:
         # this one must not keep the batch's target, a view of its slot, alive once the batch is popped
         del entry
 
-    def _launch_fields(self, batch_id: int, samples: list[Sample], source_ids: list[int], t0: float,
+    def _planned(self, t0: tuple[float, float]) -> None:
+        """Report a batch planned since ``t0`` (``(perf_counter, thread_time)``): ``plan``, the coordinator's
+        CPU time planning it; ``plan_wait``, the rest of that wall time: waits for its arrays' opens and shard
+        indexes from their stores (round trips, at 100 ms a request the most of it), for a core and the GIL."""
+        cpu = time.thread_time() - t0[1]
+        self.stats.stage("plan", cpu)
+        self.stats.stage("plan_wait", max(0.0, time.perf_counter() - t0[0] - cpu))
+
+    def _launch_fields(self, batch_id: int, samples: list[Sample], source_ids: list[int], t0: tuple[float, float],
                        keys: np.ndarray) -> None:
         """Launch a batch of samples of named fields: each field's plain samples planned, given a slot and
         submitted in that field's lane (made at the first such batch); an error names its field."""
@@ -513,7 +539,7 @@ class Coordinator:
                 self.inflight.append(Entry(batch_id, len(samples), error=exc))
                 self.cond.notify_all()
             return
-        self.stats.stage("plan", time.perf_counter() - t0)
+        self._planned(t0)
         entry = Entry(batch_id, plans[0].rows)
         entry.source_ids, entry.samples = source_ids, tuple(samples)
         held: list[Part] = []
@@ -589,7 +615,18 @@ def revalidate_when_open(flights: list[tuple[str, concurrent.futures.Future]], p
                       _dropped)
 
 
+def indexes_when_open(flights: list[tuple[str, concurrent.futures.Future]], pulled: list[list[Sample]],
+                      reader_of, run) -> None:
+    """Each batch of ``pulled`` (its samples) has its shard indexes read ahead (:func:`indexes_ahead`, on the
+    thread ``run(fn)`` gives) once the opens among ``flights`` of its own arrays are done, never waiting."""
+    by_uri = dict(flights)
+    for samples in pulled:
+        opens = {id(f): f for f in (by_uri.get(u) for s in samples for u in s.uris) if f is not None}
+        when_all_done(list(opens.values()), lambda samples=samples: indexes_ahead(samples, reader_of, run), _dropped)
+
+
 def _dropped(exc: BaseException) -> None:
-    """What revalidating ahead raised: dropped (a closed store: the batches' own reads say what is wrong)."""
+    """What revalidating, or reading shard indexes, ahead raised: dropped (a closed store: the batches' own
+    reads say what is wrong)."""
     if not isinstance(exc, Exception):
         raise exc

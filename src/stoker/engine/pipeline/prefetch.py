@@ -33,6 +33,7 @@ import numpy as np
 from ...config import Config
 from typing import Callable
 
+from ...reader.array import start_shard_entries
 from ...runtime.memo import remember
 from ...storage.prefetch import PrefetchBuffer, PrefetchStore
 from ...storage.store import ByteRange
@@ -214,6 +215,49 @@ def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> 
         nbytes -= asked.shared_bytes
     plan.disk_entries = entries
     return nbytes, n, bool(asks), fetches
+
+
+#: Most shard indexes one call of :func:`indexes_ahead` starts reading (a huge box's are read by its planning).
+MAX_INDEXES_AHEAD = 4096
+
+
+def indexes_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
+                  run: Callable[[Callable[[], None]], None]) -> int:
+    """Start reading the shard indexes that the boxes of ``samples`` (a batch pulled and not yet planned)
+    touch in sharded arrays in stores, those neither cached nor being read already
+    (:func:`~stoker.reader.array.start_shard_entries`: one round trip per store, on the thread ``run(fn)``
+    gives), so that the batch's planning finds them cached, or waits for that read, rather than waiting a
+    round trip of its own on the coordinator, after the batches before it were planned, one batch after
+    another. ``reader_of(uri)``: the open array, or None (not open: skipped). Returns the indexes started (at
+    most :data:`MAX_INDEXES_AHEAD`); never waits.
+
+    >>> indexes_ahead(pulled_samples, lambda uri: readers.get(uri), pool.submit)
+    3
+    """
+    wanted: dict[tuple[int, str], tuple[Any, str]] = {}
+    for sample in samples:
+        for part in (sample.fields.values() if sample.fields else (sample,)):
+            if part.aabb is None:
+                continue
+            for uri in part.uris:
+                reader = reader_of(uri)
+                if reader is None or reader.kv.is_local or reader.metadata.sharding is None:
+                    continue
+                meta = reader.metadata
+                spans = []
+                for (lo, hi), size, shard in zip(part.aabb, meta.shape, meta.chunk_shape):
+                    lo, hi = max(0, lo), min(size, hi)  # a padded box may reach past the array
+                    spans.append(range(lo // shard, (hi - 1) // shard + 1) if hi > lo else range(0))
+                if not all(spans):
+                    continue
+                grid = reader.shard_grid
+                numbers = [int(np.ravel_multi_index(index, grid)) for index in
+                           itertools.islice(itertools.product(*spans), MAX_INDEXES_AHEAD - len(wanted))]
+                for key in reader.shard_keys(numbers):
+                    wanted.setdefault((id(reader), key), (reader, key))
+                if len(wanted) >= MAX_INDEXES_AHEAD:
+                    break
+    return start_shard_entries(list(wanted.values()), run)
 
 
 #: Most objects one call of :func:`revalidate_ahead` asks about (a huge box is revalidated by its own reads).
@@ -417,6 +461,6 @@ def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> tuple[int, dict]:
     return dropped, kept
 
 
-__all__ = ["Ahead", "MAX_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER", "REVALIDATED_ARRAYS", "REVALIDATED_CHUNKS",
-           "REVALIDATED_ENTRIES",
-           "Revalidated", "listed_whole", "prefetch_plan", "revalidate_ahead"]
+__all__ = ["Ahead", "MAX_AHEAD", "MAX_INDEXES_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER", "REVALIDATED_ARRAYS",
+           "REVALIDATED_CHUNKS", "REVALIDATED_ENTRIES",
+           "Revalidated", "indexes_ahead", "listed_whole", "prefetch_plan", "revalidate_ahead"]
