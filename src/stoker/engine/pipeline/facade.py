@@ -465,15 +465,25 @@ class Pipeline:
         # one wait for the threads and device streams of every executor, and one warning for those not done:
         # a hung device holds the close CLOSE_WAIT_S once, not once per field
         wait = CloseWait({id(lane.executor): f"field {lane.name!r}" for lane in self._coordinator.lanes})
-        for executor in self._executors():
-            if executor not in stopped:  # a field's lane made by a launch under way at the close
-                executor.shutdown()
-            if getattr(executor, "shares_close_wait", False):  # the GPU decode's and the hybrid's
-                executor.close(wait)
-            else:
-                executor.close()
-        self._store.close()
-        wait.warn()
+        errors = []
+        try:
+            for executor in self._executors():
+                try:  # (one executor's error closes the others still, then the store, then it is raised)
+                    if executor not in stopped:  # a field's lane made by a launch under way at the close
+                        executor.shutdown()
+                    if getattr(executor, "shares_close_wait", False):  # the GPU decode's and the hybrid's
+                        executor.close(wait)
+                    else:
+                        executor.close()
+                except BaseException as exc:  # noqa: BLE001 - raised below, once the rest is closed
+                    errors.append(exc)
+        finally:
+            try:
+                self._store.close()
+            finally:
+                wait.warn()
+        if errors:
+            raise errors[0]
 
     def _forget(self) -> None:
         """Close in a process forked from the pipeline's: its threads are the parent's and do not run here,
