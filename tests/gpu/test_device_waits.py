@@ -368,11 +368,15 @@ def test_a_device_fault_seen_at_the_close_is_stuck_and_the_store_still_closes(vo
     assert made[0].transfer.stuck and made[0].transfer.closed is None and _holds(made[0].host_slots)
 
 
-def test_pipeline_close_closes_the_store_and_warns_when_an_executor_s_close_raises(volume, monkeypatch):
+def test_pipeline_close_closes_the_others_the_store_and_warns_when_an_executor_s_close_raises(volume, monkeypatch):
+    """Two fields (an executor each, beside the pipeline's own): the first field's close raises; the other
+    field's executor is closed all the same, then the store, the one warning given, and the error raised."""
     made = _cuda_on_host(monkeypatch, Hung())
-    p = stoker.Pipeline(_cfg())
-    p.push(random_crops(volume, SHAPE, (8, 24, 40), 2, 6))
-    assert len([torch.from_dlpack(b).clone() for b in p]) == 1
+    p = stoker.Pipeline(_cfg(batch_size=1))
+    p.push([stoker.Sample({name: (volume, [(0, 8), (0, 16), (0, 16)]) for name in ("a", "b")})])
+    assert sorted(p.pop().keys()) == ["a", "b"]
+    lanes = [ex for ex in made if ex.transfer is not None]
+    assert len(lanes) == 2
     closed = []
     store_close = p._store.close
     monkeypatch.setattr(p._store, "close", lambda: (closed.append(1), store_close())[1])
@@ -380,10 +384,12 @@ def test_pipeline_close_closes_the_store_and_warns_when_an_executor_s_close_rais
     def broken(wait=None):
         raise RuntimeError("an executor's close failed")
 
-    monkeypatch.setattr(made[0], "close", broken)
+    monkeypatch.setattr(lanes[0], "close", broken)
+    warned = []
+    monkeypatch.setattr(gpu_streams.CloseWait, "warn", lambda self, stacklevel=2: warned.append(1))
     with pytest.raises(RuntimeError, match="an executor's close failed"):
         p.close()
-    assert closed == [1]
+    assert lanes[1].transfer._closed and closed == [1] and warned == [1]
 
 
 # -- the nvCOMP decode's check ------------------------------------------------------------------------------

@@ -444,8 +444,9 @@ class Pipeline:
         :class:`~stoker.engine.gpu.streams.CloseWait`, whatever the number of fields), a second for the GPU
         decode's threads and, once the first executor waits for its device streams,
         :data:`~stoker.engine.gpu.streams.CLOSE_WAIT_S` (2 s) for the streams of all of them: about 4 s at
-        most on a hung device, which one warning names (the buffers its streams may use are kept, not
-        freed); the CUDA copies of a pipeline decoding on the CPU (``decode_on="cpu"`` on a GPU) are waited
+        most on a hung device (or a consumer stream still busy), which one warning names (the buffers its
+        streams may use are kept until their work is done, not freed under it); one executor's error still
+        closes the others and the store, then is raised; the CUDA copies of a pipeline decoding on the CPU (``decode_on="cpu"`` on a GPU) are waited
         for until the same deadline. The CPU engine's threads are waited for a quarter of a second at its
         shutdown.
 
