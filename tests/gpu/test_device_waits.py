@@ -13,7 +13,8 @@ limit, fails the test) holds neither the CUDA transfer's close nor the nvCOMP de
 - the nvCOMP decode's check (a fake nvCOMP call whose kernel ends when the test says) waits for the decode
   to start without a limit (the consumer's stream may hold it longer than the limit: no error), raises
   DeviceError once a started decode passes its shortened limit, keeps what the decode may still write
-  until it is done, the checks queued behind it fail at once, and the close ends its wait;
+  until it is done, the checks queued behind it fail at once, and the close ends its wait (the GPU
+  executor gives its decoder the close: its threads have ended when the pipeline's close returns);
 - a look at an event that raises (a device fault) is a DeviceError naming the work, and a close that sees
   one counts the stream stuck and still closes the store.
 """
@@ -525,3 +526,44 @@ def test_a_device_fault_seen_by_a_close_s_poll_is_a_device_error():
     backend.failed = True
     with pytest.raises(stoker.DeviceError, match="the copies failed on the device"):
         poll([event], HostStreams().done, time.monotonic() + 1.0, what="the copies")
+
+
+def test_the_gpu_executor_s_close_ends_a_check_waiting_for_the_device(volume, monkeypatch):
+    """A wave's check waiting for a decode that never ends (the submitter's wait, also the one at its exit
+    that finishes the batches left): the pipeline's close sets the decoder's ``cancelled``, the check stops,
+    and the executor's threads have ended when close() returns."""
+    from stoker.engine.gpu.executor import GpuDecodeExecutor
+    from stoker.engine.gpu.reference import HostDecoder
+
+    waiting, ended = threading.Event(), []
+
+    class Hangs(HostDecoder):
+        def decode_staged(self, staged, layout, *args, deferred=None, **kw):
+            out = super().decode_staged(staged, layout, *args, deferred=deferred, **kw)
+
+            def check():
+                waiting.set()
+                deadline = time.monotonic() + 30.0
+                while not getattr(self, "cancelled", lambda: False)():
+                    if time.monotonic() > deadline:
+                        return
+                    time.sleep(0.01)
+                ended.append("closed")
+                raise stoker.ShutdownError("closed")
+
+            deferred.append(check)
+            return out
+
+    made = []
+
+    def factory(cfg, device, stats, store):
+        made.append(GpuDecodeExecutor(cfg, torch.device("cpu"), stats, store, decoder=lambda stream: Hangs()))
+        return made[-1]
+
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+    p = stoker.Pipeline(_cfg(dtype="f32", decode_on="gpu"))
+    p.push(random_crops(volume, SHAPE, (8, 24, 40), 2, 6))
+    assert waiting.wait(20.0)
+    p.close()
+    lanes = [ex for ex in made if ex._thread is not None]
+    assert ended == ["closed"] and lanes and not any(ex._thread.is_alive() for ex in lanes)
