@@ -26,8 +26,10 @@ decode takes the chunks of several lookahead batches, each batch's part parsed, 
 The decoded sizes of a wave (reading them waits for its decode) are checked once the next wave's decode
 and placement are queued, or once nothing waits to be queued, always before a batch it holds is finished (a
 damaged stream fails only the batch holding it): that wait is the only one the host makes for the device
-in steady state, and it has a limit (nvCOMP's check polls the decode's event for
-:data:`.nvcomp.CHECK_WAIT_S`, then fails the wave's batches with DeviceError). A staging buffer is read into
+in steady state, and it has a limit (nvCOMP's check waits for the decode to start, which its stream's waits
+may hold back behind the consumer's stream, until the close, then :data:`.nvcomp.CHECK_WAIT_S` for it to
+finish, then fails the wave's batches with DeviceError; the close ends it, through the decoder's
+``cancelled``). A staging buffer is read into
 again only once the copy stream is past its copy (its event), a device copy written again only once the
 decode that read it is done, a scratch once the placement that read it is (:class:`.streams.WaveStreams`).
 ``close()`` waits a second at most for the threads, which end at their next step (the reader's compiled
