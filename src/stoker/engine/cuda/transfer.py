@@ -19,10 +19,12 @@ staging buffer and one work buffer suffice: every copy, cast and transform runs 
 stream, in order.
 
 Closing refuses new copies and waits for the queued ones (milliseconds) a bounded time, as the GPU decode
-does (:mod:`stoker.engine.gpu.streams`): an event recorded on the stream, polled until the pipeline's one
-close deadline (:class:`~stoker.engine.gpu.streams.CloseWait`). A stream still busy then (a hung device) is
-named in the close's one warning, and every buffer its copies may still read or write (the device slots,
-the staging and work buffers, the pinned host slots) is kept referenced rather than freed.
+does (:mod:`stoker.engine.gpu.streams`): for an :meth:`~CudaTransfer.issue` under way (its transform may wait
+for the device) and for an event recorded on the stream, polled, until the pipeline's one close deadline
+(:class:`~stoker.engine.gpu.streams.CloseWait`). A stream still busy then (a hung device, or a consumer stream
+the copies wait for still running a long step) is named in the close's one warning, and every buffer its
+copies may still read or write (the device slots, the staging and work buffers, the pinned host slots) is
+kept referenced until that event is done (:func:`~stoker.engine.gpu.streams.keep`), never freed under them.
 
 The stream and its events come from a backend of :mod:`stoker.engine.gpu.streams` (``streams``: CUDA's on a
 GPU, :class:`~stoker.engine.gpu.streams.HostStreams` on CPU tensors, which is how the executor is tested
@@ -43,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ...errors import BudgetExceeded, pipeline_closed
+from ...errors import BudgetExceeded, DeviceError, pipeline_closed
 from ...transforms import apply as apply_transform
 from ..allocate import allocate
 from ..cast import staging_dtype
@@ -79,6 +81,8 @@ class CudaTransfer:
         self._closed = False
         #: True once a close stopped waiting for the stream's work (a hung device): its buffers are kept
         self.stuck = False
+        #: when a stuck close's work is done (an event of the stream; None: never known), for streams.keep
+        self.closed: Any = None
         self._backend = streams if streams is not None else (
             CudaStreams(device) if device.type == "cuda" else HostStreams())
         with self._on_device():
@@ -146,24 +150,40 @@ class CudaTransfer:
     def close(self, deadline: float | None = None) -> bool:
         """Refuse new copies and wait for the queued ones (milliseconds), so no buffer is freed under a copy,
         until ``deadline`` (``time.monotonic()``; None: :data:`~stoker.engine.gpu.streams.CLOSE_WAIT_S` from
-        now) at most. Returns True once the stream is past them; False when it was not by the deadline (a hung
-        device, also at every later close): then the device slots, staging and work buffers are kept
-        referenced for the process's life (:func:`~stoker.engine.gpu.streams.keep`), never freed under the
-        copies, and the caller keeps the host buffers they read."""
-        with self._lock:
-            self._closed = True
-            if self.stuck:
-                return False
-            with self._on_device():
-                done = self._backend.record(self.stream)  # (under the lock: no copy is queued after it)
+        now) at most, the wait for an :meth:`issue` under way (its transform may wait for the device) included.
+        Returns True once the stream is past them; False when it was not by the deadline (a hung device, or
+        the consumer's stream, which the copies wait for, still busy; also at every later close), or a look at
+        it raised (a device fault): then the device slots, staging and work buffers are kept referenced
+        (:func:`~stoker.engine.gpu.streams.keep`) until :attr:`closed` is done (None: for the process's life),
+        never freed under the copies, and the caller keeps the host buffers they read as long."""
+        if self.stuck:
+            return False
         if deadline is None:
             deadline = time.monotonic() + streams_mod.CLOSE_WAIT_S
-        with self._on_device():
-            self.stuck = bool(streams_mod.poll([done], self._backend.done, deadline))
-        if self.stuck:
-            self.slots.keep()
-            streams_mod.keep([t for t in (self.slots, self._stage, self._work) if t is not None])
-        return not self.stuck
+        # first, outside the lock: an issue() that takes the lock after this queues nothing; one that holds it
+        # now (its transform may wait for a hung device) is waited for until the deadline, not for ever
+        self._closed = True
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return self._stuck(None)  # (no event after that issue's work: nothing tells when it ends)
+        try:
+            with self._on_device():
+                done = self._backend.record(self.stream)  # (under the lock: no copy is queued after it)
+        finally:
+            self._lock.release()
+        try:
+            with self._on_device():
+                if not streams_mod.poll([done], self._backend.done, deadline, what="the transfer stream's copies"):
+                    return True
+        except DeviceError:
+            done = None
+        return self._stuck(done)
+
+    def _stuck(self, closed) -> bool:
+        """The stream was not past its work by the close: its buffers kept until ``closed`` is done."""
+        self.stuck, self.closed = True, closed
+        self.slots.keep()
+        streams_mod.keep([t for t in (self.slots, self._stage, self._work) if t is not None], until=closed)
+        return False
 
 
 def consumer_stream(stream: int | None, device: torch.device):
@@ -322,10 +342,14 @@ class CudaExecutor(CpuExecutor):
         wait = streams_mod.CloseWait() if wait is None else wait
         transfer = self.transfer
         if transfer is not None and not transfer.stuck:
-            if not transfer.close(wait.deadline):
+            try:
+                closed = transfer.close(wait.deadline)
+            except Exception:  # noqa: BLE001 - recording the close's event failed (a device fault): stuck
+                closed = transfer._stuck(None)
+            if not closed:
                 assert self.host_slots is not None
                 self.host_slots.keep()
-                streams_mod.keep([self.host_slots])
+                streams_mod.keep([self.host_slots], until=transfer.closed)
                 wait.stuck(self, ["transfer"], transfer.nbytes, self.host_slots.nbytes)
         super().close()  # (plain host slots to the spare ones, unless kept: the host stand-in's)
         if own:

@@ -150,9 +150,10 @@ class Batched:
             statuses_host = torch.empty(n, dtype=torch.int32, pin_memory=True)
             sizes_host.copy_(on_device[4], non_blocking=True)
             statuses_host.copy_(statuses, non_blocking=True)
-            # the decode's check polls this event (streams.poll: nvcomp.CHECK_WAIT_S at most, sleeping between
-            # looks) while the device decodes, for milliseconds a group; blocking: a synchronize() on it (none
-            # in the engine: it takes no limit) sleeps rather than spin a core, as a default event would.
+            # the decode's check waits for this event (nvcomp.CHECK_WAIT_S at most) through a thread that
+            # synchronize()s it (streams.EventWaiter) while the device decodes, for milliseconds a group;
+            # blocking: that wait sleeps in the driver, GIL released, rather than spin a core as a default
+            # event's would.
             event = torch.cuda.Event(blocking=True)
             event.record(stream)
         return Queued(sizes_host, statuses_host, event)

@@ -26,8 +26,10 @@ decode takes the chunks of several lookahead batches, each batch's part parsed, 
 The decoded sizes of a wave (reading them waits for its decode) are checked once the next wave's decode
 and placement are queued, or once nothing waits to be queued, always before a batch it holds is finished (a
 damaged stream fails only the batch holding it): that wait is the only one the host makes for the device
-in steady state, and it has a limit (nvCOMP's check polls the decode's event for
-:data:`.nvcomp.CHECK_WAIT_S`, then fails the wave's batches with DeviceError). A staging buffer is read into
+in steady state, and it has a limit (nvCOMP's check waits for the decode to start, which its stream's waits
+may hold back behind the consumer's stream, until the close, then :data:`.nvcomp.CHECK_WAIT_S` for it to
+finish, then fails the wave's batches with DeviceError; the close ends it, through the decoder's
+``cancelled``). A staging buffer is read into
 again only once the copy stream is past its copy (its event), a device copy written again only once the
 decode that read it is done, a scratch once the placement that read it is (:class:`.streams.WaveStreams`).
 ``close()`` waits a second at most for the threads, which end at their next step (the reader's compiled
@@ -64,7 +66,8 @@ naming the knob).
 The stream decoder is pluggable (anything with :class:`~stoker.engine.gpu.nvcomp.DeviceDecoder`'s ``stream``,
 ``max_stream_bytes``, ``temp_bytes`` and ``decode_staged(staged, layout, data=, out=, deferred=, temp=,
 copied=)``, made for the decode stream): ``copied=True`` says ``data`` holds the staged bytes already (the copy
-stream's copy), so ``staged`` is not read. A decoder whose ``decode_staged`` takes no ``copied`` (the interface
+stream's copy), so ``staged`` is not read. Its ``cancelled`` attribute is set to a callable that turns
+true at the close: a deferred check waiting for the device then stops (nvCOMP's raise ShutdownError). A decoder whose ``decode_staged`` takes no ``copied`` (the interface
 before the copy stream) is called without it and reads ``staged`` itself on the decode stream: no copy is
 made for it, and each staging buffer is held until its decode is done. On CUDA the decoder is nvCOMP's;
 :meth:`GpuDecodeExecutor.on_host` builds the same executor on CPU tensors with
@@ -266,6 +269,7 @@ class GpuDecodeExecutor(SlotsDelivery):
             lanes = self._lanes = WaveStreams(self._backend)
         self.stream = lanes.place_stream
         self._decoder = make(lanes.decode_stream)
+        self._decoder.cancelled = lambda: self._closing  # (its checks' waits for the device end at the close)
         self._takes_copied = _takes_copied(self._decoder)
 
         # nvCOMP's scratch for a group of k chunks of the arrays the device decodes, as streams of at most the
@@ -450,7 +454,10 @@ class GpuDecodeExecutor(SlotsDelivery):
                 thread.join(wait.threads_left())
         if self._lanes is not None and not self.stuck:
             with self._on_device():
-                self.stuck = self._lanes.synchronize(wait.deadline)
+                try:
+                    self.stuck = self._lanes.synchronize(wait.deadline)
+                except Exception:  # noqa: BLE001 - recording its events failed (a device fault): all stuck
+                    self._lanes.closed, self.stuck = None, ["copy", "decode", "place"]
             if self.stuck:
                 self._keep(wait)
         if own:
@@ -459,8 +466,8 @@ class GpuDecodeExecutor(SlotsDelivery):
     def _keep(self, wait: streams_mod.CloseWait) -> None:
         """A stream did not finish by the close: every buffer one of them may still write or read (batch slots,
         the work buffer, device copies, scratches, nvCOMP's scratch and the decoder's statuses, the pinned
-        staging, the rings of :attr:`keep_with`) is kept referenced for the process's life rather than freed
-        under that work, and no slot of those rings is handed to another ring (:meth:`.SlotRing.keep`); ``wait``
+        staging, the rings of :attr:`keep_with`) is kept referenced until that work is done (for the process's
+        life on a hung device) rather than freed under it, and no slot of those rings is handed to another ring (:meth:`.SlotRing.keep`); ``wait``
         is told which streams and how much."""
         lanes = self._lanes
         assert lanes is not None
@@ -468,7 +475,7 @@ class GpuDecodeExecutor(SlotsDelivery):
         rings = [r for r in (self.slots, self.host_slots, *self.keep_with) if r is not None]
         for ring in rings:
             ring.keep()
-        streams_mod.keep([*device, *rings, self._decoder])
+        streams_mod.keep([*device, *rings, self._decoder], until=lanes.closed)
         on_device = sum(t.numel() * t.element_size() for t in device) + (self.slots.nbytes if self.slots else 0)
         pinned = sum(r.nbytes for r in rings if r is not self.slots)
         whole = self.part_of() if self.part_of is not None else None
@@ -754,8 +761,16 @@ class GpuDecodeExecutor(SlotsDelivery):
 
     def _run_checks(self, checks: list, members: list) -> None:
         try:
-            for check in checks:
-                check()
+            for i, check in enumerate(checks):
+                try:
+                    check()
+                except frames.FrameError:
+                    raise
+                except BaseException:  # the device failed (or the close came): the wave's other checks run
+                    for rest in checks[i + 1:]:  # too, failing at once, so each keeps what its decode may write
+                        with contextlib.suppress(BaseException):
+                            rest()
+                    raise
         except frames.FrameError as exc:
             healthy, damaged = [], False
             for m in members:

@@ -11,9 +11,12 @@ For the chunks of a :class:`~stoker.engine.gpu.frames.Layout` (:func:`~stoker.en
    bytes straight to its offset in the output; nvCOMP's LZ4 and zstd decoders need no alignment
    of their input or output (1 byte), so the streams are decoded where the frames put them. Each
    decode writes every stream's status and decoded size on the device; their host copies are
-   checked later (``deferred``), so nothing here waits for the device (the check does, by polling its
-   event for :data:`CHECK_WAIT_S` at most: a decode not done by then raises DeviceError, and what it may
-   still write is kept referenced, never freed);
+   checked later (``deferred``), so nothing here waits for the device (the check does: for the decode to
+   start, without a limit since the stream's waits before it may wait for the consumer's stream, until the
+   pipeline closes; then :data:`CHECK_WAIT_S` at most for it to finish, woken once by a thread that waits
+   for the decoder's events in order, :class:`~stoker.engine.gpu.streams.EventWaiter`. A decode not done by
+   then raises DeviceError, and the buffers that check's decode may still write are kept referenced until
+   it is done, never freed under it; the executor runs the wave's other checks too, so each keeps its own);
 3. raw streams copied and blocks unshuffled by :mod:`stoker.engine.gpu.ops`, the code the CPU reference
    (:mod:`stoker.engine.gpu.reference`) runs and the tests hold to numcodecs.
 
@@ -31,12 +34,12 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from ...errors import DeviceError, InvalidArgument
+from ...errors import DeviceError, InvalidArgument, pipeline_closed
 from . import ops, streams
 from .capi import STATUS_NAMES, Batched, NvcompError
 from .frames import CODEC_NAMES, LZ4, ZSTD, FrameError, Layout, UnsupportedFrame, stage
@@ -48,9 +51,13 @@ _ALGORITHMS = {LZ4: "LZ4", ZSTD: "Zstd"}
 #: the longest a decode's check waits for the decode (a wave decodes in milliseconds; past this the device
 #: is hung, and the check raises DeviceError rather than hold the executor for ever); read at each check
 CHECK_WAIT_S = 60.0
-#: the longest pause between two looks at a decode's event: the check returns at most this long after the
-#: decode is done (it runs while the device works on the next wave, so this delays no device work)
-CHECK_PAUSE_S = 0.001
+#: how often a check waiting for the device looks whether the pipeline is closing (the wait itself wakes
+#: once, when the decode is done: streams.EventWaiter)
+CANCEL_PAUSE_S = 0.1
+
+
+def _never() -> bool:
+    return False
 
 
 def available() -> bool:
@@ -85,8 +92,10 @@ class DeviceDecoder:
     max_stream_bytes = MAX_STREAM_BYTES
     # a check's decode past CHECK_WAIT_S (its error and event): the later checks fail as soon as they see it
     # still not done (their decodes are queued behind it on the stream)
-    _late: DeviceError | None = None
-    _late_event: Any = None
+    _late: tuple[DeviceError, Any] | None = None
+    _waiting: streams.EventWaiter | None = None
+    #: true once the checks' waits should end (the pipeline's close: the executor sets it)
+    cancelled: Callable[[], bool] = staticmethod(_never)
 
     def __init__(self, device: torch.device | int | str, stream: torch.cuda.Stream | None = None) -> None:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -183,6 +192,10 @@ class DeviceDecoder:
         need = batched.temp_bytes(len(rows), int(expected.max()), int(expected.sum()))
         if temp is None or temp.numel() < need:  # (a single stream over the given scratch: its own)
             temp = torch.empty(need, dtype=torch.uint8, device=self.device)
+        # before the launch, after the stream's waits (the copy; the placement of an earlier wave, itself
+        # behind the consumer's release of a batch slot: a training step, an NCCL barrier): the check's limit
+        # counts from here, the decode's own time, not the consumer's
+        started = self._mark()
         try:
             queued = batched.decompress(data.data_ptr() + layout.src[rows], layout.csize[rows],
                                         out.data_ptr() + layout.dst[rows], expected, temp[:max(need, 1)],
@@ -194,7 +207,7 @@ class DeviceDecoder:
         stream_chunks = layout.chunk[rows]
 
         def check() -> None:
-            self._wait(queued, (queued, data, out, temp),
+            self._wait(started, queued.event, (queued, data, out, temp),
                        f"{len(rows)} {name} streams of chunks {np.unique(stream_chunks).tolist()}")
             statuses = queued.statuses.numpy()
             bad = np.flatnonzero(statuses != 0)
@@ -210,32 +223,75 @@ class DeviceDecoder:
 
         return check
 
-    def _wait(self, queued: Any, writes: Sequence[Any], what: str) -> None:
-        """Wait for a queued decode (of ``what``) until :data:`CHECK_WAIT_S` from now at most (no time at all
-        while an earlier decode is still past its own limit: this one is queued behind it). Not done by then:
-        ``writes`` (the buffers it may still write: device output, scratch, statuses) are kept referenced for
-        the process's life rather than freed under it, and DeviceError says what to change."""
-        late = self._late_event
-        if late is not None and streams.poll([late], _done, time.monotonic()):
-            assert self._late is not None
-            streams.keep(writes)
-            raise DeviceError(f"nvCOMP's decode of {what} on {self.device} is queued behind one that has not "
-                              f"finished ({self._late})") from None
-        self._late = self._late_event = None
+    def _mark(self) -> Any:
+        """A blocking event recorded on :attr:`stream` now (its wait sleeps rather than spin a core)."""
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.stream)
+        return event
+
+    def _waiter(self) -> streams.EventWaiter:
+        """The thread that waits for this decoder's events, in the stream's order (made at the first decode)."""
+        if self._waiting is None:
+            self._waiting = streams.EventWaiter(f"stoker-nvcomp-check {self.device}")
+        return self._waiting
+
+    def _wait(self, started: Any, done: Any, writes: Sequence[Any], what: str) -> None:
+        """Wait for a queued decode (of ``what``): for it to start (``started``: the stream's waits before it,
+        which may wait for the consumer's stream, take no limit, but the close ends them), then
+        :data:`CHECK_WAIT_S` at most for it to finish (``done``); no time at all while an earlier decode is
+        still past its own limit (this one is queued behind it). Not done, or the close came: ``writes`` (the
+        buffers it may still write: device output, scratch, statuses) are kept referenced until it is
+        (:func:`~.streams.keep`) rather than freed under it, and DeviceError says what to change (ShutdownError
+        at the close)."""
+        late = self._late
+        if late is not None:
+            if not self._looked(late[1], late[1], writes, what):
+                streams.keep(writes, until=done)
+                raise DeviceError(f"nvCOMP's decode of {what} on {self.device} is queued behind one that has not "
+                                  f"finished ({late[0]})") from None
+            self._late = None
+        self._until(started, None, done, writes, what)
         limit = CHECK_WAIT_S
-        if not streams.poll([queued.event], _done, time.monotonic() + limit, max_pause=CHECK_PAUSE_S):
+        if self._until(done, time.monotonic() + limit, done, writes, what):
             return
-        streams.keep(writes)
-        self._late, self._late_event = DeviceError(
-            f"nvCOMP's decode of {what} on {self.device} did not finish within {limit} s (a hung kernel? "
-            "check the device: nvidia-smi; dmesg for Xid errors). The buffers it may still write are kept, not "
-            "freed (restart the process to free them); Config(decode_on='cpu') decodes on the CPU, without the "
-            "GPU decode"), queued.event
-        raise self._late
+        error = DeviceError(
+            f"nvCOMP's decode of {what} on {self.device} did not finish within {limit} s of its start (a hung "
+            "kernel? check the device: nvidia-smi; dmesg for Xid errors). The buffers it may still write are "
+            "kept, not freed, until it does (restart the process to free them); Config(decode_on='cpu') decodes "
+            "on the CPU, without the GPU decode")
+        self._late = (error, done)
+        raise error
 
+    def _until(self, event: Any, deadline: float | None, done: Any, writes: Sequence[Any], what: str) -> bool:
+        """Wait for ``event`` until ``deadline`` (None: no limit) or the close; True once it is done. A look
+        first (often it is: the check runs after the next wave is queued), else one wake by this decoder's
+        :class:`~.streams.EventWaiter` (the checks run in the stream's order, so it is given the events in
+        theirs). Raises ShutdownError at the close and DeviceError for a device fault (``writes`` kept until
+        ``done``)."""
+        if self._looked(event, done, writes, what):
+            return True
+        watch = self._waiter().watch(event)
+        while not watch.query():
+            if watch.error is not None:
+                streams.keep(writes)  # (never known to be done: kept for ever)
+                raise streams.device_failed(f"nvCOMP's decode of {what} on {self.device}", watch.error) from None
+            if self.cancelled():
+                streams.keep(writes, until=done)
+                raise pipeline_closed()
+            left = CANCEL_PAUSE_S if deadline is None else min(CANCEL_PAUSE_S, deadline - time.monotonic())
+            if left <= 0:
+                streams.keep(writes, until=done)
+                return False
+            watch.wait(left)
+        return True
 
-def _done(event: Any) -> bool:
-    return bool(event.query())
+    def _looked(self, event: Any, done: Any, writes: Sequence[Any], what: str) -> bool:
+        """``event.query()``; a look that raises (a device fault) is DeviceError (``writes`` kept for ever)."""
+        try:
+            return bool(event.query())
+        except RuntimeError as exc:  # (torch.AcceleratorError is one) any status but "not ready"
+            streams.keep(writes)
+            raise streams.device_failed(f"nvCOMP's decode of {what} on {self.device}", exc) from None
 
 
 def _batched() -> dict[int, Batched]:

@@ -21,15 +21,20 @@ the device buffers are marked used by the streams that read them (``record_strea
 allocator frees them only after those streams' work.
 
 Closing waits for the streams a bounded time (:meth:`WaveStreams.synchronize`: an event recorded on each,
-polled until a deadline), never for ever: a stream still busy past it (a hung kernel or copy) is named, and
-its owner keeps the buffers it may still write referenced (:func:`keep`) rather than free them. A pipeline
+polled until a deadline), never for ever: a stream still busy past it (a hung kernel or copy, or work that
+waits for the consumer's busy stream) is named, and its owner keeps the buffers it may still write
+referenced (:func:`keep`) until that work is done rather than free them. A pipeline
 closes all its executors against one :class:`CloseWait`: one deadline, :data:`CLOSE_WAIT_S` after the first
 of them began waiting for its streams (a hung device holds the close that long once, not once per field),
 and one warning naming every stream still busy.
 
-Every wait of the engine for the device goes through :func:`poll` (an event polled until a deadline): these
-closes, the CUDA transfer's (:class:`~stoker.engine.cuda.transfer.CudaTransfer`, against the same
-:class:`CloseWait`) and the nvCOMP decode's checks (:data:`~stoker.engine.gpu.nvcomp.CHECK_WAIT_S`).
+Every wait of the engine for the device has a limit. The closes go through :func:`poll` (an event polled
+until a deadline): these, and the CUDA transfer's (:class:`~stoker.engine.cuda.transfer.CudaTransfer`,
+against the same :class:`CloseWait`); a look that raises (a device fault) is a DeviceError naming the work.
+The nvCOMP decode's checks wait on an :class:`EventWaiter` (one thread per decoder synchronizes its events
+in order: one wake per wait, not a look every millisecond) with their own limit
+(:data:`~stoker.engine.gpu.nvcomp.CHECK_WAIT_S`). The buffers a stream not done by then may still use are
+kept (:func:`keep`) until an event after that work is done.
 
 The streams and events come from a backend: :class:`CudaStreams` (torch's), :class:`HostStreams` (CPU tensors:
 no streams, each step runs when called, the executor's host stand-in). The tests pass a recorder of the
@@ -45,6 +50,7 @@ writes what).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -53,8 +59,11 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-__all__ = ["CLOSE_WAIT_S", "THREADS_WAIT_S", "CloseWait", "CudaStreams", "HostStreams", "WaveStreams", "keep", "kept",
-           "poll"]
+from ...errors import DeviceError
+from ...runtime import gil
+
+__all__ = ["CLOSE_WAIT_S", "THREADS_WAIT_S", "CloseWait", "CudaStreams", "EventWaiter", "HostStreams", "Watch",
+           "WaveStreams", "device_failed", "keep", "kept", "poll"]
 
 #: the longest :meth:`WaveStreams.synchronize` waits at a close for the streams' work (a wave's copy, decode
 #: and placement take milliseconds: past this the device is hung, and the host stops waiting)
@@ -65,38 +74,151 @@ THREADS_WAIT_S = 1.0
 
 T = TypeVar("T")
 
-_kept: list[Any] = []  # buffers a stream may still write, never freed in this process (keep)
+_kept: list[list[Any]] = []  # [until, buffers]: buffers a stream may still write, freed once ``until`` is done
 _kept_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+_reaper: threading.Thread | None = None  # drops the kept buffers whose work is done (while any wait for it)
+#: how often the reaper looks at the work the kept buffers wait for
+REAP_PAUSE_S = 0.5
 
 
-def keep(things: Sequence[Any]) -> None:
-    """Hold ``things`` (tensors, slot rings, a stream decoder) referenced for the rest of the process: memory a
-    stream that did not finish by a close may still write is leaked rather than freed (torch would hand it to
-    the next allocation, under that stream's work).
+def keep(things: Sequence[Any], until: Any = None) -> None:
+    """Hold ``things`` (tensors, slot rings, a stream decoder) referenced until ``until`` (an event, or what has
+    its ``query()``) is done; None, or a ``query()`` that raises (a device fault): for the rest of the process.
+    Memory a stream that did not finish by a close may still write is leaked rather than freed while that work
+    may run (torch would hand it to the next allocation, under the work). A daemon thread (``stoker-gpu-kept``,
+    started while some kept buffers wait for an event) looks every :data:`REAP_PAUSE_S` and drops the done
+    ones: a close that only waited on a busy consumer stream leaks nothing for long, a hung device for ever.
 
-    >>> keep([slots, staging])   # doctest: +SKIP
+    >>> keep([slots, staging], until=event)   # doctest: +SKIP
     """
+    global _reaper
     with _kept_lock:
-        _kept.extend(things)
+        _kept.append([until, list(things)])
+        # (is_alive: none yet, the last one ended, or this is a forked child, where the parent's does not run)
+        if until is not None and (_reaper is None or not _reaper.is_alive()):
+            _reaper = threading.Thread(target=_reap, name="stoker-gpu-kept", daemon=True)
+            _reaper.start()
 
 
 def kept() -> list[Any]:
-    """What :func:`keep` holds (a copy of the list).
+    """What :func:`keep` holds now (a new list).
 
     >>> any(x is slots for x in kept())   # doctest: +SKIP
     True
     """
     with _kept_lock:
-        return list(_kept)
+        return [x for _, things in _kept for x in things]
 
 
-def poll(pending: Sequence[T], done: Callable[[T], bool], deadline: float, max_pause: float = 0.01) -> list[T]:
+def _reap() -> None:
+    """The reaper's loop: ends once no kept buffers wait for an event (each look is a query: no wait)."""
+    global _reaper
+    pause = threading.Event()  # (never set: a sleep, apart from this module's time.sleep that tests count)
+    while True:
+        pause.wait(REAP_PAUSE_S)
+        with _kept_lock:
+            waiting = [entry for entry in _kept if entry[0] is not None]
+            if not waiting:
+                if _reaper is threading.current_thread():
+                    _reaper = None
+                return
+        done = []
+        for entry in waiting:
+            try:
+                if entry[0].query():
+                    done.append(entry)
+            except Exception:  # noqa: BLE001 - a device fault: nothing tells when the work ends, kept for ever
+                entry[0] = None
+        with _kept_lock:
+            _kept[:] = [entry for entry in _kept if not any(entry is d for d in done)]
+        del done, waiting
+
+
+class Watch:
+    """One event as :class:`EventWaiter` reports it: :meth:`wait` returns once the event is done (or its wait
+    failed: :attr:`error`, the device's fault)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def query(self) -> bool:
+        """Done without a fault (what :func:`keep` asks)."""
+        return self._done.is_set() and self.error is None
+
+    def wait(self, timeout: float) -> bool:
+        """Until the event is done (True) or ``timeout`` seconds passed (False): one wake, the GIL released."""
+        return bool(gil.released(self._done.wait, timeout))
+
+
+class EventWaiter:
+    """A daemon thread (``name``) that waits for events in the order they are given (each recorded on one
+    stream after the last: they complete in that order), with ``event.synchronize()``: a blocking event's
+    wait sleeps in the driver with the GIL released and wakes once, where polling its ``query()`` woke every
+    millisecond and took the GIL each time. The caller waits on the :class:`Watch` with its own limit. The
+    thread ends after a second with nothing to wait for; on a hung device it stays blocked in the driver
+    (a daemon: it never holds the interpreter's exit, nothing joins it, and a forked child starts its own).
+
+    >>> waiter = EventWaiter("stoker-nvcomp-check")
+    >>> watch = waiter.watch(event)            # doctest: +SKIP
+    >>> watch.wait(60.0)                       # doctest: +SKIP
+    True
+    """
+
+    IDLE_S = 1.0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+        self._queue: collections.deque = collections.deque()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, event: Any) -> Watch:
+        """A :class:`Watch` of ``event``, waited for after every event given before it."""
+        watch = Watch()
+        with self._cond:
+            self._queue.append((event, watch))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            else:
+                self._cond.notify()
+        return watch
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(self.IDLE_S)
+                if not self._queue:
+                    if self._thread is threading.current_thread():
+                        self._thread = None
+                    return
+                event, watch = self._queue.popleft()
+            try:
+                event.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - the device's fault, for the waiting check to report
+                watch.error = exc
+            watch._done.set()
+            del event, watch
+
+
+def device_failed(what: str, exc: BaseException) -> DeviceError:
+    """The DeviceError for a device fault (``exc``: what torch raised looking at an event: an illegal address,
+    a launch failure) found while waiting for ``what``."""
+    return DeviceError(f"{what} failed on the device: {exc} (a device fault is sticky: this process's CUDA "
+                       "context is unusable, restart it; check the device: nvidia-smi, dmesg for Xid errors)")
+
+
+def poll(pending: Sequence[T], done: Callable[[T], bool], deadline: float, max_pause: float = 0.01,
+         what: str = "the stream's work") -> list[T]:
     """Wait until ``done(x)`` for every ``x`` of ``pending`` (each an event, or what holds one), or until
     ``deadline`` (``time.monotonic()``), whichever comes first; returns those not done by then (none: all
-    done). Every wait for the device goes through here (closing, the decode's checks): CUDA's own waits
-    (``Event.synchronize``, ``Stream.synchronize``) take no limit, so a hung kernel or copy would hold their
-    caller for ever. The pauses between looks (the GIL released) start at half a millisecond and double up to
-    ``max_pause``, so the caller goes on at most that long after the work is done.
+    done). The closes' waits for the device go through here: CUDA's own waits (``Event.synchronize``,
+    ``Stream.synchronize``) take no limit, so a hung kernel or copy would hold their caller for ever. The
+    pauses between looks (the GIL released) start at half a millisecond and double up to ``max_pause``, so
+    the caller goes on at most that long after the work is done. A look that raises (a device fault) raises
+    DeviceError naming ``what``.
 
     >>> poll([event], lambda e: e.query(), time.monotonic() + 2.0)   # doctest: +SKIP
     []
@@ -104,7 +226,12 @@ def poll(pending: Sequence[T], done: Callable[[T], bool], deadline: float, max_p
     left = list(pending)
     pause = min(0.0005, max_pause)
     while True:
-        left = [x for x in left if not done(x)]
+        try:
+            left = [x for x in left if not done(x)]
+        except DeviceError:
+            raise
+        except RuntimeError as exc:  # (torch.AcceleratorError is one) any status but "not ready"
+            raise device_failed(what, exc) from exc
         wait = deadline - time.monotonic()
         if not left or wait <= 0:
             return left
@@ -165,10 +292,12 @@ class CloseWait:
         self._warned = True
         warnings.warn(
             f"close(): {'; '.join(self._stuck)} did not finish their work within {self.timeout} s (a hung "
-            f"kernel or copy?). Their buffers are kept referenced for the rest of the process rather than freed "
-            f"under work that may still write them: {self._device:,} B of device memory (batch slots, device "
-            f"copies, decode scratches) and {self._pinned:,} B of pinned staging (a leak, on purpose): restart the "
-            "process to free them; check the device (nvidia-smi; dmesg for Xid errors).",
+            f"kernel or copy, or the consumer's stream still has work queued that they wait for: a long step, a "
+            f"collective waiting for another rank). Their buffers are kept referenced until that work is done "
+            f"rather than freed under work that may still write them: {self._device:,} B of device memory (batch "
+            f"slots, device copies, decode scratches) and {self._pinned:,} B of pinned staging; on a hung device "
+            "that is for the rest of the process (restart the process to free them; check the device: "
+            "nvidia-smi, dmesg for Xid errors).",
             RuntimeWarning, stacklevel=stacklevel + 1)
 
 
@@ -246,6 +375,7 @@ class WaveStreams:
         self._decoded: list[Any] = []  # per device copy: the event of the last decode that read it
         self._placed: list[Any] = []  # per scratch: the event of the last placement that read it
         self._n = 0
+        self.closed: Any = None  # after synchronize(): when the work it waited for is done (Every), for keep
 
     @property
     def depth(self) -> int:
@@ -339,10 +469,27 @@ class WaveStreams:
         ``deadline`` (``time.monotonic()``; None: :data:`CLOSE_WAIT_S` from now) at most: an event recorded on
         each, polled (no wait without a limit: a hung device never holds the close). Returns the roles of the
         streams not done by then (``"copy"``, ``"decode"``, ``"place"``), whose buffers their work may still
-        write."""
+        write (all three after a device fault). :attr:`closed` then tells when that work is done (its
+        ``query()``; None after a fault: never known)."""
         b = self.backend
         marks = [(role, b.record(s)) for role, s in
                  (("copy", self.copy_stream), ("decode", self.decode_stream), ("place", self.place_stream))]
+        self.closed: Any = Every([event for _, event in marks], b.done)
         if deadline is None:
             deadline = time.monotonic() + CLOSE_WAIT_S
-        return [role for role, _ in poll(marks, lambda mark: b.done(mark[1]), deadline)]
+        try:
+            return [role for role, _ in poll(marks, lambda mark: b.done(mark[1]), deadline,
+                                             what="the copy, decode and place streams")]
+        except DeviceError:  # a fault: the work's end is never known, its buffers kept for ever
+            self.closed = None
+            return [role for role, _ in marks]
+
+
+class Every:
+    """Done once every event of ``events`` is (``done``: the backend's look at one), for :func:`keep`."""
+
+    def __init__(self, events: Sequence[Any], done: Callable[[Any], bool]) -> None:
+        self.events, self._done = list(events), done
+
+    def query(self) -> bool:
+        return all(self._done(event) for event in self.events)

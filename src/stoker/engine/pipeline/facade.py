@@ -444,8 +444,9 @@ class Pipeline:
         :class:`~stoker.engine.gpu.streams.CloseWait`, whatever the number of fields), a second for the GPU
         decode's threads and, once the first executor waits for its device streams,
         :data:`~stoker.engine.gpu.streams.CLOSE_WAIT_S` (2 s) for the streams of all of them: about 4 s at
-        most on a hung device, which one warning names (the buffers its streams may use are kept, not
-        freed); the CUDA copies of a pipeline decoding on the CPU (``decode_on="cpu"`` on a GPU) are waited
+        most on a hung device (or a consumer stream still busy), which one warning names (the buffers its
+        streams may use are kept until their work is done, not freed under it); one executor's error still
+        closes the others and the store, then is raised; the CUDA copies of a pipeline decoding on the CPU (``decode_on="cpu"`` on a GPU) are waited
         for until the same deadline. The CPU engine's threads are waited for a quarter of a second at its
         shutdown.
 
@@ -465,15 +466,25 @@ class Pipeline:
         # one wait for the threads and device streams of every executor, and one warning for those not done:
         # a hung device holds the close CLOSE_WAIT_S once, not once per field
         wait = CloseWait({id(lane.executor): f"field {lane.name!r}" for lane in self._coordinator.lanes})
-        for executor in self._executors():
-            if executor not in stopped:  # a field's lane made by a launch under way at the close
-                executor.shutdown()
-            if getattr(executor, "shares_close_wait", False):  # the GPU decode's and the hybrid's
-                executor.close(wait)
-            else:
-                executor.close()
-        self._store.close()
-        wait.warn()
+        errors = []
+        try:
+            for executor in self._executors():
+                try:  # (one executor's error closes the others still, then the store, then it is raised)
+                    if executor not in stopped:  # a field's lane made by a launch under way at the close
+                        executor.shutdown()
+                    if getattr(executor, "shares_close_wait", False):  # the GPU decode's and the hybrid's
+                        executor.close(wait)
+                    else:
+                        executor.close()
+                except BaseException as exc:  # noqa: BLE001 - raised below, once the rest is closed
+                    errors.append(exc)
+        finally:
+            try:
+                self._store.close()
+            finally:
+                wait.warn()
+        if errors:
+            raise errors[0]
 
     def _forget(self) -> None:
         """Close in a process forked from the pipeline's: its threads are the parent's and do not run here,
