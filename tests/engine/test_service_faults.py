@@ -17,6 +17,7 @@ from zarr.codecs import ZstdCodec
 import stoker
 from stoker.engine.cpu import native
 from stoker.engine.cpu.decode_native import NativeDecoder
+from stoker.engine.cpu.decode_python import PythonDecoder
 from stoker.engine.executor import JobState, JobStateError
 from stoker.runtime.faults import serve
 
@@ -87,6 +88,46 @@ def test_the_finisher_threads_fault_is_the_next_pops_internal_error(volume, monk
         p.close()
     assert faults[0] is JobState.DONE
     assert not any(t.is_alive() for t in p._executor.threads())
+
+
+def test_a_pool_tasks_fault_fails_every_later_batch_with_an_internal_error(volume, monkeypatch):
+    """A task of the Python path's pools raising past its own handling (here a group of reads, after its first
+    file) was only printed: its batch waited for chunks nobody would count, until PoolStarved. Now that batch
+    fails with an InternalError naming the pool's thread, and so does every later one."""
+    monkeypatch.setattr(native, "Engine", None)  # the Python path's pools make every batch
+    uri, _ = volume
+    guard = PythonDecoder.guard
+    injected: list[str] = []
+
+    inside = threading.local()  # a guard run inside another's task is that task's: its error is handled there
+
+    def guard_then_fail(self, job, *args):
+        task = not getattr(inside, "guard", False)
+        inside.guard = True
+        try:
+            guard(self, job, *args)
+        finally:
+            inside.guard = not task
+        if task and not injected:  # the pool's task itself raises, after its chunks were counted
+            injected.append(threading.current_thread().name)
+            raise RuntimeError("an injected bug past the task's own handling")
+
+    monkeypatch.setattr(PythonDecoder, "guard", guard_then_fail)
+    samples = _crops(uri, 4)
+    p = stoker.Pipeline(_cfg(transform=None))
+    try:
+        p.push(samples)
+        with pytest.raises(stoker.InternalError) as raised:
+            for _ in range(2):  # the first batch's task raised, or (done already) the next one's
+                p.pop().release()
+        err = raised.value
+        assert err.thread == injected[0] and err.thread.startswith(("stoker-io", "stoker-compute"))
+        assert isinstance(err.__cause__, RuntimeError)
+        with pytest.raises(stoker.InternalError) as again:
+            p.push(samples)
+        assert again.value is err
+    finally:
+        p.close()
 
 
 def test_serve_hands_an_escaping_exception_to_on_fault_as_an_internal_error():

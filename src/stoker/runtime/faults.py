@@ -46,3 +46,24 @@ def serve(loop: Callable[[], None], on_fault: Callable[[InternalError], None]) -
             again.__context__ = fault
             threading.excepthook(threading.ExceptHookArgs((type(again), again, again.__traceback__,
                                                            threading.current_thread())))
+
+
+class Fault:
+    """Where a group of service threads (a pool's) records its first fault, for the work they serve to look at:
+    ``error`` is None until :meth:`record` is told of one. Holds nothing else, so a pool's threads, which hold
+    it, keep nothing of their owner alive.
+
+    >>> fault = Fault()
+    >>> serve(lambda: 1 / 0, fault.record); fault.error.thread
+    'MainThread'
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self) -> None:
+        self.error: InternalError | None = None
+
+    def record(self, error: InternalError) -> None:
+        """Keep ``error`` unless one was kept already (the first is the one to report)."""
+        if self.error is None:
+            self.error = error

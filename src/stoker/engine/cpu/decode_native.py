@@ -656,8 +656,9 @@ class NativeDecoder:
     def submit(self, job: Job) -> None:
         """Start ``job`` (a TablePlan into ``job.out``): the engine's chunks in one call, the rest on the
         Python path."""
-        if self._fault is not None:  # the finisher is gone: no batch could be finished
-            job.abandon(self._fault)
+        fault = self._fault or self._python.fault.error  # the finisher gone, or a pool's task failed past its
+        if fault is not None:  # handling (a bug): no batch could be trusted
+            job.abandon(fault)
             return
         plan: TablePlan = job.plan
         out = job.out
