@@ -153,3 +153,23 @@ def test_serve_reports_a_failing_on_fault_as_a_threads_error(monkeypatch):
     thread.join(10)
     (args,) = hooked
     assert args.exc_type is ValueError and isinstance(args.exc_value.__context__, stoker.InternalError)
+
+
+def test_the_disk_cache_writers_fault_turns_the_cache_off_and_flush_returns(tmp_path, monkeypatch):
+    """The disk cache's writer thread dying on a bug left its queue for ever: flush() waited out its timeout
+    (the bench's, 600 s) and the cache went on queueing what nobody would write. Now the cache turns itself
+    off with a warning naming the InternalError, the queue is dropped and flush() returns True at once."""
+    from stoker.storage.diskcache import DiskCache
+
+    def take_fails(self):
+        raise RuntimeError("an injected bug in the writer's loop")
+
+    monkeypatch.setattr(DiskCache, "_take", take_fails)
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    with pytest.warns(RuntimeWarning, match="stoker-diskcache.*internal error of stoker.*stops caching"):
+        cache.put("s3://bkt\nc/0\ng1", b"x" * 100)
+        assert cache.flush(timeout_s=30.0)  # at once (the writer is gone: nothing is left queued)
+    assert not cache.writable
+    assert not cache.has("s3://bkt\nc/0\ng1")  # never written, and no longer served from the queue
+    cache.put("s3://bkt\nc/1\ng1", b"y" * 100)  # off: nothing queued
+    assert cache.flush(timeout_s=30.0)

@@ -22,24 +22,29 @@ from typing import Callable
 from ..errors import InternalError
 
 
-def internal_error(thread: str, exc: BaseException) -> InternalError:
-    """The typed error of ``exc`` escaping the loop of stoker's thread ``thread`` (chained to it)."""
+#: what follows a service thread's fault, by default: its pipeline's work fails
+PIPELINE_STOPS = "This pipeline can make no more batches: close it and start another"
+
+
+def internal_error(thread: str, exc: BaseException, then: str = PIPELINE_STOPS) -> InternalError:
+    """The typed error of ``exc`` escaping the loop of stoker's thread ``thread`` (chained to it); ``then``:
+    what follows for the user."""
     err = InternalError(
         f"stoker's thread {thread!r} stopped on an internal error of stoker ({type(exc).__name__}: {exc}); "
-        "please report it (with this traceback) at the project's issue tracker. This pipeline can make no more "
-        "batches: close it and start another", thread=thread)
+        f"please report it (with this traceback) at the project's issue tracker. {then}", thread=thread)
     err.__cause__ = exc
     return err
 
 
-def serve(loop: Callable[[], None], on_fault: Callable[[InternalError], None]) -> None:
+def serve(loop: Callable[[], None], on_fault: Callable[[InternalError], None], then: str = PIPELINE_STOPS) -> None:
     """Run ``loop()`` (a service thread's main loop, on that thread); an exception escaping it goes to
-    ``on_fault`` as an :class:`~stoker.errors.InternalError` naming the thread. Should ``on_fault`` itself
-    raise, both go to :func:`threading.excepthook`, as an exception escaping a thread does."""
+    ``on_fault`` as an :class:`~stoker.errors.InternalError` naming the thread (``then``: what follows, in its
+    message). Should ``on_fault`` itself raise, both go to :func:`threading.excepthook`, as an exception
+    escaping a thread does."""
     try:
         loop()
     except BaseException as exc:  # noqa: BLE001 - a bug of ours: the consumer must hear of it, not hang
-        fault = internal_error(threading.current_thread().name, exc)
+        fault = internal_error(threading.current_thread().name, exc, then)
         try:
             on_fault(fault)
         except BaseException as again:  # noqa: BLE001 - the last resort: reported as a thread's error is
