@@ -1164,10 +1164,10 @@ class NativeDecoder:
                 if self._closing:
                     return
                 self._pending.pop(0)
-                self._current = job
             if claim is not None and not job.take_over(claim):  # a stale hand-off: its waiter settles it again
                 del job, bjob, eids, fetched
                 continue
+            self._current = job  # (failed by _faulted should this loop raise)
             all_placed = False
             try:
                 if isinstance(fetched, _FromDisk):
