@@ -26,7 +26,7 @@ from .dist.telemetry import TelemetryWriter, memory_report
 from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
 from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DeviceError, DtypeMismatch,
-                     ForkedPipeline, IncompleteSource, InvalidArgument,
+                     ForkedPipeline, IncompleteSource, InternalError, InvalidArgument,
                      MetadataError, NonFiniteData, NonFiniteLoss, NotFound, NotYetSupported, OutOfBounds, OutOfMemory, PoolStarved,
                      RankFailed, RankMismatch, ShutdownError, StokerError, StorageError, ThreadStartError,
                      UnsupportedFormat, UnusedParameters)
@@ -71,6 +71,7 @@ __all__ = [
     "DtypeMismatch",
     "IncompleteSource",
     "ForkedPipeline",
+    "InternalError",
     "InvalidArgument",
     "MetadataError",
     "NonFiniteData",

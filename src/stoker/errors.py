@@ -153,6 +153,12 @@ class ShutdownError(StokerError, RuntimeError):
     """The object was closed, or is closing, and cannot do the requested work."""
 
 
+class InternalError(StokerError, RuntimeError):
+    """A bug of stoker's own: an exception escaped one of its service threads (named in ``thread``), whose
+    work the pipeline cannot go on without. Raised, chained to that exception, by every later ``pop`` and
+    ``push`` of the pipeline; please report it. Close the pipeline (that still works) and start another."""
+
+
 class ForkedPipeline(StokerError, RuntimeError):
     """A pipeline (or another object with threads of its own) was used in a process forked from the one that
     made it, where its threads do not exist: make a new one in this process. ``close()`` works there and

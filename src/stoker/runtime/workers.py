@@ -12,8 +12,11 @@ abandoned, and the process ends.
 In a process forked from the pool's, where its threads do not exist, ``shutdown`` touches none of its locks.
 
 Tasks return nothing: they report through objects of their own (a job, an event). An
-exception that escapes a task goes to :func:`threading.excepthook`, as one escaping a
-thread would, and the thread goes on with the next task.
+exception that escapes a task (a bug: a task reports its own errors) goes to the pool's
+``on_fault(error, args)`` as an :class:`~stoker.errors.InternalError` naming the thread
+(:func:`~stoker.runtime.faults.internal_error`), with the task's arguments (whose job it fails),
+or without one to :func:`threading.excepthook`, as one escaping a thread would; the thread goes
+on with the next task.
 
 :func:`start_thread` starts any thread of stoker's: a system that gives no more threads is a
 :class:`~stoker.errors.ThreadStartError` naming the Config knob that sets how many are asked for.
@@ -23,26 +26,29 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import os
 import threading
 import weakref
 from typing import Any, Callable, Collection
 
 from . import gil
-from ..errors import ShutdownError, ThreadStartError
+from .faults import serve
+from ..errors import InternalError, ShutdownError, ThreadStartError
 
 
 class _State:
     """What the pool shares with its threads (not the pool itself, so an unused pool can be collected)."""
 
-    __slots__ = ("cv", "tasks", "closed", "idle", "pid", "__weakref__")
+    __slots__ = ("cv", "tasks", "closed", "idle", "pid", "on_fault", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, on_fault: Callable[[InternalError, tuple], None] | None = None) -> None:
         self.cv = threading.Condition(threading.Lock())  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self.tasks: collections.deque[tuple[Callable[..., Any], tuple]] = collections.deque()
         self.closed = False
         self.idle = 0
         self.pid = os.getpid()  # the process whose threads these are
+        self.on_fault = on_fault  # told of an exception escaping a task (must not hold the pool)
 
     def close(self, drain: bool = False) -> None:
         if os.getpid() != self.pid:
@@ -85,16 +91,17 @@ def start_thread(thread: threading.Thread, knob: str, owner: str = "Config") -> 
 class DaemonPool:
     """Runs ``fn(*args)`` on at most ``max_threads`` daemon threads named ``{name}_{i}``; ``knob`` is the
     setting of ``owner`` (a Config knob by default) that sets ``max_threads`` (named when the system gives no
-    thread)."""
+    thread); ``on_fault(error, args)`` is told of an exception escaping a task (see the module docstring)."""
 
-    def __init__(self, max_threads: int, name: str, knob: str = "n_compute_threads", owner: str = "Config") -> None:
+    def __init__(self, max_threads: int, name: str, knob: str = "n_compute_threads", owner: str = "Config",
+                 on_fault: Callable[[InternalError, tuple], None] | None = None) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be at least 1, got {max_threads}")
         self.max_threads = max_threads
         self.name = name
         self.knob = knob
         self.owner = owner
-        self._state = _State()
+        self._state = _State(on_fault)
         self._threads: list[threading.Thread] = []
         weakref.finalize(self, self._state.close)  # a pool dropped unclosed stops its idle threads
 
@@ -146,11 +153,14 @@ def _work(state: _State) -> None:
             if not state.tasks:  # closed, and nothing left to drain
                 return
             fn, args = state.tasks.popleft()
-        try:
-            fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - reported as an exception escaping a thread is
-            threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__,
-                                                           threading.current_thread())))
+        if state.on_fault is None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - reported as an exception escaping a thread is
+                threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__,
+                                                               threading.current_thread())))
+        else:  # a bug: the task's work fails with it
+            serve(functools.partial(fn, *args), functools.partial(state.on_fault, args=args))
         del fn, args  # hold nothing of a finished task while idle
 
 

@@ -73,7 +73,8 @@ from typing import Any, Callable, Sequence
 import crc32c
 
 from .. import checks
-from ..errors import InvalidArgument, ShutdownError, ThreadStartError
+from ..errors import InternalError, InvalidArgument, ShutdownError, ThreadStartError
+from ..runtime.faults import serve
 from ..runtime.memo import remember
 from ..runtime.workers import DaemonPool
 from .fsutil import HOST, removing_dead_temp_files
@@ -145,6 +146,10 @@ def cache_settings(cache_dir=None, cache_bytes=None, cache_staleness_s=None, *, 
     stale = 60.0 if cache_staleness_s is None else \
         checks.seconds(f"{what}.cache_staleness_s", cache_staleness_s, knob="cache_staleness_s")
     return CacheSettings(folder, size, stale)
+
+
+#: what follows the writer thread's fault (see DiskCache._writer_failed)
+_WRITER_STOPS = "The disk cache stops caching in this process; reads go on, uncached"
 
 
 class DiskCache:
@@ -410,7 +415,10 @@ class DiskCache:
             if seen is not None:  # has() finds it while queued, before the writer made it
                 remember(self._seen, ident, seen, SEEN_IDENTS)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._drain, name="stoker-diskcache", daemon=True)
+                # a bug escaping its loop turns the cache off, rather than leave the queue for ever (see
+                # _writer_failed)
+                self._thread = threading.Thread(target=serve, args=(self._drain, self._writer_failed, _WRITER_STOPS),
+                                                name="stoker-diskcache", daemon=True)
                 self._thread.start()
             self._cond.notify()
 
@@ -458,6 +466,19 @@ class DiskCache:
                         self.lost()
                     self._busy = False
                     self._cond.notify_all()
+
+    def _writer_failed(self, fault: InternalError) -> None:
+        """The writer's loop raised (a bug, ``fault``; its thread ends): the cache stops caching in this process,
+        as after a failed write, with a warning that names the fault; what was queued is dropped (its markers
+        no longer taken as seen: :meth:`lost`), so :meth:`flush` returns at once rather than after its timeout,
+        and reads go on uncached. A cache write failing must never fail a read."""
+        self.writable = False
+        self._warn("off", f"stoker's disk cache {self.folder}: {fault}")  # before a flush waiting can return
+        with self._cond:
+            self._queue.clear()
+            self._pending, self._touching, self._queued, self._busy = {}, set(), 0, False
+            self.lost()
+            self._cond.notify_all()
 
     def _after_fork(self) -> None:
         """In a forked child, where none of the parent's threads runs: a new lock (one of them may have held the

@@ -42,11 +42,12 @@ import numpy as np
 import torch
 
 from ...runtime import gil
+from ...runtime.faults import serve
 from ...runtime.memo import remember
 from ...runtime.schedstat import run_times
 from ...runtime.workers import no_thread, start_thread
 from . import native
-from ...errors import DecodeError, OutOfMemory, StorageError, pipeline_closed
+from ...errors import DecodeError, InternalError, OutOfMemory, StorageError, pipeline_closed
 from ...storage.local import not_regular
 from ..cast import fill_value_as, range_error, torch_dtype_of, unfit_range
 from ...storage import ByteRange
@@ -556,7 +557,12 @@ class NativeDecoder:
         # settled job the claim of the settle that handed it on (see Job.take_over))
         self._pending: list[tuple[Job, object, np.ndarray, tuple | None, int | None]] = []
         self._closing = False
-        self._thread = threading.Thread(target=self._finisher, name="stoker-engine-finisher", daemon=True)
+        # the finisher's fault (an exception escaping its loop, a bug): every job waiting for it, or submitted
+        # later, fails with it, so pop raises it rather than wait for batches nobody finishes (see _faulted)
+        self._fault: InternalError | None = None
+        self._current: Job | None = None  # the job the finisher is finishing (failed with its fault)
+        self._thread = threading.Thread(target=serve, args=(self._finisher, self._faulted),
+                                        name="stoker-engine-finisher", daemon=True)
         self._shared.join(self, budget_bytes)
         if shared is None:
             self._shared.start()
@@ -650,6 +656,10 @@ class NativeDecoder:
     def submit(self, job: Job) -> None:
         """Start ``job`` (a TablePlan into ``job.out``): the engine's chunks in one call, the rest on the
         Python path."""
+        fault = self._fault or self._python.fault.error  # the finisher gone, or a pool's task failed past its
+        if fault is not None:  # handling (a bug): no batch could be trusted
+            job.abandon(fault)
+            return
         plan: TablePlan = job.plan
         out = job.out
         kind = batch_kind(out)
@@ -689,8 +699,12 @@ class NativeDecoder:
         None: every chunk; ``disk``: read from disk-cache entries) is done; ``claim``: the settle's that hands it
         on (see Job.take_over)."""
         with self._cond:
-            self._pending.append((job, bjob, np.arange(job.plan.n_chunks) if eids is None else eids, disk, claim))
-            self._cond.notify_all()
+            fault = self._fault
+            if fault is None:
+                self._pending.append((job, bjob, np.arange(job.plan.n_chunks) if eids is None else eids, disk, claim))
+                self._cond.notify_all()
+                return
+        job.abandon(fault)  # the finisher is gone (any state: a stale hand-off's waiter then finds it failed)
 
     def _tables(self, plan: TablePlan, out: torch.Tensor, kind: int, sources: "_SourceSet",
                 eids: np.ndarray | None, fetched: bool = False):
@@ -854,12 +868,13 @@ class NativeDecoder:
             job.settled_by(bjob, functools.partial(self._settle, disk=disk))
             return rest
         with self._cond:
-            if not self._closing:
+            fault = self._fault
+            if not self._closing and fault is None:
                 self._pending.append((job, bjob, eids, disk, None))
                 self._cond.notify_all()
                 return rest
-        bjob.cancel()  # closed between the submission and here: nobody else would end it
-        job.finish(len(eids), pipeline_closed())
+        bjob.cancel()  # closed (or the finisher gone) between the submission and here: nobody else would end it
+        job.finish(len(eids), fault or pipeline_closed())
         return rest
 
     @staticmethod
@@ -1119,14 +1134,15 @@ class NativeDecoder:
             return
         job.on_cancel(bjob.cancel)
         with self._cond:
-            if not self._closing:
+            fault = self._fault
+            if not self._closing and fault is None:
                 self._pending.append((job, bjob, ids, (buffers, res, pooled), None))
                 self._cond.notify_all()
                 return
-        # closed between the submission and here: the finisher may be gone, so nobody else would end it
+        # closed (or the finisher gone) between the submission and here: nobody else would end it
         bjob.cancel()
         res.done()
-        job.finish(len(ids), pipeline_closed())
+        job.finish(len(ids), fault or pipeline_closed())
 
     # -- completion --------------------------------------------------------------------------------
 
@@ -1151,6 +1167,7 @@ class NativeDecoder:
             if claim is not None and not job.take_over(claim):  # a stale hand-off: its waiter settles it again
                 del job, bjob, eids, fetched
                 continue
+            self._current = job  # (failed by _faulted should this loop raise)
             all_placed = False
             try:
                 if isinstance(fetched, _FromDisk):
@@ -1166,7 +1183,24 @@ class NativeDecoder:
                     if all_placed:  # else the Python path may still decode some of them
                         self._frame_buffers.give(fetched[2])
             self._stats.charge_thread()
+            self._current = None
             del job, bjob, eids, fetched  # hold nothing of a finished batch while idle
+
+    def _faulted(self, fault: InternalError) -> None:
+        """The finisher's loop raised (a bug, ``fault``; its thread ends): the job it was finishing, every job
+        waiting for it and every later one (:meth:`submit`, :meth:`_to_finisher`) fail with ``fault``, so the
+        consumer's next pop raises it at once instead of waiting for batches nobody would finish."""
+        with self._cond:
+            self._fault = fault
+            left, self._pending = self._pending, []
+            current, self._current = self._current, None
+            self._cond.notify_all()
+        if current is not None:
+            current.abandon(fault)  # (one finished already, or failed, is left as it is)
+        for job, _, _, fetched, _ in left:
+            job.abandon(fault)  # (cancels the engine's job: it reads the fetch's buffers no more)
+            if fetched and not isinstance(fetched, _FromDisk):
+                fetched[1].done()  # what the fetch reserved goes back
 
     @contextlib.contextmanager
     def _gil_charged(self):

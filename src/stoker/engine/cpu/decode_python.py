@@ -22,6 +22,7 @@ fetch; no thread waits for the network, so the budget, not the I/O threads, boun
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -30,10 +31,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ...errors import DecodeError, ShutdownError, StorageError, pipeline_closed
+from ...errors import DecodeError, InternalError, ShutdownError, StorageError, pipeline_closed
 from ...reader.array import raise_read_error
 from ...storage import ByteRange, FileChanged, LocalStore, Store
 from ...storage.store import get_many, stamp
+from ...runtime.faults import Fault
 from ...runtime.workers import DaemonPool
 from ...zarr.codecs import blosc
 from . import native
@@ -138,6 +140,15 @@ def _release(res: Reservation, users: int) -> None:
 MIN_READS_PER_GROUP = 4
 
 
+def _task_fault(fault: Fault, error: InternalError, args: tuple) -> None:
+    """A pool's task raised past its own handling (a bug, ``error``): recorded in ``fault``, and the batch it
+    worked for (every task's first argument is its job) fails with it, rather than wait for chunks the task
+    will never count."""
+    fault.record(error)
+    if args and isinstance(args[0], Job):
+        args[0].abandon(error)
+
+
 class PythonDecoder:
     """Thread pools plus the transient budget. The pools' threads are daemon threads
     (:class:`~stoker.runtime.workers.DaemonPool`): one stuck in a read of a hung mount cannot keep the process alive."""
@@ -150,8 +161,13 @@ class PythonDecoder:
         # a shard's inner chunks read together reserve at most max_group (a lone chunk excepted); ranges at
         # most max_gap apart are read as one
         self.max_group, self.max_gap = max_group, max_gap
-        self._io = DaemonPool(n_io, "stoker-io", knob="n_io_threads")
-        self._compute = DaemonPool(n_compute, "stoker-compute", knob="n_compute_threads")
+        # an exception escaping a task of its pools (a bug: tasks report their errors through their job): its
+        # batch fails with it, and so does every later task's (see guard) and every later batch
+        # (NativeDecoder.submit). The pools hold only the record, not this decoder.
+        self.fault = Fault()
+        on_fault = functools.partial(_task_fault, self.fault)
+        self._io = DaemonPool(n_io, "stoker-io", knob="n_io_threads", on_fault=on_fault)
+        self._compute = DaemonPool(n_compute, "stoker-compute", knob="n_compute_threads", on_fault=on_fault)
         self._n_compute = n_compute
         self._closing = False
 
@@ -331,9 +347,9 @@ class PythonDecoder:
         try:
             if self._closing:
                 raise Cancelled()
-            if job.failed:  # nothing to decode: count the chunks finished, as guard does
+            if job.failed or self.fault.error is not None:  # nothing to decode: as guard does
                 _release(res, users)
-                job.finish(len(fetch.cids))
+                job.finish(len(fetch.cids), None if job.failed else self.fault.error)
                 return
             try:
                 got = result()
@@ -496,6 +512,9 @@ class PythonDecoder:
             return
         if self._closing:
             job.finish(n, pipeline_closed())
+            return
+        if self.fault.error is not None:  # a task of the pools failed past its own handling: nothing is trusted
+            job.finish(n, self.fault.error)
             return
         try:
             fn(*args)

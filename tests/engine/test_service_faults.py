@@ -1,0 +1,175 @@
+"""A fault on one of the pipeline's own threads (a bug of stoker's) reaches the consumer as an InternalError
+naming the thread, at the next pop, never as a hang ended by a PoolStarved that blames the consumer's slots.
+
+The faults are injected (the bugs they stand for are fixed); ``pop_timeout_s`` is short, so a pipeline that
+hangs instead fails the test with PoolStarved within seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import ZstdCodec
+
+import stoker
+from stoker.engine.cpu import native
+from stoker.engine.cpu.decode_native import NativeDecoder
+from stoker.engine.cpu.decode_python import PythonDecoder
+from stoker.engine.executor import JobState, JobStateError
+from stoker.runtime.faults import serve
+
+pytestmark = pytest.mark.timeout(60)
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory):
+    path = tmp_path_factory.mktemp("faults") / "v.zarr"
+    z = zarr.create_array(str(path), shape=(16, 64, 64), chunks=(8, 16, 16), dtype="float32",
+                          compressors=ZstdCodec(level=1))
+    data = np.random.default_rng(0).normal(size=z.shape).astype("float32")
+    z[:] = data
+    return str(path), data
+
+
+def _crops(uri: str, n: int) -> list[stoker.Sample]:
+    rng = np.random.default_rng(1)
+    return [stoker.Sample(uri, [(0, 8), (int(y), int(y) + 16), (int(x), int(x) + 16)])
+            for y, x in rng.integers(0, 64 - 16, size=(n, 2))]
+
+
+def _cfg(**kw) -> stoker.Config:
+    # a transform: every batch has a completion hook, so the finisher thread finishes it (not its waiter)
+    base = dict(batch_size=2, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2, pop_timeout_s=5.0,
+                device="cpu", transform=lambda x: x)
+    base.update(kw)
+    return stoker.Config(**base)
+
+
+def test_the_finisher_threads_fault_is_the_next_pops_internal_error(volume, monkeypatch):
+    """The shape of a fixed race (tests/reader/test_stale_shards.py): the finisher finished a batch, then its
+    accounting raised, and failing the finished batch raised again (JobStateError): its thread died, and every
+    later batch waited for it until PoolStarved. Now the next pop raises the fault, as do every later pop and
+    push, and close() still closes."""
+    if native.Engine is None:
+        pytest.skip("stoker._native is not available")
+    uri, data = volume
+    finish = NativeDecoder._finish
+    faults = []
+
+    def finish_then_fail(self, job, *args, **kw):
+        finish(self, job, *args, **kw)  # the batch is complete: failing it now is refused
+        faults.append(job.state)
+        raise RuntimeError("an injected bug after the batch was finished")
+
+    monkeypatch.setattr(NativeDecoder, "_finish", finish_then_fail)
+    samples = _crops(uri, 8)
+    p = stoker.Pipeline(_cfg())
+    try:
+        p.push(samples)
+        with p.pop() as batch:  # finished before the fault: delivered, its values right
+            got = np.from_dlpack(batch).copy()
+        want = np.stack([data[tuple(slice(a, b) for a, b in s.aabb)] for s in samples[:2]])
+        np.testing.assert_array_equal(got, want)
+        with pytest.raises(stoker.InternalError) as raised:
+            p.pop()
+        err = raised.value
+        assert err.thread == "stoker-engine-finisher"
+        assert "internal error of stoker" in str(err) and "report" in str(err)
+        assert isinstance(err.__cause__, JobStateError)  # failing the finished batch, refused
+        assert isinstance(err.__cause__.__context__, RuntimeError)  # the bug that began it
+        with pytest.raises(stoker.InternalError) as again:  # sticky: pop and push
+            p.pop()
+        assert again.value is err
+        with pytest.raises(stoker.InternalError):
+            p.push(samples[:2])
+    finally:
+        p.close()
+    assert faults[0] is JobState.DONE
+    assert not any(t.is_alive() for t in p._executor.threads())
+
+
+def test_a_pool_tasks_fault_fails_every_later_batch_with_an_internal_error(volume, monkeypatch):
+    """A task of the Python path's pools raising past its own handling (here a group of reads, after its first
+    file) was only printed: its batch waited for chunks nobody would count, until PoolStarved. Now that batch
+    fails with an InternalError naming the pool's thread, and so does every later one."""
+    monkeypatch.setattr(native, "Engine", None)  # the Python path's pools make every batch
+    uri, _ = volume
+    guard = PythonDecoder.guard
+    injected: list[str] = []
+
+    inside = threading.local()  # a guard run inside another's task is that task's: its error is handled there
+
+    def guard_then_fail(self, job, *args):
+        task = not getattr(inside, "guard", False)
+        inside.guard = True
+        try:
+            guard(self, job, *args)
+        finally:
+            inside.guard = not task
+        if task and not injected:  # the pool's task itself raises, after its chunks were counted
+            injected.append(threading.current_thread().name)
+            raise RuntimeError("an injected bug past the task's own handling")
+
+    monkeypatch.setattr(PythonDecoder, "guard", guard_then_fail)
+    samples = _crops(uri, 4)
+    p = stoker.Pipeline(_cfg(transform=None))
+    try:
+        p.push(samples)
+        with pytest.raises(stoker.InternalError) as raised:
+            for _ in range(2):  # the first batch's task raised, or (done already) the next one's
+                p.pop().release()
+        err = raised.value
+        assert err.thread == injected[0] and err.thread.startswith(("stoker-io", "stoker-compute"))
+        assert isinstance(err.__cause__, RuntimeError)
+        with pytest.raises(stoker.InternalError) as again:
+            p.push(samples)
+        assert again.value is err
+    finally:
+        p.close()
+
+
+def test_serve_hands_an_escaping_exception_to_on_fault_as_an_internal_error():
+    got = []
+    thread = threading.Thread(target=serve, args=(lambda: {}["missing"], got.append), name="stoker-test-loop")
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    (err,) = got
+    assert isinstance(err, stoker.InternalError) and err.thread == "stoker-test-loop"
+    assert isinstance(err.__cause__, KeyError) and "stoker-test-loop" in str(err)
+
+
+def test_serve_reports_a_failing_on_fault_as_a_threads_error(monkeypatch):
+    hooked = []
+    monkeypatch.setattr(threading, "excepthook", hooked.append)
+
+    def on_fault(fault):
+        raise ValueError("on_fault's own bug")
+
+    thread = threading.Thread(target=serve, args=(lambda: 1 / 0, on_fault), name="stoker-test-loop")
+    thread.start()
+    thread.join(10)
+    (args,) = hooked
+    assert args.exc_type is ValueError and isinstance(args.exc_value.__context__, stoker.InternalError)
+
+
+def test_the_disk_cache_writers_fault_turns_the_cache_off_and_flush_returns(tmp_path, monkeypatch):
+    """The disk cache's writer thread dying on a bug left its queue for ever: flush() waited out its timeout
+    (the bench's, 600 s) and the cache went on queueing what nobody would write. Now the cache turns itself
+    off with a warning naming the InternalError, the queue is dropped and flush() returns True at once."""
+    from stoker.storage.diskcache import DiskCache
+
+    def take_fails(self):
+        raise RuntimeError("an injected bug in the writer's loop")
+
+    monkeypatch.setattr(DiskCache, "_take", take_fails)
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    with pytest.warns(RuntimeWarning, match="stoker-diskcache.*internal error of stoker.*stops caching"):
+        cache.put("s3://bkt\nc/0\ng1", b"x" * 100)
+        assert cache.flush(timeout_s=30.0)  # at once (the writer is gone: nothing is left queued)
+    assert not cache.writable
+    assert not cache.has("s3://bkt\nc/0\ng1")  # never written, and no longer served from the queue
+    cache.put("s3://bkt\nc/1\ng1", b"y" * 100)  # off: nothing queued
+    assert cache.flush(timeout_s=30.0)
