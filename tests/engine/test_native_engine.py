@@ -369,8 +369,9 @@ def test_a_thread_opens_a_shard_once_for_its_inner_chunks(tmp_path, threads):
         if opened == 120:
             assert counters["files_opened"] == 120 or threads > 1, counters
         else:
+            # each thread that read opens each shard once; on a loaded machine one thread may read them all
             assert counters["files_opened"] == opened * counters["max_threads"] or (
-                threads > 1 and opened < counters["files_opened"] <= opened * threads), counters
+                threads > 1 and opened <= counters["files_opened"] <= opened * threads), counters
         assert engine.close(5)
 
 
