@@ -14,6 +14,9 @@ STAMP  := $(VENV)/.installed-stamp
 # torch is pinned here only for installation on a fresh machine; pyproject keeps a range
 # so users keep their own (CUDA) build.
 TORCH_SPEC ?= torch==2.13.0
+# test processes for make test and make asan (pytest-xdist; each takes whole files, so a file's fixtures are
+# built once): most tests wait on servers, subprocesses and timeouts, so two keep a 2-core machine busy
+TEST_WORKERS ?= 2
 
 .PHONY: demo test asan bench lint docs venv clean interface
 
@@ -34,10 +37,10 @@ demo: $(STAMP)
 	$(VENV)/bin/stoker demo --run-dir runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 asan: $(STAMP)
-	PY=$(PY) .ci/asan
+	PY=$(PY) TEST_WORKERS=$(TEST_WORKERS) .ci/asan
 
 interface:
 	$(PYTHON) .ci/interface.py
