@@ -319,3 +319,26 @@ def test_reads_ahead_keep_to_half_the_index_cache(served, monkeypatch):
         _pop_all(p, boxes, want, 4)
     assert sorted(server.indexes.values()) == [1] * 32, server.indexes
 
+
+
+def test_planning_splits_its_cpu_from_its_waits_and_openers_follow_n_io_threads(served):
+    # ``plan`` is the coordinator's CPU planning, ``plan_wait`` what it waited (here its arrays' opens and shard
+    # indexes, each a round trip); the opener threads are sixteen per I/O thread (the knob their error names)
+    server, _, _, root = served
+    for i in range(24):
+        zarr.create_array(os.path.join(root, f"n{i}"), shape=(8, 16), chunks=(8, 16), dtype="uint16",
+                          fill_value=0)[...] = i
+    server.latency_s = 0.05
+    start = time.perf_counter()
+    with stoker.Pipeline(_config(server, batch_size=4, n_io_threads=1)) as p:
+        p.push([stoker.Sample(f"{server.url}/n{i}", [(0, 8), (0, 16)]) for i in range(24)])
+        for k in range(6):
+            with p.pop() as b:
+                got = torch.from_dlpack(b).numpy()
+                assert [int(row[0, 0]) for row in got] == list(range(4 * k, 4 * k + 4))
+        openers = p._coordinator._openers  # (this pipeline's: other tests' may linger a moment)
+        stages = p.stats().stages
+    wall = time.perf_counter() - start
+    assert openers.max_threads == 16 and 0 < len(openers._threads) <= 16, openers._threads
+    assert 0 < stages["plan"].seconds <= wall
+    assert stages["plan_wait"].seconds > 0
