@@ -89,7 +89,8 @@ class Config:
       plus the decode scratch (``"hybrid"`` gives a quarter of ``host_buffer_bytes`` to the GPU decode's
       staging, the rest to the CPU part's pinned slots and scratch).
     - ``n_io_threads`` (>= 1): threads for reads that must wait for buffer memory; local reads
-      otherwise run on the compute threads (a page-cache copy costs less than a thread hop).
+      otherwise run on the compute threads (a page-cache copy costs less than a thread hop). Sixteen times
+      as many threads at most open arrays in stores, and read shard indexes ahead (each waits a round trip).
     - ``n_compute_threads``: decode and assembly threads (>= 1); ``None`` means this rank's share of the
       CPUs the process may run on (see :func:`default_compute_threads`). A pipeline of samples of named
       fields runs one compiled engine of this many threads for all its fields.

@@ -27,7 +27,8 @@ __all__ = ["document", "peer_record", "scenario_record", "stage_breakdown", "wor
 def stage_breakdown(stats: Any, cpu_s: float, batches: int, wall_s: float, gc_s: float = 0.0) -> dict[str, Any]:
     """stoker's CPU time per timed batch (ms) and its split by stage: decode, read, cast, plan (the
     coordinator's CPU planning), and other (the rest: Python bookkeeping, the consumer); GIL-held time and the
-    garbage collections in it. Stage times are thread time, waits for a core included. Apart from the CPU,
+    garbage collections in it. Decode, read and cast are thread time, waits for a core included; plan is the
+    coordinator's CPU time alone (thread CPU), and its waits are apart. Apart from the CPU,
     ``plan_wait_ms_per_batch``: the coordinator's wall time planning that was no CPU (waits for arrays' opens
     and shard indexes from a store, for a core, the GIL)."""
     stages = {"decode": stats.stages["decode"].seconds, "read": stats.stages["io"].seconds,

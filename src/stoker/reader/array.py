@@ -18,6 +18,7 @@ import itertools
 import math
 import os
 import threading
+import weakref
 from typing import Any, Callable, Iterable, NamedTuple, NoReturn, Sequence
 
 import numpy as np
@@ -277,11 +278,14 @@ class ArrayReader:
             index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._index_cache = index_cache
         self._token = next(_reader_tokens)
-        # shard indexes being read ahead (start_shard_entries): key -> done, for a planner's read to wait for
-        self._index_flights: dict[str, concurrent.futures.Future] = {}
+        # shard indexes being read, or queued to be read ahead (start_shard_entries): key -> its flight, for a
+        # planner's read to wait for (started) or take over (queued)
+        self._index_flights: dict[str, _Flight] = {}
         self._flights_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         if metadata.sharding is not None:
             check_index_fits(metadata.sharding, self._index_cache.max_bytes, metadata.uri)
+            if not kv.is_local:
+                _SHARDED_REMOTE.add(self)  # its flights forgotten in a forked child (_after_fork_in_child)
 
     def file_path(self, key: str) -> str:
         """The local file holding chunk (or shard) ``key``; for an array in a store whose keys are not files,
@@ -692,85 +696,170 @@ STORE_READ_BYTES = 64 << 20
 #: :func:`start_shard_entries`) before reading them itself: that read is bounded by its store's limits.
 FLIGHT_WAIT_S = 60.0
 
-_Flight = tuple["ArrayReader", str, concurrent.futures.Future]
+#: The share of the index cache (its max_bytes) that indexes read ahead and not yet landed may weigh: the rest
+#: keeps the indexes of the batches about to be planned from being evicted by those of the batches after them.
+AHEAD_SHARE = 0.5
+
+
+class _Flight:
+    """One shard index being read, or queued to be read ahead. ``started`` once a thread reads it: the read
+    ahead's job, or a planner that took it over while it was queued (``claim``); only the thread that started
+    it lands it (``done`` set, the flight dropped), and only a started read is waited for. ``nbytes``: what a
+    read ahead reserved of its index cache's :data:`AHEAD_SHARE` (0 for a planner's own read)."""
+
+    __slots__ = ("reader", "shard_key", "done", "started", "nbytes")
+
+    def __init__(self, reader: ArrayReader, shard_key: str, started: bool, nbytes: int = 0) -> None:
+        self.reader, self.shard_key, self.nbytes = reader, shard_key, nbytes
+        self.done: concurrent.futures.Future = concurrent.futures.Future()
+        self.started = started
+
+
+# remote sharded readers, whose flights a forked child forgets; index cache (id) -> bytes reserved ahead
+_SHARDED_REMOTE: weakref.WeakSet = weakref.WeakSet()
+_ahead_bytes: dict[int, int] = {}
+_ahead_lock = threading.Lock()  # a leaf, taken under a reader's _flights_lock
+
+
+def _after_fork_in_child() -> None:
+    """A forked child's readers forget the parent's flights (reads by threads the child has not: waiting for
+    them would wait :data:`FLIGHT_WAIT_S` for nothing) and their locks, perhaps held by such a thread."""
+    global _ahead_lock
+    _ahead_lock = threading.Lock()
+    _ahead_bytes.clear()
+    for reader in list(_SHARDED_REMOTE):
+        reader._flights_lock = threading.Lock()
+        reader._index_flights = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _reserve(reader: ArrayReader) -> int:
+    """Bytes of ``reader``'s index cache reserved for one index read ahead (what index_size weighs it at), 0
+    when the reads ahead already reserve its :data:`AHEAD_SHARE`: that index is then read by its batch."""
+    spec = reader.metadata.sharding
+    cost = 16 * spec.n_inner + 64 if spec is not None else 64
+    cache = reader._index_cache
+    with _ahead_lock:
+        held = _ahead_bytes.get(id(cache), 0)
+        if held + cost > cache.max_bytes * AHEAD_SHARE:
+            return 0
+        _ahead_bytes[id(cache)] = held + cost
+    return cost
+
+
+def _release(flight: _Flight) -> None:
+    if flight.nbytes:
+        key = id(flight.reader._index_cache)
+        with _ahead_lock:
+            left = _ahead_bytes.get(key, 0) - flight.nbytes
+            if left > 0:
+                _ahead_bytes[key] = left
+            else:
+                _ahead_bytes.pop(key, None)
 
 
 def start_shard_entries(wanted: Sequence[tuple[ArrayReader, str]], run: Callable[[Callable[[], None]], None]) -> int:
     """Start reading the indexes of the ``wanted`` shards (``(reader, shard key)``) of arrays in stores that
     are neither cached nor being read already, as :func:`shard_entries` reads them (one round trip per store),
     on the thread ``run(fn)`` gives ``fn``; never waits. A :func:`shard_entries` asking for one of them
-    meanwhile waits for this read instead of asking the store again. Returns how many were started. What
-    this read met (an error, a corrupt index) is not kept: the batch that needs the shard reads it again and
-    raises it then. A ``run`` that refuses (a closed pool) starts nothing.
+    meanwhile waits for this read once it has started, and reads it itself while it is still queued (this
+    read then skips it). At most :data:`AHEAD_SHARE` of an index cache is read ahead at a time: the rest are
+    left to their batches. Returns how many were started. What this read met (an error, a corrupt index) is
+    not kept: the batch that needs the shard reads it again and raises it then. A ``run`` that refuses (a
+    closed pool) starts nothing.
 
     >>> start_shard_entries([(reader, "c/0/1/1")], pool.submit)   # its batch's planning waits for it, once
     1
     """
-    started: list[_Flight] = []
+    queued: list[_Flight] = []
     for reader, shard_key in wanted:
         if not reader.kv.is_local and not reader._is_cached(shard_key):
             with reader._flights_lock:
                 if shard_key in reader._index_flights:
                     continue
-                done = reader._index_flights[shard_key] = concurrent.futures.Future()
-            started.append((reader, shard_key, done))
-    if not started:
+                nbytes = _reserve(reader)
+                if not nbytes:
+                    break  # the cache's share read ahead: the rest are read by their batches
+                flight = reader._index_flights[shard_key] = _Flight(reader, shard_key, False, nbytes)
+            queued.append(flight)
+    if not queued:
         return 0
 
     def read() -> None:
+        mine = _claim(queued)  # those no planner took over meanwhile
         try:
-            _read_indexes([(reader, shard_key) for reader, shard_key, _ in started])
+            if mine:
+                _read_indexes([(f.reader, f.shard_key) for f in mine])
         except Exception:  # noqa: BLE001 - (a shard's error comes back in its place) read again by its batch
             pass
         finally:
-            _landed(started)
+            _landed(mine)
 
     try:
         run(read)
     except BaseException:  # noqa: BLE001 - no thread: nothing read ahead, each batch reads its own
-        _landed(started)
+        _landed(_claim(queued))
         return 0
-    return len(started)
+    return len(queued)
+
+
+def _claim(flights: list[_Flight]) -> list[_Flight]:
+    """Those of ``flights`` not started yet, now started by the caller (who must land them)."""
+    mine = []
+    for flight in flights:
+        with flight.reader._flights_lock:
+            if not flight.started:
+                flight.started = True
+                mine.append(flight)
+    return mine
 
 
 def _landed(flights: list[_Flight]) -> None:
     """The reads of ``flights`` are over (their indexes cached, or not: a failure): their waiters wake."""
-    for reader, shard_key, done in flights:
+    for flight in flights:
+        reader = flight.reader
         with reader._flights_lock:
-            if reader._index_flights.get(shard_key) is done:
-                del reader._index_flights[shard_key]
-        done.set_result(None)
+            if reader._index_flights.get(flight.shard_key) is flight:
+                del reader._index_flights[flight.shard_key]
+        _release(flight)
+        flight.done.set_result(None)
 
 
 def shard_entries(wanted: Sequence[tuple[ArrayReader, str]]) -> list[ShardIndex | None | Exception]:
     """:meth:`ArrayReader.shard_entry` of every ``(reader, shard key)``, with the error reading one met in its
     place (raised by the caller for the first chunk it concerns, as the serial reads would have).
 
-    The indexes of arrays in a store that are not cached yet are read together: one
-    :func:`~stoker.storage.store.get_each` call per store (arrays sharing a store share it; several stores
+    The indexes not cached in arrays in stores are read together, one round trip per store (stores of theirs
     are read at once, a thread each), so a cold batch touching N shards waits one round trip, not N. Each is
     decoded and checked as :meth:`~ArrayReader.shard_entry` does, and cached (a missing shard as None).
     Arrays in a local store (files, read by positional reads, no round trip to wait) read their indexes one
-    after the other, through the cache. An index another thread is reading (ahead: :func:`start_shard_entries`,
-    or a planner's) is waited for (at most :data:`FLIGHT_WAIT_S`), not asked again; one that read did not
-    bring is read here, and every index read here is marked as being read meanwhile."""
+    after the other, through the cache. An index another thread has started reading (ahead:
+    :func:`start_shard_entries`, or a planner's) is waited for (at most :data:`FLIGHT_WAIT_S`), not asked
+    again; one queued to be read ahead is taken over and read here (never waiting behind the queue); one that
+    read did not bring is read here, and every index read here is marked as being read meanwhile."""
     out: list = [_UNREAD] * len(wanted)
     mine: dict[tuple[int, str], _Flight] = {}
     waits: list[tuple[int, concurrent.futures.Future]] = []  # (position, another thread's read of it)
     read: list[int] = []
-    for i, (reader, shard_key) in enumerate(wanted):
-        if reader.kv.is_local or reader._is_cached(shard_key) or (id(reader), shard_key) in mine:
-            read.append(i)
-            continue
-        with reader._flights_lock:
-            flight = reader._index_flights.get(shard_key)
-            if flight is None:
-                flight = reader._index_flights[shard_key] = concurrent.futures.Future()
-                mine[(id(reader), shard_key)] = (reader, shard_key, flight)
-                read.append(i)
-            else:
-                waits.append((i, flight))
     try:
+        for i, (reader, shard_key) in enumerate(wanted):
+            if reader.kv.is_local or reader._is_cached(shard_key) or (id(reader), shard_key) in mine:
+                read.append(i)
+                continue
+            with reader._flights_lock:
+                flight = reader._index_flights.get(shard_key)
+                if flight is None:
+                    flight = reader._index_flights[shard_key] = _Flight(reader, shard_key, True)
+                elif flight.started:
+                    waits.append((i, flight.done))
+                    continue
+                else:  # queued behind other work: taken over, read here; the queued job skips it
+                    flight.started = True
+                mine[(id(reader), shard_key)] = flight
+                read.append(i)
         for i, entry in zip(read, _read_indexes([wanted[i] for i in read]) if read else ()):
             out[i] = entry
     finally:

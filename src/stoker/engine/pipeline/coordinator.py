@@ -47,8 +47,9 @@ from ..stats import StatsRecorder
 _MAX_OPEN_ARRAYS = 16384
 # remote arrays opened together (threads waiting on their metadata): the batches pulled at once, eight of eight
 # samples each of an array of its own, in one round trip (sixteen made a stream of new arrays at 100 ms a request
-# wait 24 ms a batch for its opens: scenario 6, 94-106 samples/s against 120-135 with 64)
-_OPEN_AT_ONCE = 64
+# wait 24 ms a batch for its opens: scenario 6, 94-106 samples/s against 120-135 with 64); per I/O thread
+# (Config.n_io_threads), so that the knob the thread-start error names sets their count: 64 at the default 4
+_OPENS_PER_IO_THREAD = 16
 _CONFIG = object()  # _batch_dtype's default: the Config's output dtype
 _PULL_AHEAD = 8  # batches of remote arrays pulled at once: their arrays not open yet are opened together
 _SLOT_POLL_S = 0.01  # how often a coordinator waiting for prefetch room or a slot looks for a free slot
@@ -114,6 +115,7 @@ class Coordinator:
     def __init__(self, cfg: Config, intake: Intake, executor: Executor, stats: StatsRecorder,
                  store: LocalStore, lanes: Lanes) -> None:
         self.cfg = cfg
+        self._open_at_once = _OPENS_PER_IO_THREAD * cfg.n_io_threads  # the opener threads, at most
         self.lanes = lanes  # samples of named fields: one executor per field, made at the first such batch
         self.intake = intake
         self.cond = intake.cond
@@ -189,7 +191,7 @@ class Coordinator:
         return out
 
     def _start_opens(self, uris: list[str]) -> list[tuple[str, concurrent.futures.Future]]:
-        """The opens of the remote arrays among ``uris`` started on the opener threads (at most ``_OPEN_AT_ONCE``,
+        """The opens of the remote arrays among ``uris`` started on the opener threads (at most ``_open_at_once``,
         kept: a thread started per open costs more than an open from the disk cache), each ``(uri, future)``;
         an open in flight already is shared. A future's result is the open's error, or None. Where more wait
         than there are threads, the disk cache listings (which revalidate their zarr.json too) of those that
@@ -205,8 +207,8 @@ class Coordinator:
                     f = self._opening[u] = concurrent.futures.Future()
                     new.append((u, f))
                 flights.append((u, f))
-        waiting = [u for u, _ in new[_OPEN_AT_ONCE - 1:]]  # past the threads left once one lists them
-        jobs = ([(self._list_ahead, waiting)] if len(new) > _OPEN_AT_ONCE else []) + \
+        waiting = [u for u, _ in new[self._open_at_once - 1:]]  # past the threads left once one lists them
+        jobs = ([(self._list_ahead, waiting)] if len(new) > self._open_at_once else []) + \
             [(self._try_open, u, f) for u, f in new]
         for fn, *args in jobs:
             try:
@@ -223,7 +225,7 @@ class Coordinator:
             if self.closed:
                 raise ShutdownError("the pipeline is closed")
             if self._openers is None:
-                self._openers = DaemonPool(_OPEN_AT_ONCE, "stoker-open", knob="n_io_threads")
+                self._openers = DaemonPool(self._open_at_once, "stoker-open", knob="n_io_threads")
             return self._openers
 
     def _aside(self, fn) -> None:

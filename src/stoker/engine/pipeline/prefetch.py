@@ -235,28 +235,27 @@ def indexes_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
     3
     """
     wanted: dict[tuple[int, str], tuple[Any, str]] = {}
-    for sample in samples:
-        for part in (sample.fields.values() if sample.fields else (sample,)):
-            if part.aabb is None:
-                continue
-            for uri in part.uris:
-                reader = reader_of(uri)
-                if reader is None or reader.kv.is_local or reader.metadata.sharding is None:
-                    continue
-                meta = reader.metadata
-                spans = []
-                for (lo, hi), size, shard in zip(part.aabb, meta.shape, meta.chunk_shape):
-                    lo, hi = max(0, lo), min(size, hi)  # a padded box may reach past the array
-                    spans.append(range(lo // shard, (hi - 1) // shard + 1) if hi > lo else range(0))
-                if not all(spans):
-                    continue
-                grid = reader.shard_grid
-                numbers = [int(np.ravel_multi_index(index, grid)) for index in
-                           itertools.islice(itertools.product(*spans), MAX_INDEXES_AHEAD - len(wanted))]
-                for key in reader.shard_keys(numbers):
-                    wanted.setdefault((id(reader), key), (reader, key))
-                if len(wanted) >= MAX_INDEXES_AHEAD:
-                    break
+    # one loop over every (part, array), so that the cap leaves it at once
+    touched = ((part, uri) for sample in samples for part in (sample.fields.values() if sample.fields else (sample,))
+               if part.aabb is not None for uri in part.uris)
+    for part, uri in touched:
+        reader = reader_of(uri)
+        if reader is None or reader.kv.is_local or reader.metadata.sharding is None:
+            continue
+        meta = reader.metadata
+        spans = []
+        for (lo, hi), size, shard in zip(part.aabb, meta.shape, meta.chunk_shape):
+            lo, hi = max(0, lo), min(size, hi)  # a padded box may reach past the array
+            spans.append(range(lo // shard, (hi - 1) // shard + 1) if hi > lo else range(0))
+        if not all(spans):
+            continue
+        grid = reader.shard_grid
+        numbers = [int(np.ravel_multi_index(index, grid)) for index in
+                   itertools.islice(itertools.product(*spans), MAX_INDEXES_AHEAD - len(wanted))]
+        for key in reader.shard_keys(numbers):
+            wanted.setdefault((id(reader), key), (reader, key))
+        if len(wanted) >= MAX_INDEXES_AHEAD:
+            break
     return start_shard_entries(list(wanted.values()), run)
 
 
