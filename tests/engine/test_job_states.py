@@ -467,3 +467,16 @@ def test_abandon_stops_a_running_job_and_leaves_a_completing_one_be():
     t.join(10)
     assert not t.is_alive() and completing.state is JobState.DONE and completing.error is None
     assert not completing.abandon(RuntimeError("late"))  # final states stay as they are
+
+
+def test_a_job_abandoned_while_handed_off_is_not_taken_over_and_stays_failed():
+    """Another field of the batch failed while this field's settle had handed the job on (SETTLING, queued for
+    the finisher): abandon fails it, and the finisher's take_over then finds it finished (False), rather than
+    raising JobStateError out of the finisher's loop."""
+    handed: list[int] = []
+    job = _job(2)
+    job.settled_by(_EngineJob(), lambda j, e: handed.append(j.claim))
+    assert job.wait(0.01) is False and job.state is JobState.SETTLING  # handed on: not done yet
+    assert job.abandon(RuntimeError("field b failed")) and job.done.is_set()
+    assert job.take_over(handed[0]) is False
+    assert job.state is JobState.FAILED and str(job.error) == "field b failed"

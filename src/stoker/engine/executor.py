@@ -246,12 +246,15 @@ class Job:
     def take_over(self, claim: int) -> bool:
         """SETTLING -> RUNNING: the thread a settle handed the job to, unchanged, with its ``claim``, takes it
         and owns it from then on (finishes it). False for a stale hand-off, which that thread drops: the
-        settle was interrupted and the job put back for its waiters (then perhaps claimed again). So an
-        interrupt anywhere in a settle that hands the job on neither loses the batch nor finishes it twice."""
+        settle was interrupted and the job put back for its waiters (then perhaps claimed again), or the job
+        was abandoned (FAILED, finished already). So an interrupt anywhere in a settle that hands the job on
+        neither loses the batch nor finishes it twice."""
         with self._lock:
             state = self._state
             if self._claims != claim or (state is RUNNING and self._engine is not None):
                 return False  # claimed again since, or put back for the waiters
+            if state is FAILED:  # abandoned while handed off (another field of its batch failed): finished
+                return False
             if state is not SETTLING:
                 raise JobStateError(f"a {state.value} job cannot be taken over: only a settling one, once, before "
                                     "its settle changed it")
