@@ -789,3 +789,26 @@ def test_a_put_that_checked_writable_as_the_writer_died_queues_nothing(tmp_path,
     assert not cache.queued("late") and not cache._queue
     assert cache.flush(timeout_s=0.0)  # nothing left to wait for
 
+
+@pytest.mark.parametrize("warned_off", [False, True])
+def test_the_writers_fault_drops_the_queue_even_where_warnings_are_errors(tmp_path, monkeypatch, warned_off):
+    """With warnings made errors (python -W error), the writer's fault handler raised at its warning, before it
+    dropped the queue: flush() waited out its timeout. Now the queue goes first, and the fault still warns (its
+    own kind) after a failed write turned the cache off with a warning of its own."""
+    monkeypatch.setattr(DiskCache, "_take", _writer_bug)
+    hooked: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", hooked.append)
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    if warned_off:
+        with pytest.warns(RuntimeWarning, match="stops caching"):
+            cache._disable(OSError(errno.EIO, "an earlier failed write"))  # warned "off" once
+        cache.writable = True  # (as if the write failed after this put's check)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.put("a", b"x" * 100)
+        assert cache.flush(timeout_s=10.0)
+        cache._thread.join(30)
+    assert not cache.queued("a") and not cache.writable
+    # the warning, an error here, reached the thread's excepthook, and it was the fault's (not swallowed)
+    assert [type(h.exc_value) for h in hooked] == [RuntimeWarning]
+    assert "internal error of stoker" in str(hooked[0].exc_value)
