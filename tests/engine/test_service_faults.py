@@ -22,7 +22,7 @@ from stoker.engine.cpu import native
 from stoker.engine.cpu.decode_native import NativeDecoder
 from stoker.engine.cpu.decode_python import PythonDecoder
 from stoker.engine.executor import Job, JobState, JobStateError
-from stoker.runtime.faults import serve
+from stoker.runtime.faults import internal_error, serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -268,3 +268,49 @@ def test_close_leaves_a_field_abandoned_while_handed_off_as_it_is(tmp_path):
         released.set()
     assert job.state is JobState.FAILED and str(job.error) == "field b failed"
     assert d._python._closing  # the Python path was shut down too
+
+
+def test_the_finishers_fault_leaves_a_stale_hand_off_to_the_waiter_settling_it_again(tmp_path):
+    """The finisher's fault fails every job queued for it, but a stale hand-off's job (its settle interrupted,
+    a waiter settling it again under a newer claim) is that waiter's: left be, as shutdown leaves it, and
+    failed with the fault when that waiter hands it on again."""
+    if native.Engine is None:
+        pytest.skip("stoker._native is not available")
+    uri = _corrupt_volume(tmp_path / "a.zarr")
+    p = stoker.Pipeline(stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2,
+                                      pop_timeout_s=10.0, device="cpu"))
+    released = threading.Event()
+    try:
+        p.push([stoker.Sample(uri, [(0, 8), (16, 32), (16, 32)])])
+        p.pop().release()  # (the lane and its decoder are made for the first batch)
+        d = p._executor.decoders.native
+        claims: list[int] = []
+        job = Job(SimpleNamespace(n_chunks=2), None, 2)
+
+        class Done:
+            def wait(self, timeout=None):
+                return True
+
+        class Stuck:
+            def wait(self, timeout=None):
+                return released.wait(timeout)
+
+        job.settled_by(Done(), lambda j, e: claims.append(j.claim))
+        job.wait(0.01)  # claimed, handed on (the hand-off queued below)
+        job._interrupted(lambda j, e: claims.append(j.claim), Done())  # put back: that hand-off is stale
+        job.wait(0.01)  # a waiter claims it again and is settling it
+        assert job.state is JobState.SETTLING and claims[1] != claims[0]
+        head = Job(SimpleNamespace(n_chunks=1), None, 1)
+        with d._cond:  # (the finisher waits for the head's engine job until the end: it takes neither)
+            d._pending.append((head, Stuck(), np.arange(1), None, None))
+            d._pending.append((job, Done(), np.arange(2), None, claims[0]))
+            d._cond.notify_all()
+        fault = internal_error("stoker-engine-finisher", RuntimeError("an injected bug"))
+        d._faulted(fault)
+        assert head.error is fault  # a job queued for the finisher fails with its fault
+        assert job.state is JobState.SETTLING and job.error is None  # its waiter's still
+        d._to_finisher(job, Done(), None, claims[1])  # that waiter hands it on: failed with the fault
+        assert job.state is JobState.FAILED and job.error is fault
+    finally:
+        p.close()
+        released.set()
