@@ -8,7 +8,9 @@ hangs instead fails the test with PoolStarved within seconds.
 from __future__ import annotations
 
 import os
+import functools
 import threading
+import traceback
 import zipfile
 from types import SimpleNamespace
 
@@ -314,3 +316,47 @@ def test_the_finishers_fault_leaves_a_stale_hand_off_to_the_waiter_settling_it_a
     finally:
         p.close()
         released.set()
+
+
+def test_the_kept_internal_error_holds_none_of_the_faulted_tasks_batch(volume, monkeypatch):
+    """The InternalError a pipeline keeps (raised by every later pop) held its cause's traceback, whose frames
+    held the faulted task's locals: its job, whose ``out`` views a batch slot, for the pipeline's life. Their
+    locals are cleared now (the printed traceback still names the files and lines)."""
+    monkeypatch.setattr(native, "Engine", None)  # the Python path's pools make every batch
+    uri, _ = volume
+    guard = PythonDecoder.guard
+    faulted: list[Job] = []
+    inside = threading.local()
+
+    def guard_then_fail(self, job, *args):
+        task = not getattr(inside, "guard", False)
+        inside.guard = True
+        try:
+            guard(self, job, *args)
+        finally:
+            inside.guard = not task
+        if task and not faulted:
+            faulted.append(job)
+            raise RuntimeError("an injected bug past the task's own handling")
+
+    monkeypatch.setattr(PythonDecoder, "guard", guard_then_fail)
+    p = stoker.Pipeline(_cfg(transform=None))
+    try:
+        p.push(_crops(uri, 4))
+        with pytest.raises(stoker.InternalError) as raised:
+            for _ in range(2):
+                p.pop().release()
+    finally:
+        p.close()
+    err = raised.value
+    printed = "".join(traceback.format_exception(err.__cause__))
+    assert "guard_then_fail" in printed and "an injected bug" in printed  # where it was raised, still said
+    assert faulted and err is p._error
+    tb, held = err.__cause__.__traceback__, []
+    while tb is not None:  # no frame of the cause's traceback holds the job, or a call of it (serve's loop)
+        for name, value in tb.tb_frame.f_locals.items():
+            args = getattr(value, "args", None) if isinstance(value, functools.partial) else ()
+            if value is faulted[0] or any(a is faulted[0] for a in args):
+                held.append((tb.tb_frame.f_code.co_name, name))
+        tb = tb.tb_next
+    assert held == []
