@@ -467,3 +467,52 @@ def test_abandon_stops_a_running_job_and_leaves_a_completing_one_be():
     t.join(10)
     assert not t.is_alive() and completing.state is JobState.DONE and completing.error is None
     assert not completing.abandon(RuntimeError("late"))  # final states stay as they are
+
+
+def test_a_job_abandoned_while_handed_off_is_not_taken_over_and_stays_failed():
+    """Another field of the batch failed while this field's settle had handed the job on (SETTLING, queued for
+    the finisher): abandon fails it, and the finisher's take_over then finds it finished (False), rather than
+    raising JobStateError out of the finisher's loop."""
+    handed: list[int] = []
+    job = _job(2)
+    job.settled_by(_EngineJob(), lambda j, e: handed.append(j.claim))
+    assert job.wait(0.01) is False and job.state is JobState.SETTLING  # handed on: not done yet
+    assert job.abandon(RuntimeError("field b failed")) and job.done.is_set()
+    assert job.take_over(handed[0]) is False
+    assert job.state is JobState.FAILED and str(job.error) == "field b failed"
+
+
+class _AbandonedAsItIsRead(Job):
+    """A job that, the first time its settling thread reads its state as SETTLING, is abandoned by another
+    thread: at once where the job's lock is free (the read was outside it), else once the lock is let go."""
+
+    abandoner: threading.Thread | None = None
+
+    @property
+    def _state(self):
+        state = self.__dict__["_st"]
+        if state is JobState.SETTLING and self.abandoner is None and threading.current_thread() is self.settler:
+            self.abandoner = threading.Thread(target=self.abandon, args=(RuntimeError("field b failed"),))
+            self.abandoner.start()
+            if not self._lock.locked():  # read outside the lock: the abandon lands between the read and a store
+                self.abandoner.join(10)
+        return state
+
+    @_state.setter
+    def _state(self, value):
+        self.__dict__["_st"] = value
+
+
+def test_an_abandon_during_a_settle_is_never_overwritten():
+    """A settle's SETTLING -> APPLYING was made outside the job's lock: an abandon between its check and its
+    store was overwritten, and the job ended DONE with the abandon's error set. Now either the abandon comes
+    first (the settle's chunks are only counted: FAILED) or the settle does (the abandon is refused: DONE)."""
+    job = _AbandonedAsItIsRead(SimpleNamespace(n_chunks=2), None, 2)
+    job.settler = threading.current_thread()
+    job._state = JobState.SETTLING  # claimed by a waiter, which now applies every chunk
+    job.finish(2)
+    assert job.abandoner is not None
+    job.abandoner.join(10)
+    assert not job.abandoner.is_alive() and job.done.is_set()
+    assert job.state in (JobState.DONE, JobState.FAILED)
+    assert (job.state is JobState.FAILED) == (job.error is not None), (job.state, job.error)

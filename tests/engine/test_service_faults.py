@@ -7,7 +7,12 @@ hangs instead fails the test with PoolStarved within seconds.
 
 from __future__ import annotations
 
+import os
+import functools
 import threading
+import traceback
+import zipfile
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,8 +23,8 @@ import stoker
 from stoker.engine.cpu import native
 from stoker.engine.cpu.decode_native import NativeDecoder
 from stoker.engine.cpu.decode_python import PythonDecoder
-from stoker.engine.executor import JobState, JobStateError
-from stoker.runtime.faults import serve
+from stoker.engine.executor import Job, JobState, JobStateError
+from stoker.runtime.faults import internal_error, serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -173,3 +178,185 @@ def test_the_disk_cache_writers_fault_turns_the_cache_off_and_flush_returns(tmp_
     assert not cache.has("s3://bkt\nc/0\ng1")  # never written, and no longer served from the queue
     cache.put("s3://bkt\nc/1\ng1", b"y" * 100)  # off: nothing queued
     assert cache.flush(timeout_s=30.0)
+
+
+def _corrupt_volume(path) -> str:
+    z = zarr.create_array(str(path), shape=(8, 32, 32), chunks=(8, 16, 16), dtype="float32",
+                          compressors=ZstdCodec(level=1))
+    z[:] = np.arange(z.size, dtype="float32").reshape(z.shape)
+    with open(path / "c" / "0" / "0" / "0", "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff" * 32)  # a corrupt chunk: the engine does not place it, its settle hands the job on
+    return str(path)
+
+
+def _native_decoders(p):
+    return [ex.decoders.native for ex in p._coordinator.lanes.executors()
+            if getattr(ex, "decoders", None) is not None and ex.decoders.native is not None]
+
+
+def test_a_field_abandoned_while_handed_to_its_finisher_is_no_internal_error(tmp_path, monkeypatch):
+    """Field a's settle hands its job to a's finisher (a corrupt chunk, SETTLING with a claim); field b's failure
+    abandons it before the finisher takes it over. That finisher then drops it: the lane has no fault and its
+    finisher goes on (its take_over raised JobStateError, which became the lane's InternalError)."""
+    if native.Engine is None:
+        pytest.skip("stoker._native is not available")
+    a = _corrupt_volume(tmp_path / "a.zarr")
+    b_dir = _corrupt_volume(tmp_path / "b.zarr")
+    b = str(tmp_path / "b.zip")  # an archive's array: its chunks are the Python path's, b fails on b's finisher
+    with zipfile.ZipFile(b, "w", compression=zipfile.ZIP_STORED) as zf:
+        for d, _, files in os.walk(b_dir):
+            for f in sorted(files):
+                zf.write(os.path.join(d, f), os.path.relpath(os.path.join(d, f), b_dir))
+    take_over = Job.take_over
+    taken: list[tuple[JobState, bool]] = []
+    took = threading.Event()
+
+    def take_over_once_abandoned(self, claim):
+        self.done.wait(10)  # the finisher comes to it only once the coordinator abandoned it
+        state = self.state
+        taken.append((state, take_over(self, claim)))
+        took.set()
+        return taken[-1][1]
+
+    monkeypatch.setattr(Job, "take_over", take_over_once_abandoned)
+    box = [(0, 8), (0, 32), (0, 32)]
+    p = stoker.Pipeline(stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2,
+                                      pop_timeout_s=10.0, device="cpu"))
+    try:
+        p.push([stoker.Sample({"a": (a, box), "b": (b, box)})])
+        with pytest.raises(stoker.StokerError) as raised:
+            p.pop()
+        assert not isinstance(raised.value, stoker.InternalError)
+        assert took.wait(10) and taken == [(JobState.FAILED, False)]  # a's finisher dropped it
+        decoders = _native_decoders(p)
+        assert decoders and [d._fault for d in decoders] == [None] * len(decoders)  # no lane stopped
+        assert all(d._thread.is_alive() for d in decoders)
+    finally:
+        p.close()
+
+
+def test_close_leaves_a_field_abandoned_while_handed_off_as_it_is(tmp_path):
+    """shutdown() fails what the finisher left; a handed-off job another field's failure abandoned is finished
+    already: close() skips it (it raised JobStateError, and the Python path was never shut down)."""
+    if native.Engine is None:
+        pytest.skip("stoker._native is not available")
+    uri = _corrupt_volume(tmp_path / "a.zarr")
+    p = stoker.Pipeline(stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2,
+                                      pop_timeout_s=10.0, device="cpu"))
+    released = threading.Event()
+
+    class Stuck:  # an engine job the finisher waits for until the test lets it go
+        def wait(self, timeout=None):
+            return released.wait(timeout)
+
+    try:
+        p.push([stoker.Sample(uri, [(0, 8), (16, 32), (16, 32)])])
+        p.pop().release()  # (the lane and its decoder are made for the first batch)
+        d = p._executor.decoders.native
+        job = Job(SimpleNamespace(n_chunks=2), None, 2)
+        handed: list[int] = []
+        job.settled_by(Stuck(), lambda j, e: handed.append(j.claim))
+        released.set()
+        job.wait(0.01)  # claimed, handed on
+        released.clear()
+        assert job.state is JobState.SETTLING and job.abandon(RuntimeError("field b failed"))
+        with d._cond:
+            d._pending.append((Job(SimpleNamespace(n_chunks=1), None, 1), Stuck(), np.arange(1), None, None))
+            d._pending.append((job, Stuck(), np.arange(2), None, handed[0]))
+            d._cond.notify_all()
+    finally:
+        p.close()
+        released.set()
+    assert job.state is JobState.FAILED and str(job.error) == "field b failed"
+    assert d._python._closing  # the Python path was shut down too
+
+
+def test_the_finishers_fault_leaves_a_stale_hand_off_to_the_waiter_settling_it_again(tmp_path):
+    """The finisher's fault fails every job queued for it, but a stale hand-off's job (its settle interrupted,
+    a waiter settling it again under a newer claim) is that waiter's: left be, as shutdown leaves it, and
+    failed with the fault when that waiter hands it on again."""
+    if native.Engine is None:
+        pytest.skip("stoker._native is not available")
+    uri = _corrupt_volume(tmp_path / "a.zarr")
+    p = stoker.Pipeline(stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2,
+                                      pop_timeout_s=10.0, device="cpu"))
+    released = threading.Event()
+    try:
+        p.push([stoker.Sample(uri, [(0, 8), (16, 32), (16, 32)])])
+        p.pop().release()  # (the lane and its decoder are made for the first batch)
+        d = p._executor.decoders.native
+        claims: list[int] = []
+        job = Job(SimpleNamespace(n_chunks=2), None, 2)
+
+        class Done:
+            def wait(self, timeout=None):
+                return True
+
+        class Stuck:
+            def wait(self, timeout=None):
+                return released.wait(timeout)
+
+        job.settled_by(Done(), lambda j, e: claims.append(j.claim))
+        job.wait(0.01)  # claimed, handed on (the hand-off queued below)
+        job._interrupted(lambda j, e: claims.append(j.claim), Done())  # put back: that hand-off is stale
+        job.wait(0.01)  # a waiter claims it again and is settling it
+        assert job.state is JobState.SETTLING and claims[1] != claims[0]
+        head = Job(SimpleNamespace(n_chunks=1), None, 1)
+        with d._cond:  # (the finisher waits for the head's engine job until the end: it takes neither)
+            d._pending.append((head, Stuck(), np.arange(1), None, None))
+            d._pending.append((job, Done(), np.arange(2), None, claims[0]))
+            d._cond.notify_all()
+        fault = internal_error("stoker-engine-finisher", RuntimeError("an injected bug"))
+        d._faulted(fault)
+        assert head.error is fault  # a job queued for the finisher fails with its fault
+        assert job.state is JobState.SETTLING and job.error is None  # its waiter's still
+        d._to_finisher(job, Done(), None, claims[1])  # that waiter hands it on: failed with the fault
+        assert job.state is JobState.FAILED and job.error is fault
+    finally:
+        p.close()
+        released.set()
+
+
+def test_the_kept_internal_error_holds_none_of_the_faulted_tasks_batch(volume, monkeypatch):
+    """The InternalError a pipeline keeps (raised by every later pop) held its cause's traceback, whose frames
+    held the faulted task's locals: its job, whose ``out`` views a batch slot, for the pipeline's life. Their
+    locals are cleared now (the printed traceback still names the files and lines)."""
+    monkeypatch.setattr(native, "Engine", None)  # the Python path's pools make every batch
+    uri, _ = volume
+    guard = PythonDecoder.guard
+    faulted: list[Job] = []
+    inside = threading.local()
+
+    def guard_then_fail(self, job, *args):
+        task = not getattr(inside, "guard", False)
+        inside.guard = True
+        try:
+            guard(self, job, *args)
+        finally:
+            inside.guard = not task
+        if task and not faulted:
+            faulted.append(job)
+            raise RuntimeError("an injected bug past the task's own handling")
+
+    monkeypatch.setattr(PythonDecoder, "guard", guard_then_fail)
+    p = stoker.Pipeline(_cfg(transform=None))
+    try:
+        p.push(_crops(uri, 4))
+        with pytest.raises(stoker.InternalError) as raised:
+            for _ in range(2):
+                p.pop().release()
+    finally:
+        p.close()
+    err = raised.value
+    printed = "".join(traceback.format_exception(err.__cause__))
+    assert "guard_then_fail" in printed and "an injected bug" in printed  # where it was raised, still said
+    assert faulted and err is p._error
+    tb, held = err.__cause__.__traceback__, []
+    while tb is not None:  # no frame of the cause's traceback holds the job, or a call of it (serve's loop)
+        for name, value in tb.tb_frame.f_locals.items():
+            args = getattr(value, "args", None) if isinstance(value, functools.partial) else ()
+            if value is faulted[0] or any(a is faulted[0] for a in args):
+                held.append((tb.tb_frame.f_code.co_name, name))
+        tb = tb.tb_next
+    assert held == []

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import crc32c
 import numpy as np
@@ -753,3 +754,61 @@ def test_a_marker_removed_between_its_open_and_its_lstat_is_tried_again_never_a_
 
     assert run(1) == "True True True True 0"  # made at the next try
     assert run(diskcache.MARKER_TRIES) == "False True True False 0"  # not made (a loss), the cache still on
+
+
+def _writer_bug(self):
+    raise RuntimeError("an injected bug in the writer's loop")
+
+
+def test_a_put_that_checked_writable_as_the_writer_died_queues_nothing(tmp_path, monkeypatch):
+    """A put past its check of ``writable`` when the writer's loop died (and its queue was dropped) queued its
+    entry for nobody: flush() waited out its timeout and returned False, the entry queued for ever. Now the
+    queue refuses it under its lock once the writer is dead."""
+    monkeypatch.setattr(DiskCache, "_take", _writer_bug)
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    checked, go = threading.Event(), threading.Event()
+    enqueue = DiskCache._enqueue
+
+    def enqueue_late(self, ident, *args, **kw):
+        if ident == "late":
+            checked.set()  # put() found the cache writable
+            go.wait(30)  # ... and the writer dies now
+        return enqueue(self, ident, *args, **kw)
+
+    monkeypatch.setattr(DiskCache, "_enqueue", enqueue_late)
+    late = threading.Thread(target=cache.put, args=("late", b"y" * 100))
+    late.start()
+    assert checked.wait(30)
+    with pytest.warns(RuntimeWarning, match="internal error of stoker"):
+        cache.put("first", b"x" * 100)  # starts the writer, which dies
+        assert cache.flush(timeout_s=30.0)
+    assert not cache.writable and not cache._thread.is_alive()
+    go.set()
+    late.join(30)
+    assert not late.is_alive()
+    assert not cache.queued("late") and not cache._queue
+    assert cache.flush(timeout_s=0.0)  # nothing left to wait for
+
+
+@pytest.mark.parametrize("warned_off", [False, True])
+def test_the_writers_fault_drops_the_queue_even_where_warnings_are_errors(tmp_path, monkeypatch, warned_off):
+    """With warnings made errors (python -W error), the writer's fault handler raised at its warning, before it
+    dropped the queue: flush() waited out its timeout. Now the queue goes first, and the fault still warns (its
+    own kind) after a failed write turned the cache off with a warning of its own."""
+    monkeypatch.setattr(DiskCache, "_take", _writer_bug)
+    hooked: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", hooked.append)
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    if warned_off:
+        with pytest.warns(RuntimeWarning, match="stops caching"):
+            cache._disable(OSError(errno.EIO, "an earlier failed write"))  # warned "off" once
+        cache.writable = True  # (as if the write failed after this put's check)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.put("a", b"x" * 100)
+        assert cache.flush(timeout_s=10.0)
+        cache._thread.join(30)
+    assert not cache.queued("a") and not cache.writable
+    # the warning, an error here, reached the thread's excepthook, and it was the fault's (not swallowed)
+    assert [type(h.exc_value) for h in hooked] == [RuntimeWarning]
+    assert "internal error of stoker" in str(hooked[0].exc_value)

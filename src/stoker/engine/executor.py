@@ -119,8 +119,7 @@ class JobStateError(StokerError, RuntimeError):
 
 class Job:
     """One batch in flight, a small state machine (:class:`JobState`) whose every transition is one method
-    under the job's lock (but SETTLING -> APPLYING, which only the settling thread makes, at the top of
-    :meth:`finish`), and whose batch one thread finishes (runs ``then``, sets ``done``):
+    under the job's lock, and whose batch one thread finishes (runs ``then``, sets ``done``):
 
     ======================  =================================  ==================================================
     from                    to                                 by (who then owns the batch)
@@ -139,6 +138,10 @@ class Job:
     RUNNING, APPLYING       FAILED                             the first :meth:`finish` with an error: its thread
                                                                cancels the rest and sets ``done``; later chunks
                                                                are only counted
+    RUNNING, SETTLING,      FAILED                             :meth:`abandon` (another field of the batch failed,
+    APPLYING                                                   or a service thread's fault): its thread cancels
+                                                               the rest and sets ``done``; a settle or a taker
+                                                               then finds it FAILED (:meth:`take_over`: False)
     ======================  =================================  ==================================================
 
     DONE and FAILED are final; a :meth:`finish` after COMPLETING or DONE (more chunks than the batch has) and
@@ -246,12 +249,15 @@ class Job:
     def take_over(self, claim: int) -> bool:
         """SETTLING -> RUNNING: the thread a settle handed the job to, unchanged, with its ``claim``, takes it
         and owns it from then on (finishes it). False for a stale hand-off, which that thread drops: the
-        settle was interrupted and the job put back for its waiters (then perhaps claimed again). So an
-        interrupt anywhere in a settle that hands the job on neither loses the batch nor finishes it twice."""
+        settle was interrupted and the job put back for its waiters (then perhaps claimed again), or the job
+        was abandoned (FAILED, finished already). So an interrupt anywhere in a settle that hands the job on
+        neither loses the batch nor finishes it twice."""
         with self._lock:
             state = self._state
             if self._claims != claim or (state is RUNNING and self._engine is not None):
                 return False  # claimed again since, or put back for the waiters
+            if state is FAILED:  # abandoned while handed off (another field of its batch failed): finished
+                return False
             if state is not SETTLING:
                 raise JobStateError(f"a {state.value} job cannot be taken over: only a settling one, once, before "
                                     "its settle changed it")
@@ -308,9 +314,12 @@ class Job:
     def finish(self, n: int = 1, error: BaseException | None = None, **counts: int) -> None:
         """``n`` chunks are in place (or failed with ``error``); ``counts`` are added as by :meth:`count`.
         Called per chunk on the Python path: keep it short."""
-        if self._state is SETTLING:  # SETTLING -> APPLYING: only its settling thread changes a settling job,
-            self._state = APPLYING  # and this comes first, so an interrupt anywhere below counts as begun
         with self._lock:
+            # SETTLING -> APPLYING, under the lock: an abandon (another field failed, a finisher's fault) may
+            # fail the settling job at any moment, and a store after its check would undo that (DONE with an
+            # error). First here, so an interrupt anywhere below counts as begun; one before it changed nothing.
+            if self._state is SETTLING:
+                self._state = APPLYING
             for name, value in counts.items():
                 self.counts[name] += value
             self._remaining -= n

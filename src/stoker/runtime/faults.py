@@ -16,7 +16,10 @@ for batches nobody will finish and blaming the consumer's slots.
 
 from __future__ import annotations
 
+import sys
 import threading
+import traceback
+from types import FrameType
 from typing import Callable
 
 from ..errors import InternalError
@@ -39,18 +42,52 @@ def internal_error(thread: str, exc: BaseException, then: str = PIPELINE_STOPS) 
 def serve(loop: Callable[[], None], on_fault: Callable[[InternalError], None], then: str = PIPELINE_STOPS) -> None:
     """Run ``loop()`` (a service thread's main loop, on that thread); an exception escaping it goes to
     ``on_fault`` as an :class:`~stoker.errors.InternalError` naming the thread (``then``: what follows, in its
-    message). Should ``on_fault`` itself raise, both go to :func:`threading.excepthook`, as an exception
-    escaping a thread does."""
+    message), as :func:`fail` hands it on."""
     try:
         loop()
     except BaseException as exc:  # noqa: BLE001 - a bug of ours: the consumer must hear of it, not hang
-        fault = internal_error(threading.current_thread().name, exc, then)
-        try:
-            on_fault(fault)
-        except BaseException as again:  # noqa: BLE001 - the last resort: reported as a thread's error is
-            again.__context__ = fault
-            threading.excepthook(threading.ExceptHookArgs((type(again), again, again.__traceback__,
-                                                           threading.current_thread())))
+        fail(exc, on_fault, then)
+
+
+def fail(exc: BaseException, on_fault: Callable[[InternalError], None], then: str = PIPELINE_STOPS) -> None:
+    """``exc`` escaped a service thread's loop or task (called in the ``except`` that caught it, on that thread):
+    ``on_fault`` gets it as an :class:`~stoker.errors.InternalError` naming the thread. The error is kept for
+    the pipeline's life, so the frames its traceback names are cleared first (their locals, a task's job and the
+    batch slot it views, are not kept with it; files and lines still print), and the catching frame is left
+    out (it goes on running, or holds the loop). Should ``on_fault`` itself raise, both go to
+    :func:`threading.excepthook`, as an exception escaping a thread does.
+
+    >>> try:
+    ...     1 / 0
+    ... except ZeroDivisionError as exc:
+    ...     fail(exc, print)  # doctest: +ELLIPSIS
+    stoker's thread 'MainThread' stopped on an internal error of stoker (ZeroDivisionError: division by zero)...
+    """
+    fault = internal_error(threading.current_thread().name, exc, then)
+    _release_frames(exc, sys._getframe(1))
+    try:
+        on_fault(fault)
+    except BaseException as again:  # noqa: BLE001 - the last resort: reported as a thread's error is
+        again.__context__ = fault
+        threading.excepthook(threading.ExceptHookArgs((type(again), again, again.__traceback__,
+                                                       threading.current_thread())))
+
+
+def _release_frames(exc: BaseException, catcher: FrameType) -> None:
+    """Clear the locals of the frames in the tracebacks of ``exc`` and of the exceptions it is chained to
+    (:func:`traceback.clear_frames`: one still running is left as it is), ``catcher``'s left out of them."""
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_frame is catcher:
+        exc.__traceback__ = tb.tb_next
+    seen: set[int] = set()
+    chain: list[BaseException | None] = [exc]
+    while chain:
+        one = chain.pop()
+        if one is None or id(one) in seen:
+            continue
+        seen.add(id(one))
+        traceback.clear_frames(one.__traceback__)
+        chain += (one.__cause__, one.__context__)
 
 
 class Fault:

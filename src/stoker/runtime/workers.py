@@ -33,7 +33,7 @@ import weakref
 from typing import Any, Callable, Collection
 
 from . import gil
-from .faults import serve
+from .faults import fail
 from ..errors import InternalError, ShutdownError, ThreadStartError
 
 
@@ -159,8 +159,11 @@ def _work(state: _State) -> None:
             except BaseException as exc:  # noqa: BLE001 - reported as an exception escaping a thread is
                 threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__,
                                                                threading.current_thread())))
-        else:  # a bug: the task's work fails with it
-            serve(functools.partial(fn, *args), functools.partial(state.on_fault, args=args))
+        else:
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - a bug: the task's work fails with it
+                fail(exc, functools.partial(state.on_fault, args=args))  # (made on a raise alone: per task)
         del fn, args  # hold nothing of a finished task while idle
 
 

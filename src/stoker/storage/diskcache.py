@@ -162,6 +162,9 @@ class DiskCache:
         self.root = self.folder / _LAYOUT
         self._root = str(self.root)
         self.writable = True
+        # the writer's loop died on a bug (_writer_failed): nothing is queued from then on. Checked under _cond,
+        # where `writable` is read before it: a put that passed that check as the writer died queues nothing
+        self._dead = False
         # what this process did (statistics: ``evicted`` counts the entries its evictions unlinked); what a memo
         # of entries compares is ``losses`` alone (see lost)
         self.hits = self.misses = self.corrupt = self.written = self.dropped = self.evicted = self.hit_bytes = 0
@@ -401,6 +404,8 @@ class DiskCache:
         refreshed: its loss where gone), which a full queue drops uncounted (a refresh later, or none). A touch is
         kept in ``_touching``, not ``_pending``: a mark's refresh of one queued so is queued too (made where gone)."""
         with self._cond:
+            if self._dead:  # the writer died (after the caller's check of `writable`): nobody would write it
+                return
             if ident in self._pending or (how == _TOUCH and ident in self._touching):
                 return  # queued already: the same bytes (the ident names the object's generation)
             if self._queued + n > QUEUE_BYTES:
@@ -473,12 +478,15 @@ class DiskCache:
         no longer taken as seen: :meth:`lost`), so :meth:`flush` returns at once rather than after its timeout,
         and reads go on uncached. A cache write failing must never fail a read."""
         self.writable = False
-        self._warn("off", f"stoker's disk cache {self.folder}: {fault}")  # before a flush waiting can return
+        # the queue first: a warning made an error (python -W error) must not leave flush() waiting on it
         with self._cond:
+            self._dead = True
             self._queue.clear()
             self._pending, self._touching, self._queued, self._busy = {}, set(), 0, False
             self.lost()
             self._cond.notify_all()
+        # its own kind: a write that failed earlier ("off") does not hide that a bug stopped the writer
+        self._warn("fault", f"stoker's disk cache {self.folder}: {fault}")
 
     def _after_fork(self) -> None:
         """In a forked child, where none of the parent's threads runs: a new lock (one of them may have held the
@@ -654,7 +662,7 @@ class DiskCache:
 
     def _warn(self, kind: str, message: str) -> None:
         """Warn once a process per ``kind``: "big" (``cache_bytes`` too small for an entry, or for any beside the
-        folder's own blocks), "off" (writes stopped: a failure)."""
+        folder's own blocks), "off" (writes stopped: a failure), "fault" (the writer's loop died on a bug)."""
         if kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(message, RuntimeWarning, stacklevel=2)

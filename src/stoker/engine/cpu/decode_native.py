@@ -1197,7 +1197,12 @@ class NativeDecoder:
             self._cond.notify_all()
         if current is not None:
             current.abandon(fault)  # (one finished already, or failed, is left as it is)
-        for job, _, _, fetched, _ in left:
+        for job, _, _, fetched, claim in left:
+            # a stale hand-off (as shutdown skips it; a settle's holds no fetch's reservation): its waiter
+            # settles the job again and hands it to _to_finisher, which fails it with the fault, rather than
+            # this failing it under that waiter's settle
+            if claim is not None and not job.take_over(claim):
+                continue
             job.abandon(fault)  # (cancels the engine's job: it reads the fetch's buffers no more)
             if fetched and not isinstance(fetched, _FromDisk):
                 fetched[1].done()  # what the fetch reserved goes back
