@@ -26,12 +26,11 @@ import itertools
 import math
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ...config import Config
-from typing import Callable
 
 from ...reader.array import start_shard_entries
 from ...runtime.memo import remember
@@ -167,6 +166,21 @@ class Ahead:
             self.buffer.close()
 
 
+
+def cells_touched(aabb, shape, cell) -> list[range]:
+    """Per axis, the range of grid cells (chunks or shards of size ``cell``) a box ``aabb`` (``(lo, hi)`` per
+    axis) touches inside an array of ``shape``; an empty range on an axis the box misses (a padded box may
+    reach past the array).
+
+    >>> cells_touched([(-4, 10), (40, 50)], (64, 32), (8, 8))
+    [range(0, 2), range(0, 0)]
+    """
+    spans = []
+    for (lo, hi), size, n in zip(aabb, shape, cell):
+        lo, hi = max(0, lo), min(size, hi)
+        spans.append(range(lo // n, (hi - 1) // n + 1) if hi > lo else range(0))
+    return spans
+
 def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> tuple[int, int, bool, int]:
     """Start fetching the remote chunks of ``plan`` (whole values and inner chunks' ranges of its arrays in
     stores that prefetch), for batch ``seq`` (``pushed``, ``mark``: see :meth:`PrefetchBuffer.ask`);
@@ -243,10 +257,7 @@ def indexes_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
         if reader is None or reader.kv.is_local or reader.metadata.sharding is None:
             continue
         meta = reader.metadata
-        spans = []
-        for (lo, hi), size, shard in zip(part.aabb, meta.shape, meta.chunk_shape):
-            lo, hi = max(0, lo), min(size, hi)  # a padded box may reach past the array
-            spans.append(range(lo // shard, (hi - 1) // shard + 1) if hi > lo else range(0))
+        spans = cells_touched(part.aabb, meta.shape, meta.chunk_shape)
         if not all(spans):
             continue
         grid = reader.shard_grid
@@ -299,10 +310,7 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                 if listed:
                     continue
                 meta = reader.metadata
-                spans = []
-                for (lo, hi), size, chunk in zip(part.aabb, meta.shape, meta.chunk_shape):
-                    lo, hi = max(0, lo), min(size, hi)  # a padded box may reach past the array
-                    spans.append(range(lo // chunk, (hi - 1) // chunk + 1) if hi > lo else range(0))
+                spans = cells_touched(part.aabb, meta.shape, meta.chunk_shape)
                 chunks = asked.of(reader) if asked is not None else None
                 box = None
                 if chunks is not None:
