@@ -18,7 +18,7 @@ from zarr.codecs import ZstdCodec
 
 import stoker
 from stoker.engine.gpu import native_reads
-from stoker.engine.gpu import staging as gpu_staging
+from stoker.engine.gpu import staging as gpu_staging, streams
 from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.pipeline import facade as pipelines
 from stoker.errors import InternalError, ShutdownError, pipeline_closed
@@ -221,3 +221,40 @@ def test_a_shutdown_error_escaping_the_reader_at_the_close_stays_a_shutdown_erro
     assert not any(isinstance(e, InternalError) for e in failed)
     with pytest.raises(ShutdownError):
         p.pop()
+
+
+def test_a_fault_of_the_event_waiter_s_loop_fails_its_watches_and_a_new_thread_serves_later_ones():
+    """The thread that waits for nvCOMP's events raising past its own handling (here reporting a watch done)
+    left every watch queued behind it undone: a check waiting for a decode to start, which takes no limit,
+    waited until the close. Now those watches report an InternalError naming the thread (the check raises
+    it as the batch's error), and a later watch is served by a new thread."""
+    gate = threading.Event()
+
+    class Event:
+        def __init__(self, wait_for: threading.Event | None = None) -> None:
+            self.wait_for = wait_for
+
+        def synchronize(self) -> None:
+            if self.wait_for is not None:
+                assert self.wait_for.wait(10.0)
+
+    class SetFailsOnce(threading.Event):
+        failed = False
+
+        def set(self) -> None:
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("an injected bug reporting a watch done")
+            super().set()
+
+    waiter = streams.EventWaiter("stoker-nvcomp-check test")
+    first = waiter.watch(Event(gate))  # the thread waits for it until the gate opens
+    first._done = SetFailsOnce()
+    queued = waiter.watch(Event())
+    gate.set()
+    for watch in (first, queued):
+        assert watch.wait(10.0)
+        assert isinstance(watch.error, InternalError) and watch.error.thread == "stoker-nvcomp-check test"
+        assert isinstance(watch.error.__cause__, RuntimeError) and not watch.query()
+    later = waiter.watch(Event())
+    assert later.wait(10.0) and later.query()
