@@ -398,3 +398,37 @@ def test_the_default_collate_names_the_option_that_fixes_it(samples, error):
     for name in ("concat", "pad"):
         with pytest.raises(error, match=r"collate=<your function"):
             resolve(name)(samples)
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_of_a_reader_thread_s_loop_is_the_next_take_s_internal_error(ds, monkeypatch):
+    """A reader thread's loop raising past its own handling (here handing a finished batch over) ended the
+    thread: the batch waited timeout_s (30 s here) and then blamed the dataset. Now the next batch taken
+    raises an InternalError naming the thread, and so does every later one; close() still closes."""
+    from stoker.errors import InternalError
+    from stoker.records import loader as loaders
+
+    deliver = loaders._Work.deliver
+    injected: list[str] = []
+
+    def fails_once(self, j, part):
+        if not injected:
+            injected.append(threading.current_thread().name)
+            raise RuntimeError("an injected bug handing a batch over")
+        deliver(self, j, part)
+
+    monkeypatch.setattr(loaders._Work, "deliver", fails_once)
+    loader = Loader(ds, 4, shuffle=False, n_threads=2, timeout_s=30.0)
+    it = iter(loader)
+    work = loader._work
+    with pytest.raises(InternalError) as raised:
+        next(it)
+    err = raised.value
+    assert err.thread == injected[0] and err.thread.startswith("stoker-records-")
+    assert isinstance(err.__cause__, RuntimeError) and "report" in str(err)
+    with pytest.raises(InternalError):  # every later batch's take (the iterator ends at its error)
+        work.take(1, 10.0)
+    loader.close()
+    for t in work.threads:
+        t.join(10.0)
+    assert not any(t.is_alive() for t in work.threads)

@@ -393,3 +393,41 @@ def test_a_server_announcing_a_terabyte_is_a_storage_error_not_an_abort(tmp_path
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "StorageError" in done.stdout and "1,099,511,627,776 bytes" in done.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_of_the_event_loop_thread_fails_pending_and_later_requests_at_once(server, monkeypatch):
+    """The event loop that runs every store's requests raising past asyncio's own handling ended its thread:
+    a read in flight waited to its timeout (30 s here) and then blamed the store. Now it, and every later
+    request of any store, fails at once with an InternalError naming the thread, chained to the fault."""
+    from stoker.errors import InternalError
+    from stoker.storage.objectstore import _Loop
+
+    monkeypatch.setattr(_Loop, "_current", None)  # a loop of this test's own (the process's is put back after)
+    s = store(server, timeout_s=30.0, retries=0)
+    assert bytes(s.get("c/0")) == VALUE[:1000]  # the loop runs
+    loop = _Loop.get()
+    server.latency_s = 60.0  # the server stalls: the read is pending on the loop
+    outcome: list = []
+    reader = threading.Thread(target=lambda: outcome.append(_outcome(s.get, "value")))
+    reader.start()
+    _wait_in_flight(server, 1)
+
+    def broken() -> None:
+        raise RuntimeError("an injected bug escaping the event loop")
+
+    hooked: list = []
+    monkeypatch.setattr(threading, "excepthook", hooked.append)  # nothing left to the last resort
+    monkeypatch.setattr(loop.loop, "_run_once", broken)  # what run_forever calls at each turn
+    loop.loop.call_soon_threadsafe(lambda: None)  # wakes it
+    reader.join(10.0)  # far sooner than the read's 30 s timeout
+    assert not reader.is_alive()
+    err = outcome[0]
+    assert isinstance(err, InternalError) and err.thread == "stoker-objectstore"
+    assert isinstance(err.__cause__, RuntimeError) and "report" in str(err)
+    for later in (s, store(server)):  # every later request fails at once, of any store
+        with pytest.raises(InternalError) as again:
+            later.get("c/0")
+        assert again.value is err
+    s.close()
+    assert not hooked

@@ -32,6 +32,7 @@ epoch's last batch resumes with nothing left of that epoch).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import queue
@@ -49,7 +50,8 @@ from ..sampling.cursor import CursorState, EpochCursor
 from ..checks import integer, seconds
 from ..config import default_compute_threads
 from ..dist.collectives import resolve_rank
-from ..errors import InvalidArgument, ShutdownError, StokerError, ThreadStartError
+from ..errors import InternalError, InvalidArgument, ShutdownError, StokerError, ThreadStartError
+from ..runtime.faults import serve
 from ..runtime.workers import start_thread
 from ..runtime import lifetime
 from ..device.resolve import as_device
@@ -341,9 +343,12 @@ class _Work:
         self.ready: dict[int, tuple[bool, Any]] = {}  # batch -> (ok, batch or exception)
         self.issued = 0
         self.stop = threading.Event()
+        # a reader's loop raising past its own handling (a bug): the sample it held is lost, so the next take
+        # raises it (and every later one), rather than wait timeout_s and blame the dataset (see failed)
+        self.fault: InternalError | None = None
         n = min(n_threads, sum(len(b) for b in batches)) if batches else 0
-        self.threads = [threading.Thread(target=_read_loop, args=(self,), name=f"stoker-records-{i}", daemon=True)
-                        for i in range(n)]
+        self.threads = [threading.Thread(target=serve, args=(functools.partial(_read_loop, self), self.failed, _ITERATION_STOPS),
+                                         name=f"stoker-records-{i}", daemon=True) for i in range(n)]
         with self.cv:
             self._issue(taken=0)
         try:
@@ -365,11 +370,20 @@ class _Work:
                 self.tasks.put((j, slot, int(index)))
             self.issued += 1
 
+    def failed(self, fault: InternalError) -> None:
+        """A reader thread's loop raised (a bug, ``fault``; the thread ends): kept for :meth:`take`."""
+        with self.cv:
+            if self.fault is None:
+                self.fault = fault
+            self.cv.notify_all()
+
     def take(self, j: int, timeout_s: float) -> Any:
-        """Batch ``j`` once ready; raises what reading or collating it raised."""
+        """Batch ``j`` once ready; raises what reading or collating it raised, or a reader thread's fault."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
-            while j not in self.ready:
+            while j not in self.ready or self.fault is not None:
+                if self.fault is not None:
+                    raise self.fault
                 if self.stop.is_set():
                     raise ShutdownError("the loader was closed while waiting for a batch")
                 left = deadline - time.monotonic()
@@ -453,6 +467,10 @@ class _Part:
         self.samples: list[Any] = [None] * n
         self.errors: list[BaseException | None] = [None] * n
         self.left = n
+
+
+#: what follows a reader thread's fault (see _Work.failed)
+_ITERATION_STOPS = "This iteration of the Loader can make no more batches: start another"
 
 
 def _read_loop(work: _Work) -> None:

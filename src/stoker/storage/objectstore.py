@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import os
@@ -50,7 +51,8 @@ from typing import Any, Awaitable, Callable, NamedTuple, Sequence
 from urllib.parse import urlparse
 
 from .. import checks
-from ..errors import InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat, as_value
+from ..errors import InternalError, InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat, as_value
+from ..runtime.faults import serve
 from .ranges import coalesce
 from .store import ByteRange, Store, by_key, check_key, check_prefix, gone_or_shorter, not_found, short_read
 from .urls import check_remote_url
@@ -109,8 +111,17 @@ def _check_not_forked(uri: str) -> None:
             "remote store", uri=uri)
 
 
+#: what follows the event loop thread's fault (see _Loop.failed)
+_LOOP_STOPS = "No remote store can be read in this process any more: start another process"
+
+
 class _Loop:
-    """The event loop thread that runs every ObjectStore's requests (one per process)."""
+    """The event loop thread that runs every ObjectStore's requests (one per process).
+
+    Should its loop raise (a bug: asyncio hands a callback's error to its exception handler, so only what
+    escapes that does), the thread ends and the fault is kept (:meth:`failed`): every request pending fails
+    with it at once, and so does every later one (:meth:`start`), rather than wait to its timeout for a loop
+    that no longer runs and blame the store."""
 
     _lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
     _current: "_Loop | None" = None
@@ -118,7 +129,34 @@ class _Loop:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="stoker-objectstore", daemon=True).start()
+        self.fault: InternalError | None = None
+        self._futures: set[concurrent.futures.Future] = set()  # started and not done (failed by a fault)
+        self._futures_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+        threading.Thread(target=serve, args=(self.loop.run_forever, self.failed, _LOOP_STOPS),
+                         name="stoker-objectstore", daemon=True).start()
+
+    def start(self, coro) -> concurrent.futures.Future:
+        """Run ``coro`` on the loop (its future); the loop's fault (InternalError) once it has one."""
+        with self._futures_lock:
+            fault = self.fault
+            if fault is None:
+                future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+                self._futures.add(future)
+        if fault is not None:
+            coro.close()
+            raise fault
+        future.add_done_callback(self._futures.discard)
+        return future
+
+    def failed(self, fault: InternalError) -> None:
+        """The loop raised (``fault``; its thread ends): kept, and every request started and pending fails
+        with it (its caller raises it), as later ones do (:meth:`start`)."""
+        with self._futures_lock:
+            self.fault = fault
+            pending, self._futures = list(self._futures), set()  # (each one's discard then finds it gone)
+        for future in pending:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # done meanwhile
+                future.set_exception(fault)
 
     @classmethod
     def get(cls) -> "_Loop":
@@ -274,7 +312,11 @@ class ObjectStore(Store):
             coro.close()
             raise
         bound = rounds * (self.retry_timeout_s + self.max_backoff_s + self._per_attempt())
-        future = asyncio.run_coroutine_threadsafe(self._bounded(coro, bound), _Loop.get().loop)
+        try:
+            future = _Loop.get().start(self._bounded(coro, bound))
+        except InternalError:  # the loop's thread failed (a bug): every request fails at once with it
+            coro.close()
+            raise
         future.bound_s = bound + _SLACK_S  # type: ignore[attr-defined]
         with self._lock:
             self._pending.add(future)

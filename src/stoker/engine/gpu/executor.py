@@ -83,6 +83,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -90,8 +91,10 @@ import numpy as np
 import torch
 
 from ...runtime import gil
+from ...runtime.faults import serve
 from ...runtime.workers import start_thread
-from ...errors import BudgetExceeded, DeviceError, InvalidArgument, MissingDependency, pipeline_closed
+from ...errors import (BudgetExceeded, DeviceError, InternalError, InvalidArgument, MissingDependency, ShutdownError,
+                       pipeline_closed)
 from . import frames
 from ...transforms import apply as apply_transform
 from . import fallback as gpu_fallback, place as gpu_place
@@ -177,6 +180,14 @@ class GpuDecodeExecutor(SlotsDelivery):
         # and the slots the batches (a bound here would hold the reader back behind two ends, not a wave ahead)
         self._staged: queue.Queue = queue.Queue()
         self._closing = False
+        # a fault of the reader's or the submitter's loop (a bug escaping its own handling, InternalError): the
+        # jobs submitted and not yet finished fail with it, and so does every later one (submit), so pop
+        # raises it rather than wait for batches nobody makes (see _faulted). _jobs: those submitted and still
+        # held (by the pipeline, or the threads): held weakly, as a job's ``out`` is a view of its slot, which
+        # a reference of ours would keep looking in use (SlotRing)
+        self._fault: BaseException | None = None
+        self._jobs: weakref.WeakSet[Job] = weakref.WeakSet()
+        self._jobs_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         #: the streams that had not finished their work when close() stopped waiting (their buffers kept)
         self.stuck: list[str] = []
         #: slot rings of others that these streams read (the hybrid's host part): kept with ours (_keep)
@@ -319,8 +330,11 @@ class GpuDecodeExecutor(SlotsDelivery):
                 self._temp = allocate(temp(k), torch.uint8, self.device, what="nvCOMP's scratch")
             lanes.buffers(data, scratch)
             self.host_slots = SlotRing(2, (self._enc_cap,), torch.uint8, pin=self._on_gpu)
-        self._reader = threading.Thread(target=self._read_loop, name="stoker-gpu-read", daemon=True)
-        self._thread = threading.Thread(target=self._run, name="stoker-gpu-decode", daemon=True)
+        # a bug escaping either loop fails the batches in flight and every later one (_faulted), not a hang
+        self._reader = threading.Thread(target=serve, args=(self._read_loop, self._faulted), name="stoker-gpu-read",
+                                        daemon=True)
+        self._thread = threading.Thread(target=serve, args=(self._run, self._faulted), name="stoker-gpu-decode",
+                                        daemon=True)
         start_thread(self._thread, "n_compute_threads")
         start_thread(self._reader, "n_compute_threads")
 
@@ -418,8 +432,33 @@ class GpuDecodeExecutor(SlotsDelivery):
     def submit(self, plan: TablePlan, target: Target) -> Job:
         job = Job(plan, target.out, _units(plan, target), then=target.then)
         if _units(plan, target):
-            self._queue.put((job, target))
+            with self._jobs_lock:
+                fault = self._fault
+                if fault is None:
+                    self._jobs.add(job)
+                    self._queue.put((job, target))
+            if fault is not None:  # a thread of ours failed past its handling: nothing would make it
+                job.abandon(fault)
         return job  # (a batch of no chunks and no padding is complete: there is nothing to place)
+
+    def _faulted(self, fault: InternalError) -> None:
+        """The reader's or the submitter's loop raised past its own handling (a bug, ``fault``; its thread ends):
+        every job submitted and not finished fails with it, and so does every later one (:meth:`submit`), so
+        the consumer's next pop raises it at once instead of waiting ``pop_timeout_s`` for batches nobody
+        makes; the other thread is stopped as at the close (:meth:`shutdown`, whose route fails what is still
+        queued with this fault). A ShutdownError escaping at the close is the close's own: it stays one."""
+        error: BaseException = fault
+        if self._closing and isinstance(fault.__cause__, ShutdownError):
+            error = fault.__cause__
+        with self._jobs_lock:
+            if self._fault is None:
+                self._fault = error
+            error = self._fault  # (the first thread's fault, should both fail)
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        for job in jobs:
+            job.abandon(error)  # (one finished already, or failed, is left as it is)
+        self.shutdown()
 
     def deliver(self, target: Target, rows: int) -> Delivery:
         slots, slot = self.slots, target.slot
@@ -526,7 +565,7 @@ class GpuDecodeExecutor(SlotsDelivery):
                 if item is None or self._closing:
                     self._hand_wave()
                     while item is not None:  # fail what is queued: nothing will make it
-                        item[0].finish(item[0].plan.n_chunks, pipeline_closed())
+                        item[0].finish(item[0].plan.n_chunks, self._fault or pipeline_closed())
                         try:
                             item = self._queue.get_nowait()
                         except queue.Empty:

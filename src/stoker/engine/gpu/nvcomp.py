@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ...errors import DeviceError, InvalidArgument, pipeline_closed
+from ...errors import DeviceError, InternalError, InvalidArgument, pipeline_closed
 from . import ops, streams
 from .capi import STATUS_NAMES, Batched, NvcompError
 from .frames import CODEC_NAMES, LZ4, ZSTD, FrameError, Layout, UnsupportedFrame, stage
@@ -274,6 +274,8 @@ class DeviceDecoder:
         while not watch.query():
             if watch.error is not None:
                 streams.keep(writes)  # (never known to be done: kept for ever)
+                if isinstance(watch.error, InternalError):  # the waiter's own fault (a bug), not the device's
+                    raise watch.error
                 raise streams.device_failed(f"nvCOMP's decode of {what} on {self.device}", watch.error) from None
             if self.cancelled():
                 streams.keep(writes, until=done)

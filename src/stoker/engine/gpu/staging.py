@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...errors import BudgetExceeded, DecodeError, ShutdownError, pipeline_closed
+from ...errors import BudgetExceeded, DecodeError, InternalError, ShutdownError, pipeline_closed
 from ...reader.array import ChunkLocation, fetch_stored
 from ...runtime import gil
 from ...runtime.workers import DaemonPool
@@ -601,7 +601,10 @@ class ReadPool:
 
     def __init__(self, threads: int) -> None:
         self.threads = max(1, threads)
-        self._pool = DaemonPool(self.threads - 1, "stoker-gpu-read", knob="n_compute_threads") if self.threads > 1 else None
+        # a slice's task raising past its own handling (a bug) ends its slice with that InternalError, which
+        # map raises (the batch's error), rather than leave map waiting for a slice nobody ends
+        self._pool = (DaemonPool(self.threads - 1, "stoker-gpu-read", knob="n_compute_threads", on_fault=_slice_failed)
+                      if self.threads > 1 else None)
         # the compiled reads' persistent threads (as many, the caller's among them; started at the first read)
         self._readers = native_reads.Readers(self.threads)
         self.closing = False
@@ -621,30 +624,18 @@ class ReadPool:
         if self._pool is None or k < 2:
             return [fn(x) for x in items]
         cuts = np.linspace(0, len(items), k + 1).astype(np.int64).tolist()
-        results: list = [None] * k
-        errors: list = [None] * k
-        done = [threading.Event() for _ in range(k - 1)]
-
-        def run(j: int) -> None:
-            try:
-                results[j] = [fn(x) for x in items[cuts[j]:cuts[j + 1]]]
-            except BaseException as exc:  # noqa: BLE001 - raised by the caller
-                errors[j] = exc
-            finally:
-                if j < k - 1:
-                    done[j].set()
-
+        slices = _Slices(fn, items, cuts)
         for j in range(k - 1):
-            self._pool.submit(run, j)
-        run(k - 1)
-        for event in done:
+            self._pool.submit(_run_slice, slices, j)
+        _run_slice(slices, k - 1)
+        for event in slices.done[:k - 1]:
             while not gil.released(event.wait, 0.1):
                 if self.closing:
                     raise ShutdownError("the pipeline was closed while chunks were being read")
-        for exc in errors:
+        for exc in slices.errors:
             if exc is not None:
                 raise exc
-        return [r for part in results for r in part]
+        return [r for part in slices.results for r in part]
 
     def cancel(self) -> None:
         """Closing: waits for the read threads raise ShutdownError, and the compiled reads stop between two
@@ -659,6 +650,39 @@ class ReadPool:
         if self._pool is not None:
             self._pool.shutdown()
         self._readers.close(timeout)
+
+
+class _Slices:
+    """One :meth:`ReadPool.map` call's slices: ``fn`` over ``items[cuts[j]:cuts[j + 1]]`` for slice ``j``, its
+    results or error, and whether it ended (``done[j]``, set by the thread that ran it)."""
+
+    __slots__ = ("fn", "items", "cuts", "results", "errors", "done")
+
+    def __init__(self, fn: Callable[[Any], Any], items: list, cuts: list[int]) -> None:
+        k = len(cuts) - 1
+        self.fn, self.items, self.cuts = fn, items, cuts
+        self.results: list = [None] * k
+        self.errors: list[BaseException | None] = [None] * k
+        self.done = [threading.Event() for _ in range(k)]
+
+
+def _run_slice(slices: _Slices, j: int) -> None:
+    """Slice ``j`` of a map (a task of the pool, or the caller's own): its error is raised by the caller."""
+    try:
+        slices.results[j] = [slices.fn(x) for x in slices.items[slices.cuts[j]:slices.cuts[j + 1]]]
+    except BaseException as exc:  # noqa: BLE001 - raised by the caller
+        slices.errors[j] = exc
+    finally:
+        slices.done[j].set()
+
+
+def _slice_failed(fault: InternalError, args: tuple) -> None:
+    """The pool's ``on_fault``: a slice's task raised past :func:`_run_slice`'s handling (a bug): the slice
+    ends with ``fault``, which the map raises (its batch's error)."""
+    slices, j = args
+    if slices.errors[j] is None:
+        slices.errors[j] = fault
+    slices.done[j].set()
 
 
 def _runs(plan: TablePlan, reads: ReadPlan, i: int, e: int, group: Group) -> tuple[np.ndarray, ...]:

@@ -59,8 +59,9 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from ...errors import DeviceError
+from ...errors import DeviceError, InternalError
 from ...runtime import gil
+from ...runtime.faults import serve
 
 __all__ = ["CLOSE_WAIT_S", "THREADS_WAIT_S", "CloseWait", "CudaStreams", "EventWaiter", "HostStreams", "Watch",
            "WaveStreams", "device_failed", "keep", "kept", "poll"]
@@ -172,6 +173,7 @@ class EventWaiter:
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._queue: collections.deque = collections.deque()
         self._thread: threading.Thread | None = None
+        self._watching: Watch | None = None  # the watch the thread is waiting for (failed by _failed)
 
     def watch(self, event: Any) -> Watch:
         """A :class:`Watch` of ``event``, waited for after every event given before it."""
@@ -179,7 +181,9 @@ class EventWaiter:
         with self._cond:
             self._queue.append((event, watch))
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                # a bug escaping its loop fails the watches it would report (_failed), not a wait without limit
+                self._thread = threading.Thread(target=serve, args=(self._loop, self._failed), name=self.name,
+                                                daemon=True)
                 self._thread.start()
             else:
                 self._cond.notify()
@@ -195,12 +199,31 @@ class EventWaiter:
                         self._thread = None
                     return
                 event, watch = self._queue.popleft()
+                self._watching = watch
             try:
                 event.synchronize()
             except BaseException as exc:  # noqa: BLE001 - the device's fault, for the waiting check to report
                 watch.error = exc
             watch._done.set()
+            self._watching = None
             del event, watch
+
+    def _failed(self, fault: InternalError) -> None:
+        """The loop raised past its own handling (a bug, ``fault``; the thread ends): the watch it was waiting
+        for and every one queued report ``fault`` (their checks raise it) rather than leave a wait with no
+        limit of its own (a decode's start) waiting until the close; a later watch starts a new thread."""
+        with self._cond:
+            left = [w for _, w in self._queue]
+            self._queue.clear()
+            if self._watching is not None:
+                left.insert(0, self._watching)
+            self._watching = None
+            if self._thread is threading.current_thread():
+                self._thread = None
+        for watch in left:
+            if not watch._done.is_set():
+                watch.error = fault
+                watch._done.set()
 
 
 def device_failed(what: str, exc: BaseException) -> DeviceError:
