@@ -16,7 +16,7 @@ for batches nobody will finish and blaming the consumer's slots.
 
 from __future__ import annotations
 
-import sys
+import inspect
 import threading
 import traceback
 from types import FrameType
@@ -64,7 +64,9 @@ def fail(exc: BaseException, on_fault: Callable[[InternalError], None], then: st
     stoker's thread 'MainThread' stopped on an internal error of stoker (ZeroDivisionError: division by zero)...
     """
     fault = internal_error(threading.current_thread().name, exc, then)
-    _release_frames(exc, sys._getframe(1))
+    here = inspect.currentframe()  # (fail's own frame; its caller's is the catcher)
+    _release_frames(exc, here.f_back if here is not None else None)
+    del here
     try:
         on_fault(fault)
     except BaseException as again:  # noqa: BLE001 - the last resort: reported as a thread's error is
@@ -73,7 +75,7 @@ def fail(exc: BaseException, on_fault: Callable[[InternalError], None], then: st
                                                        threading.current_thread())))
 
 
-def _release_frames(exc: BaseException, catcher: FrameType) -> None:
+def _release_frames(exc: BaseException, catcher: FrameType | None) -> None:
     """Clear the locals of the frames in the tracebacks of ``exc`` and of the exceptions it is chained to
     (:func:`traceback.clear_frames`: one still running is left as it is), ``catcher``'s left out of them."""
     tb = exc.__traceback__
