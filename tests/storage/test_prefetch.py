@@ -478,8 +478,8 @@ def test_the_arrays_of_batches_pulled_ahead_are_opened_together(tmp_path):
 def test_the_default_requests_in_flight_do_not_cap_a_distant_store(tmp_path):
     # At the defaults a distant store has more than the old 64 requests open at once (the chunk files of
     # batches queued ahead, prefetched together), never more than requests_in_flight; the buffer asks at most
-    # prefetch_requests, itself at most three quarters of requests_in_flight. (The server holds each request
-    # until 65 have been open at once, 8 s at most: a client capped at 64 waits that long and fails the count, a
+    # prefetch_requests, itself at most three quarters of requests_in_flight. (The server holds each chunk's
+    # request until 65 have been open at once, 8 s at most: a client capped at 64 waits that long and fails the count, a
     # loaded machine only plans later.)
     root = str(tmp_path / "wide")
     arr = zarr.create_array(os.path.join(root, "w"), shape=(16, 1280), chunks=(8, 8), dtype="uint8",
@@ -488,7 +488,7 @@ def test_the_default_requests_in_flight_do_not_cap_a_distant_store(tmp_path):
     server = RangeServer(root)
     try:
         server.latency_s = 0.6  # batches queued ahead asked together
-        server.hold_until_in_flight(65, timeout_s=8.0)
+        server.hold_until_in_flight(65, timeout_s=8.0, under="/w/c/")
         cfg = _config({server.url + "/": FAST}, batch_size=16)
         assert (cfg.requests_in_flight, cfg.prefetch_requests) == (256, 192)
         boxes = [[(8 * (n % 2), 8 * (n % 2) + 8), (8 * (n // 2), 8 * (n // 2) + 8)] for n in range(320)]
