@@ -477,6 +477,26 @@ def test_store_errors_surface_at_pop_and_are_sticky(volume, tmp_path, case):
         assert again.value is first.value
         with pytest.raises(err):
             p.push(good)
+        # each raise starts from the traceback the error came with: popping on does not grow it, and no frame of
+        # it keeps the failed batch's entry
+        with pytest.raises(err):
+            p.pop()
+        depth = _tb_depth(first.value)
+        for _ in range(20):
+            with pytest.raises(err):
+                p.pop()
+        assert _tb_depth(first.value) == depth
+        tb = first.value.__traceback__
+        while tb is not None:
+            assert "head" not in tb.tb_frame.f_locals, tb.tb_frame.f_code.co_name
+            tb = tb.tb_next
+
+
+def _tb_depth(exc: BaseException) -> int:
+    depth, tb = 0, exc.__traceback__
+    while tb is not None:
+        depth, tb = depth + 1, tb.tb_next
+    return depth
 
 
 def test_close_is_prompt_with_infinite_generator_and_held_batches(volume):

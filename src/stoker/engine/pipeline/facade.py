@@ -123,6 +123,7 @@ class Pipeline:
                       on_device=self.device.type == "cuda")
         self._coordinator = Coordinator(cfg, self._intake, self._executor, self._stats, self._store, lanes)
         self._error: BaseException | None = None
+        self._error_tb: Any = None  # the sticky error's traceback as it came (each re-raise starts from it)
         self._closed = False
         self._pop_lock = threading.Lock()  # lock rank 1, the outermost: pop is single-consumer, pops take turns
         # a hand-over under way, or one an interrupt cut short: (its entry, what was received before it, the
@@ -179,7 +180,9 @@ class Pipeline:
 
     def _raise_if_unusable(self) -> None:
         if self._error is not None:
-            raise self._error
+            # from the traceback it came with: a re-raise would otherwise add this call's frames to it, every
+            # pop (a loop that catches and pops again grew it without end), each holding its locals
+            raise self._error.with_traceback(self._error_tb)
         if self._closed:
             raise ShutdownError("the pipeline is closed")
 
@@ -230,10 +233,11 @@ class Pipeline:
         if error is not None:
             with self._cond:
                 self._raise_if_unusable()  # closed while we waited: say so rather than what the close caused
-                self._error = error  # first: sticky, whatever interrupts the rest
+                self._error, self._error_tb = error, error.__traceback__  # first: sticky, whatever interrupts
                 coordinator.take_head(head)
                 self._cond.notify_all()
             head.drop(self._executor)
+            del head, collector  # (the traceback keeps this frame: not the failed batch's entry with it)
             raise error
         return self._hand_over(head, t0)
 
