@@ -101,23 +101,7 @@ def test_a_pool_tasks_fault_fails_every_later_batch_with_an_internal_error(volum
     fails with an InternalError naming the pool's thread, and so does every later one."""
     monkeypatch.setattr(native, "Engine", None)  # the Python path's pools make every batch
     uri, _ = volume
-    guard = PythonDecoder.guard
-    injected: list[str] = []
-
-    inside = threading.local()  # a guard run inside another's task is that task's: its error is handled there
-
-    def guard_then_fail(self, job, *args):
-        task = not getattr(inside, "guard", False)
-        inside.guard = True
-        try:
-            guard(self, job, *args)
-        finally:
-            inside.guard = not task
-        if task and not injected:  # the pool's task itself raises, after its chunks were counted
-            injected.append(threading.current_thread().name)
-            raise RuntimeError("an injected bug past the task's own handling")
-
-    monkeypatch.setattr(PythonDecoder, "guard", guard_then_fail)
+    injected: list[tuple[str, Job]] = _fail_the_first_task(monkeypatch)
     samples = _crops(uri, 4)
     p = stoker.Pipeline(_cfg(transform=None))
     try:
@@ -126,7 +110,7 @@ def test_a_pool_tasks_fault_fails_every_later_batch_with_an_internal_error(volum
             for _ in range(2):  # the first batch's task raised, or (done already) the next one's
                 p.pop().release()
         err = raised.value
-        assert err.thread == injected[0] and err.thread.startswith(("stoker-io", "stoker-compute"))
+        assert err.thread == injected[0][0] and err.thread.startswith(("stoker-io", "stoker-compute"))
         assert isinstance(err.__cause__, RuntimeError)
         with pytest.raises(stoker.InternalError) as again:
             p.push(samples)
@@ -324,22 +308,7 @@ def test_the_kept_internal_error_holds_none_of_the_faulted_tasks_batch(volume, m
     locals are cleared now (the printed traceback still names the files and lines)."""
     monkeypatch.setattr(native, "Engine", None)  # the Python path's pools make every batch
     uri, _ = volume
-    guard = PythonDecoder.guard
-    faulted: list[Job] = []
-    inside = threading.local()
-
-    def guard_then_fail(self, job, *args):
-        task = not getattr(inside, "guard", False)
-        inside.guard = True
-        try:
-            guard(self, job, *args)
-        finally:
-            inside.guard = not task
-        if task and not faulted:
-            faulted.append(job)
-            raise RuntimeError("an injected bug past the task's own handling")
-
-    monkeypatch.setattr(PythonDecoder, "guard", guard_then_fail)
+    faulted = _fail_the_first_task(monkeypatch)
     p = stoker.Pipeline(_cfg(transform=None))
     try:
         p.push(_crops(uri, 4))
@@ -352,11 +321,34 @@ def test_the_kept_internal_error_holds_none_of_the_faulted_tasks_batch(volume, m
     printed = "".join(traceback.format_exception(err.__cause__))
     assert "guard_then_fail" in printed and "an injected bug" in printed  # where it was raised, still said
     assert faulted and err is p._error
+    job = faulted[0][1]
     tb, held = err.__cause__.__traceback__, []
     while tb is not None:  # no frame of the cause's traceback holds the job, or a call of it (serve's loop)
         for name, value in tb.tb_frame.f_locals.items():
             args = getattr(value, "args", None) if isinstance(value, functools.partial) else ()
-            if value is faulted[0] or any(a is faulted[0] for a in args):
+            if value is job or any(a is job for a in args):
                 held.append((tb.tb_frame.f_code.co_name, name))
         tb = tb.tb_next
     assert held == []
+
+
+def _fail_the_first_task(monkeypatch) -> list[tuple[str, Job]]:
+    """Make the first task of the Python path's pools raise after its chunks were counted (past the task's own
+    handling); returns the list it fills with that task's ``(thread name, job)``."""
+    guard = PythonDecoder.guard
+    injected: list[tuple[str, Job]] = []
+    inside = threading.local()  # a guard run inside another's task is that task's: its error is handled there
+
+    def guard_then_fail(self, job, *args):
+        task = not getattr(inside, "guard", False)
+        inside.guard = True
+        try:
+            guard(self, job, *args)
+        finally:
+            inside.guard = not task
+        if task and not injected:
+            injected.append((threading.current_thread().name, job))
+            raise RuntimeError("an injected bug past the task's own handling")
+
+    monkeypatch.setattr(PythonDecoder, "guard", guard_then_fail)
+    return injected
