@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import stoker
 from stoker.errors import NotFound, ShutdownError, StorageError
 from stoker.storage import ByteRange, ObjectStore
 from stoker.storage.objectstore import _Loop
@@ -108,15 +109,20 @@ def test_heads_that_never_got_a_slot_name_their_key_in_place(server):
 
 class _LoopCalls:
     """Python function calls made on the shared event loop thread while the block runs (``sys.setprofile``
-    there; a coroutine's resumption counts as a call too)."""
+    there; a coroutine's resumption counts as a call too): ``n`` all of them, ``own`` those in stoker's code.
+    asyncio's own share depends on how many loop iterations the answers take (one wake-up each, or several
+    answers to one on a loaded machine), so only stoker's share is steady."""
 
     def __enter__(self) -> "_LoopCalls":
         self.loop = _Loop.get().loop
         self.n = 0
+        self.own = 0
+        ours = os.path.dirname(stoker.__file__) + os.sep
 
         def profile(frame, event, arg):
             if event == "call":
                 self.n += 1
+                self.own += frame.f_code.co_filename.startswith(ours)
 
         self._set(profile)
         return self
@@ -135,8 +141,7 @@ class _LoopCalls:
 @pytest.mark.timeout(60)
 def test_a_burst_of_heads_costs_the_loop_one_task_and_few_python_calls_each(server):
     # a revalidation burst is tens of HEADs a batch: as lanes each took a task step, five coroutines, a slot
-    # object and a per-try timer (about 95 Python calls on the loop a HEAD, and a task per lane); now the
-    # call's own task takes the answers as they land
+    # object and a per-try timer (and a task per lane); now the call's own task takes the answers as they land
     s = ObjectStore(server.url, max_in_flight=LANES)
     keys = [f"c/{i}" for i in range(N_KEYS)]
     s.versions(keys[:2])
@@ -146,7 +151,10 @@ def test_a_burst_of_heads_costs_the_loop_one_task_and_few_python_calls_each(serv
     assert [v[0] for v in got] == [100 + i for i in range(N_KEYS)]
     assert server.peak_in_flight <= LANES
     assert tasks.n == 1, tasks.n  # the call's own (run_coroutine_threadsafe), none per lane or key
-    assert calls.n / N_KEYS <= 50, calls.n / N_KEYS
+    # stoker's own calls on the loop: 8-9 a HEAD (settle, landing, version, etag and take, and the lane's
+    # coroutines resumed once per wake-up); 21.5 in the lanes' design (five coroutines, a slot, a timer).
+    # asyncio's calls on top (44-54 a HEAD in all, 75 before) vary with how answers share wake-ups
+    assert calls.own / N_KEYS <= 12, calls.own / N_KEYS
     s.close()
 
 
