@@ -574,13 +574,9 @@ def test_reader_threads_block_signals(tmp_path):
     """A signal for the process (Ctrl-C, a launcher's SIGTERM) is never delivered to a pooled reader thread,
     where it would cut a read short: they block every signal, started by csrc/threads.c's thread_start as the
     engine's workers are; the caller's mask is as it was."""
-    import signal
-    import threading
     import time
 
-    def blocked(tid):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            return int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+    from thread_signals import assert_block_process_signals
 
     def named(tid):
         try:
@@ -601,11 +597,7 @@ def test_reader_threads_block_signals(tmp_path):
         while len(new := helpers() - before) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)  # each names itself as it starts: one may not have run yet
         assert readers.info()[:3] == (3, 3, 3) and len(new) == 3, (readers.info(), new)
-        for tid in new:
-            mask = blocked(tid)
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGCHLD):
-                assert mask >> (sig - 1) & 1, (tid, hex(mask), sig)
-        assert not blocked(threading.get_native_id()) >> (signal.SIGINT - 1) & 1
+        assert_block_process_signals(new)
     finally:
         assert readers.close(5.0)
 
