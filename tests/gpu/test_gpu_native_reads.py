@@ -639,24 +639,11 @@ def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
 def _child_verdicts(forks: int, child, wait_s: float = 20.0) -> list[str]:
     """``forks`` children forked one after another, each running ``child()`` (True: sound) and exiting with its
     verdict; the parent waits ``wait_s`` at most for each (then kills it: "hung"). The verdicts, first bad on."""
-    import time
+    from forking import fork_child, verdict
 
-    verdicts = []
+    verdicts: list[str] = []
     for _ in range(forks):
-        pid = os.fork()
-        if pid == 0:  # (the child: nothing raised out of here, its verdict is its exit status)
-            code = 3
-            try:
-                code = 0 if child() else 2
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + wait_s
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if done[0] == 0:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        verdicts.append("hung" if done[0] == 0 else f"exit {os.waitstatus_to_exitcode(done[1])}")
+        verdicts.append(verdict(fork_child(child), wait_s))
         if verdicts[-1] != "exit 0":
             break
     return verdicts
