@@ -60,7 +60,7 @@ def _guards_intact(whole: np.ndarray) -> bool:
 # stage_read
 
 
-def _read_counted(buf, paths, files, reads, whole_base, threads):
+def _read_counted(buf, paths, files, reads, whole_base, threads, *idents):
     """:func:`native_reads.read`, and the opens and reads the compiled call counted (its own return)."""
     counts = []
     real = native.stage_read
@@ -71,7 +71,7 @@ def _read_counted(buf, paths, files, reads, whole_base, threads):
 
     native.stage_read = counted
     try:
-        out = native_reads.read(buf, paths, files, reads, whole_base, threads)
+        out = native_reads.read(buf, paths, files, reads, whole_base, threads, *idents)
     finally:
         native.stage_read = real
     return (out, *counts[0])
@@ -469,30 +469,21 @@ def test_readers_cancelled_read_nothing_and_say_so(tmp_path, threads):
                       [3, native_reads.ENTRY, 4000, 0]], np.int64)
     whole, buf = _guarded(40000)
     idents = (b"x", np.array([[0, 1]] * len(reads), np.int64))
-    counted = []
     if threads == "readers":
         readers = native_reads.Readers(4)
         readers.cancel()
-        real = native.stage_read
-
-        def counting(*args, **kw):
-            counted.append(real(*args, **kw))
-            return counted[-1]
-
-        native.stage_read = counting
         try:
-            out = native_reads.read(buf, paths, files, reads, 300, readers, idents)
+            out, *counted = _read_counted(buf, paths, files, reads, 300, readers, idents)
         finally:
-            native.stage_read = real
             assert readers.close(5.0)
     else:
         flag = native.stage_cancel_flag()
         native.stage_cancel(flag)
         out = np.zeros((len(reads), 4), np.int64)
-        counted.append(native.stage_read(buf, paths, files, reads, out, 300, threads, *idents, cancel=flag))
+        counted = list(native.stage_read(buf, paths, files, reads, out, 300, threads, *idents, cancel=flag))
     assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_CANCELLED] * len(reads)
     assert (out[:, native_reads.AT] == -1).all() and (out[:, native_reads.NREAD] == 0).all()
-    assert native_reads.cancelled(out) and counted[0] == (0, 0)  # (opens, preads)
+    assert native_reads.cancelled(out) and counted == [0, 0]  # (opens, preads)
     assert (whole == 0xA5).all()
 
 
