@@ -171,11 +171,23 @@ def _one_sample_config() -> stoker.Config:
                          pop_timeout_s=10.0, device="cpu")
 
 
-def _lanes_native_decoder(p: stoker.Pipeline, uri: str):
-    """The native decoder of ``p``'s lane for ``uri``: made for a first batch (one crop), popped and released."""
-    p.push([stoker.Sample(uri, [(0, 8), (16, 32), (16, 32)])])
-    p.pop().release()
-    return p._executor.decoders.native
+@pytest.fixture
+def lane(tmp_path):
+    """``(pipeline, its lane's native decoder, released)``: the decoder made for a first batch (one crop, popped
+    and released) of an array with a corrupt chunk; ``released``: the event the test's :class:`_Stuck` engine
+    jobs wait for. After the test the pipeline is closed (again), then ``released`` set."""
+    if native.Engine is None:
+        pytest.skip("stoker._native is not available")
+    uri = _corrupt_volume(tmp_path / "a.zarr")
+    p = stoker.Pipeline(_one_sample_config())
+    released = threading.Event()
+    try:
+        p.push([stoker.Sample(uri, [(0, 8), (16, 32), (16, 32)])])
+        p.pop().release()
+        yield p, p._executor.decoders.native, released
+    finally:
+        p.close()
+        released.set()
 
 
 class _Stuck:
@@ -233,71 +245,54 @@ def test_a_field_abandoned_while_handed_to_its_finisher_is_no_internal_error(tmp
         p.close()
 
 
-def test_close_leaves_a_field_abandoned_while_handed_off_as_it_is(tmp_path):
+def test_close_leaves_a_field_abandoned_while_handed_off_as_it_is(lane):
     """shutdown() fails what the finisher left; a handed-off job another field's failure abandoned is finished
     already: close() skips it (it raised JobStateError, and the Python path was never shut down)."""
-    if native.Engine is None:
-        pytest.skip("stoker._native is not available")
-    uri = _corrupt_volume(tmp_path / "a.zarr")
-    p = stoker.Pipeline(_one_sample_config())
-    released = threading.Event()
-    try:
-        d = _lanes_native_decoder(p, uri)
-        job = Job(SimpleNamespace(n_chunks=2), None, 2)
-        handed: list[int] = []
-        job.settled_by(_Stuck(released), lambda j, e: handed.append(j.claim))
-        released.set()
-        job.wait(0.01)  # claimed, handed on
-        released.clear()
-        assert job.state is JobState.SETTLING and job.abandon(RuntimeError("field b failed"))
-        with d._cond:
-            d._pending.append((Job(SimpleNamespace(n_chunks=1), None, 1), _Stuck(released), np.arange(1), None, None))
-            d._pending.append((job, _Stuck(released), np.arange(2), None, handed[0]))
-            d._cond.notify_all()
-    finally:
-        p.close()
-        released.set()
+    p, d, released = lane
+    job = Job(SimpleNamespace(n_chunks=2), None, 2)
+    handed: list[int] = []
+    job.settled_by(_Stuck(released), lambda j, e: handed.append(j.claim))
+    released.set()
+    job.wait(0.01)  # claimed, handed on
+    released.clear()
+    assert job.state is JobState.SETTLING and job.abandon(RuntimeError("field b failed"))
+    with d._cond:
+        d._pending.append((Job(SimpleNamespace(n_chunks=1), None, 1), _Stuck(released), np.arange(1), None, None))
+        d._pending.append((job, _Stuck(released), np.arange(2), None, handed[0]))
+        d._cond.notify_all()
+    p.close()  # (the finisher still waits for the first engine job: released after the test)
     assert job.state is JobState.FAILED and str(job.error) == "field b failed"
     assert d._python._closing  # the Python path was shut down too
 
 
-def test_the_finishers_fault_leaves_a_stale_hand_off_to_the_waiter_settling_it_again(tmp_path):
+def test_the_finishers_fault_leaves_a_stale_hand_off_to_the_waiter_settling_it_again(lane):
     """The finisher's fault fails every job queued for it, but a stale hand-off's job (its settle interrupted,
     a waiter settling it again under a newer claim) is that waiter's: left be, as shutdown leaves it, and
     failed with the fault when that waiter hands it on again."""
-    if native.Engine is None:
-        pytest.skip("stoker._native is not available")
-    uri = _corrupt_volume(tmp_path / "a.zarr")
-    p = stoker.Pipeline(_one_sample_config())
-    released = threading.Event()
-    try:
-        d = _lanes_native_decoder(p, uri)
-        claims: list[int] = []
-        job = Job(SimpleNamespace(n_chunks=2), None, 2)
+    _, d, released = lane
+    claims: list[int] = []
+    job = Job(SimpleNamespace(n_chunks=2), None, 2)
 
-        class Done:
-            def wait(self, timeout=None):
-                return True
+    class Done:
+        def wait(self, timeout=None):
+            return True
 
-        job.settled_by(Done(), lambda j, e: claims.append(j.claim))
-        job.wait(0.01)  # claimed, handed on (the hand-off queued below)
-        job._interrupted(lambda j, e: claims.append(j.claim), Done())  # put back: that hand-off is stale
-        job.wait(0.01)  # a waiter claims it again and is settling it
-        assert job.state is JobState.SETTLING and claims[1] != claims[0]
-        head = Job(SimpleNamespace(n_chunks=1), None, 1)
-        with d._cond:  # (the finisher waits for the head's engine job until the end: it takes neither)
-            d._pending.append((head, _Stuck(released), np.arange(1), None, None))
-            d._pending.append((job, Done(), np.arange(2), None, claims[0]))
-            d._cond.notify_all()
-        fault = internal_error("stoker-engine-finisher", RuntimeError("an injected bug"))
-        d._faulted(fault)
-        assert head.error is fault  # a job queued for the finisher fails with its fault
-        assert job.state is JobState.SETTLING and job.error is None  # its waiter's still
-        d._to_finisher(job, Done(), None, claims[1])  # that waiter hands it on: failed with the fault
-        assert job.state is JobState.FAILED and job.error is fault
-    finally:
-        p.close()
-        released.set()
+    job.settled_by(Done(), lambda j, e: claims.append(j.claim))
+    job.wait(0.01)  # claimed, handed on (the hand-off queued below)
+    job._interrupted(lambda j, e: claims.append(j.claim), Done())  # put back: that hand-off is stale
+    job.wait(0.01)  # a waiter claims it again and is settling it
+    assert job.state is JobState.SETTLING and claims[1] != claims[0]
+    head = Job(SimpleNamespace(n_chunks=1), None, 1)
+    with d._cond:  # (the finisher waits for the head's engine job until the end: it takes neither)
+        d._pending.append((head, _Stuck(released), np.arange(1), None, None))
+        d._pending.append((job, Done(), np.arange(2), None, claims[0]))
+        d._cond.notify_all()
+    fault = internal_error("stoker-engine-finisher", RuntimeError("an injected bug"))
+    d._faulted(fault)
+    assert head.error is fault  # a job queued for the finisher fails with its fault
+    assert job.state is JobState.SETTLING and job.error is None  # its waiter's still
+    d._to_finisher(job, Done(), None, claims[1])  # that waiter hands it on: failed with the fault
+    assert job.state is JobState.FAILED and job.error is fault
 
 
 def test_the_kept_internal_error_holds_none_of_the_faulted_tasks_batch(volume, monkeypatch):
