@@ -1,17 +1,36 @@
-"""Batches held to their source array in the tests: seeded random crops to read, what a batch row should hold
-(the crop cast to the batch dtype as zarr + torch would, tests/gpu/; a padded box's crop as ``numpy.pad``
-makes it, tests/engine/test_padding.py and tests/sampling/test_fields_region_pad.py), and a tensor's bits
-for bit-for-bit comparisons."""
+"""Batches held to their source array in the tests: the array written (zstd chunks), seeded random crops to
+read, what a batch row should hold (the crop cast to the batch dtype as zarr + torch would, tests/gpu/; a
+padded box's crop as ``numpy.pad`` makes it, tests/engine/test_padding.py and
+tests/sampling/test_fields_region_pad.py), and a tensor's bits for bit-for-bit comparisons."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import zarr
+from zarr.codecs import ZstdCodec
 
 import stoker
 
 #: Sample.pad's modes as numpy.pad's
 NUMPY_MODE = {"zero": "constant", "fill": "constant", "edge": "edge", "reflect": "reflect"}
+
+
+def zstd_array(path, data: np.ndarray, chunks) -> tuple[str, np.ndarray]:
+    """``data`` written at ``path`` as a Zarr v3 array of ``chunks``, each zstd-compressed (level 1); returns
+    ``(uri, data)``, as the module-scoped ``volume`` fixtures hand them on."""
+    z = zarr.create_array(str(path), shape=data.shape, chunks=chunks, dtype=data.dtype,
+                          compressors=ZstdCodec(level=1))
+    z[:] = data
+    return str(path), data
+
+
+def first_planes_crops(uri: str, n: int, seed: int = 1) -> list:
+    """``n`` samples of ``uri`` (an array of ``(>= 8, 64, 64)``): boxes of 8 x 16 x 16 in its first 8 planes,
+    each at a seeded random ``(y, x)``."""
+    rng = np.random.default_rng(seed)
+    return [stoker.Sample(uri, [(0, 8), (int(y), int(y) + 16), (int(x), int(x) + 16)])
+            for y, x in rng.integers(0, 64 - 16, size=(n, 2))]
 
 
 def random_crops(uri: str, shape, crop, n: int, seed: int = 1) -> list:

@@ -1,7 +1,8 @@
-"""A child forked at a chosen moment for the tests (tests/engine/test_buffers.py, tests/inference/test_buffers.py):
-:func:`held_by_another_thread` holds a lock on a thread of its own (a pool's, at the moment of the fork),
-:func:`fork_child` runs a check in the child, whose exit status is its verdict, and :func:`verdict` waits for
-it, bounded: a child stuck on a lock inherited held is killed and said to have hung."""
+"""A child forked at a chosen moment for the tests (tests/engine/test_buffers.py, tests/inference/test_buffers.py,
+tests/gpu/test_gpu_native_reads.py): :func:`held_by_another_thread` holds a lock on a thread of its own (a
+pool's, at the moment of the fork), :func:`fork_child` runs a check in the child, whose exit status is its
+verdict, and :func:`verdict` waits for it, bounded: a child stuck on a lock inherited held is killed and said
+to have hung."""
 
 from __future__ import annotations
 

@@ -15,13 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import zarr
-from zarr.codecs import ZstdCodec
 
 import stoker
 from stoker.engine.cpu import native as engine_native
 
-from batch_oracle import random_crops
+from batch_oracle import random_crops, zstd_array
 from interrupts import pop_through_interrupts
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,12 +30,8 @@ CROP = (8, 16, 16)
 
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory):
-    path = tmp_path_factory.mktemp("life") / "v.zarr"
-    z = zarr.create_array(str(path), shape=(32, 64, 64), chunks=(8, 16, 16), dtype="float32",
-                          compressors=ZstdCodec(level=1))
-    data = np.random.default_rng(0).normal(size=z.shape).astype("float32")
-    z[:] = data
-    return str(path), data
+    data = np.random.default_rng(0).normal(size=(32, 64, 64)).astype("float32")
+    return zstd_array(tmp_path_factory.mktemp("life") / "v.zarr", data, (8, 16, 16))
 
 
 def _run(script: str, *args: str, timeout: float = 120, native: bool = True) -> subprocess.CompletedProcess:

@@ -26,22 +26,14 @@ from stoker.engine.cpu.decode_python import PythonDecoder
 from stoker.engine.executor import Job, JobState, JobStateError
 from stoker.runtime.faults import internal_error, serve
 
+from batch_oracle import first_planes_crops, zstd_array
+
 pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory):
-    path = tmp_path_factory.mktemp("faults") / "v.zarr"
-    z = zarr.create_array(str(path), shape=(16, 64, 64), chunks=(8, 16, 16), dtype="float32",
-                          compressors=ZstdCodec(level=1))
-    data = np.random.default_rng(0).normal(size=z.shape).astype("float32")
-    z[:] = data
-    return str(path), data
-
-
-def _crops(uri: str, n: int) -> list[stoker.Sample]:
-    rng = np.random.default_rng(1)
-    return [stoker.Sample(uri, [(0, 8), (int(y), int(y) + 16), (int(x), int(x) + 16)])
-            for y, x in rng.integers(0, 64 - 16, size=(n, 2))]
+    data = np.random.default_rng(0).normal(size=(16, 64, 64)).astype("float32")
+    return zstd_array(tmp_path_factory.mktemp("faults") / "v.zarr", data, (8, 16, 16))
 
 
 def _cfg(**kw) -> stoker.Config:
@@ -69,7 +61,7 @@ def test_the_finisher_threads_fault_is_the_next_pops_internal_error(volume, monk
         raise RuntimeError("an injected bug after the batch was finished")
 
     monkeypatch.setattr(NativeDecoder, "_finish", finish_then_fail)
-    samples = _crops(uri, 8)
+    samples = first_planes_crops(uri, 8)
     p = stoker.Pipeline(_cfg())
     try:
         p.push(samples)
@@ -102,7 +94,7 @@ def test_a_pool_tasks_fault_fails_every_later_batch_with_an_internal_error(volum
     monkeypatch.setattr(native, "Engine", None)  # the Python path's pools make every batch
     uri, _ = volume
     injected: list[tuple[str, Job]] = _fail_the_first_task(monkeypatch)
-    samples = _crops(uri, 4)
+    samples = first_planes_crops(uri, 4)
     p = stoker.Pipeline(_cfg(transform=None))
     try:
         p.push(samples)
@@ -174,6 +166,40 @@ def _corrupt_volume(path) -> str:
     return str(path)
 
 
+def _one_sample_config() -> stoker.Config:
+    return stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2,
+                         pop_timeout_s=10.0, device="cpu")
+
+
+@pytest.fixture
+def lane(tmp_path):
+    """``(pipeline, its lane's native decoder, released)``: the decoder made for a first batch (one crop, popped
+    and released) of an array with a corrupt chunk; ``released``: the event the test's :class:`_Stuck` engine
+    jobs wait for. After the test the pipeline is closed (again), then ``released`` set."""
+    if native.Engine is None:
+        pytest.skip("stoker._native is not available")
+    uri = _corrupt_volume(tmp_path / "a.zarr")
+    p = stoker.Pipeline(_one_sample_config())
+    released = threading.Event()
+    try:
+        p.push([stoker.Sample(uri, [(0, 8), (16, 32), (16, 32)])])
+        p.pop().release()
+        yield p, p._executor.decoders.native, released
+    finally:
+        p.close()
+        released.set()
+
+
+class _Stuck:
+    """An engine job the finisher waits for until the test sets ``released``."""
+
+    def __init__(self, released: threading.Event) -> None:
+        self.released = released
+
+    def wait(self, timeout=None):
+        return self.released.wait(timeout)
+
+
 def _native_decoders(p):
     return [ex.decoders.native for ex in p._coordinator.lanes.executors()
             if getattr(ex, "decoders", None) is not None and ex.decoders.native is not None]
@@ -205,8 +231,7 @@ def test_a_field_abandoned_while_handed_to_its_finisher_is_no_internal_error(tmp
 
     monkeypatch.setattr(Job, "take_over", take_over_once_abandoned)
     box = [(0, 8), (0, 32), (0, 32)]
-    p = stoker.Pipeline(stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2,
-                                      pop_timeout_s=10.0, device="cpu"))
+    p = stoker.Pipeline(_one_sample_config())
     try:
         p.push([stoker.Sample({"a": (a, box), "b": (b, box)})])
         with pytest.raises(stoker.StokerError) as raised:
@@ -220,86 +245,54 @@ def test_a_field_abandoned_while_handed_to_its_finisher_is_no_internal_error(tmp
         p.close()
 
 
-def test_close_leaves_a_field_abandoned_while_handed_off_as_it_is(tmp_path):
+def test_close_leaves_a_field_abandoned_while_handed_off_as_it_is(lane):
     """shutdown() fails what the finisher left; a handed-off job another field's failure abandoned is finished
     already: close() skips it (it raised JobStateError, and the Python path was never shut down)."""
-    if native.Engine is None:
-        pytest.skip("stoker._native is not available")
-    uri = _corrupt_volume(tmp_path / "a.zarr")
-    p = stoker.Pipeline(stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2,
-                                      pop_timeout_s=10.0, device="cpu"))
-    released = threading.Event()
-
-    class Stuck:  # an engine job the finisher waits for until the test lets it go
-        def wait(self, timeout=None):
-            return released.wait(timeout)
-
-    try:
-        p.push([stoker.Sample(uri, [(0, 8), (16, 32), (16, 32)])])
-        p.pop().release()  # (the lane and its decoder are made for the first batch)
-        d = p._executor.decoders.native
-        job = Job(SimpleNamespace(n_chunks=2), None, 2)
-        handed: list[int] = []
-        job.settled_by(Stuck(), lambda j, e: handed.append(j.claim))
-        released.set()
-        job.wait(0.01)  # claimed, handed on
-        released.clear()
-        assert job.state is JobState.SETTLING and job.abandon(RuntimeError("field b failed"))
-        with d._cond:
-            d._pending.append((Job(SimpleNamespace(n_chunks=1), None, 1), Stuck(), np.arange(1), None, None))
-            d._pending.append((job, Stuck(), np.arange(2), None, handed[0]))
-            d._cond.notify_all()
-    finally:
-        p.close()
-        released.set()
+    p, d, released = lane
+    job = Job(SimpleNamespace(n_chunks=2), None, 2)
+    handed: list[int] = []
+    job.settled_by(_Stuck(released), lambda j, e: handed.append(j.claim))
+    released.set()
+    job.wait(0.01)  # claimed, handed on
+    released.clear()
+    assert job.state is JobState.SETTLING and job.abandon(RuntimeError("field b failed"))
+    with d._cond:
+        d._pending.append((Job(SimpleNamespace(n_chunks=1), None, 1), _Stuck(released), np.arange(1), None, None))
+        d._pending.append((job, _Stuck(released), np.arange(2), None, handed[0]))
+        d._cond.notify_all()
+    p.close()  # (the finisher still waits for the first engine job: released after the test)
     assert job.state is JobState.FAILED and str(job.error) == "field b failed"
     assert d._python._closing  # the Python path was shut down too
 
 
-def test_the_finishers_fault_leaves_a_stale_hand_off_to_the_waiter_settling_it_again(tmp_path):
+def test_the_finishers_fault_leaves_a_stale_hand_off_to_the_waiter_settling_it_again(lane):
     """The finisher's fault fails every job queued for it, but a stale hand-off's job (its settle interrupted,
     a waiter settling it again under a newer claim) is that waiter's: left be, as shutdown leaves it, and
     failed with the fault when that waiter hands it on again."""
-    if native.Engine is None:
-        pytest.skip("stoker._native is not available")
-    uri = _corrupt_volume(tmp_path / "a.zarr")
-    p = stoker.Pipeline(stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2,
-                                      pop_timeout_s=10.0, device="cpu"))
-    released = threading.Event()
-    try:
-        p.push([stoker.Sample(uri, [(0, 8), (16, 32), (16, 32)])])
-        p.pop().release()  # (the lane and its decoder are made for the first batch)
-        d = p._executor.decoders.native
-        claims: list[int] = []
-        job = Job(SimpleNamespace(n_chunks=2), None, 2)
+    _, d, released = lane
+    claims: list[int] = []
+    job = Job(SimpleNamespace(n_chunks=2), None, 2)
 
-        class Done:
-            def wait(self, timeout=None):
-                return True
+    class Done:
+        def wait(self, timeout=None):
+            return True
 
-        class Stuck:
-            def wait(self, timeout=None):
-                return released.wait(timeout)
-
-        job.settled_by(Done(), lambda j, e: claims.append(j.claim))
-        job.wait(0.01)  # claimed, handed on (the hand-off queued below)
-        job._interrupted(lambda j, e: claims.append(j.claim), Done())  # put back: that hand-off is stale
-        job.wait(0.01)  # a waiter claims it again and is settling it
-        assert job.state is JobState.SETTLING and claims[1] != claims[0]
-        head = Job(SimpleNamespace(n_chunks=1), None, 1)
-        with d._cond:  # (the finisher waits for the head's engine job until the end: it takes neither)
-            d._pending.append((head, Stuck(), np.arange(1), None, None))
-            d._pending.append((job, Done(), np.arange(2), None, claims[0]))
-            d._cond.notify_all()
-        fault = internal_error("stoker-engine-finisher", RuntimeError("an injected bug"))
-        d._faulted(fault)
-        assert head.error is fault  # a job queued for the finisher fails with its fault
-        assert job.state is JobState.SETTLING and job.error is None  # its waiter's still
-        d._to_finisher(job, Done(), None, claims[1])  # that waiter hands it on: failed with the fault
-        assert job.state is JobState.FAILED and job.error is fault
-    finally:
-        p.close()
-        released.set()
+    job.settled_by(Done(), lambda j, e: claims.append(j.claim))
+    job.wait(0.01)  # claimed, handed on (the hand-off queued below)
+    job._interrupted(lambda j, e: claims.append(j.claim), Done())  # put back: that hand-off is stale
+    job.wait(0.01)  # a waiter claims it again and is settling it
+    assert job.state is JobState.SETTLING and claims[1] != claims[0]
+    head = Job(SimpleNamespace(n_chunks=1), None, 1)
+    with d._cond:  # (the finisher waits for the head's engine job until the end: it takes neither)
+        d._pending.append((head, _Stuck(released), np.arange(1), None, None))
+        d._pending.append((job, Done(), np.arange(2), None, claims[0]))
+        d._cond.notify_all()
+    fault = internal_error("stoker-engine-finisher", RuntimeError("an injected bug"))
+    d._faulted(fault)
+    assert head.error is fault  # a job queued for the finisher fails with its fault
+    assert job.state is JobState.SETTLING and job.error is None  # its waiter's still
+    d._to_finisher(job, Done(), None, claims[1])  # that waiter hands it on: failed with the fault
+    assert job.state is JobState.FAILED and job.error is fault
 
 
 def test_the_kept_internal_error_holds_none_of_the_faulted_tasks_batch(volume, monkeypatch):
@@ -311,7 +304,7 @@ def test_the_kept_internal_error_holds_none_of_the_faulted_tasks_batch(volume, m
     faulted = _fail_the_first_task(monkeypatch)
     p = stoker.Pipeline(_cfg(transform=None))
     try:
-        p.push(_crops(uri, 4))
+        p.push(first_planes_crops(uri, 4))
         with pytest.raises(stoker.InternalError) as raised:
             for _ in range(2):
                 p.pop().release()

@@ -41,39 +41,11 @@ from stoker.engine.gpu.frames import ZSTD, parse_zstd
 from stoker.engine.gpu.streams import HostStreams, poll
 from stoker.engine.pipeline import facade as pipelines
 from batch_oracle import random_crops
+from hung_device import Hung, the_stuck_warning
 
 pytestmark = pytest.mark.timeout(120)
 
 SHAPE, CHUNKS = (16, 64, 64), (8, 32, 32)
-
-
-class Hung(HostStreams):
-    """The host stand-in with events: each done once recorded, until :meth:`hang`; from then on none is ever
-    done (a hung device). ``recorded``: the events made so far."""
-
-    def __init__(self) -> None:
-        self.hung = False
-        self.recorded: list[HungEvent] = []
-
-    def hang(self) -> None:
-        self.hung = True
-
-    def record(self, stream):
-        self.recorded.append(HungEvent(self))
-        return self.recorded[-1]
-
-
-class HungEvent:
-    def __init__(self, owner) -> None:
-        self.owner = owner
-        self.queries = 0
-
-    def query(self) -> bool:
-        self.queries += 1
-        return not self.owner.hung
-
-    def synchronize(self) -> None:
-        raise AssertionError("a wait for the device without a limit")
 
 
 @pytest.fixture(scope="module")
@@ -152,14 +124,8 @@ def test_close_on_a_hung_device_stops_at_the_deadline_warns_once_and_keeps_the_t
     assert transfer._stage is not None and transfer._work is not None
     before = len(gpu_streams.kept())
     backend.hang()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        p.close()
-        p.close()
-        ex.close()  # (its own close again: the stream was given up on already)
-    stuck = [w for w in caught if issubclass(w.category, RuntimeWarning) and "did not finish" in str(w.message)]
-    assert len(stuck) == 1, [str(w.message) for w in caught]
-    message = str(stuck[0].message)
+    # (the executor's own close again last: the stream was given up on already)
+    message = the_stuck_warning(p.close, p.close, ex.close)
     assert "the transfer stream(s) of CudaExecutor on cpu" in message and "within 0.2 s" in message, message
     assert "restart the process to free them" in message
     assert transfer.stuck

@@ -314,24 +314,12 @@ def _corrupt(path, key, how):
 
 @pytest.mark.parametrize("codec", ["zstd", "lz4"])
 @pytest.mark.parametrize("how", ["truncate", "flip"])
-def test_a_corrupt_chunk_fails_its_batch_with_the_cpu_path_s_error(tmp_path, gpu_decode, codec, how):
+def test_a_corrupt_chunk_fails_its_batch_with_the_cpu_path_s_error(tmp_path, codec, how):
     comp = ZstdCodec(level=3) if codec == "zstd" else BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")
     z, data = _write(tmp_path / "a.zarr", (16, 32, 32), (8, 16, 16), "uint16", comp)
     _corrupt(str(tmp_path / "a.zarr"), "c/1/0/1", how)
     samples = [stoker.Sample(str(tmp_path / "a.zarr"), [(0, 16), (0, 32), (0, 32)])]
-    errors = []
-    for factory in (None, executors.make_executor):
-        with pytest.MonkeyPatch.context() as mp:
-            if factory is not None:
-                mp.setattr(pipelines, "make_executor", factory)
-            cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=1, host_buffer_bytes=64 << 20,
-                                device_buffer_bytes=64 << 20)
-            with stoker.Pipeline(cfg) as p:
-                p.push(samples)
-                with pytest.raises(DecodeError) as e:
-                    p.pop()
-                errors.append(e.value)
-    gpu, cpu = errors
+    gpu, cpu = _first_pop_errors(samples, DecodeError, n_compute_threads=1)
     assert type(gpu) is type(cpu) and gpu.key == cpu.key == "c/1/0/1" and gpu.uri == cpu.uri
     assert str(tmp_path / "a.zarr") in str(gpu) and "c/1/0/1" in str(gpu)
 
@@ -920,6 +908,33 @@ def test_close_returns_while_the_reader_is_in_a_compiled_read(tmp_path, monkeypa
         assert not thread.is_alive(), thread.name
 
 
+def _first_pop_errors(samples, error: type[Exception], n_compute_threads: int,
+                      python_reads: bool = False) -> tuple[Exception, Exception]:
+    """The ``error`` the first pop of ``samples`` raises with the GPU-decode executor (on the CPU; with
+    ``python_reads``, its Python reads rather than the compiled ones) and with the CPU path's executor."""
+    from stoker.engine.gpu import native_reads
+
+    errors = []
+    for gpu in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            if gpu:
+                mp.setattr(pipelines, "make_executor",
+                           lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store))
+                if python_reads:
+                    mp.setattr(native_reads, "available", lambda: False)
+            else:
+                mp.setattr(pipelines, "make_executor", executors.make_executor)
+            cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=n_compute_threads,
+                                host_buffer_bytes=64 << 20, device_buffer_bytes=64 << 20)
+            with stoker.Pipeline(cfg) as p:
+                p.push(samples)
+                with pytest.raises(error) as e:
+                    p.pop()
+                errors.append(e.value)
+    gpu_error, cpu_error = errors
+    return gpu_error, cpu_error
+
+
 def _damage(root, how):
     """An array damaged ``how``; returns its sample and the key the error names (None: the array's whole)."""
     if how in ("fifo", "directory", "oversized"):
@@ -947,28 +962,19 @@ def _damage(root, how):
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled-reads", "python-reads"])
 @pytest.mark.parametrize("how", ["fifo", "directory", "oversized", "truncated shard", "corrupt inner chunk"])
-def test_damaged_files_fail_with_the_cpu_path_s_typed_error(tmp_path, monkeypatch, compiled, how):
+def test_damaged_files_fail_with_the_cpu_path_s_typed_error(tmp_path, request, compiled, how):
     from stoker.engine.gpu import native_reads
 
     if compiled and not native_reads.available():
         pytest.skip("stoker._native is not built")
+    if compiled and how == "directory":  # (this test ran the CPU path twice until both paths shared a helper)
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "known bug: the compiled reads report a directory as ST_NOT_REGULAR, the fetch they fall back on "
+            "reads it as missing (LocalStore._read): the GPU path fills the chunk where the CPU path raises")))
     key = _damage(tmp_path, how)
     samples = [stoker.Sample(str(tmp_path / "a.zarr"), [(0, 16), (0, 32), (0, 32)])]
-    errors = []
-    for factory in (None, executors.make_executor):
-        with pytest.MonkeyPatch.context() as mp:
-            if factory is not None:
-                mp.setattr(pipelines, "make_executor", factory)
-                if not compiled:
-                    mp.setattr(native_reads, "available", lambda: False)
-            cfg = stoker.Config(batch_size=1, device="cpu", n_compute_threads=2, host_buffer_bytes=64 << 20,
-                                device_buffer_bytes=64 << 20)
-            with stoker.Pipeline(cfg) as p:
-                p.push(samples)
-                with pytest.raises(stoker.errors.StokerError) as e:
-                    p.pop()
-                errors.append(e.value)
-    cpu, gpu = errors
+    gpu, cpu = _first_pop_errors(samples, stoker.errors.StokerError, n_compute_threads=2,
+                                 python_reads=not compiled)
     assert type(gpu) is type(cpu), (gpu, cpu)
     assert getattr(gpu, "key", None) == getattr(cpu, "key", None)
     if key is not None:  # the chunk, by its key (an inner chunk: its shard's key and index) or its file's path

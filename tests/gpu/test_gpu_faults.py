@@ -13,8 +13,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-import zarr
-from zarr.codecs import ZstdCodec
 
 import stoker
 from stoker.engine.gpu import native_reads
@@ -23,17 +21,15 @@ from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.pipeline import facade as pipelines
 from stoker.errors import InternalError, ShutdownError, pipeline_closed
 
+from batch_oracle import first_planes_crops, zstd_array
+
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpu-faults") / "v.zarr"
-    z = zarr.create_array(str(path), shape=(16, 64, 64), chunks=(8, 16, 16), dtype="uint16",
-                          compressors=ZstdCodec(level=1))
-    data = np.random.default_rng(0).integers(0, 4000, size=z.shape).astype("uint16")
-    z[:] = data
-    return str(path), data
+    data = np.random.default_rng(0).integers(0, 4000, size=(16, 64, 64)).astype("uint16")
+    return zstd_array(tmp_path_factory.mktemp("gpu-faults") / "v.zarr", data, (8, 16, 16))
 
 
 @pytest.fixture
@@ -47,12 +43,6 @@ def made(monkeypatch):
 
     monkeypatch.setattr(pipelines, "make_executor", factory)
     return executors
-
-
-def _crops(uri: str, n: int) -> list[stoker.Sample]:
-    rng = np.random.default_rng(1)
-    return [stoker.Sample(uri, [(0, 8), (int(y), int(y) + 16), (int(x), int(x) + 16)])
-            for y, x in rng.integers(0, 64 - 16, size=(n, 2))]
 
 
 def _cfg(**kw) -> stoker.Config:
@@ -106,8 +96,8 @@ def test_a_fault_of_the_reader_s_loop_is_the_next_pop_s_internal_error(volume, m
     monkeypatch.setattr(GpuDecodeExecutor, "_hand_wave", fails_once)
     p = stoker.Pipeline(_cfg())
     try:
-        p.push(_crops(uri, 8))
-        err = _next_pop_fails(p, "stoker-gpu-read", _crops(uri, 2))
+        p.push(first_planes_crops(uri, 8))
+        err = _next_pop_fails(p, "stoker-gpu-read", first_planes_crops(uri, 2))
         assert err.thread == "stoker-gpu-read" and isinstance(err.__cause__, RuntimeError)
         assert injected == ["stoker-gpu-read"]
     finally:
@@ -129,7 +119,7 @@ def test_a_fault_of_the_submitter_s_loop_is_the_next_pop_s_internal_error(volume
             raise RuntimeError("an injected bug after a batch was finished")
 
     monkeypatch.setattr(GpuDecodeExecutor, "_finish", finish_then_fail)
-    samples = _crops(uri, 8)
+    samples = first_planes_crops(uri, 8)
     p = stoker.Pipeline(_cfg())
     try:
         p.push(samples)
@@ -162,8 +152,8 @@ def test_a_read_pool_task_s_fault_fails_its_batch_with_an_internal_error(volume,
     monkeypatch.setattr(native_reads, "available", lambda: False)  # the Python reads, on the read pool's threads
     p = stoker.Pipeline(_cfg(n_compute_threads=4))
     try:
-        p.push(_crops(uri, 8))
-        err = _next_pop_fails(p, "stoker-gpu-read_", _crops(uri, 2))
+        p.push(first_planes_crops(uri, 8))
+        err = _next_pop_fails(p, "stoker-gpu-read_", first_planes_crops(uri, 2))
         assert isinstance(err.__cause__, RuntimeError) and err.thread in injected
     finally:
         _closed(p, made[0])
@@ -204,7 +194,7 @@ def test_a_shutdown_error_escaping_the_reader_at_the_close_stays_a_shutdown_erro
     monkeypatch.setattr(threading, "excepthook", hooked.append)
     p = stoker.Pipeline(_cfg(batch_size=1, lookahead_batches=4))
     try:
-        p.push(_crops(uri, 4))
+        p.push(first_planes_crops(uri, 4))
         with p.pop():
             pass
         for _ in range(100):  # bounded: 10 s; the lookahead's batches are submitted (queued behind the second)

@@ -60,7 +60,7 @@ def _guards_intact(whole: np.ndarray) -> bool:
 # stage_read
 
 
-def _read_counted(buf, paths, files, reads, whole_base, threads):
+def _read_counted(buf, paths, files, reads, whole_base, threads, *idents):
     """:func:`native_reads.read`, and the opens and reads the compiled call counted (its own return)."""
     counts = []
     real = native.stage_read
@@ -71,7 +71,7 @@ def _read_counted(buf, paths, files, reads, whole_base, threads):
 
     native.stage_read = counted
     try:
-        out = native_reads.read(buf, paths, files, reads, whole_base, threads)
+        out = native_reads.read(buf, paths, files, reads, whole_base, threads, *idents)
     finally:
         native.stage_read = real
     return (out, *counts[0])
@@ -469,30 +469,21 @@ def test_readers_cancelled_read_nothing_and_say_so(tmp_path, threads):
                       [3, native_reads.ENTRY, 4000, 0]], np.int64)
     whole, buf = _guarded(40000)
     idents = (b"x", np.array([[0, 1]] * len(reads), np.int64))
-    counted = []
     if threads == "readers":
         readers = native_reads.Readers(4)
         readers.cancel()
-        real = native.stage_read
-
-        def counting(*args, **kw):
-            counted.append(real(*args, **kw))
-            return counted[-1]
-
-        native.stage_read = counting
         try:
-            out = native_reads.read(buf, paths, files, reads, 300, readers, idents)
+            out, *counted = _read_counted(buf, paths, files, reads, 300, readers, idents)
         finally:
-            native.stage_read = real
             assert readers.close(5.0)
     else:
         flag = native.stage_cancel_flag()
         native.stage_cancel(flag)
         out = np.zeros((len(reads), 4), np.int64)
-        counted.append(native.stage_read(buf, paths, files, reads, out, 300, threads, *idents, cancel=flag))
+        counted = list(native.stage_read(buf, paths, files, reads, out, 300, threads, *idents, cancel=flag))
     assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_CANCELLED] * len(reads)
     assert (out[:, native_reads.AT] == -1).all() and (out[:, native_reads.NREAD] == 0).all()
-    assert native_reads.cancelled(out) and counted[0] == (0, 0)  # (opens, preads)
+    assert native_reads.cancelled(out) and counted == [0, 0]  # (opens, preads)
     assert (whole == 0xA5).all()
 
 
@@ -574,13 +565,9 @@ def test_reader_threads_block_signals(tmp_path):
     """A signal for the process (Ctrl-C, a launcher's SIGTERM) is never delivered to a pooled reader thread,
     where it would cut a read short: they block every signal, started by csrc/threads.c's thread_start as the
     engine's workers are; the caller's mask is as it was."""
-    import signal
-    import threading
     import time
 
-    def blocked(tid):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            return int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+    from thread_signals import assert_block_process_signals
 
     def named(tid):
         try:
@@ -601,11 +588,7 @@ def test_reader_threads_block_signals(tmp_path):
         while len(new := helpers() - before) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)  # each names itself as it starts: one may not have run yet
         assert readers.info()[:3] == (3, 3, 3) and len(new) == 3, (readers.info(), new)
-        for tid in new:
-            mask = blocked(tid)
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGCHLD):
-                assert mask >> (sig - 1) & 1, (tid, hex(mask), sig)
-        assert not blocked(threading.get_native_id()) >> (signal.SIGINT - 1) & 1
+        assert_block_process_signals(new)
     finally:
         assert readers.close(5.0)
 
@@ -647,24 +630,11 @@ def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
 def _child_verdicts(forks: int, child, wait_s: float = 20.0) -> list[str]:
     """``forks`` children forked one after another, each running ``child()`` (True: sound) and exiting with its
     verdict; the parent waits ``wait_s`` at most for each (then kills it: "hung"). The verdicts, first bad on."""
-    import time
+    from forking import fork_child, verdict
 
-    verdicts = []
+    verdicts: list[str] = []
     for _ in range(forks):
-        pid = os.fork()
-        if pid == 0:  # (the child: nothing raised out of here, its verdict is its exit status)
-            code = 3
-            try:
-                code = 0 if child() else 2
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + wait_s
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if done[0] == 0:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        verdicts.append("hung" if done[0] == 0 else f"exit {os.waitstatus_to_exitcode(done[1])}")
+        verdicts.append(verdict(fork_child(child), wait_s))
         if verdicts[-1] != "exit 0":
             break
     return verdicts

@@ -31,11 +31,12 @@ from stoker.engine.gpu.executor import GpuDecodeExecutor
 from stoker.engine.gpu.reference import HostDecoder
 from stoker.engine import buffers
 from stoker.engine.gpu import streams as gpu_streams
-from stoker.engine.gpu.streams import CudaStreams, HostStreams, WaveStreams
+from stoker.engine.gpu.streams import CudaStreams, WaveStreams
 from stoker.engine.hybrid.executor import HybridExecutor
 from stoker.engine.hybrid.split import Shares
 from stoker.engine.pipeline import facade as pipelines
 from batch_oracle import random_crops
+from hung_device import Hung, the_stuck_warning
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -495,31 +496,6 @@ def test_the_recorder_finds_the_staging_written_before_a_decoder_without_copied_
 
 # -- a device that never finishes: close() waits a bounded time and keeps what the streams may write -------
 
-class Hung(HostStreams):
-    """The host stand-in with events: each done once recorded, until :meth:`hang`; from then on none is ever
-    done (a hung device). A wait without a limit (``synchronize``) would never return: it fails instead."""
-
-    def __init__(self) -> None:
-        self.hung = False
-
-    def hang(self) -> None:
-        self.hung = True
-
-    def record(self, stream):
-        return _HostEvent(self)
-
-
-class _HostEvent:
-    def __init__(self, owner: Hung) -> None:
-        self.owner = owner
-
-    def query(self) -> bool:
-        return not self.owner.hung
-
-    def synchronize(self) -> None:
-        raise AssertionError("a wait for the device without a limit")
-
-
 def test_wave_streams_wait_a_bounded_time_and_name_the_streams_not_done():
     backend = Hung()
     lanes = WaveStreams(backend)
@@ -535,8 +511,6 @@ def test_close_on_a_hung_device_warns_once_and_keeps_what_its_streams_may_write(
     write or read (slots, device copies, scratches, the decoder, the pinned staging; the hybrid's host slots)
     referenced rather than freed, each ring holding its slots (none handed to the spare slots, though the
     hybrid's host slots are plain memory here); a second close warns no more."""
-    import warnings
-
     monkeypatch.setattr(gpu_streams, "CLOSE_WAIT_S", 0.2)
     spare = buffers.SpareSlots(buffers.SPARE_SLOT_BYTES)  # (the closed rings' slots go here, or not at all)
     monkeypatch.setattr(buffers, "SPARE_SLOTS", spare)
@@ -558,15 +532,9 @@ def test_close_on_a_hung_device_warns_once_and_keeps_what_its_streams_may_write(
     assert len(got) == 2
     before = len(gpu_streams.kept())
     backend.hang()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        p.close()
-        p.close()
-        made[0].close()
-    stuck = [w for w in caught if issubclass(w.category, RuntimeWarning) and "did not finish" in str(w.message)]
-    assert len(stuck) == 1, [str(w.message) for w in caught]
-    assert "copy, decode, place stream(s)" in str(stuck[0].message) and "kept" in str(stuck[0].message)
-    assert "restart the process to free them" in str(stuck[0].message)  # what to do about it
+    message = the_stuck_warning(p.close, p.close, made[0].close)
+    assert "copy, decode, place stream(s)" in message and "kept" in message
+    assert "restart the process to free them" in message  # what to do about it
     ex = made[0].gpu if where == "hybrid" else made[0]
     assert ex.stuck == ["copy", "decode", "place"]
     kept = {id(x) for x in gpu_streams.kept()[before:]}
@@ -616,17 +584,13 @@ def test_a_hung_device_holds_a_pipeline_of_fields_close_one_wait_for_all_its_exe
     batch = p.pop()
     assert sorted(batch.keys()) == fields
     backend.hang()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        p.close()
+    message = the_stuck_warning(p.close)
     lanes = made[1:]  # (made[0]: the pipeline's own, which made no batch: no streams to wait for)
     assert len(lanes) == 4 and all(ex.stuck == ["copy", "decode", "place"] for ex in lanes)
     assert len(deadlines) == 4 and None not in deadlines and len(set(deadlines)) == 1, deadlines
     assert 0 < sum(slept) <= 0.2, (len(slept), sum(slept))
-    stuck = [w for w in caught if issubclass(w.category, RuntimeWarning) and "did not finish" in str(w.message)]
-    assert len(stuck) == 1, [str(w.message) for w in caught]
-    assert all(f"copy, decode, place stream(s) of GpuDecodeExecutor on cpu (field '{name}')" in str(stuck[0].message)
-               for name in fields), str(stuck[0].message)
+    assert all(f"copy, decode, place stream(s) of GpuDecodeExecutor on cpu (field '{name}')" in message
+               for name in fields), message
 
 
 # -- on a GPU (marked cuda: run by benchmarks/gpu_checks.sh on a lent one) ----------------------------------
@@ -828,8 +792,6 @@ def test_on_a_gpu_close_while_a_stream_is_busy_waits_a_bounded_time_and_keeps_it
     waiting after CLOSE_WAIT_S (0.2 s), warns once naming the place stream, and keeps the executor's device
     buffers referenced rather than free them under that work; the device finishes afterwards."""
     _needs_nvcomp()
-    import warnings
-
     monkeypatch.setattr(gpu_streams, "CLOSE_WAIT_S", 0.2)
     made = []
 

@@ -58,6 +58,15 @@ def served(tmp_path):
         server.server_close()
 
 
+def _cached_config(url: str, cache_dir) -> stoker.Config:
+    """A batch of a crop of every array of the bucket served at ``url``, read through a disk cache at
+    ``cache_dir``."""
+    options = {f"s3://{BUCKET}/": {"endpoint": url, "region": "us-east-1", "skip_signature": True,
+                                   "allow_http": True, "timeout_s": 30.0}}
+    return stoker.Config(batch_size=N_ARRAYS, dtype="native", n_compute_threads=1, pop_timeout_s=60,
+                         storage_options=options, cache_dir=str(cache_dir), cache_bytes=64 << 20)
+
+
 def _epoch(cfg: stoker.Config, root: str) -> None:
     """One batch of a crop of each array, each equal to zarr-python's."""
     with stoker.Pipeline(cfg) as p:
@@ -72,10 +81,7 @@ def _epoch(cfg: stoker.Config, root: str) -> None:
 
 def test_cached_arrays_opened_together_are_listed_in_one_round_trip(served, tmp_path):
     root, url, server = served
-    options = {f"s3://{BUCKET}/": {"endpoint": url, "region": "us-east-1", "skip_signature": True,
-                                   "allow_http": True, "timeout_s": 30.0}}
-    cfg = stoker.Config(batch_size=N_ARRAYS, dtype="native", n_compute_threads=1, pop_timeout_s=60,
-                        storage_options=options, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20)
+    cfg = _cached_config(url, tmp_path / "cache")
     _epoch(cfg, root)
     server.arrivals.clear()
     _epoch(cfg, root)
@@ -94,10 +100,7 @@ def test_the_coordinator_asks_no_listing_of_a_burst_of_opens_itself(served, tmp_
     # a disk look-up and a request started, held up the coordinator's planning and the first opens); they
     # still go out together, and every value equals zarr-python's
     root, url, server = served
-    options = {f"s3://{BUCKET}/": {"endpoint": url, "region": "us-east-1", "skip_signature": True,
-                                   "allow_http": True, "timeout_s": 30.0}}
-    cfg = stoker.Config(batch_size=N_ARRAYS, dtype="native", n_compute_threads=1, pop_timeout_s=60,
-                        storage_options=options, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20)
+    cfg = _cached_config(url, tmp_path / "cache")
     _epoch(cfg, root)
     callers: list[str] = []
     real = Stores.opening

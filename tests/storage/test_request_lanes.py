@@ -35,6 +35,13 @@ def server(tmp_path):
     srv.stop()
 
 
+def _on_the_loop(loop, call) -> None:
+    """``call()`` run on ``loop``'s thread (the shared event loop's), waited for (10 s at most)."""
+    done = threading.Event()
+    loop.call_soon_threadsafe(lambda: (call(), done.set()))
+    assert done.wait(10)
+
+
 class _TaskCount:
     """Tasks created on the shared event loop while the block runs (its task factory, swapped in and back)."""
 
@@ -50,9 +57,7 @@ class _TaskCount:
         return self
 
     def _set(self, factory) -> None:
-        done = threading.Event()
-        self.loop.call_soon_threadsafe(lambda: (self.loop.set_task_factory(factory), done.set()))
-        assert done.wait(10)
+        _on_the_loop(self.loop, lambda: self.loop.set_task_factory(factory))
 
     def __exit__(self, *exc) -> None:
         self._set(None)
@@ -130,9 +135,7 @@ class _LoopCalls:
     def _set(self, profile) -> None:
         import sys
 
-        done = threading.Event()
-        self.loop.call_soon_threadsafe(lambda: (sys.setprofile(profile), done.set()))
-        assert done.wait(10)
+        _on_the_loop(self.loop, lambda: sys.setprofile(profile))
 
     def __exit__(self, *exc) -> None:
         self._set(None)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..storage.fsutil import write_once
-from .records import steady_rate
+from .records import steady_rate, zarr_python_peer
 
 SPEC = {"mesh_pos": ("T", "N", 3), "thickness": ("N",), "edges": (2, "E"), "params": (4,)}
 _FORMAT = "stoker-bench-meshes"
@@ -56,22 +56,6 @@ def ensure_meshes(root: Path, n: int, nodes: tuple[int, int], steps: int, progre
     return base
 
 
-class ZarrPythonMeshes(torch.utils.data.Dataset):
-    """The peer's dataset: one record per item through zarr-python, opened in each worker."""
-
-    def __init__(self, root: Path) -> None:
-        self.paths = sorted(str(p) for p in root.glob("run_*.zarr"))
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> dict:
-        import zarr
-
-        g = zarr.open_group(self.paths[i], mode="r")
-        return {k: torch.from_numpy(g[k][:]) for k in SPEC}
-
-
 def hand_collate(samples: list[dict]) -> dict:
     """What a user writes without ``Concat(along=...)``: nodes along N, edges along E shifted by the nodes of
     the samples before, parameters stacked, PyG's batch vector."""
@@ -105,9 +89,7 @@ def run_meshes(root: Path, n: int, batch_size: int, n_batches: int, nodes: tuple
         raise AssertionError("Concat(along) and the hand collate disagree")
     with Loader(ds, batch_size, collate=Concat(increment={"edges": "N"}), seed=0, n_threads=threads) as loader:
         stoker_rate = steady_rate(loader, n_batches, batch_size, in_flight)
-    dl = torch.utils.data.DataLoader(ZarrPythonMeshes(base), batch_size=batch_size, shuffle=True,
-                                     num_workers=_DL_WORKERS, collate_fn=hand_collate,
-                                     generator=torch.Generator().manual_seed(0))
+    dl = zarr_python_peer(base, "run_*.zarr", tuple(SPEC), batch_size, _DL_WORKERS, hand_collate)
     dl_rate = steady_rate(dl, n_batches, batch_size, in_flight)
     return "\n".join([
         f"records --mesh: {n} meshes (T={steps}, N {nodes[0]:,}-{nodes[1]:,}, E = 3N), batch {batch_size}, "

@@ -55,11 +55,25 @@ def _write_records(base: Path, n: int, progress: bool) -> None:
     (base / ".complete").write_text(json.dumps({"format": "stoker-bench-records", "n": n}))  # last
 
 
-class _ZarrPython(torch.utils.data.Dataset):
-    """The peer: one record per item through zarr-python, opened lazily in each worker."""
+def zarr_python_peer(root: Path, pattern: str, keys: tuple[str, ...], batch_size: int, workers: int,
+                     collate) -> torch.utils.data.DataLoader:
+    """The peer of the record Loader (here and in ``records --mesh``): a shuffled, seeded DataLoader of
+    ``workers`` processes over :class:`ZarrPythonRecords`, batched by ``collate``.
 
-    def __init__(self, root: Path) -> None:
-        self.paths = sorted(str(p) for p in root.glob("r*.zarr"))
+    >>> dl = zarr_python_peer(root, "r*.zarr", ("points", "features"), 32, 4, collate)  # doctest: +SKIP
+    """
+    return torch.utils.data.DataLoader(ZarrPythonRecords(root, pattern, keys), batch_size=batch_size, shuffle=True,
+                                       num_workers=workers, collate_fn=collate,
+                                       generator=torch.Generator().manual_seed(0))
+
+
+class ZarrPythonRecords(torch.utils.data.Dataset):
+    """One record group per item (those under ``root`` matching ``pattern``), its arrays ``keys`` read whole
+    through zarr-python, opened lazily in each worker."""
+
+    def __init__(self, root: Path, pattern: str, keys: tuple[str, ...]) -> None:
+        self.paths = sorted(str(p) for p in root.glob(pattern))
+        self.keys = keys
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -68,7 +82,7 @@ class _ZarrPython(torch.utils.data.Dataset):
         import zarr
 
         g = zarr.open_group(self.paths[i], mode="r")
-        return {k: torch.from_numpy(g[k][:]) for k in ("points", "features")}
+        return {k: torch.from_numpy(g[k][:]) for k in self.keys}
 
 
 def _concat(samples: list[dict]) -> dict:
@@ -146,9 +160,7 @@ def run(root: Path, n_small: int, n_large: int, batch_size: int, n_batches: int)
     ds = ZarrRecords(small, fields=["points", "features"])
     with Loader(ds, batch_size, collate="concat", shuffle=True, seed=0, n_threads=cores) as loader:
         stoker_rate = steady_rate(loader, n_batches, batch_size, in_flight)
-    dl = torch.utils.data.DataLoader(_ZarrPython(small), batch_size=batch_size, shuffle=True,
-                                     num_workers=cores, collate_fn=_concat,
-                                     generator=torch.Generator().manual_seed(0))
+    dl = zarr_python_peer(small, "r*.zarr", ("points", "features"), batch_size, cores, _concat)
     dl_rate = steady_rate(dl, n_batches, batch_size, in_flight)
     a, b = _construction(small), _construction(large)
     lines = [
