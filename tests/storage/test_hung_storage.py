@@ -88,6 +88,35 @@ def test_fifo_as_chunk_file(tmp_path, fifo, decode_path):
     _pipeline_raises(uri)  # the compiled reader's own open refuses it too
 
 
+@pytest.mark.parametrize("shards", [None, (4, 4)], ids=["chunk", "shard"])
+def test_directory_as_chunk_file_is_refused_by_every_reader(tmp_path, decode_path, shards):
+    """Not blocking, but the same rule: a store reads a directory at a key as no value (as zarr-python does),
+    yet a directory where a chunk (or shard) file should be is damage, never the fill value: the reader (and
+    the records read through it) raises the engine's StorageError naming it, as the pipeline does."""
+    uri = _array(tmp_path / "a.zarr", shards=shards)
+    path = tmp_path / "a.zarr" / "c" / "0" / "0"
+    path.unlink()
+    path.mkdir()
+    for box in (np.s_[0:4, 0:4], np.s_[0:8, 0:8]):  # the chunk alone (encoded_chunk), and among others
+        with pytest.raises(stoker.StorageError, match="is a directory, not a regular file") as info:
+            stoker.open_array(uri, store=LocalStore()).read(box)
+        assert info.value.path == str(path)
+    _pipeline_raises(uri, match="is a directory, not a regular file")
+    path.rmdir()  # nothing there: the fill value, as zarr-python reads it
+    np.testing.assert_array_equal(stoker.open_array(uri, store=LocalStore()).read(np.s_[0:8, 0:8]),
+                                  zarr.open_array(uri, mode="r")[...])
+
+
+def test_directory_as_chunk_file_in_records(tmp_path):
+    root = _records(tmp_path / "d")
+    ds = ZarrRecords(root, store=LocalStore())
+    os.unlink(tmp_path / "d" / "rec_1.zarr" / "x" / "c" / "0" / "0")
+    os.mkdir(tmp_path / "d" / "rec_1.zarr" / "x" / "c" / "0" / "0")
+    assert float(ds[0]["x"][0, 0]) == 0.0
+    with pytest.raises(stoker.StorageError, match="is a directory, not a regular file"):
+        ds[1]
+
+
 @pytest.mark.parametrize("fmt,name", [(3, "zarr.json"), (2, ".zarray")])
 def test_fifo_as_metadata(tmp_path, fifo, fmt, name):
     uri = _array(tmp_path / "a.zarr", fmt=fmt)

@@ -30,7 +30,7 @@ from ..errors import (DecodeError, InvalidArgument, MetadataError, NotFound, Out
                       as_value)
 from ..storage import ByteRange, FileChanged, FileStore, Identity, LocalStore, Store, default_store
 from ..storage.hierarchy import Hierarchy
-from ..storage.local import identity
+from ..storage.local import identity, refuse_irregular
 from ..storage.store import get_each, get_many, stamp
 from ..storage.locate import Stores, default_stores, locate
 from ..zarr.fields import show
@@ -406,11 +406,21 @@ class ArrayReader:
         codec = self.metadata.codec
         for (piece, loc), data in itertools.chain(zip(whole, values), zip(ranged, parts)):
             if data is None:  # a chunk not stored: the fill value
+                if loc.offset is None:
+                    self._no_value(loc)
                 out[piece.box_sel] = self.metadata.fill_value
                 continue
             if loc.offset is None:
                 codec.check_stored_size(len(data), loc.key)
             out[piece.box_sel] = codec.decode(data, loc.key)[piece.chunk_sel]
+
+    def _no_value(self, loc: ChunkLocation) -> None:
+        """A chunk file its store holds no value for: the fill value, unless (a local array) something other
+        than a regular file is at its path: a directory reads as no value in a store (as in zarr-python), where
+        the engine refuses it (``ST_NOT_REGULAR``): :func:`~stoker.storage.local.not_regular`'s StorageError, the
+        same on every path that reads chunks through this reader (the GPU decode's fallback fetch, records)."""
+        if self.kv.is_local:
+            refuse_irregular(loc.path)
 
     def _refuse_oversized(self, whole: list[ChunkLocation]) -> None:
         """Local chunk files larger than the codecs can write are refused by their size before a byte is read
@@ -484,6 +494,7 @@ class ArrayReader:
             try:
                 data = self.kv.get(self.key_of(loc.path))
             except NotFound:
+                self._no_value(loc)
                 return None
             self.metadata.codec.check_stored_size(len(data), loc.key)
             return data
@@ -544,6 +555,8 @@ class ArrayReader:
         for _ in range(attempts):
             out, generations = get_each(self.kv, [self._index_range(shard_key)], versions=True)
             if isinstance(out[0], NotFound):
+                if self.kv.is_local:  # a directory there is no value to the store, but no missing shard
+                    refuse_irregular(self.file_path(shard_key))
                 return None
             if isinstance(out[0], (StorageError, FileChanged)):
                 raise self.index_error(shard_key, out[0])

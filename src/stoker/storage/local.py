@@ -64,6 +64,25 @@ def not_regular(path: str, mode: int) -> StorageError:
     )
 
 
+def refuse_irregular(path: str) -> None:
+    """Raise :func:`not_regular` when what is at ``path`` is not a regular file (a directory, a FIFO); return
+    when nothing is there, or a regular file. For a chunk file its store read as no value: a
+    :class:`~stoker.storage.files.FileStore` reads a directory at a key as no value (as zarr-python's store
+    does, and as every store reads a prefix), where stoker reads chunks only from regular files (the engine's
+    ``ST_NOT_REGULAR``), never the fill value in their place.
+
+    >>> refuse_irregular("/no/such/file")   # nothing there: the caller's fill value
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno in _MISSING:
+            return
+        raise StorageError(f"cannot stat {path}: {exc.strerror}", path=path) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise not_regular(path, st.st_mode)
+
+
 def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result] | None:
     """``(descriptor, its stat)`` of the regular file at ``path``, read-only; ``None`` when it does not exist.
 
