@@ -39,9 +39,85 @@
 
 #if defined(__APPLE__) /* the same time under another name */
 #define ENTRY_MTIME(st) ((st)->st_mtimespec)
+#define ENTRY_CTIME(st) ((st)->st_ctimespec)
 #else
 #define ENTRY_MTIME(st) ((st)->st_mtim)
+#define ENTRY_CTIME(st) ((st)->st_ctim)
 #endif
+
+/* Entries whose payload this process checked, by file identity: a later read of the same file, unchanged
+ * (device, inode, size, mtime and ctime all the same, and the header's crc), skips the payload's crc32c. A
+ * cached epoch reads each entry many times (S1 reads its folder seven times over in an epoch): the crc was a
+ * fifth of the engine's extra work over local files. Every way a file changes through the file system moves
+ * its ctime (a write, a truncate, a rename onto its name makes another inode, utime too), and the kernel sets
+ * that from its own clock, which user code cannot set back; a file is only remembered once its ctime is settled
+ * when checked (VERIFIED_SETTLED_NS old where the file system keeps parts of a second, a hundred times a jiffy;
+ * VERIFIED_SETTLED_COARSE_S where its times are whole seconds), so a change after that lands on a later time
+ * although timestamps are coarse. What it does not see is a disk corrupting bytes beneath
+ * the page cache after the check, in this process's lifetime; a new process checks every entry once again, and
+ * STOKER_CHECK_EVERY_READ=1 (true, yes) checks at every read. Direct-mapped slots (a collision forgets the older
+ * one: it is checked again), taken with trylock only: a reader never waits on another, and a forked child
+ * whose parent held the lock checks every entry. */
+#define VERIFIED_SLOTS 16384 /* a power of two */
+#define VERIFIED_SETTLED_NS 100000000LL
+#define VERIFIED_SETTLED_COARSE_S 2
+typedef struct {
+    dev_t dev;
+    ino_t ino;
+    off_t size;
+    struct timespec mtime, ctime;
+    uint32_t crc;
+    int used;
+} verified_entry;
+static verified_entry verified[VERIFIED_SLOTS];
+static pthread_mutex_t verified_lock = PTHREAD_MUTEX_INITIALIZER;
+static long long verified_skips; /* payload checks skipped (entry_checks_skipped); atomic adds */
+/* STOKER_CHECK_EVERY_READ, read by crc32c_init (at the module's init, the GIL held); -1 before: no memo */
+static int check_every_read = -1;
+
+static int env_true(const char *name) {
+    const char *v = getenv(name);
+    return v != NULL && (strcmp(v, "1") == 0 || strcasecmp(v, "true") == 0 || strcasecmp(v, "yes") == 0);
+}
+
+static size_t verified_slot(const struct stat *st) {
+    uint64_t h = ((uint64_t)st->st_ino * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)st->st_dev * 0xC2B2AE3D27D4EB4Full);
+    return (size_t)(h >> 32) & (VERIFIED_SLOTS - 1);
+}
+
+static int same_time(struct timespec a, struct timespec b) { return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec; }
+
+/* Whether the file ``st`` whose header says ``crc`` was checked before, unchanged since */
+static int verified_before(const struct stat *st, uint32_t crc) {
+    if (check_every_read != 0 || pthread_mutex_trylock(&verified_lock) != 0)
+        return 0;
+    const verified_entry *v = &verified[verified_slot(st)];
+    int hit = v->used && v->dev == st->st_dev && v->ino == st->st_ino && v->size == st->st_size &&
+              same_time(v->mtime, ENTRY_MTIME(st)) && same_time(v->ctime, ENTRY_CTIME(st)) && v->crc == crc;
+    pthread_mutex_unlock(&verified_lock);
+    if (hit)
+        __atomic_add_fetch(&verified_skips, 1, __ATOMIC_RELAXED);
+    return hit;
+}
+
+/* Remember the file ``st``, its payload just found sound against ``crc``, where its ctime is settled */
+static void remember_verified(const struct stat *st, uint32_t crc) {
+    struct timespec now;
+    if (check_every_read != 0 || clock_gettime(CLOCK_REALTIME, &now) != 0)
+        return;
+    struct timespec ct = ENTRY_CTIME(st);
+    long long age_ns = ((long long)now.tv_sec - (long long)ct.tv_sec) * 1000000000LL + (now.tv_nsec - ct.tv_nsec);
+    int coarse = ct.tv_nsec == 0 && ENTRY_MTIME(st).tv_nsec == 0; /* (ns-resolution times of 0 by chance: safe) */
+    if (age_ns < (coarse ? VERIFIED_SETTLED_COARSE_S * 1000000000LL : VERIFIED_SETTLED_NS) ||
+        pthread_mutex_trylock(&verified_lock) != 0)
+        return;
+    verified[verified_slot(st)] = (verified_entry){.dev = st->st_dev, .ino = st->st_ino, .size = st->st_size,
+                                                   .mtime = ENTRY_MTIME(st), .ctime = ENTRY_CTIME(st), .crc = crc,
+                                                   .used = 1};
+    pthread_mutex_unlock(&verified_lock);
+}
+
+long long entry_checks_skipped(void) { return __atomic_load_n(&verified_skips, __ATOMIC_RELAXED); }
 
 /* Whether an entry last changed at ``st``'s mtime is to be touched now (see TOUCH_AFTER_S); one dated in the
  * future (another host's clock) is touched, so it does not outlive the rest. */
@@ -289,10 +365,7 @@ static int crc_path = -1;
 static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
 
 /* STOKER_NO_CRC_FOLD=1 (or true, yes: any case) keeps to the crc32 instruction; unset, 0, false, no do not */
-static int fold_refused(void) {
-    const char *v = getenv("STOKER_NO_CRC_FOLD");
-    return v != NULL && (strcmp(v, "1") == 0 || strcasecmp(v, "true") == 0 || strcasecmp(v, "yes") == 0);
-}
+static int fold_refused(void) { return env_true("STOKER_NO_CRC_FOLD"); }
 
 static void choose_crc_path(void) {
     int path = 0;
@@ -314,6 +387,7 @@ static void choose_crc_path(void) {
     if (path == 0)
         make_table();
     crc_path = path;
+    check_every_read = env_true("STOKER_CHECK_EVERY_READ");
 }
 
 /* The module's init calls this with the GIL held, so the environment is read there, once, and never on the
@@ -437,9 +511,14 @@ int entry_read(const char *path, entry_reading *r) {
     if (!why && !checked)
         why = check_header(r->head, r->ident, r->ident_len, n);
     if (!why) {
-        uint32_t crc = crc32c_of(0, r->head + ENTRY_HEADER_BYTES, r->ident_len);
-        if (crc32c_of(crc, r->payload, n) != (uint32_t)le(r->head + 8, 4))
-            why = ENTRY_CHECKSUM;
+        uint32_t want = (uint32_t)le(r->head + 8, 4);
+        if (!verified_before(&st, want)) { /* (the header, ident included, was checked above all the same) */
+            uint32_t crc = crc32c_of(0, r->head + ENTRY_HEADER_BYTES, r->ident_len);
+            if (crc32c_of(crc, r->payload, n) != want)
+                why = ENTRY_CHECKSUM;
+            else
+                remember_verified(&st, want);
+        }
     }
     if (!why) {
         entry_touch(fd, &st);

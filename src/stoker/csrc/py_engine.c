@@ -326,6 +326,11 @@ static PyObject *crc32c_path_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(a
     return PyUnicode_FromString(crc32c_path());
 }
 
+/* entry_checks_skipped() -> int: entry reads that skipped the payload's crc (a test hook, see entries.c) */
+static PyObject *entry_checks_skipped_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return PyLong_FromLongLong(entry_checks_skipped());
+}
+
 /* read_files(paths, max_bytes[, idents]) -> list: a read-only memoryview of each regular file's whole bytes (None:
  * missing, not a regular file, a link, larger than max_bytes or than the memory one allocation gets beside the
  * others of its group, or a read error), read as entries.c's entry_pread
@@ -654,6 +659,10 @@ PyMethodDef engine_functions[] = {
     {"crc32c_path", crc32c_path_py, METH_NOARGS,
      "crc32c_path() -> str: the way crc32c goes in this process: 'fold' (AVX-512 VPCLMULQDQ), 'fold256' (AVX2 VPCLMULQDQ), 'sse42' (the crc32 "
      "instruction; also where STOKER_NO_CRC_FOLD=1, true or yes at import) or 'table'."},
+    {"entry_checks_skipped", entry_checks_skipped_py, METH_NOARGS,
+     "entry_checks_skipped() -> int: how many disk-cache entry reads of the engine skipped the payload's crc32c: "
+     "the same file (device, inode, size, mtime, ctime, header crc), unchanged since this process checked it, "
+     "its ctime then settled (0.1 s old; 2 s on a file system of whole seconds); never where STOKER_CHECK_EVERY_READ=1, true or yes at import."},
     {"read_files", read_files_py, METH_VARARGS,
      "read_files(paths, max_bytes[, idents]) -> list: a read-only memoryview of each regular file's whole bytes, "
      "or None (missing, not a regular file, a symbolic link, larger than max_bytes, or unreadable). idents (bytes, "

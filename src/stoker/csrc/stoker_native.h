@@ -163,6 +163,8 @@ typedef struct {
     int preads;
 } entry_reading;
 int entry_read(const char *path, entry_reading *r);
+/* How many entry_read calls skipped the payload's crc32c: the same file, unchanged, checked before (entries.c) */
+long long entry_checks_skipped(void);
 /* How every reader of cache entries (entry_read, py_engine.c's read_files) reads and touches one, opened
  * O_NONBLOCK (a FIFO at an entry's name must not hang the open). entry_pread: n bytes at ``at`` into buf, made
  * again on EINTR; on EAGAIN (a file system that honours O_NONBLOCK: some FUSE and network ones) the descriptor

@@ -301,7 +301,43 @@ done:
     return result;
 }
 
+/* entry_read(path, ident, max_payload) -> (why, payload_len): entries.c's entry_read of one disk-cache entry
+ * (read whole into a buffer of its own, without the GIL), its ENTRY_* why (0: sound) */
+static PyObject *entry_read_py(PyObject *Py_UNUSED(self), PyObject *args) {
+    const char *path, *ident;
+    Py_ssize_t ident_len;
+    unsigned long long max_payload;
+    if (!PyArg_ParseTuple(args, "yy#K", &path, &ident, &ident_len, &max_payload))
+        return NULL;
+    if (max_payload > ((size_t)1 << 30)) {
+        PyErr_SetString(PyExc_ValueError, "max_payload: at most 1 GiB here");
+        return NULL;
+    }
+    size_t room = ENTRY_HEADER_BYTES + (size_t)ident_len + (size_t)max_payload;
+    char *buf = PyMem_RawMalloc(room ? room : 1);
+    if (buf == NULL)
+        return PyErr_NoMemory();
+    entry_reading r = {.ident = ident, .ident_len = (size_t)ident_len, .max_payload = (size_t)max_payload,
+                       .expect_payload = -1, .head = (unsigned char *)buf,
+                       .payload = buf + ENTRY_HEADER_BYTES + ident_len, .whole = 1};
+    int why;
+    Py_BEGIN_ALLOW_THREADS
+    why = entry_read(path, &r);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(buf);
+    return Py_BuildValue("(in)", why, (Py_ssize_t)r.payload_len);
+}
+
+static PyObject *entry_checks_skipped_py(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return PyLong_FromLongLong(entry_checks_skipped());
+}
+
 static PyMethodDef testing_methods[] = {
+    {"entry_read", entry_read_py, METH_VARARGS,
+     "entry_read(path, ident, max_payload) -> (why, payload_len): one disk-cache entry read and judged as the "
+     "engine reads one (csrc/entries.c); why 0: sound."},
+    {"entry_checks_skipped", entry_checks_skipped_py, METH_NOARGS,
+     "entry_checks_skipped() -> int: this module's entry reads that skipped the payload's crc32c."},
     {"blosc_rows", blosc_rows_py, METH_VARARGS,
      "blosc_rows(buf, chunks, cap_streams, cap_blocks) -> (faults, streams, blocks): blosc_streams' writing "
      "pass alone into rooms of the given rows; chunks: (in, in_len, nbytes, out) per chunk."},
@@ -316,6 +352,7 @@ static struct PyModuleDef testing_module = {PyModuleDef_HEAD_INIT, "_testing", N
                                             NULL, NULL};
 
 PyMODINIT_FUNC PyInit__testing(void) {
+    crc32c_init(); /* STOKER_NO_CRC_FOLD and STOKER_CHECK_EVERY_READ read here, as stoker._native does */
     PyObject *m = PyModule_Create(&testing_module);
     if (m == NULL)
         return NULL;

@@ -938,22 +938,32 @@ class NativeDecoder:
         if known_until is None:
             return
         chunk_source = plan.chunk_source
-        wanted = [k for k, (cid, entry) in enumerate(zip(cids, entries))
-                  if entry is not None and not sources[int(chunk_source[cid])].entries_full]
+        wanted = [k for k, (entry, s) in enumerate(zip(entries, chunk_source[cids].tolist()))
+                  if entry is not None and not sources[s].entries_full]
         if not wanted:
             return
         untils = known_until([keys[k] for k in wanted])
-        for k, until in zip(wanted, untils):
-            if not until:
+        kept = [(cids[k], entries[k], until) for k, until in zip(wanted, untils) if until]
+        if not kept:
+            return
+        ids = np.fromiter((cid for cid, _, _ in kept), np.int64, len(kept))
+        # the keys of every chunk kept, in a few numpy steps (a second epoch's chunks, read once each in S6's
+        # thousand arrays, are mostly kept and never read from the memo again: per chunk, only what must be)
+        coords = plan.files[plan.chunk_file[ids], native.F_COORDS:].tolist()
+        offsets, lengths = plan.chunk_offset[ids].tolist(), plan.chunk_length[ids].tolist()
+        memos: dict[int, dict | None] = {}  # per array, its memo as _memo_of gives it: once a call, not a chunk
+        for (cid, entry, until), xy, offset, length, s in zip(kept, coords, offsets, lengths,
+                                                               chunk_source[ids].tolist()):
+            source = sources[s]
+            memo = memos.get(s, False)
+            if memo is False:
+                memo = memos[s] = self._memo_of(source)
+                if source.entries_stamp != stamp:
+                    memo = memos[s] = None  # the store's stamp moved on since the entries were given: not kept
+            if memo is None:
                 continue
-            cid = cids[k]
-            source = sources[int(chunk_source[cid])]
-            memo = self._memo_of(source)
-            if memo is None or source.entries_stamp != stamp:
-                continue  # the store's stamp moved on since the entries were given: not kept
-            key = (*plan.files[plan.chunk_file[cid], native.F_COORDS:].tolist(), int(plan.chunk_offset[cid]),
-                   int(plan.chunk_length[cid]))
-            self._memos.keep(source, key, (entries[k], until))
+            # (a stamp moving on during this loop empties the memo at its next _memo_of, before any read of it)
+            self._memos.keep(source, (*xy, offset, length), (entry, until))
 
     @staticmethod
     def _served(disk: "_FromDisk", ok: np.ndarray, detail: np.ndarray) -> None:
