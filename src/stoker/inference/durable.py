@@ -96,7 +96,8 @@ class DurableMarks:
             self._raise_error()
             self._queued.append((region, files))
             if self._busy:
-                self._cv.notify_all()  # a pass waiting for a group may have one now
+                if len(self._queued) == GROUP_REGIONS:
+                    self._cv.notify_all()  # a pass waiting for a group has one now (woken once, not per region)
                 return  # the pass running takes it with the others handed over meanwhile
             self._busy = True
         try:
