@@ -188,6 +188,28 @@ def test_local_chunk_files_are_written_without_zarrs_event_loop(tmp_path, monkey
         np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "ours.zarr"), mode="r")[box], data[box])
 
 
+def test_a_chunk_folder_removed_after_its_first_file_is_made_again(tmp_path):
+    """Chunk files' folders are made once per writer; one removed behind its back (a user clearing the
+    array's chunks) is made again, not a failed write, and nothing temporary stays."""
+    import shutil
+
+    data = _data("f4", 0.0)
+    ours = zarr.create_array(str(tmp_path / "ours.zarr"), shape=SHAPE, chunks=CHUNKS, dtype="f4")
+    cw = ChunkWriter(ours, BufferPool(1 << 20))
+    boxes = [b for b in _boxes(SHAPE, (2, 4, 8, 8)) if cw._not_empty(np.ascontiguousarray(data[b]))]
+    cw.write(boxes[0], np.ascontiguousarray(data[boxes[0]]))
+    first = cw.direct_chunks
+    assert first > 0
+    shutil.rmtree(tmp_path / "ours.zarr" / "c")
+    for box in boxes:
+        cw.write(box, np.ascontiguousarray(data[box]))
+    assert cw.direct_chunks == first * (1 + len(boxes))  # every chunk written by the writer, none by zarr
+    back = zarr.open_array(str(tmp_path / "ours.zarr"), mode="r")
+    for box in boxes:
+        np.testing.assert_array_equal(back[box], data[box])
+    assert not [k for k in _files(str(tmp_path / "ours.zarr")) if "partial" in k]
+
+
 def test_a_failed_put_returns_the_buffer_only_once_every_put_of_the_region_ended(tmp_path, monkeypatch):
     """On an object store each chunk's put reads a view of the region's recycled buffer: when one put fails,
     the others are still uploading, so the buffer goes back to the pool (where the next region encodes into

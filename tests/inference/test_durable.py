@@ -253,9 +253,12 @@ def test_close_waits_one_write_timeout_for_the_writes_and_the_marks_together(tmp
     monkeypatch.setattr(os, "fsync", fsync)
     waits = []
 
+    closer = threading.current_thread()
+
     class Counted(type(writer._marks._cv)):  # type: ignore[misc]
         def wait(self, timeout=None):
-            waits.append(timeout)
+            if threading.current_thread() is closer:  # close()'s waits (the sync thread waits for groups)
+                waits.append(timeout)
             return super().wait(timeout)
 
     writer._marks._cv = Counted(threading.Lock())
@@ -277,3 +280,36 @@ def test_close_waits_one_write_timeout_for_the_writes_and_the_marks_together(tmp
         assert waits == []  # the deadline had passed: the marks' drain raised without waiting
     finally:
         release.set()
+
+
+def test_a_pass_waits_for_a_group_and_a_drain_starts_it_at_once(tmp_path, monkeypatch):
+    """Regions handed over one after another are marked in one pass of GROUP_REGIONS (each pass fsyncs the
+    folders and the log once); a drain does not wait for a group (with a group wait far past the test's
+    timeout, a drain that did would hang it)."""
+    from stoker.inference import durable
+    from stoker.inference.record import CompletionRecord
+
+    monkeypatch.setattr(durable, "GROUP_WAIT_S", 3600.0)
+    root = tmp_path / "out.zarr"
+    files = []
+    for i in range(durable.GROUP_REGIONS + 1):
+        f = root / "c" / str(i)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"x")
+        files.append(f)
+    marked = []
+    marks = durable.DurableMarks(CompletionRecord(str(root)), root, lambda r: marked.append(r), threaded=True,
+                                 timeout_s=60)
+    try:
+        for i in range(durable.GROUP_REGIONS):
+            marks.add((i,), [files[i]])
+        assert marks.threads  # a sync thread took the first region and waits for the group
+        for t in marks.threads:
+            t.join(0.05)  # (it waits for the group, not for time: GROUP_WAIT_S is an hour)
+        marks.add((durable.GROUP_REGIONS,), [files[-1]])  # after a group's pass, or with it
+        marks.drain()
+        assert sorted(marked) == [(i,) for i in range(durable.GROUP_REGIONS + 1)]
+        assert marks.passes <= 2  # one group of GROUP_REGIONS, and the last region (or all in one)
+    finally:
+        marks.stop()
+    assert CompletionRecord(str(root)).done() == set(marked)

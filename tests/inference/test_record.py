@@ -41,6 +41,31 @@ def test_a_mark_cut_short_is_no_mark_and_old_files_count(tmp_path):
     assert CompletionRecord(str(tmp_path / "a.zarr")).done() == {(1, 2, 3), (4, 5, 6), (0, 0, 1)}
 
 
+def test_sync_fsyncs_only_what_changed_since_the_last_flush(tmp_path, monkeypatch):
+    # a TileWriter's close() waits on the disk only for marks its last group commit did not flush
+    from stoker.inference import record as record_module
+
+    rec = CompletionRecord(str(tmp_path / "a.zarr"))
+    files, folders = [], []
+    real_fsync = os.fsync
+    monkeypatch.setattr(record_module.os, "fsync", lambda fd: (files.append(fd), real_fsync(fd))[1])
+    monkeypatch.setattr(record_module, "fsync_dir", lambda path: folders.append(str(path)))
+    rec.mark((0, 0, 0))
+    rec.flush()  # the new log fsynced, and the folder that took its name
+    assert (len(files), folders) == (1, [rec.path])
+    rec.sync()  # nothing since: the log closed, no fsync
+    assert (len(files), len(folders)) == (1, 1) and rec._log[0] is None
+    rec.mark((0, 0, 1))  # a new log: its mark and its name in the folder are fsynced by sync()
+    rec.sync()
+    assert (len(files), len(folders)) == (2, 2)
+    rec.mark((0, 0, 2))
+    rec.flush()
+    rec.mark((0, 0, 3))  # appended after the flush: sync() fsyncs the log again, not the folder
+    rec.sync()
+    assert (len(files), len(folders)) == (4, 3)
+    assert CompletionRecord(str(tmp_path / "a.zarr")).done() == {(0, 0, i) for i in range(4)}
+
+
 def test_a_record_dropped_without_sync_closes_its_log(tmp_path):
     rec = CompletionRecord(str(tmp_path / "a.zarr"))
     rec.mark((0, 0, 0))

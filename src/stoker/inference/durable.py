@@ -14,8 +14,10 @@ disk: ~2 ms for a 1 MiB chunk here, and the log's fsync is a journal commit of i
 and kept off them: the write threads hand each written region's files over and go on to the next region;
 one sync thread takes everything handed over since its last pass, fsyncs those files and folders, appends
 the marks and fsyncs the log once for the whole group (group commit: the more regions finish while a pass
-waits for the disk, the fewer passes). ``threaded=False`` (a writer with ``write_threads=0``) does the
-pass on the caller's thread, one region at a time.
+waits for the disk, the fewer passes). A pass waits up to :data:`GROUP_WAIT_S` for :data:`GROUP_REGIONS`
+regions before it starts (until :meth:`drain` is called): regions written one after another otherwise made
+a pass each, with the same fsyncs of their folder and of the log every time. ``threaded=False`` (a writer
+with ``write_threads=0``) does the pass on the caller's thread, one region at a time.
 
 An object store needs none of it: a PUT that succeeded is durable, and the mark is a PUT after the chunks'.
 Nothing on the disk is fsynced there (``files`` is empty), and each mark is written as it comes, on the
@@ -48,6 +50,12 @@ from ..storage.fsutil import fsync_path as _fsync
 from .record import CompletionRecord
 
 
+#: a pass waits for this many regions handed over (or GROUP_WAIT_S, or a drain) before it starts
+GROUP_REGIONS = 4
+#: the longest a pass waits for GROUP_REGIONS: a region's mark is that much later at most, never its write
+GROUP_WAIT_S = 0.02
+
+
 class DurableMarks:
     """Marks regions in ``record`` once their files (under ``root``, the array's folder; None on an object
     store) are fsynced; ``on_marked(region)`` after each mark. See the module docstring."""
@@ -62,6 +70,7 @@ class DurableMarks:
         self._queued: list[tuple[tuple[int, ...], list[Path]]] = []
         self._busy = False  # a pass is queued or running on the sync thread
         self._in_pass = 0  # regions in the pass running (for the drain's message)
+        self._draining = False  # drain() was called: passes start at once
         self._error: BaseException | None = None
         # folders whose own entry in their parent is on the disk (fsynced after they were made); the array's
         # metadata files, fsynced with the first pass (a mark vouches for an array that exists)
@@ -87,6 +96,8 @@ class DurableMarks:
             self._raise_error()
             self._queued.append((region, files))
             if self._busy:
+                if len(self._queued) == GROUP_REGIONS:
+                    self._cv.notify_all()  # a pass waiting for a group has one now (woken once, not per region)
                 return  # the pass running takes it with the others handed over meanwhile
             self._busy = True
         try:
@@ -101,6 +112,9 @@ class DurableMarks:
         """The sync thread: passes over what was handed over, until nothing is left."""
         while True:
             with self._cv:
+                if self._queued and len(self._queued) < GROUP_REGIONS and not self._draining:
+                    self._cv.wait_for(lambda: len(self._queued) >= GROUP_REGIONS or self._draining
+                                      or self._error is not None, GROUP_WAIT_S)
                 group, self._queued = self._queued, []
                 self._in_pass = len(group)
                 if not group or self._error is not None:
@@ -196,6 +210,8 @@ class DurableMarks:
         if deadline is None:  # (taken before the lock: the wait for the lock counts against it)
             deadline = time.monotonic() + self.timeout_s
         with self._cv:
+            self._draining = True  # a pass waiting for a group starts now
+            self._cv.notify_all()
             wait_until(self._cv, lambda: not self._busy or self._error is not None, deadline, timed_out)
             self._raise_error()
 

@@ -53,6 +53,8 @@ class CompletionRecord:
         self._log: list[int | None] = [None]
         self._log_lock = threading.Lock()
         self._log_new = False  # the log was made since the last flush: the folder's entry for it is not durable
+        self._appended = False  # marks appended since the log was last fsynced
+        self._synced = False  # the record's folder fsynced (by a flush of a new log, or by sync()) since it changed
         weakref.finalize(self, _close_log, self._log, self._log_lock)
         if self.remote:  # the record's folder as a store of its own: keys are the marks' names
             self._store = remote_store(self.path, storage_options)
@@ -75,6 +77,7 @@ class CompletionRecord:
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
+            self._synced = False  # a new name in the folder, for sync() to make durable
 
     def flush(self) -> None:
         """Make the marks written so far durable (the log fsynced, and the record's folder when the log is new),
@@ -88,22 +91,31 @@ class CompletionRecord:
             fd, new, self._log_new = self._log[0], self._log_new, False
             if fd is not None:
                 os.fsync(fd)
+                self._appended = False
         if new:
             fsync_dir(self.path)
+            self._synced = True
 
     def sync(self) -> None:
         """Make the marks written so far durable (the log and the record's folder fsynced once); the log is
-        closed (a later mark opens another)."""
+        closed (a later mark opens another). What the last :meth:`flush` made durable is not fsynced again: a
+        TileWriter's close() waits on the disk only for what changed since its last group of marks."""
         if self.remote:
             return
         with self._log_lock:
             fd, self._log[0] = self._log[0], None
+            appended, self._appended = self._appended, False
+            folder = not self._synced or self._log_new
+            self._log_new = False
         if fd is not None:
             try:
-                os.fsync(fd)
+                if appended:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
-        fsync_dir(self.path)
+        if folder:
+            fsync_dir(self.path)
+            self._synced = True
 
     def _read(self, name: str) -> bytes | None:
         try:
@@ -141,6 +153,7 @@ class CompletionRecord:
                 fd = self._log[0] = os.open(os.path.join(self.path, name), flags, 0o644)
                 self._log_new = True
             size = os.fstat(fd).st_size  # this record's own log: only this lock's holder appends to it
+            self._appended = True
             try:
                 written = os.write(fd, line)
             except BaseException:

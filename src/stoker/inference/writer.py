@@ -602,7 +602,14 @@ class TileWriter:
         return output_box(aabb, self.crop, self.spatial, padded)
 
     def _owner(self, region: tuple[int, ...]) -> int:
-        return int(np.ravel_multi_index(region, self.regions_shape)) % self.world_size
+        if self.world_size == 1:
+            return 0
+        flat = 0
+        for i, n in zip(region, self.regions_shape):  # ravel_multi_index, without numpy's call per region
+            if not 0 <= i < n:
+                raise ValueError(f"region {region} is outside the regions {self.regions_shape}")
+            flat = flat * n + i
+        return flat % self.world_size
 
     def owned_regions(self) -> list[tuple[int, ...]]:
         """The regions this rank writes."""

@@ -9,7 +9,9 @@ output about a third of the page faults of a whole inference, more than the tili
 the engine's decoder does: ``engine/cpu/native.py``) with the same calls (``ZSTD_compress2`` with the level
 and the checksum flag), so the frames are the same bytes, but each thread keeps one context, and the frames go
 into an output the caller reuses (a TileWriter's recycled buffers). ctypes releases the GIL for the call,
-as numcodecs does.
+as numcodecs does; only for that one: the output bound is remembered per input size and an error code is
+told from a length in Python, because each call that drops the GIL has to take it back, behind the
+caller's thread and the other write threads, while the core waits.
 
 >>> frames = ZstdFrames(level=0, checksum=False)
 >>> out = np.empty(frames.bound(chunk.nbytes), dtype=np.uint8)
@@ -52,6 +54,10 @@ def _library() -> Any:
 
 _LIB = _library()
 
+# an error code of zstd is (size_t)-code, code < ZSTD_error_maxCode (< 2**16 in every version): any result
+# below this is a length, and only a result at or above it is asked of ZSTD_isError
+_ERRORS_FROM = (1 << 64) - (1 << 16)
+
 
 class _Context:
     """One thread's compression context, freed with the thread's locals."""
@@ -79,10 +85,14 @@ class ZstdFrames:
             raise RuntimeError("numcodecs' zstd library was not found: use numcodecs.Zstd")
         self.level, self.checksum = int(level), bool(checksum)
         self._local = threading.local()
+        self._bounds: dict[int, int] = {}  # input bytes -> ZSTD_compressBound (the same few chunk sizes)
 
     def bound(self, nbytes: int) -> int:
         """The most bytes a frame of ``nbytes`` of input takes."""
-        return int(_LIB.ZSTD_compressBound(int(nbytes)))
+        found = self._bounds.get(nbytes)
+        if found is None:
+            found = self._bounds[nbytes] = int(_LIB.ZSTD_compressBound(int(nbytes)))
+        return found
 
     def encode(self, chunk: np.ndarray, out: np.ndarray) -> int:
         """Write the frame of ``chunk`` (C-contiguous) to the start of ``out`` (uint8, C-contiguous, at least
@@ -98,7 +108,7 @@ class ZstdFrames:
 
 
 def _check(code: int) -> int:
-    if _LIB.ZSTD_isError(code):
+    if code >= _ERRORS_FROM and _LIB.ZSTD_isError(code):
         raise RuntimeError(f"Zstd compression error: {_LIB.ZSTD_getErrorName(code).decode()}")
     return int(code)
 
