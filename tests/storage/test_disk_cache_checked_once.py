@@ -6,6 +6,7 @@ every read equals zarr-python's; STOKER_CHECK_EVERY_READ=1 checks every read."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import stoker
 from stoker.engine.cpu import native
 
+import preload_shim
 from cached_arrays import ARRAYS, cache_folder, damage_entries, remote_fixture
 from cached_arrays import check_batch as _batch, write as _write
 from store_fixtures import empty_s3_fixture, range_server_fixture, written_tree_fixture
@@ -36,8 +38,11 @@ def _skipped() -> int:
     return _native.entry_checks_skipped()
 
 
-#: How long the entries' ctimes may take to settle (0.1 s; 2 s where the file system keeps whole seconds)
+#: How long the entries' ctimes may take to settle (0.1 s; 3 s where the file system keeps whole seconds)
 SETTLE_DEADLINE_S = 10.0
+
+#: entry_read's "the payload is not what its header's crc says" (csrc/entries.c ENTRY_CHECKSUM)
+ENTRY_CHECKSUM = 6
 
 
 def _config(options: dict, folder) -> stoker.Config:
@@ -89,7 +94,7 @@ def test_check_every_read_keeps_every_payload_check(tmp_path):
         ident = "s3://b/a/c/0\\ngen"
         cache.put(ident, os.urandom(100000))
         assert cache.flush(30)
-        time.sleep(2.2)
+        time.sleep(3.2)
         path, name = cache.entry_file(ident)
         print([_testing.entry_read(path, name, 1 << 20) for _ in range(5)], _testing.entry_checks_skipped())
     """)
@@ -99,3 +104,63 @@ def test_check_every_read_keeps_every_payload_check(tmp_path):
                              env={**os.environ, **env})
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == f"{sound} {skipped}"
+
+
+#: a pread that, once armed for a file (its inode), first writes one byte of it in place from a descriptor of
+#: its own (another process's write, landing between the engine's stat of an entry and its read)
+_RACING_WRITE = r"""
+#include <sys/stat.h>
+static ino_t armed; static char armed_path[4096]; static off_t armed_at; static int fired;
+void arm(const char *path, long at) {
+    struct stat st; stat(path, &st); armed = st.st_ino; strncpy(armed_path, path, sizeof armed_path - 1);
+    armed_at = at; fired = 0;
+}
+int has_fired(void) { return fired; }
+static ssize_t read_at(int fd, void *buf, size_t n, off_t at) {
+    REAL(pread);
+    struct stat st;
+    if (armed && fstat(fd, &st) == 0 && st.st_ino == armed) {
+        armed = 0;
+        int w = open(armed_path, O_RDWR);
+        unsigned char b;
+        if (w >= 0 && real(w, &b, 1, armed_at) == 1) { b ^= 0xFF; fired = pwrite(w, &b, 1, armed_at) == 1; }
+        if (w >= 0) close(w);
+    }
+    return real(fd, buf, n, at);
+}
+ssize_t pread(int fd, void *buf, size_t n, off_t at) { return read_at(fd, buf, n, at); }
+ssize_t pread64(int fd, void *buf, size_t n, off_t at) { return read_at(fd, buf, n, at); }
+"""
+
+_RACED_READ = textwrap.dedent("""
+    import ctypes, json, os, sys, time
+    from stoker import _testing
+    from stoker.storage.diskcache import disk_cache
+    shim = ctypes.CDLL(None)
+    if not hasattr(shim, "arm"):
+        sys.exit(77)
+    cache = disk_cache(sys.argv[1], 64 << 20)
+    ident = "s3://b/a/c/0\\ngen"
+    cache.put(ident, os.urandom(100000))
+    assert cache.flush(30)
+    time.sleep(3.2)  # settled on any file system
+    path, name = cache.entry_file(ident)
+    first = _testing.entry_read(path, name, 1 << 20)  # checked, remembered
+    again = _testing.entry_read(path, name, 1 << 20)  # taken as checked before
+    skipped = _testing.entry_checks_skipped()
+    shim.arm(os.fsencode(path), ctypes.c_long(os.path.getsize(path) - 10))  # a payload byte
+    raced = _testing.entry_read(path, name, 1 << 20)
+    print(json.dumps([first, again, skipped, shim.has_fired(), raced, _testing.entry_checks_skipped()]))
+""")
+
+
+def test_an_entry_written_in_place_while_it_is_read_is_checked(tmp_path_factory, tmp_path):
+    # the engine stat'ed the entry, found it remembered as checked, and another process wrote a byte of it
+    # before the read: the bytes read are not the ones checked, and the stat after the read says so
+    shim = preload_shim.build(tmp_path_factory, _RACING_WRITE)
+    out = preload_shim.run(shim, _RACED_READ, str(tmp_path / "cache"))
+    assert out.returncode == 0, out.stderr
+    first, again, skipped, fired, raced, skipped_after = json.loads(out.stdout)
+    assert first == again == [0, 100000] and skipped == 1  # the memo was in use
+    assert fired == 1  # the write landed between the stat and the read
+    assert raced == [ENTRY_CHECKSUM, 0] and skipped_after == skipped  # checked, found unsound

@@ -25,6 +25,12 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/stat.h>
+#if defined(__linux__)
+#include <sys/vfs.h>
+#elif defined(__APPLE__)
+#include <sys/mount.h>
+#include <sys/param.h>
+#endif
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -50,17 +56,22 @@
  * cached epoch reads each entry many times (S1 reads its folder seven times over in an epoch): the crc was a
  * fifth of the engine's extra work over local files. Every way a file changes through the file system moves
  * its ctime (a write, a truncate, a rename onto its name makes another inode, utime too), and the kernel sets
- * that from its own clock, which user code cannot set back; a file is only remembered once its ctime is settled
- * when checked (VERIFIED_SETTLED_NS old where the file system keeps parts of a second, a hundred times a jiffy;
- * VERIFIED_SETTLED_COARSE_S where its times are whole seconds), so a change after that lands on a later time
- * although timestamps are coarse. What it does not see is a disk corrupting bytes beneath
- * the page cache after the check, in this process's lifetime; a new process checks every entry once again, and
+ * it before it copies a write's bytes; so the file is stat'ed again after the read, and the check is skipped
+ * only where both stats are the remembered one: a write in place that raced the read (another process's, a
+ * damaged entry mended by hand) moved the second. A file is only remembered once its ctime is settled when
+ * checked (VERIFIED_SETTLED_NS old where the file system keeps parts of a second, a hundred times a jiffy;
+ * VERIFIED_SETTLED_COARSE_S where its times are whole seconds, or two), so a change after that lands on a later
+ * time although timestamps are coarse. Trusted on local file systems only: on NFS, SMB, FUSE, 9p and Ceph a
+ * server or a daemon sets the times (its clock, its attribute cache), so every read is checked there
+ * (fs_trusted). What it does not see: a disk corrupting bytes beneath the page cache after the check, in this
+ * process's lifetime, and a clock set back (a step of NTP, a restored snapshot) by more than the settle time
+ * between a check and a write in place; a new process checks every entry once again, and
  * STOKER_CHECK_EVERY_READ=1 (true, yes) checks at every read. Direct-mapped slots (a collision forgets the older
  * one: it is checked again), taken with trylock only: a reader never waits on another, and a forked child
  * whose parent held the lock checks every entry. */
 #define VERIFIED_SLOTS 16384 /* a power of two */
 #define VERIFIED_SETTLED_NS 100000000LL
-#define VERIFIED_SETTLED_COARSE_S 2
+#define VERIFIED_SETTLED_COARSE_S 3
 typedef struct {
     dev_t dev;
     ino_t ino;
@@ -100,21 +111,61 @@ static int verified_before(const struct stat *st, uint32_t crc) {
     return hit;
 }
 
-/* Remember the file ``st``, its payload just found sound against ``crc``, where its ctime is settled */
-static void remember_verified(const struct stat *st, uint32_t crc) {
+/* Whether the file system of ``fd`` sets its files' times from this kernel's clock (a local one): not NFS,
+ * SMB/CIFS, FUSE, 9p or Ceph, whose server or daemon stamps them (and whose attributes may be cached) */
+static int fs_trusted(int fd) {
+#if defined(__linux__)
+    struct statfs fs;
+    if (fstatfs(fd, &fs) != 0)
+        return 0;
+    switch ((unsigned long)fs.f_type) {
+    case 0x6969UL:     /* NFS */
+    case 0xFF534D42UL: /* CIFS */
+    case 0xFE534D42UL: /* SMB2 */
+    case 0x517BUL:     /* SMB */
+    case 0x65735546UL: /* FUSE */
+    case 0x01021997UL: /* 9p */
+    case 0x00C36400UL: /* Ceph */
+        return 0;
+    default:
+        return 1;
+    }
+#elif defined(__APPLE__)
+    struct statfs fs;
+    return fstatfs(fd, &fs) == 0 && (fs.f_flags & MNT_LOCAL) != 0;
+#else
+    (void)fd;
+    return 0;
+#endif
+}
+
+/* Remember the file ``st`` (open at ``fd``), its payload just found sound against ``crc``, where its ctime is
+ * settled and its file system trusted */
+static void remember_verified(int fd, const struct stat *st, uint32_t crc) {
     struct timespec now;
-    if (check_every_read != 0 || clock_gettime(CLOCK_REALTIME, &now) != 0)
+#if defined(CLOCK_REALTIME_COARSE) /* the clock the kernel stamps files with (a jiffy behind the fine one) */
+    int clock = CLOCK_REALTIME_COARSE;
+#else
+    int clock = CLOCK_REALTIME;
+#endif
+    if (check_every_read != 0 || clock_gettime(clock, &now) != 0)
         return;
     struct timespec ct = ENTRY_CTIME(st);
     long long age_ns = ((long long)now.tv_sec - (long long)ct.tv_sec) * 1000000000LL + (now.tv_nsec - ct.tv_nsec);
     int coarse = ct.tv_nsec == 0 && ENTRY_MTIME(st).tv_nsec == 0; /* (ns-resolution times of 0 by chance: safe) */
-    if (age_ns < (coarse ? VERIFIED_SETTLED_COARSE_S * 1000000000LL : VERIFIED_SETTLED_NS) ||
+    if (age_ns < (coarse ? VERIFIED_SETTLED_COARSE_S * 1000000000LL : VERIFIED_SETTLED_NS) || !fs_trusted(fd) ||
         pthread_mutex_trylock(&verified_lock) != 0)
         return;
     verified[verified_slot(st)] = (verified_entry){.dev = st->st_dev, .ino = st->st_ino, .size = st->st_size,
                                                    .mtime = ENTRY_MTIME(st), .ctime = ENTRY_CTIME(st), .crc = crc,
                                                    .used = 1};
     pthread_mutex_unlock(&verified_lock);
+}
+
+/* Whether two stats of one open file say it did not change between them */
+static int same_file(const struct stat *a, const struct stat *b) {
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino && a->st_size == b->st_size &&
+           same_time(ENTRY_MTIME(a), ENTRY_MTIME(b)) && same_time(ENTRY_CTIME(a), ENTRY_CTIME(b));
 }
 
 long long entry_checks_skipped(void) { return __atomic_load_n(&verified_skips, __ATOMIC_RELAXED); }
@@ -512,12 +563,15 @@ int entry_read(const char *path, entry_reading *r) {
         why = check_header(r->head, r->ident, r->ident_len, n);
     if (!why) {
         uint32_t want = (uint32_t)le(r->head + 8, 4);
-        if (!verified_before(&st, want)) { /* (the header, ident included, was checked above all the same) */
+        /* the file stat'ed again now its bytes are read: a write in place during the read moved its ctime */
+        struct stat after;
+        int unchanged = check_every_read == 0 && fstat(fd, &after) == 0 && same_file(&st, &after);
+        if (!unchanged || !verified_before(&st, want)) { /* (the header, ident included, was checked above) */
             uint32_t crc = crc32c_of(0, r->head + ENTRY_HEADER_BYTES, r->ident_len);
             if (crc32c_of(crc, r->payload, n) != want)
                 why = ENTRY_CHECKSUM;
-            else
-                remember_verified(&st, want);
+            else if (unchanged)
+                remember_verified(fd, &st, want);
         }
     }
     if (!why) {
