@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import threading
 import time
@@ -835,8 +836,8 @@ class NativeDecoder:
             asked = self._from_memo(plan, asked, sources, found)
         if len(asked):  # asked now (an entry written, or a generation learnt, since it was planned)
             by_store = store_of[plan.chunk_source[asked]]
-            for k in np.unique(by_store).tolist():
-                them = asked[by_store == k]
+            for k in (np.unique(by_store).tolist() if len(stores) > 1 else [0]):
+                them = asked[by_store == k] if len(stores) > 1 else asked
                 is_whole = plan.chunk_offset[them] < 0
                 whole, ranged = them[is_whole], them[~is_whole]
                 keys = self._keys(plan, plan.chunk_file[whole], sources)
@@ -849,23 +850,28 @@ class NativeDecoder:
                 found += zip(cids, entries)
                 if stamp is not None:
                     self._memorize(plan, cids, entries, keys + [r.key for r in requests], stores[k], stamp, sources)
-        take: list[int] = []
-        pairs: list[bytes] = []  # each entry's path, then its ident (the blob, in order)
-        ident_cap, path_cap = native.ENTRY_IDENT_CAP, native.PATH_CAP
-        for cid, entry in found:
-            # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
-            if entry is not None and len(entry[1]) <= ident_cap and len(entry[0]) < path_cap:
-                take.append(cid)
-                pairs += entry
-        if not take:
+        # each entry's path, then its ident (the blob, in chunk order), in a few list and numpy steps
+        got = [(cid, entry) for cid, entry in found if entry is not None]
+        if not got:
             return ids
-        eids = np.array(take, np.int64)
-        if len(eids) > 1 and (eids[1:] < eids[:-1]).any():  # chunk order, as every engine call takes them
-            order = np.argsort(eids, kind="stable")
-            eids = eids[order]
-            pairs = [b for k in order.tolist() for b in (pairs[2 * k], pairs[2 * k + 1])]
-        owner = store_of[plan.chunk_source[eids]]
+        cids, entries = zip(*got)
+        pairs: list[bytes] = list(itertools.chain.from_iterable(entries))
         lens = np.fromiter(map(len, pairs), np.int64, len(pairs))
+        eids = np.array(cids, np.int64)
+        # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
+        fits = (lens[1::2] <= native.ENTRY_IDENT_CAP) & (lens[0::2] < native.PATH_CAP)
+        order = None if fits.all() else np.flatnonzero(fits)
+        if len(eids) > 1 and (eids[1:] < eids[:-1]).any():  # chunk order, as every engine call takes them
+            by_chunk = np.argsort(eids, kind="stable")
+            order = by_chunk if order is None else by_chunk[fits[by_chunk]]
+        if order is not None:
+            if not len(order):
+                return ids
+            eids = eids[order]
+            both = np.stack([2 * order, 2 * order + 1], axis=1).ravel()
+            pairs = np.array(pairs, dtype=object)[both].tolist()
+            lens = lens[both]
+        owner = store_of[plan.chunk_source[eids]]
         starts = np.cumsum(lens) - lens
         rows = np.empty((len(eids), native.N_ENTRY_COLS), np.int64)
         rows[:, native.E_PATH_START] = starts[0::2]
