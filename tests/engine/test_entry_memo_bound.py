@@ -134,3 +134,25 @@ def test_arrays_whose_memo_was_emptied_are_let_go(tmp_path):
         assert memos.keep(source, *_entry(a % 8, 0))
     assert all(memos.arrays.get(id(s)) is s for s in kept)
     assert len(memos.arrays) <= 2 * len(kept)
+
+
+def test_keep_many_keeps_what_keep_would_one_at_a_time(monkeypatch):
+    # _memorize fills each array's memo in one step (keep_many): the same entries kept as one keep each, the
+    # bound honoured (a step where there is room for all, else one keep each), full arrays left full
+    monkeypatch.setattr(decode_native, "ENTRY_MEMOS", 64)
+    one, many = _EntryMemos(), _EntryMemos()
+    ones, manys = [_Memoed() for _ in range(7)], [_Memoed() for _ in range(7)]
+    for a in range(7):
+        items = [_entry(a, i) for i in range(24 if a == 5 else 16)]
+        for key, value in items:
+            one.keep(ones[a], key, value)
+        many.keep_many(manys[a], items)
+        assert [set(s.entries) for s in manys] == [set(s.entries) for s in ones], a
+        assert [s.entries_full for s in manys] == [s.entries_full for s in ones]
+        assert sum(len(s.entries) for s in manys) <= 64 and many.count >= sum(len(s.entries) for s in manys)
+    assert any(not s.entries for s in manys) and any(s.entries for s in manys)  # past the bound: forgotten in part
+    source = manys[6]
+    again = [(key, (None, 0.0)) for key in list(source.entries)[:3]]  # generations learnt anew: replaced in place
+    count = many.count
+    many.keep_many(source, again)
+    assert many.count == count and all(source.entries[key] == value for key, value in again)

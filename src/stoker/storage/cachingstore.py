@@ -209,6 +209,8 @@ class CachingStore:
         >>> kv.opened("g.zarr/a"); kv.listed("g.zarr/a")   # False until its last page came
         """
         prefix = check_prefix(prefix)
+        if not self._listings:  # nothing listed (HTTP; a cold cache's opens): asked per array of every batch
+            return False
         now = time.monotonic()
         with self._lock:
             listing = self._listing_of(prefix + "/")
@@ -224,19 +226,23 @@ class CachingStore:
 
         >>> until = kv.revalidate(["g.zarr/a/c/0/0"])   # {} on the first ask; then {key: learnt + bound / 2}
         """
-        for key in keys:
-            check_key(key)
         now = time.monotonic()
         half = self.staleness_s / 2
-        fresh: dict[str, float] = {}
-        with self._lock:
+        try:
+            with self._lock:
+                known = list(map(self._known.get, keys))
+        except TypeError:  # an unhashable key: check_key says what is wrong with it
             for key in keys:
-                known = self._known.get(key)
-                if known is not None and now - known[1] < half:
-                    fresh[key] = known[1] + half
-        rest = set(keys).difference(fresh) if fresh else set(keys)
-        if rest:
-            self._resolve(rest, lambda gens: None, patient=True)
+                check_key(key)
+            raise
+        # asked for every chunk of every batch a pipeline plans (a second epoch's, each known): a step a key
+        fresh = {key: got[1] + half for key, got in zip(keys, known) if got is not None and now - got[1] < half}
+        if len(fresh) == len(keys):
+            return fresh
+        rest = set(keys).difference(fresh)
+        for key in rest:  # what is known was read (or listed) under a checked key; the rest asks the store
+            check_key(key)
+        self._resolve(rest, lambda gens: None, patient=True)
         return fresh
 
     def _relist(self, prefix: str, now: float) -> "_Listing":

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import threading
 import time
@@ -471,6 +472,22 @@ class _EntryMemos:
         self.count += 1
         return True
 
+    def keep_many(self, source: "_Source", items: list[tuple[tuple, tuple]]) -> None:
+        """:meth:`keep` each ``(key, value)`` of ``items``: in one step where the bound has room for all."""
+        memo = source.entries
+        if source.entries_full or self.count + len(items) >= ENTRY_MEMOS:
+            for key, value in items:
+                self.keep(source, key, value)
+            return
+        if not memo:  # started (again): the newest
+            if len(self.arrays) >= self.prune_at:
+                self._recount()
+            self.arrays.pop(id(source), None)
+            self.arrays[id(source)] = source
+        before = len(memo)
+        memo.update(items)
+        self.count += len(memo) - before
+
     def _recount(self) -> None:
         """Count the entries kept again, and let go of the arrays whose memo is empty (emptied by their store's
         stamp moving on, or their entries dropped): held, each would keep its ``_Source`` (its array, its
@@ -514,6 +531,13 @@ def _keys_of(source: "_Source", coords: np.ndarray) -> list[str]:
     axis, each dearer than the whole of this for a batch's few dozen files)."""
     form = _key_form(source, coords.shape[1])
     return [form.format(*row) for row in coords.tolist()]
+
+
+def _memo_keys(plan: TablePlan, ids: np.ndarray) -> list[tuple]:
+    """The keys of the chunks ``ids`` of ``plan`` in their arrays' memos of entries: the file's grid coordinates,
+    then the chunk's offset and length in it (-1, -1: the whole file), as tuples made by one ``zip``."""
+    coords = plan.files[plan.chunk_file[ids], native.F_COORDS:].T.tolist()
+    return list(zip(*coords, plan.chunk_offset[ids].tolist(), plan.chunk_length[ids].tolist()))
 
 
 def _key_form(source: "_Source", rank: int) -> str:
@@ -812,8 +836,8 @@ class NativeDecoder:
             asked = self._from_memo(plan, asked, sources, found)
         if len(asked):  # asked now (an entry written, or a generation learnt, since it was planned)
             by_store = store_of[plan.chunk_source[asked]]
-            for k in np.unique(by_store).tolist():
-                them = asked[by_store == k]
+            for k in (np.unique(by_store).tolist() if len(stores) > 1 else [0]):
+                them = asked[by_store == k] if len(stores) > 1 else asked
                 is_whole = plan.chunk_offset[them] < 0
                 whole, ranged = them[is_whole], them[~is_whole]
                 keys = self._keys(plan, plan.chunk_file[whole], sources)
@@ -826,23 +850,28 @@ class NativeDecoder:
                 found += zip(cids, entries)
                 if stamp is not None:
                     self._memorize(plan, cids, entries, keys + [r.key for r in requests], stores[k], stamp, sources)
-        take: list[int] = []
-        pairs: list[bytes] = []  # each entry's path, then its ident (the blob, in order)
-        ident_cap, path_cap = native.ENTRY_IDENT_CAP, native.PATH_CAP
-        for cid, entry in found:
-            # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
-            if entry is not None and len(entry[1]) <= ident_cap and len(entry[0]) < path_cap:
-                take.append(cid)
-                pairs += entry
-        if not take:
+        # each entry's path, then its ident (the blob, in chunk order), in a few list and numpy steps
+        got = [(cid, entry) for cid, entry in found if entry is not None]
+        if not got:
             return ids
-        eids = np.array(take, np.int64)
-        if len(eids) > 1 and (eids[1:] < eids[:-1]).any():  # chunk order, as every engine call takes them
-            order = np.argsort(eids, kind="stable")
-            eids = eids[order]
-            pairs = [b for k in order.tolist() for b in (pairs[2 * k], pairs[2 * k + 1])]
-        owner = store_of[plan.chunk_source[eids]]
+        cids, entries = zip(*got)
+        pairs: list[bytes] = list(itertools.chain.from_iterable(entries))
         lens = np.fromiter(map(len, pairs), np.int64, len(pairs))
+        eids = np.array(cids, np.int64)
+        # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
+        fits = (lens[1::2] <= native.ENTRY_IDENT_CAP) & (lens[0::2] < native.PATH_CAP)
+        order = None if fits.all() else np.flatnonzero(fits)
+        if len(eids) > 1 and (eids[1:] < eids[:-1]).any():  # chunk order, as every engine call takes them
+            by_chunk = np.argsort(eids, kind="stable")
+            order = by_chunk if order is None else by_chunk[fits[by_chunk]]
+        if order is not None:
+            if not len(order):
+                return ids
+            eids = eids[order]
+            both = np.stack([2 * order, 2 * order + 1], axis=1).ravel()
+            pairs = np.array(pairs, dtype=object)[both].tolist()
+            lens = lens[both]
+        owner = store_of[plan.chunk_source[eids]]
         starts = np.cumsum(lens) - lens
         rows = np.empty((len(eids), native.N_ENTRY_COLS), np.int64)
         rows[:, native.E_PATH_START] = starts[0::2]
@@ -883,11 +912,16 @@ class NativeDecoder:
         changes = getattr(kv, "changes", None)
         return None if changes is None else (changes, kv.losses)
 
-    def _memo_of(self, source: "_Source") -> dict | None:
+    def _memo_of(self, source: "_Source", stamps: dict | None = None) -> dict | None:
         """``source``'s memo of entries (see :meth:`_from_memo`), emptied when its store's stamp moved on: a
         generation it knew replaced or forgotten (``changes``), or entries lost (``losses``: evicted, a write
         not made, entries the engine found missing). None where its store keeps no such count."""
-        stamp = self._stamp(source.kv)
+        if stamps is None:
+            stamp = self._stamp(source.kv)
+        else:  # one call's stamps by store (many arrays share one; each count is an attribute of a wrapped store)
+            stamp = stamps.get(id(source.kv), False)
+            if stamp is False:
+                stamp = stamps[id(source.kv)] = self._stamp(source.kv)
         if stamp is None:
             return None
         if source.entries_stamp != stamp:
@@ -906,23 +940,23 @@ class NativeDecoder:
         holds: a chunk whose entry vanished (evicted by another process) while the buffer holds its bytes may
         be handed to the engine from here first, found missing (``entries_missed`` counts the loss, which
         empties its store's memos), then fetched, from the buffer: correct, one engine attempt wasted."""
-        src = plan.chunk_source[asked]
-        coords = plan.files[plan.chunk_file[asked], native.F_COORDS:].tolist()
-        memos: dict[int, dict | None] = {}
+        src = plan.chunk_source[asked].tolist()
+        # each array's memo once (a step per array); where none holds an entry (a second epoch's first read
+        # of its chunks), no key is built
+        stamps: dict = {}
+        memos = {s: self._memo_of(sources[s], stamps) for s in set(src)}
+        if not any(memos.values()):
+            return asked
         now = time.monotonic()
         rest: list[int] = []
-        for cid, s, xy, offset, length in zip(asked.tolist(), src.tolist(), coords,
-                                              plan.chunk_offset[asked].tolist(), plan.chunk_length[asked].tolist()):
-            memo = memos.get(s, False)
-            if memo is False:
-                memo = memos[s] = self._memo_of(sources[s])
-            key = (*xy, offset, length)
-            held = memo.get(key) if memo is not None else None
+        for cid, s, key in zip(asked.tolist(), src, _memo_keys(plan, asked)):
+            memo = memos[s]
+            held = memo.get(key) if memo else None
             if held is not None and held[1] > now:
                 found.append((cid, held[0]))
                 continue
             if held is not None:  # past its staleness bound: dropped, so a full memo takes it (or another) again
-                del memo[key]
+                del memo[key]  # type: ignore[union-attr]
                 sources[s].entries_full = False
             rest.append(cid)
         return np.array(rest, np.int64) if len(rest) != len(asked) else asked
@@ -939,33 +973,34 @@ class NativeDecoder:
         known_until = getattr(kv, "known_until", None)
         if known_until is None:
             return
-        chunk_source = plan.chunk_source
-        wanted = [k for k, (entry, s) in enumerate(zip(entries, chunk_source[cids].tolist()))
+        srcs = plan.chunk_source[cids].tolist()
+        wanted = [k for k, (entry, s) in enumerate(zip(entries, srcs))
                   if entry is not None and not sources[s].entries_full]
         if not wanted:
             return
         untils = known_until([keys[k] for k in wanted])
-        kept = [(cids[k], entries[k], until) for k, until in zip(wanted, untils) if until]
+        kept = [k for k, until in zip(wanted, untils) if until]
         if not kept:
             return
-        ids = np.fromiter((cid for cid, _, _ in kept), np.int64, len(kept))
-        # the keys of every chunk kept, in a few numpy steps (a second epoch's chunks, read once each in S6's
-        # thousand arrays, are mostly kept and never read from the memo again: per chunk, only what must be)
-        coords = plan.files[plan.chunk_file[ids], native.F_COORDS:].tolist()
-        offsets, lengths = plan.chunk_offset[ids].tolist(), plan.chunk_length[ids].tolist()
-        memos: dict[int, dict | None] = {}  # per array, its memo as _memo_of gives it: once a call, not a chunk
-        for (cid, entry, until), xy, offset, length, s in zip(kept, coords, offsets, lengths,
-                                                               chunk_source[ids].tolist()):
+        if len(kept) != len(untils):
+            untils = [until for until in untils if until]
+        # the keys of every chunk kept in one zip (a second epoch's chunks, read once each in S6's thousand
+        # arrays, are mostly kept and never read from the memo again: per chunk, only what must be), then
+        # each array's memo filled in one step (:meth:`_EntryMemos.keep_many`)
+        keys_of = _memo_keys(plan, np.array([cids[k] for k in kept], np.int64))
+        groups: dict[int, list] = {}
+        for k, key, until in zip(kept, keys_of, untils):
+            items = groups.get(srcs[k])
+            if items is None:
+                items = groups[srcs[k]] = []
+            items.append((key, (entries[k], until)))
+        stamps: dict = {}
+        for s, items in groups.items():
             source = sources[s]
-            memo = memos.get(s, False)
-            if memo is False:
-                memo = memos[s] = self._memo_of(source)
-                if source.entries_stamp != stamp:
-                    memo = memos[s] = None  # the store's stamp moved on since the entries were given: not kept
-            if memo is None:
-                continue
-            # (a stamp moving on during this loop empties the memo at its next _memo_of, before any read of it)
-            self._memos.keep(source, (*xy, offset, length), (entry, until))
+            # nothing where the store's stamp moved on since the entries were given (a stamp moving on later
+            # empties the memo at its next _memo_of, before any read of it)
+            if self._memo_of(source, stamps) is not None and source.entries_stamp == stamp:
+                self._memos.keep_many(source, items)
 
     @staticmethod
     def _served(disk: "_FromDisk", ok: np.ndarray, detail: np.ndarray) -> None:

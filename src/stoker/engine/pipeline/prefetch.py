@@ -293,6 +293,8 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
     """
     asks: dict[int, tuple[Any, dict]] = {}
     skip: dict[int, bool] = {}  # per reader: a current, complete listing holds it, so nothing to ask
+    # per store (many arrays share one): its revalidate and listed, looked up once a call, not once an array
+    methods: dict[int, tuple[Any, Any]] = {}
     n = 0
     now = time.monotonic()
     for sample in samples:
@@ -301,12 +303,18 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                 continue
             for uri in part.uris:
                 reader = reader_of(uri)
-                revalidate = None if reader is None else getattr(reader.kv, "revalidate", None)
+                if reader is None:
+                    continue
+                got = methods.get(id(reader.kv))
+                if got is None:
+                    got = methods[id(reader.kv)] = (getattr(reader.kv, "revalidate", None),
+                                                    getattr(reader.kv, "listed", None))
+                revalidate, listed_in = got
                 if revalidate is None:
                     continue
                 listed = skip.get(id(reader))
                 if listed is None:
-                    listed = skip[id(reader)] = listed_whole(reader)
+                    listed = skip[id(reader)] = listed_in is not None and bool(listed_in(reader.path))
                 if listed:
                     continue
                 meta = reader.metadata
