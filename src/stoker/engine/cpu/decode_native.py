@@ -967,9 +967,9 @@ class NativeDecoder:
         objects ``keys``) when ``kv``'s stamp was ``stamp`` (read before it was asked), each until its
         generation is no longer known within the staleness bound (``kv.known_until``); at most
         :data:`ENTRY_MEMOS` in all arrays (:class:`_EntryMemos`). Nothing where the stamp moved on meanwhile;
-        nothing asked of chunks whose array's memo is full (no more than they cost without a memo). The stamp
-        is looked at once a call and array: the coordinator's thread alone calls this and ``_memo_of``, so no
-        other call adopts a new stamp while these entries are kept under the old one."""
+        nothing asked of chunks whose array's memo is full (no more than they cost without a memo). The store's
+        stamp is read once a call: the coordinator's thread alone calls this and ``_memo_of``, so no other call
+        adopts a new stamp while these entries are kept under the old one."""
         known_until = getattr(kv, "known_until", None)
         if known_until is None:
             return
