@@ -61,11 +61,11 @@
  * damaged entry mended by hand) moved the second. A file is only remembered once its ctime is settled when
  * checked (VERIFIED_SETTLED_NS old where the file system keeps parts of a second, a hundred times a jiffy;
  * VERIFIED_SETTLED_COARSE_S where its times are whole seconds, or two), so a change after that lands on a later
- * time although timestamps are coarse. Trusted on local file systems only: on NFS, SMB, FUSE, 9p and Ceph a
- * server or a daemon sets the times (its clock, its attribute cache), so every read is checked there
- * (fs_trusted). What it does not see: a disk corrupting bytes beneath the page cache after the check, in this
- * process's lifetime, and a clock set back (a step of NTP, a restored snapshot) by more than the settle time
- * between a check and a write in place; a new process checks every entry once again, and
+ * time although timestamps are coarse. Trusted on local file systems only (fs_trusted: an allow-list): on NFS,
+ * SMB, FUSE, 9p, Ceph or Lustre a server, another node or a daemon sets the times (its clock, its attribute
+ * cache), so every read is checked there. What it does not see: a disk corrupting bytes beneath the page
+ * cache after the check, in this process's lifetime, and a clock set back (a step of NTP, a restored
+ * snapshot) by more than the settle time between a check and a write in place; a new process checks every entry once again, and
  * STOKER_CHECK_EVERY_READ=1 (true, yes) checks at every read. Direct-mapped slots (a collision forgets the older
  * one: it is checked again), taken with trylock only: a reader never waits on another, and a forked child
  * whose parent held the lock checks every entry. */
@@ -111,24 +111,27 @@ static int verified_before(const struct stat *st, uint32_t crc) {
     return hit;
 }
 
-/* Whether the file system of ``fd`` sets its files' times from this kernel's clock (a local one): not NFS,
- * SMB/CIFS, FUSE, 9p or Ceph, whose server or daemon stamps them (and whose attributes may be cached) */
+/* Whether the file system of ``fd`` is one this kernel keeps and stamps itself (its times from this clock, none
+ * cached from a server): ext2/3/4, XFS, Btrfs, tmpfs, overlayfs, ZFS, F2FS, bcachefs. Not NFS, SMB, FUSE, 9p,
+ * Ceph, Lustre, GPFS, BeeGFS and the like, where a server, another node or a daemon sets them: an allow-list, so
+ * a file system not named here is checked at every read. */
 static int fs_trusted(int fd) {
 #if defined(__linux__)
     struct statfs fs;
     if (fstatfs(fd, &fs) != 0)
         return 0;
     switch ((unsigned long)fs.f_type) {
-    case 0x6969UL:     /* NFS */
-    case 0xFF534D42UL: /* CIFS */
-    case 0xFE534D42UL: /* SMB2 */
-    case 0x517BUL:     /* SMB */
-    case 0x65735546UL: /* FUSE */
-    case 0x01021997UL: /* 9p */
-    case 0x00C36400UL: /* Ceph */
-        return 0;
-    default:
+    case 0xEF53UL:     /* ext2, ext3, ext4 */
+    case 0x58465342UL: /* XFS */
+    case 0x9123683EUL: /* Btrfs */
+    case 0x01021994UL: /* tmpfs */
+    case 0x794C7630UL: /* overlayfs (its upper layer one of these, in a container) */
+    case 0x2FC12FC1UL: /* ZFS */
+    case 0xF2F52010UL: /* F2FS */
+    case 0xCA451A4EUL: /* bcachefs */
         return 1;
+    default:
+        return 0;
     }
 #elif defined(__APPLE__)
     struct statfs fs;

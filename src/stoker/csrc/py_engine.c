@@ -662,7 +662,7 @@ PyMethodDef engine_functions[] = {
     {"entry_checks_skipped", entry_checks_skipped_py, METH_NOARGS,
      "entry_checks_skipped() -> int: how many disk-cache entry reads of the engine skipped the payload's crc32c: "
      "the same file (device, inode, size, mtime, ctime, header crc), unchanged since this process checked it, "
-     "its ctime then settled (0.1 s old; 3 s on a file system of whole seconds), stat'ed the same before and after the read, on a local file system; never where STOKER_CHECK_EVERY_READ=1, true or yes at import."},
+     "its ctime then settled (0.1 s old; 3 s on a file system of whole seconds), stat'ed the same before and after the read, on a local file system (ext4, XFS, Btrfs, tmpfs, overlayfs, ZFS, F2FS, bcachefs); never where STOKER_CHECK_EVERY_READ=1, true or yes at import."},
     {"read_files", read_files_py, METH_VARARGS,
      "read_files(paths, max_bytes[, idents]) -> list: a read-only memoryview of each regular file's whole bytes, "
      "or None (missing, not a regular file, a symbolic link, larger than max_bytes, or unreadable). idents (bytes, "

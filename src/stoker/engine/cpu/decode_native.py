@@ -968,8 +968,8 @@ class NativeDecoder:
         generation is no longer known within the staleness bound (``kv.known_until``); at most
         :data:`ENTRY_MEMOS` in all arrays (:class:`_EntryMemos`). Nothing where the stamp moved on meanwhile;
         nothing asked of chunks whose array's memo is full (no more than they cost without a memo). The store's
-        stamp is read once a call: the coordinator's thread alone calls this and ``_memo_of``, so no other call
-        adopts a new stamp while these entries are kept under the old one."""
+        stamp is read once a call: entries kept under a stamp that moved on meanwhile are safe all the same, as
+        every read of a memo (``_from_memo``) reads the stamp anew and empties a memo of an older one first."""
         known_until = getattr(kv, "known_until", None)
         if known_until is None:
             return
