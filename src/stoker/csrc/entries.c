@@ -25,12 +25,6 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/stat.h>
-#if defined(__linux__)
-#include <sys/vfs.h>
-#elif defined(__APPLE__)
-#include <sys/mount.h>
-#include <sys/param.h>
-#endif
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -61,7 +55,7 @@
  * damaged entry mended by hand) moved the second. A file is only remembered once its ctime is settled when
  * checked (VERIFIED_SETTLED_NS old where the file system keeps parts of a second, a hundred times a jiffy;
  * VERIFIED_SETTLED_COARSE_S where its times are whole seconds, or two), so a change after that lands on a later
- * time although timestamps are coarse. Trusted on local file systems only (fs_trusted: an allow-list): on NFS,
+ * time although timestamps are coarse. Trusted on local file systems only (on_local_fs: an allow-list): on NFS,
  * SMB, FUSE, 9p, Ceph or Lustre a server, another node or a daemon sets the times (its clock, its attribute
  * cache), so every read is checked there. What it does not see: a disk corrupting bytes beneath the page
  * cache after the check, in this process's lifetime, and a clock set back (a step of NTP, a restored
@@ -111,37 +105,6 @@ static int verified_before(const struct stat *st, uint32_t crc) {
     return hit;
 }
 
-/* Whether the file system of ``fd`` is one this kernel keeps and stamps itself (its times from this clock, none
- * cached from a server): ext2/3/4, XFS, Btrfs, tmpfs, overlayfs, ZFS, F2FS, bcachefs. Not NFS, SMB, FUSE, 9p,
- * Ceph, Lustre, GPFS, BeeGFS and the like, where a server, another node or a daemon sets them: an allow-list, so
- * a file system not named here is checked at every read. */
-static int fs_trusted(int fd) {
-#if defined(__linux__)
-    struct statfs fs;
-    if (fstatfs(fd, &fs) != 0)
-        return 0;
-    switch ((unsigned long)fs.f_type) {
-    case 0xEF53UL:     /* ext2, ext3, ext4 */
-    case 0x58465342UL: /* XFS */
-    case 0x9123683EUL: /* Btrfs */
-    case 0x01021994UL: /* tmpfs */
-    case 0x794C7630UL: /* overlayfs (its upper layer one of these, in a container) */
-    case 0x2FC12FC1UL: /* ZFS */
-    case 0xF2F52010UL: /* F2FS */
-    case 0xCA451A4EUL: /* bcachefs */
-        return 1;
-    default:
-        return 0;
-    }
-#elif defined(__APPLE__)
-    struct statfs fs;
-    return fstatfs(fd, &fs) == 0 && (fs.f_flags & MNT_LOCAL) != 0;
-#else
-    (void)fd;
-    return 0;
-#endif
-}
-
 /* Remember the file ``st`` (open at ``fd``), its payload just found sound against ``crc``, where its ctime is
  * settled and its file system trusted */
 static void remember_verified(int fd, const struct stat *st, uint32_t crc) {
@@ -156,7 +119,7 @@ static void remember_verified(int fd, const struct stat *st, uint32_t crc) {
     struct timespec ct = ENTRY_CTIME(st);
     long long age_ns = ((long long)now.tv_sec - (long long)ct.tv_sec) * 1000000000LL + (now.tv_nsec - ct.tv_nsec);
     int coarse = ct.tv_nsec == 0 && ENTRY_MTIME(st).tv_nsec == 0; /* (ns-resolution times of 0 by chance: safe) */
-    if (age_ns < (coarse ? VERIFIED_SETTLED_COARSE_S * 1000000000LL : VERIFIED_SETTLED_NS) || !fs_trusted(fd) ||
+    if (age_ns < (coarse ? VERIFIED_SETTLED_COARSE_S * 1000000000LL : VERIFIED_SETTLED_NS) || !on_local_fs(fd) ||
         pthread_mutex_trylock(&verified_lock) != 0)
         return;
     verified[verified_slot(st)] = (verified_entry){.dev = st->st_dev, .ino = st->st_ino, .size = st->st_size,

@@ -125,7 +125,8 @@ static int same_file(const chunk_io *job, const struct stat *st) {
 /* 1 when the open file is on a local file system, whose pages and attributes are the file's own. A network
  * file system (NFS, SMB, Lustre, a FUSE mount) checks a file against its server at open and answers fstat from
  * a cache for a while, so there a shard rewritten from another machine is only seen by opening it anew: its
- * files are never kept open (see chunk_io.keep). Unknown file systems count as remote. */
+ * files are never kept open (see chunk_io.keep), and a disk-cache entry's crc is checked at every read (their
+ * times are the server's: see entries.c's verified entries). Unknown file systems count as remote. */
 int on_local_fs(int fd) {
 #if defined(__linux__)
     struct statfs fs;
@@ -139,6 +140,7 @@ int on_local_fs(int fd) {
     case 0x794C7630UL: /* overlayfs (containers) */
     case 0x2FC12FC1UL: /* zfs */
     case 0xF2F52010UL: /* f2fs */
+    case 0xCA451A4EUL: /* bcachefs */
         return 1;
     default:
         return 0;
