@@ -49,13 +49,18 @@ class ThreadCPU:
 
     def mark(self) -> None:
         """Read every Python thread's clock now (the window's start, then its end)."""
-        threads = {}
+        threads: dict[int, tuple[str, float | None]] = {}
+        me = threading.get_native_id()
         for t in threading.enumerate():
             tid = t.native_id
-            if tid is not None:
+            if tid is not None and tid != me:
                 ran = run_times(tid)
                 threads[tid] = (t.name, None if ran is None else ran[0])
-        self.marks.append((threads, time.process_time(), threading.get_native_id()))
+        # this thread's own clock last and from the same count as the process's: schedstat's figure for the
+        # thread reading it lags by the slice it is running (up to a scheduler tick, a few ms), thread_time's not
+        if run_times(me) is not None:
+            threads[me] = (threading.current_thread().name, time.thread_time())
+        self.marks.append((threads, time.process_time(), me))
 
     def per_batch(self, batches: int, engine_s: float | None = None, consumer_extra_s: float = 0.0) -> dict[str, Any]:
         """Milliseconds of CPU per batch of each role between the first and last marks, and ``process`` (every
