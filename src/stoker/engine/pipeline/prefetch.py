@@ -166,7 +166,6 @@ class Ahead:
             self.buffer.close()
 
 
-
 def cells_touched(aabb, shape, cell) -> list[range]:
     """Per axis, the range of grid cells (chunks or shards of size ``cell``) a box ``aabb`` (``(lo, hi)`` per
     axis) touches inside an array of ``shape``; an empty range on an axis the box misses (a padded box may
@@ -180,6 +179,7 @@ def cells_touched(aabb, shape, cell) -> list[range]:
         lo, hi = max(0, lo), min(size, hi)
         spans.append(range(lo // n, (hi - 1) // n + 1) if hi > lo else range(0))
     return spans
+
 
 def prefetch_plan(plan: TablePlan, seq: int, pushed: int = 0, mark: int = 0) -> tuple[int, int, bool, int]:
     """Start fetching the remote chunks of ``plan`` (whole values and inner chunks' ranges of its arrays in
@@ -293,8 +293,8 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
     """
     asks: dict[int, tuple[Any, dict]] = {}
     skip: dict[int, bool] = {}  # per reader: a current, complete listing holds it, so nothing to ask
-    # per store (many arrays share one): its revalidate and listed, looked up once a call, not once an array
-    methods: dict[int, tuple[Any, Any]] = {}
+    # per store (many arrays share one): its revalidate, looked up once a call, not once an array
+    methods: dict[int, Any] = {}
     n = 0
     now = time.monotonic()
     for sample in samples:
@@ -305,16 +305,14 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                 reader = reader_of(uri)
                 if reader is None:
                     continue
-                got = methods.get(id(reader.kv))
-                if got is None:
-                    got = methods[id(reader.kv)] = (getattr(reader.kv, "revalidate", None),
-                                                    getattr(reader.kv, "listed", None))
-                revalidate, listed_in = got
+                revalidate = methods.get(id(reader.kv), methods)
+                if revalidate is methods:  # (not looked up yet: None is an answer)
+                    revalidate = methods[id(reader.kv)] = getattr(reader.kv, "revalidate", None)
                 if revalidate is None:
                     continue
                 listed = skip.get(id(reader))
                 if listed is None:
-                    listed = skip[id(reader)] = listed_in is not None and bool(listed_in(reader.path))
+                    listed = skip[id(reader)] = listed_whole(reader)  # once a call and array
                 if listed:
                     continue
                 meta = reader.metadata
