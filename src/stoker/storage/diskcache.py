@@ -37,8 +37,9 @@ is never served) and the bytes. Rules that make one folder safe for many process
   eviction: :meth:`DiskCache.lost`) and reported as absent; the caller fetches again. The compiled engine
   reads hits itself (:meth:`DiskCache.entry_file`, csrc/entries.c) with the same checks; what it finds
   unsound is fetched again through :meth:`get_many`. It checks a payload's crc once a process: a later read
-  of the same file, unchanged since (inode, size, mtime, ctime: any write through the file system moves the
-  ctime), skips it (``STOKER_CHECK_EVERY_READ=1``: never skipped).
+  of the same file, unchanged since and during the read (inode, size, mtime, ctime: any write through the
+  file system moves the ctime), on a local file system, skips it (``STOKER_CHECK_EVERY_READ=1``: never
+  skipped; docs/remote.md says what it cannot see).
 - **Failure is a miss**: a folder that cannot be created or written (read-only, full disk), or an entry
   larger than ``cache_bytes``, makes writes stop (one ``RuntimeWarning``); reads go on uncached.
 
