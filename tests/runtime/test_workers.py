@@ -34,3 +34,36 @@ def test_queued_tasks_are_dropped_or_drained_at_shutdown(drain):
         assert ran == []
     pool.threads[0].join(5)
     assert not pool.threads[0].is_alive()  # the thread leaves once nothing is left
+
+
+def test_idle_threads_leave_and_the_pool_starts_them_again(monkeypatch):
+    # a pipeline that opened hundreds of remote arrays had dozens of opener threads idle for the rest of the run
+    from stoker.runtime import workers
+
+    monkeypatch.setattr(workers, "IDLE_RETIRE_S", 0.2)
+    pool = DaemonPool(3, "t")
+    release, started = threading.Event(), threading.Semaphore(0)
+    for _ in range(3):
+        pool.submit(lambda: (started.release(), release.wait(10)))
+    for _ in range(3):
+        assert started.acquire(timeout=5)
+    first = pool.threads
+    assert sorted(t.name for t in first) == ["t_0", "t_1", "t_2"]
+    release.set()
+    for t in first:
+        t.join(5)
+        assert not t.is_alive(), t.name  # idle past IDLE_RETIRE_S: left
+    ran = threading.Event()
+    pool.submit(ran.set)  # work again: a thread started for it, under a name no live thread has
+    assert ran.wait(5)
+    assert [t.name for t in pool.threads] == ["t_0"] and pool.threads[0] not in first
+    monkeypatch.setattr(workers, "IDLE_RETIRE_S", 30.0)
+    busy = threading.Event()
+    for _ in range(5):  # never more than max_threads at once, however many left before
+        pool.submit(busy.wait, 10)
+    assert len([t for t in pool.threads if t.is_alive()]) <= 3
+    busy.set()
+    pool.shutdown()
+    for t in pool.threads:
+        t.join(5)
+        assert not t.is_alive()

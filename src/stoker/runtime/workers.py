@@ -18,6 +18,9 @@ exception that escapes a task (a bug: a task reports its own errors) goes to the
 or without one to :func:`threading.excepthook`, as one escaping a thread would; the thread goes
 on with the next task.
 
+A thread idle for :data:`IDLE_RETIRE_S` leaves (a pipeline's opener threads, dozens while it opens hundreds of
+remote arrays, are not kept for the rest of a long run); the pool starts threads again as work comes.
+
 :func:`start_thread` starts any thread of stoker's: a system that gives no more threads is a
 :class:`~stoker.errors.ThreadStartError` naming the Config knob that sets how many are asked for.
 """
@@ -36,17 +39,21 @@ from . import gil
 from .faults import fail
 from ..errors import InternalError, ShutdownError, ThreadStartError
 
+#: Seconds a pool thread waits for a task before it leaves (the pool starts another when work comes).
+IDLE_RETIRE_S = 30.0
+
 
 class _State:
     """What the pool shares with its threads (not the pool itself, so an unused pool can be collected)."""
 
-    __slots__ = ("cv", "tasks", "closed", "idle", "pid", "on_fault", "__weakref__")
+    __slots__ = ("cv", "tasks", "closed", "idle", "live", "pid", "on_fault", "__weakref__")
 
     def __init__(self, on_fault: Callable[[InternalError, tuple], None] | None = None) -> None:
         self.cv = threading.Condition(threading.Lock())  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self.tasks: collections.deque[tuple[Callable[..., Any], tuple]] = collections.deque()
         self.closed = False
         self.idle = 0
+        self.live = 0  # threads started and not left (idle ones included)
         self.pid = os.getpid()  # the process whose threads these are
         self.on_fault = on_fault  # told of an exception escaping a task (must not hold the pool)
 
@@ -113,11 +120,14 @@ class DaemonPool:
                 raise ShutdownError(f"{self.name}: the pool was shut down")
             state.tasks.append((fn, args))
             # a thread more only when the idle ones cannot take every queued task
-            start = state.idle < len(state.tasks) and len(self._threads) < self.max_threads
+            start = state.idle < len(state.tasks) and state.live < self.max_threads
             if start:
-                thread = threading.Thread(target=_work, args=(state,), name=f"{self.name}_{len(self._threads)}",
-                                          daemon=True)
+                self._threads = [t for t in self._threads if t.is_alive()]  # those that left (idle) forgotten
+                taken = {t.name for t in self._threads}
+                index = next(i for i in range(len(taken) + 1) if f"{self.name}_{i}" not in taken)
+                thread = threading.Thread(target=_work, args=(state,), name=f"{self.name}_{index}", daemon=True)
                 self._threads.append(thread)
+                state.live += 1
             state.cv.notify()
         if start:
             try:
@@ -125,7 +135,8 @@ class DaemonPool:
             except ThreadStartError:  # the system gives no more threads
                 with state.cv:
                     self._threads.remove(thread)
-                    if self._threads:  # the running threads take the task in turn
+                    state.live -= 1
+                    if state.live:  # the running threads take the task in turn
                         return
                     state.tasks.remove((fn, args))
                 raise
@@ -138,7 +149,7 @@ class DaemonPool:
 
     @property
     def threads(self) -> list[threading.Thread]:
-        """The threads started so far."""
+        """The threads started so far, less those that left idle before a thread was started since."""
         return list(self._threads)
 
 
@@ -148,9 +159,13 @@ def _work(state: _State) -> None:
         with state.cv:
             while not state.tasks and not state.closed:
                 state.idle += 1
-                gil.wait(state.cv)
+                woke = gil.wait(state.cv, IDLE_RETIRE_S)
                 state.idle -= 1
+                if not woke and not state.tasks and not state.closed:
+                    state.live -= 1  # idle that long: leaves (submit starts another when work comes)
+                    return
             if not state.tasks:  # closed, and nothing left to drain
+                state.live -= 1
                 return
             fn, args = state.tasks.popleft()
         if state.on_fault is None:
