@@ -192,8 +192,8 @@ class Coordinator:
 
     def _start_opens(self, uris: list[str]) -> list[tuple[str, concurrent.futures.Future]]:
         """The opens of the remote arrays among ``uris`` started on the opener threads (at most ``_open_at_once``,
-        kept: a thread started per open costs more than an open from the disk cache), each ``(uri, future)``;
-        an open in flight already is shared. A future's result is the open's error, or None. Where more wait
+        kept while in use, as a thread started per open costs more than an open from the disk cache; one idle
+        for 30 s leaves), each ``(uri, future)``; an open in flight already is shared. A future's result is the open's error, or None. Where more wait
         than there are threads, the disk cache listings (which revalidate their zarr.json too) of those that
         wait are asked first, on an opener thread (:meth:`_list_ahead`), so the opens overlap; the
         coordinator, which goes on planning, asks none itself, nor do the first opens wait for them."""
