@@ -67,3 +67,49 @@ def test_idle_threads_leave_and_the_pool_starts_them_again(monkeypatch):
     for t in pool.threads:
         t.join(5)
         assert not t.is_alive()
+
+
+@pytest.mark.parametrize("first_starts", [True, False])
+def test_a_thread_another_submit_is_starting_is_kept(monkeypatch, first_starts):
+    # submit makes its thread under the pool's lock and starts it after: a second submit meanwhile, pruning the
+    # threads that left idle, took the one not yet started for one of them: its name was given again, and
+    # its failed start (the system gives no more threads) raised ValueError and left it counted as live
+    from stoker.runtime import workers
+
+    real_start = workers.start_thread
+    in_start, go_on = threading.Event(), threading.Event()
+
+    def start(thread, knob, owner="Config"):
+        if thread.name == "t_0":
+            in_start.set()
+            assert go_on.wait(10)
+            if not first_starts:
+                raise workers.no_thread(thread.name, knob, RuntimeError("can't start new thread"), owner)
+        real_start(thread, knob, owner)
+
+    monkeypatch.setattr(workers, "start_thread", start)
+    pool = DaemonPool(2, "t")
+    release, ran, raised = threading.Event(), [], []
+
+    def first() -> None:
+        try:
+            pool.submit(lambda: (ran.append("first"), release.wait(10)))
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            raised.append(exc)
+
+    submitter = threading.Thread(target=first)
+    submitter.start()
+    assert in_start.wait(10)
+    pool.submit(lambda: (ran.append("second"), release.wait(10)))
+    go_on.set()
+    submitter.join(10)
+    assert raised == []  # a failed start with a thread left running is no error: that thread takes the task
+    names = sorted(t.name for t in pool.threads)
+    assert names == (["t_0", "t_1"] if first_starts else ["t_1"])
+    assert pool._state.live == len(names)
+    release.set()
+    pool.shutdown(drain=True)
+    for t in pool.threads:
+        t.join(5)
+        assert not t.is_alive()
+    assert sorted(ran) == ["first", "second"]

@@ -812,3 +812,49 @@ def test_the_writers_fault_drops_the_queue_even_where_warnings_are_errors(tmp_pa
     # the warning, an error here, reached the thread's excepthook, and it was the fault's (not swallowed)
     assert [type(h.exc_value) for h in hooked] == [RuntimeWarning]
     assert "internal error of stoker" in str(hooked[0].exc_value)
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_while_the_writer_holds_the_lock_lets_it_go(tmp_path, monkeypatch):
+    # Before: the flock is the open file's, and the child kept its copy of the lock file the parent's writer had
+    # open at the fork: the folder stayed locked for the child's life (a DataLoader worker's: the whole run),
+    # and every write of the parent, of the child and of the node's other processes waited LOCK_WAIT_S, unmade
+    import select
+
+    from forking import fork_child, verdict
+
+    monkeypatch.setattr(diskcache, "LOCK_WAIT_S", 2.0)
+    real = diskcache._entry_writer[0] or diskcache.write_entries
+    inside, go_on = threading.Event(), threading.Event()
+
+    def held_at_the_fork(items, tag, seed):
+        if not inside.is_set():  # the first batch: the lock is held here until the child is forked
+            inside.set()
+            go_on.wait(10)
+        return real(items, tag, seed)
+
+    monkeypatch.setattr(diskcache, "_entry_writer", [held_at_the_fork])
+    cache = DiskCache(str(tmp_path), 64 << 20)
+    cache.put("mem://bkt|a/c/0|0:-1|e1", b"a" * 1000)
+    assert inside.wait(10)
+    parent_done_r, parent_done_w = os.pipe()
+
+    def child() -> bool:
+        cache.put("mem://bkt|a/c/1|0:-1|e1", b"c" * 1000)
+        written = cache.flush(10) and cache.get("mem://bkt|a/c/1|0:-1|e1") == b"c" * 1000
+        select.select([parent_done_r], [], [], 20)  # alive while the parent writes
+        return written
+
+    pid = fork_child(child)
+    try:
+        go_on.set()
+        assert cache.flush(10)
+        cache.put("mem://bkt|a/c/2|0:-1|e1", b"p" * 1000)
+        assert cache.flush(10)
+        assert cache.get("mem://bkt|a/c/2|0:-1|e1") == b"p" * 1000  # written while the child lives
+    finally:
+        os.write(parent_done_w, b"x")
+        outcome = verdict(pid, 30)
+        os.close(parent_done_r)
+        os.close(parent_done_w)
+    assert outcome == "exit 0"  # the child's own write made too

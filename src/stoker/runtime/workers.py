@@ -122,7 +122,9 @@ class DaemonPool:
             # a thread more only when the idle ones cannot take every queued task
             start = state.idle < len(state.tasks) and state.live < self.max_threads
             if start:
-                self._threads = [t for t in self._threads if t.is_alive()]  # those that left (idle) forgotten
+                # those that left (idle) forgotten; not one another submit made and has yet to start (not
+                # alive yet either: dropped, its name was given twice and its failed start not undone)
+                self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
                 taken = {t.name for t in self._threads}
                 index = next(i for i in range(len(taken) + 1) if f"{self.name}_{i}" not in taken)
                 thread = threading.Thread(target=_work, args=(state,), name=f"{self.name}_{index}", daemon=True)

@@ -186,6 +186,8 @@ class DiskCache:
         self._thread: threading.Thread | None = None
         self._readers: DaemonPool | None = None
         self._block = 0  # the file system's allocation unit (statvfs f_frsize), learnt at the first write
+        # the folder's lock file while the writer has it open (a forked child closes its copy: see _after_fork)
+        self._lock_fd: int | None = None
         self._seen: dict[str, float] = {}  # ident -> when has() found it or mark() queued it (monotonic; see has)
         # when this process last lost entries (see lost): what _seen holds from before is looked for on disk again
         self._floor = float("-inf")
@@ -495,7 +497,16 @@ class DiskCache:
         """In a forked child, where none of the parent's threads runs: a new lock (one of them may have held the
         parent's at the fork, for ever here), no writer nor reader threads (started again as work comes), and the
         queue as it was (written here too: one there already is stored). A batch the parent's writer had taken
-        is the parent's to write: its idents are no longer pending here (else queued() said so for ever)."""
+        is the parent's to write: its idents are no longer pending here (else queued() said so for ever). The
+        folder's lock file the parent's writer had open is closed here: an flock belongs to the open file, which
+        this copy would keep locked for this process's life (every write of the node's processes, this one's
+        too, waiting LOCK_WAIT_S and not made)."""
+        held, self._lock_fd = self._lock_fd, None
+        if held is not None:
+            try:
+                os.close(held)
+            except OSError:
+                pass
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._thread = None
         self._readers = None
@@ -544,6 +555,7 @@ class DiskCache:
         lock = self._open_lock()
         if lock is None:
             return done
+        self._lock_fd = lock
         try:
             if not _lock(lock, LOCK_WAIT_S):
                 return done  # a process holds it that long (a hung disk?): these entries stay unwritten
@@ -591,6 +603,7 @@ class DiskCache:
                 self.written += result
             return done
         finally:
+            self._lock_fd = None  # before the close: a child forked after it never closes another file
             os.close(lock)  # releases the flock
 
     def _open_lock(self) -> int | None:
