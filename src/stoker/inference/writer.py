@@ -17,7 +17,7 @@ How the work is split (see docs/inference.md):
   and one ``all_gather_object`` hands every rank the parts of the regions it owns.
 - A rank keeps what each region it owns has received until the region is finished: the value of the
   earliest tile covering each voxel (``none``: the tile whose output box starts first, so the result is
-  independent of order), or the parts themselves (``linear``, ``hann``: copies, blended on a write thread
+  independent of order; rounded to the nearest for an integer output, as the weighted blends round), or the parts themselves (``linear``, ``hann``: copies, blended on a write thread
   when the region is finished: a voxel one part covers is that part's value, and only where parts overlap
   are weights multiplied and summed, in float64; folded into float64 sums of the whole region on arrival
   instead once they would outgrow them, with a count of the parts per voxel so a voxel one covers is still
@@ -724,9 +724,13 @@ class TileWriter:
                 lost = [other for other, other_start in region.placed if other_start <= start]
                 region.placed.append((box, start))
                 assert region.values is not None
+                # a float prediction into an integer output is rounded to the nearest, as the weighted blends
+                # round a voxel one tile covers (astype alone would truncate: 2.9999998 -> 2, -0.7 -> 0)
+                rint = np.issubdtype(self.dtype, np.integer) and np.issubdtype(values.dtype, np.floating)
                 for piece in subtract(box, lost) if lost else [box]:
-                    np.copyto(region.values[(Ellipsis,) + local(piece, region.box)],
-                              values[(Ellipsis,) + local(piece, box)], casting="unsafe")  # as astype
+                    src = values[(Ellipsis,) + local(piece, box)]
+                    np.copyto(region.values[(Ellipsis,) + local(piece, region.box)], np.rint(src) if rint else src,
+                              casting="unsafe")  # then as astype
             elif region.plan is not None:
                 region.add_planned(box, self._weights_of(key)[local(box, key)], values, self._pool,
                                    self._windows_of(key, box), key)
