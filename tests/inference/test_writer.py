@@ -255,6 +255,31 @@ def test_every_blend_rounds_a_float_prediction_into_an_integer_output(tmp_path, 
 
 
 @pytest.mark.parametrize("blend", ["none", "hann"])
+@pytest.mark.parametrize("dtype,bad", [("u1", 300.0), ("u1", -1.0), ("i4", float("nan")), ("i2", 1e6),
+                                       ("i8", float("inf")), ("i8", 2.0**63), ("u1", 255.5), ("u1", 256)])
+def test_a_prediction_an_integer_output_cannot_hold_is_refused(tmp_path, blend, dtype, bad):
+    """A value that an integer output cannot take once rounded (NaN, infinity, out of range) was written
+    wrapped (300.0 into uint8 as 44, NaN into int32 as -2**31): a DtypeMismatch now, the batch not taken, and
+    the writer still usable; the extremes that fit are written as they are."""
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=(4, 6), chunks=(4, 6), dtype="f4")
+    out = str(tmp_path / "o.zarr")
+    w = stoker.TileWriter(out, (4, 6), (2, 3), dtype, blend=blend, write_threads=0)
+    sample = stoker.Sample(src, [(0, 4), (0, 6)])
+    pred = np.zeros((1, 4, 6), np.float64 if isinstance(bad, float) else np.int64)
+    pred[0, 1, 2] = bad
+    with pytest.raises(stoker.DtypeMismatch, match=f"do not fit .*{np.dtype(dtype)}"):
+        w.write([sample], pred)
+    room = np.iinfo(dtype)
+    good = np.zeros((1, 4, 6), np.float64)
+    good[0, 0, 0], good[0, 3, 5] = room.min, float(room.max) if room.bits < 64 else 2.0**62
+    good[0, 2, 2] = room.max + 0.49 if room.bits < 32 else 7.4
+    w.write([sample], good)
+    w.close()
+    np.testing.assert_array_equal(zarr.open_array(out, mode="r")[:], np.rint(good[0]).astype(dtype))
+
+
+@pytest.mark.parametrize("blend", ["none", "hann"])
 @pytest.mark.parametrize("dtype,fill", [("f4", -1.5), ("u1", 255)])
 def test_voxels_no_tile_reaches_keep_the_fill_value(volume, tmp_path, blend, dtype, fill):
     """A stride longer than the tile leaves gaps: there the array keeps its fill value, elsewhere the

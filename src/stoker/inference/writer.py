@@ -61,7 +61,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..dist.collectives import active_group, all_gather_object, barrier, resolve_rank
-from ..errors import InvalidArgument, RankFailed, StorageError
+from ..errors import DtypeMismatch, InvalidArgument, RankFailed, StorageError
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
@@ -662,6 +662,7 @@ class TileWriter:
         """Cut each prediction into the parts each region needs, into ``parts`` (by the owner's rank)."""
         if len(samples) != len(p):
             raise InvalidArgument(f"TileWriter.write: {len(samples)} samples but {len(p)} predictions")
+        _check_fits(p, self.dtype, self.uri)
         for s, pred in zip(samples, p):
             aabb = box_of(s)
             if self._ndim is None:
@@ -861,6 +862,24 @@ class TileWriter:
                 pass
             finally:
                 self._marks.stop()
+
+
+def _check_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
+    """DtypeMismatch when predictions ``p`` hold a value an integer output of ``dtype`` cannot take once
+    rounded (NaN, infinity, or outside its range): cast as astype, it would be written wrapped (300.0 into
+    uint8 is 44). A blend's weighted mean of values that fit fits too, so the predictions are what is checked."""
+    if not np.issubdtype(dtype, np.integer) or p.size == 0 or p.dtype.kind not in "fiub":
+        return
+    lo, hi = p.min(), p.max()  # NaN propagates
+    rounded = p.dtype.kind == "f"
+    if rounded:
+        lo, hi = np.rint(lo), np.rint(hi)
+    room = np.iinfo(dtype)
+    if not (room.min <= lo and hi < room.max + 1):  # False for NaN too; + 1: float(2**63 - 1) is 2**63
+        raise DtypeMismatch(f"TileWriter.write: predictions from {lo} to {hi}{' (rounded)' if rounded else ''} do "
+                            f"not fit {uri}'s dtype "
+                            f"{np.dtype(dtype)} ({room.min} to {room.max}); cast as astype they would be written "
+                            "wrapped: clip or map them into range (or write a float array)", uri=uri)
 
 
 def _reason(failed: BaseException) -> tuple[str, str]:
