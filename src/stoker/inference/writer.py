@@ -466,7 +466,9 @@ class TileWriter:
     clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
     as they are complete. ``rank``/``world_size``: from ``torch.distributed`` when not given; ``group``: the
     process group of the collectives. ``write_threads``, ``write_bytes``, ``write_timeout_s``: the
-    background writes (the module docstring).
+    background writes (the module docstring). An integer ``dtype`` takes float predictions rounded to the
+    nearest, with every blend; a batch holding a value it cannot hold (NaN, infinity, out of its range) is
+    refused whole (:class:`~stoker.errors.DtypeMismatch`), never written wrapped.
     """
 
     def __init__(self, uri: str, shape: Sequence[int], chunks: Sequence[int], dtype: Any, blend: str = "none",
