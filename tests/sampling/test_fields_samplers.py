@@ -322,6 +322,23 @@ def test_mask_draws_exactly_the_anchors_that_cover_enough(volume, min_fraction):
         assert max(drawn.values()) < mean + 6 * mean ** 0.5 + 3
 
 
+def test_nan_in_a_float_mask_is_no_foreground(volume, tmp_path):
+    """A float mask's NaN (a missing value: xarray's _FillValue, a float array's unwritten chunks) counted as
+    nonzero, so anchors were drawn where the mask says nothing; it counts as zero: the NaN-filled mask
+    qualifies exactly the anchors of the 0/1 one."""
+    mask = volume["mask_data"].astype("f4")
+    mask[mask == 0] = np.nan
+    mask[0:12] = np.where(np.isnan(mask[0:12]), 0.0, mask[0:12])  # some zeros too
+    uri = str(tmp_path / "nanmask.zarr")
+    zarr.create_array(uri, shape=mask.shape, chunks=(8, 8, 8), dtype="f4", fill_value=np.nan)[:] = mask
+    src = stoker.RandomCrops(_fields(volume), seed=0, samples_per_epoch=500,
+                             mask=stoker.Mask(uri, min_fraction=0.25, field="labels", scale=4))
+    plain = stoker.RandomCrops(_fields(volume), seed=0, samples_per_epoch=500,
+                               mask=stoker.Mask(volume["mask"], min_fraction=0.25, field="labels", scale=4))
+    np.testing.assert_array_equal(src.volumes[0].qualifying, plain.volumes[0].qualifying)
+    assert len(src.volumes[0].qualifying) < src.volumes[0].volume.n_anchors
+
+
 def test_mask_scale_from_its_ome_metadata(volume, tmp_path):
     full = np.repeat(np.repeat(np.repeat(volume["mask_data"], 4, 0), 4, 1), 4, 2)
     image = _pyramid(tmp_path, "fg.ome.zarr", full, [(1, 1, 1), (2, 2, 2), (4, 4, 4)], fmt=2)
