@@ -163,3 +163,19 @@ def test_unsigned_attribute_is_refused_not_read_signed(tmp_path):
         p.push(stoker.Sample(uri, box))
         with p.pop() as batch:
             assert (torch.from_dlpack(batch).numpy() == -56).all()
+
+
+@pytest.mark.parametrize("var", ["p", "t2m"])
+def test_a_fill_pad_of_an_array_with_a_fill_value_attribute_is_nan(dataset, var):
+    """``pad="fill"`` of a CF array is its ``_FillValue``, decoded: NaN, in both Zarr formats. xarray writes a
+    v3 array's Zarr fill_value apart from the attribute (0 for the packed int16 ``p``), and that was used:
+    decoded, 30.0 (the add_offset), a plausible value where nothing was read."""
+    uri = os.path.join(dataset, var)
+    ref = xr.open_zarr(dataset)
+    box = [(-2, 3), (0, 8), (-1, 8)]
+    with stoker.Pipeline(_cfg(batch_size=1)) as pipe:
+        pipe.push([stoker.Sample(uri, box, pad="fill")])
+        got = torch.from_dlpack(pipe.pop()).clone()[0]
+    assert torch.isnan(got[:2]).all() and torch.isnan(got[:, :, 0]).all()  # before the array's start: missing
+    inside = ref[var].isel(time=slice(0, 3), y=slice(0, 8), x=slice(0, 8)).values.astype(np.float32)
+    _assert_same(got[2:, :, 1:], inside)

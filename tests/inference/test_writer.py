@@ -231,6 +231,54 @@ def test_without_a_grid_every_region_waits_for_close(volume, tmp_path):
     np.testing.assert_allclose(zarr.open_array(out)[:], reference(data, "hann", 0), rtol=2e-7, atol=0)
 
 
+@pytest.mark.parametrize("dtype", ["i4", "u1", "i8"])
+def test_every_blend_rounds_a_float_prediction_into_an_integer_output(tmp_path, dtype):
+    """Float predictions into an integer array are rounded to the nearest by every blend: ``none`` did
+    ``astype`` (2.9999998 -> 2, 0.7 -> 0) where ``linear`` and ``hann`` give a voxel one tile covers
+    ``np.rint`` of its value, so the blend changed the labels written."""
+    values = np.array([2.9999998, 0.7, 1.5, 2.5, 0.49999997, 3.2], np.float32)
+    if dtype != "u1":
+        values = np.concatenate([values, np.array([-0.7, -2.9999998], np.float32)])
+    pred = np.resize(values, (6, 10, 8)).astype(np.float32)
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=(6, 10, 8), chunks=(6, 10, 8), dtype="f4")
+    got = {}
+    for blend in ("none", "linear", "hann"):
+        out = str(tmp_path / f"{blend}.zarr")
+        w = stoker.TileWriter(out, (6, 10, 8), (3, 5, 4), dtype, blend=blend, write_threads=0)
+        w.write([stoker.Sample(src, [(0, 6), (0, 10), (0, 8)])], pred[None])
+        w.close()
+        got[blend] = zarr.open_array(out, mode="r")[:]
+    want = np.rint(pred).astype(dtype)
+    for blend, array in got.items():
+        np.testing.assert_array_equal(array, want, err_msg=blend)
+
+
+@pytest.mark.parametrize("blend", ["none", "hann"])
+@pytest.mark.parametrize("dtype,bad", [("u1", 300.0), ("u1", -1.0), ("i4", float("nan")), ("i2", 1e6),
+                                       ("i8", float("inf")), ("i8", 2.0**63), ("u1", 255.5), ("u1", 256)])
+def test_a_prediction_an_integer_output_cannot_hold_is_refused(tmp_path, blend, dtype, bad):
+    """A value that an integer output cannot take once rounded (NaN, infinity, out of range) was written
+    wrapped (300.0 into uint8 as 44, NaN into int32 as -2**31): a DtypeMismatch now, the batch not taken, and
+    the writer still usable; the extremes that fit are written as they are."""
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=(4, 6), chunks=(4, 6), dtype="f4")
+    out = str(tmp_path / "o.zarr")
+    w = stoker.TileWriter(out, (4, 6), (2, 3), dtype, blend=blend, write_threads=0)
+    sample = stoker.Sample(src, [(0, 4), (0, 6)])
+    pred = np.zeros((1, 4, 6), np.float64 if isinstance(bad, float) else np.int64)
+    pred[0, 1, 2] = bad
+    with pytest.raises(stoker.DtypeMismatch, match=f"do not fit .*{np.dtype(dtype)}"):
+        w.write([sample], pred)
+    room = np.iinfo(dtype)
+    good = np.zeros((1, 4, 6), np.float64)
+    good[0, 0, 0], good[0, 3, 5] = room.min, float(room.max) if room.bits < 64 else 2.0**62
+    good[0, 2, 2] = room.max + 0.49 if room.bits < 32 else 7.4
+    w.write([sample], good)
+    w.close()
+    np.testing.assert_array_equal(zarr.open_array(out, mode="r")[:], np.rint(good[0]).astype(dtype))
+
+
 @pytest.mark.parametrize("blend", ["none", "hann"])
 @pytest.mark.parametrize("dtype,fill", [("f4", -1.5), ("u1", 255)])
 def test_voxels_no_tile_reaches_keep_the_fill_value(volume, tmp_path, blend, dtype, fill):
@@ -245,9 +293,8 @@ def test_voxels_no_tile_reaches_keep_the_fill_value(volume, tmp_path, blend, dty
         s = grid.sample(0, i)
         box = tuple(slice(a, b) for a, b in s.aabb)
         tile = data[box] * 100
-        # every tile's values at a voxel are the same (overlaps agree); "none" casts as astype, "hann" rounds
-        # to integers
-        want[box] = (np.rint(tile) if blend == "hann" and dtype == "u1" else tile).astype(dtype)
+        # every tile's values at a voxel are the same (overlaps agree); both blends round to integers
+        want[box] = (np.rint(tile) if dtype == "u1" else tile).astype(dtype)
         w.write([s], tile[None])
     w.close()
     got = zarr.open_array(out, mode="r")[:]

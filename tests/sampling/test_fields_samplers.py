@@ -120,6 +120,50 @@ def test_field_scale_given_wins_and_fractional_ome_scale_is_refused(tmp_path):
     assert src.volumes[0].volume.scales["a"] == (2, 2, 2)
 
 
+def _translate(image: str, translations: list[list[float]], scales: list[list[float]] | None = None) -> None:
+    """Give the datasets of ``image`` (an OME-Zarr 0.4 group) these translation (and scale) transforms."""
+    g = zarr.open_group(image, mode="r+")
+    ms = g.attrs["multiscales"]
+    for i, (d, t) in enumerate(zip(ms[0]["datasets"], translations)):
+        scale = scales[i] if scales else d["coordinateTransformations"][0]["scale"]
+        d["coordinateTransformations"] = [{"type": "scale", "scale": scale}, {"type": "translation", "translation": t}]
+    g.attrs["multiscales"] = ms
+
+
+def test_level_translations_that_keep_voxels_aligned_are_accepted(tmp_path):
+    """ome-zarr-py's half-voxel shift ((r - 1) / 2 level-0 voxels), no shift, and one shift of the whole image
+    (in physical units of 0.5 per level-0 voxel) all place voxel i of a level of scale r over [i*r, (i+1)*r)."""
+    image = _pyramid(tmp_path, "img.ome.zarr", np.zeros(SHAPE, np.uint8), [(1, 1, 1), (2, 2, 2), (4, 4, 4)], fmt=2)
+    _translate(image, [[0.0] * 3, [0.5] * 3, [1.5] * 3])
+    assert level_scale(image + "/1") == (2, 2, 2) and level_scale(image + "/2") == (4, 4, 4)
+    _translate(image, [[0.0] * 3, [0.0] * 3, [0.0] * 3])
+    assert level_scale(image + "/2") == (4, 4, 4)
+    _translate(image, [[100.0] * 3, [100.25] * 3, [100.75] * 3], scales=[[0.5] * 3, [1.0] * 3, [2.0] * 3])
+    assert level_scale(image + "/1") == (2, 2, 2) and level_scale(image + "/2") == (4, 4, 4)
+    ome_zarr = pytest.importorskip("ome_zarr.writer")  # what ome-zarr-py itself writes
+    ome_zarr.write_image(np.zeros((32, 32, 32), np.uint8), zarr.open_group(str(tmp_path / "w.ome.zarr"), mode="w"),
+                         axes="zyx", scale_factors=[{"z": 2, "y": 2, "x": 2}, {"z": 4, "y": 4, "x": 4}])
+    assert level_scale(str(tmp_path / "w.ome.zarr/s2")) == (4, 4, 4)
+
+
+def test_a_level_shifted_from_level_0_is_refused_not_read_misplaced(volume, tmp_path):
+    """A level whose translation moves it by whole level-0 voxels (a level covering part of the image) would
+    have its context (or mask) read from the wrong place: a MetadataError, unless the scale is given."""
+    image = _pyramid(tmp_path, "img.ome.zarr", np.zeros(SHAPE, np.uint8), [(1, 1, 1), (2, 2, 2), (4, 4, 4)], fmt=2)
+    _translate(image, [[0.0] * 3, [0.5] * 3, [1.5, 9.5, 1.5]])  # level 2: 8 level-0 voxels further on y
+    assert level_scale(image + "/1") == (2, 2, 2)
+    with pytest.raises(stoker.MetadataError, match=r"level '2' is translated 9.5 level-0 voxels .* axis 1.*scale"):
+        level_scale(image + "/2")
+    with pytest.raises(stoker.MetadataError, match="translated"):
+        stoker.RandomCrops({"a": stoker.Field(image + "/0", (8, 8, 8)), "b": stoker.Field(image + "/2", (4, 4, 4))},
+                           seed=0)
+    with pytest.raises(stoker.MetadataError, match="translated"):
+        stoker.RandomCrops({"labels": stoker.Field(volume["labels"], (8, 8, 8))}, seed=0,
+                           mask=stoker.Mask(image + "/2", 0.25, field="labels"))
+    given = stoker.RandomCrops({"b": stoker.Field(image + "/2", (4, 4, 4), scale=4)}, seed=0)
+    assert given.volumes[0].volume.scales["b"] == (4, 4, 4)
+
+
 # -- boxes, offsets, context -------------------------------------------------------------------------------
 
 
@@ -276,6 +320,23 @@ def test_mask_draws_exactly_the_anchors_that_cover_enough(volume, min_fraction):
         assert set(drawn) == want
         mean = 3000 / len(want)
         assert max(drawn.values()) < mean + 6 * mean ** 0.5 + 3
+
+
+def test_nan_in_a_float_mask_is_no_foreground(volume, tmp_path):
+    """A float mask's NaN (a missing value: xarray's _FillValue, a float array's unwritten chunks) counted as
+    nonzero, so anchors were drawn where the mask says nothing; it counts as zero: the NaN-filled mask
+    qualifies exactly the anchors of the 0/1 one."""
+    mask = volume["mask_data"].astype("f4")
+    mask[mask == 0] = np.nan
+    mask[0:12] = np.where(np.isnan(mask[0:12]), 0.0, mask[0:12])  # some zeros too
+    uri = str(tmp_path / "nanmask.zarr")
+    zarr.create_array(uri, shape=mask.shape, chunks=(8, 8, 8), dtype="f4", fill_value=np.nan)[:] = mask
+    src = stoker.RandomCrops(_fields(volume), seed=0, samples_per_epoch=500,
+                             mask=stoker.Mask(uri, min_fraction=0.25, field="labels", scale=4))
+    plain = stoker.RandomCrops(_fields(volume), seed=0, samples_per_epoch=500,
+                               mask=stoker.Mask(volume["mask"], min_fraction=0.25, field="labels", scale=4))
+    np.testing.assert_array_equal(src.volumes[0].qualifying, plain.volumes[0].qualifying)
+    assert len(src.volumes[0].qualifying) < src.volumes[0].volume.n_anchors
 
 
 def test_mask_scale_from_its_ome_metadata(volume, tmp_path):

@@ -135,3 +135,30 @@ def test_region_and_cf_over_s3(era, tmp_path):
             np.testing.assert_array_equal(x.numpy(), want)
     finally:
         s3.stop()
+
+
+class _NoLeap(__import__("datetime").datetime):
+    """Stands in for a cftime date (cftime is not installed here): built as stoker builds cftime labels,
+    ``type(coord[0])(y, mo, d, h, mi, s, calendar=...)``, ordered and shifted by timedeltas as cftime's are."""
+
+    def __new__(cls, *args, calendar="noleap"):
+        self = super().__new__(cls, *args)
+        self.calendar = calendar
+        return self
+
+
+def test_a_date_label_on_a_cftime_coordinate_covers_its_whole_period():
+    """On cftime dates (a model's noleap calendar) an upper label ``"2000-01-03"`` covers that whole day, as
+    xarray's partial dates on a CFTimeIndex (and stoker's on datetime64) do: it took 00:00 alone, leaving the
+    day's other 6-hourly steps out of the region."""
+    from datetime import timedelta
+
+    from stoker.sampling.region import label_range
+
+    t0 = _NoLeap(2000, 1, 1)
+    coord = np.array([t0 + timedelta(hours=6 * i) for i in range(20)], dtype=object)  # 2000-01-01 .. 01-05 18:00
+    assert label_range(coord, "2000-01-02", "2000-01-03", "u", "time") == (4, 12)  # 01-02 00:00 .. 01-03 18:00
+    assert label_range(coord, "2000-01-02 06:00", "2000-01-03 12:00", "u", "time") == (5, 11)  # to 12:00, included
+    assert label_range(coord, "2000-01-02", "2000-01-03 12:00:00.5", "u", "time") == (4, 11)  # an instant
+    back = coord[::-1].copy()  # descending: the first label is the later one
+    assert label_range(back, "2000-01-03", "2000-01-02", "u", "time") == (8, 16)

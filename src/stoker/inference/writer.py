@@ -17,7 +17,7 @@ How the work is split (see docs/inference.md):
   and one ``all_gather_object`` hands every rank the parts of the regions it owns.
 - A rank keeps what each region it owns has received until the region is finished: the value of the
   earliest tile covering each voxel (``none``: the tile whose output box starts first, so the result is
-  independent of order), or the parts themselves (``linear``, ``hann``: copies, blended on a write thread
+  independent of order; rounded to the nearest for an integer output, as the weighted blends round), or the parts themselves (``linear``, ``hann``: copies, blended on a write thread
   when the region is finished: a voxel one part covers is that part's value, and only where parts overlap
   are weights multiplied and summed, in float64; folded into float64 sums of the whole region on arrival
   instead once they would outgrow them, with a count of the parts per voxel so a voxel one covers is still
@@ -61,7 +61,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..dist.collectives import active_group, all_gather_object, barrier, resolve_rank
-from ..errors import InvalidArgument, RankFailed, StorageError
+from ..errors import DtypeMismatch, InvalidArgument, RankFailed, StorageError
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
@@ -466,7 +466,9 @@ class TileWriter:
     clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
     as they are complete. ``rank``/``world_size``: from ``torch.distributed`` when not given; ``group``: the
     process group of the collectives. ``write_threads``, ``write_bytes``, ``write_timeout_s``: the
-    background writes (the module docstring).
+    background writes (the module docstring). An integer ``dtype`` takes float predictions rounded to the
+    nearest, with every blend; a batch holding a value it cannot hold (NaN, infinity, out of its range) is
+    refused whole (:class:`~stoker.errors.DtypeMismatch`), never written wrapped.
     """
 
     def __init__(self, uri: str, shape: Sequence[int], chunks: Sequence[int], dtype: Any, blend: str = "none",
@@ -662,6 +664,7 @@ class TileWriter:
         """Cut each prediction into the parts each region needs, into ``parts`` (by the owner's rank)."""
         if len(samples) != len(p):
             raise InvalidArgument(f"TileWriter.write: {len(samples)} samples but {len(p)} predictions")
+        _check_fits(p, self.dtype, self.uri)
         for s, pred in zip(samples, p):
             aabb = box_of(s)
             if self._ndim is None:
@@ -724,9 +727,13 @@ class TileWriter:
                 lost = [other for other, other_start in region.placed if other_start <= start]
                 region.placed.append((box, start))
                 assert region.values is not None
+                # a float prediction into an integer output is rounded to the nearest, as the weighted blends
+                # round a voxel one tile covers (astype alone would truncate: 2.9999998 -> 2, -0.7 -> 0)
+                rint = np.issubdtype(self.dtype, np.integer) and np.issubdtype(values.dtype, np.floating)
                 for piece in subtract(box, lost) if lost else [box]:
-                    np.copyto(region.values[(Ellipsis,) + local(piece, region.box)],
-                              values[(Ellipsis,) + local(piece, box)], casting="unsafe")  # as astype
+                    src = values[(Ellipsis,) + local(piece, box)]
+                    np.copyto(region.values[(Ellipsis,) + local(piece, region.box)], np.rint(src) if rint else src,
+                              casting="unsafe")  # then as astype
             elif region.plan is not None:
                 region.add_planned(box, self._weights_of(key)[local(box, key)], values, self._pool,
                                    self._windows_of(key, box), key)
@@ -857,6 +864,24 @@ class TileWriter:
                 pass
             finally:
                 self._marks.stop()
+
+
+def _check_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
+    """DtypeMismatch when predictions ``p`` hold a value an integer output of ``dtype`` cannot take once
+    rounded (NaN, infinity, or outside its range): cast as astype, it would be written wrapped (300.0 into
+    uint8 is 44). A blend's weighted mean of values that fit fits too, so the predictions are what is checked."""
+    if not np.issubdtype(dtype, np.integer) or p.size == 0 or p.dtype.kind not in "fiub":
+        return
+    lo, hi = p.min(), p.max()  # NaN propagates
+    rounded = p.dtype.kind == "f"
+    if rounded:
+        lo, hi = np.rint(lo), np.rint(hi)
+    room = np.iinfo(dtype)
+    if not (room.min <= lo and hi < room.max + 1):  # False for NaN too; + 1: float(2**63 - 1) is 2**63
+        raise DtypeMismatch(f"TileWriter.write: predictions from {lo} to {hi}{' (rounded)' if rounded else ''} do "
+                            f"not fit {uri}'s dtype "
+                            f"{np.dtype(dtype)} ({room.min} to {room.max}); cast as astype they would be written "
+                            "wrapped: clip or map them into range (or write a float array)", uri=uri)
 
 
 def _reason(failed: BaseException) -> tuple[str, str]:

@@ -10,6 +10,11 @@ The array's parent group holds the metadata: OME-Zarr 0.5 (Zarr v3) under ``attr
 ``path`` and its ``coordinateTransformations``; the ``scale`` transform of the level over that of the first
 dataset (level 0) is the number of level-0 voxels one of the level's voxels spans, per axis. The
 multiscale's own transforms apply to every level alike and cancel in that ratio.
+
+stoker places voxel ``i`` of a level of scale ``r`` over level-0 voxels ``[i * r, (i + 1) * r)``. A level's
+``translation`` relative to level 0's must say the same: 0, or the half-voxel shift ``(r - 1) / 2`` level-0
+voxels that block-downsampling writers (ome-zarr-py) record; any other shift (a level covering a part of the
+image) is a MetadataError, never a context read from the wrong place.
 """
 
 from __future__ import annotations
@@ -59,20 +64,48 @@ def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
                 f"{uri}: level {name!r} of the OME-Zarr image's multiscales has no scale transform comparable to "
                 f"level {paths[0]!r}'s ({mine} against {base}); pass the scale explicitly (Field(..., scale=...), "
                 "Mask(..., scale=...))", uri=uri)
-        return tuple(_ratio(m, b, uri, name, axis) for axis, (m, b) in enumerate(zip(mine, base)))
+        ratios = tuple(_ratio(m, b, uri, name, axis) for axis, (m, b) in enumerate(zip(mine, base)))
+        _check_shift(datasets[0], datasets[level], base, ratios, uri, name)
+        return ratios
     return None
+
+
+def _transform(dataset: dict, kind: str, uri: str, name: Any) -> list[float] | None:
+    """The ``kind`` ("scale" or "translation") transform of ``dataset`` as floats; None when it has none."""
+    transforms = dataset.get("coordinateTransformations")
+    for t in transforms if isinstance(transforms, list) else []:
+        if isinstance(t, dict) and t.get("type") == kind and isinstance(t.get(kind), list):
+            try:
+                return [float(v) for v in t[kind]]
+            except (TypeError, ValueError):
+                raise MetadataError(f"{uri}: the {kind} of OME-Zarr level {name!r} is not a list of numbers: "
+                                    f"{t[kind]!r}", uri=uri) from None
+    return None
+
+
+def _check_shift(base_set: dict, level_set: dict, base: list[float], ratios: tuple[int, ...], uri: str,
+                 name: str) -> None:
+    """MetadataError unless the level's translation relative to level 0's places its voxel ``i`` over level-0
+    voxels ``[i * r, (i + 1) * r)``: a shift of 0 or ``(r - 1) / 2`` level-0 voxels on every axis."""
+    zero = [0.0] * len(base)
+    mine = _transform(level_set, "translation", uri, name) or zero
+    first = _transform(base_set, "translation", uri, name) or zero
+    if len(mine) != len(base) or len(first) != len(base):
+        raise MetadataError(f"{uri}: the translation of OME-Zarr level {name!r} ({mine}) or of level 0 ({first}) "
+                            f"does not have one value per axis ({len(base)}); fix the image's multiscales metadata",
+                            uri=uri)
+    for axis, (t, t0, b, r) in enumerate(zip(mine, first, base, ratios)):
+        shift = (t - t0) / b if b > 0 else float("nan")
+        if not any(abs(shift - ok) <= _TOLERANCE * max(1, r) for ok in (0.0, (r - 1) / 2)):
+            raise MetadataError(
+                f"{uri}: OME-Zarr level {name!r} is translated {shift:g} level-0 voxels from level 0 on axis {axis}; "
+                f"stoker places its voxel i over level-0 voxels [i*{r}, (i+1)*{r}) (a translation of 0 or "
+                f"{(r - 1) / 2:g}), so it would read the wrong place: pass the scale explicitly "
+                "(Field(..., scale=...), Mask(..., scale=...)) and fold the shift into the offset", uri=uri, axis=axis)
 
 
 def _scale(dataset: dict, uri: str, name: Any) -> list[float] | None:
-    transforms = dataset.get("coordinateTransformations")
-    for t in transforms if isinstance(transforms, list) else []:
-        if isinstance(t, dict) and t.get("type") == "scale" and isinstance(t.get("scale"), list):
-            try:
-                return [float(v) for v in t["scale"]]
-            except (TypeError, ValueError):
-                raise MetadataError(f"{uri}: the scale of OME-Zarr level {name!r} is not a list of numbers: "
-                                    f"{t['scale']!r}", uri=uri) from None
-    return None
+    return _transform(dataset, "scale", uri, name)
 
 
 def _ratio(mine: float, base: float, uri: str, name: str, axis: int) -> int:

@@ -3,13 +3,14 @@
 >>> mask = stoker.Mask("/data/foreground.zarr", min_fraction=0.25, field="labels", scale=4)   # 4x coarser
 >>> src = stoker.RandomCrops({"raw": raw, "labels": labels}, seed=0, mask=mask)
 
-**What qualifies, exactly.** The coverage of an anchor is the number of nonzero mask voxels inside the named
-field's box, over the box's volume, both counted in mask voxels (the part of a box past the mask's end
-counts as zero). With a mask, anchors lie on multiples of the mask's scale as well as of the fields' (their
-least common multiple, per axis), and the masked field's offset and extent (shape times scale) must be
-multiples of the mask's scale: so its box covers whole mask voxels, and the coverage is an exact count, with
-no fractional overlap. The positions between (finer than one mask voxel) are not drawn: a finer mask (a
-smaller ``scale``) gives finer positions. An anchor qualifies iff ``count / volume >= min_fraction``.
+**What qualifies, exactly.** The coverage of an anchor is the number of nonzero mask voxels (NaN, a missing
+value, counts as zero) inside the named field's box, over the box's volume, both counted in mask voxels (the
+part of a box past the mask's end counts as zero). With a mask, anchors lie on multiples of the mask's scale
+as well as of the fields' (their least common multiple, per axis), and the masked field's offset and extent
+(shape times scale) must be multiples of the mask's scale: so its box covers whole mask voxels, and the
+coverage is an exact count, with no fractional overlap. The positions between (finer than one mask voxel) are
+not drawn: a finer mask (a smaller ``scale``) gives finer positions. An anchor qualifies iff ``count / volume
+>= min_fraction``.
 
 **How, in bounded memory.** The mask is read with stoker's reader in slabs along its first axis (about
 :data:`SLAB_VOXELS` voxels each). Each plane's box sums at every anchor's position are differences of its
@@ -140,7 +141,7 @@ def covering_anchors(volume: Any, mask: Mask, mask_scale: Sequence[int],
         stop = min(z_hi, z + depth)
         slab = reader.read([(z, stop)] + [(0, s) for s in shape[1:]])
         for part in range(0, stop - z, step):
-            sums = _box_sums(slab[part:part + step] != 0, starts, ends, total)
+            sums = _box_sums(_foreground(slab[part:part + step]), starts, ends, total)
             for i in range(sums.shape[0]):
                 boundary(z + part + i)
                 running = running + sums[i]
@@ -149,6 +150,15 @@ def covering_anchors(volume: Any, mask: Mask, mask_scale: Sequence[int],
     boundary(z_hi)
     index = np.concatenate(found) if found else np.zeros(0, dtype=dtype)
     return index, best / cells
+
+
+def _foreground(values: np.ndarray) -> np.ndarray:
+    """Which mask voxels count: nonzero, and not NaN (a missing value, as xarray writes it and as a float
+    mask's unwritten chunks read, is no foreground)."""
+    nonzero = values != 0
+    if values.dtype.kind in "fc":
+        nonzero &= ~np.isnan(values)
+    return nonzero
 
 
 def _box_sums(nonzero: np.ndarray, starts: list[np.ndarray], ends: list[np.ndarray], total: Any) -> np.ndarray:

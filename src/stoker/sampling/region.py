@@ -52,10 +52,13 @@ def _as_label(value: Any, coord: np.ndarray, what: str, uri: str, upper: bool) -
                                   f"{coord.dtype} values", uri=uri)
         return value, False
     if coord.dtype == object and isinstance(value, str):  # cftime dates: parsed in their own calendar
-        from ..zarr.cf import parse_date
+        from ..zarr.cf import date_period, parse_date
 
         (y, mo, d, h, mi, s, _), _ = parse_date(value, uri, f"region {what} label")
-        return type(coord[0])(y, mo, d, h, mi, s, calendar=coord[0].calendar), False
+        label = type(coord[0])(y, mo, d, h, mi, s, calendar=coord[0].calendar)
+        period = date_period(value) if upper else None
+        # an upper label covers its whole period (a day, a minute), as xarray's partial dates on a CFTimeIndex
+        return (label + period, True) if period is not None else (label, False)
     return value, False
 
 

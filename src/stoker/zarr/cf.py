@@ -21,6 +21,7 @@ array([50., 51., nan], dtype=float32)
 from __future__ import annotations
 
 import base64
+import datetime
 import re
 import struct
 from dataclasses import dataclass
@@ -130,6 +131,21 @@ def coding_of(attrs: dict, dtype: np.dtype, zarr_format: int, zarr_fill: Any = N
     if scale is None and offset is None and not kept:
         return None
     return CFCoding(scale, offset, kept)
+
+
+def date_period(text: str) -> datetime.timedelta | None:
+    """How long the period a CF date string names lasts, at the precision it is written in: a day for
+    ``2000-01-01``, a minute for ``2000-01-01 06:00``, a second for ``... 06:00:00``; None for a fractional
+    second (an instant) or a string that is no such date.
+
+    >>> date_period("2000-01-31"), date_period("2000-01-31 06:30")
+    (datetime.timedelta(days=1), datetime.timedelta(seconds=60))
+    """
+    m = _DATE.match(text)
+    if m is None or m.group(7):
+        return None
+    return datetime.timedelta(days=1) if m.group(4) is None else \
+        datetime.timedelta(minutes=1) if m.group(6) is None else datetime.timedelta(seconds=1)
 
 
 def parse_date(text: str, uri: str = "", what: str = "date") -> tuple[tuple[int, ...], int]:

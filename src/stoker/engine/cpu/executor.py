@@ -71,17 +71,18 @@ class Decoders:
         """The batch's plan, the same for both paths: flat tables (:func:`~.tables.plan_tables`)."""
         return plan_tables(batch_id, samples, open_reader)
 
-    def submit(self, plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None] | None = None) -> Job:
+    def submit(self, plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None] | None = None,
+               cf: bool = False) -> Job:
         """Start making ``plan`` into ``out``; ``then(job)`` runs once every chunk is in place.
 
         A batch of multi-array samples, ``(B, C, *box)``, is made through its ``(B * C, *box)`` view: the
         plans' copy rows are ``b * C + c``, so neither path knows about channels. A batch with boxes past their
         arrays (``plan.pads``) has them filled first in the hook
-        (:func:`~stoker.engine.planning.padding.fill_padding`)."""
+        (:func:`~stoker.engine.planning.padding.fill_padding`; ``cf``: CF attributes are decoded after it)."""
         if plan.channels is not None:
             out = out.flatten(0, 1)
         if plan.pads:
-            then = _padded_then(plan, out, then)
+            then = _padded_then(plan, out, then, cf)
         job = Job(plan, out, plan.n_chunks, then)
         if self.native is not None:
             self.native.submit(job)
@@ -105,10 +106,11 @@ class Decoders:
         return self.budget.peak + (self.native.peak_bytes() if self.native is not None else 0)
 
 
-def _padded_then(plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None] | None) -> Callable[[Job], None]:
+def _padded_then(plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None] | None,
+                 cf: bool = False) -> Callable[[Job], None]:
     """A completion hook that fills the padded crops of ``plan`` in ``out``, then runs ``then``."""
     def hook(job: Job) -> None:
-        fill_padding(plan.pads, plan.sources, out)
+        fill_padding(plan.pads, plan.sources, out, cf=cf)
         if then is not None:
             then(job)
     return hook
@@ -338,7 +340,8 @@ class CpuExecutor(SlotsDelivery):
         decode = plan_decoder(plan, self.cfg.cf)
         if self.cfg.transform is None and decode is None and target.host_slot is target.slot:
             return self.decoders.submit(plan, target.out)  # made in the delivered slot: nothing after it
-        return self.decoders.submit(plan, target.out, then=lambda job: self._transform(target, job, decode))
+        return self.decoders.submit(plan, target.out, then=lambda job: self._transform(target, job, decode),
+                                    cf=decode is not None)
 
     def _transform(self, target: Target, job: Job, decode: RowDecode | None = None) -> None:
         t0 = time.perf_counter()

@@ -766,7 +766,7 @@ class GpuDecodeExecutor(SlotsDelivery):
         self._backend.access(self.stream, writes=b.writes)  # (the tests' recorder: the batch written here)
         self._placer.fill(b.plan, b.sources, b.dest, fills)
         if b.plan.pads:  # boxes past their arrays: on the stream, after every chunk is placed
-            fill_padding(b.plan.pads, b.plan.sources, b.dest, upload)
+            fill_padding(b.plan.pads, b.plan.sources, b.dest, upload, cf=b.decode is not None)
         self.stats.stage("assemble", time.perf_counter() - t0)
         if b.decode is not None or self.cfg.transform is not None:
             t0 = time.perf_counter()
