@@ -339,6 +339,28 @@ def test_nan_in_a_float_mask_is_no_foreground(volume, tmp_path):
     assert len(src.volumes[0].qualifying) < src.volumes[0].volume.n_anchors
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_masks_cf_missing_value_is_no_foreground(volume, tmp_path, zarr_format):
+    """An integer mask written by xarray with ``_FillValue=255`` (its "no data") counted 255 as foreground; a
+    stored value its CF attributes name missing counts as zero, as xarray reads it (NaN): such a mask
+    qualifies exactly the anchors of the 0/1 one where it holds 255 for 0."""
+    xr = pytest.importorskip("xarray")
+    data = volume["mask_data"].astype("u1")
+    assert set(np.unique(data)) == {0, 1}
+    stored = np.where(data == 0, np.uint8(255), data)
+    stored[0:12] = data[0:12]  # some zeros too
+    uri = str(tmp_path / "m.zarr")
+    xr.Dataset({"m": (("z", "y", "x"), stored)}).to_zarr(uri, encoding={"m": {"_FillValue": 255}},
+                                                         zarr_format=zarr_format, consolidated=False)
+    assert np.isnan(xr.open_zarr(uri, consolidated=False)["m"].values[stored == 255]).all()  # xarray: missing
+    src = stoker.RandomCrops(_fields(volume), seed=0, samples_per_epoch=500,
+                             mask=stoker.Mask(uri + "/m", min_fraction=0.25, field="labels", scale=4))
+    plain = stoker.RandomCrops(_fields(volume), seed=0, samples_per_epoch=500,
+                               mask=stoker.Mask(volume["mask"], min_fraction=0.25, field="labels", scale=4))
+    np.testing.assert_array_equal(src.volumes[0].qualifying, plain.volumes[0].qualifying)
+    assert len(src.volumes[0].qualifying) < src.volumes[0].volume.n_anchors
+
+
 def test_mask_scale_from_its_ome_metadata(volume, tmp_path):
     full = np.repeat(np.repeat(np.repeat(volume["mask_data"], 4, 0), 4, 1), 4, 2)
     image = _pyramid(tmp_path, "fg.ome.zarr", full, [(1, 1, 1), (2, 2, 2), (4, 4, 4)], fmt=2)

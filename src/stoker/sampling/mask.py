@@ -3,8 +3,9 @@
 >>> mask = stoker.Mask("/data/foreground.zarr", min_fraction=0.25, field="labels", scale=4)   # 4x coarser
 >>> src = stoker.RandomCrops({"raw": raw, "labels": labels}, seed=0, mask=mask)
 
-**What qualifies, exactly.** The coverage of an anchor is the number of nonzero mask voxels (NaN, a missing
-value, counts as zero) inside the named field's box, over the box's volume, both counted in mask voxels (the
+**What qualifies, exactly.** The coverage of an anchor is the number of nonzero mask voxels (a missing value
+counts as zero: NaN, or a stored value the array's CF attributes ``_FillValue`` or ``missing_value`` name, as
+xarray masks them) inside the named field's box, over the box's volume, both counted in mask voxels (the
 part of a box past the mask's end counts as zero). With a mask, anchors lie on multiples of the mask's scale
 as well as of the fields' (their least common multiple, per axis), and the masked field's offset and extent
 (shape times scale) must be multiples of the mask's scale: so its box covers whole mask voxels, and the
@@ -136,12 +137,13 @@ def covering_anchors(volume: Any, mask: Mask, mask_scale: Sequence[int],
     # fits) are the largest temporaries, a quarter of a slab at most
     step = max(1, depth // 4)
     total = np.int32 if plane < 2**31 else np.int64
+    missing = _missing_values(reader)
     z = z_lo
     while z < z_hi:
         stop = min(z_hi, z + depth)
         slab = reader.read([(z, stop)] + [(0, s) for s in shape[1:]])
         for part in range(0, stop - z, step):
-            sums = _box_sums(_foreground(slab[part:part + step]), starts, ends, total)
+            sums = _box_sums(_foreground(slab[part:part + step], missing), starts, ends, total)
             for i in range(sums.shape[0]):
                 boundary(z + part + i)
                 running = running + sums[i]
@@ -152,12 +154,28 @@ def covering_anchors(volume: Any, mask: Mask, mask_scale: Sequence[int],
     return index, best / cells
 
 
-def _foreground(values: np.ndarray) -> np.ndarray:
-    """Which mask voxels count: nonzero, and not NaN (a missing value, as xarray writes it and as a float
-    mask's unwritten chunks read, is no foreground)."""
+def _missing_values(reader: "ArrayReader") -> np.ndarray | None:
+    """The stored values the mask's CF attributes mark missing (``_FillValue``, ``missing_value``: xarray reads
+    them as NaN), in the mask's dtype; None where it has none (or a value its dtype cannot hold)."""
+    from ..reader.coords import coding
+
+    code = coding(reader)
+    if code is None or not code.fills:
+        return None
+    with np.errstate(invalid="ignore", over="ignore"):
+        fills = np.asarray(code.fills, dtype=np.float64)
+        kept = fills[np.isfinite(fills)] if reader.dtype.kind in "iub" else fills
+        return kept.astype(reader.dtype) if kept.size else None  # compared as the CF decode compares them
+
+
+def _foreground(values: np.ndarray, missing: np.ndarray | None = None) -> np.ndarray:
+    """Which mask voxels count: nonzero, and not missing: not NaN (as xarray writes a float mask's missing
+    values, and as its unwritten chunks read) nor one of ``missing`` (the stored values its CF attributes name)."""
     nonzero = values != 0
     if values.dtype.kind in "fc":
         nonzero &= ~np.isnan(values)
+    if missing is not None:
+        nonzero &= ~np.isin(values, missing)
     return nonzero
 
 
