@@ -157,9 +157,13 @@ def covering_anchors(volume: Any, mask: Mask, mask_scale: Sequence[int],
 def _missing_values(reader: "ArrayReader") -> np.ndarray | None:
     """The stored values the mask's CF attributes mark missing (``_FillValue``, ``missing_value``: xarray reads
     them as NaN), in the mask's dtype; None where it has none (or a value its dtype cannot hold)."""
+    from ..errors import UnsupportedFormat
     from ..reader.coords import coding
 
-    code = coding(reader)
+    try:
+        code = coding(reader)
+    except UnsupportedFormat:  # _Unsigned: the other signedness, which changes no value's being nonzero
+        return None
     if code is None or not code.fills:
         return None
     with np.errstate(invalid="ignore", over="ignore"):
