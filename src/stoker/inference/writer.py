@@ -15,20 +15,19 @@ How the work is split (see docs/inference.md):
 - ``write()`` is collective when several ranks take part (every rank calls it once per batch, as the
   equal shares of a grid make them do): each rank cuts its predictions into the parts each region needs,
   and one ``all_gather_object`` hands every rank the parts of the regions it owns.
-- A rank keeps what each region it owns has received until the region is finished: the value of the
-  earliest tile covering each voxel (``none``: the tile whose output box starts first, so the result is
-  independent of order; rounded to the nearest for an integer output, as the weighted blends round), or the parts themselves (``linear``, ``hann``: copies, blended on a write thread
-  when the region is finished: a voxel one part covers is that part's value, and only where parts overlap
-  are weights multiplied and summed, in float64; folded into float64 sums of the whole region on arrival
-  instead once they would outgrow them, with a count of the parts per voxel so a voxel one covers is still
-  its value). With ``grid=`` (the boxes of every region's parts known beforehand) the voxels a part alone
-  covers are copied into the region's output as the part comes and only its pieces of the overlaps are
-  kept (one copy of each voxel instead of two; the same result bit for bit), where the output and those
-  pieces hold no more than float64 sums would. Written regions' buffers serve the next ones, and a closed
-  writer's the next writer's
-  (:mod:`.buffers`, at most ``SPARE_BYTES`` kept by the process).
-  With ``grid=`` the writer knows how many tiles touch each region and writes a region as soon as all
-  of them arrived; memory is then the regions in flight. Without it every region waits for ``close()``.
+- A rank keeps what each region it owns has received until the region is finished: the value of the earliest tile
+  covering each voxel (``none``: the tile whose output box starts first, so the result is independent of order;
+  rounded to the nearest for an integer output, as the weighted blends round), or the parts themselves
+  (``linear``, ``hann``: copies, blended on a write thread when the region is finished: a voxel one part covers
+  is that part's value, and only where parts overlap are weights multiplied and summed, in float64; folded into
+  float64 sums of the whole region on arrival instead once they would outgrow them, with a count of the parts per
+  voxel so a voxel one covers is still its value). With ``grid=`` (the boxes of every region's parts known
+  beforehand) the voxels a part alone covers are copied into the region's output as the part comes and only its
+  pieces of the overlaps are kept (one copy of each voxel instead of two; the same result bit for bit), where the
+  output and those pieces hold no more than float64 sums would. Written regions' buffers serve the next ones, and
+  a closed writer's the next writer's (:mod:`.buffers`, at most ``SPARE_BYTES`` kept by the process). With
+  ``grid=`` the writer knows how many tiles touch each region and writes a region as soon as all of them arrived;
+  memory is then the regions in flight. Without it every region waits for ``close()``.
 - A tile seen twice (a short rank of a grid's split repeats tiles from the start) counts once. With
   ``grid=``, a batch holding a tile not the grid's is refused whole (InvalidArgument) before any of it is
   taken, on every rank for that call (the refusing rank sends its reason instead of parts), so the ranks
