@@ -10,6 +10,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    """Pool threads of a test process leave after an hour idle, not 30 s: dozens of earlier tests' idle threads
+    (disk caches' readers live for the process) leaving together in a later test's window showed up as CPU and
+    RSS the window's own work did not make (tests/bench/test_rss_peak.py, tests/cli/test_bench_thread_cpu.py).
+    tests/runtime/test_workers.py sets it back to test the leaving itself."""
+    from stoker.runtime import workers
+
+    workers.IDLE_RETIRE_S = 3600.0
+
+
 @pytest.fixture(params=["python", "engine"])
 def decode_path(request, monkeypatch):
     """Each test that takes it runs on the Python path and on the compiled engine (where it is built)."""

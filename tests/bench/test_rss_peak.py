@@ -5,6 +5,8 @@ read /proc/self/statm every 2 ms: most of ``--thread-cpu``'s "other" CPU."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import sys
 import threading
 import time
@@ -21,6 +23,18 @@ pytestmark = [pytest.mark.timeout(60),
 MB = 1 << 20
 
 
+@contextlib.contextmanager
+def _no_collections():
+    """No garbage collection while the block runs (one started by its allocations frees what earlier tests of
+    this process left, and the resident size falls while the block measures it), after one now."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _touch(nbytes: int) -> None:
     """Make ``nbytes`` resident a moment (every page written), then free them (munmap: malloc maps them)."""
     block = np.ones(nbytes, np.uint8)
@@ -28,17 +42,18 @@ def _touch(nbytes: int) -> None:
 
 
 def test_a_moments_allocation_is_the_peak_and_an_earlier_one_is_not():
-    _touch(300 * MB)  # before the block: not its peak
-    with RssSampler() as sampler:
-        base = rss.rss_bytes()
-        _touch(120 * MB)
+    with _no_collections():
+        _touch(300 * MB)  # before the block: not its peak
+        with RssSampler() as sampler:
+            base = rss.rss_bytes()
+            _touch(120 * MB)
     assert base + 110 * MB <= sampler.peak < base + 250 * MB
 
 
 def test_samplers_nest():
     # each bound is from the resident size just before its own allocation: a long test run's process may give
     # pages back meanwhile (CI once saw it 70 MB smaller at the inner block's start than at the outer's)
-    with RssSampler() as outer:
+    with _no_collections(), RssSampler() as outer:
         base = rss.rss_bytes()
         _touch(150 * MB)  # before the inner one set the mark back: still the outer's peak
         with RssSampler() as inner:
@@ -52,14 +67,22 @@ def test_samplers_nest():
 def test_no_thread_wakes_while_the_block_runs():
     # against the process's own CPU over the same sleep without the sampler: a test runner's threads (pytest-xdist's
     # worker) may wake meanwhile too
-    cpu = time.process_time()
-    time.sleep(0.5)
-    idle = time.process_time() - cpu
-    threads = threading.active_count()
-    cpu = time.process_time()
-    with RssSampler():
-        inside = threading.active_count()
-        time.sleep(0.5)  # before: 250 wake-ups of a thread reading statm, each taking the GIL
-    cpu = time.process_time() - cpu
-    assert inside == threads
-    assert cpu < idle + 0.003, f"{cpu * 1e3:.1f} ms of CPU while the block slept ({idle * 1e3:.1f} ms without it)"
+    # the least of three tries: another thread of a long test process may wake in one window (the old sampler
+    # took CPU in every one: 250 wake-ups of a thread reading statm, each taking the GIL)
+    tries = []
+    for _ in range(3):
+        cpu = time.process_time()
+        time.sleep(0.5)
+        idle = time.process_time() - cpu
+        threads = threading.active_count()
+        cpu = time.process_time()
+        with RssSampler():
+            inside = threading.active_count()
+            time.sleep(0.5)
+        cpu = time.process_time() - cpu
+        assert inside == threads  # no thread started for the block
+        tries.append((cpu - idle, cpu, idle))
+        if cpu < idle + 0.003:
+            break
+    extra, cpu, idle = min(tries)
+    assert extra < 0.003, f"{cpu * 1e3:.1f} ms of CPU while the block slept ({idle * 1e3:.1f} ms without it)"
