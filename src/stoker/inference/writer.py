@@ -211,11 +211,8 @@ class _Region:
         assert self.plan is not None and self.values is not None
         box = _shift(box, self.box)  # the plan's boxes are the region's own (see _plan_of)
         once, touched = self.plan.pieces(box)
-        rint = np.issubdtype(self.values.dtype, np.integer) and np.issubdtype(values.dtype, np.floating)
         for piece in once:
-            src = values[(Ellipsis,) + local(piece, box)]
-            np.copyto(self.values[(Ellipsis,) + _slices(piece)], np.rint(src) if rint else src,
-                      casting="unsafe")
+            _place(self.values[(Ellipsis,) + _slices(piece)], values[(Ellipsis,) + local(piece, box)])
         for m in touched:
             x = intersect(self.plan.several[m], box)
             at = local(x, box)
@@ -270,10 +267,7 @@ class _Region:
                 # give them, not (w * v) / w (an ulp off in float64, and an integer's .5 rounded the other way)
                 for i, (x, _, _, values) in enumerate(kept):
                     for piece in subtract(x, [o for j, (o, _, _, _) in enumerate(kept) if j != i]):
-                        src = values[(Ellipsis,) + local(piece, x)]
-                        np.copyto(out[(Ellipsis,) + _slices(piece)],
-                                  np.rint(src) if rint and np.issubdtype(src.dtype, np.floating) else src,
-                                  casting="unsafe")
+                        _place(out[(Ellipsis,) + _slices(piece)], values[(Ellipsis,) + local(piece, x)])
             for _, _, _, _, values in self.overlaps:
                 pool.give(values)
         # voxels no part reached (a region finished at close())
@@ -726,13 +720,10 @@ class TileWriter:
                 lost = [other for other, other_start in region.placed if other_start <= start]
                 region.placed.append((box, start))
                 assert region.values is not None
-                # a float prediction into an integer output is rounded to the nearest, as the weighted blends
-                # round a voxel one tile covers (astype alone would truncate: 2.9999998 -> 2, -0.7 -> 0)
-                rint = np.issubdtype(self.dtype, np.integer) and np.issubdtype(values.dtype, np.floating)
+                # rounded as the weighted blends round a voxel one tile covers (astype alone truncates)
                 for piece in subtract(box, lost) if lost else [box]:
-                    src = values[(Ellipsis,) + local(piece, box)]
-                    np.copyto(region.values[(Ellipsis,) + local(piece, region.box)], np.rint(src) if rint else src,
-                              casting="unsafe")  # then as astype
+                    _place(region.values[(Ellipsis,) + local(piece, region.box)],
+                           values[(Ellipsis,) + local(piece, box)])
             elif region.plan is not None:
                 region.add_planned(box, self._weights_of(key)[local(box, key)], values, self._pool,
                                    self._windows_of(key, box), key)
@@ -863,6 +854,14 @@ class TileWriter:
                 pass
             finally:
                 self._marks.stop()
+
+
+def _place(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy ``src`` into ``dst`` cast as astype, a float ``src`` rounded to the nearest first where ``dst`` is an
+    integer array (astype alone would truncate: 2.9999998 -> 2, -0.7 -> 0)."""
+    if dst.dtype.kind in "iu" and src.dtype.kind == "f":
+        src = np.rint(src)
+    np.copyto(dst, src, casting="unsafe")
 
 
 def _check_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
