@@ -375,10 +375,13 @@ def test_each_chunk_of_a_batch_is_asked_of_the_disk_cache_once(remote, data, tmp
                 asked.asked.clear()
                 found, hits = sum(asked.planned), cache.hits
                 _six_batches(p, asked, f"{uri}/{path}", want)
-                # batches 3 to 6's 8 chunks asked once, by their prefetch; batches 1 and 2's (not planned
-                # ahead: the decoder's look-up) too, or not at all where the decoder's memo holds the entries
-                # it was given in the pass before (their generations known then)
-                assert chunks(asked) in ([1] * 8, [1] * 12), chunks(asked)
+                # batches 3 to 6's 8 chunks asked once, by their prefetch; batches 1 and 2's 4 (not planned
+                # ahead: the decoder's look-up) once too, or not at all where the decoder's memo holds the
+                # entries it was given in the pass before: each array's memo is emptied when its store's stamp
+                # moves on, and each entry in it lasts while its generation is known, so any of the 4 may be
+                # asked. None is asked twice
+                counts = chunks(asked)
+                assert set(counts) == {1} and 8 <= len(counts) <= 12, (len(counts), counts)
                 # batches 3 to 6 found their 8 chunks on disk when planned: all 12 read by the engine from disk
                 assert sum(asked.planned) - found == 8 and cache.hits - hits == 12, (asked.planned, cache.hits)
         monkeypatch.undo()
