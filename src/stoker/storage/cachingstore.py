@@ -763,14 +763,26 @@ class CachingStore:
             _settle(out, error=exc)
             return
 
-        def done(f: concurrent.futures.Future) -> None:
+        def finish(f: concurrent.futures.Future, wait: bool) -> None:
             try:
                 got = self.store.result_of(f)
-                self._merge(served, keys, requests, miss_keys, miss_parts, got, asked)
+                self._merge(served, keys, requests, miss_keys, miss_parts, got, asked, wait)
             except BaseException as exc:  # noqa: BLE001 - the caller's result_of raises it
                 _settle(out, error=exc)
             else:
                 _settle(out, served if versions else served[:2])
+
+        def done(f: concurrent.futures.Future) -> None:
+            # on the store's event loop, which must never wait for the disk: where the cache's writer is behind,
+            # the answer is kept (and the read settled) from a reader thread, which waits for room in its queue,
+            # so prefetches slow to the writer's pace instead of their entries being dropped
+            if self.cache.backlogged:
+                try:
+                    self.cache.serve(finish, f, True)
+                    return
+                except ShutdownError:
+                    pass
+            finish(f, False)
 
         inner.add_done_callback(done)
 
@@ -874,22 +886,24 @@ class CachingStore:
         return out
 
     def _merge(self, served: tuple, keys: Sequence[str], requests: Sequence[ByteRange], miss_keys: list[int],
-               miss_parts: list[int], got: tuple, asked: float) -> None:
+               miss_parts: list[int], got: tuple, asked: float, wait: bool = True) -> None:
         """Put the store's answer for the misses in place, and queue each to be kept on disk; ``asked``: when
-        the store was asked (the generations it states are learnt as of then, unless forgotten since)."""
+        the store was asked (the generations it states are learnt as of then, unless forgotten since); ``wait``:
+        whether a full write queue is waited on for room (see :meth:`DiskCache.put
+        <stoker.storage.diskcache.DiskCache.put>`)."""
         values, parts, value_versions, part_versions = served
         now = asked
         absent = 0
         for i, data, gen in zip(miss_keys, got[0], got[2]):
             values[i], value_versions[i] = data, gen
             if data is not None:
-                self._keep(keys[i], None, None, data, gen, now)
+                self._keep(keys[i], None, None, data, gen, now, wait)
             else:
                 absent += 1
         for j, data, gen in zip(miss_parts, got[1], got[3]):
             parts[j], part_versions[j] = data, gen
             if not isinstance(data, Exception):
-                self._keep(requests[j].key, requests[j].start, requests[j].length, data, gen, now)
+                self._keep(requests[j].key, requests[j].start, requests[j].length, data, gen, now, wait)
             elif isinstance(data, NotFound):
                 absent += 1
         self._absent(absent)
@@ -901,7 +915,8 @@ class CachingStore:
             with self._lock:
                 self.counters.absent += n
 
-    def _keep(self, key: str, start: int | None, length: int | None, data, gen: Any, now: float) -> None:
+    def _keep(self, key: str, start: int | None, length: int | None, data, gen: Any, now: float,
+              wait: bool = True) -> None:
         n = memoryview(data).nbytes
         with self._lock:
             self.counters.misses += 1
@@ -911,7 +926,7 @@ class CachingStore:
         self._learn(key, gen, now)  # an answer states the object's generation as a HEAD would
         ident = _ident(self.uri, key, start, length, gen)
         losses = self.cache.losses  # before the write is queued: a loss after it may be this entry's
-        self.cache.put(ident, data)
+        self.cache.put(ident, data, wait)
         if self.cache.queued(ident):  # to be written (not refused: too big, a read-only folder, a full queue)
             # its entry once written: what entry_files gives for it (the next epoch's look-up, without a stat)
             self._made(key, start, length, gen, ident, (os.fsencode(self.cache.path(ident)),

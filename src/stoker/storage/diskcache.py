@@ -49,9 +49,12 @@ hold of the lock, one reservation and one count for them all, and their files ma
 ``write_entries`` (csrc/entries.c) with the GIL released once for the batch (:func:`use_entry_writer`;
 :func:`write_entries`, its Python twin, without the engine). Every system call gives the GIL up and, on a busy
 pipeline, waits to get it back: written one at a time in Python (a dozen calls an entry), the writer fell behind
-a first epoch's fetches. The queue stays bounded (past :data:`QUEUE_BYTES` an entry is dropped, ``dropped``
-counts it, and it is cached on a later read): its bytes are memory, and a fetch must not wait for a disk that
-is slow or stalled; a writer that keeps up drops none.
+a first epoch's fetches. The queue stays bounded (:data:`QUEUE_BYTES`: its bytes are memory): a put into a full
+queue waits for room, so an epoch read faster than the disk writes (loopback, a fast network) slows to the
+writer's pace and keeps every entry; but never long (:data:`QUEUE_WAIT_S`: a disk that is stalled must not stall
+the fetches), after which the entry is dropped (``dropped`` counts it; it is cached on a later read). The store's
+event loop never waits here: what it would put into a backlogged queue is put from a reader thread instead
+(:class:`~stoker.storage.cachingstore.CachingStore`).
 """
 
 from __future__ import annotations
@@ -85,12 +88,20 @@ from .fsutil import HOST, removing_dead_temp_files
 #: The entry header: magic, crc32c of ident + payload, ident length, payload length.
 HEADER = struct.Struct("<6sHIIQ")
 MAGIC = b"STKC1\n"
-#: Bytes of entries queued for writing, at most, per folder (more are dropped: cached on a later read).
+#: Bytes of entries queued for writing, at most, per folder (more wait for room, then are dropped: cached on a
+#: later read).
 QUEUE_BYTES = 256 << 20
+#: How long a put waits for room in a full queue (a writer behind a first epoch read at loopback speed) before
+#: its entry is dropped: a batch or two of writes, so a writer that is only slower than the network keeps every
+#: entry (the epoch slows to its pace), while a stalled disk costs a fetch no more than this.
+QUEUE_WAIT_S = 1.0
 #: Entries written per hold of the folder's lock, at most (one reservation and one count for them all), and
 #: their bytes: a batch of the largest takes some 100 ms, which another process's write may wait.
 BATCH_ENTRIES = 256
 BATCH_BYTES = 64 << 20
+#: A queue with less room than this is *backlogged* (:attr:`DiskCache.backlogged`): what a thread that must not
+#: wait (the store's event loop) would put is handed to a reader thread first, whose put may wait for room.
+QUEUE_ROOM = BATCH_BYTES
 #: The most a write waits for the folder's lock (another process evicting); then that entry is not written.
 LOCK_WAIT_S = 10.0
 #: Making room evicts down to this share of ``cache_bytes``, so a scan serves many writes.
@@ -364,12 +375,13 @@ class DiskCache:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    def put(self, ident: str, data) -> None:
+    def put(self, ident: str, data, wait: bool = True) -> None:
         """Queue ``data`` to be stored under ``ident`` (written by the folder's writer thread); nothing when
         ``ident`` is queued already (the same bytes: an ident names its object's generation). ``bytes`` are
         queued as they are, as are views of them or of obstore's ``Bytes`` (what the object stores return); any
         other buffer (a bytearray, an array) is copied, so that the caller may reuse it at once and what is
-        served from the queue and written is what was put."""
+        served from the queue and written is what was put. A full queue is waited on for room at most
+        :data:`QUEUE_WAIT_S` (``wait``; else, and after it, the entry is dropped: ``dropped`` counts it)."""
         n = memoryview(data).nbytes
         if not self.writable:
             return
@@ -382,7 +394,12 @@ class DiskCache:
             return
         if not _immutable(data):
             data = _byte_view(data).tobytes()  # immutable: not changed by its producer, nor by a reader served it
-        self._enqueue(ident, data, n)
+        self._enqueue(ident, data, n, wait=wait)
+
+    @property
+    def backlogged(self) -> bool:
+        """Whether the write queue has less than :data:`QUEUE_ROOM` left: a put now may wait for the writer."""
+        return self._queued > QUEUE_BYTES - QUEUE_ROOM
 
     def mark(self, ident: str) -> None:
         """Queue an empty *marker* file to be made under ``ident``: no bytes, so no block on disk, only its
@@ -402,13 +419,24 @@ class DiskCache:
         how = _REFRESH if ident in self._seen else _WRITE
         self._enqueue(ident, None, len(ident), now, how)  # its queue cost: the ident it holds
 
-    def _enqueue(self, ident: str, data: bytes | None, n: int, seen: float | None = None, how: int = 0) -> None:
+    def _enqueue(self, ident: str, data: bytes | None, n: int, seen: float | None = None, how: int = 0,
+                 wait: bool = False) -> None:
         """Queue ``ident`` for writing (``data`` None: a marker); ``seen``: when :meth:`mark` queued it, recorded in
         ``_seen`` here, under the lock, so a loss after (a batch not written: :meth:`lost`) comes after it too.
         ``how``: :data:`_WRITE`, or a marker's refresh (:data:`_REFRESH`, made where gone; :data:`_TOUCH`, only
         refreshed: its loss where gone), which a full queue drops uncounted (a refresh later, or none). A touch is
-        kept in ``_touching``, not ``_pending``: a mark's refresh of one queued so is queued too (made where gone)."""
+        kept in ``_touching``, not ``_pending``: a mark's refresh of one queued so is queued too (made where gone).
+        ``wait``: a full queue is waited on for room, at most :data:`QUEUE_WAIT_S` (a write only)."""
         with self._cond:
+            if wait and how == _WRITE and self._queued + n > QUEUE_BYTES >= n:
+                # the writer is behind: the fetch waits for it (notified after each batch it writes), so a first
+                # epoch faster than the disk slows to the disk's pace rather than leave its entries out
+                deadline = time.monotonic() + QUEUE_WAIT_S
+                while self._queued + n > QUEUE_BYTES and not self._dead:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
             if self._dead:  # the writer died (after the caller's check of `writable`): nobody would write it
                 return
             if ident in self._pending or (how == _TOUCH and ident in self._touching):
@@ -430,7 +458,7 @@ class DiskCache:
                 self._thread = threading.Thread(target=serve, args=(self._drain, self._writer_failed, _WRITER_STOPS),
                                                 name="stoker-diskcache", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            self._cond.notify_all()  # the writer, which may wait beside puts waiting for room
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued entry is written (or dropped); False if that took longer than ``timeout_s``."""
