@@ -32,6 +32,7 @@ from ...zarr.cf import CFCoding
 
 #: Elements decoded through one float64 temporary at most (32 MiB of it).
 PIECE_ELEMENTS = 1 << 22
+_ARITHMETIC = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16}
 
 
 class RowDecode:
@@ -73,11 +74,14 @@ def decode_(v: torch.Tensor, code: CFCoding) -> None:
         hit = v == fill  # in v's dtype, as numpy compares an array with a Python float
         mask = hit if mask is None else mask | hit
     if code.scale is not None or code.offset is not None:
-        t = v.to(torch.float64)
+        work = _ARITHMETIC[code.arithmetic]
+        t = v.to(work)
+        # the attributes in the arithmetic's dtype first, as numpy takes a Python float into a float32 array's
+        # product: torch would multiply a half by the float32 of it instead
         if code.scale is not None:
-            t.mul_(code.scale)
+            t.mul_(float(np.dtype(code.arithmetic).type(code.scale)))
         if code.offset is not None:
-            t.add_(code.offset)
+            t.add_(float(np.dtype(code.arithmetic).type(code.offset)))
         v.copy_(t)
     if mask is not None:
         v.masked_fill_(mask, float("nan"))
