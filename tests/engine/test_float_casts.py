@@ -27,7 +27,7 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 def _cfg(**kw):
     base = dict(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_io_threads=1, n_compute_threads=2,
-                pop_timeout_s=20.0, device="cpu", device_buffer_bytes=16 << 20)
+                pop_timeout_s=60.0, device="cpu", device_buffer_bytes=16 << 20)
     base.update(kw)
     return stoker.Config(**base)
 
