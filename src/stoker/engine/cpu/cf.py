@@ -8,7 +8,8 @@ placed and padded). Per run of rows of one coding (a piece of at most
 :data:`PIECE_ELEMENTS` at a time): values equal to a fill become NaN (compared in the batch's float dtype,
 exact for 8- and 16-bit integer and float32 sources), and ``x * scale_factor + add_offset`` is computed in
 float64 and rounded once to the batch's dtype, as xarray computes it (the attributes of a Zarr array are
-float64), so a float32 batch equals xarray's values cast to float32. Packed arrays whose stored values float32
+float64), so a float32 batch equals xarray's values cast to float32 (in ``CFCoding.arithmetic``: a float32
+or float16 variable whose fills are all NaN is scaled in its own dtype, as xarray does). Packed arrays whose stored values float32
 does not hold (:func:`needs_float64`) are decoded in float64 work slots (the CPU executor's) and rounded into the
 output after (:func:`round_into`), else refused (:func:`check_output`).
 
