@@ -179,3 +179,114 @@ def test_a_fill_pad_of_an_array_with_a_fill_value_attribute_is_nan(dataset, var)
     assert torch.isnan(got[:2]).all() and torch.isnan(got[:, :, 0]).all()  # before the array's start: missing
     inside = ref[var].isel(time=slice(0, 3), y=slice(0, 8), x=slice(0, 8)).values.astype(np.float32)
     _assert_same(got[2:, :, 1:], inside)
+
+
+def _write_packed(root, dtype: str, scale=0.001, offset=-1073741.824, fill=-2147483647, zarr_format=3) -> str:
+    """A variable packed into 32- or 64-bit integers (or float64) by xarray: stored values near 2**30 (past
+    float32's exact integers), add_offset cancelling most of each, a _FillValue and a chunk never written.
+    Returns the array's URI."""
+    rng = np.random.default_rng(5)
+    raw = rng.integers(2**30, 2**30 + 5000, (8, 12)).astype(dtype)
+    raw[1, 2] = raw[6, 11] = fill
+    raw[0, 0] = 2**30 + 4097  # one past float32's spacing there: its float32 rounding decodes to 0.0
+    path = str(root / f"packed_{dtype}_{zarr_format}.zarr")
+    ds = xr.Dataset({"v": (("y", "x"), raw)})
+    ds["v"].attrs.update(scale_factor=scale, add_offset=offset)
+    ds["v"].encoding.update(_FillValue=fill, chunks=(4, 5))
+    ds.to_zarr(path, mode="w", zarr_format=zarr_format, consolidated=False)
+    return os.path.join(path, "v")
+
+
+def _numpy_cast(values: np.ndarray, dtype: str) -> torch.Tensor:
+    """xarray's float64 values in the output: NumPy's one rounding (bfloat16: through float32, its rule)."""
+    if dtype == "bf16":
+        return torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(values.astype(np.float16 if dtype == "f16" else np.float32))
+
+
+@pytest.mark.parametrize("out", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("dtype", ["int32", "uint32", "int64", "float64"])
+def test_packed_wide_values_equal_xarray_without_lossy_casts(tmp_path, decode_path, dtype, out):
+    """A CF-packed int32 (or wider, or float64) variable into a float output is not refused by the label-id rule
+    (its decoded values are floats), and the batch is xarray's float64 values rounded once: decoded from the
+    stored values in float64 work slots, not from their float32 rounding (which put every value near 2**30
+    up to 64 apart, and 0.064 off after the add_offset cancelled the rest). Crops cross chunk edges."""
+    uri = _write_packed(tmp_path, dtype, fill=4294967295 if dtype == "uint32" else -2147483647)
+    ref = xr.open_zarr(os.path.dirname(uri), consolidated=False)["v"].values
+    assert ref.dtype == np.float64 and np.isnan(ref[1, 2])
+    boxes = [((0, 6), (0, 8)), ((2, 8), (3, 11))]
+    with stoker.Pipeline(_cfg(batch_size=2, dtype=out)) as pipe:
+        pipe.push([stoker.Sample(uri, b) for b in boxes])
+        x = torch.from_dlpack(pipe.pop()).clone()
+    for i, box in enumerate(boxes):
+        want = _numpy_cast(ref[tuple(slice(a, b) for a, b in box)], out)
+        got = x[i]
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)]), (got, want)
+
+
+def test_packed_wide_values_after_a_first_batch_without_are_refused(tmp_path, decode_path):
+    """The work slots are sized at the first batch: a packed int32 array met later would be decoded from its
+    float32 rounding, so that batch is a DtypeMismatch saying what to do, not wrong values. An executor that
+    decodes after a float32 cast (the GPU decode, here on its host stand-in) refuses it the same way."""
+    from stoker.engine.gpu.executor import GpuDecodeExecutor
+    from stoker.engine.pipeline import facade
+
+    uri = _write_packed(tmp_path, "int32")
+    plain = str(tmp_path / "plain.zarr")
+    zarr.create_array(plain, shape=(8, 12), chunks=(4, 5), dtype="f4", fill_value=0)[...] = 1.5
+    box = ((0, 4), (0, 5))
+    with stoker.Pipeline(_cfg(batch_size=1)) as pipe:
+        pipe.push([stoker.Sample(plain, box), stoker.Sample(uri, box)])
+        assert torch.equal(torch.from_dlpack(pipe.pop()), torch.full((1, 4, 5), 1.5))
+        with pytest.raises(stoker.DtypeMismatch, match=r"float64 to its stored int32.*first batch.*cf=False"):
+            pipe.pop()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(facade, "make_executor", lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store))
+        with stoker.Pipeline(_cfg(batch_size=1, device_buffer_bytes=16 << 20)) as pipe:
+            pipe.push([stoker.Sample(uri, box)])
+            with pytest.raises(stoker.DtypeMismatch, match=r"float64 to its stored int32"):
+                pipe.pop()
+
+
+def test_decoded_values_past_a_16_bit_output_are_refused(tmp_path, decode_path):
+    """int16 packed with scale_factor 10: xarray's values reach 327,670, past float16's largest (65,504); the
+    "f16" batch that decodes them is a DtypeMismatch naming the array, never inf; "bf16" holds them."""
+    path = str(tmp_path / "big.zarr")
+    raw = np.arange(-48, 48, dtype=np.int16).reshape(8, 12) * 600
+    ds = xr.Dataset({"v": (("y", "x"), raw)})
+    ds["v"].attrs.update(scale_factor=10.0)
+    ds.to_zarr(path, mode="w", zarr_format=3, consolidated=False)
+    uri = os.path.join(path, "v")
+    ref = xr.open_zarr(path, consolidated=False)["v"].values
+    box = ((0, 8), (0, 12))
+    with stoker.Pipeline(_cfg(batch_size=1, dtype="f16")) as pipe:
+        pipe.push([stoker.Sample(uri, box)])
+        with pytest.raises(stoker.DtypeMismatch, match=r"big.zarr/v.*float16's largest.*inf") as info:
+            pipe.pop()
+        assert info.value.uri == uri
+    with stoker.Pipeline(_cfg(batch_size=1, dtype="bf16")) as pipe:
+        pipe.push([stoker.Sample(uri, box)])
+        _assert_same(torch.from_dlpack(pipe.pop())[0], ref)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_scaled_float_variables_are_decoded_in_their_own_dtype(tmp_path, decode_path, dtype, zarr_format):
+    """A float variable with scale_factor and add_offset and xarray's default NaN _FillValue: xarray masks
+    nothing and scales in the variable's own dtype, each step rounded; the batch is its values exactly (it
+    was the float64 result rounded once: 1 ulp off for most values)."""
+    rng = np.random.default_rng(3)
+    raw = (rng.normal(0, 300, (8, 12))).astype(dtype)
+    raw[2, 3] = np.nan
+    path = str(tmp_path / f"s{zarr_format}.zarr")
+    ds = xr.Dataset({"v": (("y", "x"), raw)})
+    ds["v"].attrs.update(scale_factor=0.1, add_offset=273.15)
+    ds.to_zarr(path, mode="w", zarr_format=zarr_format, consolidated=False)
+    ref = xr.open_zarr(path, consolidated=False)["v"].values
+    assert ref.dtype == np.dtype(dtype)  # the oracle's own arithmetic: in the variable's dtype
+    box = ((1, 7), (2, 10))
+    for out in ("f32", "bf16"):
+        with stoker.Pipeline(_cfg(batch_size=1, dtype=out)) as pipe:
+            pipe.push([stoker.Sample(os.path.join(path, "v"), box)])
+            _assert_same(torch.from_dlpack(pipe.pop())[0], ref[1:7, 2:10])

@@ -667,15 +667,17 @@ def test_direct_call_leaves_doubtful_blosc_frames_to_python(tmp_path):
         assert status["table"] == (native.ST_FRAME if span[1] == 100 else native.ST_CODEC_ERROR), span
 
 
-def _place(tmp_path, dtype_src, batch_dtype, kind, stream=False):
+def _place(tmp_path, dtype_src, batch_dtype, kind, stream=False, values=None, status=None):
     """Cast a 2-D chunk into a batch through the compiled reader; returns (batch, expected by copy_cast).
-    ``stream``: with streaming stores, the values repeated so that every row holds whole cache lines."""
+    ``stream``: with streaming stores, the values repeated so that every row holds whole cache lines;
+    ``values``: the chunk's (else the special values of its dtype); ``status``: the chunk's (default ST_OK)."""
     from stoker.engine.cast import copy_cast
     from native_testing import copy_plan
     from stoker.engine.planning.tasks import ChunkTask, Copy
     from stoker.zarr.codecs.chain import ChunkCodec
 
-    chunk = np.tile(_SPECIAL[np.dtype(dtype_src)], 4 if stream else 1).reshape(4, -1)
+    values = _SPECIAL[np.dtype(dtype_src)] if values is None else values
+    chunk = np.tile(values, 4 if stream else 1).reshape(4, -1)
     codec = ChunkCodec("mem://x", chunk.shape, chunk.dtype, chunk.dtype)
     task = ChunkTask(0, (0, 0), "c/0/0", [Copy.of(0, (slice(0, 4), slice(0, chunk.shape[1])), (slice(1, 5), slice(2, 2 + chunk.shape[1]))),
                                           Copy.of(1, (slice(1, 3), slice(3, 5)), (slice(0, 2), slice(0, 2)))])
@@ -688,7 +690,7 @@ def _place(tmp_path, dtype_src, batch_dtype, kind, stream=False):
     path.write_bytes(numcodecs.Zstd(level=1).encode(chunk.tobytes()))
     results, _ = _call(native.CODEC_ZSTD, [path], chunk.nbytes, scratch=chunk.nbytes + 4096, places=[plan],
                        dst=(got.data_ptr(), got.numel() * got.element_size(), kind, stream))
-    assert results[0][0] == native.ST_OK and results[0][6] == 1
+    assert results[0][0] == (native.ST_OK if status is None else status) and results[0][6] == 1
     for c in task.copies:
         copy_cast(want[c.dst] if want.dtype == torch.bfloat16 else want.numpy()[c.dst], chunk[c.chunk_sel])
     return got, want
@@ -714,7 +716,25 @@ def _special_values():
 _SPECIAL = _special_values()
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # float64 max becomes inf, as it must
+def _fitting(src: str, batch_dtype: torch.dtype) -> tuple[np.ndarray, bool]:
+    """The special values of ``src`` with each finite one that would be inf in ``batch_dtype`` replaced by the
+    largest of its sign that is not; True when one was replaced."""
+    from stoker.engine.cast import OVERFLOW_AT, unfit_range
+
+    vals = _SPECIAL[np.dtype(src)].copy()
+    if batch_dtype not in OVERFLOW_AT or unfit_range(vals, batch_dtype) is None:
+        return vals, False
+    at = OVERFLOW_AT[batch_dtype]
+    edge = (np.nextafter(at, 0.0) if batch_dtype == torch.float32  # rounds to float32's largest
+            else float(np.nextafter(np.float32(at), np.float32(0))))  # is bfloat16's largest in float32
+    with np.errstate(over="ignore"):
+        seen = vals.astype(np.float32) if batch_dtype == torch.bfloat16 else vals
+        past = np.isfinite(vals) & (np.abs(seen) >= at)
+    vals[past] = np.sign(vals[past]) * edge
+    return vals, True
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the Python path's copy of a failed chunk
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("batch", ["f32", "bf16", "native"])
 @pytest.mark.parametrize("src", sorted(str(d) for d in _SPECIAL))
@@ -722,12 +742,17 @@ def test_compiled_cast_matches_copy_cast_bit_for_bit(tmp_path, src, batch, strea
     """Every source kind into every batch kind the compiled reader casts to, on edge values (extremes,
     rounding ties, infinities, subnormals, signed zeros): the same bits as the Python path's numpy and
     torch casts, written in place or streamed (whole lines converted apart from a row's ends). NaN stays
-    NaN (torch's own bfloat16 NaN bits differ between its vector and scalar loops)."""
+    NaN (torch's own bfloat16 NaN bits differ between its vector and scalar loops). A finite value the
+    batch would hold as inf (float64's largest into float32) fails the chunk (ST_RANGE), so here the
+    largest that fits stands in for it."""
     if not native.zstd:
         pytest.skip("stoker._native is not available")
     batch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "native": torch.from_numpy(np.empty(0, src)).dtype}[batch]
     kind = {"f32": native.KIND_F32, "bf16": native.KIND_BF16, "native": native.KIND_SAME}[batch]
-    got, want = _place(tmp_path, src, batch_dtype, kind, stream)
+    values, replaced = _fitting(src, batch_dtype)
+    if replaced:  # the special values themselves: every copy is placed, and the chunk fails
+        _place(tmp_path, src, batch_dtype, kind, stream, status=native.ST_RANGE)
+    got, want = _place(tmp_path, src, batch_dtype, kind, stream, values)
     nan = want.isnan() if want.is_floating_point() else torch.zeros_like(want, dtype=torch.bool)
     assert torch.equal(got.isnan() if got.is_floating_point() else nan, nan)
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]

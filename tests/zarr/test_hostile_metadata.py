@@ -158,6 +158,32 @@ def test_malformed_metadata_is_a_typed_error_or_reads_like_zarr(bases, tmp_path,
     assert refused + accepted >= 5  # the loop ran
 
 
+@pytest.mark.parametrize("value", [{"must_understand": True}, {"must_understand": "false"}, {}, 1, "x", None,
+                                   {"must_understand": False, "x": 1}], ids=repr)
+@pytest.mark.parametrize("base", ["v3plain", "v3shard"])
+def test_v3_extension_fields_are_refused_unless_marked_ignorable(bases, tmp_path, base, value):
+    """An unknown member of a v3 array document is an extension that may change what the bytes mean: refused
+    (UnsupportedFormat naming the array and the field), as zarr-python refuses it, unless it is an object
+    saying "must_understand": false, which the specification lets a reader ignore (the data is read)."""
+    path = str(tmp_path / "a.zarr")
+    shutil.copytree(bases[base], path)
+    meta = os.path.join(path, "zarr.json")
+    with open(meta) as f:
+        doc = json.load(f)
+    doc["frobnicate"] = value
+    with open(meta, "w") as f:
+        json.dump(doc, f)
+    if isinstance(value, dict) and value.get("must_understand") is False:
+        want = DATA * ((np.arange(32)[:, None] < 16) | (np.arange(32) < 16))
+        assert np.array_equal(_read(stoker.open_array(path)), want)
+        return
+    with pytest.raises(stoker.UnsupportedFormat, match="extension field 'frobnicate'") as info:
+        stoker.open_array(path)
+    assert info.value.uri == path
+    with pytest.raises(Exception):  # noqa: B017 - the oracle: zarr-python refuses it too, with its own error
+        _zarr_read(path, SHAPE)
+
+
 @pytest.mark.parametrize("fmt", [2, 3])
 @pytest.mark.parametrize("ndim,ok", [(64, True), (65, False), (200, False)])
 def test_more_than_64_dimensions_is_refused_clearly(tmp_path, fmt, ndim, ok):

@@ -189,8 +189,9 @@ static int copy_rows(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step,
     return 0;
 }
 
-/* OUT(v): 1 when v does not fit U (then 0 is written, never the out-of-range conversion); 0 for float
- * batches, where the test vanishes at compile time. The bad flag is an OR reduction, which vectorises. */
+/* OUT(v): 1 when v does not fit U (then 0 is written, never the out-of-range conversion): outside an integer
+ * batch's range, or a finite value that the float batch would hold as inf; 0 where every value fits, and the
+ * test vanishes at compile time. The bad flag is an OR reduction, which vectorises. */
 #define CONVERT_ROWS(NAME, T, U, CONV, OUT, ATTR, STREAM_LINE)                                               \
     static inline int NAME##_run(const T *restrict s, U *restrict d, size_t n) {                             \
         int bad = 0;                                                                                         \
@@ -229,19 +230,24 @@ static int copy_rows(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step,
 /* AVX2 pays for the bfloat16 rounding only: the widening conversions to float32 wait on memory either way,
  * and their 32-byte copies were slower on the short rows of small chunks */
 #define FITS(v) 0
-#define CONVERSIONS(NAME, T)                                                                                 \
-    CONVERT_ROWS(NAME##_f32, T, float, TO_F32, FITS, , stream_line)                                          \
-    CONVERT_ROWS(NAME##_bf16, T, uint16_t, TO_BF16, FITS, HOT, stream_line)
-CONVERSIONS(u8, uint8_t)
-CONVERSIONS(i8, int8_t)
-CONVERSIONS(u16, uint16_t)
-CONVERSIONS(i16, int16_t)
-CONVERSIONS(u32, uint32_t)
-CONVERSIONS(i32, int32_t)
-CONVERSIONS(u64, uint64_t)
-CONVERSIONS(i64, int64_t)
-CONVERSIONS(f32, float)
-CONVERSIONS(f64, double)
+/* Finite values that round to inf (engine/cast.py OVERFLOW_AT, the Python path's check): from 2**128 - 2**103
+ * in float32 (the midpoint past FLT_MAX rounds up, to even), from 0x1.ffp127 in bfloat16, which a float64 reaches
+ * through its float32 rounding. Integers fit both (2**64 is far below). NaN compares false; inf stays inf. */
+#define F32_INF(v) (fabs(v) >= 0x1.ffffffp127 && fabs(v) != (double)INFINITY)
+#define BF16_INF(v) (fabsf((float)(v)) >= 0x1.ffp127f && fabs((double)(v)) != (double)INFINITY)
+#define CONVERSIONS(NAME, T, OUT32, OUT16)                                                                   \
+    CONVERT_ROWS(NAME##_f32, T, float, TO_F32, OUT32, , stream_line)                                         \
+    CONVERT_ROWS(NAME##_bf16, T, uint16_t, TO_BF16, OUT16, HOT, stream_line)
+CONVERSIONS(u8, uint8_t, FITS, FITS)
+CONVERSIONS(i8, int8_t, FITS, FITS)
+CONVERSIONS(u16, uint16_t, FITS, FITS)
+CONVERSIONS(i16, int16_t, FITS, FITS)
+CONVERSIONS(u32, uint32_t, FITS, FITS)
+CONVERSIONS(i32, int32_t, FITS, FITS)
+CONVERSIONS(u64, uint64_t, FITS, FITS)
+CONVERSIONS(i64, int64_t, FITS, FITS)
+CONVERSIONS(f32, float, FITS, BF16_INF)
+CONVERSIONS(f64, double, F32_INF, BF16_INF)
 
 /* Integer batches from integer sources: each value checked against the batch's range, so an id never wraps
  * (the tests are per source type: a comparison that can never hold would draw warnings) */

@@ -693,7 +693,7 @@ typedef struct {
 } chunk_times;
 
 /* Write into the batch only while the job is not cancelled (see job_cancel): ST_OK, ST_CANCELLED, or ST_RANGE
- * when a value did not fit the integer batch. The job's counters go to ``mine`` (see run_job). */
+ * when a value did not fit the batch (see ST_RANGE). The job's counters go to ``mine`` (see run_job). */
 static int place_chunk(job *j, const int64_t *src, const int64_t *c, const char *decoded, int fill,
                        job_counters *mine, chunk_times *tm) {
     const plan_tables *t = &j->t;

@@ -54,8 +54,9 @@ enum {
     ST_CANCELLED,    /* the job was cancelled before this chunk was placed; a staging read not run (staging.h: its
                       * round's cancel flag was set before it started) */
     ST_NO_MEMORY,    /* the thread's scratch could not be allocated */
-    ST_RANGE,        /* a value the copies read does not fit the integer batch (KIND_I32, KIND_I64); the batch
-                      * holds zero in its place, and the Python side raises DtypeMismatch naming the chunk */
+    ST_RANGE,        /* a value the copies read does not fit the integer batch (KIND_I32, KIND_I64), or is finite
+                      * and would be inf in the float batch; the batch holds zero in its place, and the Python
+                      * side raises DtypeMismatch naming the chunk */
     ST_PENDING,      /* not finished yet */
     ST_ENTRY,        /* a disk-cache entry (buffer with an entries row) that is missing, unreadable, of another size,
                       * ident or layout, or fails its checksum (detail: ENTRY_*): never decoded, the Python side

@@ -13,6 +13,11 @@
 - 32- and 64-bit integer sources into float batches are refused unless ``lossy_casts`` (float32 holds
   integers exactly only up to 2**24, bfloat16 and float16 far fewer: label ids would merge); 8- and
   16-bit integers (images) are allowed.
+- A finite value past the float batch's largest finite value (65504 for ``"f16"``: a uint16 of 65520 or more;
+  float32's and bfloat16's for a float64 or float32 source) would become inf: a
+  :class:`~stoker.errors.DtypeMismatch` naming the array and the chunk, as for an integer batch
+  (:func:`unfit_range`), with ``lossy_casts`` too (it allows rounding, not infinities). NaN and inf stay
+  themselves.
 - complex sources cannot become real batches: :class:`~stoker.errors.DtypeMismatch`.
 
 Copies run in compute threads; numpy and torch release the GIL while copying.
@@ -85,13 +90,25 @@ def batch_dtype(requested: torch.dtype | None, source: np.dtype, uri: str, lossy
     return requested
 
 
-def unfit_range(src: np.ndarray, dtype: torch.dtype) -> tuple[int, int] | None:
+#: Per float batch dtype, the magnitude from which a finite value rounds to inf (to nearest even: the
+#: midpoint between the largest finite value and the next power of two rounds up). bfloat16 is reached
+#: through float32 (:func:`copy_cast`), so a float64 source is compared after its float32 rounding.
+OVERFLOW_AT = {torch.float16: 65520.0, torch.bfloat16: float.fromhex("0x1.ffp127"),
+               torch.float32: float.fromhex("0x1.ffffffp127")}
+
+
+def unfit_range(src: np.ndarray, dtype: torch.dtype) -> tuple[int, int] | tuple[float, float] | None:
     """``(min, max)`` of ``src`` when one of its values does not fit the integer batch ``dtype``, else None
-    (also for float batches, and without a pass over ``src`` when its dtype's range fits: uint16 into int32).
+    (without a pass over ``src`` when its dtype's range fits: uint16 into int32). For a float batch, the
+    ``(min, max)`` of the finite values that would become inf in it (:data:`OVERFLOW_AT`), else None.
 
     >>> unfit_range(np.array([1, 2**40], np.int64), torch.int32)
     (1, 1099511627776)
+    >>> unfit_range(np.array([1, 65520, 65535, 7], np.uint16), torch.float16)
+    (65520, 65535)
     """
+    if dtype in OVERFLOW_AT:
+        return _overflow(np.asarray(src), dtype)
     if dtype not in INTEGER_OUTPUTS or src.dtype.kind not in "iu" or src.size == 0:
         return None
     have, room = np.iinfo(src.dtype), torch.iinfo(dtype)
@@ -101,14 +118,48 @@ def unfit_range(src: np.ndarray, dtype: torch.dtype) -> tuple[int, int] | None:
     return (lo, hi) if lo < room.min or hi > room.max else None
 
 
+def _overflow(src: np.ndarray, dtype: torch.dtype) -> tuple[int, int] | tuple[float, float] | None:
+    """:func:`unfit_range` of a float batch: only sources whose dtype reaches :data:`OVERFLOW_AT` are read."""
+    at = OVERFLOW_AT[dtype]
+    if src.size == 0 or src.dtype.kind not in "iuf":
+        return None
+    if src.dtype.kind in "iu":
+        have = np.iinfo(src.dtype)
+        if have.max < at and have.min > -at:
+            return None
+        lo, hi = int(gil.released(np.min, src)), int(gil.released(np.max, src))
+        if lo > -at and hi < at:
+            return None
+        past = src[(src >= at) | (src <= -at)]
+        return int(past.min()), int(past.max())
+    if float(np.finfo(src.dtype).max) < at:
+        return None
+    with np.errstate(over="ignore"):
+        seen = src.astype(np.float32) if dtype == torch.bfloat16 and src.dtype.itemsize > 4 else src
+        past = gil.released(lambda: np.isfinite(src) & (np.abs(seen) >= at))
+    if not past.any():
+        return None
+    values = src[past]
+    return float(values.min()), float(values.max())
+
+
 def range_error(uri: str, key: str, source: np.dtype, dtype: torch.dtype,
-                span: tuple[int, int] | None = None) -> DtypeMismatch:
+                span: tuple[int, int] | tuple[float, float] | None = None) -> DtypeMismatch:
     """The error of a chunk (``key``; for a missing one, its fill value) holding a value that does not fit the
-    integer batch ``dtype``; ``span``: its values' (min, max) where known (the engine's ST_RANGE says only that
-    one did not fit)."""
-    room = torch.iinfo(dtype)
+    batch ``dtype`` (outside an integer batch's range, or a finite value that would be inf in a float batch);
+    ``span``: its values' (min, max) where known (the engine's ST_RANGE says only that one did not fit)."""
     held = ("a value" if span is None else f"the value {span[0]}" if span[0] == span[1]
             else f"values in [{span[0]}, {span[1]}]")
+    if dtype in OVERFLOW_AT:
+        name = _FLOAT_NAMES.get(dtype, str(dtype))
+        fits_f32 = dtype != torch.float32 and (
+            source.itemsize <= 4 if span is None else max(abs(span[0]), abs(span[1])) < OVERFLOW_AT[torch.float32])
+        wider = "use dtype 'f32' or 'native'" if fits_f32 else "use dtype='native'"
+        return DtypeMismatch(
+            f"{uri}: chunk {key!r} holds {held} past {name}'s largest finite value "
+            f"{float(torch.finfo(dtype).max):g}, which the cast would make inf (source dtype {source}); {wider} "
+            "to keep every value, or scale the data down before storing it", uri=uri, key=key, dtype=str(source))
+    room = torch.iinfo(dtype)
     wider = "use dtype 'i64' or 'native'" if dtype == torch.int32 else "use dtype='native'"
     return DtypeMismatch(
         f"{uri}: chunk {key!r} holds {held} outside {INTEGER_OUTPUTS[dtype]}'s range [{room.min}, {room.max}] "
@@ -117,8 +168,8 @@ def range_error(uri: str, key: str, source: np.dtype, dtype: torch.dtype,
 
 def check_fill(reader, dtype: torch.dtype, key: str) -> None:
     """The :func:`range_error` naming ``reader``'s array and ``key`` (a missing chunk, or the padding) when the
-    array's fill value does not fit the integer batch ``dtype``: it would be written wrapped around
-    (:func:`fill_value_as` casts it unchecked); nothing for a fill value that fits, or a float batch.
+    array's fill value does not fit the batch ``dtype``: it would be written wrapped around, or inf
+    (:func:`fill_value_as` casts it unchecked); nothing for a fill value that fits.
 
     >>> check_fill(stoker.open_array("ids.zarr"), torch.int32, "c/0/1")  # uint32, fill value 2**32 - 1
     Traceback (most recent call last):

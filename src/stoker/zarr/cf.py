@@ -48,21 +48,26 @@ _GREGORIAN_START = (1582, 10, 15)  # the mixed calendars are Julian before it (n
 class CFCoding:
     """What decoding does to an array's values: values equal to one of ``fills`` (compared in the values'
     dtype, as numpy compares them with a Python float) become NaN, the rest are multiplied by ``scale`` and
-    shifted by ``offset`` (``None``: not given) in float64, as xarray does with the attributes of a Zarr
-    array (JSON numbers are float64), then rounded once to the output dtype."""
+    shifted by ``offset`` (``None``: not given) in ``arithmetic``, as xarray does with the attributes of a
+    Zarr array, then rounded to the output dtype. ``arithmetic`` is float64 (JSON numbers are float64, and
+    xarray decodes packed values in their type) but for a float variable whose fill attributes are all NaN:
+    xarray's mask step then leaves it in its own dtype, and its scale step computes in that dtype, each step
+    rounded (``float32``, ``float16``)."""
 
     scale: float | None
     offset: float | None
     fills: tuple[float, ...]
+    arithmetic: str = "float64"
 
     def decode(self, values: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
         """``values`` decoded, as a new array of the float ``dtype``."""
         values = np.asarray(values)
-        out = values.astype(np.float64)
+        work = np.dtype(self.arithmetic)
+        out = values.astype(work)
         if self.scale is not None:
-            out *= self.scale
+            out *= work.type(self.scale)
         if self.offset is not None:
-            out += self.offset
+            out += work.type(self.offset)
         if self.fills:
             with np.errstate(invalid="ignore", over="ignore"):
                 out[np.isin(values, np.asarray(self.fills, dtype=np.float64).astype(values.dtype))] = np.nan
@@ -130,7 +135,9 @@ def coding_of(attrs: dict, dtype: np.dtype, zarr_format: int, zarr_fill: Any = N
     kept = tuple(dict.fromkeys(f for f in fills if f == f))  # a NaN fill is NaN already: nothing to mask
     if scale is None and offset is None and not kept:
         return None
-    return CFCoding(scale, offset, kept)
+    # xarray masks no NaN fill, and then scales a float variable in its own dtype (see CFCoding)
+    own = np.dtype(dtype).kind == "f" and fills and not kept and np.dtype(dtype).itemsize < 8
+    return CFCoding(scale, offset, kept, np.dtype(dtype).name if own else "float64")
 
 
 def date_period(text: str) -> datetime.timedelta | None:

@@ -297,12 +297,26 @@ def _key_encoding(value: Any, uri: str) -> ChunkKeyEncoding:
     return ChunkKeyEncoding(prefix=prefix, separator=separator)
 
 
+#: The members of a v3 array document (the core specification's); any other is an extension.
+V3_ARRAY_FIELDS = frozenset({"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+                             "fill_value", "codecs", "attributes", "dimension_names", "storage_transformers"})
+
+
 def parse_v3(doc: dict, uri: str) -> ArrayMetadata:
     """Parse a ``zarr.json`` array document."""
     where = "zarr.json"
     node_type = required(doc, "node_type", where, uri)
     if node_type != "array":
         raise MetadataError(f"{uri}: is a Zarr v3 {show(node_type)}, not an array", uri=uri)
+    # an extension member may change what the bytes mean: the specification lets a reader ignore only those
+    # that say "must_understand": false (zarr-python refuses the others too)
+    for name in doc.keys() - V3_ARRAY_FIELDS:
+        value = doc[name]
+        if not (isinstance(value, dict) and value.get("must_understand") is False):
+            raise UnsupportedFormat(
+                f"{uri}: zarr.json has the extension field {show(name)}, which stoker does not understand (only "
+                "fields marked \"must_understand\": false may be ignored); read it with a reader that implements "
+                "that extension, or remove the field if it does not change the stored values", uri=uri)
     shape = _shape(required(doc, "shape", where, uri), "shape", uri, positive=False)
     dtype = parse_v3_dtype(required(doc, "data_type", where, uri), uri)
     grid_name, grid = codec_name_and_config(required(doc, "chunk_grid", where, uri), uri, "chunk_grid")

@@ -8,7 +8,10 @@ placed and padded). Per run of rows of one coding (a piece of at most
 :data:`PIECE_ELEMENTS` at a time): values equal to a fill become NaN (compared in the batch's float dtype,
 exact for 8- and 16-bit integer and float32 sources), and ``x * scale_factor + add_offset`` is computed in
 float64 and rounded once to the batch's dtype, as xarray computes it (the attributes of a Zarr array are
-float64), so a float32 batch equals xarray's values cast to float32.
+float64), so a float32 batch equals xarray's values cast to float32 (in ``CFCoding.arithmetic``: a float32
+or float16 variable whose fills are all NaN is scaled in its own dtype, as xarray does). Packed arrays whose stored values float32
+does not hold (:func:`needs_float64`) are decoded in float64 work slots (the CPU executor's) and rounded into the
+output after (:func:`round_into`), else refused (:func:`check_output`).
 
 >>> decode = row_decoder(plan, cf=True)     # None: nothing to decode in this batch
 >>> decode(batch)                           # in place
@@ -18,9 +21,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ...errors import DtypeMismatch
+from ..cast import OVERFLOW_AT
 from ...reader.array import ArrayReader
 from ...reader.coords import coding
 from ...sampling.sample import parts
@@ -28,6 +33,7 @@ from ...zarr.cf import CFCoding
 
 #: Elements decoded through one float64 temporary at most (32 MiB of it).
 PIECE_ELEMENTS = 1 << 22
+_ARITHMETIC = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16}
 
 
 class RowDecode:
@@ -69,11 +75,14 @@ def decode_(v: torch.Tensor, code: CFCoding) -> None:
         hit = v == fill  # in v's dtype, as numpy compares an array with a Python float
         mask = hit if mask is None else mask | hit
     if code.scale is not None or code.offset is not None:
-        t = v.to(torch.float64)
+        work = _ARITHMETIC[code.arithmetic]
+        t = v.to(work)
+        # the attributes in the arithmetic's dtype first, as numpy takes a Python float into a float32 array's
+        # product: torch would multiply a half by the float32 of it instead
         if code.scale is not None:
-            t.mul_(code.scale)
+            t.mul_(float(np.dtype(code.arithmetic).type(code.scale)))
         if code.offset is not None:
-            t.add_(code.offset)
+            t.add_(float(np.dtype(code.arithmetic).type(code.offset)))
         v.copy_(t)
     if mask is not None:
         v.masked_fill_(mask, float("nan"))
@@ -105,9 +114,48 @@ def plan_decoder(plan, cf: bool) -> RowDecode | None:
     return row_decoder(plan.sources, plan.samples, plan.channels, cf)
 
 
+def packed(reader: ArrayReader) -> bool:
+    """True when ``reader``'s array has a ``scale_factor`` or ``add_offset``: its decoded values are floats
+    computed from the stored ones (so the label-id rule of 32- and 64-bit integers does not apply)."""
+    code = coding(reader)
+    return code is not None and (code.scale is not None or code.offset is not None)
+
+
+def needs_float64(reader: ArrayReader) -> bool:
+    """True when ``reader``'s array is :func:`packed` and float32 does not hold its stored values exactly (32-
+    and 64-bit integers, float64): it is decoded right only from the stored values, in float64."""
+    dt = reader.dtype
+    return (dt.kind in "iu" and dt.itemsize >= 4 or dt.kind == "f" and dt.itemsize > 4) and packed(reader)
+
+
+def round_into(dst: torch.Tensor, work: torch.Tensor, plan) -> None:
+    """``dst[...] = work``: a work slot's batch rounded once into the output (float64 into float16 as NumPy
+    casts it, into bfloat16 through float32: the cast rules of :mod:`~stoker.engine.cast`). A finite value
+    that the output would hold as inf (decoded, or transformed, past its largest) is a DtypeMismatch naming
+    ``plan``'s arrays, never an inf the data did not hold."""
+    if work.dtype == torch.float64 and dst.dtype == torch.float16:
+        np.copyto(dst.numpy(), work.numpy(), casting="unsafe")
+    elif work.dtype == torch.float64 and dst.dtype == torch.bfloat16:
+        dst.copy_(work.to(torch.float32))
+    else:
+        dst.copy_(work)
+    if dst.dtype not in OVERFLOW_AT or dst.dtype == work.dtype or not bool(torch.isinf(dst).any()):
+        return
+    past = torch.isinf(dst) & torch.isfinite(work)
+    if bool(past.any()):
+        values = work[past]
+        uris = sorted({r.uri for r in plan.sources})
+        raise DtypeMismatch(
+            f"{', '.join(uris[:3])}{' ...' if len(uris) > 3 else ''}: batch {plan.batch_id} holds values in "
+            f"[{values.min().item():g}, {values.max().item():g}] after CF decoding or the transform, past "
+            f"{dst.dtype}'s largest finite value {torch.finfo(dst.dtype).max:g}: the output would hold them as "
+            "inf; use Config(dtype='f32'), or a transform that keeps them in range", uri=uris[0])
+
+
 def check_output(readers: Sequence[ArrayReader], dtype: torch.dtype, work: torch.dtype, cf: bool) -> None:
     """DtypeMismatch when arrays with CF attributes would be read into a batch that cannot hold decoded values
-    (an integer dtype: ``dtype='native'`` of an integer array), or decoded in a 16-bit ``work`` dtype."""
+    (an integer dtype: ``dtype='native'`` of an integer array), or decoded in a 16-bit ``work`` dtype, or a
+    packed array float32 does not hold exactly (:func:`needs_float64`) decoded in a float32 one."""
     if not cf:
         return
     coded = [(r.uri, c) for r in readers if (c := coding(r)) is not None]
@@ -125,3 +173,12 @@ def check_output(readers: Sequence[ArrayReader], dtype: torch.dtype, work: torch
             "16-bit output is decoded in float32 work buffers when the pipeline's first batch reads such an array, "
             "and rounded once after); ask for Config(dtype='f32'), put such an array in the first batch, or read the "
             "stored values with Config(cf=False)", uri=uri, knob="cf")
+    wide = [r for r in readers if needs_float64(r)] if work.itemsize < 8 else []
+    if wide:
+        r = wide[0]
+        raise DtypeMismatch(
+            f"{r.uri}: its CF attributes ({coding(r).describe()}) are applied in float64 to its stored {r.dtype} "
+            f"values by xarray, but this batch would decode them from their {work} rounding, which is off by far "
+            "more than one rounding where add_offset cancels most of the value; make the batches on the CPU "
+            "(Config(device='cpu'), which decodes such arrays in float64 work slots when the pipeline's first "
+            "batch reads one), or read the stored values with Config(cf=False)", uri=r.uri, knob="cf")

@@ -11,6 +11,12 @@ With ``Config.transform`` and a 16-bit float output, a batch is assembled in a f
 transformed there, and cast once into the delivered slot (:meth:`CpuExecutor.work_dtype`): a transform
 (``Normalize`` near a large mean) sees the values before the 16-bit rounding, which happens once, after it.
 
+Arrays with CF attributes are decoded in the slot after the cast (:mod:`.cf`); a 16-bit output is then made in
+a float32 work slot too. A packed array (``scale_factor``, ``add_offset``) whose stored values float32 does not
+hold exactly (32- and 64-bit integers, float64) is made in a float64 work slot when the first batch reads one
+(:attr:`CpuExecutor.exact_cf`), so its values are xarray's, rounded once into the output: decoding a float32
+rounding of the stored value is wrong by far more than a rounding where ``add_offset`` cancels most of it.
+
 Memory: ``host_buffer_bytes`` holds the batch slots and work slots (:class:`~.buffers.SlotRing`), the engine's
 threads' scratch (its budget) and the Python path's buffers (the :class:`~.buffers.TransientBudget`):
 :meth:`CpuExecutor.prepare` splits what the slots leave between the two, so together they never pass it.
@@ -33,7 +39,7 @@ from ...reader.array import ArrayReader
 from ...storage import LocalStore
 from ...transforms import apply as apply_transform
 from ..buffers import Slot, SlotRing, TransientBudget, size_class
-from .cf import RowDecode, plan_decoder
+from .cf import RowDecode, needs_float64, plan_decoder, round_into
 from .decode_native import NativeDecoder, SharedEngine, native_codec, scratch_need
 from .decode_python import PythonDecoder
 from ..executor import Delivery, Job, SlotsDelivery, Target
@@ -45,6 +51,7 @@ __all__ = ["CpuExecutor", "Decoders", "Job", "engine_available", "native_codec",
 
 
 _HALF = (torch.bfloat16, torch.float16)
+_FLOATS = (torch.float32, *_HALF)
 
 
 def engine_available() -> bool:
@@ -158,6 +165,9 @@ class CpuExecutor(SlotsDelivery):
     allocated and no thread started before :meth:`prepare`."""
 
     staging = "batch slots (lookahead_batches + 1)"  # what the host slots are, in budget messages
+    #: packed CF arrays that float32 does not hold exactly are made in float64 work slots (see the module note);
+    #: executors that stage or cast elsewhere (CUDA, the hybrid's host part) refuse them instead (cf.check_output)
+    exact_cf = True
     applies_cf = True  # decodes arrays' CF attributes (Config.cf): engine/cpu/cf.py, in the completion hook
 
     def __init__(self, cfg: Config, stats: StatsRecorder, store: LocalStore) -> None:
@@ -184,6 +194,7 @@ class CpuExecutor(SlotsDelivery):
         # one read group (a shard's coalesced inner chunks plus their decode scratch) reserves at most this
         self.group_limit = min(8 << 20, cfg.host_buffer_bytes // 16)
         self.cf_work = False  # the first batch reads arrays with CF attributes: decoded in float32 work slots
+        self.cf_wide = False  # ... and packed ones float32 does not hold exactly: float64 work slots (exact_cf)
         self.engine_share: SharedEngine | None = None  # a lane's: the compiled engine of its pipeline's lanes
 
     def share_engine(self, shared: SharedEngine | None) -> SharedEngine:
@@ -200,7 +211,10 @@ class CpuExecutor(SlotsDelivery):
         """The dtype batches of ``dtype`` are assembled and transformed in: float32 when the output is a 16-bit
         float (``dtype='bf16'`` or ``'f16'``) and there is a transform (one rounding, after it), else ``dtype``.
         (``dtype='native'`` batches are transformed in the source dtype.) The same for arrays with CF
-        attributes (:mod:`.cf`), when the first batch reads one."""
+        attributes (:mod:`.cf`), when the first batch reads one; float64 for a float output when it reads a
+        packed array float32 does not hold exactly (:attr:`exact_cf`, :func:`.cf.needs_float64`)."""
+        if self.cf_wide and dtype in _FLOATS:
+            return torch.float64
         if (self.cfg.transform is not None or self.cf_work) and self.cfg.output_dtype in _HALF:
             return torch.float32
         return dtype
@@ -212,7 +226,8 @@ class CpuExecutor(SlotsDelivery):
         if work == dtype:
             return [(self.n_slots, dtype, self.staging)]
         return [(self.n_slots, dtype, self.staging),
-                (self.lookahead, work, "float32 work slots for the transform (lookahead_batches)")]
+                (self.lookahead, work, f"{str(work).removeprefix('torch.')} work slots for the transform or CF "
+                 "decoding (lookahead_batches)")]
 
     def host_slot_bytes(self, slot_bytes: int) -> int:
         """Host memory one slot of ``slot_bytes`` takes."""
@@ -247,6 +262,7 @@ class CpuExecutor(SlotsDelivery):
         from ...reader.coords import coding
 
         self.cf_work = self.cfg.cf and any(coding(r) is not None for r in readers)
+        self.cf_wide = self.exact_cf and self.cf_work and any(needs_float64(r) for r in readers)
         # The largest single reservation of the Python path: one read group, or one chunk's encoded bytes
         # (at most its decoded size plus codec overhead for what we read) and its decode scratch.
         chunk = max(size_class(r.metadata.codec.nbytes) for r in readers)
@@ -351,7 +367,7 @@ class CpuExecutor(SlotsDelivery):
             apply_transform(self.cfg.transform, target.out, job.plan.keys)
         if target.host_slot is not target.slot:
             work = target.out
-            target.slot.tensor[: work.shape[0]].copy_(work)  # the one rounding to the 16-bit output
+            round_into(target.slot.tensor[: work.shape[0]], work, job.plan)  # the one rounding to the output
             job.out = job.out_np = target.out = None  # no view may keep the work slot from its next batch
             self.host_slots.release(target.host_slot)
             target.host_slot = None

@@ -241,6 +241,7 @@ class CudaExecutor(CpuExecutor):
     ``device`` (its tests) the slots are plain memory and there is no stream."""
 
     staging = "pinned staging slots (lookahead_batches)"
+    exact_cf = False  # CF decoding runs on the device, after its cast: no float64 work (cf.check_output refuses)
     shares_close_wait = True  # close(wait): the pipeline's one wait for all its executors (Pipeline.close)
 
     def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore,

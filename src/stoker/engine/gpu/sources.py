@@ -40,7 +40,8 @@ def device_casts(source: np.dtype, out: torch.dtype) -> bool:
     the same; the rule :func:`~.device.staging_dtype` follows), or bool, 8- and 16-bit integers and int32 into a
     wider integer batch (every value fits: nothing to check). Other sources into another dtype are cast on
     the CPU: torch's conversions on the device are not numpy's for every value (NaN payloads and signalling
-    NaNs, float64 into float16 through float32), and a narrowing integer cast is checked there, value by value."""
+    NaNs, float64 into float16 through float32), and a narrowing integer cast is checked there, value by value,
+    as is uint16 into float16 (from 65520 a uint16 would be inf: :func:`~..cast.unfit_range`)."""
     try:
         if torch_dtype_of(source) == out:
             return True
@@ -48,6 +49,8 @@ def device_casts(source: np.dtype, out: torch.dtype) -> bool:
         return False
     if source.kind in "biu" and out in (torch.int32, torch.int64):  # not uint32: torch has few kernels of it
         return source.kind == "b" or (source.itemsize < out.itemsize and (source.kind == "i" or source.itemsize <= 2))
+    if source.kind == "u" and out == torch.float16:
+        return source.itemsize < 2
     return source.kind in "biu" and source.itemsize <= 2 and out.is_floating_point
 
 
@@ -76,7 +79,7 @@ def describe(reader, work: torch.dtype) -> Source:
         why = f"codecs {' -> '.join(codec.names) or 'none'} (the device decodes zstd and blosc with lz4 or zstd)"
     elif not device_casts(codec.dtype, work):
         why = (f"its {codec.dtype} is cast to {work} on the CPU, where every value is checked against it"
-               if work in (torch.int32, torch.int64) else
+               if work in (torch.int32, torch.int64, torch.float16) and codec.dtype.kind in "biu" else
                f"its {codec.dtype} is cast to {work} on the CPU (the device's rounding of it may differ)")
     else:
         how = ZSTD if codec.lone_zstd else BLOSC
@@ -84,8 +87,10 @@ def describe(reader, work: torch.dtype) -> Source:
     nbytes = math.prod(codec.shape) * element.itemsize
     if unfit_range(reader.metadata.fill_value, work) is not None:  # the device fills missing chunks unchecked
         raise DtypeMismatch(
-            f"{reader.uri}: its fill value {reader.metadata.fill_value} does not fit the integer output {work}, "
-            "and the GPU decode fills missing chunks with it; use a wider dtype ('i64' or 'native'), or "
+            f"{reader.uri}: its fill value {reader.metadata.fill_value} does not fit the output {work} (out of an "
+            "integer's range, or inf in a float), "
+            "and the GPU decode fills missing chunks with it; use a wider dtype "
+            f"({'f32' if work.is_floating_point else 'i64'!r} or 'native'), or "
             "Config(decode_on='cpu'), which fails only where a missing chunk is read", uri=reader.uri)
     fill = int(fill_value_as(reader.metadata.fill_value, work).view(carrier(work)).item())
     return Source(how, why, element, aligned(nbytes), codec.max_stored_nbytes if how != CPU else nbytes,

@@ -31,6 +31,7 @@ class HostPart(CpuExecutor):
     asynchronous), freed again once its copy is done."""
 
     staging = "pinned staging slots of the CPU part (lookahead_batches)"
+    exact_cf = False  # its batches are the GPU part's dtype: no float64 work (cf.check_output refuses)
 
     def __init__(self, cfg: Config, device: torch.device, stats: StatsRecorder, store: LocalStore) -> None:
         # its batches are plain: CF decoding and the transform run once, on the device, after both parts

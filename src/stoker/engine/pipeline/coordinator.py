@@ -37,7 +37,7 @@ from ...storage.uri import REMOTE_SCHEMES
 from ...zarr.box import check_in_bounds
 from ..cast import batch_dtype
 from ..cpu import native
-from ..cpu.cf import check_output
+from ..cpu.cf import check_output, packed
 from ..executor import Executor, Job, Target
 from .intake import Intake, Staged
 from .lanes import Lanes, Part, in_field
@@ -586,10 +586,12 @@ class Coordinator:
         executor = executor or self.executor
         dtypes = set()
         for r in readers:
-            got = self._dtypes.get((*key, requested, r.dtype))
+            # a packed CF array's values are floats computed from the stored ones: no label-id rule for it
+            floats = self.cfg.cf and packed(r)
+            got = self._dtypes.get((*key, requested, r.dtype, floats))
             if got is None:  # once per source dtype; a refused one raises every time
-                got = self._dtypes[(*key, requested, r.dtype)] = batch_dtype(requested, r.dtype, r.uri,
-                                                                             self.cfg.lossy_casts)
+                got = self._dtypes[(*key, requested, r.dtype, floats)] = batch_dtype(
+                    requested, r.dtype, r.uri, self.cfg.lossy_casts or floats)
             dtypes.add(got)
         if executor.dtype is not None:
             dtypes.add(executor.dtype)
