@@ -9,7 +9,6 @@ import contextlib
 import gc
 import math
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -785,9 +784,22 @@ def _engines(p) -> list:
     return list(engines.values())
 
 
-def _native_threads() -> int:
-    """OS threads of this process that are no Python thread (the compiled engines')."""
-    return len(os.listdir("/proc/self/task")) - threading.active_count()
+def _tasks() -> set[int]:
+    """The OS thread ids of this process."""
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _engine_threads(engine) -> set[int]:
+    """The OS thread ids of ``engine``'s threads (each says its own as it starts: waited for, 10 s at most).
+    Its own, not a count of the process's threads that are no Python thread: in a long test run's process,
+    others (an HTTP client's runtime, a thread being started) come and go meanwhile."""
+    deadline = time.monotonic() + 10
+    while True:
+        clocks = np.frombuffer(engine.worker_clocks(), np.int64).reshape(-1, native.N_WORKER_COLS)
+        tids = clocks[:, native.W_TID]
+        if (tids != 0).all() or time.monotonic() > deadline:
+            return set(tids.tolist())
+        time.sleep(0.01)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
@@ -797,19 +809,20 @@ def test_a_fields_pipeline_runs_one_engine_of_n_compute_threads(tmp_path):
     if not engine_available():
         pytest.skip("the compiled engine is not built")
     uri = _steps(tmp_path)
-    before = _native_threads()
     with stoker.Pipeline(_cfg(batch_size=2, n_compute_threads=3)) as p:
         p.push([stoker.Sample({"input": (uri, [(t, t + 2), (0, 24), (0, 36)]),
                                "target": (uri, [(t + 4, t + 5), (0, 24), (0, 36)])}) for t in range(4)])
         for batch in p:
             batch.release()
-        assert len(_engines(p)) == 1
-        assert _native_threads() - before == 3
+        engines = _engines(p)
+        assert len(engines) == 1
+        threads = _engine_threads(engines[0])
+        assert len(threads) == 3 and 0 not in threads and threads <= _tasks()
         assert len(p.stats().workers) == 3
     deadline = time.monotonic() + 5
-    while _native_threads() > before and time.monotonic() < deadline:
+    while threads & _tasks() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _native_threads() == before
+    assert not threads & _tasks()
 
 
 @pytest.mark.parametrize("host_buffer_bytes", [64 << 20, 256 << 20], ids=["topped-up", "sized-by-one-lane"])

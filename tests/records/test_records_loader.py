@@ -77,12 +77,18 @@ def wait_for(cond, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def settle(baseline: int, timeout: float = 2.0) -> int:
-    """Thread count once it is back to ``baseline`` (or after ``timeout``)."""
+def readers() -> int:
+    """The loaders' reader threads alive in this process (by their name: other threads of a long test run's
+    process, such as an earlier test's objects closed by the garbage collector, come and go meanwhile)."""
+    return sum(t.name.startswith("stoker-records-") for t in threading.enumerate())
+
+
+def settle(baseline: int, timeout: float = 10.0) -> int:
+    """Reader thread count once it is back to ``baseline`` (or after ``timeout``)."""
     deadline = time.monotonic() + timeout
-    while threading.active_count() > baseline and time.monotonic() < deadline:
+    while readers() > baseline and time.monotonic() < deadline:
         time.sleep(0.01)
-    return threading.active_count()
+    return readers()
 
 
 # -- collation ---------------------------------------------------------------------------------
@@ -279,11 +285,11 @@ def test_prefetch_is_bounded(ds):
 
 
 def test_close_is_prompt_and_leaves_no_thread_or_process(ds):
-    baseline = threading.active_count()
+    baseline = readers()
     loader = Loader(Slow(ds, delay=0.05), 2, prefetch=4, n_threads=4)
     it = iter(loader)
     next(it)
-    assert threading.active_count() == baseline + 4
+    assert readers() == baseline + 4
     t0 = time.monotonic()
     loader.close()
     assert time.monotonic() - t0 < 1.0
@@ -296,7 +302,7 @@ def test_close_is_prompt_and_leaves_no_thread_or_process(ds):
 
 
 def test_threads_end_with_the_epoch_and_with_a_break(ds):
-    baseline = threading.active_count()
+    baseline = readers()
     loader = Loader(ds, 2, n_threads=3)
     for _ in loader:
         assert multiprocessing.active_children() == []  # no worker process, ever
@@ -307,7 +313,7 @@ def test_threads_end_with_the_epoch_and_with_a_break(ds):
 
 
 def test_a_read_error_reaches_the_consumer_after_the_batches_before_it(ds):
-    baseline = threading.active_count()
+    baseline = readers()
     loader = Loader(Slow(ds, fail_at=7), 2, shuffle=False, n_threads=3, prefetch=3)
     got = []
     with pytest.raises(ValueError, match="cannot read record 7"):
@@ -323,14 +329,14 @@ def test_a_read_error_reaches_the_consumer_after_the_batches_before_it(ds):
 
 
 def test_a_stuck_read_times_out(ds):
-    baseline = threading.active_count()
+    baseline = readers()
     loader = Loader(Slow(ds, delay=1.5), 2, timeout_s=0.1, n_threads=1)
     t0 = time.monotonic()
     with pytest.raises(LoaderTimeout):
         next(iter(loader))
     assert time.monotonic() - t0 < 1.0  # raised on time, not after the stuck read
     loader.close()
-    assert settle(baseline, timeout=5) == baseline  # the reader ends once its read returns
+    assert settle(baseline) == baseline  # the reader ends once its read returns
 
 
 def test_cpu_device_is_a_pass_through(ds):

@@ -845,14 +845,14 @@ def test_revalidate_ahead_lists_again_an_array_whose_listing_is_half_stale(s3, d
     prefix, uri, options, _ = _warm(s3, data, tmp_path, cache_staleness_s=4.0)
     with moto_log() as log:
         a = stoker.open_array(uri, options, stores=Stores())
-        assert _heads_until(lambda: _counted(log, prefix, "plain")["list"], 1, timeout=5) == 1
+        assert _heads_until(lambda: _counted(log, prefix, "plain")["list"], 1) == 1
         assert listed_whole(a)
         time.sleep(2.1)
         assert not listed_whole(a)
         assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
-        assert _heads_until(lambda: _counted(log, prefix, "plain")["list"], 2, timeout=5) == 2
+        assert _heads_until(lambda: _counted(log, prefix, "plain")["list"], 2) == 2
         np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
-        assert _heads_until(lambda: int(listed_whole(a)), 1, timeout=5) == 1  # the new listing, once learnt
+        assert _heads_until(lambda: int(listed_whole(a)), 1) == 1  # the new listing, once learnt
     assert _counted(log, prefix, "plain") == {"list": 2, "head": 0, "get": 0}
 
 
@@ -995,8 +995,10 @@ def test_a_bound_shorter_than_a_listing_page_lists_the_array_once_a_call(s3, dat
     opened = int(listed_at_open)
     with moto_log() as log:
         kv.opened(f"{prefix}/plain")
-        assert _heads_until(lambda: _counted(log, prefix, "plain")["list"], opened, timeout=5) == opened
-        kv.revalidate(keys)  # one call, which nothing waits for
+        assert _heads_until(lambda: _counted(log, prefix, "plain")["list"], opened) == opened
+        kv.revalidate(keys)  # one call, which nothing waits for: its listing once it came, and a second
+        # more (a chain would list again meanwhile)
+        _heads_until(lambda: _counted(log, prefix, "plain")["list"], opened + 1)
         time.sleep(1.0)
         assert _counted(log, prefix, "plain") == {"list": opened + 1, "head": 0, "get": 0}
         assert [bytes(v) for v in kv.get_many(keys, [])[0]] == want  # its own listing, then from disk
@@ -1019,11 +1021,16 @@ def test_revalidations_ahead_under_a_short_bound_share_the_listing_in_flight(s3,
         kv.revalidate(keys)
     assert len(pages.asked) == 1, len(pages.asked)
     pages.release(0)
+
+    def learnt() -> int:  # keys[0]'s generation learnt from that listing (once its page was handled)
+        listing, known = kv._listings.get(f"{prefix}/plain"), kv._known.get(keys[0])
+        return int(listing is not None and known is not None and known[1] == listing.started)
+
+    assert _heads_until(learnt, 1) == 1
     time.sleep(0.5)
     assert len(pages.asked) == 1, len(pages.asked)  # nothing listed again once it came
-    assert kv._known[keys[0]][1] == kv._listings[f"{prefix}/plain"].started  # learnt from it
     out = kv.start_get_many(keys, [])  # a read lists again (the bound passed), and is served from disk
-    _heads_until(lambda: len(pages.asked), 2, timeout=5)
+    _heads_until(lambda: len(pages.asked), 2)
     pages.release(1)
     assert [bytes(v) for v in kv.result_of(out)[0]] == want
     assert len(pages.asked) == 2 and kv.counters.hits == 16 and kv.counters.misses == 0, kv.counters

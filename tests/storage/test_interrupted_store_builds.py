@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 import zipfile
 from pathlib import Path
 
@@ -17,7 +16,9 @@ from stoker.storage import locate as locate_module
 from stoker.storage.locate import Stores, locate
 
 STOKER = str(Path(stoker.__file__).parent)
-WAIT_S = 3.0  # BUILD_WAIT_S here: what a next open waits for a build left unsettled
+#: BUILD_WAIT_S here: what a next open waits for a build left unsettled, longer than the test waits for it (an
+#: open that waited is seen not done, not timed: a loaded machine may take seconds for one that did not)
+WAIT_S = 600.0
 
 
 class InterruptBuild:
@@ -76,13 +77,11 @@ def test_a_build_interrupted_anywhere_leaves_the_next_build_waiting_for_nothing(
             interrupted += 1
             # the next open, on another thread, as a pipeline's opener threads do: built at once
             got: list = []
-            t0 = time.monotonic()
-            opener = threading.Thread(target=lambda: got.append(stores.get(loc)[0]))
+            opener = threading.Thread(target=lambda: got.append(stores.get(loc)[0]), daemon=True)
             opener.start()
             opener.join(30)
-            took = time.monotonic() - t0
+            assert not opener.is_alive(), f"interrupted at point {at}: the next build waits for BUILD_WAIT_S"
             assert got and got[0].path == loc.root
-            assert took < WAIT_S / 2, f"interrupted at point {at}: the next build waited {took:.1f} s"
             assert stores.get(loc)[0] is got[0]  # kept: one store of the archive
         finally:
             stores.close()

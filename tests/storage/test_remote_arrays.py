@@ -404,11 +404,13 @@ def test_a_failed_first_build_leaves_one_store_built_for_the_threads_after_it(tr
     built: list[str] = []
     real = objectstore.ObjectStore.__init__
     lock = threading.Lock()
+    building = [threading.Event(), threading.Event()]  # the first build began, the second build began
 
     def slow_then_fail_first(self, *args, **kwargs):
         with lock:
             first = not built
             built.append("failed" if first else "built")
+            building[len(built) - 1].set()
         time.sleep(0.4)  # a slow build: the other threads arrive while it runs
         if first:
             raise OSError("credential provider refused")
@@ -426,9 +428,13 @@ def test_a_failed_first_build_leaves_one_store_built_for_the_threads_after_it(tr
 
     threads = [threading.Thread(target=open_one, args=(i,)) for i in range(3)]
     try:
-        for i, t in enumerate(threads):
-            t.start()
-            time.sleep([0.1, 0.45, 0][i])  # 2nd waits for the failing build; 3rd arrives while the 2nd builds
+        # the 2nd arrives once the failing build began, and waits for it; the 3rd once the 2nd's build began (a
+        # loaded machine may start a thread late: a sleep let the 2nd arrive first, and build what failed)
+        threads[0].start()
+        assert building[0].wait(10)
+        threads[1].start()
+        assert building[1].wait(10)
+        threads[2].start()
         for t in threads:
             t.join(timeout=30)
         assert isinstance(got[0], OSError)  # the first open says what its build met
