@@ -335,8 +335,12 @@ class GpuDecodeExecutor(SlotsDelivery):
                                         daemon=True)
         self._thread = threading.Thread(target=serve, args=(self._run, self._faulted), name="stoker-gpu-decode",
                                         daemon=True)
-        start_thread(self._thread, "n_compute_threads")
+        # the reader first: the submitter ends once its queue is empty and the reader is not alive, which a
+        # reader not started yet is not either (started second, a start 0.1 s late on a loaded machine ended
+        # the submitter, and every batch waited for pop_timeout_s); the reader's hand-overs never wait for
+        # the submitter (its queue is unbounded)
         start_thread(self._reader, "n_compute_threads")
+        start_thread(self._thread, "n_compute_threads")
 
     def _temp_bytes(self, k: int, stream: int) -> int:
         """nvCOMP's scratch for ``k`` streams of ``stream`` decoded bytes each."""
