@@ -556,6 +556,31 @@ def test_batches_come_when_the_second_thread_starts_late(tmp_path, gpu_decode, m
         assert torch.equal(row, _expected(data, s, "f32"))
 
 
+def test_a_thread_the_system_does_not_give_is_the_pipeline_s_error(tmp_path, gpu_decode, monkeypatch):
+    """The second of the executor's threads not started (the system gives no thread): ThreadStartError naming
+    the knob, not the close's join of the thread never started raising over it, and the first thread ends."""
+    from stoker.runtime.workers import no_thread
+
+    _write(tmp_path / "a.zarr", (4, 32, 32), (2, 16, 16), "uint16", ZstdCodec(level=1))
+    real, starts = gpu_decodes.start_thread, []
+
+    def second_fails(thread, knob, *args):
+        starts.append(thread)
+        if len(starts) == 2:
+            raise no_thread(thread.name, knob, RuntimeError("can't start new thread"))
+        real(thread, knob, *args)
+
+    monkeypatch.setattr(gpu_decodes, "start_thread", second_fails)
+    cfg = stoker.Config(batch_size=2, device="cpu", n_compute_threads=1, n_io_threads=1, pop_timeout_s=10.0)
+    with pytest.raises(stoker.errors.ThreadStartError) as info:
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(str(tmp_path / "a.zarr"), [(0, 1), (0, 32), (0, 32)])] * 2)
+            list(p)
+    assert info.value.knob == "n_compute_threads"
+    starts[0].join(10.0)
+    assert not starts[0].is_alive()
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["chunk-files", "sharded"])
 def test_the_compiled_reads_build_the_files_paths_with_no_python_per_file(tmp_path, gpu_decode, monkeypatch,
                                                                           sharded):

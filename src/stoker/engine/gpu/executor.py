@@ -493,7 +493,8 @@ class GpuDecodeExecutor(SlotsDelivery):
         wait = streams_mod.CloseWait() if wait is None else wait
         self._stager.close(wait.threads_left())
         for thread in (self._reader, self._thread):
-            if thread is not None and thread is not threading.current_thread():
+            # (ident None: never started, its start failed: a join would raise over the start's error)
+            if thread is not None and thread.ident is not None and thread is not threading.current_thread():
                 thread.join(wait.threads_left())
         if self._lanes is not None and not self.stuck:
             with self._on_device():
