@@ -527,6 +527,60 @@ def test_the_compiled_reads_start_their_threads_once_per_pipeline(tmp_path, gpu_
         assert torch.equal(row, _expected(data, s, "f32"))
 
 
+def test_batches_come_when_the_second_thread_starts_late(tmp_path, gpu_decode, monkeypatch):
+    """The executor starts two threads, the reader and the submitter; the starter may be descheduled between
+    the two starts (a loaded machine) for longer than the first one's 0.1 s poll of its empty queue. The
+    submitter once took a reader not started yet for one that had ended, and returned: every batch then
+    waited for pop_timeout_s and failed with PoolStarved. Forced here: the second start comes 0.5 s late."""
+    z, data = _write(tmp_path / "a.zarr", (4, 32, 32), (2, 16, 16), "uint16", ZstdCodec(level=1))
+    uri = str(tmp_path / "a.zarr")
+    starts = []
+
+    def late_second(thread, knob, *args):
+        starts.append(thread.name)
+        if len(starts) == 2:
+            time.sleep(0.5)  # (the starter descheduled: the first thread's poll has found its queue empty)
+        gpu_decodes.start_thread.__wrapped__(thread, knob, *args)
+
+    late_second.__wrapped__ = gpu_decodes.start_thread  # type: ignore[attr-defined]
+    monkeypatch.setattr(gpu_decodes, "start_thread", late_second)
+    samples = [stoker.Sample(uri, [(k, k + 1), (0, 32), (0, 32)]) for k in range(4)]
+    cfg = stoker.Config(batch_size=2, device="cpu", n_compute_threads=1, n_io_threads=1, pop_timeout_s=10.0)
+    with stoker.Pipeline(cfg) as p:
+        p.push(samples)
+        got = [torch.from_dlpack(b).clone() for b in p]
+        assert sorted(starts) == ["stoker-gpu-decode", "stoker-gpu-read"]
+        assert all(t.is_alive() for t in gpu_decode[0][0].threads()[:2])
+    assert len(got) == 2
+    for row, s in zip(torch.cat(got), samples):
+        assert torch.equal(row, _expected(data, s, "f32"))
+
+
+def test_a_thread_the_system_does_not_give_is_the_pipeline_s_error(tmp_path, gpu_decode, monkeypatch):
+    """The second of the executor's threads not started (the system gives no thread): ThreadStartError naming
+    the knob, not the close's join of the thread never started raising over it, and the first thread ends."""
+    from stoker.runtime.workers import no_thread
+
+    _write(tmp_path / "a.zarr", (4, 32, 32), (2, 16, 16), "uint16", ZstdCodec(level=1))
+    real, starts = gpu_decodes.start_thread, []
+
+    def second_fails(thread, knob, *args):
+        starts.append(thread)
+        if len(starts) == 2:
+            raise no_thread(thread.name, knob, RuntimeError("can't start new thread"))
+        real(thread, knob, *args)
+
+    monkeypatch.setattr(gpu_decodes, "start_thread", second_fails)
+    cfg = stoker.Config(batch_size=2, device="cpu", n_compute_threads=1, n_io_threads=1, pop_timeout_s=10.0)
+    with pytest.raises(stoker.errors.ThreadStartError) as info:
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(str(tmp_path / "a.zarr"), [(0, 1), (0, 32), (0, 32)])] * 2)
+            list(p)
+    assert info.value.knob == "n_compute_threads"
+    starts[0].join(10.0)
+    assert not starts[0].is_alive()
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["chunk-files", "sharded"])
 def test_the_compiled_reads_build_the_files_paths_with_no_python_per_file(tmp_path, gpu_decode, monkeypatch,
                                                                           sharded):

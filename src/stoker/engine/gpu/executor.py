@@ -335,8 +335,12 @@ class GpuDecodeExecutor(SlotsDelivery):
                                         daemon=True)
         self._thread = threading.Thread(target=serve, args=(self._run, self._faulted), name="stoker-gpu-decode",
                                         daemon=True)
-        start_thread(self._thread, "n_compute_threads")
+        # the reader first: the submitter ends once its queue is empty and the reader is not alive, which a
+        # reader not started yet is not either (started second, a start 0.1 s late on a loaded machine ended
+        # the submitter, and every batch waited for pop_timeout_s); the reader's hand-overs never wait for
+        # the submitter (its queue is unbounded)
         start_thread(self._reader, "n_compute_threads")
+        start_thread(self._thread, "n_compute_threads")
 
     def _temp_bytes(self, k: int, stream: int) -> int:
         """nvCOMP's scratch for ``k`` streams of ``stream`` decoded bytes each."""
@@ -489,7 +493,8 @@ class GpuDecodeExecutor(SlotsDelivery):
         wait = streams_mod.CloseWait() if wait is None else wait
         self._stager.close(wait.threads_left())
         for thread in (self._reader, self._thread):
-            if thread is not None and thread is not threading.current_thread():
+            # (ident None: never started, its start failed: a join would raise over the start's error)
+            if thread is not None and thread.ident is not None and thread is not threading.current_thread():
                 thread.join(wait.threads_left())
         if self._lanes is not None and not self.stuck:
             with self._on_device():
