@@ -235,6 +235,8 @@ static int copy_rows(const char *s, ptrdiff_t s_step, char *d, ptrdiff_t d_step,
  * through its float32 rounding. Integers fit both (2**64 is far below). NaN compares false; inf stays inf. */
 #define F32_INF(v) (fabs(v) >= 0x1.ffffffp127 && fabs(v) != (double)INFINITY)
 #define BF16_INF(v) (fabsf((float)(v)) >= 0x1.ffp127f && fabs((double)(v)) != (double)INFINITY)
+/* a float source compared as float (as double, the loop's vectors were half as wide: 3.5x its time) */
+#define BF16_INF_F(v) ((fabsf(v) >= 0x1.ffp127f) & (fabsf(v) != INFINITY))
 #define CONVERSIONS(NAME, T, OUT32, OUT16)                                                                   \
     CONVERT_ROWS(NAME##_f32, T, float, TO_F32, OUT32, , stream_line)                                         \
     CONVERT_ROWS(NAME##_bf16, T, uint16_t, TO_BF16, OUT16, HOT, stream_line)
@@ -246,7 +248,7 @@ CONVERSIONS(u32, uint32_t, FITS, FITS)
 CONVERSIONS(i32, int32_t, FITS, FITS)
 CONVERSIONS(u64, uint64_t, FITS, FITS)
 CONVERSIONS(i64, int64_t, FITS, FITS)
-CONVERSIONS(f32, float, FITS, BF16_INF)
+CONVERSIONS(f32, float, FITS, BF16_INF_F)
 CONVERSIONS(f64, double, F32_INF, BF16_INF)
 
 /* Integer batches from integer sources: each value checked against the batch's range, so an id never wraps
