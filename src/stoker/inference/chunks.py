@@ -44,6 +44,13 @@ from .buffers import BufferPool
 from .durable import start_writeback
 
 
+def _raw(chunk: np.ndarray) -> np.ndarray:
+    """A chunk without a compressor: its own bytes (C-contiguous, little endian), as they are; the caller copies
+    them for a store that keeps what it is given (the region's buffer is recycled), and hands them over as they
+    are to one that is done with them once stored (files, uploads: no 1 MiB copy a chunk)."""
+    return chunk
+
+
 def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | zstdframes.ZstdFrames | None:
     """What turns a whole chunk (C-contiguous) into its stored bytes exactly as zarr-python does (zstd:
     :class:`~.zstdframes.ZstdFrames`, written into the calling thread's arena), or None when this layout is
@@ -64,7 +71,7 @@ def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | zstdframes.ZstdFrame
             return None
         compressor = meta.compressor
         if compressor is None:
-            return lambda chunk: chunk.tobytes()
+            return _raw
         if type(compressor) is numcodecs.Zstd and zstdframes.available():
             return zstdframes.ZstdFrames(compressor.level, getattr(compressor, "checksum", False))
         return lambda chunk: bytes(compressor.encode(chunk))  # an ndarray, as zarr passes it (Blosc's typesize)
@@ -74,7 +81,7 @@ def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | zstdframes.ZstdFrame
     if dtype.itemsize > 1 and codecs[0].endian is not None and codecs[0].endian.value != "little":
         return None
     if len(codecs) == 1:
-        return lambda chunk: chunk.tobytes()
+        return _raw
     if len(codecs) == 2 and isinstance(codecs[1], ZstdCodec):
         if zstdframes.available():  # the same frames, without a fresh context and output per chunk
             return zstdframes.ZstdFrames(codecs[1].level, codecs[1].checksum)
@@ -191,6 +198,8 @@ class ChunkWriter:
                 at += bound
             else:
                 blob = self._encode(np.ascontiguousarray(part))  # type: ignore[operator]  # not ZstdFrames here
+                if self._encode is _raw and not self._reuse:
+                    blob = blob.tobytes()  # the store keeps it: not a view of the region's recycled buffer
             key = meta.encode_chunk_key(index)
             key = f"{root}/{key}" if root else key
             if self._local_root is not None:  # a file, written here (no hop to zarr's loop and its thread)
