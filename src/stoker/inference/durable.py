@@ -21,7 +21,7 @@ with ``write_threads=0``) does the pass on the caller's thread, one region at a 
 write each chunk file as soon as it is written (:func:`start_writeback`, on the write thread), and a pass
 asks again for all its files before it fsyncs the first: the fsyncs then wait for writes already under way,
 together, instead of each starting its own in turn (what a volume waits for after its last region was
-written: a median of 8-16 ms -> 5-8 ms here; docs/inference.md).
+written: medians of 7.6-16.2 ms a process before, 3.5-12.3 ms after; docs/inference.md).
 
 An object store needs none of it: a PUT that succeeded is durable, and the mark is a PUT after the chunks'.
 Nothing on the disk is fsynced there (``files`` is empty), and each mark is written as it comes, on the
