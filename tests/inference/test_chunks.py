@@ -162,6 +162,27 @@ def test_a_store_that_keeps_buffers_gets_copies(tmp_path, make):
     np.testing.assert_array_equal(ours[:], data)
 
 
+@pytest.mark.parametrize("make", [zarr.storage.MemoryStore, _obstore_memory, "local"],
+                         ids=["zarr-memory", "obstore-memory", "local"])
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_chunks_without_a_compressor_are_their_bytes_and_never_the_caller_s_memory(tmp_path, make, zarr_format):
+    """Without a compressor a chunk's bytes are the values' own: a file or an upload takes them as they are,
+    while a store that keeps what it is given gets a copy, so the caller's buffer (a TileWriter's, recycled
+    for the next region) may be overwritten once the write returned."""
+    data = _data("f4", 0.0)
+    store = str(tmp_path / "raw.zarr") if make == "local" else make()
+    ours = zarr.create_array(store, shape=SHAPE, chunks=CHUNKS, dtype="f4", compressors=None,
+                             zarr_format=zarr_format)
+    cw = ChunkWriter(ours, BufferPool(1 << 20))
+    assert cw.direct
+    for box in _boxes(SHAPE, (2, 4, 8, 8)):
+        values = np.ascontiguousarray(data[box])
+        cw.write(box, values)
+        values.fill(-7)  # the next region's values, in the same memory
+    assert cw.direct_chunks == 94  # all 96 but the 2 of the fill value only (zarr-python's)
+    np.testing.assert_array_equal(ours[:], data)
+
+
 def test_local_chunk_files_are_written_without_zarrs_event_loop(tmp_path, monkeypatch):
     """A LocalStore's chunks are files written on the calling thread (as LocalStore writes them), not
     handed to ``store.set`` (zarr's event loop, then its worker thread, per chunk)."""

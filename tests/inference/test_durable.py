@@ -313,3 +313,98 @@ def test_a_pass_waits_for_a_group_and_a_drain_starts_it_at_once(tmp_path, monkey
     finally:
         marks.stop()
     assert CompletionRecord(str(root)).done() == set(marked)
+
+
+class Writebacks:
+    """The files whose writeback was started (``durable.start_writeback``), with ``os.fsync`` and ``os.replace``,
+    in the order they happened (paths, every thread)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from stoker.inference import durable
+
+        self.events: list[tuple[str, str]] = []
+        lock = threading.Lock()
+        real_fsync, real_replace = os.fsync, os.replace
+
+        def add(kind: str, path: str) -> None:
+            with lock:
+                self.events.append((kind, path))
+
+        def started(fd, offset, nbytes, flags):
+            assert (offset, nbytes, flags) == (0, 0, 2)  # the whole file, SYNC_FILE_RANGE_WRITE only: no wait
+            add("start", os.readlink(f"/proc/self/fd/{fd}"))
+            return 0
+
+        def fsync(fd):
+            real_fsync(fd)
+            add("fsync", os.readlink(f"/proc/self/fd/{fd}"))
+
+        def replace(src, dst, **kw):
+            real_replace(src, dst, **kw)
+            add("replace", f"{os.path.realpath(dst)} {os.path.realpath(src)}")
+
+        monkeypatch.setattr(durable, "_SYNC_FILE_RANGE", started)
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_each_chunk_s_writeback_starts_when_it_is_written_and_again_before_its_fsync(tmp_path, monkeypatch, threads):
+    """A chunk file's writeback is started as it is written (the temporary file, before its rename), and every
+    file a mark vouches for has its writeback started before it is fsynced: once per file written, once per file
+    a pass fsyncs, nothing else."""
+    wb = Writebacks(monkeypatch)
+    writer, out, data = _write_volume(tmp_path, threads)
+    writer.close()
+    np.testing.assert_array_equal(zarr.open_array(str(out), mode="r")[:], data)
+    chunks = {str(f.resolve()) for f in writer._chunks.files((slice(None),) * 3)}
+    assert writer._chunks.direct_chunks == len(chunks) == 12
+    renamed = {dst: src for kind, p in wb.events if kind == "replace" for dst, src in [p.split(" ")]}
+    for f in chunks:
+        at_put = [i for i, (k, p) in enumerate(wb.events) if k == "start" and p == renamed[f]]
+        assert len(at_put) == 1 and at_put[0] < wb.events.index(("replace", f"{f} {renamed[f]}"))
+        fsyncs = [i for i, (k, p) in enumerate(wb.events) if k == "fsync" and p == f]
+        before = [i for i, (k, p) in enumerate(wb.events) if k == "start" and p == f]
+        assert len(fsyncs) == len(before) == 1 and before[0] < fsyncs[0]
+    assert sum(k == "start" for k, _ in wb.events) == 2 * len(chunks) + 1  # and the array's zarr.json
+
+
+def test_a_pass_starts_every_file_s_writeback_before_the_first_fsync(tmp_path, monkeypatch):
+    """A pass's files are written to the disk together: each one's writeback started before any is fsynced; a
+    file that is not there (a chunk holding only the fill value) is skipped; a failed fsync is raised with every
+    descriptor closed."""
+    from stoker.inference import durable
+
+    wb = Writebacks(monkeypatch)
+    files = [tmp_path / f"c{i}" for i in range(5)]
+    for f in files:
+        f.write_bytes(b"x" * 4096)
+    durable._fsync_together(files[:2] + [tmp_path / "gone"] + files[2:])
+    kinds = [k for k, _ in wb.events]
+    assert kinds == ["start"] * 5 + ["fsync"] * 5
+    assert [p for _, p in wb.events] == [str(f) for f in files] * 2
+    open_before = len(os.listdir("/proc/self/fd"))
+    real = os.fsync
+
+    def failing(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("c3"):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(OSError, match="injected"):
+        durable._fsync_together(files)
+    assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+def test_a_chunk_writer_without_a_record_starts_no_writeback(tmp_path, monkeypatch):
+    """Only a TileWriter's durable chunks ask for early writeback; a ChunkWriter of its own leaves the page cache
+    to the kernel."""
+    from stoker.inference.chunks import ChunkWriter
+
+    wb = Writebacks(monkeypatch)
+    arr = zarr.create_array(str(tmp_path / "o.zarr"), shape=(8, 16), chunks=(8, 8), dtype="f4")
+    cw = ChunkWriter(arr)
+    cw.write((slice(0, 8), slice(0, 16)), np.arange(128, dtype="f4").reshape(8, 16) + 1)
+    assert cw.direct_chunks == 2 and not any(k == "start" for k, _ in wb.events)
+    np.testing.assert_array_equal(arr[:], np.arange(128, dtype="f4").reshape(8, 16) + 1)

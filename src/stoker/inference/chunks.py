@@ -41,6 +41,14 @@ import numpy as np
 from ..errors import InvalidArgument
 from . import zstdframes
 from .buffers import BufferPool
+from .durable import start_writeback
+
+
+def _raw(chunk: np.ndarray) -> np.ndarray:
+    """A chunk without a compressor: its own bytes (C-contiguous, little endian), as they are; the caller copies
+    them for a store that keeps what it is given (the region's buffer is recycled), and hands them over as they
+    are to one that is done with them once stored (files, uploads: no 1 MiB copy a chunk)."""
+    return chunk
 
 
 def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | zstdframes.ZstdFrames | None:
@@ -63,7 +71,7 @@ def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | zstdframes.ZstdFrame
             return None
         compressor = meta.compressor
         if compressor is None:
-            return lambda chunk: chunk.tobytes()
+            return _raw
         if type(compressor) is numcodecs.Zstd and zstdframes.available():
             return zstdframes.ZstdFrames(compressor.level, getattr(compressor, "checksum", False))
         return lambda chunk: bytes(compressor.encode(chunk))  # an ndarray, as zarr passes it (Blosc's typesize)
@@ -73,7 +81,7 @@ def _encoder(array: Any) -> Callable[[np.ndarray], bytes] | zstdframes.ZstdFrame
     if dtype.itemsize > 1 and codecs[0].endian is not None and codecs[0].endian.value != "little":
         return None
     if len(codecs) == 1:
-        return lambda chunk: chunk.tobytes()
+        return _raw
     if len(codecs) == 2 and isinstance(codecs[1], ZstdCodec):
         if zstdframes.available():  # the same frames, without a fresh context and output per chunk
             return zstdframes.ZstdFrames(codecs[1].level, codecs[1].checksum)
@@ -112,7 +120,8 @@ class ChunkWriter:
         # store.set: that goes to zarr's event loop and from there to a worker thread, two thread hops a
         # chunk for a write of a file
         self._local_root = Path(store.root) if type(store) is LocalStore and not store.read_only else None
-        self._files = _ChunkFiles(str(self._local_root)) if self._local_root is not None else None
+        # durable: each file's writeback started as it is written, so the mark's fsync finds it under way
+        self._files = _ChunkFiles(str(self._local_root), writeback=durable) if self._local_root is not None else None
         # the array's folder on a local disk, whose files a region's mark waits for (see files()); None elsewhere
         prefix = self.array.store_path.path
         self.folder = None if not isinstance(store, LocalStore) else \
@@ -189,6 +198,8 @@ class ChunkWriter:
                 at += bound
             else:
                 blob = self._encode(np.ascontiguousarray(part))  # type: ignore[operator]  # not ZstdFrames here
+                if self._encode is _raw and not self._reuse:
+                    blob = blob.tobytes()  # the store keeps it: not a view of the region's recycled buffer
             key = meta.encode_chunk_key(index)
             key = f"{root}/{key}" if root else key
             if self._local_root is not None:  # a file, written here (no hop to zarr's loop and its thread)
@@ -220,14 +231,18 @@ class _ChunkFiles:
 
     Leaner than LocalStore's per chunk, on the write threads where every call that drops the GIL waits to take
     it back: a folder made (or found) once is not made again, and the temporary names are a random prefix per
-    writer and a counter instead of a fresh uuid (``os.urandom``) each.
+    writer and a counter instead of a fresh uuid (``os.urandom``) each. ``writeback``: each file's writeback
+    is started once it is written (:func:`~.durable.start_writeback`), for a TileWriter whose marks fsync the
+    files later: the disk writes a chunk while the next ones are encoded, and the fsync of a volume's last
+    regions, which nothing else overlaps, waits for less.
 
     >>> files = _ChunkFiles("/out/pred.zarr")
     >>> files.put("c/0/0/0", frame)
     """
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, writeback: bool = False) -> None:
         self.root = root
+        self.writeback = writeback
         self._folders: set[str] = set()  # folders known to exist (made or found here)
         self._prefix = uuid.uuid4().hex  # unique between writers, processes and hosts, as LocalStore's uuids are
         self._count = itertools.count()  # next() is atomic under the GIL
@@ -253,6 +268,8 @@ class _ChunkFiles:
                     if n <= 0:
                         raise OSError(f"{tmp}: write took {n} of {len(view)} bytes")
                     view = view[n:]
+                if self.writeback:
+                    start_writeback(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, path)

@@ -125,6 +125,26 @@ def _shift(box: Box, origin: Box) -> Box:
     return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin))
 
 
+Copy = tuple[tuple[Any, ...], tuple[Any, ...]]  # where in the region, where in the part (Ellipsis first)
+
+
+@functools.lru_cache(maxsize=4096)
+def _copies(box: Box, lost: tuple[Box, ...]) -> tuple[Copy, ...]:
+    """How a part of ``blend="none"`` at ``box`` (from its region's first voxel) is copied into the region when
+    it loses the voxels of the boxes ``lost``: the pieces left, each as slices of the region and of the part.
+    A grid's regions repeat a few layouts and its parts come in the same order every volume, so this box
+    arithmetic is done once per layout for the process, not per part (it was most of the consumer's Python)."""
+    return tuple(((Ellipsis,) + _slices(piece), (Ellipsis,) + local(piece, box))
+                 for piece in (subtract(box, list(lost)) if lost else [box]))
+
+
+@functools.lru_cache(maxsize=1024)
+def _left(shape: tuple[int, ...], boxes: tuple[Box, ...]) -> tuple[tuple[Any, ...], ...]:
+    """The voxels of a region of ``shape`` that none of ``boxes`` (from its first voxel) covers, as slices
+    (Ellipsis first): where a region of ``blend="none"`` keeps the fill value."""
+    return tuple((Ellipsis,) + _slices(piece) for piece in subtract(tuple((0, n) for n in shape), list(boxes)))
+
+
 def sums_bytes(lanes: int, shape: tuple[int, ...]) -> int:
     """What folding a region of ``shape`` (``lanes`` channels) holds: the float64 sums of every lane and the
     sums of weights, and the uint8 count of parts per voxel."""
@@ -157,8 +177,8 @@ class _Region:
         if blend == "none":
             # not zeroed: every voxel is written, by a part or (no part reached it) at the region's finish
             self.values = pool.take(self.full, dtype, zero=False)
-            # the boxes placed so far and their tiles' starts: which tile wins a voxel is decided from
-            # these (box arithmetic where boxes overlap), not from a per-voxel array of starts
+            # the boxes placed so far (from the region's first voxel) and their tiles' starts: which tile wins a
+            # voxel is decided from these (box arithmetic where boxes overlap), not from a per-voxel array of starts
             self.placed: list[tuple[Box, int]] = []
         # the weighted parts not yet summed: where in the region, their weights (a view of the tile's), values,
         # and the windows whose outer product the weights are (for weighted.mean_into)
@@ -712,24 +732,23 @@ class TileWriter:
             if key in region.seen:
                 continue  # a repeated tile (a short rank's wrap-around) counts once
             region.seen.add(key)
-            where = local(box, region.box)
             if self.blend == "none":
                 # the tile whose output box starts first wins, whatever the order: this part loses the
                 # voxels of the boxes placed before it that start no later, and is copied as the boxes
                 # that remain (plain strided copies; a mask made the copy element by element)
-                lost = [other for other, other_start in region.placed if other_start <= start]
+                box = _shift(box, region.box)  # from the region's first voxel, as the boxes placed
+                lost = tuple(other for other, other_start in region.placed if other_start <= start)
                 region.placed.append((box, start))
                 assert region.values is not None
                 # rounded as the weighted blends round a voxel one tile covers (astype alone truncates)
-                for piece in subtract(box, lost) if lost else [box]:
-                    _place(region.values[(Ellipsis,) + local(piece, region.box)],
-                           values[(Ellipsis,) + local(piece, box)])
+                for into, at in _copies(box, lost):
+                    _place(region.values[into], values[at])
             elif region.plan is not None:
                 region.add_planned(box, self._weights_of(key)[local(box, key)], values, self._pool,
                                    self._windows_of(key, box), key)
             else:
-                region.add_weighted(where, self._weights_of(key)[local(box, key)], values, self._pool,
-                                    self._scratch_of, self._windows_of(key, box), key)
+                region.add_weighted(local(box, region.box), self._weights_of(key)[local(box, key)], values,
+                                    self._pool, self._scratch_of, self._windows_of(key, box), key)
             if self._expected is not None and len(region.seen) >= self._expected.get(r, 0):
                 self._flush(r)
 
@@ -772,8 +791,8 @@ class TileWriter:
             assert region.values is not None
             out = region.values
             # voxels no tile reached keep the fill value: the region less the boxes placed
-            for piece in subtract(region.box, [box for box, _ in region.placed]):
-                out[(Ellipsis,) + local(piece, region.box)] = fill
+            for piece in _left(region.shape, tuple(box for box, _ in region.placed)):
+                out[piece] = fill
             spent = [out]
         elif region.plan is not None:  # a grid's: the voxels one part covers are in place, the overlaps kept
             spent = region.finish_planned(fill, self._pool)
