@@ -70,6 +70,53 @@ def test_a_closed_ring_hands_its_free_slots_to_the_next(monkeypatch):
     assert len(meta.slots) == 1 and spare.held_bytes == 0
 
 
+def test_a_slot_viewed_as_its_ring_closes_is_taken_once_its_view_is_gone(monkeypatch):
+    """The batch a loop still holds as its pipeline closes (a volume after another in inference): its slot is
+    adopted by the spare pool, given to no ring while the batch is viewed, and taken by the next ring once the
+    consumer lets it go (before, its memory went back to the system and the next ring faulted in new pages)."""
+    import torch
+
+    from stoker.engine import buffers
+
+    spare = buffers.SpareSlots(64 << 20)
+    monkeypatch.setattr(buffers, "SPARE_SLOTS", spare)
+    ring = buffers.SlotRing(1, (4, 1000), torch.float32)
+    ptr = ring.slots[0].tensor.data_ptr()
+    slot = ring.acquire(lambda: False)
+    held = slot.batch(4)
+    held.fill_(3)
+    ring.release(slot)
+    ring.close()
+    assert spare.held_bytes == 0  # viewed: not free
+    while_held = buffers.SlotRing(1, (4, 1000), torch.float32)
+    assert while_held.slots[0].tensor.data_ptr() != ptr and spare.taken == 0
+    while_held.slots[0].tensor.fill_(9)
+    assert bool((held == 3).all())  # never another ring's
+    del held
+    after = buffers.SlotRing(1, (4, 1000), torch.float32)
+    assert after.slots[0].tensor.data_ptr() == ptr and spare.taken == 1
+    _kept_view_is_not_overwritten(after)  # a fresh slot's baseline: a view of it still counts
+
+
+def test_adopted_slots_wait_within_the_pools_bound(monkeypatch):
+    import torch
+
+    from stoker.engine import buffers
+
+    spare = buffers.SpareSlots(3 * 16_000)
+    monkeypatch.setattr(buffers, "SPARE_SLOTS", spare)
+    views = []
+    for _ in range(5):  # five closed rings, each with its batch still held
+        ring = buffers.SlotRing(1, (4, 1000), torch.float32)
+        slot = ring.acquire(lambda: False)
+        views.append(slot.batch(4))
+        ring.release(slot)
+        ring.close()
+    assert len(spare._waiting) == 3 and spare._waiting_bytes == 48_000  # the oldest two let go
+    del views
+    assert spare.take(16_000) is not None and spare.held_bytes == 32_000 and spare._waiting == []
+
+
 def _kept_view_is_not_overwritten(ring) -> None:
     """A consumer keeps a view of a released batch: its slot must not be acquired (and overwritten) again."""
     slot = ring.acquire(lambda: False, timeout=1)

@@ -277,11 +277,16 @@ class SpareSlots:
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._free: OrderedDict[int, torch.Tensor] = OrderedDict()  # id -> buffer, oldest first
         self._held = 0
+        # adopted buffers a consumer still views: (buffer, its storage's handle, use count when ours alone)
+        self._waiting: list[tuple[torch.Tensor, int, int]] = []
+        self._waiting_bytes = 0
         self.taken = 0  # buffers handed out again (what spared a fresh allocation)
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """A buffer of exactly ``nbytes`` bytes that was given back, or None."""
+        """A buffer of exactly ``nbytes`` bytes that was given back (or :meth:`adopt`\ ed and no longer viewed),
+        or None."""
         with self._lock:
+            self._sweep_locked()
             for key, buf in reversed(self._free.items()):  # the newest: its pages are the likeliest in cache
                 if buf.numel() == nbytes:
                     del self._free[key]
@@ -296,21 +301,56 @@ class SpareSlots:
         thread can take the buffer. The oldest buffers are dropped until it fits, and a buffer larger than
         ``max_bytes`` is not kept."""
         with self._lock:
+            self._keep_locked(held.pop())
+
+    def adopt(self, held: list[torch.Tensor], alone: int) -> None:
+        """Keep the one buffer in ``held`` (a closed ring's slot that a consumer's batch still views: the last
+        batch a loop holds as its pipeline closes, a volume after another in inference) until no tensor but
+        ours views it (its storage's use count at most ``alone``), then as :meth:`give` would: looked at by
+        each :meth:`take`. Emptied from the list under the lock, as :meth:`give`. At most ``max_bytes`` wait
+        (the oldest let go first: their memory is the consumer's until it drops them, then the system's)."""
+        with self._lock:
             buf = held.pop()
             nbytes = buf.numel()
             if nbytes > self.max_bytes:
                 return
-            while self._held + nbytes > self.max_bytes:
-                _, old = self._free.popitem(last=False)
-                self._held -= old.numel()
-            self._free[id(buf)] = buf
-            self._held += nbytes
+            self._waiting.append((buf, buf.untyped_storage()._cdata, alone))
+            self._waiting_bytes += nbytes
+            while self._waiting_bytes > self.max_bytes:
+                old, _, _ = self._waiting.pop(0)
+                self._waiting_bytes -= old.numel()
+
+    def _sweep_locked(self) -> None:
+        """Adopted buffers no consumer views any more join the free ones."""
+        if not self._waiting or _use_count is None:
+            return
+        still = []
+        for entry in self._waiting:
+            if _use_count(entry[1]) <= entry[2]:
+                self._waiting_bytes -= entry[0].numel()
+                self._keep_locked(entry[0])
+            else:
+                still.append(entry)
+        self._waiting = still
+        del entry
+
+    def _keep_locked(self, buf: torch.Tensor) -> None:
+        nbytes = buf.numel()
+        if nbytes > self.max_bytes:
+            return
+        while self._held + nbytes > self.max_bytes:
+            _, old = self._free.popitem(last=False)
+            self._held -= old.numel()
+        self._free[id(buf)] = buf
+        self._held += nbytes
 
     def clear(self) -> None:
         """Drop every buffer held (their memory goes back to the system)."""
         with self._lock:
             self._free.clear()
             self._held = 0
+            self._waiting = []
+            self._waiting_bytes = 0
 
     @property
     def held_bytes(self) -> int:
@@ -403,9 +443,9 @@ class SlotRing:
 
     def close(self) -> None:
         """Hand the plain host slots no batch uses any more to :data:`SPARE_SLOTS` (once the work is stopped:
-        nothing writes into a slot after this). A slot still taken, or viewed by a tensor (a batch the
-        consumer keeps, a decode task not yet gone), is left to be freed with its last view; the ring holds
-        no slot afterwards, so none is acquired again. A ring told to :meth:`keep` its slots keeps them all."""
+        nothing writes into a slot after this), and those a tensor still views (the batch a loop holds as the
+        pipeline closes) to be taken once the last view is gone (:meth:`SpareSlots.adopt`). A slot still taken
+        is left to be freed with its last view; the ring holds no slot afterwards, so none is acquired again. A ring told to :meth:`keep` its slots keeps them all."""
         if not self.spared or self.kept:
             return
         with self._cond:
@@ -413,7 +453,7 @@ class SlotRing:
             self._cond.notify_all()
         for slot in slots:
             refs = slot.refs()
-            if slot.busy or refs is None or refs > slot.baseline:
+            if slot.busy or refs is None:
                 continue
             # in a list the pool empties under its lock (SpareSlots.give): no reference of ours outlives the
             # hand-over, so a ring made meanwhile on another thread sees the memory held by its slot alone
@@ -421,6 +461,8 @@ class SlotRing:
             slot.tensor = None  # type: ignore[assignment]  # the slot's hold on the memory ends here
             if _use_count(slot._storage) <= slot.baseline:  # flat alone holds it now
                 SPARE_SLOTS.give(flat)
+            else:  # a batch the consumer still holds: the pool takes it once the consumer lets it go
+                SPARE_SLOTS.adopt(flat, slot.baseline)
 
     def _free_locked(self) -> Slot | None:
         for slot in self.slots:
