@@ -249,6 +249,85 @@ def test_an_entry_queued_for_writing_is_not_handed_to_the_engine(tmp_path):
     assert cache.entry_file("second") == (os.fsencode(cache.path("second")), b"second")
 
 
+def test_a_write_ticket_settles_once_the_entry_is_on_disk(tmp_path):
+    # what a decoder's table checks before handing a queued entry to the engine: the ticket a put took is past
+    # the writer's settled count while the writer waits (another holder of the folder's lock), and within it
+    # once the entry is written; the writer settles in queue order
+    cache = DiskCache(str(tmp_path / "c"), 64 << 20)
+    assert cache.write("first", b"a" * 100)
+    assert cache.tickets == cache.settled == 0  # written at once, never queued
+    import fcntl
+
+    lock = os.open(tmp_path / "c" / "v1" / ".index", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        for n in range(3):
+            cache.put(f"queued {n}", bytes([n]) * 5000)
+        ticket = cache.tickets
+        assert ticket == 3 and cache.settled < ticket
+        assert not os.path.exists(cache.path("queued 2"))
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        os.close(lock)
+    assert cache.flush(30)
+    assert cache.settled == ticket and os.path.exists(cache.path("queued 2"))
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_an_entry_a_fetch_queued_is_handed_to_the_engine_only_once_written(s3, data, tmp_path, monkeypatch, path):
+    # the decoder's table keeps what each fetch queued for writing (no look-up per chunk in the next epoch);
+    # while the folder's writer waits (another process holds its lock) those entries are not on disk: the
+    # next batch reads them from the write queue, never has the engine find them missing; once written, the
+    # batch after finds them in the table (nothing asked of the store) and the engine reads them
+    uri, options, _ = upload(s3, data, "queued")
+    folder, cache = cache_folder(tmp_path)
+    cfg = _config(options, folder, cache_staleness_s=600.0)
+    assert cache.write("first", b"a" * 100)  # the folder and its lock file made
+    import fcntl
+
+    with stoker.Pipeline(cfg) as p:
+        reads = _Reads(monkeypatch)
+        lock = os.open(folder / "v1" / ".index", os.O_RDWR)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            _batch(p, uri, data, path)  # fetched: entries queued, and kept in the table with their tickets
+            _batch(p, uri, data, path)  # not written yet: from the queue, none to the engine
+            assert reads.engine == 0 and cache.settled < cache.tickets
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            os.close(lock)
+        assert cache.flush(30)
+        asked = reads.asked
+        _batch(p, uri, data, path)  # written: from the table, read by the engine
+        assert reads.engine > 0 and reads.asked == asked, (reads.engine, reads.asked, asked)
+
+
+def test_entry_rows_give_a_queued_entry_its_ticket_and_one_on_disk_none(http, data, tmp_path):
+    # CachingStore.entry_rows, what a decoder keeps in its table: an entry this wrapper queued comes with the
+    # cache's ticket (found by the table once settled), one found on disk by another wrapper with ticket 0;
+    # each with until = when its generation was learnt + the staleness bound; an unknown generation: None
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.objectstore import ObjectStore
+
+    folder = str(tmp_path / "cache")
+    kv = CachingStore(ObjectStore(http.url, **FAST), DiskCache(folder, 64 << 20), staleness_s=600.0)
+    key = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[0]
+    assert kv.entry_rows([key], []) == [None]  # no generation known
+    before = time.monotonic()
+    kv.get_many([key], [])  # fetched: its generation learnt, its entry queued
+    rows = kv.entry_rows([key], [])
+    path, ident, until, ticket = rows[0]
+    assert 0 < ticket <= kv.cache.tickets and before + 600.0 <= until <= time.monotonic() + 600.0
+    assert kv.entries_made([key], []) == rows
+    assert kv.cache.flush(30) and kv.settled >= ticket and os.path.exists(os.fsdecode(path))
+    other = CachingStore(ObjectStore(http.url, **FAST), DiskCache(folder, 64 << 20), staleness_s=600.0)
+    other.get_many([key], [])  # a hit: its generation learnt, its entry found on disk
+    found = other.entry_rows([key], [])[0]
+    assert found[:2] == (path, ident) and found[3] == 0
+    kv.close()
+    other.close()
+
+
 def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(http, data, tmp_path):
     # a value prefetched (its bytes read from disk into the buffer, or its request in flight) is served from
     # the buffer: entry_files says None for it, so the engine does not read its entry a second time
