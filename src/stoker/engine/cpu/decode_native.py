@@ -133,7 +133,7 @@ class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
     __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep",
-                 "info_row", "engine_only", "spans", "uid", "file_strides")
+                 "info_row", "engine_only", "spans", "uid", "file_strides", "file_grid")
 
     def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
         meta = reader.metadata
@@ -187,8 +187,10 @@ class _Source:
         # its number in the decoder's table of disk-cache entries (entry_table.py; 0: none kept, as for a local
         # array, or a grid of files too large to number), and the strides that number its files (C order)
         grid = grid_shape(meta.shape, meta.chunk_shape)  # its files: chunks, or shards
-        self.file_strides = [int(np.prod(grid[i + 1:], dtype=object)) for i in range(len(grid))]
-        self.uid = next(_UIDS) if self.memory and int(np.prod(grid, dtype=object)) < 1 << 62 else 0
+        numbered = int(np.prod(grid, dtype=object)) < 1 << 62  # every file's number an int64
+        self.file_grid = list(grid) if numbered else [0] * len(grid)
+        self.file_strides = [int(np.prod(grid[i + 1:], dtype=object)) if numbered else 0 for i in range(len(grid))]
+        self.uid = next(_UIDS) if self.memory and numbered else 0
 
 
 _UIDS = itertools.count(1)  # the numbers of _Source in tables of entries (never 0: a key of no array)
@@ -237,7 +239,7 @@ class _SourceSet:
     engine makes every chunk of them (files it reads, no store, every element kind it fills)."""
 
     __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "disk_room", "disk_store",
-                 "disk_stores", "disk_uid", "disk_strides")
+                 "disk_stores", "disk_uid", "disk_strides", "disk_grid")
 
     def __init__(self, readers: list, sources: list[_Source]) -> None:
         # rows packed by each _Source, joined here: a batch of arrays new to the pipeline (many small arrays,
@@ -261,6 +263,7 @@ class _SourceSet:
         self.disk_stores: list = []  # the arrays' stores, each once, in order of first use
         self.disk_uid: np.ndarray | None = None  # per array: its number in the table of entries (0: none)
         self.disk_strides: np.ndarray | None = None  # per array: the strides numbering its files
+        self.disk_grid: np.ndarray | None = None  # per array: its grid of files' shape
 
     def __getitem__(self, i: int) -> _Source:
         return self.sources[i]
@@ -452,8 +455,11 @@ def _entry_keys(plan: TablePlan, ids: np.ndarray, sources: "_SourceSet") -> np.n
     files = plan.files[plan.chunk_file[ids]]
     src = files[:, native.F_SOURCE]
     keys = np.empty((len(ids), 4), np.int64)
-    keys[:, 0] = sources.disk_uid[src]
-    keys[:, 1] = (files[:, native.F_COORDS:] * sources.disk_strides[src]).sum(axis=1)
+    coords = files[:, native.F_COORDS:]
+    # a file's number is its own only inside the grid: one outside (never planned so) gets no key (array 0)
+    inside = ((coords >= 0) & (coords < sources.disk_grid[src])).all(axis=1)
+    keys[:, 0] = np.where(inside, sources.disk_uid[src], 0)
+    keys[:, 1] = (coords * sources.disk_strides[src]).sum(axis=1)
     keys[:, 2] = plan.chunk_offset[ids]
     keys[:, 3] = plan.chunk_length[ids]
     return keys
@@ -740,6 +746,7 @@ class NativeDecoder:
             sources.disk_uid = np.array([s.uid if ok else 0 for s, ok in zip(sources, room.tolist())], np.int64)
             rank = plan.files.shape[1] - native.F_COORDS
             sources.disk_strides = np.array([s.file_strides for s in sources], np.int64).reshape(len(sources), rank)
+            sources.disk_grid = np.array([s.file_grid for s in sources], np.int64).reshape(len(sources), rank)
         mine = room[src]
         if not mine.any():
             return ids
