@@ -375,12 +375,22 @@ def test_every_field_s_disk_cache_hits_are_read_by_the_lanes_shared_engine(http,
         batch(p)
     assert cache.flush(30)
     read: dict[str, list[str]] = {"python": [], "engine": []}  # the chunk keys of the entries each read
-    get_many, entry_file = DiskCache.get_many, DiskCache.entry_file
+    get_many = DiskCache.get_many
     chunk = lambda ident: ident.split("\n")[1]  # noqa: E731 - its key (an array's zarr.json is no chunk)
     monkeypatch.setattr(DiskCache, "get_many", lambda cache, idents, read_files=None: read["python"].extend(
         chunk(i) for i in idents if "/c/" in chunk(i)) or get_many(cache, idents, read_files))
-    monkeypatch.setattr(DiskCache, "entry_file", lambda cache, ident: read["engine"].append(chunk(ident))
-                        or entry_file(cache, ident))
+    from stoker.engine.cpu import decode_native
+
+    class FromDisk(decode_native._FromDisk):  # an engine job reading disk-cache entries: its batch's arrays
+        __slots__ = ()
+
+        def __init__(self, stores, owner, kind, sources) -> None:
+            super().__init__(stores, owner, kind, sources)
+            if len(owner):
+                read["engine"].extend(reader.path for reader in sources.readers)
+
+    # entries found in the decoder's table (what the first batch's reads made) ask the cache for no entry file
+    monkeypatch.setattr(decode_native, "_FromDisk", FromDisk)
     with stoker.Pipeline(cfg) as p:  # epoch 2, a new pipeline
         batch(p)  # HTTP: the first batch revalidates (HEAD) and reads the hits in Python
         budgets = [lane.executor.decoders.native.budget_bytes for lane in p._coordinator.lanes]

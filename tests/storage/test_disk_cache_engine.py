@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import stoker
-from stoker.engine.cpu import decode_native, native
+from stoker.engine.cpu import decode_native, entry_table, native
 from stoker.engine.pipeline import prefetch as ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import DiskCache, disk_cache
@@ -39,13 +39,27 @@ remote = remote_fixture("engine")
 
 class _Reads:
     """Counts the chunk entries read in Python (DiskCache.get_many, the real one, still called; an array's
-    zarr.json, which its open reads from disk, apart), the entries handed to the engine (those
-    CachingStore.entry_files gives) and the entry files made (DiskCache.entry_file)."""
+    zarr.json, which its open reads from disk, apart), the entries handed to the engine (those of each
+    engine job reading disk-cache entries: decode_native._FromDisk), the chunks whose entries the decoder
+    asked its stores about (not found in its table: NativeDecoder._asked) and the entry files made
+    (DiskCache.entry_file)."""
 
     def __init__(self, monkeypatch) -> None:
-        self.python = self.engine = self.made = 0
+        self.python = self.engine = self.made = self.asked = 0
         get_many, entry_file = DiskCache.get_many, DiskCache.entry_file
-        entry_files = cachingstore.CachingStore.entry_files
+        asked = decode_native.NativeDecoder._asked
+        reads = self
+
+        def counted_asked(decoder, plan, them, *args):
+            reads.asked += len(them)
+            return asked(decoder, plan, them, *args)
+
+        class CountedFromDisk(decode_native._FromDisk):
+            __slots__ = ()
+
+            def __init__(self, stores, owner, kind, sources) -> None:
+                reads.engine += len(owner)
+                super().__init__(stores, owner, kind, sources)
 
         def counted_get_many(cache, idents, read_files=None):
             self.python += sum(1 for i in idents if not i.endswith("\nkept")
@@ -56,14 +70,10 @@ class _Reads:
             self.made += 1
             return entry_file(cache, ident)
 
-        def counted_entry_files(kv, keys, requests):
-            found = entry_files(kv, keys, requests)
-            self.engine += sum(1 for entry in found if entry is not None)
-            return found
-
         monkeypatch.setattr(DiskCache, "get_many", counted_get_many)
         monkeypatch.setattr(DiskCache, "entry_file", counted_entry_file)
-        monkeypatch.setattr(cachingstore.CachingStore, "entry_files", counted_entry_files)
+        monkeypatch.setattr(decode_native, "_FromDisk", CountedFromDisk)
+        monkeypatch.setattr(decode_native.NativeDecoder, "_asked", counted_asked)
 
 
 def _config(options: dict, folder, **knobs) -> stoker.Config:
@@ -122,20 +132,22 @@ def test_what_was_never_kept_is_not_handed_to_the_engine(remote, data, tmp_path,
 
 
 def test_a_batch_of_many_arrays_asks_its_store_once(remote, data, tmp_path, monkeypatch):
-    # the decoder asks a store's disk cache for the entries of a batch's chunks in one call, however many of
-    # the store's arrays the batch reads (it asked once per array: a batch of crops of 8 arrays, 8 calls)
+    # the decoder asks a store's disk cache for the entries of a batch's chunks its table does not hold in one
+    # call, however many of the store's arrays the batch reads (it asked once per array: a batch of crops of 8
+    # arrays, 8 calls); in the pipeline's second epoch its table holds every entry its fetches made: no call
     uri, options, _ = remote
     folder, cache = cache_folder(tmp_path)
     calls: list[int] = []
-    real = cachingstore.CachingStore.entry_files
+    real = decode_native.NativeDecoder._asked
 
-    def counted(kv, keys, requests):
-        calls.append(len(keys) + len(requests))
-        return real(kv, keys, requests)
+    def counted(decoder, plan, them, *args):
+        calls.append(len(them))
+        return real(decoder, plan, them, *args)
 
-    monkeypatch.setattr(cachingstore.CachingStore, "entry_files", counted)
+    monkeypatch.setattr(decode_native.NativeDecoder, "_asked", counted)
     cfg = _config(options, folder, batch_size=2 * len(ARRAYS), dtype="i64")
     samples = [stoker.Sample(f"{uri}/{path}", box) for path in ARRAYS for box in BOXES[:2]]
+    per_epoch = []
     with stoker.Pipeline(cfg) as p:
         for epoch in range(2):
             del calls[:]
@@ -145,7 +157,17 @@ def test_a_batch_of_many_arrays_asks_its_store_once(remote, data, tmp_path, monk
                     want = zarr_values(data, s.uri.rsplit("/", 1)[1])
                     np.testing.assert_array_equal(got.numpy(), want[tuple(slice(*a) for a in s.aabb)])
             assert cache.flush(30)
-        assert len(calls) == 1 and calls[0] > 0, calls  # the second batch: every chunk asked, of both arrays
+            per_epoch.append(list(calls))
+    chunks = per_epoch[0][0] if per_epoch[0] else 0
+    # the first batch: every chunk asked, of both arrays, in one call; the second: none (the table's)
+    assert len(per_epoch[0]) == 1 and chunks >= 2 * len(ARRAYS), per_epoch
+    assert per_epoch[1] == [], per_epoch
+    with stoker.Pipeline(cfg) as p:  # a new pipeline (an empty table): every chunk asked again, in one call
+        del calls[:]
+        p.push(samples)
+        with p.pop() as b:
+            pass
+    assert calls == [chunks], calls
 
 
 @pytest.mark.parametrize("path", list(ARRAYS))
@@ -227,6 +249,85 @@ def test_an_entry_queued_for_writing_is_not_handed_to_the_engine(tmp_path):
     assert cache.entry_file("second") == (os.fsencode(cache.path("second")), b"second")
 
 
+def test_a_write_ticket_settles_once_the_entry_is_on_disk(tmp_path):
+    # what a decoder's table checks before handing a queued entry to the engine: the ticket a put took is past
+    # the writer's settled count while the writer waits (another holder of the folder's lock), and within it
+    # once the entry is written; the writer settles in queue order
+    cache = DiskCache(str(tmp_path / "c"), 64 << 20)
+    assert cache.write("first", b"a" * 100)
+    assert cache.tickets == cache.settled == 0  # written at once, never queued
+    import fcntl
+
+    lock = os.open(tmp_path / "c" / "v1" / ".index", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        for n in range(3):
+            cache.put(f"queued {n}", bytes([n]) * 5000)
+        ticket = cache.tickets
+        assert ticket == 3 and cache.settled < ticket
+        assert not os.path.exists(cache.path("queued 2"))
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        os.close(lock)
+    assert cache.flush(30)
+    assert cache.settled == ticket and os.path.exists(cache.path("queued 2"))
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_an_entry_a_fetch_queued_is_handed_to_the_engine_only_once_written(s3, data, tmp_path, monkeypatch, path):
+    # the decoder's table keeps what each fetch queued for writing (no look-up per chunk in the next epoch);
+    # while the folder's writer waits (another process holds its lock) those entries are not on disk: the
+    # next batch reads them from the write queue, never has the engine find them missing; once written, the
+    # batch after finds them in the table (nothing asked of the store) and the engine reads them
+    uri, options, _ = upload(s3, data, "queued")
+    folder, cache = cache_folder(tmp_path)
+    cfg = _config(options, folder, cache_staleness_s=600.0)
+    assert cache.write("first", b"a" * 100)  # the folder and its lock file made
+    import fcntl
+
+    with stoker.Pipeline(cfg) as p:
+        reads = _Reads(monkeypatch)
+        lock = os.open(folder / "v1" / ".index", os.O_RDWR)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            _batch(p, uri, data, path)  # fetched: entries queued, and kept in the table with their tickets
+            _batch(p, uri, data, path)  # not written yet: from the queue, none to the engine
+            assert reads.engine == 0 and cache.settled < cache.tickets
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            os.close(lock)
+        assert cache.flush(30)
+        asked = reads.asked
+        _batch(p, uri, data, path)  # written: from the table, read by the engine
+        assert reads.engine > 0 and reads.asked == asked, (reads.engine, reads.asked, asked)
+
+
+def test_entry_rows_give_a_queued_entry_its_ticket_and_one_on_disk_none(http, data, tmp_path):
+    # CachingStore.entry_rows, what a decoder keeps in its table: an entry this wrapper queued comes with the
+    # cache's ticket (found by the table once settled), one found on disk by another wrapper with ticket 0;
+    # each with until = when its generation was learnt + the staleness bound; an unknown generation: None
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.objectstore import ObjectStore
+
+    folder = str(tmp_path / "cache")
+    kv = CachingStore(ObjectStore(http.url, **FAST), DiskCache(folder, 64 << 20), staleness_s=600.0)
+    key = sorted(k for k in read_tree(data) if k.startswith("plain/c/"))[0]
+    assert kv.entry_rows([key], []) == [None]  # no generation known
+    before = time.monotonic()
+    kv.get_many([key], [])  # fetched: its generation learnt, its entry queued
+    rows = kv.entry_rows([key], [])
+    path, ident, until, ticket = rows[0]
+    assert 0 < ticket <= kv.cache.tickets and before + 600.0 <= until <= time.monotonic() + 600.0
+    assert kv.entries_made([key], []) == rows
+    assert kv.cache.flush(30) and kv.settled >= ticket and os.path.exists(os.fsdecode(path))
+    other = CachingStore(ObjectStore(http.url, **FAST), DiskCache(folder, 64 << 20), staleness_s=600.0)
+    other.get_many([key], [])  # a hit: its generation learnt, its entry found on disk
+    found = other.entry_rows([key], [])[0]
+    assert found[:2] == (path, ident) and found[3] == 0
+    kv.close()
+    other.close()
+
+
 def test_what_the_prefetch_buffer_holds_is_not_read_from_disk_again(http, data, tmp_path):
     # a value prefetched (its bytes read from disk into the buffer, or its request in flight) is served from
     # the buffer: entry_files says None for it, so the engine does not read its entry a second time
@@ -296,18 +397,25 @@ def test_entry_paths_too_long_for_the_engine_are_fetched(remote, data, tmp_path)
 
 
 class _Asked:
-    """Counts each key and range the pipeline asks ``CachingStore.entry_files`` about (the real one answers),
-    and the batches prefetched (``prefetch_plan``, the real one) with the entries they found on disk."""
+    """Counts each key and range the pipeline asks ``CachingStore.entry_files`` (the prefetch) or ``entry_rows``
+    (the decoder, for what its table does not hold) about (the real ones answer), and the batches prefetched
+    (``prefetch_plan``, the real one) with the entries they found on disk."""
 
     def __init__(self, monkeypatch) -> None:
         self.asked: collections.Counter = collections.Counter()
         self.planned: list[int] = []  # per batch planned ahead: its chunks found on disk
-        real, plan = cachingstore.CachingStore.entry_files, ahead.prefetch_plan
+        real, rows, plan = cachingstore.CachingStore.entry_files, cachingstore.CachingStore.entry_rows, \
+            ahead.prefetch_plan
 
         def counted(kv, keys, requests):
             self.asked.update(keys)
             self.asked.update((r.key, r.start, r.length) for r in requests)
             return real(kv, keys, requests)
+
+        def counted_rows(kv, keys, requests):
+            self.asked.update(keys)
+            self.asked.update((r.key, r.start, r.length) for r in requests)
+            return rows(kv, keys, requests)
 
         def prefetched(table, *args):
             out = plan(table, *args)
@@ -315,6 +423,7 @@ class _Asked:
             return out
 
         monkeypatch.setattr(cachingstore.CachingStore, "entry_files", counted)
+        monkeypatch.setattr(cachingstore.CachingStore, "entry_rows", counted_rows)
         monkeypatch.setattr(ahead, "prefetch_plan", prefetched)
 
 
@@ -376,10 +485,10 @@ def test_each_chunk_of_a_batch_is_asked_of_the_disk_cache_once(remote, data, tmp
                 found, hits = sum(asked.planned), cache.hits
                 _six_batches(p, asked, f"{uri}/{path}", want)
                 # batches 3 to 6's 8 chunks asked once, by their prefetch; batches 1 and 2's 4 (not planned
-                # ahead: the decoder's look-up) once too, or not at all where the decoder's memo holds the
-                # entries it was given in the pass before: each array's memo is emptied when its store's stamp
-                # moves on, and each entry in it lasts while its generation is known, so any of the 4 may be
-                # asked. None is asked twice
+                # ahead: the decoder's look-up) once too, or not at all where the decoder's table holds the
+                # entries it was given in the pass before: its entries are stale once their store's stamp
+                # moves on, and each lasts while its generation is known, so any of the 4 may be asked. None
+                # is asked twice
                 counts = chunks(asked)
                 assert set(counts) == {1} and 8 <= len(counts) <= 12, (len(counts), counts)
                 # batches 3 to 6 found their 8 chunks on disk when planned: all 12 read by the engine from disk
@@ -445,13 +554,14 @@ def test_entries_asked_again_at_their_generation_are_not_made_again(s3, data, tm
     reads = _Reads(monkeypatch)
     with stoker.Pipeline(cfg) as p:  # epoch 2: the listing at the open states every generation
         _batch(p, uri, data, path)
-        assert reads.engine > 0 and reads.made == reads.engine  # each entry made once
+        assert reads.engine > 0 and reads.made == reads.engine == reads.asked  # each entry asked and made once
         engine, hits, python = reads.engine, cache.hits, reads.python
         for _ in range(2):
             _batch(p, uri, data, path)
-        # not asked again (the decoder's memo of what it was given, at generations still known) nor made again;
+        # not asked again (the decoder's table of what it was given, at generations still known) nor made again;
         # read by the engine from disk all the same
-        assert reads.engine == engine and reads.made == engine, (reads.engine, reads.made)
+        assert reads.asked == engine and reads.made == engine, (reads.asked, reads.made)
+        assert reads.engine == 3 * engine, (reads.engine, engine)
         assert cache.hits - hits == 2 * engine, (cache.hits, hits, engine)
         # read from disk by the engine, none in Python (a shard's index, read by planning, is kept in memory)
         assert cache.hits > hits and reads.python == python
@@ -468,12 +578,12 @@ def test_entries_asked_again_at_their_generation_are_not_made_again(s3, data, tm
 
 
 @pytest.mark.parametrize("path", list(ARRAYS))
-def test_the_decoders_memo_of_entries_never_serves_a_generation_no_longer_known(s3, data, tmp_path, monkeypatch,
-                                                                                path):
+def test_the_decoders_table_of_entries_never_serves_a_generation_no_longer_known(s3, data, tmp_path, monkeypatch,
+                                                                                 path):
     # the decoder keeps the entries its stores gave (no key built, no lock, per chunk of a later batch) while
     # their generations stay known within the staleness bound: generations forgotten (as a reopen forgets them)
-    # of objects rewritten meanwhile are learnt anew by the next batch, which reads the new values; the memo
-    # made at the old ones is never used for them (before the store counted changes, it would have been)
+    # of objects rewritten meanwhile are learnt anew by the next batch, which reads the new values; the table's
+    # entries made at the old ones are never used for them (before the store counted changes, they would be)
     uri, options, prefix = upload(s3, data, "memo")
     folder, cache = cache_folder(tmp_path)
     cfg = _config(options, folder, cache_staleness_s=600.0)
@@ -481,11 +591,11 @@ def test_the_decoders_memo_of_entries_never_serves_a_generation_no_longer_known(
         _batch(p, uri, data, path)  # fetched, kept
         assert cache.flush(30)
         reads = _Reads(monkeypatch)
-        _batch(p, uri, data, path)  # from disk: the entries given, and memorized
+        _batch(p, uri, data, path)  # from disk: the entries its fetches made, in the table
         given, hits = reads.engine, cache.hits
-        assert given > 0
-        _batch(p, uri, data, path)  # from the memo: nothing asked, all read from disk
-        assert reads.engine == given and cache.hits - hits == given
+        assert given > 0 and reads.asked == 0
+        _batch(p, uri, data, path)  # from the table again: nothing asked, all read from disk
+        assert reads.engine == 2 * given and reads.asked == 0 and cache.hits - hits == given
         rewritten = str(tmp_path / "rewritten")
         _write(rewritten, 2)
         s3.upload(read_tree(rewritten), prefix)  # new values, new ETags
@@ -493,17 +603,17 @@ def test_the_decoders_memo_of_entries_never_serves_a_generation_no_longer_known(
         changes = kv.changes
         kv.forget()  # every generation forgotten: learnt anew (the new ETags) by the next read
         assert kv.changes > changes
-        _batch(p, uri, rewritten, path)  # the new values (zarr-python's), not the memo's old entries
+        _batch(p, uri, rewritten, path)  # the new values (zarr-python's), not the table's old entries
         assert cache.flush(30)
         _batch(p, uri, rewritten, path)  # the new generations' entries, read from disk
         assert cache.hits > hits + given
 
 
-def test_opening_another_array_on_the_store_keeps_the_memos_of_entries(s3, data, tmp_path, monkeypatch):
+def test_opening_another_array_on_the_store_keeps_the_table_of_entries(s3, data, tmp_path, monkeypatch):
     # each open of an array through revalidating stores forgets what its store learnt under the array's prefix:
-    # an array not read since taught nothing there, so the other arrays' memos stay good (every memo of the store was emptied before,
-    # and each open of a new array on it cost their chunks a look-up again); forgetting what was learnt does
-    # empty them
+    # an array not read since taught nothing there, so the other arrays' entries in the decoder's table stay
+    # good (every memo of the store was emptied before, and each open of a new array on it cost their chunks a
+    # look-up again); forgetting what was learnt does make them stale
     uri, options, prefix = upload(s3, data, "open")
     folder, cache = cache_folder(tmp_path)
     cfg = _config(options, folder, cache_staleness_s=600.0)
@@ -511,40 +621,35 @@ def test_opening_another_array_on_the_store_keeps_the_memos_of_entries(s3, data,
         _batch(p, uri, data, "plain")  # fetched, kept
         assert cache.flush(30)
         reads = _Reads(monkeypatch)
-        _batch(p, uri, data, "plain")  # from disk: the entries given, and memorized
-        assert reads.engine > 0
+        _batch(p, uri, data, "plain")  # from disk: the entries its fetches made, in the table
+        assert reads.engine > 0 and reads.asked == 0
         kv = _caching_of(p, f"{uri}/plain")
         changes = kv.changes
         kv.forget(f"{prefix}/sharded")  # what opening another array through open_array's Stores calls
         assert kv.changes == changes
-        given, hits = reads.engine, cache.hits
-        _batch(p, uri, data, "plain")  # from the memo: nothing asked, all read from disk
-        assert reads.engine == given and cache.hits > hits
-        kv.forget(f"{prefix}/plain")  # what was learnt under it forgotten: the memos made at it are stale
+        hits = cache.hits
+        _batch(p, uri, data, "plain")  # from the table: nothing asked, all read from disk
+        assert reads.asked == 0 and cache.hits > hits
+        kv.forget(f"{prefix}/plain")  # what was learnt under it forgotten: the table's entries made at it stale
         assert kv.changes > changes
-        _batch(p, uri, data, "plain")  # the memo emptied: its generations learnt again
+        _batch(p, uri, data, "plain")  # not from the table: its generations learnt again
         _batch(p, uri, data, "plain")  # and their entries asked for again
-        assert reads.engine > given
+        assert reads.asked > 0
 
 
 @pytest.mark.parametrize("path", list(ARRAYS))
-def test_chunks_past_the_memos_bound_keep_hits_and_cost_no_more(s3, data, tmp_path, monkeypatch, path):
-    # more cached chunks than the decoder's memos hold (ENTRY_MEMOS, 4 here: ONE_EACH's 12, in two batches),
-    # read in the same order each epoch: the memo keeps the first 4 it was given, which are hits every epoch
-    # (emptied whenever full, the memo held the other batch's chunks each time: no hit at all), and the
-    # chunks it cannot keep are not asked about (known_until) again, so a miss costs what it did without it
-    monkeypatch.setattr(decode_native, "ENTRY_MEMOS", 4)
+def test_chunks_past_the_tables_bound_keep_hits_and_cost_no_more(s3, data, tmp_path, monkeypatch, path):
+    # more cached chunks than the decoder's table holds (entry_table.SLOTS, 8 here: one set, against ONE_EACH's
+    # 12 chunks, in two batches), read in the same order each epoch: the table keeps the first 8 its fetches
+    # made, which are hits every epoch (a set full of live entries drops newcomers, rather than replace the
+    # entries the next batch needs: all misses), and the other 4 are asked of the store each epoch, as without
+    # a table
+    monkeypatch.setattr(entry_table, "SLOTS", 8)
     root, options, _ = upload(s3, data, "full")
     uri = f"{root}/{path}"
     folder, cache = cache_folder(tmp_path)
     cfg = _config(options, folder, batch_size=6, cache_staleness_s=600.0)
     want = zarr_values(data, path)
-    asked_until: list[int] = []  # keys asked about per known_until call
-    known_until = cachingstore.CachingStore.known_until
-
-    def counted(kv, keys):
-        asked_until.append(len(keys))
-        return known_until(kv, keys)
 
     def epoch(p) -> None:
         for k in (0, 6):  # ONE_EACH's crops: 12 chunks, each once
@@ -554,21 +659,14 @@ def test_chunks_past_the_memos_bound_keep_hits_and_cost_no_more(s3, data, tmp_pa
                     np.testing.assert_array_equal(got.numpy(), want[tuple(slice(*s) for s in box)])
 
     with stoker.Pipeline(cfg) as p:
-        epoch(p)  # fetched, kept
+        epoch(p)  # fetched, kept; the first 8 entries in the table
         assert cache.flush(30)
         reads = _Reads(monkeypatch)
-        monkeypatch.setattr(cachingstore.CachingStore, "known_until", counted)
-        hits = cache.hits
-        epoch(p)  # every entry given by the store, and read from disk; the first batch's first 4 memorized
-        assert reads.engine == 12 and cache.hits - hits == 12, (reads.engine, cache.hits - hits)
-        assert sum(asked_until) == 6, asked_until  # the first batch's; none of the second (the memo full)
-        for _ in range(2):
-            given, hits = reads.engine, cache.hits
-            asked_until.clear()
+        for _ in range(3):
+            given, asked, hits = reads.engine, reads.asked, cache.hits
             epoch(p)
-            assert reads.engine - given == 12 - 4  # 4 from the memo: a third of the chunks, each epoch
-            assert cache.hits - hits == 12  # all read from disk by the engine
-            assert sum(asked_until) == 0, asked_until  # the misses asked the store for their entries only
+            assert reads.engine - given == 12 and cache.hits - hits == 12  # all read from disk by the engine
+            assert reads.asked - asked == 12 - 8, reads.asked - asked  # 8 from the table, 4 asked each epoch
 
 
 def _caching_of(p, uri: str) -> cachingstore.CachingStore:

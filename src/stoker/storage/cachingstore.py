@@ -928,9 +928,10 @@ class CachingStore:
         losses = self.cache.losses  # before the write is queued: a loss after it may be this entry's
         self.cache.put(ident, data, wait)
         if self.cache.queued(ident):  # to be written (not refused: too big, a read-only folder, a full queue)
-            # its entry once written: what entry_files gives for it (the next epoch's look-up, without a stat)
+            # its entry once written: what entry_files gives for it (the next epoch's look-up, without a stat);
+            # the cache's tickets read after the put: at least this entry's own (see DiskCache.tickets)
             self._made(key, start, length, gen, ident, (os.fsencode(self.cache.path(ident)),
-                                                        ident.encode("utf-8", "surrogatepass")))
+                                                        ident.encode("utf-8", "surrogatepass")), self.cache.tickets)
             self._unmade_if_lost(key, start, length, losses)
         self._after_losses()
         with self._lock:
@@ -1000,11 +1001,57 @@ class CachingStore:
             out.append(entry)
         return out
 
+    def entry_rows(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> list:
+        """As :meth:`entry_files`, with what a table of entries keeps (the compiled decoder's,
+        engine/cpu/entry_table.py): for the whole values of ``keys``, then the ranges ``requests``, ``(path,
+        ident, until, ticket)`` where the object's generation is known now and its entry was made here (written,
+        or queued: ``ticket``, the cache's :attr:`~stoker.storage.diskcache.DiskCache.tickets` when it was
+        queued; the entry is on disk once the cache's ``settled`` reaches it) or found on disk (``ticket`` 0);
+        ``until``: as :meth:`known_until`. Else None. No request; a ``stat`` for an entry neither made nor
+        found before. What a decoder asks of the chunks a fetch brought (their entries just queued), so the
+        next epoch finds them in its table, not here."""
+        now = time.monotonic()
+        staleness = self.staleness_s
+        if self.cache.losses != self._losses:  # entries may be gone since they were remembered
+            self._unmade()
+        made, uri = self._entry_files, self.uri
+        wanted = [(k, None, None) for k in keys] + [(r.key, r.start, r.length) for r in requests]
+        with self._lock:
+            known = [self._known.get(key) for key, _, _ in wanted]
+        out: list = []
+        for (key, start, length), got in zip(wanted, known):
+            if got is None or got[0] is _UNCACHED or now - got[1] >= staleness:
+                out.append(None)
+                continue
+            kept = made.get((key, start, length))
+            if kept is not None and kept[0] == got[0]:  # made (or found) for this generation
+                out.append((*kept[2], got[1] + staleness, kept[3]))
+                continue
+            ident = _ident(uri, key, start, length, got[0])
+            entry = self.cache.entry_file(ident)
+            if entry is not None and not os.path.exists(entry[0]):  # never kept (or evicted): to fetch
+                entry = None
+            if entry is not None:
+                self._made(key, start, length, got[0], ident, entry)
+                out.append((*entry, got[1] + staleness, 0))
+            else:
+                out.append(None)
+        return out
+
+    #: What a decoder asks after a fetch (the entries its values and ranges were just queued as): the same rows,
+    #: under a name a prefetch buffer passes through (``PrefetchStore.entry_rows`` leaves out what it holds).
+    entries_made = entry_rows
+
+    @property
+    def settled(self) -> int:
+        """The disk cache's writes settled (see :meth:`entry_rows`)."""
+        return self.cache.settled
+
     def _made(self, key: str, start: int | None, length: int | None, gen: Any, ident: str,
-              entry: tuple[bytes, bytes]) -> None:
-        """Keep ``entry`` (on disk, or queued for writing) as the one of ``key``'s value or range at ``gen``
-        (see :meth:`entry_files`)."""
-        remember(self._entry_files, (key, start, length), (gen, ident, entry), ENTRY_FILES_KEPT)
+              entry: tuple[bytes, bytes], ticket: int = 0) -> None:
+        """Keep ``entry`` (on disk, or queued for writing at ``ticket``) as the one of ``key``'s value or range at
+        ``gen`` (see :meth:`entry_files`)."""
+        remember(self._entry_files, (key, start, length), (gen, ident, entry, ticket), ENTRY_FILES_KEPT)
 
     def _unmade(self) -> None:
         """The disk cache lost entries (:meth:`DiskCache.lost <stoker.storage.diskcache.DiskCache.lost>`: an

@@ -204,6 +204,11 @@ class DiskCache:
         self._floor = float("-inf")
         # grows whenever entries this process counted on may be gone (see lost): what a memo of entries checks
         self.losses = 0
+        # items ever queued, and items the writer finished with (written, found there, or not written: a loss),
+        # in queue order: an entry queued when ``tickets`` was T is on disk (or lost) once ``settled`` >= T
+        # (what a decoder's table of entries checks, a number a batch: engine/cpu/entry_table.py)
+        self.tickets = 0
+        self.settled = 0
         _CACHES.add(self)  # a forked child starts its own writer (see _after_fork)
 
     # -- reading ---------------------------------------------------------------------------------
@@ -445,6 +450,7 @@ class DiskCache:
                 self.dropped += how == _WRITE
                 return
             self._queue.append((ident, data, n, how))
+            self.tickets += 1
             self._queued += n
             if how == _TOUCH:
                 self._touching.add(ident)
@@ -502,6 +508,7 @@ class DiskCache:
                             self._pending.pop(ident, None)
                     if unwritten:  # once no longer pending: their markers are not taken as seen (see lost)
                         self.lost()
+                    self.settled += len(batch)  # after the loss: a ticket settled unwritten is a loss already
                     self._busy = False
                     self._cond.notify_all()
 
@@ -517,6 +524,7 @@ class DiskCache:
             self._queue.clear()
             self._pending, self._touching, self._queued, self._busy = {}, set(), 0, False
             self.lost()
+            self.settled = self.tickets
             self._cond.notify_all()
         # its own kind: a write that failed earlier ("off") does not hide that a bug stopped the writer
         self._warn("fault", f"stoker's disk cache {self.folder}: {fault}")
@@ -543,6 +551,9 @@ class DiskCache:
         self._pending = {ident: data for ident, data in self._pending.items() if ident in queued}
         self._touching = {ident for ident, _, _, how in self._queue if how == _TOUCH}
         self._queued = sum(n for _, _, n, _ in self._queue)
+        # the batch the parent's writer had taken is the parent's: settled here (the engine reads its entries,
+        # or finds them missing and fetches them again)
+        self.settled = self.tickets - len(self._queue)
 
     def _take(self) -> list[tuple[str, bytes | None, int, int]]:
         """The queue's first entries, as many as one hold of the lock writes (holding ``_cond``): at most

@@ -557,7 +557,18 @@ class PrefetchStore:
         """The store's ``entry_files`` (a disk cache's entries the compiled engine reads itself; None where the
         store has no disk cache), but None for what the buffer holds or is fetching: that is read from here,
         and not asked of the store."""
-        inner = getattr(self.store, "entry_files", None)
+        return self._unbuffered("entry_files")
+
+    @property
+    def entry_rows(self) -> Callable | None:
+        """The store's ``entry_rows`` (the same entries with what a decoder's table keeps of them), but None for
+        what the buffer holds or is fetching, as :attr:`entry_files`."""
+        return self._unbuffered("entry_rows")
+
+    def _unbuffered(self, name: str) -> Callable | None:
+        """The store's method ``name`` (``entry_files`` or ``entry_rows``) asked only of what the buffer neither
+        holds nor is fetching (None in their place)."""
+        inner = getattr(self.store, name, None)
         if inner is None:
             return None
 

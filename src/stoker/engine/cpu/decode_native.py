@@ -54,6 +54,8 @@ from ..cast import fill_value_as, range_error, torch_dtype_of, unfit_range
 from ...storage import ByteRange
 from ...storage.objectstore import etag_version
 from .decode_python import Fetch, PythonDecoder, fetches_within, span_bytes
+from .entry_table import EntryTable
+from ...zarr.grid import grid_shape
 from ..executor import Job
 from .frame_spans import FrameBuffers, FrameTables
 from ..stats import StatsRecorder
@@ -131,7 +133,7 @@ class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
     __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep",
-                 "info_row", "engine_only", "spans", "entries", "entries_stamp", "entries_full")
+                 "info_row", "engine_only", "spans", "uid", "file_strides", "file_grid")
 
     def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
         meta = reader.metadata
@@ -182,12 +184,16 @@ class _Source:
         info[native.I_NBYTES], info[native.I_STORED] = self.nbytes, self.stored
         self.info_row = array("q", info).tobytes()
         self.engine_only = self.reads and self.fills  # the engine reads and fills every chunk of it
-        # the disk-cache entries its store gave for its files (see NativeDecoder._from_memo): (grid coords...,
-        # offset, length) -> ((path, ident), until), kept while its store's stamp (changes, losses) holds;
-        # full: it holds the decoder's bound (_EntryMemos) alone, and takes no new chunk until it has room
-        self.entries: dict[tuple, tuple] = {}
-        self.entries_stamp: tuple | None = None
-        self.entries_full = False
+        # its number in the decoder's table of disk-cache entries (entry_table.py; 0: none kept, as for a local
+        # array, or a grid of files too large to number), and the strides that number its files (C order)
+        grid = grid_shape(meta.shape, meta.chunk_shape)  # its files: chunks, or shards
+        numbered = int(np.prod(grid, dtype=object)) < 1 << 62  # every file's number an int64
+        self.file_grid = list(grid) if numbered else [0] * len(grid)
+        self.file_strides = [int(np.prod(grid[i + 1:], dtype=object)) if numbered else 0 for i in range(len(grid))]
+        self.uid = next(_UIDS) if self.memory and numbered else 0
+
+
+_UIDS = itertools.count(1)  # the numbers of _Source in tables of entries (never 0: a key of no array)
 
 
 #: Most :class:`_Source` of local arrays kept for the process (see :func:`shared_source`); past it they are
@@ -233,7 +239,7 @@ class _SourceSet:
     engine makes every chunk of them (files it reads, no store, every element kind it fills)."""
 
     __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "disk_room", "disk_store",
-                 "disk_stores")
+                 "disk_stores", "disk_uid", "disk_strides", "disk_grid")
 
     def __init__(self, readers: list, sources: list[_Source]) -> None:
         # rows packed by each _Source, joined here: a batch of arrays new to the pipeline (many small arrays,
@@ -255,6 +261,9 @@ class _SourceSet:
         self.disk_room: np.ndarray | None = None  # per array: its chunks may be read from disk entries (_from_disk)
         self.disk_store: np.ndarray | None = None  # per array: the number of its store in disk_stores
         self.disk_stores: list = []  # the arrays' stores, each once, in order of first use
+        self.disk_uid: np.ndarray | None = None  # per array: its number in the table of entries (0: none)
+        self.disk_strides: np.ndarray | None = None  # per array: the strides numbering its files
+        self.disk_grid: np.ndarray | None = None  # per array: its grid of files' shape
 
     def __getitem__(self, i: int) -> _Source:
         return self.sources[i]
@@ -416,100 +425,6 @@ class SharedEngine:
             engine.close(0.25)
 
 
-#: Most entries a :class:`NativeDecoder` keeps in all its arrays' memos (:class:`_EntryMemos`): a key tuple and
-#: an ``((path, ident), until)`` each, about 540 bytes where the store no longer keeps the same entry (its own
-#: table, ``cachingstore.ENTRY_FILES_KEPT``): ~34 MiB at most a decoder, however many arrays it reads.
-ENTRY_MEMOS = 1 << 16
-
-
-class _EntryMemos:
-    """A decoder's memos of the disk-cache entries its stores gave (one per array, ``_Source.entries``),
-    bounded in entries in all: :data:`ENTRY_MEMOS`. Past the bound the arrays whose memo was started first
-    are forgotten first, whole, until a quarter of the bound is free (the arrays a pipeline reads now keep
-    theirs); never the array being kept into. An array that holds the bound alone (more cached chunks than
-    the bound, read by one pipeline) keeps what it holds and takes no new chunk (``entries_full``) until it
-    has room again (an entry past its staleness bound dropped, its memo emptied): read in the same order each
-    epoch, the chunks it holds are hits every epoch, and the others cost no more than without a memo (its
-    chunks are left out of ``known_until``), where emptying it whenever full gave no hit at all.
-
-    >>> memos = _EntryMemos()
-    >>> memos.keep(source, (0, 0, -1, -1), (entry, until))   # False where the array is full
-    True
-    """
-
-    __slots__ = ("arrays", "count", "prune_at")
-
-    def __init__(self) -> None:
-        # the arrays whose memo was started (emptied since, some: let go at the next recount): id -> _Source
-        # (held, so the id stays its own), the first started first
-        self.arrays: dict[int, _Source] = {}
-        self.count = 0  # entries kept in all, at least as many as the memos hold (counted again at the bound)
-        # recounted when this many arrays are held: twice those left after the last recount, so arrays whose
-        # memo a stamp change emptied are let go long before the bound (each recount costs a step an array)
-        self.prune_at = 64
-
-    def keep(self, source: "_Source", key: tuple, value: tuple) -> bool:
-        """``source.entries[key] = value`` where the bound allows it (see the class); whether it was kept."""
-        memo = source.entries
-        if key in memo:  # a generation learnt anew: kept in its place
-            memo[key] = value
-            return True
-        if source.entries_full:
-            return False
-        if self.count >= ENTRY_MEMOS:
-            self._recount()  # memos emptied, entries dropped
-            if self.count >= ENTRY_MEMOS:
-                self._forget_some(source)
-            if self.count >= ENTRY_MEMOS:  # this array holds the bound alone: what it holds stays
-                source.entries_full = True
-                return False
-        if not memo:  # started (again): the newest
-            if len(self.arrays) >= self.prune_at:
-                self._recount()
-            self.arrays.pop(id(source), None)
-            self.arrays[id(source)] = source
-        memo[key] = value
-        self.count += 1
-        return True
-
-    def keep_many(self, source: "_Source", items: list[tuple[tuple, tuple]]) -> None:
-        """:meth:`keep` each ``(key, value)`` of ``items``: in one step where the bound has room for all."""
-        memo = source.entries
-        if source.entries_full or self.count + len(items) >= ENTRY_MEMOS:
-            for key, value in items:
-                self.keep(source, key, value)
-            return
-        if not memo:  # started (again): the newest
-            if len(self.arrays) >= self.prune_at:
-                self._recount()
-            self.arrays.pop(id(source), None)
-            self.arrays[id(source)] = source
-        before = len(memo)
-        memo.update(items)
-        self.count += len(memo) - before
-
-    def _recount(self) -> None:
-        """Count the entries kept again, and let go of the arrays whose memo is empty (emptied by their store's
-        stamp moving on, or their entries dropped): held, each would keep its ``_Source`` (its array, its
-        store) alive past the decoder's ``SHARED_SOURCES``."""
-        self.arrays = {i: s for i, s in self.arrays.items() if s.entries}
-        self.count = sum(len(s.entries) for s in self.arrays.values())
-        self.prune_at = max(64, 2 * len(self.arrays))
-
-    def _forget_some(self, keeping: "_Source") -> None:
-        """Forget other arrays' memos, the first started first, until at most three quarters of the bound are
-        kept; those emptied meanwhile are let go. ``keeping``'s memo is never forgotten here."""
-        target = ENTRY_MEMOS * 3 // 4
-        for ident, s in list(self.arrays.items()):
-            if s is keeping:
-                continue
-            if self.count <= target and s.entries:
-                break
-            self.count -= len(s.entries)
-            s.entries = {}
-            s.entries_full = False
-            del self.arrays[ident]
-
 #: A disk-cache entry's bytes before its payload, at most (header and ident: csrc/entries.c), in a thread's scratch.
 ENTRY_ROOM = native.ENTRY_HEADER_BYTES + native.ENTRY_IDENT_CAP
 
@@ -533,11 +448,21 @@ def _keys_of(source: "_Source", coords: np.ndarray) -> list[str]:
     return [form.format(*row) for row in coords.tolist()]
 
 
-def _memo_keys(plan: TablePlan, ids: np.ndarray) -> list[tuple]:
-    """The keys of the chunks ``ids`` of ``plan`` in their arrays' memos of entries: the file's grid coordinates,
-    then the chunk's offset and length in it (-1, -1: the whole file), as tuples made by one ``zip``."""
-    coords = plan.files[plan.chunk_file[ids], native.F_COORDS:].T.tolist()
-    return list(zip(*coords, plan.chunk_offset[ids].tolist(), plan.chunk_length[ids].tolist()))
+def _entry_keys(plan: TablePlan, ids: np.ndarray, sources: "_SourceSet") -> np.ndarray:
+    """The keys of the chunks ``ids`` of ``plan`` in a table of entries (:mod:`.entry_table`), ``(n, 4)``: its array's
+    number (0: one whose entries are not kept), its file's number in the array's grid of files, and the chunk's
+    offset and length in it (-1, -1: the whole file). A few numpy steps, whatever the number of chunks."""
+    files = plan.files[plan.chunk_file[ids]]
+    src = files[:, native.F_SOURCE]
+    keys = np.empty((len(ids), 4), np.int64)
+    coords = files[:, native.F_COORDS:]
+    # a file's number is its own only inside the grid: one outside (never planned so) gets no key (array 0)
+    inside = ((coords >= 0) & (coords < sources.disk_grid[src])).all(axis=1)
+    keys[:, 0] = np.where(inside, sources.disk_uid[src], 0)
+    keys[:, 1] = (coords * sources.disk_strides[src]).sum(axis=1)
+    keys[:, 2] = plan.chunk_offset[ids]
+    keys[:, 3] = plan.chunk_length[ids]
+    return keys
 
 
 def _key_form(source: "_Source", rank: int) -> str:
@@ -573,7 +498,7 @@ class NativeDecoder:
         self._stats = stats
         self._sources: dict[tuple, tuple[object, _Source]] = {}
         self._sets: dict[tuple, _SourceSet] = {}  # the arrays of recent batches, as the engine's tables say them
-        self._memos = _EntryMemos()  # the entries its stores gave, per array, bounded in all (_from_memo)
+        self._entries = EntryTable()  # the disk-cache entries its stores gave, found a batch at a time (_from_disk)
         self._frames = FrameTables()  # blosc frames of arrays in stores: fetch only the blocks crops need
         self._frame_buffers = FrameBuffers()  # where their fetched blocks are laid out as frames
         self._cond = threading.Condition()  # lock rank 4, a leaf (engine/pipeline/facade.py)
@@ -796,10 +721,15 @@ class NativeDecoder:
 
     def _from_disk(self, job: Job, ids: np.ndarray, kind: int, sources: "_SourceSet") -> np.ndarray:
         """Of the stored chunks ``ids`` (of arrays in stores), hand those whose store's disk cache holds them at a
-        generation known now (``entry_files``: no request) to the engine in one call, which reads each entry as a
-        local file, checks it (csrc/entries.c) and decodes it, with no Python per chunk; returns the rest, to
-        fetch. A chunk whose entry turns out missing or unsound is fetched then (:meth:`_finish_from_disk`).
-        A step per store, and per chunk a look-up of what its prefetch found."""
+        generation known now to the engine in one call, which reads each entry as a local file, checks it
+        (csrc/entries.c) and decodes it, with no Python per chunk; returns the rest, to fetch. A chunk whose
+        entry turns out missing or unsound is fetched then (:meth:`_finish_from_disk`).
+
+        Where each entry is, in order: the decoder's table of entries (:mod:`.entry_table`: what its stores gave
+        before and what its fetches made, found for the whole batch in a few numpy steps, at generations
+        still known and entries written), what the batch's prefetch found (``plan.disk_entries``), then the
+        stores (``entry_rows``: a step per chunk, whose answers the table keeps). A second epoch in the
+        pipeline that read the first asks its stores about no chunk."""
         plan = job.plan
         src = plan.chunk_source[ids]
         room, store_of, stores = sources.disk_room, sources.disk_store, sources.disk_stores
@@ -813,53 +743,52 @@ class NativeDecoder:
             store_of = sources.disk_store = np.array([numbers.setdefault(id(s.kv), len(numbers)) for s in sources],
                                                      np.intp)
             stores = sources.disk_stores = list({id(s.kv): s.kv for s in sources}.values())
+            sources.disk_uid = np.array([s.uid if ok else 0 for s, ok in zip(sources, room.tolist())], np.int64)
+            rank = plan.files.shape[1] - native.F_COORDS
+            sources.disk_strides = np.array([s.file_strides for s in sources], np.int64).reshape(len(sources), rank)
+            sources.disk_grid = np.array([s.file_grid for s in sources], np.int64).reshape(len(sources), rank)
         mine = room[src]
         if not mine.any():
             return ids
-        # what the batch's prefetch found on disk when it was planned ahead: not asked of the cache again (the
-        # entry's generation as known then, after the batch's samples were pushed, as prefetched bytes are)
-        known = plan.disk_entries or {}
-        # a step per chunk (a dict look-up and list appends), a few per store of those not known: a second
-        # epoch read from the cache runs this for every chunk of every batch
-        found: list = []
         asked = ids[mine]
-        if known:
-            rest_of: list[int] = []
-            for cid in asked.tolist():
+        table = self._entries
+        # each store's stamp number and settled writes, once a batch and before any look-up: a change after
+        # them is a new number (what was found under the old one stale), a write after them found next batch
+        stamps = np.array([table.stamp_of(kv) for kv in stores], np.int64)
+        settled = np.array([getattr(kv, "settled", 0) for kv in stores], np.int64)
+        now = time.monotonic()
+        owner = store_of[plan.chunk_source[asked]]
+        slots = table.find(_entry_keys(plan, asked, sources), stamps[owner], settled[owner], now)
+        hit = slots >= 0
+        blobs, plens, ilens = table.entries(slots[hit])
+        eids = asked[hit]
+        rest = asked if not len(eids) else asked[~hit]
+        found: list = []  # (chunk, (path, ident)) of those not in the table
+        known = plan.disk_entries
+        if known and len(rest):  # what the batch's prefetch found on disk when it was planned ahead
+            left: list[int] = []
+            for cid in rest.tolist():
                 entry = known.get(cid)
                 if entry is None:
-                    rest_of.append(cid)
+                    left.append(cid)
                 else:
                     found.append((cid, entry))
-            asked = np.array(rest_of, np.int64)
-        if len(asked):  # what the arrays' memos hold (an entry given before, its generation still known)
-            asked = self._from_memo(plan, asked, sources, found)
-        if len(asked):  # asked now (an entry written, or a generation learnt, since it was planned)
-            by_store = store_of[plan.chunk_source[asked]]
+            rest = np.array(left, np.int64)
+        if len(rest):  # asked now (an entry written, or a generation learnt, since): a step per chunk
+            by_store = store_of[plan.chunk_source[rest]]
             for k in (np.unique(by_store).tolist() if len(stores) > 1 else [0]):
-                them = asked[by_store == k] if len(stores) > 1 else asked
-                is_whole = plan.chunk_offset[them] < 0
-                whole, ranged = them[is_whole], them[~is_whole]
-                keys = self._keys(plan, plan.chunk_file[whole], sources)
-                requests = list(map(ByteRange, self._keys(plan, plan.chunk_file[ranged], sources),
-                                    plan.chunk_offset[ranged].tolist(), plan.chunk_length[ranged].tolist())) \
-                    if len(ranged) else []
-                stamp = self._stamp(stores[k])  # before the look-up: a change after it is a new stamp
-                entries = stores[k].entry_files(keys, requests)
-                cids = whole.tolist() + ranged.tolist()
-                found += zip(cids, entries)
-                if stamp is not None:
-                    self._memorize(plan, cids, entries, keys + [r.key for r in requests], stores[k], stamp, sources)
-        # each entry's path, then its ident (the blob, in chunk order), in a few list and numpy steps
-        got = [(cid, entry) for cid, entry in found if entry is not None]
-        if not got:
+                them = rest[by_store == k] if len(stores) > 1 else rest
+                found += self._asked(plan, them, stores[k], int(stamps[k]), int(settled[k]), sources, now)
+        if found:
+            cids, entries = zip(*found)
+            blobs += [p + i for p, i in entries]
+            plens = np.concatenate([plens, np.fromiter((len(e[0]) for e in entries), np.int64, len(entries))])
+            ilens = np.concatenate([ilens, np.fromiter((len(e[1]) for e in entries), np.int64, len(entries))])
+            eids = np.concatenate([eids, np.array(cids, np.int64)])
+        if not len(eids):
             return ids
-        cids, entries = zip(*got)
-        pairs: list[bytes] = list(itertools.chain.from_iterable(entries))
-        lens = np.fromiter(map(len, pairs), np.int64, len(pairs))
-        eids = np.array(cids, np.int64)
         # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
-        fits = (lens[1::2] <= native.ENTRY_IDENT_CAP) & (lens[0::2] < native.PATH_CAP)
+        fits = (ilens <= native.ENTRY_IDENT_CAP) & (plens < native.PATH_CAP)
         order = None if fits.all() else np.flatnonzero(fits)
         if len(eids) > 1 and (eids[1:] < eids[:-1]).any():  # chunk order, as every engine call takes them
             by_chunk = np.argsort(eids, kind="stable")
@@ -867,18 +796,19 @@ class NativeDecoder:
         if order is not None:
             if not len(order):
                 return ids
-            eids = eids[order]
-            both = np.stack([2 * order, 2 * order + 1], axis=1).ravel()
-            pairs = np.array(pairs, dtype=object)[both].tolist()
-            lens = lens[both]
+            eids, plens, ilens = eids[order], plens[order], ilens[order]
+            held = np.empty(len(blobs), object)
+            held[:] = blobs
+            blobs = held[order].tolist()
         owner = store_of[plan.chunk_source[eids]]
-        starts = np.cumsum(lens) - lens
+        sizes = plens + ilens
+        starts = np.cumsum(sizes) - sizes
         rows = np.empty((len(eids), native.N_ENTRY_COLS), np.int64)
-        rows[:, native.E_PATH_START] = starts[0::2]
-        rows[:, native.E_PATH_LEN] = lens[0::2]
-        rows[:, native.E_IDENT_START] = starts[1::2]
-        rows[:, native.E_IDENT_LEN] = lens[1::2]
-        blob = b"".join(pairs)
+        rows[:, native.E_PATH_START] = starts
+        rows[:, native.E_PATH_LEN] = plens
+        rows[:, native.E_IDENT_START] = starts + plens
+        rows[:, native.E_IDENT_LEN] = ilens
+        blob = b"".join(blobs)
         # the rest, to fetch (none where every chunk was taken: eids are distinct chunks of ids)
         rest = ids[:0] if len(eids) == len(ids) else ids[~np.isin(ids, eids)]
         try:
@@ -906,101 +836,61 @@ class NativeDecoder:
         job.finish(len(eids), fault or pipeline_closed())
         return rest
 
-    @staticmethod
-    def _stamp(kv) -> tuple | None:
-        """``kv``'s ``(changes, losses)`` now, or None where it keeps no such count (no memo of its entries)."""
-        changes = getattr(kv, "changes", None)
-        return None if changes is None else (changes, kv.losses)
+    def _asked(self, plan: TablePlan, them: np.ndarray, kv, stamp: int, settled: int, sources: "_SourceSet",
+               now: float) -> list:
+        """The entries of the chunks ``them`` (of arrays in the store ``kv``) asked of the store, as ``(chunk,
+        (path, ident))``: those it gives at a generation known now, written (their ticket at most ``settled``).
+        What it gives is kept in the table (``stamp``: the store's number, read before asking), queued ones too,
+        so that a later batch finds them there once written. A step per chunk."""
+        is_whole = plan.chunk_offset[them] < 0
+        whole, ranged = them[is_whole], them[~is_whole]
+        keys = self._keys(plan, plan.chunk_file[whole], sources)
+        requests = list(map(ByteRange, self._keys(plan, plan.chunk_file[ranged], sources),
+                            plan.chunk_offset[ranged].tolist(), plan.chunk_length[ranged].tolist())) \
+            if len(ranged) else []
+        cids = whole.tolist() + ranged.tolist()
+        rows_of = getattr(kv, "entry_rows", None)
+        if rows_of is None or not stamp:  # a store that gives no rows (no counts to trust them by): as it says
+            return [(cid, entry) for cid, entry in zip(cids, kv.entry_files(keys, requests)) if entry is not None]
+        rows = rows_of(keys, requests)
+        self._keep_rows(plan, np.array(cids, np.int64), rows, stamp, sources, now)
+        return [(cid, (row[0], row[1])) for cid, row in zip(cids, rows) if row is not None and row[3] <= settled]
 
-    def _memo_of(self, source: "_Source", stamps: dict | None = None) -> dict | None:
-        """``source``'s memo of entries (see :meth:`_from_memo`), emptied when its store's stamp moved on: a
-        generation it knew replaced or forgotten (``changes``), or entries lost (``losses``: evicted, a write
-        not made, entries the engine found missing). None where its store keeps no such count."""
-        if stamps is None:
-            stamp = self._stamp(source.kv)
-        else:  # one call's stamps by store (many arrays share one; each count is an attribute of a wrapped store)
-            stamp = stamps.get(id(source.kv), False)
-            if stamp is False:
-                stamp = stamps[id(source.kv)] = self._stamp(source.kv)
-        if stamp is None:
-            return None
-        if source.entries_stamp != stamp:
-            source.entries = {}
-            source.entries_stamp = stamp
-            source.entries_full = False
-        return source.entries
-
-    def _from_memo(self, plan: TablePlan, asked: np.ndarray, sources: "_SourceSet", found: list) -> np.ndarray:
-        """Of the chunks ``asked``, those whose array's memo holds their entry, at a generation its store still
-        knows within the staleness bound (the memo's ``until``), appended to ``found`` as ``(chunk, entry)``;
-        returns the rest, to ask the store about. Per chunk a tuple and a dict look-up: no key string built, no
-        lock taken (a second epoch in the same pipeline asks its stores about no chunk).
-
-        The memo skips ``PrefetchStore.entry_files``, which leaves out (None) the chunks its prefetch buffer
-        holds: a chunk whose entry vanished (evicted by another process) while the buffer holds its bytes may
-        be handed to the engine from here first, found missing (``entries_missed`` counts the loss, which
-        empties its store's memos), then fetched, from the buffer: correct, one engine attempt wasted."""
-        src = plan.chunk_source[asked].tolist()
-        # each array's memo once (a step per array); where none holds an entry (a second epoch's first read
-        # of its chunks), no key is built
-        stamps: dict = {}
-        memos = {s: self._memo_of(sources[s], stamps) for s in set(src)}
-        if not any(memos.values()):
-            return asked
-        now = time.monotonic()
-        rest: list[int] = []
-        for cid, s, key in zip(asked.tolist(), src, _memo_keys(plan, asked)):
-            memo = memos[s]
-            held = memo.get(key) if memo else None
-            if held is not None and held[1] > now:
-                found.append((cid, held[0]))
-                continue
-            if held is not None:  # past its staleness bound: dropped, so a full memo takes it (or another) again
-                del memo[key]  # type: ignore[union-attr]
-                sources[s].entries_full = False
-            rest.append(cid)
-        return np.array(rest, np.int64) if len(rest) != len(asked) else asked
-
-    def _memorize(self, plan: TablePlan, cids: list[int], entries: list, keys: list[str], kv, stamp: tuple,
-                  sources: "_SourceSet") -> None:
-        """Keep in their arrays' memos the entries ``kv.entry_files`` gave for the chunks ``cids`` (of the
-        objects ``keys``) when ``kv``'s stamp was ``stamp`` (read before it was asked), each until its
-        generation is no longer known within the staleness bound (``kv.known_until``); at most
-        :data:`ENTRY_MEMOS` in all arrays (:class:`_EntryMemos`). Nothing where the stamp moved on meanwhile;
-        nothing asked of chunks whose array's memo is full (no more than they cost without a memo). The store's
-        stamp is read once a call: entries kept under a stamp that moved on meanwhile are safe all the same, as
-        every read of a memo (``_from_memo``) reads the stamp anew and empties a memo of an older one first."""
-        known_until = getattr(kv, "known_until", None)
-        if known_until is None:
+    def _keep_rows(self, plan: TablePlan, cids: np.ndarray, rows: list, stamp: int, sources: "_SourceSet",
+                   now: float) -> None:
+        """Keep in the table the entries ``rows`` (a store's ``entry_rows``: ``(path, ident, until, ticket)`` or
+        None) of the chunks ``cids`` of ``plan``, given under the store's ``stamp``."""
+        got = [k for k, row in enumerate(rows) if row is not None]
+        if not got:
             return
-        srcs = plan.chunk_source[cids].tolist()
-        wanted = [k for k, (entry, s) in enumerate(zip(entries, srcs))
-                  if entry is not None and not sources[s].entries_full]
-        if not wanted:
+        kept = [rows[k] for k in got]
+        self._entries.keep(_entry_keys(plan, cids[got], sources), np.full(len(got), stamp, np.int64),
+                           np.array([row[2] for row in kept], np.float64), np.array([row[3] for row in kept], np.int64),
+                           [row[0] for row in kept], [row[1] for row in kept], now)
+
+    def _note_made(self, plan: TablePlan, fetch: Fetch, sources: "_SourceSet") -> None:
+        """Keep in the table the entries that the values and inner chunks ``fetch`` brought were queued as by its
+        store's disk cache (``entry_rows``; found once written): the next epoch finds them there, a batch at a
+        time, rather than ask the store about each chunk. A step per chunk, in the epoch that fetched them;
+        nothing for blosc spans (ranges that are not a chunk's)."""
+        kv = fetch.kv
+        rows_of = getattr(kv, "entries_made", None)  # not entry_rows: a prefetch buffer holds what was fetched
+        if rows_of is None or sources.disk_uid is None or not (fetch.keys or fetch.inner):
             return
-        untils = known_until([keys[k] for k in wanted])
-        kept = [k for k, until in zip(wanted, untils) if until]
-        if not kept:
+        stamp = self._entries.stamp_of(kv)
+        if not stamp:
             return
-        if len(kept) != len(untils):
-            untils = [until for until in untils if until]
-        # the keys of every chunk kept in one zip (a second epoch's chunks, read once each in S6's thousand
-        # arrays, are mostly kept and never read from the memo again: per chunk, only what must be), then
-        # each array's memo filled in one step (:meth:`_EntryMemos.keep_many`)
-        keys_of = _memo_keys(plan, np.array([cids[k] for k in kept], np.int64))
-        groups: dict[int, list] = {}
-        for k, key, until in zip(kept, keys_of, untils):
-            items = groups.get(srcs[k])
-            if items is None:
-                items = groups[srcs[k]] = []
-            items.append((key, (entries[k], until)))
-        stamps: dict = {}
-        for s, items in groups.items():
-            source = sources[s]
-            # nothing where the store's stamp moved on since the entries were given (a stamp moving on later
-            # empties the memo at its next _memo_of, before any read of it)
-            if self._memo_of(source, stamps) is not None and source.entries_stamp == stamp:
-                self._memos.keep_many(source, items)
+        cids = np.asarray(fetch.cids, np.int64)
+        n_keys = len(fetch.keys)
+        whole = cids[:n_keys]
+        inner = [j for j in fetch.inner if j < len(fetch.requests)
+                 and plan.chunk_offset[cids[n_keys + j]] == fetch.requests[j].start
+                 and plan.chunk_length[cids[n_keys + j]] == fetch.requests[j].length]
+        if not (plan.chunk_offset[whole] < 0).all():  # values that are not whole chunks: none kept
+            return
+        chosen = np.concatenate([whole, cids[[n_keys + j for j in inner]].reshape(-1)])
+        rows = rows_of(fetch.keys, [fetch.requests[j] for j in inner])
+        self._keep_rows(plan, chosen, rows, stamp, sources, time.monotonic())
 
     @staticmethod
     def _served(disk: "_FromDisk", ok: np.ndarray, detail: np.ndarray) -> None:
@@ -1164,6 +1054,7 @@ class NativeDecoder:
         try:
             if self._closing:
                 raise pipeline_closed()
+            self._note_made(job.plan, fetch, sources)  # its entries, for the next epoch (see _from_disk)
             if fetch.versions:
                 parts, stale = self._frames_from(fetch, values, parts, sources, job.plan, pooled)
                 if len(stale):  # rewritten (or gone) since their tables were learnt: fetched whole, not decoded here

@@ -1,0 +1,194 @@
+"""EntryTable: the disk-cache entries a decoder was given, looked up a batch at a time with numpy.
+
+A second epoch read from a disk cache asks, for every chunk of every batch, which entry file holds it. Asked of
+the store (``CachingStore.entry_rows``: key strings, dict look-ups) or of a Python memo, that is a few
+microseconds a chunk on the pipeline's coordinator (scenario 6: 64 chunks a batch, ~0.8 ms of its CPU a batch,
+as much as the rest of its work). Here the entries it was given are kept in numpy columns, and a batch's chunks
+are found in a constant number of numpy steps, whatever their number.
+
+A chunk's key is four integers: its array's number (``_Source.uid``; 0: never kept), its file's number in the
+array's grid of files (C order) and its range in that file (offset and length; -1, -1: the whole file). The
+table is set-associative: a key's hash picks a set of :data:`WAYS` slots, and a look-up compares the batch's keys
+with their sets' slots at once. Each slot holds, besides its key:
+
+- the entry (its path and ident, one ``bytes`` each, joined: what the engine reads and checks);
+- ``until``: when its object's generation leaves the staleness bound (``CachingStore.known_until``);
+- ``ticket``: the disk cache's write ticket (``DiskCache.tickets`` when it was queued; 0: on disk already): the
+  entry is on disk once the folder's writer has settled that many writes (``DiskCache.settled``), so an entry
+  queued when it was kept (a first epoch's fetch) is found only once it is written, never handed to the engine
+  to find missing;
+- its store's stamp number when it was given (:meth:`EntryTable.stamp_of`): a store whose ``changes`` (a
+  generation replaced or forgotten) or ``losses`` (entries evicted, a write not made) moved on has a new
+  number, and every slot given under the old one is stale at once, as the per-array memos it replaces were
+  emptied.
+
+A slot is found only where all four hold now, so the table never serves what the store would not: an object
+rewritten, an entry lost, one past the staleness bound or one not yet written are all misses, asked of the
+store again. Keeping takes a set's empty or expired slots first; a set full of live entries keeps them and
+drops the newcomer (more cached chunks than :data:`SLOTS`, read in the same order each epoch: those kept are hits
+every epoch, the rest cost what they cost without a table). Bounded: :data:`SLOTS` entries, about 90 bytes a
+slot plus its entry's bytes (~24 MiB at most). Thread-safe (the coordinator looks up, compute threads keep what
+fetches made).
+
+>>> table = EntryTable()
+>>> table.keep(keys, stamps, untils, tickets, paths, idents)        # keys: (n, 4) int64
+>>> slots = table.find(keys, stamps, settled, time.monotonic())   # -1: not found
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+#: Slots in all, and slots a set: 131,072 chunks' entries (scenario 6 has 32,000 chunks).
+SLOTS = 1 << 17
+WAYS = 8
+#: The key's columns: array number, file number, offset, length.
+KEY_COLUMNS = 4
+
+# odd constants combining a key's columns (one matrix product), then splitmix64's finalizer
+_COMBINE = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93], np.uint64)
+_M2, _M3 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def _hash(keys: np.ndarray) -> np.ndarray:
+    """Each key's 64-bit hash (uint64): what picks its set and what a slot is compared with first (the key
+    itself is compared only in the slot whose hash matched)."""
+    h = keys.view(np.uint64) @ _COMBINE  # wraps modulo 2**64, as the mixer wants
+    h ^= h >> _S30
+    h *= _M2
+    h ^= h >> _S27
+    h *= _M3
+    h ^= h >> _S31
+    return h
+
+
+class EntryTable:
+    """See the module docstring. Empty until the first :meth:`keep` (a pipeline without a disk cache
+    allocates nothing)."""
+
+    def __init__(self, slots: int | None = None) -> None:
+        slots = SLOTS if slots is None else slots
+        if slots < WAYS or slots & (slots - 1):
+            raise ValueError(f"slots must be a power of two of at least {WAYS}, not {slots}")
+        self.slots = slots
+        self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
+        self.keys: np.ndarray | None = None
+        self.hash: np.ndarray | None = None
+        self.until = self.ticket = self.stamp = self.path_len = self.ident_len = self.entry = None  # type: Any
+        # id(store) -> (the store, its stamp, its number): held, so that an id is not another store's meanwhile
+        self._stamps: dict[int, tuple[Any, tuple, int]] = {}
+        self._numbers = 0
+        self.kept = 0  # entries kept (not dropped: a set full of live entries), for tests and reports
+
+    def stamp_of(self, kv: Any) -> int | None:
+        """``kv``'s stamp number now: a new one whenever its ``(changes, losses)`` moved on (None: a store that
+        keeps no such counts, whose entries are never kept). Read before asking the store for entries, so a
+        change after that is a new number and what was given under the old one is stale."""
+        changes = getattr(kv, "changes", None)
+        if changes is None:
+            return None
+        stamp = (changes, kv.losses)
+        with self._lock:
+            held = self._stamps.get(id(kv))
+            if held is not None and held[0] is kv and held[1] == stamp:
+                return held[2]
+            self._numbers += 1
+            if len(self._stamps) >= 4096:  # stores come and go with pipelines' arrays: their slots go stale
+                self._stamps.clear()
+            self._stamps[id(kv)] = (kv, stamp, self._numbers)
+            return self._numbers
+
+    def _live_numbers(self) -> np.ndarray:
+        """Under the lock: the stamp numbers current now (a slot of any other is stale)."""
+        return np.fromiter((held[2] for held in self._stamps.values()), np.int64, len(self._stamps))
+
+    def find(self, keys: np.ndarray, stamps: np.ndarray, settled: np.ndarray, now: float) -> np.ndarray:
+        """The slot of each of ``keys`` (``(n, 4)`` int64) whose entry may be read now, else -1: the same key, kept
+        under ``stamps`` (each key's store's number now: :meth:`stamp_of`), within its staleness bound at
+        ``now`` and written (its ticket at most ``settled``, each key's disk cache's count). A few numpy steps."""
+        n = len(keys)
+        if self.keys is None or not n:
+            return np.full(n, -1, np.int64)
+        h = _hash(keys)
+        cand = (h & np.uint64(self.slots // WAYS - 1)).astype(np.int64)[:, None] * WAYS + np.arange(WAYS)
+        rows = np.arange(n)
+        with self._lock:
+            match = self.hash[cand] == h[:, None]  # a key's slot, if any: the one of its hash (then checked)
+            slot = cand[rows, match.argmax(axis=1)]
+            ok = (self.keys[slot] == keys).all(axis=1) & (keys[:, 0] != 0) & (self.stamp[slot] == stamps) & \
+                (self.until[slot] > now) & (self.ticket[slot] <= settled)
+        return np.where(ok, slot, -1)
+
+    def entries(self, slots: np.ndarray) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """The entries at ``slots`` (found by :meth:`find`): each as its path and ident joined, and their lengths."""
+        if not len(slots):
+            return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
+        with self._lock:
+            return self.entry[slots].tolist(), self.path_len[slots], self.ident_len[slots]
+
+    def keep(self, keys: np.ndarray, stamps: np.ndarray, untils: np.ndarray, tickets: np.ndarray,
+             paths: Sequence[bytes], idents: Sequence[bytes], now: float) -> None:
+        """Keep the entry ``paths[k]``, ``idents[k]`` of each of ``keys`` given under ``stamps``, good until
+        ``untils`` and written at ``tickets`` (see the module docstring); in its set's slot of the same key, else
+        an empty, expired or stale one; dropped where the set holds live entries only. A few numpy steps a
+        round, a round for each key that shares its set with another of the call."""
+        mine = (keys[:, 0] != 0) & (stamps != 0)  # an array numbered 0, a store of no stamp: never kept
+        if not mine.all():
+            chosen = np.flatnonzero(mine).tolist()
+            keys, stamps, untils, tickets = keys[mine], stamps[mine], untils[mine], tickets[mine]
+            paths, idents = [paths[k] for k in chosen], [idents[k] for k in chosen]
+        n = len(keys)
+        if not n:
+            return
+        blobs = np.empty(n, object)
+        blobs[:] = [p + i for p, i in zip(paths, idents)]
+        plens = np.fromiter(map(len, paths), np.int64, n)
+        ilens = np.fromiter(map(len, idents), np.int64, n)
+        hashes = _hash(keys)
+        base = (hashes & np.uint64(self.slots // WAYS - 1)).astype(np.int64) * WAYS
+        ways = np.arange(WAYS)
+        with self._lock:
+            if self.keys is None:
+                self.keys = np.zeros((self.slots, KEY_COLUMNS), np.int64)
+                self.hash = np.zeros(self.slots, np.uint64)
+                self.until = np.zeros(self.slots, np.float64)
+                self.ticket = np.zeros(self.slots, np.int64)
+                self.stamp = np.zeros(self.slots, np.int64)
+                self.path_len = np.zeros(self.slots, np.int64)
+                self.ident_len = np.zeros(self.slots, np.int64)
+                self.entry = np.empty(self.slots, object)
+            live = self._live_numbers()
+            todo = np.arange(n)
+            while len(todo):
+                # one key a set this round (the first of the call's keys in each), the rest in the next rounds
+                _, first = np.unique(base[todo], return_index=True)
+                take = todo[first]
+                cand = base[take][:, None] + ways
+                same = (self.hash[cand] == hashes[take][:, None]) & (self.keys[cand] == keys[take][:, None, :]).all(axis=2)
+                free = (self.until[cand] <= now) | ~np.isin(self.stamp[cand], live)
+                # the same key's slot first, then a free one (the least "until" of them); none: dropped
+                score = np.where(same, -2.0, np.where(free, -1.0, np.inf))
+                way = score.argmin(axis=1)
+                got = np.isfinite(score[np.arange(len(take)), way])
+                slot, take = cand[np.arange(len(take)), way][got], take[got]
+                self.keys[slot] = keys[take]
+                self.hash[slot] = hashes[take]
+                self.until[slot] = untils[take]
+                self.ticket[slot] = tickets[take]
+                self.stamp[slot] = stamps[take]
+                self.path_len[slot] = plens[take]
+                self.ident_len[slot] = ilens[take]
+                self.entry[slot] = blobs[take]
+                self.kept += len(take)
+                todo = np.delete(todo, first)
+
+    def __len__(self) -> int:
+        """The slots that hold an entry (live or not)."""
+        return 0 if self.keys is None else int((self.keys[:, 0] != 0).sum())
+
+
+__all__ = ["EntryTable", "SLOTS", "WAYS"]
