@@ -372,7 +372,7 @@ def test_frame_buffers_are_used_again_and_kept_within_their_bound():
     c = pool.take(70_000)  # none free: a new one
     assert not np.shares_memory(b, c)
     pool.give([b, c])  # 4 x ROUND would pass the bound: one is dropped
-    assert sum(len(x) for x, _ in pool._free) <= pool.max_bytes
+    assert sum(len(x) for same in pool._free.values() for x, _ in same) <= pool.max_bytes
     frame = numcodecs.Blosc("lz4", 1, numcodecs.Blosc.SHUFFLE).encode(np.arange(1 << 17, dtype="<u2") % 300)
     tables = FrameTables()
     tables.learn("s", "k", frame, 1 << 18, version=(len(frame), '"a"'))
@@ -383,6 +383,19 @@ def test_frame_buffers_are_used_again_and_kept_within_their_bound():
     assert len(out) == len(frame) and out[:hi].tobytes() == (frame[:len(table.head)] + bytes(lo - len(table.head))
                                                              + frame[lo:hi])
     assert not out[hi:].any()
+
+
+def test_frame_buffers_lend_the_smallest_free_buffer_that_fits():
+    r = FrameBuffers.ROUND
+    pool = FrameBuffers(max_bytes=64 * r)
+    taken = [pool.take(n * r) for n in (4, 1, 3, 3, 6)]
+    pool.give(taken)
+    got = pool.take(2 * r + 1)  # 3 x ROUND: the smallest that fits (of the two, the one given back last)
+    assert len(got.base) == 3 * r and np.shares_memory(got, taken[3])
+    assert len(pool.take(3 * r).base) == 3 * r and len(pool.take(3 * r).base) == 4 * r  # then the next size up
+    assert len(pool.take(r).base) == r and len(pool.take(5 * r).base) == 6 * r
+    fresh = pool.take(r)  # none free: a new one
+    assert not any(np.shares_memory(fresh, t) for t in taken)
 
 
 def test_a_pooled_frame_is_byte_for_byte_the_frame_assemble_lays_out_whatever_its_buffer_held():

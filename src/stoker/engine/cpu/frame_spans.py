@@ -26,6 +26,7 @@ modification time in whole seconds, rewritten twice in a second) cannot be told 
 
 from __future__ import annotations
 
+import bisect
 import threading
 import weakref
 from dataclasses import dataclass
@@ -134,8 +135,11 @@ class FrameBuffers:
 
     def __init__(self, max_bytes: int = 32 << 20) -> None:
         self.max_bytes = max_bytes
-        # free buffers, each with the spans of it that may hold bytes other than zero (None: any byte may)
-        self._free: list[tuple[np.ndarray, Spans | None]] = []
+        # free buffers by size (a multiple of ROUND), each with the spans of it that may hold bytes other than zero
+        # (None: any byte may), and their sizes in order: the smallest that fits is found by bisection, not by a
+        # scan of every free buffer (32 MiB of them are some 40, and a batch takes tens)
+        self._free: dict[int, list[tuple[np.ndarray, Spans | None]]] = {}
+        self._sizes: list[int] = []
         self._free_bytes = 0
         # what the frames laid out by assemble wrote, by id of the buffer lent (dropped if the buffer dies lent)
         self._written: dict[int, Spans] = {}
@@ -145,10 +149,14 @@ class FrameBuffers:
         """A whole buffer of at least ``nbytes`` and its spans that may hold bytes (a new one: ``()`` when
         ``zeroed``, else None)."""
         with self._lock:
-            fits = [i for i, (b, _) in enumerate(self._free) if len(b) >= nbytes]
-            if fits:
-                best = min(fits, key=lambda i: len(self._free[i][0]))
-                base, written = self._free.pop(best)
+            at = bisect.bisect_left(self._sizes, nbytes)
+            if at < len(self._sizes):  # the smallest free buffer that fits (the one given back last of that size)
+                size = self._sizes[at]
+                same = self._free[size]
+                base, written = same.pop()
+                if not same:
+                    del self._free[size]
+                    del self._sizes[at]
                 self._free_bytes -= len(base)
                 return base, written
         size = -(-nbytes // self.ROUND) * self.ROUND
@@ -186,8 +194,12 @@ class FrameBuffers:
                 base = b.base if isinstance(b.base, np.ndarray) else b
                 written = self._written.pop(id(base), None)  # None: taken, written by anyone
                 if self._free_bytes + len(base) <= self.max_bytes:
-                    self._free.append((base, written))
-                    self._free_bytes += len(base)
+                    size = len(base)
+                    if size not in self._free:
+                        self._free[size] = []
+                        bisect.insort(self._sizes, size)
+                    self._free[size].append((base, written))
+                    self._free_bytes += size
 
 
 def _within(spans: Spans, lo: int, hi: int) -> Spans:
