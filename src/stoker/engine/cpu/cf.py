@@ -11,7 +11,7 @@ float64 and rounded once to the batch's dtype, as xarray computes it (the attrib
 float64), so a float32 batch equals xarray's values cast to float32 (in ``CFCoding.arithmetic``: a float32
 or float16 variable whose fills are all NaN is scaled in its own dtype, as xarray does). Packed arrays whose stored values float32
 does not hold (:func:`needs_float64`) are decoded in float64 work slots (the CPU executor's) and rounded into the
-output after (:func:`round_into`), else refused (:func:`check_output`).
+output after (:func:`~stoker.engine.rounding.round_into`), else refused (:func:`check_output`).
 
 >>> decode = row_decoder(plan, cf=True)     # None: nothing to decode in this batch
 >>> decode(batch)                           # in place
@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from ...errors import DtypeMismatch
-from ..cast import OVERFLOW_AT
 from ...reader.array import ArrayReader
 from ...reader.coords import coding
 from ...sampling.sample import parts
@@ -126,30 +125,6 @@ def needs_float64(reader: ArrayReader) -> bool:
     and 64-bit integers, float64): it is decoded right only from the stored values, in float64."""
     dt = reader.dtype
     return (dt.kind in "iu" and dt.itemsize >= 4 or dt.kind == "f" and dt.itemsize > 4) and packed(reader)
-
-
-def round_into(dst: torch.Tensor, work: torch.Tensor, plan) -> None:
-    """``dst[...] = work``: a work slot's batch rounded once into the output (float64 into float16 as NumPy
-    casts it, into bfloat16 through float32: the cast rules of :mod:`~stoker.engine.cast`). A finite value
-    that the output would hold as inf (decoded, or transformed, past its largest) is a DtypeMismatch naming
-    ``plan``'s arrays, never an inf the data did not hold."""
-    if work.dtype == torch.float64 and dst.dtype == torch.float16:
-        np.copyto(dst.numpy(), work.numpy(), casting="unsafe")
-    elif work.dtype == torch.float64 and dst.dtype == torch.bfloat16:
-        dst.copy_(work.to(torch.float32))
-    else:
-        dst.copy_(work)
-    if dst.dtype not in OVERFLOW_AT or dst.dtype == work.dtype or not bool(torch.isinf(dst).any()):
-        return
-    past = torch.isinf(dst) & torch.isfinite(work)
-    if bool(past.any()):
-        values = work[past]
-        uris = sorted({r.uri for r in plan.sources})
-        raise DtypeMismatch(
-            f"{', '.join(uris[:3])}{' ...' if len(uris) > 3 else ''}: batch {plan.batch_id} holds values in "
-            f"[{values.min().item():g}, {values.max().item():g}] after CF decoding or the transform, past "
-            f"{dst.dtype}'s largest finite value {torch.finfo(dst.dtype).max:g}: the output would hold them as "
-            "inf; use Config(dtype='f32'), or a transform that keeps them in range", uri=uris[0])
 
 
 def check_output(readers: Sequence[ArrayReader], dtype: torch.dtype, work: torch.dtype, cf: bool) -> None:

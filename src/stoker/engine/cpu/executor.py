@@ -39,7 +39,8 @@ from ...reader.array import ArrayReader
 from ...storage import LocalStore
 from ...transforms import apply as apply_transform
 from ..buffers import Slot, SlotRing, TransientBudget, size_class
-from .cf import RowDecode, needs_float64, plan_decoder, round_into
+from .cf import RowDecode, needs_float64, plan_decoder
+from ..rounding import round_into
 from .decode_native import NativeDecoder, SharedEngine, native_codec, scratch_need
 from .decode_python import PythonDecoder
 from ..executor import Delivery, Job, SlotsDelivery, Target

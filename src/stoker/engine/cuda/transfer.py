@@ -10,7 +10,9 @@ dedicated non-blocking stream:
 2. the host-to-device copy (into a device staging buffer when a cast follows);
 3. the cast into the device slot, in the output dtype; with ``Config.transform`` and a
    16-bit float output, into a float32 device *work* buffer instead, where the transform
-   runs, then one cast into the device slot (:meth:`~.cpu.CpuExecutor.work_dtype`);
+   runs, then one cast into the device slot (:meth:`~.cpu.CpuExecutor.work_dtype`), checked
+   (:class:`~stoker.engine.rounding.RoundingProbe`: a finite value it makes inf fails the batch with the CPU
+   path's DtypeMismatch, read by the compute thread once the batch's event is done);
 4. an event, which the consumer's stream waits on when it imports the batch through DLPack.
 
 The host slot goes back to its ring fenced by an event recorded right after the copy, so it
@@ -55,6 +57,7 @@ from ..cpu.executor import CpuExecutor, take_slot
 from ..executor import Delivery, Job, Target
 from ..gpu import streams as streams_mod
 from ..gpu.streams import CudaStreams, HostStreams
+from ..rounding import RoundingProbe
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -106,12 +109,15 @@ class CudaTransfer:
 
     def issue(self, host: torch.Tensor, slot: Slot, transform: Callable | None = None,
               copied: Callable[[torch.cuda.Event], None] | None = None,
-              keys: Any = None) -> tuple[torch.cuda.Event, float]:
+              keys: Any = None, channels: int | None = None,
+              rounded: Callable[[RoundingProbe], None] | None = None) -> tuple[torch.cuda.Event, float]:
         """Enqueue ``host`` (pinned, ``(rows, *sample_shape)``) into ``slot``, then ``transform`` on it (on the
         side stream, after the cast: in the work buffer when there is one, cast into ``slot`` after it;
         ``keys``, the samples' keys, for a transform that takes them).
-        ``copied(event)`` runs once the copy is queued: ``host`` may be refilled after that event. Returns the
-        event after all of it, and the seconds the transform took to enqueue."""
+        ``copied(event)`` runs once the copy is queued: ``host`` may be refilled after that event. ``rounded(probe)``
+        gets the check of the rounding from the work buffer (:class:`~stoker.engine.rounding.RoundingProbe`, of
+        ``channels`` per sample; read it after the event), when there is one. Returns the event after all of it,
+        and the seconds the transform took to enqueue."""
         rows = host.shape[0]
         out = slot.tensor[:rows]
         dest = self._work[:rows] if self._work is not None else out
@@ -144,6 +150,8 @@ class CudaTransfer:
                 transform_s = time.perf_counter() - t0
             if dest is not out:
                 out.copy_(dest)  # the one rounding to the 16-bit output, after the transform
+                if rounded is not None:
+                    rounded(RoundingProbe(out, dest, channels))
             event = b.record(self.stream)
         return event, transform_s
 
@@ -322,12 +330,36 @@ class CudaExecutor(CpuExecutor):
             self.host_slots.release(target.host_slot, ready_after=read)
             target.host_slot = None
 
+        probes: list[RoundingProbe] = []
         target.event, transform_s = self.transfer.issue(host, target.slot, transform, copied=release_host,
-                                                        keys=job.plan.keys)
+                                                        keys=job.plan.keys, channels=job.plan.channels,
+                                                        rounded=probes.append)
         if transform is not None:
             self.stats.stage("transform", transform_s)  # enqueueing it: the kernels run on the side stream
         self.stats.stage("transfer", time.perf_counter() - t0 - transform_s, bytes_in=nbytes)
         job.count(bytes_to_device=nbytes)
+        if probes:
+            self._check_rounding(target, job, probes[0])
+
+    def _check_rounding(self, target: Target, job: Job, probe: RoundingProbe) -> None:
+        """The DtypeMismatch of a value the rounding from the work buffer made inf, raised (the job's error)
+        once the batch's event is done: this compute thread waits for the copy, the transform and the rounding
+        of its batch (only a transformed or CF-decoded 16-bit batch has a work buffer), until the close or
+        :data:`~stoker.engine.gpu.nvcomp.CHECK_WAIT_S` (then a DeviceError)."""
+        from ..gpu.nvcomp import CHECK_WAIT_S
+
+        transfer = self.transfer
+        done = transfer._backend.done
+        streams_mod.poll([target.event], lambda e: transfer._closed or done(e), time.monotonic() + CHECK_WAIT_S,
+                         what="the batch's rounding to 16 bits")
+        if not done(target.event):
+            if transfer._closed:
+                raise pipeline_closed()
+            raise DeviceError(f"batch {job.plan.batch_id}: its rounding to {self.cfg.output_dtype} did not finish "
+                              f"on {self.device} within {CHECK_WAIT_S:g} s (a hung device: restart the process)")
+        error = probe.error(job.plan)
+        if error is not None:
+            raise error
 
     def deliver(self, target: Target, rows: int) -> Delivery:
         view, release, _, _ = super().deliver(target, rows)

@@ -105,6 +105,7 @@ from .layout import layout_of
 from .ops import upload
 from ..planning.padding import fill_padding
 from ..cpu.cf import RowDecode, plan_decoder
+from ..rounding import RoundingProbe
 from .sources import CPU, Described, Source, aligned, device_casts
 from .staging import Group, Pending, Stager, plan_reads
 from . import streams as streams_mod
@@ -742,8 +743,32 @@ class GpuDecodeExecutor(SlotsDelivery):
     def _finish(self, b: "_Batch") -> None:
         """The batch's job finished: its chunks in place and its end queued, or its first error (a damaged
         chunk's before the transform's, which saw the damage)."""
-        b.job.finish(_units(b.plan, b.target), b.error or b.end_error or b.reader_error, **b.counts)
+        error = b.error or b.end_error or b.reader_error
+        if error is None and b.probe is not None:
+            error = self._rounded(b)
+        b.job.finish(_units(b.plan, b.target), error, **b.counts)
         self.stats.charge_thread()
+
+    def _rounded(self, b: "_Batch") -> BaseException | None:
+        """The DtypeMismatch of a value of ``b``'s work buffer that its 16-bit rounding made inf (None: none),
+        read once the batch's event is done: it is queued right after the batch's last chunks, whose wave's
+        check waited for their decode already, so this waits for their placement and the transform at most
+        (:data:`.nvcomp.CHECK_WAIT_S` at most: then a DeviceError, as for a wave's check)."""
+        from .nvcomp import CHECK_WAIT_S
+
+        probe, b.probe = b.probe, None
+        try:  # (the close ends the wait: the consumer is gone)
+            streams_mod.poll([b.target.event], lambda e: self._closing or self._backend.done(e),
+                             time.monotonic() + CHECK_WAIT_S, what="the batch's rounding to 16 bits")
+            if not self._backend.done(b.target.event):
+                return pipeline_closed() if self._closing else DeviceError(
+                    f"batch {b.plan.batch_id}: its rounding to {self.cfg.output_dtype} did not finish on "
+                    f"{self.device} within {CHECK_WAIT_S:g} s (a hung device: restart the process)")
+        except DeviceError as exc:  # a device fault: this batch's error
+            return exc
+        except RuntimeError as exc:
+            return streams_mod.device_failed("the batch's rounding to 16 bits", exc)
+        return probe.error(b.plan)
 
     def _begin(self, b: "_Batch") -> None:
         """The stream waits for what the slot's previous batch asked its next writer to wait for."""
@@ -781,7 +806,9 @@ class GpuDecodeExecutor(SlotsDelivery):
                 apply_transform(self.cfg.transform, b.batch, b.plan.keys)
             self.stats.stage("transform", time.perf_counter() - t0)
         if self._work is not None:
-            b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits
+            out, work = b.target.slot.tensor[:b.plan.rows], self._work[:b.plan.rows]
+            out.copy_(work)  # the one rounding to 16 bits, checked once its event is done (_finish)
+            b.probe = RoundingProbe(out, work, b.plan.channels)
         b.target.event = self._event()
 
     def _checks_pending(self, b: "_Batch") -> bool:
@@ -995,6 +1022,7 @@ class _Batch:
         self.error: BaseException | None = None  # a decode, placement or check error (the submitter's)
         self.end_error: BaseException | None = None  # an error of its fills, CF decoding or transform
         self.reader_error: BaseException | None = None  # the reader's (a read, the plan's sources...)
+        self.probe: RoundingProbe | None = None  # the check of its rounding from the work buffer (_end)
         self.counts = dict.fromkeys(_COUNTS, 0)
         #: the buffers written to make it, as the streams' backend names them: its slot (and the work buffer)
         self.writes = [("slot", target.slot.index)] + ([("work", None)] if ex._work is not None else [])

@@ -1,0 +1,111 @@
+"""The one rounding of a work buffer into a 16-bit batch, checked: a finite value there that the output holds
+as inf (decoded by CF attributes, or transformed, past its largest finite value) is a
+:class:`~stoker.errors.DtypeMismatch` naming the array, the chunk and the sample's box, never an inf the data
+did not hold. Every executor that computes in a work buffer rounds through here: the CPU executor's float64
+and float32 work slots (:func:`round_into`, at once), the CUDA transfer's and the GPU-decode executor's
+float32 device work buffers (:class:`RoundingProbe`: its reductions are queued on the stream after the
+rounding, and read once the batch's event is done, so the host never waits for the device in between).
+
+>>> probe = RoundingProbe(out, work, channels=None)   # queued on the current stream, after out.copy_(work)
+>>> probe.error(plan)                                 # after the batch's event: None, or the DtypeMismatch
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .cast import OVERFLOW_AT, range_error
+from ..sampling.sample import parts
+
+if TYPE_CHECKING:
+    from ..errors import DtypeMismatch
+
+#: Elements looked at by one step of the check at most (its temporaries: a mask and a copy of that many).
+PIECE_ELEMENTS = 1 << 22
+#: What made the values the output cannot hold, in its messages.
+CAUSE = "after CF decoding or the transform"
+
+
+class RoundingProbe:
+    """Which crops of a batch hold a finite value of ``work`` that ``out`` (its rounding, written already) holds
+    as inf, where the first of each is, and those values' (min, max): reductions queued on ``work``'s device
+    (on the current stream), read by :meth:`error` once they are done. ``channels``: the plan's (rows are
+    crops ``b * C + c``, as in :class:`~stoker.engine.cpu.cf.RowDecode`)."""
+
+    def __init__(self, out: torch.Tensor, work: torch.Tensor, channels: int | None) -> None:
+        self.dtype = out.dtype
+        self.hit: torch.Tensor | None = None
+        if out.dtype not in OVERFLOW_AT or out.dtype == work.dtype:  # no rounding to inf (or none at all)
+            return
+        flat_o = out.flatten(0, 1) if channels is not None else out
+        flat_w = work.flatten(0, 1) if channels is not None else work
+        crops = flat_w.shape[0]
+        o, w = flat_o.reshape(crops, -1), flat_w.reshape(crops, -1)
+        dev = work.device
+        self.hit = torch.zeros(crops, dtype=torch.bool, device=dev)
+        self.first = torch.zeros(crops, dtype=torch.int64, device=dev)
+        self.span = torch.tensor([math.inf, -math.inf], dtype=work.dtype, device=dev)
+        per = max(1, PIECE_ELEMENTS // max(1, w.shape[1]))
+        for a in range(0, crops, per):
+            b = min(crops, a + per)
+            past = torch.isinf(o[a:b]) & torch.isfinite(w[a:b])
+            self.hit[a:b] = past.any(1)
+            self.first[a:b] = past.to(torch.uint8).argmax(1)  # (the first of the largest: the first past)
+            self.span[0] = torch.minimum(self.span[0], torch.where(past, w[a:b], math.inf).amin())
+            self.span[1] = torch.maximum(self.span[1], torch.where(past, w[a:b], -math.inf).amax())
+
+    def error(self, plan) -> DtypeMismatch | None:
+        """The DtypeMismatch of the first crop of ``plan`` (the batch's) holding such a value, else None. Reads
+        the reductions: only once the stream is past them (the batch's event)."""
+        if self.hit is None or not bool(self.hit.any()):
+            return None
+        crop = int(torch.nonzero(self.hit)[0, 0])
+        lo, hi = (float(v) for v in self.span.tolist())
+        return overflow_error(plan, self.dtype, crop, int(self.first[crop]), (lo, hi))
+
+
+def round_into(dst: torch.Tensor, work: torch.Tensor, plan) -> None:
+    """``dst[...] = work``: a work slot's batch (host memory) rounded once into the output (float64 into float16
+    as NumPy casts it, into bfloat16 through float32: the cast rules of :mod:`~stoker.engine.cast`), then
+    checked (:class:`RoundingProbe`): the DtypeMismatch of a value the output would hold as inf."""
+    if work.dtype == torch.float64 and dst.dtype == torch.float16:
+        np.copyto(dst.numpy(), work.numpy(), casting="unsafe")
+    elif work.dtype == torch.float64 and dst.dtype == torch.bfloat16:
+        dst.copy_(work.to(torch.float32))
+    else:
+        dst.copy_(work)
+    if dst.dtype not in OVERFLOW_AT or dst.dtype == work.dtype or not bool(torch.isinf(dst).any()):
+        return  # (the usual batch: one look)
+    error = RoundingProbe(dst, work, plan.channels).error(plan)
+    if error is not None:
+        raise error
+
+
+def overflow_error(plan, dtype: torch.dtype, crop: int, at: int, span: tuple[float, float]) -> DtypeMismatch:
+    """:func:`~stoker.engine.cast.range_error` (the batch ``dtype``'s) of crop ``crop`` of ``plan`` (in the order of its rows, channels
+    folded in) whose element ``at`` (flat, C order) is past the output's range after CF decoding or the
+    transform: naming its array, the chunk holding that element (or the padding, for one past the array), the
+    crop's box and the values' ``span``."""
+    uri, box = parts(plan.samples)[crop]
+    reader = next(r for r in plan.sources if r.uri == uri)
+    where = np.unravel_index(at, tuple(b - a for a, b in box))
+    coord = tuple(a + int(i) for (a, _), i in zip(box, where))
+    return range_error(uri, chunk_key_at(reader, coord), reader.dtype, dtype, span, cause=CAUSE,
+                       box=box)
+
+
+def chunk_key_at(reader, coord: tuple[int, ...]) -> str:
+    """The key of the chunk of ``reader``'s array holding element ``coord`` (an inner chunk of a shard as
+    ``key[n]``, as the engine names it), or ``"padding"`` for an element past the array."""
+    if any(c < 0 or c >= s for c, s in zip(coord, reader.shape)):
+        return "padding"
+    index = tuple(c // k for c, k in zip(coord, reader.chunks))
+    meta = reader.metadata
+    if meta.sharding is None:
+        return meta.chunk_key(index)
+    shard, inner = meta.sharding.inner_position(index)
+    return f"{meta.chunk_key(shard)}[{inner}]"
