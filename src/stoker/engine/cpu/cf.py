@@ -11,7 +11,9 @@ float64 and rounded once to the batch's dtype, as xarray computes it (the attrib
 float64), so a float32 batch equals xarray's values cast to float32 (in ``CFCoding.arithmetic``: a float32
 or float16 variable whose fills are all NaN is scaled in its own dtype, as xarray does). Packed arrays whose stored values float32
 does not hold (:func:`needs_float64`) are decoded in float64 work slots (the CPU executor's) and rounded into the
-output after (:func:`~stoker.engine.rounding.round_into`), else refused (:func:`check_output`).
+output after (:func:`~stoker.engine.rounding.round_into`), else refused (:func:`check_output`); so are arrays
+of such dtypes with fills (:func:`masks_wide`: their fills compared exactly) on the CPU executor. The other
+executors compare those in float32 (a value within one float32 rounding of a fill is masked too).
 
 >>> decode = row_decoder(plan, cf=True)     # None: nothing to decode in this batch
 >>> decode(batch)                           # in place
@@ -120,17 +122,33 @@ def packed(reader: ArrayReader) -> bool:
     return code is not None and (code.scale is not None or code.offset is not None)
 
 
+def _wide(dt: np.dtype) -> bool:
+    """Whether float32 does not hold every value of ``dt`` (32- and 64-bit integers, float64)."""
+    return dt.kind in "iu" and dt.itemsize >= 4 or dt.kind == "f" and dt.itemsize > 4
+
+
 def needs_float64(reader: ArrayReader) -> bool:
     """True when ``reader``'s array is :func:`packed` and float32 does not hold its stored values exactly (32-
     and 64-bit integers, float64): it is decoded right only from the stored values, in float64."""
-    dt = reader.dtype
-    return (dt.kind in "iu" and dt.itemsize >= 4 or dt.kind == "f" and dt.itemsize > 4) and packed(reader)
+    return _wide(reader.dtype) and packed(reader)
 
 
-def check_output(readers: Sequence[ArrayReader], dtype: torch.dtype, work: torch.dtype, cf: bool) -> None:
+def masks_wide(reader: ArrayReader) -> bool:
+    """True when ``reader``'s array has fill values (``_FillValue``, ``missing_value``) and float32 does not hold
+    its stored values exactly: compared in float32, a value one rounding from a fill would be masked too (a
+    float64 -9999.0000001 next to the fill -9999.0), or a fill missed; float64 compares them as xarray does
+    (exactly, for integers up to 2**53), so the CPU executor decodes such arrays in float64 work slots."""
+    code = coding(reader)
+    return code is not None and bool(code.fills) and _wide(reader.dtype)
+
+
+def check_output(readers: Sequence[ArrayReader], dtype: torch.dtype, work: torch.dtype, cf: bool,
+                 exact: bool = False) -> None:
     """DtypeMismatch when arrays with CF attributes would be read into a batch that cannot hold decoded values
     (an integer dtype: ``dtype='native'`` of an integer array), or decoded in a 16-bit ``work`` dtype, or a
-    packed array float32 does not hold exactly (:func:`needs_float64`) decoded in a float32 one."""
+    packed array float32 does not hold exactly (:func:`needs_float64`) decoded in a float32 one; ``exact``
+    (an executor with float64 work slots, whose first batch read none of them): an array with fills float32
+    does not hold exactly (:func:`masks_wide`) too."""
     if not cf:
         return
     coded = [(r.uri, c) for r in readers if (c := coding(r)) is not None]
@@ -148,7 +166,14 @@ def check_output(readers: Sequence[ArrayReader], dtype: torch.dtype, work: torch
             "16-bit output is decoded in float32 work buffers when the pipeline's first batch reads such an array, "
             "and rounded once after); ask for Config(dtype='f32'), put such an array in the first batch, or read the "
             "stored values with Config(cf=False)", uri=uri, knob="cf")
-    wide = [r for r in readers if needs_float64(r)] if work.itemsize < 8 else []
+    wide = [r for r in readers if needs_float64(r) or exact and masks_wide(r)] if work.itemsize < 8 else []
+    if wide and not packed(wide[0]):
+        r = wide[0]
+        raise DtypeMismatch(
+            f"{r.uri}: its fill values ({coding(r).describe()}) are compared with its stored {r.dtype} values by "
+            f"xarray, but this batch would compare their {work} rounding, which masks values next to a fill too; "
+            "put such an array in the pipeline's first batch (the CPU executor then decodes in float64 work "
+            "slots), or read the stored values with Config(cf=False)", uri=r.uri, knob="cf")
     if wide:
         r = wide[0]
         raise DtypeMismatch(

@@ -39,7 +39,7 @@ from ...reader.array import ArrayReader
 from ...storage import LocalStore
 from ...transforms import apply as apply_transform
 from ..buffers import Slot, SlotRing, TransientBudget, size_class
-from .cf import RowDecode, needs_float64, plan_decoder
+from .cf import RowDecode, masks_wide, needs_float64, plan_decoder
 from ..rounding import round_into
 from .decode_native import NativeDecoder, SharedEngine, native_codec, scratch_need
 from .decode_python import PythonDecoder
@@ -195,7 +195,7 @@ class CpuExecutor(SlotsDelivery):
         # one read group (a shard's coalesced inner chunks plus their decode scratch) reserves at most this
         self.group_limit = min(8 << 20, cfg.host_buffer_bytes // 16)
         self.cf_work = False  # the first batch reads arrays with CF attributes: decoded in float32 work slots
-        self.cf_wide = False  # ... and packed ones float32 does not hold exactly: float64 work slots (exact_cf)
+        self.cf_wide = False  # ... and packed or masked ones float32 does not hold exactly: float64 work slots
         self.engine_share: SharedEngine | None = None  # a lane's: the compiled engine of its pipeline's lanes
 
     def share_engine(self, shared: SharedEngine | None) -> SharedEngine:
@@ -263,7 +263,7 @@ class CpuExecutor(SlotsDelivery):
         from ...reader.coords import coding
 
         self.cf_work = self.cfg.cf and any(coding(r) is not None for r in readers)
-        self.cf_wide = self.exact_cf and self.cf_work and any(needs_float64(r) for r in readers)
+        self.cf_wide = self.exact_cf and self.cf_work and any(needs_float64(r) or masks_wide(r) for r in readers)
         # The largest single reservation of the Python path: one read group, or one chunk's encoded bytes
         # (at most its decoded size plus codec overhead for what we read) and its decode scratch.
         chunk = max(size_class(r.metadata.codec.nbytes) for r in readers)
