@@ -26,7 +26,7 @@ from stoker.engine.rounding import RoundingProbe, chunk_key_at
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:stoker's GPU decode:RuntimeWarning")]
 
 SHAPE, CHUNKS = (8, 12), (4, 4)
-TORCH = {"f16": torch.float16, "bf16": torch.bfloat16}
+TORCH = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 BAD = (5, 9)  # in chunk c/1/2
 
 MAKERS = {
@@ -129,7 +129,7 @@ def test_a_transform_past_the_output_fails_naming_the_chunk_of_the_value(tmp_pat
 
 def test_the_probe_finds_the_first_crop_and_element_past_the_output(tmp_path):
     """RoundingProbe on a batch of 3 crops of 2 channels: the first crop holding a value that its rounding made
-    inf (not an inf or NaN stored as such), that value's place, and every such value's (min, max)."""
+    inf (not an inf or NaN stored as such), that value's place, and each crop's (min, max) of such values."""
     work = torch.zeros(3, 2, 4, 5)
     work[0, 0, 0, 0] = float("inf")  # stays inf: not the rounding's
     work[0, 1, 1, 1] = float("nan")
@@ -138,9 +138,10 @@ def test_the_probe_finds_the_first_crop_and_element_past_the_output(tmp_path):
     out = work.to(torch.float16)
     probe = RoundingProbe(out, work, channels=2)
     assert probe.hit.tolist() == [False, False, False, True, True, False]
-    assert int(probe.first[3]) == 2 * 5 + 3 and probe.span.tolist() == [-1e6, 70000.0]
+    assert int(probe.first[3]) == 2 * 5 + 3 and (float(probe.lo[3]), float(probe.hi[3])) == (70000.0, 70000.0)
+    assert (float(probe.lo[4]), float(probe.hi[4])) == (-1e6, -1e6)
     fits = RoundingProbe(work.clamp(-65504, 65504).to(torch.float16), work.clamp(-65504, 65504), channels=2)
-    assert not bool(fits.hit.any())
+    assert fits.hit is None and fits.error(None) is None  # (on the CPU: one look, no reductions)
 
 
 def test_chunk_keys_of_elements_in_plain_and_sharded_arrays(tmp_path):
@@ -152,3 +153,27 @@ def test_chunk_keys_of_elements_in_plain_and_sharded_arrays(tmp_path):
     assert chunk_key_at(a, (5, 9)) == "c/1/2" and chunk_key_at(a, (10, 0)) == "padding"
     assert chunk_key_at(a, (-1, 0)) == "padding"
     assert chunk_key_at(s, (9, 3)) == "c/1/0[1]"  # shard (1, 0), inner chunk (0, 1) of 4 x 4
+
+
+@pytest.mark.parametrize("out", ["f32", "bf16"])
+def test_a_cf_value_past_float32_fails_and_a_masked_one_does_not(tmp_path, executor, out):
+    """int16 30000 * scale_factor 1e35 = 3e39: finite in xarray's float64, past float32 (the batch's dtype, or
+    the work buffer of a bf16 one): DtypeMismatch naming the chunk and Config(cf=False), never inf; the same
+    value as the _FillValue is NaN (masked, as xarray masks it), and the rest are xarray's values."""
+    data = np.ones(SHAPE, np.int16)
+    data[BAD] = 30000
+    uri = str(tmp_path / "huge.zarr")
+    z = zarr.create_array(uri, shape=SHAPE, chunks=CHUNKS, dtype="int16", fill_value=0)
+    z[:] = data
+    z.attrs.update({"scale_factor": 1e35})
+    samples = [stoker.Sample(uri, ((0, 8), (4, 12))), stoker.Sample(uri, ((0, 8), (0, 8)))]
+    with pytest.raises(stoker.DtypeMismatch) as info:
+        _batches(_cfg(dtype=out), samples)
+    msg = str(info.value)
+    assert info.value.uri == uri and info.value.key == "c/1/2", msg
+    assert "3e+39" in msg and "after CF decoding" in msg and "cf=False" in msg and "inf" in msg, msg
+    z.attrs.update({"_FillValue": 30000})
+    got = _batches(_cfg(dtype=out), samples)[0][0]
+    decoded = np.where(data == 30000, np.nan, data * 1e35)[:, 4:12]
+    want = torch.from_numpy(decoded.astype(np.float32)).to(TORCH[out])
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5))

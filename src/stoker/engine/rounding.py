@@ -32,15 +32,19 @@ CAUSE = "after CF decoding or the transform"
 
 class RoundingProbe:
     """Which crops of a batch hold a finite value of ``work`` that ``out`` (its rounding, written already) holds
-    as inf, where the first of each is, and those values' (min, max): reductions queued on ``work``'s device
+    as inf, where the first of each is, and each crop's (min, max) of them: reductions queued on ``work``'s device
     (on the current stream), read by :meth:`error` once they are done. ``channels``: the plan's (rows are
-    crops ``b * C + c``, as in :class:`~stoker.engine.cpu.cf.RowDecode`)."""
+    crops ``b * C + c``, as in :class:`~stoker.engine.cpu.cf.RowDecode`); ``offset``: the batch's crop that
+    ``out``'s first is (a piece of it); ``cause``: what made the values, for the message."""
 
-    def __init__(self, out: torch.Tensor, work: torch.Tensor, channels: int | None) -> None:
-        self.dtype = out.dtype
+    def __init__(self, out: torch.Tensor, work: torch.Tensor, channels: int | None, offset: int = 0,
+                 cause: str = CAUSE) -> None:
+        self.dtype, self.offset, self.cause = out.dtype, offset, cause
         self.hit: torch.Tensor | None = None
         if out.dtype not in OVERFLOW_AT or out.dtype == work.dtype:  # no rounding to inf (or none at all)
             return
+        if out.device.type == "cpu" and not bool(torch.isinf(out).any()):  # (the usual batch: one look; on a
+            return  # device that look would wait for the stream, so the reductions are queued instead)
         flat_o = out.flatten(0, 1) if channels is not None else out
         flat_w = work.flatten(0, 1) if channels is not None else work
         crops = flat_w.shape[0]
@@ -48,15 +52,16 @@ class RoundingProbe:
         dev = work.device
         self.hit = torch.zeros(crops, dtype=torch.bool, device=dev)
         self.first = torch.zeros(crops, dtype=torch.int64, device=dev)
-        self.span = torch.tensor([math.inf, -math.inf], dtype=work.dtype, device=dev)
+        self.lo = torch.empty(crops, dtype=work.dtype, device=dev)
+        self.hi = torch.empty(crops, dtype=work.dtype, device=dev)
         per = max(1, PIECE_ELEMENTS // max(1, w.shape[1]))
         for a in range(0, crops, per):
             b = min(crops, a + per)
             past = torch.isinf(o[a:b]) & torch.isfinite(w[a:b])
             self.hit[a:b] = past.any(1)
             self.first[a:b] = past.to(torch.uint8).argmax(1)  # (the first of the largest: the first past)
-            self.span[0] = torch.minimum(self.span[0], torch.where(past, w[a:b], math.inf).amin())
-            self.span[1] = torch.maximum(self.span[1], torch.where(past, w[a:b], -math.inf).amax())
+            self.lo[a:b] = torch.where(past, w[a:b], math.inf).amin(1)
+            self.hi[a:b] = torch.where(past, w[a:b], -math.inf).amax(1)
 
     def error(self, plan) -> DtypeMismatch | None:
         """The DtypeMismatch of the first crop of ``plan`` (the batch's) holding such a value, else None. Reads
@@ -64,8 +69,8 @@ class RoundingProbe:
         if self.hit is None or not bool(self.hit.any()):
             return None
         crop = int(torch.nonzero(self.hit)[0, 0])
-        lo, hi = (float(v) for v in self.span.tolist())
-        return overflow_error(plan, self.dtype, crop, int(self.first[crop]), (lo, hi))
+        lo, hi = float(self.lo[crop]), float(self.hi[crop])
+        return overflow_error(plan, self.dtype, self.offset + crop, int(self.first[crop]), (lo, hi), self.cause)
 
 
 def round_into(dst: torch.Tensor, work: torch.Tensor, plan) -> None:
@@ -78,23 +83,22 @@ def round_into(dst: torch.Tensor, work: torch.Tensor, plan) -> None:
         dst.copy_(work.to(torch.float32))
     else:
         dst.copy_(work)
-    if dst.dtype not in OVERFLOW_AT or dst.dtype == work.dtype or not bool(torch.isinf(dst).any()):
-        return  # (the usual batch: one look)
     error = RoundingProbe(dst, work, plan.channels).error(plan)
     if error is not None:
         raise error
 
 
-def overflow_error(plan, dtype: torch.dtype, crop: int, at: int, span: tuple[float, float]) -> DtypeMismatch:
-    """:func:`~stoker.engine.cast.range_error` (the batch ``dtype``'s) of crop ``crop`` of ``plan`` (in the order of its rows, channels
-    folded in) whose element ``at`` (flat, C order) is past the output's range after CF decoding or the
-    transform: naming its array, the chunk holding that element (or the padding, for one past the array), the
-    crop's box and the values' ``span``."""
+def overflow_error(plan, dtype: torch.dtype, crop: int, at: int, span: tuple[float, float],
+                   cause: str = CAUSE) -> DtypeMismatch:
+    """:func:`~stoker.engine.cast.range_error` (the batch ``dtype``'s) of crop ``crop`` of ``plan`` (in the
+    order of its rows, channels folded in) whose element ``at`` (flat, C order) is the first past the output's
+    range (``cause``: after CF decoding or the transform): naming its array, the chunk holding that element (or
+    the padding, for one past the array), the crop's box and its such values' ``span``."""
     uri, box = parts(plan.samples)[crop]
     reader = next(r for r in plan.sources if r.uri == uri)
     where = np.unravel_index(at, tuple(b - a for a, b in box))
     coord = tuple(a + int(i) for (a, _), i in zip(box, where))
-    return range_error(uri, chunk_key_at(reader, coord), reader.dtype, dtype, span, cause=CAUSE,
+    return range_error(uri, chunk_key_at(reader, coord), reader.dtype, dtype, span, cause=cause,
                        box=box)
 
 

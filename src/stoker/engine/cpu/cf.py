@@ -8,7 +8,7 @@ placed and padded). Per run of rows of one coding (a piece of at most
 :data:`PIECE_ELEMENTS` at a time): values equal to a fill become NaN (compared in the batch's float dtype,
 exact for 8- and 16-bit integer and float32 sources), and ``x * scale_factor + add_offset`` is computed in
 float64 and rounded once to the batch's dtype, as xarray computes it (the attributes of a Zarr array are
-float64), so a float32 batch equals xarray's values cast to float32 (in ``CFCoding.arithmetic``: a float32
+float64; a finite result past the batch's dtype is refused, never inf: :meth:`RowDecode.error`), so a float32 batch equals xarray's values cast to float32 (in ``CFCoding.arithmetic``: a float32
 or float16 variable whose fills are all NaN is scaled in its own dtype, as xarray does). Packed arrays whose stored values float32
 does not hold (:func:`needs_float64`) are decoded in float64 work slots (the CPU executor's) and rounded into the
 output after (:func:`~stoker.engine.rounding.round_into`), else refused (:func:`check_output`); so are arrays
@@ -28,6 +28,7 @@ import torch
 
 from ...errors import DtypeMismatch
 from ...reader.array import ArrayReader
+from ..rounding import RoundingProbe
 from ...reader.coords import coding
 from ...sampling.sample import parts
 from ...zarr.cf import CFCoding
@@ -43,15 +44,29 @@ class RowDecode:
     def __init__(self, runs: list[tuple[int, int, CFCoding]], channels: int | None) -> None:
         self.runs = runs
         self.channels = channels
+        self.probes: list[RoundingProbe] = []  # the last call's checks of its float64 results' rounding
 
     def __call__(self, out: torch.Tensor) -> torch.Tensor:
         flat = out.flatten(0, 1) if self.channels is not None else out
         rows = flat.view(flat.shape[0], -1)  # a view: the slot is contiguous
         per_piece = max(1, PIECE_ELEMENTS // max(1, rows.shape[1]))
+        self.probes = []
         for start, stop, code in self.runs:
             for a in range(start, min(stop, rows.shape[0]), per_piece):
-                decode_(rows[a:min(stop, a + per_piece)], code)
+                probe = decode_(rows[a:min(stop, a + per_piece)], code, a)
+                if probe is not None:
+                    self.probes.append(probe)
         return out
+
+    def error(self, plan) -> DtypeMismatch | None:
+        """The DtypeMismatch of the first value the last call decoded finite, in float64, and its batch's dtype
+        holds as inf (past float32's largest: an int16 of 30000 with scale_factor 1e35), else None. On a device,
+        read it only once the stream is past the decoding (the batch's event)."""
+        for probe in self.probes:
+            error = probe.error(plan)
+            if error is not None:
+                return error
+        return None
 
     def then(self, transform):
         """This decoding, then ``transform`` (None: nothing), as one transform, keyed (it passes a batch's keys
@@ -69,9 +84,11 @@ class RowDecode:
         return DecodeThen()
 
 
-def decode_(v: torch.Tensor, code: CFCoding) -> None:
-    """Decode ``v`` (floating) in place."""
-    mask = None
+def decode_(v: torch.Tensor, code: CFCoding, first_row: int = 0) -> RoundingProbe | None:
+    """Decode ``v`` (floating; rows from the batch's ``first_row``) in place; the check of its rounding from
+    the float64 arithmetic (:class:`~stoker.engine.rounding.RoundingProbe`: read it after the decoding) when
+    there is one."""
+    mask, t = None, None
     for fill in code.fills:
         hit = v == fill  # in v's dtype, as numpy compares an array with a Python float
         mask = hit if mask is None else mask | hit
@@ -87,6 +104,9 @@ def decode_(v: torch.Tensor, code: CFCoding) -> None:
         v.copy_(t)
     if mask is not None:
         v.masked_fill_(mask, float("nan"))
+    if t is not None and t.dtype != v.dtype:  # a finite float64 result past v's dtype is inf there: checked
+        return RoundingProbe(v, t, None, first_row, "after CF decoding")  # (after the mask: NaN is no inf)
+    return None
 
 
 def row_decoder(sources: Sequence[ArrayReader], samples, channels: int | None, cf: bool) -> RowDecode | None:

@@ -364,6 +364,9 @@ class CpuExecutor(SlotsDelivery):
         t0 = time.perf_counter()
         if decode is not None:
             decode(target.out)
+            error = decode.error(job.plan)  # a finite decoded value past float32: never an inf
+            if error is not None:
+                raise error
         if self.cfg.transform is not None:
             apply_transform(self.cfg.transform, target.out, job.plan.keys)
         if target.host_slot is not target.slot:

@@ -52,7 +52,7 @@ from ...transforms import apply as apply_transform
 from ..allocate import allocate
 from ..cast import staging_dtype
 from ..buffers import Slot, SlotRing, pinned_footprint
-from ..cpu.cf import plan_decoder
+from ..cpu.cf import RowDecode, plan_decoder
 from ..cpu.executor import CpuExecutor, take_slot
 from ..executor import Delivery, Job, Target
 from ..gpu import streams as streams_mod
@@ -316,9 +316,11 @@ class CudaExecutor(CpuExecutor):
     def submit(self, plan: TablePlan, target: Target) -> Job:
         decode = plan_decoder(plan, self.cfg.cf)  # CF attributes, decoded on the device after the cast
         transform = self.cfg.transform if decode is None else decode.then(self.cfg.transform)
-        return self.decoders.submit(plan, target.out, then=lambda job: self._to_device(target, job, transform))
+        return self.decoders.submit(plan, target.out,
+                                    then=lambda job: self._to_device(target, job, transform, decode))
 
-    def _to_device(self, target: Target, job: Job, transform: Callable | None = None) -> None:
+    def _to_device(self, target: Target, job: Job, transform: Callable | None = None,
+                   decode: RowDecode | None = None) -> None:
         """The job's completion hook: enqueue copy, cast, CF decoding and transform, free the host slot behind
         the copy."""
         t0 = time.perf_counter()
@@ -338,13 +340,15 @@ class CudaExecutor(CpuExecutor):
             self.stats.stage("transform", transform_s)  # enqueueing it: the kernels run on the side stream
         self.stats.stage("transfer", time.perf_counter() - t0 - transform_s, bytes_in=nbytes)
         job.count(bytes_to_device=nbytes)
-        if probes:
-            self._check_rounding(target, job, probes[0])
+        checks: list[Any] = ([decode] if decode is not None and decode.probes else []) + probes
+        if checks:
+            self._check_rounding(target, job, checks)
 
-    def _check_rounding(self, target: Target, job: Job, probe: RoundingProbe) -> None:
-        """The DtypeMismatch of a value the rounding from the work buffer made inf, raised (the job's error)
-        once the batch's event is done: this compute thread waits for the copy, the transform and the rounding
-        of its batch (only a transformed or CF-decoded 16-bit batch has a work buffer), until the close or
+    def _check_rounding(self, target: Target, job: Job, checks: list[Any]) -> None:
+        """The DtypeMismatch of a value that the rounding from the work buffer made inf, or the CF decoding's from
+        float64 (``checks``, each with ``.error(plan)``), raised (the job's error) once the batch's event is done:
+        this compute thread waits for the copy, the decoding, the transform and the rounding of its batch (only
+        a CF-decoded packed array or a transformed 16-bit batch has such checks), until the close or
         :data:`~stoker.engine.gpu.nvcomp.CHECK_WAIT_S` (then a DeviceError)."""
         from ..gpu.nvcomp import CHECK_WAIT_S
 
@@ -357,9 +361,10 @@ class CudaExecutor(CpuExecutor):
                 raise pipeline_closed()
             raise DeviceError(f"batch {job.plan.batch_id}: its rounding to {self.cfg.output_dtype} did not finish "
                               f"on {self.device} within {CHECK_WAIT_S:g} s (a hung device: restart the process)")
-        error = probe.error(job.plan)
-        if error is not None:
-            raise error
+        for check in checks:
+            error = check.error(job.plan)
+            if error is not None:
+                raise error
 
     def deliver(self, target: Target, rows: int) -> Delivery:
         view, release, _, _ = super().deliver(target, rows)

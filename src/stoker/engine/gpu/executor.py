@@ -744,19 +744,19 @@ class GpuDecodeExecutor(SlotsDelivery):
         """The batch's job finished: its chunks in place and its end queued, or its first error (a damaged
         chunk's before the transform's, which saw the damage)."""
         error = b.error or b.end_error or b.reader_error
-        if error is None and b.probe is not None:
+        if error is None and b.checks:
             error = self._rounded(b)
         b.job.finish(_units(b.plan, b.target), error, **b.counts)
         self.stats.charge_thread()
 
     def _rounded(self, b: "_Batch") -> BaseException | None:
-        """The DtypeMismatch of a value of ``b``'s work buffer that its 16-bit rounding made inf (None: none),
-        read once the batch's event is done: it is queued right after the batch's last chunks, whose wave's
+        """The DtypeMismatch of a value of ``b``'s work buffer that its 16-bit rounding made inf, or that its CF
+        decoding made inf in float32 (None: none; :attr:`_Batch.checks`), read once the batch's event is done: it is queued right after the batch's last chunks, whose wave's
         check waited for their decode already, so this waits for their placement and the transform at most
         (:data:`.nvcomp.CHECK_WAIT_S` at most: then a DeviceError, as for a wave's check)."""
         from .nvcomp import CHECK_WAIT_S
 
-        probe, b.probe = b.probe, None
+        checks, b.checks = b.checks, []
         try:  # (the close ends the wait: the consumer is gone)
             streams_mod.poll([b.target.event], lambda e: self._closing or self._backend.done(e),
                              time.monotonic() + CHECK_WAIT_S, what="the batch's rounding to 16 bits")
@@ -768,7 +768,7 @@ class GpuDecodeExecutor(SlotsDelivery):
             return exc
         except RuntimeError as exc:
             return streams_mod.device_failed("the batch's rounding to 16 bits", exc)
-        return probe.error(b.plan)
+        return next((e for e in (c.error(b.plan) for c in checks) if e is not None), None)
 
     def _begin(self, b: "_Batch") -> None:
         """The stream waits for what the slot's previous batch asked its next writer to wait for."""
@@ -808,7 +808,9 @@ class GpuDecodeExecutor(SlotsDelivery):
         if self._work is not None:
             out, work = b.target.slot.tensor[:b.plan.rows], self._work[:b.plan.rows]
             out.copy_(work)  # the one rounding to 16 bits, checked once its event is done (_finish)
-            b.probe = RoundingProbe(out, work, b.plan.channels)
+            b.checks.append(RoundingProbe(out, work, b.plan.channels))
+        if b.decode is not None and b.decode.probes:  # (its float64 results' rounding, read at _finish too)
+            b.checks.insert(0, b.decode)
         b.target.event = self._event()
 
     def _checks_pending(self, b: "_Batch") -> bool:
@@ -1022,7 +1024,9 @@ class _Batch:
         self.error: BaseException | None = None  # a decode, placement or check error (the submitter's)
         self.end_error: BaseException | None = None  # an error of its fills, CF decoding or transform
         self.reader_error: BaseException | None = None  # the reader's (a read, the plan's sources...)
-        self.probe: RoundingProbe | None = None  # the check of its rounding from the work buffer (_end)
+        # the checks of its roundings (CF decoding's from float64, the work buffer's to 16 bits: _end), each with
+        # .error(plan), read once its event is done (_finish)
+        self.checks: list[Any] = []
         self.counts = dict.fromkeys(_COUNTS, 0)
         #: the buffers written to make it, as the streams' backend names them: its slot (and the work buffer)
         self.writes = [("slot", target.slot.index)] + ([("work", None)] if ex._work is not None else [])
