@@ -177,3 +177,58 @@ def test_a_cf_value_past_float32_fails_and_a_masked_one_does_not(tmp_path, execu
     decoded = np.where(data == 30000, np.nan, data * 1e35)[:, 4:12]
     want = torch.from_numpy(decoded.astype(np.float32)).to(TORCH[out])
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5))
+
+
+HUNG_MAKERS = {
+    "gpu-host": lambda cfg, stats, store, backend: GpuDecodeExecutor.on_host(cfg, stats, store, streams=backend),
+    "cuda-host": lambda cfg, stats, store, backend: CudaExecutor(cfg, torch.device("cpu"), stats, store,
+                                                                  streams=backend),
+}
+
+
+@pytest.mark.parametrize("kind", list(HUNG_MAKERS))
+@pytest.mark.parametrize("then", ["limit", "close"])
+def test_the_wait_for_a_hung_batch_s_check_ends_at_its_limit_or_the_close(tmp_path, monkeypatch, kind, then):
+    """The device hangs in a batch's transform (its event is never done): the check of its rounding, which waits
+    for that event, fails the batch with DeviceError at its limit (nvcomp.CHECK_WAIT_S, shortened), or ends at
+    the pipeline's close; the executor's threads are gone once close() returns."""
+    import threading
+
+    from hung_device import Hung
+    from stoker.engine.gpu import nvcomp, streams as gpu_streams
+
+    monkeypatch.setattr(nvcomp, "CHECK_WAIT_S", 0.3 if then == "limit" else 60.0)
+    monkeypatch.setattr(gpu_streams, "CLOSE_WAIT_S", 0.2)
+    backend, hung, made = Hung(), threading.Event(), []
+
+    def factory(cfg, device, stats, store):
+        made.append(HUNG_MAKERS[kind](cfg, stats, store, backend))
+        return made[-1]
+
+    monkeypatch.setattr(pipelines, "make_executor", factory)
+
+    def hangs(x):
+        backend.hang()
+        hung.set()
+        return x
+
+    uri = str(tmp_path / "a.zarr")
+    zarr.create_array(uri, shape=SHAPE, chunks=CHUNKS, dtype="float32", fill_value=0.0)[:] = np.ones(SHAPE)
+    p = stoker.Pipeline(_cfg(transform=hangs, pop_timeout_s=60.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the close's warning of the stream that never ended)
+        try:
+            p.push([stoker.Sample(uri, ((0, 8), (0, 12)))] * 2)
+            if then == "limit":
+                with pytest.raises(stoker.DeviceError, match="did not finish"):
+                    p.pop()
+            else:
+                assert hung.wait(30.0)
+                closing = threading.Thread(target=p.close, daemon=True)
+                closing.start()
+                closing.join(30.0)
+                assert not closing.is_alive()
+        finally:
+            p.close()
+    threads = [t for ex in made for t in ex.threads()]
+    assert made and not any(t.is_alive() for t in threads)

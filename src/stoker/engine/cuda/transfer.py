@@ -355,11 +355,11 @@ class CudaExecutor(CpuExecutor):
         transfer = self.transfer
         done = transfer._backend.done
         streams_mod.poll([target.event], lambda e: transfer._closed or done(e), time.monotonic() + CHECK_WAIT_S,
-                         what="the batch's rounding to 16 bits")
+                         max_pause=0.001, what="the batch's rounding")  # (a batch waits 1 ms at most after)
         if not done(target.event):
             if transfer._closed:
                 raise pipeline_closed()
-            raise DeviceError(f"batch {job.plan.batch_id}: its rounding to {self.cfg.output_dtype} did not finish "
+            raise DeviceError(f"batch {job.plan.batch_id}: its copy, CF decoding and transform did not finish "
                               f"on {self.device} within {CHECK_WAIT_S:g} s (a hung device: restart the process)")
         for check in checks:
             error = check.error(job.plan)

@@ -127,6 +127,9 @@ GROUP_BYTES = 64 << 20
 #: threads that read a group's chunks into the staging (at most; no more than the compute threads)
 READ_THREADS = 4
 _HALF = (torch.bfloat16, torch.float16)
+#: the longest pause between looks at a batch's event before its rounding's check is read (the batch waits
+#: that long at most after its work is done)
+ROUNDING_PAUSE_S = 0.001
 _COUNTS = ("bytes_read", "bytes_decoded", "chunks_decoded", "bytes_to_device")
 
 
@@ -751,23 +754,25 @@ class GpuDecodeExecutor(SlotsDelivery):
 
     def _rounded(self, b: "_Batch") -> BaseException | None:
         """The DtypeMismatch of a value of ``b``'s work buffer that its 16-bit rounding made inf, or that its CF
-        decoding made inf in float32 (None: none; :attr:`_Batch.checks`), read once the batch's event is done: it is queued right after the batch's last chunks, whose wave's
-        check waited for their decode already, so this waits for their placement and the transform at most
-        (:data:`.nvcomp.CHECK_WAIT_S` at most: then a DeviceError, as for a wave's check)."""
+        decoding made inf in float32 (None: none; ``b.checks``), read once the batch's event is done: it is
+        queued right after the batch's last chunks, whose wave's check waited for their decode already, so this
+        waits for their placement, the CF decoding and the transform (the next wave's decode runs meanwhile), at
+        most :data:`.nvcomp.CHECK_WAIT_S` (then a DeviceError, as for a wave's check), or until the close."""
         from .nvcomp import CHECK_WAIT_S
 
         checks, b.checks = b.checks, []
         try:  # (the close ends the wait: the consumer is gone)
             streams_mod.poll([b.target.event], lambda e: self._closing or self._backend.done(e),
-                             time.monotonic() + CHECK_WAIT_S, what="the batch's rounding to 16 bits")
+                             time.monotonic() + CHECK_WAIT_S, max_pause=ROUNDING_PAUSE_S,
+                             what="the batch's rounding")
             if not self._backend.done(b.target.event):
                 return pipeline_closed() if self._closing else DeviceError(
-                    f"batch {b.plan.batch_id}: its rounding to {self.cfg.output_dtype} did not finish on "
+                    f"batch {b.plan.batch_id}: its last steps (placement, CF decoding, transform) did not finish on "
                     f"{self.device} within {CHECK_WAIT_S:g} s (a hung device: restart the process)")
         except DeviceError as exc:  # a device fault: this batch's error
             return exc
         except RuntimeError as exc:
-            return streams_mod.device_failed("the batch's rounding to 16 bits", exc)
+            return streams_mod.device_failed("the batch's rounding", exc)
         return next((e for e in (c.error(b.plan) for c in checks) if e is not None), None)
 
     def _begin(self, b: "_Batch") -> None:
