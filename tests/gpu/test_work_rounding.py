@@ -232,3 +232,32 @@ def test_the_wait_for_a_hung_batch_s_check_ends_at_its_limit_or_the_close(tmp_pa
             p.close()
     threads = [t for ex in made for t in ex.threads()]
     assert made and not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("out", ["f32", "f16", "bf16"])
+def test_a_typical_packed_batch_makes_no_probe(tmp_path, executor, monkeypatch, out):
+    """int16 packed with scale_factor 0.01 and add_offset 280 (xarray's usual temperatures): no decoded value can
+    pass 607.68, so no RoundingProbe is made (no reductions queued, no wait for the batch's event), on any
+    executor, CF decoding from float64 and 16-bit rounding from the work buffer alike; the batches are xarray's
+    values. The same array with scale_factor 1e35 (past float32) makes probes, and fails."""
+    made = []
+    real = RoundingProbe.__init__
+
+    def counted(self, *args, **kw):
+        made.append(args[0].dtype)
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(RoundingProbe, "__init__", counted)
+    uri = _packed(tmp_path, 3, 32767, 0.01)  # (the largest int16: 607.67)
+    zarr.open_array(uri, mode="r+").attrs.update({"add_offset": 280.0})
+    samples = [stoker.Sample(uri, ((0, 8), (4, 12))), stoker.Sample(uri, ((0, 8), (0, 8)))]
+    got = _batches(_cfg(dtype=out), samples)[0]
+    assert made == []
+    for row, (y, x) in zip(got, [(slice(0, 8), slice(4, 12)), (slice(0, 8), slice(0, 8))]):
+        want = torch.from_numpy(_decoded(uri, (y, x), 0.01, 280.0).astype(np.float32)).to(TORCH[out])
+        assert torch.equal(torch.isnan(row), torch.isnan(want))
+        assert torch.equal(row.nan_to_num(0.5), want.nan_to_num(0.5))
+    zarr.open_array(uri, mode="r+").attrs.update({"scale_factor": 1e35})
+    with pytest.raises(stoker.DtypeMismatch, match="after CF decoding"):
+        _batches(_cfg(dtype="f32" if out == "f16" else out), samples)
+    assert made

@@ -19,15 +19,57 @@ import numpy as np
 import torch
 
 from .cast import OVERFLOW_AT, range_error
+from ..reader.coords import coding
 from ..sampling.sample import parts
 
 if TYPE_CHECKING:
     from ..errors import DtypeMismatch
+    from ..zarr.cf import CFCoding
 
 #: Elements looked at by one step of the check at most (its temporaries: a mask and a copy of that many).
 PIECE_ELEMENTS = 1 << 22
 #: What made the values the output cannot hold, in its messages.
 CAUSE = "after CF decoding or the transform"
+#: Relative room a bound leaves for the roundings of the float64 arithmetic (far more than its two add).
+MARGIN = 1e-6
+
+
+def value_bound(stored: np.dtype, code: CFCoding | None = None) -> float:
+    """The largest magnitude of a finite value that an array of ``stored`` dtype puts in a batch, decoded by
+    its CF ``code`` (None: as stored): ``|scale| * max|stored| + |offset|`` with a little room for the float64
+    arithmetic's roundings (fills and padding are stored values too); inf when unknown (another kind).
+
+    >>> value_bound(np.dtype("int16"), CFCoding(0.01, 280.0, ()))    # 327.68 + 280, and a margin
+    607.6806...
+    """
+    dt = np.dtype(stored)
+    if dt.kind == "b":
+        most = 1.0
+    elif dt.kind in "iu":
+        info = np.iinfo(dt)
+        most = float(max(-int(info.min), int(info.max)))
+    elif dt.kind == "f":
+        most = float(np.finfo(dt).max)
+    else:
+        return math.inf
+    if code is None:
+        return most
+    scale = 1.0 if code.scale is None else abs(code.scale)
+    bound = (scale * most + abs(code.offset or 0.0)) * (1 + MARGIN)
+    # (float32 or float16 arithmetic: its finite results are that dtype's at most)
+    return min(bound, float(np.finfo(np.dtype(code.arithmetic)).max))
+
+
+def batch_bound(sources, cf: bool) -> float:
+    """:func:`value_bound` of every array of a plan's ``sources`` (CF-decoded when ``cf``): what its batch
+    holds before a transform."""
+    return max((value_bound(r.dtype, coding(r) if cf else None) for r in sources), default=0.0)
+
+
+def fits(bound: float, dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds every finite value of magnitude ``bound`` at most as a finite value: then no
+    :class:`RoundingProbe` of a rounding into it is needed (a NaN bound: unknown, it does not fit)."""
+    return dtype not in OVERFLOW_AT or bound < OVERFLOW_AT[dtype]
 
 
 class RoundingProbe:
@@ -73,16 +115,19 @@ class RoundingProbe:
         return overflow_error(plan, self.dtype, self.offset + crop, int(self.first[crop]), (lo, hi), self.cause)
 
 
-def round_into(dst: torch.Tensor, work: torch.Tensor, plan) -> None:
+def round_into(dst: torch.Tensor, work: torch.Tensor, plan, checked: bool = True) -> None:
     """``dst[...] = work``: a work slot's batch (host memory) rounded once into the output (float64 into float16
     as NumPy casts it, into bfloat16 through float32: the cast rules of :mod:`~stoker.engine.cast`), then
-    checked (:class:`RoundingProbe`): the DtypeMismatch of a value the output would hold as inf."""
+    checked (:class:`RoundingProbe`; ``checked=False``: no value can be past the output, :func:`fits`): the
+    DtypeMismatch of a value the output would hold as inf."""
     if work.dtype == torch.float64 and dst.dtype == torch.float16:
         np.copyto(dst.numpy(), work.numpy(), casting="unsafe")
     elif work.dtype == torch.float64 and dst.dtype == torch.bfloat16:
         dst.copy_(work.to(torch.float32))
     else:
         dst.copy_(work)
+    if not checked:
+        return
     error = RoundingProbe(dst, work, plan.channels).error(plan)
     if error is not None:
         raise error

@@ -28,7 +28,7 @@ import torch
 
 from ...errors import DtypeMismatch
 from ...reader.array import ArrayReader
-from ..rounding import RoundingProbe
+from ..rounding import RoundingProbe, fits, value_bound
 from ...reader.coords import coding
 from ...sampling.sample import parts
 from ...zarr.cf import CFCoding
@@ -39,9 +39,11 @@ _ARITHMETIC = {"float64": torch.float64, "float32": torch.float32, "float16": to
 
 
 class RowDecode:
-    """The CF decoding of one batch: ``runs`` of consecutive rows ``[start, stop)`` of one coding."""
+    """The CF decoding of one batch: ``runs`` of consecutive rows ``[start, stop)`` of one coding, each with the
+    bound of its decoded values (:func:`~stoker.engine.rounding.value_bound`: a run whose values the batch's
+    dtype holds is not checked)."""
 
-    def __init__(self, runs: list[tuple[int, int, CFCoding]], channels: int | None) -> None:
+    def __init__(self, runs: list[tuple[int, int, CFCoding, float]], channels: int | None) -> None:
         self.runs = runs
         self.channels = channels
         self.probes: list[RoundingProbe] = []  # the last call's checks of its float64 results' rounding
@@ -51,9 +53,9 @@ class RowDecode:
         rows = flat.view(flat.shape[0], -1)  # a view: the slot is contiguous
         per_piece = max(1, PIECE_ELEMENTS // max(1, rows.shape[1]))
         self.probes = []
-        for start, stop, code in self.runs:
+        for start, stop, code, bound in self.runs:
             for a in range(start, min(stop, rows.shape[0]), per_piece):
-                probe = decode_(rows[a:min(stop, a + per_piece)], code, a)
+                probe = decode_(rows[a:min(stop, a + per_piece)], code, a, bound)
                 if probe is not None:
                     self.probes.append(probe)
         return out
@@ -84,10 +86,11 @@ class RowDecode:
         return DecodeThen()
 
 
-def decode_(v: torch.Tensor, code: CFCoding, first_row: int = 0) -> RoundingProbe | None:
+def decode_(v: torch.Tensor, code: CFCoding, first_row: int = 0, bound: float = float("inf")) -> RoundingProbe | None:
     """Decode ``v`` (floating; rows from the batch's ``first_row``) in place; the check of its rounding from
     the float64 arithmetic (:class:`~stoker.engine.rounding.RoundingProbe`: read it after the decoding) when
-    there is one."""
+    there is one: none when ``v``'s dtype holds every value of magnitude ``bound`` (the decoded values'
+    :func:`~stoker.engine.rounding.value_bound`; inf: unknown), as for int16 packed with scale_factor 0.01."""
     mask, t = None, None
     for fill in code.fills:
         hit = v == fill  # in v's dtype, as numpy compares an array with a Python float
@@ -104,7 +107,8 @@ def decode_(v: torch.Tensor, code: CFCoding, first_row: int = 0) -> RoundingProb
         v.copy_(t)
     if mask is not None:
         v.masked_fill_(mask, float("nan"))
-    if t is not None and t.dtype != v.dtype:  # a finite float64 result past v's dtype is inf there: checked
+    if t is not None and t.dtype != v.dtype and not fits(bound, v.dtype):  # a finite float64 result past v's
+        # dtype is inf there: checked (on a device, its reductions and the wait for them: only where it can be)
         return RoundingProbe(v, t, None, first_row, "after CF decoding")  # (after the mask: NaN is no inf)
     return None
 
@@ -117,16 +121,18 @@ def row_decoder(sources: Sequence[ArrayReader], samples, channels: int | None, c
     codes = [coding(r) for r in sources]
     if not any(c is not None for c in codes):
         return None
+    bounds = [value_bound(r.dtype, c) for r, c in zip(sources, codes)]
     order: dict[str, int] = {}
-    runs: list[tuple[int, int, CFCoding]] = []
+    runs: list[tuple[int, int, CFCoding, float]] = []
     for row, (uri, _) in enumerate(parts(samples)):
-        code = codes[order.setdefault(uri, len(order))]
+        at = order.setdefault(uri, len(order))
+        code, bound = codes[at], bounds[at]
         if code is None:
             continue
-        if runs and runs[-1][1] == row and runs[-1][2] == code:
-            runs[-1] = (runs[-1][0], row + 1, code)
+        if runs and runs[-1][1] == row and runs[-1][2] == code and runs[-1][3] == bound:
+            runs[-1] = (runs[-1][0], row + 1, code, bound)
         else:
-            runs.append((row, row + 1, code))
+            runs.append((row, row + 1, code, bound))
     return RowDecode(runs, channels)
 
 
