@@ -261,3 +261,44 @@ def test_a_typical_packed_batch_makes_no_probe(tmp_path, executor, monkeypatch, 
     with pytest.raises(stoker.DtypeMismatch, match="after CF decoding"):
         _batches(_cfg(dtype="f32" if out == "f16" else out), samples)
     assert made
+
+
+@pytest.mark.parametrize("kind", ["gpu-host", "hybrid-host"])
+def test_the_submitter_queues_the_next_batch_while_a_rounding_waits(tmp_path, monkeypatch, kind):
+    """A batch whose rounding is checked (a transform into f16) is finished once its event is done, and the
+    submitter does not wait for that event while it has the next batch to queue: here the first batch's event
+    is done only once the second batch's end is queued (its event recorded), so a submitter that waited for it
+    first would fail the batch with DeviceError at its limit (nvcomp.CHECK_WAIT_S). Each batch is still its own,
+    in order."""
+    from stoker.engine.gpu import nvcomp
+
+    monkeypatch.setattr(nvcomp, "CHECK_WAIT_S", 20.0)
+    monkeypatch.setattr(pipelines, "make_executor", lambda cfg, device, stats, store: MAKERS[kind](cfg, stats, store))
+    events: list = []
+
+    class BatchEvent:
+        """Done once a later batch's event is recorded (the last one: at once)."""
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return len(events) > self.n + 1 or self.n == 3
+
+    def event(self):
+        events.append(BatchEvent(len(events)))
+        return events[-1]
+
+    monkeypatch.setattr(GpuDecodeExecutor, "_event", event)
+    data = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+    uri = str(tmp_path / "a.zarr")
+    zarr.create_array(uri, shape=SHAPE, chunks=CHUNKS, dtype="float32", fill_value=0.0)[:] = data
+    boxes = [((0, 4), (0, 4)), ((4, 8), (0, 4)), ((0, 4), (4, 8)), ((4, 8), (4, 8)),
+             ((0, 4), (8, 12)), ((4, 8), (8, 12)), ((2, 6), (2, 6)), ((2, 6), (6, 10))]
+    got = _batches(_cfg(transform=lambda x: x.mul_(2.0)), [stoker.Sample(uri, box) for box in boxes])
+    assert len(got) == 4 and len(events) == 4 and events[0].queries >= 2  # (not done at its first look)
+    for i, box in enumerate(boxes):
+        want = torch.from_numpy(data[tuple(slice(a, b) for a, b in box)] * 2.0).to(torch.float16)
+        assert torch.equal(got[i // 2][i % 2], want), box

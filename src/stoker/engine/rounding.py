@@ -104,6 +104,9 @@ class RoundingProbe:
             self.first[a:b] = past.to(torch.uint8).argmax(1)  # (the first of the largest: the first past)
             self.lo[a:b] = torch.where(past, w[a:b], math.inf).amin(1)
             self.hi[a:b] = torch.where(past, w[a:b], -math.inf).amax(1)
+        if dev.type == "cuda":  # copied to pinned host memory behind them, so :meth:`error` reads them without
+            # a copy on the current stream, which would wait for all queued on it since (the next waves)
+            self.hit, self.first, self.lo, self.hi = (_to_host(t) for t in (self.hit, self.first, self.lo, self.hi))
 
     def error(self, plan) -> DtypeMismatch | None:
         """The DtypeMismatch of the first crop of ``plan`` (the batch's) holding such a value, else None. Reads
@@ -113,6 +116,13 @@ class RoundingProbe:
         crop = int(torch.nonzero(self.hit)[0, 0])
         lo, hi = float(self.lo[crop]), float(self.hi[crop])
         return overflow_error(plan, self.dtype, self.offset + crop, int(self.first[crop]), (lo, hi), self.cause)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of ``t``, queued on the current stream (read it once the stream is past it)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def round_into(dst: torch.Tensor, work: torch.Tensor, plan, checked: bool = True) -> None:

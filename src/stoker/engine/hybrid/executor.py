@@ -312,9 +312,11 @@ class HybridExecutor:
         cpu_job = parts.cpu_job
         if cpu_job is None:
             return
-        while not cpu_job.wait(0.1):
+        pause = 0.0  # (while it waits, the GPU part's batches before it finish as their events are done: idle)
+        while not cpu_job.wait(pause):
             if self._closing:
                 raise pipeline_closed()
+            pause = self.gpu.idle()
         parts.blocked = time.perf_counter() - t0
         if cpu_job.error is not None:
             raise cpu_job.error  # (the batch failed with it already: cpu_job.on_cancel)
