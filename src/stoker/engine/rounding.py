@@ -4,7 +4,16 @@ as inf (decoded by CF attributes, or transformed, past its largest finite value)
 did not hold. Every executor that computes in a work buffer rounds through here: the CPU executor's float64
 and float32 work slots (:func:`round_into`, at once), the CUDA transfer's and the GPU-decode executor's
 float32 device work buffers (:class:`RoundingProbe`: its reductions are queued on the stream after the
-rounding, and read once the batch's event is done, so the host never waits for the device in between).
+rounding and copied to pinned host memory, and read once the batch's event is done; the GPU-decode
+executor's submitter looks at that event between waves, and waits for it only with nothing to queue; the CUDA
+executor's compute thread waits for it).
+
+No probe is made where no value can reach inf, decided from the metadata alone: :func:`value_bound` (the
+stored dtype's range through the CF coding, ``|scale| * max|stored| + |offset|`` with a margin for float64's
+roundings), :func:`batch_bound` over a plan's arrays, :func:`fits` under the output's
+:data:`~stoker.engine.cast.OVERFLOW_AT`. So the CF decoding of the usual packed int16 (scale_factor 0.01) is
+never checked, nor is the 16-bit rounding of a work buffer without a transform whose arrays' bounds fit;
+with a transform the bound is unknown, and the probe stays.
 
 >>> probe = RoundingProbe(out, work, channels=None)   # queued on the current stream, after out.copy_(work)
 >>> probe.error(plan)                                 # after the batch's event: None, or the DtypeMismatch

@@ -351,7 +351,8 @@ class CudaExecutor(CpuExecutor):
         """The DtypeMismatch of a value that the rounding from the work buffer made inf, or the CF decoding's from
         float64 (``checks``, each with ``.error(plan)``), raised (the job's error) once the batch's event is done:
         this compute thread waits for the copy, the decoding, the transform and the rounding of its batch (only
-        a CF-decoded packed array or a transformed 16-bit batch has such checks), until the close or
+        a transformed 16-bit batch, or an array whose decoded values' bound passes the output, has such checks:
+        :func:`~stoker.engine.rounding.fits`), until the close or
         :data:`~stoker.engine.gpu.nvcomp.CHECK_WAIT_S` (then a DeviceError)."""
         from ..gpu.nvcomp import CHECK_WAIT_S
 

@@ -26,7 +26,9 @@ decode takes the chunks of several lookahead batches, each batch's part parsed, 
 The decoded sizes of a wave (reading them waits for its decode) are checked once the next wave's decode
 and placement are queued, or once nothing waits to be queued, always before a batch it holds is finished (a
 damaged stream fails only the batch holding it): that wait is the only one the host makes for the device
-in steady state, and it has a limit (nvCOMP's check waits for the decode to start, which its stream's waits
+in steady state (a batch whose 16-bit rounding or CF decoding is checked, :mod:`~stoker.engine.rounding`, is
+finished once its event is done, looked at between waves and waited for only when nothing is left to queue:
+:meth:`GpuDecodeExecutor._finish_ready`), and it has a limit (nvCOMP's check waits for the decode to start, which its stream's waits
 may hold back behind the consumer's stream, until the close, then :data:`.nvcomp.CHECK_WAIT_S` for it to
 finish, then fails the wave's batches with DeviceError; the close ends it, through the decoder's
 ``cancelled``). A staging buffer is read into
