@@ -89,10 +89,22 @@ def test_fill_value_bool_int_complex():
 
 
 @pytest.mark.parametrize("value,dtype", [("hello", "f4"), (1.5, "i4"), (300, "u1"), (-1, "u2"),
-                                         ("nan", "f8"), ([1.0], "c8"), (["a", 0.0], "c16")])
+                                         ("nan", "f8"), ([1.0], "c8"), (["a", 0.0], "c16"),
+                                         # hex of another width than the dtype's (zarr-python reads "0x7c00"
+                                         # for a float32 as float16's inf), or not hex at all
+                                         ("0x7c00", "f4"), ("0x3f80000000", "f4"), ("0x3f800000", "f8"),
+                                         ("0x3c00", "c8"), ("0x7c_0", "f2"), ("0x7cg0", "f2"), ("0x", "f2")])
 def test_fill_value_rejects(value, dtype):
     with pytest.raises(stoker.MetadataError, match="/arr.zarr"):
-        parse_fill_value(value, np.dtype(dtype), "/arr.zarr", 3)
+        parse_fill_value(value if dtype[0] != "c" or not isinstance(value, str) else [value, value],
+                         np.dtype(dtype), "/arr.zarr", 3)
+
+
+@pytest.mark.parametrize("value", ["AQAAAAIAAAA=", "AQA=", ""])  # two int32s, two bytes, none
+def test_v2_base64_integer_fill_values_of_another_width_are_refused(value):
+    """v2 integer fill values as base64 must hold one value's bytes: never the first of several."""
+    with pytest.raises(stoker.MetadataError, match="/arr.zarr"):
+        parse_fill_value(value, np.dtype("<i4"), "/arr.zarr", 2)
 
 
 @pytest.mark.parametrize("fill", [np.nan, np.inf, -np.inf, -0.0, 1.25])

@@ -149,21 +149,41 @@ def _overflow(src: np.ndarray, dtype: torch.dtype) -> tuple[int, int] | tuple[fl
 
 
 def range_error(uri: str, key: str, source: np.dtype, dtype: torch.dtype,
-                span: tuple[int, int] | tuple[float, float] | None = None) -> DtypeMismatch:
+                span: tuple[int, int] | tuple[float, float] | None = None, cause: str | None = None,
+                box=None) -> DtypeMismatch:
     """The error of a chunk (``key``; for a missing one, its fill value) holding a value that does not fit the
     batch ``dtype`` (outside an integer batch's range, or a finite value that would be inf in a float batch);
-    ``span``: its values' (min, max) where known (the engine's ST_RANGE says only that one did not fit)."""
+    ``span``: its values' (min, max) where known (the engine's ST_RANGE says only that one did not fit);
+    ``cause``: what made them so when the stored values fit (``"after CF decoding or the transform"``, in a
+    work buffer: :mod:`~stoker.engine.rounding`), ``box``: the sample's box that holds them.
+
+    >>> raise range_error("t.zarr", "c/0/1", np.dtype("int16"), torch.float16, (7e4, 7e4), "after CF decoding")
+    Traceback (most recent call last):
+    stoker.errors.DtypeMismatch: t.zarr: chunk 'c/0/1' holds the value 70000.0 after CF decoding past f16's ...
+    """
     held = ("a value" if span is None else f"the value {span[0]}" if span[0] == span[1]
             else f"values in [{span[0]}, {span[1]}]")
+    crop = ""
+    if box is not None:  # the span is the crop's: the chunk holds one of them at least
+        crop = f"; the sample's box {tuple(tuple(int(v) for v in ab) for ab in box)} holds {held} there"
+        held = "a value"
+    if cause is not None:
+        held += f" {cause}"
     if dtype in OVERFLOW_AT:
         name = _FLOAT_NAMES.get(dtype, str(dtype))
         fits_f32 = dtype != torch.float32 and (
             source.itemsize <= 4 if span is None else max(abs(span[0]), abs(span[1])) < OVERFLOW_AT[torch.float32])
         wider = "use dtype 'f32' or 'native'" if fits_f32 else "use dtype='native'"
+        if cause is not None:  # (CF decoding runs before the transform, in float32 at most on a device)
+            wider = ("use dtype 'f32'" if fits_f32 else "use dtype 'f32' with a transform that scales them down"
+                     if "transform" in cause else "read the stored values with Config(cf=False) and decode them")
+        scale = ("or scale the data down before storing it" if cause is None
+                 else "or a transform that keeps them in range" if "transform" in cause
+                 else "as xarray does, in float64")
         return DtypeMismatch(
             f"{uri}: chunk {key!r} holds {held} past {name}'s largest finite value "
-            f"{float(torch.finfo(dtype).max):g}, which the cast would make inf (source dtype {source}); {wider} "
-            "to keep every value, or scale the data down before storing it", uri=uri, key=key, dtype=str(source))
+            f"{float(torch.finfo(dtype).max):g}, which the cast would make inf (source dtype {source}){crop}; "
+            f"{wider} to keep every value, {scale}", uri=uri, key=key, dtype=str(source))
     room = torch.iinfo(dtype)
     wider = "use dtype 'i64' or 'native'" if dtype == torch.int32 else "use dtype='native'"
     return DtypeMismatch(

@@ -7,7 +7,8 @@ Pure: attributes in, rules and numbers out (the reads are :mod:`stoker.reader.co
   the fill value from (its zarr backend's rules): v2, the ``.zarray`` ``fill_value`` of an array xarray wrote
   (it carries ``_ARRAY_DIMENSIONS``), else the ``_FillValue`` attribute; v3, the ``_FillValue`` attribute
   (floats as base64 of a little-endian float64, as xarray writes them). A NaN fill changes nothing and is
-  left out, so a float array whose only fill is NaN has no coding.
+  left out, so a float array whose only fill is NaN has no coding; so is a fill no stored value can equal
+  (xarray compares in float64: a float32 array's 0.1, a uint8's -1).
 - :func:`decode_times`: CF-encoded times (``units: "days since 2000-01-01"``, ``calendar``) as xarray decodes
   them: ``standard``, ``gregorian`` (dates from 1582-10-15) and ``proleptic_gregorian`` to
   ``datetime64[ns]``; other calendars through cftime when it is installed, else
@@ -133,11 +134,30 @@ def coding_of(attrs: dict, dtype: np.dtype, zarr_format: int, zarr_fill: Any = N
     if attrs.get("missing_value") is not None:
         fills += _fill_attribute(attrs["missing_value"], dtype, uri, "missing_value")
     kept = tuple(dict.fromkeys(f for f in fills if f == f))  # a NaN fill is NaN already: nothing to mask
-    if scale is None and offset is None and not kept:
-        return None
     # xarray masks no NaN fill, and then scales a float variable in its own dtype (see CFCoding)
     own = np.dtype(dtype).kind == "f" and fills and not kept and np.dtype(dtype).itemsize < 8
-    return CFCoding(scale, offset, kept, np.dtype(dtype).name if own else "float64")
+    masked = tuple(f for f in kept if _can_equal(f, np.dtype(dtype), uri))
+    if scale is None and offset is None and not masked:
+        return None
+    return CFCoding(scale, offset, masked, np.dtype(dtype).name if own else "float64")
+
+
+def _can_equal(fill: float, dtype: np.dtype, uri: str) -> bool:
+    """Whether a stored value of ``dtype`` can equal ``fill`` (a float64) as xarray compares them (in float64):
+    a float32 array's ``_FillValue: 0.1`` never does (its values near it are 0.10000000149...), nor a uint8's
+    -1; compared in float32 instead, 0.1 would mask them. A fractional fill of an integer array is refused:
+    xarray masks its truncation in Zarr format 3 and nothing in format 2, and stoker does not guess."""
+    if dtype.kind == "f":
+        with np.errstate(over="ignore"):
+            return float(dtype.type(fill)) == fill
+    if dtype.kind in "iu":
+        if not fill.is_integer():
+            raise MetadataError(f"{uri}: its fill value {fill!r} (_FillValue or missing_value) is not an integer, "
+                                f"but the array holds {dtype}; store the integer that marks missing values",
+                                uri=uri, attribute="_FillValue")
+        info = np.iinfo(dtype)
+        return info.min <= fill <= info.max
+    return True
 
 
 def date_period(text: str) -> datetime.timedelta | None:

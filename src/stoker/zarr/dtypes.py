@@ -65,14 +65,22 @@ def parse_v3_dtype(spec: Any, uri: str) -> np.dtype:
 
 
 _SPECIAL_FLOATS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 
 
 def _float_from(value: Any, dtype: np.dtype, uri: str) -> float:
     if isinstance(value, str):
         if value in _SPECIAL_FLOATS:
             return _SPECIAL_FLOATS[value]
-        if value.startswith("0x"):  # v3: the IEEE bit pattern, big-endian hex
-            raw = int(value, 16).to_bytes(dtype.itemsize, "big")
+        if value.startswith("0x"):  # v3: the IEEE bit pattern, big-endian hex, two digits a byte
+            digits = value[2:]
+            if len(digits) != 2 * dtype.itemsize or not set(digits) <= _HEX_DIGITS:
+                # (zarr-python reads "0x7c00" for a float32 as float16's inf, the bits say a subnormal: no guess)
+                raise MetadataError(f"{uri}: fill_value {show(value)} is not the {dtype.itemsize}-byte bit pattern of "
+                                    f"a {dtype} ('0x' and {2 * dtype.itemsize} hex digits, e.g. "
+                                    f"{'0x' + '7fc00000'.ljust(2 * dtype.itemsize, '0')[:2 * dtype.itemsize]!r})",
+                                    uri=uri)
+            raw = bytes.fromhex(digits)
             return np.frombuffer(raw, dtype=dtype.newbyteorder(">"))[0]
         raise MetadataError(f"{uri}: fill_value {show(value)} is not a number", uri=uri)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -108,7 +116,9 @@ def parse_fill_value(value: Any, dtype: np.dtype, uri: str, zarr_format: int) ->
         if native.kind in "iu":
             if isinstance(value, str) and zarr_format == 2:  # v2 may store base64 bytes
                 raw = base64.standard_b64decode(value)
-                return np.frombuffer(raw, dtype=dtype)[:1].reshape(()).astype(native)
+                if len(raw) != dtype.itemsize:  # (one value's bytes: never the first of several, or a guess)
+                    raise ValueError(f"base64 of {len(raw)} bytes, not the {dtype.itemsize} of one value")
+                return np.frombuffer(raw, dtype=dtype).reshape(()).astype(native)
             if isinstance(value, float) and not value.is_integer():
                 raise MetadataError(f"{uri}: fill_value {value!r} is not an integer", uri=uri)
             if not isinstance(value, (int, float)):

@@ -8,10 +8,12 @@ placed and padded). Per run of rows of one coding (a piece of at most
 :data:`PIECE_ELEMENTS` at a time): values equal to a fill become NaN (compared in the batch's float dtype,
 exact for 8- and 16-bit integer and float32 sources), and ``x * scale_factor + add_offset`` is computed in
 float64 and rounded once to the batch's dtype, as xarray computes it (the attributes of a Zarr array are
-float64), so a float32 batch equals xarray's values cast to float32 (in ``CFCoding.arithmetic``: a float32
+float64; a finite result past the batch's dtype is refused, never inf: :meth:`RowDecode.error`), so a float32 batch equals xarray's values cast to float32 (in ``CFCoding.arithmetic``: a float32
 or float16 variable whose fills are all NaN is scaled in its own dtype, as xarray does). Packed arrays whose stored values float32
 does not hold (:func:`needs_float64`) are decoded in float64 work slots (the CPU executor's) and rounded into the
-output after (:func:`round_into`), else refused (:func:`check_output`).
+output after (:func:`~stoker.engine.rounding.round_into`), else refused (:func:`check_output`); so are arrays
+of such dtypes with fills (:func:`masks_wide`: their fills compared exactly) on the CPU executor. The other
+executors compare those in float32 (a value within one float32 rounding of a fill is masked too).
 
 >>> decode = row_decoder(plan, cf=True)     # None: nothing to decode in this batch
 >>> decode(batch)                           # in place
@@ -25,8 +27,8 @@ import numpy as np
 import torch
 
 from ...errors import DtypeMismatch
-from ..cast import OVERFLOW_AT
 from ...reader.array import ArrayReader
+from ..rounding import RoundingProbe, fits, value_bound
 from ...reader.coords import coding
 from ...sampling.sample import parts
 from ...zarr.cf import CFCoding
@@ -37,20 +39,36 @@ _ARITHMETIC = {"float64": torch.float64, "float32": torch.float32, "float16": to
 
 
 class RowDecode:
-    """The CF decoding of one batch: ``runs`` of consecutive rows ``[start, stop)`` of one coding."""
+    """The CF decoding of one batch: ``runs`` of consecutive rows ``[start, stop)`` of one coding, each with the
+    bound of its decoded values (:func:`~stoker.engine.rounding.value_bound`: a run whose values the batch's
+    dtype holds is not checked)."""
 
-    def __init__(self, runs: list[tuple[int, int, CFCoding]], channels: int | None) -> None:
+    def __init__(self, runs: list[tuple[int, int, CFCoding, float]], channels: int | None) -> None:
         self.runs = runs
         self.channels = channels
+        self.probes: list[RoundingProbe] = []  # the last call's checks of its float64 results' rounding
 
     def __call__(self, out: torch.Tensor) -> torch.Tensor:
         flat = out.flatten(0, 1) if self.channels is not None else out
         rows = flat.view(flat.shape[0], -1)  # a view: the slot is contiguous
         per_piece = max(1, PIECE_ELEMENTS // max(1, rows.shape[1]))
-        for start, stop, code in self.runs:
+        self.probes = []
+        for start, stop, code, bound in self.runs:
             for a in range(start, min(stop, rows.shape[0]), per_piece):
-                decode_(rows[a:min(stop, a + per_piece)], code)
+                probe = decode_(rows[a:min(stop, a + per_piece)], code, a, bound)
+                if probe is not None:
+                    self.probes.append(probe)
         return out
+
+    def error(self, plan) -> DtypeMismatch | None:
+        """The DtypeMismatch of the first value the last call decoded finite, in float64, and its batch's dtype
+        holds as inf (past float32's largest: an int16 of 30000 with scale_factor 1e35), else None. On a device,
+        read it only once the stream is past the decoding (the batch's event)."""
+        for probe in self.probes:
+            error = probe.error(plan)
+            if error is not None:
+                return error
+        return None
 
     def then(self, transform):
         """This decoding, then ``transform`` (None: nothing), as one transform, keyed (it passes a batch's keys
@@ -68,9 +86,12 @@ class RowDecode:
         return DecodeThen()
 
 
-def decode_(v: torch.Tensor, code: CFCoding) -> None:
-    """Decode ``v`` (floating) in place."""
-    mask = None
+def decode_(v: torch.Tensor, code: CFCoding, first_row: int = 0, bound: float = float("inf")) -> RoundingProbe | None:
+    """Decode ``v`` (floating; rows from the batch's ``first_row``) in place; the check of its rounding from
+    the float64 arithmetic (:class:`~stoker.engine.rounding.RoundingProbe`: read it after the decoding) when
+    there is one: none when ``v``'s dtype holds every value of magnitude ``bound`` (the decoded values'
+    :func:`~stoker.engine.rounding.value_bound`; inf: unknown), as for int16 packed with scale_factor 0.01."""
+    mask, t = None, None
     for fill in code.fills:
         hit = v == fill  # in v's dtype, as numpy compares an array with a Python float
         mask = hit if mask is None else mask | hit
@@ -86,6 +107,10 @@ def decode_(v: torch.Tensor, code: CFCoding) -> None:
         v.copy_(t)
     if mask is not None:
         v.masked_fill_(mask, float("nan"))
+    if t is not None and t.dtype != v.dtype and not fits(bound, v.dtype):  # a finite float64 result past v's
+        # dtype is inf there: checked (on a device, its reductions and the wait for them: only where it can be)
+        return RoundingProbe(v, t, None, first_row, "after CF decoding")  # (after the mask: NaN is no inf)
+    return None
 
 
 def row_decoder(sources: Sequence[ArrayReader], samples, channels: int | None, cf: bool) -> RowDecode | None:
@@ -96,16 +121,18 @@ def row_decoder(sources: Sequence[ArrayReader], samples, channels: int | None, c
     codes = [coding(r) for r in sources]
     if not any(c is not None for c in codes):
         return None
+    bounds = [value_bound(r.dtype, c) for r, c in zip(sources, codes)]
     order: dict[str, int] = {}
-    runs: list[tuple[int, int, CFCoding]] = []
+    runs: list[tuple[int, int, CFCoding, float]] = []
     for row, (uri, _) in enumerate(parts(samples)):
-        code = codes[order.setdefault(uri, len(order))]
+        at = order.setdefault(uri, len(order))
+        code, bound = codes[at], bounds[at]
         if code is None:
             continue
-        if runs and runs[-1][1] == row and runs[-1][2] == code:
-            runs[-1] = (runs[-1][0], row + 1, code)
+        if runs and runs[-1][1] == row and runs[-1][2] == code and runs[-1][3] == bound:
+            runs[-1] = (runs[-1][0], row + 1, code, bound)
         else:
-            runs.append((row, row + 1, code))
+            runs.append((row, row + 1, code, bound))
     return RowDecode(runs, channels)
 
 
@@ -121,41 +148,33 @@ def packed(reader: ArrayReader) -> bool:
     return code is not None and (code.scale is not None or code.offset is not None)
 
 
+def _wide(dt: np.dtype) -> bool:
+    """Whether float32 does not hold every value of ``dt`` (32- and 64-bit integers, float64)."""
+    return dt.kind in "iu" and dt.itemsize >= 4 or dt.kind == "f" and dt.itemsize > 4
+
+
 def needs_float64(reader: ArrayReader) -> bool:
     """True when ``reader``'s array is :func:`packed` and float32 does not hold its stored values exactly (32-
     and 64-bit integers, float64): it is decoded right only from the stored values, in float64."""
-    dt = reader.dtype
-    return (dt.kind in "iu" and dt.itemsize >= 4 or dt.kind == "f" and dt.itemsize > 4) and packed(reader)
+    return _wide(reader.dtype) and packed(reader)
 
 
-def round_into(dst: torch.Tensor, work: torch.Tensor, plan) -> None:
-    """``dst[...] = work``: a work slot's batch rounded once into the output (float64 into float16 as NumPy
-    casts it, into bfloat16 through float32: the cast rules of :mod:`~stoker.engine.cast`). A finite value
-    that the output would hold as inf (decoded, or transformed, past its largest) is a DtypeMismatch naming
-    ``plan``'s arrays, never an inf the data did not hold."""
-    if work.dtype == torch.float64 and dst.dtype == torch.float16:
-        np.copyto(dst.numpy(), work.numpy(), casting="unsafe")
-    elif work.dtype == torch.float64 and dst.dtype == torch.bfloat16:
-        dst.copy_(work.to(torch.float32))
-    else:
-        dst.copy_(work)
-    if dst.dtype not in OVERFLOW_AT or dst.dtype == work.dtype or not bool(torch.isinf(dst).any()):
-        return
-    past = torch.isinf(dst) & torch.isfinite(work)
-    if bool(past.any()):
-        values = work[past]
-        uris = sorted({r.uri for r in plan.sources})
-        raise DtypeMismatch(
-            f"{', '.join(uris[:3])}{' ...' if len(uris) > 3 else ''}: batch {plan.batch_id} holds values in "
-            f"[{values.min().item():g}, {values.max().item():g}] after CF decoding or the transform, past "
-            f"{dst.dtype}'s largest finite value {torch.finfo(dst.dtype).max:g}: the output would hold them as "
-            "inf; use Config(dtype='f32'), or a transform that keeps them in range", uri=uris[0])
+def masks_wide(reader: ArrayReader) -> bool:
+    """True when ``reader``'s array has fill values (``_FillValue``, ``missing_value``) and float32 does not hold
+    its stored values exactly: compared in float32, a value one rounding from a fill would be masked too (a
+    float64 -9999.0000001 next to the fill -9999.0), or a fill missed; float64 compares them as xarray does
+    (exactly, for integers up to 2**53), so the CPU executor decodes such arrays in float64 work slots."""
+    code = coding(reader)
+    return code is not None and bool(code.fills) and _wide(reader.dtype)
 
 
-def check_output(readers: Sequence[ArrayReader], dtype: torch.dtype, work: torch.dtype, cf: bool) -> None:
+def check_output(readers: Sequence[ArrayReader], dtype: torch.dtype, work: torch.dtype, cf: bool,
+                 exact: bool = False) -> None:
     """DtypeMismatch when arrays with CF attributes would be read into a batch that cannot hold decoded values
     (an integer dtype: ``dtype='native'`` of an integer array), or decoded in a 16-bit ``work`` dtype, or a
-    packed array float32 does not hold exactly (:func:`needs_float64`) decoded in a float32 one."""
+    packed array float32 does not hold exactly (:func:`needs_float64`) decoded in a float32 one; ``exact``
+    (an executor with float64 work slots, whose first batch read none of them): an array with fills float32
+    does not hold exactly (:func:`masks_wide`) too."""
     if not cf:
         return
     coded = [(r.uri, c) for r in readers if (c := coding(r)) is not None]
@@ -173,7 +192,14 @@ def check_output(readers: Sequence[ArrayReader], dtype: torch.dtype, work: torch
             "16-bit output is decoded in float32 work buffers when the pipeline's first batch reads such an array, "
             "and rounded once after); ask for Config(dtype='f32'), put such an array in the first batch, or read the "
             "stored values with Config(cf=False)", uri=uri, knob="cf")
-    wide = [r for r in readers if needs_float64(r)] if work.itemsize < 8 else []
+    wide = [r for r in readers if needs_float64(r) or exact and masks_wide(r)] if work.itemsize < 8 else []
+    if wide and not packed(wide[0]):
+        r = wide[0]
+        raise DtypeMismatch(
+            f"{r.uri}: its fill values ({coding(r).describe()}) are compared with its stored {r.dtype} values by "
+            f"xarray, but this batch would compare their {work} rounding, which masks values next to a fill too; "
+            "put such an array in the pipeline's first batch (the CPU executor then decodes in float64 work "
+            "slots), or read the stored values with Config(cf=False)", uri=r.uri, knob="cf")
     if wide:
         r = wide[0]
         raise DtypeMismatch(

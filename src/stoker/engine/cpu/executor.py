@@ -39,7 +39,8 @@ from ...reader.array import ArrayReader
 from ...storage import LocalStore
 from ...transforms import apply as apply_transform
 from ..buffers import Slot, SlotRing, TransientBudget, size_class
-from .cf import RowDecode, needs_float64, plan_decoder, round_into
+from .cf import RowDecode, masks_wide, needs_float64, plan_decoder
+from ..rounding import batch_bound, fits, round_into
 from .decode_native import NativeDecoder, SharedEngine, native_codec, scratch_need
 from .decode_python import PythonDecoder
 from ..executor import Delivery, Job, SlotsDelivery, Target
@@ -194,7 +195,7 @@ class CpuExecutor(SlotsDelivery):
         # one read group (a shard's coalesced inner chunks plus their decode scratch) reserves at most this
         self.group_limit = min(8 << 20, cfg.host_buffer_bytes // 16)
         self.cf_work = False  # the first batch reads arrays with CF attributes: decoded in float32 work slots
-        self.cf_wide = False  # ... and packed ones float32 does not hold exactly: float64 work slots (exact_cf)
+        self.cf_wide = False  # ... and packed or masked ones float32 does not hold exactly: float64 work slots
         self.engine_share: SharedEngine | None = None  # a lane's: the compiled engine of its pipeline's lanes
 
     def share_engine(self, shared: SharedEngine | None) -> SharedEngine:
@@ -262,7 +263,7 @@ class CpuExecutor(SlotsDelivery):
         from ...reader.coords import coding
 
         self.cf_work = self.cfg.cf and any(coding(r) is not None for r in readers)
-        self.cf_wide = self.exact_cf and self.cf_work and any(needs_float64(r) for r in readers)
+        self.cf_wide = self.exact_cf and self.cf_work and any(needs_float64(r) or masks_wide(r) for r in readers)
         # The largest single reservation of the Python path: one read group, or one chunk's encoded bytes
         # (at most its decoded size plus codec overhead for what we read) and its decode scratch.
         chunk = max(size_class(r.metadata.codec.nbytes) for r in readers)
@@ -363,11 +364,17 @@ class CpuExecutor(SlotsDelivery):
         t0 = time.perf_counter()
         if decode is not None:
             decode(target.out)
+            error = decode.error(job.plan)  # a finite decoded value past float32: never an inf
+            if error is not None:
+                raise error
         if self.cfg.transform is not None:
             apply_transform(self.cfg.transform, target.out, job.plan.keys)
         if target.host_slot is not target.slot:
             work = target.out
-            round_into(target.slot.tensor[: work.shape[0]], work, job.plan)  # the one rounding to the output
+            out = target.slot.tensor[: work.shape[0]]
+            # the one rounding to the output, checked unless no value can be past it (no transform: bounded)
+            checked = self.cfg.transform is not None or not fits(batch_bound(job.plan.sources, self.cfg.cf), out.dtype)
+            round_into(out, work, job.plan, checked)
             job.out = job.out_np = target.out = None  # no view may keep the work slot from its next batch
             self.host_slots.release(target.host_slot)
             target.host_slot = None

@@ -10,7 +10,9 @@ dedicated non-blocking stream:
 2. the host-to-device copy (into a device staging buffer when a cast follows);
 3. the cast into the device slot, in the output dtype; with ``Config.transform`` and a
    16-bit float output, into a float32 device *work* buffer instead, where the transform
-   runs, then one cast into the device slot (:meth:`~.cpu.CpuExecutor.work_dtype`);
+   runs, then one cast into the device slot (:meth:`~.cpu.CpuExecutor.work_dtype`), checked
+   (:class:`~stoker.engine.rounding.RoundingProbe`: a finite value it makes inf fails the batch with the CPU
+   path's DtypeMismatch, read by the compute thread once the batch's event is done);
 4. an event, which the consumer's stream waits on when it imports the batch through DLPack.
 
 The host slot goes back to its ring fenced by an event recorded right after the copy, so it
@@ -50,11 +52,12 @@ from ...transforms import apply as apply_transform
 from ..allocate import allocate
 from ..cast import staging_dtype
 from ..buffers import Slot, SlotRing, pinned_footprint
-from ..cpu.cf import plan_decoder
+from ..cpu.cf import RowDecode, plan_decoder
 from ..cpu.executor import CpuExecutor, take_slot
 from ..executor import Delivery, Job, Target
 from ..gpu import streams as streams_mod
 from ..gpu.streams import CudaStreams, HostStreams
+from ..rounding import RoundingProbe, batch_bound, fits
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -106,12 +109,15 @@ class CudaTransfer:
 
     def issue(self, host: torch.Tensor, slot: Slot, transform: Callable | None = None,
               copied: Callable[[torch.cuda.Event], None] | None = None,
-              keys: Any = None) -> tuple[torch.cuda.Event, float]:
+              keys: Any = None, channels: int | None = None,
+              rounded: Callable[[RoundingProbe], None] | None = None) -> tuple[torch.cuda.Event, float]:
         """Enqueue ``host`` (pinned, ``(rows, *sample_shape)``) into ``slot``, then ``transform`` on it (on the
         side stream, after the cast: in the work buffer when there is one, cast into ``slot`` after it;
         ``keys``, the samples' keys, for a transform that takes them).
-        ``copied(event)`` runs once the copy is queued: ``host`` may be refilled after that event. Returns the
-        event after all of it, and the seconds the transform took to enqueue."""
+        ``copied(event)`` runs once the copy is queued: ``host`` may be refilled after that event. ``rounded(probe)``
+        gets the check of the rounding from the work buffer (:class:`~stoker.engine.rounding.RoundingProbe`, of
+        ``channels`` per sample; read it after the event), when there is one. Returns the event after all of it,
+        and the seconds the transform took to enqueue."""
         rows = host.shape[0]
         out = slot.tensor[:rows]
         dest = self._work[:rows] if self._work is not None else out
@@ -144,6 +150,8 @@ class CudaTransfer:
                 transform_s = time.perf_counter() - t0
             if dest is not out:
                 out.copy_(dest)  # the one rounding to the 16-bit output, after the transform
+                if rounded is not None:
+                    rounded(RoundingProbe(out, dest, channels))
             event = b.record(self.stream)
         return event, transform_s
 
@@ -308,9 +316,11 @@ class CudaExecutor(CpuExecutor):
     def submit(self, plan: TablePlan, target: Target) -> Job:
         decode = plan_decoder(plan, self.cfg.cf)  # CF attributes, decoded on the device after the cast
         transform = self.cfg.transform if decode is None else decode.then(self.cfg.transform)
-        return self.decoders.submit(plan, target.out, then=lambda job: self._to_device(target, job, transform))
+        return self.decoders.submit(plan, target.out,
+                                    then=lambda job: self._to_device(target, job, transform, decode))
 
-    def _to_device(self, target: Target, job: Job, transform: Callable | None = None) -> None:
+    def _to_device(self, target: Target, job: Job, transform: Callable | None = None,
+                   decode: RowDecode | None = None) -> None:
         """The job's completion hook: enqueue copy, cast, CF decoding and transform, free the host slot behind
         the copy."""
         t0 = time.perf_counter()
@@ -322,12 +332,43 @@ class CudaExecutor(CpuExecutor):
             self.host_slots.release(target.host_slot, ready_after=read)
             target.host_slot = None
 
+        probes: list[RoundingProbe] = []
+        # the rounding from the work buffer is checked unless no value can be past the output: without a
+        # transform, the stored values CF-decoded (bounded), so this thread need not wait for the batch's event
+        bounded = self.cfg.transform is None and fits(batch_bound(job.plan.sources, self.cfg.cf), self.slots.dtype)
         target.event, transform_s = self.transfer.issue(host, target.slot, transform, copied=release_host,
-                                                        keys=job.plan.keys)
+                                                        keys=job.plan.keys, channels=job.plan.channels,
+                                                        rounded=None if bounded else probes.append)
         if transform is not None:
             self.stats.stage("transform", transform_s)  # enqueueing it: the kernels run on the side stream
         self.stats.stage("transfer", time.perf_counter() - t0 - transform_s, bytes_in=nbytes)
         job.count(bytes_to_device=nbytes)
+        checks: list[Any] = ([decode] if decode is not None and decode.probes else []) + probes
+        if checks:
+            self._check_rounding(target, job, checks)
+
+    def _check_rounding(self, target: Target, job: Job, checks: list[Any]) -> None:
+        """The DtypeMismatch of a value that the rounding from the work buffer made inf, or the CF decoding's from
+        float64 (``checks``, each with ``.error(plan)``), raised (the job's error) once the batch's event is done:
+        this compute thread waits for the copy, the decoding, the transform and the rounding of its batch (only
+        a transformed 16-bit batch, or an array whose decoded values' bound passes the output, has such checks:
+        :func:`~stoker.engine.rounding.fits`), until the close or
+        :data:`~stoker.engine.gpu.nvcomp.CHECK_WAIT_S` (then a DeviceError)."""
+        from ..gpu.nvcomp import CHECK_WAIT_S
+
+        transfer = self.transfer
+        done = transfer._backend.done
+        streams_mod.poll([target.event], lambda e: transfer._closed or done(e), time.monotonic() + CHECK_WAIT_S,
+                         max_pause=0.001, what="the batch's rounding")  # (a batch waits 1 ms at most after)
+        if not done(target.event):
+            if transfer._closed:
+                raise pipeline_closed()
+            raise DeviceError(f"batch {job.plan.batch_id}: its copy, CF decoding and transform did not finish "
+                              f"on {self.device} within {CHECK_WAIT_S:g} s (a hung device: restart the process)")
+        for check in checks:
+            error = check.error(job.plan)
+            if error is not None:
+                raise error
 
     def deliver(self, target: Target, rows: int) -> Delivery:
         view, release, _, _ = super().deliver(target, rows)

@@ -26,7 +26,9 @@ decode takes the chunks of several lookahead batches, each batch's part parsed, 
 The decoded sizes of a wave (reading them waits for its decode) are checked once the next wave's decode
 and placement are queued, or once nothing waits to be queued, always before a batch it holds is finished (a
 damaged stream fails only the batch holding it): that wait is the only one the host makes for the device
-in steady state, and it has a limit (nvCOMP's check waits for the decode to start, which its stream's waits
+in steady state (a batch whose 16-bit rounding or CF decoding is checked, :mod:`~stoker.engine.rounding`, is
+finished once its event is done, looked at between waves and waited for only when nothing is left to queue:
+:meth:`GpuDecodeExecutor._finish_ready`), and it has a limit (nvCOMP's check waits for the decode to start, which its stream's waits
 may hold back behind the consumer's stream, until the close, then :data:`.nvcomp.CHECK_WAIT_S` for it to
 finish, then fails the wave's batches with DeviceError; the close ends it, through the decoder's
 ``cancelled``). A staging buffer is read into
@@ -105,6 +107,7 @@ from .layout import layout_of
 from .ops import upload
 from ..planning.padding import fill_padding
 from ..cpu.cf import RowDecode, plan_decoder
+from ..rounding import RoundingProbe, batch_bound, fits
 from .sources import CPU, Described, Source, aligned, device_casts
 from .staging import Group, Pending, Stager, plan_reads
 from . import streams as streams_mod
@@ -126,6 +129,9 @@ GROUP_BYTES = 64 << 20
 #: threads that read a group's chunks into the staging (at most; no more than the compute threads)
 READ_THREADS = 4
 _HALF = (torch.bfloat16, torch.float16)
+#: the longest pause between looks at a batch's event before its rounding's check is read, while the submitter
+#: has nothing to queue (the batch waits that long at most after its work is done)
+ROUNDING_PAUSE_S = 0.001
 _COUNTS = ("bytes_read", "bytes_decoded", "chunks_decoded", "bytes_to_device")
 
 
@@ -174,6 +180,10 @@ class GpuDecodeExecutor(SlotsDelivery):
         self._ending: list = []  # the reader's: ends of batches whose last chunks are in the open wave
         self._last: tuple | None = None  # the submitter's: (deferred checks, members) of the last wave decoded
         self._finishing: list = []  # the submitter's: batches ended, finished once the last wave is checked
+        # the submitter's, after that: batches whose rounding checks wait for their event, and the ones behind
+        # them, finished in order as their events are done (_finish_ready), never waited for while there is
+        # work to queue
+        self._rounding: deque[_Batch] = deque()
         #: the last waves handed to the submitter: (batches, staged bytes, decoded bytes) each
         self.waves: deque[tuple[int, int, int]] = deque(maxlen=256)
         # waves, batch starts and ends, for the submitter: unbounded, as the two staging buffers bound the waves
@@ -691,19 +701,29 @@ class GpuDecodeExecutor(SlotsDelivery):
         gil.enroll()
         try:
             self._submit_loop()
-        finally:  # batches ended but not finished: their wave checked now (its decode waited for)
-            if self._finishing:
+        finally:  # batches ended but not finished: their wave checked now (its decode waited for), then their
+            if self._finishing or self._rounding:  # events (each to its limit, or the close)
                 with self._on_device(), self._on_stream():
-                    self._check_wave()
+                    if self._finishing:
+                        self._check_wave()
+                    self._finish_ready(wait=True)
 
     def _submit_loop(self) -> None:
         while True:
-            try:  # with batches waiting for their wave's check, nothing waits: that check runs when idle
-                msg = self._staged.get_nowait() if self._finishing else gil.released(self._staged.get, timeout=0.1)
+            if self._rounding:  # the batches whose events are done, in order: no wait
+                with self._on_device(), self._on_stream():
+                    self._finish_ready()
+            try:  # with batches waiting for their wave's check, nothing waits: that check runs when idle; with
+                # batches waiting for their events, a pause at a time
+                msg = (self._staged.get_nowait() if self._finishing
+                       else gil.released(self._staged.get, timeout=ROUNDING_PAUSE_S if self._rounding else 0.1))
             except queue.Empty:
                 if self._finishing:  # nothing to queue after it: the wave's decode is waited for now
                     with self._on_device(), self._on_stream():
                         self._check_wave()
+                    continue
+                if self._rounding:  # nothing to queue: the first one's event is waited for, to its limit
+                    self._rounding[0].wait_from_now()
                     continue
                 if not self._reader.is_alive() and self._staged.empty():
                     return
@@ -720,6 +740,7 @@ class GpuDecodeExecutor(SlotsDelivery):
                 elif kind == "start":
                     if b.target.before is not None and self._finishing:  # before its wait (the hybrid's host
                         self._check_wave()  # part): the batches whose wave was queued last are finished first
+                        # (those waiting for their events then finish during that wait: idle())
                     try:
                         self._begin(b)
                     except BaseException as exc:  # noqa: BLE001
@@ -740,10 +761,76 @@ class GpuDecodeExecutor(SlotsDelivery):
             del msg, b, data
 
     def _finish(self, b: "_Batch") -> None:
+        """The batch's job finished, now or, when its rounding checks wait for its event (or a batch before it
+        waits), once that is done (:meth:`_finish_ready`): the jobs finish in this order."""
+        self._rounding.append(b)
+        self._finish_ready()
+
+    def _finish_ready(self, wait: bool = False) -> None:
+        """Finish the batches waiting in :attr:`_rounding`, in order, as far as each one's checks can be read now
+        (its event done, or nothing to read) or its wait is past its limit (:meth:`_Batch.wait_from_now`);
+        ``wait``: each waited for (to its limit, or the close)."""
+        while self._rounding:
+            b = self._rounding[0]
+            if not (wait or self._readable(b) or b.wait_until is not None and time.monotonic() >= b.wait_until):
+                return
+            self._rounding.popleft()
+            self._complete(b)
+
+    def idle(self) -> float:
+        """For a wait on the submitter's thread (the hybrid's ``before`` hook, for its host part): the batches
+        whose events are done are finished, the first waiting one's limit runs from now; returns the pause to
+        wait before calling again (short while one waits for its event)."""
+        if not self._rounding:
+            return 0.1
+        self._rounding[0].wait_from_now()
+        with self._on_device(), self._on_stream():
+            self._finish_ready()
+        return ROUNDING_PAUSE_S if self._rounding else 0.1
+
+    def _readable(self, b: "_Batch") -> bool:
+        """Whether ``b``'s job can be finished without a wait: no rounding check to read (or an error before
+        it), its event done, or the close (which fails it)."""
+        if not b.checks or self._closing or b.error or b.end_error or b.reader_error:
+            return True
+        try:
+            return bool(self._backend.done(b.target.event))
+        except Exception:  # noqa: BLE001 - a device fault: the look again in _rounded, the batch's error
+            return True
+
+    def _complete(self, b: "_Batch") -> None:
         """The batch's job finished: its chunks in place and its end queued, or its first error (a damaged
         chunk's before the transform's, which saw the damage)."""
-        b.job.finish(_units(b.plan, b.target), b.error or b.end_error or b.reader_error, **b.counts)
+        error = b.error or b.end_error or b.reader_error
+        if error is None and b.checks:
+            error = self._rounded(b)
+        b.job.finish(_units(b.plan, b.target), error, **b.counts)
         self.stats.charge_thread()
+
+    def _rounded(self, b: "_Batch") -> BaseException | None:
+        """The DtypeMismatch of a value of ``b``'s work buffer that its 16-bit rounding made inf, or that its CF
+        decoding made inf in float32 (None: none; ``b.checks``), read once the batch's event is done: it is
+        queued right after the batch's last chunks, whose wave's check waited for their decode already, so this
+        is their placement, the CF decoding and the transform. The submitter looks at that event between the
+        waves it queues, and waits for it only when it has nothing to queue (:meth:`_finish_ready`): at most
+        :data:`.nvcomp.CHECK_WAIT_S` from its first such wait (then a DeviceError, as for a wave's check), or
+        until the close."""
+        from .nvcomp import CHECK_WAIT_S
+
+        checks, b.checks = b.checks, []
+        deadline = b.wait_until if b.wait_until is not None else time.monotonic() + CHECK_WAIT_S
+        try:  # (the close ends the wait: the consumer is gone)
+            streams_mod.poll([b.target.event], lambda e: self._closing or self._backend.done(e),
+                             deadline, max_pause=ROUNDING_PAUSE_S, what="the batch's rounding")
+            if not self._backend.done(b.target.event):
+                return pipeline_closed() if self._closing else DeviceError(
+                    f"batch {b.plan.batch_id}: its last steps (placement, CF decoding, transform) did not finish on "
+                    f"{self.device} within {CHECK_WAIT_S:g} s (a hung device: restart the process)")
+        except DeviceError as exc:  # a device fault: this batch's error
+            return exc
+        except RuntimeError as exc:
+            return streams_mod.device_failed("the batch's rounding", exc)
+        return next((e for e in (c.error(b.plan) for c in checks) if e is not None), None)
 
     def _begin(self, b: "_Batch") -> None:
         """The stream waits for what the slot's previous batch asked its next writer to wait for."""
@@ -781,7 +868,13 @@ class GpuDecodeExecutor(SlotsDelivery):
                 apply_transform(self.cfg.transform, b.batch, b.plan.keys)
             self.stats.stage("transform", time.perf_counter() - t0)
         if self._work is not None:
-            b.target.slot.tensor[:b.plan.rows].copy_(self._work[:b.plan.rows])  # the one rounding to 16 bits
+            out, work = b.target.slot.tensor[:b.plan.rows], self._work[:b.plan.rows]
+            out.copy_(work)  # the one rounding to 16 bits, checked once its event is done (_finish), unless
+            # no value can be past the output: without a transform, the stored values CF-decoded (bounded)
+            if self.cfg.transform is not None or not fits(batch_bound(b.plan.sources, self.cfg.cf), out.dtype):
+                b.checks.append(RoundingProbe(out, work, b.plan.channels))
+        if b.decode is not None and b.decode.probes:  # (its float64 results' rounding, read at _finish too)
+            b.checks.insert(0, b.decode)
         b.target.event = self._event()
 
     def _checks_pending(self, b: "_Batch") -> bool:
@@ -995,9 +1088,22 @@ class _Batch:
         self.error: BaseException | None = None  # a decode, placement or check error (the submitter's)
         self.end_error: BaseException | None = None  # an error of its fills, CF decoding or transform
         self.reader_error: BaseException | None = None  # the reader's (a read, the plan's sources...)
+        # the checks of its roundings (CF decoding's from float64, the work buffer's to 16 bits: _end), each with
+        # .error(plan), read once its event is done (_finish)
+        self.checks: list[Any] = []
+        self.wait_until: float | None = None  # when the submitter's wait for its event ends (its first + limit)
         self.counts = dict.fromkeys(_COUNTS, 0)
         #: the buffers written to make it, as the streams' backend names them: its slot (and the work buffer)
         self.writes = [("slot", target.slot.index)] + ([("work", None)] if ex._work is not None else [])
+
+
+    def wait_from_now(self) -> None:
+        """The submitter waits for this batch's event from now on (it has nothing to queue), to
+        :data:`.nvcomp.CHECK_WAIT_S` from its first such wait."""
+        from .nvcomp import CHECK_WAIT_S
+
+        if self.wait_until is None:
+            self.wait_until = time.monotonic() + CHECK_WAIT_S
 
 
 class _Wave:

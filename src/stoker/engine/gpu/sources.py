@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ...zarr.grid import c_strides
-from ...errors import DtypeMismatch
+from ...errors import DtypeMismatch, NotYetSupported
 from ..cast import fill_value_as, torch_dtype_of, unfit_range
 
 ZSTD, BLOSC, CPU = 1, 2, 3  # how a source's chunks are decoded
@@ -72,6 +72,11 @@ class Source:
 def describe(reader, work: torch.dtype) -> Source:
     """How ``reader``'s chunks are decoded into a ``work`` batch (on the host: nothing touches the device)."""
     codec = reader.metadata.codec
+    if work.itemsize not in _CARRIERS:  # (complex128 'native': its elements are moved as one integer each)
+        raise NotYetSupported(
+            f"{reader.uri}: its {codec.dtype} elements ({work.itemsize} bytes) are not placed by the GPU decode, "
+            "which moves elements of 1, 2, 4 and 8 bytes; use Config(decode_on='cpu') for this array, or store "
+            "its real and imaginary parts as separate arrays", uri=reader.uri, knob="decode_on")
     how, why = CPU, None
     if not codec.plain:
         why = "filters, another byte order or axis order"

@@ -306,15 +306,18 @@ class HybridExecutor:
 
     def _land(self, parts: _Parts, batch: torch.Tensor) -> None:
         """The GPU part's ``before`` hook, on its thread and stream, before it writes any chunk: wait for the
-        CPU part (checking shutdown), then queue the host part's copy into ``batch``; the host slot goes
-        back once the copy has read it."""
+        CPU part (checking shutdown; meanwhile the GPU part finishes the batches whose rounding checks wait
+        for their events: :meth:`~stoker.engine.gpu.executor.GpuDecodeExecutor.idle`), then queue the host
+        part's copy into ``batch``; the host slot goes back once the copy has read it."""
         t0 = parts.gpu_begun = time.perf_counter()
         cpu_job = parts.cpu_job
         if cpu_job is None:
             return
-        while not cpu_job.wait(0.1):
+        pause = 0.0  # (while it waits, the GPU part's batches before it finish as their events are done: idle)
+        while not cpu_job.wait(pause):
             if self._closing:
                 raise pipeline_closed()
+            pause = self.gpu.idle()
         parts.blocked = time.perf_counter() - t0
         if cpu_job.error is not None:
             raise cpu_job.error  # (the batch failed with it already: cpu_job.on_cancel)

@@ -575,7 +575,7 @@ class Coordinator:
                     f"decoded by this executor ({type(executor).__name__}) yet; decode on the CPU "
                     "(Config(decode_on='cpu')), or read the stored values with Config(cf=False)", knob="cf")
             return
-        check_output(readers, dtype, executor.work_dtype(dtype), True)
+        check_output(readers, dtype, executor.work_dtype(dtype), True, getattr(executor, "exact_cf", False))
 
     def _batch_dtype(self, readers: list[ArrayReader], requested: Any = _CONFIG, executor: Executor | None = None,
                      key: tuple = ()) -> torch.dtype:
