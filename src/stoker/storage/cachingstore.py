@@ -975,31 +975,9 @@ class CachingStore:
         second epoch reads from disk, so an entry found, or written here (:meth:`_keep`), is kept with its
         generation (:data:`ENTRY_FILES_KEPT` at most): asked again at that generation, only whether it is
         queued for writing (not on disk yet: None) is asked anew."""
-        now = time.monotonic()
-        staleness = self.staleness_s
-        if self.cache.losses != self._losses:  # entries may be gone since they were remembered
-            self._unmade()
-        made, queued, uri = self._entry_files, self.cache.queued, self.uri
-        wanted = [(k, None, None) for k in keys] + [(r.key, r.start, r.length) for r in requests]
-        with self._lock:
-            known = [self._known.get(key) for key, _, _ in wanted]
-        out: list = []
-        for (key, start, length), got in zip(wanted, known):
-            if got is None or got[0] is _UNCACHED or now - got[1] >= staleness:
-                out.append(None)
-                continue
-            kept = made.get((key, start, length))
-            if kept is not None and kept[0] == got[0]:  # made for this generation: only the queue asked
-                out.append(None if queued(kept[1]) else kept[2])
-                continue
-            ident = _ident(uri, key, start, length, got[0])
-            entry = self.cache.entry_file(ident)
-            if entry is not None and not os.path.exists(entry[0]):  # never kept (or evicted): to fetch
-                entry = None
-            if entry is not None:
-                self._made(key, start, length, got[0], ident, entry)
-            out.append(entry)
-        return out
+        queued = self.cache.queued
+        return [None if found is None or found[3] is not None and queued(found[3]) else found[0]
+                for found in self._entries_known(keys, requests)]
 
     def entry_rows(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> list:
         """As :meth:`entry_files`, with what a table of entries keeps (the compiled decoder's,
@@ -1010,6 +988,14 @@ class CachingStore:
         ``until``: as :meth:`known_until`. Else None. No request; a ``stat`` for an entry neither made nor
         found before. What a decoder asks of the chunks a fetch brought (their entries just queued), so the
         next epoch finds them in its table, not here."""
+        return [None if found is None else (*found[0], found[1], found[2])
+                for found in self._entries_known(keys, requests)]
+
+    def _entries_known(self, keys: Sequence[str], requests: Sequence[ByteRange]) -> list:
+        """What :meth:`entry_files` and :meth:`entry_rows` answer from: for the whole values of ``keys``, then
+        the ranges ``requests``, ``(entry, until, ticket, ident)`` where the object's generation is known now
+        and its entry was made here (``ident``: the entry's, whose write may still be queued; ``ticket`` its
+        write's) or is found on disk (``ident`` None, ``ticket`` 0), else None."""
         now = time.monotonic()
         staleness = self.staleness_s
         if self.cache.losses != self._losses:  # entries may be gone since they were remembered
@@ -1023,9 +1009,10 @@ class CachingStore:
             if got is None or got[0] is _UNCACHED or now - got[1] >= staleness:
                 out.append(None)
                 continue
+            until = got[1] + staleness
             kept = made.get((key, start, length))
             if kept is not None and kept[0] == got[0]:  # made (or found) for this generation
-                out.append((*kept[2], got[1] + staleness, kept[3]))
+                out.append((kept[2], until, kept[3], kept[1]))
                 continue
             ident = _ident(uri, key, start, length, got[0])
             entry = self.cache.entry_file(ident)
@@ -1033,7 +1020,7 @@ class CachingStore:
                 entry = None
             if entry is not None:
                 self._made(key, start, length, got[0], ident, entry)
-                out.append((*entry, got[1] + staleness, 0))
+                out.append((entry, until, 0, None))
             else:
                 out.append(None)
         return out
